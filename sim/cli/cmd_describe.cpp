@@ -1,0 +1,182 @@
+// dtsim describe: parameters, FLOPs per token and a per-layer table of one model.
+#include <fmt/format.h>
+
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "sim/cli/commands.hpp"
+#include "sim/cli/options.hpp"
+#include "sim/common/error.hpp"
+#include "sim/common/units.hpp"
+#include "sim/model/model_graph.hpp"
+#include "sim/report/table.hpp"
+
+namespace dtsim::cli {
+
+namespace {
+
+using nlohmann::json;
+
+std::string architecture(const model::ModelSpec& m) {
+  std::string s = fmt::format("{} layers, hidden {}, {} heads", m.layers, m.hidden, m.heads);
+  if (m.kv_heads != m.heads) s += fmt::format(" ({} KV heads)", m.kv_heads);
+  s += fmt::format(", head dim {}, ", m.head_dim);
+  if (m.moe) {
+    s += fmt::format("MoE {} experts top-{} of {} FFN {}, ", m.moe->experts, m.moe->top_k,
+                     to_string(m.activation), m.moe->expert_ffn_hidden);
+  } else {
+    s += fmt::format("{} FFN {}, ", to_string(m.activation), m.ffn_hidden);
+  }
+  s += fmt::format("vocab {}, {}, {} positions (max {}), {} embeddings", m.vocab,
+                   to_string(m.norm), to_string(m.positions), m.max_positions,
+                   m.tied_embeddings ? "tied" : "untied");
+  if (m.dropout) s += ", dropout";
+  return s;
+}
+
+// Row label for layer groups: -1 embedding, L head, else block index.
+std::string group_name(int layer, std::int64_t layers) {
+  if (layer < 0) return "embedding";
+  if (layer == layers) return "head";
+  return fmt::format("{}", layer);
+}
+
+}  // namespace
+
+int cmd_describe(const std::vector<std::string>& args) {
+  po::options_description desc("dtsim describe options");
+  desc.add_options()("help,h", "show this help");
+  add_model_options(desc, /*with_cluster=*/false);
+  desc.add_options()("seq-len", po::value<std::int64_t>(),
+                     "sequence length for FLOPs and activations (default: the model's)")(
+      "json", po::bool_switch(), "print JSON instead of tables");
+  po::variables_map vm;
+  if (!parse(args, desc,
+             "usage: dtsim describe --model M [--seq-len S] [--json]\n\n"
+             "Parameters, training FLOPs per token and a per-layer table (parameters, forward "
+             "FLOPs, saved activations) of a model.",
+             vm)) {
+    return 0;
+  }
+  const model::ModelSpec spec = model_from_options(vm);
+  std::int64_t seq = spec.seq_len;
+  if (vm.count("seq-len")) {
+    seq = vm["seq-len"].as<std::int64_t>();
+    if (seq < 1 || seq > spec.max_positions) {
+      throw InputError(fmt::format("--seq-len: expected 1..{} (max_positions of {}), got {}",
+                                   spec.max_positions, spec.name, seq));
+    }
+  }
+  // One sequence: per-token figures divide by seq.
+  const model::ModelGraph graph(spec, 1, seq);
+  const model::GraphTotals totals = graph.totals();
+  const double tokens = static_cast<double>(seq);
+  const double fwd_per_token = totals.fwd_flops / tokens;
+  const double train_per_token = (totals.fwd_flops + totals.bwd_flops) / tokens;
+
+  std::uint64_t embedding_params = graph.layer_totals(-1).params;
+  std::uint64_t head_params = graph.layer_totals(static_cast<int>(spec.layers)).params;
+  const std::uint64_t block_params = totals.params - embedding_params - head_params;
+
+  if (vm["json"].as<bool>()) {
+    json out = {{"name", spec.name},
+                {"description", spec.description},
+                {"source", spec.source},
+                {"params", totals.params},
+                {"params_breakdown",
+                 {{"embedding", embedding_params},
+                  {"blocks", block_params},
+                  {"head", head_params}}},
+                {"seq_len", seq},
+                {"fwd_flops_per_token", fwd_per_token},
+                {"flops_per_token", train_per_token},
+                {"flops_per_token_note",
+                 "training (forward + backward) matrix-multiply FLOPs per token, 2 FLOPs per "
+                 "multiply-add, dense attention, no recompute"}};
+    if (spec.published_params) {
+      out["published_params"] = *spec.published_params;
+      out["published_params_precision"] = spec.published_params_precision;
+      out["published_params_source"] = spec.published_params_source;
+    }
+    if (spec.is_megatron_gpt()) {
+      out["megatron_flops_per_token"] = model::megatron_train_flops_per_token(spec, seq, false);
+      out["megatron_flops_per_token_full_recompute"] =
+          model::megatron_train_flops_per_token(spec, seq, true);
+    }
+    json layers = json::array();
+    for (int l = -1; l <= spec.layers; ++l) {
+      const model::GraphTotals t = graph.layer_totals(l);
+      json ops = json::array();
+      for (model::OpId id : graph.layer_ops(l)) {
+        const model::Op& op = graph.op(id);
+        ops.push_back({{"name", op.name},
+                       {"kind", to_string(op.kind)},
+                       {"params", op.params},
+                       {"fwd_flops_per_token", op.fwd_flops / tokens},
+                       {"bwd_flops_per_token", (op.bwd_input_flops + op.bwd_weight_flops) / tokens},
+                       {"saved_bytes_per_sequence", op.saved_bytes}});
+      }
+      layers.push_back({{"layer", group_name(l, spec.layers)},
+                        {"params", t.params},
+                        {"fwd_flops_per_token", t.fwd_flops / tokens},
+                        {"saved_bytes_per_sequence", t.saved_bytes},
+                        {"ops", ops}});
+    }
+    out["layers"] = layers;
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+
+  std::cout << fmt::format("model {}: {}\n", spec.name, spec.description);
+  std::cout << fmt::format("source: {}\n", spec.source);
+  std::cout << fmt::format("architecture: {}\n\n", architecture(spec));
+  std::cout << fmt::format("parameters: {} ({})\n", format_count(totals.params),
+                           format_si(static_cast<double>(totals.params)));
+  if (spec.published_params) {
+    const auto p = spec.published_params_precision;
+    const bool match = model::matches_published_params(spec, totals.params);
+    std::cout << fmt::format("  published: {}{} — {} ({})\n", format_count(*spec.published_params),
+                             p == 1 ? "" : fmt::format(" (rounded to {})", format_si(double(p))),
+                             match ? "matches" : "DIFFERS", spec.published_params_source);
+  }
+  std::cout << fmt::format("  embedding {}, {} blocks {}, head {}\n", format_count(embedding_params),
+                           spec.layers, format_count(block_params), format_count(head_params));
+  std::cout << fmt::format("\ntraining FLOPs per token at seq_len {}: {} (forward {}; 6 x params = "
+                           "{})\n",
+                           seq, format_si(train_per_token), format_si(fwd_per_token),
+                           format_si(6.0 * static_cast<double>(totals.params)));
+  if (spec.is_megatron_gpt()) {
+    std::cout << fmt::format(
+        "  Megatron-LM formula 72·l·h²·(1 + s/6h + V/12lh): {}; with full recompute (Eq. 3, "
+        "96·l·h²·(...)): {}\n",
+        format_si(model::megatron_train_flops_per_token(spec, seq, false)),
+        format_si(model::megatron_train_flops_per_token(spec, seq, true)));
+  }
+  std::cout << "  (2 FLOPs per multiply-add; matrix multiplications only; dense attention)\n\n";
+
+  report::Table table({"layer", "params", "fwd FLOPs/token", "saved activations/sequence"});
+  table.set_units({"", "", "", "MiB (16-bit, no recompute, no parallelism)"});
+  table.align_left(0);
+  // Identical consecutive blocks are shown as one row ("0-31").
+  int first = 0;
+  for (int l = -1; l <= spec.layers; ++l) {
+    const model::GraphTotals t = graph.layer_totals(l);
+    const bool block = l >= 0 && l < spec.layers;
+    if (block && l + 1 < spec.layers) {
+      const model::GraphTotals next = graph.layer_totals(l + 1);
+      if (next.params == t.params && next.fwd_flops == t.fwd_flops &&
+          next.saved_bytes == t.saved_bytes) {
+        continue;
+      }
+    }
+    std::string label = group_name(l, spec.layers);
+    if (block && first != l) label = fmt::format("{}-{}", first, l);
+    table.add_row({label, format_count(t.params), format_si(t.fwd_flops / tokens),
+                   fmt::format("{:.1f}", static_cast<double>(t.saved_bytes) / (1024.0 * 1024.0))});
+    first = l + 1;
+  }
+  std::cout << table.render();
+  return 0;
+}
+
+}  // namespace dtsim::cli

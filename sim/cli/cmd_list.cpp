@@ -1,0 +1,45 @@
+// dtsim list: the models, clusters and devices shipped with dtsim.
+#include <fmt/format.h>
+
+#include <iostream>
+
+#include "sim/cli/commands.hpp"
+#include "sim/cli/options.hpp"
+#include "sim/cluster/device_catalog.hpp"
+#include "sim/common/data_files.hpp"
+#include "sim/common/error.hpp"
+
+namespace dtsim::cli {
+
+int cmd_list(const std::vector<std::string>& args) {
+  po::options_description desc("dtsim list options");
+  desc.add_options()("help,h", "show this help")(
+      "what", po::value<std::string>()->default_value("all"), "models, clusters, devices or all");
+  po::positional_options_description pos;
+  pos.add("what", 1);
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(args).options(desc).positional(pos).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw InputError(fmt::format("{} (see --help)", e.what()));
+  }
+  if (vm.count("help")) {
+    std::cout << "usage: dtsim list [models|clusters|devices]\n\n" << desc;
+    return 0;
+  }
+  const std::string what = vm["what"].as<std::string>();
+  if (what != "all" && what != "models" && what != "clusters" && what != "devices") {
+    throw InputError(fmt::format("list: expected models, clusters, devices or all, got \"{}\"",
+                                 what));
+  }
+  auto show = [&](const char* title, const std::vector<std::string>& names) {
+    std::cout << fmt::format("{}: {}\n", title, fmt::join(names, " "));
+  };
+  if (what == "all" || what == "models") show("models", list_data_names("models"));
+  if (what == "all" || what == "clusters") show("clusters", list_data_names("topologies"));
+  if (what == "all" || what == "devices") show("devices", cluster::list_devices());
+  return 0;
+}
+
+}  // namespace dtsim::cli

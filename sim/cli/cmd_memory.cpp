@@ -1,0 +1,134 @@
+// dtsim memory: memory per rank of a plan, per pipeline stage, and whether it fits.
+#include <fmt/format.h>
+
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "sim/cli/commands.hpp"
+#include "sim/cli/options.hpp"
+#include "sim/common/error.hpp"
+#include "sim/common/units.hpp"
+#include "sim/plan/memory_model.hpp"
+#include "sim/report/table.hpp"
+
+namespace dtsim::cli {
+
+namespace {
+
+using nlohmann::json;
+
+json stage_json(const plan::StageMemory& s) {
+  return {{"stage", s.stage},
+          {"layers", s.layers},
+          {"in_flight_micro_batches", s.in_flight},
+          {"weights_bytes", s.weights_bytes},
+          {"gradients_bytes", s.gradients_bytes},
+          {"optimizer_bytes", s.optimizer_bytes},
+          {"activations_bytes", s.activations_bytes},
+          {"other_bytes", s.other_bytes},
+          {"total_bytes", s.total_bytes},
+          {"dominant", s.dominant}};
+}
+
+std::string gib(double bytes) { return fmt::format("{:.2f}", bytes / kGiB); }
+
+}  // namespace
+
+int cmd_memory(const std::vector<std::string>& args) {
+  po::options_description desc("dtsim memory options");
+  desc.add_options()("help,h", "show this help");
+  add_model_options(desc, /*with_cluster=*/true);
+  add_plan_options(desc);
+  po::options_description mem("Memory model");
+  mem.add_options()("framework-overhead-gib", po::value<double>()->default_value(1.0),
+                    "allowance for CUDA context, library workspaces and fragmentation (an "
+                    "assumption; calibrate it on your system)")(
+      "device-memory-gib", po::value<double>(), "override the device's memory capacity")(
+      "json", po::bool_switch(), "print JSON instead of tables");
+  desc.add(mem);
+  po::variables_map vm;
+  if (!parse(args, desc,
+             "usage: dtsim memory --model M --cluster C [plan flags | --plan P.json] [--json]\n\n"
+             "Peak memory per rank of a plan: weights, gradients, optimizer states (ZeRO 0-3), "
+             "activations (Korthikanti et al. 2022) for the micro-batches the schedule keeps in "
+             "flight, and other buffers; per pipeline stage, with the worst rank against the "
+             "device's capacity.",
+             vm)) {
+    return 0;
+  }
+  const model::ModelSpec spec = model_from_options(vm);
+  const cluster::Cluster cluster = cluster_from_options(vm);
+  std::vector<std::string> notes;
+  const plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes);
+  // Fails with the device's supported precisions when it lacks the plan's.
+  cluster.device.peak_flops_for(plan.precision);
+
+  plan::MemoryOptions options;
+  const double overhead = vm["framework-overhead-gib"].as<double>();
+  if (!(overhead >= 0)) {
+    throw InputError(fmt::format("--framework-overhead-gib: expected >= 0, got {}", overhead));
+  }
+  options.framework_overhead_bytes = overhead * kGiB;
+  if (vm.count("device-memory-gib")) {
+    const double cap = vm["device-memory-gib"].as<double>();
+    if (!(cap > 0)) {
+      throw InputError(fmt::format("--device-memory-gib: expected > 0, got {}", cap));
+    }
+    options.capacity_bytes = cap * kGiB;
+  }
+  const model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
+                                plan::activation_bytes_per_element(plan.precision));
+  const plan::MemoryReport report = plan::estimate_memory(graph, plan, cluster, options);
+  for (const auto& n : report.notes) notes.push_back(n);
+  const plan::StageMemory& worst = report.worst();
+
+  if (vm["json"].as<bool>()) {
+    json out = stage_json(worst);
+    out["worst_stage"] = report.worst_stage;
+    out["capacity_bytes"] = report.capacity_bytes;
+    out["fits"] = report.fits;
+    out["margin_bytes"] = report.margin_bytes;
+    json stages = json::array();
+    for (const auto& s : report.stages) stages.push_back(stage_json(s));
+    out["per_stage"] = stages;
+    out["plan"] = plan::to_json(plan);
+    out["model"] = spec.name;
+    out["cluster"] = cluster.name;
+    out["gpus"] = cluster.devices();
+    out["notes"] = notes;
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+
+  std::cout << fmt::format("memory per rank: {} on {} ({} x {}), plan {}\n\n", spec.name,
+                           cluster.name, cluster.devices(), cluster.device.display_name,
+                           plan::summary(plan));
+  report::Table table({"stage", "layers", "in flight", "weights", "gradients", "optimizer",
+                       "activations", "other", "total", "dominant"});
+  table.set_units({"", "", "micro-batches", "GiB", "GiB", "GiB", "GiB", "GiB", "GiB", ""});
+  table.align_left(9);
+  for (const auto& s : report.stages) {
+    table.add_row({fmt::format("{}", s.stage), fmt::format("{}", s.layers),
+                   fmt::format("{}", s.in_flight), gib(s.weights_bytes), gib(s.gradients_bytes),
+                   gib(s.optimizer_bytes), gib(s.activations_bytes), gib(s.other_bytes),
+                   gib(s.total_bytes), s.dominant});
+  }
+  std::cout << table.render() << "\n";
+  if (report.fits) {
+    std::cout << fmt::format("fits: worst rank (stage {}) needs {} of {}; margin {} (dominant: "
+                             "{})\n",
+                             report.worst_stage, format_gib(worst.total_bytes),
+                             format_gib(report.capacity_bytes), format_gib(report.margin_bytes),
+                             worst.dominant);
+  } else {
+    std::cout << fmt::format("DOES NOT FIT: worst rank (stage {}) needs {} of {}, {} too much "
+                             "(dominant: {})\n",
+                             report.worst_stage, format_gib(worst.total_bytes),
+                             format_gib(report.capacity_bytes), format_gib(-report.margin_bytes),
+                             worst.dominant);
+  }
+  for (const auto& n : notes) std::cout << "note: " << n << "\n";
+  return 0;
+}
+
+}  // namespace dtsim::cli

@@ -1,0 +1,14 @@
+// dtsim's sub-commands: each takes the arguments after its name and returns the exit code.
+// Errors are thrown (InputError, UnsupportedError, InternalError) and handled in main().
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace dtsim::cli {
+
+int cmd_describe(const std::vector<std::string>& args);
+int cmd_memory(const std::vector<std::string>& args);
+int cmd_list(const std::vector<std::string>& args);
+
+}  // namespace dtsim::cli

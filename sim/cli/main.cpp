@@ -1,0 +1,62 @@
+// dtsim: describe models, estimate memory, plan, simulate. The only place that catches errors
+// and turns them into exit codes: 2 for bad input, 1 for internal errors, 0 for success.
+#include <fmt/format.h>
+
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "sim/cli/commands.hpp"
+#include "sim/common/error.hpp"
+
+namespace {
+
+struct Command {
+  int (*run)(const std::vector<std::string>&);
+  const char* summary;
+};
+
+const std::map<std::string, Command>& commands() {
+  static const std::map<std::string, Command> table = {
+      {"describe", {dtsim::cli::cmd_describe, "parameters, FLOPs per token, per-layer table"}},
+      {"memory", {dtsim::cli::cmd_memory, "memory per rank of a plan; fits or not, and why"}},
+      {"list", {dtsim::cli::cmd_list, "shipped models, clusters and devices"}},
+  };
+  return table;
+}
+
+void usage(std::ostream& os) {
+  os << "dtsim: planner and simulator for distributed deep-learning training\n\n"
+        "usage: dtsim <command> [options]   (dtsim <command> --help for its options)\n\n"
+        "commands:\n";
+  for (const auto& [name, cmd] : commands()) os << fmt::format("  {:<10} {}\n", name, cmd.summary);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    usage(std::cout);
+    return args.empty() ? 2 : 0;
+  }
+  const auto it = commands().find(args[0]);
+  if (it == commands().end()) {
+    std::cerr << fmt::format("dtsim: unknown command \"{}\"\n\n", args[0]);
+    usage(std::cerr);
+    return 2;
+  }
+  try {
+    return it->second.run({args.begin() + 1, args.end()});
+  } catch (const dtsim::InputError& e) {
+    std::cerr << "dtsim " << args[0] << ": error: " << e.what() << "\n";
+    return 2;
+  } catch (const dtsim::UnsupportedError& e) {
+    std::cerr << "dtsim " << args[0] << ": unsupported: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "dtsim " << args[0] << ": internal error: " << e.what() << "\n";
+    return 1;
+  }
+}

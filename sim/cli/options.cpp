@@ -1,0 +1,166 @@
+#include "sim/cli/options.hpp"
+
+#include <fmt/format.h>
+
+#include <iostream>
+#include <sstream>
+
+#include "sim/common/error.hpp"
+
+namespace dtsim::cli {
+
+void add_model_options(po::options_description& desc, bool with_cluster) {
+  desc.add_options()(
+      "model", po::value<std::string>()->default_value(kDefaultModel),
+      "model: a name in models/ (e.g. llama3-70b), a path to a dtsim model JSON, or a Hugging "
+      "Face config.json");
+  if (with_cluster) {
+    desc.add_options()("cluster", po::value<std::string>()->default_value(kDefaultCluster),
+                       "cluster: a name in topologies/ (e.g. selene) or a path")(
+        "gpus", po::value<std::int64_t>(),
+        "use this many devices of the cluster (whole nodes, or part of one node)");
+  }
+}
+
+void add_plan_options(po::options_description& desc) {
+  po::options_description plan("Plan (Megatron-LM vocabulary; unset values get defaults)");
+  plan.add_options()("plan", po::value<std::string>(),
+                     "plan JSON file (flags given as well override its fields)")(
+      "tp", po::value<int>(), "tensor-parallel degree (default 1)")(
+      "pp", po::value<int>(), "pipeline-parallel degree (default 1)")(
+      "dp", po::value<int>(), "data-parallel degree (default: devices / (tp x pp x cp))")(
+      "cp", po::value<int>(), "context-parallel degree (default 1)")(
+      "ep", po::value<int>(), "expert-parallel degree, inside dp (default 1)")(
+      "micro-batch-size", po::value<std::int64_t>(), "sequences per micro-batch (default 1)")(
+      "global-batch-size", po::value<std::int64_t>(),
+      "sequences per step (default: micro-batch x dp x (1, or 4 x pp when pipelining))")(
+      "seq-len", po::value<std::int64_t>(), "sequence length (default: the model's)")(
+      "schedule", po::value<std::string>(),
+      "pipeline schedule: gpipe, 1f1b (default), interleaved, zero-bubble, pipedream")(
+      "virtual-stages", po::value<int>(), "model chunks per pipeline rank (interleaved)")(
+      "zero-stage", po::value<int>(), "ZeRO stage 0-3 (default 0)")(
+      "recompute", po::value<std::string>(), "activation recompute: none (default), selective, full")(
+      "sequence-parallel", po::bool_switch(), "Megatron sequence parallelism (needs tp > 1)")(
+      "precision", po::value<std::string>(), "bf16 (default), fp16, fp8, fp32")(
+      "optimizer", po::value<std::string>(), "adam (default) or sgd (with momentum)")(
+      "layers-per-stage", po::value<std::string>(),
+      "blocks per model chunk, comma-separated (default: even split)")(
+      "order", po::value<std::string>(),
+      "rank order, fastest first (default tp-cp-ep-dp-pp: tp inside a node)");
+  desc.add(plan);
+}
+
+bool parse(const std::vector<std::string>& args, const po::options_description& desc,
+           const std::string& usage, po::variables_map& vm) {
+  try {
+    po::store(po::command_line_parser(args).options(desc).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw InputError(fmt::format("{} (see --help)", e.what()));
+  }
+  if (vm.count("help")) {
+    std::ostringstream os;
+    os << desc;
+    std::cout << usage << "\n\n" << os.str();
+    return false;
+  }
+  return true;
+}
+
+model::ModelSpec model_from_options(const po::variables_map& vm) {
+  return model::load_model(vm["model"].as<std::string>());
+}
+
+cluster::Cluster cluster_from_options(const po::variables_map& vm) {
+  cluster::Cluster c = cluster::load_cluster(vm["cluster"].as<std::string>());
+  if (vm.count("gpus")) c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
+  return c;
+}
+
+namespace {
+template <typename T>
+void override_if(const po::variables_map& vm, const char* key, T& field) {
+  if (vm.count(key) && !vm[key].defaulted()) field = vm[key].as<T>();
+}
+
+void positive(const char* flag, std::int64_t value) {
+  if (value < 1) {
+    throw InputError(fmt::format("--{}: expected a positive integer, got {}", flag, value));
+  }
+}
+}  // namespace
+
+plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec& model,
+                             std::int64_t devices, std::vector<std::string>& notes) {
+  plan::Plan p;
+  p.dp = 0;  // derived unless given
+  p.global_batch_size = 0;
+  if (vm.count("plan")) p = plan::load_plan(vm["plan"].as<std::string>());
+  for (const char* key : {"tp", "pp", "dp", "cp", "ep", "virtual-stages"}) {
+    if (vm.count(key)) positive(key, vm[key].as<int>());
+  }
+  for (const char* key : {"micro-batch-size", "global-batch-size", "seq-len"}) {
+    if (vm.count(key)) positive(key, vm[key].as<std::int64_t>());
+  }
+  override_if(vm, "tp", p.tp);
+  override_if(vm, "pp", p.pp);
+  override_if(vm, "dp", p.dp);
+  override_if(vm, "cp", p.cp);
+  override_if(vm, "ep", p.ep);
+  override_if(vm, "micro-batch-size", p.micro_batch_size);
+  override_if(vm, "global-batch-size", p.global_batch_size);
+  override_if(vm, "seq-len", p.seq_len);
+  override_if(vm, "virtual-stages", p.virtual_stages);
+  override_if(vm, "zero-stage", p.zero_stage);
+  if (vm.count("schedule") && !plan::parse_schedule(vm["schedule"].as<std::string>(), p.schedule)) {
+    throw InputError(fmt::format("--schedule: expected gpipe, 1f1b, interleaved, zero-bubble or "
+                                 "pipedream, got \"{}\"",
+                                 vm["schedule"].as<std::string>()));
+  }
+  if (vm.count("recompute") &&
+      !plan::parse_recompute(vm["recompute"].as<std::string>(), p.recompute)) {
+    throw InputError(fmt::format("--recompute: expected none, selective or full, got \"{}\"",
+                                 vm["recompute"].as<std::string>()));
+  }
+  if (vm.count("optimizer") &&
+      !plan::parse_optimizer(vm["optimizer"].as<std::string>(), p.optimizer)) {
+    throw InputError(fmt::format("--optimizer: expected adam or sgd, got \"{}\"",
+                                 vm["optimizer"].as<std::string>()));
+  }
+  if (vm.count("precision")) {
+    const auto prec = parse_precision(vm["precision"].as<std::string>());
+    if (!prec) {
+      throw InputError(fmt::format("--precision: expected bf16, fp16, fp8, fp32 or tf32, got "
+                                   "\"{}\"",
+                                   vm["precision"].as<std::string>()));
+    }
+    p.precision = *prec;
+  }
+  if (vm.count("sequence-parallel") && vm["sequence-parallel"].as<bool>()) {
+    p.sequence_parallel = true;
+  }
+  if (vm.count("layers-per-stage")) {
+    p.layers_per_stage.clear();
+    std::stringstream ss(vm["layers-per-stage"].as<std::string>());
+    std::string part;
+    while (std::getline(ss, part, ',')) {
+      try {
+        std::size_t used = 0;
+        const int n = std::stoi(part, &used);
+        if (used != part.size() || n < 1) throw std::invalid_argument(part);
+        p.layers_per_stage.push_back(n);
+      } catch (const std::exception&) {
+        throw InputError(fmt::format("--layers-per-stage: expected positive integers separated "
+                                     "by commas, got \"{}\"",
+                                     vm["layers-per-stage"].as<std::string>()));
+      }
+    }
+  }
+  if (vm.count("order")) p.order = cluster::Placement::parse_order(vm["order"].as<std::string>());
+
+  for (auto& n : plan::complete_plan(p, model, devices)) notes.push_back(std::move(n));
+  for (auto& w : plan::require_valid(p, model, devices)) notes.push_back("warning: " + w);
+  return p;
+}
+
+}  // namespace dtsim::cli

@@ -1,0 +1,40 @@
+// Shared pieces of dtsim's sub-commands: the plan flags (Megatron-LM vocabulary, DESIGN.md),
+// option parsing with dtsim's error conventions, and loading model/cluster from options.
+#pragma once
+
+#include <boost/program_options.hpp>
+#include <string>
+#include <vector>
+
+#include "sim/cluster/topology.hpp"
+#include "sim/model/model_spec.hpp"
+#include "sim/plan/plan.hpp"
+
+namespace dtsim::cli {
+
+namespace po = boost::program_options;
+
+inline constexpr const char* kDefaultModel = "llama3-8b";
+inline constexpr const char* kDefaultCluster = "default";
+
+// Adds --model (and --cluster, --gpus when `with_cluster`).
+void add_model_options(po::options_description& desc, bool with_cluster);
+// Adds the plan flags and --plan.
+void add_plan_options(po::options_description& desc);
+
+// Parses `args` against `desc`; on --help prints `usage` and the options to stdout and returns
+// false. Unknown or malformed options throw InputError (exit code 2).
+bool parse(const std::vector<std::string>& args, const po::options_description& desc,
+           const std::string& usage, po::variables_map& vm);
+
+model::ModelSpec model_from_options(const po::variables_map& vm);
+// The cluster, resized by --gpus when given.
+cluster::Cluster cluster_from_options(const po::variables_map& vm);
+
+// The plan from --plan and/or the flags (flags given on the command line override the file),
+// completed with defaults (plan::complete_plan) and validated against model and devices.
+// `notes` receives what was defaulted and any warnings.
+plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec& model,
+                             std::int64_t devices, std::vector<std::string>& notes);
+
+}  // namespace dtsim::cli

@@ -1,0 +1,90 @@
+#include "sim/cluster/device_catalog.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <nlohmann/json.hpp>
+
+#include "sim/common/data_files.hpp"
+#include "sim/common/error.hpp"
+
+namespace dtsim::cluster {
+
+using nlohmann::json;
+
+double DeviceSpec::peak_flops_for(Precision p) const {
+  if (auto it = peak_flops.find(p); it != peak_flops.end()) return it->second.value;
+  std::vector<std::string_view> have;
+  for (const auto& [q, f] : peak_flops) have.push_back(to_string(q));
+  throw UnsupportedError(fmt::format("device {} has no {} peak in the catalog ({}); it supports: {}",
+                                     name, to_string(p), file, fmt::join(have, ", ")));
+}
+
+DeviceSpec device_from_json(const json& j, const std::string& file) {
+  const JsonReader r(j, file);
+  r.expect_only({"name", "display_name", "vendor", "aliases", "peak_flops", "memory_bytes",
+                 "memory_bw_bytes_per_s", "intra_node_bw_bytes_per_s", "efficiency", "power_w",
+                 "notes"});
+  DeviceSpec d;
+  d.file = file;
+  d.name = r.string("name");
+  d.display_name = r.string("display_name");
+  d.vendor = r.string("vendor");
+  d.notes = r.string_or("notes", "");
+  if (r.has("aliases")) d.aliases = r.string_array("aliases");
+  const JsonReader peaks = r.object("peak_flops");
+  peaks.expect_only({"fp32", "tf32", "bf16", "fp16", "fp8"});
+  for (Precision p : kAllPrecisions) {
+    if (peaks.has(to_string(p))) d.peak_flops[p] = peaks.figure(to_string(p));
+  }
+  if (d.peak_flops.empty()) r.fail("peak_flops", "expected at least one precision");
+  d.memory_bytes = r.figure("memory_bytes");
+  d.memory_bw_bytes_per_s = r.figure("memory_bw_bytes_per_s");
+  d.intra_node_bw_bytes_per_s = r.figure("intra_node_bw_bytes_per_s");
+  const JsonReader eff = r.object("efficiency");
+  eff.expect_only({"gemm", "attention", "memory_bw", "launch_overhead_s"});
+  auto fraction = [&](std::string_view key) {
+    Figure f = eff.figure(key);
+    if (f.value > 1.0) eff.fail(key, fmt::format("expected a fraction in (0, 1], got {}", f.value));
+    return f;
+  };
+  d.efficiency.gemm = fraction("gemm");
+  d.efficiency.attention = fraction("attention");
+  d.efficiency.memory_bw = fraction("memory_bw");
+  d.efficiency.launch_overhead_s = eff.figure("launch_overhead_s", /*allow_zero=*/true);
+  d.power_w = r.optional_figure("power_w");
+  return d;
+}
+
+namespace {
+std::string lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return out;
+}
+}  // namespace
+
+std::vector<std::string> list_devices() { return list_data_names("topologies/devices"); }
+
+DeviceSpec load_device(std::string_view name) {
+  const bool looks_like_path =
+      name.find('/') != std::string_view::npos || name.ends_with(".json");
+  if (!looks_like_path) {
+    // Names and aliases, case-insensitive.
+    const std::string wanted = lower(name);
+    for (const std::string& known : list_devices()) {
+      const auto path = data_dir() / "topologies" / "devices" / (known + ".json");
+      DeviceSpec d = device_from_json(JsonReader::parse_file(path), path.string());
+      if (lower(d.name) == wanted) return d;
+      for (const std::string& alias : d.aliases) {
+        if (lower(alias) == wanted) return d;
+      }
+    }
+  }
+  const auto path = resolve_data_file("device", "topologies/devices", name);
+  return device_from_json(JsonReader::parse_file(path), path.string());
+}
+
+}  // namespace dtsim::cluster

@@ -1,0 +1,48 @@
+// The device catalog (topologies/devices/*.json, format in topologies/README.md): peak FLOP/s
+// per precision, memory, bandwidths and default efficiencies, each figure with its source.
+#pragma once
+
+#include <map>
+#include <nlohmann/json_fwd.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "sim/common/json_reader.hpp"
+#include "sim/common/precision.hpp"
+
+namespace dtsim::cluster {
+
+struct DeviceEfficiency {
+  Figure gemm;               // fraction of dense peak reached by large matrix multiplications
+  Figure attention;          // fraction of dense peak reached by the attention core
+  Figure memory_bw;          // fraction of HBM bandwidth reached by element-wise kernels
+  Figure launch_overhead_s;  // fixed time per kernel
+};
+
+struct DeviceSpec {
+  std::string name;
+  std::string display_name;
+  std::string vendor;
+  std::string notes;
+  std::string file;
+  std::vector<std::string> aliases;
+  std::map<Precision, Figure> peak_flops;  // dense FLOP/s, per device
+  Figure memory_bytes;
+  Figure memory_bw_bytes_per_s;
+  Figure intra_node_bw_bytes_per_s;  // scale-up link, per direction
+  DeviceEfficiency efficiency;
+  std::optional<Figure> power_w;
+
+  bool supports(Precision p) const { return peak_flops.count(p) != 0; }
+  // Dense peak for `p`; throws UnsupportedError naming the precisions the device has.
+  double peak_flops_for(Precision p) const;
+};
+
+DeviceSpec device_from_json(const nlohmann::json& j, const std::string& file);
+// By file name, alias (case-insensitive) or path.
+DeviceSpec load_device(std::string_view name_alias_or_path);
+std::vector<std::string> list_devices();
+
+}  // namespace dtsim::cluster

@@ -1,0 +1,226 @@
+#include "sim/cluster/placement.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "sim/common/error.hpp"
+
+namespace dtsim::cluster {
+
+namespace {
+constexpr std::array<ParallelDim, 5> kAllDims = {ParallelDim::Tp, ParallelDim::Cp, ParallelDim::Ep,
+                                                 ParallelDim::Dp, ParallelDim::Pp};
+std::size_t idx(ParallelDim d) { return static_cast<std::size_t>(d); }
+}  // namespace
+
+std::string_view to_string(ParallelDim dim) {
+  switch (dim) {
+    case ParallelDim::Tp: return "tp";
+    case ParallelDim::Cp: return "cp";
+    case ParallelDim::Ep: return "ep";
+    case ParallelDim::Dp: return "dp";
+    case ParallelDim::Pp: return "pp";
+  }
+  return "?";
+}
+
+std::vector<ParallelDim> Placement::default_order() {
+  return {ParallelDim::Tp, ParallelDim::Cp, ParallelDim::Ep, ParallelDim::Dp, ParallelDim::Pp};
+}
+
+std::vector<ParallelDim> Placement::parse_order(std::string_view text) {
+  std::vector<ParallelDim> order;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const std::size_t end = std::min(text.find('-', start), text.size());
+    const std::string_view part = text.substr(start, end - start);
+    bool found = false;
+    for (ParallelDim d : kAllDims) {
+      if (cluster::to_string(d) == part) {
+        order.push_back(d);
+        found = true;
+      }
+    }
+    if (!found) {
+      throw InputError(fmt::format(
+          "order \"{}\": unknown dimension \"{}\" (expected a permutation of tp-cp-ep-dp-pp, "
+          "fastest first)",
+          text, part));
+    }
+    start = end + 1;
+  }
+  std::set<ParallelDim> unique(order.begin(), order.end());
+  if (order.size() != 5 || unique.size() != 5) {
+    throw InputError(fmt::format(
+        "order \"{}\": expected each of tp, cp, ep, dp, pp exactly once, fastest first", text));
+  }
+  return order;
+}
+
+std::string Placement::to_string(const std::vector<ParallelDim>& order) {
+  std::vector<std::string_view> parts;
+  for (ParallelDim d : order) parts.push_back(cluster::to_string(d));
+  return fmt::format("{}", fmt::join(parts, "-"));
+}
+
+Placement::Placement(ParallelDegrees degrees, std::vector<ParallelDim> order)
+    : degrees_(degrees), order_(std::move(order)) {
+  if (degrees_.tp < 1 || degrees_.cp < 1 || degrees_.ep < 1 || degrees_.dp < 1 || degrees_.pp < 1) {
+    throw InputError("parallel degrees must be positive");
+  }
+  if (degrees_.dp % degrees_.ep != 0) {
+    throw InputError(fmt::format("ep = {} must divide dp = {} (expert parallelism lives inside "
+                                 "data parallelism)",
+                                 degrees_.ep, degrees_.dp));
+  }
+  std::set<ParallelDim> unique(order_.begin(), order_.end());
+  DTSIM_ASSERT(order_.size() == 5 && unique.size() == 5, "order must be a permutation");
+  std::int64_t stride = 1;
+  for (ParallelDim d : order_) {
+    stride_[idx(d)] = stride;
+    stride *= extent(d);
+  }
+}
+
+int Placement::extent(ParallelDim dim) const {
+  switch (dim) {
+    case ParallelDim::Tp: return degrees_.tp;
+    case ParallelDim::Cp: return degrees_.cp;
+    case ParallelDim::Ep: return degrees_.ep;
+    case ParallelDim::Dp: return degrees_.dp / degrees_.ep;
+    case ParallelDim::Pp: return degrees_.pp;
+  }
+  return 1;
+}
+
+int Placement::coord(const RankCoords& c, ParallelDim dim) const {
+  switch (dim) {
+    case ParallelDim::Tp: return c.tp;
+    case ParallelDim::Cp: return c.cp;
+    case ParallelDim::Ep: return c.ep;
+    case ParallelDim::Dp: return c.dp_outer;
+    case ParallelDim::Pp: return c.pp;
+  }
+  return 0;
+}
+
+RankCoords Placement::coords(std::int64_t rank) const {
+  DTSIM_ASSERT(rank >= 0 && rank < degrees_.ranks(), fmt::format("rank {} out of range", rank));
+  auto get = [&](ParallelDim d) {
+    return static_cast<int>((rank / stride_[idx(d)]) % extent(d));
+  };
+  return RankCoords{get(ParallelDim::Tp), get(ParallelDim::Cp), get(ParallelDim::Ep),
+                    get(ParallelDim::Dp), get(ParallelDim::Pp)};
+}
+
+std::int64_t Placement::rank(const RankCoords& c) const {
+  std::int64_t r = 0;
+  for (ParallelDim d : kAllDims) {
+    DTSIM_ASSERT(coord(c, d) >= 0 && coord(c, d) < extent(d), "coordinate out of range");
+    r += coord(c, d) * stride_[idx(d)];
+  }
+  return r;
+}
+
+std::vector<std::int64_t> Placement::group(ParallelDim dim, std::int64_t rank) const {
+  const RankCoords base = coords(rank);
+  std::vector<std::int64_t> out;
+  auto with = [&](RankCoords c) { out.push_back(this->rank(c)); };
+  switch (dim) {
+    case ParallelDim::Tp:
+      for (int i = 0; i < degrees_.tp; ++i) with({i, base.cp, base.ep, base.dp_outer, base.pp});
+      break;
+    case ParallelDim::Cp:
+      for (int i = 0; i < degrees_.cp; ++i) with({base.tp, i, base.ep, base.dp_outer, base.pp});
+      break;
+    case ParallelDim::Ep:
+      for (int i = 0; i < degrees_.ep; ++i) with({base.tp, base.cp, i, base.dp_outer, base.pp});
+      break;
+    case ParallelDim::Dp:
+      for (int o = 0; o < extent(ParallelDim::Dp); ++o) {
+        for (int e = 0; e < degrees_.ep; ++e) with({base.tp, base.cp, e, o, base.pp});
+      }
+      break;
+    case ParallelDim::Pp:
+      for (int i = 0; i < degrees_.pp; ++i) with({base.tp, base.cp, base.ep, base.dp_outer, i});
+      break;
+  }
+  return out;
+}
+
+GroupSpan group_span(const Cluster& cluster, std::span<const std::int64_t> devices) {
+  GroupSpan span;
+  span.devices = static_cast<std::int64_t>(devices.size());
+  const std::int64_t dpn = cluster.devices_per_node;
+  std::map<std::int64_t, std::int64_t> per_node;
+  std::set<std::int64_t> leaves;
+  std::set<std::int64_t> locals;
+  for (std::int64_t d : devices) {
+    DTSIM_ASSERT(d >= 0 && d < cluster.devices(), fmt::format("device {} not in cluster", d));
+    const std::int64_t node = d / dpn;
+    ++per_node[node];
+    locals.insert(d % dpn);
+    if (cluster.inter.nodes_per_leaf > 0) leaves.insert(node / cluster.inter.nodes_per_leaf);
+  }
+  span.nodes = static_cast<std::int64_t>(per_node.size());
+  for (const auto& [node, count] : per_node) {
+    span.max_devices_per_node = std::max(span.max_devices_per_node, count);
+  }
+  span.leaf_groups = leaves.empty() ? 1 : static_cast<std::int64_t>(leaves.size());
+  span.intra_node_only = span.nodes <= 1;
+  span.single_rail = locals.size() <= 1;
+
+  if (span.max_devices_per_node > 1) {
+    span.crossed.push_back(
+        fmt::format("intra-node {}", to_string(cluster.intra.fabric)));
+  }
+  const InterFabric fabric = cluster.inter.fabric;
+  if (fabric == InterFabric::Torus3d && span.devices > 1) {
+    // Shortest path on a torus: per dimension min(|a-b|, n-|a-b|), summed; x fastest.
+    const auto& dims = cluster.inter.torus_dims;
+    auto position = [&](std::int64_t d) {
+      std::vector<std::int64_t> p;
+      for (std::int64_t n : dims) {
+        p.push_back(d % n);
+        d /= n;
+      }
+      return p;
+    };
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      for (std::size_t j = i + 1; j < devices.size(); ++j) {
+        const auto a = position(devices[i]);
+        const auto b = position(devices[j]);
+        std::int64_t hops = 0;
+        for (std::size_t k = 0; k < dims.size(); ++k) {
+          const std::int64_t diff = std::abs(a[k] - b[k]);
+          hops += std::min(diff, dims[k] - diff);
+        }
+        span.max_torus_hops = std::max(span.max_torus_hops, hops);
+      }
+    }
+    span.crossed.push_back(fmt::format("{} torus links (up to {} hops)",
+                                       to_string(cluster.inter.transport), span.max_torus_hops));
+  } else if (!span.intra_node_only) {
+    span.crossed.push_back(fmt::format("NIC ({})", to_string(cluster.inter.transport)));
+    if (fabric == InterFabric::RailOptimized) {
+      span.crossed.push_back(span.single_rail ? "rail (leaf) switch" : "leaf switches");
+      span.crosses_spine = span.leaf_groups > 1 || !span.single_rail;
+    } else if (fabric == InterFabric::FatTree) {
+      span.crossed.push_back("leaf switch");
+      span.crosses_spine = span.leaf_groups > 1;
+    } else if (fabric == InterFabric::Dragonfly) {
+      span.crossed.push_back("dragonfly group switch");
+      span.crosses_spine = span.leaf_groups > 1;
+    }
+    if (span.crosses_spine) {
+      span.crossed.push_back(fabric == InterFabric::Dragonfly ? "dragonfly global links"
+                                                              : "spine switch");
+    }
+  }
+  return span;
+}
+
+}  // namespace dtsim::cluster

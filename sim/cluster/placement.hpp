@@ -1,0 +1,84 @@
+// Placement of a plan's ranks on a cluster's devices, and what a group of ranks crosses.
+//
+// A rank has coordinates (tp, cp, ep, dp, pp). Expert parallelism lives inside data
+// parallelism (Megatron-LM): the data-parallel degree dp = ep x (dp / ep), and the plan's data
+// -parallel group spans both. Ranks are numbered by mixing the coordinates in `order`, fastest
+// first (Megatron's default tp, cp, ep, dp, pp), and rank r runs on device r (devices are
+// numbered node by node), so the fastest dimension stays inside a node.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "sim/cluster/topology.hpp"
+
+namespace dtsim::cluster {
+
+enum class ParallelDim { Tp, Cp, Ep, Dp, Pp };
+
+struct ParallelDegrees {
+  int tp = 1;
+  int cp = 1;
+  int ep = 1;  // divides dp
+  int dp = 1;  // data-parallel degree including ep
+  int pp = 1;
+  std::int64_t ranks() const { return std::int64_t{tp} * cp * dp * pp; }
+};
+
+struct RankCoords {
+  int tp = 0;
+  int cp = 0;
+  int ep = 0;        // index inside the expert-parallel group
+  int dp_outer = 0;  // index among expert-parallel groups: dp = dp_outer * ep_degree + ep
+  int pp = 0;
+};
+
+class Placement {
+ public:
+  // Throws InputError if ep does not divide dp or `order` is not a permutation of the five.
+  Placement(ParallelDegrees degrees, std::vector<ParallelDim> order = default_order());
+
+  static std::vector<ParallelDim> default_order();
+  // "tp-cp-ep-dp-pp" (fastest first); throws InputError naming the expected form.
+  static std::vector<ParallelDim> parse_order(std::string_view text);
+  static std::string to_string(const std::vector<ParallelDim>& order);
+
+  const ParallelDegrees& degrees() const { return degrees_; }
+  const std::vector<ParallelDim>& order() const { return order_; }
+
+  RankCoords coords(std::int64_t rank) const;
+  std::int64_t rank(const RankCoords& c) const;
+  // The ranks that share every coordinate with `rank` except `dim` (Dp spans ep x dp_outer;
+  // Ep only the expert-parallel ranks), in increasing order of that coordinate.
+  std::vector<std::int64_t> group(ParallelDim dim, std::int64_t rank) const;
+
+ private:
+  int extent(ParallelDim dim) const;  // size of the dimension in the mixed radix
+  int coord(const RankCoords& c, ParallelDim dim) const;
+  ParallelDegrees degrees_;
+  std::vector<ParallelDim> order_;
+  std::array<std::int64_t, 5> stride_{};  // indexed by ParallelDim
+};
+
+// Which parts of the cluster a group of devices uses.
+struct GroupSpan {
+  std::int64_t devices = 0;
+  std::int64_t nodes = 0;               // distinct nodes
+  std::int64_t max_devices_per_node = 0;
+  std::int64_t leaf_groups = 0;         // distinct leaf (rail / dragonfly) groups
+  bool intra_node_only = true;
+  bool crosses_spine = false;           // between leaf groups (fat tree, rail-optimized)
+  bool single_rail = true;              // every device has the same local index
+  std::int64_t max_torus_hops = 0;      // torus_3d: largest shortest-path hop count
+  std::vector<std::string> crossed;     // human-readable: "NVSwitch", "NIC (infiniband)", ...
+};
+
+GroupSpan group_span(const Cluster& cluster, std::span<const std::int64_t> devices);
+
+std::string_view to_string(ParallelDim dim);
+
+}  // namespace dtsim::cluster

@@ -1,0 +1,175 @@
+#include "sim/cluster/topology.hpp"
+
+#include <fmt/format.h>
+
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "sim/common/data_files.hpp"
+#include "sim/common/error.hpp"
+
+namespace dtsim::cluster {
+
+using nlohmann::json;
+
+namespace {
+
+template <typename Enum, std::size_t N>
+struct Names {
+  std::array<std::pair<Enum, std::string_view>, N> entries;
+  std::string_view name(Enum e) const {
+    for (const auto& [v, n] : entries) {
+      if (v == e) return n;
+    }
+    return "?";
+  }
+  Enum parse(const JsonReader& r, std::string_view key) const {
+    if (!r.has(key)) r.fail(key, "required field is missing");
+    const json& v = r.raw().at(std::string(key));
+    std::vector<std::string_view> known;
+    for (const auto& [e, n] : entries) known.push_back(n);
+    if (v.is_string()) {
+      for (const auto& [e, n] : entries) {
+        if (v.get<std::string>() == n) return e;
+      }
+    }
+    r.fail(key, fmt::format("expected one of {}, got {}", fmt::join(known, ", "),
+                            describe_json_value(v)));
+  }
+};
+
+constexpr Names<IntraFabric, 6> kIntraNames{{{{IntraFabric::NvSwitch, "nvswitch"},
+                                                {IntraFabric::NvlinkMesh, "nvlink_mesh"},
+                                                {IntraFabric::Xgmi, "xgmi"},
+                                                {IntraFabric::IciTorus, "ici_torus"},
+                                                {IntraFabric::Pcie, "pcie"},
+                                                {IntraFabric::SharedMemory, "shared_memory"}}}};
+constexpr Names<InterFabric, 5> kInterNames{{{{InterFabric::FatTree, "fat_tree"},
+                                                {InterFabric::RailOptimized, "rail_optimized"},
+                                                {InterFabric::Torus3d, "torus_3d"},
+                                                {InterFabric::Dragonfly, "dragonfly"},
+                                                {InterFabric::None, "none"}}}};
+constexpr Names<Transport, 7> kTransportNames{{{{Transport::InfiniBand, "infiniband"},
+                                                  {Transport::RoCE, "roce"},
+                                                  {Transport::Ethernet, "ethernet"},
+                                                  {Transport::Efa, "efa"},
+                                                  {Transport::Slingshot, "slingshot"},
+                                                  {Transport::Ici, "ici"},
+                                                  {Transport::None, "none"}}}};
+
+}  // namespace
+
+std::string_view to_string(IntraFabric f) { return kIntraNames.name(f); }
+std::string_view to_string(InterFabric f) { return kInterNames.name(f); }
+std::string_view to_string(Transport t) { return kTransportNames.name(t); }
+
+Cluster cluster_from_json(const json& j, const std::string& file) {
+  const JsonReader r(j, file);
+  r.expect_only({"name", "description", "source", "device", "nodes", "devices_per_node",
+                 "intra_node", "inter_node", "price_per_device_hour_usd", "power_per_device_w",
+                 "notes"});
+  Cluster c;
+  c.file = file;
+  c.name = r.string("name");
+  c.description = r.string("description");
+  c.source = r.string("source");
+  const std::string device_name = r.string("device");
+  try {
+    c.device = load_device(device_name);
+  } catch (const InputError& e) {
+    r.fail("device", e.what());
+  }
+  c.nodes = r.positive_int("nodes");
+  c.devices_per_node = r.positive_int("devices_per_node");
+
+  const JsonReader intra = r.object("intra_node");
+  intra.expect_only({"fabric", "bw_bytes_per_s", "latency_s", "note"});
+  c.intra.fabric = kIntraNames.parse(intra, "fabric");
+  c.intra.bw_bytes_per_s = intra.has("bw_bytes_per_s") ? intra.figure("bw_bytes_per_s")
+                                                        : c.device.intra_node_bw_bytes_per_s;
+  c.intra.latency_s = intra.figure("latency_s");
+
+  const JsonReader inter = r.object("inter_node");
+  inter.expect_only({"fabric", "transport", "nics_per_node", "nic_bw_bytes_per_s", "latency_s",
+                     "nodes_per_leaf", "oversubscription", "torus_dims", "link_bw_bytes_per_s",
+                     "note"});
+  c.inter.fabric = kInterNames.parse(inter, "fabric");
+  c.inter.transport = kTransportNames.parse(inter, "transport");
+  const InterFabric f = c.inter.fabric;
+  if (f != InterFabric::None) c.inter.latency_s = inter.figure("latency_s");
+  if (f == InterFabric::FatTree || f == InterFabric::RailOptimized ||
+      f == InterFabric::Dragonfly) {
+    c.inter.nics_per_node = inter.positive_int("nics_per_node");
+    c.inter.nic_bw_bytes_per_s = inter.figure("nic_bw_bytes_per_s");
+  }
+  if (f == InterFabric::FatTree || f == InterFabric::RailOptimized) {
+    c.inter.nodes_per_leaf = inter.positive_int("nodes_per_leaf");
+  } else if (f == InterFabric::Dragonfly) {
+    c.inter.nodes_per_leaf = inter.positive_int_or("nodes_per_leaf", c.nodes);
+  }
+  if (inter.has("oversubscription")) {
+    c.inter.oversubscription = inter.figure("oversubscription");
+    if (c.inter.oversubscription.value < 1.0) {
+      inter.fail("oversubscription", fmt::format("expected a ratio >= 1 (1 = non-blocking), got {}",
+                                                 c.inter.oversubscription.value));
+    }
+  }
+  if (f == InterFabric::Torus3d) {
+    c.inter.torus_dims = inter.positive_int_array("torus_dims");
+    c.inter.link_bw_bytes_per_s = inter.figure("link_bw_bytes_per_s");
+    const std::int64_t product = std::accumulate(c.inter.torus_dims.begin(),
+                                                 c.inter.torus_dims.end(), std::int64_t{1},
+                                                 std::multiplies<>());
+    if (product != c.devices()) {
+      inter.fail("torus_dims",
+                 fmt::format("the torus has {} devices but nodes x devices_per_node = {}", product,
+                             c.devices()));
+    }
+  }
+  if (f == InterFabric::None && c.nodes != 1) {
+    inter.fail("fabric", fmt::format("\"none\" needs nodes = 1, got {}", c.nodes));
+  }
+  c.price_per_device_hour_usd = r.optional_figure("price_per_device_hour_usd");
+  c.power_per_device_w = r.optional_figure("power_per_device_w");
+  if (!c.power_per_device_w) c.power_per_device_w = c.device.power_w;
+  return c;
+}
+
+std::vector<std::string> list_clusters() { return list_data_names("topologies"); }
+
+Cluster load_cluster(std::string_view name_or_path) {
+  const auto path = resolve_data_file("cluster", "topologies", name_or_path);
+  return cluster_from_json(JsonReader::parse_file(path), path.string());
+}
+
+Cluster with_devices(const Cluster& cluster, std::int64_t devices) {
+  if (devices <= 0) {
+    throw InputError(fmt::format("--gpus: expected a positive number of devices, got {}", devices));
+  }
+  Cluster c = cluster;
+  if (devices == cluster.devices()) return c;
+  if (cluster.inter.fabric == InterFabric::Torus3d) {
+    throw InputError(fmt::format(
+        "--gpus {}: cluster {} is a fixed {}-device torus; pick a topology file of that size",
+        devices, cluster.name, cluster.devices()));
+  }
+  const std::int64_t dpn = cluster.devices_per_node;
+  if (devices < dpn) {
+    c.nodes = 1;
+    c.devices_per_node = devices;
+  } else if (devices % dpn == 0) {
+    c.nodes = devices / dpn;
+  } else {
+    throw InputError(fmt::format(
+        "--gpus {}: cluster {} has {} devices per node; use fewer than one node or a multiple of {}",
+        devices, cluster.name, dpn, dpn));
+  }
+  if (c.nodes > 1 && c.inter.fabric == InterFabric::None) {
+    throw InputError(fmt::format("--gpus {}: cluster {} is a single node with no inter-node network",
+                                 devices, cluster.name));
+  }
+  return c;
+}
+
+}  // namespace dtsim::cluster

@@ -1,0 +1,66 @@
+// A cluster (topologies/*.json, format in topologies/README.md): devices of one kind in nodes,
+// the intra-node fabric and the inter-node network.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "sim/cluster/device_catalog.hpp"
+
+namespace dtsim::cluster {
+
+enum class IntraFabric { NvSwitch, NvlinkMesh, Xgmi, IciTorus, Pcie, SharedMemory };
+enum class InterFabric { FatTree, RailOptimized, Torus3d, Dragonfly, None };
+enum class Transport { InfiniBand, RoCE, Ethernet, Efa, Slingshot, Ici, None };
+
+struct IntraNode {
+  IntraFabric fabric = IntraFabric::NvSwitch;
+  Figure bw_bytes_per_s;  // per device, per direction
+  Figure latency_s;
+};
+
+struct InterNode {
+  InterFabric fabric = InterFabric::None;
+  Transport transport = Transport::None;
+  std::int64_t nics_per_node = 0;
+  Figure nic_bw_bytes_per_s;  // per NIC, per direction
+  Figure latency_s;
+  std::int64_t nodes_per_leaf = 0;  // fat_tree, rail_optimized (and dragonfly groups)
+  Figure oversubscription{1.0, "non-blocking (default)"};
+  std::vector<std::int64_t> torus_dims;  // torus_3d, in devices
+  Figure link_bw_bytes_per_s;            // torus_3d, per link per direction
+};
+
+struct Cluster {
+  std::string name;
+  std::string description;
+  std::string source;
+  std::string file;
+  DeviceSpec device;
+  std::int64_t nodes = 0;
+  std::int64_t devices_per_node = 0;
+  IntraNode intra;
+  InterNode inter;
+  std::optional<Figure> price_per_device_hour_usd;
+  std::optional<Figure> power_per_device_w;
+
+  std::int64_t devices() const { return nodes * devices_per_node; }
+};
+
+Cluster cluster_from_json(const nlohmann::json& j, const std::string& file);
+Cluster load_cluster(std::string_view name_or_path);
+std::vector<std::string> list_clusters();
+
+// The same cluster with `devices` devices (--gpus): whole nodes, or part of one node.
+// Throws InputError when `devices` is neither, or exceeds a torus's fixed size.
+Cluster with_devices(const Cluster& cluster, std::int64_t devices);
+
+std::string_view to_string(IntraFabric f);
+std::string_view to_string(InterFabric f);
+std::string_view to_string(Transport t);
+
+}  // namespace dtsim::cluster

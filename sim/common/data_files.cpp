@@ -1,0 +1,50 @@
+#include "sim/common/data_files.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "sim/common/error.hpp"
+
+namespace dtsim {
+
+namespace fs = std::filesystem;
+
+fs::path data_dir() {
+  if (const char* env = std::getenv("DTSIM_DATA_DIR"); env != nullptr && *env != '\0') {
+    return fs::path(env);
+  }
+  return fs::path(DTSIM_DATA_DIR);
+}
+
+std::vector<std::string> list_data_names(std::string_view subdir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(data_dir() / subdir, ec)) {
+    if (entry.is_regular_file() && entry.path().extension() == ".json") {
+      names.push_back(entry.path().stem().string());
+    }
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+fs::path resolve_data_file(std::string_view what, std::string_view subdir,
+                           std::string_view name_or_path) {
+  const fs::path as_path{std::string(name_or_path)};
+  const bool looks_like_path = name_or_path.find('/') != std::string_view::npos ||
+                               as_path.extension() == ".json";
+  if (looks_like_path || fs::is_regular_file(as_path)) {
+    if (!fs::is_regular_file(as_path)) {
+      throw InputError(fmt::format("{}: no such {} file", name_or_path, what));
+    }
+    return as_path;
+  }
+  const fs::path candidate = data_dir() / subdir / (std::string(name_or_path) + ".json");
+  if (fs::is_regular_file(candidate)) return candidate;
+  throw InputError(fmt::format("unknown {} \"{}\" (known: {}; or give a path to a JSON file)",
+                               what, name_or_path, fmt::join(list_data_names(subdir), ", ")));
+}
+
+}  // namespace dtsim

@@ -1,0 +1,23 @@
+// Finding the data shipped with dtsim (models/, topologies/) by name or by path.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtsim {
+
+// $DTSIM_DATA_DIR if set, else the source tree this binary was built from.
+std::filesystem::path data_dir();
+
+// Sorted names (file stems) of the *.json files in data_dir()/subdir.
+std::vector<std::string> list_data_names(std::string_view subdir);
+
+// `name_or_path` is a path when it names an existing file or contains '/' or ends in ".json";
+// otherwise it is a name looked up as data_dir()/subdir/<name>.json. An unknown name throws
+// InputError listing the known ones; `what` ("model", "cluster") goes in the message.
+std::filesystem::path resolve_data_file(std::string_view what, std::string_view subdir,
+                                        std::string_view name_or_path);
+
+}  // namespace dtsim

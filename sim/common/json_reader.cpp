@@ -1,0 +1,203 @@
+#include "sim/common/json_reader.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "sim/common/error.hpp"
+
+namespace dtsim {
+
+using nlohmann::json;
+
+std::string describe_json_value(const json& value) {
+  if (value.is_object()) return "an object";
+  if (value.is_array()) return "an array";
+  std::string text = value.dump();
+  if (text.size() > 40) text = text.substr(0, 37) + "...";
+  return text;
+}
+
+JsonReader::JsonReader(const json& object, std::string file, std::string path)
+    : json_(&object), file_(std::move(file)), path_(std::move(path)) {
+  if (!json_->is_object()) {
+    throw InputError(fmt::format("{}: {}expected a JSON object, got {}", file_,
+                                 path_.empty() ? "" : path_ + ": ", describe_json_value(*json_)));
+  }
+}
+
+json JsonReader::parse_file(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  if (!in) throw InputError(fmt::format("{}: cannot open file", file.string()));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  try {
+    return json::parse(buffer.str());
+  } catch (const json::parse_error& e) {
+    // nlohmann's message carries line and column ("[json.exception.parse_error.101] parse
+    // error at line 3, column 5: ..."); keep the part after the tag.
+    std::string what = e.what();
+    if (auto pos = what.find("] "); pos != std::string::npos) what = what.substr(pos + 2);
+    throw InputError(fmt::format("{}: malformed JSON: {}", file.string(), what));
+  }
+}
+
+std::string JsonReader::where(std::string_view key) const {
+  if (path_.empty()) return fmt::format("{}: {}", file_, key);
+  return fmt::format("{}: {}.{}", file_, path_, key);
+}
+
+bool JsonReader::has(std::string_view key) const {
+  return json_->contains(key) && !(*json_)[std::string(key)].is_null();
+}
+
+void JsonReader::fail(std::string_view key, std::string_view message) const {
+  throw InputError(fmt::format("{}: {}", where(key), message));
+}
+
+const json& JsonReader::at(std::string_view key) const {
+  if (!has(key)) fail(key, "required field is missing");
+  return json_->at(std::string(key));
+}
+
+std::string JsonReader::string(std::string_view key) const {
+  const json& v = at(key);
+  if (!v.is_string()) fail(key, fmt::format("expected a string, got {}", describe_json_value(v)));
+  return v.get<std::string>();
+}
+
+std::string JsonReader::string_or(std::string_view key, std::string_view fallback) const {
+  return has(key) ? string(key) : std::string(fallback);
+}
+
+bool JsonReader::boolean(std::string_view key) const {
+  const json& v = at(key);
+  if (!v.is_boolean()) {
+    fail(key, fmt::format("expected true or false, got {}", describe_json_value(v)));
+  }
+  return v.get<bool>();
+}
+
+bool JsonReader::boolean_or(std::string_view key, bool fallback) const {
+  return has(key) ? boolean(key) : fallback;
+}
+
+std::int64_t JsonReader::as_positive_int(const json& v, std::string_view key) const {
+  // Integers written as 1e9 are accepted when they are whole numbers.
+  if (v.is_number_integer() && !v.is_number_unsigned() && v.get<std::int64_t>() > 0) {
+    return v.get<std::int64_t>();
+  }
+  if (v.is_number_unsigned() && v.get<std::uint64_t>() > 0 &&
+      v.get<std::uint64_t>() <= static_cast<std::uint64_t>(INT64_MAX)) {
+    return static_cast<std::int64_t>(v.get<std::uint64_t>());
+  }
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (d > 0 && d < 9.2e18 && std::floor(d) == d) return static_cast<std::int64_t>(d);
+  }
+  fail(key, fmt::format("expected a positive integer, got {}", describe_json_value(v)));
+}
+
+std::int64_t JsonReader::positive_int(std::string_view key) const {
+  return as_positive_int(at(key), key);
+}
+
+std::int64_t JsonReader::positive_int_or(std::string_view key, std::int64_t fallback) const {
+  return has(key) ? positive_int(key) : fallback;
+}
+
+double JsonReader::positive_number(std::string_view key) const {
+  const json& v = at(key);
+  if (!v.is_number() || !(v.get<double>() > 0) || !std::isfinite(v.get<double>())) {
+    fail(key, fmt::format("expected a positive number, got {}", describe_json_value(v)));
+  }
+  return v.get<double>();
+}
+
+double JsonReader::non_negative_number(std::string_view key) const {
+  const json& v = at(key);
+  if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>())) {
+    fail(key, fmt::format("expected a number >= 0, got {}", describe_json_value(v)));
+  }
+  return v.get<double>();
+}
+
+std::string JsonReader::choice(std::string_view key,
+                               std::initializer_list<std::string_view> allowed) const {
+  const json& v = at(key);
+  std::string known = fmt::format("{}", fmt::join(allowed, ", "));
+  if (!v.is_string()) {
+    fail(key, fmt::format("expected one of {}, got {}", known, describe_json_value(v)));
+  }
+  const std::string s = v.get<std::string>();
+  for (std::string_view a : allowed) {
+    if (s == a) return s;
+  }
+  fail(key, fmt::format("expected one of {}, got \"{}\"", known, s));
+}
+
+Figure JsonReader::figure(std::string_view key, bool allow_zero) const {
+  const JsonReader f = object(key);
+  f.expect_only({"value", "source", "note"});
+  Figure out;
+  out.value = allow_zero ? f.non_negative_number("value") : f.positive_number("value");
+  out.source = f.string("source");
+  if (out.source.empty()) f.fail("source", "expected a non-empty source (datasheet, paper, ...)");
+  return out;
+}
+
+std::optional<Figure> JsonReader::optional_figure(std::string_view key, bool allow_zero) const {
+  if (!has(key)) return std::nullopt;
+  return figure(key, allow_zero);
+}
+
+JsonReader JsonReader::object(std::string_view key) const {
+  const json& v = at(key);
+  if (!v.is_object()) fail(key, fmt::format("expected an object, got {}", describe_json_value(v)));
+  std::string path = path_.empty() ? std::string(key) : fmt::format("{}.{}", path_, key);
+  return JsonReader(v, file_, std::move(path));
+}
+
+std::vector<std::int64_t> JsonReader::positive_int_array(std::string_view key) const {
+  const json& v = at(key);
+  if (!v.is_array() || v.empty()) {
+    fail(key, fmt::format("expected a non-empty array of positive integers, got {}",
+                          describe_json_value(v)));
+  }
+  std::vector<std::int64_t> out;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    out.push_back(as_positive_int(v[i], fmt::format("{}[{}]", key, i)));
+  }
+  return out;
+}
+
+std::vector<std::string> JsonReader::string_array(std::string_view key) const {
+  const json& v = at(key);
+  if (!v.is_array()) {
+    fail(key, fmt::format("expected an array of strings, got {}", describe_json_value(v)));
+  }
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (!v[i].is_string()) {
+      fail(fmt::format("{}[{}]", key, i),
+           fmt::format("expected a string, got {}", describe_json_value(v[i])));
+    }
+    out.push_back(v[i].get<std::string>());
+  }
+  return out;
+}
+
+void JsonReader::expect_only(std::initializer_list<std::string_view> known) const {
+  for (const auto& [name, value] : json_->items()) {
+    bool ok = false;
+    for (std::string_view k : known) ok = ok || name == k;
+    if (!ok) {
+      fail(name, fmt::format("unknown field (known fields: {})", fmt::join(known, ", ")));
+    }
+  }
+}
+
+}  // namespace dtsim

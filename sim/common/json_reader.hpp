@@ -1,0 +1,69 @@
+// Typed, validated access to one JSON object of one input file. Every failure throws InputError
+// naming the file, the field path and the expectation:
+//   "topologies/x.json: inter_node.nodes_per_leaf: expected a positive integer, got -1"
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <initializer_list>
+#include <nlohmann/json_fwd.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtsim {
+
+// A number with the place it comes from (datasheet, paper, calibration run).
+struct Figure {
+  double value = 0.0;
+  std::string source;
+};
+
+class JsonReader {
+ public:
+  JsonReader(const nlohmann::json& object, std::string file, std::string path = {});
+
+  // Reads and parses a whole file; malformed JSON names the file, line and column.
+  static nlohmann::json parse_file(const std::filesystem::path& file);
+
+  const std::string& file() const { return file_; }
+  const nlohmann::json& raw() const { return *json_; }
+  // "file: path.key" for messages.
+  std::string where(std::string_view key) const;
+  bool has(std::string_view key) const;
+
+  std::string string(std::string_view key) const;
+  std::string string_or(std::string_view key, std::string_view fallback) const;
+  bool boolean(std::string_view key) const;
+  bool boolean_or(std::string_view key, bool fallback) const;
+  std::int64_t positive_int(std::string_view key) const;
+  std::int64_t positive_int_or(std::string_view key, std::int64_t fallback) const;
+  double positive_number(std::string_view key) const;
+  double non_negative_number(std::string_view key) const;
+  // One of `allowed` (exact spelling); the message lists them.
+  std::string choice(std::string_view key, std::initializer_list<std::string_view> allowed) const;
+  // {"value": number > 0 (or >= 0 with allow_zero), "source": non-empty string}
+  Figure figure(std::string_view key, bool allow_zero = false) const;
+  std::optional<Figure> optional_figure(std::string_view key, bool allow_zero = false) const;
+  JsonReader object(std::string_view key) const;
+  std::vector<std::int64_t> positive_int_array(std::string_view key) const;
+  std::vector<std::string> string_array(std::string_view key) const;
+
+  // Rejects fields not in `known` (a typo must not be silently ignored).
+  void expect_only(std::initializer_list<std::string_view> known) const;
+  [[noreturn]] void fail(std::string_view key, std::string_view message) const;
+
+ private:
+  const nlohmann::json& at(std::string_view key) const;  // required field
+  std::int64_t as_positive_int(const nlohmann::json& v, std::string_view key) const;
+
+  const nlohmann::json* json_;
+  std::string file_;
+  std::string path_;
+};
+
+// A short rendering of a JSON value for error messages ("-1", "\"abc\"", "an object").
+std::string describe_json_value(const nlohmann::json& value);
+
+}  // namespace dtsim

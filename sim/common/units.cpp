@@ -1,0 +1,32 @@
+#include "sim/common/units.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+namespace dtsim {
+
+std::string format_gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / kGiB); }
+
+std::string format_count(std::uint64_t n) {
+  std::string digits = std::to_string(n);
+  std::string out;
+  const std::size_t lead = digits.size() % 3;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i != 0 && i >= lead && (i - lead) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+std::string format_si(double value) {
+  const double a = std::fabs(value);
+  if (a >= 1e15) return fmt::format("{:.2f} P", value / 1e15);
+  if (a >= 1e12) return fmt::format("{:.2f} T", value / 1e12);
+  if (a >= 1e9) return fmt::format("{:.2f} G", value / 1e9);
+  if (a >= 1e6) return fmt::format("{:.2f} M", value / 1e6);
+  if (a >= 1e3) return fmt::format("{:.2f} K", value / 1e3);
+  return fmt::format("{:.0f}", value);
+}
+
+}  // namespace dtsim

@@ -1,0 +1,19 @@
+// Units. Code keeps seconds, bytes and FLOPs; these helpers turn them into what humans read.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace dtsim {
+
+inline constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+inline constexpr double kGB = 1e9;
+
+// "12.34 GiB"
+std::string format_gib(double bytes);
+// "1,234,567"
+std::string format_count(std::uint64_t n);
+// "6.74 B", "124.4 M", "155.97 K" (params, FLOPs)
+std::string format_si(double value);
+
+}  // namespace dtsim

@@ -1,0 +1,377 @@
+#include "sim/model/model_graph.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <boost/graph/adjacency_list.hpp>
+#include <boost/graph/topological_sort.hpp>
+#include <iterator>
+
+#include "sim/common/error.hpp"
+
+namespace dtsim::model {
+
+struct ModelGraph::Impl {
+  // Vertex i is ops_[i]; an edge u -> v means v consumes u's output.
+  boost::adjacency_list<boost::vecS, boost::vecS, boost::bidirectionalS> graph;
+};
+
+std::string_view to_string(OpKind kind) {
+  switch (kind) {
+    case OpKind::Embedding: return "embedding";
+    case OpKind::Norm: return "norm";
+    case OpKind::QkvProj: return "qkv_proj";
+    case OpKind::AttentionCore: return "attention_core";
+    case OpKind::AttnOutProj: return "attn_out_proj";
+    case OpKind::Residual: return "residual";
+    case OpKind::MlpUp: return "mlp_up";
+    case OpKind::Activation: return "activation";
+    case OpKind::MlpDown: return "mlp_down";
+    case OpKind::Router: return "router";
+    case OpKind::LmHead: return "lm_head";
+    case OpKind::Loss: return "loss";
+  }
+  return "?";
+}
+
+namespace {
+
+using u64 = std::uint64_t;
+
+// Builds the ops of the model in dependency order; `add` returns the new op's id.
+class Builder {
+ public:
+  Builder(const ModelSpec& m, std::int64_t b, std::int64_t s, int act_bytes)
+      : m_(m),
+        tokens_(static_cast<double>(b) * static_cast<double>(s)),
+        b_(static_cast<u64>(b)),
+        s_(static_cast<u64>(s)),
+        act_(static_cast<u64>(act_bytes)) {}
+
+  std::vector<Op> ops;
+  std::vector<std::pair<OpId, OpId>> edges;
+
+  void build() {
+    const int layers = static_cast<int>(m_.layers);
+    OpId x = embedding();
+    for (int l = 0; l < layers; ++l) x = block(l, x);
+    const OpId fn = norm("final_norm", layers, x);
+    const OpId head = lm_head(layers, fn);
+    loss(layers, head);
+  }
+
+ private:
+  const ModelSpec& m_;
+  double tokens_;  // b·s
+  u64 b_, s_, act_;
+
+  u64 T() const { return b_ * s_; }
+  u64 h() const { return static_cast<u64>(m_.hidden); }
+
+  OpId add(Op op, std::initializer_list<OpId> inputs) {
+    ops.push_back(std::move(op));
+    const OpId id = ops.size() - 1;
+    for (OpId in : inputs) edges.emplace_back(in, id);
+    return id;
+  }
+
+  // A GEMM of (tokens x in) by (in x out): forward, input-gradient and weight-gradient each
+  // 2·tokens·in·out FLOPs; traffic reads input and weights, writes output (backward ~2x).
+  void gemm(Op& op, double tokens, double in, double out) const {
+    op.fwd_flops = 2.0 * tokens * in * out;
+    op.bwd_input_flops = op.fwd_flops;
+    op.bwd_weight_flops = op.fwd_flops;
+    const double a = static_cast<double>(act_);
+    op.fwd_bytes = a * (tokens * in + in * out + tokens * out);
+    op.bwd_bytes = 2.0 * op.fwd_bytes;
+  }
+
+  // Element-wise op over `elems` elements reading `reads` and writing `writes` tensors.
+  void elementwise(Op& op, double elems, double reads, double writes) const {
+    const double a = static_cast<double>(act_);
+    op.fwd_bytes = a * elems * (reads + writes);
+    op.bwd_bytes = 1.5 * op.fwd_bytes;  // reads saved input + upstream grad, writes grad
+  }
+
+  u64 norm_params() const { return h() * (m_.norm == Norm::LayerNorm && m_.bias.norm ? 2 : 1); }
+
+  OpId embedding() {
+    Op op;
+    op.name = "embedding";
+    op.kind = OpKind::Embedding;
+    op.layer = -1;
+    op.tp_split = TpSplit::Vocab;
+    op.params = static_cast<u64>(m_.vocab) * h();
+    if (m_.positions == Positions::Learned) {
+      op.tp_replicated_params = static_cast<u64>(m_.max_positions) * h();
+      op.params += op.tp_replicated_params;
+    }
+    const double pos_reads = m_.positions == Positions::Learned ? 1.0 : 0.0;
+    elementwise(op, tokens_ * static_cast<double>(h()), 1.0 + pos_reads, 1.0);
+    // Korthikanti et al. §4.3: the embedding dropout keeps a 1-byte mask of s·b·h.
+    if (m_.dropout) op.saved_bytes = T() * h();
+    return add(std::move(op), {});
+  }
+
+  OpId norm(std::string name, int layer, OpId in) {
+    Op op;
+    op.name = std::move(name);
+    op.kind = OpKind::Norm;
+    op.layer = layer;
+    op.params = norm_params();
+    op.tp_replicated_params = op.params;
+    elementwise(op, tokens_ * static_cast<double>(h()), 1.0, 1.0);
+    op.saved_bytes = act_ * T() * h();  // its input (2sbh)
+    return add(std::move(op), {in});
+  }
+
+  OpId residual(std::string name, int layer, OpId branch, OpId skip) {
+    Op op;
+    op.name = std::move(name);
+    op.kind = OpKind::Residual;
+    op.layer = layer;
+    elementwise(op, tokens_ * static_cast<double>(h()), 2.0, 1.0);
+    if (m_.dropout) op.saved_bytes = T() * h();  // dropout mask, 1 byte (sbh)
+    return add(std::move(op), {branch, skip});
+  }
+
+  OpId block(int l, OpId x) {
+    const auto name = [l](std::string_view what) { return fmt::format("L{}.{}", l, what); };
+    const double hd = static_cast<double>(h());
+    const u64 qw = static_cast<u64>(m_.q_width());
+    const u64 kw = static_cast<u64>(m_.kv_width());
+
+    const OpId n1 = norm(name("norm1"), l, x);
+
+    Op qkv;
+    qkv.name = name("qkv");
+    qkv.kind = OpKind::QkvProj;
+    qkv.layer = l;
+    qkv.tp_split = TpSplit::Column;
+    qkv.params = h() * (qw + 2 * kw) + (m_.bias.qkv ? qw + 2 * kw : 0);
+    gemm(qkv, tokens_, hd, static_cast<double>(qw + 2 * kw));
+    qkv.saved_bytes = act_ * T() * h();  // its input, the norm output (2sbh)
+    const OpId q = add(std::move(qkv), {n1});
+
+    Op core;
+    core.name = name("attention");
+    core.kind = OpKind::AttentionCore;
+    core.layer = l;
+    core.tp_split = TpSplit::Heads;
+    core.saved_tp_split = true;
+    // Q·K^T and P·V: 2 GEMMs of 2·b·a·s²·d each; backward needs 4 such GEMMs.
+    const double bas2 = static_cast<double>(b_) * static_cast<double>(m_.heads) *
+                        static_cast<double>(s_) * static_cast<double>(s_);
+    core.fwd_flops = 4.0 * bas2 * static_cast<double>(m_.head_dim);
+    core.bwd_input_flops = 2.0 * core.fwd_flops;
+    // Traffic of an unfused-softmax implementation (Megatron-LM 2021): read Q, K, V, write the
+    // output, and write scores, read them, write probabilities, read them (4 passes over b·a·s²).
+    const double a = static_cast<double>(act_);
+    core.fwd_bytes = a * (tokens_ * static_cast<double>(2 * qw + 2 * kw) + 4.0 * bas2);
+    if (m_.dropout) core.fwd_bytes += bas2 * (1.0 + 2.0 * a);
+    core.bwd_bytes = 2.0 * core.fwd_bytes;
+    // Saved: Q, K, V (Korthikanti: 4sbh for Q, K and 2sbh for V when kv = heads), and the
+    // quadratic terms: softmax output 2·a·s²·b, dropout mask a·s²·b, dropout output 2·a·s²·b.
+    const u64 quad_elems = b_ * static_cast<u64>(m_.heads) * s_ * s_;
+    core.saved_quadratic_bytes = act_ * quad_elems + (m_.dropout ? (1 + act_) * quad_elems : 0);
+    core.saved_bytes = act_ * T() * (qw + 2 * kw) + core.saved_quadratic_bytes;
+    const OpId c = add(std::move(core), {q});
+
+    Op out;
+    out.name = name("attn_out");
+    out.kind = OpKind::AttnOutProj;
+    out.layer = l;
+    out.tp_split = TpSplit::Row;
+    out.params = qw * h() + (m_.bias.attn_out ? h() : 0);
+    out.tp_replicated_params = m_.bias.attn_out ? h() : 0;
+    gemm(out, tokens_, static_cast<double>(qw), hd);
+    out.saved_bytes = act_ * T() * qw;  // its input (2sbh)
+    out.saved_tp_split = true;
+    const OpId o = add(std::move(out), {c});
+
+    const OpId r1 = residual(name("attn_residual"), l, o, x);
+    const OpId n2 = norm(name("norm2"), l, r1);
+
+    OpId mlp_in = n2;
+    u64 f = static_cast<u64>(m_.ffn_hidden);
+    u64 copies = 1;  // token copies through the MLP (top_k for MoE)
+    bool expert = false;
+    u64 experts = 1;
+    if (m_.moe) {
+      f = static_cast<u64>(m_.moe->expert_ffn_hidden);
+      copies = static_cast<u64>(m_.moe->top_k);
+      experts = static_cast<u64>(m_.moe->experts);
+      expert = true;
+      Op router;
+      router.name = name("router");
+      router.kind = OpKind::Router;
+      router.layer = l;
+      router.params = h() * experts;
+      router.tp_replicated_params = router.params;
+      gemm(router, tokens_, hd, static_cast<double>(experts));
+      // Saved: its input (2sbh) and the routing probabilities in fp32.
+      router.saved_bytes = act_ * T() * h() + 4 * T() * experts;
+      mlp_in = add(std::move(router), {n2});
+    }
+    const bool swiglu = m_.activation == Activation::SwiGlu;
+    const u64 up_width = swiglu ? 2 * f : f;  // gate and up projections for SwiGLU
+    const double routed = tokens_ * static_cast<double>(copies);
+
+    Op up;
+    up.name = name(expert ? "experts_up" : "mlp_up");
+    up.kind = OpKind::MlpUp;
+    up.layer = l;
+    up.expert = expert;
+    up.tp_split = TpSplit::Column;
+    up.params = experts * (h() * up_width + (m_.bias.mlp ? up_width : 0));
+    gemm(up, routed, hd, static_cast<double>(up_width));
+    if (expert) up.fwd_bytes += a * static_cast<double>(up.params);  // every expert's weights
+    up.saved_bytes = act_ * T() * copies * h();  // its input (2sbh per copy)
+    const OpId u = add(std::move(up), {mlp_in});
+
+    Op act;
+    act.name = name(expert ? "experts_act" : "mlp_act");
+    act.kind = OpKind::Activation;
+    act.layer = l;
+    act.expert = expert;
+    act.tp_split = TpSplit::Column;
+    act.saved_tp_split = true;
+    elementwise(act, routed * static_cast<double>(f), swiglu ? 2.0 : 1.0, 1.0);
+    act.saved_bytes = act_ * T() * copies * up_width;  // GELU input 8sbh; SwiGLU gate and up
+    const OpId ac = add(std::move(act), {u});
+
+    Op down;
+    down.name = name(expert ? "experts_down" : "mlp_down");
+    down.kind = OpKind::MlpDown;
+    down.layer = l;
+    down.expert = expert;
+    down.tp_split = TpSplit::Row;
+    down.params = experts * (f * h() + (m_.bias.mlp ? h() : 0));
+    down.tp_replicated_params = experts * (m_.bias.mlp ? h() : 0);
+    gemm(down, routed, static_cast<double>(f), hd);
+    if (expert) down.fwd_bytes += a * static_cast<double>(down.params);
+    down.saved_bytes = act_ * T() * copies * f;  // its input (8sbh for GELU with f = 4h)
+    down.saved_tp_split = true;
+    const OpId d = add(std::move(down), {ac});
+
+    return residual(name("mlp_residual"), l, d, r1);
+  }
+
+  OpId lm_head(int layer, OpId in) {
+    Op op;
+    op.name = "lm_head";
+    op.kind = OpKind::LmHead;
+    op.layer = layer;
+    op.tp_split = TpSplit::Vocab;
+    // A tied head reuses the embedding matrix: no parameters of its own.
+    op.params = m_.tied_embeddings ? 0 : static_cast<u64>(m_.vocab) * h();
+    gemm(op, tokens_, static_cast<double>(h()), static_cast<double>(m_.vocab));
+    op.saved_bytes = act_ * T() * h();  // its input (2sbh)
+    return add(std::move(op), {in});
+  }
+
+  void loss(int layer, OpId in) {
+    Op op;
+    op.name = "loss";
+    op.kind = OpKind::Loss;
+    op.layer = layer;
+    op.tp_split = TpSplit::Vocab;
+    op.saved_tp_split = true;
+    // Cross-entropy in fp32 over the logits (Korthikanti et al. §4.3: 4sbV/t bytes).
+    const double logits = tokens_ * static_cast<double>(m_.vocab);
+    op.fwd_bytes = 4.0 * logits * 2.0;
+    op.bwd_bytes = 4.0 * logits * 2.0;
+    op.saved_bytes = 4 * T() * static_cast<u64>(m_.vocab);
+    add(std::move(op), {in});
+  }
+};
+
+}  // namespace
+
+ModelGraph::ModelGraph(ModelSpec spec, std::int64_t micro_batch, std::int64_t seq_len,
+                       int activation_bytes)
+    : spec_(std::move(spec)), micro_batch_(micro_batch), seq_len_(seq_len) {
+  DTSIM_ASSERT(micro_batch > 0 && seq_len > 0, "ModelGraph needs a positive batch and length");
+  Builder builder(spec_, micro_batch, seq_len, activation_bytes);
+  builder.build();
+  ops_ = std::move(builder.ops);
+
+  impl_ = std::make_unique<Impl>();
+  impl_->graph = decltype(impl_->graph)(ops_.size());
+  for (const auto& [from, to] : builder.edges) boost::add_edge(from, to, impl_->graph);
+
+  std::vector<OpId> reversed;
+  boost::topological_sort(impl_->graph, std::back_inserter(reversed));
+  topo_.assign(reversed.rbegin(), reversed.rend());
+
+  groups_.resize(static_cast<std::size_t>(spec_.layers) + 2);
+  for (OpId id = 0; id < ops_.size(); ++id) {
+    groups_.at(static_cast<std::size_t>(ops_[id].layer + 1)).push_back(id);
+  }
+}
+
+ModelGraph::~ModelGraph() = default;
+ModelGraph::ModelGraph(ModelGraph&&) noexcept = default;
+ModelGraph& ModelGraph::operator=(ModelGraph&&) noexcept = default;
+
+std::vector<OpId> ModelGraph::predecessors(OpId id) const {
+  std::vector<OpId> out;
+  for (auto [it, end] = boost::in_edges(id, impl_->graph); it != end; ++it) {
+    out.push_back(boost::source(*it, impl_->graph));
+  }
+  return out;
+}
+
+std::vector<OpId> ModelGraph::successors(OpId id) const {
+  std::vector<OpId> out;
+  for (auto [it, end] = boost::out_edges(id, impl_->graph); it != end; ++it) {
+    out.push_back(boost::target(*it, impl_->graph));
+  }
+  return out;
+}
+
+const std::vector<OpId>& ModelGraph::layer_ops(int layer) const {
+  DTSIM_ASSERT(layer >= -1 && layer <= spec_.layers, fmt::format("no layer {}", layer));
+  return groups_[static_cast<std::size_t>(layer + 1)];
+}
+
+namespace {
+void accumulate(GraphTotals& t, const Op& op) {
+  t.params += op.params;
+  t.fwd_flops += op.fwd_flops;
+  t.bwd_flops += op.bwd_input_flops + op.bwd_weight_flops;
+  t.saved_bytes += op.saved_bytes;
+}
+}  // namespace
+
+GraphTotals ModelGraph::layer_totals(int layer) const {
+  GraphTotals t;
+  for (OpId id : layer_ops(layer)) accumulate(t, ops_[id]);
+  return t;
+}
+
+GraphTotals ModelGraph::totals() const {
+  GraphTotals t;
+  for (const Op& op : ops_) accumulate(t, op);
+  return t;
+}
+
+std::uint64_t count_params(const ModelSpec& spec) { return ModelGraph(spec, 1, 1).totals().params; }
+
+bool matches_published_params(const ModelSpec& spec, std::uint64_t params) {
+  if (!spec.published_params) return false;
+  const std::uint64_t unit = spec.published_params_precision;
+  return (params + unit / 2) / unit * unit == *spec.published_params;
+}
+
+double megatron_train_flops_per_token(const ModelSpec& spec, std::int64_t seq_len,
+                                      bool full_recompute) {
+  const double l = static_cast<double>(spec.layers);
+  const double h = static_cast<double>(spec.hidden);
+  const double s = static_cast<double>(seq_len);
+  const double v = static_cast<double>(spec.vocab);
+  if (full_recompute) return 96.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h));
+  return 72.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h));
+}
+
+}  // namespace dtsim::model

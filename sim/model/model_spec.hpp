@@ -1,0 +1,84 @@
+// The description of a decoder-only transformer (models/README.md) and its loaders: dtsim's own
+// JSON format and Hugging Face config.json files.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace dtsim::model {
+
+enum class Activation { Gelu, SwiGlu };
+enum class Norm { LayerNorm, RmsNorm };
+enum class Positions { Learned, Rope };
+
+struct BiasSpec {
+  bool qkv = false;
+  bool attn_out = false;
+  bool mlp = false;
+  bool norm = false;
+};
+
+// Mixture of experts: every block's MLP becomes `experts` MLPs of width `expert_ffn_hidden`
+// (same activation), each token routed to `top_k` of them by an h x experts router.
+struct MoeSpec {
+  std::int64_t experts = 0;
+  std::int64_t top_k = 0;
+  std::int64_t expert_ffn_hidden = 0;
+};
+
+struct ModelSpec {
+  std::string name;
+  std::string description;
+  std::string source;
+  std::string file;  // where it was read from (for messages)
+
+  std::int64_t layers = 0;
+  std::int64_t hidden = 0;
+  std::int64_t heads = 0;
+  std::int64_t kv_heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t ffn_hidden = 0;
+  std::int64_t vocab = 0;
+  std::int64_t max_positions = 0;
+  std::int64_t seq_len = 0;  // default training sequence length
+  Activation activation = Activation::Gelu;
+  Norm norm = Norm::LayerNorm;
+  Positions positions = Positions::Learned;
+  bool tied_embeddings = false;
+  BiasSpec bias;
+  bool dropout = false;
+  std::optional<MoeSpec> moe;
+
+  std::optional<std::uint64_t> published_params;
+  std::uint64_t published_params_precision = 1;
+  std::string published_params_source;
+
+  // Width of the attention projections: heads x head_dim (q) and kv_heads x head_dim (k, v).
+  std::int64_t q_width() const { return heads * head_dim; }
+  std::int64_t kv_width() const { return kv_heads * head_dim; }
+  // The classic GPT block that Megatron-LM's FLOP formula describes exactly: multi-head
+  // attention with head_dim = hidden/heads, GELU MLP of 4h, no MoE.
+  bool is_megatron_gpt() const;
+};
+
+// Loads a model by name (models/<name>.json) or path; a file with a top-level "model_type" is
+// read as a Hugging Face config.json. Throws InputError naming file and field.
+ModelSpec load_model(std::string_view name_or_path);
+
+// Parses dtsim's model format; `file` is used in messages.
+ModelSpec model_from_json(const nlohmann::json& j, const std::string& file);
+
+// Parses a Hugging Face config.json (model_type gpt2, llama, mistral, mixtral, qwen2).
+ModelSpec model_from_hf_config(const nlohmann::json& j, const std::string& file);
+
+// Checks dimensions for consistency (hidden divisible by heads, kv_heads dividing heads, ...).
+void validate_model(const ModelSpec& m);
+
+std::string_view to_string(Activation a);
+std::string_view to_string(Norm n);
+std::string_view to_string(Positions p);
+
+}  // namespace dtsim::model

@@ -1,0 +1,224 @@
+#include "sim/plan/memory_model.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+
+#include "sim/common/error.hpp"
+
+namespace dtsim::plan {
+
+using model::ModelGraph;
+using model::Op;
+using model::TpSplit;
+
+int activation_bytes_per_element(Precision precision) {
+  return precision == Precision::Fp32 || precision == Precision::Tf32 ? 4 : 2;
+}
+
+StateBytesPerParam state_bytes_per_param(Precision precision, Optimizer optimizer) {
+  const bool full = precision == Precision::Fp32 || precision == Precision::Tf32;
+  const double weights = full ? 4 : 2;
+  const double gradients = full ? 4 : 2;
+  const double moments = optimizer == Optimizer::Adam ? 8 : 4;  // fp32 momentum (+ variance)
+  const double master = full ? 0 : 4;                           // fp32 master weights
+  return {weights, gradients, moments + master};
+}
+
+ModelStates zero_model_states(double params, int zero_stage, int dp, StateBytesPerParam bytes) {
+  DTSIM_ASSERT(dp >= 1 && zero_stage >= 0 && zero_stage <= 3, "bad ZeRO arguments");
+  const double n = dp;
+  ModelStates s;
+  s.weights = params * bytes.weights / (zero_stage >= 3 ? n : 1.0);
+  s.gradients = params * bytes.gradients / (zero_stage >= 2 ? n : 1.0);
+  s.optimizer = params * bytes.optimizer / (zero_stage >= 1 ? n : 1.0);
+  return s;
+}
+
+namespace {
+
+// How many ways a saved tensor of `op` is split on one rank.
+double activation_divisor(const Op& op, const Plan& plan) {
+  const bool tp_split = op.saved_tp_split || plan.sequence_parallel;
+  return static_cast<double>(plan.cp) * (tp_split ? plan.tp : 1);
+}
+
+// Activations of ops outside the blocks (embedding; final norm, LM head, loss).
+double extra_activation_bytes(const ModelGraph& g, int group, const Plan& plan) {
+  double bytes = 0;
+  for (model::OpId id : g.layer_ops(group)) {
+    const Op& op = g.op(id);
+    bytes += static_cast<double>(op.saved_bytes) / activation_divisor(op, plan);
+  }
+  return bytes;
+}
+
+// Parameters one rank holds of `op`, and whether they are expert parameters.
+double rank_params(const Op& op, const Plan& plan) {
+  const double replicated = static_cast<double>(op.tp_replicated_params);
+  const double split = static_cast<double>(op.params) - replicated;
+  double p = split / (op.tp_split == TpSplit::None ? 1.0 : plan.tp) + replicated;
+  if (op.expert) p /= plan.ep;
+  return p;
+}
+
+}  // namespace
+
+double block_activation_bytes(const ModelGraph& g, int layer, const Plan& plan) {
+  DTSIM_ASSERT(layer >= 0 && layer < g.spec().layers, "not a transformer block");
+  if (plan.recompute == Recompute::Full) {
+    // Only the block's input survives the forward pass (Korthikanti Table 2: 2sbh; sharded
+    // over tp with sequence parallelism). It is the input saved by the block's first norm.
+    const Op& first = g.op(g.layer_ops(layer).front());
+    return static_cast<double>(first.saved_bytes) /
+           (static_cast<double>(plan.cp) * (plan.sequence_parallel ? plan.tp : 1));
+  }
+  double bytes = 0;
+  for (model::OpId id : g.layer_ops(layer)) {
+    const Op& op = g.op(id);
+    double saved = static_cast<double>(op.saved_bytes);
+    if (plan.recompute == Recompute::Selective) saved -= static_cast<double>(op.saved_quadratic_bytes);
+    bytes += saved / activation_divisor(op, plan);
+  }
+  return bytes;
+}
+
+std::int64_t in_flight(const Plan& plan, int stage) {
+  const std::int64_t m = plan.micro_batches();
+  const std::int64_t p = plan.pp;
+  if (p == 1) return 1;
+  switch (plan.schedule) {
+    case Schedule::GPipe: return m;
+    case Schedule::Interleaved: {
+      const std::int64_t v = plan.virtual_stages;
+      return std::min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v);
+    }
+    case Schedule::OneFOneB:
+    case Schedule::ZeroBubble:
+    case Schedule::PipeDreamAsync: return std::min(p - stage, m);
+  }
+  return m;
+}
+
+MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan,
+                             const cluster::Cluster& cluster, const MemoryOptions& options) {
+  const model::ModelSpec& spec = g.spec();
+  DTSIM_ASSERT(g.micro_batch() == plan.micro_batch_size && g.seq_len() == plan.seq_len,
+               "the graph must be built for the plan's micro-batch and sequence length");
+  const std::vector<int> chunks = chunk_layers(plan, spec.layers);
+  const StateBytesPerParam per_param = state_bytes_per_param(plan.precision, plan.optimizer);
+  const int v = plan.virtual_stages;
+
+  MemoryReport report;
+  report.capacity_bytes = options.capacity_bytes.value_or(cluster.device.memory_bytes.value);
+  for (int stage = 0; stage < plan.pp; ++stage) {
+    StageMemory s;
+    s.stage = stage;
+    s.in_flight = in_flight(plan, stage);
+    double dense_params = 0;
+    double expert_params = 0;
+    double block_activations = 0;
+    double largest_layer_params = 0;  // for ZeRO-3's gathered-weights buffer
+    // Chunk c of this rank is global chunk c·pp + stage; global chunk k covers the blocks after
+    // chunks 0..k-1.
+    for (int c = 0; c < v; ++c) {
+      const int k = c * plan.pp + stage;
+      int first = 0;
+      for (int i = 0; i < k; ++i) first += chunks[static_cast<std::size_t>(i)];
+      const int count = chunks[static_cast<std::size_t>(k)];
+      s.layers += count;
+      for (int layer = first; layer < first + count; ++layer) {
+        double layer_params = 0;
+        for (model::OpId id : g.layer_ops(layer)) {
+          const Op& op = g.op(id);
+          const double p = rank_params(op, plan);
+          (op.expert ? expert_params : dense_params) += p;
+          layer_params += p;
+        }
+        largest_layer_params = std::max(largest_layer_params, layer_params);
+        const double act = block_activation_bytes(g, layer, plan);
+        block_activations += act;
+      }
+    }
+    // The embedding lives on the first stage, the final norm, head and loss on the last. A tied
+    // head on a different stage keeps its own copy of the embedding matrix (Megatron-LM).
+    double extra_activations = 0;
+    if (stage == 0) {
+      for (model::OpId id : g.layer_ops(-1)) dense_params += rank_params(g.op(id), plan);
+      extra_activations += extra_activation_bytes(g, -1, plan);
+    }
+    if (stage == plan.pp - 1) {
+      for (model::OpId id : g.layer_ops(static_cast<int>(spec.layers))) {
+        dense_params += rank_params(g.op(id), plan);
+      }
+      if (spec.tied_embeddings && plan.pp > 1) {
+        dense_params += static_cast<double>(spec.vocab * spec.hidden) / plan.tp;
+      }
+      extra_activations += extra_activation_bytes(g, static_cast<int>(spec.layers), plan);
+    }
+
+    const ModelStates dense = zero_model_states(dense_params, plan.zero_stage, plan.dp, per_param);
+    const ModelStates experts =
+        zero_model_states(expert_params, plan.zero_stage, plan.dp / plan.ep, per_param);
+    s.weights_bytes = dense.weights + experts.weights;
+    s.gradients_bytes = dense.gradients + experts.gradients;
+    s.optimizer_bytes = dense.optimizer + experts.optimizer;
+    if (plan.schedule == Schedule::PipeDreamAsync && plan.pp > 1) {
+      // Weight stashing (Narayanan et al. 2019): one weight version per micro-batch in flight.
+      s.weights_bytes *= static_cast<double>(s.in_flight);
+    }
+
+    // In-flight micro-batches (interleaved: chunks, each 1/v of the rank's blocks).
+    const double per_micro_batch = block_activations / v;
+    s.activations_bytes = per_micro_batch * static_cast<double>(s.in_flight);
+    // Embedding and head activations: counted once per micro-batch in flight at that end.
+    const double end_in_flight =
+        plan.schedule == Schedule::Interleaved
+            ? std::ceil(static_cast<double>(s.in_flight) / v)
+            : static_cast<double>(s.in_flight);
+    s.activations_bytes += extra_activations * end_in_flight;
+    if (plan.recompute == Recompute::Full) {
+      // Backward recomputes one block at a time and holds its full activations meanwhile.
+      Plan no_recompute = plan;
+      no_recompute.recompute = Recompute::None;
+      double working = 0;
+      for (int layer = 0; layer < spec.layers; ++layer) {
+        working = std::max(working, block_activation_bytes(g, layer, no_recompute));
+      }
+      s.activations_bytes += working;
+    }
+
+    s.other_bytes = options.framework_overhead_bytes;
+    if (plan.zero_stage == 3) {
+      // ZeRO-3 gathers a layer's weights before use and prefetches the next one.
+      s.other_bytes += 2.0 * largest_layer_params * per_param.weights;
+    }
+    s.total_bytes = s.weights_bytes + s.gradients_bytes + s.optimizer_bytes +
+                    s.activations_bytes + s.other_bytes;
+    const std::array<std::pair<double, const char*>, 5> terms = {{
+        {s.weights_bytes, "weights"},
+        {s.gradients_bytes, "gradients"},
+        {s.optimizer_bytes, "optimizer states"},
+        {s.activations_bytes, "activations"},
+        {s.other_bytes, "other"},
+    }};
+    s.dominant = std::max_element(terms.begin(), terms.end())->second;
+    report.stages.push_back(s);
+  }
+  for (std::size_t i = 0; i < report.stages.size(); ++i) {
+    if (report.stages[i].total_bytes > report.worst().total_bytes) {
+      report.worst_stage = static_cast<int>(i);
+    }
+  }
+  report.margin_bytes = report.capacity_bytes - report.worst().total_bytes;
+  report.fits = report.margin_bytes >= 0;
+  report.notes.push_back(fmt::format(
+      "other = {:.2f} GiB framework allowance (assumed; --framework-overhead-gib){}",
+      options.framework_overhead_bytes / (1024.0 * 1024 * 1024),
+      plan.zero_stage == 3 ? " + ZeRO-3 gathered-weight buffers" : ""));
+  return report;
+}
+
+}  // namespace dtsim::plan

@@ -1,0 +1,89 @@
+// Memory per rank: model states (weights, gradients, optimizer states; ZeRO stages 0-3),
+// activations (Korthikanti et al. 2022) times the micro-batches the schedule keeps in flight,
+// and other buffers. DESIGN.md "Modeling rules: Memory".
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sim/cluster/topology.hpp"
+#include "sim/model/model_graph.hpp"
+#include "sim/plan/plan.hpp"
+
+namespace dtsim::plan {
+
+// Bytes per parameter of each model state. Mixed precision (bf16/fp16/fp8) with Adam follows
+// Rajbhandari et al. 2020 (ZeRO) §3.1: 2 (16-bit weights) + 2 (16-bit gradients) + K = 12
+// (fp32 master weights, momentum, variance). fp32 training keeps 4 + 4 and Adam's 8; SGD with
+// momentum keeps one fp32 state (plus the master copy under mixed precision). fp8 training keeps
+// 16-bit weights and gradients (Transformer Engine casts to fp8 per GEMM).
+struct StateBytesPerParam {
+  double weights = 0;
+  double gradients = 0;
+  double optimizer = 0;
+};
+StateBytesPerParam state_bytes_per_param(Precision precision, Optimizer optimizer);
+
+// Model-state bytes on one data-parallel rank holding `params` parameters, ZeRO stage 0-3 over
+// `dp` ranks (ZeRO Table 1): stage 1 divides optimizer states, 2 also gradients, 3 also weights.
+struct ModelStates {
+  double weights = 0;
+  double gradients = 0;
+  double optimizer = 0;
+  double total() const { return weights + gradients + optimizer; }
+};
+ModelStates zero_model_states(double params, int zero_stage, int dp, StateBytesPerParam bytes);
+
+// Activations that one transformer block keeps for one micro-batch on one rank (Korthikanti
+// et al. Table 2, generalised by summing the ModelGraph's saved tensors): split over tp where
+// the tensor lives in the tensor-parallel region (over tp everywhere with sequence
+// parallelism), over cp always; selective recompute drops the s² attention terms; full
+// recompute keeps only the block's input.
+double block_activation_bytes(const model::ModelGraph& graph, int layer, const Plan& plan);
+
+// Micro-batches (for the interleaved schedule: model chunks) whose activations `stage` holds at
+// its peak: GPipe m; 1F1B, zero-bubble and PipeDream min(pp - stage, m) (Narayanan et al. 2021);
+// interleaved min(2·(pp - stage - 1) + (v - 1)·pp + 1, m·v) chunks (Megatron-LM's warm-up).
+// Without pipelining, one.
+std::int64_t in_flight(const Plan& plan, int stage);
+
+struct MemoryOptions {
+  // An allowance for the CUDA context, library workspaces (cuBLAS, NCCL) and allocator
+  // fragmentation. A dtsim assumption, not a measurement: override with
+  // --framework-overhead-gib, or calibrate on the target system.
+  double framework_overhead_bytes = 1.0 * 1024 * 1024 * 1024;
+  std::optional<double> capacity_bytes;  // overrides the device's memory
+};
+
+struct StageMemory {
+  int stage = 0;
+  int layers = 0;  // transformer blocks on this rank
+  std::int64_t in_flight = 0;
+  double weights_bytes = 0;
+  double gradients_bytes = 0;
+  double optimizer_bytes = 0;
+  double activations_bytes = 0;
+  double other_bytes = 0;
+  double total_bytes = 0;
+  std::string dominant;  // the largest term
+};
+
+struct MemoryReport {
+  std::vector<StageMemory> stages;  // one per pipeline stage (ranks of a stage are alike)
+  int worst_stage = 0;
+  double capacity_bytes = 0;
+  bool fits = false;
+  double margin_bytes = 0;  // capacity - worst total (negative when it does not fit)
+  std::vector<std::string> notes;
+  const StageMemory& worst() const { return stages.at(static_cast<std::size_t>(worst_stage)); }
+};
+
+// `graph` must be built for plan.micro_batch_size and plan.seq_len. The plan must be valid.
+MemoryReport estimate_memory(const model::ModelGraph& graph, const Plan& plan,
+                             const cluster::Cluster& cluster, const MemoryOptions& options = {});
+
+int activation_bytes_per_element(Precision precision);
+
+}  // namespace dtsim::plan

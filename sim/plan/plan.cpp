@@ -1,0 +1,310 @@
+#include "sim/plan/plan.hpp"
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "sim/common/error.hpp"
+#include "sim/common/json_reader.hpp"
+
+namespace dtsim::plan {
+
+using nlohmann::json;
+
+std::string_view to_string(Schedule s) {
+  switch (s) {
+    case Schedule::GPipe: return "gpipe";
+    case Schedule::OneFOneB: return "1f1b";
+    case Schedule::Interleaved: return "interleaved";
+    case Schedule::ZeroBubble: return "zero-bubble";
+    case Schedule::PipeDreamAsync: return "pipedream";
+  }
+  return "?";
+}
+
+std::string_view to_string(Recompute r) {
+  switch (r) {
+    case Recompute::None: return "none";
+    case Recompute::Selective: return "selective";
+    case Recompute::Full: return "full";
+  }
+  return "?";
+}
+
+std::string_view to_string(Optimizer o) { return o == Optimizer::Adam ? "adam" : "sgd"; }
+
+bool parse_schedule(std::string_view text, Schedule& out) {
+  for (Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved,
+                     Schedule::ZeroBubble, Schedule::PipeDreamAsync}) {
+    if (to_string(s) == text) {
+      out = s;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool parse_recompute(std::string_view text, Recompute& out) {
+  for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+    if (to_string(r) == text) {
+      out = r;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool parse_optimizer(std::string_view text, Optimizer& out) {
+  for (Optimizer o : {Optimizer::Adam, Optimizer::Sgd}) {
+    if (to_string(o) == text) {
+      out = o;
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string summary(const Plan& p) {
+  std::string s = fmt::format("dp={} tp={} pp={}", p.dp, p.tp, p.pp);
+  if (p.cp > 1) s += fmt::format(" cp={}", p.cp);
+  if (p.ep > 1) s += fmt::format(" ep={}", p.ep);
+  s += fmt::format(" mbs={} gbs={} {}", p.micro_batch_size, p.global_batch_size,
+                   to_string(p.schedule));
+  if (p.virtual_stages > 1) s += fmt::format(" v={}", p.virtual_stages);
+  if (p.zero_stage > 0) s += fmt::format(" zero={}", p.zero_stage);
+  if (p.recompute != Recompute::None) s += fmt::format(" recompute={}", to_string(p.recompute));
+  if (p.sequence_parallel) s += " sp";
+  s += fmt::format(" {}", to_string(p.precision));
+  return s;
+}
+
+std::vector<int> chunk_layers(const Plan& plan, std::int64_t layers) {
+  const std::size_t chunks = static_cast<std::size_t>(plan.pp) * plan.virtual_stages;
+  if (!plan.layers_per_stage.empty()) return plan.layers_per_stage;
+  std::vector<int> out(chunks, static_cast<int>(layers / static_cast<std::int64_t>(chunks)));
+  const auto extra = static_cast<std::size_t>(layers % static_cast<std::int64_t>(chunks));
+  for (std::size_t i = 0; i < extra; ++i) ++out[i];
+  return out;
+}
+
+PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devices) {
+  PlanCheck check;
+  auto error = [&](std::string rule, std::string message) {
+    check.errors.push_back({std::move(rule), std::move(message)});
+  };
+  if (p.dp < 1 || p.tp < 1 || p.pp < 1 || p.cp < 1 || p.ep < 1) {
+    error("positive-degrees", "dp, tp, pp, cp and ep must all be >= 1");
+    return check;
+  }
+  if (p.devices() != devices) {
+    error("devices", fmt::format("dp x tp x pp x cp = {} x {} x {} x {} = {} but the cluster has "
+                                 "{} devices",
+                                 p.dp, p.tp, p.pp, p.cp, p.devices(), devices));
+  }
+  if (m.heads % p.tp != 0) {
+    error("tp-heads", fmt::format("tp = {} does not divide {} attention heads", p.tp, m.heads));
+  }
+  if (m.kv_heads % p.tp != 0) {
+    error("tp-kv-heads",
+          fmt::format("tp = {} does not divide {} key/value heads", p.tp, m.kv_heads));
+  }
+  if (p.seq_len < 1 || p.seq_len > m.max_positions) {
+    error("seq-len", fmt::format("seq_len = {} must be in 1..{} (the model's max_positions)",
+                                 p.seq_len, m.max_positions));
+  }
+  if (p.seq_len % p.cp != 0) {
+    error("cp-seq", fmt::format("cp = {} does not divide seq_len = {}", p.cp, p.seq_len));
+  }
+  if (p.sequence_parallel && p.tp < 2) {
+    error("sp-needs-tp", "sequence parallelism needs tp > 1");
+  }
+  if (p.sequence_parallel && (p.seq_len / p.cp) % p.tp != 0) {
+    error("sp-seq", fmt::format("sequence parallelism needs tp = {} to divide the sequence "
+                                "length per cp rank ({})",
+                                p.tp, p.seq_len / p.cp));
+  }
+  if (p.ep > 1 && !m.moe) error("ep-needs-moe", fmt::format("ep = {} but {} has no experts",
+                                                            p.ep, m.name));
+  if (p.dp % p.ep != 0) {
+    error("ep-dp", fmt::format("ep = {} must divide dp = {} (experts are spread over data-"
+                               "parallel ranks)",
+                               p.ep, p.dp));
+  }
+  if (m.moe && m.moe->experts % p.ep != 0) {
+    error("ep-experts", fmt::format("ep = {} does not divide {} experts", p.ep, m.moe->experts));
+  }
+  if (p.micro_batch_size < 1 || p.global_batch_size < 1) {
+    error("batch", "micro-batch and global batch sizes must be >= 1");
+  } else if (p.global_batch_size % (p.micro_batch_size * p.dp) != 0) {
+    error("batch", fmt::format("global batch {} is not micro-batch {} x dp {} x a whole number of "
+                               "micro-batches",
+                               p.global_batch_size, p.micro_batch_size, p.dp));
+  }
+  if (p.zero_stage < 0 || p.zero_stage > 3) {
+    error("zero", fmt::format("zero stage {} is not one of 0, 1, 2, 3", p.zero_stage));
+  }
+  if (p.virtual_stages < 1) error("virtual-stages", "virtual stages must be >= 1");
+  if (p.schedule == Schedule::Interleaved) {
+    if (p.pp < 2) error("interleaved-pp", "the interleaved schedule needs pp > 1");
+    if (p.virtual_stages < 2) {
+      error("interleaved-v", "the interleaved schedule needs --virtual-stages >= 2");
+    }
+    if (p.global_batch_size % (p.micro_batch_size * p.dp) == 0 && p.micro_batches() % p.pp != 0) {
+      error("interleaved-m", fmt::format("the interleaved schedule needs the number of "
+                                         "micro-batches ({}) to be divisible by pp = {}",
+                                         p.micro_batches(), p.pp));
+    }
+  } else if (p.virtual_stages != 1) {
+    error("virtual-stages", fmt::format("--virtual-stages {} needs --schedule interleaved",
+                                        p.virtual_stages));
+  }
+  const std::int64_t chunks = std::int64_t{p.pp} * p.virtual_stages;
+  if (p.layers_per_stage.empty()) {
+    if (chunks > m.layers) {
+      error("layers", fmt::format("pp x virtual stages = {} exceeds the model's {} layers", chunks,
+                                  m.layers));
+    }
+  } else {
+    if (static_cast<std::int64_t>(p.layers_per_stage.size()) != chunks) {
+      error("layers", fmt::format("layers_per_stage has {} entries, expected pp x virtual stages "
+                                  "= {}",
+                                  p.layers_per_stage.size(), chunks));
+    }
+    const std::int64_t sum =
+        std::accumulate(p.layers_per_stage.begin(), p.layers_per_stage.end(), std::int64_t{0});
+    bool positive = true;
+    for (int n : p.layers_per_stage) positive = positive && n >= 1;
+    if (!positive) error("layers", "every entry of layers_per_stage must be >= 1");
+    if (sum != m.layers) {
+      error("layers", fmt::format("layers_per_stage sums to {}, the model has {} layers", sum,
+                                  m.layers));
+    }
+  }
+  if (p.zero_stage >= 2 && p.pp > 1) {
+    check.warnings.push_back(fmt::format(
+        "ZeRO-{} with pipeline parallelism is unusual: gradients are reduce-scattered (and "
+        "weights gathered) once per micro-batch instead of once per step",
+        p.zero_stage));
+  }
+  return check;
+}
+
+std::vector<std::string> require_valid(const Plan& plan, const model::ModelSpec& model,
+                                       std::int64_t devices) {
+  PlanCheck check = check_plan(plan, model, devices);
+  if (!check.ok()) {
+    std::string msg = fmt::format("invalid plan ({}):", summary(plan));
+    for (const auto& v : check.errors) msg += fmt::format("\n  - {} [{}]", v.message, v.rule);
+    throw InputError(msg);
+  }
+  return check.warnings;
+}
+
+std::vector<std::string> complete_plan(Plan& plan, const model::ModelSpec& model,
+                                       std::int64_t devices) {
+  std::vector<std::string> notes;
+  if (plan.dp == 0) {
+    const std::int64_t others = std::int64_t{plan.tp} * plan.pp * plan.cp;
+    if (others < 1 || devices % others != 0) {
+      throw InputError(fmt::format("cannot derive dp: tp x pp x cp = {} does not divide the {} "
+                                   "devices",
+                                   others, devices));
+    }
+    plan.dp = static_cast<int>(devices / others);
+    notes.push_back(fmt::format("dp = {} (devices / (tp x pp x cp))", plan.dp));
+  }
+  if (plan.seq_len == 0) {
+    plan.seq_len = model.seq_len;
+    notes.push_back(fmt::format("seq_len = {} (the model's default)", plan.seq_len));
+  }
+  if (plan.global_batch_size == 0) {
+    const std::int64_t m = plan.pp > 1 ? 4 * std::int64_t{plan.pp} : 1;
+    plan.global_batch_size = plan.micro_batch_size * plan.dp * m;
+    notes.push_back(fmt::format("global batch = {} ({} micro-batches of {} per data-parallel "
+                                "rank)",
+                                plan.global_batch_size, m, plan.micro_batch_size));
+  }
+  return notes;
+}
+
+json to_json(const Plan& p) {
+  json j = {{"dp", p.dp},
+            {"tp", p.tp},
+            {"pp", p.pp},
+            {"cp", p.cp},
+            {"ep", p.ep},
+            {"micro_batch_size", p.micro_batch_size},
+            {"global_batch_size", p.global_batch_size},
+            {"seq_len", p.seq_len},
+            {"schedule", to_string(p.schedule)},
+            {"virtual_stages", p.virtual_stages},
+            {"zero_stage", p.zero_stage},
+            {"recompute", to_string(p.recompute)},
+            {"sequence_parallel", p.sequence_parallel},
+            {"precision", to_string(p.precision)},
+            {"optimizer", to_string(p.optimizer)},
+            {"order", cluster::Placement::to_string(p.order)}};
+  if (!p.layers_per_stage.empty()) j["layers_per_stage"] = p.layers_per_stage;
+  return j;
+}
+
+Plan plan_from_json(const json& j, const std::string& file) {
+  const JsonReader r(j, file);
+  r.expect_only({"dp", "tp", "pp", "cp", "ep", "micro_batch_size", "global_batch_size", "seq_len",
+                 "schedule", "virtual_stages", "zero_stage", "recompute", "sequence_parallel",
+                 "precision", "optimizer", "layers_per_stage", "order"});
+  Plan p;
+  auto degree = [&](std::string_view key, int fallback) {
+    return static_cast<int>(r.positive_int_or(key, fallback));
+  };
+  p.dp = degree("dp", 0);
+  p.tp = degree("tp", 1);
+  p.pp = degree("pp", 1);
+  p.cp = degree("cp", 1);
+  p.ep = degree("ep", 1);
+  p.micro_batch_size = r.positive_int_or("micro_batch_size", 1);
+  p.global_batch_size = r.positive_int_or("global_batch_size", 0);
+  p.seq_len = r.positive_int_or("seq_len", 0);
+  if (r.has("schedule") &&
+      !parse_schedule(r.choice("schedule", {"gpipe", "1f1b", "interleaved", "zero-bubble",
+                                            "pipedream"}),
+                      p.schedule)) {
+    r.fail("schedule", "unknown schedule");
+  }
+  p.virtual_stages = degree("virtual_stages", 1);
+  if (r.has("zero_stage")) {
+    const std::string z = r.raw().at("zero_stage").dump();
+    if (z != "0" && z != "1" && z != "2" && z != "3") {
+      r.fail("zero_stage", fmt::format("expected 0, 1, 2 or 3, got {}", z));
+    }
+    p.zero_stage = std::stoi(z);
+  }
+  if (r.has("recompute")) {
+    parse_recompute(r.choice("recompute", {"none", "selective", "full"}), p.recompute);
+  }
+  p.sequence_parallel = r.boolean_or("sequence_parallel", false);
+  if (r.has("precision")) {
+    p.precision = *parse_precision(r.choice("precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));
+  }
+  if (r.has("optimizer")) parse_optimizer(r.choice("optimizer", {"adam", "sgd"}), p.optimizer);
+  if (r.has("layers_per_stage")) {
+    for (std::int64_t n : r.positive_int_array("layers_per_stage")) {
+      p.layers_per_stage.push_back(static_cast<int>(n));
+    }
+  }
+  if (r.has("order")) {
+    try {
+      p.order = cluster::Placement::parse_order(r.string("order"));
+    } catch (const InputError& e) {
+      r.fail("order", e.what());
+    }
+  }
+  return p;
+}
+
+Plan load_plan(const std::string& path) {
+  return plan_from_json(JsonReader::parse_file(path), path);
+}
+
+}  // namespace dtsim::plan

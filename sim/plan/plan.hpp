@@ -1,0 +1,91 @@
+// A parallelization plan: Megatron-LM's knobs (DESIGN.md "CLI"), as plain data, its JSON form,
+// and its validation against a model and a cluster.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "sim/cluster/placement.hpp"
+#include "sim/cluster/topology.hpp"
+#include "sim/common/precision.hpp"
+#include "sim/model/model_spec.hpp"
+
+namespace dtsim::plan {
+
+enum class Schedule { GPipe, OneFOneB, Interleaved, ZeroBubble, PipeDreamAsync };
+enum class Recompute { None, Selective, Full };
+enum class Optimizer { Adam, Sgd };
+
+struct Plan {
+  int dp = 1;
+  int tp = 1;
+  int pp = 1;
+  int cp = 1;
+  int ep = 1;
+  std::int64_t micro_batch_size = 1;
+  std::int64_t global_batch_size = 1;
+  std::int64_t seq_len = 0;
+  Schedule schedule = Schedule::OneFOneB;
+  int virtual_stages = 1;  // model chunks per pipeline rank (interleaved)
+  int zero_stage = 0;
+  Recompute recompute = Recompute::None;
+  bool sequence_parallel = false;
+  Precision precision = Precision::Bf16;
+  Optimizer optimizer = Optimizer::Adam;
+  // Transformer blocks per model chunk (pp x virtual_stages entries), empty = even split.
+  std::vector<int> layers_per_stage;
+  std::vector<cluster::ParallelDim> order = cluster::Placement::default_order();
+
+  std::int64_t devices() const { return std::int64_t{dp} * tp * pp * cp; }
+  std::int64_t micro_batches() const { return global_batch_size / (micro_batch_size * dp); }
+  cluster::ParallelDegrees degrees() const { return {tp, cp, ep, dp, pp}; }
+};
+
+// One broken rule, with a message that names it ("tp = 3 does not divide 64 attention heads").
+struct PlanViolation {
+  std::string rule;
+  std::string message;
+};
+
+struct PlanCheck {
+  std::vector<PlanViolation> errors;
+  std::vector<std::string> warnings;  // allowed but unusual (ZeRO-2/3 with pp > 1)
+  bool ok() const { return errors.empty(); }
+};
+
+PlanCheck check_plan(const Plan& plan, const model::ModelSpec& model, std::int64_t devices);
+// Throws InputError listing every violation; returns the warnings.
+std::vector<std::string> require_valid(const Plan& plan, const model::ModelSpec& model,
+                                       std::int64_t devices);
+
+// Blocks of each model chunk (pp x virtual_stages), the explicit split or the even one (earlier
+// chunks take the remainder). Chunk c of a rank r is global chunk c*pp + r (Megatron order).
+std::vector<int> chunk_layers(const Plan& plan, std::int64_t layers);
+
+nlohmann::json to_json(const Plan& plan);
+// Reads a plan file; fields are those of to_json(). Throws InputError naming file and field.
+Plan plan_from_json(const nlohmann::json& j, const std::string& file);
+Plan load_plan(const std::string& path);
+
+std::string_view to_string(Schedule s);
+std::string_view to_string(Recompute r);
+std::string_view to_string(Optimizer o);
+bool parse_schedule(std::string_view text, Schedule& out);
+bool parse_recompute(std::string_view text, Recompute& out);
+bool parse_optimizer(std::string_view text, Optimizer& out);
+// "dp=4 tp=8 pp=2 mbs=1 gbs=512 1f1b zero=1 recompute=full sp"
+std::string summary(const Plan& plan);
+
+}  // namespace dtsim::plan
+
+namespace dtsim::plan {
+// Fills what the user left unset (0): dp = devices / (tp·pp·cp), seq_len = the model's,
+// global batch = micro-batch x dp x m with m = 1 without pipelining and 4·pp with it (so the
+// 1F1B bubble (pp-1)/m stays under 25%). Returns one note per defaulted field. Throws
+// InputError when dp cannot be derived.
+std::vector<std::string> complete_plan(Plan& plan, const model::ModelSpec& model,
+                                       std::int64_t devices);
+}  // namespace dtsim::plan

@@ -1,0 +1,92 @@
+#include "sim/cluster/device_catalog.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include "sim/common/error.hpp"
+#include "tests/test_util.hpp"
+
+using dtsim::InputError;
+using dtsim::Precision;
+using dtsim::cluster::load_device;
+
+TEST_CASE("every catalog device loads, with a source for every figure", "[cluster][catalog]") {
+  const auto names = dtsim::cluster::list_devices();
+  for (const char* required : {"a100-sxm4-40gb", "a100-sxm4-80gb", "h100-sxm", "h200", "b200",
+                               "mi250x", "mi300x", "gaudi2", "gaudi3", "tpu-v4", "tpu-v5p",
+                               "trainium1", "trainium2"}) {
+    CHECK(std::find(names.begin(), names.end(), required) != names.end());
+  }
+  for (const std::string& name : names) {
+    DYNAMIC_SECTION(name) {
+      const auto d = load_device(name);
+      CHECK(d.name == name);
+      CHECK(d.supports(Precision::Bf16));
+      for (const auto& [p, f] : d.peak_flops) CHECK_FALSE(f.source.empty());
+      CHECK(d.memory_bytes.value > 1e9);
+      CHECK_FALSE(d.memory_bw_bytes_per_s.source.empty());
+      CHECK(d.efficiency.gemm.value <= 1.0);
+    }
+  }
+}
+
+TEST_CASE("devices are found by alias, case-insensitively", "[cluster][catalog]") {
+  CHECK(load_device("A100-SXM4-80GB").name == "a100-sxm4-80gb");
+  CHECK(load_device("a100-sxm4-80gb").name == "a100-sxm4-80gb");
+  // A100 dense bf16 peak: 312 TFLOP/s (NVIDIA A100 datasheet).
+  CHECK(load_device("a100-sxm4-80gb").peak_flops_for(Precision::Bf16) == 312e12);
+}
+
+TEST_CASE("a precision the device lacks is an unsupported error", "[cluster][catalog]") {
+  const auto a100 = load_device("a100-sxm4-80gb");
+  REQUIRE_FALSE(a100.supports(Precision::Fp8));
+  REQUIRE_THROWS_AS(a100.peak_flops_for(Precision::Fp8), dtsim::UnsupportedError);
+  REQUIRE_THROWS_WITH(a100.peak_flops_for(Precision::Fp8),
+                      Catch::Matchers::Contains("has no fp8 peak"));
+}
+
+namespace {
+nlohmann::json valid_device() {
+  return nlohmann::json::parse(R"({"name": "x", "display_name": "X", "vendor": "v",
+    "peak_flops": {"bf16": {"value": 1e14, "source": "s"}},
+    "memory_bytes": {"value": 8e10, "source": "s"},
+    "memory_bw_bytes_per_s": {"value": 2e12, "source": "s"},
+    "intra_node_bw_bytes_per_s": {"value": 3e11, "source": "s"},
+    "efficiency": {"gemm": {"value": 0.8, "source": "s"}, "attention": {"value": 0.6, "source": "s"},
+                   "memory_bw": {"value": 0.9, "source": "s"},
+                   "launch_overhead_s": {"value": 3e-6, "source": "s"}}})");
+}
+}  // namespace
+
+TEST_CASE("bad device files are rejected naming file and field", "[cluster][catalog][bad-input]") {
+  SECTION("efficiency above 1") {
+    auto j = valid_device();
+    j["efficiency"]["gemm"]["value"] = 1.5;
+    dtsim::test::TempFile f("dev.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_device(f.path()), InputError,
+                                    "dev.json: efficiency.gemm: expected a fraction in (0, 1]");
+  }
+  SECTION("a figure without a source") {
+    auto j = valid_device();
+    j["memory_bytes"].erase("source");
+    dtsim::test::TempFile f("dev.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_device(f.path()), InputError,
+                                    "dev.json: memory_bytes.source: required field is missing");
+  }
+  SECTION("a negative bandwidth") {
+    auto j = valid_device();
+    j["memory_bw_bytes_per_s"]["value"] = -1;
+    dtsim::test::TempFile f("dev.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_device(f.path()), InputError,
+                                    "memory_bw_bytes_per_s.value: expected a positive number");
+  }
+  SECTION("an unknown precision") {
+    auto j = valid_device();
+    j["peak_flops"]["fp4"] = {{"value", 1e15}, {"source", "s"}};
+    dtsim::test::TempFile f("dev.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_device(f.path()), InputError, "peak_flops.fp4: unknown");
+  }
+  SECTION("an unknown name lists the known ones") {
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_device("v100"), InputError, "unknown device \"v100\"");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_device("v100"), InputError, "h100-sxm");
+  }
+}

@@ -1,0 +1,67 @@
+#include "sim/cluster/placement.hpp"
+
+#include "sim/common/error.hpp"
+#include "tests/test_util.hpp"
+
+using dtsim::cluster::group_span;
+using dtsim::cluster::ParallelDim;
+using dtsim::cluster::Placement;
+
+TEST_CASE("Megatron order puts tp fastest, then cp, ep, dp, pp", "[cluster][placement]") {
+  // tp=8, dp=4, pp=2 on 64 devices: rank = tp + 8·dp + 32·pp.
+  const Placement p({8, 1, 1, 4, 2});
+  CHECK(p.group(ParallelDim::Tp, 0) == std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6, 7});
+  CHECK(p.group(ParallelDim::Dp, 3) == std::vector<std::int64_t>{3, 11, 19, 27});
+  CHECK(p.group(ParallelDim::Pp, 9) == std::vector<std::int64_t>{9, 41});
+  for (std::int64_t r = 0; r < 64; ++r) CHECK(p.rank(p.coords(r)) == r);
+  const auto c = p.coords(45);  // 45 = 5 + 8·1 + 32·1
+  CHECK(c.tp == 5);
+  CHECK(c.dp_outer == 1);
+  CHECK(c.pp == 1);
+}
+
+TEST_CASE("expert parallelism lives inside data parallelism", "[cluster][placement]") {
+  // tp=2, ep=2, dp=4 (2 expert groups), pp=1: rank = tp + 2·ep + 4·dp_outer.
+  const Placement p({2, 1, 2, 4, 1});
+  CHECK(p.group(ParallelDim::Ep, 0) == std::vector<std::int64_t>{0, 2});
+  CHECK(p.group(ParallelDim::Dp, 0) == std::vector<std::int64_t>{0, 2, 4, 6});
+  REQUIRE_THROWS_AS(Placement({1, 1, 3, 4, 1}), dtsim::InputError);
+}
+
+TEST_CASE("a custom order and its parsing", "[cluster][placement]") {
+  const auto order = Placement::parse_order("dp-tp-cp-ep-pp");
+  const Placement p({2, 1, 1, 4, 1}, order);
+  CHECK(p.group(ParallelDim::Dp, 0) == std::vector<std::int64_t>{0, 1, 2, 3});
+  CHECK(Placement::to_string(order) == "dp-tp-cp-ep-pp");
+  REQUIRE_THROWS_WITH(Placement::parse_order("tp-dp"),
+                      Catch::Matchers::Contains("exactly once"));
+  REQUIRE_THROWS_WITH(Placement::parse_order("tp-xp-cp-ep-pp"),
+                      Catch::Matchers::Contains("unknown dimension \"xp\""));
+}
+
+TEST_CASE("which links and switches a group crosses", "[cluster][placement]") {
+  const auto selene = dtsim::cluster::load_cluster("selene");  // 8 GPUs/node, 20 nodes/rail group
+  const Placement p({8, 1, 1, 64, 1});                          // 512 GPUs
+  const auto tp = p.group(ParallelDim::Tp, 0);
+  const auto tp_span = group_span(selene, tp);
+  CHECK(tp_span.intra_node_only);
+  CHECK(tp_span.nodes == 1);
+  CHECK(tp_span.max_devices_per_node == 8);
+
+  const auto dp = p.group(ParallelDim::Dp, 0);  // local GPU 0 of 64 nodes
+  const auto dp_span = group_span(selene, dp);
+  CHECK_FALSE(dp_span.intra_node_only);
+  CHECK(dp_span.nodes == 64);
+  CHECK(dp_span.single_rail);
+  CHECK(dp_span.leaf_groups == 4);  // 64 nodes / 20 per scalable unit
+  CHECK(dp_span.crosses_spine);
+
+  const std::vector<std::int64_t> two_nodes = {0, 8};
+  const auto near = group_span(selene, two_nodes);
+  CHECK_FALSE(near.crosses_spine);
+  CHECK(near.single_rail);
+
+  const auto tpu = dtsim::cluster::load_cluster("tpu-v4-slice");
+  const std::vector<std::int64_t> corners = {0, tpu.devices() - 1};
+  CHECK(group_span(tpu, corners).max_torus_hops >= 1);
+}

@@ -1,0 +1,100 @@
+#include "sim/cluster/topology.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include "sim/common/error.hpp"
+#include "tests/test_util.hpp"
+
+using dtsim::InputError;
+using dtsim::cluster::load_cluster;
+
+TEST_CASE("every shipped cluster loads", "[cluster][topology]") {
+  const auto names = dtsim::cluster::list_clusters();
+  for (const char* required : {"selene", "dgx-h100-superpod", "aws-p4d", "aws-p5", "h100-roce",
+                               "tpu-v4-slice", "frontier", "gaudi2-cluster", "default"}) {
+    CHECK(std::find(names.begin(), names.end(), required) != names.end());
+  }
+  for (const std::string& name : names) {
+    DYNAMIC_SECTION(name) {
+      const auto c = load_cluster(name);
+      CHECK(c.name == name);
+      CHECK(c.devices() >= 1);
+      CHECK(c.intra.bw_bytes_per_s.value > 0);
+      CHECK_FALSE(c.intra.latency_s.source.empty());
+    }
+  }
+}
+
+TEST_CASE("the default and Selene clusters", "[cluster][topology]") {
+  const auto selene = load_cluster("selene");
+  CHECK(selene.device.name == "a100-sxm4-80gb");
+  CHECK(selene.devices_per_node == 8);
+  CHECK(selene.inter.nics_per_node == 8);
+  // HDR InfiniBand: 200 Gb/s = 25 GB/s per direction.
+  CHECK(selene.inter.nic_bw_bytes_per_s.value == 25e9);
+}
+
+TEST_CASE("a cluster resized with --gpus keeps whole nodes", "[cluster][topology]") {
+  const auto c = load_cluster("selene");
+  CHECK(dtsim::cluster::with_devices(c, 64).nodes == 8);
+  CHECK(dtsim::cluster::with_devices(c, 4).devices_per_node == 4);
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::cluster::with_devices(c, 12), InputError,
+                                  "use fewer than one node or a multiple of 8");
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::cluster::with_devices(load_cluster("tpu-v4-slice"), 8),
+                                  InputError, "fixed");
+}
+
+namespace {
+nlohmann::json valid_cluster() {
+  return nlohmann::json::parse(R"({"name": "c", "description": "d", "source": "s",
+    "device": "a100-sxm4-80gb", "nodes": 2, "devices_per_node": 8,
+    "intra_node": {"fabric": "nvswitch", "latency_s": {"value": 2e-6, "source": "s"}},
+    "inter_node": {"fabric": "fat_tree", "transport": "infiniband", "nics_per_node": 8,
+                   "nic_bw_bytes_per_s": {"value": 25e9, "source": "s"},
+                   "latency_s": {"value": 4e-6, "source": "s"}, "nodes_per_leaf": 2}})");
+}
+}  // namespace
+
+TEST_CASE("bad cluster files are rejected naming file and field", "[cluster][topology][bad-input]") {
+  auto expect = [](nlohmann::json j, const std::string& message) {
+    dtsim::test::TempFile f("cl.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_cluster(f.path()), InputError, "cl.json: " + message);
+  };
+  SECTION("negative node count") {
+    auto j = valid_cluster();
+    j["nodes"] = -1;
+    expect(j, "nodes: expected a positive integer, got -1");
+  }
+  SECTION("unknown fabric lists the known ones") {
+    auto j = valid_cluster();
+    j["inter_node"]["fabric"] = "butterfly";
+    expect(j, "inter_node.fabric: expected one of fat_tree, rail_optimized, torus_3d, dragonfly, "
+              "none, got \"butterfly\"");
+  }
+  SECTION("unknown device") {
+    auto j = valid_cluster();
+    j["device"] = "v100";
+    expect(j, "device: unknown device \"v100\"");
+  }
+  SECTION("missing NIC bandwidth for a fat tree") {
+    auto j = valid_cluster();
+    j["inter_node"].erase("nic_bw_bytes_per_s");
+    expect(j, "inter_node.nic_bw_bytes_per_s: required field is missing");
+  }
+  SECTION("oversubscription below 1") {
+    auto j = valid_cluster();
+    j["inter_node"]["oversubscription"] = {{"value", 0.5}, {"source", "s"}};
+    expect(j, "inter_node.oversubscription: expected a ratio >= 1");
+  }
+  SECTION("torus size differs from the device count") {
+    auto j = valid_cluster();
+    j["inter_node"] = nlohmann::json::parse(R"({"fabric": "torus_3d", "transport": "ici",
+      "latency_s": {"value": 1e-6, "source": "s"}, "torus_dims": [2, 2, 2],
+      "link_bw_bytes_per_s": {"value": 5e10, "source": "s"}})");
+    expect(j, "inter_node.torus_dims: the torus has 8 devices but nodes x devices_per_node = 16");
+  }
+  SECTION("unknown cluster name lists the known ones") {
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_cluster("summit"), InputError, "unknown cluster");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_cluster("summit"), InputError, "selene");
+  }
+}

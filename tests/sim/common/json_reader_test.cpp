@@ -1,0 +1,58 @@
+#include "sim/common/json_reader.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include "sim/common/error.hpp"
+#include "sim/common/units.hpp"
+#include "tests/test_util.hpp"
+
+using dtsim::InputError;
+using dtsim::JsonReader;
+using nlohmann::json;
+
+TEST_CASE("malformed JSON names the file, line and column", "[common]") {
+  dtsim::test::TempFile f("broken.json", "{\n  \"a\": 1,\n  \"b\": \n}");
+  DTSIM_REQUIRE_THROWS_CONTAINING(JsonReader::parse_file(f.path()), InputError, "broken.json");
+  DTSIM_REQUIRE_THROWS_CONTAINING(JsonReader::parse_file(f.path()), InputError, "line 4");
+}
+
+TEST_CASE("a missing file is an input error", "[common]") {
+  DTSIM_REQUIRE_THROWS_CONTAINING(JsonReader::parse_file("/nonexistent/x.json"), InputError,
+                                  "/nonexistent/x.json: cannot open file");
+}
+
+TEST_CASE("typed fields report file, path and what was expected", "[common]") {
+  const json j = json::parse(R"({"n": -1, "s": 3, "b": "yes", "o": {"k": 0}, "f": 1.5,
+                                 "big": 1e9, "fig": {"value": 2}, "c": "x"})");
+  const JsonReader r(j, "f.json");
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.positive_int("n"), InputError,
+                                  "f.json: n: expected a positive integer, got -1");
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.positive_int("f"), InputError, "got 1.5");
+  CHECK(r.positive_int("big") == 1000000000);
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.string("s"), InputError, "f.json: s: expected a string, got 3");
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.boolean("b"), InputError, "expected true or false");
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.object("o").positive_int("k"), InputError,
+                                  "f.json: o.k: expected a positive integer, got 0");
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.positive_int("missing"), InputError,
+                                  "f.json: missing: required field is missing");
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.figure("fig"), InputError, "fig.source: required field");
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.choice("c", {"gelu", "swiglu"}), InputError,
+                                  "expected one of gelu, swiglu, got \"x\"");
+}
+
+TEST_CASE("unknown fields are rejected with the known ones listed", "[common]") {
+  const json j = json::parse(R"({"layers": 2, "hiden": 3})");
+  const JsonReader r(j, "m.json");
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.expect_only({"layers", "hidden"}), InputError,
+                                  "m.json: hiden: unknown field (known fields: layers, hidden)");
+}
+
+TEST_CASE("numbers are formatted for humans", "[common]") {
+  CHECK(dtsim::format_count(0) == "0");
+  CHECK(dtsim::format_count(999) == "999");
+  CHECK(dtsim::format_count(1000) == "1,000");
+  CHECK(dtsim::format_count(124439808) == "124,439,808");
+  CHECK(dtsim::format_count(12345678) == "12,345,678");
+  CHECK(dtsim::format_gib(1.5 * dtsim::kGiB) == "1.50 GiB");
+  CHECK(dtsim::format_si(6.738e9) == "6.74 G");
+}

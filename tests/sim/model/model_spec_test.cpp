@@ -1,0 +1,166 @@
+#include "sim/model/model_spec.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include "sim/common/data_files.hpp"
+#include "sim/common/error.hpp"
+#include "sim/model/model_graph.hpp"
+#include "tests/test_util.hpp"
+
+using dtsim::InputError;
+using dtsim::model::count_params;
+using dtsim::model::load_model;
+using dtsim::test::TempFile;
+
+// Every shipped model with a published parameter count reproduces it exactly (or, where the
+// publication rounds, e.g. "1.7B", to the publication's precision).
+TEST_CASE("shipped models match their published parameter counts", "[model]") {
+  for (const std::string& name : dtsim::list_data_names("models")) {
+    DYNAMIC_SECTION(name) {
+      const auto spec = load_model(name);
+      CHECK(spec.name == name);
+      if (spec.published_params) {
+        INFO("computed " << count_params(spec) << ", published " << *spec.published_params);
+        CHECK(dtsim::model::matches_published_params(spec, count_params(spec)));
+      }
+    }
+  }
+}
+
+TEST_CASE("exact parameter counts of well-known models", "[model]") {
+  // Published totals (Hugging Face safetensors metadata; Radford et al. 2019 for GPT-2).
+  CHECK(count_params(load_model("gpt2-124m")) == 124439808ULL);
+  CHECK(count_params(load_model("llama2-7b")) == 6738415616ULL);
+  CHECK(count_params(load_model("llama2-13b")) == 13015864320ULL);
+  CHECK(count_params(load_model("llama2-70b")) == 68976648192ULL);
+  CHECK(count_params(load_model("llama3-8b")) == 8030261248ULL);
+  CHECK(count_params(load_model("llama3-70b")) == 70553706496ULL);
+  CHECK(count_params(load_model("llama3-405b")) == 405853388800ULL);
+  CHECK(count_params(load_model("mixtral-8x7b")) == 46702792704ULL);
+  CHECK(count_params(load_model("mistral-7b")) == 7241732096ULL);
+  CHECK(count_params(load_model("qwen2-7b")) == 7615616512ULL);
+}
+
+TEST_CASE("Megatron family: paper's formula and ours round to the published size", "[model]") {
+  // Narayanan et al. 2021 §5.1: P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)). dtsim also counts
+  // the final LayerNorm (2h), which the formula omits.
+  for (const char* name : {"megatron-1.7b", "megatron-18.4b", "megatron-1t"}) {
+    const auto m = load_model(name);
+    const double l = static_cast<double>(m.layers), h = static_cast<double>(m.hidden);
+    const double paper = 12 * l * h * h *
+                         (1 + 13 / (12 * h) + static_cast<double>(m.vocab + m.max_positions) /
+                                                  (12 * l * h));
+    CHECK(static_cast<double>(count_params(m)) == Approx(paper + 2 * h).epsilon(1e-12));
+  }
+}
+
+TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
+  SECTION("llama") {
+    TempFile f("config.json", R"({"model_type": "llama", "hidden_size": 4096,
+      "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+      "tie_word_embeddings": false})");
+    CHECK(count_params(load_model(f.path())) == 6738415616ULL);
+  }
+  SECTION("mixtral") {
+    TempFile f("config.json", R"({"model_type": "mixtral", "hidden_size": 4096,
+      "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+      "num_local_experts": 8, "num_experts_per_tok": 2})");
+    const auto m = load_model(f.path());
+    REQUIRE(m.moe);
+    CHECK(m.moe->experts == 8);
+    CHECK(count_params(m) == 46702792704ULL);
+  }
+  SECTION("mistral") {
+    TempFile f("config.json", R"({"model_type": "mistral", "hidden_size": 4096,
+      "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768})");
+    CHECK(count_params(load_model(f.path())) == 7241732096ULL);
+  }
+  SECTION("qwen2 has QKV biases") {
+    TempFile f("config.json", R"({"model_type": "qwen2", "hidden_size": 3584,
+      "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28,
+      "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072,
+      "tie_word_embeddings": false})");
+    const auto m = load_model(f.path());
+    CHECK(m.bias.qkv);
+    CHECK_FALSE(m.bias.attn_out);
+    CHECK(count_params(m) == 7615616512ULL);
+  }
+  SECTION("gpt2") {
+    TempFile f("config.json", R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12,
+      "n_layer": 12, "n_positions": 1024, "vocab_size": 50257})");
+    CHECK(count_params(load_model(f.path())) == 124439808ULL);
+  }
+  SECTION("unsupported model_type lists the supported ones") {
+    TempFile f("config.json", R"({"model_type": "bert", "hidden_size": 768})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        load_model(f.path()), InputError,
+        "model_type: unsupported Hugging Face model_type \"bert\" (supported: gpt2, llama, "
+        "mistral, mixtral, qwen2)");
+  }
+  SECTION("missing field") {
+    TempFile f("config.json", R"({"model_type": "llama", "hidden_size": 4096})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError,
+                                    "num_hidden_layers: required field is missing");
+  }
+}
+
+namespace {
+// A valid model in dtsim's format with one field replaced (or removed when value is null).
+std::string model_with(const std::string& key, const nlohmann::json& value) {
+  nlohmann::json j = nlohmann::json::parse(R"({"name": "m", "source": "test", "layers": 2,
+    "hidden": 64, "heads": 4, "ffn_hidden": 256, "vocab": 100, "max_positions": 32,
+    "activation": "gelu", "norm": "layernorm", "positions": "learned", "tied_embeddings": true})");
+  if (value.is_null()) {
+    j.erase(key);
+  } else {
+    j[key] = value;
+  }
+  return j.dump();
+}
+}  // namespace
+
+TEST_CASE("bad model files are rejected naming file and field", "[model][bad-input]") {
+  struct Case {
+    std::string key;
+    nlohmann::json value;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"layers", nullptr, "layers: required field is missing"},
+      {"layers", 0, "layers: expected a positive integer, got 0"},
+      {"hidden", -64, "hidden: expected a positive integer, got -64"},
+      {"hidden", "64", "hidden: expected a positive integer, got \"64\""},
+      {"heads", 5, "heads: hidden = 64 is not divisible by heads = 5"},
+      {"kv_heads", 3, "kv_heads: kv_heads = 3 must divide heads = 4"},
+      {"activation", "relu", "activation: expected one of gelu, swiglu, got \"relu\""},
+      {"norm", 1, "norm: expected one of layernorm, rmsnorm, got 1"},
+      {"tied_embeddings", "yes", "tied_embeddings: expected true or false"},
+      {"seq_len", 64, "seq_len: seq_len = 64 exceeds max_positions = 32"},
+      {"hiden", 64, "hiden: unknown field"},
+      {"moe", nlohmann::json{{"experts", 2}, {"top_k", 4}, {"expert_ffn_hidden", 8}},
+       "moe.top_k: top_k = 4 exceeds experts = 2"},
+  };
+  for (const Case& c : cases) {
+    DYNAMIC_SECTION(c.key << " -> " << c.message) {
+      TempFile f("bad_model.json", model_with(c.key, c.value));
+      DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError, "bad_model.json: ");
+      DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError, c.message);
+    }
+  }
+  SECTION("malformed JSON") {
+    TempFile f("bad_model.json", R"({"name": "m", "layers": })");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError,
+                                    "bad_model.json: malformed JSON");
+  }
+  SECTION("unknown name lists the known ones") {
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model("llama9"), InputError, "unknown model \"llama9\"");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model("llama9"), InputError, "llama3-8b");
+  }
+  SECTION("a path that does not exist") {
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model("/no/such/model.json"), InputError,
+                                    "no such model file");
+  }
+}

@@ -1,0 +1,150 @@
+#include "sim/plan/plan.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include "sim/common/error.hpp"
+#include "tests/test_util.hpp"
+
+using dtsim::InputError;
+using dtsim::model::load_model;
+using dtsim::plan::check_plan;
+using dtsim::plan::Plan;
+using dtsim::plan::Schedule;
+
+namespace {
+Plan base_plan() {
+  Plan p;
+  p.dp = 4;
+  p.tp = 8;
+  p.pp = 2;
+  p.micro_batch_size = 1;
+  p.global_batch_size = 64;
+  p.seq_len = 2048;
+  return p;
+}
+
+bool has_rule(const dtsim::plan::PlanCheck& c, const std::string& rule,
+              const std::string& text) {
+  for (const auto& v : c.errors) {
+    if (v.rule == rule && v.message.find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+}  // namespace
+
+TEST_CASE("a valid plan passes", "[plan]") {
+  const auto m = load_model("megatron-18.4b");  // 48 heads, 40 layers
+  CHECK(check_plan(base_plan(), m, 64).ok());
+}
+
+TEST_CASE("each broken rule says which one and why", "[plan][bad-input]") {
+  const auto m = load_model("llama2-70b");  // 64 heads, 8 KV heads, 80 layers
+  Plan p = base_plan();
+  p.seq_len = 4096;
+  SECTION("devices") {
+    CHECK(has_rule(check_plan(p, m, 128), "devices", "= 64 but the cluster has 128 devices"));
+  }
+  SECTION("tp must divide heads") {
+    p.tp = 3;
+    p.dp = 1;
+    const auto c = check_plan(p, m, 6);
+    CHECK(has_rule(c, "tp-heads", "tp = 3 does not divide 64 attention heads"));
+    CHECK(has_rule(c, "tp-kv-heads", "tp = 3 does not divide 8 key/value heads"));
+  }
+  SECTION("tp must divide kv heads") {
+    p.tp = 16;
+    p.dp = 2;
+    CHECK(has_rule(check_plan(p, m, 64), "tp-kv-heads", "does not divide 8 key/value heads"));
+  }
+  SECTION("global batch") {
+    p.global_batch_size = 30;
+    CHECK(has_rule(check_plan(p, m, 64), "batch", "global batch 30"));
+  }
+  SECTION("interleaved needs micro-batches divisible by pp") {
+    p.schedule = Schedule::Interleaved;
+    p.virtual_stages = 2;
+    p.pp = 4;
+    p.dp = 2;
+    p.global_batch_size = 6;  // 3 micro-batches
+    CHECK(has_rule(check_plan(p, m, 64), "interleaved-m", "micro-batches (3)"));
+  }
+  SECTION("virtual stages need the interleaved schedule") {
+    p.virtual_stages = 2;
+    CHECK(has_rule(check_plan(p, m, 64), "virtual-stages", "needs --schedule interleaved"));
+  }
+  SECTION("sequence parallelism needs tp > 1") {
+    p.tp = 1;
+    p.dp = 32;
+    p.sequence_parallel = true;
+    CHECK(has_rule(check_plan(p, m, 64), "sp-needs-tp", "needs tp > 1"));
+  }
+  SECTION("explicit layer partition must add up") {
+    p.layers_per_stage = {30, 40};
+    CHECK(has_rule(check_plan(p, m, 64), "layers", "sums to 70, the model has 80 layers"));
+  }
+  SECTION("expert parallelism needs experts") {
+    p.ep = 2;
+    CHECK(has_rule(check_plan(p, m, 64), "ep-needs-moe", "has no experts"));
+  }
+  SECTION("ZeRO-2 with pipelining is allowed but flagged") {
+    p.zero_stage = 2;
+    const auto c = check_plan(p, m, 64);
+    CHECK(c.ok());
+    REQUIRE(c.warnings.size() == 1);
+    CHECK(c.warnings[0].find("unusual") != std::string::npos);
+  }
+  SECTION("require_valid lists every violation") {
+    p.tp = 3;
+    DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::plan::require_valid(p, m, 64), InputError,
+                                    "tp = 3 does not divide 64 attention heads [tp-heads]");
+  }
+}
+
+TEST_CASE("unset values get documented defaults", "[plan]") {
+  const auto m = load_model("llama3-8b");
+  Plan p;
+  p.dp = 0;
+  p.global_batch_size = 0;
+  p.seq_len = 0;
+  p.tp = 8;
+  p.pp = 2;
+  const auto notes = dtsim::plan::complete_plan(p, m, 64);
+  CHECK(p.dp == 4);
+  CHECK(p.seq_len == 8192);
+  CHECK(p.micro_batches() == 8);  // 4 x pp
+  CHECK(notes.size() == 3);
+  Plan q;
+  q.dp = 0;
+  q.tp = 3;
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::plan::complete_plan(q, m, 64), InputError,
+                                  "cannot derive dp");
+}
+
+TEST_CASE("even layer split gives the remainder to the first chunks", "[plan]") {
+  Plan p = base_plan();
+  p.pp = 4;
+  CHECK(dtsim::plan::chunk_layers(p, 10) == std::vector<int>{3, 3, 2, 2});
+}
+
+TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][bad-input]") {
+  Plan p = base_plan();
+  p.schedule = Schedule::Interleaved;
+  p.virtual_stages = 2;
+  p.zero_stage = 1;
+  p.recompute = dtsim::plan::Recompute::Selective;
+  p.sequence_parallel = true;
+  p.layers_per_stage = {10, 10, 10, 10};
+  const Plan q = dtsim::plan::plan_from_json(dtsim::plan::to_json(p), "p.json");
+  CHECK(dtsim::plan::to_json(q) == dtsim::plan::to_json(p));
+
+  auto bad = [](const char* text, const char* message) {
+    dtsim::test::TempFile f("plan.json", text);
+    DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::plan::load_plan(f.path()), InputError, message);
+  };
+  bad(R"({"tp": 0})", "plan.json: tp: expected a positive integer, got 0");
+  bad(R"({"zero_stage": 4})", "plan.json: zero_stage: expected 0, 1, 2 or 3, got 4");
+  bad(R"({"schedule": "looped"})", "schedule: expected one of gpipe, 1f1b, interleaved");
+  bad(R"({"order": "tp-dp"})", "plan.json: order: ");
+  bad(R"({"tensor_parallel": 2})", "tensor_parallel: unknown field");
+  bad(R"([1, 2])", "plan.json: expected a JSON object");
+}
