@@ -1,11 +1,12 @@
 // Helpers shared by the tests: temporary input files and the path of the repository's data.
 #pragma once
 
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
 #include <string>
-#include <unistd.h>
 
 namespace dtsim::test {
 
@@ -33,7 +34,9 @@ class TempFile {
   std::filesystem::path path_;
 };
 
-inline std::filesystem::path repo_dir() { return std::filesystem::path(DTSIM_TEST_REPO_DIR); }
+inline std::filesystem::path repo_dir() {
+  return std::filesystem::path(DTSIM_TEST_REPO_DIR);
+}
 
 }  // namespace dtsim::test
 

@@ -22,13 +22,13 @@ void usage(std::ostream& os) {
 int devices(bool selftest) {
 #ifdef DTEXEC_HAVE_CUDA
   const auto p = dtsim::exec::cuda::probe();
-  std::cout << fmt::format("CUDA runtime {}.{}, driver {}, cuBLAS {}, NCCL {}\n",
-                           p.cuda_runtime_version / 1000, (p.cuda_runtime_version % 1000) / 10,
-                           p.cuda_driver_version == 0
-                               ? std::string("none")
-                               : fmt::format("{}.{}", p.cuda_driver_version / 1000,
-                                             (p.cuda_driver_version % 1000) / 10),
-                           p.cublas_version, p.nccl_version.empty() ? "?" : p.nccl_version);
+  std::cout << fmt::format(
+      "CUDA runtime {}.{}, driver {}, cuBLAS {}, NCCL {}\n", p.cuda_runtime_version / 1000,
+      (p.cuda_runtime_version % 1000) / 10,
+      p.cuda_driver_version == 0
+          ? std::string("none")
+          : fmt::format("{}.{}", p.cuda_driver_version / 1000, (p.cuda_driver_version % 1000) / 10),
+      p.cublas_version, p.nccl_version.empty() ? "?" : p.nccl_version);
   if (p.gpus.empty()) {
     std::cout << "no GPU: " << p.why_none << "\n";
     return 0;

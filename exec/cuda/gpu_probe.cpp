@@ -16,10 +16,10 @@ Probe probe() {
     // NCCL >= 2.9 encodes major*10000 + minor*100 + patch.
     p.nccl_version = fmt::format("{}.{}.{}", nccl / 10000, (nccl % 10000) / 100, nccl % 100);
   }
-  p.cublas_version = static_cast<int>(cublasGetProperty(MAJOR_VERSION, &p.cublas_version) ==
-                                              CUBLAS_STATUS_SUCCESS
-                                          ? p.cublas_version
-                                          : 0);
+  p.cublas_version =
+      static_cast<int>(cublasGetProperty(MAJOR_VERSION, &p.cublas_version) == CUBLAS_STATUS_SUCCESS
+                           ? p.cublas_version
+                           : 0);
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {

@@ -1,6 +1,7 @@
 // A self-test kernel: proves that the code nvcc built runs on this GPU and that device memory
 // round-trips. Values are integers so the check is exact.
 #include <cuda_runtime.h>
+
 #include <string>
 #include <vector>
 
@@ -32,11 +33,12 @@ std::string selftest(int gpu, int n) {
   constexpr int kThreads = 256;
   fill_affine<<<(n + kThreads - 1) / kThreads, kThreads>>>(d, n);
   std::string result;
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) result = failed("fill_affine launch", e);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+    result = failed("fill_affine launch", e);
   std::vector<int> host(static_cast<size_t>(n));
   if (result.empty()) {
-    if (cudaError_t e = cudaMemcpy(host.data(), d, sizeof(int) * host.size(),
-                                   cudaMemcpyDeviceToHost);
+    if (cudaError_t e =
+            cudaMemcpy(host.data(), d, sizeof(int) * host.size(), cudaMemcpyDeviceToHost);
         e != cudaSuccess) {
       result = failed("cudaMemcpy", e);
     }

@@ -27,9 +27,8 @@ std::string architecture(const model::ModelSpec& m) {
   } else {
     s += fmt::format("{} FFN {}, ", to_string(m.activation), m.ffn_hidden);
   }
-  s += fmt::format("vocab {}, {}, {} positions (max {}), {} embeddings", m.vocab,
-                   to_string(m.norm), to_string(m.positions), m.max_positions,
-                   m.tied_embeddings ? "tied" : "untied");
+  s += fmt::format("vocab {}, {}, {} positions (max {}), {} embeddings", m.vocab, to_string(m.norm),
+                   to_string(m.positions), m.max_positions, m.tied_embeddings ? "tied" : "untied");
   if (m.dropout) s += ", dropout";
   return s;
 }
@@ -79,20 +78,19 @@ int cmd_describe(const std::vector<std::string>& args) {
   const std::uint64_t block_params = totals.params - embedding_params - head_params;
 
   if (vm["json"].as<bool>()) {
-    json out = {{"name", spec.name},
-                {"description", spec.description},
-                {"source", spec.source},
-                {"params", totals.params},
-                {"params_breakdown",
-                 {{"embedding", embedding_params},
-                  {"blocks", block_params},
-                  {"head", head_params}}},
-                {"seq_len", seq},
-                {"fwd_flops_per_token", fwd_per_token},
-                {"flops_per_token", train_per_token},
-                {"flops_per_token_note",
-                 "training (forward + backward) matrix-multiply FLOPs per token, 2 FLOPs per "
-                 "multiply-add, dense attention, no recompute"}};
+    json out = {
+        {"name", spec.name},
+        {"description", spec.description},
+        {"source", spec.source},
+        {"params", totals.params},
+        {"params_breakdown",
+         {{"embedding", embedding_params}, {"blocks", block_params}, {"head", head_params}}},
+        {"seq_len", seq},
+        {"fwd_flops_per_token", fwd_per_token},
+        {"flops_per_token", train_per_token},
+        {"flops_per_token_note",
+         "training (forward + backward) matrix-multiply FLOPs per token, 2 FLOPs per "
+         "multiply-add, dense attention, no recompute"}};
     if (spec.published_params) {
       out["published_params"] = *spec.published_params;
       out["published_params_precision"] = spec.published_params_precision;
@@ -139,12 +137,14 @@ int cmd_describe(const std::vector<std::string>& args) {
                              p == 1 ? "" : fmt::format(" (rounded to {})", format_si(double(p))),
                              match ? "matches" : "DIFFERS", spec.published_params_source);
   }
-  std::cout << fmt::format("  embedding {}, {} blocks {}, head {}\n", format_count(embedding_params),
-                           spec.layers, format_count(block_params), format_count(head_params));
-  std::cout << fmt::format("\ntraining FLOPs per token at seq_len {}: {} (forward {}; 6 x params = "
-                           "{})\n",
-                           seq, format_si(train_per_token), format_si(fwd_per_token),
-                           format_si(6.0 * static_cast<double>(totals.params)));
+  std::cout << fmt::format("  embedding {}, {} blocks {}, head {}\n",
+                           format_count(embedding_params), spec.layers, format_count(block_params),
+                           format_count(head_params));
+  std::cout << fmt::format(
+      "\ntraining FLOPs per token at seq_len {}: {} (forward {}; 6 x params = "
+      "{})\n",
+      seq, format_si(train_per_token), format_si(fwd_per_token),
+      format_si(6.0 * static_cast<double>(totals.params)));
   if (spec.is_megatron_gpt()) {
     std::cout << fmt::format(
         "  Megatron-LM formula 72·l·h²·(1 + s/6h + V/12lh): {}; with full recompute (Eq. 3, "

@@ -30,8 +30,8 @@ int cmd_list(const std::vector<std::string>& args) {
   }
   const std::string what = vm["what"].as<std::string>();
   if (what != "all" && what != "models" && what != "clusters" && what != "devices") {
-    throw InputError(fmt::format("list: expected models, clusters, devices or all, got \"{}\"",
-                                 what));
+    throw InputError(
+        fmt::format("list: expected models, clusters, devices or all, got \"{}\"", what));
   }
   auto show = [&](const char* title, const std::vector<std::string>& names) {
     std::cout << fmt::format("{}: {}\n", title, fmt::join(names, " "));

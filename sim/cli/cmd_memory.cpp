@@ -30,7 +30,9 @@ json stage_json(const plan::StageMemory& s) {
           {"dominant", s.dominant}};
 }
 
-std::string gib(double bytes) { return fmt::format("{:.2f}", bytes / kGiB); }
+std::string gib(double bytes) {
+  return fmt::format("{:.2f}", bytes / kGiB);
+}
 
 }  // namespace
 
@@ -115,17 +117,17 @@ int cmd_memory(const std::vector<std::string>& args) {
   }
   std::cout << table.render() << "\n";
   if (report.fits) {
-    std::cout << fmt::format("fits: worst rank (stage {}) needs {} of {}; margin {} (dominant: "
-                             "{})\n",
-                             report.worst_stage, format_gib(worst.total_bytes),
-                             format_gib(report.capacity_bytes), format_gib(report.margin_bytes),
-                             worst.dominant);
+    std::cout << fmt::format(
+        "fits: worst rank (stage {}) needs {} of {}; margin {} (dominant: "
+        "{})\n",
+        report.worst_stage, format_gib(worst.total_bytes), format_gib(report.capacity_bytes),
+        format_gib(report.margin_bytes), worst.dominant);
   } else {
-    std::cout << fmt::format("DOES NOT FIT: worst rank (stage {}) needs {} of {}, {} too much "
-                             "(dominant: {})\n",
-                             report.worst_stage, format_gib(worst.total_bytes),
-                             format_gib(report.capacity_bytes), format_gib(-report.margin_bytes),
-                             worst.dominant);
+    std::cout << fmt::format(
+        "DOES NOT FIT: worst rank (stage {}) needs {} of {}, {} too much "
+        "(dominant: {})\n",
+        report.worst_stage, format_gib(worst.total_bytes), format_gib(report.capacity_bytes),
+        format_gib(-report.margin_bytes), worst.dominant);
   }
   for (const auto& n : notes) std::cout << "note: " << n << "\n";
   return 0;

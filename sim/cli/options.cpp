@@ -39,7 +39,8 @@ void add_plan_options(po::options_description& desc) {
       "pipeline schedule: gpipe, 1f1b (default), interleaved, zero-bubble, pipedream")(
       "virtual-stages", po::value<int>(), "model chunks per pipeline rank (interleaved)")(
       "zero-stage", po::value<int>(), "ZeRO stage 0-3 (default 0)")(
-      "recompute", po::value<std::string>(), "activation recompute: none (default), selective, full")(
+      "recompute", po::value<std::string>(),
+      "activation recompute: none (default), selective, full")(
       "sequence-parallel", po::bool_switch(), "Megatron sequence parallelism (needs tp > 1)")(
       "precision", po::value<std::string>(), "bf16 (default), fp16, fp8, fp32")(
       "optimizer", po::value<std::string>(), "adam (default) or sgd (with momentum)")(
@@ -113,9 +114,10 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   override_if(vm, "virtual-stages", p.virtual_stages);
   override_if(vm, "zero-stage", p.zero_stage);
   if (vm.count("schedule") && !plan::parse_schedule(vm["schedule"].as<std::string>(), p.schedule)) {
-    throw InputError(fmt::format("--schedule: expected gpipe, 1f1b, interleaved, zero-bubble or "
-                                 "pipedream, got \"{}\"",
-                                 vm["schedule"].as<std::string>()));
+    throw InputError(
+        fmt::format("--schedule: expected gpipe, 1f1b, interleaved, zero-bubble or "
+                    "pipedream, got \"{}\"",
+                    vm["schedule"].as<std::string>()));
   }
   if (vm.count("recompute") &&
       !plan::parse_recompute(vm["recompute"].as<std::string>(), p.recompute)) {
@@ -130,9 +132,10 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   if (vm.count("precision")) {
     const auto prec = parse_precision(vm["precision"].as<std::string>());
     if (!prec) {
-      throw InputError(fmt::format("--precision: expected bf16, fp16, fp8, fp32 or tf32, got "
-                                   "\"{}\"",
-                                   vm["precision"].as<std::string>()));
+      throw InputError(
+          fmt::format("--precision: expected bf16, fp16, fp8, fp32 or tf32, got "
+                      "\"{}\"",
+                      vm["precision"].as<std::string>()));
     }
     p.precision = *prec;
   }
@@ -150,9 +153,10 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
         if (used != part.size() || n < 1) throw std::invalid_argument(part);
         p.layers_per_stage.push_back(n);
       } catch (const std::exception&) {
-        throw InputError(fmt::format("--layers-per-stage: expected positive integers separated "
-                                     "by commas, got \"{}\"",
-                                     vm["layers-per-stage"].as<std::string>()));
+        throw InputError(
+            fmt::format("--layers-per-stage: expected positive integers separated "
+                        "by commas, got \"{}\"",
+                        vm["layers-per-stage"].as<std::string>()));
       }
     }
   }

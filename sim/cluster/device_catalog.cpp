@@ -17,8 +17,9 @@ double DeviceSpec::peak_flops_for(Precision p) const {
   if (auto it = peak_flops.find(p); it != peak_flops.end()) return it->second.value;
   std::vector<std::string_view> have;
   for (const auto& [q, f] : peak_flops) have.push_back(to_string(q));
-  throw UnsupportedError(fmt::format("device {} has no {} peak in the catalog ({}); it supports: {}",
-                                     name, to_string(p), file, fmt::join(have, ", ")));
+  throw UnsupportedError(
+      fmt::format("device {} has no {} peak in the catalog ({}); it supports: {}", name,
+                  to_string(p), file, fmt::join(have, ", ")));
 }
 
 DeviceSpec device_from_json(const json& j, const std::string& file) {
@@ -66,11 +67,12 @@ std::string lower(std::string_view s) {
 }
 }  // namespace
 
-std::vector<std::string> list_devices() { return list_data_names("topologies/devices"); }
+std::vector<std::string> list_devices() {
+  return list_data_names("topologies/devices");
+}
 
 DeviceSpec load_device(std::string_view name) {
-  const bool looks_like_path =
-      name.find('/') != std::string_view::npos || name.ends_with(".json");
+  const bool looks_like_path = name.find('/') != std::string_view::npos || name.ends_with(".json");
   if (!looks_like_path) {
     // Names and aliases, case-insensitive.
     const std::string wanted = lower(name);

@@ -13,16 +13,23 @@ namespace dtsim::cluster {
 namespace {
 constexpr std::array<ParallelDim, 5> kAllDims = {ParallelDim::Tp, ParallelDim::Cp, ParallelDim::Ep,
                                                  ParallelDim::Dp, ParallelDim::Pp};
-std::size_t idx(ParallelDim d) { return static_cast<std::size_t>(d); }
+std::size_t idx(ParallelDim d) {
+  return static_cast<std::size_t>(d);
+}
 }  // namespace
 
 std::string_view to_string(ParallelDim dim) {
   switch (dim) {
-    case ParallelDim::Tp: return "tp";
-    case ParallelDim::Cp: return "cp";
-    case ParallelDim::Ep: return "ep";
-    case ParallelDim::Dp: return "dp";
-    case ParallelDim::Pp: return "pp";
+    case ParallelDim::Tp:
+      return "tp";
+    case ParallelDim::Cp:
+      return "cp";
+    case ParallelDim::Ep:
+      return "ep";
+    case ParallelDim::Dp:
+      return "dp";
+    case ParallelDim::Pp:
+      return "pp";
   }
   return "?";
 }
@@ -72,9 +79,10 @@ Placement::Placement(ParallelDegrees degrees, std::vector<ParallelDim> order)
     throw InputError("parallel degrees must be positive");
   }
   if (degrees_.dp % degrees_.ep != 0) {
-    throw InputError(fmt::format("ep = {} must divide dp = {} (expert parallelism lives inside "
-                                 "data parallelism)",
-                                 degrees_.ep, degrees_.dp));
+    throw InputError(
+        fmt::format("ep = {} must divide dp = {} (expert parallelism lives inside "
+                    "data parallelism)",
+                    degrees_.ep, degrees_.dp));
   }
   std::set<ParallelDim> unique(order_.begin(), order_.end());
   DTSIM_ASSERT(order_.size() == 5 && unique.size() == 5, "order must be a permutation");
@@ -87,31 +95,39 @@ Placement::Placement(ParallelDegrees degrees, std::vector<ParallelDim> order)
 
 int Placement::extent(ParallelDim dim) const {
   switch (dim) {
-    case ParallelDim::Tp: return degrees_.tp;
-    case ParallelDim::Cp: return degrees_.cp;
-    case ParallelDim::Ep: return degrees_.ep;
-    case ParallelDim::Dp: return degrees_.dp / degrees_.ep;
-    case ParallelDim::Pp: return degrees_.pp;
+    case ParallelDim::Tp:
+      return degrees_.tp;
+    case ParallelDim::Cp:
+      return degrees_.cp;
+    case ParallelDim::Ep:
+      return degrees_.ep;
+    case ParallelDim::Dp:
+      return degrees_.dp / degrees_.ep;
+    case ParallelDim::Pp:
+      return degrees_.pp;
   }
   return 1;
 }
 
 int Placement::coord(const RankCoords& c, ParallelDim dim) const {
   switch (dim) {
-    case ParallelDim::Tp: return c.tp;
-    case ParallelDim::Cp: return c.cp;
-    case ParallelDim::Ep: return c.ep;
-    case ParallelDim::Dp: return c.dp_outer;
-    case ParallelDim::Pp: return c.pp;
+    case ParallelDim::Tp:
+      return c.tp;
+    case ParallelDim::Cp:
+      return c.cp;
+    case ParallelDim::Ep:
+      return c.ep;
+    case ParallelDim::Dp:
+      return c.dp_outer;
+    case ParallelDim::Pp:
+      return c.pp;
   }
   return 0;
 }
 
 RankCoords Placement::coords(std::int64_t rank) const {
   DTSIM_ASSERT(rank >= 0 && rank < degrees_.ranks(), fmt::format("rank {} out of range", rank));
-  auto get = [&](ParallelDim d) {
-    return static_cast<int>((rank / stride_[idx(d)]) % extent(d));
-  };
+  auto get = [&](ParallelDim d) { return static_cast<int>((rank / stride_[idx(d)]) % extent(d)); };
   return RankCoords{get(ParallelDim::Tp), get(ParallelDim::Cp), get(ParallelDim::Ep),
                     get(ParallelDim::Dp), get(ParallelDim::Pp)};
 }
@@ -174,8 +190,7 @@ GroupSpan group_span(const Cluster& cluster, std::span<const std::int64_t> devic
   span.single_rail = locals.size() <= 1;
 
   if (span.max_devices_per_node > 1) {
-    span.crossed.push_back(
-        fmt::format("intra-node {}", to_string(cluster.intra.fabric)));
+    span.crossed.push_back(fmt::format("intra-node {}", to_string(cluster.intra.fabric)));
   }
   const InterFabric fabric = cluster.inter.fabric;
   if (fabric == InterFabric::Torus3d && span.devices > 1) {

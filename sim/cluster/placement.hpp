@@ -67,14 +67,14 @@ class Placement {
 // Which parts of the cluster a group of devices uses.
 struct GroupSpan {
   std::int64_t devices = 0;
-  std::int64_t nodes = 0;               // distinct nodes
+  std::int64_t nodes = 0;  // distinct nodes
   std::int64_t max_devices_per_node = 0;
-  std::int64_t leaf_groups = 0;         // distinct leaf (rail / dragonfly) groups
+  std::int64_t leaf_groups = 0;  // distinct leaf (rail / dragonfly) groups
   bool intra_node_only = true;
-  bool crosses_spine = false;           // between leaf groups (fat tree, rail-optimized)
-  bool single_rail = true;              // every device has the same local index
-  std::int64_t max_torus_hops = 0;      // torus_3d: largest shortest-path hop count
-  std::vector<std::string> crossed;     // human-readable: "NVSwitch", "NIC (infiniband)", ...
+  bool crosses_spine = false;        // between leaf groups (fat tree, rail-optimized)
+  bool single_rail = true;           // every device has the same local index
+  std::int64_t max_torus_hops = 0;   // torus_3d: largest shortest-path hop count
+  std::vector<std::string> crossed;  // human-readable: "NVSwitch", "NIC (infiniband)", ...
 };
 
 GroupSpan group_span(const Cluster& cluster, std::span<const std::int64_t> devices);

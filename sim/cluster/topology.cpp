@@ -40,29 +40,35 @@ struct Names {
 };
 
 constexpr Names<IntraFabric, 6> kIntraNames{{{{IntraFabric::NvSwitch, "nvswitch"},
-                                                {IntraFabric::NvlinkMesh, "nvlink_mesh"},
-                                                {IntraFabric::Xgmi, "xgmi"},
-                                                {IntraFabric::IciTorus, "ici_torus"},
-                                                {IntraFabric::Pcie, "pcie"},
-                                                {IntraFabric::SharedMemory, "shared_memory"}}}};
+                                              {IntraFabric::NvlinkMesh, "nvlink_mesh"},
+                                              {IntraFabric::Xgmi, "xgmi"},
+                                              {IntraFabric::IciTorus, "ici_torus"},
+                                              {IntraFabric::Pcie, "pcie"},
+                                              {IntraFabric::SharedMemory, "shared_memory"}}}};
 constexpr Names<InterFabric, 5> kInterNames{{{{InterFabric::FatTree, "fat_tree"},
-                                                {InterFabric::RailOptimized, "rail_optimized"},
-                                                {InterFabric::Torus3d, "torus_3d"},
-                                                {InterFabric::Dragonfly, "dragonfly"},
-                                                {InterFabric::None, "none"}}}};
+                                              {InterFabric::RailOptimized, "rail_optimized"},
+                                              {InterFabric::Torus3d, "torus_3d"},
+                                              {InterFabric::Dragonfly, "dragonfly"},
+                                              {InterFabric::None, "none"}}}};
 constexpr Names<Transport, 7> kTransportNames{{{{Transport::InfiniBand, "infiniband"},
-                                                  {Transport::RoCE, "roce"},
-                                                  {Transport::Ethernet, "ethernet"},
-                                                  {Transport::Efa, "efa"},
-                                                  {Transport::Slingshot, "slingshot"},
-                                                  {Transport::Ici, "ici"},
-                                                  {Transport::None, "none"}}}};
+                                                {Transport::RoCE, "roce"},
+                                                {Transport::Ethernet, "ethernet"},
+                                                {Transport::Efa, "efa"},
+                                                {Transport::Slingshot, "slingshot"},
+                                                {Transport::Ici, "ici"},
+                                                {Transport::None, "none"}}}};
 
 }  // namespace
 
-std::string_view to_string(IntraFabric f) { return kIntraNames.name(f); }
-std::string_view to_string(InterFabric f) { return kInterNames.name(f); }
-std::string_view to_string(Transport t) { return kTransportNames.name(t); }
+std::string_view to_string(IntraFabric f) {
+  return kIntraNames.name(f);
+}
+std::string_view to_string(InterFabric f) {
+  return kInterNames.name(f);
+}
+std::string_view to_string(Transport t) {
+  return kTransportNames.name(t);
+}
 
 Cluster cluster_from_json(const json& j, const std::string& file) {
   const JsonReader r(j, file);
@@ -87,7 +93,7 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   intra.expect_only({"fabric", "bw_bytes_per_s", "latency_s", "note"});
   c.intra.fabric = kIntraNames.parse(intra, "fabric");
   c.intra.bw_bytes_per_s = intra.has("bw_bytes_per_s") ? intra.figure("bw_bytes_per_s")
-                                                        : c.device.intra_node_bw_bytes_per_s;
+                                                       : c.device.intra_node_bw_bytes_per_s;
   c.intra.latency_s = intra.figure("latency_s");
 
   const JsonReader inter = r.object("inter_node");
@@ -98,8 +104,7 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   c.inter.transport = kTransportNames.parse(inter, "transport");
   const InterFabric f = c.inter.fabric;
   if (f != InterFabric::None) c.inter.latency_s = inter.figure("latency_s");
-  if (f == InterFabric::FatTree || f == InterFabric::RailOptimized ||
-      f == InterFabric::Dragonfly) {
+  if (f == InterFabric::FatTree || f == InterFabric::RailOptimized || f == InterFabric::Dragonfly) {
     c.inter.nics_per_node = inter.positive_int("nics_per_node");
     c.inter.nic_bw_bytes_per_s = inter.figure("nic_bw_bytes_per_s");
   }
@@ -118,9 +123,8 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   if (f == InterFabric::Torus3d) {
     c.inter.torus_dims = inter.positive_int_array("torus_dims");
     c.inter.link_bw_bytes_per_s = inter.figure("link_bw_bytes_per_s");
-    const std::int64_t product = std::accumulate(c.inter.torus_dims.begin(),
-                                                 c.inter.torus_dims.end(), std::int64_t{1},
-                                                 std::multiplies<>());
+    const std::int64_t product = std::accumulate(
+        c.inter.torus_dims.begin(), c.inter.torus_dims.end(), std::int64_t{1}, std::multiplies<>());
     if (product != c.devices()) {
       inter.fail("torus_dims",
                  fmt::format("the torus has {} devices but nodes x devices_per_node = {}", product,
@@ -136,7 +140,9 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   return c;
 }
 
-std::vector<std::string> list_clusters() { return list_data_names("topologies"); }
+std::vector<std::string> list_clusters() {
+  return list_data_names("topologies");
+}
 
 Cluster load_cluster(std::string_view name_or_path) {
   const auto path = resolve_data_file("cluster", "topologies", name_or_path);
@@ -161,13 +167,15 @@ Cluster with_devices(const Cluster& cluster, std::int64_t devices) {
   } else if (devices % dpn == 0) {
     c.nodes = devices / dpn;
   } else {
-    throw InputError(fmt::format(
-        "--gpus {}: cluster {} has {} devices per node; use fewer than one node or a multiple of {}",
-        devices, cluster.name, dpn, dpn));
+    throw InputError(
+        fmt::format("--gpus {}: cluster {} has {} devices per node; use fewer than one node or a "
+                    "multiple of {}",
+                    devices, cluster.name, dpn, dpn));
   }
   if (c.nodes > 1 && c.inter.fabric == InterFabric::None) {
-    throw InputError(fmt::format("--gpus {}: cluster {} is a single node with no inter-node network",
-                                 devices, cluster.name));
+    throw InputError(
+        fmt::format("--gpus {}: cluster {} is a single node with no inter-node network", devices,
+                    cluster.name));
   }
   return c;
 }

@@ -33,8 +33,8 @@ std::vector<std::string> list_data_names(std::string_view subdir) {
 fs::path resolve_data_file(std::string_view what, std::string_view subdir,
                            std::string_view name_or_path) {
   const fs::path as_path{std::string(name_or_path)};
-  const bool looks_like_path = name_or_path.find('/') != std::string_view::npos ||
-                               as_path.extension() == ".json";
+  const bool looks_like_path =
+      name_or_path.find('/') != std::string_view::npos || as_path.extension() == ".json";
   if (looks_like_path || fs::is_regular_file(as_path)) {
     if (!fs::is_regular_file(as_path)) {
       throw InputError(fmt::format("{}: no such {} file", name_or_path, what));
@@ -43,8 +43,8 @@ fs::path resolve_data_file(std::string_view what, std::string_view subdir,
   }
   const fs::path candidate = data_dir() / subdir / (std::string(name_or_path) + ".json");
   if (fs::is_regular_file(candidate)) return candidate;
-  throw InputError(fmt::format("unknown {} \"{}\" (known: {}; or give a path to a JSON file)",
-                               what, name_or_path, fmt::join(list_data_names(subdir), ", ")));
+  throw InputError(fmt::format("unknown {} \"{}\" (known: {}; or give a path to a JSON file)", what,
+                               name_or_path, fmt::join(list_data_names(subdir), ", ")));
 }
 
 }  // namespace dtsim

@@ -36,7 +36,7 @@ class InternalError : public Error {
 }  // namespace dtsim
 
 // Always-on invariant check with context (not compiled out in release builds).
-#define DTSIM_ASSERT(cond, msg)                                                   \
-  do {                                                                            \
+#define DTSIM_ASSERT(cond, msg)                                                     \
+  do {                                                                              \
     if (!(cond)) ::dtsim::fail_assert(#cond, __FILE__, __LINE__, std::string(msg)); \
   } while (false)

@@ -6,7 +6,9 @@
 
 namespace dtsim {
 
-std::string format_gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / kGiB); }
+std::string format_gib(double bytes) {
+  return fmt::format("{:.2f} GiB", bytes / kGiB);
+}
 
 std::string format_count(std::uint64_t n) {
   std::string digits = std::to_string(n);

@@ -18,18 +18,30 @@ struct ModelGraph::Impl {
 
 std::string_view to_string(OpKind kind) {
   switch (kind) {
-    case OpKind::Embedding: return "embedding";
-    case OpKind::Norm: return "norm";
-    case OpKind::QkvProj: return "qkv_proj";
-    case OpKind::AttentionCore: return "attention_core";
-    case OpKind::AttnOutProj: return "attn_out_proj";
-    case OpKind::Residual: return "residual";
-    case OpKind::MlpUp: return "mlp_up";
-    case OpKind::Activation: return "activation";
-    case OpKind::MlpDown: return "mlp_down";
-    case OpKind::Router: return "router";
-    case OpKind::LmHead: return "lm_head";
-    case OpKind::Loss: return "loss";
+    case OpKind::Embedding:
+      return "embedding";
+    case OpKind::Norm:
+      return "norm";
+    case OpKind::QkvProj:
+      return "qkv_proj";
+    case OpKind::AttentionCore:
+      return "attention_core";
+    case OpKind::AttnOutProj:
+      return "attn_out_proj";
+    case OpKind::Residual:
+      return "residual";
+    case OpKind::MlpUp:
+      return "mlp_up";
+    case OpKind::Activation:
+      return "activation";
+    case OpKind::MlpDown:
+      return "mlp_down";
+    case OpKind::Router:
+      return "router";
+    case OpKind::LmHead:
+      return "lm_head";
+    case OpKind::Loss:
+      return "loss";
   }
   return "?";
 }
@@ -226,7 +238,7 @@ class Builder {
     up.params = experts * (h() * up_width + (m_.bias.mlp ? up_width : 0));
     gemm(up, routed, hd, static_cast<double>(up_width));
     if (expert) up.fwd_bytes += a * static_cast<double>(up.params);  // every expert's weights
-    up.saved_bytes = act_ * T() * copies * h();  // its input (2sbh per copy)
+    up.saved_bytes = act_ * T() * copies * h();                      // its input (2sbh per copy)
     const OpId u = add(std::move(up), {mlp_in});
 
     Op act;
@@ -356,7 +368,9 @@ GraphTotals ModelGraph::totals() const {
   return t;
 }
 
-std::uint64_t count_params(const ModelSpec& spec) { return ModelGraph(spec, 1, 1).totals().params; }
+std::uint64_t count_params(const ModelSpec& spec) {
+  return ModelGraph(spec, 1, 1).totals().params;
+}
 
 bool matches_published_params(const ModelSpec& spec, std::uint64_t params) {
   if (!spec.published_params) return false;

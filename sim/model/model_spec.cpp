@@ -13,9 +13,15 @@ namespace dtsim::model {
 
 using nlohmann::json;
 
-std::string_view to_string(Activation a) { return a == Activation::Gelu ? "gelu" : "swiglu"; }
-std::string_view to_string(Norm n) { return n == Norm::LayerNorm ? "layernorm" : "rmsnorm"; }
-std::string_view to_string(Positions p) { return p == Positions::Learned ? "learned" : "rope"; }
+std::string_view to_string(Activation a) {
+  return a == Activation::Gelu ? "gelu" : "swiglu";
+}
+std::string_view to_string(Norm n) {
+  return n == Norm::LayerNorm ? "layernorm" : "rmsnorm";
+}
+std::string_view to_string(Positions p) {
+  return p == Positions::Learned ? "learned" : "rope";
+}
 
 bool ModelSpec::is_megatron_gpt() const {
   return activation == Activation::Gelu && !moe && kv_heads == heads &&
@@ -24,10 +30,28 @@ bool ModelSpec::is_megatron_gpt() const {
 
 ModelSpec model_from_json(const json& j, const std::string& file) {
   const JsonReader r(j, file);
-  r.expect_only({"name", "description", "source", "layers", "hidden", "heads", "kv_heads",
-                 "head_dim", "ffn_hidden", "vocab", "max_positions", "seq_len", "activation",
-                 "norm", "positions", "tied_embeddings", "bias", "dropout", "moe",
-                 "published_params", "published_params_precision", "published_params_source"});
+  r.expect_only({"name",
+                 "description",
+                 "source",
+                 "layers",
+                 "hidden",
+                 "heads",
+                 "kv_heads",
+                 "head_dim",
+                 "ffn_hidden",
+                 "vocab",
+                 "max_positions",
+                 "seq_len",
+                 "activation",
+                 "norm",
+                 "positions",
+                 "tied_embeddings",
+                 "bias",
+                 "dropout",
+                 "moe",
+                 "published_params",
+                 "published_params_precision",
+                 "published_params_source"});
   ModelSpec m;
   m.file = file;
   m.name = r.string("name");
@@ -51,10 +75,10 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
   m.vocab = r.positive_int("vocab");
   m.max_positions = r.positive_int("max_positions");
   m.seq_len = r.positive_int_or("seq_len", m.max_positions);
-  m.activation = r.choice("activation", {"gelu", "swiglu"}) == "gelu" ? Activation::Gelu
-                                                                      : Activation::SwiGlu;
-  m.norm = r.choice("norm", {"layernorm", "rmsnorm"}) == "layernorm" ? Norm::LayerNorm
-                                                                     : Norm::RmsNorm;
+  m.activation =
+      r.choice("activation", {"gelu", "swiglu"}) == "gelu" ? Activation::Gelu : Activation::SwiGlu;
+  m.norm =
+      r.choice("norm", {"layernorm", "rmsnorm"}) == "layernorm" ? Norm::LayerNorm : Norm::RmsNorm;
   m.positions = r.choice("positions", {"learned", "rope"}) == "learned" ? Positions::Learned
                                                                         : Positions::Rope;
   m.tied_embeddings = r.boolean("tied_embeddings");
@@ -91,13 +115,13 @@ void validate_model(const ModelSpec& m) {
     bad("kv_heads", fmt::format("kv_heads = {} must divide heads = {}", m.kv_heads, m.heads));
   }
   if (m.seq_len > m.max_positions) {
-    bad("seq_len", fmt::format("seq_len = {} exceeds max_positions = {}", m.seq_len,
-                               m.max_positions));
+    bad("seq_len",
+        fmt::format("seq_len = {} exceeds max_positions = {}", m.seq_len, m.max_positions));
   }
   if (m.moe) {
     if (m.moe->top_k > m.moe->experts) {
-      bad("moe.top_k", fmt::format("top_k = {} exceeds experts = {}", m.moe->top_k,
-                                   m.moe->experts));
+      bad("moe.top_k",
+          fmt::format("top_k = {} exceeds experts = {}", m.moe->top_k, m.moe->experts));
     }
   }
 }
@@ -125,7 +149,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   }
   ModelSpec m;
   m.file = file;
-  m.name = r.string_or("_name_or_path", std::filesystem::path(file).parent_path().filename().string());
+  m.name =
+      r.string_or("_name_or_path", std::filesystem::path(file).parent_path().filename().string());
   if (m.name.empty()) m.name = type;
   m.source = fmt::format("Hugging Face config.json ({})", file);
   m.description = fmt::format("imported from a Hugging Face {} config", type);

@@ -79,7 +79,8 @@ double block_activation_bytes(const ModelGraph& g, int layer, const Plan& plan) 
   for (model::OpId id : g.layer_ops(layer)) {
     const Op& op = g.op(id);
     double saved = static_cast<double>(op.saved_bytes);
-    if (plan.recompute == Recompute::Selective) saved -= static_cast<double>(op.saved_quadratic_bytes);
+    if (plan.recompute == Recompute::Selective)
+      saved -= static_cast<double>(op.saved_quadratic_bytes);
     bytes += saved / activation_divisor(op, plan);
   }
   return bytes;
@@ -90,20 +91,22 @@ std::int64_t in_flight(const Plan& plan, int stage) {
   const std::int64_t p = plan.pp;
   if (p == 1) return 1;
   switch (plan.schedule) {
-    case Schedule::GPipe: return m;
+    case Schedule::GPipe:
+      return m;
     case Schedule::Interleaved: {
       const std::int64_t v = plan.virtual_stages;
       return std::min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v);
     }
     case Schedule::OneFOneB:
     case Schedule::ZeroBubble:
-    case Schedule::PipeDreamAsync: return std::min(p - stage, m);
+    case Schedule::PipeDreamAsync:
+      return std::min(p - stage, m);
   }
   return m;
 }
 
-MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan,
-                             const cluster::Cluster& cluster, const MemoryOptions& options) {
+MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluster::Cluster& cluster,
+                             const MemoryOptions& options) {
   const model::ModelSpec& spec = g.spec();
   DTSIM_ASSERT(g.micro_batch() == plan.micro_batch_size && g.seq_len() == plan.seq_len,
                "the graph must be built for the plan's micro-batch and sequence length");
@@ -174,10 +177,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan,
     const double per_micro_batch = block_activations / v;
     s.activations_bytes = per_micro_batch * static_cast<double>(s.in_flight);
     // Embedding and head activations: counted once per micro-batch in flight at that end.
-    const double end_in_flight =
-        plan.schedule == Schedule::Interleaved
-            ? std::ceil(static_cast<double>(s.in_flight) / v)
-            : static_cast<double>(s.in_flight);
+    const double end_in_flight = plan.schedule == Schedule::Interleaved
+                                     ? std::ceil(static_cast<double>(s.in_flight) / v)
+                                     : static_cast<double>(s.in_flight);
     s.activations_bytes += extra_activations * end_in_flight;
     if (plan.recompute == Recompute::Full) {
       // Backward recomputes one block at a time and holds its full activations meanwhile.
@@ -195,8 +197,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan,
       // ZeRO-3 gathers a layer's weights before use and prefetches the next one.
       s.other_bytes += 2.0 * largest_layer_params * per_param.weights;
     }
-    s.total_bytes = s.weights_bytes + s.gradients_bytes + s.optimizer_bytes +
-                    s.activations_bytes + s.other_bytes;
+    s.total_bytes = s.weights_bytes + s.gradients_bytes + s.optimizer_bytes + s.activations_bytes +
+                    s.other_bytes;
     const std::array<std::pair<double, const char*>, 5> terms = {{
         {s.weights_bytes, "weights"},
         {s.gradients_bytes, "gradients"},
@@ -214,10 +216,10 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan,
   }
   report.margin_bytes = report.capacity_bytes - report.worst().total_bytes;
   report.fits = report.margin_bytes >= 0;
-  report.notes.push_back(fmt::format(
-      "other = {:.2f} GiB framework allowance (assumed; --framework-overhead-gib){}",
-      options.framework_overhead_bytes / (1024.0 * 1024 * 1024),
-      plan.zero_stage == 3 ? " + ZeRO-3 gathered-weight buffers" : ""));
+  report.notes.push_back(
+      fmt::format("other = {:.2f} GiB framework allowance (assumed; --framework-overhead-gib){}",
+                  options.framework_overhead_bytes / (1024.0 * 1024 * 1024),
+                  plan.zero_stage == 3 ? " + ZeRO-3 gathered-weight buffers" : ""));
   return report;
 }
 

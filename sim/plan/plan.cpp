@@ -14,25 +14,35 @@ using nlohmann::json;
 
 std::string_view to_string(Schedule s) {
   switch (s) {
-    case Schedule::GPipe: return "gpipe";
-    case Schedule::OneFOneB: return "1f1b";
-    case Schedule::Interleaved: return "interleaved";
-    case Schedule::ZeroBubble: return "zero-bubble";
-    case Schedule::PipeDreamAsync: return "pipedream";
+    case Schedule::GPipe:
+      return "gpipe";
+    case Schedule::OneFOneB:
+      return "1f1b";
+    case Schedule::Interleaved:
+      return "interleaved";
+    case Schedule::ZeroBubble:
+      return "zero-bubble";
+    case Schedule::PipeDreamAsync:
+      return "pipedream";
   }
   return "?";
 }
 
 std::string_view to_string(Recompute r) {
   switch (r) {
-    case Recompute::None: return "none";
-    case Recompute::Selective: return "selective";
-    case Recompute::Full: return "full";
+    case Recompute::None:
+      return "none";
+    case Recompute::Selective:
+      return "selective";
+    case Recompute::Full:
+      return "full";
   }
   return "?";
 }
 
-std::string_view to_string(Optimizer o) { return o == Optimizer::Adam ? "adam" : "sgd"; }
+std::string_view to_string(Optimizer o) {
+  return o == Optimizer::Adam ? "adam" : "sgd";
+}
 
 bool parse_schedule(std::string_view text, Schedule& out) {
   for (Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved,
@@ -124,8 +134,8 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
                                 "length per cp rank ({})",
                                 p.tp, p.seq_len / p.cp));
   }
-  if (p.ep > 1 && !m.moe) error("ep-needs-moe", fmt::format("ep = {} but {} has no experts",
-                                                            p.ep, m.name));
+  if (p.ep > 1 && !m.moe)
+    error("ep-needs-moe", fmt::format("ep = {} but {} has no experts", p.ep, m.name));
   if (p.dp % p.ep != 0) {
     error("ep-dp", fmt::format("ep = {} must divide dp = {} (experts are spread over data-"
                                "parallel ranks)",
@@ -156,8 +166,8 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
                                          p.micro_batches(), p.pp));
     }
   } else if (p.virtual_stages != 1) {
-    error("virtual-stages", fmt::format("--virtual-stages {} needs --schedule interleaved",
-                                        p.virtual_stages));
+    error("virtual-stages",
+          fmt::format("--virtual-stages {} needs --schedule interleaved", p.virtual_stages));
   }
   const std::int64_t chunks = std::int64_t{p.pp} * p.virtual_stages;
   if (p.layers_per_stage.empty()) {
@@ -177,8 +187,8 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
     for (int n : p.layers_per_stage) positive = positive && n >= 1;
     if (!positive) error("layers", "every entry of layers_per_stage must be >= 1");
     if (sum != m.layers) {
-      error("layers", fmt::format("layers_per_stage sums to {}, the model has {} layers", sum,
-                                  m.layers));
+      error("layers",
+            fmt::format("layers_per_stage sums to {}, the model has {} layers", sum, m.layers));
     }
   }
   if (p.zero_stage >= 2 && p.pp > 1) {
@@ -207,9 +217,10 @@ std::vector<std::string> complete_plan(Plan& plan, const model::ModelSpec& model
   if (plan.dp == 0) {
     const std::int64_t others = std::int64_t{plan.tp} * plan.pp * plan.cp;
     if (others < 1 || devices % others != 0) {
-      throw InputError(fmt::format("cannot derive dp: tp x pp x cp = {} does not divide the {} "
-                                   "devices",
-                                   others, devices));
+      throw InputError(
+          fmt::format("cannot derive dp: tp x pp x cp = {} does not divide the {} "
+                      "devices",
+                      others, devices));
     }
     plan.dp = static_cast<int>(devices / others);
     notes.push_back(fmt::format("dp = {} (devices / (tp x pp x cp))", plan.dp));
@@ -221,9 +232,10 @@ std::vector<std::string> complete_plan(Plan& plan, const model::ModelSpec& model
   if (plan.global_batch_size == 0) {
     const std::int64_t m = plan.pp > 1 ? 4 * std::int64_t{plan.pp} : 1;
     plan.global_batch_size = plan.micro_batch_size * plan.dp * m;
-    notes.push_back(fmt::format("global batch = {} ({} micro-batches of {} per data-parallel "
-                                "rank)",
-                                plan.global_batch_size, m, plan.micro_batch_size));
+    notes.push_back(
+        fmt::format("global batch = {} ({} micro-batches of {} per data-parallel "
+                    "rank)",
+                    plan.global_batch_size, m, plan.micro_batch_size));
   }
   return notes;
 }
@@ -266,10 +278,9 @@ Plan plan_from_json(const json& j, const std::string& file) {
   p.micro_batch_size = r.positive_int_or("micro_batch_size", 1);
   p.global_batch_size = r.positive_int_or("global_batch_size", 0);
   p.seq_len = r.positive_int_or("seq_len", 0);
-  if (r.has("schedule") &&
-      !parse_schedule(r.choice("schedule", {"gpipe", "1f1b", "interleaved", "zero-bubble",
-                                            "pipedream"}),
-                      p.schedule)) {
+  if (r.has("schedule") && !parse_schedule(r.choice("schedule", {"gpipe", "1f1b", "interleaved",
+                                                                 "zero-bubble", "pipedream"}),
+                                           p.schedule)) {
     r.fail("schedule", "unknown schedule");
   }
   p.virtual_stages = degree("virtual_stages", 1);

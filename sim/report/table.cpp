@@ -24,7 +24,9 @@ void Table::set_units(std::vector<std::string> units) {
   units_ = std::move(units);
 }
 
-void Table::align_left(std::size_t column) { left_.at(column) = true; }
+void Table::align_left(std::size_t column) {
+  left_.at(column) = true;
+}
 
 void Table::add_row(std::vector<std::string> cells) {
   DTSIM_ASSERT(cells.size() == headers_.size(), "one cell per column");

@@ -11,9 +11,9 @@ using dtsim::cluster::load_device;
 
 TEST_CASE("every catalog device loads, with a source for every figure", "[cluster][catalog]") {
   const auto names = dtsim::cluster::list_devices();
-  for (const char* required : {"a100-sxm4-40gb", "a100-sxm4-80gb", "h100-sxm", "h200", "b200",
-                               "mi250x", "mi300x", "gaudi2", "gaudi3", "tpu-v4", "tpu-v5p",
-                               "trainium1", "trainium2"}) {
+  for (const char* required :
+       {"a100-sxm4-40gb", "a100-sxm4-80gb", "h100-sxm", "h200", "b200", "mi250x", "mi300x",
+        "gaudi2", "gaudi3", "tpu-v4", "tpu-v5p", "trainium1", "trainium2"}) {
     CHECK(std::find(names.begin(), names.end(), required) != names.end());
   }
   for (const std::string& name : names) {

@@ -33,15 +33,14 @@ TEST_CASE("a custom order and its parsing", "[cluster][placement]") {
   const Placement p({2, 1, 1, 4, 1}, order);
   CHECK(p.group(ParallelDim::Dp, 0) == std::vector<std::int64_t>{0, 1, 2, 3});
   CHECK(Placement::to_string(order) == "dp-tp-cp-ep-pp");
-  REQUIRE_THROWS_WITH(Placement::parse_order("tp-dp"),
-                      Catch::Matchers::Contains("exactly once"));
+  REQUIRE_THROWS_WITH(Placement::parse_order("tp-dp"), Catch::Matchers::Contains("exactly once"));
   REQUIRE_THROWS_WITH(Placement::parse_order("tp-xp-cp-ep-pp"),
                       Catch::Matchers::Contains("unknown dimension \"xp\""));
 }
 
 TEST_CASE("which links and switches a group crosses", "[cluster][placement]") {
   const auto selene = dtsim::cluster::load_cluster("selene");  // 8 GPUs/node, 20 nodes/rail group
-  const Placement p({8, 1, 1, 64, 1});                          // 512 GPUs
+  const Placement p({8, 1, 1, 64, 1});                         // 512 GPUs
   const auto tp = p.group(ParallelDim::Tp, 0);
   const auto tp_span = group_span(selene, tp);
   CHECK(tp_span.intra_node_only);

@@ -55,7 +55,8 @@ nlohmann::json valid_cluster() {
 }
 }  // namespace
 
-TEST_CASE("bad cluster files are rejected naming file and field", "[cluster][topology][bad-input]") {
+TEST_CASE("bad cluster files are rejected naming file and field",
+          "[cluster][topology][bad-input]") {
   auto expect = [](nlohmann::json j, const std::string& message) {
     dtsim::test::TempFile f("cl.json", j.dump());
     DTSIM_REQUIRE_THROWS_CONTAINING(load_cluster(f.path()), InputError, "cl.json: " + message);
@@ -68,8 +69,9 @@ TEST_CASE("bad cluster files are rejected naming file and field", "[cluster][top
   SECTION("unknown fabric lists the known ones") {
     auto j = valid_cluster();
     j["inter_node"]["fabric"] = "butterfly";
-    expect(j, "inter_node.fabric: expected one of fat_tree, rail_optimized, torus_3d, dragonfly, "
-              "none, got \"butterfly\"");
+    expect(j,
+           "inter_node.fabric: expected one of fat_tree, rail_optimized, torus_3d, dragonfly, "
+           "none, got \"butterfly\"");
   }
   SECTION("unknown device") {
     auto j = valid_cluster();

@@ -47,9 +47,9 @@ TEST_CASE("Megatron family: paper's formula and ours round to the published size
   for (const char* name : {"megatron-1.7b", "megatron-18.4b", "megatron-1t"}) {
     const auto m = load_model(name);
     const double l = static_cast<double>(m.layers), h = static_cast<double>(m.hidden);
-    const double paper = 12 * l * h * h *
-                         (1 + 13 / (12 * h) + static_cast<double>(m.vocab + m.max_positions) /
-                                                  (12 * l * h));
+    const double paper =
+        12 * l * h * h *
+        (1 + 13 / (12 * h) + static_cast<double>(m.vocab + m.max_positions) / (12 * l * h));
     CHECK(static_cast<double>(count_params(m)) == Approx(paper + 2 * h).epsilon(1e-12));
   }
 }

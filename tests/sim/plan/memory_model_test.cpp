@@ -121,7 +121,8 @@ TEST_CASE("Korthikanti et al. Table 2: activations per layer", "[plan][memory][a
   CHECK(act(Recompute::None, false, 1) == Approx(sbh * (34 + 5 * a * s / h)).epsilon(1e-12));
   CHECK(act(Recompute::None, false, 8) ==
         Approx(sbh * (10 + 24 / t + 5 * a * s / (h * t))).epsilon(1e-12));
-  CHECK(act(Recompute::None, true, 8) == Approx(sbh * (34 / t + 5 * a * s / (h * t))).epsilon(1e-12));
+  CHECK(act(Recompute::None, true, 8) ==
+        Approx(sbh * (34 / t + 5 * a * s / (h * t))).epsilon(1e-12));
   CHECK(act(Recompute::Selective, false, 8) == sbh * (10 + 24 / t));
   CHECK(act(Recompute::Selective, true, 8) == sbh * 34 / t);
   CHECK(act(Recompute::Full, false, 8) == 2 * sbh);
@@ -216,8 +217,7 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
   }
 }
 
-TEST_CASE("dtsim memory works for every shipped model on every shipped cluster",
-          "[plan][memory]") {
+TEST_CASE("dtsim memory works for every shipped model on every shipped cluster", "[plan][memory]") {
   for (const std::string& c : dtsim::cluster::list_clusters()) {
     const auto cluster = dtsim::cluster::load_cluster(c);
     for (const char* m : {"tiny", "gpt2-124m", "llama3-8b", "mixtral-8x7b", "megatron-1t"}) {

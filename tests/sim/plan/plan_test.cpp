@@ -23,8 +23,7 @@ Plan base_plan() {
   return p;
 }
 
-bool has_rule(const dtsim::plan::PlanCheck& c, const std::string& rule,
-              const std::string& text) {
+bool has_rule(const dtsim::plan::PlanCheck& c, const std::string& rule, const std::string& text) {
   for (const auto& v : c.errors) {
     if (v.rule == rule && v.message.find(text) != std::string::npos) return true;
   }
