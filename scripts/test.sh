@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
-DTSIM_WERROR="${DTSIM_WERROR:-ON}" scripts/build.sh
+scripts/build.sh
 cd "${BUILD_DIR:-build}"
 ctest -j "$(nproc)" --output-on-failure

@@ -39,9 +39,10 @@ struct Names {
   }
 };
 
-constexpr Names<IntraFabric, 6> kIntraNames{{{{IntraFabric::NvSwitch, "nvswitch"},
+constexpr Names<IntraFabric, 7> kIntraNames{{{{IntraFabric::NvSwitch, "nvswitch"},
                                               {IntraFabric::NvlinkMesh, "nvlink_mesh"},
                                               {IntraFabric::Xgmi, "xgmi"},
+                                              {IntraFabric::RoceMesh, "roce_mesh"},
                                               {IntraFabric::IciTorus, "ici_torus"},
                                               {IntraFabric::Pcie, "pcie"},
                                               {IntraFabric::SharedMemory, "shared_memory"}}}};

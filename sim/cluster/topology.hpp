@@ -13,7 +13,9 @@
 
 namespace dtsim::cluster {
 
-enum class IntraFabric { NvSwitch, NvlinkMesh, Xgmi, IciTorus, Pcie, SharedMemory };
+// nvswitch: every pair at full link bandwidth through a switch; nvlink_mesh / xgmi / roce_mesh:
+// direct links between pairs (NVLink, AMD Infinity Fabric, Gaudi's on-chip RoCE ports).
+enum class IntraFabric { NvSwitch, NvlinkMesh, Xgmi, RoceMesh, IciTorus, Pcie, SharedMemory };
 enum class InterFabric { FatTree, RailOptimized, Torus3d, Dragonfly, None };
 enum class Transport { InfiniBand, RoCE, Ethernet, Efa, Slingshot, Ici, None };
 

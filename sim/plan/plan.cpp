@@ -233,9 +233,9 @@ std::vector<std::string> complete_plan(Plan& plan, const model::ModelSpec& model
     const std::int64_t m = plan.pp > 1 ? 4 * std::int64_t{plan.pp} : 1;
     plan.global_batch_size = plan.micro_batch_size * plan.dp * m;
     notes.push_back(
-        fmt::format("global batch = {} ({} micro-batches of {} per data-parallel "
-                    "rank)",
-                    plan.global_batch_size, m, plan.micro_batch_size));
+        fmt::format("global batch = {} ({} micro-batch{} of {} sequence{} per data-parallel rank)",
+                    plan.global_batch_size, m, m == 1 ? "" : "es", plan.micro_batch_size,
+                    plan.micro_batch_size == 1 ? "" : "s"));
   }
   return notes;
 }

@@ -5,6 +5,7 @@
 #include <map>
 #include <sstream>
 
+#include "sim/common/data_files.hpp"
 #include "tests/test_util.hpp"
 
 using dtsim::Precision;
@@ -220,7 +221,7 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
 TEST_CASE("dtsim memory works for every shipped model on every shipped cluster", "[plan][memory]") {
   for (const std::string& c : dtsim::cluster::list_clusters()) {
     const auto cluster = dtsim::cluster::load_cluster(c);
-    for (const char* m : {"tiny", "gpt2-124m", "llama3-8b", "mixtral-8x7b", "megatron-1t"}) {
+    for (const std::string& m : dtsim::list_data_names("models")) {
       DYNAMIC_SECTION(m << " on " << c) {
         const auto spec = load_model(m);
         Plan p;
