@@ -55,7 +55,8 @@ double extra_activation_bytes(const ModelGraph& g, int group, const Plan& plan) 
   return bytes;
 }
 
-// Parameters one rank holds of `op`, and whether they are expert parameters.
+}  // namespace
+
 double rank_params(const Op& op, const Plan& plan) {
   const double replicated = static_cast<double>(op.tp_replicated_params);
   const double split = static_cast<double>(op.params) - replicated;
@@ -63,8 +64,6 @@ double rank_params(const Op& op, const Plan& plan) {
   if (op.expert) p /= plan.ep;
   return p;
 }
-
-}  // namespace
 
 double block_activation_bytes(const ModelGraph& g, int layer, const Plan& plan) {
   DTSIM_ASSERT(layer >= 0 && layer < g.spec().layers, "not a transformer block");

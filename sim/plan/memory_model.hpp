@@ -86,4 +86,8 @@ MemoryReport estimate_memory(const model::ModelGraph& graph, const Plan& plan,
 
 int activation_bytes_per_element(Precision precision);
 
+// Parameters of `op` held by one rank: tensor-parallel ops split all but their replicated part
+// over tp; expert ops are spread over ep.
+double rank_params(const model::Op& op, const Plan& plan);
+
 }  // namespace dtsim::plan
