@@ -10,5 +10,7 @@ namespace dtsim::cli {
 int cmd_describe(const std::vector<std::string>& args);
 int cmd_memory(const std::vector<std::string>& args);
 int cmd_list(const std::vector<std::string>& args);
+int cmd_simulate(const std::vector<std::string>& args);
+int cmd_lower(const std::vector<std::string>& args);
 
 }  // namespace dtsim::cli

@@ -22,6 +22,8 @@ const std::map<std::string, Command>& commands() {
       {"describe", {dtsim::cli::cmd_describe, "parameters, FLOPs per token, per-layer table"}},
       {"memory", {dtsim::cli::cmd_memory, "memory per rank of a plan; fits or not, and why"}},
       {"list", {dtsim::cli::cmd_list, "shipped models, clusters and devices"}},
+      {"simulate", {dtsim::cli::cmd_simulate, "predicted step time, breakdown, MFU, memory"}},
+      {"lower", {dtsim::cli::cmd_lower, "the per-rank program a plan lowers to (JSON)"}},
   };
   return table;
 }

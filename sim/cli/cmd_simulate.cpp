@@ -1,0 +1,148 @@
+// dtsim simulate: predicted step time of a plan, its breakdown, memory, MFU; JSON and a trace.
+#include <fmt/format.h>
+
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "sim/cli/commands.hpp"
+#include "sim/cli/options.hpp"
+#include "sim/common/error.hpp"
+#include "sim/common/units.hpp"
+#include "sim/engine/simulator.hpp"
+#include "sim/report/table.hpp"
+#include "sim/report/trace.hpp"
+
+namespace dtsim::cli {
+
+namespace {
+
+using nlohmann::json;
+
+json breakdown_json(const engine::Breakdown& b) {
+  return {{"compute_s", b.compute_s},
+          {"recompute_s", b.recompute_s},
+          {"optimizer_s", b.optimizer_s},
+          {"bubble_s", b.bubble_s},
+          {"exposed_comm_s",
+           {{"dp", b.exposed_dp_s},
+            {"tp", b.exposed_tp_s},
+            {"pp", b.exposed_pp_s},
+            {"cp", b.exposed_cp_s},
+            {"ep", b.exposed_ep_s}}}};
+}
+
+std::string ms(double s) { return fmt::format("{:.2f}", s * 1e3); }
+std::string pct(double part, double whole) {
+  return fmt::format("{:.1f}%", whole > 0 ? 100.0 * part / whole : 0.0);
+}
+
+}  // namespace
+
+int cmd_simulate(const std::vector<std::string>& args) {
+  po::options_description desc("dtsim simulate options");
+  desc.add_options()("help,h", "show this help");
+  add_model_options(desc, /*with_cluster=*/true);
+  add_plan_options(desc);
+  po::options_description sim_opts("Simulation");
+  sim_opts.add_options()("network", po::value<std::string>()->default_value("analytical"),
+                    "network model: analytical (alpha-beta per collective algorithm)")(
+      "trace", po::value<std::string>(), "write a Chrome trace (open in ui.perfetto.dev)")(
+      "json", po::bool_switch(), "print JSON instead of tables");
+  desc.add(sim_opts);
+  po::variables_map vm;
+  if (!parse(args, desc,
+             "usage: dtsim simulate --model M --cluster C [plan flags | --plan P.json]\n"
+             "                      [--network analytical] [--trace T.json] [--json]\n\n"
+             "Predicts one training step of a plan with the discrete-event simulator: step "
+             "time, tokens/s, TFLOP/s and MFU per GPU, where the time goes (compute, "
+             "recompute, exposed communication per kind, pipeline bubble, optimizer), the "
+             "Amdahl bound, and memory per GPU.",
+             vm)) {
+    return 0;
+  }
+  const model::ModelSpec spec = model_from_options(vm);
+  const cluster::Cluster cluster = cluster_from_options(vm);
+  std::vector<std::string> notes;
+  const plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes);
+  cluster.device.peak_flops_for(plan.precision);
+  const std::string network_name = vm["network"].as<std::string>();
+  if (network_name != "analytical") {
+    throw InputError(fmt::format("--network: expected analytical, got \"{}\"", network_name));
+  }
+  auto network = network::make_analytical(cluster);
+  const model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
+                                plan::activation_bytes_per_element(plan.precision));
+  const engine::Simulation sim = engine::simulate(graph, plan, cluster, *network);
+  const engine::Prediction& p = sim.prediction;
+  for (const auto& n : p.notes) notes.push_back(n);
+  if (vm.count("trace")) {
+    report::write_chrome_trace(vm["trace"].as<std::string>(), sim.program, sim.timeline);
+  }
+
+  if (vm["json"].as<bool>()) {
+    json stages = json::array();
+    for (const auto& s : p.stages) {
+      stages.push_back({{"stage", s.stage}, {"rank", s.rank}, {"breakdown", breakdown_json(s.breakdown)}});
+    }
+    json out = {{"model", spec.name},
+                {"cluster", cluster.name},
+                {"network", p.network},
+                {"gpus", p.gpus},
+                {"step_time_s", p.step_time_s},
+                {"tokens_per_s", p.tokens_per_s},
+                {"tflops_per_gpu", p.tflops_per_gpu},
+                {"model_tflops_per_gpu", p.model_tflops_per_gpu},
+                {"mfu", p.mfu},
+                {"hfu", p.hfu},
+                {"model_flops_per_step", p.model_flops},
+                {"hardware_flops_per_step", p.hardware_flops},
+                {"memory_per_gpu_bytes", p.memory.worst().total_bytes},
+                {"memory_capacity_bytes", p.memory.capacity_bytes},
+                {"fits", p.memory.fits},
+                {"breakdown", breakdown_json(p.breakdown)},
+                {"breakdown_stage", p.bottleneck_stage},
+                {"per_stage", stages},
+                {"amdahl", {{"serial_fraction", p.serial_fraction}, {"max_speedup", p.max_speedup}}},
+                {"plan", plan::to_json(plan)},
+                {"simulation", {{"tasks", p.tasks}, {"events", p.events}}},
+                {"notes", notes}};
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+
+  std::cout << fmt::format("{} on {} ({} x {}), plan {}\n", spec.name, cluster.name, p.gpus,
+                           cluster.device.display_name, plan::summary(plan));
+  std::cout << fmt::format(
+      "step time {:.3f} s   {:.0f} tokens/s   {:.1f} TFLOP/s per GPU (model {:.1f})   MFU "
+      "{:.1f}%   HFU {:.1f}%\n",
+      p.step_time_s, p.tokens_per_s, p.tflops_per_gpu, p.model_tflops_per_gpu, 100 * p.mfu,
+      100 * p.hfu);
+  std::cout << fmt::format("memory per GPU {} of {} ({})\n\n", format_gib(p.memory.worst().total_bytes),
+                           format_gib(p.memory.capacity_bytes),
+                           p.memory.fits ? "fits" : "DOES NOT FIT");
+  const engine::Breakdown& b = p.breakdown;
+  report::Table table({"where the step goes", "time", "share"});
+  table.set_units({fmt::format("(stage {})", p.bottleneck_stage), "ms", "of step"});
+  table.align_left(0);
+  auto row = [&](const char* what, double s) {
+    if (s > 0) table.add_row({what, ms(s), pct(s, p.step_time_s)});
+  };
+  row("compute (forward + backward)", b.compute_s);
+  row("recompute", b.recompute_s);
+  row("exposed TP communication", b.exposed_tp_s);
+  row("exposed CP communication", b.exposed_cp_s);
+  row("exposed EP communication", b.exposed_ep_s);
+  row("exposed DP communication", b.exposed_dp_s);
+  row("exposed PP communication", b.exposed_pp_s);
+  row("pipeline bubble", b.bubble_s);
+  row("optimizer", b.optimizer_s);
+  std::cout << table.render();
+  std::cout << fmt::format("\nAmdahl: serial fraction {:.1f}% -> speedup bound {:.1f}x\n",
+                           100 * p.serial_fraction, p.max_speedup);
+  std::cout << fmt::format("simulated {} tasks ({} events), {} network\n", p.tasks, p.events,
+                           p.network);
+  for (const auto& n : notes) std::cout << "note: " << n << "\n";
+  return 0;
+}
+
+}  // namespace dtsim::cli

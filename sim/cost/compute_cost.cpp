@@ -1,0 +1,90 @@
+#include "sim/cost/compute_cost.hpp"
+
+#include <algorithm>
+
+#include "sim/common/error.hpp"
+
+namespace dtsim::cost {
+
+using lower::Phase;
+using model::OpKind;
+
+ComputeCost::ComputeCost(const model::ModelGraph& graph, const plan::Plan& plan,
+                         const cluster::DeviceSpec& device)
+    : graph_(graph),
+      plan_(plan),
+      peak_flops_(device.peak_flops_for(plan.precision)),
+      gemm_eff_(device.efficiency.gemm.value),
+      attention_eff_(device.efficiency.attention.value),
+      hbm_bw_(device.memory_bw_bytes_per_s.value * device.efficiency.memory_bw.value),
+      launch_s_(device.efficiency.launch_overhead_s.value) {}
+
+double ComputeCost::divisor(const model::Op& op) const {
+  const bool tp_split = op.tp_split != model::TpSplit::None || plan_.sequence_parallel;
+  return static_cast<double>(plan_.cp) * (tp_split ? plan_.tp : 1);
+}
+
+double ComputeCost::op_flops(const model::Op& op, Phase phase) const {
+  const double d = divisor(op);
+  switch (phase) {
+    case Phase::Forward:
+    case Phase::Recompute: return op.fwd_flops / d;
+    case Phase::Backward: return (op.bwd_input_flops + op.bwd_weight_flops) / d;
+    case Phase::BackwardInput: return op.bwd_input_flops / d;
+    case Phase::BackwardWeight: return op.bwd_weight_flops / d;
+    case Phase::Optimizer:
+    case Phase::None: return 0;
+  }
+  return 0;
+}
+
+double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
+  const double d = divisor(op);
+  const double flops = op_flops(op, phase);
+  double bytes = 0;
+  int kernels = 1;
+  switch (phase) {
+    case Phase::Forward:
+    case Phase::Recompute: bytes = op.fwd_bytes / d; break;
+    case Phase::Backward:
+      bytes = op.bwd_bytes / d;
+      kernels = op.bwd_weight_flops > 0 ? 2 : 1;
+      break;
+    case Phase::BackwardInput:
+    case Phase::BackwardWeight: {
+      // A GEMM's backward is two GEMMs of equal size: each takes half the traffic. Ops without
+      // weights do all their backward work in the input-gradient pass.
+      const bool has_weight_grad = op.bwd_weight_flops > 0;
+      if (!has_weight_grad && phase == Phase::BackwardWeight) return 0;
+      bytes = (has_weight_grad ? 0.5 : 1.0) * op.bwd_bytes / d;
+      break;
+    }
+    case Phase::Optimizer:
+    case Phase::None: return 0;
+  }
+  const bool attention = op.kind == OpKind::AttentionCore;
+  const double eff = attention ? attention_eff_ : gemm_eff_;
+  const double compute_s = flops > 0 ? flops / (peak_flops_ * eff) : 0.0;
+  const double memory_s = bytes / hbm_bw_;
+  return std::max(compute_s, memory_s) + launch_s_ * kernels;
+}
+
+double ComputeCost::task_seconds(const lower::Task& task) {
+  DTSIM_ASSERT(task.kind == lower::TaskKind::Compute, "task_seconds needs a compute task");
+  if (task.phase == Phase::Optimizer) return optimizer_seconds(task.params);
+  const auto key = std::make_tuple(task.op_begin, task.op_end, task.phase);
+  if (auto it = memo_.find(key); it != memo_.end()) return it->second;
+  double s = 0;
+  for (std::int32_t id = task.op_begin; id < task.op_end; ++id) {
+    s += op_seconds(graph_.op(static_cast<model::OpId>(id)), task.phase);
+  }
+  memo_.emplace(key, s);
+  return s;
+}
+
+double ComputeCost::optimizer_seconds(std::uint64_t params) const {
+  const double bytes_per_param = plan_.optimizer == plan::Optimizer::Adam ? 28.0 : 20.0;
+  return static_cast<double>(params) * bytes_per_param / hbm_bw_ + launch_s_;
+}
+
+}  // namespace dtsim::cost

@@ -1,0 +1,51 @@
+// Compute cost model: how long a compute task takes on one device.
+//
+// Roofline per op (DESIGN.md "Modeling rules"): max(flops / (peak · eff), bytes / (hbm_bw ·
+// eff_bw)) + launch overhead per kernel, with `eff` the device catalog's GEMM efficiency for
+// matrix multiplications and its attention efficiency for the attention core. Each op's FLOPs
+// and bytes come from the ModelGraph, divided as the plan splits the op: tensor-parallel ops
+// over tp; the others (norms, residual adds) over tp only with sequence parallelism; everything
+// over cp (each context-parallel rank holds 1/cp of the tokens).
+#pragma once
+
+#include <map>
+#include <tuple>
+
+#include "sim/cluster/device_catalog.hpp"
+#include "sim/lower/program.hpp"
+#include "sim/model/model_graph.hpp"
+#include "sim/plan/plan.hpp"
+
+namespace dtsim::cost {
+
+class ComputeCost {
+ public:
+  ComputeCost(const model::ModelGraph& graph, const plan::Plan& plan,
+              const cluster::DeviceSpec& device);
+
+  // Seconds for a compute task (lower::TaskKind::Compute); memoized by (ops, phase).
+  double task_seconds(const lower::Task& task);
+  // Seconds for one op in one phase on one rank.
+  double op_seconds(const model::Op& op, lower::Phase phase) const;
+  // The optimizer step over `params` parameters: memory-bound. Adam reads the gradient and
+  // reads and writes the fp32 master weight, momentum and variance, then writes the 16-bit
+  // weight: 2 + 8 + 8 + 8 + 2 = 28 bytes per parameter with mixed precision (fp32: 4 + 8 + 16 =
+  // 28); SGD with momentum 20.
+  double optimizer_seconds(std::uint64_t params) const;
+
+  // FLOPs of one op in one phase on one rank (for reports).
+  double op_flops(const model::Op& op, lower::Phase phase) const;
+
+ private:
+  double divisor(const model::Op& op) const;
+  const model::ModelGraph& graph_;
+  const plan::Plan& plan_;
+  double peak_flops_;
+  double gemm_eff_;
+  double attention_eff_;
+  double hbm_bw_;
+  double launch_s_;
+  std::map<std::tuple<std::int32_t, std::int32_t, lower::Phase>, double> memo_;
+};
+
+}  // namespace dtsim::cost

@@ -1,0 +1,82 @@
+// dtsim simulate: lower a plan, run it on the engine with the cost and network models, and
+// turn the timeline into the predicted step time and its breakdown (DESIGN.md "JSON results").
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sim/cluster/topology.hpp"
+#include "sim/engine/engine.hpp"
+#include "sim/lower/lowering.hpp"
+#include "sim/model/model_graph.hpp"
+#include "sim/network/network_model.hpp"
+#include "sim/plan/memory_model.hpp"
+
+namespace dtsim::engine {
+
+// Where a rank's step goes. Every instant of [0, step) is in exactly one term: the compute
+// stream's work (split by phase), else the communication that is running while compute waits
+// (shared equally when several kinds run at once), else idle (the pipeline bubble).
+struct Breakdown {
+  double compute_s = 0;    // forward and backward
+  double recompute_s = 0;  // forward re-run before backward
+  double optimizer_s = 0;
+  double bubble_s = 0;
+  // Exposed communication by kind: tp, cp, ep, dp (incl. expert dp and ZeRO), pp.
+  double exposed_tp_s = 0, exposed_cp_s = 0, exposed_ep_s = 0, exposed_dp_s = 0,
+         exposed_pp_s = 0;
+  double exposed_comm_s() const {
+    return exposed_tp_s + exposed_cp_s + exposed_ep_s + exposed_dp_s + exposed_pp_s;
+  }
+};
+
+struct StagePrediction {
+  int stage = 0;
+  std::int64_t rank = 0;
+  Breakdown breakdown;
+};
+
+struct Prediction {
+  double step_time_s = 0;
+  double tokens_per_s = 0;
+  double model_flops = 0;     // per step, all devices (no recompute)
+  double hardware_flops = 0;  // per step, all devices, with recompute
+  double tflops_per_gpu = 0;  // hardware FLOP/s per device / 1e12 (Megatron-LM Eq. 3 style)
+  double model_tflops_per_gpu = 0;
+  double mfu = 0;
+  double hfu = 0;
+  std::int64_t gpus = 0;
+  int bottleneck_stage = 0;  // the stage whose breakdown is reported
+  Breakdown breakdown;
+  std::vector<StagePrediction> stages;
+  double serial_fraction = 0;  // (exposed comm + bubble + optimizer) / step
+  double max_speedup = 0;      // Amdahl: 1 / serial_fraction
+  plan::MemoryReport memory;
+  std::string network;
+  std::uint64_t tasks = 0;
+  std::uint64_t events = 0;
+  std::vector<std::string> notes;
+};
+
+struct SimulateOptions {
+  lower::LowerOptions lower;
+  plan::MemoryOptions memory;
+};
+
+struct Simulation {
+  lower::Program program;
+  Timeline timeline;
+  Prediction prediction;
+};
+
+Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
+                    const cluster::Cluster& cluster, network::NetworkModel& network,
+                    const SimulateOptions& options = {});
+
+// The breakdown of one rank program's timeline over [0, step_s).
+Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTime>& times,
+                       double step_s);
+
+}  // namespace dtsim::engine

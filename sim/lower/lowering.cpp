@@ -1,0 +1,628 @@
+#include "sim/lower/lowering.hpp"
+
+#include <fmt/format.h>
+
+#include <map>
+#include <optional>
+
+#include "sim/common/error.hpp"
+#include "sim/lower/schedule.hpp"
+#include "sim/plan/memory_model.hpp"
+
+namespace dtsim::lower {
+
+std::size_t Program::task_count() const {
+  std::size_t n = 0;
+  for (const auto& r : ranks) n += r.tasks.size();
+  return n;
+}
+
+std::string_view to_string(Stream s) {
+  switch (s) {
+    case Stream::Compute: return "compute";
+    case Stream::Tp: return "comm_tp";
+    case Stream::Cp: return "comm_cp";
+    case Stream::Ep: return "comm_ep";
+    case Stream::Dp: return "comm_dp";
+    case Stream::Pp: return "comm_pp";
+  }
+  return "?";
+}
+
+std::string_view to_string(GroupKind k) {
+  switch (k) {
+    case GroupKind::Tp: return "tp";
+    case GroupKind::Cp: return "cp";
+    case GroupKind::Ep: return "ep";
+    case GroupKind::Dp: return "dp";
+    case GroupKind::ExpertDp: return "expert_dp";
+    case GroupKind::Pp: return "pp";
+  }
+  return "?";
+}
+
+std::string_view to_string(Phase p) {
+  switch (p) {
+    case Phase::Forward: return "fwd";
+    case Phase::Backward: return "bwd";
+    case Phase::BackwardInput: return "bwd_input";
+    case Phase::BackwardWeight: return "bwd_weight";
+    case Phase::Recompute: return "recompute";
+    case Phase::Optimizer: return "optimizer";
+    case Phase::None: return "none";
+  }
+  return "?";
+}
+
+std::string_view to_string(CollectiveKind k) {
+  switch (k) {
+    case CollectiveKind::AllReduce: return "all_reduce";
+    case CollectiveKind::AllGather: return "all_gather";
+    case CollectiveKind::ReduceScatter: return "reduce_scatter";
+    case CollectiveKind::AllToAll: return "all_to_all";
+  }
+  return "?";
+}
+
+std::string_view to_string(TaskKind k) {
+  switch (k) {
+    case TaskKind::Compute: return "compute";
+    case TaskKind::Collective: return "collective";
+    case TaskKind::Send: return "send";
+    case TaskKind::Recv: return "recv";
+  }
+  return "?";
+}
+
+namespace {
+
+using cluster::ParallelDim;
+using model::OpId;
+using model::OpKind;
+
+// Where a parallel region begins or ends inside a chunk's op sequence.
+enum class Marker { TpEnter, TpExit, CpGatherKv, EpDispatch, EpCombine };
+
+struct Item {
+  std::optional<OpId> op;  // an op, or a marker
+  Marker marker = Marker::TpEnter;
+  int layer = 0;
+};
+
+struct Comm {
+  CollectiveKind kind;
+  GroupKind group;
+  Stream stream;
+  std::uint64_t bytes;
+  const char* what;
+};
+
+class Lowerer {
+ public:
+  Lowerer(const model::ModelGraph& g, const plan::Plan& plan, const LowerOptions& options)
+      : g_(g),
+        plan_(plan),
+        options_(options),
+        placement_(plan.degrees(), plan.order),
+        chunks_(plan::chunk_layers(plan, g.spec().layers)),
+        act_bytes_(static_cast<std::uint64_t>(plan::activation_bytes_per_element(plan.precision))),
+        grad_bytes_(plan::state_bytes_per_param(plan.precision, plan.optimizer).gradients) {
+    const model::ModelSpec& m = g.spec();
+    tokens_ = static_cast<std::uint64_t>(plan.micro_batch_size * plan.seq_len / plan.cp);
+    hidden_bytes_ = tokens_ * static_cast<std::uint64_t>(m.hidden) * act_bytes_;
+    DTSIM_ASSERT(g.micro_batch() == plan.micro_batch_size && g.seq_len() == plan.seq_len,
+                 "lower: the graph must be built for the plan's micro-batch and sequence length");
+  }
+
+  Program run() {
+    program_.plan = plan_;
+    program_.lowering = options_.mode;
+    const std::int64_t ranks = plan_.devices();
+    if (options_.mode == Lowering::Representatives) {
+      for (int s = 0; s < plan_.pp; ++s) {
+        RankProgram rp;
+        rp.rank = placement_.rank({0, 0, 0, 0, s});
+        rp.stage = s;
+        for (std::int64_t r = 0; r < ranks; ++r) {
+          if (placement_.coords(r).pp == s) rp.represents.push_back(r);
+        }
+        program_.ranks.push_back(std::move(rp));
+      }
+    } else {
+      for (std::int64_t r = 0; r < ranks; ++r) {
+        RankProgram rp;
+        rp.rank = r;
+        rp.stage = placement_.coords(r).pp;
+        rp.represents = {r};
+        program_.ranks.push_back(std::move(rp));
+      }
+    }
+    for (std::size_t i = 0; i < program_.ranks.size(); ++i) lower_rank(static_cast<int>(i));
+    return std::move(program_);
+  }
+
+ private:
+  const model::ModelGraph& g_;
+  const plan::Plan& plan_;
+  const LowerOptions& options_;
+  cluster::Placement placement_;
+  std::vector<int> chunks_;
+  std::uint64_t act_bytes_;
+  double grad_bytes_;
+  std::uint64_t tokens_ = 0;        // tokens of one micro-batch on one rank (b·s/cp)
+  std::uint64_t hidden_bytes_ = 0;  // one activation tensor of width h
+  Program program_;
+  std::map<std::pair<GroupKind, std::vector<std::int64_t>>, std::int32_t> group_ids_;
+
+  // Per-rank state while lowering.
+  RankProgram* rp_ = nullptr;
+  int prog_ = 0;
+
+  int total_chunks() const { return plan_.pp * plan_.virtual_stages; }
+  int global_chunk(int chunk) const { return chunk * plan_.pp + rp_->stage; }
+  int first_layer(int global) const {
+    int first = 0;
+    for (int k = 0; k < global; ++k) first += chunks_[static_cast<std::size_t>(k)];
+    return first;
+  }
+
+  std::int32_t group(GroupKind kind) {
+    std::vector<std::int64_t> ranks;
+    switch (kind) {
+      case GroupKind::Tp: ranks = placement_.group(ParallelDim::Tp, rp_->rank); break;
+      case GroupKind::Cp: ranks = placement_.group(ParallelDim::Cp, rp_->rank); break;
+      case GroupKind::Ep: ranks = placement_.group(ParallelDim::Ep, rp_->rank); break;
+      case GroupKind::Dp: ranks = placement_.group(ParallelDim::Dp, rp_->rank); break;
+      case GroupKind::ExpertDp: {
+        // The ranks holding the same experts: same ep index, every dp_outer.
+        const auto base = placement_.coords(rp_->rank);
+        for (int o = 0; o < plan_.dp / plan_.ep; ++o) {
+          auto c = base;
+          c.dp_outer = o;
+          ranks.push_back(placement_.rank(c));
+        }
+        break;
+      }
+      case GroupKind::Pp: ranks = placement_.group(ParallelDim::Pp, rp_->rank); break;
+    }
+    const auto key = std::make_pair(kind, ranks);
+    auto [it, inserted] = group_ids_.try_emplace(key, static_cast<std::int32_t>(program_.groups.size()));
+    if (inserted) {
+      Group grp;
+      grp.kind = kind;
+      grp.ranks = ranks;
+      if (options_.mode == Lowering::AllRanks) {
+        for (std::int64_t r : ranks) grp.programs.push_back(static_cast<std::int32_t>(r));
+      } else {
+        grp.programs.push_back(prog_);
+      }
+      program_.groups.push_back(std::move(grp));
+    }
+    return it->second;
+  }
+
+  // The program index running global chunk `k` (its stage) for this rank's other coordinates.
+  std::int32_t peer_of_chunk(int k) const {
+    const int stage = k % plan_.pp;
+    if (options_.mode == Lowering::Representatives) return stage;
+    auto c = placement_.coords(rp_->rank);
+    c.pp = stage;
+    return static_cast<std::int32_t>(placement_.rank(c));
+  }
+
+  TaskId add(Task t) {
+    rp_->tasks.push_back(std::move(t));
+    return static_cast<TaskId>(rp_->tasks.size() - 1);
+  }
+
+  // The op sequence of a global chunk with its parallel-region markers, in forward order.
+  std::vector<Item> chunk_items(int k) const {
+    std::vector<Item> items;
+    const int first = first_layer(k);
+    const int last = first + chunks_[static_cast<std::size_t>(k)];
+    auto op = [&](OpId id, int layer) { items.push_back({id, Marker::TpEnter, layer}); };
+    auto marker = [&](Marker m, int layer) { items.push_back({std::nullopt, m, layer}); };
+    if (k == 0) {
+      for (OpId id : g_.layer_ops(-1)) op(id, -1);
+      marker(Marker::TpExit, -1);  // vocab-parallel embedding: all-reduce (SP: reduce-scatter)
+    }
+    for (int l = first; l < last; ++l) {
+      for (OpId id : g_.layer_ops(l)) {
+        const model::Op& o = g_.op(id);
+        const bool first_mlp = o.kind == OpKind::Router ||
+                               (o.kind == OpKind::MlpUp && !g_.spec().moe);
+        if (o.kind == OpKind::QkvProj || first_mlp) marker(Marker::TpEnter, l);
+        if (o.kind == OpKind::AttentionCore && plan_.cp > 1) marker(Marker::CpGatherKv, l);
+        if (o.kind == OpKind::MlpUp && o.expert && plan_.ep > 1) marker(Marker::EpDispatch, l);
+        op(id, l);
+        if (o.kind == OpKind::MlpDown && o.expert && plan_.ep > 1) marker(Marker::EpCombine, l);
+        if (o.kind == OpKind::AttnOutProj || o.kind == OpKind::MlpDown) marker(Marker::TpExit, l);
+      }
+    }
+    if (k == total_chunks() - 1) {
+      const int head = static_cast<int>(g_.spec().layers);
+      for (OpId id : g_.layer_ops(head)) {
+        if (g_.op(id).kind == OpKind::LmHead) marker(Marker::TpEnter, head);
+        op(id, head);
+      }
+    }
+    return items;
+  }
+
+  // The collective a marker stands for in forward (backward = false) or backward.
+  std::optional<Comm> comm_for(Marker m, bool backward) const {
+    const bool sp = plan_.sequence_parallel;
+    const model::ModelSpec& spec = g_.spec();
+    switch (m) {
+      case Marker::TpEnter:
+      case Marker::TpExit: {
+        if (plan_.tp == 1) return std::nullopt;
+        // f (enter) is identity forward / all-reduce backward; g (exit) the converse; with
+        // sequence parallelism all-gather and reduce-scatter take their places.
+        const bool enter = m == Marker::TpEnter;
+        if (enter != backward) {  // forward enter, or backward exit
+          if (!sp) return std::nullopt;
+          return Comm{CollectiveKind::AllGather, GroupKind::Tp, Stream::Tp, hidden_bytes_,
+                      "tp all-gather"};
+        }
+        return sp ? Comm{CollectiveKind::ReduceScatter, GroupKind::Tp, Stream::Tp, hidden_bytes_,
+                         "tp reduce-scatter"}
+                  : Comm{CollectiveKind::AllReduce, GroupKind::Tp, Stream::Tp, hidden_bytes_,
+                         "tp all-reduce"};
+      }
+      case Marker::CpGatherKv: {
+        // K and V of every cp rank (this rank's kv heads: kv_width / tp).
+        const std::uint64_t kv = static_cast<std::uint64_t>(plan_.cp) * tokens_ * 2 *
+                                 static_cast<std::uint64_t>(spec.kv_width() / plan_.tp) *
+                                 act_bytes_;
+        return Comm{backward ? CollectiveKind::ReduceScatter : CollectiveKind::AllGather,
+                    GroupKind::Cp, Stream::Cp, kv, backward ? "cp reduce-scatter dKV"
+                                                            : "cp all-gather KV"};
+      }
+      case Marker::EpDispatch:
+      case Marker::EpCombine: {
+        const std::uint64_t bytes =
+            hidden_bytes_ * static_cast<std::uint64_t>(spec.moe ? spec.moe->top_k : 1) /
+            static_cast<std::uint64_t>(sp ? plan_.tp : 1);
+        return Comm{CollectiveKind::AllToAll, GroupKind::Ep, Stream::Ep, bytes,
+                    m == Marker::EpDispatch ? "ep all-to-all dispatch" : "ep all-to-all combine"};
+      }
+    }
+    return std::nullopt;
+  }
+
+  // Emits a chain of tasks for `items` in `phase`; returns the last task (or `after`).
+  // `first_dep` is a task the first emitted task depends on (-1: none).
+  TaskId emit_chain(const std::vector<Item>& items, Phase phase, bool backward, int micro_batch,
+                    int chunk, TaskId first_dep, std::vector<std::pair<OpId, TaskId>>* op_tasks,
+                    TaskId extra_dep = -1) {
+    TaskId prev = first_dep;
+    bool first = true;
+    std::size_t i = 0;
+    while (i < items.size()) {
+      if (items[i].op) {
+        // Coalesce consecutive ops (contiguous ids in forward; reversed in backward).
+        std::size_t j = i;
+        while (j + 1 < items.size() && items[j + 1].op) ++j;
+        OpId lo = *items[i].op, hi = *items[i].op;
+        for (std::size_t q = i; q <= j; ++q) {
+          lo = std::min(lo, *items[q].op);
+          hi = std::max(hi, *items[q].op);
+        }
+        Task t;
+        t.kind = TaskKind::Compute;
+        t.stream = Stream::Compute;
+        t.phase = phase;
+        t.micro_batch = micro_batch;
+        t.chunk = chunk;
+        t.op_begin = static_cast<std::int32_t>(lo);
+        t.op_end = static_cast<std::int32_t>(hi + 1);
+        t.label = fmt::format("{} {}..{} mb{}", to_string(phase), g_.op(lo).name, g_.op(hi).name,
+                              micro_batch);
+        if (prev >= 0) t.deps.push_back(prev);
+        if (first && extra_dep >= 0) t.deps.push_back(extra_dep);
+        first = false;
+        prev = add(std::move(t));
+        if (op_tasks) {
+          for (std::size_t q = i; q <= j; ++q) op_tasks->emplace_back(*items[q].op, prev);
+        }
+        i = j + 1;
+        continue;
+      }
+      if (auto c = comm_for(items[i].marker, backward)) {
+        Task t;
+        t.kind = TaskKind::Collective;
+        t.stream = c->stream;
+        t.phase = Phase::None;
+        t.micro_batch = micro_batch;
+        t.chunk = chunk;
+        t.collective = c->kind;
+        t.group = group(c->group);
+        t.bytes = c->bytes;
+        t.label = fmt::format("{} L{} mb{}", c->what, items[i].layer, micro_batch);
+        if (prev >= 0) t.deps.push_back(prev);
+        if (first && extra_dep >= 0) t.deps.push_back(extra_dep);
+        first = false;
+        prev = add(std::move(t));
+      }
+      ++i;
+    }
+    return prev;
+  }
+
+  // Backward items of one block or end group: reversed, recompute inserted as the plan says.
+  TaskId emit_backward(const std::vector<Item>& items, Phase phase, int mb, int chunk,
+                       TaskId first_dep, std::vector<std::pair<OpId, TaskId>>* op_tasks,
+                       TaskId extra_dep) {
+    TaskId prev = first_dep;
+    const std::size_t start = rp_->tasks.size();
+    // Split the chunk's items by layer, walk layers last to first.
+    std::vector<std::vector<Item>> by_layer;
+    for (const Item& it : items) {
+      if (by_layer.empty() || by_layer.back().front().layer != it.layer) by_layer.emplace_back();
+      by_layer.back().push_back(it);
+    }
+    for (auto layer = by_layer.rbegin(); layer != by_layer.rend(); ++layer) {
+      const bool block = layer->front().layer >= 0 && layer->front().layer < g_.spec().layers;
+      if (block && plan_.recompute == plan::Recompute::Full) {
+        prev = emit_chain(*layer, Phase::Recompute, false, mb, chunk, prev, nullptr);
+      }
+      std::vector<Item> reversed(layer->rbegin(), layer->rend());
+      if (block && plan_.recompute == plan::Recompute::Selective) {
+        // Re-run the attention core right before its backward.
+        std::vector<Item> with_recompute;
+        for (const Item& it : reversed) {
+          if (it.op && g_.op(*it.op).kind == OpKind::AttentionCore) {
+            prev = emit_chain(with_recompute, phase, true, mb, chunk, prev, op_tasks);
+            with_recompute.clear();
+            prev = emit_chain({it}, Phase::Recompute, false, mb, chunk, prev, nullptr);
+          }
+          with_recompute.push_back(it);
+        }
+        reversed = std::move(with_recompute);
+      }
+      prev = emit_chain(reversed, phase, true, mb, chunk, prev, op_tasks);
+    }
+    if (extra_dep >= 0 && rp_->tasks.size() > start) rp_->tasks[start].deps.push_back(extra_dep);
+    return prev;
+  }
+
+  std::uint64_t chunk_param_bytes(const std::vector<Item>& items, bool experts) const {
+    double p = 0;
+    for (const Item& it : items) {
+      if (it.op && g_.op(*it.op).expert == experts) p += plan::rank_params(g_.op(*it.op), plan_);
+    }
+    return static_cast<std::uint64_t>(p);
+  }
+
+  // Data-parallel gradient reduction of the ops in `produced` (in the order backward produced
+  // them), in buckets; returns the collectives' task ids.
+  std::vector<TaskId> grad_buckets(const std::vector<std::pair<OpId, TaskId>>& produced,
+                                   int micro_batch) {
+    std::vector<TaskId> out;
+    const CollectiveKind kind =
+        plan_.zero_stage == 0 ? CollectiveKind::AllReduce : CollectiveKind::ReduceScatter;
+    for (const bool experts : {false, true}) {
+      const int size = experts ? plan_.dp / plan_.ep : plan_.dp;
+      if (size <= 1) continue;
+      double bucket = 0;
+      TaskId last = -1;
+      int index = 0;
+      auto flush = [&]() {
+        if (bucket <= 0) return;
+        Task t;
+        t.kind = TaskKind::Collective;
+        t.stream = Stream::Dp;
+        t.collective = kind;
+        t.group = group(experts ? GroupKind::ExpertDp : GroupKind::Dp);
+        t.bytes = static_cast<std::uint64_t>(bucket);
+        t.micro_batch = micro_batch;
+        t.deps.push_back(last);
+        t.label = fmt::format("{} {} bucket {}", experts ? "expert-dp" : "dp",
+                              to_string(kind), index++);
+        out.push_back(add(std::move(t)));
+        bucket = 0;
+      };
+      for (const auto& [op, task] : produced) {
+        const model::Op& o = g_.op(op);
+        if (o.expert != experts || o.params == 0) continue;
+        bucket += plan::rank_params(o, plan_) * grad_bytes_;
+        last = task;
+        if (bucket >= static_cast<double>(options_.dp_bucket_bytes)) flush();
+      }
+      flush();
+    }
+    return out;
+  }
+
+  void lower_rank(int index) {
+    prog_ = index;
+    rp_ = &program_.ranks[static_cast<std::size_t>(index)];
+    const int v = plan_.virtual_stages;
+    const int last_global = total_chunks() - 1;
+    std::vector<std::vector<Item>> items(static_cast<std::size_t>(v));
+    for (int c = 0; c < v; ++c) items[static_cast<std::size_t>(c)] = chunk_items(global_chunk(c));
+
+    const std::vector<Pass> passes = stage_passes(plan_, rp_->stage);
+    // The last backward (or weight-gradient) pass of each chunk produces the final gradients.
+    std::vector<int> final_pass(static_cast<std::size_t>(v), -1);
+    for (std::size_t i = 0; i < passes.size(); ++i) {
+      if (passes[i].kind == PassKind::Backward || passes[i].kind == PassKind::BackwardWeight) {
+        final_pass[static_cast<std::size_t>(passes[i].chunk)] = static_cast<int>(i);
+      }
+    }
+    const bool zero3 = plan_.zero_stage == 3 && plan_.dp > 1;
+    const bool per_micro_batch_grads = plan_.zero_stage >= 2;
+    std::map<std::pair<int, int>, TaskId> input_grad_done;  // (mb, chunk) -> last B task
+    std::vector<TaskId> dp_tasks;
+    TaskId previous_pass_start = -1;
+
+    for (std::size_t i = 0; i < passes.size(); ++i) {
+      const Pass& pass = passes[i];
+      const int c = pass.chunk;
+      const int k = global_chunk(c);
+      const auto& chunk = items[static_cast<std::size_t>(c)];
+      const bool last_micro_batch_grads = static_cast<int>(i) == final_pass[static_cast<std::size_t>(c)];
+      TaskId dep = -1;
+      TaskId weights = -1;  // ZeRO-3: the all-gather of this chunk's weights
+      if (zero3) {
+        Task ag;
+        ag.kind = TaskKind::Collective;
+        ag.stream = Stream::Dp;
+        ag.collective = CollectiveKind::AllGather;
+        ag.group = group(GroupKind::Dp);
+        ag.bytes = chunk_param_bytes(chunk, false) * plan_.dp * 2;
+        ag.micro_batch = pass.micro_batch;
+        ag.chunk = c;
+        if (previous_pass_start >= 0) ag.deps.push_back(previous_pass_start);
+        ag.label = fmt::format("zero-3 all-gather weights chunk {} mb{}", c, pass.micro_batch);
+        weights = add(std::move(ag));
+      }
+      const std::size_t pass_start = rp_->tasks.size();
+      std::vector<std::pair<OpId, TaskId>> produced;
+      const bool wants_grads = last_micro_batch_grads || per_micro_batch_grads;
+      switch (pass.kind) {
+        case PassKind::Forward: {
+          if (k > 0) {
+            Task recv;
+            recv.kind = TaskKind::Recv;
+            recv.stream = Stream::Pp;
+            recv.peer = peer_of_chunk(k - 1);
+            recv.tag = tag(pass.micro_batch, k, false);
+            recv.bytes = activation_bytes();
+            recv.micro_batch = pass.micro_batch;
+            recv.chunk = c;
+            recv.label = fmt::format("recv activations mb{} chunk {}", pass.micro_batch, c);
+            dep = add(std::move(recv));
+          }
+          const TaskId end = emit_chain(chunk, Phase::Forward, false, pass.micro_batch, c, dep,
+                                        nullptr, weights);
+          if (k < last_global) send(end, k + 1, pass.micro_batch, false, c);
+          break;
+        }
+        case PassKind::Backward:
+        case PassKind::BackwardInput: {
+          if (k < last_global) {
+            Task recv;
+            recv.kind = TaskKind::Recv;
+            recv.stream = Stream::Pp;
+            recv.peer = peer_of_chunk(k + 1);
+            recv.tag = tag(pass.micro_batch, k, true);
+            recv.bytes = activation_bytes();
+            recv.micro_batch = pass.micro_batch;
+            recv.chunk = c;
+            recv.label = fmt::format("recv gradients mb{} chunk {}", pass.micro_batch, c);
+            dep = add(std::move(recv));
+          }
+          const Phase phase =
+              pass.kind == PassKind::Backward ? Phase::Backward : Phase::BackwardInput;
+          const TaskId end = emit_backward(chunk, phase, pass.micro_batch, c, dep,
+                                           pass.kind == PassKind::Backward && wants_grads
+                                               ? &produced
+                                               : nullptr,
+                                           weights);
+          input_grad_done[{pass.micro_batch, c}] = end;
+          if (k > 0) send(end, k - 1, pass.micro_batch, true, c);
+          break;
+        }
+        case PassKind::BackwardWeight: {
+          Task w;
+          w.kind = TaskKind::Compute;
+          w.stream = Stream::Compute;
+          w.phase = Phase::BackwardWeight;
+          w.micro_batch = pass.micro_batch;
+          w.chunk = c;
+          OpId lo = g_.size(), hi = 0;
+          for (const Item& it : chunk) {
+            if (it.op) {
+              lo = std::min(lo, *it.op);
+              hi = std::max(hi, *it.op);
+            }
+          }
+          w.op_begin = static_cast<std::int32_t>(lo);
+          w.op_end = static_cast<std::int32_t>(hi + 1);
+          w.deps.push_back(input_grad_done.at({pass.micro_batch, c}));
+          if (weights >= 0) w.deps.push_back(weights);
+          w.label = fmt::format("bwd_weight chunk {} mb{}", c, pass.micro_batch);
+          const TaskId t = add(std::move(w));
+          if (wants_grads) {
+            for (auto it = chunk.rbegin(); it != chunk.rend(); ++it) {
+              if (it->op) produced.emplace_back(*it->op, t);
+            }
+          }
+          break;
+        }
+      }
+      if (rp_->tasks.size() > pass_start) previous_pass_start = static_cast<TaskId>(pass_start);
+      if (per_micro_batch_grads) {
+        for (TaskId t : grad_buckets(produced, pass.micro_batch)) dp_tasks.push_back(t);
+      } else if (last_micro_batch_grads) {
+        // Buckets go out as soon as this chunk's final gradients exist.
+        for (TaskId t : grad_buckets(produced, pass.micro_batch)) dp_tasks.push_back(t);
+      }
+    }
+
+    // Optimizer step over this rank's parameters (its shard under ZeRO >= 1).
+    double params = 0;
+    for (const auto& chunk : items) {
+      for (const Item& it : chunk) {
+        if (it.op) params += plan::rank_params(g_.op(*it.op), plan_);
+      }
+    }
+    const double shard = plan_.zero_stage >= 1 ? static_cast<double>(plan_.dp) : 1.0;
+    Task opt;
+    opt.kind = TaskKind::Compute;
+    opt.stream = Stream::Compute;
+    opt.phase = Phase::Optimizer;
+    opt.params = static_cast<std::uint64_t>(params / shard);
+    opt.deps = dp_tasks;
+    opt.label = "optimizer step";
+    const TaskId opt_id = add(std::move(opt));
+    if ((plan_.zero_stage == 1 || plan_.zero_stage == 2) && plan_.dp > 1) {
+      Task ag;
+      ag.kind = TaskKind::Collective;
+      ag.stream = Stream::Dp;
+      ag.collective = CollectiveKind::AllGather;
+      ag.group = group(GroupKind::Dp);
+      ag.bytes = static_cast<std::uint64_t>(params) * 2;
+      ag.deps.push_back(opt_id);
+      ag.label = "zero all-gather updated weights";
+      add(std::move(ag));
+    }
+  }
+
+  std::uint64_t activation_bytes() const {
+    // Megatron-LM sends the block output; with sequence parallelism it is split over tp.
+    return hidden_bytes_ / static_cast<std::uint64_t>(plan_.sequence_parallel ? plan_.tp : 1);
+  }
+
+  // Unique per (micro-batch, receiving or sending chunk, direction) across the step.
+  std::int64_t tag(int micro_batch, int k, bool gradient) const {
+    return (static_cast<std::int64_t>(micro_batch) * total_chunks() + k) * 2 + (gradient ? 1 : 0);
+  }
+
+  void send(TaskId after, int to_chunk, int mb, bool gradient, int chunk) {
+    Task s;
+    s.kind = TaskKind::Send;
+    s.stream = Stream::Pp;
+    s.peer = peer_of_chunk(to_chunk);
+    // The tag names the receiving side's chunk for activations, the sender's for gradients.
+    s.tag = gradient ? tag(mb, to_chunk, true) : tag(mb, to_chunk, false);
+    s.bytes = activation_bytes();
+    s.micro_batch = mb;
+    s.chunk = chunk;
+    s.deps.push_back(after);
+    s.label = fmt::format("send {} mb{} chunk {}", gradient ? "gradients" : "activations", mb,
+                          chunk);
+    add(std::move(s));
+  }
+};
+
+}  // namespace
+
+Program lower(const model::ModelGraph& graph, const plan::Plan& plan,
+              const LowerOptions& options) {
+  return Lowerer(graph, plan, options).run();
+}
+
+}  // namespace dtsim::lower

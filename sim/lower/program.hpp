@@ -1,0 +1,107 @@
+// The Program: what every rank does in one training step, as ordered tasks on streams with
+// dependencies. Shared by the simulator (which asks cost models how long each task takes) and
+// the executor (which runs each task). A task says *what* happens, never how long it takes.
+//
+// Symmetry: all ranks of one pipeline stage (its tp x cp x dp ranks) run the same tasks, with
+// different group members. A Program built with `Lowering::Representatives` holds one
+// RankProgram per pipeline stage, standing for all `represents` ranks of that stage; collectives
+// inside a stage then involve ranks whose programs, placement (every group of a kind has the
+// same shape on a symmetric cluster) and timing are identical, so every member becomes ready at
+// the same instant and the representative's timeline is every member's timeline. A Program built
+// with `Lowering::AllRanks` has one RankProgram per rank; tests simulate both and compare.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "sim/plan/plan.hpp"
+
+namespace dtsim::lower {
+
+// Streams of a rank: compute, and one communication stream per group kind.
+enum class Stream : std::uint8_t { Compute, Tp, Cp, Ep, Dp, Pp };
+inline constexpr int kStreamCount = 6;
+
+enum class GroupKind : std::uint8_t { Tp, Cp, Ep, Dp, ExpertDp, Pp };
+
+enum class Phase : std::uint8_t {
+  Forward,
+  Backward,        // input and weight gradients together
+  BackwardInput,   // zero-bubble: input gradients only
+  BackwardWeight,  // zero-bubble: weight gradients only
+  Recompute,       // forward again before backward (selective or full recompute)
+  Optimizer,
+  None             // communication tasks
+};
+
+enum class CollectiveKind : std::uint8_t { AllReduce, AllGather, ReduceScatter, AllToAll };
+
+enum class TaskKind : std::uint8_t { Compute, Collective, Send, Recv };
+
+using TaskId = std::int32_t;
+
+struct Task {
+  TaskKind kind = TaskKind::Compute;
+  Stream stream = Stream::Compute;
+  Phase phase = Phase::None;
+  std::int32_t micro_batch = -1;
+  std::int32_t chunk = -1;  // model chunk of this rank (virtual stage), -1 if none
+  // Compute: ModelGraph ops [op_begin, op_end) in the graph's numbering, run in `phase`.
+  // Recompute of the attention core only (selective) uses the same range with phase Recompute.
+  std::int32_t op_begin = 0;
+  std::int32_t op_end = 0;
+  // Collective: kind, group (index into Program::groups), payload bytes per rank (the size of
+  // the tensor being reduced / gathered, as nccl-tests count it).
+  CollectiveKind collective = CollectiveKind::AllReduce;
+  std::int32_t group = -1;
+  std::uint64_t bytes = 0;
+  // Send / Recv: the peer's RankProgram index and a tag matching the two sides.
+  std::int32_t peer = -1;
+  std::int64_t tag = -1;
+  // Optimizer: parameters this rank updates.
+  std::uint64_t params = 0;
+  std::vector<TaskId> deps;  // tasks of the same rank that must finish first
+  std::string label;         // "fwd L3-5 mb2", "tp all-reduce L4 attn", "dp grad bucket 2"
+};
+
+struct Group {
+  GroupKind kind = GroupKind::Tp;
+  std::vector<std::int64_t> ranks;  // global ranks (devices), in ring order
+  // The RankPrograms that take part (with Representatives: only the stage's representative,
+  // which stands for all members; with AllRanks: every member).
+  std::vector<std::int32_t> programs;
+};
+
+struct RankProgram {
+  std::int64_t rank = 0;                 // the global rank this program runs on (representative)
+  int stage = 0;                         // pipeline stage
+  std::vector<std::int64_t> represents;  // global ranks with the same program (incl. `rank`)
+  std::vector<Task> tasks;               // in issue order; per stream, tasks run in this order
+};
+
+enum class Lowering { Representatives, AllRanks };
+
+struct Program {
+  plan::Plan plan;
+  std::vector<Group> groups;
+  std::vector<RankProgram> ranks;
+  Lowering lowering = Lowering::Representatives;
+  std::size_t task_count() const;
+};
+
+std::string_view to_string(Stream s);
+std::string_view to_string(GroupKind k);
+std::string_view to_string(Phase p);
+std::string_view to_string(CollectiveKind k);
+std::string_view to_string(TaskKind k);
+
+}  // namespace dtsim::lower
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace dtsim::lower {
+// The Program as JSON (dtsim lower --json): groups, and per rank program its tasks.
+nlohmann::json to_json(const Program& program);
+}  // namespace dtsim::lower

@@ -1,0 +1,32 @@
+// Pipeline schedules: the order in which one stage runs its forward and backward passes.
+#pragma once
+
+#include <vector>
+
+#include "sim/plan/plan.hpp"
+
+namespace dtsim::lower {
+
+enum class PassKind { Forward, Backward, BackwardInput, BackwardWeight };
+
+struct Pass {
+  PassKind kind = PassKind::Forward;
+  int micro_batch = 0;
+  int chunk = 0;  // model chunk of this stage (0 unless interleaved)
+};
+
+// The passes of `stage` in execution order:
+// - GPipe (Huang et al. 2019): all forwards, then all backwards.
+// - 1F1B / PipeDream-Flush (Narayanan et al. 2021): min(pp - stage - 1, m) warm-up forwards,
+//   then one forward and one backward alternately, then the remaining backwards.
+// - Interleaved 1F1B (Narayanan et al. 2021 §2.2, Megatron-LM's order): virtual micro-batch k
+//   runs on chunk (k / pp) % v (backward: v - 1 - that) for micro-batch (k / (pp·v))·pp + k % pp;
+//   warm-up 2·(pp - stage - 1) + (v - 1)·pp forwards.
+// - Zero-bubble ZB-H1 (Qi et al. 2023): 1F1B with each backward split into B (input gradients)
+//   and W (weight gradients); stage s postpones its first pp - 1 - s W passes into the
+//   cool-down, where they fill the time 1F1B spends waiting for gradients.
+// - PipeDream (asynchronous, Narayanan et al. 2019): the 1F1B order; the engine runs it without
+//   the flush between steps.
+std::vector<Pass> stage_passes(const plan::Plan& plan, int stage);
+
+}  // namespace dtsim::lower

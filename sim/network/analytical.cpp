@@ -1,0 +1,97 @@
+#include <algorithm>
+#include <map>
+
+#include "sim/cluster/placement.hpp"
+#include "sim/network/network_model.hpp"
+
+namespace dtsim::network {
+
+namespace {
+
+using lower::CollectiveKind;
+
+class Analytical final : public NetworkModel {
+ public:
+  explicit Analytical(const cluster::Cluster& c) : c_(c) {}
+
+  std::string name() const override { return "analytical"; }
+
+  double collective_s(const lower::Group& group, CollectiveKind kind,
+                      std::uint64_t bytes) override {
+    const int n = static_cast<int>(group.ranks.size());
+    if (n <= 1 || bytes == 0) return 0;
+    const auto key = std::make_tuple(group.ranks, kind, bytes);
+    if (auto it = memo_.find(key); it != memo_.end()) return it->second;
+    const cluster::GroupSpan span = cluster::group_span(c_, group.ranks);
+    const int k = static_cast<int>(span.max_devices_per_node);
+    const int nodes = static_cast<int>(span.nodes);
+    const Link intra{c_.intra.bw_bytes_per_s.value, c_.intra.latency_s.value};
+    const Link inter_ring = inter_link(span, k);
+    const Link inter_each = inter_link(span, 1);
+    // The ring's slowest hop.
+    Link ring = nodes > 1 ? inter_ring : intra;
+    if (nodes > 1 && k > 1) {
+      ring.bw_bytes_per_s = std::min(intra.bw_bytes_per_s, inter_ring.bw_bytes_per_s);
+    }
+    const double s = static_cast<double>(bytes);
+    double t = 0;
+    switch (kind) {
+      case CollectiveKind::AllReduce: {
+        t = ring_all_reduce_s(s, n, ring);
+        t = std::min(t, tree_all_reduce_s(s, n, ring));
+        if (nodes > 1 && k > 1) {
+          t = std::min(t, hierarchical_all_reduce_s(s, k, nodes, intra, inter_each));
+        }
+        break;
+      }
+      case CollectiveKind::AllGather:
+      case CollectiveKind::ReduceScatter: t = ring_all_gather_s(s, n, ring); break;
+      case CollectiveKind::AllToAll:
+        t = direct_all_to_all_s(s, n, k, intra, nodes > 1 ? inter_each : intra);
+        break;
+    }
+    memo_.emplace(key, t);
+    return t;
+  }
+
+  double p2p_s(std::int64_t src, std::int64_t dst, std::uint64_t bytes) override {
+    const std::int64_t dpn = c_.devices_per_node;
+    if (src / dpn == dst / dpn) {
+      return network::p2p_s(static_cast<double>(bytes),
+                            Link{c_.intra.bw_bytes_per_s.value, c_.intra.latency_s.value});
+    }
+    const std::vector<std::int64_t> pair = {src, dst};
+    // Every device of the node sends to its own peer at the same time (pipeline symmetry).
+    return network::p2p_s(static_cast<double>(bytes),
+                          inter_link(cluster::group_span(c_, pair), 1));
+  }
+
+ private:
+  // Per-flow bandwidth leaving a node when every device of the node is in a group of this kind
+  // with k members per node (devices_per_node / k flows share the node's NICs).
+  Link inter_link(const cluster::GroupSpan& span, int k) const {
+    const auto& inter = c_.inter;
+    if (inter.fabric == cluster::InterFabric::Torus3d) {
+      return Link{inter.link_bw_bytes_per_s.value, inter.latency_s.value};
+    }
+    if (inter.fabric == cluster::InterFabric::None) {
+      return Link{c_.intra.bw_bytes_per_s.value, c_.intra.latency_s.value};
+    }
+    const double node_bw = static_cast<double>(inter.nics_per_node) * inter.nic_bw_bytes_per_s.value;
+    const double flows = static_cast<double>(c_.devices_per_node) / std::max(k, 1);
+    double bw = node_bw / flows;
+    if (span.crosses_spine) bw /= inter.oversubscription.value;
+    return Link{bw, inter.latency_s.value};
+  }
+
+  const cluster::Cluster& c_;
+  std::map<std::tuple<std::vector<std::int64_t>, CollectiveKind, std::uint64_t>, double> memo_;
+};
+
+}  // namespace
+
+std::unique_ptr<NetworkModel> make_analytical(const cluster::Cluster& cluster) {
+  return std::make_unique<Analytical>(cluster);
+}
+
+}  // namespace dtsim::network

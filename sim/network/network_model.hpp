@@ -1,0 +1,38 @@
+// How long communication takes: the interface the engine asks, and the analytical backend.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "sim/cluster/topology.hpp"
+#include "sim/lower/program.hpp"
+#include "sim/network/collectives.hpp"
+
+namespace dtsim::network {
+
+class NetworkModel {
+ public:
+  virtual ~NetworkModel() = default;
+  virtual std::string name() const = 0;
+  // Seconds for one collective of `kind` over `group` with `bytes` (nccl-tests convention).
+  virtual double collective_s(const lower::Group& group, lower::CollectiveKind kind,
+                              std::uint64_t bytes) = 0;
+  // Seconds to send `bytes` from global rank `src` to `dst`.
+  virtual double p2p_s(std::int64_t src, std::int64_t dst, std::uint64_t bytes) = 0;
+};
+
+// The analytical backend (alpha-beta). For a group it finds what the ranks cross on the cluster
+// (cluster::group_span) and the bandwidth each rank gets:
+// - inside a node, the device's link bandwidth and the intra-node latency;
+// - across nodes, the node's NICs shared by the groups of the same kind that run at the same
+//   time on that node (all of them, by symmetry: devices_per_node / k rings, k = the group's
+//   ranks per node, each with one flow leaving the node), divided by the oversubscription when
+//   the group spans leaf groups; on a torus, one link per direction.
+// It then takes the fastest of ring, double binary tree and hierarchical algorithms for an
+// all-reduce (as NCCL's tuner picks one), the ring for all-gather and reduce-scatter, direct
+// sends for all-to-all. Traffic of different kinds at the same time (a pipeline send during a
+// data-parallel all-reduce) does not slow each other here; the SimGrid backend models that.
+std::unique_ptr<NetworkModel> make_analytical(const cluster::Cluster& cluster);
+
+}  // namespace dtsim::network

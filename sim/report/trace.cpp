@@ -1,0 +1,59 @@
+#include "sim/report/trace.hpp"
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "sim/common/error.hpp"
+
+namespace dtsim::report {
+
+using nlohmann::json;
+
+json chrome_trace(const lower::Program& program, const engine::Timeline& timeline) {
+  json events = json::array();
+  for (std::size_t p = 0; p < program.ranks.size(); ++p) {
+    const lower::RankProgram& rp = program.ranks[p];
+    const std::string name =
+        rp.represents.size() > 1
+            ? fmt::format("rank {} (stage {}, stands for {} ranks)", rp.rank, rp.stage,
+                          rp.represents.size())
+            : fmt::format("rank {} (stage {})", rp.rank, rp.stage);
+    events.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", rp.rank},
+                      {"args", {{"name", name}}}});
+    events.push_back({{"ph", "M"}, {"name", "process_sort_index"}, {"pid", rp.rank},
+                      {"args", {{"sort_index", rp.rank}}}});
+    for (int s = 0; s < lower::kStreamCount; ++s) {
+      events.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", rp.rank}, {"tid", s},
+                        {"args", {{"name", to_string(static_cast<lower::Stream>(s))}}}});
+    }
+    for (std::size_t t = 0; t < rp.tasks.size(); ++t) {
+      const lower::Task& task = rp.tasks[t];
+      const engine::TaskTime& tt = timeline.tasks[p][t];
+      json args = {{"task", t}, {"kind", to_string(task.kind)}};
+      if (task.micro_batch >= 0) args["micro_batch"] = task.micro_batch;
+      if (task.kind == lower::TaskKind::Compute) args["phase"] = to_string(task.phase);
+      if (task.bytes > 0) args["bytes"] = task.bytes;
+      events.push_back({{"ph", "X"},
+                        {"name", task.label},
+                        {"cat", to_string(task.kind)},
+                        {"pid", rp.rank},
+                        {"tid", static_cast<int>(task.stream)},
+                        {"ts", tt.start_s * 1e6},
+                        {"dur", (tt.end_s - tt.start_s) * 1e6},
+                        {"args", std::move(args)}});
+    }
+  }
+  return {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
+}
+
+void write_chrome_trace(const std::string& path, const lower::Program& program,
+                        const engine::Timeline& timeline) {
+  std::ofstream out(path);
+  if (!out) throw InputError(fmt::format("--trace {}: cannot write the file", path));
+  out << chrome_trace(program, timeline).dump() << "\n";
+  if (!out) throw InputError(fmt::format("--trace {}: write failed", path));
+}
+
+}  // namespace dtsim::report
