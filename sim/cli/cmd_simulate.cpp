@@ -31,7 +31,9 @@ json breakdown_json(const engine::Breakdown& b) {
             {"ep", b.exposed_ep_s}}}};
 }
 
-std::string ms(double s) { return fmt::format("{:.2f}", s * 1e3); }
+std::string ms(double s) {
+  return fmt::format("{:.2f}", s * 1e3);
+}
 std::string pct(double part, double whole) {
   return fmt::format("{:.1f}%", whole > 0 ? 100.0 * part / whole : 0.0);
 }
@@ -45,7 +47,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
   add_plan_options(desc);
   po::options_description sim_opts("Simulation");
   sim_opts.add_options()("network", po::value<std::string>()->default_value("analytical"),
-                    "network model: analytical (alpha-beta per collective algorithm)")(
+                         "network model: analytical (alpha-beta per collective algorithm)")(
       "trace", po::value<std::string>(), "write a Chrome trace (open in ui.perfetto.dev)")(
       "json", po::bool_switch(), "print JSON instead of tables");
   desc.add(sim_opts);
@@ -82,30 +84,32 @@ int cmd_simulate(const std::vector<std::string>& args) {
   if (vm["json"].as<bool>()) {
     json stages = json::array();
     for (const auto& s : p.stages) {
-      stages.push_back({{"stage", s.stage}, {"rank", s.rank}, {"breakdown", breakdown_json(s.breakdown)}});
+      stages.push_back(
+          {{"stage", s.stage}, {"rank", s.rank}, {"breakdown", breakdown_json(s.breakdown)}});
     }
-    json out = {{"model", spec.name},
-                {"cluster", cluster.name},
-                {"network", p.network},
-                {"gpus", p.gpus},
-                {"step_time_s", p.step_time_s},
-                {"tokens_per_s", p.tokens_per_s},
-                {"tflops_per_gpu", p.tflops_per_gpu},
-                {"model_tflops_per_gpu", p.model_tflops_per_gpu},
-                {"mfu", p.mfu},
-                {"hfu", p.hfu},
-                {"model_flops_per_step", p.model_flops},
-                {"hardware_flops_per_step", p.hardware_flops},
-                {"memory_per_gpu_bytes", p.memory.worst().total_bytes},
-                {"memory_capacity_bytes", p.memory.capacity_bytes},
-                {"fits", p.memory.fits},
-                {"breakdown", breakdown_json(p.breakdown)},
-                {"breakdown_stage", p.bottleneck_stage},
-                {"per_stage", stages},
-                {"amdahl", {{"serial_fraction", p.serial_fraction}, {"max_speedup", p.max_speedup}}},
-                {"plan", plan::to_json(plan)},
-                {"simulation", {{"tasks", p.tasks}, {"events", p.events}}},
-                {"notes", notes}};
+    json out = {
+        {"model", spec.name},
+        {"cluster", cluster.name},
+        {"network", p.network},
+        {"gpus", p.gpus},
+        {"step_time_s", p.step_time_s},
+        {"tokens_per_s", p.tokens_per_s},
+        {"tflops_per_gpu", p.tflops_per_gpu},
+        {"model_tflops_per_gpu", p.model_tflops_per_gpu},
+        {"mfu", p.mfu},
+        {"hfu", p.hfu},
+        {"model_flops_per_step", p.model_flops},
+        {"hardware_flops_per_step", p.hardware_flops},
+        {"memory_per_gpu_bytes", p.memory.worst().total_bytes},
+        {"memory_capacity_bytes", p.memory.capacity_bytes},
+        {"fits", p.memory.fits},
+        {"breakdown", breakdown_json(p.breakdown)},
+        {"breakdown_stage", p.bottleneck_stage},
+        {"per_stage", stages},
+        {"amdahl", {{"serial_fraction", p.serial_fraction}, {"max_speedup", p.max_speedup}}},
+        {"plan", plan::to_json(plan)},
+        {"simulation", {{"tasks", p.tasks}, {"events", p.events}}},
+        {"notes", notes}};
     std::cout << out.dump(2) << "\n";
     return 0;
   }
@@ -117,9 +121,9 @@ int cmd_simulate(const std::vector<std::string>& args) {
       "{:.1f}%   HFU {:.1f}%\n",
       p.step_time_s, p.tokens_per_s, p.tflops_per_gpu, p.model_tflops_per_gpu, 100 * p.mfu,
       100 * p.hfu);
-  std::cout << fmt::format("memory per GPU {} of {} ({})\n\n", format_gib(p.memory.worst().total_bytes),
-                           format_gib(p.memory.capacity_bytes),
-                           p.memory.fits ? "fits" : "DOES NOT FIT");
+  std::cout << fmt::format(
+      "memory per GPU {} of {} ({})\n\n", format_gib(p.memory.worst().total_bytes),
+      format_gib(p.memory.capacity_bytes), p.memory.fits ? "fits" : "DOES NOT FIT");
   const engine::Breakdown& b = p.breakdown;
   report::Table table({"where the step goes", "time", "share"});
   table.set_units({fmt::format("(stage {})", p.bottleneck_stage), "ms", "of step"});

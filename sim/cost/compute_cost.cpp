@@ -28,12 +28,17 @@ double ComputeCost::op_flops(const model::Op& op, Phase phase) const {
   const double d = divisor(op);
   switch (phase) {
     case Phase::Forward:
-    case Phase::Recompute: return op.fwd_flops / d;
-    case Phase::Backward: return (op.bwd_input_flops + op.bwd_weight_flops) / d;
-    case Phase::BackwardInput: return op.bwd_input_flops / d;
-    case Phase::BackwardWeight: return op.bwd_weight_flops / d;
+    case Phase::Recompute:
+      return op.fwd_flops / d;
+    case Phase::Backward:
+      return (op.bwd_input_flops + op.bwd_weight_flops) / d;
+    case Phase::BackwardInput:
+      return op.bwd_input_flops / d;
+    case Phase::BackwardWeight:
+      return op.bwd_weight_flops / d;
     case Phase::Optimizer:
-    case Phase::None: return 0;
+    case Phase::None:
+      return 0;
   }
   return 0;
 }
@@ -45,7 +50,9 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
   int kernels = 1;
   switch (phase) {
     case Phase::Forward:
-    case Phase::Recompute: bytes = op.fwd_bytes / d; break;
+    case Phase::Recompute:
+      bytes = op.fwd_bytes / d;
+      break;
     case Phase::Backward:
       bytes = op.bwd_bytes / d;
       kernels = op.bwd_weight_flops > 0 ? 2 : 1;
@@ -60,7 +67,8 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
       break;
     }
     case Phase::Optimizer:
-    case Phase::None: return 0;
+    case Phase::None:
+      return 0;
   }
   const bool attention = op.kind == OpKind::AttentionCore;
   const double eff = attention ? attention_eff_ : gemm_eff_;

@@ -64,7 +64,8 @@ class Engine {
   Timeline run() {
     for (std::size_t p = 0; p < program_.ranks.size(); ++p) {
       for (std::size_t t = 0; t < pending_[p].size(); ++t) {
-        if (pending_[p][t] == 0) eligible(static_cast<std::int32_t>(p), static_cast<TaskId>(t), 0.0);
+        if (pending_[p][t] == 0)
+          eligible(static_cast<std::int32_t>(p), static_cast<TaskId>(t), 0.0);
       }
     }
     while (!queue_.empty()) {
@@ -104,8 +105,12 @@ class Engine {
     eligible_[static_cast<std::size_t>(p)][static_cast<std::size_t>(t)] = now;
     const Task& k = task(p, t);
     switch (k.kind) {
-      case TaskKind::Compute: schedule(p, t, now, now + durations_.compute_s(k)); break;
-      case TaskKind::Collective: arrive(p, t, now); break;
+      case TaskKind::Compute:
+        schedule(p, t, now, now + durations_.compute_s(k));
+        break;
+      case TaskKind::Collective:
+        arrive(p, t, now);
+        break;
       case TaskKind::Send: {
         const double end =
             now + durations_.p2p_s(program_.ranks[static_cast<std::size_t>(p)].rank,

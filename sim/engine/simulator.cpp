@@ -56,12 +56,24 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
                                            : Compute;
     } else {
       switch (task.stream) {
-        case Stream::Tp: c = Tp; break;
-        case Stream::Cp: c = Cp; break;
-        case Stream::Ep: c = Ep; break;
-        case Stream::Dp: c = Dp; break;
-        case Stream::Pp: c = Pp; break;
-        case Stream::Compute: c = Compute; break;
+        case Stream::Tp:
+          c = Tp;
+          break;
+        case Stream::Cp:
+          c = Cp;
+          break;
+        case Stream::Ep:
+          c = Ep;
+          break;
+        case Stream::Dp:
+          c = Dp;
+          break;
+        case Stream::Pp:
+          c = Pp;
+          break;
+        case Stream::Compute:
+          c = Compute;
+          break;
       }
     }
     edges.push_back({tt.start_s, c, +1});
@@ -137,7 +149,8 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   // Report the stage that computes the most (the pipeline's bottleneck); ties: the first.
   auto busy = [](const Breakdown& b) { return b.compute_s + b.recompute_s + b.optimizer_s; };
   for (std::size_t i = 0; i < p.stages.size(); ++i) {
-    if (busy(p.stages[i].breakdown) > busy(p.stages[static_cast<std::size_t>(p.bottleneck_stage)].breakdown)) {
+    if (busy(p.stages[i].breakdown) >
+        busy(p.stages[static_cast<std::size_t>(p.bottleneck_stage)].breakdown)) {
       p.bottleneck_stage = static_cast<int>(i);
     }
   }
@@ -150,8 +163,9 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
     for (const auto& s : p.stages) steady = std::max(steady, p.step_time_s - s.breakdown.bubble_s);
     p.step_time_s = steady;
     p.breakdown.bubble_s = 0;
-    p.notes.push_back("pipedream: asynchronous steady state (no flush); step time excludes the "
-                      "one-time pipeline fill and drain");
+    p.notes.push_back(
+        "pipedream: asynchronous steady state (no flush); step time excludes the "
+        "one-time pipeline fill and drain");
   }
 
   const double micro_batches_global =

@@ -25,8 +25,7 @@ struct Breakdown {
   double optimizer_s = 0;
   double bubble_s = 0;
   // Exposed communication by kind: tp, cp, ep, dp (incl. expert dp and ZeRO), pp.
-  double exposed_tp_s = 0, exposed_cp_s = 0, exposed_ep_s = 0, exposed_dp_s = 0,
-         exposed_pp_s = 0;
+  double exposed_tp_s = 0, exposed_cp_s = 0, exposed_ep_s = 0, exposed_dp_s = 0, exposed_pp_s = 0;
   double exposed_comm_s() const {
     return exposed_tp_s + exposed_cp_s + exposed_ep_s + exposed_dp_s + exposed_pp_s;
   }

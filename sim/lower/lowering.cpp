@@ -19,57 +19,84 @@ std::size_t Program::task_count() const {
 
 std::string_view to_string(Stream s) {
   switch (s) {
-    case Stream::Compute: return "compute";
-    case Stream::Tp: return "comm_tp";
-    case Stream::Cp: return "comm_cp";
-    case Stream::Ep: return "comm_ep";
-    case Stream::Dp: return "comm_dp";
-    case Stream::Pp: return "comm_pp";
+    case Stream::Compute:
+      return "compute";
+    case Stream::Tp:
+      return "comm_tp";
+    case Stream::Cp:
+      return "comm_cp";
+    case Stream::Ep:
+      return "comm_ep";
+    case Stream::Dp:
+      return "comm_dp";
+    case Stream::Pp:
+      return "comm_pp";
   }
   return "?";
 }
 
 std::string_view to_string(GroupKind k) {
   switch (k) {
-    case GroupKind::Tp: return "tp";
-    case GroupKind::Cp: return "cp";
-    case GroupKind::Ep: return "ep";
-    case GroupKind::Dp: return "dp";
-    case GroupKind::ExpertDp: return "expert_dp";
-    case GroupKind::Pp: return "pp";
+    case GroupKind::Tp:
+      return "tp";
+    case GroupKind::Cp:
+      return "cp";
+    case GroupKind::Ep:
+      return "ep";
+    case GroupKind::Dp:
+      return "dp";
+    case GroupKind::ExpertDp:
+      return "expert_dp";
+    case GroupKind::Pp:
+      return "pp";
   }
   return "?";
 }
 
 std::string_view to_string(Phase p) {
   switch (p) {
-    case Phase::Forward: return "fwd";
-    case Phase::Backward: return "bwd";
-    case Phase::BackwardInput: return "bwd_input";
-    case Phase::BackwardWeight: return "bwd_weight";
-    case Phase::Recompute: return "recompute";
-    case Phase::Optimizer: return "optimizer";
-    case Phase::None: return "none";
+    case Phase::Forward:
+      return "fwd";
+    case Phase::Backward:
+      return "bwd";
+    case Phase::BackwardInput:
+      return "bwd_input";
+    case Phase::BackwardWeight:
+      return "bwd_weight";
+    case Phase::Recompute:
+      return "recompute";
+    case Phase::Optimizer:
+      return "optimizer";
+    case Phase::None:
+      return "none";
   }
   return "?";
 }
 
 std::string_view to_string(CollectiveKind k) {
   switch (k) {
-    case CollectiveKind::AllReduce: return "all_reduce";
-    case CollectiveKind::AllGather: return "all_gather";
-    case CollectiveKind::ReduceScatter: return "reduce_scatter";
-    case CollectiveKind::AllToAll: return "all_to_all";
+    case CollectiveKind::AllReduce:
+      return "all_reduce";
+    case CollectiveKind::AllGather:
+      return "all_gather";
+    case CollectiveKind::ReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::AllToAll:
+      return "all_to_all";
   }
   return "?";
 }
 
 std::string_view to_string(TaskKind k) {
   switch (k) {
-    case TaskKind::Compute: return "compute";
-    case TaskKind::Collective: return "collective";
-    case TaskKind::Send: return "send";
-    case TaskKind::Recv: return "recv";
+    case TaskKind::Compute:
+      return "compute";
+    case TaskKind::Collective:
+      return "collective";
+    case TaskKind::Send:
+      return "send";
+    case TaskKind::Recv:
+      return "recv";
   }
   return "?";
 }
@@ -169,10 +196,18 @@ class Lowerer {
   std::int32_t group(GroupKind kind) {
     std::vector<std::int64_t> ranks;
     switch (kind) {
-      case GroupKind::Tp: ranks = placement_.group(ParallelDim::Tp, rp_->rank); break;
-      case GroupKind::Cp: ranks = placement_.group(ParallelDim::Cp, rp_->rank); break;
-      case GroupKind::Ep: ranks = placement_.group(ParallelDim::Ep, rp_->rank); break;
-      case GroupKind::Dp: ranks = placement_.group(ParallelDim::Dp, rp_->rank); break;
+      case GroupKind::Tp:
+        ranks = placement_.group(ParallelDim::Tp, rp_->rank);
+        break;
+      case GroupKind::Cp:
+        ranks = placement_.group(ParallelDim::Cp, rp_->rank);
+        break;
+      case GroupKind::Ep:
+        ranks = placement_.group(ParallelDim::Ep, rp_->rank);
+        break;
+      case GroupKind::Dp:
+        ranks = placement_.group(ParallelDim::Dp, rp_->rank);
+        break;
       case GroupKind::ExpertDp: {
         // The ranks holding the same experts: same ep index, every dp_outer.
         const auto base = placement_.coords(rp_->rank);
@@ -183,10 +218,13 @@ class Lowerer {
         }
         break;
       }
-      case GroupKind::Pp: ranks = placement_.group(ParallelDim::Pp, rp_->rank); break;
+      case GroupKind::Pp:
+        ranks = placement_.group(ParallelDim::Pp, rp_->rank);
+        break;
     }
     const auto key = std::make_pair(kind, ranks);
-    auto [it, inserted] = group_ids_.try_emplace(key, static_cast<std::int32_t>(program_.groups.size()));
+    auto [it, inserted] =
+        group_ids_.try_emplace(key, static_cast<std::int32_t>(program_.groups.size()));
     if (inserted) {
       Group grp;
       grp.kind = kind;
@@ -229,8 +267,8 @@ class Lowerer {
     for (int l = first; l < last; ++l) {
       for (OpId id : g_.layer_ops(l)) {
         const model::Op& o = g_.op(id);
-        const bool first_mlp = o.kind == OpKind::Router ||
-                               (o.kind == OpKind::MlpUp && !g_.spec().moe);
+        const bool first_mlp =
+            o.kind == OpKind::Router || (o.kind == OpKind::MlpUp && !g_.spec().moe);
         if (o.kind == OpKind::QkvProj || first_mlp) marker(Marker::TpEnter, l);
         if (o.kind == OpKind::AttentionCore && plan_.cp > 1) marker(Marker::CpGatherKv, l);
         if (o.kind == OpKind::MlpUp && o.expert && plan_.ep > 1) marker(Marker::EpDispatch, l);
@@ -276,14 +314,14 @@ class Lowerer {
                                  static_cast<std::uint64_t>(spec.kv_width() / plan_.tp) *
                                  act_bytes_;
         return Comm{backward ? CollectiveKind::ReduceScatter : CollectiveKind::AllGather,
-                    GroupKind::Cp, Stream::Cp, kv, backward ? "cp reduce-scatter dKV"
-                                                            : "cp all-gather KV"};
+                    GroupKind::Cp, Stream::Cp, kv,
+                    backward ? "cp reduce-scatter dKV" : "cp all-gather KV"};
       }
       case Marker::EpDispatch:
       case Marker::EpCombine: {
-        const std::uint64_t bytes =
-            hidden_bytes_ * static_cast<std::uint64_t>(spec.moe ? spec.moe->top_k : 1) /
-            static_cast<std::uint64_t>(sp ? plan_.tp : 1);
+        const std::uint64_t bytes = hidden_bytes_ *
+                                    static_cast<std::uint64_t>(spec.moe ? spec.moe->top_k : 1) /
+                                    static_cast<std::uint64_t>(sp ? plan_.tp : 1);
         return Comm{CollectiveKind::AllToAll, GroupKind::Ep, Stream::Ep, bytes,
                     m == Marker::EpDispatch ? "ep all-to-all dispatch" : "ep all-to-all combine"};
       }
@@ -293,9 +331,15 @@ class Lowerer {
 
   // Emits a chain of tasks for `items` in `phase`; returns the last task (or `after`).
   // `first_dep` is a task the first emitted task depends on (-1: none).
-  TaskId emit_chain(const std::vector<Item>& items, Phase phase, bool backward, int micro_batch,
+  TaskId emit_chain(const std::vector<Item>& all_items, Phase phase, bool backward, int micro_batch,
                     int chunk, TaskId first_dep, std::vector<std::pair<OpId, TaskId>>* op_tasks,
                     TaskId extra_dep = -1) {
+    // Markers that stand for no collective (tp = 1, or the identity half of f/g) do not split
+    // the compute.
+    std::vector<Item> items;
+    for (const Item& it : all_items) {
+      if (it.op || comm_for(it.marker, backward)) items.push_back(it);
+    }
     TaskId prev = first_dep;
     bool first = true;
     std::size_t i = 0;
@@ -350,38 +394,37 @@ class Lowerer {
     return prev;
   }
 
-  // Backward items of one block or end group: reversed, recompute inserted as the plan says.
+  // Backward of a chunk: its items reversed, one chain per block, so that data-parallel
+  // gradient buckets can follow the blocks whose gradients they carry. Full recompute re-runs
+  // each block's forward (with its collectives) right before that block's backward; selective
+  // recompute re-runs each attention core right before its backward.
   TaskId emit_backward(const std::vector<Item>& items, Phase phase, int mb, int chunk,
                        TaskId first_dep, std::vector<std::pair<OpId, TaskId>>* op_tasks,
                        TaskId extra_dep) {
     TaskId prev = first_dep;
     const std::size_t start = rp_->tasks.size();
-    // Split the chunk's items by layer, walk layers last to first.
     std::vector<std::vector<Item>> by_layer;
     for (const Item& it : items) {
       if (by_layer.empty() || by_layer.back().front().layer != it.layer) by_layer.emplace_back();
       by_layer.back().push_back(it);
     }
     for (auto layer = by_layer.rbegin(); layer != by_layer.rend(); ++layer) {
-      const bool block = layer->front().layer >= 0 && layer->front().layer < g_.spec().layers;
+      const int l = layer->front().layer;
+      const bool block = l >= 0 && l < g_.spec().layers;
       if (block && plan_.recompute == plan::Recompute::Full) {
         prev = emit_chain(*layer, Phase::Recompute, false, mb, chunk, prev, nullptr);
       }
-      std::vector<Item> reversed(layer->rbegin(), layer->rend());
-      if (block && plan_.recompute == plan::Recompute::Selective) {
-        // Re-run the attention core right before its backward.
-        std::vector<Item> with_recompute;
-        for (const Item& it : reversed) {
-          if (it.op && g_.op(*it.op).kind == OpKind::AttentionCore) {
-            prev = emit_chain(with_recompute, phase, true, mb, chunk, prev, op_tasks);
-            with_recompute.clear();
-            prev = emit_chain({it}, Phase::Recompute, false, mb, chunk, prev, nullptr);
-          }
-          with_recompute.push_back(it);
+      std::vector<Item> pending;
+      for (auto it = layer->rbegin(); it != layer->rend(); ++it) {
+        if (block && plan_.recompute == plan::Recompute::Selective && it->op &&
+            g_.op(*it->op).kind == OpKind::AttentionCore) {
+          prev = emit_chain(pending, phase, true, mb, chunk, prev, op_tasks);
+          pending.clear();
+          prev = emit_chain({*it}, Phase::Recompute, false, mb, chunk, prev, nullptr);
         }
-        reversed = std::move(with_recompute);
+        pending.push_back(*it);
       }
-      prev = emit_chain(reversed, phase, true, mb, chunk, prev, op_tasks);
+      prev = emit_chain(pending, phase, true, mb, chunk, prev, op_tasks);
     }
     if (extra_dep >= 0 && rp_->tasks.size() > start) rp_->tasks[start].deps.push_back(extra_dep);
     return prev;
@@ -418,8 +461,8 @@ class Lowerer {
         t.bytes = static_cast<std::uint64_t>(bucket);
         t.micro_batch = micro_batch;
         t.deps.push_back(last);
-        t.label = fmt::format("{} {} bucket {}", experts ? "expert-dp" : "dp",
-                              to_string(kind), index++);
+        t.label =
+            fmt::format("{} {} bucket {}", experts ? "expert-dp" : "dp", to_string(kind), index++);
         out.push_back(add(std::move(t)));
         bucket = 0;
       };
@@ -462,7 +505,8 @@ class Lowerer {
       const int c = pass.chunk;
       const int k = global_chunk(c);
       const auto& chunk = items[static_cast<std::size_t>(c)];
-      const bool last_micro_batch_grads = static_cast<int>(i) == final_pass[static_cast<std::size_t>(c)];
+      const bool last_micro_batch_grads =
+          static_cast<int>(i) == final_pass[static_cast<std::size_t>(c)];
       TaskId dep = -1;
       TaskId weights = -1;  // ZeRO-3: the all-gather of this chunk's weights
       if (zero3) {
@@ -495,8 +539,8 @@ class Lowerer {
             recv.label = fmt::format("recv activations mb{} chunk {}", pass.micro_batch, c);
             dep = add(std::move(recv));
           }
-          const TaskId end = emit_chain(chunk, Phase::Forward, false, pass.micro_batch, c, dep,
-                                        nullptr, weights);
+          const TaskId end =
+              emit_chain(chunk, Phase::Forward, false, pass.micro_batch, c, dep, nullptr, weights);
           if (k < last_global) send(end, k + 1, pass.micro_batch, false, c);
           break;
         }
@@ -516,11 +560,9 @@ class Lowerer {
           }
           const Phase phase =
               pass.kind == PassKind::Backward ? Phase::Backward : Phase::BackwardInput;
-          const TaskId end = emit_backward(chunk, phase, pass.micro_batch, c, dep,
-                                           pass.kind == PassKind::Backward && wants_grads
-                                               ? &produced
-                                               : nullptr,
-                                           weights);
+          const TaskId end = emit_backward(
+              chunk, phase, pass.micro_batch, c, dep,
+              pass.kind == PassKind::Backward && wants_grads ? &produced : nullptr, weights);
           input_grad_done[{pass.micro_batch, c}] = end;
           if (k > 0) send(end, k - 1, pass.micro_batch, true, c);
           break;
@@ -612,16 +654,15 @@ class Lowerer {
     s.micro_batch = mb;
     s.chunk = chunk;
     s.deps.push_back(after);
-    s.label = fmt::format("send {} mb{} chunk {}", gradient ? "gradients" : "activations", mb,
-                          chunk);
+    s.label =
+        fmt::format("send {} mb{} chunk {}", gradient ? "gradients" : "activations", mb, chunk);
     add(std::move(s));
   }
 };
 
 }  // namespace
 
-Program lower(const model::ModelGraph& graph, const plan::Plan& plan,
-              const LowerOptions& options) {
+Program lower(const model::ModelGraph& graph, const plan::Plan& plan, const LowerOptions& options) {
   return Lowerer(graph, plan, options).run();
 }
 

@@ -33,7 +33,7 @@ enum class Phase : std::uint8_t {
   BackwardWeight,  // zero-bubble: weight gradients only
   Recompute,       // forward again before backward (selective or full recompute)
   Optimizer,
-  None             // communication tasks
+  None  // communication tasks
 };
 
 enum class CollectiveKind : std::uint8_t { AllReduce, AllGather, ReduceScatter, AllToAll };

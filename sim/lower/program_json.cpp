@@ -51,10 +51,10 @@ nlohmann::json to_json(const Program& program) {
                      {"represents", rp.represents.size()},
                      {"tasks", std::move(tasks)}});
   }
-  return {{"lowering", program.lowering == Lowering::Representatives ? "representatives"
-                                                                      : "all_ranks"},
-          {"groups", std::move(groups)},
-          {"ranks", std::move(ranks)}};
+  return {
+      {"lowering", program.lowering == Lowering::Representatives ? "representatives" : "all_ranks"},
+      {"groups", std::move(groups)},
+      {"ranks", std::move(ranks)}};
 }
 
 }  // namespace dtsim::lower

@@ -22,9 +22,9 @@ struct Pass {
 // - Interleaved 1F1B (Narayanan et al. 2021 §2.2, Megatron-LM's order): virtual micro-batch k
 //   runs on chunk (k / pp) % v (backward: v - 1 - that) for micro-batch (k / (pp·v))·pp + k % pp;
 //   warm-up 2·(pp - stage - 1) + (v - 1)·pp forwards.
-// - Zero-bubble ZB-H1 (Qi et al. 2023): 1F1B with each backward split into B (input gradients)
-//   and W (weight gradients); stage s postpones its first pp - 1 - s W passes into the
-//   cool-down, where they fill the time 1F1B spends waiting for gradients.
+// - Zero-bubble ZB-H1 (Qi et al. 2023): each backward split into B (input gradients) and W
+//   (weight gradients); W passes are deferred (at most pp - 1 pending) to fill the cool-down
+//   (see schedule.cpp).
 // - PipeDream (asynchronous, Narayanan et al. 2019): the 1F1B order; the engine runs it without
 //   the flush between steps.
 std::vector<Pass> stage_passes(const plan::Plan& plan, int stage);

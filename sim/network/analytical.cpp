@@ -45,7 +45,9 @@ class Analytical final : public NetworkModel {
         break;
       }
       case CollectiveKind::AllGather:
-      case CollectiveKind::ReduceScatter: t = ring_all_gather_s(s, n, ring); break;
+      case CollectiveKind::ReduceScatter:
+        t = ring_all_gather_s(s, n, ring);
+        break;
       case CollectiveKind::AllToAll:
         t = direct_all_to_all_s(s, n, k, intra, nodes > 1 ? inter_each : intra);
         break;
@@ -62,8 +64,7 @@ class Analytical final : public NetworkModel {
     }
     const std::vector<std::int64_t> pair = {src, dst};
     // Every device of the node sends to its own peer at the same time (pipeline symmetry).
-    return network::p2p_s(static_cast<double>(bytes),
-                          inter_link(cluster::group_span(c_, pair), 1));
+    return network::p2p_s(static_cast<double>(bytes), inter_link(cluster::group_span(c_, pair), 1));
   }
 
  private:
@@ -77,7 +78,8 @@ class Analytical final : public NetworkModel {
     if (inter.fabric == cluster::InterFabric::None) {
       return Link{c_.intra.bw_bytes_per_s.value, c_.intra.latency_s.value};
     }
-    const double node_bw = static_cast<double>(inter.nics_per_node) * inter.nic_bw_bytes_per_s.value;
+    const double node_bw =
+        static_cast<double>(inter.nics_per_node) * inter.nic_bw_bytes_per_s.value;
     const double flows = static_cast<double>(c_.devices_per_node) / std::max(k, 1);
     double bw = node_bw / flows;
     if (span.crosses_spine) bw /= inter.oversubscription.value;

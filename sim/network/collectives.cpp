@@ -37,6 +37,8 @@ double direct_all_to_all_s(double bytes, int n, int local, Link intra, Link inte
   return std::max(intra_s, inter_s);
 }
 
-double p2p_s(double bytes, Link link) { return bytes / link.bw_bytes_per_s + link.latency_s; }
+double p2p_s(double bytes, Link link) {
+  return bytes / link.bw_bytes_per_s + link.latency_s;
+}
 
 }  // namespace dtsim::network

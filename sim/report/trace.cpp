@@ -15,17 +15,21 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
   json events = json::array();
   for (std::size_t p = 0; p < program.ranks.size(); ++p) {
     const lower::RankProgram& rp = program.ranks[p];
-    const std::string name =
-        rp.represents.size() > 1
-            ? fmt::format("rank {} (stage {}, stands for {} ranks)", rp.rank, rp.stage,
-                          rp.represents.size())
-            : fmt::format("rank {} (stage {})", rp.rank, rp.stage);
-    events.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", rp.rank},
-                      {"args", {{"name", name}}}});
-    events.push_back({{"ph", "M"}, {"name", "process_sort_index"}, {"pid", rp.rank},
+    const std::string name = rp.represents.size() > 1
+                                 ? fmt::format("rank {} (stage {}, stands for {} ranks)", rp.rank,
+                                               rp.stage, rp.represents.size())
+                                 : fmt::format("rank {} (stage {})", rp.rank, rp.stage);
+    events.push_back(
+        {{"ph", "M"}, {"name", "process_name"}, {"pid", rp.rank}, {"args", {{"name", name}}}});
+    events.push_back({{"ph", "M"},
+                      {"name", "process_sort_index"},
+                      {"pid", rp.rank},
                       {"args", {{"sort_index", rp.rank}}}});
     for (int s = 0; s < lower::kStreamCount; ++s) {
-      events.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", rp.rank}, {"tid", s},
+      events.push_back({{"ph", "M"},
+                        {"name", "thread_name"},
+                        {"pid", rp.rank},
+                        {"tid", s},
                         {"args", {{"name", to_string(static_cast<lower::Stream>(s))}}}});
     }
     for (std::size_t t = 0; t < rp.tasks.size(); ++t) {

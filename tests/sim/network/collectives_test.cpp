@@ -1,0 +1,48 @@
+#include "sim/network/collectives.hpp"
+
+#include "sim/cluster/topology.hpp"
+#include "sim/network/network_model.hpp"
+#include "tests/test_util.hpp"
+
+using dtsim::network::Link;
+
+TEST_CASE("ring collectives take their alpha-beta time exactly", "[network]") {
+  const Link link{100e9, 5e-6};  // B = 100 GB/s, alpha = 5 us
+  for (int n : {2, 4, 8, 64, 1024}) {
+    for (double s : {1e3, 1e6, 1.0737e9}) {
+      // Ring all-reduce: 2(n-1)/n · S/B + 2(n-1)·alpha.
+      CHECK(dtsim::network::ring_all_reduce_s(s, n, link) ==
+            2.0 * (n - 1) / n * s / link.bw_bytes_per_s + 2.0 * (n - 1) * link.latency_s);
+      // All-gather and reduce-scatter: (n-1)/n · S/B + (n-1)·alpha.
+      CHECK(dtsim::network::ring_all_gather_s(s, n, link) ==
+            (n - 1.0) / n * s / link.bw_bytes_per_s + (n - 1.0) * link.latency_s);
+    }
+  }
+  CHECK(dtsim::network::ring_all_reduce_s(1e9, 1, link) == 0);
+}
+
+TEST_CASE("the analytical model uses the links a group crosses", "[network]") {
+  const auto c = dtsim::cluster::load_cluster("default");  // 4 DGX A100, 8 x 200 Gb/s HDR each
+  auto model = dtsim::network::make_analytical(c);
+  const double nvlink = c.intra.bw_bytes_per_s.value;
+  const double alpha = c.intra.latency_s.value;
+  const double s = 1024.0 * 1024 * 1024;
+  SECTION("inside a node: NVSwitch ring (bandwidth-bound, so the ring is the fastest)") {
+    dtsim::lower::Group tp{dtsim::lower::GroupKind::Tp, {0, 1, 2, 3, 4, 5, 6, 7}, {0}};
+    CHECK(model->collective_s(tp, dtsim::lower::CollectiveKind::AllReduce, 1ULL << 30) ==
+          Approx(dtsim::network::ring_all_reduce_s(s, 8, Link{nvlink, alpha})).epsilon(1e-12));
+  }
+  SECTION("across nodes, one rank per node: each rank gets one NIC's share") {
+    // 8 such groups leave every node at once, sharing its 8 NICs: 25 GB/s each.
+    dtsim::lower::Group dp{dtsim::lower::GroupKind::Dp, {0, 8, 16, 24}, {0}};
+    const Link nic{c.inter.nic_bw_bytes_per_s.value, c.inter.latency_s.value};
+    CHECK(model->collective_s(dp, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
+          Approx(dtsim::network::ring_all_gather_s(s, 4, nic)).epsilon(1e-12));
+  }
+  SECTION("point to point inside and across nodes") {
+    CHECK(model->p2p_s(0, 1, 1 << 20) == Approx((1 << 20) / nvlink + alpha).epsilon(1e-12));
+    CHECK(model->p2p_s(0, 8, 1 << 20) ==
+          Approx((1 << 20) / c.inter.nic_bw_bytes_per_s.value + c.inter.latency_s.value)
+              .epsilon(1e-12));
+  }
+}
