@@ -1,0 +1,86 @@
+// Speed of dtsim's simulator itself (issue 3 targets): wall time of lowering + simulation of one
+// training step, events per second and peak memory, from 64 to 16,384 devices.
+//   build/bench/dtsim_bench [--repeat N]
+// Run it by hand on an idle machine; the note of the issue records the figures.
+#include <fmt/format.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "sim/engine/simulator.hpp"
+
+namespace {
+
+struct Case {
+  const char* name;
+  const char* model;
+  const char* cluster;
+  int gpus, tp, pp, v;
+  std::int64_t global_batch;
+  dtsim::plan::Schedule schedule;
+};
+
+double peak_rss_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: KiB
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int repeat = 5;
+  if (argc == 3 && std::string(argv[1]) == "--repeat") repeat = std::max(1, std::stoi(argv[2]));
+  using S = dtsim::plan::Schedule;
+  const std::vector<Case> cases = {
+      {"GPT-3 175B, 64 A100, tp8 pp8, 8 micro-batches", "gpt3-175b", "selene", 64, 8, 8, 1, 8,
+       S::OneFOneB},
+      {"GPT-3 175B, 1024 A100, tp8 pp16 dp8 interleaved v2", "gpt3-175b", "selene", 1024, 8, 16, 2,
+       1536, S::Interleaved},
+      {"Llama-3 405B, 1024 H100, tp8 pp16 dp8", "llama3-405b", "h100-roce", 1024, 8, 16, 1, 128,
+       S::OneFOneB},
+      {"Llama-3 405B, 4096 H100, tp8 pp16 dp32", "llama3-405b", "h100-roce", 4096, 8, 16, 1, 512,
+       S::OneFOneB},
+      {"Llama-3 405B, 16384 H100, tp8 pp16 dp128", "llama3-405b", "h100-roce", 16384, 8, 16, 1,
+       2048, S::OneFOneB},
+  };
+  fmt::print("{:<55} {:>9} {:>10} {:>12} {:>11} {:>9}\n", "case", "wall", "tasks", "events/s",
+             "peak RSS", "step");
+  fmt::print("{:<55} {:>9} {:>10} {:>12} {:>11} {:>9}\n", "", "s (min)", "", "", "MiB", "s");
+  for (const Case& c : cases) {
+    const auto spec = dtsim::model::load_model(c.model);
+    const auto cluster =
+        dtsim::cluster::with_devices(dtsim::cluster::load_cluster(c.cluster), c.gpus);
+    dtsim::plan::Plan p;
+    p.tp = c.tp;
+    p.pp = c.pp;
+    p.dp = c.gpus / (c.tp * c.pp);
+    p.micro_batch_size = 1;
+    p.global_batch_size = c.global_batch;
+    p.seq_len = 2048;
+    p.schedule = c.schedule;
+    p.virtual_stages = c.v;
+    p.recompute = dtsim::plan::Recompute::Full;
+    p.sequence_parallel = true;
+    dtsim::plan::require_valid(p, spec, cluster.devices());
+    double best = 1e30;
+    dtsim::engine::Prediction pred;
+    for (int r = 0; r < repeat; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      // Everything a `dtsim simulate` run does after reading its inputs: graph, lowering,
+      // engine, breakdown and memory.
+      const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len);
+      auto net = dtsim::network::make_analytical(cluster);
+      const auto sim = dtsim::engine::simulate(g, p, cluster, *net);
+      const auto t1 = std::chrono::steady_clock::now();
+      best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
+      pred = sim.prediction;
+    }
+    fmt::print("{:<55} {:>9.4f} {:>10} {:>12.3g} {:>11.1f} {:>9.2f}\n", c.name, best, pred.tasks,
+               static_cast<double>(pred.events) / best, peak_rss_mib(), pred.step_time_s);
+  }
+  return 0;
+}
