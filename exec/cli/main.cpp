@@ -22,13 +22,14 @@ void usage(std::ostream& os) {
 int devices(bool selftest) {
 #ifdef DTEXEC_HAVE_CUDA
   const auto p = dtsim::exec::cuda::probe();
-  std::cout << fmt::format(
-      "CUDA runtime {}.{}, driver {}, cuBLAS {}, NCCL {}\n", p.cuda_runtime_version / 1000,
-      (p.cuda_runtime_version % 1000) / 10,
-      p.cuda_driver_version == 0
-          ? std::string("none")
-          : fmt::format("{}.{}", p.cuda_driver_version / 1000, (p.cuda_driver_version % 1000) / 10),
-      p.cublas_version, p.nccl_version.empty() ? "?" : p.nccl_version);
+  // CUDA encodes versions as major·1000 + minor·10; 0 means the call failed.
+  auto cuda_version = [](int v, const char* unknown) {
+    return v == 0 ? std::string(unknown) : fmt::format("{}.{}", v / 1000, (v % 1000) / 10);
+  };
+  std::cout << fmt::format("CUDA runtime {}, driver {}, cuBLAS {}, NCCL {}\n",
+                           cuda_version(p.cuda_runtime_version, "?"),
+                           cuda_version(p.cuda_driver_version, "none"), p.cublas_version,
+                           p.nccl_version.empty() ? "?" : p.nccl_version);
   if (p.gpus.empty()) {
     std::cout << "no GPU: " << p.why_none << "\n";
     return 0;

@@ -7,15 +7,17 @@
 
 namespace dtsim::exec::cuda {
 
+std::string nccl_version_string(int code) {
+  if (code < 20900) return fmt::format("{}.{}.{}", code / 1000, (code % 1000) / 100, code % 100);
+  return fmt::format("{}.{}.{}", code / 10000, (code % 10000) / 100, code % 100);
+}
+
 Probe probe() {
   Probe p;
-  cudaRuntimeGetVersion(&p.cuda_runtime_version);
+  if (cudaRuntimeGetVersion(&p.cuda_runtime_version) != cudaSuccess) p.cuda_runtime_version = 0;
   if (cudaDriverGetVersion(&p.cuda_driver_version) != cudaSuccess) p.cuda_driver_version = 0;
   int nccl = 0;
-  if (ncclGetVersion(&nccl) == ncclSuccess) {
-    // NCCL >= 2.9 encodes major*10000 + minor*100 + patch.
-    p.nccl_version = fmt::format("{}.{}.{}", nccl / 10000, (nccl % 10000) / 100, nccl % 100);
-  }
+  if (ncclGetVersion(&nccl) == ncclSuccess) p.nccl_version = nccl_version_string(nccl);
   p.cublas_version =
       static_cast<int>(cublasGetProperty(MAJOR_VERSION, &p.cublas_version) == CUBLAS_STATUS_SUCCESS
                            ? p.cublas_version

@@ -19,15 +19,19 @@ struct GpuInfo {
 
 struct Probe {
   std::vector<GpuInfo> gpus;
-  std::string why_none;  // set when gpus is empty: the CUDA error that said so
-  int cuda_runtime_version = 0;
-  int cuda_driver_version = 0;  // 0 without a driver
-  std::string nccl_version;     // "2.28.9"
+  std::string why_none;          // set when gpus is empty: the CUDA error that said so
+  int cuda_runtime_version = 0;  // 0 when cudaRuntimeGetVersion fails
+  int cuda_driver_version = 0;   // 0 without a driver
+  std::string nccl_version;      // "2.28.9"
   int cublas_version = 0;
 };
 
 // Never throws: a machine without a GPU is an expected outcome, reported in why_none.
 Probe probe();
+
+// "major.minor.patch" of an ncclGetVersion() code: major·10000 + minor·100 + patch since NCCL
+// 2.9, major·1000 + minor·100 + patch before (nccl.h, NCCL_VERSION_CODE).
+std::string nccl_version_string(int code);
 
 // Runs a kernel on `gpu` that writes i*3+1 into n integers and checks them on the host.
 // Returns an empty string on success, else what failed (CUDA call, error string).

@@ -66,6 +66,9 @@ int cmd_describe(const std::vector<std::string>& args) {
                                    spec.max_positions, spec.name, seq));
     }
   }
+  if (const std::string problem = model::size_problem(spec, 1, seq); !problem.empty()) {
+    throw InputError(fmt::format("--seq-len: {}", problem));
+  }
   // One sequence: per-token figures divide by seq.
   const model::ModelGraph graph(spec, 1, seq);
   const model::GraphTotals totals = graph.totals();

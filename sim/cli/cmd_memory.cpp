@@ -1,6 +1,7 @@
 // dtsim memory: memory per rank of a plan, per pipeline stage, and whether it fits.
 #include <fmt/format.h>
 
+#include <cmath>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -67,14 +68,16 @@ int cmd_memory(const std::vector<std::string>& args) {
 
   plan::MemoryOptions options;
   const double overhead = vm["framework-overhead-gib"].as<double>();
-  if (!(overhead >= 0)) {
-    throw InputError(fmt::format("--framework-overhead-gib: expected >= 0, got {}", overhead));
+  if (!(overhead >= 0) || !std::isfinite(overhead)) {
+    throw InputError(
+        fmt::format("--framework-overhead-gib: expected a finite number >= 0, got {}", overhead));
   }
   options.framework_overhead_bytes = overhead * kGiB;
   if (vm.count("device-memory-gib")) {
     const double cap = vm["device-memory-gib"].as<double>();
-    if (!(cap > 0)) {
-      throw InputError(fmt::format("--device-memory-gib: expected > 0, got {}", cap));
+    if (!(cap > 0) || !std::isfinite(cap)) {
+      throw InputError(
+          fmt::format("--device-memory-gib: expected a finite number > 0, got {}", cap));
     }
     options.capacity_bytes = cap * kGiB;
   }

@@ -2,8 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <charconv>
 #include <iostream>
 #include <sstream>
+#include <string_view>
+#include <system_error>
 
 #include "sim/common/error.hpp"
 
@@ -89,6 +93,29 @@ void positive(const char* flag, std::int64_t value) {
     throw InputError(fmt::format("--{}: expected a positive integer, got {}", flag, value));
   }
 }
+
+// "4,4,3,3": positive integers up to plan::kMaxDegree, no empty parts.
+std::vector<int> parse_layers_per_stage(const std::string& text) {
+  auto bad = [&]() {
+    return InputError(fmt::format(
+        "--layers-per-stage: expected positive integers separated by commas, got \"{}\"", text));
+  };
+  std::vector<int> out;
+  std::size_t begin = 0;
+  while (true) {
+    const std::size_t end = std::min(text.find(',', begin), text.size());
+    const std::string_view part(text.data() + begin, end - begin);
+    std::int64_t n = 0;
+    const auto [ptr, ec] = std::from_chars(part.data(), part.data() + part.size(), n);
+    if (part.empty() || ec != std::errc() || ptr != part.data() + part.size() || n < 1 ||
+        n > plan::kMaxDegree) {
+      throw bad();
+    }
+    out.push_back(static_cast<int>(n));
+    if (end == text.size()) return out;
+    begin = end + 1;
+  }
+}
 }  // namespace
 
 plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec& model,
@@ -98,7 +125,13 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   p.global_batch_size = 0;
   if (vm.count("plan")) p = plan::load_plan(vm["plan"].as<std::string>());
   for (const char* key : {"tp", "pp", "dp", "cp", "ep", "virtual-stages"}) {
-    if (vm.count(key)) positive(key, vm[key].as<int>());
+    if (!vm.count(key)) continue;
+    const int value = vm[key].as<int>();
+    positive(key, value);
+    if (value > plan::kMaxDegree) {
+      throw InputError(
+          fmt::format("--{}: expected at most {}, got {}", key, plan::kMaxDegree, value));
+    }
   }
   for (const char* key : {"micro-batch-size", "global-batch-size", "seq-len"}) {
     if (vm.count(key)) positive(key, vm[key].as<std::int64_t>());
@@ -143,27 +176,18 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
     p.sequence_parallel = true;
   }
   if (vm.count("layers-per-stage")) {
-    p.layers_per_stage.clear();
-    std::stringstream ss(vm["layers-per-stage"].as<std::string>());
-    std::string part;
-    while (std::getline(ss, part, ',')) {
-      try {
-        std::size_t used = 0;
-        const int n = std::stoi(part, &used);
-        if (used != part.size() || n < 1) throw std::invalid_argument(part);
-        p.layers_per_stage.push_back(n);
-      } catch (const std::exception&) {
-        throw InputError(
-            fmt::format("--layers-per-stage: expected positive integers separated "
-                        "by commas, got \"{}\"",
-                        vm["layers-per-stage"].as<std::string>()));
-      }
-    }
+    p.layers_per_stage = parse_layers_per_stage(vm["layers-per-stage"].as<std::string>());
   }
   if (vm.count("order")) p.order = cluster::Placement::parse_order(vm["order"].as<std::string>());
 
-  for (auto& n : plan::complete_plan(p, model, devices)) notes.push_back(std::move(n));
-  for (auto& w : plan::require_valid(p, model, devices)) notes.push_back("warning: " + w);
+  try {
+    for (auto& n : plan::complete_plan(p, model, devices)) notes.push_back(std::move(n));
+    for (auto& w : plan::require_valid(p, model, devices)) notes.push_back("warning: " + w);
+  } catch (const InputError& e) {
+    // A plan read from a file names the file (flags may have overridden some of its fields).
+    if (!vm.count("plan")) throw;
+    throw InputError(fmt::format("{}: {}", vm["plan"].as<std::string>(), e.what()));
+  }
   return p;
 }
 

@@ -2,7 +2,7 @@
 
 #include <fmt/format.h>
 
-#include <functional>
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <numeric>
 
@@ -87,8 +87,13 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   } catch (const InputError& e) {
     r.fail("device", e.what());
   }
-  c.nodes = r.positive_int("nodes");
-  c.devices_per_node = r.positive_int("devices_per_node");
+  c.nodes = r.positive_int_up_to("nodes", kMaxDevices);
+  c.devices_per_node = r.positive_int_up_to("devices_per_node", kMaxDevices);
+  if (c.devices() > kMaxDevices) {
+    r.fail("nodes", fmt::format("nodes x devices_per_node = {} x {} = {} exceeds dtsim's limit of "
+                                "{} devices",
+                                c.nodes, c.devices_per_node, c.devices(), kMaxDevices));
+  }
 
   const JsonReader intra = r.object("intra_node");
   intra.expect_only({"fabric", "bw_bytes_per_s", "latency_s", "note"});
@@ -104,6 +109,17 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   c.inter.fabric = kInterNames.parse(inter, "fabric");
   c.inter.transport = kTransportNames.parse(inter, "transport");
   const InterFabric f = c.inter.fabric;
+  const bool switched =
+      f == InterFabric::FatTree || f == InterFabric::RailOptimized || f == InterFabric::Dragonfly;
+  if (switched && c.inter.transport == Transport::None) {
+    inter.fail("transport", fmt::format("a {} network needs a transport (infiniband, roce, "
+                                        "ethernet, efa, slingshot), got none",
+                                        to_string(f)));
+  }
+  if (f == InterFabric::None && c.inter.transport != Transport::None) {
+    inter.fail("transport", fmt::format("expected none with fabric none (a single node), got {}",
+                                        to_string(c.inter.transport)));
+  }
   if (f != InterFabric::None) c.inter.latency_s = inter.figure("latency_s");
   if (f == InterFabric::FatTree || f == InterFabric::RailOptimized || f == InterFabric::Dragonfly) {
     c.inter.nics_per_node = inter.positive_int("nics_per_node");
@@ -111,6 +127,10 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   }
   if (f == InterFabric::FatTree || f == InterFabric::RailOptimized) {
     c.inter.nodes_per_leaf = inter.positive_int("nodes_per_leaf");
+    if (c.inter.nodes_per_leaf > c.nodes) {
+      inter.fail("nodes_per_leaf", fmt::format("{} nodes per leaf but the cluster has {} nodes",
+                                               c.inter.nodes_per_leaf, c.nodes));
+    }
   } else if (f == InterFabric::Dragonfly) {
     c.inter.nodes_per_leaf = inter.positive_int_or("nodes_per_leaf", c.nodes);
   }
@@ -122,14 +142,20 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
     }
   }
   if (f == InterFabric::Torus3d) {
-    c.inter.torus_dims = inter.positive_int_array("torus_dims");
+    c.inter.torus_dims = inter.positive_int_array_up_to("torus_dims", kMaxDevices);
+    if (c.inter.torus_dims.size() != 3) {
+      inter.fail("torus_dims", fmt::format("expected 3 sizes (x, y, z) for a torus_3d, got {}",
+                                           c.inter.torus_dims.size()));
+    }
     c.inter.link_bw_bytes_per_s = inter.figure("link_bw_bytes_per_s");
-    const std::int64_t product = std::accumulate(
-        c.inter.torus_dims.begin(), c.inter.torus_dims.end(), std::int64_t{1}, std::multiplies<>());
-    if (product != c.devices()) {
+    // In double: three sizes up to 2^24 may not fit a 64-bit product.
+    const double product =
+        std::accumulate(c.inter.torus_dims.begin(), c.inter.torus_dims.end(), 1.0,
+                        [](double a, std::int64_t d) { return a * static_cast<double>(d); });
+    if (product != static_cast<double>(c.devices())) {
       inter.fail("torus_dims",
-                 fmt::format("the torus has {} devices but nodes x devices_per_node = {}", product,
-                             c.devices()));
+                 fmt::format("the torus has {:.0f} devices but nodes x devices_per_node = {}",
+                             product, c.devices()));
     }
   }
   if (f == InterFabric::None && c.nodes != 1) {
@@ -156,6 +182,12 @@ Cluster with_devices(const Cluster& cluster, std::int64_t devices) {
   }
   Cluster c = cluster;
   if (devices == cluster.devices()) return c;
+  if (devices > cluster.devices()) {
+    throw InputError(
+        fmt::format("--gpus {}: cluster {} has {} devices; pick a larger topology or "
+                    "fewer devices",
+                    devices, cluster.name, cluster.devices()));
+  }
   if (cluster.inter.fabric == InterFabric::Torus3d) {
     throw InputError(fmt::format(
         "--gpus {}: cluster {} is a fixed {}-device torus; pick a topology file of that size",
@@ -173,11 +205,8 @@ Cluster with_devices(const Cluster& cluster, std::int64_t devices) {
                     "multiple of {}",
                     devices, cluster.name, dpn, dpn));
   }
-  if (c.nodes > 1 && c.inter.fabric == InterFabric::None) {
-    throw InputError(
-        fmt::format("--gpus {}: cluster {} is a single node with no inter-node network", devices,
-                    cluster.name));
-  }
+  // Fewer nodes: a leaf (or dragonfly group) holds at most all of them.
+  c.inter.nodes_per_leaf = std::min(c.inter.nodes_per_leaf, c.nodes);
   return c;
 }
 

@@ -19,6 +19,9 @@ enum class IntraFabric { NvSwitch, NvlinkMesh, Xgmi, RoceMesh, IciTorus, Pcie, S
 enum class InterFabric { FatTree, RailOptimized, Torus3d, Dragonfly, None };
 enum class Transport { InfiniBand, RoCE, Ethernet, Efa, Slingshot, Ici, None };
 
+// At most 2^24 devices in a cluster (keeps device counts and their products in 64 bits).
+inline constexpr std::int64_t kMaxDevices = std::int64_t{1} << 24;
+
 struct IntraNode {
   IntraFabric fabric = IntraFabric::NvSwitch;
   Figure bw_bytes_per_s;  // per device, per direction
@@ -57,8 +60,9 @@ Cluster cluster_from_json(const nlohmann::json& j, const std::string& file);
 Cluster load_cluster(std::string_view name_or_path);
 std::vector<std::string> list_clusters();
 
-// The same cluster with `devices` devices (--gpus): whole nodes, or part of one node.
-// Throws InputError when `devices` is neither, or exceeds a torus's fixed size.
+// The same cluster with `devices` devices (--gpus): whole nodes, or part of one node, never
+// more than the cluster has. Throws InputError when `devices` is neither, exceeds the cluster,
+// or is not a torus's fixed size.
 Cluster with_devices(const Cluster& cluster, std::int64_t devices);
 
 std::string_view to_string(IntraFabric f);

@@ -109,6 +109,17 @@ std::int64_t JsonReader::positive_int_or(std::string_view key, std::int64_t fall
   return has(key) ? positive_int(key) : fallback;
 }
 
+std::int64_t JsonReader::positive_int_up_to(std::string_view key, std::int64_t max) const {
+  const std::int64_t v = positive_int(key);
+  if (v > max) fail(key, fmt::format("expected at most {}, got {}", max, v));
+  return v;
+}
+
+std::int64_t JsonReader::positive_int_up_to_or(std::string_view key, std::int64_t max,
+                                               std::int64_t fallback) const {
+  return has(key) ? positive_int_up_to(key, max) : fallback;
+}
+
 double JsonReader::positive_number(std::string_view key) const {
   const json& v = at(key);
   if (!v.is_number() || !(v.get<double>() > 0) || !std::isfinite(v.get<double>())) {
@@ -170,6 +181,17 @@ std::vector<std::int64_t> JsonReader::positive_int_array(std::string_view key) c
   std::vector<std::int64_t> out;
   for (std::size_t i = 0; i < v.size(); ++i) {
     out.push_back(as_positive_int(v[i], fmt::format("{}[{}]", key, i)));
+  }
+  return out;
+}
+
+std::vector<std::int64_t> JsonReader::positive_int_array_up_to(std::string_view key,
+                                                               std::int64_t max) const {
+  std::vector<std::int64_t> out = positive_int_array(key);
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (out[i] > max) {
+      fail(fmt::format("{}[{}]", key, i), fmt::format("expected at most {}, got {}", max, out[i]));
+    }
   }
   return out;
 }

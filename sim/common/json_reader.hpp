@@ -39,6 +39,10 @@ class JsonReader {
   bool boolean_or(std::string_view key, bool fallback) const;
   std::int64_t positive_int(std::string_view key) const;
   std::int64_t positive_int_or(std::string_view key, std::int64_t fallback) const;
+  // A positive integer no larger than `max` (a sanity bound that keeps products in 64 bits).
+  std::int64_t positive_int_up_to(std::string_view key, std::int64_t max) const;
+  std::int64_t positive_int_up_to_or(std::string_view key, std::int64_t max,
+                                     std::int64_t fallback) const;
   double positive_number(std::string_view key) const;
   double non_negative_number(std::string_view key) const;
   // One of `allowed` (exact spelling); the message lists them.
@@ -48,6 +52,8 @@ class JsonReader {
   std::optional<Figure> optional_figure(std::string_view key, bool allow_zero = false) const;
   JsonReader object(std::string_view key) const;
   std::vector<std::int64_t> positive_int_array(std::string_view key) const;
+  // Every element in 1..max.
+  std::vector<std::int64_t> positive_int_array_up_to(std::string_view key, std::int64_t max) const;
   std::vector<std::string> string_array(std::string_view key) const;
 
   // Rejects fields not in `known` (a typo must not be silently ignored).

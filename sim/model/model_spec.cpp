@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -97,7 +98,11 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
     m.moe = MoeSpec{e.positive_int("experts"), e.positive_int("top_k"),
                     e.positive_int("expert_ffn_hidden")};
   }
-  if (r.has("published_params")) {
+  if (!r.has("published_params")) {
+    for (std::string_view k : {"published_params_precision", "published_params_source"}) {
+      if (r.has(k)) r.fail(k, "given without published_params");
+    }
+  } else {
     m.published_params = static_cast<std::uint64_t>(r.positive_int("published_params"));
     m.published_params_precision =
         static_cast<std::uint64_t>(r.positive_int_or("published_params_precision", 1));
@@ -107,34 +112,133 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
   return m;
 }
 
-void validate_model(const ModelSpec& m) {
-  auto bad = [&](std::string_view field, const std::string& msg) {
-    throw InputError(fmt::format("{}: {}: {}", m.file, field, msg));
+double params_upper_bound(const ModelSpec& m) {
+  const double h = static_cast<double>(m.hidden);
+  const double q = static_cast<double>(m.q_width());
+  const double kv = static_cast<double>(m.kv_width());
+  const double experts = m.moe ? static_cast<double>(m.moe->experts) : 1.0;
+  const double f = static_cast<double>(m.moe ? m.moe->expert_ffn_hidden : m.ffn_hidden);
+  // Per block: norms (4h), attention with biases, and per expert an MLP of at most three h x f
+  // matrices with biases, plus the router (models/README.md "Parameter count").
+  const double block =
+      4 * h + (h + 1) * (q + 2 * kv) + q * h + h + experts * (3 * h * f + 2 * f + h) + h * experts;
+  return static_cast<double>(m.layers) * block +
+         (2 * static_cast<double>(m.vocab) + static_cast<double>(m.max_positions) + 2) * h;
+}
+
+double saved_bytes_upper_bound(const ModelSpec& m, double micro_batch, double seq_len) {
+  const double tokens = micro_batch * seq_len;
+  const double h = static_cast<double>(m.hidden);
+  const double q = static_cast<double>(m.q_width());
+  const double kv = static_cast<double>(m.kv_width());
+  const double copies = m.moe ? static_cast<double>(m.moe->top_k) : 1.0;
+  const double experts = m.moe ? static_cast<double>(m.moe->experts) : 0.0;
+  const double f = static_cast<double>(m.moe ? m.moe->expert_ffn_hidden : m.ffn_hidden);
+  // Per token of a block: norm, residual and projection inputs (6h + q + 2kv), the MLP's
+  // input, gate/up and down inputs per routed copy (h + 3f) and fp32 routing probabilities;
+  // plus the s² attention terms (softmax output, dropout mask and output: at most 9 bytes per
+  // score). Ends: embedding mask, final norm, head input and fp32 logits.
+  const double per_token = 6 * h + q + 2 * kv + copies * (h + 3 * f) + experts;
+  const double scores = micro_batch * static_cast<double>(m.heads) * seq_len * seq_len;
+  return static_cast<double>(m.layers) * (4 * tokens * per_token + 9 * scores) +
+         4 * tokens * (3 * h + static_cast<double>(m.vocab));
+}
+
+std::string size_problem(const ModelSpec& m, std::int64_t micro_batch, std::int64_t seq_len) {
+  constexpr double kMaxTokens = 2147483648.0;  // 2^31
+  const double tokens = static_cast<double>(micro_batch) * static_cast<double>(seq_len);
+  if (tokens > kMaxTokens) {
+    return fmt::format(
+        "micro-batch x seq_len = {} x {} = {:.0f} tokens exceeds dtsim's limit of "
+        "2^31",
+        micro_batch, seq_len, tokens);
+  }
+  const double bytes =
+      saved_bytes_upper_bound(m, static_cast<double>(micro_batch), static_cast<double>(seq_len));
+  if (bytes > kMaxSavedBytes) {
+    return fmt::format(
+        "one micro-batch of {} x {} tokens would save about {:.3g} bytes of "
+        "activations, more than dtsim's limit of 2^60",
+        micro_batch, seq_len, bytes);
+  }
+  return {};
+}
+
+void validate_model(const ModelSpec& m,
+                    const std::map<std::string, std::string, std::less<>>& keys) {
+  auto key = [&](std::string_view field) {
+    const auto it = keys.find(field);
+    return it == keys.end() ? std::string(field) : it->second;
   };
+  auto bad = [&](std::string_view field, const std::string& msg) {
+    throw InputError(fmt::format("{}: {}: {}", m.file, key(field), msg));
+  };
+  auto at_most = [&](std::string_view field, std::int64_t value, std::int64_t max) {
+    if (value > max) bad(field, fmt::format("expected at most {}, got {}", max, value));
+  };
+  at_most("layers", m.layers, kMaxLayers);
+  at_most("hidden", m.hidden, kMaxWidth);
+  at_most("heads", m.heads, kMaxHeads);
+  at_most("kv_heads", m.kv_heads, kMaxHeads);
+  at_most("head_dim", m.head_dim, kMaxWidth);
+  at_most("ffn_hidden", m.ffn_hidden, kMaxWidth);
+  at_most("vocab", m.vocab, kMaxWidth);
+  at_most("max_positions", m.max_positions, kMaxWidth);
+  if (m.q_width() > kMaxWidth) {
+    bad("head_dim", fmt::format("{} x {} = {} x {} = {} exceeds {}", key("heads"), key("head_dim"),
+                                m.heads, m.head_dim, m.q_width(), kMaxWidth));
+  }
   if (m.heads % m.kv_heads != 0) {
-    bad("kv_heads", fmt::format("kv_heads = {} must divide heads = {}", m.kv_heads, m.heads));
+    bad("kv_heads", fmt::format("{} = {} must divide {} = {}", key("kv_heads"), m.kv_heads,
+                                key("heads"), m.heads));
   }
   if (m.seq_len > m.max_positions) {
-    bad("seq_len",
-        fmt::format("seq_len = {} exceeds max_positions = {}", m.seq_len, m.max_positions));
+    bad("seq_len", fmt::format("{} = {} exceeds {} = {}", key("seq_len"), m.seq_len,
+                               key("max_positions"), m.max_positions));
   }
   if (m.moe) {
+    at_most("moe.experts", m.moe->experts, kMaxExperts);
+    at_most("moe.expert_ffn_hidden", m.moe->expert_ffn_hidden, kMaxWidth);
     if (m.moe->top_k > m.moe->experts) {
-      bad("moe.top_k",
-          fmt::format("top_k = {} exceeds experts = {}", m.moe->top_k, m.moe->experts));
+      // In the message, dtsim's own names drop the "moe." prefix ("top_k = 4 exceeds ...").
+      auto name = [&](std::string_view field) {
+        return keys.count(field) ? key(field) : std::string(field.substr(4));
+      };
+      bad("moe.top_k", fmt::format("{} = {} exceeds {} = {}", name("moe.top_k"), m.moe->top_k,
+                                   name("moe.experts"), m.moe->experts));
     }
+  }
+  if (const double params = params_upper_bound(m); params > kMaxParams) {
+    throw InputError(
+        fmt::format("{}: about {:.3g} parameters exceed dtsim's limit of 2^50 "
+                    "(check {}, {} and {})",
+                    m.file, params, key("layers"), key("hidden"), key("ffn_hidden")));
+  }
+  if (const std::string problem = size_problem(m, 1, m.seq_len); !problem.empty()) {
+    bad("seq_len", problem);
   }
 }
 
 namespace {
 
-// First present key among `keys` as a positive integer.
-std::int64_t hf_int(const JsonReader& r, std::initializer_list<std::string_view> keys) {
+// Hugging Face keys of the dtsim fields read so far, for validate_model's messages.
+using KeyMap = std::map<std::string, std::string, std::less<>>;
+
+// First present key among `keys` as a positive integer; records it as the key of `field`.
+std::int64_t hf_int(const JsonReader& r, KeyMap& names, std::string_view field,
+                    std::initializer_list<std::string_view> keys) {
   for (std::string_view k : keys) {
-    if (r.has(k)) return r.positive_int(k);
+    if (r.has(k)) {
+      names[std::string(field)] = std::string(k);
+      return r.positive_int(k);
+    }
   }
   r.fail(*keys.begin(), "required field is missing");
 }
+
+// Training sequence length assumed for imported configs: max_position_embeddings is what the
+// model supports (131072 for Llama 3.1), rarely what one trains a step with.
+constexpr std::int64_t kHfDefaultSeqLen = 4096;
 
 }  // namespace
 
@@ -154,14 +258,17 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   if (m.name.empty()) m.name = type;
   m.source = fmt::format("Hugging Face config.json ({})", file);
   m.description = fmt::format("imported from a Hugging Face {} config", type);
+  KeyMap names;
   if (type == "gpt2") {
-    m.layers = hf_int(r, {"n_layer", "num_hidden_layers"});
-    m.hidden = hf_int(r, {"n_embd", "hidden_size"});
-    m.heads = hf_int(r, {"n_head", "num_attention_heads"});
+    m.layers = hf_int(r, names, "layers", {"n_layer", "num_hidden_layers"});
+    m.hidden = hf_int(r, names, "hidden", {"n_embd", "hidden_size"});
+    m.heads = hf_int(r, names, "heads", {"n_head", "num_attention_heads"});
     m.kv_heads = m.heads;
-    m.ffn_hidden = r.has("n_inner") ? r.positive_int("n_inner") : 4 * m.hidden;
-    m.vocab = r.positive_int("vocab_size");
-    m.max_positions = hf_int(r, {"n_positions", "max_position_embeddings"});
+    names["kv_heads"] = names["heads"];
+    m.ffn_hidden = r.has("n_inner") ? hf_int(r, names, "ffn_hidden", {"n_inner"}) : 4 * m.hidden;
+    if (!r.has("n_inner")) names["ffn_hidden"] = names["hidden"];
+    m.vocab = hf_int(r, names, "vocab", {"vocab_size"});
+    m.max_positions = hf_int(r, names, "max_positions", {"n_positions", "max_position_embeddings"});
     m.activation = Activation::Gelu;
     m.norm = Norm::LayerNorm;
     m.positions = Positions::Learned;
@@ -169,13 +276,14 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.bias = BiasSpec{true, true, true, true};
     m.dropout = true;
   } else {
-    m.layers = r.positive_int("num_hidden_layers");
-    m.hidden = r.positive_int("hidden_size");
-    m.heads = r.positive_int("num_attention_heads");
-    m.kv_heads = r.positive_int_or("num_key_value_heads", m.heads);
-    m.ffn_hidden = r.positive_int("intermediate_size");
-    m.vocab = r.positive_int("vocab_size");
-    m.max_positions = r.positive_int("max_position_embeddings");
+    m.layers = hf_int(r, names, "layers", {"num_hidden_layers"});
+    m.hidden = hf_int(r, names, "hidden", {"hidden_size"});
+    m.heads = hf_int(r, names, "heads", {"num_attention_heads"});
+    // Without num_key_value_heads, multi-head attention: one key/value head per head.
+    m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"});
+    m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
+    m.vocab = hf_int(r, names, "vocab", {"vocab_size"});
+    m.max_positions = hf_int(r, names, "max_positions", {"max_position_embeddings"});
     m.activation = Activation::SwiGlu;
     m.norm = Norm::RmsNorm;
     m.positions = Positions::Rope;
@@ -186,21 +294,23 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.bias.attn_out = attention_bias;
     m.bias.mlp = r.boolean_or("mlp_bias", false);
     if (type == "mixtral") {
-      m.moe = MoeSpec{r.positive_int("num_local_experts"), r.positive_int("num_experts_per_tok"),
-                      m.ffn_hidden};
+      m.moe = MoeSpec{hf_int(r, names, "moe.experts", {"num_local_experts"}),
+                      hf_int(r, names, "moe.top_k", {"num_experts_per_tok"}), m.ffn_hidden};
+      names["moe.expert_ffn_hidden"] = "intermediate_size";
     }
   }
   if (r.has("head_dim")) {
-    m.head_dim = r.positive_int("head_dim");
+    m.head_dim = hf_int(r, names, "head_dim", {"head_dim"});
   } else {
     if (m.hidden % m.heads != 0) {
-      r.fail("num_attention_heads",
+      r.fail(names["heads"],
              fmt::format("hidden size {} is not divisible by {} heads", m.hidden, m.heads));
     }
     m.head_dim = m.hidden / m.heads;
   }
-  m.seq_len = m.max_positions;
-  validate_model(m);
+  m.seq_len = std::min(m.max_positions, kHfDefaultSeqLen);
+  names["seq_len"] = names["max_positions"];  // the default derives from it
+  validate_model(m, names);
   return m;
 }
 

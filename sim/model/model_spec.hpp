@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
@@ -74,8 +75,28 @@ ModelSpec model_from_json(const nlohmann::json& j, const std::string& file);
 // Parses a Hugging Face config.json (model_type gpt2, llama, mistral, mixtral, qwen2).
 ModelSpec model_from_hf_config(const nlohmann::json& j, const std::string& file);
 
-// Checks dimensions for consistency (hidden divisible by heads, kv_heads dividing heads, ...).
-void validate_model(const ModelSpec& m);
+// Sanity bounds on a model's dimensions. With them, and the size limits below, every count of
+// the ModelGraph (parameters, saved bytes) stays far inside 64 bits.
+inline constexpr std::int64_t kMaxLayers = 100000;
+inline constexpr std::int64_t kMaxWidth = std::int64_t{1} << 24;  // hidden, ffn, vocab, positions
+inline constexpr std::int64_t kMaxHeads = std::int64_t{1} << 16;  // heads, kv_heads
+inline constexpr std::int64_t kMaxExperts = std::int64_t{1} << 16;
+inline constexpr double kMaxParams = 1125899906842624.0;         // 2^50, ~1000x the largest
+inline constexpr double kMaxSavedBytes = 1152921504606846976.0;  // 2^60 per micro-batch
+
+// Upper bounds, computed in double (no wrap-around), of the model's parameters and of the
+// activation bytes one micro-batch of `micro_batch` x `seq_len` tokens saves over all blocks
+// (4-byte elements, no parallelism, no recompute).
+double params_upper_bound(const ModelSpec& m);
+double saved_bytes_upper_bound(const ModelSpec& m, double micro_batch, double seq_len);
+// Why one micro-batch of this shape is too large for dtsim's 64-bit counts; empty when it fits.
+std::string size_problem(const ModelSpec& m, std::int64_t micro_batch, std::int64_t seq_len);
+
+// Checks dimensions for bounds and consistency (kv_heads dividing heads, ...). Messages name
+// the fields by `keys` (dtsim field -> the key in the file, for Hugging Face configs); a field
+// not in `keys` is named as in dtsim's format.
+void validate_model(const ModelSpec& m,
+                    const std::map<std::string, std::string, std::less<>>& keys = {});
 
 std::string_view to_string(Activation a);
 std::string_view to_string(Norm n);

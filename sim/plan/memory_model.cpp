@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 
 #include "sim/common/error.hpp"
 
@@ -104,6 +103,17 @@ std::int64_t in_flight(const Plan& plan, int stage) {
   return m;
 }
 
+std::int64_t end_in_flight(const Plan& plan, int stage) {
+  const std::int64_t p = plan.pp;
+  if (stage != 0 && stage != p - 1) return 0;
+  if (plan.schedule != Schedule::Interleaved || p == 1) return in_flight(plan, stage);
+  const std::int64_t m = plan.micro_batches();
+  const std::int64_t v = plan.virtual_stages;
+  const std::int64_t warmup = 2 * (p - stage - 1) + (v - 1) * p;
+  if (m * v <= warmup) return m;
+  return stage == p - 1 ? 1 : std::min(2 * p, m);
+}
+
 MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluster::Cluster& cluster,
                              const MemoryOptions& options) {
   const model::ModelSpec& spec = g.spec();
@@ -146,10 +156,12 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     }
     // The embedding lives on the first stage, the final norm, head and loss on the last. A tied
     // head on a different stage keeps its own copy of the embedding matrix (Megatron-LM).
+    // Embedding and head activations, each times the micro-batches in flight at its end.
+    const double end_count = static_cast<double>(end_in_flight(plan, stage));
     double extra_activations = 0;
     if (stage == 0) {
       for (model::OpId id : g.layer_ops(-1)) dense_params += rank_params(g.op(id), plan);
-      extra_activations += extra_activation_bytes(g, -1, plan);
+      extra_activations += extra_activation_bytes(g, -1, plan) * end_count;
     }
     if (stage == plan.pp - 1) {
       for (model::OpId id : g.layer_ops(static_cast<int>(spec.layers))) {
@@ -158,12 +170,17 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       if (spec.tied_embeddings && plan.pp > 1) {
         dense_params += static_cast<double>(spec.vocab * spec.hidden) / plan.tp;
       }
-      extra_activations += extra_activation_bytes(g, static_cast<int>(spec.layers), plan);
+      extra_activations +=
+          extra_activation_bytes(g, static_cast<int>(spec.layers), plan) * end_count;
     }
 
-    const ModelStates dense = zero_model_states(dense_params, plan.zero_stage, plan.dp, per_param);
+    // Context-parallel ranks hold the same weights as their data-parallel peers: the
+    // distributed optimizer shards over dp x cp (Megatron-LM, --use-distributed-optimizer with
+    // --context-parallel-size), experts over their own data-parallel group, dp x cp / ep.
+    const int shard = plan.dp * plan.cp;
+    const ModelStates dense = zero_model_states(dense_params, plan.zero_stage, shard, per_param);
     const ModelStates experts =
-        zero_model_states(expert_params, plan.zero_stage, plan.dp / plan.ep, per_param);
+        zero_model_states(expert_params, plan.zero_stage, shard / plan.ep, per_param);
     s.weights_bytes = dense.weights + experts.weights;
     s.gradients_bytes = dense.gradients + experts.gradients;
     s.optimizer_bytes = dense.optimizer + experts.optimizer;
@@ -175,11 +192,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // In-flight micro-batches (interleaved: chunks, each 1/v of the rank's blocks).
     const double per_micro_batch = block_activations / v;
     s.activations_bytes = per_micro_batch * static_cast<double>(s.in_flight);
-    // Embedding and head activations: counted once per micro-batch in flight at that end.
-    const double end_in_flight = plan.schedule == Schedule::Interleaved
-                                     ? std::ceil(static_cast<double>(s.in_flight) / v)
-                                     : static_cast<double>(s.in_flight);
-    s.activations_bytes += extra_activations * end_in_flight;
+    s.activations_bytes += extra_activations;
     if (plan.recompute == Recompute::Full) {
       // Backward recomputes one block at a time and holds its full activations meanwhile.
       Plan no_recompute = plan;

@@ -28,6 +28,8 @@ StateBytesPerParam state_bytes_per_param(Precision precision, Optimizer optimize
 
 // Model-state bytes on one data-parallel rank holding `params` parameters, ZeRO stage 0-3 over
 // `dp` ranks (ZeRO Table 1): stage 1 divides optimizer states, 2 also gradients, 3 also weights.
+// estimate_memory shards over every rank that holds the same weights, as Megatron-LM's
+// distributed optimizer does: dp x cp ranks for dense weights, dp x cp / ep for experts.
 struct ModelStates {
   double weights = 0;
   double gradients = 0;
@@ -48,6 +50,19 @@ double block_activation_bytes(const model::ModelGraph& graph, int layer, const P
 // interleaved min(2·(pp - stage - 1) + (v - 1)·pp + 1, m·v) chunks (Megatron-LM's warm-up).
 // Without pipelining, one.
 std::int64_t in_flight(const Plan& plan, int stage);
+
+// Micro-batches whose embedding activations (stage 0) or head and loss activations (the last
+// stage) `stage` holds at its peak; 0 on the stages between. Without interleaving, in_flight().
+// Interleaved, from Megatron-LM's order (forward k runs chunk (k/pp) % v, backward k chunk
+// v-1 - (k/pp) % v; stage s warms up with 2·(pp-s-1) + (v-1)·pp forwards):
+// - last stage: its warm-up covers chunks 0..v-2 only; from then on each step's forward and
+//   backward are of the same chunk, so a head-chunk forward is followed by its backward: 1.
+// - stage 0: micro-batches 0..pp-1 of chunk 0 run as forwards 0..pp-1, pp..2pp-1 as forwards
+//   v·pp..(v+1)·pp-1; the first chunk-0 backward (backward (v-1)·pp) comes after forward
+//   2·v·pp-2, so all 2·pp are in flight, and the next chunk-0 forward (2·v·pp) comes after it:
+//   min(2·pp, m).
+// When the warm-up covers all m·v forwards, every chunk holds all m.
+std::int64_t end_in_flight(const Plan& plan, int stage);
 
 struct MemoryOptions {
   // An allowance for the CUDA context, library workspaces (cuBLAS, NCCL) and allocator

@@ -107,17 +107,30 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
     error("positive-degrees", "dp, tp, pp, cp and ep must all be >= 1");
     return check;
   }
-  if (p.devices() != devices) {
-    error("devices", fmt::format("dp x tp x pp x cp = {} x {} x {} x {} = {} but the cluster has "
-                                 "{} devices",
-                                 p.dp, p.tp, p.pp, p.cp, p.devices(), devices));
+  // In double, exact below 2^53: the product of four ints cannot wrap around.
+  const double product = static_cast<double>(p.dp) * p.tp * p.pp * p.cp;
+  if (product != static_cast<double>(devices)) {
+    error("devices", fmt::format("dp x tp x pp x cp = {} x {} x {} x {} = {:.0f} but the cluster "
+                                 "has {} devices",
+                                 p.dp, p.tp, p.pp, p.cp, product, devices));
   }
+  // Bounds micro-batch x seq_len (so micro-batch x dp below cannot wrap around).
+  const std::string size = model::size_problem(m, p.micro_batch_size, p.seq_len);
+  if (!size.empty()) error("size", size);
   if (m.heads % p.tp != 0) {
     error("tp-heads", fmt::format("tp = {} does not divide {} attention heads", p.tp, m.heads));
   }
   if (m.kv_heads % p.tp != 0) {
     error("tp-kv-heads",
           fmt::format("tp = {} does not divide {} key/value heads", p.tp, m.kv_heads));
+  }
+  // Megatron-LM splits the MLP's inner dimension over tp (column- then row-parallel).
+  if (!m.moe && m.ffn_hidden % p.tp != 0) {
+    error("tp-ffn", fmt::format("tp = {} does not divide ffn_hidden = {}", p.tp, m.ffn_hidden));
+  }
+  if (m.moe && m.moe->expert_ffn_hidden % p.tp != 0) {
+    error("tp-ffn", fmt::format("tp = {} does not divide expert_ffn_hidden = {}", p.tp,
+                                m.moe->expert_ffn_hidden));
   }
   if (p.seq_len < 1 || p.seq_len > m.max_positions) {
     error("seq-len", fmt::format("seq_len = {} must be in 1..{} (the model's max_positions)",
@@ -144,12 +157,21 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
   if (m.moe && m.moe->experts % p.ep != 0) {
     error("ep-experts", fmt::format("ep = {} does not divide {} experts", p.ep, m.moe->experts));
   }
-  if (p.micro_batch_size < 1 || p.global_batch_size < 1) {
+  // With one micro-batch's tokens bounded (the "size" rule), micro-batch x dp cannot wrap;
+  // otherwise the batch is not checked ("size" says what is wrong).
+  const bool bounded = size.empty() && p.seq_len >= 1;
+  bool batch_ok = false;
+  if (bounded && (p.micro_batch_size < 1 || p.global_batch_size < 1)) {
     error("batch", "micro-batch and global batch sizes must be >= 1");
-  } else if (p.global_batch_size % (p.micro_batch_size * p.dp) != 0) {
+  } else if (bounded && p.global_batch_size % (p.micro_batch_size * p.dp) != 0) {
     error("batch", fmt::format("global batch {} is not micro-batch {} x dp {} x a whole number of "
                                "micro-batches",
                                p.global_batch_size, p.micro_batch_size, p.dp));
+  } else if (bounded && p.micro_batches() > kMaxMicroBatches) {
+    error("batch",
+          fmt::format("{} micro-batches per step exceed dtsim's limit of 2^24", p.micro_batches()));
+  } else {
+    batch_ok = bounded;
   }
   if (p.zero_stage < 0 || p.zero_stage > 3) {
     error("zero", fmt::format("zero stage {} is not one of 0, 1, 2, 3", p.zero_stage));
@@ -160,7 +182,7 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
     if (p.virtual_stages < 2) {
       error("interleaved-v", "the interleaved schedule needs --virtual-stages >= 2");
     }
-    if (p.global_batch_size % (p.micro_batch_size * p.dp) == 0 && p.micro_batches() % p.pp != 0) {
+    if (batch_ok && p.micro_batches() % p.pp != 0) {
       error("interleaved-m", fmt::format("the interleaved schedule needs the number of "
                                          "micro-batches ({}) to be divisible by pp = {}",
                                          p.micro_batches(), p.pp));
@@ -215,22 +237,27 @@ std::vector<std::string> complete_plan(Plan& plan, const model::ModelSpec& model
                                        std::int64_t devices) {
   std::vector<std::string> notes;
   if (plan.dp == 0) {
-    const std::int64_t others = std::int64_t{plan.tp} * plan.pp * plan.cp;
-    if (others < 1 || devices % others != 0) {
+    // In double: three ints may not fit a 64-bit product.
+    const double others = static_cast<double>(plan.tp) * plan.pp * plan.cp;
+    if (others < 1 || others > static_cast<double>(devices) ||
+        devices % static_cast<std::int64_t>(others) != 0) {
       throw InputError(
-          fmt::format("cannot derive dp: tp x pp x cp = {} does not divide the {} "
+          fmt::format("cannot derive dp: tp x pp x cp = {:.0f} does not divide the {} "
                       "devices",
                       others, devices));
     }
-    plan.dp = static_cast<int>(devices / others);
+    plan.dp = static_cast<int>(devices / static_cast<std::int64_t>(others));
     notes.push_back(fmt::format("dp = {} (devices / (tp x pp x cp))", plan.dp));
   }
   if (plan.seq_len == 0) {
     plan.seq_len = model.seq_len;
     notes.push_back(fmt::format("seq_len = {} (the model's default)", plan.seq_len));
   }
-  if (plan.global_batch_size == 0) {
-    const std::int64_t m = plan.pp > 1 ? 4 * std::int64_t{plan.pp} : 1;
+  const std::int64_t m = plan.pp > 1 ? 4 * std::int64_t{plan.pp} : 1;
+  // Left unset when the product would wrap around: check_plan then reports the oversized
+  // micro-batch ("size") or degrees ("devices").
+  const double batch = static_cast<double>(plan.micro_batch_size) * plan.dp * m;
+  if (plan.global_batch_size == 0 && batch <= 4611686018427387904.0) {  // 2^62
     plan.global_batch_size = plan.micro_batch_size * plan.dp * m;
     notes.push_back(
         fmt::format("global batch = {} ({} micro-batch{} of {} sequence{} per data-parallel rank)",
@@ -268,7 +295,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "precision", "optimizer", "layers_per_stage", "order"});
   Plan p;
   auto degree = [&](std::string_view key, int fallback) {
-    return static_cast<int>(r.positive_int_or(key, fallback));
+    return static_cast<int>(r.positive_int_up_to_or(key, kMaxDegree, fallback));
   };
   p.dp = degree("dp", 0);
   p.tp = degree("tp", 1);
@@ -300,7 +327,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
   }
   if (r.has("optimizer")) parse_optimizer(r.choice("optimizer", {"adam", "sgd"}), p.optimizer);
   if (r.has("layers_per_stage")) {
-    for (std::int64_t n : r.positive_int_array("layers_per_stage")) {
+    for (std::int64_t n : r.positive_int_array_up_to("layers_per_stage", kMaxDegree)) {
       p.layers_per_stage.push_back(static_cast<int>(n));
     }
   }

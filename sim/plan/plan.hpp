@@ -19,6 +19,12 @@ enum class Schedule { GPipe, OneFOneB, Interleaved, ZeroBubble, PipeDreamAsync }
 enum class Recompute { None, Selective, Full };
 enum class Optimizer { Adam, Sgd };
 
+// Sanity bounds (plan files and flags): degrees, virtual stages and blocks per chunk at most
+// 2^20, micro-batches per step at most 2^24; one micro-batch's tokens are bounded by
+// model::size_problem.
+inline constexpr std::int64_t kMaxDegree = std::int64_t{1} << 20;
+inline constexpr std::int64_t kMaxMicroBatches = std::int64_t{1} << 24;
+
 struct Plan {
   int dp = 1;
   int tp = 1;

@@ -9,6 +9,13 @@ TEST_CASE("the CUDA backend links and reports its libraries", "[exec][cuda]") {
   CHECK_FALSE(p.nccl_version.empty());
 }
 
+TEST_CASE("NCCL version codes decode in both encodings", "[exec][cuda]") {
+  using dtsim::exec::cuda::nccl_version_string;
+  CHECK(nccl_version_string(22809) == "2.28.9");  // 2·10000 + 28·100 + 9 (NCCL >= 2.9)
+  CHECK(nccl_version_string(20900) == "2.9.0");
+  CHECK(nccl_version_string(2804) == "2.8.4");  // 2·1000 + 8·100 + 4 (NCCL < 2.9)
+}
+
 TEST_CASE("the self-test kernel runs on every GPU", "[exec][cuda][gpu]") {
   const auto p = dtsim::exec::cuda::probe();
   if (p.gpus.empty()) {

@@ -85,6 +85,11 @@ TEST_CASE("bad device files are rejected naming file and field", "[cluster][cata
     dtsim::test::TempFile f("dev.json", j.dump());
     DTSIM_REQUIRE_THROWS_CONTAINING(load_device(f.path()), InputError, "peak_flops.fp4: unknown");
   }
+  SECTION("malformed JSON names the file and line") {
+    dtsim::test::TempFile f("dev.json", "{\n  \"name\": \"x\",\n  \"memory_bytes\": }");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_device(f.path()), InputError, "dev.json: malformed JSON");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_device(f.path()), InputError, "line 3");
+  }
   SECTION("an unknown name lists the known ones") {
     DTSIM_REQUIRE_THROWS_CONTAINING(load_device("v100"), InputError, "unknown device \"v100\"");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_device("v100"), InputError, "h100-sxm");

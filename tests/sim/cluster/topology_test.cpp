@@ -35,9 +35,16 @@ TEST_CASE("the default and Selene clusters", "[cluster][topology]") {
 }
 
 TEST_CASE("a cluster resized with --gpus keeps whole nodes", "[cluster][topology]") {
-  const auto c = load_cluster("selene");
+  const auto c = load_cluster("selene");  // 560 nodes of 8, 20 nodes per rail group
   CHECK(dtsim::cluster::with_devices(c, 64).nodes == 8);
+  CHECK(dtsim::cluster::with_devices(c, 64).inter.nodes_per_leaf == 8);  // one leaf holds all
+  CHECK(dtsim::cluster::with_devices(c, 320).inter.nodes_per_leaf == 20);
   CHECK(dtsim::cluster::with_devices(c, 4).devices_per_node == 4);
+  // Never larger than the cluster: --gpus must not invent nodes.
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::cluster::with_devices(c, 8192), InputError,
+                                  "--gpus 8192: cluster selene has 4480 devices");
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::cluster::with_devices(c, 0), InputError,
+                                  "--gpus: expected a positive number of devices, got 0");
   DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::cluster::with_devices(c, 12), InputError,
                                   "use fewer than one node or a multiple of 8");
   DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::cluster::with_devices(load_cluster("tpu-v4-slice"), 8),
@@ -94,6 +101,47 @@ TEST_CASE("bad cluster files are rejected naming file and field",
       "latency_s": {"value": 1e-6, "source": "s"}, "torus_dims": [2, 2, 2],
       "link_bw_bytes_per_s": {"value": 5e10, "source": "s"}})");
     expect(j, "inter_node.torus_dims: the torus has 8 devices but nodes x devices_per_node = 16");
+  }
+  SECTION("a torus needs three sizes") {
+    auto j = valid_cluster();
+    j["inter_node"] = nlohmann::json::parse(R"({"fabric": "torus_3d", "transport": "ici",
+      "latency_s": {"value": 1e-6, "source": "s"}, "torus_dims": [4, 4],
+      "link_bw_bytes_per_s": {"value": 5e10, "source": "s"}})");
+    expect(j, "inter_node.torus_dims: expected 3 sizes (x, y, z) for a torus_3d, got 2");
+  }
+  SECTION("a switched network needs a transport") {
+    for (const char* fabric : {"fat_tree", "rail_optimized", "dragonfly"}) {
+      auto j = valid_cluster();
+      j["inter_node"]["fabric"] = fabric;
+      j["inter_node"]["transport"] = "none";
+      expect(j, "inter_node.transport: a " + std::string(fabric) + " network needs a transport");
+    }
+  }
+  SECTION("no inter-node network, no transport") {
+    auto j = valid_cluster();
+    j["nodes"] = 1;
+    j["inter_node"] = {{"fabric", "none"}, {"transport", "infiniband"}};
+    expect(j,
+           "inter_node.transport: expected none with fabric none (a single node), got "
+           "infiniband");
+  }
+  SECTION("a leaf larger than the cluster") {
+    auto j = valid_cluster();
+    j["inter_node"]["nodes_per_leaf"] = 4;
+    expect(j, "inter_node.nodes_per_leaf: 4 nodes per leaf but the cluster has 2 nodes");
+  }
+  SECTION("at most 2^24 devices") {
+    auto j = valid_cluster();
+    j["nodes"] = 1 << 22;
+    expect(j,
+           "nodes: nodes x devices_per_node = 4194304 x 8 = 33554432 exceeds dtsim's limit of "
+           "16777216 devices");
+    j["nodes"] = std::int64_t{1} << 40;
+    expect(j, "nodes: expected at most 16777216, got 1099511627776");
+  }
+  SECTION("malformed JSON names the file") {
+    dtsim::test::TempFile f("cl.json", R"({"name": "c", "nodes": 2,)");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_cluster(f.path()), InputError, "cl.json: malformed JSON");
   }
   SECTION("unknown cluster name lists the known ones") {
     DTSIM_REQUIRE_THROWS_CONTAINING(load_cluster("summit"), InputError, "unknown cluster");

@@ -40,6 +40,19 @@ TEST_CASE("typed fields report file, path and what was expected", "[common]") {
                                   "expected one of gelu, swiglu, got \"x\"");
 }
 
+TEST_CASE("bounded integers name the bound", "[common]") {
+  const json j = json::parse(R"({"n": 5, "a": [1, 2, 9], "z": 0})");
+  const JsonReader r(j, "f.json");
+  CHECK(r.positive_int_up_to("n", 5) == 5);
+  CHECK(r.positive_int_up_to_or("missing", 5, 3) == 3);
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.positive_int_up_to("n", 4), InputError,
+                                  "f.json: n: expected at most 4, got 5");
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.positive_int_up_to("z", 4), InputError,
+                                  "f.json: z: expected a positive integer, got 0");
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.positive_int_array_up_to("a", 8), InputError,
+                                  "f.json: a[2]: expected at most 8, got 9");
+}
+
 TEST_CASE("unknown fields are rejected with the known ones listed", "[common]") {
   const json j = json::parse(R"({"layers": 2, "hiden": 3})");
   const JsonReader r(j, "m.json");

@@ -105,6 +105,43 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError,
                                     "num_hidden_layers: required field is missing");
   }
+  SECTION("mistyped field") {
+    TempFile f("config.json", R"({"model_type": "llama", "hidden_size": "4096",
+      "num_hidden_layers": 32})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError,
+                                    "config.json: hidden_size: expected a positive integer, got "
+                                    "\"4096\"");
+  }
+  SECTION("inconsistent or oversized fields are named by their Hugging Face keys") {
+    TempFile gqa("config.json", R"({"model_type": "llama", "hidden_size": 4096,
+      "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "num_key_value_heads": 3, "vocab_size": 32000, "max_position_embeddings": 4096})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        load_model(gqa.path()), InputError,
+        "config.json: num_key_value_heads: num_key_value_heads = 3 must divide "
+        "num_attention_heads = 32");
+    TempFile deep("config.json", R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12,
+      "n_layer": 1000000, "n_positions": 1024, "vocab_size": 50257})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(deep.path()), InputError,
+                                    "config.json: n_layer: expected at most 100000, got 1000000");
+    TempFile moe("config.json", R"({"model_type": "mixtral", "hidden_size": 4096,
+      "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+      "num_local_experts": 2, "num_experts_per_tok": 4})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        load_model(moe.path()), InputError,
+        "config.json: num_experts_per_tok: num_experts_per_tok = 4 exceeds num_local_experts = 2");
+  }
+  SECTION("the default sequence length is max_position_embeddings, at most 4096") {
+    TempFile qwen("config.json", R"({"model_type": "qwen2", "hidden_size": 3584,
+      "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28,
+      "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072})");
+    CHECK(load_model(qwen.path()).seq_len == 4096);
+    CHECK(load_model(qwen.path()).max_positions == 131072);
+    TempFile gpt2("config.json", R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12,
+      "n_layer": 12, "n_positions": 1024, "vocab_size": 50257})");
+    CHECK(load_model(gpt2.path()).seq_len == 1024);
+  }
 }
 
 namespace {
@@ -142,6 +179,19 @@ TEST_CASE("bad model files are rejected naming file and field", "[model][bad-inp
       {"hiden", 64, "hiden: unknown field"},
       {"moe", nlohmann::json{{"experts", 2}, {"top_k", 4}, {"expert_ffn_hidden", 8}},
        "moe.top_k: top_k = 4 exceeds experts = 2"},
+      // Sanity bounds keep every count inside 64 bits (a wrapped product, or bad_alloc for
+      // 2^31 blocks, is never the answer).
+      {"layers", 2147483653LL, "layers: expected at most 100000, got 2147483653"},
+      {"hidden", 1LL << 40, "hidden: expected at most 16777216, got 1099511627776"},
+      {"vocab", 1LL << 30, "vocab: expected at most 16777216, got 1073741824"},
+      {"ffn_hidden", 1LL << 25, "ffn_hidden: expected at most 16777216"},
+      {"max_positions", 1LL << 25, "max_positions: expected at most 16777216"},
+      {"kv_heads", 1LL << 17, "kv_heads: expected at most 65536, got 131072"},
+      {"moe", nlohmann::json{{"experts", 1 << 17}, {"top_k", 2}, {"expert_ffn_hidden", 8}},
+       "moe.experts: expected at most 65536, got 131072"},
+      {"published_params_precision", 1000,
+       "published_params_precision: given without "
+       "published_params"},
   };
   for (const Case& c : cases) {
     DYNAMIC_SECTION(c.key << " -> " << c.message) {
@@ -149,6 +199,15 @@ TEST_CASE("bad model files are rejected naming file and field", "[model][bad-inp
       DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError, "bad_model.json: ");
       DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError, c.message);
     }
+  }
+  SECTION("bounded fields that multiply past dtsim's limits") {
+    auto j = nlohmann::json::parse(model_with("layers", 100000));
+    j["hidden"] = 1 << 24;
+    j["ffn_hidden"] = 1 << 24;
+    j["heads"] = 1 << 16;
+    TempFile f("bad_model.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError,
+                                    "parameters exceed dtsim's limit of 2^50");
   }
   SECTION("malformed JSON") {
     TempFile f("bad_model.json", R"({"name": "m", "layers": })");

@@ -150,6 +150,73 @@ TEST_CASE("micro-batches in flight per schedule", "[plan][memory][schedule]") {
   CHECK(dtsim::plan::in_flight(p, 3) == 5);
 }
 
+namespace {
+// Peak micro-batches in flight on `stage`, in total and of each model chunk, found by walking
+// Megatron-LM's interleaved order (forward_backward_pipelining_with_interleaving): virtual
+// micro-batch k runs chunk (k/pp) % v forward and chunk v-1 - (k/pp) % v backward; the stage
+// warms up with min(2·(pp-s-1) + (v-1)·pp, m·v) forwards, then alternates one forward and one
+// backward, then drains the backwards.
+struct Walk {
+  std::int64_t total = 0;
+  std::vector<std::int64_t> chunk;
+};
+Walk walk_interleaved(std::int64_t p, std::int64_t v, std::int64_t m, std::int64_t stage) {
+  const std::int64_t all = m * v;
+  const std::int64_t warmup = std::min(2 * (p - stage - 1) + (v - 1) * p, all);
+  std::vector<std::int64_t> held(static_cast<std::size_t>(v), 0);
+  Walk peak;
+  peak.chunk.assign(held.size(), 0);
+  std::int64_t in_flight = 0;
+  auto forward = [&](std::int64_t k) {
+    ++held[static_cast<std::size_t>((k / p) % v)];
+    ++in_flight;
+    peak.total = std::max(peak.total, in_flight);
+    for (std::size_t c = 0; c < held.size(); ++c) peak.chunk[c] = std::max(peak.chunk[c], held[c]);
+  };
+  auto backward = [&](std::int64_t k) {
+    --held[static_cast<std::size_t>(v - 1 - (k / p) % v)];
+    --in_flight;
+  };
+  for (std::int64_t k = 0; k < warmup; ++k) forward(k);
+  for (std::int64_t i = 0; i < all - warmup; ++i) {
+    forward(warmup + i);
+    backward(i);
+  }
+  return peak;
+}
+}  // namespace
+
+TEST_CASE("interleaved: chunks in flight match a walk of Megatron-LM's order",
+          "[plan][memory][schedule]") {
+  Plan plan;
+  plan.schedule = Schedule::Interleaved;
+  plan.dp = 1;
+  plan.micro_batch_size = 1;
+  for (int p : {2, 3, 4, 8}) {
+    for (int v : {2, 3, 4}) {
+      for (int m : {p, 2 * p, 3 * p, 8 * p}) {
+        DYNAMIC_SECTION("pp " << p << " v " << v << " m " << m) {
+          plan.pp = p;
+          plan.virtual_stages = v;
+          plan.global_batch_size = m;
+          for (int stage = 0; stage < p; ++stage) {
+            CHECK(dtsim::plan::in_flight(plan, stage) == walk_interleaved(p, v, m, stage).total);
+          }
+          // Stage 0 holds chunk 0 (the embedding) of min(2·pp, m) micro-batches; the last stage
+          // holds chunk v-1 (the head and loss) of one.
+          const Walk first = walk_interleaved(p, v, m, 0);
+          const Walk last = walk_interleaved(p, v, m, p - 1);
+          CHECK(dtsim::plan::end_in_flight(plan, 0) == first.chunk.front());
+          CHECK(dtsim::plan::end_in_flight(plan, 0) == std::min(2 * p, m));
+          CHECK(dtsim::plan::end_in_flight(plan, p - 1) == last.chunk.back());
+          CHECK(dtsim::plan::end_in_flight(plan, p - 1) == 1);
+          if (p > 2) CHECK(dtsim::plan::end_in_flight(plan, 1) == 0);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan][memory]") {
   auto spec = load_model("tiny");  // no dropout: no embedding activations
   spec.layers = 16;
@@ -178,6 +245,40 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     p.virtual_stages = 2;
     const auto r = dtsim::plan::estimate_memory(g, p, cluster);
     CHECK(r.stages[0].activations_bytes == Approx(16 * (1 + 3.0 / 8) * block));
+  }
+  SECTION("interleaved: embedding for min(2·pp, m) micro-batches, head and loss for one") {
+    auto dropped = spec;
+    dropped.dropout = true;  // the embedding saves its dropout mask
+    const ModelGraph gd(dropped, 2, 32);
+    p.schedule = Schedule::Interleaved;
+    p.virtual_stages = 2;
+    const double block_d = dtsim::plan::block_activation_bytes(gd, 0, p);
+    const double embedding = static_cast<double>(gd.layer_totals(-1).saved_bytes);
+    const double head = static_cast<double>(gd.layer_totals(16).saved_bytes);
+    REQUIRE(embedding > 0);
+    const auto r = dtsim::plan::estimate_memory(gd, p, cluster);
+    // pp = 4, v = 2, m = 8: stage 0 holds 11 chunks of 2 blocks and 8 embeddings; stage 3
+    // holds 2·0 + 1·4 + 1 = 5 chunks and one head.
+    CHECK(r.stages[0].activations_bytes == Approx(11 * 2 * block_d + 8 * embedding));
+    CHECK(r.stages[3].activations_bytes == Approx(5 * 2 * block_d + head));
+  }
+  SECTION("ZeRO shards over dp x cp; experts over dp x cp / ep (Megatron-LM)") {
+    auto moe = spec;
+    moe.moe = dtsim::model::MoeSpec{4, 2, 128};
+    p.pp = 1;
+    p.dp = 2;
+    p.cp = 2;
+    p.ep = 2;
+    p.global_batch_size = 4;
+    p.zero_stage = 1;
+    const ModelGraph gm(moe, 2, 32);
+    double dense = 0, experts = 0;
+    for (const auto& op : gm.ops()) (op.expert ? experts : dense) += static_cast<double>(op.params);
+    const auto r = dtsim::plan::estimate_memory(gm, p, cluster);
+    // 12 bytes of optimizer state per parameter: dense over 2 x 2 ranks, each rank's half of
+    // the experts over 2 x 2 / 2 ranks.
+    CHECK(r.stages[0].optimizer_bytes == Approx(12 * dense / 4 + 12 * (experts / 2) / 2));
+    CHECK(r.stages[0].weights_bytes == Approx(2 * dense + 2 * experts / 2));
   }
   SECTION("ZeRO stages divide states over dp; the tied head keeps a copy on the last stage") {
     p.pp = 1;
@@ -229,7 +330,10 @@ TEST_CASE("dtsim memory works for every shipped model on every shipped cluster",
         p.global_batch_size = 0;
         p.seq_len = 0;
         p.tp = static_cast<int>(std::min<std::int64_t>(cluster.devices_per_node, spec.kv_heads));
-        while (spec.kv_heads % p.tp != 0 || cluster.devices() % p.tp != 0) --p.tp;
+        const std::int64_t ffn = spec.moe ? spec.moe->expert_ffn_hidden : spec.ffn_hidden;
+        while (spec.kv_heads % p.tp != 0 || ffn % p.tp != 0 || cluster.devices() % p.tp != 0) {
+          --p.tp;
+        }
         dtsim::plan::complete_plan(p, spec, cluster.devices());
         REQUIRE(dtsim::plan::check_plan(p, spec, cluster.devices()).ok());
         const ModelGraph g(spec, p.micro_batch_size, p.seq_len);

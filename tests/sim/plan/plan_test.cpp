@@ -81,6 +81,36 @@ TEST_CASE("each broken rule says which one and why", "[plan][bad-input]") {
     p.layers_per_stage = {30, 40};
     CHECK(has_rule(check_plan(p, m, 64), "layers", "sums to 70, the model has 80 layers"));
   }
+  SECTION("tp must divide the MLP width") {
+    auto odd = m;
+    odd.ffn_hidden = 28676;  // 4 x 7169
+    CHECK(has_rule(check_plan(p, odd, 64), "tp-ffn", "tp = 8 does not divide ffn_hidden = 28676"));
+    odd.moe = dtsim::model::MoeSpec{8, 2, 1004};
+    CHECK(has_rule(check_plan(p, odd, 64), "tp-ffn",
+                   "tp = 8 does not divide expert_ffn_hidden = 1004"));
+  }
+  SECTION("one micro-batch must stay within 2^31 tokens") {
+    p.micro_batch_size = 1000000000000;  // 10^12 sequences
+    p.global_batch_size = 4000000000000;
+    const auto c = check_plan(p, m, 64);
+    CHECK(has_rule(c, "size", "micro-batch x seq_len = 1000000000000 x 4096"));
+    CHECK(has_rule(c, "size", "exceeds dtsim's limit of 2^31"));
+  }
+  SECTION("at most 2^24 micro-batches per step") {
+    p.global_batch_size = std::int64_t{4} << 25;  // dp 4 x 2^25 micro-batches
+    CHECK(has_rule(check_plan(p, m, 64), "batch", "33554432 micro-batches per step exceed"));
+  }
+  SECTION("huge degrees do not wrap around") {
+    p.dp = p.tp = p.pp = 1 << 30;
+    p.cp = 4;  // dp x tp x pp x cp = 2^92
+    CHECK(has_rule(check_plan(p, m, 64), "devices", "but the cluster has 64 devices"));
+    Plan q;
+    q.dp = 0;
+    q.tp = q.pp = q.cp = 1 << 30;
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        dtsim::plan::complete_plan(q, m, 64), InputError,
+        "cannot derive dp: tp x pp x cp = 1237940039285380274899124224");
+  }
   SECTION("expert parallelism needs experts") {
     p.ep = 2;
     CHECK(has_rule(check_plan(p, m, 64), "ep-needs-moe", "has no experts"));
@@ -141,6 +171,14 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
     DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::plan::load_plan(f.path()), InputError, message);
   };
   bad(R"({"tp": 0})", "plan.json: tp: expected a positive integer, got 0");
+  // Degrees are ints: 2^32 + 2 must not run as tp = 2.
+  bad(R"({"tp": 4294967298})", "plan.json: tp: expected at most 1048576, got 4294967298");
+  bad(R"({"virtual_stages": 2000000})", "plan.json: virtual_stages: expected at most 1048576");
+  bad(R"({"layers_per_stage": [1, 4294967297]})",
+      "plan.json: layers_per_stage[1]: expected at most 1048576, got 4294967297");
+  bad(R"({"dp": 2, "tp": )", "plan.json: malformed JSON");
+  bad(R"({"order": 3})", "plan.json: order: expected a string, got 3");
+  bad(R"({"sequence_parallel": "yes"})", "plan.json: sequence_parallel: expected true or false");
   bad(R"({"zero_stage": 4})", "plan.json: zero_stage: expected 0, 1, 2 or 3, got 4");
   bad(R"({"schedule": "looped"})", "schedule: expected one of gpipe, 1f1b, interleaved");
   bad(R"({"order": "tp-dp"})", "plan.json: order: ");
