@@ -46,15 +46,17 @@ int cmd_simulate(const std::vector<std::string>& args) {
   add_model_options(desc, /*with_cluster=*/true);
   add_plan_options(desc);
   po::options_description sim_opts("Simulation");
-  sim_opts.add_options()("network", po::value<std::string>()->default_value("analytical"),
-                         "network model: analytical (alpha-beta per collective algorithm)")(
+  sim_opts.add_options()(
+      "network", po::value<std::string>()->default_value("analytical"),
+      "network model: analytical (alpha-beta per collective algorithm) or simgrid "
+      "(flow-level: concurrent groups contend for NICs and uplinks)")(
       "trace", po::value<std::string>(), "write a Chrome trace (open in ui.perfetto.dev)")(
       "json", po::bool_switch(), "print JSON instead of tables");
   desc.add(sim_opts);
   po::variables_map vm;
   if (!parse(args, desc,
              "usage: dtsim simulate --model M --cluster C [plan flags | --plan P.json]\n"
-             "                      [--network analytical] [--trace T.json] [--json]\n\n"
+             "                      [--network analytical|simgrid] [--trace T.json] [--json]\n\n"
              "Predicts one training step of a plan with the discrete-event simulator: step "
              "time, tokens/s, TFLOP/s and MFU per GPU, where the time goes (compute, "
              "recompute, exposed communication per kind, pipeline bubble, optimizer), the "
@@ -68,10 +70,18 @@ int cmd_simulate(const std::vector<std::string>& args) {
   const plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes);
   cluster.device.peak_flops_for(plan.precision);
   const std::string network_name = vm["network"].as<std::string>();
-  if (network_name != "analytical") {
-    throw InputError(fmt::format("--network: expected analytical, got \"{}\"", network_name));
+  std::unique_ptr<network::NetworkModel> network;
+  if (network_name == "analytical") {
+    network = network::make_analytical(cluster);
+  } else if (network_name == "simgrid") {
+    network = network::make_simgrid(cluster, plan);
+    notes.push_back(
+        "simgrid: every distinct collective and pipeline transfer was flow-simulated once, "
+        "with all the groups of its kind in its pipeline stage running at the same time");
+  } else {
+    throw InputError(
+        fmt::format("--network: expected analytical or simgrid, got \"{}\"", network_name));
   }
-  auto network = network::make_analytical(cluster);
   const model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
                                 plan::activation_bytes_per_element(plan.precision));
   const engine::Simulation sim = engine::simulate(graph, plan, cluster, *network);

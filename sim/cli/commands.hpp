@@ -12,5 +12,6 @@ int cmd_memory(const std::vector<std::string>& args);
 int cmd_list(const std::vector<std::string>& args);
 int cmd_simulate(const std::vector<std::string>& args);
 int cmd_lower(const std::vector<std::string>& args);
+int cmd_export_platform(const std::vector<std::string>& args);
 
 }  // namespace dtsim::cli

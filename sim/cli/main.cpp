@@ -24,6 +24,8 @@ const std::map<std::string, Command>& commands() {
       {"list", {dtsim::cli::cmd_list, "shipped models, clusters and devices"}},
       {"simulate", {dtsim::cli::cmd_simulate, "predicted step time, breakdown, MFU, memory"}},
       {"lower", {dtsim::cli::cmd_lower, "the per-rank program a plan lowers to (JSON)"}},
+      {"export-platform",
+       {dtsim::cli::cmd_export_platform, "the cluster as a SimGrid platform (XML)"}},
   };
   return table;
 }
@@ -32,7 +34,7 @@ void usage(std::ostream& os) {
   os << "dtsim: planner and simulator for distributed deep-learning training\n\n"
         "usage: dtsim <command> [options]   (dtsim <command> --help for its options)\n\n"
         "commands:\n";
-  for (const auto& [name, cmd] : commands()) os << fmt::format("  {:<10} {}\n", name, cmd.summary);
+  for (const auto& [name, cmd] : commands()) os << fmt::format("  {:<16} {}\n", name, cmd.summary);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "sim/cluster/topology.hpp"
 #include "sim/lower/program.hpp"
 #include "sim/network/collectives.hpp"
+#include "sim/plan/plan.hpp"
 
 namespace dtsim::network {
 
@@ -34,5 +35,12 @@ class NetworkModel {
 // sends for all-to-all. Traffic of different kinds at the same time (a pipeline send during a
 // data-parallel all-reduce) does not slow each other here; the SimGrid backend models that.
 std::unique_ptr<NetworkModel> make_analytical(const cluster::Cluster& cluster);
+
+// The SimGrid backend (network/simgrid_network.cpp): each distinct collective or pipeline
+// transfer is simulated as flows, together with all the groups of its kind that run at the same
+// moment, on a flow-level platform of the cluster (network/platform.hpp). SimGrid allows one
+// platform per process: a second cluster or plan in the same process is an UnsupportedError.
+// Throws UnsupportedError for torus fabrics.
+std::unique_ptr<NetworkModel> make_simgrid(const cluster::Cluster& cluster, const plan::Plan& plan);
 
 }  // namespace dtsim::network

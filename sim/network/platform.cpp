@@ -1,0 +1,147 @@
+#include "sim/network/platform.hpp"
+
+#include <fmt/format.h>
+
+#include <map>
+
+#include "sim/cluster/placement.hpp"
+#include "sim/common/error.hpp"
+
+namespace dtsim::network {
+
+using cluster::ParallelDim;
+
+std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan) {
+  const cluster::Placement placement(plan.degrees(), plan.order);
+  std::set<std::pair<std::int64_t, std::int64_t>> pairs;
+  auto ring = [&](const std::vector<std::int64_t>& g) {
+    for (std::size_t i = 0; g.size() > 1 && i < g.size(); ++i) {
+      pairs.emplace(g[i], g[(i + 1) % g.size()]);
+    }
+  };
+  const std::int64_t ranks = plan.devices();
+  for (std::int64_t r = 0; r < ranks; ++r) {
+    for (ParallelDim d : {ParallelDim::Tp, ParallelDim::Cp, ParallelDim::Dp}) {
+      ring(placement.group(d, r));
+    }
+    const auto ep = placement.group(ParallelDim::Ep, r);
+    for (std::int64_t a : ep) {
+      for (std::int64_t b : ep) {
+        if (a != b) pairs.emplace(a, b);
+      }
+    }
+    const auto pp = placement.group(ParallelDim::Pp, r);
+    for (std::size_t i = 0; i + 1 < pp.size(); ++i) {
+      pairs.emplace(pp[i], pp[i + 1]);
+      pairs.emplace(pp[i + 1], pp[i]);
+    }
+    // Interleaved: the last stage sends to the first.
+    if (pp.size() > 1) {
+      pairs.emplace(pp.back(), pp.front());
+      pairs.emplace(pp.front(), pp.back());
+    }
+  }
+  return pairs;
+}
+
+std::set<std::pair<std::int64_t, std::int64_t>> all_pairs(std::int64_t devices) {
+  std::set<std::pair<std::int64_t, std::int64_t>> pairs;
+  for (std::int64_t a = 0; a < devices; ++a) {
+    for (std::int64_t b = 0; b < devices; ++b) {
+      if (a != b) pairs.emplace(a, b);
+    }
+  }
+  return pairs;
+}
+
+PlatformSpec build_platform(const cluster::Cluster& c,
+                            const std::set<std::pair<std::int64_t, std::int64_t>>& pairs) {
+  const auto fabric = c.inter.fabric;
+  if (fabric == cluster::InterFabric::Torus3d) {
+    throw UnsupportedError(fmt::format(
+        "--network simgrid: cluster {} is a torus ({}), which the flow-level platform does not "
+        "describe yet; use --network analytical",
+        c.name, c.file));
+  }
+  PlatformSpec spec;
+  const std::int64_t n = c.devices();
+  const std::int64_t dpn = c.devices_per_node;
+  for (std::int64_t d = 0; d < n; ++d) spec.hosts.push_back(fmt::format("dev{}", d));
+  auto add_link = [&](std::string name, double bw, double lat) {
+    spec.links.push_back({std::move(name), bw, lat});
+    return spec.links.size() - 1;
+  };
+  const double port_bw = c.intra.bw_bytes_per_s.value;
+  const double port_lat = c.intra.latency_s.value / 2;
+  std::vector<std::size_t> tx(static_cast<std::size_t>(n)), rx(static_cast<std::size_t>(n));
+  for (std::int64_t d = 0; d < n; ++d) {
+    tx[static_cast<std::size_t>(d)] = add_link(fmt::format("dev{}_port_tx", d), port_bw, port_lat);
+    rx[static_cast<std::size_t>(d)] = add_link(fmt::format("dev{}_port_rx", d), port_bw, port_lat);
+  }
+  const bool networked = fabric != cluster::InterFabric::None && c.nodes > 1;
+  const std::int64_t nics = std::max<std::int64_t>(c.inter.nics_per_node, 1);
+  const std::int64_t per_leaf = c.inter.nodes_per_leaf > 0 ? c.inter.nodes_per_leaf : c.nodes;
+  std::map<std::int64_t, std::size_t> nic_tx, nic_rx, leaf_up, leaf_down;
+  if (networked) {
+    const double nic_bw = c.inter.nic_bw_bytes_per_s.value;
+    const double nic_lat = c.inter.latency_s.value / 2;
+    for (std::int64_t node = 0; node < c.nodes; ++node) {
+      for (std::int64_t i = 0; i < nics; ++i) {
+        nic_tx[node * nics + i] =
+            add_link(fmt::format("node{}_nic{}_tx", node, i), nic_bw, nic_lat);
+        nic_rx[node * nics + i] =
+            add_link(fmt::format("node{}_nic{}_rx", node, i), nic_bw, nic_lat);
+      }
+    }
+    const std::int64_t leaves = (c.nodes + per_leaf - 1) / per_leaf;
+    const double uplink =
+        static_cast<double>(per_leaf * nics) * nic_bw / c.inter.oversubscription.value;
+    for (std::int64_t l = 0; l < leaves && leaves > 1; ++l) {
+      leaf_up[l] = add_link(fmt::format("leaf{}_up", l), uplink, 0);
+      leaf_down[l] = add_link(fmt::format("leaf{}_down", l), uplink, 0);
+    }
+  }
+  for (const auto& [a, b] : pairs) {
+    DTSIM_ASSERT(a >= 0 && a < n && b >= 0 && b < n, "pair outside the cluster");
+    std::vector<std::size_t> route;
+    const std::int64_t na = a / dpn, nb = b / dpn;
+    if (na == nb) {
+      route = {tx[static_cast<std::size_t>(a)], rx[static_cast<std::size_t>(b)]};
+    } else {
+      DTSIM_ASSERT(networked, "nodes without a network");
+      route.push_back(nic_tx.at(na * nics + (a % dpn) % nics));
+      const std::int64_t la = na / per_leaf, lb = nb / per_leaf;
+      if (la != lb) {
+        route.push_back(leaf_up.at(la));
+        route.push_back(leaf_down.at(lb));
+      }
+      route.push_back(nic_rx.at(nb * nics + (b % dpn) % nics));
+    }
+    spec.routes.push_back({{a, b}, std::move(route)});
+  }
+  return spec;
+}
+
+std::string platform_xml(const PlatformSpec& spec) {
+  std::string xml =
+      "<?xml version='1.0'?>\n"
+      "<!DOCTYPE platform SYSTEM \"https://simgrid.org/simgrid.dtd\">\n"
+      "<!-- written by dtsim export-platform; bandwidths in Bps, latencies in s -->\n"
+      "<platform version=\"4.1\">\n  <zone id=\"cluster\" routing=\"Full\">\n";
+  for (const auto& h : spec.hosts) xml += fmt::format("    <host id=\"{}\" speed=\"1Gf\"/>\n", h);
+  for (const auto& l : spec.links) {
+    xml += fmt::format("    <link id=\"{}\" bandwidth=\"{:.6g}Bps\" latency=\"{:.6g}s\"/>\n",
+                       l.name, l.bw_bytes_per_s, l.latency_s);
+  }
+  for (const auto& [pair, links] : spec.routes) {
+    xml += fmt::format("    <route src=\"{}\" dst=\"{}\" symmetrical=\"NO\">",
+                       spec.hosts[static_cast<std::size_t>(pair.first)],
+                       spec.hosts[static_cast<std::size_t>(pair.second)]);
+    for (std::size_t i : links) xml += fmt::format("<link_ctn id=\"{}\"/>", spec.links[i].name);
+    xml += "</route>\n";
+  }
+  xml += "  </zone>\n</platform>\n";
+  return xml;
+}
+
+}  // namespace dtsim::network

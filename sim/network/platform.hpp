@@ -1,0 +1,50 @@
+// The flow-level view of a cluster that the SimGrid backend simulates and that
+// `dtsim export-platform` writes as SimGrid XML: devices as hosts, one link per direction for
+// each device's scale-up port, each NIC, and each leaf's uplink to the spine, and explicit
+// routes between the device pairs a plan uses.
+//   same node:     device tx port -> device rx port (NVSwitch and meshes: non-blocking ports)
+//   same leaf:     src NIC tx -> dst NIC rx
+//   across leaves: src NIC tx -> src leaf uplink -> dst leaf downlink -> dst NIC rx
+// A device uses NIC (local index mod nics_per_node); a leaf uplink carries
+// nodes_per_leaf x nics x nic bandwidth / oversubscription. Latencies: the intra-node latency
+// split over the two ports; the inter-node latency split over the two NICs.
+#pragma once
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "sim/cluster/topology.hpp"
+#include "sim/plan/plan.hpp"
+
+namespace dtsim::network {
+
+struct PlatformLink {
+  std::string name;
+  double bw_bytes_per_s = 0;
+  double latency_s = 0;
+};
+
+struct PlatformSpec {
+  std::vector<std::string> hosts;  // index = device
+  std::vector<PlatformLink> links;
+  // (src device, dst device) -> link indices, in order.
+  std::vector<std::pair<std::pair<std::int64_t, std::int64_t>, std::vector<std::size_t>>> routes;
+};
+
+// The device pairs that exchange data under `plan`: ring neighbours of every tp, cp, dp and
+// expert-dp group, every pair of an ep group, and pipeline neighbours (both directions).
+std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan);
+// Every ordered pair of devices (small clusters only).
+std::set<std::pair<std::int64_t, std::int64_t>> all_pairs(std::int64_t devices);
+
+// Throws UnsupportedError for fabrics the flow model does not describe (torus_3d).
+PlatformSpec build_platform(const cluster::Cluster& cluster,
+                            const std::set<std::pair<std::int64_t, std::int64_t>>& pairs);
+
+// SimGrid 3.32 platform XML (DTD version 4.1): one Full zone with the hosts, links and routes.
+std::string platform_xml(const PlatformSpec& spec);
+
+}  // namespace dtsim::network
