@@ -12,8 +12,12 @@ if [ $# -gt 0 ]; then
   exec "$dtsim" "$@"
 fi
 # The default job: the default model (Llama 3 8B) on the default cluster (4 DGX A100 nodes).
-# Until the planner exists (issue 4) it describes the model and checks one Megatron-style plan.
+# Until the planner exists (issue 4) it describes the model, then checks the memory of one
+# Megatron-style plan and simulates a training step of it.
+plan=(--model llama3-8b --cluster default --tp 2 --zero-stage 1 --recompute selective
+      --sequence-parallel --global-batch-size 256)
 "$dtsim" describe --model llama3-8b
 echo
-"$dtsim" memory --model llama3-8b --cluster default --tp 8 --zero-stage 1 \
-  --recompute selective --sequence-parallel
+"$dtsim" memory "${plan[@]}"
+echo
+"$dtsim" simulate "${plan[@]}"
