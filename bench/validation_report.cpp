@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "sim/common/csv.hpp"
 #include "sim/common/data_files.hpp"
 #include "sim/common/error.hpp"
 #include "sim/cost/compute_cost.hpp"
@@ -21,40 +22,6 @@
 namespace {
 
 using dtsim::lower::Phase;
-
-std::vector<std::map<std::string, std::string>> read_csv(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw dtsim::InputError(fmt::format("{}: cannot open file", path));
-  auto split = [](const std::string& line) {
-    std::vector<std::string> out;
-    std::string cell;
-    bool quoted = false;
-    for (char c : line) {
-      if (c == '"') {
-        quoted = !quoted;
-      } else if (c == ',' && !quoted) {
-        out.push_back(cell);
-        cell.clear();
-      } else {
-        cell += c;
-      }
-    }
-    out.push_back(cell);
-    return out;
-  };
-  std::string line;
-  std::getline(in, line);
-  const auto header = split(line);
-  std::vector<std::map<std::string, std::string>> rows;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    const auto cells = split(line);
-    std::map<std::string, std::string> row;
-    for (std::size_t i = 0; i < header.size() && i < cells.size(); ++i) row[header[i]] = cells[i];
-    rows.push_back(row);
-  }
-  return rows;
-}
 
 // One 22B layer (h 6144, 64 heads, s 2048, micro-batch 4) on 8 A100 with tp 8: the compute
 // cost of its ops plus its tensor-parallel collectives (2 all-reduces forward and 2 backward;
@@ -111,7 +78,7 @@ int main(int argc, char** argv) {
   double k_sum = 0;
   int k_n = 0;
   std::map<std::string, std::map<std::string, double>> table4;
-  for (const auto& row : read_csv(dir + "/korthikanti_table4_layer_22b.csv")) {
+  for (const auto& row : dtsim::read_csv(dir + "/korthikanti_table4_layer_22b.csv")) {
     table4[row.at("recompute")][row.at("metric")] = std::stod(row.at("value"));
   }
   for (const auto& [name, metrics] : table4) {
@@ -143,7 +110,7 @@ int main(int argc, char** argv) {
       {"18.4", "megatron-18.4b"},   {"39.1", "megatron-39.1b"},   {"76.1", "megatron-76.1b"},
       {"145.6", "megatron-145.6b"}, {"310.1", "megatron-310.1b"}, {"529.6", "megatron-529.6b"},
       {"1008.0", "megatron-1t"}};
-  for (const auto& row : read_csv(dir + "/megatron_sc21_table1.csv")) {
+  for (const auto& row : dtsim::read_csv(dir + "/megatron_sc21_table1.csv")) {
     if (row.at("metric") != "achieved_tflops_per_gpu") continue;
     const auto spec = dtsim::model::load_model(names.at(row.at("params_b")));
     const int gpus = std::stoi(row.at("gpus"));

@@ -27,18 +27,13 @@ int cmd_lower(const std::vector<std::string>& args) {
              vm)) {
     return 0;
   }
-  const model::ModelSpec spec = model_from_options(vm);
-  const cluster::Cluster cluster = cluster_from_options(vm);
-  std::vector<std::string> notes;
-  const plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes);
-  const model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
-                                plan::activation_bytes_per_element(plan.precision));
+  const PlanSetup setup = setup_from_options(vm);
   lower::LowerOptions options;
   if (vm["all-ranks"].as<bool>()) options.mode = lower::Lowering::AllRanks;
-  const lower::Program program = lower::lower(graph, plan, options);
+  const lower::Program program = lower::lower(setup.graph, setup.plan, options);
   nlohmann::json out = lower::to_json(program);
-  out["plan"] = plan::to_json(plan);
-  out["model"] = spec.name;
+  out["plan"] = plan::to_json(setup.plan);
+  out["model"] = setup.spec.name;
   std::cout << out.dump(2) << "\n";
   return 0;
 }

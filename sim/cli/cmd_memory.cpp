@@ -43,11 +43,8 @@ int cmd_memory(const std::vector<std::string>& args) {
   add_model_options(desc, /*with_cluster=*/true);
   add_plan_options(desc);
   po::options_description mem("Memory model");
-  mem.add_options()("framework-overhead-gib", po::value<double>()->default_value(1.0),
-                    "allowance for CUDA context, library workspaces and fragmentation (an "
-                    "assumption; calibrate it on your system)")(
-      "device-memory-gib", po::value<double>(), "override the device's memory capacity")(
-      "json", po::bool_switch(), "print JSON instead of tables");
+  add_memory_options(mem);
+  mem.add_options()("json", po::bool_switch(), "print JSON instead of tables");
   desc.add(mem);
   po::variables_map vm;
   if (!parse(args, desc,
@@ -59,30 +56,13 @@ int cmd_memory(const std::vector<std::string>& args) {
              vm)) {
     return 0;
   }
-  const model::ModelSpec spec = model_from_options(vm);
-  const cluster::Cluster cluster = cluster_from_options(vm);
-  std::vector<std::string> notes;
-  const plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes);
-  // Fails with the device's supported precisions when it lacks the plan's.
-  cluster.device.peak_flops_for(plan.precision);
-
-  plan::MemoryOptions options;
-  const double overhead = vm["framework-overhead-gib"].as<double>();
-  if (!(overhead >= 0) || !std::isfinite(overhead)) {
-    throw InputError(
-        fmt::format("--framework-overhead-gib: expected a finite number >= 0, got {}", overhead));
-  }
-  options.framework_overhead_bytes = overhead * kGiB;
-  if (vm.count("device-memory-gib")) {
-    const double cap = vm["device-memory-gib"].as<double>();
-    if (!(cap > 0) || !std::isfinite(cap)) {
-      throw InputError(
-          fmt::format("--device-memory-gib: expected a finite number > 0, got {}", cap));
-    }
-    options.capacity_bytes = cap * kGiB;
-  }
-  const model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
-                                plan::activation_bytes_per_element(plan.precision));
+  PlanSetup setup = setup_from_options(vm);
+  const model::ModelSpec& spec = setup.spec;
+  const cluster::Cluster& cluster = setup.cluster;
+  const plan::Plan& plan = setup.plan;
+  const model::ModelGraph& graph = setup.graph;
+  std::vector<std::string>& notes = setup.notes;
+  const plan::MemoryOptions options = memory_options_from(vm);
   const plan::MemoryReport report = plan::estimate_memory(graph, plan, cluster, options);
   for (const auto& n : report.notes) notes.push_back(n);
   const plan::StageMemory& worst = report.worst();

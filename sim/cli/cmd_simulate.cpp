@@ -52,6 +52,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
       "(flow-level: concurrent groups contend for NICs and uplinks)")(
       "trace", po::value<std::string>(), "write a Chrome trace (open in ui.perfetto.dev)")(
       "json", po::bool_switch(), "print JSON instead of tables");
+  add_memory_options(sim_opts);
   desc.add(sim_opts);
   po::variables_map vm;
   if (!parse(args, desc,
@@ -64,11 +65,11 @@ int cmd_simulate(const std::vector<std::string>& args) {
              vm)) {
     return 0;
   }
-  const model::ModelSpec spec = model_from_options(vm);
-  const cluster::Cluster cluster = cluster_from_options(vm);
-  std::vector<std::string> notes;
-  const plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes);
-  cluster.device.peak_flops_for(plan.precision);
+  PlanSetup setup = setup_from_options(vm);
+  const model::ModelSpec& spec = setup.spec;
+  const cluster::Cluster& cluster = setup.cluster;
+  const plan::Plan& plan = setup.plan;
+  std::vector<std::string>& notes = setup.notes;
   const std::string network_name = vm["network"].as<std::string>();
   std::unique_ptr<network::NetworkModel> network;
   if (network_name == "analytical") {
@@ -82,9 +83,9 @@ int cmd_simulate(const std::vector<std::string>& args) {
     throw InputError(
         fmt::format("--network: expected analytical or simgrid, got \"{}\"", network_name));
   }
-  const model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
-                                plan::activation_bytes_per_element(plan.precision));
-  const engine::Simulation sim = engine::simulate(graph, plan, cluster, *network);
+  engine::SimulateOptions options;
+  options.memory = memory_options_from(vm);
+  const engine::Simulation sim = engine::simulate(setup.graph, plan, cluster, *network, options);
   const engine::Prediction& p = sim.prediction;
   for (const auto& n : p.notes) notes.push_back(n);
   if (vm.count("trace")) {

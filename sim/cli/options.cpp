@@ -4,12 +4,15 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <iostream>
 #include <sstream>
 #include <string_view>
 #include <system_error>
 
 #include "sim/common/error.hpp"
+#include "sim/common/units.hpp"
+#include "sim/plan/memory_model.hpp"
 
 namespace dtsim::cli {
 
@@ -189,6 +192,44 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
     throw InputError(fmt::format("{}: {}", vm["plan"].as<std::string>(), e.what()));
   }
   return p;
+}
+
+void add_memory_options(po::options_description& desc) {
+  desc.add_options()("framework-overhead-gib", po::value<double>()->default_value(1.0),
+                     "allowance for CUDA context, library workspaces and fragmentation (an "
+                     "assumption; calibrate it on your system)")(
+      "device-memory-gib", po::value<double>(), "override the device's memory capacity");
+}
+
+plan::MemoryOptions memory_options_from(const po::variables_map& vm) {
+  plan::MemoryOptions options;
+  const double overhead = vm["framework-overhead-gib"].as<double>();
+  if (!(overhead >= 0) || !std::isfinite(overhead)) {
+    throw InputError(
+        fmt::format("--framework-overhead-gib: expected a finite number >= 0, got {}", overhead));
+  }
+  options.framework_overhead_bytes = overhead * kGiB;
+  if (vm.count("device-memory-gib")) {
+    const double cap = vm["device-memory-gib"].as<double>();
+    if (!(cap > 0) || !std::isfinite(cap)) {
+      throw InputError(
+          fmt::format("--device-memory-gib: expected a finite number > 0, got {}", cap));
+    }
+    options.capacity_bytes = cap * kGiB;
+  }
+  return options;
+}
+
+PlanSetup setup_from_options(const po::variables_map& vm) {
+  model::ModelSpec spec = model_from_options(vm);
+  cluster::Cluster cluster = cluster_from_options(vm);
+  std::vector<std::string> notes;
+  plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes);
+  cluster.device.peak_flops_for(plan.precision);
+  model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
+                          plan::activation_bytes_per_element(plan.precision));
+  return PlanSetup{std::move(spec), std::move(cluster), std::move(plan), std::move(notes),
+                   std::move(graph)};
 }
 
 }  // namespace dtsim::cli

@@ -7,7 +7,9 @@
 #include <vector>
 
 #include "sim/cluster/topology.hpp"
+#include "sim/model/model_graph.hpp"
 #include "sim/model/model_spec.hpp"
+#include "sim/plan/memory_model.hpp"
 #include "sim/plan/plan.hpp"
 
 namespace dtsim::cli {
@@ -36,5 +38,21 @@ cluster::Cluster cluster_from_options(const po::variables_map& vm);
 // `notes` receives what was defaulted and any warnings.
 plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec& model,
                              std::int64_t devices, std::vector<std::string>& notes);
+
+// --framework-overhead-gib and --device-memory-gib, and the memory options they set.
+void add_memory_options(po::options_description& desc);
+plan::MemoryOptions memory_options_from(const po::variables_map& vm);
+
+// What memory, simulate, lower start from: the model, the cluster (--gpus applied), the
+// completed and validated plan with its notes, and the model graph for the plan's micro-batch
+// and precision. Fails when the device lacks the plan's precision.
+struct PlanSetup {
+  model::ModelSpec spec;
+  cluster::Cluster cluster;
+  plan::Plan plan;
+  std::vector<std::string> notes;
+  model::ModelGraph graph;
+};
+PlanSetup setup_from_options(const po::variables_map& vm);
 
 }  // namespace dtsim::cli

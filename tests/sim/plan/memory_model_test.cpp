@@ -5,6 +5,7 @@
 #include <map>
 #include <sstream>
 
+#include "sim/common/csv.hpp"
 #include "sim/common/data_files.hpp"
 #include "tests/test_util.hpp"
 
@@ -17,41 +18,6 @@ using dtsim::plan::Recompute;
 using dtsim::plan::Schedule;
 
 namespace {
-
-// Minimal CSV reader for the validation tables (quoted fields may hold commas).
-std::vector<std::map<std::string, std::string>> read_csv(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  REQUIRE(in.good());
-  auto split = [](const std::string& line) {
-    std::vector<std::string> out;
-    std::string cell;
-    bool quoted = false;
-    for (char c : line) {
-      if (c == '"') {
-        quoted = !quoted;
-      } else if (c == ',' && !quoted) {
-        out.push_back(cell);
-        cell.clear();
-      } else {
-        cell += c;
-      }
-    }
-    out.push_back(cell);
-    return out;
-  };
-  std::string line;
-  std::getline(in, line);
-  const auto header = split(line);
-  std::vector<std::map<std::string, std::string>> rows;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    const auto cells = split(line);
-    std::map<std::string, std::string> row;
-    for (std::size_t i = 0; i < header.size() && i < cells.size(); ++i) row[header[i]] = cells[i];
-    rows.push_back(row);
-  }
-  return rows;
-}
 
 // The ZeRO paper prints 3 significant digits for the 7.5B model (rounding) and whole GB for the
 // larger ones (truncating: 513.5 -> 513, 4187.5 -> 4187). A value reproduces the table when
@@ -82,7 +48,8 @@ dtsim::model::ModelSpec korthikanti_22b() {
 }  // namespace
 
 TEST_CASE("ZeRO Table 1: model-state memory per device, every row", "[plan][memory][zero]") {
-  const auto rows = read_csv(dtsim::test::repo_dir() / "validation" / "zero_table1_memory.csv");
+  const auto rows =
+      dtsim::read_csv(dtsim::test::repo_dir() / "validation" / "zero_table1_memory.csv");
   REQUIRE(rows.size() == 48);
   const auto bytes = dtsim::plan::state_bytes_per_param(Precision::Bf16, Optimizer::Adam);
   CHECK(bytes.weights + bytes.gradients + bytes.optimizer == 16);  // 2 + 2 + K (K = 12)

@@ -1,0 +1,18 @@
+// Reading the validation tables (validation/*.csv): a header row, then rows of comma-separated
+// fields; a field in double quotes may hold commas. No escaped quotes inside fields.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace dtsim {
+
+using CsvRow = std::map<std::string, std::string>;  // column name -> field
+
+// Throws InputError naming the file when it cannot be read or a row has more fields than the
+// header.
+std::vector<CsvRow> read_csv(const std::filesystem::path& path);
+
+}  // namespace dtsim
