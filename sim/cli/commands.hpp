@@ -13,5 +13,6 @@ int cmd_list(const std::vector<std::string>& args);
 int cmd_simulate(const std::vector<std::string>& args);
 int cmd_lower(const std::vector<std::string>& args);
 int cmd_export_platform(const std::vector<std::string>& args);
+int cmd_plan(const std::vector<std::string>& args);
 
 }  // namespace dtsim::cli

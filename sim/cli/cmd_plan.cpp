@@ -1,0 +1,300 @@
+// dtsim plan: search parallel configurations, rank them, and explain the best.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "sim/cli/commands.hpp"
+#include "sim/cli/options.hpp"
+#include "sim/common/error.hpp"
+#include "sim/common/units.hpp"
+#include "sim/planner/planner.hpp"
+#include "sim/report/table.hpp"
+
+namespace dtsim::cli {
+
+namespace {
+
+using nlohmann::json;
+
+const engine::Breakdown& breakdown_of(const planner::Candidate& c) {
+  return c.refined ? c.prediction.breakdown : c.estimate;
+}
+
+json candidate_json(const planner::Candidate& c, const model::ModelSpec& m) {
+  const double tokens = static_cast<double>(c.plan.global_batch_size * c.plan.seq_len);
+  json j = {{"plan", plan::to_json(c.plan)},
+            {"summary", plan::summary(c.plan)},
+            {"step_time_s", c.step_time_s},
+            {"estimate_s", c.estimate_s},
+            {"simulated", c.refined},
+            {"tokens_per_s", tokens / c.step_time_s},
+            {"memory_per_gpu_bytes", c.memory_bytes},
+            {"capacity_bytes", c.capacity_bytes},
+            {"fits", c.fits},
+            {"dominant", planner::dominant_term(breakdown_of(c), c.step_time_s)}};
+  if (c.refined) j["mfu"] = c.prediction.mfu;
+  if (c.cost_per_step_usd >= 0) j["cost_per_step_usd"] = c.cost_per_step_usd;
+  (void)m;
+  return j;
+}
+
+// "--fixed tp=8" (repeatable).
+void apply_fixed(const std::vector<std::string>& fixed, planner::SearchSpace& space) {
+  for (const std::string& f : fixed) {
+    const auto eq = f.find('=');
+    int value = 0;
+    try {
+      if (eq == std::string::npos) throw std::invalid_argument(f);
+      std::size_t used = 0;
+      value = std::stoi(f.substr(eq + 1), &used);
+      if (used != f.size() - eq - 1 || value < 1) throw std::invalid_argument(f);
+    } catch (const std::exception&) {
+      throw InputError(
+          fmt::format("--fixed {}: expected KEY=N with N >= 1 (KEY: tp, pp, dp, cp, "
+                      "ep)",
+                      f));
+    }
+    const std::string key = f.substr(0, eq);
+    if (key == "tp") {
+      space.fixed_tp = value;
+    } else if (key == "pp") {
+      space.fixed_pp = value;
+    } else if (key == "dp") {
+      space.fixed_dp = value;
+    } else if (key == "cp") {
+      space.fixed_cp = value;
+      space.max_cp = std::max(space.max_cp, value);
+    } else if (key == "ep") {
+      space.fixed_ep = value;
+    } else {
+      throw InputError(
+          fmt::format("--fixed {}: unknown key \"{}\" (expected tp, pp, dp, cp, ep)", f, key));
+    }
+  }
+}
+
+}  // namespace
+
+int cmd_plan(const std::vector<std::string>& args) {
+  po::options_description desc("dtsim plan options");
+  desc.add_options()("help,h", "show this help");
+  add_model_options(desc, /*with_cluster=*/true);
+  desc.add_options()("global-batch-size", po::value<std::int64_t>(),
+                     "sequences per step (required)")("seq-len", po::value<std::int64_t>(),
+                                                      "sequence length (default: the model's)")(
+      "top", po::value<int>()->default_value(5), "plans to show")(
+      "objective", po::value<std::string>()->default_value("time"),
+      "rank by step time, or by cost per step (time, cost)")(
+      "refine", po::value<int>()->default_value(8),
+      "simulate the best K candidates with the discrete-event simulator")(
+      "max-tp", po::value<int>(), "largest tensor-parallel degree (default: devices per node)")(
+      "max-pp", po::value<int>(), "largest pipeline-parallel degree")(
+      "max-cp", po::value<int>()->default_value(1), "largest context-parallel degree")(
+      "fixed", po::value<std::vector<std::string>>()->composing(),
+      "fix a degree, e.g. --fixed tp=8 (repeatable; tp, pp, dp, cp, ep)")(
+      "memory-headroom", po::value<double>()->default_value(0.0),
+      "fraction of device memory to keep free (0-0.9)")(
+      "precision", po::value<std::string>()->default_value("bf16"), "bf16, fp16, fp8, fp32")(
+      "threads", po::value<int>()->default_value(0), "threads for the search (0: all cores)")(
+      "json", po::bool_switch(), "print JSON")("csv", po::bool_switch(), "print CSV")(
+      "out", po::value<std::string>(), "write the best plan to this file (a --plan file)");
+  add_memory_options(desc);
+  po::variables_map vm;
+  if (!parse(args, desc,
+             "usage: dtsim plan --model M --cluster C [--gpus N] --global-batch-size B\n"
+             "                  [--seq-len S] [--top K] [--objective time|cost] [--json|--csv]\n"
+             "                  [--out P.json]\n\n"
+             "Searches tp/pp/dp/cp/ep degrees, micro-batch sizes, schedules, ZeRO stages, "
+             "recompute and sequence parallelism; drops what does not fit in memory; ranks the "
+             "rest by a closed-form estimate, then simulates the best with the discrete-event "
+             "simulator.",
+             vm)) {
+    return 0;
+  }
+  const model::ModelSpec spec = model_from_options(vm);
+  const cluster::Cluster cluster = cluster_from_options(vm);
+  planner::SearchSpace space;
+  if (!vm.count("global-batch-size")) {
+    throw InputError("--global-batch-size: required (sequences per optimizer step)");
+  }
+  space.global_batch_size = vm["global-batch-size"].as<std::int64_t>();
+  if (space.global_batch_size < 1) {
+    throw InputError(fmt::format("--global-batch-size: expected a positive integer, got {}",
+                                 space.global_batch_size));
+  }
+  if (vm.count("seq-len")) {
+    space.seq_len = vm["seq-len"].as<std::int64_t>();
+    if (space.seq_len < 1 || space.seq_len > spec.max_positions) {
+      throw InputError(
+          fmt::format("--seq-len: expected 1..{}, got {}", spec.max_positions, space.seq_len));
+    }
+  }
+  if (vm.count("max-tp")) space.max_tp = vm["max-tp"].as<int>();
+  if (vm.count("max-pp")) space.max_pp = vm["max-pp"].as<int>();
+  space.max_cp = vm["max-cp"].as<int>();
+  if (vm.count("fixed")) apply_fixed(vm["fixed"].as<std::vector<std::string>>(), space);
+  space.memory_headroom = vm["memory-headroom"].as<double>();
+  if (!(space.memory_headroom >= 0 && space.memory_headroom <= 0.9)) {
+    throw InputError(
+        fmt::format("--memory-headroom: expected 0..0.9, got {}", space.memory_headroom));
+  }
+  const auto prec = parse_precision(vm["precision"].as<std::string>());
+  if (!prec) {
+    throw InputError(fmt::format("--precision: expected bf16, fp16, fp8 or fp32, got \"{}\"",
+                                 vm["precision"].as<std::string>()));
+  }
+  space.precision = *prec;
+  cluster.device.peak_flops_for(space.precision);
+  planner::SearchOptions options;
+  options.refine = vm["refine"].as<int>();
+  options.threads = vm["threads"].as<int>();
+  const std::string objective = vm["objective"].as<std::string>();
+  if (objective == "cost") {
+    if (!cluster.price_per_device_hour_usd) {
+      throw InputError(
+          fmt::format("--objective cost: cluster {} has no price_per_device_hour_usd "
+                      "({})",
+                      cluster.name, cluster.file));
+    }
+    options.objective = planner::Objective::Cost;
+  } else if (objective != "time") {
+    throw InputError(fmt::format("--objective: expected time or cost, got \"{}\"", objective));
+  }
+  const int top = vm["top"].as<int>();
+  if (top < 1 || options.refine < 0) throw InputError("--top must be >= 1 and --refine >= 0");
+  // A progress bar on a terminal, for searches longer than a second.
+  const auto started = std::chrono::steady_clock::now();
+  if (isatty(fileno(stderr))) {
+    options.progress = [started](std::uint64_t done, std::uint64_t total) {
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      if (elapsed < 1.0 && done != total) return;
+      const int width = 30;
+      const int filled = static_cast<int>(width * done / std::max<std::uint64_t>(total, 1));
+      std::fprintf(stderr, "\r[%s%s] %llu/%llu candidates", std::string(filled, '#').c_str(),
+                   std::string(width - filled, ' ').c_str(), static_cast<unsigned long long>(done),
+                   static_cast<unsigned long long>(total));
+      if (done == total) std::fprintf(stderr, "\n");
+    };
+  }
+  const planner::SearchResult result = planner::search(spec, cluster, space, options);
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+
+  if (vm.count("out") && !result.ranked.empty()) {
+    const std::string path = vm["out"].as<std::string>();
+    std::ofstream out(path);
+    if (!out || !(out << plan::to_json(result.ranked.front().plan).dump(2) << "\n")) {
+      throw InputError(fmt::format("--out {}: cannot write", path));
+    }
+  }
+  const int shown = std::min<int>(top, static_cast<int>(result.ranked.size()));
+  if (vm["json"].as<bool>()) {
+    json cands = json::array();
+    for (int i = 0; i < shown; ++i)
+      cands.push_back(candidate_json(result.ranked[static_cast<std::size_t>(i)], spec));
+    json out = {{"model", spec.name},
+                {"cluster", cluster.name},
+                {"gpus", cluster.devices()},
+                {"evaluated", result.evaluated},
+                {"feasible", result.feasible},
+                {"refined", result.refined},
+                {"tier_order_disagreements", result.order_disagreements},
+                {"tier_max_estimate_error", result.max_estimate_error},
+                {"candidates", cands}};
+    if (result.best_not_fitting) {
+      out["best_not_fitting"] = candidate_json(*result.best_not_fitting, spec);
+    }
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  if (vm["csv"].as<bool>()) {
+    std::cout << "rank,plan,step_time_s,simulated,tokens_per_s,memory_per_gpu_bytes,dominant\n";
+    for (int i = 0; i < shown; ++i) {
+      const auto& c = result.ranked[static_cast<std::size_t>(i)];
+      std::cout << fmt::format(
+          "{},\"{}\",{:.6g},{},{:.6g},{:.0f},\"{}\"\n", i + 1, plan::summary(c.plan), c.step_time_s,
+          c.refined ? 1 : 0,
+          static_cast<double>(c.plan.global_batch_size * c.plan.seq_len) / c.step_time_s,
+          c.memory_bytes, planner::dominant_term(breakdown_of(c), c.step_time_s));
+    }
+    return 0;
+  }
+  std::cout << fmt::format("{} on {} ({} x {}), global batch {} x {} tokens\n", spec.name,
+                           cluster.name, cluster.devices(), cluster.device.display_name,
+                           space.global_batch_size,
+                           space.seq_len > 0 ? space.seq_len : spec.seq_len);
+  std::cout << fmt::format(
+      "{} candidates evaluated, {} fit in memory ({:.2f} s); the best {} "
+      "simulated\n\n",
+      result.evaluated, result.feasible, elapsed, result.refined);
+  if (result.ranked.empty()) {
+    std::cout << "no plan fits.\n";
+  } else {
+    report::Table table(
+        {"#", "plan", "step", "tokens/s", "MFU", "memory/GPU", "margin", "dominant"});
+    table.set_units({"", "", "s", "", "", "GiB", "GiB", "cost term"});
+    table.align_left(1);
+    table.align_left(7);
+    for (int i = 0; i < shown; ++i) {
+      const auto& c = result.ranked[static_cast<std::size_t>(i)];
+      const double tokens = static_cast<double>(c.plan.global_batch_size * c.plan.seq_len);
+      table.add_row({fmt::format("{}", i + 1), plan::summary(c.plan),
+                     fmt::format("{:.3f}{}", c.step_time_s, c.refined ? "" : "*"),
+                     fmt::format("{:.0f}", tokens / c.step_time_s),
+                     c.refined ? fmt::format("{:.1f}%", 100 * c.prediction.mfu) : "-",
+                     fmt::format("{:.1f}", c.memory_bytes / kGiB),
+                     fmt::format("{:.1f}", (c.capacity_bytes - c.memory_bytes) / kGiB),
+                     planner::dominant_term(breakdown_of(c), c.step_time_s)});
+    }
+    std::cout << table.render();
+    std::cout << "(* closed-form estimate, not simulated)\n";
+    if (result.ranked.size() > 1 && result.ranked[0].refined && result.ranked[1].refined) {
+      const auto& a = result.ranked[0].prediction.breakdown;
+      const auto& b = result.ranked[1].prediction.breakdown;
+      const std::pair<double, const char*> diffs[] = {
+          {b.compute_s - a.compute_s, "compute"},
+          {b.recompute_s - a.recompute_s, "recompute"},
+          {b.bubble_s - a.bubble_s, "pipeline bubble"},
+          {b.exposed_tp_s - a.exposed_tp_s, "exposed TP communication"},
+          {b.exposed_cp_s - a.exposed_cp_s, "exposed CP communication"},
+          {b.exposed_ep_s - a.exposed_ep_s, "exposed EP communication"},
+          {b.exposed_dp_s - a.exposed_dp_s, "exposed DP communication"},
+          {b.exposed_pp_s - a.exposed_pp_s, "exposed PP communication"},
+          {b.optimizer_s - a.optimizer_s, "optimizer"}};
+      const auto* most = &diffs[0];
+      for (const auto& d : diffs) {
+        if (d.first > most->first) most = &d;
+      }
+      std::cout << fmt::format(
+          "\nwhy #1 beats #2: {:.3f} s faster per step, most of it ({:.3f} s) "
+          "in {}\n",
+          result.ranked[1].step_time_s - result.ranked[0].step_time_s, most->first, most->second);
+    }
+  }
+  if (result.best_not_fitting) {
+    const auto& c = *result.best_not_fitting;
+    std::cout << fmt::format(
+        "best plan that does not fit: {} (estimate {:.3f} s) needs {:.1f} GiB "
+        "of {:.1f} GiB, {:.1f} GiB too much\n",
+        plan::summary(c.plan), c.estimate_s, c.memory_bytes / kGiB, c.capacity_bytes / kGiB,
+        (c.memory_bytes - c.capacity_bytes) / kGiB);
+  }
+  if (result.refined > 1) {
+    std::cout << fmt::format(
+        "tiers: {} of {} pairs of simulated plans ordered differently by the "
+        "estimate; largest estimate error {:.1f}%\n",
+        result.order_disagreements, result.refined * (result.refined - 1) / 2,
+        100 * result.max_estimate_error);
+  }
+  if (vm.count("out")) std::cout << "best plan written to " << vm["out"].as<std::string>() << "\n";
+  return 0;
+}
+
+}  // namespace dtsim::cli

@@ -1,0 +1,432 @@
+#include "sim/planner/planner.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <thread>
+
+#include "sim/cluster/placement.hpp"
+#include "sim/common/error.hpp"
+#include "sim/cost/compute_cost.hpp"
+#include "sim/network/network_model.hpp"
+#include "sim/plan/memory_model.hpp"
+
+namespace dtsim::planner {
+
+namespace {
+
+using cluster::ParallelDim;
+using lower::CollectiveKind;
+using lower::Phase;
+using plan::Plan;
+using plan::Recompute;
+using plan::Schedule;
+
+std::vector<int> divisors(std::int64_t n) {
+  std::vector<int> out;
+  for (std::int64_t d = 1; d <= n; ++d) {
+    if (n % d == 0) out.push_back(static_cast<int>(d));
+  }
+  return out;
+}
+
+// Closed-form step time of one plan (tier 1). Uses the simulator's compute cost and network
+// models per op and per collective, and composes them with the schedule's bubble formula.
+class Estimator {
+ public:
+  Estimator(const cluster::Cluster& cluster)
+      : cluster_(cluster), net_(network::make_analytical(cluster)) {}
+
+  engine::Breakdown estimate(const model::ModelGraph& g, const Plan& p) {
+    const model::ModelSpec& m = g.spec();
+    cost::ComputeCost cost(g, p, cluster_.device);
+    const cluster::Placement placement(p.degrees(), p.order);
+    auto group = [&](ParallelDim d, lower::GroupKind kind) {
+      return lower::Group{kind, placement.group(d, 0), {0}};
+    };
+    const auto act = static_cast<std::uint64_t>(plan::activation_bytes_per_element(p.precision));
+    const std::uint64_t tokens = static_cast<std::uint64_t>(p.micro_batch_size * p.seq_len / p.cp);
+    const std::uint64_t hidden_bytes = tokens * static_cast<std::uint64_t>(m.hidden) * act;
+
+    // One block (all blocks are alike).
+    double lf = 0, lb = 0, lbw = 0, attention = 0;
+    for (model::OpId id : g.layer_ops(0)) {
+      const auto& op = g.op(id);
+      lf += cost.op_seconds(op, Phase::Forward);
+      lb += cost.op_seconds(op, Phase::Backward);
+      lbw += cost.op_seconds(op, Phase::BackwardWeight);
+      if (op.kind == model::OpKind::AttentionCore) attention = cost.op_seconds(op, Phase::Forward);
+    }
+    double tp_comm = 0, cp_comm = 0, ep_comm = 0;
+    if (p.tp > 1) {
+      const auto tp = group(ParallelDim::Tp, lower::GroupKind::Tp);
+      tp_comm = p.sequence_parallel
+                    ? 2 * (net_->collective_s(tp, CollectiveKind::AllGather, hidden_bytes) +
+                           net_->collective_s(tp, CollectiveKind::ReduceScatter, hidden_bytes))
+                    : 2 * net_->collective_s(tp, CollectiveKind::AllReduce, hidden_bytes);
+    }
+    if (p.cp > 1) {
+      const std::uint64_t kv = static_cast<std::uint64_t>(p.cp) * tokens * 2 *
+                               static_cast<std::uint64_t>(m.kv_width() / p.tp) * act;
+      cp_comm = net_->collective_s(group(ParallelDim::Cp, lower::GroupKind::Cp),
+                                   CollectiveKind::AllGather, kv);
+    }
+    if (p.ep > 1 && m.moe) {
+      const std::uint64_t bytes = hidden_bytes * static_cast<std::uint64_t>(m.moe->top_k) /
+                                  static_cast<std::uint64_t>(p.sequence_parallel ? p.tp : 1);
+      ep_comm = 2 * net_->collective_s(group(ParallelDim::Ep, lower::GroupKind::Ep),
+                                       CollectiveKind::AllToAll, bytes);
+    }
+    const double block_f = lf + tp_comm + cp_comm + ep_comm;
+    double block_b = lb + tp_comm + cp_comm + ep_comm;
+    double block_recompute = 0;
+    if (p.recompute == Recompute::Full) block_recompute = block_f;
+    if (p.recompute == Recompute::Selective) block_recompute = attention;
+
+    auto group_time = [&](int layer, Phase phase) {
+      double s = 0;
+      for (model::OpId id : g.layer_ops(layer)) s += cost.op_seconds(g.op(id), phase);
+      return s;
+    };
+    const double emb_f = group_time(-1, Phase::Forward), emb_b = group_time(-1, Phase::Backward);
+    const int head = static_cast<int>(m.layers);
+    const double head_f = group_time(head, Phase::Forward) + (p.tp > 1 ? tp_comm / 4 : 0);
+    const double head_b = group_time(head, Phase::Backward) + (p.tp > 1 ? tp_comm / 4 : 0);
+
+    // The slowest stage's forward and backward per micro-batch.
+    const std::vector<int> chunks = plan::chunk_layers(p, m.layers);
+    double stage_f = 0, stage_b = 0, stage_w = 0, stage_rec = 0;
+    double stage_params = 0;
+    for (int s = 0; s < p.pp; ++s) {
+      int layers = 0;
+      for (int c = 0; c < p.virtual_stages; ++c)
+        layers += chunks[static_cast<std::size_t>(c * p.pp + s)];
+      double f = layers * block_f, b = layers * block_b, r = layers * block_recompute;
+      if (s == 0) {
+        f += emb_f;
+        b += emb_b;
+      }
+      if (s == p.pp - 1) {
+        f += head_f;
+        b += head_b;
+      }
+      if (f + b + r > stage_f + stage_b + stage_rec) {
+        stage_f = f;
+        stage_b = b;
+        stage_rec = r;
+        stage_w = layers * lbw;
+      }
+      stage_params = std::max(stage_params, stage_param_count(g, p, s, chunks));
+    }
+    const double mb = static_cast<double>(p.micro_batches());
+    const double per_mb = stage_f + stage_b + stage_rec;
+    double p2p = 0;
+    if (p.pp > 1) {
+      const auto pp_ranks = placement.group(ParallelDim::Pp, 0);
+      const std::uint64_t bytes =
+          hidden_bytes / static_cast<std::uint64_t>(p.sequence_parallel ? p.tp : 1);
+      p2p = net_->p2p_s(pp_ranks[0], pp_ranks[1], bytes);
+    }
+    engine::Breakdown b;
+    b.compute_s = mb * (stage_f + stage_b);
+    b.recompute_s = mb * stage_rec;
+    const double fill = p.pp - 1.0;
+    switch (p.schedule) {
+      case Schedule::GPipe:
+      case Schedule::OneFOneB:
+        b.bubble_s = fill * per_mb;
+        break;
+      case Schedule::Interleaved:
+        b.bubble_s = fill * per_mb / p.virtual_stages;
+        break;
+      case Schedule::ZeroBubble:
+        b.bubble_s = fill * std::max(0.0, stage_f + stage_rec + (stage_b - stage_w) - stage_w);
+        break;
+      case Schedule::PipeDreamAsync:
+        b.bubble_s = 0;
+        break;
+    }
+    b.exposed_pp_s = p.pp > 1 ? 2 * fill * p2p : 0;
+
+    // Data parallelism: gradients reduced in buckets that overlap the last backward pass.
+    const double grad_bytes = plan::state_bytes_per_param(p.precision, p.optimizer).gradients;
+    const double shard_group = static_cast<double>(p.dp) * p.cp;
+    if (p.dp * p.cp > 1) {
+      const auto dp = group(ParallelDim::Dp, lower::GroupKind::Dp);
+      const auto grads = static_cast<std::uint64_t>(stage_params * grad_bytes);
+      const auto bucket = std::min<std::uint64_t>(grads, 25ULL << 20);
+      const CollectiveKind kind =
+          p.zero_stage == 0 ? CollectiveKind::AllReduce : CollectiveKind::ReduceScatter;
+      const double all = net_->collective_s(dp, kind, grads);
+      const double last = net_->collective_s(dp, kind, bucket);
+      const double backward = stage_b / std::max(1, p.virtual_stages);
+      if (p.zero_stage >= 2) {
+        b.exposed_dp_s = mb * std::max(0.0, all - backward) + last;
+      } else {
+        b.exposed_dp_s = std::max(last, all - backward);
+      }
+      const auto weights = static_cast<std::uint64_t>(stage_params * 2);
+      if (p.zero_stage == 1 || p.zero_stage == 2) {
+        b.exposed_dp_s += net_->collective_s(dp, CollectiveKind::AllGather, weights);
+      }
+      if (p.zero_stage == 3) {
+        const double gather = net_->collective_s(dp, CollectiveKind::AllGather,
+                                                 weights * static_cast<std::uint64_t>(p.dp));
+        const double pass = std::min(stage_f, stage_b) / std::max(1, p.virtual_stages);
+        b.exposed_dp_s += 2 * mb * p.virtual_stages * std::max(0.0, gather - pass) + gather;
+      }
+    }
+    b.optimizer_s = cost.optimizer_seconds(
+        static_cast<std::uint64_t>(stage_params / (p.zero_stage >= 1 ? shard_group : 1.0)));
+    // TP/CP/EP time inside the passes, for the dominant-term report.
+    const double layers_total = static_cast<double>(m.layers) / p.pp;
+    b.exposed_tp_s = mb * layers_total * 2 * tp_comm;
+    b.exposed_cp_s = mb * layers_total * 2 * cp_comm;
+    b.exposed_ep_s = mb * layers_total * 2 * ep_comm;
+    b.compute_s -= b.exposed_tp_s + b.exposed_cp_s + b.exposed_ep_s;
+    return b;
+  }
+
+ private:
+  static double stage_param_count(const model::ModelGraph& g, const Plan& p, int stage,
+                                  const std::vector<int>& chunks) {
+    double params = 0;
+    for (int c = 0; c < p.virtual_stages; ++c) {
+      const int k = c * p.pp + stage;
+      int first = 0;
+      for (int i = 0; i < k; ++i) first += chunks[static_cast<std::size_t>(i)];
+      for (int l = first; l < first + chunks[static_cast<std::size_t>(k)]; ++l) {
+        for (model::OpId id : g.layer_ops(l)) params += plan::rank_params(g.op(id), p);
+      }
+    }
+    if (stage == 0) {
+      for (model::OpId id : g.layer_ops(-1)) params += plan::rank_params(g.op(id), p);
+    }
+    return params;
+  }
+
+  const cluster::Cluster& cluster_;
+  std::unique_ptr<network::NetworkModel> net_;
+};
+
+double total(const engine::Breakdown& b) {
+  return b.compute_s + b.recompute_s + b.optimizer_s + b.bubble_s + b.exposed_comm_s();
+}
+
+bool allowed(int fixed, int value) {
+  return fixed < 0 || fixed == value;
+}
+
+std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
+                            std::int64_t devices_per_node, const SearchSpace& space) {
+  std::vector<Plan> out;
+  const int max_tp = space.max_tp > 0 ? space.max_tp : static_cast<int>(devices_per_node);
+  const std::int64_t seq = space.seq_len > 0 ? space.seq_len : m.seq_len;
+  for (int tp : divisors(devices)) {
+    if (tp > max_tp || !allowed(space.fixed_tp, tp)) continue;
+    if (m.heads % tp != 0 || m.kv_heads % tp != 0 || m.ffn_hidden % tp != 0) continue;
+    for (int cp : divisors(devices / tp)) {
+      if (cp > space.max_cp || !allowed(space.fixed_cp, cp) || seq % cp != 0) continue;
+      for (int pp : divisors(devices / tp / cp)) {
+        if (pp > m.layers || (space.max_pp > 0 && pp > space.max_pp) ||
+            !allowed(space.fixed_pp, pp))
+          continue;
+        const int dp = static_cast<int>(devices / tp / cp / pp);
+        if (!allowed(space.fixed_dp, dp)) continue;
+        std::vector<int> eps = {1};
+        if (m.moe) {
+          eps.clear();
+          for (int ep : divisors(dp)) {
+            if (m.moe->experts % ep == 0) eps.push_back(ep);
+          }
+        }
+        for (int ep : eps) {
+          if (!allowed(space.fixed_ep, ep)) continue;
+          for (std::int64_t mbs : space.micro_batch_sizes) {
+            if (space.global_batch_size % (mbs * dp) != 0) continue;
+            const std::int64_t micro_batches = space.global_batch_size / (mbs * dp);
+            for (Schedule s : space.schedules) {
+              if (pp == 1 && s != Schedule::OneFOneB) continue;
+              std::vector<int> vs = {1};
+              if (s == Schedule::Interleaved) {
+                vs.clear();
+                for (int v : space.virtual_stages) {
+                  if (micro_batches % pp == 0 && std::int64_t{pp} * v <= m.layers &&
+                      m.layers % (std::int64_t{pp} * v) == 0) {
+                    vs.push_back(v);
+                  }
+                }
+              }
+              for (int v : vs) {
+                for (int zero : space.zero_stages) {
+                  if (zero >= 2 && pp > 1) continue;  // allowed, but not worth searching
+                  if (zero > 0 && dp * cp == 1) continue;
+                  for (Recompute r : space.recomputes) {
+                    for (bool sp : {false, true}) {
+                      if (sp && tp == 1) continue;
+                      Plan p;
+                      p.tp = tp;
+                      p.cp = cp;
+                      p.pp = pp;
+                      p.dp = dp;
+                      p.ep = ep;
+                      p.micro_batch_size = mbs;
+                      p.global_batch_size = space.global_batch_size;
+                      p.seq_len = seq;
+                      p.schedule = s;
+                      p.virtual_stages = v;
+                      p.zero_stage = zero;
+                      p.recompute = r;
+                      p.sequence_parallel = sp;
+                      p.precision = space.precision;
+                      out.push_back(p);
+                    }
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string dominant_term(const engine::Breakdown& b, double step_s) {
+  const std::pair<double, const char*> terms[] = {
+      {b.compute_s, "compute"},
+      {b.recompute_s, "recompute"},
+      {b.bubble_s, "pipeline bubble"},
+      {b.exposed_tp_s, "TP communication"},
+      {b.exposed_cp_s, "CP communication"},
+      {b.exposed_ep_s, "EP communication"},
+      {b.exposed_dp_s, "exposed DP communication"},
+      {b.exposed_pp_s, "exposed PP communication"},
+      {b.optimizer_s, "optimizer"},
+  };
+  // The largest term other than compute: what the plan pays for parallelism.
+  const auto* best = &terms[1];
+  for (const auto& t : terms) {
+    if (t.second != terms[0].second && t.first > best->first) best = &t;
+  }
+  if (best->first <= 0) return "compute only";
+  return fmt::format("{} {:.0f}%", best->second, 100.0 * best->first / step_s);
+}
+
+SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
+                    const SearchSpace& space, const SearchOptions& options) {
+  if (space.global_batch_size < 1) {
+    throw InputError(
+        "--global-batch-size: the planner needs the global batch (sequences per step)");
+  }
+  const std::vector<Plan> plans = enumerate(m, cluster.devices(), cluster.devices_per_node, space);
+  // One graph per micro-batch size, shared read-only by the threads.
+  std::map<std::int64_t, std::unique_ptr<model::ModelGraph>> graphs;
+  for (const Plan& p : plans) {
+    if (!graphs.count(p.micro_batch_size)) {
+      graphs[p.micro_batch_size] = std::make_unique<model::ModelGraph>(
+          m, p.micro_batch_size, p.seq_len, plan::activation_bytes_per_element(p.precision));
+    }
+  }
+  struct Evaluated {
+    bool valid = false;
+    Candidate c;
+  };
+  std::vector<Evaluated> results(plans.size());
+  plan::MemoryOptions memory;
+  memory.capacity_bytes = cluster.device.memory_bytes.value * (1.0 - space.memory_headroom);
+  const double price =
+      cluster.price_per_device_hour_usd ? cluster.price_per_device_hour_usd->value : -1;
+  std::atomic<std::uint64_t> done{0};
+  auto work = [&](std::size_t begin, std::size_t end) {
+    Estimator estimator(cluster);
+    for (std::size_t i = begin; i < end; ++i) {
+      const Plan& p = plans[i];
+      Evaluated& e = results[i];
+      if (plan::check_plan(p, m, cluster.devices()).ok()) {
+        const model::ModelGraph& g = *graphs.at(p.micro_batch_size);
+        e.valid = true;
+        e.c.plan = p;
+        const plan::MemoryReport r = plan::estimate_memory(g, p, cluster, memory);
+        e.c.memory_bytes = r.worst().total_bytes;
+        e.c.capacity_bytes = r.capacity_bytes;
+        e.c.fits = r.fits;
+        e.c.estimate = estimator.estimate(g, p);
+        e.c.estimate_s = total(e.c.estimate);
+        e.c.step_time_s = e.c.estimate_s;
+        if (price > 0) e.c.cost_per_step_usd = e.c.step_time_s * cluster.devices() * price / 3600;
+      }
+      const std::uint64_t n = ++done;
+      if (options.progress && (n % 256 == 0 || n == plans.size()))
+        options.progress(n, plans.size());
+    }
+  };
+  const unsigned threads = std::max(1U, options.threads > 0 ? static_cast<unsigned>(options.threads)
+                                                            : std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  const std::size_t per = (plans.size() + threads - 1) / threads;
+  for (unsigned t = 0; t < threads && t * per < plans.size(); ++t) {
+    pool.emplace_back(work, t * per, std::min(plans.size(), (t + 1) * per));
+  }
+  for (auto& th : pool) th.join();
+
+  SearchResult out;
+  std::vector<Candidate> feasible;
+  for (auto& e : results) {
+    if (!e.valid) continue;
+    ++out.evaluated;
+    if (e.c.fits) {
+      feasible.push_back(e.c);
+    } else if (!out.best_not_fitting || e.c.estimate_s < out.best_not_fitting->estimate_s) {
+      out.best_not_fitting = e.c;
+    }
+  }
+  out.feasible = feasible.size();
+  auto key = [&](const Candidate& c) {
+    return options.objective == Objective::Cost && c.cost_per_step_usd >= 0 ? c.cost_per_step_usd
+                                                                            : c.step_time_s;
+  };
+  auto by_key = [&](const Candidate& a, const Candidate& b) {
+    if (key(a) != key(b)) return key(a) < key(b);
+    return plan::summary(a.plan) < plan::summary(b.plan);
+  };
+  std::sort(feasible.begin(), feasible.end(), by_key);
+
+  // Tier 2: the discrete-event simulator on the best `refine` candidates.
+  const int refine = std::min<int>(options.refine, static_cast<int>(feasible.size()));
+  auto net = network::make_analytical(cluster);
+  for (int i = 0; i < refine; ++i) {
+    Candidate& c = feasible[static_cast<std::size_t>(i)];
+    engine::SimulateOptions sim_options;
+    sim_options.memory = memory;
+    c.prediction =
+        engine::simulate(*graphs.at(c.plan.micro_batch_size), c.plan, cluster, *net, sim_options)
+            .prediction;
+    c.step_time_s = c.prediction.step_time_s;
+    c.refined = true;
+    if (price > 0) c.cost_per_step_usd = c.step_time_s * cluster.devices() * price / 3600;
+    out.max_estimate_error =
+        std::max(out.max_estimate_error, std::abs(c.estimate_s / c.step_time_s - 1));
+  }
+  for (int i = 0; i < refine; ++i) {
+    for (int j = i + 1; j < refine; ++j) {
+      const auto& a = feasible[static_cast<std::size_t>(i)];
+      const auto& b = feasible[static_cast<std::size_t>(j)];
+      if ((a.estimate_s < b.estimate_s) != (a.step_time_s < b.step_time_s))
+        ++out.order_disagreements;
+    }
+  }
+  std::sort(feasible.begin(), feasible.begin() + refine, by_key);
+  out.refined = refine;
+  out.ranked = std::move(feasible);
+  return out;
+}
+
+}  // namespace dtsim::planner

@@ -1,0 +1,84 @@
+// dtsim plan: search the parallel configurations of a model on a cluster, rank them, explain.
+//
+// Two tiers (issue 4): a closed-form estimate of every candidate's step time (per-stage pass
+// times from the same compute cost and network models the simulator uses, composed with the
+// schedules' bubble formulas and a data-parallel overlap rule), with candidates that do not fit
+// in memory pruned by the memory model; then the discrete-event simulator on the best `refine`
+// of them, whose simulated times give the final order.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sim/cluster/topology.hpp"
+#include "sim/engine/simulator.hpp"
+#include "sim/model/model_spec.hpp"
+#include "sim/plan/plan.hpp"
+
+namespace dtsim::planner {
+
+enum class Objective { Time, Cost };
+
+struct SearchSpace {
+  std::int64_t global_batch_size = 0;  // sequences per step (required)
+  std::int64_t seq_len = 0;            // 0: the model's
+  int max_tp = 0;                      // 0: devices per node
+  int max_pp = 0;                      // 0: no limit
+  int max_cp = 1;
+  std::vector<std::int64_t> micro_batch_sizes = {1, 2, 4, 8};
+  std::vector<plan::Schedule> schedules = {plan::Schedule::OneFOneB, plan::Schedule::Interleaved,
+                                           plan::Schedule::ZeroBubble};
+  std::vector<int> virtual_stages = {2, 4};
+  std::vector<int> zero_stages = {0, 1, 2, 3};
+  std::vector<plan::Recompute> recomputes = {plan::Recompute::None, plan::Recompute::Selective,
+                                             plan::Recompute::Full};
+  Precision precision = Precision::Bf16;
+  // Fixed values ("--fixed tp=8"): -1 = free.
+  int fixed_tp = -1, fixed_pp = -1, fixed_dp = -1, fixed_cp = -1, fixed_ep = -1;
+  double memory_headroom = 0.0;  // fraction of device memory kept free
+};
+
+struct Candidate {
+  plan::Plan plan;
+  double estimate_s = 0;   // closed-form step time
+  double step_time_s = 0;  // simulated when refined, else the estimate
+  bool refined = false;
+  double memory_bytes = 0;  // worst rank
+  double capacity_bytes = 0;
+  bool fits = false;
+  double cost_per_step_usd = -1;  // when the cluster has a price
+  engine::Prediction prediction;  // when refined
+  // Closed-form breakdown (seconds): compute, recompute, bubble, exposed tp/cp/ep/dp/pp,
+  // optimizer; for unrefined candidates the "dominant" term comes from here.
+  engine::Breakdown estimate;
+};
+
+struct SearchResult {
+  std::uint64_t evaluated = 0;                // candidates estimated
+  std::uint64_t feasible = 0;                 // of those, valid and fitting in memory
+  std::vector<Candidate> ranked;              // feasible, best first (refined ones on top)
+  std::optional<Candidate> best_not_fitting;  // fastest estimate among those over memory
+  int refined = 0;
+  // Tier agreement among the refined candidates: pairs whose order the estimate got wrong,
+  // and the largest estimate error.
+  int order_disagreements = 0;
+  double max_estimate_error = 0;
+};
+
+struct SearchOptions {
+  int refine = 8;
+  int threads = 0;  // 0: hardware concurrency
+  Objective objective = Objective::Time;
+  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+};
+
+SearchResult search(const model::ModelSpec& model, const cluster::Cluster& cluster,
+                    const SearchSpace& space, const SearchOptions& options);
+
+// The largest term of a breakdown, as text: "exposed TP communication 18%".
+std::string dominant_term(const engine::Breakdown& b, double step_s);
+
+}  // namespace dtsim::planner
