@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "sim/engine/simulator.hpp"
+#include "sim/planner/planner.hpp"
 
 namespace {
 
@@ -81,6 +82,42 @@ int main(int argc, char** argv) {
     }
     fmt::print("{:<55} {:>9.4f} {:>10} {:>12.3g} {:>11.1f} {:>9.2f}\n", c.name, best, pred.tasks,
                static_cast<double>(pred.events) / best, peak_rss_mib(), pred.step_time_s);
+  }
+
+  // Planner (issue 4): the closed-form tier alone (refine 0) and the whole search (refine 8).
+  fmt::print("\n{:<55} {:>9} {:>10} {:>12} {:>11}\n", "planner", "wall", "evaluated",
+             "candidates/s", "threads");
+  struct Search {
+    const char* name;
+    const char* model;
+    int gpus;
+    std::int64_t batch;
+  };
+  for (const Search& s : {Search{"GPT-3 175B, 64 A100", "gpt3-175b", 64, 1536},
+                          Search{"GPT-3 175B, 1024 A100", "gpt3-175b", 1024, 1536}}) {
+    const auto spec = dtsim::model::load_model(s.model);
+    const auto cluster =
+        dtsim::cluster::with_devices(dtsim::cluster::load_cluster("selene"), s.gpus);
+    dtsim::planner::SearchSpace space;
+    space.global_batch_size = s.batch;
+    space.seq_len = 2048;
+    for (auto [refine, threads] : {std::pair{0, 1}, std::pair{0, 0}, std::pair{8, 0}}) {
+      dtsim::planner::SearchOptions options;
+      options.refine = refine;
+      options.threads = threads;
+      double best = 1e30;
+      std::uint64_t evaluated = 0;
+      for (int r = 0; r < repeat; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        evaluated = dtsim::planner::search(spec, cluster, space, options).evaluated;
+        best = std::min(
+            best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      fmt::print("{:<55} {:>9.3f} {:>10} {:>12.0f} {:>11}\n",
+                 fmt::format("{}, refine {}", s.name, refine), best, evaluated,
+                 static_cast<double>(evaluated) / best,
+                 threads == 0 ? "all" : fmt::format("{}", threads));
+    }
   }
   return 0;
 }

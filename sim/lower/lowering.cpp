@@ -403,20 +403,25 @@ class Lowerer {
                        TaskId extra_dep) {
     TaskId prev = first_dep;
     const std::size_t start = rp_->tasks.size();
+    // One chain per block only where it matters: when this pass produces the gradients that
+    // data parallelism reduces (buckets follow blocks), or for full recompute. Otherwise the
+    // chunk's backward is one chain, which keeps programs with many micro-batches small.
+    const bool per_block = op_tasks != nullptr || plan_.recompute == plan::Recompute::Full;
     std::vector<std::vector<Item>> by_layer;
     for (const Item& it : items) {
-      if (by_layer.empty() || by_layer.back().front().layer != it.layer) by_layer.emplace_back();
+      if (by_layer.empty() || (per_block && by_layer.back().front().layer != it.layer)) {
+        by_layer.emplace_back();
+      }
       by_layer.back().push_back(it);
     }
+    auto is_block = [&](int l) { return l >= 0 && l < g_.spec().layers; };
     for (auto layer = by_layer.rbegin(); layer != by_layer.rend(); ++layer) {
-      const int l = layer->front().layer;
-      const bool block = l >= 0 && l < g_.spec().layers;
-      if (block && plan_.recompute == plan::Recompute::Full) {
+      if (is_block(layer->front().layer) && plan_.recompute == plan::Recompute::Full) {
         prev = emit_chain(*layer, Phase::Recompute, false, mb, chunk, prev, nullptr);
       }
       std::vector<Item> pending;
       for (auto it = layer->rbegin(); it != layer->rend(); ++it) {
-        if (block && plan_.recompute == plan::Recompute::Selective && it->op &&
+        if (is_block(it->layer) && plan_.recompute == plan::Recompute::Selective && it->op &&
             g_.op(*it->op).kind == OpKind::AttentionCore) {
           prev = emit_chain(pending, phase, true, mb, chunk, prev, op_tasks);
           pending.clear();
