@@ -11,13 +11,11 @@ dtsim=build/sim/cli/dtsim
 if [ $# -gt 0 ]; then
   exec "$dtsim" "$@"
 fi
-# The default job: the default model (Llama 3 8B) on the default cluster (4 DGX A100 nodes).
-# Until the planner exists (issue 4) it describes the model, then checks the memory of one
-# Megatron-style plan and simulates a training step of it.
-plan=(--model llama3-8b --cluster default --tp 2 --zero-stage 1 --recompute selective
-      --sequence-parallel --global-batch-size 256)
-"$dtsim" describe --model llama3-8b
+# The default job: plan the default model (Llama 3 8B) on the default cluster (4 DGX A100
+# nodes) for a global batch of 256 sequences of 8,192 tokens, print the best plans, and
+# simulate the best one step by step.
+best="${TMPDIR:-/tmp}/dtsim-best-plan.$$.json"
+trap 'rm -f "$best"' EXIT
+"$dtsim" plan --model llama3-8b --cluster default --global-batch-size 256 --out "$best"
 echo
-"$dtsim" memory "${plan[@]}"
-echo
-"$dtsim" simulate "${plan[@]}"
+"$dtsim" simulate --model llama3-8b --cluster default --plan "$best"

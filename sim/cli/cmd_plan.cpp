@@ -254,7 +254,10 @@ int cmd_plan(const std::vector<std::string>& args) {
                      planner::dominant_term(breakdown_of(c), c.step_time_s)});
     }
     std::cout << table.render();
-    std::cout << "(* closed-form estimate, not simulated)\n";
+    bool estimates = false;
+    for (int i = 0; i < shown; ++i)
+      estimates = estimates || !result.ranked[static_cast<std::size_t>(i)].refined;
+    if (estimates) std::cout << "(* closed-form estimate, not simulated)\n";
     if (result.ranked.size() > 1 && result.ranked[0].refined && result.ranked[1].refined) {
       const auto& a = result.ranked[0].prediction.breakdown;
       const auto& b = result.ranked[1].prediction.breakdown;
