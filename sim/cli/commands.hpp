@@ -14,5 +14,6 @@ int cmd_simulate(const std::vector<std::string>& args);
 int cmd_lower(const std::vector<std::string>& args);
 int cmd_export_platform(const std::vector<std::string>& args);
 int cmd_plan(const std::vector<std::string>& args);
+int cmd_whatif(const std::vector<std::string>& args);
 
 }  // namespace dtsim::cli

@@ -1,0 +1,292 @@
+// dtsim whatif: sweep inputs (GPUs, device, cluster, network, batch, sequence, model) and show,
+// for each point, the best plan (or a fixed plan), its step time, scaling efficiency, the Amdahl
+// bound, and time, cost and energy to train on a number of tokens.
+#include <fmt/format.h>
+
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "sim/cli/commands.hpp"
+#include "sim/cli/options.hpp"
+#include "sim/common/error.hpp"
+#include "sim/common/units.hpp"
+#include "sim/planner/planner.hpp"
+#include "sim/report/table.hpp"
+
+namespace dtsim::cli {
+
+namespace {
+
+const std::vector<std::string> kKeys = {"gpus",         "device",     "cluster",
+                                        "nic_gbps",     "latency_us", "oversubscription",
+                                        "global_batch", "seq_len",    "model"};
+
+struct Axis {
+  std::string key;
+  std::vector<std::string> values;
+};
+
+Axis parse_vary(const std::string& text) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq + 1 >= text.size()) {
+    throw InputError(
+        fmt::format("--vary {}: expected KEY=V1,V2,... (keys: {})", text, fmt::join(kKeys, ", ")));
+  }
+  Axis a;
+  a.key = text.substr(0, eq);
+  if (std::find(kKeys.begin(), kKeys.end(), a.key) == kKeys.end()) {
+    throw InputError(fmt::format("--vary {}: unknown key \"{}\" (keys: {})", text, a.key,
+                                 fmt::join(kKeys, ", ")));
+  }
+  std::stringstream ss(text.substr(eq + 1));
+  std::string v;
+  while (std::getline(ss, v, ',')) {
+    if (v.empty()) throw InputError(fmt::format("--vary {}: empty value", text));
+    a.values.push_back(v);
+  }
+  return a;
+}
+
+double number(const std::string& key, const std::string& v, bool integer) {
+  try {
+    std::size_t used = 0;
+    const double d = std::stod(v, &used);
+    if (used != v.size() || !(d > 0) ||
+        (integer && d != static_cast<double>(static_cast<std::int64_t>(d)))) {
+      throw std::invalid_argument(v);
+    }
+    return d;
+  } catch (const std::exception&) {
+    throw InputError(fmt::format("--vary {}={}: expected a positive {}", key, v,
+                                 integer ? "integer" : "number"));
+  }
+}
+
+}  // namespace
+
+int cmd_whatif(const std::vector<std::string>& args) {
+  po::options_description desc("dtsim whatif options");
+  desc.add_options()("help,h", "show this help");
+  add_model_options(desc, /*with_cluster=*/true);
+  desc.add_options()(
+      "vary", po::value<std::vector<std::string>>()->composing(),
+      "KEY=V1,V2,... (repeatable; every combination is a point). Keys: gpus, device, cluster, "
+      "nic_gbps (per NIC), latency_us (inter-node), oversubscription, global_batch, seq_len, "
+      "model")("global-batch-size", po::value<std::int64_t>(), "sequences per step (required)")(
+      "seq-len", po::value<std::int64_t>(), "sequence length (default: the model's)")(
+      "tokens", po::value<double>(), "training tokens, for time, cost and energy to train")(
+      "refine", po::value<int>()->default_value(2), "plans simulated per point")(
+      "fixed-plan", po::value<std::string>(),
+      "simulate this plan file at every point instead of searching")(
+      "json", po::bool_switch(), "print JSON")("csv", po::bool_switch(), "print CSV");
+  po::variables_map vm;
+  if (!parse(
+          args, desc,
+          "usage: dtsim whatif --model M --cluster C --global-batch-size B --vary KEY=V1,V2,...\n"
+          "                    [--vary ...] [--tokens N] [--csv|--json]\n\n"
+          "For every combination of the varied inputs: the best plan (or --fixed-plan), step "
+          "time, tokens/s, scaling efficiency against the first point, the Amdahl bound, and "
+          "with --tokens the time, cost (cluster price) and energy (device power) to train.",
+          vm)) {
+    return 0;
+  }
+  if (!vm.count("vary")) throw InputError("--vary: give at least one KEY=V1,V2,...");
+  if (!vm.count("global-batch-size")) throw InputError("--global-batch-size: required");
+  std::vector<Axis> axes;
+  for (const auto& v : vm["vary"].as<std::vector<std::string>>()) axes.push_back(parse_vary(v));
+  const double tokens = vm.count("tokens") ? vm["tokens"].as<double>() : 0.0;
+  if (vm.count("tokens") && !(tokens > 0)) throw InputError("--tokens: expected a positive number");
+
+  // Every combination, first axis slowest.
+  std::vector<std::map<std::string, std::string>> points(1);
+  for (const Axis& a : axes) {
+    std::vector<std::map<std::string, std::string>> next;
+    for (const auto& p : points) {
+      for (const auto& v : a.values) {
+        auto q = p;
+        q[a.key] = v;
+        next.push_back(q);
+      }
+    }
+    points = std::move(next);
+  }
+
+  struct Row {
+    std::map<std::string, std::string> point;
+    std::string plan;
+    std::int64_t gpus = 0;
+    double step_s = 0, tokens_per_s = 0, mfu = 0, max_speedup = 0;
+    double train_s = 0, cost_usd = -1, energy_kwh = -1;
+    bool found = false;
+  };
+  std::vector<Row> rows;
+  for (const auto& point : points) {
+    Row row;
+    row.point = point;
+    const std::string model_name =
+        point.count("model") ? point.at("model") : vm["model"].as<std::string>();
+    const model::ModelSpec spec = model::load_model(model_name);
+    cluster::Cluster c = cluster::load_cluster(
+        point.count("cluster") ? point.at("cluster") : vm["cluster"].as<std::string>());
+    if (point.count("device")) {
+      c.device = cluster::load_device(point.at("device"));
+      c.intra.bw_bytes_per_s = c.device.intra_node_bw_bytes_per_s;
+      c.power_per_device_w = c.device.power_w;
+    }
+    if (point.count("nic_gbps")) {
+      c.inter.nic_bw_bytes_per_s = {number("nic_gbps", point.at("nic_gbps"), false) * 1e9 / 8,
+                                    "whatif --vary nic_gbps"};
+    }
+    if (point.count("latency_us")) {
+      c.inter.latency_s = {number("latency_us", point.at("latency_us"), false) * 1e-6,
+                           "whatif --vary latency_us"};
+    }
+    if (point.count("oversubscription")) {
+      const double o = number("oversubscription", point.at("oversubscription"), false);
+      if (o < 1) throw InputError("--vary oversubscription: expected ratios >= 1");
+      c.inter.oversubscription = {o, "whatif --vary oversubscription"};
+    }
+    const std::int64_t gpus =
+        point.count("gpus") ? static_cast<std::int64_t>(number("gpus", point.at("gpus"), true))
+                            : (vm.count("gpus") ? vm["gpus"].as<std::int64_t>() : c.devices());
+    c = cluster::with_devices(c, gpus);
+    planner::SearchSpace space;
+    space.global_batch_size =
+        point.count("global_batch")
+            ? static_cast<std::int64_t>(number("global_batch", point.at("global_batch"), true))
+            : vm["global-batch-size"].as<std::int64_t>();
+    space.seq_len = point.count("seq_len")
+                        ? static_cast<std::int64_t>(number("seq_len", point.at("seq_len"), true))
+                        : (vm.count("seq-len") ? vm["seq-len"].as<std::int64_t>() : 0);
+    row.gpus = c.devices();
+    engine::Prediction pred;
+    if (vm.count("fixed-plan")) {
+      plan::Plan p = plan::load_plan(vm["fixed-plan"].as<std::string>());
+      p.global_batch_size = space.global_batch_size;
+      if (space.seq_len > 0) p.seq_len = space.seq_len;
+      p.dp = 0;
+      plan::complete_plan(p, spec, c.devices());
+      plan::require_valid(p, spec, c.devices());
+      const model::ModelGraph g(spec, p.micro_batch_size, p.seq_len,
+                                plan::activation_bytes_per_element(p.precision));
+      auto net = network::make_analytical(c);
+      pred = engine::simulate(g, p, c, *net).prediction;
+      row.plan = plan::summary(p);
+      row.found = true;
+    } else {
+      planner::SearchOptions options;
+      options.refine = std::max(1, vm["refine"].as<int>());
+      const auto r = planner::search(spec, c, space, options);
+      if (!r.ranked.empty()) {
+        pred = r.ranked.front().prediction;
+        row.plan = plan::summary(r.ranked.front().plan);
+        row.found = true;
+      }
+    }
+    if (row.found) {
+      row.step_s = pred.step_time_s;
+      row.tokens_per_s = pred.tokens_per_s;
+      row.mfu = pred.mfu;
+      row.max_speedup = pred.max_speedup;
+      if (tokens > 0) {
+        row.train_s = tokens / row.tokens_per_s;
+        const double device_hours = row.train_s / 3600 * static_cast<double>(row.gpus);
+        if (c.price_per_device_hour_usd)
+          row.cost_usd = device_hours * c.price_per_device_hour_usd->value;
+        if (c.power_per_device_w)
+          row.energy_kwh = device_hours * c.power_per_device_w->value / 1000;
+      }
+    }
+    rows.push_back(row);
+  }
+  // Scaling efficiency: tokens/s per GPU against the first point that has a plan.
+  double base = 0;
+  for (const Row& r : rows) {
+    if (r.found) {
+      base = r.tokens_per_s / static_cast<double>(r.gpus);
+      break;
+    }
+  }
+  auto efficiency = [&](const Row& r) {
+    return base > 0 && r.found ? r.tokens_per_s / static_cast<double>(r.gpus) / base : 0.0;
+  };
+
+  std::vector<std::string> keys;
+  for (const Axis& a : axes) keys.push_back(a.key);
+  if (vm["json"].as<bool>()) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const Row& r : rows) {
+      nlohmann::json j = {{"point", r.point}, {"gpus", r.gpus}, {"found", r.found}};
+      if (r.found) {
+        j.update({{"plan", r.plan},
+                  {"step_time_s", r.step_s},
+                  {"tokens_per_s", r.tokens_per_s},
+                  {"mfu", r.mfu},
+                  {"scaling_efficiency", efficiency(r)},
+                  {"amdahl_max_speedup", r.max_speedup}});
+        if (tokens > 0) j["time_to_train_s"] = r.train_s;
+        if (r.cost_usd >= 0) j["cost_usd"] = r.cost_usd;
+        if (r.energy_kwh >= 0) j["energy_kwh"] = r.energy_kwh;
+      }
+      out.push_back(j);
+    }
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  if (vm["csv"].as<bool>()) {
+    std::cout << fmt::format(
+        "{},devices,plan,step_time_s,tokens_per_s,mfu,scaling_efficiency,"
+        "amdahl_max_speedup,time_to_train_days,cost_usd,energy_mwh\n",
+        fmt::join(keys, ","));
+    for (const Row& r : rows) {
+      std::vector<std::string> vals;
+      for (const auto& k : keys) vals.push_back(r.point.at(k));
+      std::cout << fmt::format(
+          "{},{},\"{}\",{:.6g},{:.6g},{:.4f},{:.4f},{:.4g},{},{},{}\n", fmt::join(vals, ","),
+          r.gpus, r.plan, r.step_s, r.tokens_per_s, r.mfu, efficiency(r), r.max_speedup,
+          tokens > 0 && r.found ? fmt::format("{:.4g}", r.train_s / 86400) : "",
+          r.cost_usd >= 0 ? fmt::format("{:.0f}", r.cost_usd) : "",
+          r.energy_kwh >= 0 ? fmt::format("{:.4g}", r.energy_kwh / 1000) : "");
+    }
+    return 0;
+  }
+  std::vector<std::string> headers = keys;
+  for (const char* h : {"GPUs", "best plan", "step", "tokens/s", "MFU", "scaling", "Amdahl",
+                        "train", "cost", "energy"}) {
+    headers.push_back(h);
+  }
+  report::Table table(headers);
+  std::vector<std::string> units(keys.size(), "");
+  for (const char* u : {"", "", "s", "", "", "vs first", "bound", "days", "USD", "MWh"}) {
+    units.push_back(u);
+  }
+  table.set_units(units);
+  table.align_left(keys.size() + 1);
+  for (const Row& r : rows) {
+    std::vector<std::string> cells;
+    for (const auto& k : keys) cells.push_back(r.point.at(k));
+    cells.push_back(fmt::format("{}", r.gpus));
+    if (!r.found) {
+      for (const char* s : {"no plan fits", "-", "-", "-", "-", "-", "-", "-", "-"})
+        cells.push_back(s);
+    } else {
+      cells.push_back(r.plan);
+      cells.push_back(fmt::format("{:.3f}", r.step_s));
+      cells.push_back(fmt::format("{:.0f}", r.tokens_per_s));
+      cells.push_back(fmt::format("{:.1f}%", 100 * r.mfu));
+      cells.push_back(fmt::format("{:.1f}%", 100 * efficiency(r)));
+      cells.push_back(fmt::format("{:.1f}x", r.max_speedup));
+      cells.push_back(tokens > 0 ? fmt::format("{:.1f}", r.train_s / 86400) : "-");
+      cells.push_back(r.cost_usd >= 0 ? fmt::format("{:.0f}", r.cost_usd) : "-");
+      cells.push_back(r.energy_kwh >= 0 ? fmt::format("{:.1f}", r.energy_kwh / 1000) : "-");
+    }
+    table.add_row(cells);
+  }
+  std::cout << table.render();
+  if (tokens <= 0) std::cout << "(give --tokens N for time, cost and energy to train)\n";
+  return 0;
+}
+
+}  // namespace dtsim::cli
