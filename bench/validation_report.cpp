@@ -68,13 +68,25 @@ std::pair<double, double> layer_22b(dtsim::plan::Recompute recompute, bool sp) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string dir = argc > 1 ? argv[1] : (dtsim::data_dir() / "validation").string();
+  // build/bench/dtsim_validation [--csv] [validation-dir]
+  bool csv = false;
+  std::string dir = (dtsim::data_dir() / "validation").string();
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--csv") {
+      csv = true;
+    } else {
+      dir = argv[i];
+    }
+  }
+  std::vector<std::string> csv_rows;
   using R = dtsim::plan::Recompute;
 
-  fmt::print(
-      "Korthikanti et al. 2022, Table 4: one 22B layer, TP8, micro-batch 4 (A100, Selene)\n");
-  fmt::print("{:<20} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}\n", "recompute, SP", "fwd ms", "paper",
-             "error", "bwd ms", "paper", "error");
+  if (!csv)
+    fmt::print(
+        "Korthikanti et al. 2022, Table 4: one 22B layer, TP8, micro-batch 4 (A100, Selene)\n");
+  if (!csv)
+    fmt::print("{:<20} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}\n", "recompute, SP", "fwd ms", "paper",
+               "error", "bwd ms", "paper", "error");
   double k_sum = 0;
   int k_n = 0;
   std::map<std::string, std::map<std::string, double>> table4;
@@ -91,18 +103,28 @@ int main(int argc, char** argv) {
     const double ef = 100 * (f * 1e3 / pf - 1), eb = 100 * (b * 1e3 / pb - 1);
     k_sum += std::abs(ef) + std::abs(eb);
     k_n += 2;
-    fmt::print("{:<20} {:>8.2f} {:>8.1f} {:>+7.1f}% {:>8.2f} {:>8.1f} {:>+7.1f}%\n", name, f * 1e3,
-               pf, ef, b * 1e3, pb, eb);
+    if (!csv) {
+      fmt::print("{:<20} {:>8.2f} {:>8.1f} {:>+7.1f}% {:>8.2f} {:>8.1f} {:>+7.1f}%\n", name,
+                 f * 1e3, pf, ef, b * 1e3, pb, eb);
+    }
+    csv_rows.push_back(
+        fmt::format("korthikanti_table4,\"{} fwd\",{:.6g},{},ms", name, f * 1e3, pf));
+    csv_rows.push_back(
+        fmt::format("korthikanti_table4,\"{} bwd\",{:.6g},{},ms", name, b * 1e3, pb));
   }
-  fmt::print("mean absolute error {:.1f}% (target: every value within 15%)\n\n", k_sum / k_n);
+  if (!csv)
+    fmt::print("mean absolute error {:.1f}% (target: every value within 15%)\n\n", k_sum / k_n);
 
-  fmt::print("Narayanan et al. SC'21, Table 1: achieved TFLOP/s per GPU (Selene, A100 80GB)\n");
-  fmt::print(
-      "plans: the paper's tp/pp/dp and batch; micro-batch 1; interleaved 1F1B with the\n"
-      "smallest v >= 2 that gives equal chunks (1F1B without pipelining); full recompute;\n"
-      "pipeline transfers whole (the paper's scatter/gather optimisation is not modelled)\n");
-  fmt::print("{:<16} {:>4} {:>4} {:>4} {:>3} {:>10} {:>9} {:>8}\n", "model", "tp", "pp", "dp", "v",
-             "predicted", "paper", "error");
+  if (!csv)
+    fmt::print("Narayanan et al. SC'21, Table 1: achieved TFLOP/s per GPU (Selene, A100 80GB)\n");
+  if (!csv)
+    fmt::print(
+        "plans: the paper's tp/pp/dp and batch; micro-batch 1; interleaved 1F1B with the\n"
+        "smallest v >= 2 that gives equal chunks (1F1B without pipelining); full recompute;\n"
+        "pipeline transfers whole (the paper's scatter/gather optimisation is not modelled)\n");
+  if (!csv)
+    fmt::print("{:<16} {:>4} {:>4} {:>4} {:>3} {:>10} {:>9} {:>8}\n", "model", "tp", "pp", "dp",
+               "v", "predicted", "paper", "error");
   double m_sum = 0, m_max = 0;
   int m_n = 0;
   const std::map<std::string, std::string> names = {
@@ -143,10 +165,20 @@ int main(int argc, char** argv) {
     m_sum += std::abs(err);
     m_max = std::max(m_max, std::abs(err));
     ++m_n;
-    fmt::print("{:<16} {:>4} {:>4} {:>4} {:>3} {:>10.1f} {:>9.0f} {:>+7.1f}%\n", spec.name, p.tp,
-               p.pp, p.dp, p.virtual_stages, sim.prediction.tflops_per_gpu, paper, err);
+    if (!csv) {
+      fmt::print("{:<16} {:>4} {:>4} {:>4} {:>3} {:>10.1f} {:>9.0f} {:>+7.1f}%\n", spec.name, p.tp,
+                 p.pp, p.dp, p.virtual_stages, sim.prediction.tflops_per_gpu, paper, err);
+    }
+    csv_rows.push_back(fmt::format("megatron_sc21_table1,{},{:.6g},{},TFLOP/s per GPU", spec.name,
+                                   sim.prediction.tflops_per_gpu, paper));
   }
-  fmt::print("mean absolute error {:.1f}%, worst {:.1f}% (target: every row within 10%, mean 5%)\n",
-             m_sum / m_n, m_max);
+  if (!csv)
+    fmt::print(
+        "mean absolute error {:.1f}%, worst {:.1f}% (target: every row within 10%, mean 5%)\n",
+        m_sum / m_n, m_max);
+  if (csv) {
+    fmt::print("table,row,predicted,published,unit\n");
+    for (const auto& r : csv_rows) fmt::print("{}\n", r);
+  }
   return 0;
 }

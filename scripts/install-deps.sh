@@ -8,6 +8,9 @@ packages=(
   g++ make cmake ninja-build ccache pkg-config git
   libboost-graph-dev libboost-program-options-dev libsimgrid-dev libfmt-dev nlohmann-json3-dev
   catch2 libopenmpi-dev openmpi-bin libopenblas-dev
+  # notebooks (executed headless by the tests)
+  python3-matplotlib python3-pandas python3-nbformat python3-nbconvert python3-nbclient
+  python3-ipykernel jupyter-nbconvert jupyter-core
 )
 
 missing=()

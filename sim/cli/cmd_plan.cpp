@@ -38,6 +38,17 @@ json candidate_json(const planner::Candidate& c, const model::ModelSpec& m) {
             {"capacity_bytes", c.capacity_bytes},
             {"fits", c.fits},
             {"dominant", planner::dominant_term(breakdown_of(c), c.step_time_s)}};
+  const engine::Breakdown& b = breakdown_of(c);
+  j["breakdown"] = {{"compute_s", b.compute_s},
+                    {"recompute_s", b.recompute_s},
+                    {"optimizer_s", b.optimizer_s},
+                    {"bubble_s", b.bubble_s},
+                    {"exposed_comm_s",
+                     {{"dp", b.exposed_dp_s},
+                      {"tp", b.exposed_tp_s},
+                      {"pp", b.exposed_pp_s},
+                      {"cp", b.exposed_cp_s},
+                      {"ep", b.exposed_ep_s}}}};
   if (c.refined) j["mfu"] = c.prediction.mfu;
   if (c.cost_per_step_usd >= 0) j["cost_per_step_usd"] = c.cost_per_step_usd;
   (void)m;
