@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "sim/cli/commands.hpp"
@@ -116,6 +117,8 @@ int cmd_plan(const std::vector<std::string>& args) {
       "json", po::bool_switch(), "print JSON")("csv", po::bool_switch(), "print CSV")(
       "out", po::value<std::string>(), "write the best plan to this file (a --plan file)");
   add_memory_options(desc);
+  desc.add_options()("profile", po::value<std::string>(),
+                     "calibration profile (dtexec calibrate) for the compute cost");
   po::variables_map vm;
   if (!parse(args, desc,
              "usage: dtsim plan --model M --cluster C [--gpus N] --global-batch-size B\n"
@@ -165,6 +168,11 @@ int cmd_plan(const std::vector<std::string>& args) {
   planner::SearchOptions options;
   options.refine = vm["refine"].as<int>();
   options.threads = vm["threads"].as<int>();
+  std::optional<cost::Profile> profile;
+  if (vm.count("profile")) {
+    profile = cost::load_profile(vm["profile"].as<std::string>());
+    options.profile = &*profile;
+  }
   const std::string objective = vm["objective"].as<std::string>();
   if (objective == "cost") {
     if (!cluster.price_per_device_hour_usd) {

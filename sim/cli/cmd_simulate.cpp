@@ -3,6 +3,7 @@
 
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "sim/cli/commands.hpp"
 #include "sim/cli/options.hpp"
@@ -53,6 +54,8 @@ int cmd_simulate(const std::vector<std::string>& args) {
       "trace", po::value<std::string>(), "write a Chrome trace (open in ui.perfetto.dev)")(
       "json", po::bool_switch(), "print JSON instead of tables");
   add_memory_options(sim_opts);
+  sim_opts.add_options()("profile", po::value<std::string>(),
+                         "calibration profile (dtexec calibrate) for the compute cost");
   desc.add(sim_opts);
   po::variables_map vm;
   if (!parse(args, desc,
@@ -85,6 +88,13 @@ int cmd_simulate(const std::vector<std::string>& args) {
   }
   engine::SimulateOptions options;
   options.memory = memory_options_from(vm);
+  std::optional<cost::Profile> profile;
+  if (vm.count("profile")) {
+    profile = cost::load_profile(vm["profile"].as<std::string>());
+    options.profile = &*profile;
+    notes.push_back(fmt::format("compute cost from calibration profile {} ({})", profile->file,
+                                profile->source));
+  }
   const engine::Simulation sim = engine::simulate(setup.graph, plan, cluster, *network, options);
   const engine::Prediction& p = sim.prediction;
   for (const auto& n : p.notes) notes.push_back(n);

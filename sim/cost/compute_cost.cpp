@@ -1,5 +1,7 @@
 #include "sim/cost/compute_cost.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "sim/common/error.hpp"
@@ -10,14 +12,25 @@ using lower::Phase;
 using model::OpKind;
 
 ComputeCost::ComputeCost(const model::ModelGraph& graph, const plan::Plan& plan,
-                         const cluster::DeviceSpec& device)
+                         const cluster::DeviceSpec& device, const Profile* profile)
     : graph_(graph),
       plan_(plan),
       peak_flops_(device.peak_flops_for(plan.precision)),
       gemm_eff_(device.efficiency.gemm.value),
       attention_eff_(device.efficiency.attention.value),
       hbm_bw_(device.memory_bw_bytes_per_s.value * device.efficiency.memory_bw.value),
-      launch_s_(device.efficiency.launch_overhead_s.value) {}
+      launch_s_(device.efficiency.launch_overhead_s.value),
+      profile_(profile) {
+  if (profile_ != nullptr) {
+    if (profile_->precision != plan.precision) {
+      throw InputError(
+          fmt::format("{}: precision: the profile was measured at {}, the plan uses {}",
+                      profile_->file, to_string(profile_->precision), to_string(plan.precision)));
+    }
+    if (profile_->memory_bw_bytes_per_s) hbm_bw_ = *profile_->memory_bw_bytes_per_s;
+    if (profile_->launch_overhead_s) launch_s_ = *profile_->launch_overhead_s;
+  }
+}
 
 double ComputeCost::divisor(const model::Op& op) const {
   const bool tp_split = op.tp_split != model::TpSplit::None || plan_.sequence_parallel;
@@ -72,7 +85,8 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
   }
   const bool attention = op.kind == OpKind::AttentionCore;
   const double eff = attention ? attention_eff_ : gemm_eff_;
-  const double compute_s = flops > 0 ? flops / (peak_flops_ * eff) : 0.0;
+  double compute_s = flops > 0 ? flops / (peak_flops_ * eff) : 0.0;
+  if (profile_ != nullptr && flops > 0 && op.gemm_m > 0) compute_s = profile_->gemm_seconds(flops);
   const double memory_s = bytes / hbm_bw_;
   return std::max(compute_s, memory_s) + launch_s_ * kernels;
 }

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "sim/cluster/device_catalog.hpp"
+#include "sim/cost/profile.hpp"
 #include "sim/lower/program.hpp"
 #include "sim/model/model_graph.hpp"
 #include "sim/plan/plan.hpp"
@@ -20,8 +21,11 @@ namespace dtsim::cost {
 
 class ComputeCost {
  public:
+  // With a calibration profile, GEMM times and the memory bandwidth come from its
+  // measurements instead of the catalog's efficiencies (cost/profile.hpp). The profile must
+  // outlive this object.
   ComputeCost(const model::ModelGraph& graph, const plan::Plan& plan,
-              const cluster::DeviceSpec& device);
+              const cluster::DeviceSpec& device, const Profile* profile = nullptr);
 
   // Seconds for a compute task (lower::TaskKind::Compute); memoized by (ops, phase).
   double task_seconds(const lower::Task& task);
@@ -45,6 +49,7 @@ class ComputeCost {
   double attention_eff_;
   double hbm_bw_;
   double launch_s_;
+  const Profile* profile_;
   std::map<std::tuple<std::int32_t, std::int32_t, lower::Phase>, double> memo_;
 };
 

@@ -129,7 +129,7 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
                     const SimulateOptions& options) {
   Simulation sim;
   sim.program = lower::lower(graph, plan, options.lower);
-  cost::ComputeCost compute(graph, plan, cluster.device);
+  cost::ComputeCost compute(graph, plan, cluster.device, options.profile);
   ModelDurations durations(compute, network);
   sim.timeline = run(sim.program, durations);
 

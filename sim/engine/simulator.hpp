@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "sim/cluster/topology.hpp"
+#include "sim/cost/profile.hpp"
 #include "sim/engine/engine.hpp"
 #include "sim/lower/lowering.hpp"
 #include "sim/model/model_graph.hpp"
@@ -62,6 +63,7 @@ struct Prediction {
 struct SimulateOptions {
   lower::LowerOptions lower;
   plan::MemoryOptions memory;
+  const cost::Profile* profile = nullptr;  // calibration profile for the compute cost
 };
 
 struct Simulation {

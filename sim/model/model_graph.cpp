@@ -91,6 +91,9 @@ class Builder {
   // 2·tokens·in·out FLOPs; traffic reads input and weights, writes output (backward ~2x).
   void gemm(Op& op, double tokens, double in, double out) const {
     op.fwd_flops = 2.0 * tokens * in * out;
+    op.gemm_m = tokens;
+    op.gemm_k = in;
+    op.gemm_n = out;
     op.bwd_input_flops = op.fwd_flops;
     op.bwd_weight_flops = op.fwd_flops;
     const double a = static_cast<double>(act_);

@@ -59,6 +59,8 @@ struct Op {
   // Of `params`, those that tensor parallelism does not split (norm weights, biases of
   // row-parallel layers, learned position embeddings): every tp rank holds them whole.
   std::uint64_t tp_replicated_params = 0;
+  // For matrix multiplications: the forward GEMM's shape, (m x k) by (k x n), whole op.
+  double gemm_m = 0, gemm_n = 0, gemm_k = 0;
 
   // Bytes of activations kept from forward to backward. `saved_quadratic_bytes` is the part
   // that grows with seq_len² (softmax, dropout mask and output of attention): what selective

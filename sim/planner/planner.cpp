@@ -38,12 +38,12 @@ std::vector<int> divisors(std::int64_t n) {
 // models per op and per collective, and composes them with the schedule's bubble formula.
 class Estimator {
  public:
-  Estimator(const cluster::Cluster& cluster)
-      : cluster_(cluster), net_(network::make_analytical(cluster)) {}
+  Estimator(const cluster::Cluster& cluster, const cost::Profile* profile)
+      : cluster_(cluster), profile_(profile), net_(network::make_analytical(cluster)) {}
 
   engine::Breakdown estimate(const model::ModelGraph& g, const Plan& p) {
     const model::ModelSpec& m = g.spec();
-    cost::ComputeCost cost(g, p, cluster_.device);
+    cost::ComputeCost cost(g, p, cluster_.device, profile_);
     const cluster::Placement placement(p.degrees(), p.order);
     auto group = [&](ParallelDim d, lower::GroupKind kind) {
       return lower::Group{kind, placement.group(d, 0), {0}};
@@ -210,6 +210,7 @@ class Estimator {
   }
 
   const cluster::Cluster& cluster_;
+  const cost::Profile* profile_;
   std::unique_ptr<network::NetworkModel> net_;
 };
 
@@ -346,7 +347,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
       cluster.price_per_device_hour_usd ? cluster.price_per_device_hour_usd->value : -1;
   std::atomic<std::uint64_t> done{0};
   auto work = [&](std::size_t begin, std::size_t end) {
-    Estimator estimator(cluster);
+    Estimator estimator(cluster, options.profile);
     for (std::size_t i = begin; i < end; ++i) {
       const Plan& p = plans[i];
       Evaluated& e = results[i];
@@ -406,6 +407,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     Candidate& c = feasible[static_cast<std::size_t>(i)];
     engine::SimulateOptions sim_options;
     sim_options.memory = memory;
+    sim_options.profile = options.profile;
     c.prediction =
         engine::simulate(*graphs.at(c.plan.micro_batch_size), c.plan, cluster, *net, sim_options)
             .prediction;

@@ -73,6 +73,7 @@ struct SearchOptions {
   int threads = 0;  // 0: hardware concurrency
   Objective objective = Objective::Time;
   std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+  const cost::Profile* profile = nullptr;  // calibration profile for both tiers
 };
 
 SearchResult search(const model::ModelSpec& model, const cluster::Cluster& cluster,

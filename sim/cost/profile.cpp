@@ -1,0 +1,59 @@
+#include "sim/cost/profile.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "sim/common/error.hpp"
+#include "sim/common/json_reader.hpp"
+
+namespace dtsim::cost {
+
+double Profile::gemm_seconds(double flops) const {
+  DTSIM_ASSERT(!gemm.empty(), "profile without GEMM samples");
+  auto throughput = [](const GemmSample& s) { return s.flops() / s.seconds; };
+  if (flops <= gemm.front().flops()) return flops / throughput(gemm.front());
+  if (flops >= gemm.back().flops()) return flops / throughput(gemm.back());
+  const auto hi = std::lower_bound(gemm.begin(), gemm.end(), flops,
+                                   [](const GemmSample& s, double f) { return s.flops() < f; });
+  const auto lo = hi - 1;
+  const double t =
+      (std::log(flops) - std::log(lo->flops())) / (std::log(hi->flops()) - std::log(lo->flops()));
+  const double rate = throughput(*lo) + t * (throughput(*hi) - throughput(*lo));
+  return flops / rate;
+}
+
+Profile load_profile(const std::string& path) {
+  const nlohmann::json j = JsonReader::parse_file(path);
+  const JsonReader r(j, path);
+  r.expect_only({"device", "source", "precision", "gemm", "memory_bw_bytes_per_s",
+                 "launch_overhead_s", "collectives", "notes"});
+  Profile p;
+  p.file = path;
+  p.device = r.string("device");
+  p.source = r.string("source");
+  if (r.has("precision")) {
+    p.precision = *parse_precision(r.choice("precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));
+  }
+  const auto& samples = r.raw().contains("gemm") ? r.raw().at("gemm") : nlohmann::json();
+  if (!samples.is_array() || samples.empty()) {
+    r.fail("gemm", "expected a non-empty array of {\"m\", \"n\", \"k\", \"seconds\"} samples");
+  }
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const JsonReader s(samples[i], path, fmt::format("gemm[{}]", i));
+    s.expect_only({"m", "n", "k", "seconds"});
+    p.gemm.push_back({static_cast<double>(s.positive_int("m")),
+                      static_cast<double>(s.positive_int("n")),
+                      static_cast<double>(s.positive_int("k")), s.positive_number("seconds")});
+  }
+  std::sort(p.gemm.begin(), p.gemm.end(),
+            [](const GemmSample& a, const GemmSample& b) { return a.flops() < b.flops(); });
+  if (r.has("memory_bw_bytes_per_s"))
+    p.memory_bw_bytes_per_s = r.positive_number("memory_bw_bytes_per_s");
+  if (r.has("launch_overhead_s")) p.launch_overhead_s = r.non_negative_number("launch_overhead_s");
+  return p;
+}
+
+}  // namespace dtsim::cost

@@ -1,0 +1,46 @@
+// Calibration profiles: measured kernel times that replace the catalog's efficiencies in the
+// compute cost model (`dtsim simulate --profile P.json`; written by `dtexec calibrate`).
+//
+// {
+//   "device": "a100-sxm4-80gb",            the device it was measured on
+//   "source": "dtexec calibrate, 2026-..",  how and when
+//   "precision": "bf16",
+//   "gemm": [ {"m": 4096, "n": 4096, "k": 4096, "seconds": 6.2e-4}, ... ],
+//   "memory_bw_bytes_per_s": 1.7e12,        achieved by streaming kernels (optional)
+//   "launch_overhead_s": 4e-6               (optional)
+// }
+// A GEMM's time comes from the measured throughput (FLOP/s) interpolated linearly in
+// log(FLOPs) between the two measured sizes around it (clamped at the ends).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sim/common/precision.hpp"
+
+namespace dtsim::cost {
+
+struct GemmSample {
+  double m = 0, n = 0, k = 0;
+  double seconds = 0;
+  double flops() const { return 2.0 * m * n * k; }
+};
+
+struct Profile {
+  std::string device;
+  std::string source;
+  std::string file;
+  Precision precision = Precision::Bf16;
+  std::vector<GemmSample> gemm;  // sorted by FLOPs
+  std::optional<double> memory_bw_bytes_per_s;
+  std::optional<double> launch_overhead_s;
+
+  // Seconds for a GEMM of `flops` FLOPs from the measured throughput.
+  double gemm_seconds(double flops) const;
+};
+
+// Throws InputError naming the file and field.
+Profile load_profile(const std::string& path);
+
+}  // namespace dtsim::cost
