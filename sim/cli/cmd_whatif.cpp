@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "sim/cli/commands.hpp"
+#include "sim/cli/mpi_split.hpp"
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
@@ -121,8 +122,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     double train_s = 0, cost_usd = -1, energy_kwh = -1;
     bool found = false;
   };
-  std::vector<Row> rows;
-  for (const auto& point : points) {
+  auto evaluate = [&](const std::map<std::string, std::string>& point) {
     Row row;
     row.point = point;
     const std::string model_name =
@@ -199,7 +199,49 @@ int cmd_whatif(const std::vector<std::string>& args) {
           row.energy_kwh = device_hours * c.power_per_device_w->value / 1000;
       }
     }
-    rows.push_back(row);
+    return row;
+  };
+
+  // Under mpirun every rank takes every size-th point; rank 0 gathers and prints.
+  const MpiSplit split;
+  std::vector<Row> rows(points.size());
+  std::vector<std::string> mine;
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    if (static_cast<int>(i % static_cast<std::size_t>(split.size())) != split.rank()) continue;
+    rows[i] = evaluate(points[i]);
+    const Row& r = rows[i];
+    mine.push_back(nlohmann::json{
+        {"i", i},
+        {"plan", r.plan},
+        {"gpus", r.gpus},
+        {"step", r.step_s},
+        {"tps", r.tokens_per_s},
+        {"mfu", r.mfu},
+        {"amdahl", r.max_speedup},
+        {"train", r.train_s},
+        {"cost", r.cost_usd},
+        {"energy", r.energy_kwh},
+        {"found",
+         r.found}}.dump());
+  }
+  if (split.size() > 1) {
+    const std::vector<std::string> all = split.gather(mine);
+    if (split.rank() != 0) return 0;
+    for (const std::string& text : all) {
+      const auto j = nlohmann::json::parse(text);
+      Row& r = rows[j.at("i").get<std::size_t>()];
+      r.point = points[j.at("i").get<std::size_t>()];
+      r.plan = j.at("plan").get<std::string>();
+      r.gpus = j.at("gpus").get<std::int64_t>();
+      r.step_s = j.at("step").get<double>();
+      r.tokens_per_s = j.at("tps").get<double>();
+      r.mfu = j.at("mfu").get<double>();
+      r.max_speedup = j.at("amdahl").get<double>();
+      r.train_s = j.at("train").get<double>();
+      r.cost_usd = j.at("cost").get<double>();
+      r.energy_kwh = j.at("energy").get<double>();
+      r.found = j.at("found").get<bool>();
+    }
   }
   // Scaling efficiency: tokens/s per GPU against the first point that has a plan.
   double base = 0;
