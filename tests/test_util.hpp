@@ -3,6 +3,8 @@
 
 #include <unistd.h>
 
+#include "sim/common/error.hpp"
+
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>

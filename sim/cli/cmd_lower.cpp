@@ -28,6 +28,7 @@ int cmd_lower(const std::vector<std::string>& args) {
     return 0;
   }
   const PlanSetup setup = setup_from_options(vm);
+  require_symmetric_placement(setup.plan, setup.cluster);
   lower::LowerOptions options;
   if (vm["all-ranks"].as<bool>()) options.mode = lower::Lowering::AllRanks;
   const lower::Program program = lower::lower(setup.graph, setup.plan, options);

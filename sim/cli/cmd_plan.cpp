@@ -91,6 +91,79 @@ void apply_fixed(const std::vector<std::string>& fixed, planner::SearchSpace& sp
   }
 }
 
+// Why the search had no candidate at all: the constraints that apply, the ones that exclude
+// everything by themselves first.
+std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Cluster& cluster,
+                                  const planner::SearchSpace& space, bool max_tp_given) {
+  const std::int64_t devices = cluster.devices();
+  std::vector<std::string> why;
+  const std::pair<const char*, int> fixed[] = {{"tp", space.fixed_tp},
+                                               {"pp", space.fixed_pp},
+                                               {"dp", space.fixed_dp},
+                                               {"cp", space.fixed_cp},
+                                               {"ep", space.fixed_ep}};
+  std::int64_t product = 1;
+  std::vector<std::string> fixed_text;
+  for (const auto& [key, value] : fixed) {
+    if (value < 0) continue;
+    fixed_text.push_back(fmt::format("--fixed {}={}", key, value));
+    if (std::string(key) != "ep") product *= value;
+    if (devices % value != 0) {
+      why.push_back(
+          fmt::format("--fixed {}={} does not divide the {} devices", key, value, devices));
+    }
+  }
+  if (why.empty() && devices % product != 0) {
+    why.push_back(
+        fmt::format("the fixed degrees multiply to {}, which does not divide the {} "
+                    "devices",
+                    product, devices));
+  }
+  const int max_tp = space.max_tp > 0 ? space.max_tp : static_cast<int>(cluster.devices_per_node);
+  if (space.fixed_tp > max_tp) {
+    why.push_back(fmt::format("--fixed tp={} exceeds {} = {}", space.fixed_tp,
+                              max_tp_given ? "--max-tp" : "the devices per node (--max-tp)",
+                              max_tp));
+  }
+  if (space.fixed_tp > 0 && (m.heads % space.fixed_tp != 0 || m.kv_heads % space.fixed_tp != 0 ||
+                             m.ffn_hidden % space.fixed_tp != 0)) {
+    why.push_back(
+        fmt::format("--fixed tp={} must divide the model's heads ({}), kv_heads ({}) "
+                    "and ffn_hidden ({})",
+                    space.fixed_tp, m.heads, m.kv_heads, m.ffn_hidden));
+  }
+  if (space.fixed_pp > m.layers) {
+    why.push_back(
+        fmt::format("--fixed pp={} exceeds the model's {} layers", space.fixed_pp, m.layers));
+  }
+  if (space.fixed_pp > 0 && space.max_pp > 0 && space.fixed_pp > space.max_pp) {
+    why.push_back(fmt::format("--fixed pp={} exceeds --max-pp {}", space.fixed_pp, space.max_pp));
+  }
+  if (space.fixed_dp > 0 && space.global_batch_size % space.fixed_dp != 0) {
+    why.push_back(fmt::format("--fixed dp={} does not divide --global-batch-size {}",
+                              space.fixed_dp, space.global_batch_size));
+  }
+  std::string text = "no candidate plan to evaluate: ";
+  text += why.empty() ? "no combination of degrees meets all the constraints"
+                      : fmt::format("{}", fmt::join(why, "; "));
+  std::vector<std::string> all;
+  all.push_back(fmt::format("{} devices, {} per node (tp x cp x pp x dp = devices)", devices,
+                            cluster.devices_per_node));
+  if (!fixed_text.empty()) all.push_back(fmt::format("{}", fmt::join(fixed_text, ", ")));
+  all.push_back(fmt::format("tp <= {} ({}) and divides heads {}, kv_heads {}, ffn_hidden {}",
+                            max_tp, max_tp_given ? "--max-tp" : "devices per node; --max-tp",
+                            m.heads, m.kv_heads, m.ffn_hidden));
+  all.push_back(space.max_pp > 0
+                    ? fmt::format("pp <= {} (--max-pp) and <= {} layers", space.max_pp, m.layers)
+                    : fmt::format("pp <= {} layers", m.layers));
+  all.push_back(fmt::format("cp <= {} (--max-cp) and divides seq_len", space.max_cp));
+  all.push_back(fmt::format("dp x micro-batch ({}) divides --global-batch-size {}",
+                            fmt::join(space.micro_batch_sizes, ", "), space.global_batch_size));
+  if (m.moe) all.push_back(fmt::format("ep divides dp and the {} experts", m.moe->experts));
+  text += fmt::format("\n  constraints: {}", fmt::join(all, "\n               "));
+  return text;
+}
+
 }  // namespace
 
 int cmd_plan(const std::vector<std::string>& args) {
@@ -149,6 +222,12 @@ int cmd_plan(const std::vector<std::string>& args) {
           fmt::format("--seq-len: expected 1..{}, got {}", spec.max_positions, space.seq_len));
     }
   }
+  for (const char* flag : {"max-tp", "max-pp", "max-cp"}) {
+    if (vm.count(flag) && vm[flag].as<int>() < 1) {
+      throw InputError(
+          fmt::format("--{}: expected a positive integer, got {}", flag, vm[flag].as<int>()));
+    }
+  }
   if (vm.count("max-tp")) space.max_tp = vm["max-tp"].as<int>();
   if (vm.count("max-pp")) space.max_pp = vm["max-pp"].as<int>();
   space.max_cp = vm["max-cp"].as<int>();
@@ -168,9 +247,19 @@ int cmd_plan(const std::vector<std::string>& args) {
   planner::SearchOptions options;
   options.refine = vm["refine"].as<int>();
   options.threads = vm["threads"].as<int>();
+  if (options.threads < 0) {
+    throw InputError(fmt::format("--threads: expected 0 (all cores) or a positive integer, got {}",
+                                 options.threads));
+  }
   std::optional<cost::Profile> profile;
   if (vm.count("profile")) {
     profile = cost::load_profile(vm["profile"].as<std::string>());
+    // The compute cost checks this too, but inside the search's worker threads; check it here.
+    if (profile->precision != space.precision) {
+      throw InputError(
+          fmt::format("{}: precision: the profile was measured at {}, --precision is {}",
+                      profile->file, to_string(profile->precision), to_string(space.precision)));
+    }
     options.profile = &*profile;
   }
   const std::string objective = vm["objective"].as<std::string>();
@@ -205,7 +294,15 @@ int cmd_plan(const std::vector<std::string>& args) {
   const planner::SearchResult result = planner::search(spec, cluster, space, options);
   const double elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  // No candidate at all: the constraints exclude every plan (bad input), unlike candidates that
+  // were evaluated and do not fit in memory (an outcome, reported below).
+  if (result.evaluated == 0) {
+    throw InputError(explain_no_candidates(spec, cluster, space, vm.count("max-tp") > 0));
+  }
 
+  if (vm.count("out") && result.ranked.empty()) {
+    std::cerr << fmt::format("no plan fits: --out {} not written\n", vm["out"].as<std::string>());
+  }
   if (vm.count("out") && !result.ranked.empty()) {
     const std::string path = vm["out"].as<std::string>();
     std::ofstream out(path);
@@ -315,7 +412,9 @@ int cmd_plan(const std::vector<std::string>& args) {
         result.order_disagreements, result.refined * (result.refined - 1) / 2,
         100 * result.max_estimate_error);
   }
-  if (vm.count("out")) std::cout << "best plan written to " << vm["out"].as<std::string>() << "\n";
+  if (vm.count("out") && !result.ranked.empty()) {
+    std::cout << "best plan written to " << vm["out"].as<std::string>() << "\n";
+  }
   return 0;
 }
 

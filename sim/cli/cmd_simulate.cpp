@@ -69,6 +69,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
     return 0;
   }
   PlanSetup setup = setup_from_options(vm);
+  require_symmetric_placement(setup.plan, setup.cluster);
   const model::ModelSpec& spec = setup.spec;
   const cluster::Cluster& cluster = setup.cluster;
   const plan::Plan& plan = setup.plan;

@@ -3,6 +3,8 @@
 // bound, and time, cost and energy to train on a number of tokens.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -54,14 +56,16 @@ double number(const std::string& key, const std::string& v, bool integer) {
   try {
     std::size_t used = 0;
     const double d = std::stod(v, &used);
-    if (used != v.size() || !(d > 0) ||
-        (integer && d != static_cast<double>(static_cast<std::int64_t>(d)))) {
+    // Integers stay below 2^53, where doubles are exact and the cast to int64 is defined.
+    if (used != v.size() || !std::isfinite(d) || !(d > 0) ||
+        (integer &&
+         (d >= 9007199254740992.0 || d != static_cast<double>(static_cast<std::int64_t>(d))))) {
       throw std::invalid_argument(v);
     }
     return d;
   } catch (const std::exception&) {
     throw InputError(fmt::format("--vary {}={}: expected a positive {}", key, v,
-                                 integer ? "integer" : "number"));
+                                 integer ? "integer" : "finite number"));
   }
 }
 
@@ -96,7 +100,29 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (!vm.count("vary")) throw InputError("--vary: give at least one KEY=V1,V2,...");
   if (!vm.count("global-batch-size")) throw InputError("--global-batch-size: required");
   std::vector<Axis> axes;
-  for (const auto& v : vm["vary"].as<std::vector<std::string>>()) axes.push_back(parse_vary(v));
+  for (const auto& v : vm["vary"].as<std::vector<std::string>>()) {
+    Axis a = parse_vary(v);
+    for (const Axis& b : axes) {
+      if (b.key == a.key) {
+        throw InputError(
+            fmt::format("--vary {}: key \"{}\" is already varied; give all its values in one "
+                        "--vary {}=V1,V2,...",
+                        v, a.key, a.key));
+      }
+    }
+    axes.push_back(std::move(a));
+  }
+  const int refine = vm["refine"].as<int>();
+  if (refine < 1) {
+    throw InputError(
+        fmt::format("--refine: expected a positive integer (plans simulated per "
+                    "point), got {}",
+                    refine));
+  }
+  if (vm["global-batch-size"].as<std::int64_t>() < 1) {
+    throw InputError(fmt::format("--global-batch-size: expected a positive integer, got {}",
+                                 vm["global-batch-size"].as<std::int64_t>()));
+  }
   const double tokens = vm.count("tokens") ? vm["tokens"].as<double>() : 0.0;
   if (vm.count("tokens") && !(tokens > 0)) throw InputError("--tokens: expected a positive number");
 
@@ -121,6 +147,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     double step_s = 0, tokens_per_s = 0, mfu = 0, max_speedup = 0;
     double train_s = 0, cost_usd = -1, energy_kwh = -1;
     bool found = false;
+    // With --fixed-plan the plan is simulated whether or not it fits in memory.
+    bool fits = true;
+    double memory_bytes = 0, capacity_bytes = 0;  // worst rank, device
   };
   auto evaluate = [&](const std::map<std::string, std::string>& point) {
     Row row;
@@ -148,10 +177,20 @@ int cmd_whatif(const std::vector<std::string>& args) {
       if (o < 1) throw InputError("--vary oversubscription: expected ratios >= 1");
       c.inter.oversubscription = {o, "whatif --vary oversubscription"};
     }
-    const std::int64_t gpus =
-        point.count("gpus") ? static_cast<std::int64_t>(number("gpus", point.at("gpus"), true))
-                            : (vm.count("gpus") ? vm["gpus"].as<std::int64_t>() : c.devices());
-    c = cluster::with_devices(c, gpus);
+    if (point.count("gpus")) {
+      const auto gpus = static_cast<std::int64_t>(number("gpus", point.at("gpus"), true));
+      try {
+        c = cluster::with_devices(c, gpus);
+      } catch (const InputError& e) {
+        // with_devices names the flag it knows (--gpus N); name the axis instead.
+        std::string why = e.what();
+        const std::string flag = fmt::format("--gpus {}: ", gpus);
+        if (why.rfind(flag, 0) == 0) why = why.substr(flag.size());
+        throw InputError(fmt::format("--vary gpus={}: {}", point.at("gpus"), why));
+      }
+    } else if (vm.count("gpus")) {
+      c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
+    }
     planner::SearchSpace space;
     space.global_batch_size =
         point.count("global_batch")
@@ -160,6 +199,14 @@ int cmd_whatif(const std::vector<std::string>& args) {
     space.seq_len = point.count("seq_len")
                         ? static_cast<std::int64_t>(number("seq_len", point.at("seq_len"), true))
                         : (vm.count("seq-len") ? vm["seq-len"].as<std::int64_t>() : 0);
+    if ((vm.count("seq-len") || point.count("seq_len")) &&
+        (space.seq_len < 1 || space.seq_len > spec.max_positions)) {
+      const std::string flag = point.count("seq_len")
+                                   ? fmt::format("--vary seq_len={}", point.at("seq_len"))
+                                   : std::string("--seq-len");
+      throw InputError(fmt::format("{}: expected 1..{} (max_positions of {}), got {}", flag,
+                                   spec.max_positions, spec.name, space.seq_len));
+    }
     row.gpus = c.devices();
     engine::Prediction pred;
     if (vm.count("fixed-plan")) {
@@ -175,9 +222,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
       pred = engine::simulate(g, p, c, *net).prediction;
       row.plan = plan::summary(p);
       row.found = true;
+      row.fits = pred.memory.fits;
+      row.memory_bytes = pred.memory.worst().total_bytes;
+      row.capacity_bytes = pred.memory.capacity_bytes;
     } else {
       planner::SearchOptions options;
-      options.refine = std::max(1, vm["refine"].as<int>());
+      options.refine = refine;
       const auto r = planner::search(spec, c, space, options);
       if (!r.ranked.empty()) {
         pred = r.ranked.front().prediction;
@@ -210,19 +260,21 @@ int cmd_whatif(const std::vector<std::string>& args) {
     if (static_cast<int>(i % static_cast<std::size_t>(split.size())) != split.rank()) continue;
     rows[i] = evaluate(points[i]);
     const Row& r = rows[i];
-    mine.push_back(nlohmann::json{
-        {"i", i},
-        {"plan", r.plan},
-        {"gpus", r.gpus},
-        {"step", r.step_s},
-        {"tps", r.tokens_per_s},
-        {"mfu", r.mfu},
-        {"amdahl", r.max_speedup},
-        {"train", r.train_s},
-        {"cost", r.cost_usd},
-        {"energy", r.energy_kwh},
-        {"found",
-         r.found}}.dump());
+    mine.push_back(nlohmann::json{{"i", i},
+                                  {"plan", r.plan},
+                                  {"gpus", r.gpus},
+                                  {"step", r.step_s},
+                                  {"tps", r.tokens_per_s},
+                                  {"mfu", r.mfu},
+                                  {"amdahl", r.max_speedup},
+                                  {"train", r.train_s},
+                                  {"cost", r.cost_usd},
+                                  {"energy", r.energy_kwh},
+                                  {"found", r.found},
+                                  {"fits", r.fits},
+                                  {"memory", r.memory_bytes},
+                                  {"capacity", r.capacity_bytes}}
+                       .dump());
   }
   if (split.size() > 1) {
     const std::vector<std::string> all = split.gather(mine);
@@ -241,12 +293,15 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.cost_usd = j.at("cost").get<double>();
       r.energy_kwh = j.at("energy").get<double>();
       r.found = j.at("found").get<bool>();
+      r.fits = j.at("fits").get<bool>();
+      r.memory_bytes = j.at("memory").get<double>();
+      r.capacity_bytes = j.at("capacity").get<double>();
     }
   }
-  // Scaling efficiency: tokens/s per GPU against the first point that has a plan.
+  // Scaling efficiency: tokens/s per GPU against the first point that has a plan that fits.
   double base = 0;
   for (const Row& r : rows) {
-    if (r.found) {
+    if (r.found && r.fits) {
       base = r.tokens_per_s / static_cast<double>(r.gpus);
       break;
     }
@@ -263,6 +318,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       nlohmann::json j = {{"point", r.point}, {"gpus", r.gpus}, {"found", r.found}};
       if (r.found) {
         j.update({{"plan", r.plan},
+                  {"fits", r.fits},
                   {"step_time_s", r.step_s},
                   {"tokens_per_s", r.tokens_per_s},
                   {"mfu", r.mfu},
@@ -271,6 +327,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
         if (tokens > 0) j["time_to_train_s"] = r.train_s;
         if (r.cost_usd >= 0) j["cost_usd"] = r.cost_usd;
         if (r.energy_kwh >= 0) j["energy_kwh"] = r.energy_kwh;
+        if (vm.count("fixed-plan")) {
+          j["memory_per_gpu_bytes"] = r.memory_bytes;
+          j["capacity_bytes"] = r.capacity_bytes;
+        }
       }
       out.push_back(j);
     }
@@ -280,17 +340,18 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (vm["csv"].as<bool>()) {
     std::cout << fmt::format(
         "{},devices,plan,step_time_s,tokens_per_s,mfu,scaling_efficiency,"
-        "amdahl_max_speedup,time_to_train_days,cost_usd,energy_mwh\n",
+        "amdahl_max_speedup,time_to_train_days,cost_usd,energy_mwh,fits\n",
         fmt::join(keys, ","));
     for (const Row& r : rows) {
       std::vector<std::string> vals;
       for (const auto& k : keys) vals.push_back(r.point.at(k));
       std::cout << fmt::format(
-          "{},{},\"{}\",{:.6g},{:.6g},{:.4f},{:.4f},{:.4g},{},{},{}\n", fmt::join(vals, ","),
+          "{},{},\"{}\",{:.6g},{:.6g},{:.4f},{:.4f},{:.4g},{},{},{},{}\n", fmt::join(vals, ","),
           r.gpus, r.plan, r.step_s, r.tokens_per_s, r.mfu, efficiency(r), r.max_speedup,
           tokens > 0 && r.found ? fmt::format("{:.4g}", r.train_s / 86400) : "",
           r.cost_usd >= 0 ? fmt::format("{:.0f}", r.cost_usd) : "",
-          r.energy_kwh >= 0 ? fmt::format("{:.4g}", r.energy_kwh / 1000) : "");
+          r.energy_kwh >= 0 ? fmt::format("{:.4g}", r.energy_kwh / 1000) : "",
+          r.found ? (r.fits ? "1" : "0") : "");
     }
     return 0;
   }
@@ -314,7 +375,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
       for (const char* s : {"no plan fits", "-", "-", "-", "-", "-", "-", "-", "-"})
         cells.push_back(s);
     } else {
-      cells.push_back(r.plan);
+      cells.push_back(r.fits ? r.plan
+                             : fmt::format("{} (DOES NOT FIT: needs {:.1f} GiB of {:.1f} GiB)",
+                                           r.plan, r.memory_bytes / kGiB, r.capacity_bytes / kGiB));
       cells.push_back(fmt::format("{:.3f}", r.step_s));
       cells.push_back(fmt::format("{:.0f}", r.tokens_per_s));
       cells.push_back(fmt::format("{:.1f}%", 100 * r.mfu));

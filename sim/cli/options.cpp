@@ -220,6 +220,18 @@ plan::MemoryOptions memory_options_from(const po::variables_map& vm) {
   return options;
 }
 
+void require_symmetric_placement(const plan::Plan& plan, const cluster::Cluster& cluster) {
+  const cluster::Placement placement(plan.degrees(), plan.order);
+  if (!placement.symmetric_on(cluster.devices_per_node)) {
+    throw InputError(fmt::format(
+        "placement: with order {} the groups of plan {} straddle the {}-device nodes of {} "
+        "unevenly (each product of degrees in that order must divide the node size or be a "
+        "multiple of it); the simulator needs every group of a kind to have the same shape",
+        cluster::Placement::to_string(plan.order), plan::summary(plan), cluster.devices_per_node,
+        cluster.name));
+  }
+}
+
 PlanSetup setup_from_options(const po::variables_map& vm) {
   model::ModelSpec spec = model_from_options(vm);
   cluster::Cluster cluster = cluster_from_options(vm);

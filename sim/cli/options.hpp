@@ -43,6 +43,11 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
 void add_memory_options(po::options_description& desc);
 plan::MemoryOptions memory_options_from(const po::variables_map& vm);
 
+// The simulator runs one program per pipeline stage; that is exact only when every group of a
+// kind has the same shape on the nodes (cluster::Placement::symmetric_on). Throws InputError
+// naming the degrees otherwise.
+void require_symmetric_placement(const plan::Plan& plan, const cluster::Cluster& cluster);
+
 // What memory, simulate, lower start from: the model, the cluster (--gpus applied), the
 // completed and validated plan with its notes, and the model graph for the plan's micro-batch
 // and precision. Fails when the device lacks the plan's precision.

@@ -167,6 +167,39 @@ std::vector<std::int64_t> Placement::group(ParallelDim dim, std::int64_t rank) c
   return out;
 }
 
+std::vector<std::int64_t> Placement::gradient_group(std::int64_t rank) const {
+  const RankCoords base = coords(rank);
+  std::vector<std::int64_t> out;
+  for (int c = 0; c < degrees_.cp; ++c) {
+    for (int o = 0; o < extent(ParallelDim::Dp); ++o) {
+      for (int e = 0; e < degrees_.ep; ++e) out.push_back(this->rank({base.tp, c, e, o, base.pp}));
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<std::int64_t> Placement::expert_gradient_group(std::int64_t rank) const {
+  const RankCoords base = coords(rank);
+  std::vector<std::int64_t> out;
+  for (int c = 0; c < degrees_.cp; ++c) {
+    for (int o = 0; o < extent(ParallelDim::Dp); ++o) {
+      out.push_back(this->rank({base.tp, c, base.ep, o, base.pp}));
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+bool Placement::symmetric_on(std::int64_t devices_per_node) const {
+  std::int64_t product = 1;
+  for (ParallelDim d : order_) {
+    product *= extent(d);
+    if (devices_per_node % product != 0 && product % devices_per_node != 0) return false;
+  }
+  return true;
+}
+
 GroupSpan group_span(const Cluster& cluster, std::span<const std::int64_t> devices) {
   GroupSpan span;
   span.devices = static_cast<std::int64_t>(devices.size());

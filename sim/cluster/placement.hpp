@@ -55,6 +55,15 @@ class Placement {
   // The ranks that share every coordinate with `rank` except `dim` (Dp spans ep x dp_outer;
   // Ep only the expert-parallel ranks), in increasing order of that coordinate.
   std::vector<std::int64_t> group(ParallelDim dim, std::int64_t rank) const;
+  // The ranks that hold the same dense weights as `rank` and reduce their gradients together:
+  // data-parallel and context-parallel (Megatron-LM reduces over dp x cp), in order.
+  std::vector<std::int64_t> gradient_group(std::int64_t rank) const;
+  // The same for expert weights: the ranks with the same experts (same ep index), dp/ep x cp.
+  std::vector<std::int64_t> expert_gradient_group(std::int64_t rank) const;
+  // Whether every group of every kind has the same shape on nodes of `devices_per_node`
+  // devices: each product of the dimensions in order (fastest first) divides the node or is a
+  // multiple of it. Then all ranks of a pipeline stage see identical surroundings.
+  bool symmetric_on(std::int64_t devices_per_node) const;
 
  private:
   int extent(ParallelDim dim) const;  // size of the dimension in the mixed radix

@@ -159,9 +159,19 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   if (plan.schedule == plan::Schedule::PipeDreamAsync && plan.pp > 1) {
     // No flush between steps: in steady state the pipeline stays full, so a step costs the
     // bottleneck stage's busy time; the fill/drain bubble is paid once per run, not per step.
-    double steady = 0;
-    for (const auto& s : p.stages) steady = std::max(steady, p.step_time_s - s.breakdown.bubble_s);
+    // The stage with the largest busy time (makespan - bubble) sets the step and is the one
+    // reported, so that its breakdown, less the bubble, sums to the step time. Ties: the first.
+    const double makespan = p.step_time_s;
+    double steady = -1;
+    for (std::size_t i = 0; i < p.stages.size(); ++i) {
+      const double busy_s = makespan - p.stages[i].breakdown.bubble_s;
+      if (busy_s > steady) {
+        steady = busy_s;
+        p.bottleneck_stage = static_cast<int>(i);
+      }
+    }
     p.step_time_s = steady;
+    p.breakdown = p.stages[static_cast<std::size_t>(p.bottleneck_stage)].breakdown;
     p.breakdown.bubble_s = 0;
     p.notes.push_back(
         "pipedream: asynchronous steady state (no flush); step time excludes the "

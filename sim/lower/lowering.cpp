@@ -4,6 +4,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 
 #include "sim/common/error.hpp"
 #include "sim/lower/schedule.hpp"
@@ -133,7 +134,8 @@ class Lowerer {
         placement_(plan.degrees(), plan.order),
         chunks_(plan::chunk_layers(plan, g.spec().layers)),
         act_bytes_(static_cast<std::uint64_t>(plan::activation_bytes_per_element(plan.precision))),
-        grad_bytes_(plan::state_bytes_per_param(plan.precision, plan.optimizer).gradients) {
+        grad_bytes_(plan::state_bytes_per_param(plan.precision, plan.optimizer).gradients),
+        weight_bytes_(plan::state_bytes_per_param(plan.precision, plan.optimizer).weights) {
     const model::ModelSpec& m = g.spec();
     tokens_ = static_cast<std::uint64_t>(plan.micro_batch_size * plan.seq_len / plan.cp);
     hidden_bytes_ = tokens_ * static_cast<std::uint64_t>(m.hidden) * act_bytes_;
@@ -176,6 +178,7 @@ class Lowerer {
   std::vector<int> chunks_;
   std::uint64_t act_bytes_;
   double grad_bytes_;
+  double weight_bytes_;
   std::uint64_t tokens_ = 0;        // tokens of one micro-batch on one rank (b·s/cp)
   std::uint64_t hidden_bytes_ = 0;  // one activation tensor of width h
   Program program_;
@@ -205,23 +208,22 @@ class Lowerer {
       case GroupKind::Ep:
         ranks = placement_.group(ParallelDim::Ep, rp_->rank);
         break;
-      case GroupKind::Dp:
-        ranks = placement_.group(ParallelDim::Dp, rp_->rank);
+      case GroupKind::Dp:  // gradients reduce over dp x cp (Megatron-LM)
+        ranks = placement_.gradient_group(rp_->rank);
         break;
-      case GroupKind::ExpertDp: {
-        // The ranks holding the same experts: same ep index, every dp_outer.
-        const auto base = placement_.coords(rp_->rank);
-        for (int o = 0; o < plan_.dp / plan_.ep; ++o) {
-          auto c = base;
-          c.dp_outer = o;
-          ranks.push_back(placement_.rank(c));
-        }
+      case GroupKind::ExpertDp:  // the ranks holding the same experts
+        ranks = placement_.expert_gradient_group(rp_->rank);
         break;
-      }
       case GroupKind::Pp:
         ranks = placement_.group(ParallelDim::Pp, rp_->rank);
         break;
     }
+    return group_of(kind, ranks);
+  }
+
+  // The group of `ranks`, created on first use. Its simulated programs: with AllRanks every
+  // member; with Representatives the stage representatives of its members (one per stage).
+  std::int32_t group_of(GroupKind kind, const std::vector<std::int64_t>& ranks) {
     const auto key = std::make_pair(kind, ranks);
     auto [it, inserted] =
         group_ids_.try_emplace(key, static_cast<std::int32_t>(program_.groups.size()));
@@ -232,7 +234,9 @@ class Lowerer {
       if (options_.mode == Lowering::AllRanks) {
         for (std::int64_t r : ranks) grp.programs.push_back(static_cast<std::int32_t>(r));
       } else {
-        grp.programs.push_back(prog_);
+        std::set<std::int32_t> stages;
+        for (std::int64_t r : ranks) stages.insert(placement_.coords(r).pp);
+        grp.programs.assign(stages.begin(), stages.end());
       }
       program_.groups.push_back(std::move(grp));
     }
@@ -435,12 +439,13 @@ class Lowerer {
     return prev;
   }
 
-  std::uint64_t chunk_param_bytes(const std::vector<Item>& items, bool experts) const {
+  // Parameters of a chunk on this rank (tensor-parallel share), dense or expert.
+  double chunk_params(const std::vector<Item>& items, bool experts) const {
     double p = 0;
     for (const Item& it : items) {
       if (it.op && g_.op(*it.op).expert == experts) p += plan::rank_params(g_.op(*it.op), plan_);
     }
-    return static_cast<std::uint64_t>(p);
+    return p;
   }
 
   // Data-parallel gradient reduction of the ops in `produced` (in the order backward produced
@@ -451,7 +456,7 @@ class Lowerer {
     const CollectiveKind kind =
         plan_.zero_stage == 0 ? CollectiveKind::AllReduce : CollectiveKind::ReduceScatter;
     for (const bool experts : {false, true}) {
-      const int size = experts ? plan_.dp / plan_.ep : plan_.dp;
+      const int size = (experts ? plan_.dp / plan_.ep : plan_.dp) * plan_.cp;
       if (size <= 1) continue;
       double bucket = 0;
       TaskId last = -1;
@@ -483,6 +488,22 @@ class Lowerer {
     return out;
   }
 
+  // A ZeRO-3 all-gather of one chunk's dense weights (the gathered size, as nccl-tests count),
+  // issued after `after` (the previous pass's first task), so that it is fetched one pass ahead.
+  TaskId gather_weights(const std::vector<Item>& chunk, const Pass& pass, TaskId after) {
+    Task ag;
+    ag.kind = TaskKind::Collective;
+    ag.stream = Stream::Dp;
+    ag.collective = CollectiveKind::AllGather;
+    ag.group = group(GroupKind::Dp);
+    ag.bytes = static_cast<std::uint64_t>(chunk_params(chunk, false) * weight_bytes_);
+    ag.micro_batch = pass.micro_batch;
+    ag.chunk = pass.chunk;
+    if (after >= 0) ag.deps.push_back(after);
+    ag.label = fmt::format("zero-3 all-gather weights chunk {} mb{}", pass.chunk, pass.micro_batch);
+    return add(std::move(ag));
+  }
+
   void lower_rank(int index) {
     prog_ = index;
     rp_ = &program_.ranks[static_cast<std::size_t>(index)];
@@ -499,11 +520,18 @@ class Lowerer {
         final_pass[static_cast<std::size_t>(passes[i].chunk)] = static_cast<int>(i);
       }
     }
-    const bool zero3 = plan_.zero_stage == 3 && plan_.dp > 1;
+    const int grad_group = plan_.dp * plan_.cp;
+    const bool zero3 = plan_.zero_stage == 3 && grad_group > 1;
     const bool per_micro_batch_grads = plan_.zero_stage >= 2;
     std::map<std::pair<int, int>, TaskId> input_grad_done;  // (mb, chunk) -> last B task
     std::vector<TaskId> dp_tasks;
-    TaskId previous_pass_start = -1;
+    std::vector<TaskId> embedding_grads_done;  // final backward of the embedding / tied head
+    // ZeRO-3: weights of pass i are gathered while pass i-1 runs (after its first task, ahead of
+    // its gradient buckets on the data-parallel stream).
+    TaskId weights = -1;
+    if (zero3 && !passes.empty()) {
+      weights = gather_weights(items[static_cast<std::size_t>(passes[0].chunk)], passes[0], -1);
+    }
 
     for (std::size_t i = 0; i < passes.size(); ++i) {
       const Pass& pass = passes[i];
@@ -513,23 +541,10 @@ class Lowerer {
       const bool last_micro_batch_grads =
           static_cast<int>(i) == final_pass[static_cast<std::size_t>(c)];
       TaskId dep = -1;
-      TaskId weights = -1;  // ZeRO-3: the all-gather of this chunk's weights
-      if (zero3) {
-        Task ag;
-        ag.kind = TaskKind::Collective;
-        ag.stream = Stream::Dp;
-        ag.collective = CollectiveKind::AllGather;
-        ag.group = group(GroupKind::Dp);
-        ag.bytes = chunk_param_bytes(chunk, false) * plan_.dp * 2;
-        ag.micro_batch = pass.micro_batch;
-        ag.chunk = c;
-        if (previous_pass_start >= 0) ag.deps.push_back(previous_pass_start);
-        ag.label = fmt::format("zero-3 all-gather weights chunk {} mb{}", c, pass.micro_batch);
-        weights = add(std::move(ag));
-      }
       const std::size_t pass_start = rp_->tasks.size();
       std::vector<std::pair<OpId, TaskId>> produced;
       const bool wants_grads = last_micro_batch_grads || per_micro_batch_grads;
+      TaskId pass_end = -1;
       switch (pass.kind) {
         case PassKind::Forward: {
           if (k > 0) {
@@ -544,9 +559,9 @@ class Lowerer {
             recv.label = fmt::format("recv activations mb{} chunk {}", pass.micro_batch, c);
             dep = add(std::move(recv));
           }
-          const TaskId end =
+          pass_end =
               emit_chain(chunk, Phase::Forward, false, pass.micro_batch, c, dep, nullptr, weights);
-          if (k < last_global) send(end, k + 1, pass.micro_batch, false, c);
+          if (k < last_global) send(pass_end, k + 1, pass.micro_batch, false, c);
           break;
         }
         case PassKind::Backward:
@@ -565,11 +580,11 @@ class Lowerer {
           }
           const Phase phase =
               pass.kind == PassKind::Backward ? Phase::Backward : Phase::BackwardInput;
-          const TaskId end = emit_backward(
+          pass_end = emit_backward(
               chunk, phase, pass.micro_batch, c, dep,
               pass.kind == PassKind::Backward && wants_grads ? &produced : nullptr, weights);
-          input_grad_done[{pass.micro_batch, c}] = end;
-          if (k > 0) send(end, k - 1, pass.micro_batch, true, c);
+          input_grad_done[{pass.micro_batch, c}] = pass_end;
+          if (k > 0) send(pass_end, k - 1, pass.micro_batch, true, c);
           break;
         }
         case PassKind::BackwardWeight: {
@@ -591,50 +606,86 @@ class Lowerer {
           w.deps.push_back(input_grad_done.at({pass.micro_batch, c}));
           if (weights >= 0) w.deps.push_back(weights);
           w.label = fmt::format("bwd_weight chunk {} mb{}", c, pass.micro_batch);
-          const TaskId t = add(std::move(w));
+          pass_end = add(std::move(w));
           if (wants_grads) {
             for (auto it = chunk.rbegin(); it != chunk.rend(); ++it) {
-              if (it->op) produced.emplace_back(*it->op, t);
+              if (it->op) produced.emplace_back(*it->op, pass_end);
             }
           }
           break;
         }
       }
-      if (rp_->tasks.size() > pass_start) previous_pass_start = static_cast<TaskId>(pass_start);
-      if (per_micro_batch_grads) {
+      const TaskId first_of_pass =
+          rp_->tasks.size() > pass_start ? static_cast<TaskId>(pass_start) : pass_end;
+      if (zero3 && i + 1 < passes.size()) {
+        weights = gather_weights(items[static_cast<std::size_t>(passes[i + 1].chunk)],
+                                 passes[i + 1], first_of_pass);
+      }
+      if (per_micro_batch_grads || last_micro_batch_grads) {
+        // Buckets go out as soon as this pass's gradients exist.
         for (TaskId t : grad_buckets(produced, pass.micro_batch)) dp_tasks.push_back(t);
-      } else if (last_micro_batch_grads) {
-        // Buckets go out as soon as this chunk's final gradients exist.
-        for (TaskId t : grad_buckets(produced, pass.micro_batch)) dp_tasks.push_back(t);
+      }
+      const bool has_embedding = k == 0 || (k == last_global && g_.spec().tied_embeddings);
+      if (last_micro_batch_grads && has_embedding && pass.kind != PassKind::Forward) {
+        embedding_grads_done.push_back(pass_end);
       }
     }
 
-    // Optimizer step over this rank's parameters (its shard under ZeRO >= 1).
-    double params = 0;
-    for (const auto& chunk : items) {
-      for (const Item& it : chunk) {
-        if (it.op) params += plan::rank_params(g_.op(*it.op), plan_);
-      }
+    // Tied embeddings across stages: the first and the last stage each hold the embedding
+    // matrix and all-reduce its gradients before the optimizer (Megatron-LM).
+    const model::ModelSpec& spec = g_.spec();
+    if (spec.tied_embeddings && plan_.pp > 1 && !embedding_grads_done.empty()) {
+      auto first = placement_.coords(rp_->rank);
+      auto last = first;
+      first.pp = 0;
+      last.pp = plan_.pp - 1;
+      Task ar;
+      ar.kind = TaskKind::Collective;
+      ar.stream = Stream::Pp;
+      ar.collective = CollectiveKind::AllReduce;
+      ar.group = group_of(GroupKind::Pp, {placement_.rank(first), placement_.rank(last)});
+      ar.bytes = static_cast<std::uint64_t>(static_cast<double>(spec.vocab * spec.hidden) /
+                                            plan_.tp * grad_bytes_);
+      ar.deps = embedding_grads_done;
+      ar.label = "all-reduce tied embedding gradients";
+      dp_tasks.push_back(add(std::move(ar)));
     }
-    const double shard = plan_.zero_stage >= 1 ? static_cast<double>(plan_.dp) : 1.0;
+
+    // Optimizer step over this rank's parameters (its shard under ZeRO >= 1: dense parameters
+    // over dp x cp ranks, expert parameters over dp/ep x cp).
+    double dense = 0, experts = 0;
+    for (const auto& chunk : items) {
+      dense += chunk_params(chunk, false);
+      experts += chunk_params(chunk, true);
+    }
+    const bool sharded = plan_.zero_stage >= 1;
+    const double dense_shard = sharded ? static_cast<double>(grad_group) : 1.0;
+    const double expert_shard = sharded ? static_cast<double>(plan_.dp / plan_.ep * plan_.cp) : 1.0;
     Task opt;
     opt.kind = TaskKind::Compute;
     opt.stream = Stream::Compute;
     opt.phase = Phase::Optimizer;
-    opt.params = static_cast<std::uint64_t>(params / shard);
+    opt.params = static_cast<std::uint64_t>(dense / dense_shard + experts / expert_shard);
     opt.deps = dp_tasks;
     opt.label = "optimizer step";
     const TaskId opt_id = add(std::move(opt));
-    if ((plan_.zero_stage == 1 || plan_.zero_stage == 2) && plan_.dp > 1) {
-      Task ag;
-      ag.kind = TaskKind::Collective;
-      ag.stream = Stream::Dp;
-      ag.collective = CollectiveKind::AllGather;
-      ag.group = group(GroupKind::Dp);
-      ag.bytes = static_cast<std::uint64_t>(params) * 2;
-      ag.deps.push_back(opt_id);
-      ag.label = "zero all-gather updated weights";
-      add(std::move(ag));
+    if (plan_.zero_stage == 1 || plan_.zero_stage == 2) {
+      // Every rank gathers the updated weights of the others.
+      for (const bool expert : {false, true}) {
+        const double shard = expert ? expert_shard : dense_shard;
+        const double params = expert ? experts : dense;
+        if (shard <= 1 || params <= 0) continue;
+        Task ag;
+        ag.kind = TaskKind::Collective;
+        ag.stream = Stream::Dp;
+        ag.collective = CollectiveKind::AllGather;
+        ag.group = group(expert ? GroupKind::ExpertDp : GroupKind::Dp);
+        ag.bytes = static_cast<std::uint64_t>(params * weight_bytes_);
+        ag.deps.push_back(opt_id);
+        ag.label =
+            expert ? "zero all-gather updated expert weights" : "zero all-gather updated weights";
+        add(std::move(ag));
+      }
     }
   }
 
@@ -653,7 +704,7 @@ class Lowerer {
     s.kind = TaskKind::Send;
     s.stream = Stream::Pp;
     s.peer = peer_of_chunk(to_chunk);
-    // The tag names the receiving side's chunk for activations, the sender's for gradients.
+    // The tag names the receiving chunk: k+1 for activations, k-1 for gradients.
     s.tag = gradient ? tag(mb, to_chunk, true) : tag(mb, to_chunk, false);
     s.bytes = activation_bytes();
     s.micro_batch = mb;
@@ -668,6 +719,20 @@ class Lowerer {
 }  // namespace
 
 Program lower(const model::ModelGraph& graph, const plan::Plan& plan, const LowerOptions& options) {
+  // About 10 tasks per block per pass (compute segments and collectives), up to three passes
+  // per micro-batch (zero-bubble), per simulated program.
+  const double programs =
+      options.mode == Lowering::AllRanks ? static_cast<double>(plan.devices()) : plan.pp;
+  const double blocks = static_cast<double>(graph.spec().layers) / plan.pp + 2;
+  const double tasks = programs * static_cast<double>(plan.micro_batches()) * 3 * blocks * 10;
+  constexpr double kMaxTasks = 5e7;
+  if (tasks > kMaxTasks) {
+    throw InputError(fmt::format(
+        "--global-batch-size: {} micro-batches per step ({} simulated programs of {} blocks) "
+        "would need about {:.2g} tasks, more than the {:.0e} the simulator handles; use a larger "
+        "--micro-batch-size or a smaller global batch",
+        plan.micro_batches(), programs, graph.spec().layers / plan.pp, tasks, kMaxTasks));
+  }
   return Lowerer(graph, plan, options).run();
 }
 

@@ -25,7 +25,7 @@ class Analytical final : public NetworkModel {
     const cluster::GroupSpan span = cluster::group_span(c_, group.ranks);
     const int k = static_cast<int>(span.max_devices_per_node);
     const int nodes = static_cast<int>(span.nodes);
-    const Link intra{c_.intra.bw_bytes_per_s.value, c_.intra.latency_s.value};
+    const Link intra{intra_bw(k), c_.intra.latency_s.value};
     const Link inter_ring = inter_link(span, k);
     const Link inter_each = inter_link(span, 1);
     // The ring's slowest hop.
@@ -60,7 +60,7 @@ class Analytical final : public NetworkModel {
     const std::int64_t dpn = c_.devices_per_node;
     if (src / dpn == dst / dpn) {
       return network::p2p_s(static_cast<double>(bytes),
-                            Link{c_.intra.bw_bytes_per_s.value, c_.intra.latency_s.value});
+                            Link{intra_bw(2), c_.intra.latency_s.value});
     }
     const std::vector<std::int64_t> pair = {src, dst};
     // Every device of the node sends to its own peer at the same time (pipeline symmetry).
@@ -68,6 +68,19 @@ class Analytical final : public NetworkModel {
   }
 
  private:
+  // Bandwidth per rank inside a node for a group of k ranks there. A switch (NVSwitch) gives
+  // every rank its full link bandwidth; on a mesh of direct links (NVLink mesh, xGMI, Gaudi's
+  // RoCE ports) a rank's links are spread over its devices_per_node - 1 peers, and a group of
+  // k ranks uses the k - 1 links to its members.
+  double intra_bw(int k) const {
+    const double bw = c_.intra.bw_bytes_per_s.value;
+    const auto f = c_.intra.fabric;
+    const bool mesh = f == cluster::IntraFabric::NvlinkMesh || f == cluster::IntraFabric::Xgmi ||
+                      f == cluster::IntraFabric::RoceMesh;
+    if (!mesh || c_.devices_per_node <= 1) return bw;
+    return bw * std::max(1, k - 1) / static_cast<double>(c_.devices_per_node - 1);
+  }
+
   // Per-flow bandwidth leaving a node when every device of the node is in a group of this kind
   // with k members per node (devices_per_node / k flows share the node's NICs).
   Link inter_link(const cluster::GroupSpan& span, int k) const {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 
 #include "sim/cluster/placement.hpp"
@@ -14,29 +15,32 @@ using cluster::ParallelDim;
 std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan) {
   const cluster::Placement placement(plan.degrees(), plan.order);
   std::set<std::pair<std::int64_t, std::int64_t>> pairs;
-  auto ring = [&](const std::vector<std::int64_t>& g) {
-    for (std::size_t i = 0; g.size() > 1 && i < g.size(); ++i) {
-      pairs.emplace(g[i], g[(i + 1) % g.size()]);
-    }
+  // Each group is walked once: from its first (smallest) rank.
+  auto ring = [&](std::int64_t r, const std::vector<std::int64_t>& g) {
+    if (g.size() < 2 || *std::min_element(g.begin(), g.end()) != r) return;
+    for (std::size_t i = 0; i < g.size(); ++i) pairs.emplace(g[i], g[(i + 1) % g.size()]);
   };
   const std::int64_t ranks = plan.devices();
   for (std::int64_t r = 0; r < ranks; ++r) {
-    for (ParallelDim d : {ParallelDim::Tp, ParallelDim::Cp, ParallelDim::Dp}) {
-      ring(placement.group(d, r));
-    }
+    ring(r, placement.group(ParallelDim::Tp, r));
+    ring(r, placement.group(ParallelDim::Cp, r));
+    ring(r, placement.gradient_group(r));
+    ring(r, placement.expert_gradient_group(r));
     const auto ep = placement.group(ParallelDim::Ep, r);
-    for (std::int64_t a : ep) {
-      for (std::int64_t b : ep) {
-        if (a != b) pairs.emplace(a, b);
+    if (ep.size() > 1 && ep.front() == r) {
+      for (std::int64_t a : ep) {
+        for (std::int64_t b : ep) {
+          if (a != b) pairs.emplace(a, b);
+        }
       }
     }
     const auto pp = placement.group(ParallelDim::Pp, r);
-    for (std::size_t i = 0; i + 1 < pp.size(); ++i) {
-      pairs.emplace(pp[i], pp[i + 1]);
-      pairs.emplace(pp[i + 1], pp[i]);
-    }
-    // Interleaved: the last stage sends to the first.
-    if (pp.size() > 1) {
+    if (pp.size() > 1 && pp.front() == r) {
+      for (std::size_t i = 0; i + 1 < pp.size(); ++i) {
+        pairs.emplace(pp[i], pp[i + 1]);
+        pairs.emplace(pp[i + 1], pp[i]);
+      }
+      // Interleaved schedules and tied embeddings: the last stage talks to the first.
       pairs.emplace(pp.back(), pp.front());
       pairs.emplace(pp.front(), pp.back());
     }
@@ -59,8 +63,8 @@ PlatformSpec build_platform(const cluster::Cluster& c,
   const auto fabric = c.inter.fabric;
   if (fabric == cluster::InterFabric::Torus3d) {
     throw UnsupportedError(fmt::format(
-        "--network simgrid: cluster {} is a torus ({}), which the flow-level platform does not "
-        "describe yet; use --network analytical",
+        "cluster {} ({}) is a torus, which the flow-level (SimGrid) platform does not describe "
+        "yet; use the analytical network model",
         c.name, c.file));
   }
   PlatformSpec spec;

@@ -169,20 +169,18 @@ class SimGridNetwork final : public NetworkModel {
           groups.insert(placement_.group(ParallelDim::Ep, r));
           break;
         case lower::GroupKind::Dp:
-          groups.insert(placement_.group(ParallelDim::Dp, r));
+          groups.insert(placement_.gradient_group(r));
           break;
-        case lower::GroupKind::ExpertDp: {
-          std::vector<std::int64_t> g;
-          for (int o = 0; o < plan_.dp / plan_.ep; ++o) {
-            auto m = c;
-            m.dp_outer = o;
-            g.push_back(placement_.rank(m));
-          }
-          groups.insert(g);
+        case lower::GroupKind::ExpertDp:
+          groups.insert(placement_.expert_gradient_group(r));
           break;
-        }
         case lower::GroupKind::Pp:
-          groups.insert(placement_.group(ParallelDim::Pp, r));
+          // Pipeline groups: the tied-embedding pair (first and last stage) of every rank.
+          groups.insert(
+              group.ranks.size() == 2
+                  ? std::vector<std::int64_t>{placement_.group(ParallelDim::Pp, r).front(),
+                                              placement_.group(ParallelDim::Pp, r).back()}
+                  : placement_.group(ParallelDim::Pp, r));
           break;
       }
     }

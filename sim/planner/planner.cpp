@@ -100,7 +100,7 @@ class Estimator {
     // The slowest stage's forward and backward per micro-batch.
     const std::vector<int> chunks = plan::chunk_layers(p, m.layers);
     double stage_f = 0, stage_b = 0, stage_w = 0, stage_rec = 0;
-    double stage_params = 0;
+    double stage_params = 0, stage_expert_params = 0;
     for (int s = 0; s < p.pp; ++s) {
       int layers = 0;
       for (int c = 0; c < p.virtual_stages; ++c)
@@ -120,7 +120,8 @@ class Estimator {
         stage_rec = r;
         stage_w = layers * lbw;
       }
-      stage_params = std::max(stage_params, stage_param_count(g, p, s, chunks));
+      stage_params = std::max(stage_params, stage_param_count(g, p, s, chunks, false));
+      stage_expert_params = std::max(stage_expert_params, stage_param_count(g, p, s, chunks, true));
     }
     const double mb = static_cast<double>(p.micro_batches());
     const double per_mb = stage_f + stage_b + stage_rec;
@@ -152,32 +153,41 @@ class Estimator {
     }
     b.exposed_pp_s = p.pp > 1 ? 2 * fill * p2p : 0;
 
-    // Data parallelism: gradients reduced in buckets that overlap the last backward pass.
-    const double grad_bytes = plan::state_bytes_per_param(p.precision, p.optimizer).gradients;
+    // Data parallelism: gradients reduced in buckets that overlap the last backward pass, over
+    // dp x cp ranks (expert gradients over dp/ep x cp); ZeRO shards over the same groups.
+    const auto bytes_per = plan::state_bytes_per_param(p.precision, p.optimizer);
     const double shard_group = static_cast<double>(p.dp) * p.cp;
-    if (p.dp * p.cp > 1) {
-      const auto dp = group(ParallelDim::Dp, lower::GroupKind::Dp);
-      const auto grads = static_cast<std::uint64_t>(stage_params * grad_bytes);
+    const double expert_group = static_cast<double>(p.dp / p.ep) * p.cp;
+    const double backward = stage_b / std::max(1, p.virtual_stages);
+    const CollectiveKind reduce =
+        p.zero_stage == 0 ? CollectiveKind::AllReduce : CollectiveKind::ReduceScatter;
+    for (const bool expert : {false, true}) {
+      const double params = expert ? stage_expert_params : stage_params;
+      const double size = expert ? expert_group : shard_group;
+      if (size <= 1 || params <= 0) continue;
+      const lower::Group grp{
+          expert ? lower::GroupKind::ExpertDp : lower::GroupKind::Dp,
+          expert ? placement.expert_gradient_group(0) : placement.gradient_group(0),
+          {0}};
+      const auto grads = static_cast<std::uint64_t>(params * bytes_per.gradients);
       const auto bucket = std::min<std::uint64_t>(grads, 25ULL << 20);
-      const CollectiveKind kind =
-          p.zero_stage == 0 ? CollectiveKind::AllReduce : CollectiveKind::ReduceScatter;
-      const double all = net_->collective_s(dp, kind, grads);
-      const double last = net_->collective_s(dp, kind, bucket);
-      const double backward = stage_b / std::max(1, p.virtual_stages);
-      if (p.zero_stage >= 2) {
-        b.exposed_dp_s = mb * std::max(0.0, all - backward) + last;
-      } else {
-        b.exposed_dp_s = std::max(last, all - backward);
-      }
-      const auto weights = static_cast<std::uint64_t>(stage_params * 2);
+      const double all = net_->collective_s(grp, reduce, grads);
+      const double last = net_->collective_s(grp, reduce, bucket);
+      b.exposed_dp_s += p.zero_stage >= 2 ? mb * std::max(0.0, all - backward) + last
+                                          : std::max(last, all - backward);
+      const auto weights = static_cast<std::uint64_t>(params * bytes_per.weights);
       if (p.zero_stage == 1 || p.zero_stage == 2) {
-        b.exposed_dp_s += net_->collective_s(dp, CollectiveKind::AllGather, weights);
+        b.exposed_dp_s += net_->collective_s(grp, CollectiveKind::AllGather, weights);
       }
-      if (p.zero_stage == 3) {
-        const double gather = net_->collective_s(dp, CollectiveKind::AllGather,
-                                                 weights * static_cast<std::uint64_t>(p.dp));
+      if (p.zero_stage == 3 && !expert) {
+        // One gather per pass (2 per micro-batch and chunk), each hidden behind the previous
+        // pass except for the first.
+        const double gather =
+            net_->collective_s(grp, CollectiveKind::AllGather,
+                               static_cast<std::uint64_t>(weights / std::max(1, p.virtual_stages)));
         const double pass = std::min(stage_f, stage_b) / std::max(1, p.virtual_stages);
-        b.exposed_dp_s += 2 * mb * p.virtual_stages * std::max(0.0, gather - pass) + gather;
+        const double passes = 2 * mb * p.virtual_stages;
+        b.exposed_dp_s += gather + (passes - 1) * std::max(0.0, gather - pass);
       }
     }
     b.optimizer_s = cost.optimizer_seconds(
@@ -193,17 +203,19 @@ class Estimator {
 
  private:
   static double stage_param_count(const model::ModelGraph& g, const Plan& p, int stage,
-                                  const std::vector<int>& chunks) {
+                                  const std::vector<int>& chunks, bool experts) {
     double params = 0;
     for (int c = 0; c < p.virtual_stages; ++c) {
       const int k = c * p.pp + stage;
       int first = 0;
       for (int i = 0; i < k; ++i) first += chunks[static_cast<std::size_t>(i)];
       for (int l = first; l < first + chunks[static_cast<std::size_t>(k)]; ++l) {
-        for (model::OpId id : g.layer_ops(l)) params += plan::rank_params(g.op(id), p);
+        for (model::OpId id : g.layer_ops(l)) {
+          if (g.op(id).expert == experts) params += plan::rank_params(g.op(id), p);
+        }
       }
     }
-    if (stage == 0) {
+    if (stage == 0 && !experts) {
       for (model::OpId id : g.layer_ops(-1)) params += plan::rank_params(g.op(id), p);
     }
     return params;
@@ -284,6 +296,10 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
                       p.recompute = r;
                       p.sequence_parallel = sp;
                       p.precision = space.precision;
+                      if (!cluster::Placement(p.degrees(), p.order)
+                               .symmetric_on(devices_per_node)) {
+                        continue;
+                      }
                       out.push_back(p);
                     }
                   }

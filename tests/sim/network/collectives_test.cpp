@@ -46,3 +46,16 @@ TEST_CASE("the analytical model uses the links a group crosses", "[network]") {
               .epsilon(1e-12));
   }
 }
+
+TEST_CASE("on a mesh of direct links a small group uses only its own links", "[network]") {
+  // Gaudi2: 21 of 24 RoCE ports form an all-to-all mesh between the 8 chips of a node, so a
+  // pair of chips shares 1/7 of a chip's scale-up bandwidth.
+  const auto c = dtsim::cluster::load_cluster("gaudi2-cluster");
+  auto model = dtsim::network::make_analytical(c);
+  const double bw = c.intra.bw_bytes_per_s.value;
+  const double alpha = c.intra.latency_s.value;
+  CHECK(model->p2p_s(0, 1, 1 << 20) == Approx((1 << 20) / (bw / 7) + alpha).epsilon(1e-12));
+  dtsim::lower::Group node{dtsim::lower::GroupKind::Tp, {0, 1, 2, 3, 4, 5, 6, 7}, {0}};
+  CHECK(model->collective_s(node, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
+        Approx(dtsim::network::ring_all_gather_s(1073741824.0, 8, Link{bw, alpha})).epsilon(1e-12));
+}

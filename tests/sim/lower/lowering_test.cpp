@@ -1,0 +1,134 @@
+#include "sim/lower/lowering.hpp"
+
+#include "sim/engine/simulator.hpp"
+#include "tests/test_util.hpp"
+
+using dtsim::lower::CollectiveKind;
+using dtsim::lower::GroupKind;
+using dtsim::lower::Lowering;
+using dtsim::lower::Phase;
+using dtsim::lower::Program;
+using dtsim::lower::Stream;
+using dtsim::lower::TaskKind;
+using dtsim::plan::Plan;
+
+namespace {
+
+Plan plan_for(int dp, int tp, int pp, int cp) {
+  Plan p;
+  p.dp = dp;
+  p.tp = tp;
+  p.pp = pp;
+  p.cp = cp;
+  p.micro_batch_size = 1;
+  p.seq_len = 32;
+  p.global_batch_size = 4 * dp;
+  return p;
+}
+
+// The collectives of one rank program on `stream`, in issue order.
+std::vector<const dtsim::lower::Task*> on_stream(const Program& program, std::size_t rank,
+                                                 Stream stream) {
+  std::vector<const dtsim::lower::Task*> out;
+  for (const auto& t : program.ranks[rank].tasks) {
+    if (t.stream == stream && t.kind == TaskKind::Collective) out.push_back(&t);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("gradients reduce over dp x cp and ZeRO shards over it", "[lower]") {
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  Plan p = plan_for(1, 1, 1, 2);  // no data parallelism, context parallelism 2
+  p.zero_stage = 1;
+  const Program program = dtsim::lower::lower(g, p);
+  const auto dp = on_stream(program, 0, Stream::Dp);
+  REQUIRE(!dp.empty());
+  CHECK(dp.front()->collective == CollectiveKind::ReduceScatter);
+  CHECK(program.groups[static_cast<std::size_t>(dp.front()->group)].ranks.size() == 2);
+  const auto& opt = program.ranks[0].tasks.at(program.ranks[0].tasks.size() - 2);
+  REQUIRE(opt.phase == Phase::Optimizer);
+  CHECK(opt.params == dtsim::model::count_params(spec) / 2);
+}
+
+TEST_CASE("ZeRO-3 gathers each chunk's weights once per pass, one pass ahead", "[lower]") {
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  Plan p = plan_for(4, 1, 1, 1);
+  p.zero_stage = 3;
+  const Program program = dtsim::lower::lower(g, p);
+  const auto dp = on_stream(program, 0, Stream::Dp);
+  // Passes: 4 forward + 4 backward; the gathered output is the whole chunk in 16 bits.
+  int gathers = 0;
+  for (const auto* t : dp) {
+    if (t->collective != CollectiveKind::AllGather) continue;
+    ++gathers;
+    CHECK(t->bytes == dtsim::model::count_params(spec) * 2);
+  }
+  CHECK(gathers == 8);
+  // The gather for the last pass comes before that pass's predecessor's gradient buckets.
+  std::size_t last_gather = 0, first_bucket = dp.size();
+  for (std::size_t i = 0; i < dp.size(); ++i) {
+    if (dp[i]->collective == CollectiveKind::AllGather) last_gather = i;
+    if (dp[i]->collective == CollectiveKind::ReduceScatter)
+      first_bucket = std::min(first_bucket, i);
+  }
+  CHECK(last_gather < first_bucket + 2 * 8);
+}
+
+TEST_CASE("tied embeddings on two stages all-reduce their gradients", "[lower]") {
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  REQUIRE(spec.tied_embeddings);
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  const Program program = dtsim::lower::lower(g, plan_for(1, 1, 2, 1));
+  for (std::size_t r = 0; r < 2; ++r) {
+    const auto pp = on_stream(program, r, Stream::Pp);
+    REQUIRE(pp.size() == 1);
+    CHECK(pp[0]->collective == CollectiveKind::AllReduce);
+    const auto& grp = program.groups[static_cast<std::size_t>(pp[0]->group)];
+    CHECK(grp.programs.size() == 2);  // both stages take part
+    CHECK(pp[0]->bytes == static_cast<std::uint64_t>(spec.vocab * spec.hidden * 2));
+  }
+}
+
+TEST_CASE("a representative per stage is exact with cp and with experts", "[lower][symmetry]") {
+  auto moe = dtsim::model::load_model("tiny");
+  moe.moe = dtsim::model::MoeSpec{4, 2, 64};
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 16);
+  for (auto [cp, ep, model] :
+       {std::tuple{2, 1, false}, std::tuple{1, 2, true}, std::tuple{2, 2, true}}) {
+    DYNAMIC_SECTION("cp=" << cp << " ep=" << ep) {
+      const auto spec = model ? moe : dtsim::model::load_model("tiny");
+      Plan p = plan_for(16 / (2 * cp * 2), 2, 2, cp);
+      p.ep = ep;
+      p.zero_stage = 1;
+      REQUIRE(dtsim::plan::check_plan(p, spec, 16).ok());
+      const dtsim::model::ModelGraph g(spec, 1, 32);
+      auto net = dtsim::network::make_analytical(cluster);
+      dtsim::engine::SimulateOptions all;
+      all.lower.mode = Lowering::AllRanks;
+      const auto rep = dtsim::engine::simulate(g, p, cluster, *net);
+      const auto full = dtsim::engine::simulate(g, p, cluster, *net, all);
+      CHECK(full.prediction.step_time_s == rep.prediction.step_time_s);
+      for (std::size_t r = 0; r < full.program.ranks.size(); ++r) {
+        const auto& mine = full.timeline.tasks[r];
+        const auto& theirs =
+            rep.timeline.tasks[static_cast<std::size_t>(full.program.ranks[r].stage)];
+        REQUIRE(mine.size() == theirs.size());
+        for (std::size_t t = 0; t < mine.size(); ++t) CHECK(mine[t].end_s == theirs[t].end_s);
+      }
+    }
+  }
+}
+
+TEST_CASE("too many micro-batches to simulate is an input error", "[lower][bad-input]") {
+  const auto spec = dtsim::model::load_model("llama3-70b");
+  const dtsim::model::ModelGraph g(spec, 1, 64);
+  Plan p = plan_for(1, 8, 1, 1);
+  p.seq_len = 64;
+  p.global_batch_size = 1 << 22;
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::lower::lower(g, p), dtsim::InputError,
+                                  "--global-batch-size: 4194304 micro-batches per step");
+}
