@@ -1,0 +1,53 @@
+// CPU kernels of the reference executor: forward and backward of every op of a GPT-style
+// decoder, in fp32, written out one op per function (the numerical reference the GPU backend
+// is checked against). Shapes are in the comments; T = tokens (batch x sequence), all buffers
+// row-major. Backward functions accumulate (+=) into gradient buffers, as autograd does.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace dtsim::exec::cpu {
+
+using In = std::span<const float>;
+using Out = std::span<float>;
+
+// out[T,N] = in[T,K] · w[K,N] (+ bias[N]). OpenBLAS sgemm.
+void matmul_forward(Out out, In in, In w, In bias, int T, int K, int N);
+// din[T,K] += dout[T,N] · w^T;  dw[K,N] += in^T · dout;  dbias[N] += sum over T of dout.
+// Any of din, dw, dbias may be empty (not wanted).
+void matmul_backward(Out din, Out dw, Out dbias, In dout, In in, In w, int T, int K, int N);
+
+// LayerNorm over C (eps 1e-5): out = (in - mean) * rstd * w + b; keeps mean[T] and rstd[T].
+// With `rms` true it is RMSNorm (no mean, no bias): out = in * rstd * w.
+void norm_forward(Out out, Out mean, Out rstd, In in, In w, In b, int T, int C, bool rms);
+void norm_backward(Out din, Out dw, Out db, In dout, In in, In w, In mean, In rstd, int T, int C,
+                   bool rms);
+
+// GELU, tanh approximation (as GPT-2): out = 0.5·x·(1 + tanh(sqrt(2/pi)·(x + 0.044715·x³))).
+void gelu_forward(Out out, In in, std::int64_t n);
+void gelu_backward(Out din, In in, In dout, std::int64_t n);
+
+// SwiGLU: in[T, 2F] = [gate | up] -> out[T, F] = silu(gate) · up.
+void swiglu_forward(Out out, In in, int T, int F);
+void swiglu_backward(Out din, In in, In dout, int T, int F);
+
+// Causal attention with grouped KV heads. qkv[B·S, (H + 2·G)·D] holds q (H heads), k, v (G
+// heads each, G divides H); out[B·S, H·D]; probs[B, H, S, S] keeps the softmax for backward.
+void attention_forward(Out out, Out probs, In qkv, int B, int S, int H, int G, int D);
+void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H, int G, int D);
+
+// Token (and learned position) embedding: out[B·S, C] = wte[token] (+ wpe[s]).
+void embedding_forward(Out out, std::span<const int> tokens, In wte, In wpe, int B, int S, int C);
+void embedding_backward(Out dwte, Out dwpe, In dout, std::span<const int> tokens, int B, int S,
+                        int C);
+
+// Softmax cross-entropy: logits[T, V], targets[T] -> returns the mean loss; dlogits[T, V] =
+// (softmax - onehot) / T (the gradient of the mean).
+double cross_entropy(Out dlogits, In logits, std::span<const int> targets, int T, int V);
+
+// AdamW (Loshchilov & Hutter 2019), step t >= 1, decoupled weight decay.
+void adamw(Out params, In grads, Out m, Out v, std::int64_t n, float lr, float beta1, float beta2,
+           float eps, float weight_decay, int t);
+
+}  // namespace dtsim::exec::cpu
