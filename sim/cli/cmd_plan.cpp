@@ -15,6 +15,7 @@
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
 #include "sim/planner/planner.hpp"
+#include "sim/report/breakdown_json.hpp"
 #include "sim/report/table.hpp"
 
 namespace dtsim::cli {
@@ -27,7 +28,7 @@ const engine::Breakdown& breakdown_of(const planner::Candidate& c) {
   return c.refined ? c.prediction.breakdown : c.estimate;
 }
 
-json candidate_json(const planner::Candidate& c, const model::ModelSpec& m) {
+json candidate_json(const planner::Candidate& c) {
   const double tokens = static_cast<double>(c.plan.global_batch_size * c.plan.seq_len);
   json j = {{"plan", plan::to_json(c.plan)},
             {"summary", plan::summary(c.plan)},
@@ -39,20 +40,9 @@ json candidate_json(const planner::Candidate& c, const model::ModelSpec& m) {
             {"capacity_bytes", c.capacity_bytes},
             {"fits", c.fits},
             {"dominant", planner::dominant_term(breakdown_of(c), c.step_time_s)}};
-  const engine::Breakdown& b = breakdown_of(c);
-  j["breakdown"] = {{"compute_s", b.compute_s},
-                    {"recompute_s", b.recompute_s},
-                    {"optimizer_s", b.optimizer_s},
-                    {"bubble_s", b.bubble_s},
-                    {"exposed_comm_s",
-                     {{"dp", b.exposed_dp_s},
-                      {"tp", b.exposed_tp_s},
-                      {"pp", b.exposed_pp_s},
-                      {"cp", b.exposed_cp_s},
-                      {"ep", b.exposed_ep_s}}}};
+  j["breakdown"] = report::breakdown_json(breakdown_of(c));
   if (c.refined) j["mfu"] = c.prediction.mfu;
   if (c.cost_per_step_usd >= 0) j["cost_per_step_usd"] = c.cost_per_step_usd;
-  (void)m;
   return j;
 }
 
@@ -314,7 +304,7 @@ int cmd_plan(const std::vector<std::string>& args) {
   if (vm["json"].as<bool>()) {
     json cands = json::array();
     for (int i = 0; i < shown; ++i)
-      cands.push_back(candidate_json(result.ranked[static_cast<std::size_t>(i)], spec));
+      cands.push_back(candidate_json(result.ranked[static_cast<std::size_t>(i)]));
     json out = {{"model", spec.name},
                 {"cluster", cluster.name},
                 {"gpus", cluster.devices()},
@@ -325,7 +315,7 @@ int cmd_plan(const std::vector<std::string>& args) {
                 {"tier_max_estimate_error", result.max_estimate_error},
                 {"candidates", cands}};
     if (result.best_not_fitting) {
-      out["best_not_fitting"] = candidate_json(*result.best_not_fitting, spec);
+      out["best_not_fitting"] = candidate_json(*result.best_not_fitting);
     }
     std::cout << out.dump(2) << "\n";
     return 0;

@@ -10,6 +10,7 @@
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
 #include "sim/engine/simulator.hpp"
+#include "sim/report/breakdown_json.hpp"
 #include "sim/report/table.hpp"
 #include "sim/report/trace.hpp"
 
@@ -18,19 +19,6 @@ namespace dtsim::cli {
 namespace {
 
 using nlohmann::json;
-
-json breakdown_json(const engine::Breakdown& b) {
-  return {{"compute_s", b.compute_s},
-          {"recompute_s", b.recompute_s},
-          {"optimizer_s", b.optimizer_s},
-          {"bubble_s", b.bubble_s},
-          {"exposed_comm_s",
-           {{"dp", b.exposed_dp_s},
-            {"tp", b.exposed_tp_s},
-            {"pp", b.exposed_pp_s},
-            {"cp", b.exposed_cp_s},
-            {"ep", b.exposed_ep_s}}}};
-}
 
 std::string ms(double s) {
   return fmt::format("{:.2f}", s * 1e3);
@@ -106,8 +94,9 @@ int cmd_simulate(const std::vector<std::string>& args) {
   if (vm["json"].as<bool>()) {
     json stages = json::array();
     for (const auto& s : p.stages) {
-      stages.push_back(
-          {{"stage", s.stage}, {"rank", s.rank}, {"breakdown", breakdown_json(s.breakdown)}});
+      stages.push_back({{"stage", s.stage},
+                        {"rank", s.rank},
+                        {"breakdown", report::breakdown_json(s.breakdown)}});
     }
     json out = {
         {"model", spec.name},
@@ -125,7 +114,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
         {"memory_per_gpu_bytes", p.memory.worst().total_bytes},
         {"memory_capacity_bytes", p.memory.capacity_bytes},
         {"fits", p.memory.fits},
-        {"breakdown", breakdown_json(p.breakdown)},
+        {"breakdown", report::breakdown_json(p.breakdown)},
         {"breakdown_stage", p.bottleneck_stage},
         {"per_stage", stages},
         {"amdahl", {{"serial_fraction", p.serial_fraction}, {"max_speedup", p.max_speedup}}},
