@@ -15,5 +15,6 @@ int cmd_lower(const std::vector<std::string>& args);
 int cmd_export_platform(const std::vector<std::string>& args);
 int cmd_plan(const std::vector<std::string>& args);
 int cmd_whatif(const std::vector<std::string>& args);
+int cmd_validate(const std::vector<std::string>& args);
 
 }  // namespace dtsim::cli

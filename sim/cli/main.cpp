@@ -22,6 +22,7 @@ const std::map<std::string, Command>& commands() {
       {"describe", {dtsim::cli::cmd_describe, "parameters, FLOPs per token, per-layer table"}},
       {"plan", {dtsim::cli::cmd_plan, "search plans, rank them by predicted step time"}},
       {"whatif", {dtsim::cli::cmd_whatif, "sweeps: GPUs, device, network, batch; time and cost"}},
+      {"validate", {dtsim::cli::cmd_validate, "predicted against measured traces, task by task"}},
       {"memory", {dtsim::cli::cmd_memory, "memory per rank of a plan; fits or not, and why"}},
       {"list", {dtsim::cli::cmd_list, "shipped models, clusters and devices"}},
       {"simulate", {dtsim::cli::cmd_simulate, "predicted step time, breakdown, MFU, memory"}},

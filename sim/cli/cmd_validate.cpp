@@ -1,0 +1,73 @@
+// dtsim validate: predicted against measured, task by task.
+#include <fmt/format.h>
+
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "sim/cli/commands.hpp"
+#include "sim/cli/options.hpp"
+#include "sim/common/error.hpp"
+#include "sim/report/table.hpp"
+#include "sim/report/validate.hpp"
+
+namespace dtsim::cli {
+
+int cmd_validate(const std::vector<std::string>& args) {
+  po::options_description desc("dtsim validate options");
+  desc.add_options()("help,h", "show this help")("predicted", po::value<std::string>(),
+                                                 "trace written by dtsim simulate --trace")(
+      "measured", po::value<std::string>(), "trace written by dtexec run --trace")(
+      "json", po::bool_switch(), "print JSON");
+  po::variables_map vm;
+  if (!parse(args, desc,
+             "usage: dtsim validate --predicted A.json --measured B.json [--json]\n\n"
+             "Joins two traces task by task (same rank and task id) and reports the error per "
+             "task kind, per stream and for the whole step (error = predicted / measured - 1).",
+             vm)) {
+    return 0;
+  }
+  if (!vm.count("predicted") || !vm.count("measured")) {
+    throw InputError("--predicted and --measured: both traces are required");
+  }
+  const auto predicted = report::read_trace(vm["predicted"].as<std::string>());
+  const auto measured = report::read_trace(vm["measured"].as<std::string>());
+  const report::Validation v = report::validate(predicted, measured);
+  if (v.matched == 0) {
+    throw InputError(
+        fmt::format("{} and {}: no task appears in both traces (they must come from "
+                    "the same plan)",
+                    predicted.file, measured.file));
+  }
+  if (vm["json"].as<bool>()) {
+    nlohmann::json rows = nlohmann::json::array();
+    for (const auto& r : v.rows) {
+      rows.push_back({{"group", r.group},
+                      {"tasks", r.tasks},
+                      {"predicted_s", r.predicted_s},
+                      {"measured_s", r.measured_s},
+                      {"error", r.error},
+                      {"mean_abs_task_error", r.mean_abs_error}});
+    }
+    std::cout << nlohmann::json{{"matched", v.matched},
+                                {"only_predicted", v.only_predicted},
+                                {"only_measured", v.only_measured},
+                                {"rows", rows}}
+                     .dump(2)
+              << "\n";
+    return 0;
+  }
+  report::Table t({"group", "tasks", "predicted", "measured", "error", "mean |task error|"});
+  t.set_units({"", "", "ms", "ms", "", ""});
+  t.align_left(0);
+  for (const auto& r : v.rows) {
+    t.add_row({r.group, fmt::format("{}", r.tasks), fmt::format("{:.3f}", r.predicted_s * 1e3),
+               fmt::format("{:.3f}", r.measured_s * 1e3), fmt::format("{:+.1f}%", 100 * r.error),
+               r.group == "step" ? "-" : fmt::format("{:.1f}%", 100 * r.mean_abs_error)});
+  }
+  std::cout << t.render();
+  std::cout << fmt::format("{} tasks matched; {} only predicted, {} only measured\n", v.matched,
+                           v.only_predicted, v.only_measured);
+  return 0;
+}
+
+}  // namespace dtsim::cli

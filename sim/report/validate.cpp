@@ -1,0 +1,117 @@
+#include "sim/report/validate.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "sim/common/error.hpp"
+#include "sim/common/json_reader.hpp"
+
+namespace dtsim::report {
+
+using nlohmann::json;
+
+double Trace::span_s() const {
+  if (tasks.empty()) return 0;
+  double first = tasks.front().start_s, last = 0;
+  for (const auto& t : tasks) {
+    first = std::min(first, t.start_s);
+    last = std::max(last, t.start_s + t.duration_s);
+  }
+  return last - first;
+}
+
+Trace read_trace(const std::string& path) {
+  const json j = JsonReader::parse_file(path);
+  if (!j.is_object() || !j.contains("traceEvents") || !j.at("traceEvents").is_array()) {
+    throw InputError(
+        fmt::format("{}: traceEvents: expected an array of Chrome trace events", path));
+  }
+  Trace trace;
+  trace.file = path;
+  const json& events = j.at("traceEvents");
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    const json& e = events[i];
+    const std::string where = fmt::format("traceEvents[{}]", i);
+    if (!e.is_object() || !e.contains("ph") || !e.at("ph").is_string()) {
+      throw InputError(fmt::format("{}: {}.ph: expected a string", path, where));
+    }
+    const std::string ph = e.at("ph").get<std::string>();
+    if (ph == "M") {
+      if (e.value("name", "") == "thread_name" && e.contains("tid") && e.contains("args")) {
+        trace.stream_names[e.at("tid").get<int>()] = e.at("args").value("name", "");
+      }
+      continue;
+    }
+    if (ph != "X") continue;
+    const JsonReader r(e, path, where);
+    auto number = [&](const char* key) {
+      if (!r.has(key) || !e.at(key).is_number()) r.fail(key, "expected a number");
+      return e.at(key).get<double>();
+    };
+    TraceTask t;
+    t.rank = static_cast<std::int64_t>(number("pid"));
+    t.stream = static_cast<int>(number("tid"));
+    t.start_s = number("ts") * 1e-6;
+    t.duration_s = number("dur") * 1e-6;
+    if (t.duration_s < 0) r.fail("dur", "expected a duration >= 0");
+    const JsonReader args = r.object("args");
+    if (!args.has("task") || !e.at("args").at("task").is_number_integer()) {
+      args.fail("task", "expected the task id (an integer)");
+    }
+    t.task = e.at("args").at("task").get<std::int64_t>();
+    t.kind = args.has("phase") ? args.string("phase") : args.string_or("kind", e.value("cat", "?"));
+    trace.tasks.push_back(std::move(t));
+  }
+  if (trace.tasks.empty()) {
+    throw InputError(fmt::format("{}: traceEvents: no complete (\"X\") task events", path));
+  }
+  return trace;
+}
+
+Validation validate(const Trace& predicted, const Trace& measured) {
+  std::map<std::pair<std::int64_t, std::int64_t>, const TraceTask*> by_id;
+  for (const auto& t : measured.tasks) by_id[{t.rank, t.task}] = &t;
+  struct Acc {
+    std::int64_t n = 0;
+    double p = 0, m = 0, abs_err = 0;
+    std::int64_t with_time = 0;
+  };
+  std::map<std::string, Acc> groups;
+  Validation v;
+  std::map<std::pair<std::int64_t, std::int64_t>, bool> seen;
+  for (const auto& p : predicted.tasks) {
+    const auto it = by_id.find({p.rank, p.task});
+    if (it == by_id.end()) {
+      ++v.only_predicted;
+      continue;
+    }
+    seen[{p.rank, p.task}] = true;
+    ++v.matched;
+    const TraceTask& m = *it->second;
+    const auto stream = predicted.stream_names.count(p.stream) ? predicted.stream_names.at(p.stream)
+                                                               : fmt::format("{}", p.stream);
+    for (const std::string& g : {"kind " + p.kind, "stream " + stream}) {
+      Acc& a = groups[g];
+      ++a.n;
+      a.p += p.duration_s;
+      a.m += m.duration_s;
+      if (m.duration_s > 0) {
+        a.abs_err += std::abs(p.duration_s / m.duration_s - 1);
+        ++a.with_time;
+      }
+    }
+  }
+  v.only_measured = static_cast<std::int64_t>(measured.tasks.size()) - v.matched;
+  for (const auto& [name, a] : groups) {
+    v.rows.push_back({name, a.n, a.p, a.m, a.m > 0 ? a.p / a.m - 1 : 0,
+                      a.with_time > 0 ? a.abs_err / static_cast<double>(a.with_time) : 0});
+  }
+  const double ps = predicted.span_s(), ms = measured.span_s();
+  v.rows.push_back({"step", v.matched, ps, ms, ms > 0 ? ps / ms - 1 : 0, 0});
+  return v;
+}
+
+}  // namespace dtsim::report

@@ -1,0 +1,50 @@
+// dtsim validate: join a predicted and a measured trace (DESIGN.md "Traces": one complete event
+// per task, pid = rank, tid = stream, args.task = task id) task by task, and report the error
+// per task kind, per stream and for the step.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace dtsim::report {
+
+struct TraceTask {
+  std::int64_t rank = 0;
+  std::int64_t task = 0;
+  int stream = 0;
+  std::string kind;  // "fwd", "bwd", ... for compute (args.phase), else args.kind / category
+  double start_s = 0;
+  double duration_s = 0;
+};
+
+struct Trace {
+  std::string file;
+  std::map<int, std::string> stream_names;  // tid -> name (thread_name metadata)
+  std::vector<TraceTask> tasks;
+  double span_s() const;  // last end - first start
+};
+
+// Throws InputError naming the file and the event/field that is malformed.
+Trace read_trace(const std::string& path);
+
+struct ErrorRow {
+  std::string group;  // "kind fwd", "stream comm_tp", "step"
+  std::int64_t tasks = 0;
+  double predicted_s = 0;  // summed durations (for "step": the span)
+  double measured_s = 0;
+  double error = 0;           // measured total against predicted: predicted / measured - 1
+  double mean_abs_error = 0;  // mean over tasks of |predicted / measured - 1|
+};
+
+struct Validation {
+  std::vector<ErrorRow> rows;  // per kind, per stream, then the step
+  std::int64_t matched = 0;
+  std::int64_t only_predicted = 0;
+  std::int64_t only_measured = 0;
+};
+
+Validation validate(const Trace& predicted, const Trace& measured);
+
+}  // namespace dtsim::report
