@@ -102,8 +102,6 @@ class Runner {
   }
 
  private:
-  std::size_t key(OpId id) const { return id; }
-
   void init_params() {
     std::normal_distribution<float> normal(0.0f, 0.02f);
     for (OpId id = 0; id < g_.size(); ++id) {
