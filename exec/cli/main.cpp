@@ -3,11 +3,13 @@
 #include <fmt/format.h>
 
 #include <boost/program_options.hpp>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "exec/core/runner.hpp"
+#include "exec/cpu/calibrate.hpp"
 #include "sim/common/error.hpp"
 #include "sim/lower/lowering.hpp"
 #include "sim/plan/memory_model.hpp"
@@ -27,6 +29,9 @@ void usage(std::ostream& os) {
         "      [--seq-len S] [--lr X] [--seed N] [--trace T.json] [--json]\n"
         "                         train M for N steps on the CPU (one rank), following the\n"
         "                         Program dtsim lowers the plan to; losses and step times\n"
+        "  calibrate --out P.json [--backend cpu] [--quick]\n"
+        "                         measure GEMM times by shape, memory bandwidth and kernel\n"
+        "                         overhead; a profile for dtsim --profile\n"
         "  devices [--selftest]   GPUs visible to the CUDA backend, library versions; with\n"
         "                         --selftest, run a check kernel on each GPU\n";
 }
@@ -164,23 +169,71 @@ int run(const std::vector<std::string>& args) {
 
 }  // namespace
 
+int calibrate(const std::vector<std::string>& args) {
+  po::options_description desc("dtexec calibrate options");
+  desc.add_options()("help,h", "show this help")(
+      "backend", po::value<std::string>()->default_value("cpu"), "cpu (cuda: not yet)")(
+      "out", po::value<std::string>(), "write the profile here (required)")(
+      "quick", po::bool_switch(), "a few small shapes only (seconds; for tests)");
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(args).options(desc).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw dtsim::InputError(fmt::format("{} (see --help)", e.what()));
+  }
+  if (vm.count("help")) {
+    std::cout << "usage: dtexec calibrate --out P.json [--backend cpu] [--quick]\n\n" << desc;
+    return 0;
+  }
+  if (vm["backend"].as<std::string>() != "cpu") {
+    throw dtsim::UnsupportedError(fmt::format("--backend {}: only cpu calibrates in this version",
+                                              vm["backend"].as<std::string>()));
+  }
+  if (!vm.count("out")) throw dtsim::InputError("--out: required (where to write the profile)");
+  dtsim::exec::cpu::CalibrateOptions options;
+  options.quick = vm["quick"].as<bool>();
+  const auto profile = dtsim::exec::cpu::calibrate(options);
+  const std::string path = vm["out"].as<std::string>();
+  std::ofstream out(path);
+  if (!out || !(out << profile.dump(2) << "\n")) {
+    throw dtsim::InputError(fmt::format("--out {}: cannot write", path));
+  }
+  std::cout << fmt::format("{:>6} {:>6} {:>6} {:>12} {:>10}\n", "m", "n", "k", "seconds",
+                           "GFLOP/s");
+  for (const auto& g : profile.at("gemm")) {
+    const double flops =
+        2.0 * g.at("m").get<double>() * g.at("n").get<double>() * g.at("k").get<double>();
+    std::cout << fmt::format("{:>6} {:>6} {:>6} {:>12.3g} {:>10.1f}\n", g.at("m").get<int>(),
+                             g.at("n").get<int>(), g.at("k").get<int>(),
+                             g.at("seconds").get<double>(),
+                             flops / g.at("seconds").get<double>() / 1e9);
+  }
+  std::cout << fmt::format(
+      "memory bandwidth {:.1f} GB/s, tiny kernel {:.2f} us\nprofile written to {}\n",
+      profile.at("memory_bw_bytes_per_s").get<double>() / 1e9,
+      profile.at("launch_overhead_s").get<double>() * 1e6, path);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "-h") {
     usage(std::cout);
     return args.empty() ? 2 : 0;
   }
-  if (args[0] == "run") {
+  if (args[0] == "run" || args[0] == "calibrate") {
     try {
-      return run({args.begin() + 1, args.end()});
+      return args[0] == "run" ? run({args.begin() + 1, args.end()})
+                              : calibrate({args.begin() + 1, args.end()});
     } catch (const dtsim::InputError& e) {
-      std::cerr << "dtexec run: error: " << e.what() << "\n";
+      std::cerr << "dtexec " << args[0] << ": error: " << e.what() << "\n";
       return 2;
     } catch (const dtsim::UnsupportedError& e) {
-      std::cerr << "dtexec run: unsupported: " << e.what() << "\n";
+      std::cerr << "dtexec " << args[0] << ": unsupported: " << e.what() << "\n";
       return 2;
     } catch (const std::exception& e) {
-      std::cerr << "dtexec run: internal error: " << e.what() << "\n";
+      std::cerr << "dtexec " << args[0] << ": internal error: " << e.what() << "\n";
       return 1;
     }
   }
