@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -28,7 +29,7 @@ const engine::Breakdown& breakdown_of(const planner::Candidate& c) {
   return c.refined ? c.prediction.breakdown : c.estimate;
 }
 
-json candidate_json(const planner::Candidate& c) {
+json candidate_json(const planner::Candidate& c, double train_tokens) {
   const double tokens = static_cast<double>(c.plan.global_batch_size * c.plan.seq_len);
   json j = {{"plan", plan::to_json(c.plan)},
             {"summary", plan::summary(c.plan)},
@@ -43,6 +44,11 @@ json candidate_json(const planner::Candidate& c) {
   j["breakdown"] = report::breakdown_json(breakdown_of(c));
   if (c.refined) j["mfu"] = c.prediction.mfu;
   if (c.cost_per_step_usd >= 0) j["cost_per_step_usd"] = c.cost_per_step_usd;
+  if (train_tokens > 0) {
+    const double steps = train_tokens / tokens;
+    j["time_to_train_s"] = steps * c.step_time_s;
+    if (c.cost_per_step_usd >= 0) j["cost_to_train_usd"] = steps * c.cost_per_step_usd;
+  }
   return j;
 }
 
@@ -165,7 +171,9 @@ int cmd_plan(const std::vector<std::string>& args) {
                                                       "sequence length (default: the model's)")(
       "top", po::value<int>()->default_value(5), "plans to show")(
       "objective", po::value<std::string>()->default_value("time"),
-      "rank by step time, or by cost per step (time, cost)")(
+      "rank by step time, or by cost per step (time, cost, time-to-train; with a fixed global "
+      "batch time-to-train ranks as step time)")(
+      "tokens", po::value<double>(), "training tokens: report time (and cost) to train")(
       "refine", po::value<int>()->default_value(8),
       "simulate the best K candidates with the discrete-event simulator")(
       "max-tp", po::value<int>(), "largest tensor-parallel degree (default: devices per node)")(
@@ -261,8 +269,13 @@ int cmd_plan(const std::vector<std::string>& args) {
                       cluster.name, cluster.file));
     }
     options.objective = planner::Objective::Cost;
-  } else if (objective != "time") {
-    throw InputError(fmt::format("--objective: expected time or cost, got \"{}\"", objective));
+  } else if (objective != "time" && objective != "time-to-train") {
+    throw InputError(
+        fmt::format("--objective: expected time, cost or time-to-train, got \"{}\"", objective));
+  }
+  const double train_tokens = vm.count("tokens") ? vm["tokens"].as<double>() : 0.0;
+  if (vm.count("tokens") && !(train_tokens > 0 && std::isfinite(train_tokens))) {
+    throw InputError(fmt::format("--tokens: expected a positive number, got {}", train_tokens));
   }
   const int top = vm["top"].as<int>();
   if (top < 1 || options.refine < 0) throw InputError("--top must be >= 1 and --refine >= 0");
@@ -304,7 +317,7 @@ int cmd_plan(const std::vector<std::string>& args) {
   if (vm["json"].as<bool>()) {
     json cands = json::array();
     for (int i = 0; i < shown; ++i)
-      cands.push_back(candidate_json(result.ranked[static_cast<std::size_t>(i)]));
+      cands.push_back(candidate_json(result.ranked[static_cast<std::size_t>(i)], train_tokens));
     json out = {{"model", spec.name},
                 {"cluster", cluster.name},
                 {"gpus", cluster.devices()},
@@ -315,7 +328,7 @@ int cmd_plan(const std::vector<std::string>& args) {
                 {"tier_max_estimate_error", result.max_estimate_error},
                 {"candidates", cands}};
     if (result.best_not_fitting) {
-      out["best_not_fitting"] = candidate_json(*result.best_not_fitting);
+      out["best_not_fitting"] = candidate_json(*result.best_not_fitting, train_tokens);
     }
     std::cout << out.dump(2) << "\n";
     return 0;
@@ -386,6 +399,17 @@ int cmd_plan(const std::vector<std::string>& args) {
           "in {}\n",
           result.ranked[1].step_time_s - result.ranked[0].step_time_s, most->first, most->second);
     }
+  }
+  if (train_tokens > 0 && !result.ranked.empty()) {
+    const auto& best = result.ranked.front();
+    const double steps =
+        train_tokens / static_cast<double>(best.plan.global_batch_size * best.plan.seq_len);
+    std::cout << fmt::format("time to train on {:.3g} tokens with #1: {:.1f} days", train_tokens,
+                             steps * best.step_time_s / 86400);
+    if (best.cost_per_step_usd >= 0) {
+      std::cout << fmt::format(", {:.0f} USD", steps * best.cost_per_step_usd);
+    }
+    std::cout << "\n";
   }
   if (result.best_not_fitting) {
     const auto& c = *result.best_not_fitting;
