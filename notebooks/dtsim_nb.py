@@ -42,6 +42,15 @@ def dtsim_csv(*args):
     return pd.read_csv(io.StringIO(dtsim(*args, "--csv")))
 
 
+def dtexec(*args):
+    """Runs dtexec with args; returns stdout (raises with stderr on failure)."""
+    run = subprocess.run([_binary("dtexec", "exec/cli"), *map(str, args)], capture_output=True,
+                         text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"dtexec {' '.join(map(str, args))}: {run.stderr.strip()}")
+    return run.stdout
+
+
 def validation_csv():
     run = subprocess.run([_binary("dtsim_validation", "bench"), "--csv"], capture_output=True,
                          text=True, check=True)
