@@ -94,6 +94,9 @@ class Estimator {
     };
     const double emb_f = group_time(-1, Phase::Forward), emb_b = group_time(-1, Phase::Backward);
     const int head = static_cast<int>(m.layers);
+    // The LM head has one tensor-parallel collective per direction (Megatron's f before the
+    // vocabulary-parallel head) where a block has two per direction (tp_comm counts those two,
+    // of either kind with sequence parallelism): about tp_comm / 2 split over both directions.
     const double head_f = group_time(head, Phase::Forward) + (p.tp > 1 ? tp_comm / 4 : 0);
     const double head_b = group_time(head, Phase::Backward) + (p.tp > 1 ? tp_comm / 4 : 0);
 
