@@ -74,6 +74,23 @@ int devices(bool selftest) {
 
 namespace po = boost::program_options;
 
+// Parses a sub-command's options; on --help prints the usage and returns false. Malformed
+// options are bad input (exit code 2).
+bool parse(const std::vector<std::string>& args, const po::options_description& desc,
+           const char* usage, po::variables_map& vm) {
+  try {
+    po::store(po::command_line_parser(args).options(desc).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw dtsim::InputError(fmt::format("{} (see --help)", e.what()));
+  }
+  if (vm.count("help")) {
+    std::cout << usage << "\n\n" << desc;
+    return false;
+  }
+  return true;
+}
+
 int run(const std::vector<std::string>& args) {
   po::options_description desc("dtexec run options");
   desc.add_options()("help,h", "show this help")(
@@ -90,16 +107,7 @@ int run(const std::vector<std::string>& args) {
       "trace", po::value<std::string>(), "write the last step's tasks as a Chrome trace")(
       "json", po::bool_switch(), "print JSON");
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(args).options(desc).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw dtsim::InputError(fmt::format("{} (see --help)", e.what()));
-  }
-  if (vm.count("help")) {
-    std::cout << "usage: dtexec run --model M [options]\n\n" << desc;
-    return 0;
-  }
+  if (!parse(args, desc, "usage: dtexec run --model M [options]", vm)) return 0;
   if (vm["backend"].as<std::string>() != "cpu") {
     throw dtsim::UnsupportedError(fmt::format("--backend {}: only cpu runs plans in this version",
                                               vm["backend"].as<std::string>()));
@@ -167,8 +175,6 @@ int run(const std::vector<std::string>& args) {
   return 0;
 }
 
-}  // namespace
-
 int calibrate(const std::vector<std::string>& args) {
   po::options_description desc("dtexec calibrate options");
   desc.add_options()("help,h", "show this help")(
@@ -176,14 +182,7 @@ int calibrate(const std::vector<std::string>& args) {
       "out", po::value<std::string>(), "write the profile here (required)")(
       "quick", po::bool_switch(), "a few small shapes only (seconds; for tests)");
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(args).options(desc).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw dtsim::InputError(fmt::format("{} (see --help)", e.what()));
-  }
-  if (vm.count("help")) {
-    std::cout << "usage: dtexec calibrate --out P.json [--backend cpu] [--quick]\n\n" << desc;
+  if (!parse(args, desc, "usage: dtexec calibrate --out P.json [--backend cpu] [--quick]", vm)) {
     return 0;
   }
   if (vm["backend"].as<std::string>() != "cpu") {
@@ -215,6 +214,8 @@ int calibrate(const std::vector<std::string>& args) {
       profile.at("launch_overhead_s").get<double>() * 1e6, path);
   return 0;
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
