@@ -109,12 +109,16 @@ using model::OpId;
 using model::OpKind;
 
 // Where a parallel region begins or ends inside a chunk's op sequence.
-enum class Marker { TpEnter, TpExit, CpGatherKv, EpDispatch, EpCombine };
+enum class Marker { TpEnter, TpExit, TpLoss, CpGatherKv, EpDispatch, EpCombine };
 
 struct Item {
   std::optional<OpId> op;  // an op, or a marker
   Marker marker = Marker::TpEnter;
   int layer = 0;
+  // A marker's boundary op, which names the tensor its collective carries: for TpExit the op
+  // before it (its output is reduced in forward), for TpEnter the op after it (the gradient of
+  // its input is reduced in backward), for TpLoss the loss.
+  OpId anchor = 0;
 };
 
 struct Comm {
@@ -262,29 +266,37 @@ class Lowerer {
     std::vector<Item> items;
     const int first = first_layer(k);
     const int last = first + chunks_[static_cast<std::size_t>(k)];
-    auto op = [&](OpId id, int layer) { items.push_back({id, Marker::TpEnter, layer}); };
-    auto marker = [&](Marker m, int layer) { items.push_back({std::nullopt, m, layer}); };
+    auto op = [&](OpId id, int layer) { items.push_back({id, Marker::TpEnter, layer, id}); };
+    // Markers before an op take it as anchor; markers after one take the op they follow.
+    auto marker = [&](Marker m, int layer, OpId anchor) {
+      items.push_back({std::nullopt, m, layer, anchor});
+    };
     if (k == 0) {
       for (OpId id : g_.layer_ops(-1)) op(id, -1);
-      marker(Marker::TpExit, -1);  // vocab-parallel embedding: all-reduce (SP: reduce-scatter)
+      // Vocab-parallel embedding: all-reduce (SP: reduce-scatter) of its output.
+      marker(Marker::TpExit, -1, g_.layer_ops(-1).back());
     }
     for (int l = first; l < last; ++l) {
       for (OpId id : g_.layer_ops(l)) {
         const model::Op& o = g_.op(id);
         const bool first_mlp =
             o.kind == OpKind::Router || (o.kind == OpKind::MlpUp && !g_.spec().moe);
-        if (o.kind == OpKind::QkvProj || first_mlp) marker(Marker::TpEnter, l);
-        if (o.kind == OpKind::AttentionCore && plan_.cp > 1) marker(Marker::CpGatherKv, l);
-        if (o.kind == OpKind::MlpUp && o.expert && plan_.ep > 1) marker(Marker::EpDispatch, l);
+        if (o.kind == OpKind::QkvProj || first_mlp) marker(Marker::TpEnter, l, id);
+        if (o.kind == OpKind::AttentionCore && plan_.cp > 1) marker(Marker::CpGatherKv, l, id);
+        if (o.kind == OpKind::MlpUp && o.expert && plan_.ep > 1) marker(Marker::EpDispatch, l, id);
         op(id, l);
-        if (o.kind == OpKind::MlpDown && o.expert && plan_.ep > 1) marker(Marker::EpCombine, l);
-        if (o.kind == OpKind::AttnOutProj || o.kind == OpKind::MlpDown) marker(Marker::TpExit, l);
+        if (o.kind == OpKind::MlpDown && o.expert && plan_.ep > 1) marker(Marker::EpCombine, l, id);
+        if (o.kind == OpKind::AttnOutProj || o.kind == OpKind::MlpDown) {
+          marker(Marker::TpExit, l, id);
+        }
       }
     }
     if (k == total_chunks() - 1) {
       const int head = static_cast<int>(g_.spec().layers);
       for (OpId id : g_.layer_ops(head)) {
-        if (g_.op(id).kind == OpKind::LmHead) marker(Marker::TpEnter, head);
+        if (g_.op(id).kind == OpKind::LmHead) marker(Marker::TpEnter, head, id);
+        // Vocab-parallel cross-entropy reduces per-token statistics over tp before the loss.
+        if (g_.op(id).kind == OpKind::Loss) marker(Marker::TpLoss, head, id);
         op(id, head);
       }
     }
@@ -311,6 +323,14 @@ class Lowerer {
                          "tp reduce-scatter"}
                   : Comm{CollectiveKind::AllReduce, GroupKind::Tp, Stream::Tp, hidden_bytes_,
                          "tp all-reduce"};
+      }
+      case Marker::TpLoss: {
+        if (plan_.tp == 1 || backward) return std::nullopt;
+        // Megatron-LM's vocab_parallel_cross_entropy all-reduces three fp32 values per token
+        // over tp (the logit maximum, the target logit, the sum of exponentials); the gradient
+        // needs no communication.
+        return Comm{CollectiveKind::AllReduce, GroupKind::Tp, Stream::Tp, tokens_ * 3 * 4,
+                    "tp all-reduce loss statistics"};
       }
       case Marker::CpGatherKv: {
         // K and V of every cp rank (this rank's kv heads: kv_width / tp).
@@ -387,6 +407,8 @@ class Lowerer {
         t.collective = c->kind;
         t.group = group(c->group);
         t.bytes = c->bytes;
+        t.op_begin = static_cast<std::int32_t>(items[i].anchor);
+        t.op_end = t.op_begin + 1;
         t.label = fmt::format("{} L{} mb{}", c->what, items[i].layer, micro_batch);
         if (prev >= 0) t.deps.push_back(prev);
         if (first && extra_dep >= 0) t.deps.push_back(extra_dep);
@@ -439,13 +461,36 @@ class Lowerer {
     return prev;
   }
 
+  // Parameters of an op on this rank (its tensor-parallel share). A tied LM head on a stage
+  // without the embedding holds its own copy of the embedding matrix (Megatron-LM), whose
+  // gradients are reduced over dp like any other and then all-reduced with the first stage's.
+  double stage_params(const model::Op& op) const {
+    if (op.kind == OpKind::LmHead && op.params == 0 && plan_.pp > 1) {
+      const model::ModelSpec& spec = g_.spec();
+      return static_cast<double>(spec.vocab) * static_cast<double>(spec.hidden) / plan_.tp;
+    }
+    return plan::rank_params(op, plan_);
+  }
+
   // Parameters of a chunk on this rank (tensor-parallel share), dense or expert.
   double chunk_params(const std::vector<Item>& items, bool experts) const {
     double p = 0;
     for (const Item& it : items) {
-      if (it.op && g_.op(*it.op).expert == experts) p += plan::rank_params(g_.op(*it.op), plan_);
+      if (it.op && g_.op(*it.op).expert == experts) p += stage_params(g_.op(*it.op));
     }
     return p;
+  }
+
+  // The op range [first, last + 1) of a chunk's items.
+  static std::pair<OpId, OpId> op_range(const std::vector<Item>& items, OpId none) {
+    OpId lo = none, hi = 0;
+    for (const Item& it : items) {
+      if (it.op) {
+        lo = std::min(lo, *it.op);
+        hi = std::max(hi, *it.op);
+      }
+    }
+    return {lo, hi + 1};
   }
 
   // Data-parallel gradient reduction of the ops in `produced` (in the order backward produced
@@ -461,6 +506,7 @@ class Lowerer {
       double bucket = 0;
       TaskId last = -1;
       int index = 0;
+      OpId lo = g_.size(), hi = 0;  // the ops whose gradients the bucket carries
       auto flush = [&]() {
         if (bucket <= 0) return;
         Task t;
@@ -470,16 +516,23 @@ class Lowerer {
         t.group = group(experts ? GroupKind::ExpertDp : GroupKind::Dp);
         t.bytes = static_cast<std::uint64_t>(bucket);
         t.micro_batch = micro_batch;
+        t.op_begin = static_cast<std::int32_t>(lo);
+        t.op_end = static_cast<std::int32_t>(hi + 1);
         t.deps.push_back(last);
         t.label =
             fmt::format("{} {} bucket {}", experts ? "expert-dp" : "dp", to_string(kind), index++);
         out.push_back(add(std::move(t)));
         bucket = 0;
+        lo = g_.size();
+        hi = 0;
       };
       for (const auto& [op, task] : produced) {
         const model::Op& o = g_.op(op);
-        if (o.expert != experts || o.params == 0) continue;
-        bucket += plan::rank_params(o, plan_) * grad_bytes_;
+        const double params = stage_params(o);
+        if (o.expert != experts || params <= 0) continue;
+        bucket += params * grad_bytes_;
+        lo = std::min(lo, op);
+        hi = std::max(hi, op);
         last = task;
         if (bucket >= static_cast<double>(options_.dp_bucket_bytes)) flush();
       }
@@ -499,6 +552,9 @@ class Lowerer {
     ag.bytes = static_cast<std::uint64_t>(chunk_params(chunk, false) * weight_bytes_);
     ag.micro_batch = pass.micro_batch;
     ag.chunk = pass.chunk;
+    const auto [lo, hi] = op_range(chunk, g_.size());
+    ag.op_begin = static_cast<std::int32_t>(lo);
+    ag.op_end = static_cast<std::int32_t>(hi);
     if (after >= 0) ag.deps.push_back(after);
     ag.label = fmt::format("zero-3 all-gather weights chunk {} mb{}", pass.chunk, pass.micro_batch);
     return add(std::move(ag));
@@ -545,6 +601,11 @@ class Lowerer {
       std::vector<std::pair<OpId, TaskId>> produced;
       const bool wants_grads = last_micro_batch_grads || per_micro_batch_grads;
       TaskId pass_end = -1;
+      // The tensors crossing stage boundaries: the output of the op before the chunk's first
+      // (received activations, sent gradients) and of the chunk's last op (sent activations,
+      // received gradients).
+      const auto [first_op, end_op] = op_range(chunk, g_.size());
+      const OpId before_chunk = first_op - 1, last_op = end_op - 1;
       switch (pass.kind) {
         case PassKind::Forward: {
           if (k > 0) {
@@ -556,12 +617,14 @@ class Lowerer {
             recv.bytes = activation_bytes();
             recv.micro_batch = pass.micro_batch;
             recv.chunk = c;
+            recv.op_begin = static_cast<std::int32_t>(before_chunk);
+            recv.op_end = recv.op_begin + 1;
             recv.label = fmt::format("recv activations mb{} chunk {}", pass.micro_batch, c);
             dep = add(std::move(recv));
           }
           pass_end =
               emit_chain(chunk, Phase::Forward, false, pass.micro_batch, c, dep, nullptr, weights);
-          if (k < last_global) send(pass_end, k + 1, pass.micro_batch, false, c);
+          if (k < last_global) send(pass_end, k + 1, pass.micro_batch, false, c, last_op);
           break;
         }
         case PassKind::Backward:
@@ -575,6 +638,8 @@ class Lowerer {
             recv.bytes = activation_bytes();
             recv.micro_batch = pass.micro_batch;
             recv.chunk = c;
+            recv.op_begin = static_cast<std::int32_t>(last_op);
+            recv.op_end = recv.op_begin + 1;
             recv.label = fmt::format("recv gradients mb{} chunk {}", pass.micro_batch, c);
             dep = add(std::move(recv));
           }
@@ -584,7 +649,7 @@ class Lowerer {
               chunk, phase, pass.micro_batch, c, dep,
               pass.kind == PassKind::Backward && wants_grads ? &produced : nullptr, weights);
           input_grad_done[{pass.micro_batch, c}] = pass_end;
-          if (k > 0) send(pass_end, k - 1, pass.micro_batch, true, c);
+          if (k > 0) send(pass_end, k - 1, pass.micro_batch, true, c, before_chunk);
           break;
         }
         case PassKind::BackwardWeight: {
@@ -594,15 +659,9 @@ class Lowerer {
           w.phase = Phase::BackwardWeight;
           w.micro_batch = pass.micro_batch;
           w.chunk = c;
-          OpId lo = g_.size(), hi = 0;
-          for (const Item& it : chunk) {
-            if (it.op) {
-              lo = std::min(lo, *it.op);
-              hi = std::max(hi, *it.op);
-            }
-          }
+          const auto [lo, hi] = op_range(chunk, g_.size());
           w.op_begin = static_cast<std::int32_t>(lo);
-          w.op_end = static_cast<std::int32_t>(hi + 1);
+          w.op_end = static_cast<std::int32_t>(hi);
           w.deps.push_back(input_grad_done.at({pass.micro_batch, c}));
           if (weights >= 0) w.deps.push_back(weights);
           w.label = fmt::format("bwd_weight chunk {} mb{}", c, pass.micro_batch);
@@ -647,6 +706,15 @@ class Lowerer {
       ar.bytes = static_cast<std::uint64_t>(static_cast<double>(spec.vocab * spec.hidden) /
                                             plan_.tp * grad_bytes_);
       ar.deps = embedding_grads_done;
+      // The embedding on the first stage, the head's copy of it on the last.
+      OpId holder = g_.layer_ops(-1).front();
+      if (rp_->stage != 0) {
+        for (OpId id : g_.layer_ops(static_cast<int>(spec.layers))) {
+          if (g_.op(id).kind == OpKind::LmHead) holder = id;
+        }
+      }
+      ar.op_begin = static_cast<std::int32_t>(holder);
+      ar.op_end = ar.op_begin + 1;
       ar.label = "all-reduce tied embedding gradients";
       dp_tasks.push_back(add(std::move(ar)));
     }
@@ -699,8 +767,10 @@ class Lowerer {
     return (static_cast<std::int64_t>(micro_batch) * total_chunks() + k) * 2 + (gradient ? 1 : 0);
   }
 
-  void send(TaskId after, int to_chunk, int mb, bool gradient, int chunk) {
+  void send(TaskId after, int to_chunk, int mb, bool gradient, int chunk, OpId tensor) {
     Task s;
+    s.op_begin = static_cast<std::int32_t>(tensor);
+    s.op_end = s.op_begin + 1;
     s.kind = TaskKind::Send;
     s.stream = Stream::Pp;
     s.peer = peer_of_chunk(to_chunk);

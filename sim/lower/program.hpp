@@ -50,6 +50,15 @@ struct Task {
   std::int32_t chunk = -1;  // model chunk of this rank (virtual stage), -1 if none
   // Compute: ModelGraph ops [op_begin, op_end) in the graph's numbering, run in `phase`.
   // Recompute of the attention core only (selective) uses the same range with phase Recompute.
+  // Communication: the tensor it carries, named by ops (the executor's meaning of the task):
+  // - tp collectives: op_begin is the boundary op; after a row-parallel op or the embedding its
+  //   output is reduced (forward), before a column-parallel op the gradient of its input
+  //   (backward), before the loss the vocab-parallel softmax statistics;
+  // - dp buckets: the gradients of the parameters of ops [op_begin, op_end);
+  // - ZeRO-3 weight gathers: the weights of ops [op_begin, op_end) (one chunk);
+  // - the tied-embedding all-reduce: the gradient of op_begin's embedding matrix;
+  // - send / recv: op_begin's output (activations) or its gradient (gradients).
+  // ZeRO-1/2's all-gather of updated weights covers every parameter of the rank (no ops).
   std::int32_t op_begin = 0;
   std::int32_t op_end = 0;
   // Collective: kind, group (index into Program::groups), payload bytes per rank (the size of

@@ -36,12 +36,14 @@ nlohmann::json to_json(const Program& program) {
           task["collective"] = to_string(t.collective);
           task["group"] = t.group;
           task["bytes"] = t.bytes;
+          if (t.op_end > t.op_begin) task["ops"] = {t.op_begin, t.op_end};
           break;
         case TaskKind::Send:
         case TaskKind::Recv:
           task["peer"] = program.ranks.at(static_cast<std::size_t>(t.peer)).rank;
           task["tag"] = t.tag;
           task["bytes"] = t.bytes;
+          task["ops"] = {t.op_begin, t.op_end};
           break;
       }
       tasks.push_back(std::move(task));
