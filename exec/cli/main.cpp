@@ -3,13 +3,21 @@
 #include <fmt/format.h>
 
 #include <boost/program_options.hpp>
+#include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 
+#include "exec/core/checkpoint.hpp"
 #include "exec/core/runner.hpp"
 #include "exec/cpu/calibrate.hpp"
+#include "exec/cpu/kernels.hpp"
+#include "exec/cpu/mpi_comm.hpp"
+#include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
 #include "sim/lower/lowering.hpp"
 #include "sim/plan/memory_model.hpp"
@@ -25,10 +33,11 @@ void usage(std::ostream& os) {
   os << "dtexec: run dtsim plans for real (CPU ranks over MPI, GPUs over CUDA + NCCL)\n\n"
         "usage: dtexec <command> [options]\n\n"
         "commands:\n"
-        "  run --model M [--steps N] [--micro-batch-size B] [--global-batch-size G]\n"
-        "      [--seq-len S] [--lr X] [--seed N] [--trace T.json] [--json]\n"
-        "                         train M for N steps on the CPU (one rank), following the\n"
-        "                         Program dtsim lowers the plan to; losses and step times\n"
+        "  run --model M [plan flags | --plan P.json] [--steps N] [--checkpoint DIR]\n"
+        "      [--resume DIR] [--trace T.json] [--json]\n"
+        "                         train M on the CPU following the Program dtsim lowers the\n"
+        "                         plan to; several ranks under mpirun -np N; losses, times\n"
+        "  compare A B            two checkpoints: losses and weights, within --tolerance\n"
         "  calibrate --out P.json [--backend cpu] [--quick]\n"
         "                         measure GEMM times by shape, memory bandwidth and kernel\n"
         "                         overhead; a profile for dtsim --profile\n"
@@ -91,68 +100,182 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
   return true;
 }
 
+// This process's rank under mpirun: errors every rank meets alike (bad options, a plan that
+// does not fit the ranks) are printed by rank 0 only.
+int g_rank = 0;
+
+// Rank 0 speaks for the job; the other ranks stay quiet.
+std::ostream& out(int rank) {
+  static std::ostringstream discard;
+  return rank == 0 ? std::cout : discard;
+}
+
+// The devices a plan given by --plan and the degree flags needs (dp defaults to 1).
+std::int64_t requested_devices(const po::variables_map& vm) {
+  dtsim::plan::Plan p;
+  p.dp = 1;
+  if (vm.count("plan")) p = dtsim::plan::load_plan(vm["plan"].as<std::string>());
+  for (auto [key, field] : {std::pair{"tp", &p.tp}, std::pair{"pp", &p.pp}, std::pair{"dp", &p.dp},
+                            std::pair{"cp", &p.cp}}) {
+    if (vm.count(key)) *field = vm[key].as<int>();
+  }
+  return std::max<std::int64_t>(1,
+                                static_cast<std::int64_t>(p.tp) * p.pp * p.cp * std::max(1, p.dp));
+}
+
+// Writes the last step's tasks of every rank as one Chrome trace (times from the step's start
+// on each rank), in the simulator's trace schema.
+void write_trace(const std::string& path, const dtsim::lower::Program& program,
+                 const dtsim::exec::RunResult& result, int last_step, dtsim::exec::Comm& comm) {
+  std::string mine;
+  double begin = -1;
+  for (const auto& t : result.tasks) {
+    if (t.step != last_step) continue;
+    if (begin < 0) begin = t.start_s;
+    const double record[3] = {static_cast<double>(t.task), t.start_s - begin, t.end_s - begin};
+    mine.append(reinterpret_cast<const char*>(record), sizeof(record));
+  }
+  const auto parts = comm.gather_to_root(mine);
+  if (comm.rank() != 0) return;
+  dtsim::engine::Timeline timeline;
+  timeline.tasks.resize(program.ranks.size());
+  for (std::size_t r = 0; r < program.ranks.size(); ++r) {
+    timeline.tasks[r].resize(program.ranks[r].tasks.size());
+    const std::string& part = parts.at(r);
+    for (std::size_t at = 0; at + 3 * sizeof(double) <= part.size(); at += 3 * sizeof(double)) {
+      double record[3];
+      std::memcpy(record, part.data() + at, sizeof(record));
+      timeline.tasks[r][static_cast<std::size_t>(record[0])] = {record[1], record[2]};
+    }
+  }
+  dtsim::report::write_chrome_trace(path, program, timeline);
+}
+
 int run(const std::vector<std::string>& args) {
   po::options_description desc("dtexec run options");
   desc.add_options()("help,h", "show this help")(
       "model", po::value<std::string>()->default_value("tiny-gpt"), "model name or path")(
       "backend", po::value<std::string>()->default_value("cpu"), "cpu (cuda: not yet)")(
-      "steps", po::value<int>()->default_value(10), "training steps")(
+      "steps", po::value<int>()->default_value(10),
+      "train until this many steps are done (counting a resumed checkpoint's)")(
       "warmup", po::value<int>()->default_value(1), "steps left out of the median step time")(
-      "micro-batch-size", po::value<std::int64_t>()->default_value(4), "sequences per micro-batch")(
-      "global-batch-size", po::value<std::int64_t>(),
-      "sequences per step (default: one micro-batch)")("seq-len", po::value<std::int64_t>(),
-                                                       "sequence length (default: the model's)")(
       "lr", po::value<float>()->default_value(3e-3f), "AdamW learning rate")(
       "seed", po::value<std::uint64_t>()->default_value(1234), "initialisation and data seed")(
+      "checkpoint", po::value<std::string>(),
+      "write a checkpoint folder here after the last step (and see --checkpoint-every)")(
+      "checkpoint-every", po::value<int>()->default_value(0),
+      "also write the checkpoint every N steps (0: only at the end)")(
+      "resume", po::value<std::string>(), "continue from this checkpoint folder")(
       "trace", po::value<std::string>(), "write the last step's tasks as a Chrome trace")(
-      "json", po::bool_switch(), "print JSON");
+      "json", po::bool_switch(), "print JSON")(
+      "fail-at", po::value<std::string>(),
+      "fault injection for tests, RANK:STEP: that rank kills itself (SIGKILL) when the step "
+      "starts");
+  dtsim::cli::add_plan_options(desc);
   po::variables_map vm;
-  if (!parse(args, desc, "usage: dtexec run --model M [options]", vm)) return 0;
+  if (!parse(args, desc,
+             "usage: dtexec run --model M [plan flags or --plan P.json] [options]\n"
+             "       mpirun -np N dtexec run ...   (N = dp x tp x pp ranks)\n\n"
+             "Trains M on the CPU (fp32, OpenBLAS), one MPI process per rank, following the\n"
+             "Program dtsim lowers the plan to: the same tasks the simulator predicts.",
+             vm)) {
+    return 0;
+  }
   if (vm["backend"].as<std::string>() != "cpu") {
     throw dtsim::UnsupportedError(fmt::format("--backend {}: only cpu runs plans in this version",
                                               vm["backend"].as<std::string>()));
   }
+  std::unique_ptr<dtsim::exec::cpu::MpiSession> mpi;
+  if (dtsim::exec::cpu::under_mpirun()) mpi = std::make_unique<dtsim::exec::cpu::MpiSession>();
+  const int rank = mpi ? mpi->rank() : 0;
+  g_rank = rank;
   const auto spec = dtsim::model::load_model(vm["model"].as<std::string>());
-  dtsim::plan::Plan plan;
-  plan.precision = dtsim::Precision::Fp32;
-  plan.micro_batch_size = vm["micro-batch-size"].as<std::int64_t>();
-  plan.global_batch_size = vm.count("global-batch-size")
-                               ? vm["global-batch-size"].as<std::int64_t>()
-                               : plan.micro_batch_size;
-  plan.seq_len = vm.count("seq-len") ? vm["seq-len"].as<std::int64_t>() : spec.seq_len;
-  dtsim::plan::require_valid(plan, spec, 1);
+  const std::int64_t devices = mpi ? mpi->size() : requested_devices(vm);
+  if (!mpi && devices > 1) {
+    throw dtsim::InputError(fmt::format(
+        "the plan needs {} ranks: start them with mpirun -np {} dtexec run ...", devices, devices));
+  }
+  std::vector<std::string> notes;
+  dtsim::plan::Plan plan = dtsim::cli::plan_from_options(vm, spec, devices, notes);
+  if (plan.precision != dtsim::Precision::Fp32) {
+    if (vm.count("precision")) {
+      throw dtsim::UnsupportedError(fmt::format("--precision {}: the CPU backend trains in fp32",
+                                                vm["precision"].as<std::string>()));
+    }
+    plan.precision = dtsim::Precision::Fp32;
+  }
+  if (plan.optimizer != dtsim::plan::Optimizer::Adam) {
+    throw dtsim::UnsupportedError("optimizer: dtexec trains with AdamW only");
+  }
+  dtsim::plan::require_valid(plan, spec, devices);
   const int steps = vm["steps"].as<int>();
   const int warmup = vm["warmup"].as<int>();
   if (steps < 1 || warmup < 0 || warmup >= steps) {
     throw dtsim::InputError(fmt::format(
         "--steps {} / --warmup {}: need steps >= 1 and 0 <= warmup < steps", steps, warmup));
   }
+  const int every = vm["checkpoint-every"].as<int>();
+  if (every < 0) {
+    throw dtsim::InputError(fmt::format("--checkpoint-every: expected 0 or more, got {}", every));
+  }
+  if (every > 0 && !vm.count("checkpoint")) {
+    throw dtsim::InputError("--checkpoint-every: give --checkpoint DIR as well");
+  }
   const dtsim::model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
                                        dtsim::plan::activation_bytes_per_element(plan.precision));
-  const auto program = dtsim::lower::lower(graph, plan);
+  dtsim::lower::LowerOptions lower_options;
+  lower_options.mode =
+      devices > 1 ? dtsim::lower::Lowering::AllRanks : dtsim::lower::Lowering::Representatives;
+  const auto program = dtsim::lower::lower(graph, plan, lower_options);
+  dtsim::exec::check_runnable(graph, program);
   dtsim::exec::RunOptions options;
   options.steps = steps;
   options.warmup_steps = warmup;
   options.learning_rate = vm["lr"].as<float>();
   options.seed = vm["seed"].as<std::uint64_t>();
-  const auto result = dtsim::exec::run_program(graph, program, options);
-  if (vm.count("trace")) {
-    // The last step, times from its start, in the simulator's trace schema.
-    dtsim::engine::Timeline timeline;
-    timeline.tasks.assign(1, std::vector<dtsim::engine::TaskTime>(program.ranks[0].tasks.size()));
-    double begin = -1;
-    for (const auto& t : result.tasks) {
-      if (t.step != steps - 1) continue;
-      if (begin < 0) begin = t.start_s;
-      timeline.tasks[0][static_cast<std::size_t>(t.task)] = {t.start_s - begin, t.end_s - begin};
+  if (vm.count("checkpoint")) options.checkpoint_dir = vm["checkpoint"].as<std::string>();
+  options.checkpoint_every = every;
+  if (vm.count("resume")) options.resume_dir = vm["resume"].as<std::string>();
+  if (vm.count("fail-at")) {
+    const std::string spec_text = vm["fail-at"].as<std::string>();
+    if (std::sscanf(spec_text.c_str(), "%d:%d", &options.fail_rank, &options.fail_step) != 2 ||
+        options.fail_rank < 0 || options.fail_step < 1) {
+      throw dtsim::InputError(
+          fmt::format("--fail-at {}: expected RANK:STEP (a rank >= 0, a step >= 1)", spec_text));
     }
-    dtsim::report::write_chrome_trace(vm["trace"].as<std::string>(), program, timeline);
+  }
+  std::unique_ptr<dtsim::exec::Comm> comm;
+  if (mpi) {
+    comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);
+    if (mpi->size() > 1) dtsim::exec::cpu::set_gemm_threads(1);
+  } else {
+    comm = std::make_unique<dtsim::exec::SingleRankComm>();
+  }
+  dtsim::exec::RunResult result;
+  try {
+    result = dtsim::exec::run_program(graph, program, options, *comm);
+    if (vm.count("trace")) {
+      write_trace(vm["trace"].as<std::string>(), program, result, steps - 1, *comm);
+    }
+  } catch (const std::exception& e) {
+    // Peers may be waiting in a collective for this rank: end them all.
+    if (mpi && mpi->size() > 1) {
+      const bool input = dynamic_cast<const dtsim::InputError*>(&e) != nullptr ||
+                         dynamic_cast<const dtsim::UnsupportedError*>(&e) != nullptr;
+      std::cerr << fmt::format("dtexec run: rank {} on {}: {}: {}\n", rank, mpi->host(),
+                               input ? "error" : "internal error", e.what());
+      mpi->abort(input ? 2 : 1);
+    }
+    throw;
   }
   const double tokens = static_cast<double>(plan.global_batch_size * plan.seq_len);
+  const int first = result.first_step;
   if (vm["json"].as<bool>()) {
-    std::cout << nlohmann::json{{"model", spec.name},
+    out(rank) << nlohmann::json{{"model", spec.name},
                                 {"backend", "cpu"},
+                                {"ranks", devices},
                                 {"plan", dtsim::plan::to_json(plan)},
+                                {"first_step", first},
                                 {"losses", result.losses},
                                 {"step_times_s", result.step_times_s},
                                 {"step_time_s", result.step_time_s},
@@ -162,17 +285,74 @@ int run(const std::vector<std::string>& args) {
               << "\n";
     return 0;
   }
-  std::cout << fmt::format(
-      "{} on the CPU, one rank: {} steps of {} x {} tokens ({} micro-batches)\n", spec.name, steps,
+  out(rank) << fmt::format(
+      "{} on the CPU, {} rank{}, plan {}: steps {}..{} of {} x {} tokens "
+      "({} micro-batches per replica)\n",
+      spec.name, devices, devices == 1 ? "" : "s", dtsim::plan::summary(plan), first + 1, steps,
       plan.global_batch_size, plan.seq_len, plan.micro_batches());
-  for (int i = 0; i < steps; ++i) {
-    std::cout << fmt::format("step {:>4}  loss {:.4f}  {:.1f} ms\n", i + 1,
+  for (int i = first; i < steps; ++i) {
+    out(rank) << fmt::format("step {:>4}  loss {:.4f}  {:.1f} ms\n", i + 1,
                              result.losses[static_cast<std::size_t>(i)],
-                             result.step_times_s[static_cast<std::size_t>(i)] * 1e3);
+                             result.step_times_s[static_cast<std::size_t>(i - first)] * 1e3);
   }
-  std::cout << fmt::format("median step time {:.1f} ms after {} warm-up step(s), {:.0f} tokens/s\n",
+  out(rank) << fmt::format("median step time {:.1f} ms after {} warm-up step(s), {:.0f} tokens/s\n",
                            result.step_time_s * 1e3, warmup, tokens / result.step_time_s);
+  if (!options.checkpoint_dir.empty()) {
+    out(rank) << fmt::format("checkpoint written to {}\n", options.checkpoint_dir);
+  }
   return 0;
+}
+
+// dtexec compare A B: two checkpoints of the same model, step by step and tensor by tensor.
+int compare(const std::vector<std::string>& args) {
+  po::options_description desc("dtexec compare options");
+  desc.add_options()("help,h", "show this help")(
+      "loss-tolerance", po::value<double>()->default_value(1e-5),
+      "largest accepted absolute difference of a step's loss")(
+      "weight-tolerance", po::value<double>()->default_value(1e-3),
+      "largest accepted absolute difference of a weight")(
+      "checkpoints", po::value<std::vector<std::string>>(), "the two checkpoint folders");
+  po::positional_options_description positional;
+  positional.add("checkpoints", 2);
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(args).options(desc).positional(positional).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw dtsim::InputError(fmt::format("{} (see --help)", e.what()));
+  }
+  if (vm.count("help")) {
+    std::cout << "usage: dtexec compare A B [--loss-tolerance X] [--weight-tolerance Y]\n\n"
+                 "Compares two checkpoints of the same model, step by step and tensor by tensor;\n"
+                 "exit code 1 when they differ by more than the tolerances. fp32 sums in another\n"
+                 "order differ by ~1e-7, and AdamW can move an element whose gradient is ~0 by\n"
+                 "up to the learning rate: compare weights at a fraction of it.\n\n"
+              << desc;
+    return 0;
+  }
+  if (!vm.count("checkpoints") || vm["checkpoints"].as<std::vector<std::string>>().size() != 2) {
+    throw dtsim::InputError("give two checkpoint folders: dtexec compare A B");
+  }
+  const double loss_tolerance = vm["loss-tolerance"].as<double>();
+  const double weight_tolerance = vm["weight-tolerance"].as<double>();
+  for (auto [name, value] : {std::pair{"--loss-tolerance", loss_tolerance},
+                             std::pair{"--weight-tolerance", weight_tolerance}}) {
+    if (!(value >= 0)) throw dtsim::InputError(fmt::format("{}: expected a number >= 0", name));
+  }
+  const auto& dirs = vm["checkpoints"].as<std::vector<std::string>>();
+  const auto a = dtsim::exec::read_checkpoint(dirs[0]);
+  const auto b = dtsim::exec::read_checkpoint(dirs[1]);
+  const auto d = dtsim::exec::compare_checkpoints(a, b);
+  for (const auto& p : d.problems) std::cout << "mismatch: " << p << "\n";
+  std::cout << fmt::format(
+      "{} steps: largest loss difference {:.3g}; largest weight difference {:.3g}{}\n",
+      d.steps_compared, d.max_loss_diff, d.max_weight_diff,
+      d.worst_tensor.empty() ? "" : " (" + d.worst_tensor + ")");
+  const bool same = d.problems.empty() && d.max_loss_diff <= loss_tolerance &&
+                    d.max_weight_diff <= weight_tolerance;
+  std::cout << fmt::format("{} (tolerances: losses {:g}, weights {:g})\n",
+                           same ? "equal" : "DIFFERENT", loss_tolerance, weight_tolerance);
+  return same ? 0 : 1;
 }
 
 int calibrate(const std::vector<std::string>& args) {
@@ -223,15 +403,16 @@ int main(int argc, char** argv) {
     usage(std::cout);
     return args.empty() ? 2 : 0;
   }
-  if (args[0] == "run" || args[0] == "calibrate") {
+  if (args[0] == "run" || args[0] == "calibrate" || args[0] == "compare") {
     try {
-      return args[0] == "run" ? run({args.begin() + 1, args.end()})
-                              : calibrate({args.begin() + 1, args.end()});
+      const std::vector<std::string> rest(args.begin() + 1, args.end());
+      if (args[0] == "compare") return compare(rest);
+      return args[0] == "run" ? run(rest) : calibrate(rest);
     } catch (const dtsim::InputError& e) {
-      std::cerr << "dtexec " << args[0] << ": error: " << e.what() << "\n";
+      if (g_rank == 0) std::cerr << "dtexec " << args[0] << ": error: " << e.what() << "\n";
       return 2;
     } catch (const dtsim::UnsupportedError& e) {
-      std::cerr << "dtexec " << args[0] << ": unsupported: " << e.what() << "\n";
+      if (g_rank == 0) std::cerr << "dtexec " << args[0] << ": unsupported: " << e.what() << "\n";
       return 2;
     } catch (const std::exception& e) {
       std::cerr << "dtexec " << args[0] << ": internal error: " << e.what() << "\n";

@@ -4,9 +4,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
+#include <cstring>
 #include <map>
+#include <numeric>
 #include <random>
 
+#include "exec/core/checkpoint.hpp"
 #include "exec/cpu/kernels.hpp"
 #include "sim/common/error.hpp"
 
@@ -14,6 +18,8 @@ namespace dtsim::exec {
 
 namespace {
 
+using lower::CollectiveKind;
+using lower::GroupKind;
 using lower::Phase;
 using lower::TaskKind;
 using model::Op;
@@ -21,9 +27,56 @@ using model::OpId;
 using model::OpKind;
 namespace k = cpu;
 
+// A deterministic stream per (seed, a, b): parameters and data do not depend on which rank
+// creates them or in which order (splitmix64 finaliser, Steele et al. 2014).
+std::uint64_t mix(std::uint64_t seed, std::uint64_t a, std::uint64_t b) {
+  std::uint64_t z = seed ^ (a + 1) * 0x9e3779b97f4a7c15ULL ^ (b + 1) * 0xc2b2ae3d27d4eb4fULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Which part of a full [rows, cols] tensor a rank holds: a range of rows and, within them, a
+// list of column ranges (Megatron-LM's column- and row-parallel splits; QKV takes a range of
+// the q, k and v columns each).
+struct Slice {
+  std::int64_t rows = 1, cols = 1;
+  std::int64_t row_begin = 0, row_count = 1;
+  std::vector<std::pair<std::int64_t, std::int64_t>> col_ranges;  // (begin, count)
+
+  std::int64_t local_cols() const {
+    std::int64_t n = 0;
+    for (const auto& r : col_ranges) n += r.second;
+    return n;
+  }
+  std::int64_t local_size() const { return row_count * local_cols(); }
+  // The full tensor's flat index of local flat index i.
+  std::int64_t full_index(std::int64_t i) const {
+    const std::int64_t lc = local_cols();
+    const std::int64_t row = row_begin + i / lc;
+    std::int64_t col = i % lc;
+    for (const auto& [begin, count] : col_ranges) {
+      if (col < count) return row * cols + begin + col;
+      col -= count;
+    }
+    DTSIM_ASSERT(false, "slice index out of range");
+    return 0;
+  }
+  bool whole() const { return row_count == rows && local_cols() == cols; }
+};
+
+Slice whole(std::int64_t rows, std::int64_t cols) {
+  return {rows, cols, 0, rows, {{0, cols}}};
+}
+
 struct Param {
+  std::string name;
+  Slice slice;
   std::vector<float> data, grad, m, v;
-  explicit Param(std::size_t n = 0) : data(n), grad(n), m(n), v(n) {}
+  std::vector<float> reduced;  // ZeRO >= 1: the reduced gradient of this rank's dp slice
+  std::int64_t own_begin = 0, own_end = 0;  // this rank's dp slice (ZeRO >= 1), local indices
+  bool replicated_over_tp = false;
+  bool tied_copy = false;  // the last stage's copy of the embedding (pipeline, tied head)
 };
 
 // What one micro-batch keeps between its forward and backward passes.
@@ -33,32 +86,35 @@ struct MicroBatch {
   double loss = 0;
 };
 
+using Key = std::pair<OpId, int>;  // (op, 0 weight / 1 bias)
+
 class Runner {
  public:
-  Runner(const model::ModelGraph& g, const lower::Program& program, const RunOptions& options)
-      : g_(g), m_(g.spec()), program_(program), options_(options), rng_(options.seed) {
-    const plan::Plan& p = program.plan;
-    if (p.devices() != 1 || program.ranks.size() != 1) {
-      throw UnsupportedError(fmt::format(
-          "dtexec: plan {} needs {} ranks; this runner executes single-rank plans (the MPI "
-          "runner for dp/tp/pp comes next)",
-          plan::summary(p), p.devices()));
-    }
-    if (m_.positions == model::Positions::Rope) {
-      throw UnsupportedError(fmt::format("dtexec: model {} uses RoPE, not supported yet", m_.name));
-    }
-    if (m_.moe)
-      throw UnsupportedError(
-          fmt::format("dtexec: model {} has experts, not supported yet", m_.name));
-    if (p.schedule == plan::Schedule::ZeroBubble) {
-      throw UnsupportedError("dtexec: the zero-bubble schedule needs pipelining");
-    }
-    B_ = static_cast<int>(p.micro_batch_size);
-    S_ = static_cast<int>(p.seq_len);
+  Runner(const model::ModelGraph& g, const lower::Program& program, const RunOptions& options,
+         Comm& comm)
+      : g_(g), m_(g.spec()), program_(program), p_(program.plan), options_(options), comm_(comm) {
+    check_runnable(g, program);
+    me_ = comm.rank();
+    DTSIM_ASSERT(me_ >= 0 && static_cast<std::size_t>(me_) < program.ranks.size(),
+                 "rank outside the program");
+    rp_ = &program.ranks[static_cast<std::size_t>(me_)];
+    tp_ = static_cast<int>(p_.tp);
+    dp_ = static_cast<int>(p_.dp * p_.cp);
+    t_ = member_index(GroupKind::Tp);
+    d_ = member_index(GroupKind::Dp);
+    sharded_ = p_.zero_stage >= 1 && dp_ > 1;
+    B_ = static_cast<int>(p_.micro_batch_size);
+    S_ = static_cast<int>(p_.seq_len);
     T_ = B_ * S_;
     C_ = static_cast<int>(m_.hidden);
     V_ = static_cast<int>(m_.vocab);
-    micro_batches_ = static_cast<int>(p.micro_batches());
+    H_ = static_cast<int>(m_.heads / tp_);
+    G_ = static_cast<int>(m_.kv_heads / tp_);
+    D_ = static_cast<int>(m_.head_dim);
+    F_ = static_cast<int>(m_.ffn_hidden / tp_);
+    Vl_ = V_ / tp_;
+    micro_batches_ = static_cast<int>(p_.micro_batches());
+    last_stage_ = rp_->stage == p_.pp - 1;
     init_params();
     // A learnable stream: each token is followed by next_[token] nine times in ten.
     next_.resize(static_cast<std::size_t>(V_));
@@ -69,105 +125,287 @@ class Runner {
 
   RunResult run() {
     RunResult result;
+    int first = 0;
+    if (!options_.resume_dir.empty()) first = resume(result);
+    result.first_step = first;
     const auto t0 = std::chrono::steady_clock::now();
     auto now = [&] {
       return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     };
-    const auto& tasks = program_.ranks[0].tasks;
-    for (int step = 0; step < options_.steps; ++step) {
+    const auto& tasks = rp_->tasks;
+    for (int step = first; step < options_.steps; ++step) {
+      if (me_ == options_.fail_rank && step + 1 == options_.fail_step) std::raise(SIGKILL);
       batches_.assign(static_cast<std::size_t>(micro_batches_), MicroBatch{});
-      for (auto& mb : batches_) make_batch(mb);
+      for (int j = 0; j < micro_batches_; ++j)
+        make_batch(batches_[static_cast<std::size_t>(j)], step, j);
       const double begin = now();
       for (std::size_t i = 0; i < tasks.size(); ++i) {
         const double start = now();
         execute(tasks[i]);
-        if (step >= options_.warmup_steps) {
-          result.tasks.push_back(
-              {program_.ranks[0].rank, static_cast<std::int32_t>(i), start, now(), step});
+        if (step - first >= options_.warmup_steps) {
+          result.tasks.push_back({rp_->rank, static_cast<std::int32_t>(i), start, now(), step});
         }
       }
+      comm_.wait_sends();
       result.step_times_s.push_back(now() - begin);
+      // The step's loss: the mean over micro-batches and data-parallel replicas, known on the
+      // last stage (tensor-parallel rank 0 reports it).
       double loss = 0;
-      for (const auto& mb : batches_) loss += mb.loss;
-      result.losses.push_back(loss / micro_batches_);
+      if (last_stage_ && t_ == 0) {
+        for (const auto& mb : batches_) loss += mb.loss;
+      }
+      step_loss_sums_.push_back(loss);
+      const int done = step + 1;
+      if (!options_.checkpoint_dir.empty() &&
+          (done == options_.steps ||
+           (options_.checkpoint_every > 0 && done % options_.checkpoint_every == 0))) {
+        save(done, result.losses);
+      }
     }
+    batches_.clear();
+    // Reporting, outside the Program: losses summed over ranks, step times of the slowest.
+    comm_.all_ranks(step_loss_sums_, Reduce::Sum);
+    for (double s : step_loss_sums_) result.losses.push_back(s / (micro_batches_ * dp_));
+    comm_.all_ranks(result.step_times_s, Reduce::Max);
     std::vector<double> timed(
         result.step_times_s.begin() +
-            std::min<std::size_t>(static_cast<std::size_t>(options_.warmup_steps),
-                                  result.step_times_s.size() - 1),
+            std::min<std::ptrdiff_t>(options_.warmup_steps,
+                                     static_cast<std::ptrdiff_t>(result.step_times_s.size()) - 1),
         result.step_times_s.end());
     std::sort(timed.begin(), timed.end());
-    result.step_time_s = timed[timed.size() / 2];
+    result.step_time_s = timed.empty() ? 0 : timed[timed.size() / 2];
     return result;
   }
 
  private:
-  void init_params() {
-    std::normal_distribution<float> normal(0.0f, 0.02f);
-    for (OpId id = 0; id < g_.size(); ++id) {
-      const Op& op = g_.op(id);
-      auto randn = [&](std::size_t n) {
-        Param p(n);
-        for (auto& x : p.data) x = normal(rng_);
-        return p;
-      };
-      auto fill = [&](std::size_t n, float value) {
-        Param p(n);
-        std::fill(p.data.begin(), p.data.end(), value);
-        return p;
-      };
+  // This rank's position in its group of `kind` (0 when it has none: degree 1).
+  int member_index(GroupKind kind) const {
+    for (const auto& grp : program_.groups) {
+      if (grp.kind != kind) continue;
+      const auto it = std::find(grp.ranks.begin(), grp.ranks.end(), rp_->rank);
+      if (it != grp.ranks.end() && grp.ranks.size() > 1) {
+        if (kind == GroupKind::Tp && static_cast<int>(grp.ranks.size()) != p_.tp) continue;
+        if (kind == GroupKind::Dp && static_cast<int>(grp.ranks.size()) != p_.dp * p_.cp) continue;
+        return static_cast<int>(it - grp.ranks.begin());
+      }
+    }
+    return 0;
+  }
+
+  // ---- parameters ----------------------------------------------------------------------
+
+  // The ops of this rank's chunks (first chunk: the embedding; last: norm, head, loss).
+  std::vector<OpId> my_ops() const {
+    std::vector<OpId> ops;
+    const auto chunks = plan::chunk_layers(p_, m_.layers);
+    const int total = static_cast<int>(p_.pp * p_.virtual_stages);
+    for (int c = 0; c < p_.virtual_stages; ++c) {
+      const int k = c * static_cast<int>(p_.pp) + rp_->stage;
+      int first = 0;
+      for (int q = 0; q < k; ++q) first += chunks[static_cast<std::size_t>(q)];
+      if (k == 0) {
+        for (OpId id : g_.layer_ops(-1)) ops.push_back(id);
+      }
+      for (int l = first; l < first + chunks[static_cast<std::size_t>(k)]; ++l) {
+        for (OpId id : g_.layer_ops(l)) ops.push_back(id);
+      }
+      if (k == total - 1) {
+        for (OpId id : g_.layer_ops(static_cast<int>(m_.layers))) ops.push_back(id);
+      }
+    }
+    return ops;
+  }
+
+  // The slices of an op's weight and bias on tensor-parallel rank t (empty: no such tensor).
+  std::vector<std::pair<int, Slice>> slices(const Op& op, int t) const {
+    const std::int64_t C = C_, V = V_, F = m_.ffn_hidden, D = D_;
+    const std::int64_t Hf = m_.heads, Gf = m_.kv_heads, H = H_, G = G_, Fl = F_, Vl = Vl_;
+    const int u = m_.activation == model::Activation::SwiGlu ? 2 : 1;
+    auto cols = [](std::int64_t rows, std::int64_t ncols,
+                   std::vector<std::pair<std::int64_t, std::int64_t>> ranges) {
+      return Slice{rows, ncols, 0, rows, std::move(ranges)};
+    };
+    auto rows = [](std::int64_t nrows, std::int64_t ncols, std::int64_t begin, std::int64_t count) {
+      return Slice{nrows, ncols, begin, count, {{0, ncols}}};
+    };
+    std::vector<std::pair<int, Slice>> out;
+    const bool has_bias = [&] {
       switch (op.kind) {
-        case OpKind::Embedding:
-          weight_[id] = randn(static_cast<std::size_t>(V_) * C_);
-          if (m_.positions == model::Positions::Learned) {
-            bias_[id] = randn(static_cast<std::size_t>(m_.max_positions) * C_);
-          }
-          break;
-        case OpKind::Norm:
-          weight_[id] = fill(static_cast<std::size_t>(C_), 1.0f);
-          if (op.params > static_cast<std::uint64_t>(C_))
-            bias_[id] = fill(static_cast<std::size_t>(C_), 0.0f);
-          break;
         case OpKind::QkvProj:
+          return m_.bias.qkv;
         case OpKind::AttnOutProj:
+          return m_.bias.attn_out;
         case OpKind::MlpUp:
         case OpKind::MlpDown:
-        case OpKind::LmHead: {
-          const auto kk = static_cast<std::size_t>(op.gemm_k),
-                     nn = static_cast<std::size_t>(op.gemm_n);
-          if (op.params == 0) break;  // tied head: uses the embedding
-          weight_[id] = randn(kk * nn);
-          if (op.params > kk * nn) bias_[id] = fill(nn, 0.0f);
-          break;
-        }
-        case OpKind::Router:
-          throw UnsupportedError("dtexec: MoE routers are not supported yet");
+          return m_.bias.mlp;
         default:
-          break;
+          return false;
       }
+    }();
+    switch (op.kind) {
+      case OpKind::Embedding:
+        out.push_back({0, rows(V, C, t * Vl, Vl)});
+        if (m_.positions == model::Positions::Learned) {
+          out.push_back({1, whole(m_.max_positions, C)});
+        }
+        break;
+      case OpKind::Norm:
+        out.push_back({0, whole(1, C)});
+        if (op.params > static_cast<std::uint64_t>(C)) out.push_back({1, whole(1, C)});
+        break;
+      case OpKind::QkvProj: {
+        const std::int64_t N = (Hf + 2 * Gf) * D;
+        std::vector<std::pair<std::int64_t, std::int64_t>> r = {
+            {t * H * D, H * D}, {Hf * D + t * G * D, G * D}, {(Hf + Gf) * D + t * G * D, G * D}};
+        out.push_back({0, cols(C, N, r)});
+        if (has_bias) out.push_back({1, cols(1, N, r)});
+        break;
+      }
+      case OpKind::AttnOutProj:
+        out.push_back({0, rows(Hf * D, C, t * H * D, H * D)});
+        if (has_bias) out.push_back({1, whole(1, C)});
+        break;
+      case OpKind::MlpUp: {
+        std::vector<std::pair<std::int64_t, std::int64_t>> r = {{t * Fl, Fl}};
+        if (u == 2) r.push_back({F + t * Fl, Fl});
+        out.push_back({0, cols(C, F * u, r)});
+        if (has_bias) out.push_back({1, cols(1, F * u, r)});
+        break;
+      }
+      case OpKind::MlpDown:
+        out.push_back({0, rows(F, C, t * Fl, Fl)});
+        if (has_bias) out.push_back({1, whole(1, C)});
+        break;
+      case OpKind::LmHead:
+        if (op.params == 0) {
+          // Tied: the head uses the embedding; on a stage without it, a copy of it.
+          if (p_.pp > 1) out.push_back({0, rows(V, C, t * Vl, Vl)});
+        } else {
+          out.push_back({0, cols(C, V, {{t * Vl, Vl}})});
+          if (op.params > static_cast<std::uint64_t>(C * V)) {
+            out.push_back({1, cols(1, V, {{t * Vl, Vl}})});
+          }
+        }
+        break;
+      case OpKind::Router:
+        throw UnsupportedError("dtexec: MoE routers are not executed yet");
+      default:
+        break;
+    }
+    return out;
+  }
+
+  // The full tensor's initial values: N(0, 0.02) for matrices, 1 for norm weights, 0 for biases
+  // (GPT-2's initialisation without its residual scaling), from a stream of (seed, op, which).
+  std::vector<float> initial(OpId id, int which, const Slice& s) const {
+    const Op& op = g_.op(id);
+    std::vector<float> full(static_cast<std::size_t>(s.rows * s.cols));
+    const bool matrix = op.kind == OpKind::Embedding || (which == 0 && op.kind != OpKind::Norm);
+    if (op.kind == OpKind::Norm) {
+      std::fill(full.begin(), full.end(), which == 0 ? 1.0f : 0.0f);
+    } else if (matrix) {
+      std::mt19937_64 gen(
+          mix(options_.seed, static_cast<std::uint64_t>(id), static_cast<std::uint64_t>(which)));
+      std::normal_distribution<float> normal(0.0f, 0.02f);
+      for (auto& x : full) x = normal(gen);
+    }
+    return full;
+  }
+
+  static std::vector<float> extract(const std::vector<float>& full, const Slice& s) {
+    std::vector<float> local(static_cast<std::size_t>(s.local_size()));
+    for (std::int64_t i = 0; i < s.local_size(); ++i) {
+      local[static_cast<std::size_t>(i)] = full[static_cast<std::size_t>(s.full_index(i))];
+    }
+    return local;
+  }
+
+  void init_params() {
+    const OpId embedding = g_.layer_ops(-1).front();
+    for (OpId id : my_ops()) {
+      const Op& op = g_.op(id);
       std::uint64_t have = 0;
-      if (weight_.count(id)) have += weight_[id].data.size();
-      if (bias_.count(id)) have += bias_[id].data.size();
+      for (auto& [which, slice] : slices(op, t_)) {
+        Param p;
+        p.slice = slice;
+        p.tied_copy = op.kind == OpKind::LmHead && op.params == 0;
+        // The copy starts from (and is saved as) the embedding matrix.
+        const OpId source = p.tied_copy ? embedding : id;
+        p.name = fmt::format("{}.{}", g_.op(source).name, which == 0 ? "weight" : "bias");
+        p.data = extract(initial(source, which, slice), slice);
+        const auto n = p.data.size();
+        p.grad.assign(n, 0.0f);
+        p.m.assign(n, 0.0f);
+        p.v.assign(n, 0.0f);
+        p.replicated_over_tp = slice.whole();
+        if (sharded_) {
+          p.own_begin = static_cast<std::int64_t>(n) * d_ / dp_;
+          p.own_end = static_cast<std::int64_t>(n) * (d_ + 1) / dp_;
+          p.reduced.assign(static_cast<std::size_t>(p.own_end - p.own_begin), 0.0f);
+        } else {
+          p.own_begin = 0;
+          p.own_end = static_cast<std::int64_t>(n);
+        }
+        if (!p.tied_copy) have += static_cast<std::uint64_t>(slice.rows * slice.cols);
+        params_.emplace(Key{id, which}, std::move(p));
+      }
       DTSIM_ASSERT(have == op.params, fmt::format("parameters of {}: {} allocated, graph says {}",
                                                   op.name, have, op.params));
     }
   }
 
-  void make_batch(MicroBatch& mb) {
-    std::uniform_int_distribution<int> token(0, V_ - 1);
-    std::uniform_real_distribution<float> coin(0.0f, 1.0f);
+  Param* find(OpId id, int which) {
+    auto it = params_.find({id, which});
+    return it == params_.end() ? nullptr : &it->second;
+  }
+  Param& param(OpId id, int which) {
+    Param* p = find(id, which);
+    DTSIM_ASSERT(p != nullptr,
+                 fmt::format("rank {} holds no tensor {} of {}", me_, which, g_.op(id).name));
+    return *p;
+  }
+  k::In bias_in(OpId id) {
+    Param* b = find(id, 1);
+    return b ? k::In(b->data) : k::In();
+  }
+  k::Out bias_grad(OpId id) {
+    Param* b = find(id, 1);
+    return b ? k::Out(b->grad) : k::Out();
+  }
+
+  // The parameters of ops [begin, end) that this rank holds, in a fixed order.
+  std::vector<Param*> params_of(std::int32_t begin, std::int32_t end) {
+    std::vector<Param*> out;
+    for (auto it = params_.lower_bound({static_cast<OpId>(begin), 0});
+         it != params_.end() && it->first.first < static_cast<OpId>(end); ++it) {
+      out.push_back(&it->second);
+    }
+    return out;
+  }
+
+  // ---- data ------------------------------------------------------------------------------
+
+  // Micro-batch j of this data-parallel rank holds sequences (d·m + j)·b ... of the step's
+  // global batch, so that any dp and micro-batch split of a global batch sees the same data.
+  void make_batch(MicroBatch& mb, int step, int j) {
     mb.tokens.resize(static_cast<std::size_t>(T_));
     mb.targets.resize(static_cast<std::size_t>(T_));
     for (int b = 0; b < B_; ++b) {
-      int t = token(rng_);
+      const auto sequence = static_cast<std::uint64_t>((d_ * micro_batches_ + j) * B_ + b);
+      std::mt19937_64 gen(mix(options_.seed, static_cast<std::uint64_t>(step) + 0x5eed, sequence));
+      std::uniform_int_distribution<int> token(0, V_ - 1);
+      std::uniform_real_distribution<float> coin(0.0f, 1.0f);
+      int t = token(gen);
       for (int s = 0; s < S_; ++s) {
-        const int next = coin(rng_) < 0.9f ? next_[static_cast<std::size_t>(t)] : token(rng_);
+        const int next = coin(gen) < 0.9f ? next_[static_cast<std::size_t>(t)] : token(gen);
         mb.tokens[static_cast<std::size_t>(b * S_ + s)] = t;
         mb.targets[static_cast<std::size_t>(b * S_ + s)] = next;
         t = next;
       }
     }
   }
+
+  // ---- compute ---------------------------------------------------------------------------
 
   std::vector<float>& grad_of(MicroBatch& mb, OpId id) {
     auto& gbuf = mb.grad[id];
@@ -177,34 +415,60 @@ class Runner {
 
   OpId input(OpId id) const { return g_.predecessors(id).front(); }
 
-  // The tied head's weight: the embedding transposed, [C, V].
-  std::vector<float> head_weight(OpId head) {
-    if (weight_.count(head)) return weight_[head].data;
-    const auto& wte = weight_.at(0).data;
-    std::vector<float> w(static_cast<std::size_t>(C_) * V_);
-    for (int v = 0; v < V_; ++v) {
+  // Local GEMM shape (K, N) of a linear op on this tensor-parallel rank.
+  std::pair<int, int> gemm_shape(const Op& op) const {
+    const int u = m_.activation == model::Activation::SwiGlu ? 2 : 1;
+    switch (op.kind) {
+      case OpKind::QkvProj:
+        return {C_, (H_ + 2 * G_) * D_};
+      case OpKind::AttnOutProj:
+        return {H_ * D_, C_};
+      case OpKind::MlpUp:
+        return {C_, F_ * u};
+      case OpKind::MlpDown:
+        return {F_, C_};
+      case OpKind::LmHead:
+        return {C_, Vl_};
+      default:
+        DTSIM_ASSERT(false, "not a linear op");
+        return {0, 0};
+    }
+  }
+
+  bool row_parallel(const Op& op) const {
+    return op.kind == OpKind::AttnOutProj || op.kind == OpKind::MlpDown;
+  }
+
+  // The weight of a linear op as [K, N]; a tied head's is the (local) embedding transposed.
+  std::vector<float> tied_head_weight(OpId head) {
+    Param* copy = find(head, 0);
+    const auto& wte = copy ? copy->data : param(g_.layer_ops(-1).front(), 0).data;
+    std::vector<float> w(static_cast<std::size_t>(C_) * Vl_);
+    for (int v = 0; v < Vl_; ++v) {
       for (int c = 0; c < C_; ++c)
-        w[static_cast<std::size_t>(c) * V_ + v] = wte[static_cast<std::size_t>(v) * C_ + c];
+        w[static_cast<std::size_t>(c) * Vl_ + v] = wte[static_cast<std::size_t>(v) * C_ + c];
     }
     return w;
   }
+  bool tied_head(const Op& op) const { return op.kind == OpKind::LmHead && op.params == 0; }
 
   void forward(MicroBatch& mb, OpId id) {
     const Op& op = g_.op(id);
     auto& out = mb.out[id];
     switch (op.kind) {
-      case OpKind::Embedding:
+      case OpKind::Embedding: {
         out.assign(static_cast<std::size_t>(T_) * C_, 0.0f);
-        k::embedding_forward(out, mb.tokens, weight_.at(id).data,
-                             bias_.count(id) ? k::In(bias_.at(id).data) : k::In(), B_, S_, C_);
+        // Positions are added once: by tensor-parallel rank 0, before the all-reduce.
+        k::embedding_forward(out, mb.tokens, param(id, 0).data, t_ == 0 ? bias_in(id) : k::In(), B_,
+                             S_, C_, t_ * Vl_);
         break;
+      }
       case OpKind::Norm: {
         out.assign(static_cast<std::size_t>(T_) * C_, 0.0f);
         mb.aux1[id].assign(static_cast<std::size_t>(T_), 0.0f);
         mb.aux2[id].assign(static_cast<std::size_t>(T_), 0.0f);
-        k::norm_forward(out, mb.aux1[id], mb.aux2[id], mb.out.at(input(id)), weight_.at(id).data,
-                        bias_.count(id) ? k::In(bias_.at(id).data) : k::In(), T_, C_,
-                        m_.norm == model::Norm::RmsNorm);
+        k::norm_forward(out, mb.aux1[id], mb.aux2[id], mb.out.at(input(id)), param(id, 0).data,
+                        bias_in(id), T_, C_, m_.norm == model::Norm::RmsNorm);
         break;
       }
       case OpKind::QkvProj:
@@ -212,21 +476,19 @@ class Runner {
       case OpKind::MlpUp:
       case OpKind::MlpDown:
       case OpKind::LmHead: {
-        const int K = static_cast<int>(op.gemm_k), N = static_cast<int>(op.gemm_n);
+        const auto [K, N] = gemm_shape(op);
         out.assign(static_cast<std::size_t>(T_) * N, 0.0f);
-        const std::vector<float> w =
-            op.kind == OpKind::LmHead ? head_weight(id) : std::vector<float>();
+        const std::vector<float> w = tied_head(op) ? tied_head_weight(id) : std::vector<float>();
+        // A row-parallel op's bias is added once, by tensor-parallel rank 0.
+        const k::In bias = row_parallel(op) && t_ != 0 ? k::In() : bias_in(id);
         k::matmul_forward(out, mb.out.at(input(id)),
-                          op.kind == OpKind::LmHead ? k::In(w) : k::In(weight_.at(id).data),
-                          bias_.count(id) ? k::In(bias_.at(id).data) : k::In(), T_, K, N);
+                          tied_head(op) ? k::In(w) : k::In(param(id, 0).data), bias, T_, K, N);
         break;
       }
       case OpKind::AttentionCore: {
-        const int H = static_cast<int>(m_.heads), G = static_cast<int>(m_.kv_heads),
-                  D = static_cast<int>(m_.head_dim);
-        out.assign(static_cast<std::size_t>(T_) * H * D, 0.0f);
-        mb.aux1[id].assign(static_cast<std::size_t>(B_) * H * S_ * S_, 0.0f);
-        k::attention_forward(out, mb.aux1[id], mb.out.at(input(id)), B_, S_, H, G, D);
+        out.assign(static_cast<std::size_t>(T_) * H_ * D_, 0.0f);
+        mb.aux1[id].assign(static_cast<std::size_t>(B_) * H_ * S_ * S_, 0.0f);
+        k::attention_forward(out, mb.aux1[id], mb.out.at(input(id)), B_, S_, H_, G_, D_);
         break;
       }
       case OpKind::Residual: {
@@ -252,12 +514,21 @@ class Runner {
       case OpKind::Loss: {
         const auto& logits = mb.out.at(input(id));
         mb.aux1[id].assign(logits.size(), 0.0f);
-        mb.loss = k::cross_entropy(mb.aux1[id], logits, mb.targets, T_, V_);
+        if (tp_ == 1) {
+          mb.loss = k::cross_entropy(mb.aux1[id], logits, mb.targets, T_, V_);
+        } else {
+          // The statistics were reduced over tp by the task before this one.
+          const auto& stats = mb.aux2.at(id);
+          const k::In rowmax(stats.data(), static_cast<std::size_t>(T_));
+          const k::In sums(stats.data() + T_, static_cast<std::size_t>(2 * T_));
+          mb.loss = k::cross_entropy_sharded(mb.aux1[id], logits, rowmax, sums, mb.targets, T_, Vl_,
+                                             t_ * Vl_);
+        }
         out.assign(1, static_cast<float>(mb.loss));
         break;
       }
       case OpKind::Router:
-        throw UnsupportedError("dtexec: MoE routers are not supported yet");
+        throw UnsupportedError("dtexec: MoE routers are not executed yet");
     }
   }
 
@@ -265,22 +536,21 @@ class Runner {
     const Op& op = g_.op(id);
     switch (op.kind) {
       case OpKind::Loss: {
-        // The step's loss is the mean over micro-batches: scale each one's gradient by 1/m.
+        // The step's loss is the mean over micro-batches and data-parallel replicas: scale each
+        // micro-batch's gradient by 1/(m·dp); the dp reduction sums.
         auto& dlogits = grad_of(mb, input(id));
         const auto& d = mb.aux1.at(id);
-        const float scale = 1.0f / static_cast<float>(micro_batches_);
+        const float scale = 1.0f / static_cast<float>(micro_batches_ * dp_);
         for (std::size_t i = 0; i < d.size(); ++i) dlogits[i] += d[i] * scale;
         break;
       }
       case OpKind::Embedding:
-        k::embedding_backward(weight_.at(id).grad,
-                              bias_.count(id) ? k::Out(bias_.at(id).grad) : k::Out(),
-                              mb.grad.at(id), mb.tokens, B_, S_, C_);
+        k::embedding_backward(param(id, 0).grad, bias_grad(id), mb.grad.at(id), mb.tokens, B_, S_,
+                              C_, t_ * Vl_);
         break;
       case OpKind::Norm:
-        k::norm_backward(grad_of(mb, input(id)), weight_.at(id).grad,
-                         bias_.count(id) ? k::Out(bias_.at(id).grad) : k::Out(), mb.grad.at(id),
-                         mb.out.at(input(id)), weight_.at(id).data, mb.aux1.at(id), mb.aux2.at(id),
+        k::norm_backward(grad_of(mb, input(id)), param(id, 0).grad, bias_grad(id), mb.grad.at(id),
+                         mb.out.at(input(id)), param(id, 0).data, mb.aux1.at(id), mb.aux2.at(id),
                          T_, C_, m_.norm == model::Norm::RmsNorm);
         break;
       case OpKind::QkvProj:
@@ -288,29 +558,29 @@ class Runner {
       case OpKind::MlpUp:
       case OpKind::MlpDown:
       case OpKind::LmHead: {
-        const int K = static_cast<int>(op.gemm_k), N = static_cast<int>(op.gemm_n);
-        const bool tied = op.kind == OpKind::LmHead && !weight_.count(id);
-        const std::vector<float> w = tied ? head_weight(id) : std::vector<float>();
-        std::vector<float> dw_tied(tied ? w.size() : 0, 0.0f);
-        k::matmul_backward(
-            grad_of(mb, input(id)), tied ? k::Out(dw_tied) : k::Out(weight_.at(id).grad),
-            bias_.count(id) ? k::Out(bias_.at(id).grad) : k::Out(), mb.grad.at(id),
-            mb.out.at(input(id)), tied ? k::In(w) : k::In(weight_.at(id).data), T_, K, N);
-        if (tied) {
-          auto& dwte = weight_.at(0).grad;
-          for (int v = 0; v < V_; ++v) {
+        const auto [K, N] = gemm_shape(op);
+        if (tied_head(op)) {
+          const std::vector<float> w = tied_head_weight(id);
+          std::vector<float> dw(w.size(), 0.0f);
+          k::matmul_backward(grad_of(mb, input(id)), dw, k::Out(), mb.grad.at(id),
+                             mb.out.at(input(id)), w, T_, K, N);
+          Param* copy = find(id, 0);
+          auto& dwte = copy ? copy->grad : param(g_.layer_ops(-1).front(), 0).grad;
+          for (int v = 0; v < Vl_; ++v) {
             for (int c = 0; c < C_; ++c) {
               dwte[static_cast<std::size_t>(v) * C_ + c] +=
-                  dw_tied[static_cast<std::size_t>(c) * V_ + v];
+                  dw[static_cast<std::size_t>(c) * Vl_ + v];
             }
           }
+        } else {
+          k::matmul_backward(grad_of(mb, input(id)), param(id, 0).grad, bias_grad(id),
+                             mb.grad.at(id), mb.out.at(input(id)), param(id, 0).data, T_, K, N);
         }
         break;
       }
       case OpKind::AttentionCore:
         k::attention_backward(grad_of(mb, input(id)), mb.grad.at(id), mb.out.at(input(id)),
-                              mb.aux1.at(id), B_, S_, static_cast<int>(m_.heads),
-                              static_cast<int>(m_.kv_heads), static_cast<int>(m_.head_dim));
+                              mb.aux1.at(id), B_, S_, H_, G_, D_);
         break;
       case OpKind::Residual:
         for (OpId pred : g_.predecessors(id)) {
@@ -331,7 +601,135 @@ class Runner {
         break;
       }
       case OpKind::Router:
-        throw UnsupportedError("dtexec: MoE routers are not supported yet");
+        throw UnsupportedError("dtexec: MoE routers are not executed yet");
+    }
+  }
+
+  void optimizer_step() {
+    ++adam_step_;
+    for (auto& [key, p] : params_) {
+      const auto b = static_cast<std::size_t>(p.own_begin);
+      const auto n = static_cast<std::int64_t>(p.own_end - p.own_begin);
+      const k::In grad = sharded_ ? k::In(p.reduced) : k::In(p.grad);
+      k::adamw(k::Out(p.data).subspan(b, static_cast<std::size_t>(n)), grad,
+               k::Out(p.m).subspan(b, static_cast<std::size_t>(n)),
+               k::Out(p.v).subspan(b, static_cast<std::size_t>(n)), n, options_.learning_rate, 0.9f,
+               0.95f, 1e-8f, 0.0f, adam_step_);
+      std::fill(p.grad.begin(), p.grad.end(), 0.0f);
+      std::fill(p.reduced.begin(), p.reduced.end(), 0.0f);
+    }
+  }
+
+  // ---- communication -----------------------------------------------------------------------
+
+  // Gradients of `params` over the dp group: summed in place (ZeRO-0), or reduce-scattered into
+  // each rank's slice accumulator (ZeRO >= 1), the full gradient buffers then cleared.
+  void reduce_gradients(const lower::Task& task, const std::vector<Param*>& params) {
+    if (task.collective == CollectiveKind::AllReduce) {
+      std::vector<float> flat;
+      for (Param* p : params) flat.insert(flat.end(), p->grad.begin(), p->grad.end());
+      comm_.all_reduce(task.group, flat, Reduce::Sum);
+      std::size_t at = 0;
+      for (Param* p : params) {
+        std::copy_n(flat.begin() + static_cast<std::ptrdiff_t>(at), p->grad.size(),
+                    p->grad.begin());
+        at += p->grad.size();
+      }
+      return;
+    }
+    DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter && sharded_,
+                 "dp gradient reduction");
+    std::vector<float> flat;
+    std::vector<int> counts(static_cast<std::size_t>(dp_), 0);
+    for (int r = 0; r < dp_; ++r) {
+      for (Param* p : params) {
+        const auto n = static_cast<std::int64_t>(p->grad.size());
+        const auto b = n * r / dp_, e = n * (r + 1) / dp_;
+        flat.insert(flat.end(), p->grad.begin() + b, p->grad.begin() + e);
+        counts[static_cast<std::size_t>(r)] += static_cast<int>(e - b);
+      }
+    }
+    std::vector<float> mine(static_cast<std::size_t>(counts[static_cast<std::size_t>(d_)]));
+    comm_.reduce_scatter(task.group, flat, mine, counts);
+    std::size_t at = 0;
+    for (Param* p : params) {
+      for (auto& x : p->reduced) x += mine[at++];
+      std::fill(p->grad.begin(), p->grad.end(), 0.0f);
+    }
+  }
+
+  // Every dp rank's updated slice of `params`, gathered into the full weights.
+  void gather_weights(const lower::Task& task, const std::vector<Param*>& params) {
+    if (!sharded_) return;
+    std::vector<int> counts(static_cast<std::size_t>(dp_), 0);
+    std::vector<float> mine;
+    for (Param* p : params) {
+      mine.insert(mine.end(), p->data.begin() + p->own_begin, p->data.begin() + p->own_end);
+      const auto n = static_cast<std::int64_t>(p->data.size());
+      for (int r = 0; r < dp_; ++r) {
+        counts[static_cast<std::size_t>(r)] += static_cast<int>(n * (r + 1) / dp_ - n * r / dp_);
+      }
+    }
+    std::vector<float> all(
+        static_cast<std::size_t>(std::accumulate(counts.begin(), counts.end(), 0)));
+    comm_.all_gather(task.group, mine, all, counts);
+    std::size_t at = 0;
+    for (int r = 0; r < dp_; ++r) {
+      for (Param* p : params) {
+        const auto n = static_cast<std::int64_t>(p->data.size());
+        const auto b = n * r / dp_, e = n * (r + 1) / dp_;
+        std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(at), e - b, p->data.begin() + b);
+        at += static_cast<std::size_t>(e - b);
+      }
+    }
+  }
+
+  void collective(const lower::Task& task) {
+    const auto& grp = program_.groups.at(static_cast<std::size_t>(task.group));
+    switch (grp.kind) {
+      case GroupKind::Tp: {
+        MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
+        const auto anchor = static_cast<OpId>(task.op_begin);
+        const Op& op = g_.op(anchor);
+        DTSIM_ASSERT(task.collective == CollectiveKind::AllReduce, "tp collective");
+        if (op.kind == OpKind::Loss) {
+          // Vocab-parallel cross-entropy: reduce the row maxima, then the sums.
+          const auto& logits = mb.out.at(input(anchor));
+          auto& stats = mb.aux2[anchor];
+          stats.assign(static_cast<std::size_t>(3 * T_), 0.0f);
+          k::Out rowmax(stats.data(), static_cast<std::size_t>(T_));
+          k::Out sums(stats.data() + T_, static_cast<std::size_t>(2 * T_));
+          k::cross_entropy_max(rowmax, logits, T_, Vl_);
+          comm_.all_reduce(task.group, rowmax, Reduce::Max);
+          k::cross_entropy_sums(sums, logits, rowmax, mb.targets, T_, Vl_, t_ * Vl_);
+          comm_.all_reduce(task.group, sums, Reduce::Sum);
+        } else if (op.kind == OpKind::Embedding || row_parallel(op)) {
+          comm_.all_reduce(task.group, mb.out.at(anchor), Reduce::Sum);  // forward: g
+        } else {
+          comm_.all_reduce(task.group, mb.grad.at(input(anchor)), Reduce::Sum);  // backward: f
+        }
+        return;
+      }
+      case GroupKind::Dp: {
+        if (task.collective == CollectiveKind::AllGather) {
+          // ZeRO-3: one chunk's weights before a pass; ZeRO-1/2: all weights after the step.
+          gather_weights(task, task.op_end > task.op_begin ? params_of(task.op_begin, task.op_end)
+                                                           : params_of(0, g_.size()));
+        } else {
+          reduce_gradients(task, params_of(task.op_begin, task.op_end));
+        }
+        return;
+      }
+      case GroupKind::Pp: {
+        // The tied embedding: first stage's matrix and last stage's copy, gradients summed
+        // (the already dp-reduced slice under ZeRO >= 1: both stages slice it alike).
+        Param& p = param(static_cast<OpId>(task.op_begin), 0);
+        comm_.all_reduce(task.group, sharded_ ? k::Out(p.reduced) : k::Out(p.grad), Reduce::Sum);
+        return;
+      }
+      default:
+        throw UnsupportedError(
+            fmt::format("dtexec: {} collectives are not executed yet", lower::to_string(grp.kind)));
     }
   }
 
@@ -339,14 +737,7 @@ class Runner {
     switch (task.kind) {
       case TaskKind::Compute: {
         if (task.phase == Phase::Optimizer) {
-          ++adam_step_;
-          for (auto* params : {&weight_, &bias_}) {
-            for (auto& [id, p] : *params) {
-              k::adamw(p.data, p.grad, p.m, p.v, static_cast<std::int64_t>(p.data.size()),
-                       options_.learning_rate, 0.9f, 0.95f, 1e-8f, 0.0f, adam_step_);
-              std::fill(p.grad.begin(), p.grad.end(), 0.0f);
-            }
-          }
+          optimizer_step();
           return;
         }
         MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
@@ -356,34 +747,184 @@ class Runner {
           for (auto id = task.op_end; id-- > task.op_begin;) backward(mb, static_cast<OpId>(id));
         } else {
           throw UnsupportedError(
-              fmt::format("dtexec: phase {} is not supported yet", to_string(task.phase)));
+              fmt::format("dtexec: phase {} is not executed yet", to_string(task.phase)));
         }
         return;
       }
       case TaskKind::Collective:
+        collective(task);
+        return;
       case TaskKind::Send:
-      case TaskKind::Recv:
-        throw UnsupportedError("dtexec: communication tasks need the MPI runner");
+      case TaskKind::Recv: {
+        // Activations (even tags) are an op's output; gradients (odd tags) the gradient of it.
+        MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
+        const auto id = static_cast<OpId>(task.op_begin);
+        const bool gradient = (task.tag & 1) != 0;
+        const int peer =
+            static_cast<int>(program_.ranks.at(static_cast<std::size_t>(task.peer)).rank);
+        auto& buffer = gradient ? mb.grad[id] : mb.out[id];
+        if (task.kind == TaskKind::Send) {
+          comm_.send(peer, task.tag, buffer);
+        } else {
+          buffer.assign(static_cast<std::size_t>(T_) * C_, 0.0f);
+          comm_.recv(peer, task.tag, buffer);
+        }
+        return;
+      }
     }
+  }
+
+  // ---- checkpoints -------------------------------------------------------------------------
+
+  // Every rank sends its part of each full tensor (its tensor-parallel slice; its dp slice under
+  // ZeRO >= 1, where only the owner's weights and AdamW state are current); rank 0 assembles and
+  // writes them. The tied copy is the embedding and is not written twice.
+  void save(int steps_done, const std::vector<double>& earlier_losses) {
+    std::string mine;
+    auto put = [&mine](const void* data, std::size_t bytes) {
+      mine.append(static_cast<const char*>(data), bytes);
+    };
+    for (const auto& [key, p] : params_) {
+      if (p.tied_copy || (p.replicated_over_tp && t_ != 0) || (!sharded_ && d_ != 0)) continue;
+      const std::int64_t header[4] = {static_cast<std::int64_t>(key.first), key.second, t_,
+                                      p.own_end - p.own_begin};
+      put(header, sizeof(header));
+      put(&p.own_begin, sizeof(p.own_begin));
+      for (const auto* part : {&p.data, &p.m, &p.v}) {
+        put(part->data() + p.own_begin,
+            static_cast<std::size_t>(p.own_end - p.own_begin) * sizeof(float));
+      }
+    }
+    // Losses so far: this run's steps are summed over ranks (all must take part).
+    std::vector<double> sums = step_loss_sums_;
+    comm_.all_ranks(sums, Reduce::Sum);
+    const auto parts = comm_.gather_to_root(mine);
+    if (comm_.rank() != 0) return;
+    Checkpoint c;
+    c.model = m_.name;
+    c.plan = plan::to_json(p_);
+    c.step = steps_done;
+    c.seed = options_.seed;
+    c.learning_rate = options_.learning_rate;
+    c.losses = earlier_losses;
+    for (double s : sums) c.losses.push_back(s / (micro_batches_ * dp_));
+    std::map<Key, CheckpointTensor> tensors;
+    for (const auto& part : parts) {
+      std::size_t at = 0;
+      auto get = [&](void* data, std::size_t bytes) {
+        DTSIM_ASSERT(at + bytes <= part.size(), "checkpoint part");
+        std::memcpy(data, part.data() + at, bytes);
+        at += bytes;
+      };
+      while (at < part.size()) {
+        std::int64_t header[4], begin = 0;
+        get(header, sizeof(header));
+        get(&begin, sizeof(begin));
+        const auto id = static_cast<OpId>(header[0]);
+        const int which = static_cast<int>(header[1]);
+        Slice slice;
+        for (auto& [w, s] : slices(g_.op(id), static_cast<int>(header[2]))) {
+          if (w == which) slice = s;
+        }
+        auto& t = tensors[{id, which}];
+        if (t.data.empty()) {
+          t.name = fmt::format("{}.{}", g_.op(id).name, which == 0 ? "weight" : "bias");
+          t.shape = {slice.rows, slice.cols};
+          for (auto* v : {&t.data, &t.m, &t.v})
+            v->assign(static_cast<std::size_t>(slice.rows * slice.cols), 0.0f);
+        }
+        for (auto* v : {&t.data, &t.m, &t.v}) {
+          std::vector<float> values(static_cast<std::size_t>(header[3]));
+          get(values.data(), values.size() * sizeof(float));
+          for (std::int64_t i = 0; i < header[3]; ++i) {
+            (*v)[static_cast<std::size_t>(slice.full_index(begin + i))] =
+                values[static_cast<std::size_t>(i)];
+          }
+        }
+      }
+    }
+    for (auto& [key, t] : tensors) c.tensors.push_back(std::move(t));
+    write_checkpoint(options_.checkpoint_dir, c);
+  }
+
+  int resume(RunResult& result) {
+    const Checkpoint c = read_checkpoint(options_.resume_dir);
+    const std::string where = options_.resume_dir + "/checkpoint.json";
+    if (c.model != m_.name) {
+      throw InputError(fmt::format("{}: model: the checkpoint is of {}, this run trains {}", where,
+                                   c.model, m_.name));
+    }
+    if (c.step >= options_.steps) {
+      throw InputError(
+          fmt::format("{}: step: the checkpoint is at step {}; --steps {} leaves "
+                      "nothing to run",
+                      where, c.step, options_.steps));
+    }
+    std::map<std::string, const CheckpointTensor*> by_name;
+    for (const auto& t : c.tensors) by_name[t.name] = &t;
+    for (auto& [key, p] : params_) {
+      const auto it = by_name.find(p.name);
+      if (it == by_name.end() ||
+          it->second->shape != std::vector<std::int64_t>{p.slice.rows, p.slice.cols}) {
+        throw InputError(fmt::format("{}: tensors: no {} of shape [{}, {}]", where, p.name,
+                                     p.slice.rows, p.slice.cols));
+      }
+      p.data = extract(it->second->data, p.slice);
+      p.m = extract(it->second->m, p.slice);
+      p.v = extract(it->second->v, p.slice);
+    }
+    adam_step_ = c.step;
+    result.losses = c.losses;
+    return c.step;
   }
 
   const model::ModelGraph& g_;
   const model::ModelSpec& m_;
   const lower::Program& program_;
+  const plan::Plan& p_;
   RunOptions options_;
-  std::mt19937_64 rng_;
-  std::map<OpId, Param> weight_, bias_;
+  Comm& comm_;
+  const lower::RankProgram* rp_ = nullptr;
+  std::map<Key, Param> params_;
   std::vector<int> next_;
   std::vector<MicroBatch> batches_;
-  int B_ = 0, S_ = 0, T_ = 0, C_ = 0, V_ = 0, micro_batches_ = 1, adam_step_ = 0;
+  std::vector<double> step_loss_sums_;  // this run's steps
+  int me_ = 0, tp_ = 1, dp_ = 1, t_ = 0, d_ = 0;
+  bool sharded_ = false, last_stage_ = false;
+  int B_ = 0, S_ = 0, T_ = 0, C_ = 0, V_ = 0, H_ = 0, G_ = 0, D_ = 0, F_ = 0, Vl_ = 0;
+  int micro_batches_ = 1, adam_step_ = 0;
 };
 
 }  // namespace
 
+void check_runnable(const model::ModelGraph& graph, const lower::Program& program) {
+  const model::ModelSpec& m = graph.spec();
+  const plan::Plan& p = program.plan;
+  auto refuse = [&](const std::string& what) {
+    throw UnsupportedError(fmt::format("dtexec: {} is not executed yet", what));
+  };
+  if (m.positions == model::Positions::Rope) refuse(fmt::format("RoPE (model {})", m.name));
+  if (m.moe) refuse(fmt::format("a mixture of experts (model {})", m.name));
+  if (m.dropout) refuse(fmt::format("dropout (model {})", m.name));
+  if (p.cp > 1) refuse("context parallelism (cp > 1)");
+  if (p.ep > 1) refuse("expert parallelism (ep > 1)");
+  if (p.sequence_parallel) refuse("sequence parallelism");
+  if (p.schedule == plan::Schedule::ZeroBubble) refuse("the zero-bubble schedule");
+  if (p.schedule == plan::Schedule::PipeDreamAsync) refuse("the PipeDream (asynchronous) schedule");
+  if (m.heads % p.tp != 0 || m.kv_heads % p.tp != 0 || m.ffn_hidden % p.tp != 0 ||
+      m.vocab % p.tp != 0) {
+    refuse(fmt::format("tp {} that does not divide heads {}, kv heads {}, ffn {} and vocab {}",
+                       p.tp, m.heads, m.kv_heads, m.ffn_hidden, m.vocab));
+  }
+  if (p.devices() > 1 && program.lowering != lower::Lowering::AllRanks) {
+    throw InternalError("a multi-rank run needs the program lowered for all ranks");
+  }
+}
+
 RunResult run_program(const model::ModelGraph& graph, const lower::Program& program,
-                      const RunOptions& options) {
+                      const RunOptions& options, Comm& comm) {
   DTSIM_ASSERT(options.steps >= 1, "at least one step");
-  return Runner(graph, program, options).run();
+  return Runner(graph, program, options, comm).run();
 }
 
 }  // namespace dtsim::exec

@@ -1,28 +1,48 @@
 // The Program runner: executes the tasks of a lowered Program on real tensors, in fp32 on the
 // CPU, and times each task. It interprets the same Program the simulator predicts (compute
-// tasks are ModelGraph op ranges in a phase), so a measurement joins the prediction task by
-// task (dtsim validate).
+// tasks are ModelGraph op ranges in a phase; communication tasks name the tensors they carry),
+// so a measurement joins the prediction task by task (dtsim validate).
 //
-// This version runs one rank (dp = tp = pp = cp = 1): plans that need communication between
-// ranks wait for the MPI runner. Models: GELU or SwiGLU MLPs, LayerNorm or RMSNorm, learned
-// positions, multi-head or grouped-query attention, tied or untied embeddings; no RoPE, no MoE,
-// no dropout (each is refused with a message).
+// One runner per rank; a Comm (exec/core/comm.hpp) carries its collectives and transfers:
+// - data parallelism: gradient buckets all-reduced (ZeRO-0) or reduce-scattered (ZeRO >= 1)
+//   over the dp group; under ZeRO >= 1 each dp rank updates its slice of every tensor (AdamW is
+//   element-wise) and the updated weights are all-gathered (ZeRO-1/2 after the step, ZeRO-3
+//   per chunk before each pass);
+// - tensor parallelism (Megatron-LM): vocab-parallel embedding, column-parallel QKV and MLP-up,
+//   row-parallel attention-out and MLP-down (their bias added once), vocab-parallel head and
+//   cross-entropy; the all-reduces of the Program at the f/g points;
+// - pipeline parallelism: activations and gradients sent between stages (GPipe, 1F1B,
+//   interleaved 1F1B), and the tied embedding's gradients all-reduced between the first and
+//   last stage.
+// Memory is not what the plan promises: every rank keeps full weight, gradient and optimizer
+// buffers of its tensor-parallel share and every micro-batch's activations until the step ends;
+// ZeRO and recompute execute their communication and compute, not their memory saving.
+//
+// Not executed yet (refused with a message): sequence and context parallelism, experts,
+// zero-bubble and PipeDream schedules, RoPE, dropout.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "exec/core/comm.hpp"
 #include "sim/lower/program.hpp"
 #include "sim/model/model_graph.hpp"
 
 namespace dtsim::exec {
 
 struct RunOptions {
-  int steps = 10;
-  int warmup_steps = 1;  // excluded from the median step time
+  int steps = 10;        // the step number to stop after (counted from the first step ever)
+  int warmup_steps = 1;  // steps of this run left out of the median step time
   float learning_rate = 1e-3f;
   std::uint64_t seed = 1234;
+  std::string checkpoint_dir;  // where to write checkpoints ("" = none)
+  int checkpoint_every = 0;    // steps between checkpoints (0 = only after the last step)
+  std::string resume_dir;      // a checkpoint to continue from ("" = start at step 0)
+  // Fault injection (tests): rank fail_rank kills itself with SIGKILL as step fail_step (1-based)
+  // starts, as a crashed node would.
+  int fail_rank = -1, fail_step = 0;
 };
 
 struct TaskRecord {
@@ -34,14 +54,21 @@ struct TaskRecord {
 };
 
 struct RunResult {
-  std::vector<double> losses;        // mean loss of each step
-  std::vector<double> step_times_s;  // wall time of each step
+  int first_step = 0;                // 0, or the step a resumed run started at
+  std::vector<double> losses;        // mean loss of every step so far (all ranks agree)
+  std::vector<double> step_times_s;  // wall time of each step of this run (slowest rank)
   double step_time_s = 0;            // median after warm-up
-  std::vector<TaskRecord> tasks;     // every task of every step after warm-up
+  std::vector<TaskRecord> tasks;     // this rank's tasks of every step after warm-up
 };
 
+// Throws UnsupportedError naming what the runner does not execute in this model or plan (every
+// rank reaches the same verdict, so it can be asked before any communication).
+void check_runnable(const model::ModelGraph& graph, const lower::Program& program);
+
+// Runs this rank's program (program.ranks[comm.rank()]). A single-rank plan may use any
+// lowering; a multi-rank plan needs Lowering::AllRanks and a Comm with one rank per device.
 // Throws UnsupportedError for plans or models this runner does not execute yet.
 RunResult run_program(const model::ModelGraph& graph, const lower::Program& program,
-                      const RunOptions& options);
+                      const RunOptions& options, Comm& comm);
 
 }  // namespace dtsim::exec

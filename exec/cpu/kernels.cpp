@@ -8,6 +8,10 @@
 
 namespace dtsim::exec::cpu {
 
+void set_gemm_threads(int threads) {
+  openblas_set_num_threads(threads);
+}
+
 void matmul_forward(Out out, In in, In w, In bias, int T, int K, int N) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, N, K, 1.0f, in.data(), K, w.data(), N,
               0.0f, out.data(), N);
@@ -212,28 +216,35 @@ void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H
   }
 }
 
-void embedding_forward(Out out, std::span<const int> tokens, In wte, In wpe, int B, int S, int C) {
+void embedding_forward(Out out, std::span<const int> tokens, In wte, In wpe, int B, int S, int C,
+                       int vocab_begin) {
+  const auto rows = static_cast<int>(wte.size() / static_cast<std::size_t>(C));
   for (int b = 0; b < B; ++b) {
     for (int s = 0; s < S; ++s) {
       const std::size_t row = static_cast<std::size_t>(b) * S + s;
-      const float* e = wte.data() + static_cast<std::size_t>(tokens[row]) * C;
+      const int local = tokens[row] - vocab_begin;
+      const float* e =
+          local >= 0 && local < rows ? wte.data() + static_cast<std::size_t>(local) * C : nullptr;
       float* y = out.data() + row * C;
       for (int c = 0; c < C; ++c) {
-        y[c] = e[c] + (wpe.empty() ? 0.0f : wpe[static_cast<std::size_t>(s) * C + c]);
+        y[c] = (e ? e[c] : 0.0f) + (wpe.empty() ? 0.0f : wpe[static_cast<std::size_t>(s) * C + c]);
       }
     }
   }
 }
 
 void embedding_backward(Out dwte, Out dwpe, In dout, std::span<const int> tokens, int B, int S,
-                        int C) {
+                        int C, int vocab_begin) {
+  const auto rows = static_cast<int>(dwte.size() / static_cast<std::size_t>(C));
   for (int b = 0; b < B; ++b) {
     for (int s = 0; s < S; ++s) {
       const std::size_t row = static_cast<std::size_t>(b) * S + s;
       const float* dy = dout.data() + row * C;
-      float* de = dwte.data() + static_cast<std::size_t>(tokens[row]) * C;
+      const int local = tokens[row] - vocab_begin;
+      float* de =
+          local >= 0 && local < rows ? dwte.data() + static_cast<std::size_t>(local) * C : nullptr;
       for (int c = 0; c < C; ++c) {
-        de[c] += dy[c];
+        if (de) de[c] += dy[c];
         if (!dwpe.empty()) dwpe[static_cast<std::size_t>(s) * C + c] += dy[c];
       }
     }
@@ -252,6 +263,44 @@ double cross_entropy(Out dlogits, In logits, std::span<const int> targets, int T
     loss += std::log(sum) - static_cast<double>(z[y] - maxv);
     for (int v = 0; v < V; ++v) {
       const double p = std::exp(static_cast<double>(z[v] - maxv)) / sum;
+      dz[v] = static_cast<float>((p - (v == y ? 1.0 : 0.0)) / T);
+    }
+  }
+  return loss / T;
+}
+
+void cross_entropy_max(Out rowmax, In logits, int T, int V) {
+  for (int t = 0; t < T; ++t) {
+    const float* z = logits.data() + static_cast<std::size_t>(t) * V;
+    rowmax[static_cast<std::size_t>(t)] = *std::max_element(z, z + V);
+  }
+}
+
+void cross_entropy_sums(Out sums, In logits, In rowmax, std::span<const int> targets, int T, int V,
+                        int vocab_begin) {
+  for (int t = 0; t < T; ++t) {
+    const float* z = logits.data() + static_cast<std::size_t>(t) * V;
+    const auto k = static_cast<std::size_t>(t);
+    double sum = 0;
+    for (int v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v] - rowmax[k]));
+    sums[k] = static_cast<float>(sum);
+    const int y = targets[k] - vocab_begin;
+    sums[static_cast<std::size_t>(T) + k] = y >= 0 && y < V ? z[y] : 0.0f;
+  }
+}
+
+double cross_entropy_sharded(Out dlogits, In logits, In rowmax, In sums,
+                             std::span<const int> targets, int T, int V, int vocab_begin) {
+  double loss = 0;
+  for (int t = 0; t < T; ++t) {
+    const auto k = static_cast<std::size_t>(t);
+    const float* z = logits.data() + k * V;
+    float* dz = dlogits.data() + k * V;
+    const double sum = sums[k];
+    loss += std::log(sum) - static_cast<double>(sums[static_cast<std::size_t>(T) + k] - rowmax[k]);
+    const int y = targets[k] - vocab_begin;
+    for (int v = 0; v < V; ++v) {
+      const double p = std::exp(static_cast<double>(z[v] - rowmax[k])) / sum;
       dz[v] = static_cast<float>((p - (v == y ? 1.0 : 0.0)) / T);
     }
   }

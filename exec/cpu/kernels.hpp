@@ -12,6 +12,9 @@ namespace dtsim::exec::cpu {
 using In = std::span<const float>;
 using Out = std::span<float>;
 
+// OpenBLAS threads per process (one per rank when several ranks share the cores).
+void set_gemm_threads(int threads);
+
 // out[T,N] = in[T,K] · w[K,N] (+ bias[N]). OpenBLAS sgemm.
 void matmul_forward(Out out, In in, In w, In bias, int T, int K, int N);
 // din[T,K] += dout[T,N] · w^T;  dw[K,N] += in^T · dout;  dbias[N] += sum over T of dout.
@@ -37,14 +40,28 @@ void swiglu_backward(Out din, In in, In dout, int T, int F);
 void attention_forward(Out out, Out probs, In qkv, int B, int S, int H, int G, int D);
 void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H, int G, int D);
 
-// Token (and learned position) embedding: out[B·S, C] = wte[token] (+ wpe[s]).
-void embedding_forward(Out out, std::span<const int> tokens, In wte, In wpe, int B, int S, int C);
+// Token (and learned position) embedding: out[B·S, C] = wte[token] (+ wpe[s]). With vocabulary
+// parallelism wte holds rows [vocab_begin, vocab_begin + rows) and other tokens contribute 0.
+void embedding_forward(Out out, std::span<const int> tokens, In wte, In wpe, int B, int S, int C,
+                       int vocab_begin = 0);
 void embedding_backward(Out dwte, Out dwpe, In dout, std::span<const int> tokens, int B, int S,
-                        int C);
+                        int C, int vocab_begin = 0);
 
 // Softmax cross-entropy: logits[T, V], targets[T] -> returns the mean loss; dlogits[T, V] =
 // (softmax - onehot) / T (the gradient of the mean).
 double cross_entropy(Out dlogits, In logits, std::span<const int> targets, int T, int V);
+
+// Vocab-parallel cross-entropy (Megatron-LM's vocab_parallel_cross_entropy), logits[T, V] being
+// columns [vocab_begin, vocab_begin + V) of the full vocabulary:
+// 1. rowmax[T] = the local maximum of each row (then all-reduced with max);
+// 2. sums[2T] = the sum of exp(z - rowmax) and the target logit where this shard holds the
+//    target, else 0 (then all-reduced with sum);
+// 3. returns the mean loss and writes dlogits[T, V] = (softmax - onehot) / T for the shard.
+void cross_entropy_max(Out rowmax, In logits, int T, int V);
+void cross_entropy_sums(Out sums, In logits, In rowmax, std::span<const int> targets, int T, int V,
+                        int vocab_begin);
+double cross_entropy_sharded(Out dlogits, In logits, In rowmax, In sums,
+                             std::span<const int> targets, int T, int V, int vocab_begin);
 
 // AdamW (Loshchilov & Hutter 2019), step t >= 1, decoupled weight decay.
 void adamw(Out params, In grads, Out m, Out v, std::int64_t n, float lr, float beta1, float beta2,

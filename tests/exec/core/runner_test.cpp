@@ -1,9 +1,12 @@
 #include "exec/core/runner.hpp"
 
 #include <catch2/catch.hpp>
+#include <filesystem>
 
+#include "exec/core/checkpoint.hpp"
 #include "sim/common/error.hpp"
 #include "sim/lower/lowering.hpp"
+#include "tests/test_util.hpp"
 
 namespace {
 
@@ -15,14 +18,15 @@ dtsim::plan::Plan single_rank(std::int64_t micro_batch, std::int64_t global_batc
   return p;
 }
 
-dtsim::exec::RunResult run(const char* model, dtsim::plan::Plan p, int steps, float lr = 3e-3f) {
+dtsim::exec::RunResult run(const char* model, dtsim::plan::Plan p, int steps,
+                           dtsim::exec::RunOptions o = {}) {
   const auto spec = dtsim::model::load_model(model);
   const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 4);
   const auto program = dtsim::lower::lower(g, p);
-  dtsim::exec::RunOptions o;
   o.steps = steps;
-  o.learning_rate = lr;
-  return dtsim::exec::run_program(g, program, o);
+  o.learning_rate = 3e-3f;
+  dtsim::exec::SingleRankComm comm;
+  return dtsim::exec::run_program(g, program, o, comm);
 }
 
 }  // namespace
@@ -55,9 +59,52 @@ TEST_CASE("runs are deterministic", "[exec][runner]") {
   CHECK(a.losses == b.losses);  // bitwise
 }
 
-TEST_CASE("what the single-rank runner does not execute is refused", "[exec][runner]") {
+TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   REQUIRE_THROWS_AS(run("tiny", single_rank(1, 1), 1), dtsim::UnsupportedError);  // RoPE
   auto p = single_rank(1, 2);
-  p.dp = 2;
+  p.tp = 2;
+  p.sequence_parallel = true;
   REQUIRE_THROWS_AS(run("tiny-gpt", p, 1), dtsim::UnsupportedError);
+}
+
+TEST_CASE("a resumed run continues with bitwise-identical losses", "[exec][runner]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / "dtexec_runner_test_ckpt";
+  fs::remove_all(dir);
+  const auto whole = run("tiny-gpt", single_rank(2, 4), 6);
+  dtsim::exec::RunOptions first;
+  first.checkpoint_dir = dir.string();
+  first.checkpoint_every = 3;
+  first.warmup_steps = 0;
+  run("tiny-gpt", single_rank(2, 4), 3, first);
+  const auto saved = dtsim::exec::read_checkpoint(dir.string());
+  CHECK(saved.step == 3);
+  CHECK(saved.losses.size() == 3);
+  dtsim::exec::RunOptions second;
+  second.resume_dir = dir.string();
+  second.warmup_steps = 0;
+  const auto resumed = run("tiny-gpt", single_rank(2, 4), 6, second);
+  CHECK(resumed.first_step == 3);
+  REQUIRE(resumed.losses.size() == 6);
+  CHECK(resumed.losses == whole.losses);  // bitwise, the first three from the checkpoint
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a checkpoint that does not fit the run is refused", "[exec][runner]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / "dtexec_runner_test_ckpt2";
+  fs::remove_all(dir);
+  dtsim::exec::RunOptions o;
+  o.checkpoint_dir = dir.string();
+  o.warmup_steps = 0;
+  run("tiny-gpt", single_rank(1, 1), 2, o);
+  dtsim::exec::RunOptions again;
+  again.resume_dir = dir.string();
+  again.warmup_steps = 0;
+  // Nothing left to run.
+  DTSIM_REQUIRE_THROWS_CONTAINING(run("tiny-gpt", single_rank(1, 1), 2, again), dtsim::InputError,
+                                  "step: the checkpoint is at step 2");
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::exec::read_checkpoint((dir / "nope").string()),
+                                  dtsim::InputError, "cannot open");
+  fs::remove_all(dir);
 }

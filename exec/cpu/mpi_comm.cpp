@@ -1,0 +1,240 @@
+#include "exec/cpu/mpi_comm.hpp"
+
+#include <fmt/format.h>
+#include <mpi.h>
+
+#include <cstdlib>
+#include <deque>
+#include <iostream>
+
+namespace dtsim::exec::cpu {
+
+namespace {
+
+std::string host_name() {
+  char name[MPI_MAX_PROCESSOR_NAME] = {};
+  int length = 0;
+  if (MPI_Get_processor_name(name, &length) != MPI_SUCCESS) return "?";
+  return std::string(name, static_cast<std::size_t>(length));
+}
+
+// Ends every rank: a failed MPI call leaves the collective it belongs to unfinishable.
+[[noreturn]] void fail(const char* call, int rc) {
+  int rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int length = 0;
+  MPI_Error_string(rc, text, &length);
+  std::cerr << fmt::format("dtexec: rank {} on {}: {} failed: {}\n", rank, host_name(), call,
+                           std::string(text, static_cast<std::size_t>(length)));
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();
+}
+
+void check(int rc, const char* call) {
+  if (rc != MPI_SUCCESS) fail(call, rc);
+}
+
+class MpiComm final : public Comm {
+ public:
+  MpiComm(const MpiSession& session, const lower::Program& program)
+      : rank_(session.rank()), size_(session.size()) {
+    if (program.lowering != lower::Lowering::AllRanks ||
+        static_cast<int>(program.ranks.size()) != size_) {
+      throw InputError(fmt::format(
+          "the plan has {} ranks but mpirun started {} processes: run it with mpirun -np {}",
+          program.plan.devices(), size_, program.plan.devices()));
+    }
+    MPI_Group world = MPI_GROUP_NULL;
+    check(MPI_Comm_group(MPI_COMM_WORLD, &world), "MPI_Comm_group");
+    int* tag_ub = nullptr;
+    int found = 0;
+    check(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &found), "MPI_Comm_get_attr");
+    tag_ub_ = found ? *tag_ub : 32767;
+    comms_.assign(program.groups.size(), MPI_COMM_NULL);
+    members_.resize(program.groups.size());
+    // Every rank creates the communicators of its groups in group order: the lowest group
+    // still being created has all its members at it, so creation cannot deadlock.
+    for (std::size_t g = 0; g < program.groups.size(); ++g) {
+      const auto& ranks = program.groups[g].ranks;
+      std::vector<int> members(ranks.begin(), ranks.end());
+      members_[g] = members;
+      if (members.size() < 2 || std::find(members.begin(), members.end(), rank_) == members.end()) {
+        continue;
+      }
+      MPI_Group group = MPI_GROUP_NULL;
+      check(MPI_Group_incl(world, static_cast<int>(members.size()), members.data(), &group),
+            "MPI_Group_incl");
+      check(MPI_Comm_create_group(MPI_COMM_WORLD, group, static_cast<int>(g) % tag_ub_, &comms_[g]),
+            "MPI_Comm_create_group");
+      MPI_Group_free(&group);
+    }
+    MPI_Group_free(&world);
+  }
+
+  ~MpiComm() override {
+    wait_sends();
+    for (auto& c : comms_) {
+      if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  void all_reduce(int group, std::span<float> data, Reduce op) override {
+    MPI_Comm c = comm(group);
+    if (c == MPI_COMM_NULL) return;
+    check(MPI_Allreduce(MPI_IN_PLACE, data.data(), count(data.size()), MPI_FLOAT,
+                        op == Reduce::Sum ? MPI_SUM : MPI_MAX, c),
+          "MPI_Allreduce");
+  }
+
+  void reduce_scatter(int group, std::span<const float> in, std::span<float> out,
+                      std::span<const int> counts) override {
+    MPI_Comm c = comm(group);
+    if (c == MPI_COMM_NULL) {
+      std::copy(in.begin(), in.end(), out.begin());
+      return;
+    }
+    check(MPI_Reduce_scatter(in.data(), out.data(), counts.data(), MPI_FLOAT, MPI_SUM, c),
+          "MPI_Reduce_scatter");
+  }
+
+  void all_gather(int group, std::span<const float> in, std::span<float> out,
+                  std::span<const int> counts) override {
+    MPI_Comm c = comm(group);
+    if (c == MPI_COMM_NULL) {
+      std::copy(in.begin(), in.end(), out.begin());
+      return;
+    }
+    std::vector<int> displs(counts.size(), 0);
+    for (std::size_t i = 1; i < counts.size(); ++i) displs[i] = displs[i - 1] + counts[i - 1];
+    check(MPI_Allgatherv(in.data(), count(in.size()), MPI_FLOAT, out.data(), counts.data(),
+                         displs.data(), MPI_FLOAT, c),
+          "MPI_Allgatherv");
+  }
+
+  void send(int peer, std::int64_t tag, std::span<const float> data) override {
+    buffers_.emplace_back(data.begin(), data.end());
+    requests_.push_back(MPI_REQUEST_NULL);
+    check(MPI_Isend(buffers_.back().data(), count(data.size()), MPI_FLOAT, peer, checked_tag(tag),
+                    MPI_COMM_WORLD, &requests_.back()),
+          "MPI_Isend");
+  }
+
+  void recv(int peer, std::int64_t tag, std::span<float> data) override {
+    MPI_Status status;
+    check(MPI_Recv(data.data(), count(data.size()), MPI_FLOAT, peer, checked_tag(tag),
+                   MPI_COMM_WORLD, &status),
+          "MPI_Recv");
+    int got = 0;
+    check(MPI_Get_count(&status, MPI_FLOAT, &got), "MPI_Get_count");
+    if (got != count(data.size())) {
+      throw InternalError(
+          fmt::format("rank {}: received {} floats from rank {} (tag {}), "
+                      "expected {}",
+                      rank_, got, peer, tag, data.size()));
+    }
+  }
+
+  void wait_sends() override {
+    if (requests_.empty()) return;
+    check(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE),
+          "MPI_Waitall");
+    requests_.clear();
+    buffers_.clear();
+  }
+
+  void all_ranks(std::span<double> data, Reduce op) override {
+    check(MPI_Allreduce(MPI_IN_PLACE, data.data(), count(data.size()), MPI_DOUBLE,
+                        op == Reduce::Sum ? MPI_SUM : MPI_MAX, MPI_COMM_WORLD),
+          "MPI_Allreduce");
+  }
+
+  std::vector<std::string> gather_to_root(const std::string& mine) override {
+    int length = count(mine.size());
+    std::vector<int> lengths(static_cast<std::size_t>(size_));
+    check(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, MPI_COMM_WORLD),
+          "MPI_Gather");
+    std::vector<int> displs(static_cast<std::size_t>(size_), 0);
+    for (std::size_t i = 1; i < displs.size(); ++i) displs[i] = displs[i - 1] + lengths[i - 1];
+    std::string all(rank_ == 0 ? static_cast<std::size_t>(displs.back() + lengths.back()) : 0,
+                    '\0');
+    check(MPI_Gatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), displs.data(),
+                      MPI_CHAR, 0, MPI_COMM_WORLD),
+          "MPI_Gatherv");
+    std::vector<std::string> out;
+    if (rank_ != 0) return out;
+    for (std::size_t r = 0; r < lengths.size(); ++r) {
+      out.push_back(
+          all.substr(static_cast<std::size_t>(displs[r]), static_cast<std::size_t>(lengths[r])));
+    }
+    return out;
+  }
+
+  void barrier() override { check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
+
+ private:
+  MPI_Comm comm(int group) const {
+    DTSIM_ASSERT(group >= 0 && static_cast<std::size_t>(group) < comms_.size(),
+                 fmt::format("group {} of a program with {} groups", group, comms_.size()));
+    return comms_[static_cast<std::size_t>(group)];
+  }
+
+  int checked_tag(std::int64_t tag) const {
+    if (tag < 0 || tag > tag_ub_) {
+      throw UnsupportedError(fmt::format(
+          "message tag {} exceeds this MPI's limit {} (too many micro-batches x chunks)", tag,
+          tag_ub_));
+    }
+    return static_cast<int>(tag);
+  }
+
+  static int count(std::size_t n) {
+    DTSIM_ASSERT(n <= 0x7fffffffULL, "MPI counts are int");
+    return static_cast<int>(n);
+  }
+
+  int rank_ = 0, size_ = 1, tag_ub_ = 32767;
+  std::vector<MPI_Comm> comms_;
+  std::vector<std::vector<int>> members_;
+  std::deque<std::vector<float>> buffers_;
+  std::vector<MPI_Request> requests_;
+};
+
+}  // namespace
+
+bool under_mpirun() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}) {
+    if (std::getenv(var) != nullptr) return true;
+  }
+  return false;
+}
+
+MpiSession::MpiSession() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) check(MPI_Init(nullptr, nullptr), "MPI_Init");
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  check(MPI_Comm_rank(MPI_COMM_WORLD, &rank_), "MPI_Comm_rank");
+  check(MPI_Comm_size(MPI_COMM_WORLD, &size_), "MPI_Comm_size");
+  host_ = host_name();
+}
+
+MpiSession::~MpiSession() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+void MpiSession::abort(int code) const {
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::abort();
+}
+
+std::unique_ptr<Comm> make_mpi_comm(const MpiSession& session, const lower::Program& program) {
+  return std::make_unique<MpiComm>(session, program);
+}
+
+}  // namespace dtsim::exec::cpu

@@ -1,0 +1,88 @@
+#!/bin/bash
+# The executor's correctness matrix (issue 5): for plans over dp, tp, pp, ZeRO stages,
+# schedules (GPipe, 1F1B, interleaved), micro-batch counts and recompute, K steps of two tiny
+# models under mpirun give the losses and final weights of the single-rank run of the same
+# global batch.
+#
+# Tolerances (fp32): losses within 1e-5 (sums in another order differ by ~1e-7); weights within
+# lr/3 = 1e-3. AdamW divides each gradient by its own running RMS, so an element whose gradient
+# is ~0 moves by up to ~lr in one run and less in another when rounding differs: re-splitting
+# the same batch into other micro-batches on ONE rank already moves weights by ~3e-4.
+#
+# usage: correctness_matrix.sh DTEXEC MPIRUN [WORKDIR]
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+dtexec=$1
+mpirun=$2
+work=${3:-$(mktemp -d)}
+mkdir -p "$work"
+cd "$work"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+steps=3
+common=(--steps "$steps" --lr 3e-3 --warmup 0 --global-batch-size 8)
+# tiny-gpt: GELU, LayerNorm, biases, tied embeddings (2 layers). The Llama-style fixture:
+# SwiGLU, RMSNorm, grouped-query attention, untied head, 4 layers (pp 2 x 2 chunks).
+llama="$here/tiny_llama_4l.json"
+
+# One single-rank reference per model and micro-batch size.
+for model in tiny-gpt llama; do
+  path=$model
+  [ "$model" = llama ] && path=$llama
+  for mbs in 1 2 4 8; do
+    rm -rf "ref_${model}_$mbs"
+    "$dtexec" run --model "$path" "${common[@]}" --micro-batch-size "$mbs" \
+      --checkpoint "ref_${model}_$mbs" >/dev/null
+  done
+done
+
+# model | ranks | micro-batch size | plan flags   (micro-batches per replica = 8 / (mbs x dp))
+plans=(
+  "tiny-gpt|2|4|--dp 2"
+  "tiny-gpt|4|2|--dp 4 --zero-stage 1"
+  "tiny-gpt|2|1|--dp 2 --zero-stage 2"
+  "tiny-gpt|2|1|--dp 2 --zero-stage 3 --recompute full"
+  "tiny-gpt|4|1|--dp 4 --zero-stage 3"
+  "tiny-gpt|2|8|--tp 2"
+  "tiny-gpt|2|2|--tp 2 --recompute selective"
+  "tiny-gpt|2|2|--pp 2 --schedule gpipe"
+  "tiny-gpt|2|2|--pp 2 --schedule 1f1b --recompute full"
+  "tiny-gpt|2|8|--pp 2 --schedule 1f1b"
+  "tiny-gpt|4|1|--dp 2 --tp 2 --zero-stage 1"
+  "tiny-gpt|4|1|--dp 2 --pp 2 --zero-stage 2"
+  "tiny-gpt|4|2|--dp 2 --pp 2 --schedule gpipe"
+  "tiny-gpt|4|2|--tp 2 --pp 2 --schedule gpipe --recompute selective"
+  "tiny-gpt|4|1|--tp 2 --pp 2 --schedule 1f1b"
+  "llama|2|8|--tp 2"
+  "llama|2|2|--tp 2 --recompute full"
+  "llama|2|2|--pp 2 --schedule interleaved --virtual-stages 2"
+  "llama|4|1|--dp 2 --pp 2 --schedule interleaved --virtual-stages 2 --zero-stage 1"
+  "llama|4|2|--dp 2 --tp 2 --zero-stage 3"
+  "llama|4|4|--tp 2 --pp 2 --schedule gpipe"
+)
+failed=0
+printf '%-9s %-72s %5s %9s %9s  %s\n' model plan ranks loss_diff weight_diff result
+for entry in "${plans[@]}"; do
+  IFS='|' read -r model ranks mbs flags <<<"$entry"
+  path=$model
+  [ "$model" = llama ] && path=$llama
+  rm -rf run
+  # shellcheck disable=SC2086
+  if ! timeout 300 "$mpirun" -np "$ranks" "$dtexec" run --model "$path" "${common[@]}" \
+      --micro-batch-size "$mbs" $flags --checkpoint run >run.log 2>&1; then
+    echo "FAILED to run: $flags (mbs $mbs)"
+    cat run.log
+    failed=1
+    continue
+  fi
+  if out=$("$dtexec" compare "ref_${model}_$mbs" run --loss-tolerance 1e-5 --weight-tolerance 1e-3); then
+    result=ok
+  else
+    result=DIFFERENT
+    failed=1
+  fi
+  loss=$(sed -n 's/.*largest loss difference \([^;]*\);.*/\1/p' <<<"$out")
+  weight=$(sed -n 's/.*largest weight difference \([^ ]*\).*/\1/p' <<<"$out")
+  printf '%-9s %-72s %5s %9s %9s  %s\n' "$model" "$flags --micro-batch-size $mbs" "$ranks" "$loss" \
+    "$weight" "$result"
+done
+exit $failed
