@@ -5,6 +5,7 @@
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -355,14 +356,119 @@ int compare(const std::vector<std::string>& args) {
   return same ? 0 : 1;
 }
 
+// A figure of a topology file: {"value", "source"}.
+nlohmann::json figure(double value, const std::string& source) {
+  return {{"value", value}, {"source", source}};
+}
+
+// The device and cluster files of this host, from a profile (topologies/README.md format):
+// ranks as devices on one node, shared-memory MPI as the fabric.
+void write_host_topology(const std::string& dir, const nlohmann::json& profile, int ranks) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(fs::path(dir) / "devices", ec);
+  if (ec)
+    throw dtsim::InputError(fmt::format("--cluster-out {}: cannot create: {}", dir, ec.message()));
+  const std::string source = "dtexec calibrate: " + profile.at("source").get<std::string>();
+  double peak = 0, attention = 0;
+  for (const auto& g : profile.at("gemm")) {
+    peak = std::max(peak, 2.0 * g.at("m").get<double>() * g.at("n").get<double>() *
+                              g.at("k").get<double>() / g.at("seconds").get<double>());
+  }
+  for (const auto& o : profile.at("ops")) {
+    if (o.at("op") == "attention" && o.at("phase") == "fwd") {
+      attention = o.at("flops_per_s").get<double>();
+    }
+  }
+  double memory = 0;
+  {
+    std::ifstream meminfo("/proc/meminfo");
+    std::string key;
+    double kib = 0;
+    while (meminfo >> key >> kib) {
+      if (key == "MemTotal:") memory = kib * 1024.0 / ranks;
+      meminfo.ignore(256, '\n');
+    }
+  }
+  // Shared-memory MPI: bus bandwidth of the largest all-reduce; per-hop latency from the
+  // smallest (a ring all-reduce takes 2(n-1) steps).
+  double busbw = profile.at("memory_bw_bytes_per_s").get<double>(), latency = 1e-6;
+  if (profile.contains("collectives")) {
+    std::size_t smallest = SIZE_MAX, largest = 0;
+    for (const auto& c : profile.at("collectives")) {
+      if (c.at("kind") != "all_reduce") continue;
+      const auto bytes = c.at("bytes").get<std::size_t>();
+      if (bytes > largest) {
+        largest = bytes;
+        busbw = c.at("busbw_bytes_per_s").get<double>();
+      }
+      if (bytes < smallest) {
+        smallest = bytes;
+        latency = c.at("seconds").get<double>() / (2.0 * std::max(1, ranks - 1));
+      }
+    }
+  }
+  const nlohmann::json device = {
+      {"name", "cpu-host"},
+      {"display_name", "CPU rank (one MPI process, fp32 OpenBLAS)"},
+      {"vendor", "cpu"},
+      {"peak_flops", {{"fp32", figure(peak, source + "; the fastest GEMM measured")}}},
+      {"memory_bytes", figure(memory, "/proc/meminfo MemTotal divided among the ranks")},
+      {"memory_bw_bytes_per_s",
+       figure(profile.at("memory_bw_bytes_per_s").get<double>(), source + "; streaming copy")},
+      {"intra_node_bw_bytes_per_s", figure(busbw, source + "; MPI all-reduce bus bandwidth")},
+      {"efficiency",
+       {{"gemm", figure(1.0, "the peak above is the measured GEMM rate")},
+        {"attention", figure(std::min(1.0, attention / peak), source + "; attention core forward")},
+        {"memory_bw", figure(1.0, "the bandwidth above is measured")},
+        {"launch_overhead_s",
+         figure(profile.at("launch_overhead_s").get<double>(), source + "; a tiny GEMM")}}},
+      {"notes",
+       "written by dtexec calibrate --cluster-out; a calibration profile (--profile) "
+       "gives the per-op rates this entry cannot hold"}};
+  const std::string device_path =
+      fs::absolute(fs::path(dir) / "devices" / "cpu-host.json").string();
+  const nlohmann::json cluster = {
+      {"name", "cpu-host"},
+      {"description", fmt::format("This host: {} CPU ranks (MPI processes) on one node, shared "
+                                  "memory between them",
+                                  ranks)},
+      {"source", source},
+      {"device", device_path},
+      {"nodes", 1},
+      {"devices_per_node", ranks},
+      {"intra_node",
+       {{"fabric", "shared_memory"},
+        {"bw_bytes_per_s", figure(busbw, source + "; MPI all-reduce bus bandwidth, largest size")},
+        {"latency_s", figure(latency, source + "; smallest MPI all-reduce / 2(n-1) ring steps")}}},
+      {"inter_node", {{"fabric", "none"}, {"transport", "none"}}}};
+  for (const auto& [path, j] : {std::pair{device_path, device},
+                                std::pair{(fs::path(dir) / "cpu-host.json").string(), cluster}}) {
+    std::ofstream file(path);
+    if (!file || !(file << j.dump(2) << "\n")) {
+      throw dtsim::InputError(fmt::format("--cluster-out: cannot write {}", path));
+    }
+  }
+}
+
 int calibrate(const std::vector<std::string>& args) {
   po::options_description desc("dtexec calibrate options");
   desc.add_options()("help,h", "show this help")(
       "backend", po::value<std::string>()->default_value("cpu"), "cpu (cuda: not yet)")(
       "out", po::value<std::string>(), "write the profile here (required)")(
+      "model", po::value<std::string>()->default_value("cpu-small"),
+      "time the ops at this model's shapes")(
+      "micro-batch-size", po::value<std::int64_t>()->default_value(4), "for the op shapes")(
+      "seq-len", po::value<std::int64_t>(), "for the op shapes (default: the model's)")(
+      "repeats", po::value<int>()->default_value(5), "runs per measurement (the median counts)")(
+      "cluster-out", po::value<std::string>(),
+      "also write this host as a cluster (DIR/cpu-host.json, DIR/devices/cpu-host.json)")(
       "quick", po::bool_switch(), "a few small shapes only (seconds; for tests)");
   po::variables_map vm;
-  if (!parse(args, desc, "usage: dtexec calibrate --out P.json [--backend cpu] [--quick]", vm)) {
+  if (!parse(args, desc,
+             "usage: dtexec calibrate --out P.json [--model M] [--cluster-out DIR] [--quick]\n"
+             "       mpirun -np N dtexec calibrate ...   (ranks measure at once; collectives)",
+             vm)) {
     return 0;
   }
   if (vm["backend"].as<std::string>() != "cpu") {
@@ -370,14 +476,34 @@ int calibrate(const std::vector<std::string>& args) {
                                               vm["backend"].as<std::string>()));
   }
   if (!vm.count("out")) throw dtsim::InputError("--out: required (where to write the profile)");
+  const int repeats = vm["repeats"].as<int>();
+  if (repeats < 1)
+    throw dtsim::InputError(fmt::format("--repeats: expected >= 1, got {}", repeats));
+  std::unique_ptr<dtsim::exec::cpu::MpiSession> mpi;
+  if (dtsim::exec::cpu::under_mpirun()) mpi = std::make_unique<dtsim::exec::cpu::MpiSession>();
+  const int rank = mpi ? mpi->rank() : 0;
+  const int ranks = mpi ? mpi->size() : 1;
+  g_rank = rank;
   dtsim::exec::cpu::CalibrateOptions options;
   options.quick = vm["quick"].as<bool>();
-  const auto profile = dtsim::exec::cpu::calibrate(options);
+  options.repeats = repeats;
+  options.model = vm["model"].as<std::string>();
+  options.micro_batch_size = vm["micro-batch-size"].as<std::int64_t>();
+  if (vm.count("seq-len")) options.seq_len = vm["seq-len"].as<std::int64_t>();
+  options.ranks_per_host = ranks;
+  options.gemm_threads = ranks > 1 ? 1 : 0;  // as dtexec run sets them
+  if (mpi) options.sync = [&mpi] { mpi->barrier(); };
+  auto profile = dtsim::exec::cpu::calibrate(options);
+  if (mpi)
+    profile["collectives"] = dtsim::exec::cpu::measure_collectives(*mpi, options.quick, repeats);
+  if (rank != 0) return 0;
   const std::string path = vm["out"].as<std::string>();
-  std::ofstream out(path);
-  if (!out || !(out << profile.dump(2) << "\n")) {
+  std::ofstream file(path);
+  if (!file || !(file << profile.dump(2) << "\n")) {
     throw dtsim::InputError(fmt::format("--out {}: cannot write", path));
   }
+  if (vm.count("cluster-out"))
+    write_host_topology(vm["cluster-out"].as<std::string>(), profile, ranks);
   std::cout << fmt::format("{:>6} {:>6} {:>6} {:>12} {:>10}\n", "m", "n", "k", "seconds",
                            "GFLOP/s");
   for (const auto& g : profile.at("gemm")) {
@@ -388,10 +514,35 @@ int calibrate(const std::vector<std::string>& args) {
                              g.at("seconds").get<double>(),
                              flops / g.at("seconds").get<double>() / 1e9);
   }
+  std::cout << fmt::format("\n{:<10} {:<5} {:>12} {:>14}\n", "op", "phase", "seconds", "rate");
+  for (const auto& o : profile.at("ops")) {
+    const bool flops = o.contains("flops_per_s");
+    std::cout << fmt::format(
+        "{:<10} {:<5} {:>12.3g} {:>10.2f} {}\n", o.at("op").get<std::string>(),
+        o.at("phase").get<std::string>(), o.at("seconds").get<double>(),
+        (flops ? o.at("flops_per_s") : o.at("bytes_per_s")).get<double>() / 1e9,
+        flops ? "GFLOP/s" : "GB/s");
+  }
+  if (profile.contains("collectives") && !profile.at("collectives").empty()) {
+    std::cout << fmt::format("\n{:<15} {:>5} {:>10} {:>12} {:>12} {:>12}\n", "collective", "ranks",
+                             "bytes", "seconds", "algbw GB/s", "busbw GB/s");
+    for (const auto& c : profile.at("collectives")) {
+      std::cout << fmt::format("{:<15} {:>5} {:>10} {:>12.3g} {:>12.2f} {:>12.2f}\n",
+                               c.at("kind").get<std::string>(), c.at("ranks").get<int>(),
+                               c.at("bytes").get<std::size_t>(), c.at("seconds").get<double>(),
+                               c.at("algbw_bytes_per_s").get<double>() / 1e9,
+                               c.at("busbw_bytes_per_s").get<double>() / 1e9);
+    }
+  }
   std::cout << fmt::format(
-      "memory bandwidth {:.1f} GB/s, tiny kernel {:.2f} us\nprofile written to {}\n",
+      "\nmemory bandwidth {:.1f} GB/s, tiny kernel {:.2f} us\nprofile written to {}\n",
       profile.at("memory_bw_bytes_per_s").get<double>() / 1e9,
       profile.at("launch_overhead_s").get<double>() * 1e6, path);
+  if (vm.count("cluster-out")) {
+    std::cout << fmt::format(
+        "cluster written to {}/cpu-host.json (use --cluster {}/cpu-host.json)\n",
+        vm["cluster-out"].as<std::string>(), vm["cluster-out"].as<std::string>());
+  }
   return 0;
 }
 

@@ -9,6 +9,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <span>
 
 #include "exec/core/checkpoint.hpp"
 #include "exec/cpu/kernels.hpp"
@@ -72,7 +73,10 @@ Slice whole(std::int64_t rows, std::int64_t cols) {
 struct Param {
   std::string name;
   Slice slice;
-  std::vector<float> data, grad, m, v;
+  std::vector<float> data, m, v;
+  // A view into the rank's one gradient buffer, where the tensors lie in (op, weight/bias)
+  // order: a dp bucket (a range of ops) is one contiguous piece, reduced in place.
+  std::span<float> grad;
   std::vector<float> reduced;  // ZeRO >= 1: the reduced gradient of this rank's dp slice
   std::int64_t own_begin = 0, own_end = 0;  // this rank's dp slice (ZeRO >= 1), local indices
   bool replicated_over_tp = false;
@@ -135,7 +139,12 @@ class Runner {
     const auto& tasks = rp_->tasks;
     for (int step = first; step < options_.steps; ++step) {
       if (me_ == options_.fail_rank && step + 1 == options_.fail_step) std::raise(SIGKILL);
-      batches_.assign(static_cast<std::size_t>(micro_batches_), MicroBatch{});
+      // Buffers are reused from step to step (as a framework's caching allocator does);
+      // gradients start at zero.
+      batches_.resize(static_cast<std::size_t>(micro_batches_));
+      for (auto& mb : batches_) {
+        for (auto& [id, grad] : mb.grad) std::fill(grad.begin(), grad.end(), 0.0f);
+      }
       for (int j = 0; j < micro_batches_; ++j)
         make_batch(batches_[static_cast<std::size_t>(j)], step, j);
       const double begin = now();
@@ -334,7 +343,6 @@ class Runner {
         p.name = fmt::format("{}.{}", g_.op(source).name, which == 0 ? "weight" : "bias");
         p.data = extract(initial(source, which, slice), slice);
         const auto n = p.data.size();
-        p.grad.assign(n, 0.0f);
         p.m.assign(n, 0.0f);
         p.v.assign(n, 0.0f);
         p.replicated_over_tp = slice.whole();
@@ -351,6 +359,14 @@ class Runner {
       }
       DTSIM_ASSERT(have == op.params, fmt::format("parameters of {}: {} allocated, graph says {}",
                                                   op.name, have, op.params));
+    }
+    std::size_t total = 0;
+    for (const auto& [key, p] : params_) total += p.data.size();
+    grad_storage_.assign(total, 0.0f);
+    std::size_t at = 0;
+    for (auto& [key, p] : params_) {
+      p.grad = std::span<float>(grad_storage_.data() + at, p.data.size());
+      at += p.data.size();
     }
   }
 
@@ -496,7 +512,7 @@ class Runner {
         const auto& a = mb.out.at(preds[0]);
         const auto& b = mb.out.at(preds[1]);
         out.resize(a.size());
-        for (std::size_t i = 0; i < a.size(); ++i) out[i] = a[i] + b[i];
+        k::add_forward(out, a, b);
         break;
       }
       case OpKind::Activation: {
@@ -583,11 +599,7 @@ class Runner {
                               mb.aux1.at(id), B_, S_, H_, G_, D_);
         break;
       case OpKind::Residual:
-        for (OpId pred : g_.predecessors(id)) {
-          auto& d = grad_of(mb, pred);
-          const auto& dout = mb.grad.at(id);
-          for (std::size_t i = 0; i < d.size(); ++i) d[i] += dout[i];
-        }
+        for (OpId pred : g_.predecessors(id)) k::accumulate(grad_of(mb, pred), mb.grad.at(id));
         break;
       case OpKind::Activation: {
         const auto& in = mb.out.at(input(id));
@@ -626,15 +638,11 @@ class Runner {
   // each rank's slice accumulator (ZeRO >= 1), the full gradient buffers then cleared.
   void reduce_gradients(const lower::Task& task, const std::vector<Param*>& params) {
     if (task.collective == CollectiveKind::AllReduce) {
-      std::vector<float> flat;
-      for (Param* p : params) flat.insert(flat.end(), p->grad.begin(), p->grad.end());
-      comm_.all_reduce(task.group, flat, Reduce::Sum);
-      std::size_t at = 0;
-      for (Param* p : params) {
-        std::copy_n(flat.begin() + static_cast<std::ptrdiff_t>(at), p->grad.size(),
-                    p->grad.begin());
-        at += p->grad.size();
-      }
+      if (params.empty()) return;
+      // The bucket's tensors are contiguous in the gradient buffer.
+      float* begin = params.front()->grad.data();
+      const std::span<float>& last = params.back()->grad;
+      comm_.all_reduce(task.group, std::span<float>(begin, last.data() + last.size()), Reduce::Sum);
       return;
     }
     DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter && sharded_,
@@ -886,6 +894,7 @@ class Runner {
   Comm& comm_;
   const lower::RankProgram* rp_ = nullptr;
   std::map<Key, Param> params_;
+  std::vector<float> grad_storage_;  // every Param::grad, contiguous
   std::vector<int> next_;
   std::vector<MicroBatch> batches_;
   std::vector<double> step_loss_sums_;  // this run's steps

@@ -8,26 +8,56 @@
 #include <chrono>
 #include <ctime>
 #include <fstream>
+#include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "exec/cpu/kernels.hpp"
+#include "sim/model/model_graph.hpp"
 
 namespace dtsim::exec::cpu {
 
 namespace {
 
+// Called before every timed run: under mpirun, a barrier, so that all ranks run the same
+// kernel at the same time and share the cores' memory bandwidth as a multi-rank step does.
+std::function<void()> g_sync = [] {};
+
+// The median of `repeats` timed runs of f (after one untimed run).
 template <typename F>
-double best_of(int repeats, F&& f) {
-  double best = 1e30;
+double median_of(int repeats, F&& f) {
+  f();
+  std::vector<double> times;
   for (int r = 0; r < repeats; ++r) {
+    g_sync();
     const auto t0 = std::chrono::steady_clock::now();
     f();
-    best = std::min(best,
-                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  return best;
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
 }
+
+// How many copies of an op's buffers to cycle through so that they exceed the caches, as a
+// training step walks through layers and micro-batches (64 MiB in all, 1 to 64 copies).
+int copies_for(std::size_t bytes_per_copy) {
+  const std::size_t target = 64u << 20;
+  return static_cast<int>(
+      std::clamp<std::size_t>(target / std::max<std::size_t>(bytes_per_copy, 1), 1, 64));
+}
+
+// The median over `repeats` of the time per copy of running f(i) on copies i = 0..copies-1.
+template <typename F>
+double median_per_copy(int repeats, int copies, F&& f) {
+  return median_of(repeats,
+                   [&] {
+                     for (int i = 0; i < copies; ++i) f(static_cast<std::size_t>(i));
+                   }) /
+         copies;
+}
+
+std::vector<std::vector<float>> random_buffers(int copies, std::size_t n, std::uint64_t seed);
 
 std::string cpu_name() {
   std::ifstream in("/proc/cpuinfo");
@@ -41,45 +71,258 @@ std::string cpu_name() {
   return "unknown CPU";
 }
 
+std::vector<float> random_buffer(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> normal(0.0f, 0.5f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = normal(gen);
+  return v;
+}
+
+std::vector<std::vector<float>> random_buffers(int copies, std::size_t n, std::uint64_t seed) {
+  std::vector<std::vector<float>> v;
+  for (int i = 0; i < copies; ++i)
+    v.push_back(random_buffer(n, seed * 1000 + static_cast<std::uint64_t>(i)));
+  return v;
+}
+
+// Times the non-GEMM ops of layer 0, the embedding and the loss of `graph` with the executor's
+// kernels, forward and backward; returns the "ops" table of the profile.
+nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
+  using model::OpKind;
+  const model::ModelSpec& m = graph.spec();
+  const int B = static_cast<int>(graph.micro_batch()), S = static_cast<int>(graph.seq_len());
+  const int T = B * S, C = static_cast<int>(m.hidden), V = static_cast<int>(m.vocab);
+  const int H = static_cast<int>(m.heads), G = static_cast<int>(m.kv_heads),
+            D = static_cast<int>(m.head_dim), F = static_cast<int>(m.ffn_hidden);
+  const bool rms = m.norm == model::Norm::RmsNorm;
+  const bool gelu = m.activation == model::Activation::Gelu;
+  const auto tc = static_cast<std::size_t>(T) * C;
+  nlohmann::json ops = nlohmann::json::array();
+  auto record = [&](const char* name, const model::Op& op, double fwd_s, double bwd_s) {
+    const bool flops = op.kind == OpKind::AttentionCore;
+    const double fwd_work = flops ? op.fwd_flops : op.fwd_bytes;
+    const double bwd_work = flops ? op.bwd_input_flops + op.bwd_weight_flops : op.bwd_bytes;
+    const char* unit = flops ? "flops_per_s" : "bytes_per_s";
+    ops.push_back({{"op", name}, {"phase", "fwd"}, {unit, fwd_work / fwd_s}, {"seconds", fwd_s}});
+    ops.push_back({{"op", name}, {"phase", "bwd"}, {unit, bwd_work / bwd_s}, {"seconds", bwd_s}});
+  };
+  std::vector<int> tokens(static_cast<std::size_t>(T));
+  for (int t = 0; t < T; ++t) tokens[static_cast<std::size_t>(t)] = (t * 7919) % V;
+  const std::size_t fl = sizeof(float);
+  bool norm_done = false;
+  for (model::OpId id : graph.layer_ops(0)) {
+    const model::Op& op = graph.op(id);
+    switch (op.kind) {
+      case OpKind::Norm: {
+        if (norm_done) break;
+        norm_done = true;
+        const int n = copies_for(3 * tc * fl);
+        auto in = random_buffers(n, tc, 1), dout = random_buffers(n, tc, 4);
+        const auto w = random_buffer(static_cast<std::size_t>(C), 2),
+                   b = random_buffer(static_cast<std::size_t>(C), 3);
+        std::vector<std::vector<float>> out(n, std::vector<float>(tc)),
+            din(n, std::vector<float>(tc));
+        std::vector<std::vector<float>> mean(n, std::vector<float>(static_cast<std::size_t>(T))),
+            rstd(n, std::vector<float>(static_cast<std::size_t>(T)));
+        std::vector<float> dw(static_cast<std::size_t>(C)), db(static_cast<std::size_t>(C));
+        const double f = median_per_copy(repeats, n, [&](std::size_t i) {
+          out[i].assign(tc, 0.0f);
+          norm_forward(out[i], mean[i], rstd[i], in[i], w, rms ? In() : In(b), T, C, rms);
+        });
+        const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
+          norm_backward(din[i], dw, rms ? Out() : Out(db), dout[i], in[i], w, mean[i], rstd[i], T,
+                        C, rms);
+        });
+        record(rms ? "rmsnorm" : "layernorm", op, f, bw);
+        break;
+      }
+      case OpKind::AttentionCore: {
+        const auto width = static_cast<std::size_t>(T) * (H + 2 * G) * D;
+        const auto out_n = static_cast<std::size_t>(T) * H * D;
+        const auto probs_n = static_cast<std::size_t>(B) * H * S * S;
+        const int n = copies_for((2 * width + 2 * out_n + probs_n) * fl);
+        auto qkv = random_buffers(n, width, 5), dout = random_buffers(n, out_n, 6);
+        std::vector<std::vector<float>> out(n), probs(n), dqkv(n, std::vector<float>(width));
+        const double f = median_per_copy(repeats, n, [&](std::size_t i) {
+          out[i].assign(out_n, 0.0f);
+          probs[i].assign(probs_n, 0.0f);
+          attention_forward(out[i], probs[i], qkv[i], B, S, H, G, D);
+        });
+        const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
+          attention_backward(dqkv[i], dout[i], qkv[i], probs[i], B, S, H, G, D);
+        });
+        record("attention", op, f, bw);
+        break;
+      }
+      case OpKind::Activation: {
+        const auto n_in = static_cast<std::size_t>(T) * F * (gelu ? 1 : 2);
+        const auto n_out = static_cast<std::size_t>(T) * F;
+        const int n = copies_for((2 * n_in + 2 * n_out) * fl);
+        auto in = random_buffers(n, n_in, 7), dout = random_buffers(n, n_out, 8);
+        std::vector<std::vector<float>> out(n), din(n, std::vector<float>(n_in));
+        const double f = median_per_copy(repeats, n, [&](std::size_t i) {
+          out[i].assign(n_out, 0.0f);
+          if (gelu) {
+            gelu_forward(out[i], in[i], static_cast<std::int64_t>(n_in));
+          } else {
+            swiglu_forward(out[i], in[i], T, F);
+          }
+        });
+        const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
+          if (gelu) {
+            gelu_backward(din[i], in[i], dout[i], static_cast<std::int64_t>(n_in));
+          } else {
+            swiglu_backward(din[i], in[i], dout[i], T, F);
+          }
+        });
+        record(gelu ? "gelu" : "swiglu", op, f, bw);
+        break;
+      }
+      case OpKind::Residual: {
+        if (op.name.find("mlp") != std::string::npos) break;  // both residuals are alike
+        const int n = copies_for(5 * tc * fl);
+        auto a = random_buffers(n, tc, 9), b = random_buffers(n, tc, 10),
+             dout = random_buffers(n, tc, 11);
+        std::vector<std::vector<float>> out(n, std::vector<float>(tc)),
+            da(n, std::vector<float>(tc)), db(n, std::vector<float>(tc));
+        const double f = median_per_copy(repeats, n, [&](std::size_t i) {
+          out[i].resize(tc);
+          add_forward(out[i], a[i], b[i]);
+        });
+        const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
+          accumulate(da[i], dout[i]);
+          accumulate(db[i], dout[i]);
+        });
+        record("residual", op, f, bw);
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  // The embedding (with learned positions if the model has them) and the loss.
+  const model::Op& emb = graph.op(graph.layer_ops(-1).front());
+  {
+    const int n = copies_for(2 * tc * fl);
+    const auto wte = random_buffer(static_cast<std::size_t>(V) * C, 12);
+    const auto wpe = random_buffer(static_cast<std::size_t>(S) * C, 13);
+    auto dout = random_buffers(n, tc, 14);
+    std::vector<std::vector<float>> out(n);
+    std::vector<float> dwte(wte.size()), dwpe(wpe.size());
+    const bool learned = m.positions == model::Positions::Learned;
+    const double f = median_per_copy(repeats, n, [&](std::size_t i) {
+      out[i].assign(tc, 0.0f);
+      embedding_forward(out[i], tokens, wte, learned ? In(wpe) : In(), B, S, C);
+    });
+    const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
+      embedding_backward(dwte, learned ? Out(dwpe) : Out(), dout[i], tokens, B, S, C);
+    });
+    record("embedding", emb, f, bw);
+  }
+  for (model::OpId id : graph.layer_ops(static_cast<int>(m.layers))) {
+    const model::Op& op = graph.op(id);
+    if (op.kind != OpKind::Loss) continue;
+    const auto logits_n = static_cast<std::size_t>(T) * V;
+    const int n = copies_for(3 * logits_n * fl);
+    auto logits = random_buffers(n, logits_n, 15);
+    std::vector<std::vector<float>> dlogits(n, std::vector<float>(logits_n)),
+        grad(n, std::vector<float>(logits_n));
+    const double f = median_per_copy(repeats, n, [&](std::size_t i) {
+      dlogits[i].assign(logits_n, 0.0f);
+      cross_entropy(dlogits[i], logits[i], tokens, T, V);
+    });
+    // The runner's loss backward: the saved gradient, scaled, into the logits' gradient.
+    const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
+      for (std::size_t k = 0; k < logits_n; ++k) grad[i][k] += dlogits[i][k] * 0.5f;
+    });
+    record("loss", op, f, bw);
+  }
+  return ops;
+}
+
 }  // namespace
 
 nlohmann::json calibrate(const CalibrateOptions& options) {
   using nlohmann::json;
-  // Square GEMMs and transformer-like shapes (tokens x hidden by hidden x 3·hidden, 4·hidden).
-  std::vector<std::array<int, 3>> shapes = {{64, 64, 64},    {128, 128, 128},    {256, 256, 256},
-                                            {512, 512, 512}, {1024, 1024, 1024}, {256, 64, 192},
-                                            {256, 64, 256},  {1024, 256, 768},   {1024, 256, 1024}};
-  if (options.quick) shapes = {{32, 32, 32}, {128, 128, 128}, {256, 64, 256}};
+  if (options.gemm_threads > 0) set_gemm_threads(options.gemm_threads);
+  g_sync = options.sync ? options.sync : [] {};
+  const model::ModelSpec spec = model::load_model(options.model);
+  const std::int64_t seq = options.seq_len > 0 ? options.seq_len : spec.seq_len;
+  const std::int64_t mbs = options.quick ? 1 : options.micro_batch_size;
+  const model::ModelGraph graph(spec, mbs, options.quick ? std::min<std::int64_t>(seq, 32) : seq,
+                                4);
+  const int repeats = options.quick ? 2 : options.repeats;
+
+  // Square GEMMs, and the calibration model's GEMMs: forward [T,K]x[K,N], and the backward's
+  // two of the same FLOPs ([T,N]x[N,K] for the input gradient, [K,T]x[T,N] for the weights).
+  std::vector<std::array<int, 3>> shapes;  // m, k, n
+  if (options.quick) {
+    shapes = {{32, 32, 32}, {128, 128, 128}};
+  } else {
+    shapes = {{64, 64, 64}, {128, 128, 128}, {256, 256, 256}, {512, 512, 512}, {1024, 1024, 1024}};
+  }
+  for (model::OpId id = 0; id < graph.size(); ++id) {
+    const model::Op& op = graph.op(id);
+    // One block's GEMMs are every block's; the head's too.
+    if (op.gemm_m <= 0 || (op.layer > 0 && op.layer < spec.layers)) continue;
+    const int T = static_cast<int>(op.gemm_m), K = static_cast<int>(op.gemm_k),
+              N = static_cast<int>(op.gemm_n);
+    for (const std::array<int, 3>& s :
+         {std::array<int, 3>{T, K, N}, std::array<int, 3>{T, N, K}, std::array<int, 3>{K, T, N}}) {
+      if (std::find(shapes.begin(), shapes.end(), s) == shapes.end()) shapes.push_back(s);
+    }
+  }
   json gemm = json::array();
   for (const auto& [m, k, n] : shapes) {
-    std::vector<float> a(static_cast<std::size_t>(m) * k, 1.0f),
-        b(static_cast<std::size_t>(k) * n, 0.5f), c(static_cast<std::size_t>(m) * n);
-    matmul_forward(c, a, b, {}, m, k, n);  // warm up
-    const double s = best_of(options.repeats, [&] { matmul_forward(c, a, b, {}, m, k, n); });
+    const auto a = random_buffer(static_cast<std::size_t>(m) * k, 16);
+    const auto b = random_buffer(static_cast<std::size_t>(k) * n, 17);
+    std::vector<float> c(static_cast<std::size_t>(m) * n);
+    const double s = median_of(repeats, [&] { matmul_forward(c, a, b, {}, m, k, n); });
     gemm.push_back({{"m", m}, {"n", n}, {"k", k}, {"seconds", s}});
+  }
+  json ops = time_ops(graph, repeats);
+  {
+    // AdamW over a buffer of 1M parameters (4M quick: 256k): 28 bytes per parameter.
+    const std::size_t n = options.quick ? (1u << 18) : (1u << 20);
+    auto p = random_buffer(n, 18), g = random_buffer(n, 19);
+    std::vector<float> mom(n, 0.0f), var(n, 0.0f);
+    int t = 0;
+    const double s = median_of(repeats, [&] {
+      adamw(p, g, mom, var, static_cast<std::int64_t>(n), 1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, ++t);
+    });
+    ops.push_back({{"op", "optimizer"},
+                   {"phase", "step"},
+                   {"bytes_per_s", 28.0 * static_cast<double>(n) / s},
+                   {"seconds", s}});
   }
   // Streaming bandwidth: copy a buffer much larger than the caches (read + write).
   const std::size_t n = options.quick ? (4u << 20) : (32u << 20);
   std::vector<float> src(n, 1.0f), dst(n);
-  const double copy_s =
-      best_of(options.repeats, [&] { std::copy(src.begin(), src.end(), dst.begin()); });
+  const double copy_s = median_of(repeats, [&] { std::copy(src.begin(), src.end(), dst.begin()); });
   const double bw = 2.0 * static_cast<double>(n) * sizeof(float) / copy_s;
   std::vector<float> x(64, 1.0f), y(64);
-  const double tiny_s =
-      best_of(options.repeats * 10, [&] { matmul_forward(y, x, x, {}, 8, 8, 8); });
+  const double tiny_s = median_of(repeats * 10, [&] { matmul_forward(y, x, x, {}, 8, 8, 8); });
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   const std::time_t now = std::time(nullptr);
   char date[32];
   std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
-  return {{"device", "cpu-host"},
-          {"source", fmt::format("dtexec calibrate --backend cpu on {} ({}), {}, OpenBLAS sgemm "
-                                 "with its default threads, best of {}",
-                                 host, cpu_name(), date, options.repeats)},
-          {"precision", "fp32"},
-          {"gemm", gemm},
-          {"memory_bw_bytes_per_s", bw},
-          {"launch_overhead_s", tiny_s}};
+  return {
+      {"device", "cpu-host"},
+      {"source", fmt::format("dtexec calibrate --backend cpu on {} ({}), {}: {} rank(s) per host "
+                             "measuring at once, OpenBLAS sgemm with {} thread(s), op shapes of {} "
+                             "(micro-batch {}, sequence {}), medians of {}",
+                             host, cpu_name(), date, options.ranks_per_host,
+                             options.gemm_threads > 0 ? std::to_string(options.gemm_threads)
+                                                      : std::string("its default"),
+                             spec.name, graph.micro_batch(), graph.seq_len(), repeats)},
+      {"precision", "fp32"},
+      {"ranks_per_host", options.ranks_per_host},
+      {"gemm", gemm},
+      {"ops", ops},
+      {"memory_bw_bytes_per_s", bw},
+      {"launch_overhead_s", tiny_s}};
 }
 
 }  // namespace dtsim::exec::cpu

@@ -1,15 +1,32 @@
-// dtexec calibrate --backend cpu: measures what the compute cost model needs on this host —
-// fp32 GEMM times by shape (OpenBLAS), streaming memory bandwidth, and the fixed cost of a
-// tiny kernel — and returns them as a calibration profile (sim/cost/profile.hpp format).
+// dtexec calibrate --backend cpu: measures what the compute cost model needs on this host and
+// returns it as a calibration profile (sim/cost/profile.hpp format):
+// - fp32 GEMM times by shape (OpenBLAS): square sizes and the GEMMs of the calibration model,
+//   forward and backward;
+// - each non-GEMM op of the calibration model, timed with the very kernels `dtexec run` uses,
+//   forward and backward, as a rate of the model graph's own measure of its work (FLOP/s for
+//   the attention core, bytes/s of the graph's byte counts for norms, activations, residual
+//   adds, embedding, loss) and the optimizer's bytes/s (28 bytes per parameter);
+// - streaming memory bandwidth and the fixed cost of a tiny kernel.
+// Times are medians of `repeats` runs. Under mpirun every rank measures at the same time (one
+// GEMM thread each, as `dtexec run` does), so that the rates include the sharing of cores and
+// memory that a multi-rank run sees; the caller adds the collectives.
 #pragma once
 
+#include <functional>
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace dtsim::exec::cpu {
 
 struct CalibrateOptions {
-  int repeats = 3;     // best of N per measurement
-  bool quick = false;  // fewer, smaller shapes (tests)
+  int repeats = 5;
+  bool quick = false;               // fewer, smaller shapes (tests)
+  std::string model = "cpu-small";  // whose op shapes to time
+  std::int64_t micro_batch_size = 4;
+  std::int64_t seq_len = 0;  // 0: the model's
+  int gemm_threads = 0;      // 0: OpenBLAS's default
+  int ranks_per_host = 1;
+  std::function<void()> sync;  // called before every timed run (under mpirun: a barrier)
 };
 
 nlohmann::json calibrate(const CalibrateOptions& options);

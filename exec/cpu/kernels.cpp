@@ -89,6 +89,14 @@ namespace {
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 }
 
+void add_forward(Out out, In a, In b) {
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = a[i] + b[i];
+}
+
+void accumulate(Out d, In dout) {
+  for (std::size_t i = 0; i < d.size(); ++i) d[i] += dout[i];
+}
+
 void gelu_forward(Out out, In in, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) {
     const float x = in[static_cast<std::size_t>(i)];

@@ -27,6 +27,10 @@ void norm_forward(Out out, Out mean, Out rstd, In in, In w, In b, int T, int C, 
 void norm_backward(Out din, Out dw, Out db, In dout, In in, In w, In mean, In rstd, int T, int C,
                    bool rms);
 
+// Residual connection: out[n] = a + b; its backward accumulates: d[n] += dout.
+void add_forward(Out out, In a, In b);
+void accumulate(Out d, In dout);
+
 // GELU, tanh approximation (as GPT-2): out = 0.5·x·(1 + tanh(sqrt(2/pi)·(x + 0.044715·x³))).
 void gelu_forward(Out out, In in, std::int64_t n);
 void gelu_backward(Out din, In in, In dout, std::int64_t n);

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <deque>
 #include <iostream>
@@ -226,6 +227,81 @@ MpiSession::~MpiSession() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!finalized) MPI_Finalize();
+}
+
+nlohmann::json measure_collectives(const MpiSession& session, bool quick, int repeats) {
+  const int n = session.size();
+  nlohmann::json table = nlohmann::json::array();
+  if (n < 2) return table;
+  std::vector<std::size_t> sizes;
+  for (std::size_t bytes = 4096; bytes <= (quick ? (1u << 16) : (64u << 20)); bytes *= 4) {
+    sizes.push_back(bytes);
+  }
+  // The median over repeats of the slowest rank's time.
+  auto timed = [&](auto&& op) {
+    op();
+    std::vector<double> times;
+    for (int r = 0; r < repeats; ++r) {
+      check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+      const double t0 = MPI_Wtime();
+      op();
+      double t = MPI_Wtime() - t0;
+      check(MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+      times.push_back(t);
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  };
+  auto add = [&](const char* kind, int ranks, std::size_t bytes, double seconds, double factor) {
+    const double algbw = static_cast<double>(bytes) / seconds;
+    table.push_back({{"kind", kind},
+                     {"ranks", ranks},
+                     {"bytes", bytes},
+                     {"seconds", seconds},
+                     {"algbw_bytes_per_s", algbw},
+                     {"busbw_bytes_per_s", algbw * factor}});
+  };
+  const double ring = static_cast<double>(n - 1) / n;
+  for (std::size_t bytes : sizes) {
+    const std::size_t count = bytes / sizeof(float);
+    const std::size_t part = count / static_cast<std::size_t>(n);
+    std::vector<float> buffer(count, 1.0f), out(count, 0.0f);
+    add("all_reduce", n, bytes, timed([&] {
+          check(MPI_Allreduce(MPI_IN_PLACE, buffer.data(), static_cast<int>(count), MPI_FLOAT,
+                              MPI_SUM, MPI_COMM_WORLD),
+                "MPI_Allreduce");
+        }),
+        2 * ring);
+    add("all_gather", n, part * n * sizeof(float), timed([&] {
+          check(MPI_Allgather(buffer.data(), static_cast<int>(part), MPI_FLOAT, out.data(),
+                              static_cast<int>(part), MPI_FLOAT, MPI_COMM_WORLD),
+                "MPI_Allgather");
+        }),
+        ring);
+    add("reduce_scatter", n, part * n * sizeof(float), timed([&] {
+          check(MPI_Reduce_scatter_block(buffer.data(), out.data(), static_cast<int>(part),
+                                         MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
+                "MPI_Reduce_scatter_block");
+        }),
+        ring);
+    add("send_recv", 2, bytes, timed([&] {
+          if (session.rank() == 0) {
+            check(MPI_Send(buffer.data(), static_cast<int>(count), MPI_FLOAT, 1, 7, MPI_COMM_WORLD),
+                  "MPI_Send");
+          } else if (session.rank() == 1) {
+            check(MPI_Recv(out.data(), static_cast<int>(count), MPI_FLOAT, 0, 7, MPI_COMM_WORLD,
+                           MPI_STATUS_IGNORE),
+                  "MPI_Recv");
+          }
+        }),
+        1.0);
+  }
+  return table;
+}
+
+void MpiSession::barrier() const {
+  check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
 }
 
 void MpiSession::abort(int code) const {

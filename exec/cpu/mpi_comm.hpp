@@ -8,6 +8,7 @@
 #pragma once
 
 #include <memory>
+#include <nlohmann/json.hpp>
 
 #include "exec/core/comm.hpp"
 #include "sim/lower/program.hpp"
@@ -29,11 +30,19 @@ class MpiSession {
   const std::string& host() const { return host_; }
   // Ends every rank of the job with `code` (for a failure that may leave peers waiting).
   [[noreturn]] void abort(int code) const;
+  void barrier() const;
 
  private:
   int rank_ = 0, size_ = 1;
   std::string host_;
 };
+
+// nccl-tests-style measurements over all ranks of the session: all-reduce, all-gather and
+// reduce-scatter by size (the size as nccl-tests counts it: the buffer reduced, the gathered
+// output, the scattered input), and a send/recv between ranks 0 and 1, each with its median
+// time, algorithm bandwidth (size / time) and bus bandwidth (algbw x 2(n-1)/n for all-reduce,
+// x (n-1)/n for the others). Every rank takes part; the table is the same on every rank.
+nlohmann::json measure_collectives(const MpiSession& session, bool quick, int repeats);
 
 // A Comm over `program`'s groups. The program must be lowered with Lowering::AllRanks and
 // have as many ranks as the MPI world.

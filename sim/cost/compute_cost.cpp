@@ -83,6 +83,15 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
     case Phase::None:
       return 0;
   }
+  if (profile_ != nullptr) {
+    // A measured rate for this op kind and phase, in the graph's own units.
+    if (const auto key = profile_key(op); !key.empty()) {
+      const char* p = phase == Phase::Forward || phase == Phase::Recompute ? "fwd" : "bwd";
+      if (auto it = profile_->ops.find({key, p}); it != profile_->ops.end()) {
+        return (it->second.flops ? flops : bytes) / it->second.rate;
+      }
+    }
+  }
   const bool attention = op.kind == OpKind::AttentionCore;
   const double eff = attention ? attention_eff_ : gemm_eff_;
   double compute_s = flops > 0 ? flops / (peak_flops_ * eff) : 0.0;
@@ -104,8 +113,33 @@ double ComputeCost::task_seconds(const lower::Task& task) {
   return s;
 }
 
+std::string ComputeCost::profile_key(const model::Op& op) const {
+  const model::ModelSpec& m = graph_.spec();
+  switch (op.kind) {
+    case OpKind::AttentionCore:
+      return "attention";
+    case OpKind::Norm:
+      return m.norm == model::Norm::RmsNorm ? "rmsnorm" : "layernorm";
+    case OpKind::Activation:
+      return m.activation == model::Activation::SwiGlu ? "swiglu" : "gelu";
+    case OpKind::Residual:
+      return "residual";
+    case OpKind::Embedding:
+      return "embedding";
+    case OpKind::Loss:
+      return "loss";
+    default:
+      return "";
+  }
+}
+
 double ComputeCost::optimizer_seconds(std::uint64_t params) const {
   const double bytes_per_param = plan_.optimizer == plan::Optimizer::Adam ? 28.0 : 20.0;
+  if (profile_ != nullptr) {
+    if (auto it = profile_->ops.find({"optimizer", "step"}); it != profile_->ops.end()) {
+      return static_cast<double>(params) * bytes_per_param / it->second.rate;
+    }
+  }
   return static_cast<double>(params) * bytes_per_param / hbm_bw_ + launch_s_;
 }
 

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <map>
+#include <string>
 #include <tuple>
 
 #include "sim/cluster/device_catalog.hpp"
@@ -42,6 +43,8 @@ class ComputeCost {
 
  private:
   double divisor(const model::Op& op) const;
+  // The op's name in a profile's "ops" table ("" for GEMMs and ops it does not list).
+  std::string profile_key(const model::Op& op) const;
   const model::ModelGraph& graph_;
   const plan::Plan& plan_;
   double peak_flops_;

@@ -29,7 +29,7 @@ Profile load_profile(const std::string& path) {
   const nlohmann::json j = JsonReader::parse_file(path);
   const JsonReader r(j, path);
   r.expect_only({"device", "source", "precision", "gemm", "memory_bw_bytes_per_s",
-                 "launch_overhead_s", "collectives", "notes"});
+                 "launch_overhead_s", "collectives", "notes", "ops", "ranks_per_host"});
   Profile p;
   p.file = path;
   p.device = r.string("device");
@@ -53,6 +53,22 @@ Profile load_profile(const std::string& path) {
   if (r.has("memory_bw_bytes_per_s"))
     p.memory_bw_bytes_per_s = r.positive_number("memory_bw_bytes_per_s");
   if (r.has("launch_overhead_s")) p.launch_overhead_s = r.non_negative_number("launch_overhead_s");
+  if (r.has("ops")) {
+    const auto& ops = r.raw().at("ops");
+    if (!ops.is_array()) r.fail("ops", "expected an array of {\"op\", \"phase\", rate} entries");
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const JsonReader o(ops[i], path, fmt::format("ops[{}]", i));
+      o.expect_only({"op", "phase", "flops_per_s", "bytes_per_s", "seconds"});
+      const std::string op = o.choice("op", {"attention", "layernorm", "rmsnorm", "gelu", "swiglu",
+                                             "residual", "embedding", "loss", "optimizer"});
+      const std::string phase = o.choice("phase", {"fwd", "bwd", "step"});
+      if (o.has("flops_per_s") == o.has("bytes_per_s")) {
+        o.fail("flops_per_s", "give exactly one of flops_per_s and bytes_per_s");
+      }
+      const bool flops = o.has("flops_per_s");
+      p.ops[{op, phase}] = {o.positive_number(flops ? "flops_per_s" : "bytes_per_s"), flops};
+    }
+  }
   return p;
 }
 

@@ -7,12 +7,23 @@
 //   "precision": "bf16",
 //   "gemm": [ {"m": 4096, "n": 4096, "k": 4096, "seconds": 6.2e-4}, ... ],
 //   "memory_bw_bytes_per_s": 1.7e12,        achieved by streaming kernels (optional)
-//   "launch_overhead_s": 4e-6               (optional)
+//   "launch_overhead_s": 4e-6,              (optional)
+//   "ops": [ {"op": "attention", "phase": "fwd", "flops_per_s": 2e9, "seconds": ...},
+//            {"op": "layernorm", "phase": "bwd", "bytes_per_s": 5e9, ...},
+//            {"op": "optimizer", "phase": "step", "bytes_per_s": 6e9, ...} ],   (optional)
+//   "collectives": [ ... ],                 nccl-tests-style table (informative)
+//   "ranks_per_host": 2                     how many ranks measured at once (informative)
 // }
+// "ops" gives measured rates of the non-GEMM ops in the model graph's own units: FLOP/s of
+// the graph's FLOPs for the attention core, bytes/s of the graph's bytes for the others (ops:
+// attention, layernorm, rmsnorm, gelu, swiglu, residual, embedding, loss; phases fwd, bwd),
+// and for the optimizer bytes/s at 28 bytes per parameter (Adam). An op with a rate is priced
+// by it instead of the roofline.
 // A GEMM's time comes from the measured throughput (FLOP/s) interpolated linearly in
 // log(FLOPs) between the two measured sizes around it (clamped at the ends).
 #pragma once
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -35,6 +46,11 @@ struct Profile {
   std::vector<GemmSample> gemm;  // sorted by FLOPs
   std::optional<double> memory_bw_bytes_per_s;
   std::optional<double> launch_overhead_s;
+  struct OpRate {
+    double rate = 0;     // per second
+    bool flops = false;  // FLOP/s (else bytes/s)
+  };
+  std::map<std::pair<std::string, std::string>, OpRate> ops;  // (op, phase) -> rate
 
   // Seconds for a GEMM of `flops` FLOPs from the measured throughput.
   double gemm_seconds(double flops) const;

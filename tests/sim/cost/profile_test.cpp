@@ -67,3 +67,59 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
       "gemm[0].m: expected a positive integer, got 0");
   bad(R"({"source": "s", "gemm": []})", "bad_profile.json: device: required field is missing");
 }
+
+TEST_CASE("measured op rates price the non-GEMM ops in the graph's own units", "[cost][profile]") {
+  // Attention forward at 2 GFLOP/s of the graph's FLOPs, LayerNorm backward at 3 GB/s of the
+  // graph's bytes, the optimizer at 6 GB/s of 28 bytes per parameter; the rest as before.
+  TempFile f("profile_ops.json", R"({"device": "cpu-host", "source": "test data",
+    "precision": "fp32", "memory_bw_bytes_per_s": 1e10, "launch_overhead_s": 0,
+    "gemm": [{"m": 256, "n": 256, "k": 256, "seconds": 1e-3}],
+    "ops": [{"op": "attention", "phase": "fwd", "flops_per_s": 2e9},
+            {"op": "layernorm", "phase": "bwd", "bytes_per_s": 3e9, "seconds": 1e-4},
+            {"op": "optimizer", "phase": "step", "bytes_per_s": 6e9}]})");
+  const auto profile = dtsim::cost::load_profile(f.path());
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 2, 32, 4);
+  dtsim::plan::Plan plan;
+  plan.micro_batch_size = 2;
+  plan.seq_len = 32;
+  plan.precision = dtsim::Precision::Fp32;
+  const auto device = dtsim::cluster::load_device("a100-sxm4-80gb");
+  dtsim::cost::ComputeCost cost(g, plan, device, &profile);
+  using dtsim::lower::Phase;
+  int checked = 0;
+  for (auto id : g.layer_ops(0)) {
+    const auto& op = g.op(id);
+    if (op.kind == dtsim::model::OpKind::AttentionCore) {
+      CHECK(cost.op_seconds(op, Phase::Forward) == Approx(op.fwd_flops / 2e9));
+      CHECK(cost.op_seconds(op, Phase::Recompute) == Approx(op.fwd_flops / 2e9));
+      ++checked;
+    }
+    if (op.kind == dtsim::model::OpKind::Norm) {
+      CHECK(cost.op_seconds(op, Phase::Backward) == Approx(op.bwd_bytes / 3e9));
+      // No forward rate: the roofline with the profile's bandwidth.
+      CHECK(cost.op_seconds(op, Phase::Forward) == Approx(op.fwd_bytes / 1e10));
+      ++checked;
+    }
+  }
+  CHECK(checked == 3);  // one attention core, two norms
+  CHECK(cost.optimizer_seconds(1000000) == Approx(28e6 / 6e9));
+}
+
+TEST_CASE("bad op rates in a profile are rejected naming the entry", "[cost][profile][bad-input]") {
+  auto bad = [](const char* ops, const char* message) {
+    TempFile f(
+        "bad_ops.json",
+        std::string(
+            R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}], "ops": )") +
+            ops + "}");
+    DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::cost::load_profile(f.path()), InputError, message);
+  };
+  bad(R"([{"op": "softmax", "phase": "fwd", "bytes_per_s": 1}])",
+      "bad_ops.json: ops[0].op: expected one of");
+  bad(R"([{"op": "gelu", "phase": "fwd", "bytes_per_s": 1, "flops_per_s": 1}])",
+      "ops[0].flops_per_s: give exactly one of flops_per_s and bytes_per_s");
+  bad(R"([{"op": "gelu", "phase": "fwd", "bytes_per_s": 0}])",
+      "ops[0].bytes_per_s: expected a positive number");
+  bad(R"({"op": "gelu"})", "bad_ops.json: ops: expected an array");
+}
