@@ -504,7 +504,16 @@ class Runner {
       case OpKind::AttentionCore: {
         out.assign(static_cast<std::size_t>(T_) * H_ * D_, 0.0f);
         mb.aux1[id].assign(static_cast<std::size_t>(B_) * H_ * S_ * S_, 0.0f);
-        k::attention_forward(out, mb.aux1[id], mb.out.at(input(id)), B_, S_, H_, G_, D_);
+        const auto& qkv = mb.out.at(input(id));
+        if (m_.positions == model::Positions::Rope) {
+          // Rotary positions are applied to q and k as the attention core reads them.
+          auto& turned = mb.aux2[id];
+          turned.resize(qkv.size());
+          k::rope_forward(turned, qkv, B_, S_, H_, G_, D_, m_.rope_theta);
+          k::attention_forward(out, mb.aux1[id], turned, B_, S_, H_, G_, D_);
+        } else {
+          k::attention_forward(out, mb.aux1[id], qkv, B_, S_, H_, G_, D_);
+        }
         break;
       }
       case OpKind::Residual: {
@@ -595,8 +604,16 @@ class Runner {
         break;
       }
       case OpKind::AttentionCore:
-        k::attention_backward(grad_of(mb, input(id)), mb.grad.at(id), mb.out.at(input(id)),
-                              mb.aux1.at(id), B_, S_, H_, G_, D_);
+        if (m_.positions == model::Positions::Rope) {
+          auto& turned_grad = rope_scratch_;
+          turned_grad.assign(mb.aux2.at(id).size(), 0.0f);
+          k::attention_backward(turned_grad, mb.grad.at(id), mb.aux2.at(id), mb.aux1.at(id), B_, S_,
+                                H_, G_, D_);
+          k::rope_backward(grad_of(mb, input(id)), turned_grad, B_, S_, H_, G_, D_, m_.rope_theta);
+        } else {
+          k::attention_backward(grad_of(mb, input(id)), mb.grad.at(id), mb.out.at(input(id)),
+                                mb.aux1.at(id), B_, S_, H_, G_, D_);
+        }
         break;
       case OpKind::Residual:
         for (OpId pred : g_.predecessors(id)) k::accumulate(grad_of(mb, pred), mb.grad.at(id));
@@ -895,6 +912,7 @@ class Runner {
   const lower::RankProgram* rp_ = nullptr;
   std::map<Key, Param> params_;
   std::vector<float> grad_storage_;  // every Param::grad, contiguous
+  std::vector<float> rope_scratch_;  // the attention's input gradient before RoPE is undone
   std::vector<int> next_;
   std::vector<MicroBatch> batches_;
   std::vector<double> step_loss_sums_;  // this run's steps
@@ -912,7 +930,6 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   auto refuse = [&](const std::string& what) {
     throw UnsupportedError(fmt::format("dtexec: {} is not executed yet", what));
   };
-  if (m.positions == model::Positions::Rope) refuse(fmt::format("RoPE (model {})", m.name));
   if (m.moe) refuse(fmt::format("a mixture of experts (model {})", m.name));
   if (m.dropout) refuse(fmt::format("dropout (model {})", m.name));
   if (p.cp > 1) refuse("context parallelism (cp > 1)");

@@ -19,7 +19,7 @@
 // ZeRO and recompute execute their communication and compute, not their memory saving.
 //
 // Not executed yet (refused with a message): sequence and context parallelism, experts,
-// zero-bubble and PipeDream schedules, RoPE, dropout.
+// zero-bubble and PipeDream schedules, dropout.
 #pragma once
 
 #include <cstdint>

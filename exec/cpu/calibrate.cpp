@@ -144,13 +144,23 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
         const int n = copies_for((2 * width + 2 * out_n + probs_n) * fl);
         auto qkv = random_buffers(n, width, 5), dout = random_buffers(n, out_n, 6);
         std::vector<std::vector<float>> out(n), probs(n), dqkv(n, std::vector<float>(width));
+        // With RoPE the runner turns q and k before the core and the gradients back after.
+        const bool rope = m.positions == model::Positions::Rope;
+        std::vector<float> turned(rope ? width : 0), turned_grad(rope ? width : 0);
         const double f = median_per_copy(repeats, n, [&](std::size_t i) {
           out[i].assign(out_n, 0.0f);
           probs[i].assign(probs_n, 0.0f);
-          attention_forward(out[i], probs[i], qkv[i], B, S, H, G, D);
+          if (rope) rope_forward(turned, qkv[i], B, S, H, G, D, m.rope_theta);
+          attention_forward(out[i], probs[i], rope ? In(turned) : In(qkv[i]), B, S, H, G, D);
         });
         const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
-          attention_backward(dqkv[i], dout[i], qkv[i], probs[i], B, S, H, G, D);
+          if (rope) {
+            turned_grad.assign(width, 0.0f);
+            attention_backward(turned_grad, dout[i], qkv[i], probs[i], B, S, H, G, D);
+            rope_backward(dqkv[i], turned_grad, B, S, H, G, D, m.rope_theta);
+          } else {
+            attention_backward(dqkv[i], dout[i], qkv[i], probs[i], B, S, H, G, D);
+          }
         });
         record("attention", op, f, bw);
         break;

@@ -224,6 +224,51 @@ void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H
   }
 }
 
+namespace {
+// Turns the q and k heads of one row by the angles of position s; sign -1 turns back.
+void rotate_row(float* out, const float* in, int s, int heads, int D, double theta, float sign) {
+  const int half = D / 2;
+  for (int i = 0; i < half; ++i) {
+    const double angle = s * std::pow(theta, -2.0 * i / D);
+    const auto c = static_cast<float>(std::cos(angle));
+    const auto sn = sign * static_cast<float>(std::sin(angle));
+    for (int h = 0; h < heads; ++h) {
+      const float* x = in + static_cast<std::size_t>(h) * D;
+      float* y = out + static_cast<std::size_t>(h) * D;
+      const float a = x[i], b = x[i + half];
+      y[i] = a * c - b * sn;
+      y[i + half] = a * sn + b * c;
+    }
+  }
+}
+}  // namespace
+
+void rope_forward(Out out, In qkv, int B, int S, int H, int G, int D, double theta) {
+  const std::size_t width = static_cast<std::size_t>(H + 2 * G) * D;
+  for (int b = 0; b < B; ++b) {
+    for (int s = 0; s < S; ++s) {
+      const std::size_t row = (static_cast<std::size_t>(b) * S + s) * width;
+      rotate_row(out.data() + row, qkv.data() + row, s, H + G, D, theta, 1.0f);  // q and k
+      std::copy_n(qkv.data() + row + static_cast<std::size_t>(H + G) * D,
+                  static_cast<std::size_t>(G) * D,
+                  out.data() + row + static_cast<std::size_t>(H + G) * D);  // v
+    }
+  }
+}
+
+void rope_backward(Out dqkv, In dout, int B, int S, int H, int G, int D, double theta) {
+  const std::size_t width = static_cast<std::size_t>(H + 2 * G) * D;
+  std::vector<float> turned(static_cast<std::size_t>(H + G) * D);
+  for (int b = 0; b < B; ++b) {
+    for (int s = 0; s < S; ++s) {
+      const std::size_t row = (static_cast<std::size_t>(b) * S + s) * width;
+      rotate_row(turned.data(), dout.data() + row, s, H + G, D, theta, -1.0f);
+      for (std::size_t i = 0; i < turned.size(); ++i) dqkv[row + i] += turned[i];
+      for (std::size_t i = turned.size(); i < width; ++i) dqkv[row + i] += dout[row + i];
+    }
+  }
+}
+
 void embedding_forward(Out out, std::span<const int> tokens, In wte, In wpe, int B, int S, int C,
                        int vocab_begin) {
   const auto rows = static_cast<int>(wte.size() / static_cast<std::size_t>(C));

@@ -44,6 +44,13 @@ void swiglu_backward(Out din, In in, In dout, int T, int F);
 void attention_forward(Out out, Out probs, In qkv, int B, int S, int H, int G, int D);
 void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H, int G, int D);
 
+// Rotary position embedding (Su et al. 2021) in the rotate-half layout of Hugging Face's Llama:
+// in each q and k head of qkv[B·S, (H + 2·G)·D], the pair (x_i, x_{i+D/2}) at position s turns
+// by s·theta^(-2i/D). out gets the rotated q and k and an unchanged v. The backward turns the
+// gradients back (the transpose of a rotation) and accumulates them into dqkv.
+void rope_forward(Out out, In qkv, int B, int S, int H, int G, int D, double theta);
+void rope_backward(Out dqkv, In dout, int B, int S, int H, int G, int D, double theta);
+
 // Token (and learned position) embedding: out[B·S, C] = wte[token] (+ wpe[s]). With vocabulary
 // parallelism wte holds rows [vocab_begin, vocab_begin + rows) and other tokens contribute 0.
 void embedding_forward(Out out, std::span<const int> tokens, In wte, In wpe, int B, int S, int C,

@@ -6,11 +6,13 @@
 #include <charconv>
 #include <cmath>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string_view>
 #include <system_error>
 
 #include "sim/common/error.hpp"
+#include "sim/common/json_reader.hpp"
 #include "sim/common/units.hpp"
 #include "sim/plan/memory_model.hpp"
 
@@ -237,6 +239,18 @@ PlanSetup setup_from_options(const po::variables_map& vm) {
   cluster::Cluster cluster = cluster_from_options(vm);
   std::vector<std::string> notes;
   plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes);
+  // The default precision (bf16) on a device without it (a CPU host): fp32, said so. A
+  // precision asked for explicitly is checked as given.
+  const bool precision_given =
+      vm.count("precision") ||
+      (vm.count("plan") &&
+       JsonReader::parse_file(vm["plan"].as<std::string>()).contains("precision"));
+  if (!precision_given && !cluster.device.supports(plan.precision) &&
+      cluster.device.supports(Precision::Fp32)) {
+    notes.push_back(fmt::format("precision = fp32 (device {} has no {})", cluster.device.name,
+                                to_string(plan.precision)));
+    plan.precision = Precision::Fp32;
+  }
   cluster.device.peak_flops_for(plan.precision);
   model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
                           plan::activation_bytes_per_element(plan.precision));

@@ -46,6 +46,7 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
                  "activation",
                  "norm",
                  "positions",
+                 "rope_theta",
                  "tied_embeddings",
                  "bias",
                  "dropout",
@@ -82,6 +83,10 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
       r.choice("norm", {"layernorm", "rmsnorm"}) == "layernorm" ? Norm::LayerNorm : Norm::RmsNorm;
   m.positions = r.choice("positions", {"learned", "rope"}) == "learned" ? Positions::Learned
                                                                         : Positions::Rope;
+  if (r.has("rope_theta")) {
+    if (m.positions != Positions::Rope) r.fail("rope_theta", "only for positions \"rope\"");
+    m.rope_theta = r.positive_number("rope_theta");
+  }
   m.tied_embeddings = r.boolean("tied_embeddings");
   if (r.has("bias")) {
     const JsonReader b = r.object("bias");
@@ -287,6 +292,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.activation = Activation::SwiGlu;
     m.norm = Norm::RmsNorm;
     m.positions = Positions::Rope;
+    if (r.has("rope_theta")) m.rope_theta = r.positive_number("rope_theta");
     m.tied_embeddings = r.boolean_or("tie_word_embeddings", false);
     // qwen2 always has q/k/v biases (Qwen2Attention: bias=True on q,k,v; False on o_proj).
     const bool attention_bias = r.boolean_or("attention_bias", false);

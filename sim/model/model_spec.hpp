@@ -48,6 +48,9 @@ struct ModelSpec {
   Activation activation = Activation::Gelu;
   Norm norm = Norm::LayerNorm;
   Positions positions = Positions::Learned;
+  // RoPE base: theta_i = rope_theta^(-2i/head_dim). Default 10000 (Su et al. 2021, RoFormer,
+  // Sec. 3.3); Llama 3 uses 500000 (its config.json).
+  double rope_theta = 10000.0;
   bool tied_embeddings = false;
   BiasSpec bias;
   bool dropout = false;

@@ -42,6 +42,13 @@ TEST_CASE("the executor trains: the loss falls on a learnable stream", "[exec][r
   CHECK(!r.tasks.empty());
 }
 
+TEST_CASE("a Llama-style model with RoPE, GQA and SwiGLU trains", "[exec][runner]") {
+  const auto r = run("tiny", single_rank(4, 4), 60);
+  INFO("first loss " << r.losses.front() << ", last " << r.losses.back());
+  CHECK(r.losses.front() == Approx(std::log(256.0)).epsilon(0.05));
+  CHECK(r.losses.back() < r.losses.front() - 1.5);
+}
+
 TEST_CASE("gradient accumulation over micro-batches equals one large micro-batch",
           "[exec][runner]") {
   // The same four sequences per step, as one micro-batch of 4 or four of 1 (the Program then
@@ -60,7 +67,7 @@ TEST_CASE("runs are deterministic", "[exec][runner]") {
 }
 
 TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
-  REQUIRE_THROWS_AS(run("tiny", single_rank(1, 1), 1), dtsim::UnsupportedError);  // RoPE
+  REQUIRE_THROWS_AS(run("mixtral-8x7b", single_rank(1, 1), 1), dtsim::UnsupportedError);  // MoE
   auto p = single_rank(1, 2);
   p.tp = 2;
   p.sequence_parallel = true;

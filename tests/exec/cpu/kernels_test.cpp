@@ -125,6 +125,29 @@ TEST_CASE("causal attention with grouped KV heads matches finite differences", "
   check_gradient(qkv, dqkv, loss, "qkv");
 }
 
+TEST_CASE("RoPE turns q and k, keeps v and the norms, and its backward matches", "[exec][cpu]") {
+  const int B = 2, S = 6, H = 2, G = 1, D = 4;
+  const int width = (H + 2 * G) * D;
+  auto qkv = random(static_cast<std::size_t>(B) * S * width, 30), r = random(qkv.size(), 31);
+  std::vector<float> out(qkv.size());
+  auto loss = [&] {
+    cpu::rope_forward(out, qkv, B, S, H, G, D, 10000.0);
+    return dot(out, r);
+  };
+  loss();
+  // Position 0 is not turned; v is never turned; a rotation keeps each pair's length.
+  for (int i = 0; i < width; ++i)
+    CHECK(out[static_cast<std::size_t>(i)] == qkv[static_cast<std::size_t>(i)]);
+  const std::size_t row3 = 3 * static_cast<std::size_t>(width);
+  for (int i = (H + G) * D; i < width; ++i) CHECK(out[row3 + i] == qkv[row3 + i]);
+  const double before = std::hypot(qkv[row3 + 0], qkv[row3 + 2]);
+  CHECK(std::hypot(out[row3 + 0], out[row3 + 2]) == Approx(before).epsilon(1e-5));
+  CHECK(out[row3 + 0] != Approx(qkv[row3 + 0]));
+  std::vector<float> dqkv(qkv.size());
+  cpu::rope_backward(dqkv, r, B, S, H, G, D, 10000.0);
+  check_gradient(qkv, dqkv, loss, "qkv");
+}
+
 TEST_CASE("embedding and cross-entropy backward match finite differences", "[exec][cpu]") {
   const int B = 2, S = 3, C = 4, V = 6;
   const std::vector<int> tokens = {1, 5, 2, 0, 3, 5};
