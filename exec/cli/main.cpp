@@ -23,6 +23,7 @@
 #include "sim/lower/lowering.hpp"
 #include "sim/plan/memory_model.hpp"
 #include "sim/report/trace.hpp"
+#include "sim/report/validate.hpp"
 
 #ifdef DTEXEC_HAVE_CUDA
 #include "exec/cuda/gpu_probe.hpp"
@@ -152,6 +153,104 @@ void write_trace(const std::string& path, const dtsim::lower::Program& program,
   dtsim::report::write_chrome_trace(path, program, timeline);
 }
 
+// dtexec run --only-rank R: the program of R's pipeline stage (every rank of a stage runs the
+// same tasks) on this machine alone; communication tasks wait their predicted times.
+int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& spec,
+                  const dtsim::plan::Plan& plan, const dtsim::model::ModelGraph& graph,
+                  const dtsim::lower::Program& program, dtsim::exec::RunOptions options) {
+  const std::int64_t r = vm["only-rank"].as<std::int64_t>();
+  if (r < 0 || r >= plan.devices()) {
+    throw dtsim::InputError(
+        fmt::format("--only-rank {}: the plan has ranks 0..{}", r, plan.devices() - 1));
+  }
+  int index = -1;
+  for (std::size_t i = 0; i < program.ranks.size(); ++i) {
+    const auto& rep = program.ranks[i].represents;
+    if (std::find(rep.begin(), rep.end(), r) != rep.end()) index = static_cast<int>(i);
+  }
+  DTSIM_ASSERT(index >= 0, "every rank belongs to a stage");
+  const auto& rp = program.ranks[static_cast<std::size_t>(index)];
+  std::size_t comm_tasks = 0;
+  for (const auto& t : rp.tasks) comm_tasks += t.kind == dtsim::lower::TaskKind::Compute ? 0 : 1;
+  std::string waits = "of zero length (no --predicted)";
+  options.predicted_comm_s.assign(rp.tasks.size(), 0.0);
+  if (vm.count("predicted")) {
+    const std::string path = vm["predicted"].as<std::string>();
+    const auto trace = dtsim::report::read_trace(path);
+    std::size_t found = 0;
+    for (const auto& t : trace.tasks) {
+      if (t.rank != rp.rank || t.task < 0 || static_cast<std::size_t>(t.task) >= rp.tasks.size()) {
+        continue;
+      }
+      // The same task in both: a communication task of the same kind.
+      const auto& task = rp.tasks[static_cast<std::size_t>(t.task)];
+      if (task.kind == dtsim::lower::TaskKind::Compute || t.kind != to_string(task.kind)) continue;
+      options.predicted_comm_s[static_cast<std::size_t>(t.task)] = t.duration_s;
+      ++found;
+    }
+    if (found != comm_tasks) {
+      throw dtsim::InputError(fmt::format(
+          "--predicted {}: it holds {} of the {} communication tasks of rank {} (the program of "
+          "stage {}); simulate the same plan: dtsim simulate ... --trace {}",
+          path, found, comm_tasks, rp.rank, rp.stage, path));
+    }
+    waits = "of their predicted length (" + path + ")";
+  }
+  options.program_index = index;
+  options.replay_communication = true;
+  dtsim::exec::SingleRankComm comm;
+  const auto result = dtsim::exec::run_program(graph, program, options, comm);
+  // Compute and waits per step, from the recorded tasks of the last step.
+  const int last = options.steps - 1;
+  double compute = 0, waited = 0;
+  dtsim::engine::Timeline timeline;
+  timeline.tasks.assign(1, std::vector<dtsim::engine::TaskTime>(rp.tasks.size()));
+  double begin = -1;
+  for (const auto& t : result.tasks) {
+    if (t.step != last) continue;
+    if (begin < 0) begin = t.start_s;
+    timeline.tasks[0][static_cast<std::size_t>(t.task)] = {t.start_s - begin, t.end_s - begin};
+    const bool is_compute =
+        rp.tasks[static_cast<std::size_t>(t.task)].kind == dtsim::lower::TaskKind::Compute;
+    (is_compute ? compute : waited) += t.end_s - t.start_s;
+  }
+  if (vm.count("trace")) {
+    dtsim::lower::Program one;
+    one.plan = program.plan;
+    one.lowering = program.lowering;
+    one.groups = program.groups;
+    one.ranks = {rp};
+    dtsim::report::write_chrome_trace(vm["trace"].as<std::string>(), one, timeline);
+  }
+  if (vm["json"].as<bool>()) {
+    std::cout << nlohmann::json{{"model", spec.name},
+                                {"backend", "cpu"},
+                                {"only_rank", r},
+                                {"program_rank", rp.rank},
+                                {"stage", rp.stage},
+                                {"plan", dtsim::plan::to_json(plan)},
+                                {"step_times_s", result.step_times_s},
+                                {"step_time_s", result.step_time_s},
+                                {"compute_s", compute},
+                                {"communication_waits_s", waited},
+                                {"communication", "replaced by waits " + waits}}
+                     .dump(2)
+              << "\n";
+    return 0;
+  }
+  std::cout << fmt::format(
+      "{}, plan {}: rank {} alone (stage {}; its program stands for {} ranks), {} steps\n"
+      "compute measured; {} communication tasks replaced by waits {}; received tensors are "
+      "zeros, so losses mean nothing\n",
+      spec.name, dtsim::plan::summary(plan), r, rp.stage, rp.represents.size(), options.steps,
+      comm_tasks, waits);
+  std::cout << fmt::format(
+      "median step time {:.1f} ms after {} warm-up step(s); last step: compute {:.1f} ms, "
+      "waits {:.1f} ms (one after the other: the waits do not overlap compute here)\n",
+      result.step_time_s * 1e3, options.warmup_steps, compute * 1e3, waited * 1e3);
+  return 0;
+}
+
 int run(const std::vector<std::string>& args) {
   po::options_description desc("dtexec run options");
   desc.add_options()("help,h", "show this help")(
@@ -169,6 +268,12 @@ int run(const std::vector<std::string>& args) {
       "resume", po::value<std::string>(), "continue from this checkpoint folder")(
       "trace", po::value<std::string>(), "write the last step's tasks as a Chrome trace")(
       "json", po::bool_switch(), "print JSON")(
+      "only-rank", po::value<std::int64_t>(),
+      "run only this rank's share of the plan, on this machine, its communication replaced by "
+      "waits (see --predicted); for checking the compute of plans larger than the machine")(
+      "predicted", po::value<std::string>(),
+      "with --only-rank: a dtsim simulate --trace of the same plan, whose communication task "
+      "times become the waits")(
       "fail-at", po::value<std::string>(),
       "fault injection for tests, RANK:STEP: that rank kills itself (SIGKILL) when the step "
       "starts");
@@ -186,13 +291,20 @@ int run(const std::vector<std::string>& args) {
     throw dtsim::UnsupportedError(fmt::format("--backend {}: only cpu runs plans in this version",
                                               vm["backend"].as<std::string>()));
   }
+  const bool only_rank = vm.count("only-rank") > 0;
+  if (vm.count("predicted") && !only_rank) {
+    throw dtsim::InputError("--predicted: only with --only-rank");
+  }
   std::unique_ptr<dtsim::exec::cpu::MpiSession> mpi;
   if (dtsim::exec::cpu::under_mpirun()) mpi = std::make_unique<dtsim::exec::cpu::MpiSession>();
   const int rank = mpi ? mpi->rank() : 0;
   g_rank = rank;
+  if (only_rank && mpi && mpi->size() > 1) {
+    throw dtsim::InputError("--only-rank: runs one process; start it without mpirun");
+  }
   const auto spec = dtsim::model::load_model(vm["model"].as<std::string>());
-  const std::int64_t devices = mpi ? mpi->size() : requested_devices(vm);
-  if (!mpi && devices > 1) {
+  const std::int64_t devices = mpi && !only_rank ? mpi->size() : requested_devices(vm);
+  if (!mpi && devices > 1 && !only_rank) {
     throw dtsim::InputError(fmt::format(
         "the plan needs {} ranks: start them with mpirun -np {} dtexec run ...", devices, devices));
   }
@@ -225,10 +337,10 @@ int run(const std::vector<std::string>& args) {
   const dtsim::model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
                                        dtsim::plan::activation_bytes_per_element(plan.precision));
   dtsim::lower::LowerOptions lower_options;
-  lower_options.mode =
-      devices > 1 ? dtsim::lower::Lowering::AllRanks : dtsim::lower::Lowering::Representatives;
+  lower_options.mode = devices > 1 && !only_rank ? dtsim::lower::Lowering::AllRanks
+                                                 : dtsim::lower::Lowering::Representatives;
   const auto program = dtsim::lower::lower(graph, plan, lower_options);
-  dtsim::exec::check_runnable(graph, program);
+  dtsim::exec::check_runnable(graph, program, only_rank);
   dtsim::exec::RunOptions options;
   options.steps = steps;
   options.warmup_steps = warmup;
@@ -245,6 +357,7 @@ int run(const std::vector<std::string>& args) {
           fmt::format("--fail-at {}: expected RANK:STEP (a rank >= 0, a step >= 1)", spec_text));
     }
   }
+  if (only_rank) return run_only_rank(vm, spec, plan, graph, program, options);
   std::unique_ptr<dtsim::exec::Comm> comm;
   if (mpi) {
     comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);

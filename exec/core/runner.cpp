@@ -10,6 +10,7 @@
 #include <numeric>
 #include <random>
 #include <span>
+#include <thread>
 
 #include "exec/core/checkpoint.hpp"
 #include "exec/cpu/kernels.hpp"
@@ -97,8 +98,8 @@ class Runner {
   Runner(const model::ModelGraph& g, const lower::Program& program, const RunOptions& options,
          Comm& comm)
       : g_(g), m_(g.spec()), program_(program), p_(program.plan), options_(options), comm_(comm) {
-    check_runnable(g, program);
-    me_ = comm.rank();
+    check_runnable(g, program, options.replay_communication);
+    me_ = options.program_index >= 0 ? options.program_index : comm.rank();
     DTSIM_ASSERT(me_ >= 0 && static_cast<std::size_t>(me_) < program.ranks.size(),
                  "rank outside the program");
     rp_ = &program.ranks[static_cast<std::size_t>(me_)];
@@ -119,6 +120,11 @@ class Runner {
     Vl_ = V_ / tp_;
     micro_batches_ = static_cast<int>(p_.micro_batches());
     last_stage_ = rp_->stage == p_.pp - 1;
+    last_use_.assign(static_cast<std::size_t>(micro_batches_), std::size_t{0});
+    for (std::size_t i = 0; i < rp_->tasks.size(); ++i) {
+      const int mb = rp_->tasks[i].micro_batch;
+      if (mb >= 0 && mb < micro_batches_) last_use_[static_cast<std::size_t>(mb)] = i;
+    }
     init_params();
     // A learnable stream: each token is followed by next_[token] nine times in ten.
     next_.resize(static_cast<std::size_t>(V_));
@@ -139,20 +145,21 @@ class Runner {
     const auto& tasks = rp_->tasks;
     for (int step = first; step < options_.steps; ++step) {
       if (me_ == options_.fail_rank && step + 1 == options_.fail_step) std::raise(SIGKILL);
-      // Buffers are reused from step to step (as a framework's caching allocator does);
-      // gradients start at zero.
-      batches_.resize(static_cast<std::size_t>(micro_batches_));
-      for (auto& mb : batches_) {
-        for (auto& [id, grad] : mb.grad) std::fill(grad.begin(), grad.end(), 0.0f);
-      }
+      // A micro-batch's tensors live from its first task to its last (then released).
+      batches_.assign(static_cast<std::size_t>(micro_batches_), MicroBatch{});
       for (int j = 0; j < micro_batches_; ++j)
         make_batch(batches_[static_cast<std::size_t>(j)], step, j);
       const double begin = now();
       for (std::size_t i = 0; i < tasks.size(); ++i) {
         const double start = now();
-        execute(tasks[i]);
+        execute(tasks[i], i);
         if (step - first >= options_.warmup_steps) {
           result.tasks.push_back({rp_->rank, static_cast<std::int32_t>(i), start, now(), step});
+        }
+        if (tasks[i].micro_batch >= 0 &&
+            i == last_use_[static_cast<std::size_t>(tasks[i].micro_batch)]) {
+          // Nothing later in the step reads this micro-batch: release its tensors.
+          release(batches_[static_cast<std::size_t>(tasks[i].micro_batch)]);
         }
       }
       comm_.wait_sends();
@@ -758,7 +765,55 @@ class Runner {
     }
   }
 
-  void execute(const lower::Task& task) {
+  static void release(MicroBatch& mb) {
+    mb.out.clear();
+    mb.grad.clear();
+    mb.aux1.clear();
+    mb.aux2.clear();
+  }
+
+  // --only-rank: a communication task waits its predicted length and moves no data.
+  void replay(const lower::Task& task, std::size_t index) {
+    const double wait =
+        index < options_.predicted_comm_s.size() ? options_.predicted_comm_s[index] : 0.0;
+    if (wait > 0) {
+      // Sleep most of a long wait, spin the rest: sleeps overshoot by tens of microseconds,
+      // more than many collectives last.
+      const auto deadline = std::chrono::steady_clock::now() +
+                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                std::chrono::duration<double>(wait));
+      if (wait > 1e-3) {
+        std::this_thread::sleep_for(std::chrono::duration<double>(wait - 5e-4));
+      }
+      while (std::chrono::steady_clock::now() < deadline) {
+      }
+    }
+    if (task.kind == TaskKind::Recv) {
+      MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
+      const auto id = static_cast<OpId>(task.op_begin);
+      auto& buffer = (task.tag & 1) != 0 ? mb.grad[id] : mb.out[id];
+      buffer.assign(static_cast<std::size_t>(T_) * C_, 0.0f);
+    } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
+               program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
+               g_.op(static_cast<OpId>(task.op_begin)).kind == OpKind::Loss) {
+      // The loss still needs its softmax statistics: the local ones.
+      MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
+      const auto anchor = static_cast<OpId>(task.op_begin);
+      const auto& logits = mb.out.at(input(anchor));
+      auto& stats = mb.aux2[anchor];
+      stats.assign(static_cast<std::size_t>(3 * T_), 0.0f);
+      k::Out rowmax(stats.data(), static_cast<std::size_t>(T_));
+      k::Out sums(stats.data() + T_, static_cast<std::size_t>(2 * T_));
+      k::cross_entropy_max(rowmax, logits, T_, Vl_);
+      k::cross_entropy_sums(sums, logits, rowmax, mb.targets, T_, Vl_, t_ * Vl_);
+    }
+  }
+
+  void execute(const lower::Task& task, std::size_t index) {
+    if (options_.replay_communication && task.kind != TaskKind::Compute) {
+      replay(task, index);
+      return;
+    }
     switch (task.kind) {
       case TaskKind::Compute: {
         if (task.phase == Phase::Optimizer) {
@@ -912,7 +967,9 @@ class Runner {
   const lower::RankProgram* rp_ = nullptr;
   std::map<Key, Param> params_;
   std::vector<float> grad_storage_;  // every Param::grad, contiguous
-  std::vector<float> rope_scratch_;  // the attention's input gradient before RoPE is undone
+  std::vector<float> rope_scratch_;
+  std::vector<std::size_t> last_use_;  // per micro-batch, the last task that reads it  // the
+                                       // attention's input gradient before RoPE is undone
   std::vector<int> next_;
   std::vector<MicroBatch> batches_;
   std::vector<double> step_loss_sums_;  // this run's steps
@@ -924,7 +981,8 @@ class Runner {
 
 }  // namespace
 
-void check_runnable(const model::ModelGraph& graph, const lower::Program& program) {
+void check_runnable(const model::ModelGraph& graph, const lower::Program& program,
+                    bool one_program_alone) {
   const model::ModelSpec& m = graph.spec();
   const plan::Plan& p = program.plan;
   auto refuse = [&](const std::string& what) {
@@ -942,7 +1000,7 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
     refuse(fmt::format("tp {} that does not divide heads {}, kv heads {}, ffn {} and vocab {}",
                        p.tp, m.heads, m.kv_heads, m.ffn_hidden, m.vocab));
   }
-  if (p.devices() > 1 && program.lowering != lower::Lowering::AllRanks) {
+  if (p.devices() > 1 && program.lowering != lower::Lowering::AllRanks && !one_program_alone) {
     throw InternalError("a multi-rank run needs the program lowered for all ranks");
   }
 }

@@ -43,6 +43,13 @@ struct RunOptions {
   // Fault injection (tests): rank fail_rank kills itself with SIGKILL as step fail_step (1-based)
   // starts, as a crashed node would.
   int fail_rank = -1, fail_step = 0;
+  // --only-rank: run program `program_index` alone (one rank's share of a plan whose other
+  // ranks do not run), every communication task replaced by a wait of its predicted length
+  // (predicted_comm_s, by task id; empty: no wait). Received tensors are zeros, reductions
+  // keep the local values, so losses mean nothing; compute times are real.
+  int program_index = -1;  // -1: comm.rank()
+  bool replay_communication = false;
+  std::vector<double> predicted_comm_s;
 };
 
 struct TaskRecord {
@@ -63,7 +70,8 @@ struct RunResult {
 
 // Throws UnsupportedError naming what the runner does not execute in this model or plan (every
 // rank reaches the same verdict, so it can be asked before any communication).
-void check_runnable(const model::ModelGraph& graph, const lower::Program& program);
+void check_runnable(const model::ModelGraph& graph, const lower::Program& program,
+                    bool one_program_alone = false);
 
 // Runs this rank's program (program.ranks[comm.rank()]). A single-rank plan may use any
 // lowering; a multi-rank plan needs Lowering::AllRanks and a Comm with one rank per device.
