@@ -82,12 +82,16 @@ struct Param {
   std::int64_t own_begin = 0, own_end = 0;  // this rank's dp slice (ZeRO >= 1), local indices
   bool replicated_over_tp = false;
   bool tied_copy = false;  // the last stage's copy of the embedding (pipeline, tied head)
+  bool norm = false;       // a norm's weight or bias
 };
 
 // What one micro-batch keeps between its forward and backward passes.
 struct MicroBatch {
   std::vector<int> tokens, targets;
   std::map<OpId, std::vector<float>> out, grad, aux1, aux2;
+  // Sequence parallelism: the all-gathered (full-sequence) copy of an op's output that the
+  // tensor-parallel region reads, and the gradient of that copy before it is reduce-scattered.
+  std::map<OpId, std::vector<float>> full, full_grad;
   double loss = 0;
 };
 
@@ -111,6 +115,7 @@ class Runner {
     B_ = static_cast<int>(p_.micro_batch_size);
     S_ = static_cast<int>(p_.seq_len);
     T_ = B_ * S_;
+    Ts_ = p_.sequence_parallel ? T_ / static_cast<int>(p_.tp) : T_;
     C_ = static_cast<int>(m_.hidden);
     V_ = static_cast<int>(m_.vocab);
     H_ = static_cast<int>(m_.heads / tp_);
@@ -345,6 +350,7 @@ class Runner {
         Param p;
         p.slice = slice;
         p.tied_copy = op.kind == OpKind::LmHead && op.params == 0;
+        p.norm = op.kind == OpKind::Norm;
         // The copy starts from (and is saved as) the embedding matrix.
         const OpId source = p.tied_copy ? embedding : id;
         p.name = fmt::format("{}.{}", g_.op(source).name, which == 0 ? "weight" : "bias");
@@ -438,6 +444,22 @@ class Runner {
 
   OpId input(OpId id) const { return g_.predecessors(id).front(); }
 
+  // An op's input: the all-gathered copy where sequence parallelism made one.
+  const std::vector<float>& input_of(MicroBatch& mb, OpId id) {
+    const OpId in = input(id);
+    const auto it = mb.full.find(in);
+    return it != mb.full.end() ? it->second : mb.out.at(in);
+  }
+  // The gradient buffer of an op's input: of the all-gathered copy where there is one.
+  std::vector<float>& input_grad_of(MicroBatch& mb, OpId id) {
+    const OpId in = input(id);
+    const auto it = mb.full.find(in);
+    if (it == mb.full.end()) return grad_of(mb, in);
+    auto& g = mb.full_grad[in];
+    if (g.empty()) g.assign(it->second.size(), 0.0f);
+    return g;
+  }
+
   // Local GEMM shape (K, N) of a linear op on this tensor-parallel rank.
   std::pair<int, int> gemm_shape(const Op& op) const {
     const int u = m_.activation == model::Activation::SwiGlu ? 2 : 1;
@@ -487,11 +509,12 @@ class Runner {
         break;
       }
       case OpKind::Norm: {
-        out.assign(static_cast<std::size_t>(T_) * C_, 0.0f);
-        mb.aux1[id].assign(static_cast<std::size_t>(T_), 0.0f);
-        mb.aux2[id].assign(static_cast<std::size_t>(T_), 0.0f);
+        // Norms run on this rank's share of the sequence under sequence parallelism.
+        out.assign(static_cast<std::size_t>(Ts_) * C_, 0.0f);
+        mb.aux1[id].assign(static_cast<std::size_t>(Ts_), 0.0f);
+        mb.aux2[id].assign(static_cast<std::size_t>(Ts_), 0.0f);
         k::norm_forward(out, mb.aux1[id], mb.aux2[id], mb.out.at(input(id)), param(id, 0).data,
-                        bias_in(id), T_, C_, m_.norm == model::Norm::RmsNorm);
+                        bias_in(id), Ts_, C_, m_.norm == model::Norm::RmsNorm);
         break;
       }
       case OpKind::QkvProj:
@@ -504,7 +527,7 @@ class Runner {
         const std::vector<float> w = tied_head(op) ? tied_head_weight(id) : std::vector<float>();
         // A row-parallel op's bias is added once, by tensor-parallel rank 0.
         const k::In bias = row_parallel(op) && t_ != 0 ? k::In() : bias_in(id);
-        k::matmul_forward(out, mb.out.at(input(id)),
+        k::matmul_forward(out, input_of(mb, id),
                           tied_head(op) ? k::In(w) : k::In(param(id, 0).data), bias, T_, K, N);
         break;
       }
@@ -583,7 +606,7 @@ class Runner {
       case OpKind::Norm:
         k::norm_backward(grad_of(mb, input(id)), param(id, 0).grad, bias_grad(id), mb.grad.at(id),
                          mb.out.at(input(id)), param(id, 0).data, mb.aux1.at(id), mb.aux2.at(id),
-                         T_, C_, m_.norm == model::Norm::RmsNorm);
+                         Ts_, C_, m_.norm == model::Norm::RmsNorm);
         break;
       case OpKind::QkvProj:
       case OpKind::AttnOutProj:
@@ -594,8 +617,8 @@ class Runner {
         if (tied_head(op)) {
           const std::vector<float> w = tied_head_weight(id);
           std::vector<float> dw(w.size(), 0.0f);
-          k::matmul_backward(grad_of(mb, input(id)), dw, k::Out(), mb.grad.at(id),
-                             mb.out.at(input(id)), w, T_, K, N);
+          k::matmul_backward(input_grad_of(mb, id), dw, k::Out(), mb.grad.at(id), input_of(mb, id),
+                             w, T_, K, N);
           Param* copy = find(id, 0);
           auto& dwte = copy ? copy->grad : param(g_.layer_ops(-1).front(), 0).grad;
           for (int v = 0; v < Vl_; ++v) {
@@ -605,8 +628,8 @@ class Runner {
             }
           }
         } else {
-          k::matmul_backward(grad_of(mb, input(id)), param(id, 0).grad, bias_grad(id),
-                             mb.grad.at(id), mb.out.at(input(id)), param(id, 0).data, T_, K, N);
+          k::matmul_backward(input_grad_of(mb, id), param(id, 0).grad, bias_grad(id),
+                             mb.grad.at(id), input_of(mb, id), param(id, 0).data, T_, K, N);
         }
         break;
       }
@@ -716,13 +739,89 @@ class Runner {
     }
   }
 
+  // Sequence parallelism (Korthikanti et al. 2022): g is a reduce-scatter over the sequence in
+  // forward and an all-gather in backward, f the converse. Rank r holds rows [r·Ts, (r+1)·Ts).
+  // With `local` (--only-rank) the shapes change as they would, the data is this rank's own.
+  void sequence_parallel_collective(const lower::Task& task, MicroBatch& mb, OpId anchor, bool exit,
+                                    bool local = false) {
+    const std::vector<int> counts(static_cast<std::size_t>(tp_), Ts_ * C_);
+    const bool scatter = task.collective == CollectiveKind::ReduceScatter;
+    auto reduce_scatter = [&](std::span<const float> in, std::span<float> out) {
+      if (local) {
+        std::copy_n(in.begin(), out.size(), out.begin());
+      } else {
+        comm_.reduce_scatter(task.group, in, out, counts);
+      }
+    };
+    auto all_gather = [&](std::span<const float> in, std::span<float> out) {
+      if (local) {
+        for (std::size_t at = 0; at < out.size(); at += in.size()) {
+          std::copy_n(in.begin(), std::min(in.size(), out.size() - at),
+                      out.begin() + static_cast<std::ptrdiff_t>(at));
+        }
+      } else {
+        comm_.all_gather(task.group, in, out, counts);
+      }
+    };
+    if (exit && scatter) {  // forward g: the row-parallel (or embedding) output, summed
+      auto& out = mb.out.at(anchor);
+      std::vector<float> shard(static_cast<std::size_t>(Ts_) * C_);
+      reduce_scatter(out, shard);
+      out = std::move(shard);
+    } else if (exit) {  // backward g: the gradient of that output, gathered
+      auto& grad = mb.grad.at(anchor);
+      std::vector<float> whole(static_cast<std::size_t>(T_) * C_);
+      all_gather(grad, whole);
+      grad = std::move(whole);
+    } else if (!scatter) {  // forward f: the column-parallel op's input, gathered
+      const OpId in = input(anchor);
+      auto& whole = mb.full[in];
+      whole.assign(static_cast<std::size_t>(T_) * C_, 0.0f);
+      all_gather(mb.out.at(in), whole);
+    } else {  // backward f: the gradient of that input, summed and scattered
+      const OpId in = input(anchor);
+      std::vector<float> shard(static_cast<std::size_t>(Ts_) * C_);
+      reduce_scatter(mb.full_grad.at(in), shard);
+      k::accumulate(grad_of(mb, in), shard);
+      mb.full_grad.erase(in);
+    }
+  }
+
   void collective(const lower::Task& task) {
     const auto& grp = program_.groups.at(static_cast<std::size_t>(task.group));
     switch (grp.kind) {
       case GroupKind::Tp: {
+        if (task.micro_batch < 0) {
+          // Sequence parallelism: the norms' weight gradients, each from a share of the
+          // sequence, summed over tp (the dp-reduced slice under ZeRO >= 1).
+          std::vector<Param*> norms;
+          for (Param* p : params_of(task.op_begin, task.op_end)) {
+            if (p->norm) norms.push_back(p);
+          }
+          std::vector<float> flat;
+          for (Param* p : norms) {
+            const auto& g =
+                sharded_ ? std::span<const float>(p->reduced) : std::span<const float>(p->grad);
+            flat.insert(flat.end(), g.begin(), g.end());
+          }
+          comm_.all_reduce(task.group, flat, Reduce::Sum);
+          std::size_t at = 0;
+          for (Param* p : norms) {
+            auto g = sharded_ ? std::span<float>(p->reduced) : p->grad;
+            std::copy_n(flat.begin() + static_cast<std::ptrdiff_t>(at), g.size(), g.begin());
+            at += g.size();
+          }
+          return;
+        }
         MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
         const auto anchor = static_cast<OpId>(task.op_begin);
         const Op& op = g_.op(anchor);
+        const bool exit = op.kind == OpKind::Embedding || row_parallel(op);
+        if (task.collective == CollectiveKind::ReduceScatter ||
+            task.collective == CollectiveKind::AllGather) {
+          sequence_parallel_collective(task, mb, anchor, exit);
+          return;
+        }
         DTSIM_ASSERT(task.collective == CollectiveKind::AllReduce, "tp collective");
         if (op.kind == OpKind::Loss) {
           // Vocab-parallel cross-entropy: reduce the row maxima, then the sums.
@@ -735,7 +834,7 @@ class Runner {
           comm_.all_reduce(task.group, rowmax, Reduce::Max);
           k::cross_entropy_sums(sums, logits, rowmax, mb.targets, T_, Vl_, t_ * Vl_);
           comm_.all_reduce(task.group, sums, Reduce::Sum);
-        } else if (op.kind == OpKind::Embedding || row_parallel(op)) {
+        } else if (exit) {
           comm_.all_reduce(task.group, mb.out.at(anchor), Reduce::Sum);  // forward: g
         } else {
           comm_.all_reduce(task.group, mb.grad.at(input(anchor)), Reduce::Sum);  // backward: f
@@ -770,6 +869,8 @@ class Runner {
     mb.grad.clear();
     mb.aux1.clear();
     mb.aux2.clear();
+    mb.full.clear();
+    mb.full_grad.clear();
   }
 
   // --only-rank: a communication task waits its predicted length and moves no data.
@@ -792,7 +893,17 @@ class Runner {
       MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
       const auto id = static_cast<OpId>(task.op_begin);
       auto& buffer = (task.tag & 1) != 0 ? mb.grad[id] : mb.out[id];
-      buffer.assign(static_cast<std::size_t>(T_) * C_, 0.0f);
+      buffer.assign(static_cast<std::size_t>(Ts_) * C_, 0.0f);
+    } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
+               program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
+               (task.collective == CollectiveKind::AllGather ||
+                task.collective == CollectiveKind::ReduceScatter)) {
+      // Sequence parallelism: the tensors take the shapes the next ops expect.
+      const auto anchor = static_cast<OpId>(task.op_begin);
+      const Op& op = g_.op(anchor);
+      sequence_parallel_collective(task, batches_.at(static_cast<std::size_t>(task.micro_batch)),
+                                   anchor, op.kind == OpKind::Embedding || row_parallel(op),
+                                   /*local=*/true);
     } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
                g_.op(static_cast<OpId>(task.op_begin)).kind == OpKind::Loss) {
@@ -846,7 +957,7 @@ class Runner {
         if (task.kind == TaskKind::Send) {
           comm_.send(peer, task.tag, buffer);
         } else {
-          buffer.assign(static_cast<std::size_t>(T_) * C_, 0.0f);
+          buffer.assign(static_cast<std::size_t>(Ts_) * C_, 0.0f);
           comm_.recv(peer, task.tag, buffer);
         }
         return;
@@ -975,6 +1086,7 @@ class Runner {
   std::vector<double> step_loss_sums_;  // this run's steps
   int me_ = 0, tp_ = 1, dp_ = 1, t_ = 0, d_ = 0;
   bool sharded_ = false, last_stage_ = false;
+  int Ts_ = 0;  // tokens of the sequence-parallel regions on this rank (T / tp with SP)
   int B_ = 0, S_ = 0, T_ = 0, C_ = 0, V_ = 0, H_ = 0, G_ = 0, D_ = 0, F_ = 0, Vl_ = 0;
   int micro_batches_ = 1, adam_step_ = 0;
 };
@@ -992,7 +1104,11 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   if (m.dropout) refuse(fmt::format("dropout (model {})", m.name));
   if (p.cp > 1) refuse("context parallelism (cp > 1)");
   if (p.ep > 1) refuse("expert parallelism (ep > 1)");
-  if (p.sequence_parallel) refuse("sequence parallelism");
+  if (p.sequence_parallel && (p.micro_batch_size * p.seq_len) % p.tp != 0) {
+    refuse(
+        fmt::format("sequence parallelism with {} tokens per micro-batch, not divisible by tp {}",
+                    p.micro_batch_size * p.seq_len, p.tp));
+  }
   if (p.schedule == plan::Schedule::ZeroBubble) refuse("the zero-bubble schedule");
   if (p.schedule == plan::Schedule::PipeDreamAsync) refuse("the PipeDream (asynchronous) schedule");
   if (m.heads % p.tp != 0 || m.kv_heads % p.tp != 0 || m.ffn_hidden % p.tp != 0 ||

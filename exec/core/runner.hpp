@@ -10,7 +10,9 @@
 //   per chunk before each pass);
 // - tensor parallelism (Megatron-LM): vocab-parallel embedding, column-parallel QKV and MLP-up,
 //   row-parallel attention-out and MLP-down (their bias added once), vocab-parallel head and
-//   cross-entropy; the all-reduces of the Program at the f/g points;
+//   cross-entropy; the all-reduces of the Program at the f/g points, or with sequence
+//   parallelism its all-gathers and reduce-scatters (norms and residuals on 1/tp of the
+//   tokens, their weight gradients all-reduced over tp);
 // - pipeline parallelism: activations and gradients sent between stages (GPipe, 1F1B,
 //   interleaved 1F1B), and the tied embedding's gradients all-reduced between the first and
 //   last stage.
@@ -18,7 +20,7 @@
 // buffers of its tensor-parallel share and every micro-batch's activations until the step ends;
 // ZeRO and recompute execute their communication and compute, not their memory saving.
 //
-// Not executed yet (refused with a message): sequence and context parallelism, experts,
+// Not executed yet (refused with a message): context parallelism, experts,
 // zero-bubble and PipeDream schedules, dropout.
 #pragma once
 

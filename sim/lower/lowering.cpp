@@ -582,6 +582,7 @@ class Lowerer {
     std::map<std::pair<int, int>, TaskId> input_grad_done;  // (mb, chunk) -> last B task
     std::vector<TaskId> dp_tasks;
     std::vector<TaskId> embedding_grads_done;  // final backward of the embedding / tied head
+    std::vector<TaskId> final_grads_done;      // final backward of each chunk
     // ZeRO-3: weights of pass i are gathered while pass i-1 runs (after its first task, ahead of
     // its gradient buckets on the data-parallel stream).
     TaskId weights = -1;
@@ -688,6 +689,9 @@ class Lowerer {
       if (last_micro_batch_grads && has_embedding && pass.kind != PassKind::Forward) {
         embedding_grads_done.push_back(pass_end);
       }
+      if (last_micro_batch_grads && pass.kind != PassKind::Forward) {
+        final_grads_done.push_back(pass_end);
+      }
     }
 
     // Tied embeddings across stages: the first and the last stage each hold the embedding
@@ -717,6 +721,34 @@ class Lowerer {
       ar.op_end = ar.op_begin + 1;
       ar.label = "all-reduce tied embedding gradients";
       dp_tasks.push_back(add(std::move(ar)));
+    }
+
+    // Sequence parallelism: each tp rank computed the norms' weight gradients on its share of
+    // the sequence only; they are all-reduced over tp before the step (Megatron-LM,
+    // finalize_model_grads: _allreduce_layernorm_grads), after the dp reduction.
+    if (plan_.sequence_parallel && plan_.tp > 1) {
+      double norm_params = 0;
+      for (const auto& chunk : items) {
+        for (const Item& it : chunk) {
+          if (it.op && g_.op(*it.op).kind == OpKind::Norm) {
+            norm_params += static_cast<double>(g_.op(*it.op).params);
+          }
+        }
+      }
+      if (norm_params > 0) {
+        Task ar;
+        ar.kind = TaskKind::Collective;
+        ar.stream = Stream::Tp;
+        ar.collective = CollectiveKind::AllReduce;
+        ar.group = group(GroupKind::Tp);
+        ar.bytes = static_cast<std::uint64_t>(norm_params * grad_bytes_);
+        ar.deps = final_grads_done;
+        ar.deps.insert(ar.deps.end(), dp_tasks.begin(), dp_tasks.end());
+        ar.op_begin = 0;
+        ar.op_end = static_cast<std::int32_t>(g_.size());
+        ar.label = "tp all-reduce sequence-parallel norm gradients";
+        dp_tasks.push_back(add(std::move(ar)));
+      }
     }
 
     // Optimizer step over this rank's parameters (its shard under ZeRO >= 1: dense parameters

@@ -55,6 +55,8 @@ struct Task {
   //   output is reduced (forward), before a column-parallel op the gradient of its input
   //   (backward), before the loss the vocab-parallel softmax statistics;
   // - dp buckets: the gradients of the parameters of ops [op_begin, op_end);
+  // - the sequence-parallel norm-gradient all-reduce (tp, no micro-batch): the norms' weight
+  //   gradients of ops [op_begin, op_end);
   // - ZeRO-3 weight gathers: the weights of ops [op_begin, op_end) (one chunk);
   // - the tied-embedding all-reduce: the gradient of op_begin's embedding matrix;
   // - send / recv: op_begin's output (activations) or its gradient (gradients).

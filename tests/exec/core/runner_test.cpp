@@ -69,8 +69,7 @@ TEST_CASE("runs are deterministic", "[exec][runner]") {
 TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   REQUIRE_THROWS_AS(run("mixtral-8x7b", single_rank(1, 1), 1), dtsim::UnsupportedError);  // MoE
   auto p = single_rank(1, 2);
-  p.tp = 2;
-  p.sequence_parallel = true;
+  p.schedule = dtsim::plan::Schedule::PipeDreamAsync;
   REQUIRE_THROWS_AS(run("tiny-gpt", p, 1), dtsim::UnsupportedError);
 }
 
