@@ -112,6 +112,14 @@ std::ostream& out(int rank) {
   return rank == 0 ? std::cout : discard;
 }
 
+// The fastest and slowest step after warm-up.
+std::pair<double, double> spread(const dtsim::exec::RunResult& result, int warmup) {
+  const auto& t = result.step_times_s;
+  const auto from =
+      t.begin() + std::min<std::ptrdiff_t>(warmup, static_cast<std::ptrdiff_t>(t.size()) - 1);
+  return {*std::min_element(from, t.end()), *std::max_element(from, t.end())};
+}
+
 // The devices a plan given by --plan and the degree flags needs (dp defaults to 1).
 std::int64_t requested_devices(const po::variables_map& vm) {
   dtsim::plan::Plan p;
@@ -231,6 +239,8 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
                                 {"plan", dtsim::plan::to_json(plan)},
                                 {"step_times_s", result.step_times_s},
                                 {"step_time_s", result.step_time_s},
+                                {"step_time_min_s", spread(result, options.warmup_steps).first},
+                                {"step_time_max_s", spread(result, options.warmup_steps).second},
                                 {"compute_s", compute},
                                 {"communication_waits_s", waited},
                                 {"communication", "replaced by waits " + waits}}
@@ -274,6 +284,11 @@ int run(const std::vector<std::string>& args) {
       "predicted", po::value<std::string>(),
       "with --only-rank: a dtsim simulate --trace of the same plan, whose communication task "
       "times become the waits")(
+      "task-timeout", po::value<double>()->default_value(600),
+      "seconds a single task may take before the run is declared hung and every rank is "
+      "ended (0: never)")(
+      "hang-at", po::value<std::string>(),
+      "fault injection for tests, RANK:STEP: that rank stops answering when the step starts")(
       "fail-at", po::value<std::string>(),
       "fault injection for tests, RANK:STEP: that rank kills itself (SIGKILL) when the step "
       "starts");
@@ -358,6 +373,26 @@ int run(const std::vector<std::string>& args) {
     }
   }
   if (only_rank) return run_only_rank(vm, spec, plan, graph, program, options);
+  if (vm.count("hang-at")) {
+    const std::string text = vm["hang-at"].as<std::string>();
+    if (std::sscanf(text.c_str(), "%d:%d", &options.hang_rank, &options.hang_step) != 2 ||
+        options.hang_rank < 0 || options.hang_step < 1) {
+      throw dtsim::InputError(
+          fmt::format("--hang-at {}: expected RANK:STEP (a rank >= 0, a step >= 1)", text));
+    }
+  }
+  options.task_timeout_s = vm["task-timeout"].as<double>();
+  if (!(options.task_timeout_s >= 0)) {
+    throw dtsim::InputError("--task-timeout: expected a number of seconds >= 0");
+  }
+  // From the watchdog thread: no MPI call there; the process exits and mpirun ends the others.
+  const std::string host = mpi ? mpi->host() : std::string();
+  options.on_hang = [host](const std::string& what) {
+    std::cerr << "dtexec run: hung: " << what << (host.empty() ? "" : " (on " + host + ")")
+              << "; ending the job\n";
+    std::cerr.flush();
+    std::_Exit(3);
+  };
   std::unique_ptr<dtsim::exec::Comm> comm;
   if (mpi) {
     comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);
@@ -393,6 +428,8 @@ int run(const std::vector<std::string>& args) {
                                 {"losses", result.losses},
                                 {"step_times_s", result.step_times_s},
                                 {"step_time_s", result.step_time_s},
+                                {"step_time_min_s", spread(result, warmup).first},
+                                {"step_time_max_s", spread(result, warmup).second},
                                 {"tokens_per_s", tokens / result.step_time_s},
                                 {"warmup_steps", warmup}}
                      .dump(2)
@@ -409,8 +446,11 @@ int run(const std::vector<std::string>& args) {
                              result.losses[static_cast<std::size_t>(i)],
                              result.step_times_s[static_cast<std::size_t>(i - first)] * 1e3);
   }
-  out(rank) << fmt::format("median step time {:.1f} ms after {} warm-up step(s), {:.0f} tokens/s\n",
-                           result.step_time_s * 1e3, warmup, tokens / result.step_time_s);
+  const auto [fastest, slowest] = spread(result, warmup);
+  out(rank) << fmt::format(
+      "median step time {:.1f} ms after {} warm-up step(s) (from {:.1f} to {:.1f} ms), {:.0f} "
+      "tokens/s\n",
+      result.step_time_s * 1e3, warmup, fastest * 1e3, slowest * 1e3, tokens / result.step_time_s);
   if (!options.checkpoint_dir.empty()) {
     out(rank) << fmt::format("checkpoint written to {}\n", options.checkpoint_dir);
   }

@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <span>
@@ -97,6 +99,69 @@ struct MicroBatch {
 
 using Key = std::pair<OpId, int>;  // (op, 0 weight / 1 bias)
 
+// Watches the task in progress from a second thread; one that outlasts the timeout is reported
+// through RunOptions::on_hang (which is expected not to return).
+class Watchdog {
+ public:
+  Watchdog(const RunOptions& options, const lower::RankProgram& rp)
+      : timeout_(options.task_timeout_s), on_hang_(options.on_hang), rp_(rp) {
+    if (timeout_ <= 0 || !on_hang_) return;
+    thread_ = std::thread([this] { watch(); });
+  }
+  ~Watchdog() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  void begin(std::size_t task) {
+    if (!thread_.joinable()) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    task_ = static_cast<std::int64_t>(task);
+    since_ = std::chrono::steady_clock::now();
+  }
+  void end() {
+    if (!thread_.joinable()) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    task_ = -1;
+  }
+
+ private:
+  void watch() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stop_) {
+      wake_.wait_for(lock, std::chrono::milliseconds(200));
+      if (stop_ || task_ < 0) continue;
+      const double held =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - since_).count();
+      if (held > timeout_) {
+        const auto& task = rp_.tasks[static_cast<std::size_t>(task_)];
+        on_hang_(
+            fmt::format("rank {}: task {} ({}) has not finished after {:.0f} s (timeout {:g} s); "
+                        "a peer is missing or hung",
+                        rp_.rank, task_, task.label, held, timeout_));
+        return;
+      }
+    }
+  }
+
+  double timeout_;
+  std::function<void(const std::string&)> on_hang_;
+  const lower::RankProgram& rp_;
+  std::thread thread_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::int64_t task_ = -1;
+  std::chrono::steady_clock::time_point since_;
+};
+
 class Runner {
  public:
   Runner(const model::ModelGraph& g, const lower::Program& program, const RunOptions& options,
@@ -148,8 +213,12 @@ class Runner {
       return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     };
     const auto& tasks = rp_->tasks;
+    Watchdog watchdog(options_, *rp_);
     for (int step = first; step < options_.steps; ++step) {
       if (me_ == options_.fail_rank && step + 1 == options_.fail_step) std::raise(SIGKILL);
+      if (me_ == options_.hang_rank && step + 1 == options_.hang_step) {
+        for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+      }
       // A micro-batch's tensors live from its first task to its last (then released).
       batches_.assign(static_cast<std::size_t>(micro_batches_), MicroBatch{});
       for (int j = 0; j < micro_batches_; ++j)
@@ -157,7 +226,9 @@ class Runner {
       const double begin = now();
       for (std::size_t i = 0; i < tasks.size(); ++i) {
         const double start = now();
+        watchdog.begin(i);
         execute(tasks[i], i);
+        watchdog.end();
         if (step - first >= options_.warmup_steps) {
           result.tasks.push_back({rp_->rank, static_cast<std::int32_t>(i), start, now(), step});
         }

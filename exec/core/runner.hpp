@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,13 @@ struct RunOptions {
   // Fault injection (tests): rank fail_rank kills itself with SIGKILL as step fail_step (1-based)
   // starts, as a crashed node would.
   int fail_rank = -1, fail_step = 0;
+  // A task that runs longer than this (a collective whose peers never come, a hung transfer)
+  // ends the run: on_hang is called with a message naming the rank, the task and the time,
+  // from a watchdog thread (the CLI aborts every rank). 0: no watchdog.
+  double task_timeout_s = 0;
+  std::function<void(const std::string&)> on_hang;
+  // A hang on purpose (tests): rank hang_rank stops answering as step hang_step starts.
+  int hang_rank = -1, hang_step = 0;
   // --only-rank: run program `program_index` alone (one rank's share of a plan whose other
   // ranks do not run), every communication task replaced by a wait of its predicted length
   // (predicted_comm_s, by task id; empty: no wait). Received tensors are zeros, reductions
