@@ -51,6 +51,18 @@ def dtexec(*args):
     return run.stdout
 
 
+def mpirun_dtexec(ranks, *args):
+    """Runs dtexec under mpirun with `ranks` processes (as root too, oversubscribing the cores)."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    cmd = ["mpirun", "-np", str(ranks), _binary("dtexec", "exec/cli"), *map(str, args)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if run.returncode != 0:
+        raise RuntimeError(f"mpirun -np {ranks} dtexec {' '.join(map(str, args))}: "
+                           f"{run.stderr.strip()}")
+    return run.stdout
+
+
 def validation_csv():
     run = subprocess.run([_binary("dtsim_validation", "bench"), "--csv"], capture_output=True,
                          text=True, check=True)
