@@ -509,7 +509,7 @@ class Runner {
 
   std::vector<float>& grad_of(MicroBatch& mb, OpId id) {
     auto& gbuf = mb.grad[id];
-    if (gbuf.empty()) gbuf.assign(mb.out.at(id).size(), 0.0f);
+    if (gbuf.empty()) fresh(gbuf, mb.out.at(id).size());
     return gbuf;
   }
 
@@ -527,7 +527,7 @@ class Runner {
     const auto it = mb.full.find(in);
     if (it == mb.full.end()) return grad_of(mb, in);
     auto& g = mb.full_grad[in];
-    if (g.empty()) g.assign(it->second.size(), 0.0f);
+    if (g.empty()) fresh(g, it->second.size());
     return g;
   }
 
@@ -573,7 +573,7 @@ class Runner {
     auto& out = mb.out[id];
     switch (op.kind) {
       case OpKind::Embedding: {
-        out.assign(static_cast<std::size_t>(T_) * C_, 0.0f);
+        fresh(out, static_cast<std::size_t>(T_) * C_);
         // Positions are added once: by tensor-parallel rank 0, before the all-reduce.
         k::embedding_forward(out, mb.tokens, param(id, 0).data, t_ == 0 ? bias_in(id) : k::In(), B_,
                              S_, C_, t_ * Vl_);
@@ -581,9 +581,9 @@ class Runner {
       }
       case OpKind::Norm: {
         // Norms run on this rank's share of the sequence under sequence parallelism.
-        out.assign(static_cast<std::size_t>(Ts_) * C_, 0.0f);
-        mb.aux1[id].assign(static_cast<std::size_t>(Ts_), 0.0f);
-        mb.aux2[id].assign(static_cast<std::size_t>(Ts_), 0.0f);
+        fresh(out, static_cast<std::size_t>(Ts_) * C_);
+        fresh(mb.aux1[id], static_cast<std::size_t>(Ts_));
+        fresh(mb.aux2[id], static_cast<std::size_t>(Ts_));
         k::norm_forward(out, mb.aux1[id], mb.aux2[id], mb.out.at(input(id)), param(id, 0).data,
                         bias_in(id), Ts_, C_, m_.norm == model::Norm::RmsNorm);
         break;
@@ -594,7 +594,7 @@ class Runner {
       case OpKind::MlpDown:
       case OpKind::LmHead: {
         const auto [K, N] = gemm_shape(op);
-        out.assign(static_cast<std::size_t>(T_) * N, 0.0f);
+        fresh(out, static_cast<std::size_t>(T_) * N);
         const std::vector<float> w = tied_head(op) ? tied_head_weight(id) : std::vector<float>();
         // A row-parallel op's bias is added once, by tensor-parallel rank 0.
         const k::In bias = row_parallel(op) && t_ != 0 ? k::In() : bias_in(id);
@@ -603,8 +603,8 @@ class Runner {
         break;
       }
       case OpKind::AttentionCore: {
-        out.assign(static_cast<std::size_t>(T_) * H_ * D_, 0.0f);
-        mb.aux1[id].assign(static_cast<std::size_t>(B_) * H_ * S_ * S_, 0.0f);
+        fresh(out, static_cast<std::size_t>(T_) * H_ * D_);
+        fresh(mb.aux1[id], static_cast<std::size_t>(B_) * H_ * S_ * S_);
         const auto& qkv = mb.out.at(input(id));
         if (m_.positions == model::Positions::Rope) {
           // Rotary positions are applied to q and k as the attention core reads them.
@@ -628,18 +628,18 @@ class Runner {
       case OpKind::Activation: {
         const auto& in = mb.out.at(input(id));
         if (m_.activation == model::Activation::Gelu) {
-          out.assign(in.size(), 0.0f);
+          fresh(out, in.size());
           k::gelu_forward(out, in, static_cast<std::int64_t>(in.size()));
         } else {
           const int F = static_cast<int>(in.size() / static_cast<std::size_t>(T_) / 2);
-          out.assign(static_cast<std::size_t>(T_) * F, 0.0f);
+          fresh(out, static_cast<std::size_t>(T_) * F);
           k::swiglu_forward(out, in, T_, F);
         }
         break;
       }
       case OpKind::Loss: {
         const auto& logits = mb.out.at(input(id));
-        mb.aux1[id].assign(logits.size(), 0.0f);
+        fresh(mb.aux1[id], logits.size());
         if (tp_ == 1) {
           mb.loss = k::cross_entropy(mb.aux1[id], logits, mb.targets, T_, V_);
         } else {
@@ -847,7 +847,7 @@ class Runner {
     } else if (!scatter) {  // forward f: the column-parallel op's input, gathered
       const OpId in = input(anchor);
       auto& whole = mb.full[in];
-      whole.assign(static_cast<std::size_t>(T_) * C_, 0.0f);
+      fresh(whole, static_cast<std::size_t>(T_) * C_);
       all_gather(mb.out.at(in), whole);
     } else {  // backward f: the gradient of that input, summed and scattered
       const OpId in = input(anchor);
@@ -898,7 +898,7 @@ class Runner {
           // Vocab-parallel cross-entropy: reduce the row maxima, then the sums.
           const auto& logits = mb.out.at(input(anchor));
           auto& stats = mb.aux2[anchor];
-          stats.assign(static_cast<std::size_t>(3 * T_), 0.0f);
+          fresh(stats, static_cast<std::size_t>(3 * T_));
           k::Out rowmax(stats.data(), static_cast<std::size_t>(T_));
           k::Out sums(stats.data() + T_, static_cast<std::size_t>(2 * T_));
           k::cross_entropy_max(rowmax, logits, T_, Vl_);
@@ -935,13 +935,28 @@ class Runner {
     }
   }
 
-  static void release(MicroBatch& mb) {
-    mb.out.clear();
-    mb.grad.clear();
-    mb.aux1.clear();
-    mb.aux2.clear();
-    mb.full.clear();
-    mb.full_grad.clear();
+  // A micro-batch's tensors go back to a pool of buffers that later tensors reuse (as a
+  // framework's caching allocator does), so memory stays what the schedule keeps in flight
+  // without the cost of fresh pages every step.
+  void release(MicroBatch& mb) {
+    for (auto* tensors : {&mb.out, &mb.grad, &mb.aux1, &mb.aux2, &mb.full, &mb.full_grad}) {
+      for (auto& [id, v] : *tensors) {
+        if (v.capacity() > 0) pool_.emplace(v.capacity(), std::move(v));
+      }
+      tensors->clear();
+    }
+  }
+
+  // v = n zeros, in a pooled buffer of at least n floats (the smallest) when there is one.
+  void fresh(std::vector<float>& v, std::size_t n) {
+    if (v.capacity() < n) {
+      const auto it = pool_.lower_bound(n);
+      if (it != pool_.end()) {
+        v = std::move(it->second);
+        pool_.erase(it);
+      }
+    }
+    v.assign(n, 0.0f);
   }
 
   // --only-rank: a communication task waits its predicted length and moves no data.
@@ -964,7 +979,7 @@ class Runner {
       MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
       const auto id = static_cast<OpId>(task.op_begin);
       auto& buffer = (task.tag & 1) != 0 ? mb.grad[id] : mb.out[id];
-      buffer.assign(static_cast<std::size_t>(Ts_) * C_, 0.0f);
+      fresh(buffer, static_cast<std::size_t>(Ts_) * C_);
     } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
                (task.collective == CollectiveKind::AllGather ||
@@ -983,7 +998,7 @@ class Runner {
       const auto anchor = static_cast<OpId>(task.op_begin);
       const auto& logits = mb.out.at(input(anchor));
       auto& stats = mb.aux2[anchor];
-      stats.assign(static_cast<std::size_t>(3 * T_), 0.0f);
+      fresh(stats, static_cast<std::size_t>(3 * T_));
       k::Out rowmax(stats.data(), static_cast<std::size_t>(T_));
       k::Out sums(stats.data() + T_, static_cast<std::size_t>(2 * T_));
       k::cross_entropy_max(rowmax, logits, T_, Vl_);
@@ -1028,7 +1043,7 @@ class Runner {
         if (task.kind == TaskKind::Send) {
           comm_.send(peer, task.tag, buffer);
         } else {
-          buffer.assign(static_cast<std::size_t>(Ts_) * C_, 0.0f);
+          fresh(buffer, static_cast<std::size_t>(Ts_) * C_);
           comm_.recv(peer, task.tag, buffer);
         }
         return;
@@ -1150,8 +1165,10 @@ class Runner {
   std::map<Key, Param> params_;
   std::vector<float> grad_storage_;  // every Param::grad, contiguous
   std::vector<float> rope_scratch_;
-  std::vector<std::size_t> last_use_;  // per micro-batch, the last task that reads it  // the
-                                       // attention's input gradient before RoPE is undone
+  std::vector<std::size_t> last_use_;  // per micro-batch, the last task that reads it
+  std::multimap<std::size_t, std::vector<float>>
+      pool_;  // released buffers by capacity  // the
+              // attention's input gradient before RoPE is undone
   std::vector<int> next_;
   std::vector<MicroBatch> batches_;
   std::vector<double> step_loss_sums_;  // this run's steps
