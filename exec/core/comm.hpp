@@ -34,6 +34,16 @@ class Comm {
   virtual void all_gather(int group, std::span<const float> in, std::span<float> out,
                           std::span<const int> counts) = 0;
 
+  // Non-blocking variants (data-parallel buckets that overlap the rest of the backward pass):
+  // the buffers must stay untouched until finish(handle) returns. progress() lets the backend
+  // advance them between tasks.
+  using Handle = int;
+  virtual Handle start_all_reduce(int group, std::span<float> data) = 0;
+  virtual Handle start_reduce_scatter(int group, std::span<const float> in, std::span<float> out,
+                                      std::span<const int> counts) = 0;
+  virtual void finish(Handle handle) = 0;
+  virtual void progress() {}
+
   // Point-to-point between global ranks. send copies the data and may return before the peer
   // receives it; wait_sends completes every send issued so far.
   virtual void send(int peer, std::int64_t tag, std::span<const float> data) = 0;
@@ -63,6 +73,13 @@ class SingleRankComm final : public Comm {
     DTSIM_ASSERT(in.size() == out.size(), "all-gather over one rank");
     std::copy(in.begin(), in.end(), out.begin());
   }
+  Handle start_all_reduce(int, std::span<float>) override { return 0; }
+  Handle start_reduce_scatter(int group, std::span<const float> in, std::span<float> out,
+                              std::span<const int> counts) override {
+    reduce_scatter(group, in, out, counts);
+    return 0;
+  }
+  void finish(Handle) override {}
   void send(int, std::int64_t, std::span<const float>) override {
     throw InternalError("a single-rank run has no peer to send to");
   }

@@ -7,7 +7,9 @@
 #include <condition_variable>
 #include <csignal>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -98,6 +100,18 @@ struct MicroBatch {
 };
 
 using Key = std::pair<OpId, int>;  // (op, 0 weight / 1 bias)
+
+// A reduce-scatter in flight: its packed input, its counts and its output must live until it
+// finishes.
+struct ScatterBuffers {
+  std::vector<float> in, out;
+  std::vector<int> counts;
+};
+
+struct PendingCollective {
+  Comm::Handle handle = -1;
+  std::function<void()> complete;  // what to do with the result (may be empty)
+};
 
 // Watches the task in progress from a second thread; one that outlasts the timeout is reported
 // through RunOptions::on_hang (which is expected not to return).
@@ -227,7 +241,9 @@ class Runner {
       for (std::size_t i = 0; i < tasks.size(); ++i) {
         const double start = now();
         watchdog.begin(i);
+        settle(&tasks[i]);
         execute(tasks[i], i);
+        comm_.progress();
         watchdog.end();
         if (step - first >= options_.warmup_steps) {
           result.tasks.push_back({rp_->rank, static_cast<std::int32_t>(i), start, now(), step});
@@ -238,6 +254,7 @@ class Runner {
           release(batches_[static_cast<std::size_t>(tasks[i].micro_batch)]);
         }
       }
+      settle(nullptr);
       comm_.wait_sends();
       result.step_times_s.push_back(now() - begin);
       // The step's loss: the mean over micro-batches and data-parallel replicas, known on the
@@ -754,13 +771,18 @@ class Runner {
 
   // Gradients of `params` over the dp group: summed in place (ZeRO-0), or reduce-scattered into
   // each rank's slice accumulator (ZeRO >= 1), the full gradient buffers then cleared.
-  void reduce_gradients(const lower::Task& task, const std::vector<Param*>& params) {
+  // The reduction starts here and finishes when a later task depends on it (the Program's
+  // dp stream overlapping the rest of the backward pass).
+  void reduce_gradients(const lower::Task& task, const std::vector<Param*>& params,
+                        std::size_t index) {
     if (task.collective == CollectiveKind::AllReduce) {
       if (params.empty()) return;
       // The bucket's tensors are contiguous in the gradient buffer.
       float* begin = params.front()->grad.data();
       const std::span<float>& last = params.back()->grad;
-      comm_.all_reduce(task.group, std::span<float>(begin, last.data() + last.size()), Reduce::Sum);
+      pending_[index] = {
+          comm_.start_all_reduce(task.group, std::span<float>(begin, last.data() + last.size())),
+          {}};
       return;
     }
     DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter && sharded_,
@@ -775,12 +797,35 @@ class Runner {
         counts[static_cast<std::size_t>(r)] += static_cast<int>(e - b);
       }
     }
-    std::vector<float> mine(static_cast<std::size_t>(counts[static_cast<std::size_t>(d_)]));
-    comm_.reduce_scatter(task.group, flat, mine, counts);
-    std::size_t at = 0;
-    for (Param* p : params) {
-      for (auto& x : p->reduced) x += mine[at++];
-      std::fill(p->grad.begin(), p->grad.end(), 0.0f);
+    // The packed copy is the collective's: the gradients start again from zero at once.
+    for (Param* p : params) std::fill(p->grad.begin(), p->grad.end(), 0.0f);
+    auto buffers = std::make_shared<ScatterBuffers>();
+    buffers->in = std::move(flat);
+    buffers->counts = std::move(counts);
+    buffers->out.resize(static_cast<std::size_t>(buffers->counts[static_cast<std::size_t>(d_)]));
+    const Comm::Handle handle =
+        comm_.start_reduce_scatter(task.group, buffers->in, buffers->out, buffers->counts);
+    pending_[index] = {handle, [params, buffers] {
+                         std::size_t at = 0;
+                         for (Param* p : params) {
+                           for (auto& x : p->reduced) x += buffers->out[at++];
+                         }
+                       }};
+  }
+
+  // Finishes the started collectives that `task` depends on (all of them for nullptr).
+  void settle(const lower::Task* task) {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      const bool needed =
+          task == nullptr || std::find(task->deps.begin(), task->deps.end(),
+                                       static_cast<lower::TaskId>(it->first)) != task->deps.end();
+      if (!needed) {
+        ++it;
+        continue;
+      }
+      comm_.finish(it->second.handle);
+      if (it->second.complete) it->second.complete();
+      it = pending_.erase(it);
     }
   }
 
@@ -858,7 +903,7 @@ class Runner {
     }
   }
 
-  void collective(const lower::Task& task) {
+  void collective(const lower::Task& task, std::size_t index) {
     const auto& grp = program_.groups.at(static_cast<std::size_t>(task.group));
     switch (grp.kind) {
       case GroupKind::Tp: {
@@ -918,7 +963,7 @@ class Runner {
           gather_weights(task, task.op_end > task.op_begin ? params_of(task.op_begin, task.op_end)
                                                            : params_of(0, g_.size()));
         } else {
-          reduce_gradients(task, params_of(task.op_begin, task.op_end));
+          reduce_gradients(task, params_of(task.op_begin, task.op_end), index);
         }
         return;
       }
@@ -1029,7 +1074,7 @@ class Runner {
         return;
       }
       case TaskKind::Collective:
-        collective(task);
+        collective(task, index);
         return;
       case TaskKind::Send:
       case TaskKind::Recv: {
@@ -1164,11 +1209,14 @@ class Runner {
   const lower::RankProgram* rp_ = nullptr;
   std::map<Key, Param> params_;
   std::vector<float> grad_storage_;  // every Param::grad, contiguous
+  // The attention's input gradient before RoPE is undone.
   std::vector<float> rope_scratch_;
-  std::vector<std::size_t> last_use_;  // per micro-batch, the last task that reads it
-  std::multimap<std::size_t, std::vector<float>>
-      pool_;  // released buffers by capacity  // the
-              // attention's input gradient before RoPE is undone
+  // Per micro-batch, the last task that reads it.
+  std::vector<std::size_t> last_use_;
+  // Released buffers by capacity.
+  std::multimap<std::size_t, std::vector<float>> pool_;
+  // Collectives started and not yet finished, by task index.
+  std::map<std::size_t, PendingCollective> pending_;
   std::vector<int> next_;
   std::vector<MicroBatch> batches_;
   std::vector<double> step_loss_sums_;  // this run's steps

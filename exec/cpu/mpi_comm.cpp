@@ -116,6 +116,44 @@ class MpiComm final : public Comm {
           "MPI_Allgatherv");
   }
 
+  Handle start_all_reduce(int group, std::span<float> data) override {
+    MPI_Comm c = comm(group);
+    if (c == MPI_COMM_NULL) return -1;
+    MPI_Request request = MPI_REQUEST_NULL;
+    check(MPI_Iallreduce(MPI_IN_PLACE, data.data(), count(data.size()), MPI_FLOAT, MPI_SUM, c,
+                         &request),
+          "MPI_Iallreduce");
+    return keep(request);
+  }
+
+  Handle start_reduce_scatter(int group, std::span<const float> in, std::span<float> out,
+                              std::span<const int> counts) override {
+    MPI_Comm c = comm(group);
+    if (c == MPI_COMM_NULL) {
+      std::copy(in.begin(), in.end(), out.begin());
+      return -1;
+    }
+    MPI_Request request = MPI_REQUEST_NULL;
+    check(
+        MPI_Ireduce_scatter(in.data(), out.data(), counts.data(), MPI_FLOAT, MPI_SUM, c, &request),
+        "MPI_Ireduce_scatter");
+    return keep(request);
+  }
+
+  void finish(Handle handle) override {
+    if (handle < 0) return;
+    auto& request = pending_.at(static_cast<std::size_t>(handle));
+    check(MPI_Wait(&request, MPI_STATUS_IGNORE), "MPI_Wait");
+  }
+
+  void progress() override {
+    for (auto& request : pending_) {
+      if (request == MPI_REQUEST_NULL) continue;
+      int done = 0;
+      check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test");
+    }
+  }
+
   void send(int peer, std::int64_t tag, std::span<const float> data) override {
     buffers_.emplace_back(data.begin(), data.end());
     requests_.push_back(MPI_REQUEST_NULL);
@@ -140,6 +178,11 @@ class MpiComm final : public Comm {
   }
 
   void wait_sends() override {
+    if (!pending_.empty()) {
+      check(MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE),
+            "MPI_Waitall");
+      pending_.clear();
+    }
     if (requests_.empty()) return;
     check(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE),
           "MPI_Waitall");
@@ -183,6 +226,12 @@ class MpiComm final : public Comm {
     return comms_[static_cast<std::size_t>(group)];
   }
 
+  // Handles index the requests of this step; wait_sends (at the step's end) retires them.
+  Handle keep(MPI_Request request) {
+    pending_.push_back(request);
+    return static_cast<Handle>(pending_.size() - 1);
+  }
+
   int checked_tag(std::int64_t tag) const {
     if (tag < 0 || tag > tag_ub_) {
       throw UnsupportedError(fmt::format(
@@ -202,6 +251,7 @@ class MpiComm final : public Comm {
   std::vector<std::vector<int>> members_;
   std::deque<std::vector<float>> buffers_;
   std::vector<MPI_Request> requests_;
+  std::vector<MPI_Request> pending_;  // non-blocking collectives by handle
 };
 
 }  // namespace

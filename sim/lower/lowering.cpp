@@ -709,7 +709,10 @@ class Lowerer {
       ar.group = group_of(GroupKind::Pp, {placement_.rank(first), placement_.rank(last)});
       ar.bytes = static_cast<std::uint64_t>(static_cast<double>(spec.vocab * spec.hidden) /
                                             plan_.tp * grad_bytes_);
+      // After the dp reduction of the embedding's gradients (Megatron-LM: finalize_model_grads
+      // reduces over dp, then all-reduces the embedding between the first and last stage).
       ar.deps = embedding_grads_done;
+      ar.deps.insert(ar.deps.end(), dp_tasks.begin(), dp_tasks.end());
       // The embedding on the first stage, the head's copy of it on the last.
       OpId holder = g_.layer_ops(-1).front();
       if (rp_->stage != 0) {
