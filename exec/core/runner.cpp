@@ -813,6 +813,20 @@ class Runner {
                        }};
   }
 
+  // Vocab-parallel cross-entropy (Megatron-LM): the row maxima reduced with max, then the sums
+  // of exponentials and the target logits with sum, over tp (local only for --only-rank).
+  void loss_statistics(const lower::Task& task, MicroBatch& mb, OpId loss, bool reduce) {
+    const auto& logits = mb.out.at(input(loss));
+    auto& stats = mb.aux2[loss];
+    fresh(stats, static_cast<std::size_t>(3 * T_));
+    k::Out rowmax(stats.data(), static_cast<std::size_t>(T_));
+    k::Out sums(stats.data() + T_, static_cast<std::size_t>(2 * T_));
+    k::cross_entropy_max(rowmax, logits, T_, Vl_);
+    if (reduce) comm_.all_reduce(task.group, rowmax, Reduce::Max);
+    k::cross_entropy_sums(sums, logits, rowmax, mb.targets, T_, Vl_, t_ * Vl_);
+    if (reduce) comm_.all_reduce(task.group, sums, Reduce::Sum);
+  }
+
   // Finishes the started collectives that `task` depends on (all of them for nullptr).
   void settle(const lower::Task* task) {
     for (auto it = pending_.begin(); it != pending_.end();) {
@@ -940,16 +954,7 @@ class Runner {
         }
         DTSIM_ASSERT(task.collective == CollectiveKind::AllReduce, "tp collective");
         if (op.kind == OpKind::Loss) {
-          // Vocab-parallel cross-entropy: reduce the row maxima, then the sums.
-          const auto& logits = mb.out.at(input(anchor));
-          auto& stats = mb.aux2[anchor];
-          fresh(stats, static_cast<std::size_t>(3 * T_));
-          k::Out rowmax(stats.data(), static_cast<std::size_t>(T_));
-          k::Out sums(stats.data() + T_, static_cast<std::size_t>(2 * T_));
-          k::cross_entropy_max(rowmax, logits, T_, Vl_);
-          comm_.all_reduce(task.group, rowmax, Reduce::Max);
-          k::cross_entropy_sums(sums, logits, rowmax, mb.targets, T_, Vl_, t_ * Vl_);
-          comm_.all_reduce(task.group, sums, Reduce::Sum);
+          loss_statistics(task, mb, anchor, /*reduce=*/true);
         } else if (exit) {
           comm_.all_reduce(task.group, mb.out.at(anchor), Reduce::Sum);  // forward: g
         } else {
@@ -1039,15 +1044,8 @@ class Runner {
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
                g_.op(static_cast<OpId>(task.op_begin)).kind == OpKind::Loss) {
       // The loss still needs its softmax statistics: the local ones.
-      MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
-      const auto anchor = static_cast<OpId>(task.op_begin);
-      const auto& logits = mb.out.at(input(anchor));
-      auto& stats = mb.aux2[anchor];
-      fresh(stats, static_cast<std::size_t>(3 * T_));
-      k::Out rowmax(stats.data(), static_cast<std::size_t>(T_));
-      k::Out sums(stats.data() + T_, static_cast<std::size_t>(2 * T_));
-      k::cross_entropy_max(rowmax, logits, T_, Vl_);
-      k::cross_entropy_sums(sums, logits, rowmax, mb.targets, T_, Vl_, t_ * Vl_);
+      loss_statistics(task, batches_.at(static_cast<std::size_t>(task.micro_batch)),
+                      static_cast<OpId>(task.op_begin), /*reduce=*/false);
     }
   }
 
