@@ -25,6 +25,22 @@ double Profile::gemm_seconds(double flops) const {
   return flops / rate;
 }
 
+std::optional<double> Profile::collective_seconds(const std::string& kind, int ranks,
+                                                  double bytes) const {
+  const auto it = collectives.find({kind, ranks});
+  if (it == collectives.end() || it->second.empty()) return std::nullopt;
+  const auto& s = it->second;
+  if (bytes <= s.front().bytes) return s.front().seconds;  // latency-bound below
+  auto rate = [](const CollectiveSample& c) { return c.bytes / c.seconds; };
+  if (bytes >= s.back().bytes) return bytes / rate(s.back());
+  const auto hi = std::lower_bound(s.begin(), s.end(), bytes,
+                                   [](const CollectiveSample& c, double b) { return c.bytes < b; });
+  const auto lo = hi - 1;
+  const double t =
+      (std::log(bytes) - std::log(lo->bytes)) / (std::log(hi->bytes) - std::log(lo->bytes));
+  return bytes / (rate(*lo) + t * (rate(*hi) - rate(*lo)));
+}
+
 Profile load_profile(const std::string& path) {
   const nlohmann::json j = JsonReader::parse_file(path);
   const JsonReader r(j, path);
@@ -67,6 +83,28 @@ Profile load_profile(const std::string& path) {
       }
       const bool flops = o.has("flops_per_s");
       p.ops[{op, phase}] = {o.positive_number(flops ? "flops_per_s" : "bytes_per_s"), flops};
+    }
+  }
+  if (r.has("collectives")) {
+    const auto& table = r.raw().at("collectives");
+    if (!table.is_array()) r.fail("collectives", "expected an array of measurements");
+    for (std::size_t i = 0; i < table.size(); ++i) {
+      const JsonReader c(table[i], path, fmt::format("collectives[{}]", i));
+      c.expect_only(
+          {"kind", "ranks", "bytes", "seconds", "algbw_bytes_per_s", "busbw_bytes_per_s"});
+      const std::string kind = c.choice(
+          "kind", {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"});
+      const auto ranks = static_cast<int>(c.positive_int_up_to("ranks", 1 << 24));
+      if (ranks < 2) c.fail("ranks", fmt::format("expected at least 2, got {}", ranks));
+      p.collectives[{kind, ranks}].push_back(
+          {static_cast<double>(c.positive_int("bytes")), c.positive_number("seconds")});
+    }
+    for (auto& entry : p.collectives) {
+      auto& measured = entry.second;
+      std::sort(measured.begin(), measured.end(),
+                [](const Profile::CollectiveSample& a, const Profile::CollectiveSample& b) {
+                  return a.bytes < b.bytes;
+                });
     }
   }
   return p;

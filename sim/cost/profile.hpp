@@ -11,14 +11,17 @@
 //   "ops": [ {"op": "attention", "phase": "fwd", "flops_per_s": 2e9, "seconds": ...},
 //            {"op": "layernorm", "phase": "bwd", "bytes_per_s": 5e9, ...},
 //            {"op": "optimizer", "phase": "step", "bytes_per_s": 6e9, ...} ],   (optional)
-//   "collectives": [ ... ],                 nccl-tests-style table (informative)
+//   "collectives": [ {"kind": "all_reduce", "ranks": 2, "bytes": 4096, "seconds": 3e-6, ...} ],
 //   "ranks_per_host": 2                     how many ranks measured at once (informative)
 // }
 // "ops" gives measured rates of the non-GEMM ops in the model graph's own units: FLOP/s of
 // the graph's FLOPs for the attention core, bytes/s of the graph's bytes for the others (ops:
 // attention, layernorm, rmsnorm, gelu, swiglu, residual, embedding, loss; phases fwd, bwd),
 // and for the optimizer bytes/s at 28 bytes per parameter (Adam). An op with a rate is priced
-// by it instead of the roofline.
+// by it instead of the roofline. "collectives" (kinds all_reduce, all_gather, reduce_scatter,
+// all_to_all, send_recv) replace the network model for groups of a measured size inside one
+// node: time from the measured throughput interpolated in log(bytes), never below the smallest
+// size's time (latency).
 // A GEMM's time comes from the measured throughput (FLOP/s) interpolated linearly in
 // log(FLOPs) between the two measured sizes around it (clamped at the ends).
 #pragma once
@@ -51,6 +54,13 @@ struct Profile {
     bool flops = false;  // FLOP/s (else bytes/s)
   };
   std::map<std::pair<std::string, std::string>, OpRate> ops;  // (op, phase) -> rate
+  struct CollectiveSample {
+    double bytes = 0, seconds = 0;
+  };
+  // (kind, ranks) -> samples sorted by bytes
+  std::map<std::pair<std::string, int>, std::vector<CollectiveSample>> collectives;
+  // Seconds for a measured kind and group size; nullopt when the profile has none.
+  std::optional<double> collective_seconds(const std::string& kind, int ranks, double bytes) const;
 
   // Seconds for a GEMM of `flops` FLOPs from the measured throughput.
   double gemm_seconds(double flops) const;

@@ -17,19 +17,36 @@ using lower::TaskKind;
 
 class ModelDurations final : public Durations {
  public:
-  ModelDurations(cost::ComputeCost& compute, network::NetworkModel& network)
-      : compute_(compute), network_(network) {}
+  // `measured`: a profile whose collective measurements replace the network model (groups
+  // inside one node of a size it measured); nullptr for none.
+  ModelDurations(cost::ComputeCost& compute, network::NetworkModel& network,
+                 const cost::Profile* measured)
+      : compute_(compute), network_(network), measured_(measured) {}
   double compute_s(const lower::Task& task) override { return compute_.task_seconds(task); }
   double collective_s(const lower::Group& group, const lower::Task& task) override {
+    if (measured_ != nullptr) {
+      if (const auto s = measured_->collective_seconds(
+              std::string(lower::to_string(task.collective)), static_cast<int>(group.ranks.size()),
+              static_cast<double>(task.bytes))) {
+        return *s;
+      }
+    }
     return network_.collective_s(group, task.collective, task.bytes);
   }
   double p2p_s(std::int64_t src, std::int64_t dst, std::uint64_t bytes) override {
+    if (measured_ != nullptr) {
+      if (const auto s =
+              measured_->collective_seconds("send_recv", 2, static_cast<double>(bytes))) {
+        return *s;
+      }
+    }
     return network_.p2p_s(src, dst, bytes);
   }
 
  private:
   cost::ComputeCost& compute_;
   network::NetworkModel& network_;
+  const cost::Profile* measured_;
 };
 
 }  // namespace
@@ -130,7 +147,10 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   Simulation sim;
   sim.program = lower::lower(graph, plan, options.lower);
   cost::ComputeCost compute(graph, plan, cluster.device, options.profile);
-  ModelDurations durations(compute, network);
+  // Measured collectives stand for groups inside one node (where the profile measured them).
+  const bool one_node = cluster.nodes == 1;
+  ModelDurations durations(compute, network,
+                           options.profile != nullptr && one_node ? options.profile : nullptr);
   sim.timeline = run(sim.program, durations);
 
   Prediction& p = sim.prediction;

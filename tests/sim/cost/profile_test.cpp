@@ -123,3 +123,28 @@ TEST_CASE("bad op rates in a profile are rejected naming the entry", "[cost][pro
       "ops[0].bytes_per_s: expected a positive number");
   bad(R"({"op": "gelu"})", "bad_ops.json: ops: expected an array");
 }
+
+TEST_CASE("measured collectives: throughput interpolated in log(bytes), latency below the table",
+          "[cost][profile]") {
+  TempFile f("profile_coll.json", R"({"device": "cpu-host", "source": "test data",
+    "precision": "fp32", "gemm": [{"m": 8, "n": 8, "k": 8, "seconds": 1e-6}],
+    "collectives": [{"kind": "all_reduce", "ranks": 2, "bytes": 4096, "seconds": 1e-5},
+                    {"kind": "all_reduce", "ranks": 2, "bytes": 1048576, "seconds": 1e-3,
+                     "algbw_bytes_per_s": 1, "busbw_bytes_per_s": 1}]})");
+  const auto p = dtsim::cost::load_profile(f.path());
+  CHECK(p.collective_seconds("all_reduce", 2, 4096) == Approx(1e-5));
+  CHECK(p.collective_seconds("all_reduce", 2, 1048576) == Approx(1e-3));
+  CHECK(p.collective_seconds("all_reduce", 2, 100) == Approx(1e-5));      // latency floor
+  CHECK(p.collective_seconds("all_reduce", 2, 4194304) == Approx(4e-3));  // last rate
+  const double mid = std::sqrt(4096.0 * 1048576.0);
+  const double r1 = 4096 / 1e-5, r2 = 1048576 / 1e-3;
+  CHECK(p.collective_seconds("all_reduce", 2, mid) == Approx(mid / ((r1 + r2) / 2)));
+  CHECK_FALSE(p.collective_seconds("all_reduce", 4, 4096).has_value());
+  CHECK_FALSE(p.collective_seconds("all_gather", 2, 4096).has_value());
+  TempFile bad("bad_coll.json",
+               R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+    "collectives": [{"kind": "all_reduce", "ranks": 1, "bytes": 8, "seconds": 1}]})");
+  DTSIM_REQUIRE_THROWS_CONTAINING(
+      dtsim::cost::load_profile(bad.path()), InputError,
+      "bad_coll.json: collectives[0].ranks: expected at least 2, got 1");
+}
