@@ -675,8 +675,17 @@ class Runner {
     }
   }
 
-  void backward(MicroBatch& mb, OpId id) {
+  // Which gradients a backward computes: both, or (zero-bubble) the input gradients in the B
+  // pass and the weight gradients in the later W pass.
+  enum class Part { Both, Input, Weight };
+
+  void backward(MicroBatch& mb, OpId id, Part part = Part::Both) {
     const Op& op = g_.op(id);
+    const bool input_grads = part != Part::Weight;
+    const bool weight_grads = part != Part::Input;
+    // Ops without weights do all their work in the input pass.
+    const bool has_weights = find(id, 0) != nullptr || tied_head(op);
+    if (!has_weights && !input_grads) return;
     switch (op.kind) {
       case OpKind::Loss: {
         // The step's loss is the mean over micro-batches and data-parallel replicas: scale each
@@ -688,11 +697,16 @@ class Runner {
         break;
       }
       case OpKind::Embedding:
-        k::embedding_backward(param(id, 0).grad, bias_grad(id), mb.grad.at(id), mb.tokens, B_, S_,
-                              C_, t_ * Vl_);
+        // Only weight gradients (the tokens have none).
+        if (weight_grads) {
+          k::embedding_backward(param(id, 0).grad, bias_grad(id), mb.grad.at(id), mb.tokens, B_, S_,
+                                C_, t_ * Vl_);
+        }
         break;
       case OpKind::Norm:
-        k::norm_backward(grad_of(mb, input(id)), param(id, 0).grad, bias_grad(id), mb.grad.at(id),
+        k::norm_backward(input_grads ? k::Out(grad_of(mb, input(id))) : k::Out(),
+                         weight_grads ? k::Out(param(id, 0).grad) : k::Out(),
+                         weight_grads ? bias_grad(id) : k::Out(), mb.grad.at(id),
                          mb.out.at(input(id)), param(id, 0).data, mb.aux1.at(id), mb.aux2.at(id),
                          Ts_, C_, m_.norm == model::Norm::RmsNorm);
         break;
@@ -704,9 +718,10 @@ class Runner {
         const auto [K, N] = gemm_shape(op);
         if (tied_head(op)) {
           const std::vector<float> w = tied_head_weight(id);
-          std::vector<float> dw(w.size(), 0.0f);
-          k::matmul_backward(input_grad_of(mb, id), dw, k::Out(), mb.grad.at(id), input_of(mb, id),
-                             w, T_, K, N);
+          std::vector<float> dw(weight_grads ? w.size() : 0, 0.0f);
+          k::matmul_backward(input_grads ? k::Out(input_grad_of(mb, id)) : k::Out(), dw, k::Out(),
+                             mb.grad.at(id), input_of(mb, id), w, T_, K, N);
+          if (!weight_grads) break;
           Param* copy = find(id, 0);
           auto& dwte = copy ? copy->grad : param(g_.layer_ops(-1).front(), 0).grad;
           for (int v = 0; v < Vl_; ++v) {
@@ -716,8 +731,10 @@ class Runner {
             }
           }
         } else {
-          k::matmul_backward(input_grad_of(mb, id), param(id, 0).grad, bias_grad(id),
-                             mb.grad.at(id), input_of(mb, id), param(id, 0).data, T_, K, N);
+          k::matmul_backward(input_grads ? k::Out(input_grad_of(mb, id)) : k::Out(),
+                             weight_grads ? k::Out(param(id, 0).grad) : k::Out(),
+                             weight_grads ? bias_grad(id) : k::Out(), mb.grad.at(id),
+                             input_of(mb, id), param(id, 0).data, T_, K, N);
         }
         break;
       }
@@ -1065,6 +1082,14 @@ class Runner {
           for (auto id = task.op_begin; id < task.op_end; ++id) forward(mb, static_cast<OpId>(id));
         } else if (task.phase == Phase::Backward) {
           for (auto id = task.op_end; id-- > task.op_begin;) backward(mb, static_cast<OpId>(id));
+        } else if (task.phase == Phase::BackwardInput) {
+          for (auto id = task.op_end; id-- > task.op_begin;) {
+            backward(mb, static_cast<OpId>(id), Part::Input);
+          }
+        } else if (task.phase == Phase::BackwardWeight) {
+          for (auto id = task.op_end; id-- > task.op_begin;) {
+            backward(mb, static_cast<OpId>(id), Part::Weight);
+          }
         } else {
           throw UnsupportedError(
               fmt::format("dtexec: phase {} is not executed yet", to_string(task.phase)));
@@ -1243,7 +1268,6 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
         fmt::format("sequence parallelism with {} tokens per micro-batch, not divisible by tp {}",
                     p.micro_batch_size * p.seq_len, p.tp));
   }
-  if (p.schedule == plan::Schedule::ZeroBubble) refuse("the zero-bubble schedule");
   if (p.schedule == plan::Schedule::PipeDreamAsync) refuse("the PipeDream (asynchronous) schedule");
   if (m.heads % p.tp != 0 || m.kv_heads % p.tp != 0 || m.ffn_hidden % p.tp != 0 ||
       m.vocab % p.tp != 0) {

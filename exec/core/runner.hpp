@@ -14,14 +14,15 @@
 //   parallelism its all-gathers and reduce-scatters (norms and residuals on 1/tp of the
 //   tokens, their weight gradients all-reduced over tp);
 // - pipeline parallelism: activations and gradients sent between stages (GPipe, 1F1B,
-//   interleaved 1F1B), and the tied embedding's gradients all-reduced between the first and
-//   last stage.
+//   interleaved 1F1B, zero-bubble with its separate input- and weight-gradient passes), and
+//   the tied embedding's gradients all-reduced between the first and last stage.
 // Memory is not what the plan promises: every rank keeps full weight, gradient and optimizer
-// buffers of its tensor-parallel share and every micro-batch's activations until the step ends;
-// ZeRO and recompute execute their communication and compute, not their memory saving.
+// buffers of its tensor-parallel share (ZeRO executes its communication, not its memory
+// saving) and keeps every tensor of a micro-batch from its first task to its last (recompute
+// executes its compute, not its memory saving).
 //
 // Not executed yet (refused with a message): context parallelism, experts,
-// zero-bubble and PipeDream schedules, dropout.
+// the PipeDream (asynchronous) schedule, dropout.
 #pragma once
 
 #include <cstdint>

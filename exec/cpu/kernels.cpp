@@ -63,7 +63,7 @@ void norm_backward(Out din, Out dw, Out db, In dout, In in, In w, In mean, In rs
   for (int t = 0; t < T; ++t) {
     const float* x = in.data() + static_cast<std::size_t>(t) * C;
     const float* dy = dout.data() + static_cast<std::size_t>(t) * C;
-    float* dx = din.data() + static_cast<std::size_t>(t) * C;
+    float* dx = din.empty() ? nullptr : din.data() + static_cast<std::size_t>(t) * C;
     const float mu = mean[t], r = rstd[t];
     // xhat = (x - mu) r; dxhat = dy w; dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat))
     // (RMSNorm: no mean(dxhat) term).
@@ -76,6 +76,7 @@ void norm_backward(Out din, Out dw, Out db, In dout, In in, In w, In mean, In rs
       if (!dw.empty()) dw[c] += dy[c] * xhat;
       if (!db.empty()) db[c] += dy[c];
     }
+    if (din.empty()) continue;  // weight gradients only (zero-bubble's W pass)
     const float mean_d = rms ? 0.0f : sum_d / static_cast<float>(C);
     const float mean_dx = sum_dx / static_cast<float>(C);
     for (int c = 0; c < C; ++c) {

@@ -24,6 +24,7 @@ void matmul_backward(Out din, Out dw, Out dbias, In dout, In in, In w, int T, in
 // LayerNorm over C (eps 1e-5): out = (in - mean) * rstd * w + b; keeps mean[T] and rstd[T].
 // With `rms` true it is RMSNorm (no mean, no bias): out = in * rstd * w.
 void norm_forward(Out out, Out mean, Out rstd, In in, In w, In b, int T, int C, bool rms);
+// din, dw and db may each be empty (not wanted).
 void norm_backward(Out din, Out dw, Out db, In dout, In in, In w, In mean, In rstd, int T, int C,
                    bool rms);
 

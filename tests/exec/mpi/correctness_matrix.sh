@@ -1,6 +1,6 @@
 #!/bin/bash
 # The executor's correctness matrix (issue 5): for plans over dp, tp, pp, ZeRO stages,
-# schedules (GPipe, 1F1B, interleaved), micro-batch counts and recompute, K steps of two tiny
+# schedules (GPipe, 1F1B, interleaved, zero-bubble), micro-batch counts and recompute, K steps of two tiny
 # models under mpirun give the losses and final weights of the single-rank run of the same
 # global batch.
 #
@@ -55,7 +55,10 @@ plans=(
   "tiny-gpt|2|2|--tp 2 --sequence-parallel"
   "tiny-gpt|4|2|--dp 2 --tp 2 --sequence-parallel --zero-stage 2 --recompute full"
   "tiny-gpt|4|1|--tp 2 --pp 2 --sequence-parallel --schedule 1f1b"
+  "tiny-gpt|2|2|--pp 2 --schedule zero-bubble"
+  "tiny-gpt|4|1|--dp 2 --pp 2 --schedule zero-bubble --zero-stage 2"
   "llama|2|8|--tp 2"
+  "llama|4|2|--tp 2 --pp 2 --schedule zero-bubble --sequence-parallel"
   "llama|4|2|--tp 2 --pp 2 --sequence-parallel --schedule interleaved --virtual-stages 2"
   "llama|2|2|--tp 2 --recompute full"
   "llama|2|2|--pp 2 --schedule interleaved --virtual-stages 2"
