@@ -183,7 +183,8 @@ int cmd_plan(const std::vector<std::string>& args) {
       "fix a degree, e.g. --fixed tp=8 (repeatable; tp, pp, dp, cp, ep)")(
       "memory-headroom", po::value<double>()->default_value(0.0),
       "fraction of device memory to keep free (0-0.9)")(
-      "precision", po::value<std::string>()->default_value("bf16"), "bf16, fp16, fp8, fp32")(
+      "precision", po::value<std::string>(),
+      "bf16, fp16, fp8, fp32 (default bf16, or fp32 on a device without bf16)")(
       "threads", po::value<int>()->default_value(0), "threads for the search (0: all cores)")(
       "json", po::bool_switch(), "print JSON")("csv", po::bool_switch(), "print CSV")(
       "out", po::value<std::string>(), "write the best plan to this file (a --plan file)");
@@ -235,10 +236,16 @@ int cmd_plan(const std::vector<std::string>& args) {
     throw InputError(
         fmt::format("--memory-headroom: expected 0..0.9, got {}", space.memory_headroom));
   }
-  const auto prec = parse_precision(vm["precision"].as<std::string>());
+  // The default precision follows the device: bf16, or fp32 where it has no bf16 (a CPU host).
+  const std::string precision_text =
+      vm.count("precision") ? vm["precision"].as<std::string>()
+      : cluster.device.supports(Precision::Bf16) || !cluster.device.supports(Precision::Fp32)
+          ? "bf16"
+          : "fp32";
+  const auto prec = parse_precision(precision_text);
   if (!prec) {
-    throw InputError(fmt::format("--precision: expected bf16, fp16, fp8 or fp32, got \"{}\"",
-                                 vm["precision"].as<std::string>()));
+    throw InputError(
+        fmt::format("--precision: expected bf16, fp16, fp8 or fp32, got \"{}\"", precision_text));
   }
   space.precision = *prec;
   cluster.device.peak_flops_for(space.precision);
