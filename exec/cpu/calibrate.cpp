@@ -24,16 +24,22 @@ namespace {
 // kernel at the same time and share the cores' memory bandwidth as a multi-rank step does.
 std::function<void()> g_sync = [] {};
 
-// The median of `repeats` timed runs of f (after one untimed run).
+// The median of `repeats` timed runs of f (after one untimed run). Each timed run repeats f
+// for at least 20 ms, so that the rate is the sustained one a training step sees rather than a
+// short burst's.
 template <typename F>
 double median_of(int repeats, F&& f) {
+  const auto t0 = std::chrono::steady_clock::now();
   f();
+  const double once = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int inner = static_cast<int>(std::clamp(0.02 / std::max(once, 1e-9), 1.0, 1e6));
   std::vector<double> times;
   for (int r = 0; r < repeats; ++r) {
     g_sync();
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < inner; ++i) f();
+    times.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / inner);
   }
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
