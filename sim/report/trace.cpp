@@ -19,8 +19,13 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
                                  ? fmt::format("rank {} (stage {}, stands for {} ranks)", rp.rank,
                                                rp.stage, rp.represents.size())
                                  : fmt::format("rank {} (stage {})", rp.rank, rp.stage);
-    events.push_back(
-        {{"ph", "M"}, {"name", "process_name"}, {"pid", rp.rank}, {"args", {{"name", name}}}});
+    json process_args = {{"name", name}};
+    // The ranks this program stands for, so that a measurement of any of them joins it.
+    if (rp.represents.size() > 1) process_args["represents"] = rp.represents;
+    events.push_back({{"ph", "M"},
+                      {"name", "process_name"},
+                      {"pid", rp.rank},
+                      {"args", std::move(process_args)}});
     events.push_back({{"ph", "M"},
                       {"name", "process_sort_index"},
                       {"pid", rp.rank},

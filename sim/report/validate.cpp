@@ -43,6 +43,21 @@ Trace read_trace(const std::string& path) {
       if (e.value("name", "") == "thread_name" && e.contains("tid") && e.contains("args")) {
         trace.stream_names[e.at("tid").get<int>()] = e.at("args").value("name", "");
       }
+      if (e.value("name", "") == "process_name" && e.contains("pid") && e.contains("args") &&
+          e.at("args").contains("represents")) {
+        const json& ranks = e.at("args").at("represents");
+        if (!ranks.is_array() || !e.at("pid").is_number_integer()) {
+          throw InputError(
+              fmt::format("{}: {}.args.represents: expected an array of ranks", path, where));
+        }
+        for (const json& r : ranks) {
+          if (!r.is_number_integer()) {
+            throw InputError(
+                fmt::format("{}: {}.args.represents: expected integer ranks", path, where));
+          }
+          trace.representative[r.get<std::int64_t>()] = e.at("pid").get<std::int64_t>();
+        }
+      }
       continue;
     }
     if (ph != "X") continue;
@@ -73,7 +88,7 @@ Trace read_trace(const std::string& path) {
 
 Validation validate(const Trace& predicted, const Trace& measured) {
   std::map<std::pair<std::int64_t, std::int64_t>, const TraceTask*> by_id;
-  for (const auto& t : measured.tasks) by_id[{t.rank, t.task}] = &t;
+  for (const auto& t : predicted.tasks) by_id[{t.rank, t.task}] = &t;
   struct Acc {
     std::int64_t n = 0;
     double p = 0, m = 0, abs_err = 0;
@@ -82,15 +97,16 @@ Validation validate(const Trace& predicted, const Trace& measured) {
   std::map<std::string, Acc> groups;
   Validation v;
   std::map<std::pair<std::int64_t, std::int64_t>, bool> seen;
-  for (const auto& p : predicted.tasks) {
-    const auto it = by_id.find({p.rank, p.task});
+  for (const auto& m : measured.tasks) {
+    auto it = by_id.find({m.rank, m.task});
     if (it == by_id.end()) {
-      ++v.only_predicted;
-      continue;
+      const auto rep = predicted.representative.find(m.rank);
+      if (rep != predicted.representative.end()) it = by_id.find({rep->second, m.task});
     }
+    if (it == by_id.end()) continue;
+    const TraceTask& p = *it->second;
     seen[{p.rank, p.task}] = true;
     ++v.matched;
-    const TraceTask& m = *it->second;
     const auto stream = predicted.stream_names.count(p.stream) ? predicted.stream_names.at(p.stream)
                                                                : fmt::format("{}", p.stream);
     for (const std::string& g : {"kind " + p.kind, "stream " + stream}) {
@@ -104,6 +120,8 @@ Validation validate(const Trace& predicted, const Trace& measured) {
       }
     }
   }
+  v.only_predicted =
+      static_cast<std::int64_t>(predicted.tasks.size()) - static_cast<std::int64_t>(seen.size());
   v.only_measured = static_cast<std::int64_t>(measured.tasks.size()) - v.matched;
   for (const auto& [name, a] : groups) {
     v.rows.push_back({name, a.n, a.p, a.m, a.m > 0 ? a.p / a.m - 1 : 0,

@@ -22,6 +22,9 @@ struct TraceTask {
 struct Trace {
   std::string file;
   std::map<int, std::string> stream_names;  // tid -> name (thread_name metadata)
+  // rank -> the rank whose program stands for it (process_name metadata "represents", written
+  // by dtsim simulate for a stage's representative)
+  std::map<std::int64_t, std::int64_t> representative;
   std::vector<TraceTask> tasks;
   double span_s() const;  // last end - first start
 };
@@ -45,6 +48,9 @@ struct Validation {
   std::int64_t only_measured = 0;
 };
 
+// Every measured task joins the predicted task of the same id on its rank, or on the rank
+// whose program stands for it (so all ranks of a multi-rank run compare with one simulated
+// program per stage); the rows sum over the joined pairs.
 Validation validate(const Trace& predicted, const Trace& measured);
 
 }  // namespace dtsim::report

@@ -1,0 +1,53 @@
+#include "sim/report/validate.hpp"
+
+#include "sim/common/error.hpp"
+#include "tests/test_util.hpp"
+
+using dtsim::InputError;
+using dtsim::test::TempFile;
+
+namespace {
+// A predicted trace of one program standing for ranks 0 and 4, with two tasks.
+const char* kPredicted = R"({"traceEvents": [
+  {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0", "represents": [0, 4]}},
+  {"ph": "M", "name": "thread_name", "pid": 0, "tid": 0, "args": {"name": "compute"}},
+  {"ph": "X", "name": "fwd", "pid": 0, "tid": 0, "ts": 0, "dur": 100, "args": {"task": 0, "kind": "compute", "phase": "fwd"}},
+  {"ph": "X", "name": "bwd", "pid": 0, "tid": 0, "ts": 100, "dur": 200, "args": {"task": 1, "kind": "compute", "phase": "bwd"}}]})";
+}  // namespace
+
+TEST_CASE("validate joins every rank a predicted program stands for", "[report][validate]") {
+  TempFile p("predicted.json", kPredicted);
+  // Ranks 0 and 4 measured (4 has no program of its own in the prediction), rank 9 is not
+  // represented.
+  TempFile m("measured.json", R"({"traceEvents": [
+    {"ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 125, "args": {"task": 0, "kind": "compute", "phase": "fwd"}},
+    {"ph": "X", "pid": 4, "tid": 0, "ts": 0, "dur": 75, "args": {"task": 0, "kind": "compute", "phase": "fwd"}},
+    {"ph": "X", "pid": 9, "tid": 0, "ts": 0, "dur": 50, "args": {"task": 0, "kind": "compute", "phase": "fwd"}}]})");
+  const auto predicted = dtsim::report::read_trace(p.path());
+  CHECK(predicted.representative.at(4) == 0);
+  const auto v = dtsim::report::validate(predicted, dtsim::report::read_trace(m.path()));
+  CHECK(v.matched == 2);
+  CHECK(v.only_measured == 1);
+  CHECK(v.only_predicted == 1);  // task 1 was not measured
+  bool found = false;
+  for (const auto& row : v.rows) {
+    if (row.group != "kind fwd") continue;
+    found = true;
+    CHECK(row.tasks == 2);
+    CHECK(row.predicted_s == Approx(200e-6));  // once per joined measurement
+    CHECK(row.measured_s == Approx(200e-6));
+    CHECK(row.error == Approx(0.0).margin(1e-12));
+    CHECK(row.mean_abs_error == Approx((0.2 + 1.0 / 3.0) / 2));  // |100/125-1|, |100/75-1|
+  }
+  CHECK(found);
+}
+
+TEST_CASE("a malformed represents list is rejected naming the event",
+          "[report][validate][bad-input]") {
+  TempFile p("bad_rep.json", R"({"traceEvents": [
+    {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "x", "represents": ["a"]}},
+    {"ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 1, "args": {"task": 0}}]})");
+  DTSIM_REQUIRE_THROWS_CONTAINING(
+      dtsim::report::read_trace(p.path()), InputError,
+      "bad_rep.json: traceEvents[0].args.represents: expected integer ranks");
+}
