@@ -400,6 +400,20 @@ int run(const std::vector<std::string>& args) {
   } else {
     comm = std::make_unique<dtsim::exec::SingleRankComm>();
   }
+  const bool json_out = vm["json"].as<bool>();
+  if (!json_out) {
+    out(rank) << fmt::format(
+        "{} on the CPU, {} rank{}, plan {}: {} x {} tokens per step ({} micro-batches per "
+        "replica), until step {}{}\n",
+        spec.name, devices, devices == 1 ? "" : "s", dtsim::plan::summary(plan),
+        plan.global_batch_size, plan.seq_len, plan.micro_batches(), steps,
+        options.resume_dir.empty() ? "" : ", resuming " + options.resume_dir);
+    // Each step as it ends.
+    options.on_step = [rank](int step, double loss, double seconds) {
+      out(rank) << fmt::format("step {:>4}  loss {:.4f}  {:.1f} ms\n", step, loss, seconds * 1e3)
+                << std::flush;
+    };
+  }
   dtsim::exec::RunResult result;
   try {
     result = dtsim::exec::run_program(graph, program, options, *comm);
@@ -435,16 +449,6 @@ int run(const std::vector<std::string>& args) {
                      .dump(2)
               << "\n";
     return 0;
-  }
-  out(rank) << fmt::format(
-      "{} on the CPU, {} rank{}, plan {}: steps {}..{} of {} x {} tokens "
-      "({} micro-batches per replica)\n",
-      spec.name, devices, devices == 1 ? "" : "s", dtsim::plan::summary(plan), first + 1, steps,
-      plan.global_batch_size, plan.seq_len, plan.micro_batches());
-  for (int i = first; i < steps; ++i) {
-    out(rank) << fmt::format("step {:>4}  loss {:.4f}  {:.1f} ms\n", i + 1,
-                             result.losses[static_cast<std::size_t>(i)],
-                             result.step_times_s[static_cast<std::size_t>(i - first)] * 1e3);
   }
   const auto [fastest, slowest] = spread(result, warmup);
   out(rank) << fmt::format(

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <csignal>
@@ -265,6 +266,14 @@ class Runner {
       }
       step_loss_sums_.push_back(loss);
       const int done = step + 1;
+      if (options_.on_step) {
+        // Progress, outside the step's timing: this step's loss and slowest time, all ranks.
+        std::array<double, 1> sum = {loss};
+        std::array<double, 1> slowest = {result.step_times_s.back()};
+        comm_.all_ranks(sum, Reduce::Sum);
+        comm_.all_ranks(slowest, Reduce::Max);
+        options_.on_step(done, sum[0] / (micro_batches_ * dp_), slowest[0]);
+      }
       if (!options_.checkpoint_dir.empty() &&
           (done == options_.steps ||
            (options_.checkpoint_every > 0 && done % options_.checkpoint_every == 0))) {

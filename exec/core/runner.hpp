@@ -54,6 +54,9 @@ struct RunOptions {
   std::function<void(const std::string&)> on_hang;
   // A hang on purpose (tests): rank hang_rank stops answering as step hang_step starts.
   int hang_rank = -1, hang_step = 0;
+  // Called on every rank after each step with the step number (1-based), its mean loss and the
+  // slowest rank's time (both reduced over all ranks, outside the step's timing): progress.
+  std::function<void(int, double, double)> on_step;
   // --only-rank: run program `program_index` alone (one rank's share of a plan whose other
   // ranks do not run), every communication task replaced by a wait of its predicted length
   // (predicted_comm_s, by task id; empty: no wait). Received tensors are zeros, reductions
