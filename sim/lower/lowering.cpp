@@ -461,22 +461,11 @@ class Lowerer {
     return prev;
   }
 
-  // Parameters of an op on this rank (its tensor-parallel share). A tied LM head on a stage
-  // without the embedding holds its own copy of the embedding matrix (Megatron-LM), whose
-  // gradients are reduced over dp like any other and then all-reduced with the first stage's.
-  double stage_params(const model::Op& op) const {
-    if (op.kind == OpKind::LmHead && op.params == 0 && plan_.pp > 1) {
-      const model::ModelSpec& spec = g_.spec();
-      return static_cast<double>(spec.vocab) * static_cast<double>(spec.hidden) / plan_.tp;
-    }
-    return plan::rank_params(op, plan_);
-  }
-
   // Parameters of a chunk on this rank (tensor-parallel share), dense or expert.
   double chunk_params(const std::vector<Item>& items, bool experts) const {
     double p = 0;
     for (const Item& it : items) {
-      if (it.op && g_.op(*it.op).expert == experts) p += stage_params(g_.op(*it.op));
+      if (it.op && g_.op(*it.op).expert == experts) p += plan::rank_params(g_.op(*it.op), plan_);
     }
     return p;
   }
@@ -528,7 +517,7 @@ class Lowerer {
       };
       for (const auto& [op, task] : produced) {
         const model::Op& o = g_.op(op);
-        const double params = stage_params(o);
+        const double params = plan::rank_params(o, plan_);
         if (o.expert != experts || params <= 0) continue;
         bucket += params * grad_bytes_;
         lo = std::min(lo, op);

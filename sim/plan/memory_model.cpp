@@ -57,6 +57,11 @@ double extra_activation_bytes(const ModelGraph& g, int group, const Plan& plan) 
 }  // namespace
 
 double rank_params(const Op& op, const Plan& plan) {
+  // A tied head on a stage without the embedding (pp > 1) keeps its own copy of the embedding
+  // matrix, split over tp like it (Megatron-LM); with pp = 1 it uses the embedding itself.
+  if (op.kind == model::OpKind::LmHead && op.params == 0 && plan.pp > 1) {
+    return op.gemm_k * op.gemm_n / plan.tp;
+  }
   const double replicated = static_cast<double>(op.tp_replicated_params);
   const double split = static_cast<double>(op.params) - replicated;
   double p = split / (op.tp_split == TpSplit::None ? 1.0 : plan.tp) + replicated;
@@ -154,8 +159,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         block_activations += act;
       }
     }
-    // The embedding lives on the first stage, the final norm, head and loss on the last. A tied
-    // head on a different stage keeps its own copy of the embedding matrix (Megatron-LM).
+    // The embedding lives on the first stage, the final norm, head and loss on the last (a tied
+    // head's copy of the embedding included, see rank_params).
     // Embedding and head activations, each times the micro-batches in flight at its end.
     const double end_count = static_cast<double>(end_in_flight(plan, stage));
     double extra_activations = 0;
@@ -166,9 +171,6 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     if (stage == plan.pp - 1) {
       for (model::OpId id : g.layer_ops(static_cast<int>(spec.layers))) {
         dense_params += rank_params(g.op(id), plan);
-      }
-      if (spec.tied_embeddings && plan.pp > 1) {
-        dense_params += static_cast<double>(spec.vocab * spec.hidden) / plan.tp;
       }
       extra_activations +=
           extra_activation_bytes(g, static_cast<int>(spec.layers), plan) * end_count;

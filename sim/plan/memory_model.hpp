@@ -102,7 +102,8 @@ MemoryReport estimate_memory(const model::ModelGraph& graph, const Plan& plan,
 int activation_bytes_per_element(Precision precision);
 
 // Parameters of `op` held by one rank: tensor-parallel ops split all but their replicated part
-// over tp; expert ops are spread over ep.
+// over tp; expert ops are spread over ep; a tied LM head holds a copy of the embedding matrix
+// when it sits on another pipeline stage (pp > 1).
 double rank_params(const model::Op& op, const Plan& plan);
 
 }  // namespace dtsim::plan
