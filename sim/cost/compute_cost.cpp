@@ -29,6 +29,20 @@ ComputeCost::ComputeCost(const model::ModelGraph& graph, const plan::Plan& plan,
     }
     if (profile_->memory_bw_bytes_per_s) hbm_bw_ = *profile_->memory_bw_bytes_per_s;
     if (profile_->launch_overhead_s) launch_s_ = *profile_->launch_overhead_s;
+    // The measured op rates this model's ops use, looked up once (op_seconds runs per
+    // candidate in the planner).
+    for (int k = 0; k < kOpKinds; ++k) {
+      const std::string key = profile_key(static_cast<OpKind>(k));
+      if (key.empty()) continue;
+      for (const bool forward : {true, false}) {
+        const auto it = profile_->ops.find({key, forward ? "fwd" : "bwd"});
+        if (it != profile_->ops.end())
+          op_rates_[rate_index(static_cast<OpKind>(k), forward)] = it->second;
+      }
+    }
+    if (const auto it = profile_->ops.find({"optimizer", "step"}); it != profile_->ops.end()) {
+      optimizer_rate_ = it->second.rate;
+    }
   }
 }
 
@@ -83,14 +97,10 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
     case Phase::None:
       return 0;
   }
-  if (profile_ != nullptr) {
-    // A measured rate for this op kind and phase, in the graph's own units.
-    if (const auto key = profile_key(op); !key.empty()) {
-      const char* p = phase == Phase::Forward || phase == Phase::Recompute ? "fwd" : "bwd";
-      if (auto it = profile_->ops.find({key, p}); it != profile_->ops.end()) {
-        return (it->second.flops ? flops : bytes) / it->second.rate;
-      }
-    }
+  // A measured rate for this op kind and phase, in the graph's own units.
+  const bool forward = phase == Phase::Forward || phase == Phase::Recompute;
+  if (const auto& rate = op_rates_[rate_index(op.kind, forward)]) {
+    return (rate->flops ? flops : bytes) / rate->rate;
   }
   const bool attention = op.kind == OpKind::AttentionCore;
   const double eff = attention ? attention_eff_ : gemm_eff_;
@@ -113,9 +123,9 @@ double ComputeCost::task_seconds(const lower::Task& task) {
   return s;
 }
 
-std::string ComputeCost::profile_key(const model::Op& op) const {
+std::string ComputeCost::profile_key(OpKind kind) const {
   const model::ModelSpec& m = graph_.spec();
-  switch (op.kind) {
+  switch (kind) {
     case OpKind::AttentionCore:
       return "attention";
     case OpKind::Norm:
@@ -135,11 +145,7 @@ std::string ComputeCost::profile_key(const model::Op& op) const {
 
 double ComputeCost::optimizer_seconds(std::uint64_t params) const {
   const double bytes_per_param = plan_.optimizer == plan::Optimizer::Adam ? 28.0 : 20.0;
-  if (profile_ != nullptr) {
-    if (auto it = profile_->ops.find({"optimizer", "step"}); it != profile_->ops.end()) {
-      return static_cast<double>(params) * bytes_per_param / it->second.rate;
-    }
-  }
+  if (optimizer_rate_) return static_cast<double>(params) * bytes_per_param / *optimizer_rate_;
   return static_cast<double>(params) * bytes_per_param / hbm_bw_ + launch_s_;
 }
 

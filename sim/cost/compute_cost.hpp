@@ -8,7 +8,9 @@
 // over cp (each context-parallel rank holds 1/cp of the tokens).
 #pragma once
 
+#include <array>
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -43,8 +45,15 @@ class ComputeCost {
 
  private:
   double divisor(const model::Op& op) const;
-  // The op's name in a profile's "ops" table ("" for GEMMs and ops it does not list).
-  std::string profile_key(const model::Op& op) const;
+  // An op kind's name in a profile's "ops" table ("" for GEMMs and kinds it does not list).
+  std::string profile_key(model::OpKind kind) const;
+  static constexpr int kOpKinds = static_cast<int>(model::OpKind::Loss) + 1;
+  static std::size_t rate_index(model::OpKind kind, bool forward) {
+    return static_cast<std::size_t>(kind) * 2 + (forward ? 0 : 1);
+  }
+  // The profile's measured rates by (op kind, forward or backward), and the optimizer's.
+  std::array<std::optional<Profile::OpRate>, 2 * kOpKinds> op_rates_{};
+  std::optional<double> optimizer_rate_;
   const model::ModelGraph& graph_;
   const plan::Plan& plan_;
   double peak_flops_;

@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
+#include <optional>
+#include <tuple>
 
 #include "sim/common/error.hpp"
 #include "sim/cost/compute_cost.hpp"
@@ -24,29 +27,38 @@ class ModelDurations final : public Durations {
       : compute_(compute), network_(network), measured_(measured) {}
   double compute_s(const lower::Task& task) override { return compute_.task_seconds(task); }
   double collective_s(const lower::Group& group, const lower::Task& task) override {
-    if (measured_ != nullptr) {
-      if (const auto s = measured_->collective_seconds(
-              std::string(lower::to_string(task.collective)), static_cast<int>(group.ranks.size()),
-              static_cast<double>(task.bytes))) {
-        return *s;
-      }
+    if (const auto s = measured(static_cast<int>(task.collective),
+                                static_cast<int>(group.ranks.size()), task.bytes)) {
+      return *s;
     }
     return network_.collective_s(group, task.collective, task.bytes);
   }
   double p2p_s(std::int64_t src, std::int64_t dst, std::uint64_t bytes) override {
-    if (measured_ != nullptr) {
-      if (const auto s =
-              measured_->collective_seconds("send_recv", 2, static_cast<double>(bytes))) {
-        return *s;
-      }
-    }
+    if (const auto s = measured(kSendRecv, 2, bytes)) return *s;
     return network_.p2p_s(src, dst, bytes);
   }
 
  private:
+  static constexpr int kSendRecv = -1;  // a "kind" for point-to-point transfers
+
+  // The profile's time for a collective kind (or kSendRecv), group size and size; memoized,
+  // since the engine asks once per event.
+  std::optional<double> measured(int kind, int ranks, std::uint64_t bytes) {
+    if (measured_ == nullptr) return std::nullopt;
+    const auto key = std::make_tuple(kind, ranks, bytes);
+    if (const auto it = memo_.find(key); it != memo_.end()) return it->second;
+    const std::string name =
+        kind == kSendRecv ? "send_recv"
+                          : std::string(lower::to_string(static_cast<lower::CollectiveKind>(kind)));
+    const auto s = measured_->collective_seconds(name, ranks, static_cast<double>(bytes));
+    memo_.emplace(key, s);
+    return s;
+  }
+
   cost::ComputeCost& compute_;
   network::NetworkModel& network_;
   const cost::Profile* measured_;
+  std::map<std::tuple<int, int, std::uint64_t>, std::optional<double>> memo_;
 };
 
 }  // namespace
