@@ -582,15 +582,19 @@ class Runner {
   }
 
   // The weight of a linear op as [K, N]; a tied head's is the (local) embedding transposed.
-  std::vector<float> tied_head_weight(OpId head) {
+  // Transposed once per step: the weights change only at the optimizer step (ZeRO-3's gathers
+  // before a pass restore the same values), while every micro-batch reads them twice.
+  const std::vector<float>& tied_head_weight(OpId head) {
+    if (head_t_step_ == adam_step_) return head_t_;
     Param* copy = find(head, 0);
     const auto& wte = copy ? copy->data : param(g_.layer_ops(-1).front(), 0).data;
-    std::vector<float> w(static_cast<std::size_t>(C_) * Vl_);
+    head_t_.resize(static_cast<std::size_t>(C_) * Vl_);
     for (int v = 0; v < Vl_; ++v) {
       for (int c = 0; c < C_; ++c)
-        w[static_cast<std::size_t>(c) * Vl_ + v] = wte[static_cast<std::size_t>(v) * C_ + c];
+        head_t_[static_cast<std::size_t>(c) * Vl_ + v] = wte[static_cast<std::size_t>(v) * C_ + c];
     }
-    return w;
+    head_t_step_ = adam_step_;
+    return head_t_;
   }
   bool tied_head(const Op& op) const { return op.kind == OpKind::LmHead && op.params == 0; }
 
@@ -621,11 +625,11 @@ class Runner {
       case OpKind::LmHead: {
         const auto [K, N] = gemm_shape(op);
         fresh(out, static_cast<std::size_t>(T_) * N);
-        const std::vector<float> w = tied_head(op) ? tied_head_weight(id) : std::vector<float>();
         // A row-parallel op's bias is added once, by tensor-parallel rank 0.
         const k::In bias = row_parallel(op) && t_ != 0 ? k::In() : bias_in(id);
         k::matmul_forward(out, input_of(mb, id),
-                          tied_head(op) ? k::In(w) : k::In(param(id, 0).data), bias, T_, K, N);
+                          tied_head(op) ? k::In(tied_head_weight(id)) : k::In(param(id, 0).data),
+                          bias, T_, K, N);
         break;
       }
       case OpKind::AttentionCore: {
@@ -726,7 +730,7 @@ class Runner {
       case OpKind::LmHead: {
         const auto [K, N] = gemm_shape(op);
         if (tied_head(op)) {
-          const std::vector<float> w = tied_head_weight(id);
+          const std::vector<float>& w = tied_head_weight(id);
           std::vector<float> dw(weight_grads ? w.size() : 0, 0.0f);
           k::matmul_backward(input_grads ? k::Out(input_grad_of(mb, id)) : k::Out(), dw, k::Out(),
                              mb.grad.at(id), input_of(mb, id), w, T_, K, N);
@@ -1245,6 +1249,9 @@ class Runner {
   std::vector<float> rope_scratch_;
   // Per micro-batch, the last task that reads it.
   std::vector<std::size_t> last_use_;
+  // The tied head's weight as [C, V/tp], and the optimizer step it was transposed at.
+  std::vector<float> head_t_;
+  int head_t_step_ = -1;
   // Released buffers by capacity.
   std::multimap<std::size_t, std::vector<float>> pool_;
   // Collectives started and not yet finished, by task index.
