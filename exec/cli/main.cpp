@@ -112,6 +112,16 @@ std::ostream& out(int rank) {
   return rank == 0 ? std::cout : discard;
 }
 
+// A fault-injection option RANK:STEP (--fail-at, --hang-at), when given.
+void rank_and_step(const po::variables_map& vm, const char* key, int& rank, int& step) {
+  if (!vm.count(key)) return;
+  const std::string text = vm[key].as<std::string>();
+  if (std::sscanf(text.c_str(), "%d:%d", &rank, &step) != 2 || rank < 0 || step < 1) {
+    throw dtsim::InputError(
+        fmt::format("--{} {}: expected RANK:STEP (a rank >= 0, a step >= 1)", key, text));
+  }
+}
+
 // The fastest and slowest step after warm-up.
 std::pair<double, double> spread(const dtsim::exec::RunResult& result, int warmup) {
   const auto& t = result.step_times_s;
@@ -364,23 +374,9 @@ int run(const std::vector<std::string>& args) {
   if (vm.count("checkpoint")) options.checkpoint_dir = vm["checkpoint"].as<std::string>();
   options.checkpoint_every = every;
   if (vm.count("resume")) options.resume_dir = vm["resume"].as<std::string>();
-  if (vm.count("fail-at")) {
-    const std::string spec_text = vm["fail-at"].as<std::string>();
-    if (std::sscanf(spec_text.c_str(), "%d:%d", &options.fail_rank, &options.fail_step) != 2 ||
-        options.fail_rank < 0 || options.fail_step < 1) {
-      throw dtsim::InputError(
-          fmt::format("--fail-at {}: expected RANK:STEP (a rank >= 0, a step >= 1)", spec_text));
-    }
-  }
+  rank_and_step(vm, "fail-at", options.fail_rank, options.fail_step);
+  rank_and_step(vm, "hang-at", options.hang_rank, options.hang_step);
   if (only_rank) return run_only_rank(vm, spec, plan, graph, program, options);
-  if (vm.count("hang-at")) {
-    const std::string text = vm["hang-at"].as<std::string>();
-    if (std::sscanf(text.c_str(), "%d:%d", &options.hang_rank, &options.hang_step) != 2 ||
-        options.hang_rank < 0 || options.hang_step < 1) {
-      throw dtsim::InputError(
-          fmt::format("--hang-at {}: expected RANK:STEP (a rank >= 0, a step >= 1)", text));
-    }
-  }
   options.task_timeout_s = vm["task-timeout"].as<double>();
   if (!(options.task_timeout_s >= 0)) {
     throw dtsim::InputError("--task-timeout: expected a number of seconds >= 0");

@@ -257,23 +257,20 @@ class Runner {
       }
       settle(nullptr);
       comm_.wait_sends();
-      result.step_times_s.push_back(now() - begin);
-      // The step's loss: the mean over micro-batches and data-parallel replicas, known on the
-      // last stage (tensor-parallel rank 0 reports it).
-      double loss = 0;
+      // Reported outside the step's timing and the Program: the step's loss (the mean over
+      // micro-batches and data-parallel replicas, known on the last stage, where tensor-parallel
+      // rank 0 reports it) and the slowest rank's time.
+      std::array<double, 1> loss = {0.0};
+      std::array<double, 1> slowest = {now() - begin};
       if (last_stage_ && t_ == 0) {
-        for (const auto& mb : batches_) loss += mb.loss;
+        for (const auto& mb : batches_) loss[0] += mb.loss;
       }
-      step_loss_sums_.push_back(loss);
+      comm_.all_ranks(loss, Reduce::Sum);
+      comm_.all_ranks(slowest, Reduce::Max);
+      result.losses.push_back(loss[0] / (micro_batches_ * dp_));
+      result.step_times_s.push_back(slowest[0]);
       const int done = step + 1;
-      if (options_.on_step) {
-        // Progress, outside the step's timing: this step's loss and slowest time, all ranks.
-        std::array<double, 1> sum = {loss};
-        std::array<double, 1> slowest = {result.step_times_s.back()};
-        comm_.all_ranks(sum, Reduce::Sum);
-        comm_.all_ranks(slowest, Reduce::Max);
-        options_.on_step(done, sum[0] / (micro_batches_ * dp_), slowest[0]);
-      }
+      if (options_.on_step) options_.on_step(done, result.losses.back(), slowest[0]);
       if (!options_.checkpoint_dir.empty() &&
           (done == options_.steps ||
            (options_.checkpoint_every > 0 && done % options_.checkpoint_every == 0))) {
@@ -281,10 +278,6 @@ class Runner {
       }
     }
     batches_.clear();
-    // Reporting, outside the Program: losses summed over ranks, step times of the slowest.
-    comm_.all_ranks(step_loss_sums_, Reduce::Sum);
-    for (double s : step_loss_sums_) result.losses.push_back(s / (micro_batches_ * dp_));
-    comm_.all_ranks(result.step_times_s, Reduce::Max);
     std::vector<double> timed(
         result.step_times_s.begin() +
             std::min<std::ptrdiff_t>(options_.warmup_steps,
@@ -1137,7 +1130,7 @@ class Runner {
   // Every rank sends its part of each full tensor (its tensor-parallel slice; its dp slice under
   // ZeRO >= 1, where only the owner's weights and AdamW state are current); rank 0 assembles and
   // writes them. The tied copy is the embedding and is not written twice.
-  void save(int steps_done, const std::vector<double>& earlier_losses) {
+  void save(int steps_done, const std::vector<double>& losses) {
     std::string mine;
     auto put = [&mine](const void* data, std::size_t bytes) {
       mine.append(static_cast<const char*>(data), bytes);
@@ -1153,9 +1146,6 @@ class Runner {
             static_cast<std::size_t>(p.own_end - p.own_begin) * sizeof(float));
       }
     }
-    // Losses so far: this run's steps are summed over ranks (all must take part).
-    std::vector<double> sums = step_loss_sums_;
-    comm_.all_ranks(sums, Reduce::Sum);
     const auto parts = comm_.gather_to_root(mine);
     if (comm_.rank() != 0) return;
     Checkpoint c;
@@ -1164,8 +1154,7 @@ class Runner {
     c.step = steps_done;
     c.seed = options_.seed;
     c.learning_rate = options_.learning_rate;
-    c.losses = earlier_losses;
-    for (double s : sums) c.losses.push_back(s / (micro_batches_ * dp_));
+    c.losses = losses;
     std::map<Key, CheckpointTensor> tensors;
     for (const auto& part : parts) {
       std::size_t at = 0;
@@ -1258,7 +1247,6 @@ class Runner {
   std::map<std::size_t, PendingCollective> pending_;
   std::vector<int> next_;
   std::vector<MicroBatch> batches_;
-  std::vector<double> step_loss_sums_;  // this run's steps
   int me_ = 0, tp_ = 1, dp_ = 1, t_ = 0, d_ = 0;
   bool sharded_ = false, last_stage_ = false;
   int Ts_ = 0;  // tokens of the sequence-parallel regions on this rank (T / tp with SP)
