@@ -63,8 +63,6 @@ double median_per_copy(int repeats, int copies, F&& f) {
          copies;
 }
 
-std::vector<std::vector<float>> random_buffers(int copies, std::size_t n, std::uint64_t seed);
-
 std::string cpu_name() {
   std::ifstream in("/proc/cpuinfo");
   std::string line;
