@@ -161,7 +161,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         point.count("cluster") ? point.at("cluster") : vm["cluster"].as<std::string>());
     if (point.count("device")) {
       c.device = cluster::load_device(point.at("device"));
-      c.intra.bw_bytes_per_s = c.device.intra_node_bw_bytes_per_s;
+      cluster::use_device_link(c.intra, c.device);
       c.power_per_device_w = c.device.power_w;
     }
     if (point.count("nic_gbps")) {

@@ -51,6 +51,9 @@ void add_plan_options(po::options_description& desc) {
       "recompute", po::value<std::string>(),
       "activation recompute: none (default), selective, full")(
       "sequence-parallel", po::bool_switch(), "Megatron sequence parallelism (needs tp > 1)")(
+      "no-overlap-grad-reduce", po::bool_switch(),
+      "start the data-parallel gradient reduction after the last backward pass instead of "
+      "overlapping it (Megatron-LM before --overlap-grad-reduce)")(
       "precision", po::value<std::string>(), "bf16 (default), fp16, fp8, fp32")(
       "optimizer", po::value<std::string>(), "adam (default) or sgd (with momentum)")(
       "layers-per-stage", po::value<std::string>(),
@@ -179,6 +182,9 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   }
   if (vm.count("sequence-parallel") && vm["sequence-parallel"].as<bool>()) {
     p.sequence_parallel = true;
+  }
+  if (vm.count("no-overlap-grad-reduce") && vm["no-overlap-grad-reduce"].as<bool>()) {
+    p.overlap_grad_reduce = false;
   }
   if (vm.count("layers-per-stage")) {
     p.layers_per_stage = parse_layers_per_stage(vm["layers-per-stage"].as<std::string>());

@@ -44,7 +44,8 @@ DeviceSpec device_from_json(const json& j, const std::string& file) {
   d.memory_bw_bytes_per_s = r.figure("memory_bw_bytes_per_s");
   d.intra_node_bw_bytes_per_s = r.figure("intra_node_bw_bytes_per_s");
   const JsonReader eff = r.object("efficiency");
-  eff.expect_only({"gemm", "attention", "memory_bw", "launch_overhead_s"});
+  eff.expect_only(
+      {"gemm", "attention", "memory_bw", "launch_overhead_s", "intra_node_bw", "gemm_waves"});
   auto fraction = [&](std::string_view key) {
     Figure f = eff.figure(key);
     if (f.value > 1.0) eff.fail(key, fmt::format("expected a fraction in (0, 1], got {}", f.value));
@@ -54,6 +55,14 @@ DeviceSpec device_from_json(const json& j, const std::string& file) {
   d.efficiency.attention = fraction("attention");
   d.efficiency.memory_bw = fraction("memory_bw");
   d.efficiency.launch_overhead_s = eff.figure("launch_overhead_s", /*allow_zero=*/true);
+  if (eff.has("intra_node_bw")) d.efficiency.intra_node_bw = fraction("intra_node_bw");
+  if (eff.has("gemm_waves")) {
+    const JsonReader w = eff.object("gemm_waves");
+    w.expect_only({"sm_count", "tile_m", "tile_n", "source"});
+    d.efficiency.gemm_waves = GemmWaves{w.positive_int_up_to("sm_count", 1 << 16),
+                                        w.positive_int_up_to("tile_m", 1 << 16),
+                                        w.positive_int_up_to("tile_n", 1 << 16), w.string("source")};
+  }
   d.power_w = r.optional_figure("power_w");
   return d;
 }

@@ -2,6 +2,7 @@
 // per precision, memory, bandwidths and default efficiencies, each figure with its source.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
@@ -14,11 +15,25 @@
 
 namespace dtsim::cluster {
 
+// Wave quantization of a GEMM (NVIDIA, "Matrix Multiplication Background User's Guide", Wave
+// Quantization): the output is cut into tile_m x tile_n tiles, one thread block each, and
+// sm_count of them run at a time; a last, partly filled wave takes as long as a full one.
+struct GemmWaves {
+  std::int64_t sm_count = 0;
+  std::int64_t tile_m = 0;
+  std::int64_t tile_n = 0;
+  std::string source;
+};
+
 struct DeviceEfficiency {
   Figure gemm;               // fraction of dense peak reached by large matrix multiplications
   Figure attention;          // fraction of dense peak reached by the attention core
   Figure memory_bw;          // fraction of HBM bandwidth reached by element-wise kernels
   Figure launch_overhead_s;  // fixed time per kernel
+  // Fraction of the scale-up link bandwidth that collectives reach (absent: all of it).
+  std::optional<Figure> intra_node_bw;
+  // Absent: GEMMs run at `gemm` whatever their shape.
+  std::optional<GemmWaves> gemm_waves;
 };
 
 struct DeviceSpec {

@@ -71,6 +71,11 @@ std::string_view to_string(Transport t) {
   return kTransportNames.name(t);
 }
 
+void use_device_link(IntraNode& intra, const DeviceSpec& device) {
+  intra.bw_bytes_per_s = device.intra_node_bw_bytes_per_s;
+  intra.bw_efficiency = device.efficiency.intra_node_bw.value_or(IntraNode{}.bw_efficiency);
+}
+
 Cluster cluster_from_json(const json& j, const std::string& file) {
   const JsonReader r(j, file);
   r.expect_only({"name", "description", "source", "device", "nodes", "devices_per_node",
@@ -98,8 +103,11 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   const JsonReader intra = r.object("intra_node");
   intra.expect_only({"fabric", "bw_bytes_per_s", "latency_s", "note"});
   c.intra.fabric = kIntraNames.parse(intra, "fabric");
-  c.intra.bw_bytes_per_s = intra.has("bw_bytes_per_s") ? intra.figure("bw_bytes_per_s")
-                                                       : c.device.intra_node_bw_bytes_per_s;
+  if (intra.has("bw_bytes_per_s")) {
+    c.intra.bw_bytes_per_s = intra.figure("bw_bytes_per_s");
+  } else {
+    use_device_link(c.intra, c.device);
+  }
   c.intra.latency_s = intra.figure("latency_s");
 
   const JsonReader inter = r.object("inter_node");

@@ -25,8 +25,16 @@ inline constexpr std::int64_t kMaxDevices = std::int64_t{1} << 24;
 struct IntraNode {
   IntraFabric fabric = IntraFabric::NvSwitch;
   Figure bw_bytes_per_s;  // per device, per direction
+  // The fraction of bw_bytes_per_s that collectives reach: the device catalog's
+  // efficiency.intra_node_bw when the link rate is the device's, else 1.
+  Figure bw_efficiency{1.0, "none given: collectives reach the link rate"};
   Figure latency_s;
+  // What the network models use.
+  double effective_bw() const { return bw_bytes_per_s.value * bw_efficiency.value; }
 };
+
+// The device's own scale-up link: its rate and the fraction of it collectives reach.
+void use_device_link(IntraNode& intra, const DeviceSpec& device);
 
 struct InterNode {
   InterFabric fabric = InterFabric::None;

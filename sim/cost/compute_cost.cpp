@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "sim/common/error.hpp"
 
@@ -20,6 +21,7 @@ ComputeCost::ComputeCost(const model::ModelGraph& graph, const plan::Plan& plan,
       attention_eff_(device.efficiency.attention.value),
       hbm_bw_(device.memory_bw_bytes_per_s.value * device.efficiency.memory_bw.value),
       launch_s_(device.efficiency.launch_overhead_s.value),
+      waves_(device.efficiency.gemm_waves),
       profile_(profile) {
   if (profile_ != nullptr) {
     if (profile_->precision != plan.precision) {
@@ -49,6 +51,42 @@ ComputeCost::ComputeCost(const model::ModelGraph& graph, const plan::Plan& plan,
 double ComputeCost::divisor(const model::Op& op) const {
   const bool tp_split = op.tp_split != model::TpSplit::None || plan_.sequence_parallel;
   return static_cast<double>(plan_.cp) * (tp_split ? plan_.tp : 1);
+}
+
+double ComputeCost::wave_factor(const model::Op& op, Phase phase) const {
+  if (!waves_ || op.gemm_m <= 0 || op.expert) return 1.0;
+  // The rank's share of the forward GEMM (m x k) by (k x n): context parallelism splits the
+  // tokens, column-parallel layers the outputs, row-parallel layers the inputs.
+  const double m = op.gemm_m / plan_.cp;
+  double n = op.gemm_n, k = op.gemm_k;
+  if (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab) n /= plan_.tp;
+  if (op.tp_split == model::TpSplit::Row) k /= plan_.tp;
+  // Useful outputs over the outputs of the waves run: tiles cover the output matrix (the
+  // padding of edge tiles is tile quantization) and run sm_count at a time.
+  const auto efficiency = [&](double rows, double cols) {
+    const double tm = static_cast<double>(waves_->tile_m);
+    const double tn = static_cast<double>(waves_->tile_n);
+    const double sms = static_cast<double>(waves_->sm_count);
+    const double tiles = std::ceil(rows / tm) * std::ceil(cols / tn);
+    return rows * cols / (std::ceil(tiles / sms) * sms * tm * tn);
+  };
+  // Forward writes m x n; the input gradient (m x n)(n x k) writes m x k; the weight gradient
+  // (k x m)(m x n) writes k x n. Each backward GEMM has half the backward FLOPs.
+  switch (phase) {
+    case Phase::Forward:
+    case Phase::Recompute:
+      return 1.0 / efficiency(m, n);
+    case Phase::Backward:
+      return 0.5 / efficiency(m, k) + 0.5 / efficiency(k, n);
+    case Phase::BackwardInput:
+      return 1.0 / efficiency(m, k);
+    case Phase::BackwardWeight:
+      return 1.0 / efficiency(k, n);
+    case Phase::Optimizer:
+    case Phase::None:
+      return 1.0;
+  }
+  return 1.0;
 }
 
 double ComputeCost::op_flops(const model::Op& op, Phase phase) const {
@@ -104,7 +142,8 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
   }
   const bool attention = op.kind == OpKind::AttentionCore;
   const double eff = attention ? attention_eff_ : gemm_eff_;
-  double compute_s = flops > 0 ? flops / (peak_flops_ * eff) : 0.0;
+  double compute_s = flops > 0 ? flops / (peak_flops_ * eff) * wave_factor(op, phase) : 0.0;
+  // A profile's GEMM times were measured: they hold whatever quantization the shapes had.
   if (profile_ != nullptr && flops > 0 && op.gemm_m > 0) compute_s = profile_->gemm_seconds(flops);
   const double memory_s = bytes / hbm_bw_;
   return std::max(compute_s, memory_s) + launch_s_ * kernels;

@@ -45,6 +45,9 @@ class ComputeCost {
 
  private:
   double divisor(const model::Op& op) const;
+  // How much longer than at the catalog's GEMM efficiency a GEMM op takes in `phase` on one
+  // rank, from the device's wave quantization (1 without gemm_waves in the catalog).
+  double wave_factor(const model::Op& op, lower::Phase phase) const;
   // An op kind's name in a profile's "ops" table ("" for GEMMs and kinds it does not list).
   std::string profile_key(model::OpKind kind) const;
   static constexpr int kOpKinds = static_cast<int>(model::OpKind::Loss) + 1;
@@ -61,6 +64,7 @@ class ComputeCost {
   double attention_eff_;
   double hbm_bw_;
   double launch_s_;
+  std::optional<cluster::GemmWaves> waves_;
   const Profile* profile_;
   std::map<std::tuple<std::int32_t, std::int32_t, lower::Phase>, double> memo_;
 };

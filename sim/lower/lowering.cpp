@@ -572,6 +572,10 @@ class Lowerer {
     std::vector<TaskId> dp_tasks;
     std::vector<TaskId> embedding_grads_done;  // final backward of the embedding / tied head
     std::vector<TaskId> final_grads_done;      // final backward of each chunk
+    // Without overlap, the gradients of each pass that reduces them, held until the backward
+    // passes end: (micro-batch, ops in the order backward produced them).
+    std::vector<std::pair<int, std::vector<OpId>>> held_grads;
+    TaskId last_compute = -1;
     // ZeRO-3: weights of pass i are gathered while pass i-1 runs (after its first task, ahead of
     // its gradient buckets on the data-parallel stream).
     TaskId weights = -1;
@@ -670,7 +674,12 @@ class Lowerer {
         weights = gather_weights(items[static_cast<std::size_t>(passes[i + 1].chunk)],
                                  passes[i + 1], first_of_pass);
       }
-      if (per_micro_batch_grads || last_micro_batch_grads) {
+      if (pass_end >= 0) last_compute = pass_end;
+      if ((per_micro_batch_grads || last_micro_batch_grads) && !plan_.overlap_grad_reduce) {
+        std::vector<OpId> ops;
+        for (const auto& [op, task] : produced) ops.push_back(op);
+        if (!ops.empty()) held_grads.emplace_back(pass.micro_batch, std::move(ops));
+      } else if (per_micro_batch_grads || last_micro_batch_grads) {
         // Buckets go out as soon as this pass's gradients exist.
         for (TaskId t : grad_buckets(produced, pass.micro_batch)) dp_tasks.push_back(t);
       }
@@ -681,6 +690,13 @@ class Lowerer {
       if (last_micro_batch_grads && pass.kind != PassKind::Forward) {
         final_grads_done.push_back(pass_end);
       }
+    }
+
+    // Without overlap every bucket waits for the rank's last backward task.
+    for (const auto& [micro_batch, ops] : held_grads) {
+      std::vector<std::pair<OpId, TaskId>> produced;
+      for (OpId op : ops) produced.emplace_back(op, last_compute);
+      for (TaskId t : grad_buckets(produced, micro_batch)) dp_tasks.push_back(t);
     }
 
     // Tied embeddings across stages: the first and the last stage each hold the embedding

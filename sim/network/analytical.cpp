@@ -73,7 +73,7 @@ class Analytical final : public NetworkModel {
   // RoCE ports) a rank's links are spread over its devices_per_node - 1 peers, and a group of
   // k ranks uses the k - 1 links to its members.
   double intra_bw(int k) const {
-    const double bw = c_.intra.bw_bytes_per_s.value;
+    const double bw = c_.intra.effective_bw();
     const auto f = c_.intra.fabric;
     const bool mesh = f == cluster::IntraFabric::NvlinkMesh || f == cluster::IntraFabric::Xgmi ||
                       f == cluster::IntraFabric::RoceMesh;
@@ -89,7 +89,7 @@ class Analytical final : public NetworkModel {
       return Link{inter.link_bw_bytes_per_s.value, inter.latency_s.value};
     }
     if (inter.fabric == cluster::InterFabric::None) {
-      return Link{c_.intra.bw_bytes_per_s.value, c_.intra.latency_s.value};
+      return Link{c_.intra.effective_bw(), c_.intra.latency_s.value};
     }
     const double node_bw =
         static_cast<double>(inter.nics_per_node) * inter.nic_bw_bytes_per_s.value;

@@ -75,7 +75,7 @@ PlatformSpec build_platform(const cluster::Cluster& c,
     spec.links.push_back({std::move(name), bw, lat});
     return spec.links.size() - 1;
   };
-  const double port_bw = c.intra.bw_bytes_per_s.value;
+  const double port_bw = c.intra.effective_bw();
   const double port_lat = c.intra.latency_s.value / 2;
   std::vector<std::size_t> tx(static_cast<std::size_t>(n)), rx(static_cast<std::size_t>(n));
   for (std::int64_t d = 0; d < n; ++d) {

@@ -85,6 +85,7 @@ std::string summary(const Plan& p) {
   if (p.zero_stage > 0) s += fmt::format(" zero={}", p.zero_stage);
   if (p.recompute != Recompute::None) s += fmt::format(" recompute={}", to_string(p.recompute));
   if (p.sequence_parallel) s += " sp";
+  if (!p.overlap_grad_reduce) s += " no-overlap-grad-reduce";
   s += fmt::format(" {}", to_string(p.precision));
   return s;
 }
@@ -281,6 +282,7 @@ json to_json(const Plan& p) {
             {"zero_stage", p.zero_stage},
             {"recompute", to_string(p.recompute)},
             {"sequence_parallel", p.sequence_parallel},
+            {"overlap_grad_reduce", p.overlap_grad_reduce},
             {"precision", to_string(p.precision)},
             {"optimizer", to_string(p.optimizer)},
             {"order", cluster::Placement::to_string(p.order)}};
@@ -292,7 +294,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
   const JsonReader r(j, file);
   r.expect_only({"dp", "tp", "pp", "cp", "ep", "micro_batch_size", "global_batch_size", "seq_len",
                  "schedule", "virtual_stages", "zero_stage", "recompute", "sequence_parallel",
-                 "precision", "optimizer", "layers_per_stage", "order"});
+                 "overlap_grad_reduce", "precision", "optimizer", "layers_per_stage", "order"});
   Plan p;
   auto degree = [&](std::string_view key, int fallback) {
     return static_cast<int>(r.positive_int_up_to_or(key, kMaxDegree, fallback));
@@ -322,6 +324,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
     parse_recompute(r.choice("recompute", {"none", "selective", "full"}), p.recompute);
   }
   p.sequence_parallel = r.boolean_or("sequence_parallel", false);
+  p.overlap_grad_reduce = r.boolean_or("overlap_grad_reduce", true);
   if (r.has("precision")) {
     p.precision = *parse_precision(r.choice("precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));
   }

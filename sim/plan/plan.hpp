@@ -39,6 +39,10 @@ struct Plan {
   int zero_stage = 0;
   Recompute recompute = Recompute::None;
   bool sequence_parallel = false;
+  // Data-parallel gradient reduction overlapped with the backward pass (PyTorch DDP; Megatron-LM
+  // --overlap-grad-reduce). False: it starts after the last backward pass, as Megatron-LM did in
+  // 2021 (megatron/training.py, train_step: allreduce_gradients after forward_backward_func).
+  bool overlap_grad_reduce = true;
   Precision precision = Precision::Bf16;
   Optimizer optimizer = Optimizer::Adam;
   // Transformer blocks per model chunk (pp x virtual_stages entries), empty = even split.

@@ -66,6 +66,30 @@ TEST_CASE("bad device files are rejected naming file and field", "[cluster][cata
     DTSIM_REQUIRE_THROWS_CONTAINING(load_device(f.path()), InputError,
                                     "dev.json: efficiency.gemm: expected a fraction in (0, 1]");
   }
+  SECTION("a link efficiency above 1") {
+    auto j = valid_device();
+    j["efficiency"]["intra_node_bw"] = {{"value", 1.2}, {"source", "s"}};
+    dtsim::test::TempFile f("dev.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        load_device(f.path()), InputError,
+        "dev.json: efficiency.intra_node_bw: expected a fraction in (0, 1]");
+  }
+  SECTION("GEMM waves without a tile size or source") {
+    auto j = valid_device();
+    j["efficiency"]["gemm_waves"] = {{"sm_count", 108}, {"tile_m", 256}, {"source", "s"}};
+    dtsim::test::TempFile f("dev.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_device(f.path()), InputError,
+                                    "dev.json: efficiency.gemm_waves.tile_n: required field");
+    j["efficiency"]["gemm_waves"] = {{"sm_count", 0}, {"tile_m", 256}, {"tile_n", 128},
+                                     {"source", "s"}};
+    dtsim::test::TempFile g("dev.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_device(g.path()), InputError,
+                                    "efficiency.gemm_waves.sm_count: expected a positive integer");
+    j["efficiency"]["gemm_waves"] = {{"sm_count", 108}, {"tile_m", 256}, {"tile_n", 128}};
+    dtsim::test::TempFile h("dev.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_device(h.path()), InputError,
+                                    "efficiency.gemm_waves.source: required field");
+  }
   SECTION("a figure without a source") {
     auto j = valid_device();
     j["memory_bytes"].erase("source");

@@ -88,6 +88,38 @@ TEST_CASE("DDP bucketing hides the gradient all-reduce behind backward", "[engin
         Approx(a.breakdown.exposed_dp_s - b.breakdown.exposed_dp_s).epsilon(1e-6));
 }
 
+TEST_CASE("without overlap the gradient reduction follows the whole backward pass",
+          "[engine][ddp]") {
+  // Same case as above; Megatron-LM's 2021 order: all-reduce after the last backward pass.
+  Plan p = blank();
+  p.micro_batch_size = 4;
+  p.global_batch_size = 4 * 32;
+  const auto overlapped = run("llama2-7b", "default", p);
+  p.overlap_grad_reduce = false;
+  const auto after = run("llama2-7b", "default", p);
+  const auto& times = after.timeline.tasks[0];
+  const auto& tasks = after.program.ranks[0].tasks;
+  REQUIRE(times.size() == tasks.size());
+  double last_backward_end = 0, first_bucket_start = 1e30;
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    if (tasks[i].phase == dtsim::lower::Phase::Backward) {
+      last_backward_end = std::max(last_backward_end, times[i].end_s);
+    }
+    if (tasks[i].stream == dtsim::lower::Stream::Dp) {
+      first_bucket_start = std::min(first_bucket_start, times[i].start_s);
+    }
+  }
+  REQUIRE(last_backward_end > 0);
+  CHECK(first_bucket_start >= last_backward_end);
+  // Nothing hidden: the step grows by the reduction the overlapped run hid.
+  INFO("exposed dp: overlapped " << overlapped.prediction.breakdown.exposed_dp_s
+                                 << " s, after backward "
+                                 << after.prediction.breakdown.exposed_dp_s << " s");
+  CHECK(after.prediction.breakdown.exposed_dp_s >
+        10 * overlapped.prediction.breakdown.exposed_dp_s);
+  CHECK(after.prediction.step_time_s > overlapped.prediction.step_time_s);
+}
+
 TEST_CASE("the breakdown covers the whole step", "[engine]") {
   Plan p = blank();
   p.tp = 4;

@@ -162,6 +162,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   p.zero_stage = 1;
   p.recompute = dtsim::plan::Recompute::Selective;
   p.sequence_parallel = true;
+  p.overlap_grad_reduce = false;
   p.layers_per_stage = {10, 10, 10, 10};
   const Plan q = dtsim::plan::plan_from_json(dtsim::plan::to_json(p), "p.json");
   CHECK(dtsim::plan::to_json(q) == dtsim::plan::to_json(p));
@@ -179,6 +180,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   bad(R"({"dp": 2, "tp": )", "plan.json: malformed JSON");
   bad(R"({"order": 3})", "plan.json: order: expected a string, got 3");
   bad(R"({"sequence_parallel": "yes"})", "plan.json: sequence_parallel: expected true or false");
+  bad(R"({"overlap_grad_reduce": 0})", "plan.json: overlap_grad_reduce: expected true or false");
   bad(R"({"zero_stage": 4})", "plan.json: zero_stage: expected 0, 1, 2 or 3, got 4");
   bad(R"({"schedule": "looped"})", "schedule: expected one of gpipe, 1f1b, interleaved");
   bad(R"({"order": "tp-dp"})", "plan.json: order: ");
