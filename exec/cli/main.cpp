@@ -647,8 +647,10 @@ int calibrate(const std::vector<std::string>& args) {
   options.gemm_threads = ranks > 1 ? 1 : 0;  // as dtexec run sets them
   if (mpi) options.sync = [&mpi] { mpi->barrier(); };
   auto profile = dtsim::exec::cpu::calibrate(options);
-  if (mpi)
+  if (mpi) {
     profile["collectives"] = dtsim::exec::cpu::measure_collectives(*mpi, options.quick, repeats);
+    profile["jitter_cv"] = mpi->mean(profile.at("jitter_cv").get<double>());
+  }
   if (rank != 0) return 0;
   const std::string path = vm["out"].as<std::string>();
   std::ofstream file(path);
@@ -688,9 +690,11 @@ int calibrate(const std::vector<std::string>& args) {
     }
   }
   std::cout << fmt::format(
-      "\nmemory bandwidth {:.1f} GB/s, tiny kernel {:.2f} us\nprofile written to {}\n",
+      "\nmemory bandwidth {:.1f} GB/s, tiny kernel {:.2f} us, compute jitter {:.1f}% (std/mean)\n"
+      "profile written to {}\n",
       profile.at("memory_bw_bytes_per_s").get<double>() / 1e9,
-      profile.at("launch_overhead_s").get<double>() * 1e6, path);
+      profile.at("launch_overhead_s").get<double>() * 1e6,
+      100 * profile.at("jitter_cv").get<double>(), path);
   if (vm.count("cluster-out")) {
     std::cout << fmt::format(
         "cluster written to {}/cpu-host.json (use --cluster {}/cpu-host.json)\n",

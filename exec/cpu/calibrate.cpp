@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <ctime>
 #include <fstream>
 #include <functional>
@@ -295,6 +296,50 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
     const double s = median_of(repeats, [&] { matmul_forward(c, a, b, {}, m, k, n); });
     gemm.push_back({{"m", m}, {"n", n}, {"k", k}, {"seconds", s}});
   }
+  // Jitter: the spread of one compute segment's time, timed again and again (every rank at
+  // once under mpirun, after a barrier). The segment is the calibration model's largest forward
+  // GEMM, about what a rank computes between two collectives, repeated to last at least 1 ms.
+  // The spread is robust to the odd preempted sample: 1.4826 x the median absolute deviation
+  // (the standard deviation, were the times normal) over the median.
+  double jitter_cv = 0;
+  {
+    std::array<int, 3> big{0, 0, 0};
+    for (model::OpId id = 0; id < graph.size(); ++id) {
+      const model::Op& op = graph.op(id);
+      if (op.gemm_m <= 0 || op.layer < 0 || op.layer >= spec.layers) continue;
+      if (op.fwd_flops > 2.0 * big[0] * big[1] * big[2]) {
+        big = {static_cast<int>(op.gemm_m), static_cast<int>(op.gemm_k),
+               static_cast<int>(op.gemm_n)};
+      }
+    }
+    const auto [m, k, n] = big;
+    if (m > 0) {
+      const auto a = random_buffer(static_cast<std::size_t>(m) * k, 20);
+      const auto b = random_buffer(static_cast<std::size_t>(k) * n, 21);
+      std::vector<float> c(static_cast<std::size_t>(m) * n);
+      const auto t0 = std::chrono::steady_clock::now();
+      matmul_forward(c, a, b, {}, m, k, n);
+      const double once =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const int inner = static_cast<int>(std::clamp(1e-3 / std::max(once, 1e-9), 1.0, 1e5));
+      std::vector<double> t;
+      for (int r = 0; r < std::max(20, 6 * repeats); ++r) {
+        g_sync();
+        const auto start = std::chrono::steady_clock::now();
+        for (int i = 0; i < inner; ++i) matmul_forward(c, a, b, {}, m, k, n);
+        t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+      auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+      };
+      const double mid = median(t);
+      std::vector<double> dev;
+      for (double x : t) dev.push_back(std::abs(x - mid));
+      // Below 1 (the profile's limit): past that a normal spread means nothing anyway.
+      jitter_cv = std::min(1.4826 * median(dev) / mid, 0.99);
+    }
+  }
   json ops = time_ops(graph, repeats);
   {
     // AdamW over a buffer of 1M parameters (4M quick: 256k): 28 bytes per parameter.
@@ -336,7 +381,8 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
       {"gemm", gemm},
       {"ops", ops},
       {"memory_bw_bytes_per_s", bw},
-      {"launch_overhead_s", tiny_s}};
+      {"launch_overhead_s", tiny_s},
+      {"jitter_cv", jitter_cv}};
 }
 
 }  // namespace dtsim::exec::cpu

@@ -6,7 +6,10 @@
 //   forward and backward, as a rate of the model graph's own measure of its work (FLOP/s for
 //   the attention core, bytes/s of the graph's byte counts for norms, activations, residual
 //   adds, embedding, loss) and the optimizer's bytes/s (28 bytes per parameter);
-// - streaming memory bandwidth and the fixed cost of a tiny kernel.
+// - streaming memory bandwidth and the fixed cost of a tiny kernel;
+// - jitter_cv: the spread of a compute segment's time over many runs (1.4826 x median absolute
+//   deviation / median), which the simulator's straggler model uses (the caller averages it
+//   over ranks).
 // Times are medians of `repeats` runs. Under mpirun every rank measures at the same time (one
 // GEMM thread each, as `dtexec run` does), so that the rates include the sharing of cores and
 // memory that a multi-rank run sees; the caller adds the collectives.

@@ -354,6 +354,12 @@ void MpiSession::barrier() const {
   check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
 }
 
+double MpiSession::mean(double value) const {
+  double sum = 0;
+  check(MPI_Allreduce(&value, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD), "MPI_Allreduce");
+  return sum / size_;
+}
+
 void MpiSession::abort(int code) const {
   MPI_Abort(MPI_COMM_WORLD, code);
   std::abort();

@@ -31,6 +31,8 @@ class MpiSession {
   // Ends every rank of the job with `code` (for a failure that may leave peers waiting).
   [[noreturn]] void abort(int code) const;
   void barrier() const;
+  // The mean of `value` over all ranks (every rank gets it).
+  double mean(double value) const;
 
  private:
   int rank_ = 0, size_ = 1;

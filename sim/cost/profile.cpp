@@ -45,7 +45,8 @@ Profile load_profile(const std::string& path) {
   const nlohmann::json j = JsonReader::parse_file(path);
   const JsonReader r(j, path);
   r.expect_only({"device", "source", "precision", "gemm", "memory_bw_bytes_per_s",
-                 "launch_overhead_s", "collectives", "notes", "ops", "ranks_per_host"});
+                 "launch_overhead_s", "collectives", "notes", "ops", "ranks_per_host",
+                 "jitter_cv"});
   Profile p;
   p.file = path;
   p.device = r.string("device");
@@ -69,6 +70,13 @@ Profile load_profile(const std::string& path) {
   if (r.has("memory_bw_bytes_per_s"))
     p.memory_bw_bytes_per_s = r.positive_number("memory_bw_bytes_per_s");
   if (r.has("launch_overhead_s")) p.launch_overhead_s = r.non_negative_number("launch_overhead_s");
+  if (r.has("jitter_cv")) {
+    p.jitter_cv = r.non_negative_number("jitter_cv");
+    if (*p.jitter_cv >= 1) {
+      r.fail("jitter_cv", fmt::format("expected a coefficient of variation below 1, got {}",
+                                      *p.jitter_cv));
+    }
+  }
   if (r.has("ops")) {
     const auto& ops = r.raw().at("ops");
     if (!ops.is_array()) r.fail("ops", "expected an array of {\"op\", \"phase\", rate} entries");

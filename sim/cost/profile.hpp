@@ -12,7 +12,10 @@
 //            {"op": "layernorm", "phase": "bwd", "bytes_per_s": 5e9, ...},
 //            {"op": "optimizer", "phase": "step", "bytes_per_s": 6e9, ...} ],   (optional)
 //   "collectives": [ {"kind": "all_reduce", "ranks": 2, "bytes": 4096, "seconds": 3e-6, ...} ],
-//   "ranks_per_host": 2                     how many ranks measured at once (informative)
+//   "ranks_per_host": 2,                    how many ranks measured at once (informative)
+//   "jitter_cv": 0.05                       spread of a compute segment's time across runs and
+//                                           ranks (a coefficient of variation, below 1), for the
+//                                           straggler model (optional)
 // }
 // "ops" gives measured rates of the non-GEMM ops in the model graph's own units: FLOP/s of
 // the graph's FLOPs for the attention core, bytes/s of the graph's bytes for the others (ops:
@@ -49,6 +52,8 @@ struct Profile {
   std::vector<GemmSample> gemm;  // sorted by FLOPs
   std::optional<double> memory_bw_bytes_per_s;
   std::optional<double> launch_overhead_s;
+  // Coefficient of variation of compute time (engine/engine.hpp, stragglers).
+  std::optional<double> jitter_cv;
   struct OpRate {
     double rate = 0;     // per second
     bool flops = false;  // FLOP/s (else bytes/s)

@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <map>
+#include <mutex>
+#include <numbers>
 #include <queue>
 #include <tuple>
 
@@ -26,9 +29,11 @@ struct Event {
 
 class Engine {
  public:
-  Engine(const lower::Program& program, Durations& durations)
-      : program_(program), durations_(durations) {
+  Engine(const lower::Program& program, Durations& durations, const EngineOptions& options)
+      : program_(program), durations_(durations), jitter_cv_(options.jitter_cv) {
     const std::size_t n = program.ranks.size();
+    compute_total_.assign(n, 0.0);
+    synced_at_.resize(n);
     pending_.resize(n);
     dependents_.resize(n);
     eligible_.resize(n);
@@ -105,9 +110,12 @@ class Engine {
     eligible_[static_cast<std::size_t>(p)][static_cast<std::size_t>(t)] = now;
     const Task& k = task(p, t);
     switch (k.kind) {
-      case TaskKind::Compute:
-        schedule(p, t, now, now + durations_.compute_s(k));
+      case TaskKind::Compute: {
+        const double d = durations_.compute_s(k);
+        compute_total_[static_cast<std::size_t>(p)] += d;
+        schedule(p, t, now, now + d);
         break;
+      }
       case TaskKind::Collective:
         arrive(p, t, now);
         break;
@@ -152,8 +160,24 @@ class Engine {
     r.start_s = std::max(r.start_s, now);
     r.members.emplace_back(p, t);
     if (r.members.size() < g.programs.size()) return;
-    const double end = r.start_s + durations_.collective_s(g, k);
-    for (const auto& [mp, mt] : r.members) schedule(mp, mt, r.start_s, end);
+    // Stragglers: the slowest of the group's ranks (not programs: a representative stands for
+    // several) arrives late by the spread of the compute its members did since their last sync.
+    double wait = 0;
+    if (jitter_cv_ > 0) {
+      double since = 0;
+      for (const auto& [mp, mt] : r.members) {
+        const auto i = static_cast<std::size_t>(mp);
+        const auto it = synced_at_[i].find(k.group);
+        since = std::max(since, compute_total_[i] - (it == synced_at_[i].end() ? 0 : it->second));
+      }
+      wait = jitter_cv_ * expected_max_normal(static_cast<std::int64_t>(g.ranks.size())) * since;
+    }
+    const double end = r.start_s + wait + durations_.collective_s(g, k);
+    for (const auto& [mp, mt] : r.members) {
+      schedule(mp, mt, r.start_s, end);
+      const auto i = static_cast<std::size_t>(mp);
+      synced_at_[i][k.group] = compute_total_[i];
+    }
     collectives_.erase({k.group, seq});
   }
 
@@ -167,6 +191,11 @@ class Engine {
 
   const lower::Program& program_;
   Durations& durations_;
+  double jitter_cv_;
+  // The straggler model, per program: compute seconds issued so far, and that total when the
+  // program last completed a collective of each group.
+  std::vector<double> compute_total_;
+  std::vector<std::map<std::int32_t, double>> synced_at_;
   std::vector<std::vector<int>> pending_;
   std::vector<std::vector<std::vector<TaskId>>> dependents_;
   std::vector<std::vector<double>> eligible_;
@@ -186,8 +215,31 @@ class Engine {
 
 }  // namespace
 
-Timeline run(const lower::Program& program, Durations& durations) {
-  return Engine(program, durations).run();
+double expected_max_normal(std::int64_t n) {
+  if (n <= 1) return 0;
+  static std::mutex mutex;
+  static std::map<std::int64_t, double> memo;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = memo.find(n); it != memo.end()) return it->second;
+  // E[max] = integral of x · n·phi(x)·Phi(x)^(n-1) dx; Simpson's rule on [-12, 12], where the
+  // density of the maximum of up to 2^24 normals is negligible outside.
+  const int steps = 24000;
+  const double lo = -12, hi = 12, h = (hi - lo) / steps;
+  const double nd = static_cast<double>(n);
+  auto density = [&](double x) {
+    const double phi = std::exp(-0.5 * x * x) / std::sqrt(2 * std::numbers::pi);
+    const double cdf = 0.5 * std::erfc(-x / std::numbers::sqrt2);
+    return x * nd * phi * std::pow(cdf, nd - 1);
+  };
+  double sum = density(lo) + density(hi);
+  for (int i = 1; i < steps; ++i) sum += density(lo + i * h) * (i % 2 == 1 ? 4 : 2);
+  const double e = sum * h / 3;
+  memo.emplace(n, e);
+  return e;
+}
+
+Timeline run(const lower::Program& program, Durations& durations, const EngineOptions& options) {
+  return Engine(program, durations, options).run();
 }
 
 }  // namespace dtsim::engine

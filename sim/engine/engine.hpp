@@ -4,6 +4,14 @@
 // reached them; a receive completes when the matching send's data has arrived (sends are
 // eager: they do not wait for the receiver, as Megatron-LM posts both sides together).
 // Deterministic: ties in time are broken by the order events were created.
+//
+// Stragglers (EngineOptions::jitter_cv): ranks that run the same compute do not finish it at
+// the same moment. With each rank's compute since the group's previous collective taking
+// T·(1 + e), e normal with standard deviation cv and independent across ranks, the last of the
+// group's n ranks arrives E[max of n standard normals]·cv·T after the average one. A collective waits
+// that long before it starts (its members' tasks span the wait, as a measured trace shows it).
+// An approximation: real noise is neither normal nor independent, and receives (two ranks)
+// are not delayed.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +41,16 @@ class Durations {
   virtual double p2p_s(std::int64_t src_rank, std::int64_t dst_rank, std::uint64_t bytes) = 0;
 };
 
+struct EngineOptions {
+  // Coefficient of variation of a rank's compute time between two collectives (0: none).
+  double jitter_cv = 0;
+};
+
+// E[max of n independent standard normal variables] (0 for n = 1; 0.5642 for n = 2).
+double expected_max_normal(std::int64_t n);
+
 // Throws InternalError naming a stuck task if the program cannot finish (a lowering bug).
-Timeline run(const lower::Program& program, Durations& durations);
+Timeline run(const lower::Program& program, Durations& durations,
+             const EngineOptions& options = {});
 
 }  // namespace dtsim::engine

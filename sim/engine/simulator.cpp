@@ -163,7 +163,10 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   const bool one_node = cluster.nodes == 1;
   ModelDurations durations(compute, network,
                            options.profile != nullptr && one_node ? options.profile : nullptr);
-  sim.timeline = run(sim.program, durations);
+  EngineOptions engine;
+  engine.jitter_cv = options.jitter_cv.value_or(
+      options.profile != nullptr ? options.profile->jitter_cv.value_or(0.0) : 0.0);
+  sim.timeline = run(sim.program, durations, engine);
 
   Prediction& p = sim.prediction;
   p.network = network.name();
@@ -208,6 +211,12 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
     p.notes.push_back(
         "pipedream: asynchronous steady state (no flush); step time excludes the "
         "one-time pipeline fill and drain");
+  }
+  if (engine.jitter_cv > 0) {
+    p.notes.push_back(fmt::format(
+        "stragglers: compute time spread {:.1f}% (std/mean, {}); each collective waits for the "
+        "slowest of its ranks, modelled as independent normal spreads (an approximation)",
+        100 * engine.jitter_cv, options.jitter_cv ? "--jitter-cv" : "the profile's jitter_cv"));
   }
 
   const double micro_batches_global =

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,9 @@ struct SimulateOptions {
   lower::LowerOptions lower;
   plan::MemoryOptions memory;
   const cost::Profile* profile = nullptr;  // calibration profile for the compute cost
+  // Straggler model (engine/engine.hpp): the spread of compute times; unset: the profile's
+  // jitter_cv, else none.
+  std::optional<double> jitter_cv;
 };
 
 struct Simulation {

@@ -66,6 +66,12 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
   bad(R"({"device": "x", "source": "s", "gemm": [{"m": 0, "n": 1, "k": 1, "seconds": 1}]})",
       "gemm[0].m: expected a positive integer, got 0");
   bad(R"({"source": "s", "gemm": []})", "bad_profile.json: device: required field is missing");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "jitter_cv": 1.5})",
+      "bad_profile.json: jitter_cv: expected a coefficient of variation below 1, got 1.5");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "jitter_cv": -0.1})",
+      "bad_profile.json: jitter_cv: expected a number >= 0, got -0.1");
 }
 
 TEST_CASE("measured op rates price the non-GEMM ops in the graph's own units", "[cost][profile]") {

@@ -1,0 +1,85 @@
+// The straggler model of the engine: a collective waits E[max of n normals]·cv·T for its
+// slowest rank, T the compute its members did since the group's previous collective.
+#include <cmath>
+#include <numbers>
+
+#include "sim/engine/engine.hpp"
+#include "tests/test_util.hpp"
+
+using dtsim::lower::Task;
+using dtsim::lower::TaskKind;
+
+namespace {
+
+// Compute tasks last op_end - op_begin seconds; collectives 0.5 s.
+class Fixed final : public dtsim::engine::Durations {
+ public:
+  double compute_s(const Task& t) override { return t.op_end - t.op_begin; }
+  double collective_s(const dtsim::lower::Group&, const Task&) override { return 0.5; }
+  double p2p_s(std::int64_t, std::int64_t, std::uint64_t) override { return 0; }
+};
+
+Task compute(int seconds, std::vector<dtsim::lower::TaskId> deps) {
+  Task t;
+  t.kind = TaskKind::Compute;
+  t.stream = dtsim::lower::Stream::Compute;
+  t.phase = dtsim::lower::Phase::Forward;
+  t.op_end = seconds;
+  t.deps = std::move(deps);
+  return t;
+}
+
+Task collective(std::int32_t group, std::vector<dtsim::lower::TaskId> deps) {
+  Task t;
+  t.kind = TaskKind::Collective;
+  t.stream = dtsim::lower::Stream::Tp;
+  t.group = group;
+  t.deps = std::move(deps);
+  return t;
+}
+
+// One representative program standing for `ranks` ranks of one tp group: compute 1 s,
+// all-reduce, compute 2 s, all-reduce.
+dtsim::lower::Program two_syncs(int ranks) {
+  dtsim::lower::Program p;
+  dtsim::lower::Group g;
+  for (int r = 0; r < ranks; ++r) g.ranks.push_back(r);
+  g.programs = {0};
+  p.groups.push_back(g);
+  dtsim::lower::RankProgram rp;
+  rp.represents = g.ranks;
+  rp.tasks = {compute(1, {}), collective(0, {0}), compute(2, {1}), collective(0, {2})};
+  p.ranks.push_back(rp);
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("the expected maximum of n standard normals", "[engine][stragglers]") {
+  CHECK(dtsim::engine::expected_max_normal(1) == 0);
+  // Known values (order statistics of the normal distribution).
+  CHECK(dtsim::engine::expected_max_normal(2) == Approx(1 / std::sqrt(std::numbers::pi)));
+  CHECK(dtsim::engine::expected_max_normal(4) == Approx(1.0293754).epsilon(1e-6));
+  CHECK(dtsim::engine::expected_max_normal(8) == Approx(1.4236003).epsilon(1e-6));
+  CHECK(dtsim::engine::expected_max_normal(1000) == Approx(3.2414).epsilon(1e-4));
+}
+
+TEST_CASE("a collective waits for its slowest rank", "[engine][stragglers]") {
+  Fixed d;
+  const auto program = two_syncs(8);
+  const auto plain = dtsim::engine::run(program, d);
+  CHECK(plain.makespan_s == Approx(1 + 0.5 + 2 + 0.5));
+  dtsim::engine::EngineOptions options;
+  options.jitter_cv = 0.1;
+  const auto t = dtsim::engine::run(program, d, options);
+  // Eight ranks (one program stands for them): the first all-reduce waits 0.1·e(8)·1 s, the
+  // second 0.1·e(8)·2 s (the compute since the first).
+  const double e8 = dtsim::engine::expected_max_normal(8);
+  CHECK(t.tasks[0][1].start_s == Approx(1));
+  CHECK(t.tasks[0][1].end_s == Approx(1 + 0.1 * e8 * 1 + 0.5));
+  CHECK(t.tasks[0][3].end_s - t.tasks[0][3].start_s == Approx(0.1 * e8 * 2 + 0.5));
+  CHECK(t.makespan_s == Approx(plain.makespan_s + 0.1 * e8 * 3));
+  // A group of one rank never waits.
+  const auto alone = dtsim::engine::run(two_syncs(1), d, options);
+  CHECK(alone.makespan_s == Approx(plain.makespan_s));
+}
