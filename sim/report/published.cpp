@@ -1,0 +1,111 @@
+#include "sim/report/published.hpp"
+
+#include <fmt/format.h>
+
+#include <map>
+
+#include "sim/common/error.hpp"
+#include "sim/cost/compute_cost.hpp"
+
+namespace dtsim::report {
+
+LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parallel) {
+  // Megatron's GPT blocks (GELU, LayerNorm, biases) at the 22B layer's size.
+  auto spec = model::load_model("megatron-18.4b");
+  spec.layers = 1;
+  spec.hidden = 6144;
+  spec.heads = 64;
+  spec.kv_heads = 64;
+  spec.head_dim = 96;
+  spec.ffn_hidden = 4 * 6144;
+  plan::Plan plan;
+  plan.tp = 8;
+  plan.micro_batch_size = 4;
+  plan.seq_len = 2048;
+  plan.recompute = recompute;
+  plan.sequence_parallel = sequence_parallel;
+  const model::ModelGraph g(spec, plan.micro_batch_size, plan.seq_len);
+  const auto selene = cluster::with_devices(cluster::load_cluster("selene"), 8);
+  cost::ComputeCost cost(g, plan, selene.device);
+  auto net = network::make_analytical(selene);
+  const lower::Group tp{lower::GroupKind::Tp, {0, 1, 2, 3, 4, 5, 6, 7}, {0}};
+  // The activations of a micro-batch in 16 bits: b·s·h·2 bytes.
+  const std::uint64_t bytes = 4ULL * 2048 * 6144 * 2;
+  using K = lower::CollectiveKind;
+  const double comm = sequence_parallel ? 2 * (net->collective_s(tp, K::AllGather, bytes) +
+                                               net->collective_s(tp, K::ReduceScatter, bytes))
+                                        : 2 * net->collective_s(tp, K::AllReduce, bytes);
+  double fwd = 0, bwd = 0, attention = 0;
+  for (model::OpId id : g.layer_ops(0)) {
+    const auto& op = g.op(id);
+    fwd += cost.op_seconds(op, lower::Phase::Forward);
+    bwd += cost.op_seconds(op, lower::Phase::Backward);
+    if (op.kind == model::OpKind::AttentionCore) {
+      attention = cost.op_seconds(op, lower::Phase::Forward);
+    }
+  }
+  LayerTimes t{fwd + comm, bwd + comm};
+  if (recompute == plan::Recompute::Full) t.backward_s += fwd + comm;
+  if (recompute == plan::Recompute::Selective) t.backward_s += attention;
+  return t;
+}
+
+Table4Setting table4_setting(std::string_view column) {
+  Table4Setting s;
+  if (column.find("full") != std::string_view::npos) {
+    s.recompute = plan::Recompute::Full;
+  } else if (column.find("selective") != std::string_view::npos) {
+    s.recompute = plan::Recompute::Selective;
+  } else if (column.find("none") == std::string_view::npos) {
+    throw InputError(fmt::format("Table 4 recompute column \"{}\": expected none, selective or "
+                                 "full",
+                                 column));
+  }
+  s.sequence_parallel = column.find("no SP") == std::string_view::npos &&
+                        column.find("SP") != std::string_view::npos;
+  return s;
+}
+
+Table1Run megatron_table1_run(const CsvRow& row) {
+  static const std::map<std::string, std::string> names = {
+      {"1.7", "megatron-1.7b"},     {"3.6", "megatron-3.6b"},     {"7.5", "megatron-7.5b"},
+      {"18.4", "megatron-18.4b"},   {"39.1", "megatron-39.1b"},   {"76.1", "megatron-76.1b"},
+      {"145.6", "megatron-145.6b"}, {"310.1", "megatron-310.1b"}, {"529.6", "megatron-529.6b"},
+      {"1008.0", "megatron-1t"}};
+  const auto name = names.find(row.at("params_b"));
+  if (name == names.end()) {
+    throw InputError(fmt::format("Table 1 row {}: no model for {}B parameters", row.at("id"),
+                                 row.at("params_b")));
+  }
+  Table1Run run;
+  run.model = name->second;
+  const auto spec = model::load_model(run.model);
+  const int gpus = std::stoi(row.at("gpus"));
+  const auto cluster = cluster::with_devices(cluster::load_cluster("selene"), gpus);
+  plan::Plan& p = run.plan;
+  p.tp = std::stoi(row.at("tp"));
+  p.pp = std::stoi(row.at("pp"));
+  p.dp = std::stoi(row.at("dp"));
+  p.micro_batch_size = 1;
+  p.global_batch_size = std::stoll(row.at("global_batch"));
+  p.seq_len = std::stoll(row.at("seq_len"));
+  p.recompute = plan::Recompute::Full;
+  p.overlap_grad_reduce = false;
+  if (p.pp > 1) {
+    const int per_stage = static_cast<int>(spec.layers / p.pp);
+    for (int v = 2; v <= per_stage; ++v) {
+      if (per_stage % v == 0) {
+        p.virtual_stages = v;
+        break;
+      }
+    }
+    if (p.virtual_stages > 1) p.schedule = plan::Schedule::Interleaved;
+  }
+  plan::require_valid(p, spec, cluster.devices());
+  const model::ModelGraph g(spec, p.micro_batch_size, p.seq_len);
+  auto net = network::make_analytical(cluster);
+  run.prediction = engine::simulate(g, p, cluster, *net).prediction;
+  return run;
+}
+
+}  // namespace dtsim::report

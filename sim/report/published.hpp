@@ -1,0 +1,45 @@
+// Published experiments re-run through dtsim with catalog defaults and no per-row tuning: the
+// predictions that bench/dtsim_validation prints and the tests check (validation/*.csv).
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "sim/common/csv.hpp"
+#include "sim/engine/simulator.hpp"
+
+namespace dtsim::report {
+
+struct LayerTimes {
+  double forward_s = 0;
+  double backward_s = 0;  // with the recompute, as Table 4 counts it
+};
+
+// Korthikanti et al. 2022, Table 4: one GPT 22B layer (h 6144, 64 heads, sequence 2048,
+// micro-batch 4) on 8 A100 of Selene with tp 8. The compute cost of the layer's ops plus its
+// tensor-parallel collectives: per pass two all-reduces, or with sequence parallelism two
+// all-gathers and two reduce-scatters. Full recompute adds the forward to the backward,
+// selective the attention core's forward.
+LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parallel);
+
+// Table 4's "recompute" column ("none, no SP", "selective + SP", "full, no SP", ...).
+struct Table4Setting {
+  plan::Recompute recompute = plan::Recompute::None;
+  bool sequence_parallel = false;
+};
+Table4Setting table4_setting(std::string_view column);
+
+// Narayanan et al. SC'21, Table 1: one row's run (validation/megatron_sc21_table1.csv, metric
+// achieved_tflops_per_gpu) on Selene. The plan: the paper's tp, pp, dp, global batch and
+// sequence; micro-batch 1; full recompute; interleaved 1F1B with the smallest v >= 2 that
+// gives equal chunks (1F1B without pipelining); pipeline transfers whole (the paper's
+// scatter/gather is not modelled); dp gradients all-reduced after the last backward pass, as
+// Megatron-LM did in 2021 (megatron/training.py, train_step).
+struct Table1Run {
+  std::string model;  // models/<name>.json
+  plan::Plan plan;
+  engine::Prediction prediction;
+};
+Table1Run megatron_table1_run(const CsvRow& row);
+
+}  // namespace dtsim::report

@@ -1,0 +1,37 @@
+// The issue-3 accuracy target that the cost model meets: Korthikanti et al. 2022, Table 4.
+#include "sim/report/published.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "sim/common/error.hpp"
+#include "tests/test_util.hpp"
+
+TEST_CASE("Korthikanti Table 4: one 22B layer's forward and backward within 15%",
+          "[report][validation]") {
+  const auto rows =
+      dtsim::read_csv(dtsim::test::repo_dir() / "validation" / "korthikanti_table4_layer_22b.csv");
+  int checked = 0;
+  std::string table = fmt::format("{:<20} {:<22} {:>10} {:>8} {:>8}\n", "recompute, SP", "metric",
+                                  "predicted", "paper", "error");
+  for (const auto& row : rows) {
+    const std::string metric = row.at("metric");
+    if (metric != "layer_forward_time" && metric != "layer_backward_time") continue;
+    const auto s = dtsim::report::table4_setting(row.at("recompute"));
+    const auto t = dtsim::report::korthikanti_22b_layer(s.recompute, s.sequence_parallel);
+    const double predicted_ms =
+        1e3 * (metric == "layer_forward_time" ? t.forward_s : t.backward_s);
+    const double paper_ms = std::stod(row.at("value"));
+    const double error = predicted_ms / paper_ms - 1;
+    table += fmt::format("{:<20} {:<22} {:>10.2f} {:>8.1f} {:>+7.1f}%\n", row.at("recompute"),
+                         metric, predicted_ms, paper_ms, 100 * error);
+    INFO(row.at("id") << ": predicted " << predicted_ms << " ms, published " << paper_ms << " ms");
+    CHECK(std::abs(error) <= 0.15);
+    ++checked;
+  }
+  fmt::print("{}", table);
+  CHECK(checked == 10);  // five settings, forward and backward
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::report::table4_setting("sometimes"), dtsim::InputError,
+                                  "expected none, selective or full");
+}
