@@ -42,8 +42,8 @@ int main(int argc, char** argv) {
   }
   for (const auto& [name, metrics] : table4) {
     const auto setting = dtsim::report::table4_setting(name);
-    const auto t = dtsim::report::korthikanti_22b_layer(setting.recompute,
-                                                        setting.sequence_parallel);
+    const auto t =
+        dtsim::report::korthikanti_22b_layer(setting.recompute, setting.sequence_parallel);
     const double f = t.forward_s * 1e3, b = t.backward_s * 1e3;
     const double pf = metrics.at("layer_forward_time"), pb = metrics.at("layer_backward_time");
     const double ef = 100 * (f / pf - 1), eb = 100 * (b / pb - 1);

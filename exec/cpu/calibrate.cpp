@@ -327,7 +327,8 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
         g_sync();
         const auto start = std::chrono::steady_clock::now();
         for (int i = 0; i < inner; ++i) matmul_forward(c, a, b, {}, m, k, n);
-        t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        t.push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       }
       auto median = [](std::vector<double> v) {
         std::sort(v.begin(), v.end());

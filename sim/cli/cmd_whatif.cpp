@@ -8,6 +8,7 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "sim/cli/commands.hpp"
@@ -22,9 +23,9 @@ namespace dtsim::cli {
 
 namespace {
 
-const std::vector<std::string> kKeys = {"gpus",         "device",     "cluster",
-                                        "nic_gbps",     "latency_us", "oversubscription",
-                                        "global_batch", "seq_len",    "model"};
+const std::vector<std::string> kKeys = {
+    "gpus",         "device",  "cluster", "nic_gbps", "latency_us", "oversubscription",
+    "global_batch", "seq_len", "model",   "jitter_cv"};
 
 struct Axis {
   std::string key;
@@ -79,7 +80,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "vary", po::value<std::vector<std::string>>()->composing(),
       "KEY=V1,V2,... (repeatable; every combination is a point). Keys: gpus, device, cluster, "
       "nic_gbps (per NIC), latency_us (inter-node), oversubscription, global_batch, seq_len, "
-      "model")("global-batch-size", po::value<std::int64_t>(), "sequences per step (required)")(
+      "model, jitter_cv (stragglers: spread of compute times, in [0, 1))")(
+      "global-batch-size", po::value<std::int64_t>(), "sequences per step (required)")(
       "seq-len", po::value<std::int64_t>(), "sequence length (default: the model's)")(
       "tokens", po::value<double>(), "training tokens, for time, cost and energy to train")(
       "refine", po::value<int>()->default_value(2), "plans simulated per point")(
@@ -208,6 +210,21 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                    spec.max_positions, spec.name, space.seq_len));
     }
     row.gpus = c.devices();
+    std::optional<double> jitter;
+    if (point.count("jitter_cv")) {
+      const std::string& v = point.at("jitter_cv");
+      std::size_t used = 0;
+      double cv = -1;
+      try {
+        cv = std::stod(v, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != v.size() || !(cv >= 0 && cv < 1)) {
+        throw InputError(fmt::format("--vary jitter_cv={}: expected a fraction in [0, 1)", v));
+      }
+      jitter = cv;
+    }
     engine::Prediction pred;
     if (vm.count("fixed-plan")) {
       plan::Plan p = plan::load_plan(vm["fixed-plan"].as<std::string>());
@@ -219,7 +236,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
       const model::ModelGraph g(spec, p.micro_batch_size, p.seq_len,
                                 plan::activation_bytes_per_element(p.precision));
       auto net = network::make_analytical(c);
-      pred = engine::simulate(g, p, c, *net).prediction;
+      engine::SimulateOptions sim_options;
+      sim_options.jitter_cv = jitter;
+      pred = engine::simulate(g, p, c, *net, sim_options).prediction;
       row.plan = plan::summary(p);
       row.found = true;
       row.fits = pred.memory.fits;
@@ -228,6 +247,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     } else {
       planner::SearchOptions options;
       options.refine = refine;
+      options.jitter_cv = jitter;
       const auto r = planner::search(spec, c, space, options);
       if (!r.ranked.empty()) {
         pred = r.ranked.front().prediction;

@@ -59,9 +59,9 @@ DeviceSpec device_from_json(const json& j, const std::string& file) {
   if (eff.has("gemm_waves")) {
     const JsonReader w = eff.object("gemm_waves");
     w.expect_only({"sm_count", "tile_m", "tile_n", "source"});
-    d.efficiency.gemm_waves = GemmWaves{w.positive_int_up_to("sm_count", 1 << 16),
-                                        w.positive_int_up_to("tile_m", 1 << 16),
-                                        w.positive_int_up_to("tile_n", 1 << 16), w.string("source")};
+    d.efficiency.gemm_waves = GemmWaves{
+        w.positive_int_up_to("sm_count", 1 << 16), w.positive_int_up_to("tile_m", 1 << 16),
+        w.positive_int_up_to("tile_n", 1 << 16), w.string("source")};
   }
   d.power_w = r.optional_figure("power_w");
   return d;

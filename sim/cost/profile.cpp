@@ -73,8 +73,8 @@ Profile load_profile(const std::string& path) {
   if (r.has("jitter_cv")) {
     p.jitter_cv = r.non_negative_number("jitter_cv");
     if (*p.jitter_cv >= 1) {
-      r.fail("jitter_cv", fmt::format("expected a coefficient of variation below 1, got {}",
-                                      *p.jitter_cv));
+      r.fail("jitter_cv",
+             fmt::format("expected a coefficient of variation below 1, got {}", *p.jitter_cv));
     }
   }
   if (r.has("ops")) {

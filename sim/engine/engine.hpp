@@ -8,10 +8,10 @@
 // Stragglers (EngineOptions::jitter_cv): ranks that run the same compute do not finish it at
 // the same moment. With each rank's compute since the group's previous collective taking
 // T·(1 + e), e normal with standard deviation cv and independent across ranks, the last of the
-// group's n ranks arrives E[max of n standard normals]·cv·T after the average one. A collective waits
-// that long before it starts (its members' tasks span the wait, as a measured trace shows it).
-// An approximation: real noise is neither normal nor independent, and receives (two ranks)
-// are not delayed.
+// group's n ranks arrives E[max of n standard normals]·cv·T after the average one. A collective
+// waits that long before it starts (its members' tasks span the wait, as a measured trace shows
+// it). An approximation: real noise is neither normal nor independent, and receives (two ranks) are
+// not delayed.
 #pragma once
 
 #include <cstdint>

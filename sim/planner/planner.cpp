@@ -427,6 +427,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     engine::SimulateOptions sim_options;
     sim_options.memory = memory;
     sim_options.profile = options.profile;
+    sim_options.jitter_cv = options.jitter_cv;
     c.prediction =
         engine::simulate(*graphs.at(c.plan.micro_batch_size), c.plan, cluster, *net, sim_options)
             .prediction;

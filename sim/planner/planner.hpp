@@ -74,6 +74,9 @@ struct SearchOptions {
   Objective objective = Objective::Time;
   std::function<void(std::uint64_t done, std::uint64_t total)> progress;
   const cost::Profile* profile = nullptr;  // calibration profile for both tiers
+  // The straggler model for the simulated tier (engine::SimulateOptions::jitter_cv); the
+  // closed-form tier leaves stragglers out.
+  std::optional<double> jitter_cv;
 };
 
 SearchResult search(const model::ModelSpec& model, const cluster::Cluster& cluster,

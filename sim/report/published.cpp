@@ -57,12 +57,13 @@ Table4Setting table4_setting(std::string_view column) {
   } else if (column.find("selective") != std::string_view::npos) {
     s.recompute = plan::Recompute::Selective;
   } else if (column.find("none") == std::string_view::npos) {
-    throw InputError(fmt::format("Table 4 recompute column \"{}\": expected none, selective or "
-                                 "full",
-                                 column));
+    throw InputError(
+        fmt::format("Table 4 recompute column \"{}\": expected none, selective or "
+                    "full",
+                    column));
   }
-  s.sequence_parallel = column.find("no SP") == std::string_view::npos &&
-                        column.find("SP") != std::string_view::npos;
+  s.sequence_parallel =
+      column.find("no SP") == std::string_view::npos && column.find("SP") != std::string_view::npos;
   return s;
 }
 

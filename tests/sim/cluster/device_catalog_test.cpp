@@ -80,8 +80,8 @@ TEST_CASE("bad device files are rejected naming file and field", "[cluster][cata
     dtsim::test::TempFile f("dev.json", j.dump());
     DTSIM_REQUIRE_THROWS_CONTAINING(load_device(f.path()), InputError,
                                     "dev.json: efficiency.gemm_waves.tile_n: required field");
-    j["efficiency"]["gemm_waves"] = {{"sm_count", 0}, {"tile_m", 256}, {"tile_n", 128},
-                                     {"source", "s"}};
+    j["efficiency"]["gemm_waves"] = {
+        {"sm_count", 0}, {"tile_m", 256}, {"tile_n", 128}, {"source", "s"}};
     dtsim::test::TempFile g("dev.json", j.dump());
     DTSIM_REQUIRE_THROWS_CONTAINING(load_device(g.path()), InputError,
                                     "efficiency.gemm_waves.sm_count: expected a positive integer");

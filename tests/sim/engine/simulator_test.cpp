@@ -113,8 +113,8 @@ TEST_CASE("without overlap the gradient reduction follows the whole backward pas
   CHECK(first_bucket_start >= last_backward_end);
   // Nothing hidden: the step grows by the reduction the overlapped run hid.
   INFO("exposed dp: overlapped " << overlapped.prediction.breakdown.exposed_dp_s
-                                 << " s, after backward "
-                                 << after.prediction.breakdown.exposed_dp_s << " s");
+                                 << " s, after backward " << after.prediction.breakdown.exposed_dp_s
+                                 << " s");
   CHECK(after.prediction.breakdown.exposed_dp_s >
         10 * overlapped.prediction.breakdown.exposed_dp_s);
   CHECK(after.prediction.step_time_s > overlapped.prediction.step_time_s);

@@ -20,8 +20,7 @@ TEST_CASE("Korthikanti Table 4: one 22B layer's forward and backward within 15%"
     if (metric != "layer_forward_time" && metric != "layer_backward_time") continue;
     const auto s = dtsim::report::table4_setting(row.at("recompute"));
     const auto t = dtsim::report::korthikanti_22b_layer(s.recompute, s.sequence_parallel);
-    const double predicted_ms =
-        1e3 * (metric == "layer_forward_time" ? t.forward_s : t.backward_s);
+    const double predicted_ms = 1e3 * (metric == "layer_forward_time" ? t.forward_s : t.backward_s);
     const double paper_ms = std::stod(row.at("value"));
     const double error = predicted_ms / paper_ms - 1;
     table += fmt::format("{:<20} {:<22} {:>10.2f} {:>8.1f} {:>+7.1f}%\n", row.at("recompute"),
