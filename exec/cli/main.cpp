@@ -1,10 +1,15 @@
-// dtexec: runs dtsim plans for real. `run` executes a lowered Program on the CPU (single rank in
-// this version) and reports losses and step times; `devices` reports what the GPU backend sees.
+// dtexec: runs dtsim plans for real. `run` executes a lowered Program on CPU ranks (MPI) and
+// reports losses and step times; `calibrate` measures a profile for `dtsim --profile` (CPU or
+// CUDA); `devices` reports what the GPU backend sees.
 #include <fmt/format.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -26,6 +31,7 @@
 #include "sim/report/validate.hpp"
 
 #ifdef DTEXEC_HAVE_CUDA
+#include "exec/cuda/calibrate_cuda.hpp"
 #include "exec/cuda/gpu_probe.hpp"
 #endif
 
@@ -604,61 +610,8 @@ void write_host_topology(const std::string& dir, const nlohmann::json& profile, 
   }
 }
 
-int calibrate(const std::vector<std::string>& args) {
-  po::options_description desc("dtexec calibrate options");
-  desc.add_options()("help,h", "show this help")(
-      "backend", po::value<std::string>()->default_value("cpu"), "cpu (cuda: not yet)")(
-      "out", po::value<std::string>(), "write the profile here (required)")(
-      "model", po::value<std::string>()->default_value("cpu-small"),
-      "time the ops at this model's shapes")(
-      "micro-batch-size", po::value<std::int64_t>()->default_value(4), "for the op shapes")(
-      "seq-len", po::value<std::int64_t>(), "for the op shapes (default: the model's)")(
-      "repeats", po::value<int>()->default_value(5), "runs per measurement (the median counts)")(
-      "cluster-out", po::value<std::string>(),
-      "also write this host as a cluster (DIR/cpu-host.json, DIR/devices/cpu-host.json)")(
-      "quick", po::bool_switch(), "a few small shapes only (seconds; for tests)");
-  po::variables_map vm;
-  if (!parse(args, desc,
-             "usage: dtexec calibrate --out P.json [--model M] [--cluster-out DIR] [--quick]\n"
-             "       mpirun -np N dtexec calibrate ...   (ranks measure at once; collectives)",
-             vm)) {
-    return 0;
-  }
-  if (vm["backend"].as<std::string>() != "cpu") {
-    throw dtsim::UnsupportedError(fmt::format("--backend {}: only cpu calibrates in this version",
-                                              vm["backend"].as<std::string>()));
-  }
-  if (!vm.count("out")) throw dtsim::InputError("--out: required (where to write the profile)");
-  const int repeats = vm["repeats"].as<int>();
-  if (repeats < 1)
-    throw dtsim::InputError(fmt::format("--repeats: expected >= 1, got {}", repeats));
-  std::unique_ptr<dtsim::exec::cpu::MpiSession> mpi;
-  if (dtsim::exec::cpu::under_mpirun()) mpi = std::make_unique<dtsim::exec::cpu::MpiSession>();
-  const int rank = mpi ? mpi->rank() : 0;
-  const int ranks = mpi ? mpi->size() : 1;
-  g_rank = rank;
-  dtsim::exec::cpu::CalibrateOptions options;
-  options.quick = vm["quick"].as<bool>();
-  options.repeats = repeats;
-  options.model = vm["model"].as<std::string>();
-  options.micro_batch_size = vm["micro-batch-size"].as<std::int64_t>();
-  if (vm.count("seq-len")) options.seq_len = vm["seq-len"].as<std::int64_t>();
-  options.ranks_per_host = ranks;
-  options.gemm_threads = ranks > 1 ? 1 : 0;  // as dtexec run sets them
-  if (mpi) options.sync = [&mpi] { mpi->barrier(); };
-  auto profile = dtsim::exec::cpu::calibrate(options);
-  if (mpi) {
-    profile["collectives"] = dtsim::exec::cpu::measure_collectives(*mpi, options.quick, repeats);
-    profile["jitter_cv"] = mpi->mean(profile.at("jitter_cv").get<double>());
-  }
-  if (rank != 0) return 0;
-  const std::string path = vm["out"].as<std::string>();
-  std::ofstream file(path);
-  if (!file || !(file << profile.dump(2) << "\n")) {
-    throw dtsim::InputError(fmt::format("--out {}: cannot write", path));
-  }
-  if (vm.count("cluster-out"))
-    write_host_topology(vm["cluster-out"].as<std::string>(), profile, ranks);
+// The calibration profile as tables: GEMMs, op rates, collectives, the rest.
+void print_profile(const nlohmann::json& profile, const std::string& path) {
   std::cout << fmt::format("{:>6} {:>6} {:>6} {:>12} {:>10}\n", "m", "n", "k", "seconds",
                            "GFLOP/s");
   for (const auto& g : profile.at("gemm")) {
@@ -669,8 +622,10 @@ int calibrate(const std::vector<std::string>& args) {
                              g.at("seconds").get<double>(),
                              flops / g.at("seconds").get<double>() / 1e9);
   }
-  std::cout << fmt::format("\n{:<10} {:<5} {:>12} {:>14}\n", "op", "phase", "seconds", "rate");
-  for (const auto& o : profile.at("ops")) {
+  if (profile.contains("ops")) {
+    std::cout << fmt::format("\n{:<10} {:<5} {:>12} {:>14}\n", "op", "phase", "seconds", "rate");
+  }
+  for (const auto& o : profile.value("ops", nlohmann::json::array())) {
     const bool flops = o.contains("flops_per_s");
     std::cout << fmt::format(
         "{:<10} {:<5} {:>12.3g} {:>10.2f} {}\n", o.at("op").get<std::string>(),
@@ -690,11 +645,190 @@ int calibrate(const std::vector<std::string>& args) {
     }
   }
   std::cout << fmt::format(
-      "\nmemory bandwidth {:.1f} GB/s, tiny kernel {:.2f} us, compute jitter {:.1f}% (std/mean)\n"
+      "\nmemory bandwidth {:.1f} GB/s, launch overhead {:.2f} us, compute jitter {:.1f}%\n"
       "profile written to {}\n",
       profile.at("memory_bw_bytes_per_s").get<double>() / 1e9,
       profile.at("launch_overhead_s").get<double>() * 1e6,
       100 * profile.at("jitter_cv").get<double>(), path);
+}
+
+#ifdef DTEXEC_HAVE_CUDA
+// dtexec calibrate --backend cuda: one GPU per rank (the node-local rank's), cuBLAS GEMMs at
+// the model's shapes, copy bandwidth, launch overhead, jitter, and NCCL collectives over the
+// ranks of an mpirun job.
+nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::MpiSession* mpi) {
+  namespace cu = dtsim::exec::cuda;
+  const auto p = cu::probe();
+  if (p.gpus.empty()) {
+    throw dtsim::UnsupportedError(
+        fmt::format("--backend cuda: no GPU on this machine ({})", p.why_none));
+  }
+  const int rank = mpi ? mpi->rank() : 0;
+  const int ranks = mpi ? mpi->size() : 1;
+  int local = rank;
+  if (const char* l = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK")) local = std::atoi(l);
+  const cu::GpuInfo& gpu = p.gpus[static_cast<std::size_t>(local) % p.gpus.size()];
+  const std::string precision = vm["precision"].as<std::string>();
+  if (precision != "bf16" && precision != "fp32") {
+    throw dtsim::InputError(
+        fmt::format("--precision: expected bf16 or fp32 for cuda, got \"{}\"", precision));
+  }
+  const bool quick = vm["quick"].as<bool>();
+  const int repeats = vm["repeats"].as<int>();
+  // Square GEMMs, and the model's GEMMs forward and backward (as the CPU backend times them).
+  std::vector<cu::GemmShape> shapes;
+  for (int s :
+       quick ? std::vector<int>{256, 1024} : std::vector<int>{512, 1024, 2048, 4096, 8192}) {
+    shapes.push_back({s, s, s});
+  }
+  if (!quick) {
+    const auto spec = dtsim::model::load_model(vm["model"].as<std::string>());
+    const std::int64_t seq = vm.count("seq-len") ? vm["seq-len"].as<std::int64_t>() : spec.seq_len;
+    const dtsim::model::ModelGraph graph(spec, vm["micro-batch-size"].as<std::int64_t>(), seq);
+    for (const auto& op : graph.ops()) {
+      if (op.gemm_m <= 0 || (op.layer > 0 && op.layer < spec.layers)) continue;
+      const int T = static_cast<int>(op.gemm_m), K = static_cast<int>(op.gemm_k),
+                N = static_cast<int>(op.gemm_n);
+      for (const cu::GemmShape& g :
+           {cu::GemmShape{T, N, K}, cu::GemmShape{T, K, N}, cu::GemmShape{K, N, T}}) {
+        const bool seen = std::any_of(shapes.begin(), shapes.end(), [&](const cu::GemmShape& x) {
+          return x.m == g.m && x.n == g.n && x.k == g.k;
+        });
+        if (!seen) shapes.push_back(g);
+      }
+    }
+  }
+  const auto device = cu::time_device(
+      gpu.index, precision == "bf16" ? cu::GemmPrecision::Bf16 : cu::GemmPrecision::Fp32, shapes,
+      repeats);
+  std::vector<cu::CollectiveTiming> collectives;
+  if (mpi && ranks > 1) {
+    collectives = cu::time_collectives(
+        gpu.index, rank, ranks, quick ? (1u << 20) : (256u << 20), repeats,
+        [&](void* data, std::size_t bytes) { mpi->broadcast(data, bytes); },
+        [&](double v) { return mpi->max(v); });
+  }
+  nlohmann::json gemm = nlohmann::json::array();
+  for (const auto& g : device.gemm) {
+    gemm.push_back({{"m", g.shape.m}, {"n", g.shape.n}, {"k", g.shape.k}, {"seconds", g.seconds}});
+  }
+  nlohmann::json table = nlohmann::json::array();
+  for (const auto& c : collectives) {
+    const double n = c.ranks;
+    const double factor = c.kind == "all_reduce"  ? 2 * (n - 1) / n
+                          : c.kind == "send_recv" ? 1.0
+                                                  : (n - 1) / n;
+    const double algbw = static_cast<double>(c.bytes) / c.seconds;
+    table.push_back({{"kind", c.kind},
+                     {"ranks", c.ranks},
+                     {"bytes", c.bytes},
+                     {"seconds", c.seconds},
+                     {"algbw_bytes_per_s", algbw},
+                     {"busbw_bytes_per_s", algbw * factor}});
+  }
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  const std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
+  // The jitter of every rank's GPU, averaged.
+  const double jitter = mpi ? mpi->mean(device.jitter_cv) : device.jitter_cv;
+  return {
+      {"device", gpu.name},
+      {"source", fmt::format("dtexec calibrate --backend cuda on {} ({}, {} SMs, CUDA runtime {}, "
+                             "cuBLAS {}, NCCL {}), {}: cublasGemmEx {} (fp32 accumulation), "
+                             "medians of {} runs timed with CUDA events; {} rank(s), one GPU each",
+                             host, gpu.name, gpu.sm_count, p.cuda_runtime_version, p.cublas_version,
+                             p.nccl_version, date, precision, repeats, ranks)},
+      {"precision", precision},
+      {"ranks_per_host", ranks},
+      {"gemm", gemm},
+      {"memory_bw_bytes_per_s", device.copy_bytes_per_s},
+      {"launch_overhead_s", device.launch_overhead_s},
+      {"jitter_cv", jitter},
+      {"collectives", table},
+      {"notes",
+       "no per-op rates: dtexec has no GPU kernels for the non-GEMM ops yet, so dtsim prices "
+       "them with the measured copy bandwidth and the catalog's attention efficiency"}};
+}
+#endif
+
+int calibrate(const std::vector<std::string>& args) {
+  po::options_description desc("dtexec calibrate options");
+  desc.add_options()("help,h", "show this help")(
+      "backend", po::value<std::string>()->default_value("cpu"), "cpu or cuda")(
+      "precision", po::value<std::string>()->default_value("bf16"),
+      "cuda GEMMs: bf16 (fp32 accumulation) or fp32; the CPU backend measures fp32")(
+      "out", po::value<std::string>(), "write the profile here (required)")(
+      "model", po::value<std::string>()->default_value("cpu-small"),
+      "time the ops at this model's shapes")(
+      "micro-batch-size", po::value<std::int64_t>()->default_value(4), "for the op shapes")(
+      "seq-len", po::value<std::int64_t>(), "for the op shapes (default: the model's)")(
+      "repeats", po::value<int>()->default_value(5), "runs per measurement (the median counts)")(
+      "cluster-out", po::value<std::string>(),
+      "also write this host as a cluster (DIR/cpu-host.json, DIR/devices/cpu-host.json)")(
+      "quick", po::bool_switch(), "a few small shapes only (seconds; for tests)");
+  po::variables_map vm;
+  if (!parse(args, desc,
+             "usage: dtexec calibrate --out P.json [--model M] [--cluster-out DIR] [--quick]\n"
+             "       mpirun -np N dtexec calibrate ...   (ranks measure at once; collectives)",
+             vm)) {
+    return 0;
+  }
+  const std::string backend = vm["backend"].as<std::string>();
+  if (backend != "cpu" && backend != "cuda") {
+    throw dtsim::InputError(fmt::format("--backend: expected cpu or cuda, got \"{}\"", backend));
+  }
+  if (!vm.count("out")) throw dtsim::InputError("--out: required (where to write the profile)");
+  if (backend == "cuda" && vm.count("cluster-out")) {
+    throw dtsim::InputError(
+        "--cluster-out: only with --backend cpu (a GPU cluster is in "
+        "topologies/; --profile applies the measurements to it)");
+  }
+#ifndef DTEXEC_HAVE_CUDA
+  if (backend == "cuda") {
+    throw dtsim::UnsupportedError(
+        "--backend cuda: this dtexec was built without the CUDA backend (CUDA toolkit or NCCL "
+        "not found at configure time; set CUDA_HOME)");
+  }
+#endif
+  const int repeats = vm["repeats"].as<int>();
+  if (repeats < 1)
+    throw dtsim::InputError(fmt::format("--repeats: expected >= 1, got {}", repeats));
+  std::unique_ptr<dtsim::exec::cpu::MpiSession> mpi;
+  if (dtsim::exec::cpu::under_mpirun()) mpi = std::make_unique<dtsim::exec::cpu::MpiSession>();
+  const int rank = mpi ? mpi->rank() : 0;
+  const int ranks = mpi ? mpi->size() : 1;
+  g_rank = rank;
+  dtsim::exec::cpu::CalibrateOptions options;
+  options.quick = vm["quick"].as<bool>();
+  options.repeats = repeats;
+  options.model = vm["model"].as<std::string>();
+  options.micro_batch_size = vm["micro-batch-size"].as<std::int64_t>();
+  if (vm.count("seq-len")) options.seq_len = vm["seq-len"].as<std::int64_t>();
+  options.ranks_per_host = ranks;
+  options.gemm_threads = ranks > 1 ? 1 : 0;  // as dtexec run sets them
+  if (mpi) options.sync = [&mpi] { mpi->barrier(); };
+  nlohmann::json profile;
+#ifdef DTEXEC_HAVE_CUDA
+  if (backend == "cuda") profile = calibrate_cuda(vm, mpi.get());
+#endif
+  if (backend == "cpu") {
+    profile = dtsim::exec::cpu::calibrate(options);
+    if (mpi) {
+      profile["collectives"] = dtsim::exec::cpu::measure_collectives(*mpi, options.quick, repeats);
+      profile["jitter_cv"] = mpi->mean(profile.at("jitter_cv").get<double>());
+    }
+  }
+  if (rank != 0) return 0;
+  const std::string path = vm["out"].as<std::string>();
+  std::ofstream file(path);
+  if (!file || !(file << profile.dump(2) << "\n")) {
+    throw dtsim::InputError(fmt::format("--out {}: cannot write", path));
+  }
+  if (vm.count("cluster-out"))
+    write_host_topology(vm["cluster-out"].as<std::string>(), profile, ranks);
+  print_profile(profile, path);
   if (vm.count("cluster-out")) {
     std::cout << fmt::format(
         "cluster written to {}/cpu-host.json (use --cluster {}/cpu-host.json)\n",

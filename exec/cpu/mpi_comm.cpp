@@ -360,6 +360,16 @@ double MpiSession::mean(double value) const {
   return sum / size_;
 }
 
+double MpiSession::max(double value) const {
+  double out = 0;
+  check(MPI_Allreduce(&value, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD), "MPI_Allreduce");
+  return out;
+}
+
+void MpiSession::broadcast(void* data, std::size_t bytes) const {
+  check(MPI_Bcast(data, static_cast<int>(bytes), MPI_BYTE, 0, MPI_COMM_WORLD), "MPI_Bcast");
+}
+
 void MpiSession::abort(int code) const {
   MPI_Abort(MPI_COMM_WORLD, code);
   std::abort();

@@ -31,8 +31,11 @@ class MpiSession {
   // Ends every rank of the job with `code` (for a failure that may leave peers waiting).
   [[noreturn]] void abort(int code) const;
   void barrier() const;
-  // The mean of `value` over all ranks (every rank gets it).
+  // The mean, and the largest, of `value` over all ranks (every rank gets it).
   double mean(double value) const;
+  double max(double value) const;
+  // Rank 0's `bytes` at `data` on every rank.
+  void broadcast(void* data, std::size_t bytes) const;
 
  private:
   int rank_ = 0, size_ = 1;

@@ -1,0 +1,284 @@
+// dtexec calibrate --backend cuda: cuBLAS GEMMs, copy bandwidth, launch overhead and jitter on
+// one GPU; NCCL collectives over the job's ranks. (No fmt here: nvcc 13 rejects fmt's
+// compile-time format checks.)
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "exec/cuda/calibrate_cuda.hpp"
+
+namespace dtsim::exec::cuda {
+
+namespace {
+
+void check(cudaError_t e, const char* call) {
+  if (e != cudaSuccess) {
+    throw CudaError(std::string(call) + ": " + cudaGetErrorString(e) + " (error " +
+                    std::to_string(static_cast<int>(e)) + ")");
+  }
+}
+
+void check(cublasStatus_t s, const char* call) {
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    throw CudaError(std::string(call) + ": " + cublasGetStatusString(s) + " (status " +
+                    std::to_string(static_cast<int>(s)) + ")");
+  }
+}
+
+void check(ncclResult_t r, const char* call) {
+  if (r != ncclSuccess) {
+    throw CudaError(std::string(call) + ": " + ncclGetErrorString(r) + " (result " +
+                    std::to_string(static_cast<int>(r)) + ")");
+  }
+}
+
+// Device memory released on scope exit.
+struct Buffer {
+  void* p = nullptr;
+  explicit Buffer(std::size_t bytes) {
+    check(cudaMalloc(&p, std::max<std::size_t>(bytes, 16)), "cudaMalloc");
+  }
+  ~Buffer() { cudaFree(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+struct Events {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  Events() {
+    check(cudaEventCreate(&start), "cudaEventCreate");
+    check(cudaEventCreate(&stop), "cudaEventCreate");
+  }
+  ~Events() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  Events(const Events&) = delete;
+  Events& operator=(const Events&) = delete;
+  // Seconds between the two events, once `stop` has completed.
+  double seconds() {
+    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    return static_cast<double>(ms) * 1e-3;
+  }
+};
+
+// Values in [-0.5, 0.5) from a hash of the index: the tensor cores see varied data, as in
+// training (zeros draw less power and can run faster).
+__global__ void fill_bf16(__nv_bfloat16* out, std::size_t n, unsigned seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    unsigned h = static_cast<unsigned>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    out[i] = __float2bfloat16(static_cast<float>(h & 0xffff) / 65536.0f - 0.5f);
+  }
+}
+
+__global__ void fill_f32(float* out, std::size_t n, unsigned seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    unsigned h = static_cast<unsigned>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    out[i] = static_cast<float>(h & 0xffff) / 65536.0f - 0.5f;
+  }
+}
+
+__global__ void empty_kernel() {}
+
+void fill(void* p, std::size_t n, GemmPrecision precision, unsigned seed) {
+  if (precision == GemmPrecision::Bf16) {
+    fill_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed);
+  } else {
+    fill_f32<<<1024, 256>>>(static_cast<float*>(p), n, seed);
+  }
+  check(cudaGetLastError(), "fill kernel launch");
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+class Gemm {
+ public:
+  explicit Gemm(GemmPrecision precision) : precision_(precision) {
+    check(cublasCreate(&handle_), "cublasCreate");
+  }
+  ~Gemm() { cublasDestroy(handle_); }
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  // Row-major C (m x n) = A (m x k) · B (k x n), as column-major C^T = B^T · A^T.
+  void run(const void* a, const void* b, void* c, const GemmShape& s) {
+    const float alpha = 1.0f, beta = 0.0f;
+    const bool bf16 = precision_ == GemmPrecision::Bf16;
+    const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    check(
+        cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, s.n, s.m, s.k, &alpha, b, type, s.n, a,
+                     type, s.k, &beta, c, type, s.n,
+                     bf16 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx");
+  }
+
+ private:
+  GemmPrecision precision_;
+  cublasHandle_t handle_ = nullptr;
+};
+
+}  // namespace
+
+DeviceTimings time_device(int gpu, GemmPrecision precision, const std::vector<GemmShape>& shapes,
+                          int repeats) {
+  check(cudaSetDevice(gpu), "cudaSetDevice");
+  const std::size_t elem = precision == GemmPrecision::Bf16 ? 2 : 4;
+  DeviceTimings out;
+  Gemm gemm(precision);
+  Events ev;
+  GemmShape biggest;
+  for (const GemmShape& s : shapes) {
+    const auto m = static_cast<std::size_t>(s.m), n = static_cast<std::size_t>(s.n),
+               k = static_cast<std::size_t>(s.k);
+    Buffer a(m * k * elem), b(k * n * elem), c(m * n * elem);
+    fill(a.p, m * k, precision, 1);
+    fill(b.p, k * n, precision, 2);
+    gemm.run(a.p, b.p, c.p, s);
+    std::vector<double> t;
+    for (int r = 0; r < repeats; ++r) {
+      check(cudaEventRecord(ev.start), "cudaEventRecord");
+      gemm.run(a.p, b.p, c.p, s);
+      check(cudaEventRecord(ev.stop), "cudaEventRecord");
+      t.push_back(ev.seconds());
+    }
+    out.gemm.push_back({s, median(t)});
+    if (2.0 * s.m * s.n * s.k > 2.0 * biggest.m * biggest.n * biggest.k) biggest = s;
+  }
+
+  // Jitter: the largest GEMM, many times.
+  if (biggest.m > 0) {
+    const auto m = static_cast<std::size_t>(biggest.m), n = static_cast<std::size_t>(biggest.n),
+               k = static_cast<std::size_t>(biggest.k);
+    Buffer a(m * k * elem), b(k * n * elem), c(m * n * elem);
+    fill(a.p, m * k, precision, 3);
+    fill(b.p, k * n, precision, 4);
+    std::vector<double> t;
+    for (int r = 0; r < std::max(60, 6 * repeats); ++r) {
+      check(cudaEventRecord(ev.start), "cudaEventRecord");
+      gemm.run(a.p, b.p, c.p, biggest);
+      check(cudaEventRecord(ev.stop), "cudaEventRecord");
+      t.push_back(ev.seconds());
+    }
+    const double mid = median(t);
+    std::vector<double> dev;
+    for (double x : t) dev.push_back(std::abs(x - mid));
+    out.jitter_cv = std::min(1.4826 * median(dev) / mid, 0.99);
+  }
+
+  // Device-to-device copy of 1 GiB: read and write.
+  {
+    const std::size_t bytes = std::size_t{1} << 30;
+    Buffer src(bytes), dst(bytes);
+    check(cudaMemset(src.p, 1, bytes), "cudaMemset");
+    check(cudaMemcpy(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy");
+    std::vector<double> t;
+    for (int r = 0; r < repeats; ++r) {
+      check(cudaEventRecord(ev.start), "cudaEventRecord");
+      check(cudaMemcpyAsync(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync");
+      check(cudaEventRecord(ev.stop), "cudaEventRecord");
+      t.push_back(ev.seconds());
+    }
+    out.copy_bytes_per_s = 2.0 * static_cast<double>(bytes) / median(t);
+  }
+
+  // Launch overhead: 1000 empty kernels back to back.
+  {
+    constexpr int kLaunches = 1000;
+    empty_kernel<<<1, 1>>>();
+    check(cudaGetLastError(), "empty_kernel launch");
+    std::vector<double> t;
+    for (int r = 0; r < repeats; ++r) {
+      check(cudaEventRecord(ev.start), "cudaEventRecord");
+      for (int i = 0; i < kLaunches; ++i) empty_kernel<<<1, 1>>>();
+      check(cudaGetLastError(), "empty_kernel launch");
+      check(cudaEventRecord(ev.stop), "cudaEventRecord");
+      t.push_back(ev.seconds() / kLaunches);
+    }
+    out.launch_overhead_s = median(t);
+  }
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  return out;
+}
+
+std::vector<CollectiveTiming> time_collectives(
+    int gpu, int rank, int ranks, std::uint64_t max_bytes, int repeats,
+    const std::function<void(void* data, std::size_t bytes)>& broadcast_id,
+    const std::function<double(double)>& max_over_ranks) {
+  std::vector<CollectiveTiming> out;
+  if (ranks < 2) return out;
+  check(cudaSetDevice(gpu), "cudaSetDevice");
+  ncclUniqueId id;
+  if (rank == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  broadcast_id(&id, sizeof(id));
+  ncclComm_t comm = nullptr;
+  check(ncclCommInitRank(&comm, ranks, id, rank), "ncclCommInitRank");
+  cudaStream_t stream = nullptr;
+  try {
+    check(cudaStreamCreate(&stream), "cudaStreamCreate");
+    Buffer send(max_bytes), recv(max_bytes);
+    check(cudaMemset(send.p, 0, max_bytes), "cudaMemset");
+    Events ev;
+    const std::uint64_t unit = 2ull * static_cast<std::uint64_t>(ranks);  // bf16, split by ranks
+    for (const char* kind : {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}) {
+      const std::string k = kind;
+      for (std::uint64_t size = 1024; size <= max_bytes; size *= 4) {
+        const std::uint64_t bytes = size / unit * unit;
+        const std::size_t count = bytes / 2;
+        auto once = [&] {
+          if (k == "all_reduce") {
+            check(ncclAllReduce(send.p, recv.p, count, ncclBfloat16, ncclSum, comm, stream),
+                  "ncclAllReduce");
+          } else if (k == "all_gather") {
+            check(ncclAllGather(send.p, recv.p, count / static_cast<std::size_t>(ranks),
+                                ncclBfloat16, comm, stream),
+                  "ncclAllGather");
+          } else if (k == "reduce_scatter") {
+            check(ncclReduceScatter(send.p, recv.p, count / static_cast<std::size_t>(ranks),
+                                    ncclBfloat16, ncclSum, comm, stream),
+                  "ncclReduceScatter");
+          } else if (rank < 2) {
+            check(ncclGroupStart(), "ncclGroupStart");
+            check(ncclSend(send.p, count, ncclBfloat16, 1 - rank, comm, stream), "ncclSend");
+            check(ncclRecv(recv.p, count, ncclBfloat16, 1 - rank, comm, stream), "ncclRecv");
+            check(ncclGroupEnd(), "ncclGroupEnd");
+          }
+        };
+        once();
+        check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        std::vector<double> t;
+        for (int r = 0; r < repeats; ++r) {
+          check(cudaEventRecord(ev.start, stream), "cudaEventRecord");
+          once();
+          check(cudaEventRecord(ev.stop, stream), "cudaEventRecord");
+          t.push_back(ev.seconds());
+        }
+        const double slowest = max_over_ranks(median(t));
+        out.push_back({k, k == "send_recv" ? 2 : ranks, bytes, slowest});
+      }
+    }
+  } catch (...) {
+    ncclCommAbort(comm);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    throw;
+  }
+  check(ncclCommDestroy(comm), "ncclCommDestroy");
+  check(cudaStreamDestroy(stream), "cudaStreamDestroy");
+  return out;
+}
+
+}  // namespace dtsim::exec::cuda

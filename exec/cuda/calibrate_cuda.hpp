@@ -1,0 +1,62 @@
+// dtexec calibrate --backend cuda: what the compute cost model needs, measured on one GPU, and
+// the collectives of NCCL over the ranks of an mpirun job (one GPU per rank). Plain C++
+// interface: no CUDA types leak out of exec/cuda. Every CUDA, cuBLAS and NCCL call is checked;
+// a failure throws CudaError naming the call.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace dtsim::exec::cuda {
+
+struct CudaError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// GEMM precisions: bf16 inputs with fp32 accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F), or
+// fp32 throughout (CUBLAS_COMPUTE_32F_PEDANTIC: no TF32).
+enum class GemmPrecision { Bf16, Fp32 };
+
+struct GemmShape {
+  int m = 0, n = 0, k = 0;
+};
+
+struct GemmTiming {
+  GemmShape shape;
+  double seconds = 0;  // median of the timed runs, CUDA events around each
+};
+
+struct DeviceTimings {
+  std::vector<GemmTiming> gemm;
+  double copy_bytes_per_s = 0;   // device-to-device copy: bytes read + written per second
+  double launch_overhead_s = 0;  // an empty kernel, launched back to back
+  // Robust spread of one GEMM's time over many runs: 1.4826 x median absolute deviation over
+  // the median (the straggler model's jitter_cv).
+  double jitter_cv = 0;
+};
+
+// Times `shapes` (C = A·B, row-major, m x k by k x n) and the other figures on `gpu`. Each
+// measurement: one warm-up run, then `repeats` runs timed with CUDA events; the median counts.
+DeviceTimings time_device(int gpu, GemmPrecision precision, const std::vector<GemmShape>& shapes,
+                          int repeats);
+
+struct CollectiveTiming {
+  std::string kind;  // all_reduce, all_gather, reduce_scatter, send_recv (profile names)
+  int ranks = 0;
+  std::uint64_t bytes = 0;  // as nccl-tests count them
+  double seconds = 0;       // median over the timed runs, the slowest rank's
+};
+
+// NCCL collectives over `ranks` ranks, this one `rank`, on `gpu`, bf16 elements, sizes from
+// 1 KiB to max_bytes by factors of 4. `broadcast_id` sends the 128-byte ncclUniqueId from rank
+// 0 to every rank (the caller's MPI); `max_over_ranks` returns the largest of a value over all
+// ranks. send_recv runs between ranks 0 and 1.
+std::vector<CollectiveTiming> time_collectives(
+    int gpu, int rank, int ranks, std::uint64_t max_bytes, int repeats,
+    const std::function<void(void* data, std::size_t bytes)>& broadcast_id,
+    const std::function<double(double)>& max_over_ranks);
+
+}  // namespace dtsim::exec::cuda
