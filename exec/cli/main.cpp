@@ -665,14 +665,9 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
   }
   const int rank = mpi ? mpi->rank() : 0;
   const int ranks = mpi ? mpi->size() : 1;
-  int local = rank;
-  if (const char* l = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK")) local = std::atoi(l);
+  const int local = mpi ? mpi->local_rank() : 0;
   const cu::GpuInfo& gpu = p.gpus[static_cast<std::size_t>(local) % p.gpus.size()];
   const std::string precision = vm["precision"].as<std::string>();
-  if (precision != "bf16" && precision != "fp32") {
-    throw dtsim::InputError(
-        fmt::format("--precision: expected bf16 or fp32 for cuda, got \"{}\"", precision));
-  }
   const bool quick = vm["quick"].as<bool>();
   const int repeats = vm["repeats"].as<int>();
   // Square GEMMs, and the model's GEMMs forward and backward (as the CPU backend times them).
@@ -741,7 +736,7 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
                              host, gpu.name, gpu.sm_count, p.cuda_runtime_version, p.cublas_version,
                              p.nccl_version, date, precision, repeats, ranks)},
       {"precision", precision},
-      {"ranks_per_host", ranks},
+      {"ranks_per_host", mpi ? mpi->local_size() : 1},
       {"gemm", gemm},
       {"memory_bw_bytes_per_s", device.copy_bytes_per_s},
       {"launch_overhead_s", device.launch_overhead_s},
@@ -780,6 +775,15 @@ int calibrate(const std::vector<std::string>& args) {
     throw dtsim::InputError(fmt::format("--backend: expected cpu or cuda, got \"{}\"", backend));
   }
   if (!vm.count("out")) throw dtsim::InputError("--out: required (where to write the profile)");
+  const std::string precision = vm["precision"].as<std::string>();
+  if (backend == "cpu" && !vm["precision"].defaulted() && precision != "fp32") {
+    throw dtsim::InputError(
+        fmt::format("--precision {}: the CPU backend measures fp32 only", precision));
+  }
+  if (backend == "cuda" && precision != "bf16" && precision != "fp32") {
+    throw dtsim::InputError(
+        fmt::format("--precision: expected bf16 or fp32 for cuda, got \"{}\"", precision));
+  }
   if (backend == "cuda" && vm.count("cluster-out")) {
     throw dtsim::InputError(
         "--cluster-out: only with --backend cpu (a GPU cluster is in "
@@ -810,15 +814,28 @@ int calibrate(const std::vector<std::string>& args) {
   options.gemm_threads = ranks > 1 ? 1 : 0;  // as dtexec run sets them
   if (mpi) options.sync = [&mpi] { mpi->barrier(); };
   nlohmann::json profile;
+  try {
 #ifdef DTEXEC_HAVE_CUDA
-  if (backend == "cuda") profile = calibrate_cuda(vm, mpi.get());
+    if (backend == "cuda") profile = calibrate_cuda(vm, mpi.get());
 #endif
-  if (backend == "cpu") {
-    profile = dtsim::exec::cpu::calibrate(options);
-    if (mpi) {
-      profile["collectives"] = dtsim::exec::cpu::measure_collectives(*mpi, options.quick, repeats);
-      profile["jitter_cv"] = mpi->mean(profile.at("jitter_cv").get<double>());
+    if (backend == "cpu") {
+      profile = dtsim::exec::cpu::calibrate(options);
+      if (mpi) {
+        profile["collectives"] =
+            dtsim::exec::cpu::measure_collectives(*mpi, options.quick, repeats);
+        profile["jitter_cv"] = mpi->mean(profile.at("jitter_cv").get<double>());
+      }
     }
+  } catch (const std::exception& e) {
+    // Peers may be waiting for this rank (a barrier, NCCL's set-up): end them all.
+    if (mpi && mpi->size() > 1) {
+      const bool input = dynamic_cast<const dtsim::InputError*>(&e) != nullptr ||
+                         dynamic_cast<const dtsim::UnsupportedError*>(&e) != nullptr;
+      std::cerr << fmt::format("dtexec calibrate: rank {} on {}: {}: {}\n", rank, mpi->host(),
+                               input ? "error" : "internal error", e.what());
+      mpi->abort(input ? 2 : 1);
+    }
+    throw;
   }
   if (rank != 0) return 0;
   const std::string path = vm["out"].as<std::string>();

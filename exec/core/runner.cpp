@@ -785,12 +785,10 @@ class Runner {
                k::Out(p.m).subspan(b, static_cast<std::size_t>(n)),
                k::Out(p.v).subspan(b, static_cast<std::size_t>(n)), n, options_.learning_rate, 0.9f,
                0.95f, 1e-8f, 0.0f, adam_step_);
-      // Sharded, the gradients were cleared when their reduce-scatter took its packed copy.
-      if (sharded_) {
-        std::fill(p.reduced.begin(), p.reduced.end(), 0.0f);
-      } else {
-        std::fill(p.grad.begin(), p.grad.end(), 0.0f);
-      }
+      // Sharded, the gradients were cleared when their reduce-scatter took its packed copy (a
+      // replay of predicted waits runs no reduce-scatter: they are cleared here).
+      if (sharded_) std::fill(p.reduced.begin(), p.reduced.end(), 0.0f);
+      if (!sharded_ || options_.replay_communication) std::fill(p.grad.begin(), p.grad.end(), 0.0f);
     }
   }
 

@@ -338,7 +338,7 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
       std::vector<double> dev;
       for (double x : t) dev.push_back(std::abs(x - mid));
       // Below 1 (the profile's limit): past that a normal spread means nothing anyway.
-      jitter_cv = std::min(1.4826 * median(dev) / mid, 0.99);
+      jitter_cv = mid > 0 ? std::min(1.4826 * median(dev) / mid, 0.99) : 0.0;
     }
   }
   json ops = time_ops(graph, repeats);

@@ -271,6 +271,13 @@ MpiSession::MpiSession() {
   check(MPI_Comm_rank(MPI_COMM_WORLD, &rank_), "MPI_Comm_rank");
   check(MPI_Comm_size(MPI_COMM_WORLD, &size_), "MPI_Comm_size");
   host_ = host_name();
+  // The ranks sharing this host (MPI_COMM_TYPE_SHARED): this rank's place among them.
+  MPI_Comm local = MPI_COMM_NULL;
+  check(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local),
+        "MPI_Comm_split_type");
+  check(MPI_Comm_rank(local, &local_rank_), "MPI_Comm_rank");
+  check(MPI_Comm_size(local, &local_size_), "MPI_Comm_size");
+  MPI_Comm_free(&local);
 }
 
 MpiSession::~MpiSession() {

@@ -28,6 +28,9 @@ class MpiSession {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const std::string& host() const { return host_; }
+  // This rank among the ranks of its host, and how many there are.
+  int local_rank() const { return local_rank_; }
+  int local_size() const { return local_size_; }
   // Ends every rank of the job with `code` (for a failure that may leave peers waiting).
   [[noreturn]] void abort(int code) const;
   void barrier() const;
@@ -38,7 +41,7 @@ class MpiSession {
   void broadcast(void* data, std::size_t bytes) const;
 
  private:
-  int rank_ = 0, size_ = 1;
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
   std::string host_;
 };
 

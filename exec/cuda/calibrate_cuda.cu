@@ -177,7 +177,7 @@ DeviceTimings time_device(int gpu, GemmPrecision precision, const std::vector<Ge
     const double mid = median(t);
     std::vector<double> dev;
     for (double x : t) dev.push_back(std::abs(x - mid));
-    out.jitter_cv = std::min(1.4826 * median(dev) / mid, 0.99);
+    out.jitter_cv = mid > 0 ? std::min(1.4826 * median(dev) / mid, 0.99) : 0.0;
   }
 
   // Device-to-device copy of 1 GiB: read and write.
@@ -222,6 +222,8 @@ std::vector<CollectiveTiming> time_collectives(
   std::vector<CollectiveTiming> out;
   if (ranks < 2) return out;
   check(cudaSetDevice(gpu), "cudaSetDevice");
+  // The buffers outlive the communicator: on an error it is aborted before they are freed.
+  Buffer send(max_bytes), recv(max_bytes);
   ncclUniqueId id;
   if (rank == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
   broadcast_id(&id, sizeof(id));
@@ -230,7 +232,6 @@ std::vector<CollectiveTiming> time_collectives(
   cudaStream_t stream = nullptr;
   try {
     check(cudaStreamCreate(&stream), "cudaStreamCreate");
-    Buffer send(max_bytes), recv(max_bytes);
     check(cudaMemset(send.p, 0, max_bytes), "cudaMemset");
     Events ev;
     const std::uint64_t unit = 2ull * static_cast<std::uint64_t>(ranks);  // bf16, split by ranks

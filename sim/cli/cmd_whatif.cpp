@@ -32,6 +32,21 @@ struct Axis {
   std::vector<std::string> values;
 };
 
+// A value of --vary jitter_cv: a fraction in [0, 1).
+double jitter_value(const std::string& v) {
+  std::size_t used = 0;
+  double cv = -1;
+  try {
+    cv = std::stod(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != v.size() || !(cv >= 0 && cv < 1)) {
+    throw InputError(fmt::format("--vary jitter_cv={}: expected a fraction in [0, 1)", v));
+  }
+  return cv;
+}
+
 Axis parse_vary(const std::string& text) {
   const auto eq = text.find('=');
   if (eq == std::string::npos || eq + 1 >= text.size()) {
@@ -48,6 +63,7 @@ Axis parse_vary(const std::string& text) {
   std::string v;
   while (std::getline(ss, v, ',')) {
     if (v.empty()) throw InputError(fmt::format("--vary {}: empty value", text));
+    if (a.key == "jitter_cv") jitter_value(v);  // checked before any point runs
     a.values.push_back(v);
   }
   return a;
@@ -211,20 +227,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
     row.gpus = c.devices();
     std::optional<double> jitter;
-    if (point.count("jitter_cv")) {
-      const std::string& v = point.at("jitter_cv");
-      std::size_t used = 0;
-      double cv = -1;
-      try {
-        cv = std::stod(v, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used != v.size() || !(cv >= 0 && cv < 1)) {
-        throw InputError(fmt::format("--vary jitter_cv={}: expected a fraction in [0, 1)", v));
-      }
-      jitter = cv;
-    }
+    if (point.count("jitter_cv")) jitter = jitter_value(point.at("jitter_cv"));
     engine::Prediction pred;
     if (vm.count("fixed-plan")) {
       plan::Plan p = plan::load_plan(vm["fixed-plan"].as<std::string>());

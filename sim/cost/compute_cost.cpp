@@ -57,10 +57,12 @@ double ComputeCost::wave_factor(const model::Op& op, Phase phase) const {
   if (!waves_ || op.gemm_m <= 0 || op.expert) return 1.0;
   // The rank's share of the forward GEMM (m x k) by (k x n): context parallelism splits the
   // tokens, column-parallel layers the outputs, row-parallel layers the inputs.
-  const double m = op.gemm_m / plan_.cp;
+  double m = op.gemm_m / plan_.cp;
   double n = op.gemm_n, k = op.gemm_k;
   if (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab) n /= plan_.tp;
   if (op.tp_split == model::TpSplit::Row) k /= plan_.tp;
+  // Sequence parallelism splits the tokens of the ops tensor parallelism leaves whole (routers).
+  if (op.tp_split == model::TpSplit::None && plan_.sequence_parallel) m /= plan_.tp;
   // Useful outputs over the outputs of the waves run: tiles cover the output matrix (the
   // padding of edge tiles is tile quantization) and run sm_count at a time.
   const auto efficiency = [&](double rows, double cols) {

@@ -33,6 +33,7 @@ class Engine {
       : program_(program), durations_(durations), jitter_cv_(options.jitter_cv) {
     const std::size_t n = program.ranks.size();
     compute_total_.assign(n, 0.0);
+    spread_.assign(program.groups.size(), -1.0);
     synced_at_.resize(n);
     pending_.resize(n);
     dependents_.resize(n);
@@ -170,7 +171,9 @@ class Engine {
         const auto it = synced_at_[i].find(k.group);
         since = std::max(since, compute_total_[i] - (it == synced_at_[i].end() ? 0 : it->second));
       }
-      wait = jitter_cv_ * expected_max_normal(static_cast<std::int64_t>(g.ranks.size())) * since;
+      auto& e = spread_[k.group];  // E[max of n normals] for this group, computed once
+      if (e < 0) e = expected_max_normal(static_cast<std::int64_t>(g.ranks.size()));
+      wait = jitter_cv_ * e * since;
     }
     const double end = r.start_s + wait + durations_.collective_s(g, k);
     for (const auto& [mp, mt] : r.members) {
@@ -196,6 +199,7 @@ class Engine {
   // program last completed a collective of each group.
   std::vector<double> compute_total_;
   std::vector<std::map<std::int32_t, double>> synced_at_;
+  std::vector<double> spread_;  // per group: expected_max_normal(ranks), -1 until needed
   std::vector<std::vector<int>> pending_;
   std::vector<std::vector<std::vector<TaskId>>> dependents_;
   std::vector<std::vector<double>> eligible_;

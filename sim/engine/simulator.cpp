@@ -216,7 +216,7 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
     p.notes.push_back(fmt::format(
         "stragglers: compute time spread {:.1f}% (std/mean, {}); each collective waits for the "
         "slowest of its ranks, modelled as independent normal spreads (an approximation)",
-        100 * engine.jitter_cv, options.jitter_cv ? "--jitter-cv" : "the profile's jitter_cv"));
+        100 * engine.jitter_cv, options.jitter_cv ? "as given" : "the profile's jitter_cv"));
   }
 
   const double micro_batches_global =

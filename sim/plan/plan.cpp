@@ -148,6 +148,12 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
                                 "length per cp rank ({})",
                                 p.tp, p.seq_len / p.cp));
   }
+  if (!p.overlap_grad_reduce && p.zero_stage >= 2) {
+    error("no-overlap-zero",
+          fmt::format("ZeRO-{} reduce-scatters the gradients of every micro-batch as backward "
+                      "produces them (that is what frees them); without overlap use ZeRO-0 or 1",
+                      p.zero_stage));
+  }
   if (p.ep > 1 && !m.moe)
     error("ep-needs-moe", fmt::format("ep = {} but {} has no experts", p.ep, m.name));
   if (p.dp % p.ep != 0) {

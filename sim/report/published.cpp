@@ -67,6 +67,25 @@ Table4Setting table4_setting(std::string_view column) {
   return s;
 }
 
+namespace {
+// A whole number of a validation row, or an InputError naming the row and the column.
+std::int64_t whole(const CsvRow& row, const std::string& column) {
+  const std::string& text = row.at(column);
+  std::size_t used = 0;
+  std::int64_t v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) {
+    throw InputError(fmt::format("validation row {}: {}: expected a whole number, got \"{}\"",
+                                 row.at("id"), column, text));
+  }
+  return v;
+}
+}  // namespace
+
 Table1Run megatron_table1_run(const CsvRow& row) {
   static const std::map<std::string, std::string> names = {
       {"1.7", "megatron-1.7b"},     {"3.6", "megatron-3.6b"},     {"7.5", "megatron-7.5b"},
@@ -81,15 +100,15 @@ Table1Run megatron_table1_run(const CsvRow& row) {
   Table1Run run;
   run.model = name->second;
   const auto spec = model::load_model(run.model);
-  const int gpus = std::stoi(row.at("gpus"));
+  const auto gpus = whole(row, "gpus");
   const auto cluster = cluster::with_devices(cluster::load_cluster("selene"), gpus);
   plan::Plan& p = run.plan;
-  p.tp = std::stoi(row.at("tp"));
-  p.pp = std::stoi(row.at("pp"));
-  p.dp = std::stoi(row.at("dp"));
+  p.tp = static_cast<int>(whole(row, "tp"));
+  p.pp = static_cast<int>(whole(row, "pp"));
+  p.dp = static_cast<int>(whole(row, "dp"));
   p.micro_batch_size = 1;
-  p.global_batch_size = std::stoll(row.at("global_batch"));
-  p.seq_len = std::stoll(row.at("seq_len"));
+  p.global_batch_size = whole(row, "global_batch");
+  p.seq_len = whole(row, "seq_len");
   p.recompute = plan::Recompute::Full;
   p.overlap_grad_reduce = false;
   if (p.pp > 1) {

@@ -83,3 +83,39 @@ TEST_CASE("a collective waits for its slowest rank", "[engine][stragglers]") {
   const auto alone = dtsim::engine::run(two_syncs(1), d, options);
   CHECK(alone.makespan_s == Approx(plain.makespan_s));
 }
+
+TEST_CASE("each group waits for the compute since its own last collective",
+          "[engine][stragglers]") {
+  // Two programs (ranks 0 and 1), a group of both (2 ranks) and a group of rank 0 with 3 ranks
+  // it represents alone (4 ranks). Rank 0: compute 1 s, collective A, compute 2 s,
+  // collective B, compute 1 s, collective A. Rank 1: compute 1 s, A, compute 3 s, A.
+  dtsim::lower::Program p;
+  dtsim::lower::Group a, b;
+  a.ranks = {0, 1};
+  a.programs = {0, 1};
+  b.ranks = {0, 2, 3, 4};
+  b.programs = {0};
+  p.groups = {a, b};
+  dtsim::lower::RankProgram r0, r1;
+  r0.tasks = {compute(1, {}),     collective(0, {0}), compute(2, {1}),
+              collective(1, {2}), compute(1, {3}),    collective(0, {4})};
+  r1.tasks = {compute(1, {}), collective(0, {0}), compute(3, {1}), collective(0, {2})};
+  p.ranks = {r0, r1};
+  Fixed d;
+  dtsim::engine::EngineOptions options;
+  options.jitter_cv = 0.1;
+  const auto t = dtsim::engine::run(p, d, options);
+  const double e2 = dtsim::engine::expected_max_normal(2);
+  const double e4 = dtsim::engine::expected_max_normal(4);
+  // A #1 after 1 s of compute on both.
+  CHECK(t.tasks[0][1].end_s == Approx(1 + 0.1 * e2 * 1 + 0.5));
+  const double a1 = t.tasks[0][1].end_s;
+  // B: never synced before, so all 3 s of rank 0's compute count.
+  CHECK(t.tasks[0][3].end_s - t.tasks[0][3].start_s == Approx(0.1 * e4 * 3 + 0.5));
+  // A #2: since A #1, rank 0 computed 2 + 1 = 3 s, rank 1 3 s: the larger, 3 s. Rank 0 arrives
+  // last (its B in between), at a1 + 2 + B + 1.
+  const double b_len = 0.1 * e4 * 3 + 0.5;
+  CHECK(t.tasks[0][5].start_s == Approx(a1 + 2 + b_len + 1));
+  CHECK(t.tasks[0][5].end_s == Approx(a1 + 2 + b_len + 1 + 0.1 * e2 * 3 + 0.5));
+  CHECK(t.tasks[1][3].end_s == Approx(t.tasks[0][5].end_s));
+}

@@ -55,6 +55,14 @@ TEST_CASE("each broken rule says which one and why", "[plan][bad-input]") {
     p.dp = 2;
     CHECK(has_rule(check_plan(p, m, 64), "tp-kv-heads", "does not divide 8 key/value heads"));
   }
+  SECTION("no overlapped gradient reduction with ZeRO-2/3") {
+    p.overlap_grad_reduce = false;
+    p.zero_stage = 1;
+    CHECK(check_plan(p, m, 64).ok());
+    p.zero_stage = 2;
+    CHECK(has_rule(check_plan(p, m, 64), "no-overlap-zero",
+                   "ZeRO-2 reduce-scatters the gradients of every micro-batch"));
+  }
   SECTION("global batch") {
     p.global_batch_size = 30;
     CHECK(has_rule(check_plan(p, m, 64), "batch", "global batch 30"));
