@@ -112,6 +112,19 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
 // does not fit the ranks) are printed by rank 0 only.
 int g_rank = 0;
 
+// Under mpirun, peers may be waiting for this rank (a collective, a barrier, NCCL's set-up):
+// on an error, say which rank failed and end them all (exit 2 for bad input, else 1). Alone,
+// it returns and the caller rethrows.
+void end_all_ranks(const std::exception& e, const dtsim::exec::cpu::MpiSession* mpi,
+                   const char* command) {
+  if (mpi == nullptr || mpi->size() <= 1) return;
+  const bool input = dynamic_cast<const dtsim::InputError*>(&e) != nullptr ||
+                     dynamic_cast<const dtsim::UnsupportedError*>(&e) != nullptr;
+  std::cerr << fmt::format("dtexec {}: rank {} on {}: {}: {}\n", command, mpi->rank(), mpi->host(),
+                           input ? "error" : "internal error", e.what());
+  mpi->abort(input ? 2 : 1);
+}
+
 // Rank 0 speaks for the job; the other ranks stay quiet.
 std::ostream& out(int rank) {
   static std::ostringstream discard;
@@ -423,14 +436,7 @@ int run(const std::vector<std::string>& args) {
       write_trace(vm["trace"].as<std::string>(), program, result, steps - 1, *comm);
     }
   } catch (const std::exception& e) {
-    // Peers may be waiting in a collective for this rank: end them all.
-    if (mpi && mpi->size() > 1) {
-      const bool input = dynamic_cast<const dtsim::InputError*>(&e) != nullptr ||
-                         dynamic_cast<const dtsim::UnsupportedError*>(&e) != nullptr;
-      std::cerr << fmt::format("dtexec run: rank {} on {}: {}: {}\n", rank, mpi->host(),
-                               input ? "error" : "internal error", e.what());
-      mpi->abort(input ? 2 : 1);
-    }
+    end_all_ranks(e, mpi.get(), "run");
     throw;
   }
   const double tokens = static_cast<double>(plan.global_batch_size * plan.seq_len);
@@ -827,14 +833,7 @@ int calibrate(const std::vector<std::string>& args) {
       }
     }
   } catch (const std::exception& e) {
-    // Peers may be waiting for this rank (a barrier, NCCL's set-up): end them all.
-    if (mpi && mpi->size() > 1) {
-      const bool input = dynamic_cast<const dtsim::InputError*>(&e) != nullptr ||
-                         dynamic_cast<const dtsim::UnsupportedError*>(&e) != nullptr;
-      std::cerr << fmt::format("dtexec calibrate: rank {} on {}: {}: {}\n", rank, mpi->host(),
-                               input ? "error" : "internal error", e.what());
-      mpi->abort(input ? 2 : 1);
-    }
+    end_all_ranks(e, mpi.get(), "calibrate");
     throw;
   }
   if (rank != 0) return 0;

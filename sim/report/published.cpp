@@ -9,8 +9,8 @@
 
 namespace dtsim::report {
 
-LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parallel) {
-  // Megatron's GPT blocks (GELU, LayerNorm, biases) at the 22B layer's size.
+model::ModelSpec korthikanti_22b_spec() {
+  // Megatron's GPT blocks (GELU, LayerNorm, biases, dropout) at the 22B layer's size.
   auto spec = model::load_model("megatron-18.4b");
   spec.layers = 1;
   spec.hidden = 6144;
@@ -18,6 +18,11 @@ LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parall
   spec.kv_heads = 64;
   spec.head_dim = 96;
   spec.ffn_hidden = 4 * 6144;
+  return spec;
+}
+
+LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parallel) {
+  const model::ModelSpec spec = korthikanti_22b_spec();
   plan::Plan plan;
   plan.tp = 8;
   plan.micro_batch_size = 4;

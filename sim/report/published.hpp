@@ -10,6 +10,10 @@
 
 namespace dtsim::report {
 
+// One GPT block as in Korthikanti et al. 2022 (Table 3's 22B model: h 6144, 64 heads of 96,
+// GELU MLP of 4h, dropout, learned positions): Megatron's GPT family at that size, one layer.
+model::ModelSpec korthikanti_22b_spec();
+
 struct LayerTimes {
   double forward_s = 0;
   double backward_s = 0;  // with the recompute, as Table 4 counts it

@@ -7,6 +7,7 @@
 
 #include "sim/common/csv.hpp"
 #include "sim/common/data_files.hpp"
+#include "sim/report/published.hpp"
 #include "tests/test_util.hpp"
 
 using dtsim::Precision;
@@ -32,17 +33,9 @@ bool same_as_printed(double exact, const std::string& printed) {
   return std::fabs(rounded - value) < 1e-9 || std::fabs(truncated - value) < 1e-9;
 }
 
-// A GPT block as in Korthikanti et al. 2022 (Table 3's 22B model: h = 6144, a = 64, s = 2048,
-// b = 4; dropout on; GELU MLP of 4h).
+// A GPT block as in Korthikanti et al. 2022 (Table 3's 22B model), one layer.
 dtsim::model::ModelSpec korthikanti_22b() {
-  auto m = load_model("megatron-18.4b");  // same family: GELU, 4h, dropout, learned positions
-  m.layers = 1;
-  m.hidden = 6144;
-  m.heads = 64;
-  m.kv_heads = 64;
-  m.head_dim = 96;
-  m.ffn_hidden = 4 * 6144;
-  return m;
+  return dtsim::report::korthikanti_22b_spec();
 }
 
 }  // namespace
