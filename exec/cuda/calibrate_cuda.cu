@@ -134,6 +134,56 @@ class Gemm {
 
 }  // namespace
 
+std::string gemm_selftest(int gpu, GemmPrecision precision) {
+  check(cudaSetDevice(gpu), "cudaSetDevice");
+  const GemmShape s{64, 48, 32};
+  // Small integers (exact in bf16); the sums stay below 2^24, exact in fp32.
+  std::vector<float> a(static_cast<std::size_t>(s.m * s.k)), b(static_cast<std::size_t>(s.k * s.n));
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(static_cast<int>(i % 7) - 3);
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<float>(static_cast<int>(i % 5) - 2);
+  const bool bf16 = precision == GemmPrecision::Bf16;
+  const std::size_t elem = bf16 ? 2 : 4;
+  auto upload = [&](const std::vector<float>& host, Buffer& dev) {
+    if (bf16) {
+      std::vector<__nv_bfloat16> h(host.size());
+      for (std::size_t i = 0; i < host.size(); ++i) h[i] = __float2bfloat16(host[i]);
+      check(cudaMemcpy(dev.p, h.data(), h.size() * elem, cudaMemcpyHostToDevice), "cudaMemcpy");
+    } else {
+      check(cudaMemcpy(dev.p, host.data(), host.size() * elem, cudaMemcpyHostToDevice),
+            "cudaMemcpy");
+    }
+  };
+  Buffer da(a.size() * elem), db(b.size() * elem), dc(static_cast<std::size_t>(s.m * s.n) * elem);
+  upload(a, da);
+  upload(b, db);
+  Gemm gemm(precision);
+  gemm.run(da.p, db.p, dc.p, s);
+  std::vector<float> c(static_cast<std::size_t>(s.m * s.n));
+  if (bf16) {
+    std::vector<__nv_bfloat16> h(c.size());
+    check(cudaMemcpy(h.data(), dc.p, h.size() * elem, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    for (std::size_t i = 0; i < c.size(); ++i) c[i] = __bfloat162float(h[i]);
+  } else {
+    check(cudaMemcpy(c.data(), dc.p, c.size() * elem, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  }
+  for (int i = 0; i < s.m; ++i) {
+    for (int j = 0; j < s.n; ++j) {
+      float want = 0;
+      for (int k = 0; k < s.k; ++k) {
+        want += a[static_cast<std::size_t>(i * s.k + k)] * b[static_cast<std::size_t>(k * s.n + j)];
+      }
+      // bf16 output: integers up to 256 are exact, larger ones within its 8-bit precision.
+      const float got = c[static_cast<std::size_t>(i * s.n + j)];
+      const float tolerance = bf16 ? std::abs(want) / 128.0f : 0.0f;
+      if (std::abs(got - want) > tolerance) {
+        return "C[" + std::to_string(i) + "][" + std::to_string(j) + "] = " + std::to_string(got) +
+               ", expected " + std::to_string(want);
+      }
+    }
+  }
+  return "";
+}
+
 DeviceTimings time_device(int gpu, GemmPrecision precision, const std::vector<GemmShape>& shapes,
                           int repeats) {
   check(cudaSetDevice(gpu), "cudaSetDevice");

@@ -3,6 +3,8 @@
 #include <catch2/catch.hpp>
 #include <iostream>
 
+#include "exec/cuda/calibrate_cuda.hpp"
+
 TEST_CASE("the CUDA backend links and reports its libraries", "[exec][cuda]") {
   const auto p = dtsim::exec::cuda::probe();
   CHECK(p.cuda_runtime_version > 0);
@@ -24,4 +26,16 @@ TEST_CASE("the self-test kernel runs on every GPU", "[exec][cuda][gpu]") {
     return;
   }
   for (const auto& g : p.gpus) CHECK(dtsim::exec::cuda::selftest(g.index).empty());
+}
+
+TEST_CASE("the timed GEMM computes row-major C = A·B in bf16 and fp32", "[exec][cuda][gpu]") {
+  const auto p = dtsim::exec::cuda::probe();
+  if (p.gpus.empty()) {
+    WARN("skipped: no GPU on this machine (" << p.why_none << ")");
+    return;
+  }
+  using dtsim::exec::cuda::GemmPrecision;
+  for (GemmPrecision precision : {GemmPrecision::Bf16, GemmPrecision::Fp32}) {
+    CHECK(dtsim::exec::cuda::gemm_selftest(p.gpus.front().index, precision).empty());
+  }
 }
