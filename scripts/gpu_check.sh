@@ -30,8 +30,13 @@ cuda_libs=""
 for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
   [ -d "$d" ] && cuda_libs="$cuda_libs:$d"
 done
-nccl=$(find /usr /opt -name 'libnccl.so.2' 2>/dev/null | head -1)
-[ -n "$nccl" ] && cuda_libs="$cuda_libs:$(dirname "$nccl")"
+# Any of CUDA's libraries that the loader does not know: from wherever the machine has them
+# (the toolkit, or the nvidia-* wheels of its Python environment).
+for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
+  ldconfig -p 2>/dev/null | grep -q "$lib" && continue
+  found=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -1)
+  [ -n "$found" ] && cuda_libs="$cuda_libs:$(dirname "$found")"
+done
 export LD_LIBRARY_PATH="/tmp/gpu-bundle/lib$cuda_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export DTSIM_DATA_DIR=$repo
 say "dtsim GPU check, $(date -u +%Y-%m-%dT%H:%MZ), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
