@@ -321,6 +321,9 @@ int run(const std::vector<std::string>& args) {
       "fail-at", po::value<std::string>(),
       "fault injection for tests, RANK:STEP: that rank kills itself (SIGKILL) when the step "
       "starts");
+  desc.add_options()("no-dropout", po::bool_switch(),
+                     "train the model without its dropout layers (dtsim --no-dropout predicts "
+                     "the same model)");
   dtsim::cli::add_plan_options(desc);
   po::variables_map vm;
   if (!parse(args, desc,
@@ -346,7 +349,7 @@ int run(const std::vector<std::string>& args) {
   if (only_rank && mpi && mpi->size() > 1) {
     throw dtsim::InputError("--only-rank: runs one process; start it without mpirun");
   }
-  const auto spec = dtsim::model::load_model(vm["model"].as<std::string>());
+  const auto spec = dtsim::cli::model_from_options(vm);
   const std::int64_t devices = mpi && !only_rank ? mpi->size() : requested_devices(vm);
   if (!mpi && devices > 1 && !only_rank) {
     throw dtsim::InputError(fmt::format(

@@ -1266,7 +1266,12 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
     throw UnsupportedError(fmt::format("dtexec: {} is not executed yet", what));
   };
   if (m.moe) refuse(fmt::format("a mixture of experts (model {})", m.name));
-  if (m.dropout) refuse(fmt::format("dropout (model {})", m.name));
+  if (m.dropout) {
+    refuse(
+        fmt::format("dropout (model {}; --no-dropout trains it without, and dtsim "
+                    "--no-dropout predicts that model)",
+                    m.name));
+  }
   if (p.cp > 1) refuse("context parallelism (cp > 1)");
   if (p.ep > 1) refuse("expert parallelism (ep > 1)");
   if (p.sequence_parallel && (p.micro_batch_size * p.seq_len) % p.tp != 0) {

@@ -174,7 +174,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     row.point = point;
     const std::string model_name =
         point.count("model") ? point.at("model") : vm["model"].as<std::string>();
-    const model::ModelSpec spec = model::load_model(model_name);
+    const model::ModelSpec spec = model_with_options(model::load_model(model_name), vm);
     cluster::Cluster c = cluster::load_cluster(
         point.count("cluster") ? point.at("cluster") : vm["cluster"].as<std::string>());
     if (point.count("device")) {

@@ -22,7 +22,9 @@ void add_model_options(po::options_description& desc, bool with_cluster) {
   desc.add_options()(
       "model", po::value<std::string>()->default_value(kDefaultModel),
       "model: a name in models/ (e.g. llama3-70b), a path to a dtsim model JSON, or a Hugging "
-      "Face config.json");
+      "Face config.json")(
+      "no-dropout", po::bool_switch(),
+      "train the model without its dropout layers (their masks, memory and traffic)");
   if (with_cluster) {
     desc.add_options()("cluster", po::value<std::string>()->default_value(kDefaultCluster),
                        "cluster: a name in topologies/ (e.g. selene) or a path")(
@@ -81,7 +83,12 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
 }
 
 model::ModelSpec model_from_options(const po::variables_map& vm) {
-  return model::load_model(vm["model"].as<std::string>());
+  return model_with_options(model::load_model(vm["model"].as<std::string>()), vm);
+}
+
+model::ModelSpec model_with_options(model::ModelSpec spec, const po::variables_map& vm) {
+  if (vm.count("no-dropout") && vm["no-dropout"].as<bool>()) spec.dropout = false;
+  return spec;
 }
 
 cluster::Cluster cluster_from_options(const po::variables_map& vm) {
@@ -244,6 +251,9 @@ PlanSetup setup_from_options(const po::variables_map& vm) {
   model::ModelSpec spec = model_from_options(vm);
   cluster::Cluster cluster = cluster_from_options(vm);
   std::vector<std::string> notes;
+  if (vm.count("no-dropout") && vm["no-dropout"].as<bool>()) {
+    notes.push_back(fmt::format("{} without its dropout layers (--no-dropout)", spec.name));
+  }
   plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes);
   // The default precision (bf16) on a device without it (a CPU host): fp32, said so. A
   // precision asked for explicitly is checked as given.

@@ -30,6 +30,8 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
            const std::string& usage, po::variables_map& vm);
 
 model::ModelSpec model_from_options(const po::variables_map& vm);
+// `spec` with the model flags applied (--no-dropout).
+model::ModelSpec model_with_options(model::ModelSpec spec, const po::variables_map& vm);
 // The cluster, resized by --gpus when given.
 cluster::Cluster cluster_from_options(const po::variables_map& vm);
 
