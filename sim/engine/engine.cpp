@@ -161,27 +161,30 @@ class Engine {
     r.start_s = std::max(r.start_s, now);
     r.members.emplace_back(p, t);
     if (r.members.size() < g.programs.size()) return;
-    // Stragglers: the slowest of the group's ranks (not programs: a representative stands for
-    // several) arrives late by the spread of the compute its members did since their last sync.
-    double wait = 0;
-    if (jitter_cv_ > 0) {
-      double since = 0;
-      for (const auto& [mp, mt] : r.members) {
-        const auto i = static_cast<std::size_t>(mp);
-        const auto it = synced_at_[i].find(k.group);
-        since = std::max(since, compute_total_[i] - (it == synced_at_[i].end() ? 0 : it->second));
-      }
-      auto& e = spread_[k.group];  // E[max of n normals] for this group, computed once
-      if (e < 0) e = expected_max_normal(static_cast<std::int64_t>(g.ranks.size()));
-      wait = jitter_cv_ * e * since;
-    }
+    const double wait = jitter_cv_ > 0 ? straggler_wait(r.members, g, k.group) : 0.0;
     const double end = r.start_s + wait + durations_.collective_s(g, k);
-    for (const auto& [mp, mt] : r.members) {
-      schedule(mp, mt, r.start_s, end);
-      const auto i = static_cast<std::size_t>(mp);
-      synced_at_[i][k.group] = compute_total_[i];
-    }
+    for (const auto& [mp, mt] : r.members) schedule(mp, mt, r.start_s, end);
     collectives_.erase({k.group, seq});
+  }
+
+  // Stragglers: the slowest of the group's ranks (not programs: a representative stands for
+  // several) arrives late by the spread of the compute its members did since the group's last
+  // collective; that collective is now their last.
+  double straggler_wait(const std::vector<std::pair<std::int32_t, TaskId>>& members,
+                        const lower::Group& g, std::int32_t group) {
+    double since = 0;
+    for (const auto& [mp, mt] : members) {
+      const auto i = static_cast<std::size_t>(mp);
+      const auto it = synced_at_[i].find(group);
+      since = std::max(since, compute_total_[i] - (it == synced_at_[i].end() ? 0 : it->second));
+    }
+    for (const auto& [mp, mt] : members) {
+      const auto i = static_cast<std::size_t>(mp);
+      synced_at_[i][group] = compute_total_[i];
+    }
+    double& e = spread_[static_cast<std::size_t>(group)];  // computed once per group
+    if (e < 0) e = expected_max_normal(static_cast<std::int64_t>(g.ranks.size()));
+    return jitter_cv_ * e * since;
   }
 
   void finish(std::int32_t p, TaskId t, double now) {
