@@ -689,17 +689,8 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
     const auto spec = dtsim::model::load_model(vm["model"].as<std::string>());
     const std::int64_t seq = vm.count("seq-len") ? vm["seq-len"].as<std::int64_t>() : spec.seq_len;
     const dtsim::model::ModelGraph graph(spec, vm["micro-batch-size"].as<std::int64_t>(), seq);
-    for (const auto& op : graph.ops()) {
-      if (op.gemm_m <= 0 || (op.layer > 0 && op.layer < spec.layers)) continue;
-      const int T = static_cast<int>(op.gemm_m), K = static_cast<int>(op.gemm_k),
-                N = static_cast<int>(op.gemm_n);
-      for (const cu::GemmShape& g :
-           {cu::GemmShape{T, N, K}, cu::GemmShape{T, K, N}, cu::GemmShape{K, N, T}}) {
-        const bool seen = std::any_of(shapes.begin(), shapes.end(), [&](const cu::GemmShape& x) {
-          return x.m == g.m && x.n == g.n && x.k == g.k;
-        });
-        if (!seen) shapes.push_back(g);
-      }
+    for (const auto& [m, k, n] : dtsim::exec::cpu::model_gemm_shapes(graph)) {
+      shapes.push_back({m, n, k});  // {m, k, n} as cuBLAS's GemmShape {m, n, k}
     }
   }
   const auto device = cu::time_device(

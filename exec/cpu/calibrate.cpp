@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "exec/core/timing_stats.hpp"
 #include "exec/cpu/kernels.hpp"
 #include "sim/model/model_graph.hpp"
 
@@ -42,8 +43,7 @@ double median_of(int repeats, F&& f) {
     times.push_back(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / inner);
   }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return median(std::move(times));
 }
 
 // How many copies of an op's buffers to cycle through so that they exceed the caches, as a
@@ -258,6 +258,21 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
 
 }  // namespace
 
+std::vector<std::array<int, 3>> model_gemm_shapes(const model::ModelGraph& graph) {
+  std::vector<std::array<int, 3>> shapes;
+  for (const model::Op& op : graph.ops()) {
+    // One block's GEMMs are every block's; the head's too.
+    if (op.gemm_m <= 0 || (op.layer > 0 && op.layer < graph.spec().layers)) continue;
+    const int T = static_cast<int>(op.gemm_m), K = static_cast<int>(op.gemm_k),
+              N = static_cast<int>(op.gemm_n);
+    for (const std::array<int, 3>& s :
+         {std::array<int, 3>{T, K, N}, std::array<int, 3>{T, N, K}, std::array<int, 3>{K, T, N}}) {
+      if (std::find(shapes.begin(), shapes.end(), s) == shapes.end()) shapes.push_back(s);
+    }
+  }
+  return shapes;
+}
+
 nlohmann::json calibrate(const CalibrateOptions& options) {
   using nlohmann::json;
   if (options.gemm_threads > 0) set_gemm_threads(options.gemm_threads);
@@ -277,16 +292,8 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
   } else {
     shapes = {{64, 64, 64}, {128, 128, 128}, {256, 256, 256}, {512, 512, 512}, {1024, 1024, 1024}};
   }
-  for (model::OpId id = 0; id < graph.size(); ++id) {
-    const model::Op& op = graph.op(id);
-    // One block's GEMMs are every block's; the head's too.
-    if (op.gemm_m <= 0 || (op.layer > 0 && op.layer < spec.layers)) continue;
-    const int T = static_cast<int>(op.gemm_m), K = static_cast<int>(op.gemm_k),
-              N = static_cast<int>(op.gemm_n);
-    for (const std::array<int, 3>& s :
-         {std::array<int, 3>{T, K, N}, std::array<int, 3>{T, N, K}, std::array<int, 3>{K, T, N}}) {
-      if (std::find(shapes.begin(), shapes.end(), s) == shapes.end()) shapes.push_back(s);
-    }
+  for (const auto& s : model_gemm_shapes(graph)) {
+    if (std::find(shapes.begin(), shapes.end(), s) == shapes.end()) shapes.push_back(s);
   }
   json gemm = json::array();
   for (const auto& [m, k, n] : shapes) {
@@ -299,8 +306,7 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
   // Jitter: the spread of one compute segment's time, timed again and again (every rank at
   // once under mpirun, after a barrier). The segment is the calibration model's largest forward
   // GEMM, about what a rank computes between two collectives, repeated to last at least 1 ms.
-  // The spread is robust to the odd preempted sample: 1.4826 x the median absolute deviation
-  // (the standard deviation, were the times normal) over the median.
+  // The spread is robust to the odd preempted sample (exec/core/timing_stats.hpp).
   double jitter_cv = 0;
   {
     std::array<int, 3> big{0, 0, 0};
@@ -330,15 +336,7 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
         t.push_back(
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       }
-      auto median = [](std::vector<double> v) {
-        std::sort(v.begin(), v.end());
-        return v[v.size() / 2];
-      };
-      const double mid = median(t);
-      std::vector<double> dev;
-      for (double x : t) dev.push_back(std::abs(x - mid));
-      // Below 1 (the profile's limit): past that a normal spread means nothing anyway.
-      jitter_cv = mid > 0 ? std::min(1.4826 * median(dev) / mid, 0.99) : 0.0;
+      jitter_cv = robust_cv(t);
     }
   }
   json ops = time_ops(graph, repeats);

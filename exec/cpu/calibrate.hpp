@@ -15,9 +15,13 @@
 // memory that a multi-rank run sees; the caller adds the collectives.
 #pragma once
 
+#include <array>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
+
+#include "sim/model/model_graph.hpp"
 
 namespace dtsim::exec::cpu {
 
@@ -33,5 +37,10 @@ struct CalibrateOptions {
 };
 
 nlohmann::json calibrate(const CalibrateOptions& options);
+
+// The distinct GEMMs of one block and the head of `graph`, as {m, k, n}: each forward
+// [T,K]x[K,N] and its backward's two of the same FLOPs ([T,N]x[N,K] for the input gradient,
+// [K,T]x[T,N] for the weights). Both backends time these.
+std::vector<std::array<int, 3>> model_gemm_shapes(const model::ModelGraph& graph);
 
 }  // namespace dtsim::exec::cpu

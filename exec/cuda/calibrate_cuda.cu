@@ -11,11 +11,15 @@
 #include <string>
 #include <vector>
 
+#include "exec/core/timing_stats.hpp"
 #include "exec/cuda/calibrate_cuda.hpp"
 
 namespace dtsim::exec::cuda {
 
 namespace {
+
+using dtsim::exec::median;
+using dtsim::exec::robust_cv;
 
 void check(cudaError_t e, const char* call) {
   if (e != cudaSuccess) {
@@ -99,11 +103,6 @@ void fill(void* p, std::size_t n, GemmPrecision precision, unsigned seed) {
     fill_f32<<<1024, 256>>>(static_cast<float*>(p), n, seed);
   }
   check(cudaGetLastError(), "fill kernel launch");
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 class Gemm {
@@ -224,10 +223,7 @@ DeviceTimings time_device(int gpu, GemmPrecision precision, const std::vector<Ge
       check(cudaEventRecord(ev.stop), "cudaEventRecord");
       t.push_back(ev.seconds());
     }
-    const double mid = median(t);
-    std::vector<double> dev;
-    for (double x : t) dev.push_back(std::abs(x - mid));
-    out.jitter_cv = mid > 0 ? std::min(1.4826 * median(dev) / mid, 0.99) : 0.0;
+    out.jitter_cv = robust_cv(t);
   }
 
   // Device-to-device copy of 1 GiB: read and write.
