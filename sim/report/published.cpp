@@ -91,7 +91,7 @@ std::int64_t whole(const CsvRow& row, const std::string& column) {
 }
 }  // namespace
 
-Table1Run megatron_table1_run(const CsvRow& row) {
+Table1Case megatron_table1_case(const CsvRow& row) {
   static const std::map<std::string, std::string> names = {
       {"1.7", "megatron-1.7b"},     {"3.6", "megatron-3.6b"},     {"7.5", "megatron-7.5b"},
       {"18.4", "megatron-18.4b"},   {"39.1", "megatron-39.1b"},   {"76.1", "megatron-76.1b"},
@@ -102,12 +102,12 @@ Table1Run megatron_table1_run(const CsvRow& row) {
     throw InputError(fmt::format("Table 1 row {}: no model for {}B parameters", row.at("id"),
                                  row.at("params_b")));
   }
-  Table1Run run;
-  run.model = name->second;
-  const auto spec = model::load_model(run.model);
-  const auto gpus = whole(row, "gpus");
-  const auto cluster = cluster::with_devices(cluster::load_cluster("selene"), gpus);
-  plan::Plan& p = run.plan;
+  Table1Case c;
+  c.model = name->second;
+  c.spec = model::load_model(c.model);
+  c.cluster = cluster::with_devices(cluster::load_cluster("selene"), whole(row, "gpus"));
+  const model::ModelSpec& spec = c.spec;
+  plan::Plan& p = c.plan;
   p.tp = static_cast<int>(whole(row, "tp"));
   p.pp = static_cast<int>(whole(row, "pp"));
   p.dp = static_cast<int>(whole(row, "dp"));
@@ -126,11 +126,19 @@ Table1Run megatron_table1_run(const CsvRow& row) {
     }
     if (p.virtual_stages > 1) p.schedule = plan::Schedule::Interleaved;
   }
-  plan::require_valid(p, spec, cluster.devices());
-  const model::ModelGraph g(spec, p.micro_batch_size, p.seq_len);
-  auto net = network::make_analytical(cluster);
-  run.prediction = engine::simulate(g, p, cluster, *net).prediction;
-  return run;
+  plan::require_valid(p, spec, c.cluster.devices());
+  return c;
+}
+
+engine::Prediction simulate_case(const Table1Case& c) {
+  const model::ModelGraph g(c.spec, c.plan.micro_batch_size, c.plan.seq_len);
+  auto net = network::make_analytical(c.cluster);
+  return engine::simulate(g, c.plan, c.cluster, *net).prediction;
+}
+
+Table1Run megatron_table1_run(const CsvRow& row) {
+  const Table1Case c = megatron_table1_case(row);
+  return {c.model, c.plan, simulate_case(c)};
 }
 
 }  // namespace dtsim::report

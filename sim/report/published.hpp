@@ -39,8 +39,19 @@ Table4Setting table4_setting(std::string_view column);
 // gives equal chunks (1F1B without pipelining); pipeline transfers whole (the paper's
 // scatter/gather is not modelled); dp gradients all-reduced after the last backward pass, as
 // Megatron-LM did in 2021 (megatron/training.py, train_step).
-struct Table1Run {
+struct Table1Case {
   std::string model;  // models/<name>.json
+  model::ModelSpec spec;
+  cluster::Cluster cluster;  // Selene, the row's GPUs
+  plan::Plan plan;           // valid for spec and cluster
+};
+Table1Case megatron_table1_case(const CsvRow& row);
+
+// The case simulated (analytical network).
+engine::Prediction simulate_case(const Table1Case& c);
+
+struct Table1Run {
+  std::string model;
   plan::Plan plan;
   engine::Prediction prediction;
 };

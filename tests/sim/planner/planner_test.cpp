@@ -4,6 +4,7 @@
 
 #include "sim/common/csv.hpp"
 #include "sim/plan/memory_model.hpp"
+#include "sim/report/published.hpp"
 #include "tests/test_util.hpp"
 
 using dtsim::planner::SearchOptions;
@@ -79,45 +80,23 @@ TEST_CASE("the result is the same for any thread count", "[planner]") {
 
 TEST_CASE("Megatron SC'21 Table 1 on every row: the best plan fits and beats the paper's plan",
           "[planner][validation]") {
-  // For each row of validation/megatron_sc21_table1.csv: the paper's plan is its tp/pp/dp and
-  // global batch, micro-batch 1, full recompute, interleaved 1F1B with the smallest v >= 2 that
-  // splits each stage's layers evenly (1F1B without pipelining), simulated like any plan. The
-  // planner searches the same model, cluster and batch.
-  const std::map<std::string, std::string> names = {
-      {"1.7", "megatron-1.7b"},     {"3.6", "megatron-3.6b"},     {"7.5", "megatron-7.5b"},
-      {"18.4", "megatron-18.4b"},   {"39.1", "megatron-39.1b"},   {"76.1", "megatron-76.1b"},
-      {"145.6", "megatron-145.6b"}, {"310.1", "megatron-310.1b"}, {"529.6", "megatron-529.6b"},
-      {"1008.0", "megatron-1t"}};
+  // For each row of validation/megatron_sc21_table1.csv: the paper's plan as
+  // report::megatron_table1_case builds it (tp/pp/dp, batch, micro-batch 1, full recompute,
+  // interleaved where it splits evenly), simulated like any plan. The planner searches the same
+  // model, cluster and batch.
   int rows = 0;
   for (const auto& row :
        dtsim::read_csv(dtsim::test::repo_dir() / "validation" / "megatron_sc21_table1.csv")) {
     if (row.at("metric") != "achieved_tflops_per_gpu") continue;
     ++rows;
     DYNAMIC_SECTION(row.at("id")) {
-      const auto spec = dtsim::model::load_model(names.at(row.at("params_b")));
-      const int gpus = std::stoi(row.at("gpus"));
-      const auto cluster =
-          dtsim::cluster::with_devices(dtsim::cluster::load_cluster("selene"), gpus);
-      dtsim::plan::Plan paper;
-      paper.tp = std::stoi(row.at("tp"));
-      paper.pp = std::stoi(row.at("pp"));
-      paper.dp = std::stoi(row.at("dp"));
-      paper.micro_batch_size = 1;
-      paper.global_batch_size = std::stoll(row.at("global_batch"));
-      paper.seq_len = 2048;
-      paper.recompute = dtsim::plan::Recompute::Full;
-      const int per_stage = static_cast<int>(spec.layers / paper.pp);
-      for (int v = 2; paper.pp > 1 && v <= per_stage; ++v) {
-        if (per_stage % v == 0) {
-          paper.virtual_stages = v;
-          paper.schedule = dtsim::plan::Schedule::Interleaved;
-          break;
-        }
-      }
-      REQUIRE(dtsim::plan::check_plan(paper, spec, gpus).ok());
-      const dtsim::model::ModelGraph g(spec, 1, 2048);
-      auto net = dtsim::network::make_analytical(cluster);
-      const auto theirs = dtsim::engine::simulate(g, paper, cluster, *net).prediction;
+      auto paper_case = dtsim::report::megatron_table1_case(row);
+      // Like with like: the planner's plans overlap the gradient reduction.
+      paper_case.plan.overlap_grad_reduce = true;
+      const auto& spec = paper_case.spec;
+      const auto& cluster = paper_case.cluster;
+      const auto& paper = paper_case.plan;
+      const auto theirs = dtsim::report::simulate_case(paper_case);
       SearchSpace space;
       space.global_batch_size = paper.global_batch_size;
       space.seq_len = 2048;
