@@ -13,6 +13,7 @@
 
 #include "exec/core/timing_stats.hpp"
 #include "exec/cuda/calibrate_cuda.hpp"
+#include "exec/cuda/check.cuh"
 
 namespace dtsim::exec::cuda {
 
@@ -20,27 +21,6 @@ namespace {
 
 using dtsim::exec::median;
 using dtsim::exec::robust_cv;
-
-void check(cudaError_t e, const char* call) {
-  if (e != cudaSuccess) {
-    throw CudaError(std::string(call) + ": " + cudaGetErrorString(e) + " (error " +
-                    std::to_string(static_cast<int>(e)) + ")");
-  }
-}
-
-void check(cublasStatus_t s, const char* call) {
-  if (s != CUBLAS_STATUS_SUCCESS) {
-    throw CudaError(std::string(call) + ": " + cublasGetStatusString(s) + " (status " +
-                    std::to_string(static_cast<int>(s)) + ")");
-  }
-}
-
-void check(ncclResult_t r, const char* call) {
-  if (r != ncclSuccess) {
-    throw CudaError(std::string(call) + ": " + ncclGetErrorString(r) + " (result " +
-                    std::to_string(static_cast<int>(r)) + ")");
-  }
-}
 
 // Device memory released on scope exit.
 struct Buffer {

@@ -1,0 +1,37 @@
+// Checks for CUDA, cuBLAS and NCCL results, shared by the .cu files of exec/cuda: a failure
+// throws CudaError naming the call and the library's own description of the error. (No fmt in
+// .cu files: nvcc 13 rejects fmt's compile-time format checks.)
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <string>
+
+#include "exec/cuda/calibrate_cuda.hpp"  // CudaError
+
+namespace dtsim::exec::cuda {
+
+inline void check(cudaError_t e, const char* call) {
+  if (e != cudaSuccess) {
+    throw CudaError(std::string(call) + ": " + cudaGetErrorString(e) + " (error " +
+                    std::to_string(static_cast<int>(e)) + ")");
+  }
+}
+
+inline void check(cublasStatus_t s, const char* call) {
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    throw CudaError(std::string(call) + ": " + cublasGetStatusString(s) + " (status " +
+                    std::to_string(static_cast<int>(s)) + ")");
+  }
+}
+
+inline void check(ncclResult_t r, const char* call) {
+  if (r != ncclSuccess) {
+    throw CudaError(std::string(call) + ": " + ncclGetErrorString(r) + " (result " +
+                    std::to_string(static_cast<int>(r)) + ")");
+  }
+}
+
+}  // namespace dtsim::exec::cuda

@@ -1,0 +1,910 @@
+// The GPU kernels of exec/cuda/kernels.hpp. Each kernel mirrors its CPU reference in
+// exec/cpu/kernels.cpp (same formulas, same order of the terms where the result depends on it);
+// the activation type T is float or __nv_bfloat16, loaded to and computed in fp32.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "exec/cuda/check.cuh"
+#include "exec/cuda/kernels.hpp"
+
+namespace dtsim::exec::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 256;      // threads per block (a multiple of the warp)
+constexpr int kMaxBlocks = 65535;  // grid-stride loops cover the rest
+
+__device__ __forceinline__ float load(const float* p, std::int64_t i) {
+  return p[i];
+}
+__device__ __forceinline__ float load(const bf16* p, std::int64_t i) {
+  return __bfloat162float(p[i]);
+}
+__device__ __forceinline__ void store(float* p, std::int64_t i, float v) {
+  p[i] = v;
+}
+__device__ __forceinline__ void store(bf16* p, std::int64_t i, float v) {
+  p[i] = __float2bfloat16(v);
+}
+
+__device__ __forceinline__ std::int64_t first_index() {
+  return static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ std::int64_t grid_stride() {
+  return static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+}
+
+// Sum (or max) of one value per thread over the block, returned to every thread. The leading
+// barrier lets a block call it several times in a row.
+__device__ float block_sum(float v) {
+  __shared__ float partial[32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    v = threadIdx.x < (blockDim.x + 31) / 32 ? partial[threadIdx.x] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x == 0) partial[0] = v;
+  }
+  __syncthreads();
+  return partial[0];
+}
+
+__device__ float block_max(float v) {
+  __shared__ float partial[32];
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    v = threadIdx.x < (blockDim.x + 31) / 32 ? partial[threadIdx.x] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (threadIdx.x == 0) partial[0] = v;
+  }
+  __syncthreads();
+  return partial[0];
+}
+
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
+constexpr float kNormEps = 1e-5f;
+
+// ---- element-wise ---------------------------------------------------------------------------
+
+template <class T>
+__global__ void cast_kernel(T* out, const float* in, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) store(out, i, in[i]);
+}
+
+template <class T>
+__global__ void fill_random_kernel(T* out, std::int64_t n, unsigned seed, float scale) {
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
+    unsigned h = static_cast<unsigned>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 0x2c1b3c6du;
+    h ^= h >> 12;
+    store(out, i, scale * (static_cast<float>(h & 0xffffu) / 65536.0f - 0.5f));
+  }
+}
+
+template <class T>
+__global__ void widen_kernel(float* out, const T* in, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) out[i] = load(in, i);
+}
+
+template <class T>
+__global__ void add_kernel(T* out, const T* a, const T* b, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += grid_stride())
+    store(out, i, load(a, i) + load(b, i));
+}
+
+template <class T>
+__global__ void accumulate_kernel(T* d, const T* x, std::int64_t n, float scale) {
+  for (std::int64_t i = first_index(); i < n; i += grid_stride())
+    store(d, i, load(d, i) + scale * load(x, i));
+}
+
+template <class T>
+__global__ void gelu_forward_kernel(T* out, const T* in, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float x = load(in, i);
+    store(out, i, 0.5f * x * (1.0f + tanhf(kGeluScale * (x + 0.044715f * x * x * x))));
+  }
+}
+
+template <class T>
+__global__ void gelu_backward_kernel(T* din, const T* in, const T* dout, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float x = load(in, i);
+    const float th = tanhf(kGeluScale * (x + 0.044715f * x * x * x));
+    const float du = kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
+    const float grad = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
+    store(din, i, load(din, i) + grad * load(dout, i));
+  }
+}
+
+// in[T, 2F] = [gate | up] -> out[T, F] = silu(gate) · up.
+template <class T>
+__global__ void swiglu_forward_kernel(T* out, const T* in, std::int64_t T_, int F) {
+  const std::int64_t n = T_ * F;
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
+    const std::int64_t t = i / F, f = i % F;
+    const float g = load(in, t * 2 * F + f), u = load(in, t * 2 * F + F + f);
+    store(out, i, g / (1.0f + expf(-g)) * u);
+  }
+}
+
+template <class T>
+__global__ void swiglu_backward_kernel(T* din, const T* in, const T* dout, std::int64_t T_, int F) {
+  const std::int64_t n = T_ * F;
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
+    const std::int64_t t = i / F, f = i % F;
+    const std::int64_t gi = t * 2 * F + f, ui = gi + F;
+    const float g = load(in, gi), u = load(in, ui);
+    const float sig = 1.0f / (1.0f + expf(-g));
+    const float dy = load(dout, i);
+    store(din, ui, load(din, ui) + dy * g * sig);
+    store(din, gi, load(din, gi) + dy * u * (sig + g * sig * (1.0f - sig)));
+  }
+}
+
+// out[t, n] += bias[n].
+template <class T>
+__global__ void add_bias_kernel(T* out, const float* bias, std::int64_t T_, int N) {
+  const std::int64_t n = T_ * N;
+  for (std::int64_t i = first_index(); i < n; i += grid_stride())
+    store(out, i, load(out, i) + bias[i % N]);
+}
+
+// dbias[n] += sum over t of dout[t, n]: one thread per column, rows in order.
+template <class T>
+__global__ void column_sum_kernel(float* dbias, const T* dout, int T_, int N) {
+  for (std::int64_t c = first_index(); c < N; c += grid_stride()) {
+    float s = 0;
+    for (int t = 0; t < T_; ++t) s += load(dout, static_cast<std::int64_t>(t) * N + c);
+    dbias[c] += s;
+  }
+}
+
+// ---- norms ----------------------------------------------------------------------------------
+
+// One block per row.
+template <class T>
+__global__ void norm_forward_kernel(T* out, float* mean, float* rstd, const T* in, const float* w,
+                                    const float* b, int C, bool rms) {
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * C;
+  float mu = 0;
+  if (!rms) {
+    float s = 0;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) s += load(in, row + c);
+    mu = block_sum(s) / static_cast<float>(C);
+  }
+  float s2 = 0;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    const float d = load(in, row + c) - mu;
+    s2 += d * d;
+  }
+  const float r = 1.0f / sqrtf(block_sum(s2) / static_cast<float>(C) + kNormEps);
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    store(out, row + c, (load(in, row + c) - mu) * r * w[c] + (b ? b[c] : 0.0f));
+  }
+  if (threadIdx.x == 0) {
+    mean[blockIdx.x] = mu;
+    rstd[blockIdx.x] = r;
+  }
+}
+
+// The input gradient, one block per row:
+// dx += r (dy w - mean(dy w) - xhat mean(dy w xhat)) (RMSNorm: no mean(dy w) term).
+template <class T>
+__global__ void norm_backward_input_kernel(T* din, const T* dout, const T* in, const float* w,
+                                           const float* mean, const float* rstd, int C, bool rms) {
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * C;
+  const float mu = mean[blockIdx.x], r = rstd[blockIdx.x];
+  float sum_d = 0, sum_dx = 0;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    const float xhat = (load(in, row + c) - mu) * r;
+    const float d = load(dout, row + c) * w[c];
+    sum_d += d;
+    sum_dx += d * xhat;
+  }
+  sum_d = block_sum(sum_d);
+  sum_dx = block_sum(sum_dx);
+  const float mean_d = rms ? 0.0f : sum_d / static_cast<float>(C);
+  const float mean_dx = sum_dx / static_cast<float>(C);
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    const float xhat = (load(in, row + c) - mu) * r;
+    store(din, row + c,
+          load(din, row + c) + r * (load(dout, row + c) * w[c] - mean_d - xhat * mean_dx));
+  }
+}
+
+// The weight and bias gradients: one thread per column, rows in order.
+template <class T>
+__global__ void norm_backward_weight_kernel(float* dw, float* db, const T* dout, const T* in,
+                                            const float* mean, const float* rstd, int T_, int C) {
+  for (std::int64_t c = first_index(); c < C; c += grid_stride()) {
+    float sw = 0, sb = 0;
+    for (int t = 0; t < T_; ++t) {
+      const std::int64_t i = static_cast<std::int64_t>(t) * C + c;
+      const float dy = load(dout, i);
+      sw += dy * (load(in, i) - mean[t]) * rstd[t];
+      sb += dy;
+    }
+    if (dw) dw[c] += sw;
+    if (db) db[c] += sb;
+  }
+}
+
+// ---- attention ------------------------------------------------------------------------------
+
+// probs[h, i, :] = softmax over j <= i of scores[h, i, j] (already scaled), 0 for j > i.
+// One block per (row i, head h).
+template <class T>
+__global__ void causal_softmax_kernel(T* probs, const float* scores, int S) {
+  const std::int64_t row = (static_cast<std::int64_t>(blockIdx.y) * S + blockIdx.x) * S;
+  const int i = static_cast<int>(blockIdx.x);
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j <= i; j += blockDim.x) m = fmaxf(m, scores[row + j]);
+  m = block_max(m);
+  float s = 0;
+  for (int j = threadIdx.x; j <= i; j += blockDim.x) s += expf(scores[row + j] - m);
+  s = block_sum(s);
+  for (int j = threadIdx.x; j < S; j += blockDim.x) {
+    store(probs, row + j, j <= i ? expf(scores[row + j] - m) / s : 0.0f);
+  }
+}
+
+// dS = P ⊙ (dP - sum_j dP ⊙ P) · scale, per (row i, head h); zero above the diagonal.
+template <class T>
+__global__ void softmax_backward_kernel(T* dscores, const float* dprobs, const T* probs, int S,
+                                        float scale) {
+  const std::int64_t row = (static_cast<std::int64_t>(blockIdx.y) * S + blockIdx.x) * S;
+  const int i = static_cast<int>(blockIdx.x);
+  float dot = 0;
+  for (int j = threadIdx.x; j <= i; j += blockDim.x) dot += dprobs[row + j] * load(probs, row + j);
+  dot = block_sum(dot);
+  for (int j = threadIdx.x; j < S; j += blockDim.x) {
+    store(dscores, row + j, j <= i ? load(probs, row + j) * (dprobs[row + j] - dot) * scale : 0.0f);
+  }
+}
+
+// ---- rotary positions -----------------------------------------------------------------------
+
+// One thread per element of qkv[B·S, (H + 2G)·D]. In the q and k heads the pair
+// (x_i, x_{i+D/2}) at position s turns by s·theta^(-2i/D) (sign -1: back); v passes through.
+// Forward writes out; backward (accumulate) adds into out.
+template <class T>
+__global__ void rope_kernel(T* out, const T* in, std::int64_t rows, int S, int HG, int width, int D,
+                            double theta, float sign, bool accumulate) {
+  const std::int64_t n = rows * width;
+  const int half = D / 2;
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
+    const std::int64_t r = e / width;
+    const int col = static_cast<int>(e % width);
+    float y;
+    if (col < HG * D) {
+      const int i = col % D;
+      const int k = i < half ? i : i - half;
+      const std::int64_t base = e - i;  // the head's first element
+      const double angle = static_cast<double>(r % S) * pow(theta, -2.0 * k / D);
+      const auto c = static_cast<float>(cos(angle));
+      const auto sn = sign * static_cast<float>(sin(angle));
+      const float a = load(in, base + k), b = load(in, base + k + half);
+      y = i < half ? a * c - b * sn : a * sn + b * c;
+    } else {
+      y = load(in, e);
+    }
+    store(out, e, accumulate ? load(out, e) + y : y);
+  }
+}
+
+// ---- embedding ------------------------------------------------------------------------------
+
+template <class T>
+__global__ void embedding_forward_kernel(T* out, const int* tokens, const float* wte, int rows,
+                                         const float* wpe, int S, std::int64_t BS, int C,
+                                         int vocab_begin) {
+  const std::int64_t n = BS * C;
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
+    const std::int64_t r = e / C;
+    const int c = static_cast<int>(e % C);
+    const int local = tokens[r] - vocab_begin;
+    float y = local >= 0 && local < rows ? wte[static_cast<std::int64_t>(local) * C + c] : 0.0f;
+    if (wpe) y += wpe[(r % S) * C + c];
+    store(out, e, y);
+  }
+}
+
+// One thread per column, rows in order (no atomics: deterministic).
+template <class T>
+__global__ void embedding_backward_kernel(float* dwte, int rows, float* dwpe, const T* dout,
+                                          const int* tokens, int S, std::int64_t BS, int C,
+                                          int vocab_begin) {
+  for (std::int64_t c = first_index(); c < C; c += grid_stride()) {
+    for (std::int64_t r = 0; r < BS; ++r) {
+      const float dy = load(dout, r * C + c);
+      const int local = tokens[r] - vocab_begin;
+      if (local >= 0 && local < rows) dwte[static_cast<std::int64_t>(local) * C + c] += dy;
+      if (dwpe) dwpe[(r % S) * C + c] += dy;
+    }
+  }
+}
+
+// ---- cross-entropy --------------------------------------------------------------------------
+
+// One block per row of logits[T, V].
+template <class T>
+__global__ void row_max_kernel(float* rowmax, const T* logits, int V) {
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * V;
+  float m = -INFINITY;
+  for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, load(logits, row + v));
+  m = block_max(m);
+  if (threadIdx.x == 0) rowmax[blockIdx.x] = m;
+}
+
+// sums[t] = sum_v exp(z - rowmax[t]); sums[T + t] = the target's logit where this shard holds it.
+template <class T>
+__global__ void exp_sums_kernel(float* sums, const T* logits, const float* rowmax,
+                                const int* targets, int T_, int V, int vocab_begin) {
+  const int t = static_cast<int>(blockIdx.x);
+  const std::int64_t row = static_cast<std::int64_t>(t) * V;
+  float s = 0;
+  for (int v = threadIdx.x; v < V; v += blockDim.x) s += expf(load(logits, row + v) - rowmax[t]);
+  s = block_sum(s);
+  if (threadIdx.x == 0) {
+    const int y = targets[t] - vocab_begin;
+    sums[t] = s;
+    sums[T_ + t] = y >= 0 && y < V ? load(logits, row + y) : 0.0f;
+  }
+}
+
+// row_loss[t] = log(sum) - (z_y - max); dz = (softmax - onehot) / T, from the statistics.
+template <class T>
+__global__ void softmax_loss_kernel(T* dlogits, float* row_loss, const T* logits,
+                                    const float* rowmax, const float* sums, const int* targets,
+                                    int T_, int V, int vocab_begin) {
+  const int t = static_cast<int>(blockIdx.x);
+  const std::int64_t row = static_cast<std::int64_t>(t) * V;
+  const float m = rowmax[t], s = sums[t];
+  const int y = targets[t] - vocab_begin;
+  if (threadIdx.x == 0) row_loss[t] = logf(s) - (sums[T_ + t] - m);
+  for (int v = threadIdx.x; v < V; v += blockDim.x) {
+    const float p = expf(load(logits, row + v) - m) / s;
+    store(dlogits, row + v, (p - (v == y ? 1.0f : 0.0f)) / static_cast<float>(T_));
+  }
+}
+
+// ---- optimizer ------------------------------------------------------------------------------
+
+__global__ void adamw_kernel(float* params, const float* grads, float* m, float* v, std::int64_t n,
+                             float lr, float beta1, float beta2, float eps, float weight_decay,
+                             float c1, float c2) {
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float g = grads[i];
+    m[i] = beta1 * m[i] + (1 - beta1) * g;
+    v[i] = beta2 * v[i] + (1 - beta2) * g * g;
+    const float mhat = m[i] / c1, vhat = v[i] / c2;
+    params[i] -= lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * params[i]);
+  }
+}
+
+unsigned blocks_for(std::int64_t n) {
+  return static_cast<unsigned>(
+      std::clamp<std::int64_t>((n + kThreads - 1) / kThreads, 1, kMaxBlocks));
+}
+
+}  // namespace
+
+// ---- DeviceBuffer ---------------------------------------------------------------------------
+
+DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
+  check(cudaMalloc(&p_, std::max<std::size_t>(bytes, 16)), "cudaMalloc");
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (p_ != nullptr) cudaFree(p_);
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : p_(std::exchange(other.p_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    if (p_ != nullptr) cudaFree(p_);
+    p_ = std::exchange(other.p_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+// ---- Kernels --------------------------------------------------------------------------------
+
+struct Kernels::Impl {
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  // Scratch, grown on demand (cudaFree waits for the kernels that used the old one): host
+  // transfers, the loss statistics, attention scores and their gradients.
+  DeviceBuffer staging, stats, scores, dscores;
+  std::vector<cudaEvent_t> events;  // mark() numbers [0, marks) in use
+  int marks = 0;
+
+  ~Impl() {
+    for (cudaEvent_t e : events) cudaEventDestroy(e);
+    if (blas != nullptr) cublasDestroy(blas);
+    if (stream != nullptr) {
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    }
+  }
+
+  float* room(DeviceBuffer& b, std::size_t bytes) {
+    if (b.bytes() < bytes) b = DeviceBuffer(bytes);
+    return b.f32();
+  }
+};
+
+namespace {
+
+// Calls f with a null pointer of the activation type (float or bf16).
+template <class F>
+void with_type(Dtype t, F&& f) {
+  if (t == Dtype::F32) {
+    f(static_cast<float*>(nullptr));
+  } else {
+    f(static_cast<bf16*>(nullptr));
+  }
+}
+
+cudaDataType_t cuda_type(Dtype t) {
+  return t == Dtype::F32 ? CUDA_R_32F : CUDA_R_16BF;
+}
+
+void launched(const char* kernel) {
+  check(cudaGetLastError(), kernel);
+}
+
+}  // namespace
+
+Kernels::Kernels(int gpu, Dtype activations) : impl_(std::make_unique<Impl>()), act_(activations) {
+  check(cudaSetDevice(gpu), "cudaSetDevice");
+  check(cudaStreamCreate(&impl_->stream), "cudaStreamCreate");
+  check(cublasCreate(&impl_->blas), "cublasCreate");
+  check(cublasSetStream(impl_->blas, impl_->stream), "cublasSetStream");
+}
+
+Kernels::~Kernels() = default;
+
+void Kernels::synchronize() {
+  check(cudaStreamSynchronize(impl_->stream), "cudaStreamSynchronize");
+}
+
+int Kernels::mark() {
+  if (static_cast<std::size_t>(impl_->marks) == impl_->events.size()) {
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreate(&e), "cudaEventCreate");
+    impl_->events.push_back(e);
+  }
+  check(cudaEventRecord(impl_->events[static_cast<std::size_t>(impl_->marks)], impl_->stream),
+        "cudaEventRecord");
+  return impl_->marks++;
+}
+
+double Kernels::seconds(int a, int b) {
+  if (a < 0 || b < 0 || a >= impl_->marks || b >= impl_->marks) {
+    throw CudaError("Kernels::seconds: no such mark");
+  }
+  cudaEvent_t end = impl_->events[static_cast<std::size_t>(b)];
+  check(cudaEventSynchronize(end), "cudaEventSynchronize");
+  float ms = 0;
+  check(cudaEventElapsedTime(&ms, impl_->events[static_cast<std::size_t>(a)], end),
+        "cudaEventElapsedTime");
+  return static_cast<double>(ms) * 1e-3;
+}
+
+void Kernels::clear_marks() {
+  impl_->marks = 0;
+}
+
+void Kernels::upload_f32(float* dst, const float* host, std::int64_t n) {
+  check(cudaMemcpyAsync(dst, host, static_cast<std::size_t>(n) * 4, cudaMemcpyHostToDevice,
+                        impl_->stream),
+        "cudaMemcpyAsync (to the GPU)");
+  synchronize();  // the host buffer may go away when this returns
+}
+
+void Kernels::upload_i32(int* dst, const int* host, std::int64_t n) {
+  check(cudaMemcpyAsync(dst, host, static_cast<std::size_t>(n) * 4, cudaMemcpyHostToDevice,
+                        impl_->stream),
+        "cudaMemcpyAsync (to the GPU)");
+  synchronize();
+}
+
+void Kernels::upload(void* dst, const float* host, std::int64_t n) {
+  if (act_ == Dtype::F32) {
+    upload_f32(static_cast<float*>(dst), host, n);
+    return;
+  }
+  float* staged = impl_->room(impl_->staging, static_cast<std::size_t>(n) * 4);
+  upload_f32(staged, host, n);
+  cast(dst, staged, n);
+}
+
+void Kernels::download_f32(float* host, const float* src, std::int64_t n) {
+  check(cudaMemcpyAsync(host, src, static_cast<std::size_t>(n) * 4, cudaMemcpyDeviceToHost,
+                        impl_->stream),
+        "cudaMemcpyAsync (from the GPU)");
+  synchronize();
+}
+
+void Kernels::download(float* host, const void* src, std::int64_t n) {
+  if (act_ == Dtype::F32) {
+    download_f32(host, static_cast<const float*>(src), n);
+    return;
+  }
+  float* staged = impl_->room(impl_->staging, static_cast<std::size_t>(n) * 4);
+  widen_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(staged, static_cast<const bf16*>(src),
+                                                              n);
+  launched("widen_kernel");
+  download_f32(host, staged, n);
+}
+
+void Kernels::zero(void* dst, std::size_t bytes) {
+  check(cudaMemsetAsync(dst, 0, bytes, impl_->stream), "cudaMemsetAsync");
+}
+
+void Kernels::fill_random(void* dst, std::int64_t n, unsigned seed, float scale) {
+  with_type(act_, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    fill_random_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(static_cast<T*>(dst), n, seed,
+                                                                      scale);
+  });
+  launched("fill_random_kernel");
+}
+
+void Kernels::fill_random_f32(float* dst, std::int64_t n, unsigned seed, float scale) {
+  fill_random_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(dst, n, seed, scale);
+  launched("fill_random_kernel");
+}
+
+void Kernels::cast(void* out, const float* in, std::int64_t n) {
+  with_type(act_, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cast_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(static_cast<T*>(out), in, n);
+  });
+  launched("cast_kernel");
+}
+
+namespace {
+
+// Row-major C = alpha · op(A) · op(B) + beta · C, `batch` times with the given element strides,
+// as the column-major C^T = op(B)^T · op(A)^T that cuBLAS computes. M x N output, K inner; lda,
+// ldb, ldc are row strides. bf16 inputs accumulate in fp32 on the tensor cores; fp32 inputs use
+// the pedantic fp32 path (no TF32), so that fp32 runs check against the CPU reference.
+struct Operand {
+  const void* p;
+  cudaDataType_t type;
+  int ld;
+  long long stride = 0;
+};
+
+void gemm(cublasHandle_t blas, bool ta, bool tb, int M, int N, int K, float alpha, Operand a,
+          Operand b, float beta, void* c, cudaDataType_t ctype, int ldc, long long cstride,
+          int batch = 1) {
+  const cublasComputeType_t compute =
+      a.type == CUDA_R_32F ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+  check(cublasGemmStridedBatchedEx(blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                   ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, b.p, b.type,
+                                   b.ld, b.stride, a.p, a.type, a.ld, a.stride, &beta, c, ctype,
+                                   ldc, cstride, batch, compute, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmStridedBatchedEx");
+}
+
+}  // namespace
+
+void Kernels::matmul_forward(void* out, const void* in, const void* w, const float* bias, int T,
+                             int K, int N) {
+  const cudaDataType_t t = cuda_type(act_);
+  gemm(impl_->blas, false, false, T, N, K, 1.0f, {in, t, K}, {w, t, N}, 0.0f, out, t, N, 0);
+  if (bias != nullptr) {
+    with_type(act_, [&](auto* tag) {
+      using A = std::remove_pointer_t<decltype(tag)>;
+      add_bias_kernel<<<blocks_for(static_cast<std::int64_t>(T) * N), kThreads, 0, impl_->stream>>>(
+          static_cast<A*>(out), bias, T, N);
+    });
+    launched("add_bias_kernel");
+  }
+}
+
+void Kernels::matmul_backward(void* din, float* dw, float* dbias, const void* dout, const void* in,
+                              const void* w, int T, int K, int N) {
+  const cudaDataType_t t = cuda_type(act_);
+  if (din != nullptr) {  // din[T,K] += dout[T,N] · w[K,N]^T
+    gemm(impl_->blas, false, true, T, K, N, 1.0f, {dout, t, N}, {w, t, N}, 1.0f, din, t, K, 0);
+  }
+  if (dw != nullptr) {  // dw[K,N] += in[T,K]^T · dout[T,N], in fp32
+    gemm(impl_->blas, true, false, K, N, T, 1.0f, {in, t, K}, {dout, t, N}, 1.0f, dw, CUDA_R_32F, N,
+         0);
+  }
+  if (dbias != nullptr) {
+    with_type(act_, [&](auto* tag) {
+      using A = std::remove_pointer_t<decltype(tag)>;
+      column_sum_kernel<<<blocks_for(N), kThreads, 0, impl_->stream>>>(
+          dbias, static_cast<const A*>(dout), T, N);
+    });
+    launched("column_sum_kernel");
+  }
+}
+
+void Kernels::norm_forward(void* out, float* mean, float* rstd, const void* in, const float* w,
+                           const float* b, int T, int C, bool rms) {
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    norm_forward_kernel<<<T, kThreads, 0, impl_->stream>>>(static_cast<A*>(out), mean, rstd,
+                                                           static_cast<const A*>(in), w, b, C, rms);
+  });
+  launched("norm_forward_kernel");
+}
+
+void Kernels::norm_backward(void* din, float* dw, float* db, const void* dout, const void* in,
+                            const float* w, const float* mean, const float* rstd, int T, int C,
+                            bool rms) {
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    if (dw != nullptr || db != nullptr) {
+      norm_backward_weight_kernel<<<blocks_for(C), kThreads, 0, impl_->stream>>>(
+          dw, db, static_cast<const A*>(dout), static_cast<const A*>(in), mean, rstd, T, C);
+    }
+    if (din != nullptr) {
+      norm_backward_input_kernel<<<T, kThreads, 0, impl_->stream>>>(
+          static_cast<A*>(din), static_cast<const A*>(dout), static_cast<const A*>(in), w, mean,
+          rstd, C, rms);
+    }
+  });
+  launched("norm_backward kernels");
+}
+
+void Kernels::add_forward(void* out, const void* a, const void* b, std::int64_t n) {
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    add_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(
+        static_cast<A*>(out), static_cast<const A*>(a), static_cast<const A*>(b), n);
+  });
+  launched("add_kernel");
+}
+
+void Kernels::accumulate(void* d, const void* dout, std::int64_t n, float scale) {
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    accumulate_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(
+        static_cast<A*>(d), static_cast<const A*>(dout), n, scale);
+  });
+  launched("accumulate_kernel");
+}
+
+void Kernels::gelu_forward(void* out, const void* in, std::int64_t n) {
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    gelu_forward_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(
+        static_cast<A*>(out), static_cast<const A*>(in), n);
+  });
+  launched("gelu_forward_kernel");
+}
+
+void Kernels::gelu_backward(void* din, const void* in, const void* dout, std::int64_t n) {
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    gelu_backward_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(
+        static_cast<A*>(din), static_cast<const A*>(in), static_cast<const A*>(dout), n);
+  });
+  launched("gelu_backward_kernel");
+}
+
+void Kernels::swiglu_forward(void* out, const void* in, int T, int F) {
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    swiglu_forward_kernel<<<blocks_for(static_cast<std::int64_t>(T) * F), kThreads, 0,
+                            impl_->stream>>>(static_cast<A*>(out), static_cast<const A*>(in), T, F);
+  });
+  launched("swiglu_forward_kernel");
+}
+
+void Kernels::swiglu_backward(void* din, const void* in, const void* dout, int T, int F) {
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    swiglu_backward_kernel<<<blocks_for(static_cast<std::int64_t>(T) * F), kThreads, 0,
+                             impl_->stream>>>(static_cast<A*>(din), static_cast<const A*>(in),
+                                              static_cast<const A*>(dout), T, F);
+  });
+  launched("swiglu_backward_kernel");
+}
+
+// Per sequence b: scores[h] = scale · q_h · k_{kv(h)}^T for the heads of each kv group at once
+// (the shared k has stride 0 in the batch), the causal softmax of every head's rows, then
+// out_h = probs_h · v_{kv(h)}. qkv rows hold [q heads | k heads | v heads], D values each.
+void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G,
+                                int D) {
+  const cudaDataType_t t = cuda_type(act_);
+  const int width = (H + 2 * G) * D, group = H / G;
+  const std::size_t e = dtype_bytes(act_);
+  const auto SS = static_cast<long long>(S) * S;
+  float* scores = impl_->room(impl_->scores, static_cast<std::size_t>(H) * SS * 4);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const auto* base = static_cast<const char*>(qkv);
+  for (int b = 0; b < B; ++b) {
+    const char* rows = base + static_cast<std::size_t>(b) * S * width * e;
+    char* p = static_cast<char*>(probs) + static_cast<std::size_t>(b) * H * SS * e;
+    char* o = static_cast<char*>(out) + static_cast<std::size_t>(b) * S * H * D * e;
+    for (int kv = 0; kv < G; ++kv) {
+      const int h0 = kv * group;
+      gemm(impl_->blas, false, true, S, S, D, scale, {rows + h0 * D * e, t, width, D},
+           {rows + (H + kv) * D * e, t, width, 0}, 0.0f, scores + h0 * SS, CUDA_R_32F, S, SS,
+           group);
+    }
+    with_type(act_, [&](auto* tag) {
+      using A = std::remove_pointer_t<decltype(tag)>;
+      causal_softmax_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(reinterpret_cast<A*>(p),
+                                                                        scores, S);
+    });
+    launched("causal_softmax_kernel");
+    for (int kv = 0; kv < G; ++kv) {
+      const int h0 = kv * group;
+      gemm(impl_->blas, false, false, S, D, S, 1.0f, {p + h0 * SS * e, t, S, SS},
+           {rows + (H + G + kv) * D * e, t, width, 0}, 0.0f, o + h0 * D * e, t, H * D, D, group);
+    }
+  }
+}
+
+// dP_h = dO_h · v^T (fp32), dS_h = softmax backward · scale, then dq_h += dS_h · k,
+// dk += dS_h^T · q_h and dv += P_h^T · dO_h. The k and v gradients of a kv group sum over its
+// heads, so those GEMMs run one head at a time (beta = 1), never two writing one buffer.
+void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, const void* probs,
+                                 int B, int S, int H, int G, int D) {
+  const cudaDataType_t t = cuda_type(act_);
+  const int width = (H + 2 * G) * D, group = H / G;
+  const std::size_t e = dtype_bytes(act_);
+  const auto SS = static_cast<long long>(S) * S;
+  float* dprobs = impl_->room(impl_->scores, static_cast<std::size_t>(H) * SS * 4);
+  void* dscores = impl_->room(impl_->dscores, static_cast<std::size_t>(H) * SS * e);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int b = 0; b < B; ++b) {
+    const char* rows = static_cast<const char*>(qkv) + static_cast<std::size_t>(b) * S * width * e;
+    char* drows = static_cast<char*>(dqkv) + static_cast<std::size_t>(b) * S * width * e;
+    const char* p = static_cast<const char*>(probs) + static_cast<std::size_t>(b) * H * SS * e;
+    const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * S * H * D * e;
+    const char* ds = static_cast<const char*>(dscores);
+    for (int kv = 0; kv < G; ++kv) {
+      const int h0 = kv * group;
+      gemm(impl_->blas, false, true, S, S, D, 1.0f, {dO + h0 * D * e, t, H * D, D},
+           {rows + (H + G + kv) * D * e, t, width, 0}, 0.0f, dprobs + h0 * SS, CUDA_R_32F, S, SS,
+           group);
+    }
+    with_type(act_, [&](auto* tag) {
+      using A = std::remove_pointer_t<decltype(tag)>;
+      softmax_backward_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(
+          static_cast<A*>(dscores), dprobs, reinterpret_cast<const A*>(p), S, scale);
+    });
+    launched("softmax_backward_kernel");
+    for (int kv = 0; kv < G; ++kv) {
+      const int h0 = kv * group;
+      gemm(impl_->blas, false, false, S, D, S, 1.0f, {ds + h0 * SS * e, t, S, SS},
+           {rows + (H + kv) * D * e, t, width, 0}, 1.0f, drows + h0 * D * e, t, width, D, group);
+    }
+    for (int h = 0; h < H; ++h) {
+      const int kv = h / group;
+      gemm(impl_->blas, true, false, S, D, S, 1.0f, {ds + h * SS * e, t, S},
+           {rows + h * D * e, t, width}, 1.0f, drows + (H + kv) * D * e, t, width, 0);
+      gemm(impl_->blas, true, false, S, D, S, 1.0f, {p + h * SS * e, t, S},
+           {dO + h * D * e, t, H * D}, 1.0f, drows + (H + G + kv) * D * e, t, width, 0);
+    }
+  }
+}
+
+void Kernels::rope_forward(void* out, const void* qkv, int B, int S, int H, int G, int D,
+                           double theta) {
+  const std::int64_t rows = static_cast<std::int64_t>(B) * S;
+  const int width = (H + 2 * G) * D;
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    rope_kernel<<<blocks_for(rows * width), kThreads, 0, impl_->stream>>>(
+        static_cast<A*>(out), static_cast<const A*>(qkv), rows, S, H + G, width, D, theta, 1.0f,
+        false);
+  });
+  launched("rope_kernel");
+}
+
+void Kernels::rope_backward(void* dqkv, const void* dout, int B, int S, int H, int G, int D,
+                            double theta) {
+  const std::int64_t rows = static_cast<std::int64_t>(B) * S;
+  const int width = (H + 2 * G) * D;
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    rope_kernel<<<blocks_for(rows * width), kThreads, 0, impl_->stream>>>(
+        static_cast<A*>(dqkv), static_cast<const A*>(dout), rows, S, H + G, width, D, theta, -1.0f,
+        true);
+  });
+  launched("rope_kernel");
+}
+
+void Kernels::embedding_forward(void* out, const int* tokens, const float* wte, int rows,
+                                const float* wpe, int B, int S, int C, int vocab_begin) {
+  const std::int64_t BS = static_cast<std::int64_t>(B) * S;
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    embedding_forward_kernel<<<blocks_for(BS * C), kThreads, 0, impl_->stream>>>(
+        static_cast<A*>(out), tokens, wte, rows, wpe, S, BS, C, vocab_begin);
+  });
+  launched("embedding_forward_kernel");
+}
+
+void Kernels::embedding_backward(float* dwte, int rows, float* dwpe, const void* dout,
+                                 const int* tokens, int B, int S, int C, int vocab_begin) {
+  const std::int64_t BS = static_cast<std::int64_t>(B) * S;
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    embedding_backward_kernel<<<blocks_for(C), kThreads, 0, impl_->stream>>>(
+        dwte, rows, dwpe, static_cast<const A*>(dout), tokens, S, BS, C, vocab_begin);
+  });
+  launched("embedding_backward_kernel");
+}
+
+void Kernels::cross_entropy_max(float* rowmax, const void* logits, int T, int V) {
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    row_max_kernel<<<T, kThreads, 0, impl_->stream>>>(rowmax, static_cast<const A*>(logits), V);
+  });
+  launched("row_max_kernel");
+}
+
+void Kernels::cross_entropy_sums(float* sums, const void* logits, const float* rowmax,
+                                 const int* targets, int T, int V, int vocab_begin) {
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    exp_sums_kernel<<<T, kThreads, 0, impl_->stream>>>(sums, static_cast<const A*>(logits), rowmax,
+                                                       targets, T, V, vocab_begin);
+  });
+  launched("exp_sums_kernel");
+}
+
+void Kernels::cross_entropy_sharded(void* dlogits, float* row_loss, const void* logits,
+                                    const float* rowmax, const float* sums, const int* targets,
+                                    int T, int V, int vocab_begin) {
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    softmax_loss_kernel<<<T, kThreads, 0, impl_->stream>>>(static_cast<A*>(dlogits), row_loss,
+                                                           static_cast<const A*>(logits), rowmax,
+                                                           sums, targets, T, V, vocab_begin);
+  });
+  launched("softmax_loss_kernel");
+}
+
+// The unsharded loss is the sharded one on a single shard: its statistics are already whole.
+void Kernels::cross_entropy(void* dlogits, float* row_loss, const void* logits, const int* targets,
+                            int T, int V) {
+  float* stats = impl_->room(impl_->stats, static_cast<std::size_t>(3) * T * 4);
+  cross_entropy_max(stats, logits, T, V);
+  cross_entropy_sums(stats + T, logits, stats, targets, T, V, 0);
+  cross_entropy_sharded(dlogits, row_loss, logits, stats, stats + T, targets, T, V, 0);
+}
+
+void Kernels::adamw(float* params, const float* grads, float* m, float* v, std::int64_t n, float lr,
+                    float beta1, float beta2, float eps, float weight_decay, int t) {
+  const float c1 = 1.0f - std::pow(beta1, static_cast<float>(t));
+  const float c2 = 1.0f - std::pow(beta2, static_cast<float>(t));
+  adamw_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(params, grads, m, v, n, lr, beta1,
+                                                              beta2, eps, weight_decay, c1, c2);
+  launched("adamw_kernel");
+}
+
+}  // namespace dtsim::exec::cuda

@@ -1,0 +1,160 @@
+// GPU kernels of the reference executor: the forward and backward of every op of a GPT-style
+// decoder, the CUDA counterparts of exec/cpu/kernels.hpp (same shapes, same layouts, same
+// arithmetic), which are their numerical reference (tests/exec/cuda/kernels_cuda_test.cpp).
+//
+// Mixed precision as Megatron-LM trains: activations and their gradients in the run's
+// activation type (bf16, or fp32 for checks), GEMMs on the tensor cores with fp32 accumulation
+// (cublasGemmEx, CUBLAS_COMPUTE_32F; fp32 runs use CUBLAS_COMPUTE_32F_PEDANTIC, without TF32),
+// every reduction (norm statistics, softmax sums, loss) in fp32, and weights, weight gradients
+// and AdamW state in fp32 (the master copy). A linear op reads an activation-typed working copy
+// of its weight (`cast`), as Megatron's fp16/bf16 modules do; its weight gradient accumulates
+// in fp32.
+//
+// Plain C++ interface: pointers are device pointers; no CUDA type leaks out of exec/cuda. All
+// work of one Kernels object goes to its own stream, in order; nothing here synchronizes with
+// the host except `download` and `synchronize`. Every CUDA and cuBLAS call is checked: a
+// failure throws CudaError naming the call (kernel launches included).
+//
+// Determinism: no atomics. Column reductions (bias, norm weight, embedding gradients) run one
+// thread per column over the rows in order, so a run repeats bit for bit on the same GPU.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "exec/cuda/calibrate_cuda.hpp"  // CudaError
+
+namespace dtsim::exec::cuda {
+
+// The activation type of a run.
+enum class Dtype { F32, BF16 };
+
+inline std::size_t dtype_bytes(Dtype t) {
+  return t == Dtype::F32 ? 4 : 2;
+}
+
+// Device memory, released on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* get() const { return p_; }
+  float* f32() const { return static_cast<float*>(p_); }
+  int* i32() const { return static_cast<int*>(p_); }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+class Kernels {
+ public:
+  // Binds to `gpu` and creates a stream and a cuBLAS handle on it.
+  Kernels(int gpu, Dtype activations);
+  ~Kernels();
+  Kernels(const Kernels&) = delete;
+  Kernels& operator=(const Kernels&) = delete;
+
+  Dtype activations() const { return act_; }
+
+  // ---- host transfers (ordered on the stream; download waits for it) --------------------
+  // n floats from the host into activation-typed `dst` (rounded to bf16 when that is the type).
+  void upload(void* dst, const float* host, std::int64_t n);
+  void upload_f32(float* dst, const float* host, std::int64_t n);
+  void upload_i32(int* dst, const int* host, std::int64_t n);
+  // n activation-typed values of `src` to the host, as floats.
+  void download(float* host, const void* src, std::int64_t n);
+  void download_f32(float* host, const float* src, std::int64_t n);
+  void zero(void* dst, std::size_t bytes);
+  void synchronize();
+
+  // Timing on the stream with CUDA events: mark() records an event after the work queued so
+  // far and returns its number; seconds(a, b) is the GPU time between marks a and b (it waits
+  // for b). clear_marks() starts the numbering again (the events are reused).
+  int mark();
+  double seconds(int a, int b);
+  void clear_marks();
+
+  // Values in [-scale/2, scale/2) from a hash of (seed, index): data for timings and tests
+  // (the tensor cores see varied bits, as in training; zeros draw less power).
+  void fill_random(void* dst, std::int64_t n, unsigned seed, float scale = 1.0f);
+  void fill_random_f32(float* dst, std::int64_t n, unsigned seed, float scale = 1.0f);
+
+  // out[n] = in[n] in the activation type: a weight's working copy from its fp32 master.
+  void cast(void* out, const float* in, std::int64_t n);
+
+  // ---- the ops (shapes as exec/cpu/kernels.hpp; `void*` = activation type) ---------------
+  // out[T,N] = in[T,K] · w[K,N] (+ bias[N]).
+  void matmul_forward(void* out, const void* in, const void* w, const float* bias, int T, int K,
+                      int N);
+  // din[T,K] += dout · w^T;  dw[K,N] += in^T · dout (fp32);  dbias[N] += column sums of dout.
+  // Any of din, dw, dbias may be null (not wanted).
+  void matmul_backward(void* din, float* dw, float* dbias, const void* dout, const void* in,
+                       const void* w, int T, int K, int N);
+
+  // LayerNorm (eps 1e-5) or RMSNorm over C; mean[T] and rstd[T] kept in fp32.
+  void norm_forward(void* out, float* mean, float* rstd, const void* in, const float* w,
+                    const float* b, int T, int C, bool rms);
+  // din, dw and db may each be null.
+  void norm_backward(void* din, float* dw, float* db, const void* dout, const void* in,
+                     const float* w, const float* mean, const float* rstd, int T, int C, bool rms);
+
+  void add_forward(void* out, const void* a, const void* b, std::int64_t n);
+  // d[n] += scale · dout (a residual's backward; the loss gradient's 1/(m·dp) scaling).
+  void accumulate(void* d, const void* dout, std::int64_t n, float scale = 1.0f);
+
+  void gelu_forward(void* out, const void* in, std::int64_t n);
+  void gelu_backward(void* din, const void* in, const void* dout, std::int64_t n);
+  void swiglu_forward(void* out, const void* in, int T, int F);
+  void swiglu_backward(void* din, const void* in, const void* dout, int T, int F);
+
+  // Causal attention with grouped KV heads, as Megatron-LM computed it before fused kernels:
+  // per (sequence, head) the scores q·k^T (fp32), a masked softmax into probs[B,H,S,S]
+  // (activation type, kept for backward), and probs · v. GEMMs on cuBLAS.
+  void attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G,
+                         int D);
+  void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* probs, int B,
+                          int S, int H, int G, int D);
+
+  void rope_forward(void* out, const void* qkv, int B, int S, int H, int G, int D, double theta);
+  void rope_backward(void* dqkv, const void* dout, int B, int S, int H, int G, int D, double theta);
+
+  // tokens[B·S] on the device; wte holds rows [vocab_begin, vocab_begin + rows) (fp32 master);
+  // wpe may be null.
+  void embedding_forward(void* out, const int* tokens, const float* wte, int rows, const float* wpe,
+                         int B, int S, int C, int vocab_begin);
+  void embedding_backward(float* dwte, int rows, float* dwpe, const void* dout, const int* tokens,
+                          int B, int S, int C, int vocab_begin);
+
+  // Softmax cross-entropy of logits[T,V]: row_loss[T] (fp32, on the device; their mean is the
+  // loss) and dlogits[T,V] = (softmax - onehot) / T.
+  void cross_entropy(void* dlogits, float* row_loss, const void* logits, const int* targets, int T,
+                     int V);
+  // Vocab-parallel cross-entropy in three steps, as exec/cpu: rowmax[T]; sums[2T] (sum of
+  // exp(z - rowmax), and the target logit where this shard holds it); then row_loss and
+  // dlogits from the (tp-reduced) statistics.
+  void cross_entropy_max(float* rowmax, const void* logits, int T, int V);
+  void cross_entropy_sums(float* sums, const void* logits, const float* rowmax, const int* targets,
+                          int T, int V, int vocab_begin);
+  void cross_entropy_sharded(void* dlogits, float* row_loss, const void* logits,
+                             const float* rowmax, const float* sums, const int* targets, int T,
+                             int V, int vocab_begin);
+
+  // AdamW on fp32 masters, step t >= 1 (bias corrections computed here).
+  void adamw(float* params, const float* grads, float* m, float* v, std::int64_t n, float lr,
+             float beta1, float beta2, float eps, float weight_decay, int t);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  Dtype act_;
+};
+
+}  // namespace dtsim::exec::cuda

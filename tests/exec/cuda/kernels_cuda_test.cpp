@@ -1,0 +1,367 @@
+// The GPU kernels against their CPU reference (exec/cpu/kernels, itself checked against finite
+// differences): the same random inputs through both, in fp32 (the GPU's fp32 GEMMs run without
+// TF32, so the two agree to rounding) and in bf16 activations (agreement to bf16's precision).
+// Without a GPU each case says so and stops.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <vector>
+
+#include "exec/cpu/kernels.hpp"
+#include "exec/cuda/gpu_probe.hpp"
+#include "exec/cuda/kernels.hpp"
+
+namespace {
+
+namespace cu = dtsim::exec::cuda;
+namespace cpu = dtsim::exec::cpu;
+using Vec = std::vector<float>;
+
+std::optional<int> first_gpu() {
+  const auto p = cu::probe();
+  if (p.gpus.empty()) {
+    // Catch2 v2 has no SKIP: say why and stop (the machine has no GPU; not a failure).
+    WARN("skipped: no GPU on this machine (" << p.why_none << ")");
+    return std::nullopt;
+  }
+  return p.gpus.front().index;
+}
+
+Vec random(std::size_t n, unsigned seed, float scale = 1.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  Vec v(n);
+  for (auto& x : v) x = normal(gen);
+  return v;
+}
+
+// The largest difference relative to the largest reference value: robust to entries near 0.
+double error(const Vec& got, const Vec& want) {
+  REQUIRE(got.size() == want.size());
+  double diff = 0, scale = 1e-12;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    diff = std::max(diff, static_cast<double>(std::fabs(got[i] - want[i])));
+    scale = std::max(scale, static_cast<double>(std::fabs(want[i])));
+  }
+  return diff / scale;
+}
+
+// fp32 differs from the CPU by summation order only; bf16 keeps 8 bits of mantissa.
+double tolerance(cu::Dtype t) {
+  return t == cu::Dtype::F32 ? 2e-5 : 3e-2;
+}
+
+const char* name(cu::Dtype t) {
+  return t == cu::Dtype::F32 ? "fp32" : "bf16";
+}
+
+// A device copy of a host vector: activation-typed, or fp32 (weights, statistics).
+struct Dev {
+  cu::Kernels& k;
+  bool f32;
+  std::int64_t n;
+  cu::DeviceBuffer buf;
+  Dev(cu::Kernels& kernels, const Vec& host, bool fp32 = false)
+      : k(kernels),
+        f32(fp32),
+        n(static_cast<std::int64_t>(host.size())),
+        buf(host.size() * (fp32 ? 4 : cu::dtype_bytes(kernels.activations()))) {
+    if (f32) {
+      k.upload_f32(buf.f32(), host.data(), n);
+    } else {
+      k.upload(buf.get(), host.data(), n);
+    }
+  }
+  void* p() const { return buf.get(); }
+  float* f() const { return buf.f32(); }
+  Vec host() const {
+    Vec h(static_cast<std::size_t>(n));
+    if (f32) {
+      k.download_f32(h.data(), buf.f32(), n);
+    } else {
+      k.download(h.data(), buf.get(), n);
+    }
+    return h;
+  }
+};
+
+struct Ints {
+  cu::DeviceBuffer buf;
+  Ints(cu::Kernels& k, const std::vector<int>& host) : buf(host.size() * sizeof(int)) {
+    k.upload_i32(buf.i32(), host.data(), static_cast<std::int64_t>(host.size()));
+  }
+  const int* p() const { return buf.i32(); }
+};
+
+// The reference value rounded as the GPU stores it (bf16 inputs), so that both sides start from
+// the same numbers.
+Vec as_stored(cu::Kernels& k, const Vec& v) {
+  return Dev(k, v).host();
+}
+
+const cu::Dtype kTypes[] = {cu::Dtype::F32, cu::Dtype::BF16};
+
+}  // namespace
+
+TEST_CASE("GPU matmul forward and backward match the CPU", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const int T = 24, K = 40, N = 56;
+  for (cu::Dtype type : kTypes) {
+    INFO(name(type));
+    cu::Kernels k(*gpu, type);
+    const Vec in = as_stored(k, random(T * K, 1)), w = as_stored(k, random(K * N, 2, 0.2f));
+    const Vec bias = random(N, 3), dout = as_stored(k, random(T * N, 4));
+    const Vec din0 = as_stored(k, random(T * K, 5)), dw0 = random(K * N, 6), db0 = random(N, 7);
+    Vec out(T * N), din = din0, dw = dw0, db = db0;
+    cpu::matmul_forward(out, in, w, bias, T, K, N);
+    cpu::matmul_backward(din, dw, db, dout, in, w, T, K, N);
+
+    Dev d_in(k, in), d_w(k, w), d_bias(k, bias, true), d_out(k, Vec(T * N)), d_dout(k, dout);
+    Dev d_din(k, din0), d_dw(k, dw0, true), d_db(k, db0, true);
+    k.matmul_forward(d_out.p(), d_in.p(), d_w.p(), d_bias.f(), T, K, N);
+    k.matmul_backward(d_din.p(), d_dw.f(), d_db.f(), d_dout.p(), d_in.p(), d_w.p(), T, K, N);
+    CHECK(error(d_out.host(), out) < tolerance(type));
+    CHECK(error(d_din.host(), din) < tolerance(type));
+    CHECK(error(d_dw.host(), dw) < tolerance(type));
+    CHECK(error(d_db.host(), db) < tolerance(type));
+  }
+}
+
+TEST_CASE("GPU LayerNorm and RMSNorm match the CPU", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const int T = 16, C = 300;  // more columns than threads per block
+  for (cu::Dtype type : kTypes) {
+    for (bool rms : {false, true}) {
+      INFO(name(type) << (rms ? " RMSNorm" : " LayerNorm"));
+      cu::Kernels k(*gpu, type);
+      const Vec in = as_stored(k, random(T * C, 11, 2.0f)), w = random(C, 12),
+                b = rms ? Vec() : random(C, 13);
+      const Vec dout = as_stored(k, random(T * C, 14)), din0 = as_stored(k, random(T * C, 15));
+      Vec out(T * C), mean(T), rstd(T), din = din0, dw(C, 0.5f), db(C, -0.5f);
+      cpu::norm_forward(out, mean, rstd, in, w, b, T, C, rms);
+      cpu::norm_backward(din, dw, rms ? cpu::Out() : cpu::Out(db), dout, in, w, mean, rstd, T, C,
+                         rms);
+
+      Dev d_in(k, in), d_w(k, w, true), d_out(k, Vec(T * C)), d_mean(k, Vec(T), true),
+          d_rstd(k, Vec(T), true), d_dout(k, dout), d_din(k, din0), d_dw(k, Vec(C, 0.5f), true),
+          d_db(k, Vec(C, -0.5f), true);
+      std::optional<Dev> d_b;
+      if (!rms) d_b.emplace(k, b, true);
+      k.norm_forward(d_out.p(), d_mean.f(), d_rstd.f(), d_in.p(), d_w.f(), rms ? nullptr : d_b->f(),
+                     T, C, rms);
+      k.norm_backward(d_din.p(), d_dw.f(), rms ? nullptr : d_db.f(), d_dout.p(), d_in.p(), d_w.f(),
+                      d_mean.f(), d_rstd.f(), T, C, rms);
+      CHECK(error(d_out.host(), out) < tolerance(type));
+      CHECK(error(d_rstd.host(), rstd) < tolerance(type));
+      CHECK(error(d_din.host(), din) < tolerance(type));
+      CHECK(error(d_dw.host(), dw) < tolerance(type));
+      if (!rms) CHECK(error(d_db.host(), db) < tolerance(type));
+    }
+  }
+}
+
+TEST_CASE("GPU element-wise ops match the CPU", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const int T = 12, F = 70;
+  const std::int64_t n = T * 2 * F;
+  for (cu::Dtype type : kTypes) {
+    INFO(name(type));
+    cu::Kernels k(*gpu, type);
+    const Vec a = as_stored(k, random(n, 21)), b = as_stored(k, random(n, 22));
+    const Vec d0 = as_stored(k, random(n, 23));
+    Vec sum(n), acc = d0, gelu(n), dgelu = d0, swiglu(T * F), dswiglu = d0;
+    cpu::add_forward(sum, a, b);
+    cpu::accumulate(acc, b);
+    cpu::gelu_forward(gelu, a, n);
+    cpu::gelu_backward(dgelu, a, b, n);
+    const Vec dsw = as_stored(k, random(T * F, 24));
+    cpu::swiglu_forward(swiglu, a, T, F);
+    cpu::swiglu_backward(dswiglu, a, dsw, T, F);
+
+    Dev d_a(k, a), d_b(k, b), d_sum(k, Vec(n)), d_acc(k, d0), d_gelu(k, Vec(n)), d_dgelu(k, d0),
+        d_sw(k, Vec(T * F)), d_dsw(k, dsw), d_dswiglu(k, d0), d_scaled(k, d0);
+    k.add_forward(d_sum.p(), d_a.p(), d_b.p(), n);
+    k.accumulate(d_acc.p(), d_b.p(), n);
+    k.accumulate(d_scaled.p(), d_b.p(), n, 0.25f);
+    k.gelu_forward(d_gelu.p(), d_a.p(), n);
+    k.gelu_backward(d_dgelu.p(), d_a.p(), d_b.p(), n);
+    k.swiglu_forward(d_sw.p(), d_a.p(), T, F);
+    k.swiglu_backward(d_dswiglu.p(), d_a.p(), d_dsw.p(), T, F);
+    Vec scaled = d0;
+    for (std::size_t i = 0; i < scaled.size(); ++i) scaled[i] += 0.25f * b[i];
+    CHECK(error(d_sum.host(), sum) < tolerance(type));
+    CHECK(error(d_acc.host(), acc) < tolerance(type));
+    CHECK(error(d_scaled.host(), scaled) < tolerance(type));
+    CHECK(error(d_gelu.host(), gelu) < tolerance(type));
+    CHECK(error(d_dgelu.host(), dgelu) < tolerance(type));
+    CHECK(error(d_sw.host(), swiglu) < tolerance(type));
+    CHECK(error(d_dswiglu.host(), dswiglu) < tolerance(type));
+  }
+}
+
+TEST_CASE("GPU causal attention matches the CPU, with and without grouped KV heads",
+          "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const int B = 2, S = 20, H = 4, D = 16;
+  for (cu::Dtype type : kTypes) {
+    for (int G : {4, 2, 1}) {
+      INFO(name(type) << " kv heads " << G);
+      cu::Kernels k(*gpu, type);
+      const int width = (H + 2 * G) * D;
+      const Vec qkv = as_stored(k, random(B * S * width, 31, 0.5f));
+      const Vec dout = as_stored(k, random(B * S * H * D, 32));
+      const Vec dqkv0 = as_stored(k, random(B * S * width, 33));
+      Vec out(B * S * H * D), probs(B * H * S * S), dqkv = dqkv0;
+      cpu::attention_forward(out, probs, qkv, B, S, H, G, D);
+      cpu::attention_backward(dqkv, dout, qkv, probs, B, S, H, G, D);
+
+      Dev d_qkv(k, qkv), d_out(k, Vec(out.size())), d_probs(k, Vec(probs.size())), d_dout(k, dout),
+          d_dqkv(k, dqkv0);
+      k.attention_forward(d_out.p(), d_probs.p(), d_qkv.p(), B, S, H, G, D);
+      k.attention_backward(d_dqkv.p(), d_dout.p(), d_qkv.p(), d_probs.p(), B, S, H, G, D);
+      CHECK(error(d_probs.host(), probs) < tolerance(type));
+      CHECK(error(d_out.host(), out) < tolerance(type));
+      CHECK(error(d_dqkv.host(), dqkv) < tolerance(type));
+    }
+  }
+}
+
+TEST_CASE("GPU rotary embedding matches the CPU", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const int B = 2, S = 9, H = 4, G = 2, D = 8;
+  const int width = (H + 2 * G) * D;
+  for (cu::Dtype type : kTypes) {
+    INFO(name(type));
+    cu::Kernels k(*gpu, type);
+    const Vec qkv = as_stored(k, random(B * S * width, 41));
+    const Vec dout = as_stored(k, random(B * S * width, 42));
+    const Vec d0 = as_stored(k, random(B * S * width, 43));
+    Vec out(qkv.size()), dqkv = d0;
+    cpu::rope_forward(out, qkv, B, S, H, G, D, 10000.0);
+    cpu::rope_backward(dqkv, dout, B, S, H, G, D, 10000.0);
+    Dev d_qkv(k, qkv), d_out(k, Vec(qkv.size())), d_dout(k, dout), d_dqkv(k, d0);
+    k.rope_forward(d_out.p(), d_qkv.p(), B, S, H, G, D, 10000.0);
+    k.rope_backward(d_dqkv.p(), d_dout.p(), B, S, H, G, D, 10000.0);
+    CHECK(error(d_out.host(), out) < tolerance(type));
+    CHECK(error(d_dqkv.host(), dqkv) < tolerance(type));
+  }
+}
+
+TEST_CASE("GPU embedding of a vocabulary shard matches the CPU", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const int B = 2, S = 7, C = 24, V = 50, rows = 25, begin = 25;
+  std::vector<int> tokens(B * S);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int>((i * 17 + 3) % V);
+  for (cu::Dtype type : kTypes) {
+    INFO(name(type));
+    cu::Kernels k(*gpu, type);
+    const Vec wte = random(rows * C, 51), wpe = random(S * C, 52);
+    const Vec dout = as_stored(k, random(B * S * C, 53));
+    Vec out(B * S * C), dwte(rows * C, 0.1f), dwpe(S * C, -0.1f);
+    cpu::embedding_forward(out, tokens, wte, wpe, B, S, C, begin);
+    cpu::embedding_backward(dwte, dwpe, dout, tokens, B, S, C, begin);
+    Dev d_wte(k, wte, true), d_wpe(k, wpe, true), d_out(k, Vec(out.size())), d_dout(k, dout),
+        d_dwte(k, Vec(rows * C, 0.1f), true), d_dwpe(k, Vec(S * C, -0.1f), true);
+    Ints d_tokens(k, tokens);
+    k.embedding_forward(d_out.p(), d_tokens.p(), d_wte.f(), rows, d_wpe.f(), B, S, C, begin);
+    k.embedding_backward(d_dwte.f(), rows, d_dwpe.f(), d_dout.p(), d_tokens.p(), B, S, C, begin);
+    CHECK(error(d_out.host(), out) < tolerance(type));
+    CHECK(error(d_dwte.host(), dwte) < tolerance(type));
+    CHECK(error(d_dwpe.host(), dwpe) < tolerance(type));
+  }
+}
+
+TEST_CASE("GPU cross-entropy, whole and vocab-parallel, matches the CPU", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const int T = 10, V = 300, begin = 300;  // the shard holds columns [300, 600) of 600
+  std::vector<int> targets(T), shard_targets(T);
+  for (int t = 0; t < T; ++t) {
+    targets[static_cast<std::size_t>(t)] = (t * 37) % V;
+    shard_targets[static_cast<std::size_t>(t)] = (t * 71) % (2 * V);  // half in the shard
+  }
+  for (cu::Dtype type : kTypes) {
+    INFO(name(type));
+    cu::Kernels k(*gpu, type);
+    const Vec logits = as_stored(k, random(T * V, 61, 2.0f));
+    Vec dz(T * V);
+    const double loss = cpu::cross_entropy(dz, logits, targets, T, V);
+    Dev d_logits(k, logits), d_dz(k, Vec(T * V)), d_rows(k, Vec(T), true);
+    Ints d_targets(k, targets);
+    k.cross_entropy(d_dz.p(), d_rows.f(), d_logits.p(), d_targets.p(), T, V);
+    const Vec rows = d_rows.host();
+    const double gpu_loss = std::accumulate(rows.begin(), rows.end(), 0.0) / T;
+    CHECK(std::fabs(gpu_loss - loss) / loss < tolerance(type));
+    CHECK(error(d_dz.host(), dz) < tolerance(type));
+
+    // One shard of two: the statistics as the CPU computes them, then the loss from them.
+    Vec rowmax(T), sums(2 * T), sdz(T * V);
+    cpu::cross_entropy_max(rowmax, logits, T, V);
+    cpu::cross_entropy_sums(sums, logits, rowmax, shard_targets, T, V, begin);
+    const double shard_loss =
+        cpu::cross_entropy_sharded(sdz, logits, rowmax, sums, shard_targets, T, V, begin);
+    Dev d_max(k, Vec(T), true), d_sums(k, Vec(2 * T), true), d_sdz(k, Vec(T * V));
+    Ints d_shard_targets(k, shard_targets);
+    k.cross_entropy_max(d_max.f(), d_logits.p(), T, V);
+    k.cross_entropy_sums(d_sums.f(), d_logits.p(), d_max.f(), d_shard_targets.p(), T, V, begin);
+    CHECK(error(d_max.host(), rowmax) < tolerance(type));
+    CHECK(error(d_sums.host(), sums) < tolerance(type));
+    // The loss from the CPU's statistics, so that only the last kernel is compared.
+    Dev c_max(k, rowmax, true), c_sums(k, sums, true);
+    k.cross_entropy_sharded(d_sdz.p(), d_rows.f(), d_logits.p(), c_max.f(), c_sums.f(),
+                            d_shard_targets.p(), T, V, begin);
+    const Vec shard_rows = d_rows.host();
+    const double gpu_shard = std::accumulate(shard_rows.begin(), shard_rows.end(), 0.0) / T;
+    CHECK(std::fabs(gpu_shard - shard_loss) / std::fabs(shard_loss) < tolerance(type));
+    CHECK(error(d_sdz.host(), sdz) < tolerance(type));
+  }
+}
+
+TEST_CASE("GPU AdamW matches the CPU over three steps", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const std::int64_t n = 1000;
+  cu::Kernels k(*gpu, cu::Dtype::BF16);  // the optimizer is fp32 whatever the activations
+  Vec params = random(n, 71), m(n, 0.0f), v(n, 0.0f);
+  Dev d_params(k, params, true), d_m(k, m, true), d_v(k, v, true);
+  for (int t = 1; t <= 3; ++t) {
+    const Vec grads = random(n, 72 + static_cast<unsigned>(t));
+    Dev d_grads(k, grads, true);
+    cpu::adamw(params, grads, m, v, n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
+    k.adamw(d_params.f(), d_grads.f(), d_m.f(), d_v.f(), n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, t);
+  }
+  CHECK(error(d_params.host(), params) < 1e-5);
+  CHECK(error(d_m.host(), m) < 1e-5);
+  CHECK(error(d_v.host(), v) < 1e-5);
+}
+
+TEST_CASE("GPU kernels repeat bit for bit", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  // The column reductions run in a fixed order (no atomics): the same inputs, the same bits.
+  const int T = 64, C = 96;
+  cu::Kernels k(*gpu, cu::Dtype::BF16);
+  const Vec in = random(T * C, 81), dout = random(T * C, 82), w = random(C, 83);
+  auto once = [&] {
+    Dev d_in(k, in), d_dout(k, dout), d_w(k, w, true), d_out(k, Vec(T * C)),
+        d_mean(k, Vec(T), true), d_rstd(k, Vec(T), true), d_dw(k, Vec(C), true),
+        d_db(k, Vec(C), true);
+    k.norm_forward(d_out.p(), d_mean.f(), d_rstd.f(), d_in.p(), d_w.f(), nullptr, T, C, false);
+    k.norm_backward(nullptr, d_dw.f(), d_db.f(), d_dout.p(), d_in.p(), d_w.f(), d_mean.f(),
+                    d_rstd.f(), T, C, false);
+    Vec all = d_dw.host();
+    const Vec db = d_db.host();
+    all.insert(all.end(), db.begin(), db.end());
+    return all;
+  };
+  CHECK(once() == once());
+}
