@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 5, in one run on a GPU machine (one H200 in this workplace's device
 # machines, which have CUDA but none of dtsim's Debian packages):
-#   1. dtexec devices --selftest and the CUDA unit tests;
+#   1. dtexec devices --selftest and the CUDA unit tests (among them every GPU kernel of the
+#      executor against its CPU reference, in fp32 and bf16);
 #   2. dtexec calibrate --backend cuda: cuBLAS GEMMs (squares and Llama-3 8B's shapes), copy
-#      bandwidth, launch overhead, jitter;
+#      bandwidth, launch overhead, jitter, and the non-GEMM ops with the executor's GPU kernels;
 #   3. the catalog's figures against the measurement: the best GEMM rate against
 #      peak x efficiency.gemm, the copy bandwidth against memory_bw x efficiency.memory_bw;
 #   4. dtsim simulate of single-GPU plans with the catalog and with the measured profile.
 # Writes report.txt, the profile and the raw outputs under $OUT (or ./gpu-report).
-# Not covered yet: measured GPU steps (dtexec run has no GPU backend), so no per-task
-# comparison; the report says so.
+# Not covered yet: measured GPU steps (dtexec run does not drive the GPU kernels yet), so no
+# per-task comparison; the report says so.
 #
 # Here:  scripts/gpu_bundle.sh                 (gpu-bundle.tar.xz: binaries + libraries)
 # There: scripts/gpu_check.sh [gpu-bundle.tar.xz]   (run with carry: ["gpu-bundle.tar.xz"])
@@ -72,6 +73,10 @@ print(f"copy: measured {p['memory_bw_bytes_per_s']/1e12:.2f} TB/s; catalog "
 for g in p["gemm"]:
     f = 2 * g["m"] * g["n"] * g["k"]
     print(f"  gemm {g['m']:>6} x {g['k']:>6} x {g['n']:>6}: {f/g['seconds']/1e12:7.1f} TFLOP/s")
+for o in p.get("ops", []):
+    rate = (f"{o['flops_per_s']/1e12:8.1f} TFLOP/s" if "flops_per_s" in o
+            else f"{o['bytes_per_s']/1e12:8.2f} TB/s")
+    print(f"  {o['op']:>10} {o['phase']:>4}: {rate}  {o['seconds']*1e3:8.3f} ms")
 PY
 
 say ""
@@ -86,4 +91,4 @@ for plan in "--model llama3-8b --seq-len 4096 --recompute full" \
   done
 done
 say ""
-say "not covered: measured GPU training steps and per-task errors (dtexec run has no GPU backend yet)"
+say "not covered: measured GPU training steps and per-task errors (dtexec run does not drive the GPU kernels yet)"

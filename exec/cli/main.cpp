@@ -685,17 +685,43 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
        quick ? std::vector<int>{256, 1024} : std::vector<int>{512, 1024, 2048, 4096, 8192}) {
     shapes.push_back({s, s, s});
   }
+  // The calibration model at its shapes (quick: one short sequence).
+  const auto spec = dtsim::model::load_model(vm["model"].as<std::string>());
+  const std::int64_t seq = vm.count("seq-len") ? vm["seq-len"].as<std::int64_t>() : spec.seq_len;
+  const dtsim::model::ModelGraph graph(spec, quick ? 1 : vm["micro-batch-size"].as<std::int64_t>(),
+                                       quick ? std::min<std::int64_t>(seq, 128) : seq);
   if (!quick) {
-    const auto spec = dtsim::model::load_model(vm["model"].as<std::string>());
-    const std::int64_t seq = vm.count("seq-len") ? vm["seq-len"].as<std::int64_t>() : spec.seq_len;
-    const dtsim::model::ModelGraph graph(spec, vm["micro-batch-size"].as<std::int64_t>(), seq);
     for (const auto& [m, k, n] : dtsim::exec::cpu::model_gemm_shapes(graph)) {
       shapes.push_back({m, n, k});  // {m, k, n} as cuBLAS's GemmShape {m, n, k}
     }
   }
-  const auto device = cu::time_device(
-      gpu.index, precision == "bf16" ? cu::GemmPrecision::Bf16 : cu::GemmPrecision::Fp32, shapes,
-      repeats);
+  const auto gemm_precision =
+      precision == "bf16" ? cu::GemmPrecision::Bf16 : cu::GemmPrecision::Fp32;
+  const auto device = cu::time_device(gpu.index, gemm_precision, shapes, repeats);
+  // The non-GEMM ops with the executor's GPU kernels, as rates of the graph's own work.
+  cu::OpShapes op_shapes;
+  op_shapes.B = static_cast<int>(graph.micro_batch());
+  op_shapes.S = static_cast<int>(graph.seq_len());
+  op_shapes.C = static_cast<int>(spec.hidden);
+  op_shapes.V = static_cast<int>(spec.vocab);
+  op_shapes.H = static_cast<int>(spec.heads);
+  op_shapes.G = static_cast<int>(spec.kv_heads);
+  op_shapes.D = static_cast<int>(spec.head_dim);
+  op_shapes.F = static_cast<int>(spec.ffn_hidden);
+  op_shapes.rms = spec.norm == dtsim::model::Norm::RmsNorm;
+  op_shapes.gelu = spec.activation == dtsim::model::Activation::Gelu;
+  op_shapes.rope = spec.positions == dtsim::model::Positions::Rope;
+  op_shapes.learned_positions = spec.positions == dtsim::model::Positions::Learned;
+  op_shapes.rope_theta = spec.rope_theta;
+  const auto op_times = cu::time_ops(gpu.index, gemm_precision, op_shapes, repeats,
+                                     quick ? (std::int64_t{1} << 20) : (std::int64_t{1} << 26));
+  nlohmann::json ops = dtsim::exec::cpu::op_rate_rows(graph, op_times.ops);
+  // AdamW: 28 bytes per parameter (the CPU backend's count: read p, g, m, v; write p, m, v).
+  ops.push_back(
+      {{"op", "optimizer"},
+       {"phase", "step"},
+       {"bytes_per_s", 28.0 * static_cast<double>(op_times.adamw_params) / op_times.adamw_s},
+       {"seconds", op_times.adamw_s}});
   std::vector<cu::CollectiveTiming> collectives;
   if (mpi && ranks > 1) {
     collectives = cu::time_collectives(
@@ -741,10 +767,14 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
       {"memory_bw_bytes_per_s", device.copy_bytes_per_s},
       {"launch_overhead_s", device.launch_overhead_s},
       {"jitter_cv", jitter},
+      {"ops", ops},
       {"collectives", table},
       {"notes",
-       "no per-op rates: dtexec has no GPU kernels for the non-GEMM ops yet, so dtsim prices "
-       "them with the measured copy bandwidth and the catalog's attention efficiency"}};
+       fmt::format("non-GEMM ops timed with dtexec's own GPU kernels at the shapes of {} "
+                   "(micro-batch {}, sequence {}); its attention is unfused, as Megatron-LM's "
+                   "before fused kernels (scores, masked softmax, probs x v on cuBLAS), not "
+                   "FlashAttention",
+                   spec.name, graph.micro_batch(), graph.seq_len())}};
 }
 #endif
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 namespace dtsim::exec {
@@ -26,5 +27,12 @@ inline double robust_cv(const std::vector<double>& times) {
   for (double x : times) dev.push_back(std::abs(x - mid));
   return std::min(1.4826 * median(dev) / mid, 0.99);
 }
+
+// One non-GEMM op of a calibration model timed with an executor's own kernels: `op` names it as
+// the profile does (layernorm, rmsnorm, attention, gelu, swiglu, residual, embedding, loss).
+struct OpTiming {
+  std::string op;
+  double fwd_s = 0, bwd_s = 0;
+};
 
 }  // namespace dtsim::exec

@@ -16,6 +16,7 @@
 
 #include "exec/core/timing_stats.hpp"
 #include "exec/cpu/kernels.hpp"
+#include "sim/common/error.hpp"
 #include "sim/model/model_graph.hpp"
 
 namespace dtsim::exec::cpu {
@@ -103,14 +104,9 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
   const bool rms = m.norm == model::Norm::RmsNorm;
   const bool gelu = m.activation == model::Activation::Gelu;
   const auto tc = static_cast<std::size_t>(T) * C;
-  nlohmann::json ops = nlohmann::json::array();
-  auto record = [&](const char* name, const model::Op& op, double fwd_s, double bwd_s) {
-    const bool flops = op.kind == OpKind::AttentionCore;
-    const double fwd_work = flops ? op.fwd_flops : op.fwd_bytes;
-    const double bwd_work = flops ? op.bwd_input_flops + op.bwd_weight_flops : op.bwd_bytes;
-    const char* unit = flops ? "flops_per_s" : "bytes_per_s";
-    ops.push_back({{"op", name}, {"phase", "fwd"}, {unit, fwd_work / fwd_s}, {"seconds", fwd_s}});
-    ops.push_back({{"op", name}, {"phase", "bwd"}, {unit, bwd_work / bwd_s}, {"seconds", bwd_s}});
+  std::vector<OpTiming> timings;
+  auto record = [&](const char* name, double fwd_s, double bwd_s) {
+    timings.push_back({name, fwd_s, bwd_s});
   };
   std::vector<int> tokens(static_cast<std::size_t>(T));
   for (int t = 0; t < T; ++t) tokens[static_cast<std::size_t>(t)] = (t * 7919) % V;
@@ -139,7 +135,7 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
           norm_backward(din[i], dw, rms ? Out() : Out(db), dout[i], in[i], w, mean[i], rstd[i], T,
                         C, rms);
         });
-        record(rms ? "rmsnorm" : "layernorm", op, f, bw);
+        record(rms ? "rmsnorm" : "layernorm", f, bw);
         break;
       }
       case OpKind::AttentionCore: {
@@ -167,7 +163,7 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
             attention_backward(dqkv[i], dout[i], qkv[i], probs[i], B, S, H, G, D);
           }
         });
-        record("attention", op, f, bw);
+        record("attention", f, bw);
         break;
       }
       case OpKind::Activation: {
@@ -191,7 +187,7 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
             swiglu_backward(din[i], in[i], dout[i], T, F);
           }
         });
-        record(gelu ? "gelu" : "swiglu", op, f, bw);
+        record(gelu ? "gelu" : "swiglu", f, bw);
         break;
       }
       case OpKind::Residual: {
@@ -209,7 +205,7 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
           accumulate(da[i], dout[i]);
           accumulate(db[i], dout[i]);
         });
-        record("residual", op, f, bw);
+        record("residual", f, bw);
         break;
       }
       default:
@@ -217,7 +213,6 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
     }
   }
   // The embedding (with learned positions if the model has them) and the loss.
-  const model::Op& emb = graph.op(graph.layer_ops(-1).front());
   {
     const int n = copies_for(2 * tc * fl);
     const auto wte = random_buffer(static_cast<std::size_t>(V) * C, 12);
@@ -233,7 +228,7 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
     const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
       embedding_backward(dwte, learned ? Out(dwpe) : Out(), dout[i], tokens, B, S, C);
     });
-    record("embedding", emb, f, bw);
+    record("embedding", f, bw);
   }
   for (model::OpId id : graph.layer_ops(static_cast<int>(m.layers))) {
     const model::Op& op = graph.op(id);
@@ -251,12 +246,46 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
     const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
       for (std::size_t k = 0; k < logits_n; ++k) grad[i][k] += dlogits[i][k] * 0.5f;
     });
-    record("loss", op, f, bw);
+    record("loss", f, bw);
   }
-  return ops;
+  return op_rate_rows(graph, timings);
 }
 
 }  // namespace
+
+nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<OpTiming>& timings) {
+  using model::OpKind;
+  // The op each name stands for.
+  auto first_of = [&](int layer, OpKind kind) -> const model::Op& {
+    for (model::OpId id : graph.layer_ops(layer)) {
+      if (graph.op(id).kind == kind) return graph.op(id);
+    }
+    throw InternalError(
+        fmt::format("calibration: no {} op in layer {}", model::to_string(kind), layer));
+  };
+  auto named = [&](const std::string& name) -> const model::Op& {
+    if (name == "layernorm" || name == "rmsnorm") return first_of(0, OpKind::Norm);
+    if (name == "attention") return first_of(0, OpKind::AttentionCore);
+    if (name == "gelu" || name == "swiglu") return first_of(0, OpKind::Activation);
+    if (name == "residual") return first_of(0, OpKind::Residual);
+    if (name == "embedding") return first_of(-1, OpKind::Embedding);
+    if (name == "loss") return first_of(static_cast<int>(graph.spec().layers), OpKind::Loss);
+    throw InternalError(fmt::format("calibration: no op is called {}", name));
+  };
+  nlohmann::json ops = nlohmann::json::array();
+  for (const OpTiming& t : timings) {
+    const model::Op& op = named(t.op);
+    const bool flops = op.kind == OpKind::AttentionCore;
+    const double fwd_work = flops ? op.fwd_flops : op.fwd_bytes;
+    const double bwd_work = flops ? op.bwd_input_flops + op.bwd_weight_flops : op.bwd_bytes;
+    const char* unit = flops ? "flops_per_s" : "bytes_per_s";
+    ops.push_back(
+        {{"op", t.op}, {"phase", "fwd"}, {unit, fwd_work / t.fwd_s}, {"seconds", t.fwd_s}});
+    ops.push_back(
+        {{"op", t.op}, {"phase", "bwd"}, {unit, bwd_work / t.bwd_s}, {"seconds", t.bwd_s}});
+  }
+  return ops;
+}
 
 std::vector<std::array<int, 3>> model_gemm_shapes(const model::ModelGraph& graph) {
   std::vector<std::array<int, 3>> shapes;

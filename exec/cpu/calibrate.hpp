@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "exec/core/timing_stats.hpp"
 #include "sim/model/model_graph.hpp"
 
 namespace dtsim::exec::cpu {
@@ -37,6 +38,12 @@ struct CalibrateOptions {
 };
 
 nlohmann::json calibrate(const CalibrateOptions& options);
+
+// The profile's "ops" rows (sim/cost/profile.hpp) of ops timed at `graph`'s shapes: forward and
+// backward, each as a rate of the graph's own measure of the op's work (FLOP/s for the attention
+// core, bytes/s of the graph's byte counts for the others). The op of a name is layer 0's
+// (its first norm and residual), the embedding, or the loss. Both backends report through it.
+nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<OpTiming>& timings);
 
 // The distinct GEMMs of one block and the head of `graph`, as {m, k, n}: each forward
 // [T,K]x[K,N] and its backward's two of the same FLOPs ([T,N]x[N,K] for the input gradient,

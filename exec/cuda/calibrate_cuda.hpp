@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "exec/core/timing_stats.hpp"
+
 namespace dtsim::exec::cuda {
 
 struct CudaError : std::runtime_error {
@@ -46,6 +48,28 @@ DeviceTimings time_device(int gpu, GemmPrecision precision, const std::vector<Ge
 // Checks the GEMM that time_device times: a small product (m 64, n 48, k 32, values exact in
 // bf16 and in their fp32 sums) against the host's. Empty on success, else what differed.
 std::string gemm_selftest(int gpu, GemmPrecision precision);
+
+// The shapes of a calibration model's non-GEMM ops: one micro-batch of B sequences of S tokens,
+// hidden C, vocabulary V, H query and G kv heads of D, MLP width F; no parallelism.
+struct OpShapes {
+  int B = 1, S = 1, C = 1, V = 1, H = 1, G = 1, D = 1, F = 1;
+  bool rms = false, gelu = true, rope = false, learned_positions = true;
+  double rope_theta = 10000;
+};
+
+struct OpTimes {
+  std::vector<OpTiming> ops;  // layernorm/rmsnorm, attention, gelu/swiglu, residual, embedding,
+                              // loss (exec/core/timing_stats.hpp)
+  double adamw_s = 0;         // AdamW over adamw_params fp32 parameters
+  std::int64_t adamw_params = 0;
+};
+
+// Times the executor's own GPU kernels (exec/cuda/kernels.hpp) for the non-GEMM ops at these
+// shapes, forward and backward as `dtexec run` calls them, activations in bf16 or fp32; and
+// AdamW over `adamw_params` fp32 parameters. Each figure: one warm-up run, then the median of
+// `repeats` runs timed with CUDA events.
+OpTimes time_ops(int gpu, GemmPrecision precision, const OpShapes& shapes, int repeats,
+                 std::int64_t adamw_params);
 
 struct CollectiveTiming {
   std::string kind;  // all_reduce, all_gather, reduce_scatter, send_recv (profile names)
