@@ -13,12 +13,14 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <span>
 #include <thread>
 
 #include "exec/core/checkpoint.hpp"
-#include "exec/cpu/kernels.hpp"
+#include "exec/core/device.hpp"
+#include "exec/cpu/device.hpp"
 #include "sim/common/error.hpp"
 
 namespace dtsim::exec {
@@ -32,7 +34,6 @@ using lower::TaskKind;
 using model::Op;
 using model::OpId;
 using model::OpKind;
-namespace k = cpu;
 
 // A deterministic stream per (seed, a, b): parameters and data do not depend on which rank
 // creates them or in which order (splitmix64 finaliser, Steele et al. 2014).
@@ -76,28 +77,32 @@ Slice whole(std::int64_t rows, std::int64_t cols) {
   return {rows, cols, 0, rows, {{0, cols}}};
 }
 
+// A weight or bias of this rank, on the device: the fp32 master and its AdamW state, the copy
+// the GEMMs read (in the activation type; the master itself when that is fp32), and its
+// gradient.
 struct Param {
   std::string name;
   Slice slice;
-  std::vector<float> data, m, v;
+  View data, m, v;
+  View work;
   // A view into the rank's one gradient buffer, where the tensors lie in (op, weight/bias)
   // order: a dp bucket (a range of ops) is one contiguous piece, reduced in place.
-  std::span<float> grad;
-  std::vector<float> reduced;  // ZeRO >= 1: the reduced gradient of this rank's dp slice
+  View grad;
+  View reduced;  // ZeRO >= 1: the reduced gradient of this rank's dp slice
   std::int64_t own_begin = 0, own_end = 0;  // this rank's dp slice (ZeRO >= 1), local indices
   bool replicated_over_tp = false;
   bool tied_copy = false;  // the last stage's copy of the embedding (pipeline, tied head)
   bool norm = false;       // a norm's weight or bias
 };
 
-// What one micro-batch keeps between its forward and backward passes.
+// What one micro-batch keeps between its forward and backward passes (device views).
 struct MicroBatch {
-  std::vector<int> tokens, targets;
-  std::map<OpId, std::vector<float>> out, grad, aux1, aux2;
+  int index = 0;
+  View tokens, targets;  // int32
+  std::map<OpId, View> out, grad, aux1, aux2;
   // Sequence parallelism: the all-gathered (full-sequence) copy of an op's output that the
   // tensor-parallel region reads, and the gradient of that copy before it is reduce-scattered.
-  std::map<OpId, std::vector<float>> full, full_grad;
-  double loss = 0;
+  std::map<OpId, View> full, full_grad;
 };
 
 using Key = std::pair<OpId, int>;  // (op, 0 weight / 1 bias)
@@ -105,7 +110,7 @@ using Key = std::pair<OpId, int>;  // (op, 0 weight / 1 bias)
 // A reduce-scatter in flight: its packed input, its counts and its output must live until it
 // finishes.
 struct ScatterBuffers {
-  std::vector<float> in, out;
+  View in, out;
   std::vector<int> counts;
 };
 
@@ -180,8 +185,14 @@ class Watchdog {
 class Runner {
  public:
   Runner(const model::ModelGraph& g, const lower::Program& program, const RunOptions& options,
-         Comm& comm)
-      : g_(g), m_(g.spec()), program_(program), p_(program.plan), options_(options), comm_(comm) {
+         Comm& comm, Device& device)
+      : g_(g),
+        m_(g.spec()),
+        program_(program),
+        p_(program.plan),
+        options_(options),
+        comm_(comm),
+        dev_(device) {
     check_runnable(g, program, options.replay_communication);
     me_ = options.program_index >= 0 ? options.program_index : comm.rank();
     DTSIM_ASSERT(me_ >= 0 && static_cast<std::size_t>(me_) < program.ranks.size(),
@@ -211,6 +222,7 @@ class Runner {
       if (mb >= 0 && mb < micro_batches_) last_use_[static_cast<std::size_t>(mb)] = i;
     }
     init_params();
+    losses_ = dev_.allocate(micro_batches_, Dtype::F32);
     // A learnable stream: each token is followed by next_[token] nine times in ten.
     next_.resize(static_cast<std::size_t>(V_));
     for (int v = 0; v < V_; ++v) next_[static_cast<std::size_t>(v)] = v;
@@ -238,6 +250,7 @@ class Runner {
       batches_.assign(static_cast<std::size_t>(micro_batches_), MicroBatch{});
       for (int j = 0; j < micro_batches_; ++j)
         make_batch(batches_[static_cast<std::size_t>(j)], step, j);
+      dev_.zero(losses_);
       const double begin = now();
       for (std::size_t i = 0; i < tasks.size(); ++i) {
         const double start = now();
@@ -245,6 +258,9 @@ class Runner {
         settle(&tasks[i]);
         execute(tasks[i], i);
         comm_.progress();
+        // On a device that queues work (a GPU stream) a task ends when the device has done it:
+        // a wait per task, which a production step would not have, for per-task times.
+        if (!dev_.host_memory()) dev_.synchronize();
         watchdog.end();
         if (step - first >= options_.warmup_steps) {
           result.tasks.push_back({rp_->rank, static_cast<std::int32_t>(i), start, now(), step});
@@ -263,7 +279,9 @@ class Runner {
       std::array<double, 1> loss = {0.0};
       std::array<double, 1> slowest = {now() - begin};
       if (last_stage_ && t_ == 0) {
-        for (const auto& mb : batches_) loss[0] += mb.loss;
+        std::vector<float> each(static_cast<std::size_t>(micro_batches_));
+        dev_.download(each.data(), losses_);
+        for (float l : each) loss[0] += l;
       }
       comm_.all_ranks(loss, Reduce::Sum);
       comm_.all_ranks(slowest, Reduce::Max);
@@ -277,6 +295,7 @@ class Runner {
         save(done, result.losses);
       }
     }
+    for (auto& mb : batches_) release(mb);
     batches_.clear();
     std::vector<double> timed(
         result.step_times_s.begin() +
@@ -444,18 +463,21 @@ class Runner {
         // The copy starts from (and is saved as) the embedding matrix.
         const OpId source = p.tied_copy ? embedding : id;
         p.name = fmt::format("{}.{}", g_.op(source).name, which == 0 ? "weight" : "bias");
-        p.data = extract(initial(source, which, slice), slice);
-        const auto n = p.data.size();
-        p.m.assign(n, 0.0f);
-        p.v.assign(n, 0.0f);
+        const std::vector<float> values = extract(initial(source, which, slice), slice);
+        const auto n = static_cast<std::int64_t>(values.size());
+        p.data = dev_.allocate(n, Dtype::F32);
+        dev_.upload(p.data, values.data());
+        p.m = dev_.allocate(n, Dtype::F32);
+        p.v = dev_.allocate(n, Dtype::F32);
+        p.work = dev_.activations() == Dtype::F32 ? p.data : dev_.allocate(n, dev_.activations());
         p.replicated_over_tp = slice.whole();
         if (sharded_) {
-          p.own_begin = static_cast<std::int64_t>(n) * d_ / dp_;
-          p.own_end = static_cast<std::int64_t>(n) * (d_ + 1) / dp_;
-          p.reduced.assign(static_cast<std::size_t>(p.own_end - p.own_begin), 0.0f);
+          p.own_begin = n * d_ / dp_;
+          p.own_end = n * (d_ + 1) / dp_;
+          p.reduced = dev_.allocate(p.own_end - p.own_begin, Dtype::F32);
         } else {
           p.own_begin = 0;
-          p.own_end = static_cast<std::int64_t>(n);
+          p.own_end = n;
         }
         if (!p.tied_copy) have += static_cast<std::uint64_t>(slice.rows * slice.cols);
         params_.emplace(Key{id, which}, std::move(p));
@@ -463,14 +485,20 @@ class Runner {
       DTSIM_ASSERT(have == op.params, fmt::format("parameters of {}: {} allocated, graph says {}",
                                                   op.name, have, op.params));
     }
-    std::size_t total = 0;
+    std::int64_t total = 0;
     for (const auto& [key, p] : params_) total += p.data.size();
-    grad_storage_.assign(total, 0.0f);
-    std::size_t at = 0;
+    grad_storage_ = dev_.allocate(total, Dtype::F32);
+    std::int64_t at = 0;
     for (auto& [key, p] : params_) {
-      p.grad = std::span<float>(grad_storage_.data() + at, p.data.size());
+      p.grad = grad_storage_.sub(at, p.data.size());
       at += p.data.size();
+      refresh_work(p);
     }
+  }
+
+  // The GEMMs' copy of a weight, after its master changed (a no-op when they are one).
+  void refresh_work(Param& p) {
+    if (p.work.p != p.data.p) dev_.cast(p.work, p.data);
   }
 
   Param* find(OpId id, int which) {
@@ -483,13 +511,13 @@ class Runner {
                  fmt::format("rank {} holds no tensor {} of {}", me_, which, g_.op(id).name));
     return *p;
   }
-  k::In bias_in(OpId id) {
+  View bias_in(OpId id) {
     Param* b = find(id, 1);
-    return b ? k::In(b->data) : k::In();
+    return b ? b->data : View{};
   }
-  k::Out bias_grad(OpId id) {
+  View bias_grad(OpId id) {
     Param* b = find(id, 1);
-    return b ? k::Out(b->grad) : k::Out();
+    return b ? b->grad : View{};
   }
 
   // The parameters of ops [begin, end) that this rank holds, in a fixed order.
@@ -507,8 +535,8 @@ class Runner {
   // Micro-batch j of this data-parallel rank holds sequences (d·m + j)·b ... of the step's
   // global batch, so that any dp and micro-batch split of a global batch sees the same data.
   void make_batch(MicroBatch& mb, int step, int j) {
-    mb.tokens.resize(static_cast<std::size_t>(T_));
-    mb.targets.resize(static_cast<std::size_t>(T_));
+    mb.index = j;
+    std::vector<int> tokens(static_cast<std::size_t>(T_)), targets(static_cast<std::size_t>(T_));
     for (int b = 0; b < B_; ++b) {
       const auto sequence = static_cast<std::uint64_t>((d_ * micro_batches_ + j) * B_ + b);
       std::mt19937_64 gen(mix(options_.seed, static_cast<std::uint64_t>(step) + 0x5eed, sequence));
@@ -517,16 +545,20 @@ class Runner {
       int t = token(gen);
       for (int s = 0; s < S_; ++s) {
         const int next = coin(gen) < 0.9f ? next_[static_cast<std::size_t>(t)] : token(gen);
-        mb.tokens[static_cast<std::size_t>(b * S_ + s)] = t;
-        mb.targets[static_cast<std::size_t>(b * S_ + s)] = next;
+        tokens[static_cast<std::size_t>(b * S_ + s)] = t;
+        targets[static_cast<std::size_t>(b * S_ + s)] = next;
         t = next;
       }
     }
+    mb.tokens = dev_.allocate(T_, Dtype::I32);
+    mb.targets = dev_.allocate(T_, Dtype::I32);
+    dev_.upload_ints(mb.tokens, tokens.data());
+    dev_.upload_ints(mb.targets, targets.data());
   }
 
   // ---- compute ---------------------------------------------------------------------------
 
-  std::vector<float>& grad_of(MicroBatch& mb, OpId id) {
+  View& grad_of(MicroBatch& mb, OpId id) {
     auto& gbuf = mb.grad[id];
     if (gbuf.empty()) fresh(gbuf, mb.out.at(id).size());
     return gbuf;
@@ -535,13 +567,13 @@ class Runner {
   OpId input(OpId id) const { return g_.predecessors(id).front(); }
 
   // An op's input: the all-gathered copy where sequence parallelism made one.
-  const std::vector<float>& input_of(MicroBatch& mb, OpId id) {
+  View input_of(MicroBatch& mb, OpId id) {
     const OpId in = input(id);
     const auto it = mb.full.find(in);
     return it != mb.full.end() ? it->second : mb.out.at(in);
   }
   // The gradient buffer of an op's input: of the all-gathered copy where there is one.
-  std::vector<float>& input_grad_of(MicroBatch& mb, OpId id) {
+  View& input_grad_of(MicroBatch& mb, OpId id) {
     const OpId in = input(id);
     const auto it = mb.full.find(in);
     if (it == mb.full.end()) return grad_of(mb, in);
@@ -574,20 +606,11 @@ class Runner {
     return op.kind == OpKind::AttnOutProj || op.kind == OpKind::MlpDown;
   }
 
-  // The weight of a linear op as [K, N]; a tied head's is the (local) embedding transposed.
-  // Transposed once per step: the weights change only at the optimizer step (ZeRO-3's gathers
-  // before a pass restore the same values), while every micro-batch reads them twice.
-  const std::vector<float>& tied_head_weight(OpId head) {
-    if (head_t_step_ == adam_step_) return head_t_;
+  // A tied head reads the embedding table [V/tp, C] as its transposed weight: the embedding's
+  // own on a single stage, else the last stage's copy of it; its gradient goes there too.
+  Param& tied_table(OpId head) {
     Param* copy = find(head, 0);
-    const auto& wte = copy ? copy->data : param(g_.layer_ops(-1).front(), 0).data;
-    head_t_.resize(static_cast<std::size_t>(C_) * Vl_);
-    for (int v = 0; v < Vl_; ++v) {
-      for (int c = 0; c < C_; ++c)
-        head_t_[static_cast<std::size_t>(c) * Vl_ + v] = wte[static_cast<std::size_t>(v) * C_ + c];
-    }
-    head_t_step_ = adam_step_;
-    return head_t_;
+    return copy ? *copy : param(g_.layer_ops(-1).front(), 0);
   }
   bool tied_head(const Op& op) const { return op.kind == OpKind::LmHead && op.params == 0; }
 
@@ -596,19 +619,19 @@ class Runner {
     auto& out = mb.out[id];
     switch (op.kind) {
       case OpKind::Embedding: {
-        fresh(out, static_cast<std::size_t>(T_) * C_);
+        fresh(out, static_cast<std::int64_t>(T_) * C_);
         // Positions are added once: by tensor-parallel rank 0, before the all-reduce.
-        k::embedding_forward(out, mb.tokens, param(id, 0).data, t_ == 0 ? bias_in(id) : k::In(), B_,
-                             S_, C_, t_ * Vl_);
+        dev_.embedding_forward(out, mb.tokens, param(id, 0).data, t_ == 0 ? bias_in(id) : View{},
+                               B_, S_, C_, t_ * Vl_);
         break;
       }
       case OpKind::Norm: {
         // Norms run on this rank's share of the sequence under sequence parallelism.
-        fresh(out, static_cast<std::size_t>(Ts_) * C_);
-        fresh(mb.aux1[id], static_cast<std::size_t>(Ts_));
-        fresh(mb.aux2[id], static_cast<std::size_t>(Ts_));
-        k::norm_forward(out, mb.aux1[id], mb.aux2[id], mb.out.at(input(id)), param(id, 0).data,
-                        bias_in(id), Ts_, C_, m_.norm == model::Norm::RmsNorm);
+        fresh(out, static_cast<std::int64_t>(Ts_) * C_);
+        fresh(mb.aux1[id], Ts_, Dtype::F32);  // mean
+        fresh(mb.aux2[id], Ts_, Dtype::F32);  // 1 / standard deviation
+        dev_.norm_forward(out, mb.aux1[id], mb.aux2[id], mb.out.at(input(id)), param(id, 0).data,
+                          bias_in(id), Ts_, C_, m_.norm == model::Norm::RmsNorm);
         break;
       }
       case OpKind::QkvProj:
@@ -617,63 +640,61 @@ class Runner {
       case OpKind::MlpDown:
       case OpKind::LmHead: {
         const auto [K, N] = gemm_shape(op);
-        fresh(out, static_cast<std::size_t>(T_) * N);
+        fresh(out, static_cast<std::int64_t>(T_) * N);
         // A row-parallel op's bias is added once, by tensor-parallel rank 0.
-        const k::In bias = row_parallel(op) && t_ != 0 ? k::In() : bias_in(id);
-        k::matmul_forward(out, input_of(mb, id),
-                          tied_head(op) ? k::In(tied_head_weight(id)) : k::In(param(id, 0).data),
-                          bias, T_, K, N);
+        const View bias = row_parallel(op) && t_ != 0 ? View{} : bias_in(id);
+        const bool tied = tied_head(op);
+        dev_.matmul_forward(out, input_of(mb, id), tied ? tied_table(id).work : param(id, 0).work,
+                            bias, T_, K, N, tied);
         break;
       }
       case OpKind::AttentionCore: {
-        fresh(out, static_cast<std::size_t>(T_) * H_ * D_);
-        fresh(mb.aux1[id], static_cast<std::size_t>(B_) * H_ * S_ * S_);
-        const auto& qkv = mb.out.at(input(id));
+        fresh(out, static_cast<std::int64_t>(T_) * H_ * D_);
+        fresh(mb.aux1[id], static_cast<std::int64_t>(B_) * H_ * S_ * S_);  // probabilities
+        const View qkv = mb.out.at(input(id));
         if (m_.positions == model::Positions::Rope) {
           // Rotary positions are applied to q and k as the attention core reads them.
           auto& turned = mb.aux2[id];
-          turned.resize(qkv.size());
-          k::rope_forward(turned, qkv, B_, S_, H_, G_, D_, m_.rope_theta);
-          k::attention_forward(out, mb.aux1[id], turned, B_, S_, H_, G_, D_);
+          fresh(turned, qkv.size());
+          dev_.rope_forward(turned, qkv, B_, S_, H_, G_, D_, m_.rope_theta);
+          dev_.attention_forward(out, mb.aux1[id], turned, B_, S_, H_, G_, D_);
         } else {
-          k::attention_forward(out, mb.aux1[id], qkv, B_, S_, H_, G_, D_);
+          dev_.attention_forward(out, mb.aux1[id], qkv, B_, S_, H_, G_, D_);
         }
         break;
       }
       case OpKind::Residual: {
         const auto preds = g_.predecessors(id);
-        const auto& a = mb.out.at(preds[0]);
-        const auto& b = mb.out.at(preds[1]);
-        out.resize(a.size());
-        k::add_forward(out, a, b);
+        const View a = mb.out.at(preds[0]);
+        const View b = mb.out.at(preds[1]);
+        fresh(out, a.size());
+        dev_.add_forward(out, a, b);
         break;
       }
       case OpKind::Activation: {
-        const auto& in = mb.out.at(input(id));
+        const View in = mb.out.at(input(id));
         if (m_.activation == model::Activation::Gelu) {
           fresh(out, in.size());
-          k::gelu_forward(out, in, static_cast<std::int64_t>(in.size()));
+          dev_.gelu_forward(out, in);
         } else {
-          const int F = static_cast<int>(in.size() / static_cast<std::size_t>(T_) / 2);
-          fresh(out, static_cast<std::size_t>(T_) * F);
-          k::swiglu_forward(out, in, T_, F);
+          const int F = static_cast<int>(in.size() / T_ / 2);
+          fresh(out, static_cast<std::int64_t>(T_) * F);
+          dev_.swiglu_forward(out, in, T_, F);
         }
         break;
       }
       case OpKind::Loss: {
-        const auto& logits = mb.out.at(input(id));
-        fresh(mb.aux1[id], logits.size());
+        const View logits = mb.out.at(input(id));
+        fresh(mb.aux1[id], logits.size());  // the logits' gradient, kept for backward
+        const View loss = losses_.sub(mb.index, 1);
         if (tp_ == 1) {
-          mb.loss = k::cross_entropy(mb.aux1[id], logits, mb.targets, T_, V_);
+          dev_.cross_entropy(mb.aux1[id], loss, logits, mb.targets, T_, V_);
         } else {
           // The statistics were reduced over tp by the task before this one.
-          const auto& stats = mb.aux2.at(id);
-          const k::In rowmax(stats.data(), static_cast<std::size_t>(T_));
-          const k::In sums(stats.data() + T_, static_cast<std::size_t>(2 * T_));
-          mb.loss = k::cross_entropy_sharded(mb.aux1[id], logits, rowmax, sums, mb.targets, T_, Vl_,
-                                             t_ * Vl_);
+          const View stats = mb.aux2.at(id);
+          dev_.cross_entropy_sharded(mb.aux1[id], loss, logits, stats.sub(0, T_),
+                                     stats.sub(T_, 2 * T_), mb.targets, T_, Vl_, t_ * Vl_);
         }
-        out.assign(1, static_cast<float>(mb.loss));
         break;
       }
       case OpKind::Router:
@@ -696,25 +717,23 @@ class Runner {
       case OpKind::Loss: {
         // The step's loss is the mean over micro-batches and data-parallel replicas: scale each
         // micro-batch's gradient by 1/(m·dp); the dp reduction sums.
-        auto& dlogits = grad_of(mb, input(id));
-        const auto& d = mb.aux1.at(id);
-        const float scale = 1.0f / static_cast<float>(micro_batches_ * dp_);
-        for (std::size_t i = 0; i < d.size(); ++i) dlogits[i] += d[i] * scale;
+        dev_.accumulate(grad_of(mb, input(id)), mb.aux1.at(id),
+                        1.0f / static_cast<float>(micro_batches_ * dp_));
         break;
       }
       case OpKind::Embedding:
         // Only weight gradients (the tokens have none).
         if (weight_grads) {
-          k::embedding_backward(param(id, 0).grad, bias_grad(id), mb.grad.at(id), mb.tokens, B_, S_,
-                                C_, t_ * Vl_);
+          dev_.embedding_backward(param(id, 0).grad, bias_grad(id), mb.grad.at(id), mb.tokens, B_,
+                                  S_, C_, t_ * Vl_);
         }
         break;
       case OpKind::Norm:
-        k::norm_backward(input_grads ? k::Out(grad_of(mb, input(id))) : k::Out(),
-                         weight_grads ? k::Out(param(id, 0).grad) : k::Out(),
-                         weight_grads ? bias_grad(id) : k::Out(), mb.grad.at(id),
-                         mb.out.at(input(id)), param(id, 0).data, mb.aux1.at(id), mb.aux2.at(id),
-                         Ts_, C_, m_.norm == model::Norm::RmsNorm);
+        dev_.norm_backward(input_grads ? grad_of(mb, input(id)) : View{},
+                           weight_grads ? param(id, 0).grad : View{},
+                           weight_grads ? bias_grad(id) : View{}, mb.grad.at(id),
+                           mb.out.at(input(id)), param(id, 0).data, mb.aux1.at(id), mb.aux2.at(id),
+                           Ts_, C_, m_.norm == model::Norm::RmsNorm);
         break;
       case OpKind::QkvProj:
       case OpKind::AttnOutProj:
@@ -722,51 +741,37 @@ class Runner {
       case OpKind::MlpDown:
       case OpKind::LmHead: {
         const auto [K, N] = gemm_shape(op);
-        if (tied_head(op)) {
-          const std::vector<float>& w = tied_head_weight(id);
-          std::vector<float> dw(weight_grads ? w.size() : 0, 0.0f);
-          k::matmul_backward(input_grads ? k::Out(input_grad_of(mb, id)) : k::Out(), dw, k::Out(),
-                             mb.grad.at(id), input_of(mb, id), w, T_, K, N);
-          if (!weight_grads) break;
-          Param* copy = find(id, 0);
-          auto& dwte = copy ? copy->grad : param(g_.layer_ops(-1).front(), 0).grad;
-          for (int v = 0; v < Vl_; ++v) {
-            for (int c = 0; c < C_; ++c) {
-              dwte[static_cast<std::size_t>(v) * C_ + c] +=
-                  dw[static_cast<std::size_t>(c) * Vl_ + v];
-            }
-          }
-        } else {
-          k::matmul_backward(input_grads ? k::Out(input_grad_of(mb, id)) : k::Out(),
-                             weight_grads ? k::Out(param(id, 0).grad) : k::Out(),
-                             weight_grads ? bias_grad(id) : k::Out(), mb.grad.at(id),
-                             input_of(mb, id), param(id, 0).data, T_, K, N);
-        }
+        const bool tied = tied_head(op);
+        Param& w = tied ? tied_table(id) : param(id, 0);
+        dev_.matmul_backward(input_grads ? input_grad_of(mb, id) : View{},
+                             weight_grads ? w.grad : View{},
+                             weight_grads && !tied ? bias_grad(id) : View{}, mb.grad.at(id),
+                             input_of(mb, id), w.work, T_, K, N, tied);
         break;
       }
       case OpKind::AttentionCore:
         if (m_.positions == model::Positions::Rope) {
-          auto& turned_grad = rope_scratch_;
-          turned_grad.assign(mb.aux2.at(id).size(), 0.0f);
-          k::attention_backward(turned_grad, mb.grad.at(id), mb.aux2.at(id), mb.aux1.at(id), B_, S_,
-                                H_, G_, D_);
-          k::rope_backward(grad_of(mb, input(id)), turned_grad, B_, S_, H_, G_, D_, m_.rope_theta);
+          View turned_grad = allocate(mb.aux2.at(id).size());
+          dev_.attention_backward(turned_grad, mb.grad.at(id), mb.aux2.at(id), mb.aux1.at(id), B_,
+                                  S_, H_, G_, D_);
+          dev_.rope_backward(grad_of(mb, input(id)), turned_grad, B_, S_, H_, G_, D_,
+                             m_.rope_theta);
+          dev_.release(turned_grad);
         } else {
-          k::attention_backward(grad_of(mb, input(id)), mb.grad.at(id), mb.out.at(input(id)),
-                                mb.aux1.at(id), B_, S_, H_, G_, D_);
+          dev_.attention_backward(grad_of(mb, input(id)), mb.grad.at(id), mb.out.at(input(id)),
+                                  mb.aux1.at(id), B_, S_, H_, G_, D_);
         }
         break;
       case OpKind::Residual:
-        for (OpId pred : g_.predecessors(id)) k::accumulate(grad_of(mb, pred), mb.grad.at(id));
+        for (OpId pred : g_.predecessors(id)) dev_.accumulate(grad_of(mb, pred), mb.grad.at(id));
         break;
       case OpKind::Activation: {
-        const auto& in = mb.out.at(input(id));
+        const View in = mb.out.at(input(id));
         if (m_.activation == model::Activation::Gelu) {
-          k::gelu_backward(grad_of(mb, input(id)), in, mb.grad.at(id),
-                           static_cast<std::int64_t>(in.size()));
+          dev_.gelu_backward(grad_of(mb, input(id)), in, mb.grad.at(id));
         } else {
-          k::swiglu_backward(grad_of(mb, input(id)), in, mb.grad.at(id), T_,
-                             static_cast<int>(in.size() / static_cast<std::size_t>(T_) / 2));
+          dev_.swiglu_backward(grad_of(mb, input(id)), in, mb.grad.at(id), T_,
+                               static_cast<int>(in.size() / T_ / 2));
         }
         break;
       }
@@ -778,17 +783,14 @@ class Runner {
   void optimizer_step() {
     ++adam_step_;
     for (auto& [key, p] : params_) {
-      const auto b = static_cast<std::size_t>(p.own_begin);
-      const auto n = static_cast<std::int64_t>(p.own_end - p.own_begin);
-      const k::In grad = sharded_ ? k::In(p.reduced) : k::In(p.grad);
-      k::adamw(k::Out(p.data).subspan(b, static_cast<std::size_t>(n)), grad,
-               k::Out(p.m).subspan(b, static_cast<std::size_t>(n)),
-               k::Out(p.v).subspan(b, static_cast<std::size_t>(n)), n, options_.learning_rate, 0.9f,
-               0.95f, 1e-8f, 0.0f, adam_step_);
+      const std::int64_t b = p.own_begin, n = p.own_end - p.own_begin;
+      dev_.adamw(p.data.sub(b, n), sharded_ ? p.reduced : p.grad, p.m.sub(b, n), p.v.sub(b, n),
+                 options_.learning_rate, 0.9f, 0.95f, 1e-8f, 0.0f, adam_step_);
       // Sharded, the gradients were cleared when their reduce-scatter took its packed copy (a
       // replay of predicted waits runs no reduce-scatter: they are cleared here).
-      if (sharded_) std::fill(p.reduced.begin(), p.reduced.end(), 0.0f);
-      if (!sharded_ || options_.replay_communication) std::fill(p.grad.begin(), p.grad.end(), 0.0f);
+      if (sharded_) dev_.zero(p.reduced);
+      if (!sharded_ || options_.replay_communication) dev_.zero(p.grad);
+      if (!sharded_) refresh_work(p);  // sharded: after the all-gather of the updated slices
     }
   }
 
@@ -803,53 +805,57 @@ class Runner {
     if (task.collective == CollectiveKind::AllReduce) {
       if (params.empty()) return;
       // The bucket's tensors are contiguous in the gradient buffer.
-      float* begin = params.front()->grad.data();
-      const std::span<float>& last = params.back()->grad;
+      const std::int64_t begin = offset_in_grads(params.front()->grad);
+      const std::int64_t end = offset_in_grads(params.back()->grad) + params.back()->grad.size();
       pending_[index] = {
-          comm_.start_all_reduce(task.group, std::span<float>(begin, last.data() + last.size())),
-          {}};
+          comm_.start_all_reduce(task.group, floats(grad_storage_.sub(begin, end - begin))), {}};
       return;
     }
     DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter && sharded_,
                  "dp gradient reduction");
-    std::vector<float> flat;
     std::vector<int> counts(static_cast<std::size_t>(dp_), 0);
+    std::int64_t total = 0;
+    for (Param* p : params) total += p->grad.size();
+    auto buffers = std::make_shared<ScatterBuffers>();
+    buffers->in = dev_.allocate(total, Dtype::F32);
+    std::int64_t at = 0;
     for (int r = 0; r < dp_; ++r) {
       for (Param* p : params) {
-        const auto n = static_cast<std::int64_t>(p->grad.size());
-        const auto b = n * r / dp_, e = n * (r + 1) / dp_;
-        flat.insert(flat.end(), p->grad.begin() + b, p->grad.begin() + e);
+        const std::int64_t n = p->grad.size();
+        const std::int64_t b = n * r / dp_, e = n * (r + 1) / dp_;
+        dev_.copy(buffers->in.sub(at, e - b), p->grad.sub(b, e - b));
+        at += e - b;
         counts[static_cast<std::size_t>(r)] += static_cast<int>(e - b);
       }
     }
     // The packed copy is the collective's: the gradients start again from zero at once.
-    for (Param* p : params) std::fill(p->grad.begin(), p->grad.end(), 0.0f);
-    auto buffers = std::make_shared<ScatterBuffers>();
-    buffers->in = std::move(flat);
+    for (Param* p : params) dev_.zero(p->grad);
     buffers->counts = std::move(counts);
-    buffers->out.resize(static_cast<std::size_t>(buffers->counts[static_cast<std::size_t>(d_)]));
-    const Comm::Handle handle =
-        comm_.start_reduce_scatter(task.group, buffers->in, buffers->out, buffers->counts);
-    pending_[index] = {handle, [params, buffers] {
-                         std::size_t at = 0;
+    buffers->out = dev_.allocate(buffers->counts[static_cast<std::size_t>(d_)], Dtype::F32);
+    const Comm::Handle handle = comm_.start_reduce_scatter(task.group, floats(buffers->in),
+                                                           floats(buffers->out), buffers->counts);
+    pending_[index] = {handle, [this, params, buffers] {
+                         std::int64_t from = 0;
                          for (Param* p : params) {
-                           for (auto& x : p->reduced) x += buffers->out[at++];
+                           dev_.accumulate(p->reduced, buffers->out.sub(from, p->reduced.size()));
+                           from += p->reduced.size();
                          }
+                         dev_.release(buffers->in);
+                         dev_.release(buffers->out);
                        }};
   }
 
   // Vocab-parallel cross-entropy (Megatron-LM): the row maxima reduced with max, then the sums
   // of exponentials and the target logits with sum, over tp (local only for --only-rank).
   void loss_statistics(const lower::Task& task, MicroBatch& mb, OpId loss, bool reduce) {
-    const auto& logits = mb.out.at(input(loss));
+    const View logits = mb.out.at(input(loss));
     auto& stats = mb.aux2[loss];
-    fresh(stats, static_cast<std::size_t>(3 * T_));
-    k::Out rowmax(stats.data(), static_cast<std::size_t>(T_));
-    k::Out sums(stats.data() + T_, static_cast<std::size_t>(2 * T_));
-    k::cross_entropy_max(rowmax, logits, T_, Vl_);
-    if (reduce) comm_.all_reduce(task.group, rowmax, Reduce::Max);
-    k::cross_entropy_sums(sums, logits, rowmax, mb.targets, T_, Vl_, t_ * Vl_);
-    if (reduce) comm_.all_reduce(task.group, sums, Reduce::Sum);
+    fresh(stats, 3 * static_cast<std::int64_t>(T_), Dtype::F32);
+    const View rowmax = stats.sub(0, T_), sums = stats.sub(T_, 2 * T_);
+    dev_.cross_entropy_max(rowmax, logits, T_, Vl_);
+    if (reduce) comm_.all_reduce(task.group, floats(rowmax), Reduce::Max);
+    dev_.cross_entropy_sums(sums, logits, rowmax, mb.targets, T_, Vl_, t_ * Vl_);
+    if (reduce) comm_.all_reduce(task.group, floats(sums), Reduce::Sum);
   }
 
   // Finishes the started collectives that `task` depends on (all of them for nullptr).
@@ -872,26 +878,33 @@ class Runner {
   void gather_weights(const lower::Task& task, const std::vector<Param*>& params) {
     if (!sharded_) return;
     std::vector<int> counts(static_cast<std::size_t>(dp_), 0);
-    std::vector<float> mine;
     for (Param* p : params) {
-      mine.insert(mine.end(), p->data.begin() + p->own_begin, p->data.begin() + p->own_end);
-      const auto n = static_cast<std::int64_t>(p->data.size());
+      const std::int64_t n = p->data.size();
       for (int r = 0; r < dp_; ++r) {
         counts[static_cast<std::size_t>(r)] += static_cast<int>(n * (r + 1) / dp_ - n * r / dp_);
       }
     }
-    std::vector<float> all(
-        static_cast<std::size_t>(std::accumulate(counts.begin(), counts.end(), 0)));
-    comm_.all_gather(task.group, mine, all, counts);
-    std::size_t at = 0;
+    const View mine = dev_.allocate(counts[static_cast<std::size_t>(d_)], Dtype::F32);
+    const View all = dev_.allocate(std::accumulate(counts.begin(), counts.end(), 0), Dtype::F32);
+    std::int64_t at = 0;
+    for (Param* p : params) {
+      dev_.copy(mine.sub(at, p->own_end - p->own_begin),
+                p->data.sub(p->own_begin, p->own_end - p->own_begin));
+      at += p->own_end - p->own_begin;
+    }
+    comm_.all_gather(task.group, floats(mine), floats(all), counts);
+    at = 0;
     for (int r = 0; r < dp_; ++r) {
       for (Param* p : params) {
-        const auto n = static_cast<std::int64_t>(p->data.size());
-        const auto b = n * r / dp_, e = n * (r + 1) / dp_;
-        std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(at), e - b, p->data.begin() + b);
-        at += static_cast<std::size_t>(e - b);
+        const std::int64_t n = p->data.size();
+        const std::int64_t b = n * r / dp_, e = n * (r + 1) / dp_;
+        dev_.copy(p->data.sub(b, e - b), all.sub(at, e - b));
+        at += e - b;
       }
     }
+    for (Param* p : params) refresh_work(*p);
+    dev_.release(mine);
+    dev_.release(all);
   }
 
   // Sequence parallelism (Korthikanti et al. 2022): g is a reduce-scatter over the sequence in
@@ -901,43 +914,49 @@ class Runner {
                                     bool local = false) {
     const std::vector<int> counts(static_cast<std::size_t>(tp_), Ts_ * C_);
     const bool scatter = task.collective == CollectiveKind::ReduceScatter;
-    auto reduce_scatter = [&](std::span<const float> in, std::span<float> out) {
+    auto reduce_scatter = [&](View in, View out) {
       if (local) {
-        std::copy_n(in.begin(), out.size(), out.begin());
+        dev_.copy(out, in.sub(0, out.size()));
       } else {
-        comm_.reduce_scatter(task.group, in, out, counts);
+        comm_.reduce_scatter(task.group, floats(in), floats(out), counts);
       }
     };
-    auto all_gather = [&](std::span<const float> in, std::span<float> out) {
+    auto all_gather = [&](View in, View out) {
       if (local) {
-        for (std::size_t at = 0; at < out.size(); at += in.size()) {
-          std::copy_n(in.begin(), std::min(in.size(), out.size() - at),
-                      out.begin() + static_cast<std::ptrdiff_t>(at));
+        for (std::int64_t at = 0; at < out.size(); at += in.size()) {
+          const std::int64_t n = std::min(in.size(), out.size() - at);
+          dev_.copy(out.sub(at, n), in.sub(0, n));
         }
       } else {
-        comm_.all_gather(task.group, in, out, counts);
+        comm_.all_gather(task.group, floats(in), floats(out), counts);
       }
     };
+    const std::int64_t shard_size = static_cast<std::int64_t>(Ts_) * C_;
+    const std::int64_t whole_size = static_cast<std::int64_t>(T_) * C_;
     if (exit && scatter) {  // forward g: the row-parallel (or embedding) output, summed
       auto& out = mb.out.at(anchor);
-      std::vector<float> shard(static_cast<std::size_t>(Ts_) * C_);
+      const View shard = allocate(shard_size);
       reduce_scatter(out, shard);
-      out = std::move(shard);
+      dev_.release(out);
+      out = shard;
     } else if (exit) {  // backward g: the gradient of that output, gathered
       auto& grad = mb.grad.at(anchor);
-      std::vector<float> whole(static_cast<std::size_t>(T_) * C_);
+      const View whole = allocate(whole_size);
       all_gather(grad, whole);
-      grad = std::move(whole);
+      dev_.release(grad);
+      grad = whole;
     } else if (!scatter) {  // forward f: the column-parallel op's input, gathered
       const OpId in = input(anchor);
       auto& whole = mb.full[in];
-      fresh(whole, static_cast<std::size_t>(T_) * C_);
+      fresh(whole, whole_size);
       all_gather(mb.out.at(in), whole);
     } else {  // backward f: the gradient of that input, summed and scattered
       const OpId in = input(anchor);
-      std::vector<float> shard(static_cast<std::size_t>(Ts_) * C_);
+      const View shard = allocate(shard_size);
       reduce_scatter(mb.full_grad.at(in), shard);
-      k::accumulate(grad_of(mb, in), shard);
+      dev_.accumulate(grad_of(mb, in), shard);
+      dev_.release(shard);
+      dev_.release(mb.full_grad.at(in));
       mb.full_grad.erase(in);
     }
   }
@@ -953,19 +972,23 @@ class Runner {
           for (Param* p : params_of(task.op_begin, task.op_end)) {
             if (p->norm) norms.push_back(p);
           }
-          std::vector<float> flat;
+          std::int64_t total = 0;
+          for (Param* p : norms) total += (sharded_ ? p->reduced : p->grad).size();
+          const View flat = dev_.allocate(total, Dtype::F32);
+          std::int64_t at = 0;
           for (Param* p : norms) {
-            const auto& g =
-                sharded_ ? std::span<const float>(p->reduced) : std::span<const float>(p->grad);
-            flat.insert(flat.end(), g.begin(), g.end());
-          }
-          comm_.all_reduce(task.group, flat, Reduce::Sum);
-          std::size_t at = 0;
-          for (Param* p : norms) {
-            auto g = sharded_ ? std::span<float>(p->reduced) : p->grad;
-            std::copy_n(flat.begin() + static_cast<std::ptrdiff_t>(at), g.size(), g.begin());
+            const View g = sharded_ ? p->reduced : p->grad;
+            dev_.copy(flat.sub(at, g.size()), g);
             at += g.size();
           }
+          comm_.all_reduce(task.group, floats(flat), Reduce::Sum);
+          at = 0;
+          for (Param* p : norms) {
+            const View g = sharded_ ? p->reduced : p->grad;
+            dev_.copy(g, flat.sub(at, g.size()));
+            at += g.size();
+          }
+          dev_.release(flat);
           return;
         }
         MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
@@ -981,9 +1004,9 @@ class Runner {
         if (op.kind == OpKind::Loss) {
           loss_statistics(task, mb, anchor, /*reduce=*/true);
         } else if (exit) {
-          comm_.all_reduce(task.group, mb.out.at(anchor), Reduce::Sum);  // forward: g
+          comm_.all_reduce(task.group, floats(mb.out.at(anchor)), Reduce::Sum);  // forward: g
         } else {
-          comm_.all_reduce(task.group, mb.grad.at(input(anchor)), Reduce::Sum);  // backward: f
+          comm_.all_reduce(task.group, floats(mb.grad.at(input(anchor))), Reduce::Sum);  // f
         }
         return;
       }
@@ -1001,7 +1024,7 @@ class Runner {
         // The tied embedding: first stage's matrix and last stage's copy, gradients summed
         // (the already dp-reduced slice under ZeRO >= 1: both stages slice it alike).
         Param& p = param(static_cast<OpId>(task.op_begin), 0);
-        comm_.all_reduce(task.group, sharded_ ? k::Out(p.reduced) : k::Out(p.grad), Reduce::Sum);
+        comm_.all_reduce(task.group, floats(sharded_ ? p.reduced : p.grad), Reduce::Sum);
         return;
       }
       default:
@@ -1010,28 +1033,37 @@ class Runner {
     }
   }
 
-  // A micro-batch's tensors go back to a pool of buffers that later tensors reuse (as a
-  // framework's caching allocator does), so memory stays what the schedule keeps in flight
-  // without the cost of fresh pages every step.
+  // A micro-batch's tensors go back to the device, whose pool later tensors reuse, so memory
+  // stays what the schedule keeps in flight without the cost of fresh pages every step.
   void release(MicroBatch& mb) {
     for (auto* tensors : {&mb.out, &mb.grad, &mb.aux1, &mb.aux2, &mb.full, &mb.full_grad}) {
-      for (auto& [id, v] : *tensors) {
-        if (v.capacity() > 0) pool_.emplace(v.capacity(), std::move(v));
-      }
+      for (auto& [id, v] : *tensors) dev_.release(v);
       tensors->clear();
     }
+    dev_.release(mb.tokens);
+    dev_.release(mb.targets);
+    mb.tokens = mb.targets = View{};
   }
 
-  // v = n zeros, in a pooled buffer of at least n floats (the smallest) when there is one.
-  void fresh(std::vector<float>& v, std::size_t n) {
-    if (v.capacity() < n) {
-      const auto it = pool_.lower_bound(n);
-      if (it != pool_.end()) {
-        v = std::move(it->second);
-        pool_.erase(it);
-      }
-    }
-    v.assign(n, 0.0f);
+  // n zeros of the activation type (or `type`).
+  View allocate(std::int64_t n) { return dev_.allocate(n, dev_.activations()); }
+
+  // v = n zeros (of the activation type, or `type`); what v held goes back to the device.
+  void fresh(View& v, std::int64_t n, std::optional<Dtype> type = std::nullopt) {
+    dev_.release(v);
+    v = dev_.allocate(n, type.value_or(dev_.activations()));
+  }
+
+  // The communication backend reads and writes host memory.
+  std::span<float> floats(View v) const {
+    DTSIM_ASSERT(dev_.host_memory(), "MPI communication of a device's memory");
+    return cpu::floats(v);
+  }
+
+  // Where a gradient view starts in the rank's gradient buffer.
+  std::int64_t offset_in_grads(View g) const {
+    return (static_cast<const char*>(g.p) - static_cast<const char*>(grad_storage_.p)) /
+           static_cast<std::int64_t>(bytes_of(Dtype::F32));
   }
 
   // --only-rank: a communication task waits its predicted length and moves no data.
@@ -1054,7 +1086,7 @@ class Runner {
       MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
       const auto id = static_cast<OpId>(task.op_begin);
       auto& buffer = (task.tag & 1) != 0 ? mb.grad[id] : mb.out[id];
-      fresh(buffer, static_cast<std::size_t>(Ts_) * C_);
+      fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
     } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
                (task.collective == CollectiveKind::AllGather ||
@@ -1117,10 +1149,10 @@ class Runner {
             static_cast<int>(program_.ranks.at(static_cast<std::size_t>(task.peer)).rank);
         auto& buffer = gradient ? mb.grad[id] : mb.out[id];
         if (task.kind == TaskKind::Send) {
-          comm_.send(peer, task.tag, buffer);
+          comm_.send(peer, task.tag, floats(buffer));
         } else {
-          fresh(buffer, static_cast<std::size_t>(Ts_) * C_);
-          comm_.recv(peer, task.tag, buffer);
+          fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
+          comm_.recv(peer, task.tag, floats(buffer));
         }
         return;
       }
@@ -1143,9 +1175,10 @@ class Runner {
                                       p.own_end - p.own_begin};
       put(header, sizeof(header));
       put(&p.own_begin, sizeof(p.own_begin));
-      for (const auto* part : {&p.data, &p.m, &p.v}) {
-        put(part->data() + p.own_begin,
-            static_cast<std::size_t>(p.own_end - p.own_begin) * sizeof(float));
+      std::vector<float> values(static_cast<std::size_t>(p.own_end - p.own_begin));
+      for (const View part : {p.data, p.m, p.v}) {
+        dev_.download(values.data(), part.sub(p.own_begin, p.own_end - p.own_begin));
+        put(values.data(), values.size() * sizeof(float));
       }
     }
     const auto parts = comm_.gather_to_root(mine);
@@ -1218,9 +1251,10 @@ class Runner {
         throw InputError(fmt::format("{}: tensors: no {} of shape [{}, {}]", where, p.name,
                                      p.slice.rows, p.slice.cols));
       }
-      p.data = extract(it->second->data, p.slice);
-      p.m = extract(it->second->m, p.slice);
-      p.v = extract(it->second->v, p.slice);
+      dev_.upload(p.data, extract(it->second->data, p.slice).data());
+      dev_.upload(p.m, extract(it->second->m, p.slice).data());
+      dev_.upload(p.v, extract(it->second->v, p.slice).data());
+      refresh_work(p);
     }
     adam_step_ = c.step;
     result.losses = c.losses;
@@ -1233,18 +1267,13 @@ class Runner {
   const plan::Plan& p_;
   RunOptions options_;
   Comm& comm_;
+  Device& dev_;
   const lower::RankProgram* rp_ = nullptr;
   std::map<Key, Param> params_;
-  std::vector<float> grad_storage_;  // every Param::grad, contiguous
-  // The attention's input gradient before RoPE is undone.
-  std::vector<float> rope_scratch_;
+  View grad_storage_;  // every Param::grad, contiguous
+  View losses_;        // each micro-batch's mean loss (last stage)
   // Per micro-batch, the last task that reads it.
   std::vector<std::size_t> last_use_;
-  // The tied head's weight as [C, V/tp], and the optimizer step it was transposed at.
-  std::vector<float> head_t_;
-  int head_t_step_ = -1;
-  // Released buffers by capacity.
-  std::multimap<std::size_t, std::vector<float>> pool_;
   // Collectives started and not yet finished, by task index.
   std::map<std::size_t, PendingCollective> pending_;
   std::vector<int> next_;
@@ -1291,9 +1320,15 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
 }
 
 RunResult run_program(const model::ModelGraph& graph, const lower::Program& program,
-                      const RunOptions& options, Comm& comm) {
+                      const RunOptions& options, Comm& comm, Device& device) {
   DTSIM_ASSERT(options.steps >= 1, "at least one step");
-  return Runner(graph, program, options, comm).run();
+  return Runner(graph, program, options, comm, device).run();
+}
+
+RunResult run_program(const model::ModelGraph& graph, const lower::Program& program,
+                      const RunOptions& options, Comm& comm) {
+  cpu::CpuDevice device;
+  return run_program(graph, program, options, comm, device);
 }
 
 }  // namespace dtsim::exec

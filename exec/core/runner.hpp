@@ -1,7 +1,8 @@
-// The Program runner: executes the tasks of a lowered Program on real tensors, in fp32 on the
-// CPU, and times each task. It interprets the same Program the simulator predicts (compute
-// tasks are ModelGraph op ranges in a phase; communication tasks name the tensors they carry),
-// so a measurement joins the prediction task by task (dtsim validate).
+// The Program runner: executes the tasks of a lowered Program on real tensors on a Device
+// (exec/core/device.hpp: the CPU's fp32 kernels today), and times each task. It interprets the same
+// Program the simulator predicts (compute tasks are ModelGraph op ranges in a phase; communication
+// tasks name the tensors they carry), so a measurement joins the prediction task by task (dtsim
+// validate).
 //
 // One runner per rank; a Comm (exec/core/comm.hpp) carries its collectives and transfers:
 // - data parallelism: gradient buckets all-reduced (ZeRO-0) or reduce-scattered (ZeRO >= 1)
@@ -31,6 +32,7 @@
 #include <vector>
 
 #include "exec/core/comm.hpp"
+#include "exec/core/device.hpp"
 #include "sim/lower/program.hpp"
 #include "sim/model/model_graph.hpp"
 
@@ -87,9 +89,15 @@ struct RunResult {
 void check_runnable(const model::ModelGraph& graph, const lower::Program& program,
                     bool one_program_alone = false);
 
-// Runs this rank's program (program.ranks[comm.rank()]). A single-rank plan may use any
-// lowering; a multi-rank plan needs Lowering::AllRanks and a Comm with one rank per device.
+// Runs this rank's program (program.ranks[comm.rank()]) on `device`. A single-rank plan may use
+// any lowering; a multi-rank plan needs Lowering::AllRanks and a Comm with one rank per device.
+// The communication backends move host memory (MPI): a device whose memory is not the host's
+// runs single-program plans only, until a Comm moves device memory. Task times are the host's
+// clock around each task (a device that queues work is timed from when it is queued).
 // Throws UnsupportedError for plans or models this runner does not execute yet.
+RunResult run_program(const model::ModelGraph& graph, const lower::Program& program,
+                      const RunOptions& options, Comm& comm, Device& device);
+// The same on the CPU (exec/cpu/device.hpp).
 RunResult run_program(const model::ModelGraph& graph, const lower::Program& program,
                       const RunOptions& options, Comm& comm);
 

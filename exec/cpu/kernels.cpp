@@ -12,9 +12,9 @@ void set_gemm_threads(int threads) {
   openblas_set_num_threads(threads);
 }
 
-void matmul_forward(Out out, In in, In w, In bias, int T, int K, int N) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, N, K, 1.0f, in.data(), K, w.data(), N,
-              0.0f, out.data(), N);
+void matmul_forward(Out out, In in, In w, In bias, int T, int K, int N, bool w_transposed) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, w_transposed ? CblasTrans : CblasNoTrans, T, N, K, 1.0f,
+              in.data(), K, w.data(), w_transposed ? K : N, 0.0f, out.data(), N);
   if (!bias.empty()) {
     for (int t = 0; t < T; ++t) {
       for (int n = 0; n < N; ++n) out[static_cast<std::size_t>(t) * N + n] += bias[n];
@@ -22,12 +22,16 @@ void matmul_forward(Out out, In in, In w, In bias, int T, int K, int N) {
   }
 }
 
-void matmul_backward(Out din, Out dw, Out dbias, In dout, In in, In w, int T, int K, int N) {
+void matmul_backward(Out din, Out dw, Out dbias, In dout, In in, In w, int T, int K, int N,
+                     bool w_transposed) {
   if (!din.empty()) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, K, N, 1.0f, dout.data(), N, w.data(), N,
-                1.0f, din.data(), K);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, w_transposed ? CblasNoTrans : CblasTrans, T, K, N,
+                1.0f, dout.data(), N, w.data(), w_transposed ? K : N, 1.0f, din.data(), K);
   }
-  if (!dw.empty()) {
+  if (!dw.empty() && w_transposed) {
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, T, 1.0f, dout.data(), N, in.data(),
+                K, 1.0f, dw.data(), K);
+  } else if (!dw.empty()) {
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, K, N, T, 1.0f, in.data(), K, dout.data(),
                 N, 1.0f, dw.data(), N);
   }

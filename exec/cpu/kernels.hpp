@@ -15,11 +15,13 @@ using Out = std::span<float>;
 // OpenBLAS threads per process (one per rank when several ranks share the cores).
 void set_gemm_threads(int threads);
 
-// out[T,N] = in[T,K] · w[K,N] (+ bias[N]). OpenBLAS sgemm.
-void matmul_forward(Out out, In in, In w, In bias, int T, int K, int N);
-// din[T,K] += dout[T,N] · w^T;  dw[K,N] += in^T · dout;  dbias[N] += sum over T of dout.
-// Any of din, dw, dbias may be empty (not wanted).
-void matmul_backward(Out din, Out dw, Out dbias, In dout, In in, In w, int T, int K, int N);
+// out[T,N] = in[T,K] · w[K,N] (+ bias[N]). OpenBLAS sgemm. With w_transposed the weight is
+// stored as [N,K] (a head tied to the embedding table reads the table as it is).
+void matmul_forward(Out out, In in, In w, In bias, int T, int K, int N, bool w_transposed = false);
+// din[T,K] += dout[T,N] · w^T;  dw[K,N] += in^T · dout (transposed: dw[N,K] += dout^T · in);
+// dbias[N] += sum over T of dout. Any of din, dw, dbias may be empty (not wanted).
+void matmul_backward(Out din, Out dw, Out dbias, In dout, In in, In w, int T, int K, int N,
+                     bool w_transposed = false);
 
 // LayerNorm over C (eps 1e-5): out = (in - mean) * rstd * w + b; keeps mean[T] and rstd[T].
 // With `rms` true it is RMSNorm (no mean, no bias): out = in * rstd * w.

@@ -64,6 +64,31 @@ TEST_CASE("matmul backward matches finite differences", "[exec][cpu]") {
   check_gradient(b, db, loss, "bias");
 }
 
+TEST_CASE(
+    "matmul with a transposed weight (a tied head) matches finite differences and the "
+    "untransposed product",
+    "[exec][cpu]") {
+  const int T = 5, K = 7, N = 6;
+  auto in = random(T * K, 11), wt = random(N * K, 12), r = random(T * N, 13);
+  std::vector<float> w(K * N);  // wt transposed
+  for (int n = 0; n < N; ++n) {
+    for (int k = 0; k < K; ++k)
+      w[static_cast<std::size_t>(k * N + n)] = wt[static_cast<std::size_t>(n * K + k)];
+  }
+  std::vector<float> out(T * N), plain(T * N);
+  auto loss = [&] {
+    cpu::matmul_forward(out, in, wt, {}, T, K, N, /*w_transposed=*/true);
+    return dot(out, r);
+  };
+  loss();
+  cpu::matmul_forward(plain, in, w, {}, T, K, N);
+  for (std::size_t i = 0; i < out.size(); ++i) CHECK(out[i] == Approx(plain[i]).margin(1e-5));
+  std::vector<float> din(T * K), dwt(N * K);
+  cpu::matmul_backward(din, dwt, {}, r, in, wt, T, K, N, /*w_transposed=*/true);
+  check_gradient(in, din, loss, "in");
+  check_gradient(wt, dwt, loss, "w transposed");
+}
+
 TEST_CASE("layernorm and rmsnorm backward match finite differences", "[exec][cpu]") {
   const int T = 4, C = 9;
   for (bool rms : {false, true}) {

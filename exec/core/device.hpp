@@ -1,0 +1,111 @@
+// Where the Program runner's tensors live and what computes on them: the interface a backend
+// implements for the runner (exec/core/runner.hpp). The CPU implements it with its fp32 kernels
+// (exec/cpu/device.hpp); a GPU implements it with exec/cuda/kernels.hpp.
+//
+// The runner holds views: ranges of a device's memory with a type. Activations and their
+// gradients are in the device's activation type (fp32 on the CPU; bf16 or fp32 on a GPU);
+// weights, weight gradients and optimizer state are fp32 (the master copy); token ids are
+// int32. The ops have the shapes and layouts of exec/cpu/kernels.hpp, and accumulate (+=) into
+// gradients as those do. A device may queue work and run it later in order (a GPU stream):
+// only download() and synchronize() wait for it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "sim/common/error.hpp"
+
+namespace dtsim::exec {
+
+enum class Dtype { F32, BF16, I32 };
+
+inline std::size_t bytes_of(Dtype t) {
+  return t == Dtype::BF16 ? 2 : 4;
+}
+
+// n elements of one type in a device's memory. A view does not own what it points to.
+struct View {
+  void* p = nullptr;
+  std::int64_t n = 0;
+  Dtype type = Dtype::F32;
+
+  bool empty() const { return n == 0; }
+  std::int64_t size() const { return n; }
+  View sub(std::int64_t offset, std::int64_t count) const {
+    DTSIM_ASSERT(offset >= 0 && count >= 0 && offset + count <= n, "view range");
+    return {static_cast<char*>(p) + static_cast<std::size_t>(offset) * bytes_of(type), count, type};
+  }
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual std::string name() const = 0;
+  virtual Dtype activations() const = 0;
+  // True when views are host memory (the MPI backend reads and writes them as it is).
+  virtual bool host_memory() const = 0;
+
+  // ---- memory ----------------------------------------------------------------------------
+  // n zeros of `type`: from the buffers released earlier where one is large enough (as a
+  // framework's caching allocator does), else new.
+  virtual View allocate(std::int64_t n, Dtype type) = 0;
+  virtual void release(View v) = 0;
+  virtual void zero(View v) = 0;
+  virtual void copy(View dst, View src) = 0;  // same type and size
+  // Host values into a view (converted to its type; ints into I32 views), and back.
+  virtual void upload(View dst, const float* host) = 0;
+  virtual void upload_ints(View dst, const int* host) = 0;
+  virtual void download(float* host, View src) = 0;  // waits for the work queued before
+  virtual void synchronize() = 0;
+
+  // ---- ops (shapes: exec/cpu/kernels.hpp; "act" = the activation type) ----------------------
+  // w: the weight as the GEMM reads it (act), [K,N], or [N,K] when transposed (a tied head
+  // reading the embedding table). bias, dw and dbias fp32; empty views are not wanted.
+  virtual void matmul_forward(View out, View in, View w, View bias, int T, int K, int N,
+                              bool w_transposed) = 0;
+  virtual void matmul_backward(View din, View dw, View dbias, View dout, View in, View w, int T,
+                               int K, int N, bool w_transposed) = 0;
+  virtual void norm_forward(View out, View mean, View rstd, View in, View w, View b, int T, int C,
+                            bool rms) = 0;
+  virtual void norm_backward(View din, View dw, View db, View dout, View in, View w, View mean,
+                             View rstd, int T, int C, bool rms) = 0;
+  virtual void add_forward(View out, View a, View b) = 0;
+  // d += scale · x.
+  virtual void accumulate(View d, View x, float scale = 1.0f) = 0;
+  virtual void gelu_forward(View out, View in) = 0;
+  virtual void gelu_backward(View din, View in, View dout) = 0;
+  virtual void swiglu_forward(View out, View in, int T, int F) = 0;
+  virtual void swiglu_backward(View din, View in, View dout, int T, int F) = 0;
+  // probs[B,H,S,S] in act.
+  virtual void attention_forward(View out, View probs, View qkv, int B, int S, int H, int G,
+                                 int D) = 0;
+  virtual void attention_backward(View dqkv, View dout, View qkv, View probs, int B, int S, int H,
+                                  int G, int D) = 0;
+  virtual void rope_forward(View out, View qkv, int B, int S, int H, int G, int D,
+                            double theta) = 0;
+  virtual void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D,
+                             double theta) = 0;
+  // tokens I32; wte fp32 [rows, C] for vocabulary rows [vocab_begin, vocab_begin + rows); wpe
+  // fp32 or empty.
+  virtual void embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
+                                 int vocab_begin) = 0;
+  virtual void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
+                                  int vocab_begin) = 0;
+  // loss: one fp32, the mean over the T rows; dlogits = (softmax - onehot) / T. targets I32.
+  virtual void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) = 0;
+  // Vocab-parallel: rowmax[T], then sums[2T] (fp32), then loss and dlogits from the reduced
+  // statistics (exec/cpu/kernels.hpp).
+  virtual void cross_entropy_max(View rowmax, View logits, int T, int V) = 0;
+  virtual void cross_entropy_sums(View sums, View logits, View rowmax, View targets, int T, int V,
+                                  int vocab_begin) = 0;
+  virtual void cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,
+                                     View targets, int T, int V, int vocab_begin) = 0;
+  // AdamW on fp32 views of one size.
+  virtual void adamw(View params, View grads, View m, View v, float lr, float beta1, float beta2,
+                     float eps, float weight_decay, int t) = 0;
+  // out (act) = in (fp32): a weight's working copy for the GEMMs.
+  virtual void cast(View out, View in) = 0;
+};
+
+}  // namespace dtsim::exec

@@ -1,0 +1,191 @@
+#include "exec/cpu/device.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "exec/cpu/kernels.hpp"
+
+namespace dtsim::exec::cpu {
+
+std::span<float> floats(View v) {
+  if (v.empty()) return {};
+  DTSIM_ASSERT(v.type == Dtype::F32, "an fp32 view");
+  return {static_cast<float*>(v.p), static_cast<std::size_t>(v.n)};
+}
+
+namespace {
+
+std::span<const int> ints(View v) {
+  DTSIM_ASSERT(v.type == Dtype::I32, "an int32 view");
+  return {static_cast<const int*>(v.p), static_cast<std::size_t>(v.n)};
+}
+
+}  // namespace
+
+View CpuDevice::allocate(std::int64_t n, Dtype type) {
+  DTSIM_ASSERT(n >= 0 && type != Dtype::BF16, "the CPU device holds fp32 and int32");
+  const auto words = static_cast<std::size_t>(std::max<std::int64_t>(n, 1));
+  std::unique_ptr<float[]> block;
+  std::size_t capacity = words;
+  const auto it = free_.lower_bound(words);
+  if (it != free_.end()) {
+    capacity = it->first;
+    block = std::move(it->second);
+    free_.erase(it);
+    std::fill_n(block.get(), words, 0.0f);
+  } else {
+    block = std::make_unique<float[]>(words);  // zeroed
+  }
+  void* p = block.get();
+  live_.emplace(p, std::make_pair(std::move(block), capacity));
+  return {p, n, type};
+}
+
+void CpuDevice::release(View v) {
+  if (v.p == nullptr) return;
+  const auto it = live_.find(v.p);
+  DTSIM_ASSERT(it != live_.end(), "release of a view that was not allocated whole");
+  free_.emplace(it->second.second, std::move(it->second.first));
+  live_.erase(it);
+}
+
+void CpuDevice::zero(View v) {
+  if (!v.empty()) std::memset(v.p, 0, static_cast<std::size_t>(v.n) * bytes_of(v.type));
+}
+
+void CpuDevice::copy(View dst, View src) {
+  DTSIM_ASSERT(dst.n == src.n && dst.type == src.type, "copy between views of one shape");
+  if (!dst.empty())
+    std::memmove(dst.p, src.p, static_cast<std::size_t>(dst.n) * bytes_of(dst.type));
+}
+
+void CpuDevice::upload(View dst, const float* host) {
+  std::copy_n(host, dst.n, floats(dst).begin());
+}
+
+void CpuDevice::upload_ints(View dst, const int* host) {
+  DTSIM_ASSERT(dst.type == Dtype::I32, "an int32 view");
+  std::copy_n(host, dst.n, static_cast<int*>(dst.p));
+}
+
+void CpuDevice::download(float* host, View src) {
+  const auto s = floats(src);
+  std::copy(s.begin(), s.end(), host);
+}
+
+void CpuDevice::matmul_forward(View out, View in, View w, View bias, int T, int K, int N,
+                               bool w_transposed) {
+  cpu::matmul_forward(floats(out), floats(in), floats(w), floats(bias), T, K, N, w_transposed);
+}
+
+void CpuDevice::matmul_backward(View din, View dw, View dbias, View dout, View in, View w, int T,
+                                int K, int N, bool w_transposed) {
+  cpu::matmul_backward(floats(din), floats(dw), floats(dbias), floats(dout), floats(in), floats(w),
+                       T, K, N, w_transposed);
+}
+
+void CpuDevice::norm_forward(View out, View mean, View rstd, View in, View w, View b, int T, int C,
+                             bool rms) {
+  cpu::norm_forward(floats(out), floats(mean), floats(rstd), floats(in), floats(w), floats(b), T, C,
+                    rms);
+}
+
+void CpuDevice::norm_backward(View din, View dw, View db, View dout, View in, View w, View mean,
+                              View rstd, int T, int C, bool rms) {
+  cpu::norm_backward(floats(din), floats(dw), floats(db), floats(dout), floats(in), floats(w),
+                     floats(mean), floats(rstd), T, C, rms);
+}
+
+void CpuDevice::add_forward(View out, View a, View b) {
+  cpu::add_forward(floats(out), floats(a), floats(b));
+}
+
+void CpuDevice::accumulate(View d, View x, float scale) {
+  if (scale == 1.0f) {
+    cpu::accumulate(floats(d), floats(x));
+    return;
+  }
+  const auto dd = floats(d);
+  const auto xx = floats(x);
+  for (std::size_t i = 0; i < dd.size(); ++i) dd[i] += xx[i] * scale;
+}
+
+void CpuDevice::gelu_forward(View out, View in) {
+  cpu::gelu_forward(floats(out), floats(in), in.n);
+}
+
+void CpuDevice::gelu_backward(View din, View in, View dout) {
+  cpu::gelu_backward(floats(din), floats(in), floats(dout), in.n);
+}
+
+void CpuDevice::swiglu_forward(View out, View in, int T, int F) {
+  cpu::swiglu_forward(floats(out), floats(in), T, F);
+}
+
+void CpuDevice::swiglu_backward(View din, View in, View dout, int T, int F) {
+  cpu::swiglu_backward(floats(din), floats(in), floats(dout), T, F);
+}
+
+void CpuDevice::attention_forward(View out, View probs, View qkv, int B, int S, int H, int G,
+                                  int D) {
+  cpu::attention_forward(floats(out), floats(probs), floats(qkv), B, S, H, G, D);
+}
+
+void CpuDevice::attention_backward(View dqkv, View dout, View qkv, View probs, int B, int S, int H,
+                                   int G, int D) {
+  cpu::attention_backward(floats(dqkv), floats(dout), floats(qkv), floats(probs), B, S, H, G, D);
+}
+
+void CpuDevice::rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta) {
+  cpu::rope_forward(floats(out), floats(qkv), B, S, H, G, D, theta);
+}
+
+void CpuDevice::rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D,
+                              double theta) {
+  cpu::rope_backward(floats(dqkv), floats(dout), B, S, H, G, D, theta);
+}
+
+void CpuDevice::embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
+                                  int vocab_begin) {
+  cpu::embedding_forward(floats(out), ints(tokens), floats(wte), floats(wpe), B, S, C, vocab_begin);
+}
+
+void CpuDevice::embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S,
+                                   int C, int vocab_begin) {
+  cpu::embedding_backward(floats(dwte), floats(dwpe), floats(dout), ints(tokens), B, S, C,
+                          vocab_begin);
+}
+
+void CpuDevice::cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) {
+  floats(loss)[0] =
+      static_cast<float>(cpu::cross_entropy(floats(dlogits), floats(logits), ints(targets), T, V));
+}
+
+void CpuDevice::cross_entropy_max(View rowmax, View logits, int T, int V) {
+  cpu::cross_entropy_max(floats(rowmax), floats(logits), T, V);
+}
+
+void CpuDevice::cross_entropy_sums(View sums, View logits, View rowmax, View targets, int T, int V,
+                                   int vocab_begin) {
+  cpu::cross_entropy_sums(floats(sums), floats(logits), floats(rowmax), ints(targets), T, V,
+                          vocab_begin);
+}
+
+void CpuDevice::cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,
+                                      View targets, int T, int V, int vocab_begin) {
+  floats(loss)[0] = static_cast<float>(
+      cpu::cross_entropy_sharded(floats(dlogits), floats(logits), floats(rowmax), floats(sums),
+                                 ints(targets), T, V, vocab_begin));
+}
+
+void CpuDevice::adamw(View params, View grads, View m, View v, float lr, float beta1, float beta2,
+                      float eps, float weight_decay, int t) {
+  cpu::adamw(floats(params), floats(grads), floats(m), floats(v), params.n, lr, beta1, beta2, eps,
+             weight_decay, t);
+}
+
+void CpuDevice::cast(View out, View in) {
+  copy(out, in);
+}
+
+}  // namespace dtsim::exec::cpu

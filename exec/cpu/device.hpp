@@ -1,0 +1,76 @@
+// The CPU as a Device (exec/core/device.hpp) for the Program runner: fp32 activations in host
+// memory, the kernels of exec/cpu/kernels.hpp, and a pool of released buffers that later
+// tensors reuse (the smallest that fits), so that a step allocates no fresh pages.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <unordered_map>
+
+#include "exec/core/device.hpp"
+
+namespace dtsim::exec::cpu {
+
+class CpuDevice final : public Device {
+ public:
+  std::string name() const override { return "cpu"; }
+  Dtype activations() const override { return Dtype::F32; }
+  bool host_memory() const override { return true; }
+
+  View allocate(std::int64_t n, Dtype type) override;
+  void release(View v) override;
+  void zero(View v) override;
+  void copy(View dst, View src) override;
+  void upload(View dst, const float* host) override;
+  void upload_ints(View dst, const int* host) override;
+  void download(float* host, View src) override;
+  void synchronize() override {}
+
+  void matmul_forward(View out, View in, View w, View bias, int T, int K, int N,
+                      bool w_transposed) override;
+  void matmul_backward(View din, View dw, View dbias, View dout, View in, View w, int T, int K,
+                       int N, bool w_transposed) override;
+  void norm_forward(View out, View mean, View rstd, View in, View w, View b, int T, int C,
+                    bool rms) override;
+  void norm_backward(View din, View dw, View db, View dout, View in, View w, View mean, View rstd,
+                     int T, int C, bool rms) override;
+  void add_forward(View out, View a, View b) override;
+  void accumulate(View d, View x, float scale) override;
+  void gelu_forward(View out, View in) override;
+  void gelu_backward(View din, View in, View dout) override;
+  void swiglu_forward(View out, View in, int T, int F) override;
+  void swiglu_backward(View din, View in, View dout, int T, int F) override;
+  void attention_forward(View out, View probs, View qkv, int B, int S, int H, int G,
+                         int D) override;
+  void attention_backward(View dqkv, View dout, View qkv, View probs, int B, int S, int H, int G,
+                          int D) override;
+  void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta) override;
+  void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D,
+                     double theta) override;
+  void embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
+                         int vocab_begin) override;
+  void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
+                          int vocab_begin) override;
+  void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override;
+  void cross_entropy_max(View rowmax, View logits, int T, int V) override;
+  void cross_entropy_sums(View sums, View logits, View rowmax, View targets, int T, int V,
+                          int vocab_begin) override;
+  void cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,
+                             View targets, int T, int V, int vocab_begin) override;
+  void adamw(View params, View grads, View m, View v, float lr, float beta1, float beta2, float eps,
+             float weight_decay, int t) override;
+  void cast(View out, View in) override;
+
+ private:
+  // Buffers of 4-byte words: handed out (by address) and released (by capacity).
+  std::unordered_map<void*, std::pair<std::unique_ptr<float[]>, std::size_t>> live_;
+  std::multimap<std::size_t, std::unique_ptr<float[]>> free_;
+};
+
+// A view of host fp32 memory as a span (empty for an empty view).
+std::span<float> floats(View v);
+
+}  // namespace dtsim::exec::cpu
