@@ -115,6 +115,14 @@ __global__ void accumulate_kernel(T* d, const T* x, std::int64_t n, float scale)
     store(d, i, load(d, i) + scale * load(x, i));
 }
 
+// out[0] = mean of in[n]: one block; each thread sums a fixed stride, then the block's sum.
+__global__ void mean_kernel(float* out, const float* in, std::int64_t n) {
+  float s = 0;
+  for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) s += in[i];
+  s = block_sum(s);
+  if (threadIdx.x == 0) out[0] = n > 0 ? s / static_cast<float>(n) : 0.0f;
+}
+
 template <class T>
 __global__ void gelu_forward_kernel(T* out, const T* in, std::int64_t n) {
   for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
@@ -560,6 +568,11 @@ void Kernels::download(float* host, const void* src, std::int64_t n) {
   download_f32(host, staged, n);
 }
 
+void Kernels::copy(void* dst, const void* src, std::size_t bytes) {
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, impl_->stream),
+        "cudaMemcpyAsync (on the GPU)");
+}
+
 void Kernels::zero(void* dst, std::size_t bytes) {
   check(cudaMemsetAsync(dst, 0, bytes, impl_->stream), "cudaMemsetAsync");
 }
@@ -614,9 +627,11 @@ void gemm(cublasHandle_t blas, bool ta, bool tb, int M, int N, int K, float alph
 }  // namespace
 
 void Kernels::matmul_forward(void* out, const void* in, const void* w, const float* bias, int T,
-                             int K, int N) {
+                             int K, int N, bool w_transposed) {
   const cudaDataType_t t = cuda_type(act_);
-  gemm(impl_->blas, false, false, T, N, K, 1.0f, {in, t, K}, {w, t, N}, 0.0f, out, t, N, 0);
+  // w is [K,N], or [N,K] read transposed.
+  gemm(impl_->blas, false, w_transposed, T, N, K, 1.0f, {in, t, K}, {w, t, w_transposed ? K : N},
+       0.0f, out, t, N, 0);
   if (bias != nullptr) {
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
@@ -628,12 +643,17 @@ void Kernels::matmul_forward(void* out, const void* in, const void* w, const flo
 }
 
 void Kernels::matmul_backward(void* din, float* dw, float* dbias, const void* dout, const void* in,
-                              const void* w, int T, int K, int N) {
+                              const void* w, int T, int K, int N, bool w_transposed) {
   const cudaDataType_t t = cuda_type(act_);
-  if (din != nullptr) {  // din[T,K] += dout[T,N] · w[K,N]^T
+  if (din != nullptr && w_transposed) {  // din[T,K] += dout[T,N] · w[N,K]
+    gemm(impl_->blas, false, false, T, K, N, 1.0f, {dout, t, N}, {w, t, K}, 1.0f, din, t, K, 0);
+  } else if (din != nullptr) {  // din[T,K] += dout[T,N] · w[K,N]^T
     gemm(impl_->blas, false, true, T, K, N, 1.0f, {dout, t, N}, {w, t, N}, 1.0f, din, t, K, 0);
   }
-  if (dw != nullptr) {  // dw[K,N] += in[T,K]^T · dout[T,N], in fp32
+  if (dw != nullptr && w_transposed) {  // dw[N,K] += dout[T,N]^T · in[T,K], in fp32
+    gemm(impl_->blas, true, false, N, K, T, 1.0f, {dout, t, N}, {in, t, K}, 1.0f, dw, CUDA_R_32F, K,
+         0);
+  } else if (dw != nullptr) {  // dw[K,N] += in[T,K]^T · dout[T,N], in fp32
     gemm(impl_->blas, true, false, K, N, T, 1.0f, {in, t, K}, {dout, t, N}, 1.0f, dw, CUDA_R_32F, N,
          0);
   }
@@ -649,6 +669,7 @@ void Kernels::matmul_backward(void* din, float* dw, float* dbias, const void* do
 
 void Kernels::norm_forward(void* out, float* mean, float* rstd, const void* in, const float* w,
                            const float* b, int T, int C, bool rms) {
+  if (T == 0 || C == 0) return;  // (a grid of no blocks is a launch error)
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     norm_forward_kernel<<<T, kThreads, 0, impl_->stream>>>(static_cast<A*>(out), mean, rstd,
@@ -660,6 +681,7 @@ void Kernels::norm_forward(void* out, float* mean, float* rstd, const void* in, 
 void Kernels::norm_backward(void* din, float* dw, float* db, const void* dout, const void* in,
                             const float* w, const float* mean, const float* rstd, int T, int C,
                             bool rms) {
+  if (T == 0 || C == 0) return;  // (a grid of no blocks is a launch error)
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     if (dw != nullptr || db != nullptr) {
@@ -691,6 +713,16 @@ void Kernels::accumulate(void* d, const void* dout, std::int64_t n, float scale)
         static_cast<A*>(d), static_cast<const A*>(dout), n, scale);
   });
   launched("accumulate_kernel");
+}
+
+void Kernels::accumulate_f32(float* d, const float* x, std::int64_t n, float scale) {
+  accumulate_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(d, x, n, scale);
+  launched("accumulate_kernel");
+}
+
+void Kernels::mean(float* out, const float* in, std::int64_t n) {
+  mean_kernel<<<1, kThreads, 0, impl_->stream>>>(out, in, n);
+  launched("mean_kernel");
 }
 
 void Kernels::gelu_forward(void* out, const void* in, std::int64_t n) {
@@ -735,6 +767,7 @@ void Kernels::swiglu_backward(void* din, const void* in, const void* dout, int T
 // out_h = probs_h · v_{kv(h)}. qkv rows hold [q heads | k heads | v heads], D values each.
 void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G,
                                 int D) {
+  if (B == 0 || S == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
   const int width = (H + 2 * G) * D, group = H / G;
   const std::size_t e = dtype_bytes(act_);
@@ -771,6 +804,7 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
 // heads, so those GEMMs run one head at a time (beta = 1), never two writing one buffer.
 void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, const void* probs,
                                  int B, int S, int H, int G, int D) {
+  if (B == 0 || S == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
   const int width = (H + 2 * G) * D, group = H / G;
   const std::size_t e = dtype_bytes(act_);
@@ -860,6 +894,7 @@ void Kernels::embedding_backward(float* dwte, int rows, float* dwpe, const void*
 }
 
 void Kernels::cross_entropy_max(float* rowmax, const void* logits, int T, int V) {
+  if (T == 0) return;  // (a grid of no blocks is a launch error)
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     row_max_kernel<<<T, kThreads, 0, impl_->stream>>>(rowmax, static_cast<const A*>(logits), V);
@@ -869,6 +904,7 @@ void Kernels::cross_entropy_max(float* rowmax, const void* logits, int T, int V)
 
 void Kernels::cross_entropy_sums(float* sums, const void* logits, const float* rowmax,
                                  const int* targets, int T, int V, int vocab_begin) {
+  if (T == 0) return;  // (a grid of no blocks is a launch error)
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     exp_sums_kernel<<<T, kThreads, 0, impl_->stream>>>(sums, static_cast<const A*>(logits), rowmax,
@@ -880,6 +916,7 @@ void Kernels::cross_entropy_sums(float* sums, const void* logits, const float* r
 void Kernels::cross_entropy_sharded(void* dlogits, float* row_loss, const void* logits,
                                     const float* rowmax, const float* sums, const int* targets,
                                     int T, int V, int vocab_begin) {
+  if (T == 0) return;  // (a grid of no blocks is a launch error)
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     softmax_loss_kernel<<<T, kThreads, 0, impl_->stream>>>(static_cast<A*>(dlogits), row_loss,

@@ -11,8 +11,10 @@
 // in fp32.
 //
 // Plain C++ interface: pointers are device pointers; no CUDA type leaks out of exec/cuda. All
-// work of one Kernels object goes to its own stream, in order; nothing here synchronizes with
-// the host except `download` and `synchronize`. Every CUDA and cuBLAS call is checked: a
+// work of one Kernels object goes to its own stream, in order. What waits for the GPU: the host
+// transfers (upload*, download*), synchronize, and seconds (for its end mark); and growing a
+// scratch buffer (cudaFree waits for the device, which is also what makes freeing the old one
+// safe while queued kernels may still read it). Every CUDA and cuBLAS call is checked: a
 // failure throws CudaError naming the call (kernel launches included).
 //
 // Determinism: no atomics. Column reductions (bias, norm weight, embedding gradients) run one
@@ -73,6 +75,7 @@ class Kernels {
   void download(float* host, const void* src, std::int64_t n);
   void download_f32(float* host, const float* src, std::int64_t n);
   void zero(void* dst, std::size_t bytes);
+  void copy(void* dst, const void* src, std::size_t bytes);  // device to device
   void synchronize();
 
   // Timing on the stream with CUDA events: mark() records an event after the work queued so
@@ -91,13 +94,14 @@ class Kernels {
   void cast(void* out, const float* in, std::int64_t n);
 
   // ---- the ops (shapes as exec/cpu/kernels.hpp; `void*` = activation type) ---------------
-  // out[T,N] = in[T,K] · w[K,N] (+ bias[N]).
+  // out[T,N] = in[T,K] · w[K,N] (+ bias[N]); with w_transposed w is stored [N,K] (a tied head
+  // reading the embedding table).
   void matmul_forward(void* out, const void* in, const void* w, const float* bias, int T, int K,
-                      int N);
-  // din[T,K] += dout · w^T;  dw[K,N] += in^T · dout (fp32);  dbias[N] += column sums of dout.
-  // Any of din, dw, dbias may be null (not wanted).
+                      int N, bool w_transposed = false);
+  // din[T,K] += dout · w^T;  dw[K,N] += in^T · dout (fp32; transposed: dw[N,K] += dout^T · in);
+  // dbias[N] += column sums of dout. Any of din, dw, dbias may be null (not wanted).
   void matmul_backward(void* din, float* dw, float* dbias, const void* dout, const void* in,
-                       const void* w, int T, int K, int N);
+                       const void* w, int T, int K, int N, bool w_transposed = false);
 
   // LayerNorm (eps 1e-5) or RMSNorm over C; mean[T] and rstd[T] kept in fp32.
   void norm_forward(void* out, float* mean, float* rstd, const void* in, const float* w,
@@ -109,6 +113,11 @@ class Kernels {
   void add_forward(void* out, const void* a, const void* b, std::int64_t n);
   // d[n] += scale · dout (a residual's backward; the loss gradient's 1/(m·dp) scaling).
   void accumulate(void* d, const void* dout, std::int64_t n, float scale = 1.0f);
+
+  // The same in fp32 (gradient buffers), whatever the activation type.
+  void accumulate_f32(float* d, const float* x, std::int64_t n, float scale = 1.0f);
+  // out[0] = the mean of in[n], summed in a fixed order (one block).
+  void mean(float* out, const float* in, std::int64_t n);
 
   void gelu_forward(void* out, const void* in, std::int64_t n);
   void gelu_backward(void* din, const void* in, const void* dout, std::int64_t n);
