@@ -7,10 +7,13 @@
 #      bandwidth, launch overhead, jitter, and the non-GEMM ops with the executor's GPU kernels;
 #   3. the catalog's figures against the measurement: the best GEMM rate against
 #      peak x efficiency.gemm, the copy bandwidth against memory_bw x efficiency.memory_bw;
-#   4. dtsim simulate of single-GPU plans with the catalog and with the measured profile.
-# Writes report.txt, the profile and the raw outputs under $OUT (or ./gpu-report).
-# Not covered yet: measured GPU steps (dtexec run does not drive the GPU kernels yet), so no
-# per-task comparison; the report says so.
+#   4. dtsim simulate of single-GPU plans with the catalog and with the measured profile;
+#   5. dtexec run --backend cuda: fp32 on the GPU against fp32 on the CPU (dtexec compare);
+#      GPT-2 124M trained on the GPU in bf16, its measured tasks against dtsim's prediction
+#      (dtsim validate: error per task kind, with the catalog and with the profile); and the
+#      last pipeline stage of Llama-3 70B at tp8 pp8 (--only-rank, communication replaced by
+#      the predicted waits), validated the same way.
+# Writes report.txt, the profile, the traces and the raw outputs under $OUT (or ./gpu-report).
 #
 # Here:  scripts/gpu_bundle.sh                 (gpu-bundle.tar.xz: binaries + libraries)
 # There: scripts/gpu_check.sh [gpu-bundle.tar.xz]   (run with carry: ["gpu-bundle.tar.xz"])
@@ -91,4 +94,54 @@ for plan in "--model llama3-8b --seq-len 4096 --recompute full" \
   done
 done
 say ""
-say "not covered: measured GPU training steps and per-task errors (dtexec run does not drive the GPU kernels yet)"
+say "== 5. dtexec run on the GPU"
+say "-- fp32 on the GPU against fp32 on the CPU (tiny-gpt, 5 steps, same seed)"
+"$bin/dtexec" run --model tiny-gpt --steps 5 --warmup 0 --checkpoint "$out/ckpt_cpu" >/dev/null 2>&1
+"$bin/dtexec" run --backend cuda --precision fp32 --model tiny-gpt --steps 5 --warmup 0 \
+  --checkpoint "$out/ckpt_gpu" 2>&1 | tail -2 | tee -a "$report"
+"$bin/dtexec" compare "$out/ckpt_cpu" "$out/ckpt_gpu" --loss-tolerance 1e-3 \
+  --weight-tolerance 3e-3 2>&1 | tee -a "$report"
+
+# One plan: dtexec measures it, dtsim predicts it (catalog, then profile), dtsim validate joins.
+validate_plan() {
+  local name=$1 predicted_flags=$2 run_flags=$3 topology=${cluster:-hgx-h200}
+  # shellcheck disable=SC2086
+  "$bin/dtsim" simulate --cluster "$topology" $predicted_flags \
+    --trace "$out/${name}_catalog.json" >"$out/${name}_simulate_catalog.txt" 2>&1
+  # shellcheck disable=SC2086
+  "$bin/dtsim" simulate --cluster "$topology" $predicted_flags \
+    --profile "$out/profile_h200.json" --trace "$out/${name}_profile.json" \
+    >"$out/${name}_simulate_profile.txt" 2>&1
+  # shellcheck disable=SC2086
+  "$bin/dtexec" run --backend cuda $run_flags --trace "$out/${name}_measured.json" \
+    >"$out/${name}_run.txt" 2>&1
+  local rc=$?
+  tail -3 "$out/${name}_run.txt" | tee -a "$report"
+  [ $rc -eq 0 ] || { say "$name: dtexec run failed (exit $rc)"; return; }
+  for with in catalog profile; do
+    say "-- $name: predicted ($with) against measured"
+    "$bin/dtsim" validate --predicted "$out/${name}_${with}.json" \
+      --measured "$out/${name}_measured.json" 2>&1 | tee -a "$report"
+  done
+}
+
+say "-- GPT-2 124M on one GPU, bf16, micro-batch 8, sequence 1024"
+gpt2="--model gpt2-124m --no-dropout --micro-batch-size 8 --seq-len 1024 --global-batch-size 16"
+validate_plan gpt2 "--gpus 1 $gpt2" "$gpt2 --steps 6"
+
+say "-- Llama-3 70B, tp8 pp8 (64 GPUs), its last stage's tp rank 7 alone, bf16, sequence 4096"
+# 64 H200: the SuperPOD's fabric with H200 devices (the shipped H200 topology is one node).
+python3 - "$repo/topologies/dgx-h100-superpod.json" "$out/h200-pod.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+d["name"] = "h200-pod"
+d["device"] = "h200"
+d["description"] = "dgx-h100-superpod with H200 devices: the fabric of the --only-rank waits"
+json.dump(d, open(sys.argv[2], "w"), indent=2)
+PY
+l70="--model llama3-70b --tp 8 --pp 8 --micro-batch-size 1 --seq-len 4096 --global-batch-size 16"
+# shellcheck disable=SC2086
+"$bin/dtsim" simulate --cluster "$out/h200-pod.json" --gpus 64 $l70 \
+  --profile "$out/profile_h200.json" --trace "$out/l70_waits.json" >/dev/null 2>&1
+cluster="$out/h200-pod.json" validate_plan l70 "--gpus 64 $l70" \
+  "$l70 --dp 1 --only-rank 63 --predicted $out/l70_waits.json --steps 3"

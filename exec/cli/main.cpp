@@ -21,6 +21,7 @@
 #include "exec/core/checkpoint.hpp"
 #include "exec/core/runner.hpp"
 #include "exec/cpu/calibrate.hpp"
+#include "exec/cpu/device.hpp"
 #include "exec/cpu/kernels.hpp"
 #include "exec/cpu/mpi_comm.hpp"
 #include "sim/cli/options.hpp"
@@ -32,6 +33,7 @@
 
 #ifdef DTEXEC_HAVE_CUDA
 #include "exec/cuda/calibrate_cuda.hpp"
+#include "exec/cuda/device.hpp"
 #include "exec/cuda/gpu_probe.hpp"
 #endif
 
@@ -43,8 +45,8 @@ void usage(std::ostream& os) {
         "commands:\n"
         "  run --model M [plan flags | --plan P.json] [--steps N] [--checkpoint DIR]\n"
         "      [--resume DIR] [--trace T.json] [--json]\n"
-        "                         train M on the CPU following the Program dtsim lowers the\n"
-        "                         plan to; several ranks under mpirun -np N; losses, times\n"
+        "                         train M following the Program dtsim lowers the plan to: on\n"
+        "                         CPU ranks (mpirun -np N) or one GPU (--backend cuda)\n"
         "  compare A B            two checkpoints: losses and weights, within --tolerance\n"
         "  calibrate --out P.json [--backend cpu] [--quick]\n"
         "                         measure GEMM times by shape, memory bandwidth and kernel\n"
@@ -190,11 +192,36 @@ void write_trace(const std::string& path, const dtsim::lower::Program& program,
   dtsim::report::write_chrome_trace(path, program, timeline);
 }
 
+// The GPU of a one-GPU run (the first one), with activations in the plan's precision; says
+// which in `where`. Exit code 2 with the reason where there is none.
+std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision,
+                                                     std::string& where) {
+#ifdef DTEXEC_HAVE_CUDA
+  const auto p = dtsim::exec::cuda::probe();
+  if (p.gpus.empty()) {
+    throw dtsim::UnsupportedError(
+        fmt::format("--backend cuda: no GPU on this machine ({})", p.why_none));
+  }
+  const auto& g = p.gpus.front();
+  const bool bf16 = precision == dtsim::Precision::Bf16;
+  where = fmt::format("GPU {} ({}), {} activations", g.index, g.name, bf16 ? "bf16" : "fp32");
+  return dtsim::exec::cuda::make_device(g.index,
+                                        bf16 ? dtsim::exec::Dtype::BF16 : dtsim::exec::Dtype::F32);
+#else
+  (void)precision;
+  (void)where;
+  throw dtsim::UnsupportedError(
+      "--backend cuda: this dtexec was built without the CUDA backend (CUDA toolkit or NCCL "
+      "not found at build time)");
+#endif
+}
+
 // dtexec run --only-rank R: the program of R's pipeline stage (every rank of a stage runs the
 // same tasks) on this machine alone; communication tasks wait their predicted times.
 int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& spec,
                   const dtsim::plan::Plan& plan, const dtsim::model::ModelGraph& graph,
-                  const dtsim::lower::Program& program, dtsim::exec::RunOptions options) {
+                  const dtsim::lower::Program& program, dtsim::exec::RunOptions options,
+                  dtsim::exec::Device& device, const std::string& where) {
   const std::int64_t r = vm["only-rank"].as<std::int64_t>();
   if (r < 0 || r >= plan.devices()) {
     throw dtsim::InputError(
@@ -236,7 +263,7 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   options.program_index = index;
   options.replay_communication = true;
   dtsim::exec::SingleRankComm comm;
-  const auto result = dtsim::exec::run_program(graph, program, options, comm);
+  const auto result = dtsim::exec::run_program(graph, program, options, comm, device);
   // Compute and waits per step, from the recorded tasks of the last step.
   const int last = options.steps - 1;
   double compute = 0, waited = 0;
@@ -261,7 +288,8 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   }
   if (vm["json"].as<bool>()) {
     std::cout << nlohmann::json{{"model", spec.name},
-                                {"backend", "cpu"},
+                                {"backend", device.host_memory() ? "cpu" : "cuda"},
+                                {"device", device.name()},
                                 {"only_rank", r},
                                 {"program_rank", rp.rank},
                                 {"stage", rp.stage},
@@ -278,11 +306,11 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     return 0;
   }
   std::cout << fmt::format(
-      "{}, plan {}: rank {} alone (stage {}; its program stands for {} ranks), {} steps\n"
+      "{}, plan {}: rank {} alone on {} (stage {}; its program stands for {} ranks), {} steps\n"
       "compute measured; {} communication tasks replaced by waits {}; received tensors are "
       "zeros, so losses mean nothing\n",
-      spec.name, dtsim::plan::summary(plan), r, rp.stage, rp.represents.size(), options.steps,
-      comm_tasks, waits);
+      spec.name, dtsim::plan::summary(plan), r, where, rp.stage, rp.represents.size(),
+      options.steps, comm_tasks, waits);
   std::cout << fmt::format(
       "median step time {:.1f} ms after {} warm-up step(s); last step: compute {:.1f} ms, "
       "waits {:.1f} ms (one after the other: the waits do not overlap compute here)\n",
@@ -294,7 +322,9 @@ int run(const std::vector<std::string>& args) {
   po::options_description desc("dtexec run options");
   desc.add_options()("help,h", "show this help")(
       "model", po::value<std::string>()->default_value("tiny-gpt"), "model name or path")(
-      "backend", po::value<std::string>()->default_value("cpu"), "cpu (cuda: not yet)")(
+      "backend", po::value<std::string>()->default_value("cpu"),
+      "cpu (fp32, MPI ranks) or cuda (one GPU: a one-device plan, or --only-rank; bf16 by "
+      "default, --precision fp32)")(
       "steps", po::value<int>()->default_value(10),
       "train until this many steps are done (counting a resumed checkpoint's)")(
       "warmup", po::value<int>()->default_value(1), "steps left out of the median step time")(
@@ -330,14 +360,18 @@ int run(const std::vector<std::string>& args) {
              "usage: dtexec run --model M [plan flags or --plan P.json] [options]\n"
              "       mpirun -np N dtexec run ...   (N = dp x tp x pp ranks)\n\n"
              "Trains M on the CPU (fp32, OpenBLAS), one MPI process per rank, following the\n"
-             "Program dtsim lowers the plan to: the same tasks the simulator predicts.",
+             "Program dtsim lowers the plan to: the same tasks the simulator predicts.\n"
+             "--backend cuda trains on one GPU (cuBLAS and dtexec's kernels, bf16 activations\n"
+             "with fp32 master weights): a one-device plan, or one rank of a larger plan with\n"
+             "--only-rank. Each GPU task is timed after the GPU has done it.",
              vm)) {
     return 0;
   }
-  if (vm["backend"].as<std::string>() != "cpu") {
-    throw dtsim::UnsupportedError(fmt::format("--backend {}: only cpu runs plans in this version",
-                                              vm["backend"].as<std::string>()));
+  const std::string backend = vm["backend"].as<std::string>();
+  if (backend != "cpu" && backend != "cuda") {
+    throw dtsim::InputError(fmt::format("--backend: expected cpu or cuda, got \"{}\"", backend));
   }
+  const bool gpu = backend == "cuda";
   const bool only_rank = vm.count("only-rank") > 0;
   if (vm.count("predicted") && !only_rank) {
     throw dtsim::InputError("--predicted: only with --only-rank");
@@ -351,13 +385,26 @@ int run(const std::vector<std::string>& args) {
   }
   const auto spec = dtsim::cli::model_from_options(vm);
   const std::int64_t devices = mpi && !only_rank ? mpi->size() : requested_devices(vm);
+  if (gpu && ((mpi && mpi->size() > 1) || (devices > 1 && !only_rank))) {
+    throw dtsim::UnsupportedError(
+        fmt::format("--backend cuda: runs on one GPU in this version (a one-device plan, or "
+                    "--only-rank R of a larger one); this plan has {} devices and multi-GPU "
+                    "plans need NCCL communicators, not built yet",
+                    devices));
+  }
   if (!mpi && devices > 1 && !only_rank) {
     throw dtsim::InputError(fmt::format(
         "the plan needs {} ranks: start them with mpirun -np {} dtexec run ...", devices, devices));
   }
   std::vector<std::string> notes;
   dtsim::plan::Plan plan = dtsim::cli::plan_from_options(vm, spec, devices, notes);
-  if (plan.precision != dtsim::Precision::Fp32) {
+  if (gpu) {
+    if (plan.precision != dtsim::Precision::Bf16 && plan.precision != dtsim::Precision::Fp32) {
+      throw dtsim::UnsupportedError(
+          fmt::format("--precision {}: the GPU backend trains in bf16 or fp32",
+                      vm["precision"].as<std::string>()));
+    }
+  } else if (plan.precision != dtsim::Precision::Fp32) {
     if (vm.count("precision")) {
       throw dtsim::UnsupportedError(fmt::format("--precision {}: the CPU backend trains in fp32",
                                                 vm["precision"].as<std::string>()));
@@ -398,7 +445,14 @@ int run(const std::vector<std::string>& args) {
   if (vm.count("resume")) options.resume_dir = vm["resume"].as<std::string>();
   rank_and_step(vm, "fail-at", options.fail_rank, options.fail_step);
   rank_and_step(vm, "hang-at", options.hang_rank, options.hang_step);
-  if (only_rank) return run_only_rank(vm, spec, plan, graph, program, options);
+  std::string where = "the CPU";
+  std::unique_ptr<dtsim::exec::Device> device;
+  if (gpu) {
+    device = make_gpu_device(plan.precision, where);
+  } else {
+    device = std::make_unique<dtsim::exec::cpu::CpuDevice>();
+  }
+  if (only_rank) return run_only_rank(vm, spec, plan, graph, program, options, *device, where);
   options.task_timeout_s = vm["task-timeout"].as<double>();
   if (!(options.task_timeout_s >= 0)) {
     throw dtsim::InputError("--task-timeout: expected a number of seconds >= 0");
@@ -421,9 +475,9 @@ int run(const std::vector<std::string>& args) {
   const bool json_out = vm["json"].as<bool>();
   if (!json_out) {
     out(rank) << fmt::format(
-        "{} on the CPU, {} rank{}, plan {}: {} x {} tokens per step ({} micro-batches per "
+        "{} on {}, {} rank{}, plan {}: {} x {} tokens per step ({} micro-batches per "
         "replica), until step {}{}\n",
-        spec.name, devices, devices == 1 ? "" : "s", dtsim::plan::summary(plan),
+        spec.name, where, devices, devices == 1 ? "" : "s", dtsim::plan::summary(plan),
         plan.global_batch_size, plan.seq_len, plan.micro_batches(), steps,
         options.resume_dir.empty() ? "" : ", resuming " + options.resume_dir);
     // Each step as it ends.
@@ -434,7 +488,7 @@ int run(const std::vector<std::string>& args) {
   }
   dtsim::exec::RunResult result;
   try {
-    result = dtsim::exec::run_program(graph, program, options, *comm);
+    result = dtsim::exec::run_program(graph, program, options, *comm, *device);
     if (vm.count("trace")) {
       write_trace(vm["trace"].as<std::string>(), program, result, steps - 1, *comm);
     }
@@ -446,7 +500,8 @@ int run(const std::vector<std::string>& args) {
   const int first = result.first_step;
   if (vm["json"].as<bool>()) {
     out(rank) << nlohmann::json{{"model", spec.name},
-                                {"backend", "cpu"},
+                                {"backend", backend},
+                                {"device", device->name()},
                                 {"ranks", devices},
                                 {"plan", dtsim::plan::to_json(plan)},
                                 {"first_step", first},

@@ -1,0 +1,212 @@
+#include "exec/cuda/device.hpp"
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include "exec/cuda/kernels.hpp"
+
+namespace dtsim::exec::cuda {
+
+namespace {
+
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int gpu, exec::Dtype activations)
+      : act_(activations),
+        k_(gpu, activations == exec::Dtype::BF16 ? cuda::Dtype::BF16 : cuda::Dtype::F32),
+        gpu_(gpu) {
+    DTSIM_ASSERT(activations != exec::Dtype::I32, "activations are floating point");
+  }
+
+  std::string name() const override { return "cuda:" + std::to_string(gpu_); }
+  exec::Dtype activations() const override { return act_; }
+  bool host_memory() const override { return false; }
+
+  View allocate(std::int64_t n, exec::Dtype type) override {
+    DTSIM_ASSERT(n >= 0, "a size");
+    const std::size_t bytes =
+        static_cast<std::size_t>(std::max<std::int64_t>(n, 1)) * bytes_of(type);
+    DeviceBuffer block;
+    const auto it = free_.lower_bound(bytes);
+    if (it != free_.end()) {
+      block = std::move(it->second);
+      free_.erase(it);
+    } else {
+      block = DeviceBuffer(bytes);
+    }
+    k_.zero(block.get(), bytes);
+    void* p = block.get();
+    live_.emplace(p, std::move(block));
+    return {p, n, type};
+  }
+
+  void release(View v) override {
+    if (v.p == nullptr) return;
+    const auto it = live_.find(v.p);
+    DTSIM_ASSERT(it != live_.end(), "release of a view that was not allocated whole");
+    const std::size_t capacity = it->second.bytes();
+    free_.emplace(capacity, std::move(it->second));
+    live_.erase(it);
+  }
+
+  void zero(View v) override {
+    if (!v.empty()) k_.zero(v.p, bytes(v));
+  }
+
+  void copy(View dst, View src) override {
+    DTSIM_ASSERT(dst.n == src.n && dst.type == src.type, "copy between views of one shape");
+    if (!dst.empty()) k_.copy(dst.p, src.p, bytes(dst));
+  }
+
+  void upload(View dst, const float* host) override {
+    if (dst.type == exec::Dtype::F32) {
+      k_.upload_f32(f32(dst), host, dst.n);
+    } else {
+      k_.upload(act(dst), host, dst.n);
+    }
+  }
+
+  void upload_ints(View dst, const int* host) override {
+    DTSIM_ASSERT(dst.type == exec::Dtype::I32, "an int32 view");
+    k_.upload_i32(static_cast<int*>(dst.p), host, dst.n);
+  }
+
+  void download(float* host, View src) override {
+    if (src.type == exec::Dtype::F32) {
+      k_.download_f32(host, f32(src), src.n);
+    } else {
+      k_.download(host, act(src), src.n);
+    }
+  }
+
+  void synchronize() override { k_.synchronize(); }
+
+  void matmul_forward(View out, View in, View w, View bias, int T, int K, int N,
+                      bool w_transposed) override {
+    k_.matmul_forward(act(out), act(in), act(w), f32_or_null(bias), T, K, N, w_transposed);
+  }
+  void matmul_backward(View din, View dw, View dbias, View dout, View in, View w, int T, int K,
+                       int N, bool w_transposed) override {
+    k_.matmul_backward(act_or_null(din), f32_or_null(dw), f32_or_null(dbias), act(dout), act(in),
+                       act(w), T, K, N, w_transposed);
+  }
+  void norm_forward(View out, View mean, View rstd, View in, View w, View b, int T, int C,
+                    bool rms) override {
+    k_.norm_forward(act(out), f32(mean), f32(rstd), act(in), f32(w), f32_or_null(b), T, C, rms);
+  }
+  void norm_backward(View din, View dw, View db, View dout, View in, View w, View mean, View rstd,
+                     int T, int C, bool rms) override {
+    k_.norm_backward(act_or_null(din), f32_or_null(dw), f32_or_null(db), act(dout), act(in), f32(w),
+                     f32(mean), f32(rstd), T, C, rms);
+  }
+  void add_forward(View out, View a, View b) override {
+    k_.add_forward(act(out), act(a), act(b), out.n);
+  }
+  void accumulate(View d, View x, float scale) override {
+    DTSIM_ASSERT(d.n == x.n && d.type == x.type, "accumulate views of one size and type");
+    if (d.type == exec::Dtype::F32) {
+      k_.accumulate_f32(f32(d), f32(x), d.n, scale);  // gradient buffers
+    } else {
+      k_.accumulate(act(d), act(x), d.n, scale);
+    }
+  }
+  void gelu_forward(View out, View in) override { k_.gelu_forward(act(out), act(in), in.n); }
+  void gelu_backward(View din, View in, View dout) override {
+    k_.gelu_backward(act(din), act(in), act(dout), in.n);
+  }
+  void swiglu_forward(View out, View in, int T, int F) override {
+    k_.swiglu_forward(act(out), act(in), T, F);
+  }
+  void swiglu_backward(View din, View in, View dout, int T, int F) override {
+    k_.swiglu_backward(act(din), act(in), act(dout), T, F);
+  }
+  void attention_forward(View out, View probs, View qkv, int B, int S, int H, int G,
+                         int D) override {
+    k_.attention_forward(act(out), act(probs), act(qkv), B, S, H, G, D);
+  }
+  void attention_backward(View dqkv, View dout, View qkv, View probs, int B, int S, int H, int G,
+                          int D) override {
+    k_.attention_backward(act(dqkv), act(dout), act(qkv), act(probs), B, S, H, G, D);
+  }
+  void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta) override {
+    k_.rope_forward(act(out), act(qkv), B, S, H, G, D, theta);
+  }
+  void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D,
+                     double theta) override {
+    k_.rope_backward(act(dqkv), act(dout), B, S, H, G, D, theta);
+  }
+  void embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
+                         int vocab_begin) override {
+    k_.embedding_forward(act(out), ints(tokens), f32(wte), static_cast<int>(wte.n / C),
+                         f32_or_null(wpe), B, S, C, vocab_begin);
+  }
+  void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
+                          int vocab_begin) override {
+    k_.embedding_backward(f32(dwte), static_cast<int>(dwte.n / C), f32_or_null(dwpe), act(dout),
+                          ints(tokens), B, S, C, vocab_begin);
+  }
+  void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override {
+    k_.cross_entropy(act(dlogits), rows(T), act(logits), ints(targets), T, V);
+    k_.mean(f32(loss), rows_.f32(), T);
+  }
+  void cross_entropy_max(View rowmax, View logits, int T, int V) override {
+    k_.cross_entropy_max(f32(rowmax), act(logits), T, V);
+  }
+  void cross_entropy_sums(View sums, View logits, View rowmax, View targets, int T, int V,
+                          int vocab_begin) override {
+    k_.cross_entropy_sums(f32(sums), act(logits), f32(rowmax), ints(targets), T, V, vocab_begin);
+  }
+  void cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,
+                             View targets, int T, int V, int vocab_begin) override {
+    k_.cross_entropy_sharded(act(dlogits), rows(T), act(logits), f32(rowmax), f32(sums),
+                             ints(targets), T, V, vocab_begin);
+    k_.mean(f32(loss), rows_.f32(), T);
+  }
+  void adamw(View params, View grads, View m, View v, float lr, float beta1, float beta2, float eps,
+             float weight_decay, int t) override {
+    k_.adamw(f32(params), f32(grads), f32(m), f32(v), params.n, lr, beta1, beta2, eps, weight_decay,
+             t);
+  }
+  void cast(View out, View in) override { k_.cast(act(out), f32(in), in.n); }
+
+ private:
+  static std::size_t bytes(View v) { return static_cast<std::size_t>(v.n) * bytes_of(v.type); }
+  void* act(View v) const {
+    DTSIM_ASSERT(v.type == act_, "a view of the activation type");
+    return v.p;
+  }
+  void* act_or_null(View v) const { return v.empty() ? nullptr : act(v); }
+  static float* f32(View v) {
+    DTSIM_ASSERT(v.type == exec::Dtype::F32, "an fp32 view");
+    return static_cast<float*>(v.p);
+  }
+  static float* f32_or_null(View v) { return v.empty() ? nullptr : f32(v); }
+  static int* ints(View v) {
+    DTSIM_ASSERT(v.type == exec::Dtype::I32, "an int32 view");
+    return static_cast<int*>(v.p);
+  }
+  // Scratch for the per-row losses of T rows.
+  float* rows(int T) {
+    const auto need = static_cast<std::size_t>(T) * 4;
+    if (rows_.bytes() < need) rows_ = DeviceBuffer(need);
+    return rows_.f32();
+  }
+
+  exec::Dtype act_;
+  Kernels k_;
+  int gpu_;
+  std::unordered_map<void*, DeviceBuffer> live_;
+  std::multimap<std::size_t, DeviceBuffer> free_;
+  DeviceBuffer rows_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_device(int gpu, exec::Dtype activations) {
+  return std::make_unique<CudaDevice>(gpu, activations);
+}
+
+}  // namespace dtsim::exec::cuda

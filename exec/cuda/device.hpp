@@ -1,0 +1,17 @@
+// A GPU as a Device (exec/core/device.hpp) for the Program runner: activations in bf16 (or
+// fp32), fp32 master weights, gradients and AdamW state, the kernels of exec/cuda/kernels.hpp on
+// one stream, and a pool of released device buffers that later tensors reuse. Plain C++: no
+// CUDA type in this interface.
+#pragma once
+
+#include <memory>
+
+#include "exec/core/device.hpp"
+
+namespace dtsim::exec::cuda {
+
+// The device of GPU `gpu` with activations of `activations` (Dtype::BF16 or Dtype::F32).
+// Throws CudaError when the GPU cannot be used.
+std::unique_ptr<Device> make_device(int gpu, Dtype activations);
+
+}  // namespace dtsim::exec::cuda
