@@ -6,6 +6,7 @@
 #include "exec/core/checkpoint.hpp"
 #include "sim/common/error.hpp"
 #include "sim/lower/lowering.hpp"
+#include "tests/exec/core/bf16_device.hpp"
 #include "tests/test_util.hpp"
 
 namespace {
@@ -19,13 +20,14 @@ dtsim::plan::Plan single_rank(std::int64_t micro_batch, std::int64_t global_batc
 }
 
 dtsim::exec::RunResult run(const char* model, dtsim::plan::Plan p, int steps,
-                           dtsim::exec::RunOptions o = {}) {
+                           dtsim::exec::RunOptions o = {}, dtsim::exec::Device* device = nullptr) {
   const auto spec = dtsim::model::load_model(model);
   const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 4);
   const auto program = dtsim::lower::lower(g, p);
   o.steps = steps;
   o.learning_rate = 3e-3f;
   dtsim::exec::SingleRankComm comm;
+  if (device != nullptr) return dtsim::exec::run_program(g, program, o, comm, *device);
   return dtsim::exec::run_program(g, program, o, comm);
 }
 
@@ -113,4 +115,51 @@ TEST_CASE("a checkpoint that does not fit the run is refused", "[exec][runner]")
   DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::exec::read_checkpoint((dir / "nope").string()),
                                   dtsim::InputError, "cannot open");
   fs::remove_all(dir);
+}
+
+// The GPU's mixed precision (bf16 activations, fp32 masters and statistics, weight copies for
+// the GEMMs), emulated on the CPU with the GPU device's type checks: the runner's bf16 path
+// trains and stays near the fp32 run.
+TEST_CASE("the runner's bf16 path trains and tracks the fp32 run", "[exec][runner]") {
+  for (const char* model : {"tiny-gpt", "tiny"}) {
+    INFO(model);
+    dtsim::exec::test::Bf16Device bf16;
+    const auto half = run(model, single_rank(2, 4), 40, {}, &bf16);
+    const auto full = run(model, single_rank(2, 4), 40);
+    INFO("bf16 " << half.losses.front() << " -> " << half.losses.back() << ", fp32 "
+                 << full.losses.front() << " -> " << full.losses.back());
+    CHECK(half.losses.front() == Approx(full.losses.front()).epsilon(0.01));
+    CHECK(half.losses.back() < half.losses.front() - 1.0);
+    CHECK(half.losses.back() == Approx(full.losses.back()).epsilon(0.02));
+  }
+}
+
+// --only-rank's path on a device whose memory is not the host's: every communication task
+// replaced by a wait, sequence parallelism's local copies and the loss statistics in bf16.
+TEST_CASE("one rank of a tp2 pp2 dp2 plan runs alone on the bf16 path", "[exec][runner]") {
+  const auto spec = dtsim::model::load_model("tiny");
+  dtsim::plan::Plan p;
+  p.tp = 2;
+  p.pp = 2;
+  p.dp = 2;
+  p.micro_batch_size = 2;
+  p.global_batch_size = 8;
+  p.seq_len = 32;
+  p.sequence_parallel = true;
+  p.zero_stage = 1;
+  const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+  const auto program = dtsim::lower::lower(g, p);
+  for (std::size_t index = 0; index < program.ranks.size(); ++index) {
+    INFO("program " << index << " (stage " << program.ranks[index].stage << ")");
+    dtsim::exec::test::Bf16Device bf16;
+    dtsim::exec::RunOptions o;
+    o.steps = 2;
+    o.warmup_steps = 0;
+    o.program_index = static_cast<int>(index);
+    o.replay_communication = true;
+    dtsim::exec::SingleRankComm comm;
+    const auto r = dtsim::exec::run_program(g, program, o, comm, bf16);
+    CHECK(r.step_times_s.size() == 2);
+    CHECK(!r.tasks.empty());
+  }
 }

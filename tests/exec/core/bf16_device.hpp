@@ -1,0 +1,216 @@
+// A test Device that stores activations in bf16 on the host and computes with the CPU's fp32
+// kernels, to run the runner's mixed-precision path (the GPU's: bf16 activations, fp32 masters,
+// working copies of the weights, fp32 statistics) where there is no GPU. Each op checks the type
+// of every view as the GPU device does (activations bf16; weights, their gradients, statistics
+// and optimizer state fp32; tokens int32), widens the bf16 ones into fp32 scratch, runs the CPU
+// kernel and rounds them back (round to nearest even), so that a view of the wrong type fails
+// here as it would on the GPU. Its memory counts as not the host's, as a GPU's.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "exec/cpu/device.hpp"
+#include "sim/common/error.hpp"
+
+namespace dtsim::exec::test {
+
+inline std::uint16_t to_bf16(float x) {
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &x, 4);
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
+  return static_cast<std::uint16_t>(bits >> 16);
+}
+
+inline float from_bf16(std::uint16_t h) {
+  const std::uint32_t bits = static_cast<std::uint32_t>(h) << 16;
+  float x = 0;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+class Bf16Device final : public Device {
+ public:
+  std::string name() const override { return "cpu-bf16-emulation"; }
+  Dtype activations() const override { return Dtype::BF16; }
+  bool host_memory() const override { return false; }
+
+  View allocate(std::int64_t n, Dtype type) override {
+    if (type != Dtype::BF16) return cpu_.allocate(n, type);
+    const View words = cpu_.allocate((n + 1) / 2, Dtype::F32);  // zeros: bf16 zeros too
+    return {words.p, n, Dtype::BF16};
+  }
+  void release(View v) override { cpu_.release(v); }
+  void zero(View v) override { cpu_.zero(v); }
+  void copy(View dst, View src) override { cpu_.copy(dst, src); }
+  void upload(View dst, const float* host) override {
+    if (dst.type != Dtype::BF16) return cpu_.upload(dst, host);
+    auto* h = static_cast<std::uint16_t*>(dst.p);
+    for (std::int64_t i = 0; i < dst.n; ++i) h[i] = to_bf16(host[i]);
+  }
+  void upload_ints(View dst, const int* host) override { cpu_.upload_ints(dst, host); }
+  void download(float* host, View src) override {
+    if (src.type != Dtype::BF16) return cpu_.download(host, src);
+    const auto* h = static_cast<const std::uint16_t*>(src.p);
+    for (std::int64_t i = 0; i < src.n; ++i) host[i] = from_bf16(h[i]);
+  }
+  void synchronize() override {}
+
+  void matmul_forward(View out, View in, View w, View bias, int T, int K, int N,
+                      bool w_transposed) override {
+    Scope s(cpu_);
+    cpu_.matmul_forward(s.act(out), s.act(in), s.act(w), s.f32(bias), T, K, N, w_transposed);
+  }
+  void matmul_backward(View din, View dw, View dbias, View dout, View in, View w, int T, int K,
+                       int N, bool w_transposed) override {
+    Scope s(cpu_);
+    cpu_.matmul_backward(s.act(din), s.f32(dw), s.f32(dbias), s.act(dout), s.act(in), s.act(w), T,
+                         K, N, w_transposed);
+  }
+  void norm_forward(View out, View mean, View rstd, View in, View w, View b, int T, int C,
+                    bool rms) override {
+    Scope s(cpu_);
+    cpu_.norm_forward(s.act(out), s.f32(mean), s.f32(rstd), s.act(in), s.f32(w), s.f32(b), T, C,
+                      rms);
+  }
+  void norm_backward(View din, View dw, View db, View dout, View in, View w, View mean, View rstd,
+                     int T, int C, bool rms) override {
+    Scope s(cpu_);
+    cpu_.norm_backward(s.act(din), s.f32(dw), s.f32(db), s.act(dout), s.act(in), s.f32(w),
+                       s.f32(mean), s.f32(rstd), T, C, rms);
+  }
+  void add_forward(View out, View a, View b) override {
+    Scope s(cpu_);
+    cpu_.add_forward(s.act(out), s.act(a), s.act(b));
+  }
+  void accumulate(View d, View x, float scale) override {
+    Scope s(cpu_);
+    if (d.type == Dtype::F32) {
+      cpu_.accumulate(s.f32(d), s.f32(x), scale);  // gradient buffers
+    } else {
+      cpu_.accumulate(s.act(d), s.act(x), scale);
+    }
+  }
+  void gelu_forward(View out, View in) override {
+    Scope s(cpu_);
+    cpu_.gelu_forward(s.act(out), s.act(in));
+  }
+  void gelu_backward(View din, View in, View dout) override {
+    Scope s(cpu_);
+    cpu_.gelu_backward(s.act(din), s.act(in), s.act(dout));
+  }
+  void swiglu_forward(View out, View in, int T, int F) override {
+    Scope s(cpu_);
+    cpu_.swiglu_forward(s.act(out), s.act(in), T, F);
+  }
+  void swiglu_backward(View din, View in, View dout, int T, int F) override {
+    Scope s(cpu_);
+    cpu_.swiglu_backward(s.act(din), s.act(in), s.act(dout), T, F);
+  }
+  void attention_forward(View out, View probs, View qkv, int B, int S, int H, int G,
+                         int D) override {
+    Scope s(cpu_);
+    cpu_.attention_forward(s.act(out), s.act(probs), s.act(qkv), B, S, H, G, D);
+  }
+  void attention_backward(View dqkv, View dout, View qkv, View probs, int B, int S, int H, int G,
+                          int D) override {
+    Scope s(cpu_);
+    cpu_.attention_backward(s.act(dqkv), s.act(dout), s.act(qkv), s.act(probs), B, S, H, G, D);
+  }
+  void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta) override {
+    Scope s(cpu_);
+    cpu_.rope_forward(s.act(out), s.act(qkv), B, S, H, G, D, theta);
+  }
+  void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D,
+                     double theta) override {
+    Scope s(cpu_);
+    cpu_.rope_backward(s.act(dqkv), s.act(dout), B, S, H, G, D, theta);
+  }
+  void embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
+                         int vocab_begin) override {
+    Scope s(cpu_);
+    cpu_.embedding_forward(s.act(out), s.ints(tokens), s.f32(wte), s.f32(wpe), B, S, C,
+                           vocab_begin);
+  }
+  void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
+                          int vocab_begin) override {
+    Scope s(cpu_);
+    cpu_.embedding_backward(s.f32(dwte), s.f32(dwpe), s.act(dout), s.ints(tokens), B, S, C,
+                            vocab_begin);
+  }
+  void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override {
+    Scope s(cpu_);
+    cpu_.cross_entropy(s.act(dlogits), s.f32(loss), s.act(logits), s.ints(targets), T, V);
+  }
+  void cross_entropy_max(View rowmax, View logits, int T, int V) override {
+    Scope s(cpu_);
+    cpu_.cross_entropy_max(s.f32(rowmax), s.act(logits), T, V);
+  }
+  void cross_entropy_sums(View sums, View logits, View rowmax, View targets, int T, int V,
+                          int vocab_begin) override {
+    Scope s(cpu_);
+    cpu_.cross_entropy_sums(s.f32(sums), s.act(logits), s.f32(rowmax), s.ints(targets), T, V,
+                            vocab_begin);
+  }
+  void cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,
+                             View targets, int T, int V, int vocab_begin) override {
+    Scope s(cpu_);
+    cpu_.cross_entropy_sharded(s.act(dlogits), s.f32(loss), s.act(logits), s.f32(rowmax),
+                               s.f32(sums), s.ints(targets), T, V, vocab_begin);
+  }
+  void adamw(View params, View grads, View m, View v, float lr, float beta1, float beta2, float eps,
+             float weight_decay, int t) override {
+    Scope s(cpu_);
+    cpu_.adamw(s.f32(params), s.f32(grads), s.f32(m), s.f32(v), lr, beta1, beta2, eps, weight_decay,
+               t);
+  }
+  void cast(View out, View in) override {
+    Scope s(cpu_);
+    cpu_.copy(s.act(out), s.f32(in));
+  }
+
+ private:
+  // The fp32 copies of one op's bf16 views: widened on the way in, rounded back on the way out.
+  class Scope {
+   public:
+    explicit Scope(cpu::CpuDevice& cpu) : cpu_(cpu) {}
+    ~Scope() {
+      for (const auto& [bf16, f32] : copies_) {
+        auto* h = static_cast<std::uint16_t*>(bf16.p);
+        const auto* f = static_cast<const float*>(f32.p);
+        for (std::int64_t i = 0; i < bf16.n; ++i) h[i] = to_bf16(f[i]);
+        cpu_.release(f32);
+      }
+    }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+    View act(View v) {
+      if (v.empty()) return {};
+      DTSIM_ASSERT(v.type == Dtype::BF16, "a view of the activation type (bf16)");
+      const View f = cpu_.allocate(v.n, Dtype::F32);
+      const auto* h = static_cast<const std::uint16_t*>(v.p);
+      auto* out = static_cast<float*>(f.p);
+      for (std::int64_t i = 0; i < v.n; ++i) out[i] = from_bf16(h[i]);
+      copies_.push_back({v, f});
+      return f;
+    }
+    static View f32(View v) {
+      DTSIM_ASSERT(v.empty() || v.type == Dtype::F32, "an fp32 view");
+      return v;
+    }
+    static View ints(View v) {
+      DTSIM_ASSERT(v.type == Dtype::I32, "an int32 view");
+      return v;
+    }
+
+   private:
+    cpu::CpuDevice& cpu_;
+    std::vector<std::pair<View, View>> copies_;
+  };
+
+  cpu::CpuDevice cpu_;
+};
+
+}  // namespace dtsim::exec::test
