@@ -190,7 +190,10 @@ int cmd_plan(const std::vector<std::string>& args) {
       "out", po::value<std::string>(), "write the best plan to this file (a --plan file)");
   add_memory_options(desc);
   desc.add_options()("profile", po::value<std::string>(),
-                     "calibration profile (dtexec calibrate) for the compute cost");
+                     "calibration profile (dtexec calibrate) for the compute cost")(
+      "jitter-cv", po::value<double>(),
+      "straggler model: spread (std/mean) of each rank's compute time; every collective waits "
+      "for its slowest rank, in both tiers (default: the profile's measured jitter_cv, else 0)");
   po::variables_map vm;
   if (!parse(args, desc,
              "usage: dtsim plan --model M --cluster C [--gpus N] --global-batch-size B\n"
@@ -266,6 +269,13 @@ int cmd_plan(const std::vector<std::string>& args) {
                       profile->file, to_string(profile->precision), to_string(space.precision)));
     }
     options.profile = &*profile;
+  }
+  if (vm.count("jitter-cv")) {
+    const double cv = vm["jitter-cv"].as<double>();
+    if (!(cv >= 0 && cv < 1)) {
+      throw InputError(fmt::format("--jitter-cv: expected a fraction in [0, 1), got {}", cv));
+    }
+    options.jitter_cv = cv;
   }
   const std::string objective = vm["objective"].as<std::string>();
   if (objective == "cost") {
@@ -358,8 +368,17 @@ int cmd_plan(const std::vector<std::string>& args) {
                            space.seq_len > 0 ? space.seq_len : spec.seq_len);
   std::cout << fmt::format(
       "{} candidates evaluated, {} fit in memory ({:.2f} s); the best {} "
-      "simulated\n\n",
+      "simulated\n",
       result.evaluated, result.feasible, elapsed, result.refined);
+  const double jitter =
+      options.jitter_cv.value_or(profile ? profile->jitter_cv.value_or(0.0) : 0.0);
+  if (jitter > 0) {
+    std::cout << fmt::format(
+        "stragglers: compute time spread {:.1f}% (std/mean, {}); in both tiers every collective "
+        "waits for its slowest rank (normal, independent ranks: an approximation)\n",
+        100 * jitter, options.jitter_cv ? "as given" : "the profile's jitter_cv");
+  }
+  std::cout << "\n";
   if (result.ranked.empty()) {
     std::cout << "no plan fits.\n";
   } else {

@@ -12,6 +12,7 @@
 #include "sim/cluster/placement.hpp"
 #include "sim/common/error.hpp"
 #include "sim/cost/compute_cost.hpp"
+#include "sim/engine/engine.hpp"
 #include "sim/network/network_model.hpp"
 #include "sim/plan/memory_model.hpp"
 
@@ -36,10 +37,20 @@ std::vector<int> divisors(std::int64_t n) {
 
 // Closed-form step time of one plan (tier 1). Uses the simulator's compute cost and network
 // models per op and per collective, and composes them with the schedule's bubble formula.
+//
+// Stragglers, as the engine models them (sim/engine/engine.hpp): a collective waits
+// cv·E[max of its group's n ranks]·T, T the compute since that group's previous collective.
+// Over a step those T add up to the rank's compute, once per group kind. Tensor-parallel
+// collectives sit between the ops, so their waits, cv·e(tp)·compute, are all exposed. The
+// data-parallel buckets wait on the dp stream while the backward pass goes on, which hides
+// their waits unless the stream outlasts it (see the dp term below).
 class Estimator {
  public:
-  Estimator(const cluster::Cluster& cluster, const cost::Profile* profile)
-      : cluster_(cluster), profile_(profile), net_(network::make_analytical(cluster)) {}
+  Estimator(const cluster::Cluster& cluster, const cost::Profile* profile, double jitter_cv)
+      : cluster_(cluster),
+        profile_(profile),
+        jitter_cv_(jitter_cv),
+        net_(network::make_analytical(cluster)) {}
 
   engine::Breakdown estimate(const model::ModelGraph& g, const Plan& p) {
     const model::ModelSpec& m = g.spec();
@@ -83,9 +94,12 @@ class Estimator {
     }
     const double block_f = lf + tp_comm + cp_comm + ep_comm;
     double block_b = lb + tp_comm + cp_comm + ep_comm;
-    double block_recompute = 0;
-    if (p.recompute == Recompute::Full) block_recompute = block_f;
-    if (p.recompute == Recompute::Selective) block_recompute = attention;
+    double block_recompute = 0, block_recompute_compute = 0;
+    if (p.recompute == Recompute::Full) {
+      block_recompute = block_f;
+      block_recompute_compute = lf;
+    }
+    if (p.recompute == Recompute::Selective) block_recompute = block_recompute_compute = attention;
 
     auto group_time = [&](int layer, Phase phase) {
       double s = 0;
@@ -103,25 +117,30 @@ class Estimator {
     // The slowest stage's forward and backward per micro-batch.
     const std::vector<int> chunks = plan::chunk_layers(p, m.layers);
     double stage_f = 0, stage_b = 0, stage_w = 0, stage_rec = 0;
+    double stage_compute = 0;  // the slowest stage's compute alone, per micro-batch
     double stage_params = 0, stage_expert_params = 0;
     for (int s = 0; s < p.pp; ++s) {
       int layers = 0;
       for (int c = 0; c < p.virtual_stages; ++c)
         layers += chunks[static_cast<std::size_t>(c * p.pp + s)];
       double f = layers * block_f, b = layers * block_b, r = layers * block_recompute;
+      double compute = layers * (lf + lb + block_recompute_compute);
       if (s == 0) {
         f += emb_f;
         b += emb_b;
+        compute += emb_f + emb_b;
       }
       if (s == p.pp - 1) {
         f += head_f;
         b += head_b;
+        compute += group_time(head, Phase::Forward) + group_time(head, Phase::Backward);
       }
       if (f + b + r > stage_f + stage_b + stage_rec) {
         stage_f = f;
         stage_b = b;
         stage_rec = r;
         stage_w = layers * lbw;
+        stage_compute = compute;
       }
       stage_params = std::max(stage_params, stage_param_count(g, p, s, chunks, false));
       stage_expert_params = std::max(stage_expert_params, stage_param_count(g, p, s, chunks, true));
@@ -155,6 +174,14 @@ class Estimator {
         break;
     }
     b.exposed_pp_s = p.pp > 1 ? 2 * fill * p2p : 0;
+    // Stragglers (see the class comment): the waits of one group kind over a step.
+    const double step_compute = mb * stage_compute;
+    auto straggling = [&](double ranks) {
+      return jitter_cv_ > 0 && ranks > 1
+                 ? jitter_cv_ * engine::expected_max_normal(static_cast<std::int64_t>(ranks)) *
+                       step_compute
+                 : 0.0;
+    };
 
     // Data parallelism: gradients reduced in buckets that overlap the last backward pass, over
     // dp x cp ranks (expert gradients over dp/ep x cp); ZeRO shards over the same groups.
@@ -176,8 +203,21 @@ class Estimator {
       const auto bucket = std::min<std::uint64_t>(grads, 25ULL << 20);
       const double all = net_->collective_s(grp, reduce, grads);
       const double last = net_->collective_s(grp, reduce, bucket);
-      b.exposed_dp_s += p.zero_stage >= 2 ? mb * std::max(0.0, all - backward) + last
-                                          : std::max(last, all - backward);
+      // Stragglers on the dp stream: the first bucket of a reduction waits for the compute
+      // since the group's previous one (the step's, or with ZeRO-2/3 a micro-batch's), which the
+      // stage's backward pass of that micro-batch (every chunk's) can hide; the later buckets
+      // wait for the backward between two buckets, and the last one's outlasts the pass.
+      const double first_wait = straggling(size) / (p.zero_stage >= 2 ? mb : 1.0);
+      const double last_wait = step_compute > 0
+                                   ? straggling(size) * (backward / step_compute) *
+                                         (static_cast<double>(bucket) / static_cast<double>(grads))
+                                   : 0.0;
+      const double hidden =
+          std::max(0.0, all + first_wait - stage_b) - std::max(0.0, all - backward);
+      b.exposed_dp_s +=
+          p.zero_stage >= 2
+              ? mb * (std::max(0.0, all - backward) + std::max(0.0, hidden)) + last + last_wait
+              : std::max({last + last_wait, all - backward, all + first_wait - stage_b});
       const auto weights = static_cast<std::uint64_t>(params * bytes_per.weights);
       if (p.zero_stage == 1 || p.zero_stage == 2) {
         b.exposed_dp_s += net_->collective_s(grp, CollectiveKind::AllGather, weights);
@@ -201,6 +241,9 @@ class Estimator {
     b.exposed_cp_s = mb * layers_total * 2 * cp_comm;
     b.exposed_ep_s = mb * layers_total * 2 * ep_comm;
     b.compute_s -= b.exposed_tp_s + b.exposed_cp_s + b.exposed_ep_s;
+    b.exposed_tp_s += straggling(p.tp);
+    b.exposed_cp_s += straggling(p.cp);
+    b.exposed_ep_s += p.ep > 1 && m.moe ? straggling(p.ep) : 0.0;
     return b;
   }
 
@@ -226,6 +269,7 @@ class Estimator {
 
   const cluster::Cluster& cluster_;
   const cost::Profile* profile_;
+  double jitter_cv_;
   std::unique_ptr<network::NetworkModel> net_;
 };
 
@@ -364,9 +408,13 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   memory.capacity_bytes = cluster.device.memory_bytes.value * (1.0 - space.memory_headroom);
   const double price =
       cluster.price_per_device_hour_usd ? cluster.price_per_device_hour_usd->value : -1;
+  // Stragglers in both tiers: as given, else the profile's measured spread, else none (the
+  // simulator's own rule, sim/engine/simulator.hpp).
+  const double jitter_cv = options.jitter_cv.value_or(
+      options.profile != nullptr ? options.profile->jitter_cv.value_or(0.0) : 0.0);
   std::atomic<std::uint64_t> done{0};
   auto work = [&](std::size_t begin, std::size_t end) {
-    Estimator estimator(cluster, options.profile);
+    Estimator estimator(cluster, options.profile, jitter_cv);
     for (std::size_t i = begin; i < end; ++i) {
       const Plan& p = plans[i];
       Evaluated& e = results[i];

@@ -74,8 +74,8 @@ struct SearchOptions {
   Objective objective = Objective::Time;
   std::function<void(std::uint64_t done, std::uint64_t total)> progress;
   const cost::Profile* profile = nullptr;  // calibration profile for both tiers
-  // The straggler model for the simulated tier (engine::SimulateOptions::jitter_cv); the
-  // closed-form tier leaves stragglers out.
+  // The straggler model of both tiers (engine::SimulateOptions::jitter_cv; the closed form
+  // adds the engine's waits per group kind). Unset: the profile's jitter_cv, else none.
   std::optional<double> jitter_cv;
 };
 
