@@ -801,7 +801,8 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
 
 // dP_h = dO_h · v^T (fp32), dS_h = softmax backward · scale, then dq_h += dS_h · k,
 // dk += dS_h^T · q_h and dv += P_h^T · dO_h. The k and v gradients of a kv group sum over its
-// heads, so those GEMMs run one head at a time (beta = 1), never two writing one buffer.
+// heads, so those GEMMs batch over the groups, one of each group's heads at a time (beta = 1):
+// never two writing one buffer.
 void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, const void* probs,
                                  int B, int S, int H, int G, int D) {
   if (B == 0 || S == 0) return;  // (a grid of no blocks is a launch error)
@@ -835,12 +836,15 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
       gemm(impl_->blas, false, false, S, D, S, 1.0f, {ds + h0 * SS * e, t, S, SS},
            {rows + (H + kv) * D * e, t, width, 0}, 1.0f, drows + h0 * D * e, t, width, D, group);
     }
-    for (int h = 0; h < H; ++h) {
-      const int kv = h / group;
-      gemm(impl_->blas, true, false, S, D, S, 1.0f, {ds + h * SS * e, t, S},
-           {rows + h * D * e, t, width}, 1.0f, drows + (H + kv) * D * e, t, width, 0);
-      gemm(impl_->blas, true, false, S, D, S, 1.0f, {p + h * SS * e, t, S},
-           {dO + h * D * e, t, H * D}, 1.0f, drows + (H + G + kv) * D * e, t, width, 0);
+    // Head r of every kv group at once (batched over the G groups: each writes its own kv
+    // head), then the next r accumulates (beta = 1): never two writers of one buffer.
+    for (int r = 0; r < group; ++r) {
+      gemm(impl_->blas, true, false, S, D, S, 1.0f, {ds + r * SS * e, t, S, group * SS},
+           {rows + r * D * e, t, width, static_cast<long long>(group) * D}, 1.0f, drows + H * D * e,
+           t, width, D, G);
+      gemm(impl_->blas, true, false, S, D, S, 1.0f, {p + r * SS * e, t, S, group * SS},
+           {dO + r * D * e, t, H * D, static_cast<long long>(group) * D}, 1.0f,
+           drows + (H + G) * D * e, t, width, D, G);
     }
   }
 }
