@@ -67,3 +67,65 @@ TEST_CASE("GEMM time follows the device's waves of tiles", "[cost]") {
   const dtsim::cost::ComputeCost flat(g, plan, device);
   CHECK(flat.op_seconds(spill, Phase::Forward) == Approx(spill.fwd_flops / 2 / rate));
 }
+
+TEST_CASE("each split of a GEMM shapes the rank's tiles before its waves", "[cost]") {
+  // Every case is built so that the rank's share is the one-wave 12 x 9 tiles of the A100
+  // (108 SMs, 256 x 128) only if the split is applied to the right dimension.
+  auto device = dtsim::cluster::load_device("a100-sxm4-80gb");
+  device.efficiency.launch_overhead_s.value = 0;
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  const double rate = device.peak_flops_for(dtsim::Precision::Bf16) * device.efficiency.gemm.value;
+  const double k = 16384;
+  // (ComputeCost keeps a reference to its plan: the plans outlive the costs.)
+  auto plan_with = [](int tp, int cp, bool sp) {
+    dtsim::plan::Plan plan;
+    plan.tp = tp;
+    plan.cp = cp;
+    plan.sequence_parallel = sp;
+    return plan;
+  };
+  const auto plain = plan_with(1, 1, false), tp2_plan = plan_with(2, 1, false),
+             cp2_plan = plan_with(1, 2, false), sp_plan = plan_with(2, 1, true);
+  // One full wave's time for the rank's share of `op` (its FLOPs over the split).
+  auto one_wave = [&](const dtsim::model::Op& op, double split) {
+    return op.fwd_flops / split / rate;
+  };
+
+  // Row-parallel (attention out, MLP down): tp splits k, the inner dimension. The forward
+  // output m x n stays whole (one wave); the input gradient m x (k/tp) = 12 x 64 tiles.
+  auto row = gemm_op(12 * 256, 2 * 8192, 9 * 128);
+  row.kind = dtsim::model::OpKind::MlpDown;
+  row.tp_split = dtsim::model::TpSplit::Row;
+  const dtsim::cost::ComputeCost tp2(g, tp2_plan, device);
+  CHECK(tp2.op_seconds(row, Phase::Forward) == Approx(one_wave(row, 2)));
+  CHECK(tp2.op_seconds(row, Phase::BackwardInput) ==
+        Approx(one_wave(row, 2) / (768.0 / 864.0)));  // 768 tiles in 8 waves of 108
+
+  // Vocabulary-parallel head: tp splits the vocabulary (n), as a column-parallel layer.
+  auto head = gemm_op(12 * 256, k, 18 * 128);
+  head.kind = dtsim::model::OpKind::LmHead;
+  head.tp_split = dtsim::model::TpSplit::Vocab;
+  CHECK(tp2.op_seconds(head, Phase::Forward) == Approx(one_wave(head, 2)));
+
+  // Context parallelism splits the tokens (m) of every GEMM.
+  const auto tall = gemm_op(24 * 256, k, 9 * 128);
+  const dtsim::cost::ComputeCost cp2(g, cp2_plan, device);
+  CHECK(cp2.op_seconds(tall, Phase::Forward) == Approx(one_wave(tall, 2)));
+
+  // Sequence parallelism splits the tokens of the GEMMs tensor parallelism leaves whole.
+  auto whole = gemm_op(24 * 256, k, 9 * 128);
+  whole.kind = dtsim::model::OpKind::Router;
+  whole.tp_split = dtsim::model::TpSplit::None;
+  const dtsim::cost::ComputeCost sp(g, sp_plan, device);
+  CHECK(sp.op_seconds(whole, Phase::Forward) == Approx(one_wave(whole, 2)));
+  // ... and not those it splits already (a column-parallel layer: n / tp, m whole).
+  const auto column = gemm_op(12 * 256, k, 18 * 128);
+  CHECK(sp.op_seconds(column, Phase::Forward) == Approx(one_wave(column, 2)));
+
+  // Expert GEMMs run at the flat efficiency (their token counts vary with the routing).
+  auto expert = gemm_op(12 * 256, k, 10 * 128);
+  expert.expert = true;
+  const dtsim::cost::ComputeCost flat(g, plain, device);
+  CHECK(flat.op_seconds(expert, Phase::Forward) == Approx(one_wave(expert, 1)));
+}
