@@ -35,6 +35,7 @@ class Engine {
     compute_total_.assign(n, 0.0);
     spread_.assign(program.groups.size(), -1.0);
     synced_at_.resize(n);
+    paired_at_.resize(n);
     pending_.resize(n);
     dependents_.resize(n);
     eligible_.resize(n);
@@ -124,11 +125,14 @@ class Engine {
         const double end =
             now + durations_.p2p_s(program_.ranks[static_cast<std::size_t>(p)].rank,
                                    program_.ranks[static_cast<std::size_t>(k.peer)].rank, k.bytes);
-        schedule(p, t, now, end);
+        schedule(p, t, now, end);  // eager: the sender does not wait
+        // Stragglers: the receiver gets the data as late as the sender is, on average.
+        const double late = jitter_cv_ > 0 ? pair_wait(p, k.peer) : 0.0;
+        const TaskTime arrival{now + late, end + late};
         const auto key = std::make_tuple(k.peer, p, k.tag);
-        sends_[key] = TaskTime{now, end};
+        sends_[key] = arrival;
         if (auto it = recvs_.find(key); it != recvs_.end()) {
-          complete_recv(k.peer, it->second, TaskTime{now, end});
+          complete_recv(k.peer, it->second, arrival);
           recvs_.erase(it);
         }
         break;
@@ -187,6 +191,19 @@ class Engine {
     return jitter_cv_ * e * since;
   }
 
+  // Stragglers between the two ranks of a transfer: the sender is late past the receiver by
+  // E[max(0, X - Y)] = e(2)·cv·T for X, Y their normal spreads (e(2) = 1/sqrt(pi), the same
+  // as the later of two), T the compute either did since the pair's previous transfer.
+  double pair_wait(std::int32_t sender, std::int32_t receiver) {
+    const auto s = static_cast<std::size_t>(sender), r = static_cast<std::size_t>(receiver);
+    const double since = std::max(compute_total_[s] - paired_at_[s][receiver],
+                                  compute_total_[r] - paired_at_[r][sender]);
+    paired_at_[s][receiver] = compute_total_[s];
+    paired_at_[r][sender] = compute_total_[r];
+    if (pair_spread_ < 0) pair_spread_ = expected_max_normal(2);
+    return jitter_cv_ * pair_spread_ * since;
+  }
+
   void finish(std::int32_t p, TaskId t, double now) {
     for (TaskId d : dependents_[static_cast<std::size_t>(p)][static_cast<std::size_t>(t)]) {
       if (--pending_[static_cast<std::size_t>(p)][static_cast<std::size_t>(d)] == 0) {
@@ -202,6 +219,9 @@ class Engine {
   // program last completed a collective of each group.
   std::vector<double> compute_total_;
   std::vector<std::map<std::int32_t, double>> synced_at_;
+  // ... and when it last exchanged a transfer with each peer program.
+  std::vector<std::map<std::int32_t, double>> paired_at_;
+  double pair_spread_ = -1;     // expected_max_normal(2), once needed
   std::vector<double> spread_;  // per group: expected_max_normal(ranks), -1 until needed
   std::vector<std::vector<int>> pending_;
   std::vector<std::vector<std::vector<TaskId>>> dependents_;

@@ -10,10 +10,12 @@
 // T·(1 + e), e normal with standard deviation cv and independent across ranks, the last of the
 // group's n ranks arrives E[max of n standard normals]·cv·T after the average one. A collective
 // waits that long before it starts (its members' tasks span the wait, as a measured trace shows
-// it). An approximation: real noise is neither normal nor independent across ranks; the spread
-// is taken as proportional to T (noise correlated along one rank's segment; were it independent
-// from op to op, long segments would spread less, as sqrt(T)); receives (two ranks) are not
-// delayed.
+// it). A pipeline transfer delivers its data E[max(0, X - Y)]·cv·T late, X and Y the sender's
+// and receiver's spreads and T the compute either did since their previous transfer: the
+// receiver waits for a late sender (the sender, eager, never waits). An approximation: real
+// noise is neither normal nor independent across ranks; the spread is taken as proportional to
+// T (noise correlated along one rank's segment; were it independent from op to op, long
+// segments would spread less, as sqrt(T)).
 #pragma once
 
 #include <cstdint>

@@ -215,7 +215,8 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   if (engine.jitter_cv > 0) {
     p.notes.push_back(fmt::format(
         "stragglers: compute time spread {:.1f}% (std/mean, {}); each collective waits for the "
-        "slowest of its ranks, modelled as independent normal spreads (an approximation)",
+        "slowest of its ranks, each pipeline receive for a late sender, modelled as independent "
+        "normal spreads (an approximation)",
         100 * engine.jitter_cv, options.jitter_cv ? "as given" : "the profile's jitter_cv"));
   }
 

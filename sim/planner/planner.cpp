@@ -41,7 +41,8 @@ std::vector<int> divisors(std::int64_t n) {
 // Stragglers, as the engine models them (sim/engine/engine.hpp): a collective waits
 // cv·E[max of its group's n ranks]·T, T the compute since that group's previous collective.
 // Over a step those T add up to the rank's compute, once per group kind. Tensor-parallel
-// collectives sit between the ops, so their waits, cv·e(tp)·compute, are all exposed. The
+// collectives sit between the ops, so their waits, cv·e(tp)·compute, are all exposed; the
+// pipeline receives' waits for late senders show in the fill and drain (see below). The
 // data-parallel buckets wait on the dp stream while the backward pass goes on, which hides
 // their waits unless the stream outlasts it (see the dp term below).
 class Estimator {
@@ -244,6 +245,12 @@ class Estimator {
     b.exposed_tp_s += straggling(p.tp);
     b.exposed_cp_s += straggling(p.cp);
     b.exposed_ep_s += p.ep > 1 && m.moe ? straggling(p.ep) : 0.0;
+    // Pipeline receives wait for late senders (pairs): in the steady state the data comes a
+    // pass ahead of its use, which hides the lateness; the fill and drain hops, the bubble's
+    // length of compute, do not hide it.
+    if (p.pp > 1 && jitter_cv_ > 0) {
+      b.exposed_pp_s += jitter_cv_ * engine::expected_max_normal(2) * b.bubble_s;
+    }
     return b;
   }
 

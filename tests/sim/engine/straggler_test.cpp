@@ -119,3 +119,46 @@ TEST_CASE("each group waits for the compute since its own last collective",
   CHECK(t.tasks[0][5].end_s == Approx(a1 + 2 + b_len + 1 + 0.1 * e2 * 3 + 0.5));
   CHECK(t.tasks[1][3].end_s == Approx(t.tasks[0][5].end_s));
 }
+
+TEST_CASE("a pipeline receive waits for a late sender", "[engine][stragglers]") {
+  // Two stages: rank 0 computes 2 s and sends; rank 1 receives, computes 1 s and sends back;
+  // rank 0 receives. Transfers take no time here (Fixed::p2p_s).
+  dtsim::lower::Program p;
+  auto send = [](std::int32_t peer, std::int64_t tag, std::vector<dtsim::lower::TaskId> deps) {
+    Task t;
+    t.kind = TaskKind::Send;
+    t.stream = dtsim::lower::Stream::Pp;
+    t.peer = peer;
+    t.tag = tag;
+    t.deps = std::move(deps);
+    return t;
+  };
+  auto recv = [](std::int32_t peer, std::int64_t tag, std::vector<dtsim::lower::TaskId> deps) {
+    Task t;
+    t.kind = TaskKind::Recv;
+    t.stream = dtsim::lower::Stream::Pp;
+    t.peer = peer;
+    t.tag = tag;
+    t.deps = std::move(deps);
+    return t;
+  };
+  dtsim::lower::RankProgram r0, r1;
+  r0.rank = 0;
+  r1.rank = 1;
+  r0.tasks = {compute(2, {}), send(1, 0, {0}), recv(1, 1, {})};
+  r1.tasks = {recv(0, 0, {}), compute(1, {0}), send(0, 1, {1})};
+  p.ranks = {r0, r1};
+  Fixed d;
+  const auto plain = dtsim::engine::run(p, d);
+  CHECK(plain.makespan_s == Approx(3));
+  dtsim::engine::EngineOptions options;
+  options.jitter_cv = 0.1;
+  const auto t = dtsim::engine::run(p, d, options);
+  const double e2 = dtsim::engine::expected_max_normal(2);
+  // The first transfer: 2 s of compute (rank 0's) since the pair last met: 0.1·e(2)·2 late.
+  CHECK(t.tasks[1][0].end_s == Approx(2 + 0.1 * e2 * 2));
+  // The sender does not wait.
+  CHECK(t.tasks[0][1].end_s == Approx(2));
+  // Back: rank 1 computed 1 s since, rank 0 nothing: 0.1·e(2)·1 late.
+  CHECK(t.tasks[0][2].end_s == Approx(2 + 0.1 * e2 * 2 + 1 + 0.1 * e2 * 1));
+}
