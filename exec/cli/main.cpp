@@ -262,7 +262,7 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   }
   options.program_index = index;
   options.replay_communication = true;
-  dtsim::exec::SingleRankComm comm;
+  dtsim::exec::SingleRankComm comm(&device);
   const auto result = dtsim::exec::run_program(graph, program, options, comm, device);
   // Compute and waits per step, from the recorded tasks of the last step.
   const int last = options.steps - 1;
@@ -470,7 +470,7 @@ int run(const std::vector<std::string>& args) {
     comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);
     if (mpi->size() > 1) dtsim::exec::cpu::set_gemm_threads(1);
   } else {
-    comm = std::make_unique<dtsim::exec::SingleRankComm>();
+    comm = std::make_unique<dtsim::exec::SingleRankComm>(device.get());
   }
   const bool json_out = vm["json"].as<bool>();
   if (!json_out) {

@@ -194,6 +194,11 @@ class Runner {
         comm_(comm),
         dev_(device) {
     check_runnable(g, program, options.replay_communication);
+    if (comm.size() > 1 && !device.host_memory() && !comm.moves_device_memory()) {
+      throw UnsupportedError(
+          fmt::format("dtexec: {} ranks on {}: this communication backend moves host memory only",
+                      comm.size(), device.name()));
+    }
     me_ = options.program_index >= 0 ? options.program_index : comm.rank();
     DTSIM_ASSERT(me_ >= 0 && static_cast<std::size_t>(me_) < program.ranks.size(),
                  "rank outside the program");
@@ -807,8 +812,8 @@ class Runner {
       // The bucket's tensors are contiguous in the gradient buffer.
       const std::int64_t begin = offset_in_grads(params.front()->grad);
       const std::int64_t end = offset_in_grads(params.back()->grad) + params.back()->grad.size();
-      pending_[index] = {
-          comm_.start_all_reduce(task.group, floats(grad_storage_.sub(begin, end - begin))), {}};
+      pending_[index] = {comm_.start_all_reduce(task.group, grad_storage_.sub(begin, end - begin)),
+                         {}};
       return;
     }
     DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter && sharded_,
@@ -832,8 +837,8 @@ class Runner {
     for (Param* p : params) dev_.zero(p->grad);
     buffers->counts = std::move(counts);
     buffers->out = dev_.allocate(buffers->counts[static_cast<std::size_t>(d_)], Dtype::F32);
-    const Comm::Handle handle = comm_.start_reduce_scatter(task.group, floats(buffers->in),
-                                                           floats(buffers->out), buffers->counts);
+    const Comm::Handle handle =
+        comm_.start_reduce_scatter(task.group, buffers->in, buffers->out, buffers->counts);
     pending_[index] = {handle, [this, params, buffers] {
                          std::int64_t from = 0;
                          for (Param* p : params) {
@@ -853,9 +858,9 @@ class Runner {
     fresh(stats, 3 * static_cast<std::int64_t>(T_), Dtype::F32);
     const View rowmax = stats.sub(0, T_), sums = stats.sub(T_, 2 * T_);
     dev_.cross_entropy_max(rowmax, logits, T_, Vl_);
-    if (reduce) comm_.all_reduce(task.group, floats(rowmax), Reduce::Max);
+    if (reduce) comm_.all_reduce(task.group, rowmax, Reduce::Max);
     dev_.cross_entropy_sums(sums, logits, rowmax, mb.targets, T_, Vl_, t_ * Vl_);
-    if (reduce) comm_.all_reduce(task.group, floats(sums), Reduce::Sum);
+    if (reduce) comm_.all_reduce(task.group, sums, Reduce::Sum);
   }
 
   // Finishes the started collectives that `task` depends on (all of them for nullptr).
@@ -892,7 +897,7 @@ class Runner {
                 p->data.sub(p->own_begin, p->own_end - p->own_begin));
       at += p->own_end - p->own_begin;
     }
-    comm_.all_gather(task.group, floats(mine), floats(all), counts);
+    comm_.all_gather(task.group, mine, all, counts);
     at = 0;
     for (int r = 0; r < dp_; ++r) {
       for (Param* p : params) {
@@ -918,7 +923,7 @@ class Runner {
       if (local) {
         dev_.copy(out, in.sub(0, out.size()));
       } else {
-        comm_.reduce_scatter(task.group, floats(in), floats(out), counts);
+        comm_.reduce_scatter(task.group, in, out, counts);
       }
     };
     auto all_gather = [&](View in, View out) {
@@ -928,7 +933,7 @@ class Runner {
           dev_.copy(out.sub(at, n), in.sub(0, n));
         }
       } else {
-        comm_.all_gather(task.group, floats(in), floats(out), counts);
+        comm_.all_gather(task.group, in, out, counts);
       }
     };
     const std::int64_t shard_size = static_cast<std::int64_t>(Ts_) * C_;
@@ -981,7 +986,7 @@ class Runner {
             dev_.copy(flat.sub(at, g.size()), g);
             at += g.size();
           }
-          comm_.all_reduce(task.group, floats(flat), Reduce::Sum);
+          comm_.all_reduce(task.group, flat, Reduce::Sum);
           at = 0;
           for (Param* p : norms) {
             const View g = sharded_ ? p->reduced : p->grad;
@@ -1004,9 +1009,9 @@ class Runner {
         if (op.kind == OpKind::Loss) {
           loss_statistics(task, mb, anchor, /*reduce=*/true);
         } else if (exit) {
-          comm_.all_reduce(task.group, floats(mb.out.at(anchor)), Reduce::Sum);  // forward: g
+          comm_.all_reduce(task.group, mb.out.at(anchor), Reduce::Sum);  // forward: g
         } else {
-          comm_.all_reduce(task.group, floats(mb.grad.at(input(anchor))), Reduce::Sum);  // f
+          comm_.all_reduce(task.group, mb.grad.at(input(anchor)), Reduce::Sum);  // f
         }
         return;
       }
@@ -1024,7 +1029,7 @@ class Runner {
         // The tied embedding: first stage's matrix and last stage's copy, gradients summed
         // (the already dp-reduced slice under ZeRO >= 1: both stages slice it alike).
         Param& p = param(static_cast<OpId>(task.op_begin), 0);
-        comm_.all_reduce(task.group, floats(sharded_ ? p.reduced : p.grad), Reduce::Sum);
+        comm_.all_reduce(task.group, sharded_ ? p.reduced : p.grad, Reduce::Sum);
         return;
       }
       default:
@@ -1052,12 +1057,6 @@ class Runner {
   void fresh(View& v, std::int64_t n, std::optional<Dtype> type = std::nullopt) {
     dev_.release(v);
     v = dev_.allocate(n, type.value_or(dev_.activations()));
-  }
-
-  // The communication backend reads and writes host memory.
-  std::span<float> floats(View v) const {
-    DTSIM_ASSERT(dev_.host_memory(), "MPI communication of a device's memory");
-    return cpu::floats(v);
   }
 
   // Where a gradient view starts in the rank's gradient buffer.
@@ -1149,10 +1148,10 @@ class Runner {
             static_cast<int>(program_.ranks.at(static_cast<std::size_t>(task.peer)).rank);
         auto& buffer = gradient ? mb.grad[id] : mb.out[id];
         if (task.kind == TaskKind::Send) {
-          comm_.send(peer, task.tag, floats(buffer));
+          comm_.send(peer, task.tag, buffer);
         } else {
           fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
-          comm_.recv(peer, task.tag, floats(buffer));
+          comm_.recv(peer, task.tag, buffer);
         }
         return;
       }

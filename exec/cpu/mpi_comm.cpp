@@ -8,6 +8,8 @@
 #include <deque>
 #include <iostream>
 
+#include "exec/cpu/device.hpp"
+
 namespace dtsim::exec::cpu {
 
 namespace {
@@ -83,7 +85,8 @@ class MpiComm final : public Comm {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
-  void all_reduce(int group, std::span<float> data, Reduce op) override {
+  void all_reduce(int group, View view, Reduce op) override {
+    const auto data = floats(view);
     MPI_Comm c = comm(group);
     if (c == MPI_COMM_NULL) return;
     check(MPI_Allreduce(MPI_IN_PLACE, data.data(), count(data.size()), MPI_FLOAT,
@@ -91,8 +94,9 @@ class MpiComm final : public Comm {
           "MPI_Allreduce");
   }
 
-  void reduce_scatter(int group, std::span<const float> in, std::span<float> out,
+  void reduce_scatter(int group, View in_view, View out_view,
                       std::span<const int> counts) override {
+    const auto in = floats(in_view), out = floats(out_view);
     MPI_Comm c = comm(group);
     if (c == MPI_COMM_NULL) {
       std::copy(in.begin(), in.end(), out.begin());
@@ -102,8 +106,8 @@ class MpiComm final : public Comm {
           "MPI_Reduce_scatter");
   }
 
-  void all_gather(int group, std::span<const float> in, std::span<float> out,
-                  std::span<const int> counts) override {
+  void all_gather(int group, View in_view, View out_view, std::span<const int> counts) override {
+    const auto in = floats(in_view), out = floats(out_view);
     MPI_Comm c = comm(group);
     if (c == MPI_COMM_NULL) {
       std::copy(in.begin(), in.end(), out.begin());
@@ -116,7 +120,8 @@ class MpiComm final : public Comm {
           "MPI_Allgatherv");
   }
 
-  Handle start_all_reduce(int group, std::span<float> data) override {
+  Handle start_all_reduce(int group, View view) override {
+    const auto data = floats(view);
     MPI_Comm c = comm(group);
     if (c == MPI_COMM_NULL) return -1;
     MPI_Request request = MPI_REQUEST_NULL;
@@ -126,8 +131,9 @@ class MpiComm final : public Comm {
     return keep(request);
   }
 
-  Handle start_reduce_scatter(int group, std::span<const float> in, std::span<float> out,
+  Handle start_reduce_scatter(int group, View in_view, View out_view,
                               std::span<const int> counts) override {
+    const auto in = floats(in_view), out = floats(out_view);
     MPI_Comm c = comm(group);
     if (c == MPI_COMM_NULL) {
       std::copy(in.begin(), in.end(), out.begin());
@@ -154,7 +160,8 @@ class MpiComm final : public Comm {
     }
   }
 
-  void send(int peer, std::int64_t tag, std::span<const float> data) override {
+  void send(int peer, std::int64_t tag, View view) override {
+    const auto data = floats(view);
     buffers_.emplace_back(data.begin(), data.end());
     requests_.push_back(MPI_REQUEST_NULL);
     check(MPI_Isend(buffers_.back().data(), count(data.size()), MPI_FLOAT, peer, checked_tag(tag),
@@ -162,7 +169,8 @@ class MpiComm final : public Comm {
           "MPI_Isend");
   }
 
-  void recv(int peer, std::int64_t tag, std::span<float> data) override {
+  void recv(int peer, std::int64_t tag, View view) override {
+    const auto data = floats(view);
     MPI_Status status;
     check(MPI_Recv(data.data(), count(data.size()), MPI_FLOAT, peer, checked_tag(tag),
                    MPI_COMM_WORLD, &status),

@@ -163,3 +163,48 @@ TEST_CASE("one rank of a tp2 pp2 dp2 plan runs alone on the bf16 path", "[exec][
     CHECK(!r.tasks.empty());
   }
 }
+
+namespace {
+
+// Two ranks that exchange nothing: a stand-in for a backend that moves host memory only.
+class HostOnlyComm final : public dtsim::exec::Comm {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  void all_reduce(int, dtsim::exec::View, dtsim::exec::Reduce) override {}
+  void reduce_scatter(int, dtsim::exec::View, dtsim::exec::View, std::span<const int>) override {}
+  void all_gather(int, dtsim::exec::View, dtsim::exec::View, std::span<const int>) override {}
+  Handle start_all_reduce(int, dtsim::exec::View) override { return 0; }
+  Handle start_reduce_scatter(int, dtsim::exec::View, dtsim::exec::View,
+                              std::span<const int>) override {
+    return 0;
+  }
+  void finish(Handle) override {}
+  void send(int, std::int64_t, dtsim::exec::View) override {}
+  void recv(int, std::int64_t, dtsim::exec::View) override {}
+  void wait_sends() override {}
+  void all_ranks(std::span<double>, dtsim::exec::Reduce) override {}
+  std::vector<std::string> gather_to_root(const std::string& mine) override { return {mine}; }
+  void barrier() override {}
+};
+
+}  // namespace
+
+TEST_CASE("a device's memory is not handed to a backend that moves host memory only",
+          "[exec][runner]") {
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  auto p = single_rank(1, 2);
+  p.dp = 2;
+  const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+  dtsim::lower::LowerOptions lowering;
+  lowering.mode = dtsim::lower::Lowering::AllRanks;
+  const auto program = dtsim::lower::lower(g, p, lowering);
+  dtsim::exec::test::Bf16Device device;  // its memory counts as not the host's
+  HostOnlyComm comm;
+  dtsim::exec::RunOptions o;
+  o.steps = 1;
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::exec::run_program(g, program, o, comm, device),
+                                  dtsim::UnsupportedError,
+                                  "2 ranks on cpu-bf16-emulation: this communication backend "
+                                  "moves host memory only");
+}
