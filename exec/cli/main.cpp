@@ -401,8 +401,8 @@ int run(const std::vector<std::string>& args) {
   if (gpu) {
     if (plan.precision != dtsim::Precision::Bf16 && plan.precision != dtsim::Precision::Fp32) {
       throw dtsim::UnsupportedError(
-          fmt::format("--precision {}: the GPU backend trains in bf16 or fp32",
-                      vm["precision"].as<std::string>()));
+          fmt::format("precision {}: the GPU backend trains in bf16 or fp32",
+                      dtsim::to_string(plan.precision)));
     }
   } else if (plan.precision != dtsim::Precision::Fp32) {
     if (vm.count("precision")) {
@@ -466,7 +466,7 @@ int run(const std::vector<std::string>& args) {
     std::_Exit(3);
   };
   std::unique_ptr<dtsim::exec::Comm> comm;
-  if (mpi) {
+  if (mpi && !gpu) {
     comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);
     if (mpi->size() > 1) dtsim::exec::cpu::set_gemm_threads(1);
   } else {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <csignal>
 #include <cstring>
@@ -430,21 +431,34 @@ class Runner {
     return out;
   }
 
-  // The full tensor's initial values: N(0, 0.02) for matrices, 1 for norm weights, 0 for biases
-  // (GPT-2's initialisation without its residual scaling), from a stream of (seed, op, which).
+  // This rank's slice of a tensor's initial values: N(0, 0.02) for matrices, 1 for norm
+  // weights, 0 for biases (GPT-2's initialisation without its residual scaling). Element i of
+  // the full tensor is drawn from a counter-based stream of (seed, op, which, i), so that a rank
+  // computes only its own slice and every split of the tensor sees the same values.
   std::vector<float> initial(OpId id, int which, const Slice& s) const {
     const Op& op = g_.op(id);
-    std::vector<float> full(static_cast<std::size_t>(s.rows * s.cols));
+    std::vector<float> local(static_cast<std::size_t>(s.local_size()), 0.0f);
     const bool matrix = op.kind == OpKind::Embedding || (which == 0 && op.kind != OpKind::Norm);
     if (op.kind == OpKind::Norm) {
-      std::fill(full.begin(), full.end(), which == 0 ? 1.0f : 0.0f);
+      std::fill(local.begin(), local.end(), which == 0 ? 1.0f : 0.0f);
     } else if (matrix) {
-      std::mt19937_64 gen(
-          mix(options_.seed, static_cast<std::uint64_t>(id), static_cast<std::uint64_t>(which)));
-      std::normal_distribution<float> normal(0.0f, 0.02f);
-      for (auto& x : full) x = normal(gen);
+      const std::uint64_t stream =
+          mix(options_.seed, static_cast<std::uint64_t>(id), static_cast<std::uint64_t>(which));
+      for (std::int64_t i = 0; i < s.local_size(); ++i) {
+        local[static_cast<std::size_t>(i)] = 0.02f * standard_normal(stream, s.full_index(i));
+      }
     }
-    return full;
+    return local;
+  }
+
+  // A standard normal from (stream, index): two uniforms in (0, 1] from the splitmix64 of the
+  // pair, then Box and Muller's transform (1958).
+  static float standard_normal(std::uint64_t stream, std::int64_t index) {
+    const std::uint64_t bits = mix(stream, static_cast<std::uint64_t>(index), 0x6e6f726dULL);
+    const double u1 = (static_cast<double>(bits >> 32) + 1.0) / 4294967296.0;
+    const double u2 = (static_cast<double>(bits & 0xffffffffULL) + 1.0) / 4294967296.0;
+    constexpr double kTwoPi = 6.283185307179586;
+    return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(kTwoPi * u2));
   }
 
   static std::vector<float> extract(const std::vector<float>& full, const Slice& s) {
@@ -468,13 +482,22 @@ class Runner {
         // The copy starts from (and is saved as) the embedding matrix.
         const OpId source = p.tied_copy ? embedding : id;
         p.name = fmt::format("{}.{}", g_.op(source).name, which == 0 ? "weight" : "bias");
-        const std::vector<float> values = extract(initial(source, which, slice), slice);
+        const std::vector<float> values = initial(source, which, slice);
         const auto n = static_cast<std::int64_t>(values.size());
         p.data = dev_.allocate(n, Dtype::F32);
         dev_.upload(p.data, values.data());
         p.m = dev_.allocate(n, Dtype::F32);
         p.v = dev_.allocate(n, Dtype::F32);
-        p.work = dev_.activations() == Dtype::F32 ? p.data : dev_.allocate(n, dev_.activations());
+        // The GEMMs' copy, in the activation type, of the weights they read (linear layers and a
+        // tied head's table); other tensors are read as their fp32 master.
+        const bool gemm_weight =
+            which == 0 &&
+            (op.kind == OpKind::QkvProj || op.kind == OpKind::AttnOutProj ||
+             op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown || op.kind == OpKind::LmHead ||
+             (op.kind == OpKind::Embedding && m_.tied_embeddings));
+        p.work = dev_.activations() == Dtype::F32 || !gemm_weight
+                     ? p.data
+                     : dev_.allocate(n, dev_.activations());
         p.replicated_over_tp = slice.whole();
         if (sharded_) {
           p.own_begin = n * d_ / dp_;

@@ -35,7 +35,15 @@ class CudaDevice final : public Device {
       block = std::move(it->second);
       free_.erase(it);
     } else {
-      block = DeviceBuffer(bytes);
+      try {
+        block = DeviceBuffer(bytes);
+      } catch (const CudaError&) {
+        // Out of memory with released buffers in the pool (none large enough): give them back
+        // to the GPU and try once more, as a caching allocator does.
+        if (free_.empty()) throw;
+        free_.clear();
+        block = DeviceBuffer(bytes);
+      }
     }
     k_.zero(block.get(), bytes);
     void* p = block.get();

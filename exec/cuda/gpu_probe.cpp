@@ -32,10 +32,15 @@ Probe probe() {
   if (count == 0) p.why_none = "cudaGetDeviceCount: 0 devices";
   for (int i = 0; i < count; ++i) {
     cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
+    if (const cudaError_t e = cudaGetDeviceProperties(&prop, i); e != cudaSuccess) {
+      p.why_none = fmt::format("cudaGetDeviceProperties of GPU {}: {} (error {})", i,
+                               cudaGetErrorString(e), static_cast<int>(e));
+      continue;
+    }
     p.gpus.push_back(GpuInfo{i, prop.name, static_cast<std::uint64_t>(prop.totalGlobalMem),
                              prop.multiProcessorCount, prop.major, prop.minor});
   }
+  if (!p.gpus.empty()) p.why_none.clear();
   return p;
 }
 

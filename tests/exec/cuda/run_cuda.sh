@@ -42,7 +42,7 @@ awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < 0.8 * a) }' ||
 "$dtsim" simulate --model tiny-gpt --gpus 1 --micro-batch-size 4 --trace gpu_predicted.json \
   >/dev/null || fail "dtsim simulate failed"
 "$dtsim" validate --predicted gpu_predicted.json --measured gpu_measured.json |
-  grep -q '0 only predicted, 0 only measured' || fail "the GPU trace does not join the prediction"
+  grep -q '; 0 only predicted, 0 only measured' || fail "the GPU trace does not join the prediction"
 
 "$dtsim" simulate --model tiny --cluster default --gpus 16 --tp 2 --pp 2 --micro-batch-size 2 \
   --global-batch-size 32 --trace gpu_only_pred.json >/dev/null || fail "dtsim simulate failed"
