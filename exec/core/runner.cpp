@@ -252,7 +252,9 @@ class Runner {
       if (me_ == options_.hang_rank && step + 1 == options_.hang_step) {
         for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
       }
-      // A micro-batch's tensors live from its first task to its last (then released).
+      // A micro-batch's tensors live from its first task to its last (then released; what a
+      // micro-batch without tasks here still holds goes back now).
+      for (auto& mb : batches_) release(mb);
       batches_.assign(static_cast<std::size_t>(micro_batches_), MicroBatch{});
       for (int j = 0; j < micro_batches_; ++j)
         make_batch(batches_[static_cast<std::size_t>(j)], step, j);
