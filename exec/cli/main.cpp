@@ -363,7 +363,7 @@ int run(const std::vector<std::string>& args) {
              "Program dtsim lowers the plan to: the same tasks the simulator predicts.\n"
              "--backend cuda trains on one GPU (cuBLAS and dtexec's kernels, bf16 activations\n"
              "with fp32 master weights): a one-device plan, or one rank of a larger plan with\n"
-             "--only-rank. Each GPU task is timed after the GPU has done it.",
+             "--only-rank. GPU tasks are timed with CUDA events.",
              vm)) {
     return 0;
   }

@@ -59,6 +59,14 @@ class Device {
   virtual void download(float* host, View src) = 0;  // waits for the work queued before
   virtual void synchronize() = 0;
 
+  // ---- timing ------------------------------------------------------------------------------
+  // mark() notes the point the device has reached in the work queued so far (a CUDA event; the
+  // clock, on a device that runs work as it is called) and returns its number; elapsed(a, b)
+  // is the seconds between marks a and b (it waits for b). clear_marks() numbers from 0 again.
+  virtual int mark() = 0;
+  virtual double elapsed(int a, int b) = 0;
+  virtual void clear_marks() = 0;
+
   // ---- ops (shapes: exec/cpu/kernels.hpp; "act" = the activation type) ----------------------
   // w: the weight as the GEMM reads it (act), [K,N], or [N,K] when transposed (a tied head
   // reading the embedding table). bias, dw and dbias fp32; empty views are not wanted.

@@ -259,18 +259,28 @@ class Runner {
       for (int j = 0; j < micro_batches_; ++j)
         make_batch(batches_[static_cast<std::size_t>(j)], step, j);
       dev_.zero(losses_);
+      // A device that queues work (a GPU stream) is timed with its own marks (CUDA events)
+      // around each task, read once the step is done: no wait inside the step.
+      const bool queued = !dev_.host_memory();
+      const bool timed = step - first >= options_.warmup_steps;
+      std::vector<std::array<int, 3>> marks;  // task, start mark, end mark
+      if (queued) {
+        dev_.synchronize();
+        dev_.clear_marks();
+      }
       const double begin = now();
+      const int step_mark = queued ? dev_.mark() : -1;
       for (std::size_t i = 0; i < tasks.size(); ++i) {
         const double start = now();
+        const int start_mark = queued ? dev_.mark() : -1;
         watchdog.begin(i);
         settle(&tasks[i]);
         execute(tasks[i], i);
         comm_.progress();
-        // On a device that queues work (a GPU stream) a task ends when the device has done it:
-        // a wait per task, which a production step would not have, for per-task times.
-        if (!dev_.host_memory()) dev_.synchronize();
         watchdog.end();
-        if (step - first >= options_.warmup_steps) {
+        if (queued && timed) {
+          marks.push_back({static_cast<int>(i), start_mark, dev_.mark()});
+        } else if (timed) {
           result.tasks.push_back({rp_->rank, static_cast<std::int32_t>(i), start, now(), step});
         }
         if (tasks[i].micro_batch >= 0 &&
@@ -281,6 +291,13 @@ class Runner {
       }
       settle(nullptr);
       comm_.wait_sends();
+      if (queued) {
+        dev_.synchronize();
+        for (const auto& [i, a, b] : marks) {
+          result.tasks.push_back({rp_->rank, i, begin + dev_.elapsed(step_mark, a),
+                                  begin + dev_.elapsed(step_mark, b), step});
+        }
+      }
       // Reported outside the step's timing and the Program: the step's loss (the mean over
       // micro-batches and data-parallel replicas, known on the last stage, where tensor-parallel
       // rank 0 reports it) and the slowest rank's time.
@@ -1094,6 +1111,9 @@ class Runner {
   void replay(const lower::Task& task, std::size_t index) {
     const double wait =
         index < options_.predicted_comm_s.size() ? options_.predicted_comm_s[index] : 0.0;
+    // The wait comes after the device's queued work, one after the other, as the simulator
+    // has them.
+    if (wait > 0 && !dev_.host_memory()) dev_.synchronize();
     if (wait > 0) {
       // Sleep most of a long wait, spin the rest: sleeps overshoot by tens of microseconds,
       // more than many collectives last.

@@ -92,8 +92,10 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
 // Runs this rank's program (program.ranks[comm.rank()]) on `device`. A single-rank plan may use
 // any lowering; a multi-rank plan needs Lowering::AllRanks and a Comm with one rank per device.
 // The communication backends move host memory (MPI): a device whose memory is not the host's
-// runs single-program plans only, until a Comm moves device memory. Task times are the host's
-// clock around each task (a device that queues work is timed from when it is queued).
+// runs single-program plans only, until a Comm moves device memory. Task times: the host's
+// clock around each task on the CPU; on a device that queues work (a GPU), its marks (CUDA
+// events) around each task, read when the step is done, so the step has no wait inside it
+// (but before --only-rank's predicted waits, which follow the queued work).
 // Throws UnsupportedError for plans or models this runner does not execute yet.
 RunResult run_program(const model::ModelGraph& graph, const lower::Program& program,
                       const RunOptions& options, Comm& comm, Device& device);

@@ -73,6 +73,19 @@ void CpuDevice::download(float* host, View src) {
   std::copy(s.begin(), s.end(), host);
 }
 
+int CpuDevice::mark() {
+  marks_.push_back(std::chrono::steady_clock::now());
+  return static_cast<int>(marks_.size()) - 1;
+}
+
+double CpuDevice::elapsed(int a, int b) {
+  DTSIM_ASSERT(a >= 0 && b >= 0 && static_cast<std::size_t>(std::max(a, b)) < marks_.size(),
+               "a mark of this device");
+  return std::chrono::duration<double>(marks_[static_cast<std::size_t>(b)] -
+                                       marks_[static_cast<std::size_t>(a)])
+      .count();
+}
+
 void CpuDevice::matmul_forward(View out, View in, View w, View bias, int T, int K, int N,
                                bool w_transposed) {
   cpu::matmul_forward(floats(out), floats(in), floats(w), floats(bias), T, K, N, w_transposed);

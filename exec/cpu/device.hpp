@@ -3,12 +3,14 @@
 // tensors reuse (the smallest that fits), so that a step allocates no fresh pages.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "exec/core/device.hpp"
 
@@ -28,6 +30,9 @@ class CpuDevice final : public Device {
   void upload_ints(View dst, const int* host) override;
   void download(float* host, View src) override;
   void synchronize() override {}
+  int mark() override;
+  double elapsed(int a, int b) override;
+  void clear_marks() override { marks_.clear(); }
 
   void matmul_forward(View out, View in, View w, View bias, int T, int K, int N,
                       bool w_transposed) override;
@@ -68,6 +73,7 @@ class CpuDevice final : public Device {
   // Buffers of 4-byte words: handed out (by address) and released (by capacity).
   std::unordered_map<void*, std::pair<std::unique_ptr<float[]>, std::size_t>> live_;
   std::multimap<std::size_t, std::unique_ptr<float[]>> free_;
+  std::vector<std::chrono::steady_clock::time_point> marks_;
 };
 
 // A view of host fp32 memory as a span (empty for an empty view).

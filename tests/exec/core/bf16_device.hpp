@@ -56,6 +56,9 @@ class Bf16Device final : public Device {
     for (std::int64_t i = 0; i < src.n; ++i) host[i] = from_bf16(h[i]);
   }
   void synchronize() override {}
+  int mark() override { return cpu_.mark(); }
+  double elapsed(int a, int b) override { return cpu_.elapsed(a, b); }
+  void clear_marks() override { cpu_.clear_marks(); }
 
   void matmul_forward(View out, View in, View w, View bias, int T, int K, int N,
                       bool w_transposed) override {
