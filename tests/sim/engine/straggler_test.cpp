@@ -124,23 +124,21 @@ TEST_CASE("a pipeline receive waits for a late sender", "[engine][stragglers]") 
   // Two stages: rank 0 computes 2 s and sends; rank 1 receives, computes 1 s and sends back;
   // rank 0 receives. Transfers take no time here (Fixed::p2p_s).
   dtsim::lower::Program p;
-  auto send = [](std::int32_t peer, std::int64_t tag, std::vector<dtsim::lower::TaskId> deps) {
+  auto transfer = [](TaskKind kind, std::int32_t peer, std::int64_t tag,
+                     std::vector<dtsim::lower::TaskId> deps) {
     Task t;
-    t.kind = TaskKind::Send;
+    t.kind = kind;
     t.stream = dtsim::lower::Stream::Pp;
     t.peer = peer;
     t.tag = tag;
     t.deps = std::move(deps);
     return t;
   };
-  auto recv = [](std::int32_t peer, std::int64_t tag, std::vector<dtsim::lower::TaskId> deps) {
-    Task t;
-    t.kind = TaskKind::Recv;
-    t.stream = dtsim::lower::Stream::Pp;
-    t.peer = peer;
-    t.tag = tag;
-    t.deps = std::move(deps);
-    return t;
+  auto send = [&](std::int32_t peer, std::int64_t tag, std::vector<dtsim::lower::TaskId> deps) {
+    return transfer(TaskKind::Send, peer, tag, std::move(deps));
+  };
+  auto recv = [&](std::int32_t peer, std::int64_t tag, std::vector<dtsim::lower::TaskId> deps) {
+    return transfer(TaskKind::Recv, peer, tag, std::move(deps));
   };
   dtsim::lower::RankProgram r0, r1;
   r0.rank = 0;
