@@ -418,7 +418,14 @@ unsigned blocks_for(std::int64_t n) {
 // ---- DeviceBuffer ---------------------------------------------------------------------------
 
 DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
-  check(cudaMalloc(&p_, std::max<std::size_t>(bytes, 16)), "cudaMalloc");
+  const cudaError_t e = cudaMalloc(&p_, std::max<std::size_t>(bytes, 16));
+  if (e != cudaSuccess) {
+    // An allocation failure is also the runtime's "last error": clear it, so that the next
+    // kernel launch's check does not report it again (the caller may free memory and retry).
+    cudaGetLastError();
+    p_ = nullptr;
+    check(e, "cudaMalloc");
+  }
 }
 
 DeviceBuffer::~DeviceBuffer() {
