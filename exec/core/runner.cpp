@@ -1346,6 +1346,13 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
                     m.name));
   }
   if (p.cp > 1) refuse("context parallelism (cp > 1)");
+  if (p.grad_compression < 1) {
+    refuse(fmt::format("gradient compression ({:g} of the bytes)", p.grad_compression));
+  }
+  if (p.comm_precision && *p.comm_precision != p.precision) {
+    refuse(fmt::format("communication in {} while training in {}", to_string(*p.comm_precision),
+                       to_string(p.precision)));
+  }
   if (p.ep > 1) refuse("expert parallelism (ep > 1)");
   if (p.sequence_parallel && (p.micro_batch_size * p.seq_len) % p.tp != 0) {
     refuse(

@@ -57,7 +57,12 @@ void add_plan_options(po::options_description& desc) {
       "start the data-parallel gradient reduction after the last backward pass instead of "
       "overlapping it (Megatron-LM before --overlap-grad-reduce)")(
       "precision", po::value<std::string>(), "bf16 (default), fp16, fp8, fp32")(
-      "optimizer", po::value<std::string>(), "adam (default) or sgd (with momentum)")(
+      "comm-precision", po::value<std::string>(),
+      "precision of communicated activations and gradients, e.g. fp8 (default: --precision)")(
+      "grad-compression", po::value<double>(),
+      "fraction of the data-parallel gradient bytes sent, in (0, 1] (default 1: none); "
+      "compressing and decompressing cost memory passes")("optimizer", po::value<std::string>(),
+                                                          "adam (default) or sgd (with momentum)")(
       "layers-per-stage", po::value<std::string>(),
       "blocks per model chunk, comma-separated (default: even split)")(
       "order", po::value<std::string>(),
@@ -187,6 +192,16 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
     }
     p.precision = *prec;
   }
+  if (vm.count("comm-precision")) {
+    const auto prec = parse_precision(vm["comm-precision"].as<std::string>());
+    if (!prec) {
+      throw InputError(
+          fmt::format("--comm-precision: expected bf16, fp16, fp8, fp32 or tf32, got \"{}\"",
+                      vm["comm-precision"].as<std::string>()));
+    }
+    p.comm_precision = *prec;
+  }
+  if (vm.count("grad-compression")) p.grad_compression = vm["grad-compression"].as<double>();
   if (vm.count("sequence-parallel") && vm["sequence-parallel"].as<bool>()) {
     p.sequence_parallel = true;
   }

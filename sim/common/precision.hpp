@@ -16,4 +16,20 @@ inline constexpr std::array<Precision, 5> kAllPrecisions = {
 std::string_view to_string(Precision p);
 std::optional<Precision> parse_precision(std::string_view text);
 
+// Bytes of one element in this format on the wire (communication): fp8 1, bf16/fp16 2,
+// fp32/tf32 4 (tf32 travels as fp32).
+inline int wire_bytes(Precision p) {
+  switch (p) {
+    case Precision::Fp8:
+      return 1;
+    case Precision::Bf16:
+    case Precision::Fp16:
+      return 2;
+    case Precision::Fp32:
+    case Precision::Tf32:
+      return 4;
+  }
+  return 4;
+}
+
 }  // namespace dtsim

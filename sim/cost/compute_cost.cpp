@@ -151,6 +151,10 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
   return std::max(compute_s, memory_s) + launch_s_ * kernels;
 }
 
+double ComputeCost::codec_seconds(std::uint64_t uncompressed, std::uint64_t compressed) const {
+  return 2.0 * static_cast<double>(uncompressed + compressed) / hbm_bw_ + 2 * launch_s_;
+}
+
 double ComputeCost::task_seconds(const lower::Task& task) {
   DTSIM_ASSERT(task.kind == lower::TaskKind::Compute, "task_seconds needs a compute task");
   if (task.phase == Phase::Optimizer) return optimizer_seconds(task.params);

@@ -39,6 +39,10 @@ class ComputeCost {
   // weight: 2 + 8 + 8 + 8 + 2 = 28 bytes per parameter with mixed precision (fp32: 4 + 8 + 16 =
   // 28); SGD with momentum 20.
   double optimizer_seconds(std::uint64_t params) const;
+  // Gradient compression's codec for one collective: compress (read the uncompressed bytes,
+  // write the compressed ones) and decompress the result (the converse), memory-bound passes
+  // at the device's (or the profile's) memory bandwidth, two kernels.
+  double codec_seconds(std::uint64_t uncompressed, std::uint64_t compressed) const;
 
   // FLOPs of one op in one phase on one rank (for reports).
   double op_flops(const model::Op& op, lower::Phase phase) const;

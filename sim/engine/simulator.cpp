@@ -27,11 +27,15 @@ class ModelDurations final : public Durations {
       : compute_(compute), network_(network), measured_(measured) {}
   double compute_s(const lower::Task& task) override { return compute_.task_seconds(task); }
   double collective_s(const lower::Group& group, const lower::Task& task) override {
+    // A compressed gradient reduction also runs its codec (plan.grad_compression).
+    const double codec = task.uncompressed_bytes > 0
+                             ? compute_.codec_seconds(task.uncompressed_bytes, task.bytes)
+                             : 0.0;
     if (const auto s = measured(static_cast<int>(task.collective),
                                 static_cast<int>(group.ranks.size()), task.bytes)) {
-      return *s;
+      return *s + codec;
     }
-    return network_.collective_s(group, task.collective, task.bytes);
+    return network_.collective_s(group, task.collective, task.bytes) + codec;
   }
   double p2p_s(std::int64_t src, std::int64_t dst, std::uint64_t bytes) override {
     if (const auto s = measured(kSendRecv, 2, bytes)) return *s;

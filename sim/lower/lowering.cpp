@@ -137,8 +137,14 @@ class Lowerer {
         options_(options),
         placement_(plan.degrees(), plan.order),
         chunks_(plan::chunk_layers(plan, g.spec().layers)),
-        act_bytes_(static_cast<std::uint64_t>(plan::activation_bytes_per_element(plan.precision))),
+        // Communicated activations and gradients: in the plan's communication precision when it
+        // has one (low-precision communication), else as trained.
+        act_bytes_(static_cast<std::uint64_t>(
+            plan.comm_precision ? wire_bytes(*plan.comm_precision)
+                                : plan::activation_bytes_per_element(plan.precision))),
         grad_bytes_(plan::state_bytes_per_param(plan.precision, plan.optimizer).gradients),
+        grad_comm_scale_(plan.comm_precision ? wire_bytes(*plan.comm_precision) / grad_bytes_
+                                             : 1.0),
         weight_bytes_(plan::state_bytes_per_param(plan.precision, plan.optimizer).weights) {
     const model::ModelSpec& m = g.spec();
     tokens_ = static_cast<std::uint64_t>(plan.micro_batch_size * plan.seq_len / plan.cp);
@@ -180,8 +186,9 @@ class Lowerer {
   const LowerOptions& options_;
   cluster::Placement placement_;
   std::vector<int> chunks_;
-  std::uint64_t act_bytes_;
-  double grad_bytes_;
+  std::uint64_t act_bytes_;  // per communicated activation element
+  double grad_bytes_;        // per gradient element as kept (the buckets' sizes)
+  double grad_comm_scale_;   // communicated gradient bytes over kept ones
   double weight_bytes_;
   std::uint64_t tokens_ = 0;        // tokens of one micro-batch on one rank (b·s/cp)
   std::uint64_t hidden_bytes_ = 0;  // one activation tensor of width h
@@ -503,7 +510,11 @@ class Lowerer {
         t.stream = Stream::Dp;
         t.collective = kind;
         t.group = group(experts ? GroupKind::ExpertDp : GroupKind::Dp);
-        t.bytes = static_cast<std::uint64_t>(bucket);
+        // Sent: in the communication precision, compressed (the codec's passes over the
+        // uncompressed bytes are the collective's, see Task::uncompressed_bytes).
+        const double sent = bucket * grad_comm_scale_;
+        t.bytes = static_cast<std::uint64_t>(sent * plan_.grad_compression);
+        if (plan_.grad_compression < 1) t.uncompressed_bytes = static_cast<std::uint64_t>(sent);
         t.micro_batch = micro_batch;
         t.op_begin = static_cast<std::int32_t>(lo);
         t.op_end = static_cast<std::int32_t>(hi + 1);
@@ -713,7 +724,7 @@ class Lowerer {
       ar.collective = CollectiveKind::AllReduce;
       ar.group = group_of(GroupKind::Pp, {placement_.rank(first), placement_.rank(last)});
       ar.bytes = static_cast<std::uint64_t>(static_cast<double>(spec.vocab * spec.hidden) /
-                                            plan_.tp * grad_bytes_);
+                                            plan_.tp * grad_bytes_ * grad_comm_scale_);
       // After the dp reduction of the embedding's gradients (Megatron-LM: finalize_model_grads
       // reduces over dp, then all-reduces the embedding between the first and last stage).
       ar.deps = embedding_grads_done;
@@ -749,7 +760,7 @@ class Lowerer {
         ar.stream = Stream::Tp;
         ar.collective = CollectiveKind::AllReduce;
         ar.group = group(GroupKind::Tp);
-        ar.bytes = static_cast<std::uint64_t>(norm_params * grad_bytes_);
+        ar.bytes = static_cast<std::uint64_t>(norm_params * grad_bytes_ * grad_comm_scale_);
         ar.deps = final_grads_done;
         ar.deps.insert(ar.deps.end(), dp_tasks.begin(), dp_tasks.end());
         ar.op_begin = 0;

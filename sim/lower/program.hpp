@@ -68,6 +68,9 @@ struct Task {
   CollectiveKind collective = CollectiveKind::AllReduce;
   std::int32_t group = -1;
   std::uint64_t bytes = 0;
+  // A compressed gradient reduction (plan.grad_compression < 1): the bytes before compression,
+  // which the codec reads and writes on both ends; 0 when not compressed.
+  std::uint64_t uncompressed_bytes = 0;
   // Send / Recv: the peer's RankProgram index and a tag matching the two sides.
   std::int32_t peer = -1;
   std::int64_t tag = -1;

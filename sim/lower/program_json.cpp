@@ -36,6 +36,7 @@ nlohmann::json to_json(const Program& program) {
           task["collective"] = to_string(t.collective);
           task["group"] = t.group;
           task["bytes"] = t.bytes;
+          if (t.uncompressed_bytes > 0) task["uncompressed_bytes"] = t.uncompressed_bytes;
           if (t.op_end > t.op_begin) task["ops"] = {t.op_begin, t.op_end};
           break;
         case TaskKind::Send:

@@ -87,6 +87,8 @@ std::string summary(const Plan& p) {
   if (p.sequence_parallel) s += " sp";
   if (!p.overlap_grad_reduce) s += " no-overlap-grad-reduce";
   s += fmt::format(" {}", to_string(p.precision));
+  if (p.comm_precision) s += fmt::format(" comm={}", to_string(*p.comm_precision));
+  if (p.grad_compression < 1) s += fmt::format(" grad-compression={:g}", p.grad_compression);
   return s;
 }
 
@@ -147,6 +149,12 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
     error("sp-seq", fmt::format("sequence parallelism needs tp = {} to divide the sequence "
                                 "length per cp rank ({})",
                                 p.tp, p.seq_len / p.cp));
+  }
+  if (!(p.grad_compression > 0 && p.grad_compression <= 1)) {
+    error("grad-compression",
+          fmt::format("gradient compression {:g}: expected the fraction of the bytes sent, in "
+                      "(0, 1]",
+                      p.grad_compression));
   }
   if (!p.overlap_grad_reduce && p.zero_stage >= 2) {
     error("no-overlap-zero",
@@ -293,14 +301,33 @@ json to_json(const Plan& p) {
             {"optimizer", to_string(p.optimizer)},
             {"order", cluster::Placement::to_string(p.order)}};
   if (!p.layers_per_stage.empty()) j["layers_per_stage"] = p.layers_per_stage;
+  if (p.comm_precision) j["comm_precision"] = to_string(*p.comm_precision);
+  if (p.grad_compression != 1.0) j["grad_compression"] = p.grad_compression;
   return j;
 }
 
 Plan plan_from_json(const json& j, const std::string& file) {
   const JsonReader r(j, file);
-  r.expect_only({"dp", "tp", "pp", "cp", "ep", "micro_batch_size", "global_batch_size", "seq_len",
-                 "schedule", "virtual_stages", "zero_stage", "recompute", "sequence_parallel",
-                 "overlap_grad_reduce", "precision", "optimizer", "layers_per_stage", "order"});
+  r.expect_only({"dp",
+                 "tp",
+                 "pp",
+                 "cp",
+                 "ep",
+                 "micro_batch_size",
+                 "global_batch_size",
+                 "seq_len",
+                 "schedule",
+                 "virtual_stages",
+                 "zero_stage",
+                 "recompute",
+                 "sequence_parallel",
+                 "overlap_grad_reduce",
+                 "precision",
+                 "comm_precision",
+                 "grad_compression",
+                 "optimizer",
+                 "layers_per_stage",
+                 "order"});
   Plan p;
   auto degree = [&](std::string_view key, int fallback) {
     return static_cast<int>(r.positive_int_up_to_or(key, kMaxDegree, fallback));
@@ -333,6 +360,16 @@ Plan plan_from_json(const json& j, const std::string& file) {
   p.overlap_grad_reduce = r.boolean_or("overlap_grad_reduce", true);
   if (r.has("precision")) {
     p.precision = *parse_precision(r.choice("precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));
+  }
+  if (r.has("comm_precision")) {
+    p.comm_precision =
+        *parse_precision(r.choice("comm_precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));
+  }
+  if (r.has("grad_compression")) {
+    p.grad_compression = r.positive_number("grad_compression");
+    if (p.grad_compression > 1) {
+      r.fail("grad_compression", "expected the fraction of the gradient bytes sent, in (0, 1]");
+    }
   }
   if (r.has("optimizer")) parse_optimizer(r.choice("optimizer", {"adam", "sgd"}), p.optimizer);
   if (r.has("layers_per_stage")) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -44,6 +45,13 @@ struct Plan {
   // 2021 (megatron/training.py, train_step: allreduce_gradients after forward_backward_func).
   bool overlap_grad_reduce = true;
   Precision precision = Precision::Bf16;
+  // Low-precision communication: activations (tp, cp, ep, pp) and gradients travel in this
+  // precision's bytes (unset: the training precision's), as with fp8 or bf16 collectives.
+  std::optional<Precision> comm_precision;
+  // Gradient compression of the data-parallel reduction: the fraction of the gradient bytes
+  // sent (1: none). Compressing and decompressing a bucket are memory passes over it, charged
+  // to its collective (sim/engine/simulator.cpp).
+  double grad_compression = 1.0;
   Optimizer optimizer = Optimizer::Adam;
   // Transformer blocks per model chunk (pp x virtual_stages entries), empty = even split.
   std::vector<int> layers_per_stage;

@@ -1,5 +1,6 @@
 #include "sim/lower/lowering.hpp"
 
+#include "sim/cost/compute_cost.hpp"
 #include "sim/engine/simulator.hpp"
 #include "tests/test_util.hpp"
 
@@ -131,4 +132,46 @@ TEST_CASE("too many micro-batches to simulate is an input error", "[lower][bad-i
   p.global_batch_size = 1 << 22;
   DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::lower::lower(g, p), dtsim::InputError,
                                   "--global-batch-size: 4194304 micro-batches per step");
+}
+
+TEST_CASE("low-precision communication and gradient compression change what is sent", "[lower]") {
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  const Plan base = plan_for(2, 2, 2, 1);  // bf16: 2 bytes per activation and gradient
+  Plan fp8 = base;
+  fp8.comm_precision = dtsim::Precision::Fp8;  // 1 byte on the wire
+  Plan squeezed = base;
+  squeezed.grad_compression = 0.25;
+  const Program a = dtsim::lower::lower(g, base), b = dtsim::lower::lower(g, fp8),
+                c = dtsim::lower::lower(g, squeezed);
+  for (const Stream s : {Stream::Tp, Stream::Dp}) {
+    const auto ta = on_stream(a, 0, s), tb = on_stream(b, 0, s), tc = on_stream(c, 0, s);
+    REQUIRE(!ta.empty());
+    REQUIRE(ta.size() == tb.size());
+    REQUIRE(ta.size() == tc.size());
+    for (std::size_t i = 0; i < ta.size(); ++i) {
+      INFO(ta[i]->label);
+      CHECK(tb[i]->bytes == ta[i]->bytes / 2);  // fp8 activations and gradients
+      CHECK(ta[i]->uncompressed_bytes == 0);
+      if (s == Stream::Dp) {
+        // A quarter of the gradient bytes is sent; the codec sees all of them.
+        CHECK(tc[i]->bytes == ta[i]->bytes / 4);
+        CHECK(tc[i]->uncompressed_bytes == ta[i]->bytes);
+      } else {
+        CHECK(tc[i]->bytes == ta[i]->bytes);  // compression is of the dp gradients only
+      }
+    }
+  }
+  // Pipeline transfers carry activations: in the communication precision too.
+  for (std::size_t i = 0; i < a.ranks[0].tasks.size(); ++i) {
+    if (a.ranks[0].tasks[i].kind != TaskKind::Send) continue;
+    CHECK(b.ranks[0].tasks[i].bytes == a.ranks[0].tasks[i].bytes / 2);
+  }
+  // The codec: two memory-bound passes over both sizes, and two kernels.
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 8);
+  const dtsim::cost::ComputeCost cost(g, base, cluster.device);
+  const double bw =
+      cluster.device.memory_bw_bytes_per_s.value * cluster.device.efficiency.memory_bw.value;
+  CHECK(cost.codec_seconds(4000, 1000) ==
+        Approx(2.0 * 5000 / bw + 2 * cluster.device.efficiency.launch_overhead_s.value));
 }

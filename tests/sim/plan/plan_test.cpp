@@ -55,6 +55,11 @@ TEST_CASE("each broken rule says which one and why", "[plan][bad-input]") {
     p.dp = 2;
     CHECK(has_rule(check_plan(p, m, 64), "tp-kv-heads", "does not divide 8 key/value heads"));
   }
+  SECTION("gradient compression is a fraction of the bytes") {
+    p.grad_compression = 1.5;
+    CHECK(has_rule(check_plan(p, m, 64), "grad-compression",
+                   "gradient compression 1.5: expected the fraction of the bytes sent, in (0, 1]"));
+  }
   SECTION("no overlapped gradient reduction with ZeRO-2/3") {
     p.overlap_grad_reduce = false;
     p.zero_stage = 1;
@@ -172,8 +177,12 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   p.sequence_parallel = true;
   p.overlap_grad_reduce = false;
   p.layers_per_stage = {10, 10, 10, 10};
+  p.comm_precision = dtsim::Precision::Fp8;
+  p.grad_compression = 0.25;
   const Plan q = dtsim::plan::plan_from_json(dtsim::plan::to_json(p), "p.json");
   CHECK(dtsim::plan::to_json(q) == dtsim::plan::to_json(p));
+  CHECK(q.comm_precision == dtsim::Precision::Fp8);
+  CHECK(q.grad_compression == 0.25);
 
   auto bad = [](const char* text, const char* message) {
     dtsim::test::TempFile f("plan.json", text);
@@ -190,6 +199,10 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   bad(R"({"sequence_parallel": "yes"})", "plan.json: sequence_parallel: expected true or false");
   bad(R"({"overlap_grad_reduce": 0})", "plan.json: overlap_grad_reduce: expected true or false");
   bad(R"({"zero_stage": 4})", "plan.json: zero_stage: expected 0, 1, 2 or 3, got 4");
+  bad(R"({"grad_compression": 2})",
+      "plan.json: grad_compression: expected the fraction of the gradient bytes sent, in (0, 1]");
+  bad(R"({"grad_compression": 0})", "plan.json: grad_compression: expected a positive number");
+  bad(R"({"comm_precision": "fp4"})", "plan.json: comm_precision: expected one of");
   bad(R"({"schedule": "looped"})", "schedule: expected one of gpipe, 1f1b, interleaved");
   bad(R"({"order": "tp-dp"})", "plan.json: order: ");
   bad(R"({"tensor_parallel": 2})", "tensor_parallel: unknown field");
