@@ -15,6 +15,7 @@
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
+#include "sim/engine/simulator.hpp"
 #include "sim/planner/planner.hpp"
 #include "sim/report/breakdown_json.hpp"
 #include "sim/report/table.hpp"
@@ -190,10 +191,8 @@ int cmd_plan(const std::vector<std::string>& args) {
       "out", po::value<std::string>(), "write the best plan to this file (a --plan file)");
   add_memory_options(desc);
   desc.add_options()("profile", po::value<std::string>(),
-                     "calibration profile (dtexec calibrate) for the compute cost")(
-      "jitter-cv", po::value<double>(),
-      "straggler model: spread (std/mean) of each rank's compute time; every collective waits "
-      "for its slowest rank, in both tiers (default: the profile's measured jitter_cv, else 0)");
+                     "calibration profile (dtexec calibrate) for the compute cost");
+  add_jitter_option(desc, ", in both tiers");
   po::variables_map vm;
   if (!parse(args, desc,
              "usage: dtsim plan --model M --cluster C [--gpus N] --global-batch-size B\n"
@@ -270,13 +269,7 @@ int cmd_plan(const std::vector<std::string>& args) {
     }
     options.profile = &*profile;
   }
-  if (vm.count("jitter-cv")) {
-    const double cv = vm["jitter-cv"].as<double>();
-    if (!(cv >= 0 && cv < 1)) {
-      throw InputError(fmt::format("--jitter-cv: expected a fraction in [0, 1), got {}", cv));
-    }
-    options.jitter_cv = cv;
-  }
+  options.jitter_cv = jitter_from_options(vm);
   const std::string objective = vm["objective"].as<std::string>();
   if (objective == "cost") {
     if (!cluster.price_per_device_hour_usd) {
@@ -370,8 +363,7 @@ int cmd_plan(const std::vector<std::string>& args) {
       "{} candidates evaluated, {} fit in memory ({:.2f} s); the best {} "
       "simulated\n",
       result.evaluated, result.feasible, elapsed, result.refined);
-  const double jitter =
-      options.jitter_cv.value_or(profile ? profile->jitter_cv.value_or(0.0) : 0.0);
+  const double jitter = engine::jitter_cv_of(options.jitter_cv, options.profile);
   if (jitter > 0) {
     std::cout << fmt::format(
         "stragglers: compute time spread {:.1f}% (std/mean, {}); in both tiers every collective "

@@ -43,10 +43,8 @@ int cmd_simulate(const std::vector<std::string>& args) {
       "json", po::bool_switch(), "print JSON instead of tables");
   add_memory_options(sim_opts);
   sim_opts.add_options()("profile", po::value<std::string>(),
-                         "calibration profile (dtexec calibrate) for the compute cost")(
-      "jitter-cv", po::value<double>(),
-      "straggler model: spread (std/mean) of each rank's compute time; every collective waits "
-      "for its slowest rank (default: the profile's measured jitter_cv, else 0)");
+                         "calibration profile (dtexec calibrate) for the compute cost");
+  add_jitter_option(sim_opts);
   desc.add(sim_opts);
   po::variables_map vm;
   if (!parse(args, desc,
@@ -87,13 +85,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
     notes.push_back(fmt::format("compute cost from calibration profile {} ({})", profile->file,
                                 profile->source));
   }
-  if (vm.count("jitter-cv")) {
-    const double cv = vm["jitter-cv"].as<double>();
-    if (!(cv >= 0 && cv < 1)) {
-      throw InputError(fmt::format("--jitter-cv: expected a fraction in [0, 1), got {}", cv));
-    }
-    options.jitter_cv = cv;
-  }
+  options.jitter_cv = jitter_from_options(vm);
   const engine::Simulation sim = engine::simulate(setup.graph, plan, cluster, *network, options);
   const engine::Prediction& p = sim.prediction;
   for (const auto& n : p.notes) notes.push_back(n);

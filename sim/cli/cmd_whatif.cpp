@@ -41,10 +41,10 @@ double jitter_value(const std::string& v) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != v.size() || !(cv >= 0 && cv < 1)) {
+  if (used != v.size()) {
     throw InputError(fmt::format("--vary jitter_cv={}: expected a fraction in [0, 1)", v));
   }
-  return cv;
+  return checked_jitter(cv, fmt::format("--vary jitter_cv={}", v));
 }
 
 Axis parse_vary(const std::string& text) {

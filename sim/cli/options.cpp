@@ -70,6 +70,28 @@ void add_plan_options(po::options_description& desc) {
   desc.add(plan);
 }
 
+void add_jitter_option(po::options_description& desc, const char* where) {
+  desc.add_options()(
+      "jitter-cv", po::value<double>(),
+      fmt::format("straggler model: spread (std/mean) of each rank's compute time; every "
+                  "collective waits for its slowest rank{} (default: the profile's measured "
+                  "jitter_cv, else 0)",
+                  where)
+          .c_str());
+}
+
+double checked_jitter(double cv, const std::string& what) {
+  if (!(cv >= 0 && cv < 1)) {
+    throw InputError(fmt::format("{}: expected a fraction in [0, 1), got {}", what, cv));
+  }
+  return cv;
+}
+
+std::optional<double> jitter_from_options(const po::variables_map& vm) {
+  if (!vm.count("jitter-cv")) return std::nullopt;
+  return checked_jitter(vm["jitter-cv"].as<double>(), "--jitter-cv");
+}
+
 bool parse(const std::vector<std::string>& args, const po::options_description& desc,
            const std::string& usage, po::variables_map& vm) {
   try {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <boost/program_options.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,12 @@ inline constexpr const char* kDefaultCluster = "default";
 void add_model_options(po::options_description& desc, bool with_cluster);
 // Adds the plan flags and --plan.
 void add_plan_options(po::options_description& desc);
+// Adds --jitter-cv (the straggler model); `where` says which parts of the command use it.
+void add_jitter_option(po::options_description& desc, const char* where = "");
+// --jitter-cv's value, checked to be a fraction in [0, 1) (unset: none given).
+std::optional<double> jitter_from_options(const po::variables_map& vm);
+// A straggler spread named `what` (a flag or a --vary value), checked: a fraction in [0, 1).
+double checked_jitter(double cv, const std::string& what);
 
 // Parses `args` against `desc`; on --help prints `usage` and the options to stdout and returns
 // false. Unknown or malformed options throw InputError (exit code 2).

@@ -157,6 +157,10 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
   return b;
 }
 
+double jitter_cv_of(const std::optional<double>& given, const cost::Profile* profile) {
+  return given.value_or(profile != nullptr ? profile->jitter_cv.value_or(0.0) : 0.0);
+}
+
 Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
                     const cluster::Cluster& cluster, network::NetworkModel& network,
                     const SimulateOptions& options) {
@@ -168,8 +172,7 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   ModelDurations durations(compute, network,
                            options.profile != nullptr && one_node ? options.profile : nullptr);
   EngineOptions engine;
-  engine.jitter_cv = options.jitter_cv.value_or(
-      options.profile != nullptr ? options.profile->jitter_cv.value_or(0.0) : 0.0);
+  engine.jitter_cv = jitter_cv_of(options.jitter_cv, options.profile);
   sim.timeline = run(sim.program, durations, engine);
 
   Prediction& p = sim.prediction;

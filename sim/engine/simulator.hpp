@@ -70,6 +70,9 @@ struct SimulateOptions {
   std::optional<double> jitter_cv;
 };
 
+// The straggler spread a run uses: as given, else the profile's measured jitter_cv, else 0.
+double jitter_cv_of(const std::optional<double>& given, const cost::Profile* profile);
+
 struct Simulation {
   lower::Program program;
   Timeline timeline;

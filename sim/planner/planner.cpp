@@ -415,10 +415,8 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   memory.capacity_bytes = cluster.device.memory_bytes.value * (1.0 - space.memory_headroom);
   const double price =
       cluster.price_per_device_hour_usd ? cluster.price_per_device_hour_usd->value : -1;
-  // Stragglers in both tiers: as given, else the profile's measured spread, else none (the
-  // simulator's own rule, sim/engine/simulator.hpp).
-  const double jitter_cv = options.jitter_cv.value_or(
-      options.profile != nullptr ? options.profile->jitter_cv.value_or(0.0) : 0.0);
+  // Stragglers in both tiers, by the simulator's rule.
+  const double jitter_cv = engine::jitter_cv_of(options.jitter_cv, options.profile);
   std::atomic<std::uint64_t> done{0};
   auto work = [&](std::size_t begin, std::size_t end) {
     Estimator estimator(cluster, options.profile, jitter_cv);
