@@ -112,8 +112,10 @@ class Estimator {
     // The LM head has one tensor-parallel collective per direction (Megatron's f before the
     // vocabulary-parallel head) where a block has two per direction (tp_comm counts those two,
     // of either kind with sequence parallelism): about tp_comm / 2 split over both directions.
-    const double head_f = group_time(head, Phase::Forward) + (p.tp > 1 ? tp_comm / 4 : 0);
-    const double head_b = group_time(head, Phase::Backward) + (p.tp > 1 ? tp_comm / 4 : 0);
+    const double head_compute_f = group_time(head, Phase::Forward);
+    const double head_compute_b = group_time(head, Phase::Backward);
+    const double head_f = head_compute_f + (p.tp > 1 ? tp_comm / 4 : 0);
+    const double head_b = head_compute_b + (p.tp > 1 ? tp_comm / 4 : 0);
 
     // The slowest stage's forward and backward per micro-batch.
     const std::vector<int> chunks = plan::chunk_layers(p, m.layers);
@@ -134,7 +136,7 @@ class Estimator {
       if (s == p.pp - 1) {
         f += head_f;
         b += head_b;
-        compute += group_time(head, Phase::Forward) + group_time(head, Phase::Backward);
+        compute += head_compute_f + head_compute_b;
       }
       if (f + b + r > stage_f + stage_b + stage_rec) {
         stage_f = f;
@@ -179,8 +181,7 @@ class Estimator {
     const double step_compute = mb * stage_compute;
     auto straggling = [&](double ranks) {
       return jitter_cv_ > 0 && ranks > 1
-                 ? jitter_cv_ * engine::expected_max_normal(static_cast<std::int64_t>(ranks)) *
-                       step_compute
+                 ? jitter_cv_ * spread(static_cast<std::int64_t>(ranks)) * step_compute
                  : 0.0;
     };
 
@@ -208,16 +209,15 @@ class Estimator {
       // since the group's previous one (the step's, or with ZeRO-2/3 a micro-batch's), which the
       // stage's backward pass of that micro-batch (every chunk's) can hide; the later buckets
       // wait for the backward between two buckets, and the last one's outlasts the pass.
-      const double first_wait = straggling(size) / (p.zero_stage >= 2 ? mb : 1.0);
+      const double waits = straggling(size);
+      const double first_wait = waits / (p.zero_stage >= 2 ? mb : 1.0);
       const double last_wait = step_compute > 0
-                                   ? straggling(size) * (backward / step_compute) *
+                                   ? waits * (backward / step_compute) *
                                          (static_cast<double>(bucket) / static_cast<double>(grads))
                                    : 0.0;
-      const double hidden =
-          std::max(0.0, all + first_wait - stage_b) - std::max(0.0, all - backward);
       b.exposed_dp_s +=
           p.zero_stage >= 2
-              ? mb * (std::max(0.0, all - backward) + std::max(0.0, hidden)) + last + last_wait
+              ? mb * std::max({0.0, all - backward, all + first_wait - stage_b}) + last + last_wait
               : std::max({last + last_wait, all - backward, all + first_wait - stage_b});
       const auto weights = static_cast<std::uint64_t>(params * bytes_per.weights);
       if (p.zero_stage == 1 || p.zero_stage == 2) {
@@ -249,7 +249,7 @@ class Estimator {
     // pass ahead of its use, which hides the lateness; the fill and drain hops, the bubble's
     // length of compute, do not hide it.
     if (p.pp > 1 && jitter_cv_ > 0) {
-      b.exposed_pp_s += jitter_cv_ * engine::expected_max_normal(2) * b.bubble_s;
+      b.exposed_pp_s += jitter_cv_ * spread(2) * b.bubble_s;
     }
     return b;
   }
@@ -274,10 +274,19 @@ class Estimator {
     return params;
   }
 
+  // E[max of n standard normals], memoised per estimator (one per search thread: the shared
+  // memo of engine::expected_max_normal takes a lock, once per candidate and group here).
+  double spread(std::int64_t n) {
+    auto it = spread_.find(n);
+    if (it == spread_.end()) it = spread_.emplace(n, engine::expected_max_normal(n)).first;
+    return it->second;
+  }
+
   const cluster::Cluster& cluster_;
   const cost::Profile* profile_;
   double jitter_cv_;
   std::unique_ptr<network::NetworkModel> net_;
+  std::map<std::int64_t, double> spread_;
 };
 
 double total(const engine::Breakdown& b) {
