@@ -802,11 +802,7 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
                      {"algbw_bytes_per_s", algbw},
                      {"busbw_bytes_per_s", algbw * factor}});
   }
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  const std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
+  const auto [host, date] = dtsim::exec::cpu::calibration_stamp();
   // The jitter of every rank's GPU, averaged.
   const double jitter = mpi ? mpi->mean(device.jitter_cv) : device.jitter_cv;
   return {

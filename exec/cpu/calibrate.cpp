@@ -253,6 +253,15 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
 
 }  // namespace
 
+CalibrationStamp calibration_stamp() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  const std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
+  return {host, date};
+}
+
 nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<OpTiming>& timings) {
   using model::OpKind;
   // The op each name stands for.
@@ -390,11 +399,7 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
   const double bw = 2.0 * static_cast<double>(n) * sizeof(float) / copy_s;
   std::vector<float> x(64, 1.0f), y(64);
   const double tiny_s = median_of(repeats * 10, [&] { matmul_forward(y, x, x, {}, 8, 8, 8); });
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  const std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
+  const auto [host, date] = calibration_stamp();
   return {
       {"device", "cpu-host"},
       {"source", fmt::format("dtexec calibrate --backend cpu on {} ({}), {}: {} rank(s) per host "

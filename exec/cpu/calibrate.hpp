@@ -39,6 +39,13 @@ struct CalibrateOptions {
 
 nlohmann::json calibrate(const CalibrateOptions& options);
 
+// Where and when a calibration ran, for its profile's "source": this host's name and today's
+// date (UTC, YYYY-MM-DD). Both backends stamp their profiles with it.
+struct CalibrationStamp {
+  std::string host, date;
+};
+CalibrationStamp calibration_stamp();
+
 // The profile's "ops" rows (sim/cost/profile.hpp) of ops timed at `graph`'s shapes: forward and
 // backward, each as a rate of the graph's own measure of the op's work (FLOP/s for the attention
 // core, bytes/s of the graph's byte counts for the others). The op of a name is layer 0's
