@@ -114,13 +114,7 @@ void CpuDevice::add_forward(View out, View a, View b) {
 }
 
 void CpuDevice::accumulate(View d, View x, float scale) {
-  if (scale == 1.0f) {
-    cpu::accumulate(floats(d), floats(x));
-    return;
-  }
-  const auto dd = floats(d);
-  const auto xx = floats(x);
-  for (std::size_t i = 0; i < dd.size(); ++i) dd[i] += xx[i] * scale;
+  cpu::accumulate(floats(d), floats(x), scale);
 }
 
 void CpuDevice::gelu_forward(View out, View in) {

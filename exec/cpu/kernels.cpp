@@ -98,8 +98,8 @@ void add_forward(Out out, In a, In b) {
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = a[i] + b[i];
 }
 
-void accumulate(Out d, In dout) {
-  for (std::size_t i = 0; i < d.size(); ++i) d[i] += dout[i];
+void accumulate(Out d, In dout, float scale) {
+  for (std::size_t i = 0; i < d.size(); ++i) d[i] += scale * dout[i];
 }
 
 void gelu_forward(Out out, In in, std::int64_t n) {

@@ -30,9 +30,10 @@ void norm_forward(Out out, Out mean, Out rstd, In in, In w, In b, int T, int C, 
 void norm_backward(Out din, Out dw, Out db, In dout, In in, In w, In mean, In rstd, int T, int C,
                    bool rms);
 
-// Residual connection: out[n] = a + b; its backward accumulates: d[n] += dout.
+// Residual connection: out[n] = a + b; its backward accumulates: d[n] += dout (scaled: the
+// loss gradient's 1/(micro-batches x dp)).
 void add_forward(Out out, In a, In b);
-void accumulate(Out d, In dout);
+void accumulate(Out d, In dout, float scale = 1.0f);
 
 // GELU, tanh approximation (as GPT-2): out = 0.5·x·(1 + tanh(sqrt(2/pi)·(x + 0.044715·x³))).
 void gelu_forward(Out out, In in, std::int64_t n);
