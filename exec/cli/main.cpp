@@ -288,7 +288,7 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   }
   if (vm["json"].as<bool>()) {
     std::cout << nlohmann::json{{"model", spec.name},
-                                {"backend", device.host_memory() ? "cpu" : "cuda"},
+                                {"backend", vm["backend"].as<std::string>()},
                                 {"device", device.name()},
                                 {"only_rank", r},
                                 {"program_rank", rp.rank},
