@@ -62,7 +62,8 @@ int main(int argc, char** argv) {
     fmt::print(
         "plans: the paper's tp/pp/dp and batch; micro-batch 1; interleaved 1F1B with the\n"
         "smallest v >= 2 that gives equal chunks (1F1B without pipelining); full recompute;\n"
-        "pipeline transfers whole (the paper's scatter/gather optimisation is not modelled);\n"
+        "pipeline transfers blocking (Megatron-LM's batch_isend_irecv) and whole (the paper's\n"
+        "scatter/gather optimisation is not modelled);\n"
         "dp gradients all-reduced after the last backward pass, as Megatron-LM did in 2021\n");
     fmt::print("{:<16} {:>4} {:>4} {:>4} {:>3} {:>10} {:>9} {:>8}\n", "model", "tp", "pp", "dp",
                "v", "predicted", "paper", "error");

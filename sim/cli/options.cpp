@@ -56,6 +56,10 @@ void add_plan_options(po::options_description& desc) {
       "no-overlap-grad-reduce", po::bool_switch(),
       "start the data-parallel gradient reduction after the last backward pass instead of "
       "overlapping it (Megatron-LM before --overlap-grad-reduce)")(
+      "overlap-p2p-comm", po::bool_switch(),
+      "overlap pipeline sends and receives with compute (Megatron-LM "
+      "--overlap-p2p-communication); by default a stage exchanges its pipeline tensors in "
+      "blocking batches between compute passes, as Megatron-LM does")(
       "precision", po::value<std::string>(), "bf16 (default), fp16, fp8, fp32")(
       "comm-precision", po::value<std::string>(),
       "precision of communicated activations and gradients, e.g. fp8 (default: --precision)")(
@@ -229,6 +233,9 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   }
   if (vm.count("no-overlap-grad-reduce") && vm["no-overlap-grad-reduce"].as<bool>()) {
     p.overlap_grad_reduce = false;
+  }
+  if (vm.count("overlap-p2p-comm") && vm["overlap-p2p-comm"].as<bool>()) {
+    p.overlap_p2p_comm = true;
   }
   if (vm.count("layers-per-stage")) {
     p.layers_per_stage = parse_layers_per_stage(vm["layers-per-stage"].as<std::string>());

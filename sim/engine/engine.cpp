@@ -30,7 +30,10 @@ struct Event {
 class Engine {
  public:
   Engine(const lower::Program& program, Durations& durations, const EngineOptions& options)
-      : program_(program), durations_(durations), jitter_cv_(options.jitter_cv) {
+      : program_(program),
+        durations_(durations),
+        jitter_cv_(options.jitter_cv),
+        eager_p2p_(program.plan.overlap_p2p_comm) {
     const std::size_t n = program.ranks.size();
     compute_total_.assign(n, 0.0);
     spread_.assign(program.groups.size(), -1.0);
@@ -56,8 +59,11 @@ class Engine {
           dependents_[p][static_cast<std::size_t>(d)].push_back(t);
           ++pending_[p][static_cast<std::size_t>(t)];
         }
-        // A receive occupies no stream: the sender's transfer carries its time.
+        // A receive occupies no stream: the sender's transfer carries its time. Without p2p
+        // overlap a send leaves the pipeline stream too: it waits for its receiver, and a
+        // later send to the other neighbour must not queue behind that wait.
         if (task.kind == TaskKind::Recv) continue;
+        if (task.kind == TaskKind::Send && !program.plan.overlap_p2p_comm) continue;
         auto& prev = last[static_cast<std::size_t>(task.stream)];
         if (prev >= 0) {
           dependents_[p][static_cast<std::size_t>(prev)].push_back(t);
@@ -122,32 +128,61 @@ class Engine {
         arrive(p, t, now);
         break;
       case TaskKind::Send: {
-        const double end =
-            now + durations_.p2p_s(program_.ranks[static_cast<std::size_t>(p)].rank,
-                                   program_.ranks[static_cast<std::size_t>(k.peer)].rank, k.bytes);
-        schedule(p, t, now, end);  // eager: the sender does not wait
         // Stragglers: the receiver gets the data as late as the sender is, on average.
         const double late = jitter_cv_ > 0 ? pair_wait(p, k.peer) : 0.0;
-        const TaskTime arrival{now + late, end + late};
         const auto key = std::make_tuple(k.peer, p, k.tag);
+        const auto posted = recvs_.find(key);
+        if (!eager_p2p_) {
+          // Rendezvous: the transfer starts once the receiver has posted its receive.
+          if (posted == recvs_.end()) {
+            waiting_sends_[key] = {t, now + late};
+            break;
+          }
+          rendezvous(p, t, now + late, k.peer, posted->second);
+          recvs_.erase(posted);
+          break;
+        }
+        const double end = now + transfer_s(p, k);
+        schedule(p, t, now, end);  // eager: the sender does not wait
+        const TaskTime arrival{now + late, end + late};
         sends_[key] = arrival;
-        if (auto it = recvs_.find(key); it != recvs_.end()) {
-          complete_recv(k.peer, it->second, arrival);
-          recvs_.erase(it);
+        if (posted != recvs_.end()) {
+          complete_recv(k.peer, posted->second, arrival);
+          recvs_.erase(posted);
         }
         break;
       }
       case TaskKind::Recv: {
         const auto key = std::make_tuple(p, k.peer, k.tag);
-        if (auto it = sends_.find(key); it != sends_.end()) {
-          complete_recv(p, t, it->second);
-          sends_.erase(it);
+        if (auto it = waiting_sends_.find(key); it != waiting_sends_.end()) {
+          rendezvous(k.peer, it->second.first, it->second.second, p, t);
+          waiting_sends_.erase(it);
+        } else if (auto sent = sends_.find(key); sent != sends_.end()) {
+          complete_recv(p, t, sent->second);
+          sends_.erase(sent);
         } else {
           recvs_[key] = t;
         }
         break;
       }
     }
+  }
+
+  double transfer_s(std::int32_t sender, const Task& send) {
+    return durations_.p2p_s(program_.ranks[static_cast<std::size_t>(sender)].rank,
+                            program_.ranks[static_cast<std::size_t>(send.peer)].rank, send.bytes);
+  }
+
+  // A blocking transfer: it starts when the sender is ready and the receive is posted, and
+  // both tasks end with it.
+  void rendezvous(std::int32_t sender, TaskId send, double ready, std::int32_t receiver,
+                  TaskId recv) {
+    const double posted =
+        eligible_[static_cast<std::size_t>(receiver)][static_cast<std::size_t>(recv)];
+    const double start = std::max(ready, posted);
+    const double end = start + transfer_s(sender, task(sender, send));
+    schedule(sender, send, start, end);
+    schedule(receiver, recv, start, end);
   }
 
   // The receive spans the part of the transfer after it was posted.
@@ -235,6 +270,10 @@ class Engine {
   std::map<std::pair<std::int32_t, std::int64_t>, Rendezvous> collectives_;
   std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, TaskTime> sends_;
   std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, TaskId> recvs_;
+  // Blocking transfers whose receive is not posted yet: the send and when its sender was ready.
+  std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, std::pair<TaskId, double>>
+      waiting_sends_;
+  bool eager_p2p_;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> queue_;
   std::uint64_t seq_ = 0;
   Timeline timeline_;

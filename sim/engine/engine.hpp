@@ -1,8 +1,10 @@
 // The discrete-event engine: runs a Program's tasks in time. Each rank has streams that run
 // their tasks one at a time in issue order; a task starts when its stream is free and its
 // dependencies are done. Collectives start when every simulated member of their group has
-// reached them; a receive completes when the matching send's data has arrived (sends are
-// eager: they do not wait for the receiver, as Megatron-LM posts both sides together).
+// reached them; a receive completes when the matching send's data has arrived. Pipeline
+// transfers follow the plan's overlap_p2p_comm: overlapped, a send is eager (it leaves when its
+// tensor exists and occupies the rank's pipeline stream); blocking (Megatron-LM's default), a
+// transfer starts when the send is ready and the receive posted, and both tasks span it.
 // Deterministic: ties in time are broken by the order events were created.
 //
 // Stragglers (EngineOptions::jitter_cv): ranks that run the same compute do not finish it at
@@ -12,7 +14,7 @@
 // waits that long before it starts (its members' tasks span the wait, as a measured trace shows
 // it). A pipeline transfer delivers its data E[max(0, X - Y)]·cv·T late, X and Y the sender's
 // and receiver's spreads and T the compute either did since their previous transfer: the
-// receiver waits for a late sender (the sender, eager, never waits). An approximation: real
+// receiver waits for a late sender (the sender never waits for lateness). An approximation: real
 // noise is neither normal nor independent across ranks; the spread is taken as proportional to
 // T (noise correlated along one rank's segment; were it independent from op to op, long
 // segments would spread less, as sqrt(T)).

@@ -198,6 +198,9 @@ class Lowerer {
   // Per-rank state while lowering.
   RankProgram* rp_ = nullptr;
   int prog_ = 0;
+  // Pipeline transfers without overlap (plan.overlap_p2p_comm false): the last compute task
+  // issued, after which a receive is posted.
+  TaskId last_compute_task_ = -1;
 
   int total_chunks() const { return plan_.pp * plan_.virtual_stages; }
   int global_chunk(int chunk) const { return chunk * plan_.pp + rp_->stage; }
@@ -264,8 +267,17 @@ class Lowerer {
   }
 
   TaskId add(Task t) {
+    const auto id = static_cast<TaskId>(rp_->tasks.size());
+    if (!plan_.overlap_p2p_comm) {
+      // Megatron-LM posts a stage's receives in a blocking batch_isend_irecv between compute
+      // passes, not ahead of need: a receive is posted when the compute before it has ended.
+      if (t.kind == TaskKind::Recv && last_compute_task_ >= 0) {
+        t.deps.push_back(last_compute_task_);
+      }
+      if (t.kind == TaskKind::Compute) last_compute_task_ = id;
+    }
     rp_->tasks.push_back(std::move(t));
-    return static_cast<TaskId>(rp_->tasks.size() - 1);
+    return id;
   }
 
   // The op sequence of a global chunk with its parallel-region markers, in forward order.
@@ -563,6 +575,7 @@ class Lowerer {
   void lower_rank(int index) {
     prog_ = index;
     rp_ = &program_.ranks[static_cast<std::size_t>(index)];
+    last_compute_task_ = -1;
     const int v = plan_.virtual_stages;
     const int last_global = total_chunks() - 1;
     std::vector<std::vector<Item>> items(static_cast<std::size_t>(v));

@@ -86,6 +86,7 @@ std::string summary(const Plan& p) {
   if (p.recompute != Recompute::None) s += fmt::format(" recompute={}", to_string(p.recompute));
   if (p.sequence_parallel) s += " sp";
   if (!p.overlap_grad_reduce) s += " no-overlap-grad-reduce";
+  if (p.overlap_p2p_comm) s += " overlap-p2p-comm";
   s += fmt::format(" {}", to_string(p.precision));
   if (p.comm_precision) s += fmt::format(" comm={}", to_string(*p.comm_precision));
   if (p.grad_compression < 1) s += fmt::format(" grad-compression={:g}", p.grad_compression);
@@ -297,6 +298,7 @@ json to_json(const Plan& p) {
             {"recompute", to_string(p.recompute)},
             {"sequence_parallel", p.sequence_parallel},
             {"overlap_grad_reduce", p.overlap_grad_reduce},
+            {"overlap_p2p_comm", p.overlap_p2p_comm},
             {"precision", to_string(p.precision)},
             {"optimizer", to_string(p.optimizer)},
             {"order", cluster::Placement::to_string(p.order)}};
@@ -322,6 +324,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "recompute",
                  "sequence_parallel",
                  "overlap_grad_reduce",
+                 "overlap_p2p_comm",
                  "precision",
                  "comm_precision",
                  "grad_compression",
@@ -358,6 +361,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
   }
   p.sequence_parallel = r.boolean_or("sequence_parallel", false);
   p.overlap_grad_reduce = r.boolean_or("overlap_grad_reduce", true);
+  p.overlap_p2p_comm = r.boolean_or("overlap_p2p_comm", false);
   if (r.has("precision")) {
     p.precision = *parse_precision(r.choice("precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));
   }

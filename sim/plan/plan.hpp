@@ -44,6 +44,13 @@ struct Plan {
   // --overlap-grad-reduce). False: it starts after the last backward pass, as Megatron-LM did in
   // 2021 (megatron/training.py, train_step: allreduce_gradients after forward_backward_func).
   bool overlap_grad_reduce = true;
+  // Pipeline transfers overlapped with compute (Megatron-LM --overlap-p2p-communication): a
+  // send starts as soon as its tensor exists and the receiver has posted its receive ahead of
+  // need. False, Megatron-LM's default (megatron/core/pipeline_parallel/p2p_communication.py:
+  // batch_isend_irecv, wait, torch.cuda.synchronize()): a stage posts its receives when the
+  // compute before them has ended, and a transfer starts when both ends are ready, so the
+  // receiver waits for all of it. (The sender's own wait in that batch is not modelled.)
+  bool overlap_p2p_comm = false;
   Precision precision = Precision::Bf16;
   // Low-precision communication: activations (tp, cp, ep, pp) and gradients travel in this
   // precision's bytes (unset: the training precision's), as with fp8 or bf16 collectives.

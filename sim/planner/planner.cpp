@@ -117,9 +117,19 @@ class Estimator {
     const double head_f = head_compute_f + (p.tp > 1 ? tp_comm / 4 : 0);
     const double head_b = head_compute_b + (p.tp > 1 ? tp_comm / 4 : 0);
 
-    // The slowest stage's forward and backward per micro-batch.
+    double p2p = 0;  // one pipeline transfer
+    if (p.pp > 1) {
+      const auto pp_ranks = placement.group(ParallelDim::Pp, 0);
+      const std::uint64_t bytes =
+          hidden_bytes / static_cast<std::uint64_t>(p.sequence_parallel ? p.tp : 1);
+      p2p = net_->p2p_s(pp_ranks[0], pp_ranks[1], bytes);
+    }
+    // The slowest stage's forward and backward per micro-batch, and without p2p overlap the
+    // time its receives expose per micro-batch: each is posted when the compute before it ends
+    // and waits for the whole transfer (activations for every chunk but the first stage's
+    // first, gradients for every chunk but the last stage's last).
     const std::vector<int> chunks = plan::chunk_layers(p, m.layers);
-    double stage_f = 0, stage_b = 0, stage_w = 0, stage_rec = 0;
+    double stage_f = 0, stage_b = 0, stage_w = 0, stage_rec = 0, stage_recv = 0;
     double stage_compute = 0;  // the slowest stage's compute alone, per micro-batch
     double stage_params = 0, stage_expert_params = 0;
     for (int s = 0; s < p.pp; ++s) {
@@ -138,10 +148,14 @@ class Estimator {
         b += head_b;
         compute += head_compute_f + head_compute_b;
       }
-      if (f + b + r > stage_f + stage_b + stage_rec) {
+      const double recv = p.pp > 1 && !p.overlap_p2p_comm
+                              ? p2p * (2 * p.virtual_stages - (s == 0) - (s == p.pp - 1))
+                              : 0.0;
+      if (f + b + r + recv > stage_f + stage_b + stage_rec + stage_recv) {
         stage_f = f;
         stage_b = b;
         stage_rec = r;
+        stage_recv = recv;
         stage_w = layers * lbw;
         stage_compute = compute;
       }
@@ -150,13 +164,6 @@ class Estimator {
     }
     const double mb = static_cast<double>(p.micro_batches());
     const double per_mb = stage_f + stage_b + stage_rec;
-    double p2p = 0;
-    if (p.pp > 1) {
-      const auto pp_ranks = placement.group(ParallelDim::Pp, 0);
-      const std::uint64_t bytes =
-          hidden_bytes / static_cast<std::uint64_t>(p.sequence_parallel ? p.tp : 1);
-      p2p = net_->p2p_s(pp_ranks[0], pp_ranks[1], bytes);
-    }
     engine::Breakdown b;
     b.compute_s = mb * (stage_f + stage_b);
     b.recompute_s = mb * stage_rec;
@@ -176,7 +183,7 @@ class Estimator {
         b.bubble_s = 0;
         break;
     }
-    b.exposed_pp_s = p.pp > 1 ? 2 * fill * p2p : 0;
+    b.exposed_pp_s = p.pp > 1 ? 2 * fill * p2p + mb * stage_recv : 0;
     // Stragglers (see the class comment): the waits of one group kind over a step.
     const double step_compute = mb * stage_compute;
     auto straggling = [&](double ranks) {

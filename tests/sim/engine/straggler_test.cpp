@@ -122,8 +122,9 @@ TEST_CASE("each group waits for the compute since its own last collective",
 
 TEST_CASE("a pipeline receive waits for a late sender", "[engine][stragglers]") {
   // Two stages: rank 0 computes 2 s and sends; rank 1 receives, computes 1 s and sends back;
-  // rank 0 receives. Transfers take no time here (Fixed::p2p_s).
+  // rank 0 receives. Transfers take no time here (Fixed::p2p_s); sends are eager.
   dtsim::lower::Program p;
+  p.plan.overlap_p2p_comm = true;
   auto transfer = [](TaskKind kind, std::int32_t peer, std::int64_t tag,
                      std::vector<dtsim::lower::TaskId> deps) {
     Task t;
@@ -159,4 +160,58 @@ TEST_CASE("a pipeline receive waits for a late sender", "[engine][stragglers]") 
   CHECK(t.tasks[0][1].end_s == Approx(2));
   // Back: rank 1 computed 1 s since, rank 0 nothing: 0.1·e(2)·1 late.
   CHECK(t.tasks[0][2].end_s == Approx(2 + 0.1 * e2 * 2 + 1 + 0.1 * e2 * 1));
+}
+
+TEST_CASE("without p2p overlap a transfer starts when both ends are ready", "[engine][pipeline]") {
+  // Rank 0 computes 2 s and sends; rank 1 computes 3 s, then posts its receive and computes
+  // 1 s on the data. A transfer takes 0.5 s.
+  class Transfers final : public dtsim::engine::Durations {
+   public:
+    double compute_s(const Task& t) override { return t.op_end - t.op_begin; }
+    double collective_s(const dtsim::lower::Group&, const Task&) override { return 0; }
+    double p2p_s(std::int64_t, std::int64_t, std::uint64_t) override { return 0.5; }
+  };
+  auto transfer = [](TaskKind kind, std::int32_t peer, std::vector<dtsim::lower::TaskId> deps) {
+    Task t;
+    t.kind = kind;
+    t.stream = dtsim::lower::Stream::Pp;
+    t.peer = peer;
+    t.tag = 0;
+    t.deps = std::move(deps);
+    return t;
+  };
+  dtsim::lower::Program p;
+  dtsim::lower::RankProgram r0, r1;
+  r0.rank = 0;
+  r1.rank = 1;
+  r0.tasks = {compute(2, {}), transfer(TaskKind::Send, 1, {0})};
+  r1.tasks = {compute(3, {}), transfer(TaskKind::Recv, 0, {0}), compute(1, {1})};
+  p.ranks = {r0, r1};
+  Transfers d;
+
+  // Overlapped: the data left at 2 s and is there at 2.5 s, before rank 1 asks for it.
+  p.plan.overlap_p2p_comm = true;
+  const auto eager = dtsim::engine::run(p, d);
+  CHECK(eager.tasks[0][1].start_s == Approx(2));
+  CHECK(eager.tasks[0][1].end_s == Approx(2.5));
+  CHECK(eager.tasks[1][1].end_s == Approx(3));
+  CHECK(eager.makespan_s == Approx(4));
+
+  // Blocking (Megatron-LM's default): the transfer waits for the receive, posted at 3 s, and
+  // both ends hold until it is done.
+  p.plan.overlap_p2p_comm = false;
+  const auto blocking = dtsim::engine::run(p, d);
+  for (int rank : {0, 1}) {
+    const auto& t = blocking.tasks[static_cast<std::size_t>(rank)][1];
+    CHECK(t.start_s == Approx(3));
+    CHECK(t.end_s == Approx(3.5));
+  }
+  CHECK(blocking.makespan_s == Approx(4.5));
+
+  // The receive posted first: the transfer starts when the sender is ready.
+  p.ranks[1].tasks[0].op_end = 1;
+  const auto early = dtsim::engine::run(p, d);
+  CHECK(early.tasks[1][1].start_s == Approx(2));
+  CHECK(early.tasks[1][1].end_s == Approx(2.5));
+  CHECK(early.makespan_s == Approx(3.5));
 }

@@ -175,3 +175,36 @@ TEST_CASE("low-precision communication and gradient compression change what is s
   CHECK(cost.codec_seconds(4000, 1000) ==
         Approx(2.0 * 5000 / bw + 2 * cluster.device.efficiency.launch_overhead_s.value));
 }
+
+TEST_CASE("without p2p overlap a receive is posted after the compute before it", "[lower]") {
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  Plan blocking = plan_for(1, 1, 2, 1);
+  blocking.virtual_stages = 2;
+  blocking.schedule = dtsim::plan::Schedule::Interleaved;
+  blocking.global_batch_size = 4;
+  Plan overlapped = blocking;
+  overlapped.overlap_p2p_comm = true;
+  const Program a = dtsim::lower::lower(g, blocking), b = dtsim::lower::lower(g, overlapped);
+  int receives = 0;
+  for (std::size_t r = 0; r < a.ranks.size(); ++r) {
+    const auto& tasks = a.ranks[r].tasks;
+    REQUIRE(tasks.size() == b.ranks[r].tasks.size());
+    dtsim::lower::TaskId last_compute = -1;
+    for (std::size_t i = 0; i < tasks.size(); ++i) {
+      const auto& t = tasks[i];
+      if (t.kind == TaskKind::Compute) last_compute = static_cast<dtsim::lower::TaskId>(i);
+      if (t.kind != TaskKind::Recv) continue;
+      INFO(t.label);
+      ++receives;
+      const auto& deps = t.deps;
+      const bool after_compute = std::find(deps.begin(), deps.end(), last_compute) != deps.end();
+      CHECK(after_compute == (last_compute >= 0));
+      // Overlapped, the same receive is posted ahead of need, after nothing.
+      CHECK(b.ranks[r].tasks[i].deps.empty());
+    }
+  }
+  // 2 stages x 2 chunks x 4 micro-batches: activations into 3 of the 4 global chunks, gradients
+  // into 3.
+  CHECK(receives == 4 * 3 * 2);
+}
