@@ -176,6 +176,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   p.recompute = dtsim::plan::Recompute::Selective;
   p.sequence_parallel = true;
   p.overlap_grad_reduce = false;
+  p.overlap_p2p_comm = true;
   p.layers_per_stage = {10, 10, 10, 10};
   p.comm_precision = dtsim::Precision::Fp8;
   p.grad_compression = 0.25;
@@ -183,6 +184,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   CHECK(dtsim::plan::to_json(q) == dtsim::plan::to_json(p));
   CHECK(q.comm_precision == dtsim::Precision::Fp8);
   CHECK(q.grad_compression == 0.25);
+  CHECK(q.overlap_p2p_comm);
 
   auto bad = [](const char* text, const char* message) {
     dtsim::test::TempFile f("plan.json", text);
@@ -198,6 +200,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   bad(R"({"order": 3})", "plan.json: order: expected a string, got 3");
   bad(R"({"sequence_parallel": "yes"})", "plan.json: sequence_parallel: expected true or false");
   bad(R"({"overlap_grad_reduce": 0})", "plan.json: overlap_grad_reduce: expected true or false");
+  bad(R"({"overlap_p2p_comm": "yes"})", "plan.json: overlap_p2p_comm: expected true or false");
   bad(R"({"zero_stage": 4})", "plan.json: zero_stage: expected 0, 1, 2 or 3, got 4");
   bad(R"({"grad_compression": 2})",
       "plan.json: grad_compression: expected the fraction of the gradient bytes sent, in (0, 1]");
