@@ -35,6 +35,7 @@
 #include "exec/cuda/calibrate_cuda.hpp"
 #include "exec/cuda/device.hpp"
 #include "exec/cuda/gpu_probe.hpp"
+#include "exec/cuda/nccl_comm.hpp"
 #endif
 
 namespace {
@@ -46,7 +47,7 @@ void usage(std::ostream& os) {
         "  run --model M [plan flags | --plan P.json] [--steps N] [--checkpoint DIR]\n"
         "      [--resume DIR] [--trace T.json] [--json]\n"
         "                         train M following the Program dtsim lowers the plan to: on\n"
-        "                         CPU ranks (mpirun -np N) or one GPU (--backend cuda)\n"
+        "                         CPU ranks (mpirun -np N) or GPUs (--backend cuda)\n"
         "  compare A B            two checkpoints: losses and weights, within --tolerance\n"
         "  calibrate --out P.json [--backend cpu] [--quick]\n"
         "                         measure GEMM times by shape, memory bandwidth and kernel\n"
@@ -192,9 +193,10 @@ void write_trace(const std::string& path, const dtsim::lower::Program& program,
   dtsim::report::write_chrome_trace(path, program, timeline);
 }
 
-// The GPU of a one-GPU run (the first one), with activations in the plan's precision; says
-// which in `where`. Exit code 2 with the reason where there is none.
-std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision,
+// The GPU of this rank (the node-local rank's; the first one without mpirun), with activations in
+// the plan's precision; says which in `where`. Exit code 2 with the reason where there is none.
+std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision, int local_rank,
+                                                     int local_size, const std::string& host,
                                                      std::string& where) {
 #ifdef DTEXEC_HAVE_CUDA
   const auto p = dtsim::exec::cuda::probe();
@@ -202,13 +204,21 @@ std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision,
     throw dtsim::UnsupportedError(
         fmt::format("--backend cuda: no GPU on this machine ({})", p.why_none));
   }
-  const auto& g = p.gpus.front();
+  if (static_cast<std::size_t>(local_size) > p.gpus.size()) {
+    throw dtsim::UnsupportedError(
+        fmt::format("--backend cuda: {} ranks on {} but {} GPU{}: NCCL needs a GPU per rank",
+                    local_size, host, p.gpus.size(), p.gpus.size() == 1 ? "" : "s"));
+  }
+  const auto& g = p.gpus[static_cast<std::size_t>(local_rank)];
   const bool bf16 = precision == dtsim::Precision::Bf16;
   where = fmt::format("GPU {} ({}), {} activations", g.index, g.name, bf16 ? "bf16" : "fp32");
   return dtsim::exec::cuda::make_device(g.index,
                                         bf16 ? dtsim::exec::Dtype::BF16 : dtsim::exec::Dtype::F32);
 #else
   (void)precision;
+  (void)local_rank;
+  (void)local_size;
+  (void)host;
   (void)where;
   throw dtsim::UnsupportedError(
       "--backend cuda: this dtexec was built without the CUDA backend (CUDA toolkit or NCCL "
@@ -323,8 +333,8 @@ int run(const std::vector<std::string>& args) {
   desc.add_options()("help,h", "show this help")(
       "model", po::value<std::string>()->default_value("tiny-gpt"), "model name or path")(
       "backend", po::value<std::string>()->default_value("cpu"),
-      "cpu (fp32, MPI ranks) or cuda (one GPU: a one-device plan, or --only-rank; bf16 by "
-      "default, --precision fp32)")(
+      "cpu (fp32, MPI ranks) or cuda (a GPU per MPI rank over NCCL, or one GPU: a one-device "
+      "plan or --only-rank; bf16 by default, --precision fp32)")(
       "steps", po::value<int>()->default_value(10),
       "train until this many steps are done (counting a resumed checkpoint's)")(
       "warmup", po::value<int>()->default_value(1), "steps left out of the median step time")(
@@ -361,9 +371,11 @@ int run(const std::vector<std::string>& args) {
              "       mpirun -np N dtexec run ...   (N = dp x tp x pp ranks)\n\n"
              "Trains M on the CPU (fp32, OpenBLAS), one MPI process per rank, following the\n"
              "Program dtsim lowers the plan to: the same tasks the simulator predicts.\n"
-             "--backend cuda trains on one GPU (cuBLAS and dtexec's kernels, bf16 activations\n"
-             "with fp32 master weights): a one-device plan, or one rank of a larger plan with\n"
-             "--only-rank. GPU tasks are timed with CUDA events.",
+             "--backend cuda trains on GPUs (cuBLAS and dtexec's kernels, bf16 activations\n"
+             "with fp32 master weights): one per MPI rank (the node-local rank's), NCCL\n"
+             "communicators per group (not yet run on more than one GPU); or one GPU alone: a\n"
+             "one-device plan, or one rank of a larger plan with --only-rank. GPU tasks are\n"
+             "timed with CUDA events.",
              vm)) {
     return 0;
   }
@@ -385,13 +397,6 @@ int run(const std::vector<std::string>& args) {
   }
   const auto spec = dtsim::cli::model_from_options(vm);
   const std::int64_t devices = mpi && !only_rank ? mpi->size() : requested_devices(vm);
-  if (gpu && ((mpi && mpi->size() > 1) || (devices > 1 && !only_rank))) {
-    throw dtsim::UnsupportedError(
-        fmt::format("--backend cuda: runs on one GPU in this version (a one-device plan, or "
-                    "--only-rank R of a larger one); this plan has {} devices and multi-GPU "
-                    "plans need NCCL communicators, not built yet",
-                    devices));
-  }
   if (!mpi && devices > 1 && !only_rank) {
     throw dtsim::InputError(fmt::format(
         "the plan needs {} ranks: start them with mpirun -np {} dtexec run ...", devices, devices));
@@ -448,7 +453,9 @@ int run(const std::vector<std::string>& args) {
   std::string where = "the CPU";
   std::unique_ptr<dtsim::exec::Device> device;
   if (gpu) {
-    device = make_gpu_device(plan.precision, where);
+    device = mpi ? make_gpu_device(plan.precision, mpi->local_rank(), mpi->local_size(),
+                                   mpi->host(), where)
+                 : make_gpu_device(plan.precision, 0, 1, "this host", where);
   } else {
     device = std::make_unique<dtsim::exec::cpu::CpuDevice>();
   }
@@ -469,6 +476,15 @@ int run(const std::vector<std::string>& args) {
   if (mpi && !gpu) {
     comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);
     if (mpi->size() > 1) dtsim::exec::cpu::set_gemm_threads(1);
+  } else if (mpi && mpi->size() > 1) {
+#ifdef DTEXEC_HAVE_CUDA
+    try {
+      comm = dtsim::exec::cuda::make_nccl_comm(*mpi, program, *device, options.task_timeout_s);
+    } catch (const std::exception& e) {
+      end_all_ranks(e, mpi.get(), "run");
+      throw;
+    }
+#endif
   } else {
     comm = std::make_unique<dtsim::exec::SingleRankComm>(device.get());
   }

@@ -22,6 +22,8 @@ class CudaDevice final : public Device {
   }
 
   std::string name() const override { return "cuda:" + std::to_string(gpu_); }
+  void* stream() const { return k_.stream(); }
+  int gpu() const { return gpu_; }
   exec::Dtype activations() const override { return act_; }
   bool host_memory() const override { return false; }
 
@@ -218,6 +220,18 @@ class CudaDevice final : public Device {
 
 std::unique_ptr<Device> make_device(int gpu, exec::Dtype activations) {
   return std::make_unique<CudaDevice>(gpu, activations);
+}
+
+void* stream_of(Device& device) {
+  auto* d = dynamic_cast<CudaDevice*>(&device);
+  DTSIM_ASSERT(d != nullptr, "a GPU stream of a device that is not a GPU");
+  return d->stream();
+}
+
+int gpu_of(const Device& device) {
+  const auto* d = dynamic_cast<const CudaDevice*>(&device);
+  DTSIM_ASSERT(d != nullptr, "the GPU of a device that is not a GPU");
+  return d->gpu();
 }
 
 }  // namespace dtsim::exec::cuda

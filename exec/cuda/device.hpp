@@ -14,4 +14,9 @@ namespace dtsim::exec::cuda {
 // Throws CudaError when the GPU cannot be used.
 std::unique_ptr<Device> make_device(int gpu, Dtype activations);
 
+// The stream (a cudaStream_t) on which a device made by make_device queues its work, and the
+// GPU it is bound to. InternalError for another kind of device.
+void* stream_of(Device& device);
+int gpu_of(const Device& device);
+
 }  // namespace dtsim::exec::cuda

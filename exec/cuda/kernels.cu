@@ -492,6 +492,10 @@ void launched(const char* kernel) {
 
 }  // namespace
 
+void* Kernels::stream() const {
+  return impl_->stream;
+}
+
 Kernels::Kernels(int gpu, Dtype activations) : impl_(std::make_unique<Impl>()), act_(activations) {
   check(cudaSetDevice(gpu), "cudaSetDevice");
   check(cudaStreamCreate(&impl_->stream), "cudaStreamCreate");

@@ -65,6 +65,9 @@ class Kernels {
   Kernels& operator=(const Kernels&) = delete;
 
   Dtype activations() const { return act_; }
+  // The stream all of this object's work goes to (a cudaStream_t), for a communication
+  // backend that orders its own streams after it with events.
+  void* stream() const;
 
   // ---- host transfers (ordered on the stream; download waits for it) --------------------
   // n floats from the host into activation-typed `dst` (rounded to bf16 when that is the type).

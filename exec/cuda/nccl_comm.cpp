@@ -1,0 +1,408 @@
+#include "exec/cuda/nccl_comm.hpp"
+
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "exec/core/p2p_order.hpp"
+#include "exec/cuda/device.hpp"
+
+namespace dtsim::exec::cuda {
+
+namespace {
+
+ncclDataType_t nccl_type(Dtype t) {
+  switch (t) {
+    case Dtype::F32:
+      return ncclFloat32;
+    case Dtype::BF16:
+      return ncclBfloat16;
+    case Dtype::I32:
+      return ncclInt32;
+  }
+  return ncclFloat32;
+}
+
+std::size_t count(const View& v) {
+  return static_cast<std::size_t>(v.n);
+}
+
+class NcclComm final : public Comm {
+ public:
+  NcclComm(const cpu::MpiSession& session, const lower::Program& program, Device& device,
+           double timeout_s)
+      // The MPI communicators carry what stays on the host (losses, checkpoints, barriers);
+      // making them also checks the program against the job's size.
+      : session_(session),
+        host_(cpu::make_mpi_comm(session, program)),
+        device_(device),
+        compute_(static_cast<cudaStream_t>(stream_of(device))),
+        timeout_s_(timeout_s),
+        rank_(session.rank()),
+        size_(session.size()) {
+    if (auto mismatch = untagged_p2p_mismatch(program)) {
+      throw UnsupportedError(
+          fmt::format("--backend cuda: NCCL transfers carry no tag, and {}", *mismatch));
+    }
+    cuda(cudaSetDevice(gpu_of(device)), "cudaSetDevice");
+    cuda(cudaEventCreateWithFlags(&fence_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    ncclUniqueId id{};
+    if (rank_ == 0) nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    session.broadcast(&id, sizeof id);
+    nccl(ncclCommInitRank(&world_, size_, id, rank_), "ncclCommInitRank");
+    comms_.push_back(world_);
+
+    // A communicator per group: every rank takes part in every split (the job's communicator is
+    // split collectively), members with the group's index as colour and their ring position as
+    // key, so that a member's NCCL rank is its place in the group.
+    groups_.resize(program.groups.size());
+    for (std::size_t g = 0; g < program.groups.size(); ++g) {
+      const auto& ranks = program.groups[g].ranks;
+      if (ranks.size() < 2) continue;  // the same on every rank: no split
+      const auto at = std::find(ranks.begin(), ranks.end(), static_cast<std::int64_t>(rank_));
+      const bool member = at != ranks.end();
+      const int index = member ? static_cast<int>(at - ranks.begin()) : 0;
+      ncclComm_t c = nullptr;
+      nccl(ncclCommSplit(world_, member ? static_cast<int>(g) : NCCL_SPLIT_NOCOLOR, index, &c,
+                         nullptr),
+           "ncclCommSplit (group)");
+      if (!member) continue;
+      comms_.push_back(c);
+      groups_[g] = {c, new_stream(), index, ranks.size()};
+    }
+
+    // A communicator of two per direction of each pair that exchanges pipeline tensors: the
+    // sender is its rank 0 and uses it from its send stream only, the receiver its rank 1 and
+    // uses it from the compute stream only.
+    std::set<std::pair<std::int64_t, std::int64_t>> pairs;
+    for (const auto& rp : program.ranks) {
+      for (const auto& t : rp.tasks) {
+        if (t.kind == lower::TaskKind::Send) {
+          pairs.insert({rp.rank, program.ranks.at(static_cast<std::size_t>(t.peer)).rank});
+        }
+      }
+    }
+    for (const auto& [from, to] : pairs) {
+      const bool in = rank_ == from || rank_ == to;
+      ncclComm_t c = nullptr;
+      nccl(ncclCommSplit(world_, in ? 0 : NCCL_SPLIT_NOCOLOR, rank_ == from ? 0 : 1, &c, nullptr),
+           "ncclCommSplit (pipeline pair)");
+      if (!in) continue;
+      comms_.push_back(c);
+      if (rank_ == from) {
+        sends_[static_cast<int>(to)] = {c, new_stream(), 0, 2};
+      } else {
+        recvs_[static_cast<int>(from)] = c;
+      }
+    }
+    watcher_ = std::thread([this] { watch(); });
+  }
+
+  ~NcclComm() override {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (watcher_.joinable()) watcher_.join();
+    for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
+    for (const View& v : staged_) device_.release(v);
+    for (auto it = comms_.rbegin(); it != comms_.rend(); ++it) ncclCommDestroy(*it);
+    for (cudaStream_t s : streams_) cudaStreamDestroy(s);
+    for (cudaEvent_t e : done_) cudaEventDestroy(e);
+    if (fence_ != nullptr) cudaEventDestroy(fence_);
+  }
+
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  bool moves_device_memory() const override { return true; }
+
+  void all_reduce(int group, View data, Reduce op) override {
+    const Channel* g = member_of(group);
+    if (g == nullptr || data.empty()) return;
+    after_compute(g->stream);
+    nccl(ncclAllReduce(data.p, data.p, count(data), nccl_type(data.type),
+                       op == Reduce::Sum ? ncclSum : ncclMax, g->comm, g->stream),
+         "ncclAllReduce");
+    before_compute(g->stream);
+  }
+
+  void reduce_scatter(int group, View in, View out, std::span<const int> counts) override {
+    const Channel* g = member_of(group);
+    if (g == nullptr) {
+      device_.copy(out, in);
+      return;
+    }
+    after_compute(g->stream);
+    enqueue_reduce_scatter(*g, in, out, counts);
+    before_compute(g->stream);
+  }
+
+  void all_gather(int group, View in, View out, std::span<const int> counts) override {
+    const Channel* g = member_of(group);
+    if (g == nullptr) {
+      device_.copy(out, in);
+      return;
+    }
+    DTSIM_ASSERT(counts.size() == g->members, "one count per member");
+    after_compute(g->stream);
+    if (equal(counts)) {
+      if (counts[0] > 0) {
+        nccl(ncclAllGather(in.p, out.p, static_cast<std::size_t>(counts[0]), nccl_type(in.type),
+                           g->comm, g->stream),
+             "ncclAllGather");
+      }
+    } else {
+      // Unequal shards: member r broadcasts its part into its place.
+      nccl(ncclGroupStart(), "ncclGroupStart");
+      std::int64_t offset = 0;
+      for (std::size_t r = 0; r < counts.size(); ++r) {
+        if (counts[r] > 0) {
+          nccl(
+              ncclBroadcast(in.p, out.sub(offset, counts[r]).p, static_cast<std::size_t>(counts[r]),
+                            nccl_type(in.type), static_cast<int>(r), g->comm, g->stream),
+              "ncclBroadcast");
+        }
+        offset += counts[r];
+      }
+      nccl(ncclGroupEnd(), "ncclGroupEnd");
+    }
+    before_compute(g->stream);
+  }
+
+  Handle start_all_reduce(int group, View data) override {
+    const Channel* g = member_of(group);
+    if (g == nullptr || data.empty()) return -1;
+    after_compute(g->stream);
+    nccl(ncclAllReduce(data.p, data.p, count(data), nccl_type(data.type), ncclSum, g->comm,
+                       g->stream),
+         "ncclAllReduce");
+    return done_on(g->stream);
+  }
+
+  Handle start_reduce_scatter(int group, View in, View out, std::span<const int> counts) override {
+    const Channel* g = member_of(group);
+    if (g == nullptr) {
+      device_.copy(out, in);
+      return -1;
+    }
+    after_compute(g->stream);
+    enqueue_reduce_scatter(*g, in, out, counts);
+    return done_on(g->stream);
+  }
+
+  void finish(Handle handle) override {
+    if (handle < 0) return;
+    DTSIM_ASSERT(handle < used_, "a handle of this step");
+    cuda(cudaStreamWaitEvent(compute_, done_[static_cast<std::size_t>(handle)], 0),
+         "cudaStreamWaitEvent");
+  }
+
+  void send(int peer, std::int64_t, View data) override {
+    const auto it = sends_.find(peer);
+    DTSIM_ASSERT(it != sends_.end(), fmt::format("rank {} sends to rank {}", rank_, peer));
+    if (data.empty()) return;
+    // The tensor may be released and its memory reused once this returns: send a copy.
+    const View staged = device_.allocate(data.n, data.type);
+    device_.copy(staged, data);
+    staged_.push_back(staged);
+    after_compute(it->second.stream);
+    nccl(ncclSend(staged.p, count(staged), nccl_type(staged.type), 1, it->second.comm,
+                  it->second.stream),
+         "ncclSend");
+  }
+
+  void recv(int peer, std::int64_t, View data) override {
+    const auto it = recvs_.find(peer);
+    DTSIM_ASSERT(it != recvs_.end(), fmt::format("rank {} receives from rank {}", rank_, peer));
+    if (data.empty()) return;
+    nccl(ncclRecv(data.p, count(data), nccl_type(data.type), 0, it->second, compute_), "ncclRecv");
+  }
+
+  // The step's end: every queued kernel and transfer of this rank done, or a hang reported.
+  void wait_sends() override {
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+    std::vector<cudaStream_t> all = streams_;
+    all.push_back(compute_);
+    for (cudaStream_t s : all) {
+      for (;;) {
+        const cudaError_t e = cudaStreamQuery(s);
+        if (e == cudaSuccess) break;
+        if (e != cudaErrorNotReady) cuda(e, "cudaStreamQuery");
+        if (timeout_s_ > 0 && std::chrono::steady_clock::now() > deadline) {
+          end_job(fmt::format(
+              "the step's GPU work (kernels and NCCL transfers) did not finish within {} s "
+              "(--task-timeout): a peer failed or the ranks disagree on their collectives",
+              timeout_s_));
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    }
+    for (const View& v : staged_) device_.release(v);
+    staged_.clear();
+    used_ = 0;
+  }
+
+  void all_ranks(std::span<double> data, Reduce op) override { host_->all_ranks(data, op); }
+  std::vector<std::string> gather_to_root(const std::string& mine) override {
+    return host_->gather_to_root(mine);
+  }
+  void barrier() override { host_->barrier(); }
+
+ private:
+  struct Channel {
+    ncclComm_t comm = nullptr;
+    cudaStream_t stream = nullptr;
+    int index = 0;            // this rank's NCCL rank in it
+    std::size_t members = 0;  // NCCL ranks
+  };
+
+  const Channel* member_of(int group) const {
+    DTSIM_ASSERT(group >= 0 && static_cast<std::size_t>(group) < groups_.size(),
+                 fmt::format("group {} of a program with {} groups", group, groups_.size()));
+    const Channel& g = groups_[static_cast<std::size_t>(group)];
+    return g.comm == nullptr ? nullptr : &g;
+  }
+
+  static bool equal(std::span<const int> counts) {
+    return std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; });
+  }
+
+  void enqueue_reduce_scatter(const Channel& g, View in, View out, std::span<const int> counts) {
+    DTSIM_ASSERT(counts.size() == g.members, "one count per member");
+    if (equal(counts)) {
+      if (counts[0] > 0) {
+        nccl(ncclReduceScatter(in.p, out.p, static_cast<std::size_t>(counts[0]), nccl_type(in.type),
+                               ncclSum, g.comm, g.stream),
+             "ncclReduceScatter");
+      }
+      return;
+    }
+    // Unequal shards: member r receives the sum of everyone's part r.
+    nccl(ncclGroupStart(), "ncclGroupStart");
+    std::int64_t offset = 0;
+    for (std::size_t r = 0; r < counts.size(); ++r) {
+      if (counts[r] > 0) {
+        nccl(ncclReduce(in.sub(offset, counts[r]).p, out.p, static_cast<std::size_t>(counts[r]),
+                        nccl_type(in.type), ncclSum, static_cast<int>(r), g.comm, g.stream),
+             "ncclReduce");
+      }
+      offset += counts[r];
+    }
+    nccl(ncclGroupEnd(), "ncclGroupEnd");
+  }
+
+  cudaStream_t new_stream() {
+    cudaStream_t s = nullptr;
+    cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    streams_.push_back(s);
+    return s;
+  }
+
+  // `s` starts after the work queued on the compute stream so far; the compute stream's later
+  // work starts after what is queued on `s`.
+  void after_compute(cudaStream_t s) {
+    cuda(cudaEventRecord(fence_, compute_), "cudaEventRecord");
+    cuda(cudaStreamWaitEvent(s, fence_, 0), "cudaStreamWaitEvent");
+  }
+  void before_compute(cudaStream_t s) {
+    cuda(cudaEventRecord(fence_, s), "cudaEventRecord");
+    cuda(cudaStreamWaitEvent(compute_, fence_, 0), "cudaStreamWaitEvent");
+  }
+
+  // An event after the work queued on `s`: the handle that finish() makes compute wait for.
+  Handle done_on(cudaStream_t s) {
+    if (static_cast<std::size_t>(used_) == done_.size()) {
+      cudaEvent_t e = nullptr;
+      cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+      done_.push_back(e);
+    }
+    cuda(cudaEventRecord(done_[static_cast<std::size_t>(used_)], s), "cudaEventRecord");
+    return used_++;
+  }
+
+  void cuda(cudaError_t e, const char* call) {
+    if (e != cudaSuccess) {
+      end_job(fmt::format("{} failed: {} (error {})", call, cudaGetErrorString(e),
+                          static_cast<int>(e)));
+    }
+  }
+  void nccl(ncclResult_t r, const char* call) {
+    if (r != ncclSuccess) {
+      end_job(fmt::format("{} failed: {} (result {})", call, ncclGetErrorString(r),
+                          static_cast<int>(r)));
+    }
+  }
+
+  // A failed call leaves collectives that the peers cannot finish: abort the communicators
+  // (their kernels return) and end this rank; mpirun ends the others.
+  [[noreturn]] void end_job(const std::string& what) {
+    std::cerr << fmt::format("dtexec: rank {} on {}: {}; aborting the NCCL communicators\n", rank_,
+                             session_.host(), what);
+    std::cerr.flush();
+    for (ncclComm_t c : comms_) ncclCommAbort(c);
+    std::_Exit(3);
+  }
+
+  // Every second: a communicator's asynchronous error (a peer's network failure, a timeout
+  // inside NCCL) ends the job instead of leaving this rank waiting.
+  void watch() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!wake_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; })) {
+      for (ncclComm_t c : comms_) {
+        ncclResult_t state = ncclSuccess;
+        if (ncclCommGetAsyncError(c, &state) != ncclSuccess) continue;
+        if (state != ncclSuccess && state != ncclInProgress) {
+          end_job(
+              fmt::format("NCCL reported an asynchronous error: {}", ncclGetErrorString(state)));
+        }
+      }
+    }
+  }
+
+  const cpu::MpiSession& session_;
+  std::unique_ptr<Comm> host_;
+  Device& device_;
+  cudaStream_t compute_;
+  double timeout_s_;
+  int rank_, size_;
+  ncclComm_t world_ = nullptr;
+  std::vector<ncclComm_t> comms_;    // all of them, the job's first; fixed once built
+  std::vector<Channel> groups_;      // per Program group; no communicator where not a member
+  std::map<int, Channel> sends_;     // per receiving rank
+  std::map<int, ncclComm_t> recvs_;  // per sending rank
+  std::vector<cudaStream_t> streams_;
+  cudaEvent_t fence_ = nullptr;
+  std::vector<cudaEvent_t> done_;  // handles of this step: done_[0, used_)
+  int used_ = 0;
+  std::vector<View> staged_;  // copies being sent this step
+  std::thread watcher_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> make_nccl_comm(const cpu::MpiSession& session, const lower::Program& program,
+                                     Device& device, double timeout_s) {
+  return std::make_unique<NcclComm>(session, program, device, timeout_s);
+}
+
+}  // namespace dtsim::exec::cuda
