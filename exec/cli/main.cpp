@@ -355,7 +355,7 @@ int run(const std::vector<std::string>& args) {
       "times become the waits")(
       "task-timeout", po::value<double>()->default_value(600),
       "seconds a single task may take before the run is declared hung and every rank is "
-      "ended (0: never)")(
+      "ended (0: never); on GPUs over NCCL, the seconds a step's queued work may take")(
       "hang-at", po::value<std::string>(),
       "fault injection for tests, RANK:STEP: that rank stops answering when the step starts")(
       "fail-at", po::value<std::string>(),
@@ -394,6 +394,12 @@ int run(const std::vector<std::string>& args) {
   g_rank = rank;
   if (only_rank && mpi && mpi->size() > 1) {
     throw dtsim::InputError("--only-rank: runs one process; start it without mpirun");
+  }
+  if (gpu && mpi && mpi->size() > 1) {
+    // NCCL's kernels wait for their peers: with the CUDA default of 8 hardware queues, a
+    // kernel queued behind a waiting receive could hold back a send on another stream. More
+    // queues, unless the user chose a number (before the first CUDA context).
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   }
   const auto spec = dtsim::cli::model_from_options(vm);
   const std::int64_t devices = mpi && !only_rank ? mpi->size() : requested_devices(vm);

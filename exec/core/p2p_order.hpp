@@ -12,8 +12,8 @@
 
 namespace dtsim::exec {
 
-// The first ordered pair (by sender, then receiver) whose sends and receives differ in order
-// or number, described for an error message; nothing when every pair agrees.
+// The first ordered pair (by sender, then receiver) whose sends and receives differ in order,
+// number or size, described for an error message; nothing when every pair agrees.
 std::optional<std::string> untagged_p2p_mismatch(const lower::Program& program);
 
 }  // namespace dtsim::exec

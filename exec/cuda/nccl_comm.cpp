@@ -3,8 +3,10 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <nccl.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -39,6 +41,19 @@ std::size_t count(const View& v) {
   return static_cast<std::size_t>(v.n);
 }
 
+// (sender, receiver) of every pipeline transfer, ordered: the same sequence on every rank.
+std::set<std::pair<std::int64_t, std::int64_t>> pipeline_pairs(const lower::Program& program) {
+  std::set<std::pair<std::int64_t, std::int64_t>> pairs;
+  for (const auto& rp : program.ranks) {
+    for (const auto& t : rp.tasks) {
+      if (t.kind == lower::TaskKind::Send) {
+        pairs.insert({rp.rank, program.ranks.at(static_cast<std::size_t>(t.peer)).rank});
+      }
+    }
+  }
+  return pairs;
+}
+
 class NcclComm final : public Comm {
  public:
   NcclComm(const cpu::MpiSession& session, const lower::Program& program, Device& device,
@@ -50,14 +65,18 @@ class NcclComm final : public Comm {
         device_(device),
         compute_(static_cast<cudaStream_t>(stream_of(device))),
         timeout_s_(timeout_s),
+        gpu_(gpu_of(device)),
         rank_(session.rank()),
         size_(session.size()) {
     if (auto mismatch = untagged_p2p_mismatch(program)) {
       throw UnsupportedError(
           fmt::format("--backend cuda: NCCL transfers carry no tag, and {}", *mismatch));
     }
-    cuda(cudaSetDevice(gpu_of(device)), "cudaSetDevice");
+    cuda(cudaSetDevice(gpu_), "cudaSetDevice");
     cuda(cudaEventCreateWithFlags(&fence_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    // Connections at initialisation, not at first use: a first use that sets up connections
+    // waits on the host for the peers, which would make the first send of a step blocking.
+    setenv("NCCL_RUNTIME_CONNECT", "0", 0);
     ncclUniqueId id{};
     if (rank_ == 0) nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
     session.broadcast(&id, sizeof id);
@@ -86,14 +105,7 @@ class NcclComm final : public Comm {
     // A communicator of two per direction of each pair that exchanges pipeline tensors: the
     // sender is its rank 0 and uses it from its send stream only, the receiver its rank 1 and
     // uses it from the compute stream only.
-    std::set<std::pair<std::int64_t, std::int64_t>> pairs;
-    for (const auto& rp : program.ranks) {
-      for (const auto& t : rp.tasks) {
-        if (t.kind == lower::TaskKind::Send) {
-          pairs.insert({rp.rank, program.ranks.at(static_cast<std::size_t>(t.peer)).rank});
-        }
-      }
-    }
+    const auto pairs = pipeline_pairs(program);
     for (const auto& [from, to] : pairs) {
       const bool in = rank_ == from || rank_ == to;
       ncclComm_t c = nullptr;
@@ -107,6 +119,7 @@ class NcclComm final : public Comm {
         recvs_[static_cast<int>(from)] = c;
       }
     }
+    warm_up(program);
     watcher_ = std::thread([this] { watch(); });
   }
 
@@ -308,6 +321,33 @@ class NcclComm final : public Comm {
     nccl(ncclGroupEnd(), "ncclGroupEnd");
   }
 
+  // One small operation on every communicator, in the order they were made (on every rank the
+  // lowest pending one has all its members at it, so this cannot deadlock), waited for on the
+  // host: whatever NCCL still sets up at first use is done before the first step.
+  void warm_up(const lower::Program& program) {
+    const View one = device_.allocate(1, Dtype::F32);
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      const Channel* c = member_of(static_cast<int>(g));
+      if (c == nullptr) continue;
+      all_reduce(static_cast<int>(g), one, Reduce::Sum);
+      cuda(cudaStreamSynchronize(compute_), "cudaStreamSynchronize");
+    }
+    const auto pairs = pipeline_pairs(program);
+    for (const auto& [from, to] : pairs) {
+      if (rank_ == from) {
+        const Channel& s = sends_.at(static_cast<int>(to));
+        after_compute(s.stream);
+        nccl(ncclSend(one.p, 1, ncclFloat32, 1, s.comm, s.stream), "ncclSend");
+        cuda(cudaStreamSynchronize(s.stream), "cudaStreamSynchronize");
+      } else if (rank_ == to) {
+        nccl(ncclRecv(one.p, 1, ncclFloat32, 0, recvs_.at(static_cast<int>(from)), compute_),
+             "ncclRecv");
+        cuda(cudaStreamSynchronize(compute_), "cudaStreamSynchronize");
+      }
+    }
+    device_.release(one);
+  }
+
   cudaStream_t new_stream() {
     cudaStream_t s = nullptr;
     cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
@@ -352,17 +392,26 @@ class NcclComm final : public Comm {
 
   // A failed call leaves collectives that the peers cannot finish: abort the communicators
   // (their kernels return) and end this rank; mpirun ends the others.
+  // Once per process: the watcher and the main thread may both get here, and a communicator
+  // must not be aborted twice or while the other thread still uses it. An abort that does not
+  // return within 30 s is cut short (SIGALRM ends the process).
   [[noreturn]] void end_job(const std::string& what) {
+    static std::atomic<bool> ending{false};
+    if (ending.exchange(true)) {
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
     std::cerr << fmt::format("dtexec: rank {} on {}: {}; aborting the NCCL communicators\n", rank_,
                              session_.host(), what);
     std::cerr.flush();
-    for (ncclComm_t c : comms_) ncclCommAbort(c);
+    alarm(30);
+    for (auto it = comms_.rbegin(); it != comms_.rend(); ++it) ncclCommAbort(*it);
     std::_Exit(3);
   }
 
   // Every second: a communicator's asynchronous error (a peer's network failure, a timeout
   // inside NCCL) ends the job instead of leaving this rank waiting.
   void watch() {
+    cudaSetDevice(gpu_);  // no context on another GPU from this thread
     std::unique_lock<std::mutex> lock(mutex_);
     while (!wake_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; })) {
       for (ncclComm_t c : comms_) {
@@ -381,6 +430,7 @@ class NcclComm final : public Comm {
   Device& device_;
   cudaStream_t compute_;
   double timeout_s_;
+  int gpu_;
   int rank_, size_;
   ncclComm_t world_ = nullptr;
   std::vector<ncclComm_t> comms_;    // all of them, the job's first; fixed once built
