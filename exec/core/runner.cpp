@@ -1354,6 +1354,11 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
                        to_string(p.precision)));
   }
   if (p.ep > 1) refuse("expert parallelism (ep > 1)");
+  if (p.pp > 1 && p.overlap_p2p_comm) {
+    refuse(
+        "overlapped pipeline transfers (--overlap-p2p-comm; dtexec posts each receive when it "
+        "reaches it, as Megatron-LM does by default)");
+  }
   if (p.sequence_parallel && (p.micro_batch_size * p.seq_len) % p.tp != 0) {
     refuse(
         fmt::format("sequence parallelism with {} tokens per micro-batch, not divisible by tp {}",
