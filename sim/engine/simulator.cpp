@@ -219,6 +219,15 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
         "pipedream: asynchronous steady state (no flush); step time excludes the "
         "one-time pipeline fill and drain");
   }
+  if (plan.pp > 1) {
+    p.notes.push_back(
+        plan.overlap_p2p_comm
+            ? "pipeline transfers overlap compute (--overlap-p2p-comm): receives are posted "
+              "ahead of need"
+            : "pipeline transfers block, as Megatron-LM's do by default: a stage posts a receive "
+              "when the compute before it ends and waits for the whole transfer "
+              "(--overlap-p2p-comm overlaps them)");
+  }
   if (engine.jitter_cv > 0) {
     p.notes.push_back(fmt::format(
         "stragglers: compute time spread {:.1f}% (std/mean, {}); each collective waits for the "
