@@ -2,16 +2,20 @@
 # Predicted against measured on this CPU host (issue 5's target: within ±15% for every plan of
 # the correctness matrix with no more ranks than cores and at least 0.2 s per step).
 #
+# A shared host's speed drifts over minutes, so calibration and measurement are spread over
+# RUNS rounds, each one:
 # 1. dtexec calibrate, once per rank count (ranks measure at once, one GEMM thread each when
-#    several, as dtexec run sets them), writing the profiles and this host as a cluster;
-# 2. for each plan: dtexec run (median step time after warm-up) and dtsim simulate of the same
-#    plan on that cluster with that profile (its measured jitter drives the straggler model),
-#    and again without the straggler model (--jitter-cv 0);
-# 3. a table: plan, ranks, predicted, measured (the median step time over RUNS runs of STEPS
-#    steps, warm-up left out), the spread of those step times, error, and the error without
-#    stragglers; and the worst error.
+#    several, as dtexec run sets them), writing that round's profiles and this host as a
+#    cluster;
+# 2. for each plan: one dtexec run of STEPS steps, and dtsim simulate of the same plan on that
+#    cluster with that round's profile (its measured jitter drives the straggler model), and
+#    again without the straggler model (--jitter-cv 0).
+# Then a table: plan, ranks, predicted (the median over rounds), measured (the median step
+# time over all rounds, warm-up left out), the spread of those step times, error, and the
+# error without stragglers; and the worst error.
 #
-# usage: bench/cpu_validation.sh [BUILD_DIR] [WORK_DIR]      (BUILD_DIR defaults to build)
+# usage: [RUNS=3] [STEPS=8] [MODEL=cpu-small] bench/cpu_validation.sh [BUILD_DIR] [WORK_DIR]
+#        (BUILD_DIR defaults to build)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$(cd "${1:-$root/build}" && pwd)
@@ -27,14 +31,6 @@ steps=${STEPS:-8}
 runs=${RUNS:-3}
 warmup=2
 batch=(--micro-batch-size 4 --global-batch-size 8)
-
-echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $cores cores; model $model"
-"$dtexec" calibrate --model "$model" --out profile_1.json >/dev/null
-if [ "$cores" -ge 2 ]; then
-  mpirun -np 2 "$dtexec" calibrate --model "$model" --out profile_2.json --cluster-out host >/dev/null
-else
-  "$dtexec" calibrate --model "$model" --out profile_2.json --cluster-out host >/dev/null
-fi
 
 # ranks | plan flags (micro-batch 4, global batch 8)
 plans=(
@@ -52,40 +48,55 @@ plans=(
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 # The step times after warm-up of one dtexec run --json, one per line.
 step_times() { sed -n '/"step_times_s": \[/,/\]/p' | grep -o '[0-9][0-9.eE+-]*' | tail -n +$((warmup + 1)); }
-for r in 1 2; do
-  echo "compute jitter (profile_$r.json): $(value jitter_cv <"profile_$r.json")"
+median() { sort -g "$1" | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
+
+echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $cores cores; model $model; $runs rounds"
+for i in "${!plans[@]}"; do : >"times_$i.txt" >"predicted_$i.txt" >"plain_$i.txt"; done
+for round in $(seq "$runs"); do
+  "$dtexec" calibrate --model "$model" --out "profile_1_$round.json" >/dev/null
+  if [ "$cores" -ge 2 ]; then
+    mpirun -np 2 "$dtexec" calibrate --model "$model" --out "profile_2_$round.json" \
+      --cluster-out host >/dev/null
+  else
+    "$dtexec" calibrate --model "$model" --out "profile_2_$round.json" --cluster-out host >/dev/null
+  fi
+  echo "round $round: compute jitter $(value jitter_cv <"profile_1_$round.json") (1 rank)," \
+    "$(value jitter_cv <"profile_2_$round.json") (2 ranks)"
+  for i in "${!plans[@]}"; do
+    IFS='|' read -r ranks flags <<<"${plans[$i]}"
+    [ "$ranks" -le "$cores" ] || continue
+    # shellcheck disable=SC2086
+    if [ "$ranks" -gt 1 ]; then
+      mpirun -np "$ranks" "$dtexec" run --model "$model" "${batch[@]}" $flags \
+        --steps "$steps" --warmup "$warmup" --json | step_times >>"times_$i.txt"
+    else
+      "$dtexec" run --model "$model" "${batch[@]}" $flags --steps "$steps" \
+        --warmup "$warmup" --json | step_times >>"times_$i.txt"
+    fi
+    profile="profile_${ranks}_$round.json"
+    # shellcheck disable=SC2086
+    "$dtsim" simulate --model "$model" --cluster host/cpu-host.json --gpus "$ranks" \
+      "${batch[@]}" $flags --precision fp32 --profile "$profile" --json |
+      value step_time_s >>"predicted_$i.txt"
+    # shellcheck disable=SC2086
+    "$dtsim" simulate --model "$model" --cluster host/cpu-host.json --gpus "$ranks" \
+      "${batch[@]}" $flags --precision fp32 --profile "$profile" --jitter-cv 0 --json |
+      value step_time_s >>"plain_$i.txt"
+  done
 done
+
 printf '%-36s %5s %13s %12s %16s %8s %14s\n' plan ranks predicted_ms measured_ms "spread_ms" error \
   "no_stragglers"
 worst_plain=0
 worst=0
-for entry in "${plans[@]}"; do
-  IFS='|' read -r ranks flags <<<"$entry"
+for i in "${!plans[@]}"; do
+  IFS='|' read -r ranks flags <<<"${plans[$i]}"
   [ "$ranks" -le "$cores" ] || continue
-  # Several runs: the host's noise moves whole runs, not only steps.
-  : >times.txt
-  for _ in $(seq "$runs"); do
-    # shellcheck disable=SC2086
-    if [ "$ranks" -gt 1 ]; then
-      mpirun -np "$ranks" "$dtexec" run --model "$model" "${batch[@]}" $flags \
-        --steps "$steps" --warmup "$warmup" --json | step_times >>times.txt
-    else
-      "$dtexec" run --model "$model" "${batch[@]}" $flags --steps "$steps" \
-        --warmup "$warmup" --json | step_times >>times.txt
-    fi
-  done
-  sort -g times.txt -o times.txt
-  n=$(wc -l <times.txt)
-  measured=$(sed -n "$(((n + 1) / 2))p" times.txt)
-  spread=$(awk 'NR == 1 { lo = $1 } { hi = $1 } END { printf "%.0f-%.0f", lo * 1000, hi * 1000 }' times.txt)
-  # shellcheck disable=SC2086
-  predicted=$("$dtsim" simulate --model "$model" --cluster host/cpu-host.json --gpus "$ranks" \
-    "${batch[@]}" $flags --precision fp32 --profile "profile_$ranks.json" --json |
-    value step_time_s)
-  # shellcheck disable=SC2086
-  plain=$("$dtsim" simulate --model "$model" --cluster host/cpu-host.json --gpus "$ranks" \
-    "${batch[@]}" $flags --precision fp32 --profile "profile_$ranks.json" --jitter-cv 0 --json |
-    value step_time_s)
+  measured=$(median "times_$i.txt")
+  predicted=$(median "predicted_$i.txt")
+  plain=$(median "plain_$i.txt")
+  spread=$(sort -g "times_$i.txt" |
+    awk 'NR == 1 { lo = $1 } { hi = $1 } END { printf "%.0f-%.0f", lo * 1000, hi * 1000 }')
   error=$(awk -v p="$predicted" -v m="$measured" 'BEGIN { printf "%+.1f", (p / m - 1) * 100 }')
   error_plain=$(awk -v p="$plain" -v m="$measured" 'BEGIN { printf "%+.1f", (p / m - 1) * 100 }')
   worst=$(awk -v e="$error" -v w="$worst" 'BEGIN { e = e < 0 ? -e : e; print (e > w ? e : w) }')
