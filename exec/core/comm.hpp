@@ -52,6 +52,9 @@ class Comm {
   // receives it; wait_sends completes every send issued so far.
   virtual void send(int peer, std::int64_t tag, View data) = 0;
   virtual void recv(int peer, std::int64_t tag, View data) = 0;
+  // A receive posted ahead of need (plan.overlap_p2p_comm): `data` is written by the time
+  // finish(handle) returns and must stay untouched until then.
+  virtual Handle start_recv(int peer, std::int64_t tag, View data) = 0;
   virtual void wait_sends() = 0;
 
   // Outside the Program: element-wise over all ranks, result on every rank.
@@ -82,6 +85,9 @@ class SingleRankComm final : public Comm {
     throw InternalError("a single-rank run has no peer to send to");
   }
   void recv(int, std::int64_t, View) override {
+    throw InternalError("a single-rank run has no peer to receive from");
+  }
+  Handle start_recv(int, std::int64_t, View) override {
     throw InternalError("a single-rank run has no peer to receive from");
   }
   void wait_sends() override {}

@@ -258,6 +258,13 @@ class Runner {
       batches_.assign(static_cast<std::size_t>(micro_batches_), MicroBatch{});
       for (int j = 0; j < micro_batches_; ++j)
         make_batch(batches_[static_cast<std::size_t>(j)], step, j);
+      // Overlapped pipeline transfers: every receive of the step is posted now, ahead of need,
+      // as the simulator has them (a receive without overlap is posted when it is reached).
+      if (program_.plan.overlap_p2p_comm && !options_.replay_communication) {
+        for (std::size_t i = 0; i < tasks.size(); ++i) {
+          if (tasks[i].kind == TaskKind::Recv) posted_[i] = post_receive(tasks[i]);
+        }
+      }
       dev_.zero(losses_);
       // A device that queues work (a GPU stream) is timed with its own marks (CUDA events)
       // around each task, read once the step is done: no wait inside the step.
@@ -1101,6 +1108,16 @@ class Runner {
     v = dev_.allocate(n, type.value_or(dev_.activations()));
   }
 
+  // A pipeline receive posted ahead of need, into its micro-batch's tensor.
+  Comm::Handle post_receive(const lower::Task& task) {
+    MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
+    const auto id = static_cast<OpId>(task.op_begin);
+    auto& buffer = (task.tag & 1) != 0 ? mb.grad[id] : mb.out[id];
+    fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
+    const int peer = static_cast<int>(program_.ranks.at(static_cast<std::size_t>(task.peer)).rank);
+    return comm_.start_recv(peer, task.tag, buffer);
+  }
+
   // Where a gradient view starts in the rank's gradient buffer.
   std::int64_t offset_in_grads(View g) const {
     return (static_cast<const char*>(g.p) - static_cast<const char*>(grad_storage_.p)) /
@@ -1194,6 +1211,9 @@ class Runner {
         auto& buffer = gradient ? mb.grad[id] : mb.out[id];
         if (task.kind == TaskKind::Send) {
           comm_.send(peer, task.tag, buffer);
+        } else if (const auto posted = posted_.find(index); posted != posted_.end()) {
+          comm_.finish(posted->second);
+          posted_.erase(posted);
         } else {
           fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
           comm_.recv(peer, task.tag, buffer);
@@ -1320,6 +1340,8 @@ class Runner {
   std::vector<std::size_t> last_use_;
   // Collectives started and not yet finished, by task index.
   std::map<std::size_t, PendingCollective> pending_;
+  // Receives posted ahead of need (overlapped pipeline transfers), by task index.
+  std::map<std::size_t, Comm::Handle> posted_;
   std::vector<int> next_;
   std::vector<MicroBatch> batches_;
   int me_ = 0, tp_ = 1, dp_ = 1, t_ = 0, d_ = 0;
@@ -1354,11 +1376,6 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
                        to_string(p.precision)));
   }
   if (p.ep > 1) refuse("expert parallelism (ep > 1)");
-  if (p.pp > 1 && p.overlap_p2p_comm) {
-    refuse(
-        "overlapped pipeline transfers (--overlap-p2p-comm; dtexec posts each receive when it "
-        "reaches it, as Megatron-LM does by default)");
-  }
   if (p.sequence_parallel && (p.micro_batch_size * p.seq_len) % p.tp != 0) {
     refuse(
         fmt::format("sequence parallelism with {} tokens per micro-batch, not divisible by tp {}",

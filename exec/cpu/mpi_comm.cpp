@@ -185,6 +185,15 @@ class MpiComm final : public Comm {
     }
   }
 
+  Handle start_recv(int peer, std::int64_t tag, View view) override {
+    const auto data = floats(view);
+    MPI_Request request = MPI_REQUEST_NULL;
+    check(MPI_Irecv(data.data(), count(data.size()), MPI_FLOAT, peer, checked_tag(tag),
+                    MPI_COMM_WORLD, &request),
+          "MPI_Irecv");
+    return keep(request);
+  }
+
   void wait_sends() override {
     if (!pending_.empty()) {
       check(MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE),

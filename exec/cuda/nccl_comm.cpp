@@ -247,6 +247,19 @@ class NcclComm final : public Comm {
     nccl(ncclRecv(data.p, count(data), nccl_type(data.type), 0, it->second, compute_), "ncclRecv");
   }
 
+  // Posted ahead of need: on the sending pair's receive stream (one per peer), after what the
+  // compute stream queued so far (the buffer's zeroing); finish() makes compute wait for it.
+  Handle start_recv(int peer, std::int64_t, View data) override {
+    const auto it = recvs_.find(peer);
+    DTSIM_ASSERT(it != recvs_.end(), fmt::format("rank {} receives from rank {}", rank_, peer));
+    if (data.empty()) return -1;
+    cudaStream_t& s = recv_streams_[peer];
+    if (s == nullptr) s = new_stream();
+    after_compute(s);
+    nccl(ncclRecv(data.p, count(data), nccl_type(data.type), 0, it->second, s), "ncclRecv");
+    return done_on(s);
+  }
+
   // The step's end: every queued kernel and transfer of this rank done, or a hang reported.
   void wait_sends() override {
     const auto deadline =
@@ -437,6 +450,9 @@ class NcclComm final : public Comm {
   std::vector<Channel> groups_;      // per Program group; no communicator where not a member
   std::map<int, Channel> sends_;     // per receiving rank
   std::map<int, ncclComm_t> recvs_;  // per sending rank
+  // Receives posted ahead of need, per sending rank (overlapped pipeline transfers: then the
+  // pair's communicator is used from this stream only).
+  std::map<int, cudaStream_t> recv_streams_;
   std::vector<cudaStream_t> streams_;
   cudaEvent_t fence_ = nullptr;
   std::vector<cudaEvent_t> done_;  // handles of this step: done_[0, used_)

@@ -189,6 +189,7 @@ class HostOnlyComm final : public dtsim::exec::Comm {
   void finish(Handle) override {}
   void send(int, std::int64_t, dtsim::exec::View) override {}
   void recv(int, std::int64_t, dtsim::exec::View) override {}
+  Handle start_recv(int, std::int64_t, dtsim::exec::View) override { return -1; }
   void wait_sends() override {}
   void all_ranks(std::span<double>, dtsim::exec::Reduce) override {}
   std::vector<std::string> gather_to_root(const std::string& mine) override { return {mine}; }

@@ -1,6 +1,7 @@
 #!/bin/bash
 # The executor's correctness matrix (issue 5): for plans over dp, tp, pp, ZeRO stages,
-# schedules (GPipe, 1F1B, interleaved, zero-bubble), micro-batch counts and recompute, K steps of two tiny
+# schedules (GPipe, 1F1B, interleaved, zero-bubble; pipeline receives posted when reached or,
+# with --overlap-p2p-comm, ahead of need), micro-batch counts and recompute, K steps of two tiny
 # models under mpirun give the losses and final weights of the single-rank run of the same
 # global batch.
 #
@@ -47,6 +48,7 @@ plans=(
   "tiny-gpt|2|2|--pp 2 --schedule gpipe"
   "tiny-gpt|2|2|--pp 2 --schedule 1f1b --recompute full"
   "tiny-gpt|2|8|--pp 2 --schedule 1f1b"
+  "tiny-gpt|2|2|--pp 2 --schedule 1f1b --overlap-p2p-comm"
   "tiny-gpt|4|1|--dp 2 --tp 2 --zero-stage 1"
   "tiny-gpt|4|1|--dp 2 --pp 2 --zero-stage 2"
   "tiny-gpt|4|1|--dp 2 --pp 2 --no-overlap-grad-reduce"
@@ -64,6 +66,7 @@ plans=(
   "llama|2|2|--tp 2 --recompute full"
   "llama|2|2|--pp 2 --schedule interleaved --virtual-stages 2"
   "llama|4|1|--dp 2 --pp 2 --schedule interleaved --virtual-stages 2 --zero-stage 1"
+  "llama|4|1|--dp 2 --pp 2 --schedule interleaved --virtual-stages 2 --overlap-p2p-comm"
   "llama|4|2|--dp 2 --tp 2 --zero-stage 3"
   "llama|4|4|--tp 2 --pp 2 --schedule gpipe"
 )
