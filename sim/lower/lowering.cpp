@@ -201,6 +201,7 @@ class Lowerer {
   // Pipeline transfers without overlap (plan.overlap_p2p_comm false): the last compute task
   // issued, after which a receive is posted.
   TaskId last_compute_task_ = -1;
+  std::vector<TaskId> unwaited_sends_;  // sends the next compute task waits for (see add)
 
   int total_chunks() const { return plan_.pp * plan_.virtual_stages; }
   int global_chunk(int chunk) const { return chunk * plan_.pp + rp_->stage; }
@@ -274,7 +275,21 @@ class Lowerer {
       if (t.kind == TaskKind::Recv && last_compute_task_ >= 0) {
         t.deps.push_back(last_compute_task_);
       }
-      if (t.kind == TaskKind::Compute) last_compute_task_ = id;
+      // The batch holds its sends too: with GPipe and 1F1B, whose exchanges are this program's
+      // order (send_forward_recv_backward after a forward pass, send_backward_recv_forward
+      // after a backward one), the next compute waits until they are received. Megatron-LM's
+      // interleaved schedule batches a forward pass's sends with the next backward pass's
+      // instead, which this order does not have: there, and for the schedules Megatron-LM does
+      // not have, sends do not hold the sender.
+      if (t.kind == TaskKind::Compute) {
+        for (TaskId s : unwaited_sends_) t.deps.push_back(s);
+        unwaited_sends_.clear();
+        last_compute_task_ = id;
+      }
+      if (t.kind == TaskKind::Send &&
+          (plan_.schedule == plan::Schedule::GPipe || plan_.schedule == plan::Schedule::OneFOneB)) {
+        unwaited_sends_.push_back(id);
+      }
     }
     rp_->tasks.push_back(std::move(t));
     return id;
@@ -576,6 +591,7 @@ class Lowerer {
     prog_ = index;
     rp_ = &program_.ranks[static_cast<std::size_t>(index)];
     last_compute_task_ = -1;
+    unwaited_sends_.clear();
     const int v = plan_.virtual_stages;
     const int last_global = total_chunks() - 1;
     std::vector<std::vector<Item>> items(static_cast<std::size_t>(v));
