@@ -1110,12 +1110,22 @@ class Runner {
 
   // A pipeline receive posted ahead of need, into its micro-batch's tensor.
   Comm::Handle post_receive(const lower::Task& task) {
+    View& buffer = transferred(task);
+    fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
+    return comm_.start_recv(peer_rank(task), task.tag, buffer);
+  }
+
+  // The tensor a send or receive carries: activations (even tags) are an op's output, gradients
+  // (odd tags) the gradient of it.
+  View& transferred(const lower::Task& task) {
     MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
     const auto id = static_cast<OpId>(task.op_begin);
-    auto& buffer = (task.tag & 1) != 0 ? mb.grad[id] : mb.out[id];
-    fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
-    const int peer = static_cast<int>(program_.ranks.at(static_cast<std::size_t>(task.peer)).rank);
-    return comm_.start_recv(peer, task.tag, buffer);
+    return (task.tag & 1) != 0 ? mb.grad[id] : mb.out[id];
+  }
+
+  // The global rank at the other end of a send or receive.
+  int peer_rank(const lower::Task& task) const {
+    return static_cast<int>(program_.ranks.at(static_cast<std::size_t>(task.peer)).rank);
   }
 
   // Where a gradient view starts in the rank's gradient buffer.
@@ -1144,10 +1154,7 @@ class Runner {
       }
     }
     if (task.kind == TaskKind::Recv) {
-      MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
-      const auto id = static_cast<OpId>(task.op_begin);
-      auto& buffer = (task.tag & 1) != 0 ? mb.grad[id] : mb.out[id];
-      fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
+      fresh(transferred(task), static_cast<std::int64_t>(Ts_) * C_);
     } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
                (task.collective == CollectiveKind::AllGather ||
@@ -1202,21 +1209,15 @@ class Runner {
         return;
       case TaskKind::Send:
       case TaskKind::Recv: {
-        // Activations (even tags) are an op's output; gradients (odd tags) the gradient of it.
-        MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
-        const auto id = static_cast<OpId>(task.op_begin);
-        const bool gradient = (task.tag & 1) != 0;
-        const int peer =
-            static_cast<int>(program_.ranks.at(static_cast<std::size_t>(task.peer)).rank);
-        auto& buffer = gradient ? mb.grad[id] : mb.out[id];
+        View& buffer = transferred(task);
         if (task.kind == TaskKind::Send) {
-          comm_.send(peer, task.tag, buffer);
+          comm_.send(peer_rank(task), task.tag, buffer);
         } else if (const auto posted = posted_.find(index); posted != posted_.end()) {
           comm_.finish(posted->second);
           posted_.erase(posted);
         } else {
           fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
-          comm_.recv(peer, task.tag, buffer);
+          comm_.recv(peer_rank(task), task.tag, buffer);
         }
         return;
       }

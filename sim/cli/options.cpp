@@ -208,25 +208,18 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
     throw InputError(fmt::format("--optimizer: expected adam or sgd, got \"{}\"",
                                  vm["optimizer"].as<std::string>()));
   }
-  if (vm.count("precision")) {
-    const auto prec = parse_precision(vm["precision"].as<std::string>());
+  // --precision and --comm-precision take the same names.
+  auto precision_flag = [&vm](const char* flag) {
+    const std::string& text = vm[flag].as<std::string>();
+    const auto prec = parse_precision(text);
     if (!prec) {
       throw InputError(
-          fmt::format("--precision: expected bf16, fp16, fp8, fp32 or tf32, got "
-                      "\"{}\"",
-                      vm["precision"].as<std::string>()));
+          fmt::format("--{}: expected bf16, fp16, fp8, fp32 or tf32, got \"{}\"", flag, text));
     }
-    p.precision = *prec;
-  }
-  if (vm.count("comm-precision")) {
-    const auto prec = parse_precision(vm["comm-precision"].as<std::string>());
-    if (!prec) {
-      throw InputError(
-          fmt::format("--comm-precision: expected bf16, fp16, fp8, fp32 or tf32, got \"{}\"",
-                      vm["comm-precision"].as<std::string>()));
-    }
-    p.comm_precision = *prec;
-  }
+    return *prec;
+  };
+  if (vm.count("precision")) p.precision = precision_flag("precision");
+  if (vm.count("comm-precision")) p.comm_precision = precision_flag("comm-precision");
   if (vm.count("grad-compression")) p.grad_compression = vm["grad-compression"].as<double>();
   if (vm.count("sequence-parallel") && vm["sequence-parallel"].as<bool>()) {
     p.sequence_parallel = true;

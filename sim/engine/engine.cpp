@@ -63,7 +63,7 @@ class Engine {
         // overlap a send leaves the pipeline stream too: it waits for its receiver, and a
         // later send to the other neighbour must not queue behind that wait.
         if (task.kind == TaskKind::Recv) continue;
-        if (task.kind == TaskKind::Send && !program.plan.overlap_p2p_comm) continue;
+        if (task.kind == TaskKind::Send && !eager_p2p_) continue;
         auto& prev = last[static_cast<std::size_t>(task.stream)];
         if (prev >= 0) {
           dependents_[p][static_cast<std::size_t>(prev)].push_back(t);
