@@ -104,7 +104,8 @@ class NcclComm final : public Comm {
 
     // A communicator of two per direction of each pair that exchanges pipeline tensors: the
     // sender is its rank 0 and uses it from its send stream only, the receiver its rank 1 and
-    // uses it from the compute stream only.
+    // uses it from the compute stream only (with overlap_p2p_comm: from its receive stream for
+    // that sender only).
     const auto pairs = pipeline_pairs(program);
     for (const auto& [from, to] : pairs) {
       const bool in = rank_ == from || rank_ == to;
@@ -119,7 +120,7 @@ class NcclComm final : public Comm {
         recvs_[static_cast<int>(from)] = c;
       }
     }
-    warm_up(program);
+    warm_up(pairs);
     watcher_ = std::thread([this] { watch(); });
   }
 
@@ -337,7 +338,7 @@ class NcclComm final : public Comm {
   // One small operation on every communicator, in the order they were made (on every rank the
   // lowest pending one has all its members at it, so this cannot deadlock), waited for on the
   // host: whatever NCCL still sets up at first use is done before the first step.
-  void warm_up(const lower::Program& program) {
+  void warm_up(const std::set<std::pair<std::int64_t, std::int64_t>>& pairs) {
     const View one = device_.allocate(1, Dtype::F32);
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       const Channel* c = member_of(static_cast<int>(g));
@@ -345,7 +346,6 @@ class NcclComm final : public Comm {
       all_reduce(static_cast<int>(g), one, Reduce::Sum);
       cuda(cudaStreamSynchronize(compute_), "cudaStreamSynchronize");
     }
-    const auto pairs = pipeline_pairs(program);
     for (const auto& [from, to] : pairs) {
       if (rank_ == from) {
         const Channel& s = sends_.at(static_cast<int>(to));
