@@ -2,12 +2,14 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <mutex>
 #include <numbers>
 #include <queue>
 #include <tuple>
+#include <utility>
 
 #include "sim/common/error.hpp"
 
@@ -39,6 +41,8 @@ class Engine {
     spread_.assign(program.groups.size(), -1.0);
     synced_at_.resize(n);
     paired_at_.resize(n);
+    link_out_free_.assign(n, 0.0);
+    link_in_free_.assign(n, 0.0);
     pending_.resize(n);
     dependents_.resize(n);
     eligible_.resize(n);
@@ -142,9 +146,9 @@ class Engine {
           recvs_.erase(posted);
           break;
         }
-        const double end = now + transfer_s(p, k);
+        const auto [start, end] = reserve_link(p, k.peer, now, transfer_s(p, k));
         schedule(p, t, now, end);  // eager: the sender does not wait
-        const TaskTime arrival{now + late, end + late};
+        const TaskTime arrival{start + late, end + late};
         sends_[key] = arrival;
         if (posted != recvs_.end()) {
           complete_recv(k.peer, posted->second, arrival);
@@ -179,10 +183,23 @@ class Engine {
                   TaskId recv) {
     const double posted =
         eligible_[static_cast<std::size_t>(receiver)][static_cast<std::size_t>(recv)];
-    const double start = std::max(ready, posted);
-    const double end = start + transfer_s(sender, task(sender, send));
+    const auto [start, end] = reserve_link(sender, receiver, std::max(ready, posted),
+                                           transfer_s(sender, task(sender, send)));
     schedule(sender, send, start, end);
     schedule(receiver, recv, start, end);
+  }
+
+  // A device's link carries one pipeline transfer at a time each way, in the order they become
+  // ready: a stage that sends to both neighbours at once (Megatron-LM's exchange between two
+  // rounds) sends at half the bandwidth, which queueing gives the same end for the pair.
+  // Returns the transfer's start and end.
+  std::pair<double, double> reserve_link(std::int32_t sender, std::int32_t receiver, double ready,
+                                         double seconds) {
+    double& out = link_out_free_[static_cast<std::size_t>(sender)];
+    double& in = link_in_free_[static_cast<std::size_t>(receiver)];
+    const double start = std::max({ready, out, in});
+    out = in = start + seconds;
+    return {start, start + seconds};
   }
 
   // The receive spans the part of the transfer after it was posted.
@@ -274,6 +291,8 @@ class Engine {
   std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, std::pair<TaskId, double>>
       waiting_sends_;
   bool eager_p2p_;
+  // Per program: when its link is next free to send and to receive a pipeline transfer.
+  std::vector<double> link_out_free_, link_in_free_;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> queue_;
   std::uint64_t seq_ = 0;
   Timeline timeline_;

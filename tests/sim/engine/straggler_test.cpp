@@ -1,5 +1,7 @@
-// The straggler model of the engine: a collective waits E[max of n normals]·cv·T for its
-// slowest rank, T the compute its members did since the group's previous collective.
+// The straggler model of the engine, and its pipeline transfers: a collective waits E[max of n
+// normals]·cv·T for its slowest rank, T the compute its members did since the group's previous
+// collective.
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -214,4 +216,49 @@ TEST_CASE("without p2p overlap a transfer starts when both ends are ready", "[en
   CHECK(early.tasks[1][1].start_s == Approx(2));
   CHECK(early.tasks[1][1].end_s == Approx(2.5));
   CHECK(early.makespan_s == Approx(3.5));
+}
+
+TEST_CASE("a device's link carries one pipeline transfer at a time each way",
+          "[engine][pipeline]") {
+  // Rank 1 (a middle stage) computes 1 s, then sends to ranks 0 and 2 at once; rank 3 sends to
+  // rank 1 at the same time. A transfer takes 0.5 s alone.
+  class Transfers final : public dtsim::engine::Durations {
+   public:
+    double compute_s(const Task& t) override { return t.op_end - t.op_begin; }
+    double collective_s(const dtsim::lower::Group&, const Task&) override { return 0; }
+    double p2p_s(std::int64_t, std::int64_t, std::uint64_t) override { return 0.5; }
+  };
+  auto transfer = [](TaskKind kind, std::int32_t peer, std::int64_t tag,
+                     std::vector<dtsim::lower::TaskId> deps) {
+    Task t;
+    t.kind = kind;
+    t.stream = dtsim::lower::Stream::Pp;
+    t.peer = peer;
+    t.tag = tag;
+    t.deps = std::move(deps);
+    return t;
+  };
+  dtsim::lower::Program p;
+  std::vector<dtsim::lower::RankProgram> ranks(4);
+  for (int r = 0; r < 4; ++r) ranks[static_cast<std::size_t>(r)].rank = r;
+  ranks[0].tasks = {transfer(TaskKind::Recv, 1, 0, {})};
+  ranks[1].tasks = {compute(1, {}), transfer(TaskKind::Send, 0, 0, {0}),
+                    transfer(TaskKind::Send, 2, 1, {0}), transfer(TaskKind::Recv, 3, 2, {0})};
+  ranks[2].tasks = {transfer(TaskKind::Recv, 1, 1, {})};
+  ranks[3].tasks = {compute(1, {}), transfer(TaskKind::Send, 1, 2, {0})};
+  p.ranks = ranks;
+  Transfers d;
+  for (const bool overlap : {false, true}) {
+    INFO((overlap ? "overlapped" : "blocking"));
+    p.plan.overlap_p2p_comm = overlap;
+    const auto t = dtsim::engine::run(p, d);
+    // Rank 1's two sends share its link: one after the other, the pair done at 2 s, as with
+    // half the bandwidth each.
+    const double first = std::min(t.tasks[0][0].end_s, t.tasks[2][0].end_s);
+    const double second = std::max(t.tasks[0][0].end_s, t.tasks[2][0].end_s);
+    CHECK(first == Approx(1.5));
+    CHECK(second == Approx(2));
+    // Its receive comes in the other way, alongside them.
+    CHECK(t.tasks[1][3].end_s == Approx(1.5));
+  }
 }
