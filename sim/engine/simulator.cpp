@@ -224,9 +224,9 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
         plan.overlap_p2p_comm
             ? "pipeline transfers overlap compute (--overlap-p2p-comm): receives are posted "
               "ahead of need"
-            : "pipeline transfers block, as Megatron-LM's do by default: a stage posts a receive "
-              "when the compute before it ends and waits for the whole transfer "
-              "(--overlap-p2p-comm overlaps them)");
+            : "pipeline transfers block, as Megatron-LM's do by default: between rounds of "
+              "passes a stage posts its sends and receives together once its compute has ended, "
+              "and waits for all of them (--overlap-p2p-comm overlaps them)");
   }
   if (engine.jitter_cv > 0) {
     p.notes.push_back(fmt::format(

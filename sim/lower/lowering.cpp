@@ -199,9 +199,9 @@ class Lowerer {
   RankProgram* rp_ = nullptr;
   int prog_ = 0;
   // Pipeline transfers without overlap (plan.overlap_p2p_comm false): the last compute task
-  // issued, after which a receive is posted.
+  // issued, after which a round's exchange is posted.
   TaskId last_compute_task_ = -1;
-  std::vector<TaskId> unwaited_sends_;  // sends the next compute task waits for (see add)
+  std::vector<TaskId> exchange_;  // the transfers the next compute task waits for (see add)
 
   int total_chunks() const { return plan_.pp * plan_.virtual_stages; }
   int global_chunk(int chunk) const { return chunk * plan_.pp + rp_->stage; }
@@ -270,25 +270,25 @@ class Lowerer {
   TaskId add(Task t) {
     const auto id = static_cast<TaskId>(rp_->tasks.size());
     if (!plan_.overlap_p2p_comm) {
-      // Megatron-LM posts a stage's receives in a blocking batch_isend_irecv between compute
-      // passes, not ahead of need: a receive is posted when the compute before it has ended.
-      if (t.kind == TaskKind::Recv && last_compute_task_ >= 0) {
+      // Megatron-LM exchanges a stage's tensors in one blocking batch_isend_irecv between two
+      // rounds of passes (lower_rank emits them there), not ahead of need: the sends of the
+      // round that ended and the receives of the next are posted when its compute has ended,
+      // and the next round starts when they are done. Megatron-LM has GPipe-like (its
+      // pipelining without interleaving), 1F1B and interleaved schedules; for zero-bubble and
+      // PipeDream, the receives block in the same way but the sends do not hold the sender.
+      const bool holds_sends = plan_.schedule == plan::Schedule::GPipe ||
+                               plan_.schedule == plan::Schedule::OneFOneB ||
+                               plan_.schedule == plan::Schedule::Interleaved;
+      if ((t.kind == TaskKind::Recv || t.kind == TaskKind::Send) && last_compute_task_ >= 0) {
         t.deps.push_back(last_compute_task_);
       }
-      // The batch holds its sends too: with GPipe and 1F1B, whose exchanges are this program's
-      // order (send_forward_recv_backward after a forward pass, send_backward_recv_forward
-      // after a backward one), the next compute waits until they are received. Megatron-LM's
-      // interleaved schedule batches a forward pass's sends with the next backward pass's
-      // instead, which this order does not have: there, and for the schedules Megatron-LM does
-      // not have, sends do not hold the sender.
-      if (t.kind == TaskKind::Compute) {
-        for (TaskId s : unwaited_sends_) t.deps.push_back(s);
-        unwaited_sends_.clear();
-        last_compute_task_ = id;
+      if (t.kind == TaskKind::Recv || (t.kind == TaskKind::Send && holds_sends)) {
+        exchange_.push_back(id);
       }
-      if (t.kind == TaskKind::Send &&
-          (plan_.schedule == plan::Schedule::GPipe || plan_.schedule == plan::Schedule::OneFOneB)) {
-        unwaited_sends_.push_back(id);
+      if (t.kind == TaskKind::Compute) {
+        for (TaskId x : exchange_) t.deps.push_back(x);
+        exchange_.clear();
+        last_compute_task_ = id;
       }
     }
     rp_->tasks.push_back(std::move(t));
@@ -591,7 +591,7 @@ class Lowerer {
     prog_ = index;
     rp_ = &program_.ranks[static_cast<std::size_t>(index)];
     last_compute_task_ = -1;
-    unwaited_sends_.clear();
+    exchange_.clear();
     const int v = plan_.virtual_stages;
     const int last_global = total_chunks() - 1;
     std::vector<std::vector<Item>> items(static_cast<std::size_t>(v));
@@ -623,6 +623,16 @@ class Lowerer {
       weights = gather_weights(items[static_cast<std::size_t>(passes[0].chunk)], passes[0], -1);
     }
 
+    // Without p2p overlap, transfers are exchanged between rounds (see add): the sends of a
+    // round wait for its end, and the receives of a round are posted at its start.
+    const bool between_rounds = !plan_.overlap_p2p_comm;
+    std::vector<PendingSend> round_sends;
+    std::map<std::size_t, TaskId> received;  // pass index -> its receive, posted with its round
+    const auto flush_sends = [&] {
+      for (const PendingSend& s : round_sends) send(s);
+      round_sends.clear();
+    };
+
     for (std::size_t i = 0; i < passes.size(); ++i) {
       const Pass& pass = passes[i];
       const int c = pass.chunk;
@@ -630,8 +640,20 @@ class Lowerer {
       const auto& chunk = items[static_cast<std::size_t>(c)];
       const bool last_micro_batch_grads =
           static_cast<int>(i) == final_pass[static_cast<std::size_t>(c)];
-      TaskId dep = -1;
+      if (between_rounds && (i == 0 || pass.round != passes[i - 1].round)) {
+        flush_sends();
+        for (std::size_t j = i; j < passes.size() && passes[j].round == pass.round; ++j) {
+          const TaskId r = receive(passes[j], items[static_cast<std::size_t>(passes[j].chunk)]);
+          if (r >= 0) received[j] = r;
+        }
+      }
       const std::size_t pass_start = rp_->tasks.size();
+      TaskId dep = -1;
+      if (!between_rounds) {
+        dep = receive(pass, chunk);
+      } else if (const auto it = received.find(i); it != received.end()) {
+        dep = it->second;
+      }
       std::vector<std::pair<OpId, TaskId>> produced;
       const bool wants_grads = last_micro_batch_grads || per_micro_batch_grads;
       TaskId pass_end = -1;
@@ -642,48 +664,24 @@ class Lowerer {
       const OpId before_chunk = first_op - 1, last_op = end_op - 1;
       switch (pass.kind) {
         case PassKind::Forward: {
-          if (k > 0) {
-            Task recv;
-            recv.kind = TaskKind::Recv;
-            recv.stream = Stream::Pp;
-            recv.peer = peer_of_chunk(k - 1);
-            recv.tag = tag(pass.micro_batch, k, false);
-            recv.bytes = activation_bytes();
-            recv.micro_batch = pass.micro_batch;
-            recv.chunk = c;
-            recv.op_begin = static_cast<std::int32_t>(before_chunk);
-            recv.op_end = recv.op_begin + 1;
-            recv.label = fmt::format("recv activations mb{} chunk {}", pass.micro_batch, c);
-            dep = add(std::move(recv));
-          }
           pass_end =
               emit_chain(chunk, Phase::Forward, false, pass.micro_batch, c, dep, nullptr, weights);
-          if (k < last_global) send(pass_end, k + 1, pass.micro_batch, false, c, last_op);
+          if (k < last_global) {
+            round_sends.push_back({pass_end, k + 1, pass.micro_batch, false, c, last_op});
+          }
           break;
         }
         case PassKind::Backward:
         case PassKind::BackwardInput: {
-          if (k < last_global) {
-            Task recv;
-            recv.kind = TaskKind::Recv;
-            recv.stream = Stream::Pp;
-            recv.peer = peer_of_chunk(k + 1);
-            recv.tag = tag(pass.micro_batch, k, true);
-            recv.bytes = activation_bytes();
-            recv.micro_batch = pass.micro_batch;
-            recv.chunk = c;
-            recv.op_begin = static_cast<std::int32_t>(last_op);
-            recv.op_end = recv.op_begin + 1;
-            recv.label = fmt::format("recv gradients mb{} chunk {}", pass.micro_batch, c);
-            dep = add(std::move(recv));
-          }
           const Phase phase =
               pass.kind == PassKind::Backward ? Phase::Backward : Phase::BackwardInput;
           pass_end = emit_backward(
               chunk, phase, pass.micro_batch, c, dep,
               pass.kind == PassKind::Backward && wants_grads ? &produced : nullptr, weights);
           input_grad_done[{pass.micro_batch, c}] = pass_end;
-          if (k > 0) send(pass_end, k - 1, pass.micro_batch, true, c, before_chunk);
+          if (k > 0) {
+            round_sends.push_back({pass_end, k - 1, pass.micro_batch, true, c, before_chunk});
+          }
           break;
         }
         case PassKind::BackwardWeight: {
@@ -708,6 +706,7 @@ class Lowerer {
           break;
         }
       }
+      if (!between_rounds) flush_sends();  // overlapped: at once
       const TaskId first_of_pass =
           rp_->tasks.size() > pass_start ? static_cast<TaskId>(pass_start) : pass_end;
       if (zero3 && i + 1 < passes.size()) {
@@ -731,6 +730,8 @@ class Lowerer {
         final_grads_done.push_back(pass_end);
       }
     }
+
+    flush_sends();  // the last round's
 
     // Without overlap every bucket waits for the rank's last backward task.
     for (const auto& [micro_batch, ops] : held_grads) {
@@ -847,22 +848,56 @@ class Lowerer {
     return (static_cast<std::int64_t>(micro_batch) * total_chunks() + k) * 2 + (gradient ? 1 : 0);
   }
 
-  void send(TaskId after, int to_chunk, int mb, bool gradient, int chunk, OpId tensor) {
+  // A pipeline transfer out of a pass, emitted when its round's exchange is.
+  struct PendingSend {
+    TaskId after;  // the task producing the tensor
+    int to_chunk;  // the receiving global chunk: k+1 for activations, k-1 for gradients
+    int micro_batch;
+    bool gradient;
+    int chunk;
+    OpId tensor;
+  };
+
+  void send(const PendingSend& p) {
     Task s;
-    s.op_begin = static_cast<std::int32_t>(tensor);
+    s.op_begin = static_cast<std::int32_t>(p.tensor);
     s.op_end = s.op_begin + 1;
     s.kind = TaskKind::Send;
     s.stream = Stream::Pp;
-    s.peer = peer_of_chunk(to_chunk);
-    // The tag names the receiving chunk: k+1 for activations, k-1 for gradients.
-    s.tag = gradient ? tag(mb, to_chunk, true) : tag(mb, to_chunk, false);
+    s.peer = peer_of_chunk(p.to_chunk);
+    s.tag = tag(p.micro_batch, p.to_chunk, p.gradient);
     s.bytes = activation_bytes();
-    s.micro_batch = mb;
-    s.chunk = chunk;
-    s.deps.push_back(after);
-    s.label =
-        fmt::format("send {} mb{} chunk {}", gradient ? "gradients" : "activations", mb, chunk);
+    s.micro_batch = p.micro_batch;
+    s.chunk = p.chunk;
+    s.deps.push_back(p.after);
+    s.label = fmt::format("send {} mb{} chunk {}", p.gradient ? "gradients" : "activations",
+                          p.micro_batch, p.chunk);
     add(std::move(s));
+  }
+
+  // The receive a pass of this rank needs (activations into a forward pass, gradients into a
+  // backward one), or -1 at the ends of the pipeline and for weight-gradient passes.
+  TaskId receive(const Pass& pass, const std::vector<Item>& chunk) {
+    const int k = global_chunk(pass.chunk);
+    const bool gradient = pass.kind == PassKind::Backward || pass.kind == PassKind::BackwardInput;
+    if (pass.kind == PassKind::BackwardWeight) return -1;
+    if (gradient ? k == total_chunks() - 1 : k == 0) return -1;
+    // The tensor: the output of the op before the chunk's first (activations), or of the
+    // chunk's last op (gradients).
+    const auto [first_op, end_op] = op_range(chunk, g_.size());
+    Task recv;
+    recv.kind = TaskKind::Recv;
+    recv.stream = Stream::Pp;
+    recv.peer = peer_of_chunk(gradient ? k + 1 : k - 1);
+    recv.tag = tag(pass.micro_batch, k, gradient);
+    recv.bytes = activation_bytes();
+    recv.micro_batch = pass.micro_batch;
+    recv.chunk = pass.chunk;
+    recv.op_begin = static_cast<std::int32_t>(gradient ? end_op - 1 : first_op - 1);
+    recv.op_end = recv.op_begin + 1;
+    recv.label = fmt::format("recv {} mb{} chunk {}", gradient ? "gradients" : "activations",
+                             pass.micro_batch, pass.chunk);
+    return add(std::move(recv));
   }
 };
 

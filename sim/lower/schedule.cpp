@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <tuple>
+#include <utility>
 
 #include "sim/common/error.hpp"
 
@@ -86,16 +87,25 @@ std::vector<Pass> interleaved(int p, int m, int v, int stage) {
   auto fwd_chunk = [&](int k) { return (k / p) % v; };
   auto bwd_chunk = [&](int k) { return v - 1 - (k / p) % v; };
   std::vector<Pass> out;
-  for (int k = 0; k < warmup; ++k) out.push_back({PassKind::Forward, micro_batch(k), fwd_chunk(k)});
+  int round = 0;
+  for (int k = 0; k < warmup; ++k) {
+    out.push_back({PassKind::Forward, micro_batch(k), fwd_chunk(k), round++});
+  }
   for (int k = 0; k < total - warmup; ++k) {
     const int f = warmup + k;
-    out.push_back({PassKind::Forward, micro_batch(f), fwd_chunk(f)});
-    out.push_back({PassKind::Backward, micro_batch(k), bwd_chunk(k)});
+    out.push_back({PassKind::Forward, micro_batch(f), fwd_chunk(f), round});
+    out.push_back({PassKind::Backward, micro_batch(k), bwd_chunk(k), round++});
   }
   for (int k = total - warmup; k < total; ++k) {
-    out.push_back({PassKind::Backward, micro_batch(k), bwd_chunk(k)});
+    out.push_back({PassKind::Backward, micro_batch(k), bwd_chunk(k), round++});
   }
   return out;
+}
+
+// One pass per round.
+std::vector<Pass> singles(std::vector<Pass> passes) {
+  for (std::size_t i = 0; i < passes.size(); ++i) passes[i].round = static_cast<int>(i);
+  return passes;
 }
 
 }  // namespace
@@ -109,13 +119,13 @@ std::vector<Pass> stage_passes(const plan::Plan& plan, int stage) {
       std::vector<Pass> out;
       for (int i = 0; i < m; ++i) out.push_back({PassKind::Forward, i, 0});
       for (int i = m - 1; i >= 0; --i) out.push_back({PassKind::Backward, i, 0});
-      return out;
+      return singles(std::move(out));
     }
     case Schedule::OneFOneB:
     case Schedule::PipeDreamAsync:
-      return one_f_one_b(p, m, stage);
+      return singles(one_f_one_b(p, m, stage));
     case Schedule::ZeroBubble:
-      return zero_bubble_h1(p, m, stage);
+      return singles(zero_bubble_h1(p, m, stage));
     case Schedule::Interleaved:
       return interleaved(p, m, plan.virtual_stages, stage);
   }

@@ -13,6 +13,12 @@ struct Pass {
   PassKind kind = PassKind::Forward;
   int micro_batch = 0;
   int chunk = 0;  // model chunk of this stage (0 unless interleaved)
+  // Passes of one round run back to back: without p2p overlap, Megatron-LM exchanges pipeline
+  // tensors between rounds only. One pass per round, except in the interleaved schedule's
+  // steady state, where a forward and a backward pass make one round
+  // (forward_backward_pipelining_with_interleaving: send_forward_backward_recv_forward_backward
+  // after each such pair).
+  int round = 0;
 };
 
 // The passes of `stage` in execution order:
@@ -21,7 +27,8 @@ struct Pass {
 //   then one forward and one backward alternately, then the remaining backwards.
 // - Interleaved 1F1B (Narayanan et al. 2021 §2.2, Megatron-LM's order): virtual micro-batch k
 //   runs on chunk (k / pp) % v (backward: v - 1 - that) for micro-batch (k / (pp·v))·pp + k % pp;
-//   warm-up 2·(pp - stage - 1) + (v - 1)·pp forwards.
+//   warm-up 2·(pp - stage - 1) + (v - 1)·pp forwards; each steady-state forward and the
+//   backward after it make one round.
 // - Zero-bubble ZB-H1 (Qi et al. 2023): each backward split into B (input gradients) and W
 //   (weight gradients); W passes are deferred (at most pp - 1 pending) to fill the cool-down
 //   (see schedule.cpp).

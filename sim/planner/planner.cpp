@@ -254,12 +254,14 @@ class Estimator {
     b.exposed_ep_s += p.ep > 1 && m.moe ? straggling(p.ep) : 0.0;
     // Pipeline receives wait for late senders (pairs). With overlapped transfers the data comes
     // a pass ahead of its use in the steady state, which hides the lateness; the fill and drain
-    // hops, the bubble's length of compute, do not hide it. Blocking transfers (the default)
-    // also expose it in the steady state, which the engine has and this estimate leaves out:
-    // the planner test that compares both tiers' straggler times still finds them within
-    // 0.5-1.5x of each other for 89% of its candidates.
+    // hops, the bubble's length of compute, do not hide it. Blocking interleaved transfers (the
+    // default) expose it at every round: each round's exchange waits for both neighbours, late
+    // by the spread of the compute since their previous exchange, spans that together cover the
+    // stage's compute. With one neighbour per exchange (1F1B, GPipe) or receives alone
+    // blocking (zero-bubble), the bubble term stays close to the simulator's (planner test).
     if (p.pp > 1 && jitter_cv_ > 0) {
-      b.exposed_pp_s += jitter_cv_ * spread(2) * b.bubble_s;
+      const bool every_round = !p.overlap_p2p_comm && p.schedule == Schedule::Interleaved;
+      b.exposed_pp_s += jitter_cv_ * spread(2) * (every_round ? step_compute : b.bubble_s);
     }
     return b;
   }

@@ -39,7 +39,7 @@ TEST_CASE("Megatron Table 1: no row drifts past today's accuracy (regression gua
           "[report][validation]") {
   // The issue-3 target is 10% per row and 5% on average; it is not met for hidden sizes of
   // 8192 and up (bench/dtsim_validation prints the table). This guard fails if a change makes
-  // any row worse than -10%..+20% or the mean absolute error worse than 12%.
+  // any row worse than -10%..+19% or the mean absolute error worse than 11%.
   const auto rows =
       dtsim::read_csv(dtsim::test::repo_dir() / "validation" / "megatron_sc21_table1.csv");
   double sum = 0;
@@ -51,10 +51,10 @@ TEST_CASE("Megatron Table 1: no row drifts past today's accuracy (regression gua
     INFO(run.model << ": predicted " << run.prediction.tflops_per_gpu << " TFLOP/s, published "
                    << row.at("value"));
     CHECK(error >= -0.10);
-    CHECK(error <= 0.20);
+    CHECK(error <= 0.19);
     sum += std::abs(error);
     ++n;
   }
   REQUIRE(n == 10);
-  CHECK(sum / n <= 0.12);
+  CHECK(sum / n <= 0.11);
 }
