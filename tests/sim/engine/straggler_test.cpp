@@ -31,6 +31,26 @@ Task compute(int seconds, std::vector<dtsim::lower::TaskId> deps) {
   return t;
 }
 
+// A pipeline send or receive.
+Task transfer(TaskKind kind, std::int32_t peer, std::int64_t tag,
+              std::vector<dtsim::lower::TaskId> deps) {
+  Task t;
+  t.kind = kind;
+  t.stream = dtsim::lower::Stream::Pp;
+  t.peer = peer;
+  t.tag = tag;
+  t.deps = std::move(deps);
+  return t;
+}
+
+// Compute tasks last op_end - op_begin seconds; a pipeline transfer 0.5 s alone.
+class Transfers final : public dtsim::engine::Durations {
+ public:
+  double compute_s(const Task& t) override { return t.op_end - t.op_begin; }
+  double collective_s(const dtsim::lower::Group&, const Task&) override { return 0; }
+  double p2p_s(std::int64_t, std::int64_t, std::uint64_t) override { return 0.5; }
+};
+
 Task collective(std::int32_t group, std::vector<dtsim::lower::TaskId> deps) {
   Task t;
   t.kind = TaskKind::Collective;
@@ -127,16 +147,6 @@ TEST_CASE("a pipeline receive waits for a late sender", "[engine][stragglers]") 
   // rank 0 receives. Transfers take no time here (Fixed::p2p_s); sends are eager.
   dtsim::lower::Program p;
   p.plan.overlap_p2p_comm = true;
-  auto transfer = [](TaskKind kind, std::int32_t peer, std::int64_t tag,
-                     std::vector<dtsim::lower::TaskId> deps) {
-    Task t;
-    t.kind = kind;
-    t.stream = dtsim::lower::Stream::Pp;
-    t.peer = peer;
-    t.tag = tag;
-    t.deps = std::move(deps);
-    return t;
-  };
   auto send = [&](std::int32_t peer, std::int64_t tag, std::vector<dtsim::lower::TaskId> deps) {
     return transfer(TaskKind::Send, peer, tag, std::move(deps));
   };
@@ -167,27 +177,12 @@ TEST_CASE("a pipeline receive waits for a late sender", "[engine][stragglers]") 
 TEST_CASE("without p2p overlap a transfer starts when both ends are ready", "[engine][pipeline]") {
   // Rank 0 computes 2 s and sends; rank 1 computes 3 s, then posts its receive and computes
   // 1 s on the data. A transfer takes 0.5 s.
-  class Transfers final : public dtsim::engine::Durations {
-   public:
-    double compute_s(const Task& t) override { return t.op_end - t.op_begin; }
-    double collective_s(const dtsim::lower::Group&, const Task&) override { return 0; }
-    double p2p_s(std::int64_t, std::int64_t, std::uint64_t) override { return 0.5; }
-  };
-  auto transfer = [](TaskKind kind, std::int32_t peer, std::vector<dtsim::lower::TaskId> deps) {
-    Task t;
-    t.kind = kind;
-    t.stream = dtsim::lower::Stream::Pp;
-    t.peer = peer;
-    t.tag = 0;
-    t.deps = std::move(deps);
-    return t;
-  };
   dtsim::lower::Program p;
   dtsim::lower::RankProgram r0, r1;
   r0.rank = 0;
   r1.rank = 1;
-  r0.tasks = {compute(2, {}), transfer(TaskKind::Send, 1, {0})};
-  r1.tasks = {compute(3, {}), transfer(TaskKind::Recv, 0, {0}), compute(1, {1})};
+  r0.tasks = {compute(2, {}), transfer(TaskKind::Send, 1, 0, {0})};
+  r1.tasks = {compute(3, {}), transfer(TaskKind::Recv, 0, 0, {0}), compute(1, {1})};
   p.ranks = {r0, r1};
   Transfers d;
 
@@ -222,22 +217,6 @@ TEST_CASE("a device's link carries one pipeline transfer at a time each way",
           "[engine][pipeline]") {
   // Rank 1 (a middle stage) computes 1 s, then sends to ranks 0 and 2 at once; rank 3 sends to
   // rank 1 at the same time. A transfer takes 0.5 s alone.
-  class Transfers final : public dtsim::engine::Durations {
-   public:
-    double compute_s(const Task& t) override { return t.op_end - t.op_begin; }
-    double collective_s(const dtsim::lower::Group&, const Task&) override { return 0; }
-    double p2p_s(std::int64_t, std::int64_t, std::uint64_t) override { return 0.5; }
-  };
-  auto transfer = [](TaskKind kind, std::int32_t peer, std::int64_t tag,
-                     std::vector<dtsim::lower::TaskId> deps) {
-    Task t;
-    t.kind = kind;
-    t.stream = dtsim::lower::Stream::Pp;
-    t.peer = peer;
-    t.tag = tag;
-    t.deps = std::move(deps);
-    return t;
-  };
   dtsim::lower::Program p;
   std::vector<dtsim::lower::RankProgram> ranks(4);
   for (int r = 0; r < 4; ++r) ranks[static_cast<std::size_t>(r)].rank = r;
