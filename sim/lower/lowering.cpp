@@ -629,9 +629,17 @@ class Lowerer {
     std::vector<PendingSend> round_sends;
     std::map<std::size_t, TaskId> received;  // pass index -> its receive, posted with its round
     const auto flush_sends = [&] {
-      for (const PendingSend& s : round_sends) send(s);
+      std::vector<TaskId> sent;
+      for (const PendingSend& s : round_sends) sent.push_back(send(s));
       round_sends.clear();
+      return sent;
     };
+    // Megatron-LM's 1F1B sends, then receives, between two passes of one kind (send_forward,
+    // then recv_forward, in the warm-up; send_backward, then recv_backward, in the cool-down),
+    // and batches them between a forward and a backward pass. Its interleaved schedule batches
+    // them everywhere.
+    const bool in_turn_when_alike =
+        plan_.schedule == plan::Schedule::GPipe || plan_.schedule == plan::Schedule::OneFOneB;
 
     for (std::size_t i = 0; i < passes.size(); ++i) {
       const Pass& pass = passes[i];
@@ -641,9 +649,11 @@ class Lowerer {
       const bool last_micro_batch_grads =
           static_cast<int>(i) == final_pass[static_cast<std::size_t>(c)];
       if (between_rounds && (i == 0 || pass.round != passes[i - 1].round)) {
-        flush_sends();
+        const std::vector<TaskId> sent = flush_sends();
+        const bool in_turn = in_turn_when_alike && i > 0 && passes[i - 1].kind == pass.kind;
         for (std::size_t j = i; j < passes.size() && passes[j].round == pass.round; ++j) {
-          const TaskId r = receive(passes[j], items[static_cast<std::size_t>(passes[j].chunk)]);
+          const TaskId r = receive(passes[j], items[static_cast<std::size_t>(passes[j].chunk)],
+                                   in_turn ? sent : std::vector<TaskId>{});
           if (r >= 0) received[j] = r;
         }
       }
@@ -706,7 +716,7 @@ class Lowerer {
           break;
         }
       }
-      if (!between_rounds) flush_sends();  // overlapped: at once
+      if (!between_rounds) flush_sends();  // overlapped: sent at once
       const TaskId first_of_pass =
           rp_->tasks.size() > pass_start ? static_cast<TaskId>(pass_start) : pass_end;
       if (zero3 && i + 1 < passes.size()) {
@@ -858,7 +868,7 @@ class Lowerer {
     OpId tensor;
   };
 
-  void send(const PendingSend& p) {
+  TaskId send(const PendingSend& p) {
     Task s;
     s.op_begin = static_cast<std::int32_t>(p.tensor);
     s.op_end = s.op_begin + 1;
@@ -872,12 +882,14 @@ class Lowerer {
     s.deps.push_back(p.after);
     s.label = fmt::format("send {} mb{} chunk {}", p.gradient ? "gradients" : "activations",
                           p.micro_batch, p.chunk);
-    add(std::move(s));
+    return add(std::move(s));
   }
 
   // The receive a pass of this rank needs (activations into a forward pass, gradients into a
-  // backward one), or -1 at the ends of the pipeline and for weight-gradient passes.
-  TaskId receive(const Pass& pass, const std::vector<Item>& chunk) {
+  // backward one), posted after `after` too, or -1 at the ends of the pipeline and for
+  // weight-gradient passes.
+  TaskId receive(const Pass& pass, const std::vector<Item>& chunk,
+                 const std::vector<TaskId>& after = {}) {
     const int k = global_chunk(pass.chunk);
     const bool gradient = pass.kind == PassKind::Backward || pass.kind == PassKind::BackwardInput;
     if (pass.kind == PassKind::BackwardWeight) return -1;
@@ -897,6 +909,7 @@ class Lowerer {
     recv.op_end = recv.op_begin + 1;
     recv.label = fmt::format("recv {} mb{} chunk {}", gradient ? "gradients" : "activations",
                              pass.micro_batch, pass.chunk);
+    recv.deps = after;
     return add(std::move(recv));
   }
 };

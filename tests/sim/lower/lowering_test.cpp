@@ -255,6 +255,41 @@ TEST_CASE("without p2p overlap GPipe, 1F1B and interleaved hold the sender until
   }
 }
 
+TEST_CASE("without p2p overlap 1F1B sends, then receives, between passes of one kind", "[lower]") {
+  // Megatron-LM's 1F1B: send_forward, then recv_forward, between two warm-up forward passes;
+  // send_forward_recv_backward, one batch, between a forward and a backward pass.
+  auto spec = dtsim::model::load_model("tiny-gpt");
+  spec.layers = 4;
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  Plan p = plan_for(1, 1, 4, 1);
+  p.schedule = dtsim::plan::Schedule::OneFOneB;
+  p.global_batch_size = 8;
+  REQUIRE(dtsim::plan::check_plan(p, spec, p.devices()).ok());
+  const Program program = dtsim::lower::lower(g, p);
+  const auto& rp = program.ranks[1];  // stage 1: 2 warm-up forward passes
+  std::map<std::string, dtsim::lower::TaskId> by_label;
+  for (std::size_t i = 0; i < rp.tasks.size(); ++i) {
+    by_label.emplace(rp.tasks[i].label, static_cast<dtsim::lower::TaskId>(i));
+  }
+  const auto depends = [&](const std::string& task, const std::string& on) {
+    const auto& deps = rp.tasks[static_cast<std::size_t>(by_label.at(task))].deps;
+    return std::find(deps.begin(), deps.end(), by_label.at(on)) != deps.end();
+  };
+  // Warm-up: the next forward pass's activations are received once the last ones are sent.
+  CHECK(depends("recv activations mb1 chunk 0", "send activations mb0 chunk 0"));
+  // Steady state: the backward pass's gradients are received alongside the forward pass's
+  // activations going out (stage 1's third pass is the forward of micro-batch 2, its fourth
+  // the backward of micro-batch 0).
+  CHECK_FALSE(depends("recv gradients mb0 chunk 0", "send activations mb2 chunk 0"));
+  const auto passes = dtsim::lower::stage_passes(p, 1);
+  REQUIRE(passes.size() > 3);
+  CHECK(passes[2].kind == dtsim::lower::PassKind::Forward);
+  CHECK(passes[2].micro_batch == 2);
+  CHECK(passes[3].kind == dtsim::lower::PassKind::Backward);
+  CHECK(passes[3].micro_batch == 0);
+  CHECK(by_label.at("send activations mb2 chunk 0") < by_label.at("recv gradients mb0 chunk 0"));
+}
+
 TEST_CASE("without p2p overlap an interleaved round exchanges its tensors after both passes",
           "[lower]") {
   // Megatron-LM's interleaved steady state: a forward pass, a backward pass, then one
