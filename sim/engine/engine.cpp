@@ -146,9 +146,10 @@ class Engine {
           recvs_.erase(posted);
           break;
         }
-        const auto [start, end] = reserve_link(p, k.peer, now, transfer_s(p, k));
-        schedule(p, t, now, end);  // eager: the sender does not wait
-        const TaskTime arrival{start + late, end + late};
+        // The data travels as late as the sender is; the sender's own task is not shifted.
+        const auto [start, end] = reserve_link(p, k.peer, now + late, transfer_s(p, k));
+        schedule(p, t, now, end - late);  // eager: the sender does not wait for the receiver
+        const TaskTime arrival{start, end};
         sends_[key] = arrival;
         if (posted != recvs_.end()) {
           complete_recv(k.peer, posted->second, arrival);
@@ -189,10 +190,12 @@ class Engine {
     schedule(receiver, recv, start, end);
   }
 
-  // A device's link carries one pipeline transfer at a time each way, in the order they become
-  // ready: a stage that sends to both neighbours at once (Megatron-LM's exchange between two
-  // rounds) sends at half the bandwidth, which queueing gives the same end for the pair.
-  // Returns the transfer's start and end.
+  // A device's link carries one pipeline transfer at a time each way: a stage that sends to
+  // both neighbours at once (Megatron-LM's exchange between two rounds) sends at half the
+  // bandwidth, and queueing the second transfer behind the first gives the pair the same end.
+  // Transfers book the links in the order the engine meets them (the later end's readiness),
+  // which is their order of readiness except where a straggler delay pushes a start later
+  // than a transfer met after it. Returns the transfer's start and end.
   std::pair<double, double> reserve_link(std::int32_t sender, std::int32_t receiver, double ready,
                                          double seconds) {
     double& out = link_out_free_[static_cast<std::size_t>(sender)];

@@ -225,8 +225,9 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
             ? "pipeline transfers overlap compute (--overlap-p2p-comm): receives are posted "
               "ahead of need"
             : "pipeline transfers block, as Megatron-LM's do by default: between rounds of "
-              "passes a stage posts its sends and receives together once its compute has ended, "
-              "and waits for all of them (--overlap-p2p-comm overlaps them)");
+              "passes a stage posts its receives once its compute has ended and waits for them "
+              "(with GPipe, 1F1B and interleaved, for its sends to be received too); "
+              "--overlap-p2p-comm overlaps them");
   }
   if (engine.jitter_cv > 0) {
     p.notes.push_back(fmt::format(

@@ -270,12 +270,13 @@ class Lowerer {
   TaskId add(Task t) {
     const auto id = static_cast<TaskId>(rp_->tasks.size());
     if (!plan_.overlap_p2p_comm) {
-      // Megatron-LM exchanges a stage's tensors in one blocking batch_isend_irecv between two
+      // Megatron-LM exchanges a stage's tensors in blocking batch_isend_irecv calls between two
       // rounds of passes (lower_rank emits them there), not ahead of need: the sends of the
-      // round that ended and the receives of the next are posted when its compute has ended,
-      // and the next round starts when they are done. Megatron-LM has GPipe-like (its
-      // pipelining without interleaving), 1F1B and interleaved schedules; for zero-bubble and
-      // PipeDream, the receives block in the same way but the sends do not hold the sender.
+      // round that ended and the receives of the next are posted when its compute has ended
+      // (1F1B: the receives after the sends between passes of one kind, see lower_rank), and
+      // the next round starts when they are done. Megatron-LM has 1F1B and interleaved
+      // schedules (GPipe is taken as 1F1B is); for zero-bubble and PipeDream, the receives
+      // block in the same way but the sends do not hold the sender.
       const bool holds_sends = plan_.schedule == plan::Schedule::GPipe ||
                                plan_.schedule == plan::Schedule::OneFOneB ||
                                plan_.schedule == plan::Schedule::Interleaved;

@@ -47,9 +47,10 @@ struct Plan {
   // Pipeline transfers overlapped with compute (Megatron-LM --overlap-p2p-communication): a
   // send starts as soon as its tensor exists and the receiver has posted its receive ahead of
   // need. False, Megatron-LM's default (megatron/core/pipeline_parallel/p2p_communication.py:
-  // batch_isend_irecv, wait, torch.cuda.synchronize()): a stage posts its receives when the
-  // compute before them has ended, a transfer starts when both ends are ready, the receiver
-  // waits for all of it, and with GPipe and 1F1B so does the sender (sim/lower/lowering.cpp).
+  // batch_isend_irecv, wait, torch.cuda.synchronize()): a stage exchanges its tensors between
+  // rounds of passes (lower/schedule.hpp), posting its receives once the compute before them
+  // has ended; a transfer starts when both ends are ready, the receiver waits for all of it,
+  // and with GPipe, 1F1B and interleaved so does the sender (sim/lower/lowering.cpp).
   bool overlap_p2p_comm = false;
   Precision precision = Precision::Bf16;
   // Low-precision communication: activations (tp, cp, ep, pp) and gradients travel in this

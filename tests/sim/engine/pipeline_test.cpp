@@ -1,5 +1,6 @@
 // Pipeline schedules on the engine, with equal stages and free communication: the bubble
 // formulas of Narayanan et al. 2021 (GPipe, 1F1B, interleaved) and Qi et al. 2023 (ZB-H1).
+#include <algorithm>
 #include <cmath>
 
 #include "sim/engine/engine.hpp"
@@ -91,6 +92,42 @@ std::vector<double> bubble_ratios(Schedule schedule, int p, int m, int v, double
 }
 
 }  // namespace
+
+TEST_CASE("passes run in rounds: one each, or a forward and a backward pass when interleaved",
+          "[engine][pipeline]") {
+  // Megatron-LM exchanges pipeline tensors between rounds; its interleaved steady state runs a
+  // forward and a backward pass before each exchange.
+  for (const auto schedule :
+       {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved, Schedule::ZeroBubble}) {
+    Plan p;
+    p.pp = 4;
+    p.schedule = schedule;
+    p.virtual_stages = schedule == Schedule::Interleaved ? 2 : 1;
+    p.micro_batch_size = 1;
+    p.global_batch_size = 8;
+    for (int stage = 0; stage < p.pp; ++stage) {
+      INFO(dtsim::plan::to_string(schedule) << " stage " << stage);
+      const auto passes = dtsim::lower::stage_passes(p, stage);
+      REQUIRE(!passes.empty());
+      CHECK(passes.front().round == 0);
+      int pairs = 0;
+      for (std::size_t i = 1; i < passes.size(); ++i) {
+        const int step = passes[i].round - passes[i - 1].round;
+        CHECK((step == 0 || step == 1));
+        if (step == 0) {
+          ++pairs;
+          CHECK(passes[i - 1].kind == dtsim::lower::PassKind::Forward);
+          CHECK(passes[i].kind == dtsim::lower::PassKind::Backward);
+        }
+      }
+      // Interleaved: 16 virtual micro-batches, less the stage's warm-up forward passes
+      // (2(pp - stage - 1) + (v - 1)pp), run as forward-backward pairs.
+      const int pipelined =
+          schedule == Schedule::Interleaved ? std::max(0, 16 - (2 * (p.pp - stage - 1) + p.pp)) : 0;
+      CHECK(pairs == pipelined);
+    }
+  }
+}
 
 TEST_CASE("GPipe and 1F1B bubbles are (p-1)/m of the ideal time", "[engine][pipeline]") {
   for (Schedule s : {Schedule::GPipe, Schedule::OneFOneB}) {

@@ -240,4 +240,19 @@ TEST_CASE("a device's link carries one pipeline transfer at a time each way",
     // Its receive comes in the other way, alongside them.
     CHECK(t.tasks[1][3].end_s == Approx(1.5));
   }
+
+  // Two senders, one receiver: ranks 0 and 2 send to rank 1 at 1 s; its link takes one
+  // transfer, then the other, in both modes (eager sends are on different ranks' streams).
+  ranks[0].tasks = {compute(1, {}), transfer(TaskKind::Send, 1, 0, {0})};
+  ranks[1].tasks = {transfer(TaskKind::Recv, 0, 0, {}), transfer(TaskKind::Recv, 2, 1, {})};
+  ranks[2].tasks = {compute(1, {}), transfer(TaskKind::Send, 1, 1, {0})};
+  ranks[3].tasks = {};
+  p.ranks = ranks;
+  for (const bool overlap : {false, true}) {
+    INFO((overlap ? "overlapped" : "blocking"));
+    p.plan.overlap_p2p_comm = overlap;
+    const auto t = dtsim::engine::run(p, d);
+    CHECK(std::min(t.tasks[1][0].end_s, t.tasks[1][1].end_s) == Approx(1.5));
+    CHECK(std::max(t.tasks[1][0].end_s, t.tasks[1][1].end_s) == Approx(2));
+  }
 }

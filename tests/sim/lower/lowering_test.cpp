@@ -183,7 +183,7 @@ TEST_CASE("low-precision communication and gradient compression change what is s
         Approx(2.0 * 5000 / bw + 2 * cluster.device.efficiency.launch_overhead_s.value));
 }
 
-TEST_CASE("without p2p overlap a receive is posted after the compute before it", "[lower]") {
+TEST_CASE("without p2p overlap a receive is posted after the compute before its round", "[lower]") {
   const auto spec = dtsim::model::load_model("tiny-gpt");
   const dtsim::model::ModelGraph g(spec, 1, 32);
   Plan blocking = plan_for(1, 1, 2, 1);
@@ -277,6 +277,9 @@ TEST_CASE("without p2p overlap 1F1B sends, then receives, between passes of one 
   };
   // Warm-up: the next forward pass's activations are received once the last ones are sent.
   CHECK(depends("recv activations mb1 chunk 0", "send activations mb0 chunk 0"));
+  // Cool-down (send_backward, then recv_backward): the last two backward passes are micro-
+  // batches 6 and 7, after 1F1B's last forward pass (micro-batch 7).
+  CHECK(depends("recv gradients mb7 chunk 0", "send gradients mb6 chunk 0"));
   // Steady state: the backward pass's gradients are received alongside the forward pass's
   // activations going out (stage 1's third pass is the forward of micro-batch 2, its fourth
   // the backward of micro-batch 0).
