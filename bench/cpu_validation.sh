@@ -7,14 +7,17 @@
 # 1. dtexec calibrate, once per rank count (ranks measure at once, one GEMM thread each when
 #    several, as dtexec run sets them), writing that round's profiles and this host as a
 #    cluster;
-# 2. for each plan: one dtexec run of STEPS steps, and dtsim simulate of the same plan on that
-#    cluster with that round's profile (its measured jitter drives the straggler model), and
-#    again without the straggler model (--jitter-cv 0).
+# 2. for each plan: with CALIBRATE=plan (the default), dtexec calibrate again with the plan's
+#    rank count just before its run, so that the profile and the run see the host in the same
+#    spell (CALIBRATE=round uses the round's profiles); one dtexec run of STEPS steps; and
+#    dtsim simulate of the same plan on that cluster with that profile (its measured jitter
+#    drives the straggler model), and again without the straggler model (--jitter-cv 0).
 # Then a table: plan, ranks, predicted (the median over rounds), measured (the median step
 # time over all rounds, warm-up left out), the spread of those step times, error, and the
 # error without stragglers; and the worst error.
 #
-# usage: [RUNS=3] [STEPS=8] [MODEL=cpu-small] bench/cpu_validation.sh [BUILD_DIR] [WORK_DIR]
+# usage: [RUNS=3] [STEPS=8] [MODEL=cpu-small] [CALIBRATE=plan|round] bench/cpu_validation.sh
+#        [BUILD_DIR] [WORK_DIR]
 #        (BUILD_DIR defaults to build)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -29,6 +32,14 @@ cores=$(nproc)
 model=${MODEL:-cpu-small}
 steps=${STEPS:-8}
 runs=${RUNS:-3}
+calibrate=${CALIBRATE:-plan}
+case "$calibrate" in
+  plan | round) ;;
+  *)
+    echo "cpu_validation.sh: CALIBRATE: expected plan or round, got '$calibrate'" >&2
+    exit 2
+    ;;
+esac
 warmup=2
 batch=(--micro-batch-size 4 --global-batch-size 8)
 
@@ -50,21 +61,36 @@ value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 step_times() { sed -n '/"step_times_s": \[/,/\]/p' | grep -o '[0-9][0-9.eE+-]*' | tail -n +$((warmup + 1)); }
 median() { sort -g "$1" | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 
-echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $cores cores; model $model; $runs rounds"
-for i in "${!plans[@]}"; do : >"times_$i.txt" >"predicted_$i.txt" >"plain_$i.txt"; done
+echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $cores cores; model $model; $runs rounds; calibrated per $calibrate"
+for i in "${!plans[@]}"; do
+  for f in times predicted plain; do : >"${f}_$i.txt"; done
+done
 for round in $(seq "$runs"); do
-  "$dtexec" calibrate --model "$model" --out "profile_1_$round.json" >/dev/null
-  if [ "$cores" -ge 2 ]; then
-    mpirun -np 2 "$dtexec" calibrate --model "$model" --out "profile_2_$round.json" \
-      --cluster-out host >/dev/null
-  else
-    "$dtexec" calibrate --model "$model" --out "profile_2_$round.json" --cluster-out host >/dev/null
+  # The round's profiles, and this host as a cluster (per plan: the cluster, once).
+  if [ "$calibrate" = round ] || [ "$round" -eq 1 ]; then
+    "$dtexec" calibrate --model "$model" --out "profile_1_$round.json" >/dev/null
+    if [ "$cores" -ge 2 ]; then
+      mpirun -np 2 "$dtexec" calibrate --model "$model" --out "profile_2_$round.json" \
+        --cluster-out host >/dev/null
+    else
+      "$dtexec" calibrate --model "$model" --out "profile_2_$round.json" --cluster-out host \
+        >/dev/null
+    fi
+    echo "round $round: compute jitter $(value jitter_cv <"profile_1_$round.json") (1 rank)," \
+      "$(value jitter_cv <"profile_2_$round.json") (2 ranks)"
   fi
-  echo "round $round: compute jitter $(value jitter_cv <"profile_1_$round.json") (1 rank)," \
-    "$(value jitter_cv <"profile_2_$round.json") (2 ranks)"
   for i in "${!plans[@]}"; do
     IFS='|' read -r ranks flags <<<"${plans[$i]}"
     [ "$ranks" -le "$cores" ] || continue
+    profile="profile_${ranks}_$round.json"
+    if [ "$calibrate" = plan ]; then
+      profile="profile_plan${i}_$round.json"
+      if [ "$ranks" -gt 1 ]; then
+        mpirun -np "$ranks" "$dtexec" calibrate --model "$model" --out "$profile" >/dev/null
+      else
+        "$dtexec" calibrate --model "$model" --out "$profile" >/dev/null
+      fi
+    fi
     # shellcheck disable=SC2086
     if [ "$ranks" -gt 1 ]; then
       mpirun -np "$ranks" "$dtexec" run --model "$model" "${batch[@]}" $flags \
@@ -73,7 +99,6 @@ for round in $(seq "$runs"); do
       "$dtexec" run --model "$model" "${batch[@]}" $flags --steps "$steps" \
         --warmup "$warmup" --json | step_times >>"times_$i.txt"
     fi
-    profile="profile_${ranks}_$round.json"
     # shellcheck disable=SC2086
     "$dtsim" simulate --model "$model" --cluster host/cpu-host.json --gpus "$ranks" \
       "${batch[@]}" $flags --precision fp32 --profile "$profile" --json |

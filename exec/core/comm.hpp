@@ -56,6 +56,10 @@ class Comm {
   // finish(handle) returns and must stay untouched until then.
   virtual Handle start_recv(int peer, std::int64_t tag, View data) = 0;
   virtual void wait_sends() = 0;
+  // What follows (the next compute) starts once every send issued so far is received: the
+  // sender of a blocking pipeline exchange waits (Megatron-LM: batch_isend_irecv, then wait).
+  // A backend without point-to-point peers has nothing to wait for.
+  virtual void finish_sends() {}
 
   // Outside the Program: element-wise over all ranks, result on every rank.
   virtual void all_ranks(std::span<double> data, Reduce op) = 0;

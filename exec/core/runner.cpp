@@ -914,6 +914,14 @@ class Runner {
 
   // Finishes the started collectives that `task` depends on (all of them for nullptr).
   void settle(const lower::Task* task) {
+    // Blocking pipeline transfers: a task that waits for sends (the next round's compute, see
+    // lowering) starts once they are received, as Megatron-LM's exchange waits for its sends.
+    if (task != nullptr && !program_.plan.overlap_p2p_comm && !options_.replay_communication &&
+        std::any_of(task->deps.begin(), task->deps.end(), [this](lower::TaskId d) {
+          return rp_->tasks[static_cast<std::size_t>(d)].kind == TaskKind::Send;
+        })) {
+      comm_.finish_sends();
+    }
     for (auto it = pending_.begin(); it != pending_.end();) {
       const bool needed =
           task == nullptr || std::find(task->deps.begin(), task->deps.end(),

@@ -194,6 +194,14 @@ class MpiComm final : public Comm {
     return keep(request);
   }
 
+  void finish_sends() override {
+    if (requests_.empty()) return;
+    check(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE),
+          "MPI_Waitall");
+    requests_.clear();
+    buffers_.clear();
+  }
+
   void wait_sends() override {
     if (!pending_.empty()) {
       check(MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE),

@@ -261,6 +261,11 @@ class NcclComm final : public Comm {
     return done_on(s);
   }
 
+  // Compute waits on the GPU, not the host, for every pair's sends queued so far.
+  void finish_sends() override {
+    for (const auto& [peer, pair] : sends_) before_compute(pair.stream);
+  }
+
   // The step's end: every queued kernel and transfer of this rank done, or a hang reported.
   void wait_sends() override {
     const auto deadline =

@@ -1,7 +1,10 @@
 #include "exec/core/runner.hpp"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <filesystem>
+#include <string>
+#include <vector>
 
 #include "exec/core/checkpoint.hpp"
 #include "sim/common/error.hpp"
@@ -215,4 +218,76 @@ TEST_CASE("a device's memory is not handed to a backend that moves host memory o
                                   dtsim::UnsupportedError,
                                   "2 ranks on cpu-bf16-emulation: this communication backend "
                                   "moves host memory only");
+}
+
+namespace {
+
+// Rank 0 of two pipeline stages, its peer a stand-in (receives leave the buffers as they are):
+// records the point-to-point calls in order.
+class RecordingComm final : public dtsim::exec::Comm {
+ public:
+  std::vector<std::string> calls;
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  void all_reduce(int, dtsim::exec::View, dtsim::exec::Reduce) override {}
+  void reduce_scatter(int, dtsim::exec::View, dtsim::exec::View, std::span<const int>) override {}
+  void all_gather(int, dtsim::exec::View, dtsim::exec::View, std::span<const int>) override {}
+  Handle start_all_reduce(int, dtsim::exec::View) override { return 0; }
+  Handle start_reduce_scatter(int, dtsim::exec::View, dtsim::exec::View,
+                              std::span<const int>) override {
+    return 0;
+  }
+  void finish(Handle) override {}
+  void send(int, std::int64_t, dtsim::exec::View) override { calls.emplace_back("send"); }
+  void recv(int, std::int64_t, dtsim::exec::View) override { calls.emplace_back("recv"); }
+  Handle start_recv(int, std::int64_t, dtsim::exec::View) override {
+    calls.emplace_back("start_recv");
+    return 0;
+  }
+  void wait_sends() override {}
+  void finish_sends() override { calls.emplace_back("finish_sends"); }
+  void all_ranks(std::span<double>, dtsim::exec::Reduce) override {}
+  std::vector<std::string> gather_to_root(const std::string& mine) override { return {mine}; }
+  void barrier() override {}
+};
+
+}  // namespace
+
+TEST_CASE("without p2p overlap the sender waits for its sends where the program says so",
+          "[exec][runner]") {
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  auto p = single_rank(1, 4);
+  p.pp = 2;
+  p.schedule = dtsim::plan::Schedule::OneFOneB;
+  const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+  dtsim::lower::LowerOptions lowering;
+  lowering.mode = dtsim::lower::Lowering::AllRanks;
+  for (const bool overlap : {false, true}) {
+    INFO((overlap ? "overlapped" : "blocking"));
+    p.overlap_p2p_comm = overlap;
+    const auto program = dtsim::lower::lower(g, p, lowering);
+    // The compute tasks of rank 0 that wait for sends (the lowering's blocking exchange).
+    const auto& tasks = program.ranks[0].tasks;
+    int holding = 0;
+    for (const auto& t : tasks) {
+      if (t.kind != dtsim::lower::TaskKind::Compute) continue;
+      holding += std::any_of(t.deps.begin(), t.deps.end(), [&](dtsim::lower::TaskId d) {
+        return tasks[static_cast<std::size_t>(d)].kind == dtsim::lower::TaskKind::Send;
+      });
+    }
+    CHECK((holding > 0) == !overlap);
+    RecordingComm comm;
+    dtsim::exec::RunOptions o;
+    o.steps = 1;
+    dtsim::exec::run_program(g, program, o, comm);
+    CHECK(std::count(comm.calls.begin(), comm.calls.end(), "finish_sends") == holding);
+    // Stage 0 sends 4 micro-batches' activations, and each wait comes right after a send (the
+    // exchange after a forward pass: its send, then the wait before the backward pass).
+    CHECK(std::count(comm.calls.begin(), comm.calls.end(), "send") == 4);
+    for (std::size_t i = 0; i < comm.calls.size(); ++i) {
+      if (comm.calls[i] != "finish_sends") continue;
+      REQUIRE(i > 0);
+      CHECK((comm.calls[i - 1] == "send" || comm.calls[i - 1] == "recv"));
+    }
+  }
 }
