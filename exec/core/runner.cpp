@@ -278,10 +278,12 @@ class Runner {
       const double begin = now();
       const int step_mark = queued ? dev_.mark() : -1;
       for (std::size_t i = 0; i < tasks.size(); ++i) {
+        watchdog.begin(i);
+        // A task starts once what it depends on is done, as the simulator's do: its time
+        // leaves out the wait for earlier collectives and sends.
+        settle(&tasks[i]);
         const double start = now();
         const int start_mark = queued ? dev_.mark() : -1;
-        watchdog.begin(i);
-        settle(&tasks[i]);
         execute(tasks[i], i);
         comm_.progress();
         watchdog.end();
