@@ -255,13 +255,20 @@ class Estimator {
     // Pipeline receives wait for late senders (pairs). With overlapped transfers the data comes
     // a pass ahead of its use in the steady state, which hides the lateness; the fill and drain
     // hops, the bubble's length of compute, do not hide it. Blocking interleaved transfers (the
-    // default) expose it at every round: each round's exchange waits for both neighbours, late
-    // by the spread of the compute since their previous exchange, spans that together cover the
-    // stage's compute. With one neighbour per exchange (1F1B, GPipe) or receives alone
-    // blocking (zero-bubble), the bubble term stays close to the simulator's (planner test).
+    // default) expose it at every round: the exchange waits for both neighbours, one of them
+    // late by the spread of the round's compute (the engine's pair wait), less the one transfer
+    // time that the stage's second send queues behind its first on the link anyway. With one
+    // neighbour per exchange (1F1B, GPipe) or receives alone blocking (zero-bubble), the bubble
+    // term stays close to the simulator's (planner test).
     if (p.pp > 1 && jitter_cv_ > 0) {
       const bool every_round = !p.overlap_p2p_comm && p.schedule == Schedule::Interleaved;
-      b.exposed_pp_s += jitter_cv_ * spread(2) * (every_round ? step_compute : b.bubble_s);
+      if (every_round) {
+        const double rounds = mb * p.virtual_stages;
+        const double late = jitter_cv_ * spread(2) * step_compute / rounds;
+        b.exposed_pp_s += rounds * std::max(0.0, late - p2p);
+      } else {
+        b.exposed_pp_s += jitter_cv_ * spread(2) * b.bubble_s;
+      }
     }
     return b;
   }

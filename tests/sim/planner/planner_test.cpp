@@ -171,12 +171,10 @@ TEST_CASE("with stragglers the closed-form tier tracks the simulator as closely 
        << median_abs_error(b) << " with");
   WARN(near << " of " << ratios.size() << " within 0.5-1.5 of the simulator's");
   CHECK(median == Approx(1.0).margin(0.2));
-  // The rest (115 of 719 when this was written: 59 interleaved, 38 zero-bubble, 7 1F1B with a
+  // The rest (98 of 719 when this was written: 42 interleaved, 38 zero-bubble, 7 1F1B with a
   // pipeline and 11 without one) are plans whose dp stream or pipeline the closed form models
-  // coarsely: the interleaved chunks' separate reductions and blocking exchanges (the closed
-  // form counts a late neighbour over the whole step, which overstates the simulator's wait
-  // by 10-25% on most), the zero-bubble schedule's deferred weight passes. The interleaved
-  // exchanges' waits took this from 87% to 84% of the candidates.
-  CHECK(static_cast<double>(near) >= 0.8 * static_cast<double>(ratios.size()));
+  // coarsely: the zero-bubble schedule's deferred weight passes, the interleaved chunks'
+  // separate reductions and blocking exchanges.
+  CHECK(static_cast<double>(near) >= 0.85 * static_cast<double>(ratios.size()));
   CHECK(median_abs_error(b) <= median_abs_error(a) + 0.01);
 }
