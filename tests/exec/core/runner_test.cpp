@@ -177,7 +177,7 @@ TEST_CASE("one rank of a tp2 pp2 dp2 plan runs alone on the bf16 path", "[exec][
 namespace {
 
 // Two ranks that exchange nothing: a stand-in for a backend that moves host memory only.
-class HostOnlyComm final : public dtsim::exec::Comm {
+class HostOnlyComm : public dtsim::exec::Comm {
  public:
   int rank() const override { return 0; }
   int size() const override { return 2; }
@@ -224,31 +224,16 @@ namespace {
 
 // Rank 0 of two pipeline stages, its peer a stand-in (receives leave the buffers as they are):
 // records the point-to-point calls in order.
-class RecordingComm final : public dtsim::exec::Comm {
+class RecordingComm final : public HostOnlyComm {
  public:
   std::vector<std::string> calls;
-  int rank() const override { return 0; }
-  int size() const override { return 2; }
-  void all_reduce(int, dtsim::exec::View, dtsim::exec::Reduce) override {}
-  void reduce_scatter(int, dtsim::exec::View, dtsim::exec::View, std::span<const int>) override {}
-  void all_gather(int, dtsim::exec::View, dtsim::exec::View, std::span<const int>) override {}
-  Handle start_all_reduce(int, dtsim::exec::View) override { return 0; }
-  Handle start_reduce_scatter(int, dtsim::exec::View, dtsim::exec::View,
-                              std::span<const int>) override {
-    return 0;
-  }
-  void finish(Handle) override {}
   void send(int, std::int64_t, dtsim::exec::View) override { calls.emplace_back("send"); }
   void recv(int, std::int64_t, dtsim::exec::View) override { calls.emplace_back("recv"); }
   Handle start_recv(int, std::int64_t, dtsim::exec::View) override {
     calls.emplace_back("start_recv");
     return 0;
   }
-  void wait_sends() override {}
   void finish_sends() override { calls.emplace_back("finish_sends"); }
-  void all_ranks(std::span<double>, dtsim::exec::Reduce) override {}
-  std::vector<std::string> gather_to_root(const std::string& mine) override { return {mine}; }
-  void barrier() override {}
 };
 
 }  // namespace
