@@ -192,6 +192,11 @@ class Lowerer {
   double weight_bytes_;
   std::uint64_t tokens_ = 0;        // tokens of one micro-batch on one rank (b·s/cp)
   std::uint64_t hidden_bytes_ = 0;  // one activation tensor of width h
+  // Without p2p overlap, Megatron-LM's schedules (1F1B, interleaved; GPipe taken as 1F1B is)
+  // hold the sender of an exchange until its tensors are received (see add).
+  bool holds_sends_ = !plan_.overlap_p2p_comm && (plan_.schedule == plan::Schedule::GPipe ||
+                                                  plan_.schedule == plan::Schedule::OneFOneB ||
+                                                  plan_.schedule == plan::Schedule::Interleaved);
   Program program_;
   std::map<std::pair<GroupKind, std::vector<std::int64_t>>, std::int32_t> group_ids_;
 
@@ -274,16 +279,13 @@ class Lowerer {
       // rounds of passes (lower_rank emits them there), not ahead of need: the sends of the
       // round that ended and the receives of the next are posted when its compute has ended
       // (1F1B: the receives after the sends between passes of one kind, see lower_rank), and
-      // the next round starts when they are done. Megatron-LM has 1F1B and interleaved
-      // schedules (GPipe is taken as 1F1B is); for zero-bubble and PipeDream, the receives
-      // block in the same way but the sends do not hold the sender.
-      const bool holds_sends = plan_.schedule == plan::Schedule::GPipe ||
-                               plan_.schedule == plan::Schedule::OneFOneB ||
-                               plan_.schedule == plan::Schedule::Interleaved;
+      // the next round starts when they are done. For zero-bubble and PipeDream, which
+      // Megatron-LM does not have, the receives block in the same way but the sends do not
+      // hold the sender (holds_sends_).
       if ((t.kind == TaskKind::Recv || t.kind == TaskKind::Send) && last_compute_task_ >= 0) {
         t.deps.push_back(last_compute_task_);
       }
-      if (t.kind == TaskKind::Recv || (t.kind == TaskKind::Send && holds_sends)) {
+      if (t.kind == TaskKind::Recv || (t.kind == TaskKind::Send && holds_sends_)) {
         exchange_.push_back(id);
       }
       if (t.kind == TaskKind::Compute) {
@@ -628,7 +630,8 @@ class Lowerer {
     // round wait for its end, and the receives of a round are posted at its start.
     const bool between_rounds = !plan_.overlap_p2p_comm;
     std::vector<PendingSend> round_sends;
-    std::map<std::size_t, TaskId> received;  // pass index -> its receive, posted with its round
+    // Per pass: its receive, posted with its round (-1: none).
+    std::vector<TaskId> received(passes.size(), -1);
     const auto flush_sends = [&] {
       std::vector<TaskId> sent;
       for (const PendingSend& s : round_sends) sent.push_back(send(s));
@@ -655,16 +658,11 @@ class Lowerer {
         for (std::size_t j = i; j < passes.size() && passes[j].round == pass.round; ++j) {
           const TaskId r = receive(passes[j], items[static_cast<std::size_t>(passes[j].chunk)],
                                    in_turn ? sent : std::vector<TaskId>{});
-          if (r >= 0) received[j] = r;
+          received[j] = r;
         }
       }
       const std::size_t pass_start = rp_->tasks.size();
-      TaskId dep = -1;
-      if (!between_rounds) {
-        dep = receive(pass, chunk);
-      } else if (const auto it = received.find(i); it != received.end()) {
-        dep = it->second;
-      }
+      const TaskId dep = between_rounds ? received[i] : receive(pass, chunk);
       std::vector<std::pair<OpId, TaskId>> produced;
       const bool wants_grads = last_micro_batch_grads || per_micro_batch_grads;
       TaskId pass_end = -1;

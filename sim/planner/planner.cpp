@@ -41,10 +41,11 @@ std::vector<int> divisors(std::int64_t n) {
 // Stragglers, as the engine models them (sim/engine/engine.hpp): a collective waits
 // cv·E[max of its group's n ranks]·T, T the compute since that group's previous collective.
 // Over a step those T add up to the rank's compute, once per group kind. Tensor-parallel
-// collectives sit between the ops, so their waits, cv·e(tp)·compute, are all exposed; of the
-// pipeline receives' waits for late senders, only the fill and drain's are counted (see below). The
-// data-parallel buckets wait on the dp stream while the backward pass goes on, which hides
-// their waits unless the stream outlasts it (see the dp term below).
+// collectives sit between the ops, so their waits, cv·e(tp)·compute, are all exposed; the
+// pipeline receives' waits for late senders count in the fill and drain, or at every round of
+// a blocking interleaved schedule (see below). The data-parallel buckets wait on the dp
+// stream while the backward pass goes on, which hides their waits unless the stream outlasts
+// it (see the dp term below).
 class Estimator {
  public:
   Estimator(const cluster::Cluster& cluster, const cost::Profile* profile, double jitter_cv)
