@@ -17,10 +17,13 @@ int cmd_validate(const std::vector<std::string>& args) {
   desc.add_options()("help,h", "show this help")("predicted", po::value<std::string>(),
                                                  "trace written by dtsim simulate --trace")(
       "measured", po::value<std::string>(), "trace written by dtexec run --trace")(
-      "json", po::bool_switch(), "print JSON");
+      "json", po::bool_switch(), "print JSON (always with every joined task)")(
+      "tasks", po::bool_switch(),
+      "also print every joined task: rank, task id, name, predicted, measured and error, in "
+      "the measured order");
   po::variables_map vm;
   if (!parse(args, desc,
-             "usage: dtsim validate --predicted A.json --measured B.json [--json]\n\n"
+             "usage: dtsim validate --predicted A.json --measured B.json [--tasks] [--json]\n\n"
              "Joins two traces task by task (same rank and task id) and reports the error per "
              "task kind, per stream and for the whole step (error = predicted / measured - 1).",
              vm)) {
@@ -53,10 +56,24 @@ int cmd_validate(const std::vector<std::string>& args) {
                       {"error", r.error},
                       {"mean_abs_task_error", r.mean_abs_error}});
     }
+    nlohmann::json tasks = nlohmann::json::array();
+    for (const auto& t : v.tasks) {
+      tasks.push_back({{"rank", t.rank},
+                       {"predicted_rank", t.predicted_rank},
+                       {"task", t.task},
+                       {"name", t.name},
+                       {"kind", t.kind},
+                       {"stream", t.stream},
+                       {"predicted_s", t.predicted_s},
+                       {"measured_s", t.measured_s},
+                       {"measured_start_s", t.measured_start_s},
+                       {"error", t.error ? nlohmann::json(*t.error) : nlohmann::json(nullptr)}});
+    }
     std::cout << nlohmann::json{{"matched", v.matched},
                                 {"only_predicted", v.only_predicted},
                                 {"only_measured", v.only_measured},
                                 {"rows", rows},
+                                {"tasks", tasks},
                                 {"notes", nlohmann::json::array({note})}}
                      .dump(2)
               << "\n";
@@ -71,6 +88,22 @@ int cmd_validate(const std::vector<std::string>& args) {
                r.group == "step" ? "-" : fmt::format("{:.1f}%", 100 * r.mean_abs_error)});
   }
   std::cout << t.render();
+  if (vm["tasks"].as<bool>()) {
+    report::Table per(
+        {"rank", "task", "name", "kind", "stream", "start", "predicted", "measured", "error"});
+    per.set_units({"", "", "", "", "", "ms", "ms", "ms", ""});
+    per.align_left(2);
+    per.align_left(3);
+    per.align_left(4);
+    for (const auto& task : v.tasks) {
+      per.add_row({fmt::format("{}", task.rank), fmt::format("{}", task.task), task.name, task.kind,
+                   task.stream, fmt::format("{:.3f}", task.measured_start_s * 1e3),
+                   fmt::format("{:.3f}", task.predicted_s * 1e3),
+                   fmt::format("{:.3f}", task.measured_s * 1e3),
+                   task.error ? fmt::format("{:+.1f}%", 100 * *task.error) : "-"});
+    }
+    std::cout << "\n" << per.render();
+  }
   std::cout << fmt::format("{} tasks matched; {} only predicted, {} only measured\n", v.matched,
                            v.only_predicted, v.only_measured);
   std::cout << "note: " << note << "\n";

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "sim/common/error.hpp"
 #include "sim/common/json_reader.hpp"
@@ -77,6 +78,7 @@ Trace read_trace(const std::string& path) {
       args.fail("task", "expected the task id (an integer)");
     }
     t.task = e.at("args").at("task").get<std::int64_t>();
+    t.name = r.string_or("name", "");
     t.kind = args.has("phase") ? args.string("phase") : args.string_or("kind", e.value("cat", "?"));
     trace.tasks.push_back(std::move(t));
   }
@@ -97,6 +99,11 @@ Validation validate(const Trace& predicted, const Trace& measured) {
   std::map<std::string, Acc> groups;
   Validation v;
   std::map<std::pair<std::int64_t, std::int64_t>, bool> seen;
+  double first_measured = 0;
+  if (!measured.tasks.empty()) {
+    first_measured = measured.tasks.front().start_s;
+    for (const auto& m : measured.tasks) first_measured = std::min(first_measured, m.start_s);
+  }
   for (const auto& m : measured.tasks) {
     auto it = by_id.find({m.rank, m.task});
     if (it == by_id.end()) {
@@ -109,6 +116,12 @@ Validation validate(const Trace& predicted, const Trace& measured) {
     ++v.matched;
     const auto stream = predicted.stream_names.count(p.stream) ? predicted.stream_names.at(p.stream)
                                                                : fmt::format("{}", p.stream);
+    TaskError te{m.rank,       p.rank,       m.task,
+                 p.name,       p.kind,       stream,
+                 p.duration_s, m.duration_s, m.start_s - first_measured,
+                 std::nullopt};
+    if (m.duration_s > 0) te.error = p.duration_s / m.duration_s - 1;
+    v.tasks.push_back(std::move(te));
     for (const std::string& g : {"kind " + p.kind, "stream " + stream}) {
       Acc& a = groups[g];
       ++a.n;
@@ -127,6 +140,10 @@ Validation validate(const Trace& predicted, const Trace& measured) {
     v.rows.push_back({name, a.n, a.p, a.m, a.m > 0 ? a.p / a.m - 1 : 0,
                       a.with_time > 0 ? a.abs_err / static_cast<double>(a.with_time) : 0});
   }
+  std::stable_sort(v.tasks.begin(), v.tasks.end(), [](const TaskError& a, const TaskError& b) {
+    return std::tie(a.rank, a.measured_start_s, a.task) <
+           std::tie(b.rank, b.measured_start_s, b.task);
+  });
   const double ps = predicted.span_s(), ms = measured.span_s();
   v.rows.push_back({"step", v.matched, ps, ms, ms > 0 ? ps / ms - 1 : 0, 0});
   return v;

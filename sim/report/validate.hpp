@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@ struct TraceTask {
   std::int64_t rank = 0;
   std::int64_t task = 0;
   int stream = 0;
+  std::string name;  // the event's name ("fwd L3.norm1..L3.mlp_residual mb1")
   std::string kind;  // "fwd", "bwd", ... for compute (args.phase), else args.kind / category
   double start_s = 0;
   double duration_s = 0;
@@ -41,8 +43,25 @@ struct ErrorRow {
   double mean_abs_error = 0;  // mean over tasks of |predicted / measured - 1|
 };
 
+// One measured task and the predicted task it joins.
+struct TaskError {
+  std::int64_t rank = 0;            // the measured rank
+  std::int64_t predicted_rank = 0;  // the rank whose predicted program it joined
+  std::int64_t task = 0;
+  std::string name;  // the predicted event's name
+  std::string kind;
+  std::string stream;
+  double predicted_s = 0;
+  double measured_s = 0;
+  double measured_start_s = 0;  // from the measured trace's first task
+  // predicted / measured - 1; unset when the measured time is 0.
+  std::optional<double> error;
+};
+
 struct Validation {
   std::vector<ErrorRow> rows;  // per kind, per stream, then the step
+  // Every joined pair, by measured rank, then measured start, then task id.
+  std::vector<TaskError> tasks;
   std::int64_t matched = 0;
   std::int64_t only_predicted = 0;
   std::int64_t only_measured = 0;

@@ -40,6 +40,35 @@ TEST_CASE("validate joins every rank a predicted program stands for", "[report][
     CHECK(row.mean_abs_error == Approx((0.2 + 1.0 / 3.0) / 2));  // |100/125-1|, |100/75-1|
   }
   CHECK(found);
+  // Every joined pair, by measured rank: rank 0's fwd (100 against 125 µs), then rank 4's,
+  // joined to rank 0's program.
+  REQUIRE(v.tasks.size() == 2);
+  CHECK(v.tasks[0].rank == 0);
+  CHECK(v.tasks[1].rank == 4);
+  CHECK(v.tasks[1].predicted_rank == 0);
+  CHECK(v.tasks[1].name == "fwd");
+  CHECK(v.tasks[1].stream == "compute");
+  CHECK(v.tasks[0].predicted_s == Approx(100e-6));
+  CHECK(v.tasks[0].measured_s == Approx(125e-6));
+  REQUIRE(v.tasks[0].error.has_value());
+  CHECK(*v.tasks[0].error == Approx(-0.2));
+  CHECK(*v.tasks[1].error == Approx(1.0 / 3.0));
+}
+
+TEST_CASE("a task measured as taking no time has no error", "[report][validate]") {
+  TempFile p("predicted0.json", kPredicted);
+  TempFile m("measured0.json", R"({"traceEvents": [
+    {"ph": "X", "pid": 0, "tid": 0, "ts": 5, "dur": 0, "args": {"task": 1}},
+    {"ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 50, "args": {"task": 0}}]})");
+  const auto v = dtsim::report::validate(dtsim::report::read_trace(p.path()),
+                                         dtsim::report::read_trace(m.path()));
+  REQUIRE(v.tasks.size() == 2);
+  // In the measured order: task 0 started first.
+  CHECK(v.tasks[0].task == 0);
+  CHECK(v.tasks[0].error.has_value());
+  CHECK(v.tasks[1].task == 1);
+  CHECK(v.tasks[1].measured_start_s == Approx(5e-6));
+  CHECK_FALSE(v.tasks[1].error.has_value());
 }
 
 TEST_CASE("a malformed represents list is rejected naming the event",
