@@ -204,6 +204,7 @@ Cluster with_devices(const Cluster& cluster, std::int64_t devices) {
   const std::int64_t dpn = cluster.devices_per_node;
   if (devices < dpn) {
     c.nodes = 1;
+    c.whole_node_devices = cluster.node_size();
     c.devices_per_node = devices;
   } else if (devices % dpn == 0) {
     c.nodes = devices / dpn;

@@ -16,6 +16,10 @@ namespace dtsim::cluster {
 // nvswitch: every pair at full link bandwidth through a switch; nvlink_mesh / xgmi / roce_mesh:
 // direct links between pairs (NVLink, AMD Infinity Fabric, Gaudi's on-chip RoCE ports).
 enum class IntraFabric { NvSwitch, NvlinkMesh, Xgmi, RoceMesh, IciTorus, Pcie, SharedMemory };
+// Direct links between every pair of a node's devices (no switch).
+constexpr bool is_mesh(IntraFabric f) {
+  return f == IntraFabric::NvlinkMesh || f == IntraFabric::Xgmi || f == IntraFabric::RoceMesh;
+}
 enum class InterFabric { FatTree, RailOptimized, Torus3d, Dragonfly, None };
 enum class Transport { InfiniBand, RoCE, Ethernet, Efa, Slingshot, Ici, None };
 
@@ -56,12 +60,18 @@ struct Cluster {
   DeviceSpec device;
   std::int64_t nodes = 0;
   std::int64_t devices_per_node = 0;
+  // What one node holds when --gpus takes part of it (devices_per_node is then that part); 0:
+  // devices_per_node. A mesh spreads a device's links over the whole node's peers.
+  std::int64_t whole_node_devices = 0;
   IntraNode intra;
   InterNode inter;
   std::optional<Figure> price_per_device_hour_usd;
   std::optional<Figure> power_per_device_w;
 
   std::int64_t devices() const { return nodes * devices_per_node; }
+  std::int64_t node_size() const {
+    return whole_node_devices > 0 ? whole_node_devices : devices_per_node;
+  }
 };
 
 Cluster cluster_from_json(const nlohmann::json& j, const std::string& file);

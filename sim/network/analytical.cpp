@@ -70,15 +70,13 @@ class Analytical final : public NetworkModel {
  private:
   // Bandwidth per rank inside a node for a group of k ranks there. A switch (NVSwitch) gives
   // every rank its full link bandwidth; on a mesh of direct links (NVLink mesh, xGMI, Gaudi's
-  // RoCE ports) a rank's links are spread over its devices_per_node - 1 peers, and a group of
-  // k ranks uses the k - 1 links to its members.
+  // RoCE ports) a rank's links are spread over the whole node's other devices (also when --gpus
+  // takes part of a node), and a group of k ranks uses the k - 1 links to its members.
   double intra_bw(int k) const {
     const double bw = c_.intra.effective_bw();
-    const auto f = c_.intra.fabric;
-    const bool mesh = f == cluster::IntraFabric::NvlinkMesh || f == cluster::IntraFabric::Xgmi ||
-                      f == cluster::IntraFabric::RoceMesh;
-    if (!mesh || c_.devices_per_node <= 1) return bw;
-    return bw * std::max(1, k - 1) / static_cast<double>(c_.devices_per_node - 1);
+    const std::int64_t whole = c_.node_size();
+    if (!cluster::is_mesh(c_.intra.fabric) || whole <= 1) return bw;
+    return bw * std::max(1, k - 1) / static_cast<double>(whole - 1);
   }
 
   // Per-flow bandwidth leaving a node when every device of the node is in a group of this kind

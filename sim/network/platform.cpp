@@ -77,17 +77,30 @@ PlatformSpec build_platform(const cluster::Cluster& c,
   };
   const double port_bw = c.intra.effective_bw();
   const double port_lat = c.intra.latency_s.value / 2;
+  const bool mesh = cluster::is_mesh(c.intra.fabric) && c.node_size() > 1;
   std::vector<std::size_t> tx(static_cast<std::size_t>(n)), rx(static_cast<std::size_t>(n));
-  for (std::int64_t d = 0; d < n; ++d) {
-    tx[static_cast<std::size_t>(d)] = add_link(fmt::format("dev{}_port_tx", d), port_bw, port_lat);
-    rx[static_cast<std::size_t>(d)] = add_link(fmt::format("dev{}_port_rx", d), port_bw, port_lat);
+  if (!mesh) {
+    for (std::int64_t d = 0; d < n; ++d) {
+      tx[static_cast<std::size_t>(d)] =
+          add_link(fmt::format("dev{}_port_tx", d), port_bw, port_lat);
+      rx[static_cast<std::size_t>(d)] =
+          add_link(fmt::format("dev{}_port_rx", d), port_bw, port_lat);
+    }
   }
+  // On a mesh, the direct link of each ordered pair that talks: a device's bandwidth spread
+  // over the whole node's other devices.
+  const double pair_bw = mesh ? port_bw / static_cast<double>(c.node_size() - 1) : 0.0;
   const bool networked = fabric != cluster::InterFabric::None && c.nodes > 1;
-  const std::int64_t nics = std::max<std::int64_t>(c.inter.nics_per_node, 1);
+  // A node's NICs: one per device at most, each device's own NICs taken together when it has
+  // several (nics_per_node / devices_per_node of them); devices share NICs when there are fewer.
+  const std::int64_t nics =
+      std::min(std::max<std::int64_t>(c.inter.nics_per_node, 1), std::max<std::int64_t>(dpn, 1));
+  const double nics_per_device =
+      std::max(1.0, static_cast<double>(c.inter.nics_per_node) / static_cast<double>(dpn));
   const std::int64_t per_leaf = c.inter.nodes_per_leaf > 0 ? c.inter.nodes_per_leaf : c.nodes;
   std::map<std::int64_t, std::size_t> nic_tx, nic_rx, leaf_up, leaf_down;
   if (networked) {
-    const double nic_bw = c.inter.nic_bw_bytes_per_s.value;
+    const double nic_bw = c.inter.nic_bw_bytes_per_s.value * nics_per_device;
     const double nic_lat = c.inter.latency_s.value / 2;
     for (std::int64_t node = 0; node < c.nodes; ++node) {
       for (std::int64_t i = 0; i < nics; ++i) {
@@ -98,8 +111,8 @@ PlatformSpec build_platform(const cluster::Cluster& c,
       }
     }
     const std::int64_t leaves = (c.nodes + per_leaf - 1) / per_leaf;
-    const double uplink =
-        static_cast<double>(per_leaf * nics) * nic_bw / c.inter.oversubscription.value;
+    const double uplink = static_cast<double>(per_leaf * c.inter.nics_per_node) *
+                          c.inter.nic_bw_bytes_per_s.value / c.inter.oversubscription.value;
     for (std::int64_t l = 0; l < leaves && leaves > 1; ++l) {
       leaf_up[l] = add_link(fmt::format("leaf{}_up", l), uplink, 0);
       leaf_down[l] = add_link(fmt::format("leaf{}_down", l), uplink, 0);
@@ -109,7 +122,9 @@ PlatformSpec build_platform(const cluster::Cluster& c,
     DTSIM_ASSERT(a >= 0 && a < n && b >= 0 && b < n, "pair outside the cluster");
     std::vector<std::size_t> route;
     const std::int64_t na = a / dpn, nb = b / dpn;
-    if (na == nb) {
+    if (na == nb && mesh) {
+      route = {add_link(fmt::format("dev{}_to_dev{}", a, b), pair_bw, 2 * port_lat)};
+    } else if (na == nb) {
       route = {tx[static_cast<std::size_t>(a)], rx[static_cast<std::size_t>(b)]};
     } else {
       DTSIM_ASSERT(networked, "nodes without a network");
@@ -124,6 +139,19 @@ PlatformSpec build_platform(const cluster::Cluster& c,
     spec.routes.push_back({{a, b}, std::move(route)});
   }
   return spec;
+}
+
+std::set<std::pair<std::int64_t, std::int64_t>> node_pairs(const cluster::Cluster& c) {
+  std::set<std::pair<std::int64_t, std::int64_t>> pairs;
+  const std::int64_t dpn = c.devices_per_node;
+  for (std::int64_t node = 0; node < c.nodes; ++node) {
+    for (std::int64_t a = node * dpn; a < (node + 1) * dpn; ++a) {
+      for (std::int64_t b = node * dpn; b < (node + 1) * dpn; ++b) {
+        if (a != b) pairs.emplace(a, b);
+      }
+    }
+  }
+  return pairs;
 }
 
 std::string platform_xml(const PlatformSpec& spec) {

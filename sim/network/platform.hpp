@@ -2,12 +2,16 @@
 // `dtsim export-platform` writes as SimGrid XML: devices as hosts, one link per direction for
 // each device's scale-up port, each NIC, and each leaf's uplink to the spine, and explicit
 // routes between the device pairs a plan uses.
-//   same node:     device tx port -> device rx port (NVSwitch and meshes: non-blocking ports)
+//   same node:     device tx port -> device rx port (a switch such as NVSwitch: non-blocking
+//                  ports); on a mesh of direct links (NVLink mesh, xGMI, RoCE mesh), the pair's
+//                  own link, a device's bandwidth / (the whole node's devices - 1)
 //   same leaf:     src NIC tx -> dst NIC rx
 //   across leaves: src NIC tx -> src leaf uplink -> dst leaf downlink -> dst NIC rx
-// A device uses NIC (local index mod nics_per_node); a leaf uplink carries
-// nodes_per_leaf x nics x nic bandwidth / oversubscription. Latencies: the intra-node latency
-// split over the two ports; the inter-node latency split over the two NICs.
+// A device uses NIC (local index mod nics_per_node); with more NICs than devices, a device's
+// nics_per_node / devices_per_node NICs are one link of their summed bandwidth. A leaf uplink
+// carries nodes_per_leaf x nics x nic bandwidth / oversubscription. Latencies: the intra-node
+// latency split over the two ports (a mesh link: all of it); the inter-node latency split over
+// the two NICs.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +41,8 @@ struct PlatformSpec {
 // The device pairs that exchange data under `plan`: ring neighbours of every tp, cp, dp and
 // expert-dp group, every pair of an ep group, and pipeline neighbours (both directions).
 std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan);
+// Every ordered pair of devices inside each node (what collectives on a mesh use).
+std::set<std::pair<std::int64_t, std::int64_t>> node_pairs(const cluster::Cluster& c);
 // Every ordered pair of devices (small clusters only).
 std::set<std::pair<std::int64_t, std::int64_t>> all_pairs(std::int64_t devices);
 

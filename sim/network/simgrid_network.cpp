@@ -6,11 +6,14 @@
 //
 // Flows per collective (few per rank, as TOOLCHAIN.md advises): a ring all-reduce is one flow
 // per rank to its ring successor carrying 2(n-1)/n of the buffer; all-gather and reduce-scatter
-// (n-1)/n; all-to-all one flow per ordered pair carrying 1/n. The ring's other 2(n-1) - 1
+// (n-1)/n; all-to-all one flow per ordered pair carrying 1/n. On a mesh of direct links, a group
+// inside one node runs n - 1 rings at once, one per link: a flow from each rank to every other
+// member carrying 1/(n-1) of the ring's share. The ring's other 2(n-1) - 1
 // (all-gather: n - 2) latency steps are added to the simulated time, as the analytical backend
 // counts them. Network model CM02 without cross-traffic: textbook max-min sharing.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <set>
@@ -51,7 +54,9 @@ class SimGridNetwork final : public NetworkModel {
  public:
   SimGridNetwork(const cluster::Cluster& c, const plan::Plan& plan)
       : c_(c), plan_(plan), placement_(plan.degrees(), plan.order) {
-    spec_ = build_platform(c, plan_pairs(plan));
+    auto pairs = plan_pairs(plan);
+    if (cluster::is_mesh(c.intra.fabric)) pairs.merge(node_pairs(c));
+    spec_ = build_platform(c, pairs);
     for (const auto& [pair, links] : spec_.routes) {
       double lat = 0;
       for (std::size_t l : links) lat += spec_.links[l].latency_s;
@@ -115,6 +120,25 @@ class SimGridNetwork final : public NetworkModel {
         continue;
       }
       const double share = kind == CollectiveKind::AllReduce ? 2.0 * (m - 1) / m : (m - 1.0) / m;
+      const std::int64_t node = g.front() / c_.devices_per_node;
+      const bool one_node = std::all_of(
+          g.begin(), g.end(), [&](std::int64_t r) { return r / c_.devices_per_node == node; });
+      if (cluster::is_mesh(c_.intra.fabric) && one_node) {
+        // m - 1 rings turned against each other, one over each of a rank's direct links to the
+        // group (as NCCL and RCCL build rings over a mesh): a flow to every other member.
+        for (std::int64_t a : g) {
+          for (std::int64_t b : g) {
+            if (a != b) flows.push_back({a, b, share * s / (m - 1)});
+          }
+        }
+        for (int i = 0; i < m; ++i) {
+          hop_latency =
+              std::max(hop_latency, latency_.at({g[static_cast<std::size_t>(i)],
+                                                 g[static_cast<std::size_t>((i + 1) % m)]}));
+        }
+        extra_steps = kind == CollectiveKind::AllReduce ? 2.0 * (m - 1) - 1 : m - 2.0;
+        continue;
+      }
       for (int i = 0; i < m; ++i) {
         const std::int64_t a = g[static_cast<std::size_t>(i)];
         const std::int64_t b = g[static_cast<std::size_t>((i + 1) % m)];

@@ -61,3 +61,19 @@ TEST_CASE("on a mesh of direct links a small group uses only its own links", "[n
   CHECK(model->collective_s(node, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
         Approx(dtsim::network::ring_all_gather_s(1073741824.0, 8, Link{bw, alpha})).epsilon(1e-12));
 }
+
+TEST_CASE("part of a mesh node keeps the whole node's links", "[network]") {
+  // --gpus 4 of an 8-chip Gaudi2 node: each chip still spreads its ports over 7 peers, so a
+  // pair is as fast as in the whole node.
+  const auto whole = dtsim::cluster::load_cluster("gaudi2-cluster");
+  const auto part = dtsim::cluster::with_devices(whole, 4);
+  CHECK(part.devices_per_node == 4);
+  CHECK(part.node_size() == 8);
+  auto a = dtsim::network::make_analytical(whole);
+  auto b = dtsim::network::make_analytical(part);
+  CHECK(b->p2p_s(0, 1, 1 << 20) == Approx(a->p2p_s(0, 1, 1 << 20)).epsilon(1e-12));
+  const dtsim::lower::Group pair{dtsim::lower::GroupKind::Tp, {0, 1}, {0}};
+  CHECK(b->collective_s(pair, dtsim::lower::CollectiveKind::AllReduce, 1 << 26) ==
+        Approx(a->collective_s(pair, dtsim::lower::CollectiveKind::AllReduce, 1 << 26))
+            .epsilon(1e-12));
+}

@@ -84,6 +84,27 @@ TEST_CASE("the exported platform lists hosts, links and routes", "[network][plat
   CHECK(xml.find("<route src=\"dev0\" dst=\"dev8\" symmetrical=\"NO\">"
                  "<link_ctn id=\"node0_nic0_tx\"/><link_ctn id=\"node1_nic0_rx\"/></route>") !=
         std::string::npos);
+  // More NICs than devices (AWS p5: 32 for 8 GPUs): a device's 4 NICs are one link of their
+  // summed bandwidth, as the analytical model counts them.
+  const auto p5 = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("aws-p5"), 16);
+  const auto p5_spec = dtsim::network::build_platform(p5, {{0, 8}});
+  bool nic = false;
+  for (const auto& l : p5_spec.links) {
+    if (l.name != "node0_nic0_tx") continue;
+    nic = true;
+    CHECK(l.bw_bytes_per_s == Approx(4 * p5.inter.nic_bw_bytes_per_s.value));
+  }
+  CHECK(nic);
+  // A mesh (Gaudi2's RoCE ports): a pair inside a node has its own link, 1/7 of a chip's
+  // bandwidth, also when --gpus takes part of the node.
+  const auto gaudi =
+      dtsim::cluster::with_devices(dtsim::cluster::load_cluster("gaudi2-cluster"), 4);
+  const auto mesh = dtsim::network::build_platform(gaudi, {{0, 1}, {1, 0}});
+  REQUIRE(mesh.routes.size() == 2);
+  REQUIRE(mesh.routes[0].second.size() == 1);
+  const auto& link = mesh.links[mesh.routes[0].second[0]];
+  CHECK(link.bw_bytes_per_s == Approx(gaudi.intra.effective_bw() / 7));
+  CHECK(dtsim::network::node_pairs(gaudi).size() == 4 * 3);
   DTSIM_REQUIRE_THROWS_CONTAINING(
       dtsim::network::build_platform(dtsim::cluster::load_cluster("tpu-v4-slice"), {}),
       dtsim::UnsupportedError, "torus");
