@@ -241,9 +241,7 @@ int cmd_plan(const std::vector<std::string>& args) {
   // The default precision follows the device: bf16, or fp32 where it has no bf16 (a CPU host).
   const std::string precision_text =
       vm.count("precision") ? vm["precision"].as<std::string>()
-      : cluster.device.supports(Precision::Bf16) || !cluster.device.supports(Precision::Fp32)
-          ? "bf16"
-          : "fp32";
+                            : std::string(to_string(default_precision(cluster.device)));
   const auto prec = parse_precision(precision_text);
   if (!prec) {
     throw InputError(

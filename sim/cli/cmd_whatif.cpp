@@ -210,6 +210,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
     }
     planner::SearchSpace space;
+    // As dtsim plan: bf16, or fp32 on a device without it (a CPU host).
+    space.precision = default_precision(c.device);
     space.global_batch_size =
         point.count("global_batch")
             ? static_cast<std::int64_t>(number("global_batch", point.at("global_batch"), true))

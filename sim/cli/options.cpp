@@ -284,6 +284,11 @@ void require_symmetric_placement(const plan::Plan& plan, const cluster::Cluster&
   }
 }
 
+Precision default_precision(const cluster::DeviceSpec& device) {
+  return device.supports(Precision::Bf16) || !device.supports(Precision::Fp32) ? Precision::Bf16
+                                                                               : Precision::Fp32;
+}
+
 PlanSetup setup_from_options(const po::variables_map& vm) {
   model::ModelSpec spec = model_from_options(vm);
   cluster::Cluster cluster = cluster_from_options(vm);

@@ -48,6 +48,9 @@ cluster::Cluster cluster_from_options(const po::variables_map& vm);
 plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec& model,
                              std::int64_t devices, std::vector<std::string>& notes);
 
+// The precision a search uses unless told: bf16, or fp32 on a device without bf16 (a CPU host).
+Precision default_precision(const cluster::DeviceSpec& device);
+
 // --framework-overhead-gib and --device-memory-gib, and the memory options they set.
 void add_memory_options(po::options_description& desc);
 plan::MemoryOptions memory_options_from(const po::variables_map& vm);

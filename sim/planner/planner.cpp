@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -447,7 +448,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   // Stragglers in both tiers, by the simulator's rule.
   const double jitter_cv = engine::jitter_cv_of(options.jitter_cv, options.profile);
   std::atomic<std::uint64_t> done{0};
-  auto work = [&](std::size_t begin, std::size_t end) {
+  auto estimate_range = [&](std::size_t begin, std::size_t end) {
     Estimator estimator(cluster, options.profile, jitter_cv);
     for (std::size_t i = begin; i < end; ++i) {
       const Plan& p = plans[i];
@@ -472,12 +473,26 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   };
   const unsigned threads = std::max(1U, options.threads > 0 ? static_cast<unsigned>(options.threads)
                                                             : std::thread::hardware_concurrency());
+  // An exception in a worker (bad input found while estimating) ends that worker's range; the
+  // one of the earliest range is rethrown after the join, as if the search had run on this
+  // thread, whatever the thread count.
+  std::vector<std::exception_ptr> failed(threads);
+  auto work = [&](unsigned t, std::size_t begin, std::size_t end) {
+    try {
+      estimate_range(begin, end);
+    } catch (...) {
+      failed[t] = std::current_exception();
+    }
+  };
   std::vector<std::thread> pool;
   const std::size_t per = (plans.size() + threads - 1) / threads;
   for (unsigned t = 0; t < threads && t * per < plans.size(); ++t) {
-    pool.emplace_back(work, t * per, std::min(plans.size(), (t + 1) * per));
+    pool.emplace_back(work, t, t * per, std::min(plans.size(), (t + 1) * per));
   }
   for (auto& th : pool) th.join();
+  for (const auto& f : failed) {
+    if (f) std::rethrow_exception(f);
+  }
 
   SearchResult out;
   std::vector<Candidate> feasible;

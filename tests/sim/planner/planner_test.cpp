@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "sim/common/csv.hpp"
+#include "sim/common/error.hpp"
 #include "sim/plan/memory_model.hpp"
 #include "sim/report/published.hpp"
 #include "tests/test_util.hpp"
@@ -77,6 +78,22 @@ TEST_CASE("the result is the same for any thread count", "[planner]") {
   for (std::size_t i = 0; i < a.ranked.size(); ++i) {
     CHECK(dtsim::plan::summary(a.ranked[i].plan) == dtsim::plan::summary(b.ranked[i].plan));
     CHECK(a.ranked[i].step_time_s == b.ranked[i].step_time_s);
+  }
+}
+
+TEST_CASE("bad input met by a search thread ends the search with its error, not the process",
+          "[planner][bad-input]") {
+  // A CPU host has no bf16, which the search asks for: every worker thread meets the error.
+  const auto spec = dtsim::model::load_model("tiny");
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("cpu-host"), 2);
+  SearchSpace space;
+  space.global_batch_size = 8;
+  space.precision = dtsim::Precision::Bf16;
+  for (const int threads : {1, 2}) {
+    SearchOptions options;
+    options.threads = threads;
+    DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::planner::search(spec, cluster, space, options),
+                                    dtsim::UnsupportedError, "device cpu-host has no bf16 peak");
   }
 }
 
