@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <boost/program_options.hpp>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -439,6 +441,12 @@ int run(const std::vector<std::string>& args) {
   if (every > 0 && !vm.count("checkpoint")) {
     throw dtsim::InputError("--checkpoint-every: give --checkpoint DIR as well");
   }
+  // The kernels count a micro-batch's tokens in an int.
+  if (plan.micro_batch_size * plan.seq_len > std::numeric_limits<int>::max()) {
+    throw dtsim::InputError(fmt::format(
+        "--micro-batch-size {} x --seq-len {}: expected at most {} tokens per micro-batch",
+        plan.micro_batch_size, plan.seq_len, std::numeric_limits<int>::max()));
+  }
   const dtsim::model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
                                        dtsim::plan::activation_bytes_per_element(plan.precision));
   dtsim::lower::LowerOptions lower_options;
@@ -450,6 +458,10 @@ int run(const std::vector<std::string>& args) {
   options.steps = steps;
   options.warmup_steps = warmup;
   options.learning_rate = vm["lr"].as<float>();
+  if (!(std::isfinite(options.learning_rate) && options.learning_rate > 0)) {
+    throw dtsim::InputError(
+        fmt::format("--lr: expected a positive learning rate, got {}", options.learning_rate));
+  }
   options.seed = vm["seed"].as<std::uint64_t>();
   if (vm.count("checkpoint")) options.checkpoint_dir = vm["checkpoint"].as<std::string>();
   options.checkpoint_every = every;
@@ -912,7 +924,18 @@ int calibrate(const std::vector<std::string>& args) {
   options.repeats = repeats;
   options.model = vm["model"].as<std::string>();
   options.micro_batch_size = vm["micro-batch-size"].as<std::int64_t>();
-  if (vm.count("seq-len")) options.seq_len = vm["seq-len"].as<std::int64_t>();
+  if (options.micro_batch_size < 1 || options.micro_batch_size > 65536) {
+    throw dtsim::InputError(
+        fmt::format("--micro-batch-size: expected 1..65536, got {}", options.micro_batch_size));
+  }
+  if (vm.count("seq-len")) {
+    options.seq_len = vm["seq-len"].as<std::int64_t>();
+    const auto spec = dtsim::model::load_model(options.model);
+    if (options.seq_len < 1 || options.seq_len > spec.max_positions) {
+      throw dtsim::InputError(fmt::format("--seq-len: expected 1..{} (max_positions of {}), got {}",
+                                          spec.max_positions, spec.name, options.seq_len));
+    }
+  }
   options.ranks_per_host = ranks;
   options.gemm_threads = ranks > 1 ? 1 : 0;  // as dtexec run sets them
   if (mpi) options.sync = [&mpi] { mpi->barrier(); };
@@ -968,6 +991,12 @@ int main(int argc, char** argv) {
       return 2;
     } catch (const dtsim::UnsupportedError& e) {
       if (g_rank == 0) std::cerr << "dtexec " << args[0] << ": unsupported: " << e.what() << "\n";
+      return 2;
+    } catch (const std::bad_alloc&) {
+      std::cerr << "dtexec " << args[0]
+                << ": error: out of host memory (std::bad_alloc): the model, micro-batch or "
+                   "sequence is too large for this host's memory; `dtsim memory` estimates what "
+                   "a plan needs, and --only-rank runs one rank's share\n";
       return 2;
     } catch (const std::exception& e) {
       std::cerr << "dtexec " << args[0] << ": internal error: " << e.what() << "\n";

@@ -95,6 +95,10 @@ Checkpoint read_checkpoint(const std::string& dir_given) {
   std::ifstream bin(fs::path(dir) / "tensors.bin", std::ios::binary);
   const std::string bin_name = (fs::path(dir) / "tensors.bin").string();
   if (!bin) throw InputError(fmt::format("{}: cannot open", bin_name));
+  std::error_code size_error;
+  const auto bin_bytes = fs::file_size(fs::path(dir) / "tensors.bin", size_error);
+  if (size_error) throw InputError(fmt::format("{}: cannot read its size", bin_name));
+  const auto floats_in_file = static_cast<std::int64_t>(bin_bytes / sizeof(float));
   try {
     if (j.at("format").get<std::string>() != kFormat) {
       throw InputError(fmt::format("{}: format: expected \"{}\", got {}", meta_path.string(),
@@ -114,13 +118,27 @@ Checkpoint read_checkpoint(const std::string& dir_given) {
       CheckpointTensor ct;
       ct.name = t.at("name").get<std::string>();
       ct.shape = t.at("shape").get<std::vector<std::int64_t>>();
-      const auto n = elements(ct.shape);
-      if (n <= 0) {
+      // The tensor (weights, then both Adam moments) must lie inside tensors.bin: checked
+      // before anything is allocated, without overflow for absurd shapes.
+      std::int64_t n = 1;
+      for (const std::int64_t d : ct.shape) {
+        if (d <= 0 || n > floats_in_file / d) {
+          throw InputError(fmt::format(
+              "{}: tensors: {}: shape {}: expected positive sizes that fit in {} ({} floats)",
+              meta_path.string(), ct.name, t.at("shape").dump(), bin_name, floats_in_file));
+        }
+        n *= d;
+      }
+      if (ct.shape.empty()) {
         throw InputError(
             fmt::format("{}: tensors: {} has an empty shape", meta_path.string(), ct.name));
       }
-      bin.seekg(static_cast<std::streamoff>(t.at("offset").get<std::int64_t>() *
-                                            static_cast<std::int64_t>(sizeof(float))));
+      const auto offset = t.at("offset").get<std::int64_t>();
+      if (offset < 0 || offset > floats_in_file || 3 * n > floats_in_file - offset) {
+        throw InputError(
+            fmt::format("{}: tensor {} runs past the end of the file", bin_name, ct.name));
+      }
+      bin.seekg(static_cast<std::streamoff>(offset * static_cast<std::int64_t>(sizeof(float))));
       for (auto* part : {&ct.data, &ct.m, &ct.v}) {
         part->resize(static_cast<std::size_t>(n));
         bin.read(reinterpret_cast<char*>(part->data()),

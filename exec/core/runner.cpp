@@ -1311,6 +1311,21 @@ class Runner {
       throw InputError(fmt::format("{}: model: the checkpoint is of {}, this run trains {}", where,
                                    c.model, m_.name));
     }
+    // The data stream and its token mapping come from the seed, and the optimizer from the
+    // learning rate: a run resumed with others would not continue the checkpointed one.
+    if (c.seed != options_.seed) {
+      throw InputError(
+          fmt::format("{}: seed: the checkpoint was trained with --seed {}, this run "
+                      "has --seed {}; give --seed {} to continue it",
+                      where, c.seed, options_.seed, c.seed));
+    }
+    if (static_cast<float>(c.learning_rate) != options_.learning_rate) {
+      throw InputError(
+          fmt::format("{}: learning_rate: the checkpoint was trained with --lr {}, "
+                      "this run has --lr {}; give --lr {} to continue it",
+                      where, static_cast<float>(c.learning_rate), options_.learning_rate,
+                      static_cast<float>(c.learning_rate)));
+    }
     if (c.step >= options_.steps) {
       throw InputError(
           fmt::format("{}: step: the checkpoint is at step {}; --steps {} leaves "

@@ -53,8 +53,9 @@ int cmd_validate(const std::vector<std::string>& args) {
                       {"tasks", r.tasks},
                       {"predicted_s", r.predicted_s},
                       {"measured_s", r.measured_s},
-                      {"error", r.error},
-                      {"mean_abs_task_error", r.mean_abs_error}});
+                      {"error", r.error ? nlohmann::json(*r.error) : nlohmann::json(nullptr)},
+                      {"mean_abs_task_error", r.mean_abs_error ? nlohmann::json(*r.mean_abs_error)
+                                                               : nlohmann::json(nullptr)}});
     }
     nlohmann::json tasks = nlohmann::json::array();
     for (const auto& t : v.tasks) {
@@ -84,8 +85,9 @@ int cmd_validate(const std::vector<std::string>& args) {
   t.align_left(0);
   for (const auto& r : v.rows) {
     t.add_row({r.group, fmt::format("{}", r.tasks), fmt::format("{:.3f}", r.predicted_s * 1e3),
-               fmt::format("{:.3f}", r.measured_s * 1e3), fmt::format("{:+.1f}%", 100 * r.error),
-               r.group == "step" ? "-" : fmt::format("{:.1f}%", 100 * r.mean_abs_error)});
+               fmt::format("{:.3f}", r.measured_s * 1e3),
+               r.error ? fmt::format("{:+.1f}%", 100 * *r.error) : "-",
+               r.mean_abs_error ? fmt::format("{:.1f}%", 100 * *r.mean_abs_error) : "-"});
   }
   std::cout << t.render();
   if (vm["tasks"].as<bool>()) {

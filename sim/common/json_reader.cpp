@@ -30,15 +30,20 @@ JsonReader::JsonReader(const json& object, std::string file, std::string path)
 }
 
 json JsonReader::parse_file(const std::filesystem::path& file) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(file, ec)) {
+    throw InputError(fmt::format("{}: is a directory; expected a JSON file", file.string()));
+  }
   std::ifstream in(file);
   if (!in) throw InputError(fmt::format("{}: cannot open file", file.string()));
   std::stringstream buffer;
   buffer << in.rdbuf();
   try {
     return json::parse(buffer.str());
-  } catch (const json::parse_error& e) {
-    // nlohmann's message carries line and column ("[json.exception.parse_error.101] parse
-    // error at line 3, column 5: ..."); keep the part after the tag.
+  } catch (const json::exception& e) {
+    // A parse error, or a number too large for a double (out_of_range.406). nlohmann's message
+    // carries line and column ("[json.exception.parse_error.101] parse error at line 3,
+    // column 5: ..."); keep the part after the tag.
     std::string what = e.what();
     if (auto pos = what.find("] "); pos != std::string::npos) what = what.substr(pos + 2);
     throw InputError(fmt::format("{}: malformed JSON: {}", file.string(), what));
@@ -120,18 +125,28 @@ std::int64_t JsonReader::positive_int_up_to_or(std::string_view key, std::int64_
   return has(key) ? positive_int_up_to(key, max) : fallback;
 }
 
+namespace {
+// What a figure of this domain can be (seconds, bytes, FLOP/s, fractions, prices): values
+// outside turn into inf, NaN or a flow solver's failure downstream, never into a prediction.
+constexpr double kSmallest = 1e-12;
+constexpr double kLargest = 1e21;
+}  // namespace
+
 double JsonReader::positive_number(std::string_view key) const {
   const json& v = at(key);
-  if (!v.is_number() || !(v.get<double>() > 0) || !std::isfinite(v.get<double>())) {
-    fail(key, fmt::format("expected a positive number, got {}", describe_json_value(v)));
+  if (!v.is_number() || !(v.get<double>() >= kSmallest && v.get<double>() <= kLargest)) {
+    fail(key, fmt::format("expected a positive number (from {:g} to {:g}), got {}", kSmallest,
+                          kLargest, describe_json_value(v)));
   }
   return v.get<double>();
 }
 
 double JsonReader::non_negative_number(std::string_view key) const {
   const json& v = at(key);
-  if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>())) {
-    fail(key, fmt::format("expected a number >= 0, got {}", describe_json_value(v)));
+  if (!v.is_number() ||
+      !(v.get<double>() == 0 || (v.get<double>() >= kSmallest && v.get<double>() <= kLargest))) {
+    fail(key, fmt::format("expected a number >= 0 (0, or from {:g} to {:g}), got {}", kSmallest,
+                          kLargest, describe_json_value(v)));
   }
   return v.get<double>();
 }

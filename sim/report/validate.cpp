@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <tuple>
 
@@ -41,22 +42,28 @@ Trace read_trace(const std::string& path) {
     }
     const std::string ph = e.at("ph").get<std::string>();
     if (ph == "M") {
-      if (e.value("name", "") == "thread_name" && e.contains("tid") && e.contains("args")) {
-        trace.stream_names[e.at("tid").get<int>()] = e.at("args").value("name", "");
+      const JsonReader r(e, path, where);
+      const std::string name = r.string_or("name", "");
+      if (name == "thread_name" && e.contains("tid") && e.contains("args")) {
+        if (!e.at("tid").is_number_integer() || e.at("tid").get<std::int64_t>() < 0 ||
+            e.at("tid").get<std::int64_t>() > std::numeric_limits<int>::max()) {
+          r.fail("tid", "expected a thread id from 0 to 2^31 - 1");
+        }
+        trace.stream_names[e.at("tid").get<int>()] = r.object("args").string_or("name", "");
       }
-      if (e.value("name", "") == "process_name" && e.contains("pid") && e.contains("args") &&
-          e.at("args").contains("represents")) {
+      if (name == "process_name" && e.contains("pid") && e.contains("args") &&
+          r.object("args").has("represents")) {
         const json& ranks = e.at("args").at("represents");
         if (!ranks.is_array() || !e.at("pid").is_number_integer()) {
           throw InputError(
               fmt::format("{}: {}.args.represents: expected an array of ranks", path, where));
         }
-        for (const json& r : ranks) {
-          if (!r.is_number_integer()) {
+        for (const json& rank : ranks) {
+          if (!rank.is_number_integer()) {
             throw InputError(
                 fmt::format("{}: {}.args.represents: expected integer ranks", path, where));
           }
-          trace.representative[r.get<std::int64_t>()] = e.at("pid").get<std::int64_t>();
+          trace.representative[rank.get<std::int64_t>()] = e.at("pid").get<std::int64_t>();
         }
       }
       continue;
@@ -64,12 +71,21 @@ Trace read_trace(const std::string& path) {
     if (ph != "X") continue;
     const JsonReader r(e, path, where);
     auto number = [&](const char* key) {
-      if (!r.has(key) || !e.at(key).is_number()) r.fail(key, "expected a number");
+      if (!r.has(key) || !e.at(key).is_number() || !std::isfinite(e.at(key).get<double>())) {
+        r.fail(key, "expected a number");
+      }
       return e.at(key).get<double>();
     };
+    auto id = [&](const char* key) {
+      if (!r.has(key) || !e.at(key).is_number_integer()) r.fail(key, "expected an integer id");
+      return e.at(key).get<std::int64_t>();
+    };
     TraceTask t;
-    t.rank = static_cast<std::int64_t>(number("pid"));
-    t.stream = static_cast<int>(number("tid"));
+    t.rank = id("pid");
+    if (id("tid") < 0 || id("tid") > std::numeric_limits<int>::max()) {
+      r.fail("tid", "expected a thread id from 0 to 2^31 - 1");
+    }
+    t.stream = static_cast<int>(id("tid"));
     t.start_s = number("ts") * 1e-6;
     t.duration_s = number("dur") * 1e-6;
     if (t.duration_s < 0) r.fail("dur", "expected a duration >= 0");
@@ -79,7 +95,8 @@ Trace read_trace(const std::string& path) {
     }
     t.task = e.at("args").at("task").get<std::int64_t>();
     t.name = r.string_or("name", "");
-    t.kind = args.has("phase") ? args.string("phase") : args.string_or("kind", e.value("cat", "?"));
+    t.kind =
+        args.has("phase") ? args.string("phase") : args.string_or("kind", r.string_or("cat", "?"));
     trace.tasks.push_back(std::move(t));
   }
   if (trace.tasks.empty()) {
@@ -137,15 +154,18 @@ Validation validate(const Trace& predicted, const Trace& measured) {
       static_cast<std::int64_t>(predicted.tasks.size()) - static_cast<std::int64_t>(seen.size());
   v.only_measured = static_cast<std::int64_t>(measured.tasks.size()) - v.matched;
   for (const auto& [name, a] : groups) {
-    v.rows.push_back({name, a.n, a.p, a.m, a.m > 0 ? a.p / a.m - 1 : 0,
-                      a.with_time > 0 ? a.abs_err / static_cast<double>(a.with_time) : 0});
+    v.rows.push_back(
+        {name, a.n, a.p, a.m, a.m > 0 ? std::optional<double>(a.p / a.m - 1) : std::nullopt,
+         a.with_time > 0 ? std::optional<double>(a.abs_err / static_cast<double>(a.with_time))
+                         : std::nullopt});
   }
   std::stable_sort(v.tasks.begin(), v.tasks.end(), [](const TaskError& a, const TaskError& b) {
     return std::tie(a.rank, a.measured_start_s, a.task) <
            std::tie(b.rank, b.measured_start_s, b.task);
   });
   const double ps = predicted.span_s(), ms = measured.span_s();
-  v.rows.push_back({"step", v.matched, ps, ms, ms > 0 ? ps / ms - 1 : 0, 0});
+  v.rows.push_back({"step", v.matched, ps, ms,
+                    ms > 0 ? std::optional<double>(ps / ms - 1) : std::nullopt, std::nullopt});
   return v;
 }
 

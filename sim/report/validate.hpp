@@ -39,8 +39,12 @@ struct ErrorRow {
   std::int64_t tasks = 0;
   double predicted_s = 0;  // summed durations (for "step": the span)
   double measured_s = 0;
-  double error = 0;           // measured total against predicted: predicted / measured - 1
-  double mean_abs_error = 0;  // mean over tasks of |predicted / measured - 1|
+  // measured total against predicted: predicted / measured - 1; unset when nothing of the group
+  // took measurable time.
+  std::optional<double> error;
+  // mean over the tasks that took measurable time of |predicted / measured - 1|; unset when none
+  // did.
+  std::optional<double> mean_abs_error;
 };
 
 // One measured task and the predicted task it joins.

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -117,6 +119,27 @@ TEST_CASE("a checkpoint that does not fit the run is refused", "[exec][runner]")
                                   "step: the checkpoint is at step 2");
   DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::exec::read_checkpoint((dir / "nope").string()),
                                   dtsim::InputError, "cannot open");
+  // A tensor whose shape claims more than tensors.bin holds: refused before it is allocated.
+  auto c = dtsim::exec::read_checkpoint(dir.string());
+  nlohmann::json meta;
+  {
+    std::ifstream in(dir / "checkpoint.json");
+    in >> meta;
+  }
+  meta["tensors"][0]["shape"] = {1000000000, 1000000000};
+  {
+    std::ofstream out(dir / "checkpoint.json");
+    out << meta.dump();
+  }
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::exec::read_checkpoint(dir.string()), dtsim::InputError,
+                                  "expected positive sizes that fit in");
+  meta["tensors"][0]["shape"] = {-1, 4};
+  {
+    std::ofstream out(dir / "checkpoint.json");
+    out << meta.dump();
+  }
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::exec::read_checkpoint(dir.string()), dtsim::InputError,
+                                  "expected positive sizes");
   fs::remove_all(dir);
 }
 

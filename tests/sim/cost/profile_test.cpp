@@ -62,7 +62,14 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
   };
   bad(R"({"device": "x", "source": "s"})", "bad_profile.json: gemm: expected a non-empty array");
   bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": -1}]})",
-      "bad_profile.json: gemm[0].seconds: expected a positive number, got -1");
+      "bad_profile.json: gemm[0].seconds: expected a positive number (from 1e-12 to 1e+21), got "
+      "-1");
+  // Subnormal or absurdly large figures would turn into inf or NaN downstream.
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 5e-324}]})",
+      "gemm[0].seconds: expected a positive number (from 1e-12 to 1e+21), got 5e-324");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "memory_bw_bytes_per_s": 1e300})",
+      "memory_bw_bytes_per_s: expected a positive number (from 1e-12 to 1e+21), got 1e+300");
   bad(R"({"device": "x", "source": "s", "gemm": [{"m": 0, "n": 1, "k": 1, "seconds": 1}]})",
       "gemm[0].m: expected a positive integer, got 0");
   bad(R"({"source": "s", "gemm": []})", "bad_profile.json: device: required field is missing");
@@ -71,7 +78,7 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
       "bad_profile.json: jitter_cv: expected a coefficient of variation below 1, got 1.5");
   bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
           "jitter_cv": -0.1})",
-      "bad_profile.json: jitter_cv: expected a number >= 0, got -0.1");
+      "bad_profile.json: jitter_cv: expected a number >= 0 (0, or from 1e-12 to 1e+21), got -0.1");
 }
 
 TEST_CASE("measured op rates price the non-GEMM ops in the graph's own units", "[cost][profile]") {
