@@ -233,6 +233,7 @@ int cmd_plan(const std::vector<std::string>& args) {
   if (vm.count("max-pp")) space.max_pp = vm["max-pp"].as<int>();
   space.max_cp = vm["max-cp"].as<int>();
   if (vm.count("fixed")) apply_fixed(vm["fixed"].as<std::vector<std::string>>(), space);
+  space.memory = memory_options_from(vm);
   space.memory_headroom = vm["memory-headroom"].as<double>();
   if (!(space.memory_headroom >= 0 && space.memory_headroom <= 0.9)) {
     throw InputError(
@@ -266,6 +267,9 @@ int cmd_plan(const std::vector<std::string>& args) {
                       profile->file, to_string(profile->precision), to_string(space.precision)));
     }
     options.profile = &*profile;
+    if (auto w = profile_device_warning(profile->file, profile->device, cluster.device)) {
+      std::cerr << *w << "\n";
+    }
   }
   options.jitter_cv = jitter_from_options(vm);
   const std::string objective = vm["objective"].as<std::string>();

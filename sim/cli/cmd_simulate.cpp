@@ -84,6 +84,9 @@ int cmd_simulate(const std::vector<std::string>& args) {
     options.profile = &*profile;
     notes.push_back(fmt::format("compute cost from calibration profile {} ({})", profile->file,
                                 profile->source));
+    if (auto w = profile_device_warning(profile->file, profile->device, cluster.device)) {
+      notes.push_back(*w);
+    }
   }
   options.jitter_cv = jitter_from_options(vm);
   const engine::Simulation sim = engine::simulate(setup.graph, plan, cluster, *network, options);

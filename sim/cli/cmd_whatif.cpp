@@ -142,7 +142,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                  vm["global-batch-size"].as<std::int64_t>()));
   }
   const double tokens = vm.count("tokens") ? vm["tokens"].as<double>() : 0.0;
-  if (vm.count("tokens") && !(tokens > 0)) throw InputError("--tokens: expected a positive number");
+  if (vm.count("tokens") && !(tokens > 0 && std::isfinite(tokens))) {
+    throw InputError(fmt::format("--tokens: expected a finite positive number, got {}", tokens));
+  }
 
   // Every combination, first axis slowest.
   std::vector<std::map<std::string, std::string>> points(1);

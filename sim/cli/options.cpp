@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <iostream>
@@ -261,6 +262,10 @@ plan::MemoryOptions memory_options_from(const po::variables_map& vm) {
         fmt::format("--framework-overhead-gib: expected a finite number >= 0, got {}", overhead));
   }
   options.framework_overhead_bytes = overhead * kGiB;
+  if (!std::isfinite(options.framework_overhead_bytes)) {
+    throw InputError(
+        fmt::format("--framework-overhead-gib: expected a finite number of GiB, got {}", overhead));
+  }
   if (vm.count("device-memory-gib")) {
     const double cap = vm["device-memory-gib"].as<double>();
     if (!(cap > 0) || !std::isfinite(cap)) {
@@ -268,6 +273,10 @@ plan::MemoryOptions memory_options_from(const po::variables_map& vm) {
           fmt::format("--device-memory-gib: expected a finite number > 0, got {}", cap));
     }
     options.capacity_bytes = cap * kGiB;
+    if (!std::isfinite(*options.capacity_bytes)) {
+      throw InputError(
+          fmt::format("--device-memory-gib: expected a finite number of GiB, got {}", cap));
+    }
   }
   return options;
 }
@@ -282,6 +291,24 @@ void require_symmetric_placement(const plan::Plan& plan, const cluster::Cluster&
         cluster::Placement::to_string(plan.order), plan::summary(plan), cluster.devices_per_node,
         cluster.name));
   }
+}
+
+std::optional<std::string> profile_device_warning(const std::string& profile_file,
+                                                  const std::string& profile_device,
+                                                  const cluster::DeviceSpec& device) {
+  auto lower = [](std::string text) {
+    for (char& ch : text) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    return text;
+  };
+  const std::string measured = lower(profile_device);
+  if (measured == lower(device.name)) return std::nullopt;
+  for (const auto& alias : device.aliases) {
+    if (measured == lower(alias)) return std::nullopt;
+  }
+  return fmt::format(
+      "warning: profile {} was measured on {}, the cluster's devices are {}: its times are used "
+      "as if measured there",
+      profile_file, profile_device, device.name);
 }
 
 Precision default_precision(const cluster::DeviceSpec& device) {

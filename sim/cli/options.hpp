@@ -51,6 +51,13 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
 // The precision a search uses unless told: bf16, or fp32 on a device without bf16 (a CPU host).
 Precision default_precision(const cluster::DeviceSpec& device);
 
+// A warning when a calibration profile was measured on another device than the cluster's
+// (its "device" is neither the catalog name nor an alias, compared without case): the profile's
+// times then stand for a device they were not measured on.
+std::optional<std::string> profile_device_warning(const std::string& profile_file,
+                                                  const std::string& profile_device,
+                                                  const cluster::DeviceSpec& device);
+
 // --framework-overhead-gib and --device-memory-gib, and the memory options they set.
 void add_memory_options(po::options_description& desc);
 plan::MemoryOptions memory_options_from(const po::variables_map& vm);

@@ -441,8 +441,9 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     Candidate c;
   };
   std::vector<Evaluated> results(plans.size());
-  plan::MemoryOptions memory;
-  memory.capacity_bytes = cluster.device.memory_bytes.value * (1.0 - space.memory_headroom);
+  plan::MemoryOptions memory = space.memory;
+  memory.capacity_bytes = space.memory.capacity_bytes.value_or(cluster.device.memory_bytes.value) *
+                          (1.0 - space.memory_headroom);
   const double price =
       cluster.price_per_device_hour_usd ? cluster.price_per_device_hour_usd->value : -1;
   // Stragglers in both tiers, by the simulator's rule.
