@@ -130,7 +130,8 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   }
   if (f != InterFabric::None) c.inter.latency_s = inter.figure("latency_s");
   if (f == InterFabric::FatTree || f == InterFabric::RailOptimized || f == InterFabric::Dragonfly) {
-    c.inter.nics_per_node = inter.positive_int("nics_per_node");
+    // Real nodes have up to a few dozen (AWS p5: 32); the platform holds a link per NIC.
+    c.inter.nics_per_node = inter.positive_int_up_to("nics_per_node", 1024);
     c.inter.nic_bw_bytes_per_s = inter.figure("nic_bw_bytes_per_s");
   }
   if (f == InterFabric::FatTree || f == InterFabric::RailOptimized) {
@@ -141,6 +142,10 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
     }
   } else if (f == InterFabric::Dragonfly) {
     c.inter.nodes_per_leaf = inter.positive_int_or("nodes_per_leaf", c.nodes);
+    if (c.inter.nodes_per_leaf > c.nodes) {
+      inter.fail("nodes_per_leaf", fmt::format("{} nodes per group but the cluster has {} nodes",
+                                               c.inter.nodes_per_leaf, c.nodes));
+    }
   }
   if (inter.has("oversubscription")) {
     c.inter.oversubscription = inter.figure("oversubscription");

@@ -130,6 +130,17 @@ TEST_CASE("bad cluster files are rejected naming file and field",
     j["inter_node"]["nodes_per_leaf"] = 4;
     expect(j, "inter_node.nodes_per_leaf: 4 nodes per leaf but the cluster has 2 nodes");
   }
+  SECTION("a dragonfly group larger than the cluster") {
+    auto j = valid_cluster();
+    j["inter_node"]["fabric"] = "dragonfly";
+    j["inter_node"]["nodes_per_leaf"] = 4;
+    expect(j, "inter_node.nodes_per_leaf: 4 nodes per group but the cluster has 2 nodes");
+  }
+  SECTION("at most 1024 NICs per node") {
+    auto j = valid_cluster();
+    j["inter_node"]["nics_per_node"] = std::int64_t{1} << 40;
+    expect(j, "inter_node.nics_per_node: expected at most 1024, got 1099511627776");
+  }
   SECTION("at most 2^24 devices") {
     auto j = valid_cluster();
     j["nodes"] = 1 << 22;
