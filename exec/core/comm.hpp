@@ -10,8 +10,10 @@
 // only calls collectives of groups it belongs to, and all members call them in the same order.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -47,6 +49,12 @@ class Comm {
                                       std::span<const int> counts) = 0;
   virtual void finish(Handle handle) = 0;
   virtual void progress() {}
+  // When a started collective or posted receive was first seen complete (by progress() between
+  // tasks, else by finish), once finish(handle) has returned: the end of its measured time.
+  // Unknown (nullopt) for backends that queue work on a device, timed by device marks instead.
+  virtual std::optional<std::chrono::steady_clock::time_point> completed_at(Handle) const {
+    return std::nullopt;
+  }
 
   // Point-to-point between global ranks. send copies the data and may return before the peer
   // receives it; wait_sends completes every send issued so far.

@@ -118,6 +118,8 @@ struct ScatterBuffers {
 struct PendingCollective {
   Comm::Handle handle = -1;
   std::function<void()> complete;  // what to do with the result (may be empty)
+  // The measured task whose end is the collective's completion (timed steps on the host).
+  std::optional<std::size_t> record;
 };
 
 // Watches the task in progress from a second thread; one that outlasts the timeout is reported
@@ -241,10 +243,9 @@ class Runner {
     int first = 0;
     if (!options_.resume_dir.empty()) first = resume(result);
     result.first_step = first;
-    const auto t0 = std::chrono::steady_clock::now();
-    auto now = [&] {
-      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    };
+    t0_ = std::chrono::steady_clock::now();
+    records_ = &result.tasks;
+    auto now = [&] { return since_start(std::chrono::steady_clock::now()); };
     const auto& tasks = rp_->tasks;
     Watchdog watchdog(options_, *rp_);
     for (int step = first; step < options_.steps; ++step) {
@@ -291,6 +292,15 @@ class Runner {
           marks.push_back({static_cast<int>(i), start_mark, dev_.mark()});
         } else if (timed) {
           result.tasks.push_back({rp_->rank, static_cast<std::int32_t>(i), start, now(), step});
+          // A collective started here, and a blocking send, end when they complete (settle),
+          // not when they are handed to the backend.
+          if (auto it = pending_.find(i); it != pending_.end()) {
+            it->second.record = result.tasks.size() - 1;
+          }
+          if (tasks[i].kind == TaskKind::Send && !program_.plan.overlap_p2p_comm &&
+              !options_.replay_communication) {
+            open_sends_.push_back(result.tasks.size() - 1);
+          }
         }
         if (tasks[i].micro_batch >= 0 &&
             i == last_use_[static_cast<std::size_t>(tasks[i].micro_batch)]) {
@@ -300,6 +310,7 @@ class Runner {
       }
       settle(nullptr);
       comm_.wait_sends();
+      close_sends();
       if (queued) {
         dev_.synchronize();
         for (const auto& [i, a, b] : marks) {
@@ -864,7 +875,8 @@ class Runner {
       const std::int64_t begin = offset_in_grads(params.front()->grad);
       const std::int64_t end = offset_in_grads(params.back()->grad) + params.back()->grad.size();
       pending_[index] = {comm_.start_all_reduce(task.group, grad_storage_.sub(begin, end - begin)),
-                         {}};
+                         {},
+                         std::nullopt};
       return;
     }
     DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter && sharded_,
@@ -890,7 +902,8 @@ class Runner {
     buffers->out = dev_.allocate(buffers->counts[static_cast<std::size_t>(d_)], Dtype::F32);
     const Comm::Handle handle =
         comm_.start_reduce_scatter(task.group, buffers->in, buffers->out, buffers->counts);
-    pending_[index] = {handle, [this, params, buffers] {
+    pending_[index] = {handle,
+                       [this, params, buffers] {
                          std::int64_t from = 0;
                          for (Param* p : params) {
                            dev_.accumulate(p->reduced, buffers->out.sub(from, p->reduced.size()));
@@ -898,7 +911,8 @@ class Runner {
                          }
                          dev_.release(buffers->in);
                          dev_.release(buffers->out);
-                       }};
+                       },
+                       std::nullopt};
   }
 
   // Vocab-parallel cross-entropy (Megatron-LM): the row maxima reduced with max, then the sums
@@ -923,6 +937,7 @@ class Runner {
           return rp_->tasks[static_cast<std::size_t>(d)].kind == TaskKind::Send;
         })) {
       comm_.finish_sends();
+      close_sends();
     }
     for (auto it = pending_.begin(); it != pending_.end();) {
       const bool needed =
@@ -933,9 +948,25 @@ class Runner {
         continue;
       }
       comm_.finish(it->second.handle);
+      if (it->second.record) {
+        TaskRecord& r = (*records_)[*it->second.record];
+        const auto done = comm_.completed_at(it->second.handle);
+        r.end_s = std::max(r.end_s, since_start(done ? *done : std::chrono::steady_clock::now()));
+      }
       if (it->second.complete) it->second.complete();
       it = pending_.erase(it);
     }
+  }
+
+  // The blocking sends recorded since the last wait end now: their receivers have them.
+  void close_sends() {
+    const double end = since_start(std::chrono::steady_clock::now());
+    for (std::size_t r : open_sends_) (*records_)[r].end_s = std::max((*records_)[r].end_s, end);
+    open_sends_.clear();
+  }
+
+  double since_start(std::chrono::steady_clock::time_point t) const {
+    return std::chrono::duration<double>(t - t0_).count();
   }
 
   // Every dp rank's updated slice of `params`, gathered into the full weights.
@@ -1366,6 +1397,11 @@ class Runner {
   std::vector<std::size_t> last_use_;
   // Collectives started and not yet finished, by task index.
   std::map<std::size_t, PendingCollective> pending_;
+  // Measured times: the run's start, its task records, and the records of blocking sends not
+  // yet known to be received.
+  std::chrono::steady_clock::time_point t0_;
+  std::vector<TaskRecord>* records_ = nullptr;
+  std::vector<std::size_t> open_sends_;
   // Receives posted ahead of need (overlapped pipeline transfers), by task index.
   std::map<std::size_t, Comm::Handle> posted_;
   std::vector<int> next_;

@@ -4,9 +4,11 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <deque>
 #include <iostream>
+#include <optional>
 
 #include "exec/cpu/device.hpp"
 
@@ -148,16 +150,23 @@ class MpiComm final : public Comm {
 
   void finish(Handle handle) override {
     if (handle < 0) return;
-    auto& request = pending_.at(static_cast<std::size_t>(handle));
-    check(MPI_Wait(&request, MPI_STATUS_IGNORE), "MPI_Wait");
+    const auto h = static_cast<std::size_t>(handle);
+    check(MPI_Wait(&pending_.at(h), MPI_STATUS_IGNORE), "MPI_Wait");
+    if (!done_at_.at(h)) done_at_[h] = std::chrono::steady_clock::now();
   }
 
   void progress() override {
-    for (auto& request : pending_) {
-      if (request == MPI_REQUEST_NULL) continue;
+    for (std::size_t h = 0; h < pending_.size(); ++h) {
+      if (pending_[h] == MPI_REQUEST_NULL) continue;
       int done = 0;
-      check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      check(MPI_Test(&pending_[h], &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (done) done_at_[h] = std::chrono::steady_clock::now();
     }
+  }
+
+  std::optional<std::chrono::steady_clock::time_point> completed_at(Handle handle) const override {
+    if (handle < 0 || static_cast<std::size_t>(handle) >= done_at_.size()) return std::nullopt;
+    return done_at_[static_cast<std::size_t>(handle)];
   }
 
   void send(int peer, std::int64_t tag, View view) override {
@@ -207,6 +216,7 @@ class MpiComm final : public Comm {
       check(MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE),
             "MPI_Waitall");
       pending_.clear();
+      done_at_.clear();
     }
     if (requests_.empty()) return;
     check(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE),
@@ -254,6 +264,7 @@ class MpiComm final : public Comm {
   // Handles index the requests of this step; wait_sends (at the step's end) retires them.
   Handle keep(MPI_Request request) {
     pending_.push_back(request);
+    done_at_.emplace_back();
     return static_cast<Handle>(pending_.size() - 1);
   }
 
@@ -277,6 +288,8 @@ class MpiComm final : public Comm {
   std::deque<std::vector<float>> buffers_;
   std::vector<MPI_Request> requests_;
   std::vector<MPI_Request> pending_;  // non-blocking collectives by handle
+  // When each was first seen complete.
+  std::vector<std::optional<std::chrono::steady_clock::time_point>> done_at_;
 };
 
 }  // namespace

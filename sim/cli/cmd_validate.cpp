@@ -43,9 +43,10 @@ int cmd_validate(const std::vector<std::string>& args) {
   }
   // What a task's time covers differs for the tasks that wait on peers.
   const std::string note =
-      "a measured receive or collective (dtexec run) includes the wait for its peers; a "
-      "predicted one starts when they are all ready, so the error of these kinds is mostly that "
-      "wait, and the compute kinds and the step are the ones to read";
+      "a measured receive, collective or blocking send (dtexec run on CPUs) lasts until its "
+      "peers have done their part; a predicted one starts when they are all ready, so the error "
+      "of these kinds is mostly that wait, and the compute kinds and the step are the ones to "
+      "read";
   if (vm["json"].as<bool>()) {
     nlohmann::json rows = nlohmann::json::array();
     for (const auto& r : v.rows) {

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "exec/core/checkpoint.hpp"
@@ -297,5 +299,64 @@ TEST_CASE("without p2p overlap the sender waits for its sends where the program 
       REQUIRE(i > 0);
       CHECK((comm.calls[i - 1] == "send" || comm.calls[i - 1] == "recv"));
     }
+  }
+}
+
+namespace {
+
+// Rank 0 of two, whose peer is slow: a started collective and the blocking sends complete only
+// 30 ms after the runner waits for them.
+class SlowPeerComm final : public HostOnlyComm {
+ public:
+  void finish(Handle) override { std::this_thread::sleep_for(std::chrono::milliseconds(30)); }
+  void finish_sends() override { std::this_thread::sleep_for(std::chrono::milliseconds(30)); }
+  void wait_sends() override { std::this_thread::sleep_for(std::chrono::milliseconds(30)); }
+};
+
+// The shortest measured time of rank 0's tasks of `kind`.
+double shortest(const dtsim::exec::RunResult& r, const dtsim::lower::Program& program,
+                dtsim::lower::TaskKind kind) {
+  double s = 1e9;
+  for (const auto& t : r.tasks) {
+    if (program.ranks[0].tasks[static_cast<std::size_t>(t.task)].kind == kind) {
+      s = std::min(s, t.end_s - t.start_s);
+    }
+  }
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("a started collective and a blocking send are timed until they complete",
+          "[exec][runner]") {
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  dtsim::lower::LowerOptions lowering;
+  lowering.mode = dtsim::lower::Lowering::AllRanks;
+  dtsim::exec::RunOptions o;
+  o.steps = 1;
+  o.warmup_steps = 0;
+  SECTION("data-parallel buckets, overlapped with the backward pass") {
+    auto p = single_rank(1, 2);
+    p.dp = 2;
+    p.global_batch_size = 4;
+    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+    const auto program = dtsim::lower::lower(g, p, lowering);
+    SlowPeerComm comm;
+    const auto r = dtsim::exec::run_program(g, program, o, comm);
+    const double collective = shortest(r, program, dtsim::lower::TaskKind::Collective);
+    CHECK(collective >= 0.03);
+    CHECK(collective < 1.0);  // there was one
+  }
+  SECTION("pipeline sends that the next round waits for") {
+    auto p = single_rank(1, 4);
+    p.pp = 2;
+    p.schedule = dtsim::plan::Schedule::OneFOneB;
+    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+    const auto program = dtsim::lower::lower(g, p, lowering);
+    SlowPeerComm comm;
+    const auto r = dtsim::exec::run_program(g, program, o, comm);
+    const double send = shortest(r, program, dtsim::lower::TaskKind::Send);
+    CHECK(send >= 0.03);
+    CHECK(send < 1.0);
   }
 }
