@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -881,7 +882,7 @@ class Runner {
     }
     DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter && sharded_,
                  "dp gradient reduction");
-    std::vector<int> counts(static_cast<std::size_t>(dp_), 0);
+    std::vector<std::int64_t> wide(static_cast<std::size_t>(dp_), 0);
     std::int64_t total = 0;
     for (Param* p : params) total += p->grad.size();
     auto buffers = std::make_shared<ScatterBuffers>();
@@ -893,9 +894,10 @@ class Runner {
         const std::int64_t b = n * r / dp_, e = n * (r + 1) / dp_;
         dev_.copy(buffers->in.sub(at, e - b), p->grad.sub(b, e - b));
         at += e - b;
-        counts[static_cast<std::size_t>(r)] += static_cast<int>(e - b);
+        wide[static_cast<std::size_t>(r)] += e - b;
       }
     }
+    std::vector<int> counts = collective_counts(wide, "ZeRO gradient reduce-scatter");
     // The packed copy is the collective's: the gradients start again from zero at once.
     for (Param* p : params) dev_.zero(p->grad);
     buffers->counts = std::move(counts);
@@ -958,6 +960,20 @@ class Runner {
     }
   }
 
+  // Per-member counts of a collective, which the communication backends take as int (MPI's
+  // counts are); a buffer of 2^31 elements or more is refused, naming the collective.
+  static std::vector<int> collective_counts(const std::vector<std::int64_t>& wide,
+                                            const char* what) {
+    const std::int64_t total = std::accumulate(wide.begin(), wide.end(), std::int64_t{0});
+    if (total > std::numeric_limits<int>::max()) {
+      throw UnsupportedError(fmt::format(
+          "{} of {} elements: the communication backends take at most 2^31 - 1 elements per "
+          "call (not split into pieces yet); use more pipeline or tensor-parallel ranks",
+          what, total));
+    }
+    return {wide.begin(), wide.end()};
+  }
+
   // The blocking sends recorded since the last wait end now: their receivers have them.
   void close_sends() {
     const double end = since_start(std::chrono::steady_clock::now());
@@ -972,15 +988,16 @@ class Runner {
   // Every dp rank's updated slice of `params`, gathered into the full weights.
   void gather_weights(const lower::Task& task, const std::vector<Param*>& params) {
     if (!sharded_) return;
-    std::vector<int> counts(static_cast<std::size_t>(dp_), 0);
+    std::vector<std::int64_t> wide(static_cast<std::size_t>(dp_), 0);
     for (Param* p : params) {
       const std::int64_t n = p->data.size();
-      for (int r = 0; r < dp_; ++r) {
-        counts[static_cast<std::size_t>(r)] += static_cast<int>(n * (r + 1) / dp_ - n * r / dp_);
-      }
+      for (int r = 0; r < dp_; ++r)
+        wide[static_cast<std::size_t>(r)] += n * (r + 1) / dp_ - n * r / dp_;
     }
+    const std::vector<int> counts = collective_counts(wide, "ZeRO weight all-gather");
     const View mine = dev_.allocate(counts[static_cast<std::size_t>(d_)], Dtype::F32);
-    const View all = dev_.allocate(std::accumulate(counts.begin(), counts.end(), 0), Dtype::F32);
+    const View all =
+        dev_.allocate(std::accumulate(wide.begin(), wide.end(), std::int64_t{0}), Dtype::F32);
     std::int64_t at = 0;
     for (Param* p : params) {
       dev_.copy(mine.sub(at, p->own_end - p->own_begin),

@@ -75,6 +75,9 @@ class MpiComm final : public Comm {
       MPI_Group_free(&group);
     }
     MPI_Group_free(&world);
+    // Outside the Program (checkpoint parts): a communicator of its own, so that its messages
+    // never match a pipeline transfer's tag.
+    check(MPI_Comm_dup(MPI_COMM_WORLD, &side_), "MPI_Comm_dup");
   }
 
   ~MpiComm() override {
@@ -82,6 +85,7 @@ class MpiComm final : public Comm {
     for (auto& c : comms_) {
       if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
     }
+    if (side_ != MPI_COMM_NULL) MPI_Comm_free(&side_);
   }
 
   int rank() const override { return rank_; }
@@ -232,22 +236,32 @@ class MpiComm final : public Comm {
   }
 
   std::vector<std::string> gather_to_root(const std::string& mine) override {
-    int length = count(mine.size());
-    std::vector<int> lengths(static_cast<std::size_t>(size_));
-    check(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, MPI_COMM_WORLD),
+    // Checkpoint parts pass 2 GiB (12 bytes per parameter): 64-bit lengths, and each part sent
+    // to rank 0 in pieces that MPI's int counts can hold.
+    constexpr std::int64_t kPiece = std::int64_t{1} << 30;
+    const auto length = static_cast<std::int64_t>(mine.size());
+    std::vector<std::int64_t> lengths(static_cast<std::size_t>(size_));
+    check(MPI_Gather(&length, 1, MPI_INT64_T, lengths.data(), 1, MPI_INT64_T, 0, side_),
           "MPI_Gather");
-    std::vector<int> displs(static_cast<std::size_t>(size_), 0);
-    for (std::size_t i = 1; i < displs.size(); ++i) displs[i] = displs[i - 1] + lengths[i - 1];
-    std::string all(rank_ == 0 ? static_cast<std::size_t>(displs.back() + lengths.back()) : 0,
-                    '\0');
-    check(MPI_Gatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), displs.data(),
-                      MPI_CHAR, 0, MPI_COMM_WORLD),
-          "MPI_Gatherv");
     std::vector<std::string> out;
-    if (rank_ != 0) return out;
-    for (std::size_t r = 0; r < lengths.size(); ++r) {
-      out.push_back(
-          all.substr(static_cast<std::size_t>(displs[r]), static_cast<std::size_t>(lengths[r])));
+    if (rank_ != 0) {
+      for (std::int64_t at = 0; at < length; at += kPiece) {
+        check(MPI_Send(mine.data() + at, static_cast<int>(std::min(kPiece, length - at)), MPI_CHAR,
+                       0, 0, side_),
+              "MPI_Send");
+      }
+      return out;
+    }
+    out.push_back(mine);
+    for (int r = 1; r < size_; ++r) {
+      std::string part(static_cast<std::size_t>(lengths[static_cast<std::size_t>(r)]), '\0');
+      const auto n = static_cast<std::int64_t>(part.size());
+      for (std::int64_t at = 0; at < n; at += kPiece) {
+        check(MPI_Recv(part.data() + at, static_cast<int>(std::min(kPiece, n - at)), MPI_CHAR, r, 0,
+                       side_, MPI_STATUS_IGNORE),
+              "MPI_Recv");
+      }
+      out.push_back(std::move(part));
     }
     return out;
   }
@@ -283,6 +297,7 @@ class MpiComm final : public Comm {
   }
 
   int rank_ = 0, size_ = 1, tag_ub_ = 32767;
+  MPI_Comm side_ = MPI_COMM_NULL;
   std::vector<MPI_Comm> comms_;
   std::vector<std::vector<int>> members_;
   std::deque<std::vector<float>> buffers_;
