@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 #include "sim/cluster/placement.hpp"
@@ -26,8 +27,11 @@ class Analytical final : public NetworkModel {
     const int k = static_cast<int>(span.max_devices_per_node);
     const int nodes = static_cast<int>(span.nodes);
     const Link intra{intra_bw(k), c_.intra.latency_s.value};
-    const Link inter_ring = inter_link(span, k);
-    const Link inter_each = inter_link(span, 1);
+    // Rings (and the tree and hierarchical phases that stand in for them) send one flow per
+    // group out of a leaf; all-to-all sends every member's traffic across.
+    const Link inter_ring = inter_link(span, k, Crossing::OnePerGroup);
+    const Link inter_each = inter_link(span, 1, Crossing::OnePerGroup);
+    const Link inter_all = inter_link(span, 1, Crossing::Every);
     // The ring's slowest hop.
     Link ring = nodes > 1 ? inter_ring : intra;
     if (nodes > 1 && k > 1) {
@@ -49,7 +53,7 @@ class Analytical final : public NetworkModel {
         t = ring_all_gather_s(s, n, ring);
         break;
       case CollectiveKind::AllToAll:
-        t = direct_all_to_all_s(s, n, k, intra, nodes > 1 ? inter_each : intra);
+        t = direct_all_to_all_s(s, n, k, intra, nodes > 1 ? inter_all : intra);
         break;
     }
     memo_.emplace(key, t);
@@ -64,7 +68,10 @@ class Analytical final : public NetworkModel {
     }
     const std::vector<std::int64_t> pair = {src, dst};
     // Every device of the node sends to its own peer at the same time (pipeline symmetry).
-    return network::p2p_s(static_cast<double>(bytes), inter_link(cluster::group_span(c_, pair), 1));
+    // Across leaves, every device of the stage may be sending to the next (a stage boundary at
+    // a leaf boundary): all of the leaf's flows take the uplink.
+    return network::p2p_s(static_cast<double>(bytes),
+                          inter_link(cluster::group_span(c_, pair), 1, Crossing::Every));
   }
 
  private:
@@ -79,9 +86,16 @@ class Analytical final : public NetworkModel {
     return bw * std::max(1, k - 1) / static_cast<double>(whole - 1);
   }
 
+  enum class Crossing { OnePerGroup, Every };
+
   // Per-flow bandwidth leaving a node when every device of the node is in a group of this kind
-  // with k members per node (devices_per_node / k flows share the node's NICs).
-  Link inter_link(const cluster::GroupSpan& span, int k) const {
+  // with k members per node (devices_per_node / k flows share the node's NICs). A group that
+  // spans leaves also shares its leaf's uplinks (nodes_per_leaf x NICs x NIC bandwidth /
+  // oversubscription) with every group of its kind in the leaf, all running at once: a ring
+  // leaves the leaf once (one flow per group, rank order visiting a leaf's members together);
+  // with Crossing::Every all the leaf's flows take the uplink, each slowed by the
+  // oversubscription.
+  Link inter_link(const cluster::GroupSpan& span, int k, Crossing crossing) const {
     const auto& inter = c_.inter;
     if (inter.fabric == cluster::InterFabric::Torus3d) {
       return Link{inter.link_bw_bytes_per_s.value, inter.latency_s.value};
@@ -93,7 +107,18 @@ class Analytical final : public NetworkModel {
         static_cast<double>(inter.nics_per_node) * inter.nic_bw_bytes_per_s.value;
     const double flows = static_cast<double>(c_.devices_per_node) / std::max(k, 1);
     double bw = node_bw / flows;
-    if (span.crosses_spine) bw /= inter.oversubscription.value;
+    if (span.crosses_spine && crossing == Crossing::Every) {
+      bw /= inter.oversubscription.value;
+    } else if (span.crosses_spine) {
+      const double leaf_nodes = static_cast<double>(
+          std::min(inter.nodes_per_leaf > 0 ? inter.nodes_per_leaf : c_.nodes, c_.nodes));
+      const double uplink = leaf_nodes * node_bw / inter.oversubscription.value;
+      const double leaf_devices = leaf_nodes * static_cast<double>(c_.devices_per_node);
+      const double members_in_leaf =
+          std::ceil(static_cast<double>(span.devices) / static_cast<double>(span.leaf_groups));
+      const double groups_in_leaf = std::max(1.0, leaf_devices / members_in_leaf);
+      bw = std::min(bw, uplink / groups_in_leaf);
+    }
     return Link{bw, inter.latency_s.value};
   }
 

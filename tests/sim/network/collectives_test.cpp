@@ -77,3 +77,31 @@ TEST_CASE("part of a mesh node keeps the whole node's links", "[network]") {
         Approx(a->collective_s(pair, dtsim::lower::CollectiveKind::AllReduce, 1 << 26))
             .epsilon(1e-12));
 }
+
+TEST_CASE("a ring across leaves shares the uplinks with the groups of its leaf", "[network]") {
+  // 4 nodes of 8 GPUs, 2 nodes per leaf, 8 x 25 GB/s NICs per node, uplinks oversubscribed 4:1:
+  // a leaf's uplink carries 2 x 8 x 25 / 4 = 100 GB/s.
+  dtsim::test::TempFile file("two_leaves_8.json", R"({
+    "name": "two_leaves_8", "description": "test", "source": "test",
+    "device": "a100-sxm4-80gb", "nodes": 4, "devices_per_node": 8,
+    "intra_node": {"fabric": "nvswitch", "latency_s": {"value": 2e-6, "source": "test"}},
+    "inter_node": {"fabric": "fat_tree", "transport": "infiniband", "nics_per_node": 8,
+      "nic_bw_bytes_per_s": {"value": 25e9, "source": "test"},
+      "latency_s": {"value": 4e-6, "source": "test"}, "nodes_per_leaf": 2,
+      "oversubscription": {"value": 4, "source": "test"}}})");
+  const auto c = dtsim::cluster::load_cluster(file.path());
+  auto model = dtsim::network::make_analytical(c);
+  const double s = 1 << 30;
+  const double alpha = 4e-6;
+  // One rank per node, 8 such groups: each group's ring leaves a leaf once, 8 flows share the
+  // 100 GB/s uplink (12.5 GB/s each, below a NIC's 25), not 25 / 4.
+  const dtsim::lower::Group dp{dtsim::lower::GroupKind::Dp, {0, 8, 16, 24}, {0}};
+  CHECK(model->collective_s(dp, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
+        Approx(dtsim::network::ring_all_gather_s(s, 4, Link{12.5e9, alpha})).epsilon(1e-12));
+  // Inside one leaf nothing is shared: a NIC each.
+  const dtsim::lower::Group near{dtsim::lower::GroupKind::Dp, {0, 8}, {0}};
+  CHECK(model->collective_s(near, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
+        Approx(dtsim::network::ring_all_gather_s(s, 2, Link{25e9, alpha})).epsilon(1e-12));
+  // A pipeline transfer across leaves: every device of the leaf may send at once, 25 / 4.
+  CHECK(model->p2p_s(0, 16, 1 << 20) == Approx((1 << 20) / 6.25e9 + alpha).epsilon(1e-12));
+}
