@@ -140,7 +140,8 @@ std::ostream& out(int rank) {
 void rank_and_step(const po::variables_map& vm, const char* key, int& rank, int& step) {
   if (!vm.count(key)) return;
   const std::string text = vm[key].as<std::string>();
-  if (std::sscanf(text.c_str(), "%d:%d", &rank, &step) != 2 || rank < 0 || step < 1) {
+  char rest = 0;
+  if (std::sscanf(text.c_str(), "%d:%d%c", &rank, &step, &rest) != 2 || rank < 0 || step < 1) {
     throw dtsim::InputError(
         fmt::format("--{} {}: expected RANK:STEP (a rank >= 0, a step >= 1)", key, text));
   }

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -55,6 +56,7 @@ json candidate_json(const planner::Candidate& c, double train_tokens) {
 
 // "--fixed tp=8" (repeatable).
 void apply_fixed(const std::vector<std::string>& fixed, planner::SearchSpace& space) {
+  std::map<std::string, std::string> seen;  // key -> the --fixed that set it
   for (const std::string& f : fixed) {
     const auto eq = f.find('=');
     int value = 0;
@@ -70,6 +72,10 @@ void apply_fixed(const std::vector<std::string>& fixed, planner::SearchSpace& sp
                       f));
     }
     const std::string key = f.substr(0, eq);
+    if (const auto [it, fresh] = seen.emplace(key, f); !fresh) {
+      throw InputError(
+          fmt::format("--fixed {}: {} is already fixed by --fixed {}", f, key, it->second));
+    }
     if (key == "tp") {
       space.fixed_tp = value;
     } else if (key == "pp") {

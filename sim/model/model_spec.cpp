@@ -193,6 +193,11 @@ void validate_model(const ModelSpec& m,
     bad("head_dim", fmt::format("{} x {} = {} x {} = {} exceeds {}", key("heads"), key("head_dim"),
                                 m.heads, m.head_dim, m.q_width(), kMaxWidth));
   }
+  if (m.positions == Positions::Rope && m.head_dim % 2 != 0) {
+    // RoPE turns a head's dimensions in pairs.
+    bad("head_dim", fmt::format("expected an even {} with rotary positions, got {}",
+                                key("head_dim"), m.head_dim));
+  }
   if (m.heads % m.kv_heads != 0) {
     bad("kv_heads", fmt::format("{} = {} must divide {} = {}", key("kv_heads"), m.kv_heads,
                                 key("heads"), m.heads));
