@@ -155,15 +155,18 @@ class MpiComm final : public Comm {
   void finish(Handle handle) override {
     if (handle < 0) return;
     const auto h = static_cast<std::size_t>(handle);
-    check(MPI_Wait(&pending_.at(h), MPI_STATUS_IGNORE), "MPI_Wait");
-    if (!done_at_.at(h)) done_at_[h] = std::chrono::steady_clock::now();
+    if (!done_at_.at(h)) {
+      check(MPI_Wait(&pending_.at(h), &status_[h]), "MPI_Wait");
+      done_at_[h] = std::chrono::steady_clock::now();
+    }
+    check_received(h);
   }
 
   void progress() override {
     for (std::size_t h = 0; h < pending_.size(); ++h) {
-      if (pending_[h] == MPI_REQUEST_NULL) continue;
+      if (pending_[h] == MPI_REQUEST_NULL || done_at_[h]) continue;
       int done = 0;
-      check(MPI_Test(&pending_[h], &done, MPI_STATUS_IGNORE), "MPI_Test");
+      check(MPI_Test(&pending_[h], &done, &status_[h]), "MPI_Test");
       if (done) done_at_[h] = std::chrono::steady_clock::now();
     }
   }
@@ -204,7 +207,9 @@ class MpiComm final : public Comm {
     check(MPI_Irecv(data.data(), count(data.size()), MPI_FLOAT, peer, checked_tag(tag),
                     MPI_COMM_WORLD, &request),
           "MPI_Irecv");
-    return keep(request);
+    const Handle h = keep(request);
+    expected_[static_cast<std::size_t>(h)] = {peer, tag, count(data.size())};
+    return h;
   }
 
   void finish_sends() override {
@@ -221,6 +226,8 @@ class MpiComm final : public Comm {
             "MPI_Waitall");
       pending_.clear();
       done_at_.clear();
+      status_.clear();
+      expected_.clear();
     }
     if (requests_.empty()) return;
     check(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE),
@@ -279,7 +286,22 @@ class MpiComm final : public Comm {
   Handle keep(MPI_Request request) {
     pending_.push_back(request);
     done_at_.emplace_back();
+    status_.emplace_back();
+    expected_.emplace_back();
     return static_cast<Handle>(pending_.size() - 1);
+  }
+
+  // A posted receive got the message it was posted for, whole (as the blocking recv checks).
+  void check_received(std::size_t h) {
+    const Expected& e = expected_[h];
+    if (e.floats < 0) return;
+    int got = 0;
+    check(MPI_Get_count(&status_[h], MPI_FLOAT, &got), "MPI_Get_count");
+    if (got != e.floats) {
+      throw InternalError(
+          fmt::format("rank {}: received {} floats from rank {} (tag {}), expected {}", rank_, got,
+                      e.peer, e.tag, e.floats));
+    }
   }
 
   int checked_tag(std::int64_t tag) const {
@@ -305,6 +327,13 @@ class MpiComm final : public Comm {
   std::vector<MPI_Request> pending_;  // non-blocking collectives by handle
   // When each was first seen complete.
   std::vector<std::optional<std::chrono::steady_clock::time_point>> done_at_;
+  std::vector<MPI_Status> status_;
+  struct Expected {
+    int peer = -1;
+    std::int64_t tag = -1;
+    int floats = -1;  // -1: a collective, nothing to check
+  };
+  std::vector<Expected> expected_;  // posted receives
 };
 
 }  // namespace
