@@ -22,6 +22,7 @@ json stage_json(const plan::StageMemory& s) {
   return {{"stage", s.stage},
           {"layers", s.layers},
           {"in_flight_micro_batches", s.in_flight},
+          {"weight_passes_held", s.weight_passes_held},
           {"weights_bytes", s.weights_bytes},
           {"gradients_bytes", s.gradients_bytes},
           {"optimizer_bytes", s.optimizer_bytes},

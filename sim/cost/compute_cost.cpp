@@ -113,15 +113,24 @@ double ComputeCost::op_flops(const model::Op& op, Phase phase) const {
 double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
   const double d = divisor(op);
   const double flops = op_flops(op, phase);
+  // The rank's share of the op's traffic: activations split like its work (d), weights split
+  // over tp like the op and over ep for experts, never over cp. The backward moves the same mix
+  // bwd_bytes / fwd_bytes times.
+  const double weight_split =
+      (op.tp_split == model::TpSplit::None ? 1.0 : static_cast<double>(plan_.tp)) *
+      (op.expert ? static_cast<double>(plan_.ep) : 1.0);
+  const double fwd_share = (op.fwd_bytes - op.weight_bytes) / d + op.weight_bytes / weight_split;
+  const double bwd_share =
+      op.fwd_bytes > 0 ? op.bwd_bytes / op.fwd_bytes * fwd_share : op.bwd_bytes / d;
   double bytes = 0;
   int kernels = 1;
   switch (phase) {
     case Phase::Forward:
     case Phase::Recompute:
-      bytes = op.fwd_bytes / d;
+      bytes = fwd_share;
       break;
     case Phase::Backward:
-      bytes = op.bwd_bytes / d;
+      bytes = bwd_share;
       kernels = op.bwd_weight_flops > 0 ? 2 : 1;
       break;
     case Phase::BackwardInput:
@@ -130,7 +139,7 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
       // weights do all their backward work in the input-gradient pass.
       const bool has_weight_grad = op.bwd_weight_flops > 0;
       if (!has_weight_grad && phase == Phase::BackwardWeight) return 0;
-      bytes = (has_weight_grad ? 0.5 : 1.0) * op.bwd_bytes / d;
+      bytes = (has_weight_grad ? 0.5 : 1.0) * bwd_share;
       break;
     }
     case Phase::Optimizer:
@@ -145,8 +154,16 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
   const bool attention = op.kind == OpKind::AttentionCore;
   const double eff = attention ? attention_eff_ : gemm_eff_;
   double compute_s = flops > 0 ? flops / (peak_flops_ * eff) * wave_factor(op, phase) : 0.0;
-  // A profile's GEMM times were measured: they hold whatever quantization the shapes had.
-  if (profile_ != nullptr && flops > 0 && op.gemm_m > 0) compute_s = profile_->gemm_seconds(flops);
+  // A profile's GEMM times were measured: they hold whatever quantization the shapes had. A
+  // combined backward is two GEMMs (input and weight gradients), each priced at its own size.
+  if (profile_ != nullptr && flops > 0 && op.gemm_m > 0) {
+    if (phase == Phase::Backward && op.bwd_input_flops > 0 && op.bwd_weight_flops > 0) {
+      compute_s = profile_->gemm_seconds(op.bwd_input_flops / d) +
+                  profile_->gemm_seconds(op.bwd_weight_flops / d);
+    } else {
+      compute_s = profile_->gemm_seconds(flops);
+    }
+  }
   const double memory_s = bytes / hbm_bw_;
   return std::max(compute_s, memory_s) + launch_s_ * kernels;
 }

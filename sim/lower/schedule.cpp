@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "sim/common/error.hpp"
+#include "sim/plan/zero_bubble.hpp"
 
 namespace dtsim::lower {
 
@@ -25,59 +26,16 @@ std::vector<Pass> one_f_one_b(int p, int m, int stage) {
   return out;
 }
 
-// ZB-H1 by list scheduling with unit times (T_F = T_B = T_W, Qi et al.'s setting): every
-// stage, when free, runs the earliest-ready of (in priority order) a backward-input pass B, a
-// forward F (at most pp - stage outstanding B's, the 1F1B bound), and a deferred weight pass
-// W; a stage runs W at once when pp - 1 W's are pending, which bounds the activations that
-// deferred W's keep. B passes thus travel up the pipeline at T_B per stage and the W passes
-// fill the cool-down bubble: (p-1)(T_F + T_B - T_W) instead of 1F1B's (p-1)(T_F + T_B + T_W).
+// ZB-H1: the order plan::zero_bubble_order gives (shared with the memory model).
 std::vector<Pass> zero_bubble_h1(int p, int m, int stage) {
-  constexpr int kNone = -1;
-  std::vector<std::vector<int>> f_done(p, std::vector<int>(m, kNone));
-  std::vector<std::vector<int>> b_done(p, std::vector<int>(m, kNone));
-  std::vector<int> free_at(p, 0), fn(p, 0), bn(p, 0), wn(p, 0);
-  std::vector<std::vector<Pass>> order(p);
-  for (;;) {
-    // Among stages with work left, the (start time, priority, stage)-smallest candidate.
-    std::tuple<int, int, int> best{INT_MAX, INT_MAX, INT_MAX};
-    for (int i = 0; i < p; ++i) {
-      if (wn[i] >= m) continue;
-      const int t = free_at[i];
-      auto consider = [&](int start, int priority) {
-        best = std::min(best, std::tuple{start, priority, i});
-      };
-      if (bn[i] - wn[i] > p - 1) {
-        consider(t, 0);  // forced W
-        continue;
-      }
-      if (bn[i] < fn[i]) {
-        const int ready = i == p - 1 ? f_done[i][bn[i]] : b_done[i + 1][bn[i]];
-        if (ready != kNone) consider(std::max(t, ready), 1);
-      }
-      if (fn[i] < m && fn[i] - bn[i] < p - i) {
-        const int ready = i == 0 ? 0 : f_done[i - 1][fn[i]];
-        if (ready != kNone) consider(std::max(t, ready), 2);
-      }
-      if (wn[i] < bn[i]) consider(t, 3);
-    }
-    auto [start, priority, i] = best;
-    if (start == INT_MAX) break;
-    switch (priority) {
-      case 1:
-        b_done[i][bn[i]] = start + 1;
-        order[i].push_back({PassKind::BackwardInput, bn[i]++, 0});
-        break;
-      case 2:
-        f_done[i][fn[i]] = start + 1;
-        order[i].push_back({PassKind::Forward, fn[i]++, 0});
-        break;
-      default:
-        order[i].push_back({PassKind::BackwardWeight, wn[i]++, 0});
-        break;
-    }
-    free_at[i] = start + 1;
+  std::vector<Pass> out;
+  for (const plan::ZbPass& z : plan::zero_bubble_order(p, m, stage)) {
+    const PassKind kind = z.kind == plan::ZbKind::Forward         ? PassKind::Forward
+                          : z.kind == plan::ZbKind::BackwardInput ? PassKind::BackwardInput
+                                                                  : PassKind::BackwardWeight;
+    out.push_back({kind, z.micro_batch, 0});
   }
-  return order[static_cast<std::size_t>(stage)];
+  return out;
 }
 
 std::vector<Pass> interleaved(int p, int m, int v, int stage) {

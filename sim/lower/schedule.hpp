@@ -30,7 +30,7 @@ struct Pass {
 //   warm-up 2·(pp - stage - 1) + (v - 1)·pp forwards; each steady-state forward and the
 //   backward after it make one round.
 // - Zero-bubble ZB-H1 (Qi et al. 2023): each backward split into B (input gradients) and W
-//   (weight gradients); W passes are deferred (at most pp - 1 pending) to fill the cool-down
+//   (weight gradients); W passes are deferred (at most pp pending) to fill the cool-down
 //   (see schedule.cpp).
 // - PipeDream (asynchronous, Narayanan et al. 2019): the 1F1B order; the engine runs it without
 //   the flush between steps.

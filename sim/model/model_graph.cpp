@@ -97,7 +97,8 @@ class Builder {
     op.bwd_input_flops = op.fwd_flops;
     op.bwd_weight_flops = op.fwd_flops;
     const double a = static_cast<double>(act_);
-    op.fwd_bytes = a * (tokens * in + in * out + tokens * out);
+    op.weight_bytes = a * in * out;
+    op.fwd_bytes = a * (tokens * in + tokens * out) + op.weight_bytes;
     op.bwd_bytes = 2.0 * op.fwd_bytes;
   }
 
@@ -240,8 +241,11 @@ class Builder {
     up.tp_split = TpSplit::Column;
     up.params = experts * (h() * up_width + (m_.bias.mlp ? up_width : 0));
     gemm(up, routed, hd, static_cast<double>(up_width));
-    if (expert) up.fwd_bytes += a * static_cast<double>(up.params);  // every expert's weights
-    up.saved_bytes = act_ * T() * copies * h();                      // its input (2sbh per copy)
+    if (expert) {  // every expert's weights, not one
+      up.fwd_bytes += a * static_cast<double>(up.params) - up.weight_bytes;
+      up.weight_bytes = a * static_cast<double>(up.params);
+    }
+    up.saved_bytes = act_ * T() * copies * h();  // its input (2sbh per copy)
     const OpId u = add(std::move(up), {mlp_in});
 
     Op act;
@@ -264,7 +268,10 @@ class Builder {
     down.params = experts * (f * h() + (m_.bias.mlp ? h() : 0));
     down.tp_replicated_params = experts * (m_.bias.mlp ? h() : 0);
     gemm(down, routed, static_cast<double>(f), hd);
-    if (expert) down.fwd_bytes += a * static_cast<double>(down.params);
+    if (expert) {
+      down.fwd_bytes += a * static_cast<double>(down.params) - down.weight_bytes;
+      down.weight_bytes = a * static_cast<double>(down.params);
+    }
     down.saved_bytes = act_ * T() * copies * f;  // its input (8sbh for GELU with f = 4h)
     down.saved_tp_split = true;
     const OpId d = add(std::move(down), {ac});

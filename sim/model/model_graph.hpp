@@ -54,7 +54,11 @@ struct Op {
   double bwd_input_flops = 0;   // gradient with respect to the op's inputs
   double bwd_weight_flops = 0;  // gradient with respect to its weights
   double fwd_bytes = 0;         // device-memory bytes read + written by the forward kernels
-  double bwd_bytes = 0;         // same for the backward kernels
+  // Of fwd_bytes, the weights read (an MoE GEMM: every expert's). Tensor parallelism splits
+  // them like the op, expert parallelism an expert's; context parallelism does not (every
+  // context-parallel rank reads all its weights).
+  double weight_bytes = 0;
+  double bwd_bytes = 0;  // same for the backward kernels
   std::uint64_t params = 0;
   // Of `params`, those that tensor parallelism does not split (norm weights, biases of
   // row-parallel layers, learned position embeddings): every tp rank holds them whole.

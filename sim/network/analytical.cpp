@@ -42,7 +42,7 @@ class Analytical final : public NetworkModel {
     switch (kind) {
       case CollectiveKind::AllReduce: {
         t = ring_all_reduce_s(s, n, ring);
-        t = std::min(t, tree_all_reduce_s(s, n, ring));
+        if (nodes > 1) t = std::min(t, node_tree_all_reduce_s(s, k, nodes, intra, inter_ring));
         if (nodes > 1 && k > 1) {
           t = std::min(t, hierarchical_all_reduce_s(s, k, nodes, intra, inter_each));
         }

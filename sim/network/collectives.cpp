@@ -17,10 +17,12 @@ double ring_all_gather_s(double bytes, int n, Link link) {
   return steps / n * bytes / link.bw_bytes_per_s + steps * link.latency_s;
 }
 
-double tree_all_reduce_s(double bytes, int n, Link link) {
-  if (n <= 1) return 0;
-  const double depth = std::ceil(std::log2(static_cast<double>(n)));
-  return 2.0 * bytes / link.bw_bytes_per_s + 2.0 * depth * link.latency_s;
+double node_tree_all_reduce_s(double bytes, int local, int nodes, Link intra, Link inter) {
+  if (nodes <= 1) return 0;
+  const double bw =
+      local > 1 ? std::min(intra.bw_bytes_per_s, inter.bw_bytes_per_s) : inter.bw_bytes_per_s;
+  const double depth = std::ceil(std::log2(static_cast<double>(nodes)));
+  return 2.0 * bytes / bw + 2.0 * ((local - 1) * intra.latency_s + depth * inter.latency_s);
 }
 
 double hierarchical_all_reduce_s(double bytes, int k, int nodes, Link intra, Link inter) {

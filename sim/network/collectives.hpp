@@ -19,9 +19,11 @@ double ring_all_reduce_s(double bytes, int n, Link link);
 // Ring all-gather or reduce-scatter: (n-1)/n · S/B + (n-1)·α.
 double ring_all_gather_s(double bytes, int n, Link link);
 // Double binary tree all-reduce (NCCL): pipelined reduce up and broadcast down two trees that
-// each carry half the data: about 2·S/B on the bandwidth side (each rank sends and receives
-// each byte twice over its links), 2·ceil(log2 n)·α on the latency side.
-double tree_all_reduce_s(double bytes, int n, Link link);
+// each carry half the data, about 2·S/B on the bandwidth side (each rank sends and receives
+// each byte twice over its links), on the slower of the two links. The trees span the `nodes`
+// nodes, and inside a node the `local` ranks form a chain: latency 2·((local - 1)·α inside +
+// ceil(log2 nodes)·α across). NCCL builds no tree inside a single node (0 there: none).
+double node_tree_all_reduce_s(double bytes, int local, int nodes, Link intra, Link inter);
 // Hierarchical all-reduce: reduce-scatter inside each node (k ranks), all-reduce of 1/k of the
 // data across `nodes` (each of the k ranks in its own ring), all-gather inside the node.
 double hierarchical_all_reduce_s(double bytes, int k, int nodes, Link intra, Link inter);

@@ -6,6 +6,7 @@
 #include <array>
 
 #include "sim/common/error.hpp"
+#include "sim/plan/zero_bubble.hpp"
 
 namespace dtsim::plan {
 
@@ -52,6 +53,61 @@ double extra_activation_bytes(const ModelGraph& g, int group, const Plan& plan) 
     bytes += static_cast<double>(op.saved_bytes) / activation_divisor(op, plan);
   }
   return bytes;
+}
+
+// What a deferred weight-gradient pass (zero-bubble's W) of one micro-batch keeps of `layer`:
+// each weight GEMM's input and the gradient of its output. A column-parallel GEMM's output is
+// split over tp; a row-parallel one's gradient is the whole (all-gathered) tensor.
+double weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan) {
+  const double a = activation_bytes_per_element(plan.precision);
+  double bytes = 0;
+  for (model::OpId id : g.layer_ops(layer)) {
+    const Op& op = g.op(id);
+    if (op.bwd_weight_flops <= 0 || op.gemm_m <= 0) continue;
+    const double out_split = static_cast<double>(plan.cp) *
+                             (op.tp_split == TpSplit::Column ? static_cast<double>(plan.tp) : 1.0);
+    bytes += static_cast<double>(op.saved_bytes) / activation_divisor(op, plan) +
+             a * op.gemm_m * op.gemm_n / out_split;
+  }
+  return bytes;
+}
+
+// Zero-bubble's peak on `stage`: forwards awaiting their B pass hold a micro-batch's
+// activations (`per_micro_batch`), B passes awaiting their W hold `per_weight_pass`; the stage's
+// pass order (plan::zero_bubble_order) gives the largest sum and the counts there.
+struct ZbPeak {
+  double bytes = 0;
+  std::int64_t forwards = 0;
+  std::int64_t weight_passes = 0;
+};
+ZbPeak zero_bubble_peak(const Plan& plan, int stage, double per_micro_batch,
+                        double per_weight_pass) {
+  ZbPeak peak;
+  std::int64_t forwards = 0, pending = 0;
+  for (const ZbPass& pass :
+       zero_bubble_order(plan.pp, static_cast<int>(plan.micro_batches()), stage)) {
+    switch (pass.kind) {
+      case ZbKind::Forward:
+        ++forwards;
+        break;
+      case ZbKind::BackwardInput:
+        --forwards;
+        ++pending;
+        break;
+      case ZbKind::BackwardWeight:
+        --pending;
+        break;
+    }
+    // A B pass frees the forward's activations as it makes its W's inputs: count the pass's
+    // peak before the swap too (both held while B runs).
+    const double held = static_cast<double>(forwards) * per_micro_batch +
+                        static_cast<double>(pending) * per_weight_pass +
+                        (pass.kind == ZbKind::BackwardInput ? per_micro_batch : 0.0);
+    if (held > peak.bytes) {
+      peak = {held, forwards + (pass.kind == ZbKind::BackwardInput ? 1 : 0), pending};
+    }
+  }
+  return peak;
 }
 
 }  // namespace
@@ -137,6 +193,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double dense_params = 0;
     double expert_params = 0;
     double block_activations = 0;
+    double weight_pass = 0;           // zero-bubble: what a deferred W pass keeps
+    double largest_quadratic = 0;     // selective recompute: one block's recomputed s² tensors
     double largest_layer_params = 0;  // for ZeRO-3's gathered-weights buffer
     // Chunk c of this rank is global chunk c·pp + stage; global chunk k covers the blocks after
     // chunks 0..k-1.
@@ -148,15 +206,19 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       s.layers += count;
       for (int layer = first; layer < first + count; ++layer) {
         double layer_params = 0;
+        double quadratic = 0;
         for (model::OpId id : g.layer_ops(layer)) {
           const Op& op = g.op(id);
           const double p = rank_params(op, plan);
           (op.expert ? expert_params : dense_params) += p;
           layer_params += p;
+          quadratic += static_cast<double>(op.saved_quadratic_bytes) / activation_divisor(op, plan);
         }
         largest_layer_params = std::max(largest_layer_params, layer_params);
+        largest_quadratic = std::max(largest_quadratic, quadratic);
         const double act = block_activation_bytes(g, layer, plan);
         block_activations += act;
+        if (plan.schedule == Schedule::ZeroBubble) weight_pass += weight_pass_bytes(g, layer, plan);
       }
     }
     // The embedding lives on the first stage, the final norm, head and loss on the last (a tied
@@ -165,13 +227,19 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     const double end_count = static_cast<double>(end_in_flight(plan, stage));
     double extra_activations = 0;
     if (stage == 0) {
-      for (model::OpId id : g.layer_ops(-1)) dense_params += rank_params(g.op(id), plan);
+      double group_params = 0;
+      for (model::OpId id : g.layer_ops(-1)) group_params += rank_params(g.op(id), plan);
+      dense_params += group_params;
+      largest_layer_params = std::max(largest_layer_params, group_params);
       extra_activations += extra_activation_bytes(g, -1, plan) * end_count;
     }
     if (stage == plan.pp - 1) {
+      double group_params = 0;
       for (model::OpId id : g.layer_ops(static_cast<int>(spec.layers))) {
-        dense_params += rank_params(g.op(id), plan);
+        group_params += rank_params(g.op(id), plan);
       }
+      dense_params += group_params;
+      largest_layer_params = std::max(largest_layer_params, group_params);
       extra_activations +=
           extra_activation_bytes(g, static_cast<int>(spec.layers), plan) * end_count;
     }
@@ -194,7 +262,17 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // In-flight micro-batches (interleaved: chunks, each 1/v of the rank's blocks).
     const double per_micro_batch = block_activations / v;
     s.activations_bytes = per_micro_batch * static_cast<double>(s.in_flight);
+    if (plan.schedule == Schedule::ZeroBubble && plan.pp > 1) {
+      const ZbPeak peak = zero_bubble_peak(plan, stage, per_micro_batch, weight_pass);
+      s.activations_bytes = peak.bytes;
+      s.in_flight = peak.forwards;
+      s.weight_passes_held = peak.weight_passes;
+    }
     s.activations_bytes += extra_activations;
+    if (plan.recompute == Recompute::Selective) {
+      // Backward recomputes one block's attention core and holds its s² tensors meanwhile.
+      s.activations_bytes += largest_quadratic;
+    }
     if (plan.recompute == Recompute::Full) {
       // Backward recomputes one block at a time and holds its full activations meanwhile.
       Plan no_recompute = plan;
@@ -207,8 +285,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     }
 
     s.other_bytes = options.framework_overhead_bytes;
-    if (plan.zero_stage == 3) {
-      // ZeRO-3 gathers a layer's weights before use and prefetches the next one.
+    if (plan.zero_stage == 3 && shard > 1) {
+      // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
+      // prefetches the next one.
       s.other_bytes += 2.0 * largest_layer_params * per_param.weights;
     }
     s.total_bytes = s.weights_bytes + s.gradients_bytes + s.optimizer_bytes + s.activations_bytes +

@@ -76,6 +76,9 @@ struct StageMemory {
   int stage = 0;
   int layers = 0;  // transformer blocks on this rank
   std::int64_t in_flight = 0;
+  // Zero-bubble: deferred weight-gradient passes held at the stage's peak (each keeps its GEMMs'
+  // inputs and output gradients); 0 for the other schedules.
+  std::int64_t weight_passes_held = 0;
   double weights_bytes = 0;
   double gradients_bytes = 0;
   double optimizer_bytes = 0;

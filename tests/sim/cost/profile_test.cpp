@@ -49,6 +49,15 @@ TEST_CASE("a profile replaces the catalog's GEMM efficiency and memory bandwidth
     }
     if (op.kind == dtsim::model::OpKind::Norm) CHECK(t == Approx(op.fwd_bytes / 1.5e12));
   }
+  // A combined backward is its two GEMMs, each at its own measured rate: the same time as
+  // the input-gradient and weight-gradient passes that zero-bubble runs apart.
+  for (auto id : g.layer_ops(0)) {
+    const auto& op = g.op(id);
+    if (op.kind != dtsim::model::OpKind::MlpUp) continue;
+    CHECK(with.op_seconds(op, dtsim::lower::Phase::Backward) ==
+          Approx(with.op_seconds(op, dtsim::lower::Phase::BackwardInput) +
+                 with.op_seconds(op, dtsim::lower::Phase::BackwardWeight)));
+  }
   plan.precision = dtsim::Precision::Fp16;
   DTSIM_REQUIRE_THROWS_CONTAINING(
       dtsim::cost::ComputeCost(g, plan, device, &profile), InputError,

@@ -105,3 +105,24 @@ TEST_CASE("a ring across leaves shares the uplinks with the groups of its leaf",
   // A pipeline transfer across leaves: every device of the leaf may send at once, 25 / 4.
   CHECK(model->p2p_s(0, 16, 1 << 20) == Approx((1 << 20) / 6.25e9 + alpha).epsilon(1e-12));
 }
+
+TEST_CASE("NCCL's tree spans nodes; inside one node the ring is the algorithm", "[network]") {
+  const auto c = dtsim::cluster::load_cluster("default");  // 4 nodes of 8 A100
+  auto model = dtsim::network::make_analytical(c);
+  const Link nvlink{c.intra.effective_bw(), c.intra.latency_s.value};
+  const Link nic{c.inter.nic_bw_bytes_per_s.value, c.inter.latency_s.value};
+  // A small all-reduce inside a node: the ring's 2 x 7 latency steps (no tree inside a node).
+  const dtsim::lower::Group tp{dtsim::lower::GroupKind::Tp, {0, 1, 2, 3, 4, 5, 6, 7}, {0}};
+  CHECK(model->collective_s(tp, dtsim::lower::CollectiveKind::AllReduce, 4096) ==
+        Approx(dtsim::network::ring_all_reduce_s(4096, 8, nvlink)).epsilon(1e-12));
+  // Across the 4 nodes, one rank each: the tree's 2 x log2(4) steps beat the ring's 2 x 3.
+  const dtsim::lower::Group dp{dtsim::lower::GroupKind::Dp, {0, 8, 16, 24}, {0}};
+  CHECK(model->collective_s(dp, dtsim::lower::CollectiveKind::AllReduce, 4096) ==
+        Approx(dtsim::network::node_tree_all_reduce_s(4096, 1, 4, nvlink, nic)).epsilon(1e-12));
+  CHECK(dtsim::network::node_tree_all_reduce_s(4096, 1, 4, nvlink, nic) ==
+        Approx(2.0 * 4096 / nic.bw_bytes_per_s + 2 * 2 * nic.latency_s));
+  // Two ranks per node: a chain of 2 inside each node on the way up and down.
+  CHECK(dtsim::network::node_tree_all_reduce_s(4096, 2, 4, nvlink, nic) ==
+        Approx(2.0 * 4096 / std::min(nvlink.bw_bytes_per_s, nic.bw_bytes_per_s) +
+               2 * (nvlink.latency_s + 2 * nic.latency_s)));
+}
