@@ -109,7 +109,7 @@ using model::OpId;
 using model::OpKind;
 
 // Where a parallel region begins or ends inside a chunk's op sequence.
-enum class Marker { TpEnter, TpExit, TpLoss, CpGatherKv, EpDispatch, EpCombine };
+enum class Marker { TpEnter, TpExit, TpLoss, CpGatherKv, CpRegatherKv, EpDispatch, EpCombine };
 
 struct Item {
   std::optional<OpId> op;  // an op, or a marker
@@ -322,6 +322,8 @@ class Lowerer {
         if (o.kind == OpKind::AttentionCore && plan_.cp > 1) marker(Marker::CpGatherKv, l, id);
         if (o.kind == OpKind::MlpUp && o.expert && plan_.ep > 1) marker(Marker::EpDispatch, l, id);
         op(id, l);
+        // After the core in forward order: before its backward (and selective recompute).
+        if (o.kind == OpKind::AttentionCore && plan_.cp > 1) marker(Marker::CpRegatherKv, l, id);
         if (o.kind == OpKind::MlpDown && o.expert && plan_.ep > 1) marker(Marker::EpCombine, l, id);
         if (o.kind == OpKind::AttnOutProj || o.kind == OpKind::MlpDown) {
           marker(Marker::TpExit, l, id);
@@ -369,11 +371,19 @@ class Lowerer {
         return Comm{CollectiveKind::AllReduce, GroupKind::Tp, Stream::Tp, tokens_ * 3 * 4,
                     "tp all-reduce loss statistics"};
       }
-      case Marker::CpGatherKv: {
+      case Marker::CpGatherKv:
+      case Marker::CpRegatherKv: {
         // K and V of every cp rank (this rank's kv heads: kv_width / tp).
         const std::uint64_t kv = static_cast<std::uint64_t>(plan_.cp) * tokens_ * 2 *
                                  static_cast<std::uint64_t>(spec.kv_width() / plan_.tp) *
                                  act_bytes_;
+        if (m == Marker::CpRegatherKv) {
+          // A rank keeps only its own K and V (memory model): the backward gathers them again,
+          // as ring attention passes them around again, unless full recompute just did.
+          if (!backward || plan_.recompute == plan::Recompute::Full) return std::nullopt;
+          return Comm{CollectiveKind::AllGather, GroupKind::Cp, Stream::Cp, kv,
+                      "cp all-gather KV again"};
+        }
         return Comm{backward ? CollectiveKind::ReduceScatter : CollectiveKind::AllGather,
                     GroupKind::Cp, Stream::Cp, kv,
                     backward ? "cp reduce-scatter dKV" : "cp all-gather KV"};
@@ -520,74 +530,92 @@ class Lowerer {
   }
 
   // Data-parallel gradient reduction of the ops in `produced` (in the order backward produced
-  // them), in buckets; returns the collectives' task ids.
+  // them), in buckets; returns the collectives' task ids. Dense gradients go over the dp group,
+  // expert gradients over the expert-dp group, each in its own buckets, issued in the order the
+  // buckets fill (so that an expert bucket does not wait for every dense one).
   std::vector<TaskId> grad_buckets(const std::vector<std::pair<OpId, TaskId>>& produced,
                                    int micro_batch) {
     std::vector<TaskId> out;
     const CollectiveKind kind =
         plan_.zero_stage == 0 ? CollectiveKind::AllReduce : CollectiveKind::ReduceScatter;
-    for (const bool experts : {false, true}) {
-      const int size = (experts ? plan_.dp / plan_.ep : plan_.dp) * plan_.cp;
-      if (size <= 1) continue;
-      double bucket = 0;
+    struct Bucket {
+      double bytes = 0;
       TaskId last = -1;
       int index = 0;
-      OpId lo = g_.size(), hi = 0;  // the ops whose gradients the bucket carries
-      auto flush = [&]() {
-        if (bucket <= 0) return;
-        Task t;
-        t.kind = TaskKind::Collective;
-        t.stream = Stream::Dp;
-        t.collective = kind;
-        t.group = group(experts ? GroupKind::ExpertDp : GroupKind::Dp);
-        // Sent: in the communication precision, compressed (the codec's passes over the
-        // uncompressed bytes are the collective's, see Task::uncompressed_bytes).
-        const double sent = bucket * grad_comm_scale_;
-        t.bytes = static_cast<std::uint64_t>(sent * plan_.grad_compression);
-        if (plan_.grad_compression < 1) t.uncompressed_bytes = static_cast<std::uint64_t>(sent);
-        t.micro_batch = micro_batch;
-        t.op_begin = static_cast<std::int32_t>(lo);
-        t.op_end = static_cast<std::int32_t>(hi + 1);
-        t.deps.push_back(last);
-        t.label =
-            fmt::format("{} {} bucket {}", experts ? "expert-dp" : "dp", to_string(kind), index++);
-        out.push_back(add(std::move(t)));
-        bucket = 0;
-        lo = g_.size();
-        hi = 0;
-      };
-      for (const auto& [op, task] : produced) {
-        const model::Op& o = g_.op(op);
-        const double params = plan::rank_params(o, plan_);
-        if (o.expert != experts || params <= 0) continue;
-        bucket += params * grad_bytes_;
-        lo = std::min(lo, op);
-        hi = std::max(hi, op);
-        last = task;
-        if (bucket >= static_cast<double>(options_.dp_bucket_bytes)) flush();
-      }
-      flush();
+      OpId lo = 0, hi = 0;  // the ops whose gradients the bucket carries
+    };
+    std::array<Bucket, 2> buckets;  // dense, experts
+    for (Bucket& b : buckets) b.lo = static_cast<OpId>(g_.size());
+    auto group_size = [&](bool experts) {
+      return (experts ? plan_.dp / plan_.ep : plan_.dp) * plan_.cp;
+    };
+    auto flush = [&](bool experts) {
+      Bucket& b = buckets[experts ? 1 : 0];
+      if (b.bytes <= 0) return;
+      Task t;
+      t.kind = TaskKind::Collective;
+      t.stream = Stream::Dp;
+      t.collective = kind;
+      t.group = group(experts ? GroupKind::ExpertDp : GroupKind::Dp);
+      // Sent: in the communication precision, compressed (the codec's passes over the
+      // uncompressed bytes are the collective's, see Task::uncompressed_bytes).
+      const double sent = b.bytes * grad_comm_scale_;
+      t.bytes = static_cast<std::uint64_t>(sent * plan_.grad_compression);
+      if (plan_.grad_compression < 1) t.uncompressed_bytes = static_cast<std::uint64_t>(sent);
+      t.micro_batch = micro_batch;
+      t.op_begin = static_cast<std::int32_t>(b.lo);
+      t.op_end = static_cast<std::int32_t>(b.hi + 1);
+      t.deps.push_back(b.last);
+      t.label =
+          fmt::format("{} {} bucket {}", experts ? "expert-dp" : "dp", to_string(kind), b.index++);
+      out.push_back(add(std::move(t)));
+      b.bytes = 0;
+      b.lo = static_cast<OpId>(g_.size());
+      b.hi = 0;
+    };
+    for (const auto& [op, task] : produced) {
+      const model::Op& o = g_.op(op);
+      const double params = plan::rank_params(o, plan_);
+      if (params <= 0 || group_size(o.expert) <= 1) continue;
+      Bucket& b = buckets[o.expert ? 1 : 0];
+      b.bytes += params * grad_bytes_;
+      b.lo = std::min(b.lo, op);
+      b.hi = std::max(b.hi, op);
+      b.last = task;
+      if (b.bytes >= static_cast<double>(options_.dp_bucket_bytes)) flush(o.expert);
     }
+    flush(false);
+    flush(true);
     return out;
   }
 
-  // A ZeRO-3 all-gather of one chunk's dense weights (the gathered size, as nccl-tests count),
-  // issued after `after` (the previous pass's first task), so that it is fetched one pass ahead.
+  // The ZeRO-3 all-gathers of one chunk's weights (the gathered size, as nccl-tests count):
+  // dense weights over the dp group, expert weights over the expert-dp group, issued after
+  // `after` (the previous pass's first task), so that they are fetched one pass ahead. Returns
+  // the last one (the dp stream runs them in order).
   TaskId gather_weights(const std::vector<Item>& chunk, const Pass& pass, TaskId after) {
-    Task ag;
-    ag.kind = TaskKind::Collective;
-    ag.stream = Stream::Dp;
-    ag.collective = CollectiveKind::AllGather;
-    ag.group = group(GroupKind::Dp);
-    ag.bytes = static_cast<std::uint64_t>(chunk_params(chunk, false) * weight_bytes_);
-    ag.micro_batch = pass.micro_batch;
-    ag.chunk = pass.chunk;
-    const auto [lo, hi] = op_range(chunk, g_.size());
-    ag.op_begin = static_cast<std::int32_t>(lo);
-    ag.op_end = static_cast<std::int32_t>(hi);
-    if (after >= 0) ag.deps.push_back(after);
-    ag.label = fmt::format("zero-3 all-gather weights chunk {} mb{}", pass.chunk, pass.micro_batch);
-    return add(std::move(ag));
+    TaskId last = -1;
+    for (const bool experts : {false, true}) {
+      const double params = chunk_params(chunk, experts);
+      const int size = (experts ? plan_.dp / plan_.ep : plan_.dp) * plan_.cp;
+      if (params <= 0 || size <= 1) continue;
+      Task ag;
+      ag.kind = TaskKind::Collective;
+      ag.stream = Stream::Dp;
+      ag.collective = CollectiveKind::AllGather;
+      ag.group = group(experts ? GroupKind::ExpertDp : GroupKind::Dp);
+      ag.bytes = static_cast<std::uint64_t>(params * weight_bytes_);
+      ag.micro_batch = pass.micro_batch;
+      ag.chunk = pass.chunk;
+      const auto [lo, hi] = op_range(chunk, g_.size());
+      ag.op_begin = static_cast<std::int32_t>(lo);
+      ag.op_end = static_cast<std::int32_t>(hi);
+      if (after >= 0) ag.deps.push_back(after);
+      ag.label = fmt::format("zero-3 all-gather {}weights chunk {} mb{}", experts ? "expert " : "",
+                             pass.chunk, pass.micro_batch);
+      last = add(std::move(ag));
+    }
+    return last;
   }
 
   void lower_rank(int index) {

@@ -96,7 +96,10 @@ class Estimator {
                                        CollectiveKind::AllToAll, bytes);
     }
     const double block_f = lf + tp_comm + cp_comm + ep_comm;
-    double block_b = lb + tp_comm + cp_comm + ep_comm;
+    // Backward: dK and dV reduce-scattered over cp, and K and V gathered again unless full
+    // recompute's forward just gathered them (lowering's CpRegatherKv).
+    const double cp_backward = p.recompute == Recompute::Full ? cp_comm : 2 * cp_comm;
+    double block_b = lb + tp_comm + cp_backward + ep_comm;
     double block_recompute = 0, block_recompute_compute = 0;
     if (p.recompute == Recompute::Full) {
       block_recompute = block_f;
@@ -248,7 +251,7 @@ class Estimator {
     // TP/CP/EP time inside the passes, for the dominant-term report.
     const double layers_total = static_cast<double>(m.layers) / p.pp;
     b.exposed_tp_s = mb * layers_total * 2 * tp_comm;
-    b.exposed_cp_s = mb * layers_total * 2 * cp_comm;
+    b.exposed_cp_s = mb * layers_total * (cp_comm + cp_backward);
     b.exposed_ep_s = mb * layers_total * 2 * ep_comm;
     b.compute_s -= b.exposed_tp_s + b.exposed_cp_s + b.exposed_ep_s;
     b.exposed_tp_s += straggling(p.tp);

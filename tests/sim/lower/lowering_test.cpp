@@ -86,6 +86,65 @@ TEST_CASE("ZeRO-3 gathers each chunk's weights once per pass, one pass ahead", "
   CHECK(last_gather < first_bucket + 2 * 8);
 }
 
+TEST_CASE("with experts, ZeRO-3 gathers expert weights too and expert buckets interleave",
+          "[lower]") {
+  auto moe = dtsim::model::load_model("tiny");
+  moe.moe = dtsim::model::MoeSpec{4, 2, 64};
+  const dtsim::model::ModelGraph g(moe, 1, 32);
+  Plan p = plan_for(4, 1, 1, 1);
+  p.ep = 2;
+  SECTION("ZeRO-3: a dense gather over dp and an expert gather over dp / ep, per pass") {
+    p.zero_stage = 3;
+    const Program program = dtsim::lower::lower(g, p);
+    int dense = 0, expert = 0;
+    for (const auto* t : on_stream(program, 0, Stream::Dp)) {
+      if (t->collective != CollectiveKind::AllGather) continue;
+      const auto kind = program.groups[static_cast<std::size_t>(t->group)].kind;
+      (kind == GroupKind::ExpertDp ? expert : dense) += 1;
+    }
+    CHECK(dense == 8);  // 4 forward and 4 backward passes
+    CHECK(expert == 8);
+  }
+  SECTION("expert buckets are issued as they fill, not after every dense bucket") {
+    p.global_batch_size = 4;  // one micro-batch: the buckets of its backward pass
+    dtsim::lower::LowerOptions small;
+    small.dp_bucket_bytes = 1024;  // many buckets of each kind
+    const Program program = dtsim::lower::lower(g, p, small);
+    std::vector<GroupKind> order;
+    for (const auto* t : on_stream(program, 0, Stream::Dp)) {
+      order.push_back(program.groups[static_cast<std::size_t>(t->group)].kind);
+    }
+    REQUIRE(std::count(order.begin(), order.end(), GroupKind::ExpertDp) > 1);
+    REQUIRE(std::count(order.begin(), order.end(), GroupKind::Dp) > 1);
+    // The first expert bucket comes before the last dense one.
+    const auto first_expert = std::find(order.begin(), order.end(), GroupKind::ExpertDp);
+    const auto last_dense = std::find(order.rbegin(), order.rend(), GroupKind::Dp).base() - 1;
+    CHECK(first_expert < last_dense);
+  }
+}
+
+TEST_CASE("context parallelism gathers K and V again for the backward", "[lower]") {
+  // Each cp rank keeps its own K and V only; ring attention passes them around again in
+  // backward, and the gradients of K and V come back reduce-scattered.
+  const auto spec = dtsim::model::load_model("tiny");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  for (const auto recompute : {dtsim::plan::Recompute::None, dtsim::plan::Recompute::Selective,
+                               dtsim::plan::Recompute::Full}) {
+    Plan p = plan_for(1, 1, 1, 2);
+    p.global_batch_size = 1;
+    p.recompute = recompute;
+    const Program program = dtsim::lower::lower(g, p);
+    int gathers = 0, scatters = 0;
+    for (const auto* t : on_stream(program, 0, Stream::Cp)) {
+      (t->collective == CollectiveKind::AllGather ? gathers : scatters) += 1;
+    }
+    INFO("recompute " << to_string(recompute));
+    CHECK(scatters == spec.layers);
+    // Forward, then backward (full recompute: its recomputed forward's gather serves it).
+    CHECK(gathers == 2 * spec.layers);
+  }
+}
+
 TEST_CASE("tied embeddings on two stages all-reduce their gradients", "[lower]") {
   const auto spec = dtsim::model::load_model("tiny-gpt");
   REQUIRE(spec.tied_embeddings);
