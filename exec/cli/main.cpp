@@ -17,6 +17,8 @@
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -28,6 +30,7 @@
 #include "exec/cpu/mpi_comm.hpp"
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
+#include "sim/engine/simulator.hpp"
 #include "sim/lower/lowering.hpp"
 #include "sim/plan/memory_model.hpp"
 #include "sim/report/trace.hpp"
@@ -145,6 +148,33 @@ void rank_and_step(const po::variables_map& vm, const char* key, int& rank, int&
     throw dtsim::InputError(
         fmt::format("--{} {}: expected RANK:STEP (a rank >= 0, a step >= 1)", key, text));
   }
+}
+
+// Where one rank's timed steps went, per step: compute (forward and backward passes), the
+// recompute, the optimizer.
+struct RankBreakdown {
+  double compute_s = 0, recompute_s = 0, optimizer_s = 0;
+};
+RankBreakdown rank_breakdown(const dtsim::exec::RunResult& result,
+                             const dtsim::lower::Program& program, int rank) {
+  RankBreakdown b;
+  std::set<int> steps;
+  const auto& tasks = program
+                          .ranks[static_cast<std::size_t>(std::min<std::size_t>(
+                              static_cast<std::size_t>(rank), program.ranks.size() - 1))]
+                          .tasks;
+  for (const auto& r : result.tasks) {
+    const auto& t = tasks.at(static_cast<std::size_t>(r.task));
+    if (t.kind != dtsim::lower::TaskKind::Compute) continue;
+    steps.insert(r.step);
+    const double d = r.end_s - r.start_s;
+    using dtsim::lower::Phase;
+    (t.phase == Phase::Optimizer   ? b.optimizer_s
+     : t.phase == Phase::Recompute ? b.recompute_s
+                                   : b.compute_s) += d;
+  }
+  const double n = std::max<double>(1.0, static_cast<double>(steps.size()));
+  return {b.compute_s / n, b.recompute_s / n, b.optimizer_s / n};
 }
 
 // The fastest and slowest step after warm-up.
@@ -343,6 +373,9 @@ int run(const std::vector<std::string>& args) {
       "warmup", po::value<int>()->default_value(1), "steps left out of the median step time")(
       "lr", po::value<float>()->default_value(3e-3f), "AdamW learning rate")(
       "seed", po::value<std::uint64_t>()->default_value(1234), "initialisation and data seed")(
+      "cluster", po::value<std::string>(),
+      "the cluster (name or path) whose device's peak the measured MFU is taken against "
+      "(default: cpu-host for the CPU backend; for a GPU, the catalog device of its name)")(
       "checkpoint", po::value<std::string>(),
       "write a checkpoint folder here after the last step (and see --checkpoint-every)")(
       "checkpoint-every", po::value<int>()->default_value(0),
@@ -533,22 +566,67 @@ int run(const std::vector<std::string>& args) {
   }
   const double tokens = static_cast<double>(plan.global_batch_size * plan.seq_len);
   const int first = result.first_step;
+  // What simulate predicts, measured: FLOP rates, and where this rank's step went.
+  const auto flops = dtsim::engine::step_flops(graph, plan);
+  const double gpus = static_cast<double>(devices);
+  std::optional<double> peak;
+  std::string peak_device;
+  try {
+    const auto peak_of = [&](const dtsim::cluster::DeviceSpec& d) {
+      peak = d.peak_flops_for(plan.precision);
+      peak_device = d.name;
+    };
+    if (vm.count("cluster")) {
+      peak_of(dtsim::cluster::load_cluster(vm["cluster"].as<std::string>()).device);
+    } else {
+      peak_of(dtsim::cluster::load_device(gpu ? device->name() : "cpu-host"));
+    }
+  } catch (const dtsim::InputError&) {
+    if (vm.count("cluster")) throw;  // asked for: a clear error; else the MFU stays unknown
+  } catch (const dtsim::UnsupportedError&) {
+    if (vm.count("cluster")) throw;
+  }
+  const RankBreakdown spent = rank_breakdown(result, program, rank);
   if (vm["json"].as<bool>()) {
-    out(rank) << nlohmann::json{{"model", spec.name},
-                                {"backend", backend},
-                                {"device", device->name()},
-                                {"ranks", devices},
-                                {"plan", dtsim::plan::to_json(plan)},
-                                {"first_step", first},
-                                {"losses", result.losses},
-                                {"step_times_s", result.step_times_s},
-                                {"step_time_s", result.step_time_s},
-                                {"step_time_min_s", spread(result, warmup).first},
-                                {"step_time_max_s", spread(result, warmup).second},
-                                {"tokens_per_s", tokens / result.step_time_s},
-                                {"warmup_steps", warmup}}
-                     .dump(2)
-              << "\n";
+    auto maybe = [](const std::optional<double>& v) {
+      return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+    };
+    const double step = result.step_time_s;
+    nlohmann::json measured = {
+        {"gpus", devices},
+        {"model_flops", flops.model},
+        {"hardware_flops", flops.hardware},
+        {"tflops_per_gpu", flops.hardware / (step * gpus) / 1e12},
+        {"model_tflops_per_gpu", flops.model / (step * gpus) / 1e12},
+        {"mfu",
+         maybe(peak ? std::optional<double>(flops.model / (step * gpus * *peak)) : std::nullopt)},
+        {"hfu", maybe(peak ? std::optional<double>(flops.hardware / (step * gpus * *peak))
+                           : std::nullopt)},
+        {"peak_device", peak ? nlohmann::json(peak_device) : nlohmann::json(nullptr)},
+        {"breakdown",
+         {{"compute_s", spent.compute_s},
+          {"recompute_s", spent.recompute_s},
+          {"optimizer_s", spent.optimizer_s},
+          {"other_s",
+           std::max(0.0, step - spent.compute_s - spent.recompute_s - spent.optimizer_s)},
+          {"note",
+           "rank 0's tasks, per step after warm-up; other_s is the rest of the step: waits for "
+           "communication and pipeline peers, and the runner's own work"}}}};
+    nlohmann::json j{{"model", spec.name},
+                     {"backend", backend},
+                     {"device", device->name()},
+                     {"ranks", devices},
+                     {"plan", dtsim::plan::to_json(plan)},
+                     {"first_step", first},
+                     {"losses", result.losses},
+                     {"step_times_s", result.step_times_s},
+                     {"step_time_s", result.step_time_s},
+                     {"step_time_min_s", spread(result, warmup).first},
+                     {"step_time_max_s", spread(result, warmup).second},
+                     {"tokens_per_s", tokens / result.step_time_s},
+                     {"warmup_steps", warmup}};
+    j.update(measured);
+    out(rank) << j.dump(2) << "\n";
     return 0;
   }
   const auto [fastest, slowest] = spread(result, warmup);

@@ -157,6 +157,24 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
   return b;
 }
 
+StepFlops step_flops(const model::ModelGraph& graph, const plan::Plan& plan) {
+  const double micro_batches_global =
+      static_cast<double>(plan.global_batch_size) / static_cast<double>(plan.micro_batch_size);
+  const model::GraphTotals totals = graph.totals();
+  StepFlops f;
+  f.model = (totals.fwd_flops + totals.bwd_flops) * micro_batches_global;
+  double recompute = 0;
+  for (const model::Op& op : graph.ops()) {
+    const bool block = op.layer >= 0 && op.layer < graph.spec().layers;
+    if (plan.recompute == plan::Recompute::Full && block) recompute += op.fwd_flops;
+    if (plan.recompute == plan::Recompute::Selective && op.kind == model::OpKind::AttentionCore) {
+      recompute += op.fwd_flops;
+    }
+  }
+  f.hardware = f.model + recompute * micro_batches_global;
+  return f;
+}
+
 double jitter_cv_of(const std::optional<double>& given, const cost::Profile* profile) {
   return given.value_or(profile != nullptr ? profile->jitter_cv.value_or(0.0) : 0.0);
 }
@@ -237,19 +255,9 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
         100 * engine.jitter_cv, options.jitter_cv ? "as given" : "the profile's jitter_cv"));
   }
 
-  const double micro_batches_global =
-      static_cast<double>(plan.global_batch_size) / static_cast<double>(plan.micro_batch_size);
-  const model::GraphTotals totals = graph.totals();
-  p.model_flops = (totals.fwd_flops + totals.bwd_flops) * micro_batches_global;
-  double recompute = 0;
-  for (const model::Op& op : graph.ops()) {
-    const bool block = op.layer >= 0 && op.layer < graph.spec().layers;
-    if (plan.recompute == plan::Recompute::Full && block) recompute += op.fwd_flops;
-    if (plan.recompute == plan::Recompute::Selective && op.kind == model::OpKind::AttentionCore) {
-      recompute += op.fwd_flops;
-    }
-  }
-  p.hardware_flops = p.model_flops + recompute * micro_batches_global;
+  const StepFlops flops = step_flops(graph, plan);
+  p.model_flops = flops.model;
+  p.hardware_flops = flops.hardware;
   const double gpus = static_cast<double>(p.gpus);
   const double peak = cluster.device.peak_flops_for(plan.precision);
   p.tokens_per_s = static_cast<double>(plan.global_batch_size * plan.seq_len) / p.step_time_s;

@@ -70,6 +70,14 @@ struct SimulateOptions {
   std::optional<double> jitter_cv;
 };
 
+// FLOPs of one training step over all devices (Megatron-LM's accounting): `model` counts the
+// forward and backward passes, `hardware` adds what recompute runs again.
+struct StepFlops {
+  double model = 0;
+  double hardware = 0;
+};
+StepFlops step_flops(const model::ModelGraph& graph, const plan::Plan& plan);
+
 // The straggler spread a run uses: as given, else the profile's measured jitter_cv, else 0.
 double jitter_cv_of(const std::optional<double>& given, const cost::Profile* profile);
 
