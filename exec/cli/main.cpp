@@ -53,7 +53,8 @@ void usage(std::ostream& os) {
         "      [--resume DIR] [--trace T.json] [--json]\n"
         "                         train M following the Program dtsim lowers the plan to: on\n"
         "                         CPU ranks (mpirun -np N) or GPUs (--backend cuda)\n"
-        "  compare A B            two checkpoints: losses and weights, within --tolerance\n"
+        "  compare A B            two checkpoints: losses and weights, within\n"
+        "                         --loss-tolerance and --weight-tolerance\n"
         "  calibrate --out P.json [--backend cpu] [--quick]\n"
         "                         measure GEMM times by shape, memory bandwidth and kernel\n"
         "                         overhead; a profile for dtsim --profile\n"
@@ -1087,6 +1088,13 @@ int main(int argc, char** argv) {
     for (std::size_t i = 1; i < args.size(); ++i) {
       if (args[i] == "--selftest") {
         selftest = true;
+      } else if (args[i] == "--help" || args[i] == "-h") {
+        std::cout << "usage: dtexec devices [--selftest]\n\n"
+                     "Lists the GPUs the CUDA backend sees (name, memory, compute capability) and "
+                     "the\nCUDA, cuBLAS and NCCL versions; --selftest runs a check kernel on each "
+                     "(exit code 1\nwhen one fails). Without a GPU, or built without the CUDA "
+                     "backend, it says so and\nexits 0.\n";
+        return 0;
       } else {
         std::cerr << fmt::format("dtexec devices: error: unknown option \"{}\"\n", args[i]);
         return 2;
