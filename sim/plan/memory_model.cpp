@@ -73,8 +73,8 @@ double weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan) {
 }
 
 // Zero-bubble's peak on `stage`: forwards awaiting their B pass hold a micro-batch's
-// activations (`per_micro_batch`), B passes awaiting their W hold `per_weight_pass`; the stage's
-// pass order (plan::zero_bubble_order) gives the largest sum and the counts there.
+// activations (`per_micro_batch`), B passes awaiting their W hold `per_weight_pass`; the
+// stage's pass order (plan::zero_bubble_states) gives the largest sum and the counts there.
 struct ZbPeak {
   double bytes = 0;
   std::int64_t forwards = 0;
@@ -83,29 +83,10 @@ struct ZbPeak {
 ZbPeak zero_bubble_peak(const Plan& plan, int stage, double per_micro_batch,
                         double per_weight_pass) {
   ZbPeak peak;
-  std::int64_t forwards = 0, pending = 0;
-  for (const ZbPass& pass :
-       zero_bubble_order(plan.pp, static_cast<int>(plan.micro_batches()), stage)) {
-    switch (pass.kind) {
-      case ZbKind::Forward:
-        ++forwards;
-        break;
-      case ZbKind::BackwardInput:
-        --forwards;
-        ++pending;
-        break;
-      case ZbKind::BackwardWeight:
-        --pending;
-        break;
-    }
-    // A B pass frees the forward's activations as it makes its W's inputs: count the pass's
-    // peak before the swap too (both held while B runs).
-    const double held = static_cast<double>(forwards) * per_micro_batch +
-                        static_cast<double>(pending) * per_weight_pass +
-                        (pass.kind == ZbKind::BackwardInput ? per_micro_batch : 0.0);
-    if (held > peak.bytes) {
-      peak = {held, forwards + (pass.kind == ZbKind::BackwardInput ? 1 : 0), pending};
-    }
+  for (const auto& [forwards, pending] :
+       zero_bubble_states(plan.pp, static_cast<int>(plan.micro_batches()), stage)) {
+    const double held = forwards * per_micro_batch + pending * per_weight_pass;
+    if (held > peak.bytes) peak = {held, forwards, pending};
   }
   return peak;
 }

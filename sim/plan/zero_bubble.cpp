@@ -2,14 +2,19 @@
 
 #include <algorithm>
 #include <climits>
+#include <map>
+#include <mutex>
+#include <set>
 #include <tuple>
 
 #include "sim/common/error.hpp"
 
 namespace dtsim::plan {
 
-std::vector<ZbPass> zero_bubble_order(int p, int m, int stage) {
-  DTSIM_ASSERT(p >= 1 && m >= 1 && stage >= 0 && stage < p, "zero_bubble_order: bad arguments");
+namespace {
+
+// Every stage's order: the list scheduling runs the whole pipeline at once.
+std::vector<std::vector<ZbPass>> all_orders(int p, int m) {
   constexpr int kNone = -1;
   std::vector<std::vector<int>> f_done(p, std::vector<int>(m, kNone));
   std::vector<std::vector<int>> b_done(p, std::vector<int>(m, kNone));
@@ -55,7 +60,48 @@ std::vector<ZbPass> zero_bubble_order(int p, int m, int stage) {
     }
     free_at[i] = start + 1;
   }
-  return order[static_cast<std::size_t>(stage)];
+  return order;
+}
+
+}  // namespace
+
+std::vector<ZbPass> zero_bubble_order(int p, int m, int stage) {
+  DTSIM_ASSERT(p >= 1 && m >= 1 && stage >= 0 && stage < p, "zero_bubble_order: bad arguments");
+  return all_orders(p, m)[static_cast<std::size_t>(stage)];
+}
+
+std::vector<std::pair<int, int>> zero_bubble_states(int p, int m, int stage) {
+  DTSIM_ASSERT(p >= 1 && m >= 1 && stage >= 0 && stage < p, "zero_bubble_states: bad arguments");
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, std::vector<std::vector<std::pair<int, int>>>> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find({p, m});
+  if (it == cache.end()) {
+    std::vector<std::vector<std::pair<int, int>>> states;
+    for (const auto& order : all_orders(p, m)) {
+      std::set<std::pair<int, int>> seen;
+      int forwards = 0, pending = 0;
+      for (const ZbPass& pass : order) {
+        switch (pass.kind) {
+          case ZbKind::Forward:
+            ++forwards;
+            seen.insert({forwards, pending});
+            break;
+          case ZbKind::BackwardInput:
+            seen.insert({forwards, pending + 1});  // while B runs: both kept
+            --forwards;
+            ++pending;
+            break;
+          case ZbKind::BackwardWeight:
+            --pending;
+            break;
+        }
+      }
+      states.emplace_back(seen.begin(), seen.end());
+    }
+    it = cache.emplace(std::pair{p, m}, std::move(states)).first;
+  }
+  return it->second[static_cast<std::size_t>(stage)];
 }
 
 }  // namespace dtsim::plan

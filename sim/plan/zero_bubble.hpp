@@ -2,6 +2,7 @@
 // runs its passes in) and the memory model (what a stage holds at its peak).
 #pragma once
 
+#include <utility>
 #include <vector>
 
 namespace dtsim::plan {
@@ -21,5 +22,11 @@ struct ZbPass {
 // pipeline at T_B per stage and the W passes fill the cool-down bubble: (p-1)(T_F + T_B - T_W)
 // instead of 1F1B's (p-1)(T_F + T_B + T_W).
 std::vector<ZbPass> zero_bubble_order(int p, int m, int stage);
+
+// What `stage` holds as it runs its order: the distinct (micro-batches whose forward awaits its
+// B pass, B passes awaiting their W pass) pairs, a B pass counted in both while it runs. The
+// stage's held memory peaks at one of them. Computed once per (p, m) for all stages and kept
+// (thread-safe): the planner asks for thousands of candidates.
+std::vector<std::pair<int, int>> zero_bubble_states(int p, int m, int stage);
 
 }  // namespace dtsim::plan
