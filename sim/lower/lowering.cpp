@@ -529,6 +529,23 @@ class Lowerer {
     return {lo, hi + 1};
   }
 
+  // Ranks that reduce a gradient (dense: dp x cp; experts: their own data-parallel group).
+  int dp_group_size(bool experts) const {
+    return (experts ? plan_.dp / plan_.ep : plan_.dp) * plan_.cp;
+  }
+
+  // An all-gather of `params` weights over the dp (or expert-dp) group, in the weights'
+  // precision, on the dp stream.
+  Task weight_gather(bool experts, double params) {
+    Task ag;
+    ag.kind = TaskKind::Collective;
+    ag.stream = Stream::Dp;
+    ag.collective = CollectiveKind::AllGather;
+    ag.group = group(experts ? GroupKind::ExpertDp : GroupKind::Dp);
+    ag.bytes = static_cast<std::uint64_t>(params * weight_bytes_);
+    return ag;
+  }
+
   // Data-parallel gradient reduction of the ops in `produced` (in the order backward produced
   // them), in buckets; returns the collectives' task ids. Dense gradients go over the dp group,
   // expert gradients over the expert-dp group, each in its own buckets, issued in the order the
@@ -546,9 +563,6 @@ class Lowerer {
     };
     std::array<Bucket, 2> buckets;  // dense, experts
     for (Bucket& b : buckets) b.lo = static_cast<OpId>(g_.size());
-    auto group_size = [&](bool experts) {
-      return (experts ? plan_.dp / plan_.ep : plan_.dp) * plan_.cp;
-    };
     auto flush = [&](bool experts) {
       Bucket& b = buckets[experts ? 1 : 0];
       if (b.bytes <= 0) return;
@@ -576,7 +590,7 @@ class Lowerer {
     for (const auto& [op, task] : produced) {
       const model::Op& o = g_.op(op);
       const double params = plan::rank_params(o, plan_);
-      if (params <= 0 || group_size(o.expert) <= 1) continue;
+      if (params <= 0 || dp_group_size(o.expert) <= 1) continue;
       Bucket& b = buckets[o.expert ? 1 : 0];
       b.bytes += params * grad_bytes_;
       b.lo = std::min(b.lo, op);
@@ -597,14 +611,8 @@ class Lowerer {
     TaskId last = -1;
     for (const bool experts : {false, true}) {
       const double params = chunk_params(chunk, experts);
-      const int size = (experts ? plan_.dp / plan_.ep : plan_.dp) * plan_.cp;
-      if (params <= 0 || size <= 1) continue;
-      Task ag;
-      ag.kind = TaskKind::Collective;
-      ag.stream = Stream::Dp;
-      ag.collective = CollectiveKind::AllGather;
-      ag.group = group(experts ? GroupKind::ExpertDp : GroupKind::Dp);
-      ag.bytes = static_cast<std::uint64_t>(params * weight_bytes_);
+      if (params <= 0 || dp_group_size(experts) <= 1) continue;
+      Task ag = weight_gather(experts, params);
       ag.micro_batch = pass.micro_batch;
       ag.chunk = pass.chunk;
       const auto [lo, hi] = op_range(chunk, g_.size());
@@ -846,7 +854,7 @@ class Lowerer {
     }
     const bool sharded = plan_.zero_stage >= 1;
     const double dense_shard = sharded ? static_cast<double>(grad_group) : 1.0;
-    const double expert_shard = sharded ? static_cast<double>(plan_.dp / plan_.ep * plan_.cp) : 1.0;
+    const double expert_shard = sharded ? static_cast<double>(dp_group_size(true)) : 1.0;
     Task opt;
     opt.kind = TaskKind::Compute;
     opt.stream = Stream::Compute;
@@ -861,12 +869,7 @@ class Lowerer {
         const double shard = expert ? expert_shard : dense_shard;
         const double params = expert ? experts : dense;
         if (shard <= 1 || params <= 0) continue;
-        Task ag;
-        ag.kind = TaskKind::Collective;
-        ag.stream = Stream::Dp;
-        ag.collective = CollectiveKind::AllGather;
-        ag.group = group(expert ? GroupKind::ExpertDp : GroupKind::Dp);
-        ag.bytes = static_cast<std::uint64_t>(params * weight_bytes_);
+        Task ag = weight_gather(expert, params);
         ag.deps.push_back(opt_id);
         ag.label =
             expert ? "zero all-gather updated expert weights" : "zero all-gather updated weights";
