@@ -121,29 +121,25 @@ class SimGridNetwork final : public NetworkModel {
       }
       const double share = kind == CollectiveKind::AllReduce ? 2.0 * (m - 1) / m : (m - 1.0) / m;
       const std::int64_t node = g.front() / c_.devices_per_node;
-      const bool one_node = std::all_of(
-          g.begin(), g.end(), [&](std::int64_t r) { return r / c_.devices_per_node == node; });
-      if (cluster::is_mesh(c_.intra.fabric) && one_node) {
-        // m - 1 rings turned against each other, one over each of a rank's direct links to the
-        // group (as NCCL and RCCL build rings over a mesh): a flow to every other member.
+      // On a mesh, a group inside one node runs m - 1 rings turned against each other, one over
+      // each of a rank's direct links to the group (as NCCL and RCCL build rings over a mesh):
+      // a flow to every other member. Either way the ring's hops set its latency steps.
+      const bool mesh_rings =
+          cluster::is_mesh(c_.intra.fabric) &&
+          std::all_of(g.begin(), g.end(),
+                      [&](std::int64_t r) { return r / c_.devices_per_node == node; });
+      for (int i = 0; i < m; ++i) {
+        const std::int64_t a = g[static_cast<std::size_t>(i)];
+        const std::int64_t b = g[static_cast<std::size_t>((i + 1) % m)];
+        if (!mesh_rings) flows.push_back({a, b, share * s});
+        hop_latency = std::max(hop_latency, latency_.at({a, b}));
+      }
+      if (mesh_rings) {
         for (std::int64_t a : g) {
           for (std::int64_t b : g) {
             if (a != b) flows.push_back({a, b, share * s / (m - 1)});
           }
         }
-        for (int i = 0; i < m; ++i) {
-          hop_latency =
-              std::max(hop_latency, latency_.at({g[static_cast<std::size_t>(i)],
-                                                 g[static_cast<std::size_t>((i + 1) % m)]}));
-        }
-        extra_steps = kind == CollectiveKind::AllReduce ? 2.0 * (m - 1) - 1 : m - 2.0;
-        continue;
-      }
-      for (int i = 0; i < m; ++i) {
-        const std::int64_t a = g[static_cast<std::size_t>(i)];
-        const std::int64_t b = g[static_cast<std::size_t>((i + 1) % m)];
-        flows.push_back({a, b, share * s});
-        hop_latency = std::max(hop_latency, latency_.at({a, b}));
       }
       extra_steps = kind == CollectiveKind::AllReduce ? 2.0 * (m - 1) - 1 : m - 2.0;
     }

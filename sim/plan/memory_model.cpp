@@ -193,7 +193,10 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           const double p = rank_params(op, plan);
           (op.expert ? expert_params : dense_params) += p;
           layer_params += p;
-          quadratic += static_cast<double>(op.saved_quadratic_bytes) / activation_divisor(op, plan);
+          if (plan.recompute == Recompute::Selective) {
+            quadratic +=
+                static_cast<double>(op.saved_quadratic_bytes) / activation_divisor(op, plan);
+          }
         }
         largest_layer_params = std::max(largest_layer_params, layer_params);
         largest_quadratic = std::max(largest_quadratic, quadratic);

@@ -63,45 +63,59 @@ std::vector<std::vector<ZbPass>> all_orders(int p, int m) {
   return order;
 }
 
+// The orders of every stage and the states each passes through (what a stage holds as it
+// runs), built once per (p, m): the lowering asks for every stage in turn and the planner for
+// thousands of candidates.
+struct ZbSchedule {
+  std::vector<std::vector<ZbPass>> orders;
+  std::vector<std::vector<std::pair<int, int>>> states;
+};
+
+ZbSchedule build(int p, int m) {
+  ZbSchedule out{all_orders(p, m), {}};
+  for (const auto& order : out.orders) {
+    std::set<std::pair<int, int>> seen;
+    int forwards = 0, pending = 0;
+    for (const ZbPass& pass : order) {
+      switch (pass.kind) {
+        case ZbKind::Forward:
+          ++forwards;
+          seen.insert({forwards, pending});
+          break;
+        case ZbKind::BackwardInput:
+          seen.insert({forwards, pending + 1});  // while B runs: both kept
+          --forwards;
+          ++pending;
+          break;
+        case ZbKind::BackwardWeight:
+          --pending;
+          break;
+      }
+    }
+    out.states.emplace_back(seen.begin(), seen.end());
+  }
+  return out;
+}
+
+// The schedule of (p, m), kept (thread-safe; entries are never removed, so references stay).
+const ZbSchedule& schedule(int p, int m, int stage) {
+  DTSIM_ASSERT(p >= 1 && m >= 1 && stage >= 0 && stage < p, "zero-bubble: bad stage or m");
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, ZbSchedule> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find({p, m});
+  if (it == cache.end()) it = cache.emplace(std::pair{p, m}, build(p, m)).first;
+  return it->second;
+}
+
 }  // namespace
 
 std::vector<ZbPass> zero_bubble_order(int p, int m, int stage) {
-  DTSIM_ASSERT(p >= 1 && m >= 1 && stage >= 0 && stage < p, "zero_bubble_order: bad arguments");
-  return all_orders(p, m)[static_cast<std::size_t>(stage)];
+  return schedule(p, m, stage).orders[static_cast<std::size_t>(stage)];
 }
 
 std::vector<std::pair<int, int>> zero_bubble_states(int p, int m, int stage) {
-  DTSIM_ASSERT(p >= 1 && m >= 1 && stage >= 0 && stage < p, "zero_bubble_states: bad arguments");
-  static std::mutex mutex;
-  static std::map<std::pair<int, int>, std::vector<std::vector<std::pair<int, int>>>> cache;
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find({p, m});
-  if (it == cache.end()) {
-    std::vector<std::vector<std::pair<int, int>>> states;
-    for (const auto& order : all_orders(p, m)) {
-      std::set<std::pair<int, int>> seen;
-      int forwards = 0, pending = 0;
-      for (const ZbPass& pass : order) {
-        switch (pass.kind) {
-          case ZbKind::Forward:
-            ++forwards;
-            seen.insert({forwards, pending});
-            break;
-          case ZbKind::BackwardInput:
-            seen.insert({forwards, pending + 1});  // while B runs: both kept
-            --forwards;
-            ++pending;
-            break;
-          case ZbKind::BackwardWeight:
-            --pending;
-            break;
-        }
-      }
-      states.emplace_back(seen.begin(), seen.end());
-    }
-    it = cache.emplace(std::pair{p, m}, std::move(states)).first;
-  }
-  return it->second[static_cast<std::size_t>(stage)];
+  return schedule(p, m, stage).states[static_cast<std::size_t>(stage)];
 }
 
 }  // namespace dtsim::plan

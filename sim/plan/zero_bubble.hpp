@@ -25,8 +25,8 @@ std::vector<ZbPass> zero_bubble_order(int p, int m, int stage);
 
 // What `stage` holds as it runs its order: the distinct (micro-batches whose forward awaits its
 // B pass, B passes awaiting their W pass) pairs, a B pass counted in both while it runs. The
-// stage's held memory peaks at one of them. Computed once per (p, m) for all stages and kept
-// (thread-safe): the planner asks for thousands of candidates.
+// stage's held memory peaks at one of them. Orders and states are computed once per (p, m) for
+// all stages and kept (thread-safe).
 std::vector<std::pair<int, int>> zero_bubble_states(int p, int m, int stage);
 
 }  // namespace dtsim::plan
