@@ -33,6 +33,7 @@
 #include "sim/engine/simulator.hpp"
 #include "sim/lower/lowering.hpp"
 #include "sim/plan/memory_model.hpp"
+#include "sim/report/json_values.hpp"
 #include "sim/report/trace.hpp"
 #include "sim/report/validate.hpp"
 
@@ -555,6 +556,21 @@ int run(const std::vector<std::string>& args) {
                 << std::flush;
     };
   }
+  // The device whose peak the measured MFU is taken against, checked before the run: a
+  // --cluster that does not load is an error; without one, an unknown device leaves it unknown.
+  std::optional<double> peak;
+  std::optional<std::string> peak_device;
+  try {
+    const auto d = vm.count("cluster")
+                       ? dtsim::cluster::load_cluster(vm["cluster"].as<std::string>()).device
+                       : dtsim::cluster::load_device(gpu ? device->name() : "cpu-host");
+    peak = d.peak_flops_for(plan.precision);
+    peak_device = d.name;
+  } catch (const dtsim::InputError&) {
+    if (vm.count("cluster")) throw;
+  } catch (const dtsim::UnsupportedError&) {
+    if (vm.count("cluster")) throw;
+  }
   dtsim::exec::RunResult result;
   try {
     result = dtsim::exec::run_program(graph, program, options, *comm, *device);
@@ -570,40 +586,23 @@ int run(const std::vector<std::string>& args) {
   // What simulate predicts, measured: FLOP rates, and where this rank's step went.
   const auto flops = dtsim::engine::step_flops(graph, plan);
   const double gpus = static_cast<double>(devices);
-  std::optional<double> peak;
-  std::string peak_device;
-  try {
-    const auto peak_of = [&](const dtsim::cluster::DeviceSpec& d) {
-      peak = d.peak_flops_for(plan.precision);
-      peak_device = d.name;
-    };
-    if (vm.count("cluster")) {
-      peak_of(dtsim::cluster::load_cluster(vm["cluster"].as<std::string>()).device);
-    } else {
-      peak_of(dtsim::cluster::load_device(gpu ? device->name() : "cpu-host"));
-    }
-  } catch (const dtsim::InputError&) {
-    if (vm.count("cluster")) throw;  // asked for: a clear error; else the MFU stays unknown
-  } catch (const dtsim::UnsupportedError&) {
-    if (vm.count("cluster")) throw;
-  }
   const RankBreakdown spent = rank_breakdown(result, program, rank);
   if (vm["json"].as<bool>()) {
-    auto maybe = [](const std::optional<double>& v) {
-      return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
-    };
     const double step = result.step_time_s;
+    std::optional<double> mfu, hfu;
+    if (peak) {
+      mfu = flops.model / (step * gpus * *peak);
+      hfu = flops.hardware / (step * gpus * *peak);
+    }
     nlohmann::json measured = {
         {"gpus", devices},
         {"model_flops", flops.model},
         {"hardware_flops", flops.hardware},
         {"tflops_per_gpu", flops.hardware / (step * gpus) / 1e12},
         {"model_tflops_per_gpu", flops.model / (step * gpus) / 1e12},
-        {"mfu",
-         maybe(peak ? std::optional<double>(flops.model / (step * gpus * *peak)) : std::nullopt)},
-        {"hfu", maybe(peak ? std::optional<double>(flops.hardware / (step * gpus * *peak))
-                           : std::nullopt)},
-        {"peak_device", peak ? nlohmann::json(peak_device) : nlohmann::json(nullptr)},
+        {"mfu", dtsim::report::value_or_null(mfu)},
+        {"hfu", dtsim::report::value_or_null(hfu)},
+        {"peak_device", dtsim::report::value_or_null(peak_device)},
         {"breakdown",
          {{"compute_s", spent.compute_s},
           {"recompute_s", spent.recompute_s},

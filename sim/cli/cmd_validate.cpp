@@ -7,6 +7,7 @@
 #include "sim/cli/commands.hpp"
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
+#include "sim/report/json_values.hpp"
 #include "sim/report/table.hpp"
 #include "sim/report/validate.hpp"
 
@@ -54,9 +55,8 @@ int cmd_validate(const std::vector<std::string>& args) {
                       {"tasks", r.tasks},
                       {"predicted_s", r.predicted_s},
                       {"measured_s", r.measured_s},
-                      {"error", r.error ? nlohmann::json(*r.error) : nlohmann::json(nullptr)},
-                      {"mean_abs_task_error", r.mean_abs_error ? nlohmann::json(*r.mean_abs_error)
-                                                               : nlohmann::json(nullptr)}});
+                      {"error", report::value_or_null(r.error)},
+                      {"mean_abs_task_error", report::value_or_null(r.mean_abs_error)}});
     }
     nlohmann::json tasks = nlohmann::json::array();
     for (const auto& t : v.tasks) {
@@ -69,7 +69,7 @@ int cmd_validate(const std::vector<std::string>& args) {
                        {"predicted_s", t.predicted_s},
                        {"measured_s", t.measured_s},
                        {"measured_start_s", t.measured_start_s},
-                       {"error", t.error ? nlohmann::json(*t.error) : nlohmann::json(nullptr)}});
+                       {"error", report::value_or_null(t.error)}});
     }
     std::cout << nlohmann::json{{"matched", v.matched},
                                 {"only_predicted", v.only_predicted},
