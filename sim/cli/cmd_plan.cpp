@@ -424,7 +424,8 @@ int cmd_plan(const std::vector<std::string>& args) {
       }
       const double faster = result.ranked[1].step_time_s - result.ranked[0].step_time_s;
       // The term #2 loses most on, and, when #2 wins back part of it elsewhere, that term too
-      // (the terms then add up to more than the difference).
+      // (the terms then add up to more than the difference). A term under 5% of the difference
+      // is not named: a wording choice, not a model constant.
       if (least->first < -0.05 * std::max(faster, 1e-12) && most->first > faster) {
         std::cout << fmt::format(
             "\nwhy #1 beats #2: {:.3f} s faster per step: #2 spends {:.3f} s more on {}, and "

@@ -26,6 +26,13 @@ dtsim::plan::Plan single_rank(std::int64_t micro_batch, std::int64_t global_batc
   return p;
 }
 
+// Every rank's program of plan `p` (lowered for all ranks, as under mpirun).
+dtsim::lower::Program all_ranks(const dtsim::model::ModelGraph& g, const dtsim::plan::Plan& p) {
+  dtsim::lower::LowerOptions lowering;
+  lowering.mode = dtsim::lower::Lowering::AllRanks;
+  return dtsim::lower::lower(g, p, lowering);
+}
+
 dtsim::exec::RunResult run(const char* model, dtsim::plan::Plan p, int steps,
                            dtsim::exec::RunOptions o = {}, dtsim::exec::Device* device = nullptr) {
   const auto spec = dtsim::model::load_model(model);
@@ -232,9 +239,7 @@ TEST_CASE("a device's memory is not handed to a backend that moves host memory o
   auto p = single_rank(1, 2);
   p.dp = 2;
   const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
-  dtsim::lower::LowerOptions lowering;
-  lowering.mode = dtsim::lower::Lowering::AllRanks;
-  const auto program = dtsim::lower::lower(g, p, lowering);
+  const auto program = all_ranks(g, p);
   dtsim::exec::test::Bf16Device device;  // its memory counts as not the host's
   HostOnlyComm comm;
   dtsim::exec::RunOptions o;
@@ -270,12 +275,10 @@ TEST_CASE("without p2p overlap the sender waits for its sends where the program 
   p.pp = 2;
   p.schedule = dtsim::plan::Schedule::OneFOneB;
   const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
-  dtsim::lower::LowerOptions lowering;
-  lowering.mode = dtsim::lower::Lowering::AllRanks;
   for (const bool overlap : {false, true}) {
     INFO((overlap ? "overlapped" : "blocking"));
     p.overlap_p2p_comm = overlap;
-    const auto program = dtsim::lower::lower(g, p, lowering);
+    const auto program = all_ranks(g, p);
     // The compute tasks of rank 0 that wait for sends (the lowering's blocking exchange).
     const auto& tasks = program.ranks[0].tasks;
     int holding = 0;
@@ -330,15 +333,13 @@ double shortest(const dtsim::exec::RunResult& r, const dtsim::lower::Program& pr
 TEST_CASE("a started collective and a blocking send are timed until they complete",
           "[exec][runner]") {
   const auto spec = dtsim::model::load_model("tiny-gpt");
-  dtsim::lower::LowerOptions lowering;
-  lowering.mode = dtsim::lower::Lowering::AllRanks;
   dtsim::exec::RunOptions o;
   o.steps = 1;
   o.warmup_steps = 0;
   // The shortest measured time of the plan's tasks of `kind` with a slow peer (one at least).
   auto shortest_with_slow_peer = [&](const dtsim::plan::Plan& p, dtsim::lower::TaskKind kind) {
     const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
-    const auto program = dtsim::lower::lower(g, p, lowering);
+    const auto program = all_ranks(g, p);
     SlowPeerComm comm;
     const double s = shortest(dtsim::exec::run_program(g, program, o, comm), program, kind);
     CHECK(s < 1.0);  // there was one
