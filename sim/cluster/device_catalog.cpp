@@ -43,28 +43,45 @@ DeviceSpec device_from_json(const json& j, const std::string& file) {
   d.memory_bytes = r.figure("memory_bytes");
   d.memory_bw_bytes_per_s = r.figure("memory_bw_bytes_per_s");
   d.intra_node_bw_bytes_per_s = r.figure("intra_node_bw_bytes_per_s");
-  const JsonReader eff = r.object("efficiency");
+  read_efficiency(r.object("efficiency"), d.efficiency, /*required=*/true);
+  d.power_w = r.optional_figure("power_w");
+  return d;
+}
+
+std::vector<std::string> read_efficiency(const JsonReader& eff, DeviceEfficiency& e,
+                                         bool required) {
   eff.expect_only(
       {"gemm", "attention", "memory_bw", "launch_overhead_s", "intra_node_bw", "gemm_waves"});
-  auto fraction = [&](std::string_view key) {
-    Figure f = eff.figure(key);
-    if (f.value > 1.0) eff.fail(key, fmt::format("expected a fraction in (0, 1], got {}", f.value));
-    return f;
+  std::vector<std::string> read;
+  auto fraction = [&](std::string_view key, Figure& out) {
+    if (!required && !eff.has(key)) return;
+    out = eff.figure(key);
+    if (out.value > 1.0) {
+      eff.fail(key, fmt::format("expected a fraction in (0, 1], got {}", out.value));
+    }
+    read.emplace_back(key);
   };
-  d.efficiency.gemm = fraction("gemm");
-  d.efficiency.attention = fraction("attention");
-  d.efficiency.memory_bw = fraction("memory_bw");
-  d.efficiency.launch_overhead_s = eff.figure("launch_overhead_s", /*allow_zero=*/true);
-  if (eff.has("intra_node_bw")) d.efficiency.intra_node_bw = fraction("intra_node_bw");
+  fraction("gemm", e.gemm);
+  fraction("attention", e.attention);
+  fraction("memory_bw", e.memory_bw);
+  if (required || eff.has("launch_overhead_s")) {
+    e.launch_overhead_s = eff.figure("launch_overhead_s", /*allow_zero=*/true);
+    read.emplace_back("launch_overhead_s");
+  }
+  if (eff.has("intra_node_bw")) {
+    Figure f;
+    fraction("intra_node_bw", f);
+    e.intra_node_bw = f;
+  }
   if (eff.has("gemm_waves")) {
     const JsonReader w = eff.object("gemm_waves");
     w.expect_only({"sm_count", "tile_m", "tile_n", "source"});
-    d.efficiency.gemm_waves = GemmWaves{
-        w.positive_int_up_to("sm_count", 1 << 16), w.positive_int_up_to("tile_m", 1 << 16),
-        w.positive_int_up_to("tile_n", 1 << 16), w.string("source")};
+    e.gemm_waves = GemmWaves{w.positive_int_up_to("sm_count", 1 << 16),
+                             w.positive_int_up_to("tile_m", 1 << 16),
+                             w.positive_int_up_to("tile_n", 1 << 16), w.string("source")};
+    read.emplace_back("gemm_waves");
   }
-  d.power_w = r.optional_figure("power_w");
-  return d;
+  return read;
 }
 
 namespace {

@@ -56,6 +56,13 @@ struct DeviceSpec {
 };
 
 DeviceSpec device_from_json(const nlohmann::json& j, const std::string& file);
+
+// Reads the figures of `efficiency` present in `r` (an efficiency object: gemm, attention,
+// memory_bw, launch_overhead_s, intra_node_bw, gemm_waves) over those already in `efficiency`;
+// returns the keys read. `required`: gemm, attention, memory_bw and launch_overhead_s must be
+// there (a device's own object) or may be missing (a cluster's overrides).
+std::vector<std::string> read_efficiency(const JsonReader& r, DeviceEfficiency& efficiency,
+                                         bool required);
 // By file name, alias (case-insensitive) or path.
 DeviceSpec load_device(std::string_view name_alias_or_path);
 std::vector<std::string> list_devices();

@@ -78,9 +78,9 @@ void use_device_link(IntraNode& intra, const DeviceSpec& device) {
 
 Cluster cluster_from_json(const json& j, const std::string& file) {
   const JsonReader r(j, file);
-  r.expect_only({"name", "description", "source", "device", "nodes", "devices_per_node",
-                 "intra_node", "inter_node", "price_per_device_hour_usd", "power_per_device_w",
-                 "notes"});
+  r.expect_only({"name", "description", "source", "device", "device_efficiency", "nodes",
+                 "devices_per_node", "intra_node", "inter_node", "price_per_device_hour_usd",
+                 "power_per_device_w", "notes"});
   Cluster c;
   c.file = file;
   c.name = r.string("name");
@@ -91,6 +91,12 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
     c.device = load_device(device_name);
   } catch (const InputError& e) {
     r.fail("device", e.what());
+  }
+  // The cluster's own software measured other rates than the catalog's (another CUDA, another
+  // library): its figures replace the device's, each with its source.
+  if (r.has("device_efficiency")) {
+    c.device_efficiency_overrides =
+        read_efficiency(r.object("device_efficiency"), c.device.efficiency, /*required=*/false);
   }
   c.nodes = r.positive_int_up_to("nodes", kMaxDevices);
   c.devices_per_node = r.positive_int_up_to("devices_per_node", kMaxDevices);

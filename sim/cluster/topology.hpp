@@ -58,6 +58,9 @@ struct Cluster {
   std::string source;
   std::string file;
   DeviceSpec device;
+  // The device efficiencies this cluster's file sets in place of the catalog's (device_efficiency:
+  // "gemm", ...).
+  std::vector<std::string> device_efficiency_overrides;
   std::int64_t nodes = 0;
   std::int64_t devices_per_node = 0;
   // What one node holds when --gpus takes part of it (devices_per_node is then that part); 0:

@@ -237,6 +237,12 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
         "pipedream: asynchronous steady state (no flush); step time excludes the "
         "one-time pipeline fill and drain");
   }
+  if (!cluster.device_efficiency_overrides.empty()) {
+    p.notes.push_back(fmt::format(
+        "{} sets the device's {} efficiency itself (its device_efficiency), in place of the "
+        "device catalog's",
+        cluster.name, fmt::join(cluster.device_efficiency_overrides, ", ")));
+  }
   if (plan.pp > 1) {
     p.notes.push_back(
         plan.overlap_p2p_comm

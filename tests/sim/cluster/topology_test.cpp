@@ -32,6 +32,14 @@ TEST_CASE("the default and Selene clusters", "[cluster][topology]") {
   CHECK(selene.inter.nics_per_node == 8);
   // HDR InfiniBand: 200 Gb/s = 25 GB/s per direction.
   CHECK(selene.inter.nic_bw_bytes_per_s.value == 25e9);
+  // Its CUDA 11 software's GEMM rate replaces the catalog's (measured in 2025); the rest stays.
+  const auto a100 = dtsim::cluster::load_device("a100-sxm4-80gb");
+  CHECK(selene.device_efficiency_overrides == std::vector<std::string>{"gemm"});
+  CHECK(selene.device.efficiency.gemm.value == 0.737);
+  CHECK(a100.efficiency.gemm.value == 0.869);
+  CHECK(selene.device.efficiency.gemm.source.find("CUDA 11.7") != std::string::npos);
+  CHECK(selene.device.efficiency.memory_bw.value == a100.efficiency.memory_bw.value);
+  CHECK(load_cluster("default").device_efficiency_overrides.empty());
 }
 
 TEST_CASE("a cluster resized with --gpus keeps whole nodes", "[cluster][topology]") {
@@ -68,6 +76,15 @@ TEST_CASE("bad cluster files are rejected naming file and field",
     dtsim::test::TempFile f("cl.json", j.dump());
     DTSIM_REQUIRE_THROWS_CONTAINING(load_cluster(f.path()), InputError, "cl.json: " + message);
   };
+  SECTION("a device efficiency override above 1, or of an unknown figure") {
+    auto j = valid_cluster();
+    j["device_efficiency"] = {{"gemm", {{"value", 1.5}, {"source", "s"}}}};
+    expect(j, "device_efficiency.gemm: expected a fraction in (0, 1], got 1.5");
+    j["device_efficiency"] = {{"gemm", {{"value", 0.7}}}};
+    expect(j, "device_efficiency.gemm.source: required field is missing");
+    j["device_efficiency"] = {{"tflops", {{"value", 0.7}, {"source", "s"}}}};
+    expect(j, "device_efficiency.tflops: unknown field (known fields: gemm, attention");
+  }
   SECTION("negative node count") {
     auto j = valid_cluster();
     j["nodes"] = -1;
