@@ -1117,6 +1117,12 @@ class Runner {
           loss_statistics(task, mb, anchor, /*reduce=*/true);
         } else if (exit) {
           comm_.all_reduce(task.group, mb.out.at(anchor), Reduce::Sum);  // forward: g
+        } else if (program_.plan.overlap_tp_backward &&
+                   index != last_use_[static_cast<std::size_t>(task.micro_batch)]) {
+          // f's backward, overlapped: it runs while the layer's weight gradient computes and
+          // finishes before the first task that depends on it (settle).
+          pending_[index] = {
+              comm_.start_all_reduce(task.group, mb.grad.at(input(anchor))), {}, std::nullopt};
         } else {
           comm_.all_reduce(task.group, mb.grad.at(input(anchor)), Reduce::Sum);  // f
         }

@@ -57,6 +57,10 @@ void add_plan_options(po::options_description& desc) {
       "no-overlap-grad-reduce", po::bool_switch(),
       "start the data-parallel gradient reduction after the last backward pass instead of "
       "overlapping it (Megatron-LM before --overlap-grad-reduce)")(
+      "no-overlap-tp-backward", po::bool_switch(),
+      "run the backward's tensor-parallel all-reduce (reduce-scatter with sequence "
+      "parallelism) of a column-parallel layer's input gradient after its weight-gradient GEMM "
+      "instead of during it (Megatron-LM in 2021, before its asynchronous all-reduce)")(
       "overlap-p2p-comm", po::bool_switch(),
       "overlap pipeline sends and receives with compute (Megatron-LM "
       "--overlap-p2p-communication); by default a stage exchanges its pipeline tensors in "
@@ -227,6 +231,9 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   }
   if (vm.count("no-overlap-grad-reduce") && vm["no-overlap-grad-reduce"].as<bool>()) {
     p.overlap_grad_reduce = false;
+  }
+  if (vm.count("no-overlap-tp-backward") && vm["no-overlap-tp-backward"].as<bool>()) {
+    p.overlap_tp_backward = false;
   }
   if (vm.count("overlap-p2p-comm") && vm["overlap-p2p-comm"].as<bool>()) {
     p.overlap_p2p_comm = true;

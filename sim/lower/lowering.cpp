@@ -413,6 +413,27 @@ class Lowerer {
     }
     TaskId prev = first_dep;
     bool first = true;
+    // A weight-gradient task running beside the collective before it: the next task waits
+    // for both.
+    TaskId beside = -1;
+    auto compute = [&](OpId lo, OpId hi, Phase ph) {
+      Task t;
+      t.kind = TaskKind::Compute;
+      t.stream = Stream::Compute;
+      t.phase = ph;
+      t.micro_batch = micro_batch;
+      t.chunk = chunk;
+      t.op_begin = static_cast<std::int32_t>(lo);
+      t.op_end = static_cast<std::int32_t>(hi + 1);
+      t.label =
+          fmt::format("{} {}..{} mb{}", to_string(ph), g_.op(lo).name, g_.op(hi).name, micro_batch);
+      if (prev >= 0) t.deps.push_back(prev);
+      if (beside >= 0) t.deps.push_back(beside);
+      if (first && extra_dep >= 0) t.deps.push_back(extra_dep);
+      first = false;
+      beside = -1;
+      return add(std::move(t));
+    };
     std::size_t i = 0;
     while (i < items.size()) {
       if (items[i].op) {
@@ -424,47 +445,82 @@ class Lowerer {
           lo = std::min(lo, *items[q].op);
           hi = std::max(hi, *items[q].op);
         }
-        Task t;
-        t.kind = TaskKind::Compute;
-        t.stream = Stream::Compute;
-        t.phase = phase;
-        t.micro_batch = micro_batch;
-        t.chunk = chunk;
-        t.op_begin = static_cast<std::int32_t>(lo);
-        t.op_end = static_cast<std::int32_t>(hi + 1);
-        t.label = fmt::format("{} {}..{} mb{}", to_string(phase), g_.op(lo).name, g_.op(hi).name,
-                              micro_batch);
-        if (prev >= 0) t.deps.push_back(prev);
-        if (first && extra_dep >= 0) t.deps.push_back(extra_dep);
-        first = false;
-        prev = add(std::move(t));
-        if (op_tasks) {
-          for (std::size_t q = i; q <= j; ++q) op_tasks->emplace_back(*items[q].op, prev);
+        // The run ends at a column-parallel layer whose input gradient the next collective
+        // reduces: with overlap, the layer's weight gradient is computed during it.
+        const OpId last = *items[j].op;
+        const bool overlapped = phase == Phase::Backward && j + 1 < items.size() &&
+                                overlaps_tp_backward(items[j + 1], last);
+        DTSIM_ASSERT(!overlapped || last == lo, "a backward run ends at its first op");
+        if (overlapped && lo != hi) {
+          // Backward runs in reverse: the anchor, first in forward order, comes last.
+          prev = compute(last + 1, hi, phase);
+          if (op_tasks) {
+            for (std::size_t q = i; q < j; ++q) op_tasks->emplace_back(*items[q].op, prev);
+          }
         }
-        i = j + 1;
+        if (!overlapped) {
+          prev = compute(lo, hi, phase);
+          if (op_tasks) {
+            for (std::size_t q = i; q <= j; ++q) op_tasks->emplace_back(*items[q].op, prev);
+          }
+          i = j + 1;
+          continue;
+        }
+        // The weight gradient follows the input gradient on the compute stream, beside the
+        // collective that reduces the input gradient.
+        prev = compute(last, last, Phase::BackwardInput);
+        const TaskId collective = emit_collective(items[j + 1], backward, micro_batch, chunk, prev);
+        const TaskId weight = compute(last, last, Phase::BackwardWeight);
+        if (op_tasks) op_tasks->emplace_back(last, weight);
+        prev = collective;
+        beside = weight;
+        i = j + 2;
         continue;
       }
-      if (auto c = comm_for(items[i].marker, backward)) {
-        Task t;
-        t.kind = TaskKind::Collective;
-        t.stream = c->stream;
-        t.phase = Phase::None;
-        t.micro_batch = micro_batch;
-        t.chunk = chunk;
-        t.collective = c->kind;
-        t.group = group(c->group);
-        t.bytes = c->bytes;
-        t.op_begin = static_cast<std::int32_t>(items[i].anchor);
-        t.op_end = t.op_begin + 1;
-        t.label = fmt::format("{} L{} mb{}", c->what, items[i].layer, micro_batch);
-        if (prev >= 0) t.deps.push_back(prev);
-        if (first && extra_dep >= 0) t.deps.push_back(extra_dep);
+      if (comm_for(items[i].marker, backward)) {
+        prev = emit_collective(items[i], backward, micro_batch, chunk, prev, first ? extra_dep : -1,
+                               beside);
         first = false;
-        prev = add(std::move(t));
+        beside = -1;
       }
       ++i;
     }
     return prev;
+  }
+
+  // Plan.overlap_tp_backward: the marker after a backward run is the input-gradient collective
+  // of the column-parallel layer `last` (vocab-parallel for the LM head) that ends the run.
+  bool overlaps_tp_backward(const Item& marker, OpId last) const {
+    if (!plan_.overlap_tp_backward || marker.op || marker.marker != Marker::TpEnter ||
+        marker.anchor != last || !comm_for(marker.marker, /*backward=*/true)) {
+      return false;
+    }
+    const model::Op& op = g_.op(last);
+    return op.bwd_weight_flops > 0 &&
+           (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab);
+  }
+
+  // The collective of `marker`, after `dep` (and `extra`, `beside` where >= 0).
+  TaskId emit_collective(const Item& marker, bool backward, int micro_batch, int chunk, TaskId dep,
+                         TaskId extra = -1, TaskId beside = -1) {
+    const auto c = comm_for(marker.marker, backward);
+    DTSIM_ASSERT(c.has_value(), "a marker without a collective");
+    Task t;
+    t.kind = TaskKind::Collective;
+    t.stream = c->stream;
+    t.phase = Phase::None;
+    t.micro_batch = micro_batch;
+    t.chunk = chunk;
+    t.collective = c->kind;
+    t.group = group(c->group);
+    t.bytes = c->bytes;
+    t.op_begin = static_cast<std::int32_t>(marker.anchor);
+    t.op_end = t.op_begin + 1;
+    t.label = fmt::format("{} L{} mb{}", c->what, marker.layer, micro_batch);
+    if (dep >= 0) t.deps.push_back(dep);
+    if (beside >= 0) t.deps.push_back(beside);
+    if (extra >= 0) t.deps.push_back(extra);
+    return add(std::move(t));
   }
 
   // Backward of a chunk: its items reversed, one chain per block, so that data-parallel

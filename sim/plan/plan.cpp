@@ -86,6 +86,7 @@ std::string summary(const Plan& p) {
   if (p.recompute != Recompute::None) s += fmt::format(" recompute={}", to_string(p.recompute));
   if (p.sequence_parallel) s += " sp";
   if (!p.overlap_grad_reduce) s += " no-overlap-grad-reduce";
+  if (!p.overlap_tp_backward && p.tp > 1) s += " no-overlap-tp-backward";
   if (p.overlap_p2p_comm) s += " overlap-p2p-comm";
   s += fmt::format(" {}", to_string(p.precision));
   if (p.comm_precision) s += fmt::format(" comm={}", to_string(*p.comm_precision));
@@ -298,6 +299,7 @@ json to_json(const Plan& p) {
             {"recompute", to_string(p.recompute)},
             {"sequence_parallel", p.sequence_parallel},
             {"overlap_grad_reduce", p.overlap_grad_reduce},
+            {"overlap_tp_backward", p.overlap_tp_backward},
             {"overlap_p2p_comm", p.overlap_p2p_comm},
             {"precision", to_string(p.precision)},
             {"optimizer", to_string(p.optimizer)},
@@ -324,6 +326,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "recompute",
                  "sequence_parallel",
                  "overlap_grad_reduce",
+                 "overlap_tp_backward",
                  "overlap_p2p_comm",
                  "precision",
                  "comm_precision",
@@ -361,6 +364,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
   }
   p.sequence_parallel = r.boolean_or("sequence_parallel", false);
   p.overlap_grad_reduce = r.boolean_or("overlap_grad_reduce", true);
+  p.overlap_tp_backward = r.boolean_or("overlap_tp_backward", true);
   p.overlap_p2p_comm = r.boolean_or("overlap_p2p_comm", false);
   if (r.has("precision")) {
     p.precision = *parse_precision(r.choice("precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));

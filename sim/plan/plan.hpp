@@ -44,6 +44,13 @@ struct Plan {
   // --overlap-grad-reduce). False: it starts after the last backward pass, as Megatron-LM did in
   // 2021 (megatron/training.py, train_step: allreduce_gradients after forward_backward_func).
   bool overlap_grad_reduce = true;
+  // The backward's tensor-parallel collective at a column-parallel layer's input (the input
+  // gradient's all-reduce, or its reduce-scatter with sequence parallelism) runs while the
+  // layer's weight-gradient GEMM computes (NVIDIA/Megatron-LM,
+  // megatron/core/tensor_parallel/layers.py, linear_with_grad_accumulation_and_async_allreduce;
+  // the default since late 2021). False: it runs after the whole backward of the layer, as in
+  // Megatron-LM's 2021 releases.
+  bool overlap_tp_backward = true;
   // Pipeline transfers overlapped with compute (Megatron-LM --overlap-p2p-communication): a
   // send starts as soon as its tensor exists and the receiver has posted its receive ahead of
   // need. False, Megatron-LM's default (megatron/core/pipeline_parallel/p2p_communication.py:

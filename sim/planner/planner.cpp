@@ -99,7 +99,46 @@ class Estimator {
     // Backward: dK and dV reduce-scattered over cp, and K and V gathered again unless full
     // recompute's forward just gathered them (lowering's CpRegatherKv).
     const double cp_backward = p.recompute == Recompute::Full ? cp_comm : 2 * cp_comm;
-    double block_b = lb + tp_comm + cp_backward + ep_comm;
+    // The backward's collectives at the column-parallel layers' inputs (two per block: Megatron's
+    // f before QKV and before the MLP) run during those layers' weight gradients when the plan
+    // overlaps them (lowering: overlaps_tp_backward); what outlasts the GEMM stays exposed.
+    double tp_backward = tp_comm;
+    // Per block: the backward compute before each of them (their stragglers' waits) and the
+    // weight-gradient time beside each that the collective leaves free.
+    struct Beside {
+      double compute = 0, slack = 0;
+    };
+    std::vector<Beside> beside;
+    auto beside_weights = [&](double collective, const model::Op& op) {
+      return std::max(0.0, collective - cost.op_seconds(op, Phase::BackwardWeight));
+    };
+    // Zero-bubble splits every backward into input- and weight-gradient passes already.
+    const bool tp_overlap =
+        p.tp > 1 && p.overlap_tp_backward && p.schedule != Schedule::ZeroBubble;
+    if (tp_overlap) {
+      const auto tp = group(ParallelDim::Tp, lower::GroupKind::Tp);
+      const double f = net_->collective_s(
+          tp, p.sequence_parallel ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce,
+          hidden_bytes);
+      // In forward order, each op's backward runs before the collective of the nearest
+      // column-parallel layer at or before it (the MLP's, the attention's).
+      double before = 0;
+      for (model::OpId id : g.layer_ops(0)) {
+        const auto& op = g.op(id);
+        const bool mlp = op.kind == model::OpKind::MlpUp || op.kind == model::OpKind::Router;
+        if (op.kind == model::OpKind::QkvProj || mlp) {
+          if (!beside.empty()) beside.back().compute += before;
+          before = 0;
+          const bool overlapped = op.kind == model::OpKind::QkvProj || !m.moe;
+          if (overlapped) tp_backward -= f - beside_weights(f, op);
+          beside.push_back(
+              {0, overlapped ? std::max(0.0, cost.op_seconds(op, Phase::BackwardWeight) - f) : 0});
+        }
+        before += cost.op_seconds(op, Phase::Backward);
+      }
+      if (!beside.empty()) beside.back().compute += before;
+    }
+    double block_b = lb + tp_backward + cp_backward + ep_comm;
     double block_recompute = 0, block_recompute_compute = 0;
     if (p.recompute == Recompute::Full) {
       block_recompute = block_f;
@@ -120,7 +159,14 @@ class Estimator {
     const double head_compute_f = group_time(head, Phase::Forward);
     const double head_compute_b = group_time(head, Phase::Backward);
     const double head_f = head_compute_f + (p.tp > 1 ? tp_comm / 4 : 0);
-    const double head_b = head_compute_b + (p.tp > 1 ? tp_comm / 4 : 0);
+    double head_b = head_compute_b + (p.tp > 1 ? tp_comm / 4 : 0);
+    if (tp_overlap) {
+      for (model::OpId id : g.layer_ops(head)) {
+        if (g.op(id).kind == model::OpKind::LmHead) {
+          head_b = head_compute_b + beside_weights(tp_comm / 4, g.op(id));
+        }
+      }
+    }
 
     double p2p = 0;  // one pipeline transfer
     if (p.pp > 1) {
@@ -250,11 +296,20 @@ class Estimator {
         static_cast<std::uint64_t>(stage_params / (p.zero_stage >= 1 ? shard_group : 1.0)));
     // TP/CP/EP time inside the passes, for the dominant-term report.
     const double layers_total = static_cast<double>(m.layers) / p.pp;
-    b.exposed_tp_s = mb * layers_total * 2 * tp_comm;
+    b.exposed_tp_s = mb * layers_total * (tp_comm + tp_backward);
     b.exposed_cp_s = mb * layers_total * (cp_comm + cp_backward);
     b.exposed_ep_s = mb * layers_total * 2 * ep_comm;
     b.compute_s -= b.exposed_tp_s + b.exposed_cp_s + b.exposed_ep_s;
     b.exposed_tp_s += straggling(p.tp);
+    if (tp_overlap && jitter_cv_ > 0) {
+      // The backward's tp collectives, nearly all of them f's, wait for the backward compute
+      // before them; the weight gradient beside each hides that wait up to its slack.
+      double hidden = 0;
+      for (const Beside& c : beside) {
+        hidden += std::min(jitter_cv_ * spread(p.tp) * c.compute, c.slack);
+      }
+      b.exposed_tp_s -= mb * layers_total * hidden;
+    }
     b.exposed_cp_s += straggling(p.cp);
     b.exposed_ep_s += p.ep > 1 && m.moe ? straggling(p.ep) : 0.0;
     // Pipeline receives wait for late senders (pairs). With overlapped transfers the data comes

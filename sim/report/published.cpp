@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 
 #include "sim/common/error.hpp"
@@ -37,9 +38,17 @@ LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parall
   // The activations of a micro-batch in 16 bits: b·s·h·2 bytes.
   const std::uint64_t bytes = 4ULL * 2048 * 6144 * 2;
   using K = lower::CollectiveKind;
+  // Forward: f and g of the attention and the MLP (all-gathers and reduce-scatters with
+  // sequence parallelism, else g's all-reduces).
   const double comm = sequence_parallel ? 2 * (net->collective_s(tp, K::AllGather, bytes) +
                                                net->collective_s(tp, K::ReduceScatter, bytes))
                                         : 2 * net->collective_s(tp, K::AllReduce, bytes);
+  // Backward: g's all-gathers (sequence parallelism), and f's input-gradient collectives, which
+  // Megatron-LM of 2022 runs during the QKV and MLP-up weight gradients (plan
+  // overlap_tp_backward): only what outlasts those GEMMs adds.
+  const double f =
+      net->collective_s(tp, sequence_parallel ? K::ReduceScatter : K::AllReduce, bytes);
+  double bwd_comm = sequence_parallel ? 2 * net->collective_s(tp, K::AllGather, bytes) : 0.0;
   double fwd = 0, bwd = 0, attention = 0;
   for (model::OpId id : g.layer_ops(0)) {
     const auto& op = g.op(id);
@@ -48,8 +57,11 @@ LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parall
     if (op.kind == model::OpKind::AttentionCore) {
       attention = cost.op_seconds(op, lower::Phase::Forward);
     }
+    if (op.kind == model::OpKind::QkvProj || op.kind == model::OpKind::MlpUp) {
+      bwd_comm += std::max(0.0, f - cost.op_seconds(op, lower::Phase::BackwardWeight));
+    }
   }
-  LayerTimes t{fwd + comm, bwd + comm};
+  LayerTimes t{fwd + comm, bwd + bwd_comm};
   if (recompute == plan::Recompute::Full) t.backward_s += fwd + comm;
   if (recompute == plan::Recompute::Selective) t.backward_s += attention;
   return t;
@@ -116,6 +128,7 @@ Table1Case megatron_table1_case(const CsvRow& row) {
   p.seq_len = whole(row, "seq_len");
   p.recompute = plan::Recompute::Full;
   p.overlap_grad_reduce = false;
+  p.overlap_tp_backward = false;
   if (p.pp > 1) {
     const int per_stage = static_cast<int>(spec.layers / p.pp);
     for (int v = 2; v <= per_stage; ++v) {

@@ -45,6 +45,7 @@ plans=(
   "tiny-gpt|4|1|--dp 4 --zero-stage 3"
   "tiny-gpt|2|8|--tp 2"
   "tiny-gpt|2|2|--tp 2 --recompute selective"
+  "tiny-gpt|2|2|--tp 2 --no-overlap-tp-backward"
   "tiny-gpt|2|2|--pp 2 --schedule gpipe"
   "tiny-gpt|2|2|--pp 2 --schedule 1f1b --recompute full"
   "tiny-gpt|2|8|--pp 2 --schedule 1f1b"

@@ -68,6 +68,30 @@ TEST_CASE("one representative per stage predicts exactly what every rank does",
   }
 }
 
+TEST_CASE("the backward's tp all-reduces hide behind the weight gradients", "[engine][tp]") {
+  // Llama 3 8B, tp 8 inside each of the 4 nodes: Megatron-LM's async all-reduce of a
+  // column-parallel layer's input gradient runs while its weight gradient computes. Compute is
+  // the same either way, so the step shrinks by exactly the communication no longer exposed:
+  // at most the backward's share of the tp time (half of the blocks' all-reduces, and the LM
+  // head's), less the dp time that the shorter backward no longer hides.
+  Plan p = blank();
+  p.tp = 8;
+  p.global_batch_size = 4;
+  p.seq_len = 4096;
+  Plan plain = p;
+  plain.overlap_tp_backward = false;
+  const auto a = run("llama3-8b", "default", plain).prediction;
+  const auto b = run("llama3-8b", "default", p).prediction;
+  INFO("exposed tp: " << a.breakdown.exposed_tp_s << " s without overlap, "
+                      << b.breakdown.exposed_tp_s << " s with");
+  CHECK(b.breakdown.compute_s == Approx(a.breakdown.compute_s).epsilon(1e-12));
+  CHECK(b.breakdown.exposed_tp_s < 0.9 * a.breakdown.exposed_tp_s);
+  CHECK(b.breakdown.exposed_tp_s > 0.45 * a.breakdown.exposed_tp_s);
+  CHECK(b.step_time_s < a.step_time_s);
+  CHECK(a.step_time_s - b.step_time_s ==
+        Approx(a.breakdown.exposed_comm_s() - b.breakdown.exposed_comm_s()).epsilon(1e-6));
+}
+
 TEST_CASE("DDP bucketing hides the gradient all-reduce behind backward", "[engine][ddp]") {
   // Llama 2 7B on 32 A100s, pure data parallelism, one micro-batch of 4 x 4096 tokens per
   // rank: 13.5 GB of bf16 gradients, all-reduced across 4 nodes in less time than backward.

@@ -424,3 +424,53 @@ TEST_CASE("without p2p overlap an interleaved round exchanges its tensors after 
     CHECK(checked > 0);
   }
 }
+
+TEST_CASE(
+    "the backward's tp collective at a column-parallel layer runs beside its weight "
+    "gradient",
+    "[lower]") {
+  // Megatron-LM's async all-reduce (reduce-scatter with sequence parallelism): the input
+  // gradient of QKV, MLP-up and the LM head first, then its collective on the tp stream while
+  // the weight gradient computes; the next task waits for both.
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  for (const bool sp : {false, true}) {
+    Plan p = plan_for(1, 2, 1, 1);
+    p.global_batch_size = 1;
+    p.sequence_parallel = sp;
+    const Program program = dtsim::lower::lower(g, p);
+    const auto& tasks = program.ranks[0].tasks;
+    int overlapped = 0;
+    for (std::size_t i = 0; i + 2 < tasks.size(); ++i) {
+      const auto& input = tasks[i];
+      if (input.phase != Phase::BackwardInput) continue;
+      const auto& collective = tasks[i + 1];
+      const auto& weight = tasks[i + 2];
+      INFO("sp " << sp << ": " << input.label);
+      REQUIRE(collective.kind == TaskKind::Collective);
+      CHECK(collective.stream == Stream::Tp);
+      CHECK(collective.collective ==
+            (sp ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce));
+      CHECK(collective.deps == std::vector<dtsim::lower::TaskId>{static_cast<int>(i)});
+      CHECK(weight.phase == Phase::BackwardWeight);
+      CHECK(weight.op_begin == input.op_begin);
+      CHECK(weight.op_end == input.op_begin + 1);
+      CHECK(weight.deps == std::vector<dtsim::lower::TaskId>{static_cast<int>(i)});
+      const auto kind = g.op(static_cast<dtsim::model::OpId>(input.op_begin)).kind;
+      CHECK((kind == dtsim::model::OpKind::QkvProj || kind == dtsim::model::OpKind::MlpUp ||
+             kind == dtsim::model::OpKind::LmHead));
+      if (i + 3 < tasks.size() && tasks[i + 3].micro_batch == input.micro_batch) {
+        const auto& next = tasks[i + 3].deps;
+        CHECK(std::count(next.begin(), next.end(), static_cast<int>(i + 1)) == 1);
+        CHECK(std::count(next.begin(), next.end(), static_cast<int>(i + 2)) == 1);
+      }
+      ++overlapped;
+    }
+    CHECK(overlapped == 2 * spec.layers + 1);  // QKV and MLP-up per block, and the LM head
+    // Without the overlap, no backward is split.
+    p.overlap_tp_backward = false;
+    const Program plain = dtsim::lower::lower(g, p);
+    CHECK(std::none_of(plain.ranks[0].tasks.begin(), plain.ranks[0].tasks.end(),
+                       [](const auto& t) { return t.phase == Phase::BackwardInput; }));
+  }
+}

@@ -177,6 +177,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   p.sequence_parallel = true;
   p.overlap_grad_reduce = false;
   p.overlap_p2p_comm = true;
+  p.overlap_tp_backward = false;
   p.layers_per_stage = {10, 10, 10, 10};
   p.comm_precision = dtsim::Precision::Fp8;
   p.grad_compression = 0.25;
@@ -185,6 +186,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   CHECK(q.comm_precision == dtsim::Precision::Fp8);
   CHECK(q.grad_compression == 0.25);
   CHECK(q.overlap_p2p_comm);
+  CHECK(!q.overlap_tp_backward);
 
   auto bad = [](const char* text, const char* message) {
     dtsim::test::TempFile f("plan.json", text);
@@ -201,6 +203,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   bad(R"({"sequence_parallel": "yes"})", "plan.json: sequence_parallel: expected true or false");
   bad(R"({"overlap_grad_reduce": 0})", "plan.json: overlap_grad_reduce: expected true or false");
   bad(R"({"overlap_p2p_comm": "yes"})", "plan.json: overlap_p2p_comm: expected true or false");
+  bad(R"({"overlap_tp_backward": 1})", "plan.json: overlap_tp_backward: expected true or false");
   bad(R"({"zero_stage": 4})", "plan.json: zero_stage: expected 0, 1, 2 or 3, got 4");
   bad(R"({"grad_compression": 2})",
       "plan.json: grad_compression: expected the fraction of the gradient bytes sent, in (0, 1]");
