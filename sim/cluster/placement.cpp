@@ -237,17 +237,22 @@ GroupSpan group_span(const Cluster& cluster, std::span<const std::int64_t> devic
       }
       return p;
     };
+    auto hops = [&](std::int64_t x, std::int64_t y) {
+      const auto a = position(x);
+      const auto b = position(y);
+      std::int64_t h = 0;
+      for (std::size_t k = 0; k < dims.size(); ++k) {
+        const std::int64_t diff = std::abs(a[k] - b[k]);
+        h += std::min(diff, dims[k] - diff);
+      }
+      return h;
+    };
     for (std::size_t i = 0; i < devices.size(); ++i) {
       for (std::size_t j = i + 1; j < devices.size(); ++j) {
-        const auto a = position(devices[i]);
-        const auto b = position(devices[j]);
-        std::int64_t hops = 0;
-        for (std::size_t k = 0; k < dims.size(); ++k) {
-          const std::int64_t diff = std::abs(a[k] - b[k]);
-          hops += std::min(diff, dims[k] - diff);
-        }
-        span.max_torus_hops = std::max(span.max_torus_hops, hops);
+        span.max_torus_hops = std::max(span.max_torus_hops, hops(devices[i], devices[j]));
       }
+      span.max_ring_hops =
+          std::max(span.max_ring_hops, hops(devices[i], devices[(i + 1) % devices.size()]));
     }
     span.crossed.push_back(fmt::format("{} torus links (up to {} hops)",
                                        to_string(cluster.inter.transport), span.max_torus_hops));

@@ -80,9 +80,12 @@ struct GroupSpan {
   std::int64_t max_devices_per_node = 0;
   std::int64_t leaf_groups = 0;  // distinct leaf (rail / dragonfly) groups
   bool intra_node_only = true;
-  bool crosses_spine = false;        // between leaf groups (fat tree, rail-optimized)
-  bool single_rail = true;           // every device has the same local index
-  std::int64_t max_torus_hops = 0;   // torus_3d: largest shortest-path hop count
+  bool crosses_spine = false;       // between leaf groups (fat tree, rail-optimized)
+  bool single_rail = true;          // every device has the same local index
+  std::int64_t max_torus_hops = 0;  // torus_3d: largest shortest-path hop count
+  // torus_3d: the largest hop count between members next to each other in the group's order
+  // (a ring's steps, the last member back to the first included).
+  std::int64_t max_ring_hops = 0;
   std::vector<std::string> crossed;  // human-readable: "NVSwitch", "NIC (infiniband)", ...
 };
 

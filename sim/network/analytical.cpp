@@ -98,7 +98,12 @@ class Analytical final : public NetworkModel {
   Link inter_link(const cluster::GroupSpan& span, int k, Crossing crossing) const {
     const auto& inter = c_.inter;
     if (inter.fabric == cluster::InterFabric::Torus3d) {
-      return Link{inter.link_bw_bytes_per_s.value, inter.latency_s.value};
+      // A ring step between members h hops apart crosses h links and pays h hops of latency.
+      // Groups of a kind are strided alike (rank placement), so the h - 1 groups interleaved
+      // with this one along those links run their steps over them at the same time: a flow
+      // gets 1/h of a link.
+      const double h = static_cast<double>(std::max<std::int64_t>(1, span.max_ring_hops));
+      return Link{inter.link_bw_bytes_per_s.value / h, inter.latency_s.value * h};
     }
     if (inter.fabric == cluster::InterFabric::None) {
       return Link{c_.intra.effective_bw(), c_.intra.latency_s.value};

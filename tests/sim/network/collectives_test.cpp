@@ -1,5 +1,6 @@
 #include "sim/network/collectives.hpp"
 
+#include "sim/cluster/placement.hpp"
 #include "sim/cluster/topology.hpp"
 #include "sim/network/network_model.hpp"
 #include "tests/test_util.hpp"
@@ -125,4 +126,24 @@ TEST_CASE("NCCL's tree spans nodes; inside one node the ring is the algorithm", 
   CHECK(dtsim::network::node_tree_all_reduce_s(4096, 2, 4, nvlink, nic) ==
         Approx(2.0 * 4096 / std::min(nvlink.bw_bytes_per_s, nic.bw_bytes_per_s) +
                2 * (nvlink.latency_s + 2 * nic.latency_s)));
+}
+
+TEST_CASE("on a torus a ring's steps pay for the hops between neighbours", "[network]") {
+  // TPU v4 slice: 4 x 4 x 4 chips, x fastest, a host holds one x row of 4. A group along y
+  // takes one hop per step (the torus closes the ring); one strided by 2 in y takes two hops
+  // per step, and the other group interleaved with it shares those links.
+  const auto c = dtsim::cluster::load_cluster("tpu-v4-slice");
+  auto model = dtsim::network::make_analytical(c);
+  const double b = c.inter.link_bw_bytes_per_s.value;
+  const double alpha = c.inter.latency_s.value;
+  const double s = 1 << 26;
+  using dtsim::lower::CollectiveKind;
+  const dtsim::lower::Group line{dtsim::lower::GroupKind::Dp, {0, 4, 8, 12}, {0}};
+  const dtsim::lower::Group strided{dtsim::lower::GroupKind::Dp, {0, 8}, {0}};
+  CHECK(dtsim::cluster::group_span(c, line.ranks).max_ring_hops == 1);
+  CHECK(dtsim::cluster::group_span(c, strided.ranks).max_ring_hops == 2);
+  CHECK(model->collective_s(line, CollectiveKind::AllGather, 1 << 26) ==
+        Approx(dtsim::network::ring_all_gather_s(s, 4, Link{b, alpha})).epsilon(1e-12));
+  CHECK(model->collective_s(strided, CollectiveKind::AllGather, 1 << 26) ==
+        Approx(dtsim::network::ring_all_gather_s(s, 2, Link{b / 2, 2 * alpha})).epsilon(1e-12));
 }
