@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <set>
@@ -207,6 +208,29 @@ class Lowerer {
   // issued, after which a round's exchange is posted.
   TaskId last_compute_task_ = -1;
   std::vector<TaskId> exchange_;  // the transfers the next compute task waits for (see add)
+
+  // ZeRO-3 as FSDP wraps a model: one gather per unit (a block, the embedding, the head) and
+  // pass, fetched one unit ahead, with schedules whose backward passes are whole (zero-bubble's
+  // weight passes take a chunk's weights at once: it gathers per chunk and pass). The units of
+  // the rank's passes in the order their compute starts, the gather of each (-1: nothing to
+  // gather), the next unit to start, and where the previous one started.
+  struct Unit {
+    std::size_t pass = 0;
+    int chunk = 0;
+    int layer = 0;
+    int micro_batch = 0;
+  };
+  bool unit_gathers_ = false;
+  std::vector<Unit> units_;
+  std::vector<TaskId> unit_gather_;
+  std::size_t next_unit_ = 0;
+  TaskId unit_started_ = -1;
+  std::size_t pass_ = 0;  // the pass being lowered
+  const std::vector<std::vector<Item>>* rank_items_ = nullptr;
+  // Set while a backward pass's gradients go out per block (with unit gathers): the buckets'
+  // tasks, and the micro-batch.
+  std::vector<TaskId>* block_buckets_ = nullptr;
+  int block_buckets_mb_ = 0;
 
   int total_chunks() const { return plan_.pp * plan_.virtual_stages; }
   int global_chunk(int chunk) const { return chunk * plan_.pp + rp_->stage; }
@@ -416,7 +440,11 @@ class Lowerer {
     // A weight-gradient task running beside the collective before it: the next task waits
     // for both.
     TaskId beside = -1;
-    auto compute = [&](OpId lo, OpId hi, Phase ph) {
+    auto compute = [&](OpId lo, OpId hi, Phase ph, int layer) {
+      // The first task of a unit waits for its weights and starts the next unit's gather.
+      const bool starts_unit = unit_gathers_ && next_unit_ < units_.size() &&
+                               units_[next_unit_].pass == pass_ &&
+                               units_[next_unit_].layer == layer;
       Task t;
       t.kind = TaskKind::Compute;
       t.stream = Stream::Compute;
@@ -430,16 +458,23 @@ class Lowerer {
       if (prev >= 0) t.deps.push_back(prev);
       if (beside >= 0) t.deps.push_back(beside);
       if (first && extra_dep >= 0) t.deps.push_back(extra_dep);
+      if (starts_unit && unit_gather_[next_unit_] >= 0) t.deps.push_back(unit_gather_[next_unit_]);
       first = false;
       beside = -1;
-      return add(std::move(t));
+      const TaskId id = add(std::move(t));
+      if (starts_unit) start_unit(id);
+      return id;
     };
     std::size_t i = 0;
     while (i < items.size()) {
       if (items[i].op) {
         // Coalesce consecutive ops (contiguous ids in forward; reversed in backward).
+        // With a gather per unit, a task holds one unit's ops.
         std::size_t j = i;
-        while (j + 1 < items.size() && items[j + 1].op) ++j;
+        while (j + 1 < items.size() && items[j + 1].op &&
+               (!unit_gathers_ || items[j + 1].layer == items[i].layer)) {
+          ++j;
+        }
         OpId lo = *items[i].op, hi = *items[i].op;
         for (std::size_t q = i; q <= j; ++q) {
           lo = std::min(lo, *items[q].op);
@@ -453,13 +488,13 @@ class Lowerer {
         DTSIM_ASSERT(!overlapped || last == lo, "a backward run ends at its first op");
         if (overlapped && lo != hi) {
           // Backward runs in reverse: the anchor, first in forward order, comes last.
-          prev = compute(last + 1, hi, phase);
+          prev = compute(last + 1, hi, phase, items[i].layer);
           if (op_tasks) {
             for (std::size_t q = i; q < j; ++q) op_tasks->emplace_back(*items[q].op, prev);
           }
         }
         if (!overlapped) {
-          prev = compute(lo, hi, phase);
+          prev = compute(lo, hi, phase, items[i].layer);
           if (op_tasks) {
             for (std::size_t q = i; q <= j; ++q) op_tasks->emplace_back(*items[q].op, prev);
           }
@@ -468,9 +503,9 @@ class Lowerer {
         }
         // The weight gradient follows the input gradient on the compute stream, beside the
         // collective that reduces the input gradient.
-        prev = compute(last, last, Phase::BackwardInput);
+        prev = compute(last, last, Phase::BackwardInput, items[j].layer);
         const TaskId collective = emit_collective(items[j + 1], backward, micro_batch, chunk, prev);
-        const TaskId weight = compute(last, last, Phase::BackwardWeight);
+        const TaskId weight = compute(last, last, Phase::BackwardWeight, items[j].layer);
         if (op_tasks) op_tasks->emplace_back(last, weight);
         prev = collective;
         beside = weight;
@@ -532,6 +567,7 @@ class Lowerer {
                        TaskId extra_dep) {
     TaskId prev = first_dep;
     const std::size_t start = rp_->tasks.size();
+    std::size_t sent = op_tasks != nullptr ? op_tasks->size() : 0;  // gradients in buckets
     // One chain per block only where it matters: when this pass produces the gradients that
     // data parallelism reduces (buckets follow blocks), or for full recompute. Otherwise the
     // chunk's backward is one chain, which keeps programs with many micro-batches small.
@@ -559,9 +595,59 @@ class Lowerer {
         pending.push_back(*it);
       }
       prev = emit_chain(pending, phase, true, mb, chunk, prev, op_tasks);
+      if (block_buckets_ != nullptr && op_tasks != nullptr) {
+        // This block's gradients go out now, between the gathers of the blocks ahead.
+        const std::vector<std::pair<OpId, TaskId>> block(
+            op_tasks->begin() + static_cast<std::ptrdiff_t>(sent), op_tasks->end());
+        for (TaskId t : grad_buckets(block, block_buckets_mb_)) block_buckets_->push_back(t);
+        sent = op_tasks->size();
+      }
     }
     if (extra_dep >= 0 && rp_->tasks.size() > start) rp_->tasks[start].deps.push_back(extra_dep);
     return prev;
+  }
+
+  // Unit e's compute started with task `started`: the gather of unit e + 1 goes out once unit
+  // e - 1's first task is done (one unit ahead).
+  void start_unit(TaskId started) {
+    ++next_unit_;
+    if (next_unit_ < units_.size()) {
+      unit_gather_[next_unit_] = gather_unit(next_unit_, unit_started_);
+    }
+    unit_started_ = started;
+  }
+
+  // The ZeRO-3 all-gathers of unit e's weights (dense over dp, experts over expert-dp), after
+  // `after`; returns the last (-1: nothing to gather).
+  TaskId gather_unit(std::size_t e, TaskId after) {
+    const Unit& u = units_[e];
+    const auto& chunk = (*rank_items_)[static_cast<std::size_t>(u.chunk)];
+    TaskId last = -1;
+    for (const bool experts : {false, true}) {
+      double params = 0;
+      OpId lo = static_cast<OpId>(g_.size()), hi = 0;
+      for (const Item& it : chunk) {
+        if (!it.op || it.layer != u.layer) continue;
+        lo = std::min(lo, *it.op);
+        hi = std::max(hi, *it.op);
+        if (g_.op(*it.op).expert == experts) params += plan::rank_params(g_.op(*it.op), plan_);
+      }
+      if (params <= 0 || dp_group_size(experts) <= 1) continue;
+      Task ag = weight_gather(experts, params);
+      ag.micro_batch = u.micro_batch;
+      ag.chunk = u.chunk;
+      ag.op_begin = static_cast<std::int32_t>(lo);
+      ag.op_end = static_cast<std::int32_t>(hi + 1);
+      if (after >= 0) ag.deps.push_back(after);
+      const int layers = static_cast<int>(g_.spec().layers);
+      const std::string unit = u.layer < 0         ? "embedding"
+                               : u.layer == layers ? "head"
+                                                   : fmt::format("L{}", u.layer);
+      ag.label = fmt::format("zero-3 all-gather {}weights {} mb{}", experts ? "expert " : "", unit,
+                             u.micro_batch);
+      last = add(std::move(ag));
+    }
+    return last;
   }
 
   // Parameters of a chunk on this rank (tensor-parallel share), dense or expert.
@@ -711,10 +797,31 @@ class Lowerer {
     // passes end: (micro-batch, ops in the order backward produced them).
     std::vector<std::pair<int, std::vector<OpId>>> held_grads;
     TaskId last_compute = -1;
-    // ZeRO-3: weights of pass i are gathered while pass i-1 runs (after its first task, ahead of
-    // its gradient buckets on the data-parallel stream).
+    // ZeRO-3: per unit and pass, one unit ahead (see Unit); with zero-bubble, the weights of
+    // pass i are gathered while pass i-1 runs (after its first task, ahead of its gradient
+    // buckets on the data-parallel stream).
     TaskId weights = -1;
-    if (zero3 && !passes.empty()) {
+    rank_items_ = &items;
+    unit_gathers_ = zero3 && plan_.schedule != plan::Schedule::ZeroBubble;
+    units_.clear();
+    next_unit_ = 0;
+    unit_started_ = -1;
+    if (unit_gathers_) {
+      for (std::size_t i = 0; i < passes.size(); ++i) {
+        std::vector<int> layers;
+        for (const Item& it : items[static_cast<std::size_t>(passes[i].chunk)]) {
+          if (it.op && (layers.empty() || layers.back() != it.layer)) layers.push_back(it.layer);
+        }
+        DTSIM_ASSERT(passes[i].kind == PassKind::Forward || passes[i].kind == PassKind::Backward,
+                     "unit gathers need whole backward passes");
+        if (passes[i].kind == PassKind::Backward) std::reverse(layers.begin(), layers.end());
+        for (int layer : layers) {
+          units_.push_back({i, passes[i].chunk, layer, passes[i].micro_batch});
+        }
+      }
+      unit_gather_.assign(units_.size(), -1);
+      if (!units_.empty()) unit_gather_[0] = gather_unit(0, -1);
+    } else if (zero3 && !passes.empty()) {
       weights = gather_weights(items[static_cast<std::size_t>(passes[0].chunk)], passes[0], -1);
     }
 
@@ -736,9 +843,13 @@ class Lowerer {
     // them everywhere.
     const bool in_turn_when_alike =
         plan_.schedule == plan::Schedule::GPipe || plan_.schedule == plan::Schedule::OneFOneB;
+    // With unit gathers, a backward pass's gradients go out block by block, in order with the
+    // gathers of the blocks ahead on the data-parallel stream.
+    const bool buckets_per_block = unit_gathers_ && plan_.overlap_grad_reduce;
 
     for (std::size_t i = 0; i < passes.size(); ++i) {
       const Pass& pass = passes[i];
+      pass_ = i;
       const int c = pass.chunk;
       const int k = global_chunk(c);
       const auto& chunk = items[static_cast<std::size_t>(c)];
@@ -776,9 +887,14 @@ class Lowerer {
         case PassKind::BackwardInput: {
           const Phase phase =
               pass.kind == PassKind::Backward ? Phase::Backward : Phase::BackwardInput;
+          if (buckets_per_block && wants_grads) {
+            block_buckets_ = &dp_tasks;
+            block_buckets_mb_ = pass.micro_batch;
+          }
           pass_end = emit_backward(
               chunk, phase, pass.micro_batch, c, dep,
               pass.kind == PassKind::Backward && wants_grads ? &produced : nullptr, weights);
+          block_buckets_ = nullptr;
           input_grad_done[{pass.micro_batch, c}] = pass_end;
           if (k > 0) {
             round_sends.push_back({pass_end, k - 1, pass.micro_batch, true, c, before_chunk});
@@ -810,7 +926,7 @@ class Lowerer {
       if (!between_rounds) flush_sends();  // overlapped: sent at once
       const TaskId first_of_pass =
           rp_->tasks.size() > pass_start ? static_cast<TaskId>(pass_start) : pass_end;
-      if (zero3 && i + 1 < passes.size()) {
+      if (zero3 && !unit_gathers_ && i + 1 < passes.size()) {
         weights = gather_weights(items[static_cast<std::size_t>(passes[i + 1].chunk)],
                                  passes[i + 1], first_of_pass);
       }
@@ -819,7 +935,8 @@ class Lowerer {
         std::vector<OpId> ops;
         for (const auto& [op, task] : produced) ops.push_back(op);
         if (!ops.empty()) held_grads.emplace_back(pass.micro_batch, std::move(ops));
-      } else if (per_micro_batch_grads || last_micro_batch_grads) {
+      } else if ((per_micro_batch_grads || last_micro_batch_grads) &&
+                 !(buckets_per_block && pass.kind == PassKind::Backward)) {
         // Buckets go out as soon as this pass's gradients exist.
         for (TaskId t : grad_buckets(produced, pass.micro_batch)) dp_tasks.push_back(t);
       }

@@ -113,8 +113,7 @@ class Estimator {
       return std::max(0.0, collective - cost.op_seconds(op, Phase::BackwardWeight));
     };
     // Zero-bubble splits every backward into input- and weight-gradient passes already.
-    const bool tp_overlap =
-        p.tp > 1 && p.overlap_tp_backward && p.schedule != Schedule::ZeroBubble;
+    const bool tp_overlap = p.tp > 1 && p.overlap_tp_backward && p.schedule != Schedule::ZeroBubble;
     if (tp_overlap) {
       const auto tp = group(ParallelDim::Tp, lower::GroupKind::Tp);
       const double f = net_->collective_s(
@@ -282,14 +281,18 @@ class Estimator {
         b.exposed_dp_s += net_->collective_s(grp, CollectiveKind::AllGather, weights);
       }
       if (p.zero_stage == 3 && !expert) {
-        // One gather per pass (2 per micro-batch and chunk), each hidden behind the previous
-        // pass except for the first.
-        const double gather =
-            net_->collective_s(grp, CollectiveKind::AllGather,
-                               static_cast<std::uint64_t>(weights / std::max(1, p.virtual_stages)));
-        const double pass = std::min(stage_f, stage_b) / std::max(1, p.virtual_stages);
-        const double passes = 2 * mb * p.virtual_stages;
-        b.exposed_dp_s += gather + (passes - 1) * std::max(0.0, gather - pass);
+        // One gather per unit (a block; zero-bubble: a chunk) and pass, 2 passes per
+        // micro-batch and chunk, each hidden behind the unit before it except for the first
+        // (lowering: Unit).
+        const double v = std::max(1, p.virtual_stages);
+        const double units = p.schedule == Schedule::ZeroBubble
+                                 ? 1.0
+                                 : std::max(1.0, static_cast<double>(m.layers) / (p.pp * v));
+        const double gather = net_->collective_s(grp, CollectiveKind::AllGather,
+                                                 static_cast<std::uint64_t>(weights / v / units));
+        const double unit = std::min(stage_f, stage_b) / v / units;
+        const double passes = 2 * mb * v * units;
+        b.exposed_dp_s += gather + (passes - 1) * std::max(0.0, gather - unit);
       }
     }
     b.optimizer_s = cost.optimizer_seconds(

@@ -61,29 +61,58 @@ TEST_CASE("gradients reduce over dp x cp and ZeRO shards over it", "[lower]") {
   CHECK(opt.params == dtsim::model::count_params(spec) / 2);
 }
 
-TEST_CASE("ZeRO-3 gathers each chunk's weights once per pass, one pass ahead", "[lower]") {
+TEST_CASE("ZeRO-3 gathers each unit's weights once per pass, one unit ahead", "[lower]") {
+  // As FSDP wraps a model: the embedding, each block and the head are units. A unit's first
+  // task waits for its gather; the next unit's gather goes out once the unit before this one
+  // has started (so one gather runs ahead of the compute), on the dp stream.
   const auto spec = dtsim::model::load_model("tiny-gpt");
   const dtsim::model::ModelGraph g(spec, 1, 32);
   Plan p = plan_for(4, 1, 1, 1);
   p.zero_stage = 3;
   const Program program = dtsim::lower::lower(g, p);
-  const auto dp = on_stream(program, 0, Stream::Dp);
-  // Passes: 4 forward + 4 backward; the gathered output is the whole chunk in 16 bits.
-  int gathers = 0;
-  for (const auto* t : dp) {
-    if (t->collective != CollectiveKind::AllGather) continue;
-    ++gathers;
-    CHECK(t->bytes == dtsim::model::count_params(spec) * 2);
+  const auto& tasks = program.ranks[0].tasks;
+  const int units = static_cast<int>(spec.layers) + 2;
+  std::vector<int> gathers;  // task indices
+  std::uint64_t bytes = 0;
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    if (tasks[i].kind != TaskKind::Collective || tasks[i].collective != CollectiveKind::AllGather)
+      continue;
+    CHECK(tasks[i].stream == Stream::Dp);
+    gathers.push_back(static_cast<int>(i));
+    bytes += tasks[i].bytes;
   }
-  CHECK(gathers == 8);
-  // The gather for the last pass comes before that pass's predecessor's gradient buckets.
-  std::size_t last_gather = 0, first_bucket = dp.size();
-  for (std::size_t i = 0; i < dp.size(); ++i) {
-    if (dp[i]->collective == CollectiveKind::AllGather) last_gather = i;
-    if (dp[i]->collective == CollectiveKind::ReduceScatter)
-      first_bucket = std::min(first_bucket, i);
+  // 4 forward and 4 backward passes; each gathers the whole model in 16 bits.
+  CHECK(gathers.size() == static_cast<std::size_t>(8 * units));
+  CHECK(bytes == 8 * dtsim::model::count_params(spec) * 2);
+  // The first compute task that uses each gather, and what each gather waited for.
+  std::vector<int> user(gathers.size(), -1);
+  for (std::size_t u = 0; u < gathers.size(); ++u) {
+    for (std::size_t i = 0; i < tasks.size() && user[u] < 0; ++i) {
+      const auto& d = tasks[i].deps;
+      if (tasks[i].kind == TaskKind::Compute && std::count(d.begin(), d.end(), gathers[u]) > 0) {
+        user[u] = static_cast<int>(i);
+      }
+    }
+    INFO("gather " << u << ": " << tasks[static_cast<std::size_t>(gathers[u])].label);
+    REQUIRE(user[u] >= 0);
+    const auto& waits = tasks[static_cast<std::size_t>(gathers[u])].deps;
+    if (u < 2) {
+      CHECK(waits.empty());
+    } else {
+      CHECK(waits == std::vector<dtsim::lower::TaskId>{user[u - 2]});
+    }
+    if (u > 0) CHECK(user[u] > user[u - 1]);
   }
-  CHECK(last_gather < first_bucket + 2 * 8);
+  // Zero-bubble's weight passes take a chunk's weights at once: one gather per chunk and pass.
+  p.pp = 2;
+  p.dp = 2;
+  p.schedule = dtsim::plan::Schedule::ZeroBubble;
+  const Program zb = dtsim::lower::lower(g, p);
+  int zb_gathers = 0;
+  for (const auto* t : on_stream(zb, 0, Stream::Dp)) {
+    zb_gathers += t->collective == CollectiveKind::AllGather ? 1 : 0;
+  }
+  CHECK(zb_gathers == 3 * 8);  // forward, input- and weight-gradient passes of 8 micro-batches
 }
 
 TEST_CASE("with experts, ZeRO-3 gathers expert weights too and expert buckets interleave",
@@ -93,7 +122,7 @@ TEST_CASE("with experts, ZeRO-3 gathers expert weights too and expert buckets in
   const dtsim::model::ModelGraph g(moe, 1, 32);
   Plan p = plan_for(4, 1, 1, 1);
   p.ep = 2;
-  SECTION("ZeRO-3: a dense gather over dp and an expert gather over dp / ep, per pass") {
+  SECTION("ZeRO-3: per unit and pass, dense weights over dp and expert weights over dp / ep") {
     p.zero_stage = 3;
     const Program program = dtsim::lower::lower(g, p);
     int dense = 0, expert = 0;
@@ -102,8 +131,9 @@ TEST_CASE("with experts, ZeRO-3 gathers expert weights too and expert buckets in
       const auto kind = program.groups[static_cast<std::size_t>(t->group)].kind;
       (kind == GroupKind::ExpertDp ? expert : dense) += 1;
     }
-    CHECK(dense == 8);  // 4 forward and 4 backward passes
-    CHECK(expert == 8);
+    // 4 forward and 4 backward passes: every unit has dense weights, every block experts.
+    CHECK(dense == 8 * static_cast<int>(moe.layers + 2));
+    CHECK(expert == 8 * static_cast<int>(moe.layers));
   }
   SECTION("expert buckets are issued as they fill, not after every dense bucket") {
     p.global_batch_size = 4;  // one micro-batch: the buckets of its backward pass
