@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <boost/program_options.hpp>
 #include <cmath>
 #include <cstdio>
@@ -581,6 +582,33 @@ int run(const std::vector<std::string>& args) {
     end_all_ranks(e, mpi.get(), "run");
     throw;
   }
+  // Memory: the device pool's peak on the busiest rank, and the memory model's busiest stage
+  // without its framework allowance (the pool holds tensors only). Every rank takes part.
+  const auto use = device->memory_use();
+  std::array<double, 2> held = {static_cast<double>(use.peak), static_cast<double>(use.reserved)};
+  comm->all_ranks(held, dtsim::exec::Reduce::Max);
+  std::optional<double> predicted_memory;
+  try {
+    const auto c = vm.count("cluster")
+                       ? dtsim::cluster::load_cluster(vm["cluster"].as<std::string>())
+                       : dtsim::cluster::load_cluster("cpu-host");
+    dtsim::plan::MemoryOptions no_allowance;
+    no_allowance.framework_overhead_bytes = 0;
+    predicted_memory = dtsim::plan::estimate_memory(
+                           graph, plan, dtsim::cluster::with_devices(c, devices), no_allowance)
+                           .worst()
+                           .total_bytes;
+  } catch (const dtsim::InputError&) {
+  } catch (const dtsim::UnsupportedError&) {
+  }
+  const nlohmann::json memory = {
+      {"peak_bytes", held[0]},
+      {"reserved_bytes", held[1]},
+      {"predicted_bytes", dtsim::report::value_or_null(predicted_memory)},
+      {"note",
+       "peak_bytes: the most the device pool handed out at once on the busiest rank; "
+       "reserved_bytes: what its pool held; predicted_bytes: dtsim memory's busiest stage "
+       "without its framework allowance (null where the memory model does not apply)"}};
   const double tokens = static_cast<double>(plan.global_batch_size * plan.seq_len);
   const int first = result.first_step;
   // What simulate predicts, measured: FLOP rates, and where this rank's step went.
@@ -626,6 +654,7 @@ int run(const std::vector<std::string>& args) {
                      {"tokens_per_s", tokens / result.step_time_s},
                      {"warmup_steps", warmup}};
     j.update(measured);
+    j["memory"] = memory;
     out(rank) << j.dump(2) << "\n";
     return 0;
   }
@@ -634,6 +663,15 @@ int run(const std::vector<std::string>& args) {
       "median step time {:.1f} ms after {} warm-up step(s) (from {:.1f} to {:.1f} ms), {:.0f} "
       "tokens/s\n",
       result.step_time_s * 1e3, warmup, fastest * 1e3, slowest * 1e3, tokens / result.step_time_s);
+  constexpr double mib = 1024.0 * 1024.0;
+  out(rank) << fmt::format(
+      "memory: peak {:.1f} MiB of tensors on the busiest rank ({:.1f} MiB held "
+      "by its pool){}\n",
+      held[0] / mib, held[1] / mib,
+      predicted_memory ? fmt::format("; dtsim memory predicts {:.1f} MiB "
+                                     "(without its framework allowance)",
+                                     *predicted_memory / mib)
+                       : std::string());
   if (!options.checkpoint_dir.empty()) {
     out(rank) << fmt::format("checkpoint written to {}\n", options.checkpoint_dir);
   }

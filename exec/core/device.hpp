@@ -51,6 +51,12 @@ class Device {
   // framework's caching allocator does), else new.
   virtual View allocate(std::int64_t n, Dtype type) = 0;
   virtual void release(View v) = 0;
+  // Bytes of the buffers handed out (from allocate until release): now, and the most since the
+  // device was made; and what its pool holds (handed out, or kept for reuse).
+  struct MemoryUse {
+    std::int64_t in_use = 0, peak = 0, reserved = 0;
+  };
+  virtual MemoryUse memory_use() const = 0;
   virtual void zero(View v) = 0;
   virtual void copy(View dst, View src) = 0;  // same type and size
   // Host values into a view (converted to its type; ints into I32 views), and back.

@@ -28,7 +28,8 @@ View CpuDevice::allocate(std::int64_t n, Dtype type) {
   std::unique_ptr<float[]> block;
   std::size_t capacity = words;
   const auto it = free_.lower_bound(words);
-  if (it != free_.end()) {
+  const bool reused = it != free_.end();
+  if (reused) {
     capacity = it->first;
     block = std::move(it->second);
     free_.erase(it);
@@ -38,13 +39,22 @@ View CpuDevice::allocate(std::int64_t n, Dtype type) {
   }
   void* p = block.get();
   live_.emplace(p, std::make_pair(std::move(block), capacity));
+  if (!reused) memory_.reserved += static_cast<std::int64_t>(capacity);
+  memory_.in_use += static_cast<std::int64_t>(capacity);
+  memory_.peak = std::max(memory_.peak, memory_.in_use);
   return {p, n, type};
+}
+
+Device::MemoryUse CpuDevice::memory_use() const {
+  constexpr std::int64_t word = sizeof(float);
+  return {memory_.in_use * word, memory_.peak * word, memory_.reserved * word};
 }
 
 void CpuDevice::release(View v) {
   if (v.p == nullptr) return;
   const auto it = live_.find(v.p);
   DTSIM_ASSERT(it != live_.end(), "release of a view that was not allocated whole");
+  memory_.in_use -= static_cast<std::int64_t>(it->second.second);
   free_.emplace(it->second.second, std::move(it->second.first));
   live_.erase(it);
 }

@@ -24,6 +24,7 @@ class CpuDevice final : public Device {
 
   View allocate(std::int64_t n, Dtype type) override;
   void release(View v) override;
+  MemoryUse memory_use() const override;
   void zero(View v) override;
   void copy(View dst, View src) override;
   void upload(View dst, const float* host) override;
@@ -73,6 +74,7 @@ class CpuDevice final : public Device {
   // Buffers of 4-byte words: handed out (by address) and released (by capacity).
   std::unordered_map<void*, std::pair<std::unique_ptr<float[]>, std::size_t>> live_;
   std::multimap<std::size_t, std::unique_ptr<float[]>> free_;
+  MemoryUse memory_;  // in 4-byte words until memory_use()
   std::vector<std::chrono::steady_clock::time_point> marks_;
 };
 

@@ -43,21 +43,28 @@ class CudaDevice final : public Device {
         // Out of memory with released buffers in the pool (none large enough): give them back
         // to the GPU and try once more, as a caching allocator does.
         if (free_.empty()) throw;
+        for (const auto& entry : free_) memory_.reserved -= static_cast<std::int64_t>(entry.first);
         free_.clear();
         block = DeviceBuffer(bytes);
       }
+      memory_.reserved += static_cast<std::int64_t>(block.bytes());
     }
     k_.zero(block.get(), bytes);
+    memory_.in_use += static_cast<std::int64_t>(block.bytes());
+    memory_.peak = std::max(memory_.peak, memory_.in_use);
     void* p = block.get();
     live_.emplace(p, std::move(block));
     return {p, n, type};
   }
+
+  MemoryUse memory_use() const override { return memory_; }
 
   void release(View v) override {
     if (v.p == nullptr) return;
     const auto it = live_.find(v.p);
     DTSIM_ASSERT(it != live_.end(), "release of a view that was not allocated whole");
     const std::size_t capacity = it->second.bytes();
+    memory_.in_use -= static_cast<std::int64_t>(capacity);
     free_.emplace(capacity, std::move(it->second));
     live_.erase(it);
   }
@@ -213,6 +220,7 @@ class CudaDevice final : public Device {
   int gpu_;
   std::unordered_map<void*, DeviceBuffer> live_;
   std::multimap<std::size_t, DeviceBuffer> free_;
+  MemoryUse memory_;
   DeviceBuffer rows_;
 };
 

@@ -42,6 +42,7 @@ class Bf16Device final : public Device {
     return {words.p, n, Dtype::BF16};
   }
   void release(View v) override { cpu_.release(v); }
+  MemoryUse memory_use() const override { return cpu_.memory_use(); }
   void zero(View v) override { cpu_.zero(v); }
   void copy(View dst, View src) override { cpu_.copy(dst, src); }
   void upload(View dst, const float* host) override {

@@ -358,3 +358,24 @@ TEST_CASE("a started collective and a blocking send are timed until they complet
     CHECK(shortest_with_slow_peer(p, dtsim::lower::TaskKind::Send) >= 0.03);
   }
 }
+
+TEST_CASE("the CPU device counts the memory it hands out, its peak and its pool", "[exec][cpu]") {
+  dtsim::exec::cpu::CpuDevice device;
+  using Dtype = dtsim::exec::Dtype;
+  CHECK(device.memory_use().peak == 0);
+  const auto a = device.allocate(1000, Dtype::F32);
+  const auto b = device.allocate(500, Dtype::F32);
+  CHECK(device.memory_use().in_use == 1500 * 4);
+  device.release(a);
+  CHECK(device.memory_use().in_use == 500 * 4);
+  // A smaller request reuses the released buffer whole: the pool does not grow.
+  const auto c = device.allocate(800, Dtype::F32);
+  const auto use = device.memory_use();
+  CHECK(use.in_use == 1500 * 4);
+  CHECK(use.peak == 1500 * 4);
+  CHECK(use.reserved == 1500 * 4);
+  device.release(b);
+  device.release(c);
+  CHECK(device.memory_use().in_use == 0);
+  CHECK(device.memory_use().reserved == 1500 * 4);
+}
