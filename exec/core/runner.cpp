@@ -1461,6 +1461,7 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
                        to_string(p.precision)));
   }
   if (p.ep > 1) refuse("expert parallelism (ep > 1)");
+  if (p.scatter_gather_p2p) refuse("scatter/gather of pipeline transfers (--scatter-gather-p2p)");
   if (p.sequence_parallel && (p.micro_batch_size * p.seq_len) % p.tp != 0) {
     refuse(
         fmt::format("sequence parallelism with {} tokens per micro-batch, not divisible by tp {}",

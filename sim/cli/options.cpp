@@ -65,7 +65,11 @@ void add_plan_options(po::options_description& desc) {
       "overlap pipeline sends and receives with compute (Megatron-LM "
       "--overlap-p2p-communication); by default a stage exchanges its pipeline tensors in "
       "blocking batches between compute passes, as Megatron-LM does")(
-      "precision", po::value<std::string>(), "bf16 (default), fp16, fp8, fp32")(
+      "scatter-gather-p2p", po::bool_switch(),
+      "Megatron-LM's scatter/gather of pipeline transfers (its 2021 default): each tp rank "
+      "sends 1/tp of the activations and the receivers all-gather them over tp (needs tp > 1, "
+      "no sequence parallelism)")("precision", po::value<std::string>(),
+                                  "bf16 (default), fp16, fp8, fp32")(
       "comm-precision", po::value<std::string>(),
       "precision of communicated activations and gradients, e.g. fp8 (default: --precision)")(
       "grad-compression", po::value<double>(),
@@ -234,6 +238,9 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   }
   if (vm.count("no-overlap-tp-backward") && vm["no-overlap-tp-backward"].as<bool>()) {
     p.overlap_tp_backward = false;
+  }
+  if (vm.count("scatter-gather-p2p") && vm["scatter-gather-p2p"].as<bool>()) {
+    p.scatter_gather_p2p = true;
   }
   if (vm.count("overlap-p2p-comm") && vm["overlap-p2p-comm"].as<bool>()) {
     p.overlap_p2p_comm = true;

@@ -1052,8 +1052,10 @@ class Lowerer {
   }
 
   std::uint64_t activation_bytes() const {
-    // Megatron-LM sends the block output; with sequence parallelism it is split over tp.
-    return hidden_bytes_ / static_cast<std::uint64_t>(plan_.sequence_parallel ? plan_.tp : 1);
+    // Megatron-LM sends the block output; with sequence parallelism, or its scatter/gather, a
+    // tp rank sends 1/tp of it.
+    const bool split = plan_.sequence_parallel || plan_.scatter_gather_p2p;
+    return hidden_bytes_ / static_cast<std::uint64_t>(split ? plan_.tp : 1);
   }
 
   // Unique per (micro-batch, receiving or sending chunk, direction) across the step.
@@ -1113,7 +1115,24 @@ class Lowerer {
     recv.label = fmt::format("recv {} mb{} chunk {}", gradient ? "gradients" : "activations",
                              pass.micro_batch, pass.chunk);
     recv.deps = after;
-    return add(std::move(recv));
+    const TaskId received = add(std::move(recv));
+    if (!plan_.scatter_gather_p2p) return received;
+    // Scatter/gather: the tp ranks all-gather their slices into the whole tensor before the
+    // pass uses it (Megatron-LM's gather_split_1d_tensor).
+    Task ag;
+    ag.kind = TaskKind::Collective;
+    ag.stream = Stream::Tp;
+    ag.collective = CollectiveKind::AllGather;
+    ag.group = group(GroupKind::Tp);
+    ag.bytes = hidden_bytes_;
+    ag.micro_batch = pass.micro_batch;
+    ag.chunk = pass.chunk;
+    ag.op_begin = static_cast<std::int32_t>(gradient ? end_op - 1 : first_op - 1);
+    ag.op_end = ag.op_begin + 1;
+    ag.deps.push_back(received);
+    ag.label = fmt::format("tp all-gather received {} mb{} chunk {}",
+                           gradient ? "gradients" : "activations", pass.micro_batch, pass.chunk);
+    return add(std::move(ag));
   }
 };
 

@@ -88,6 +88,7 @@ std::string summary(const Plan& p) {
   if (!p.overlap_grad_reduce) s += " no-overlap-grad-reduce";
   if (!p.overlap_tp_backward && p.tp > 1) s += " no-overlap-tp-backward";
   if (p.overlap_p2p_comm) s += " overlap-p2p-comm";
+  if (p.scatter_gather_p2p) s += " scatter-gather-p2p";
   s += fmt::format(" {}", to_string(p.precision));
   if (p.comm_precision) s += fmt::format(" comm={}", to_string(*p.comm_precision));
   if (p.grad_compression < 1) s += fmt::format(" grad-compression={:g}", p.grad_compression);
@@ -146,6 +147,11 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
   }
   if (p.sequence_parallel && p.tp < 2) {
     error("sp-needs-tp", "sequence parallelism needs tp > 1");
+  }
+  if (p.scatter_gather_p2p && (p.tp < 2 || p.sequence_parallel)) {
+    error("scatter-gather",
+          "scatter/gather of pipeline transfers needs tp > 1 without sequence parallelism (which "
+          "already sends 1/tp of the tensor)");
   }
   if (p.sequence_parallel && (p.seq_len / p.cp) % p.tp != 0) {
     error("sp-seq", fmt::format("sequence parallelism needs tp = {} to divide the sequence "
@@ -301,6 +307,7 @@ json to_json(const Plan& p) {
             {"overlap_grad_reduce", p.overlap_grad_reduce},
             {"overlap_tp_backward", p.overlap_tp_backward},
             {"overlap_p2p_comm", p.overlap_p2p_comm},
+            {"scatter_gather_p2p", p.scatter_gather_p2p},
             {"precision", to_string(p.precision)},
             {"optimizer", to_string(p.optimizer)},
             {"order", cluster::Placement::to_string(p.order)}};
@@ -328,6 +335,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "overlap_grad_reduce",
                  "overlap_tp_backward",
                  "overlap_p2p_comm",
+                 "scatter_gather_p2p",
                  "precision",
                  "comm_precision",
                  "grad_compression",
@@ -366,6 +374,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
   p.overlap_grad_reduce = r.boolean_or("overlap_grad_reduce", true);
   p.overlap_tp_backward = r.boolean_or("overlap_tp_backward", true);
   p.overlap_p2p_comm = r.boolean_or("overlap_p2p_comm", false);
+  p.scatter_gather_p2p = r.boolean_or("scatter_gather_p2p", false);
   if (r.has("precision")) {
     p.precision = *parse_precision(r.choice("precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));
   }

@@ -59,6 +59,12 @@ struct Plan {
   // has ended; a transfer starts when both ends are ready, the receiver waits for all of it,
   // and with GPipe, 1F1B and interleaved so does the sender (sim/lower/lowering.cpp).
   bool overlap_p2p_comm = false;
+  // Megatron-LM's scatter/gather of pipeline transfers (Narayanan et al. SC'21, Sec. 4.1;
+  // --scatter-gather-tensors-in-pipeline, on by default in its 2021 releases): each tensor-
+  // parallel rank sends and receives 1/tp of the activation tensor, and the receiving ranks
+  // all-gather it over tp before use. Needs tp > 1 without sequence parallelism (which splits
+  // the tensor already).
+  bool scatter_gather_p2p = false;
   Precision precision = Precision::Bf16;
   // Low-precision communication: activations (tp, cp, ep, pp) and gradients travel in this
   // precision's bytes (unset: the training precision's), as with fp8 or bf16 collectives.

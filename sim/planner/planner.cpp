@@ -170,9 +170,13 @@ class Estimator {
     double p2p = 0;  // one pipeline transfer
     if (p.pp > 1) {
       const auto pp_ranks = placement.group(ParallelDim::Pp, 0);
-      const std::uint64_t bytes =
-          hidden_bytes / static_cast<std::uint64_t>(p.sequence_parallel ? p.tp : 1);
+      const bool split = p.sequence_parallel || p.scatter_gather_p2p;
+      const std::uint64_t bytes = hidden_bytes / static_cast<std::uint64_t>(split ? p.tp : 1);
       p2p = net_->p2p_s(pp_ranks[0], pp_ranks[1], bytes);
+      if (p.scatter_gather_p2p) {
+        p2p += net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
+                                  CollectiveKind::AllGather, hidden_bytes);
+      }
     }
     // The slowest stage's forward and backward per micro-batch, and without p2p overlap the
     // time its receives expose per micro-batch: each is posted when the compute before it ends

@@ -129,6 +129,8 @@ Table1Case megatron_table1_case(const CsvRow& row) {
   p.recompute = plan::Recompute::Full;
   p.overlap_grad_reduce = false;
   p.overlap_tp_backward = false;
+  // The paper's pipelined runs scatter and gather their transfers (Sec. 4.1; Table 1 notes).
+  p.scatter_gather_p2p = p.pp > 1 && p.tp > 1;
   if (p.pp > 1) {
     const int per_stage = static_cast<int>(spec.layers / p.pp);
     for (int v = 2; v <= per_stage; ++v) {

@@ -504,3 +504,44 @@ TEST_CASE(
                        [](const auto& t) { return t.phase == Phase::BackwardInput; }));
   }
 }
+
+TEST_CASE("scatter/gather sends 1/tp of a pipeline tensor and all-gathers it on arrival",
+          "[lower]") {
+  // Megatron-LM's 2021 optimisation (Narayanan et al. SC'21, Sec. 4.1).
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  Plan p = plan_for(1, 2, 2, 1);
+  const Program whole = dtsim::lower::lower(g, p);
+  p.scatter_gather_p2p = true;
+  const Program split = dtsim::lower::lower(g, p);
+  for (const std::size_t rank : {std::size_t{0}, std::size_t{1}}) {
+    const auto& a = whole.ranks[rank].tasks;
+    const auto& b = split.ranks[rank].tasks;
+    std::uint64_t whole_bytes = 0;
+    for (const auto& t : a) {
+      if (t.kind == TaskKind::Recv) whole_bytes = t.bytes;
+    }
+    REQUIRE(whole_bytes > 0);
+    int receives = 0;
+    for (std::size_t i = 0; i < b.size(); ++i) {
+      if (b[i].kind == TaskKind::Send) CHECK(b[i].bytes == whole_bytes / 2);
+      if (b[i].kind != TaskKind::Recv) continue;
+      ++receives;
+      CHECK(b[i].bytes == whole_bytes / 2);
+      // The next task gathers the slices over tp, and the pass waits for the gather.
+      REQUIRE(i + 1 < b.size());
+      const auto& gather = b[i + 1];
+      CHECK(gather.kind == TaskKind::Collective);
+      CHECK(gather.collective == CollectiveKind::AllGather);
+      CHECK(split.groups[static_cast<std::size_t>(gather.group)].kind == GroupKind::Tp);
+      CHECK(gather.bytes == whole_bytes);
+      CHECK(gather.deps == std::vector<dtsim::lower::TaskId>{static_cast<int>(i)});
+      const auto used = std::find_if(b.begin(), b.end(), [&](const auto& t) {
+        return t.kind == TaskKind::Compute &&
+               std::count(t.deps.begin(), t.deps.end(), static_cast<int>(i + 1)) > 0;
+      });
+      CHECK(used != b.end());
+    }
+    CHECK(receives == 4);  // 4 micro-batches, one direction per stage
+  }
+}

@@ -55,6 +55,16 @@ TEST_CASE("each broken rule says which one and why", "[plan][bad-input]") {
     p.dp = 2;
     CHECK(has_rule(check_plan(p, m, 64), "tp-kv-heads", "does not divide 8 key/value heads"));
   }
+  SECTION("scatter/gather of pipeline transfers needs tp > 1 without sequence parallelism") {
+    p.scatter_gather_p2p = true;
+    CHECK(check_plan(p, m, 64).ok());
+    p.sequence_parallel = true;
+    CHECK(has_rule(check_plan(p, m, 64), "scatter-gather", "needs tp > 1 without sequence"));
+    p.sequence_parallel = false;
+    p.tp = 1;
+    p.dp = 32;
+    CHECK(has_rule(check_plan(p, m, 64), "scatter-gather", "needs tp > 1"));
+  }
   SECTION("gradient compression is a fraction of the bytes") {
     p.grad_compression = 1.5;
     CHECK(has_rule(check_plan(p, m, 64), "grad-compression",
@@ -178,6 +188,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   p.overlap_grad_reduce = false;
   p.overlap_p2p_comm = true;
   p.overlap_tp_backward = false;
+  p.scatter_gather_p2p = true;
   p.layers_per_stage = {10, 10, 10, 10};
   p.comm_precision = dtsim::Precision::Fp8;
   p.grad_compression = 0.25;
@@ -187,6 +198,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   CHECK(q.grad_compression == 0.25);
   CHECK(q.overlap_p2p_comm);
   CHECK(!q.overlap_tp_backward);
+  CHECK(q.scatter_gather_p2p);
 
   auto bad = [](const char* text, const char* message) {
     dtsim::test::TempFile f("plan.json", text);
@@ -204,6 +216,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   bad(R"({"overlap_grad_reduce": 0})", "plan.json: overlap_grad_reduce: expected true or false");
   bad(R"({"overlap_p2p_comm": "yes"})", "plan.json: overlap_p2p_comm: expected true or false");
   bad(R"({"overlap_tp_backward": 1})", "plan.json: overlap_tp_backward: expected true or false");
+  bad(R"({"scatter_gather_p2p": "on"})", "plan.json: scatter_gather_p2p: expected true or false");
   bad(R"({"zero_stage": 4})", "plan.json: zero_stage: expected 0, 1, 2 or 3, got 4");
   bad(R"({"grad_compression": 2})",
       "plan.json: grad_compression: expected the fraction of the gradient bytes sent, in (0, 1]");
