@@ -1107,6 +1107,10 @@ class Runner {
         const auto anchor = static_cast<OpId>(task.op_begin);
         const Op& op = g_.op(anchor);
         const bool exit = op.kind == OpKind::Embedding || row_parallel(op);
+        if (program_.plan.scatter_gather_p2p && task.collective == CollectiveKind::AllGather) {
+          gather_transferred(task);  // no sequence parallelism: the only tp all-gather
+          return;
+        }
         if (task.collective == CollectiveKind::ReduceScatter ||
             task.collective == CollectiveKind::AllGather) {
           sequence_parallel_collective(task, mb, anchor, exit);
@@ -1176,7 +1180,26 @@ class Runner {
   Comm::Handle post_receive(const lower::Task& task) {
     View& buffer = transferred(task);
     fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
-    return comm_.start_recv(peer_rank(task), task.tag, buffer);
+    return comm_.start_recv(peer_rank(task), task.tag, on_the_wire(buffer));
+  }
+
+  // What a pipeline transfer of `tensor` sends and receives: all of it, or with scatter/gather
+  // (plan.scatter_gather_p2p) this tp rank's 1/tp of it.
+  View on_the_wire(View tensor) const {
+    if (!program_.plan.scatter_gather_p2p) return tensor;
+    const std::int64_t part = tensor.n / tp_;
+    return tensor.sub(t_ * part, part);
+  }
+
+  // Scatter/gather: the received slices of a pipeline tensor, all-gathered over tp into it.
+  void gather_transferred(const lower::Task& task) {
+    View& tensor = transferred(task);
+    const View part = on_the_wire(tensor);
+    const View mine = dev_.allocate(part.n, part.type);
+    dev_.copy(mine, part);
+    const std::vector<int> counts(static_cast<std::size_t>(tp_), static_cast<int>(part.n));
+    comm_.all_gather(task.group, mine, tensor, counts);
+    dev_.release(mine);
   }
 
   // The tensor a send or receive carries: activations (even tags) are an op's output, gradients
@@ -1221,6 +1244,7 @@ class Runner {
       fresh(transferred(task), static_cast<std::int64_t>(Ts_) * C_);
     } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
+               !program_.plan.scatter_gather_p2p &&
                (task.collective == CollectiveKind::AllGather ||
                 task.collective == CollectiveKind::ReduceScatter)) {
       // Sequence parallelism: the tensors take the shapes the next ops expect.
@@ -1275,13 +1299,13 @@ class Runner {
       case TaskKind::Recv: {
         View& buffer = transferred(task);
         if (task.kind == TaskKind::Send) {
-          comm_.send(peer_rank(task), task.tag, buffer);
+          comm_.send(peer_rank(task), task.tag, on_the_wire(buffer));
         } else if (const auto posted = posted_.find(index); posted != posted_.end()) {
           comm_.finish(posted->second);
           posted_.erase(posted);
         } else {
           fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
-          comm_.recv(peer_rank(task), task.tag, buffer);
+          comm_.recv(peer_rank(task), task.tag, on_the_wire(buffer));
         }
         return;
       }
@@ -1461,7 +1485,6 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
                        to_string(p.precision)));
   }
   if (p.ep > 1) refuse("expert parallelism (ep > 1)");
-  if (p.scatter_gather_p2p) refuse("scatter/gather of pipeline transfers (--scatter-gather-p2p)");
   if (p.sequence_parallel && (p.micro_batch_size * p.seq_len) % p.tp != 0) {
     refuse(
         fmt::format("sequence parallelism with {} tokens per micro-batch, not divisible by tp {}",

@@ -1129,6 +1129,7 @@ class Lowerer {
     ag.chunk = pass.chunk;
     ag.op_begin = static_cast<std::int32_t>(gradient ? end_op - 1 : first_op - 1);
     ag.op_end = ag.op_begin + 1;
+    ag.tag = tag(pass.micro_batch, k, gradient);  // names the tensor, as the receive's does
     ag.deps.push_back(received);
     ag.label = fmt::format("tp all-gather received {} mb{} chunk {}",
                            gradient ? "gradients" : "activations", pass.micro_batch, pass.chunk);

@@ -87,17 +87,6 @@ TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   auto p = single_rank(1, 2);
   p.schedule = dtsim::plan::Schedule::PipeDreamAsync;
   REQUIRE_THROWS_AS(run("tiny-gpt", p, 1), dtsim::UnsupportedError);
-  // Scatter/gather of pipeline transfers is simulated only.
-  auto sg = single_rank(1, 2);
-  sg.tp = 2;
-  sg.pp = 2;
-  sg.dp = 1;
-  sg.scatter_gather_p2p = true;
-  const dtsim::model::ModelGraph g(dtsim::model::load_model("tiny-gpt"), 1, 32, 4);
-  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::exec::check_runnable(g, all_ranks(g, sg)),
-                                  dtsim::UnsupportedError,
-                                  "dtexec: scatter/gather of pipeline transfers "
-                                  "(--scatter-gather-p2p) is not executed yet");
 }
 
 TEST_CASE("a resumed run continues with bitwise-identical losses", "[exec][runner]") {

@@ -56,6 +56,7 @@ plans=(
   "tiny-gpt|4|2|--dp 2 --pp 2 --schedule gpipe"
   "tiny-gpt|4|2|--tp 2 --pp 2 --schedule gpipe --recompute selective"
   "tiny-gpt|4|1|--tp 2 --pp 2 --schedule 1f1b"
+  "tiny-gpt|4|2|--tp 2 --pp 2 --schedule 1f1b --scatter-gather-p2p"
   "tiny-gpt|2|2|--tp 2 --sequence-parallel"
   "tiny-gpt|4|2|--dp 2 --tp 2 --sequence-parallel --zero-stage 2 --recompute full"
   "tiny-gpt|4|1|--tp 2 --pp 2 --sequence-parallel --schedule 1f1b"
