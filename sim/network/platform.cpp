@@ -12,13 +12,41 @@ namespace dtsim::network {
 
 using cluster::ParallelDim;
 
-std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan) {
+std::vector<std::vector<std::int64_t>> ring_channels(const std::vector<std::int64_t>& g,
+                                                     std::int64_t devices_per_node) {
+  std::vector<std::vector<std::int64_t>> nodes;  // members per node, in ring order
+  for (std::int64_t r : g) {
+    if (nodes.empty() || nodes.back().front() / devices_per_node != r / devices_per_node) {
+      nodes.emplace_back();
+    }
+    nodes.back().push_back(r);
+  }
+  const std::size_t k = nodes.empty() ? 0 : nodes.front().size();
+  const bool regular = nodes.size() > 1 && k > 1 &&
+                       std::all_of(nodes.begin(), nodes.end(),
+                                   [&](const auto& members) { return members.size() == k; });
+  if (!regular) return {g};
+  std::vector<std::vector<std::int64_t>> rings(k);
+  for (std::size_t c = 0; c < k; ++c) {
+    for (const auto& members : nodes) {
+      for (std::size_t i = 0; i < k; ++i) rings[c].push_back(members[(c + i) % k]);
+    }
+  }
+  return rings;
+}
+
+std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan,
+                                                           std::int64_t devices_per_node) {
   const cluster::Placement placement(plan.degrees(), plan.order);
   std::set<std::pair<std::int64_t, std::int64_t>> pairs;
   // Each group is walked once: from its first (smallest) rank.
   auto ring = [&](std::int64_t r, const std::vector<std::int64_t>& g) {
     if (g.size() < 2 || *std::min_element(g.begin(), g.end()) != r) return;
-    for (std::size_t i = 0; i < g.size(); ++i) pairs.emplace(g[i], g[(i + 1) % g.size()]);
+    for (const auto& channel : ring_channels(g, devices_per_node)) {
+      for (std::size_t i = 0; i < channel.size(); ++i) {
+        pairs.emplace(channel[i], channel[(i + 1) % channel.size()]);
+      }
+    }
   };
   const std::int64_t ranks = plan.devices();
   for (std::int64_t r = 0; r < ranks; ++r) {

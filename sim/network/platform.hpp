@@ -38,9 +38,19 @@ struct PlatformSpec {
   std::vector<std::pair<std::pair<std::int64_t, std::int64_t>, std::vector<std::size_t>>> routes;
 };
 
-// The device pairs that exchange data under `plan`: ring neighbours of every tp, cp, dp and
-// expert-dp group, every pair of an ep group, and pipeline neighbours (both directions).
-std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan);
+// The rings a group's ring collective runs (devices_per_node devices per node), each carrying
+// an equal part of it. A group with k > 1 members on each of several nodes runs k rings, as
+// NCCL's channels do: ring c enters every node at its c-th member and leaves it from another
+// one each, so that each member's NIC carries one ring across nodes. Otherwise the group's own
+// order is the one ring.
+std::vector<std::vector<std::int64_t>> ring_channels(const std::vector<std::int64_t>& group,
+                                                     std::int64_t devices_per_node);
+
+// The device pairs that exchange data under `plan`: ring neighbours (every channel) of every
+// tp, cp, dp and expert-dp group, every pair of an ep group, and pipeline neighbours (both
+// directions).
+std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan,
+                                                           std::int64_t devices_per_node);
 // Every ordered pair of devices inside each node (what collectives on a mesh use).
 std::set<std::pair<std::int64_t, std::int64_t>> node_pairs(const cluster::Cluster& c);
 // Every ordered pair of devices (small clusters only).

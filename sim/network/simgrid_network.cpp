@@ -54,7 +54,7 @@ class SimGridNetwork final : public NetworkModel {
  public:
   SimGridNetwork(const cluster::Cluster& c, const plan::Plan& plan)
       : c_(c), plan_(plan), placement_(plan.degrees(), plan.order) {
-    auto pairs = plan_pairs(plan);
+    auto pairs = plan_pairs(plan, c.devices_per_node);
     if (cluster::is_mesh(c.intra.fabric)) pairs.merge(node_pairs(c));
     spec_ = build_platform(c, pairs);
     for (const auto& [pair, links] : spec_.routes) {
@@ -125,14 +125,18 @@ class SimGridNetwork final : public NetworkModel {
       // each of a rank's direct links to the group (as NCCL and RCCL build rings over a mesh):
       // a flow to every other member. Either way the ring's hops set its latency steps.
       const bool mesh_rings =
-          cluster::is_mesh(c_.intra.fabric) &&
-          std::all_of(g.begin(), g.end(),
-                      [&](std::int64_t r) { return r / c_.devices_per_node == node; });
-      for (int i = 0; i < m; ++i) {
-        const std::int64_t a = g[static_cast<std::size_t>(i)];
-        const std::int64_t b = g[static_cast<std::size_t>((i + 1) % m)];
-        if (!mesh_rings) flows.push_back({a, b, share * s});
-        hop_latency = std::max(hop_latency, latency_.at({a, b}));
+          cluster::is_mesh(c_.intra.fabric) && std::all_of(g.begin(), g.end(), [&](std::int64_t r) {
+            return r / c_.devices_per_node == node;
+          });
+      const auto rings = mesh_rings ? std::vector<std::vector<std::int64_t>>{g}
+                                    : ring_channels(g, c_.devices_per_node);
+      for (const auto& ring : rings) {
+        for (int i = 0; i < m; ++i) {
+          const std::int64_t a = ring[static_cast<std::size_t>(i)];
+          const std::int64_t b = ring[static_cast<std::size_t>((i + 1) % m)];
+          if (!mesh_rings) flows.push_back({a, b, share * s / static_cast<double>(rings.size())});
+          hop_latency = std::max(hop_latency, latency_.at({a, b}));
+        }
       }
       if (mesh_rings) {
         for (std::int64_t a : g) {

@@ -1,8 +1,11 @@
 #include "sim/network/collectives.hpp"
 
+#include <set>
+
 #include "sim/cluster/placement.hpp"
 #include "sim/cluster/topology.hpp"
 #include "sim/network/network_model.hpp"
+#include "sim/network/platform.hpp"
 #include "tests/test_util.hpp"
 
 using dtsim::network::Link;
@@ -146,4 +149,25 @@ TEST_CASE("on a torus a ring's steps pay for the hops between neighbours", "[net
         Approx(dtsim::network::ring_all_gather_s(s, 4, Link{b, alpha})).epsilon(1e-12));
   CHECK(model->collective_s(strided, CollectiveKind::AllGather, 1 << 26) ==
         Approx(dtsim::network::ring_all_gather_s(s, 2, Link{b / 2, 2 * alpha})).epsilon(1e-12));
+}
+
+TEST_CASE("a group with several members per node runs one ring per member, as NCCL's channels",
+          "[network]") {
+  // 2 nodes of 4: ring c enters each node at its c-th member and leaves from another one, so
+  // that each member's NIC carries one ring across nodes.
+  const std::vector<std::int64_t> g = {0, 1, 2, 3, 4, 5, 6, 7};
+  const auto rings = dtsim::network::ring_channels(g, 4);
+  REQUIRE(rings.size() == 4);
+  std::set<std::int64_t> leaving;
+  for (const auto& ring : rings) {
+    CHECK(std::set<std::int64_t>(ring.begin(), ring.end()).size() == 8);
+    for (std::size_t i = 0; i < ring.size(); ++i) {
+      const auto a = ring[i], b = ring[(i + 1) % ring.size()];
+      if (a / 4 != b / 4 && a < 4) leaving.insert(a);
+    }
+  }
+  CHECK(leaving == std::set<std::int64_t>{0, 1, 2, 3});
+  // One member per node, or uneven nodes: the group's own ring.
+  CHECK(dtsim::network::ring_channels({0, 4}, 4) == std::vector<std::vector<std::int64_t>>{{0, 4}});
+  CHECK(dtsim::network::ring_channels({0, 1, 4}, 4).size() == 1);
 }
