@@ -950,6 +950,8 @@ class Lowerer {
     }
 
     flush_sends();  // the last round's
+    DTSIM_ASSERT(!unit_gathers_ || next_unit_ == units_.size(),
+                 "every ZeRO-3 unit's first task waited for its gather");
 
     // Without overlap every bucket waits for the rank's last backward task.
     for (const auto& [micro_batch, ops] : held_grads) {
