@@ -617,37 +617,18 @@ class Lowerer {
     unit_started_ = started;
   }
 
-  // The ZeRO-3 all-gathers of unit e's weights (dense over dp, experts over expert-dp), after
-  // `after`; returns the last (-1: nothing to gather).
+  // The ZeRO-3 all-gathers of unit e's weights, after `after` (see gather_weights).
   TaskId gather_unit(std::size_t e, TaskId after) {
     const Unit& u = units_[e];
-    const auto& chunk = (*rank_items_)[static_cast<std::size_t>(u.chunk)];
-    TaskId last = -1;
-    for (const bool experts : {false, true}) {
-      double params = 0;
-      OpId lo = static_cast<OpId>(g_.size()), hi = 0;
-      for (const Item& it : chunk) {
-        if (!it.op || it.layer != u.layer) continue;
-        lo = std::min(lo, *it.op);
-        hi = std::max(hi, *it.op);
-        if (g_.op(*it.op).expert == experts) params += plan::rank_params(g_.op(*it.op), plan_);
-      }
-      if (params <= 0 || dp_group_size(experts) <= 1) continue;
-      Task ag = weight_gather(experts, params);
-      ag.micro_batch = u.micro_batch;
-      ag.chunk = u.chunk;
-      ag.op_begin = static_cast<std::int32_t>(lo);
-      ag.op_end = static_cast<std::int32_t>(hi + 1);
-      if (after >= 0) ag.deps.push_back(after);
-      const int layers = static_cast<int>(g_.spec().layers);
-      const std::string unit = u.layer < 0         ? "embedding"
-                               : u.layer == layers ? "head"
-                                                   : fmt::format("L{}", u.layer);
-      ag.label = fmt::format("zero-3 all-gather {}weights {} mb{}", experts ? "expert " : "", unit,
-                             u.micro_batch);
-      last = add(std::move(ag));
+    std::vector<Item> ops;
+    for (const Item& it : (*rank_items_)[static_cast<std::size_t>(u.chunk)]) {
+      if (it.op && it.layer == u.layer) ops.push_back(it);
     }
-    return last;
+    const int layers = static_cast<int>(g_.spec().layers);
+    const std::string what = u.layer < 0         ? "embedding"
+                             : u.layer == layers ? "head"
+                                                 : fmt::format("L{}", u.layer);
+    return gather_weights(ops, u.micro_batch, u.chunk, what, after);
   }
 
   // Parameters of a chunk on this rank (tensor-parallel share), dense or expert.
@@ -745,24 +726,25 @@ class Lowerer {
     return out;
   }
 
-  // The ZeRO-3 all-gathers of one chunk's weights (the gathered size, as nccl-tests count):
-  // dense weights over the dp group, expert weights over the expert-dp group, issued after
-  // `after` (the previous pass's first task), so that they are fetched one pass ahead. Returns
-  // the last one (the dp stream runs them in order).
-  TaskId gather_weights(const std::vector<Item>& chunk, const Pass& pass, TaskId after) {
+  // The ZeRO-3 all-gathers of the weights of `items` (a unit's or a chunk's ops; the gathered
+  // size, as nccl-tests count): dense weights over the dp group, expert weights over the
+  // expert-dp group, issued after `after`. Returns the last one (the dp stream runs them in
+  // order), or -1 when there is nothing to gather.
+  TaskId gather_weights(const std::vector<Item>& items, int micro_batch, int chunk,
+                        const std::string& what, TaskId after) {
     TaskId last = -1;
     for (const bool experts : {false, true}) {
-      const double params = chunk_params(chunk, experts);
+      const double params = chunk_params(items, experts);
       if (params <= 0 || dp_group_size(experts) <= 1) continue;
       Task ag = weight_gather(experts, params);
-      ag.micro_batch = pass.micro_batch;
-      ag.chunk = pass.chunk;
-      const auto [lo, hi] = op_range(chunk, g_.size());
+      ag.micro_batch = micro_batch;
+      ag.chunk = chunk;
+      const auto [lo, hi] = op_range(items, g_.size());
       ag.op_begin = static_cast<std::int32_t>(lo);
       ag.op_end = static_cast<std::int32_t>(hi);
       if (after >= 0) ag.deps.push_back(after);
-      ag.label = fmt::format("zero-3 all-gather {}weights chunk {} mb{}", experts ? "expert " : "",
-                             pass.chunk, pass.micro_batch);
+      ag.label = fmt::format("zero-3 all-gather {}weights {} mb{}", experts ? "expert " : "", what,
+                             micro_batch);
       last = add(std::move(ag));
     }
     return last;
@@ -822,7 +804,9 @@ class Lowerer {
       unit_gather_.assign(units_.size(), -1);
       if (!units_.empty()) unit_gather_[0] = gather_unit(0, -1);
     } else if (zero3 && !passes.empty()) {
-      weights = gather_weights(items[static_cast<std::size_t>(passes[0].chunk)], passes[0], -1);
+      weights =
+          gather_weights(items[static_cast<std::size_t>(passes[0].chunk)], passes[0].micro_batch,
+                         passes[0].chunk, fmt::format("chunk {}", passes[0].chunk), -1);
     }
 
     // Without p2p overlap, transfers are exchanged between rounds (see add): the sends of a
@@ -927,8 +911,10 @@ class Lowerer {
       const TaskId first_of_pass =
           rp_->tasks.size() > pass_start ? static_cast<TaskId>(pass_start) : pass_end;
       if (zero3 && !unit_gathers_ && i + 1 < passes.size()) {
-        weights = gather_weights(items[static_cast<std::size_t>(passes[i + 1].chunk)],
-                                 passes[i + 1], first_of_pass);
+        // Zero-bubble: a chunk per pass, one pass ahead (after this pass's first task).
+        const Pass& next = passes[i + 1];
+        weights = gather_weights(items[static_cast<std::size_t>(next.chunk)], next.micro_batch,
+                                 next.chunk, fmt::format("chunk {}", next.chunk), first_of_pass);
       }
       if (pass_end >= 0) last_compute = pass_end;
       if ((per_micro_batch_grads || last_micro_batch_grads) && !plan_.overlap_grad_reduce) {

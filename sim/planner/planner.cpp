@@ -66,14 +66,33 @@ class Estimator {
     const std::uint64_t tokens = static_cast<std::uint64_t>(p.micro_batch_size * p.seq_len / p.cp);
     const std::uint64_t hidden_bytes = tokens * static_cast<std::uint64_t>(m.hidden) * act;
 
-    // One block (all blocks are alike).
+    // One block (all blocks are alike). The backward's tp collectives at the column-parallel
+    // layers' inputs (Megatron's f before QKV and before the MLP) cut its backward into
+    // segments: each one's compute (before the collective: its stragglers' waits), and the
+    // layer's weight gradient, which the collective may run beside (lowering:
+    // overlaps_tp_backward; not an MoE router, which tensor parallelism does not split).
+    struct Segment {
+      double compute = 0, weight = 0, slack = 0;
+      bool overlapped = false;
+    };
+    std::vector<Segment> segments;
     double lf = 0, lb = 0, lbw = 0, attention = 0;
     for (model::OpId id : g.layer_ops(0)) {
       const auto& op = g.op(id);
-      lf += cost.op_seconds(op, Phase::Forward);
-      lb += cost.op_seconds(op, Phase::Backward);
-      lbw += cost.op_seconds(op, Phase::BackwardWeight);
-      if (op.kind == model::OpKind::AttentionCore) attention = cost.op_seconds(op, Phase::Forward);
+      const double forward = cost.op_seconds(op, Phase::Forward);
+      const double backward = cost.op_seconds(op, Phase::Backward);
+      const double weight = cost.op_seconds(op, Phase::BackwardWeight);
+      lf += forward;
+      lb += backward;
+      lbw += weight;
+      if (op.kind == model::OpKind::AttentionCore) attention = forward;
+      if (op.kind == model::OpKind::QkvProj || op.kind == model::OpKind::MlpUp ||
+          op.kind == model::OpKind::Router) {
+        segments.push_back({0, weight, 0, op.kind == model::OpKind::QkvProj || !m.moe});
+      }
+      // In forward order, an op's backward runs before the collective of the nearest
+      // column-parallel layer at or before it.
+      if (!segments.empty()) segments.back().compute += backward;
     }
     double tp_comm = 0, cp_comm = 0, ep_comm = 0;
     if (p.tp > 1) {
@@ -99,43 +118,21 @@ class Estimator {
     // Backward: dK and dV reduce-scattered over cp, and K and V gathered again unless full
     // recompute's forward just gathered them (lowering's CpRegatherKv).
     const double cp_backward = p.recompute == Recompute::Full ? cp_comm : 2 * cp_comm;
-    // The backward's collectives at the column-parallel layers' inputs (two per block: Megatron's
-    // f before QKV and before the MLP) run during those layers' weight gradients when the plan
-    // overlaps them (lowering: overlaps_tp_backward); what outlasts the GEMM stays exposed.
+    // With the overlap, what outlasts a segment's weight gradient stays exposed.
     double tp_backward = tp_comm;
-    // Per block: the backward compute before each of them (their stragglers' waits) and the
-    // weight-gradient time beside each that the collective leaves free.
-    struct Beside {
-      double compute = 0, slack = 0;
-    };
-    std::vector<Beside> beside;
-    auto beside_weights = [&](double collective, const model::Op& op) {
-      return std::max(0.0, collective - cost.op_seconds(op, Phase::BackwardWeight));
-    };
     // Zero-bubble splits every backward into input- and weight-gradient passes already.
     const bool tp_overlap = p.tp > 1 && p.overlap_tp_backward && p.schedule != Schedule::ZeroBubble;
     if (tp_overlap) {
-      const auto tp = group(ParallelDim::Tp, lower::GroupKind::Tp);
+      // One of the backward's input-gradient collectives.
       const double f = net_->collective_s(
-          tp, p.sequence_parallel ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce,
+          group(ParallelDim::Tp, lower::GroupKind::Tp),
+          p.sequence_parallel ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce,
           hidden_bytes);
-      // In forward order, each op's backward runs before the collective of the nearest
-      // column-parallel layer at or before it (the MLP's, the attention's).
-      double before = 0;
-      for (model::OpId id : g.layer_ops(0)) {
-        const auto& op = g.op(id);
-        const bool mlp = op.kind == model::OpKind::MlpUp || op.kind == model::OpKind::Router;
-        if (op.kind == model::OpKind::QkvProj || mlp) {
-          if (!beside.empty()) beside.back().compute += before;
-          before = 0;
-          const bool overlapped = op.kind == model::OpKind::QkvProj || !m.moe;
-          if (overlapped) tp_backward -= f - beside_weights(f, op);
-          beside.push_back(
-              {0, overlapped ? std::max(0.0, cost.op_seconds(op, Phase::BackwardWeight) - f) : 0});
-        }
-        before += cost.op_seconds(op, Phase::Backward);
+      for (Segment& seg : segments) {
+        if (!seg.overlapped) continue;
+        tp_backward -= std::min(f, seg.weight);
+        seg.slack = std::max(0.0, seg.weight - f);
       }
-      if (!beside.empty()) beside.back().compute += before;
     }
     double block_b = lb + tp_backward + cp_backward + ep_comm;
     double block_recompute = 0, block_recompute_compute = 0;
@@ -162,7 +159,8 @@ class Estimator {
     if (tp_overlap) {
       for (model::OpId id : g.layer_ops(head)) {
         if (g.op(id).kind == model::OpKind::LmHead) {
-          head_b = head_compute_b + beside_weights(tp_comm / 4, g.op(id));
+          head_b = head_compute_b +
+                   std::max(0.0, tp_comm / 4 - cost.op_seconds(g.op(id), Phase::BackwardWeight));
         }
       }
     }
@@ -312,8 +310,8 @@ class Estimator {
       // The backward's tp collectives, nearly all of them f's, wait for the backward compute
       // before them; the weight gradient beside each hides that wait up to its slack.
       double hidden = 0;
-      for (const Beside& c : beside) {
-        hidden += std::min(jitter_cv_ * spread(p.tp) * c.compute, c.slack);
+      for (const Segment& seg : segments) {
+        hidden += std::min(jitter_cv_ * spread(p.tp) * seg.compute, seg.slack);
       }
       b.exposed_tp_s -= mb * layers_total * hidden;
     }
