@@ -485,14 +485,6 @@ class Lowerer {
         const OpId last = *items[j].op;
         const bool overlapped = phase == Phase::Backward && j + 1 < items.size() &&
                                 overlaps_tp_backward(items[j + 1], last);
-        DTSIM_ASSERT(!overlapped || last == lo, "a backward run ends at its first op");
-        if (overlapped && lo != hi) {
-          // Backward runs in reverse: the anchor, first in forward order, comes last.
-          prev = compute(last + 1, hi, phase, items[i].layer);
-          if (op_tasks) {
-            for (std::size_t q = i; q < j; ++q) op_tasks->emplace_back(*items[q].op, prev);
-          }
-        }
         if (!overlapped) {
           prev = compute(lo, hi, phase, items[i].layer);
           if (op_tasks) {
@@ -500,6 +492,14 @@ class Lowerer {
           }
           i = j + 1;
           continue;
+        }
+        // Backward runs in reverse: the layer, first in forward order, comes last in the run.
+        DTSIM_ASSERT(last == lo, "a backward run ends at its first op");
+        if (lo != hi) {
+          prev = compute(last + 1, hi, phase, items[i].layer);
+          if (op_tasks) {
+            for (std::size_t q = i; q < j; ++q) op_tasks->emplace_back(*items[q].op, prev);
+          }
         }
         // The weight gradient follows the input gradient on the compute stream, beside the
         // collective that reduces the input gradient.

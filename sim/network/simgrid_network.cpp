@@ -128,8 +128,8 @@ class SimGridNetwork final : public NetworkModel {
           cluster::is_mesh(c_.intra.fabric) && std::all_of(g.begin(), g.end(), [&](std::int64_t r) {
             return r / c_.devices_per_node == node;
           });
-      const auto rings = mesh_rings ? std::vector<std::vector<std::int64_t>>{g}
-                                    : ring_channels(g, c_.devices_per_node);
+      // (A mesh group lies in one node: one ring.)
+      const auto rings = ring_channels(g, c_.devices_per_node);
       for (const auto& ring : rings) {
         for (int i = 0; i < m; ++i) {
           const std::int64_t a = ring[static_cast<std::size_t>(i)];
