@@ -68,11 +68,7 @@ std::vector<std::string> read_efficiency(const JsonReader& eff, DeviceEfficiency
     e.launch_overhead_s = eff.figure("launch_overhead_s", /*allow_zero=*/true);
     read.emplace_back("launch_overhead_s");
   }
-  if (eff.has("intra_node_bw")) {
-    Figure f;
-    fraction("intra_node_bw", f);
-    e.intra_node_bw = f;
-  }
+  if (eff.has("intra_node_bw")) fraction("intra_node_bw", e.intra_node_bw.emplace());
   if (eff.has("gemm_waves")) {
     const JsonReader w = eff.object("gemm_waves");
     w.expect_only({"sm_count", "tile_m", "tile_n", "source"});
