@@ -811,10 +811,23 @@ class Runner {
         const auto [K, N] = gemm_shape(op);
         const bool tied = tied_head(op);
         Param& w = tied ? tied_table(id) : param(id, 0);
+        // Without gradient-accumulation fusion (plan grad_accumulation_fusion false) the GEMM
+        // writes a fresh weight gradient that a kernel of its own adds into the accumulator,
+        // the pass the simulator prices (cost::ComputeCost::accumulation_seconds).
+        const bool separate = weight_grads && !program_.plan.grad_accumulation_fusion;
+        View fresh;
+        if (separate) {
+          fresh = dev_.allocate(w.grad.size(), Dtype::F32);
+          dev_.zero(fresh);
+        }
         dev_.matmul_backward(input_grads ? input_grad_of(mb, id) : View{},
-                             weight_grads ? w.grad : View{},
+                             separate ? fresh : (weight_grads ? w.grad : View{}),
                              weight_grads && !tied ? bias_grad(id) : View{}, mb.grad.at(id),
                              input_of(mb, id), w.work, T_, K, N, tied);
+        if (separate) {
+          dev_.accumulate(w.grad, fresh);
+          dev_.release(fresh);
+        }
         break;
       }
       case OpKind::AttentionCore:

@@ -61,6 +61,10 @@ void add_plan_options(po::options_description& desc) {
       "run the backward's tensor-parallel all-reduce (reduce-scatter with sequence "
       "parallelism) of a column-parallel layer's input gradient after its weight-gradient GEMM "
       "instead of during it (Megatron-LM in 2021, before its asynchronous all-reduce)")(
+      "no-grad-accumulation-fusion", po::bool_switch(),
+      "accumulate each weight gradient over micro-batches with a separate kernel (a memory "
+      "pass per parameter per micro-batch, as PyTorch autograd and Megatron-LM in 2021) instead "
+      "of inside the weight-gradient GEMM (Megatron-LM --gradient-accumulation-fusion)")(
       "overlap-p2p-comm", po::bool_switch(),
       "overlap pipeline sends and receives with compute (Megatron-LM "
       "--overlap-p2p-communication); by default a stage exchanges its pipeline tensors in "
@@ -238,6 +242,9 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   }
   if (vm.count("no-overlap-tp-backward") && vm["no-overlap-tp-backward"].as<bool>()) {
     p.overlap_tp_backward = false;
+  }
+  if (vm.count("no-grad-accumulation-fusion") && vm["no-grad-accumulation-fusion"].as<bool>()) {
+    p.grad_accumulation_fusion = false;
   }
   if (vm.count("scatter-gather-p2p") && vm["scatter-gather-p2p"].as<bool>()) {
     p.scatter_gather_p2p = true;

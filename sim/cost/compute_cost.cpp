@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "sim/common/error.hpp"
+#include "sim/plan/memory_model.hpp"
 
 namespace dtsim::cost {
 
@@ -149,7 +150,7 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
   // A measured rate for this op kind and phase, in the graph's own units.
   const bool forward = phase == Phase::Forward || phase == Phase::Recompute;
   if (const auto& rate = op_rates_[rate_index(op.kind, forward)]) {
-    return (rate->flops ? flops : bytes) / rate->rate;
+    return (rate->flops ? flops : bytes) / rate->rate + accumulation_seconds(op, phase);
   }
   const bool attention = op.kind == OpKind::AttentionCore;
   const double eff = attention ? attention_eff_ : gemm_eff_;
@@ -165,7 +166,23 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
     }
   }
   const double memory_s = bytes / hbm_bw_;
-  return std::max(compute_s, memory_s) + launch_s_ * kernels;
+  return std::max(compute_s, memory_s) + launch_s_ * kernels + accumulation_seconds(op, phase);
+}
+
+double ComputeCost::accumulation_seconds(const model::Op& op, Phase phase) const {
+  if (plan_.grad_accumulation_fusion) return 0;
+  // The pass that computes the weight gradient: the weight-gradient GEMM's, or, for ops
+  // without one (norms, the embedding), the one pass of their backward.
+  const Phase weight_pass = op.bwd_weight_flops > 0 ? Phase::BackwardWeight : Phase::BackwardInput;
+  if (phase != Phase::Backward && phase != weight_pass) return 0;
+  const double params = plan::rank_params(op, plan_);
+  if (params <= 0) return 0;
+  // Read the fresh gradient (the training precision's width) and the accumulator, write the
+  // accumulator: one memory-bound kernel.
+  const double bytes =
+      params * (plan::activation_bytes_per_element(plan_.precision) +
+                2 * plan::state_bytes_per_param(plan_.precision, plan_.optimizer).gradients);
+  return bytes / hbm_bw_ + launch_s_;
 }
 
 double ComputeCost::codec_seconds(std::uint64_t uncompressed, std::uint64_t compressed) const {

@@ -32,8 +32,13 @@ class ComputeCost {
 
   // Seconds for a compute task (lower::TaskKind::Compute); memoized by (ops, phase).
   double task_seconds(const lower::Task& task);
-  // Seconds for one op in one phase on one rank.
+  // Seconds for one op in one phase on one rank, with the accumulation of its weight gradient
+  // when that is a kernel of its own (below).
   double op_seconds(const model::Op& op, lower::Phase phase) const;
+  // Without gradient-accumulation fusion (plan grad_accumulation_fusion false), the kernel
+  // that adds the weight gradient of one backward pass of `op` into its accumulator: a memory
+  // pass over the rank's parameters of the op (0 in other phases and with fusion).
+  double accumulation_seconds(const model::Op& op, lower::Phase phase) const;
   // The optimizer step over `params` parameters: memory-bound. Adam reads the gradient and
   // reads and writes the fp32 master weight, momentum and variance, then writes the 16-bit
   // weight: 2 + 8 + 8 + 8 + 2 = 28 bytes per parameter with mixed precision (fp32: 4 + 8 + 16 =

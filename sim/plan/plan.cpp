@@ -87,6 +87,7 @@ std::string summary(const Plan& p) {
   if (p.sequence_parallel) s += " sp";
   if (!p.overlap_grad_reduce) s += " no-overlap-grad-reduce";
   if (!p.overlap_tp_backward && p.tp > 1) s += " no-overlap-tp-backward";
+  if (!p.grad_accumulation_fusion) s += " no-grad-accumulation-fusion";
   if (p.overlap_p2p_comm) s += " overlap-p2p-comm";
   if (p.scatter_gather_p2p) s += " scatter-gather-p2p";
   s += fmt::format(" {}", to_string(p.precision));
@@ -306,6 +307,7 @@ json to_json(const Plan& p) {
             {"sequence_parallel", p.sequence_parallel},
             {"overlap_grad_reduce", p.overlap_grad_reduce},
             {"overlap_tp_backward", p.overlap_tp_backward},
+            {"grad_accumulation_fusion", p.grad_accumulation_fusion},
             {"overlap_p2p_comm", p.overlap_p2p_comm},
             {"scatter_gather_p2p", p.scatter_gather_p2p},
             {"precision", to_string(p.precision)},
@@ -334,6 +336,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "sequence_parallel",
                  "overlap_grad_reduce",
                  "overlap_tp_backward",
+                 "grad_accumulation_fusion",
                  "overlap_p2p_comm",
                  "scatter_gather_p2p",
                  "precision",
@@ -373,6 +376,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
   p.sequence_parallel = r.boolean_or("sequence_parallel", false);
   p.overlap_grad_reduce = r.boolean_or("overlap_grad_reduce", true);
   p.overlap_tp_backward = r.boolean_or("overlap_tp_backward", true);
+  p.grad_accumulation_fusion = r.boolean_or("grad_accumulation_fusion", true);
   p.overlap_p2p_comm = r.boolean_or("overlap_p2p_comm", false);
   p.scatter_gather_p2p = r.boolean_or("scatter_gather_p2p", false);
   if (r.has("precision")) {

@@ -51,6 +51,13 @@ struct Plan {
   // the default since late 2021). False: it runs after the whole backward of the layer, as in
   // Megatron-LM's 2021 releases.
   bool overlap_tp_backward = true;
+  // Weight gradients accumulate over micro-batches inside their GEMMs (Megatron-LM
+  // --gradient-accumulation-fusion, its default since late 2021: the weight-gradient GEMM adds
+  // into the fp32 main_grad, megatron/core/tensor_parallel/layers.py). False: each backward
+  // writes a fresh gradient that a separate kernel adds into the accumulator, a memory pass per
+  // parameter per micro-batch, as PyTorch autograd and Megatron-LM's 2021 DistributedDataParallel
+  // do (megatron/model/distributed.py, _make_param_hook: param.main_grad.add_(param.grad)).
+  bool grad_accumulation_fusion = true;
   // Pipeline transfers overlapped with compute (Megatron-LM --overlap-p2p-communication): a
   // send starts as soon as its tensor exists and the receiver has posted its receive ahead of
   // need. False, Megatron-LM's default (megatron/core/pipeline_parallel/p2p_communication.py:

@@ -35,10 +35,13 @@ Table4Setting table4_setting(std::string_view column);
 
 // Narayanan et al. SC'21, Table 1: one row's run (validation/megatron_sc21_table1.csv, metric
 // achieved_tflops_per_gpu) on Selene. The plan: the paper's tp, pp, dp, global batch and
-// sequence; micro-batch 1; full recompute; interleaved 1F1B with the smallest v >= 2 that
-// gives equal chunks (1F1B without pipelining); pipeline transfers whole (the paper's
-// scatter/gather is not modelled); dp gradients all-reduced after the last backward pass, as
-// Megatron-LM did in 2021 (megatron/training.py, train_step).
+// sequence; micro-batch 1 with pipelining and 4 without (Table 1 does not say; Korthikanti et
+// al. 2022, Table 3, the same group on the same cluster, does so); full recompute; interleaved
+// 1F1B with the smallest v >= 2 that gives equal chunks (1F1B without pipelining); pipeline
+// transfers scattered and gathered over tp (Sec. 4.1); Megatron-LM of 2021 otherwise: dp
+// gradients all-reduced after the last backward pass (megatron/training.py, train_step), tp
+// input-gradient all-reduces after the weight gradients, weight gradients accumulated by a
+// kernel of their own.
 struct Table1Case {
   std::string model;  // models/<name>.json
   model::ModelSpec spec;

@@ -53,6 +53,7 @@ plans=(
   "tiny-gpt|4|1|--dp 2 --tp 2 --zero-stage 1"
   "tiny-gpt|4|1|--dp 2 --pp 2 --zero-stage 2"
   "tiny-gpt|4|1|--dp 2 --pp 2 --no-overlap-grad-reduce"
+  "tiny-gpt|4|1|--tp 2 --pp 2 --schedule 1f1b --no-grad-accumulation-fusion"
   "tiny-gpt|4|2|--dp 2 --pp 2 --schedule gpipe"
   "tiny-gpt|4|2|--tp 2 --pp 2 --schedule gpipe --recompute selective"
   "tiny-gpt|4|1|--tp 2 --pp 2 --schedule 1f1b"

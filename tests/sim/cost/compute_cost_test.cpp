@@ -1,5 +1,6 @@
 #include "sim/cost/compute_cost.hpp"
 
+#include "sim/engine/simulator.hpp"
 #include "tests/test_util.hpp"
 
 using dtsim::lower::Phase;
@@ -128,4 +129,63 @@ TEST_CASE("each split of a GEMM shapes the rank's tiles before its waves", "[cos
   expert.expert = true;
   const dtsim::cost::ComputeCost flat(g, plain, device);
   CHECK(flat.op_seconds(expert, Phase::Forward) == Approx(one_wave(expert, 1)));
+}
+
+TEST_CASE("without gradient-accumulation fusion each backward adds a pass over the weights",
+          "[cost]") {
+  auto device = dtsim::cluster::load_device("a100-sxm4-80gb");
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  dtsim::plan::Plan fused;
+  fused.tp = 2;
+  dtsim::plan::Plan separate = fused;
+  separate.grad_accumulation_fusion = false;
+  const dtsim::cost::ComputeCost with(g, fused, device), without(g, separate, device);
+  const double bw = device.memory_bw_bytes_per_s.value * device.efficiency.memory_bw.value;
+  const double launch = device.efficiency.launch_overhead_s.value;
+  auto op = gemm_op(2048, 4096, 4096);
+  op.params = 4096 * 4096;
+  // The rank's half of the weights (column-parallel over tp 2): read the fresh bf16 gradient
+  // (2 bytes) and the bf16 accumulator (2), write the accumulator (2).
+  const double pass = 4096.0 * 4096 / 2 * (2 + 2 + 2) / bw + launch;
+  CHECK(without.accumulation_seconds(op, Phase::BackwardWeight) == Approx(pass));
+  CHECK(without.op_seconds(op, Phase::BackwardWeight) ==
+        Approx(with.op_seconds(op, Phase::BackwardWeight) + pass));
+  CHECK(without.op_seconds(op, Phase::Backward) ==
+        Approx(with.op_seconds(op, Phase::Backward) + pass));
+  // The input gradient and the forward pass do not touch the accumulator; with fusion nothing
+  // is added.
+  CHECK(without.op_seconds(op, Phase::BackwardInput) == with.op_seconds(op, Phase::BackwardInput));
+  CHECK(without.op_seconds(op, Phase::Forward) == with.op_seconds(op, Phase::Forward));
+  CHECK(with.accumulation_seconds(op, Phase::Backward) == 0);
+  // A norm's weights have no weight-gradient GEMM: their gradient comes with the input's, and
+  // is not split over tp (replicated).
+  dtsim::model::Op norm;
+  norm.kind = dtsim::model::OpKind::Norm;
+  norm.params = 4096;
+  norm.tp_replicated_params = 4096;
+  CHECK(without.accumulation_seconds(norm, Phase::BackwardInput) ==
+        Approx(4096.0 * 6 / bw + launch));
+  CHECK(without.accumulation_seconds(norm, Phase::BackwardWeight) == 0);
+
+  // A whole step: the backward grows by one pass per weight-bearing op per micro-batch.
+  dtsim::plan::Plan whole;
+  whole.micro_batch_size = 1;
+  whole.global_batch_size = 4;
+  whole.seq_len = 32;
+  dtsim::plan::Plan unfused = whole;
+  unfused.grad_accumulation_fusion = false;
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 1);
+  whole.dp = unfused.dp = 1;
+  auto net = dtsim::network::make_analytical(cluster);
+  const double a = dtsim::engine::simulate(g, whole, cluster, *net).prediction.step_time_s;
+  const double b = dtsim::engine::simulate(g, unfused, cluster, *net).prediction.step_time_s;
+  double passes = 0;
+  const dtsim::cost::ComputeCost step_cost(g, unfused, cluster.device);
+  for (std::size_t id = 0; id < g.ops().size(); ++id) {
+    passes +=
+        step_cost.accumulation_seconds(g.op(static_cast<dtsim::model::OpId>(id)), Phase::Backward);
+  }
+  CHECK(passes > 0);
+  CHECK(b - a == Approx(4 * passes).epsilon(1e-6));
 }

@@ -188,6 +188,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   p.overlap_grad_reduce = false;
   p.overlap_p2p_comm = true;
   p.overlap_tp_backward = false;
+  p.grad_accumulation_fusion = false;
   p.scatter_gather_p2p = true;
   p.layers_per_stage = {10, 10, 10, 10};
   p.comm_precision = dtsim::Precision::Fp8;
@@ -198,6 +199,7 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   CHECK(q.grad_compression == 0.25);
   CHECK(q.overlap_p2p_comm);
   CHECK(!q.overlap_tp_backward);
+  CHECK(!q.grad_accumulation_fusion);
   CHECK(q.scatter_gather_p2p);
 
   auto bad = [](const char* text, const char* message) {
@@ -216,6 +218,8 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   bad(R"({"overlap_grad_reduce": 0})", "plan.json: overlap_grad_reduce: expected true or false");
   bad(R"({"overlap_p2p_comm": "yes"})", "plan.json: overlap_p2p_comm: expected true or false");
   bad(R"({"overlap_tp_backward": 1})", "plan.json: overlap_tp_backward: expected true or false");
+  bad(R"({"grad_accumulation_fusion": "no"})",
+      "plan.json: grad_accumulation_fusion: expected true or false");
   bad(R"({"scatter_gather_p2p": "on"})", "plan.json: scatter_gather_p2p: expected true or false");
   bad(R"({"zero_stage": 4})", "plan.json: zero_stage: expected 0, 1, 2 or 3, got 4");
   bad(R"({"grad_compression": 2})",

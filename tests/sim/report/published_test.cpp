@@ -36,12 +36,10 @@ TEST_CASE("Korthikanti Table 4: one 22B layer's forward and backward within 15%"
                                   "expected none, selective or full");
 }
 
-TEST_CASE("Megatron Table 1: every row within 10%; the mean error does not drift",
-          "[report][validation]") {
-  // Catalog defaults (selene.json's CUDA 11 GEMM rate), the paper's plans (with its
-  // scatter/gather of pipeline transfers), no per-row tuning. The issue-3 targets are 10% per
-  // row, met, and 5% on average, not met: 5.3% when this was written (3.3% without the
-  // scatter/gather). The mean is guarded at 5.5% against regressions.
+TEST_CASE("Megatron Table 1: every row within 10%, the mean within 5%", "[report][validation]") {
+  // Catalog defaults (selene.json's CUDA 11 GEMM rate), the paper's plans as Megatron-LM ran
+  // them in 2021 (sim/report/published.cpp), no per-row tuning. The issue-3 targets: 10% per
+  // row and 5% on average (2.2% when this was written, worst +6.1%).
   const auto rows =
       dtsim::read_csv(dtsim::test::repo_dir() / "validation" / "megatron_sc21_table1.csv");
   double sum = 0;
@@ -65,5 +63,5 @@ TEST_CASE("Megatron Table 1: every row within 10%; the mean error does not drift
   table += fmt::format("mean absolute error {:.1f}%\n", 100 * sum / n);
   fmt::print("{}", table);
   REQUIRE(n == 10);
-  CHECK(sum / n <= 0.055);
+  CHECK(sum / n <= 0.05);
 }
