@@ -640,14 +640,21 @@ class Runner {
     const auto it = mb.full.find(in);
     return it != mb.full.end() ? it->second : mb.out.at(in);
   }
-  // The gradient buffer of an op's input: of the all-gathered copy where there is one.
+  // The gradient buffer of an op's input: the whole sequence's where sequence parallelism
+  // gathers that input (the forward may have released the gathered copy: zero-bubble's
+  // input-gradient pass runs before it is gathered again).
   View& input_grad_of(MicroBatch& mb, OpId id) {
     const OpId in = input(id);
-    const auto it = mb.full.find(in);
-    if (it == mb.full.end()) return grad_of(mb, in);
+    if (!gathers_input(g_.op(id))) return grad_of(mb, in);
     auto& g = mb.full_grad[in];
-    if (g.empty()) fresh(g, it->second.size());
+    if (g.empty()) fresh(g, static_cast<std::int64_t>(T_) * C_);
     return g;
+  }
+  // Sequence parallelism all-gathers the input of a column-parallel layer (the lowering's
+  // TpEnter markers: QKV, MLP up, the LM head).
+  bool gathers_input(const Op& op) const {
+    return Ts_ != T_ &&
+           (op.kind == OpKind::QkvProj || op.kind == OpKind::MlpUp || op.kind == OpKind::LmHead);
   }
 
   // Local GEMM shape (K, N) of a linear op on this tensor-parallel rank.
@@ -714,6 +721,12 @@ class Runner {
         const bool tied = tied_head(op);
         dev_.matmul_forward(out, input_of(mb, id), tied ? tied_table(id).work : param(id, 0).work,
                             bias, T_, K, N, tied);
+        // Sequence parallelism keeps only the rank's share of a column-parallel layer's input:
+        // the backward gathers it again (the Program's Backward-phase all-gather).
+        if (const auto it = mb.full.find(input(id)); it != mb.full.end()) {
+          dev_.release(it->second);
+          mb.full.erase(it);
+        }
         break;
       }
       case OpKind::AttentionCore: {
@@ -1070,7 +1083,8 @@ class Runner {
       all_gather(grad, whole);
       dev_.release(grad);
       grad = whole;
-    } else if (!scatter) {  // forward f: the column-parallel op's input, gathered
+    } else if (!scatter) {  // f's all-gather of the column-parallel op's input (forward, and
+                            // again in the backward for the weight gradient)
       const OpId in = input(anchor);
       auto& whole = mb.full[in];
       fresh(whole, whole_size);

@@ -440,6 +440,8 @@ class Lowerer {
     // A weight-gradient task running beside the collective before it: the next task waits
     // for both.
     TaskId beside = -1;
+    // A sequence-parallel input gathered again for the next compute task (emit_regather).
+    TaskId gathered = -1;
     auto compute = [&](OpId lo, OpId hi, Phase ph, int layer) {
       // The first task of a unit waits for its weights and starts the next unit's gather.
       const bool starts_unit = unit_gathers_ && next_unit_ < units_.size() &&
@@ -457,10 +459,12 @@ class Lowerer {
           fmt::format("{} {}..{} mb{}", to_string(ph), g_.op(lo).name, g_.op(hi).name, micro_batch);
       if (prev >= 0) t.deps.push_back(prev);
       if (beside >= 0) t.deps.push_back(beside);
+      if (gathered >= 0) t.deps.push_back(gathered);
       if (first && extra_dep >= 0) t.deps.push_back(extra_dep);
       if (starts_unit && unit_gather_[next_unit_] >= 0) t.deps.push_back(unit_gather_[next_unit_]);
       first = false;
       beside = -1;
+      gathered = -1;
       const TaskId id = add(std::move(t));
       if (starts_unit) start_unit(id);
       return id;
@@ -485,6 +489,24 @@ class Lowerer {
         const OpId last = *items[j].op;
         const bool overlapped = phase == Phase::Backward && j + 1 < items.size() &&
                                 overlaps_tp_backward(items[j + 1], last);
+        const bool regather =
+            phase == Phase::Backward && j + 1 < items.size() && regathers_input(items[j + 1], last);
+        if (regather && !overlapped) {
+          // The layer's backward waits for its input, gathered again during the ops before it
+          // in the run.
+          const TaskId input = emit_regather(items[j + 1], micro_batch, chunk, prev);
+          if (lo != hi) {
+            prev = compute(last + 1, hi, phase, items[i].layer);
+            if (op_tasks) {
+              for (std::size_t q = i; q < j; ++q) op_tasks->emplace_back(*items[q].op, prev);
+            }
+          }
+          gathered = input;
+          prev = compute(last, last, phase, items[j].layer);
+          if (op_tasks) op_tasks->emplace_back(last, prev);
+          i = j + 1;
+          continue;
+        }
         if (!overlapped) {
           prev = compute(lo, hi, phase, items[i].layer);
           if (op_tasks) {
@@ -501,10 +523,14 @@ class Lowerer {
             for (std::size_t q = i; q < j; ++q) op_tasks->emplace_back(*items[q].op, prev);
           }
         }
+        // With sequence parallelism the layer kept its input sharded: it is gathered again
+        // while the input gradient computes, for the weight gradient.
+        const TaskId input = regather ? emit_regather(items[j + 1], micro_batch, chunk, prev) : -1;
         // The weight gradient follows the input gradient on the compute stream, beside the
         // collective that reduces the input gradient.
         prev = compute(last, last, Phase::BackwardInput, items[j].layer);
         const TaskId collective = emit_collective(items[j + 1], backward, micro_batch, chunk, prev);
+        gathered = input;
         const TaskId weight = compute(last, last, Phase::BackwardWeight, items[j].layer);
         if (op_tasks) op_tasks->emplace_back(last, weight);
         prev = collective;
@@ -533,6 +559,41 @@ class Lowerer {
     const model::Op& op = g_.op(last);
     return op.bwd_weight_flops > 0 &&
            (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab);
+  }
+
+  // Sequence parallelism: a column-parallel layer (the LM head too) saves its input as the
+  // rank's share of the sequence, and its backward gathers it again for the weight gradient
+  // (Megatron-LM, megatron/core/tensor_parallel/layers.py: the backward of
+  // LinearWithGradAccumulationAndAsyncCommunication all-gathers the input, asynchronously,
+  // while the input gradient computes). `marker` is the TpEnter marker that follows the
+  // backward run ending at `last`.
+  bool regathers_input(const Item& marker, OpId last) const {
+    if (!plan_.sequence_parallel || plan_.tp == 1 || marker.op ||
+        marker.marker != Marker::TpEnter || marker.anchor != last) {
+      return false;
+    }
+    const model::Op& op = g_.op(last);
+    return op.bwd_weight_flops > 0 &&
+           (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab);
+  }
+
+  // The all-gather of regathers_input, after `dep`, on the tp stream: a Backward-phase
+  // collective (the forward's all-gather of the same input has no phase).
+  TaskId emit_regather(const Item& marker, int micro_batch, int chunk, TaskId dep) {
+    Task t;
+    t.kind = TaskKind::Collective;
+    t.stream = Stream::Tp;
+    t.phase = Phase::Backward;
+    t.micro_batch = micro_batch;
+    t.chunk = chunk;
+    t.collective = CollectiveKind::AllGather;
+    t.group = group(GroupKind::Tp);
+    t.bytes = hidden_bytes_;
+    t.op_begin = static_cast<std::int32_t>(marker.anchor);
+    t.op_end = t.op_begin + 1;
+    t.label = fmt::format("tp all-gather input again L{} mb{}", marker.layer, micro_batch);
+    if (dep >= 0) t.deps.push_back(dep);
+    return add(std::move(t));
   }
 
   // The collective of `marker`, after `dep` (and `extra`, `beside` where >= 0).
@@ -886,6 +947,15 @@ class Lowerer {
           break;
         }
         case PassKind::BackwardWeight: {
+          // With sequence parallelism the column-parallel layers' inputs, kept sharded, are
+          // gathered again once the input-gradient pass is done (emit_regather).
+          std::vector<TaskId> inputs;
+          for (auto it = chunk.rbegin(); it != chunk.rend(); ++it) {
+            if (regathers_input(*it, it->anchor)) {
+              inputs.push_back(emit_regather(*it, pass.micro_batch, c,
+                                             input_grad_done.at({pass.micro_batch, c})));
+            }
+          }
           Task w;
           w.kind = TaskKind::Compute;
           w.stream = Stream::Compute;
@@ -896,6 +966,7 @@ class Lowerer {
           w.op_begin = static_cast<std::int32_t>(lo);
           w.op_end = static_cast<std::int32_t>(hi);
           w.deps.push_back(input_grad_done.at({pass.micro_batch, c}));
+          w.deps.insert(w.deps.end(), inputs.begin(), inputs.end());
           if (weights >= 0) w.deps.push_back(weights);
           w.label = fmt::format("bwd_weight chunk {} mb{}", c, pass.micro_batch);
           pass_end = add(std::move(w));

@@ -74,6 +74,7 @@ class Estimator {
     struct Segment {
       double compute = 0, weight = 0, slack = 0;
       bool overlapped = false;
+      double input = 0, layer = 0;  // the layer's input-gradient and whole backward
     };
     std::vector<Segment> segments;
     double lf = 0, lb = 0, lbw = 0, attention = 0;
@@ -88,7 +89,8 @@ class Estimator {
       if (op.kind == model::OpKind::AttentionCore) attention = forward;
       if (op.kind == model::OpKind::QkvProj || op.kind == model::OpKind::MlpUp ||
           op.kind == model::OpKind::Router) {
-        segments.push_back({0, weight, 0, op.kind == model::OpKind::QkvProj || !m.moe});
+        segments.push_back({0, weight, 0, op.kind == model::OpKind::QkvProj || !m.moe,
+                            cost.op_seconds(op, Phase::BackwardInput), backward});
       }
       // In forward order, an op's backward runs before the collective of the nearest
       // column-parallel layer at or before it.
@@ -134,6 +136,22 @@ class Estimator {
         seg.slack = std::max(0.0, seg.weight - f);
       }
     }
+    // Sequence parallelism gathers a column-parallel layer's input again for its weight
+    // gradient (lowering: regathers_input): beside the layer's input gradient with the overlap,
+    // else beside the segment's ops before the layer. Zero-bubble gathers them before its
+    // weight pass, among other passes' work: counted as hidden.
+    double regather = 0;
+    if (p.tp > 1 && p.sequence_parallel) {
+      regather = net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
+                                    CollectiveKind::AllGather, hidden_bytes);
+      if (p.schedule != Schedule::ZeroBubble) {
+        for (const Segment& seg : segments) {
+          if (m.moe && !seg.overlapped) continue;  // a router: not split over tp
+          tp_backward +=
+              std::max(0.0, regather - (tp_overlap ? seg.input : seg.compute - seg.layer));
+        }
+      }
+    }
     double block_b = lb + tp_backward + cp_backward + ep_comm;
     double block_recompute = 0, block_recompute_compute = 0;
     if (p.recompute == Recompute::Full) {
@@ -161,8 +179,11 @@ class Estimator {
         if (g.op(id).kind == model::OpKind::LmHead) {
           head_b = head_compute_b +
                    std::max(0.0, tp_comm / 4 - cost.op_seconds(g.op(id), Phase::BackwardWeight));
+          head_b += std::max(0.0, regather - cost.op_seconds(g.op(id), Phase::BackwardInput));
         }
       }
+    } else if (p.schedule != Schedule::ZeroBubble) {
+      head_b += regather;  // beside only the loss's backward
     }
 
     double p2p = 0;  // one pipeline transfer

@@ -45,7 +45,9 @@ LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parall
                                         : 2 * net->collective_s(tp, K::AllReduce, bytes);
   // Backward: g's all-gathers (sequence parallelism), and f's input-gradient collectives, which
   // Megatron-LM of 2022 runs during the QKV and MLP-up weight gradients (plan
-  // overlap_tp_backward): only what outlasts those GEMMs adds.
+  // overlap_tp_backward): only what outlasts those GEMMs adds. With sequence parallelism the
+  // QKV and MLP-up inputs are gathered again during their input gradients (lowering:
+  // regathers_input): what outlasts those adds too.
   const double f =
       net->collective_s(tp, sequence_parallel ? K::ReduceScatter : K::AllReduce, bytes);
   double bwd_comm = sequence_parallel ? 2 * net->collective_s(tp, K::AllGather, bytes) : 0.0;
@@ -59,6 +61,10 @@ LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parall
     }
     if (op.kind == model::OpKind::QkvProj || op.kind == model::OpKind::MlpUp) {
       bwd_comm += std::max(0.0, f - cost.op_seconds(op, lower::Phase::BackwardWeight));
+      if (sequence_parallel) {
+        bwd_comm += std::max(0.0, net->collective_s(tp, K::AllGather, bytes) -
+                                      cost.op_seconds(op, lower::Phase::BackwardInput));
+      }
     }
   }
   LayerTimes t{fwd + comm, bwd + bwd_comm};

@@ -461,7 +461,9 @@ TEST_CASE(
     "[lower]") {
   // Megatron-LM's async all-reduce (reduce-scatter with sequence parallelism): the input
   // gradient of QKV, MLP-up and the LM head first, then its collective on the tp stream while
-  // the weight gradient computes; the next task waits for both.
+  // the weight gradient computes; the next task waits for both. With sequence parallelism the
+  // layer's input, saved sharded, is all-gathered again beside the input gradient, and the
+  // weight gradient waits for it.
   const auto spec = dtsim::model::load_model("tiny-gpt");
   const dtsim::model::ModelGraph g(spec, 1, 32);
   for (const bool sp : {false, true}) {
@@ -485,7 +487,21 @@ TEST_CASE(
       CHECK(weight.phase == Phase::BackwardWeight);
       CHECK(weight.op_begin == input.op_begin);
       CHECK(weight.op_end == input.op_begin + 1);
-      CHECK(weight.deps == std::vector<dtsim::lower::TaskId>{static_cast<int>(i)});
+      if (sp) {
+        const auto& again = tasks[i - 1];
+        CHECK(again.kind == TaskKind::Collective);
+        CHECK(again.stream == Stream::Tp);
+        CHECK(again.collective == CollectiveKind::AllGather);
+        CHECK(again.phase == Phase::Backward);
+        CHECK(again.op_begin == input.op_begin);
+        CHECK(again.bytes == collective.bytes);
+        // Both start once the tasks before the layer are done: side by side.
+        CHECK(again.deps == input.deps);
+        CHECK(weight.deps ==
+              std::vector<dtsim::lower::TaskId>{static_cast<int>(i), static_cast<int>(i - 1)});
+      } else {
+        CHECK(weight.deps == std::vector<dtsim::lower::TaskId>{static_cast<int>(i)});
+      }
       const auto kind = g.op(static_cast<dtsim::model::OpId>(input.op_begin)).kind;
       CHECK((kind == dtsim::model::OpKind::QkvProj || kind == dtsim::model::OpKind::MlpUp ||
              kind == dtsim::model::OpKind::LmHead));
@@ -497,11 +513,26 @@ TEST_CASE(
       ++overlapped;
     }
     CHECK(overlapped == 2 * spec.layers + 1);  // QKV and MLP-up per block, and the LM head
-    // Without the overlap, no backward is split.
+    // Without the overlap, no backward is split; with sequence parallelism the layer's
+    // backward still waits for its input gathered again.
     p.overlap_tp_backward = false;
     const Program plain = dtsim::lower::lower(g, p);
-    CHECK(std::none_of(plain.ranks[0].tasks.begin(), plain.ranks[0].tasks.end(),
+    const auto& plain_tasks = plain.ranks[0].tasks;
+    CHECK(std::none_of(plain_tasks.begin(), plain_tasks.end(),
                        [](const auto& t) { return t.phase == Phase::BackwardInput; }));
+    int again = 0;
+    for (std::size_t i = 0; i < plain_tasks.size(); ++i) {
+      const auto& t = plain_tasks[i];
+      if (t.kind != TaskKind::Collective || t.phase != Phase::Backward) continue;
+      ++again;
+      CHECK(t.collective == CollectiveKind::AllGather);
+      const auto waits = std::find_if(
+          plain_tasks.begin() + static_cast<std::ptrdiff_t>(i), plain_tasks.end(),
+          [&](const auto& c) { return c.kind == TaskKind::Compute && c.op_begin == t.op_begin; });
+      REQUIRE(waits != plain_tasks.end());
+      CHECK(std::count(waits->deps.begin(), waits->deps.end(), static_cast<int>(i)) == 1);
+    }
+    CHECK(again == (sp ? 2 * spec.layers + 1 : 0));
   }
 }
 
