@@ -16,6 +16,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -31,6 +32,7 @@
 #include "exec/cpu/mpi_comm.hpp"
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
+#include "sim/cost/compute_cost.hpp"
 #include "sim/engine/simulator.hpp"
 #include "sim/lower/lowering.hpp"
 #include "sim/plan/memory_model.hpp"
@@ -865,6 +867,14 @@ void print_profile(const nlohmann::json& profile, const std::string& path) {
       profile.at("memory_bw_bytes_per_s").get<double>() / 1e9,
       profile.at("launch_overhead_s").get<double>() * 1e6,
       100 * profile.at("jitter_cv").get<double>(), path);
+  if (profile.contains("in_run")) {
+    const auto& r = profile.at("in_run");
+    std::cout << fmt::format(
+        "in a training step, measured / predicted from these kernels: forward {:.3f}, backward "
+        "{:.3f}, optimizer {:.3f} (over {} tasks; dtsim --profile applies them)\n",
+        r.at("forward").get<double>(), r.at("backward").get<double>(),
+        r.at("optimizer").get<double>(), r.at("tasks").get<int>());
+  }
 }
 
 #ifdef DTEXEC_HAVE_CUDA
@@ -897,7 +907,8 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
   const dtsim::model::ModelGraph graph(spec, quick ? 1 : vm["micro-batch-size"].as<std::int64_t>(),
                                        quick ? std::min<std::int64_t>(seq, 128) : seq);
   if (!quick) {
-    for (const auto& [m, k, n] : dtsim::exec::cpu::model_gemm_shapes(graph)) {
+    // Whole and split over tp up to 8 (one node's GPUs), for --only-rank slices of tp plans.
+    for (const auto& [m, k, n] : dtsim::exec::cpu::model_gemm_shapes(graph, 8)) {
       shapes.push_back({m, n, k});  // {m, k, n} as cuBLAS's GemmShape {m, n, k}
     }
   }
@@ -979,6 +990,73 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
                    spec.name, graph.micro_batch(), graph.seq_len())}};
 }
 #endif
+
+// The profile's "in_run" factors (sim/cost/profile.hpp): one process trains the calibration
+// model for a few steps on its own (one micro-batch per step, after `sync`: under mpirun every
+// rank at once, as the profile's kernels were timed), and each compute task's time (its median
+// over the steps, as the kernels' are medians) is set against the profile's prediction of it;
+// the ratio of the sums, per phase (forward and recompute, backward, optimizer).
+nlohmann::json measure_in_run(const nlohmann::json& profile_json,
+                              const dtsim::exec::cpu::CalibrateOptions& options) {
+  using dtsim::lower::Phase;
+  dtsim::cost::Profile profile = dtsim::cost::profile_from_json(profile_json, "the calibration");
+  profile.in_run.reset();
+  const auto spec = dtsim::model::load_model(options.model);
+  const std::int64_t seq = options.seq_len > 0 ? options.seq_len : spec.seq_len;
+  // The shapes calibrate() timed.
+  const std::int64_t mbs = options.quick ? 1 : options.micro_batch_size;
+  const dtsim::model::ModelGraph graph(spec, mbs,
+                                       options.quick ? std::min<std::int64_t>(seq, 32) : seq);
+  dtsim::plan::Plan plan;
+  plan.dp = 1;
+  plan.micro_batch_size = mbs;
+  plan.global_batch_size = mbs;
+  plan.seq_len = graph.seq_len();
+  plan.precision = profile.precision;
+  dtsim::plan::require_valid(plan, spec, 1);
+  const auto program = dtsim::lower::lower(graph, plan);
+  dtsim::exec::RunOptions run;
+  run.steps = options.quick ? 4 : 6;
+  run.warmup_steps = 1;
+  dtsim::exec::SingleRankComm comm;
+  if (options.sync) options.sync();
+  const auto result = dtsim::exec::run_program(graph, program, run, comm);
+  // Only the profile prices these ops (GEMMs, op rates, its memory bandwidth and launch time).
+  dtsim::cluster::DeviceSpec device;
+  device.name = "calibrated host";
+  double peak = 0;
+  for (const auto& g : profile.gemm) peak = std::max(peak, g.flops() / g.seconds);
+  device.peak_flops[profile.precision] = {peak, "the profile's fastest GEMM"};
+  device.memory_bw_bytes_per_s = {profile.memory_bw_bytes_per_s.value_or(1e10), "the profile"};
+  device.efficiency.gemm = device.efficiency.attention = device.efficiency.memory_bw = {1.0, ""};
+  device.efficiency.launch_overhead_s = {profile.launch_overhead_s.value_or(0.0), "the profile"};
+  dtsim::cost::ComputeCost cost(graph, plan, device, &profile);
+  std::map<std::int32_t, std::vector<double>> times;  // task -> its time in each step
+  for (const auto& r : result.tasks) times[r.task].push_back(r.end_s - r.start_s);
+  std::array<double, 3> measured{}, predicted{};  // forward, backward, optimizer
+  int tasks = 0;
+  const auto& program_tasks = program.ranks.at(0).tasks;
+  for (auto& [id, seconds] : times) {
+    const auto& task = program_tasks.at(static_cast<std::size_t>(id));
+    if (task.kind != dtsim::lower::TaskKind::Compute) continue;
+    const std::size_t k = task.phase == Phase::Forward || task.phase == Phase::Recompute ? 0
+                          : task.phase == Phase::Optimizer                               ? 2
+                                                                                         : 1;
+    std::sort(seconds.begin(), seconds.end());
+    measured[k] += seconds[seconds.size() / 2];
+    predicted[k] += cost.task_seconds(task);
+    ++tasks;
+  }
+  for (std::size_t k = 0; k < 3; ++k) {
+    if (!(predicted[k] > 0 && measured[k] > 0)) {
+      throw dtsim::InternalError("dtexec calibrate: the training step timed no task of a phase");
+    }
+  }
+  return {{"forward", measured[0] / predicted[0]},
+          {"backward", measured[1] / predicted[1]},
+          {"optimizer", measured[2] / predicted[2]},
+          {"tasks", tasks}};
+}
 
 int calibrate(const std::vector<std::string>& args) {
   po::options_description desc("dtexec calibrate options");
@@ -1068,6 +1146,13 @@ int calibrate(const std::vector<std::string>& args) {
             dtsim::exec::cpu::measure_collectives(*mpi, options.quick, repeats);
         profile["jitter_cv"] = mpi->mean(profile.at("jitter_cv").get<double>());
       }
+      auto in_run = measure_in_run(profile, options);
+      if (mpi) {
+        for (const char* k : {"forward", "backward", "optimizer"}) {
+          in_run[k] = mpi->mean(in_run.at(k).get<double>());
+        }
+      }
+      profile["in_run"] = in_run;
     }
   } catch (const std::exception& e) {
     end_all_ranks(e, mpi.get(), "calibrate");

@@ -295,17 +295,50 @@ nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<Op
   return ops;
 }
 
-std::vector<std::array<int, 3>> model_gemm_shapes(const model::ModelGraph& graph) {
-  std::vector<std::array<int, 3>> shapes;
+std::array<int, 3> ModelGemm::mkn() const {
+  switch (pass) {
+    case GemmPass::Forward:
+      return {T, K, N};
+    case GemmPass::InputGrad:
+      return {T, N, K};
+    case GemmPass::WeightGrad:
+      return {K, T, N};
+  }
+  return {T, K, N};
+}
+
+std::vector<ModelGemm> model_gemms(const model::ModelGraph& graph, int max_tp) {
+  std::vector<ModelGemm> gemms;
+  auto add = [&](int T, int K, int N) {
+    for (const GemmPass pass : {GemmPass::Forward, GemmPass::InputGrad, GemmPass::WeightGrad}) {
+      const ModelGemm g{T, K, N, pass};
+      const bool seen = std::any_of(gemms.begin(), gemms.end(), [&](const ModelGemm& o) {
+        return o.pass == g.pass && o.mkn() == g.mkn();
+      });
+      if (!seen) gemms.push_back(g);
+    }
+  };
   for (const model::Op& op : graph.ops()) {
-    // One block's GEMMs are every block's; the head's too.
-    if (op.gemm_m <= 0 || (op.layer > 0 && op.layer < graph.spec().layers)) continue;
+    // One block's GEMMs are every block's; the head's too. Experts are not timed.
+    if (op.gemm_m <= 0 || op.expert || (op.layer > 0 && op.layer < graph.spec().layers)) continue;
     const int T = static_cast<int>(op.gemm_m), K = static_cast<int>(op.gemm_k),
               N = static_cast<int>(op.gemm_n);
-    for (const std::array<int, 3>& s :
-         {std::array<int, 3>{T, K, N}, std::array<int, 3>{T, N, K}, std::array<int, 3>{K, T, N}}) {
-      if (std::find(shapes.begin(), shapes.end(), s) == shapes.end()) shapes.push_back(s);
+    add(T, K, N);
+    const bool column =
+        op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab;
+    const bool row = op.tp_split == model::TpSplit::Row;
+    for (int tp = 2; tp <= max_tp; tp *= 2) {
+      if (column && N % tp == 0) add(T, K, N / tp);
+      if (row && K % tp == 0) add(T, K / tp, N);
     }
+  }
+  return gemms;
+}
+
+std::vector<std::array<int, 3>> model_gemm_shapes(const model::ModelGraph& graph, int max_tp) {
+  std::vector<std::array<int, 3>> shapes;
+  for (const ModelGemm& g : model_gemms(graph, max_tp)) {
+    if (std::find(shapes.begin(), shapes.end(), g.mkn()) == shapes.end()) shapes.push_back(g.mkn());
   }
   return shapes;
 }
@@ -321,23 +354,44 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
                                 4);
   const int repeats = options.quick ? 2 : options.repeats;
 
-  // Square GEMMs, and the calibration model's GEMMs: forward [T,K]x[K,N], and the backward's
-  // two of the same FLOPs ([T,N]x[N,K] for the input gradient, [K,T]x[T,N] for the weights).
-  std::vector<std::array<int, 3>> shapes;  // m, k, n
+  // Square GEMMs, and the calibration model's GEMMs as the executor runs them: forward
+  // [T,K]x[K,N], and the backward's input gradient dout·w^T and weight gradient in^T·dout,
+  // each with its own layout (transposed operands run at their own speed), whole and split
+  // over tp up to the ranks measuring at once. dtsim prices a GEMM of a measured shape by its
+  // own time (sim/cost/profile.hpp).
+  std::vector<ModelGemm> timed;
   if (options.quick) {
-    shapes = {{32, 32, 32}, {128, 128, 128}};
+    timed = {{32, 32, 32, GemmPass::Forward}, {128, 128, 128, GemmPass::Forward}};
   } else {
-    shapes = {{64, 64, 64}, {128, 128, 128}, {256, 256, 256}, {512, 512, 512}, {1024, 1024, 1024}};
+    for (int s : {64, 128, 256, 512, 1024}) timed.push_back({s, s, s, GemmPass::Forward});
   }
-  for (const auto& s : model_gemm_shapes(graph)) {
-    if (std::find(shapes.begin(), shapes.end(), s) == shapes.end()) shapes.push_back(s);
+  for (const ModelGemm& g : model_gemms(graph, std::max(1, options.ranks_per_host))) {
+    const bool seen = std::any_of(timed.begin(), timed.end(),
+                                  [&](const ModelGemm& o) { return o.mkn() == g.mkn(); });
+    if (!seen) timed.push_back(g);
   }
   json gemm = json::array();
-  for (const auto& [m, k, n] : shapes) {
-    const auto a = random_buffer(static_cast<std::size_t>(m) * k, 16);
-    const auto b = random_buffer(static_cast<std::size_t>(k) * n, 17);
-    std::vector<float> c(static_cast<std::size_t>(m) * n);
-    const double s = median_of(repeats, [&] { matmul_forward(c, a, b, {}, m, k, n); });
+  for (const ModelGemm& g : timed) {
+    const std::size_t T = static_cast<std::size_t>(g.T), K = static_cast<std::size_t>(g.K),
+                      N = static_cast<std::size_t>(g.N);
+    const auto in = random_buffer(T * K, 16);
+    const auto w = random_buffer(K * N, 17);
+    const auto dout = random_buffer(T * N, 18);
+    std::vector<float> out(T * N), din(T * K), dw(K * N);
+    const double s = median_of(repeats, [&] {
+      switch (g.pass) {
+        case GemmPass::Forward:
+          matmul_forward(out, in, w, {}, g.T, g.K, g.N);
+          break;
+        case GemmPass::InputGrad:
+          matmul_backward(din, {}, {}, dout, in, w, g.T, g.K, g.N);
+          break;
+        case GemmPass::WeightGrad:
+          matmul_backward({}, dw, {}, dout, in, w, g.T, g.K, g.N);
+          break;
+      }
+    });
+    const auto [m, k, n] = g.mkn();
     gemm.push_back({{"m", m}, {"n", n}, {"k", k}, {"seconds", s}});
   }
   // Jitter: the spread of one compute segment's time, timed again and again (every rank at

@@ -52,9 +52,22 @@ CalibrationStamp calibration_stamp();
 // (its first norm and residual), the embedding, or the loss. Both backends report through it.
 nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<OpTiming>& timings);
 
-// The distinct GEMMs of one block and the head of `graph`, as {m, k, n}: each forward
-// [T,K]x[K,N] and its backward's two of the same FLOPs ([T,N]x[N,K] for the input gradient,
-// [K,T]x[T,N] for the weights). Both backends time these.
-std::vector<std::array<int, 3>> model_gemm_shapes(const model::ModelGraph& graph);
+// One GEMM of a linear op [T,K]x[K,N] on one rank: its forward, or one of its backward's two
+// of the same FLOPs, the input gradient dout[T,N]·w^T ([T,N]x[N,K]) and the weight gradient
+// in^T·dout ([K,T]x[T,N]).
+enum class GemmPass { Forward, InputGrad, WeightGrad };
+struct ModelGemm {
+  int T = 0, K = 0, N = 0;  // the linear op's shape on the rank
+  GemmPass pass = GemmPass::Forward;
+  // The GEMM as {m, k, n} ([m,k]x[k,n]), as a profile's "gemm" rows name it.
+  std::array<int, 3> mkn() const;
+};
+
+// The distinct GEMMs of one block and the head of `graph`, forward and backward, whole and as
+// tensor parallelism of each degree 2, 4, ... up to `max_tp` splits them on a rank (column-
+// parallel layers' N, row-parallel layers' K) where the degree divides the split dimension.
+std::vector<ModelGemm> model_gemms(const model::ModelGraph& graph, int max_tp = 1);
+// Their distinct {m, k, n}. Both backends time these.
+std::vector<std::array<int, 3>> model_gemm_shapes(const model::ModelGraph& graph, int max_tp = 1);
 
 }  // namespace dtsim::exec::cpu

@@ -84,6 +84,12 @@ int cmd_simulate(const std::vector<std::string>& args) {
     options.profile = &*profile;
     notes.push_back(fmt::format("compute cost from calibration profile {} ({})", profile->file,
                                 profile->source));
+    if (profile->in_run) {
+      notes.push_back(fmt::format(
+          "the profile's kernel times scaled by what they measured in a training step: forward "
+          "x{:.3f}, backward x{:.3f}, optimizer x{:.3f} (its in_run)",
+          profile->in_run->forward, profile->in_run->backward, profile->in_run->optimizer));
+    }
     if (auto w = profile_device_warning(profile->file, profile->device, cluster.device)) {
       notes.push_back(*w);
     }

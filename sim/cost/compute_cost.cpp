@@ -54,8 +54,7 @@ double ComputeCost::divisor(const model::Op& op) const {
   return static_cast<double>(plan_.cp) * (tp_split ? plan_.tp : 1);
 }
 
-double ComputeCost::wave_factor(const model::Op& op, Phase phase) const {
-  if (!waves_ || op.gemm_m <= 0 || op.expert) return 1.0;
+std::array<double, 3> ComputeCost::rank_gemm(const model::Op& op) const {
   // The rank's share of the forward GEMM (m x k) by (k x n): context parallelism splits the
   // tokens, column-parallel layers the outputs, row-parallel layers the inputs.
   double m = op.gemm_m / plan_.cp;
@@ -64,6 +63,41 @@ double ComputeCost::wave_factor(const model::Op& op, Phase phase) const {
   if (op.tp_split == model::TpSplit::Row) k /= plan_.tp;
   // Sequence parallelism splits the tokens of the ops tensor parallelism leaves whole (routers).
   if (op.tp_split == model::TpSplit::None && plan_.sequence_parallel) m /= plan_.tp;
+  return {m, k, n};
+}
+
+double ComputeCost::profile_gemm_seconds(const model::Op& op, Phase phase) const {
+  const double d = divisor(op);
+  const auto [m, k, n] = rank_gemm(op);
+  // A GEMM of the rank's shape at its measured time, when the op's FLOPs are that GEMM's
+  // (not an MoE expert's, whose op counts all experts); else by its FLOPs alone.
+  auto gemm = [&](double flops, double gm, double gn, double gk) {
+    const bool shaped = !op.expert && std::abs(2.0 * gm * gn * gk - flops) <= 1e-9 * flops;
+    return shaped ? profile_->gemm_seconds(gm, gn, gk) : profile_->gemm_seconds(flops);
+  };
+  // Forward [m,k]x[k,n]; input gradient [m,n]x[n,k]; weight gradient [k,m]x[m,n].
+  const auto input = [&] { return gemm(op.bwd_input_flops / d, m, k, n); };
+  const auto weight = [&] { return gemm(op.bwd_weight_flops / d, k, n, m); };
+  switch (phase) {
+    case Phase::Forward:
+    case Phase::Recompute:
+      return gemm(op.fwd_flops / d, m, n, k);
+    case Phase::Backward:
+      return (op.bwd_input_flops > 0 ? input() : 0.0) + (op.bwd_weight_flops > 0 ? weight() : 0.0);
+    case Phase::BackwardInput:
+      return op.bwd_input_flops > 0 ? input() : 0.0;
+    case Phase::BackwardWeight:
+      return op.bwd_weight_flops > 0 ? weight() : 0.0;
+    case Phase::Optimizer:
+    case Phase::None:
+      return 0.0;
+  }
+  return 0.0;
+}
+
+double ComputeCost::wave_factor(const model::Op& op, Phase phase) const {
+  if (!waves_ || op.gemm_m <= 0 || op.expert) return 1.0;
+  const auto [m, k, n] = rank_gemm(op);
   // Useful outputs over the outputs of the waves run: tiles cover the output matrix (the
   // padding of edge tiles is tile quantization) and run sm_count at a time.
   const auto efficiency = [&](double rows, double cols) {
@@ -112,6 +146,13 @@ double ComputeCost::op_flops(const model::Op& op, Phase phase) const {
 }
 
 double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
+  const double s = kernel_seconds(op, phase);
+  if (profile_ == nullptr || !profile_->in_run) return s;
+  const bool forward = phase == Phase::Forward || phase == Phase::Recompute;
+  return s * (forward ? profile_->in_run->forward : profile_->in_run->backward);
+}
+
+double ComputeCost::kernel_seconds(const model::Op& op, Phase phase) const {
   const double d = divisor(op);
   const double flops = op_flops(op, phase);
   // The rank's share of the op's traffic: activations split like its work (d), weights split
@@ -156,15 +197,9 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
   const double eff = attention ? attention_eff_ : gemm_eff_;
   double compute_s = flops > 0 ? flops / (peak_flops_ * eff) * wave_factor(op, phase) : 0.0;
   // A profile's GEMM times were measured: they hold whatever quantization the shapes had. A
-  // combined backward is two GEMMs (input and weight gradients), each priced at its own size.
-  if (profile_ != nullptr && flops > 0 && op.gemm_m > 0) {
-    if (phase == Phase::Backward && op.bwd_input_flops > 0 && op.bwd_weight_flops > 0) {
-      compute_s = profile_->gemm_seconds(op.bwd_input_flops / d) +
-                  profile_->gemm_seconds(op.bwd_weight_flops / d);
-    } else {
-      compute_s = profile_->gemm_seconds(flops);
-    }
-  }
+  // combined backward is two GEMMs (input and weight gradients), each priced at its own shape.
+  if (profile_ != nullptr && flops > 0 && op.gemm_m > 0)
+    compute_s = profile_gemm_seconds(op, phase);
   const double memory_s = bytes / hbm_bw_;
   return std::max(compute_s, memory_s) + launch_s_ * kernels + accumulation_seconds(op, phase);
 }
@@ -224,8 +259,11 @@ std::string ComputeCost::profile_key(OpKind kind) const {
 
 double ComputeCost::optimizer_seconds(std::uint64_t params) const {
   const double bytes_per_param = plan_.optimizer == plan::Optimizer::Adam ? 28.0 : 20.0;
-  if (optimizer_rate_) return static_cast<double>(params) * bytes_per_param / *optimizer_rate_;
-  return static_cast<double>(params) * bytes_per_param / hbm_bw_ + launch_s_;
+  const double in_run = profile_ != nullptr && profile_->in_run ? profile_->in_run->optimizer : 1.0;
+  if (optimizer_rate_) {
+    return static_cast<double>(params) * bytes_per_param / *optimizer_rate_ * in_run;
+  }
+  return (static_cast<double>(params) * bytes_per_param / hbm_bw_ + launch_s_) * in_run;
 }
 
 }  // namespace dtsim::cost

@@ -33,7 +33,7 @@ class ComputeCost {
   // Seconds for a compute task (lower::TaskKind::Compute); memoized by (ops, phase).
   double task_seconds(const lower::Task& task);
   // Seconds for one op in one phase on one rank, with the accumulation of its weight gradient
-  // when that is a kernel of its own (below).
+  // when that is a kernel of its own (below), times a profile's in_run factor of the phase.
   double op_seconds(const model::Op& op, lower::Phase phase) const;
   // Without gradient-accumulation fusion (plan grad_accumulation_fusion false), the kernel
   // that adds the weight gradient of one backward pass of `op` into its accumulator: a memory
@@ -53,10 +53,17 @@ class ComputeCost {
   double op_flops(const model::Op& op, lower::Phase phase) const;
 
  private:
+  // op_seconds before the profile's in_run factor: the kernels as timed alone.
+  double kernel_seconds(const model::Op& op, lower::Phase phase) const;
   double divisor(const model::Op& op) const;
   // How much longer than at the catalog's GEMM efficiency a GEMM op takes in `phase` on one
   // rank, from the device's wave quantization (1 without gemm_waves in the catalog).
   double wave_factor(const model::Op& op, lower::Phase phase) const;
+  // The rank's share {m, k, n} of a GEMM op's forward [m,k]x[k,n].
+  std::array<double, 3> rank_gemm(const model::Op& op) const;
+  // A GEMM op's compute seconds in `phase` from the profile: each GEMM at its measured time
+  // where the profile has its shape, else at the throughput of its FLOPs.
+  double profile_gemm_seconds(const model::Op& op, lower::Phase phase) const;
   // An op kind's name in a profile's "ops" table ("" for GEMMs and kinds it does not list).
   std::string profile_key(model::OpKind kind) const;
   static constexpr int kOpKinds = static_cast<int>(model::OpKind::Loss) + 1;

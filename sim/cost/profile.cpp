@@ -25,6 +25,15 @@ double Profile::gemm_seconds(double flops) const {
   return flops / rate;
 }
 
+double Profile::gemm_seconds(double m, double n, double k) const {
+  std::optional<double> measured;
+  for (const GemmSample& s : gemm) {
+    if (s.m == m && s.n == n && s.k == k)
+      measured = std::min(measured.value_or(s.seconds), s.seconds);
+  }
+  return measured ? *measured : gemm_seconds(2.0 * m * n * k);
+}
+
 std::optional<double> Profile::collective_seconds(const std::string& kind, int ranks,
                                                   double bytes) const {
   const auto it = collectives.find({kind, ranks});
@@ -42,11 +51,14 @@ std::optional<double> Profile::collective_seconds(const std::string& kind, int r
 }
 
 Profile load_profile(const std::string& path) {
-  const nlohmann::json j = JsonReader::parse_file(path);
+  return profile_from_json(JsonReader::parse_file(path), path);
+}
+
+Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   const JsonReader r(j, path);
   r.expect_only({"device", "source", "precision", "gemm", "memory_bw_bytes_per_s",
-                 "launch_overhead_s", "collectives", "notes", "ops", "ranks_per_host",
-                 "jitter_cv"});
+                 "launch_overhead_s", "collectives", "notes", "ops", "ranks_per_host", "jitter_cv",
+                 "in_run"});
   Profile p;
   p.file = path;
   p.device = r.string("device");
@@ -76,6 +88,19 @@ Profile load_profile(const std::string& path) {
       r.fail("jitter_cv",
              fmt::format("expected a coefficient of variation below 1, got {}", *p.jitter_cv));
     }
+  }
+  if (r.has("in_run")) {
+    const JsonReader f = r.object("in_run");
+    f.expect_only({"forward", "backward", "optimizer", "tasks"});
+    auto factor = [&](std::string_view key) {
+      const double v = f.positive_number(key);
+      if (v < 0.1 || v > 100) {
+        f.fail(key, fmt::format(
+                        "expected a ratio of measured to predicted time in [0.1, 100], got {}", v));
+      }
+      return v;
+    };
+    p.in_run = Profile::InRun{factor("forward"), factor("backward"), factor("optimizer")};
   }
   if (r.has("ops")) {
     const auto& ops = r.raw().at("ops");

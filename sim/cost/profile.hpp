@@ -13,10 +13,18 @@
 //            {"op": "optimizer", "phase": "step", "bytes_per_s": 6e9, ...} ],   (optional)
 //   "collectives": [ {"kind": "all_reduce", "ranks": 2, "bytes": 4096, "seconds": 3e-6, ...} ],
 //   "ranks_per_host": 2,                    how many ranks measured at once (informative)
-//   "jitter_cv": 0.05                       spread of a compute segment's time across runs and
+//   "jitter_cv": 0.05,                      spread of a compute segment's time across runs and
 //                                           ranks (a coefficient of variation, below 1), for the
 //                                           straggler model (optional)
+//   "in_run": {"forward": 1.08, "backward": 1.15, "optimizer": 1.0, "tasks": 31}
+//                                           measured over predicted time of the calibration
+//                                           model's forward, backward and optimizer tasks in a
+//                                           training step that dtexec ran (optional)
 // }
+// Kernels timed alone run faster than in a training step, where their operands come from other
+// kernels (caches) and the executor works between them: "in_run" holds that ratio, measured by
+// `dtexec calibrate` (a step of its model on one rank per process, every task against this
+// profile's own prediction of it), and the compute cost multiplies its times by it.
 // "ops" gives measured rates of the non-GEMM ops in the model graph's own units: FLOP/s of
 // the graph's FLOPs for the attention core, bytes/s of the graph's bytes for the others (ops:
 // attention, layernorm, rmsnorm, gelu, swiglu, residual, embedding, loss; phases fwd, bwd),
@@ -25,11 +33,14 @@
 // all_to_all, send_recv) replace the network model for groups of a measured size inside one
 // node: time from the measured throughput interpolated in log(bytes), never below the smallest
 // size's time (latency).
-// A GEMM's time comes from the measured throughput (FLOP/s) interpolated linearly in
-// log(FLOPs) between the two measured sizes around it (clamped at the ends).
+// A GEMM of a measured shape takes its measured time (`dtexec calibrate` times the model's own
+// GEMMs, forward and backward, whole and split over tp); any other GEMM's time comes from the
+// measured throughput (FLOP/s) interpolated linearly in log(FLOPs) between the two measured
+// sizes around it (clamped at the ends).
 #pragma once
 
 #include <map>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -54,6 +65,11 @@ struct Profile {
   std::optional<double> launch_overhead_s;
   // Coefficient of variation of compute time (engine/engine.hpp, stragglers).
   std::optional<double> jitter_cv;
+  // Measured over predicted compute time in a training step, by phase (the "in_run" object).
+  struct InRun {
+    double forward = 1, backward = 1, optimizer = 1;
+  };
+  std::optional<InRun> in_run;
   struct OpRate {
     double rate = 0;     // per second
     bool flops = false;  // FLOP/s (else bytes/s)
@@ -69,9 +85,14 @@ struct Profile {
 
   // Seconds for a GEMM of `flops` FLOPs from the measured throughput.
   double gemm_seconds(double flops) const;
+  // Seconds for the GEMM [m,k]x[k,n]: its measured time where the profile has that shape
+  // (the fastest of its rows), else gemm_seconds of its FLOPs.
+  double gemm_seconds(double m, double n, double k) const;
 };
 
 // Throws InputError naming the file and field.
 Profile load_profile(const std::string& path);
+// The same from parsed JSON (`file` names it in errors).
+Profile profile_from_json(const nlohmann::json& j, const std::string& file);
 
 }  // namespace dtsim::cost

@@ -1,5 +1,7 @@
 #include "sim/cost/profile.hpp"
 
+#include <fmt/format.h>
+
 #include "sim/common/error.hpp"
 #include "sim/cost/compute_cost.hpp"
 #include "tests/test_util.hpp"
@@ -28,6 +30,49 @@ TEST_CASE("GEMM throughput is interpolated in log(FLOPs) between measurements", 
   // Outside the table: the nearest measured rate.
   CHECK(p.gemm_seconds(f1 / 8) == Approx(f1 / 8 / r1));
   CHECK(p.gemm_seconds(f2 * 8) == Approx(f2 * 8 / r2));
+}
+
+TEST_CASE("a GEMM of a measured shape takes its own time, forward and backward",
+          "[cost][profile]") {
+  // tiny-gpt's MLP up on tp 2 (micro-batch 1, sequence 32): [32, 64] x [64, 128] on a rank.
+  // The profile holds its forward and its two backward GEMMs at times that the FLOPs
+  // interpolation would not give, and a square GEMM for everything else.
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  const dtsim::model::Op* up = nullptr;
+  for (auto id : g.layer_ops(0)) {
+    if (g.op(id).kind == dtsim::model::OpKind::MlpUp) up = &g.op(id);
+  }
+  REQUIRE(up != nullptr);
+  const int T = static_cast<int>(up->gemm_m), K = static_cast<int>(up->gemm_k),
+            N = static_cast<int>(up->gemm_n) / 2;
+  const std::string text = fmt::format(
+      R"({{"device": "a100-sxm4-80gb", "source": "test data, not a measurement",
+  "precision": "bf16", "memory_bw_bytes_per_s": 1e18, "launch_overhead_s": 0,
+  "gemm": [{{"m": 1024, "n": 1024, "k": 1024, "seconds": 1e-4}},
+           {{"m": {0}, "k": {1}, "n": {2}, "seconds": 3e-6}},
+           {{"m": {0}, "k": {2}, "n": {1}, "seconds": 5e-6}},
+           {{"m": {1}, "k": {0}, "n": {2}, "seconds": 7e-6}}]}})",
+      T, K, N);
+  TempFile f("profile.json", text);
+  const auto profile = dtsim::cost::load_profile(f.path());
+  CHECK(profile.gemm_seconds(T, N, K) == 3e-6);
+  // Another shape of the same FLOPs: interpolated, not a measured row's time.
+  CHECK(profile.gemm_seconds(4 * T, N / 2, K / 2) == Approx(profile.gemm_seconds(2.0 * T * N * K)));
+  dtsim::plan::Plan plan;
+  plan.tp = 2;
+  plan.seq_len = 32;
+  const auto device = dtsim::cluster::load_device("a100-sxm4-80gb");
+  const dtsim::cost::ComputeCost cost(g, plan, device, &profile);
+  using dtsim::lower::Phase;
+  CHECK(cost.op_seconds(*up, Phase::Forward) == Approx(3e-6));
+  CHECK(cost.op_seconds(*up, Phase::BackwardInput) == Approx(5e-6));
+  CHECK(cost.op_seconds(*up, Phase::BackwardWeight) == Approx(7e-6));
+  CHECK(cost.op_seconds(*up, Phase::Backward) == Approx(12e-6));
+  // Whole (tp 1), the shape was not measured: the FLOPs interpolation prices it.
+  plan.tp = 1;
+  const dtsim::cost::ComputeCost whole(g, plan, device, &profile);
+  CHECK(whole.op_seconds(*up, Phase::Forward) == Approx(profile.gemm_seconds(up->fwd_flops)));
 }
 
 TEST_CASE("a profile replaces the catalog's GEMM efficiency and memory bandwidth",
@@ -88,6 +133,43 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
   bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
           "jitter_cv": -0.1})",
       "bad_profile.json: jitter_cv: expected a number >= 0 (0, or from 1e-12 to 1e+21), got -0.1");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "in_run": {"forward": 0.01, "backward": 1, "optimizer": 1}})",
+      "bad_profile.json: in_run.forward: expected a ratio of measured to predicted time in "
+      "[0.1, 100], got 0.01");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "in_run": {"forward": 1, "backward": 1}})",
+      "bad_profile.json: in_run.optimizer: required field is missing");
+}
+
+TEST_CASE("a profile's in_run factors scale its compute times by phase", "[cost][profile]") {
+  const std::string base = R"("device": "a100-sxm4-80gb", "source": "test data",
+    "precision": "bf16", "memory_bw_bytes_per_s": 1.5e12, "launch_overhead_s": 0,
+    "gemm": [{"m": 1024, "n": 1024, "k": 1024, "seconds": 1e-4}])";
+  TempFile plain_file("plain.json", "{" + base + "}");
+  TempFile run_file("in_run.json", "{" + base +
+                                       R"(, "in_run": {"forward": 1.1, "backward": 1.3,
+                                                        "optimizer": 1.5, "tasks": 12}})");
+  const auto plain = dtsim::cost::load_profile(plain_file.path());
+  const auto in_run = dtsim::cost::load_profile(run_file.path());
+  REQUIRE(in_run.in_run);
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  dtsim::plan::Plan plan;
+  plan.seq_len = 32;
+  const auto device = dtsim::cluster::load_device("a100-sxm4-80gb");
+  const dtsim::cost::ComputeCost a(g, plan, device, &plain), b(g, plan, device, &in_run);
+  using dtsim::lower::Phase;
+  for (auto id : g.layer_ops(0)) {
+    const auto& op = g.op(id);
+    INFO(op.name);
+    CHECK(b.op_seconds(op, Phase::Forward) == Approx(1.1 * a.op_seconds(op, Phase::Forward)));
+    CHECK(b.op_seconds(op, Phase::Recompute) == Approx(1.1 * a.op_seconds(op, Phase::Recompute)));
+    CHECK(b.op_seconds(op, Phase::Backward) == Approx(1.3 * a.op_seconds(op, Phase::Backward)));
+    CHECK(b.op_seconds(op, Phase::BackwardWeight) ==
+          Approx(1.3 * a.op_seconds(op, Phase::BackwardWeight)));
+  }
+  CHECK(b.optimizer_seconds(1000000) == Approx(1.5 * a.optimizer_seconds(1000000)));
 }
 
 TEST_CASE("measured op rates price the non-GEMM ops in the graph's own units", "[cost][profile]") {

@@ -1,0 +1,41 @@
+#include "exec/cpu/calibrate.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+
+#include "sim/model/model_graph.hpp"
+
+using dtsim::exec::cpu::GemmPass;
+using dtsim::exec::cpu::ModelGemm;
+
+TEST_CASE("calibration times each linear op's three GEMMs, whole and split over tp",
+          "[calibrate]") {
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  const int T = 32, C = static_cast<int>(spec.hidden), F = static_cast<int>(spec.ffn_hidden);
+  auto has = [](const std::vector<ModelGemm>& gemms, ModelGemm want) {
+    return std::any_of(gemms.begin(), gemms.end(), [&](const ModelGemm& x) {
+      return x.pass == want.pass && x.mkn() == want.mkn();
+    });
+  };
+  const auto whole = dtsim::exec::cpu::model_gemms(g);
+  const auto split = dtsim::exec::cpu::model_gemms(g, 2);
+  // MLP up [T,C]x[C,F]: forward, input gradient [T,F]x[F,C], weight gradient [C,T]x[T,F].
+  CHECK(ModelGemm{T, C, F, GemmPass::Forward}.mkn() == std::array<int, 3>{T, C, F});
+  CHECK(ModelGemm{T, C, F, GemmPass::InputGrad}.mkn() == std::array<int, 3>{T, F, C});
+  CHECK(ModelGemm{T, C, F, GemmPass::WeightGrad}.mkn() == std::array<int, 3>{C, T, F});
+  for (const GemmPass pass : {GemmPass::Forward, GemmPass::InputGrad, GemmPass::WeightGrad}) {
+    CHECK(has(whole, {T, C, F, pass}));
+    CHECK(!has(whole, {T, C, F / 2, pass}));
+    // Column-parallel on tp 2: F / 2 outputs; MLP down row-parallel: F / 2 inputs.
+    CHECK(has(split, {T, C, F / 2, pass}));
+    CHECK(has(split, {T, F / 2, C, pass}));
+  }
+  // No duplicates of one GEMM.
+  for (std::size_t i = 0; i < split.size(); ++i) {
+    for (std::size_t j = i + 1; j < split.size(); ++j) {
+      CHECK(!(split[i].pass == split[j].pass && split[i].mkn() == split[j].mkn()));
+    }
+  }
+}
