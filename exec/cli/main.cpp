@@ -992,10 +992,12 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
 #endif
 
 // The profile's "in_run" factors (sim/cost/profile.hpp): one process trains the calibration
-// model for a few steps on its own (one micro-batch per step, after `sync`: under mpirun every
-// rank at once, as the profile's kernels were timed), and each compute task's time (its median
-// over the steps, as the kernels' are medians) is set against the profile's prediction of it;
-// the ratio of the sums, per phase (forward and recompute, backward, optimizer).
+// model on its own (one micro-batch per step; under mpirun every rank at once, as the profile's
+// kernels were timed), in rounds: two steps (the first left out: fresh buffers), then the step's
+// GEMMs timed alone again at once, so that both see the host in the same spell (a shared host
+// drifts by tens of percent over seconds). A round's ratio per phase (forward and recompute,
+// backward, optimizer) is the step's compute tasks against the profile's prediction of them
+// with this round's GEMM times; the factor is the median over rounds.
 nlohmann::json measure_in_run(const nlohmann::json& profile_json,
                               const dtsim::exec::cpu::CalibrateOptions& options) {
   using dtsim::lower::Phase;
@@ -1005,8 +1007,9 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
   const std::int64_t seq = options.seq_len > 0 ? options.seq_len : spec.seq_len;
   // The shapes calibrate() timed.
   const std::int64_t mbs = options.quick ? 1 : options.micro_batch_size;
-  const dtsim::model::ModelGraph graph(spec, mbs,
-                                       options.quick ? std::min<std::int64_t>(seq, 32) : seq);
+  const dtsim::model::ModelGraph graph(
+      spec, mbs, options.quick ? std::min<std::int64_t>(seq, 32) : seq,
+      dtsim::plan::activation_bytes_per_element(profile.precision));
   dtsim::plan::Plan plan;
   plan.dp = 1;
   plan.micro_batch_size = mbs;
@@ -1015,12 +1018,7 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
   plan.precision = profile.precision;
   dtsim::plan::require_valid(plan, spec, 1);
   const auto program = dtsim::lower::lower(graph, plan);
-  dtsim::exec::RunOptions run;
-  run.steps = options.quick ? 4 : 6;
-  run.warmup_steps = 1;
-  dtsim::exec::SingleRankComm comm;
-  if (options.sync) options.sync();
-  const auto result = dtsim::exec::run_program(graph, program, run, comm);
+  const auto& program_tasks = program.ranks.at(0).tasks;
   // Only the profile prices these ops (GEMMs, op rates, its memory bandwidth and launch time).
   dtsim::cluster::DeviceSpec device;
   device.name = "calibrated host";
@@ -1030,31 +1028,52 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
   device.memory_bw_bytes_per_s = {profile.memory_bw_bytes_per_s.value_or(1e10), "the profile"};
   device.efficiency.gemm = device.efficiency.attention = device.efficiency.memory_bw = {1.0, ""};
   device.efficiency.launch_overhead_s = {profile.launch_overhead_s.value_or(0.0), "the profile"};
-  dtsim::cost::ComputeCost cost(graph, plan, device, &profile);
-  std::map<std::int32_t, std::vector<double>> times;  // task -> its time in each step
-  for (const auto& r : result.tasks) times[r.task].push_back(r.end_s - r.start_s);
-  std::array<double, 3> measured{}, predicted{};  // forward, backward, optimizer
+  const auto gemms = dtsim::exec::cpu::model_gemms(graph);
+  const int rounds = options.quick ? 2 : 3;
+  std::array<std::vector<double>, 3> ratios;  // forward, backward, optimizer
   int tasks = 0;
-  const auto& program_tasks = program.ranks.at(0).tasks;
-  for (auto& [id, seconds] : times) {
-    const auto& task = program_tasks.at(static_cast<std::size_t>(id));
-    if (task.kind != dtsim::lower::TaskKind::Compute) continue;
-    const std::size_t k = task.phase == Phase::Forward || task.phase == Phase::Recompute ? 0
-                          : task.phase == Phase::Optimizer                               ? 2
-                                                                                         : 1;
-    std::sort(seconds.begin(), seconds.end());
-    measured[k] += seconds[seconds.size() / 2];
-    predicted[k] += cost.task_seconds(task);
-    ++tasks;
-  }
-  for (std::size_t k = 0; k < 3; ++k) {
-    if (!(predicted[k] > 0 && measured[k] > 0)) {
-      throw dtsim::InternalError("dtexec calibrate: the training step timed no task of a phase");
+  dtsim::exec::SingleRankComm comm;
+  for (int round = 0; round < rounds; ++round) {
+    dtsim::exec::RunOptions run;
+    run.steps = 2;
+    run.warmup_steps = 1;
+    if (options.sync) options.sync();
+    const auto result = dtsim::exec::run_program(graph, program, run, comm);
+    dtsim::cost::Profile now = profile;
+    for (const auto& g : gemms) {
+      const auto [m, k, n] = g.mkn();
+      const double seconds = dtsim::exec::cpu::time_gemm(g, 1);
+      for (auto& sample : now.gemm) {
+        if (sample.m == m && sample.n == n && sample.k == k) sample.seconds = seconds;
+      }
+    }
+    dtsim::cost::ComputeCost cost(graph, plan, device, &now);
+    std::array<double, 3> measured{}, predicted{};
+    tasks = 0;
+    for (const auto& record : result.tasks) {
+      const auto& task = program_tasks.at(static_cast<std::size_t>(record.task));
+      if (task.kind != dtsim::lower::TaskKind::Compute) continue;
+      const std::size_t k = task.phase == Phase::Forward || task.phase == Phase::Recompute ? 0
+                            : task.phase == Phase::Optimizer                               ? 2
+                                                                                           : 1;
+      measured[k] += record.end_s - record.start_s;
+      predicted[k] += cost.task_seconds(task);
+      ++tasks;
+    }
+    for (std::size_t k = 0; k < 3; ++k) {
+      if (!(predicted[k] > 0 && measured[k] > 0)) {
+        throw dtsim::InternalError("dtexec calibrate: the training step timed no task of a phase");
+      }
+      ratios[k].push_back(measured[k] / predicted[k]);
     }
   }
-  return {{"forward", measured[0] / predicted[0]},
-          {"backward", measured[1] / predicted[1]},
-          {"optimizer", measured[2] / predicted[2]},
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  };
+  return {{"forward", median(ratios[0])},
+          {"backward", median(ratios[1])},
+          {"optimizer", median(ratios[2])},
           {"tasks", tasks}};
 }
 

@@ -335,6 +335,28 @@ std::vector<ModelGemm> model_gemms(const model::ModelGraph& graph, int max_tp) {
   return gemms;
 }
 
+double time_gemm(const ModelGemm& g, int repeats) {
+  const std::size_t T = static_cast<std::size_t>(g.T), K = static_cast<std::size_t>(g.K),
+                    N = static_cast<std::size_t>(g.N);
+  const auto in = random_buffer(T * K, 16);
+  const auto w = random_buffer(K * N, 17);
+  const auto dout = random_buffer(T * N, 18);
+  std::vector<float> out(T * N), din(T * K), dw(K * N);
+  return median_of(repeats, [&] {
+    switch (g.pass) {
+      case GemmPass::Forward:
+        matmul_forward(out, in, w, {}, g.T, g.K, g.N);
+        break;
+      case GemmPass::InputGrad:
+        matmul_backward(din, {}, {}, dout, in, w, g.T, g.K, g.N);
+        break;
+      case GemmPass::WeightGrad:
+        matmul_backward({}, dw, {}, dout, in, w, g.T, g.K, g.N);
+        break;
+    }
+  });
+}
+
 std::vector<std::array<int, 3>> model_gemm_shapes(const model::ModelGraph& graph, int max_tp) {
   std::vector<std::array<int, 3>> shapes;
   for (const ModelGemm& g : model_gemms(graph, max_tp)) {
@@ -372,27 +394,8 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
   }
   json gemm = json::array();
   for (const ModelGemm& g : timed) {
-    const std::size_t T = static_cast<std::size_t>(g.T), K = static_cast<std::size_t>(g.K),
-                      N = static_cast<std::size_t>(g.N);
-    const auto in = random_buffer(T * K, 16);
-    const auto w = random_buffer(K * N, 17);
-    const auto dout = random_buffer(T * N, 18);
-    std::vector<float> out(T * N), din(T * K), dw(K * N);
-    const double s = median_of(repeats, [&] {
-      switch (g.pass) {
-        case GemmPass::Forward:
-          matmul_forward(out, in, w, {}, g.T, g.K, g.N);
-          break;
-        case GemmPass::InputGrad:
-          matmul_backward(din, {}, {}, dout, in, w, g.T, g.K, g.N);
-          break;
-        case GemmPass::WeightGrad:
-          matmul_backward({}, dw, {}, dout, in, w, g.T, g.K, g.N);
-          break;
-      }
-    });
     const auto [m, k, n] = g.mkn();
-    gemm.push_back({{"m", m}, {"n", n}, {"k", k}, {"seconds", s}});
+    gemm.push_back({{"m", m}, {"n", n}, {"k", k}, {"seconds", time_gemm(g, repeats)}});
   }
   // Jitter: the spread of one compute segment's time, timed again and again (every rank at
   // once under mpirun, after a barrier). The segment is the calibration model's largest forward

@@ -67,6 +67,9 @@ struct ModelGemm {
 // tensor parallelism of each degree 2, 4, ... up to `max_tp` splits them on a rank (column-
 // parallel layers' N, row-parallel layers' K) where the degree divides the split dimension.
 std::vector<ModelGemm> model_gemms(const model::ModelGraph& graph, int max_tp = 1);
+// The median time of `repeats` timed runs of one of them with the CPU kernels the executor
+// runs (each run repeated for at least 20 ms).
+double time_gemm(const ModelGemm& gemm, int repeats);
 // Their distinct {m, k, n}. Both backends time these.
 std::vector<std::array<int, 3>> model_gemm_shapes(const model::ModelGraph& graph, int max_tp = 1);
 

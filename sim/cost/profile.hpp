@@ -23,8 +23,9 @@
 // }
 // Kernels timed alone run faster than in a training step, where their operands come from other
 // kernels (caches) and the executor works between them: "in_run" holds that ratio, measured by
-// `dtexec calibrate` (a step of its model on one rank per process, every task against this
-// profile's own prediction of it), and the compute cost multiplies its times by it.
+// `dtexec calibrate` (steps of its model on one rank per process, every compute task against
+// this profile's prediction of it with the step's GEMMs timed again right after it; the median
+// over rounds), and the compute cost multiplies its times by it.
 // "ops" gives measured rates of the non-GEMM ops in the model graph's own units: FLOP/s of
 // the graph's FLOPs for the attention core, bytes/s of the graph's bytes for the others (ops:
 // attention, layernorm, rmsnorm, gelu, swiglu, residual, embedding, loss; phases fwd, bwd),
