@@ -817,7 +817,12 @@ void write_host_topology(const std::string& dir, const nlohmann::json& profile, 
        {{"fabric", "shared_memory"},
         {"bw_bytes_per_s", figure(busbw, source + "; MPI all-reduce bus bandwidth, largest size")},
         {"latency_s", figure(latency, source + "; smallest MPI all-reduce / 2(n-1) ring steps")}}},
-      {"inter_node", {{"fabric", "none"}, {"transport", "none"}}}};
+      {"inter_node", {{"fabric", "none"}, {"transport", "none"}}},
+      {"communication",
+       {{"overlaps_compute", false},
+        {"source",
+         "dtexec's CPU backend: MPI moves a non-blocking collective's data only inside MPI "
+         "calls, which dtexec makes between tasks, not during a kernel (no progress thread)"}}}};
   for (const auto& [path, j] : {std::pair{device_path, device},
                                 std::pair{(fs::path(dir) / "cpu-host.json").string(), cluster}}) {
     std::ofstream file(path);

@@ -80,7 +80,7 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   const JsonReader r(j, file);
   r.expect_only({"name", "description", "source", "device", "device_efficiency", "nodes",
                  "devices_per_node", "intra_node", "inter_node", "price_per_device_hour_usd",
-                 "power_per_device_w", "notes"});
+                 "power_per_device_w", "communication", "notes"});
   Cluster c;
   c.file = file;
   c.name = r.string("name");
@@ -97,6 +97,11 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   if (r.has("device_efficiency")) {
     c.device_efficiency_overrides =
         read_efficiency(r.object("device_efficiency"), c.device.efficiency, /*required=*/false);
+  }
+  if (r.has("communication")) {
+    const JsonReader comm = r.object("communication");
+    comm.expect_only({"overlaps_compute", "source"});
+    if (!comm.boolean("overlaps_compute")) c.serial_ranks_source = comm.string("source");
   }
   c.nodes = r.positive_int_up_to("nodes", kMaxDevices);
   c.devices_per_node = r.positive_int_up_to("devices_per_node", kMaxDevices);

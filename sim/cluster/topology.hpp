@@ -70,6 +70,12 @@ struct Cluster {
   InterNode inter;
   std::optional<Figure> price_per_device_hour_usd;
   std::optional<Figure> power_per_device_w;
+  // Set (with its source) where a rank's communication makes progress only while the rank is
+  // not computing (MPI without an asynchronous progress thread moves a non-blocking
+  // collective's data only inside MPI calls): the engine then runs each rank's tasks one at a
+  // time, in program order (engine::EngineOptions::serial_ranks). JSON:
+  // "communication": {"overlaps_compute": false, "source": "..."}.
+  std::optional<std::string> serial_ranks_source;
 
   std::int64_t devices() const { return nodes * devices_per_node; }
   std::int64_t node_size() const {

@@ -35,7 +35,8 @@ class Engine {
       : program_(program),
         durations_(durations),
         jitter_cv_(options.jitter_cv),
-        eager_p2p_(program.plan.overlap_p2p_comm) {
+        eager_p2p_(program.plan.overlap_p2p_comm),
+        serial_(options.serial_ranks) {
     const std::size_t n = program.ranks.size();
     compute_total_.assign(n, 0.0);
     spread_.assign(program.groups.size(), -1.0);
@@ -68,7 +69,7 @@ class Engine {
         // later send to the other neighbour must not queue behind that wait.
         if (task.kind == TaskKind::Recv) continue;
         if (task.kind == TaskKind::Send && !eager_p2p_) continue;
-        auto& prev = last[static_cast<std::size_t>(task.stream)];
+        auto& prev = last[serial_ ? 0 : static_cast<std::size_t>(task.stream)];
         if (prev >= 0) {
           dependents_[p][static_cast<std::size_t>(prev)].push_back(t);
           ++pending_[p][static_cast<std::size_t>(t)];
@@ -294,6 +295,7 @@ class Engine {
   std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, std::pair<TaskId, double>>
       waiting_sends_;
   bool eager_p2p_;
+  bool serial_;
   // Per program: when its link is next free to send and to receive a pipeline transfer.
   std::vector<double> link_out_free_, link_in_free_;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> queue_;

@@ -50,6 +50,10 @@ class Durations {
 struct EngineOptions {
   // Coefficient of variation of a rank's compute time between two collectives (0: none).
   double jitter_cv = 0;
+  // A rank runs one task at a time, in program order, on all its streams together (its
+  // communication cannot progress while it computes: cluster::Cluster::serial_ranks_source).
+  // Pipeline sends and receives keep their own rules.
+  bool serial_ranks = false;
 };
 
 // E[max of n independent standard normal variables] (0 for n = 1; 0.5642 for n = 2).

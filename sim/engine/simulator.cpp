@@ -191,6 +191,7 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
                            options.profile != nullptr && one_node ? options.profile : nullptr);
   EngineOptions engine;
   engine.jitter_cv = jitter_cv_of(options.jitter_cv, options.profile);
+  engine.serial_ranks = cluster.serial_ranks_source.has_value();
   sim.timeline = run(sim.program, durations, engine);
 
   Prediction& p = sim.prediction;
@@ -252,6 +253,12 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
               "passes a stage posts its receives once its compute has ended and waits for them "
               "(with GPipe, 1F1B and interleaved, for its sends to be received too); "
               "--overlap-p2p-comm overlaps them");
+  }
+  if (engine.serial_ranks) {
+    p.notes.push_back(fmt::format(
+        "{} says its communication does not progress while a rank computes ({}): each rank runs "
+        "its tasks one at a time, in program order",
+        cluster.file.empty() ? cluster.name : cluster.file, *cluster.serial_ranks_source));
   }
   if (engine.jitter_cv > 0) {
     p.notes.push_back(fmt::format(

@@ -40,6 +40,8 @@ TEST_CASE("the default and Selene clusters", "[cluster][topology]") {
   CHECK(selene.device.efficiency.gemm.source.find("CUDA 11.7") != std::string::npos);
   CHECK(selene.device.efficiency.memory_bw.value == a100.efficiency.memory_bw.value);
   CHECK(load_cluster("default").device_efficiency_overrides.empty());
+  // GPU clusters overlap communication with compute (NCCL runs on its own streams).
+  CHECK(!selene.serial_ranks_source);
 }
 
 TEST_CASE("a cluster resized with --gpus keeps whole nodes", "[cluster][topology]") {
@@ -84,6 +86,13 @@ TEST_CASE("bad cluster files are rejected naming file and field",
     expect(j, "device_efficiency.gemm.source: required field is missing");
     j["device_efficiency"] = {{"tflops", {{"value", 0.7}, {"source", "s"}}}};
     expect(j, "device_efficiency.tflops: unknown field (known fields: gemm, attention");
+  }
+  SECTION("communication that says neither whether it overlaps nor why") {
+    auto j = valid_cluster();
+    j["communication"] = {{"overlaps_compute", "no"}, {"source", "s"}};
+    expect(j, "communication.overlaps_compute: expected true or false");
+    j["communication"] = {{"overlaps_compute", false}};
+    expect(j, "communication.source: required field is missing");
   }
   SECTION("negative node count") {
     auto j = valid_cluster();

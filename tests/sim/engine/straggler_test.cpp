@@ -256,3 +256,28 @@ TEST_CASE("a device's link carries one pipeline transfer at a time each way",
     CHECK(std::max(t.tasks[1][0].end_s, t.tasks[1][1].end_s) == Approx(2));
   }
 }
+
+TEST_CASE("a rank whose communication cannot progress while it computes runs one task at a time",
+          "[engine]") {
+  // One rank (a group of 2 it stands for): compute 1 s; a collective on the tp stream beside a
+  // compute of 2 s that does not depend on it; then a compute waiting for both.
+  dtsim::lower::Program p;
+  dtsim::lower::Group g;
+  g.ranks = {0, 1};
+  g.programs = {0};
+  p.groups.push_back(g);
+  dtsim::lower::RankProgram rp;
+  rp.represents = g.ranks;
+  rp.tasks = {compute(1, {}), collective(0, {0}), compute(2, {0}), compute(1, {1, 2})};
+  p.ranks.push_back(rp);
+  Fixed d;  // collectives 0.5 s
+  const auto overlapped = dtsim::engine::run(p, d);
+  CHECK(overlapped.makespan_s == Approx(1 + 2 + 1));  // the collective hides behind the 2 s
+  dtsim::engine::EngineOptions options;
+  options.serial_ranks = true;
+  const auto serial = dtsim::engine::run(p, d, options);
+  CHECK(serial.makespan_s == Approx(1 + 0.5 + 2 + 1));
+  // In program order: the collective first, then the compute it could have hidden behind.
+  CHECK(serial.tasks[0][1].end_s == Approx(1.5));
+  CHECK(serial.tasks[0][2].start_s == Approx(1.5));
+}
