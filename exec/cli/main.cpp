@@ -1008,31 +1008,29 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
   using dtsim::lower::Phase;
   dtsim::cost::Profile profile = dtsim::cost::profile_from_json(profile_json, "the calibration");
   profile.in_run.reset();
-  const auto spec = dtsim::model::load_model(options.model);
-  const std::int64_t seq = options.seq_len > 0 ? options.seq_len : spec.seq_len;
-  // The shapes calibrate() timed.
-  const std::int64_t mbs = options.quick ? 1 : options.micro_batch_size;
-  const dtsim::model::ModelGraph graph(
-      spec, mbs, options.quick ? std::min<std::int64_t>(seq, 32) : seq,
-      dtsim::plan::activation_bytes_per_element(profile.precision));
+  const dtsim::model::ModelGraph graph = dtsim::exec::cpu::calibration_graph(options);
+  const dtsim::model::ModelSpec& spec = graph.spec();
   dtsim::plan::Plan plan;
   plan.dp = 1;
-  plan.micro_batch_size = mbs;
-  plan.global_batch_size = mbs;
+  plan.micro_batch_size = graph.micro_batch();
+  plan.global_batch_size = graph.micro_batch();
   plan.seq_len = graph.seq_len();
   plan.precision = profile.precision;
   dtsim::plan::require_valid(plan, spec, 1);
   const auto program = dtsim::lower::lower(graph, plan);
   const auto& program_tasks = program.ranks.at(0).tasks;
-  // Only the profile prices these ops (GEMMs, op rates, its memory bandwidth and launch time).
+  // Only the profile prices these ops (GEMMs, op rates, its memory bandwidth and launch time,
+  // which the CPU calibration always measures).
+  DTSIM_ASSERT(profile.memory_bw_bytes_per_s && profile.launch_overhead_s,
+               "a CPU calibration without memory bandwidth or launch overhead");
   dtsim::cluster::DeviceSpec device;
   device.name = "calibrated host";
   double peak = 0;
   for (const auto& g : profile.gemm) peak = std::max(peak, g.flops() / g.seconds);
   device.peak_flops[profile.precision] = {peak, "the profile's fastest GEMM"};
-  device.memory_bw_bytes_per_s = {profile.memory_bw_bytes_per_s.value_or(1e10), "the profile"};
+  device.memory_bw_bytes_per_s = {*profile.memory_bw_bytes_per_s, "the profile"};
   device.efficiency.gemm = device.efficiency.attention = device.efficiency.memory_bw = {1.0, ""};
-  device.efficiency.launch_overhead_s = {profile.launch_overhead_s.value_or(0.0), "the profile"};
+  device.efficiency.launch_overhead_s = {*profile.launch_overhead_s, "the profile"};
   const auto gemms = dtsim::exec::cpu::model_gemms(graph);
   const int rounds = options.quick ? 2 : 3;
   std::array<std::vector<double>, 3> ratios;  // forward, backward, optimizer

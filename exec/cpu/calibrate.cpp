@@ -365,15 +365,20 @@ std::vector<std::array<int, 3>> model_gemm_shapes(const model::ModelGraph& graph
   return shapes;
 }
 
+model::ModelGraph calibration_graph(const CalibrateOptions& options) {
+  const model::ModelSpec spec = model::load_model(options.model);
+  const std::int64_t seq = options.seq_len > 0 ? options.seq_len : spec.seq_len;
+  const std::int64_t mbs = options.quick ? 1 : options.micro_batch_size;
+  return model::ModelGraph(spec, mbs, options.quick ? std::min<std::int64_t>(seq, 32) : seq,
+                           4);  // fp32 activations
+}
+
 nlohmann::json calibrate(const CalibrateOptions& options) {
   using nlohmann::json;
   if (options.gemm_threads > 0) set_gemm_threads(options.gemm_threads);
   g_sync = options.sync ? options.sync : [] {};
-  const model::ModelSpec spec = model::load_model(options.model);
-  const std::int64_t seq = options.seq_len > 0 ? options.seq_len : spec.seq_len;
-  const std::int64_t mbs = options.quick ? 1 : options.micro_batch_size;
-  const model::ModelGraph graph(spec, mbs, options.quick ? std::min<std::int64_t>(seq, 32) : seq,
-                                4);
+  const model::ModelGraph graph = calibration_graph(options);
+  const model::ModelSpec& spec = graph.spec();
   const int repeats = options.quick ? 2 : options.repeats;
 
   // Square GEMMs, and the calibration model's GEMMs as the executor runs them: forward

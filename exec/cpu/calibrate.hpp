@@ -38,6 +38,9 @@ struct CalibrateOptions {
 };
 
 nlohmann::json calibrate(const CalibrateOptions& options);
+// The calibration model at the shapes `options` time it with (fp32; --quick: micro-batch 1 and
+// at most 32 tokens).
+model::ModelGraph calibration_graph(const CalibrateOptions& options);
 
 // Where and when a calibration ran, for its profile's "source": this host's name and today's
 // date (UTC, YYYY-MM-DD). Both backends stamp their profiles with it.

@@ -491,23 +491,7 @@ class Lowerer {
                                 overlaps_tp_backward(items[j + 1], last);
         const bool regather =
             phase == Phase::Backward && j + 1 < items.size() && regathers_input(items[j + 1], last);
-        if (regather && !overlapped) {
-          // The layer's backward waits for its input, gathered again during the ops before it
-          // in the run.
-          const TaskId input = emit_regather(items[j + 1], micro_batch, chunk, prev);
-          if (lo != hi) {
-            prev = compute(last + 1, hi, phase, items[i].layer);
-            if (op_tasks) {
-              for (std::size_t q = i; q < j; ++q) op_tasks->emplace_back(*items[q].op, prev);
-            }
-          }
-          gathered = input;
-          prev = compute(last, last, phase, items[j].layer);
-          if (op_tasks) op_tasks->emplace_back(last, prev);
-          i = j + 1;
-          continue;
-        }
-        if (!overlapped) {
+        if (!overlapped && !regather) {
           prev = compute(lo, hi, phase, items[i].layer);
           if (op_tasks) {
             for (std::size_t q = i; q <= j; ++q) op_tasks->emplace_back(*items[q].op, prev);
@@ -523,9 +507,17 @@ class Lowerer {
             for (std::size_t q = i; q < j; ++q) op_tasks->emplace_back(*items[q].op, prev);
           }
         }
-        // With sequence parallelism the layer kept its input sharded: it is gathered again
-        // while the input gradient computes, for the weight gradient.
+        // With sequence parallelism the layer kept its input sharded: its backward starts by
+        // gathering it again for the weight gradient, beside the input gradient when that runs
+        // apart; else the layer's backward waits for it.
         const TaskId input = regather ? emit_regather(items[j + 1], micro_batch, chunk, prev) : -1;
+        if (!overlapped) {
+          gathered = input;
+          prev = compute(last, last, phase, items[j].layer);
+          if (op_tasks) op_tasks->emplace_back(last, prev);
+          i = j + 1;
+          continue;
+        }
         // The weight gradient follows the input gradient on the compute stream, beside the
         // collective that reduces the input gradient.
         prev = compute(last, last, Phase::BackwardInput, items[j].layer);

@@ -74,7 +74,7 @@ class Estimator {
     struct Segment {
       double compute = 0, weight = 0, slack = 0;
       bool overlapped = false;
-      double input = 0, layer = 0;  // the layer's input-gradient and whole backward
+      double input = 0;  // the layer's input gradient
     };
     std::vector<Segment> segments;
     double lf = 0, lb = 0, lbw = 0, attention = 0;
@@ -90,7 +90,7 @@ class Estimator {
       if (op.kind == model::OpKind::QkvProj || op.kind == model::OpKind::MlpUp ||
           op.kind == model::OpKind::Router) {
         segments.push_back({0, weight, 0, op.kind == model::OpKind::QkvProj || !m.moe,
-                            cost.op_seconds(op, Phase::BackwardInput), backward});
+                            cost.op_seconds(op, Phase::BackwardInput)});
       }
       // In forward order, an op's backward runs before the collective of the nearest
       // column-parallel layer at or before it.
@@ -138,8 +138,8 @@ class Estimator {
     }
     // Sequence parallelism gathers a column-parallel layer's input again for its weight
     // gradient (lowering: regathers_input): beside the layer's input gradient with the overlap,
-    // else beside the segment's ops before the layer. Zero-bubble gathers them before its
-    // weight pass, among other passes' work: counted as hidden.
+    // else before the layer's backward. Zero-bubble gathers them before its weight pass, among
+    // other passes' work: counted as hidden.
     double regather = 0;
     if (p.tp > 1 && p.sequence_parallel) {
       regather = net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
@@ -147,8 +147,7 @@ class Estimator {
       if (p.schedule != Schedule::ZeroBubble) {
         for (const Segment& seg : segments) {
           if (m.moe && !seg.overlapped) continue;  // a router: not split over tp
-          tp_backward +=
-              std::max(0.0, regather - (tp_overlap ? seg.input : seg.compute - seg.layer));
+          tp_backward += std::max(0.0, regather - (tp_overlap ? seg.input : 0.0));
         }
       }
     }
@@ -183,7 +182,7 @@ class Estimator {
         }
       }
     } else if (p.schedule != Schedule::ZeroBubble) {
-      head_b += regather;  // beside only the loss's backward
+      head_b += regather;  // before the head's backward
     }
 
     double p2p = 0;  // one pipeline transfer

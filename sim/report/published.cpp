@@ -40,9 +40,10 @@ LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parall
   using K = lower::CollectiveKind;
   // Forward: f and g of the attention and the MLP (all-gathers and reduce-scatters with
   // sequence parallelism, else g's all-reduces).
-  const double comm = sequence_parallel ? 2 * (net->collective_s(tp, K::AllGather, bytes) +
-                                               net->collective_s(tp, K::ReduceScatter, bytes))
-                                        : 2 * net->collective_s(tp, K::AllReduce, bytes);
+  const double gather = net->collective_s(tp, K::AllGather, bytes);
+  const double comm = sequence_parallel
+                          ? 2 * (gather + net->collective_s(tp, K::ReduceScatter, bytes))
+                          : 2 * net->collective_s(tp, K::AllReduce, bytes);
   // Backward: g's all-gathers (sequence parallelism), and f's input-gradient collectives, which
   // Megatron-LM of 2022 runs during the QKV and MLP-up weight gradients (plan
   // overlap_tp_backward): only what outlasts those GEMMs adds. With sequence parallelism the
@@ -50,7 +51,7 @@ LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parall
   // regathers_input): what outlasts those adds too.
   const double f =
       net->collective_s(tp, sequence_parallel ? K::ReduceScatter : K::AllReduce, bytes);
-  double bwd_comm = sequence_parallel ? 2 * net->collective_s(tp, K::AllGather, bytes) : 0.0;
+  double bwd_comm = sequence_parallel ? 2 * gather : 0.0;
   double fwd = 0, bwd = 0, attention = 0;
   for (model::OpId id : g.layer_ops(0)) {
     const auto& op = g.op(id);
@@ -62,8 +63,7 @@ LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parall
     if (op.kind == model::OpKind::QkvProj || op.kind == model::OpKind::MlpUp) {
       bwd_comm += std::max(0.0, f - cost.op_seconds(op, lower::Phase::BackwardWeight));
       if (sequence_parallel) {
-        bwd_comm += std::max(0.0, net->collective_s(tp, K::AllGather, bytes) -
-                                      cost.op_seconds(op, lower::Phase::BackwardInput));
+        bwd_comm += std::max(0.0, gather - cost.op_seconds(op, lower::Phase::BackwardInput));
       }
     }
   }
@@ -133,7 +133,7 @@ Table1Case megatron_table1_case(const CsvRow& row) {
   // cluster a year later (Korthikanti et al. 2022, Table 3) use 4 for the model without
   // pipelining (22B, t = 8, p = 1) and 1 for every pipelined one (175B, 530B, 1T); dtsim takes
   // that rule.
-  p.micro_batch_size = whole(row, "pp") > 1 ? 1 : 4;
+  p.micro_batch_size = p.pp > 1 ? 1 : 4;
   p.global_batch_size = whole(row, "global_batch");
   p.seq_len = whole(row, "seq_len");
   p.recompute = plan::Recompute::Full;
