@@ -13,8 +13,10 @@
 #    dtsim simulate of the same plan on that cluster with that profile (its measured jitter
 #    drives the straggler model), and again without the straggler model (--jitter-cv 0).
 # Then a table: plan, ranks, predicted (the median over rounds), measured (the median step
-# time over all rounds, warm-up left out), the spread of those step times, error, and the
-# error without stragglers; and the worst error.
+# time over all rounds, warm-up left out), the spread of those step times, error, the error
+# without stragglers, and memory (the last round's busiest rank's peak of tensors,
+# measured/predicted by dtsim memory without its framework allowance, and the error); and the
+# worst error.
 #
 # usage: [RUNS=3] [STEPS=8] [MODEL=cpu-small] [CALIBRATE=plan|round] bench/cpu_validation.sh
 #        [BUILD_DIR] [WORK_DIR]
@@ -97,11 +99,12 @@ for round in $(seq "$runs"); do
     # shellcheck disable=SC2086
     if [ "$ranks" -gt 1 ]; then
       mpirun -np "$ranks" "$dtexec" run --model "$model" "${batch[@]}" $flags \
-        --steps "$steps" --warmup "$warmup" --json | step_times >>"times_$i.txt"
+        --steps "$steps" --warmup "$warmup" --json >"run_$i.json"
     else
       "$dtexec" run --model "$model" "${batch[@]}" $flags --steps "$steps" \
-        --warmup "$warmup" --json | step_times >>"times_$i.txt"
+        --warmup "$warmup" --json >"run_$i.json"
     fi
+    step_times <"run_$i.json" >>"times_$i.txt"
     # shellcheck disable=SC2086
     "$dtsim" simulate --model "$model" --cluster host/cpu-host.json --gpus "$ranks" \
       "${batch[@]}" $flags --precision fp32 --profile "$profile" --json |
@@ -113,8 +116,8 @@ for round in $(seq "$runs"); do
   done
 done
 
-printf '%-56s %5s %13s %12s %16s %8s %14s\n' plan ranks predicted_ms measured_ms "spread_ms" error \
-  "no_stragglers"
+printf '%-56s %5s %13s %12s %16s %8s %14s %20s\n' plan ranks predicted_ms measured_ms "spread_ms" \
+  error "no_stragglers" "memory_MiB"
 worst_plain=0
 worst=0
 for i in "${!plans[@]}"; do
@@ -130,8 +133,13 @@ for i in "${!plans[@]}"; do
   worst=$(awk -v e="$error" -v w="$worst" 'BEGIN { e = e < 0 ? -e : e; print (e > w ? e : w) }')
   worst_plain=$(awk -v e="$error_plain" -v w="$worst_plain" \
     'BEGIN { e = e < 0 ? -e : e; print (e > w ? e : w) }')
-  printf '%-56s %5s %13.1f %12.1f %16s %7s%% %13s%%\n' "${flags:-(one rank)}" "$ranks" \
+  # Memory (the last round's run): the busiest rank's peak of tensors against dtsim memory.
+  memory=$(awk -v m="$(value peak_bytes <"run_$i.json")" \
+    -v p="$(value predicted_bytes <"run_$i.json")" \
+    'BEGIN { printf "%.1f/%.1f %+.1f%%", m / 1048576, p / 1048576, (m / p - 1) * 100 }')
+  printf '%-56s %5s %13.1f %12.1f %16s %7s%% %13s%% %20s\n' "${flags:-(one rank)}" "$ranks" \
     "$(awk -v x="$predicted" 'BEGIN { print x * 1000 }')" \
-    "$(awk -v x="$measured" 'BEGIN { print x * 1000 }')" "$spread" "$error" "$error_plain"
+    "$(awk -v x="$measured" 'BEGIN { print x * 1000 }')" "$spread" "$error" "$error_plain" \
+    "$memory"
 done
 echo "worst |error|: ${worst}% (target 15%); without the straggler model ${worst_plain}%"

@@ -584,7 +584,7 @@ int run(const std::vector<std::string>& args) {
     end_all_ranks(e, mpi.get(), "run");
     throw;
   }
-  // Memory: the device pool's peak on the busiest rank, and the memory model's busiest stage
+  // Memory: the peak of tensor bytes on the busiest rank, and the memory model's busiest stage
   // without its framework allowance (the pool holds tensors only). Every rank takes part.
   const auto use = device->memory_use();
   std::array<double, 2> held = {static_cast<double>(use.peak), static_cast<double>(use.reserved)};
@@ -608,8 +608,9 @@ int run(const std::vector<std::string>& args) {
       {"reserved_bytes", held[1]},
       {"predicted_bytes", dtsim::report::value_or_null(predicted_memory)},
       {"note",
-       "peak_bytes: the most the device pool handed out at once on the busiest rank; "
-       "reserved_bytes: what its pool held; predicted_bytes: dtsim memory's busiest stage "
+       "peak_bytes: the most tensor bytes the device held at once on the busiest rank; "
+       "reserved_bytes: what its pool of buffers held; predicted_bytes: dtsim memory's busiest "
+       "stage "
        "without its framework allowance (null where the memory model does not apply)"}};
   const double tokens = static_cast<double>(plan.global_batch_size * plan.seq_len);
   const int first = result.first_step;

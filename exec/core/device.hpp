@@ -51,8 +51,9 @@ class Device {
   // framework's caching allocator does), else new.
   virtual View allocate(std::int64_t n, Dtype type) = 0;
   virtual void release(View v) = 0;
-  // Bytes of the buffers handed out (from allocate until release): now, and the most since the
-  // device was made; and what its pool holds (handed out, or kept for reuse).
+  // Bytes of the tensors handed out (the sizes asked for, from allocate until release): now, and
+  // the most since the device was made; and what its pool holds (its buffers, handed out or
+  // kept for reuse: a tensor may take a larger released buffer whole).
   struct MemoryUse {
     std::int64_t in_use = 0, peak = 0, reserved = 0;
   };

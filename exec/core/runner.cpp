@@ -82,15 +82,28 @@ Slice whole(std::int64_t rows, std::int64_t cols) {
 // A weight or bias of this rank, on the device: the fp32 master and its AdamW state, the copy
 // the GEMMs read (in the activation type; the master itself when that is fp32), and its
 // gradient.
+//
+// What is held follows the plan's ZeRO stage (dp > 1): from stage 1 the AdamW state m, v is
+// this rank's dp slice only; from stage 2 the gradient exists from the first weight gradient
+// of a micro-batch's backward to its bucket's reduce-scatter (the Program reduce-scatters
+// every micro-batch's), and the reduced slice accumulates; at stage 3 the fp32 master is the
+// slice (`shard`), and `data` (with `work`) holds the whole tensor from an all-gather of the
+// Program to the last compute task that reads it.
 struct Param {
   std::string name;
   Slice slice;
+  std::int64_t n = 0;  // elements of the tensor on this tp rank (slice.local_size())
   View data, m, v;
   View work;
-  // A view into the rank's one gradient buffer, where the tensors lie in (op, weight/bias)
-  // order: a dp bucket (a range of ops) is one contiguous piece, reduced in place.
+  bool separate_work = false;  // work is a copy of data in the activation type
+  View shard;                  // ZeRO-3: this rank's dp slice of the fp32 master
+  // Without ZeRO, and at ZeRO-1: a view into the rank's one gradient buffer, where the tensors
+  // lie in (op, weight/bias) order: a dp bucket (a range of ops) is one contiguous piece,
+  // reduced in place. ZeRO-2/3: a buffer of its own while it exists (empty otherwise).
   View grad;
-  View reduced;  // ZeRO >= 1: the reduced gradient of this rank's dp slice
+  // ZeRO >= 1: the reduced gradient of this rank's dp slice (at ZeRO-1, that slice of grad:
+  // the step's one reduce-scatter adds into it after packing and clearing the buffer).
+  View reduced;
   std::int64_t own_begin = 0, own_end = 0;  // this rank's dp slice (ZeRO >= 1), local indices
   bool replicated_over_tp = false;
   bool tied_copy = false;  // the last stage's copy of the embedding (pipeline, tied head)
@@ -105,6 +118,8 @@ struct MicroBatch {
   // Sequence parallelism: the all-gathered (full-sequence) copy of an op's output that the
   // tensor-parallel region reads, and the gradient of that copy before it is reduce-scattered.
   std::map<OpId, View> full, full_grad;
+  // The size of an output released before its gradient was made (the gradient has its shape).
+  std::map<OpId, std::int64_t> released_out;
 };
 
 using Key = std::pair<OpId, int>;  // (op, 0 weight / 1 bias)
@@ -212,6 +227,8 @@ class Runner {
     t_ = member_index(GroupKind::Tp);
     d_ = member_index(GroupKind::Dp);
     sharded_ = p_.zero_stage >= 1 && dp_ > 1;
+    transient_grads_ = sharded_ && p_.zero_stage >= 2;
+    zero3_ = sharded_ && p_.zero_stage >= 3;
     B_ = static_cast<int>(p_.micro_batch_size);
     S_ = static_cast<int>(p_.seq_len);
     T_ = B_ * S_;
@@ -231,6 +248,8 @@ class Runner {
       if (mb >= 0 && mb < micro_batches_) last_use_[static_cast<std::size_t>(mb)] = i;
     }
     init_params();
+    if (!options.keep_tensors) plan_releases();
+    if (zero3_) plan_weight_releases();
     losses_ = dev_.allocate(micro_batches_, Dtype::F32);
     // A learnable stream: each token is followed by next_[token] nine times in ten.
     next_.resize(static_cast<std::size_t>(V_));
@@ -268,6 +287,7 @@ class Runner {
         }
       }
       dev_.zero(losses_);
+      event_ = 0;
       // A device that queues work (a GPU stream) is timed with its own marks (CUDA events)
       // around each task, read once the step is done: no wait inside the step.
       const bool queued = !dev_.host_memory();
@@ -287,6 +307,8 @@ class Runner {
         const double start = now();
         const int start_mark = queued ? dev_.mark() : -1;
         execute(tasks[i], i);
+        if (tasks[i].kind != TaskKind::Compute) retire();
+        release_weights(i);
         comm_.progress();
         watchdog.end();
         if (queued && timed) {
@@ -310,6 +332,8 @@ class Runner {
         }
       }
       settle(nullptr);
+      DTSIM_ASSERT(release_after_.empty() || event_ == release_after_.size(),
+                   "the step's events differ from its plan of releases");
       comm_.wait_sends();
       close_sends();
       if (queued) {
@@ -524,10 +548,10 @@ class Runner {
         p.name = fmt::format("{}.{}", g_.op(source).name, which == 0 ? "weight" : "bias");
         const std::vector<float> values = initial(source, which, slice);
         const auto n = static_cast<std::int64_t>(values.size());
-        p.data = dev_.allocate(n, Dtype::F32);
-        dev_.upload(p.data, values.data());
-        p.m = dev_.allocate(n, Dtype::F32);
-        p.v = dev_.allocate(n, Dtype::F32);
+        p.n = n;
+        p.own_begin = sharded_ ? n * d_ / dp_ : 0;
+        p.own_end = sharded_ ? n * (d_ + 1) / dp_ : n;
+        const std::int64_t own = p.own_end - p.own_begin;
         // The GEMMs' copy, in the activation type, of the weights they read (linear layers and a
         // tied head's table); other tensors are read as their fp32 master.
         const bool gemm_weight =
@@ -535,38 +559,62 @@ class Runner {
             (op.kind == OpKind::QkvProj || op.kind == OpKind::AttnOutProj ||
              op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown || op.kind == OpKind::LmHead ||
              (op.kind == OpKind::Embedding && m_.tied_embeddings));
-        p.work = dev_.activations() == Dtype::F32 || !gemm_weight
-                     ? p.data
-                     : dev_.allocate(n, dev_.activations());
-        p.replicated_over_tp = slice.whole();
-        if (sharded_) {
-          p.own_begin = n * d_ / dp_;
-          p.own_end = n * (d_ + 1) / dp_;
-          p.reduced = dev_.allocate(p.own_end - p.own_begin, Dtype::F32);
+        p.separate_work = dev_.activations() != Dtype::F32 && gemm_weight;
+        if (zero3_) {
+          p.shard = dev_.allocate(own, Dtype::F32);
+          dev_.upload(p.shard, values.data() + p.own_begin);
         } else {
-          p.own_begin = 0;
-          p.own_end = n;
+          p.data = dev_.allocate(n, Dtype::F32);
+          dev_.upload(p.data, values.data());
+          p.work = p.separate_work ? dev_.allocate(n, dev_.activations()) : p.data;
         }
+        p.m = dev_.allocate(own, Dtype::F32);
+        p.v = dev_.allocate(own, Dtype::F32);
+        p.replicated_over_tp = slice.whole();
         if (!p.tied_copy) have += static_cast<std::uint64_t>(slice.rows * slice.cols);
         params_.emplace(Key{id, which}, std::move(p));
       }
       DTSIM_ASSERT(have == op.params, fmt::format("parameters of {}: {} allocated, graph says {}",
                                                   op.name, have, op.params));
     }
-    std::int64_t total = 0;
-    for (const auto& [key, p] : params_) total += p.data.size();
-    grad_storage_ = dev_.allocate(total, Dtype::F32);
-    std::int64_t at = 0;
+    if (!transient_grads_) {
+      std::int64_t total = 0;
+      for (const auto& [key, p] : params_) total += p.n;
+      grad_storage_ = dev_.allocate(total, Dtype::F32);
+      std::int64_t at = 0;
+      for (auto& [key, p] : params_) {
+        p.grad = grad_storage_.sub(at, p.n);
+        at += p.n;
+      }
+    }
     for (auto& [key, p] : params_) {
-      p.grad = grad_storage_.sub(at, p.data.size());
-      at += p.data.size();
-      refresh_work(p);
+      if (sharded_) {
+        p.reduced = transient_grads_ ? dev_.allocate(p.own_end - p.own_begin, Dtype::F32)
+                                     : p.grad.sub(p.own_begin, p.own_end - p.own_begin);
+      }
+      if (!zero3_) refresh_work(p);
     }
   }
 
   // The GEMMs' copy of a weight, after its master changed (a no-op when they are one).
   void refresh_work(Param& p) {
-    if (p.work.p != p.data.p) dev_.cast(p.work, p.data);
+    if (p.separate_work) dev_.cast(p.work, p.data);
+  }
+
+  // A weight's gradient, made (zeros) at its first write where it does not live through the
+  // step (ZeRO-2/3).
+  View grad(Param& p) {
+    if (p.grad.empty()) p.grad = dev_.allocate(p.n, Dtype::F32);
+    return p.grad;
+  }
+  void drop_grad(Param& p) {
+    dev_.release(p.grad);
+    p.grad = View{};
+  }
+
+  // This rank's dp slice of a tensor's fp32 master (the whole tensor without ZeRO).
+  View master_slice(const Param& p) const {
+    return zero3_ ? p.shard : p.data.sub(p.own_begin, p.own_end - p.own_begin);
   }
 
   Param* find(OpId id, int which) {
@@ -585,7 +633,7 @@ class Runner {
   }
   View bias_grad(OpId id) {
     Param* b = find(id, 1);
-    return b ? b->grad : View{};
+    return b ? grad(*b) : View{};
   }
 
   // The parameters of ops [begin, end) that this rank holds, in a fixed order.
@@ -628,7 +676,10 @@ class Runner {
 
   View& grad_of(MicroBatch& mb, OpId id) {
     auto& gbuf = mb.grad[id];
-    if (gbuf.empty()) fresh(gbuf, mb.out.at(id).size());
+    if (gbuf.empty()) {
+      const auto out = mb.out.find(id);
+      fresh(gbuf, out != mb.out.end() ? out->second.size() : mb.released_out.at(id));
+    }
     return gbuf;
   }
 
@@ -637,8 +688,7 @@ class Runner {
   // An op's input: the all-gathered copy where sequence parallelism made one.
   View input_of(MicroBatch& mb, OpId id) {
     const OpId in = input(id);
-    const auto it = mb.full.find(in);
-    return it != mb.full.end() ? it->second : mb.out.at(in);
+    return gathers_input(g_.op(id)) ? mb.full.at(in) : mb.out.at(in);
   }
   // The gradient buffer of an op's input: the whole sequence's where sequence parallelism
   // gathers that input (the forward may have released the gathered copy: zero-bubble's
@@ -786,6 +836,11 @@ class Runner {
   // Which gradients a backward computes: both, or (zero-bubble) the input gradients in the B
   // pass and the weight gradients in the later W pass.
   enum class Part { Both, Input, Weight };
+  static Part part_of(Phase phase) {
+    return phase == Phase::BackwardInput    ? Part::Input
+           : phase == Phase::BackwardWeight ? Part::Weight
+                                            : Part::Both;
+  }
 
   void backward(MicroBatch& mb, OpId id, Part part = Part::Both) {
     const Op& op = g_.op(id);
@@ -805,13 +860,13 @@ class Runner {
       case OpKind::Embedding:
         // Only weight gradients (the tokens have none).
         if (weight_grads) {
-          dev_.embedding_backward(param(id, 0).grad, bias_grad(id), mb.grad.at(id), mb.tokens, B_,
+          dev_.embedding_backward(grad(param(id, 0)), bias_grad(id), mb.grad.at(id), mb.tokens, B_,
                                   S_, C_, t_ * Vl_);
         }
         break;
       case OpKind::Norm:
         dev_.norm_backward(input_grads ? grad_of(mb, input(id)) : View{},
-                           weight_grads ? param(id, 0).grad : View{},
+                           weight_grads ? grad(param(id, 0)) : View{},
                            weight_grads ? bias_grad(id) : View{}, mb.grad.at(id),
                            mb.out.at(input(id)), param(id, 0).data, mb.aux1.at(id), mb.aux2.at(id),
                            Ts_, C_, m_.norm == model::Norm::RmsNorm);
@@ -830,15 +885,15 @@ class Runner {
         const bool separate = weight_grads && !program_.plan.grad_accumulation_fusion;
         View fresh;
         if (separate) {
-          fresh = dev_.allocate(w.grad.size(), Dtype::F32);
+          fresh = dev_.allocate(w.n, Dtype::F32);
           dev_.zero(fresh);
         }
         dev_.matmul_backward(input_grads ? input_grad_of(mb, id) : View{},
-                             separate ? fresh : (weight_grads ? w.grad : View{}),
+                             separate ? fresh : (weight_grads ? grad(w) : View{}),
                              weight_grads && !tied ? bias_grad(id) : View{}, mb.grad.at(id),
-                             input_of(mb, id), w.work, T_, K, N, tied);
+                             weight_grads ? input_of(mb, id) : View{}, w.work, T_, K, N, tied);
         if (separate) {
-          dev_.accumulate(w.grad, fresh);
+          dev_.accumulate(grad(w), fresh);
           dev_.release(fresh);
         }
         break;
@@ -877,13 +932,16 @@ class Runner {
   void optimizer_step() {
     ++adam_step_;
     for (auto& [key, p] : params_) {
-      const std::int64_t b = p.own_begin, n = p.own_end - p.own_begin;
-      dev_.adamw(p.data.sub(b, n), sharded_ ? p.reduced : p.grad, p.m.sub(b, n), p.v.sub(b, n),
-                 options_.learning_rate, 0.9f, 0.95f, 1e-8f, 0.0f, adam_step_);
+      dev_.adamw(master_slice(p), sharded_ ? p.reduced : grad(p), p.m, p.v, options_.learning_rate,
+                 0.9f, 0.95f, 1e-8f, 0.0f, adam_step_);
       // Sharded, the gradients were cleared when their reduce-scatter took its packed copy (a
       // replay of predicted waits runs no reduce-scatter: they are cleared here).
       if (sharded_) dev_.zero(p.reduced);
-      if (!sharded_ || options_.replay_communication) dev_.zero(p.grad);
+      if (transient_grads_) {
+        drop_grad(p);
+      } else if (!sharded_ || options_.replay_communication) {
+        dev_.zero(p.grad);
+      }
       if (!sharded_) refresh_work(p);  // sharded: after the all-gather of the updated slices
     }
   }
@@ -910,22 +968,29 @@ class Runner {
                  "dp gradient reduction");
     std::vector<std::int64_t> wide(static_cast<std::size_t>(dp_), 0);
     std::int64_t total = 0;
-    for (Param* p : params) total += p->grad.size();
+    for (Param* p : params) total += p->n;
     auto buffers = std::make_shared<ScatterBuffers>();
     buffers->in = dev_.allocate(total, Dtype::F32);
     std::int64_t at = 0;
     for (int r = 0; r < dp_; ++r) {
       for (Param* p : params) {
-        const std::int64_t n = p->grad.size();
+        const std::int64_t n = p->n;
         const std::int64_t b = n * r / dp_, e = n * (r + 1) / dp_;
-        dev_.copy(buffers->in.sub(at, e - b), p->grad.sub(b, e - b));
+        dev_.copy(buffers->in.sub(at, e - b), grad(*p).sub(b, e - b));
         at += e - b;
         wide[static_cast<std::size_t>(r)] += e - b;
       }
     }
     std::vector<int> counts = collective_counts(wide, "ZeRO gradient reduce-scatter");
-    // The packed copy is the collective's: the gradients start again from zero at once.
-    for (Param* p : params) dev_.zero(p->grad);
+    // The packed copy is the collective's: the gradients start again from zero at once (or,
+    // ZeRO-2/3, are gone until the next backward writes them).
+    for (Param* p : params) {
+      if (transient_grads_) {
+        drop_grad(*p);
+      } else {
+        dev_.zero(p->grad);
+      }
+    }
     buffers->counts = std::move(counts);
     buffers->out = dev_.allocate(buffers->counts[static_cast<std::size_t>(d_)], Dtype::F32);
     const Comm::Handle handle =
@@ -1011,12 +1076,27 @@ class Runner {
     return std::chrono::duration<double>(t - t0_).count();
   }
 
-  // Every dp rank's updated slice of `params`, gathered into the full weights.
-  void gather_weights(const lower::Task& task, const std::vector<Param*>& params) {
+  // Every dp rank's updated slice of `params`, gathered into the full weights (ZeRO-3: into
+  // buffers made here, which live to the last compute task that reads them). With `local`
+  // (--only-rank) the other slices stay zeros.
+  void gather_weights(const lower::Task& task, const std::vector<Param*>& params,
+                      bool local = false) {
     if (!sharded_) return;
+    if (zero3_) {
+      for (Param* p : params) {
+        if (!p->data.empty()) continue;
+        p->data = dev_.allocate(p->n, Dtype::F32);
+        p->work = p->separate_work ? dev_.allocate(p->n, dev_.activations()) : p->data;
+      }
+    }
+    if (local) {
+      for (Param* p : params) dev_.copy(p->data.sub(p->own_begin, p->shard.size()), p->shard);
+      for (Param* p : params) refresh_work(*p);
+      return;
+    }
     std::vector<std::int64_t> wide(static_cast<std::size_t>(dp_), 0);
     for (Param* p : params) {
-      const std::int64_t n = p->data.size();
+      const std::int64_t n = p->n;
       for (int r = 0; r < dp_; ++r)
         wide[static_cast<std::size_t>(r)] += n * (r + 1) / dp_ - n * r / dp_;
     }
@@ -1026,15 +1106,14 @@ class Runner {
         dev_.allocate(std::accumulate(wide.begin(), wide.end(), std::int64_t{0}), Dtype::F32);
     std::int64_t at = 0;
     for (Param* p : params) {
-      dev_.copy(mine.sub(at, p->own_end - p->own_begin),
-                p->data.sub(p->own_begin, p->own_end - p->own_begin));
+      dev_.copy(mine.sub(at, p->own_end - p->own_begin), master_slice(*p));
       at += p->own_end - p->own_begin;
     }
     comm_.all_gather(task.group, mine, all, counts);
     at = 0;
     for (int r = 0; r < dp_; ++r) {
       for (Param* p : params) {
-        const std::int64_t n = p->data.size();
+        const std::int64_t n = p->n;
         const std::int64_t b = n * r / dp_, e = n * (r + 1) / dp_;
         dev_.copy(p->data.sub(b, e - b), all.sub(at, e - b));
         at += e - b;
@@ -1194,6 +1273,289 @@ class Runner {
     mb.tokens = mb.targets = View{};
   }
 
+  // ---- tensor lifetimes ----------------------------------------------------------------
+  //
+  // A micro-batch's tensor goes back to the device as soon as nothing later in the step reads
+  // it, as autograd frees a saved tensor once the backward that saved it ran: an op's output
+  // after the last backward that reads it, an output's gradient after its op's backward (both
+  // passes, under zero-bubble), a tensor that a Recompute task makes again after the forward
+  // that read it last (so the forward keeps only what the backward reads without recomputing:
+  // the layer inputs under full recompute, all but the attention core's tensors under
+  // selective). The points come from the rank's Program, once: an event is one op of a compute
+  // task (forward, recompute, a backward pass) or one communication task, in program order,
+  // and each names the tensors it reads or makes (what forward(), backward() and the
+  // communication tasks touch; a test runs plans with and without the early releases and finds
+  // the same losses bit for bit).
+
+  enum class Slot : std::uint8_t { Out, Grad, Aux1, Aux2, Full, FullGrad };
+  struct Use {
+    Slot slot;
+    OpId id;
+    bool make;  // the event makes it afresh (an earlier copy is dead before it)
+  };
+  struct TensorRef {
+    int micro_batch;
+    Slot slot;
+    OpId id;
+    auto operator<=>(const TensorRef&) const = default;
+  };
+
+  static std::map<OpId, View>& slot_map(MicroBatch& mb, Slot slot) {
+    switch (slot) {
+      case Slot::Out:
+        return mb.out;
+      case Slot::Grad:
+        return mb.grad;
+      case Slot::Aux1:
+        return mb.aux1;
+      case Slot::Aux2:
+        return mb.aux2;
+      case Slot::Full:
+        return mb.full;
+      case Slot::FullGrad:
+        return mb.full_grad;
+    }
+    return mb.out;
+  }
+
+  // What forward(mb, id) reads and makes.
+  std::vector<Use> forward_uses(OpId id) const {
+    const Op& op = g_.op(id);
+    std::vector<Use> u;
+    auto read = [&u](Slot s, OpId x) { u.push_back({s, x, false}); };
+    auto make = [&u](Slot s, OpId x) { u.push_back({s, x, true}); };
+    switch (op.kind) {
+      case OpKind::Embedding:
+        make(Slot::Out, id);
+        break;
+      case OpKind::Norm:
+        read(Slot::Out, input(id));
+        for (Slot s : {Slot::Out, Slot::Aux1, Slot::Aux2}) make(s, id);
+        break;
+      case OpKind::QkvProj:
+      case OpKind::AttnOutProj:
+      case OpKind::MlpUp:
+      case OpKind::MlpDown:
+      case OpKind::LmHead:
+        read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
+        make(Slot::Out, id);
+        break;
+      case OpKind::AttentionCore:
+        read(Slot::Out, input(id));
+        make(Slot::Out, id);
+        make(Slot::Aux1, id);
+        if (m_.positions == model::Positions::Rope) make(Slot::Aux2, id);
+        break;
+      case OpKind::Residual:
+        for (OpId pred : g_.predecessors(id)) read(Slot::Out, pred);
+        make(Slot::Out, id);
+        break;
+      case OpKind::Activation:
+        read(Slot::Out, input(id));
+        make(Slot::Out, id);
+        break;
+      case OpKind::Loss:
+        read(Slot::Out, input(id));
+        if (tp_ > 1) read(Slot::Aux2, id);
+        make(Slot::Aux1, id);
+        break;
+      case OpKind::Router:
+        break;
+    }
+    return u;
+  }
+
+  // What backward(mb, id, part) reads (gradients it adds into count as reads).
+  std::vector<Use> backward_uses(OpId id, Part part) const {
+    const Op& op = g_.op(id);
+    const bool input_grads = part != Part::Weight;
+    const bool weight_grads = part != Part::Input;
+    const bool has_weights = params_.count({id, 0}) > 0 || tied_head(op);
+    std::vector<Use> u;
+    if (!has_weights && !input_grads) return u;
+    auto read = [&u](Slot s, OpId x) { u.push_back({s, x, false}); };
+    switch (op.kind) {
+      case OpKind::Loss:
+        read(Slot::Aux1, id);
+        read(Slot::Grad, input(id));
+        break;
+      case OpKind::Embedding:
+        if (weight_grads) read(Slot::Grad, id);
+        break;
+      case OpKind::Norm:
+        for (Slot s : {Slot::Grad, Slot::Aux1, Slot::Aux2}) read(s, id);
+        read(Slot::Out, input(id));
+        if (input_grads) read(Slot::Grad, input(id));
+        break;
+      case OpKind::QkvProj:
+      case OpKind::AttnOutProj:
+      case OpKind::MlpUp:
+      case OpKind::MlpDown:
+      case OpKind::LmHead:
+        read(Slot::Grad, id);
+        if (weight_grads) read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
+        if (input_grads) read(gathers_input(op) ? Slot::FullGrad : Slot::Grad, input(id));
+        break;
+      case OpKind::AttentionCore:
+        read(Slot::Grad, id);
+        read(Slot::Aux1, id);
+        read(m_.positions == model::Positions::Rope ? Slot::Aux2 : Slot::Out,
+             m_.positions == model::Positions::Rope ? id : input(id));
+        read(Slot::Grad, input(id));
+        break;
+      case OpKind::Residual:
+        read(Slot::Grad, id);
+        for (OpId pred : g_.predecessors(id)) read(Slot::Grad, pred);
+        break;
+      case OpKind::Activation:
+        read(Slot::Out, input(id));
+        read(Slot::Grad, id);
+        read(Slot::Grad, input(id));
+        break;
+      case OpKind::Router:
+        break;
+    }
+    return u;
+  }
+
+  // What a communication task of a micro-batch reads and makes (a replayed one: the same).
+  std::vector<Use> communication_uses(const lower::Task& task) const {
+    std::vector<Use> u;
+    if (task.micro_batch < 0) return u;
+    const auto anchor = static_cast<OpId>(task.op_begin);
+    const Slot carried = (task.tag & 1) != 0 ? Slot::Grad : Slot::Out;
+    if (task.kind == TaskKind::Send) return {{carried, anchor, false}};
+    if (task.kind == TaskKind::Recv) return {{carried, anchor, true}};
+    if (program_.groups.at(static_cast<std::size_t>(task.group)).kind != GroupKind::Tp) return u;
+    const Op& op = g_.op(anchor);
+    const bool exit = op.kind == OpKind::Embedding || row_parallel(op);
+    if (program_.plan.scatter_gather_p2p && task.collective == CollectiveKind::AllGather) {
+      return {{carried, anchor, false}};
+    }
+    if (task.collective == CollectiveKind::ReduceScatter ||
+        task.collective == CollectiveKind::AllGather) {
+      const bool scatter = task.collective == CollectiveKind::ReduceScatter;
+      if (exit) return {{scatter ? Slot::Out : Slot::Grad, anchor, false}};
+      const OpId in = input(anchor);
+      if (!scatter) return {{Slot::Out, in, false}, {Slot::Full, in, true}};
+      return {{Slot::FullGrad, in, false}, {Slot::Grad, in, false}};
+    }
+    if (op.kind == OpKind::Loss)
+      return {{Slot::Out, input(anchor), false}, {Slot::Aux2, anchor, true}};
+    if (exit) return {{Slot::Out, anchor, false}};
+    return {{Slot::Grad, input(anchor), false}};
+  }
+
+  // release_after_[e]: the tensors that event e reads last (nothing later in the step reads
+  // them, or a later event makes them afresh first).
+  void plan_releases() {
+    struct Seen {
+      std::size_t event;
+      bool make;
+    };
+    std::map<TensorRef, std::vector<Seen>> seen;
+    std::size_t event = 0;
+    auto note = [&](int mb, const std::vector<Use>& uses) {
+      for (const Use& x : uses) seen[{mb, x.slot, x.id}].push_back({event, x.make});
+      ++event;
+    };
+    for (const lower::Task& task : rp_->tasks) {
+      if (task.kind != TaskKind::Compute) {
+        note(task.micro_batch, communication_uses(task));
+      } else if (task.phase == Phase::Optimizer) {
+        note(-1, {});
+      } else if (task.phase == Phase::Forward || task.phase == Phase::Recompute) {
+        for (auto id = task.op_begin; id < task.op_end; ++id) {
+          note(task.micro_batch, forward_uses(static_cast<OpId>(id)));
+        }
+      } else {
+        for (auto id = task.op_end; id-- > task.op_begin;) {
+          note(task.micro_batch, backward_uses(static_cast<OpId>(id), part_of(task.phase)));
+        }
+      }
+    }
+    release_after_.assign(event, {});
+    for (const auto& [tensor, at] : seen) {
+      for (std::size_t k = 0; k < at.size(); ++k) {
+        if (k + 1 == at.size() || at[k + 1].make) release_after_[at[k].event].push_back(tensor);
+      }
+    }
+  }
+
+  // ZeRO-3: release_weights_after_[i] names the weights that task i reads last before the
+  // Program gathers them again (or the step ends): the compute tasks of their ops, and a tied
+  // head's of the embedding table it reads.
+  void plan_weight_releases() {
+    const auto& tasks = rp_->tasks;
+    release_weights_after_.assign(tasks.size(), {});
+    std::map<Key, std::size_t> last;  // since the weights' gather
+    for (std::size_t i = 0; i < tasks.size(); ++i) {
+      const lower::Task& task = tasks[i];
+      const bool gather =
+          task.kind == TaskKind::Collective &&
+          program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Dp &&
+          task.collective == CollectiveKind::AllGather && task.op_end > task.op_begin;
+      if (gather) {
+        for (Param* p : params_of(task.op_begin, task.op_end)) {
+          const Key key = key_of(*p);
+          if (const auto it = last.find(key); it != last.end()) {
+            release_weights_after_[it->second].push_back(key);
+          }
+          last[key] = i;
+        }
+        continue;
+      }
+      if (task.kind != TaskKind::Compute || task.phase == Phase::Optimizer) continue;
+      std::vector<Param*> read = params_of(task.op_begin, task.op_end);
+      for (auto id = task.op_begin; id < task.op_end; ++id) {
+        const auto op = static_cast<OpId>(id);
+        if (tied_head(g_.op(op)) && find(op, 0) == nullptr) read.push_back(&tied_table(op));
+      }
+      for (Param* p : read) {
+        const auto it = last.find(key_of(*p));
+        DTSIM_ASSERT(it != last.end(),
+                     fmt::format("ZeRO-3: {} is read before the Program gathers it", p->name));
+        it->second = i;
+      }
+    }
+    for (const auto& [key, i] : last) release_weights_after_[i].push_back(key);
+  }
+
+  Key key_of(const Param& p) const {
+    for (const auto& [key, q] : params_) {
+      if (&q == &p) return key;
+    }
+    DTSIM_ASSERT(false, "a parameter of this rank");
+    return {};
+  }
+
+  void release_weights(std::size_t task) {
+    if (release_weights_after_.empty()) return;
+    for (const Key& key : release_weights_after_[task]) {
+      Param& p = params_.at(key);
+      if (p.separate_work) dev_.release(p.work);
+      dev_.release(p.data);
+      p.data = p.work = View{};
+    }
+  }
+
+  // The end of an event: what it read last goes back to the device.
+  void retire() {
+    if (release_after_.empty()) return;
+    DTSIM_ASSERT(event_ < release_after_.size(), "more events than the plan of releases has");
+    for (const TensorRef& t : release_after_[event_]) {
+      auto& tensors = slot_map(batches_.at(static_cast<std::size_t>(t.micro_batch)), t.slot);
+      if (const auto it = tensors.find(t.id); it != tensors.end()) {
+        if (t.slot == Slot::Out) {
+          batches_[static_cast<std::size_t>(t.micro_batch)].released_out[t.id] = it->second.size();
+        }
+        dev_.release(it->second);
+        tensors.erase(it);
+      }
+    }
+    ++event_;
+  }
+
   // n zeros of the activation type (or `type`).
   View allocate(std::int64_t n) { return dev_.allocate(n, dev_.activations()); }
 
@@ -1267,8 +1629,17 @@ class Runner {
       while (std::chrono::steady_clock::now() < deadline) {
       }
     }
+    const bool dp = task.kind == TaskKind::Collective &&
+                    program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Dp;
     if (task.kind == TaskKind::Recv) {
       fresh(transferred(task), static_cast<std::int64_t>(Ts_) * C_);
+    } else if (dp && zero3_ && task.collective == CollectiveKind::AllGather &&
+               task.op_end > task.op_begin) {
+      // ZeRO-3: the chunk's weights take their place (this rank's slice, zeros elsewhere).
+      gather_weights(task, params_of(task.op_begin, task.op_end), /*local=*/true);
+    } else if (dp && transient_grads_ && task.collective == CollectiveKind::ReduceScatter) {
+      // ZeRO-2/3: the bucket's gradients are gone, as after their reduce-scatter.
+      for (Param* p : params_of(task.op_begin, task.op_end)) drop_grad(*p);
     } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
                !program_.plan.scatter_gather_p2p &&
@@ -1298,20 +1669,22 @@ class Runner {
       case TaskKind::Compute: {
         if (task.phase == Phase::Optimizer) {
           optimizer_step();
+          retire();
           return;
         }
         MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
+        // Each op is an event of the plan of releases: what it read last goes back at once.
         if (task.phase == Phase::Forward || task.phase == Phase::Recompute) {
-          for (auto id = task.op_begin; id < task.op_end; ++id) forward(mb, static_cast<OpId>(id));
-        } else if (task.phase == Phase::Backward) {
-          for (auto id = task.op_end; id-- > task.op_begin;) backward(mb, static_cast<OpId>(id));
-        } else if (task.phase == Phase::BackwardInput) {
-          for (auto id = task.op_end; id-- > task.op_begin;) {
-            backward(mb, static_cast<OpId>(id), Part::Input);
+          for (auto id = task.op_begin; id < task.op_end; ++id) {
+            forward(mb, static_cast<OpId>(id));
+            retire();
           }
-        } else if (task.phase == Phase::BackwardWeight) {
+        } else if (task.phase == Phase::Backward || task.phase == Phase::BackwardInput ||
+                   task.phase == Phase::BackwardWeight) {
+          const Part part = part_of(task.phase);
           for (auto id = task.op_end; id-- > task.op_begin;) {
-            backward(mb, static_cast<OpId>(id), Part::Weight);
+            backward(mb, static_cast<OpId>(id), part);
+            retire();
           }
         } else {
           throw UnsupportedError(
@@ -1356,8 +1729,8 @@ class Runner {
       put(header, sizeof(header));
       put(&p.own_begin, sizeof(p.own_begin));
       std::vector<float> values(static_cast<std::size_t>(p.own_end - p.own_begin));
-      for (const View part : {p.data, p.m, p.v}) {
-        dev_.download(values.data(), part.sub(p.own_begin, p.own_end - p.own_begin));
+      for (const View part : {master_slice(p), p.m, p.v}) {
+        dev_.download(values.data(), part);
         put(values.data(), values.size() * sizeof(float));
       }
     }
@@ -1446,10 +1819,16 @@ class Runner {
         throw InputError(fmt::format("{}: tensors: no {} of shape [{}, {}]", where, p.name,
                                      p.slice.rows, p.slice.cols));
       }
-      dev_.upload(p.data, extract(it->second->data, p.slice).data());
-      dev_.upload(p.m, extract(it->second->m, p.slice).data());
-      dev_.upload(p.v, extract(it->second->v, p.slice).data());
-      refresh_work(p);
+      // Each rank takes its tp slice, and of that its dp slice where it holds only that.
+      const auto data = extract(it->second->data, p.slice);
+      if (zero3_) {
+        dev_.upload(p.shard, data.data() + p.own_begin);
+      } else {
+        dev_.upload(p.data, data.data());
+        refresh_work(p);
+      }
+      dev_.upload(p.m, extract(it->second->m, p.slice).data() + p.own_begin);
+      dev_.upload(p.v, extract(it->second->v, p.slice).data() + p.own_begin);
     }
     adam_step_ = c.step;
     result.losses = c.losses;
@@ -1480,8 +1859,15 @@ class Runner {
   std::map<std::size_t, Comm::Handle> posted_;
   std::vector<int> next_;
   std::vector<MicroBatch> batches_;
+  // The tensors each event of a step reads last (empty with RunOptions::keep_tensors), and the
+  // step's next event.
+  std::vector<std::vector<TensorRef>> release_after_;
+  std::vector<std::vector<Key>> release_weights_after_;  // ZeRO-3, by task index
+  std::size_t event_ = 0;
   int me_ = 0, tp_ = 1, dp_ = 1, t_ = 0, d_ = 0;
   bool sharded_ = false, last_stage_ = false;
+  bool transient_grads_ = false;  // ZeRO-2/3 (see Param)
+  bool zero3_ = false;
   int Ts_ = 0;  // tokens of the sequence-parallel regions on this rank (T / tp with SP)
   int B_ = 0, S_ = 0, T_ = 0, C_ = 0, V_ = 0, H_ = 0, G_ = 0, D_ = 0, F_ = 0, Vl_ = 0;
   int micro_batches_ = 1, adam_step_ = 0;

@@ -17,10 +17,14 @@
 // - pipeline parallelism: activations and gradients sent between stages (GPipe, 1F1B,
 //   interleaved 1F1B, zero-bubble with its separate input- and weight-gradient passes), and
 //   the tied embedding's gradients all-reduced between the first and last stage.
-// Memory is not what the plan promises: every rank keeps full weight, gradient and optimizer
-// buffers of its tensor-parallel share (ZeRO executes its communication, not its memory
-// saving) and keeps every tensor of a micro-batch from its first task to its last (recompute
-// executes its compute, not its memory saving).
+// Memory follows the plan: a rank holds its tensor-parallel share of the weights, gradients
+// and AdamW state as its ZeRO stage shards them (stage 1: the AdamW state of its dp slice;
+// 2: gradients only from a micro-batch's first weight gradient to their bucket's
+// reduce-scatter; 3: the fp32 master of its slice, the whole weights from the Program's
+// all-gather to the last task that reads them), and a micro-batch's tensors only until the
+// last event of the step that reads them (an op of a compute task, or a communication task),
+// so that recompute keeps what its checkpoints keep. The device counts the tensor bytes it
+// hands out (Device::memory_use), which `dtexec run` sets against dtsim memory's prediction.
 //
 // Not executed yet (refused with a message): context parallelism, experts,
 // the PipeDream (asynchronous) schedule, dropout.
@@ -66,6 +70,9 @@ struct RunOptions {
   int program_index = -1;  // -1: comm.rank()
   bool replay_communication = false;
   std::vector<double> predicted_comm_s;
+  // Tests: keep each tensor of a micro-batch until the micro-batch's last task instead of
+  // releasing it once nothing later reads it (the numbers must be the same).
+  bool keep_tensors = false;
 };
 
 struct TaskRecord {

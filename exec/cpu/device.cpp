@@ -38,9 +38,9 @@ View CpuDevice::allocate(std::int64_t n, Dtype type) {
     block = std::make_unique<float[]>(words);  // zeroed
   }
   void* p = block.get();
-  live_.emplace(p, std::make_pair(std::move(block), capacity));
+  live_.emplace(p, Live{std::move(block), capacity, words});
   if (!reused) memory_.reserved += static_cast<std::int64_t>(capacity);
-  memory_.in_use += static_cast<std::int64_t>(capacity);
+  memory_.in_use += static_cast<std::int64_t>(words);
   memory_.peak = std::max(memory_.peak, memory_.in_use);
   return {p, n, type};
 }
@@ -54,8 +54,8 @@ void CpuDevice::release(View v) {
   if (v.p == nullptr) return;
   const auto it = live_.find(v.p);
   DTSIM_ASSERT(it != live_.end(), "release of a view that was not allocated whole");
-  memory_.in_use -= static_cast<std::int64_t>(it->second.second);
-  free_.emplace(it->second.second, std::move(it->second.first));
+  memory_.in_use -= static_cast<std::int64_t>(it->second.words);
+  free_.emplace(it->second.capacity, std::move(it->second.block));
   live_.erase(it);
 }
 

@@ -72,7 +72,12 @@ class CpuDevice final : public Device {
 
  private:
   // Buffers of 4-byte words: handed out (by address) and released (by capacity).
-  std::unordered_map<void*, std::pair<std::unique_ptr<float[]>, std::size_t>> live_;
+  // A buffer handed out: its block, the block's size and the size asked for (words).
+  struct Live {
+    std::unique_ptr<float[]> block;
+    std::size_t capacity, words;
+  };
+  std::unordered_map<void*, Live> live_;
   std::multimap<std::size_t, std::unique_ptr<float[]>> free_;
   MemoryUse memory_;  // in 4-byte words until memory_use()
   std::vector<std::chrono::steady_clock::time_point> marks_;

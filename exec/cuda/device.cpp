@@ -50,10 +50,10 @@ class CudaDevice final : public Device {
       memory_.reserved += static_cast<std::int64_t>(block.bytes());
     }
     k_.zero(block.get(), bytes);
-    memory_.in_use += static_cast<std::int64_t>(block.bytes());
+    memory_.in_use += static_cast<std::int64_t>(bytes);
     memory_.peak = std::max(memory_.peak, memory_.in_use);
     void* p = block.get();
-    live_.emplace(p, std::move(block));
+    live_.emplace(p, std::make_pair(std::move(block), bytes));
     return {p, n, type};
   }
 
@@ -63,9 +63,9 @@ class CudaDevice final : public Device {
     if (v.p == nullptr) return;
     const auto it = live_.find(v.p);
     DTSIM_ASSERT(it != live_.end(), "release of a view that was not allocated whole");
-    const std::size_t capacity = it->second.bytes();
-    memory_.in_use -= static_cast<std::int64_t>(capacity);
-    free_.emplace(capacity, std::move(it->second));
+    const std::size_t capacity = it->second.first.bytes();
+    memory_.in_use -= static_cast<std::int64_t>(it->second.second);
+    free_.emplace(capacity, std::move(it->second.first));
     live_.erase(it);
   }
 
@@ -218,7 +218,7 @@ class CudaDevice final : public Device {
   exec::Dtype act_;
   Kernels k_;
   int gpu_;
-  std::unordered_map<void*, DeviceBuffer> live_;
+  std::unordered_map<void*, std::pair<DeviceBuffer, std::size_t>> live_;  // and bytes asked
   std::multimap<std::size_t, DeviceBuffer> free_;
   MemoryUse memory_;
   DeviceBuffer rows_;
