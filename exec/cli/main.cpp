@@ -868,7 +868,8 @@ void print_profile(const nlohmann::json& profile, const std::string& path) {
     }
   }
   std::cout << fmt::format(
-      "\nmemory bandwidth {:.1f} GB/s, launch overhead {:.2f} us, compute jitter {:.1f}%\n"
+      "\nmemory bandwidth {:.1f} GB/s, launch overhead {:.2f} us, compute jitter {:.1f}% (the "
+      "spread across ranks of the training steps below, where several measured at once)\n"
       "profile written to {}\n",
       profile.at("memory_bw_bytes_per_s").get<double>() / 1e9,
       profile.at("launch_overhead_s").get<double>() * 1e6,
@@ -1003,9 +1004,11 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
 // GEMMs timed alone again at once, so that both see the host in the same spell (a shared host
 // drifts by tens of percent over seconds). A round's ratio per phase (forward and recompute,
 // backward, optimizer) is the step's compute tasks against the profile's prediction of them
-// with this round's GEMM times; the factor is the median over rounds.
+// with this round's GEMM times; the factor is the median over rounds. `phase_seconds` gets each
+// round's measured forward and backward time (for the spread across ranks, see calibrate).
 nlohmann::json measure_in_run(const nlohmann::json& profile_json,
-                              const dtsim::exec::cpu::CalibrateOptions& options) {
+                              const dtsim::exec::cpu::CalibrateOptions& options,
+                              std::vector<double>& phase_seconds) {
   using dtsim::lower::Phase;
   dtsim::cost::Profile profile = dtsim::cost::profile_from_json(profile_json, "the calibration");
   profile.in_run.reset();
@@ -1033,7 +1036,8 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
   device.efficiency.gemm = device.efficiency.attention = device.efficiency.memory_bw = {1.0, ""};
   device.efficiency.launch_overhead_s = {*profile.launch_overhead_s, "the profile"};
   const auto gemms = dtsim::exec::cpu::model_gemms(graph);
-  const int rounds = options.quick ? 2 : 3;
+  const int rounds = options.quick ? 2 : 5;
+  phase_seconds.clear();
   std::array<std::vector<double>, 3> ratios;  // forward, backward, optimizer
   int tasks = 0;
   dtsim::exec::SingleRankComm comm;
@@ -1070,6 +1074,8 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
       }
       ratios[k].push_back(measured[k] / predicted[k]);
     }
+    phase_seconds.push_back(measured[0]);
+    phase_seconds.push_back(measured[1]);
   }
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -1169,10 +1175,35 @@ int calibrate(const std::vector<std::string>& args) {
             dtsim::exec::cpu::measure_collectives(*mpi, options.quick, repeats);
         profile["jitter_cv"] = mpi->mean(profile.at("jitter_cv").get<double>());
       }
-      auto in_run = measure_in_run(profile, options);
+      std::vector<double> phase_seconds;
+      auto in_run = measure_in_run(profile, options, phase_seconds);
       if (mpi) {
         for (const char* k : {"forward", "backward", "optimizer"}) {
           in_run[k] = mpi->mean(in_run.at(k).get<double>());
+        }
+        // The straggler spread (sim/engine/engine.hpp): the ranks ran the same steps at once,
+        // each on its own; a round's forward (or backward) time varies across them by
+        // std/mean = its sample coefficient of variation, pooled over rounds and both phases.
+        // Under mpirun this replaces the kernel's own spread as the profile's jitter_cv: it
+        // holds what a single kernel timed again and again leaves out (a rank preempted, one
+        // core slower than the other).
+        if (ranks > 1) {
+          double sum = 0;
+          for (const double x : phase_seconds) {
+            const double mean = mpi->mean(x), mean_sq = mpi->mean(x * x);
+            const double variance = std::max(0.0, mean_sq - mean * mean) * ranks / (ranks - 1.0);
+            sum += variance / (mean * mean);
+          }
+          const double spread = std::sqrt(sum / static_cast<double>(phase_seconds.size()));
+          in_run["rank_spread_cv"] = spread;
+          constexpr double kMostSpread = 0.5;
+          if (spread > kMostSpread && rank == 0) {
+            std::cerr << fmt::format(
+                "dtexec calibrate: warning: the ranks' step times spread by {:.0f}% (std/mean); "
+                "the host is too busy to calibrate well; jitter_cv is capped at {:.0f}%\n",
+                100 * spread, 100 * kMostSpread);
+          }
+          profile["jitter_cv"] = std::min(spread, kMostSpread);
         }
       }
       profile["in_run"] = in_run;

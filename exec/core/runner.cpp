@@ -330,6 +330,7 @@ class Runner {
           // Nothing later in the step reads this micro-batch: release its tensors.
           release(batches_[static_cast<std::size_t>(tasks[i].micro_batch)]);
         }
+        finish_completed();
       }
       settle(nullptr);
       DTSIM_ASSERT(release_after_.empty() || event_ == release_after_.size(),
@@ -642,6 +643,14 @@ class Runner {
     for (auto it = params_.lower_bound({static_cast<OpId>(begin), 0});
          it != params_.end() && it->first.first < static_cast<OpId>(end); ++it) {
       out.push_back(&it->second);
+    }
+    return out;
+  }
+  std::vector<Key> keys_of(std::int32_t begin, std::int32_t end) const {
+    std::vector<Key> out;
+    for (auto it = params_.lower_bound({static_cast<OpId>(begin), 0});
+         it != params_.end() && it->first.first < static_cast<OpId>(end); ++it) {
+      out.push_back(it->first);
     }
     return out;
   }
@@ -1021,7 +1030,24 @@ class Runner {
     if (reduce) comm_.all_reduce(task.group, sums, Reduce::Sum);
   }
 
-  // Finishes the started collectives that `task` depends on (all of them for nullptr).
+  // Started collectives whose results are added somewhere (ZeRO's reduce-scatters, into the
+  // reduced slices) finish as soon as the backend has seen them complete, so that their
+  // buffers go back then, as a framework frees them; and always in the order they started, so
+  // that the sums are added in one order whatever the timing. (A backend that queues work on a
+  // device does not say when they complete: there they finish when a task needs them.)
+  void finish_completed() {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (!it->second.complete) {
+        ++it;
+        continue;
+      }
+      if (!comm_.completed_at(it->second.handle)) break;
+      it = finish_pending(it);
+    }
+  }
+
+  // Finishes the started collectives that `task` depends on (all of them for nullptr), and
+  // the ones that add results started before the last such one it depends on.
   void settle(const lower::Task* task) {
     // Blocking pipeline transfers: a task that waits for sends (the next round's compute, see
     // lowering) starts once they are received, as Megatron-LM's exchange waits for its sends.
@@ -1032,23 +1058,31 @@ class Runner {
       comm_.finish_sends();
       close_sends();
     }
+    auto depends = [task](std::size_t index) {
+      return task == nullptr || std::find(task->deps.begin(), task->deps.end(),
+                                          static_cast<lower::TaskId>(index)) != task->deps.end();
+    };
+    std::optional<std::size_t> last_adding;
+    for (const auto& [index, pending] : pending_) {
+      if (pending.complete && depends(index)) last_adding = index;
+    }
     for (auto it = pending_.begin(); it != pending_.end();) {
       const bool needed =
-          task == nullptr || std::find(task->deps.begin(), task->deps.end(),
-                                       static_cast<lower::TaskId>(it->first)) != task->deps.end();
-      if (!needed) {
-        ++it;
-        continue;
-      }
-      comm_.finish(it->second.handle);
-      if (it->second.record) {
-        TaskRecord& r = (*records_)[*it->second.record];
-        const auto done = comm_.completed_at(it->second.handle);
-        r.end_s = std::max(r.end_s, since_start(done ? *done : std::chrono::steady_clock::now()));
-      }
-      if (it->second.complete) it->second.complete();
-      it = pending_.erase(it);
+          depends(it->first) || (it->second.complete && last_adding && it->first <= *last_adding);
+      it = needed ? finish_pending(it) : std::next(it);
     }
+  }
+
+  std::map<std::size_t, PendingCollective>::iterator finish_pending(
+      std::map<std::size_t, PendingCollective>::iterator it) {
+    comm_.finish(it->second.handle);
+    if (it->second.record) {
+      TaskRecord& r = (*records_)[*it->second.record];
+      const auto done = comm_.completed_at(it->second.handle);
+      r.end_s = std::max(r.end_s, since_start(done ? *done : std::chrono::steady_clock::now()));
+    }
+    if (it->second.complete) it->second.complete();
+    return pending_.erase(it);
   }
 
   // Per-member counts of a collective, which the communication backends take as int (MPI's
@@ -1496,8 +1530,7 @@ class Runner {
           program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Dp &&
           task.collective == CollectiveKind::AllGather && task.op_end > task.op_begin;
       if (gather) {
-        for (Param* p : params_of(task.op_begin, task.op_end)) {
-          const Key key = key_of(*p);
+        for (const Key& key : keys_of(task.op_begin, task.op_end)) {
           if (const auto it = last.find(key); it != last.end()) {
             release_weights_after_[it->second].push_back(key);
           }
@@ -1506,27 +1539,22 @@ class Runner {
         continue;
       }
       if (task.kind != TaskKind::Compute || task.phase == Phase::Optimizer) continue;
-      std::vector<Param*> read = params_of(task.op_begin, task.op_end);
+      std::vector<Key> read = keys_of(task.op_begin, task.op_end);
       for (auto id = task.op_begin; id < task.op_end; ++id) {
         const auto op = static_cast<OpId>(id);
-        if (tied_head(g_.op(op)) && find(op, 0) == nullptr) read.push_back(&tied_table(op));
+        if (tied_head(g_.op(op)) && !params_.count({op, 0})) {
+          read.push_back({g_.layer_ops(-1).front(), 0});  // the embedding's table
+        }
       }
-      for (Param* p : read) {
-        const auto it = last.find(key_of(*p));
-        DTSIM_ASSERT(it != last.end(),
-                     fmt::format("ZeRO-3: {} is read before the Program gathers it", p->name));
+      for (const Key& key : read) {
+        const auto it = last.find(key);
+        DTSIM_ASSERT(
+            it != last.end(),
+            fmt::format("ZeRO-3: {} is read before the Program gathers it", params_.at(key).name));
         it->second = i;
       }
     }
     for (const auto& [key, i] : last) release_weights_after_[i].push_back(key);
-  }
-
-  Key key_of(const Param& p) const {
-    for (const auto& [key, q] : params_) {
-      if (&q == &p) return key;
-    }
-    DTSIM_ASSERT(false, "a parameter of this rank");
-    return {};
   }
 
   void release_weights(std::size_t task) {

@@ -91,7 +91,14 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   }
   if (r.has("in_run")) {
     const JsonReader f = r.object("in_run");
-    f.expect_only({"forward", "backward", "optimizer", "tasks"});
+    f.expect_only({"forward", "backward", "optimizer", "tasks", "rank_spread_cv"});
+    if (f.has("rank_spread_cv")) {
+      const double cv = f.non_negative_number("rank_spread_cv");
+      if (cv >= 1) {
+        f.fail("rank_spread_cv",
+               fmt::format("expected a coefficient of variation below 1, got {}", cv));
+      }
+    }
     auto factor = [&](std::string_view key) {
       const double v = f.positive_number(key);
       if (v < 0.1 || v > 100) {

@@ -16,10 +16,14 @@
 //   "jitter_cv": 0.05,                      spread of a compute segment's time across runs and
 //                                           ranks (a coefficient of variation, below 1), for the
 //                                           straggler model (optional)
-//   "in_run": {"forward": 1.08, "backward": 1.15, "optimizer": 1.0, "tasks": 31}
+//   "in_run": {"forward": 1.08, "backward": 1.15, "optimizer": 1.0, "tasks": 31,
+//              "rank_spread_cv": 0.08}
 //                                           measured over predicted time of the calibration
 //                                           model's forward, backward and optimizer tasks in a
-//                                           training step that dtexec ran (optional)
+//                                           training step that dtexec ran (optional); with
+//                                           several ranks at once, the spread of a phase's time
+//                                           across them (optional; informative: `dtexec
+//                                           calibrate` makes it the profile's jitter_cv)
 // }
 // Kernels timed alone run faster than in a training step, where their operands come from other
 // kernels (caches) and the executor works between them: "in_run" holds that ratio, measured by

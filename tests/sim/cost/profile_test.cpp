@@ -140,6 +140,10 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
   bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
           "in_run": {"forward": 1, "backward": 1}})",
       "bad_profile.json: in_run.optimizer: required field is missing");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "in_run": {"forward": 1, "backward": 1, "optimizer": 1, "rank_spread_cv": 1.2}})",
+      "bad_profile.json: in_run.rank_spread_cv: expected a coefficient of variation below 1, "
+      "got 1.2");
 }
 
 TEST_CASE("a profile's in_run factors scale its compute times by phase", "[cost][profile]") {
