@@ -22,8 +22,7 @@
 //                                           model's forward, backward and optimizer tasks in a
 //                                           training step that dtexec ran (optional); with
 //                                           several ranks at once, the spread of a phase's time
-//                                           across them (optional; informative: `dtexec
-//                                           calibrate` makes it the profile's jitter_cv)
+//                                           across them (optional; informative, not used)
 // }
 // Kernels timed alone run faster than in a training step, where their operands come from other
 // kernels (caches) and the executor works between them: "in_run" holds that ratio, measured by
