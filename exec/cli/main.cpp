@@ -266,6 +266,25 @@ std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision,
 
 // dtexec run --only-rank R: the program of R's pipeline stage (every rank of a stage runs the
 // same tasks) on this machine alone; communication tasks wait their predicted times.
+// What dtsim memory predicts for the plan on --cluster (default cpu-host), without its framework
+// allowance (a device pool holds tensors only); none where the memory model does not apply.
+std::optional<dtsim::plan::MemoryReport> predicted_memory_report(
+    const po::variables_map& vm, const dtsim::model::ModelGraph& graph,
+    const dtsim::plan::Plan& plan) {
+  try {
+    const auto c = vm.count("cluster")
+                       ? dtsim::cluster::load_cluster(vm["cluster"].as<std::string>())
+                       : dtsim::cluster::load_cluster("cpu-host");
+    dtsim::plan::MemoryOptions no_allowance;
+    no_allowance.framework_overhead_bytes = 0;
+    return dtsim::plan::estimate_memory(
+        graph, plan, dtsim::cluster::with_devices(c, plan.devices()), no_allowance);
+  } catch (const dtsim::InputError&) {
+  } catch (const dtsim::UnsupportedError&) {
+  }
+  return std::nullopt;
+}
+
 int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& spec,
                   const dtsim::plan::Plan& plan, const dtsim::model::ModelGraph& graph,
                   const dtsim::lower::Program& program, dtsim::exec::RunOptions options,
@@ -334,10 +353,23 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     one.ranks = {rp};
     dtsim::report::write_chrome_trace(vm["trace"].as<std::string>(), one, timeline);
   }
+  // Memory: this rank's peak of tensors against dtsim memory's prediction for its stage.
+  const double peak = static_cast<double>(device.memory_use().peak);
+  std::optional<double> predicted;
+  if (const auto report = predicted_memory_report(vm, graph, plan)) {
+    predicted = report->stages.at(static_cast<std::size_t>(rp.stage)).total_bytes;
+  }
   if (vm["json"].as<bool>()) {
     std::cout << nlohmann::json{{"model", spec.name},
                                 {"backend", vm["backend"].as<std::string>()},
                                 {"device", device.name()},
+                                {"memory",
+                                 {{"peak_bytes", peak},
+                                  {"predicted_bytes", dtsim::report::value_or_null(predicted)},
+                                  {"note",
+                                   "peak_bytes: the most tensor bytes this rank held at once; "
+                                   "predicted_bytes: dtsim memory's figure for its stage without "
+                                   "its framework allowance"}}},
                                 {"only_rank", r},
                                 {"program_rank", rp.rank},
                                 {"stage", rp.stage},
@@ -363,6 +395,14 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
       "median step time {:.1f} ms after {} warm-up step(s); last step: compute {:.1f} ms, "
       "waits {:.1f} ms (one after the other: the waits do not overlap compute here)\n",
       result.step_time_s * 1e3, options.warmup_steps, compute * 1e3, waited * 1e3);
+  constexpr double mib = 1024.0 * 1024.0;
+  std::cout << fmt::format(
+      "memory: peak {:.1f} MiB of tensors{}\n", peak / mib,
+      predicted ? fmt::format("; dtsim memory predicts {:.1f} MiB for stage {} (without its "
+                              "framework allowance)",
+                              *predicted / mib, rp.stage)
+                : fmt::format("; for dtsim memory's figure give --cluster C of {} devices",
+                              plan.devices()));
   return 0;
 }
 
@@ -590,18 +630,8 @@ int run(const std::vector<std::string>& args) {
   std::array<double, 2> held = {static_cast<double>(use.peak), static_cast<double>(use.reserved)};
   comm->all_ranks(held, dtsim::exec::Reduce::Max);
   std::optional<double> predicted_memory;
-  try {
-    const auto c = vm.count("cluster")
-                       ? dtsim::cluster::load_cluster(vm["cluster"].as<std::string>())
-                       : dtsim::cluster::load_cluster("cpu-host");
-    dtsim::plan::MemoryOptions no_allowance;
-    no_allowance.framework_overhead_bytes = 0;
-    predicted_memory = dtsim::plan::estimate_memory(
-                           graph, plan, dtsim::cluster::with_devices(c, devices), no_allowance)
-                           .worst()
-                           .total_bytes;
-  } catch (const dtsim::InputError&) {
-  } catch (const dtsim::UnsupportedError&) {
+  if (const auto report = predicted_memory_report(vm, graph, plan)) {
+    predicted_memory = report->worst().total_bytes;
   }
   const nlohmann::json memory = {
       {"peak_bytes", held[0]},
