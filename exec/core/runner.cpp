@@ -1335,21 +1335,10 @@ class Runner {
   };
 
   static std::map<OpId, View>& slot_map(MicroBatch& mb, Slot slot) {
-    switch (slot) {
-      case Slot::Out:
-        return mb.out;
-      case Slot::Grad:
-        return mb.grad;
-      case Slot::Aux1:
-        return mb.aux1;
-      case Slot::Aux2:
-        return mb.aux2;
-      case Slot::Full:
-        return mb.full;
-      case Slot::FullGrad:
-        return mb.full_grad;
-    }
-    return mb.out;
+    static constexpr std::array<std::map<OpId, View> MicroBatch::*, 6> kSlots = {
+        &MicroBatch::out,  &MicroBatch::grad, &MicroBatch::aux1,
+        &MicroBatch::aux2, &MicroBatch::full, &MicroBatch::full_grad};
+    return mb.*kSlots[static_cast<std::size_t>(slot)];
   }
 
   // What forward(mb, id) reads and makes.
