@@ -78,13 +78,18 @@ median() {
   sort -g "$1" | awk '{ v[NR] = $1 } END { print NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
 
-echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $cores cores; model $model; $runs rounds; calibrated per $calibrate"
 # TABLE_ONLY=1: print the table of a finished WORK_DIR again, running nothing.
-[ -n "${TABLE_ONLY:-}" ] && runs=0
-for i in "${!plans[@]}"; do
-  [ "$runs" -eq 0 ] && break
-  for f in times predicted plain; do : >"${f}_$i.txt"; done
-done
+if [ -n "${TABLE_ONLY:-}" ]; then
+  runs=0
+  echo "the table of $work again (nothing run)"
+else
+  echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $cores cores; model $model; $runs rounds; calibrated per $calibrate"
+fi
+if [ "$runs" -gt 0 ]; then
+  for i in "${!plans[@]}"; do
+    for f in times predicted plain; do : >"${f}_$i.txt"; done
+  done
+fi
 for round in $(seq "$runs"); do
   # The round's profiles, and this host as a cluster (per plan: the cluster, once).
   if [ "$calibrate" = round ] || [ "$round" -eq 1 ]; then

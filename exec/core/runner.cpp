@@ -122,6 +122,11 @@ struct MicroBatch {
   std::map<OpId, std::int64_t> released_out;
 };
 
+// A micro-batch's tensor maps, in the order of Runner::Slot.
+constexpr std::array<std::map<OpId, View> MicroBatch::*, 6> kTensorSlots = {
+    &MicroBatch::out,  &MicroBatch::grad, &MicroBatch::aux1,
+    &MicroBatch::aux2, &MicroBatch::full, &MicroBatch::full_grad};
+
 using Key = std::pair<OpId, int>;  // (op, 0 weight / 1 bias)
 
 // A reduce-scatter in flight: its packed input, its counts and its output must live until it
@@ -1298,9 +1303,9 @@ class Runner {
   // A micro-batch's tensors go back to the device, whose pool later tensors reuse, so memory
   // stays what the schedule keeps in flight without the cost of fresh pages every step.
   void release(MicroBatch& mb) {
-    for (auto* tensors : {&mb.out, &mb.grad, &mb.aux1, &mb.aux2, &mb.full, &mb.full_grad}) {
-      for (auto& [id, v] : *tensors) dev_.release(v);
-      tensors->clear();
+    for (const auto slot : kTensorSlots) {
+      for (auto& [id, v] : mb.*slot) dev_.release(v);
+      (mb.*slot).clear();
     }
     dev_.release(mb.tokens);
     dev_.release(mb.targets);
@@ -1335,10 +1340,7 @@ class Runner {
   };
 
   static std::map<OpId, View>& slot_map(MicroBatch& mb, Slot slot) {
-    static constexpr std::array<std::map<OpId, View> MicroBatch::*, 6> kSlots = {
-        &MicroBatch::out,  &MicroBatch::grad, &MicroBatch::aux1,
-        &MicroBatch::aux2, &MicroBatch::full, &MicroBatch::full_grad};
-    return mb.*kSlots[static_cast<std::size_t>(slot)];
+    return mb.*kTensorSlots[static_cast<std::size_t>(slot)];
   }
 
   // What forward(mb, id) reads and makes.

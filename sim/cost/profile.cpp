@@ -82,23 +82,18 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   if (r.has("memory_bw_bytes_per_s"))
     p.memory_bw_bytes_per_s = r.positive_number("memory_bw_bytes_per_s");
   if (r.has("launch_overhead_s")) p.launch_overhead_s = r.non_negative_number("launch_overhead_s");
-  if (r.has("jitter_cv")) {
-    p.jitter_cv = r.non_negative_number("jitter_cv");
-    if (*p.jitter_cv >= 1) {
-      r.fail("jitter_cv",
-             fmt::format("expected a coefficient of variation below 1, got {}", *p.jitter_cv));
+  auto coefficient_of_variation = [](const JsonReader& reader, std::string_view key) {
+    const double cv = reader.non_negative_number(key);
+    if (cv >= 1) {
+      reader.fail(key, fmt::format("expected a coefficient of variation below 1, got {}", cv));
     }
-  }
+    return cv;
+  };
+  if (r.has("jitter_cv")) p.jitter_cv = coefficient_of_variation(r, "jitter_cv");
   if (r.has("in_run")) {
     const JsonReader f = r.object("in_run");
     f.expect_only({"forward", "backward", "optimizer", "tasks", "rank_spread_cv"});
-    if (f.has("rank_spread_cv")) {
-      const double cv = f.non_negative_number("rank_spread_cv");
-      if (cv >= 1) {
-        f.fail("rank_spread_cv",
-               fmt::format("expected a coefficient of variation below 1, got {}", cv));
-      }
-    }
+    if (f.has("rank_spread_cv")) coefficient_of_variation(f, "rank_spread_cv");
     auto factor = [&](std::string_view key) {
       const double v = f.positive_number(key);
       if (v < 0.1 || v > 100) {
