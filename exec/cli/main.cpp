@@ -14,6 +14,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -913,6 +914,122 @@ void print_profile(const nlohmann::json& profile, const std::string& path) {
   }
 }
 
+// The profile's "in_run" factors (sim/cost/profile.hpp): one process trains `graph` on
+// `device` on its own (one micro-batch per step; under mpirun every rank at once, as the
+// profile's kernels were timed), in rounds: two steps (the first left out: fresh buffers), then
+// the step's GEMMs timed alone again at once (`time_gemms`, the backend's matmul kernels), so
+// that both see the host in the same spell (a shared host drifts by tens of percent over
+// seconds). A round's ratio per phase (forward and recompute, backward, optimizer) is the
+// step's compute tasks against the profile's prediction of them with this round's GEMM times;
+// the factor is the median over rounds. `phase_seconds` gets each round's measured forward and
+// backward time (for the spread across ranks, see calibrate).
+using GemmTimer = std::function<std::vector<double>(const std::vector<dtsim::exec::ModelGemm>&)>;
+nlohmann::json measure_in_run(const nlohmann::json& profile_json,
+                              const dtsim::model::ModelGraph& graph, dtsim::exec::Device& device,
+                              const GemmTimer& time_gemms, int rounds,
+                              const std::function<void()>& sync,
+                              std::vector<double>& phase_seconds) {
+  using dtsim::lower::Phase;
+  dtsim::cost::Profile profile = dtsim::cost::profile_from_json(profile_json, "the calibration");
+  profile.in_run.reset();
+  const dtsim::model::ModelSpec& spec = graph.spec();
+  dtsim::plan::Plan plan;
+  plan.dp = 1;
+  plan.micro_batch_size = graph.micro_batch();
+  plan.global_batch_size = graph.micro_batch();
+  plan.seq_len = graph.seq_len();
+  plan.precision = profile.precision;
+  dtsim::plan::require_valid(plan, spec, 1);
+  const auto program = dtsim::lower::lower(graph, plan);
+  const auto& program_tasks = program.ranks.at(0).tasks;
+  // Only the profile prices these ops (GEMMs, op rates, its memory bandwidth and launch time,
+  // which both calibrations always measure).
+  DTSIM_ASSERT(profile.memory_bw_bytes_per_s && profile.launch_overhead_s,
+               "a calibration without memory bandwidth or launch overhead");
+  dtsim::cluster::DeviceSpec device_spec;
+  device_spec.name = "calibrated device";
+  double peak = 0;
+  for (const auto& g : profile.gemm) peak = std::max(peak, g.flops() / g.seconds);
+  device_spec.peak_flops[profile.precision] = {peak, "the profile's fastest GEMM"};
+  device_spec.memory_bw_bytes_per_s = {*profile.memory_bw_bytes_per_s, "the profile"};
+  device_spec.efficiency.gemm = device_spec.efficiency.attention =
+      device_spec.efficiency.memory_bw = {1.0, ""};
+  device_spec.efficiency.launch_overhead_s = {*profile.launch_overhead_s, "the profile"};
+  const auto gemms = dtsim::exec::cpu::model_gemms(graph);
+  phase_seconds.clear();
+  std::array<std::vector<double>, 3> ratios;  // forward, backward, optimizer
+  int tasks = 0;
+  dtsim::exec::SingleRankComm comm(&device);
+  for (int round = 0; round < rounds; ++round) {
+    dtsim::exec::RunOptions run;
+    run.steps = 2;
+    run.warmup_steps = 1;
+    if (sync) sync();
+    const auto result = dtsim::exec::run_program(graph, program, run, comm, device);
+    dtsim::cost::Profile now = profile;
+    const std::vector<double> seconds = time_gemms(gemms);
+    DTSIM_ASSERT(seconds.size() == gemms.size(), "a GEMM timer returned the wrong count");
+    for (std::size_t i = 0; i < gemms.size(); ++i) {
+      const auto [m, k, n] = gemms[i].mkn();
+      for (auto& sample : now.gemm) {
+        if (sample.m == m && sample.n == n && sample.k == k) sample.seconds = seconds[i];
+      }
+    }
+    dtsim::cost::ComputeCost cost(graph, plan, device_spec, &now);
+    std::array<double, 3> measured{}, predicted{};
+    tasks = 0;
+    for (const auto& record : result.tasks) {
+      const auto& task = program_tasks.at(static_cast<std::size_t>(record.task));
+      if (task.kind != dtsim::lower::TaskKind::Compute) continue;
+      const std::size_t k = task.phase == Phase::Forward || task.phase == Phase::Recompute ? 0
+                            : task.phase == Phase::Optimizer                               ? 2
+                                                                                           : 1;
+      measured[k] += record.end_s - record.start_s;
+      predicted[k] += cost.task_seconds(task);
+      ++tasks;
+    }
+    for (std::size_t k = 0; k < 3; ++k) {
+      if (!(predicted[k] > 0 && measured[k] > 0)) {
+        throw dtsim::InternalError("dtexec calibrate: the training step timed no task of a phase");
+      }
+      ratios[k].push_back(measured[k] / predicted[k]);
+    }
+    phase_seconds.push_back(measured[0]);
+    phase_seconds.push_back(measured[1]);
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  };
+  return {{"forward", median(ratios[0])},
+          {"backward", median(ratios[1])},
+          {"optimizer", median(ratios[2])},
+          {"tasks", tasks}};
+}
+
+// Under mpirun: the in_run factors averaged over the ranks, and their spread. The ranks ran
+// the same steps at once, each on its own: a round's forward (or backward) time varies across
+// them by std/mean, its sample coefficient of variation, pooled over rounds and both phases.
+// Recorded, not used: it holds what one kernel timed again and again (jitter_cv) leaves out (a
+// rank preempted, one core slower than the other), but taken as the straggler model's spread
+// it made the CPU benchmark's pipelined plans 9% slower than measured (the model's pipeline
+// transfers compound a rank that stays slow; README, stragglers).
+void in_run_over_ranks(nlohmann::json& in_run, const std::vector<double>& phase_seconds,
+                       dtsim::exec::cpu::MpiSession& mpi) {
+  for (const char* k : {"forward", "backward", "optimizer"}) {
+    in_run[k] = mpi.mean(in_run.at(k).get<double>());
+  }
+  const int ranks = mpi.size();
+  if (ranks < 2) return;
+  double sum = 0;
+  for (const double x : phase_seconds) {
+    const double mean = mpi.mean(x), mean_sq = mpi.mean(x * x);
+    const double variance = std::max(0.0, mean_sq - mean * mean) * ranks / (ranks - 1.0);
+    sum += variance / (mean * mean);
+  }
+  in_run["rank_spread_cv"] = std::sqrt(sum / static_cast<double>(phase_seconds.size()));
+}
+
 #ifdef DTEXEC_HAVE_CUDA
 // dtexec calibrate --backend cuda: one GPU per rank (the node-local rank's), cuBLAS GEMMs at
 // the model's shapes, copy bandwidth, launch overhead, jitter, and NCCL collectives over the
@@ -931,7 +1048,7 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
   const std::string precision = vm["precision"].as<std::string>();
   const bool quick = vm["quick"].as<bool>();
   const int repeats = vm["repeats"].as<int>();
-  // Square GEMMs, and the model's GEMMs forward and backward (as the CPU backend times them).
+  // Square GEMMs (cuBLAS alone), and the model's GEMMs forward and backward (below).
   std::vector<cu::GemmShape> shapes;
   for (int s :
        quick ? std::vector<int>{256, 1024} : std::vector<int>{512, 1024, 2048, 4096, 8192}) {
@@ -942,15 +1059,21 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
   const std::int64_t seq = vm.count("seq-len") ? vm["seq-len"].as<std::int64_t>() : spec.seq_len;
   const dtsim::model::ModelGraph graph(spec, quick ? 1 : vm["micro-batch-size"].as<std::int64_t>(),
                                        quick ? std::min<std::int64_t>(seq, 128) : seq);
-  if (!quick) {
-    // Whole and split over tp up to 8 (one node's GPUs), for --only-rank slices of tp plans.
-    for (const auto& [m, k, n] : dtsim::exec::cpu::model_gemm_shapes(graph, 8)) {
-      shapes.push_back({m, n, k});  // {m, k, n} as cuBLAS's GemmShape {m, n, k}
-    }
-  }
   const auto gemm_precision =
       precision == "bf16" ? cu::GemmPrecision::Bf16 : cu::GemmPrecision::Fp32;
   const auto device = cu::time_device(gpu.index, gemm_precision, shapes, repeats);
+  // The model's GEMMs as `dtexec run` calls them (each pass in its own layout, the weight
+  // gradient accumulated in fp32), whole and split over tp up to 8 (one node's GPUs, for
+  // --only-rank slices of tp plans); one row per {m, k, n}, the first timed.
+  std::vector<dtsim::exec::ModelGemm> model_gemms;
+  for (const auto& g : dtsim::exec::cpu::model_gemms(graph, quick ? 1 : 8)) {
+    auto same = [&](const cu::GemmShape& s) { return std::array{s.m, s.k, s.n} == g.mkn(); };
+    const bool seen = std::any_of(shapes.begin(), shapes.end(), same) ||
+                      std::any_of(model_gemms.begin(), model_gemms.end(),
+                                  [&](const auto& o) { return o.mkn() == g.mkn(); });
+    if (!seen) model_gemms.push_back(g);
+  }
+  const auto model_seconds = cu::time_model_gemms(gpu.index, gemm_precision, model_gemms, repeats);
   // The non-GEMM ops with the executor's GPU kernels, as rates of the graph's own work.
   cu::OpShapes op_shapes;
   op_shapes.B = static_cast<int>(graph.micro_batch());
@@ -986,6 +1109,10 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
   for (const auto& g : device.gemm) {
     gemm.push_back({{"m", g.shape.m}, {"n", g.shape.n}, {"k", g.shape.k}, {"seconds", g.seconds}});
   }
+  for (std::size_t i = 0; i < model_gemms.size(); ++i) {
+    const auto [m, k, n] = model_gemms[i].mkn();
+    gemm.push_back({{"m", m}, {"n", n}, {"k", k}, {"seconds", model_seconds[i]}});
+  }
   nlohmann::json table = nlohmann::json::array();
   for (const auto& c : collectives) {
     const double n = c.ranks;
@@ -1003,7 +1130,7 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
   const auto [host, date] = dtsim::exec::cpu::calibration_stamp();
   // The jitter of every rank's GPU, averaged.
   const double jitter = mpi ? mpi->mean(device.jitter_cv) : device.jitter_cv;
-  return {
+  nlohmann::json profile = {
       {"device", gpu.name},
       {"source", fmt::format("dtexec calibrate --backend cuda on {} ({}, {} SMs, CUDA runtime {}, "
                              "cuBLAS {}, NCCL {}), {}: cublasGemmEx {} (fp32 accumulation), "
@@ -1024,97 +1151,35 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
                    "before fused kernels (scores, masked softmax, probs x v on cuBLAS), not "
                    "FlashAttention",
                    spec.name, graph.micro_batch(), graph.seq_len())}};
+  if (!vm["no-in-run"].as<bool>()) {
+    // The training step on this GPU: the calibration model's shapes with at most two of its
+    // blocks (Llama-3 8B whole, with AdamW's fp32 state, would not fit one GPU; the factors are
+    // ratios per phase, and every block has the same shapes).
+    dtsim::model::ModelSpec step_spec = spec;
+    step_spec.layers = std::min<std::int64_t>(spec.layers, 2);
+    const auto step_precision = *dtsim::parse_precision(precision);
+    const dtsim::model::ModelGraph step_graph(
+        step_spec, graph.micro_batch(), graph.seq_len(),
+        dtsim::plan::activation_bytes_per_element(step_precision));
+    auto step_device = cu::make_device(
+        gpu.index, precision == "bf16" ? dtsim::exec::Dtype::BF16 : dtsim::exec::Dtype::F32);
+    const GemmTimer time_gemms = [&](const std::vector<dtsim::exec::ModelGemm>& gemms) {
+      return cu::time_model_gemms(gpu.index, gemm_precision, gemms, 1);
+    };
+    std::function<void()> sync;
+    if (mpi) sync = [mpi] { mpi->barrier(); };
+    std::vector<double> phase_seconds;
+    auto in_run = measure_in_run(profile, step_graph, *step_device, time_gemms, quick ? 2 : 5, sync,
+                                 phase_seconds);
+    if (mpi) in_run_over_ranks(in_run, phase_seconds, *mpi);
+    profile["in_run"] = in_run;
+    profile["notes"] = profile.at("notes").get<std::string>() +
+                       fmt::format("; in_run: {} with {} block(s), one micro-batch per step",
+                                   spec.name, step_spec.layers);
+  }
+  return profile;
 }
 #endif
-
-// The profile's "in_run" factors (sim/cost/profile.hpp): one process trains the calibration
-// model on its own (one micro-batch per step; under mpirun every rank at once, as the profile's
-// kernels were timed), in rounds: two steps (the first left out: fresh buffers), then the step's
-// GEMMs timed alone again at once, so that both see the host in the same spell (a shared host
-// drifts by tens of percent over seconds). A round's ratio per phase (forward and recompute,
-// backward, optimizer) is the step's compute tasks against the profile's prediction of them
-// with this round's GEMM times; the factor is the median over rounds. `phase_seconds` gets each
-// round's measured forward and backward time (for the spread across ranks, see calibrate).
-nlohmann::json measure_in_run(const nlohmann::json& profile_json,
-                              const dtsim::exec::cpu::CalibrateOptions& options,
-                              std::vector<double>& phase_seconds) {
-  using dtsim::lower::Phase;
-  dtsim::cost::Profile profile = dtsim::cost::profile_from_json(profile_json, "the calibration");
-  profile.in_run.reset();
-  const dtsim::model::ModelGraph graph = dtsim::exec::cpu::calibration_graph(options);
-  const dtsim::model::ModelSpec& spec = graph.spec();
-  dtsim::plan::Plan plan;
-  plan.dp = 1;
-  plan.micro_batch_size = graph.micro_batch();
-  plan.global_batch_size = graph.micro_batch();
-  plan.seq_len = graph.seq_len();
-  plan.precision = profile.precision;
-  dtsim::plan::require_valid(plan, spec, 1);
-  const auto program = dtsim::lower::lower(graph, plan);
-  const auto& program_tasks = program.ranks.at(0).tasks;
-  // Only the profile prices these ops (GEMMs, op rates, its memory bandwidth and launch time,
-  // which the CPU calibration always measures).
-  DTSIM_ASSERT(profile.memory_bw_bytes_per_s && profile.launch_overhead_s,
-               "a CPU calibration without memory bandwidth or launch overhead");
-  dtsim::cluster::DeviceSpec device;
-  device.name = "calibrated host";
-  double peak = 0;
-  for (const auto& g : profile.gemm) peak = std::max(peak, g.flops() / g.seconds);
-  device.peak_flops[profile.precision] = {peak, "the profile's fastest GEMM"};
-  device.memory_bw_bytes_per_s = {*profile.memory_bw_bytes_per_s, "the profile"};
-  device.efficiency.gemm = device.efficiency.attention = device.efficiency.memory_bw = {1.0, ""};
-  device.efficiency.launch_overhead_s = {*profile.launch_overhead_s, "the profile"};
-  const auto gemms = dtsim::exec::cpu::model_gemms(graph);
-  const int rounds = options.quick ? 2 : 5;
-  phase_seconds.clear();
-  std::array<std::vector<double>, 3> ratios;  // forward, backward, optimizer
-  int tasks = 0;
-  dtsim::exec::SingleRankComm comm;
-  for (int round = 0; round < rounds; ++round) {
-    dtsim::exec::RunOptions run;
-    run.steps = 2;
-    run.warmup_steps = 1;
-    if (options.sync) options.sync();
-    const auto result = dtsim::exec::run_program(graph, program, run, comm);
-    dtsim::cost::Profile now = profile;
-    for (const auto& g : gemms) {
-      const auto [m, k, n] = g.mkn();
-      const double seconds = dtsim::exec::cpu::time_gemm(g, 1);
-      for (auto& sample : now.gemm) {
-        if (sample.m == m && sample.n == n && sample.k == k) sample.seconds = seconds;
-      }
-    }
-    dtsim::cost::ComputeCost cost(graph, plan, device, &now);
-    std::array<double, 3> measured{}, predicted{};
-    tasks = 0;
-    for (const auto& record : result.tasks) {
-      const auto& task = program_tasks.at(static_cast<std::size_t>(record.task));
-      if (task.kind != dtsim::lower::TaskKind::Compute) continue;
-      const std::size_t k = task.phase == Phase::Forward || task.phase == Phase::Recompute ? 0
-                            : task.phase == Phase::Optimizer                               ? 2
-                                                                                           : 1;
-      measured[k] += record.end_s - record.start_s;
-      predicted[k] += cost.task_seconds(task);
-      ++tasks;
-    }
-    for (std::size_t k = 0; k < 3; ++k) {
-      if (!(predicted[k] > 0 && measured[k] > 0)) {
-        throw dtsim::InternalError("dtexec calibrate: the training step timed no task of a phase");
-      }
-      ratios[k].push_back(measured[k] / predicted[k]);
-    }
-    phase_seconds.push_back(measured[0]);
-    phase_seconds.push_back(measured[1]);
-  }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-  };
-  return {{"forward", median(ratios[0])},
-          {"backward", median(ratios[1])},
-          {"optimizer", median(ratios[2])},
-          {"tasks", tasks}};
-}
 
 int calibrate(const std::vector<std::string>& args) {
   po::options_description desc("dtexec calibrate options");
@@ -1130,7 +1195,10 @@ int calibrate(const std::vector<std::string>& args) {
       "repeats", po::value<int>()->default_value(5), "runs per measurement (the median counts)")(
       "cluster-out", po::value<std::string>(),
       "also write this host as a cluster (DIR/cpu-host.json, DIR/devices/cpu-host.json)")(
-      "quick", po::bool_switch(), "a few small shapes only (seconds; for tests)");
+      "quick", po::bool_switch(), "a few small shapes only (seconds; for tests)")(
+      "no-in-run", po::bool_switch(),
+      "skip the training steps that measure the in_run factors (the profile then prices a "
+      "step's tasks from its kernels timed alone)");
   po::variables_map vm;
   if (!parse(args, desc,
              "usage: dtexec calibrate --out P.json [--model M] [--cluster-out DIR] [--quick]\n"
@@ -1204,30 +1272,20 @@ int calibrate(const std::vector<std::string>& args) {
             dtsim::exec::cpu::measure_collectives(*mpi, options.quick, repeats);
         profile["jitter_cv"] = mpi->mean(profile.at("jitter_cv").get<double>());
       }
-      std::vector<double> phase_seconds;
-      auto in_run = measure_in_run(profile, options, phase_seconds);
-      if (mpi) {
-        for (const char* k : {"forward", "backward", "optimizer"}) {
-          in_run[k] = mpi->mean(in_run.at(k).get<double>());
-        }
-        // The ranks ran the same steps at once, each on its own: a round's forward (or
-        // backward) time varies across them by std/mean, its sample coefficient of variation,
-        // pooled over rounds and both phases. Recorded, not used: it holds what one kernel timed
-        // again and again (jitter_cv) leaves out (a rank preempted, one core slower than the
-        // other), but taken as the straggler model's spread it made the benchmark's pipelined
-        // plans 9% slower than measured (the model's pipeline transfers compound a rank that
-        // stays slow; README, stragglers).
-        if (ranks > 1) {
-          double sum = 0;
-          for (const double x : phase_seconds) {
-            const double mean = mpi->mean(x), mean_sq = mpi->mean(x * x);
-            const double variance = std::max(0.0, mean_sq - mean * mean) * ranks / (ranks - 1.0);
-            sum += variance / (mean * mean);
-          }
-          in_run["rank_spread_cv"] = std::sqrt(sum / static_cast<double>(phase_seconds.size()));
-        }
+      if (!vm["no-in-run"].as<bool>()) {
+        std::vector<double> phase_seconds;
+        dtsim::exec::cpu::CpuDevice device;
+        const GemmTimer time_gemms = [](const std::vector<dtsim::exec::ModelGemm>& gemms) {
+          std::vector<double> seconds;
+          for (const auto& g : gemms) seconds.push_back(dtsim::exec::cpu::time_gemm(g, 1));
+          return seconds;
+        };
+        auto in_run =
+            measure_in_run(profile, dtsim::exec::cpu::calibration_graph(options), device,
+                           time_gemms, options.quick ? 2 : 5, options.sync, phase_seconds);
+        if (mpi) in_run_over_ranks(in_run, phase_seconds, *mpi);
+        profile["in_run"] = in_run;
       }
-      profile["in_run"] = in_run;
     }
   } catch (const std::exception& e) {
     end_all_ranks(e, mpi.get(), "calibrate");

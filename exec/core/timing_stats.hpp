@@ -1,8 +1,9 @@
-// Statistics of repeated timings, shared by the CPU and CUDA calibrations (header-only, plain
-// C++: the CUDA sources include it too).
+// What the CPU and CUDA calibrations time, and the statistics of repeated timings (header-only,
+// plain C++: the CUDA sources include it too).
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -33,6 +34,28 @@ inline double robust_cv(const std::vector<double>& times) {
 struct OpTiming {
   std::string op;
   double fwd_s = 0, bwd_s = 0;
+};
+
+// One GEMM of a linear op [T,K]x[K,N] on one rank, as `dtexec run` calls it: its forward, or
+// one of its backward's two of the same FLOPs, the input gradient dout[T,N]·w^T ([T,N]x[N,K])
+// and the weight gradient in^T·dout ([K,T]x[T,N]). Each backend times them with its own matmul
+// kernels, in their own layouts (transposed operands run at their own speed).
+enum class GemmPass { Forward, InputGrad, WeightGrad };
+struct ModelGemm {
+  int T = 0, K = 0, N = 0;  // the linear op's shape on the rank
+  GemmPass pass = GemmPass::Forward;
+  // The GEMM as {m, k, n} ([m,k]x[k,n]), as a profile's "gemm" rows name it.
+  std::array<int, 3> mkn() const {
+    switch (pass) {
+      case GemmPass::InputGrad:
+        return {T, N, K};
+      case GemmPass::WeightGrad:
+        return {K, T, N};
+      case GemmPass::Forward:
+        break;
+    }
+    return {T, K, N};
+  }
 };
 
 }  // namespace dtsim::exec

@@ -295,18 +295,6 @@ nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<Op
   return ops;
 }
 
-std::array<int, 3> ModelGemm::mkn() const {
-  switch (pass) {
-    case GemmPass::Forward:
-      return {T, K, N};
-    case GemmPass::InputGrad:
-      return {T, N, K};
-    case GemmPass::WeightGrad:
-      return {K, T, N};
-  }
-  return {T, K, N};
-}
-
 std::vector<ModelGemm> model_gemms(const model::ModelGraph& graph, int max_tp) {
   std::vector<ModelGemm> gemms;
   auto add = [&](int T, int K, int N) {

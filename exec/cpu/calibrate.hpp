@@ -55,16 +55,8 @@ CalibrationStamp calibration_stamp();
 // (its first norm and residual), the embedding, or the loss. Both backends report through it.
 nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<OpTiming>& timings);
 
-// One GEMM of a linear op [T,K]x[K,N] on one rank: its forward, or one of its backward's two
-// of the same FLOPs, the input gradient dout[T,N]·w^T ([T,N]x[N,K]) and the weight gradient
-// in^T·dout ([K,T]x[T,N]).
-enum class GemmPass { Forward, InputGrad, WeightGrad };
-struct ModelGemm {
-  int T = 0, K = 0, N = 0;  // the linear op's shape on the rank
-  GemmPass pass = GemmPass::Forward;
-  // The GEMM as {m, k, n} ([m,k]x[k,n]), as a profile's "gemm" rows name it.
-  std::array<int, 3> mkn() const;
-};
+using exec::GemmPass;  // exec/core/timing_stats.hpp
+using exec::ModelGemm;
 
 // The distinct GEMMs of one block and the head of `graph`, forward and backward, whole and as
 // tensor parallelism of each degree 2, 4, ... up to `max_tp` splits them on a rank (column-

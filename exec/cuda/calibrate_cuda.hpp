@@ -71,6 +71,13 @@ struct OpTimes {
 OpTimes time_ops(int gpu, GemmPrecision precision, const OpShapes& shapes, int repeats,
                  std::int64_t adamw_params);
 
+// The GEMMs of a model's linear ops as `dtexec run` calls them (Kernels::matmul_forward and
+// matmul_backward: activations in `precision`, the input gradient accumulated into its buffer,
+// the weight gradient into an fp32 one), in the order given. Each: one warm-up run, then the
+// median of `repeats` runs timed with CUDA events.
+std::vector<double> time_model_gemms(int gpu, GemmPrecision precision,
+                                     const std::vector<ModelGemm>& gemms, int repeats);
+
 struct CollectiveTiming {
   std::string kind;  // all_reduce, all_gather, reduce_scatter, send_recv (profile names)
   int ranks = 0;

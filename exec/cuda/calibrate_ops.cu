@@ -160,4 +160,52 @@ OpTimes time_ops(int gpu, GemmPrecision precision, const OpShapes& s, int repeat
   return out;
 }
 
+std::vector<double> time_model_gemms(int gpu, GemmPrecision precision,
+                                     const std::vector<ModelGemm>& gemms, int repeats) {
+  const Dtype type = precision == GemmPrecision::Bf16 ? Dtype::BF16 : Dtype::F32;
+  Kernels k(gpu, type);
+  const std::size_t e = dtype_bytes(type);
+  unsigned seed = 101;
+  auto act = [&](std::int64_t n) {
+    DeviceBuffer b(static_cast<std::size_t>(n) * e);
+    k.fill_random(b.get(), n, seed++);
+    return b;
+  };
+  std::vector<double> seconds;
+  seconds.reserve(gemms.size());
+  for (const ModelGemm& g : gemms) {
+    const std::int64_t T = g.T, K = g.K, N = g.N;
+    DeviceBuffer w = act(K * N);
+    double s = 0;
+    switch (g.pass) {
+      case GemmPass::Forward: {
+        DeviceBuffer in = act(T * K), out = act(T * N);
+        s = median_time(k, repeats,
+                        [&] { k.matmul_forward(out.get(), in.get(), w.get(), nullptr, g.T, g.K, g.N); });
+        break;
+      }
+      case GemmPass::InputGrad: {
+        DeviceBuffer dout = act(T * N), din = act(T * K);
+        s = median_time(k, repeats, [&] {
+          k.matmul_backward(din.get(), nullptr, nullptr, dout.get(), nullptr, w.get(), g.T, g.K,
+                            g.N);
+        });
+        break;
+      }
+      case GemmPass::WeightGrad: {
+        DeviceBuffer dout = act(T * N), in = act(T * K);
+        DeviceBuffer dw(static_cast<std::size_t>(K * N) * 4);
+        k.fill_random_f32(dw.f32(), K * N, seed++, 0.01f);
+        s = median_time(k, repeats, [&] {
+          k.matmul_backward(nullptr, dw.f32(), nullptr, dout.get(), in.get(), nullptr, g.T, g.K,
+                            g.N);
+        });
+        break;
+      }
+    }
+    seconds.push_back(s);
+  }
+  return seconds;
+}
+
 }  // namespace dtsim::exec::cuda

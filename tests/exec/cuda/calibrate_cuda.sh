@@ -18,6 +18,7 @@ if [ $rc -ne 0 ]; then
 fi
 grep -q '"gemm"' gpu_profile.json || { echo "no gemm table in the profile"; exit 1; }
 grep -q '"op": "attention"' gpu_profile.json || { echo "no op rates in the profile"; exit 1; }
+grep -q '"in_run"' gpu_profile.json || { echo "no in_run factors in the profile"; exit 1; }
 "$dtsim" simulate --model gpt2-124m --gpus 1 --micro-batch-size 4 --profile gpu_profile.json |
   grep -q 'compute cost from calibration profile' || { echo "dtsim did not apply the profile"; exit 1; }
 echo "calibrated and applied: $(grep -o '"source": "[^"]*"' gpu_profile.json)"
