@@ -55,6 +55,10 @@ class Comm {
   virtual std::optional<std::chrono::steady_clock::time_point> completed_at(Handle) const {
     return std::nullopt;
   }
+  // Whether a started collective is already complete, without waiting: what progress() saw
+  // (completed_at), or what a device-queueing backend's event says; finish(handle) then costs
+  // nothing.
+  virtual bool complete(Handle handle) { return completed_at(handle).has_value(); }
 
   // Point-to-point between global ranks. send copies the data and may return before the peer
   // receives it; wait_sends completes every send issued so far.

@@ -1038,15 +1038,16 @@ class Runner {
   // Started collectives whose results are added somewhere (ZeRO's reduce-scatters, into the
   // reduced slices) finish as soon as the backend has seen them complete, so that their
   // buffers go back then, as a framework frees them; and always in the order they started, so
-  // that the sums are added in one order whatever the timing. (A backend that queues work on a
-  // device does not say when they complete: there they finish when a task needs them.)
+  // that the sums are added in one order whatever the timing. (On a GPU they are complete once
+  // the device has run them, which is often after the host queued the rest of the step: those
+  // finish when a task needs them.)
   void finish_completed() {
     for (auto it = pending_.begin(); it != pending_.end();) {
       if (!it->second.complete) {
         ++it;
         continue;
       }
-      if (!comm_.completed_at(it->second.handle)) break;
+      if (!comm_.complete(it->second.handle)) break;
       it = finish_pending(it);
     }
   }

@@ -220,6 +220,21 @@ class NcclComm final : public Comm {
     return done_on(g->stream);
   }
 
+  // Done on the device (its event has passed): waiting for it costs the compute stream nothing.
+  bool complete(Handle handle) override {
+    if (handle < 0) return true;
+    DTSIM_ASSERT(handle < used_, "a handle of this step");
+    const cudaError_t e = cudaEventQuery(done_[static_cast<std::size_t>(handle)]);
+    if (e == cudaErrorNotReady) {
+      // Not an error, but the runtime may hold it as the last error, which the next kernel
+      // launch's check would read: clear it (launch errors were checked as they were queued).
+      (void)cudaGetLastError();
+      return false;
+    }
+    cuda(e, "cudaEventQuery");
+    return true;
+  }
+
   void finish(Handle handle) override {
     if (handle < 0) return;
     DTSIM_ASSERT(handle < used_, "a handle of this step");
