@@ -177,6 +177,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double weight_pass = 0;           // zero-bubble: what a deferred W pass keeps
     double largest_quadratic = 0;     // selective recompute: one block's recomputed s² tensors
     double largest_layer_params = 0;  // for ZeRO-3's gathered-weights buffer
+    double tied_table_params = 0;     // ZeRO-3: a tied head's table, gathered for the embedding
     // Chunk c of this rank is global chunk c·pp + stage; global chunk k covers the blocks after
     // chunks 0..k-1.
     for (int c = 0; c < v; ++c) {
@@ -214,8 +215,18 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       double group_params = 0;
       for (model::OpId id : g.layer_ops(-1)) group_params += rank_params(g.op(id), plan);
       dense_params += group_params;
-      largest_layer_params = std::max(largest_layer_params, group_params);
       extra_activations += extra_activation_bytes(g, -1, plan) * end_count;
+      // A tied head on this stage (pp = 1) reads the embedding's own table: the lowering
+      // gathers it once per pass, for the embedding's forward, and it stays gathered until the
+      // head's backward, while the blocks' weights come and go.
+      for (model::OpId id : g.layer_ops(static_cast<int>(spec.layers))) {
+        const Op& op = g.op(id);
+        if (op.kind == model::OpKind::LmHead && op.params == 0 && plan.pp == 1) {
+          tied_table_params = op.gemm_k * op.gemm_n / plan.tp;
+        }
+      }
+      if (tied_table_params == 0)
+        largest_layer_params = std::max(largest_layer_params, group_params);
     }
     if (stage == plan.pp - 1) {
       double group_params = 0;
@@ -271,8 +282,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     s.other_bytes = options.framework_overhead_bytes;
     if (plan.zero_stage == 3 && shard > 1) {
       // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
-      // prefetches the next one.
-      s.other_bytes += 2.0 * largest_layer_params * per_param.weights;
+      // prefetches the next one; a tied table stays gathered meanwhile.
+      s.other_bytes += (tied_table_params + 2.0 * largest_layer_params) * per_param.weights;
     }
     s.total_bytes = s.weights_bytes + s.gradients_bytes + s.optimizer_bytes + s.activations_bytes +
                     s.other_bytes;

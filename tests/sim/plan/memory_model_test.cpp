@@ -306,7 +306,7 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     const auto all = dtsim::plan::estimate_memory(g, p, cluster);
     CHECK(many.stages[0].activations_bytes < all.stages[0].activations_bytes);
   }
-  SECTION("ZeRO-3 gathers the largest layer group, the embedding included, only when sharded") {
+  SECTION("ZeRO-3 gathers the largest layer group, and a tied table for the step, when sharded") {
     p.pp = 1;
     p.zero_stage = 3;
     p.global_batch_size = 2;
@@ -323,9 +323,21 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     const double embedding = static_cast<double>(wide.vocab * wide.hidden);
     const double block_params = static_cast<double>(g1.layer_totals(0).params);
     REQUIRE(embedding > block_params);
-    // Two bf16 buffers (the group in use and the prefetched one) of the largest group.
+    // Untied: two bf16 buffers (the group in use and the prefetched one) of the largest group,
+    // the head's (its own table and the final norm).
+    wide.tied_embeddings = false;
+    const ModelGraph untied(wide, 2, 32);
+    const double untied_head = static_cast<double>(untied.layer_totals(wide.layers).params);
+    REQUIRE(untied_head > embedding);
+    CHECK(dtsim::plan::estimate_memory(untied, p, cluster, no_allowance).stages[0].other_bytes ==
+          Approx(2 * 2 * untied_head));
+    // Tied on one stage: the table, gathered for the embedding's forward, stays until the
+    // head's backward; two buffers of the largest other group (a block) come and go meanwhile.
+    REQUIRE(g1.spec().tied_embeddings);
+    const double head_group = static_cast<double>(g1.layer_totals(wide.layers).params);
+    REQUIRE(block_params > head_group);
     CHECK(dtsim::plan::estimate_memory(g1, p, cluster, no_allowance).stages[0].other_bytes ==
-          Approx(2 * 2 * embedding));
+          Approx(2 * (embedding + 2 * block_params)));
   }
   SECTION("fits against the device capacity, with the margin") {
     const auto r = dtsim::plan::estimate_memory(g, p, cluster);
