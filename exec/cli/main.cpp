@@ -916,14 +916,26 @@ void print_profile(const nlohmann::json& profile, const std::string& path) {
 
 // The profile's "in_run" factors (sim/cost/profile.hpp): one process trains `graph` on
 // `device` on its own (one micro-batch per step; under mpirun every rank at once, as the
-// profile's kernels were timed), in rounds: two steps (the first left out: fresh buffers), then
-// the step's GEMMs timed alone again at once (`time_gemms`, the backend's matmul kernels), so
+// profile's kernels were timed), in rounds: two steps (the first left out), then the second
+// step's GEMMs timed alone again at once (`time_gemms`, the backend's matmul kernels), so
 // that both see the host in the same spell (a shared host drifts by tens of percent over
 // seconds). A round's ratio per phase (forward and recompute, backward, optimizer) is the
 // step's compute tasks against the profile's prediction of them with this round's GEMM times;
 // the factor is the median over rounds. `phase_seconds` gets each round's measured forward and
 // backward time (for the spread across ranks, see calibrate).
 using GemmTimer = std::function<std::vector<double>(const std::vector<dtsim::exec::ModelGemm>&)>;
+// The plan of those steps: one rank, one micro-batch of `graph`.
+dtsim::plan::Plan in_run_plan(const dtsim::model::ModelGraph& graph, dtsim::Precision precision) {
+  dtsim::plan::Plan plan;
+  plan.dp = 1;
+  plan.micro_batch_size = graph.micro_batch();
+  plan.global_batch_size = graph.micro_batch();
+  plan.seq_len = graph.seq_len();
+  plan.precision = precision;
+  dtsim::plan::require_valid(plan, graph.spec(), 1);
+  return plan;
+}
+
 nlohmann::json measure_in_run(const nlohmann::json& profile_json,
                               const dtsim::model::ModelGraph& graph, dtsim::exec::Device& device,
                               const GemmTimer& time_gemms, int rounds,
@@ -932,14 +944,7 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
   using dtsim::lower::Phase;
   dtsim::cost::Profile profile = dtsim::cost::profile_from_json(profile_json, "the calibration");
   profile.in_run.reset();
-  const dtsim::model::ModelSpec& spec = graph.spec();
-  dtsim::plan::Plan plan;
-  plan.dp = 1;
-  plan.micro_batch_size = graph.micro_batch();
-  plan.global_batch_size = graph.micro_batch();
-  plan.seq_len = graph.seq_len();
-  plan.precision = profile.precision;
-  dtsim::plan::require_valid(plan, spec, 1);
+  const dtsim::plan::Plan plan = in_run_plan(graph, profile.precision);
   const auto program = dtsim::lower::lower(graph, plan);
   const auto& program_tasks = program.ranks.at(0).tasks;
   // Only the profile prices these ops (GEMMs, op rates, its memory bandwidth and launch time,
@@ -960,15 +965,25 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
   std::array<std::vector<double>, 3> ratios;  // forward, backward, optimizer
   int tasks = 0;
   dtsim::exec::SingleRankComm comm(&device);
-  for (int round = 0; round < rounds; ++round) {
-    dtsim::exec::RunOptions run;
-    run.steps = 2;
-    run.warmup_steps = 1;
+  // One run of 2 x rounds steps (the weights are made once: a large model's take seconds on
+  // the host): a round is an unmeasured step, then a measured one followed at once by the
+  // GEMMs timed alone; every rank starts each step at once.
+  dtsim::exec::RunOptions run;
+  run.steps = 2 * rounds;
+  run.warmup_steps = 1;
+  std::map<int, std::vector<double>> gemm_seconds;  // by the measured step (0-based)
+  run.on_step = [&](int done, double, double) {
+    if (done % 2 == 0) {
+      gemm_seconds[done - 1] = time_gemms(gemms);
+      DTSIM_ASSERT(gemm_seconds[done - 1].size() == gemms.size(),
+                   "a GEMM timer returned the wrong count");
+    }
     if (sync) sync();
-    const auto result = dtsim::exec::run_program(graph, program, run, comm, device);
+  };
+  if (sync) sync();
+  const auto result = dtsim::exec::run_program(graph, program, run, comm, device);
+  for (const auto& [step, seconds] : gemm_seconds) {
     dtsim::cost::Profile now = profile;
-    const std::vector<double> seconds = time_gemms(gemms);
-    DTSIM_ASSERT(seconds.size() == gemms.size(), "a GEMM timer returned the wrong count");
     for (std::size_t i = 0; i < gemms.size(); ++i) {
       const auto [m, k, n] = gemms[i].mkn();
       for (auto& sample : now.gemm) {
@@ -980,7 +995,7 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
     tasks = 0;
     for (const auto& record : result.tasks) {
       const auto& task = program_tasks.at(static_cast<std::size_t>(record.task));
-      if (task.kind != dtsim::lower::TaskKind::Compute) continue;
+      if (record.step != step || task.kind != dtsim::lower::TaskKind::Compute) continue;
       const std::size_t k = task.phase == Phase::Forward || task.phase == Phase::Recompute ? 0
                             : task.phase == Phase::Optimizer                               ? 2
                                                                                            : 1;
@@ -1152,15 +1167,40 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
                    "FlashAttention",
                    spec.name, graph.micro_batch(), graph.seq_len())}};
   if (!vm["no-in-run"].as<bool>()) {
-    // The training step on this GPU: the calibration model's shapes with at most two of its
-    // blocks (Llama-3 8B whole, with AdamW's fp32 state, would not fit one GPU; the factors are
-    // ratios per phase, and every block has the same shapes).
-    dtsim::model::ModelSpec step_spec = spec;
-    step_spec.layers = std::min<std::int64_t>(spec.layers, 2);
+    // The training step on this GPU: the calibration model's shapes with as many of its blocks
+    // as fit, at most 8 (Llama-3 8B whole, with AdamW's fp32 state, does not fit one GPU). The
+    // factors are ratios per phase; with a few blocks the head weighs more in them than in the
+    // whole model (every block has the same shapes). dtsim's memory model picks the count: at
+    // most 80% of the smallest GPU's memory (the rest for cuBLAS, NCCL and the pool's slack).
     const auto step_precision = *dtsim::parse_precision(precision);
-    const dtsim::model::ModelGraph step_graph(
-        step_spec, graph.micro_batch(), graph.seq_len(),
-        dtsim::plan::activation_bytes_per_element(step_precision));
+    double capacity = static_cast<double>(gpu.memory_bytes);
+    if (mpi) capacity = -mpi->max(-capacity);
+    const auto host_cluster = dtsim::cluster::load_cluster("cpu-host");
+    dtsim::plan::MemoryOptions memory;
+    memory.framework_overhead_bytes = 0;
+    memory.capacity_bytes = 0.8 * capacity;
+    std::optional<dtsim::model::ModelGraph> step_graph;
+    for (std::int64_t blocks = std::min<std::int64_t>(spec.layers, 8); blocks >= 1; --blocks) {
+      dtsim::model::ModelSpec step_spec = spec;
+      step_spec.layers = blocks;
+      dtsim::model::ModelGraph g(step_spec, graph.micro_batch(), graph.seq_len(),
+                                 dtsim::plan::activation_bytes_per_element(step_precision));
+      if (dtsim::plan::estimate_memory(g, in_run_plan(g, step_precision), host_cluster, memory)
+              .fits) {
+        step_graph.emplace(std::move(g));
+        break;
+      }
+    }
+    if (!step_graph) {
+      // The profile is whole without the factors: say so, and go on.
+      const std::string why = fmt::format(
+          "in_run not measured: a training step of {} with one block does not fit in 80% of "
+          "this GPU's {:.0f} GiB (dtsim memory); the profile prices tasks by the kernels alone",
+          spec.name, capacity / (1024.0 * 1024 * 1024));
+      if (rank == 0) std::cerr << "dtexec calibrate: " << why << "\n";
+      profile["notes"] = profile.at("notes").get<std::string>() + "; " + why;
+      return profile;
+    }
     auto step_device = cu::make_device(
         gpu.index, precision == "bf16" ? dtsim::exec::Dtype::BF16 : dtsim::exec::Dtype::F32);
     const GemmTimer time_gemms = [&](const std::vector<dtsim::exec::ModelGemm>& gemms) {
@@ -1169,13 +1209,14 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
     std::function<void()> sync;
     if (mpi) sync = [mpi] { mpi->barrier(); };
     std::vector<double> phase_seconds;
-    auto in_run = measure_in_run(profile, step_graph, *step_device, time_gemms, quick ? 2 : 5, sync,
-                                 phase_seconds);
+    auto in_run = measure_in_run(profile, *step_graph, *step_device, time_gemms, quick ? 2 : 5,
+                                 sync, phase_seconds);
     if (mpi) in_run_over_ranks(in_run, phase_seconds, *mpi);
     profile["in_run"] = in_run;
-    profile["notes"] = profile.at("notes").get<std::string>() +
-                       fmt::format("; in_run: {} with {} block(s), one micro-batch per step",
-                                   spec.name, step_spec.layers);
+    profile["notes"] =
+        profile.at("notes").get<std::string>() +
+        fmt::format("; in_run: {} with {} of its {} blocks, one micro-batch per step", spec.name,
+                    step_graph->spec().layers, spec.layers);
   }
   return profile;
 }
