@@ -385,10 +385,18 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
                                   [&](const ModelGemm& o) { return o.mkn() == g.mkn(); });
     if (!seen) timed.push_back(g);
   }
+  // Round-robin: each round times every shape once, and a shape's time is its median over the
+  // rounds, so that a spell of the host (tens of percent on a shared one) weighs on every shape
+  // alike instead of on the few timed during it: the ratios between shapes, which the
+  // in_run factors do not correct, stay steady.
+  std::vector<std::vector<double>> samples(timed.size());
+  for (int r = 0; r < repeats; ++r) {
+    for (std::size_t i = 0; i < timed.size(); ++i) samples[i].push_back(time_gemm(timed[i], 1));
+  }
   json gemm = json::array();
-  for (const ModelGemm& g : timed) {
-    const auto [m, k, n] = g.mkn();
-    gemm.push_back({{"m", m}, {"n", n}, {"k", k}, {"seconds", time_gemm(g, repeats)}});
+  for (std::size_t i = 0; i < timed.size(); ++i) {
+    const auto [m, k, n] = timed[i].mkn();
+    gemm.push_back({{"m", m}, {"n", n}, {"k", k}, {"seconds", median(samples[i])}});
   }
   // Jitter: the spread of one compute segment's time, timed again and again (every rank at
   // once under mpirun, after a barrier). The segment is the calibration model's largest forward
