@@ -22,6 +22,7 @@
 
 #include "exec/core/checkpoint.hpp"
 #include "exec/core/device.hpp"
+#include "exec/core/for_pieces.hpp"
 #include "exec/cpu/device.hpp"
 #include "sim/common/error.hpp"
 
@@ -44,26 +45,6 @@ std::uint64_t mix(std::uint64_t seed, std::uint64_t a, std::uint64_t b) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   return z ^ (z >> 31);
-}
-
-// body(begin, end) over [0, n) in pieces of at least a million, on up to one thread per core
-// (a large model's initial weights take tens of nanoseconds per value on one core). For work
-// whose every element depends on its index alone, so that the result is the same whatever the
-// number of threads.
-void for_pieces(std::int64_t n, const std::function<void(std::int64_t, std::int64_t)>& body) {
-  constexpr std::int64_t kPiece = std::int64_t{1} << 20;
-  const std::int64_t cores = std::max(1u, std::thread::hardware_concurrency());
-  const std::int64_t threads = std::min(cores, (n + kPiece - 1) / kPiece);
-  if (threads <= 1) {
-    body(0, n);
-    return;
-  }
-  std::vector<std::thread> pool;
-  for (std::int64_t t = 1; t < threads; ++t) {
-    pool.emplace_back(body, n * t / threads, n * (t + 1) / threads);
-  }
-  body(0, n / threads);
-  for (std::thread& t : pool) t.join();
 }
 
 // Which part of a full [rows, cols] tensor a rank holds: a range of rows and, within them, a
