@@ -26,6 +26,7 @@
 #include <string>
 
 #include "exec/core/checkpoint.hpp"
+#include "exec/core/in_run.hpp"
 #include "exec/core/runner.hpp"
 #include "exec/cpu/calibrate.hpp"
 #include "exec/cpu/device.hpp"
@@ -924,18 +925,6 @@ void print_profile(const nlohmann::json& profile, const std::string& path) {
 // the factor is the median over rounds. `phase_seconds` gets each round's measured forward and
 // backward time (for the spread across ranks, see calibrate).
 using GemmTimer = std::function<std::vector<double>(const std::vector<dtsim::exec::ModelGemm>&)>;
-// The plan of those steps: one rank, one micro-batch of `graph`.
-dtsim::plan::Plan in_run_plan(const dtsim::model::ModelGraph& graph, dtsim::Precision precision) {
-  dtsim::plan::Plan plan;
-  plan.dp = 1;
-  plan.micro_batch_size = graph.micro_batch();
-  plan.global_batch_size = graph.micro_batch();
-  plan.seq_len = graph.seq_len();
-  plan.precision = precision;
-  dtsim::plan::require_valid(plan, graph.spec(), 1);
-  return plan;
-}
-
 nlohmann::json measure_in_run(const nlohmann::json& profile_json,
                               const dtsim::model::ModelGraph& graph, dtsim::exec::Device& device,
                               const GemmTimer& time_gemms, int rounds,
@@ -944,7 +933,7 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
   using dtsim::lower::Phase;
   dtsim::cost::Profile profile = dtsim::cost::profile_from_json(profile_json, "the calibration");
   profile.in_run.reset();
-  const dtsim::plan::Plan plan = in_run_plan(graph, profile.precision);
+  const dtsim::plan::Plan plan = dtsim::exec::in_run_plan(graph, profile.precision);
   const auto program = dtsim::lower::lower(graph, plan);
   const auto& program_tasks = program.ranks.at(0).tasks;
   // Only the profile prices these ops (GEMMs, op rates, its memory bandwidth and launch time,
@@ -1175,22 +1164,8 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
     const auto step_precision = *dtsim::parse_precision(precision);
     double capacity = static_cast<double>(gpu.memory_bytes);
     if (mpi) capacity = -mpi->max(-capacity);
-    const auto host_cluster = dtsim::cluster::load_cluster("cpu-host");
-    dtsim::plan::MemoryOptions memory;
-    memory.framework_overhead_bytes = 0;
-    memory.capacity_bytes = 0.8 * capacity;
-    std::optional<dtsim::model::ModelGraph> step_graph;
-    for (std::int64_t blocks = std::min<std::int64_t>(spec.layers, 8); blocks >= 1; --blocks) {
-      dtsim::model::ModelSpec step_spec = spec;
-      step_spec.layers = blocks;
-      dtsim::model::ModelGraph g(step_spec, graph.micro_batch(), graph.seq_len(),
-                                 dtsim::plan::activation_bytes_per_element(step_precision));
-      if (dtsim::plan::estimate_memory(g, in_run_plan(g, step_precision), host_cluster, memory)
-              .fits) {
-        step_graph.emplace(std::move(g));
-        break;
-      }
-    }
+    const auto step_graph = dtsim::exec::in_run_graph(spec, graph.micro_batch(), graph.seq_len(),
+                                                      step_precision, 0.8 * capacity);
     if (!step_graph) {
       // The profile is whole without the factors: say so, and go on.
       const std::string why = fmt::format(
