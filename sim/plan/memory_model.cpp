@@ -91,14 +91,18 @@ ZbPeak zero_bubble_peak(const Plan& plan, int stage, double per_micro_batch,
   return peak;
 }
 
+// A tied LM head (no weights of its own) reads the embedding matrix: this rank's share of it,
+// split over tp like the embedding; 0 for any other op.
+double tied_table_params(const Op& op, const Plan& plan) {
+  return op.kind == model::OpKind::LmHead && op.params == 0 ? op.gemm_k * op.gemm_n / plan.tp : 0.0;
+}
+
 }  // namespace
 
 double rank_params(const Op& op, const Plan& plan) {
   // A tied head on a stage without the embedding (pp > 1) keeps its own copy of the embedding
-  // matrix, split over tp like it (Megatron-LM); with pp = 1 it uses the embedding itself.
-  if (op.kind == model::OpKind::LmHead && op.params == 0 && plan.pp > 1) {
-    return op.gemm_k * op.gemm_n / plan.tp;
-  }
+  // matrix (Megatron-LM); with pp = 1 it uses the embedding itself.
+  if (const double table = tied_table_params(op, plan); table > 0 && plan.pp > 1) return table;
   const double replicated = static_cast<double>(op.tp_replicated_params);
   const double split = static_cast<double>(op.params) - replicated;
   double p = split / (op.tp_split == TpSplit::None ? 1.0 : plan.tp) + replicated;
@@ -177,7 +181,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double weight_pass = 0;           // zero-bubble: what a deferred W pass keeps
     double largest_quadratic = 0;     // selective recompute: one block's recomputed s² tensors
     double largest_layer_params = 0;  // for ZeRO-3's gathered-weights buffer
-    double tied_table_params = 0;     // ZeRO-3: a tied head's table, gathered for the embedding
+    double tied_table = 0;            // ZeRO-3: a tied head's table, gathered for the embedding
     // Chunk c of this rank is global chunk c·pp + stage; global chunk k covers the blocks after
     // chunks 0..k-1.
     for (int c = 0; c < v; ++c) {
@@ -219,14 +223,12 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // A tied head on this stage (pp = 1) reads the embedding's own table: the lowering
       // gathers it once per pass, for the embedding's forward, and it stays gathered until the
       // head's backward, while the blocks' weights come and go.
-      for (model::OpId id : g.layer_ops(static_cast<int>(spec.layers))) {
-        const Op& op = g.op(id);
-        if (op.kind == model::OpKind::LmHead && op.params == 0 && plan.pp == 1) {
-          tied_table_params = op.gemm_k * op.gemm_n / plan.tp;
+      if (plan.pp == 1) {
+        for (model::OpId id : g.layer_ops(static_cast<int>(spec.layers))) {
+          tied_table += tied_table_params(g.op(id), plan);
         }
       }
-      if (tied_table_params == 0)
-        largest_layer_params = std::max(largest_layer_params, group_params);
+      if (tied_table == 0) largest_layer_params = std::max(largest_layer_params, group_params);
     }
     if (stage == plan.pp - 1) {
       double group_params = 0;
@@ -283,7 +285,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     if (plan.zero_stage == 3 && shard > 1) {
       // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
       // prefetches the next one; a tied table stays gathered meanwhile.
-      s.other_bytes += (tied_table_params + 2.0 * largest_layer_params) * per_param.weights;
+      s.other_bytes += (tied_table + 2.0 * largest_layer_params) * per_param.weights;
     }
     s.total_bytes = s.weights_bytes + s.gradients_bytes + s.optimizer_bytes + s.activations_bytes +
                     s.other_bytes;
