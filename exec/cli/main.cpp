@@ -1069,14 +1069,9 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
   // The model's GEMMs as `dtexec run` calls them (each pass in its own layout, the weight
   // gradient accumulated in fp32), whole and split over tp up to 8 (one node's GPUs, for
   // --only-rank slices of tp plans); one row per {m, k, n}, the first timed.
-  std::vector<dtsim::exec::ModelGemm> model_gemms;
-  for (const auto& g : dtsim::exec::cpu::model_gemms(graph, quick ? 1 : 8)) {
-    auto same = [&](const cu::GemmShape& s) { return std::array{s.m, s.k, s.n} == g.mkn(); };
-    const bool seen = std::any_of(shapes.begin(), shapes.end(), same) ||
-                      std::any_of(model_gemms.begin(), model_gemms.end(),
-                                  [&](const auto& o) { return o.mkn() == g.mkn(); });
-    if (!seen) model_gemms.push_back(g);
-  }
+  std::vector<std::array<int, 3>> squares;
+  for (const cu::GemmShape& s : shapes) squares.push_back({s.m, s.k, s.n});
+  const auto model_gemms = dtsim::exec::cpu::gemms_to_time(graph, quick ? 1 : 8, squares);
   const auto model_seconds = cu::time_model_gemms(gpu.index, gemm_precision, model_gemms, repeats);
   // The non-GEMM ops with the executor's GPU kernels, as rates of the graph's own work.
   cu::OpShapes op_shapes;

@@ -345,12 +345,15 @@ double time_gemm(const ModelGemm& g, int repeats) {
   });
 }
 
-std::vector<std::array<int, 3>> model_gemm_shapes(const model::ModelGraph& graph, int max_tp) {
-  std::vector<std::array<int, 3>> shapes;
+std::vector<ModelGemm> gemms_to_time(const model::ModelGraph& graph, int max_tp,
+                                     std::vector<std::array<int, 3>> timed) {
+  std::vector<ModelGemm> out;
   for (const ModelGemm& g : model_gemms(graph, max_tp)) {
-    if (std::find(shapes.begin(), shapes.end(), g.mkn()) == shapes.end()) shapes.push_back(g.mkn());
+    if (std::find(timed.begin(), timed.end(), g.mkn()) != timed.end()) continue;
+    timed.push_back(g.mkn());
+    out.push_back(g);
   }
-  return shapes;
+  return out;
 }
 
 model::ModelGraph calibration_graph(const CalibrateOptions& options) {
@@ -380,10 +383,10 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
   } else {
     for (int s : {64, 128, 256, 512, 1024}) timed.push_back({s, s, s, GemmPass::Forward});
   }
-  for (const ModelGemm& g : model_gemms(graph, std::max(1, options.ranks_per_host))) {
-    const bool seen = std::any_of(timed.begin(), timed.end(),
-                                  [&](const ModelGemm& o) { return o.mkn() == g.mkn(); });
-    if (!seen) timed.push_back(g);
+  std::vector<std::array<int, 3>> squares;
+  for (const ModelGemm& g : timed) squares.push_back(g.mkn());
+  for (const ModelGemm& g : gemms_to_time(graph, std::max(1, options.ranks_per_host), squares)) {
+    timed.push_back(g);
   }
   // Round-robin: each round times every shape once, and a shape's time is its median over the
   // rounds, so that a spell of the host (tens of percent on a shared one) weighs on every shape

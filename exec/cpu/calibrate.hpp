@@ -65,7 +65,10 @@ std::vector<ModelGemm> model_gemms(const model::ModelGraph& graph, int max_tp = 
 // The median time of `repeats` timed runs of one of them with the CPU kernels the executor
 // runs (each run repeated for at least 20 ms).
 double time_gemm(const ModelGemm& gemm, int repeats);
-// Their distinct {m, k, n}. Both backends time these.
-std::vector<std::array<int, 3>> model_gemm_shapes(const model::ModelGraph& graph, int max_tp = 1);
+// Those a calibration times besides shapes of its own (`timed`, as {m, k, n}): one per
+// {m, k, n} not in `timed`, the first of model_gemms' order (a profile row names a GEMM by its
+// {m, k, n} only). Both backends time these.
+std::vector<ModelGemm> gemms_to_time(const model::ModelGraph& graph, int max_tp,
+                                     std::vector<std::array<int, 3>> timed);
 
 }  // namespace dtsim::exec::cpu

@@ -175,17 +175,17 @@ std::vector<double> time_model_gemms(int gpu, GemmPrecision precision,
   seconds.reserve(gemms.size());
   for (const ModelGemm& g : gemms) {
     const std::int64_t T = g.T, K = g.K, N = g.N;
-    DeviceBuffer w = act(K * N);
     double s = 0;
     switch (g.pass) {
       case GemmPass::Forward: {
-        DeviceBuffer in = act(T * K), out = act(T * N);
-        s = median_time(k, repeats,
-                        [&] { k.matmul_forward(out.get(), in.get(), w.get(), nullptr, g.T, g.K, g.N); });
+        DeviceBuffer in = act(T * K), w = act(K * N), out = act(T * N);
+        s = median_time(k, repeats, [&] {
+          k.matmul_forward(out.get(), in.get(), w.get(), nullptr, g.T, g.K, g.N);
+        });
         break;
       }
       case GemmPass::InputGrad: {
-        DeviceBuffer dout = act(T * N), din = act(T * K);
+        DeviceBuffer dout = act(T * N), w = act(K * N), din = act(T * K);
         s = median_time(k, repeats, [&] {
           k.matmul_backward(din.get(), nullptr, nullptr, dout.get(), nullptr, w.get(), g.T, g.K,
                             g.N);

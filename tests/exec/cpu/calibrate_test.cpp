@@ -1,8 +1,7 @@
 #include "exec/cpu/calibrate.hpp"
 
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 
 #include "sim/model/model_graph.hpp"
 
@@ -37,5 +36,19 @@ TEST_CASE("calibration times each linear op's three GEMMs, whole and split over 
     for (std::size_t j = i + 1; j < split.size(); ++j) {
       CHECK(!(split[i].pass == split[j].pass && split[i].mkn() == split[j].mkn()));
     }
+  }
+  // What a calibration times besides its own squares: one GEMM per {m, k, n}, none of theirs,
+  // every {m, k, n} of the split GEMMs covered.
+  const std::vector<std::array<int, 3>> squares = {{T, C, F}, {64, 64, 64}};
+  const auto timed = dtsim::exec::cpu::gemms_to_time(g, 2, squares);
+  for (std::size_t i = 0; i < timed.size(); ++i) {
+    CHECK(std::find(squares.begin(), squares.end(), timed[i].mkn()) == squares.end());
+    for (std::size_t j = i + 1; j < timed.size(); ++j) CHECK(timed[i].mkn() != timed[j].mkn());
+  }
+  for (const ModelGemm& x : split) {
+    const bool covered = std::find(squares.begin(), squares.end(), x.mkn()) != squares.end() ||
+                         std::any_of(timed.begin(), timed.end(),
+                                     [&](const ModelGemm& y) { return y.mkn() == x.mkn(); });
+    CHECK(covered);
   }
 }
