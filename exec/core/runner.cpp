@@ -1920,6 +1920,10 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
     refuse(fmt::format("communication in {} while training in {}", to_string(*p.comm_precision),
                        to_string(p.precision)));
   }
+  if (plan::gradient_precision(p) != Precision::Fp32) {
+    refuse(fmt::format("{} gradients (dtexec accumulates and reduces them in fp32)",
+                       to_string(plan::gradient_precision(p))));
+  }
   if (p.ep > 1) refuse("expert parallelism (ep > 1)");
   if (p.sequence_parallel && (p.micro_batch_size * p.seq_len) % p.tp != 0) {
     refuse(

@@ -74,8 +74,14 @@ void add_plan_options(po::options_description& desc) {
       "sends 1/tp of the activations and the receivers all-gather them over tp (needs tp > 1, "
       "no sequence parallelism)")("precision", po::value<std::string>(),
                                   "bf16 (default), fp16, fp8, fp32")(
+      "grad-precision", po::value<std::string>(),
+      "precision of the weight gradients (their accumulation over micro-batches, memory and "
+      "data-parallel reduction): fp32, bf16 or fp16 (default: fp32 with bf16, fp8 and fp32 "
+      "training, as Megatron-LM accumulates and all-reduces bf16 models' gradients; fp16 with "
+      "fp16)")(
       "comm-precision", po::value<std::string>(),
-      "precision of communicated activations and gradients, e.g. fp8 (default: --precision)")(
+      "precision of communicated activations and gradients, e.g. fp8 (default: --precision, "
+      "and --grad-precision for gradients)")(
       "grad-compression", po::value<double>(),
       "fraction of the data-parallel gradient bytes sent, in (0, 1] (default 1: none); "
       "compressing and decompressing cost memory passes")("optimizer", po::value<std::string>(),
@@ -233,6 +239,16 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   };
   if (vm.count("precision")) p.precision = precision_flag("precision");
   if (vm.count("comm-precision")) p.comm_precision = precision_flag("comm-precision");
+  if (vm.count("grad-precision")) {
+    const std::string& text = vm["grad-precision"].as<std::string>();
+    const auto prec = parse_precision(text);
+    if (!prec ||
+        (*prec != Precision::Fp32 && *prec != Precision::Bf16 && *prec != Precision::Fp16)) {
+      throw InputError(
+          fmt::format("--grad-precision: expected fp32, bf16 or fp16, got \"{}\"", text));
+    }
+    p.grad_precision = *prec;
+  }
   if (vm.count("grad-compression")) p.grad_compression = vm["grad-compression"].as<double>();
   if (vm.count("sequence-parallel") && vm["sequence-parallel"].as<bool>()) {
     p.sequence_parallel = true;
@@ -356,6 +372,13 @@ PlanSetup setup_from_options(const po::variables_map& vm) {
     notes.push_back(fmt::format("precision = fp32 (device {} has no {})", cluster.device.name,
                                 to_string(plan.precision)));
     plan.precision = Precision::Fp32;
+  }
+  if (!plan.grad_precision && plan::gradient_precision(plan) != plan.precision &&
+      plan.precision != Precision::Tf32) {
+    notes.push_back(fmt::format(
+        "gradients in {} (as Megatron-LM accumulates and all-reduces them when training in {}; "
+        "--grad-precision bf16 for 16-bit ones)",
+        to_string(plan::gradient_precision(plan)), to_string(plan.precision)));
   }
   cluster.device.peak_flops_for(plan.precision);
   model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,

@@ -214,9 +214,8 @@ double ComputeCost::accumulation_seconds(const model::Op& op, Phase phase) const
   if (params <= 0) return 0;
   // Read the fresh gradient (the training precision's width) and the accumulator, write the
   // accumulator: one memory-bound kernel.
-  const double bytes =
-      params * (plan::activation_bytes_per_element(plan_.precision) +
-                2 * plan::state_bytes_per_param(plan_.precision, plan_.optimizer).gradients);
+  const double bytes = params * (plan::activation_bytes_per_element(plan_.precision) +
+                                 2 * plan::state_bytes_per_param(plan_).gradients);
   return bytes / hbm_bw_ + launch_s_;
 }
 
@@ -258,7 +257,11 @@ std::string ComputeCost::profile_key(OpKind kind) const {
 }
 
 double ComputeCost::optimizer_seconds(std::uint64_t params) const {
-  const double bytes_per_param = plan_.optimizer == plan::Optimizer::Adam ? 28.0 : 20.0;
+  const plan::StateBytesPerParam state = plan::state_bytes_per_param(plan_);
+  const bool mixed = state.weights < 4;  // a 16-bit copy of the weights, written after the step
+  const double bytes_per_param = state.gradients +
+                                 (plan_.optimizer == plan::Optimizer::Adam ? 24.0 : 16.0) +
+                                 (mixed ? state.weights : 0.0);
   const double in_run = profile_ != nullptr && profile_->in_run ? profile_->in_run->optimizer : 1.0;
   if (optimizer_rate_) {
     return static_cast<double>(params) * bytes_per_param / *optimizer_rate_ * in_run;

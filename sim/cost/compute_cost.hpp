@@ -39,10 +39,11 @@ class ComputeCost {
   // that adds the weight gradient of one backward pass of `op` into its accumulator: a memory
   // pass over the rank's parameters of the op (0 in other phases and with fusion).
   double accumulation_seconds(const model::Op& op, lower::Phase phase) const;
-  // The optimizer step over `params` parameters: memory-bound. Adam reads the gradient and
-  // reads and writes the fp32 master weight, momentum and variance, then writes the 16-bit
-  // weight: 2 + 8 + 8 + 8 + 2 = 28 bytes per parameter with mixed precision (fp32: 4 + 8 + 16 =
-  // 28); SGD with momentum 20.
+  // The optimizer step over `params` parameters: memory-bound. Adam reads the gradient (its
+  // plan::gradient_precision) and reads and writes the fp32 master weight, momentum and
+  // variance, then writes the 16-bit weight: 2 + 8 + 8 + 8 + 2 = 28 bytes per parameter with
+  // 16-bit gradients, 30 with fp32 ones (bf16's default), 4 + 8 + 16 = 28 in fp32; SGD with
+  // momentum 8 fewer.
   double optimizer_seconds(std::uint64_t params) const;
   // Gradient compression's codec for one collective: compress (read the uncompressed bytes,
   // write the compressed ones) and decompress the result (the converse), memory-bound passes

@@ -32,7 +32,9 @@
 // "ops" gives measured rates of the non-GEMM ops in the model graph's own units: FLOP/s of
 // the graph's FLOPs for the attention core, bytes/s of the graph's bytes for the others (ops:
 // attention, layernorm, rmsnorm, gelu, swiglu, residual, embedding, loss; phases fwd, bwd),
-// and for the optimizer bytes/s at 28 bytes per parameter (Adam). An op with a rate is priced
+// and for the optimizer bytes/s (the executors' AdamW moves 28 bytes per parameter, all fp32;
+// the simulator divides the plan's own bytes by it, ComputeCost::optimizer_seconds). An op
+// with a rate is priced
 // by it instead of the roofline. "collectives" (kinds all_reduce, all_gather, reduce_scatter,
 // all_to_all, send_recv) replace the network model for groups of a measured size inside one
 // node: time from the measured throughput interpolated in log(bytes), never below the smallest

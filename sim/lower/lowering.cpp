@@ -143,10 +143,10 @@ class Lowerer {
         act_bytes_(static_cast<std::uint64_t>(
             plan.comm_precision ? wire_bytes(*plan.comm_precision)
                                 : plan::activation_bytes_per_element(plan.precision))),
-        grad_bytes_(plan::state_bytes_per_param(plan.precision, plan.optimizer).gradients),
+        grad_bytes_(plan::state_bytes_per_param(plan).gradients),
         grad_comm_scale_(plan.comm_precision ? wire_bytes(*plan.comm_precision) / grad_bytes_
                                              : 1.0),
-        weight_bytes_(plan::state_bytes_per_param(plan.precision, plan.optimizer).weights) {
+        weight_bytes_(plan::state_bytes_per_param(plan).weights) {
     const model::ModelSpec& m = g.spec();
     tokens_ = static_cast<std::uint64_t>(plan.micro_batch_size * plan.seq_len / plan.cp);
     hidden_bytes_ = tokens_ * static_cast<std::uint64_t>(m.hidden) * act_bytes_;

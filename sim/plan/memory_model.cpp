@@ -18,12 +18,12 @@ int activation_bytes_per_element(Precision precision) {
   return precision == Precision::Fp32 || precision == Precision::Tf32 ? 4 : 2;
 }
 
-StateBytesPerParam state_bytes_per_param(Precision precision, Optimizer optimizer) {
-  const bool full = precision == Precision::Fp32 || precision == Precision::Tf32;
+StateBytesPerParam state_bytes_per_param(const Plan& plan) {
+  const bool full = plan.precision == Precision::Fp32 || plan.precision == Precision::Tf32;
   const double weights = full ? 4 : 2;
-  const double gradients = full ? 4 : 2;
-  const double moments = optimizer == Optimizer::Adam ? 8 : 4;  // fp32 momentum (+ variance)
-  const double master = full ? 0 : 4;                           // fp32 master weights
+  const double gradients = wire_bytes(gradient_precision(plan));
+  const double moments = plan.optimizer == Optimizer::Adam ? 8 : 4;  // fp32 momentum (+ variance)
+  const double master = full ? 0 : 4;                                // fp32 master weights
   return {weights, gradients, moments + master};
 }
 
@@ -166,7 +166,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
   DTSIM_ASSERT(g.micro_batch() == plan.micro_batch_size && g.seq_len() == plan.seq_len,
                "the graph must be built for the plan's micro-batch and sequence length");
   const std::vector<int> chunks = chunk_layers(plan, spec.layers);
-  const StateBytesPerParam per_param = state_bytes_per_param(plan.precision, plan.optimizer);
+  const StateBytesPerParam per_param = state_bytes_per_param(plan);
   const int v = plan.virtual_stages;
 
   MemoryReport report;

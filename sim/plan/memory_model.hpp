@@ -16,15 +16,17 @@ namespace dtsim::plan {
 
 // Bytes per parameter of each model state. Mixed precision (bf16/fp16/fp8) with Adam follows
 // Rajbhandari et al. 2020 (ZeRO) §3.1: 2 (16-bit weights) + 2 (16-bit gradients) + K = 12
-// (fp32 master weights, momentum, variance). fp32 training keeps 4 + 4 and Adam's 8; SGD with
-// momentum keeps one fp32 state (plus the master copy under mixed precision). fp8 training keeps
-// 16-bit weights and gradients (Transformer Engine casts to fp8 per GEMM).
+// (fp32 master weights, momentum, variance), with the gradients in the plan's gradient
+// precision (gradient_precision(): fp32 with bf16, as Megatron-LM keeps them, 4 bytes and 18 per
+// parameter in all). fp32 training keeps 4 + 4 and Adam's 8; SGD with momentum keeps one fp32
+// state (plus the master copy under mixed precision). fp8 training keeps 16-bit weights
+// (Transformer Engine casts to fp8 per GEMM).
 struct StateBytesPerParam {
   double weights = 0;
   double gradients = 0;
   double optimizer = 0;
 };
-StateBytesPerParam state_bytes_per_param(Precision precision, Optimizer optimizer);
+StateBytesPerParam state_bytes_per_param(const Plan& plan);
 
 // Model-state bytes on one data-parallel rank holding `params` parameters, ZeRO stage 0-3 over
 // `dp` ranks (ZeRO Table 1): stage 1 divides optimizer states, 2 also gradients, 3 also weights.

@@ -91,9 +91,24 @@ std::string summary(const Plan& p) {
   if (p.overlap_p2p_comm) s += " overlap-p2p-comm";
   if (p.scatter_gather_p2p) s += " scatter-gather-p2p";
   s += fmt::format(" {}", to_string(p.precision));
+  if (p.grad_precision) s += fmt::format(" grads={}", to_string(*p.grad_precision));
   if (p.comm_precision) s += fmt::format(" comm={}", to_string(*p.comm_precision));
   if (p.grad_compression < 1) s += fmt::format(" grad-compression={:g}", p.grad_compression);
   return s;
+}
+
+Precision gradient_precision(const Plan& plan) {
+  if (plan.grad_precision) return *plan.grad_precision;
+  switch (plan.precision) {
+    case Precision::Bf16:
+    case Precision::Fp8:
+    case Precision::Fp32:
+    case Precision::Tf32:
+      return Precision::Fp32;
+    case Precision::Fp16:
+      return Precision::Fp16;
+  }
+  return Precision::Fp32;
 }
 
 std::vector<int> chunk_layers(const Plan& plan, std::int64_t layers) {
@@ -314,6 +329,7 @@ json to_json(const Plan& p) {
             {"optimizer", to_string(p.optimizer)},
             {"order", cluster::Placement::to_string(p.order)}};
   if (!p.layers_per_stage.empty()) j["layers_per_stage"] = p.layers_per_stage;
+  if (p.grad_precision) j["grad_precision"] = to_string(*p.grad_precision);
   if (p.comm_precision) j["comm_precision"] = to_string(*p.comm_precision);
   if (p.grad_compression != 1.0) j["grad_compression"] = p.grad_compression;
   return j;
@@ -340,6 +356,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "overlap_p2p_comm",
                  "scatter_gather_p2p",
                  "precision",
+                 "grad_precision",
                  "comm_precision",
                  "grad_compression",
                  "optimizer",
@@ -381,6 +398,9 @@ Plan plan_from_json(const json& j, const std::string& file) {
   p.scatter_gather_p2p = r.boolean_or("scatter_gather_p2p", false);
   if (r.has("precision")) {
     p.precision = *parse_precision(r.choice("precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));
+  }
+  if (r.has("grad_precision")) {
+    p.grad_precision = *parse_precision(r.choice("grad_precision", {"fp32", "bf16", "fp16"}));
   }
   if (r.has("comm_precision")) {
     p.comm_precision =

@@ -76,6 +76,10 @@ struct Plan {
   // Low-precision communication: activations (tp, cp, ep, pp) and gradients travel in this
   // precision's bytes (unset: the training precision's), as with fp8 or bf16 collectives.
   std::optional<Precision> comm_precision;
+  // The weight gradients' precision: what they accumulate in over micro-batches, what the
+  // data-parallel reduction sends (unless comm_precision says otherwise) and what memory holds
+  // (fp32, bf16 or fp16). Unset: gradient_precision()'s rule.
+  std::optional<Precision> grad_precision;
   // Gradient compression of the data-parallel reduction: the fraction of the gradient bytes
   // sent (1: none). Compressing and decompressing a bucket are memory passes over it, charged
   // to its collective (sim/engine/simulator.cpp).
@@ -110,6 +114,13 @@ std::vector<std::string> require_valid(const Plan& plan, const model::ModelSpec&
 // Blocks of each model chunk (pp x virtual_stages), the explicit split or the even one (earlier
 // chunks take the remainder). Chunk c of a rank r is global chunk c*pp + r (Megatron order).
 std::vector<int> chunk_layers(const Plan& plan, std::int64_t layers);
+
+// The plan's gradient precision: as set, else Megatron-LM's rule: with bf16 (and fp8, which
+// Megatron-LM runs on bf16 parameters) gradients accumulate and all-reduce in fp32
+// (megatron/training/arguments.py: "bfloat16 requires gradient accumulation and all-reduce to
+// be done in fp32", unless --grad-reduce-in-bf16); otherwise the training precision (fp16
+// keeps 16-bit gradients, as in ZeRO's 16 bytes per parameter; fp32 and tf32, fp32).
+Precision gradient_precision(const Plan& plan);
 
 nlohmann::json to_json(const Plan& plan);
 // Reads a plan file; fields are those of to_json(). Throws InputError naming file and field.

@@ -266,7 +266,7 @@ class Estimator {
 
     // Data parallelism: gradients reduced in buckets that overlap the last backward pass, over
     // dp x cp ranks (expert gradients over dp/ep x cp); ZeRO shards over the same groups.
-    const auto bytes_per = plan::state_bytes_per_param(p.precision, p.optimizer);
+    const auto bytes_per = plan::state_bytes_per_param(p);
     const double shard_group = static_cast<double>(p.dp) * p.cp;
     const double expert_group = static_cast<double>(p.dp / p.ep) * p.cp;
     const double backward = stage_b / std::max(1, p.virtual_stages);

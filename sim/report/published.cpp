@@ -137,6 +137,9 @@ Table1Case megatron_table1_case(const CsvRow& row) {
   p.global_batch_size = whole(row, "global_batch");
   p.seq_len = whole(row, "seq_len");
   p.recompute = plan::Recompute::Full;
+  // fp16 with 16-bit gradients, as the paper's own scripts train (NVIDIA/Megatron-LM,
+  // examples/sc21/CONFIG.sh: --fp16; A100's fp16 and bf16 peaks are equal).
+  p.precision = Precision::Fp16;
   p.overlap_grad_reduce = false;
   p.overlap_tp_backward = false;
   // Weight gradients added into the main gradients by a kernel of their own (2021's

@@ -186,7 +186,8 @@ TEST_CASE("tied embeddings on two stages all-reduce their gradients", "[lower]")
     CHECK(pp[0]->collective == CollectiveKind::AllReduce);
     const auto& grp = program.groups[static_cast<std::size_t>(pp[0]->group)];
     CHECK(grp.programs.size() == 2);  // both stages take part
-    CHECK(pp[0]->bytes == static_cast<std::uint64_t>(spec.vocab * spec.hidden * 2));
+    // fp32 gradients (bf16's default: Megatron-LM's main_grad).
+    CHECK(pp[0]->bytes == static_cast<std::uint64_t>(spec.vocab * spec.hidden * 4));
   }
 }
 
@@ -233,7 +234,8 @@ TEST_CASE("too many micro-batches to simulate is an input error", "[lower][bad-i
 TEST_CASE("low-precision communication and gradient compression change what is sent", "[lower]") {
   const auto spec = dtsim::model::load_model("tiny-gpt");
   const dtsim::model::ModelGraph g(spec, 1, 32);
-  const Plan base = plan_for(2, 2, 2, 1);  // bf16: 2 bytes per activation and gradient
+  Plan base = plan_for(2, 2, 2, 1);  // bf16: 2 bytes per activation and gradient
+  base.grad_precision = dtsim::Precision::Bf16;
   Plan fp8 = base;
   fp8.comm_precision = dtsim::Precision::Fp8;  // 1 byte on the wire
   Plan squeezed = base;
@@ -256,6 +258,19 @@ TEST_CASE("low-precision communication and gradient compression change what is s
       } else {
         CHECK(tc[i]->bytes == ta[i]->bytes);  // compression is of the dp gradients only
       }
+    }
+  }
+  // bf16's default fp32 gradients (Megatron-LM's main_grad): twice the dp bytes, the same
+  // activations.
+  Plan fp32_grads = base;
+  fp32_grads.grad_precision.reset();
+  const Program d = dtsim::lower::lower(g, fp32_grads);
+  for (const Stream s : {Stream::Tp, Stream::Dp}) {
+    const auto ta = on_stream(a, 0, s), td = on_stream(d, 0, s);
+    REQUIRE(ta.size() == td.size());
+    for (std::size_t i = 0; i < ta.size(); ++i) {
+      INFO(ta[i]->label);
+      CHECK(td[i]->bytes == ta[i]->bytes * (s == Stream::Dp ? 2 : 1));
     }
   }
   // Pipeline transfers carry activations: in the communication precision too.

@@ -44,7 +44,10 @@ TEST_CASE("ZeRO Table 1: model-state memory per device, every row", "[plan][memo
   const auto rows =
       dtsim::read_csv(dtsim::test::repo_dir() / "validation" / "zero_table1_memory.csv");
   REQUIRE(rows.size() == 48);
-  const auto bytes = dtsim::plan::state_bytes_per_param(Precision::Bf16, Optimizer::Adam);
+  // The paper trains in fp16 with fp16 gradients.
+  Plan fp16;
+  fp16.precision = Precision::Fp16;
+  const auto bytes = dtsim::plan::state_bytes_per_param(fp16);
   CHECK(bytes.weights + bytes.gradients + bytes.optimizer == 16);  // 2 + 2 + K (K = 12)
   for (const auto& row : rows) {
     DYNAMIC_SECTION(row.at("id")) {
@@ -60,6 +63,39 @@ TEST_CASE("ZeRO Table 1: model-state memory per device, every row", "[plan][memo
       CHECK(same_as_printed(gb, row.at("value")));
     }
   }
+}
+
+TEST_CASE("gradients take the plan's gradient precision, fp32 with bf16 by default",
+          "[plan][memory][precision]") {
+  using dtsim::plan::gradient_precision;
+  using dtsim::plan::state_bytes_per_param;
+  const auto total = [](const Plan& p) {
+    const auto b = state_bytes_per_param(p);
+    return b.weights + b.gradients + b.optimizer;
+  };
+  Plan p;  // bf16, Adam: Megatron-LM's fp32 main gradients, 2 + 4 + 12
+  CHECK(gradient_precision(p) == Precision::Fp32);
+  CHECK(state_bytes_per_param(p).gradients == 4);
+  CHECK(total(p) == 18);
+  p.grad_precision = Precision::Bf16;  // --grad-reduce-in-bf16: ZeRO's 16
+  CHECK(total(p) == 16);
+  p.grad_precision.reset();
+  p.precision = Precision::Fp16;
+  CHECK(gradient_precision(p) == Precision::Fp16);
+  CHECK(total(p) == 16);
+  p.precision = Precision::Fp8;  // on bf16 parameters
+  CHECK(gradient_precision(p) == Precision::Fp32);
+  p.precision = Precision::Fp32;
+  CHECK(total(p) == 16);  // 4 + 4 + Adam's 8
+  p.optimizer = Optimizer::Sgd;
+  CHECK(total(p) == 12);
+
+  // ZeRO-2 divides the fp32 gradients over dp like the rest.
+  Plan z;
+  z.zero_stage = 2;
+  const auto states = dtsim::plan::zero_model_states(1e9, 2, 4, state_bytes_per_param(z));
+  CHECK(states.gradients == Approx(1e9 * 4 / 4));
+  CHECK(states.weights == Approx(1e9 * 2));
 }
 
 TEST_CASE("Korthikanti et al. Table 2: activations per layer", "[plan][memory][activations]") {
@@ -251,7 +287,7 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
       const auto r = dtsim::plan::estimate_memory(g1, p, cluster);
       const auto& s = r.stages[0];
       CHECK(s.weights_bytes == Approx(2 * params / (zero >= 3 ? 4 : 1)));
-      CHECK(s.gradients_bytes == Approx(2 * params / (zero >= 2 ? 4 : 1)));
+      CHECK(s.gradients_bytes == Approx(4 * params / (zero >= 2 ? 4 : 1)));  // fp32
       CHECK(s.optimizer_bytes == Approx(12 * params / (zero >= 1 ? 4 : 1)));
     }
     p.zero_stage = 0;

@@ -192,10 +192,12 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   p.scatter_gather_p2p = true;
   p.layers_per_stage = {10, 10, 10, 10};
   p.comm_precision = dtsim::Precision::Fp8;
+  p.grad_precision = dtsim::Precision::Bf16;
   p.grad_compression = 0.25;
   const Plan q = dtsim::plan::plan_from_json(dtsim::plan::to_json(p), "p.json");
   CHECK(dtsim::plan::to_json(q) == dtsim::plan::to_json(p));
   CHECK(q.comm_precision == dtsim::Precision::Fp8);
+  CHECK(q.grad_precision == dtsim::Precision::Bf16);
   CHECK(q.grad_compression == 0.25);
   CHECK(q.overlap_p2p_comm);
   CHECK(!q.overlap_tp_backward);
@@ -226,6 +228,8 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
       "plan.json: grad_compression: expected the fraction of the gradient bytes sent, in (0, 1]");
   bad(R"({"grad_compression": 0})", "plan.json: grad_compression: expected a positive number");
   bad(R"({"comm_precision": "fp4"})", "plan.json: comm_precision: expected one of");
+  bad(R"({"grad_precision": "fp8"})",
+      "plan.json: grad_precision: expected one of fp32, bf16, fp16, got \"fp8\"");
   bad(R"({"schedule": "looped"})", "schedule: expected one of gpipe, 1f1b, interleaved");
   bad(R"({"order": "tp-dp"})", "plan.json: order: ");
   bad(R"({"tensor_parallel": 2})", "tensor_parallel: unknown field");
