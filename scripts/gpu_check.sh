@@ -15,14 +15,32 @@
 #      (dtsim validate: error per task kind, with the catalog and with the profile); and the
 #      last pipeline stage of Llama-3 70B at tp8 pp8 (--only-rank, communication replaced by
 #      the predicted waits), validated the same way.
-# Writes report.txt, the profile, the traces and the raw outputs under $OUT (or ./gpu-report).
+# Writes report.txt, the profile, the traces and the raw outputs into ./gpu-report, or, where
+# $OUT is set (the device machines, which bring back at most 8 files from it), into
+# /tmp/gpu-report and, however the script ends, report.txt, profile_h200.json and one archive
+# of everything (gpu-report.tar.xz) into $OUT.
 #
 # Here:  scripts/gpu_bundle.sh                 (gpu-bundle.tar.xz: binaries + libraries)
 # There: scripts/gpu_check.sh [gpu-bundle.tar.xz]   (run with carry: ["gpu-bundle.tar.xz"])
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 repo=$(pwd)
-out=${OUT:-$repo/gpu-report}
+if [ -n "${OUT:-}" ]; then
+  out=/tmp/gpu-report
+  rm -rf "$out"
+  bring_back() {
+    cp -f "$out/report.txt" "$out/profile_h200.json" "$OUT/" 2>/dev/null
+    tar -C /tmp -cJf "$OUT/gpu-report.tar.xz" gpu-report 2>/dev/null
+    # 16 MiB a file comes back: without the predicted traces (dtsim makes them again) if over.
+    if [ "$(stat -c %s "$OUT/gpu-report.tar.xz" 2>/dev/null || echo 0)" -gt 16000000 ]; then
+      tar -C /tmp -cJf "$OUT/gpu-report.tar.xz" --exclude='*_catalog.json' \
+        --exclude='*_profile.json' --exclude='*_waits.json' gpu-report 2>/dev/null
+    fi
+  }
+  trap bring_back EXIT
+else
+  out=$repo/gpu-report
+fi
 mkdir -p "$out"
 report=$out/report.txt
 : >"$report"
@@ -36,15 +54,21 @@ cuda_libs=""
 for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
   [ -d "$d" ] && cuda_libs="$cuda_libs:$d"
 done
-# Any of CUDA's libraries that the loader does not know: from wherever the machine has them
-# (the toolkit, or the nvidia-* wheels of its Python environment).
+# Any of CUDA's libraries that the loader does not know: from the folders above, the nvidia-*
+# wheels of the machine's Python environments, or, last and once, a search.
 for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
   ldconfig -p 2>/dev/null | grep -q "$lib" && continue
-  found=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -1)
+  for d in ${cuda_libs//:/ } /opt/*/.venv/lib/python3*/site-packages/nvidia/*/lib \
+    /usr/local/lib/python3*/dist-packages/nvidia/*/lib /usr/lib/python3/dist-packages/nvidia/*/lib; do
+    [ -e "$d/$lib" ] && { cuda_libs="$cuda_libs:$d"; continue 2; }
+  done
+  found=$(find /usr/local /opt /usr/lib -name "$lib" -print -quit 2>/dev/null)
   [ -n "$found" ] && cuda_libs="$cuda_libs:$(dirname "$found")"
 done
 export LD_LIBRARY_PATH="/tmp/gpu-bundle/lib$cuda_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export DTSIM_DATA_DIR=$repo
+missing=$(ldd "$bin/dtexec" | awk '/not found/ {print $1}' | tr '\n' ' ')
+[ -z "$missing" ] || { say "dtexec cannot start: $missing not found (LD_LIBRARY_PATH=$LD_LIBRARY_PATH)"; exit 1; }
 say "dtsim GPU check, $(date -u +%Y-%m-%dT%H:%MZ), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 
 say ""
