@@ -244,12 +244,15 @@ std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision,
     throw dtsim::UnsupportedError(
         fmt::format("--backend cuda: no GPU on this machine ({})", p.why_none));
   }
-  if (static_cast<std::size_t>(local_size) > p.gpus.size()) {
+  // A launcher that gives each rank its own GPU (srun --gpus-per-task=1) shows it one, through
+  // CUDA_VISIBLE_DEVICES: that one is the rank's (NCCL refuses two ranks on one GPU, by name).
+  const bool own_gpu = p.gpus.size() == 1 && std::getenv("CUDA_VISIBLE_DEVICES") != nullptr;
+  if (static_cast<std::size_t>(local_size) > p.gpus.size() && !own_gpu) {
     throw dtsim::UnsupportedError(
         fmt::format("--backend cuda: {} ranks on {} but {} GPU{}: NCCL needs a GPU per rank",
                     local_size, host, p.gpus.size(), p.gpus.size() == 1 ? "" : "s"));
   }
-  const auto& g = p.gpus[static_cast<std::size_t>(local_rank)];
+  const auto& g = p.gpus[static_cast<std::size_t>(p.gpus.size() == 1 ? 0 : local_rank)];
   const bool bf16 = precision == dtsim::Precision::Bf16;
   where = fmt::format("GPU {} ({}), {} activations", g.index, g.name, bf16 ? "bf16" : "fp32");
   return dtsim::exec::cuda::make_device(g.index,

@@ -175,13 +175,47 @@ __global__ void add_bias_kernel(T* out, const float* bias, std::int64_t T_, int 
     store(out, i, load(out, i) + bias[i % N]);
 }
 
-// dbias[n] += sum over t of dout[t, n]: one thread per column, rows in order.
+// Column sums of a [T, N] matrix (bias and norm weight gradients) in two passes that give the
+// same bits however the grid runs: pass 1, one thread per (chunk of rows, column), sums its
+// chunk's rows in order; pass 2, one thread per column, adds the chunks' sums in order. A thread
+// per column alone would leave most of the GPU idle (GPT-2's 768 columns: 3 blocks).
+struct RowChunks {
+  int count = 1;  // chunks
+  int rows = 1;   // rows per chunk (the last one may have fewer)
+};
+
+// About 64k threads in pass 1, at least 32 rows a chunk: count·N <= max(65536, N).
+RowChunks row_chunks(int T, int N) {
+  const std::int64_t by_threads = std::max<std::int64_t>(1, 65536 / std::max(N, 1));
+  const std::int64_t by_rows = std::max<std::int64_t>(1, (T + 31) / 32);
+  const std::int64_t want = std::min(by_threads, by_rows);
+  RowChunks c;
+  c.rows = static_cast<int>(std::max<std::int64_t>(1, (T + want - 1) / want));
+  c.count = std::max(1, (T + c.rows - 1) / c.rows);
+  return c;
+}
+
+// Pass 1 of a bias gradient: partial[k, n] = sum over the rows of chunk k of dout[t, n].
 template <class T>
-__global__ void column_sum_kernel(float* dbias, const T* dout, int T_, int N) {
+__global__ void column_partial_kernel(float* partial, const T* dout, int T_, int N,
+                                      RowChunks chunks) {
+  const std::int64_t n = static_cast<std::int64_t>(chunks.count) * N;
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
+    const std::int64_t k = i / N, c = i % N;
+    const std::int64_t t0 = k * chunks.rows;
+    const std::int64_t t1 = t0 + chunks.rows < T_ ? t0 + chunks.rows : T_;
+    float s = 0;
+    for (std::int64_t t = t0; t < t1; ++t) s += load(dout, t * N + c);
+    partial[i] = s;
+  }
+}
+
+// Pass 2: out[n] += sum over k of partial[k, n], k in order.
+__global__ void add_partials_kernel(float* out, const float* partial, int count, int N) {
   for (std::int64_t c = first_index(); c < N; c += grid_stride()) {
     float s = 0;
-    for (int t = 0; t < T_; ++t) s += load(dout, static_cast<std::int64_t>(t) * N + c);
-    dbias[c] += s;
+    for (int k = 0; k < count; ++k) s += partial[static_cast<std::int64_t>(k) * N + c];
+    out[c] += s;
   }
 }
 
@@ -238,20 +272,25 @@ __global__ void norm_backward_input_kernel(T* din, const T* dout, const T* in, c
   }
 }
 
-// The weight and bias gradients: one thread per column, rows in order.
+// Pass 1 of the weight and bias gradients (column sums, as the bias gradient's):
+// pw[k, c] = sum over chunk k's rows of dy·xhat, pb[k, c] = sum of dy.
 template <class T>
-__global__ void norm_backward_weight_kernel(float* dw, float* db, const T* dout, const T* in,
-                                            const float* mean, const float* rstd, int T_, int C) {
-  for (std::int64_t c = first_index(); c < C; c += grid_stride()) {
+__global__ void norm_weight_partial_kernel(float* pw, float* pb, const T* dout, const T* in,
+                                           const float* mean, const float* rstd, int T_, int C,
+                                           RowChunks chunks) {
+  const std::int64_t n = static_cast<std::int64_t>(chunks.count) * C;
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
+    const std::int64_t k = i / C, c = i % C;
+    const std::int64_t t0 = k * chunks.rows;
+    const std::int64_t t1 = t0 + chunks.rows < T_ ? t0 + chunks.rows : T_;
     float sw = 0, sb = 0;
-    for (int t = 0; t < T_; ++t) {
-      const std::int64_t i = static_cast<std::int64_t>(t) * C + c;
-      const float dy = load(dout, i);
-      sw += dy * (load(in, i) - mean[t]) * rstd[t];
+    for (std::int64_t t = t0; t < t1; ++t) {
+      const float dy = load(dout, t * C + c);
+      sw += dy * (load(in, t * C + c) - mean[t]) * rstd[t];
       sb += dy;
     }
-    if (dw) dw[c] += sw;
-    if (db) db[c] += sb;
+    pw[i] = sw;
+    pb[i] = sb;
   }
 }
 
@@ -335,18 +374,34 @@ __global__ void embedding_forward_kernel(T* out, const int* tokens, const float*
   }
 }
 
-// One thread per column, rows in order (no atomics: deterministic).
+// The token table's gradient, one thread per (slice of the table's rows, column): it adds the
+// gradient rows of its slice's tokens (local row % slices) in order, so every element has one
+// writer and sums in row order, without atomics (deterministic), and the threads scan the
+// tokens rather than wait on one another's updates.
 template <class T>
-__global__ void embedding_backward_kernel(float* dwte, int rows, float* dwpe, const T* dout,
-                                          const int* tokens, int S, std::int64_t BS, int C,
-                                          int vocab_begin) {
-  for (std::int64_t c = first_index(); c < C; c += grid_stride()) {
+__global__ void embedding_backward_kernel(float* dwte, int rows, const T* dout, const int* tokens,
+                                          std::int64_t BS, int C, int vocab_begin, int slices) {
+  const std::int64_t n = static_cast<std::int64_t>(slices) * C;
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
+    const auto slice = static_cast<int>(i / C);
+    const std::int64_t c = i % C;
     for (std::int64_t r = 0; r < BS; ++r) {
-      const float dy = load(dout, r * C + c);
       const int local = tokens[r] - vocab_begin;
-      if (local >= 0 && local < rows) dwte[static_cast<std::int64_t>(local) * C + c] += dy;
-      if (dwpe) dwpe[(r % S) * C + c] += dy;
+      if (local < 0 || local >= rows || local % slices != slice) continue;
+      dwte[static_cast<std::int64_t>(local) * C + c] += load(dout, r * C + c);
     }
+  }
+}
+
+// The learned positions' gradient, one thread per (position, column): dwpe[s, c] += dout[b, s, c]
+// over the sequences b in order.
+template <class T>
+__global__ void position_backward_kernel(float* dwpe, const T* dout, int B, int S, int C) {
+  const std::int64_t n = static_cast<std::int64_t>(S) * C;
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
+    float acc = dwpe[i];
+    for (int b = 0; b < B; ++b) acc += load(dout, static_cast<std::int64_t>(b) * n + i);
+    dwpe[i] = acc;
   }
 }
 
@@ -424,7 +479,10 @@ DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
     // kernel launch's check does not report it again (the caller may free memory and retry).
     cudaGetLastError();
     p_ = nullptr;
-    check(e, "cudaMalloc");
+    int device = -1;
+    (void)cudaGetDevice(&device);
+    check(e, ("cudaMalloc of " + std::to_string(bytes) + " bytes on GPU " + std::to_string(device))
+                 .c_str());
   }
 }
 
@@ -450,8 +508,8 @@ struct Kernels::Impl {
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
   // Scratch, grown on demand (cudaFree waits for the kernels that used the old one): host
-  // transfers, the loss statistics, attention scores and their gradients.
-  DeviceBuffer staging, stats, scores, dscores;
+  // transfers, the loss statistics, attention scores and their gradients, column sums' chunks.
+  DeviceBuffer staging, stats, scores, dscores, partials;
   std::vector<cudaEvent_t> events;  // mark() numbers [0, marks) in use
   int marks = 0;
 
@@ -467,6 +525,12 @@ struct Kernels::Impl {
   float* room(DeviceBuffer& b, std::size_t bytes) {
     if (b.bytes() < bytes) b = DeviceBuffer(bytes);
     return b.f32();
+  }
+
+  // Two column sums' chunk partials of N columns (row_chunks: at most max(65536, N) floats
+  // each), sized once for every N up to 65536, so that no step waits on a reallocation.
+  float* partials_room(int N) {
+    return room(partials, 2 * static_cast<std::size_t>(std::max(N, 65536)) * sizeof(float));
   }
 };
 
@@ -635,6 +699,26 @@ void gemm(cublasHandle_t blas, bool ta, bool tb, int M, int N, int K, float alph
         "cublasGemmStridedBatchedEx");
 }
 
+// The heads of one attention GEMM call: `count` heads from `head` on, `head_step` apart,
+// reading kv heads from `kv` on, `kv_step` apart. Either the `group` query heads of one kv
+// head (kv_step 0: the shared k and v) or one head of every kv group (G calls' worth in one),
+// whichever makes fewer calls: one per sequence for multi-head attention, `group` for GQA with
+// more kv heads than that.
+struct HeadBatch {
+  int head, count, head_step, kv, kv_step;
+};
+
+std::vector<HeadBatch> head_batches(int H, int G) {
+  const int group = H / G;
+  std::vector<HeadBatch> batches;
+  if (group <= G) {
+    for (int r = 0; r < group; ++r) batches.push_back({r, G, group, 0, 1});
+  } else {
+    for (int kv = 0; kv < G; ++kv) batches.push_back({kv * group, group, 1, kv, 0});
+  }
+  return batches;
+}
+
 }  // namespace
 
 void Kernels::matmul_forward(void* out, const void* in, const void* w, const float* bias, int T,
@@ -668,13 +752,18 @@ void Kernels::matmul_backward(void* din, float* dw, float* dbias, const void* do
     gemm(impl_->blas, true, false, K, N, T, 1.0f, {in, t, K}, {dout, t, N}, 1.0f, dw, CUDA_R_32F, N,
          0);
   }
-  if (dbias != nullptr) {
+  if (dbias != nullptr && T > 0 && N > 0) {
+    const RowChunks chunks = row_chunks(T, N);
+    float* partial = impl_->partials_room(N);
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
-      column_sum_kernel<<<blocks_for(N), kThreads, 0, impl_->stream>>>(
-          dbias, static_cast<const A*>(dout), T, N);
+      column_partial_kernel<<<blocks_for(static_cast<std::int64_t>(chunks.count) * N), kThreads, 0,
+                              impl_->stream>>>(partial, static_cast<const A*>(dout), T, N, chunks);
     });
-    launched("column_sum_kernel");
+    launched("column_partial_kernel");
+    add_partials_kernel<<<blocks_for(N), kThreads, 0, impl_->stream>>>(dbias, partial, chunks.count,
+                                                                       N);
+    launched("add_partials_kernel");
   }
 }
 
@@ -693,11 +782,16 @@ void Kernels::norm_backward(void* din, float* dw, float* db, const void* dout, c
                             const float* w, const float* mean, const float* rstd, int T, int C,
                             bool rms) {
   if (T == 0 || C == 0) return;  // (a grid of no blocks is a launch error)
+  const RowChunks chunks = row_chunks(T, C);
+  const std::size_t part = static_cast<std::size_t>(chunks.count) * C;
+  float* pw = dw != nullptr || db != nullptr ? impl_->partials_room(C) : nullptr;
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
-    if (dw != nullptr || db != nullptr) {
-      norm_backward_weight_kernel<<<blocks_for(C), kThreads, 0, impl_->stream>>>(
-          dw, db, static_cast<const A*>(dout), static_cast<const A*>(in), mean, rstd, T, C);
+    if (pw != nullptr) {
+      norm_weight_partial_kernel<<<blocks_for(static_cast<std::int64_t>(part)), kThreads, 0,
+                                   impl_->stream>>>(pw, pw + part, static_cast<const A*>(dout),
+                                                    static_cast<const A*>(in), mean, rstd, T, C,
+                                                    chunks);
     }
     if (din != nullptr) {
       norm_backward_input_kernel<<<T, kThreads, 0, impl_->stream>>>(
@@ -705,6 +799,13 @@ void Kernels::norm_backward(void* din, float* dw, float* db, const void* dout, c
           rstd, C, rms);
     }
   });
+  if (dw != nullptr) {
+    add_partials_kernel<<<blocks_for(C), kThreads, 0, impl_->stream>>>(dw, pw, chunks.count, C);
+  }
+  if (db != nullptr) {
+    add_partials_kernel<<<blocks_for(C), kThreads, 0, impl_->stream>>>(db, pw + part, chunks.count,
+                                                                       C);
+  }
   launched("norm_backward kernels");
 }
 
@@ -773,16 +874,17 @@ void Kernels::swiglu_backward(void* din, const void* in, const void* dout, int T
   launched("swiglu_backward_kernel");
 }
 
-// Per sequence b: scores[h] = scale · q_h · k_{kv(h)}^T for the heads of each kv group at once
-// (the shared k has stride 0 in the batch), the causal softmax of every head's rows, then
-// out_h = probs_h · v_{kv(h)}. qkv rows hold [q heads | k heads | v heads], D values each.
+// Per sequence b: scores[h] = scale · q_h · k_{kv(h)}^T, the heads batched by head_batches, the
+// causal softmax of every head's rows, then out_h = probs_h · v_{kv(h)}. qkv rows hold
+// [q heads | k heads | v heads], D values each.
 void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G,
                                 int D) {
   if (B == 0 || S == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
-  const int width = (H + 2 * G) * D, group = H / G;
+  const int width = (H + 2 * G) * D;
   const std::size_t e = dtype_bytes(act_);
   const auto SS = static_cast<long long>(S) * S;
+  const std::vector<HeadBatch> batches = head_batches(H, G);
   float* scores = impl_->room(impl_->scores, static_cast<std::size_t>(H) * SS * 4);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const auto* base = static_cast<const char*>(qkv);
@@ -790,11 +892,11 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
     const char* rows = base + static_cast<std::size_t>(b) * S * width * e;
     char* p = static_cast<char*>(probs) + static_cast<std::size_t>(b) * H * SS * e;
     char* o = static_cast<char*>(out) + static_cast<std::size_t>(b) * S * H * D * e;
-    for (int kv = 0; kv < G; ++kv) {
-      const int h0 = kv * group;
-      gemm(impl_->blas, false, true, S, S, D, scale, {rows + h0 * D * e, t, width, D},
-           {rows + (H + kv) * D * e, t, width, 0}, 0.0f, scores + h0 * SS, CUDA_R_32F, S, SS,
-           group);
+    for (const HeadBatch& hb : batches) {
+      gemm(impl_->blas, false, true, S, S, D, scale,
+           {rows + hb.head * D * e, t, width, static_cast<long long>(hb.head_step) * D},
+           {rows + (H + hb.kv) * D * e, t, width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
+           scores + hb.head * SS, CUDA_R_32F, S, hb.head_step * SS, hb.count);
     }
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
@@ -802,18 +904,19 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
                                                                         scores, S);
     });
     launched("causal_softmax_kernel");
-    for (int kv = 0; kv < G; ++kv) {
-      const int h0 = kv * group;
-      gemm(impl_->blas, false, false, S, D, S, 1.0f, {p + h0 * SS * e, t, S, SS},
-           {rows + (H + G + kv) * D * e, t, width, 0}, 0.0f, o + h0 * D * e, t, H * D, D, group);
+    for (const HeadBatch& hb : batches) {
+      gemm(impl_->blas, false, false, S, D, S, 1.0f,
+           {p + hb.head * SS * e, t, S, hb.head_step * SS},
+           {rows + (H + G + hb.kv) * D * e, t, width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
+           o + hb.head * D * e, t, H * D, static_cast<long long>(hb.head_step) * D, hb.count);
     }
   }
 }
 
-// dP_h = dO_h · v^T (fp32), dS_h = softmax backward · scale, then dq_h += dS_h · k,
-// dk += dS_h^T · q_h and dv += P_h^T · dO_h. The k and v gradients of a kv group sum over its
-// heads, so those GEMMs batch over the groups, one of each group's heads at a time (beta = 1):
-// never two writing one buffer.
+// dP_h = dO_h · v^T (fp32), dS_h = softmax backward · scale, then dq_h += dS_h · k (these
+// batched by head_batches), dk += dS_h^T · q_h and dv += P_h^T · dO_h. The k and v gradients of
+// a kv group sum over its heads, so those GEMMs batch over the groups, one of each group's
+// heads at a time (beta = 1): never two writing one buffer.
 void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, const void* probs,
                                  int B, int S, int H, int G, int D) {
   if (B == 0 || S == 0) return;  // (a grid of no blocks is a launch error)
@@ -821,6 +924,7 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
   const int width = (H + 2 * G) * D, group = H / G;
   const std::size_t e = dtype_bytes(act_);
   const auto SS = static_cast<long long>(S) * S;
+  const std::vector<HeadBatch> batches = head_batches(H, G);
   float* dprobs = impl_->room(impl_->scores, static_cast<std::size_t>(H) * SS * 4);
   void* dscores = impl_->room(impl_->dscores, static_cast<std::size_t>(H) * SS * e);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -830,11 +934,11 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
     const char* p = static_cast<const char*>(probs) + static_cast<std::size_t>(b) * H * SS * e;
     const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * S * H * D * e;
     const char* ds = static_cast<const char*>(dscores);
-    for (int kv = 0; kv < G; ++kv) {
-      const int h0 = kv * group;
-      gemm(impl_->blas, false, true, S, S, D, 1.0f, {dO + h0 * D * e, t, H * D, D},
-           {rows + (H + G + kv) * D * e, t, width, 0}, 0.0f, dprobs + h0 * SS, CUDA_R_32F, S, SS,
-           group);
+    for (const HeadBatch& hb : batches) {
+      gemm(impl_->blas, false, true, S, S, D, 1.0f,
+           {dO + hb.head * D * e, t, H * D, static_cast<long long>(hb.head_step) * D},
+           {rows + (H + G + hb.kv) * D * e, t, width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
+           dprobs + hb.head * SS, CUDA_R_32F, S, hb.head_step * SS, hb.count);
     }
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
@@ -842,10 +946,11 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
           static_cast<A*>(dscores), dprobs, reinterpret_cast<const A*>(p), S, scale);
     });
     launched("softmax_backward_kernel");
-    for (int kv = 0; kv < G; ++kv) {
-      const int h0 = kv * group;
-      gemm(impl_->blas, false, false, S, D, S, 1.0f, {ds + h0 * SS * e, t, S, SS},
-           {rows + (H + kv) * D * e, t, width, 0}, 1.0f, drows + h0 * D * e, t, width, D, group);
+    for (const HeadBatch& hb : batches) {
+      gemm(impl_->blas, false, false, S, D, S, 1.0f,
+           {ds + hb.head * SS * e, t, S, hb.head_step * SS},
+           {rows + (H + hb.kv) * D * e, t, width, static_cast<long long>(hb.kv_step) * D}, 1.0f,
+           drows + hb.head * D * e, t, width, static_cast<long long>(hb.head_step) * D, hb.count);
     }
     // Head r of every kv group at once (batched over the G groups: each writes its own kv
     // head), then the next r accumulates (beta = 1): never two writers of one buffer.
@@ -900,10 +1005,21 @@ void Kernels::embedding_forward(void* out, const int* tokens, const float* wte, 
 void Kernels::embedding_backward(float* dwte, int rows, float* dwpe, const void* dout,
                                  const int* tokens, int B, int S, int C, int vocab_begin) {
   const std::int64_t BS = static_cast<std::int64_t>(B) * S;
+  if (BS == 0 || C == 0) return;  // (a grid of no blocks is a launch error)
+  // About 64k threads, each scanning every token, at most one slice per table row.
+  const int slices =
+      static_cast<int>(std::clamp<std::int64_t>(65536 / C, 1, std::max<std::int64_t>(rows, 1)));
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
-    embedding_backward_kernel<<<blocks_for(C), kThreads, 0, impl_->stream>>>(
-        dwte, rows, dwpe, static_cast<const A*>(dout), tokens, S, BS, C, vocab_begin);
+    if (dwte != nullptr && rows > 0) {
+      embedding_backward_kernel<<<blocks_for(static_cast<std::int64_t>(slices) * C), kThreads, 0,
+                                  impl_->stream>>>(dwte, rows, static_cast<const A*>(dout), tokens,
+                                                   BS, C, vocab_begin, slices);
+    }
+    if (dwpe != nullptr) {
+      position_backward_kernel<<<blocks_for(static_cast<std::int64_t>(S) * C), kThreads, 0,
+                                 impl_->stream>>>(dwpe, static_cast<const A*>(dout), B, S, C);
+    }
   });
   launched("embedding_backward_kernel");
 }

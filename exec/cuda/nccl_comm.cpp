@@ -292,6 +292,7 @@ class NcclComm final : public Comm {
         const cudaError_t e = cudaStreamQuery(s);
         if (e == cudaSuccess) break;
         if (e != cudaErrorNotReady) cuda(e, "cudaStreamQuery");
+        (void)cudaGetLastError();  // not ready is no error: see complete()
         if (timeout_s_ > 0 && std::chrono::steady_clock::now() > deadline) {
           end_job(fmt::format(
               "the step's GPU work (kernels and NCCL transfers) did not finish within {} s "

@@ -111,9 +111,11 @@ const cu::Dtype kTypes[] = {cu::Dtype::F32, cu::Dtype::BF16};
 TEST_CASE("GPU matmul forward and backward match the CPU", "[exec][cuda][gpu]") {
   const auto gpu = first_gpu();
   if (!gpu) return;
-  const int T = 24, K = 40, N = 56;
-  for (cu::Dtype type : kTypes) {
-    INFO(name(type));
+  const int K = 40, N = 56;
+  // 200 rows: the bias gradient sums its rows in chunks (7 of 29 rows, the last shorter).
+  for (auto [type, T] : {std::pair{cu::Dtype::F32, 24}, std::pair{cu::Dtype::BF16, 24},
+                         std::pair{cu::Dtype::F32, 200}, std::pair{cu::Dtype::BF16, 200}}) {
+    INFO(name(type) << ", " << T << " rows");
     cu::Kernels k(*gpu, type);
     const Vec in = as_stored(k, random(T * K, 1)), w = as_stored(k, random(K * N, 2, 0.2f));
     const Vec bias = random(N, 3), dout = as_stored(k, random(T * N, 4));
@@ -160,33 +162,36 @@ TEST_CASE("GPU matmul with a transposed weight (a tied head) matches the CPU",
 TEST_CASE("GPU LayerNorm and RMSNorm match the CPU", "[exec][cuda][gpu]") {
   const auto gpu = first_gpu();
   if (!gpu) return;
-  const int T = 16, C = 300;  // more columns than threads per block
-  for (cu::Dtype type : kTypes) {
-    for (bool rms : {false, true}) {
-      INFO(name(type) << (rms ? " RMSNorm" : " LayerNorm"));
-      cu::Kernels k(*gpu, type);
-      const Vec in = as_stored(k, random(T * C, 11, 2.0f)), w = random(C, 12),
-                b = rms ? Vec() : random(C, 13);
-      const Vec dout = as_stored(k, random(T * C, 14)), din0 = as_stored(k, random(T * C, 15));
-      Vec out(T * C), mean(T), rstd(T), din = din0, dw(C, 0.5f), db(C, -0.5f);
-      cpu::norm_forward(out, mean, rstd, in, w, b, T, C, rms);
-      cpu::norm_backward(din, dw, rms ? cpu::Out() : cpu::Out(db), dout, in, w, mean, rstd, T, C,
-                         rms);
+  const int C = 300;  // more columns than threads per block
+  // 100 rows: the weight gradients sum their rows in chunks (4 of 25).
+  for (int T : {16, 100}) {
+    for (cu::Dtype type : kTypes) {
+      for (bool rms : {false, true}) {
+        INFO(name(type) << (rms ? " RMSNorm" : " LayerNorm") << ", " << T << " rows");
+        cu::Kernels k(*gpu, type);
+        const Vec in = as_stored(k, random(T * C, 11, 2.0f)), w = random(C, 12),
+                  b = rms ? Vec() : random(C, 13);
+        const Vec dout = as_stored(k, random(T * C, 14)), din0 = as_stored(k, random(T * C, 15));
+        Vec out(T * C), mean(T), rstd(T), din = din0, dw(C, 0.5f), db(C, -0.5f);
+        cpu::norm_forward(out, mean, rstd, in, w, b, T, C, rms);
+        cpu::norm_backward(din, dw, rms ? cpu::Out() : cpu::Out(db), dout, in, w, mean, rstd, T, C,
+                           rms);
 
-      Dev d_in(k, in), d_w(k, w, true), d_out(k, Vec(T * C)), d_mean(k, Vec(T), true),
-          d_rstd(k, Vec(T), true), d_dout(k, dout), d_din(k, din0), d_dw(k, Vec(C, 0.5f), true),
-          d_db(k, Vec(C, -0.5f), true);
-      std::optional<Dev> d_b;
-      if (!rms) d_b.emplace(k, b, true);
-      k.norm_forward(d_out.p(), d_mean.f(), d_rstd.f(), d_in.p(), d_w.f(), rms ? nullptr : d_b->f(),
-                     T, C, rms);
-      k.norm_backward(d_din.p(), d_dw.f(), rms ? nullptr : d_db.f(), d_dout.p(), d_in.p(), d_w.f(),
-                      d_mean.f(), d_rstd.f(), T, C, rms);
-      CHECK(error(d_out.host(), out) < tolerance(type));
-      CHECK(error(d_rstd.host(), rstd) < tolerance(type));
-      CHECK(error(d_din.host(), din) < tolerance(type));
-      CHECK(error(d_dw.host(), dw) < tolerance(type));
-      if (!rms) CHECK(error(d_db.host(), db) < tolerance(type));
+        Dev d_in(k, in), d_w(k, w, true), d_out(k, Vec(T * C)), d_mean(k, Vec(T), true),
+            d_rstd(k, Vec(T), true), d_dout(k, dout), d_din(k, din0), d_dw(k, Vec(C, 0.5f), true),
+            d_db(k, Vec(C, -0.5f), true);
+        std::optional<Dev> d_b;
+        if (!rms) d_b.emplace(k, b, true);
+        k.norm_forward(d_out.p(), d_mean.f(), d_rstd.f(), d_in.p(), d_w.f(),
+                       rms ? nullptr : d_b->f(), T, C, rms);
+        k.norm_backward(d_din.p(), d_dw.f(), rms ? nullptr : d_db.f(), d_dout.p(), d_in.p(),
+                        d_w.f(), d_mean.f(), d_rstd.f(), T, C, rms);
+        CHECK(error(d_out.host(), out) < tolerance(type));
+        CHECK(error(d_rstd.host(), rstd) < tolerance(type));
+        CHECK(error(d_din.host(), din) < tolerance(type));
+        CHECK(error(d_dw.host(), dw) < tolerance(type));
+        if (!rms) CHECK(error(d_db.host(), db) < tolerance(type));
+      }
     }
   }
 }
@@ -285,25 +290,32 @@ TEST_CASE("GPU rotary embedding matches the CPU", "[exec][cuda][gpu]") {
 TEST_CASE("GPU embedding of a vocabulary shard matches the CPU", "[exec][cuda][gpu]") {
   const auto gpu = first_gpu();
   if (!gpu) return;
-  const int B = 2, S = 7, C = 24, V = 50, rows = 25, begin = 25;
-  std::vector<int> tokens(B * S);
-  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int>((i * 17 + 3) % V);
-  for (cu::Dtype type : kTypes) {
-    INFO(name(type));
-    cu::Kernels k(*gpu, type);
-    const Vec wte = random(rows * C, 51), wpe = random(S * C, 52);
-    const Vec dout = as_stored(k, random(B * S * C, 53));
-    Vec out(B * S * C), dwte(rows * C, 0.1f), dwpe(S * C, -0.1f);
-    cpu::embedding_forward(out, tokens, wte, wpe, B, S, C, begin);
-    cpu::embedding_backward(dwte, dwpe, dout, tokens, B, S, C, begin);
-    Dev d_wte(k, wte, true), d_wpe(k, wpe, true), d_out(k, Vec(out.size())), d_dout(k, dout),
-        d_dwte(k, Vec(rows * C, 0.1f), true), d_dwpe(k, Vec(S * C, -0.1f), true);
-    Ints d_tokens(k, tokens);
-    k.embedding_forward(d_out.p(), d_tokens.p(), d_wte.f(), rows, d_wpe.f(), B, S, C, begin);
-    k.embedding_backward(d_dwte.f(), rows, d_dwpe.f(), d_dout.p(), d_tokens.p(), B, S, C, begin);
-    CHECK(error(d_out.host(), out) < tolerance(type));
-    CHECK(error(d_dwte.host(), dwte) < tolerance(type));
-    CHECK(error(d_dwpe.host(), dwpe) < tolerance(type));
+  const int B = 2, S = 7, V = 50, rows = 25, begin = 25;
+  // Rows of this shard (local = token - 25): 1 three times, 17 twice, 0, 5, 8, 16, 20, 21, 24;
+  // 3 and 10 belong to another shard.
+  const std::vector<int> tokens = {26, 42, 26, 3, 30, 46, 42, 25, 49, 41, 26, 10, 33, 45};
+  REQUIRE(tokens.size() == static_cast<std::size_t>(B * S));
+  REQUIRE(*std::max_element(tokens.begin(), tokens.end()) < V);
+  // 4096 columns: 16 slices of the shard's 25 rows, rows 1 and 17 in one (24 columns: a slice
+  // per row).
+  for (int C : {24, 4096}) {
+    for (cu::Dtype type : kTypes) {
+      INFO(name(type) << ", " << C << " columns");
+      cu::Kernels k(*gpu, type);
+      const Vec wte = random(rows * C, 51), wpe = random(S * C, 52);
+      const Vec dout = as_stored(k, random(B * S * C, 53));
+      Vec out(B * S * C), dwte(rows * C, 0.1f), dwpe(S * C, -0.1f);
+      cpu::embedding_forward(out, tokens, wte, wpe, B, S, C, begin);
+      cpu::embedding_backward(dwte, dwpe, dout, tokens, B, S, C, begin);
+      Dev d_wte(k, wte, true), d_wpe(k, wpe, true), d_out(k, Vec(out.size())), d_dout(k, dout),
+          d_dwte(k, Vec(rows * C, 0.1f), true), d_dwpe(k, Vec(S * C, -0.1f), true);
+      Ints d_tokens(k, tokens);
+      k.embedding_forward(d_out.p(), d_tokens.p(), d_wte.f(), rows, d_wpe.f(), B, S, C, begin);
+      k.embedding_backward(d_dwte.f(), rows, d_dwpe.f(), d_dout.p(), d_tokens.p(), B, S, C, begin);
+      CHECK(error(d_out.host(), out) < tolerance(type));
+      CHECK(error(d_dwte.host(), dwte) < tolerance(type));
+      CHECK(error(d_dwpe.host(), dwpe) < tolerance(type));
+    }
   }
 }
 
