@@ -11,7 +11,8 @@
 #    rank count just before its run, so that the profile and the run see the host in the same
 #    spell (CALIBRATE=round uses the round's profiles); one dtexec run of STEPS steps; and
 #    dtsim simulate of the same plan on that cluster with that profile (its measured jitter
-#    drives the straggler model), and again without the straggler model (--jitter-cv 0).
+#    drives the straggler model, its ranks' spread the slow rank), again without the slow rank
+#    (--rank-spread-cv 0), and without either (--jitter-cv 0 --rank-spread-cv 0).
 # Then a table: plan, ranks, predicted (the median over rounds), measured (the median step
 # time over all rounds, warm-up left out), the spread of those step times, error, the error
 # without stragglers, and memory (the last round's busiest rank's peak of tensors,
@@ -102,7 +103,8 @@ for round in $(seq "$runs"); do
         >/dev/null
     fi
     echo "round $round: compute jitter $(value jitter_cv <"profile_1_$round.json") (1 rank)," \
-      "$(value jitter_cv <"profile_2_$round.json") (2 ranks)"
+      "$(value jitter_cv <"profile_2_$round.json") (2 ranks); ranks' speed spread" \
+      "$(value rank_spread_cv <"profile_2_$round.json")"
   fi
   for i in "${!plans[@]}"; do
     IFS='|' read -r ranks flags <<<"${plans[$i]}"
@@ -131,13 +133,17 @@ for round in $(seq "$runs"); do
       value step_time_s >>"predicted_$i.txt"
     # shellcheck disable=SC2086
     "$dtsim" simulate --model "$model" --cluster host/cpu-host.json --gpus "$ranks" \
-      "${batch[@]}" $flags --precision fp32 --profile "$profile" --jitter-cv 0 --json |
-      value step_time_s >>"plain_$i.txt"
+      "${batch[@]}" $flags --precision fp32 --profile "$profile" --rank-spread-cv 0 --json |
+      value step_time_s >>"even_$i.txt"
+    # shellcheck disable=SC2086
+    "$dtsim" simulate --model "$model" --cluster host/cpu-host.json --gpus "$ranks" \
+      "${batch[@]}" $flags --precision fp32 --profile "$profile" --jitter-cv 0 \
+      --rank-spread-cv 0 --json | value step_time_s >>"plain_$i.txt"
   done
 done
 
-printf '%-56s %5s %13s %12s %16s %8s %14s %20s\n' plan ranks predicted_ms measured_ms "spread_ms" \
-  error "no_stragglers" "memory_MiB"
+printf '%-56s %5s %13s %12s %16s %8s %13s %14s %20s\n' plan ranks predicted_ms measured_ms \
+  "spread_ms" error "no_slow_rank" "no_stragglers" "memory_MiB"
 worst_plain=0
 worst=0
 within=0
@@ -148,10 +154,12 @@ for i in "${!plans[@]}"; do
   measured=$(median "times_$i.txt")
   predicted=$(median "predicted_$i.txt")
   plain=$(median "plain_$i.txt")
+  even=$(median "even_$i.txt")
   spread=$(sort -g "times_$i.txt" |
     awk 'NR == 1 { lo = $1 } { hi = $1 } END { printf "%.0f-%.0f", lo * 1000, hi * 1000 }')
   error=$(awk -v p="$predicted" -v m="$measured" 'BEGIN { printf "%+.1f", (p / m - 1) * 100 }')
   error_plain=$(awk -v p="$plain" -v m="$measured" 'BEGIN { printf "%+.1f", (p / m - 1) * 100 }')
+  error_even=$(awk -v p="$even" -v m="$measured" 'BEGIN { printf "%+.1f", (p / m - 1) * 100 }')
   worst=$(awk -v e="$error" -v w="$worst" 'BEGIN { e = e < 0 ? -e : e; print (e > w ? e : w) }')
   within=$((within + $(awk -v e="$error" 'BEGIN { e = e < 0 ? -e : e; print (e <= 15 ? 1 : 0) }')))
   count=$((count + 1))
@@ -161,10 +169,10 @@ for i in "${!plans[@]}"; do
   memory=$(awk -v m="$(value peak_bytes <"run_$i.json")" \
     -v p="$(value predicted_bytes <"run_$i.json")" \
     'BEGIN { printf "%.1f/%.1f %+.1f%%", m / 1048576, p / 1048576, (m / p - 1) * 100 }')
-  printf '%-56s %5s %13.1f %12.1f %16s %7s%% %13s%% %20s\n' "${flags:-(one rank)}" "$ranks" \
-    "$(awk -v x="$predicted" 'BEGIN { print x * 1000 }')" \
-    "$(awk -v x="$measured" 'BEGIN { print x * 1000 }')" "$spread" "$error" "$error_plain" \
-    "$memory"
+  printf '%-56s %5s %13.1f %12.1f %16s %7s%% %12s%% %13s%% %20s\n' "${flags:-(one rank)}" \
+    "$ranks" "$(awk -v x="$predicted" 'BEGIN { print x * 1000 }')" \
+    "$(awk -v x="$measured" 'BEGIN { print x * 1000 }')" "$spread" "$error" "$error_even" \
+    "$error_plain" "$memory"
 done
 echo "within ±15%: $within of $count plans; worst |error|: ${worst}% (target 15%); without the" \
   "straggler model ${worst_plain}%"

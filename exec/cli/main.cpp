@@ -1014,27 +1014,30 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
           {"tasks", tasks}};
 }
 
-// Under mpirun: the in_run factors averaged over the ranks, and their spread. The ranks ran
-// the same steps at once, each on its own: a round's forward (or backward) time varies across
-// them by std/mean, its sample coefficient of variation, pooled over rounds and both phases.
-// Recorded, not used: it holds what one kernel timed again and again (jitter_cv) leaves out (a
-// rank preempted, one core slower than the other), but taken as the straggler model's spread
-// it made the CPU benchmark's pipelined plans 9% slower than measured (the model's pipeline
-// transfers compound a rank that stays slow; README, stragglers).
+// Under mpirun: the in_run factors averaged over the ranks, and the spread of the ranks'
+// lasting speeds (the simulator's slow rank, engine/engine.hpp). The ranks ran the same steps
+// at once, each on its own; a rank's forward (or backward) time averaged over the rounds keeps
+// what stays with the rank (a slower core, a busier one) and averages away most of what
+// changes from round to round (which jitter_cv and the straggler model stand for). The spread
+// is the coefficient of variation of those averages across the ranks, pooled over both phases.
 void in_run_over_ranks(nlohmann::json& in_run, const std::vector<double>& phase_seconds,
                        dtsim::exec::cpu::MpiSession& mpi) {
   for (const char* k : {"forward", "backward", "optimizer"}) {
     in_run[k] = mpi.mean(in_run.at(k).get<double>());
   }
   const int ranks = mpi.size();
-  if (ranks < 2) return;
+  if (ranks < 2 || phase_seconds.size() < 2) return;
+  const std::size_t rounds = phase_seconds.size() / 2;
   double sum = 0;
-  for (const double x : phase_seconds) {
-    const double mean = mpi.mean(x), mean_sq = mpi.mean(x * x);
+  for (std::size_t phase = 0; phase < 2; ++phase) {
+    double own = 0;  // this rank's mean over the rounds
+    for (std::size_t r = 0; r < rounds; ++r) own += phase_seconds[2 * r + phase];
+    own /= static_cast<double>(rounds);
+    const double mean = mpi.mean(own), mean_sq = mpi.mean(own * own);
     const double variance = std::max(0.0, mean_sq - mean * mean) * ranks / (ranks - 1.0);
     sum += variance / (mean * mean);
   }
-  in_run["rank_spread_cv"] = std::sqrt(sum / static_cast<double>(phase_seconds.size()));
+  in_run["rank_spread_cv"] = std::sqrt(sum / 2);
 }
 
 #ifdef DTEXEC_HAVE_CUDA

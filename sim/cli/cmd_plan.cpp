@@ -278,6 +278,7 @@ int cmd_plan(const std::vector<std::string>& args) {
     }
   }
   options.jitter_cv = jitter_from_options(vm);
+  options.rank_spread_cv = rank_spread_from_options(vm);
   const std::string objective = vm["objective"].as<std::string>();
   if (objective == "cost") {
     if (!cluster.price_per_device_hour_usd) {
@@ -377,6 +378,14 @@ int cmd_plan(const std::vector<std::string>& args) {
         "stragglers: compute time spread {:.1f}% (std/mean, {}); in both tiers every collective "
         "waits for its slowest rank (normal, independent ranks: an approximation)\n",
         100 * jitter, options.jitter_cv ? "as given" : "the profile's jitter_cv");
+  }
+  const double rank_spread = engine::rank_spread_cv_of(options.rank_spread_cv, options.profile);
+  if (rank_spread > 0) {
+    std::cout << fmt::format(
+        "slow rank: the ranks' speeds spread {:.1f}% (std/mean, {}); in both tiers the slowest "
+        "of a plan's n ranks computes E[max of n normals] x that slower, on its busiest stage "
+        "(normal, independent speeds: an approximation)\n",
+        100 * rank_spread, options.rank_spread_cv ? "as given" : "the profile's rank_spread_cv");
   }
   std::cout << "\n";
   if (result.ranked.empty()) {

@@ -24,16 +24,16 @@ namespace dtsim::cli {
 namespace {
 
 const std::vector<std::string> kKeys = {
-    "gpus",         "device",  "cluster", "nic_gbps", "latency_us", "oversubscription",
-    "global_batch", "seq_len", "model",   "jitter_cv"};
+    "gpus",         "device",  "cluster", "nic_gbps",  "latency_us",    "oversubscription",
+    "global_batch", "seq_len", "model",   "jitter_cv", "rank_spread_cv"};
 
 struct Axis {
   std::string key;
   std::vector<std::string> values;
 };
 
-// A value of --vary jitter_cv: a fraction in [0, 1).
-double jitter_value(const std::string& v) {
+// A value of --vary jitter_cv or rank_spread_cv (`key`): a fraction in [0, 1).
+double spread_value(const std::string& key, const std::string& v) {
   std::size_t used = 0;
   double cv = -1;
   try {
@@ -42,9 +42,9 @@ double jitter_value(const std::string& v) {
     used = 0;
   }
   if (used != v.size()) {
-    throw InputError(fmt::format("--vary jitter_cv={}: expected a fraction in [0, 1)", v));
+    throw InputError(fmt::format("--vary {}={}: expected a fraction in [0, 1)", key, v));
   }
-  return checked_jitter(cv, fmt::format("--vary jitter_cv={}", v));
+  return checked_jitter(cv, fmt::format("--vary {}={}", key, v));
 }
 
 Axis parse_vary(const std::string& text) {
@@ -63,7 +63,8 @@ Axis parse_vary(const std::string& text) {
   std::string v;
   while (std::getline(ss, v, ',')) {
     if (v.empty()) throw InputError(fmt::format("--vary {}: empty value", text));
-    if (a.key == "jitter_cv") jitter_value(v);  // checked before any point runs
+    // Checked before any point runs.
+    if (a.key == "jitter_cv" || a.key == "rank_spread_cv") spread_value(a.key, v);
     a.values.push_back(v);
   }
   return a;
@@ -96,7 +97,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "vary", po::value<std::vector<std::string>>()->composing(),
       "KEY=V1,V2,... (repeatable; every combination is a point). Keys: gpus, device, cluster, "
       "nic_gbps (per NIC), latency_us (inter-node), oversubscription, global_batch, seq_len, "
-      "model, jitter_cv (stragglers: spread of compute times, in [0, 1))")(
+      "model, jitter_cv (stragglers: spread of compute times, in [0, 1)), rank_spread_cv (the "
+      "slow rank: spread of the ranks' lasting speeds, in [0, 1))")(
       "global-batch-size", po::value<std::int64_t>(), "sequences per step (required)")(
       "seq-len", po::value<std::int64_t>(), "sequence length (default: the model's)")(
       "tokens", po::value<double>(), "training tokens, for time, cost and energy to train")(
@@ -231,7 +233,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
     row.gpus = c.devices();
     std::optional<double> jitter;
-    if (point.count("jitter_cv")) jitter = jitter_value(point.at("jitter_cv"));
+    if (point.count("jitter_cv")) jitter = spread_value("jitter_cv", point.at("jitter_cv"));
+    std::optional<double> rank_spread;
+    if (point.count("rank_spread_cv")) {
+      rank_spread = spread_value("rank_spread_cv", point.at("rank_spread_cv"));
+    }
     engine::Prediction pred;
     if (vm.count("fixed-plan")) {
       plan::Plan p = plan::load_plan(vm["fixed-plan"].as<std::string>());
@@ -245,6 +251,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       auto net = network::make_analytical(c);
       engine::SimulateOptions sim_options;
       sim_options.jitter_cv = jitter;
+      sim_options.rank_spread_cv = rank_spread;
       pred = engine::simulate(g, p, c, *net, sim_options).prediction;
       row.plan = plan::summary(p);
       row.found = true;
@@ -255,6 +262,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       planner::SearchOptions options;
       options.refine = refine;
       options.jitter_cv = jitter;
+      options.rank_spread_cv = rank_spread;
       const auto r = planner::search(spec, c, space, options);
       if (!r.ranked.empty()) {
         pred = r.ranked.front().prediction;

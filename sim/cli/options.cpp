@@ -100,6 +100,13 @@ void add_jitter_option(po::options_description& desc, const char* where) {
                   "collective waits for its slowest rank{} (default: the profile's measured "
                   "jitter_cv, else 0)",
                   where)
+          .c_str())(
+      "rank-spread-cv", po::value<double>(),
+      fmt::format("slow rank: spread (std/mean) of the ranks' lasting speeds; the slowest of the "
+                  "plan's n ranks computes E[max of n normals] x this slower, on the busiest "
+                  "stage, and paces the step{} (default: the profile's measured in_run "
+                  "rank_spread_cv, else 0)",
+                  where)
           .c_str());
 }
 
@@ -113,6 +120,11 @@ double checked_jitter(double cv, const std::string& what) {
 std::optional<double> jitter_from_options(const po::variables_map& vm) {
   if (!vm.count("jitter-cv")) return std::nullopt;
   return checked_jitter(vm["jitter-cv"].as<double>(), "--jitter-cv");
+}
+
+std::optional<double> rank_spread_from_options(const po::variables_map& vm) {
+  if (!vm.count("rank-spread-cv")) return std::nullopt;
+  return checked_jitter(vm["rank-spread-cv"].as<double>(), "--rank-spread-cv");
 }
 
 bool parse(const std::vector<std::string>& args, const po::options_description& desc,

@@ -24,10 +24,13 @@ inline constexpr const char* kDefaultCluster = "default";
 void add_model_options(po::options_description& desc, bool with_cluster);
 // Adds the plan flags and --plan.
 void add_plan_options(po::options_description& desc);
-// Adds --jitter-cv (the straggler model); `where` says which parts of the command use it.
+// Adds --jitter-cv (the straggler model) and --rank-spread-cv (the slow rank); `where` says
+// which parts of the command use them.
 void add_jitter_option(po::options_description& desc, const char* where = "");
 // --jitter-cv's value, checked to be a fraction in [0, 1) (unset: none given).
 std::optional<double> jitter_from_options(const po::variables_map& vm);
+// --rank-spread-cv's value, checked the same way.
+std::optional<double> rank_spread_from_options(const po::variables_map& vm);
 // A straggler spread named `what` (a flag or a --vary value), checked: a fraction in [0, 1).
 double checked_jitter(double cv, const std::string& what);
 

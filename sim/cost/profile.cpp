@@ -93,7 +93,7 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   if (r.has("in_run")) {
     const JsonReader f = r.object("in_run");
     f.expect_only({"forward", "backward", "optimizer", "tasks", "rank_spread_cv"});
-    if (f.has("rank_spread_cv")) coefficient_of_variation(f, "rank_spread_cv");
+    if (f.has("rank_spread_cv")) p.rank_spread_cv = coefficient_of_variation(f, "rank_spread_cv");
     auto factor = [&](std::string_view key) {
       const double v = f.positive_number(key);
       if (v < 0.1 || v > 100) {

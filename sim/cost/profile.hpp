@@ -71,6 +71,9 @@ struct Profile {
   std::optional<double> launch_overhead_s;
   // Coefficient of variation of compute time (engine/engine.hpp, stragglers).
   std::optional<double> jitter_cv;
+  // The spread of the ranks' lasting speeds ("in_run": "rank_spread_cv"; engine/engine.hpp, a
+  // slow rank).
+  std::optional<double> rank_spread_cv;
   // Measured over predicted compute time in a training step, by phase (the "in_run" object).
   struct InRun {
     double forward = 1, backward = 1, optimizer = 1;

@@ -35,6 +35,8 @@ class Engine {
       : program_(program),
         durations_(durations),
         jitter_cv_(options.jitter_cv),
+        slow_program_(options.slow_program),
+        slow_factor_(options.slow_factor),
         eager_p2p_(program.plan.overlap_p2p_comm),
         serial_(options.serial_ranks) {
     const std::size_t n = program.ranks.size();
@@ -124,7 +126,7 @@ class Engine {
     const Task& k = task(p, t);
     switch (k.kind) {
       case TaskKind::Compute: {
-        const double d = durations_.compute_s(k);
+        const double d = durations_.compute_s(k) * (p == slow_program_ ? slow_factor_ : 1.0);
         compute_total_[static_cast<std::size_t>(p)] += d;
         schedule(p, t, now, now + d);
         break;
@@ -271,6 +273,8 @@ class Engine {
   const lower::Program& program_;
   Durations& durations_;
   double jitter_cv_;
+  std::int32_t slow_program_;
+  double slow_factor_;
   // The straggler model, per program: compute seconds issued so far, and that total when the
   // program last completed a collective of each group.
   std::vector<double> compute_total_;
@@ -329,6 +333,10 @@ double expected_max_normal(std::int64_t n) {
 }
 
 Timeline run(const lower::Program& program, Durations& durations, const EngineOptions& options) {
+  DTSIM_ASSERT(options.slow_program >= -1 &&
+                   options.slow_program < static_cast<std::int32_t>(program.ranks.size()) &&
+                   options.slow_factor >= 1.0,
+               "engine: a slow program out of range, or faster than the others");
   return Engine(program, durations, options).run();
 }
 

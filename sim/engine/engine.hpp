@@ -18,6 +18,11 @@
 // noise is neither normal nor independent across ranks; the spread is taken as proportional to
 // T (noise correlated along one rank's segment; were it independent from op to op, long
 // segments would spread less, as sqrt(T)).
+//
+// A slow rank (EngineOptions::slow_program, slow_factor): ranks whose speeds differ for good
+// (a slower chip, a hotter one, a busier host) rather than from one segment to the next. One
+// program computes slow_factor times longer; the others wait for it where they meet it (its
+// collectives, its transfers), so that it paces the step as the slowest of many ranks does.
 #pragma once
 
 #include <cstdint>
@@ -54,6 +59,9 @@ struct EngineOptions {
   // communication cannot progress while it computes: cluster::Cluster::serial_ranks_source).
   // Pipeline sends and receives keep their own rules.
   bool serial_ranks = false;
+  // The program whose compute tasks take slow_factor (>= 1) times their duration; -1: none.
+  std::int32_t slow_program = -1;
+  double slow_factor = 1.0;
 };
 
 // E[max of n independent standard normal variables] (0 for n = 1; 0.5642 for n = 2).

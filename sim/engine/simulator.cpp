@@ -179,6 +179,35 @@ double jitter_cv_of(const std::optional<double>& given, const cost::Profile* pro
   return given.value_or(profile != nullptr ? profile->jitter_cv.value_or(0.0) : 0.0);
 }
 
+double rank_spread_cv_of(const std::optional<double>& given, const cost::Profile* profile) {
+  return given.value_or(profile != nullptr ? profile->rank_spread_cv.value_or(0.0) : 0.0);
+}
+
+double slow_rank_factor(double spread, std::int64_t ranks) {
+  return 1.0 + spread * expected_max_normal(ranks);
+}
+
+namespace {
+
+// The program that computes the most in a step (the pipeline's bottleneck); ties: the first.
+std::int32_t busiest_program(const lower::Program& program, cost::ComputeCost& compute) {
+  std::int32_t busiest = 0;
+  double most = -1;
+  for (std::size_t i = 0; i < program.ranks.size(); ++i) {
+    double seconds = 0;
+    for (const lower::Task& t : program.ranks[i].tasks) {
+      if (t.kind == lower::TaskKind::Compute) seconds += compute.task_seconds(t);
+    }
+    if (seconds > most) {
+      most = seconds;
+      busiest = static_cast<std::int32_t>(i);
+    }
+  }
+  return busiest;
+}
+
+}  // namespace
+
 Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
                     const cluster::Cluster& cluster, network::NetworkModel& network,
                     const SimulateOptions& options) {
@@ -192,6 +221,11 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   EngineOptions engine;
   engine.jitter_cv = jitter_cv_of(options.jitter_cv, options.profile);
   engine.serial_ranks = cluster.serial_ranks_source.has_value();
+  const double rank_spread = rank_spread_cv_of(options.rank_spread_cv, options.profile);
+  if (rank_spread > 0 && plan.devices() > 1) {
+    engine.slow_program = busiest_program(sim.program, compute);
+    engine.slow_factor = slow_rank_factor(rank_spread, plan.devices());
+  }
   sim.timeline = run(sim.program, durations, engine);
 
   Prediction& p = sim.prediction;
@@ -266,6 +300,16 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
         "slowest of its ranks, each pipeline receive for a late sender, modelled as independent "
         "normal spreads (an approximation)",
         100 * engine.jitter_cv, options.jitter_cv ? "as given" : "the profile's jitter_cv"));
+  }
+
+  if (engine.slow_program >= 0) {
+    p.notes.push_back(fmt::format(
+        "slow rank: the ranks' speeds spread {:.1f}% (std/mean, {}); the slowest of {} computes "
+        "{:.1f}% slower, on stage {} (the busiest), and the others wait for it (an "
+        "approximation: normal, independent speeds)",
+        100 * rank_spread, options.rank_spread_cv ? "as given" : "the profile's rank_spread_cv",
+        plan.devices(), 100 * (engine.slow_factor - 1),
+        sim.program.ranks[static_cast<std::size_t>(engine.slow_program)].stage));
   }
 
   const StepFlops flops = step_flops(graph, plan);

@@ -68,6 +68,10 @@ struct SimulateOptions {
   // Straggler model (engine/engine.hpp): the spread of compute times; unset: the profile's
   // jitter_cv, else none.
   std::optional<double> jitter_cv;
+  // The slow rank (engine/engine.hpp): the spread (std/mean) of the ranks' lasting speeds; the
+  // slowest of the plan's n ranks, E[max of n standard normals]·spread slower, computes the
+  // busiest stage's tasks. Unset: the profile's in_run rank_spread_cv, else none.
+  std::optional<double> rank_spread_cv;
 };
 
 // FLOPs of one training step over all devices (Megatron-LM's accounting): `model` counts the
@@ -80,6 +84,10 @@ StepFlops step_flops(const model::ModelGraph& graph, const plan::Plan& plan);
 
 // The straggler spread a run uses: as given, else the profile's measured jitter_cv, else 0.
 double jitter_cv_of(const std::optional<double>& given, const cost::Profile* profile);
+// The ranks' speed spread a run uses: as given, else the profile's rank_spread_cv, else 0.
+double rank_spread_cv_of(const std::optional<double>& given, const cost::Profile* profile);
+// How much slower the slowest of `ranks` ranks computes: 1 + E[max of n normals]·spread.
+double slow_rank_factor(double spread, std::int64_t ranks);
 
 struct Simulation {
   lower::Program program;

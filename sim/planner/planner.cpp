@@ -49,10 +49,12 @@ std::vector<int> divisors(std::int64_t n) {
 // it (see the dp term below).
 class Estimator {
  public:
-  Estimator(const cluster::Cluster& cluster, const cost::Profile* profile, double jitter_cv)
+  Estimator(const cluster::Cluster& cluster, const cost::Profile* profile, double jitter_cv,
+            double rank_spread_cv)
       : cluster_(cluster),
         profile_(profile),
         jitter_cv_(jitter_cv),
+        rank_spread_cv_(rank_spread_cv),
         net_(network::make_analytical(cluster)) {}
 
   engine::Breakdown estimate(const model::ModelGraph& g, const Plan& p) {
@@ -325,6 +327,14 @@ class Estimator {
     b.exposed_cp_s = mb * layers_total * (cp_comm + cp_backward);
     b.exposed_ep_s = mb * layers_total * 2 * ep_comm;
     b.compute_s -= b.exposed_tp_s + b.exposed_cp_s + b.exposed_ep_s;
+    // A slow rank (the simulator's, on the busiest stage): that stage computes slower, and the
+    // step with it. Nothing hides it here; where communication outlasts the compute (ZeRO-3's
+    // gathers) the simulator finds part of it hidden.
+    if (rank_spread_cv_ > 0 && p.devices() > 1) {
+      const double slower = engine::slow_rank_factor(rank_spread_cv_, p.devices()) - 1;
+      b.compute_s += slower * step_compute;
+      b.optimizer_s *= 1 + slower;
+    }
     b.exposed_tp_s += straggling(p.tp);
     if (tp_overlap && jitter_cv_ > 0) {
       // The backward's tp collectives, nearly all of them f's, wait for the backward compute
@@ -389,6 +399,7 @@ class Estimator {
   const cluster::Cluster& cluster_;
   const cost::Profile* profile_;
   double jitter_cv_;
+  double rank_spread_cv_;
   std::unique_ptr<network::NetworkModel> net_;
   std::map<std::int64_t, double> spread_;
 };
@@ -531,9 +542,10 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
       cluster.price_per_device_hour_usd ? cluster.price_per_device_hour_usd->value : -1;
   // Stragglers in both tiers, by the simulator's rule.
   const double jitter_cv = engine::jitter_cv_of(options.jitter_cv, options.profile);
+  const double rank_spread_cv = engine::rank_spread_cv_of(options.rank_spread_cv, options.profile);
   std::atomic<std::uint64_t> done{0};
   auto estimate_range = [&](std::size_t begin, std::size_t end) {
-    Estimator estimator(cluster, options.profile, jitter_cv);
+    Estimator estimator(cluster, options.profile, jitter_cv, rank_spread_cv);
     for (std::size_t i = begin; i < end; ++i) {
       const Plan& p = plans[i];
       Evaluated& e = results[i];
@@ -609,6 +621,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     sim_options.memory = memory;
     sim_options.profile = options.profile;
     sim_options.jitter_cv = options.jitter_cv;
+    sim_options.rank_spread_cv = options.rank_spread_cv;
     c.prediction =
         engine::simulate(*graphs.at(c.plan.micro_batch_size), c.plan, cluster, *net, sim_options)
             .prediction;

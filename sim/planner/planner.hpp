@@ -80,6 +80,9 @@ struct SearchOptions {
   // The straggler model of both tiers (engine::SimulateOptions::jitter_cv; the closed form
   // adds the engine's waits per group kind). Unset: the profile's jitter_cv, else none.
   std::optional<double> jitter_cv;
+  // The slow rank of both tiers (engine::SimulateOptions::rank_spread_cv; the closed form slows
+  // the busiest stage's compute the same way). Unset: the profile's rank_spread_cv, else none.
+  std::optional<double> rank_spread_cv;
 };
 
 SearchResult search(const model::ModelSpec& model, const cluster::Cluster& cluster,

@@ -1,5 +1,7 @@
 #include "sim/engine/simulator.hpp"
 
+#include <algorithm>
+
 #include "sim/lower/lowering.hpp"
 #include "tests/test_util.hpp"
 
@@ -179,4 +181,48 @@ TEST_CASE("simulation is deterministic", "[engine]") {
   const auto b = run("llama3-8b", "default", p);
   CHECK(a.prediction.step_time_s == b.prediction.step_time_s);
   CHECK(a.timeline.events == b.timeline.events);
+}
+
+TEST_CASE("a slow rank paces the step from the busiest stage", "[engine][slow-rank]") {
+  // Llama 3 8B over the default cluster's 32 GPUs: the slowest of 32 ranks, E[max of 32
+  // normals] = 2.04 spreads slower, computes the busiest stage's share.
+  const double spread = 0.02;
+  const double slower = spread * dtsim::engine::expected_max_normal(32);
+  CHECK(dtsim::engine::slow_rank_factor(spread, 32) == Approx(1 + slower));
+  CHECK(dtsim::engine::slow_rank_factor(spread, 1) == 1);
+  dtsim::engine::SimulateOptions slow;
+  slow.rank_spread_cv = spread;
+  SECTION("without a pipeline every compute task of the one stage is slower") {
+    Plan p = blank();
+    p.tp = 8;
+    p.global_batch_size = 16;
+    p.seq_len = 2048;
+    const auto a = run("llama3-8b", "default", p).prediction;
+    const auto b = run("llama3-8b", "default", p, slow).prediction;
+    CHECK(b.breakdown.compute_s == Approx(a.breakdown.compute_s * (1 + slower)));
+    CHECK(b.breakdown.optimizer_s == Approx(a.breakdown.optimizer_s * (1 + slower)));
+    CHECK(b.step_time_s > a.step_time_s);
+    CHECK(std::any_of(b.notes.begin(), b.notes.end(), [](const std::string& n) {
+      return n.find("slow rank: the ranks' speeds spread 2.0% (std/mean, as given)") == 0;
+    }));
+  }
+  SECTION("with a pipeline the others wait for the slow stage, at most its slowdown") {
+    Plan p = blank();
+    p.tp = 8;
+    p.pp = 4;
+    p.global_batch_size = 16;
+    p.seq_len = 2048;
+    const auto a = run("llama3-8b", "default", p).prediction;
+    const auto b = run("llama3-8b", "default", p, slow).prediction;
+    // The busiest stage (the last: the LM head) is the slow one, and reported.
+    CHECK(b.bottleneck_stage == 3);
+    const double busiest = a.stages[3].breakdown.compute_s + a.stages[3].breakdown.recompute_s +
+                           a.stages[3].breakdown.optimizer_s;
+    const double added = b.step_time_s - a.step_time_s;
+    INFO("added " << added << " s; the busiest stage's slowdown " << slower * busiest << " s");
+    CHECK(added > 0.5 * slower * busiest);
+    CHECK(added < 1.05 * slower * busiest);
+    // The other stages compute at their own pace and wait for it.
+    CHECK(b.stages[0].breakdown.compute_s == Approx(a.stages[0].breakdown.compute_s));
+  }
 }

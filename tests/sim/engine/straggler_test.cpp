@@ -281,3 +281,36 @@ TEST_CASE("a rank whose communication cannot progress while it computes runs one
   CHECK(serial.tasks[0][1].end_s == Approx(1.5));
   CHECK(serial.tasks[0][2].start_s == Approx(1.5));
 }
+
+TEST_CASE("a slow rank computes longer and the others wait for it", "[engine][slow-rank]") {
+  // Two ranks of one group: compute 1 s, all-reduce, compute 2 s, all-reduce. Rank 1 computes
+  // 1.5 times longer: rank 0 waits for it before both collectives.
+  dtsim::lower::Program p;
+  dtsim::lower::Group g;
+  g.ranks = {0, 1};
+  g.programs = {0, 1};
+  p.groups = {g};
+  dtsim::lower::RankProgram r0, r1;
+  r0.tasks = r1.tasks = {compute(1, {}), collective(0, {0}), compute(2, {1}), collective(0, {2})};
+  p.ranks = {r0, r1};
+  Fixed d;
+  dtsim::engine::EngineOptions options;
+  options.slow_program = 1;
+  options.slow_factor = 1.5;
+  const auto t = dtsim::engine::run(p, d, options);
+  CHECK(t.tasks[0][0].end_s == Approx(1));      // rank 0 at its own pace
+  CHECK(t.tasks[1][0].end_s == Approx(1.5));    // rank 1 slower
+  CHECK(t.tasks[0][1].start_s == Approx(1.5));  // when the slow rank reaches it
+  CHECK(t.tasks[0][1].end_s == Approx(1.5 + 0.5));
+  CHECK(t.tasks[0][2].end_s - t.tasks[0][2].start_s == Approx(2));
+  CHECK(t.tasks[1][2].end_s - t.tasks[1][2].start_s == Approx(3));
+  CHECK(t.makespan_s == Approx(1.5 + 0.5 + 3 + 0.5));
+  // No slow rank: the plain times.
+  CHECK(dtsim::engine::run(p, d).makespan_s == Approx(1 + 0.5 + 2 + 0.5));
+  // A slow program that does not exist, or one faster than the rest, is a caller's bug.
+  options.slow_program = 2;
+  CHECK_THROWS_AS(dtsim::engine::run(p, d, options), dtsim::InternalError);
+  options.slow_program = 0;
+  options.slow_factor = 0.5;
+  CHECK_THROWS_AS(dtsim::engine::run(p, d, options), dtsim::InternalError);
+}
