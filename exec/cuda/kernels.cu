@@ -195,17 +195,24 @@ RowChunks row_chunks(int T, int N) {
   return c;
 }
 
+// Pass 1's element i of chunks.count x N: column c, rows [t0, t1) of chunk i / N.
+struct ChunkCell {
+  std::int64_t c, t0, t1;
+};
+__device__ __forceinline__ ChunkCell chunk_cell(std::int64_t i, int N, int T_, RowChunks chunks) {
+  const std::int64_t t0 = i / N * chunks.rows;
+  return {i % N, t0, t0 + chunks.rows < T_ ? t0 + chunks.rows : T_};
+}
+
 // Pass 1 of a bias gradient: partial[k, n] = sum over the rows of chunk k of dout[t, n].
 template <class T>
 __global__ void column_partial_kernel(float* partial, const T* dout, int T_, int N,
                                       RowChunks chunks) {
   const std::int64_t n = static_cast<std::int64_t>(chunks.count) * N;
   for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
-    const std::int64_t k = i / N, c = i % N;
-    const std::int64_t t0 = k * chunks.rows;
-    const std::int64_t t1 = t0 + chunks.rows < T_ ? t0 + chunks.rows : T_;
+    const ChunkCell cell = chunk_cell(i, N, T_, chunks);
     float s = 0;
-    for (std::int64_t t = t0; t < t1; ++t) s += load(dout, t * N + c);
+    for (std::int64_t t = cell.t0; t < cell.t1; ++t) s += load(dout, t * N + cell.c);
     partial[i] = s;
   }
 }
@@ -280,13 +287,11 @@ __global__ void norm_weight_partial_kernel(float* pw, float* pb, const T* dout, 
                                            RowChunks chunks) {
   const std::int64_t n = static_cast<std::int64_t>(chunks.count) * C;
   for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
-    const std::int64_t k = i / C, c = i % C;
-    const std::int64_t t0 = k * chunks.rows;
-    const std::int64_t t1 = t0 + chunks.rows < T_ ? t0 + chunks.rows : T_;
+    const ChunkCell cell = chunk_cell(i, C, T_, chunks);
     float sw = 0, sb = 0;
-    for (std::int64_t t = t0; t < t1; ++t) {
-      const float dy = load(dout, t * C + c);
-      sw += dy * (load(in, t * C + c) - mean[t]) * rstd[t];
+    for (std::int64_t t = cell.t0; t < cell.t1; ++t) {
+      const float dy = load(dout, t * C + cell.c);
+      sw += dy * (load(in, t * C + cell.c) - mean[t]) * rstd[t];
       sb += dy;
     }
     pw[i] = sw;
