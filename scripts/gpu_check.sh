@@ -45,6 +45,13 @@ mkdir -p "$out"
 report=$out/report.txt
 : >"$report"
 say() { echo "$*" | tee -a "$report"; }
+# A command on the GPU with a time limit, so that one that hangs leaves the lease to the rest
+# (exit 124 when it ran out).
+limit() {
+  local seconds=$1
+  shift
+  timeout -k 5 "$seconds" "$@"
+}
 
 bundle=${1:-gpu-bundle.tar.xz}
 tar -C /tmp -xJf "$bundle" || { say "cannot unpack $bundle"; exit 1; }
@@ -73,21 +80,21 @@ say "dtsim GPU check, $(date -u +%Y-%m-%dT%H:%MZ), $(nvidia-smi --query-gpu=name
 
 say ""
 say "== 1. devices and CUDA unit tests"
-"$bin/dtexec" devices --selftest 2>&1 | tee -a "$report"
-"$bin/dtexec_cuda_tests" 2>&1 | tail -3 | tee -a "$report"
+limit 60 "$bin/dtexec" devices --selftest 2>&1 | tee -a "$report"
+limit 120 "$bin/dtexec_cuda_tests" 2>&1 | tail -3 | tee -a "$report"
 
 say ""
 say "== 2. calibrate (cuBLAS bf16, Llama-3 8B shapes at micro-batch 1, sequence 4096)"
-"$bin/dtexec" calibrate --backend cuda --model llama3-8b --micro-batch-size 1 --seq-len 4096 \
-  --repeats 10 --out "$out/profile_h200.json" >"$out/calibrate.txt" 2>&1
+limit 240 "$bin/dtexec" calibrate --backend cuda --model llama3-8b --micro-batch-size 1 \
+  --seq-len 4096 --repeats 10 --out "$out/profile_h200.json" >"$out/calibrate.txt" 2>&1
 rc=$?
 tee -a "$report" <"$out/calibrate.txt"
 if [ $rc -ne 0 ]; then
   # One GPU lease per task: if the training steps of the in_run factors fail, say so and go on
   # with the kernels alone, so that the other checks still run.
   say "calibrate failed (exit $rc); again without the in_run training steps"
-  "$bin/dtexec" calibrate --backend cuda --model llama3-8b --micro-batch-size 1 --seq-len 4096 \
-    --repeats 10 --no-in-run --out "$out/profile_h200.json" >"$out/calibrate_kernels.txt" 2>&1
+  limit 150 "$bin/dtexec" calibrate --backend cuda --model llama3-8b --micro-batch-size 1 \
+    --seq-len 4096 --repeats 10 --no-in-run --out "$out/profile_h200.json" >"$out/calibrate_kernels.txt" 2>&1
   rc=$?
   tee -a "$report" <"$out/calibrate_kernels.txt"
   [ $rc -eq 0 ] || { say "calibrate failed (exit $rc)"; exit 1; }
@@ -132,7 +139,7 @@ say ""
 say "== 5. dtexec run on the GPU"
 say "-- fp32 on the GPU against fp32 on the CPU (tiny-gpt, 5 steps, same seed)"
 "$bin/dtexec" run --model tiny-gpt --steps 5 --warmup 0 --checkpoint "$out/ckpt_cpu" >/dev/null 2>&1
-"$bin/dtexec" run --backend cuda --precision fp32 --model tiny-gpt --steps 5 --warmup 0 \
+limit 60 "$bin/dtexec" run --backend cuda --precision fp32 --model tiny-gpt --steps 5 --warmup 0 \
   --checkpoint "$out/ckpt_gpu" 2>&1 | tail -2 | tee -a "$report"
 "$bin/dtexec" compare "$out/ckpt_cpu" "$out/ckpt_gpu" --loss-tolerance 1e-3 \
   --weight-tolerance 3e-3 2>&1 | tee -a "$report"
@@ -148,7 +155,7 @@ validate_plan() {
     --profile "$out/profile_h200.json" --trace "$out/${name}_profile.json" \
     >"$out/${name}_simulate_profile.txt" 2>&1
   # shellcheck disable=SC2086
-  "$bin/dtexec" run --backend cuda $run_flags --trace "$out/${name}_measured.json" \
+  limit 150 "$bin/dtexec" run --backend cuda $run_flags --trace "$out/${name}_measured.json" \
     >"$out/${name}_run.txt" 2>&1
   local rc=$?
   tail -3 "$out/${name}_run.txt" | tee -a "$report"
