@@ -4,6 +4,7 @@
 
 #include "sim/common/error.hpp"
 #include "sim/cost/compute_cost.hpp"
+#include "sim/engine/simulator.hpp"
 #include "tests/test_util.hpp"
 
 using dtsim::InputError;
@@ -153,10 +154,17 @@ TEST_CASE("a profile's in_run factors scale its compute times by phase", "[cost]
   TempFile plain_file("plain.json", "{" + base + "}");
   TempFile run_file("in_run.json", "{" + base +
                                        R"(, "in_run": {"forward": 1.1, "backward": 1.3,
-                                                        "optimizer": 1.5, "tasks": 12}})");
+                                                        "optimizer": 1.5, "tasks": 12,
+                                                        "rank_spread_cv": 0.03}})");
   const auto plain = dtsim::cost::load_profile(plain_file.path());
   const auto in_run = dtsim::cost::load_profile(run_file.path());
   REQUIRE(in_run.in_run);
+  // The ranks' measured spread is the slow rank's unless one is given.
+  CHECK(!plain.rank_spread_cv);
+  CHECK(in_run.rank_spread_cv == 0.03);
+  CHECK(dtsim::engine::rank_spread_cv_of(std::nullopt, &in_run) == 0.03);
+  CHECK(dtsim::engine::rank_spread_cv_of(0.0, &in_run) == 0);
+  CHECK(dtsim::engine::rank_spread_cv_of(std::nullopt, &plain) == 0);
   const auto spec = dtsim::model::load_model("tiny-gpt");
   const dtsim::model::ModelGraph g(spec, 1, 32);
   dtsim::plan::Plan plan;
