@@ -482,10 +482,10 @@ DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
   if (e != cudaSuccess) {
     // An allocation failure is also the runtime's "last error": clear it, so that the next
     // kernel launch's check does not report it again (the caller may free memory and retry).
-    cudaGetLastError();
     p_ = nullptr;
     int device = -1;
     (void)cudaGetDevice(&device);
+    cudaGetLastError();
     check(e, ("cudaMalloc of " + std::to_string(bytes) + " bytes on GPU " + std::to_string(device))
                  .c_str());
   }
