@@ -331,7 +331,8 @@ class Estimator {
     // step with it. Nothing hides it here; where communication outlasts the compute (ZeRO-3's
     // gathers) the simulator finds part of it hidden.
     if (rank_spread_cv_ > 0 && p.devices() > 1) {
-      const double slower = engine::slow_rank_factor(rank_spread_cv_, p.devices()) - 1;
+      // engine::slow_rank_factor, with this estimator's memo of E[max of n normals].
+      const double slower = rank_spread_cv_ * spread(p.devices());
       b.compute_s += slower * step_compute;
       b.optimizer_s *= 1 + slower;
     }
