@@ -19,7 +19,9 @@
 # measured/predicted by dtsim memory without its framework allowance, and the error); and the
 # worst error.
 #
-# usage: [RUNS=3] [STEPS=8] [MODEL=cpu-small] [CALIBRATE=plan|round] [TABLE_ONLY=1]
+# ONLY=REGEX runs (and tabulates) only the plans whose flags match it, e.g. ONLY='--cp'.
+#
+# usage: [RUNS=3] [STEPS=8] [MODEL=cpu-small] [CALIBRATE=plan|round] [TABLE_ONLY=1] [ONLY=REGEX]
 #        bench/cpu_validation.sh [BUILD_DIR] [WORK_DIR]
 #        (BUILD_DIR defaults to build)
 set -euo pipefail
@@ -70,7 +72,11 @@ plans=(
   "2|--pp 2 --schedule 1f1b --overlap-p2p-comm"
   "2|--pp 2 --schedule zero-bubble"
   "2|--pp 2 --schedule interleaved --virtual-stages 2"
+  "2|--cp 2"
+  "2|--cp 2 --recompute selective"
 )
+# A plan this host runs (no more ranks than cores) and ONLY asks for.
+wanted() { [ "$1" -le "$cores" ] && { [ -z "${ONLY:-}" ] || [[ "$2" =~ $ONLY ]]; }; }
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 # The step times after warm-up of one dtexec run --json, one per line.
 step_times() { sed -n '/"step_times_s": \[/,/\]/p' | grep -o '[0-9][0-9.eE+-]*' | tail -n +$((warmup + 1)); }
@@ -108,7 +114,7 @@ for round in $(seq "$runs"); do
   fi
   for i in "${!plans[@]}"; do
     IFS='|' read -r ranks flags <<<"${plans[$i]}"
-    [ "$ranks" -le "$cores" ] || continue
+    wanted "$ranks" "$flags" || continue
     profile="profile_${ranks}_$round.json"
     if [ "$calibrate" = plan ]; then
       profile="profile_plan${i}_$round.json"
@@ -150,7 +156,7 @@ within=0
 count=0
 for i in "${!plans[@]}"; do
   IFS='|' read -r ranks flags <<<"${plans[$i]}"
-  [ "$ranks" -le "$cores" ] || continue
+  wanted "$ranks" "$flags" || continue
   measured=$(median "times_$i.txt")
   predicted=$(median "predicted_$i.txt")
   plain=$(median "plain_$i.txt")

@@ -97,16 +97,32 @@ class Device {
                                  int D) = 0;
   virtual void attention_backward(View dqkv, View dout, View qkv, View probs, int B, int S, int H,
                                   int G, int D) = 0;
-  virtual void rope_forward(View out, View qkv, int B, int S, int H, int G, int D,
-                            double theta) = 0;
-  virtual void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D,
-                             double theta) = 0;
+  // positions: I32 [S], the position in its sequence of each of a sequence's S rows; empty:
+  // 0 ... S-1 (context parallelism gives a rank other positions).
+  virtual void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta,
+                            View positions) = 0;
+  virtual void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D, double theta,
+                             View positions) = 0;
   // tokens I32; wte fp32 [rows, C] for vocabulary rows [vocab_begin, vocab_begin + rows); wpe
-  // fp32 or empty.
+  // fp32 or empty, read at the rows' positions (as rope's).
   virtual void embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
-                                 int vocab_begin) = 0;
+                                 int vocab_begin, View positions) = 0;
   virtual void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
-                                  int vocab_begin) = 0;
+                                  int vocab_begin, View positions) = 0;
+
+  // ---- context parallelism (exec/cpu/kernels.hpp: attention_forward_cp) ---------------------
+  // A device that has these says so; the others refuse plans with cp > 1 before they start.
+  virtual bool context_parallel() const { return false; }
+  // qpos, order I32; kv and dkv [cp·B·Sq, 2·G·D] in act; probs [B, H, Sq, cp·Sq].
+  virtual void attention_forward_cp(View out, View probs, View qkv, View kv, View qpos, View order,
+                                    int B, int Sq, int cp, int H, int G, int D);
+  virtual void attention_backward_cp(View dqkv, View dkv, View dout, View qkv, View kv, View probs,
+                                     View qpos, View order, int B, int Sq, int cp, int H, int G,
+                                     int D);
+  // dst[T, width] = columns [begin, begin + width) of src[T, src_width]; add_columns adds
+  // src[T, width] into those columns of dst[T, dst_width]. Activations.
+  virtual void copy_columns(View dst, View src, int T, int src_width, int begin, int width);
+  virtual void add_columns(View dst, View src, int T, int dst_width, int begin, int width);
   // loss: one fp32, the mean over the T rows; dlogits = (softmax - onehot) / T. targets I32.
   virtual void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) = 0;
   // Vocab-parallel: rowmax[T], then sums[2T] (fp32), then loss and dlogits from the reduced
@@ -121,6 +137,27 @@ class Device {
                      float eps, float weight_decay, int t) = 0;
   // out (act) = in (fp32): a weight's working copy for the GEMMs.
   virtual void cast(View out, View in) = 0;
+
+ private:
+  [[noreturn]] void no_context_parallelism() const;
 };
+
+inline void Device::no_context_parallelism() const {
+  throw UnsupportedError("dtexec: context parallelism is not executed on " + name() + " yet");
+}
+inline void Device::attention_forward_cp(View, View, View, View, View, View, int, int, int, int,
+                                         int, int) {
+  no_context_parallelism();
+}
+inline void Device::attention_backward_cp(View, View, View, View, View, View, View, View, int, int,
+                                          int, int, int, int) {
+  no_context_parallelism();
+}
+inline void Device::copy_columns(View, View, int, int, int, int) {
+  no_context_parallelism();
+}
+inline void Device::add_columns(View, View, int, int, int, int) {
+  no_context_parallelism();
+}
 
 }  // namespace dtsim::exec

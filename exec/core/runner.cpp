@@ -24,6 +24,7 @@
 #include "exec/core/device.hpp"
 #include "exec/core/for_pieces.hpp"
 #include "exec/cpu/device.hpp"
+#include "sim/cluster/placement.hpp"
 #include "sim/common/error.hpp"
 
 namespace dtsim::exec {
@@ -119,14 +120,17 @@ struct MicroBatch {
   // Sequence parallelism: the all-gathered (full-sequence) copy of an op's output that the
   // tensor-parallel region reads, and the gradient of that copy before it is reduce-scattered.
   std::map<OpId, View> full, full_grad;
+  // Context parallelism, by attention core: the K and V of every cp rank (all-gathered before
+  // the core reads them), and their gradients before they are reduce-scattered to their owners.
+  std::map<OpId, View> kv, kv_grad;
   // The size of an output released before its gradient was made (the gradient has its shape).
   std::map<OpId, std::int64_t> released_out;
 };
 
 // A micro-batch's tensor maps, in the order of Runner::Slot.
-constexpr std::array<std::map<OpId, View> MicroBatch::*, 6> kTensorSlots = {
-    &MicroBatch::out,  &MicroBatch::grad, &MicroBatch::aux1,
-    &MicroBatch::aux2, &MicroBatch::full, &MicroBatch::full_grad};
+constexpr std::array<std::map<OpId, View> MicroBatch::*, 8> kTensorSlots = {
+    &MicroBatch::out,  &MicroBatch::grad,      &MicroBatch::aux1, &MicroBatch::aux2,
+    &MicroBatch::full, &MicroBatch::full_grad, &MicroBatch::kv,   &MicroBatch::kv_grad};
 
 using Key = std::pair<OpId, int>;  // (op, 0 weight / 1 bias)
 
@@ -219,6 +223,11 @@ class Runner {
         comm_(comm),
         dev_(device) {
     check_runnable(g, program, options.replay_communication);
+    if (program.plan.cp > 1 && !device.context_parallel()) {
+      throw UnsupportedError(
+          fmt::format("dtexec: context parallelism (cp {}) is not executed on {} yet",
+                      program.plan.cp, device.name()));
+    }
     if (comm.size() > 1 && !device.host_memory() && !comm.moves_device_memory()) {
       throw UnsupportedError(
           fmt::format("dtexec: {} ranks on {}: this communication backend moves host memory only",
@@ -237,7 +246,9 @@ class Runner {
     zero3_ = sharded_ && p_.zero_stage >= 3;
     B_ = static_cast<int>(p_.micro_batch_size);
     S_ = static_cast<int>(p_.seq_len);
-    T_ = B_ * S_;
+    cp_ = static_cast<int>(p_.cp);
+    Sq_ = S_ / cp_;
+    T_ = B_ * Sq_;
     Ts_ = p_.sequence_parallel ? T_ / static_cast<int>(p_.tp) : T_;
     C_ = static_cast<int>(m_.hidden);
     V_ = static_cast<int>(m_.vocab);
@@ -253,6 +264,15 @@ class Runner {
       const int mb = rp_->tasks[i].micro_batch;
       if (mb >= 0 && mb < micro_batches_) last_use_[static_cast<std::size_t>(mb)] = i;
     }
+    {
+      // The data-parallel replica (whose sequences this rank reads) and the context-parallel
+      // rank (which of their positions), from the plan's placement of ranks.
+      const cluster::Placement placement(p_.degrees(), p_.order);
+      const cluster::RankCoords at = placement.coords(rp_->rank);
+      c_ = at.cp;
+      replica_ = at.dp_outer * static_cast<int>(p_.ep) + at.ep;
+    }
+    if (cp_ > 1) place_positions();
     init_params();
     if (!options.keep_tensors) plan_releases();
     if (zero3_) plan_weight_releases();
@@ -393,6 +413,7 @@ class Runner {
       if (it != grp.ranks.end() && grp.ranks.size() > 1) {
         if (kind == GroupKind::Tp && static_cast<int>(grp.ranks.size()) != p_.tp) continue;
         if (kind == GroupKind::Dp && static_cast<int>(grp.ranks.size()) != p_.dp * p_.cp) continue;
+        if (kind == GroupKind::Cp && static_cast<int>(grp.ranks.size()) != p_.cp) continue;
         return static_cast<int>(it - grp.ranks.begin());
       }
     }
@@ -665,13 +686,37 @@ class Runner {
 
   // ---- data ------------------------------------------------------------------------------
 
-  // Micro-batch j of this data-parallel rank holds sequences (d·m + j)·b ... of the step's
-  // global batch, so that any dp and micro-batch split of a global batch sees the same data.
+  // Context parallelism splits each sequence into 2·cp chunks and gives cp rank c chunks c and
+  // 2·cp-1-c (Megatron-LM's load balancing of causal attention: every rank gets as many early
+  // as late positions). positions_: the position of each of the rank's Sq tokens of a sequence;
+  // key_order_: for each position, the key's index among a sequence's all-gathered cp·Sq keys.
+  void place_positions() {
+    const int chunk = S_ / (2 * cp_);
+    std::vector<int> positions(static_cast<std::size_t>(Sq_));
+    std::vector<int> order(static_cast<std::size_t>(S_));
+    for (int p = 0; p < S_; ++p) {
+      const int k = p / chunk;
+      const int owner = k < cp_ ? k : 2 * cp_ - 1 - k;
+      const int s = (k < cp_ ? 0 : chunk) + p % chunk;
+      order[static_cast<std::size_t>(p)] = owner * Sq_ + s;
+      if (owner == c_) positions[static_cast<std::size_t>(s)] = p;
+    }
+    positions_ = dev_.allocate(Sq_, Dtype::I32);
+    key_order_ = dev_.allocate(S_, Dtype::I32);
+    dev_.upload_ints(positions_, positions.data());
+    dev_.upload_ints(key_order_, order.data());
+    host_positions_ = std::move(positions);
+  }
+
+  // Micro-batch j of data-parallel replica d holds sequences (d·m + j)·b ... of the step's
+  // global batch, so that any dp and micro-batch split of a global batch sees the same data;
+  // under context parallelism a rank keeps its positions of them.
   void make_batch(MicroBatch& mb, int step, int j) {
     mb.index = j;
-    std::vector<int> tokens(static_cast<std::size_t>(T_)), targets(static_cast<std::size_t>(T_));
+    std::vector<int> tokens(static_cast<std::size_t>(B_ * S_));
+    std::vector<int> targets(static_cast<std::size_t>(B_ * S_));
     for (int b = 0; b < B_; ++b) {
-      const auto sequence = static_cast<std::uint64_t>((d_ * micro_batches_ + j) * B_ + b);
+      const auto sequence = static_cast<std::uint64_t>((replica_ * micro_batches_ + j) * B_ + b);
       std::mt19937_64 gen(mix(options_.seed, static_cast<std::uint64_t>(step) + 0x5eed, sequence));
       std::uniform_int_distribution<int> token(0, V_ - 1);
       std::uniform_real_distribution<float> coin(0.0f, 1.0f);
@@ -681,6 +726,15 @@ class Runner {
         tokens[static_cast<std::size_t>(b * S_ + s)] = t;
         targets[static_cast<std::size_t>(b * S_ + s)] = next;
         t = next;
+      }
+    }
+    if (cp_ > 1) {
+      for (int b = 0; b < B_; ++b) {
+        for (int s = 0; s < Sq_; ++s) {
+          const auto from = static_cast<std::size_t>(b * S_ + host_positions_[s]);
+          tokens[static_cast<std::size_t>(b * Sq_ + s)] = tokens[from];
+          targets[static_cast<std::size_t>(b * Sq_ + s)] = targets[from];
+        }
       }
     }
     mb.tokens = dev_.allocate(T_, Dtype::I32);
@@ -764,7 +818,7 @@ class Runner {
         fresh(out, static_cast<std::int64_t>(T_) * C_);
         // Positions are added once: by tensor-parallel rank 0, before the all-reduce.
         dev_.embedding_forward(out, mb.tokens, param(id, 0).data, t_ == 0 ? bias_in(id) : View{},
-                               B_, S_, C_, t_ * Vl_);
+                               B_, Sq_, C_, t_ * Vl_, positions_);
         break;
       }
       case OpKind::Norm: {
@@ -798,16 +852,20 @@ class Runner {
       }
       case OpKind::AttentionCore: {
         fresh(out, static_cast<std::int64_t>(T_) * H_ * D_);
-        fresh(mb.aux1[id], static_cast<std::int64_t>(B_) * H_ * S_ * S_);  // probabilities
-        const View qkv = mb.out.at(input(id));
+        fresh(mb.aux1[id], static_cast<std::int64_t>(B_) * H_ * Sq_ * S_);  // probabilities
+        View q = mb.out.at(input(id));
         if (m_.positions == model::Positions::Rope) {
           // Rotary positions are applied to q and k as the attention core reads them.
           auto& turned = mb.aux2[id];
-          fresh(turned, qkv.size());
-          dev_.rope_forward(turned, qkv, B_, S_, H_, G_, D_, m_.rope_theta);
-          dev_.attention_forward(out, mb.aux1[id], turned, B_, S_, H_, G_, D_);
+          fresh(turned, q.size());
+          dev_.rope_forward(turned, q, B_, Sq_, H_, G_, D_, m_.rope_theta, positions_);
+          q = turned;
+        }
+        if (cp_ > 1) {
+          dev_.attention_forward_cp(out, mb.aux1[id], q, mb.kv.at(id), positions_, key_order_, B_,
+                                    Sq_, cp_, H_, G_, D_);
         } else {
-          dev_.attention_forward(out, mb.aux1[id], qkv, B_, S_, H_, G_, D_);
+          dev_.attention_forward(out, mb.aux1[id], q, B_, S_, H_, G_, D_);
         }
         break;
       }
@@ -878,7 +936,7 @@ class Runner {
         // Only weight gradients (the tokens have none).
         if (weight_grads) {
           dev_.embedding_backward(grad(param(id, 0)), bias_grad(id), mb.grad.at(id), mb.tokens, B_,
-                                  S_, C_, t_ * Vl_);
+                                  Sq_, C_, t_ * Vl_, positions_);
         }
         break;
       case OpKind::Norm:
@@ -915,19 +973,28 @@ class Runner {
         }
         break;
       }
-      case OpKind::AttentionCore:
-        if (m_.positions == model::Positions::Rope) {
-          View turned_grad = allocate(mb.aux2.at(id).size());
-          dev_.attention_backward(turned_grad, mb.grad.at(id), mb.aux2.at(id), mb.aux1.at(id), B_,
-                                  S_, H_, G_, D_);
-          dev_.rope_backward(grad_of(mb, input(id)), turned_grad, B_, S_, H_, G_, D_,
-                             m_.rope_theta);
-          dev_.release(turned_grad);
+      case OpKind::AttentionCore: {
+        const bool rope = m_.positions == model::Positions::Rope;
+        const View q = rope ? mb.aux2.at(id) : mb.out.at(input(id));
+        // Rotary positions: the gradient of the rotated q and k, turned back into qkv's.
+        const View dq = rope ? allocate(q.size()) : grad_of(mb, input(id));
+        if (cp_ > 1) {
+          // K and V gradients of every cp rank's tokens, reduce-scattered to their owners by
+          // the Program's next task (cp_collective).
+          fresh(mb.kv_grad[id], mb.kv.at(id).size());
+          dev_.attention_backward_cp(dq, mb.kv_grad[id], mb.grad.at(id), q, mb.kv.at(id),
+                                     mb.aux1.at(id), positions_, key_order_, B_, Sq_, cp_, H_, G_,
+                                     D_);
         } else {
-          dev_.attention_backward(grad_of(mb, input(id)), mb.grad.at(id), mb.out.at(input(id)),
-                                  mb.aux1.at(id), B_, S_, H_, G_, D_);
+          dev_.attention_backward(dq, mb.grad.at(id), q, mb.aux1.at(id), B_, S_, H_, G_, D_);
+        }
+        if (rope) {
+          dev_.rope_backward(grad_of(mb, input(id)), dq, B_, Sq_, H_, G_, D_, m_.rope_theta,
+                             positions_);
+          dev_.release(dq);
         }
         break;
+      }
       case OpKind::Residual:
         for (OpId pred : g_.predecessors(id)) dev_.accumulate(grad_of(mb, pred), mb.grad.at(id));
         break;
@@ -1167,6 +1234,60 @@ class Runner {
     dev_.release(all);
   }
 
+  // Context parallelism (the lowering's all-gather variant, as Llama 3's): before an attention
+  // core, the K and V of this rank's tokens (rotated, with rotary positions) all-gathered over
+  // cp, in forward and again before the backward (unless a full recompute gathers them); after
+  // its backward, the gradients of every rank's K and V reduce-scattered to their owners and
+  // added into the gradient of this rank's qkv. With `local` (--only-rank) the shapes change as
+  // they would, the data is this rank's own.
+  void cp_collective(const lower::Task& task, MicroBatch& mb, bool local = false) {
+    const auto core = static_cast<OpId>(task.op_begin);
+    DTSIM_ASSERT(g_.op(core).kind == OpKind::AttentionCore, "a cp collective at an attention core");
+    const OpId qkv = input(core);
+    const int width = (H_ + 2 * G_) * D_, kv_width = 2 * G_ * D_;
+    const std::int64_t mine = static_cast<std::int64_t>(T_) * kv_width;
+    const bool rope = m_.positions == model::Positions::Rope;
+    const std::vector<int> counts(static_cast<std::size_t>(cp_), static_cast<int>(mine));
+    if (task.collective == CollectiveKind::AllGather) {
+      const View own = allocate(mine);
+      if (rope) {
+        const View turned = allocate(static_cast<std::int64_t>(T_) * width);
+        dev_.rope_forward(turned, mb.out.at(qkv), B_, Sq_, H_, G_, D_, m_.rope_theta, positions_);
+        dev_.copy_columns(own, turned, T_, width, H_ * D_, kv_width);
+        dev_.release(turned);
+      } else {
+        dev_.copy_columns(own, mb.out.at(qkv), T_, width, H_ * D_, kv_width);
+      }
+      auto& all = mb.kv[core];
+      fresh(all, mine * cp_);
+      if (local) {
+        for (int r = 0; r < cp_; ++r) dev_.copy(all.sub(r * mine, mine), own);
+      } else {
+        comm_.all_gather(task.group, own, all, counts);
+      }
+      dev_.release(own);
+      return;
+    }
+    DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter, "cp reduce-scatter of dKV");
+    const View own = allocate(mine);
+    if (local) {
+      dev_.copy(own, mb.kv_grad.at(core).sub(c_ * mine, mine));
+    } else {
+      comm_.reduce_scatter(task.group, mb.kv_grad.at(core), own, counts);
+    }
+    dev_.release(mb.kv_grad.at(core));
+    mb.kv_grad.erase(core);
+    if (rope) {
+      const View turned = allocate(static_cast<std::int64_t>(T_) * width);
+      dev_.add_columns(turned, own, T_, width, H_ * D_, kv_width);
+      dev_.rope_backward(grad_of(mb, qkv), turned, B_, Sq_, H_, G_, D_, m_.rope_theta, positions_);
+      dev_.release(turned);
+    } else {
+      dev_.add_columns(grad_of(mb, qkv), own, T_, width, H_ * D_, kv_width);
+    }
+    dev_.release(own);
+  }
+
   // Sequence parallelism (Korthikanti et al. 2022): g is a reduce-scatter over the sequence in
   // forward and an all-gather in backward, f the converse. Rank r holds rows [r·Ts, (r+1)·Ts).
   // With `local` (--only-rank) the shapes change as they would, the data is this rank's own.
@@ -1291,6 +1412,9 @@ class Runner {
         }
         return;
       }
+      case GroupKind::Cp:
+        cp_collective(task, batches_.at(static_cast<std::size_t>(task.micro_batch)));
+        return;
       case GroupKind::Pp: {
         // The tied embedding: first stage's matrix and last stage's copy, gradients summed
         // (the already dp-reduced slice under ZeRO >= 1: both stages slice it alike).
@@ -1330,7 +1454,7 @@ class Runner {
   // communication tasks touch; a test runs plans with and without the early releases and finds
   // the same losses bit for bit).
 
-  enum class Slot : std::uint8_t { Out, Grad, Aux1, Aux2, Full, FullGrad };
+  enum class Slot : std::uint8_t { Out, Grad, Aux1, Aux2, Full, FullGrad, Kv, KvGrad };
   struct Use {
     Slot slot;
     OpId id;
@@ -1371,6 +1495,7 @@ class Runner {
         break;
       case OpKind::AttentionCore:
         read(Slot::Out, input(id));
+        if (cp_ > 1) read(Slot::Kv, id);
         make(Slot::Out, id);
         make(Slot::Aux1, id);
         if (m_.positions == model::Positions::Rope) make(Slot::Aux2, id);
@@ -1428,6 +1553,10 @@ class Runner {
       case OpKind::AttentionCore:
         read(Slot::Grad, id);
         read(Slot::Aux1, id);
+        if (cp_ > 1) {
+          read(Slot::Kv, id);
+          u.push_back({Slot::KvGrad, id, true});
+        }
         read(m_.positions == model::Positions::Rope ? Slot::Aux2 : Slot::Out,
              m_.positions == model::Positions::Rope ? id : input(id));
         read(Slot::Grad, input(id));
@@ -1455,7 +1584,14 @@ class Runner {
     const Slot carried = (task.tag & 1) != 0 ? Slot::Grad : Slot::Out;
     if (task.kind == TaskKind::Send) return {{carried, anchor, false}};
     if (task.kind == TaskKind::Recv) return {{carried, anchor, true}};
-    if (program_.groups.at(static_cast<std::size_t>(task.group)).kind != GroupKind::Tp) return u;
+    const GroupKind kind = program_.groups.at(static_cast<std::size_t>(task.group)).kind;
+    if (kind == GroupKind::Cp) {
+      if (task.collective == CollectiveKind::AllGather) {
+        return {{Slot::Out, input(anchor), false}, {Slot::Kv, anchor, true}};
+      }
+      return {{Slot::KvGrad, anchor, false}, {Slot::Grad, input(anchor), false}};
+    }
+    if (kind != GroupKind::Tp) return u;
     const Op& op = g_.op(anchor);
     const bool exit = op.kind == OpKind::Embedding || row_parallel(op);
     if (program_.plan.scatter_gather_p2p && task.collective == CollectiveKind::AllGather) {
@@ -1674,6 +1810,10 @@ class Runner {
       sequence_parallel_collective(task, batches_.at(static_cast<std::size_t>(task.micro_batch)),
                                    anchor, op.kind == OpKind::Embedding || row_parallel(op),
                                    /*local=*/true);
+    } else if (task.kind == TaskKind::Collective &&
+               program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Cp) {
+      cp_collective(task, batches_.at(static_cast<std::size_t>(task.micro_batch)),
+                    /*local=*/true);
     } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
                g_.op(static_cast<OpId>(task.op_begin)).kind == OpKind::Loss) {
@@ -1888,6 +2028,12 @@ class Runner {
   std::vector<std::vector<Key>> release_weights_after_;  // ZeRO-3, by task index
   std::size_t event_ = 0;
   int me_ = 0, tp_ = 1, dp_ = 1, t_ = 0, d_ = 0;
+  // Context parallelism: the degree, this rank's place in it, its tokens of a sequence and
+  // their positions, the keys' order (place_positions; empty views without cp); and the data
+  // -parallel replica whose sequences the rank reads.
+  int cp_ = 1, c_ = 0, Sq_ = 0, replica_ = 0;
+  View positions_, key_order_;
+  std::vector<int> host_positions_;
   bool sharded_ = false, last_stage_ = false;
   bool transient_grads_ = false;  // ZeRO-2/3 (see Param)
   bool zero3_ = false;
@@ -1912,7 +2058,12 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
                     "--no-dropout predicts that model)",
                     m.name));
   }
-  if (p.cp > 1) refuse("context parallelism (cp > 1)");
+  if (p.cp > 1 && p.seq_len % (2 * p.cp) != 0) {
+    refuse(
+        fmt::format("context parallelism cp {} with sequence length {}, not divisible by 2·cp "
+                    "(each rank takes two of 2·cp chunks)",
+                    p.cp, p.seq_len));
+  }
   if (p.grad_compression < 1) {
     refuse(fmt::format("gradient compression ({:g} of the bytes)", p.grad_compression));
   }
@@ -1925,10 +2076,10 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
                        to_string(plan::gradient_precision(p))));
   }
   if (p.ep > 1) refuse("expert parallelism (ep > 1)");
-  if (p.sequence_parallel && (p.micro_batch_size * p.seq_len) % p.tp != 0) {
-    refuse(
-        fmt::format("sequence parallelism with {} tokens per micro-batch, not divisible by tp {}",
-                    p.micro_batch_size * p.seq_len, p.tp));
+  if (p.sequence_parallel && (p.micro_batch_size * p.seq_len / p.cp) % p.tp != 0) {
+    refuse(fmt::format(
+        "sequence parallelism with {} tokens per micro-batch and rank, not divisible by tp {}",
+        p.micro_batch_size * p.seq_len / p.cp, p.tp));
   }
   if (p.schedule == plan::Schedule::PipeDreamAsync) refuse("the PipeDream (asynchronous) schedule");
   if (m.heads % p.tp != 0 || m.kv_heads % p.tp != 0 || m.ffn_hidden % p.tp != 0 ||

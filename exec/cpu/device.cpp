@@ -16,6 +16,7 @@ std::span<float> floats(View v) {
 namespace {
 
 std::span<const int> ints(View v) {
+  if (v.empty()) return {};
   DTSIM_ASSERT(v.type == Dtype::I32, "an int32 view");
   return {static_cast<const int*>(v.p), static_cast<std::size_t>(v.n)};
 }
@@ -153,24 +154,47 @@ void CpuDevice::attention_backward(View dqkv, View dout, View qkv, View probs, i
   cpu::attention_backward(floats(dqkv), floats(dout), floats(qkv), floats(probs), B, S, H, G, D);
 }
 
-void CpuDevice::rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta) {
-  cpu::rope_forward(floats(out), floats(qkv), B, S, H, G, D, theta);
+void CpuDevice::attention_forward_cp(View out, View probs, View qkv, View kv, View qpos, View order,
+                                     int B, int Sq, int cp, int H, int G, int D) {
+  cpu::attention_forward_cp(floats(out), floats(probs), floats(qkv), floats(kv), ints(qpos),
+                            ints(order), B, Sq, cp, H, G, D);
 }
 
-void CpuDevice::rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D,
-                              double theta) {
-  cpu::rope_backward(floats(dqkv), floats(dout), B, S, H, G, D, theta);
+void CpuDevice::attention_backward_cp(View dqkv, View dkv, View dout, View qkv, View kv, View probs,
+                                      View qpos, View order, int B, int Sq, int cp, int H, int G,
+                                      int D) {
+  cpu::attention_backward_cp(floats(dqkv), floats(dkv), floats(dout), floats(qkv), floats(kv),
+                             floats(probs), ints(qpos), ints(order), B, Sq, cp, H, G, D);
+}
+
+void CpuDevice::copy_columns(View dst, View src, int T, int src_width, int begin, int width) {
+  cpu::copy_columns(floats(dst), floats(src), T, src_width, begin, width);
+}
+
+void CpuDevice::add_columns(View dst, View src, int T, int dst_width, int begin, int width) {
+  cpu::add_columns(floats(dst), floats(src), T, dst_width, begin, width);
+}
+
+void CpuDevice::rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta,
+                             View positions) {
+  cpu::rope_forward(floats(out), floats(qkv), B, S, H, G, D, theta, ints(positions));
+}
+
+void CpuDevice::rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D, double theta,
+                              View positions) {
+  cpu::rope_backward(floats(dqkv), floats(dout), B, S, H, G, D, theta, ints(positions));
 }
 
 void CpuDevice::embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
-                                  int vocab_begin) {
-  cpu::embedding_forward(floats(out), ints(tokens), floats(wte), floats(wpe), B, S, C, vocab_begin);
+                                  int vocab_begin, View positions) {
+  cpu::embedding_forward(floats(out), ints(tokens), floats(wte), floats(wpe), B, S, C, vocab_begin,
+                         ints(positions));
 }
 
 void CpuDevice::embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S,
-                                   int C, int vocab_begin) {
+                                   int C, int vocab_begin, View positions) {
   cpu::embedding_backward(floats(dwte), floats(dwpe), floats(dout), ints(tokens), B, S, C,
-                          vocab_begin);
+                          vocab_begin, ints(positions));
 }
 
 void CpuDevice::cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) {

@@ -53,13 +53,22 @@ class CpuDevice final : public Device {
                          int D) override;
   void attention_backward(View dqkv, View dout, View qkv, View probs, int B, int S, int H, int G,
                           int D) override;
-  void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta) override;
-  void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D,
-                     double theta) override;
+  void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta,
+                    View positions) override;
+  void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D, double theta,
+                     View positions) override;
   void embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
-                         int vocab_begin) override;
+                         int vocab_begin, View positions) override;
   void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
-                          int vocab_begin) override;
+                          int vocab_begin, View positions) override;
+  bool context_parallel() const override { return true; }
+  void attention_forward_cp(View out, View probs, View qkv, View kv, View qpos, View order, int B,
+                            int Sq, int cp, int H, int G, int D) override;
+  void attention_backward_cp(View dqkv, View dkv, View dout, View qkv, View kv, View probs,
+                             View qpos, View order, int B, int Sq, int cp, int H, int G,
+                             int D) override;
+  void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override;
+  void add_columns(View dst, View src, int T, int dst_width, int begin, int width) override;
   void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override;
   void cross_entropy_max(View rowmax, View logits, int T, int V) override;
   void cross_entropy_sums(View sums, View logits, View rowmax, View targets, int T, int V,

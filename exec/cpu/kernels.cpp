@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -148,36 +149,93 @@ void swiglu_backward(Out din, In in, In dout, int T, int F) {
   }
 }
 
-void attention_forward(Out out, Out probs, In qkv, int B, int S, int H, int G, int D) {
-  const int width = (H + 2 * G) * D;
+namespace {
+
+// Where causal attention finds its queries and its keys and values. Queries: the q columns of
+// qkv [B·Sq, (H + 2·G)·D], query s of a sequence at position qpos[s] (s itself when qpos is
+// empty). Keys and values: the S positions of a sequence, from `ranks` blocks of B·(S / ranks)
+// rows (rank r's block r-th; one block: qkv itself), key and value head g at columns k_col +
+// g·D and v_col + g·D of rows `stride` floats apart; the key at position p is row order[p] of
+// its sequence's S (p itself when order is empty). Keys are visited in position order, so a
+// split over ranks sums in the order of one rank's attention.
+struct Attention {
+  int B, Sq, S, H, G, D;
+  std::span<const int> qpos, order;
+  int ranks;
+  std::size_t stride, k_col, v_col;
+
+  int position(int s) const { return qpos.empty() ? s : qpos[static_cast<std::size_t>(s)]; }
+  // The row of sequence b's key at position p.
+  std::size_t key_row(int b, int p) const {
+    const int j = order.empty() ? p : order[static_cast<std::size_t>(p)];
+    if (ranks == 1) return static_cast<std::size_t>(b) * S + j;
+    const int per_rank = S / ranks;
+    return (static_cast<std::size_t>(j / per_rank) * B + b) * per_rank + j % per_rank;
+  }
+  std::size_t k_at(int b, int p, int g) const {
+    return key_row(b, p) * stride + k_col + static_cast<std::size_t>(g) * D;
+  }
+  std::size_t v_at(int b, int p, int g) const {
+    return key_row(b, p) * stride + v_col + static_cast<std::size_t>(g) * D;
+  }
+};
+
+Attention one_rank(int B, int S, int H, int G, int D) {
+  const auto width = static_cast<std::size_t>(H + 2 * G) * D;
+  return {B,
+          S,
+          S,
+          H,
+          G,
+          D,
+          {},
+          {},
+          1,
+          width,
+          static_cast<std::size_t>(H) * D,
+          static_cast<std::size_t>(H + G) * D};
+}
+
+Attention context_parallel(int B, int Sq, int cp, int H, int G, int D, std::span<const int> qpos,
+                           std::span<const int> order) {
+  return {B,       Sq,
+          Sq * cp, H,
+          G,       D,
+          qpos,    order,
+          cp,      static_cast<std::size_t>(2 * G) * D,
+          0,       static_cast<std::size_t>(G) * D};
+}
+
+void attend(const Attention& a, Out out, Out probs, In qkv, In kv) {
+  const auto [B, Sq, S, H, G, D] = std::array{a.B, a.Sq, a.S, a.H, a.G, a.D};
+  const std::size_t width = static_cast<std::size_t>(H + 2 * G) * D;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int group = H / G;
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < H; ++h) {
-      const int kv = h / group;
-      for (int i = 0; i < S; ++i) {
-        const float* q = qkv.data() + (static_cast<std::size_t>(b) * S + i) * width + h * D;
-        float* p = probs.data() + ((static_cast<std::size_t>(b) * H + h) * S + i) * S;
+      const int g = h / group;
+      for (int i = 0; i < Sq; ++i) {
+        const int last = a.position(i);
+        const float* q = qkv.data() + (static_cast<std::size_t>(b) * Sq + i) * width + h * D;
+        float* p = probs.data() + ((static_cast<std::size_t>(b) * H + h) * Sq + i) * S;
         float maxv = -INFINITY;
-        for (int j = 0; j <= i; ++j) {
-          const float* k =
-              qkv.data() + (static_cast<std::size_t>(b) * S + j) * width + (H + kv) * D;
+        for (int j = 0; j <= last; ++j) {
+          const float* k = kv.data() + a.k_at(b, j, g);
           float s = 0;
           for (int d = 0; d < D; ++d) s += q[d] * k[d];
           p[j] = s * scale;
           maxv = std::max(maxv, p[j]);
         }
         float sum = 0;
-        for (int j = 0; j <= i; ++j) {
+        for (int j = 0; j <= last; ++j) {
           p[j] = std::exp(p[j] - maxv);
           sum += p[j];
         }
-        for (int j = 0; j < S; ++j) p[j] = j <= i ? p[j] / sum : 0.0f;
-        float* o = out.data() + (static_cast<std::size_t>(b) * S + i) * H * D + h * D;
+        for (int j = 0; j < S; ++j) p[j] = j <= last ? p[j] / sum : 0.0f;
+        float* o = out.data() + (static_cast<std::size_t>(b) * Sq + i) * H * D + h * D;
         for (int d = 0; d < D; ++d) o[d] = 0;
-        for (int j = 0; j <= i; ++j) {
-          const float* v =
-              qkv.data() + (static_cast<std::size_t>(b) * S + j) * width + (H + G + kv) * D;
+        for (int j = 0; j <= last; ++j) {
+          const float* v = kv.data() + a.v_at(b, j, g);
           for (int d = 0; d < D; ++d) o[d] += p[j] * v[d];
         }
       }
@@ -185,24 +243,26 @@ void attention_forward(Out out, Out probs, In qkv, int B, int S, int H, int G, i
   }
 }
 
-void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H, int G, int D) {
-  const int width = (H + 2 * G) * D;
+// dq into the q columns of dqkv; dk, dv into dkv at the places attend() read k and v.
+void attend_backward(const Attention& a, Out dqkv, Out dkv, In dout, In qkv, In kv, In probs) {
+  const auto [B, Sq, S, H, G, D] = std::array{a.B, a.Sq, a.S, a.H, a.G, a.D};
+  const std::size_t width = static_cast<std::size_t>(H + 2 * G) * D;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int group = H / G;
   std::vector<float> dp(static_cast<std::size_t>(S));
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < H; ++h) {
-      const int kv = h / group;
-      for (int i = 0; i < S; ++i) {
-        const std::size_t row = static_cast<std::size_t>(b) * S + i;
-        const float* p = probs.data() + ((static_cast<std::size_t>(b) * H + h) * S + i) * S;
+      const int g = h / group;
+      for (int i = 0; i < Sq; ++i) {
+        const int last = a.position(i);
+        const std::size_t row = static_cast<std::size_t>(b) * Sq + i;
+        const float* p = probs.data() + ((static_cast<std::size_t>(b) * H + h) * Sq + i) * S;
         const float* dy = dout.data() + row * H * D + h * D;
         // dP = dy · v^T; dv += P^T · dy
         float dot = 0;
-        for (int j = 0; j <= i; ++j) {
-          const std::size_t rj = static_cast<std::size_t>(b) * S + j;
-          const float* v = qkv.data() + rj * width + (H + G + kv) * D;
-          float* dv = dqkv.data() + rj * width + (H + G + kv) * D;
+        for (int j = 0; j <= last; ++j) {
+          const float* v = kv.data() + a.v_at(b, j, g);
+          float* dv = dkv.data() + a.v_at(b, j, g);
           float s = 0;
           for (int d = 0; d < D; ++d) {
             s += dy[d] * v[d];
@@ -214,11 +274,10 @@ void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H
         // Softmax backward: dS = P ⊙ (dP - sum(dP ⊙ P)); then through the scaled q·k.
         const float* q = qkv.data() + row * width + h * D;
         float* dq = dqkv.data() + row * width + h * D;
-        for (int j = 0; j <= i; ++j) {
+        for (int j = 0; j <= last; ++j) {
           const float ds = p[j] * (dp[static_cast<std::size_t>(j)] - dot) * scale;
-          const std::size_t rj = static_cast<std::size_t>(b) * S + j;
-          const float* k = qkv.data() + rj * width + (H + kv) * D;
-          float* dk = dqkv.data() + rj * width + (H + kv) * D;
+          const float* k = kv.data() + a.k_at(b, j, g);
+          float* dk = dkv.data() + a.k_at(b, j, g);
           for (int d = 0; d < D; ++d) {
             dq[d] += ds * k[d];
             dk[d] += ds * q[d];
@@ -229,7 +288,48 @@ void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H
   }
 }
 
+}  // namespace
+
+void attention_forward(Out out, Out probs, In qkv, int B, int S, int H, int G, int D) {
+  attend(one_rank(B, S, H, G, D), out, probs, qkv, qkv);
+}
+
+void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H, int G, int D) {
+  attend_backward(one_rank(B, S, H, G, D), dqkv, dqkv, dout, qkv, qkv, probs);
+}
+
+void attention_forward_cp(Out out, Out probs, In qkv, In kv, std::span<const int> qpos,
+                          std::span<const int> order, int B, int Sq, int cp, int H, int G, int D) {
+  attend(context_parallel(B, Sq, cp, H, G, D, qpos, order), out, probs, qkv, kv);
+}
+
+void attention_backward_cp(Out dqkv, Out dkv, In dout, In qkv, In kv, In probs,
+                           std::span<const int> qpos, std::span<const int> order, int B, int Sq,
+                           int cp, int H, int G, int D) {
+  attend_backward(context_parallel(B, Sq, cp, H, G, D, qpos, order), dqkv, dkv, dout, qkv, kv,
+                  probs);
+}
+
+void copy_columns(Out dst, In src, int T, int src_width, int begin, int width) {
+  for (int t = 0; t < T; ++t) {
+    std::copy_n(src.data() + static_cast<std::size_t>(t) * src_width + begin, width,
+                dst.data() + static_cast<std::size_t>(t) * width);
+  }
+}
+
+void add_columns(Out dst, In src, int T, int dst_width, int begin, int width) {
+  for (int t = 0; t < T; ++t) {
+    float* d = dst.data() + static_cast<std::size_t>(t) * dst_width + begin;
+    const float* x = src.data() + static_cast<std::size_t>(t) * width;
+    for (int c = 0; c < width; ++c) d[c] += x[c];
+  }
+}
+
 namespace {
+int position_of(std::span<const int> positions, int s) {
+  return positions.empty() ? s : positions[static_cast<std::size_t>(s)];
+}
+
 // Turns the q and k heads of one row by the angles of position s; sign -1 turns back.
 void rotate_row(float* out, const float* in, int s, int heads, int D, double theta, float sign) {
   const int half = D / 2;
@@ -248,12 +348,14 @@ void rotate_row(float* out, const float* in, int s, int heads, int D, double the
 }
 }  // namespace
 
-void rope_forward(Out out, In qkv, int B, int S, int H, int G, int D, double theta) {
+void rope_forward(Out out, In qkv, int B, int S, int H, int G, int D, double theta,
+                  std::span<const int> positions) {
   const std::size_t width = static_cast<std::size_t>(H + 2 * G) * D;
   for (int b = 0; b < B; ++b) {
     for (int s = 0; s < S; ++s) {
       const std::size_t row = (static_cast<std::size_t>(b) * S + s) * width;
-      rotate_row(out.data() + row, qkv.data() + row, s, H + G, D, theta, 1.0f);  // q and k
+      rotate_row(out.data() + row, qkv.data() + row, position_of(positions, s), H + G, D, theta,
+                 1.0f);  // q and k
       std::copy_n(qkv.data() + row + static_cast<std::size_t>(H + G) * D,
                   static_cast<std::size_t>(G) * D,
                   out.data() + row + static_cast<std::size_t>(H + G) * D);  // v
@@ -261,13 +363,15 @@ void rope_forward(Out out, In qkv, int B, int S, int H, int G, int D, double the
   }
 }
 
-void rope_backward(Out dqkv, In dout, int B, int S, int H, int G, int D, double theta) {
+void rope_backward(Out dqkv, In dout, int B, int S, int H, int G, int D, double theta,
+                   std::span<const int> positions) {
   const std::size_t width = static_cast<std::size_t>(H + 2 * G) * D;
   std::vector<float> turned(static_cast<std::size_t>(H + G) * D);
   for (int b = 0; b < B; ++b) {
     for (int s = 0; s < S; ++s) {
       const std::size_t row = (static_cast<std::size_t>(b) * S + s) * width;
-      rotate_row(turned.data(), dout.data() + row, s, H + G, D, theta, -1.0f);
+      rotate_row(turned.data(), dout.data() + row, position_of(positions, s), H + G, D, theta,
+                 -1.0f);
       for (std::size_t i = 0; i < turned.size(); ++i) dqkv[row + i] += turned[i];
       for (std::size_t i = turned.size(); i < width; ++i) dqkv[row + i] += dout[row + i];
     }
@@ -275,7 +379,7 @@ void rope_backward(Out dqkv, In dout, int B, int S, int H, int G, int D, double 
 }
 
 void embedding_forward(Out out, std::span<const int> tokens, In wte, In wpe, int B, int S, int C,
-                       int vocab_begin) {
+                       int vocab_begin, std::span<const int> positions) {
   const auto rows = static_cast<int>(wte.size() / static_cast<std::size_t>(C));
   for (int b = 0; b < B; ++b) {
     for (int s = 0; s < S; ++s) {
@@ -284,26 +388,28 @@ void embedding_forward(Out out, std::span<const int> tokens, In wte, In wpe, int
       const float* e =
           local >= 0 && local < rows ? wte.data() + static_cast<std::size_t>(local) * C : nullptr;
       float* y = out.data() + row * C;
+      const auto pos = static_cast<std::size_t>(position_of(positions, s));
       for (int c = 0; c < C; ++c) {
-        y[c] = (e ? e[c] : 0.0f) + (wpe.empty() ? 0.0f : wpe[static_cast<std::size_t>(s) * C + c]);
+        y[c] = (e ? e[c] : 0.0f) + (wpe.empty() ? 0.0f : wpe[pos * C + c]);
       }
     }
   }
 }
 
 void embedding_backward(Out dwte, Out dwpe, In dout, std::span<const int> tokens, int B, int S,
-                        int C, int vocab_begin) {
+                        int C, int vocab_begin, std::span<const int> positions) {
   const auto rows = static_cast<int>(dwte.size() / static_cast<std::size_t>(C));
   for (int b = 0; b < B; ++b) {
     for (int s = 0; s < S; ++s) {
       const std::size_t row = static_cast<std::size_t>(b) * S + s;
       const float* dy = dout.data() + row * C;
+      const auto pos = static_cast<std::size_t>(position_of(positions, s));
       const int local = tokens[row] - vocab_begin;
       float* de =
           local >= 0 && local < rows ? dwte.data() + static_cast<std::size_t>(local) * C : nullptr;
       for (int c = 0; c < C; ++c) {
         if (de) de[c] += dy[c];
-        if (!dwpe.empty()) dwpe[static_cast<std::size_t>(s) * C + c] += dy[c];
+        if (!dwpe.empty()) dwpe[pos * C + c] += dy[c];
       }
     }
   }

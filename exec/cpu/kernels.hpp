@@ -48,19 +48,43 @@ void swiglu_backward(Out din, In in, In dout, int T, int F);
 void attention_forward(Out out, Out probs, In qkv, int B, int S, int H, int G, int D);
 void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H, int G, int D);
 
+// Context parallelism over cp ranks, each holding Sq tokens of every sequence of S = cp·Sq:
+// this rank's queries (the q columns of qkv[B·Sq, (H + 2·G)·D]; query s at position qpos[s] of
+// its sequence) against the keys and values of every rank, kv[cp·B·Sq, 2·G·D] (rank r's B·Sq
+// rows r-th, each row K then V). order[p] is the key at position p as an index into a
+// sequence's cp·Sq keys (rank r's token s: r·Sq + s). A query attends to the positions up to
+// its own, in position order (so that the sums are those of one rank's attention_forward);
+// out[B·Sq, H·D]; probs[B, H, Sq, S] by key position. The backward adds dq into dqkv's q
+// columns and dk, dv into dkv (the layout of kv).
+void attention_forward_cp(Out out, Out probs, In qkv, In kv, std::span<const int> qpos,
+                          std::span<const int> order, int B, int Sq, int cp, int H, int G, int D);
+void attention_backward_cp(Out dqkv, Out dkv, In dout, In qkv, In kv, In probs,
+                           std::span<const int> qpos, std::span<const int> order, int B, int Sq,
+                           int cp, int H, int G, int D);
+
+// Columns [begin, begin + width) of src[T, src_width] into dst[T, width]; and back, added:
+// dst[T, dst_width]'s columns [begin, begin + width) += src[T, width].
+void copy_columns(Out dst, In src, int T, int src_width, int begin, int width);
+void add_columns(Out dst, In src, int T, int dst_width, int begin, int width);
+
 // Rotary position embedding (Su et al. 2021) in the rotate-half layout of Hugging Face's Llama:
 // in each q and k head of qkv[B·S, (H + 2·G)·D], the pair (x_i, x_{i+D/2}) at position s turns
 // by s·theta^(-2i/D). out gets the rotated q and k and an unchanged v. The backward turns the
-// gradients back (the transpose of a rotation) and accumulates them into dqkv.
-void rope_forward(Out out, In qkv, int B, int S, int H, int G, int D, double theta);
-void rope_backward(Out dqkv, In dout, int B, int S, int H, int G, int D, double theta);
+// gradients back (the transpose of a rotation) and accumulates them into dqkv. Row s of a
+// sequence is at position positions[s] (s itself when positions is empty: context parallelism
+// gives a rank other positions).
+void rope_forward(Out out, In qkv, int B, int S, int H, int G, int D, double theta,
+                  std::span<const int> positions = {});
+void rope_backward(Out dqkv, In dout, int B, int S, int H, int G, int D, double theta,
+                   std::span<const int> positions = {});
 
-// Token (and learned position) embedding: out[B·S, C] = wte[token] (+ wpe[s]). With vocabulary
-// parallelism wte holds rows [vocab_begin, vocab_begin + rows) and other tokens contribute 0.
+// Token (and learned position) embedding: out[B·S, C] = wte[token] (+ wpe[position of s], as
+// rope's). With vocabulary parallelism wte holds rows [vocab_begin, vocab_begin + rows) and
+// other tokens contribute 0.
 void embedding_forward(Out out, std::span<const int> tokens, In wte, In wpe, int B, int S, int C,
-                       int vocab_begin = 0);
+                       int vocab_begin = 0, std::span<const int> positions = {});
 void embedding_backward(Out dwte, Out dwpe, In dout, std::span<const int> tokens, int B, int S,
-                        int C, int vocab_begin = 0);
+                        int C, int vocab_begin = 0, std::span<const int> positions = {});
 
 // Softmax cross-entropy: logits[T, V], targets[T] -> returns the mean loss; dlogits[T, V] =
 // (softmax - onehot) / T (the gradient of the mean).

@@ -151,20 +151,26 @@ class CudaDevice final : public Device {
                           int D) override {
     k_.attention_backward(act(dqkv), act(dout), act(qkv), act(probs), B, S, H, G, D);
   }
-  void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta) override {
+  // Positions other than 0 ... S-1 come with context parallelism, which this device refuses.
+  void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta,
+                    View positions) override {
+    natural(positions);
     k_.rope_forward(act(out), act(qkv), B, S, H, G, D, theta);
   }
-  void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D,
-                     double theta) override {
+  void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D, double theta,
+                     View positions) override {
+    natural(positions);
     k_.rope_backward(act(dqkv), act(dout), B, S, H, G, D, theta);
   }
   void embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
-                         int vocab_begin) override {
+                         int vocab_begin, View positions) override {
+    natural(positions);
     k_.embedding_forward(act(out), ints(tokens), f32(wte), static_cast<int>(wte.n / C),
                          f32_or_null(wpe), B, S, C, vocab_begin);
   }
   void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
-                          int vocab_begin) override {
+                          int vocab_begin, View positions) override {
+    natural(positions);
     k_.embedding_backward(f32(dwte), static_cast<int>(dwte.n / C), f32_or_null(dwpe), act(dout),
                           ints(tokens), B, S, C, vocab_begin);
   }
@@ -193,6 +199,9 @@ class CudaDevice final : public Device {
   void cast(View out, View in) override { k_.cast(act(out), f32(in), in.n); }
 
  private:
+  static void natural(View positions) {
+    DTSIM_ASSERT(positions.empty(), "positions 0 ... S-1 (no context parallelism on the GPU)");
+  }
   static std::size_t bytes(View v) { return static_cast<std::size_t>(v.n) * bytes_of(v.type); }
   void* act(View v) const {
     DTSIM_ASSERT(v.type == act_, "a view of the activation type");

@@ -122,26 +122,27 @@ class Bf16Device final : public Device {
     Scope s(cpu_);
     cpu_.attention_backward(s.act(dqkv), s.act(dout), s.act(qkv), s.act(probs), B, S, H, G, D);
   }
-  void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta) override {
+  void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta,
+                    View positions) override {
     Scope s(cpu_);
-    cpu_.rope_forward(s.act(out), s.act(qkv), B, S, H, G, D, theta);
+    cpu_.rope_forward(s.act(out), s.act(qkv), B, S, H, G, D, theta, positions);
   }
-  void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D,
-                     double theta) override {
+  void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D, double theta,
+                     View positions) override {
     Scope s(cpu_);
-    cpu_.rope_backward(s.act(dqkv), s.act(dout), B, S, H, G, D, theta);
+    cpu_.rope_backward(s.act(dqkv), s.act(dout), B, S, H, G, D, theta, positions);
   }
   void embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
-                         int vocab_begin) override {
+                         int vocab_begin, View positions) override {
     Scope s(cpu_);
-    cpu_.embedding_forward(s.act(out), s.ints(tokens), s.f32(wte), s.f32(wpe), B, S, C,
-                           vocab_begin);
+    cpu_.embedding_forward(s.act(out), s.ints(tokens), s.f32(wte), s.f32(wpe), B, S, C, vocab_begin,
+                           positions);
   }
   void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
-                          int vocab_begin) override {
+                          int vocab_begin, View positions) override {
     Scope s(cpu_);
     cpu_.embedding_backward(s.f32(dwte), s.f32(dwpe), s.act(dout), s.ints(tokens), B, S, C,
-                            vocab_begin);
+                            vocab_begin, positions);
   }
   void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override {
     Scope s(cpu_);

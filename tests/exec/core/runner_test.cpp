@@ -89,6 +89,19 @@ TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   auto p = single_rank(1, 2);
   p.schedule = dtsim::plan::Schedule::PipeDreamAsync;
   REQUIRE_THROWS_AS(run("tiny-gpt", p, 1), dtsim::UnsupportedError);
+  // Context parallelism takes two of 2·cp chunks of each sequence: 30 positions do not split
+  // into 4; and a device without its kernels (here the bf16 test device) refuses it whole.
+  auto cp = single_rank(1, 2);
+  cp.cp = 2;
+  cp.seq_len = 30;
+  REQUIRE_THROWS_WITH(run("tiny-gpt", cp, 1),
+                      Catch::Contains("sequence length 30, not divisible by 2·cp"));
+  cp.seq_len = 32;
+  dtsim::exec::test::Bf16Device bf16;
+  dtsim::exec::RunOptions alone;
+  alone.replay_communication = true;  // one of the two ranks' programs
+  REQUIRE_THROWS_WITH(run("tiny-gpt", cp, 1, alone, &bf16),
+                      Catch::Contains("context parallelism (cp 2) is not executed on"));
 }
 
 TEST_CASE("a resumed run continues with bitwise-identical losses", "[exec][runner]") {
@@ -470,6 +483,12 @@ TEST_CASE("tensors go back once nothing later reads them: the same numbers, less
     p.zero_stage = 3;
     p.recompute = dtsim::plan::Recompute::Full;
   });
+  add("cp 2, learned positions", "tiny-gpt", [](auto& p) { p.cp = 2; });
+  add("cp 2 tp 2, RoPE, selective recompute", "tiny", [](auto& p) {
+    p.cp = 2;
+    p.tp = 2;
+    p.recompute = dtsim::plan::Recompute::Selective;
+  });
   for (const auto& c : cases) {
     INFO(c.label);
     const auto kept = replay_every_program(c.model, c.plan, /*keep_tensors=*/true, 2);
@@ -513,6 +532,7 @@ TEST_CASE("the executor holds what dtsim memory predicts for the CPU plans", "[e
   add("pp 2 GPipe", 1, 2, 1, [](auto& p) { p.schedule = Schedule::GPipe; });
   add("pp 2 1F1B", 1, 2, 1, [](auto&) {});
   add("pp 2 zero-bubble", 1, 2, 1, [](auto& p) { p.schedule = Schedule::ZeroBubble; });
+  add("cp 2", 1, 1, 1, [](auto& p) { p.cp = 2; });
   const auto cluster = dtsim::cluster::load_cluster("cpu-host");
   dtsim::plan::MemoryOptions no_allowance;
   no_allowance.framework_overhead_bytes = 0;

@@ -3,10 +3,12 @@
 // tolerance is |analytic - numeric| <= 2e-2 · max(1, |numeric|) with a step of 1e-3.
 #include "exec/cpu/kernels.hpp"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <functional>
 #include <random>
+#include <span>
 #include <vector>
 
 namespace cpu = dtsim::exec::cpu;
@@ -148,6 +150,114 @@ TEST_CASE("causal attention with grouped KV heads matches finite differences", "
   std::vector<float> dqkv(qkv.size());
   cpu::attention_backward(dqkv, r, qkv, probs, B, S, H, G, D);
   check_gradient(qkv, dqkv, loss, "qkv");
+}
+
+// Context parallelism: cp ranks, each with two of 2·cp chunks of every sequence (c and
+// 2·cp-1-c, as the runner places them), give one rank's outputs and gradients exactly: the
+// keys are visited in position order.
+TEST_CASE("attention split over context-parallel ranks equals one rank's, bit for bit",
+          "[exec][cpu]") {
+  const int B = 2, cp = 2, S = 8, H = 4, G = 2, D = 3, Sq = S / cp, chunk = S / (2 * cp);
+  const int width = (H + 2 * G) * D, kvw = 2 * G * D;
+  const auto qkv = random(static_cast<std::size_t>(B) * S * width, 40);
+  const auto dout = random(static_cast<std::size_t>(B) * S * H * D, 41);
+  std::vector<float> out(dout.size()), probs(static_cast<std::size_t>(B) * H * S * S);
+  std::vector<float> dqkv(qkv.size());
+  cpu::attention_forward(out, probs, qkv, B, S, H, G, D);
+  cpu::attention_backward(dqkv, dout, qkv, probs, B, S, H, G, D);
+
+  // Rank c's positions, and each position's key among the all-gathered ones.
+  std::vector<std::vector<int>> positions(cp);
+  std::vector<int> order(S);
+  for (int p = 0; p < S; ++p) {
+    const int k = p / chunk, owner = k < cp ? k : 2 * cp - 1 - k;
+    order[static_cast<std::size_t>(p)] = owner * Sq + static_cast<int>(positions[owner].size());
+    positions[owner].push_back(p);
+  }
+  // Every rank's rows of qkv, and the all-gathered K and V.
+  auto rows_of = [&](const std::vector<float>& full, int c, int w) {
+    std::vector<float> mine(static_cast<std::size_t>(B) * Sq * w);
+    for (int b = 0; b < B; ++b) {
+      for (int s = 0; s < Sq; ++s) {
+        std::copy_n(full.data() + (static_cast<std::size_t>(b) * S + positions[c][s]) * w, w,
+                    mine.data() + (static_cast<std::size_t>(b) * Sq + s) * w);
+      }
+    }
+    return mine;
+  };
+  std::vector<float> kv(static_cast<std::size_t>(cp) * B * Sq * kvw);
+  for (int c = 0; c < cp; ++c) {
+    const auto mine = rows_of(qkv, c, width);
+    cpu::copy_columns(std::span(kv).subspan(static_cast<std::size_t>(c) * B * Sq * kvw), mine,
+                      B * Sq, width, H * D, kvw);
+  }
+  std::vector<float> dkv(kv.size());
+  std::vector<std::vector<float>> dqkv_of(cp);
+  for (int c = 0; c < cp; ++c) {
+    const auto mine = rows_of(qkv, c, width);
+    std::vector<float> o(static_cast<std::size_t>(B) * Sq * H * D);
+    std::vector<float> pr(static_cast<std::size_t>(B) * H * Sq * S);
+    cpu::attention_forward_cp(o, pr, mine, kv, positions[c], order, B, Sq, cp, H, G, D);
+    CHECK(o == rows_of(out, c, H * D));
+    dqkv_of[c].assign(mine.size(), 0.0f);
+    cpu::attention_backward_cp(dqkv_of[c], dkv, rows_of(dout, c, H * D), mine, kv, pr, positions[c],
+                               order, B, Sq, cp, H, G, D);
+  }
+  // dkv holds the sum over ranks (what the reduce-scatter makes); each owner adds its block
+  // into its qkv gradient's K and V columns.
+  for (int c = 0; c < cp; ++c) {
+    cpu::add_columns(dqkv_of[c],
+                     std::span<const float>(dkv).subspan(static_cast<std::size_t>(c) * B * Sq * kvw,
+                                                         static_cast<std::size_t>(B) * Sq * kvw),
+                     B * Sq, width, H * D, kvw);
+    const auto expected = rows_of(dqkv, c, width);
+    REQUIRE(dqkv_of[c].size() == expected.size());
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      CHECK(dqkv_of[c][i] == Approx(expected[i]).margin(1e-6));
+    }
+  }
+}
+
+TEST_CASE("RoPE and learned positions at a rank's positions equal those rows of the whole",
+          "[exec][cpu]") {
+  const int B = 2, S = 6, H = 2, G = 1, D = 4, C = 3, V = 5;
+  const int width = (H + 2 * G) * D;
+  const std::vector<int> positions = {4, 1};  // two rows of each sequence
+  const auto qkv = random(static_cast<std::size_t>(B) * S * width, 50);
+  std::vector<float> turned(qkv.size());
+  cpu::rope_forward(turned, qkv, B, S, H, G, D, 10000.0);
+  std::vector<float> mine(static_cast<std::size_t>(B) * 2 * width), mine_turned(mine.size());
+  for (int b = 0; b < B; ++b) {
+    for (int s = 0; s < 2; ++s) {
+      std::copy_n(qkv.data() + (static_cast<std::size_t>(b) * S + positions[s]) * width, width,
+                  mine.data() + (static_cast<std::size_t>(b) * 2 + s) * width);
+    }
+  }
+  cpu::rope_forward(mine_turned, mine, B, 2, H, G, D, 10000.0, positions);
+  for (int b = 0; b < B; ++b) {
+    for (int s = 0; s < 2; ++s) {
+      for (int i = 0; i < width; ++i) {
+        CHECK(mine_turned[(static_cast<std::size_t>(b) * 2 + s) * width + i] ==
+              turned[(static_cast<std::size_t>(b) * S + positions[s]) * width + i]);
+      }
+    }
+  }
+  // The backward turns back by the same positions: rope_backward(rope_forward(x)) = x.
+  std::vector<float> back(mine.size());
+  cpu::rope_backward(back, mine_turned, B, 2, H, G, D, 10000.0, positions);
+  for (std::size_t i = 0; i < back.size(); ++i) CHECK(back[i] == Approx(mine[i]).margin(1e-5));
+
+  const std::vector<int> tokens = {3, 0, 4, 4};
+  const auto wte = random(V * C, 51), wpe = random(S * C, 52), dy = random(B * 2 * C, 53);
+  std::vector<float> out(static_cast<std::size_t>(B) * 2 * C);
+  cpu::embedding_forward(out, tokens, wte, wpe, B, 2, C, 0, positions);
+  CHECK(out[static_cast<std::size_t>(C) * 1] == wte[0] + wpe[static_cast<std::size_t>(1) * C]);
+  std::vector<float> dwte(wte.size()), dwpe(wpe.size());
+  cpu::embedding_backward(dwte, dwpe, dy, tokens, B, 2, C, 0, positions);
+  // Position 4 gets the first row of each sequence; positions other than 1 and 4 nothing.
+  CHECK(dwpe[static_cast<std::size_t>(4) * C] ==
+        Approx(dy[0] + dy[static_cast<std::size_t>(2) * C]));
+  CHECK(dwpe[0] == 0.0f);
 }
 
 TEST_CASE("RoPE turns q and k, keeps v and the norms, and its backward matches", "[exec][cpu]") {

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The executor's correctness matrix (issue 5): for plans over dp, tp, pp, ZeRO stages,
+# The executor's correctness matrix (issue 5): for plans over dp, tp, pp, cp, ZeRO stages,
 # schedules (GPipe, 1F1B, interleaved, zero-bubble; pipeline receives posted when reached or,
 # with --overlap-p2p-comm, ahead of need), micro-batch counts and recompute, K steps of two tiny
 # models under mpirun give the losses and final weights of the single-rank run of the same
@@ -72,6 +72,13 @@ plans=(
   "llama|4|1|--dp 2 --pp 2 --schedule interleaved --virtual-stages 2 --overlap-p2p-comm"
   "llama|4|2|--dp 2 --tp 2 --zero-stage 3"
   "llama|4|4|--tp 2 --pp 2 --schedule gpipe"
+  "tiny-gpt|2|2|--cp 2"
+  "tiny-gpt|4|1|--cp 2 --dp 2 --zero-stage 1"
+  "tiny-gpt|4|2|--cp 2 --tp 2 --sequence-parallel"
+  "llama|2|2|--cp 2 --recompute selective"
+  "llama|4|2|--cp 2 --pp 2 --schedule 1f1b --recompute full"
+  "llama|4|1|--cp 2 --dp 2 --zero-stage 3"
+  "llama|4|2|--cp 4"
 )
 failed=0
 printf '%-9s %-72s %5s %9s %9s  %s\n' model plan ranks loss_diff weight_diff result
