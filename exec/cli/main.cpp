@@ -449,7 +449,9 @@ int run(const std::vector<std::string>& args) {
       "starts");
   desc.add_options()("no-dropout", po::bool_switch(),
                      "train the model without its dropout layers (dtsim --no-dropout predicts "
-                     "the same model)");
+                     "the same model); with them (CPU), dropout at rate 0.1 on the embedding, "
+                     "the attention probabilities and both residual branches, its masks the same "
+                     "for every plan");
   dtsim::cli::add_plan_options(desc);
   po::variables_map vm;
   if (!parse(args, desc,

@@ -5,9 +5,9 @@
 // The runner holds views: ranges of a device's memory with a type. Activations and their
 // gradients are in the device's activation type (fp32 on the CPU; bf16 or fp32 on a GPU);
 // weights, weight gradients and optimizer state are fp32 (the master copy); token ids are
-// int32. The ops have the shapes and layouts of exec/cpu/kernels.hpp, and accumulate (+=) into
-// gradients as those do. A device may queue work and run it later in order (a GPU stream):
-// only download() and synchronize() wait for it.
+// int32, dropout masks a byte per element. The ops have the shapes and layouts of
+// exec/cpu/kernels.hpp, and accumulate (+=) into gradients as those do. A device may queue work and
+// run it later in order (a GPU stream): only download() and synchronize() wait for it.
 #pragma once
 
 #include <cstddef>
@@ -18,10 +18,10 @@
 
 namespace dtsim::exec {
 
-enum class Dtype { F32, BF16, I32 };
+enum class Dtype { F32, BF16, I32, U8 };  // U8: masks
 
 inline std::size_t bytes_of(Dtype t) {
-  return t == Dtype::BF16 ? 2 : 4;
+  return t == Dtype::U8 ? 1 : t == Dtype::BF16 ? 2 : 4;
 }
 
 // n elements of one type in a device's memory. A view does not own what it points to.
@@ -110,19 +110,46 @@ class Device {
   virtual void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
                                   int vocab_begin, View positions) = 0;
 
-  // ---- context parallelism (exec/cpu/kernels.hpp: attention_forward_cp) ---------------------
-  // A device that has these says so; the others refuse plans with cp > 1 before they start.
-  virtual bool context_parallel() const { return false; }
-  // qpos, order I32; kv and dkv [cp·B·Sq, 2·G·D] in act; probs [B, H, Sq, cp·Sq].
-  virtual void attention_forward_cp(View out, View probs, View qkv, View kv, View qpos, View order,
-                                    int B, int Sq, int cp, int H, int G, int D);
-  virtual void attention_backward_cp(View dqkv, View dkv, View dout, View qkv, View kv, View probs,
-                                     View qpos, View order, int B, int Sq, int cp, int H, int G,
-                                     int D);
+  // ---- context parallelism and dropout (exec/cpu/kernels.hpp: AttentionOptions, Dropout) ----
+  // A device that has these says so (has()); the runner refuses a plan that needs what its
+  // device lacks before it starts.
+  enum class Feature { ContextParallelism, Dropout };
+  virtual bool has(Feature) const { return false; }
+  // Dropout: the kernels' Dropout, its positions an I32 view (empty: 0 ... Sq-1).
+  struct DropoutSite {
+    std::uint64_t stream = 0;
+    float rate = 0;
+    std::int64_t first_sequence = 0;
+    int first_row = 0;
+    int Sq = 1;
+    View positions;
+    int head_offset = 0;
+  };
+  // The attention core with what attention_forward lacks: kv (act, [cp·B·Sq, 2·G·D]; empty: the
+  // keys of qkv), qpos and order (I32) for context parallelism; attention dropout when
+  // `dropout` is set, its mask (U8) and the probabilities after it (act) [B, H, Sq, S].
+  struct Attention {
+    View kv;
+    int cp = 1;
+    View qpos, order;
+    const DropoutSite* dropout = nullptr;
+    View mask, dropped;
+  };
+  virtual void attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G,
+                                    int D, const Attention& a);
+  // dkv: kv's gradient (dqkv itself when kv is empty).
+  virtual void attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B,
+                                     int Sq, int H, int G, int D, const Attention& a);
   // dst[T, width] = columns [begin, begin + width) of src[T, src_width]; add_columns adds
   // src[T, width] into those columns of dst[T, dst_width]. Activations.
   virtual void copy_columns(View dst, View src, int T, int src_width, int begin, int width);
   virtual void add_columns(View dst, View src, int T, int dst_width, int begin, int width);
+  // Hidden dropout on residual-stream rows [T, C] (act; mask U8): out = dropout(in) (out may
+  // be in); out = skip + dropout(branch); din += dout ⊙ mask / (1 - rate).
+  virtual void dropout_forward(View out, View mask, View in, const DropoutSite& d, int T, int C);
+  virtual void dropout_add_forward(View out, View mask, View branch, View skip,
+                                   const DropoutSite& d, int T, int C);
+  virtual void dropout_backward(View din, View mask, View dout, float rate);
   // loss: one fp32, the mean over the T rows; dlogits = (softmax - onehot) / T. targets I32.
   virtual void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) = 0;
   // Vocab-parallel: rowmax[T], then sums[2T] (fp32), then loss and dlogits from the reduced
@@ -139,25 +166,33 @@ class Device {
   virtual void cast(View out, View in) = 0;
 
  private:
-  [[noreturn]] void no_context_parallelism() const;
+  [[noreturn]] void lacks(const std::string& what) const {
+    throw UnsupportedError("dtexec: " + what + " is not executed on " + name() + " yet");
+  }
 };
 
-inline void Device::no_context_parallelism() const {
-  throw UnsupportedError("dtexec: context parallelism is not executed on " + name() + " yet");
+inline void Device::attention_forward_ex(View, View, View, int, int, int, int, int,
+                                         const Attention&) {
+  lacks("attention with context parallelism or dropout");
 }
-inline void Device::attention_forward_cp(View, View, View, View, View, View, int, int, int, int,
-                                         int, int) {
-  no_context_parallelism();
-}
-inline void Device::attention_backward_cp(View, View, View, View, View, View, View, View, int, int,
-                                          int, int, int, int) {
-  no_context_parallelism();
+inline void Device::attention_backward_ex(View, View, View, View, View, int, int, int, int, int,
+                                          const Attention&) {
+  lacks("attention with context parallelism or dropout");
 }
 inline void Device::copy_columns(View, View, int, int, int, int) {
-  no_context_parallelism();
+  lacks("context parallelism");
 }
 inline void Device::add_columns(View, View, int, int, int, int) {
-  no_context_parallelism();
+  lacks("context parallelism");
+}
+inline void Device::dropout_forward(View, View, View, const DropoutSite&, int, int) {
+  lacks("dropout");
+}
+inline void Device::dropout_add_forward(View, View, View, View, const DropoutSite&, int, int) {
+  lacks("dropout");
+}
+inline void Device::dropout_backward(View, View, View, float) {
+  lacks("dropout");
 }
 
 }  // namespace dtsim::exec

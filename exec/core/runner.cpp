@@ -24,6 +24,7 @@
 #include "exec/core/device.hpp"
 #include "exec/core/for_pieces.hpp"
 #include "exec/cpu/device.hpp"
+#include "exec/cpu/kernels.hpp"
 #include "sim/cluster/placement.hpp"
 #include "sim/common/error.hpp"
 
@@ -39,14 +40,20 @@ using model::Op;
 using model::OpId;
 using model::OpKind;
 
-// A deterministic stream per (seed, a, b): parameters and data do not depend on which rank
-// creates them or in which order (splitmix64 finaliser, Steele et al. 2014).
+// A deterministic stream per (seed, a, b): parameters, data and dropout masks do not depend on
+// which rank creates them or in which order.
 std::uint64_t mix(std::uint64_t seed, std::uint64_t a, std::uint64_t b) {
-  std::uint64_t z = seed ^ (a + 1) * 0x9e3779b97f4a7c15ULL ^ (b + 1) * 0xc2b2ae3d27d4eb4fULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
+  return cpu::counter_hash(seed, a, b);
 }
+
+using cpu::kDropoutRate;
+// Dropout sites of a layer (its stream: the seed, the step and (layer + 1)·4 + site).
+enum DropoutSiteKind : int {
+  kEmbeddingDropout = 0,
+  kAttentionDropout,
+  kAttnResidual,
+  kMlpResidual
+};
 
 // Which part of a full [rows, cols] tensor a rank holds: a range of rows and, within them, a
 // list of column ranges (Megatron-LM's column- and row-parallel splits; QKV takes a range of
@@ -123,14 +130,18 @@ struct MicroBatch {
   // Context parallelism, by attention core: the K and V of every cp rank (all-gathered before
   // the core reads them), and their gradients before they are reduce-scattered to their owners.
   std::map<OpId, View> kv, kv_grad;
+  // Dropout: by op, the mask of its output's dropout (the embedding's, a residual's branch,
+  // an attention core's probabilities) and the attention probabilities after it.
+  std::map<OpId, View> mask, dropped;
   // The size of an output released before its gradient was made (the gradient has its shape).
   std::map<OpId, std::int64_t> released_out;
 };
 
 // A micro-batch's tensor maps, in the order of Runner::Slot.
-constexpr std::array<std::map<OpId, View> MicroBatch::*, 8> kTensorSlots = {
+constexpr std::array<std::map<OpId, View> MicroBatch::*, 10> kTensorSlots = {
     &MicroBatch::out,  &MicroBatch::grad,      &MicroBatch::aux1, &MicroBatch::aux2,
-    &MicroBatch::full, &MicroBatch::full_grad, &MicroBatch::kv,   &MicroBatch::kv_grad};
+    &MicroBatch::full, &MicroBatch::full_grad, &MicroBatch::kv,   &MicroBatch::kv_grad,
+    &MicroBatch::mask, &MicroBatch::dropped};
 
 using Key = std::pair<OpId, int>;  // (op, 0 weight / 1 bias)
 
@@ -223,11 +234,18 @@ class Runner {
         comm_(comm),
         dev_(device) {
     check_runnable(g, program, options.replay_communication);
-    if (program.plan.cp > 1 && !device.context_parallel()) {
+    if (program.plan.cp > 1 && !device.has(Device::Feature::ContextParallelism)) {
       throw UnsupportedError(
           fmt::format("dtexec: context parallelism (cp {}) is not executed on {} yet",
                       program.plan.cp, device.name()));
     }
+    if (g.spec().dropout && !device.has(Device::Feature::Dropout)) {
+      throw UnsupportedError(fmt::format(
+          "dtexec: dropout (model {}) is not executed on {} yet; --no-dropout trains the model "
+          "without it, and dtsim --no-dropout predicts that",
+          g.spec().name, device.name()));
+    }
+    dropout_ = g.spec().dropout ? kDropoutRate : 0.0f;
     if (comm.size() > 1 && !device.host_memory() && !comm.moves_device_memory()) {
       throw UnsupportedError(
           fmt::format("dtexec: {} ranks on {}: this communication backend moves host memory only",
@@ -295,6 +313,7 @@ class Runner {
     const auto& tasks = rp_->tasks;
     Watchdog watchdog(options_, *rp_);
     for (int step = first; step < options_.steps; ++step) {
+      step_ = step;
       if (me_ == options_.fail_rank && step + 1 == options_.fail_step) std::raise(SIGKILL);
       if (me_ == options_.hang_rank && step + 1 == options_.hang_step) {
         for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -819,6 +838,9 @@ class Runner {
         // Positions are added once: by tensor-parallel rank 0, before the all-reduce.
         dev_.embedding_forward(out, mb.tokens, param(id, 0).data, t_ == 0 ? bias_in(id) : View{},
                                B_, Sq_, C_, t_ * Vl_, positions_);
+        // Its dropout applies to the whole sum: here on one tensor-parallel rank, else after
+        // the Program's reduction (embedding_dropout).
+        if (tp_ == 1) embedding_dropout(mb, id);
         break;
       }
       case OpKind::Norm: {
@@ -861,9 +883,16 @@ class Runner {
           dev_.rope_forward(turned, q, B_, Sq_, H_, G_, D_, m_.rope_theta, positions_);
           q = turned;
         }
-        if (cp_ > 1) {
-          dev_.attention_forward_cp(out, mb.aux1[id], q, mb.kv.at(id), positions_, key_order_, B_,
-                                    Sq_, cp_, H_, G_, D_);
+        if (cp_ > 1 || dropout_ > 0) {
+          const Device::DropoutSite site = dropout_site(mb, op.layer, kAttentionDropout, 0);
+          Device::Attention a = attention_extras(mb, id, dropout_ > 0 ? &site : nullptr);
+          if (dropout_ > 0) {
+            fresh(mb.mask[id], mb.aux1[id].size(), Dtype::U8);
+            fresh(mb.dropped[id], mb.aux1[id].size());
+            a.mask = mb.mask[id];
+            a.dropped = mb.dropped[id];
+          }
+          dev_.attention_forward_ex(out, mb.aux1[id], q, B_, Sq_, H_, G_, D_, a);
         } else {
           dev_.attention_forward(out, mb.aux1[id], q, B_, S_, H_, G_, D_);
         }
@@ -874,7 +903,17 @@ class Runner {
         const View a = mb.out.at(preds[0]);
         const View b = mb.out.at(preds[1]);
         fresh(out, a.size());
-        dev_.add_forward(out, a, b);
+        if (dropout_ > 0) {
+          // The branch (the attention or MLP block's output) is dropped out, the skip is not.
+          const int rows = static_cast<int>(a.size() / C_);
+          fresh(mb.mask[id], a.size(), Dtype::U8);
+          dev_.dropout_add_forward(
+              out, mb.mask[id], a, b,
+              dropout_site(mb, op.layer, residual_site(preds[0]), rows == T_ ? 0 : t_ * Ts_), rows,
+              C_);
+        } else {
+          dev_.add_forward(out, a, b);
+        }
         break;
       }
       case OpKind::Activation: {
@@ -908,6 +947,54 @@ class Runner {
     }
   }
 
+  // ---- dropout -----------------------------------------------------------------------------
+
+  // A dropout site of micro-batch mb: its stream (seed, step, layer, site), its sequences, and
+  // where a residual-stream tensor's rows start among the micro-batch's (sequence parallelism).
+  Device::DropoutSite dropout_site(const MicroBatch& mb, int layer, int site, int first_row) const {
+    Device::DropoutSite d;
+    d.stream = mix(options_.seed ^ 0x64726f706f7574ULL, static_cast<std::uint64_t>(step_),
+                   static_cast<std::uint64_t>((layer + 1) * 4 + site));
+    d.rate = dropout_;
+    d.first_sequence = static_cast<std::int64_t>(replica_ * micro_batches_ + mb.index) * B_;
+    d.first_row = first_row;
+    d.Sq = Sq_;
+    d.positions = positions_;
+    d.head_offset = t_ * H_;
+    return d;
+  }
+
+  int residual_site(OpId branch) const {
+    const OpKind kind = g_.op(branch).kind;
+    DTSIM_ASSERT(kind == OpKind::AttnOutProj || kind == OpKind::MlpDown,
+                 "a residual's first input is its block's output");
+    return kind == OpKind::AttnOutProj ? kAttnResidual : kMlpResidual;
+  }
+
+  // The embedding's dropout, once its output is whole (after the tensor-parallel reduction;
+  // the rank's share of the sequence under sequence parallelism).
+  void embedding_dropout(MicroBatch& mb, OpId id) {
+    if (dropout_ == 0) return;
+    View& out = mb.out.at(id);
+    const int rows = static_cast<int>(out.size() / C_);
+    fresh(mb.mask[id], out.size(), Dtype::U8);
+    dev_.dropout_forward(out, mb.mask[id], out,
+                         dropout_site(mb, -1, kEmbeddingDropout, rows == T_ ? 0 : t_ * Ts_), rows,
+                         C_);
+  }
+
+  // What the attention core adds to attention_forward: context parallelism's keys, and its
+  // dropout (`site`, or none; the masks are the caller's).
+  Device::Attention attention_extras(MicroBatch& mb, OpId id, const Device::DropoutSite* site) {
+    Device::Attention a;
+    if (cp_ > 1) a.kv = mb.kv.at(id);
+    a.cp = cp_;
+    a.qpos = positions_;
+    a.order = key_order_;
+    a.dropout = site;
+    return a;
+  }
+
   // Which gradients a backward computes: both, or (zero-bubble) the input gradients in the B
   // pass and the weight gradients in the later W pass.
   enum class Part { Both, Input, Weight };
@@ -935,8 +1022,17 @@ class Runner {
       case OpKind::Embedding:
         // Only weight gradients (the tokens have none).
         if (weight_grads) {
-          dev_.embedding_backward(grad(param(id, 0)), bias_grad(id), mb.grad.at(id), mb.tokens, B_,
-                                  Sq_, C_, t_ * Vl_, positions_);
+          // Through the embedding's dropout, unless the sequence-parallel all-gather of this
+          // gradient went through it (on the rank's share).
+          View dy = mb.grad.at(id);
+          const bool dropped = dropout_ > 0 && Ts_ == T_;
+          if (dropped) {
+            dy = allocate(dy.size());
+            dev_.dropout_backward(dy, mb.mask.at(id), mb.grad.at(id), dropout_);
+          }
+          dev_.embedding_backward(grad(param(id, 0)), bias_grad(id), dy, mb.tokens, B_, Sq_, C_,
+                                  t_ * Vl_, positions_);
+          if (dropped) dev_.release(dy);
         }
         break;
       case OpKind::Norm:
@@ -978,13 +1074,18 @@ class Runner {
         const View q = rope ? mb.aux2.at(id) : mb.out.at(input(id));
         // Rotary positions: the gradient of the rotated q and k, turned back into qkv's.
         const View dq = rope ? allocate(q.size()) : grad_of(mb, input(id));
-        if (cp_ > 1) {
+        if (cp_ > 1 || dropout_ > 0) {
+          const Device::DropoutSite site = dropout_site(mb, op.layer, kAttentionDropout, 0);
+          Device::Attention a = attention_extras(mb, id, dropout_ > 0 ? &site : nullptr);
+          if (dropout_ > 0) {
+            a.mask = mb.mask.at(id);
+            a.dropped = mb.dropped.at(id);
+          }
           // K and V gradients of every cp rank's tokens, reduce-scattered to their owners by
           // the Program's next task (cp_collective).
-          fresh(mb.kv_grad[id], mb.kv.at(id).size());
-          dev_.attention_backward_cp(dq, mb.kv_grad[id], mb.grad.at(id), q, mb.kv.at(id),
-                                     mb.aux1.at(id), positions_, key_order_, B_, Sq_, cp_, H_, G_,
-                                     D_);
+          if (cp_ > 1) fresh(mb.kv_grad[id], mb.kv.at(id).size());
+          dev_.attention_backward_ex(dq, cp_ > 1 ? mb.kv_grad[id] : dq, mb.grad.at(id), q,
+                                     mb.aux1.at(id), B_, Sq_, H_, G_, D_, a);
         } else {
           dev_.attention_backward(dq, mb.grad.at(id), q, mb.aux1.at(id), B_, S_, H_, G_, D_);
         }
@@ -995,9 +1096,16 @@ class Runner {
         }
         break;
       }
-      case OpKind::Residual:
-        for (OpId pred : g_.predecessors(id)) dev_.accumulate(grad_of(mb, pred), mb.grad.at(id));
+      case OpKind::Residual: {
+        const auto preds = g_.predecessors(id);
+        if (dropout_ > 0) {
+          dev_.dropout_backward(grad_of(mb, preds[0]), mb.mask.at(id), mb.grad.at(id), dropout_);
+        } else {
+          dev_.accumulate(grad_of(mb, preds[0]), mb.grad.at(id));
+        }
+        dev_.accumulate(grad_of(mb, preds[1]), mb.grad.at(id));
         break;
+      }
       case OpKind::Activation: {
         const View in = mb.out.at(input(id));
         if (m_.activation == model::Activation::Gelu) {
@@ -1320,8 +1428,16 @@ class Runner {
       reduce_scatter(out, shard);
       dev_.release(out);
       out = shard;
+      if (g_.op(anchor).kind == OpKind::Embedding) embedding_dropout(mb, anchor);
     } else if (exit) {  // backward g: the gradient of that output, gathered
       auto& grad = mb.grad.at(anchor);
+      if (g_.op(anchor).kind == OpKind::Embedding && dropout_ > 0) {
+        // Through the embedding's dropout first, on the rank's share (as it was applied).
+        const View dy = allocate(grad.size());
+        dev_.dropout_backward(dy, mb.mask.at(anchor), grad, dropout_);
+        dev_.release(grad);
+        grad = dy;
+      }
       const View whole = allocate(whole_size);
       all_gather(grad, whole);
       dev_.release(grad);
@@ -1391,6 +1507,7 @@ class Runner {
           loss_statistics(task, mb, anchor, /*reduce=*/true);
         } else if (exit) {
           comm_.all_reduce(task.group, mb.out.at(anchor), Reduce::Sum);  // forward: g
+          if (op.kind == OpKind::Embedding) embedding_dropout(mb, anchor);
         } else if (program_.plan.overlap_tp_backward &&
                    index != last_use_[static_cast<std::size_t>(task.micro_batch)]) {
           // f's backward, overlapped: it runs while the layer's weight gradient computes and
@@ -1454,7 +1571,18 @@ class Runner {
   // communication tasks touch; a test runs plans with and without the early releases and finds
   // the same losses bit for bit).
 
-  enum class Slot : std::uint8_t { Out, Grad, Aux1, Aux2, Full, FullGrad, Kv, KvGrad };
+  enum class Slot : std::uint8_t {
+    Out,
+    Grad,
+    Aux1,
+    Aux2,
+    Full,
+    FullGrad,
+    Kv,
+    KvGrad,
+    Mask,
+    Dropped
+  };
   struct Use {
     Slot slot;
     OpId id;
@@ -1480,6 +1608,7 @@ class Runner {
     switch (op.kind) {
       case OpKind::Embedding:
         make(Slot::Out, id);
+        if (dropout_ > 0 && tp_ == 1) make(Slot::Mask, id);
         break;
       case OpKind::Norm:
         read(Slot::Out, input(id));
@@ -1498,11 +1627,16 @@ class Runner {
         if (cp_ > 1) read(Slot::Kv, id);
         make(Slot::Out, id);
         make(Slot::Aux1, id);
+        if (dropout_ > 0) {
+          make(Slot::Mask, id);
+          make(Slot::Dropped, id);
+        }
         if (m_.positions == model::Positions::Rope) make(Slot::Aux2, id);
         break;
       case OpKind::Residual:
         for (OpId pred : g_.predecessors(id)) read(Slot::Out, pred);
         make(Slot::Out, id);
+        if (dropout_ > 0) make(Slot::Mask, id);
         break;
       case OpKind::Activation:
         read(Slot::Out, input(id));
@@ -1535,6 +1669,7 @@ class Runner {
         break;
       case OpKind::Embedding:
         if (weight_grads) read(Slot::Grad, id);
+        if (weight_grads && dropout_ > 0 && Ts_ == T_) read(Slot::Mask, id);
         break;
       case OpKind::Norm:
         for (Slot s : {Slot::Grad, Slot::Aux1, Slot::Aux2}) read(s, id);
@@ -1557,6 +1692,10 @@ class Runner {
           read(Slot::Kv, id);
           u.push_back({Slot::KvGrad, id, true});
         }
+        if (dropout_ > 0) {
+          read(Slot::Mask, id);
+          read(Slot::Dropped, id);
+        }
         read(m_.positions == model::Positions::Rope ? Slot::Aux2 : Slot::Out,
              m_.positions == model::Positions::Rope ? id : input(id));
         read(Slot::Grad, input(id));
@@ -1564,6 +1703,7 @@ class Runner {
       case OpKind::Residual:
         read(Slot::Grad, id);
         for (OpId pred : g_.predecessors(id)) read(Slot::Grad, pred);
+        if (dropout_ > 0) read(Slot::Mask, id);
         break;
       case OpKind::Activation:
         read(Slot::Out, input(id));
@@ -1594,12 +1734,18 @@ class Runner {
     if (kind != GroupKind::Tp) return u;
     const Op& op = g_.op(anchor);
     const bool exit = op.kind == OpKind::Embedding || row_parallel(op);
+    // The embedding's dropout: applied after its forward reduction, undone (sequence
+    // parallelism) before its backward all-gather.
+    const bool embedding_dropout = op.kind == OpKind::Embedding && dropout_ > 0;
     if (program_.plan.scatter_gather_p2p && task.collective == CollectiveKind::AllGather) {
       return {{carried, anchor, false}};
     }
     if (task.collective == CollectiveKind::ReduceScatter ||
         task.collective == CollectiveKind::AllGather) {
       const bool scatter = task.collective == CollectiveKind::ReduceScatter;
+      if (exit && embedding_dropout) {
+        return {{scatter ? Slot::Out : Slot::Grad, anchor, false}, {Slot::Mask, anchor, scatter}};
+      }
       if (exit) return {{scatter ? Slot::Out : Slot::Grad, anchor, false}};
       const OpId in = input(anchor);
       if (!scatter) return {{Slot::Out, in, false}, {Slot::Full, in, true}};
@@ -1607,6 +1753,7 @@ class Runner {
     }
     if (op.kind == OpKind::Loss)
       return {{Slot::Out, input(anchor), false}, {Slot::Aux2, anchor, true}};
+    if (exit && embedding_dropout) return {{Slot::Out, anchor, false}, {Slot::Mask, anchor, true}};
     if (exit) return {{Slot::Out, anchor, false}};
     return {{Slot::Grad, input(anchor), false}};
   }
@@ -1810,6 +1957,13 @@ class Runner {
       sequence_parallel_collective(task, batches_.at(static_cast<std::size_t>(task.micro_batch)),
                                    anchor, op.kind == OpKind::Embedding || row_parallel(op),
                                    /*local=*/true);
+    } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
+               program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
+               task.collective == CollectiveKind::AllReduce &&
+               g_.op(static_cast<OpId>(task.op_begin)).kind == OpKind::Embedding) {
+      // The embedding's dropout follows its (here skipped) reduction.
+      embedding_dropout(batches_.at(static_cast<std::size_t>(task.micro_batch)),
+                        static_cast<OpId>(task.op_begin));
     } else if (task.kind == TaskKind::Collective &&
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Cp) {
       cp_collective(task, batches_.at(static_cast<std::size_t>(task.micro_batch)),
@@ -2032,6 +2186,8 @@ class Runner {
   // their positions, the keys' order (place_positions; empty views without cp); and the data
   // -parallel replica whose sequences the rank reads.
   int cp_ = 1, c_ = 0, Sq_ = 0, replica_ = 0;
+  float dropout_ = 0;  // the model's dropout rate (kDropoutRate, or 0 without dropout)
+  int step_ = 0;       // the step being run (dropout masks differ per step)
   View positions_, key_order_;
   std::vector<int> host_positions_;
   bool sharded_ = false, last_stage_ = false;
@@ -2052,12 +2208,6 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
     throw UnsupportedError(fmt::format("dtexec: {} is not executed yet", what));
   };
   if (m.moe) refuse(fmt::format("a mixture of experts (model {})", m.name));
-  if (m.dropout) {
-    refuse(
-        fmt::format("dropout (model {}; --no-dropout trains it without, and dtsim "
-                    "--no-dropout predicts that model)",
-                    m.name));
-  }
   if (p.cp > 1 && p.seq_len % (2 * p.cp) != 0) {
     refuse(
         fmt::format("context parallelism cp {} with sequence length {}, not divisible by 2·cp "

@@ -103,6 +103,13 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
             D = static_cast<int>(m.head_dim), F = static_cast<int>(m.ffn_hidden);
   const bool rms = m.norm == model::Norm::RmsNorm;
   const bool gelu = m.activation == model::Activation::Gelu;
+  // A model with dropout is timed with it (the runner's masks, at its rate), so that the rates
+  // of the attention core, the residuals and the embedding include it.
+  Dropout dropout;
+  dropout.stream = 1;
+  dropout.rate = kDropoutRate;
+  dropout.Sq = S;
+  const Dropout* drop = m.dropout ? &dropout : nullptr;
   const auto tc = static_cast<std::size_t>(T) * C;
   std::vector<OpTiming> timings;
   auto record = [&](const char* name, double fwd_s, double bwd_s) {
@@ -148,19 +155,35 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
         // With RoPE the runner turns q and k before the core and the gradients back after.
         const bool rope = m.positions == model::Positions::Rope;
         std::vector<float> turned(rope ? width : 0), turned_grad(rope ? width : 0);
+        // Dropout of the probabilities: a mask and the dropped probabilities per copy.
+        std::vector<std::vector<std::uint8_t>> mask(drop ? n : 0,
+                                                    std::vector<std::uint8_t>(probs_n));
+        std::vector<std::vector<float>> dropped(drop ? n : 0, std::vector<float>(probs_n));
+        auto options = [&](std::size_t i) {
+          AttentionOptions o;
+          if (drop) {
+            o.dropout = drop;
+            o.mask = mask[i];
+            o.dropped = dropped[i];
+          }
+          return o;
+        };
         const double f = median_per_copy(repeats, n, [&](std::size_t i) {
           out[i].assign(out_n, 0.0f);
           probs[i].assign(probs_n, 0.0f);
           if (rope) rope_forward(turned, qkv[i], B, S, H, G, D, m.rope_theta);
-          attention_forward(out[i], probs[i], rope ? In(turned) : In(qkv[i]), B, S, H, G, D);
+          attention_forward(out[i], probs[i], rope ? In(turned) : In(qkv[i]), B, S, H, G, D,
+                            options(i));
         });
         const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
           if (rope) {
             turned_grad.assign(width, 0.0f);
-            attention_backward(turned_grad, dout[i], qkv[i], probs[i], B, S, H, G, D);
+            attention_backward(turned_grad, turned_grad, dout[i], qkv[i], probs[i], B, S, H, G, D,
+                               options(i));
             rope_backward(dqkv[i], turned_grad, B, S, H, G, D, m.rope_theta);
           } else {
-            attention_backward(dqkv[i], dout[i], qkv[i], probs[i], B, S, H, G, D);
+            attention_backward(dqkv[i], dqkv[i], dout[i], qkv[i], probs[i], B, S, H, G, D,
+                               options(i));
           }
         });
         record("attention", f, bw);
@@ -197,12 +220,22 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
              dout = random_buffers(n, tc, 11);
         std::vector<std::vector<float>> out(n, std::vector<float>(tc)),
             da(n, std::vector<float>(tc)), db(n, std::vector<float>(tc));
+        // With dropout the branch (a) is dropped out: its mask is kept per copy.
+        std::vector<std::vector<std::uint8_t>> mask(drop ? n : 0, std::vector<std::uint8_t>(tc));
         const double f = median_per_copy(repeats, n, [&](std::size_t i) {
           out[i].resize(tc);
-          add_forward(out[i], a[i], b[i]);
+          if (drop) {
+            dropout_add_forward(out[i], mask[i], a[i], b[i], *drop, T, C);
+          } else {
+            add_forward(out[i], a[i], b[i]);
+          }
         });
         const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
-          accumulate(da[i], dout[i]);
+          if (drop) {
+            dropout_backward(da[i], mask[i], dout[i], drop->rate);
+          } else {
+            accumulate(da[i], dout[i]);
+          }
           accumulate(db[i], dout[i]);
         });
         record("residual", f, bw);
@@ -221,12 +254,21 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
     std::vector<std::vector<float>> out(n);
     std::vector<float> dwte(wte.size()), dwpe(wpe.size());
     const bool learned = m.positions == model::Positions::Learned;
+    // With dropout: on the output, and the gradient through it first (as the runner does).
+    std::vector<std::vector<std::uint8_t>> mask(drop ? n : 0, std::vector<std::uint8_t>(tc));
+    std::vector<float> dy(drop ? tc : 0);
     const double f = median_per_copy(repeats, n, [&](std::size_t i) {
       out[i].assign(tc, 0.0f);
       embedding_forward(out[i], tokens, wte, learned ? In(wpe) : In(), B, S, C);
+      if (drop) dropout_forward(out[i], mask[i], out[i], *drop, T, C);
     });
     const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
-      embedding_backward(dwte, learned ? Out(dwpe) : Out(), dout[i], tokens, B, S, C);
+      if (drop) {
+        dy.assign(tc, 0.0f);
+        dropout_backward(dy, mask[i], dout[i], drop->rate);
+      }
+      embedding_backward(dwte, learned ? Out(dwpe) : Out(), drop ? In(dy) : In(dout[i]), tokens, B,
+                         S, C);
     });
     record("embedding", f, bw);
   }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "exec/cpu/kernels.hpp"
 
@@ -24,8 +25,10 @@ std::span<const int> ints(View v) {
 }  // namespace
 
 View CpuDevice::allocate(std::int64_t n, Dtype type) {
-  DTSIM_ASSERT(n >= 0 && type != Dtype::BF16, "the CPU device holds fp32 and int32");
-  const auto words = static_cast<std::size_t>(std::max<std::int64_t>(n, 1));
+  DTSIM_ASSERT(n >= 0 && type != Dtype::BF16, "the CPU device holds fp32, int32 and masks");
+  // Words of 4 bytes (a mask of n bytes takes n/4 of them, rounded up).
+  const auto words = static_cast<std::size_t>(
+      std::max<std::int64_t>((n * static_cast<std::int64_t>(bytes_of(type)) + 3) / 4, 1));
   std::unique_ptr<float[]> block;
   std::size_t capacity = words;
   const auto it = free_.lower_bound(words);
@@ -154,17 +157,69 @@ void CpuDevice::attention_backward(View dqkv, View dout, View qkv, View probs, i
   cpu::attention_backward(floats(dqkv), floats(dout), floats(qkv), floats(probs), B, S, H, G, D);
 }
 
-void CpuDevice::attention_forward_cp(View out, View probs, View qkv, View kv, View qpos, View order,
-                                     int B, int Sq, int cp, int H, int G, int D) {
-  cpu::attention_forward_cp(floats(out), floats(probs), floats(qkv), floats(kv), ints(qpos),
-                            ints(order), B, Sq, cp, H, G, D);
+namespace {
+
+std::span<std::uint8_t> bytes(View v) {
+  if (v.empty()) return {};
+  DTSIM_ASSERT(v.type == Dtype::U8, "a mask (uint8) view");
+  return {static_cast<std::uint8_t*>(v.p), static_cast<std::size_t>(v.n)};
 }
 
-void CpuDevice::attention_backward_cp(View dqkv, View dkv, View dout, View qkv, View kv, View probs,
-                                      View qpos, View order, int B, int Sq, int cp, int H, int G,
-                                      int D) {
-  cpu::attention_backward_cp(floats(dqkv), floats(dkv), floats(dout), floats(qkv), floats(kv),
-                             floats(probs), ints(qpos), ints(order), B, Sq, cp, H, G, D);
+cpu::Dropout dropout_of(const Device::DropoutSite& d) {
+  cpu::Dropout out;
+  out.stream = d.stream;
+  out.rate = d.rate;
+  out.first_sequence = d.first_sequence;
+  out.first_row = d.first_row;
+  out.Sq = d.Sq;
+  out.positions = ints(d.positions);
+  out.head_offset = d.head_offset;
+  return out;
+}
+
+}  // namespace
+
+void CpuDevice::attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G,
+                                     int D, const Attention& a) {
+  const std::optional<cpu::Dropout> dropout =
+      a.dropout ? std::optional(dropout_of(*a.dropout)) : std::nullopt;
+  const cpu::AttentionOptions o{floats(a.kv),
+                                a.cp,
+                                ints(a.qpos),
+                                ints(a.order),
+                                dropout ? &*dropout : nullptr,
+                                bytes(a.mask),
+                                floats(a.dropped)};
+  cpu::attention_forward(floats(out), floats(probs), floats(qkv), B, Sq, H, G, D, o);
+}
+
+void CpuDevice::attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B,
+                                      int Sq, int H, int G, int D, const Attention& a) {
+  const std::optional<cpu::Dropout> dropout =
+      a.dropout ? std::optional(dropout_of(*a.dropout)) : std::nullopt;
+  const cpu::AttentionOptions o{floats(a.kv),
+                                a.cp,
+                                ints(a.qpos),
+                                ints(a.order),
+                                dropout ? &*dropout : nullptr,
+                                bytes(a.mask),
+                                floats(a.dropped)};
+  cpu::attention_backward(floats(dqkv), floats(dkv), floats(dout), floats(qkv), floats(probs), B,
+                          Sq, H, G, D, o);
+}
+
+void CpuDevice::dropout_forward(View out, View mask, View in, const DropoutSite& d, int T, int C) {
+  cpu::dropout_forward(floats(out), bytes(mask), floats(in), dropout_of(d), T, C);
+}
+
+void CpuDevice::dropout_add_forward(View out, View mask, View branch, View skip,
+                                    const DropoutSite& d, int T, int C) {
+  cpu::dropout_add_forward(floats(out), bytes(mask), floats(branch), floats(skip), dropout_of(d), T,
+                           C);
+}
+
+void CpuDevice::dropout_backward(View din, View mask, View dout, float rate) {
+  cpu::dropout_backward(floats(din), bytes(mask), floats(dout), rate);
 }
 
 void CpuDevice::copy_columns(View dst, View src, int T, int src_width, int begin, int width) {

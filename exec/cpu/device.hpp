@@ -61,12 +61,15 @@ class CpuDevice final : public Device {
                          int vocab_begin, View positions) override;
   void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
                           int vocab_begin, View positions) override;
-  bool context_parallel() const override { return true; }
-  void attention_forward_cp(View out, View probs, View qkv, View kv, View qpos, View order, int B,
-                            int Sq, int cp, int H, int G, int D) override;
-  void attention_backward_cp(View dqkv, View dkv, View dout, View qkv, View kv, View probs,
-                             View qpos, View order, int B, int Sq, int cp, int H, int G,
-                             int D) override;
+  bool has(Feature) const override { return true; }
+  void attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G, int D,
+                            const Attention& a) override;
+  void attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B, int Sq,
+                             int H, int G, int D, const Attention& a) override;
+  void dropout_forward(View out, View mask, View in, const DropoutSite& d, int T, int C) override;
+  void dropout_add_forward(View out, View mask, View branch, View skip, const DropoutSite& d, int T,
+                           int C) override;
+  void dropout_backward(View din, View mask, View dout, float rate) override;
   void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override;
   void add_columns(View dst, View src, int T, int dst_width, int begin, int width) override;
   void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override;

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <vector>
 
+#include "sim/common/error.hpp"
+
 namespace dtsim::exec::cpu {
 
 void set_gemm_threads(int threads) {
@@ -149,7 +151,23 @@ void swiglu_backward(Out din, In in, In dout, int T, int F) {
   }
 }
 
+std::uint64_t counter_hash(std::uint64_t seed, std::uint64_t a, std::uint64_t b) {
+  std::uint64_t z = seed ^ (a + 1) * 0x9e3779b97f4a7c15ULL ^ (b + 1) * 0xc2b2ae3d27d4eb4fULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+bool Dropout::keeps(std::int64_t sequence, std::uint64_t index) const {
+  const std::uint64_t u = counter_hash(stream, static_cast<std::uint64_t>(sequence), index) >> 40;
+  return static_cast<float>(u) * (1.0f / 16777216.0f) >= rate;
+}
+
 namespace {
+
+int position_of(std::span<const int> positions, int s) {
+  return positions.empty() ? s : positions[static_cast<std::size_t>(s)];
+}
 
 // Where causal attention finds its queries and its keys and values. Queries: the q columns of
 // qkv [B·Sq, (H + 2·G)·D], query s of a sequence at position qpos[s] (s itself when qpos is
@@ -163,8 +181,27 @@ struct Attention {
   std::span<const int> qpos, order;
   int ranks;
   std::size_t stride, k_col, v_col;
+  const Dropout* dropout;
 
-  int position(int s) const { return qpos.empty() ? s : qpos[static_cast<std::size_t>(s)]; }
+  Attention(int B_, int Sq_, int H_, int G_, int D_, const AttentionOptions& o)
+      : B(B_),
+        Sq(Sq_),
+        S(Sq_ * o.cp),
+        H(H_),
+        G(G_),
+        D(D_),
+        qpos(o.qpos),
+        order(o.order),
+        ranks(o.cp),
+        dropout(o.dropout) {
+    const bool own_keys = o.kv.empty();
+    DTSIM_ASSERT(!own_keys || o.cp == 1, "context parallelism reads the keys of every rank");
+    stride = static_cast<std::size_t>(own_keys ? H + 2 * G : 2 * G) * D;
+    k_col = own_keys ? static_cast<std::size_t>(H) * D : 0;
+    v_col = k_col + static_cast<std::size_t>(G) * D;
+  }
+
+  int position(int s) const { return position_of(qpos, s); }
   // The row of sequence b's key at position p.
   std::size_t key_row(int b, int p) const {
     const int j = order.empty() ? p : order[static_cast<std::size_t>(p)];
@@ -178,46 +215,27 @@ struct Attention {
   std::size_t v_at(int b, int p, int g) const {
     return key_row(b, p) * stride + v_col + static_cast<std::size_t>(g) * D;
   }
+  // The index of the probability of (head h, query position q, key position k) in its
+  // sequence, for dropout: over all heads, so that tensor-parallel ranks draw their own.
+  std::uint64_t element(int h, int q, int k) const {
+    return (static_cast<std::uint64_t>(dropout->head_offset + h) * S + q) * S + k;
+  }
 };
 
-Attention one_rank(int B, int S, int H, int G, int D) {
-  const auto width = static_cast<std::size_t>(H + 2 * G) * D;
-  return {B,
-          S,
-          S,
-          H,
-          G,
-          D,
-          {},
-          {},
-          1,
-          width,
-          static_cast<std::size_t>(H) * D,
-          static_cast<std::size_t>(H + G) * D};
-}
-
-Attention context_parallel(int B, int Sq, int cp, int H, int G, int D, std::span<const int> qpos,
-                           std::span<const int> order) {
-  return {B,       Sq,
-          Sq * cp, H,
-          G,       D,
-          qpos,    order,
-          cp,      static_cast<std::size_t>(2 * G) * D,
-          0,       static_cast<std::size_t>(G) * D};
-}
-
-void attend(const Attention& a, Out out, Out probs, In qkv, In kv) {
+void attend(const Attention& a, Out out, Out probs, In qkv, In kv, const AttentionOptions& o) {
   const auto [B, Sq, S, H, G, D] = std::array{a.B, a.Sq, a.S, a.H, a.G, a.D};
   const std::size_t width = static_cast<std::size_t>(H + 2 * G) * D;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int group = H / G;
   for (int b = 0; b < B; ++b) {
+    const std::int64_t sequence = a.dropout ? a.dropout->first_sequence + b : 0;
     for (int h = 0; h < H; ++h) {
       const int g = h / group;
       for (int i = 0; i < Sq; ++i) {
         const int last = a.position(i);
         const float* q = qkv.data() + (static_cast<std::size_t>(b) * Sq + i) * width + h * D;
-        float* p = probs.data() + ((static_cast<std::size_t>(b) * H + h) * Sq + i) * S;
+        const std::size_t at = ((static_cast<std::size_t>(b) * H + h) * Sq + i) * S;
+        float* p = probs.data() + at;
         float maxv = -INFINITY;
         for (int j = 0; j <= last; ++j) {
           const float* k = kv.data() + a.k_at(b, j, g);
@@ -232,11 +250,24 @@ void attend(const Attention& a, Out out, Out probs, In qkv, In kv) {
           sum += p[j];
         }
         for (int j = 0; j < S; ++j) p[j] = j <= last ? p[j] / sum : 0.0f;
-        float* o = out.data() + (static_cast<std::size_t>(b) * Sq + i) * H * D + h * D;
-        for (int d = 0; d < D; ++d) o[d] = 0;
+        // Dropout of the probabilities: the values read them after it.
+        const float* weights = p;
+        if (a.dropout) {
+          float* dropped = o.dropped.data() + at;
+          std::uint8_t* mask = o.mask.data() + at;
+          const float keep_scale = a.dropout->scale();
+          for (int j = 0; j < S; ++j) {
+            const bool keep = j <= last && a.dropout->keeps(sequence, a.element(h, last, j));
+            mask[j] = keep ? 1 : 0;
+            dropped[j] = keep ? p[j] * keep_scale : 0.0f;
+          }
+          weights = dropped;
+        }
+        float* o_row = out.data() + (static_cast<std::size_t>(b) * Sq + i) * H * D + h * D;
+        for (int d = 0; d < D; ++d) o_row[d] = 0;
         for (int j = 0; j <= last; ++j) {
           const float* v = kv.data() + a.v_at(b, j, g);
-          for (int d = 0; d < D; ++d) o[d] += p[j] * v[d];
+          for (int d = 0; d < D; ++d) o_row[d] += weights[j] * v[d];
         }
       }
     }
@@ -244,11 +275,13 @@ void attend(const Attention& a, Out out, Out probs, In qkv, In kv) {
 }
 
 // dq into the q columns of dqkv; dk, dv into dkv at the places attend() read k and v.
-void attend_backward(const Attention& a, Out dqkv, Out dkv, In dout, In qkv, In kv, In probs) {
+void attend_backward(const Attention& a, Out dqkv, Out dkv, In dout, In qkv, In kv, In probs,
+                     const AttentionOptions& o) {
   const auto [B, Sq, S, H, G, D] = std::array{a.B, a.Sq, a.S, a.H, a.G, a.D};
   const std::size_t width = static_cast<std::size_t>(H + 2 * G) * D;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int group = H / G;
+  const float keep_scale = a.dropout ? a.dropout->scale() : 1.0f;
   std::vector<float> dp(static_cast<std::size_t>(S));
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < H; ++h) {
@@ -256,9 +289,13 @@ void attend_backward(const Attention& a, Out dqkv, Out dkv, In dout, In qkv, In 
       for (int i = 0; i < Sq; ++i) {
         const int last = a.position(i);
         const std::size_t row = static_cast<std::size_t>(b) * Sq + i;
-        const float* p = probs.data() + ((static_cast<std::size_t>(b) * H + h) * Sq + i) * S;
+        const std::size_t at = ((static_cast<std::size_t>(b) * H + h) * Sq + i) * S;
+        const float* p = probs.data() + at;
+        // What the values read: the probabilities after dropout, if any.
+        const float* weights = a.dropout ? o.dropped.data() + at : p;
+        const std::uint8_t* mask = a.dropout ? o.mask.data() + at : nullptr;
         const float* dy = dout.data() + row * H * D + h * D;
-        // dP = dy · v^T; dv += P^T · dy
+        // dP = dy · v^T (through dropout: masked and scaled); dv += P^T · dy
         float dot = 0;
         for (int j = 0; j <= last; ++j) {
           const float* v = kv.data() + a.v_at(b, j, g);
@@ -266,8 +303,9 @@ void attend_backward(const Attention& a, Out dqkv, Out dkv, In dout, In qkv, In 
           float s = 0;
           for (int d = 0; d < D; ++d) {
             s += dy[d] * v[d];
-            dv[d] += p[j] * dy[d];
+            dv[d] += weights[j] * dy[d];
           }
+          if (mask) s = mask[j] ? s * keep_scale : 0.0f;
           dp[static_cast<std::size_t>(j)] = s;
           dot += s * p[j];
         }
@@ -291,23 +329,58 @@ void attend_backward(const Attention& a, Out dqkv, Out dkv, In dout, In qkv, In 
 }  // namespace
 
 void attention_forward(Out out, Out probs, In qkv, int B, int S, int H, int G, int D) {
-  attend(one_rank(B, S, H, G, D), out, probs, qkv, qkv);
+  attention_forward(out, probs, qkv, B, S, H, G, D, AttentionOptions{});
 }
 
 void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H, int G, int D) {
-  attend_backward(one_rank(B, S, H, G, D), dqkv, dqkv, dout, qkv, qkv, probs);
+  attention_backward(dqkv, dqkv, dout, qkv, probs, B, S, H, G, D, AttentionOptions{});
 }
 
-void attention_forward_cp(Out out, Out probs, In qkv, In kv, std::span<const int> qpos,
-                          std::span<const int> order, int B, int Sq, int cp, int H, int G, int D) {
-  attend(context_parallel(B, Sq, cp, H, G, D, qpos, order), out, probs, qkv, kv);
+void attention_forward(Out out, Out probs, In qkv, int B, int Sq, int H, int G, int D,
+                       const AttentionOptions& o) {
+  attend(Attention(B, Sq, H, G, D, o), out, probs, qkv, o.kv.empty() ? qkv : o.kv, o);
 }
 
-void attention_backward_cp(Out dqkv, Out dkv, In dout, In qkv, In kv, In probs,
-                           std::span<const int> qpos, std::span<const int> order, int B, int Sq,
-                           int cp, int H, int G, int D) {
-  attend_backward(context_parallel(B, Sq, cp, H, G, D, qpos, order), dqkv, dkv, dout, qkv, kv,
-                  probs);
+void attention_backward(Out dqkv, Out dkv, In dout, In qkv, In probs, int B, int Sq, int H, int G,
+                        int D, const AttentionOptions& o) {
+  attend_backward(Attention(B, Sq, H, G, D, o), dqkv, dkv, dout, qkv, o.kv.empty() ? qkv : o.kv,
+                  probs, o);
+}
+
+namespace {
+
+// Row r of a residual-stream tensor: its sequence (of the micro-batch) and position.
+std::pair<int, int> row_place(const Dropout& d, int r) {
+  const int row = d.first_row + r;
+  return {row / d.Sq, position_of(d.positions, row % d.Sq)};
+}
+
+}  // namespace
+
+void dropout_forward(Out out, std::span<std::uint8_t> mask, In in, const Dropout& d, int T, int C) {
+  const float keep_scale = d.scale();
+  for (int r = 0; r < T; ++r) {
+    const auto [b, position] = row_place(d, r);
+    for (int c = 0; c < C; ++c) {
+      const std::size_t i = static_cast<std::size_t>(r) * C + c;
+      const bool keep = d.keeps(d.first_sequence + b, static_cast<std::uint64_t>(position) * C + c);
+      mask[i] = keep ? 1 : 0;
+      out[i] = keep ? in[i] * keep_scale : 0.0f;
+    }
+  }
+}
+
+void dropout_add_forward(Out out, std::span<std::uint8_t> mask, In branch, In skip,
+                         const Dropout& d, int T, int C) {
+  dropout_forward(out, mask, branch, d, T, C);
+  for (std::size_t i = 0; i < static_cast<std::size_t>(T) * C; ++i) out[i] += skip[i];
+}
+
+void dropout_backward(Out din, std::span<const std::uint8_t> mask, In dout, float rate) {
+  const float keep_scale = 1.0f / (1.0f - rate);
+  for (std::size_t i = 0; i < din.size(); ++i) {
+    if (mask[i]) din[i] += dout[i] * keep_scale;
+  }
 }
 
 void copy_columns(Out dst, In src, int T, int src_width, int begin, int width) {
@@ -326,10 +399,6 @@ void add_columns(Out dst, In src, int T, int dst_width, int begin, int width) {
 }
 
 namespace {
-int position_of(std::span<const int> positions, int s) {
-  return positions.empty() ? s : positions[static_cast<std::size_t>(s)];
-}
-
 // Turns the q and k heads of one row by the angles of position s; sign -1 turns back.
 void rotate_row(float* out, const float* in, int s, int heads, int D, double theta, float sign) {
   const int half = D / 2;

@@ -48,19 +48,69 @@ void swiglu_backward(Out din, In in, In dout, int T, int F);
 void attention_forward(Out out, Out probs, In qkv, int B, int S, int H, int G, int D);
 void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H, int G, int D);
 
-// Context parallelism over cp ranks, each holding Sq tokens of every sequence of S = cp·Sq:
-// this rank's queries (the q columns of qkv[B·Sq, (H + 2·G)·D]; query s at position qpos[s] of
-// its sequence) against the keys and values of every rank, kv[cp·B·Sq, 2·G·D] (rank r's B·Sq
-// rows r-th, each row K then V). order[p] is the key at position p as an index into a
-// sequence's cp·Sq keys (rank r's token s: r·Sq + s). A query attends to the positions up to
-// its own, in position order (so that the sums are those of one rank's attention_forward);
+// A counter-based hash of three words (splitmix64's finaliser, Steele et al. 2014): parameters,
+// data and dropout masks that do not depend on which rank makes them or in which order.
+std::uint64_t counter_hash(std::uint64_t seed, std::uint64_t a, std::uint64_t b);
+
+// The dropout rate of a model with dropout, at every site (the embedding, the attention
+// probabilities, both residual branches): GPT-2's embd_pdrop, attn_pdrop and resid_pdrop
+// (Hugging Face openai-community/gpt2 config.json) and Megatron-LM's --hidden-dropout and
+// --attention-dropout defaults.
+inline constexpr float kDropoutRate = 0.1f;
+
+// Dropout (Srivastava et al. 2014) at `rate`, its masks drawn from counter_hash so that every
+// split of a micro-batch over ranks (tensor, sequence and context parallelism) and every
+// recompute draws the same mask for an element: element `index` of global sequence `sequence`
+// is kept when the top 24 bits of counter_hash(stream, sequence, index) over 2^24 are >= rate,
+// and kept values are scaled by 1 / (1 - rate). Masks are kept, one byte per element.
+struct Dropout {
+  std::uint64_t stream = 0;  // one per seed, step, layer and site
+  float rate = 0;
+  std::int64_t first_sequence = 0;  // global index of the micro-batch's first sequence
+  // A residual-stream tensor's rows: its first row among the micro-batch's B·Sq rows (sequence
+  // parallelism holds a share), the rows of a sequence, and their positions (empty: 0 ... Sq-1).
+  int first_row = 0;
+  int Sq = 1;
+  std::span<const int> positions;
+  int head_offset = 0;  // attention: this rank's first head among all (tensor parallelism)
+
+  bool keeps(std::int64_t sequence, std::uint64_t index) const;
+  float scale() const { return 1.0f / (1.0f - rate); }
+};
+
+// Rows [T, C] of the residual stream: element (position, c) has index position·C + c.
+// out = dropout(in) (out may be in); dropout_add_forward: out = skip + dropout(branch), the
+// residual connection after an attention or MLP block. dropout_backward: din += dout ⊙ mask /
+// (1 - rate).
+void dropout_forward(Out out, std::span<std::uint8_t> mask, In in, const Dropout& d, int T, int C);
+void dropout_add_forward(Out out, std::span<std::uint8_t> mask, In branch, In skip,
+                         const Dropout& d, int T, int C);
+void dropout_backward(Out din, std::span<const std::uint8_t> mask, In dout, float rate);
+
+// What attention_forward's general form adds.
+// Context parallelism over cp ranks, each holding Sq tokens of every sequence of S = cp·Sq: kv
+// holds the keys and values of every rank, [cp·B·Sq, 2·G·D] (rank r's B·Sq rows r-th, each row K
+// then V); empty, the keys and values are qkv's own (cp 1). The rank's query s is at position
+// qpos[s] of its sequence; order[p] is the key at position p as an index into a sequence's cp·Sq
+// keys (rank r's token s: r·Sq + s); empty, the identity. A query attends to the positions up
+// to its own, visited in position order, so that a split sequence sums as one rank's.
+// Dropout of the probabilities (attention dropout) when `dropout` is set: element (head,
+// query position, key position) has index (head_offset + h)·S² + q·S + k; mask and dropped
+// [B, H, Sq, S] keep its mask and the probabilities after it, which the values read.
+struct AttentionOptions {
+  In kv;
+  int cp = 1;
+  std::span<const int> qpos, order;
+  const Dropout* dropout = nullptr;
+  std::span<std::uint8_t> mask;
+  Out dropped;
+};
 // out[B·Sq, H·D]; probs[B, H, Sq, S] by key position. The backward adds dq into dqkv's q
-// columns and dk, dv into dkv (the layout of kv).
-void attention_forward_cp(Out out, Out probs, In qkv, In kv, std::span<const int> qpos,
-                          std::span<const int> order, int B, int Sq, int cp, int H, int G, int D);
-void attention_backward_cp(Out dqkv, Out dkv, In dout, In qkv, In kv, In probs,
-                           std::span<const int> qpos, std::span<const int> order, int B, int Sq,
-                           int cp, int H, int G, int D);
+// columns and dk, dv into dkv (kv's layout; dqkv's own k and v columns when kv is empty).
+void attention_forward(Out out, Out probs, In qkv, int B, int Sq, int H, int G, int D,
+                       const AttentionOptions& options);
+void attention_backward(Out dqkv, Out dkv, In dout, In qkv, In probs, int B, int Sq, int H, int G,
+                        int D, const AttentionOptions& options);
 
 // Columns [begin, begin + width) of src[T, src_width] into dst[T, width]; and back, added:
 // dst[T, dst_width]'s columns [begin, begin + width) += src[T, width].

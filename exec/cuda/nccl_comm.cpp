@@ -33,6 +33,8 @@ ncclDataType_t nccl_type(Dtype t) {
       return ncclBfloat16;
     case Dtype::I32:
       return ncclInt32;
+    case Dtype::U8:
+      return ncclUint8;
   }
   return ncclFloat32;
 }

@@ -406,9 +406,10 @@ struct Replayed {
   std::int64_t peak_bytes = 0;
 };
 Replayed replay_every_program(const char* name, dtsim::plan::Plan p, bool keep_tensors,
-                              int steps = 1) {
+                              int steps = 1, bool dropout = false) {
   p.precision = dtsim::Precision::Fp32;
-  const auto spec = dtsim::model::load_model(name);
+  auto spec = dtsim::model::load_model(name);
+  if (dropout) spec.dropout = true;
   const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 4);
   const auto program = dtsim::lower::lower(g, p);
   Replayed out;
@@ -450,12 +451,13 @@ TEST_CASE("tensors go back once nothing later reads them: the same numbers, less
     const char* label;
     const char* model;
     dtsim::plan::Plan plan;
+    bool dropout = false;
   };
   std::vector<Case> cases;
-  auto add = [&](const char* label, const char* model, auto&& change) {
+  auto add = [&](const char* label, const char* model, auto&& change, bool dropout = false) {
     dtsim::plan::Plan p = single_rank(2, 4);
     change(p);
-    cases.push_back({label, model, p});
+    cases.push_back({label, model, p, dropout});
   };
   add("one rank", "tiny-gpt", [](auto&) {});
   add("full recompute", "tiny-gpt", [](auto& p) { p.recompute = dtsim::plan::Recompute::Full; });
@@ -489,10 +491,26 @@ TEST_CASE("tensors go back once nothing later reads them: the same numbers, less
     p.tp = 2;
     p.recompute = dtsim::plan::Recompute::Selective;
   });
+  // Dropout's masks: made by the embedding (one rank), after its tp all-reduce or its
+  // sequence-parallel reduce-scatter, by the residuals and the attention core.
+  add(
+      "dropout", "tiny-gpt", [](auto&) {}, true);
+  add(
+      "dropout, tp 2", "tiny-gpt", [](auto& p) { p.tp = 2; }, true);
+  add(
+      "dropout, tp 2 sequence parallel, cp 2, selective recompute", "tiny-gpt",
+      [](auto& p) {
+        p.tp = 2;
+        p.cp = 2;
+        p.sequence_parallel = true;
+        p.recompute = dtsim::plan::Recompute::Selective;
+      },
+      true);
   for (const auto& c : cases) {
     INFO(c.label);
-    const auto kept = replay_every_program(c.model, c.plan, /*keep_tensors=*/true, 2);
-    const auto released = replay_every_program(c.model, c.plan, /*keep_tensors=*/false, 2);
+    const auto kept = replay_every_program(c.model, c.plan, /*keep_tensors=*/true, 2, c.dropout);
+    const auto released =
+        replay_every_program(c.model, c.plan, /*keep_tensors=*/false, 2, c.dropout);
     REQUIRE(kept.losses.size() == released.losses.size());
     for (std::size_t i = 0; i < kept.losses.size(); ++i) {
       CHECK(released.losses[i] == kept.losses[i]);
@@ -514,13 +532,14 @@ TEST_CASE("the executor holds what dtsim memory predicts for the CPU plans", "[e
   struct Case {
     const char* label;
     dtsim::plan::Plan plan;
+    bool dropout = false;
   };
   std::vector<Case> cases;
   auto add = [&](const char* label, std::int64_t tp, std::int64_t pp, std::int64_t dp,
-                 auto&& change) {
+                 auto&& change, bool dropout = false) {
     dtsim::plan::Plan p = cpu_plan(tp, pp, dp);
     change(p);
-    cases.push_back({label, p});
+    cases.push_back({label, p, dropout});
   };
   add("one rank", 1, 1, 1, [](auto&) {});
   add("full recompute", 1, 1, 1, [](auto& p) { p.recompute = Recompute::Full; });
@@ -533,19 +552,27 @@ TEST_CASE("the executor holds what dtsim memory predicts for the CPU plans", "[e
   add("pp 2 1F1B", 1, 2, 1, [](auto&) {});
   add("pp 2 zero-bubble", 1, 2, 1, [](auto& p) { p.schedule = Schedule::ZeroBubble; });
   add("cp 2", 1, 1, 1, [](auto& p) { p.cp = 2; });
+  // Dropout's masks (a byte per element) and the attention probabilities after it.
+  add(
+      "dropout", 1, 1, 1, [](auto&) {}, true);
+  add(
+      "dropout, tp 2 sequence parallel", 2, 1, 1, [](auto& p) { p.sequence_parallel = true; },
+      true);
   const auto cluster = dtsim::cluster::load_cluster("cpu-host");
   dtsim::plan::MemoryOptions no_allowance;
   no_allowance.framework_overhead_bytes = 0;
   for (auto& c : cases) {
     c.plan.precision = dtsim::Precision::Fp32;
-    const auto spec = dtsim::model::load_model("cpu-small");
+    auto spec = dtsim::model::load_model("cpu-small");
+    spec.dropout = c.dropout;
     const dtsim::model::ModelGraph g(spec, c.plan.micro_batch_size, c.plan.seq_len, 4);
     const double predicted =
         dtsim::plan::estimate_memory(
             g, c.plan, dtsim::cluster::with_devices(cluster, c.plan.devices()), no_allowance)
             .worst()
             .total_bytes;
-    const auto measured = replay_every_program("cpu-small", c.plan, /*keep_tensors=*/false);
+    const auto measured =
+        replay_every_program("cpu-small", c.plan, /*keep_tensors=*/false, 1, c.dropout);
     INFO(c.label << ": measured " << measured.peak_bytes / 1048576.0 << " MiB, predicted "
                  << predicted / 1048576.0 << " MiB");
     CHECK(static_cast<double>(measured.peak_bytes) == Approx(predicted).epsilon(0.10));

@@ -154,17 +154,18 @@ TEST_CASE("causal attention with grouped KV heads matches finite differences", "
 
 // Context parallelism: cp ranks, each with two of 2·cp chunks of every sequence (c and
 // 2·cp-1-c, as the runner places them), give one rank's outputs and gradients exactly: the
-// keys are visited in position order.
+// keys are visited in position order, and dropout's masks follow positions.
 TEST_CASE("attention split over context-parallel ranks equals one rank's, bit for bit",
           "[exec][cpu]") {
   const int B = 2, cp = 2, S = 8, H = 4, G = 2, D = 3, Sq = S / cp, chunk = S / (2 * cp);
   const int width = (H + 2 * G) * D, kvw = 2 * G * D;
   const auto qkv = random(static_cast<std::size_t>(B) * S * width, 40);
   const auto dout = random(static_cast<std::size_t>(B) * S * H * D, 41);
-  std::vector<float> out(dout.size()), probs(static_cast<std::size_t>(B) * H * S * S);
-  std::vector<float> dqkv(qkv.size());
-  cpu::attention_forward(out, probs, qkv, B, S, H, G, D);
-  cpu::attention_backward(dqkv, dout, qkv, probs, B, S, H, G, D);
+  cpu::Dropout dropout;
+  dropout.stream = 7;
+  dropout.rate = 0.3f;
+  dropout.first_sequence = 5;
+  dropout.head_offset = 4;  // as tensor-parallel rank 1 of 2 with 8 heads
 
   // Rank c's positions, and each position's key among the all-gathered ones.
   std::vector<std::vector<int>> positions(cp);
@@ -174,7 +175,7 @@ TEST_CASE("attention split over context-parallel ranks equals one rank's, bit fo
     order[static_cast<std::size_t>(p)] = owner * Sq + static_cast<int>(positions[owner].size());
     positions[owner].push_back(p);
   }
-  // Every rank's rows of qkv, and the all-gathered K and V.
+  // Every rank's rows of a [B·S, w] tensor.
   auto rows_of = [&](const std::vector<float>& full, int c, int w) {
     std::vector<float> mine(static_cast<std::size_t>(B) * Sq * w);
     for (int b = 0; b < B; ++b) {
@@ -185,36 +186,122 @@ TEST_CASE("attention split over context-parallel ranks equals one rank's, bit fo
     }
     return mine;
   };
-  std::vector<float> kv(static_cast<std::size_t>(cp) * B * Sq * kvw);
-  for (int c = 0; c < cp; ++c) {
-    const auto mine = rows_of(qkv, c, width);
-    cpu::copy_columns(std::span(kv).subspan(static_cast<std::size_t>(c) * B * Sq * kvw), mine,
-                      B * Sq, width, H * D, kvw);
-  }
-  std::vector<float> dkv(kv.size());
-  std::vector<std::vector<float>> dqkv_of(cp);
-  for (int c = 0; c < cp; ++c) {
-    const auto mine = rows_of(qkv, c, width);
-    std::vector<float> o(static_cast<std::size_t>(B) * Sq * H * D);
-    std::vector<float> pr(static_cast<std::size_t>(B) * H * Sq * S);
-    cpu::attention_forward_cp(o, pr, mine, kv, positions[c], order, B, Sq, cp, H, G, D);
-    CHECK(o == rows_of(out, c, H * D));
-    dqkv_of[c].assign(mine.size(), 0.0f);
-    cpu::attention_backward_cp(dqkv_of[c], dkv, rows_of(dout, c, H * D), mine, kv, pr, positions[c],
-                               order, B, Sq, cp, H, G, D);
-  }
-  // dkv holds the sum over ranks (what the reduce-scatter makes); each owner adds its block
-  // into its qkv gradient's K and V columns.
-  for (int c = 0; c < cp; ++c) {
-    cpu::add_columns(dqkv_of[c],
-                     std::span<const float>(dkv).subspan(static_cast<std::size_t>(c) * B * Sq * kvw,
-                                                         static_cast<std::size_t>(B) * Sq * kvw),
-                     B * Sq, width, H * D, kvw);
-    const auto expected = rows_of(dqkv, c, width);
-    REQUIRE(dqkv_of[c].size() == expected.size());
-    for (std::size_t i = 0; i < expected.size(); ++i) {
-      CHECK(dqkv_of[c][i] == Approx(expected[i]).margin(1e-6));
+  for (const bool with_dropout : {false, true}) {
+    INFO((with_dropout ? "with" : "without") << " dropout");
+    const std::size_t quad = static_cast<std::size_t>(B) * H * S * S;
+    std::vector<float> out(dout.size()), probs(quad), dropped(with_dropout ? quad : 0);
+    std::vector<std::uint8_t> mask(with_dropout ? quad : 0);
+    std::vector<float> dqkv(qkv.size());
+    cpu::AttentionOptions whole;
+    if (with_dropout) whole = {{}, 1, {}, {}, &dropout, mask, dropped};
+    cpu::attention_forward(out, probs, qkv, B, S, H, G, D, whole);
+    cpu::attention_backward(dqkv, dqkv, dout, qkv, probs, B, S, H, G, D, whole);
+    if (with_dropout) {
+      const auto kept = std::count(mask.begin(), mask.end(), std::uint8_t{1});
+      CHECK(kept > 0);
+      CHECK(kept < static_cast<std::int64_t>(B * H * S * (S + 1) / 2));  // some were dropped
     }
+
+    std::vector<float> kv(static_cast<std::size_t>(cp) * B * Sq * kvw);
+    for (int c = 0; c < cp; ++c) {
+      const auto mine = rows_of(qkv, c, width);
+      cpu::copy_columns(std::span(kv).subspan(static_cast<std::size_t>(c) * B * Sq * kvw), mine,
+                        B * Sq, width, H * D, kvw);
+    }
+    std::vector<float> dkv(kv.size());
+    std::vector<std::vector<float>> dqkv_of(cp);
+    for (int c = 0; c < cp; ++c) {
+      const auto mine = rows_of(qkv, c, width);
+      const std::size_t local_quad = static_cast<std::size_t>(B) * H * Sq * S;
+      std::vector<float> o(static_cast<std::size_t>(B) * Sq * H * D), pr(local_quad);
+      std::vector<float> dr(with_dropout ? local_quad : 0);
+      std::vector<std::uint8_t> m(with_dropout ? local_quad : 0);
+      const cpu::AttentionOptions split{
+          kv, cp, positions[c], order, with_dropout ? &dropout : nullptr, m, dr};
+      cpu::attention_forward(o, pr, mine, B, Sq, H, G, D, split);
+      CHECK(o == rows_of(out, c, H * D));
+      dqkv_of[c].assign(mine.size(), 0.0f);
+      cpu::attention_backward(dqkv_of[c], dkv, rows_of(dout, c, H * D), mine, pr, B, Sq, H, G, D,
+                              split);
+    }
+    // dkv holds the sum over ranks (what the reduce-scatter makes); each owner adds its block
+    // into its qkv gradient's K and V columns.
+    for (int c = 0; c < cp; ++c) {
+      cpu::add_columns(
+          dqkv_of[c],
+          std::span<const float>(dkv).subspan(static_cast<std::size_t>(c) * B * Sq * kvw,
+                                              static_cast<std::size_t>(B) * Sq * kvw),
+          B * Sq, width, H * D, kvw);
+      const auto expected = rows_of(dqkv, c, width);
+      REQUIRE(dqkv_of[c].size() == expected.size());
+      for (std::size_t i = 0; i < expected.size(); ++i) {
+        CHECK(dqkv_of[c][i] == Approx(expected[i]).margin(1e-6));
+      }
+    }
+  }
+}
+
+TEST_CASE("attention dropout's backward matches finite differences", "[exec][cpu]") {
+  const int B = 2, S = 5, H = 4, G = 2, D = 3;
+  const int width = (H + 2 * G) * D;
+  auto qkv = random(static_cast<std::size_t>(B) * S * width, 60), r = random(B * S * H * D, 61);
+  const std::size_t quad = static_cast<std::size_t>(B) * H * S * S;
+  std::vector<float> out(B * S * H * D), probs(quad), dropped(quad);
+  std::vector<std::uint8_t> mask(quad);
+  cpu::Dropout dropout;
+  dropout.stream = 11;
+  dropout.rate = 0.25f;
+  const cpu::AttentionOptions o{{}, 1, {}, {}, &dropout, mask, dropped};
+  auto loss = [&] {
+    cpu::attention_forward(out, probs, qkv, B, S, H, G, D, o);
+    return dot(out, r);
+  };
+  loss();
+  // Kept probabilities are scaled by 1/(1 - rate), the others 0.
+  for (std::size_t i = 0; i < quad; ++i) {
+    CHECK(dropped[i] == (mask[i] ? Approx(probs[i] / 0.75f) : Approx(0.0f)));
+  }
+  std::vector<float> dqkv(qkv.size());
+  cpu::attention_backward(dqkv, dqkv, r, qkv, probs, B, S, H, G, D, o);
+  check_gradient(qkv, dqkv, loss, "qkv");
+}
+
+TEST_CASE("hidden dropout keeps 1 - rate of the elements, the same mask however rows are split",
+          "[exec][cpu]") {
+  const int B = 4, Sq = 64, C = 96, T = B * Sq;
+  cpu::Dropout d;
+  d.stream = 3;
+  d.rate = 0.1f;
+  d.first_sequence = 8;
+  d.Sq = Sq;
+  const auto branch = random(static_cast<std::size_t>(T) * C, 70);
+  const auto skip = random(branch.size(), 71);
+  std::vector<float> out(branch.size());
+  std::vector<std::uint8_t> mask(branch.size());
+  cpu::dropout_add_forward(out, mask, branch, skip, d, T, C);
+  const double kept =
+      static_cast<double>(std::count(mask.begin(), mask.end(), std::uint8_t{1})) / mask.size();
+  CHECK(kept == Approx(0.9).margin(0.005));  // 24,576 draws: 3 standard deviations ~ 0.006
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    CHECK(out[i] == Approx(skip[i] + (mask[i] ? branch[i] / 0.9f : 0.0f)).margin(1e-6));
+  }
+  // A tensor-parallel rank's share of the rows under sequence parallelism: the same mask.
+  cpu::Dropout second = d;
+  second.first_row = T / 2;
+  std::vector<float> half(branch.size() / 2);
+  std::vector<std::uint8_t> half_mask(half.size());
+  cpu::dropout_forward(half, half_mask, std::span(branch).subspan(half.size()), second, T / 2, C);
+  CHECK(std::equal(half_mask.begin(), half_mask.end(), mask.begin() + half.size()));
+  // Another step (stream) draws another mask; the backward passes the kept gradient, scaled.
+  cpu::Dropout next = d;
+  next.stream = 4;
+  std::vector<std::uint8_t> next_mask(mask.size());
+  cpu::dropout_forward(out, next_mask, branch, next, T, C);
+  CHECK(next_mask != mask);
+  std::vector<float> din(branch.size(), 1.0f);
+  cpu::dropout_backward(din, mask, skip, 0.1f);
+  for (std::size_t i = 0; i < din.size(); i += 97) {
+    CHECK(din[i] == Approx(1.0f + (mask[i] ? skip[i] / 0.9f : 0.0f)).margin(1e-6));
   }
 }
 

@@ -22,13 +22,22 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 steps=3
 common=(--steps "$steps" --lr 3e-3 --warmup 0 --global-batch-size 8)
 # tiny-gpt: GELU, LayerNorm, biases, tied embeddings (2 layers). The Llama-style fixture:
-# SwiGLU, RMSNorm, grouped-query attention, untied head, 4 layers (pp 2 x 2 chunks).
+# SwiGLU, RMSNorm, grouped-query attention, untied head, 4 layers (pp 2 x 2 chunks). The dropout
+# fixture: tiny-gpt with dropout (its masks follow each element's sequence and position, so
+# every split draws the single rank's).
 llama="$here/tiny_llama_4l.json"
+dropout="$here/tiny_gpt_dropout.json"
+path_of() {
+  case "$1" in
+    llama) echo "$llama" ;;
+    dropout) echo "$dropout" ;;
+    *) echo "$1" ;;
+  esac
+}
 
 # One single-rank reference per model and micro-batch size.
-for model in tiny-gpt llama; do
-  path=$model
-  [ "$model" = llama ] && path=$llama
+for model in tiny-gpt llama dropout; do
+  path=$(path_of "$model")
   for mbs in 1 2 4 8; do
     rm -rf "ref_${model}_$mbs"
     "$dtexec" run --model "$path" "${common[@]}" --micro-batch-size "$mbs" \
@@ -79,13 +88,17 @@ plans=(
   "llama|4|2|--cp 2 --pp 2 --schedule 1f1b --recompute full"
   "llama|4|1|--cp 2 --dp 2 --zero-stage 3"
   "llama|4|2|--cp 4"
+  "dropout|2|8|--tp 2"
+  "dropout|2|2|--tp 2 --sequence-parallel --recompute selective"
+  "dropout|2|2|--pp 2 --schedule 1f1b --recompute full"
+  "dropout|4|2|--tp 2 --cp 2 --sequence-parallel"
+  "dropout|4|1|--dp 2 --pp 2 --schedule zero-bubble --zero-stage 2"
 )
 failed=0
 printf '%-9s %-72s %5s %9s %9s  %s\n' model plan ranks loss_diff weight_diff result
 for entry in "${plans[@]}"; do
   IFS='|' read -r model ranks mbs flags <<<"$entry"
-  path=$model
-  [ "$model" = llama ] && path=$llama
+  path=$(path_of "$model")
   rm -rf run
   # shellcheck disable=SC2086
   if ! timeout 300 "$mpirun" -np "$ranks" "$dtexec" run --model "$path" "${common[@]}" \
