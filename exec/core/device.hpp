@@ -113,7 +113,7 @@ class Device {
   // ---- context parallelism and dropout (exec/cpu/kernels.hpp: AttentionOptions, Dropout) ----
   // A device that has these says so (has()); the runner refuses a plan that needs what its
   // device lacks before it starts.
-  enum class Feature { ContextParallelism, Dropout };
+  enum class Feature { ContextParallelism, Dropout, MixtureOfExperts };
   virtual bool has(Feature) const { return false; }
   // Dropout: the kernels' Dropout, its positions an I32 view (empty: 0 ... Sq-1).
   struct DropoutSite {
@@ -150,6 +150,20 @@ class Device {
   virtual void dropout_add_forward(View out, View mask, View branch, View skip,
                                    const DropoutSite& d, int T, int C);
   virtual void dropout_backward(View din, View mask, View dout, float rate);
+
+  // ---- mixture of experts (exec/cpu/kernels.hpp: moe_route ...) ---------------------------
+  // experts and order I32 [T·k]; gates and dgates fp32 [T·k]; logits, dlogits, x, dispatched,
+  // y and their gradients act. moe_dispatch's rows: fp32 [E], each expert's row count (the
+  // runner reads it to size the experts' GEMMs).
+  virtual void moe_route(View experts, View gates, View logits, int T, int E, int k);
+  virtual void moe_route_backward(View dlogits, View dgates, View gates, View experts, int T, int E,
+                                  int k);
+  virtual void moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T,
+                            int C, int k, int E);
+  virtual void moe_dispatch_backward(View dx, View ddispatched, View order, int T, int C, int k);
+  virtual void moe_combine(View out, View y, View gates, View order, int T, int C, int k);
+  virtual void moe_combine_backward(View dy, View dgates, View dout, View y, View gates,
+                                    View order, int T, int C, int k);
   // loss: one fp32, the mean over the T rows; dlogits = (softmax - onehot) / T. targets I32.
   virtual void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) = 0;
   // Vocab-parallel: rowmax[T], then sums[2T] (fp32), then loss and dlogits from the reduced
@@ -193,6 +207,24 @@ inline void Device::dropout_add_forward(View, View, View, View, const DropoutSit
 }
 inline void Device::dropout_backward(View, View, View, float) {
   lacks("dropout");
+}
+inline void Device::moe_route(View, View, View, int, int, int) {
+  lacks("a mixture of experts");
+}
+inline void Device::moe_route_backward(View, View, View, View, int, int, int) {
+  lacks("a mixture of experts");
+}
+inline void Device::moe_dispatch(View, View, View, View, View, int, int, int, int) {
+  lacks("a mixture of experts");
+}
+inline void Device::moe_dispatch_backward(View, View, View, int, int, int) {
+  lacks("a mixture of experts");
+}
+inline void Device::moe_combine(View, View, View, View, int, int, int) {
+  lacks("a mixture of experts");
+}
+inline void Device::moe_combine_backward(View, View, View, View, View, View, int, int, int) {
+  lacks("a mixture of experts");
 }
 
 }  // namespace dtsim::exec

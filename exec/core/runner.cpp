@@ -117,6 +117,7 @@ struct Param {
   bool replicated_over_tp = false;
   bool tied_copy = false;  // the last stage's copy of the embedding (pipeline, tied head)
   bool norm = false;       // a norm's weight or bias
+  bool expert = false;     // an expert's (its gradient reduces over the expert-dp group)
 };
 
 // What one micro-batch keeps between its forward and backward passes (device views).
@@ -133,15 +134,19 @@ struct MicroBatch {
   // Dropout: by op, the mask of its output's dropout (the embedding's, a residual's branch,
   // an attention core's probabilities) and the attention probabilities after it.
   std::map<OpId, View> mask, dropped;
+  // Mixture of experts, by router: the order of the tokens' copies (sorted by expert), the
+  // gradient of the gates, and (on the host) each expert's number of copies.
+  std::map<OpId, View> route, gate_grad;
+  std::map<OpId, std::vector<int>> expert_rows;
   // The size of an output released before its gradient was made (the gradient has its shape).
   std::map<OpId, std::int64_t> released_out;
 };
 
 // A micro-batch's tensor maps, in the order of Runner::Slot.
-constexpr std::array<std::map<OpId, View> MicroBatch::*, 10> kTensorSlots = {
-    &MicroBatch::out,  &MicroBatch::grad,      &MicroBatch::aux1, &MicroBatch::aux2,
-    &MicroBatch::full, &MicroBatch::full_grad, &MicroBatch::kv,   &MicroBatch::kv_grad,
-    &MicroBatch::mask, &MicroBatch::dropped};
+constexpr std::array<std::map<OpId, View> MicroBatch::*, 12> kTensorSlots = {
+    &MicroBatch::out,  &MicroBatch::grad,      &MicroBatch::aux1,  &MicroBatch::aux2,
+    &MicroBatch::full, &MicroBatch::full_grad, &MicroBatch::kv,    &MicroBatch::kv_grad,
+    &MicroBatch::mask, &MicroBatch::dropped,   &MicroBatch::route, &MicroBatch::gate_grad};
 
 using Key = std::pair<OpId, int>;  // (op, 0 weight / 1 bias)
 
@@ -244,6 +249,11 @@ class Runner {
           "dtexec: dropout (model {}) is not executed on {} yet; --no-dropout trains the model "
           "without it, and dtsim --no-dropout predicts that",
           g.spec().name, device.name()));
+    }
+    if (g.spec().moe && !device.has(Device::Feature::MixtureOfExperts)) {
+      throw UnsupportedError(
+          fmt::format("dtexec: a mixture of experts (model {}) is not executed on {} yet",
+                      g.spec().name, device.name()));
     }
     dropout_ = g.spec().dropout ? kDropoutRate : 0.0f;
     if (comm.size() > 1 && !device.host_memory() && !comm.moves_device_memory()) {
@@ -512,17 +522,26 @@ class Runner {
         out.push_back({0, rows(Hf * D, C, t * H * D, H * D)});
         if (has_bias) out.push_back({1, whole(1, C)});
         break;
-      case OpKind::MlpUp: {
-        std::vector<std::pair<std::int64_t, std::int64_t>> r = {{t * Fl, Fl}};
-        if (u == 2) r.push_back({F + t * Fl, Fl});
-        out.push_back({0, cols(C, F * u, r)});
-        if (has_bias) out.push_back({1, cols(1, F * u, r)});
+      case OpKind::MlpUp:
+      case OpKind::MlpDown: {
+        // An MoE block's experts: one weight (and bias) each, expert e's as tensors 2e and
+        // 2e + 1, each split over tp as the dense MLP's.
+        const std::int64_t experts = op.expert ? m_.moe->experts : 1;
+        const std::int64_t Fw = op.expert ? m_.moe->expert_ffn_hidden : F;
+        const std::int64_t Fwl = op.expert ? Fw / tp_ : Fl;
+        for (int e = 0; e < experts; ++e) {
+          if (op.kind == OpKind::MlpUp) {
+            std::vector<std::pair<std::int64_t, std::int64_t>> r = {{t * Fwl, Fwl}};
+            if (u == 2) r.push_back({Fw + t * Fwl, Fwl});
+            out.push_back({2 * e, cols(C, Fw * u, r)});
+            if (has_bias) out.push_back({2 * e + 1, cols(1, Fw * u, r)});
+          } else {
+            out.push_back({2 * e, rows(Fw, C, t * Fwl, Fwl)});
+            if (has_bias) out.push_back({2 * e + 1, whole(1, C)});
+          }
+        }
         break;
       }
-      case OpKind::MlpDown:
-        out.push_back({0, rows(F, C, t * Fl, Fl)});
-        if (has_bias) out.push_back({1, whole(1, C)});
-        break;
       case OpKind::LmHead:
         if (op.params == 0) {
           // Tied: the head uses the embedding; on a stage without it, a copy of it.
@@ -534,8 +553,9 @@ class Runner {
           }
         }
         break;
-      case OpKind::Router:
-        throw UnsupportedError("dtexec: MoE routers are not executed yet");
+      case OpKind::Router:  // h x experts, the same on every tensor-parallel rank
+        out.push_back({0, whole(C, m_.moe->experts)});
+        break;
       default:
         break;
     }
@@ -549,7 +569,7 @@ class Runner {
   std::vector<float> initial(OpId id, int which, const Slice& s) const {
     const Op& op = g_.op(id);
     std::vector<float> local(static_cast<std::size_t>(s.local_size()), 0.0f);
-    const bool matrix = op.kind == OpKind::Embedding || (which == 0 && op.kind != OpKind::Norm);
+    const bool matrix = op.kind == OpKind::Embedding || (which % 2 == 0 && op.kind != OpKind::Norm);
     if (op.kind == OpKind::Norm) {
       std::fill(local.begin(), local.end(), which == 0 ? 1.0f : 0.0f);
     } else if (matrix) {
@@ -594,7 +614,10 @@ class Runner {
         p.norm = op.kind == OpKind::Norm;
         // The copy starts from (and is saved as) the embedding matrix.
         const OpId source = p.tied_copy ? embedding : id;
-        p.name = fmt::format("{}.{}", g_.op(source).name, which == 0 ? "weight" : "bias");
+        p.expert = op.expert;
+        p.name = fmt::format("{}.{}{}", g_.op(source).name,
+                             op.expert ? fmt::format("e{}.", which / 2) : "",
+                             which % 2 == 0 ? "weight" : "bias");
         const std::vector<float> values = initial(source, which, slice);
         const auto n = static_cast<std::int64_t>(values.size());
         p.n = n;
@@ -604,10 +627,10 @@ class Runner {
         // The GEMMs' copy, in the activation type, of the weights they read (linear layers and a
         // tied head's table); other tensors are read as their fp32 master.
         const bool gemm_weight =
-            which == 0 &&
-            (op.kind == OpKind::QkvProj || op.kind == OpKind::AttnOutProj ||
-             op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown || op.kind == OpKind::LmHead ||
-             (op.kind == OpKind::Embedding && m_.tied_embeddings));
+            (which == 0 && (op.kind == OpKind::QkvProj || op.kind == OpKind::AttnOutProj ||
+                            op.kind == OpKind::LmHead || op.kind == OpKind::Router ||
+                            (op.kind == OpKind::Embedding && m_.tied_embeddings))) ||
+            (which % 2 == 0 && (op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown));
         p.separate_work = dev_.activations() != Dtype::F32 && gemm_weight;
         if (zero3_) {
           p.shard = dev_.allocate(own, Dtype::F32);
@@ -630,10 +653,15 @@ class Runner {
       std::int64_t total = 0;
       for (const auto& [key, p] : params_) total += p.n;
       grad_storage_ = dev_.allocate(total, Dtype::F32);
+      // Dense tensors first, then experts': a bucket of either kind (a range of ops, reduced
+      // over its own group) is one contiguous piece.
       std::int64_t at = 0;
-      for (auto& [key, p] : params_) {
-        p.grad = grad_storage_.sub(at, p.n);
-        at += p.n;
+      for (const bool experts : {false, true}) {
+        for (auto& [key, p] : params_) {
+          if (p.expert != experts) continue;
+          p.grad = grad_storage_.sub(at, p.n);
+          at += p.n;
+        }
       }
     }
     for (auto& [key, p] : params_) {
@@ -676,12 +704,12 @@ class Runner {
                  fmt::format("rank {} holds no tensor {} of {}", me_, which, g_.op(id).name));
     return *p;
   }
-  View bias_in(OpId id) {
-    Param* b = find(id, 1);
+  View bias_in(OpId id, int which = 1) {
+    Param* b = find(id, which);
     return b ? b->data : View{};
   }
-  View bias_grad(OpId id) {
-    Param* b = find(id, 1);
+  View bias_grad(OpId id, int which = 1) {
+    Param* b = find(id, which);
     return b ? grad(*b) : View{};
   }
 
@@ -700,6 +728,27 @@ class Runner {
          it != params_.end() && it->first.first < static_cast<OpId>(end); ++it) {
       out.push_back(it->first);
     }
+    return out;
+  }
+  // What a dp-group task (a gradient bucket, a ZeRO gather) carries: the tensors of its ops
+  // (of every op for ZeRO-1/2's closing all-gather), dense ones over the dp group and experts'
+  // over the expert-dp group.
+  bool is_dp_group(const lower::Task& task) const {
+    const GroupKind kind = program_.groups.at(static_cast<std::size_t>(task.group)).kind;
+    return kind == GroupKind::Dp || kind == GroupKind::ExpertDp;
+  }
+  bool expert_group(const lower::Task& task) const {
+    return program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::ExpertDp;
+  }
+  std::vector<Param*> params_for(const lower::Task& task) {
+    auto out = task.op_end > task.op_begin ? params_of(task.op_begin, task.op_end)
+                                           : params_of(0, static_cast<std::int32_t>(g_.size()));
+    std::erase_if(out, [&](const Param* p) { return p->expert != expert_group(task); });
+    return out;
+  }
+  std::vector<Key> keys_for(const lower::Task& task) const {
+    auto out = keys_of(task.op_begin, task.op_end);
+    std::erase_if(out, [&](const Key& k) { return params_.at(k).expert != expert_group(task); });
     return out;
   }
 
@@ -806,9 +855,9 @@ class Runner {
       case OpKind::AttnOutProj:
         return {H_ * D_, C_};
       case OpKind::MlpUp:
-        return {C_, F_ * u};
+        return {C_, (op.expert ? expert_ffn() : F_) * u};
       case OpKind::MlpDown:
-        return {F_, C_};
+        return {op.expert ? expert_ffn() : F_, C_};
       case OpKind::LmHead:
         return {C_, Vl_};
       default:
@@ -857,6 +906,10 @@ class Runner {
       case OpKind::MlpUp:
       case OpKind::MlpDown:
       case OpKind::LmHead: {
+        if (op.expert) {
+          experts_forward(mb, id);
+          break;
+        }
         const auto [K, N] = gemm_shape(op);
         fresh(out, static_cast<std::int64_t>(T_) * N);
         // A row-parallel op's bias is added once, by tensor-parallel rank 0.
@@ -922,9 +975,10 @@ class Runner {
           fresh(out, in.size());
           dev_.gelu_forward(out, in);
         } else {
-          const int F = static_cast<int>(in.size() / T_ / 2);
-          fresh(out, static_cast<std::int64_t>(T_) * F);
-          dev_.swiglu_forward(out, in, T_, F);
+          const int rows = op.expert ? T_ * top_k() : T_;  // experts: the tokens' copies
+          const int F = static_cast<int>(in.size() / rows / 2);
+          fresh(out, static_cast<std::int64_t>(rows) * F);
+          dev_.swiglu_forward(out, in, rows, F);
         }
         break;
       }
@@ -943,7 +997,8 @@ class Runner {
         break;
       }
       case OpKind::Router:
-        throw UnsupportedError("dtexec: MoE routers are not executed yet");
+        router_forward(mb, id);
+        break;
     }
   }
 
@@ -1047,26 +1102,16 @@ class Runner {
       case OpKind::MlpUp:
       case OpKind::MlpDown:
       case OpKind::LmHead: {
+        if (op.expert) {
+          experts_backward(mb, id, part);
+          break;
+        }
         const auto [K, N] = gemm_shape(op);
         const bool tied = tied_head(op);
         Param& w = tied ? tied_table(id) : param(id, 0);
-        // Without gradient-accumulation fusion (plan grad_accumulation_fusion false) the GEMM
-        // writes a fresh weight gradient that a kernel of its own adds into the accumulator,
-        // the pass the simulator prices (cost::ComputeCost::accumulation_seconds).
-        const bool separate = weight_grads && !program_.plan.grad_accumulation_fusion;
-        View fresh;
-        if (separate) {
-          fresh = dev_.allocate(w.n, Dtype::F32);
-          dev_.zero(fresh);
-        }
-        dev_.matmul_backward(input_grads ? input_grad_of(mb, id) : View{},
-                             separate ? fresh : (weight_grads ? grad(w) : View{}),
-                             weight_grads && !tied ? bias_grad(id) : View{}, mb.grad.at(id),
-                             weight_grads ? input_of(mb, id) : View{}, w.work, T_, K, N, tied);
-        if (separate) {
-          dev_.accumulate(grad(w), fresh);
-          dev_.release(fresh);
-        }
+        linear_backward(input_grads ? input_grad_of(mb, id) : View{}, w,
+                        weight_grads && !tied ? bias_grad(id) : View{}, mb.grad.at(id),
+                        weight_grads ? input_of(mb, id) : View{}, T_, K, N, tied, weight_grads);
         break;
       }
       case OpKind::AttentionCore: {
@@ -1111,14 +1156,160 @@ class Runner {
         if (m_.activation == model::Activation::Gelu) {
           dev_.gelu_backward(grad_of(mb, input(id)), in, mb.grad.at(id));
         } else {
-          dev_.swiglu_backward(grad_of(mb, input(id)), in, mb.grad.at(id), T_,
-                               static_cast<int>(in.size() / T_ / 2));
+          const int rows = op.expert ? T_ * top_k() : T_;
+          dev_.swiglu_backward(grad_of(mb, input(id)), in, mb.grad.at(id), rows,
+                               static_cast<int>(in.size() / rows / 2));
         }
         break;
       }
       case OpKind::Router:
-        throw UnsupportedError("dtexec: MoE routers are not executed yet");
+        router_backward(mb, id, part);
+        break;
     }
+  }
+
+  // A linear layer's backward on `rows` rows: din += dout·w^T (when din is given), and with
+  // weight_grads w's gradient (and dbias) += in^T·dout. Without gradient-accumulation fusion
+  // (plan grad_accumulation_fusion false) the GEMM writes a fresh weight gradient that a
+  // kernel of its own adds into the accumulator, the pass the simulator prices
+  // (cost::ComputeCost::accumulation_seconds).
+  void linear_backward(View din, Param& w, View dbias, View dout, View in, int rows, int K, int N,
+                       bool tied, bool weight_grads) {
+    const bool separate = weight_grads && !program_.plan.grad_accumulation_fusion;
+    View fresh;
+    if (separate) {
+      fresh = dev_.allocate(w.n, Dtype::F32);
+      dev_.zero(fresh);
+    }
+    dev_.matmul_backward(din, separate ? fresh : (weight_grads ? grad(w) : View{}),
+                         weight_grads ? dbias : View{}, dout, weight_grads ? in : View{}, w.work,
+                         rows, K, N, tied);
+    if (separate) {
+      dev_.accumulate(grad(w), fresh);
+      dev_.release(fresh);
+    }
+  }
+
+  // ---- mixture of experts --------------------------------------------------------------------
+  //
+  // Mixtral's MoE block (Jiang et al. 2024) as the model graph has it: the router (its output:
+  // each token's top_k copies, sorted by expert), the experts' up GEMMs, their activation, and
+  // their down GEMMs (whose output is the copies' outputs weighted by their gates and summed
+  // per token). Each expert's GEMMs run on its own rows, as many as the router sent it: real
+  // routing, not the balanced load the simulator assumes. The router keeps the gates (aux1),
+  // the chosen experts (aux2) and the copies' order (route); the down op keeps the copies'
+  // outputs (aux1) for the gates' gradient.
+
+  int top_k() const { return static_cast<int>(m_.moe->top_k); }
+  int expert_ffn() const { return static_cast<int>(m_.moe->expert_ffn_hidden / tp_); }
+  // The router of an expert op (up <- router; down <- activation <- up <- router).
+  OpId router_of(OpId id) const {
+    OpId r = id;
+    while (g_.op(r).kind != OpKind::Router) r = input(r);
+    return r;
+  }
+
+  void router_forward(MicroBatch& mb, OpId id) {
+    const int E = static_cast<int>(m_.moe->experts), k = top_k();
+    const View x = mb.out.at(input(id));
+    const View logits = allocate(static_cast<std::int64_t>(T_) * E);
+    dev_.matmul_forward(logits, x, param(id, 0).work, View{}, T_, C_, E, false);
+    fresh(mb.aux1[id], static_cast<std::int64_t>(T_) * k, Dtype::F32);  // gates
+    fresh(mb.aux2[id], static_cast<std::int64_t>(T_) * k, Dtype::I32);  // experts
+    dev_.moe_route(mb.aux2[id], mb.aux1[id], logits, T_, E, k);
+    dev_.release(logits);
+    fresh(mb.route[id], static_cast<std::int64_t>(T_) * k, Dtype::I32);
+    fresh(mb.out[id], static_cast<std::int64_t>(T_) * k * C_);
+    const View rows = dev_.allocate(E, Dtype::F32);
+    dev_.moe_dispatch(mb.out[id], mb.route[id], rows, x, mb.aux2[id], T_, C_, k, E);
+    std::vector<float> counts(static_cast<std::size_t>(E));
+    dev_.download(counts.data(), rows);
+    dev_.release(rows);
+    auto& per_expert = mb.expert_rows[id];
+    per_expert.assign(counts.begin(), counts.end());
+  }
+
+  // The experts' GEMMs of an up or down op, each on its rows of the copies.
+  void experts_forward(MicroBatch& mb, OpId id) {
+    const Op& op = g_.op(id);
+    const OpId router = router_of(id);
+    const auto [K, N] = gemm_shape(op);
+    const int k = top_k();
+    const bool down = op.kind == OpKind::MlpDown;
+    const View in = mb.out.at(input(id));
+    View& y = down ? mb.aux1[id] : mb.out[id];
+    fresh(y, static_cast<std::int64_t>(T_) * k * N);
+    std::int64_t at = 0;
+    const auto& rows = mb.expert_rows.at(router);
+    for (std::size_t e = 0; e < rows.size(); ++e) {
+      const int n = rows[e];
+      if (n == 0) continue;
+      const int w = 2 * static_cast<int>(e);
+      dev_.matmul_forward(y.sub(at * N, std::int64_t{n} * N), in.sub(at * K, std::int64_t{n} * K),
+                          param(id, w).work, bias_in(id, w + 1), n, K, N, false);
+      at += n;
+    }
+    if (down) {
+      fresh(mb.out[id], static_cast<std::int64_t>(T_) * C_);
+      dev_.moe_combine(mb.out[id], y, mb.aux1.at(router), mb.route.at(router), T_, C_, k);
+    }
+  }
+
+  void experts_backward(MicroBatch& mb, OpId id, Part part) {
+    const Op& op = g_.op(id);
+    const bool input_grads = part != Part::Weight;
+    const bool weight_grads = part != Part::Input;
+    const OpId router = router_of(id);
+    const auto [K, N] = gemm_shape(op);
+    const int k = top_k();
+    const bool down = op.kind == OpKind::MlpDown;
+    const std::int64_t copies = static_cast<std::int64_t>(T_) * k;
+    View dy = mb.grad.at(id);
+    if (down) {
+      // Through the combine: each copy's output gradient (its gate times its token's), and
+      // (once, with the input gradients) the gates' gradient for the router.
+      dy = allocate(copies * N);
+      View dgates;
+      if (input_grads) {
+        auto& g = mb.gate_grad[router];
+        if (g.empty()) fresh(g, copies, Dtype::F32);
+        dgates = g;
+      } else {
+        dgates = dev_.allocate(copies, Dtype::F32);
+      }
+      dev_.moe_combine_backward(dy, dgates, mb.grad.at(id), mb.aux1.at(id), mb.aux1.at(router),
+                                mb.route.at(router), T_, C_, k);
+      if (!input_grads) dev_.release(dgates);
+    }
+    const View in = mb.out.at(input(id));
+    const View din = input_grads ? grad_of(mb, input(id)) : View{};
+    std::int64_t at = 0;
+    const auto& rows = mb.expert_rows.at(router);
+    for (std::size_t e = 0; e < rows.size(); ++e) {
+      const int n = rows[e];
+      if (n == 0) continue;
+      const int w = 2 * static_cast<int>(e);
+      linear_backward(din.empty() ? View{} : din.sub(at * K, std::int64_t{n} * K), param(id, w),
+                      bias_grad(id, w + 1), dy.sub(at * N, std::int64_t{n} * N),
+                      in.sub(at * K, std::int64_t{n} * K), n, K, N, false, weight_grads);
+      at += n;
+    }
+    if (down) dev_.release(dy);
+  }
+
+  void router_backward(MicroBatch& mb, OpId id, Part part) {
+    const bool input_grads = part != Part::Weight;
+    const bool weight_grads = part != Part::Input;
+    const int E = static_cast<int>(m_.moe->experts), k = top_k();
+    // The logits' gradient through the gates' softmax (again in a weight pass).
+    const View dlogits = allocate(static_cast<std::int64_t>(T_) * E);
+    dev_.moe_route_backward(dlogits, mb.gate_grad.at(id), mb.aux1.at(id), mb.aux2.at(id), T_, E, k);
+    const View x = mb.out.at(input(id));
+    const View dx = input_grads ? grad_of(mb, input(id)) : View{};
+    linear_backward(dx, param(id, 0), View{}, dlogits, x, T_, C_, E, false, weight_grads);
+    dev_.release(dlogits);
+    // Each token's copies' gradients back to the token.
+    if (input_grads) dev_.moe_dispatch_backward(dx, mb.grad.at(id), mb.route.at(id), T_, C_, k);
   }
 
   void optimizer_step() {
@@ -1519,13 +1710,13 @@ class Runner {
         }
         return;
       }
-      case GroupKind::Dp: {
+      case GroupKind::Dp:
+      case GroupKind::ExpertDp: {  // the same ranks while ep is 1 (check_runnable)
         if (task.collective == CollectiveKind::AllGather) {
           // ZeRO-3: one chunk's weights before a pass; ZeRO-1/2: all weights after the step.
-          gather_weights(task, task.op_end > task.op_begin ? params_of(task.op_begin, task.op_end)
-                                                           : params_of(0, g_.size()));
+          gather_weights(task, params_for(task));
         } else {
-          reduce_gradients(task, params_of(task.op_begin, task.op_end), index);
+          reduce_gradients(task, params_for(task), index);
         }
         return;
       }
@@ -1581,7 +1772,9 @@ class Runner {
     Kv,
     KvGrad,
     Mask,
-    Dropped
+    Dropped,
+    Route,
+    GateGrad
   };
   struct Use {
     Slot slot;
@@ -1621,6 +1814,10 @@ class Runner {
       case OpKind::LmHead:
         read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
         make(Slot::Out, id);
+        if (op.kind == OpKind::MlpDown && op.expert) {
+          make(Slot::Aux1, id);  // the copies' outputs
+          for (Slot s : {Slot::Aux1, Slot::Route}) read(s, router_of(id));
+        }
         break;
       case OpKind::AttentionCore:
         read(Slot::Out, input(id));
@@ -1648,6 +1845,8 @@ class Runner {
         make(Slot::Aux1, id);
         break;
       case OpKind::Router:
+        read(Slot::Out, input(id));
+        for (Slot s : {Slot::Out, Slot::Aux1, Slot::Aux2, Slot::Route}) make(s, id);
         break;
     }
     return u;
@@ -1682,6 +1881,11 @@ class Runner {
       case OpKind::MlpDown:
       case OpKind::LmHead:
         read(Slot::Grad, id);
+        if (op.kind == OpKind::MlpDown && op.expert) {
+          read(Slot::Aux1, id);
+          for (Slot s : {Slot::Aux1, Slot::Route}) read(s, router_of(id));
+          if (input_grads) u.push_back({Slot::GateGrad, router_of(id), false});
+        }
         if (weight_grads) read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
         if (input_grads) read(gathers_input(op) ? Slot::FullGrad : Slot::Grad, input(id));
         break;
@@ -1711,6 +1915,11 @@ class Runner {
         read(Slot::Grad, input(id));
         break;
       case OpKind::Router:
+        for (Slot s : {Slot::Grad, Slot::GateGrad, Slot::Aux1, Slot::Aux2, Slot::Route}) {
+          read(s, id);
+        }
+        read(Slot::Out, input(id));
+        if (input_grads) read(Slot::Grad, input(id));
         break;
     }
     return u;
@@ -1803,12 +2012,11 @@ class Runner {
     std::map<Key, std::size_t> last;  // since the weights' gather
     for (std::size_t i = 0; i < tasks.size(); ++i) {
       const lower::Task& task = tasks[i];
-      const bool gather =
-          task.kind == TaskKind::Collective &&
-          program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Dp &&
-          task.collective == CollectiveKind::AllGather && task.op_end > task.op_begin;
+      const bool gather = task.kind == TaskKind::Collective && is_dp_group(task) &&
+                          task.collective == CollectiveKind::AllGather &&
+                          task.op_end > task.op_begin;
       if (gather) {
-        for (const Key& key : keys_of(task.op_begin, task.op_end)) {
+        for (const Key& key : keys_for(task)) {
           if (const auto it = last.find(key); it != last.end()) {
             release_weights_after_[it->second].push_back(key);
           }
@@ -1935,17 +2143,16 @@ class Runner {
       while (std::chrono::steady_clock::now() < deadline) {
       }
     }
-    const bool dp = task.kind == TaskKind::Collective &&
-                    program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Dp;
+    const bool dp = task.kind == TaskKind::Collective && is_dp_group(task);
     if (task.kind == TaskKind::Recv) {
       fresh(transferred(task), static_cast<std::int64_t>(Ts_) * C_);
     } else if (dp && zero3_ && task.collective == CollectiveKind::AllGather &&
                task.op_end > task.op_begin) {
       // ZeRO-3: the chunk's weights take their place (this rank's slice, zeros elsewhere).
-      gather_weights(task, params_of(task.op_begin, task.op_end), /*local=*/true);
+      gather_weights(task, params_for(task), /*local=*/true);
     } else if (dp && transient_grads_ && task.collective == CollectiveKind::ReduceScatter) {
       // ZeRO-2/3: the bucket's gradients are gone, as after their reduce-scatter.
-      for (Param* p : params_of(task.op_begin, task.op_end)) drop_grad(*p);
+      for (Param* p : params_for(task)) drop_grad(*p);
     } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
                !program_.plan.scatter_gather_p2p &&
@@ -2207,7 +2414,10 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   auto refuse = [&](const std::string& what) {
     throw UnsupportedError(fmt::format("dtexec: {} is not executed yet", what));
   };
-  if (m.moe) refuse(fmt::format("a mixture of experts (model {})", m.name));
+  if (m.moe && p.tp > 1) {
+    refuse(fmt::format("a mixture of experts (model {}) with tensor parallelism (tp {})", m.name,
+                       p.tp));
+  }
   if (p.cp > 1 && p.seq_len % (2 * p.cp) != 0) {
     refuse(
         fmt::format("context parallelism cp {} with sequence length {}, not divisible by 2·cp "

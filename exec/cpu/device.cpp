@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "exec/cpu/kernels.hpp"
 
@@ -220,6 +221,48 @@ void CpuDevice::dropout_add_forward(View out, View mask, View branch, View skip,
 
 void CpuDevice::dropout_backward(View din, View mask, View dout, float rate) {
   cpu::dropout_backward(floats(din), bytes(mask), floats(dout), rate);
+}
+
+namespace {
+
+std::span<int> mutable_ints(View v) {
+  if (v.empty()) return {};
+  DTSIM_ASSERT(v.type == Dtype::I32, "an int32 view");
+  return {static_cast<int*>(v.p), static_cast<std::size_t>(v.n)};
+}
+
+}  // namespace
+
+void CpuDevice::moe_route(View experts, View gates, View logits, int T, int E, int k) {
+  cpu::moe_route(mutable_ints(experts), floats(gates), floats(logits), T, E, k);
+}
+
+void CpuDevice::moe_route_backward(View dlogits, View dgates, View gates, View experts, int T,
+                                   int E, int k) {
+  cpu::moe_route_backward(floats(dlogits), floats(dgates), floats(gates), ints(experts), T, E, k);
+}
+
+void CpuDevice::moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T,
+                             int C, int k, int E) {
+  std::vector<int> counts(static_cast<std::size_t>(E));
+  cpu::moe_dispatch(floats(dispatched), mutable_ints(order), counts, floats(x), ints(experts), T, C,
+                    k, E);
+  const auto out = floats(rows);
+  for (int e = 0; e < E; ++e) out[static_cast<std::size_t>(e)] = static_cast<float>(counts[e]);
+}
+
+void CpuDevice::moe_dispatch_backward(View dx, View ddispatched, View order, int T, int C, int k) {
+  cpu::moe_dispatch_backward(floats(dx), floats(ddispatched), ints(order), T, C, k);
+}
+
+void CpuDevice::moe_combine(View out, View y, View gates, View order, int T, int C, int k) {
+  cpu::moe_combine(floats(out), floats(y), floats(gates), ints(order), T, C, k);
+}
+
+void CpuDevice::moe_combine_backward(View dy, View dgates, View dout, View y, View gates,
+                                     View order, int T, int C, int k) {
+  cpu::moe_combine_backward(floats(dy), floats(dgates), floats(dout), floats(y), floats(gates),
+                            ints(order), T, C, k);
 }
 
 void CpuDevice::copy_columns(View dst, View src, int T, int src_width, int begin, int width) {

@@ -70,6 +70,15 @@ class CpuDevice final : public Device {
   void dropout_add_forward(View out, View mask, View branch, View skip, const DropoutSite& d, int T,
                            int C) override;
   void dropout_backward(View din, View mask, View dout, float rate) override;
+  void moe_route(View experts, View gates, View logits, int T, int E, int k) override;
+  void moe_route_backward(View dlogits, View dgates, View gates, View experts, int T, int E,
+                          int k) override;
+  void moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T, int C,
+                    int k, int E) override;
+  void moe_dispatch_backward(View dx, View ddispatched, View order, int T, int C, int k) override;
+  void moe_combine(View out, View y, View gates, View order, int T, int C, int k) override;
+  void moe_combine_backward(View dy, View dgates, View dout, View y, View gates, View order, int T,
+                            int C, int k) override;
   void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override;
   void add_columns(View dst, View src, int T, int dst_width, int begin, int width) override;
   void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override;

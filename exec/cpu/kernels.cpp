@@ -383,6 +383,91 @@ void dropout_backward(Out din, std::span<const std::uint8_t> mask, In dout, floa
   }
 }
 
+void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k) {
+  std::vector<int> best(static_cast<std::size_t>(E));
+  for (int t = 0; t < T; ++t) {
+    const float* l = logits.data() + static_cast<std::size_t>(t) * E;
+    for (int e = 0; e < E; ++e) best[static_cast<std::size_t>(e)] = e;
+    std::partial_sort(best.begin(), best.begin() + k, best.end(),
+                      [l](int a, int b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+    const float top = l[best[0]];
+    double sum = 0;
+    for (int j = 0; j < k; ++j) sum += std::exp(static_cast<double>(l[best[j]] - top));
+    for (int j = 0; j < k; ++j) {
+      const std::size_t slot = static_cast<std::size_t>(t) * k + j;
+      experts[slot] = best[static_cast<std::size_t>(j)];
+      gates[slot] = static_cast<float>(std::exp(static_cast<double>(l[best[j]] - top)) / sum);
+    }
+  }
+}
+
+void moe_route_backward(Out dlogits, In dgates, In gates, std::span<const int> experts, int T,
+                        int E, int k) {
+  for (int t = 0; t < T; ++t) {
+    const std::size_t first = static_cast<std::size_t>(t) * k;
+    float dot = 0;
+    for (int j = 0; j < k; ++j) dot += gates[first + j] * dgates[first + j];
+    float* dl = dlogits.data() + static_cast<std::size_t>(t) * E;
+    for (int j = 0; j < k; ++j) {
+      dl[experts[first + j]] += gates[first + j] * (dgates[first + j] - dot);
+    }
+  }
+}
+
+void moe_dispatch(Out dispatched, std::span<int> order, std::span<int> rows, In x,
+                  std::span<const int> experts, int T, int C, int k, int E) {
+  std::fill(rows.begin(), rows.end(), 0);
+  const std::size_t slots = static_cast<std::size_t>(T) * k;
+  for (std::size_t i = 0; i < slots; ++i) ++rows[static_cast<std::size_t>(experts[i])];
+  std::vector<int> next(static_cast<std::size_t>(E), 0);
+  for (int e = 1; e < E; ++e) {
+    next[static_cast<std::size_t>(e)] = next[e - 1] + rows[static_cast<std::size_t>(e - 1)];
+  }
+  for (std::size_t i = 0; i < slots; ++i) {
+    const int p = next[static_cast<std::size_t>(experts[i])]++;
+    order[static_cast<std::size_t>(p)] = static_cast<int>(i);
+    std::copy_n(x.data() + (i / k) * C, C, dispatched.data() + static_cast<std::size_t>(p) * C);
+  }
+}
+
+void moe_dispatch_backward(Out dx, In ddispatched, std::span<const int> order, int T, int C,
+                           int k) {
+  const std::size_t slots = static_cast<std::size_t>(T) * k;
+  for (std::size_t p = 0; p < slots; ++p) {
+    float* d = dx.data() + static_cast<std::size_t>(order[p] / k) * C;
+    const float* g = ddispatched.data() + p * C;
+    for (int c = 0; c < C; ++c) d[c] += g[c];
+  }
+}
+
+void moe_combine(Out out, In y, In gates, std::span<const int> order, int T, int C, int k) {
+  std::fill(out.begin(), out.end(), 0.0f);
+  const std::size_t slots = static_cast<std::size_t>(T) * k;
+  for (std::size_t p = 0; p < slots; ++p) {
+    const auto slot = static_cast<std::size_t>(order[p]);
+    float* o = out.data() + (slot / k) * C;
+    const float* row = y.data() + p * C;
+    for (int c = 0; c < C; ++c) o[c] += gates[slot] * row[c];
+  }
+}
+
+void moe_combine_backward(Out dy, Out dgates, In dout, In y, In gates,
+                          std::span<const int> order, int T, int C, int k) {
+  const std::size_t slots = static_cast<std::size_t>(T) * k;
+  for (std::size_t p = 0; p < slots; ++p) {
+    const auto slot = static_cast<std::size_t>(order[p]);
+    const float* d = dout.data() + (slot / k) * C;
+    const float* row = y.data() + p * C;
+    float* out = dy.data() + p * C;
+    float dot = 0;
+    for (int c = 0; c < C; ++c) {
+      out[c] += gates[slot] * d[c];
+      dot += d[c] * row[c];
+    }
+    dgates[slot] += dot;
+  }
+}
+
 void copy_columns(Out dst, In src, int T, int src_width, int begin, int width) {
   for (int t = 0; t < T; ++t) {
     std::copy_n(src.data() + static_cast<std::size_t>(t) * src_width + begin, width,

@@ -112,6 +112,27 @@ void attention_forward(Out out, Out probs, In qkv, int B, int Sq, int H, int G, 
 void attention_backward(Out dqkv, Out dkv, In dout, In qkv, In probs, int B, int Sq, int H, int G,
                         int D, const AttentionOptions& options);
 
+// Mixture of experts (Mixtral's routing, Jiang et al. 2024): each of T tokens goes to the k of
+// E experts with the largest router logits (ties to the lower index), weighted by the softmax
+// of those k logits. Slot j of token t is row t·k + j of the routing tensors: experts[T·k]
+// (int) and gates[T·k].
+void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k);
+// dlogits[T, E] = the gradient through the gates' softmax (zero for experts not chosen).
+void moe_route_backward(Out dlogits, In dgates, In gates, std::span<const int> experts, int T,
+                        int E, int k);
+// The T·k slots sorted by expert (stably: token order within an expert): order[p] is the slot
+// at row p, rows[e] how many slots expert e got; dispatched[T·k, C] = x[token of order[p]].
+void moe_dispatch(Out dispatched, std::span<int> order, std::span<int> rows, In x,
+                  std::span<const int> experts, int T, int C, int k, int E);
+// dx[T, C] += the gradients of each token's dispatched rows.
+void moe_dispatch_backward(Out dx, In ddispatched, std::span<const int> order, int T, int C,
+                           int k);
+// out[T, C] = sum over a token's slots of gate · y[row of the slot] (y in dispatched order).
+void moe_combine(Out out, In y, In gates, std::span<const int> order, int T, int C, int k);
+// dy[T·k, C] = gate · dout[token]; dgates[slot] += dout[token] · y[row].
+void moe_combine_backward(Out dy, Out dgates, In dout, In y, In gates,
+                          std::span<const int> order, int T, int C, int k);
+
 // Columns [begin, begin + width) of src[T, src_width] into dst[T, width]; and back, added:
 // dst[T, dst_width]'s columns [begin, begin + width) += src[T, width].
 void copy_columns(Out dst, In src, int T, int src_width, int begin, int width);

@@ -67,6 +67,13 @@ TEST_CASE("a Llama-style model with RoPE, GQA and SwiGLU trains", "[exec][runner
   CHECK(r.losses.back() < r.losses.front() - 1.5);
 }
 
+TEST_CASE("a mixture of experts trains, its router learning with it", "[exec][runner]") {
+  const auto r = run(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_moe.json", single_rank(4, 4), 60);
+  INFO("first loss " << r.losses.front() << ", last " << r.losses.back());
+  CHECK(r.losses.front() == Approx(std::log(256.0)).epsilon(0.05));
+  CHECK(r.losses.back() < r.losses.front() - 1.5);
+}
+
 TEST_CASE("gradient accumulation over micro-batches equals one large micro-batch",
           "[exec][runner]") {
   // The same four sequences per step, as one micro-batch of 4 or four of 1 (the Program then
@@ -85,7 +92,14 @@ TEST_CASE("runs are deterministic", "[exec][runner]") {
 }
 
 TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
-  REQUIRE_THROWS_AS(run("mixtral-8x7b", single_rank(1, 1), 1), dtsim::UnsupportedError);  // MoE
+  // A mixture of experts with tensor parallelism (its router and dispatch are per rank).
+  auto moe = single_rank(1, 1);
+  moe.tp = 2;
+  dtsim::exec::RunOptions one_of_two;
+  one_of_two.replay_communication = true;
+  REQUIRE_THROWS_WITH(run(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_moe.json", moe, 1, one_of_two),
+                      Catch::Contains("a mixture of experts (model tiny-moe) with tensor "
+                                      "parallelism (tp 2) is not executed yet"));
   auto p = single_rank(1, 2);
   p.schedule = dtsim::plan::Schedule::PipeDreamAsync;
   REQUIRE_THROWS_AS(run("tiny-gpt", p, 1), dtsim::UnsupportedError);
@@ -405,11 +419,21 @@ struct Replayed {
   std::vector<double> losses;
   std::int64_t peak_bytes = 0;
 };
-Replayed replay_every_program(const char* name, dtsim::plan::Plan p, bool keep_tensors,
-                              int steps = 1, bool dropout = false) {
-  p.precision = dtsim::Precision::Fp32;
+// A model as loaded, with dropout, or with its MLPs as a mixture of 4 experts (top 2, each
+// half the MLP's width).
+enum class Variant { AsIs, Dropout, Moe };
+
+dtsim::model::ModelSpec load(const char* name, Variant variant) {
   auto spec = dtsim::model::load_model(name);
-  if (dropout) spec.dropout = true;
+  if (variant == Variant::Dropout) spec.dropout = true;
+  if (variant == Variant::Moe) spec.moe = dtsim::model::MoeSpec{4, 2, spec.ffn_hidden / 2};
+  return spec;
+}
+
+Replayed replay_every_program(const char* name, dtsim::plan::Plan p, bool keep_tensors,
+                              int steps = 1, Variant variant = Variant::AsIs) {
+  p.precision = dtsim::Precision::Fp32;
+  const auto spec = load(name, variant);
   const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 4);
   const auto program = dtsim::lower::lower(g, p);
   Replayed out;
@@ -451,13 +475,14 @@ TEST_CASE("tensors go back once nothing later reads them: the same numbers, less
     const char* label;
     const char* model;
     dtsim::plan::Plan plan;
-    bool dropout = false;
+    Variant variant = Variant::AsIs;
   };
   std::vector<Case> cases;
-  auto add = [&](const char* label, const char* model, auto&& change, bool dropout = false) {
+  auto add = [&](const char* label, const char* model, auto&& change,
+                 Variant variant = Variant::AsIs) {
     dtsim::plan::Plan p = single_rank(2, 4);
     change(p);
-    cases.push_back({label, model, p, dropout});
+    cases.push_back({label, model, p, variant});
   };
   add("one rank", "tiny-gpt", [](auto&) {});
   add("full recompute", "tiny-gpt", [](auto& p) { p.recompute = dtsim::plan::Recompute::Full; });
@@ -494,9 +519,9 @@ TEST_CASE("tensors go back once nothing later reads them: the same numbers, less
   // Dropout's masks: made by the embedding (one rank), after its tp all-reduce or its
   // sequence-parallel reduce-scatter, by the residuals and the attention core.
   add(
-      "dropout", "tiny-gpt", [](auto&) {}, true);
+      "dropout", "tiny-gpt", [](auto&) {}, Variant::Dropout);
   add(
-      "dropout, tp 2", "tiny-gpt", [](auto& p) { p.tp = 2; }, true);
+      "dropout, tp 2", "tiny-gpt", [](auto& p) { p.tp = 2; }, Variant::Dropout);
   add(
       "dropout, tp 2 sequence parallel, cp 2, selective recompute", "tiny-gpt",
       [](auto& p) {
@@ -505,12 +530,30 @@ TEST_CASE("tensors go back once nothing later reads them: the same numbers, less
         p.sequence_parallel = true;
         p.recompute = dtsim::plan::Recompute::Selective;
       },
-      true);
+      Variant::Dropout);
+  // A mixture of experts: the router's routing, the experts' copies and their gates' gradient;
+  // ZeRO-3 gathers dense and expert weights in gathers of their own.
+  add(
+      "mixture of experts, pp 2 zero-bubble", "tiny",
+      [](auto& p) {
+        p.pp = 2;
+        p.schedule = dtsim::plan::Schedule::ZeroBubble;
+        p.global_batch_size = 8;
+      },
+      Variant::Moe);
+  add(
+      "mixture of experts, dp 2 ZeRO-3, full recompute", "tiny",
+      [](auto& p) {
+        p.dp = 2;
+        p.zero_stage = 3;
+        p.recompute = dtsim::plan::Recompute::Full;
+      },
+      Variant::Moe);
   for (const auto& c : cases) {
     INFO(c.label);
-    const auto kept = replay_every_program(c.model, c.plan, /*keep_tensors=*/true, 2, c.dropout);
+    const auto kept = replay_every_program(c.model, c.plan, /*keep_tensors=*/true, 2, c.variant);
     const auto released =
-        replay_every_program(c.model, c.plan, /*keep_tensors=*/false, 2, c.dropout);
+        replay_every_program(c.model, c.plan, /*keep_tensors=*/false, 2, c.variant);
     REQUIRE(kept.losses.size() == released.losses.size());
     for (std::size_t i = 0; i < kept.losses.size(); ++i) {
       CHECK(released.losses[i] == kept.losses[i]);
@@ -532,14 +575,14 @@ TEST_CASE("the executor holds what dtsim memory predicts for the CPU plans", "[e
   struct Case {
     const char* label;
     dtsim::plan::Plan plan;
-    bool dropout = false;
+    Variant variant = Variant::AsIs;
   };
   std::vector<Case> cases;
   auto add = [&](const char* label, std::int64_t tp, std::int64_t pp, std::int64_t dp,
-                 auto&& change, bool dropout = false) {
+                 auto&& change, Variant variant = Variant::AsIs) {
     dtsim::plan::Plan p = cpu_plan(tp, pp, dp);
     change(p);
-    cases.push_back({label, p, dropout});
+    cases.push_back({label, p, variant});
   };
   add("one rank", 1, 1, 1, [](auto&) {});
   add("full recompute", 1, 1, 1, [](auto& p) { p.recompute = Recompute::Full; });
@@ -554,17 +597,26 @@ TEST_CASE("the executor holds what dtsim memory predicts for the CPU plans", "[e
   add("cp 2", 1, 1, 1, [](auto& p) { p.cp = 2; });
   // Dropout's masks (a byte per element) and the attention probabilities after it.
   add(
-      "dropout", 1, 1, 1, [](auto&) {}, true);
+      "dropout", 1, 1, 1, [](auto&) {}, Variant::Dropout);
   add(
       "dropout, tp 2 sequence parallel", 2, 1, 1, [](auto& p) { p.sequence_parallel = true; },
-      true);
+      Variant::Dropout);
+  // The router's state and the experts' copies (top 2 of 4, each half the MLP's width).
+  add(
+      "mixture of experts", 1, 1, 1, [](auto&) {}, Variant::Moe);
+  add(
+      "mixture of experts, dp 2 ZeRO-1, full recompute", 1, 1, 2,
+      [](auto& p) {
+        p.zero_stage = 1;
+        p.recompute = Recompute::Full;
+      },
+      Variant::Moe);
   const auto cluster = dtsim::cluster::load_cluster("cpu-host");
   dtsim::plan::MemoryOptions no_allowance;
   no_allowance.framework_overhead_bytes = 0;
   for (auto& c : cases) {
     c.plan.precision = dtsim::Precision::Fp32;
-    auto spec = dtsim::model::load_model("cpu-small");
-    spec.dropout = c.dropout;
+    const auto spec = load("cpu-small", c.variant);
     const dtsim::model::ModelGraph g(spec, c.plan.micro_batch_size, c.plan.seq_len, 4);
     const double predicted =
         dtsim::plan::estimate_memory(
@@ -572,7 +624,7 @@ TEST_CASE("the executor holds what dtsim memory predicts for the CPU plans", "[e
             .worst()
             .total_bytes;
     const auto measured =
-        replay_every_program("cpu-small", c.plan, /*keep_tensors=*/false, 1, c.dropout);
+        replay_every_program("cpu-small", c.plan, /*keep_tensors=*/false, 1, c.variant);
     INFO(c.label << ": measured " << measured.peak_bytes / 1048576.0 << " MiB, predicted "
                  << predicted / 1048576.0 << " MiB");
     CHECK(static_cast<double>(measured.peak_bytes) == Approx(predicted).epsilon(0.10));

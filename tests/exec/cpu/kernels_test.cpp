@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <functional>
+#include <numeric>
 #include <random>
 #include <span>
 #include <vector>
@@ -303,6 +304,47 @@ TEST_CASE("hidden dropout keeps 1 - rate of the elements, the same mask however 
   for (std::size_t i = 0; i < din.size(); i += 97) {
     CHECK(din[i] == Approx(1.0f + (mask[i] ? skip[i] / 0.9f : 0.0f)).margin(1e-6));
   }
+}
+
+// A mixture of experts' routing, dispatch and combine, with each copy's "expert" a fixed
+// elementwise scale: the gradients of the logits and of the tokens against finite differences
+// (the logits are spread out so that a step of 1e-3 does not change the experts chosen).
+TEST_CASE("MoE routing, dispatch and combine backward match finite differences", "[exec][cpu]") {
+  const int T = 6, E = 4, k = 2, C = 5;
+  auto x = random(static_cast<std::size_t>(T) * C, 80);
+  std::vector<float> logits(static_cast<std::size_t>(T) * E);
+  for (int t = 0; t < T; ++t) {
+    for (int e = 0; e < E; ++e)
+      logits[static_cast<std::size_t>(t * E + e)] = 0.5f * ((t + 3 * e) % E);
+  }
+  const auto scale = random(static_cast<std::size_t>(T) * k * C, 81);
+  const auto r = random(static_cast<std::size_t>(T) * C, 82);
+  std::vector<int> experts(static_cast<std::size_t>(T) * k), order(experts.size()), rows(E);
+  std::vector<float> gates(experts.size()), dispatched(experts.size() * C), y(dispatched.size()),
+      out(x.size());
+  auto loss = [&] {
+    cpu::moe_route(experts, gates, logits, T, E, k);
+    cpu::moe_dispatch(dispatched, order, rows, x, experts, T, C, k, E);
+    for (std::size_t i = 0; i < y.size(); ++i) y[i] = dispatched[i] * scale[i];
+    cpu::moe_combine(out, y, gates, order, T, C, k);
+    return dot(out, r);
+  };
+  loss();
+  // Each token's k experts are distinct and its gates sum to 1; the rows add up to T·k.
+  for (int t = 0; t < T; ++t) {
+    CHECK(experts[static_cast<std::size_t>(t * k)] != experts[static_cast<std::size_t>(t * k + 1)]);
+    CHECK(gates[static_cast<std::size_t>(t * k)] + gates[static_cast<std::size_t>(t * k + 1)] ==
+          Approx(1.0f));
+    CHECK(gates[static_cast<std::size_t>(t * k)] >= gates[static_cast<std::size_t>(t * k + 1)]);
+  }
+  CHECK(std::accumulate(rows.begin(), rows.end(), 0) == T * k);
+  std::vector<float> dy(y.size()), dgates(gates.size()), dlogits(logits.size()), dx(x.size());
+  cpu::moe_combine_backward(dy, dgates, r, y, gates, order, T, C, k);
+  cpu::moe_route_backward(dlogits, dgates, gates, experts, T, E, k);
+  for (std::size_t i = 0; i < dy.size(); ++i) dy[i] *= scale[i];
+  cpu::moe_dispatch_backward(dx, dy, order, T, C, k);
+  check_gradient(logits, dlogits, loss, "logits");
+  check_gradient(x, dx, loss, "x");
 }
 
 TEST_CASE("RoPE and learned positions at a rank's positions equal those rows of the whole",

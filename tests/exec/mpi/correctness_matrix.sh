@@ -1,9 +1,9 @@
 #!/bin/bash
 # The executor's correctness matrix (issue 5): for plans over dp, tp, pp, cp, ZeRO stages,
 # schedules (GPipe, 1F1B, interleaved, zero-bubble; pipeline receives posted when reached or,
-# with --overlap-p2p-comm, ahead of need), micro-batch counts and recompute, K steps of two tiny
-# models under mpirun give the losses and final weights of the single-rank run of the same
-# global batch.
+# with --overlap-p2p-comm, ahead of need), micro-batch counts and recompute, K steps of four
+# tiny models (GPT, Llama, GPT with dropout, a mixture of experts) under mpirun give the losses
+# and final weights of the single-rank run of the same global batch.
 #
 # Tolerances (fp32): losses within 1e-5 (sums in another order differ by ~1e-7); weights within
 # lr/3 = 1e-3. AdamW divides each gradient by its own running RMS, so an element whose gradient
@@ -24,19 +24,22 @@ common=(--steps "$steps" --lr 3e-3 --warmup 0 --global-batch-size 8)
 # tiny-gpt: GELU, LayerNorm, biases, tied embeddings (2 layers). The Llama-style fixture:
 # SwiGLU, RMSNorm, grouped-query attention, untied head, 4 layers (pp 2 x 2 chunks). The dropout
 # fixture: tiny-gpt with dropout (its masks follow each element's sequence and position, so
-# every split draws the single rank's).
+# every split draws the single rank's). The mixture of experts: 4 SwiGLU experts, top 2 (each
+# expert's GEMMs on the rows the router sent it).
 llama="$here/tiny_llama_4l.json"
 dropout="$here/tiny_gpt_dropout.json"
+moe="$here/tiny_moe.json"
 path_of() {
   case "$1" in
     llama) echo "$llama" ;;
     dropout) echo "$dropout" ;;
+    moe) echo "$moe" ;;
     *) echo "$1" ;;
   esac
 }
 
 # One single-rank reference per model and micro-batch size.
-for model in tiny-gpt llama dropout; do
+for model in tiny-gpt llama dropout moe; do
   path=$(path_of "$model")
   for mbs in 1 2 4 8; do
     rm -rf "ref_${model}_$mbs"
@@ -93,6 +96,11 @@ plans=(
   "dropout|2|2|--pp 2 --schedule 1f1b --recompute full"
   "dropout|4|2|--tp 2 --cp 2 --sequence-parallel"
   "dropout|4|1|--dp 2 --pp 2 --schedule zero-bubble --zero-stage 2"
+  "moe|2|4|--dp 2 --zero-stage 1"
+  "moe|2|1|--dp 2 --zero-stage 3 --recompute full"
+  "moe|2|2|--pp 2 --schedule zero-bubble"
+  "moe|2|2|--cp 2 --no-grad-accumulation-fusion"
+  "moe|4|1|--dp 2 --pp 2 --schedule 1f1b --zero-stage 2"
 )
 failed=0
 printf '%-9s %-72s %5s %9s %9s  %s\n' model plan ranks loss_diff weight_diff result
