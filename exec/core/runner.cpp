@@ -1229,6 +1229,18 @@ class Runner {
     per_expert.assign(counts.begin(), counts.end());
   }
 
+  // fn(w, at, n) for each expert with rows: its weight's tensor number w, and its n rows of
+  // the copies from row `at`.
+  template <typename Fn>
+  void for_each_expert(MicroBatch& mb, OpId router, Fn&& fn) {
+    std::int64_t at = 0;
+    const auto& rows = mb.expert_rows.at(router);
+    for (std::size_t e = 0; e < rows.size(); ++e) {
+      if (rows[e] > 0) fn(2 * static_cast<int>(e), at, rows[e]);
+      at += rows[e];
+    }
+  }
+
   // The experts' GEMMs of an up or down op, each on its rows of the copies.
   void experts_forward(MicroBatch& mb, OpId id) {
     const Op& op = g_.op(id);
@@ -1239,16 +1251,10 @@ class Runner {
     const View in = mb.out.at(input(id));
     View& y = down ? mb.aux1[id] : mb.out[id];
     fresh(y, static_cast<std::int64_t>(T_) * k * N);
-    std::int64_t at = 0;
-    const auto& rows = mb.expert_rows.at(router);
-    for (std::size_t e = 0; e < rows.size(); ++e) {
-      const int n = rows[e];
-      if (n == 0) continue;
-      const int w = 2 * static_cast<int>(e);
+    for_each_expert(mb, router, [&](int w, std::int64_t at, int n) {
       dev_.matmul_forward(y.sub(at * N, std::int64_t{n} * N), in.sub(at * K, std::int64_t{n} * K),
                           param(id, w).work, bias_in(id, w + 1), n, K, N, false);
-      at += n;
-    }
+    });
     if (down) {
       fresh(mb.out[id], static_cast<std::int64_t>(T_) * C_);
       dev_.moe_combine(mb.out[id], y, mb.aux1.at(router), mb.route.at(router), T_, C_, k);
@@ -1283,17 +1289,11 @@ class Runner {
     }
     const View in = mb.out.at(input(id));
     const View din = input_grads ? grad_of(mb, input(id)) : View{};
-    std::int64_t at = 0;
-    const auto& rows = mb.expert_rows.at(router);
-    for (std::size_t e = 0; e < rows.size(); ++e) {
-      const int n = rows[e];
-      if (n == 0) continue;
-      const int w = 2 * static_cast<int>(e);
+    for_each_expert(mb, router, [&](int w, std::int64_t at, int n) {
       linear_backward(din.empty() ? View{} : din.sub(at * K, std::int64_t{n} * K), param(id, w),
                       bias_grad(id, w + 1), dy.sub(at * N, std::int64_t{n} * N),
                       in.sub(at * K, std::int64_t{n} * K), n, K, N, false, weight_grads);
-      at += n;
-    }
+    });
     if (down) dev_.release(dy);
   }
 

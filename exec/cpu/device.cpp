@@ -178,35 +178,32 @@ cpu::Dropout dropout_of(const Device::DropoutSite& d) {
   return out;
 }
 
+// The kernels' options for an Attention (its dropout held in `holder`).
+cpu::AttentionOptions options_of(const Device::Attention& a, std::optional<cpu::Dropout>& holder) {
+  if (a.dropout) holder = dropout_of(*a.dropout);
+  return {floats(a.kv),
+          a.cp,
+          ints(a.qpos),
+          ints(a.order),
+          holder ? &*holder : nullptr,
+          bytes(a.mask),
+          floats(a.dropped)};
+}
+
 }  // namespace
 
 void CpuDevice::attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G,
                                      int D, const Attention& a) {
-  const std::optional<cpu::Dropout> dropout =
-      a.dropout ? std::optional(dropout_of(*a.dropout)) : std::nullopt;
-  const cpu::AttentionOptions o{floats(a.kv),
-                                a.cp,
-                                ints(a.qpos),
-                                ints(a.order),
-                                dropout ? &*dropout : nullptr,
-                                bytes(a.mask),
-                                floats(a.dropped)};
-  cpu::attention_forward(floats(out), floats(probs), floats(qkv), B, Sq, H, G, D, o);
+  std::optional<cpu::Dropout> dropout;
+  cpu::attention_forward(floats(out), floats(probs), floats(qkv), B, Sq, H, G, D,
+                         options_of(a, dropout));
 }
 
 void CpuDevice::attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B,
                                       int Sq, int H, int G, int D, const Attention& a) {
-  const std::optional<cpu::Dropout> dropout =
-      a.dropout ? std::optional(dropout_of(*a.dropout)) : std::nullopt;
-  const cpu::AttentionOptions o{floats(a.kv),
-                                a.cp,
-                                ints(a.qpos),
-                                ints(a.order),
-                                dropout ? &*dropout : nullptr,
-                                bytes(a.mask),
-                                floats(a.dropped)};
+  std::optional<cpu::Dropout> dropout;
   cpu::attention_backward(floats(dqkv), floats(dkv), floats(dout), floats(qkv), floats(probs), B,
-                          Sq, H, G, D, o);
+                          Sq, H, G, D, options_of(a, dropout));
 }
 
 void CpuDevice::dropout_forward(View out, View mask, View in, const DropoutSite& d, int T, int C) {
