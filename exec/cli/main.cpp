@@ -563,6 +563,7 @@ int run(const std::vector<std::string>& args) {
   } else {
     device = std::make_unique<dtsim::exec::cpu::CpuDevice>();
   }
+  dtsim::exec::check_device(graph, program, *device);
   if (only_rank) return run_only_rank(vm, spec, plan, graph, program, options, *device, where);
   options.task_timeout_s = vm["task-timeout"].as<double>();
   if (!(options.task_timeout_s >= 0)) {

@@ -239,22 +239,7 @@ class Runner {
         comm_(comm),
         dev_(device) {
     check_runnable(g, program, options.replay_communication);
-    if (program.plan.cp > 1 && !device.has(Device::Feature::ContextParallelism)) {
-      throw UnsupportedError(
-          fmt::format("dtexec: context parallelism (cp {}) is not executed on {} yet",
-                      program.plan.cp, device.name()));
-    }
-    if (g.spec().dropout && !device.has(Device::Feature::Dropout)) {
-      throw UnsupportedError(fmt::format(
-          "dtexec: dropout (model {}) is not executed on {} yet; --no-dropout trains the model "
-          "without it, and dtsim --no-dropout predicts that",
-          g.spec().name, device.name()));
-    }
-    if (g.spec().moe && !device.has(Device::Feature::MixtureOfExperts)) {
-      throw UnsupportedError(
-          fmt::format("dtexec: a mixture of experts (model {}) is not executed on {} yet",
-                      g.spec().name, device.name()));
-    }
+    check_device(g, program, device);
     dropout_ = g.spec().dropout ? kDropoutRate : 0.0f;
     if (comm.size() > 1 && !device.host_memory() && !comm.moves_device_memory()) {
       throw UnsupportedError(
@@ -615,9 +600,7 @@ class Runner {
         // The copy starts from (and is saved as) the embedding matrix.
         const OpId source = p.tied_copy ? embedding : id;
         p.expert = op.expert;
-        p.name = fmt::format("{}.{}{}", g_.op(source).name,
-                             op.expert ? fmt::format("e{}.", which / 2) : "",
-                             which % 2 == 0 ? "weight" : "bias");
+        p.name = tensor_name(source, which);
         const std::vector<float> values = initial(source, which, slice);
         const auto n = static_cast<std::int64_t>(values.size());
         p.n = n;
@@ -671,6 +654,14 @@ class Runner {
       }
       if (!zero3_) refresh_work(p);
     }
+  }
+
+  // A tensor's name in checkpoints and messages: "L3.qkv.weight", "L0.experts_up.e2.bias"
+  // (expert e's weight and bias are tensors 2e and 2e + 1).
+  std::string tensor_name(OpId id, int which) const {
+    const Op& op = g_.op(id);
+    return fmt::format("{}.{}{}", op.name, op.expert ? fmt::format("e{}.", which / 2) : "",
+                       which % 2 == 0 ? "weight" : "bias");
   }
 
   // The GEMMs' copy of a weight, after its master changed (a no-op when they are one).
@@ -1220,6 +1211,9 @@ class Runner {
     dev_.release(logits);
     fresh(mb.route[id], static_cast<std::int64_t>(T_) * k, Dtype::I32);
     fresh(mb.out[id], static_cast<std::int64_t>(T_) * k * C_);
+    // Each expert's row count comes back as fp32 (Device::download), exact below 2^24.
+    DTSIM_ASSERT(static_cast<std::int64_t>(T_) * k < (std::int64_t{1} << 24),
+                 "fewer than 2^24 token copies per micro-batch");
     const View rows = dev_.allocate(E, Dtype::F32);
     dev_.moe_dispatch(mb.out[id], mb.route[id], rows, x, mb.aux2[id], T_, C_, k, E);
     std::vector<float> counts(static_cast<std::size_t>(E));
@@ -1287,12 +1281,13 @@ class Runner {
                                 mb.route.at(router), T_, C_, k);
       if (!input_grads) dev_.release(dgates);
     }
-    const View in = mb.out.at(input(id));
+    const View in = weight_grads ? mb.out.at(input(id)) : View{};
     const View din = input_grads ? grad_of(mb, input(id)) : View{};
     for_each_expert(mb, router, [&](int w, std::int64_t at, int n) {
       linear_backward(din.empty() ? View{} : din.sub(at * K, std::int64_t{n} * K), param(id, w),
                       bias_grad(id, w + 1), dy.sub(at * N, std::int64_t{n} * N),
-                      in.sub(at * K, std::int64_t{n} * K), n, K, N, false, weight_grads);
+                      in.empty() ? View{} : in.sub(at * K, std::int64_t{n} * K), n, K, N, false,
+                      weight_grads);
     });
     if (down) dev_.release(dy);
   }
@@ -1304,7 +1299,7 @@ class Runner {
     // The logits' gradient through the gates' softmax (again in a weight pass).
     const View dlogits = allocate(static_cast<std::int64_t>(T_) * E);
     dev_.moe_route_backward(dlogits, mb.gate_grad.at(id), mb.aux1.at(id), mb.aux2.at(id), T_, E, k);
-    const View x = mb.out.at(input(id));
+    const View x = weight_grads ? mb.out.at(input(id)) : View{};
     const View dx = input_grads ? grad_of(mb, input(id)) : View{};
     linear_backward(dx, param(id, 0), View{}, dlogits, x, T_, C_, E, false, weight_grads);
     dev_.release(dlogits);
@@ -1546,7 +1541,8 @@ class Runner {
     const int width = (H_ + 2 * G_) * D_, kv_width = 2 * G_ * D_;
     const std::int64_t mine = static_cast<std::int64_t>(T_) * kv_width;
     const bool rope = m_.positions == model::Positions::Rope;
-    const std::vector<int> counts(static_cast<std::size_t>(cp_), static_cast<int>(mine));
+    const std::vector<int> counts = collective_counts(
+        std::vector<std::int64_t>(static_cast<std::size_t>(cp_), mine), "the cp K/V all-gather");
     if (task.collective == CollectiveKind::AllGather) {
       const View own = allocate(mine);
       if (rope) {
@@ -1915,11 +1911,14 @@ class Runner {
         read(Slot::Grad, input(id));
         break;
       case OpKind::Router:
-        for (Slot s : {Slot::Grad, Slot::GateGrad, Slot::Aux1, Slot::Aux2, Slot::Route}) {
-          read(s, id);
+        // Both passes take the logits' gradient from the gates'; the input pass also sends
+        // the copies' gradients back to their tokens, the weight pass reads the input.
+        for (Slot s : {Slot::GateGrad, Slot::Aux1, Slot::Aux2}) read(s, id);
+        if (input_grads) {
+          for (Slot s : {Slot::Grad, Slot::Route}) read(s, id);
+          read(Slot::Grad, input(id));
         }
-        read(Slot::Out, input(id));
-        if (input_grads) read(Slot::Grad, input(id));
+        if (weight_grads) read(Slot::Out, input(id));
         break;
     }
     return u;
@@ -2287,7 +2286,7 @@ class Runner {
         }
         auto& t = tensors[{id, which}];
         if (t.data.empty()) {
-          t.name = fmt::format("{}.{}", g_.op(id).name, which == 0 ? "weight" : "bias");
+          t.name = tensor_name(id, which);
           t.shape = {slice.rows, slice.cols};
           for (auto* v : {&t.data, &t.m, &t.v})
             v->assign(static_cast<std::size_t>(slice.rows * slice.cols), 0.0f);
@@ -2406,6 +2405,27 @@ class Runner {
 };
 
 }  // namespace
+
+void check_device(const model::ModelGraph& graph, const lower::Program& program,
+                  const Device& device) {
+  const model::ModelSpec& m = graph.spec();
+  auto lacks = [&](const std::string& what) {
+    throw UnsupportedError(
+        fmt::format("dtexec: {} is not executed on {} yet", what, device.name()));
+  };
+  if (program.plan.cp > 1 && !device.has(Device::Feature::ContextParallelism)) {
+    lacks(fmt::format("context parallelism (cp {})", program.plan.cp));
+  }
+  if (m.dropout && !device.has(Device::Feature::Dropout)) {
+    lacks(
+        fmt::format("dropout (model {}; --no-dropout trains the model without it, and dtsim "
+                    "--no-dropout predicts that)",
+                    m.name));
+  }
+  if (m.moe && !device.has(Device::Feature::MixtureOfExperts)) {
+    lacks(fmt::format("a mixture of experts (model {})", m.name));
+  }
+}
 
 void check_runnable(const model::ModelGraph& graph, const lower::Program& program,
                     bool one_program_alone) {

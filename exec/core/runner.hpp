@@ -95,6 +95,10 @@ struct RunResult {
 // rank reaches the same verdict, so it can be asked before any communication).
 void check_runnable(const model::ModelGraph& graph, const lower::Program& program,
                     bool one_program_alone = false);
+// The same for what `device` lacks (context parallelism, dropout, a mixture of experts: the CPU
+// device has them, a GPU not yet); asked once the device is made, before any communicator.
+void check_device(const model::ModelGraph& graph, const lower::Program& program,
+                  const Device& device);
 
 // Runs this rank's program (program.ranks[comm.rank()]) on `device`. A single-rank plan may use
 // any lowering; a multi-rank plan needs Lowering::AllRanks and a Comm with one rank per device.

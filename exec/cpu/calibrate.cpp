@@ -502,22 +502,24 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
   std::vector<float> x(64, 1.0f), y(64);
   const double tiny_s = median_of(repeats * 10, [&] { matmul_forward(y, x, x, {}, 8, 8, 8); });
   const auto [host, date] = calibration_stamp();
-  return {
-      {"device", "cpu-host"},
-      {"source", fmt::format("dtexec calibrate --backend cpu on {} ({}), {}: {} rank(s) per host "
-                             "measuring at once, OpenBLAS sgemm with {} thread(s), op shapes of {} "
-                             "(micro-batch {}, sequence {}), medians of {}",
-                             host, cpu_name(), date, options.ranks_per_host,
-                             options.gemm_threads > 0 ? std::to_string(options.gemm_threads)
-                                                      : std::string("its default"),
-                             spec.name, graph.micro_batch(), graph.seq_len(), repeats)},
-      {"precision", "fp32"},
-      {"ranks_per_host", options.ranks_per_host},
-      {"gemm", gemm},
-      {"ops", ops},
-      {"memory_bw_bytes_per_s", bw},
-      {"launch_overhead_s", tiny_s},
-      {"jitter_cv", jitter_cv}};
+  return {{"device", "cpu-host"},
+          {"source",
+           fmt::format("dtexec calibrate --backend cpu on {} ({}), {}: {} rank(s) per host "
+                       "measuring at once, OpenBLAS sgemm with {} thread(s), op shapes of {} "
+                       "(micro-batch {}, sequence {}{}), medians of {}",
+                       host, cpu_name(), date, options.ranks_per_host,
+                       options.gemm_threads > 0 ? std::to_string(options.gemm_threads)
+                                                : std::string("its default"),
+                       spec.name, graph.micro_batch(), graph.seq_len(),
+                       spec.dropout ? "; attention, residuals and embedding with its dropout" : "",
+                       repeats)},
+          {"precision", "fp32"},
+          {"ranks_per_host", options.ranks_per_host},
+          {"gemm", gemm},
+          {"ops", ops},
+          {"memory_bw_bytes_per_s", bw},
+          {"launch_overhead_s", tiny_s},
+          {"jitter_cv", jitter_cv}};
 }
 
 }  // namespace dtsim::exec::cpu

@@ -93,7 +93,8 @@ void dropout_backward(Out din, std::span<const std::uint8_t> mask, In dout, floa
 // then V); empty, the keys and values are qkv's own (cp 1). The rank's query s is at position
 // qpos[s] of its sequence; order[p] is the key at position p as an index into a sequence's cp·Sq
 // keys (rank r's token s: r·Sq + s); empty, the identity. A query attends to the positions up
-// to its own, visited in position order, so that a split sequence sums as one rank's.
+// to its own, visited in position order, so that a split sequence's outputs and dq sum as one
+// rank's, bit for bit (dk and dv are summed on each rank, then over the ranks).
 // Dropout of the probabilities (attention dropout) when `dropout` is set: element (head,
 // query position, key position) has index (head_offset + h)·S² + q·S + k; mask and dropped
 // [B, H, Sq, S] keep its mask and the probabilities after it, which the values read.
@@ -125,13 +126,12 @@ void moe_route_backward(Out dlogits, In dgates, In gates, std::span<const int> e
 void moe_dispatch(Out dispatched, std::span<int> order, std::span<int> rows, In x,
                   std::span<const int> experts, int T, int C, int k, int E);
 // dx[T, C] += the gradients of each token's dispatched rows.
-void moe_dispatch_backward(Out dx, In ddispatched, std::span<const int> order, int T, int C,
-                           int k);
+void moe_dispatch_backward(Out dx, In ddispatched, std::span<const int> order, int T, int C, int k);
 // out[T, C] = sum over a token's slots of gate · y[row of the slot] (y in dispatched order).
 void moe_combine(Out out, In y, In gates, std::span<const int> order, int T, int C, int k);
 // dy[T·k, C] = gate · dout[token]; dgates[slot] += dout[token] · y[row].
-void moe_combine_backward(Out dy, Out dgates, In dout, In y, In gates,
-                          std::span<const int> order, int T, int C, int k);
+void moe_combine_backward(Out dy, Out dgates, In dout, In y, In gates, std::span<const int> order,
+                          int T, int C, int k);
 
 // Columns [begin, begin + width) of src[T, src_width] into dst[T, width]; and back, added:
 // dst[T, dst_width]'s columns [begin, begin + width) += src[T, width].

@@ -154,10 +154,9 @@ TEST_CASE("causal attention with grouped KV heads matches finite differences", "
 }
 
 // Context parallelism: cp ranks, each with two of 2·cp chunks of every sequence (c and
-// 2·cp-1-c, as the runner places them), give one rank's outputs and gradients exactly: the
-// keys are visited in position order, and dropout's masks follow positions.
-TEST_CASE("attention split over context-parallel ranks equals one rank's, bit for bit",
-          "[exec][cpu]") {
+// 2·cp-1-c, as the runner places them), give one rank's outputs and dq exactly (the keys are
+// visited in position order, and dropout's masks follow positions), and its dk, dv to rounding.
+TEST_CASE("attention split over context-parallel ranks equals one rank's", "[exec][cpu]") {
   const int B = 2, cp = 2, S = 8, H = 4, G = 2, D = 3, Sq = S / cp, chunk = S / (2 * cp);
   const int width = (H + 2 * G) * D, kvw = 2 * G * D;
   const auto qkv = random(static_cast<std::size_t>(B) * S * width, 40);
@@ -233,10 +232,16 @@ TEST_CASE("attention split over context-parallel ranks equals one rank's, bit fo
           std::span<const float>(dkv).subspan(static_cast<std::size_t>(c) * B * Sq * kvw,
                                               static_cast<std::size_t>(B) * Sq * kvw),
           B * Sq, width, H * D, kvw);
+      // dq sums in one rank's order (bit for bit); dk and dv are summed on each rank, then
+      // over the ranks: another order.
       const auto expected = rows_of(dqkv, c, width);
       REQUIRE(dqkv_of[c].size() == expected.size());
       for (std::size_t i = 0; i < expected.size(); ++i) {
-        CHECK(dqkv_of[c][i] == Approx(expected[i]).margin(1e-6));
+        if (static_cast<int>(i % static_cast<std::size_t>(width)) < H * D) {
+          CHECK(dqkv_of[c][i] == expected[i]);
+        } else {
+          CHECK(dqkv_of[c][i] == Approx(expected[i]).margin(1e-6));
+        }
       }
     }
   }
@@ -282,7 +287,7 @@ TEST_CASE("hidden dropout keeps 1 - rate of the elements, the same mask however 
   cpu::dropout_add_forward(out, mask, branch, skip, d, T, C);
   const double kept =
       static_cast<double>(std::count(mask.begin(), mask.end(), std::uint8_t{1})) / mask.size();
-  CHECK(kept == Approx(0.9).margin(0.005));  // 24,576 draws: 3 standard deviations ~ 0.006
+  CHECK(kept == Approx(0.9).margin(0.005));  // 24,576 draws: one standard deviation ~ 0.0019
   for (std::size_t i = 0; i < out.size(); ++i) {
     CHECK(out[i] == Approx(skip[i] + (mask[i] ? branch[i] / 0.9f : 0.0f)).margin(1e-6));
   }
@@ -308,14 +313,17 @@ TEST_CASE("hidden dropout keeps 1 - rate of the elements, the same mask however 
 
 // A mixture of experts' routing, dispatch and combine, with each copy's "expert" a fixed
 // elementwise scale: the gradients of the logits and of the tokens against finite differences
-// (the logits are spread out so that a step of 1e-3 does not change the experts chosen).
+// (the logits are spread out so that a step of 1e-3 does not change the experts chosen), with
+// an expert that gets no token.
 TEST_CASE("MoE routing, dispatch and combine backward match finite differences", "[exec][cpu]") {
   const int T = 6, E = 4, k = 2, C = 5;
   auto x = random(static_cast<std::size_t>(T) * C, 80);
   std::vector<float> logits(static_cast<std::size_t>(T) * E);
+  // Experts 0-2 at distinct logits; expert 3 far below, so that it gets no token.
   for (int t = 0; t < T; ++t) {
-    for (int e = 0; e < E; ++e)
-      logits[static_cast<std::size_t>(t * E + e)] = 0.5f * ((t + 3 * e) % E);
+    for (int e = 0; e < E; ++e) {
+      logits[static_cast<std::size_t>(t * E + e)] = e == 3 ? -5.0f : 0.5f * ((t + 3 * e) % E);
+    }
   }
   const auto scale = random(static_cast<std::size_t>(T) * k * C, 81);
   const auto r = random(static_cast<std::size_t>(T) * C, 82);
@@ -338,6 +346,7 @@ TEST_CASE("MoE routing, dispatch and combine backward match finite differences",
     CHECK(gates[static_cast<std::size_t>(t * k)] >= gates[static_cast<std::size_t>(t * k + 1)]);
   }
   CHECK(std::accumulate(rows.begin(), rows.end(), 0) == T * k);
+  CHECK(rows[3] == 0);
   std::vector<float> dy(y.size()), dgates(gates.size()), dlogits(logits.size()), dx(x.size());
   cpu::moe_combine_backward(dy, dgates, r, y, gates, order, T, C, k);
   cpu::moe_route_backward(dlogits, dgates, gates, experts, T, E, k);
