@@ -385,7 +385,8 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
                                 {"step_time_max_s", spread(result, options.warmup_steps).second},
                                 {"compute_s", compute},
                                 {"communication_waits_s", waited},
-                                {"communication", "replaced by waits " + waits}}
+                                {"communication", "replaced by waits " + waits},
+                                {"notes", dtsim::exec::execution_notes(spec, plan)}}
                      .dump(2)
               << "\n";
     return 0;
@@ -396,6 +397,9 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
       "zeros, so losses mean nothing\n",
       spec.name, dtsim::plan::summary(plan), r, where, rp.stage, rp.represents.size(),
       options.steps, comm_tasks, waits);
+  for (const auto& note : dtsim::exec::execution_notes(spec, plan)) {
+    std::cout << "note: " << note << "\n";
+  }
   std::cout << fmt::format(
       "median step time {:.1f} ms after {} warm-up step(s); last step: compute {:.1f} ms, "
       "waits {:.1f} ms (one after the other: the waits do not overlap compute here)\n",
@@ -594,6 +598,8 @@ int run(const std::vector<std::string>& args) {
     comm = std::make_unique<dtsim::exec::SingleRankComm>(device.get());
   }
   const bool json_out = vm["json"].as<bool>();
+  // What this run does that its figures depend on (dropout, routing, context parallelism).
+  const std::vector<std::string> run_notes = dtsim::exec::execution_notes(spec, plan);
   if (!json_out) {
     out(rank) << fmt::format(
         "{} on {}, {} rank{}, plan {}: {} x {} tokens per step ({} micro-batches per "
@@ -601,6 +607,7 @@ int run(const std::vector<std::string>& args) {
         spec.name, where, devices, devices == 1 ? "" : "s", dtsim::plan::summary(plan),
         plan.global_batch_size, plan.seq_len, plan.micro_batches(), steps,
         options.resume_dir.empty() ? "" : ", resuming " + options.resume_dir);
+    for (const auto& note : run_notes) out(rank) << "note: " << note << "\n";
     // Each step as it ends.
     options.on_step = [rank](int step, double loss, double seconds) {
       out(rank) << fmt::format("step {:>4}  loss {:.4f}  {:.1f} ms\n", step, loss, seconds * 1e3)
@@ -693,7 +700,8 @@ int run(const std::vector<std::string>& args) {
                      {"step_time_min_s", spread(result, warmup).first},
                      {"step_time_max_s", spread(result, warmup).second},
                      {"tokens_per_s", tokens / result.step_time_s},
-                     {"warmup_steps", warmup}};
+                     {"warmup_steps", warmup},
+                     {"notes", run_notes}};
     j.update(measured);
     j["memory"] = memory;
     out(rank) << j.dump(2) << "\n";

@@ -2406,6 +2406,30 @@ class Runner {
 
 }  // namespace
 
+std::vector<std::string> execution_notes(const model::ModelSpec& spec, const plan::Plan& plan) {
+  std::vector<std::string> notes;
+  if (spec.dropout) {
+    notes.push_back(fmt::format(
+        "dropout at rate {:g} on the embedding, the attention probabilities and both residual "
+        "branches (GPT-2's and Megatron-LM's rate), its masks a hash of each element's sequence "
+        "and position",
+        kDropoutRate));
+  }
+  if (spec.moe) {
+    notes.push_back(fmt::format(
+        "mixture of experts: each token to its top {} of {} experts by router logit, weighted by "
+        "the softmax of those logits (Mixtral's routing); dropless, no load-balancing loss",
+        spec.moe->top_k, spec.moe->experts));
+  }
+  if (plan.cp > 1) {
+    notes.push_back(fmt::format(
+        "context parallelism: each rank holds 2 of {} chunks of every sequence (Megatron-LM's "
+        "load balancing); K and V all-gathered, their gradients reduce-scattered",
+        2 * plan.cp));
+  }
+  return notes;
+}
+
 void check_device(const model::ModelGraph& graph, const lower::Program& program,
                   const Device& device) {
   const model::ModelSpec& m = graph.spec();

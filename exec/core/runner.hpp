@@ -95,6 +95,9 @@ struct RunResult {
 // rank reaches the same verdict, so it can be asked before any communication).
 void check_runnable(const model::ModelGraph& graph, const lower::Program& program,
                     bool one_program_alone = false);
+// What a run of this model and plan does that a reader of its figures should know (dropout's
+// rate, how experts are routed, how context parallelism splits the sequences), one line each.
+std::vector<std::string> execution_notes(const model::ModelSpec& spec, const plan::Plan& plan);
 // The same for what `device` lacks (context parallelism, dropout, a mixture of experts: the CPU
 // device has them, a GPU not yet); asked once the device is made, before any communicator.
 void check_device(const model::ModelGraph& graph, const lower::Program& program,
