@@ -11,9 +11,8 @@ namespace dtsim::lower {
 
 struct LowerOptions {
   Lowering mode = Lowering::Representatives;
-  // Gradient bucket size for data-parallel reduction: PyTorch DDP's default bucket_cap_mb = 25
-  // (torch.nn.parallel.DistributedDataParallel); Megatron-LM's DDP uses a similar bucketing.
-  std::uint64_t dp_bucket_bytes = 25ULL * 1024 * 1024;
+  // Gradient bucket size for data-parallel reduction (plan::kGradientBucketBytes).
+  std::uint64_t dp_bucket_bytes = plan::kGradientBucketBytes;
 };
 
 // `graph` must be built for the plan's micro-batch size and sequence length; the plan must be

@@ -282,6 +282,16 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     }
 
     s.other_bytes = options.framework_overhead_bytes;
+    if (plan.zero_stage == 2 && shard > 1) {
+      // ZeRO-2 keeps a bucket's full gradients from their first write in a micro-batch's
+      // backward to the bucket's reduce-scatter (the reduced slice is in gradients_bytes): up
+      // to a bucket, at most the rank's gradients. They grow while that backward frees the
+      // micro-batch's activations, so only what exceeds those adds to the peak (it does with
+      // full recompute, whose kept activations are small).
+      const double bucket = std::min(static_cast<double>(kGradientBucketBytes),
+                                     (dense_params + expert_params) * per_param.gradients);
+      s.other_bytes += std::max(0.0, bucket - per_micro_batch);
+    }
     if (plan.zero_stage == 3 && shard > 1) {
       // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
       // prefetches the next one; a tied table stays gathered meanwhile.
@@ -309,7 +319,10 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
   report.notes.push_back(
       fmt::format("other = {:.2f} GiB framework allowance (assumed; --framework-overhead-gib){}",
                   options.framework_overhead_bytes / (1024.0 * 1024 * 1024),
-                  plan.zero_stage == 3 ? " + ZeRO-3 gathered-weight buffers" : ""));
+                  plan.zero_stage == 3   ? " + ZeRO-3 gathered-weight buffers"
+                  : plan.zero_stage == 2 ? " + ZeRO-2 gradient buckets beyond the activations "
+                                           "their backward frees"
+                                         : ""));
   return report;
 }
 

@@ -16,6 +16,11 @@
 
 namespace dtsim::plan {
 
+// Gradient bucket size for data-parallel reduction: PyTorch DDP's default bucket_cap_mb = 25
+// (torch.nn.parallel.DistributedDataParallel); Megatron-LM's DDP buckets similarly. The
+// lowering's default (lower::LowerOptions), and what ZeRO-2 holds of full gradients.
+inline constexpr std::uint64_t kGradientBucketBytes = 25ULL * 1024 * 1024;
+
 enum class Schedule { GPipe, OneFOneB, Interleaved, ZeroBubble, PipeDreamAsync };
 enum class Recompute { None, Selective, Full };
 enum class Optimizer { Adam, Sgd };

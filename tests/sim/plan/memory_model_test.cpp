@@ -98,6 +98,44 @@ TEST_CASE("gradients take the plan's gradient precision, fp32 with bf16 by defau
   CHECK(states.weights == Approx(1e9 * 2));
 }
 
+TEST_CASE("ZeRO-2 holds a bucket of full gradients beyond what its backward frees",
+          "[plan][memory]") {
+  // cpu-small (about 3.7 M parameters, 14 MiB of fp32 gradients: less than a 25 MiB bucket)
+  // on two ranks: with full recompute a micro-batch keeps less than that, so the bucket adds
+  // the difference; without recompute its activations exceed it, and nothing is added.
+  const auto spec = load_model("cpu-small");
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("cpu-host"), 2);
+  Plan p;
+  p.dp = 2;
+  p.micro_batch_size = 4;
+  p.global_batch_size = 8;
+  p.seq_len = 128;
+  p.precision = Precision::Fp32;
+  const ModelGraph g(spec, 4, 128);
+  dtsim::plan::MemoryOptions none;
+  none.framework_overhead_bytes = 0;
+  auto other = [&](int zero, Recompute r) {
+    Plan q = p;
+    q.zero_stage = zero;
+    q.recompute = r;
+    return dtsim::plan::estimate_memory(g, q, cluster, none).worst();
+  };
+  const auto full = other(2, Recompute::Full);
+  const double grads = 2.0 * full.gradients_bytes;  // the unsharded fp32 gradients
+  REQUIRE(grads < static_cast<double>(dtsim::plan::kGradientBucketBytes));
+  // What one micro-batch keeps of its blocks under full recompute: their inputs.
+  Plan q = p;
+  q.recompute = Recompute::Full;
+  double kept = 0;
+  for (int layer = 0; layer < spec.layers; ++layer) {
+    kept += dtsim::plan::block_activation_bytes(g, layer, q);
+  }
+  REQUIRE(kept < grads);
+  CHECK(full.other_bytes == Approx(grads - kept));
+  CHECK(other(2, Recompute::None).other_bytes == 0);
+  CHECK(other(1, Recompute::Full).other_bytes == 0);  // ZeRO-1 holds the whole gradient anyway
+}
+
 TEST_CASE("Korthikanti et al. Table 2: activations per layer", "[plan][memory][activations]") {
   const auto spec = korthikanti_22b();
   const double s = 2048, b = 4, h = 6144, a = 64, t = 8;
