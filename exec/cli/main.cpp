@@ -500,7 +500,10 @@ int run(const std::vector<std::string>& args) {
         "the plan needs {} ranks: start them with mpirun -np {} dtexec run ...", devices, devices));
   }
   std::vector<std::string> notes;
-  dtsim::plan::Plan plan = dtsim::cli::plan_from_options(vm, spec, devices, notes);
+  // The CPU backend trains in fp32: the plan is completed and checked in it.
+  std::optional<dtsim::cli::PrecisionDefault> fallback;
+  if (!gpu) fallback = dtsim::cli::PrecisionDefault{dtsim::Precision::Fp32, "the CPU backend"};
+  dtsim::plan::Plan plan = dtsim::cli::plan_from_options(vm, spec, devices, notes, fallback);
   if (gpu) {
     if (plan.precision != dtsim::Precision::Bf16 && plan.precision != dtsim::Precision::Fp32) {
       throw dtsim::UnsupportedError(

@@ -196,7 +196,8 @@ std::vector<int> parse_layers_per_stage(const std::string& text) {
 }  // namespace
 
 plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec& model,
-                             std::int64_t devices, std::vector<std::string>& notes) {
+                             std::int64_t devices, std::vector<std::string>& notes,
+                             const std::optional<PrecisionDefault>& precision_default) {
   plan::Plan p;
   p.dp = 0;  // derived unless given
   p.global_batch_size = 0;
@@ -250,6 +251,15 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
     return *prec;
   };
   if (vm.count("precision")) p.precision = precision_flag("precision");
+  const bool precision_given =
+      vm.count("precision") ||
+      (vm.count("plan") &&
+       JsonReader::parse_file(vm["plan"].as<std::string>()).contains("precision"));
+  if (!precision_given && precision_default && p.precision != precision_default->precision) {
+    p.precision = precision_default->precision;
+    notes.push_back(
+        fmt::format("precision = {} ({})", to_string(p.precision), precision_default->why));
+  }
   if (vm.count("comm-precision")) p.comm_precision = precision_flag("comm-precision");
   if (vm.count("grad-precision")) {
     const std::string& text = vm["grad-precision"].as<std::string>();
@@ -372,19 +382,15 @@ PlanSetup setup_from_options(const po::variables_map& vm) {
   if (vm.count("no-dropout") && vm["no-dropout"].as<bool>()) {
     notes.push_back(fmt::format("{} without its dropout layers (--no-dropout)", spec.name));
   }
-  plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes);
   // The default precision (bf16) on a device without it (a CPU host): fp32, said so. A
   // precision asked for explicitly is checked as given.
-  const bool precision_given =
-      vm.count("precision") ||
-      (vm.count("plan") &&
-       JsonReader::parse_file(vm["plan"].as<std::string>()).contains("precision"));
-  if (!precision_given && !cluster.device.supports(plan.precision) &&
-      cluster.device.supports(Precision::Fp32)) {
-    notes.push_back(fmt::format("precision = fp32 (device {} has no {})", cluster.device.name,
-                                to_string(plan.precision)));
-    plan.precision = Precision::Fp32;
+  const Precision usual = plan::Plan{}.precision;
+  std::optional<PrecisionDefault> fallback;
+  if (!cluster.device.supports(usual) && cluster.device.supports(Precision::Fp32)) {
+    fallback = PrecisionDefault{
+        Precision::Fp32, fmt::format("device {} has no {}", cluster.device.name, to_string(usual))};
   }
+  plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes, fallback);
   if (!plan.grad_precision && plan::gradient_precision(plan) != plan.precision &&
       plan.precision != Precision::Tf32) {
     notes.push_back(fmt::format(

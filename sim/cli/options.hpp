@@ -47,9 +47,16 @@ cluster::Cluster cluster_from_options(const po::variables_map& vm);
 
 // The plan from --plan and/or the flags (flags given on the command line override the file),
 // completed with defaults (plan::complete_plan) and validated against model and devices.
-// `notes` receives what was defaulted and any warnings.
+// `notes` receives what was defaulted and any warnings. `precision_default`, when given, is the
+// precision where neither --precision nor the plan file names one, with why (a note says so):
+// the plan is validated in the precision it will run in.
+struct PrecisionDefault {
+  Precision precision;
+  std::string why;
+};
 plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec& model,
-                             std::int64_t devices, std::vector<std::string>& notes);
+                             std::int64_t devices, std::vector<std::string>& notes,
+                             const std::optional<PrecisionDefault>& precision_default = {});
 
 // The precision a search uses unless told: bf16, or fp32 on a device without bf16 (a CPU host).
 Precision default_precision(const cluster::DeviceSpec& device);
