@@ -29,6 +29,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=$(cd "${1:-$root/build}" && pwd)
 work=${2:-$(mktemp -d)}
 mkdir -p "$work"
+# A model file named relative to here stays found from the work directory.
+if [ -f "${MODEL:-}" ]; then MODEL=$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL"); fi
 cd "$work"
 dtexec=$build/exec/cli/dtexec
 dtsim=$build/sim/cli/dtsim
