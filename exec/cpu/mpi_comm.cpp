@@ -424,6 +424,14 @@ nlohmann::json measure_collectives(const MpiSession& session, bool quick, int re
                 "MPI_Reduce_scatter_block");
         }),
         ring);
+    // Expert parallelism's dispatch and combine: every rank sends a part to every rank (bytes:
+    // what a rank sends in all, as nccl-tests' alltoall counts them).
+    add("all_to_all", n, part * n * sizeof(float), timed([&] {
+          check(MPI_Alltoall(buffer.data(), static_cast<int>(part), MPI_FLOAT, out.data(),
+                             static_cast<int>(part), MPI_FLOAT, MPI_COMM_WORLD),
+                "MPI_Alltoall");
+        }),
+        ring);
     add("send_recv", 2, bytes, timed([&] {
           if (session.rank() == 0) {
             check(MPI_Send(buffer.data(), static_cast<int>(count), MPI_FLOAT, 1, 7, MPI_COMM_WORLD),
