@@ -40,12 +40,9 @@ using model::Op;
 using model::OpId;
 using model::OpKind;
 
-// A deterministic stream per (seed, a, b): parameters, data and dropout masks do not depend on
-// which rank creates them or in which order.
-std::uint64_t mix(std::uint64_t seed, std::uint64_t a, std::uint64_t b) {
-  return cpu::counter_hash(seed, a, b);
-}
-
+// Parameters, data and dropout masks come from cpu::counter_hash streams of (seed, a, b): they
+// do not depend on which rank creates them or in which order.
+using cpu::counter_hash;
 using cpu::kDropoutRate;
 // Dropout sites of a layer (its stream: the seed, the step and (layer + 1)·4 + site).
 enum DropoutSiteKind : int {
@@ -558,8 +555,8 @@ class Runner {
     if (op.kind == OpKind::Norm) {
       std::fill(local.begin(), local.end(), which == 0 ? 1.0f : 0.0f);
     } else if (matrix) {
-      const std::uint64_t stream =
-          mix(options_.seed, static_cast<std::uint64_t>(id), static_cast<std::uint64_t>(which));
+      const std::uint64_t stream = counter_hash(options_.seed, static_cast<std::uint64_t>(id),
+                                                static_cast<std::uint64_t>(which));
       for_pieces(s.local_size(), [&](std::int64_t begin, std::int64_t end) {
         for (std::int64_t i = begin; i < end; ++i) {
           local[static_cast<std::size_t>(i)] = 0.02f * standard_normal(stream, s.full_index(i));
@@ -572,7 +569,8 @@ class Runner {
   // A standard normal from (stream, index): two uniforms in (0, 1] from the splitmix64 of the
   // pair, then Box and Muller's transform (1958).
   static float standard_normal(std::uint64_t stream, std::int64_t index) {
-    const std::uint64_t bits = mix(stream, static_cast<std::uint64_t>(index), 0x6e6f726dULL);
+    const std::uint64_t bits =
+        counter_hash(stream, static_cast<std::uint64_t>(index), 0x6e6f726dULL);
     const double u1 = (static_cast<double>(bits >> 32) + 1.0) / 4294967296.0;
     const double u2 = (static_cast<double>(bits & 0xffffffffULL) + 1.0) / 4294967296.0;
     constexpr double kTwoPi = 6.283185307179586;
@@ -776,7 +774,8 @@ class Runner {
     std::vector<int> targets(static_cast<std::size_t>(B_ * S_));
     for (int b = 0; b < B_; ++b) {
       const auto sequence = static_cast<std::uint64_t>((replica_ * micro_batches_ + j) * B_ + b);
-      std::mt19937_64 gen(mix(options_.seed, static_cast<std::uint64_t>(step) + 0x5eed, sequence));
+      std::mt19937_64 gen(
+          counter_hash(options_.seed, static_cast<std::uint64_t>(step) + 0x5eed, sequence));
       std::uniform_int_distribution<int> token(0, V_ - 1);
       std::uniform_real_distribution<float> coin(0.0f, 1.0f);
       int t = token(gen);
@@ -999,8 +998,8 @@ class Runner {
   // where a residual-stream tensor's rows start among the micro-batch's (sequence parallelism).
   Device::DropoutSite dropout_site(const MicroBatch& mb, int layer, int site, int first_row) const {
     Device::DropoutSite d;
-    d.stream = mix(options_.seed ^ 0x64726f706f7574ULL, static_cast<std::uint64_t>(step_),
-                   static_cast<std::uint64_t>((layer + 1) * 4 + site));
+    d.stream = counter_hash(options_.seed ^ 0x64726f706f7574ULL, static_cast<std::uint64_t>(step_),
+                            static_cast<std::uint64_t>((layer + 1) * 4 + site));
     d.rate = dropout_;
     d.first_sequence = static_cast<std::int64_t>(replica_ * micro_batches_ + mb.index) * B_;
     d.first_row = first_row;

@@ -385,10 +385,11 @@ PlanSetup setup_from_options(const po::variables_map& vm) {
   // The default precision (bf16) on a device without it (a CPU host): fp32, said so. A
   // precision asked for explicitly is checked as given.
   const Precision usual = plan::Plan{}.precision;
+  const Precision fitting = default_precision(cluster.device);
   std::optional<PrecisionDefault> fallback;
-  if (!cluster.device.supports(usual) && cluster.device.supports(Precision::Fp32)) {
+  if (fitting != usual) {
     fallback = PrecisionDefault{
-        Precision::Fp32, fmt::format("device {} has no {}", cluster.device.name, to_string(usual))};
+        fitting, fmt::format("device {} has no {}", cluster.device.name, to_string(usual))};
   }
   plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes, fallback);
   if (!plan.grad_precision && plan::gradient_precision(plan) != plan.precision &&
