@@ -20,6 +20,20 @@ namespace dtsim::exec {
 
 enum class Dtype { F32, BF16, I32, U8 };  // U8: masks
 
+inline const char* to_string(Dtype t) {
+  switch (t) {
+    case Dtype::F32:
+      return "f32";
+    case Dtype::BF16:
+      return "bf16";
+    case Dtype::I32:
+      return "i32";
+    case Dtype::U8:
+      return "u8";
+  }
+  return "?";
+}
+
 inline std::size_t bytes_of(Dtype t) {
   return t == Dtype::U8 ? 1 : t == Dtype::BF16 ? 2 : 4;
 }
@@ -162,8 +176,8 @@ class Device {
                             int C, int k, int E);
   virtual void moe_dispatch_backward(View dx, View ddispatched, View order, int T, int C, int k);
   virtual void moe_combine(View out, View y, View gates, View order, int T, int C, int k);
-  virtual void moe_combine_backward(View dy, View dgates, View dout, View y, View gates,
-                                    View order, int T, int C, int k);
+  virtual void moe_combine_backward(View dy, View dgates, View dout, View y, View gates, View order,
+                                    int T, int C, int k);
   // loss: one fp32, the mean over the T rows; dlogits = (softmax - onehot) / T. targets I32.
   virtual void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) = 0;
   // Vocab-parallel: rowmax[T], then sums[2T] (fp32), then loss and dlogits from the reduced

@@ -1,7 +1,10 @@
 #include "exec/cuda/device.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <map>
+#include <source_location>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -203,18 +206,32 @@ class CudaDevice final : public Device {
     DTSIM_ASSERT(positions.empty(), "positions 0 ... S-1 (no context parallelism on the GPU)");
   }
   static std::size_t bytes(View v) { return static_cast<std::size_t>(v.n) * bytes_of(v.type); }
-  void* act(View v) const {
-    DTSIM_ASSERT(v.type == act_, "a view of the activation type");
+  // A view's type checked where the kernel that reads it is called: the failure names that
+  // line (the caller's), not this one.
+  using Where = std::source_location;
+  static void expect(bool ok, View v, const char* what, Where where) {
+    if (!ok) {
+      fail_assert(what, where.file_name(), static_cast<int>(where.line()),
+                  fmt::format("{} view of {} elements given {} ({})", what, v.n,
+                              exec::to_string(v.type), where.function_name()));
+    }
+  }
+  void* act(View v, Where where = Where::current()) const {
+    expect(v.type == act_, v, "an activation-type", where);
     return v.p;
   }
-  void* act_or_null(View v) const { return v.empty() ? nullptr : act(v); }
-  static float* f32(View v) {
-    DTSIM_ASSERT(v.type == exec::Dtype::F32, "an fp32 view");
+  void* act_or_null(View v, Where where = Where::current()) const {
+    return v.empty() ? nullptr : act(v, where);
+  }
+  static float* f32(View v, Where where = Where::current()) {
+    expect(v.type == exec::Dtype::F32, v, "an fp32", where);
     return static_cast<float*>(v.p);
   }
-  static float* f32_or_null(View v) { return v.empty() ? nullptr : f32(v); }
-  static int* ints(View v) {
-    DTSIM_ASSERT(v.type == exec::Dtype::I32, "an int32 view");
+  static float* f32_or_null(View v, Where where = Where::current()) {
+    return v.empty() ? nullptr : f32(v, where);
+  }
+  static int* ints(View v, Where where = Where::current()) {
+    expect(v.type == exec::Dtype::I32, v, "an int32", where);
     return static_cast<int*>(v.p);
   }
   // Scratch for the per-row losses of T rows.
