@@ -222,7 +222,7 @@ for vocab in 50257 50304; do
   limit 60 "$bin/dtexec" calibrate --backend cuda --model "$model" --micro-batch-size 8 \
     --seq-len 1024 --repeats 10 --out "$out/profile_gpt2_v$vocab.json" \
     >"$out/calibrate_gpt2_v$vocab.txt" 2>&1
-  grep -E "50257|50304|in a training step|attention|layernorm" "$out/calibrate_gpt2_v$vocab.txt" |
+  grep -E "50257|50304|in a training step|attention|layernorm|gelu|loss" "$out/calibrate_gpt2_v$vocab.txt" |
     tee -a "$report"
   # shellcheck disable=SC2086
   "$bin/dtsim" simulate --cluster hgx-h200 --gpus 1 --model "$model" $g2 \

@@ -23,13 +23,13 @@ enum class Dtype { F32, BF16, I32, U8 };  // U8: masks
 inline const char* to_string(Dtype t) {
   switch (t) {
     case Dtype::F32:
-      return "f32";
+      return "fp32";
     case Dtype::BF16:
       return "bf16";
     case Dtype::I32:
-      return "i32";
+      return "int32";
     case Dtype::U8:
-      return "u8";
+      return "uint8";
   }
   return "?";
 }

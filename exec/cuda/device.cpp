@@ -209,29 +209,30 @@ class CudaDevice final : public Device {
   // A view's type checked where the kernel that reads it is called: the failure names that
   // line (the caller's), not this one.
   using Where = std::source_location;
-  static void expect(bool ok, View v, const char* what, Where where) {
-    if (!ok) {
-      fail_assert(what, where.file_name(), static_cast<int>(where.line()),
-                  fmt::format("{} view of {} elements given {} ({})", what, v.n,
-                              exec::to_string(v.type), where.function_name()));
+  static void expect(View v, exec::Dtype want, Where where) {
+    if (v.type != want) {
+      fail_assert(
+          "v.type == want", where.file_name(), static_cast<int>(where.line()),
+          fmt::format("a {} view expected, given a {} view of {} elements, in {}",
+                      exec::to_string(want), exec::to_string(v.type), v.n, where.function_name()));
     }
   }
   void* act(View v, Where where = Where::current()) const {
-    expect(v.type == act_, v, "an activation-type", where);
+    expect(v, act_, where);
     return v.p;
   }
   void* act_or_null(View v, Where where = Where::current()) const {
     return v.empty() ? nullptr : act(v, where);
   }
   static float* f32(View v, Where where = Where::current()) {
-    expect(v.type == exec::Dtype::F32, v, "an fp32", where);
+    expect(v, exec::Dtype::F32, where);
     return static_cast<float*>(v.p);
   }
   static float* f32_or_null(View v, Where where = Where::current()) {
     return v.empty() ? nullptr : f32(v, where);
   }
   static int* ints(View v, Where where = Where::current()) {
-    expect(v.type == exec::Dtype::I32, v, "an int32", where);
+    expect(v, exec::Dtype::I32, where);
     return static_cast<int*>(v.p);
   }
   // Scratch for the per-row losses of T rows.
