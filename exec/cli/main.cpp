@@ -28,6 +28,7 @@
 #include "exec/core/checkpoint.hpp"
 #include "exec/core/in_run.hpp"
 #include "exec/core/runner.hpp"
+#include "exec/cpu/bf16_device.hpp"
 #include "exec/cpu/calibrate.hpp"
 #include "exec/cpu/device.hpp"
 #include "exec/cpu/kernels.hpp"
@@ -420,8 +421,9 @@ int run(const std::vector<std::string>& args) {
   desc.add_options()("help,h", "show this help")(
       "model", po::value<std::string>()->default_value("tiny-gpt"), "model name or path")(
       "backend", po::value<std::string>()->default_value("cpu"),
-      "cpu (fp32, MPI ranks) or cuda (a GPU per MPI rank over NCCL, or one GPU: a one-device "
-      "plan or --only-rank; bf16 by default, --precision fp32)")(
+      "cpu (fp32, MPI ranks; --precision bf16 emulates the GPU's bf16 activations in one "
+      "process) or cuda (a GPU per MPI rank over NCCL, or one GPU: a one-device plan or "
+      "--only-rank; bf16 by default, --precision fp32)")(
       "steps", po::value<int>()->default_value(10),
       "train until this many steps are done (counting a resumed checkpoint's)")(
       "warmup", po::value<int>()->default_value(1), "steps left out of the median step time")(
@@ -463,6 +465,9 @@ int run(const std::vector<std::string>& args) {
              "       mpirun -np N dtexec run ...   (N = dp x tp x pp ranks)\n\n"
              "Trains M on the CPU (fp32, OpenBLAS), one MPI process per rank, following the\n"
              "Program dtsim lowers the plan to: the same tasks the simulator predicts.\n"
+             "--precision bf16 on the CPU stores activations in bf16 and checks every tensor's\n"
+             "type as the GPU does (fp32 kernels; one process, or --only-rank): the GPU's\n"
+             "mixed-precision path, checked where there is no GPU.\n"
              "--backend cuda trains on GPUs (cuBLAS and dtexec's kernels, bf16 activations\n"
              "with fp32 master weights): one per MPI rank (the node-local rank's), NCCL\n"
              "communicators per group (not yet run on more than one GPU); or one GPU alone: a\n"
@@ -511,11 +516,14 @@ int run(const std::vector<std::string>& args) {
                       dtsim::to_string(plan.precision)));
     }
   } else if (plan.precision != dtsim::Precision::Fp32) {
-    if (vm.count("precision")) {
-      throw dtsim::UnsupportedError(fmt::format("--precision {}: the CPU backend trains in fp32",
-                                                vm["precision"].as<std::string>()));
+    // bf16 asked for on the command line: the GPU's mixed precision, emulated (bf16_device.hpp).
+    const bool asked = vm.count("precision") > 0;
+    if (asked && plan.precision != dtsim::Precision::Bf16) {
+      throw dtsim::UnsupportedError(
+          fmt::format("--precision {}: the CPU backend trains in fp32, or bf16 emulated",
+                      vm["precision"].as<std::string>()));
     }
-    plan.precision = dtsim::Precision::Fp32;
+    if (!asked) plan.precision = dtsim::Precision::Fp32;
   }
   if (plan.optimizer != dtsim::plan::Optimizer::Adam) {
     throw dtsim::UnsupportedError("optimizer: dtexec trains with AdamW only");
@@ -567,6 +575,14 @@ int run(const std::vector<std::string>& args) {
     device = mpi ? make_gpu_device(plan.precision, mpi->local_rank(), mpi->local_size(),
                                    mpi->host(), where)
                  : make_gpu_device(plan.precision, 0, 1, "this host", where);
+  } else if (plan.precision == dtsim::Precision::Bf16) {
+    if (mpi && mpi->size() > 1) {
+      throw dtsim::UnsupportedError(
+          "--precision bf16 on the CPU: one process (a one-device plan, or --only-rank); the MPI "
+          "backend moves fp32 only");
+    }
+    device = std::make_unique<dtsim::exec::cpu::Bf16Device>();
+    where = "the CPU (bf16 activations emulated: fp32 kernels, bf16 storage)";
   } else {
     device = std::make_unique<dtsim::exec::cpu::CpuDevice>();
   }
@@ -585,7 +601,7 @@ int run(const std::vector<std::string>& args) {
     std::_Exit(3);
   };
   std::unique_ptr<dtsim::exec::Comm> comm;
-  if (mpi && !gpu) {
+  if (mpi && !gpu && device->host_memory()) {
     comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);
     if (mpi->size() > 1) dtsim::exec::cpu::set_gemm_threads(1);
   } else if (mpi && mpi->size() > 1) {

@@ -113,8 +113,10 @@ class CudaDevice final : public Device {
   }
   void matmul_backward(View din, View dw, View dbias, View dout, View in, View w, int T, int K,
                        int N, bool w_transposed) override {
-    k_.matmul_backward(act_or_null(din), f32_or_null(dw), f32_or_null(dbias), act(dout), act(in),
-                       act(w), T, K, N, w_transposed);
+    // `in` is read for the weight gradient only: empty when the input gradient runs apart
+    // (its tensor-parallel all-reduce overlapping the weight gradient's GEMM).
+    k_.matmul_backward(act_or_null(din), f32_or_null(dw), f32_or_null(dbias), act(dout),
+                       act_or_null(in), act(w), T, K, N, w_transposed);
   }
   void norm_forward(View out, View mean, View rstd, View in, View w, View b, int T, int C,
                     bool rms) override {

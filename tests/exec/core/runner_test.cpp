@@ -12,11 +12,11 @@
 #include <vector>
 
 #include "exec/core/checkpoint.hpp"
+#include "exec/cpu/bf16_device.hpp"
 #include "sim/cluster/topology.hpp"
 #include "sim/common/error.hpp"
 #include "sim/lower/lowering.hpp"
 #include "sim/plan/memory_model.hpp"
-#include "tests/exec/core/bf16_device.hpp"
 #include "tests/test_util.hpp"
 
 namespace {
@@ -112,7 +112,7 @@ TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   REQUIRE_THROWS_WITH(run("tiny-gpt", cp, 1),
                       Catch::Contains("sequence length 30, not divisible by 2·cp"));
   cp.seq_len = 32;
-  dtsim::exec::test::Bf16Device bf16;
+  dtsim::exec::cpu::Bf16Device bf16;
   dtsim::exec::RunOptions alone;
   alone.replay_communication = true;  // one of the two ranks' programs
   REQUIRE_THROWS_WITH(run("tiny-gpt", cp, 1, alone, &bf16),
@@ -194,7 +194,7 @@ TEST_CASE("a checkpoint that does not fit the run is refused", "[exec][runner]")
 TEST_CASE("the runner's bf16 path trains and tracks the fp32 run", "[exec][runner]") {
   for (const char* model : {"tiny-gpt", "tiny"}) {
     INFO(model);
-    dtsim::exec::test::Bf16Device bf16;
+    dtsim::exec::cpu::Bf16Device bf16;
     const auto half = run(model, single_rank(2, 4), 40, {}, &bf16);
     const auto full = run(model, single_rank(2, 4), 40);
     INFO("bf16 " << half.losses.front() << " -> " << half.losses.back() << ", fp32 "
@@ -222,7 +222,7 @@ TEST_CASE("one rank of a tp2 pp2 dp2 plan runs alone on the bf16 path", "[exec][
   const auto program = dtsim::lower::lower(g, p);
   for (std::size_t index = 0; index < program.ranks.size(); ++index) {
     INFO("program " << index << " (stage " << program.ranks[index].stage << ")");
-    dtsim::exec::test::Bf16Device bf16;
+    dtsim::exec::cpu::Bf16Device bf16;
     dtsim::exec::RunOptions o;
     o.steps = 2;
     o.warmup_steps = 0;
@@ -238,6 +238,107 @@ TEST_CASE("one rank of a tp2 pp2 dp2 plan runs alone on the bf16 path", "[exec][
       if (i > 0 && r.tasks[i].step == r.tasks[i - 1].step) {
         CHECK(r.tasks[i - 1].end_s <= r.tasks[i].start_s + 1e-9);
       }
+    }
+  }
+}
+
+// Llama-3 70B's tp 8 pp 8 plan in miniature (one KV head and two query heads per tp rank), with
+// and without sequence parallelism: every stage's representative rank on the bf16 path, whose
+// type checks are the GPU's. (On an H200 the 70B plan's last stage met a mistyped view.)
+TEST_CASE("every stage of a tp8 pp8 Llama plan runs alone on the bf16 path", "[exec][runner]") {
+  const auto spec =
+      dtsim::model::load_model(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_llama_tp8.json");
+  for (const bool sp : {false, true}) {
+    dtsim::plan::Plan p;
+    p.tp = 8;
+    p.pp = 8;
+    p.dp = 1;
+    p.micro_batch_size = 1;
+    p.global_batch_size = 4;
+    p.seq_len = 32;
+    p.sequence_parallel = sp;
+    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+    const auto program = dtsim::lower::lower(g, p);
+    REQUIRE(program.ranks.size() == 8);
+    for (std::size_t index = 0; index < program.ranks.size(); ++index) {
+      INFO("sequence parallel " << sp << ", program " << index << " (stage "
+                                << program.ranks[index].stage << ")");
+      dtsim::exec::cpu::Bf16Device bf16;
+      dtsim::exec::RunOptions o;
+      o.steps = 2;
+      o.warmup_steps = 0;
+      o.program_index = static_cast<int>(index);
+      o.replay_communication = true;
+      dtsim::exec::SingleRankComm comm(&bf16);
+      const auto r = dtsim::exec::run_program(g, program, o, comm, bf16);
+      CHECK(r.step_times_s.size() == 2);
+    }
+  }
+}
+
+// The GPU's type rules over the executor's plan space: each plan's every representative rank on
+// the bf16 path (communication replayed as waits), so that a runner path handing a kernel a view
+// of the wrong type fails here, not first on a GPU.
+TEST_CASE("every rank of a matrix of plans runs alone on the bf16 path", "[exec][runner]") {
+  using dtsim::plan::Plan;
+  using dtsim::plan::Recompute;
+  using dtsim::plan::Schedule;
+  struct Case {
+    const char* model;
+    const char* what;
+    void (*set)(Plan&);
+  };
+  const char* llama = DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_llama_4l.json";
+  const std::vector<Case> cases = {
+      {"tiny-gpt", "tp2 pp2 gpipe",
+       [](Plan& p) { p.tp = 2, p.pp = 2, p.schedule = Schedule::GPipe; }},
+      {"tiny-gpt", "tp2 pp2 1f1b, tp backward after the layer",
+       [](Plan& p) { p.tp = 2, p.pp = 2, p.overlap_tp_backward = false; }},
+      {"tiny-gpt", "tp2 scatter-gather p2p pp2",
+       [](Plan& p) { p.tp = 2, p.pp = 2, p.scatter_gather_p2p = true; }},
+      {"tiny-gpt", "tp2 sp, selective recompute",
+       [](Plan& p) { p.tp = 2, p.sequence_parallel = true, p.recompute = Recompute::Selective; }},
+      {"tiny-gpt", "dp2 zero1, full recompute",
+       [](Plan& p) { p.dp = 2, p.zero_stage = 1, p.recompute = Recompute::Full; }},
+      {"tiny-gpt", "dp2 zero2, no gradient-accumulation fusion",
+       [](Plan& p) { p.dp = 2, p.zero_stage = 2, p.grad_accumulation_fusion = false; }},
+      {"tiny-gpt", "dp2 zero3 tp2", [](Plan& p) { p.dp = 2, p.zero_stage = 3, p.tp = 2; }},
+      {"tiny-gpt", "dp2 pp2, reduction after the backward",
+       [](Plan& p) { p.dp = 2, p.pp = 2, p.overlap_grad_reduce = false; }},
+      {llama, "tp2 pp2 interleaved",
+       [](Plan& p) {
+         p.tp = 2, p.pp = 2, p.schedule = Schedule::Interleaved, p.virtual_stages = 2;
+       }},
+      {llama, "pp2 zero-bubble", [](Plan& p) { p.pp = 2, p.schedule = Schedule::ZeroBubble; }},
+      {llama, "tp2 pp2 sp, p2p overlapped, full recompute",
+       [](Plan& p) {
+         p.tp = 2, p.pp = 2, p.sequence_parallel = true, p.overlap_p2p_comm = true,
+         p.recompute = Recompute::Full;
+       }},
+      {llama, "dp2 tp2 zero3 sp",
+       [](Plan& p) { p.dp = 2, p.tp = 2, p.zero_stage = 3, p.sequence_parallel = true; }},
+  };
+  for (const Case& c : cases) {
+    Plan p;
+    p.micro_batch_size = 2;
+    p.seq_len = 32;
+    c.set(p);
+    p.global_batch_size = 2 * p.dp * 4;  // four micro-batches per replica
+    const auto spec = dtsim::model::load_model(c.model);
+    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+    const auto program = dtsim::lower::lower(g, p);
+    for (std::size_t index = 0; index < program.ranks.size(); ++index) {
+      INFO(c.model << ", " << c.what << ": program " << index << " (stage "
+                   << program.ranks[index].stage << ")");
+      dtsim::exec::cpu::Bf16Device bf16;
+      dtsim::exec::RunOptions o;
+      o.steps = 2;
+      o.warmup_steps = 0;
+      o.program_index = static_cast<int>(index);
+      o.replay_communication = true;
+      dtsim::exec::SingleRankComm comm(&bf16);
+      const auto r = dtsim::exec::run_program(g, program, o, comm, bf16);
+      CHECK(r.step_times_s.size() == 2);
     }
   }
 }
@@ -276,7 +377,7 @@ TEST_CASE("a device's memory is not handed to a backend that moves host memory o
   p.dp = 2;
   const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
   const auto program = all_ranks(g, p);
-  dtsim::exec::test::Bf16Device device;  // its memory counts as not the host's
+  dtsim::exec::cpu::Bf16Device device;  // its memory counts as not the host's
   HostOnlyComm comm;
   dtsim::exec::RunOptions o;
   o.steps = 1;

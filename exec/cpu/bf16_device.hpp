@@ -1,20 +1,30 @@
-// A test Device that stores activations in bf16 on the host and computes with the CPU's fp32
-// kernels, to run the runner's mixed-precision path (the GPU's: bf16 activations, fp32 masters,
-// working copies of the weights, fp32 statistics) where there is no GPU. Each op checks the type
-// of every view as the GPU device does (activations bf16; weights, their gradients, statistics
-// and optimizer state fp32; tokens int32), widens the bf16 ones into fp32 scratch, runs the CPU
-// kernel and rounds them back (round to nearest even), so that a view of the wrong type fails
-// here as it would on the GPU. Its memory counts as not the host's, as a GPU's.
+// The GPU's mixed precision on the CPU: a Device that stores activations in bf16 in host memory
+// and computes with the CPU's fp32 kernels, for running a bf16 plan's path through the runner
+// (the GPU's: bf16 activations, fp32 masters, working copies of the weights, fp32 statistics)
+// where there is no GPU: `dtexec run --backend cpu --precision bf16`, and the tests. Each op
+// checks the type of every view as the GPU device does (activations bf16; weights, their
+// gradients, statistics and optimizer state fp32; tokens int32), widens the bf16 ones into fp32
+// scratch, runs the CPU kernel and rounds them back (round to nearest even, as CUDA's
+// __float2bfloat16), so that a view of the wrong type fails here as it would on the GPU, naming
+// the op. The numerics are an emulation: the GPU's GEMMs accumulate bf16 products in fp32 in an
+// order of cuBLAS's choosing, its element-wise kernels round where these do. Its memory counts as
+// not the host's, as a GPU's (the MPI backend does not move it: one process, or --only-rank).
 #pragma once
+
+#include <fmt/format.h>
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <source_location>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "exec/cpu/device.hpp"
 #include "sim/common/error.hpp"
 
-namespace dtsim::exec::test {
+namespace dtsim::exec::cpu {
 
 inline std::uint16_t to_bf16(float x) {
   std::uint32_t bits = 0;
@@ -63,33 +73,34 @@ class Bf16Device final : public Device {
 
   void matmul_forward(View out, View in, View w, View bias, int T, int K, int N,
                       bool w_transposed) override {
-    Scope s(cpu_);
-    cpu_.matmul_forward(s.act(out), s.act(in), s.act(w), s.f32(bias), T, K, N, w_transposed);
+    Scope s;
+    cpu_.matmul_forward(s.act(out), s.act(in), s.act(w), s.f32_or_null(bias), T, K, N,
+                        w_transposed);
   }
   void matmul_backward(View din, View dw, View dbias, View dout, View in, View w, int T, int K,
                        int N, bool w_transposed) override {
-    Scope s(cpu_);
-    cpu_.matmul_backward(s.act(din), s.f32(dw), s.f32(dbias), s.act(dout), s.act(in), s.act(w), T,
-                         K, N, w_transposed);
+    Scope s;
+    cpu_.matmul_backward(s.act_or_null(din), s.f32_or_null(dw), s.f32_or_null(dbias), s.act(dout),
+                         s.act_or_null(in), s.act(w), T, K, N, w_transposed);
   }
   void norm_forward(View out, View mean, View rstd, View in, View w, View b, int T, int C,
                     bool rms) override {
-    Scope s(cpu_);
-    cpu_.norm_forward(s.act(out), s.f32(mean), s.f32(rstd), s.act(in), s.f32(w), s.f32(b), T, C,
-                      rms);
+    Scope s;
+    cpu_.norm_forward(s.act(out), s.f32(mean), s.f32(rstd), s.act(in), s.f32(w), s.f32_or_null(b),
+                      T, C, rms);
   }
   void norm_backward(View din, View dw, View db, View dout, View in, View w, View mean, View rstd,
                      int T, int C, bool rms) override {
-    Scope s(cpu_);
-    cpu_.norm_backward(s.act(din), s.f32(dw), s.f32(db), s.act(dout), s.act(in), s.f32(w),
-                       s.f32(mean), s.f32(rstd), T, C, rms);
+    Scope s;
+    cpu_.norm_backward(s.act_or_null(din), s.f32_or_null(dw), s.f32_or_null(db), s.act(dout),
+                       s.act(in), s.f32(w), s.f32(mean), s.f32(rstd), T, C, rms);
   }
   void add_forward(View out, View a, View b) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.add_forward(s.act(out), s.act(a), s.act(b));
   }
   void accumulate(View d, View x, float scale) override {
-    Scope s(cpu_);
+    Scope s;
     if (d.type == Dtype::F32) {
       cpu_.accumulate(s.f32(d), s.f32(x), scale);  // gradient buffers
     } else {
@@ -97,125 +108,150 @@ class Bf16Device final : public Device {
     }
   }
   void gelu_forward(View out, View in) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.gelu_forward(s.act(out), s.act(in));
   }
   void gelu_backward(View din, View in, View dout) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.gelu_backward(s.act(din), s.act(in), s.act(dout));
   }
   void swiglu_forward(View out, View in, int T, int F) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.swiglu_forward(s.act(out), s.act(in), T, F);
   }
   void swiglu_backward(View din, View in, View dout, int T, int F) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.swiglu_backward(s.act(din), s.act(in), s.act(dout), T, F);
   }
   void attention_forward(View out, View probs, View qkv, int B, int S, int H, int G,
                          int D) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.attention_forward(s.act(out), s.act(probs), s.act(qkv), B, S, H, G, D);
   }
   void attention_backward(View dqkv, View dout, View qkv, View probs, int B, int S, int H, int G,
                           int D) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.attention_backward(s.act(dqkv), s.act(dout), s.act(qkv), s.act(probs), B, S, H, G, D);
   }
   void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta,
                     View positions) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.rope_forward(s.act(out), s.act(qkv), B, S, H, G, D, theta, positions);
   }
   void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D, double theta,
                      View positions) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.rope_backward(s.act(dqkv), s.act(dout), B, S, H, G, D, theta, positions);
   }
   void embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
                          int vocab_begin, View positions) override {
-    Scope s(cpu_);
-    cpu_.embedding_forward(s.act(out), s.ints(tokens), s.f32(wte), s.f32(wpe), B, S, C, vocab_begin,
-                           positions);
+    Scope s;
+    cpu_.embedding_forward(s.act(out), s.ints(tokens), s.f32(wte), s.f32_or_null(wpe), B, S, C,
+                           vocab_begin, positions);
   }
   void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
                           int vocab_begin, View positions) override {
-    Scope s(cpu_);
-    cpu_.embedding_backward(s.f32(dwte), s.f32(dwpe), s.act(dout), s.ints(tokens), B, S, C,
+    Scope s;
+    cpu_.embedding_backward(s.f32(dwte), s.f32_or_null(dwpe), s.act(dout), s.ints(tokens), B, S, C,
                             vocab_begin, positions);
   }
   void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.cross_entropy(s.act(dlogits), s.f32(loss), s.act(logits), s.ints(targets), T, V);
   }
   void cross_entropy_max(View rowmax, View logits, int T, int V) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.cross_entropy_max(s.f32(rowmax), s.act(logits), T, V);
   }
   void cross_entropy_sums(View sums, View logits, View rowmax, View targets, int T, int V,
                           int vocab_begin) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.cross_entropy_sums(s.f32(sums), s.act(logits), s.f32(rowmax), s.ints(targets), T, V,
                             vocab_begin);
   }
   void cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,
                              View targets, int T, int V, int vocab_begin) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.cross_entropy_sharded(s.act(dlogits), s.f32(loss), s.act(logits), s.f32(rowmax),
                                s.f32(sums), s.ints(targets), T, V, vocab_begin);
   }
   void adamw(View params, View grads, View m, View v, float lr, float beta1, float beta2, float eps,
              float weight_decay, int t) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.adamw(s.f32(params), s.f32(grads), s.f32(m), s.f32(v), lr, beta1, beta2, eps, weight_decay,
                t);
   }
   void cast(View out, View in) override {
-    Scope s(cpu_);
+    Scope s;
     cpu_.copy(s.act(out), s.f32(in));
   }
 
  private:
-  // The fp32 copies of one op's bf16 views: widened on the way in, rounded back on the way out.
+  // A view's type checked where the op that reads it is called, as the GPU device checks it:
+  // the failure names that op (the caller's line), not this one.
+  using Where = std::source_location;
+  static void expect(View v, Dtype want, Where where) {
+    if (v.type != want) {
+      fail_assert("v.type == want", where.file_name(), static_cast<int>(where.line()),
+                  fmt::format("a {} view expected, given a {} view of {} elements, in {}",
+                              to_string(want), to_string(v.type), v.n, where.function_name()));
+    }
+  }
+
+  // The fp32 copies of one op's bf16 views: widened on the way in, rounded back on the way out
+  // (an input comes back unchanged: a bf16 value widens and rounds to itself). A view passed
+  // twice shares one copy. The copies are scratch outside the device's pool: its memory use
+  // counts the runner's tensors only, as the GPU's does.
   class Scope {
    public:
-    explicit Scope(cpu::CpuDevice& cpu) : cpu_(cpu) {}
+    Scope() = default;
     ~Scope() {
-      for (const auto& [bf16, f32] : copies_) {
-        auto* h = static_cast<std::uint16_t*>(bf16.p);
-        const auto* f = static_cast<const float*>(f32.p);
-        for (std::int64_t i = 0; i < bf16.n; ++i) h[i] = to_bf16(f[i]);
-        cpu_.release(f32);
+      for (const Copy& c : copies_) {
+        auto* h = static_cast<std::uint16_t*>(c.bf16.p);
+        for (std::int64_t i = 0; i < c.bf16.n; ++i) h[i] = to_bf16(c.f32[i]);
       }
     }
     Scope(const Scope&) = delete;
     Scope& operator=(const Scope&) = delete;
 
-    View act(View v) {
+    // Strict, as the GPU device: an empty view is checked too (a default View is fp32); the
+    // _or_null forms take an empty view of any type where the GPU's kernel takes a null.
+    View act(View v, Where where = Where::current()) {
+      expect(v, Dtype::BF16, where);
       if (v.empty()) return {};
-      DTSIM_ASSERT(v.type == Dtype::BF16, "a view of the activation type (bf16)");
-      const View f = cpu_.allocate(v.n, Dtype::F32);
+      for (const Copy& c : copies_) {
+        if (c.bf16.p == v.p && c.bf16.n == v.n) return {c.f32.get(), v.n, Dtype::F32};
+      }
+      Copy c{v, std::make_unique<float[]>(static_cast<std::size_t>(v.n))};
       const auto* h = static_cast<const std::uint16_t*>(v.p);
-      auto* out = static_cast<float*>(f.p);
-      for (std::int64_t i = 0; i < v.n; ++i) out[i] = from_bf16(h[i]);
-      copies_.push_back({v, f});
-      return f;
+      for (std::int64_t i = 0; i < v.n; ++i) c.f32[i] = from_bf16(h[i]);
+      copies_.push_back(std::move(c));
+      return {copies_.back().f32.get(), v.n, Dtype::F32};
     }
-    static View f32(View v) {
-      DTSIM_ASSERT(v.empty() || v.type == Dtype::F32, "an fp32 view");
+    View act_or_null(View v, Where where = Where::current()) {
+      return v.empty() ? View{} : act(v, where);
+    }
+    static View f32(View v, Where where = Where::current()) {
+      expect(v, Dtype::F32, where);
       return v;
     }
-    static View ints(View v) {
-      DTSIM_ASSERT(v.type == Dtype::I32, "an int32 view");
+    static View f32_or_null(View v, Where where = Where::current()) {
+      return v.empty() ? View{} : f32(v, where);
+    }
+    static View ints(View v, Where where = Where::current()) {
+      expect(v, Dtype::I32, where);
       return v;
     }
 
    private:
-    cpu::CpuDevice& cpu_;
-    std::vector<std::pair<View, View>> copies_;
+    struct Copy {
+      View bf16;
+      std::unique_ptr<float[]> f32;
+    };
+    std::vector<Copy> copies_;
   };
 
   cpu::CpuDevice cpu_;
 };
 
-}  // namespace dtsim::exec::test
+}  // namespace dtsim::exec::cpu
