@@ -421,8 +421,8 @@ int run(const std::vector<std::string>& args) {
   desc.add_options()("help,h", "show this help")(
       "model", po::value<std::string>()->default_value("tiny-gpt"), "model name or path")(
       "backend", po::value<std::string>()->default_value("cpu"),
-      "cpu (fp32, MPI ranks; --precision bf16 emulates the GPU's bf16 activations in one "
-      "process) or cuda (a GPU per MPI rank over NCCL, or one GPU: a one-device plan or "
+      "cpu (fp32, MPI ranks; --precision bf16 emulates the GPU's bf16 activations) or cuda (a GPU "
+      "per MPI rank over NCCL, or one GPU: a one-device plan or "
       "--only-rank; bf16 by default, --precision fp32)")(
       "steps", po::value<int>()->default_value(10),
       "train until this many steps are done (counting a resumed checkpoint's)")(
@@ -466,7 +466,7 @@ int run(const std::vector<std::string>& args) {
              "Trains M on the CPU (fp32, OpenBLAS), one MPI process per rank, following the\n"
              "Program dtsim lowers the plan to: the same tasks the simulator predicts.\n"
              "--precision bf16 on the CPU stores activations in bf16 and checks every tensor's\n"
-             "type as the GPU does (fp32 kernels; one process, or --only-rank): the GPU's\n"
+             "type as the GPU does (fp32 kernels; MPI moves and sums bf16): the GPU's\n"
              "mixed-precision path, checked where there is no GPU.\n"
              "--backend cuda trains on GPUs (cuBLAS and dtexec's kernels, bf16 activations\n"
              "with fp32 master weights): one per MPI rank (the node-local rank's), NCCL\n"
@@ -576,11 +576,6 @@ int run(const std::vector<std::string>& args) {
                                    mpi->host(), where)
                  : make_gpu_device(plan.precision, 0, 1, "this host", where);
   } else if (plan.precision == dtsim::Precision::Bf16) {
-    if (mpi && mpi->size() > 1) {
-      throw dtsim::UnsupportedError(
-          "--precision bf16 on the CPU: one process (a one-device plan, or --only-rank); the MPI "
-          "backend moves fp32 only");
-    }
     device = std::make_unique<dtsim::exec::cpu::Bf16Device>();
     where = "the CPU (bf16 activations emulated: fp32 kernels, bf16 storage)";
   } else {
@@ -601,7 +596,7 @@ int run(const std::vector<std::string>& args) {
     std::_Exit(3);
   };
   std::unique_ptr<dtsim::exec::Comm> comm;
-  if (mpi && !gpu && device->host_memory()) {
+  if (mpi && !gpu) {
     comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);
     if (mpi->size() > 1) dtsim::exec::cpu::set_gemm_threads(1);
   } else if (mpi && mpi->size() > 1) {

@@ -7,8 +7,8 @@
 // scratch, runs the CPU kernel and rounds them back (round to nearest even, as CUDA's
 // __float2bfloat16), so that a view of the wrong type fails here as it would on the GPU, naming
 // the op. The numerics are an emulation: the GPU's GEMMs accumulate bf16 products in fp32 in an
-// order of cuBLAS's choosing, its element-wise kernels round where these do. Its memory counts as
-// not the host's, as a GPU's (the MPI backend does not move it: one process, or --only-rank).
+// order of cuBLAS's choosing, its element-wise kernels round where these do. The MPI backend moves
+// its bf16 views (exec/cpu/mpi_comm.cpp: bf16 sums rounded at each step, as NCCL's).
 #pragma once
 
 #include <fmt/format.h>
@@ -44,7 +44,10 @@ class Bf16Device final : public Device {
  public:
   std::string name() const override { return "cpu-bf16-emulation"; }
   Dtype activations() const override { return Dtype::BF16; }
-  bool host_memory() const override { return false; }
+  // host_memory false: the views count as a GPU's, and the runner takes the path of a device
+  // that queues its work (for the tests of that path); the MPI backend then refuses them.
+  explicit Bf16Device(bool host_memory = true) : host_memory_(host_memory) {}
+  bool host_memory() const override { return host_memory_; }
 
   View allocate(std::int64_t n, Dtype type) override {
     if (type != Dtype::BF16) return cpu_.allocate(n, type);
@@ -252,6 +255,7 @@ class Bf16Device final : public Device {
   };
 
   cpu::CpuDevice cpu_;
+  bool host_memory_;
 };
 
 }  // namespace dtsim::exec::cpu

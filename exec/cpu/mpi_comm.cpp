@@ -5,11 +5,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <iostream>
 #include <optional>
 
+#include "exec/cpu/bf16_device.hpp"
 #include "exec/cpu/device.hpp"
 
 namespace dtsim::exec::cpu {
@@ -38,6 +42,22 @@ std::string host_name() {
 
 void check(int rc, const char* call) {
   if (rc != MPI_SUCCESS) fail(call, rc);
+}
+
+// bf16 reductions (the CPU's bf16 emulation, bf16_device.hpp): each step widens both operands,
+// adds (or takes the larger) in fp32 and rounds back to bf16, as a bf16 NCCL reduction rounds
+// at each step of its ring. Created as non-commutative, so that MPI combines the members in
+// rank order and every member gets the same sum.
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const std::uint16_t*>(in);
+  auto* b = static_cast<std::uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = to_bf16(from_bf16(a[i]) + from_bf16(b[i]));
+}
+
+void bf16_max(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const std::uint16_t*>(in);
+  auto* b = static_cast<std::uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = to_bf16(std::max(from_bf16(a[i]), from_bf16(b[i])));
 }
 
 class MpiComm final : public Comm {
@@ -78,6 +98,10 @@ class MpiComm final : public Comm {
     // Outside the Program (checkpoint parts): a communicator of its own, so that its messages
     // never match a pipeline transfer's tag.
     check(MPI_Comm_dup(MPI_COMM_WORLD, &side_), "MPI_Comm_dup");
+    check(MPI_Type_contiguous(2, MPI_BYTE, &bf16_), "MPI_Type_contiguous");
+    check(MPI_Type_commit(&bf16_), "MPI_Type_commit");
+    check(MPI_Op_create(bf16_sum, /*commute=*/0, &bf16_sum_), "MPI_Op_create");
+    check(MPI_Op_create(bf16_max, /*commute=*/0, &bf16_max_), "MPI_Op_create");
   }
 
   ~MpiComm() override {
@@ -86,52 +110,54 @@ class MpiComm final : public Comm {
       if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
     }
     if (side_ != MPI_COMM_NULL) MPI_Comm_free(&side_);
+    if (bf16_sum_ != MPI_OP_NULL) MPI_Op_free(&bf16_sum_);
+    if (bf16_max_ != MPI_OP_NULL) MPI_Op_free(&bf16_max_);
+    if (bf16_ != MPI_DATATYPE_NULL) MPI_Type_free(&bf16_);
   }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
   void all_reduce(int group, View view, Reduce op) override {
-    const auto data = floats(view);
+    const Wire data = wire(view);
     MPI_Comm c = comm(group);
     if (c == MPI_COMM_NULL) return;
-    check(MPI_Allreduce(MPI_IN_PLACE, data.data(), count(data.size()), MPI_FLOAT,
-                        op == Reduce::Sum ? MPI_SUM : MPI_MAX, c),
+    check(MPI_Allreduce(MPI_IN_PLACE, data.p, data.n, data.type, reduction(view, op), c),
           "MPI_Allreduce");
   }
 
   void reduce_scatter(int group, View in_view, View out_view,
                       std::span<const int> counts) override {
-    const auto in = floats(in_view), out = floats(out_view);
+    const Wire in = wire(in_view), out = wire(out_view, in_view.type);
     MPI_Comm c = comm(group);
     if (c == MPI_COMM_NULL) {
-      std::copy(in.begin(), in.end(), out.begin());
+      copy(out, in);
       return;
     }
-    check(MPI_Reduce_scatter(in.data(), out.data(), counts.data(), MPI_FLOAT, MPI_SUM, c),
-          "MPI_Reduce_scatter");
+    check(
+        MPI_Reduce_scatter(in.p, out.p, counts.data(), in.type, reduction(in_view, Reduce::Sum), c),
+        "MPI_Reduce_scatter");
   }
 
   void all_gather(int group, View in_view, View out_view, std::span<const int> counts) override {
-    const auto in = floats(in_view), out = floats(out_view);
+    const Wire in = wire(in_view), out = wire(out_view, in_view.type);
     MPI_Comm c = comm(group);
     if (c == MPI_COMM_NULL) {
-      std::copy(in.begin(), in.end(), out.begin());
+      copy(out, in);
       return;
     }
     std::vector<int> displs(counts.size(), 0);
     for (std::size_t i = 1; i < counts.size(); ++i) displs[i] = displs[i - 1] + counts[i - 1];
-    check(MPI_Allgatherv(in.data(), count(in.size()), MPI_FLOAT, out.data(), counts.data(),
-                         displs.data(), MPI_FLOAT, c),
+    check(MPI_Allgatherv(in.p, in.n, in.type, out.p, counts.data(), displs.data(), out.type, c),
           "MPI_Allgatherv");
   }
 
   Handle start_all_reduce(int group, View view) override {
-    const auto data = floats(view);
+    const Wire data = wire(view);
     MPI_Comm c = comm(group);
     if (c == MPI_COMM_NULL) return -1;
     MPI_Request request = MPI_REQUEST_NULL;
-    check(MPI_Iallreduce(MPI_IN_PLACE, data.data(), count(data.size()), MPI_FLOAT, MPI_SUM, c,
+    check(MPI_Iallreduce(MPI_IN_PLACE, data.p, data.n, data.type, reduction(view, Reduce::Sum), c,
                          &request),
           "MPI_Iallreduce");
     return keep(request);
@@ -139,16 +165,16 @@ class MpiComm final : public Comm {
 
   Handle start_reduce_scatter(int group, View in_view, View out_view,
                               std::span<const int> counts) override {
-    const auto in = floats(in_view), out = floats(out_view);
+    const Wire in = wire(in_view), out = wire(out_view, in_view.type);
     MPI_Comm c = comm(group);
     if (c == MPI_COMM_NULL) {
-      std::copy(in.begin(), in.end(), out.begin());
+      copy(out, in);
       return -1;
     }
     MPI_Request request = MPI_REQUEST_NULL;
-    check(
-        MPI_Ireduce_scatter(in.data(), out.data(), counts.data(), MPI_FLOAT, MPI_SUM, c, &request),
-        "MPI_Ireduce_scatter");
+    check(MPI_Ireduce_scatter(in.p, out.p, counts.data(), in.type, reduction(in_view, Reduce::Sum),
+                              c, &request),
+          "MPI_Ireduce_scatter");
     return keep(request);
   }
 
@@ -177,38 +203,30 @@ class MpiComm final : public Comm {
   }
 
   void send(int peer, std::int64_t tag, View view) override {
-    const auto data = floats(view);
-    buffers_.emplace_back(data.begin(), data.end());
+    const Wire data = wire(view);
+    const auto* bytes = static_cast<const std::byte*>(data.p);
+    buffers_.emplace_back(bytes, bytes + data.bytes);
     requests_.push_back(MPI_REQUEST_NULL);
-    check(MPI_Isend(buffers_.back().data(), count(data.size()), MPI_FLOAT, peer, checked_tag(tag),
+    check(MPI_Isend(buffers_.back().data(), data.n, data.type, peer, checked_tag(tag),
                     MPI_COMM_WORLD, &requests_.back()),
           "MPI_Isend");
   }
 
   void recv(int peer, std::int64_t tag, View view) override {
-    const auto data = floats(view);
+    const Wire data = wire(view);
     MPI_Status status;
-    check(MPI_Recv(data.data(), count(data.size()), MPI_FLOAT, peer, checked_tag(tag),
-                   MPI_COMM_WORLD, &status),
+    check(MPI_Recv(data.p, data.n, data.type, peer, checked_tag(tag), MPI_COMM_WORLD, &status),
           "MPI_Recv");
-    int got = 0;
-    check(MPI_Get_count(&status, MPI_FLOAT, &got), "MPI_Get_count");
-    if (got != count(data.size())) {
-      throw InternalError(
-          fmt::format("rank {}: received {} floats from rank {} (tag {}), "
-                      "expected {}",
-                      rank_, got, peer, tag, data.size()));
-    }
+    check_count(status, {peer, tag, data.n, data.type});
   }
 
   Handle start_recv(int peer, std::int64_t tag, View view) override {
-    const auto data = floats(view);
+    const Wire data = wire(view);
     MPI_Request request = MPI_REQUEST_NULL;
-    check(MPI_Irecv(data.data(), count(data.size()), MPI_FLOAT, peer, checked_tag(tag),
-                    MPI_COMM_WORLD, &request),
+    check(MPI_Irecv(data.p, data.n, data.type, peer, checked_tag(tag), MPI_COMM_WORLD, &request),
           "MPI_Irecv");
     const Handle h = keep(request);
-    expected_[static_cast<std::size_t>(h)] = {peer, tag, count(data.size())};
+    expected_[static_cast<std::size_t>(h)] = {peer, tag, data.n, data.type};
     return h;
   }
 
@@ -293,15 +311,49 @@ class MpiComm final : public Comm {
 
   // A posted receive got the message it was posted for, whole (as the blocking recv checks).
   void check_received(std::size_t h) {
-    const Expected& e = expected_[h];
-    if (e.floats < 0) return;
+    if (expected_[h].elements >= 0) check_count(status_[h], expected_[h]);
+  }
+
+  struct Expected {
+    int peer = -1;
+    std::int64_t tag = -1;
+    int elements = -1;  // -1: a collective, nothing to check
+    MPI_Datatype type = MPI_DATATYPE_NULL;
+  };
+  void check_count(const MPI_Status& status, const Expected& e) const {
     int got = 0;
-    check(MPI_Get_count(&status_[h], MPI_FLOAT, &got), "MPI_Get_count");
-    if (got != e.floats) {
+    check(MPI_Get_count(&status, e.type, &got), "MPI_Get_count");
+    if (got != e.elements) {
       throw InternalError(
-          fmt::format("rank {}: received {} floats from rank {} (tag {}), expected {}", rank_, got,
-                      e.peer, e.tag, e.floats));
+          fmt::format("rank {}: received {} elements from rank {} (tag {}), "
+                      "expected {}",
+                      rank_, got, e.peer, e.tag, e.elements));
     }
+  }
+
+  // A view as MPI moves it: fp32 as MPI_FLOAT, bf16 (the CPU's emulation) as 2-byte elements of
+  // a type of this communicator's, reduced by its own operations. `same` (when given): the type
+  // the view must share with the other end of a collective.
+  struct Wire {
+    void* p = nullptr;
+    int n = 0;
+    MPI_Datatype type = MPI_DATATYPE_NULL;
+    std::size_t bytes = 0;
+  };
+  Wire wire(View v, std::optional<Dtype> same = std::nullopt) const {
+    DTSIM_ASSERT(v.type == Dtype::F32 || v.type == Dtype::BF16,
+                 fmt::format("an fp32 or bf16 view to move over MPI, given {}", to_string(v.type)));
+    DTSIM_ASSERT(!same || *same == v.type, "the views of a collective share one type");
+    const bool bf16 = v.type == Dtype::BF16;
+    return {v.p, count(static_cast<std::size_t>(v.n)), bf16 ? bf16_ : MPI_FLOAT,
+            static_cast<std::size_t>(v.n) * bytes_of(v.type)};
+  }
+  MPI_Op reduction(View v, Reduce op) const {
+    if (v.type == Dtype::BF16) return op == Reduce::Sum ? bf16_sum_ : bf16_max_;
+    return op == Reduce::Sum ? MPI_SUM : MPI_MAX;
+  }
+  static void copy(const Wire& out, const Wire& in) {
+    if (in.p != out.p && in.bytes > 0) std::memmove(out.p, in.p, std::min(in.bytes, out.bytes));
   }
 
   int checked_tag(std::int64_t tag) const {
@@ -322,17 +374,14 @@ class MpiComm final : public Comm {
   MPI_Comm side_ = MPI_COMM_NULL;
   std::vector<MPI_Comm> comms_;
   std::vector<std::vector<int>> members_;
-  std::deque<std::vector<float>> buffers_;
+  MPI_Datatype bf16_ = MPI_DATATYPE_NULL;
+  MPI_Op bf16_sum_ = MPI_OP_NULL, bf16_max_ = MPI_OP_NULL;
+  std::deque<std::vector<std::byte>> buffers_;
   std::vector<MPI_Request> requests_;
   std::vector<MPI_Request> pending_;  // non-blocking collectives by handle
   // When each was first seen complete.
   std::vector<std::optional<std::chrono::steady_clock::time_point>> done_at_;
   std::vector<MPI_Status> status_;
-  struct Expected {
-    int peer = -1;
-    std::int64_t tag = -1;
-    int floats = -1;  // -1: a collective, nothing to check
-  };
   std::vector<Expected> expected_;  // posted receives
 };
 

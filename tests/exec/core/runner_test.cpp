@@ -222,7 +222,7 @@ TEST_CASE("one rank of a tp2 pp2 dp2 plan runs alone on the bf16 path", "[exec][
   const auto program = dtsim::lower::lower(g, p);
   for (std::size_t index = 0; index < program.ranks.size(); ++index) {
     INFO("program " << index << " (stage " << program.ranks[index].stage << ")");
-    dtsim::exec::cpu::Bf16Device bf16;
+    dtsim::exec::cpu::Bf16Device bf16(/*host_memory=*/false);
     dtsim::exec::RunOptions o;
     o.steps = 2;
     o.warmup_steps = 0;
@@ -377,7 +377,7 @@ TEST_CASE("a device's memory is not handed to a backend that moves host memory o
   p.dp = 2;
   const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
   const auto program = all_ranks(g, p);
-  dtsim::exec::cpu::Bf16Device device;  // its memory counts as not the host's
+  dtsim::exec::cpu::Bf16Device device(/*host_memory=*/false);  // counts as a GPU's
   HostOnlyComm comm;
   dtsim::exec::RunOptions o;
   o.steps = 1;

@@ -1,0 +1,75 @@
+#!/bin/bash
+# The GPU's mixed precision over MPI ranks, emulated on the CPU (`--precision bf16`: bf16
+# activations with the GPU device's type checks; the MPI backend moves bf16 tensors and sums
+# them in bf16, rounding at each step as NCCL does): plans over dp, tp with and without sequence
+# parallelism, pp (GPipe, 1F1B, interleaved, zero-bubble, scatter/gather transfers), ZeRO 1-3
+# and recompute run to the end, and K steps train as the single-rank bf16 run of the same batch.
+#
+# Tolerances (bf16): losses within 5e-3. A split changes where bf16 rounds (a row-parallel
+# layer's partial sums are rounded before their all-reduce), about 2^-8 relative per rounding;
+# measured: tp 2 moves the losses by 1.1e-3 at most, dp and pp by ~1e-5. Weights within
+# 2·K·lr = 0.018: AdamW moves an element by about lr per step whatever its gradient's size, so
+# two runs whose roundings differ can part by up to that; this bound only catches a run gone
+# wrong (NaN, a lost reduction's drift over steps shows in the losses first).
+#
+# usage: bf16_matrix.sh DTEXEC MPIRUN [WORKDIR]
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+dtexec=$1
+mpirun=$2
+work=${3:-$(mktemp -d)}
+mkdir -p "$work"
+cd "$work"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+steps=3
+common=(--steps "$steps" --lr 3e-3 --warmup 0 --global-batch-size 8 --precision bf16)
+tolerances=(--loss-tolerance 5e-3 --weight-tolerance 0.018)
+llama="$here/tiny_llama_4l.json"
+path_of() { if [ "$1" = llama ]; then echo "$llama"; else echo "$1"; fi; }
+
+for model in tiny-gpt llama; do
+  for mbs in 1 2; do
+    rm -rf "ref_${model}_$mbs"
+    "$dtexec" run --model "$(path_of "$model")" "${common[@]}" --micro-batch-size "$mbs" \
+      --checkpoint "ref_${model}_$mbs" >/dev/null
+  done
+done
+
+# model | ranks | micro-batch size | plan flags
+plans=(
+  "tiny-gpt|2|2|--dp 2"
+  "tiny-gpt|4|1|--dp 4 --zero-stage 1"
+  "tiny-gpt|2|1|--dp 2 --zero-stage 3 --recompute full"
+  "tiny-gpt|2|2|--tp 2 --no-overlap-tp-backward --no-grad-accumulation-fusion"
+  "tiny-gpt|4|1|--tp 2 --pp 2 --schedule 1f1b"
+  "tiny-gpt|4|2|--tp 2 --pp 2 --schedule gpipe --scatter-gather-p2p"
+  "tiny-gpt|4|2|--dp 2 --tp 2 --sequence-parallel --zero-stage 2 --recompute selective"
+  "llama|2|2|--pp 2 --schedule zero-bubble --overlap-p2p-comm"
+  "llama|4|2|--tp 2 --pp 2 --sequence-parallel --schedule interleaved --virtual-stages 2"
+  "llama|4|1|--dp 2 --tp 2 --zero-stage 3"
+)
+failed=0
+printf '%-9s %-72s %5s %9s %9s  %s\n' model plan ranks loss_diff weight_diff result
+for entry in "${plans[@]}"; do
+  IFS='|' read -r model ranks mbs flags <<<"$entry"
+  rm -rf run
+  # shellcheck disable=SC2086
+  if ! timeout 300 "$mpirun" -np "$ranks" "$dtexec" run --model "$(path_of "$model")" \
+      "${common[@]}" --micro-batch-size "$mbs" $flags --checkpoint run >run.log 2>&1 </dev/null; then
+    echo "FAILED to run: $flags (mbs $mbs)"
+    cat run.log
+    failed=1
+    continue
+  fi
+  if out=$("$dtexec" compare "ref_${model}_$mbs" run "${tolerances[@]}"); then
+    result=ok
+  else
+    result=DIFFERENT
+    failed=1
+  fi
+  loss=$(sed -n 's/.*largest loss difference \([^;]*\);.*/\1/p' <<<"$out")
+  weight=$(sed -n 's/.*largest weight difference \([^ ]*\).*/\1/p' <<<"$out")
+  printf '%-9s %-72s %5s %9s %9s  %s\n' "$model" "$flags --micro-batch-size $mbs" "$ranks" "$loss" \
+    "$weight" "$result"
+done
+exit $failed
