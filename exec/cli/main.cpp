@@ -548,7 +548,8 @@ int run(const std::vector<std::string>& args) {
         "--micro-batch-size {} x --seq-len {}: expected at most {} tokens per micro-batch",
         plan.micro_batch_size, plan.seq_len, std::numeric_limits<int>::max()));
   }
-  const dtsim::model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
+  const dtsim::model::ModelGraph graph(dtsim::plan::with_padded_vocab(spec, plan),
+                                       plan.micro_batch_size, plan.seq_len,
                                        dtsim::plan::activation_bytes_per_element(plan.precision));
   dtsim::lower::LowerOptions lower_options;
   lower_options.mode = devices > 1 && !only_rank ? dtsim::lower::Lowering::AllRanks
@@ -1090,7 +1091,10 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
     shapes.push_back({s, s, s});
   }
   // The calibration model at its shapes (quick: one short sequence).
-  const auto spec = dtsim::model::load_model(vm["model"].as<std::string>());
+  // The vocabulary padded as a one-device plan pads it (Plan::make_vocab_size_divisible_by):
+  // the LM head's GEMMs at the shapes `dtexec run` trains.
+  const auto spec = dtsim::plan::with_padded_vocab(
+      dtsim::model::load_model(vm["model"].as<std::string>()), dtsim::plan::Plan{});
   const std::int64_t seq = vm.count("seq-len") ? vm["seq-len"].as<std::int64_t>() : spec.seq_len;
   const dtsim::model::ModelGraph graph(spec, quick ? 1 : vm["micro-batch-size"].as<std::int64_t>(),
                                        quick ? std::min<std::int64_t>(seq, 128) : seq);
@@ -1109,7 +1113,7 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
   op_shapes.B = static_cast<int>(graph.micro_batch());
   op_shapes.S = static_cast<int>(graph.seq_len());
   op_shapes.C = static_cast<int>(spec.hidden);
-  op_shapes.V = static_cast<int>(spec.vocab);
+  op_shapes.V = static_cast<int>(spec.vocab_rows());
   op_shapes.H = static_cast<int>(spec.heads);
   op_shapes.G = static_cast<int>(spec.kv_heads);
   op_shapes.D = static_cast<int>(spec.head_dim);

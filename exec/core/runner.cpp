@@ -261,7 +261,8 @@ class Runner {
     T_ = B_ * Sq_;
     Ts_ = p_.sequence_parallel ? T_ / static_cast<int>(p_.tp) : T_;
     C_ = static_cast<int>(m_.hidden);
-    V_ = static_cast<int>(m_.vocab);
+    V_ = static_cast<int>(m_.vocab_rows());  // the embedding and LM head's rows (padded)
+    tokens_ = static_cast<int>(m_.vocab);    // the data's vocabulary
     H_ = static_cast<int>(m_.heads / tp_);
     G_ = static_cast<int>(m_.kv_heads / tp_);
     D_ = static_cast<int>(m_.head_dim);
@@ -288,8 +289,8 @@ class Runner {
     if (zero3_) plan_weight_releases();
     losses_ = dev_.allocate(micro_batches_, Dtype::F32);
     // A learnable stream: each token is followed by next_[token] nine times in ten.
-    next_.resize(static_cast<std::size_t>(V_));
-    for (int v = 0; v < V_; ++v) next_[static_cast<std::size_t>(v)] = v;
+    next_.resize(static_cast<std::size_t>(tokens_));
+    for (int v = 0; v < tokens_; ++v) next_[static_cast<std::size_t>(v)] = v;
     std::mt19937_64 perm(options.seed ^ 0x9e3779b97f4a7c15ULL);
     std::shuffle(next_.begin(), next_.end(), perm);
   }
@@ -776,7 +777,7 @@ class Runner {
       const auto sequence = static_cast<std::uint64_t>((replica_ * micro_batches_ + j) * B_ + b);
       std::mt19937_64 gen(
           counter_hash(options_.seed, static_cast<std::uint64_t>(step) + 0x5eed, sequence));
-      std::uniform_int_distribution<int> token(0, V_ - 1);
+      std::uniform_int_distribution<int> token(0, tokens_ - 1);
       std::uniform_real_distribution<float> coin(0.0f, 1.0f);
       int t = token(gen);
       for (int s = 0; s < S_; ++s) {
@@ -2400,6 +2401,7 @@ class Runner {
   bool zero3_ = false;
   int Ts_ = 0;  // tokens of the sequence-parallel regions on this rank (T / tp with SP)
   int B_ = 0, S_ = 0, T_ = 0, C_ = 0, V_ = 0, H_ = 0, G_ = 0, D_ = 0, F_ = 0, Vl_ = 0;
+  int tokens_ = 0;
   int micro_batches_ = 1, adam_step_ = 0;
 };
 
@@ -2419,6 +2421,9 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
         "mixture of experts: each token to its top {} of {} experts by router logit, weighted by "
         "the softmax of those logits (Mixtral's routing); dropless, no load-balancing loss",
         spec.moe->top_k, spec.moe->experts));
+  }
+  if (auto padding = plan::vocab_padding_note(spec, plan)) {
+    notes.push_back(*padding + "; tokens are drawn from the first " + std::to_string(spec.vocab));
   }
   if (plan.cp > 1) {
     notes.push_back(fmt::format(
@@ -2486,9 +2491,9 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   }
   if (p.schedule == plan::Schedule::PipeDreamAsync) refuse("the PipeDream (asynchronous) schedule");
   if (m.heads % p.tp != 0 || m.kv_heads % p.tp != 0 || m.ffn_hidden % p.tp != 0 ||
-      m.vocab % p.tp != 0) {
+      m.vocab_rows() % p.tp != 0) {
     refuse(fmt::format("tp {} that does not divide heads {}, kv heads {}, ffn {} and vocab {}",
-                       p.tp, m.heads, m.kv_heads, m.ffn_hidden, m.vocab));
+                       p.tp, m.heads, m.kv_heads, m.ffn_hidden, m.vocab_rows()));
   }
   if (p.devices() > 1 && program.lowering != lower::Lowering::AllRanks && !one_program_alone) {
     throw InternalError("a multi-rank run needs the program lowered for all ranks");

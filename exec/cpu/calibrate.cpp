@@ -18,6 +18,7 @@
 #include "exec/cpu/kernels.hpp"
 #include "sim/common/error.hpp"
 #include "sim/model/model_graph.hpp"
+#include "sim/plan/plan.hpp"
 
 namespace dtsim::exec::cpu {
 
@@ -98,7 +99,7 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
   using model::OpKind;
   const model::ModelSpec& m = graph.spec();
   const int B = static_cast<int>(graph.micro_batch()), S = static_cast<int>(graph.seq_len());
-  const int T = B * S, C = static_cast<int>(m.hidden), V = static_cast<int>(m.vocab);
+  const int T = B * S, C = static_cast<int>(m.hidden), V = static_cast<int>(m.vocab_rows());
   const int H = static_cast<int>(m.heads), G = static_cast<int>(m.kv_heads),
             D = static_cast<int>(m.head_dim), F = static_cast<int>(m.ffn_hidden);
   const bool rms = m.norm == model::Norm::RmsNorm;
@@ -399,7 +400,9 @@ std::vector<ModelGemm> gemms_to_time(const model::ModelGraph& graph, int max_tp,
 }
 
 model::ModelGraph calibration_graph(const CalibrateOptions& options) {
-  const model::ModelSpec spec = model::load_model(options.model);
+  // The vocabulary padded as a one-device plan pads it: the shapes `dtexec run` trains.
+  const model::ModelSpec spec =
+      plan::with_padded_vocab(model::load_model(options.model), plan::Plan{});
   const std::int64_t seq = options.seq_len > 0 ? options.seq_len : spec.seq_len;
   const std::int64_t mbs = options.quick ? 1 : options.micro_batch_size;
   return model::ModelGraph(spec, mbs, options.quick ? std::min<std::int64_t>(seq, 32) : seq,

@@ -246,7 +246,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       p.dp = 0;
       plan::complete_plan(p, spec, c.devices());
       plan::require_valid(p, spec, c.devices());
-      const model::ModelGraph g(spec, p.micro_batch_size, p.seq_len,
+      const model::ModelGraph g(plan::with_padded_vocab(spec, p), p.micro_batch_size, p.seq_len,
                                 plan::activation_bytes_per_element(p.precision));
       auto net = network::make_analytical(c);
       engine::SimulateOptions sim_options;

@@ -69,6 +69,9 @@ void add_plan_options(po::options_description& desc) {
       "overlap pipeline sends and receives with compute (Megatron-LM "
       "--overlap-p2p-communication); by default a stage exchanges its pipeline tensors in "
       "blocking batches between compute passes, as Megatron-LM does")(
+      "make-vocab-size-divisible-by", po::value<std::int64_t>(),
+      "pad the vocabulary (the embedding's and LM head's rows) to a multiple of this x tp, as "
+      "Megatron-LM does (default 128; 1: a multiple of tp only)")(
       "scatter-gather-p2p", po::bool_switch(),
       "Megatron-LM's scatter/gather of pipeline transfers (its 2021 default): each tp rank "
       "sends 1/tp of the activations and the receivers all-gather them over tp (needs tp > 1, "
@@ -284,6 +287,14 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   if (vm.count("no-grad-accumulation-fusion") && vm["no-grad-accumulation-fusion"].as<bool>()) {
     p.grad_accumulation_fusion = false;
   }
+  if (vm.count("make-vocab-size-divisible-by")) {
+    const auto m = vm["make-vocab-size-divisible-by"].as<std::int64_t>();
+    if (m < 1 || m > plan::kMaxVocabMultiple) {
+      throw InputError(fmt::format("--make-vocab-size-divisible-by: expected 1 to {}, got {}",
+                                   plan::kMaxVocabMultiple, m));
+    }
+    p.make_vocab_size_divisible_by = static_cast<int>(m);
+  }
   if (vm.count("scatter-gather-p2p") && vm["scatter-gather-p2p"].as<bool>()) {
     p.scatter_gather_p2p = true;
   }
@@ -400,7 +411,8 @@ PlanSetup setup_from_options(const po::variables_map& vm) {
         to_string(plan::gradient_precision(plan)), to_string(plan.precision)));
   }
   cluster.device.peak_flops_for(plan.precision);
-  model::ModelGraph graph(spec, plan.micro_batch_size, plan.seq_len,
+  if (auto note = plan::vocab_padding_note(spec, plan)) notes.push_back(std::move(*note));
+  model::ModelGraph graph(plan::with_padded_vocab(spec, plan), plan.micro_batch_size, plan.seq_len,
                           plan::activation_bytes_per_element(plan.precision));
   return PlanSetup{std::move(spec), std::move(cluster), std::move(plan), std::move(notes),
                    std::move(graph)};

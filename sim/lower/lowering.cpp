@@ -1022,7 +1022,7 @@ class Lowerer {
       ar.stream = Stream::Pp;
       ar.collective = CollectiveKind::AllReduce;
       ar.group = group_of(GroupKind::Pp, {placement_.rank(first), placement_.rank(last)});
-      ar.bytes = static_cast<std::uint64_t>(static_cast<double>(spec.vocab * spec.hidden) /
+      ar.bytes = static_cast<std::uint64_t>(static_cast<double>(spec.vocab_rows() * spec.hidden) /
                                             plan_.tp * grad_bytes_ * grad_comm_scale_);
       // After the dp reduction of the embedding's gradients (Megatron-LM: finalize_model_grads
       // reduces over dp, then all-reduces the embedding between the first and last stage).

@@ -117,7 +117,7 @@ class Builder {
     op.kind = OpKind::Embedding;
     op.layer = -1;
     op.tp_split = TpSplit::Vocab;
-    op.params = static_cast<u64>(m_.vocab) * h();
+    op.params = static_cast<u64>(m_.vocab_rows()) * h();
     if (m_.positions == Positions::Learned) {
       op.tp_replicated_params = static_cast<u64>(m_.max_positions) * h();
       op.params += op.tp_replicated_params;
@@ -286,8 +286,8 @@ class Builder {
     op.layer = layer;
     op.tp_split = TpSplit::Vocab;
     // A tied head reuses the embedding matrix: no parameters of its own.
-    op.params = m_.tied_embeddings ? 0 : static_cast<u64>(m_.vocab) * h();
-    gemm(op, tokens_, static_cast<double>(h()), static_cast<double>(m_.vocab));
+    op.params = m_.tied_embeddings ? 0 : static_cast<u64>(m_.vocab_rows()) * h();
+    gemm(op, tokens_, static_cast<double>(h()), static_cast<double>(m_.vocab_rows()));
     op.saved_bytes = act_ * T() * h();  // its input (2sbh)
     return add(std::move(op), {in});
   }
@@ -300,10 +300,10 @@ class Builder {
     op.tp_split = TpSplit::Vocab;
     op.saved_tp_split = true;
     // Cross-entropy in fp32 over the logits (Korthikanti et al. §4.3: 4sbV/t bytes).
-    const double logits = tokens_ * static_cast<double>(m_.vocab);
+    const double logits = tokens_ * static_cast<double>(m_.vocab_rows());
     op.fwd_bytes = 4.0 * logits * 2.0;
     op.bwd_bytes = 4.0 * logits * 2.0;
-    op.saved_bytes = 4 * T() * static_cast<u64>(m_.vocab);
+    op.saved_bytes = 4 * T() * static_cast<u64>(m_.vocab_rows());
     add(std::move(op), {in});
   }
 };
@@ -393,7 +393,7 @@ double megatron_train_flops_per_token(const ModelSpec& spec, std::int64_t seq_le
   const double l = static_cast<double>(spec.layers);
   const double h = static_cast<double>(spec.hidden);
   const double s = static_cast<double>(seq_len);
-  const double v = static_cast<double>(spec.vocab);
+  const double v = static_cast<double>(spec.vocab_rows());
   if (full_recompute) return 96.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h));
   return 72.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h));
 }

@@ -128,7 +128,7 @@ double params_upper_bound(const ModelSpec& m) {
   const double block =
       4 * h + (h + 1) * (q + 2 * kv) + q * h + h + experts * (3 * h * f + 2 * f + h) + h * experts;
   return static_cast<double>(m.layers) * block +
-         (2 * static_cast<double>(m.vocab) + static_cast<double>(m.max_positions) + 2) * h;
+         (2 * static_cast<double>(m.vocab_rows()) + static_cast<double>(m.max_positions) + 2) * h;
 }
 
 double saved_bytes_upper_bound(const ModelSpec& m, double micro_batch, double seq_len) {
@@ -146,7 +146,7 @@ double saved_bytes_upper_bound(const ModelSpec& m, double micro_batch, double se
   const double per_token = 6 * h + q + 2 * kv + copies * (h + 3 * f) + experts;
   const double scores = micro_batch * static_cast<double>(m.heads) * seq_len * seq_len;
   return static_cast<double>(m.layers) * (4 * tokens * per_token + 9 * scores) +
-         4 * tokens * (3 * h + static_cast<double>(m.vocab));
+         4 * tokens * (3 * h + static_cast<double>(m.vocab_rows()));
 }
 
 std::string size_problem(const ModelSpec& m, std::int64_t micro_batch, std::int64_t seq_len) {

@@ -43,6 +43,9 @@ struct ModelSpec {
   std::int64_t head_dim = 0;
   std::int64_t ffn_hidden = 0;
   std::int64_t vocab = 0;
+  // Rows of the embedding table and the LM head when a plan pads the vocabulary
+  // (plan::with_padded_vocab); 0: the vocabulary's own size. Tokens stay below `vocab`.
+  std::int64_t padded_vocab = 0;
   std::int64_t max_positions = 0;
   std::int64_t seq_len = 0;  // default training sequence length
   Activation activation = Activation::Gelu;
@@ -62,6 +65,7 @@ struct ModelSpec {
 
   // Width of the attention projections: heads x head_dim (q) and kv_heads x head_dim (k, v).
   std::int64_t q_width() const { return heads * head_dim; }
+  std::int64_t vocab_rows() const { return padded_vocab > 0 ? padded_vocab : vocab; }
   std::int64_t kv_width() const { return kv_heads * head_dim; }
   // The classic GPT block that Megatron-LM's FLOP formula describes exactly: multi-head
   // attention with head_dim = hidden/heads, GELU MLP of 4h, no MoE.

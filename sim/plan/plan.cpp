@@ -75,6 +75,27 @@ bool parse_optimizer(std::string_view text, Optimizer& out) {
   return false;
 }
 
+std::int64_t padded_vocab(std::int64_t vocab, const Plan& plan) {
+  const std::int64_t multiple = std::int64_t{plan.make_vocab_size_divisible_by} * plan.tp;
+  DTSIM_ASSERT(multiple > 0, "a positive vocabulary multiple");
+  return (vocab + multiple - 1) / multiple * multiple;
+}
+
+model::ModelSpec with_padded_vocab(model::ModelSpec spec, const Plan& plan) {
+  const std::int64_t rows = padded_vocab(spec.vocab, plan);
+  spec.padded_vocab = rows == spec.vocab ? 0 : rows;
+  return spec;
+}
+
+std::optional<std::string> vocab_padding_note(const model::ModelSpec& spec, const Plan& plan) {
+  const std::int64_t rows = padded_vocab(spec.vocab, plan);
+  if (rows == spec.vocab) return std::nullopt;
+  return fmt::format(
+      "vocabulary {} padded to {} rows of the embedding and LM head (a multiple of {} x tp {}, "
+      "as Megatron-LM pads it; --make-vocab-size-divisible-by)",
+      spec.vocab, rows, plan.make_vocab_size_divisible_by, plan.tp);
+}
+
 std::string summary(const Plan& p) {
   std::string s = fmt::format("dp={} tp={} pp={}", p.dp, p.tp, p.pp);
   if (p.cp > 1) s += fmt::format(" cp={}", p.cp);
@@ -90,6 +111,9 @@ std::string summary(const Plan& p) {
   if (!p.grad_accumulation_fusion) s += " no-grad-accumulation-fusion";
   if (p.overlap_p2p_comm) s += " overlap-p2p-comm";
   if (p.scatter_gather_p2p) s += " scatter-gather-p2p";
+  if (p.make_vocab_size_divisible_by != Plan{}.make_vocab_size_divisible_by) {
+    s += fmt::format(" vocab-multiple={}", p.make_vocab_size_divisible_by);
+  }
   s += fmt::format(" {}", to_string(p.precision));
   if (p.grad_precision) s += fmt::format(" grads={}", to_string(*p.grad_precision));
   if (p.comm_precision) s += fmt::format(" comm={}", to_string(*p.comm_precision));
@@ -325,6 +349,7 @@ json to_json(const Plan& p) {
             {"grad_accumulation_fusion", p.grad_accumulation_fusion},
             {"overlap_p2p_comm", p.overlap_p2p_comm},
             {"scatter_gather_p2p", p.scatter_gather_p2p},
+            {"make_vocab_size_divisible_by", p.make_vocab_size_divisible_by},
             {"precision", to_string(p.precision)},
             {"optimizer", to_string(p.optimizer)},
             {"order", cluster::Placement::to_string(p.order)}};
@@ -355,6 +380,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "grad_accumulation_fusion",
                  "overlap_p2p_comm",
                  "scatter_gather_p2p",
+                 "make_vocab_size_divisible_by",
                  "precision",
                  "grad_precision",
                  "comm_precision",
@@ -396,6 +422,8 @@ Plan plan_from_json(const json& j, const std::string& file) {
   p.grad_accumulation_fusion = r.boolean_or("grad_accumulation_fusion", true);
   p.overlap_p2p_comm = r.boolean_or("overlap_p2p_comm", false);
   p.scatter_gather_p2p = r.boolean_or("scatter_gather_p2p", false);
+  p.make_vocab_size_divisible_by = static_cast<int>(r.positive_int_up_to_or(
+      "make_vocab_size_divisible_by", kMaxVocabMultiple, p.make_vocab_size_divisible_by));
   if (r.has("precision")) {
     p.precision = *parse_precision(r.choice("precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));
   }

@@ -29,6 +29,9 @@ enum class Optimizer { Adam, Sgd };
 // 2^20, micro-batches per step at most 2^24; one micro-batch's tokens are bounded by
 // model::size_problem.
 inline constexpr std::int64_t kMaxDegree = std::int64_t{1} << 20;
+// --make-vocab-size-divisible-by at most this (a multiple of 65536 rows already pads any
+// vocabulary to whole 128 KiB bf16 columns).
+inline constexpr std::int64_t kMaxVocabMultiple = 65536;
 inline constexpr std::int64_t kMaxMicroBatches = std::int64_t{1} << 24;
 
 struct Plan {
@@ -77,6 +80,13 @@ struct Plan {
   // all-gather it over tp before use. Needs tp > 1 without sequence parallelism (which splits
   // the tensor already).
   bool scatter_gather_p2p = false;
+  // The embedding and LM head's rows: the vocabulary padded to a multiple of this x tp, as
+  // Megatron-LM pads it (--make-vocab-size-divisible-by, default 128;
+  // megatron/training/tokenizer/tokenizer.py, _vocab_size_with_padding), so that its
+  // vocab-parallel shards are equal and the LM head's GEMMs have aligned dimensions (GPT-2's
+  // 50257 becomes 50304, as nanoGPT/llm.c pad it). The padded rows are classes no target
+  // names; their logits enter the softmax, as in Megatron-LM. 1: pad to a multiple of tp only.
+  int make_vocab_size_divisible_by = 128;
   Precision precision = Precision::Bf16;
   // Low-precision communication: activations (tp, cp, ep, pp) and gradients travel in this
   // precision's bytes (unset: the training precision's), as with fp8 or bf16 collectives.
@@ -98,6 +108,13 @@ struct Plan {
   std::int64_t micro_batches() const { return global_batch_size / (micro_batch_size * dp); }
   cluster::ParallelDegrees degrees() const { return {tp, cp, ep, dp, pp}; }
 };
+
+// The vocabulary padded as the plan pads it (Plan::make_vocab_size_divisible_by), and the model
+// with that many embedding and LM-head rows: what a plan's ModelGraph is built from.
+std::int64_t padded_vocab(std::int64_t vocab, const Plan& plan);
+model::ModelSpec with_padded_vocab(model::ModelSpec spec, const Plan& plan);
+// "vocabulary 50257 padded to 50304 (...)" when the plan pads it, else nothing.
+std::optional<std::string> vocab_padding_note(const model::ModelSpec& spec, const Plan& plan);
 
 // One broken rule, with a message that names it ("tp = 3 does not divide 64 attention heads").
 struct PlanViolation {

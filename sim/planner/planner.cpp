@@ -523,12 +523,18 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
         "--global-batch-size: the planner needs the global batch (sequences per step)");
   }
   const std::vector<Plan> plans = enumerate(m, cluster.devices(), cluster.devices_per_node, space);
-  // One graph per micro-batch size, shared read-only by the threads.
-  std::map<std::int64_t, std::unique_ptr<model::ModelGraph>> graphs;
+  // One graph per micro-batch size and padded vocabulary (it follows tp), shared read-only by
+  // the threads.
+  using GraphKey = std::pair<std::int64_t, std::int64_t>;
+  auto graph_key = [&](const Plan& p) -> GraphKey {
+    return {p.micro_batch_size, plan::padded_vocab(m.vocab, p)};
+  };
+  std::map<GraphKey, std::unique_ptr<model::ModelGraph>> graphs;
   for (const Plan& p : plans) {
-    if (!graphs.count(p.micro_batch_size)) {
-      graphs[p.micro_batch_size] = std::make_unique<model::ModelGraph>(
-          m, p.micro_batch_size, p.seq_len, plan::activation_bytes_per_element(p.precision));
+    if (!graphs.count(graph_key(p))) {
+      graphs[graph_key(p)] = std::make_unique<model::ModelGraph>(
+          plan::with_padded_vocab(m, p), p.micro_batch_size, p.seq_len,
+          plan::activation_bytes_per_element(p.precision));
     }
   }
   struct Evaluated {
@@ -551,7 +557,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
       const Plan& p = plans[i];
       Evaluated& e = results[i];
       if (plan::check_plan(p, m, cluster.devices()).ok()) {
-        const model::ModelGraph& g = *graphs.at(p.micro_batch_size);
+        const model::ModelGraph& g = *graphs.at(graph_key(p));
         e.valid = true;
         e.c.plan = p;
         const plan::MemoryReport r = plan::estimate_memory(g, p, cluster, memory);
@@ -624,7 +630,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     sim_options.jitter_cv = options.jitter_cv;
     sim_options.rank_spread_cv = options.rank_spread_cv;
     c.prediction =
-        engine::simulate(*graphs.at(c.plan.micro_batch_size), c.plan, cluster, *net, sim_options)
+        engine::simulate(*graphs.at(graph_key(c.plan)), c.plan, cluster, *net, sim_options)
             .prediction;
     c.step_time_s = c.prediction.step_time_s;
     c.refined = true;

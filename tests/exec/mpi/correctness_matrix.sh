@@ -1,8 +1,9 @@
 #!/bin/bash
 # The executor's correctness matrix (issue 5): for plans over dp, tp, pp, cp, ZeRO stages,
 # schedules (GPipe, 1F1B, interleaved, zero-bubble; pipeline receives posted when reached or,
-# with --overlap-p2p-comm, ahead of need), micro-batch counts and recompute, K steps of four
-# tiny models (GPT, Llama, GPT with dropout, a mixture of experts) under mpirun give the losses
+# with --overlap-p2p-comm, ahead of need), micro-batch counts and recompute, K steps of five
+# tiny models (GPT, Llama, GPT with dropout, a mixture of experts, GPT with an odd vocabulary
+# that the plans pad) under mpirun give the losses
 # and final weights of the single-rank run of the same global batch.
 #
 # Tolerances (fp32): losses within 1e-5 (sums in another order differ by ~1e-7); weights within
@@ -29,9 +30,13 @@ common=(--steps "$steps" --lr 3e-3 --warmup 0 --global-batch-size 8)
 llama="$here/tiny_llama_4l.json"
 dropout="$here/tiny_gpt_dropout.json"
 moe="$here/tiny_moe.json"
+# An odd vocabulary (251), padded to 256 rows by every plan (a multiple of 128 x tp): tp 2 splits
+# the padded rows, and the runs train the single rank's model.
+vocab251="$here/tiny_gpt_vocab251.json"
 path_of() {
   case "$1" in
     llama) echo "$llama" ;;
+    vocab251) echo "$vocab251" ;;
     dropout) echo "$dropout" ;;
     moe) echo "$moe" ;;
     *) echo "$1" ;;
@@ -39,9 +44,10 @@ path_of() {
 }
 
 # One single-rank reference per model and micro-batch size.
-for model in tiny-gpt llama dropout moe; do
+for model in tiny-gpt llama dropout moe vocab251; do
   path=$(path_of "$model")
   for mbs in 1 2 4 8; do
+    if [ "$model" = vocab251 ] && [ "$mbs" != 2 ]; then continue; fi
     rm -rf "ref_${model}_$mbs"
     "$dtexec" run --model "$path" "${common[@]}" --micro-batch-size "$mbs" \
       --checkpoint "ref_${model}_$mbs" >/dev/null
@@ -102,6 +108,8 @@ plans=(
   "moe|2|2|--pp 2 --schedule zero-bubble"
   "moe|2|2|--cp 2 --no-grad-accumulation-fusion"
   "moe|4|1|--dp 2 --pp 2 --schedule 1f1b --zero-stage 2"
+  "vocab251|2|2|--tp 2"
+  "vocab251|4|2|--tp 2 --pp 2 --sequence-parallel"
 )
 failed=0
 # Dropout's masks and the experts' routing follow each token, not the micro-batch: one rank's

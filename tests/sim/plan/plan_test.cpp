@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sim/common/error.hpp"
+#include "sim/model/model_graph.hpp"
 #include "tests/test_util.hpp"
 
 using dtsim::InputError;
@@ -172,6 +173,35 @@ TEST_CASE("unset values get documented defaults", "[plan]") {
                                   "cannot derive dp");
 }
 
+// Megatron-LM's rule (megatron/training/tokenizer/tokenizer.py, _vocab_size_with_padding): the
+// next multiple of make_vocab_size_divisible_by x tp.
+TEST_CASE("the vocabulary is padded as Megatron-LM pads it", "[plan]") {
+  using dtsim::plan::padded_vocab;
+  Plan p;
+  CHECK(padded_vocab(50257, p) == 50304);  // GPT-2: nanoGPT's and llm.c's padded size
+  CHECK(padded_vocab(51200, p) == 51200);  // Megatron-LM's GPT-3 runs: already a multiple
+  p.tp = 8;
+  CHECK(padded_vocab(128256, p) == 129024);  // Llama 3 at tp 8: a multiple of 1024
+  CHECK(padded_vocab(51200, p) == 51200);
+  p.make_vocab_size_divisible_by = 1;
+  CHECK(padded_vocab(50257, p) == 50264);  // a multiple of tp only
+  p.tp = 1;
+  CHECK(padded_vocab(50257, p) == 50257);
+
+  auto spec = dtsim::model::load_model("gpt2-124m");
+  p.make_vocab_size_divisible_by = 128;
+  const auto padded = dtsim::plan::with_padded_vocab(spec, p);
+  CHECK(padded.vocab == 50257);  // the data's vocabulary
+  CHECK(padded.vocab_rows() == 50304);
+  // The graph's embedding and LM head have the padded rows (GPT-2 ties them: one table).
+  CHECK(dtsim::model::count_params(padded) - dtsim::model::count_params(spec) ==
+        (50304 - 50257) * 768);
+  CHECK(dtsim::plan::vocab_padding_note(spec, p).value_or("").find("50257 padded to 50304") !=
+        std::string::npos);
+  p.make_vocab_size_divisible_by = 1;
+  CHECK(!dtsim::plan::vocab_padding_note(spec, p));
+}
+
 TEST_CASE("even layer split gives the remainder to the first chunks", "[plan]") {
   Plan p = base_plan();
   p.pp = 4;
@@ -194,7 +224,9 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   p.comm_precision = dtsim::Precision::Fp8;
   p.grad_precision = dtsim::Precision::Bf16;
   p.grad_compression = 0.25;
+  p.make_vocab_size_divisible_by = 64;
   const Plan q = dtsim::plan::plan_from_json(dtsim::plan::to_json(p), "p.json");
+  CHECK(q.make_vocab_size_divisible_by == 64);
   CHECK(dtsim::plan::to_json(q) == dtsim::plan::to_json(p));
   CHECK(q.comm_precision == dtsim::Precision::Fp8);
   CHECK(q.grad_precision == dtsim::Precision::Bf16);
@@ -224,6 +256,10 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
       "plan.json: grad_accumulation_fusion: expected true or false");
   bad(R"({"scatter_gather_p2p": "on"})", "plan.json: scatter_gather_p2p: expected true or false");
   bad(R"({"zero_stage": 4})", "plan.json: zero_stage: expected 0, 1, 2 or 3, got 4");
+  bad(R"({"make_vocab_size_divisible_by": 0})",
+      "plan.json: make_vocab_size_divisible_by: expected a positive integer, got 0");
+  bad(R"({"make_vocab_size_divisible_by": 131072})",
+      "plan.json: make_vocab_size_divisible_by: expected at most 65536, got 131072");
   bad(R"({"grad_compression": 2})",
       "plan.json: grad_compression: expected the fraction of the gradient bytes sent, in (0, 1]");
   bad(R"({"grad_compression": 0})", "plan.json: grad_compression: expected a positive number");
