@@ -161,6 +161,15 @@ limit 60 "$bin/dtexec" run --backend cuda --precision fp32 --model tiny-gpt --st
   --checkpoint "$out/ckpt_gpu" 2>&1 | tail -2 | tee -a "$report"
 "$bin/dtexec" compare "$out/ckpt_cpu" "$out/ckpt_gpu" --loss-tolerance 1e-3 \
   --weight-tolerance 3e-3 2>&1 | tee -a "$report"
+say "-- with dropout (the GPU draws the CPU's masks): fp32 on the GPU against the CPU"
+drop="--model $repo/tests/exec/mpi/tiny_gpt_dropout.json --steps 5 --warmup 0"
+# shellcheck disable=SC2086
+"$bin/dtexec" run $drop --checkpoint "$out/ckpt_cpu_drop" >/dev/null 2>&1
+# shellcheck disable=SC2086
+limit 60 "$bin/dtexec" run --backend cuda --precision fp32 $drop \
+  --checkpoint "$out/ckpt_gpu_drop" 2>&1 | tail -2 | tee -a "$report"
+"$bin/dtexec" compare "$out/ckpt_cpu_drop" "$out/ckpt_gpu_drop" --loss-tolerance 1e-3 \
+  --weight-tolerance 3e-3 2>&1 | tee -a "$report"
 
 # One plan: dtexec measures it, dtsim predicts it (catalog, then profile), dtsim validate joins.
 validate_plan() {

@@ -158,6 +158,40 @@ class Bf16Device final : public Device {
     cpu_.embedding_backward(s.f32(dwte), s.f32_or_null(dwpe), s.act(dout), s.ints(tokens), B, S, C,
                             vocab_begin, positions);
   }
+  // Dropout, as the GPU device has it (attention dropout without context parallelism), its
+  // masks bytes.
+  bool has(Feature f) const override { return f == Feature::Dropout; }
+  void attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G, int D,
+                            const Attention& a) override {
+    Scope s;
+    Attention x = plain(a);
+    x.mask = s.u8(a.mask);
+    x.dropped = s.act(a.dropped);
+    cpu_.attention_forward_ex(s.act(out), s.act(probs), s.act(qkv), B, Sq, H, G, D, x);
+  }
+  void attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B, int Sq,
+                             int H, int G, int D, const Attention& a) override {
+    Scope s;
+    DTSIM_ASSERT(dkv.p == dqkv.p, "k and v gradients in dqkv (no context parallelism)");
+    Attention x = plain(a);
+    x.mask = s.u8(a.mask);
+    x.dropped = s.act(a.dropped);
+    const View d = s.act(dqkv);
+    cpu_.attention_backward_ex(d, d, s.act(dout), s.act(qkv), s.act(probs), B, Sq, H, G, D, x);
+  }
+  void dropout_forward(View out, View mask, View in, const DropoutSite& d, int T, int C) override {
+    Scope s;
+    cpu_.dropout_forward(s.act(out), s.u8(mask), s.act(in), d, T, C);
+  }
+  void dropout_add_forward(View out, View mask, View branch, View skip, const DropoutSite& d, int T,
+                           int C) override {
+    Scope s;
+    cpu_.dropout_add_forward(s.act(out), s.u8(mask), s.act(branch), s.act(skip), d, T, C);
+  }
+  void dropout_backward(View din, View mask, View dout, float rate) override {
+    Scope s;
+    cpu_.dropout_backward(s.act(din), s.u8(mask), s.act(dout), rate);
+  }
   void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override {
     Scope s;
     cpu_.cross_entropy(s.act(dlogits), s.f32(loss), s.act(logits), s.ints(targets), T, V);
@@ -201,6 +235,16 @@ class Bf16Device final : public Device {
     }
   }
 
+  // The attention extras the GPU runs (exec/cuda/device.cpp): dropout, without context
+  // parallelism.
+  static Attention plain(const Attention& a) {
+    DTSIM_ASSERT(a.kv.empty() && a.cp == 1 && a.qpos.empty() && a.order.empty(),
+                 "attention without context parallelism (as on the GPU)");
+    DTSIM_ASSERT(a.dropout != nullptr && a.dropout->positions.empty(),
+                 "attention dropout at positions 0 ... S-1 (as on the GPU)");
+    return a;
+  }
+
   // The fp32 copies of one op's bf16 views: widened on the way in, rounded back on the way out
   // (an input comes back unchanged: a bf16 value widens and rounds to itself). A view passed
   // twice shares one copy. The copies are scratch outside the device's pool: its memory use
@@ -240,6 +284,10 @@ class Bf16Device final : public Device {
     }
     static View f32_or_null(View v, Where where = Where::current()) {
       return v.empty() ? View{} : f32(v, where);
+    }
+    static View u8(View v, Where where = Where::current()) {
+      expect(v, Dtype::U8, where);
+      return v;
     }
     static View ints(View v, Where where = Where::current()) {
       expect(v, Dtype::I32, where);

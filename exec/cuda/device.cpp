@@ -179,6 +179,33 @@ class CudaDevice final : public Device {
     k_.embedding_backward(f32(dwte), static_cast<int>(dwte.n / C), f32_or_null(dwpe), act(dout),
                           ints(tokens), B, S, C, vocab_begin);
   }
+  // Dropout (the CPU's masks: exec/cuda/kernels.hpp); no context parallelism on the GPU.
+  bool has(Feature f) const override { return f == Feature::Dropout; }
+  void attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G, int D,
+                            const Attention& a) override {
+    plain(a);
+    const Kernels::DropoutSite site = site_of(*a.dropout);
+    k_.attention_forward(act(out), act(probs), act(qkv), B, Sq, H, G, D, &site, u8(a.mask),
+                         act(a.dropped));
+  }
+  void attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B, int Sq,
+                             int H, int G, int D, const Attention& a) override {
+    plain(a);
+    DTSIM_ASSERT(dkv.p == dqkv.p, "k and v gradients in dqkv (no context parallelism)");
+    k_.attention_backward(act(dqkv), act(dout), act(qkv), act(probs), B, Sq, H, G, D,
+                          a.dropout->rate, u8(a.mask), act(a.dropped));
+  }
+  void dropout_forward(View out, View mask, View in, const DropoutSite& d, int T, int C) override {
+    k_.dropout_forward(act(out), u8(mask), act(in), nullptr, site_of(d), T, C);
+  }
+  void dropout_add_forward(View out, View mask, View branch, View skip, const DropoutSite& d, int T,
+                           int C) override {
+    k_.dropout_forward(act(out), u8(mask), act(branch), act(skip), site_of(d), T, C);
+  }
+  void dropout_backward(View din, View mask, View dout, float rate) override {
+    DTSIM_ASSERT(din.n == mask.n && dout.n == mask.n, "dropout views of one size");
+    k_.dropout_backward(act(din), u8(mask), act(dout), rate, din.n);
+  }
   void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override {
     k_.cross_entropy(act(dlogits), rows(T), act(logits), ints(targets), T, V);
     k_.mean(f32(loss), rows_.f32(), T);
@@ -208,6 +235,17 @@ class CudaDevice final : public Device {
     DTSIM_ASSERT(positions.empty(), "positions 0 ... S-1 (no context parallelism on the GPU)");
   }
   static std::size_t bytes(View v) { return static_cast<std::size_t>(v.n) * bytes_of(v.type); }
+  // The attention extras the GPU runs: dropout, without context parallelism (the runner asks
+  // for none: has() says so).
+  static void plain(const Attention& a) {
+    DTSIM_ASSERT(a.kv.empty() && a.cp == 1 && a.qpos.empty() && a.order.empty(),
+                 "attention without context parallelism on the GPU");
+    DTSIM_ASSERT(a.dropout != nullptr, "attention dropout (the only extra the GPU runs)");
+  }
+  static Kernels::DropoutSite site_of(const DropoutSite& d) {
+    natural(d.positions);
+    return {d.stream, d.rate, d.first_sequence, d.first_row, d.Sq, d.head_offset};
+  }
   // A view's type checked where the kernel that reads it is called: the failure names that
   // line (the caller's), not this one.
   using Where = std::source_location;
@@ -232,6 +270,10 @@ class CudaDevice final : public Device {
   }
   static float* f32_or_null(View v, Where where = Where::current()) {
     return v.empty() ? nullptr : f32(v, where);
+  }
+  static std::uint8_t* u8(View v, Where where = Where::current()) {
+    expect(v, exec::Dtype::U8, where);
+    return static_cast<std::uint8_t*>(v.p);
   }
   static int* ints(View v, Where where = Where::current()) {
     expect(v, exec::Dtype::I32, where);

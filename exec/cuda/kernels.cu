@@ -299,6 +299,64 @@ __global__ void norm_weight_partial_kernel(float* pw, float* pb, const T* dout, 
   }
 }
 
+// ---- dropout --------------------------------------------------------------------------------
+
+// exec/cpu/kernels.cpp's counter_hash and Dropout::keeps, the same arithmetic: the GPU draws
+// the CPU's masks.
+__device__ std::uint64_t counter_hash(std::uint64_t seed, std::uint64_t a, std::uint64_t b) {
+  std::uint64_t z = seed ^ (a + 1) * 0x9e3779b97f4a7c15ULL ^ (b + 1) * 0xc2b2ae3d27d4eb4fULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+__device__ bool keeps(const Kernels::DropoutSite& d, std::int64_t sequence, std::uint64_t index) {
+  const std::uint64_t u = counter_hash(d.stream, static_cast<std::uint64_t>(sequence), index) >> 40;
+  return static_cast<float>(u) * (1.0f / 16777216.0f) >= d.rate;
+}
+
+// One thread per element of rows [T, C].
+template <class T>
+__global__ void dropout_kernel(T* out, std::uint8_t* mask, const T* in, const T* skip,
+                               std::int64_t n, int C, Kernels::DropoutSite d) {
+  const float keep_scale = 1.0f / (1.0f - d.rate);
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
+    const std::int64_t row = d.first_row + e / C;
+    const auto c = static_cast<std::uint64_t>(e % C);
+    const bool keep =
+        keeps(d, d.first_sequence + row / d.Sq,
+              static_cast<std::uint64_t>(row % d.Sq) * static_cast<std::uint64_t>(C) + c);
+    mask[e] = keep ? 1 : 0;
+    float y = keep ? load(in, e) * keep_scale : 0.0f;
+    if (skip != nullptr) y += load(skip, e);
+    store(out, e, y);
+  }
+}
+
+template <class T>
+__global__ void dropout_backward_kernel(T* din, const std::uint8_t* mask, const T* dout,
+                                        std::int64_t n, float keep_scale) {
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
+    if (mask[e]) store(din, e, load(din, e) + load(dout, e) * keep_scale);
+  }
+}
+
+// Attention dropout of one sequence's probabilities [H, S, S]: one thread per element.
+template <class T>
+__global__ void attention_dropout_kernel(T* dropped, std::uint8_t* mask, const T* probs, int H,
+                                         int S, std::int64_t sequence, Kernels::DropoutSite d) {
+  const auto SS = static_cast<std::int64_t>(S) * S;
+  const std::int64_t n = H * SS;
+  const float keep_scale = 1.0f / (1.0f - d.rate);
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
+    const std::int64_t h = e / SS, i = e / S % S, j = e % S;
+    const auto index = static_cast<std::uint64_t>((d.head_offset + h) * SS + i * S + j);
+    const bool keep = j <= i && keeps(d, sequence, index);
+    mask[e] = keep ? 1 : 0;
+    store(dropped, e, keep ? load(probs, e) * keep_scale : 0.0f);
+  }
+}
+
 // ---- attention ------------------------------------------------------------------------------
 
 // probs[h, i, :] = softmax over j <= i of scores[h, i, j] (already scaled), 0 for j > i.
@@ -318,17 +376,23 @@ __global__ void causal_softmax_kernel(T* probs, const float* scores, int S) {
   }
 }
 
-// dS = P ⊙ (dP - sum_j dP ⊙ P) · scale, per (row i, head h); zero above the diagonal.
+// dS = P ⊙ (dP - sum_j dP ⊙ P) · scale, per (row i, head h); zero above the diagonal. With
+// attention dropout (mask not null) dP is the gradient through it: the dropped probabilities'
+// gradient, masked and scaled.
 template <class T>
 __global__ void softmax_backward_kernel(T* dscores, const float* dprobs, const T* probs, int S,
-                                        float scale) {
+                                        float scale, const std::uint8_t* mask, float keep_scale) {
   const std::int64_t row = (static_cast<std::int64_t>(blockIdx.y) * S + blockIdx.x) * S;
   const int i = static_cast<int>(blockIdx.x);
+  auto dp = [&](int j) {
+    const float g = dprobs[row + j];
+    return mask == nullptr ? g : (mask[row + j] ? g * keep_scale : 0.0f);
+  };
   float dot = 0;
-  for (int j = threadIdx.x; j <= i; j += blockDim.x) dot += dprobs[row + j] * load(probs, row + j);
+  for (int j = threadIdx.x; j <= i; j += blockDim.x) dot += dp(j) * load(probs, row + j);
   dot = block_sum(dot);
   for (int j = threadIdx.x; j < S; j += blockDim.x) {
-    store(dscores, row + j, j <= i ? load(probs, row + j) * (dprobs[row + j] - dot) * scale : 0.0f);
+    store(dscores, row + j, j <= i ? load(probs, row + j) * (dp(j) - dot) * scale : 0.0f);
   }
 }
 
@@ -636,6 +700,12 @@ void Kernels::download_f32(float* host, const float* src, std::int64_t n) {
   synchronize();
 }
 
+void Kernels::download_bytes(void* host, const void* src, std::size_t bytes) {
+  check(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, impl_->stream),
+        "cudaMemcpyAsync (from the GPU)");
+  synchronize();
+}
+
 void Kernels::download(float* host, const void* src, std::int64_t n) {
   if (act_ == Dtype::F32) {
     download_f32(host, static_cast<const float*>(src), n);
@@ -882,8 +952,33 @@ void Kernels::swiglu_backward(void* din, const void* in, const void* dout, int T
 // Per sequence b: scores[h] = scale · q_h · k_{kv(h)}^T, the heads batched by head_batches, the
 // causal softmax of every head's rows, then out_h = probs_h · v_{kv(h)}. qkv rows hold
 // [q heads | k heads | v heads], D values each.
+void Kernels::dropout_forward(void* out, std::uint8_t* mask, const void* in, const void* skip,
+                              const DropoutSite& d, int T, int C) {
+  const std::int64_t n = static_cast<std::int64_t>(T) * C;
+  if (n == 0) return;
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    dropout_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(
+        static_cast<A*>(out), mask, static_cast<const A*>(in), static_cast<const A*>(skip), n, C,
+        d);
+  });
+  launched("dropout_kernel");
+}
+
+void Kernels::dropout_backward(void* din, const std::uint8_t* mask, const void* dout, float rate,
+                               std::int64_t n) {
+  if (n == 0) return;
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    dropout_backward_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(
+        static_cast<A*>(din), mask, static_cast<const A*>(dout), n, 1.0f / (1.0f - rate));
+  });
+  launched("dropout_backward_kernel");
+}
+
 void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G,
-                                int D) {
+                                int D, const DropoutSite* dropout, std::uint8_t* mask,
+                                void* dropped) {
   if (B == 0 || S == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
   const int width = (H + 2 * G) * D;
@@ -909,9 +1004,22 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
                                                                         scores, S);
     });
     launched("causal_softmax_kernel");
+    // The values read the probabilities after dropout, if any.
+    const char* weights = p;
+    if (dropout != nullptr) {
+      char* kept = static_cast<char*>(dropped) + static_cast<std::size_t>(b) * H * SS * e;
+      with_type(act_, [&](auto* tag) {
+        using A = std::remove_pointer_t<decltype(tag)>;
+        attention_dropout_kernel<<<blocks_for(H * SS), kThreads, 0, impl_->stream>>>(
+            reinterpret_cast<A*>(kept), mask + static_cast<std::size_t>(b) * H * SS,
+            reinterpret_cast<const A*>(p), H, S, dropout->first_sequence + b, *dropout);
+      });
+      launched("attention_dropout_kernel");
+      weights = kept;
+    }
     for (const HeadBatch& hb : batches) {
       gemm(impl_->blas, false, false, S, D, S, 1.0f,
-           {p + hb.head * SS * e, t, S, hb.head_step * SS},
+           {weights + hb.head * SS * e, t, S, hb.head_step * SS},
            {rows + (H + G + hb.kv) * D * e, t, width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
            o + hb.head * D * e, t, H * D, static_cast<long long>(hb.head_step) * D, hb.count);
     }
@@ -923,7 +1031,8 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
 // a kv group sum over its heads, so those GEMMs batch over the groups, one of each group's
 // heads at a time (beta = 1): never two writing one buffer.
 void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, const void* probs,
-                                 int B, int S, int H, int G, int D) {
+                                 int B, int S, int H, int G, int D, float dropout_rate,
+                                 const std::uint8_t* mask, const void* dropped) {
   if (B == 0 || S == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
   const int width = (H + 2 * G) * D, group = H / G;
@@ -937,6 +1046,12 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
     const char* rows = static_cast<const char*>(qkv) + static_cast<std::size_t>(b) * S * width * e;
     char* drows = static_cast<char*>(dqkv) + static_cast<std::size_t>(b) * S * width * e;
     const char* p = static_cast<const char*>(probs) + static_cast<std::size_t>(b) * H * SS * e;
+    // With dropout the values read the dropped probabilities: dv takes those, and dP comes
+    // back through the mask.
+    const bool drop = mask != nullptr;
+    const std::uint8_t* m = drop ? mask + static_cast<std::size_t>(b) * H * SS : nullptr;
+    const char* weights =
+        drop ? static_cast<const char*>(dropped) + static_cast<std::size_t>(b) * H * SS * e : p;
     const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * S * H * D * e;
     const char* ds = static_cast<const char*>(dscores);
     for (const HeadBatch& hb : batches) {
@@ -948,7 +1063,8 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
       softmax_backward_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(
-          static_cast<A*>(dscores), dprobs, reinterpret_cast<const A*>(p), S, scale);
+          static_cast<A*>(dscores), dprobs, reinterpret_cast<const A*>(p), S, scale, m,
+          drop ? 1.0f / (1.0f - dropout_rate) : 1.0f);
     });
     launched("softmax_backward_kernel");
     for (const HeadBatch& hb : batches) {
@@ -963,7 +1079,7 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
       gemm(impl_->blas, true, false, S, D, S, 1.0f, {ds + r * SS * e, t, S, group * SS},
            {rows + r * D * e, t, width, static_cast<long long>(group) * D}, 1.0f, drows + H * D * e,
            t, width, D, G);
-      gemm(impl_->blas, true, false, S, D, S, 1.0f, {p + r * SS * e, t, S, group * SS},
+      gemm(impl_->blas, true, false, S, D, S, 1.0f, {weights + r * SS * e, t, S, group * SS},
            {dO + r * D * e, t, H * D, static_cast<long long>(group) * D}, 1.0f,
            drows + (H + G) * D * e, t, width, D, G);
     }

@@ -77,6 +77,7 @@ class Kernels {
   // n activation-typed values of `src` to the host, as floats.
   void download(float* host, const void* src, std::int64_t n);
   void download_f32(float* host, const float* src, std::int64_t n);
+  void download_bytes(void* host, const void* src, std::size_t bytes);  // masks
   void zero(void* dst, std::size_t bytes);
   void copy(void* dst, const void* src, std::size_t bytes);  // device to device
   void synchronize();
@@ -127,13 +128,38 @@ class Kernels {
   void swiglu_forward(void* out, const void* in, int T, int F);
   void swiglu_backward(void* din, const void* in, const void* dout, int T, int F);
 
+  // Dropout (exec/cpu/kernels.hpp: Dropout), its masks the CPU's: element i of sequence s is
+  // kept when the top 24 bits of counter_hash(stream, s, i) over 2^24 are >= rate. Positions
+  // are 0 ... Sq-1 (no context parallelism on the GPU).
+  struct DropoutSite {
+    std::uint64_t stream = 0;
+    float rate = 0;
+    std::int64_t first_sequence = 0;  // of the micro-batch's first sequence
+    int first_row = 0;                // of the rows given, among the micro-batch's B·Sq
+    int Sq = 1;
+    int head_offset = 0;  // attention: this rank's first head among all (tensor parallelism)
+  };
+  // Rows [T, C] of the residual stream (element (position, c) has index position·C + c):
+  // out = dropout(in), plus skip where skip is not null (the residual connection after a
+  // block); out may be in. mask[T·C]: a byte per element, 1 where kept.
+  void dropout_forward(void* out, std::uint8_t* mask, const void* in, const void* skip,
+                       const DropoutSite& d, int T, int C);
+  // din += dout ⊙ mask / (1 - rate).
+  void dropout_backward(void* din, const std::uint8_t* mask, const void* dout, float rate,
+                        std::int64_t n);
+
   // Causal attention with grouped KV heads, as Megatron-LM computed it before fused kernels:
   // per (sequence, head) the scores q·k^T (fp32), a masked softmax into probs[B,H,S,S]
-  // (activation type, kept for backward), and probs · v. GEMMs on cuBLAS.
-  void attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G,
-                         int D);
+  // (activation type, kept for backward), and probs · v. GEMMs on cuBLAS. With `dropout`:
+  // attention dropout of the probabilities (element (head, query, key) has index
+  // (head_offset + h)·S² + q·S + k in its sequence), its mask and the probabilities after it
+  // in mask and dropped [B,H,S,S]; the values read dropped, as exec/cpu's attention does.
+  void attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G, int D,
+                         const DropoutSite* dropout = nullptr, std::uint8_t* mask = nullptr,
+                         void* dropped = nullptr);
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* probs, int B,
-                          int S, int H, int G, int D);
+                          int S, int H, int G, int D, float dropout_rate = 0,
+                          const std::uint8_t* mask = nullptr, const void* dropped = nullptr);
 
   void rope_forward(void* out, const void* qkv, int B, int S, int H, int G, int D, double theta);
   void rope_backward(void* dqkv, const void* dout, int B, int S, int H, int G, int D, double theta);

@@ -269,6 +269,75 @@ TEST_CASE("GPU causal attention matches the CPU, with and without grouped KV hea
   }
 }
 
+// The GPU draws the CPU's dropout masks (the same counter hash), bit for bit; the values then
+// agree to the type's rounding.
+TEST_CASE("GPU dropout, residual and attention, matches the CPU", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  cpu::Dropout d;
+  d.stream = 0x1234567;
+  d.rate = 0.1f;
+  d.first_sequence = 6;
+  d.Sq = 24;
+  d.first_row = 12;  // a share of the rows (sequence parallelism)
+  d.head_offset = 4;
+  cu::Kernels::DropoutSite site{d.stream,    d.rate, d.first_sequence,
+                                d.first_row, d.Sq,   d.head_offset};
+  auto bytes_of = [](cu::Kernels& k, const cu::DeviceBuffer& b, std::size_t n) {
+    std::vector<std::uint8_t> h(n);
+    k.download_bytes(h.data(), b.get(), n);
+    return h;
+  };
+  for (cu::Dtype type : kTypes) {
+    INFO(name(type));
+    cu::Kernels k(*gpu, type);
+    // Residual stream rows [T, C]: dropout_add forward, dropout backward.
+    const int T = 20, C = 48;
+    const auto n = static_cast<std::size_t>(T) * C;
+    const Vec branch = as_stored(k, random(n, 41)), skip = as_stored(k, random(n, 42));
+    const Vec dout = as_stored(k, random(n, 43)), din0 = as_stored(k, random(n, 44));
+    Vec out(n), din = din0;
+    std::vector<std::uint8_t> mask(n);
+    cpu::dropout_add_forward(out, mask, branch, skip, d, T, C);
+    cpu::dropout_backward(din, mask, dout, d.rate);
+    Dev d_branch(k, branch), d_skip(k, skip), d_out(k, Vec(n)), d_dout(k, dout), d_din(k, din0);
+    cu::DeviceBuffer d_mask(n);
+    k.dropout_forward(d_out.p(), static_cast<std::uint8_t*>(d_mask.get()), d_branch.p(), d_skip.p(),
+                      site, T, C);
+    k.dropout_backward(d_din.p(), static_cast<std::uint8_t*>(d_mask.get()), d_dout.p(), d.rate,
+                       static_cast<std::int64_t>(n));
+    CHECK(bytes_of(k, d_mask, n) == mask);
+    CHECK(error(d_out.host(), out) < tolerance(type));
+    CHECK(error(d_din.host(), din) < tolerance(type));
+
+    // Attention dropout of the probabilities, forward and backward.
+    const int B = 2, S = 20, H = 4, G = 2, D = 16, width = (H + 2 * G) * D;
+    const auto scores = static_cast<std::size_t>(B) * H * S * S;
+    const Vec qkv = as_stored(k, random(static_cast<std::size_t>(B) * S * width, 45, 0.5f));
+    const Vec ady = as_stored(k, random(static_cast<std::size_t>(B) * S * H * D, 46));
+    Vec aout(static_cast<std::size_t>(B) * S * H * D), probs(scores), dropped(scores);
+    Vec dqkv(qkv.size(), 0.0f);
+    std::vector<std::uint8_t> amask(scores);
+    cpu::AttentionOptions o;
+    o.dropout = &d;
+    o.mask = amask;
+    o.dropped = dropped;
+    cpu::attention_forward(aout, probs, qkv, B, S, H, G, D, o);
+    cpu::attention_backward(dqkv, dqkv, ady, qkv, probs, B, S, H, G, D, o);
+    Dev a_qkv(k, qkv), a_out(k, Vec(aout.size())), a_probs(k, Vec(scores)),
+        a_dropped(k, Vec(scores)), a_dy(k, ady), a_dqkv(k, Vec(qkv.size(), 0.0f));
+    cu::DeviceBuffer a_mask(scores);
+    auto* m = static_cast<std::uint8_t*>(a_mask.get());
+    k.attention_forward(a_out.p(), a_probs.p(), a_qkv.p(), B, S, H, G, D, &site, m, a_dropped.p());
+    k.attention_backward(a_dqkv.p(), a_dy.p(), a_qkv.p(), a_probs.p(), B, S, H, G, D, d.rate, m,
+                         a_dropped.p());
+    CHECK(bytes_of(k, a_mask, scores) == amask);
+    CHECK(error(a_dropped.host(), dropped) < tolerance(type));
+    CHECK(error(a_out.host(), aout) < tolerance(type));
+    CHECK(error(a_dqkv.host(), dqkv) < tolerance(type));
+  }
+}
+
 TEST_CASE("GPU rotary embedding matches the CPU", "[exec][cuda][gpu]") {
   const auto gpu = first_gpu();
   if (!gpu) return;

@@ -2,8 +2,9 @@
 # The GPU's mixed precision over MPI ranks, emulated on the CPU (`--precision bf16`: bf16
 # activations with the GPU device's type checks; the MPI backend moves bf16 tensors and sums
 # them in bf16, rounding at each step as NCCL does): plans over dp, tp with and without sequence
-# parallelism, pp (GPipe, 1F1B, interleaved, zero-bubble, scatter/gather transfers), ZeRO 1-3
-# and recompute run to the end, and K steps train as the single-rank bf16 run of the same batch.
+# parallelism, pp (GPipe, 1F1B, interleaved, zero-bubble, scatter/gather transfers), ZeRO 1-3,
+# recompute and dropout (the GPU's: residual and attention dropout, the CPU's masks) run to the
+# end, and K steps train as the single-rank bf16 run of the same batch.
 #
 # Tolerances (bf16): losses within 5e-3. A split changes where bf16 rounds (a row-parallel
 # layer's partial sums are rounded before their all-reduce), about 2^-8 relative per rounding;
@@ -24,10 +25,15 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 steps=3
 common=(--steps "$steps" --lr 3e-3 --warmup 0 --global-batch-size 8 --precision bf16)
 tolerances=(--loss-tolerance 5e-3 --weight-tolerance 0.018)
-llama="$here/tiny_llama_4l.json"
-path_of() { if [ "$1" = llama ]; then echo "$llama"; else echo "$1"; fi; }
+path_of() {
+  case "$1" in
+    llama) echo "$here/tiny_llama_4l.json" ;;
+    dropout) echo "$here/tiny_gpt_dropout.json" ;;
+    *) echo "$1" ;;
+  esac
+}
 
-for model in tiny-gpt llama; do
+for model in tiny-gpt llama dropout; do
   for mbs in 1 2; do
     rm -rf "ref_${model}_$mbs"
     "$dtexec" run --model "$(path_of "$model")" "${common[@]}" --micro-batch-size "$mbs" \
@@ -47,6 +53,8 @@ plans=(
   "llama|2|2|--pp 2 --schedule zero-bubble --overlap-p2p-comm"
   "llama|4|2|--tp 2 --pp 2 --sequence-parallel --schedule interleaved --virtual-stages 2"
   "llama|4|1|--dp 2 --tp 2 --zero-stage 3"
+  "dropout|2|2|--tp 2 --sequence-parallel --recompute selective"
+  "dropout|4|2|--dp 2 --pp 2 --schedule zero-bubble --zero-stage 2"
 )
 failed=0
 printf '%-9s %-72s %5s %9s %9s  %s\n' model plan ranks loss_diff weight_diff result
