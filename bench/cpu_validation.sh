@@ -55,6 +55,7 @@ batch=(--micro-batch-size 4 --global-batch-size 8)
 # and without recompute. The tp plans run with and without --no-overlap-tp-backward: dtexec
 # starts the overlapped all-reduce with MPI_Iallreduce, but MPI moves its data only inside MPI
 # calls, not during a GEMM (the CPU cluster says so, and dtsim runs its ranks serially).
+# Expert parallelism (--ep) needs a mixture of experts: MODEL=bench/models/cpu-small-moe.json.
 plans=(
   "1|"
   "1|--recompute full"
@@ -76,6 +77,7 @@ plans=(
   "2|--pp 2 --schedule interleaved --virtual-stages 2"
   "2|--cp 2"
   "2|--cp 2 --recompute selective"
+  "2|--dp 2 --ep 2"
 )
 # A plan this host runs (no more ranks than cores) and ONLY asks for.
 wanted() { [ "$1" -le "$cores" ] && { [ -z "${ONLY:-}" ] || [[ "$2" =~ $ONLY ]]; }; }

@@ -39,6 +39,11 @@ class Comm {
   virtual void reduce_scatter(int group, View in, View out, std::span<const int> counts) = 0;
   // out = the concatenation of every member's in (counts[member] elements each).
   virtual void all_gather(int group, View in, View out, std::span<const int> counts) = 0;
+  // Expert parallelism's exchange, in member order: in holds one piece per member (in_counts[r]
+  // elements for member r, consecutive), out one piece from each member (out_counts[r]
+  // elements, consecutive); the counts must match what the other ends send and receive.
+  virtual void all_to_all(int group, View in, std::span<const int> in_counts, View out,
+                          std::span<const int> out_counts);
 
   // Non-blocking variants (data-parallel buckets that overlap the rest of the backward pass):
   // the buffers must stay untouched until finish(handle) returns. progress() lets the backend
@@ -91,6 +96,9 @@ class SingleRankComm final : public Comm {
   void all_reduce(int, View, Reduce) override {}
   void reduce_scatter(int, View in, View out, std::span<const int>) override { copy(out, in); }
   void all_gather(int, View in, View out, std::span<const int>) override { copy(out, in); }
+  void all_to_all(int, View in, std::span<const int>, View out, std::span<const int>) override {
+    copy(out, in);
+  }
   Handle start_all_reduce(int, View) override { return 0; }
   Handle start_reduce_scatter(int group, View in, View out, std::span<const int> counts) override {
     reduce_scatter(group, in, out, counts);
@@ -122,5 +130,9 @@ class SingleRankComm final : public Comm {
   }
   Device* device_;
 };
+
+inline void Comm::all_to_all(int, View, std::span<const int>, View, std::span<const int>) {
+  throw UnsupportedError("dtexec: this communication backend has no all-to-all yet");
+}
 
 }  // namespace dtsim::exec

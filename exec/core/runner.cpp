@@ -135,6 +135,9 @@ struct MicroBatch {
   // gradient of the gates, and (on the host) each expert's number of copies.
   std::map<OpId, View> route, gate_grad;
   std::map<OpId, std::vector<int>> expert_rows;
+  // Expert parallelism, by router (on the host): the copies this rank's experts received, as
+  // rows per (sending ep member s, local expert l) at s·E/ep + l, in the order they arrived.
+  std::map<OpId, std::vector<int>> ep_blocks;
   // The size of an output released before its gradient was made (the gradient has its shape).
   std::map<OpId, std::int64_t> released_out;
 };
@@ -251,6 +254,10 @@ class Runner {
     dp_ = static_cast<int>(p_.dp * p_.cp);
     t_ = member_index(GroupKind::Tp);
     d_ = member_index(GroupKind::Dp);
+    ep_ = static_cast<int>(p_.ep);
+    e_ = ep_ > 1 ? member_index(GroupKind::Ep) : 0;
+    edp_ = dp_ / ep_;
+    ed_ = ep_ > 1 ? member_index(GroupKind::ExpertDp) : d_;
     sharded_ = p_.zero_stage >= 1 && dp_ > 1;
     transient_grads_ = sharded_ && p_.zero_stage >= 2;
     zero3_ = sharded_ && p_.zero_stage >= 3;
@@ -592,6 +599,7 @@ class Runner {
       const Op& op = g_.op(id);
       std::uint64_t have = 0;
       for (auto& [which, slice] : slices(op, t_)) {
+        if (op.expert && !local_expert(which / 2)) continue;  // another ep rank's
         Param p;
         p.slice = slice;
         p.tied_copy = op.kind == OpKind::LmHead && op.params == 0;
@@ -603,8 +611,9 @@ class Runner {
         const std::vector<float> values = initial(source, which, slice);
         const auto n = static_cast<std::int64_t>(values.size());
         p.n = n;
-        p.own_begin = sharded_ ? n * d_ / dp_ : 0;
-        p.own_end = sharded_ ? n * (d_ + 1) / dp_ : n;
+        const int shards = op.expert ? edp_ : dp_, mine = op.expert ? ed_ : d_;
+        p.own_begin = sharded_ ? n * mine / shards : 0;
+        p.own_end = sharded_ ? n * (mine + 1) / shards : n;
         const std::int64_t own = p.own_end - p.own_begin;
         // The GEMMs' copy, in the activation type, of the weights they read (linear layers and a
         // tied head's table); other tensors are read as their fp32 master.
@@ -628,8 +637,11 @@ class Runner {
         if (!p.tied_copy) have += static_cast<std::uint64_t>(slice.rows * slice.cols);
         params_.emplace(Key{id, which}, std::move(p));
       }
-      DTSIM_ASSERT(have == op.params, fmt::format("parameters of {}: {} allocated, graph says {}",
-                                                  op.name, have, op.params));
+      // An expert op's tensors: this rank's experts only.
+      const std::uint64_t expected =
+          op.expert ? op.params / static_cast<std::uint64_t>(ep_) : op.params;
+      DTSIM_ASSERT(have == expected, fmt::format("parameters of {}: {} allocated, graph says {}",
+                                                 op.name, have, expected));
     }
     if (!transient_grads_) {
       std::int64_t total = 0;
@@ -730,6 +742,19 @@ class Runner {
   bool expert_group(const lower::Task& task) const {
     return program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::ExpertDp;
   }
+  // How many ZeRO shards the tensors of a dp-group task have, and which is this rank's.
+  std::pair<int, int> shards_of(const lower::Task& task) const {
+    return expert_group(task) ? std::pair{edp_, ed_} : std::pair{dp_, d_};
+  }
+  // Whether this rank holds tensors of op id (an expert op's: those of its experts, the first
+  // of which is tensor 2·e_·E/ep).
+  bool holds_weights(OpId id) const {
+    const Op& op = g_.op(id);
+    const int first = op.expert ? 2 * e_ * static_cast<int>(m_.moe->experts / ep_) : 0;
+    return params_.count({id, first}) > 0;
+  }
+  // Whether expert e is this rank's (expert parallelism gives each ep rank E/ep of them).
+  bool local_expert(int e) const { return e / static_cast<int>(m_.moe->experts / ep_) == e_; }
   std::vector<Param*> params_for(const lower::Task& task) {
     auto out = task.op_end > task.op_begin ? params_of(task.op_begin, task.op_end)
                                            : params_of(0, static_cast<std::int32_t>(g_.size()));
@@ -966,8 +991,9 @@ class Runner {
           fresh(out, in.size());
           dev_.gelu_forward(out, in);
         } else {
-          const int rows = op.expert ? T_ * top_k() : T_;  // experts: the tokens' copies
-          const int F = static_cast<int>(in.size() / rows / 2);
+          // Experts: the copies they compute on.
+          const auto rows = static_cast<int>(op.expert ? expert_copies(mb, router_of(id)) : T_);
+          const int F = op.expert ? expert_ffn() : F_;  // (an ep rank's experts may get no rows)
           fresh(out, static_cast<std::int64_t>(rows) * F);
           dev_.swiglu_forward(out, in, rows, F);
         }
@@ -1055,7 +1081,7 @@ class Runner {
     const bool input_grads = part != Part::Weight;
     const bool weight_grads = part != Part::Input;
     // Ops without weights do all their work in the input pass.
-    const bool has_weights = find(id, 0) != nullptr || tied_head(op);
+    const bool has_weights = holds_weights(id) || tied_head(op);
     if (!has_weights && !input_grads) return;
     switch (op.kind) {
       case OpKind::Loss: {
@@ -1147,9 +1173,9 @@ class Runner {
         if (m_.activation == model::Activation::Gelu) {
           dev_.gelu_backward(grad_of(mb, input(id)), in, mb.grad.at(id));
         } else {
-          const int rows = op.expert ? T_ * top_k() : T_;
+          const auto rows = static_cast<int>(op.expert ? expert_copies(mb, router_of(id)) : T_);
           dev_.swiglu_backward(grad_of(mb, input(id)), in, mb.grad.at(id), rows,
-                               static_cast<int>(in.size() / rows / 2));
+                               op.expert ? expert_ffn() : F_);
         }
         break;
       }
@@ -1225,14 +1251,34 @@ class Runner {
 
   // fn(w, at, n) for each expert with rows: its weight's tensor number w, and its n rows of
   // the copies from row `at`.
+  // With expert parallelism the rows are those this rank's experts received, a block per
+  // (sender, expert) in arrival order: an expert's GEMMs run once per sender's block.
   template <typename Fn>
   void for_each_expert(MicroBatch& mb, OpId router, Fn&& fn) {
     std::int64_t at = 0;
+    if (ep_ > 1) {
+      const auto& blocks = mb.ep_blocks.at(router);
+      const int local = static_cast<int>(blocks.size()) / ep_;
+      for (std::size_t b = 0; b < blocks.size(); ++b) {
+        const int e = e_ * local + static_cast<int>(b) % local;
+        if (blocks[b] > 0) fn(2 * e, at, blocks[b]);
+        at += blocks[b];
+      }
+      return;
+    }
     const auto& rows = mb.expert_rows.at(router);
     for (std::size_t e = 0; e < rows.size(); ++e) {
       if (rows[e] > 0) fn(2 * static_cast<int>(e), at, rows[e]);
       at += rows[e];
     }
+  }
+
+  // The copies this rank's experts compute on: all T·k of its tokens' (ep 1), or what the
+  // ep all-to-all brought.
+  std::int64_t expert_copies(const MicroBatch& mb, OpId router) const {
+    if (ep_ == 1) return static_cast<std::int64_t>(T_) * top_k();
+    const auto& blocks = mb.ep_blocks.at(router);
+    return std::accumulate(blocks.begin(), blocks.end(), std::int64_t{0});
   }
 
   // The experts' GEMMs of an up or down op, each on its rows of the copies.
@@ -1244,12 +1290,14 @@ class Runner {
     const bool down = op.kind == OpKind::MlpDown;
     const View in = mb.out.at(input(id));
     View& y = down ? mb.aux1[id] : mb.out[id];
-    fresh(y, static_cast<std::int64_t>(T_) * k * N);
+    fresh(y, expert_copies(mb, router) * N);
     for_each_expert(mb, router, [&](int w, std::int64_t at, int n) {
       dev_.matmul_forward(y.sub(at * N, std::int64_t{n} * N), in.sub(at * K, std::int64_t{n} * K),
                           param(id, w).work, bias_in(id, w + 1), n, K, N, false);
     });
-    if (down) {
+    // With expert parallelism the copies' outputs go back to their tokens' ranks first (the
+    // combine all-to-all, ep_collective), which combine them there.
+    if (down && ep_ == 1) {
       fresh(mb.out[id], static_cast<std::int64_t>(T_) * C_);
       dev_.moe_combine(mb.out[id], y, mb.aux1.at(router), mb.route.at(router), T_, C_, k);
     }
@@ -1265,7 +1313,10 @@ class Runner {
     const bool down = op.kind == OpKind::MlpDown;
     const std::int64_t copies = static_cast<std::int64_t>(T_) * k;
     View dy = mb.grad.at(id);
-    if (down) {
+    // With expert parallelism the combine's backward ran at the tokens' ranks, and the copies'
+    // gradients came here by the combine all-to-all (ep_collective): dy is theirs already.
+    const bool through_combine = down && ep_ == 1;
+    if (through_combine) {
       // Through the combine: each copy's output gradient (its gate times its token's), and
       // (once, with the input gradients) the gates' gradient for the router.
       dy = allocate(copies * N);
@@ -1289,7 +1340,89 @@ class Runner {
                       in.empty() ? View{} : in.sub(at * K, std::int64_t{n} * K), n, K, N, false,
                       weight_grads);
     });
-    if (down) dev_.release(dy);
+    if (through_combine) dev_.release(dy);
+  }
+
+  // Expert parallelism (the lowering's ep all-to-alls, GShard's dispatch and combine): ep rank r
+  // holds experts [r·E/ep, (r+1)·E/ep). Forward, before the up GEMMs, each rank sends every
+  // member its tokens' copies for that member's experts (the router sorted them by expert, so
+  // they are consecutive), after the rows per expert; the received copies replace the router's
+  // output, in blocks per (sender, expert) (ep_blocks). After the down GEMMs the copies'
+  // outputs go back the same way and are combined at their tokens' rank. Backward, the
+  // combine's gradient (and the gates') is taken at the tokens' rank and its copies' gradients
+  // sent to the experts, replacing the down op's output gradient; after the up GEMMs' input
+  // gradient the copies' gradients go back, replacing the router's output gradient.
+  void ep_collective(const lower::Task& task, MicroBatch& mb) {
+    const auto anchor = static_cast<OpId>(task.op_begin);
+    const Op& op = g_.op(anchor);
+    DTSIM_ASSERT(op.expert && (op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown),
+                 "an ep all-to-all at an expert up or down op");
+    const OpId router = router_of(anchor);
+    const bool backward = task.tag == 1;
+    const int E = static_cast<int>(m_.moe->experts), local = E / ep_, k = top_k();
+    // Copies this rank's tokens send each member (in the router's sorted order), and what its
+    // experts got from each member.
+    const auto& rows = mb.expert_rows.at(router);
+    auto& blocks = mb.ep_blocks[router];
+    if (op.kind == OpKind::MlpUp && !backward) {
+      // The rows per expert first, as fp32 (exact below 2^24, as the router's counts).
+      const View sent = dev_.allocate(E, Dtype::F32), got = dev_.allocate(E, Dtype::F32);
+      const std::vector<float> counts(rows.begin(), rows.end());
+      dev_.upload(sent, counts.data());
+      const std::vector<int> each(static_cast<std::size_t>(ep_), local);
+      comm_.all_to_all(task.group, sent, each, got, each);
+      std::vector<float> received(static_cast<std::size_t>(E));
+      dev_.download(received.data(), got);
+      dev_.release(sent);
+      dev_.release(got);
+      blocks.assign(received.begin(), received.end());
+    }
+    std::vector<int> to(static_cast<std::size_t>(ep_), 0), from(static_cast<std::size_t>(ep_), 0);
+    for (int e = 0; e < E; ++e) {
+      to[static_cast<std::size_t>(e / local)] += rows[static_cast<std::size_t>(e)];
+      from[static_cast<std::size_t>(e / local)] += blocks.at(static_cast<std::size_t>(e));
+    }
+    // Moves `tensor` (rows of width C_) from the layout of `send` rows per member to that of
+    // `receive`, in place of the old.
+    auto exchange = [&](View& tensor, const std::vector<int>& send,
+                        const std::vector<int>& receive) {
+      std::vector<std::int64_t> in(send.begin(), send.end()), out(receive.begin(), receive.end());
+      for (auto& n : in) n *= C_;
+      for (auto& n : out) n *= C_;
+      const View moved =
+          dev_.allocate(std::accumulate(out.begin(), out.end(), std::int64_t{0}), tensor.type);
+      comm_.all_to_all(task.group, tensor, collective_counts(in, "ep all-to-all"), moved,
+                       collective_counts(out, "ep all-to-all"));
+      dev_.release(tensor);
+      tensor = moved;
+    };
+    if (op.kind == OpKind::MlpUp) {
+      // Forward: the copies to the experts; backward: their gradients back to the tokens.
+      if (!backward) {
+        exchange(mb.out.at(router), to, from);
+      } else {
+        exchange(mb.grad.at(router), from, to);
+      }
+      return;
+    }
+    if (!backward) {
+      // The copies' outputs back to their tokens, combined there.
+      exchange(mb.aux1.at(anchor), from, to);
+      fresh(mb.out[anchor], static_cast<std::int64_t>(T_) * C_);
+      dev_.moe_combine(mb.out[anchor], mb.aux1.at(anchor), mb.aux1.at(router), mb.route.at(router),
+                       T_, C_, k);
+      return;
+    }
+    // The combine's backward at the tokens' rank: the copies' gradients and the gates'.
+    const std::int64_t copies = static_cast<std::int64_t>(T_) * k;
+    View dy = allocate(copies * C_);
+    auto& dgates = mb.gate_grad[router];
+    if (dgates.empty()) fresh(dgates, copies, Dtype::F32);
+    dev_.moe_combine_backward(dy, dgates, mb.grad.at(anchor), mb.aux1.at(anchor),
+                              mb.aux1.at(router), mb.route.at(router), T_, C_, k);
+    exchange(dy, to, from);
+    dev_.release(mb.grad.at(anchor));
+    mb.grad[anchor] = dy;
   }
 
   void router_backward(MicroBatch& mb, OpId id, Part part) {
@@ -1344,16 +1477,17 @@ class Runner {
     }
     DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter && sharded_,
                  "dp gradient reduction");
-    std::vector<std::int64_t> wide(static_cast<std::size_t>(dp_), 0);
+    const auto [shards, mine] = shards_of(task);
+    std::vector<std::int64_t> wide(static_cast<std::size_t>(shards), 0);
     std::int64_t total = 0;
     for (Param* p : params) total += p->n;
     auto buffers = std::make_shared<ScatterBuffers>();
     buffers->in = dev_.allocate(total, Dtype::F32);
     std::int64_t at = 0;
-    for (int r = 0; r < dp_; ++r) {
+    for (int r = 0; r < shards; ++r) {
       for (Param* p : params) {
         const std::int64_t n = p->n;
-        const std::int64_t b = n * r / dp_, e = n * (r + 1) / dp_;
+        const std::int64_t b = n * r / shards, e = n * (r + 1) / shards;
         dev_.copy(buffers->in.sub(at, e - b), grad(*p).sub(b, e - b));
         at += e - b;
         wide[static_cast<std::size_t>(r)] += e - b;
@@ -1370,7 +1504,7 @@ class Runner {
       }
     }
     buffers->counts = std::move(counts);
-    buffers->out = dev_.allocate(buffers->counts[static_cast<std::size_t>(d_)], Dtype::F32);
+    buffers->out = dev_.allocate(buffers->counts[static_cast<std::size_t>(mine)], Dtype::F32);
     const Comm::Handle handle =
         comm_.start_reduce_scatter(task.group, buffers->in, buffers->out, buffers->counts);
     pending_[index] = {handle,
@@ -1498,14 +1632,15 @@ class Runner {
       for (Param* p : params) refresh_work(*p);
       return;
     }
-    std::vector<std::int64_t> wide(static_cast<std::size_t>(dp_), 0);
+    const auto [shards, me] = shards_of(task);
+    std::vector<std::int64_t> wide(static_cast<std::size_t>(shards), 0);
     for (Param* p : params) {
       const std::int64_t n = p->n;
-      for (int r = 0; r < dp_; ++r)
-        wide[static_cast<std::size_t>(r)] += n * (r + 1) / dp_ - n * r / dp_;
+      for (int r = 0; r < shards; ++r)
+        wide[static_cast<std::size_t>(r)] += n * (r + 1) / shards - n * r / shards;
     }
     const std::vector<int> counts = collective_counts(wide, "ZeRO weight all-gather");
-    const View mine = dev_.allocate(counts[static_cast<std::size_t>(d_)], Dtype::F32);
+    const View mine = dev_.allocate(counts[static_cast<std::size_t>(me)], Dtype::F32);
     const View all =
         dev_.allocate(std::accumulate(wide.begin(), wide.end(), std::int64_t{0}), Dtype::F32);
     std::int64_t at = 0;
@@ -1515,10 +1650,10 @@ class Runner {
     }
     comm_.all_gather(task.group, mine, all, counts);
     at = 0;
-    for (int r = 0; r < dp_; ++r) {
+    for (int r = 0; r < shards; ++r) {
       for (Param* p : params) {
         const std::int64_t n = p->n;
-        const std::int64_t b = n * r / dp_, e = n * (r + 1) / dp_;
+        const std::int64_t b = n * r / shards, e = n * (r + 1) / shards;
         dev_.copy(p->data.sub(b, e - b), all.sub(at, e - b));
         at += e - b;
       }
@@ -1719,6 +1854,9 @@ class Runner {
       case GroupKind::Cp:
         cp_collective(task, batches_.at(static_cast<std::size_t>(task.micro_batch)));
         return;
+      case GroupKind::Ep:
+        ep_collective(task, batches_.at(static_cast<std::size_t>(task.micro_batch)));
+        return;
       case GroupKind::Pp: {
         // The tied embedding: first stage's matrix and last stage's copy, gradients summed
         // (the already dp-reduced slice under ZeRO >= 1: both stages slice it alike).
@@ -1809,11 +1947,12 @@ class Runner {
       case OpKind::MlpDown:
       case OpKind::LmHead:
         read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
-        make(Slot::Out, id);
         if (op.kind == OpKind::MlpDown && op.expert) {
           make(Slot::Aux1, id);  // the copies' outputs
+          if (ep_ > 1) break;    // combined by the ep all-to-all that follows
           for (Slot s : {Slot::Aux1, Slot::Route}) read(s, router_of(id));
         }
+        make(Slot::Out, id);
         break;
       case OpKind::AttentionCore:
         read(Slot::Out, input(id));
@@ -1853,7 +1992,7 @@ class Runner {
     const Op& op = g_.op(id);
     const bool input_grads = part != Part::Weight;
     const bool weight_grads = part != Part::Input;
-    const bool has_weights = params_.count({id, 0}) > 0 || tied_head(op);
+    const bool has_weights = holds_weights(id) || tied_head(op);
     std::vector<Use> u;
     if (!has_weights && !input_grads) return u;
     auto read = [&u](Slot s, OpId x) { u.push_back({s, x, false}); };
@@ -1877,7 +2016,7 @@ class Runner {
       case OpKind::MlpDown:
       case OpKind::LmHead:
         read(Slot::Grad, id);
-        if (op.kind == OpKind::MlpDown && op.expert) {
+        if (op.kind == OpKind::MlpDown && op.expert && ep_ == 1) {
           read(Slot::Aux1, id);
           for (Slot s : {Slot::Aux1, Slot::Route}) read(s, router_of(id));
           if (input_grads) u.push_back({Slot::GateGrad, router_of(id), false});
@@ -1938,6 +2077,25 @@ class Runner {
         return {{Slot::Out, input(anchor), false}, {Slot::Kv, anchor, true}};
       }
       return {{Slot::KvGrad, anchor, false}, {Slot::Grad, input(anchor), false}};
+    }
+    if (kind == GroupKind::Ep) {
+      // ep_collective: what each of the four all-to-alls reads and makes.
+      const OpId router = router_of(anchor);
+      const bool backward = (task.tag & 1) != 0;
+      if (g_.op(anchor).kind == OpKind::MlpUp) {
+        return {{backward ? Slot::Grad : Slot::Out, router, false}};
+      }
+      if (!backward) {
+        return {{Slot::Aux1, anchor, false},
+                {Slot::Aux1, router, false},
+                {Slot::Route, router, false},
+                {Slot::Out, anchor, true}};
+      }
+      return {{Slot::Grad, anchor, false},
+              {Slot::Aux1, anchor, false},
+              {Slot::Aux1, router, false},
+              {Slot::Route, router, false},
+              {Slot::GateGrad, router, false}};
     }
     if (kind != GroupKind::Tp) return u;
     const Op& op = g_.op(anchor);
@@ -2246,7 +2404,11 @@ class Runner {
       mine.append(static_cast<const char*>(data), bytes);
     };
     for (const auto& [key, p] : params_) {
-      if (p.tied_copy || (p.replicated_over_tp && t_ != 0) || (!sharded_ && d_ != 0)) continue;
+      // Unsharded, the first replica writes (an expert's: the first of its expert-dp group).
+      if (p.tied_copy || (p.replicated_over_tp && t_ != 0) ||
+          (!sharded_ && (p.expert ? ed_ : d_) != 0)) {
+        continue;
+      }
       const std::int64_t header[4] = {static_cast<std::int64_t>(key.first), key.second, t_,
                                       p.own_end - p.own_begin};
       put(header, sizeof(header));
@@ -2388,6 +2550,10 @@ class Runner {
   std::vector<std::vector<Key>> release_weights_after_;  // ZeRO-3, by task index
   std::size_t event_ = 0;
   int me_ = 0, tp_ = 1, dp_ = 1, t_ = 0, d_ = 0;
+  // Expert parallelism: the degree and this rank's place in its ep group (it holds experts
+  // [e_·E/ep_, (e_ + 1)·E/ep_)), and its expert-dp group (the ranks holding the same experts,
+  // over which their gradients reduce and ZeRO shards them): size and place.
+  int ep_ = 1, e_ = 0, edp_ = 1, ed_ = 0;
   // Context parallelism: the degree, this rank's place in it, its tokens of a sequence and
   // their positions, the keys' order (place_positions; empty views without cp); and the data
   // -parallel replica whose sequences the rank reads.
@@ -2483,7 +2649,16 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
     refuse(fmt::format("{} gradients (dtexec accumulates and reduces them in fp32)",
                        to_string(plan::gradient_precision(p))));
   }
-  if (p.ep > 1) refuse("expert parallelism (ep > 1)");
+  if (p.ep > 1 && p.zero_stage >= 1 && p.dp / p.ep * p.cp == 1) {
+    refuse(
+        fmt::format("ZeRO-{} with expert parallelism where each expert has one data-parallel "
+                    "rank (dp {} / ep {} x cp {})",
+                    p.zero_stage, p.dp, p.ep, p.cp));
+  }
+  if (p.ep > 1 && one_program_alone) {
+    // The copies a rank's experts receive come from its ep peers' routing.
+    refuse("expert parallelism (ep > 1) for one rank alone (--only-rank)");
+  }
   if (p.sequence_parallel && (p.micro_batch_size * p.seq_len / p.cp) % p.tp != 0) {
     refuse(fmt::format(
         "sequence parallelism with {} tokens per micro-batch and rank, not divisible by tp {}",

@@ -152,6 +152,25 @@ class MpiComm final : public Comm {
           "MPI_Allgatherv");
   }
 
+  void all_to_all(int group, View in_view, std::span<const int> in_counts, View out_view,
+                  std::span<const int> out_counts) override {
+    const Wire in = wire(in_view), out = wire(out_view, in_view.type);
+    MPI_Comm c = comm(group);
+    if (c == MPI_COMM_NULL) {
+      copy(out, in);
+      return;
+    }
+    auto displacements = [](std::span<const int> counts) {
+      std::vector<int> d(counts.size(), 0);
+      for (std::size_t i = 1; i < counts.size(); ++i) d[i] = d[i - 1] + counts[i - 1];
+      return d;
+    };
+    const std::vector<int> sd = displacements(in_counts), rd = displacements(out_counts);
+    check(MPI_Alltoallv(in.p, in_counts.data(), sd.data(), in.type, out.p, out_counts.data(),
+                        rd.data(), out.type, c),
+          "MPI_Alltoallv");
+  }
+
   Handle start_all_reduce(int group, View view) override {
     const Wire data = wire(view);
     MPI_Comm c = comm(group);

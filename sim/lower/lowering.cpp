@@ -604,6 +604,8 @@ class Lowerer {
     t.bytes = c->bytes;
     t.op_begin = static_cast<std::int32_t>(marker.anchor);
     t.op_end = t.op_begin + 1;
+    // An expert all-to-all moves tokens one way in the forward pass and back in the backward.
+    if (c->group == GroupKind::Ep) t.tag = backward ? 1 : 0;
     t.label = fmt::format("{} L{} mb{}", c->what, marker.layer, micro_batch);
     if (dep >= 0) t.deps.push_back(dep);
     if (beside >= 0) t.deps.push_back(beside);

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The executor's correctness matrix (issue 5): for plans over dp, tp, pp, cp, ZeRO stages,
+# The executor's correctness matrix (issue 5): for plans over dp, tp, pp, cp, ep, ZeRO stages,
 # schedules (GPipe, 1F1B, interleaved, zero-bubble; pipeline receives posted when reached or,
 # with --overlap-p2p-comm, ahead of need), micro-batch counts and recompute, K steps of five
 # tiny models (GPT, Llama, GPT with dropout, a mixture of experts, GPT with an odd vocabulary
@@ -108,6 +108,12 @@ plans=(
   "moe|2|2|--pp 2 --schedule zero-bubble"
   "moe|2|2|--cp 2 --no-grad-accumulation-fusion"
   "moe|4|1|--dp 2 --pp 2 --schedule 1f1b --zero-stage 2"
+  "moe|2|2|--dp 2 --ep 2"
+  "moe|4|1|--dp 4 --ep 2 --zero-stage 1"
+  "moe|4|1|--dp 4 --ep 2 --zero-stage 3 --recompute full"
+  "moe|4|2|--dp 4 --ep 4 --no-grad-accumulation-fusion"
+  "moe|4|1|--dp 2 --ep 2 --pp 2 --schedule zero-bubble"
+  "moe|4|1|--dp 2 --ep 2 --cp 2"
   "vocab251|2|2|--tp 2"
   "vocab251|4|2|--tp 2 --pp 2 --sequence-parallel"
 )
