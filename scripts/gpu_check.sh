@@ -170,6 +170,15 @@ limit 60 "$bin/dtexec" run --backend cuda --precision fp32 $drop \
   --checkpoint "$out/ckpt_gpu_drop" 2>&1 | tail -2 | tee -a "$report"
 "$bin/dtexec" compare "$out/ckpt_cpu_drop" "$out/ckpt_gpu_drop" --loss-tolerance 1e-3 \
   --weight-tolerance 3e-3 2>&1 | tee -a "$report"
+say "-- a mixture of experts (the GPU routes as the CPU): fp32 on the GPU against the CPU"
+moe="--model $repo/tests/exec/mpi/tiny_moe.json --steps 5 --warmup 0"
+# shellcheck disable=SC2086
+"$bin/dtexec" run $moe --checkpoint "$out/ckpt_cpu_moe" >/dev/null 2>&1
+# shellcheck disable=SC2086
+limit 60 "$bin/dtexec" run --backend cuda --precision fp32 $moe \
+  --checkpoint "$out/ckpt_gpu_moe" 2>&1 | tail -2 | tee -a "$report"
+"$bin/dtexec" compare "$out/ckpt_cpu_moe" "$out/ckpt_gpu_moe" --loss-tolerance 1e-3 \
+  --weight-tolerance 3e-3 2>&1 | tee -a "$report"
 
 # One plan: dtexec measures it, dtsim predicts it (catalog, then profile), dtsim validate joins.
 validate_plan() {

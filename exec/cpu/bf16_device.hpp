@@ -159,8 +159,39 @@ class Bf16Device final : public Device {
                             vocab_begin, positions);
   }
   // Dropout, as the GPU device has it (attention dropout without context parallelism), its
-  // masks bytes.
-  bool has(Feature f) const override { return f == Feature::Dropout; }
+  // masks bytes; and mixtures of experts, with the GPU device's types.
+  bool has(Feature f) const override {
+    return f == Feature::Dropout || f == Feature::MixtureOfExperts;
+  }
+  void moe_route(View experts, View gates, View logits, int T, int E, int k) override {
+    Scope s;
+    cpu_.moe_route(s.ints(experts), s.f32(gates), s.act(logits), T, E, k);
+  }
+  void moe_route_backward(View dlogits, View dgates, View gates, View experts, int T, int E,
+                          int k) override {
+    Scope s;
+    cpu_.moe_route_backward(s.act(dlogits), s.f32(dgates), s.f32(gates), s.ints(experts), T, E, k);
+  }
+  void moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T, int C,
+                    int k, int E) override {
+    Scope s;
+    cpu_.moe_dispatch(s.act(dispatched), s.ints(order), s.f32(rows), s.act(x), s.ints(experts), T,
+                      C, k, E);
+  }
+  void moe_dispatch_backward(View dx, View ddispatched, View order, int T, int C, int k) override {
+    Scope s;
+    cpu_.moe_dispatch_backward(s.act(dx), s.act(ddispatched), s.ints(order), T, C, k);
+  }
+  void moe_combine(View out, View y, View gates, View order, int T, int C, int k) override {
+    Scope s;
+    cpu_.moe_combine(s.act(out), s.act(y), s.f32(gates), s.ints(order), T, C, k);
+  }
+  void moe_combine_backward(View dy, View dgates, View dout, View y, View gates, View order, int T,
+                            int C, int k) override {
+    Scope s;
+    cpu_.moe_combine_backward(s.act(dy), s.f32(dgates), s.act(dout), s.act(y), s.f32(gates),
+                              s.ints(order), T, C, k);
+  }
   void attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G, int D,
                             const Attention& a) override {
     Scope s;

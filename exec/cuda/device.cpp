@@ -179,8 +179,33 @@ class CudaDevice final : public Device {
     k_.embedding_backward(f32(dwte), static_cast<int>(dwte.n / C), f32_or_null(dwpe), act(dout),
                           ints(tokens), B, S, C, vocab_begin);
   }
-  // Dropout (the CPU's masks: exec/cuda/kernels.hpp); no context parallelism on the GPU.
-  bool has(Feature f) const override { return f == Feature::Dropout; }
+  // Dropout (the CPU's masks: exec/cuda/kernels.hpp) and mixtures of experts (the CPU's
+  // routing); no context parallelism on the GPU.
+  bool has(Feature f) const override {
+    return f == Feature::Dropout || f == Feature::MixtureOfExperts;
+  }
+  void moe_route(View experts, View gates, View logits, int T, int E, int k) override {
+    k_.moe_route(ints(experts), f32(gates), act(logits), T, E, k);
+  }
+  void moe_route_backward(View dlogits, View dgates, View gates, View experts, int T, int E,
+                          int k) override {
+    k_.moe_route_backward(act(dlogits), f32(dgates), f32(gates), ints(experts), T, E, k);
+  }
+  void moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T, int C,
+                    int k, int E) override {
+    k_.moe_dispatch(act(dispatched), ints(order), f32(rows), act(x), ints(experts), T, C, k, E);
+  }
+  void moe_dispatch_backward(View dx, View ddispatched, View order, int T, int C, int k) override {
+    k_.moe_dispatch_backward(act(dx), act(ddispatched), ints(order), T, C, k);
+  }
+  void moe_combine(View out, View y, View gates, View order, int T, int C, int k) override {
+    k_.moe_combine(act(out), act(y), f32(gates), ints(order), T, C, k);
+  }
+  void moe_combine_backward(View dy, View dgates, View dout, View y, View gates, View order, int T,
+                            int C, int k) override {
+    k_.moe_combine_backward(act(dy), f32(dgates), act(dout), act(y), f32(gates), ints(order), T, C,
+                            k);
+  }
   void attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G, int D,
                             const Attention& a) override {
     plain(a);

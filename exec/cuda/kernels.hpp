@@ -185,6 +185,23 @@ class Kernels {
                              const float* rowmax, const float* sums, const int* targets, int T,
                              int V, int vocab_begin);
 
+  // Mixture of experts (exec/cpu/kernels.hpp: moe_route ...), the CPU's choices and orders, so
+  // that the GPU routes every token as the CPU does: slot j of token t is t·k + j. experts and
+  // order int [T·k]; gates and dgates fp32 [T·k]; rows fp32 [E] (each expert's copies);
+  // logits, dlogits [T, E], x, dispatched, y and their gradients: activations. A token's
+  // copies are summed in their rows' order, as the CPU sums them.
+  void moe_route(int* experts, float* gates, const void* logits, int T, int E, int k);
+  void moe_route_backward(void* dlogits, const float* dgates, const float* gates,
+                          const int* experts, int T, int E, int k);
+  void moe_dispatch(void* dispatched, int* order, float* rows, const void* x, const int* experts,
+                    int T, int C, int k, int E);
+  void moe_dispatch_backward(void* dx, const void* ddispatched, const int* order, int T, int C,
+                             int k);
+  void moe_combine(void* out, const void* y, const float* gates, const int* order, int T, int C,
+                   int k);
+  void moe_combine_backward(void* dy, float* dgates, const void* dout, const void* y,
+                            const float* gates, const int* order, int T, int C, int k);
+
   // AdamW on fp32 masters, step t >= 1 (bias corrections computed here).
   void adamw(float* params, const float* grads, float* m, float* v, std::int64_t n, float lr,
              float beta1, float beta2, float eps, float weight_decay, int t);

@@ -338,6 +338,68 @@ TEST_CASE("GPU dropout, residual and attention, matches the CPU", "[exec][cuda][
   }
 }
 
+// The GPU routes every token as the CPU does (the same top-k, ties and stable order), and its
+// dispatch, combine and their backwards agree to the type's rounding.
+TEST_CASE("GPU mixture-of-experts routing, dispatch and combine match the CPU",
+          "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const int T = 40, E = 6, k = 2, C = 24;
+  const auto slots = static_cast<std::size_t>(T) * k;
+  for (cu::Dtype type : kTypes) {
+    INFO(name(type));
+    cu::Kernels k_(*gpu, type);
+    auto ints_of = [&](const cu::DeviceBuffer& b, std::size_t n) {
+      std::vector<int> h(n);
+      k_.download_bytes(h.data(), b.get(), n * sizeof(int));
+      return h;
+    };
+    const Vec logits = as_stored(k_, random(static_cast<std::size_t>(T) * E, 51));
+    const Vec x = as_stored(k_, random(static_cast<std::size_t>(T) * C, 52));
+    // CPU: route, dispatch, combine (y: the experts' outputs, here random), and backwards.
+    std::vector<int> experts(slots), order(slots), rows(static_cast<std::size_t>(E));
+    Vec gates(slots), dispatched(slots * C);
+    cpu::moe_route(experts, gates, logits, T, E, k);
+    cpu::moe_dispatch(dispatched, order, rows, x, experts, T, C, k, E);
+    const Vec y = as_stored(k_, random(slots * C, 53));
+    const Vec dout = as_stored(k_, random(static_cast<std::size_t>(T) * C, 54));
+    Vec out(static_cast<std::size_t>(T) * C), dy(slots * C, 0.0f), dgates(slots, 0.0f);
+    cpu::moe_combine(out, y, gates, order, T, C, k);
+    cpu::moe_combine_backward(dy, dgates, dout, y, gates, order, T, C, k);
+    Vec dx(static_cast<std::size_t>(T) * C, 0.0f), dlogits(static_cast<std::size_t>(T) * E, 0.0f);
+    cpu::moe_dispatch_backward(dx, dy, order, T, C, k);
+    cpu::moe_route_backward(dlogits, dgates, gates, experts, T, E, k);
+
+    Dev d_logits(k_, logits), d_x(k_, x), d_y(k_, y), d_dout(k_, dout);
+    Dev d_gates(k_, Vec(slots), true), d_rows(k_, Vec(static_cast<std::size_t>(E)), true);
+    Dev d_dispatched(k_, Vec(slots * C)), d_out(k_, Vec(out.size())),
+        d_dy(k_, Vec(slots * C, 0.0f));
+    Dev d_dgates(k_, Vec(slots, 0.0f), true), d_dx(k_, Vec(dx.size(), 0.0f));
+    Dev d_dlogits(k_, Vec(dlogits.size(), 0.0f));
+    cu::DeviceBuffer d_experts(slots * sizeof(int)), d_order(slots * sizeof(int));
+    k_.moe_route(d_experts.i32(), d_gates.f(), d_logits.p(), T, E, k);
+    k_.moe_dispatch(d_dispatched.p(), d_order.i32(), d_rows.f(), d_x.p(), d_experts.i32(), T, C, k,
+                    E);
+    k_.moe_combine(d_out.p(), d_y.p(), d_gates.f(), d_order.i32(), T, C, k);
+    k_.moe_combine_backward(d_dy.p(), d_dgates.f(), d_dout.p(), d_y.p(), d_gates.f(), d_order.i32(),
+                            T, C, k);
+    k_.moe_dispatch_backward(d_dx.p(), d_dy.p(), d_order.i32(), T, C, k);
+    k_.moe_route_backward(d_dlogits.p(), d_dgates.f(), d_gates.f(), d_experts.i32(), T, E, k);
+    CHECK(ints_of(d_experts, slots) == experts);
+    CHECK(ints_of(d_order, slots) == order);
+    const Vec got_rows = d_rows.host();
+    for (int e = 0; e < E; ++e)
+      CHECK(got_rows[static_cast<std::size_t>(e)] == rows[static_cast<std::size_t>(e)]);
+    CHECK(error(d_gates.host(), gates) < 1e-6);
+    CHECK(error(d_dispatched.host(), dispatched) == 0);
+    CHECK(error(d_out.host(), out) < tolerance(type));
+    CHECK(error(d_dy.host(), dy) < tolerance(type));
+    CHECK(error(d_dgates.host(), dgates) < tolerance(type));
+    CHECK(error(d_dx.host(), dx) < tolerance(type));
+    CHECK(error(d_dlogits.host(), dlogits) < tolerance(type));
+  }
+}
+
 TEST_CASE("GPU rotary embedding matches the CPU", "[exec][cuda][gpu]") {
   const auto gpu = first_gpu();
   if (!gpu) return;

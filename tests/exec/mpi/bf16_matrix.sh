@@ -3,8 +3,9 @@
 # activations with the GPU device's type checks; the MPI backend moves bf16 tensors and sums
 # them in bf16, rounding at each step as NCCL does): plans over dp, tp with and without sequence
 # parallelism, pp (GPipe, 1F1B, interleaved, zero-bubble, scatter/gather transfers), ZeRO 1-3,
-# recompute and dropout (the GPU's: residual and attention dropout, the CPU's masks) run to the
-# end, and K steps train as the single-rank bf16 run of the same batch.
+# recompute, dropout (the GPU's: residual and attention dropout, the CPU's masks) and a mixture
+# of experts with expert parallelism (bf16 tokens through the all-to-alls) run to the end, and
+# K steps train as the single-rank bf16 run of the same batch.
 #
 # Tolerances (bf16): losses within 5e-3. A split changes where bf16 rounds (a row-parallel
 # layer's partial sums are rounded before their all-reduce), about 2^-8 relative per rounding;
@@ -29,11 +30,12 @@ path_of() {
   case "$1" in
     llama) echo "$here/tiny_llama_4l.json" ;;
     dropout) echo "$here/tiny_gpt_dropout.json" ;;
+    moe) echo "$here/tiny_moe.json" ;;
     *) echo "$1" ;;
   esac
 }
 
-for model in tiny-gpt llama dropout; do
+for model in tiny-gpt llama dropout moe; do
   for mbs in 1 2; do
     rm -rf "ref_${model}_$mbs"
     "$dtexec" run --model "$(path_of "$model")" "${common[@]}" --micro-batch-size "$mbs" \
@@ -55,6 +57,8 @@ plans=(
   "llama|4|1|--dp 2 --tp 2 --zero-stage 3"
   "dropout|2|2|--tp 2 --sequence-parallel --recompute selective"
   "dropout|4|2|--dp 2 --pp 2 --schedule zero-bubble --zero-stage 2"
+  "moe|2|2|--dp 2 --ep 2"
+  "moe|4|1|--dp 2 --ep 2 --pp 2 --schedule zero-bubble"
 )
 failed=0
 printf '%-9s %-72s %5s %9s %9s  %s\n' model plan ranks loss_diff weight_diff result
