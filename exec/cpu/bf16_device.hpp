@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -46,7 +47,10 @@ class Bf16Device final : public Device {
   Dtype activations() const override { return Dtype::BF16; }
   // host_memory false: the views count as a GPU's, and the runner takes the path of a device
   // that queues its work (for the tests of that path); the MPI backend then refuses them.
-  explicit Bf16Device(bool host_memory = true) : host_memory_(host_memory) {}
+  // `without`: features it says it lacks (for tests of the runner's refusal), else it has the
+  // GPU device's, all of them.
+  explicit Bf16Device(bool host_memory = true, std::vector<Feature> without = {})
+      : host_memory_(host_memory), without_(std::move(without)) {}
   bool host_memory() const override { return host_memory_; }
 
   View allocate(std::int64_t n, Dtype type) override {
@@ -139,29 +143,37 @@ class Bf16Device final : public Device {
   void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta,
                     View positions) override {
     Scope s;
-    cpu_.rope_forward(s.act(out), s.act(qkv), B, S, H, G, D, theta, positions);
+    cpu_.rope_forward(s.act(out), s.act(qkv), B, S, H, G, D, theta, s.ints_or_null(positions));
   }
   void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D, double theta,
                      View positions) override {
     Scope s;
-    cpu_.rope_backward(s.act(dqkv), s.act(dout), B, S, H, G, D, theta, positions);
+    cpu_.rope_backward(s.act(dqkv), s.act(dout), B, S, H, G, D, theta, s.ints_or_null(positions));
   }
   void embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
                          int vocab_begin, View positions) override {
     Scope s;
     cpu_.embedding_forward(s.act(out), s.ints(tokens), s.f32(wte), s.f32_or_null(wpe), B, S, C,
-                           vocab_begin, positions);
+                           vocab_begin, s.ints_or_null(positions));
   }
   void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
                           int vocab_begin, View positions) override {
     Scope s;
     cpu_.embedding_backward(s.f32(dwte), s.f32_or_null(dwpe), s.act(dout), s.ints(tokens), B, S, C,
-                            vocab_begin, positions);
+                            vocab_begin, s.ints_or_null(positions));
   }
-  // Dropout, as the GPU device has it (attention dropout without context parallelism), its
-  // masks bytes; and mixtures of experts, with the GPU device's types.
+  // Context parallelism, dropout (masks: bytes) and mixtures of experts, with the GPU device's
+  // types.
   bool has(Feature f) const override {
-    return f == Feature::Dropout || f == Feature::MixtureOfExperts;
+    return std::find(without_.begin(), without_.end(), f) == without_.end();
+  }
+  void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override {
+    Scope s;
+    cpu_.copy_columns(s.act(dst), s.act(src), T, src_width, begin, width);
+  }
+  void add_columns(View dst, View src, int T, int dst_width, int begin, int width) override {
+    Scope s;
+    cpu_.add_columns(s.act(dst), s.act(src), T, dst_width, begin, width);
   }
   void moe_route(View experts, View gates, View logits, int T, int E, int k) override {
     Scope s;
@@ -195,20 +207,15 @@ class Bf16Device final : public Device {
   void attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G, int D,
                             const Attention& a) override {
     Scope s;
-    Attention x = plain(a);
-    x.mask = s.u8(a.mask);
-    x.dropped = s.act(a.dropped);
+    const Attention x = extras(s, a);
     cpu_.attention_forward_ex(s.act(out), s.act(probs), s.act(qkv), B, Sq, H, G, D, x);
   }
   void attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B, int Sq,
                              int H, int G, int D, const Attention& a) override {
     Scope s;
-    DTSIM_ASSERT(dkv.p == dqkv.p, "k and v gradients in dqkv (no context parallelism)");
-    Attention x = plain(a);
-    x.mask = s.u8(a.mask);
-    x.dropped = s.act(a.dropped);
-    const View d = s.act(dqkv);
-    cpu_.attention_backward_ex(d, d, s.act(dout), s.act(qkv), s.act(probs), B, Sq, H, G, D, x);
+    const Attention x = extras(s, a);
+    cpu_.attention_backward_ex(s.act(dqkv), s.act(dkv), s.act(dout), s.act(qkv), s.act(probs), B,
+                               Sq, H, G, D, x);
   }
   void dropout_forward(View out, View mask, View in, const DropoutSite& d, int T, int C) override {
     Scope s;
@@ -266,15 +273,10 @@ class Bf16Device final : public Device {
     }
   }
 
-  // The attention extras the GPU runs (exec/cuda/device.cpp): dropout, without context
-  // parallelism.
-  static Attention plain(const Attention& a) {
-    DTSIM_ASSERT(a.kv.empty() && a.cp == 1 && a.qpos.empty() && a.order.empty(),
-                 "attention without context parallelism (as on the GPU)");
-    DTSIM_ASSERT(a.dropout != nullptr && a.dropout->positions.empty(),
-                 "attention dropout at positions 0 ... S-1 (as on the GPU)");
-    return a;
-  }
+  class Scope;
+  // An attention's extras with their types checked as the GPU device checks them, the bf16
+  // ones widened in `s`.
+  static Attention extras(Scope& s, const Attention& a);
 
   // The fp32 copies of one op's bf16 views: widened on the way in, rounded back on the way out
   // (an input comes back unchanged: a bf16 value widens and rounds to itself). A view passed
@@ -324,6 +326,9 @@ class Bf16Device final : public Device {
       expect(v, Dtype::I32, where);
       return v;
     }
+    static View ints_or_null(View v, Where where = Where::current()) {
+      return v.empty() ? View{} : ints(v, where);
+    }
 
    private:
     struct Copy {
@@ -335,6 +340,19 @@ class Bf16Device final : public Device {
 
   cpu::CpuDevice cpu_;
   bool host_memory_;
+  std::vector<Feature> without_;
 };
+
+inline Device::Attention Bf16Device::extras(Scope& s, const Attention& a) {
+  Attention x = a;
+  x.kv = s.act_or_null(a.kv);
+  x.qpos = Scope::ints_or_null(a.qpos);
+  x.order = Scope::ints_or_null(a.order);
+  if (a.dropout != nullptr) {
+    x.mask = s.u8(a.mask);
+    x.dropped = s.act(a.dropped);
+  }
+  return x;
+}
 
 }  // namespace dtsim::exec::cpu

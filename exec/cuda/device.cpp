@@ -156,33 +156,33 @@ class CudaDevice final : public Device {
                           int D) override {
     k_.attention_backward(act(dqkv), act(dout), act(qkv), act(probs), B, S, H, G, D);
   }
-  // Positions other than 0 ... S-1 come with context parallelism, which this device refuses.
+  // Positions other than 0 ... S-1 come with context parallelism (empty: 0 ... S-1).
   void rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta,
                     View positions) override {
-    natural(positions);
-    k_.rope_forward(act(out), act(qkv), B, S, H, G, D, theta);
+    k_.rope_forward(act(out), act(qkv), B, S, H, G, D, theta, ints_or_null(positions));
   }
   void rope_backward(View dqkv, View dout, int B, int S, int H, int G, int D, double theta,
                      View positions) override {
-    natural(positions);
-    k_.rope_backward(act(dqkv), act(dout), B, S, H, G, D, theta);
+    k_.rope_backward(act(dqkv), act(dout), B, S, H, G, D, theta, ints_or_null(positions));
   }
   void embedding_forward(View out, View tokens, View wte, View wpe, int B, int S, int C,
                          int vocab_begin, View positions) override {
-    natural(positions);
     k_.embedding_forward(act(out), ints(tokens), f32(wte), static_cast<int>(wte.n / C),
-                         f32_or_null(wpe), B, S, C, vocab_begin);
+                         f32_or_null(wpe), B, S, C, vocab_begin, ints_or_null(positions));
   }
   void embedding_backward(View dwte, View dwpe, View dout, View tokens, int B, int S, int C,
                           int vocab_begin, View positions) override {
-    natural(positions);
     k_.embedding_backward(f32(dwte), static_cast<int>(dwte.n / C), f32_or_null(dwpe), act(dout),
-                          ints(tokens), B, S, C, vocab_begin);
+                          ints(tokens), B, S, C, vocab_begin, ints_or_null(positions));
   }
-  // Dropout (the CPU's masks: exec/cuda/kernels.hpp) and mixtures of experts (the CPU's
-  // routing); no context parallelism on the GPU.
-  bool has(Feature f) const override {
-    return f == Feature::Dropout || f == Feature::MixtureOfExperts;
+  // Context parallelism, dropout (the CPU's masks: exec/cuda/kernels.hpp) and mixtures of
+  // experts (the CPU's routing).
+  bool has(Feature) const override { return true; }
+  void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override {
+    k_.copy_columns(act(dst), act(src), T, src_width, begin, width);
+  }
+  void add_columns(View dst, View src, int T, int dst_width, int begin, int width) override {
+    k_.add_columns(act(dst), act(src), T, dst_width, begin, width);
   }
   void moe_route(View experts, View gates, View logits, int T, int E, int k) override {
     k_.moe_route(ints(experts), f32(gates), act(logits), T, E, k);
@@ -206,19 +206,36 @@ class CudaDevice final : public Device {
     k_.moe_combine_backward(act(dy), f32(dgates), act(dout), act(y), f32(gates), ints(order), T, C,
                             k);
   }
+  // Attention with dropout and, where kv is given, context parallelism.
   void attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G, int D,
                             const Attention& a) override {
-    plain(a);
-    const Kernels::DropoutSite site = site_of(*a.dropout);
-    k_.attention_forward(act(out), act(probs), act(qkv), B, Sq, H, G, D, &site, u8(a.mask),
-                         act(a.dropped));
+    Kernels::DropoutSite site;
+    if (a.dropout != nullptr) site = site_of(*a.dropout);
+    const Kernels::DropoutSite* dropout = a.dropout != nullptr ? &site : nullptr;
+    std::uint8_t* mask = a.dropout != nullptr ? u8(a.mask) : nullptr;
+    void* dropped = a.dropout != nullptr ? act(a.dropped) : nullptr;
+    if (a.kv.empty()) {
+      DTSIM_ASSERT(a.cp == 1 && a.qpos.empty() && a.order.empty(), "a query's keys its own");
+      k_.attention_forward(act(out), act(probs), act(qkv), B, Sq, H, G, D, dropout, mask, dropped);
+      return;
+    }
+    k_.attention_forward_cp(act(out), act(probs), act(qkv), act(a.kv), ints_or_null(a.qpos),
+                            ints_or_null(a.order), a.cp, B, Sq, H, G, D, dropout, mask, dropped);
   }
   void attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B, int Sq,
                              int H, int G, int D, const Attention& a) override {
-    plain(a);
-    DTSIM_ASSERT(dkv.p == dqkv.p, "k and v gradients in dqkv (no context parallelism)");
-    k_.attention_backward(act(dqkv), act(dout), act(qkv), act(probs), B, Sq, H, G, D,
-                          a.dropout->rate, u8(a.mask), act(a.dropped));
+    const float rate = a.dropout != nullptr ? a.dropout->rate : 0.0f;
+    const std::uint8_t* mask = a.dropout != nullptr ? u8(a.mask) : nullptr;
+    const void* dropped = a.dropout != nullptr ? act(a.dropped) : nullptr;
+    if (a.kv.empty()) {
+      DTSIM_ASSERT(dkv.p == dqkv.p, "k and v gradients in dqkv (a query's keys its own)");
+      k_.attention_backward(act(dqkv), act(dout), act(qkv), act(probs), B, Sq, H, G, D, rate, mask,
+                            dropped);
+      return;
+    }
+    k_.attention_backward_cp(act(dqkv), act(dkv), act(dout), act(qkv), act(a.kv), act(probs),
+                             ints_or_null(a.qpos), ints_or_null(a.order), a.cp, B, Sq, H, G, D,
+                             rate, mask, dropped);
   }
   void dropout_forward(View out, View mask, View in, const DropoutSite& d, int T, int C) override {
     k_.dropout_forward(act(out), u8(mask), act(in), nullptr, site_of(d), T, C);
@@ -256,20 +273,10 @@ class CudaDevice final : public Device {
   void cast(View out, View in) override { k_.cast(act(out), f32(in), in.n); }
 
  private:
-  static void natural(View positions) {
-    DTSIM_ASSERT(positions.empty(), "positions 0 ... S-1 (no context parallelism on the GPU)");
-  }
   static std::size_t bytes(View v) { return static_cast<std::size_t>(v.n) * bytes_of(v.type); }
-  // The attention extras the GPU runs: dropout, without context parallelism (the runner asks
-  // for none: has() says so).
-  static void plain(const Attention& a) {
-    DTSIM_ASSERT(a.kv.empty() && a.cp == 1 && a.qpos.empty() && a.order.empty(),
-                 "attention without context parallelism on the GPU");
-    DTSIM_ASSERT(a.dropout != nullptr, "attention dropout (the only extra the GPU runs)");
-  }
   static Kernels::DropoutSite site_of(const DropoutSite& d) {
-    natural(d.positions);
-    return {d.stream, d.rate, d.first_sequence, d.first_row, d.Sq, d.head_offset};
+    return {d.stream, d.rate,        d.first_sequence,         d.first_row,
+            d.Sq,     d.head_offset, ints_or_null(d.positions)};
   }
   // A view's type checked where the kernel that reads it is called: the failure names that
   // line (the caller's), not this one.
@@ -303,6 +310,9 @@ class CudaDevice final : public Device {
   static int* ints(View v, Where where = Where::current()) {
     expect(v, exec::Dtype::I32, where);
     return static_cast<int*>(v.p);
+  }
+  static int* ints_or_null(View v, Where where = Where::current()) {
+    return v.empty() ? nullptr : ints(v, where);
   }
   // Scratch for the per-row losses of T rows.
   float* rows(int T) {

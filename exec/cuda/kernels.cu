@@ -323,9 +323,11 @@ __global__ void dropout_kernel(T* out, std::uint8_t* mask, const T* in, const T*
   for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
     const std::int64_t row = d.first_row + e / C;
     const auto c = static_cast<std::uint64_t>(e % C);
+    const std::int64_t s = row % d.Sq;
+    const std::int64_t position = d.positions != nullptr ? d.positions[s] : s;
     const bool keep =
         keeps(d, d.first_sequence + row / d.Sq,
-              static_cast<std::uint64_t>(row % d.Sq) * static_cast<std::uint64_t>(C) + c);
+              static_cast<std::uint64_t>(position) * static_cast<std::uint64_t>(C) + c);
     mask[e] = keep ? 1 : 0;
     float y = keep ? load(in, e) * keep_scale : 0.0f;
     if (skip != nullptr) y += load(skip, e);
@@ -341,17 +343,20 @@ __global__ void dropout_backward_kernel(T* din, const std::uint8_t* mask, const 
   }
 }
 
-// Attention dropout of one sequence's probabilities [H, S, S]: one thread per element.
+// Attention dropout of one sequence's probabilities [H, Sq, S] (its queries at positions qpos,
+// or 0 ... Sq-1 where null): one thread per element.
 template <class T>
 __global__ void attention_dropout_kernel(T* dropped, std::uint8_t* mask, const T* probs, int H,
-                                         int S, std::int64_t sequence, Kernels::DropoutSite d) {
-  const auto SS = static_cast<std::int64_t>(S) * S;
-  const std::int64_t n = H * SS;
+                                         int Sq, int S, const int* qpos, std::int64_t sequence,
+                                         Kernels::DropoutSite d) {
+  const auto SS = static_cast<std::int64_t>(S) * S, QS = static_cast<std::int64_t>(Sq) * S;
+  const std::int64_t n = H * QS;
   const float keep_scale = 1.0f / (1.0f - d.rate);
   for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
-    const std::int64_t h = e / SS, i = e / S % S, j = e % S;
-    const auto index = static_cast<std::uint64_t>((d.head_offset + h) * SS + i * S + j);
-    const bool keep = j <= i && keeps(d, sequence, index);
+    const std::int64_t h = e / QS, i = e / S % Sq, j = e % S;
+    const std::int64_t q = qpos != nullptr ? qpos[i] : i;
+    const auto index = static_cast<std::uint64_t>((d.head_offset + h) * SS + q * S + j);
+    const bool keep = j <= q && keeps(d, sequence, index);
     mask[e] = keep ? 1 : 0;
     store(dropped, e, keep ? load(probs, e) * keep_scale : 0.0f);
   }
@@ -503,12 +508,14 @@ __global__ void moe_combine_backward_kernel(T* dy, float* dgates, const T* dout,
 
 // ---- attention ------------------------------------------------------------------------------
 
-// probs[h, i, :] = softmax over j <= i of scores[h, i, j] (already scaled), 0 for j > i.
-// One block per (row i, head h).
+// probs[h, i, :] = softmax over j <= i of scores[h, i, j] (already scaled), 0 for j > i, for
+// Sq query rows of S keys; with qpos (context parallelism) query i is at position qpos[i] and
+// reads keys up to it. One block per (row i, head h).
 template <class T>
-__global__ void causal_softmax_kernel(T* probs, const float* scores, int S) {
-  const std::int64_t row = (static_cast<std::int64_t>(blockIdx.y) * S + blockIdx.x) * S;
-  const int i = static_cast<int>(blockIdx.x);
+__global__ void causal_softmax_kernel(T* probs, const float* scores, int Sq, int S,
+                                      const int* qpos) {
+  const std::int64_t row = (static_cast<std::int64_t>(blockIdx.y) * Sq + blockIdx.x) * S;
+  const int i = qpos != nullptr ? qpos[blockIdx.x] : static_cast<int>(blockIdx.x);
   float m = -INFINITY;
   for (int j = threadIdx.x; j <= i; j += blockDim.x) m = fmaxf(m, scores[row + j]);
   m = block_max(m);
@@ -524,10 +531,11 @@ __global__ void causal_softmax_kernel(T* probs, const float* scores, int S) {
 // attention dropout (mask not null) dP is the gradient through it: the dropped probabilities'
 // gradient, masked and scaled.
 template <class T>
-__global__ void softmax_backward_kernel(T* dscores, const float* dprobs, const T* probs, int S,
-                                        float scale, const std::uint8_t* mask, float keep_scale) {
-  const std::int64_t row = (static_cast<std::int64_t>(blockIdx.y) * S + blockIdx.x) * S;
-  const int i = static_cast<int>(blockIdx.x);
+__global__ void softmax_backward_kernel(T* dscores, const float* dprobs, const T* probs, int Sq,
+                                        int S, const int* qpos, float scale,
+                                        const std::uint8_t* mask, float keep_scale) {
+  const std::int64_t row = (static_cast<std::int64_t>(blockIdx.y) * Sq + blockIdx.x) * S;
+  const int i = qpos != nullptr ? qpos[blockIdx.x] : static_cast<int>(blockIdx.x);
   auto dp = [&](int j) {
     const float g = dprobs[row + j];
     return mask == nullptr ? g : (mask[row + j] ? g * keep_scale : 0.0f);
@@ -540,14 +548,62 @@ __global__ void softmax_backward_kernel(T* dscores, const float* dprobs, const T
   }
 }
 
+// ---- context parallelism --------------------------------------------------------------------
+
+// The kv row of sequence b's key at position p (exec/cpu's Attention::key_row): key j = order[p]
+// of the sequence's cp·Sq is token j % Sq of cp rank j / Sq, whose B·Sq rows come r-th.
+__device__ std::int64_t cp_key_row(const int* order, int b, std::int64_t p, int B, int Sq) {
+  const int j = order != nullptr ? order[p] : static_cast<int>(p);
+  return (static_cast<std::int64_t>(j / Sq) * B + b) * Sq + j % Sq;
+}
+
+// kvp[p, :] = kv[key row of (b, p), :] for the S positions of sequence b; width = 2·G·D.
+template <class T>
+__global__ void cp_gather_kernel(T* kvp, const T* kv, const int* order, int b, int B, int Sq, int S,
+                                 int width) {
+  const std::int64_t n = static_cast<std::int64_t>(S) * width;
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
+    const std::int64_t p = e / width, c = e % width;
+    kvp[e] = kv[cp_key_row(order, b, p, B, Sq) * width + c];
+  }
+}
+
+// dkv[key row of (b, p), :] += dkvp[p, :] (each key row is one position's: one writer).
+template <class T>
+__global__ void cp_scatter_add_kernel(T* dkv, const T* dkvp, const int* order, int b, int B, int Sq,
+                                      int S, int width) {
+  const std::int64_t n = static_cast<std::int64_t>(S) * width;
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
+    const std::int64_t p = e / width, c = e % width;
+    const std::int64_t at = cp_key_row(order, b, p, B, Sq) * width + c;
+    store(dkv, at, load(dkv, at) + load(dkvp, e));
+  }
+}
+
+// Columns [begin, begin + width) of rows [T, wide]: copied out (add false: dst[T, width] =) or
+// added in (add true: wide[T, ...] +=).
+template <class T>
+__global__ void columns_kernel(T* narrow, T* wide, std::int64_t rows, int wide_width, int begin,
+                               int width, bool add) {
+  const std::int64_t n = rows * width;
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
+    const std::int64_t at = (e / width) * wide_width + begin + e % width;
+    if (add) {
+      store(wide, at, load(wide, at) + load(narrow, e));
+    } else {
+      store(narrow, e, load(wide, at));
+    }
+  }
+}
+
 // ---- rotary positions -----------------------------------------------------------------------
 
 // One thread per element of qkv[B·S, (H + 2G)·D]. In the q and k heads the pair
 // (x_i, x_{i+D/2}) at position s turns by s·theta^(-2i/D) (sign -1: back); v passes through.
 // Forward writes out; backward (accumulate) adds into out.
 template <class T>
-__global__ void rope_kernel(T* out, const T* in, std::int64_t rows, int S, int HG, int width, int D,
-                            double theta, float sign, bool accumulate) {
+__global__ void rope_kernel(T* out, const T* in, std::int64_t rows, int S, const int* positions,
+                            int HG, int width, int D, double theta, float sign, bool accumulate) {
   const std::int64_t n = rows * width;
   const int half = D / 2;
   for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
@@ -558,7 +614,9 @@ __global__ void rope_kernel(T* out, const T* in, std::int64_t rows, int S, int H
       const int i = col % D;
       const int k = i < half ? i : i - half;
       const std::int64_t base = e - i;  // the head's first element
-      const double angle = static_cast<double>(r % S) * pow(theta, -2.0 * k / D);
+      const std::int64_t s = r % S;
+      const double angle =
+          static_cast<double>(positions != nullptr ? positions[s] : s) * pow(theta, -2.0 * k / D);
       const auto c = static_cast<float>(cos(angle));
       const auto sn = sign * static_cast<float>(sin(angle));
       const float a = load(in, base + k), b = load(in, base + k + half);
@@ -574,15 +632,15 @@ __global__ void rope_kernel(T* out, const T* in, std::int64_t rows, int S, int H
 
 template <class T>
 __global__ void embedding_forward_kernel(T* out, const int* tokens, const float* wte, int rows,
-                                         const float* wpe, int S, std::int64_t BS, int C,
-                                         int vocab_begin) {
+                                         const float* wpe, int S, const int* positions,
+                                         std::int64_t BS, int C, int vocab_begin) {
   const std::int64_t n = BS * C;
   for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
     const std::int64_t r = e / C;
     const int c = static_cast<int>(e % C);
     const int local = tokens[r] - vocab_begin;
     float y = local >= 0 && local < rows ? wte[static_cast<std::int64_t>(local) * C + c] : 0.0f;
-    if (wpe) y += wpe[(r % S) * C + c];
+    if (wpe) y += wpe[(positions != nullptr ? positions[r % S] : r % S) * C + c];
     store(out, e, y);
   }
 }
@@ -609,12 +667,16 @@ __global__ void embedding_backward_kernel(float* dwte, int rows, const T* dout, 
 // The learned positions' gradient, one thread per (position, column): dwpe[s, c] += dout[b, s, c]
 // over the sequences b in order.
 template <class T>
-__global__ void position_backward_kernel(float* dwpe, const T* dout, int B, int S, int C) {
+__global__ void position_backward_kernel(float* dwpe, const T* dout, int B, int S, int C,
+                                         const int* positions) {
   const std::int64_t n = static_cast<std::int64_t>(S) * C;
   for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
-    float acc = dwpe[i];
+    // Row s of a sequence is at position positions[s] (context parallelism), or s.
+    const std::int64_t at =
+        positions != nullptr ? static_cast<std::int64_t>(positions[i / C]) * C + i % C : i;
+    float acc = dwpe[at];
     for (int b = 0; b < B; ++b) acc += load(dout, static_cast<std::int64_t>(b) * n + i);
-    dwpe[i] = acc;
+    dwpe[at] = acc;
   }
 }
 
@@ -723,7 +785,8 @@ struct Kernels::Impl {
   // Scratch, grown on demand (cudaFree waits for the kernels that used the old one): host
   // transfers, the loss statistics, attention scores and their gradients, column sums' chunks.
   DeviceBuffer staging, stats, scores, dscores, partials;
-  DeviceBuffer slots;  // mixture of experts: each copy's row (the inverse of the order)
+  DeviceBuffer slots;          // mixture of experts: each copy's row (the inverse of the order)
+  DeviceBuffer cp_kv, cp_dkv;  // context parallelism: one sequence's keys in position order
   std::vector<cudaEvent_t> events;  // mark() numbers [0, marks) in use
   int marks = 0;
 
@@ -1231,7 +1294,7 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
       causal_softmax_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(reinterpret_cast<A*>(p),
-                                                                        scores, S);
+                                                                        scores, S, S, nullptr);
     });
     launched("causal_softmax_kernel");
     // The values read the probabilities after dropout, if any.
@@ -1242,7 +1305,7 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
         using A = std::remove_pointer_t<decltype(tag)>;
         attention_dropout_kernel<<<blocks_for(H * SS), kThreads, 0, impl_->stream>>>(
             reinterpret_cast<A*>(kept), mask + static_cast<std::size_t>(b) * H * SS,
-            reinterpret_cast<const A*>(p), H, S, dropout->first_sequence + b, *dropout);
+            reinterpret_cast<const A*>(p), H, S, S, nullptr, dropout->first_sequence + b, *dropout);
       });
       launched("attention_dropout_kernel");
       weights = kept;
@@ -1293,7 +1356,7 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
       softmax_backward_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(
-          static_cast<A*>(dscores), dprobs, reinterpret_cast<const A*>(p), S, scale, m,
+          static_cast<A*>(dscores), dprobs, reinterpret_cast<const A*>(p), S, S, nullptr, scale, m,
           drop ? 1.0f / (1.0f - dropout_rate) : 1.0f);
     });
     launched("softmax_backward_kernel");
@@ -1316,45 +1379,203 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
   }
 }
 
+void Kernels::attention_forward_cp(void* out, void* probs, const void* qkv, const void* kv,
+                                   const int* qpos, const int* order, int cp, int B, int Sq, int H,
+                                   int G, int D, const DropoutSite* dropout, std::uint8_t* mask,
+                                   void* dropped) {
+  if (B == 0 || Sq == 0) return;  // (a grid of no blocks is a launch error)
+  const cudaDataType_t t = cuda_type(act_);
+  const int S = cp * Sq, width = (H + 2 * G) * D, kv_width = 2 * G * D;
+  const std::size_t e = dtype_bytes(act_);
+  const auto QS = static_cast<long long>(Sq) * S;
+  const std::vector<HeadBatch> batches = head_batches(H, G);
+  float* scores = impl_->room(impl_->scores, static_cast<std::size_t>(H) * QS * 4);
+  char* kvp = reinterpret_cast<char*>(
+      impl_->room(impl_->cp_kv, static_cast<std::size_t>(S) * kv_width * e));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int b = 0; b < B; ++b) {
+    with_type(act_, [&](auto* tag) {
+      using A = std::remove_pointer_t<decltype(tag)>;
+      cp_gather_kernel<<<blocks_for(static_cast<std::int64_t>(S) * kv_width), kThreads, 0,
+                         impl_->stream>>>(reinterpret_cast<A*>(kvp), static_cast<const A*>(kv),
+                                          order, b, B, Sq, S, kv_width);
+    });
+    launched("cp_gather_kernel");
+    const char* rows = static_cast<const char*>(qkv) + static_cast<std::size_t>(b) * Sq * width * e;
+    char* p = static_cast<char*>(probs) + static_cast<std::size_t>(b) * H * QS * e;
+    char* o = static_cast<char*>(out) + static_cast<std::size_t>(b) * Sq * H * D * e;
+    for (const HeadBatch& hb : batches) {
+      gemm(impl_->blas, false, true, Sq, S, D, scale,
+           {rows + hb.head * D * e, t, width, static_cast<long long>(hb.head_step) * D},
+           {kvp + hb.kv * D * e, t, kv_width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
+           scores + hb.head * QS, CUDA_R_32F, S, hb.head_step * QS, hb.count);
+    }
+    with_type(act_, [&](auto* tag) {
+      using A = std::remove_pointer_t<decltype(tag)>;
+      causal_softmax_kernel<<<dim3(Sq, H), kThreads, 0, impl_->stream>>>(reinterpret_cast<A*>(p),
+                                                                         scores, Sq, S, qpos);
+    });
+    launched("causal_softmax_kernel");
+    const char* weights = p;
+    if (dropout != nullptr) {
+      char* kept = static_cast<char*>(dropped) + static_cast<std::size_t>(b) * H * QS * e;
+      with_type(act_, [&](auto* tag) {
+        using A = std::remove_pointer_t<decltype(tag)>;
+        attention_dropout_kernel<<<blocks_for(H * QS), kThreads, 0, impl_->stream>>>(
+            reinterpret_cast<A*>(kept), mask + static_cast<std::size_t>(b) * H * QS,
+            reinterpret_cast<const A*>(p), H, Sq, S, qpos, dropout->first_sequence + b, *dropout);
+      });
+      launched("attention_dropout_kernel");
+      weights = kept;
+    }
+    for (const HeadBatch& hb : batches) {
+      gemm(impl_->blas, false, false, Sq, D, S, 1.0f,
+           {weights + hb.head * QS * e, t, S, hb.head_step * QS},
+           {kvp + (G + hb.kv) * D * e, t, kv_width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
+           o + hb.head * D * e, t, H * D, static_cast<long long>(hb.head_step) * D, hb.count);
+    }
+  }
+}
+
+void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, const void* qkv,
+                                    const void* kv, const void* probs, const int* qpos,
+                                    const int* order, int cp, int B, int Sq, int H, int G, int D,
+                                    float dropout_rate, const std::uint8_t* mask,
+                                    const void* dropped) {
+  if (B == 0 || Sq == 0) return;  // (a grid of no blocks is a launch error)
+  const cudaDataType_t t = cuda_type(act_);
+  const int S = cp * Sq, width = (H + 2 * G) * D, kv_width = 2 * G * D, group = H / G;
+  const std::size_t e = dtype_bytes(act_);
+  const auto QS = static_cast<long long>(Sq) * S;
+  const std::vector<HeadBatch> batches = head_batches(H, G);
+  float* dprobs = impl_->room(impl_->scores, static_cast<std::size_t>(H) * QS * 4);
+  void* dscores = impl_->room(impl_->dscores, static_cast<std::size_t>(H) * QS * e);
+  const std::size_t kv_bytes = static_cast<std::size_t>(S) * kv_width * e;
+  char* kvp = reinterpret_cast<char*>(impl_->room(impl_->cp_kv, kv_bytes));
+  char* dkvp = reinterpret_cast<char*>(impl_->room(impl_->cp_dkv, kv_bytes));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int b = 0; b < B; ++b) {
+    with_type(act_, [&](auto* tag) {
+      using A = std::remove_pointer_t<decltype(tag)>;
+      cp_gather_kernel<<<blocks_for(static_cast<std::int64_t>(S) * kv_width), kThreads, 0,
+                         impl_->stream>>>(reinterpret_cast<A*>(kvp), static_cast<const A*>(kv),
+                                          order, b, B, Sq, S, kv_width);
+    });
+    launched("cp_gather_kernel");
+    zero(dkvp, kv_bytes);
+    const char* rows = static_cast<const char*>(qkv) + static_cast<std::size_t>(b) * Sq * width * e;
+    char* drows = static_cast<char*>(dqkv) + static_cast<std::size_t>(b) * Sq * width * e;
+    const char* p = static_cast<const char*>(probs) + static_cast<std::size_t>(b) * H * QS * e;
+    const bool drop = mask != nullptr;
+    const std::uint8_t* m = drop ? mask + static_cast<std::size_t>(b) * H * QS : nullptr;
+    const char* weights =
+        drop ? static_cast<const char*>(dropped) + static_cast<std::size_t>(b) * H * QS * e : p;
+    const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * Sq * H * D * e;
+    const char* ds = static_cast<const char*>(dscores);
+    for (const HeadBatch& hb : batches) {  // dP = dO · v^T
+      gemm(impl_->blas, false, true, Sq, S, D, 1.0f,
+           {dO + hb.head * D * e, t, H * D, static_cast<long long>(hb.head_step) * D},
+           {kvp + (G + hb.kv) * D * e, t, kv_width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
+           dprobs + hb.head * QS, CUDA_R_32F, S, hb.head_step * QS, hb.count);
+    }
+    with_type(act_, [&](auto* tag) {
+      using A = std::remove_pointer_t<decltype(tag)>;
+      softmax_backward_kernel<<<dim3(Sq, H), kThreads, 0, impl_->stream>>>(
+          static_cast<A*>(dscores), dprobs, reinterpret_cast<const A*>(p), Sq, S, qpos, scale, m,
+          drop ? 1.0f / (1.0f - dropout_rate) : 1.0f);
+    });
+    launched("softmax_backward_kernel");
+    for (const HeadBatch& hb : batches) {  // dq += dS · k
+      gemm(impl_->blas, false, false, Sq, D, S, 1.0f,
+           {ds + hb.head * QS * e, t, S, hb.head_step * QS},
+           {kvp + hb.kv * D * e, t, kv_width, static_cast<long long>(hb.kv_step) * D}, 1.0f,
+           drows + hb.head * D * e, t, width, static_cast<long long>(hb.head_step) * D, hb.count);
+    }
+    // dk += dS^T · q and dv += P^T · dO in position order, head r of every kv group at once
+    // (each group writes its own kv head), then into dkv at the keys' rows.
+    for (int r = 0; r < group; ++r) {
+      gemm(impl_->blas, true, false, S, D, Sq, 1.0f, {ds + r * QS * e, t, S, group * QS},
+           {rows + r * D * e, t, width, static_cast<long long>(group) * D}, 1.0f, dkvp, t, kv_width,
+           D, G);
+      gemm(impl_->blas, true, false, S, D, Sq, 1.0f, {weights + r * QS * e, t, S, group * QS},
+           {dO + r * D * e, t, H * D, static_cast<long long>(group) * D}, 1.0f, dkvp + G * D * e, t,
+           kv_width, D, G);
+    }
+    with_type(act_, [&](auto* tag) {
+      using A = std::remove_pointer_t<decltype(tag)>;
+      cp_scatter_add_kernel<<<blocks_for(static_cast<std::int64_t>(S) * kv_width), kThreads, 0,
+                              impl_->stream>>>(
+          static_cast<A*>(dkv), reinterpret_cast<const A*>(dkvp), order, b, B, Sq, S, kv_width);
+    });
+    launched("cp_scatter_add_kernel");
+  }
+}
+
+void Kernels::copy_columns(void* dst, const void* src, int T, int src_width, int begin, int width) {
+  const std::int64_t n = static_cast<std::int64_t>(T) * width;
+  if (n == 0) return;
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    columns_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(
+        static_cast<A*>(dst), const_cast<A*>(static_cast<const A*>(src)), T, src_width, begin,
+        width, false);
+  });
+  launched("columns_kernel");
+}
+
+void Kernels::add_columns(void* dst, const void* src, int T, int dst_width, int begin, int width) {
+  const std::int64_t n = static_cast<std::int64_t>(T) * width;
+  if (n == 0) return;
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    columns_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(
+        const_cast<A*>(static_cast<const A*>(src)), static_cast<A*>(dst), T, dst_width, begin,
+        width, true);
+  });
+  launched("columns_kernel");
+}
+
 void Kernels::rope_forward(void* out, const void* qkv, int B, int S, int H, int G, int D,
-                           double theta) {
+                           double theta, const int* positions) {
   const std::int64_t rows = static_cast<std::int64_t>(B) * S;
   const int width = (H + 2 * G) * D;
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     rope_kernel<<<blocks_for(rows * width), kThreads, 0, impl_->stream>>>(
-        static_cast<A*>(out), static_cast<const A*>(qkv), rows, S, H + G, width, D, theta, 1.0f,
-        false);
+        static_cast<A*>(out), static_cast<const A*>(qkv), rows, S, positions, H + G, width, D,
+        theta, 1.0f, false);
   });
   launched("rope_kernel");
 }
 
 void Kernels::rope_backward(void* dqkv, const void* dout, int B, int S, int H, int G, int D,
-                            double theta) {
+                            double theta, const int* positions) {
   const std::int64_t rows = static_cast<std::int64_t>(B) * S;
   const int width = (H + 2 * G) * D;
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     rope_kernel<<<blocks_for(rows * width), kThreads, 0, impl_->stream>>>(
-        static_cast<A*>(dqkv), static_cast<const A*>(dout), rows, S, H + G, width, D, theta, -1.0f,
-        true);
+        static_cast<A*>(dqkv), static_cast<const A*>(dout), rows, S, positions, H + G, width, D,
+        theta, -1.0f, true);
   });
   launched("rope_kernel");
 }
 
 void Kernels::embedding_forward(void* out, const int* tokens, const float* wte, int rows,
-                                const float* wpe, int B, int S, int C, int vocab_begin) {
+                                const float* wpe, int B, int S, int C, int vocab_begin,
+                                const int* positions) {
   const std::int64_t BS = static_cast<std::int64_t>(B) * S;
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     embedding_forward_kernel<<<blocks_for(BS * C), kThreads, 0, impl_->stream>>>(
-        static_cast<A*>(out), tokens, wte, rows, wpe, S, BS, C, vocab_begin);
+        static_cast<A*>(out), tokens, wte, rows, wpe, S, positions, BS, C, vocab_begin);
   });
   launched("embedding_forward_kernel");
 }
 
 void Kernels::embedding_backward(float* dwte, int rows, float* dwpe, const void* dout,
-                                 const int* tokens, int B, int S, int C, int vocab_begin) {
+                                 const int* tokens, int B, int S, int C, int vocab_begin,
+                                 const int* positions) {
   const std::int64_t BS = static_cast<std::int64_t>(B) * S;
   if (BS == 0 || C == 0) return;  // (a grid of no blocks is a launch error)
   // About 64k threads, each scanning every token, at most one slice per table row.
@@ -1369,7 +1590,8 @@ void Kernels::embedding_backward(float* dwte, int rows, float* dwpe, const void*
     }
     if (dwpe != nullptr) {
       position_backward_kernel<<<blocks_for(static_cast<std::int64_t>(S) * C), kThreads, 0,
-                                 impl_->stream>>>(dwpe, static_cast<const A*>(dout), B, S, C);
+                                 impl_->stream>>>(dwpe, static_cast<const A*>(dout), B, S, C,
+                                                  positions);
     }
   });
   launched("embedding_backward_kernel");

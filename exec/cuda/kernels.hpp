@@ -138,6 +138,8 @@ class Kernels {
     int first_row = 0;                // of the rows given, among the micro-batch's B·Sq
     int Sq = 1;
     int head_offset = 0;  // attention: this rank's first head among all (tensor parallelism)
+    // The positions of a sequence's Sq rows (device, int; context parallelism), or null: 0 ...
+    const int* positions = nullptr;
   };
   // Rows [T, C] of the residual stream (element (position, c) has index position·C + c):
   // out = dropout(in), plus skip where skip is not null (the residual connection after a
@@ -160,16 +162,38 @@ class Kernels {
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* probs, int B,
                           int S, int H, int G, int D, float dropout_rate = 0,
                           const std::uint8_t* mask = nullptr, const void* dropped = nullptr);
+  // Context parallelism (exec/cpu/kernels.hpp: AttentionOptions): this rank's Sq queries of
+  // each of B sequences, at positions qpos[Sq], attend the keys up to their positions among
+  // the S = cp·Sq keys of kv [cp·B·Sq, 2·G·D] (cp rank r's B·Sq rows r-th, each row K then V);
+  // order[p] is position p's key as an index into a sequence's cp·Sq (rank r's token s:
+  // r·Sq + s). The keys are gathered into position order first (scratch), so the GEMMs are
+  // attention_forward's. probs, mask, dropped [B, H, Sq, S]. The backward adds dq into dqkv's
+  // q columns and dk, dv into dkv (kv's layout).
+  void attention_forward_cp(void* out, void* probs, const void* qkv, const void* kv,
+                            const int* qpos, const int* order, int cp, int B, int Sq, int H, int G,
+                            int D, const DropoutSite* dropout, std::uint8_t* mask, void* dropped);
+  void attention_backward_cp(void* dqkv, void* dkv, const void* dout, const void* qkv,
+                             const void* kv, const void* probs, const int* qpos, const int* order,
+                             int cp, int B, int Sq, int H, int G, int D, float dropout_rate,
+                             const std::uint8_t* mask, const void* dropped);
+  // dst[T, width] = columns [begin, begin + width) of src[T, src_width]; add_columns adds
+  // src[T, width] into those columns of dst[T, dst_width] (activations).
+  void copy_columns(void* dst, const void* src, int T, int src_width, int begin, int width);
+  void add_columns(void* dst, const void* src, int T, int dst_width, int begin, int width);
 
-  void rope_forward(void* out, const void* qkv, int B, int S, int H, int G, int D, double theta);
-  void rope_backward(void* dqkv, const void* dout, int B, int S, int H, int G, int D, double theta);
+  // positions (device, int [S]): the position of each of a sequence's S rows (context
+  // parallelism), or null: 0 ... S-1. So for the embedding's learned positions.
+  void rope_forward(void* out, const void* qkv, int B, int S, int H, int G, int D, double theta,
+                    const int* positions = nullptr);
+  void rope_backward(void* dqkv, const void* dout, int B, int S, int H, int G, int D, double theta,
+                     const int* positions = nullptr);
 
   // tokens[B·S] on the device; wte holds rows [vocab_begin, vocab_begin + rows) (fp32 master);
   // wpe may be null.
   void embedding_forward(void* out, const int* tokens, const float* wte, int rows, const float* wpe,
-                         int B, int S, int C, int vocab_begin);
+                         int B, int S, int C, int vocab_begin, const int* positions = nullptr);
   void embedding_backward(float* dwte, int rows, float* dwpe, const void* dout, const int* tokens,
-                          int B, int S, int C, int vocab_begin);
+                          int B, int S, int C, int vocab_begin, const int* positions = nullptr);
 
   // Softmax cross-entropy of logits[T,V]: row_loss[T] (fp32, on the device; their mean is the
   // loss) and dlogits[T,V] = (softmax - onehot) / T.

@@ -105,14 +105,14 @@ TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   p.schedule = dtsim::plan::Schedule::PipeDreamAsync;
   REQUIRE_THROWS_AS(run("tiny-gpt", p, 1), dtsim::UnsupportedError);
   // Context parallelism takes two of 2·cp chunks of each sequence: 30 positions do not split
-  // into 4; and a device without its kernels (here the bf16 test device) refuses it whole.
+  // into 4; and a device without its kernels (here the bf16 device, told so) refuses it whole.
   auto cp = single_rank(1, 2);
   cp.cp = 2;
   cp.seq_len = 30;
   REQUIRE_THROWS_WITH(run("tiny-gpt", cp, 1),
                       Catch::Contains("sequence length 30, not divisible by 2·cp"));
   cp.seq_len = 32;
-  dtsim::exec::cpu::Bf16Device bf16;
+  dtsim::exec::cpu::Bf16Device bf16(true, {dtsim::exec::Device::Feature::ContextParallelism});
   dtsim::exec::RunOptions alone;
   alone.replay_communication = true;  // one of the two ranks' programs
   REQUIRE_THROWS_WITH(run("tiny-gpt", cp, 1, alone, &bf16),
@@ -276,9 +276,9 @@ TEST_CASE("every stage of a tp8 pp8 Llama plan runs alone on the bf16 path", "[e
   }
 }
 
-// The GPU's type rules over the executor's plan space: each plan's every representative rank on
-// the bf16 path (communication replayed as waits), so that a runner path handing a kernel a view
-// of the wrong type fails here, not first on a GPU.
+// The GPU's type rules over the executor's plan space (cp included): each plan's every
+// representative rank on the bf16 path (communication replayed as waits), so that a runner path
+// handing a kernel a view of the wrong type fails here, not first on a GPU.
 TEST_CASE("every rank of a matrix of plans runs alone on the bf16 path", "[exec][runner]") {
   using dtsim::plan::Plan;
   using dtsim::plan::Recompute;
@@ -317,6 +317,9 @@ TEST_CASE("every rank of a matrix of plans runs alone on the bf16 path", "[exec]
        }},
       {llama, "dp2 tp2 zero3 sp",
        [](Plan& p) { p.dp = 2, p.tp = 2, p.zero_stage = 3, p.sequence_parallel = true; }},
+      {llama, "cp2 selective recompute",
+       [](Plan& p) { p.cp = 2, p.recompute = Recompute::Selective; }},
+      {"tiny-gpt", "tp2 cp2 sp", [](Plan& p) { p.tp = 2, p.cp = 2, p.sequence_parallel = true; }},
   };
   for (const Case& c : cases) {
     Plan p;

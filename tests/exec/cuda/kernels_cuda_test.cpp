@@ -400,6 +400,99 @@ TEST_CASE("GPU mixture-of-experts routing, dispatch and combine match the CPU",
   }
 }
 
+// Context parallelism: rank 1 of cp 2 (Megatron-LM's load balancing: chunks 1 and 2 of 4),
+// its queries against every rank's keys, with and without attention dropout; and the ops that
+// read positions (rotary, learned positions, dropout) and the column copies of the KV exchange.
+TEST_CASE("GPU attention with context parallelism matches the CPU", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const int cp = 2, B = 2, Sq = 8, S = cp * Sq, H = 4, G = 2, D = 16, chunk = S / (2 * cp);
+  const int width = (H + 2 * G) * D, kv_width = 2 * G * D;
+  std::vector<int> qpos(static_cast<std::size_t>(Sq)), order(static_cast<std::size_t>(S));
+  for (int p = 0; p < S; ++p) {
+    const int k = p / chunk, owner = k < cp ? k : 2 * cp - 1 - k;
+    const int s = (k < cp ? 0 : chunk) + p % chunk;
+    order[static_cast<std::size_t>(p)] = owner * Sq + s;
+    if (owner == 1) qpos[static_cast<std::size_t>(s)] = p;
+  }
+  cpu::Dropout d;
+  d.stream = 77;
+  d.rate = 0.1f;
+  d.first_sequence = 2;
+  d.Sq = Sq;
+  d.positions = qpos;
+  for (cu::Dtype type : kTypes) {
+    for (const bool drop : {false, true}) {
+      INFO(name(type) << (drop ? ", with dropout" : ""));
+      cu::Kernels k(*gpu, type);
+      const auto scores = static_cast<std::size_t>(B) * H * Sq * S;
+      const Vec qkv = as_stored(k, random(static_cast<std::size_t>(B) * Sq * width, 61, 0.5f));
+      const Vec kv =
+          as_stored(k, random(static_cast<std::size_t>(cp) * B * Sq * kv_width, 62, 0.5f));
+      const Vec dout = as_stored(k, random(static_cast<std::size_t>(B) * Sq * H * D, 63));
+      Vec out(static_cast<std::size_t>(B) * Sq * H * D), probs(scores), dropped(scores);
+      Vec dqkv(qkv.size(), 0.0f), dkv(kv.size(), 0.0f);
+      std::vector<std::uint8_t> mask(scores);
+      cpu::AttentionOptions o;
+      o.kv = kv;
+      o.cp = cp;
+      o.qpos = qpos;
+      o.order = order;
+      if (drop) {
+        o.dropout = &d;
+        o.mask = mask;
+        o.dropped = dropped;
+      }
+      cpu::attention_forward(out, probs, qkv, B, Sq, H, G, D, o);
+      cpu::attention_backward(dqkv, dkv, dout, qkv, probs, B, Sq, H, G, D, o);
+
+      Dev g_qkv(k, qkv), g_kv(k, kv), g_out(k, Vec(out.size())), g_probs(k, Vec(scores)),
+          g_dropped(k, Vec(scores)), g_dout(k, dout), g_dqkv(k, Vec(qkv.size(), 0.0f)),
+          g_dkv(k, Vec(kv.size(), 0.0f));
+      Ints g_qpos(k, qpos), g_order(k, order);
+      cu::DeviceBuffer g_mask(scores);
+      cu::Kernels::DropoutSite site{d.stream, d.rate, d.first_sequence, 0, Sq, 0, g_qpos.p()};
+      auto* m = drop ? static_cast<std::uint8_t*>(g_mask.get()) : nullptr;
+      k.attention_forward_cp(g_out.p(), g_probs.p(), g_qkv.p(), g_kv.p(), g_qpos.p(), g_order.p(),
+                             cp, B, Sq, H, G, D, drop ? &site : nullptr, m,
+                             drop ? g_dropped.p() : nullptr);
+      k.attention_backward_cp(g_dqkv.p(), g_dkv.p(), g_dout.p(), g_qkv.p(), g_kv.p(), g_probs.p(),
+                              g_qpos.p(), g_order.p(), cp, B, Sq, H, G, D, drop ? d.rate : 0.0f, m,
+                              drop ? g_dropped.p() : nullptr);
+      if (drop) {
+        std::vector<std::uint8_t> got(scores);
+        k.download_bytes(got.data(), g_mask.get(), scores);
+        CHECK(got == mask);
+      }
+      CHECK(error(g_probs.host(), probs) < tolerance(type));
+      CHECK(error(g_out.host(), out) < tolerance(type));
+      CHECK(error(g_dqkv.host(), dqkv) < tolerance(type));
+      CHECK(error(g_dkv.host(), dkv) < tolerance(type));
+    }
+    // Rotary positions and learned positions at the rank's positions; the KV columns.
+    INFO(name(type) << ": rotary, positions, columns");
+    cu::Kernels k(*gpu, type);
+    const Vec x = as_stored(k, random(static_cast<std::size_t>(B) * Sq * width, 64));
+    Vec rot(x.size()), back(x.size(), 0.0f);
+    cpu::rope_forward(rot, x, B, Sq, H, G, D, 10000.0, qpos);
+    cpu::rope_backward(back, x, B, Sq, H, G, D, 10000.0, qpos);
+    Ints g_qpos(k, qpos);
+    Dev g_x(k, x), g_rot(k, Vec(x.size())), g_back(k, Vec(x.size(), 0.0f));
+    k.rope_forward(g_rot.p(), g_x.p(), B, Sq, H, G, D, 10000.0, g_qpos.p());
+    k.rope_backward(g_back.p(), g_x.p(), B, Sq, H, G, D, 10000.0, g_qpos.p());
+    CHECK(error(g_rot.host(), rot) < tolerance(type));
+    CHECK(error(g_back.host(), back) < tolerance(type));
+    Vec cols(static_cast<std::size_t>(B) * Sq * kv_width), added = x;
+    cpu::copy_columns(cols, x, B * Sq, width, H * D, kv_width);
+    cpu::add_columns(added, cols, B * Sq, width, H * D, kv_width);
+    Dev g_cols(k, Vec(cols.size())), g_added(k, x);
+    k.copy_columns(g_cols.p(), g_x.p(), B * Sq, width, H * D, kv_width);
+    k.add_columns(g_added.p(), g_cols.p(), B * Sq, width, H * D, kv_width);
+    CHECK(error(g_cols.host(), cols) == 0);
+    CHECK(error(g_added.host(), added) < tolerance(type));
+  }
+}
+
 TEST_CASE("GPU rotary embedding matches the CPU", "[exec][cuda][gpu]") {
   const auto gpu = first_gpu();
   if (!gpu) return;

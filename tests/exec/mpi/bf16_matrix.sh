@@ -2,7 +2,7 @@
 # The GPU's mixed precision over MPI ranks, emulated on the CPU (`--precision bf16`: bf16
 # activations with the GPU device's type checks; the MPI backend moves bf16 tensors and sums
 # them in bf16, rounding at each step as NCCL does): plans over dp, tp with and without sequence
-# parallelism, pp (GPipe, 1F1B, interleaved, zero-bubble, scatter/gather transfers), ZeRO 1-3,
+# parallelism, pp (GPipe, 1F1B, interleaved, zero-bubble, scatter/gather transfers), cp, ZeRO 1-3,
 # recompute, dropout (the GPU's: residual and attention dropout, the CPU's masks) and a mixture
 # of experts with expert parallelism (bf16 tokens through the all-to-alls) run to the end, and
 # K steps train as the single-rank bf16 run of the same batch.
@@ -57,6 +57,9 @@ plans=(
   "llama|4|1|--dp 2 --tp 2 --zero-stage 3"
   "dropout|2|2|--tp 2 --sequence-parallel --recompute selective"
   "dropout|4|2|--dp 2 --pp 2 --schedule zero-bubble --zero-stage 2"
+  "tiny-gpt|2|2|--cp 2"
+  "llama|4|2|--cp 2 --tp 2 --sequence-parallel --recompute selective"
+  "dropout|2|2|--cp 2"
   "moe|2|2|--dp 2 --ep 2"
   "moe|4|1|--dp 2 --ep 2 --pp 2 --schedule zero-bubble"
 )
