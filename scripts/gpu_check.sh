@@ -12,7 +12,9 @@
 #   4. dtsim simulate of single-GPU plans with the catalog and with the measured profile;
 #   5. dtexec run --backend cuda: fp32 on the GPU against fp32 on the CPU (dtexec compare);
 #      GPT-2 124M trained on the GPU in bf16, its measured tasks against dtsim's prediction
-#      (dtsim validate: error per task kind, with the catalog and with the profile); and the
+#      (dtsim validate: error per task kind, with the catalog and with the profile); GPT-2 with
+#      dropout at cp 2, one rank alone; tiny models with dropout and a mixture of experts in
+#      fp32 against the CPU; and the
 #      last pipeline stage of Llama-3 70B at tp8 pp8 (--only-rank, communication replaced by
 #      the predicted waits), validated the same way.
 #   6. GPT-2 calibrated at its own shapes; run with its vocabulary padded (50304, the default)
@@ -206,6 +208,10 @@ validate_plan() {
 say "-- GPT-2 124M on one GPU, bf16, micro-batch 8, sequence 1024"
 gpt2="--model gpt2-124m --no-dropout --micro-batch-size 8 --seq-len 1024 --global-batch-size 16"
 validate_plan gpt2 "--gpus 1 $gpt2" "$gpt2 --steps 6"
+
+say "-- GPT-2 124M with dropout, cp 2: rank 1 alone (its queries at chunks 1 and 2), bf16"
+g2cp="--model gpt2-124m --cp 2 --micro-batch-size 4 --seq-len 1024 --global-batch-size 8"
+validate_plan gpt2_cp "--gpus 2 $g2cp" "$g2cp --only-rank 1 --steps 4"
 
 say "-- Llama-3 70B, tp8 pp8 (64 GPUs), its last stage's tp rank 7 alone, bf16, sequence 4096"
 # 64 H200: the SuperPOD's fabric with H200 devices (the shipped H200 topology is one node).
