@@ -1291,9 +1291,12 @@ class Runner {
     const View in = mb.out.at(input(id));
     View& y = down ? mb.aux1[id] : mb.out[id];
     fresh(y, expert_copies(mb, router) * N);
+    // The down GEMMs are row-parallel: their bias is added once, by tensor-parallel rank 0.
+    const bool bias_here = !down || t_ == 0;
     for_each_expert(mb, router, [&](int w, std::int64_t at, int n) {
       dev_.matmul_forward(y.sub(at * N, std::int64_t{n} * N), in.sub(at * K, std::int64_t{n} * K),
-                          param(id, w).work, bias_in(id, w + 1), n, K, N, false);
+                          param(id, w).work, bias_here ? bias_in(id, w + 1) : View{}, n, K, N,
+                          false);
     });
     // With expert parallelism the copies' outputs go back to their tokens' ranks first (the
     // combine all-to-all, ep_collective), which combine them there.
@@ -1434,7 +1437,10 @@ class Runner {
     dev_.moe_route_backward(dlogits, mb.gate_grad.at(id), mb.aux1.at(id), mb.aux2.at(id), T_, E, k);
     const View x = weight_grads ? mb.out.at(input(id)) : View{};
     const View dx = input_grads ? grad_of(mb, input(id)) : View{};
-    linear_backward(dx, param(id, 0), View{}, dlogits, x, T_, C_, E, false, weight_grads);
+    // Every tp rank routes alike: the router's share of the input gradient is added by rank 0
+    // alone, as the tp all-reduce that follows sums the ranks' (the experts' shares differ).
+    linear_backward(t_ == 0 ? dx : View{}, param(id, 0), View{}, dlogits, x, T_, C_, E, false,
+                    weight_grads);
     dev_.release(dlogits);
     // Each token's copies' gradients back to the token.
     if (input_grads) dev_.moe_dispatch_backward(dx, mb.grad.at(id), mb.route.at(id), T_, C_, k);
@@ -1814,6 +1820,11 @@ class Runner {
         MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
         const auto anchor = static_cast<OpId>(task.op_begin);
         const Op& op = g_.op(anchor);
+        if (op.kind == OpKind::MlpUp && op.expert) {
+          // The gates' gradient, a partial sum on each rank of the experts' slices.
+          comm_.all_reduce(task.group, mb.gate_grad.at(router_of(anchor)), Reduce::Sum);
+          return;
+        }
         const bool exit = op.kind == OpKind::Embedding || row_parallel(op);
         if (program_.plan.scatter_gather_p2p && task.collective == CollectiveKind::AllGather) {
           gather_transferred(task);  // no sequence parallelism: the only tp all-gather
@@ -2099,6 +2110,7 @@ class Runner {
     }
     if (kind != GroupKind::Tp) return u;
     const Op& op = g_.op(anchor);
+    if (op.kind == OpKind::MlpUp && op.expert) return {{Slot::GateGrad, router_of(anchor), false}};
     const bool exit = op.kind == OpKind::Embedding || row_parallel(op);
     // The embedding's dropout: applied after its forward reduction, undone (sequence
     // parallelism) before its backward all-gather.
@@ -2628,9 +2640,9 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   auto refuse = [&](const std::string& what) {
     throw UnsupportedError(fmt::format("dtexec: {} is not executed yet", what));
   };
-  if (m.moe && p.tp > 1) {
-    refuse(fmt::format("a mixture of experts (model {}) with tensor parallelism (tp {})", m.name,
-                       p.tp));
+  if (m.moe && p.tp > 1 && (p.sequence_parallel || p.ep > 1)) {
+    refuse(fmt::format("a mixture of experts (model {}) with tensor parallelism (tp {}) and {}",
+                       m.name, p.tp, p.ep > 1 ? "expert parallelism" : "sequence parallelism"));
   }
   if (p.cp > 1 && p.seq_len % (2 * p.cp) != 0) {
     refuse(

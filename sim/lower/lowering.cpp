@@ -110,7 +110,16 @@ using model::OpId;
 using model::OpKind;
 
 // Where a parallel region begins or ends inside a chunk's op sequence.
-enum class Marker { TpEnter, TpExit, TpLoss, CpGatherKv, CpRegatherKv, EpDispatch, EpCombine };
+enum class Marker {
+  TpEnter,
+  TpExit,
+  TpLoss,
+  TpGates,
+  CpGatherKv,
+  CpRegatherKv,
+  EpDispatch,
+  EpCombine
+};
 
 struct Item {
   std::optional<OpId> op;  // an op, or a marker
@@ -118,7 +127,7 @@ struct Item {
   int layer = 0;
   // A marker's boundary op, which names the tensor its collective carries: for TpExit the op
   // before it (its output is reduced in forward), for TpEnter the op after it (the gradient of
-  // its input is reduced in backward), for TpLoss the loss.
+  // its input is reduced in backward), for TpLoss the loss, for TpGates the experts' up op.
   OpId anchor = 0;
 };
 
@@ -340,6 +349,8 @@ class Lowerer {
     for (int l = first; l < last; ++l) {
       for (OpId id : g_.layer_ops(l)) {
         const model::Op& o = g_.op(id);
+        // Before the experts in forward order: after their backward, before the router's.
+        if (o.kind == OpKind::MlpUp && o.expert && plan_.tp > 1) marker(Marker::TpGates, l, id);
         const bool first_mlp =
             o.kind == OpKind::Router || (o.kind == OpKind::MlpUp && !g_.spec().moe);
         if (o.kind == OpKind::QkvProj || first_mlp) marker(Marker::TpEnter, l, id);
@@ -394,6 +405,15 @@ class Lowerer {
         // needs no communication.
         return Comm{CollectiveKind::AllReduce, GroupKind::Tp, Stream::Tp, tokens_ * 3 * 4,
                     "tp all-reduce loss statistics"};
+      }
+      case Marker::TpGates: {
+        // Each tp rank holds a slice of every expert, so the gates' gradient (a copy's output
+        // gradient · its output, per copy) is a partial sum: all-reduced over tp, in fp32,
+        // before the router's backward (the router and its routing are the same on every rank).
+        if (plan_.tp == 1 || !backward) return std::nullopt;
+        return Comm{CollectiveKind::AllReduce, GroupKind::Tp, Stream::Tp,
+                    tokens_ * static_cast<std::uint64_t>(spec.moe ? spec.moe->top_k : 1) * 4,
+                    "tp all-reduce gate gradients"};
       }
       case Marker::CpGatherKv:
       case Marker::CpRegatherKv: {

@@ -62,6 +62,7 @@ struct Task {
   // - ZeRO-3 weight gathers: the weights of ops [op_begin, op_end) (one chunk);
   // - the tied-embedding all-reduce: the gradient of op_begin's embedding matrix;
   // - send / recv: op_begin's output (activations) or its gradient (gradients);
+  // - the tp all-reduce of a mixture of experts' gate gradients: op_begin is its experts' up op;
   // - ep all-to-alls: the tokens' copies before op_begin's expert up GEMMs (dispatch) or after
   //   its down GEMMs (combine); tag 0 in the forward pass, 1 in the backward.
   // ZeRO-1/2's all-gather of updated weights covers every parameter of the rank (no ops).

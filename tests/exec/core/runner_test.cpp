@@ -93,14 +93,17 @@ TEST_CASE("runs are deterministic", "[exec][runner]") {
 }
 
 TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
-  // A mixture of experts with tensor parallelism (its router and dispatch are per rank).
+  // A mixture of experts with tensor and sequence parallelism (the router reads the sequence's
+  // share).
   auto moe = single_rank(1, 1);
   moe.tp = 2;
+  moe.sequence_parallel = true;
   dtsim::exec::RunOptions one_of_two;
   one_of_two.replay_communication = true;
   REQUIRE_THROWS_WITH(run(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_moe.json", moe, 1, one_of_two),
                       Catch::Contains("a mixture of experts (model tiny-moe) with tensor "
-                                      "parallelism (tp 2) is not executed yet"));
+                                      "parallelism (tp 2) and sequence parallelism is not "
+                                      "executed yet"));
   auto p = single_rank(1, 2);
   p.schedule = dtsim::plan::Schedule::PipeDreamAsync;
   REQUIRE_THROWS_AS(run("tiny-gpt", p, 1), dtsim::UnsupportedError);
