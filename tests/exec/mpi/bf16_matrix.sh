@@ -17,6 +17,8 @@
 # usage: bf16_matrix.sh DTEXEC MPIRUN [WORKDIR]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=tests/exec/mpi/plan_matrix.sh
+source "$here/plan_matrix.sh"
 dtexec=$1
 mpirun=$2
 work=${3:-$(mktemp -d)}
@@ -65,27 +67,5 @@ plans=(
   "moe|4|1|--dp 2 --ep 2 --pp 2 --schedule zero-bubble"
 )
 failed=0
-printf '%-9s %-72s %5s %9s %9s  %s\n' model plan ranks loss_diff weight_diff result
-for entry in "${plans[@]}"; do
-  IFS='|' read -r model ranks mbs flags <<<"$entry"
-  rm -rf run
-  # shellcheck disable=SC2086
-  if ! timeout 300 "$mpirun" -np "$ranks" "$dtexec" run --model "$(path_of "$model")" \
-      "${common[@]}" --micro-batch-size "$mbs" $flags --checkpoint run >run.log 2>&1 </dev/null; then
-    echo "FAILED to run: $flags (mbs $mbs)"
-    cat run.log
-    failed=1
-    continue
-  fi
-  if out=$("$dtexec" compare "ref_${model}_$mbs" run "${tolerances[@]}"); then
-    result=ok
-  else
-    result=DIFFERENT
-    failed=1
-  fi
-  loss=$(sed -n 's/.*largest loss difference \([^;]*\);.*/\1/p' <<<"$out")
-  weight=$(sed -n 's/.*largest weight difference \([^ ]*\).*/\1/p' <<<"$out")
-  printf '%-9s %-72s %5s %9s %9s  %s\n' "$model" "$flags --micro-batch-size $mbs" "$ranks" "$loss" \
-    "$weight" "$result"
-done
+run_plan_matrix "${plans[@]}" || failed=1
 exit $failed

@@ -14,6 +14,8 @@
 # usage: correctness_matrix.sh DTEXEC MPIRUN [WORKDIR]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=tests/exec/mpi/plan_matrix.sh
+source "$here/plan_matrix.sh"
 dtexec=$1
 mpirun=$2
 work=${3:-$(mktemp -d)}
@@ -22,6 +24,7 @@ cd "$work"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 steps=3
 common=(--steps "$steps" --lr 3e-3 --warmup 0 --global-batch-size 8)
+tolerances=(--loss-tolerance 1e-5 --weight-tolerance 1e-3)
 # tiny-gpt: GELU, LayerNorm, biases, tied embeddings (2 layers). The Llama-style fixture:
 # SwiGLU, RMSNorm, grouped-query attention, untied head, 4 layers (pp 2 x 2 chunks). The dropout
 # fixture: tiny-gpt with dropout (its masks follow each element's sequence and position, so
@@ -130,28 +133,5 @@ for model in dropout moe; do
     failed=1
   fi
 done
-printf '%-9s %-72s %5s %9s %9s  %s\n' model plan ranks loss_diff weight_diff result
-for entry in "${plans[@]}"; do
-  IFS='|' read -r model ranks mbs flags <<<"$entry"
-  path=$(path_of "$model")
-  rm -rf run
-  # shellcheck disable=SC2086
-  if ! timeout 300 "$mpirun" -np "$ranks" "$dtexec" run --model "$path" "${common[@]}" \
-      --micro-batch-size "$mbs" $flags --checkpoint run >run.log 2>&1; then
-    echo "FAILED to run: $flags (mbs $mbs)"
-    cat run.log
-    failed=1
-    continue
-  fi
-  if out=$("$dtexec" compare "ref_${model}_$mbs" run --loss-tolerance 1e-5 --weight-tolerance 1e-3); then
-    result=ok
-  else
-    result=DIFFERENT
-    failed=1
-  fi
-  loss=$(sed -n 's/.*largest loss difference \([^;]*\);.*/\1/p' <<<"$out")
-  weight=$(sed -n 's/.*largest weight difference \([^ ]*\).*/\1/p' <<<"$out")
-  printf '%-9s %-72s %5s %9s %9s  %s\n' "$model" "$flags --micro-batch-size $mbs" "$ranks" "$loss" \
-    "$weight" "$result"
-done
+run_plan_matrix "${plans[@]}" || failed=1
 exit $failed
