@@ -858,8 +858,8 @@ class Runner {
   // Sequence parallelism all-gathers the input of a column-parallel layer (the lowering's
   // TpEnter markers: QKV, MLP up, the LM head).
   bool gathers_input(const Op& op) const {
-    return Ts_ != T_ &&
-           (op.kind == OpKind::QkvProj || op.kind == OpKind::MlpUp || op.kind == OpKind::LmHead);
+    return Ts_ != T_ && (op.kind == OpKind::QkvProj || (op.kind == OpKind::MlpUp && !op.expert) ||
+                         op.kind == OpKind::Router || op.kind == OpKind::LmHead);
   }
 
   // Local GEMM shape (K, N) of a linear op on this tensor-parallel rank.
@@ -1228,7 +1228,7 @@ class Runner {
 
   void router_forward(MicroBatch& mb, OpId id) {
     const int E = static_cast<int>(m_.moe->experts), k = top_k();
-    const View x = mb.out.at(input(id));
+    const View x = input_of(mb, id);  // the whole sequence (all-gathered under SP)
     const View logits = allocate(static_cast<std::int64_t>(T_) * E);
     dev_.matmul_forward(logits, x, param(id, 0).work, View{}, T_, C_, E, false);
     fresh(mb.aux1[id], static_cast<std::int64_t>(T_) * k, Dtype::F32);  // gates
@@ -1247,6 +1247,12 @@ class Runner {
     dev_.release(rows);
     auto& per_expert = mb.expert_rows[id];
     per_expert.assign(counts.begin(), counts.end());
+    // Sequence parallelism keeps only the rank's share of the input (gathered again for the
+    // backward), as for the other column-parallel layers.
+    if (const auto it = mb.full.find(input(id)); it != mb.full.end()) {
+      dev_.release(it->second);
+      mb.full.erase(it);
+    }
   }
 
   // fn(w, at, n) for each expert with rows: its weight's tensor number w, and its n rows of
@@ -1435,8 +1441,8 @@ class Runner {
     // The logits' gradient through the gates' softmax (again in a weight pass).
     const View dlogits = allocate(static_cast<std::int64_t>(T_) * E);
     dev_.moe_route_backward(dlogits, mb.gate_grad.at(id), mb.aux1.at(id), mb.aux2.at(id), T_, E, k);
-    const View x = weight_grads ? mb.out.at(input(id)) : View{};
-    const View dx = input_grads ? grad_of(mb, input(id)) : View{};
+    const View x = weight_grads ? input_of(mb, id) : View{};
+    const View dx = input_grads ? input_grad_of(mb, id) : View{};
     // Every tp rank routes alike: the router's share of the input gradient is added by rank 0
     // alone, as the tp all-reduce that follows sums the ranks' (the experts' shares differ).
     linear_backward(t_ == 0 ? dx : View{}, param(id, 0), View{}, dlogits, x, T_, C_, E, false,
@@ -1991,7 +1997,7 @@ class Runner {
         make(Slot::Aux1, id);
         break;
       case OpKind::Router:
-        read(Slot::Out, input(id));
+        read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
         for (Slot s : {Slot::Out, Slot::Aux1, Slot::Aux2, Slot::Route}) make(s, id);
         break;
     }
@@ -2066,9 +2072,9 @@ class Runner {
         for (Slot s : {Slot::GateGrad, Slot::Aux1, Slot::Aux2}) read(s, id);
         if (input_grads) {
           for (Slot s : {Slot::Grad, Slot::Route}) read(s, id);
-          read(Slot::Grad, input(id));
+          read(gathers_input(op) ? Slot::FullGrad : Slot::Grad, input(id));
         }
-        if (weight_grads) read(Slot::Out, input(id));
+        if (weight_grads) read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
         break;
     }
     return u;
@@ -2640,9 +2646,10 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   auto refuse = [&](const std::string& what) {
     throw UnsupportedError(fmt::format("dtexec: {} is not executed yet", what));
   };
-  if (m.moe && p.tp > 1 && (p.sequence_parallel || p.ep > 1)) {
-    refuse(fmt::format("a mixture of experts (model {}) with tensor parallelism (tp {}) and {}",
-                       m.name, p.tp, p.ep > 1 ? "expert parallelism" : "sequence parallelism"));
+  if (m.moe && p.tp > 1 && p.ep > 1) {
+    refuse(fmt::format(
+        "a mixture of experts (model {}) with tensor parallelism (tp {}) and expert parallelism",
+        m.name, p.tp));
   }
   if (p.cp > 1 && p.seq_len % (2 * p.cp) != 0) {
     refuse(

@@ -568,9 +568,12 @@ class Lowerer {
         marker.anchor != last || !comm_for(marker.marker, /*backward=*/true)) {
       return false;
     }
+    // A mixture of experts' router reads the whole sequence too (its input all-gathered at the
+    // block's entry): the same for its weight gradient.
     const model::Op& op = g_.op(last);
     return op.bwd_weight_flops > 0 &&
-           (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab);
+           (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab ||
+            op.kind == OpKind::Router);
   }
 
   // Sequence parallelism: a column-parallel layer (the LM head too) saves its input as the
@@ -584,9 +587,12 @@ class Lowerer {
         marker.marker != Marker::TpEnter || marker.anchor != last) {
       return false;
     }
+    // A mixture of experts' router reads the whole sequence too (its input all-gathered at the
+    // block's entry): the same for its weight gradient.
     const model::Op& op = g_.op(last);
     return op.bwd_weight_flops > 0 &&
-           (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab);
+           (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab ||
+            op.kind == OpKind::Router);
   }
 
   // The all-gather of regathers_input, after `dep`, on the tp stream: a Backward-phase

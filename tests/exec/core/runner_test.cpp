@@ -93,16 +93,16 @@ TEST_CASE("runs are deterministic", "[exec][runner]") {
 }
 
 TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
-  // A mixture of experts with tensor and sequence parallelism (the router reads the sequence's
-  // share).
-  auto moe = single_rank(1, 1);
+  // A mixture of experts with tensor and expert parallelism together.
+  auto moe = single_rank(1, 2);
   moe.tp = 2;
-  moe.sequence_parallel = true;
-  dtsim::exec::RunOptions one_of_two;
-  one_of_two.replay_communication = true;
-  REQUIRE_THROWS_WITH(run(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_moe.json", moe, 1, one_of_two),
+  moe.dp = 2;
+  moe.ep = 2;
+  dtsim::exec::RunOptions one_of_four;
+  one_of_four.replay_communication = true;
+  REQUIRE_THROWS_WITH(run(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_moe.json", moe, 1, one_of_four),
                       Catch::Contains("a mixture of experts (model tiny-moe) with tensor "
-                                      "parallelism (tp 2) and sequence parallelism is not "
+                                      "parallelism (tp 2) and expert parallelism is not "
                                       "executed yet"));
   auto p = single_rank(1, 2);
   p.schedule = dtsim::plan::Schedule::PipeDreamAsync;
@@ -296,6 +296,7 @@ TEST_CASE("every rank of a matrix of plans runs alone on the bf16 path", "[exec]
       {llama_tp8, "tp8 pp8", [](Plan& p) { p.tp = 8, p.pp = 8; }},
       {llama_tp8, "tp8 pp8 sp", [](Plan& p) { p.tp = 8, p.pp = 8, p.sequence_parallel = true; }},
       {moe, "tp2 pp2 (a mixture of experts)", [](Plan& p) { p.tp = 2, p.pp = 2; }},
+      {moe, "tp2 sp (a mixture of experts)", [](Plan& p) { p.tp = 2, p.sequence_parallel = true; }},
       {moe, "dp2 zero2 (a mixture of experts)", [](Plan& p) { p.dp = 2, p.zero_stage = 2; }},
   };
   for (const Case& c : cases) {

@@ -62,7 +62,7 @@ plans=(
   "tiny-gpt|2|2|--cp 2"
   "llama|4|2|--cp 2 --tp 2 --sequence-parallel --recompute selective"
   "dropout|2|2|--cp 2"
-  "moe|2|2|--tp 2"
+  "moe|2|2|--tp 2 --sequence-parallel"
   "moe|2|2|--dp 2 --ep 2"
   "moe|4|1|--dp 2 --ep 2 --pp 2 --schedule zero-bubble"
 )

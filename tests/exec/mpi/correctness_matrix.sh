@@ -114,6 +114,8 @@ plans=(
   "moe|2|2|--tp 2"
   "moe|4|1|--tp 2 --pp 2 --schedule zero-bubble --recompute full"
   "moe|4|1|--tp 2 --dp 2 --zero-stage 1"
+  "moe|2|2|--tp 2 --sequence-parallel --recompute selective"
+  "moe|4|1|--tp 2 --dp 2 --sequence-parallel --zero-stage 2"
   "moe|2|2|--dp 2 --ep 2"
   "moe|4|1|--dp 4 --ep 2 --zero-stage 1"
   "moe|4|1|--dp 4 --ep 2 --zero-stage 3 --recompute full"
