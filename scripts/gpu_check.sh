@@ -157,30 +157,23 @@ for plan in "--model llama3-8b --seq-len 4096 --recompute full" \
 done
 say ""
 say "== 5. dtexec run on the GPU"
+# A model trained 5 steps in fp32 on the CPU and on the GPU from one seed: the checkpoints
+# compared (losses within 1e-3, weights within 3e-3).
+gpu_against_cpu() {
+  local name=$1 model=$2
+  "$bin/dtexec" run --model "$model" --steps 5 --warmup 0 --checkpoint "$out/ckpt_cpu_$name" \
+    >/dev/null 2>&1
+  limit 60 "$bin/dtexec" run --backend cuda --precision fp32 --model "$model" --steps 5 \
+    --warmup 0 --checkpoint "$out/ckpt_gpu_$name" 2>&1 | tail -2 | tee -a "$report"
+  "$bin/dtexec" compare "$out/ckpt_cpu_$name" "$out/ckpt_gpu_$name" --loss-tolerance 1e-3 \
+    --weight-tolerance 3e-3 2>&1 | tee -a "$report"
+}
 say "-- fp32 on the GPU against fp32 on the CPU (tiny-gpt, 5 steps, same seed)"
-"$bin/dtexec" run --model tiny-gpt --steps 5 --warmup 0 --checkpoint "$out/ckpt_cpu" >/dev/null 2>&1
-limit 60 "$bin/dtexec" run --backend cuda --precision fp32 --model tiny-gpt --steps 5 --warmup 0 \
-  --checkpoint "$out/ckpt_gpu" 2>&1 | tail -2 | tee -a "$report"
-"$bin/dtexec" compare "$out/ckpt_cpu" "$out/ckpt_gpu" --loss-tolerance 1e-3 \
-  --weight-tolerance 3e-3 2>&1 | tee -a "$report"
+gpu_against_cpu tiny tiny-gpt
 say "-- with dropout (the GPU draws the CPU's masks): fp32 on the GPU against the CPU"
-drop="--model $repo/tests/exec/mpi/tiny_gpt_dropout.json --steps 5 --warmup 0"
-# shellcheck disable=SC2086
-"$bin/dtexec" run $drop --checkpoint "$out/ckpt_cpu_drop" >/dev/null 2>&1
-# shellcheck disable=SC2086
-limit 60 "$bin/dtexec" run --backend cuda --precision fp32 $drop \
-  --checkpoint "$out/ckpt_gpu_drop" 2>&1 | tail -2 | tee -a "$report"
-"$bin/dtexec" compare "$out/ckpt_cpu_drop" "$out/ckpt_gpu_drop" --loss-tolerance 1e-3 \
-  --weight-tolerance 3e-3 2>&1 | tee -a "$report"
+gpu_against_cpu dropout "$repo/tests/exec/mpi/tiny_gpt_dropout.json"
 say "-- a mixture of experts (the GPU routes as the CPU): fp32 on the GPU against the CPU"
-moe="--model $repo/tests/exec/mpi/tiny_moe.json --steps 5 --warmup 0"
-# shellcheck disable=SC2086
-"$bin/dtexec" run $moe --checkpoint "$out/ckpt_cpu_moe" >/dev/null 2>&1
-# shellcheck disable=SC2086
-limit 60 "$bin/dtexec" run --backend cuda --precision fp32 $moe \
-  --checkpoint "$out/ckpt_gpu_moe" 2>&1 | tail -2 | tee -a "$report"
-"$bin/dtexec" compare "$out/ckpt_cpu_moe" "$out/ckpt_gpu_moe" --loss-tolerance 1e-3 \
-  --weight-tolerance 3e-3 2>&1 | tee -a "$report"
+gpu_against_cpu moe "$repo/tests/exec/mpi/tiny_moe.json"
 
 # One plan: dtexec measures it, dtsim predicts it (catalog, then profile), dtsim validate joins.
 validate_plan() {
