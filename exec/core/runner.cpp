@@ -2646,11 +2646,6 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   auto refuse = [&](const std::string& what) {
     throw UnsupportedError(fmt::format("dtexec: {} is not executed yet", what));
   };
-  if (m.moe && p.tp > 1 && p.ep > 1) {
-    refuse(fmt::format(
-        "a mixture of experts (model {}) with tensor parallelism (tp {}) and expert parallelism",
-        m.name, p.tp));
-  }
   if (p.cp > 1 && p.seq_len % (2 * p.cp) != 0) {
     refuse(
         fmt::format("context parallelism cp {} with sequence length {}, not divisible by 2·cp "

@@ -93,17 +93,6 @@ TEST_CASE("runs are deterministic", "[exec][runner]") {
 }
 
 TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
-  // A mixture of experts with tensor and expert parallelism together.
-  auto moe = single_rank(1, 2);
-  moe.tp = 2;
-  moe.dp = 2;
-  moe.ep = 2;
-  dtsim::exec::RunOptions one_of_four;
-  one_of_four.replay_communication = true;
-  REQUIRE_THROWS_WITH(run(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_moe.json", moe, 1, one_of_four),
-                      Catch::Contains("a mixture of experts (model tiny-moe) with tensor "
-                                      "parallelism (tp 2) and expert parallelism is not "
-                                      "executed yet"));
   auto p = single_rank(1, 2);
   p.schedule = dtsim::plan::Schedule::PipeDreamAsync;
   REQUIRE_THROWS_AS(run("tiny-gpt", p, 1), dtsim::UnsupportedError);
