@@ -365,6 +365,14 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   if (const auto report = predicted_memory_report(vm, graph, plan)) {
     predicted = report->stages.at(static_cast<std::size_t>(rp.stage)).total_bytes;
   }
+  std::vector<std::string> notes = dtsim::exec::execution_notes(spec, plan);
+  if (plan.ep > 1) {
+    notes.push_back(fmt::format(
+        "expert parallelism alone: each of the {} ep ranks is taken to route its tokens as this "
+        "rank does, so this rank's experts get {} times its own copies for them (even routing "
+        "across replicas)",
+        plan.ep, plan.ep));
+  }
   if (vm["json"].as<bool>()) {
     std::cout << nlohmann::json{{"model", spec.name},
                                 {"backend", vm["backend"].as<std::string>()},
@@ -387,7 +395,7 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
                                 {"compute_s", compute},
                                 {"communication_waits_s", waited},
                                 {"communication", "replaced by waits " + waits},
-                                {"notes", dtsim::exec::execution_notes(spec, plan)}}
+                                {"notes", notes}}
                      .dump(2)
               << "\n";
     return 0;
@@ -398,9 +406,7 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
       "zeros, so losses mean nothing\n",
       spec.name, dtsim::plan::summary(plan), r, where, rp.stage, rp.represents.size(),
       options.steps, comm_tasks, waits);
-  for (const auto& note : dtsim::exec::execution_notes(spec, plan)) {
-    std::cout << "note: " << note << "\n";
-  }
+  for (const auto& note : notes) std::cout << "note: " << note << "\n";
   std::cout << fmt::format(
       "median step time {:.1f} ms after {} warm-up step(s); last step: compute {:.1f} ms, "
       "waits {:.1f} ms (one after the other: the waits do not overlap compute here)\n",

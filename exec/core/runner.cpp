@@ -1361,7 +1361,13 @@ class Runner {
   // combine's gradient (and the gates') is taken at the tokens' rank and its copies' gradients
   // sent to the experts, replacing the down op's output gradient; after the up GEMMs' input
   // gradient the copies' gradients go back, replacing the router's output gradient.
-  void ep_collective(const lower::Task& task, MicroBatch& mb) {
+  //
+  // Alone (--only-rank) there are no peers: each is taken to route its tokens as this
+  // rank does (every member sends this rank's experts what this rank's own tokens send them,
+  // the expected load when replicas see alike data), the copies received are this rank's own,
+  // and what would come back from other ranks' experts is zeros. Shapes and work are a rank's;
+  // the values mean nothing (as every --only-rank loss).
+  void ep_collective(const lower::Task& task, MicroBatch& mb, bool alone = false) {
     const auto anchor = static_cast<OpId>(task.op_begin);
     const Op& op = g_.op(anchor);
     DTSIM_ASSERT(op.expert && (op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown),
@@ -1379,9 +1385,18 @@ class Runner {
       const std::vector<float> counts(rows.begin(), rows.end());
       dev_.upload(sent, counts.data());
       const std::vector<int> each(static_cast<std::size_t>(ep_), local);
-      comm_.all_to_all(task.group, sent, each, got, each);
       std::vector<float> received(static_cast<std::size_t>(E));
-      dev_.download(received.data(), got);
+      if (alone) {
+        for (int s = 0; s < ep_; ++s) {
+          for (int l = 0; l < local; ++l) {
+            received[static_cast<std::size_t>(s * local + l)] =
+                counts[static_cast<std::size_t>(e_ * local + l)];
+          }
+        }
+      } else {
+        comm_.all_to_all(task.group, sent, each, got, each);
+        dev_.download(received.data(), got);
+      }
       dev_.release(sent);
       dev_.release(got);
       blocks.assign(received.begin(), received.end());
@@ -1392,16 +1407,32 @@ class Runner {
       from[static_cast<std::size_t>(e / local)] += blocks.at(static_cast<std::size_t>(e));
     }
     // Moves `tensor` (rows of width C_) from the layout of `send` rows per member to that of
-    // `receive`, in place of the old.
+    // `receive`, in place of the old; towards the experts (send is `to`) or back from them.
     auto exchange = [&](View& tensor, const std::vector<int>& send,
                         const std::vector<int>& receive) {
+      const bool to_experts = &send == &to;
       std::vector<std::int64_t> in(send.begin(), send.end()), out(receive.begin(), receive.end());
       for (auto& n : in) n *= C_;
       for (auto& n : out) n *= C_;
       const View moved =
           dev_.allocate(std::accumulate(out.begin(), out.end(), std::int64_t{0}), tensor.type);
-      comm_.all_to_all(task.group, tensor, collective_counts(in, "ep all-to-all"), moved,
-                       collective_counts(out, "ep all-to-all"));
+      if (alone) {
+        // This rank's own piece, into every piece its size (the copies to its experts, as each
+        // peer's) or into its own (what comes back to it; the rest stays zero).
+        const auto mine = static_cast<std::size_t>(e_);
+        const std::int64_t offset = std::accumulate(in.begin(), in.begin() + e_, std::int64_t{0});
+        std::int64_t at = 0;
+        for (std::size_t r = 0; r < out.size(); ++r) {
+          if (to_experts || r == mine) {
+            DTSIM_ASSERT(out[r] == in[mine], "a replayed ep piece of this rank's size");
+            dev_.copy(moved.sub(at, out[r]), tensor.sub(offset, in[mine]));
+          }
+          at += out[r];
+        }
+      } else {
+        comm_.all_to_all(task.group, tensor, collective_counts(in, "ep all-to-all"), moved,
+                         collective_counts(out, "ep all-to-all"));
+      }
       dev_.release(tensor);
       tensor = moved;
     };
@@ -2350,6 +2381,10 @@ class Runner {
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Cp) {
       cp_collective(task, batches_.at(static_cast<std::size_t>(task.micro_batch)),
                     /*local=*/true);
+    } else if (task.kind == TaskKind::Collective &&
+               program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Ep) {
+      ep_collective(task, batches_.at(static_cast<std::size_t>(task.micro_batch)),
+                    /*local=*/true);
     } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
                g_.op(static_cast<OpId>(task.op_begin)).kind == OpKind::Loss) {
@@ -2668,10 +2703,6 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
         fmt::format("ZeRO-{} with expert parallelism where each expert has one data-parallel "
                     "rank (dp {} / ep {} x cp {})",
                     p.zero_stage, p.dp, p.ep, p.cp));
-  }
-  if (p.ep > 1 && one_program_alone) {
-    // The copies a rank's experts receive come from its ep peers' routing.
-    refuse("expert parallelism (ep > 1) for one rank alone (--only-rank)");
   }
   if (p.sequence_parallel && (p.micro_batch_size * p.seq_len / p.cp) % p.tp != 0) {
     refuse(fmt::format(

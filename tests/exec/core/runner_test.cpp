@@ -287,6 +287,8 @@ TEST_CASE("every rank of a matrix of plans runs alone on the bf16 path", "[exec]
       {moe, "tp2 pp2 (a mixture of experts)", [](Plan& p) { p.tp = 2, p.pp = 2; }},
       {moe, "tp2 sp (a mixture of experts)", [](Plan& p) { p.tp = 2, p.sequence_parallel = true; }},
       {moe, "dp2 zero2 (a mixture of experts)", [](Plan& p) { p.dp = 2, p.zero_stage = 2; }},
+      {moe, "dp4 ep2 zero1 tp2 sp (a mixture of experts)",
+       [](Plan& p) { p.dp = 4, p.ep = 2, p.zero_stage = 1, p.tp = 2, p.sequence_parallel = true; }},
   };
   for (const Case& c : cases) {
     Plan p;
