@@ -223,6 +223,12 @@ l70="--model llama3-70b --tp 8 --pp 8 --micro-batch-size 1 --seq-len 4096 --glob
 cluster="$out/h200-pod.json" validate_plan l70 "--gpus 64 $l70" \
   "$l70 --dp 1 --only-rank 63 --predicted $out/l70_waits.json --steps 3"
 
+say "-- Mixtral 8x7B, tp2 (SP) dp8 ep8 (16 GPUs), rank 0 alone (its experts get 8x its own copies)"
+mix="--model mixtral-8x7b --tp 2 --sequence-parallel --ep 8 --micro-batch-size 1 --seq-len 4096"
+mix="$mix --global-batch-size 16"
+cluster="$out/h200-pod.json" validate_plan mixtral "--gpus 16 $mix" \
+  "$mix --dp 8 --only-rank 0 --steps 3"
+
 say ""
 say "== 6. GPT-2 at its own shapes: vocabulary padded to 50304 (the default) and as it is (50257)"
 # Without dropout (no GPU kernels for it yet): a model file, since calibrate trains the model.
