@@ -79,8 +79,16 @@ plans=(
   "2|--cp 2 --recompute selective"
   "2|--dp 2 --ep 2"
 )
-# A plan this host runs (no more ranks than cores) and ONLY asks for.
-wanted() { [ "$1" -le "$cores" ] && { [ -z "${ONLY:-}" ] || [[ "$2" =~ $ONLY ]]; }; }
+# Expert parallelism needs a mixture of experts: its plans run only with such a MODEL.
+model_file=$model
+[ -f "$model_file" ] || model_file=$root/models/$model.json
+moe=""
+if grep -q '"moe"' "$model_file" 2>/dev/null; then moe=1; fi
+# A plan this host runs (no more ranks than cores), its model has what it needs, ONLY asks for.
+wanted() {
+  [ "$1" -le "$cores" ] && { [ -n "$moe" ] || [[ "$2" != *--ep* ]]; } &&
+    { [ -z "${ONLY:-}" ] || [[ "$2" =~ $ONLY ]]; }
+}
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 # The step times after warm-up of one dtexec run --json, one per line.
 step_times() { sed -n '/"step_times_s": \[/,/\]/p' | grep -o '[0-9][0-9.eE+-]*' | tail -n +$((warmup + 1)); }
