@@ -261,7 +261,8 @@ std::vector<CollectiveTiming> time_collectives(
     check(cudaMemset(send.p, 0, max_bytes), "cudaMemset");
     Events ev;
     const std::uint64_t unit = 2ull * static_cast<std::uint64_t>(ranks);  // bf16, split by ranks
-    for (const char* kind : {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}) {
+    for (const char* kind :
+         {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}) {
       const std::string k = kind;
       for (std::uint64_t size = 1024; size <= max_bytes; size *= 4) {
         const std::uint64_t bytes = size / unit * unit;
@@ -278,6 +279,20 @@ std::vector<CollectiveTiming> time_collectives(
             check(ncclReduceScatter(send.p, recv.p, count / static_cast<std::size_t>(ranks),
                                     ncclBfloat16, ncclSum, comm, stream),
                   "ncclReduceScatter");
+          } else if (k == "all_to_all") {
+            // Expert parallelism's exchange: a part to and from every rank, as grouped sends and
+            // receives (the dispatcher's form; bytes: what a rank sends in all, as nccl-tests'
+            // alltoall counts them).
+            const std::size_t part = count / static_cast<std::size_t>(ranks);
+            check(ncclGroupStart(), "ncclGroupStart");
+            for (int r = 0; r < ranks; ++r) {
+              const std::size_t at = static_cast<std::size_t>(r) * part * 2;
+              check(ncclSend(static_cast<char*>(send.p) + at, part, ncclBfloat16, r, comm, stream),
+                    "ncclSend");
+              check(ncclRecv(static_cast<char*>(recv.p) + at, part, ncclBfloat16, r, comm, stream),
+                    "ncclRecv");
+            }
+            check(ncclGroupEnd(), "ncclGroupEnd");
           } else if (rank < 2) {
             check(ncclGroupStart(), "ncclGroupStart");
             check(ncclSend(send.p, count, ncclBfloat16, 1 - rank, comm, stream), "ncclSend");

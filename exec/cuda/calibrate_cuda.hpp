@@ -79,7 +79,8 @@ std::vector<double> time_model_gemms(int gpu, GemmPrecision precision,
                                      const std::vector<ModelGemm>& gemms, int repeats);
 
 struct CollectiveTiming {
-  std::string kind;  // all_reduce, all_gather, reduce_scatter, send_recv (profile names)
+  std::string
+      kind;  // all_reduce, all_gather, reduce_scatter, all_to_all, send_recv (profile names)
   int ranks = 0;
   std::uint64_t bytes = 0;  // as nccl-tests count them
   double seconds = 0;       // median over the timed runs, the slowest rank's
