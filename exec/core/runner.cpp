@@ -1381,10 +1381,7 @@ class Runner {
     auto& blocks = mb.ep_blocks[router];
     if (op.kind == OpKind::MlpUp && !backward) {
       // The rows per expert first, as fp32 (exact below 2^24, as the router's counts).
-      const View sent = dev_.allocate(E, Dtype::F32), got = dev_.allocate(E, Dtype::F32);
       const std::vector<float> counts(rows.begin(), rows.end());
-      dev_.upload(sent, counts.data());
-      const std::vector<int> each(static_cast<std::size_t>(ep_), local);
       std::vector<float> received(static_cast<std::size_t>(E));
       if (alone) {
         for (int s = 0; s < ep_; ++s) {
@@ -1394,11 +1391,14 @@ class Runner {
           }
         }
       } else {
+        const View sent = dev_.allocate(E, Dtype::F32), got = dev_.allocate(E, Dtype::F32);
+        dev_.upload(sent, counts.data());
+        const std::vector<int> each(static_cast<std::size_t>(ep_), local);
         comm_.all_to_all(task.group, sent, each, got, each);
         dev_.download(received.data(), got);
+        dev_.release(sent);
+        dev_.release(got);
       }
-      dev_.release(sent);
-      dev_.release(got);
       blocks.assign(received.begin(), received.end());
     }
     std::vector<int> to(static_cast<std::size_t>(ep_), 0), from(static_cast<std::size_t>(ep_), 0);

@@ -146,8 +146,7 @@ class MpiComm final : public Comm {
       copy(out, in);
       return;
     }
-    std::vector<int> displs(counts.size(), 0);
-    for (std::size_t i = 1; i < counts.size(); ++i) displs[i] = displs[i - 1] + counts[i - 1];
+    const std::vector<int> displs = displacements(counts);
     check(MPI_Allgatherv(in.p, in.n, in.type, out.p, counts.data(), displs.data(), out.type, c),
           "MPI_Allgatherv");
   }
@@ -160,11 +159,6 @@ class MpiComm final : public Comm {
       copy(out, in);
       return;
     }
-    auto displacements = [](std::span<const int> counts) {
-      std::vector<int> d(counts.size(), 0);
-      for (std::size_t i = 1; i < counts.size(); ++i) d[i] = d[i - 1] + counts[i - 1];
-      return d;
-    };
     const std::vector<int> sd = displacements(in_counts), rd = displacements(out_counts);
     check(MPI_Alltoallv(in.p, in_counts.data(), sd.data(), in.type, out.p, out_counts.data(),
                         rd.data(), out.type, c),
@@ -382,6 +376,13 @@ class MpiComm final : public Comm {
           tag_ub_));
     }
     return static_cast<int>(tag);
+  }
+
+  // Where each member's piece starts in a buffer of consecutive pieces of `counts` elements.
+  static std::vector<int> displacements(std::span<const int> counts) {
+    std::vector<int> d(counts.size(), 0);
+    for (std::size_t i = 1; i < counts.size(); ++i) d[i] = d[i - 1] + counts[i - 1];
+    return d;
   }
 
   static int count(std::size_t n) {

@@ -568,12 +568,9 @@ class Lowerer {
         marker.anchor != last || !comm_for(marker.marker, /*backward=*/true)) {
       return false;
     }
-    // A mixture of experts' router reads the whole sequence too (its input all-gathered at the
-    // block's entry): the same for its weight gradient.
     const model::Op& op = g_.op(last);
     return op.bwd_weight_flops > 0 &&
-           (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab ||
-            op.kind == OpKind::Router);
+           (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab);
   }
 
   // Sequence parallelism: a column-parallel layer (the LM head too) saves its input as the

@@ -111,7 +111,7 @@ std::string summary(const Plan& p) {
   if (!p.grad_accumulation_fusion) s += " no-grad-accumulation-fusion";
   if (p.overlap_p2p_comm) s += " overlap-p2p-comm";
   if (p.scatter_gather_p2p) s += " scatter-gather-p2p";
-  if (p.make_vocab_size_divisible_by != Plan{}.make_vocab_size_divisible_by) {
+  if (p.make_vocab_size_divisible_by != kDefaultVocabMultiple) {
     s += fmt::format(" vocab-multiple={}", p.make_vocab_size_divisible_by);
   }
   s += fmt::format(" {}", to_string(p.precision));

@@ -32,6 +32,8 @@ inline constexpr std::int64_t kMaxDegree = std::int64_t{1} << 20;
 // --make-vocab-size-divisible-by at most this (a multiple of 65536 rows already pads any
 // vocabulary to whole 128 KiB bf16 columns).
 inline constexpr std::int64_t kMaxVocabMultiple = 65536;
+// Megatron-LM's default --make-vocab-size-divisible-by (megatron/training/arguments.py).
+inline constexpr int kDefaultVocabMultiple = 128;
 inline constexpr std::int64_t kMaxMicroBatches = std::int64_t{1} << 24;
 
 struct Plan {
@@ -86,7 +88,7 @@ struct Plan {
   // vocab-parallel shards are equal and the LM head's GEMMs have aligned dimensions (GPT-2's
   // 50257 becomes 50304, as nanoGPT/llm.c pad it). The padded rows are classes no target
   // names; their logits enter the softmax, as in Megatron-LM. 1: pad to a multiple of tp only.
-  int make_vocab_size_divisible_by = 128;
+  int make_vocab_size_divisible_by = kDefaultVocabMultiple;
   Precision precision = Precision::Bf16;
   // Low-precision communication: activations (tp, cp, ep, pp) and gradients travel in this
   // precision's bytes (unset: the training precision's), as with fp8 or bf16 collectives.

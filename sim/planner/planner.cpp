@@ -531,10 +531,11 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   };
   std::map<GraphKey, std::unique_ptr<model::ModelGraph>> graphs;
   for (const Plan& p : plans) {
-    if (!graphs.count(graph_key(p))) {
-      graphs[graph_key(p)] = std::make_unique<model::ModelGraph>(
-          plan::with_padded_vocab(m, p), p.micro_batch_size, p.seq_len,
-          plan::activation_bytes_per_element(p.precision));
+    auto& g = graphs[graph_key(p)];
+    if (!g) {
+      g = std::make_unique<model::ModelGraph>(plan::with_padded_vocab(m, p), p.micro_batch_size,
+                                              p.seq_len,
+                                              plan::activation_bytes_per_element(p.precision));
     }
   }
   struct Evaluated {
