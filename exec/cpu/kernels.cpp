@@ -151,16 +151,8 @@ void swiglu_backward(Out din, In in, In dout, int T, int F) {
   }
 }
 
-std::uint64_t counter_hash(std::uint64_t seed, std::uint64_t a, std::uint64_t b) {
-  std::uint64_t z = seed ^ (a + 1) * 0x9e3779b97f4a7c15ULL ^ (b + 1) * 0xc2b2ae3d27d4eb4fULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
 bool Dropout::keeps(std::int64_t sequence, std::uint64_t index) const {
-  const std::uint64_t u = counter_hash(stream, static_cast<std::uint64_t>(sequence), index) >> 40;
-  return static_cast<float>(u) * (1.0f / 16777216.0f) >= rate;
+  return dropout_keeps(stream, rate, sequence, index);
 }
 
 namespace {
@@ -451,8 +443,8 @@ void moe_combine(Out out, In y, In gates, std::span<const int> order, int T, int
   }
 }
 
-void moe_combine_backward(Out dy, Out dgates, In dout, In y, In gates,
-                          std::span<const int> order, int T, int C, int k) {
+void moe_combine_backward(Out dy, Out dgates, In dout, In y, In gates, std::span<const int> order,
+                          int T, int C, int k) {
   const std::size_t slots = static_cast<std::size_t>(T) * k;
   for (std::size_t p = 0; p < slots; ++p) {
     const auto slot = static_cast<std::size_t>(order[p]);

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <span>
 
+#include "exec/core/counter_hash.hpp"
+
 namespace dtsim::exec::cpu {
 
 using In = std::span<const float>;
@@ -48,9 +50,8 @@ void swiglu_backward(Out din, In in, In dout, int T, int F);
 void attention_forward(Out out, Out probs, In qkv, int B, int S, int H, int G, int D);
 void attention_backward(Out dqkv, In dout, In qkv, In probs, int B, int S, int H, int G, int D);
 
-// A counter-based hash of three words (splitmix64's finaliser, Steele et al. 2014): parameters,
-// data and dropout masks that do not depend on which rank makes them or in which order.
-std::uint64_t counter_hash(std::uint64_t seed, std::uint64_t a, std::uint64_t b);
+// Parameters, data and dropout masks come from exec/core/counter_hash.hpp.
+using exec::counter_hash;
 
 // The dropout rate of a model with dropout, at every site (the embedding, the attention
 // probabilities, both residual branches): GPT-2's embd_pdrop, attn_pdrop and resid_pdrop

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "exec/core/counter_hash.hpp"
 #include "exec/cuda/check.cuh"
 #include "exec/cuda/kernels.hpp"
 
@@ -301,18 +302,9 @@ __global__ void norm_weight_partial_kernel(float* pw, float* pb, const T* dout, 
 
 // ---- dropout --------------------------------------------------------------------------------
 
-// exec/cpu/kernels.cpp's counter_hash and Dropout::keeps, the same arithmetic: the GPU draws
-// the CPU's masks.
-__device__ std::uint64_t counter_hash(std::uint64_t seed, std::uint64_t a, std::uint64_t b) {
-  std::uint64_t z = seed ^ (a + 1) * 0x9e3779b97f4a7c15ULL ^ (b + 1) * 0xc2b2ae3d27d4eb4fULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
+// The CPU's keep rule (exec/core/counter_hash.hpp): the GPU draws the CPU's masks.
 __device__ bool keeps(const Kernels::DropoutSite& d, std::int64_t sequence, std::uint64_t index) {
-  const std::uint64_t u = counter_hash(d.stream, static_cast<std::uint64_t>(sequence), index) >> 40;
-  return static_cast<float>(u) * (1.0f / 16777216.0f) >= d.rate;
+  return dropout_keeps(d.stream, d.rate, sequence, index);
 }
 
 // One thread per element of rows [T, C].
