@@ -603,9 +603,10 @@ int run(const std::vector<std::string>& args) {
     std::_Exit(3);
   };
   std::unique_ptr<dtsim::exec::Comm> comm;
-  if (mpi && !gpu) {
+  // One process under mpirun (mpirun -np 1) runs as one without it.
+  if (mpi && mpi->size() > 1 && !gpu) {
     comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);
-    if (mpi->size() > 1) dtsim::exec::cpu::set_gemm_threads(1);
+    dtsim::exec::cpu::set_gemm_threads(1);
   } else if (mpi && mpi->size() > 1) {
 #ifdef DTEXEC_HAVE_CUDA
     try {

@@ -19,6 +19,7 @@
 #include <random>
 #include <span>
 #include <thread>
+#include <utility>
 
 #include "exec/core/checkpoint.hpp"
 #include "exec/core/device.hpp"
@@ -1087,8 +1088,17 @@ class Runner {
       case OpKind::Loss: {
         // The step's loss is the mean over micro-batches and data-parallel replicas: scale each
         // micro-batch's gradient by 1/(m·dp); the dp reduction sums.
-        dev_.accumulate(grad_of(mb, input(id)), mb.aux1.at(id),
-                        1.0f / static_cast<float>(micro_batches_ * dp_));
+        const float scale = 1.0f / static_cast<float>(micro_batches_ * dp_);
+        View& dlogits = mb.grad[input(id)];
+        if (dlogits.empty()) {
+          // The head's output gradient is the loss's, scaled in place (d += (scale - 1)·d), as
+          // Megatron-LM's cross entropy writes its gradient over its softmax: no second
+          // logits-sized buffer (dtsim's memory model counts one).
+          dlogits = std::exchange(mb.aux1.at(id), View{});
+          dev_.accumulate(dlogits, dlogits, scale - 1.0f);
+        } else {
+          dev_.accumulate(dlogits, mb.aux1.at(id), scale);
+        }
         break;
       }
       case OpKind::Embedding:

@@ -27,6 +27,7 @@ json stage_json(const plan::StageMemory& s) {
           {"gradients_bytes", s.gradients_bytes},
           {"optimizer_bytes", s.optimizer_bytes},
           {"activations_bytes", s.activations_bytes},
+          {"working_bytes", s.working_bytes},
           {"other_bytes", s.other_bytes},
           {"total_bytes", s.total_bytes},
           {"dominant", s.dominant}};

@@ -274,6 +274,14 @@ class Builder {
     }
     down.saved_bytes = act_ * T() * copies * f;  // its input (8sbh for GELU with f = 4h)
     down.saved_tp_split = true;
+    if (expert) {
+      // And the copies' outputs, for the gates' gradient (y = sum_j g_j E_j(x), so
+      // dL/dg_j = <dL/dy, E_j(x)>; Megatron-LM's unpermute keeps them for the same reason).
+      // Each tp rank holds its row-parallel partial sums at full width until the combine,
+      // so these are not split over tp, with or without sequence parallelism.
+      down.saved_tp_whole_bytes = act_ * T() * copies * h();
+      down.saved_bytes += down.saved_tp_whole_bytes;
+    }
     const OpId d = add(std::move(down), {ac});
 
     return residual(name("mlp_residual"), l, d, r1);

@@ -69,9 +69,12 @@ struct Op {
   // Bytes of activations kept from forward to backward. `saved_quadratic_bytes` is the part
   // that grows with seq_len² (softmax, dropout mask and output of attention): what selective
   // recompute drops. `saved_tp_split`: the tensors live inside the tensor-parallel region and
-  // are split over tp ranks even without sequence parallelism.
+  // are split over tp ranks even without sequence parallelism. `saved_tp_whole_bytes`: the
+  // part of `saved_bytes` that every tp rank keeps whole, sequence parallelism or not (split
+  // only over cp).
   std::uint64_t saved_bytes = 0;
   std::uint64_t saved_quadratic_bytes = 0;
+  std::uint64_t saved_tp_whole_bytes = 0;
   bool saved_tp_split = false;
 };
 

@@ -140,10 +140,10 @@ double saved_bytes_upper_bound(const ModelSpec& m, double micro_batch, double se
   const double experts = m.moe ? static_cast<double>(m.moe->experts) : 0.0;
   const double f = static_cast<double>(m.moe ? m.moe->expert_ffn_hidden : m.ffn_hidden);
   // Per token of a block: norm, residual and projection inputs (6h + q + 2kv), the MLP's
-  // input, gate/up and down inputs per routed copy (h + 3f) and fp32 routing probabilities;
-  // plus the s² attention terms (softmax output, dropout mask and output: at most 9 bytes per
-  // score). Ends: embedding mask, final norm, head input and fp32 logits.
-  const double per_token = 6 * h + q + 2 * kv + copies * (h + 3 * f) + experts;
+  // input, gate/up and down inputs and output per routed copy (2h + 3f) and fp32 routing
+  // probabilities; plus the s² attention terms (softmax output, dropout mask and output: at
+  // most 9 bytes per score). Ends: embedding mask, final norm, head input and fp32 logits.
+  const double per_token = 6 * h + q + 2 * kv + copies * (2 * h + 3 * f) + experts;
   const double scores = micro_batch * static_cast<double>(m.heads) * seq_len * seq_len;
   return static_cast<double>(m.layers) * (4 * tokens * per_token + 9 * scores) +
          4 * tokens * (3 * h + static_cast<double>(m.vocab_rows()));

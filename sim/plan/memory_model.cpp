@@ -45,12 +45,19 @@ double activation_divisor(const Op& op, const Plan& plan) {
   return static_cast<double>(plan.cp) * (tp_split ? plan.tp : 1);
 }
 
+// One rank's share of `saved` bytes of `op`'s saved tensors (its saved_bytes, or that less a
+// part of the split ones): the part every tp rank keeps whole is split over cp only.
+double rank_saved_bytes(const Op& op, const Plan& plan, double saved) {
+  const auto whole = static_cast<double>(op.saved_tp_whole_bytes);
+  return (saved - whole) / activation_divisor(op, plan) + whole / plan.cp;
+}
+
 // Activations of ops outside the blocks (embedding; final norm, LM head, loss).
 double extra_activation_bytes(const ModelGraph& g, int group, const Plan& plan) {
   double bytes = 0;
   for (model::OpId id : g.layer_ops(group)) {
     const Op& op = g.op(id);
-    bytes += static_cast<double>(op.saved_bytes) / activation_divisor(op, plan);
+    bytes += rank_saved_bytes(op, plan, static_cast<double>(op.saved_bytes));
   }
   return bytes;
 }
@@ -66,8 +73,9 @@ double weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan) {
     if (op.bwd_weight_flops <= 0 || op.gemm_m <= 0) continue;
     const double out_split = static_cast<double>(plan.cp) *
                              (op.tp_split == TpSplit::Column ? static_cast<double>(plan.tp) : 1.0);
-    bytes += static_cast<double>(op.saved_bytes) / activation_divisor(op, plan) +
-             a * op.gemm_m * op.gemm_n / out_split;
+    // (Not what the op keeps whole for its input-gradient pass: an MoE's copies' outputs.)
+    const auto input = static_cast<double>(op.saved_bytes - op.saved_tp_whole_bytes);
+    bytes += input / activation_divisor(op, plan) + a * op.gemm_m * op.gemm_n / out_split;
   }
   return bytes;
 }
@@ -125,7 +133,7 @@ double block_activation_bytes(const ModelGraph& g, int layer, const Plan& plan) 
     double saved = static_cast<double>(op.saved_bytes);
     if (plan.recompute == Recompute::Selective)
       saved -= static_cast<double>(op.saved_quadratic_bytes);
-    bytes += saved / activation_divisor(op, plan);
+    bytes += rank_saved_bytes(op, plan, saved);
   }
   return bytes;
 }
@@ -180,6 +188,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double block_activations = 0;
     double weight_pass = 0;           // zero-bubble: what a deferred W pass keeps
     double largest_quadratic = 0;     // selective recompute: one block's recomputed s² tensors
+    double largest_mlp_grads = 0;     // an MLP activation's backward: its gradients, in and out
     double largest_layer_params = 0;  // for ZeRO-3's gathered-weights buffer
     double tied_table = 0;            // ZeRO-3: a tied head's table, gathered for the embedding
     // Chunk c of this rank is global chunk c·pp + stage; global chunk k covers the blocks after
@@ -193,8 +202,15 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       for (int layer = first; layer < first + count; ++layer) {
         double layer_params = 0;
         double quadratic = 0;
+        double mlp_grads = 0;
         for (model::OpId id : g.layer_ops(layer)) {
           const Op& op = g.op(id);
+          // The gradients of the MLP activation's input and output have the shapes of what
+          // it and the down GEMM keep (less the copies' outputs an MoE's down op keeps).
+          if (op.kind == model::OpKind::Activation || op.kind == model::OpKind::MlpDown) {
+            mlp_grads += static_cast<double>(op.saved_bytes - op.saved_tp_whole_bytes) /
+                         activation_divisor(op, plan);
+          }
           const double p = rank_params(op, plan);
           (op.expert ? expert_params : dense_params) += p;
           layer_params += p;
@@ -205,6 +221,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         }
         largest_layer_params = std::max(largest_layer_params, layer_params);
         largest_quadratic = std::max(largest_quadratic, quadratic);
+        largest_mlp_grads = std::max(largest_mlp_grads, mlp_grads);
         const double act = block_activation_bytes(g, layer, plan);
         block_activations += act;
         if (plan.schedule == Schedule::ZeroBubble) weight_pass += weight_pass_bytes(g, layer, plan);
@@ -215,6 +232,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // Embedding and head activations, each times the micro-batches in flight at its end.
     const double end_count = static_cast<double>(end_in_flight(plan, stage));
     double extra_activations = 0;
+    double logits = 0;  // the head's output, alive while the loss's forward reads it
     if (stage == 0) {
       double group_params = 0;
       for (model::OpId id : g.layer_ops(-1)) group_params += rank_params(g.op(id), plan);
@@ -233,7 +251,12 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     if (stage == plan.pp - 1) {
       double group_params = 0;
       for (model::OpId id : g.layer_ops(static_cast<int>(spec.layers))) {
-        group_params += rank_params(g.op(id), plan);
+        const Op& op = g.op(id);
+        group_params += rank_params(op, plan);
+        if (op.kind == model::OpKind::LmHead) {
+          logits = activation_bytes_per_element(plan.precision) * op.gemm_m * op.gemm_n /
+                   (static_cast<double>(plan.tp) * plan.cp);
+        }
       }
       dense_params += group_params;
       largest_layer_params = std::max(largest_layer_params, group_params);
@@ -266,20 +289,25 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       s.weight_passes_held = peak.weight_passes;
     }
     s.activations_bytes += extra_activations;
+    // Beyond what is kept, the most one moment adds: the forward's logits on the last stage
+    // (the loss reads them while writing what it keeps, then they go), the gradients an MLP
+    // activation's backward reads and writes (the widest of a block's backward, while the
+    // in-flight micro-batches are all kept), or a block recomputed in the backward.
+    double working = std::max(logits, largest_mlp_grads);
     if (plan.recompute == Recompute::Selective) {
       // Backward recomputes one block's attention core and holds its s² tensors meanwhile.
-      s.activations_bytes += largest_quadratic;
+      working = std::max(working, largest_quadratic);
     }
     if (plan.recompute == Recompute::Full) {
       // Backward recomputes one block at a time and holds its full activations meanwhile.
       Plan no_recompute = plan;
       no_recompute.recompute = Recompute::None;
-      double working = 0;
       for (int layer = 0; layer < spec.layers; ++layer) {
         working = std::max(working, block_activation_bytes(g, layer, no_recompute));
       }
-      s.activations_bytes += working;
     }
+    s.working_bytes = working;
+    s.activations_bytes += working;
 
     s.other_bytes = options.framework_overhead_bytes;
     if (plan.zero_stage == 2 && shard > 1) {
@@ -316,6 +344,11 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
   }
   report.margin_bytes = report.capacity_bytes - report.worst().total_bytes;
   report.fits = report.margin_bytes >= 0;
+  report.notes.push_back(fmt::format(
+      "activations include {:.2f} GiB of working tensors (worst rank's working_bytes): the "
+      "largest of the last stage's logits while the loss reads them, an MLP activation's "
+      "gradients in its backward, a block recomputed in the backward",
+      report.worst().working_bytes / (1024.0 * 1024 * 1024)));
   report.notes.push_back(
       fmt::format("other = {:.2f} GiB framework allowance (assumed; --framework-overhead-gib){}",
                   options.framework_overhead_bytes / (1024.0 * 1024 * 1024),

@@ -85,6 +85,10 @@ struct StageMemory {
   double gradients_bytes = 0;
   double optimizer_bytes = 0;
   double activations_bytes = 0;
+  // Of activations_bytes, what one moment adds beyond the tensors kept from forward to
+  // backward: the last stage's logits while the loss reads them, an MLP activation's backward
+  // gradients, or a block recomputed in the backward (the largest of them).
+  double working_bytes = 0;
   double other_bytes = 0;
   double total_bytes = 0;
   std::string dominant;  // the largest term

@@ -3,8 +3,8 @@
 # schedules (GPipe, 1F1B, interleaved, zero-bubble; pipeline receives posted when reached or,
 # with --overlap-p2p-comm, ahead of need), micro-batch counts and recompute, K steps of five
 # tiny models (GPT, Llama, GPT with dropout, a mixture of experts, GPT with an odd vocabulary
-# that the plans pad) under mpirun give the losses
-# and final weights of the single-rank run of the same global batch.
+# that the plans pad) under mpirun give the losses and final weights of the single-rank run
+# of the same global batch (the first plan: one rank under mpirun, as without it).
 #
 # Tolerances (fp32): losses within 1e-5 (sums in another order differ by ~1e-7); weights within
 # lr/3 = 1e-3. AdamW divides each gradient by its own running RMS, so an element whose gradient
@@ -59,6 +59,7 @@ done
 
 # model | ranks | micro-batch size | plan flags   (micro-batches per replica = 8 / (mbs x dp))
 plans=(
+  "tiny-gpt|1|2|"
   "tiny-gpt|2|4|--dp 2"
   "tiny-gpt|4|2|--dp 4 --zero-stage 1"
   "tiny-gpt|2|1|--dp 2 --zero-stage 2"

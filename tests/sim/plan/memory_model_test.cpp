@@ -1,5 +1,6 @@
 #include "sim/plan/memory_model.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -36,6 +37,19 @@ bool same_as_printed(double exact, const std::string& printed) {
 // A GPT block as in Korthikanti et al. 2022 (Table 3's 22B model), one layer.
 dtsim::model::ModelSpec korthikanti_22b() {
   return dtsim::report::korthikanti_22b_spec();
+}
+
+// What an MLP activation's backward holds at once in block 0 (tp = cp = 1): the gradients of
+// its input and output, the sizes of what the activation and the down GEMM keep.
+double mlp_backward_grads(const ModelGraph& g) {
+  double bytes = 0;
+  for (dtsim::model::OpId id : g.layer_ops(0)) {
+    const auto& op = g.op(id);
+    if (op.kind == dtsim::model::OpKind::Activation || op.kind == dtsim::model::OpKind::MlpDown) {
+      bytes += static_cast<double>(op.saved_bytes - op.saved_tp_whole_bytes);
+    }
+  }
+  return bytes;
 }
 
 }  // namespace
@@ -264,21 +278,35 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
   p.seq_len = 32;
   const ModelGraph g(spec, 2, 32);
   const double block = dtsim::plan::block_activation_bytes(g, 0, p);
+  // Stage 0 has no head: its working tensors are an MLP activation's backward gradients.
+  const double working = mlp_backward_grads(g);
+  REQUIRE(working > 0);
 
   SECTION("1F1B keeps pp micro-batches of its 4 blocks on stage 0 (Korthikanti §4.3: L layers)") {
     const auto r = dtsim::plan::estimate_memory(g, p, cluster);
-    CHECK(r.stages[0].activations_bytes == Approx(4 * 4 * block));
+    CHECK(r.stages[0].working_bytes == Approx(working));
+    CHECK(r.stages[0].activations_bytes == Approx(4 * 4 * block + working));
   }
   SECTION("GPipe keeps all m") {
     p.schedule = Schedule::GPipe;
     const auto r = dtsim::plan::estimate_memory(g, p, cluster);
-    CHECK(r.stages[0].activations_bytes == Approx(8 * 4 * block));
+    CHECK(r.stages[0].activations_bytes == Approx(8 * 4 * block + working));
   }
   SECTION("interleaved keeps L·(1 + (p-1)/(p·v)) blocks on stage 0") {
     p.schedule = Schedule::Interleaved;
     p.virtual_stages = 2;
     const auto r = dtsim::plan::estimate_memory(g, p, cluster);
-    CHECK(r.stages[0].activations_bytes == Approx(16 * (1 + 3.0 / 8) * block));
+    CHECK(r.stages[0].activations_bytes == Approx(16 * (1 + 3.0 / 8) * block + working));
+  }
+  SECTION("the last stage's working tensors: the logits while the loss reads them") {
+    auto wide = spec;  // a vocabulary whose logits outweigh the MLP's gradients
+    wide.vocab = 4096;
+    const ModelGraph gw(wide, 2, 32);
+    const auto r = dtsim::plan::estimate_memory(gw, p, cluster);
+    const double logits = 2.0 * 2 * 32 * 4096;  // bf16, mbs x seq_len tokens
+    REQUIRE(logits > working);
+    CHECK(r.stages[3].working_bytes == Approx(logits));
+    CHECK(r.stages[0].working_bytes == Approx(working));
   }
   SECTION("interleaved: embedding for min(2·pp, m) micro-batches, head and loss for one") {
     auto dropped = spec;
@@ -293,8 +321,30 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     const auto r = dtsim::plan::estimate_memory(gd, p, cluster);
     // pp = 4, v = 2, m = 8: stage 0 holds 11 chunks of 2 blocks and 8 embeddings; stage 3
     // holds 2·0 + 1·4 + 1 = 5 chunks and one head.
-    CHECK(r.stages[0].activations_bytes == Approx(11 * 2 * block_d + 8 * embedding));
-    CHECK(r.stages[3].activations_bytes == Approx(5 * 2 * block_d + head));
+    CHECK(r.stages[0].activations_bytes ==
+          Approx(11 * 2 * block_d + 8 * embedding + r.stages[0].working_bytes));
+    CHECK(r.stages[3].activations_bytes ==
+          Approx(5 * 2 * block_d + head + r.stages[3].working_bytes));
+  }
+  SECTION("an MoE keeps its copies' outputs for the gates' gradient, whole on each tp rank") {
+    auto moe = spec;
+    moe.moe = dtsim::model::MoeSpec{4, 2, 128};
+    const ModelGraph gm(moe, 2, 32);
+    double whole = 0;
+    for (dtsim::model::OpId id : gm.layer_ops(0)) {
+      whole += static_cast<double>(gm.op(id).saved_tp_whole_bytes);
+    }
+    // bf16, 2 x 32 tokens, top 2 copies of width h.
+    CHECK(whole == Approx(2.0 * 2 * 32 * 2 * static_cast<double>(spec.hidden)));
+    p.pp = 1;
+    p.tp = 2;
+    p.sequence_parallel = true;
+    const double split = dtsim::plan::block_activation_bytes(gm, 0, p);
+    p.tp = 1;
+    p.sequence_parallel = false;
+    const double one = dtsim::plan::block_activation_bytes(gm, 0, p);
+    // Sequence parallelism splits everything else over tp.
+    CHECK(split == Approx((one - whole) / 2 + whole));
   }
   SECTION("ZeRO shards over dp x cp; experts over dp x cp / ep (Megatron-LM)") {
     auto moe = spec;
@@ -361,8 +411,9 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     CHECK(base.stages[3].weight_passes_held == 0);
   }
   SECTION("selective recompute holds one block's recomputed attention tensors") {
-    // One block: the recomputed s² tensors are all selective recompute saved, so the peak is
-    // the same as without recompute; with more blocks it is lower.
+    // One block: selective recompute keeps all but its s² tensors, and holds them again while
+    // its backward recomputes them (working tensors, unless the head's logits or the MLP's
+    // gradients are larger); with more blocks the peak is lower.
     auto one = spec;
     one.layers = 1;
     Plan q;
@@ -373,7 +424,16 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     const auto none = dtsim::plan::estimate_memory(g1, q, cluster);
     q.recompute = Recompute::Selective;
     const auto selective = dtsim::plan::estimate_memory(g1, q, cluster);
-    CHECK(selective.stages[0].activations_bytes == Approx(none.stages[0].activations_bytes));
+    double quadratic = 0;
+    for (dtsim::model::OpId id : g1.layer_ops(0)) {
+      quadratic += static_cast<double>(g1.op(id).saved_quadratic_bytes);
+    }
+    REQUIRE(quadratic > 0);
+    const auto& n = none.stages[0];
+    const auto& sel = selective.stages[0];
+    CHECK(sel.activations_bytes - sel.working_bytes ==
+          Approx(n.activations_bytes - n.working_bytes - quadratic));
+    CHECK(sel.working_bytes == Approx(std::max(n.working_bytes, quadratic)));
     p.recompute = Recompute::Selective;
     const auto many = dtsim::plan::estimate_memory(g, p, cluster);
     p.recompute = Recompute::None;
