@@ -283,8 +283,9 @@ std::optional<dtsim::plan::MemoryReport> predicted_memory_report(
                        : dtsim::cluster::load_cluster("cpu-host");
     dtsim::plan::MemoryOptions no_allowance;
     no_allowance.framework_overhead_bytes = 0;
-    return dtsim::plan::estimate_memory(
-        graph, plan, dtsim::cluster::with_devices(c, plan.devices()), no_allowance);
+    // (Per-rank memory needs only the device; the cluster may have fewer of them than the
+    // plan, as cpu-host has this host's cores where mpirun oversubscribes them.)
+    return dtsim::plan::estimate_memory(graph, plan, c, no_allowance);
   } catch (const dtsim::InputError&) {
   } catch (const dtsim::UnsupportedError&) {
   }
@@ -664,21 +665,32 @@ int run(const std::vector<std::string>& args) {
   // Memory: the peak of tensor bytes on the busiest rank, and the memory model's busiest stage
   // without its framework allowance (the pool holds tensors only). Every rank takes part.
   const auto use = device->memory_use();
-  std::array<double, 2> held = {static_cast<double>(use.peak), static_cast<double>(use.reserved)};
+  std::array<double, 3> held = {static_cast<double>(use.peak), static_cast<double>(use.reserved),
+                                result.expert_load};
   comm->all_ranks(held, dtsim::exec::Reduce::Max);
   std::optional<double> predicted_memory;
   if (const auto report = predicted_memory_report(vm, graph, plan)) {
     predicted_memory = report->worst().total_bytes;
   }
-  const nlohmann::json memory = {
+  nlohmann::json memory = {
       {"peak_bytes", held[0]},
       {"reserved_bytes", held[1]},
       {"predicted_bytes", dtsim::report::value_or_null(predicted_memory)},
       {"note",
        "peak_bytes: the most tensor bytes the device held at once on the busiest rank; "
        "reserved_bytes: what its pool of buffers held; predicted_bytes: dtsim memory's busiest "
-       "stage "
-       "without its framework allowance (null where the memory model does not apply)"}};
+       "stage without its framework allowance (null where the memory model does not apply)"}};
+  std::string load_note;
+  if (plan.ep > 1) {
+    memory["expert_load"] = held[2];
+    memory["note"] = memory["note"].get<std::string>() +
+                     "; expert_load: the most token copies one rank's experts got in one MoE "
+                     "block and micro-batch, over the even share that dtsim assumes";
+    load_note = fmt::format(
+        "; the busiest rank's experts got up to {:.2f}x the even share of token copies in one "
+        "block, where dtsim memory assumes an even share",
+        held[2]);
+  }
   const double tokens = static_cast<double>(plan.global_batch_size * plan.seq_len);
   const int first = result.first_step;
   // What simulate predicts, measured: FLOP rates, and where this rank's step went.
@@ -740,8 +752,8 @@ int run(const std::vector<std::string>& args) {
       "by its pool){}\n",
       held[0] / mib, held[1] / mib,
       predicted_memory ? fmt::format("; dtsim memory predicts {:.1f} MiB "
-                                     "(without its framework allowance)",
-                                     *predicted_memory / mib)
+                                     "(without its framework allowance){}",
+                                     *predicted_memory / mib, load_note)
                        : std::string());
   if (!options.checkpoint_dir.empty()) {
     out(rank) << fmt::format("checkpoint written to {}\n", options.checkpoint_dir);

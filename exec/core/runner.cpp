@@ -294,6 +294,7 @@ class Runner {
     if (cp_ > 1) place_positions();
     init_params();
     if (!options.keep_tensors) plan_releases();
+    plan_receive_streams();
     if (zero3_) plan_weight_releases();
     losses_ = dev_.allocate(micro_batches_, Dtype::F32);
     // A learnable stream: each token is followed by next_[token] nine times in ten.
@@ -325,12 +326,12 @@ class Runner {
       batches_.assign(static_cast<std::size_t>(micro_batches_), MicroBatch{});
       for (int j = 0; j < micro_batches_; ++j)
         make_batch(batches_[static_cast<std::size_t>(j)], step, j);
-      // Overlapped pipeline transfers: every receive of the step is posted now, ahead of need,
-      // as the simulator has them (a receive without overlap is posted when it is reached).
+      // Overlapped pipeline transfers: receives are posted ahead of need, as the simulator has
+      // them (a receive without overlap is posted when it is reached): the first of each stream
+      // now, each next one when the one before it is taken (posting the whole step's at once
+      // would hold a buffer per micro-batch; Megatron-LM posts one ahead too).
       if (program_.plan.overlap_p2p_comm && !options_.replay_communication) {
-        for (std::size_t i = 0; i < tasks.size(); ++i) {
-          if (tasks[i].kind == TaskKind::Recv) posted_[i] = post_receive(tasks[i]);
-        }
+        for (const std::size_t i : first_receives_) posted_[i] = post_receive(tasks[i]);
       }
       dev_.zero(losses_);
       event_ = 0;
@@ -421,6 +422,7 @@ class Runner {
         result.step_times_s.end());
     std::sort(timed.begin(), timed.end());
     result.step_time_s = timed.empty() ? 0 : timed[timed.size() / 2];
+    result.expert_load = expert_load_;
     return result;
   }
 
@@ -1410,6 +1412,8 @@ class Runner {
         dev_.release(got);
       }
       blocks.assign(received.begin(), received.end());
+      const double copies = std::accumulate(received.begin(), received.end(), 0.0);
+      expert_load_ = std::max(expert_load_, copies / (static_cast<double>(T_) * k));
     }
     std::vector<int> to(static_cast<std::size_t>(ep_), 0), from(static_cast<std::size_t>(ep_), 0);
     for (int e = 0; e < E; ++e) {
@@ -2295,6 +2299,23 @@ class Runner {
     v = dev_.allocate(n, type.value_or(dev_.activations()));
   }
 
+  // first_receives_ and next_receive_ from this rank's tasks.
+  void plan_receive_streams() {
+    const auto& tasks = rp_->tasks;
+    next_receive_.assign(tasks.size(), kNoTask);
+    std::map<std::pair<std::int64_t, int>, std::size_t> last;  // (peer, tag parity) -> task
+    for (std::size_t i = 0; i < tasks.size(); ++i) {
+      if (tasks[i].kind != TaskKind::Recv) continue;
+      const auto [it, first] = last.try_emplace({tasks[i].peer, tasks[i].tag & 1}, i);
+      if (first) {
+        first_receives_.push_back(i);
+      } else {
+        next_receive_[it->second] = i;
+        it->second = i;
+      }
+    }
+  }
+
   // A pipeline receive posted ahead of need, into its micro-batch's tensor.
   Comm::Handle post_receive(const lower::Task& task) {
     View& buffer = transferred(task);
@@ -2447,6 +2468,9 @@ class Runner {
         } else if (const auto posted = posted_.find(index); posted != posted_.end()) {
           comm_.finish(posted->second);
           posted_.erase(posted);
+          if (const std::size_t next = next_receive_[index]; next != kNoTask) {
+            posted_[next] = post_receive(rp_->tasks[next]);
+          }
         } else {
           fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
           comm_.recv(peer_rank(task), task.tag, on_the_wire(buffer));
@@ -2605,6 +2629,11 @@ class Runner {
   std::vector<std::size_t> open_sends_;
   // Receives posted ahead of need (overlapped pipeline transfers), by task index.
   std::map<std::size_t, Comm::Handle> posted_;
+  // Overlapped pipeline receives come in streams, one per peer and direction (activations on
+  // even tags, gradients on odd ones): the first task of each, and each task's next one.
+  static constexpr std::size_t kNoTask = std::numeric_limits<std::size_t>::max();
+  std::vector<std::size_t> first_receives_;
+  std::vector<std::size_t> next_receive_;
   std::vector<int> next_;
   std::vector<MicroBatch> batches_;
   // The tensors each event of a step reads last (empty with RunOptions::keep_tensors), and the
@@ -2617,6 +2646,7 @@ class Runner {
   // [e_·E/ep_, (e_ + 1)·E/ep_)), and its expert-dp group (the ranks holding the same experts,
   // over which their gradients reduce and ZeRO shards them): size and place.
   int ep_ = 1, e_ = 0, edp_ = 1, ed_ = 0;
+  double expert_load_ = 0;  // RunResult::expert_load
   // Context parallelism: the degree, this rank's place in it, its tokens of a sequence and
   // their positions, the keys' order (place_positions; empty views without cp); and the data
   // -parallel replica whose sequences the rank reads.

@@ -89,6 +89,10 @@ struct RunResult {
   std::vector<double> step_times_s;  // wall time of each step of this run (slowest rank)
   double step_time_s = 0;            // median after warm-up
   std::vector<TaskRecord> tasks;     // this rank's tasks of every step after warm-up
+  // Expert parallelism: the most token copies this rank's experts got in one MoE block of one
+  // micro-batch, over the even share (micro-batch tokens x top_k): 1 when routing is even, as
+  // dtsim assumes; 0 without ep.
+  double expert_load = 0;
 };
 
 // Throws UnsupportedError naming what the runner does not execute in this model or plan (every

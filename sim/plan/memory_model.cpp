@@ -63,9 +63,11 @@ double extra_activation_bytes(const ModelGraph& g, int group, const Plan& plan) 
 }
 
 // What a deferred weight-gradient pass (zero-bubble's W) of one micro-batch keeps of `layer`:
-// each weight GEMM's input and the gradient of its output. A column-parallel GEMM's output is
-// split over tp; a row-parallel one's gradient is the whole (all-gathered) tensor.
-double weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan) {
+// each weight GEMM's input and the gradient of its output (`output_grads`: those alone). A
+// column-parallel GEMM's output is split over tp; a row-parallel one's gradient is the whole
+// (all-gathered) tensor.
+double weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan,
+                         bool output_grads = false) {
   const double a = activation_bytes_per_element(plan.precision);
   double bytes = 0;
   for (model::OpId id : g.layer_ops(layer)) {
@@ -73,28 +75,34 @@ double weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan) {
     if (op.bwd_weight_flops <= 0 || op.gemm_m <= 0) continue;
     const double out_split = static_cast<double>(plan.cp) *
                              (op.tp_split == TpSplit::Column ? static_cast<double>(plan.tp) : 1.0);
-    // (Not what the op keeps whole for its input-gradient pass: an MoE's copies' outputs.)
-    const auto input = static_cast<double>(op.saved_bytes - op.saved_tp_whole_bytes);
-    bytes += input / activation_divisor(op, plan) + a * op.gemm_m * op.gemm_n / out_split;
+    // Its input: what it keeps, but an MoE down op's copies' outputs (the B pass used them).
+    const double input = op.kind == model::OpKind::MlpDown
+                             ? static_cast<double>(op.saved_bytes - op.saved_tp_whole_bytes) /
+                                   activation_divisor(op, plan)
+                             : rank_saved_bytes(op, plan, static_cast<double>(op.saved_bytes));
+    bytes += (output_grads ? 0.0 : input) + a * op.gemm_m * op.gemm_n / out_split;
   }
   return bytes;
 }
 
 // Zero-bubble's peak on `stage`: forwards awaiting their B pass hold a micro-batch's
-// activations (`per_micro_batch`), B passes awaiting their W hold `per_weight_pass`; the
-// stage's pass order (plan::zero_bubble_states) gives the largest sum and the counts there.
+// activations (`per_micro_batch`), B passes awaiting their W hold `per_weight_pass`, and a
+// running B pass its forward's activations with the output gradients of a block's weight
+// GEMMs (`block_output_grads`, the largest block's); the stage's pass order
+// (plan::zero_bubble_states) gives the largest sum and the counts there.
 struct ZbPeak {
   double bytes = 0;
   std::int64_t forwards = 0;
   std::int64_t weight_passes = 0;
 };
-ZbPeak zero_bubble_peak(const Plan& plan, int stage, double per_micro_batch,
-                        double per_weight_pass) {
+ZbPeak zero_bubble_peak(const Plan& plan, int stage, double per_micro_batch, double per_weight_pass,
+                        double block_output_grads) {
   ZbPeak peak;
-  for (const auto& [forwards, pending] :
+  for (const ZbState& state :
        zero_bubble_states(plan.pp, static_cast<int>(plan.micro_batches()), stage)) {
-    const double held = forwards * per_micro_batch + pending * per_weight_pass;
-    if (held > peak.bytes) peak = {held, forwards, pending};
+    const double held = state.forwards * per_micro_batch + state.pending * per_weight_pass +
+                        (state.in_backward ? block_output_grads : 0.0);
+    if (held > peak.bytes) peak = {held, state.forwards, state.pending};
   }
   return peak;
 }
@@ -187,6 +195,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double expert_params = 0;
     double block_activations = 0;
     double weight_pass = 0;           // zero-bubble: what a deferred W pass keeps
+    double block_output_grads = 0;    // zero-bubble: a block's weight GEMMs' output gradients
     double largest_quadratic = 0;     // selective recompute: one block's recomputed s² tensors
     double largest_mlp_grads = 0;     // an MLP activation's backward: its gradients, in and out
     double largest_layer_params = 0;  // for ZeRO-3's gathered-weights buffer
@@ -224,7 +233,11 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         largest_mlp_grads = std::max(largest_mlp_grads, mlp_grads);
         const double act = block_activation_bytes(g, layer, plan);
         block_activations += act;
-        if (plan.schedule == Schedule::ZeroBubble) weight_pass += weight_pass_bytes(g, layer, plan);
+        if (plan.schedule == Schedule::ZeroBubble) {
+          weight_pass += weight_pass_bytes(g, layer, plan);
+          block_output_grads =
+              std::max(block_output_grads, weight_pass_bytes(g, layer, plan, true));
+        }
       }
     }
     // The embedding lives on the first stage, the final norm, head and loss on the last (a tied
@@ -232,7 +245,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // Embedding and head activations, each times the micro-batches in flight at its end.
     const double end_count = static_cast<double>(end_in_flight(plan, stage));
     double extra_activations = 0;
-    double logits = 0;  // the head's output, alive while the loss's forward reads it
+    double logits = 0;       // the head's output, alive while the loss's forward reads it
+    double head_params = 0;  // the last stage's: final norm and head
     if (stage == 0) {
       double group_params = 0;
       for (model::OpId id : g.layer_ops(-1)) group_params += rank_params(g.op(id), plan);
@@ -260,6 +274,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       }
       dense_params += group_params;
       largest_layer_params = std::max(largest_layer_params, group_params);
+      head_params = group_params;
       extra_activations +=
           extra_activation_bytes(g, static_cast<int>(spec.layers), plan) * end_count;
     }
@@ -283,33 +298,54 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     const double per_micro_batch = block_activations / v;
     s.activations_bytes = per_micro_batch * static_cast<double>(s.in_flight);
     if (plan.schedule == Schedule::ZeroBubble && plan.pp > 1) {
-      const ZbPeak peak = zero_bubble_peak(plan, stage, per_micro_batch, weight_pass);
+      const ZbPeak peak =
+          zero_bubble_peak(plan, stage, per_micro_batch, weight_pass, block_output_grads);
       s.activations_bytes = peak.bytes;
       s.in_flight = peak.forwards;
       s.weight_passes_held = peak.weight_passes;
     }
     s.activations_bytes += extra_activations;
-    // Beyond what is kept, the most one moment adds: the forward's logits on the last stage
-    // (the loss reads them while writing what it keeps, then they go), the gradients an MLP
-    // activation's backward reads and writes (the widest of a block's backward, while the
-    // in-flight micro-batches are all kept), or a block recomputed in the backward.
-    double working = std::max(logits, largest_mlp_grads);
+    // Beyond what is kept, the most one moment adds, at the forward's end or in the backward
+    // (while the in-flight micro-batches are all kept). At the forward's end: the last
+    // stage's logits (the loss reads them while writing what it keeps, then they go). In the
+    // backward: the gradients an MLP activation's backward reads and writes (the widest of a
+    // block's backward), or a block recomputed.
+    double backward_working = largest_mlp_grads;
     if (plan.recompute == Recompute::Selective) {
       // Backward recomputes one block's attention core and holds its s² tensors meanwhile.
-      working = std::max(working, largest_quadratic);
+      backward_working = std::max(backward_working, largest_quadratic);
     }
     if (plan.recompute == Recompute::Full) {
-      // Backward recomputes one block at a time and holds its full activations meanwhile.
+      // Backward recomputes one block at a time and holds its full activations meanwhile,
+      // with its MLP activation's gradients at the top of its backward.
       Plan no_recompute = plan;
       no_recompute.recompute = Recompute::None;
+      double block = 0;
       for (int layer = 0; layer < spec.layers; ++layer) {
-        working = std::max(working, block_activation_bytes(g, layer, no_recompute));
+        block = std::max(block, block_activation_bytes(g, layer, no_recompute));
       }
+      backward_working = block + largest_mlp_grads;
     }
-    s.working_bytes = working;
-    s.activations_bytes += working;
+    // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
+    // prefetches the next one, and a tied table (pp = 1) stays gathered from the embedding's
+    // forward to the head's backward: at the forward's end the table and the head's weights,
+    // in the backward the table and two layers' weights.
+    double forward_gathered = 0, backward_gathered = 0;
+    if (plan.zero_stage == 3 && shard > 1) {
+      forward_gathered = (tied_table + head_params) * per_param.weights;
+      backward_gathered = (tied_table + 2.0 * largest_layer_params) * per_param.weights;
+    }
+    // By the backward's first block, the last stage has freed what the head and the loss kept
+    // for that micro-batch.
+    const double head_freed =
+        stage == plan.pp - 1 ? extra_activation_bytes(g, static_cast<int>(spec.layers), plan) : 0;
+    const bool forward_peak =
+        logits + forward_gathered > backward_working + backward_gathered - head_freed;
+    s.working_bytes = forward_peak ? logits : backward_working;
+    s.activations_bytes += forward_peak ? logits : backward_working - head_freed;
 
     s.other_bytes = options.framework_overhead_bytes;
+    s.other_bytes += forward_peak ? forward_gathered : backward_gathered;
     if (plan.zero_stage == 2 && shard > 1) {
       // ZeRO-2 keeps a bucket's full gradients from their first write in a micro-batch's
       // backward to the bucket's reduce-scatter (the reduced slice is in gradients_bytes): up
@@ -319,11 +355,6 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       const double bucket = std::min(static_cast<double>(kGradientBucketBytes),
                                      (dense_params + expert_params) * per_param.gradients);
       s.other_bytes += std::max(0.0, bucket - per_micro_batch);
-    }
-    if (plan.zero_stage == 3 && shard > 1) {
-      // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
-      // prefetches the next one; a tied table stays gathered meanwhile.
-      s.other_bytes += (tied_table + 2.0 * largest_layer_params) * per_param.weights;
     }
     s.total_bytes = s.weights_bytes + s.gradients_bytes + s.optimizer_bytes + s.activations_bytes +
                     s.other_bytes;

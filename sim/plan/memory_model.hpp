@@ -85,9 +85,10 @@ struct StageMemory {
   double gradients_bytes = 0;
   double optimizer_bytes = 0;
   double activations_bytes = 0;
-  // Of activations_bytes, what one moment adds beyond the tensors kept from forward to
-  // backward: the last stage's logits while the loss reads them, an MLP activation's backward
-  // gradients, or a block recomputed in the backward (the largest of them).
+  // What the peak's moment adds to activations_bytes beyond the tensors kept from forward to
+  // backward: at the forward's end, the last stage's logits while the loss reads them; in the
+  // backward, an MLP activation's gradients or a block recomputed (there the last stage has
+  // freed one micro-batch's head and loss tensors, which activations_bytes leaves out).
   double working_bytes = 0;
   double other_bytes = 0;
   double total_bytes = 0;

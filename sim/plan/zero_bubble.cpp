@@ -68,24 +68,25 @@ std::vector<std::vector<ZbPass>> all_orders(int p, int m) {
 // thousands of candidates.
 struct ZbSchedule {
   std::vector<std::vector<ZbPass>> orders;
-  std::vector<std::vector<std::pair<int, int>>> states;
+  std::vector<std::vector<ZbState>> states;
 };
 
 ZbSchedule build(int p, int m) {
   ZbSchedule out{all_orders(p, m), {}};
   for (const auto& order : out.orders) {
-    std::set<std::pair<int, int>> seen;
+    std::set<ZbState> seen;
     int forwards = 0, pending = 0;
     for (const ZbPass& pass : order) {
       switch (pass.kind) {
         case ZbKind::Forward:
           ++forwards;
-          seen.insert({forwards, pending});
+          seen.insert({forwards, pending, false});
           break;
         case ZbKind::BackwardInput:
-          seen.insert({forwards, pending + 1});  // while B runs: both kept
+          seen.insert({forwards, pending, true});
           --forwards;
           ++pending;
+          seen.insert({forwards, pending, false});
           break;
         case ZbKind::BackwardWeight:
           --pending;
@@ -114,7 +115,7 @@ std::vector<ZbPass> zero_bubble_order(int p, int m, int stage) {
   return schedule(p, m, stage).orders[static_cast<std::size_t>(stage)];
 }
 
-std::vector<std::pair<int, int>> zero_bubble_states(int p, int m, int stage) {
+std::vector<ZbState> zero_bubble_states(int p, int m, int stage) {
   return schedule(p, m, stage).states[static_cast<std::size_t>(stage)];
 }
 

@@ -2,7 +2,7 @@
 // runs its passes in) and the memory model (what a stage holds at its peak).
 #pragma once
 
-#include <utility>
+#include <compare>
 #include <vector>
 
 namespace dtsim::plan {
@@ -23,10 +23,20 @@ struct ZbPass {
 // instead of 1F1B's (p-1)(T_F + T_B + T_W).
 std::vector<ZbPass> zero_bubble_order(int p, int m, int stage);
 
-// What `stage` holds as it runs its order: the distinct (micro-batches whose forward awaits its
-// B pass, B passes awaiting their W pass) pairs, a B pass counted in both while it runs. The
-// stage's held memory peaks at one of them. Orders and states are computed once per (p, m) for
-// all stages and kept (thread-safe).
-std::vector<std::pair<int, int>> zero_bubble_states(int p, int m, int stage);
+// A moment of a stage's order: micro-batches whose forward awaits its B pass (one of them in
+// its B pass when `in_backward`), and B passes awaiting their W pass.
+struct ZbState {
+  int forwards = 0;
+  int pending = 0;
+  bool in_backward = false;
+  auto operator<=>(const ZbState&) const = default;
+};
+
+// What `stage` holds as it runs its order: the distinct states after each pass and while each
+// B pass runs (it turns its forward's activations into what its W keeps block by block, and
+// holds them all with the output gradients of the block at hand). The stage's held memory
+// peaks at one of them. Orders and states are computed once per (p, m) for all stages and kept
+// (thread-safe).
+std::vector<ZbState> zero_bubble_states(int p, int m, int stage);
 
 }  // namespace dtsim::plan
