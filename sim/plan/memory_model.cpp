@@ -198,7 +198,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double block_output_grads = 0;    // zero-bubble: a block's weight GEMMs' output gradients
     double largest_quadratic = 0;     // selective recompute: one block's recomputed s² tensors
     double largest_mlp_grads = 0;     // an MLP activation's backward: its gradients, in and out
+    double last_block_kept = 0;       // what the stage's last block keeps of a micro-batch
     double largest_layer_params = 0;  // for ZeRO-3's gathered-weights buffer
+    double largest_reduction = 0;     // ZeRO-3: the most parameters a block's reduce-scatter takes
     double tied_table = 0;            // ZeRO-3: a tied head's table, gathered for the embedding
     // Chunk c of this rank is global chunk c·pp + stage; global chunk k covers the blocks after
     // chunks 0..k-1.
@@ -209,7 +211,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       const int count = chunks[static_cast<std::size_t>(k)];
       s.layers += count;
       for (int layer = first; layer < first + count; ++layer) {
-        double layer_params = 0;
+        double layer_params = 0, layer_expert_params = 0;
         double quadratic = 0;
         double mlp_grads = 0;
         for (model::OpId id : g.layer_ops(layer)) {
@@ -222,17 +224,20 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           }
           const double p = rank_params(op, plan);
           (op.expert ? expert_params : dense_params) += p;
-          layer_params += p;
+          (op.expert ? layer_expert_params : layer_params) += p;
           if (plan.recompute == Recompute::Selective) {
             quadratic +=
                 static_cast<double>(op.saved_quadratic_bytes) / activation_divisor(op, plan);
           }
         }
-        largest_layer_params = std::max(largest_layer_params, layer_params);
+        largest_layer_params = std::max(largest_layer_params, layer_params + layer_expert_params);
+        // (Experts' gradients reduce over their own group, apart from the dense ones.)
+        largest_reduction = std::max({largest_reduction, layer_params, layer_expert_params});
         largest_quadratic = std::max(largest_quadratic, quadratic);
         largest_mlp_grads = std::max(largest_mlp_grads, mlp_grads);
         const double act = block_activation_bytes(g, layer, plan);
         block_activations += act;
+        last_block_kept = act;
         if (plan.schedule == Schedule::ZeroBubble) {
           weight_pass += weight_pass_bytes(g, layer, plan);
           block_output_grads =
@@ -315,37 +320,56 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // Backward recomputes one block's attention core and holds its s² tensors meanwhile.
       backward_working = std::max(backward_working, largest_quadratic);
     }
+    double recomputed_block = 0;
     if (plan.recompute == Recompute::Full) {
       // Backward recomputes one block at a time and holds its full activations meanwhile,
       // with its MLP activation's gradients at the top of its backward.
       Plan no_recompute = plan;
       no_recompute.recompute = Recompute::None;
-      double block = 0;
       for (int layer = 0; layer < spec.layers; ++layer) {
-        block = std::max(block, block_activation_bytes(g, layer, no_recompute));
+        recomputed_block =
+            std::max(recomputed_block, block_activation_bytes(g, layer, no_recompute));
       }
-      backward_working = block + largest_mlp_grads;
-    }
-    // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
-    // prefetches the next one, and a tied table (pp = 1) stays gathered from the embedding's
-    // forward to the head's backward: at the forward's end the table and the head's weights,
-    // in the backward the table and two layers' weights.
-    double forward_gathered = 0, backward_gathered = 0;
-    if (plan.zero_stage == 3 && shard > 1) {
-      forward_gathered = (tied_table + head_params) * per_param.weights;
-      backward_gathered = (tied_table + 2.0 * largest_layer_params) * per_param.weights;
+      backward_working = recomputed_block + largest_mlp_grads;
     }
     // By the backward's first block, the last stage has freed what the head and the loss kept
     // for that micro-batch.
     const double head_freed =
         stage == plan.pp - 1 ? extra_activation_bytes(g, static_cast<int>(spec.layers), plan) : 0;
-    const bool forward_peak =
-        logits + forward_gathered > backward_working + backward_gathered - head_freed;
-    s.working_bytes = forward_peak ? logits : backward_working;
-    s.activations_bytes += forward_peak ? logits : backward_working - head_freed;
-
-    s.other_bytes = options.framework_overhead_bytes;
-    s.other_bytes += forward_peak ? forward_gathered : backward_gathered;
+    // The moments that can hold the most: what each adds to the kept activations (working),
+    // takes from them (freed), and holds besides (other).
+    struct Moment {
+      double working = 0, freed = 0, other = 0;
+      double extra() const { return working - freed + other; }
+    };
+    Moment forward_end{logits, 0, 0};
+    Moment backward{backward_working, head_freed, 0};
+    Moment peak_moment = forward_end.extra() >= backward.extra() ? forward_end : backward;
+    if (plan.zero_stage == 3 && shard > 1) {
+      // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
+      // prefetches the next one, and a tied table (pp = 1) stays gathered from the
+      // embedding's forward to the head's backward: at the forward's end the table and the
+      // head's weights, in the backward the table and two layers' weights. The head's and
+      // each block's gradients are reduce-scattered once their backward is done (what they
+      // kept is freed), the unsharded gradients, the collective's packed copy of them and the
+      // reduced shard held at once (as FSDP2's reduce-scatter copies them into its input
+      // buffer), while the next block's backward starts (with full recompute, holding that
+      // block recomputed).
+      forward_end.other = (tied_table + head_params) * per_param.weights;
+      backward.other = (tied_table + 2.0 * largest_layer_params) * per_param.weights;
+      const double reduction_bytes = (2.0 + 1.0 / shard) * per_param.gradients;
+      const Moment head_reduced{recomputed_block, head_freed,
+                                backward.other + reduction_bytes * head_params};
+      const Moment block_reduced{recomputed_block, head_freed + last_block_kept,
+                                 backward.other + reduction_bytes * largest_reduction};
+      peak_moment = forward_end;
+      for (const Moment& m : {backward, head_reduced, block_reduced}) {
+        if (m.extra() > peak_moment.extra()) peak_moment = m;
+      }
+    }
+    s.working_bytes = peak_moment.working;
+    s.activations_bytes += peak_moment.working - peak_moment.freed;
+    s.other_bytes = options.framework_overhead_bytes + peak_moment.other;
     if (plan.zero_stage == 2 && shard > 1) {
       // ZeRO-2 keeps a bucket's full gradients from their first write in a micro-batch's
       // backward to the bucket's reduce-scatter (the reduced slice is in gradients_bytes): up

@@ -466,11 +466,14 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     const ModelGraph untied(wide, 2, 32);
     const double untied_head = static_cast<double>(untied.layer_totals(wide.layers).params);
     REQUIRE(untied_head > embedding);
-    // The peak is the larger of two moments, beyond the kept activations (one micro-batch's:
-    // every op's saved tensors): the forward's end (the logits; the head's weights gathered,
-    // and a tied table) and the backward (an MLP's gradients; two groups gathered, and a tied
-    // table; the head's and loss's tensors freed).
+    // The peak is the largest of these moments, beyond the kept activations (one
+    // micro-batch's: every op's saved tensors): the forward's end (the logits; the head's
+    // weights gathered, and a tied table); the backward (an MLP's gradients; two groups
+    // gathered, and a tied table; the head's and loss's tensors freed); and the reduce-scatter
+    // of the head's or a block's fp32 gradients (held unsharded, packed, and reduced: 2 + 1/4
+    // times them; what that head or block kept freed) with two groups gathered.
     const double logits = 2.0 * 2 * 32 * 65536;
+    const double reduction = (2 + 1.0 / 4) * 4;
     const auto saved = [&](const ModelGraph& graph, int first, int last) {
       double bytes = 0;
       for (int l = first; l <= last; ++l) bytes += graph.layer_totals(l).saved_bytes;
@@ -480,18 +483,24 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
       const auto s = estimate_memory(graph, p, cluster, no_allowance).stages[0];
       return s.activations_bytes - saved(graph, -1, wide.layers) + s.other_bytes;
     };
-    CHECK(peak_extra(untied) == Approx(std::max(logits + 2 * untied_head,
-                                                mlp_backward_grads(untied) + 2 * 2 * untied_head -
-                                                    saved(untied, wide.layers, wide.layers))));
+    const auto moments = [&](const ModelGraph& graph, double forward_gathered,
+                             double backward_gathered, double head_params) {
+      const double head_saved = saved(graph, wide.layers, wide.layers);
+      return std::max({logits + forward_gathered,
+                       mlp_backward_grads(graph) + backward_gathered - head_saved,
+                       backward_gathered + reduction * head_params - head_saved,
+                       backward_gathered + reduction * block_params - head_saved -
+                           saved(graph, wide.layers - 1, wide.layers - 1)});
+    };
+    CHECK(peak_extra(untied) ==
+          Approx(moments(untied, 2 * untied_head, 2 * 2 * untied_head, untied_head)));
     // Tied on one stage: the table, gathered for the embedding's forward, stays until the
     // head's backward; two buffers of the largest other group (a block) come and go meanwhile.
     REQUIRE(g1.spec().tied_embeddings);
     const double head_group = static_cast<double>(g1.layer_totals(wide.layers).params);
     REQUIRE(block_params > head_group);
-    CHECK(peak_extra(g1) ==
-          Approx(std::max(logits + 2 * (embedding + head_group),
-                          mlp_backward_grads(g1) + 2 * (embedding + 2 * block_params) -
-                              saved(g1, wide.layers, wide.layers))));
+    CHECK(peak_extra(g1) == Approx(moments(g1, 2 * (embedding + head_group),
+                                           2 * (embedding + 2 * block_params), head_group)));
     CHECK(estimate_memory(g1, p, cluster, no_allowance).stages[0].other_bytes >=
           2 * (embedding + head_group));
   }
