@@ -665,8 +665,8 @@ int run(const std::vector<std::string>& args) {
   // Memory: the peak of tensor bytes on the busiest rank, and the memory model's busiest stage
   // without its framework allowance (the pool holds tensors only). Every rank takes part.
   const auto use = device->memory_use();
-  std::array<double, 3> held = {static_cast<double>(use.peak), static_cast<double>(use.reserved),
-                                result.expert_load};
+  std::array<double, 4> held = {static_cast<double>(use.peak), static_cast<double>(use.reserved),
+                                result.expert_load, result.expert_load_peak};
   comm->all_ranks(held, dtsim::exec::Reduce::Max);
   std::optional<double> predicted_memory;
   if (const auto report = predicted_memory_report(vm, graph, plan)) {
@@ -683,13 +683,16 @@ int run(const std::vector<std::string>& args) {
   std::string load_note;
   if (plan.ep > 1) {
     memory["expert_load"] = held[2];
-    memory["note"] = memory["note"].get<std::string>() +
-                     "; expert_load: the most token copies one rank's experts got in one MoE "
-                     "block and micro-batch, over the even share that dtsim assumes";
+    memory["expert_load_peak"] = held[3];
+    memory["note"] =
+        memory["note"].get<std::string>() +
+        "; expert_load: the token copies the busiest rank's experts got over the even share, on "
+        "average over a micro-batch's MoE blocks, the mean over its micro-batches "
+        "(expert_load_peak: the largest), dtsim's --expert-load";
     load_note = fmt::format(
-        "; the busiest rank's experts got up to {:.2f}x the even share of token copies in one "
-        "block, where dtsim memory assumes an even share",
-        held[2]);
+        "; the busiest rank's experts got {:.3f}x the even share of token copies (up to {:.3f}x "
+        "in a micro-batch), where dtsim assumes {:g}x (--expert-load)",
+        held[2], held[3], plan.expert_load);
   }
   const double tokens = static_cast<double>(plan.global_batch_size * plan.seq_len);
   const int first = result.first_step;

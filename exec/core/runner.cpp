@@ -122,6 +122,10 @@ struct Param {
 struct MicroBatch {
   int index = 0;
   View tokens, targets;  // int32
+  // Expert parallelism: the sum over its MoE blocks of the copies this rank's experts got over
+  // the even share, and the blocks counted (RunResult::expert_load).
+  double expert_load = 0;
+  int expert_blocks = 0;
   std::map<OpId, View> out, grad, aux1, aux2;
   // Sequence parallelism: the all-gathered (full-sequence) copy of an op's output that the
   // tensor-parallel region reads, and the gradient of that copy before it is reduce-scattered.
@@ -422,7 +426,8 @@ class Runner {
         result.step_times_s.end());
     std::sort(timed.begin(), timed.end());
     result.step_time_s = timed.empty() ? 0 : timed[timed.size() / 2];
-    result.expert_load = expert_load_;
+    result.expert_load = expert_load_count_ > 0 ? expert_load_sum_ / expert_load_count_ : 0.0;
+    result.expert_load_peak = expert_load_peak_;
     return result;
   }
 
@@ -1413,7 +1418,8 @@ class Runner {
       }
       blocks.assign(received.begin(), received.end());
       const double copies = std::accumulate(received.begin(), received.end(), 0.0);
-      expert_load_ = std::max(expert_load_, copies / (static_cast<double>(T_) * k));
+      mb.expert_load += copies / (static_cast<double>(T_) * k);
+      ++mb.expert_blocks;
     }
     std::vector<int> to(static_cast<std::size_t>(ep_), 0), from(static_cast<std::size_t>(ep_), 0);
     for (int e = 0; e < E; ++e) {
@@ -1935,6 +1941,14 @@ class Runner {
   // A micro-batch's tensors go back to the device, whose pool later tensors reuse, so memory
   // stays what the schedule keeps in flight without the cost of fresh pages every step.
   void release(MicroBatch& mb) {
+    if (mb.expert_blocks > 0) {
+      const double load = mb.expert_load / mb.expert_blocks;
+      expert_load_peak_ = std::max(expert_load_peak_, load);
+      expert_load_sum_ += load;
+      ++expert_load_count_;
+      mb.expert_load = 0;
+      mb.expert_blocks = 0;
+    }
     for (const auto slot : kTensorSlots) {
       for (auto& [id, v] : mb.*slot) dev_.release(v);
       (mb.*slot).clear();
@@ -2646,7 +2660,9 @@ class Runner {
   // [e_·E/ep_, (e_ + 1)·E/ep_)), and its expert-dp group (the ranks holding the same experts,
   // over which their gradients reduce and ZeRO shards them): size and place.
   int ep_ = 1, e_ = 0, edp_ = 1, ed_ = 0;
-  double expert_load_ = 0;  // RunResult::expert_load
+  // RunResult::expert_load and expert_load_peak: the micro-batches' loads so far.
+  double expert_load_sum_ = 0, expert_load_peak_ = 0;
+  std::int64_t expert_load_count_ = 0;
   // Context parallelism: the degree, this rank's place in it, its tokens of a sequence and
   // their positions, the keys' order (place_positions; empty views without cp); and the data
   // -parallel replica whose sequences the rank reads.
@@ -2689,6 +2705,12 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
         "context parallelism: each rank holds 2 of {} chunks of every sequence (Megatron-LM's "
         "load balancing); K and V all-gathered, their gradients reduce-scattered",
         2 * plan.cp));
+  }
+  if (plan.expert_load != 1) {
+    notes.push_back(fmt::format(
+        "expert load {:g}: dtsim's figures beside the run assume it; the run routes its tokens "
+        "for real (expert_load in --json says how unevenly)",
+        plan.expert_load));
   }
   return notes;
 }

@@ -89,10 +89,13 @@ struct RunResult {
   std::vector<double> step_times_s;  // wall time of each step of this run (slowest rank)
   double step_time_s = 0;            // median after warm-up
   std::vector<TaskRecord> tasks;     // this rank's tasks of every step after warm-up
-  // Expert parallelism: the most token copies this rank's experts got in one MoE block of one
-  // micro-batch, over the even share (micro-batch tokens x top_k): 1 when routing is even, as
-  // dtsim assumes; 0 without ep.
+  // Expert parallelism: the token copies this rank's experts got, over the even share
+  // (micro-batch tokens x top_k), on average over a micro-batch's MoE blocks: the mean over
+  // micro-batches (what its experts compute and receive, on average) and the largest (what
+  // they keep at once, at most). 1 when routing is even, as dtsim assumes by default
+  // (plan.expert_load); 0 without ep.
   double expert_load = 0;
+  double expert_load_peak = 0;
 };
 
 // Throws UnsupportedError naming what the runner does not execute in this model or plan (every

@@ -69,6 +69,10 @@ void add_plan_options(po::options_description& desc) {
       "overlap pipeline sends and receives with compute (Megatron-LM "
       "--overlap-p2p-communication); by default a stage exchanges its pipeline tensors in "
       "blocking batches between compute passes, as Megatron-LM does")(
+      "expert-load", po::value<double>(),
+      "expert parallelism's routing: the token copies the busiest ep rank's experts get over "
+      "the even share, in [1, ep] (default 1: even); its experts' compute, tensors and "
+      "all-to-all bytes scale by it (dtexec run reports the measured expert_load)")(
       "make-vocab-size-divisible-by", po::value<std::int64_t>(),
       "pad the vocabulary (the embedding's and LM head's rows) to a multiple of this x tp, as "
       "Megatron-LM does (default 128; 1: a multiple of tp only)")(
@@ -275,6 +279,7 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
     p.grad_precision = *prec;
   }
   if (vm.count("grad-compression")) p.grad_compression = vm["grad-compression"].as<double>();
+  if (vm.count("expert-load")) p.expert_load = vm["expert-load"].as<double>();
   if (vm.count("sequence-parallel") && vm["sequence-parallel"].as<bool>()) {
     p.sequence_parallel = true;
   }

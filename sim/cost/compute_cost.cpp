@@ -146,7 +146,8 @@ double ComputeCost::op_flops(const model::Op& op, Phase phase) const {
 }
 
 double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
-  const double s = kernel_seconds(op, phase);
+  // The busiest ep rank's experts compute plan.expert_load times the even share of copies.
+  const double s = kernel_seconds(op, phase) * (op.expert ? plan_.expert_load : 1.0);
   if (profile_ == nullptr || !profile_->in_run) return s;
   const bool forward = phase == Phase::Forward || phase == Phase::Recompute;
   return s * (forward ? profile_->in_run->forward : profile_->in_run->backward);

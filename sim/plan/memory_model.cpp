@@ -45,11 +45,21 @@ double activation_divisor(const Op& op, const Plan& plan) {
   return static_cast<double>(plan.cp) * (tp_split ? plan.tp : 1);
 }
 
+// How many times the even share of token copies an expert op of the busiest ep rank holds
+// (plan.expert_load; 1 for other ops).
+double load_of(const Op& op, const Plan& plan) {
+  return op.expert ? plan.expert_load : 1.0;
+}
+
 // One rank's share of `saved` bytes of `op`'s saved tensors (its saved_bytes, or that less a
-// part of the split ones): the part every tp rank keeps whole is split over cp only.
+// part of the split ones): the part every tp rank keeps whole is split over cp only. An
+// expert op's tensors are those of the copies the rank's experts got, but for the down op's
+// outputs, which went back to their tokens' ranks.
 double rank_saved_bytes(const Op& op, const Plan& plan, double saved) {
   const auto whole = static_cast<double>(op.saved_tp_whole_bytes);
-  return (saved - whole) / activation_divisor(op, plan) + whole / plan.cp;
+  const double split = (saved - whole) / activation_divisor(op, plan) * load_of(op, plan);
+  const double kept_whole = whole / plan.cp;
+  return split + kept_whole * (op.kind == model::OpKind::MlpDown ? 1.0 : load_of(op, plan));
 }
 
 // Activations of ops outside the blocks (embedding; final norm, LM head, loss).
@@ -78,9 +88,10 @@ double weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan,
     // Its input: what it keeps, but an MoE down op's copies' outputs (the B pass used them).
     const double input = op.kind == model::OpKind::MlpDown
                              ? static_cast<double>(op.saved_bytes - op.saved_tp_whole_bytes) /
-                                   activation_divisor(op, plan)
+                                   activation_divisor(op, plan) * load_of(op, plan)
                              : rank_saved_bytes(op, plan, static_cast<double>(op.saved_bytes));
-    bytes += (output_grads ? 0.0 : input) + a * op.gemm_m * op.gemm_n / out_split;
+    bytes +=
+        (output_grads ? 0.0 : input) + a * op.gemm_m * op.gemm_n / out_split * load_of(op, plan);
   }
   return bytes;
 }
@@ -220,7 +231,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           // it and the down GEMM keep (less the copies' outputs an MoE's down op keeps).
           if (op.kind == model::OpKind::Activation || op.kind == model::OpKind::MlpDown) {
             mlp_grads += static_cast<double>(op.saved_bytes - op.saved_tp_whole_bytes) /
-                         activation_divisor(op, plan);
+                         activation_divisor(op, plan) * load_of(op, plan);
           }
           const double p = rank_params(op, plan);
           (op.expert ? expert_params : dense_params) += p;

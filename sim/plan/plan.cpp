@@ -118,6 +118,7 @@ std::string summary(const Plan& p) {
   if (p.grad_precision) s += fmt::format(" grads={}", to_string(*p.grad_precision));
   if (p.comm_precision) s += fmt::format(" comm={}", to_string(*p.comm_precision));
   if (p.grad_compression < 1) s += fmt::format(" grad-compression={:g}", p.grad_compression);
+  if (p.expert_load != 1) s += fmt::format(" expert-load={:g}", p.expert_load);
   return s;
 }
 
@@ -203,6 +204,15 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
           fmt::format("gradient compression {:g}: expected the fraction of the bytes sent, in "
                       "(0, 1]",
                       p.grad_compression));
+  }
+  if (!(p.expert_load >= 1 && p.expert_load <= p.ep)) {
+    error("expert-load",
+          p.ep > 1 ? fmt::format("expert load {:g}: expected the busiest ep rank's token copies "
+                                 "over the even share, in [1, ep = {}]",
+                                 p.expert_load, p.ep)
+                   : fmt::format("expert load {:g} needs ep > 1 (one rank holds every expert, so "
+                                 "its share is even)",
+                                 p.expert_load));
   }
   if (!p.overlap_grad_reduce && p.zero_stage >= 2) {
     error("no-overlap-zero",
@@ -357,6 +367,7 @@ json to_json(const Plan& p) {
   if (p.grad_precision) j["grad_precision"] = to_string(*p.grad_precision);
   if (p.comm_precision) j["comm_precision"] = to_string(*p.comm_precision);
   if (p.grad_compression != 1.0) j["grad_compression"] = p.grad_compression;
+  if (p.expert_load != 1.0) j["expert_load"] = p.expert_load;
   return j;
 }
 
@@ -385,6 +396,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "grad_precision",
                  "comm_precision",
                  "grad_compression",
+                 "expert_load",
                  "optimizer",
                  "layers_per_stage",
                  "order"});
@@ -438,6 +450,13 @@ Plan plan_from_json(const json& j, const std::string& file) {
     p.grad_compression = r.positive_number("grad_compression");
     if (p.grad_compression > 1) {
       r.fail("grad_compression", "expected the fraction of the gradient bytes sent, in (0, 1]");
+    }
+  }
+  if (r.has("expert_load")) {
+    p.expert_load = r.positive_number("expert_load");
+    if (p.expert_load < 1) {
+      r.fail("expert_load",
+             "expected the busiest ep rank's token copies over the even share, at least 1");
     }
   }
   if (r.has("optimizer")) parse_optimizer(r.choice("optimizer", {"adam", "sgd"}), p.optimizer);

@@ -101,6 +101,12 @@ struct Plan {
   // sent (1: none). Compressing and decompressing a bucket are memory passes over it, charged
   // to its collective (sim/engine/simulator.cpp).
   double grad_compression = 1.0;
+  // Expert parallelism's routing: the token copies the busiest ep rank's experts get, over the
+  // even share (1: even routing, a well-balanced router's; at most ep, every copy to one
+  // rank; Megatron-LM's --moe-expert-capacity-factor caps it where tokens beyond capacity are
+  // dropped). That rank's experts compute, keep and receive this many times the even share,
+  // and every rank waits for it at the all-to-alls. `dtexec run` measures it (expert_load).
+  double expert_load = 1.0;
   Optimizer optimizer = Optimizer::Adam;
   // Transformer blocks per model chunk (pp x virtual_stages entries), empty = even split.
   std::vector<int> layers_per_stage;

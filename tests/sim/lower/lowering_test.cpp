@@ -221,6 +221,41 @@ TEST_CASE("a representative per stage is exact with cp and with experts", "[lowe
   }
 }
 
+TEST_CASE("an uneven expert load lengthens the experts' compute and the ep all-to-alls",
+          "[lower][moe]") {
+  auto moe = dtsim::model::load_model("tiny");
+  moe.moe = dtsim::model::MoeSpec{4, 2, 64};
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 8);
+  Plan even = plan_for(4, 2, 1, 1);
+  even.ep = 2;
+  Plan busy = even;
+  busy.expert_load = 1.5;
+  REQUIRE(dtsim::plan::check_plan(busy, moe, 8).ok());
+  const dtsim::model::ModelGraph g(moe, 1, 32);
+  const auto a = dtsim::lower::lower(g, even), b = dtsim::lower::lower(g, busy);
+  REQUIRE(a.ranks[0].tasks.size() == b.ranks[0].tasks.size());
+  int all_to_alls = 0;
+  for (std::size_t t = 0; t < a.ranks[0].tasks.size(); ++t) {
+    const auto& x = a.ranks[0].tasks[t];
+    if (x.collective != dtsim::lower::CollectiveKind::AllToAll) continue;
+    ++all_to_alls;
+    CHECK(static_cast<double>(b.ranks[0].tasks[t].bytes) ==
+          Approx(1.5 * static_cast<double>(x.bytes)).margin(1));
+  }
+  CHECK(all_to_alls > 0);
+  // The experts' compute takes 1.5 times as long; the rest is unchanged.
+  const auto device = cluster.device;
+  const dtsim::cost::ComputeCost ce(g, even, device), cb(g, busy, device);
+  for (const auto& op : g.ops()) {
+    INFO(op.name);
+    CHECK(cb.op_seconds(op, dtsim::lower::Phase::Forward) ==
+          Approx((op.expert ? 1.5 : 1.0) * ce.op_seconds(op, dtsim::lower::Phase::Forward)));
+  }
+  auto net = dtsim::network::make_analytical(cluster);
+  CHECK(dtsim::engine::simulate(g, busy, cluster, *net).prediction.step_time_s >
+        dtsim::engine::simulate(g, even, cluster, *net).prediction.step_time_s);
+}
+
 TEST_CASE("too many micro-batches to simulate is an input error", "[lower][bad-input]") {
   const auto spec = dtsim::model::load_model("llama3-70b");
   const dtsim::model::ModelGraph g(spec, 1, 64);

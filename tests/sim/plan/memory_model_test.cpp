@@ -348,6 +348,32 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     // Sequence parallelism splits everything else over tp.
     CHECK(split == Approx((one - whole) / 2 + whole));
   }
+  SECTION("an uneven expert load scales what the busiest rank's experts keep") {
+    auto moe = spec;
+    moe.moe = dtsim::model::MoeSpec{4, 2, 128};
+    const ModelGraph gm(moe, 2, 32);
+    p.pp = 1;
+    p.dp = 2;
+    p.ep = 2;
+    p.global_batch_size = 4;
+    const double even = dtsim::plan::block_activation_bytes(gm, 0, p);
+    p.expert_load = 2;
+    const double busy = dtsim::plan::block_activation_bytes(gm, 0, p);
+    // The copies the experts got: the up GEMMs' input and the activation's and the down
+    // GEMMs' inputs, not the copies' outputs (back at their tokens' ranks).
+    double received = 0;
+    for (dtsim::model::OpId id : gm.layer_ops(0)) {
+      const auto& op = gm.op(id);
+      if (op.expert) {
+        received +=
+            static_cast<double>(op.saved_bytes) -
+            (op.kind == dtsim::model::OpKind::MlpDown ? static_cast<double>(op.saved_tp_whole_bytes)
+                                                      : 0.0);
+      }
+    }
+    REQUIRE(received > 0);
+    CHECK(busy == Approx(even + received));
+  }
   SECTION("ZeRO shards over dp x cp; experts over dp x cp / ep (Megatron-LM)") {
     auto moe = spec;
     moe.moe = dtsim::model::MoeSpec{4, 2, 128};

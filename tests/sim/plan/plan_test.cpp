@@ -71,6 +71,11 @@ TEST_CASE("each broken rule says which one and why", "[plan][bad-input]") {
     CHECK(has_rule(check_plan(p, m, 64), "grad-compression",
                    "gradient compression 1.5: expected the fraction of the bytes sent, in (0, 1]"));
   }
+  SECTION("the expert load is in [1, ep], and needs ep > 1 above 1") {
+    p.expert_load = 1.5;
+    CHECK(has_rule(check_plan(p, m, 64), "expert-load",
+                   "expert load 1.5 needs ep > 1 (one rank holds every expert"));
+  }
   SECTION("no overlapped gradient reduction with ZeRO-2/3") {
     p.overlap_grad_reduce = false;
     p.zero_stage = 1;
@@ -225,12 +230,14 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   p.grad_precision = dtsim::Precision::Bf16;
   p.grad_compression = 0.25;
   p.make_vocab_size_divisible_by = 64;
+  p.expert_load = 1.25;
   const Plan q = dtsim::plan::plan_from_json(dtsim::plan::to_json(p), "p.json");
   CHECK(q.make_vocab_size_divisible_by == 64);
   CHECK(dtsim::plan::to_json(q) == dtsim::plan::to_json(p));
   CHECK(q.comm_precision == dtsim::Precision::Fp8);
   CHECK(q.grad_precision == dtsim::Precision::Bf16);
   CHECK(q.grad_compression == 0.25);
+  CHECK(q.expert_load == 1.25);
   CHECK(q.overlap_p2p_comm);
   CHECK(!q.overlap_tp_backward);
   CHECK(!q.grad_accumulation_fusion);
@@ -263,6 +270,9 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   bad(R"({"grad_compression": 2})",
       "plan.json: grad_compression: expected the fraction of the gradient bytes sent, in (0, 1]");
   bad(R"({"grad_compression": 0})", "plan.json: grad_compression: expected a positive number");
+  bad(R"({"expert_load": 0.5})",
+      "plan.json: expert_load: expected the busiest ep rank's token copies over the even share, "
+      "at least 1");
   bad(R"({"comm_precision": "fp4"})", "plan.json: comm_precision: expected one of");
   bad(R"({"grad_precision": "fp8"})",
       "plan.json: grad_precision: expected one of fp32, bf16, fp16, got \"fp8\"");
