@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <vector>
 
 #include "sim/common/error.hpp"
 #include "sim/plan/zero_bubble.hpp"
@@ -117,6 +118,14 @@ ZbPeak zero_bubble_peak(const Plan& plan, int stage, double per_micro_batch, dou
   }
   return peak;
 }
+
+// A moment that can hold a stage's most memory: what it adds to the kept activations
+// (working), takes from them (freed), and holds besides (other: gathered weights, gradients
+// in a reduction).
+struct Moment {
+  double working = 0, freed = 0, other = 0;
+  double extra() const { return working - freed + other; }
+};
 
 // A tied LM head (no weights of its own) reads the embedding matrix: this rank's share of it,
 // split over tp like the embedding; 0 for any other op.
@@ -347,15 +356,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // for that micro-batch.
     const double head_freed =
         stage == plan.pp - 1 ? extra_activation_bytes(g, static_cast<int>(spec.layers), plan) : 0;
-    // The moments that can hold the most: what each adds to the kept activations (working),
-    // takes from them (freed), and holds besides (other).
-    struct Moment {
-      double working = 0, freed = 0, other = 0;
-      double extra() const { return working - freed + other; }
-    };
     Moment forward_end{logits, 0, 0};
     Moment backward{backward_working, head_freed, 0};
-    Moment peak_moment = forward_end.extra() >= backward.extra() ? forward_end : backward;
+    std::vector<Moment> moments = {forward_end, backward};
     if (plan.zero_stage == 3 && shard > 1) {
       // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
       // prefetches the next one, and a tied table (pp = 1) stays gathered from the
@@ -373,11 +376,12 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
                                 backward.other + reduction_bytes * head_params};
       const Moment block_reduced{recomputed_block, head_freed + last_block_kept,
                                  backward.other + reduction_bytes * largest_reduction};
-      peak_moment = forward_end;
-      for (const Moment& m : {backward, head_reduced, block_reduced}) {
-        if (m.extra() > peak_moment.extra()) peak_moment = m;
-      }
+      moments = {forward_end, backward, head_reduced, block_reduced};
     }
+    // The first of the largest (the forward's end where they tie).
+    const Moment peak_moment =
+        *std::max_element(moments.begin(), moments.end(),
+                          [](const Moment& a, const Moment& b) { return a.extra() < b.extra(); });
     s.working_bytes = peak_moment.working;
     s.activations_bytes += peak_moment.working - peak_moment.freed;
     s.other_bytes = options.framework_overhead_bytes + peak_moment.other;
