@@ -190,6 +190,9 @@ int cmd_plan(const std::vector<std::string>& args) {
       "fix a degree, e.g. --fixed tp=8 (repeatable; tp, pp, dp, cp, ep)")(
       "memory-headroom", po::value<double>()->default_value(0.0),
       "fraction of device memory to keep free (0-0.9)")(
+      "expert-load", po::value<double>()->default_value(1.0),
+      "expert parallelism's routing: the token copies the busiest ep rank's experts get over "
+      "the even share (at least 1; capped at each candidate's ep; dtexec run measures it)")(
       "precision", po::value<std::string>(),
       "bf16, fp16, fp8, fp32 (default bf16, or fp32 on a device without bf16)")(
       "threads", po::value<int>()->default_value(0), "threads for the search (0: all cores)")(
@@ -244,6 +247,13 @@ int cmd_plan(const std::vector<std::string>& args) {
   if (!(space.memory_headroom >= 0 && space.memory_headroom <= 0.9)) {
     throw InputError(
         fmt::format("--memory-headroom: expected 0..0.9, got {}", space.memory_headroom));
+  }
+  space.expert_load = vm["expert-load"].as<double>();
+  if (!(space.expert_load >= 1 && std::isfinite(space.expert_load))) {
+    throw InputError(fmt::format(
+        "--expert-load: expected the busiest ep rank's token copies over the even share, at "
+        "least 1, got {}",
+        space.expert_load));
   }
   // The default precision follows the device: bf16, or fp32 where it has no bf16 (a CPU host).
   const std::string precision_text =

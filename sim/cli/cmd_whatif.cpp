@@ -24,8 +24,8 @@ namespace dtsim::cli {
 namespace {
 
 const std::vector<std::string> kKeys = {
-    "gpus",         "device",  "cluster", "nic_gbps",  "latency_us",    "oversubscription",
-    "global_batch", "seq_len", "model",   "jitter_cv", "rank_spread_cv"};
+    "gpus",         "device",  "cluster", "nic_gbps",  "latency_us",     "oversubscription",
+    "global_batch", "seq_len", "model",   "jitter_cv", "rank_spread_cv", "expert_load"};
 
 struct Axis {
   std::string key;
@@ -47,6 +47,24 @@ double spread_value(const std::string& key, const std::string& v) {
   return checked_jitter(cv, fmt::format("--vary {}={}", key, v));
 }
 
+// A value of --vary expert_load: at least 1.
+double load_value(const std::string& v) {
+  std::size_t used = 0;
+  double load = 0;
+  try {
+    load = std::stod(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != v.size() || !std::isfinite(load) || load < 1) {
+    throw InputError(fmt::format(
+        "--vary expert_load={}: expected the busiest ep rank's token copies over the even share, "
+        "at least 1",
+        v));
+  }
+  return load;
+}
+
 Axis parse_vary(const std::string& text) {
   const auto eq = text.find('=');
   if (eq == std::string::npos || eq + 1 >= text.size()) {
@@ -65,6 +83,7 @@ Axis parse_vary(const std::string& text) {
     if (v.empty()) throw InputError(fmt::format("--vary {}: empty value", text));
     // Checked before any point runs.
     if (a.key == "jitter_cv" || a.key == "rank_spread_cv") spread_value(a.key, v);
+    if (a.key == "expert_load") load_value(v);
     a.values.push_back(v);
   }
   return a;
@@ -98,8 +117,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "KEY=V1,V2,... (repeatable; every combination is a point). Keys: gpus, device, cluster, "
       "nic_gbps (per NIC), latency_us (inter-node), oversubscription, global_batch, seq_len, "
       "model, jitter_cv (stragglers: spread of compute times, in [0, 1)), rank_spread_cv (the "
-      "slow rank: spread of the ranks' lasting speeds, in [0, 1))")(
-      "global-batch-size", po::value<std::int64_t>(), "sequences per step (required)")(
+      "slow rank: spread of the ranks' lasting speeds, in [0, 1)), expert_load (expert "
+      "parallelism's routing: the busiest ep rank's token copies over the even share, >= 1; "
+      "capped at the plan's ep)")("global-batch-size", po::value<std::int64_t>(),
+                                  "sequences per step (required)")(
       "seq-len", po::value<std::int64_t>(), "sequence length (default: the model's)")(
       "tokens", po::value<double>(), "training tokens, for time, cost and energy to train")(
       "refine", po::value<int>()->default_value(2), "plans simulated per point")(
@@ -238,9 +259,13 @@ int cmd_whatif(const std::vector<std::string>& args) {
     if (point.count("rank_spread_cv")) {
       rank_spread = spread_value("rank_spread_cv", point.at("rank_spread_cv"));
     }
+    if (point.count("expert_load")) space.expert_load = load_value(point.at("expert_load"));
     engine::Prediction pred;
     if (vm.count("fixed-plan")) {
       plan::Plan p = plan::load_plan(vm["fixed-plan"].as<std::string>());
+      if (point.count("expert_load") && p.ep > 1) {
+        p.expert_load = std::min(space.expert_load, static_cast<double>(p.ep));
+      }
       p.global_batch_size = space.global_batch_size;
       if (space.seq_len > 0) p.seq_len = space.seq_len;
       p.dp = 0;

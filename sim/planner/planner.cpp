@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <exception>
 #include <map>
 #include <memory>
@@ -113,8 +114,11 @@ class Estimator {
                                    CollectiveKind::AllGather, kv);
     }
     if (p.ep > 1 && m.moe) {
-      const std::uint64_t bytes = hidden_bytes * static_cast<std::uint64_t>(m.moe->top_k) /
-                                  static_cast<std::uint64_t>(p.sequence_parallel ? p.tp : 1);
+      // The busiest rank's: plan.expert_load times the even share (as the lowering's).
+      const auto bytes = static_cast<std::uint64_t>(std::llround(
+          static_cast<double>(hidden_bytes * static_cast<std::uint64_t>(m.moe->top_k) /
+                              static_cast<std::uint64_t>(p.sequence_parallel ? p.tp : 1)) *
+          p.expert_load));
       ep_comm = 2 * net_->collective_s(group(ParallelDim::Ep, lower::GroupKind::Ep),
                                        CollectiveKind::AllToAll, bytes);
     }
@@ -466,6 +470,8 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
                       p.pp = pp;
                       p.dp = dp;
                       p.ep = ep;
+                      if (ep > 1)
+                        p.expert_load = std::min(space.expert_load, static_cast<double>(ep));
                       p.micro_batch_size = mbs;
                       p.global_batch_size = space.global_batch_size;
                       p.seq_len = seq;

@@ -115,6 +115,27 @@ TEST_CASE("what the planner says fits, the memory model says fits", "[planner][m
   CHECK_FALSE(dtsim::plan::estimate_memory(g, c.plan, cluster).fits);
 }
 
+TEST_CASE("an expert load prices the candidates with ep > 1, capped at their ep",
+          "[planner][moe]") {
+  const auto spec = dtsim::model::load_model("mixtral-8x7b");
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 16);
+  SearchSpace space;
+  space.global_batch_size = 64;
+  space.seq_len = 1024;
+  space.micro_batch_sizes = {1};
+  space.expert_load = 3;
+  SearchOptions options;
+  options.refine = 4;
+  const auto r = dtsim::planner::search(spec, cluster, space, options);
+  std::map<int, int> seen;  // candidates by ep
+  for (const auto& c : r.ranked) {
+    ++seen[c.plan.ep];
+    CHECK(c.plan.expert_load == (c.plan.ep > 1 ? std::min(3.0, 1.0 * c.plan.ep) : 1.0));
+  }
+  CHECK(seen.count(2) > 0);
+  CHECK(seen.count(4) > 0);
+}
+
 TEST_CASE("the result is the same for any thread count", "[planner]") {
   const auto spec = dtsim::model::load_model("llama3-8b");
   const auto cluster = dtsim::cluster::load_cluster("default");
