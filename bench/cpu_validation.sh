@@ -16,8 +16,8 @@
 # Then a table: plan, ranks, predicted (the median over rounds), measured (the median step
 # time over all rounds, warm-up left out), the spread of those step times, error, the error
 # without stragglers, and memory (the last round's busiest rank's peak of tensors,
-# measured/predicted by dtsim memory without its framework allowance, and the error); and the
-# worst error.
+# measured/predicted by dtsim memory without its framework allowance, and the prediction's
+# error, signed as the times'); and the worst error.
 #
 # ONLY=REGEX runs (and tabulates) only the plans whose flags match it, e.g. ONLY='--cp'.
 #
@@ -25,18 +25,9 @@
 #        bench/cpu_validation.sh [BUILD_DIR] [WORK_DIR]
 #        (BUILD_DIR defaults to build)
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-build=$(cd "${1:-$root/build}" && pwd)
-work=${2:-$(mktemp -d)}
-mkdir -p "$work"
-# A model file named relative to here stays found from the work directory.
-if [ -f "${MODEL:-}" ]; then MODEL=$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL"); fi
-cd "$work"
-dtexec=$build/exec/cli/dtexec
-dtsim=$build/sim/cli/dtsim
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+# shellcheck source=bench/setup.sh
+source "$(dirname "$0")/setup.sh" "$@"
 cores=$(nproc)
-model=${MODEL:-cpu-small}
 steps=${STEPS:-8}
 runs=${RUNS:-3}
 calibrate=${CALIBRATE:-plan}
@@ -79,17 +70,12 @@ plans=(
   "2|--cp 2 --recompute selective"
   "2|--dp 2 --ep 2"
 )
-# Expert parallelism needs a mixture of experts: its plans run only with such a MODEL.
-model_file=$model
-[ -f "$model_file" ] || model_file=$root/models/$model.json
-moe=""
-if grep -q '"moe"' "$model_file" 2>/dev/null; then moe=1; fi
+# Expert parallelism needs a mixture of experts ($moe): its plans run only with such a MODEL.
 # A plan this host runs (no more ranks than cores), its model has what it needs, ONLY asks for.
 wanted() {
   [ "$1" -le "$cores" ] && { [ -n "$moe" ] || [[ "$2" != *--ep* ]]; } &&
     { [ -z "${ONLY:-}" ] || [[ "$2" =~ $ONLY ]]; }
 }
-value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 # The step times after warm-up of one dtexec run --json, one per line.
 step_times() { sed -n '/"step_times_s": \[/,/\]/p' | grep -o '[0-9][0-9.eE+-]*' | tail -n +$((warmup + 1)); }
 # The median (of an even count, the mean of the middle two: with two rounds, not the lower).
@@ -186,7 +172,7 @@ for i in "${!plans[@]}"; do
   # Memory (the last round's run): the busiest rank's peak of tensors against dtsim memory.
   memory=$(awk -v m="$(value peak_bytes <"run_$i.json")" \
     -v p="$(value predicted_bytes <"run_$i.json")" \
-    'BEGIN { printf "%.1f/%.1f %+.1f%%", m / 1048576, p / 1048576, (m / p - 1) * 100 }')
+    'BEGIN { printf "%.1f/%.1f %+.1f%%", m / 1048576, p / 1048576, (p / m - 1) * 100 }')
   printf '%-56s %5s %13.1f %12.1f %16s %7s%% %12s%% %13s%% %20s\n' "${flags:-(one rank)}" \
     "$ranks" "$(awk -v x="$predicted" 'BEGIN { print x * 1000 }')" \
     "$(awk -v x="$measured" 'BEGIN { print x * 1000 }')" "$spread" "$error" "$error_even" \

@@ -12,19 +12,8 @@
 #
 # usage: [MODEL=cpu-small] [ONLY=REGEX] bench/memory_validation.sh [BUILD_DIR] [WORK_DIR]
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-build=$(cd "${1:-$root/build}" && pwd)
-work=${2:-$(mktemp -d)}
-mkdir -p "$work"
-if [ -f "${MODEL:-}" ]; then MODEL=$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL"); fi
-cd "$work"
-dtexec=$build/exec/cli/dtexec
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-model=${MODEL:-cpu-small}
-model_file=$model
-[ -f "$model_file" ] || model_file=$root/models/$model.json
-moe=""
-if grep -q '"moe"' "$model_file" 2>/dev/null; then moe=1; fi
+# shellcheck source=bench/setup.sh
+source "$(dirname "$0")/setup.sh" "$@"
 
 # ranks | global batch (micro-batch 4) | plan flags
 plans=(
@@ -51,7 +40,6 @@ plans=(
   "2|8|--dp 2 --ep 2"
   "4|8|--tp 2 --dp 2 --ep 2"
 )
-value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 
 printf '%-52s %5s %4s %12s %13s %8s\n' plan ranks gbs measured_MiB predicted_MiB error
 worst=0
