@@ -31,6 +31,7 @@ plans=(
   "2|8|--pp 2 --schedule gpipe"
   "2|8|--pp 2 --schedule 1f1b"
   "2|8|--pp 2 --schedule 1f1b --recompute full"
+  "2|8|--pp 2 --schedule zero-bubble"
   "2|32|--pp 2 --schedule 1f1b"
   "2|32|--pp 2 --schedule 1f1b --overlap-p2p-comm"
   "2|32|--pp 2 --schedule gpipe"

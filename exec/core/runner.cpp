@@ -331,9 +331,9 @@ class Runner {
       for (int j = 0; j < micro_batches_; ++j)
         make_batch(batches_[static_cast<std::size_t>(j)], step, j);
       // Overlapped pipeline transfers: receives are posted ahead of need, as the simulator has
-      // them (a receive without overlap is posted when it is reached): the first of each stream
-      // now, each next one when the one before it is taken (posting the whole step's at once
-      // would hold a buffer per micro-batch; Megatron-LM posts one ahead too).
+      // them (a receive without overlap is posted when it is reached): each peer's first now,
+      // each next one when the one before it is taken (posting the whole step's at once would
+      // hold a buffer per micro-batch; Megatron-LM posts one ahead too).
       if (program_.plan.overlap_p2p_comm && !options_.replay_communication) {
         for (const std::size_t i : first_receives_) posted_[i] = post_receive(tasks[i]);
       }
@@ -2317,10 +2317,10 @@ class Runner {
   void plan_receive_streams() {
     const auto& tasks = rp_->tasks;
     next_receive_.assign(tasks.size(), kNoTask);
-    std::map<std::pair<std::int64_t, int>, std::size_t> last;  // (peer, tag parity) -> task
+    std::map<std::int64_t, std::size_t> last;  // peer -> its latest receive task
     for (std::size_t i = 0; i < tasks.size(); ++i) {
       if (tasks[i].kind != TaskKind::Recv) continue;
-      const auto [it, first] = last.try_emplace({tasks[i].peer, tasks[i].tag & 1}, i);
+      const auto [it, first] = last.try_emplace(tasks[i].peer, i);
       if (first) {
         first_receives_.push_back(i);
       } else {
@@ -2643,8 +2643,9 @@ class Runner {
   std::vector<std::size_t> open_sends_;
   // Receives posted ahead of need (overlapped pipeline transfers), by task index.
   std::map<std::size_t, Comm::Handle> posted_;
-  // Overlapped pipeline receives come in streams, one per peer and direction (activations on
-  // even tags, gradients on odd ones): the first task of each, and each task's next one.
+  // Overlapped pipeline receives come in streams, one per peer, each in program order (NCCL
+  // matches a peer's receives to its sends in the order they are issued, without tags): the
+  // first task of each, and each task's next one.
   static constexpr std::size_t kNoTask = std::numeric_limits<std::size_t>::max();
   std::vector<std::size_t> first_receives_;
   std::vector<std::size_t> next_receive_;

@@ -300,6 +300,11 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       dense_params += group_params;
       largest_layer_params = std::max(largest_layer_params, group_params);
       head_params = group_params;
+      // A deferred W pass keeps the head's too: its input and its output's (the logits')
+      // gradient.
+      if (plan.schedule == Schedule::ZeroBubble) {
+        weight_pass += weight_pass_bytes(g, static_cast<int>(spec.layers), plan);
+      }
       extra_activations +=
           extra_activation_bytes(g, static_cast<int>(spec.layers), plan) * end_count;
     }
