@@ -17,7 +17,8 @@
 # time over all rounds, warm-up left out), the spread of those step times, error, the error
 # without stragglers, and memory (the last round's busiest rank's peak of tensors,
 # measured/predicted by dtsim memory without its framework allowance, and the prediction's
-# error, signed as the times'); and the worst error.
+# error, signed as the times'); and the worst error; and for expert-parallel plans the
+# prediction again at the routing's load that the run measured (dtsim --expert-load).
 #
 # ONLY=REGEX runs (and tabulates) only the plans whose flags match it, e.g. ONLY='--cp'.
 #
@@ -143,6 +144,15 @@ for round in $(seq "$runs"); do
     "$dtsim" simulate --model "$model" --cluster host/cpu-host.json --gpus "$ranks" \
       "${batch[@]}" $flags --precision fp32 --profile "$profile" --jitter-cv 0 \
       --rank-spread-cv 0 --json | value step_time_s >>"plain_$i.txt"
+    # Expert parallelism: predicted again at the routing's measured load (--expert-load).
+    if [[ "$flags" == *--ep* ]]; then
+      load=$(value expert_load <"run_$i.json")
+      # shellcheck disable=SC2086
+      "$dtsim" simulate --model "$model" --cluster host/cpu-host.json --gpus "$ranks" \
+        "${batch[@]}" $flags --precision fp32 --profile "$profile" --expert-load "$load" \
+        --json | value step_time_s >>"loaded_$i.txt"
+      echo "$load" >>"load_$i.txt"
+    fi
   done
 done
 
@@ -180,3 +190,12 @@ for i in "${!plans[@]}"; do
 done
 echo "within ±15%: $within of $count plans; worst |error|: ${worst}% (target 15%); without the" \
   "straggler model ${worst_plain}%"
+for i in "${!plans[@]}"; do
+  [ -f "loaded_$i.txt" ] || continue
+  IFS='|' read -r ranks flags <<<"${plans[$i]}"
+  loaded=$(median "loaded_$i.txt")
+  echo "$flags at the measured expert load (median $(median "load_$i.txt")): predicted" \
+    "$(awk -v x="$loaded" 'BEGIN { printf "%.1f", x * 1000 }') ms, error" \
+    "$(awk -v p="$loaded" -v m="$(median "times_$i.txt")" \
+      'BEGIN { printf "%+.1f%%", (p / m - 1) * 100 }')"
+done
