@@ -382,10 +382,12 @@ class Runner {
           release(batches_[static_cast<std::size_t>(tasks[i].micro_batch)]);
         }
         finish_completed();
+        release_replayed(i);
       }
       settle(nullptr);
       DTSIM_ASSERT(release_after_.empty() || event_ == release_after_.size(),
                    "the step's events differ from its plan of releases");
+      release_replayed(tasks.size());
       comm_.wait_sends();
       close_sends();
       if (queued) {
@@ -2313,6 +2315,16 @@ class Runner {
     v = dev_.allocate(n, type.value_or(dev_.activations()));
   }
 
+  // --only-rank: the buffers of replayed collectives started before task `index`, back to the
+  // device (a collective's complete, as far as memory goes, once the task after it is done).
+  void release_replayed(std::size_t index) {
+    std::erase_if(replay_held_, [&](const std::pair<std::size_t, View>& held) {
+      if (held.first >= index) return false;
+      dev_.release(held.second);
+      return true;
+    });
+  }
+
   // first_receives_ and next_receive_ from this rank's tasks.
   void plan_receive_streams() {
     const auto& tasks = rp_->tasks;
@@ -2401,9 +2413,18 @@ class Runner {
                task.op_end > task.op_begin) {
       // ZeRO-3: the chunk's weights take their place (this rank's slice, zeros elsewhere).
       gather_weights(task, params_for(task), /*local=*/true);
-    } else if (dp && transient_grads_ && task.collective == CollectiveKind::ReduceScatter) {
-      // ZeRO-2/3: the bucket's gradients are gone, as after their reduce-scatter.
-      for (Param* p : params_for(task)) drop_grad(*p);
+    } else if (dp && sharded_ && task.collective == CollectiveKind::ReduceScatter) {
+      // ZeRO's reduce-scatter, in memory: its packed copy of the bucket's gradients and its
+      // reduced shard, held until the next task is done, as a started collective holds them
+      // until it completes; the bucket's gradients (ZeRO-2/3) are gone once packed.
+      std::int64_t total = 0;
+      for (Param* p : params_for(task)) total += p->n;
+      const View packed = dev_.allocate(total, Dtype::F32);
+      if (transient_grads_) {
+        for (Param* p : params_for(task)) drop_grad(*p);
+      }
+      replay_held_.push_back({index, packed});
+      replay_held_.push_back({index, dev_.allocate(total / shards_of(task).first, Dtype::F32)});
     } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
                program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
                !program_.plan.scatter_gather_p2p &&
@@ -2643,6 +2664,8 @@ class Runner {
   std::vector<std::size_t> open_sends_;
   // Receives posted ahead of need (overlapped pipeline transfers), by task index.
   std::map<std::size_t, Comm::Handle> posted_;
+  // --only-rank: buffers of replayed collectives, by the task that started them.
+  std::vector<std::pair<std::size_t, View>> replay_held_;
   // Overlapped pipeline receives come in streams, one per peer, each in program order (NCCL
   // matches a peer's receives to its sends in the order they are issued, without tags): the
   // first task of each, and each task's next one.

@@ -123,6 +123,7 @@ ZbPeak zero_bubble_peak(const Plan& plan, int stage, double per_micro_batch, dou
 // (working), takes from them (freed), and holds besides (other: gathered weights, gradients
 // in a reduction).
 struct Moment {
+  const char* name = "";
   double working = 0, freed = 0, other = 0;
   double extra() const { return working - freed + other; }
 };
@@ -361,8 +362,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // for that micro-batch.
     const double head_freed =
         stage == plan.pp - 1 ? extra_activation_bytes(g, static_cast<int>(spec.layers), plan) : 0;
-    Moment forward_end{logits, 0, 0};
-    Moment backward{backward_working, head_freed, 0};
+    Moment forward_end{"the forward's end", logits, 0, 0};
+    Moment backward{"the backward", backward_working, head_freed, 0};
     std::vector<Moment> moments = {forward_end, backward};
     if (plan.zero_stage == 3 && shard > 1) {
       // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
@@ -377,16 +378,28 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       forward_end.other = (tied_table + head_params) * per_param.weights;
       backward.other = (tied_table + 2.0 * largest_layer_params) * per_param.weights;
       const double reduction_bytes = (2.0 + 1.0 / shard) * per_param.gradients;
-      const Moment head_reduced{recomputed_block, head_freed,
+      const Moment head_reduced{"the head's gradient reduce-scatter", recomputed_block, head_freed,
                                 backward.other + reduction_bytes * head_params};
-      const Moment block_reduced{recomputed_block, head_freed + last_block_kept,
+      const Moment block_reduced{"a block's gradient reduce-scatter", recomputed_block,
+                                 head_freed + last_block_kept,
                                  backward.other + reduction_bytes * largest_reduction};
       moments = {forward_end, backward, head_reduced, block_reduced};
+    }
+    if (plan.zero_stage == 1 && shard > 1) {
+      // ZeRO-1 reduce-scatters the accumulated gradients once per step, as the last backward
+      // ends (its activations freed): a bucket's packed copy and its reduced shard, beside the
+      // full gradients. Up to a bucket (the last one), at most the rank's gradients; the
+      // stage then keeps no activations.
+      const double bucket = std::min(static_cast<double>(kGradientBucketBytes),
+                                     (dense_params + expert_params) * per_param.gradients);
+      moments.push_back({"the step's gradient reduce-scatter", 0, s.activations_bytes,
+                         (1.0 + 1.0 / shard) * bucket});
     }
     // The first of the largest (the forward's end where they tie).
     const Moment peak_moment =
         *std::max_element(moments.begin(), moments.end(),
                           [](const Moment& a, const Moment& b) { return a.extra() < b.extra(); });
+    s.peak_moment = peak_moment.name;
     s.working_bytes = peak_moment.working;
     s.activations_bytes += peak_moment.working - peak_moment.freed;
     s.other_bytes = options.framework_overhead_bytes + peak_moment.other;
@@ -420,17 +433,19 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
   report.margin_bytes = report.capacity_bytes - report.worst().total_bytes;
   report.fits = report.margin_bytes >= 0;
   report.notes.push_back(fmt::format(
-      "activations include {:.2f} GiB of working tensors (worst rank's working_bytes): the "
-      "largest of the last stage's logits while the loss reads them, an MLP activation's "
-      "gradients in its backward, a block recomputed in the backward",
-      report.worst().working_bytes / (1024.0 * 1024 * 1024)));
-  report.notes.push_back(
-      fmt::format("other = {:.2f} GiB framework allowance (assumed; --framework-overhead-gib){}",
-                  options.framework_overhead_bytes / (1024.0 * 1024 * 1024),
-                  plan.zero_stage == 3   ? " + ZeRO-3 gathered-weight buffers"
-                  : plan.zero_stage == 2 ? " + ZeRO-2 gradient buckets beyond the activations "
-                                           "their backward frees"
-                                         : ""));
+      "the worst rank peaks at {} (peak_moment); its activations include {:.2f} GiB of "
+      "working tensors there (working_bytes: the last stage's logits while the loss reads "
+      "them, an MLP activation's gradients, a block recomputed)",
+      report.worst().peak_moment, report.worst().working_bytes / (1024.0 * 1024 * 1024)));
+  report.notes.push_back(fmt::format(
+      "other = {:.2f} GiB framework allowance (assumed; --framework-overhead-gib){}",
+      options.framework_overhead_bytes / (1024.0 * 1024 * 1024),
+      plan.zero_stage == 3   ? " + ZeRO-3 gathered-weight and reduce-scatter buffers"
+      : plan.zero_stage == 2 ? " + ZeRO-2 gradient buckets beyond the activations "
+                               "their backward frees"
+      : plan.zero_stage == 1 && report.worst().other_bytes > options.framework_overhead_bytes
+          ? " + the step's gradient reduce-scatter buffers"
+          : ""));
   return report;
 }
 

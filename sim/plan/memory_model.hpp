@@ -85,7 +85,11 @@ struct StageMemory {
   double gradients_bytes = 0;
   double optimizer_bytes = 0;
   double activations_bytes = 0;
-  // What the peak's moment adds to activations_bytes beyond the tensors kept from forward to
+  // The moment of the stage's peak: "the forward's end", "the backward", or with ZeRO a
+  // gradient reduce-scatter's (ZeRO-3: a block's or the head's; ZeRO-1: the step's, when
+  // the stage keeps no activations).
+  std::string peak_moment;
+  // What that moment adds to activations_bytes beyond the tensors kept from forward to
   // backward: at the forward's end, the last stage's logits while the loss reads them; in the
   // backward, an MLP activation's gradients or a block recomputed (there the last stage has
   // freed one micro-batch's head and loss tensors, which activations_bytes leaves out).

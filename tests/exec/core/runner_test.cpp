@@ -654,13 +654,13 @@ TEST_CASE("tensors go back once nothing later reads them: the same numbers, less
 }
 
 TEST_CASE("the executor holds what dtsim memory predicts for the CPU plans", "[exec][runner]") {
-  // The peak of tensor bytes of the busiest program (one step, communication replayed) against
-  // dtsim memory's busiest stage without its framework allowance, on the CPU benchmark model:
-  // weights, gradients and AdamW state as ZeRO shards them, activations as the schedule and
-  // recompute keep them. Measured on this model: -3.4% (full recompute) to +5.4% (ZeRO-2).
-  // On the smaller tiny-gpt, ZeRO-3 holds ~27% more than predicted: the tied embedding table
-  // stays gathered from the embedding's forward to the head's backward, and a gather stages
-  // its slices, where the model counts two layers' weights.
+  // The peak of tensor bytes of the busiest program (one step, communication replayed, a ZeRO
+  // reduce-scatter's buffers held as the real one holds them) against dtsim memory's busiest
+  // stage without its framework allowance, on the CPU benchmark model: weights, gradients and
+  // AdamW state as ZeRO shards them, activations as the schedule and recompute keep them, and
+  // the moment of the peak. Measured on this model (sixteenth session, predicted against
+  // measured): -3.5% (zero-bubble) to +2.1% (full recompute), most within 0.1%; the same as
+  // the MPI runs of bench/memory_validation.sh.
   using dtsim::plan::Recompute;
   using dtsim::plan::Schedule;
   struct Case {

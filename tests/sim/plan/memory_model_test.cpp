@@ -148,7 +148,14 @@ TEST_CASE("ZeRO-2 holds a bucket of full gradients beyond what its backward free
   REQUIRE(kept < grads);
   CHECK(full.other_bytes == Approx(grads - kept));
   CHECK(other(2, Recompute::None).other_bytes == 0);
-  CHECK(other(1, Recompute::Full).other_bytes == 0);  // ZeRO-1 holds the whole gradient anyway
+  // ZeRO-1 holds the whole gradient anyway; its step's reduce-scatter adds the bucket's packed
+  // copy and reduced half once the last backward has freed its activations: with full
+  // recompute that is the peak, without it the backward's is.
+  const auto z1 = other(1, Recompute::Full);
+  CHECK(z1.peak_moment == "the step's gradient reduce-scatter");
+  CHECK(z1.other_bytes == Approx(1.5 * grads));
+  CHECK(z1.activations_bytes == 0);
+  CHECK(other(1, Recompute::None).other_bytes == 0);
 }
 
 TEST_CASE("Korthikanti et al. Table 2: activations per layer", "[plan][memory][activations]") {
