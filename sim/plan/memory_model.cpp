@@ -388,8 +388,10 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     if (plan.zero_stage == 1 && shard > 1) {
       // ZeRO-1 reduce-scatters the accumulated gradients once per step, as the last backward
       // ends (its activations freed): a bucket's packed copy and its reduced shard, beside the
-      // full gradients. Up to a bucket (the last one), at most the rank's gradients; the
-      // stage then keeps no activations.
+      // full gradients (dtexec packs them, as DeepSpeed copies gradients into its reduction
+      // buckets; Megatron-LM's distributed optimizer reduce-scatters its contiguous buffer in
+      // place, without the copy). Up to a bucket (the last one), at most the rank's
+      // gradients; the stage then keeps no activations.
       const double bucket = std::min(static_cast<double>(kGradientBucketBytes),
                                      (dense_params + expert_params) * per_param.gradients);
       moments.push_back({"the step's gradient reduce-scatter", 0, s.activations_bytes,
