@@ -149,7 +149,7 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
   // The busiest ep rank's experts compute plan.expert_load times the even share of copies
   // (the whole kernel time scales, its weight traffic too: a slight overestimate where that
   // traffic counts).
-  const double s = kernel_seconds(op, phase) * (op.expert ? plan_.expert_load : 1.0);
+  const double s = kernel_seconds(op, phase) * plan::expert_load_of(op, plan_);
   if (profile_ == nullptr || !profile_->in_run) return s;
   const bool forward = phase == Phase::Forward || phase == Phase::Recompute;
   return s * (forward ? profile_->in_run->forward : profile_->in_run->backward);

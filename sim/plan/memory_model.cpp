@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <array>
-#include <vector>
 
 #include "sim/common/error.hpp"
 #include "sim/plan/zero_bubble.hpp"
@@ -46,21 +45,21 @@ double activation_divisor(const Op& op, const Plan& plan) {
   return static_cast<double>(plan.cp) * (tp_split ? plan.tp : 1);
 }
 
-// How many times the even share of token copies an expert op of the busiest ep rank holds
-// (plan.expert_load; 1 for other ops).
-double load_of(const Op& op, const Plan& plan) {
-  return op.expert ? plan.expert_load : 1.0;
+// One rank's share of the part of `saved` bytes of `op`'s saved tensors that is not kept
+// whole on every tp rank (`saved`: its saved_bytes, or that less a part of the split ones).
+// An expert op's tensors are those of the copies the rank's experts got.
+double rank_split_bytes(const Op& op, const Plan& plan, double saved) {
+  return (saved - static_cast<double>(op.saved_tp_whole_bytes)) / activation_divisor(op, plan) *
+         expert_load_of(op, plan);
 }
 
-// One rank's share of `saved` bytes of `op`'s saved tensors (its saved_bytes, or that less a
-// part of the split ones): the part every tp rank keeps whole is split over cp only. An
-// expert op's tensors are those of the copies the rank's experts got, but for the down op's
-// outputs, which went back to their tokens' ranks.
+// One rank's share of `saved` bytes of `op`'s saved tensors: the split part, and the part
+// every tp rank keeps whole, split over cp only (an expert op's also the copies its experts
+// got, but for the down op's outputs, which went back to their tokens' ranks).
 double rank_saved_bytes(const Op& op, const Plan& plan, double saved) {
-  const auto whole = static_cast<double>(op.saved_tp_whole_bytes);
-  const double split = (saved - whole) / activation_divisor(op, plan) * load_of(op, plan);
-  const double kept_whole = whole / plan.cp;
-  return split + kept_whole * (op.kind == model::OpKind::MlpDown ? 1.0 : load_of(op, plan));
+  const double whole = static_cast<double>(op.saved_tp_whole_bytes) / plan.cp;
+  return rank_split_bytes(op, plan, saved) +
+         whole * (op.kind == model::OpKind::MlpDown ? 1.0 : expert_load_of(op, plan));
 }
 
 // Activations of ops outside the blocks (embedding; final norm, LM head, loss).
@@ -74,27 +73,27 @@ double extra_activation_bytes(const ModelGraph& g, int group, const Plan& plan) 
 }
 
 // What a deferred weight-gradient pass (zero-bubble's W) of one micro-batch keeps of `layer`:
-// each weight GEMM's input and the gradient of its output (`output_grads`: those alone). A
-// column-parallel GEMM's output is split over tp; a row-parallel one's gradient is the whole
-// (all-gathered) tensor.
-double weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan,
-                         bool output_grads = false) {
+// each weight GEMM's input and the gradient of its output. A column-parallel GEMM's output is
+// split over tp; a row-parallel one's gradient is the whole (all-gathered) tensor.
+struct WeightPass {
+  double inputs = 0, output_grads = 0;
+  double bytes() const { return inputs + output_grads; }
+};
+WeightPass weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan) {
   const double a = activation_bytes_per_element(plan.precision);
-  double bytes = 0;
+  WeightPass w;
   for (model::OpId id : g.layer_ops(layer)) {
     const Op& op = g.op(id);
     if (op.bwd_weight_flops <= 0 || op.gemm_m <= 0) continue;
     const double out_split = static_cast<double>(plan.cp) *
                              (op.tp_split == TpSplit::Column ? static_cast<double>(plan.tp) : 1.0);
     // Its input: what it keeps, but an MoE down op's copies' outputs (the B pass used them).
-    const double input = op.kind == model::OpKind::MlpDown
-                             ? static_cast<double>(op.saved_bytes - op.saved_tp_whole_bytes) /
-                                   activation_divisor(op, plan) * load_of(op, plan)
-                             : rank_saved_bytes(op, plan, static_cast<double>(op.saved_bytes));
-    bytes +=
-        (output_grads ? 0.0 : input) + a * op.gemm_m * op.gemm_n / out_split * load_of(op, plan);
+    const auto saved = static_cast<double>(op.saved_bytes);
+    w.inputs += op.kind == model::OpKind::MlpDown ? rank_split_bytes(op, plan, saved)
+                                                  : rank_saved_bytes(op, plan, saved);
+    w.output_grads += a * op.gemm_m * op.gemm_n / out_split * expert_load_of(op, plan);
   }
-  return bytes;
+  return w;
 }
 
 // Zero-bubble's peak on `stage`: forwards awaiting their B pass hold a micro-batch's
@@ -135,6 +134,10 @@ double tied_table_params(const Op& op, const Plan& plan) {
 }
 
 }  // namespace
+
+double expert_load_of(const Op& op, const Plan& plan) {
+  return op.expert ? plan.expert_load : 1.0;
+}
 
 double rank_params(const Op& op, const Plan& plan) {
   // A tied head on a stage without the embedding (pp > 1) keeps its own copy of the embedding
@@ -240,8 +243,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           // The gradients of the MLP activation's input and output have the shapes of what
           // it and the down GEMM keep (less the copies' outputs an MoE's down op keeps).
           if (op.kind == model::OpKind::Activation || op.kind == model::OpKind::MlpDown) {
-            mlp_grads += static_cast<double>(op.saved_bytes - op.saved_tp_whole_bytes) /
-                         activation_divisor(op, plan) * load_of(op, plan);
+            mlp_grads += rank_split_bytes(op, plan, static_cast<double>(op.saved_bytes));
           }
           const double p = rank_params(op, plan);
           (op.expert ? expert_params : dense_params) += p;
@@ -260,9 +262,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         block_activations += act;
         last_block_kept = act;
         if (plan.schedule == Schedule::ZeroBubble) {
-          weight_pass += weight_pass_bytes(g, layer, plan);
-          block_output_grads =
-              std::max(block_output_grads, weight_pass_bytes(g, layer, plan, true));
+          const WeightPass w = weight_pass_bytes(g, layer, plan);
+          weight_pass += w.bytes();
+          block_output_grads = std::max(block_output_grads, w.output_grads);
         }
       }
     }
@@ -273,6 +275,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double extra_activations = 0;
     double logits = 0;       // the head's output, alive while the loss's forward reads it
     double head_params = 0;  // the last stage's: final norm and head
+    double head_kept = 0;    // what they keep of one micro-batch
     if (stage == 0) {
       double group_params = 0;
       for (model::OpId id : g.layer_ops(-1)) group_params += rank_params(g.op(id), plan);
@@ -304,10 +307,10 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // A deferred W pass keeps the head's too: its input and its output's (the logits')
       // gradient.
       if (plan.schedule == Schedule::ZeroBubble) {
-        weight_pass += weight_pass_bytes(g, static_cast<int>(spec.layers), plan);
+        weight_pass += weight_pass_bytes(g, static_cast<int>(spec.layers), plan).bytes();
       }
-      extra_activations +=
-          extra_activation_bytes(g, static_cast<int>(spec.layers), plan) * end_count;
+      head_kept = extra_activation_bytes(g, static_cast<int>(spec.layers), plan);
+      extra_activations += head_kept * end_count;
     }
 
     // Context-parallel ranks hold the same weights as their data-parallel peers: the
@@ -358,32 +361,36 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       }
       backward_working = recomputed_block + largest_mlp_grads;
     }
-    // By the backward's first block, the last stage has freed what the head and the loss kept
-    // for that micro-batch.
-    const double head_freed =
-        stage == plan.pp - 1 ? extra_activation_bytes(g, static_cast<int>(spec.layers), plan) : 0;
+    // The moments that can hold the most, on top of what is kept; the peak is the first of the
+    // largest (the forward's end where they tie). By the backward's first block, the last
+    // stage has freed what the head and the loss kept for that micro-batch (head_kept).
     Moment forward_end{"the forward's end", logits, 0, 0};
-    Moment backward{"the backward", backward_working, head_freed, 0};
-    std::vector<Moment> moments = {forward_end, backward};
-    if (plan.zero_stage == 3 && shard > 1) {
+    Moment backward{"the backward", backward_working, head_kept, 0};
+    const bool zero3 = plan.zero_stage == 3 && shard > 1;
+    if (zero3) {
       // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
       // prefetches the next one, and a tied table (pp = 1) stays gathered from the
       // embedding's forward to the head's backward: at the forward's end the table and the
-      // head's weights, in the backward the table and two layers' weights. The head's and
-      // each block's gradients are reduce-scattered once their backward is done (what they
-      // kept is freed), the unsharded gradients, the collective's packed copy of them and the
-      // reduced shard held at once (as FSDP2's reduce-scatter copies them into its input
-      // buffer), while the next block's backward starts (with full recompute, holding that
-      // block recomputed).
+      // head's weights, in the backward the table and two layers' weights.
       forward_end.other = (tied_table + head_params) * per_param.weights;
       backward.other = (tied_table + 2.0 * largest_layer_params) * per_param.weights;
+    }
+    Moment peak_moment = forward_end;
+    auto consider = [&peak_moment](const Moment& m) {
+      if (m.extra() > peak_moment.extra()) peak_moment = m;
+    };
+    consider(backward);
+    if (zero3) {
+      // The head's and each block's gradients are reduce-scattered once their backward is
+      // done (what they kept is freed), the unsharded gradients, the collective's packed copy
+      // of them and the reduced shard held at once (as FSDP2's reduce-scatter copies them into
+      // its input buffer), while the next block's backward starts (with full recompute,
+      // holding that block recomputed).
       const double reduction_bytes = (2.0 + 1.0 / shard) * per_param.gradients;
-      const Moment head_reduced{"the head's gradient reduce-scatter", recomputed_block, head_freed,
-                                backward.other + reduction_bytes * head_params};
-      const Moment block_reduced{"a block's gradient reduce-scatter", recomputed_block,
-                                 head_freed + last_block_kept,
-                                 backward.other + reduction_bytes * largest_reduction};
-      moments = {forward_end, backward, head_reduced, block_reduced};
+      consider({"the head's gradient reduce-scatter", recomputed_block, head_kept,
+                backward.other + reduction_bytes * head_params});
+      consider({"a block's gradient reduce-scatter", recomputed_block, head_kept + last_block_kept,
+                backward.other + reduction_bytes * largest_reduction});
     }
     if (plan.zero_stage == 1 && shard > 1) {
       // ZeRO-1 reduce-scatters the accumulated gradients once per step, as the last backward
@@ -394,13 +401,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // gradients; the stage then keeps no activations.
       const double bucket = std::min(static_cast<double>(kGradientBucketBytes),
                                      (dense_params + expert_params) * per_param.gradients);
-      moments.push_back({"the step's gradient reduce-scatter", 0, s.activations_bytes,
-                         (1.0 + 1.0 / shard) * bucket});
+      consider({"the step's gradient reduce-scatter", 0, s.activations_bytes,
+                (1.0 + 1.0 / shard) * bucket});
     }
-    // The first of the largest (the forward's end where they tie).
-    const Moment peak_moment =
-        *std::max_element(moments.begin(), moments.end(),
-                          [](const Moment& a, const Moment& b) { return a.extra() < b.extra(); });
     s.peak_moment = peak_moment.name;
     s.working_bytes = peak_moment.working;
     s.activations_bytes += peak_moment.working - peak_moment.freed;

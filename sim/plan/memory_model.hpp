@@ -120,4 +120,8 @@ int activation_bytes_per_element(Precision precision);
 // when it sits on another pipeline stage (pp > 1).
 double rank_params(const model::Op& op, const Plan& plan);
 
+// How many times the even share of token copies the busiest ep rank's share of an expert op
+// works on and keeps (plan.expert_load; 1 for other ops).
+double expert_load_of(const model::Op& op, const Plan& plan);
+
 }  // namespace dtsim::plan
