@@ -250,10 +250,8 @@ int cmd_plan(const std::vector<std::string>& args) {
   }
   space.expert_load = vm["expert-load"].as<double>();
   if (!(space.expert_load >= 1 && std::isfinite(space.expert_load))) {
-    throw InputError(fmt::format(
-        "--expert-load: expected the busiest ep rank's token copies over the even share, at "
-        "least 1, got {}",
-        space.expert_load));
+    throw InputError(
+        fmt::format("--expert-load: {}, got {}", plan::kExpertLoadExpected, space.expert_load));
   }
   // The default precision follows the device: bf16, or fp32 where it has no bf16 (a CPU host).
   const std::string precision_text =

@@ -47,20 +47,28 @@ double spread_value(const std::string& key, const std::string& v) {
   return checked_jitter(cv, fmt::format("--vary {}={}", key, v));
 }
 
+double number(const std::string& key, const std::string& v, bool integer) {
+  try {
+    std::size_t used = 0;
+    const double d = std::stod(v, &used);
+    // Integers stay below 2^53, where doubles are exact and the cast to int64 is defined.
+    if (used != v.size() || !std::isfinite(d) || !(d > 0) ||
+        (integer &&
+         (d >= 9007199254740992.0 || d != static_cast<double>(static_cast<std::int64_t>(d))))) {
+      throw std::invalid_argument(v);
+    }
+    return d;
+  } catch (const std::exception&) {
+    throw InputError(fmt::format("--vary {}={}: expected a positive {}", key, v,
+                                 integer ? "integer" : "finite number"));
+  }
+}
+
 // A value of --vary expert_load: at least 1.
 double load_value(const std::string& v) {
-  std::size_t used = 0;
-  double load = 0;
-  try {
-    load = std::stod(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != v.size() || !std::isfinite(load) || load < 1) {
-    throw InputError(fmt::format(
-        "--vary expert_load={}: expected the busiest ep rank's token copies over the even share, "
-        "at least 1",
-        v));
+  const double load = number("expert_load", v, false);
+  if (load < 1) {
+    throw InputError(fmt::format("--vary expert_load={}: {}", v, plan::kExpertLoadExpected));
   }
   return load;
 }
@@ -87,23 +95,6 @@ Axis parse_vary(const std::string& text) {
     a.values.push_back(v);
   }
   return a;
-}
-
-double number(const std::string& key, const std::string& v, bool integer) {
-  try {
-    std::size_t used = 0;
-    const double d = std::stod(v, &used);
-    // Integers stay below 2^53, where doubles are exact and the cast to int64 is defined.
-    if (used != v.size() || !std::isfinite(d) || !(d > 0) ||
-        (integer &&
-         (d >= 9007199254740992.0 || d != static_cast<double>(static_cast<std::int64_t>(d))))) {
-      throw std::invalid_argument(v);
-    }
-    return d;
-  } catch (const std::exception&) {
-    throw InputError(fmt::format("--vary {}={}: expected a positive {}", key, v,
-                                 integer ? "integer" : "finite number"));
-  }
 }
 
 }  // namespace

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cmath>
 #include <map>
 #include <optional>
 #include <set>
@@ -435,13 +434,9 @@ class Lowerer {
       }
       case Marker::EpDispatch:
       case Marker::EpCombine: {
-        // The busiest rank's: plan.expert_load times the even share (the others wait for it).
-        const auto bytes = static_cast<std::uint64_t>(std::llround(
-            static_cast<double>(hidden_bytes_ *
-                                static_cast<std::uint64_t>(spec.moe ? spec.moe->top_k : 1) /
-                                static_cast<std::uint64_t>(sp ? plan_.tp : 1)) *
-            plan_.expert_load));
-        return Comm{CollectiveKind::AllToAll, GroupKind::Ep, Stream::Ep, bytes,
+        // The busiest rank's (the others wait for it).
+        return Comm{CollectiveKind::AllToAll, GroupKind::Ep, Stream::Ep,
+                    plan::ep_all_to_all_bytes(spec, plan_, hidden_bytes_),
                     m == Marker::EpDispatch ? "ep all-to-all dispatch" : "ep all-to-all combine"};
       }
     }

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <numeric>
 
@@ -340,6 +341,14 @@ std::vector<std::string> complete_plan(Plan& plan, const model::ModelSpec& model
   return notes;
 }
 
+std::uint64_t ep_all_to_all_bytes(const model::ModelSpec& spec, const Plan& plan,
+                                  std::uint64_t hidden_bytes) {
+  const std::uint64_t even = hidden_bytes *
+                             static_cast<std::uint64_t>(spec.moe ? spec.moe->top_k : 1) /
+                             static_cast<std::uint64_t>(plan.sequence_parallel ? plan.tp : 1);
+  return static_cast<std::uint64_t>(std::llround(static_cast<double>(even) * plan.expert_load));
+}
+
 json to_json(const Plan& p) {
   json j = {{"dp", p.dp},
             {"tp", p.tp},
@@ -455,8 +464,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
   if (r.has("expert_load")) {
     p.expert_load = r.positive_number("expert_load");
     if (p.expert_load < 1) {
-      r.fail("expert_load",
-             "expected the busiest ep rank's token copies over the even share, at least 1");
+      r.fail("expert_load", std::string(kExpertLoadExpected));
     }
   }
   if (r.has("optimizer")) parse_optimizer(r.choice("optimizer", {"adam", "sgd"}), p.optimizer);

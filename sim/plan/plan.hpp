@@ -152,6 +152,17 @@ std::vector<int> chunk_layers(const Plan& plan, std::int64_t layers);
 // keeps 16-bit gradients, as in ZeRO's 16 bytes per parameter; fp32 and tf32, fp32).
 Precision gradient_precision(const Plan& plan);
 
+// What an expert load is (plan.expert_load), for messages about a value below 1.
+inline constexpr std::string_view kExpertLoadExpected =
+    "expected the busiest ep rank's token copies over the even share, at least 1";
+
+// Bytes one ep all-to-all of an MoE block moves for the busiest ep rank, one way: its tokens'
+// top_k copies of width h (`hidden_bytes`: one activation tensor of the micro-batch's tokens
+// on the rank; 1/tp of them under sequence parallelism), plan.expert_load times the even
+// share. The lowering and the planner's closed form both price this.
+std::uint64_t ep_all_to_all_bytes(const model::ModelSpec& spec, const Plan& plan,
+                                  std::uint64_t hidden_bytes);
+
 nlohmann::json to_json(const Plan& plan);
 // Reads a plan file; fields are those of to_json(). Throws InputError naming file and field.
 Plan plan_from_json(const nlohmann::json& j, const std::string& file);

@@ -114,13 +114,9 @@ class Estimator {
                                    CollectiveKind::AllGather, kv);
     }
     if (p.ep > 1 && m.moe) {
-      // The busiest rank's: plan.expert_load times the even share (as the lowering's).
-      const auto bytes = static_cast<std::uint64_t>(std::llround(
-          static_cast<double>(hidden_bytes * static_cast<std::uint64_t>(m.moe->top_k) /
-                              static_cast<std::uint64_t>(p.sequence_parallel ? p.tp : 1)) *
-          p.expert_load));
       ep_comm = 2 * net_->collective_s(group(ParallelDim::Ep, lower::GroupKind::Ep),
-                                       CollectiveKind::AllToAll, bytes);
+                                       CollectiveKind::AllToAll,
+                                       plan::ep_all_to_all_bytes(m, p, hidden_bytes));
     }
     const double block_f = lf + tp_comm + cp_comm + ep_comm;
     // Backward: dK and dV reduce-scattered over cp, and K and V gathered again unless full
