@@ -16,12 +16,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=tests/exec/mpi/plan_matrix.sh
 source "$here/plan_matrix.sh"
-dtexec=$1
-mpirun=$2
-work=${3:-$(mktemp -d)}
-mkdir -p "$work"
-cd "$work"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+setup_plan_matrix "$@"
 steps=3
 common=(--steps "$steps" --lr 3e-3 --warmup 0 --global-batch-size 8)
 tolerances=(--loss-tolerance 1e-5 --weight-tolerance 1e-3)
