@@ -492,18 +492,19 @@ int run(const std::vector<std::string>& args) {
   if (vm.count("predicted") && !only_rank) {
     throw dtsim::InputError("--predicted: only with --only-rank");
   }
+  if (gpu && dtsim::exec::cpu::under_mpirun()) {
+    // NCCL's kernels wait for their peers: with the CUDA default of 8 hardware queues, a
+    // kernel queued behind a waiting receive could hold back a send on another stream. More
+    // queues, unless the user chose a number; before MPI_Init, since a CUDA-aware MPI (UCX's
+    // cuda_ipc, HPC-X) creates the process's CUDA context there.
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  }
   std::unique_ptr<dtsim::exec::cpu::MpiSession> mpi;
   if (dtsim::exec::cpu::under_mpirun()) mpi = std::make_unique<dtsim::exec::cpu::MpiSession>();
   const int rank = mpi ? mpi->rank() : 0;
   g_rank = rank;
   if (only_rank && mpi && mpi->size() > 1) {
     throw dtsim::InputError("--only-rank: runs one process; start it without mpirun");
-  }
-  if (gpu && mpi && mpi->size() > 1) {
-    // NCCL's kernels wait for their peers: with the CUDA default of 8 hardware queues, a
-    // kernel queued behind a waiting receive could hold back a send on another stream. More
-    // queues, unless the user chose a number (before the first CUDA context).
-    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   }
   const auto spec = dtsim::cli::model_from_options(vm);
   const std::int64_t devices = mpi && !only_rank ? mpi->size() : requested_devices(vm);

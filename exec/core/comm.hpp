@@ -131,6 +131,35 @@ class SingleRankComm final : public Comm {
   Device* device_;
 };
 
+// The shapes of a collective's views, which a backend checks before a library that trusts the
+// counts it is given (NCCL reads and writes what they say): `whole` holds every member's count
+// in member order, `part` this member's (reduce-scatter: in whole, out part; all-gather: the
+// other way round), both of one type.
+inline void expect_shapes(const char* collective, View whole, View part,
+                          std::span<const int> counts, int member) {
+  std::int64_t sum = 0;
+  for (int c : counts) sum += c;
+  DTSIM_ASSERT(whole.type == part.type && whole.n == sum && member >= 0 &&
+                   static_cast<std::size_t>(member) < counts.size() &&
+                   part.n == counts[static_cast<std::size_t>(member)],
+               std::string(collective) + ": views of " + std::to_string(whole.n) + " and " +
+                   std::to_string(part.n) + " elements for counts summing to " +
+                   std::to_string(sum) + " (member " + std::to_string(member) + " of " +
+                   std::to_string(counts.size()) + ")");
+}
+// All-to-all: `in` holds the pieces sent, `out` those received, consecutive, of one type.
+inline void expect_all_to_all_shapes(View in, std::span<const int> in_counts, View out,
+                                     std::span<const int> out_counts) {
+  std::int64_t sent = 0, received = 0;
+  for (int c : in_counts) sent += c;
+  for (int c : out_counts) received += c;
+  DTSIM_ASSERT(in.type == out.type && in.n == sent && out.n == received &&
+                   in_counts.size() == out_counts.size(),
+               "all-to-all: views of " + std::to_string(in.n) + " and " + std::to_string(out.n) +
+                   " elements for " + std::to_string(sent) + " sent and " +
+                   std::to_string(received) + " received");
+}
+
 inline void Comm::all_to_all(int, View, std::span<const int>, View, std::span<const int>) {
   throw UnsupportedError("dtexec: this communication backend has no all-to-all yet");
 }

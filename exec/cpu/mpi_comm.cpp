@@ -134,6 +134,7 @@ class MpiComm final : public Comm {
       copy(out, in);
       return;
     }
+    expect_shapes("reduce-scatter", in_view, out_view, counts, member(c));
     check(
         MPI_Reduce_scatter(in.p, out.p, counts.data(), in.type, reduction(in_view, Reduce::Sum), c),
         "MPI_Reduce_scatter");
@@ -146,6 +147,7 @@ class MpiComm final : public Comm {
       copy(out, in);
       return;
     }
+    expect_shapes("all-gather", out_view, in_view, counts, member(c));
     const std::vector<int> displs = displacements(counts);
     check(MPI_Allgatherv(in.p, in.n, in.type, out.p, counts.data(), displs.data(), out.type, c),
           "MPI_Allgatherv");
@@ -159,6 +161,7 @@ class MpiComm final : public Comm {
       copy(out, in);
       return;
     }
+    expect_all_to_all_shapes(in_view, in_counts, out_view, out_counts);
     const std::vector<int> sd = displacements(in_counts), rd = displacements(out_counts);
     check(MPI_Alltoallv(in.p, in_counts.data(), sd.data(), in.type, out.p, out_counts.data(),
                         rd.data(), out.type, c),
@@ -184,6 +187,7 @@ class MpiComm final : public Comm {
       copy(out, in);
       return -1;
     }
+    expect_shapes("reduce-scatter", in_view, out_view, counts, member(c));
     MPI_Request request = MPI_REQUEST_NULL;
     check(MPI_Ireduce_scatter(in.p, out.p, counts.data(), in.type, reduction(in_view, Reduce::Sum),
                               c, &request),
@@ -307,6 +311,13 @@ class MpiComm final : public Comm {
   void barrier() override { check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
 
  private:
+  // This rank's place in a group's communicator.
+  int member(MPI_Comm c) const {
+    int r = -1;
+    check(MPI_Comm_rank(c, &r), "MPI_Comm_rank");
+    return r;
+  }
+
   MPI_Comm comm(int group) const {
     DTSIM_ASSERT(group >= 0 && static_cast<std::size_t>(group) < comms_.size(),
                  fmt::format("group {} of a program with {} groups", group, comms_.size()));

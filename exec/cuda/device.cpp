@@ -41,14 +41,16 @@ class CudaDevice final : public Device {
       free_.erase(it);
     } else {
       try {
-        block = DeviceBuffer(bytes);
+        block = DeviceBuffer(bytes, k_.stream());
       } catch (const CudaError&) {
         // Out of memory with released buffers in the pool (none large enough): give them back
-        // to the GPU and try once more, as a caching allocator does.
+        // to the GPU and try once more, as a caching allocator does. The one wait of this
+        // path: for the compute stream, before the GPU's pool lets the freed memory go.
         if (free_.empty()) throw;
         for (const auto& entry : free_) memory_.reserved -= static_cast<std::int64_t>(entry.first);
         free_.clear();
-        block = DeviceBuffer(bytes);
+        k_.return_free_memory();
+        block = DeviceBuffer(bytes, k_.stream());
       }
       memory_.reserved += static_cast<std::int64_t>(block.bytes());
     }
@@ -317,7 +319,7 @@ class CudaDevice final : public Device {
   // Scratch for the per-row losses of T rows.
   float* rows(int T) {
     const auto need = static_cast<std::size_t>(T) * 4;
-    if (rows_.bytes() < need) rows_ = DeviceBuffer(need);
+    if (rows_.bytes() < need) rows_ = DeviceBuffer(need, k_.stream());
     return rows_.f32();
   }
 

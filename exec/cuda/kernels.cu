@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -739,8 +740,11 @@ unsigned blocks_for(std::int64_t n) {
 
 // ---- DeviceBuffer ---------------------------------------------------------------------------
 
-DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
-  const cudaError_t e = cudaMalloc(&p_, std::max<std::size_t>(bytes, 16));
+DeviceBuffer::DeviceBuffer(std::size_t bytes, void* stream) : bytes_(bytes), stream_(stream) {
+  const std::size_t size = std::max<std::size_t>(bytes, 16);
+  const cudaError_t e = stream != nullptr
+                            ? cudaMallocAsync(&p_, size, static_cast<cudaStream_t>(stream))
+                            : cudaMalloc(&p_, size);
   if (e != cudaSuccess) {
     // An allocation failure is also the runtime's "last error": clear it, so that the next
     // kernel launch's check does not report it again (the caller may free memory and retry).
@@ -748,23 +752,37 @@ DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
     int device = -1;
     (void)cudaGetDevice(&device);
     cudaGetLastError();
-    check(e, ("cudaMalloc of " + std::to_string(bytes) + " bytes on GPU " + std::to_string(device))
+    check(e, (std::string(stream != nullptr ? "cudaMallocAsync" : "cudaMalloc") + " of " +
+              std::to_string(bytes) + " bytes on GPU " + std::to_string(device))
                  .c_str());
   }
 }
 
 DeviceBuffer::~DeviceBuffer() {
-  if (p_ != nullptr) cudaFree(p_);
+  free();
+}
+
+void DeviceBuffer::free() noexcept {
+  if (p_ == nullptr) return;
+  if (stream_ != nullptr) {
+    cudaFreeAsync(p_, static_cast<cudaStream_t>(stream_));
+  } else {
+    cudaFree(p_);
+  }
+  p_ = nullptr;
 }
 
 DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
-    : p_(std::exchange(other.p_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+    : p_(std::exchange(other.p_, nullptr)),
+      bytes_(std::exchange(other.bytes_, 0)),
+      stream_(std::exchange(other.stream_, nullptr)) {}
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   if (this != &other) {
-    if (p_ != nullptr) cudaFree(p_);
+    free();
     p_ = std::exchange(other.p_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);
+    stream_ = std::exchange(other.stream_, nullptr);
   }
   return *this;
 }
@@ -774,8 +792,10 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
 struct Kernels::Impl {
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
-  // Scratch, grown on demand (cudaFree waits for the kernels that used the old one): host
-  // transfers, the loss statistics, attention scores and their gradients, column sums' chunks.
+  cudaMemPool_t pool = nullptr;  // the GPU's default pool (stream-ordered allocations)
+  // Scratch, grown on demand in the stream's order (the old one is freed after the kernels
+  // that used it): host transfers, the loss statistics, attention scores and their gradients,
+  // column sums' chunks.
   DeviceBuffer staging, stats, scores, dscores, partials;
   DeviceBuffer slots;          // mixture of experts: each copy's row (the inverse of the order)
   DeviceBuffer cp_kv, cp_dkv;  // context parallelism: one sequence's keys in position order
@@ -783,6 +803,10 @@ struct Kernels::Impl {
   int marks = 0;
 
   ~Impl() {
+    // The scratch goes back on the stream, before the stream does.
+    for (DeviceBuffer* b :
+         {&staging, &stats, &scores, &dscores, &partials, &slots, &cp_kv, &cp_dkv})
+      *b = DeviceBuffer();
     for (cudaEvent_t e : events) cudaEventDestroy(e);
     if (blas != nullptr) cublasDestroy(blas);
     if (stream != nullptr) {
@@ -792,7 +816,7 @@ struct Kernels::Impl {
   }
 
   float* room(DeviceBuffer& b, std::size_t bytes) {
-    if (b.bytes() < bytes) b = DeviceBuffer(bytes);
+    if (b.bytes() < bytes) b = DeviceBuffer(bytes, stream);
     return b.f32();
   }
 
@@ -834,12 +858,26 @@ Kernels::Kernels(int gpu, Dtype activations) : impl_(std::make_unique<Impl>()), 
   check(cudaStreamCreate(&impl_->stream), "cudaStreamCreate");
   check(cublasCreate(&impl_->blas), "cublasCreate");
   check(cublasSetStream(impl_->blas, impl_->stream), "cublasSetStream");
+  // Stream-ordered allocations (DeviceBuffer with a stream) come from the GPU's default pool;
+  // with its default release threshold (0) it would give memory back at every synchronization
+  // and map it again at the next allocation.
+  cudaMemPool_t pool = nullptr;
+  check(cudaDeviceGetDefaultMemPool(&pool, gpu), "cudaDeviceGetDefaultMemPool");
+  std::uint64_t keep = std::numeric_limits<std::uint64_t>::max();
+  check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep),
+        "cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold)");
+  impl_->pool = pool;
 }
 
 Kernels::~Kernels() = default;
 
 void Kernels::synchronize() {
   check(cudaStreamSynchronize(impl_->stream), "cudaStreamSynchronize");
+}
+
+void Kernels::return_free_memory() {
+  synchronize();
+  check(cudaMemPoolTrimTo(static_cast<cudaMemPool_t>(impl_->pool), 0), "cudaMemPoolTrimTo");
 }
 
 int Kernels::mark() {
@@ -1149,9 +1187,6 @@ void Kernels::swiglu_backward(void* din, const void* in, const void* dout, int T
   launched("swiglu_backward_kernel");
 }
 
-// Per sequence b: scores[h] = scale · q_h · k_{kv(h)}^T, the heads batched by head_batches, the
-// causal softmax of every head's rows, then out_h = probs_h · v_{kv(h)}. qkv rows hold
-// [q heads | k heads | v heads], D values each.
 void Kernels::moe_route(int* experts, float* gates, const void* logits, int T, int E, int k) {
   if (T == 0) return;
   with_type(act_, [&](auto* tag) {
@@ -1261,6 +1296,9 @@ void Kernels::dropout_backward(void* din, const std::uint8_t* mask, const void* 
   launched("dropout_backward_kernel");
 }
 
+// Per sequence b: scores[h] = scale · q_h · k_{kv(h)}^T, the heads batched by head_batches, the
+// causal softmax of every head's rows, then out_h = probs_h · v_{kv(h)}. qkv rows hold
+// [q heads | k heads | v heads], D values each.
 void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G,
                                 int D, const DropoutSite* dropout, std::uint8_t* mask,
                                 void* dropped) {

@@ -35,11 +35,16 @@ inline std::size_t dtype_bytes(Dtype t) {
   return t == Dtype::F32 ? 4 : 2;
 }
 
-// Device memory, released on destruction.
+// Device memory, released on destruction. Given a stream (a cudaStream_t), it is allocated
+// and freed in that stream's order (cudaMallocAsync, cudaFreeAsync), which never waits for the
+// device. cudaFree does: a rank whose host waits there for its NCCL kernels, while they wait
+// for a peer that waits for this rank's next collective, hangs (NCCL's documentation warns of
+// it). The executor's buffers, allocated and freed inside steps, take the compute stream;
+// without one (calibration, tests) it is plain cudaMalloc and cudaFree.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  explicit DeviceBuffer(std::size_t bytes);
+  explicit DeviceBuffer(std::size_t bytes, void* stream = nullptr);
   ~DeviceBuffer();
   DeviceBuffer(DeviceBuffer&& other) noexcept;
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
@@ -52,8 +57,11 @@ class DeviceBuffer {
   std::size_t bytes() const { return bytes_; }
 
  private:
+  void free() noexcept;
+
   void* p_ = nullptr;
   std::size_t bytes_ = 0;
+  void* stream_ = nullptr;
 };
 
 class Kernels {
@@ -81,6 +89,11 @@ class Kernels {
   void zero(void* dst, std::size_t bytes);
   void copy(void* dst, const void* src, std::size_t bytes);  // device to device
   void synchronize();
+  // Waits for the stream, then gives the memory that stream-ordered frees returned to the
+  // GPU's pool back to the GPU (cudaMemPoolTrimTo), so that an allocation larger than any freed
+  // block can succeed: the pool keeps what it is given (a release threshold of all memory, set
+  // by the constructor, as a caching allocator would) until this is called.
+  void return_free_memory();
 
   // Timing on the stream with CUDA events: mark() records an event after the work queued so
   // far and returns its number; seconds(a, b) is the GPU time between marks a and b (it waits
@@ -129,8 +142,8 @@ class Kernels {
   void swiglu_backward(void* din, const void* in, const void* dout, int T, int F);
 
   // Dropout (exec/cpu/kernels.hpp: Dropout), its masks the CPU's: element i of sequence s is
-  // kept when the top 24 bits of counter_hash(stream, s, i) over 2^24 are >= rate. Positions
-  // are 0 ... Sq-1 (no context parallelism on the GPU).
+  // kept when the top 24 bits of counter_hash(stream, s, i) over 2^24 are >= rate. A row's
+  // position is positions[row % Sq] (context parallelism), else row % Sq.
   struct DropoutSite {
     std::uint64_t stream = 0;
     float rate = 0;

@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -134,7 +135,11 @@ class NcclComm final : public Comm {
     wake_.notify_all();
     if (watcher_.joinable()) watcher_.join();
     for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
-    for (const View& v : staged_) device_.release(v);
+    for (const Staged& v : staged_) {
+      device_.release(v.copy);
+      cudaEventDestroy(v.sent);
+    }
+    for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
     for (auto it = comms_.rbegin(); it != comms_.rend(); ++it) ncclCommDestroy(*it);
     for (cudaStream_t s : streams_) cudaStreamDestroy(s);
     for (cudaEvent_t e : done_) cudaEventDestroy(e);
@@ -176,6 +181,7 @@ class NcclComm final : public Comm {
       return;
     }
     DTSIM_ASSERT(counts.size() == g->members, "one count per member");
+    expect_shapes("all-gather", out, in, counts, g->index);
     after_compute(g->stream);
     if (equal(counts)) {
       if (counts[0] > 0) {
@@ -212,6 +218,7 @@ class NcclComm final : public Comm {
     }
     DTSIM_ASSERT(in_counts.size() == g->members && out_counts.size() == g->members,
                  "one count per member each way");
+    expect_all_to_all_shapes(in, in_counts, out, out_counts);
     after_compute(g->stream);
     nccl(ncclGroupStart(), "ncclGroupStart");
     std::int64_t sent = 0, received = 0;
@@ -280,14 +287,24 @@ class NcclComm final : public Comm {
     const auto it = sends_.find(peer);
     DTSIM_ASSERT(it != sends_.end(), fmt::format("rank {} sends to rank {}", rank_, peer));
     if (data.empty()) return;
-    // The tensor may be released and its memory reused once this returns: send a copy.
+    reclaim_sent();
+    // The tensor may be released and its memory reused once this returns: send a copy, kept
+    // until its send is done (reclaim_sent, finish_sends, wait_sends).
     const View staged = device_.allocate(data.n, data.type);
     device_.copy(staged, data);
-    staged_.push_back(staged);
     after_compute(it->second.stream);
     nccl(ncclSend(staged.p, count(staged), nccl_type(staged.type), 1, it->second.comm,
                   it->second.stream),
          "ncclSend");
+    cudaEvent_t sent = nullptr;
+    if (spare_events_.empty()) {
+      cuda(cudaEventCreateWithFlags(&sent, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    } else {
+      sent = spare_events_.back();
+      spare_events_.pop_back();
+    }
+    cuda(cudaEventRecord(sent, it->second.stream), "cudaEventRecord");
+    staged_.push_back({staged, sent});
   }
 
   void recv(int peer, std::int64_t, View data) override {
@@ -310,9 +327,12 @@ class NcclComm final : public Comm {
     return done_on(s);
   }
 
-  // Compute waits on the GPU, not the host, for every pair's sends queued so far.
+  // Compute waits on the GPU, not the host, for every pair's sends queued so far; their copies
+  // can go back to the device's pool then (what reuses them comes later on the compute stream),
+  // as the MPI backend frees its send buffers here.
   void finish_sends() override {
     for (const auto& [peer, pair] : sends_) before_compute(pair.stream);
+    release_staged([](cudaEvent_t) { return true; });
   }
 
   // The step's end: every queued kernel and transfer of this rank done, or a hang reported.
@@ -336,8 +356,7 @@ class NcclComm final : public Comm {
         std::this_thread::sleep_for(std::chrono::microseconds(200));
       }
     }
-    for (const View& v : staged_) device_.release(v);
-    staged_.clear();
+    release_staged([](cudaEvent_t) { return true; });
     used_ = 0;
   }
 
@@ -362,12 +381,35 @@ class NcclComm final : public Comm {
     return g.comm == nullptr ? nullptr : &g;
   }
 
+  // The copies of sends whose event says the GPU has sent them (no wait).
+  void reclaim_sent() {
+    release_staged([this](cudaEvent_t sent) {
+      const cudaError_t e = cudaEventQuery(sent);
+      if (e == cudaErrorNotReady) {
+        (void)cudaGetLastError();  // not ready is no error: see complete()
+        return false;
+      }
+      cuda(e, "cudaEventQuery");
+      return true;
+    });
+  }
+  template <class Done>
+  void release_staged(Done done) {
+    std::erase_if(staged_, [&](const Staged& s) {
+      if (!done(s.sent)) return false;
+      device_.release(s.copy);
+      spare_events_.push_back(s.sent);
+      return true;
+    });
+  }
+
   static bool equal(std::span<const int> counts) {
     return std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; });
   }
 
   void enqueue_reduce_scatter(const Channel& g, View in, View out, std::span<const int> counts) {
     DTSIM_ASSERT(counts.size() == g.members, "one count per member");
+    expect_shapes("reduce-scatter", in, out, counts, g.index);
     if (equal(counts)) {
       if (counts[0] > 0) {
         nccl(ncclReduceScatter(in.p, out.p, static_cast<std::size_t>(counts[0]), nccl_type(in.type),
@@ -472,6 +514,11 @@ class NcclComm final : public Comm {
                              session_.host(), what);
     std::cerr.flush();
     alarm(30);
+    // The watcher holds the mutex while it asks the communicators for errors: the main thread
+    // takes it, so that no communicator is queried while it is aborted (the watcher ends the
+    // job after letting it go).
+    std::unique_lock<std::mutex> hold(mutex_, std::defer_lock);
+    if (std::this_thread::get_id() != watcher_.get_id()) hold.lock();
     for (auto it = comms_.rbegin(); it != comms_.rend(); ++it) ncclCommAbort(*it);
     std::_Exit(3);
   }
@@ -480,17 +527,23 @@ class NcclComm final : public Comm {
   // inside NCCL) ends the job instead of leaving this rank waiting.
   void watch() {
     cudaSetDevice(gpu_);  // no context on another GPU from this thread
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (!wake_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; })) {
-      for (ncclComm_t c : comms_) {
-        ncclResult_t state = ncclSuccess;
-        if (ncclCommGetAsyncError(c, &state) != ncclSuccess) continue;
-        if (state != ncclSuccess && state != ncclInProgress) {
-          end_job(
-              fmt::format("NCCL reported an asynchronous error: {}", ncclGetErrorString(state)));
+    std::string error;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      while (error.empty() &&
+             !wake_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; })) {
+        for (ncclComm_t c : comms_) {
+          ncclResult_t state = ncclSuccess;
+          if (ncclCommGetAsyncError(c, &state) != ncclSuccess) continue;
+          if (state != ncclSuccess && state != ncclInProgress) {
+            error =
+                fmt::format("NCCL reported an asynchronous error: {}", ncclGetErrorString(state));
+            break;
+          }
         }
       }
     }
+    if (!error.empty()) end_job(error);
   }
 
   const cpu::MpiSession& session_;
@@ -512,7 +565,12 @@ class NcclComm final : public Comm {
   cudaEvent_t fence_ = nullptr;
   std::vector<cudaEvent_t> done_;  // handles of this step: done_[0, used_)
   int used_ = 0;
-  std::vector<View> staged_;  // copies being sent this step
+  struct Staged {
+    View copy;
+    cudaEvent_t sent;  // recorded on the pair's stream after the send
+  };
+  std::vector<Staged> staged_;  // copies being sent
+  std::vector<cudaEvent_t> spare_events_;
   std::thread watcher_;
   std::mutex mutex_;
   std::condition_variable wake_;
