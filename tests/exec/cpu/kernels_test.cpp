@@ -356,6 +356,21 @@ TEST_CASE("MoE routing, dispatch and combine backward match finite differences",
   check_gradient(x, dx, loss, "x");
 }
 
+// Ties (common among bf16 logits) go to the lower expert, whose copy comes first: the rule the
+// GPU's routing kernel follows and its test plants.
+TEST_CASE("MoE routing breaks ties by the lower expert", "[exec][cpu]") {
+  const int T = 3, E = 6, k = 2;
+  const std::vector<float> logits = {-0.5f, 1.5f,  -0.5f, -0.5f, 1.5f,  -0.5f,   // two maxima
+                                     2.0f,  0.25f, 1.0f,  0.25f, 0.25f, 1.0f,    // equal second
+                                     0.75f, 0.75f, 0.75f, 0.75f, 0.75f, 0.75f};  // all equal
+  std::vector<int> experts(static_cast<std::size_t>(T) * k);
+  std::vector<float> gates(experts.size());
+  cpu::moe_route(experts, gates, logits, T, E, k);
+  CHECK(experts == std::vector<int>{1, 4, 0, 2, 0, 1});
+  CHECK(gates[0] == gates[1]);
+  CHECK(gates[4] == gates[5]);
+}
+
 TEST_CASE("RoPE and learned positions at a rank's positions equal those rows of the whole",
           "[exec][cpu]") {
   const int B = 2, S = 6, H = 2, G = 1, D = 4, C = 3, V = 5;

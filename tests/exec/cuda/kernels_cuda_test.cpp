@@ -354,12 +354,22 @@ TEST_CASE("GPU mixture-of-experts routing, dispatch and combine match the CPU",
       k_.download_bytes(h.data(), b.get(), n * sizeof(int));
       return h;
     };
-    const Vec logits = as_stored(k_, random(static_cast<std::size_t>(T) * E, 51));
+    // Ties, common in bf16 logits: the lower expert wins (the CPU's order). Row 0: two equal
+    // maxima; row 1: the second and third equal; row 2: all equal.
+    Vec tied = random(static_cast<std::size_t>(T) * E, 51);
+    for (int e = 0; e < E; ++e) {
+      tied[static_cast<std::size_t>(e)] = e == 1 || e == 4 ? 1.5f : -0.5f;
+      tied[static_cast<std::size_t>(E + e)] = e == 0 ? 2.0f : e == 2 || e == 5 ? 1.0f : 0.25f;
+      tied[static_cast<std::size_t>(2 * E + e)] = 0.75f;
+    }
+    const Vec logits = as_stored(k_, tied);
     const Vec x = as_stored(k_, random(static_cast<std::size_t>(T) * C, 52));
     // CPU: route, dispatch, combine (y: the experts' outputs, here random), and backwards.
     std::vector<int> experts(slots), order(slots), rows(static_cast<std::size_t>(E));
     Vec gates(slots), dispatched(slots * C);
     cpu::moe_route(experts, gates, logits, T, E, k);
+    CHECK(std::vector<int>(experts.begin(), experts.begin() + 6) ==
+          std::vector<int>{1, 4, 0, 2, 0, 1});  // the planted ties, as the CPU breaks them
     cpu::moe_dispatch(dispatched, order, rows, x, experts, T, C, k, E);
     const Vec y = as_stored(k_, random(slots * C, 53));
     const Vec dout = as_stored(k_, random(static_cast<std::size_t>(T) * C, 54));
@@ -402,94 +412,147 @@ TEST_CASE("GPU mixture-of-experts routing, dispatch and combine match the CPU",
 
 // Context parallelism: rank 1 of cp 2 (Megatron-LM's load balancing: chunks 1 and 2 of 4),
 // its queries against every rank's keys, with and without attention dropout; and the ops that
-// read positions (rotary, learned positions, dropout) and the column copies of the KV exchange.
+// read positions (rotary, learned positions and their gradient, residual dropout) and the
+// column copies of the KV exchange. Both head batchings of the attention GEMMs (kernels.cu,
+// head_batches: several query heads per kv head; Llama-3 70B's tp-8 shard, 8 query heads on one
+// kv head), and rows longer than a block of the softmax kernels (S = 320).
 TEST_CASE("GPU attention with context parallelism matches the CPU", "[exec][cuda][gpu]") {
   const auto gpu = first_gpu();
   if (!gpu) return;
-  const int cp = 2, B = 2, Sq = 8, S = cp * Sq, H = 4, G = 2, D = 16, chunk = S / (2 * cp);
-  const int width = (H + 2 * G) * D, kv_width = 2 * G * D;
-  std::vector<int> qpos(static_cast<std::size_t>(Sq)), order(static_cast<std::size_t>(S));
-  for (int p = 0; p < S; ++p) {
-    const int k = p / chunk, owner = k < cp ? k : 2 * cp - 1 - k;
-    const int s = (k < cp ? 0 : chunk) + p % chunk;
-    order[static_cast<std::size_t>(p)] = owner * Sq + s;
-    if (owner == 1) qpos[static_cast<std::size_t>(s)] = p;
-  }
-  cpu::Dropout d;
-  d.stream = 77;
-  d.rate = 0.1f;
-  d.first_sequence = 2;
-  d.Sq = Sq;
-  d.positions = qpos;
-  for (cu::Dtype type : kTypes) {
-    for (const bool drop : {false, true}) {
-      INFO(name(type) << (drop ? ", with dropout" : ""));
-      cu::Kernels k(*gpu, type);
-      const auto scores = static_cast<std::size_t>(B) * H * Sq * S;
-      const Vec qkv = as_stored(k, random(static_cast<std::size_t>(B) * Sq * width, 61, 0.5f));
-      const Vec kv =
-          as_stored(k, random(static_cast<std::size_t>(cp) * B * Sq * kv_width, 62, 0.5f));
-      const Vec dout = as_stored(k, random(static_cast<std::size_t>(B) * Sq * H * D, 63));
-      Vec out(static_cast<std::size_t>(B) * Sq * H * D), probs(scores), dropped(scores);
-      Vec dqkv(qkv.size(), 0.0f), dkv(kv.size(), 0.0f);
-      std::vector<std::uint8_t> mask(scores);
-      cpu::AttentionOptions o;
-      o.kv = kv;
-      o.cp = cp;
-      o.qpos = qpos;
-      o.order = order;
-      if (drop) {
-        o.dropout = &d;
-        o.mask = mask;
-        o.dropped = dropped;
-      }
-      cpu::attention_forward(out, probs, qkv, B, Sq, H, G, D, o);
-      cpu::attention_backward(dqkv, dkv, dout, qkv, probs, B, Sq, H, G, D, o);
-
-      Dev g_qkv(k, qkv), g_kv(k, kv), g_out(k, Vec(out.size())), g_probs(k, Vec(scores)),
-          g_dropped(k, Vec(scores)), g_dout(k, dout), g_dqkv(k, Vec(qkv.size(), 0.0f)),
-          g_dkv(k, Vec(kv.size(), 0.0f));
-      Ints g_qpos(k, qpos), g_order(k, order);
-      cu::DeviceBuffer g_mask(scores);
-      cu::Kernels::DropoutSite site{d.stream, d.rate, d.first_sequence, 0, Sq, 0, g_qpos.p()};
-      auto* m = drop ? static_cast<std::uint8_t*>(g_mask.get()) : nullptr;
-      k.attention_forward_cp(g_out.p(), g_probs.p(), g_qkv.p(), g_kv.p(), g_qpos.p(), g_order.p(),
-                             cp, B, Sq, H, G, D, drop ? &site : nullptr, m,
-                             drop ? g_dropped.p() : nullptr);
-      k.attention_backward_cp(g_dqkv.p(), g_dkv.p(), g_dout.p(), g_qkv.p(), g_kv.p(), g_probs.p(),
-                              g_qpos.p(), g_order.p(), cp, B, Sq, H, G, D, drop ? d.rate : 0.0f, m,
-                              drop ? g_dropped.p() : nullptr);
-      if (drop) {
-        std::vector<std::uint8_t> got(scores);
-        k.download_bytes(got.data(), g_mask.get(), scores);
-        CHECK(got == mask);
-      }
-      CHECK(error(g_probs.host(), probs) < tolerance(type));
-      CHECK(error(g_out.host(), out) < tolerance(type));
-      CHECK(error(g_dqkv.host(), dqkv) < tolerance(type));
-      CHECK(error(g_dkv.host(), dkv) < tolerance(type));
+  for (const auto& [H, G, Sq] : {std::tuple{4, 2, 8}, std::tuple{8, 1, 160}}) {
+    const int cp = 2, B = 2, S = cp * Sq, D = 16, chunk = S / (2 * cp);
+    const int width = (H + 2 * G) * D, kv_width = 2 * G * D;
+    std::vector<int> qpos(static_cast<std::size_t>(Sq)), order(static_cast<std::size_t>(S));
+    for (int p = 0; p < S; ++p) {
+      const int k = p / chunk, owner = k < cp ? k : 2 * cp - 1 - k;
+      const int s = (k < cp ? 0 : chunk) + p % chunk;
+      order[static_cast<std::size_t>(p)] = owner * Sq + s;
+      if (owner == 1) qpos[static_cast<std::size_t>(s)] = p;
     }
-    // Rotary positions and learned positions at the rank's positions; the KV columns.
-    INFO(name(type) << ": rotary, positions, columns");
-    cu::Kernels k(*gpu, type);
-    const Vec x = as_stored(k, random(static_cast<std::size_t>(B) * Sq * width, 64));
-    Vec rot(x.size()), back(x.size(), 0.0f);
-    cpu::rope_forward(rot, x, B, Sq, H, G, D, 10000.0, qpos);
-    cpu::rope_backward(back, x, B, Sq, H, G, D, 10000.0, qpos);
-    Ints g_qpos(k, qpos);
-    Dev g_x(k, x), g_rot(k, Vec(x.size())), g_back(k, Vec(x.size(), 0.0f));
-    k.rope_forward(g_rot.p(), g_x.p(), B, Sq, H, G, D, 10000.0, g_qpos.p());
-    k.rope_backward(g_back.p(), g_x.p(), B, Sq, H, G, D, 10000.0, g_qpos.p());
-    CHECK(error(g_rot.host(), rot) < tolerance(type));
-    CHECK(error(g_back.host(), back) < tolerance(type));
-    Vec cols(static_cast<std::size_t>(B) * Sq * kv_width), added = x;
-    cpu::copy_columns(cols, x, B * Sq, width, H * D, kv_width);
-    cpu::add_columns(added, cols, B * Sq, width, H * D, kv_width);
-    Dev g_cols(k, Vec(cols.size())), g_added(k, x);
-    k.copy_columns(g_cols.p(), g_x.p(), B * Sq, width, H * D, kv_width);
-    k.add_columns(g_added.p(), g_cols.p(), B * Sq, width, H * D, kv_width);
-    CHECK(error(g_cols.host(), cols) == 0);
-    CHECK(error(g_added.host(), added) < tolerance(type));
+    cpu::Dropout d;
+    d.stream = 77;
+    d.rate = 0.1f;
+    d.first_sequence = 2;
+    d.Sq = Sq;
+    d.positions = qpos;
+    for (cu::Dtype type : kTypes) {
+      for (const bool drop : {false, true}) {
+        INFO(name(type) << ", " << H << " heads on " << G << " kv heads, " << Sq << " rows"
+                        << (drop ? ", with dropout" : ""));
+        cu::Kernels k(*gpu, type);
+        const auto scores = static_cast<std::size_t>(B) * H * Sq * S;
+        const Vec qkv = as_stored(k, random(static_cast<std::size_t>(B) * Sq * width, 61, 0.5f));
+        const Vec kv =
+            as_stored(k, random(static_cast<std::size_t>(cp) * B * Sq * kv_width, 62, 0.5f));
+        const Vec dout = as_stored(k, random(static_cast<std::size_t>(B) * Sq * H * D, 63));
+        Vec out(static_cast<std::size_t>(B) * Sq * H * D), probs(scores), dropped(scores);
+        Vec dqkv(qkv.size(), 0.0f), dkv(kv.size(), 0.0f);
+        std::vector<std::uint8_t> mask(scores);
+        cpu::AttentionOptions o;
+        o.kv = kv;
+        o.cp = cp;
+        o.qpos = qpos;
+        o.order = order;
+        if (drop) {
+          o.dropout = &d;
+          o.mask = mask;
+          o.dropped = dropped;
+        }
+        cpu::attention_forward(out, probs, qkv, B, Sq, H, G, D, o);
+        cpu::attention_backward(dqkv, dkv, dout, qkv, probs, B, Sq, H, G, D, o);
+
+        Dev g_qkv(k, qkv), g_kv(k, kv), g_out(k, Vec(out.size())), g_probs(k, Vec(scores)),
+            g_dropped(k, Vec(scores)), g_dout(k, dout), g_dqkv(k, Vec(qkv.size(), 0.0f)),
+            g_dkv(k, Vec(kv.size(), 0.0f));
+        Ints g_qpos(k, qpos), g_order(k, order);
+        cu::DeviceBuffer g_mask(scores);
+        cu::Kernels::DropoutSite site{d.stream, d.rate, d.first_sequence, 0, Sq, 0, g_qpos.p()};
+        auto* m = drop ? static_cast<std::uint8_t*>(g_mask.get()) : nullptr;
+        k.attention_forward_cp(g_out.p(), g_probs.p(), g_qkv.p(), g_kv.p(), g_qpos.p(), g_order.p(),
+                               cp, B, Sq, H, G, D, drop ? &site : nullptr, m,
+                               drop ? g_dropped.p() : nullptr);
+        k.attention_backward_cp(g_dqkv.p(), g_dkv.p(), g_dout.p(), g_qkv.p(), g_kv.p(), g_probs.p(),
+                                g_qpos.p(), g_order.p(), cp, B, Sq, H, G, D, drop ? d.rate : 0.0f,
+                                m, drop ? g_dropped.p() : nullptr);
+        if (drop) {
+          std::vector<std::uint8_t> got(scores);
+          k.download_bytes(got.data(), g_mask.get(), scores);
+          CHECK(got == mask);
+        }
+        CHECK(error(g_probs.host(), probs) < tolerance(type));
+        CHECK(error(g_out.host(), out) < tolerance(type));
+        CHECK(error(g_dqkv.host(), dqkv) < tolerance(type));
+        CHECK(error(g_dkv.host(), dkv) < tolerance(type));
+      }
+      // Rotary positions and learned positions at the rank's positions; the KV columns.
+      INFO(name(type) << ": rotary, positions, columns");
+      cu::Kernels k(*gpu, type);
+      const Vec x = as_stored(k, random(static_cast<std::size_t>(B) * Sq * width, 64));
+      Vec rot(x.size()), back(x.size(), 0.0f);
+      cpu::rope_forward(rot, x, B, Sq, H, G, D, 10000.0, qpos);
+      cpu::rope_backward(back, x, B, Sq, H, G, D, 10000.0, qpos);
+      Ints g_qpos(k, qpos);
+      Dev g_x(k, x), g_rot(k, Vec(x.size())), g_back(k, Vec(x.size(), 0.0f));
+      k.rope_forward(g_rot.p(), g_x.p(), B, Sq, H, G, D, 10000.0, g_qpos.p());
+      k.rope_backward(g_back.p(), g_x.p(), B, Sq, H, G, D, 10000.0, g_qpos.p());
+      CHECK(error(g_rot.host(), rot) < tolerance(type));
+      CHECK(error(g_back.host(), back) < tolerance(type));
+      Vec cols(static_cast<std::size_t>(B) * Sq * kv_width), added = x;
+      cpu::copy_columns(cols, x, B * Sq, width, H * D, kv_width);
+      cpu::add_columns(added, cols, B * Sq, width, H * D, kv_width);
+      Dev g_cols(k, Vec(cols.size())), g_added(k, x);
+      k.copy_columns(g_cols.p(), g_x.p(), B * Sq, width, H * D, kv_width);
+      k.add_columns(g_added.p(), g_cols.p(), B * Sq, width, H * D, kv_width);
+      CHECK(error(g_cols.host(), cols) == 0);
+      CHECK(error(g_added.host(), added) < tolerance(type));
+
+      // Residual dropout at the rank's positions, its rows across a sequence's end (a row's mask
+      // index is its position's, not its row's).
+      {
+        cpu::Dropout rd = d;
+        rd.first_row = Sq - 4;
+        const int T = 12, C = 24;
+        const auto n = static_cast<std::size_t>(T) * C;
+        const Vec branch = as_stored(k, random(n, 65)), skip = as_stored(k, random(n, 66));
+        Vec rout(n);
+        std::vector<std::uint8_t> rmask(n);
+        cpu::dropout_add_forward(rout, rmask, branch, skip, rd, T, C);
+        Dev g_branch(k, branch), g_skip(k, skip), g_rout(k, Vec(n));
+        cu::DeviceBuffer g_rmask(n);
+        const cu::Kernels::DropoutSite rsite{rd.stream, rd.rate, rd.first_sequence, rd.first_row,
+                                             Sq,        0,       g_qpos.p()};
+        k.dropout_forward(g_rout.p(), static_cast<std::uint8_t*>(g_rmask.get()), g_branch.p(),
+                          g_skip.p(), rsite, T, C);
+        std::vector<std::uint8_t> got(n);
+        k.download_bytes(got.data(), g_rmask.get(), n);
+        CHECK(got == rmask);
+        CHECK(error(g_rout.host(), rout) < tolerance(type));
+      }
+      // Learned positions at the rank's positions (wpe has all S), and their gradient.
+      {
+        const int V = 40, C = 24;
+        std::vector<int> tokens(static_cast<std::size_t>(B) * Sq);
+        for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int>((i * 7) % V);
+        const Vec wte = random(static_cast<std::size_t>(V) * C, 67);
+        const Vec wpe = random(static_cast<std::size_t>(S) * C, 68);
+        const Vec edout = as_stored(k, random(static_cast<std::size_t>(B) * Sq * C, 69));
+        Vec eout(static_cast<std::size_t>(B) * Sq * C), dwte(wte.size(), 0.0f),
+            dwpe(wpe.size(), 0.0f);
+        cpu::embedding_forward(eout, tokens, wte, wpe, B, Sq, C, 0, qpos);
+        cpu::embedding_backward(dwte, dwpe, edout, tokens, B, Sq, C, 0, qpos);
+        Dev g_wte(k, wte, true), g_wpe(k, wpe, true), g_eout(k, Vec(eout.size())),
+            g_edout(k, edout), g_dwte(k, Vec(wte.size(), 0.0f), true),
+            g_dwpe(k, Vec(wpe.size(), 0.0f), true);
+        Ints g_tokens(k, tokens);
+        k.embedding_forward(g_eout.p(), g_tokens.p(), g_wte.f(), V, g_wpe.f(), B, Sq, C, 0,
+                            g_qpos.p());
+        k.embedding_backward(g_dwte.f(), V, g_dwpe.f(), g_edout.p(), g_tokens.p(), B, Sq, C, 0,
+                             g_qpos.p());
+        CHECK(error(g_eout.host(), eout) < tolerance(type));
+        CHECK(error(g_dwte.host(), dwte) < tolerance(type));
+        CHECK(error(g_dwpe.host(), dwpe) < tolerance(type));
+      }
+    }
   }
 }
 
