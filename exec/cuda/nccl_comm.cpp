@@ -57,6 +57,39 @@ std::set<std::pair<std::int64_t, std::int64_t>> pipeline_pairs(const lower::Prog
   return pairs;
 }
 
+// Ends the process if it is not destroyed within `seconds` (0: never): for the blocking calls
+// of setting up communicators, which have no time limit of their own (a peer that failed or
+// cannot be reached leaves ncclCommInitRank waiting); mpirun then ends the other ranks.
+class Deadline {
+ public:
+  Deadline(double seconds, std::string what) {
+    if (!(seconds > 0)) return;
+    thread_ = std::thread([this, seconds, what = std::move(what)] {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (!met_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return done_; })) {
+        std::cerr << what << std::endl;
+        std::_Exit(3);
+      }
+    });
+  }
+  ~Deadline() {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    met_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  Deadline(const Deadline&) = delete;
+  Deadline& operator=(const Deadline&) = delete;
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable met_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
 class NcclComm final : public Comm {
  public:
   NcclComm(const cpu::MpiSession& session, const lower::Program& program, Device& device,
@@ -75,6 +108,11 @@ class NcclComm final : public Comm {
       throw UnsupportedError(
           fmt::format("--backend cuda: NCCL transfers carry no tag, and {}", *mismatch));
     }
+    const Deadline setup(
+        timeout_s_,
+        fmt::format("dtexec: rank {} on {}: the NCCL communicators were not set up within {} s "
+                    "(--task-timeout): a peer failed, cannot be reached, or disagrees on the plan",
+                    rank_, session.host(), timeout_s_));
     cuda(cudaSetDevice(gpu_), "cudaSetDevice");
     cuda(cudaEventCreateWithFlags(&fence_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     // Connections at initialisation, not at first use: a first use that sets up connections
@@ -123,7 +161,7 @@ class NcclComm final : public Comm {
         recvs_[static_cast<int>(from)] = c;
       }
     }
-    warm_up(pairs);
+    warm_up(pairs, exchanging_groups(program));
     watcher_ = std::thread([this] { watch(); });
   }
 
@@ -432,15 +470,41 @@ class NcclComm final : public Comm {
     nccl(ncclGroupEnd(), "ncclGroupEnd");
   }
 
+  // The groups whose tasks include an all-to-all (expert and context parallelism's exchanges).
+  static std::set<int> exchanging_groups(const lower::Program& program) {
+    std::set<int> groups;
+    for (const auto& rp : program.ranks) {
+      for (const auto& t : rp.tasks) {
+        if (t.kind == lower::TaskKind::Collective &&
+            t.collective == lower::CollectiveKind::AllToAll) {
+          groups.insert(t.group);
+        }
+      }
+    }
+    return groups;
+  }
+
   // One small operation on every communicator, in the order they were made (on every rank the
   // lowest pending one has all its members at it, so this cannot deadlock), waited for on the
-  // host: whatever NCCL still sets up at first use is done before the first step.
-  void warm_up(const std::set<std::pair<std::int64_t, std::int64_t>>& pairs) {
+  // host: whatever NCCL still sets up at first use is done before the first step. A group that
+  // exchanges all-to-all also sends one value to every member: NCCL connects point-to-point
+  // channels at their first use, whatever NCCL_RUNTIME_CONNECT says of the collectives'.
+  void warm_up(const std::set<std::pair<std::int64_t, std::int64_t>>& pairs,
+               const std::set<int>& exchanging) {
     const View one = device_.allocate(1, Dtype::F32);
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       const Channel* c = member_of(static_cast<int>(g));
       if (c == nullptr) continue;
       all_reduce(static_cast<int>(g), one, Reduce::Sum);
+      if (exchanging.count(static_cast<int>(g)) > 0) {
+        const View in = device_.allocate(static_cast<std::int64_t>(c->members), Dtype::F32);
+        const View out = device_.allocate(static_cast<std::int64_t>(c->members), Dtype::F32);
+        const std::vector<int> each(c->members, 1);
+        all_to_all(static_cast<int>(g), in, each, out, each);
+        cuda(cudaStreamSynchronize(compute_), "cudaStreamSynchronize");
+        device_.release(in);
+        device_.release(out);
+      }
       cuda(cudaStreamSynchronize(compute_), "cudaStreamSynchronize");
     }
     for (const auto& [from, to] : pairs) {
