@@ -236,9 +236,10 @@ void write_trace(const std::string& path, const dtsim::lower::Program& program,
 
 // The GPU of this rank (the node-local rank's; the first one without mpirun), with activations in
 // the plan's precision; says which in `where`. Exit code 2 with the reason where there is none.
+// `share` (--share-gpus): a host's ranks share its GPUs, each rank a host of its own to NCCL.
 std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision, int local_rank,
                                                      int local_size, const std::string& host,
-                                                     std::string& where) {
+                                                     bool share, std::string& where) {
 #ifdef DTEXEC_HAVE_CUDA
   const auto p = dtsim::exec::cuda::probe();
   if (p.gpus.empty()) {
@@ -248,14 +249,25 @@ std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision,
   // A launcher that gives each rank its own GPU (srun --gpus-per-task=1) shows it one, through
   // CUDA_VISIBLE_DEVICES: that one is the rank's (NCCL refuses two ranks on one GPU, by name).
   const bool own_gpu = p.gpus.size() == 1 && std::getenv("CUDA_VISIBLE_DEVICES") != nullptr;
-  if (static_cast<std::size_t>(local_size) > p.gpus.size() && !own_gpu) {
-    throw dtsim::UnsupportedError(
-        fmt::format("--backend cuda: {} ranks on {} but {} GPU{}: NCCL needs a GPU per rank",
-                    local_size, host, p.gpus.size(), p.gpus.size() == 1 ? "" : "s"));
+  if (static_cast<std::size_t>(local_size) > p.gpus.size() && !own_gpu && !share) {
+    throw dtsim::UnsupportedError(fmt::format(
+        "--backend cuda: {} ranks on {} but {} GPU{}: NCCL needs a GPU per rank (--share-gpus "
+        "to test on fewer)",
+        local_size, host, p.gpus.size(), p.gpus.size() == 1 ? "" : "s"));
   }
-  const auto& g = p.gpus[static_cast<std::size_t>(p.gpus.size() == 1 ? 0 : local_rank)];
+  const auto& g = p.gpus[static_cast<std::size_t>(local_rank) % p.gpus.size()];
   const bool bf16 = precision == dtsim::Precision::Bf16;
   where = fmt::format("GPU {} ({}), {} activations", g.index, g.name, bf16 ? "bf16" : "fp32");
+  if (share && static_cast<std::size_t>(local_size) > p.gpus.size()) {
+    // NCCL tells hosts apart by a hash of NCCL_HOSTID where it is set: a rank of its own host
+    // is no duplicate of the ranks on its GPU, and reaches them over its network transport
+    // (sockets; loopback and no InfiniBand unless the user chose otherwise). Set before the
+    // communicators are made.
+    setenv("NCCL_HOSTID", fmt::format("{}-local-rank-{}", host, local_rank).c_str(), 1);
+    setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+    setenv("NCCL_IB_DISABLE", "1", 0);
+    where += fmt::format(", shared by {} ranks (--share-gpus: NCCL over sockets)", local_size);
+  }
   return dtsim::exec::cuda::make_device(g.index,
                                         bf16 ? dtsim::exec::Dtype::BF16 : dtsim::exec::Dtype::F32);
 #else
@@ -263,6 +275,7 @@ std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision,
   (void)local_rank;
   (void)local_size;
   (void)host;
+  (void)share;
   (void)where;
   throw dtsim::UnsupportedError(
       "--backend cuda: this dtexec was built without the CUDA backend (CUDA toolkit or NCCL "
@@ -452,9 +465,14 @@ int run(const std::vector<std::string>& args) {
       "predicted", po::value<std::string>(),
       "with --only-rank: a dtsim simulate --trace of the same plan, whose communication task "
       "times become the waits")(
-      "task-timeout", po::value<double>()->default_value(600),
-      "seconds a single task may take before the run is declared hung and every rank is "
-      "ended (0: never); on GPUs over NCCL, the seconds a step's queued work may take")(
+      "share-gpus", po::bool_switch(),
+      "with --backend cuda under mpirun, for testing the multi-GPU code on fewer GPUs: a host's "
+      "ranks share its GPUs (local rank i takes GPU i mod their number). NCCL sees each rank as "
+      "a host of its own (NCCL_HOSTID) and moves data through sockets (NCCL_SOCKET_IFNAME=lo, "
+      "NCCL_IB_DISABLE=1 unless set); the GPU time-slices the ranks' kernels: slow, not for "
+      "timing")("task-timeout", po::value<double>()->default_value(600),
+                "seconds a single task may take before the run is declared hung and every rank is "
+                "ended (0: never); on GPUs over NCCL, the seconds a step's queued work may take")(
       "hang-at", po::value<std::string>(),
       "fault injection for tests, RANK:STEP: that rank stops answering when the step starts")(
       "fail-at", po::value<std::string>(),
@@ -492,6 +510,8 @@ int run(const std::vector<std::string>& args) {
   if (vm.count("predicted") && !only_rank) {
     throw dtsim::InputError("--predicted: only with --only-rank");
   }
+  const bool share_gpus = vm["share-gpus"].as<bool>();
+  if (share_gpus && !gpu) throw dtsim::InputError("--share-gpus: only with --backend cuda");
   if (gpu && dtsim::exec::cpu::under_mpirun()) {
     // NCCL's kernels wait for their peers: with the CUDA default of 8 hardware queues, a
     // kernel queued behind a waiting receive could hold back a send on another stream. More
@@ -582,8 +602,8 @@ int run(const std::vector<std::string>& args) {
   std::unique_ptr<dtsim::exec::Device> device;
   if (gpu) {
     device = mpi ? make_gpu_device(plan.precision, mpi->local_rank(), mpi->local_size(),
-                                   mpi->host(), where)
-                 : make_gpu_device(plan.precision, 0, 1, "this host", where);
+                                   mpi->host(), share_gpus, where)
+                 : make_gpu_device(plan.precision, 0, 1, "this host", false, where);
   } else if (plan.precision == dtsim::Precision::Bf16) {
     device = std::make_unique<dtsim::exec::cpu::Bf16Device>();
     where = "the CPU (bf16 activations emulated: fp32 kernels, bf16 storage)";
