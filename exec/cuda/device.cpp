@@ -41,7 +41,7 @@ class CudaDevice final : public Device {
       free_.erase(it);
     } else {
       try {
-        block = DeviceBuffer(bytes, k_.stream());
+        block = DeviceBuffer(bytes, k_.allocation_stream());
       } catch (const CudaError&) {
         // Out of memory with released buffers in the pool (none large enough): give them back
         // to the GPU and try once more, as a caching allocator does. The one wait of this
@@ -50,7 +50,7 @@ class CudaDevice final : public Device {
         for (const auto& entry : free_) memory_.reserved -= static_cast<std::int64_t>(entry.first);
         free_.clear();
         k_.return_free_memory();
-        block = DeviceBuffer(bytes, k_.stream());
+        block = DeviceBuffer(bytes, k_.allocation_stream());
       }
       memory_.reserved += static_cast<std::int64_t>(block.bytes());
     }
@@ -319,7 +319,7 @@ class CudaDevice final : public Device {
   // Scratch for the per-row losses of T rows.
   float* rows(int T) {
     const auto need = static_cast<std::size_t>(T) * 4;
-    if (rows_.bytes() < need) rows_ = DeviceBuffer(need, k_.stream());
+    if (rows_.bytes() < need) rows_ = DeviceBuffer(need, k_.allocation_stream());
     return rows_.f32();
   }
 

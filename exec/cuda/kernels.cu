@@ -816,7 +816,7 @@ struct Kernels::Impl {
   }
 
   float* room(DeviceBuffer& b, std::size_t bytes) {
-    if (b.bytes() < bytes) b = DeviceBuffer(bytes, stream);
+    if (b.bytes() < bytes) b = DeviceBuffer(bytes, pool != nullptr ? stream : nullptr);
     return b.f32();
   }
 
@@ -860,7 +860,12 @@ Kernels::Kernels(int gpu, Dtype activations) : impl_(std::make_unique<Impl>()), 
   check(cublasSetStream(impl_->blas, impl_->stream), "cublasSetStream");
   // Stream-ordered allocations (DeviceBuffer with a stream) come from the GPU's default pool;
   // with its default release threshold (0) it would give memory back at every synchronization
-  // and map it again at the next allocation.
+  // and map it again at the next allocation. A GPU without memory pools (some virtual GPUs)
+  // gets plain cudaMalloc and cudaFree (allocation_stream() is null).
+  int pools = 0;
+  check(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, gpu),
+        "cudaDeviceGetAttribute(cudaDevAttrMemoryPoolsSupported)");
+  if (pools == 0) return;
   cudaMemPool_t pool = nullptr;
   check(cudaDeviceGetDefaultMemPool(&pool, gpu), "cudaDeviceGetDefaultMemPool");
   std::uint64_t keep = std::numeric_limits<std::uint64_t>::max();
@@ -877,7 +882,12 @@ void Kernels::synchronize() {
 
 void Kernels::return_free_memory() {
   synchronize();
-  check(cudaMemPoolTrimTo(static_cast<cudaMemPool_t>(impl_->pool), 0), "cudaMemPoolTrimTo");
+  if (impl_->pool == nullptr) return;
+  check(cudaMemPoolTrimTo(impl_->pool, 0), "cudaMemPoolTrimTo");
+}
+
+void* Kernels::allocation_stream() const {
+  return impl_->pool != nullptr ? impl_->stream : nullptr;
 }
 
 int Kernels::mark() {

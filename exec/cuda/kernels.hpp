@@ -94,6 +94,9 @@ class Kernels {
   // block can succeed: the pool keeps what it is given (a release threshold of all memory, set
   // by the constructor, as a caching allocator would) until this is called.
   void return_free_memory();
+  // The stream to give DeviceBuffers allocated and freed inside steps (this object's stream),
+  // or null where the GPU has no memory pools (plain cudaMalloc and cudaFree).
+  void* allocation_stream() const;
 
   // Timing on the stream with CUDA events: mark() records an event after the work queued so
   // far and returns its number; seconds(a, b) is the GPU time between marks a and b (it waits
