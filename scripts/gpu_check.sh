@@ -176,9 +176,12 @@ say "== 3. several ranks on the one GPU over NCCL (mpirun -np N dtexec run --sha
 # paths (communicators split per group, NCCL collectives, grouped all-to-all, pipeline
 # transfers, ZeRO's reduce-scatters and all-gathers), not their speed. fp32, 3 steps of a
 # global batch of 8, against the CPU's single-rank run of the same batch and micro-batch size.
+# MPI carries only the host's side (ids, losses, checkpoints): shared memory between the
+# processes, without the kernel's cross-memory attach (containers often forbid it) or UCX.
 mpi=/tmp/gpu-bundle/mpi
 mpirun=(env OPAL_PREFIX="$mpi" PMIX_MCA_mca_base_component_path="$mpi/pmix/lib/pmix"
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+  OMPI_MCA_pml=ob1 "OMPI_MCA_btl=self,vader" OMPI_MCA_btl_vader_single_copy_mechanism=none
   "$mpi/bin/mpirun" --bind-to none)
 nccl_common=(--steps 3 --lr 3e-3 --warmup 0 --global-batch-size 8 --precision fp32)
 # model | ranks | micro-batch size | plan flags (the correctness matrix's shapes)
