@@ -43,10 +43,11 @@ class CudaDevice final : public Device {
       try {
         block = DeviceBuffer(bytes, k_.allocation_stream());
       } catch (const CudaError&) {
-        // Out of memory with released buffers in the pool (none large enough): give them back
-        // to the GPU and try once more, as a caching allocator does. The one wait of this
-        // path: for the compute stream, before the GPU's pool lets the freed memory go.
-        if (free_.empty()) throw;
+        // Out of memory with released buffers in the pool (none large enough), or freed
+        // memory in the GPU's pool (scratch that grew): give them back to the GPU and try once
+        // more, as a caching allocator does. The one wait of this path: for the compute
+        // stream, before the GPU's pool lets the freed memory go.
+        if (free_.empty() && k_.allocation_stream() == nullptr) throw;
         for (const auto& entry : free_) memory_.reserved -= static_cast<std::int64_t>(entry.first);
         free_.clear();
         k_.return_free_memory();

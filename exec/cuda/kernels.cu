@@ -799,20 +799,24 @@ struct Kernels::Impl {
   DeviceBuffer staging, stats, scores, dscores, partials;
   DeviceBuffer slots;          // mixture of experts: each copy's row (the inverse of the order)
   DeviceBuffer cp_kv, cp_dkv;  // context parallelism: one sequence's keys in position order
+  DeviceBuffer workspace;      // cuBLAS's, given at construction (no allocation at a first GEMM)
   std::vector<cudaEvent_t> events;  // mark() numbers [0, marks) in use
   int marks = 0;
 
   ~Impl() {
-    // The scratch goes back on the stream, before the stream does.
+    // The scratch goes back on the stream, before the stream does; then the pool gives it to
+    // the GPU (its release threshold keeps it otherwise, where cudaMalloc cannot reach it).
     for (DeviceBuffer* b :
          {&staging, &stats, &scores, &dscores, &partials, &slots, &cp_kv, &cp_dkv})
       *b = DeviceBuffer();
     for (cudaEvent_t e : events) cudaEventDestroy(e);
     if (blas != nullptr) cublasDestroy(blas);
+    workspace = DeviceBuffer();
     if (stream != nullptr) {
       cudaStreamSynchronize(stream);
       cudaStreamDestroy(stream);
     }
+    if (pool != nullptr) cudaMemPoolTrimTo(pool, 0);
   }
 
   float* room(DeviceBuffer& b, std::size_t bytes) {
@@ -858,6 +862,12 @@ Kernels::Kernels(int gpu, Dtype activations) : impl_(std::make_unique<Impl>()), 
   check(cudaStreamCreate(&impl_->stream), "cudaStreamCreate");
   check(cublasCreate(&impl_->blas), "cublasCreate");
   check(cublasSetStream(impl_->blas, impl_->stream), "cublasSetStream");
+  // cuBLAS's workspace, made here rather than by cuBLAS at its first GEMM inside a step (after
+  // cublasSetStream, which resets it): 32 MiB, the size cuBLAS's documentation recommends for
+  // Hopper (cublasSetWorkspace; 4 MiB would do before it).
+  impl_->workspace = DeviceBuffer(std::size_t{32} << 20);
+  check(cublasSetWorkspace(impl_->blas, impl_->workspace.get(), impl_->workspace.bytes()),
+        "cublasSetWorkspace");
   // Stream-ordered allocations (DeviceBuffer with a stream) come from the GPU's default pool;
   // with its default release threshold (0) it would give memory back at every synchronization
   // and map it again at the next allocation. A GPU without memory pools (some virtual GPUs)

@@ -12,10 +12,10 @@
 //
 // Plain C++ interface: pointers are device pointers; no CUDA type leaks out of exec/cuda. All
 // work of one Kernels object goes to its own stream, in order. What waits for the GPU: the host
-// transfers (upload*, download*), synchronize, and seconds (for its end mark); and growing a
-// scratch buffer (cudaFree waits for the device, which is also what makes freeing the old one
-// safe while queued kernels may still read it). Every CUDA and cuBLAS call is checked: a
-// failure throws CudaError naming the call (kernel launches included).
+// transfers (upload*, download*), synchronize, and seconds (for its end mark). A scratch buffer
+// grows in the stream's order (the old one freed after the kernels queued before; on a GPU
+// without memory pools, cudaFree, which waits for the device). Every CUDA and cuBLAS call is
+// checked: a failure throws CudaError naming the call (kernel launches included).
 //
 // Determinism: no atomics. Column reductions (bias, norm weight, embedding gradients) run one
 // thread per column over the rows in order, so a run repeats bit for bit on the same GPU.
