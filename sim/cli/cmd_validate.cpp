@@ -42,6 +42,12 @@ int cmd_validate(const std::vector<std::string>& args) {
                     "the same plan)",
                     predicted.file, measured.file));
   }
+  if (v.renamed > 0) {
+    throw InputError(fmt::format(
+        "{} and {}: not traces of the same plan ({} of {} joined tasks are named differently; "
+        "{}): simulate the plan that ran (dtexec run --json prints it)",
+        predicted.file, measured.file, v.renamed, v.matched, v.first_renamed));
+  }
   // What a task's time covers differs for the tasks that wait on peers.
   const std::string note =
       "a measured receive, collective or blocking send (dtexec run on CPUs) lasts until its "

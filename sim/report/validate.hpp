@@ -69,11 +69,17 @@ struct Validation {
   std::int64_t matched = 0;
   std::int64_t only_predicted = 0;
   std::int64_t only_measured = 0;
+  // Joined pairs whose names differ (traces of different plans: a task id names another task),
+  // and the first of them, as "rank R task T: "predicted name" predicted, "measured" measured".
+  std::int64_t renamed = 0;
+  std::string first_renamed;
 };
 
 // Every measured task joins the predicted task of the same id on its rank, or on the rank
 // whose program stands for it (so all ranks of a multi-rank run compare with one simulated
-// program per stage); the rows sum over the joined pairs.
+// program per stage); the rows sum over the joined pairs. Traces of one plan name a task alike
+// (both write the Program's names); `renamed` counts the pairs that do not (where both have a
+// name).
 Validation validate(const Trace& predicted, const Trace& measured);
 
 }  // namespace dtsim::report

@@ -56,6 +56,21 @@ TEST_CASE("validate joins every rank a predicted program stands for", "[report][
   CHECK(*v.tasks[1].error == Approx(1.0 / 3.0));
 }
 
+TEST_CASE("validate counts the joined tasks that another plan names differently",
+          "[report][validate]") {
+  TempFile p("predicted.json", kPredicted);
+  // Task 0 of another plan: a backward where this one has a forward; task 1 unnamed (a
+  // hand-written trace), not counted.
+  TempFile m("measured.json", R"({"traceEvents": [
+    {"ph": "X", "name": "bwd", "pid": 0, "tid": 0, "ts": 0, "dur": 125, "args": {"task": 0, "kind": "compute", "phase": "bwd"}},
+    {"ph": "X", "pid": 0, "tid": 0, "ts": 125, "dur": 50, "args": {"task": 1, "kind": "compute", "phase": "bwd"}}]})");
+  const auto v = dtsim::report::validate(dtsim::report::read_trace(p.path()),
+                                         dtsim::report::read_trace(m.path()));
+  CHECK(v.matched == 2);
+  CHECK(v.renamed == 1);
+  CHECK(v.first_renamed == "rank 0 task 0: \"fwd\" predicted, \"bwd\" measured");
+}
+
 TEST_CASE("a task measured as taking no time has no error", "[report][validate]") {
   TempFile p("predicted0.json", kPredicted);
   TempFile m("measured0.json", R"({"traceEvents": [
