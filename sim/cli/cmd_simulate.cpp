@@ -164,8 +164,12 @@ int cmd_simulate(const std::vector<std::string>& args) {
   row("pipeline bubble", b.bubble_s);
   row("optimizer", b.optimizer_s);
   std::cout << table.render();
-  std::cout << fmt::format("\nAmdahl: serial fraction {:.1f}% -> speedup bound {:.1f}x\n",
-                           100 * p.serial_fraction, p.max_speedup);
+  std::cout << (p.max_speedup > 0
+                    ? fmt::format("\nAmdahl (more dp replicas, this global batch): serial fraction "
+                                  "{:.1f}% -> speedup bound {:.1f}x\n",
+                                  100 * p.serial_fraction, p.max_speedup)
+                    : std::string("\nAmdahl (more dp replicas, this global batch): nothing "
+                                  "serial, no bound\n"));
   std::cout << fmt::format("simulated {} tasks ({} events), {} network\n", p.tasks, p.events,
                            p.network);
   for (const auto& n : notes) std::cout << "note: " << n << "\n";

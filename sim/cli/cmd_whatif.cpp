@@ -433,7 +433,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       cells.push_back(fmt::format("{:.0f}", r.tokens_per_s));
       cells.push_back(fmt::format("{:.1f}%", 100 * r.mfu));
       cells.push_back(fmt::format("{:.1f}%", 100 * efficiency(r)));
-      cells.push_back(fmt::format("{:.1f}x", r.max_speedup));
+      cells.push_back(r.max_speedup > 0 ? fmt::format("{:.1f}x", r.max_speedup) : "-");
       cells.push_back(tokens > 0 ? fmt::format("{:.1f}", r.train_s / 86400) : "-");
       cells.push_back(r.cost_usd >= 0 ? fmt::format("{:.0f}", r.cost_usd) : "-");
       cells.push_back(r.energy_kwh >= 0 ? fmt::format("{:.1f}", r.energy_kwh / 1000) : "-");

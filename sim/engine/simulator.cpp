@@ -323,7 +323,15 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   p.mfu = p.model_flops / (p.step_time_s * gpus * peak);
   p.hfu = p.hardware_flops / (p.step_time_s * gpus * peak);
   const Breakdown& b = p.breakdown;
-  p.serial_fraction = (b.exposed_comm_s() + b.bubble_s + b.optimizer_s) / p.step_time_s;
+  // Amdahl: what more data-parallel replicas at this global batch do not divide. Each
+  // replica's micro-batches, and with them their compute and their exposed tp, cp, ep and
+  // pipeline-transfer time, divide among the replicas; the data-parallel reduction, the bubble
+  // ((pp - 1) passes whatever the micro-batch count) and an unsharded optimizer step do not.
+  // (ZeRO-3's per-micro-batch gathers are dp communication that does divide: counted serial,
+  // the bound is then low.)
+  const bool sharded_optimizer = plan.zero_stage >= 1 && plan.dp > 1;
+  p.serial_fraction =
+      (b.exposed_dp_s + b.bubble_s + (sharded_optimizer ? 0.0 : b.optimizer_s)) / p.step_time_s;
   p.max_speedup = p.serial_fraction > 0 ? 1.0 / p.serial_fraction : 0.0;
   p.memory = plan::estimate_memory(graph, plan, cluster, options.memory);
   return sim;

@@ -52,8 +52,10 @@ struct Prediction {
   int bottleneck_stage = 0;  // the stage whose breakdown is reported
   Breakdown breakdown;
   std::vector<StagePrediction> stages;
-  double serial_fraction = 0;  // (exposed comm + bubble + optimizer) / step
-  double max_speedup = 0;      // Amdahl: 1 / serial_fraction
+  // Amdahl over data-parallel replicas at a fixed global batch: (exposed dp communication +
+  // bubble + the optimizer unless ZeRO shards it) / step, and 1 / that (0: nothing serial).
+  double serial_fraction = 0;
+  double max_speedup = 0;
   plan::MemoryReport memory;
   std::string network;
   std::uint64_t tasks = 0;
