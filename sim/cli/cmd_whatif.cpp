@@ -185,6 +185,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     bool fits = true;
     double memory_bytes = 0, capacity_bytes = 0;  // worst rank, device
   };
+  bool priceless_device = false;  // a varied device left the cluster's price out
   auto evaluate = [&](const std::map<std::string, std::string>& point) {
     Row row;
     row.point = point;
@@ -194,9 +195,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
     cluster::Cluster c = cluster::load_cluster(
         point.count("cluster") ? point.at("cluster") : vm["cluster"].as<std::string>());
     if (point.count("device")) {
+      const std::string own = c.device.name;
       c.device = cluster::load_device(point.at("device"));
       cluster::use_device_link(c.intra, c.device);
       c.power_per_device_w = c.device.power_w;
+      // The cluster's price is its own device's (an instance type's rate): another device has
+      // no price here, and its cost is left out rather than priced at the first one's rate.
+      if (c.device.name != own && c.price_per_device_hour_usd) {
+        c.price_per_device_hour_usd.reset();
+        priceless_device = true;
+      }
     }
     if (point.count("nic_gbps")) {
       c.inter.nic_bw_bytes_per_s = {number("nic_gbps", point.at("nic_gbps"), false) * 1e9 / 8,
@@ -442,6 +450,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
   }
   std::cout << table.render();
   if (tokens <= 0) std::cout << "(give --tokens N for time, cost and energy to train)\n";
+  if (tokens > 0 && priceless_device) {
+    std::cout << "(cost: the cluster's price is its own device's; points with another device "
+                 "have none)\n";
+  }
   return 0;
 }
 
