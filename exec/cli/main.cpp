@@ -112,7 +112,7 @@ namespace po = boost::program_options;
 bool parse(const std::vector<std::string>& args, const po::options_description& desc,
            const char* usage, po::variables_map& vm) {
   try {
-    po::store(po::command_line_parser(args).options(desc).run(), vm);
+    po::store(po::command_line_parser(args).options(desc).style(dtsim::cli::kNoGuessing).run(), vm);
     po::notify(vm);
   } catch (const po::error& e) {
     throw dtsim::InputError(fmt::format("{} (see --help)", e.what()));
@@ -798,7 +798,12 @@ int compare(const std::vector<std::string>& args) {
   positional.add("checkpoints", 2);
   po::variables_map vm;
   try {
-    po::store(po::command_line_parser(args).options(desc).positional(positional).run(), vm);
+    po::store(po::command_line_parser(args)
+                  .options(desc)
+                  .style(dtsim::cli::kNoGuessing)
+                  .positional(positional)
+                  .run(),
+              vm);
     po::notify(vm);
   } catch (const po::error& e) {
     throw dtsim::InputError(fmt::format("{} (see --help)", e.what()));

@@ -19,7 +19,8 @@ int cmd_list(const std::vector<std::string>& args) {
   pos.add("what", 1);
   po::variables_map vm;
   try {
-    po::store(po::command_line_parser(args).options(desc).positional(pos).run(), vm);
+    po::store(po::command_line_parser(args).options(desc).style(kNoGuessing).positional(pos).run(),
+              vm);
     po::notify(vm);
   } catch (const po::error& e) {
     throw InputError(fmt::format("{} (see --help)", e.what()));

@@ -137,7 +137,7 @@ std::optional<double> rank_spread_from_options(const po::variables_map& vm) {
 bool parse(const std::vector<std::string>& args, const po::options_description& desc,
            const std::string& usage, po::variables_map& vm) {
   try {
-    po::store(po::command_line_parser(args).options(desc).run(), vm);
+    po::store(po::command_line_parser(args).options(desc).style(kNoGuessing).run(), vm);
     po::notify(vm);
   } catch (const po::error& e) {
     throw InputError(fmt::format("{} (see --help)", e.what()));

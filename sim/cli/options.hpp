@@ -17,6 +17,11 @@ namespace dtsim::cli {
 
 namespace po = boost::program_options;
 
+// Long options are matched whole: Boost's default style also takes a unique prefix (--fixed
+// for --fixed-plan, --re for --recompute), which turns a mistyped flag into another one.
+inline constexpr int kNoGuessing =
+    po::command_line_style::default_style & ~po::command_line_style::allow_guessing;
+
 inline constexpr const char* kDefaultModel = "llama3-8b";
 inline constexpr const char* kDefaultCluster = "default";
 
