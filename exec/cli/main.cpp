@@ -446,7 +446,8 @@ int run(const std::vector<std::string>& args) {
       "--only-rank; bf16 by default, --precision fp32)")(
       "steps", po::value<int>()->default_value(10),
       "train until this many steps are done (counting a resumed checkpoint's)")(
-      "warmup", po::value<int>()->default_value(1), "steps left out of the median step time")(
+      "warmup", po::value<int>()->default_value(1),
+      "steps left out of the median step time (0 when --steps is 1 and this is not given)")(
       "lr", po::value<float>()->default_value(3e-3f), "AdamW learning rate")(
       "seed", po::value<std::uint64_t>()->default_value(1234), "initialisation and data seed")(
       "cluster", po::value<std::string>(),
@@ -483,7 +484,8 @@ int run(const std::vector<std::string>& args) {
                      "the same model); with them (CPU), dropout at rate 0.1 on the embedding, "
                      "the attention probabilities and both residual branches, its masks the same "
                      "for every plan");
-  dtsim::cli::add_plan_options(desc);
+  dtsim::cli::add_plan_options(
+      desc, "fp32 (the CPU's default) or bf16 (the GPU's default; on the CPU, its emulation)");
   po::variables_map vm;
   if (!parse(args, desc,
              "usage: dtexec run --model M [plan flags or --plan P.json] [options]\n"
@@ -558,7 +560,8 @@ int run(const std::vector<std::string>& args) {
   }
   dtsim::plan::require_valid(plan, spec, devices);
   const int steps = vm["steps"].as<int>();
-  const int warmup = vm["warmup"].as<int>();
+  const int warmup =
+      vm["warmup"].defaulted() ? std::min(1, std::max(steps - 1, 0)) : vm["warmup"].as<int>();
   if (steps < 1 || warmup < 0 || warmup >= steps) {
     throw dtsim::InputError(fmt::format(
         "--steps {} / --warmup {}: need steps >= 1 and 0 <= warmup < steps", steps, warmup));

@@ -34,7 +34,7 @@ void add_model_options(po::options_description& desc, bool with_cluster) {
   }
 }
 
-void add_plan_options(po::options_description& desc) {
+void add_plan_options(po::options_description& desc, const char* precision_help) {
   po::options_description plan("Plan (Megatron-LM vocabulary; unset values get defaults)");
   plan.add_options()("plan", po::value<std::string>(),
                      "plan JSON file (flags given as well override its fields)")(
@@ -79,8 +79,7 @@ void add_plan_options(po::options_description& desc) {
       "scatter-gather-p2p", po::bool_switch(),
       "Megatron-LM's scatter/gather of pipeline transfers (its 2021 default): each tp rank "
       "sends 1/tp of the activations and the receivers all-gather them over tp (needs tp > 1, "
-      "no sequence parallelism)")("precision", po::value<std::string>(),
-                                  "bf16 (default), fp16, fp8, fp32")(
+      "no sequence parallelism)")("precision", po::value<std::string>(), precision_help)(
       "grad-precision", po::value<std::string>(),
       "precision of the weight gradients (their accumulation over micro-batches, memory and "
       "data-parallel reduction): fp32, bf16 or fp16 (default: fp32 with bf16, fp8 and fp32 "

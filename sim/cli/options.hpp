@@ -27,8 +27,9 @@ inline constexpr const char* kDefaultCluster = "default";
 
 // Adds --model (and --cluster, --gpus when `with_cluster`).
 void add_model_options(po::options_description& desc, bool with_cluster);
-// Adds the plan flags and --plan.
-void add_plan_options(po::options_description& desc);
+// Adds the plan flags and --plan (`precision_help`: --precision's values and default).
+void add_plan_options(po::options_description& desc,
+                      const char* precision_help = "bf16 (default), fp16, fp8, fp32");
 // Adds --jitter-cv (the straggler model) and --rank-spread-cv (the slow rank); `where` says
 // which parts of the command use them.
 void add_jitter_option(po::options_description& desc, const char* where = "");
