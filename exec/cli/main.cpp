@@ -560,11 +560,11 @@ int run(const std::vector<std::string>& args) {
   }
   dtsim::plan::require_valid(plan, spec, devices);
   const int steps = vm["steps"].as<int>();
-  const int warmup =
-      vm["warmup"].defaulted() ? std::min(1, std::max(steps - 1, 0)) : vm["warmup"].as<int>();
-  if (steps < 1 || warmup < 0 || warmup >= steps) {
-    throw dtsim::InputError(fmt::format(
-        "--steps {} / --warmup {}: need steps >= 1 and 0 <= warmup < steps", steps, warmup));
+  if (steps < 1) throw dtsim::InputError(fmt::format("--steps {}: expected 1 or more", steps));
+  const int warmup = vm["warmup"].defaulted() ? std::min(1, steps - 1) : vm["warmup"].as<int>();
+  if (warmup < 0 || warmup >= steps) {
+    throw dtsim::InputError(
+        fmt::format("--steps {} / --warmup {}: need 0 <= warmup < steps", steps, warmup));
   }
   const int every = vm["checkpoint-every"].as<int>();
   if (every < 0) {
