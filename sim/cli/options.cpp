@@ -30,7 +30,8 @@ void add_model_options(po::options_description& desc, bool with_cluster) {
     desc.add_options()("cluster", po::value<std::string>()->default_value(kDefaultCluster),
                        "cluster: a name in topologies/ (e.g. selene) or a path")(
         "gpus", po::value<std::int64_t>(),
-        "use this many devices of the cluster (whole nodes, or part of one node)");
+        "use this many devices of the cluster (whole nodes, or part of one node); default: all "
+        "of them, or as many as a --plan file's dp x tp x pp x cp where that is fewer");
   }
 }
 
@@ -161,7 +162,25 @@ model::ModelSpec model_with_options(model::ModelSpec spec, const po::variables_m
 
 cluster::Cluster cluster_from_options(const po::variables_map& vm) {
   cluster::Cluster c = cluster::load_cluster(vm["cluster"].as<std::string>());
-  if (vm.count("gpus")) c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
+  if (vm.count("gpus")) return cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
+  // A plan file (dtsim plan --out) that uses fewer devices than the cluster has runs on as many
+  // as it uses, its flags' overrides included, as if --gpus said so.
+  if (vm.count("plan")) {
+    const plan::Plan p = plan::load_plan(vm["plan"].as<std::string>());
+    auto degree = [&](const char* key, int value) {
+      return static_cast<std::int64_t>(vm.count(key) ? vm[key].as<int>() : value);
+    };
+    const std::int64_t devices =
+        degree("dp", p.dp) * degree("tp", p.tp) * degree("pp", p.pp) * degree("cp", p.cp);
+    if (devices > 0 && devices < c.devices()) {
+      try {
+        c = cluster::with_devices(c, devices);
+      } catch (const InputError& e) {
+        throw InputError(fmt::format("{}: its {} devices on {}: {}", vm["plan"].as<std::string>(),
+                                     devices, c.name, e.what()));
+      }
+    }
+  }
   return c;
 }
 
