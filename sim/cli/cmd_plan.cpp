@@ -357,6 +357,9 @@ int cmd_plan(const std::vector<std::string>& args) {
     if (result.best_not_fitting) {
       out["best_not_fitting"] = candidate_json(*result.best_not_fitting, train_tokens);
     }
+    if (result.closest_not_fitting) {
+      out["closest_not_fitting"] = candidate_json(*result.closest_not_fitting, train_tokens);
+    }
     std::cout << out.dump(2) << "\n";
     return 0;
   }
@@ -466,10 +469,30 @@ int cmd_plan(const std::vector<std::string>& args) {
     }
     std::cout << "\n";
   }
+  if (result.ranked.empty() && result.closest_not_fitting) {
+    // Nothing fits: how far the closest plan is, and what its memory is made of.
+    const auto& c = *result.closest_not_fitting;
+    auto memory_parts = [&](const planner::Candidate& k) {
+      const model::ModelGraph g(plan::with_padded_vocab(spec, k.plan), k.plan.micro_batch_size,
+                                k.plan.seq_len,
+                                plan::activation_bytes_per_element(k.plan.precision));
+      const auto m = plan::estimate_memory(g, k.plan, cluster).worst();
+      return fmt::format(
+          "weights {:.1f}, gradients {:.1f}, optimizer {:.1f}, activations {:.1f}, other "
+          "{:.1f} GiB",
+          m.weights_bytes / kGiB, m.gradients_bytes / kGiB, m.optimizer_bytes / kGiB,
+          m.activations_bytes / kGiB, m.other_bytes / kGiB);
+    };
+    std::cout << fmt::format(
+        "closest to fitting: {} needs {:.1f} GiB of {:.1f} GiB, {:.1f} GiB too much ({}); "
+        "more devices, a larger tp, pp or ZeRO stage, or recompute shrink it\n",
+        plan::summary(c.plan), c.memory_bytes / kGiB, c.capacity_bytes / kGiB,
+        (c.memory_bytes - c.capacity_bytes) / kGiB, memory_parts(c));
+  }
   if (result.best_not_fitting) {
     const auto& c = *result.best_not_fitting;
     std::cout << fmt::format(
-        "best plan that does not fit: {} (estimate {:.3f} s) needs {:.1f} GiB "
+        "fastest plan that does not fit: {} (estimate {:.3f} s) needs {:.1f} GiB "
         "of {:.1f} GiB, {:.1f} GiB too much\n",
         plan::summary(c.plan), c.estimate_s, c.memory_bytes / kGiB, c.capacity_bytes / kGiB,
         (c.memory_bytes - c.capacity_bytes) / kGiB);

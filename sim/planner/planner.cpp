@@ -607,8 +607,15 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     ++out.evaluated;
     if (e.c.fits) {
       feasible.push_back(e.c);
-    } else if (!out.best_not_fitting || e.c.estimate_s < out.best_not_fitting->estimate_s) {
+      continue;
+    }
+    if (!out.best_not_fitting || e.c.estimate_s < out.best_not_fitting->estimate_s) {
       out.best_not_fitting = e.c;
+    }
+    const auto& closest = out.closest_not_fitting;
+    if (!closest || std::tie(e.c.memory_bytes, e.c.estimate_s) <
+                        std::tie(closest->memory_bytes, closest->estimate_s)) {
+      out.closest_not_fitting = e.c;
     }
   }
   out.feasible = feasible.size();

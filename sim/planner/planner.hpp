@@ -67,6 +67,9 @@ struct SearchResult {
   std::uint64_t feasible = 0;                 // of those, valid and fitting in memory
   std::vector<Candidate> ranked;              // feasible, best first (refined ones on top)
   std::optional<Candidate> best_not_fitting;  // fastest estimate among those over memory
+  // The one over memory that needs the least (then the fastest): how far the cluster is from
+  // holding the model at all, when nothing fits.
+  std::optional<Candidate> closest_not_fitting;
   int refined = 0;
   // Tier agreement among the refined candidates: pairs whose order the estimate got wrong,
   // and the largest estimate error.

@@ -113,6 +113,11 @@ TEST_CASE("what the planner says fits, the memory model says fits", "[planner][m
   const auto& c = *r.best_not_fitting;
   const dtsim::model::ModelGraph g(spec, c.plan.micro_batch_size, c.plan.seq_len);
   CHECK_FALSE(dtsim::plan::estimate_memory(g, c.plan, cluster).fits);
+  // The one closest to fitting needs no more than the fastest of those over memory.
+  REQUIRE(r.closest_not_fitting);
+  CHECK_FALSE(r.closest_not_fitting->fits);
+  CHECK(r.closest_not_fitting->memory_bytes <= c.memory_bytes);
+  CHECK(r.closest_not_fitting->memory_bytes > r.closest_not_fitting->capacity_bytes);
 }
 
 TEST_CASE("an expert load prices the candidates with ep > 1, capped at their ep",
