@@ -54,46 +54,6 @@ json candidate_json(const planner::Candidate& c, double train_tokens) {
   return j;
 }
 
-// "--fixed tp=8" (repeatable).
-void apply_fixed(const std::vector<std::string>& fixed, planner::SearchSpace& space) {
-  std::map<std::string, std::string> seen;  // key -> the --fixed that set it
-  for (const std::string& f : fixed) {
-    const auto eq = f.find('=');
-    int value = 0;
-    try {
-      if (eq == std::string::npos) throw std::invalid_argument(f);
-      std::size_t used = 0;
-      value = std::stoi(f.substr(eq + 1), &used);
-      if (used != f.size() - eq - 1 || value < 1) throw std::invalid_argument(f);
-    } catch (const std::exception&) {
-      throw InputError(
-          fmt::format("--fixed {}: expected KEY=N with N >= 1 (KEY: tp, pp, dp, cp, "
-                      "ep)",
-                      f));
-    }
-    const std::string key = f.substr(0, eq);
-    if (const auto [it, fresh] = seen.emplace(key, f); !fresh) {
-      throw InputError(
-          fmt::format("--fixed {}: {} is already fixed by --fixed {}", f, key, it->second));
-    }
-    if (key == "tp") {
-      space.fixed_tp = value;
-    } else if (key == "pp") {
-      space.fixed_pp = value;
-    } else if (key == "dp") {
-      space.fixed_dp = value;
-    } else if (key == "cp") {
-      space.fixed_cp = value;
-      space.max_cp = std::max(space.max_cp, value);
-    } else if (key == "ep") {
-      space.fixed_ep = value;
-    } else {
-      throw InputError(
-          fmt::format("--fixed {}: unknown key \"{}\" (expected tp, pp, dp, cp, ep)", f, key));
-    }
-  }
-}
-
 // Why the search had no candidate at all: the constraints that apply, the ones that exclude
 // everything by themselves first.
 std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Cluster& cluster,
@@ -183,11 +143,6 @@ int cmd_plan(const std::vector<std::string>& args) {
       "tokens", po::value<double>(), "training tokens: report time (and cost) to train")(
       "refine", po::value<int>()->default_value(8),
       "simulate the best K candidates with the discrete-event simulator")(
-      "max-tp", po::value<int>(), "largest tensor-parallel degree (default: devices per node)")(
-      "max-pp", po::value<int>(), "largest pipeline-parallel degree")(
-      "max-cp", po::value<int>()->default_value(1), "largest context-parallel degree")(
-      "fixed", po::value<std::vector<std::string>>()->composing(),
-      "fix a degree, e.g. --fixed tp=8 (repeatable; tp, pp, dp, cp, ep)")(
       "memory-headroom", po::value<double>()->default_value(0.0),
       "fraction of device memory to keep free (0-0.9)")(
       "expert-load", po::value<double>()->default_value(1.0),
@@ -198,6 +153,7 @@ int cmd_plan(const std::vector<std::string>& args) {
       "threads", po::value<int>()->default_value(0), "threads for the search (0: all cores)")(
       "json", po::bool_switch(), "print JSON")("csv", po::bool_switch(), "print CSV")(
       "out", po::value<std::string>(), "write the best plan to this file (a --plan file)");
+  add_search_space_options(desc);
   add_memory_options(desc);
   desc.add_options()("profile", po::value<std::string>(),
                      "calibration profile (dtexec calibrate) for the compute cost");
@@ -232,16 +188,7 @@ int cmd_plan(const std::vector<std::string>& args) {
           fmt::format("--seq-len: expected 1..{}, got {}", spec.max_positions, space.seq_len));
     }
   }
-  for (const char* flag : {"max-tp", "max-pp", "max-cp"}) {
-    if (vm.count(flag) && vm[flag].as<int>() < 1) {
-      throw InputError(
-          fmt::format("--{}: expected a positive integer, got {}", flag, vm[flag].as<int>()));
-    }
-  }
-  if (vm.count("max-tp")) space.max_tp = vm["max-tp"].as<int>();
-  if (vm.count("max-pp")) space.max_pp = vm["max-pp"].as<int>();
-  space.max_cp = vm["max-cp"].as<int>();
-  if (vm.count("fixed")) apply_fixed(vm["fixed"].as<std::vector<std::string>>(), space);
+  search_space_from_options(vm, space);
   space.memory = memory_options_from(vm);
   space.memory_headroom = vm["memory-headroom"].as<double>();
   if (!(space.memory_headroom >= 0 && space.memory_headroom <= 0.9)) {

@@ -118,6 +118,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "fixed-plan", po::value<std::string>(),
       "simulate this plan file at every point instead of searching")(
       "json", po::bool_switch(), "print JSON")("csv", po::bool_switch(), "print CSV");
+  po::options_description search("The search at each point (as dtsim plan's)");
+  add_search_space_options(search);
+  desc.add(search);
   po::variables_map vm;
   if (!parse(
           args, desc,
@@ -130,6 +133,13 @@ int cmd_whatif(const std::vector<std::string>& args) {
     return 0;
   }
   if (!vm.count("vary")) throw InputError("--vary: give at least one KEY=V1,V2,...");
+  if (vm.count("fixed-plan")) {
+    for (const char* flag : {"fixed", "max-tp", "max-pp"}) {
+      if (vm.count(flag)) {
+        throw InputError(fmt::format("--{}: a search limit, not with --fixed-plan", flag));
+      }
+    }
+  }
   if (!vm.count("global-batch-size")) throw InputError("--global-batch-size: required");
   std::vector<Axis> axes;
   for (const auto& v : vm["vary"].as<std::vector<std::string>>()) {
@@ -234,6 +244,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
     }
     planner::SearchSpace space;
+    search_space_from_options(vm, space);
     // As dtsim plan: bf16, or fp32 on a device without it (a CPU host).
     space.precision = default_precision(c.device);
     space.global_batch_size =

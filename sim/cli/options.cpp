@@ -7,6 +7,7 @@
 #include <charconv>
 #include <cmath>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string_view>
@@ -158,6 +159,68 @@ model::ModelSpec model_from_options(const po::variables_map& vm) {
 model::ModelSpec model_with_options(model::ModelSpec spec, const po::variables_map& vm) {
   if (vm.count("no-dropout") && vm["no-dropout"].as<bool>()) spec.dropout = false;
   return spec;
+}
+
+// "--fixed tp=8" (repeatable).
+static void apply_fixed(const std::vector<std::string>& fixed, planner::SearchSpace& space) {
+  std::map<std::string, std::string> seen;  // key -> the --fixed that set it
+  for (const std::string& f : fixed) {
+    const auto eq = f.find('=');
+    int value = 0;
+    try {
+      if (eq == std::string::npos) throw std::invalid_argument(f);
+      std::size_t used = 0;
+      value = std::stoi(f.substr(eq + 1), &used);
+      if (used != f.size() - eq - 1 || value < 1) throw std::invalid_argument(f);
+    } catch (const std::exception&) {
+      throw InputError(
+          fmt::format("--fixed {}: expected KEY=N with N >= 1 (KEY: tp, pp, dp, cp, "
+                      "ep)",
+                      f));
+    }
+    const std::string key = f.substr(0, eq);
+    if (const auto [it, fresh] = seen.emplace(key, f); !fresh) {
+      throw InputError(
+          fmt::format("--fixed {}: {} is already fixed by --fixed {}", f, key, it->second));
+    }
+    if (key == "tp") {
+      space.fixed_tp = value;
+    } else if (key == "pp") {
+      space.fixed_pp = value;
+    } else if (key == "dp") {
+      space.fixed_dp = value;
+    } else if (key == "cp") {
+      space.fixed_cp = value;
+      space.max_cp = std::max(space.max_cp, value);
+    } else if (key == "ep") {
+      space.fixed_ep = value;
+    } else {
+      throw InputError(
+          fmt::format("--fixed {}: unknown key \"{}\" (expected tp, pp, dp, cp, ep)", f, key));
+    }
+  }
+}
+
+void add_search_space_options(po::options_description& desc) {
+  desc.add_options()("max-tp", po::value<int>(),
+                     "largest tensor-parallel degree (default: devices per node)")(
+      "max-pp", po::value<int>(), "largest pipeline-parallel degree")(
+      "max-cp", po::value<int>()->default_value(1), "largest context-parallel degree")(
+      "fixed", po::value<std::vector<std::string>>()->composing(),
+      "fix a degree, e.g. --fixed tp=8 (repeatable; tp, pp, dp, cp, ep)");
+}
+
+void search_space_from_options(const po::variables_map& vm, planner::SearchSpace& space) {
+  for (const char* flag : {"max-tp", "max-pp", "max-cp"}) {
+    if (vm.count(flag) && vm[flag].as<int>() < 1) {
+      throw InputError(
+          fmt::format("--{}: expected a positive integer, got {}", flag, vm[flag].as<int>()));
+    }
+  }
+  if (vm.count("max-tp")) space.max_tp = vm["max-tp"].as<int>();
+  if (vm.count("max-pp")) space.max_pp = vm["max-pp"].as<int>();
+  space.max_cp = vm["max-cp"].as<int>();
+  if (vm.count("fixed")) apply_fixed(vm["fixed"].as<std::vector<std::string>>(), space);
 }
 
 cluster::Cluster cluster_from_options(const po::variables_map& vm) {

@@ -12,6 +12,7 @@
 #include "sim/model/model_spec.hpp"
 #include "sim/plan/memory_model.hpp"
 #include "sim/plan/plan.hpp"
+#include "sim/planner/planner.hpp"
 
 namespace dtsim::cli {
 
@@ -27,6 +28,12 @@ inline constexpr const char* kDefaultCluster = "default";
 
 // Adds --model (and --cluster, --gpus when `with_cluster`).
 void add_model_options(po::options_description& desc, bool with_cluster);
+// Adds the planner's search limits: --max-tp, --max-pp, --max-cp and --fixed (dtsim plan and
+// whatif).
+void add_search_space_options(po::options_description& desc);
+// Applies them to `space` (InputError naming the flag for a bad value).
+void search_space_from_options(const po::variables_map& vm, planner::SearchSpace& space);
+
 // Adds the plan flags and --plan (`precision_help`: --precision's values and default).
 void add_plan_options(po::options_description& desc,
                       const char* precision_help = "bf16 (default), fp16, fp8, fp32");
