@@ -143,11 +143,21 @@ int cmd_describe(const std::vector<std::string>& args) {
   std::cout << fmt::format("  embedding {}, {} blocks {}, head {}\n",
                            format_count(embedding_params), spec.layers, format_count(block_params),
                            format_count(head_params));
+  // 6 x the parameters a token meets: with a mixture of experts, its top_k experts' of each
+  // block, not all of them (Kaplan et al.'s 6N counts the active parameters).
+  double active = static_cast<double>(totals.params);
+  if (spec.moe) {
+    const double h = static_cast<double>(spec.hidden);
+    const double f = static_cast<double>(spec.moe->expert_ffn_hidden);
+    const bool gated = spec.activation == model::Activation::SwiGlu;
+    const double per_expert =
+        (gated ? 3.0 : 2.0) * h * f + (spec.bias.mlp ? (gated ? 2.0 : 1.0) * f + h : 0.0);
+    active -= static_cast<double>(spec.layers * (spec.moe->experts - spec.moe->top_k)) * per_expert;
+  }
   std::cout << fmt::format(
-      "\ntraining FLOPs per token at seq_len {}: {} (forward {}; 6 x params = "
-      "{})\n",
-      seq, format_si(train_per_token), format_si(fwd_per_token),
-      format_si(6.0 * static_cast<double>(totals.params)));
+      "\ntraining FLOPs per token at seq_len {}: {} (forward {}; 6 x {}params = {})\n", seq,
+      format_si(train_per_token), format_si(fwd_per_token), spec.moe ? "active " : "",
+      format_si(6.0 * active));
   if (spec.is_megatron_gpt()) {
     std::cout << fmt::format(
         "  Megatron-LM formula 72·l·h²·(1 + s/6h + V/12lh): {}; with full recompute (Eq. 3, "
