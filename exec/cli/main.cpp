@@ -415,11 +415,11 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     return 0;
   }
   std::cout << fmt::format(
-      "{}, plan {}: rank {} alone on {} (stage {}; its program stands for {} ranks), {} steps\n"
+      "{}, plan {}: rank {} alone on {} (stage {}; its program stands for {} rank{}), {} steps\n"
       "compute measured; {} communication tasks replaced by waits {}; received tensors are "
       "zeros, so losses mean nothing\n",
       spec.name, dtsim::plan::summary(plan), r, where, rp.stage, rp.represents.size(),
-      options.steps, comm_tasks, waits);
+      rp.represents.size() == 1 ? "" : "s", options.steps, comm_tasks, waits);
   for (const auto& note : notes) std::cout << "note: " << note << "\n";
   std::cout << fmt::format(
       "median step time {:.1f} ms after {} warm-up step(s); last step: compute {:.1f} ms, "
@@ -448,7 +448,7 @@ int run(const std::vector<std::string>& args) {
       "train until this many steps are done (counting a resumed checkpoint's)")(
       "warmup", po::value<int>()->default_value(1),
       "steps left out of the median step time (0 when --steps is 1 and this is not given)")(
-      "lr", po::value<float>()->default_value(3e-3f), "AdamW learning rate")(
+      "lr", po::value<float>()->default_value(3e-3f, "3e-3"), "AdamW learning rate")(
       "seed", po::value<std::uint64_t>()->default_value(1234), "initialisation and data seed")(
       "cluster", po::value<std::string>(),
       "the cluster (name or path) whose device's peak the measured MFU is taken against "
@@ -649,10 +649,11 @@ int run(const std::vector<std::string>& args) {
   const std::vector<std::string> run_notes = dtsim::exec::execution_notes(spec, plan);
   if (!json_out) {
     out(rank) << fmt::format(
-        "{} on {}, {} rank{}, plan {}: {} x {} tokens per step ({} micro-batches per "
+        "{} on {}, {} rank{}, plan {}: {} x {} tokens per step ({} micro-batch{} per "
         "replica), until step {}{}\n",
         spec.name, where, devices, devices == 1 ? "" : "s", dtsim::plan::summary(plan),
-        plan.global_batch_size, plan.seq_len, plan.micro_batches(), steps,
+        plan.global_batch_size, plan.seq_len, plan.micro_batches(),
+        plan.micro_batches() == 1 ? "" : "es", steps,
         options.resume_dir.empty() ? "" : ", resuming " + options.resume_dir);
     for (const auto& note : run_notes) out(rank) << "note: " << note << "\n";
     // Each step as it ends.
@@ -792,7 +793,7 @@ int run(const std::vector<std::string>& args) {
 int compare(const std::vector<std::string>& args) {
   po::options_description desc("dtexec compare options");
   desc.add_options()("help,h", "show this help")(
-      "loss-tolerance", po::value<double>()->default_value(1e-5),
+      "loss-tolerance", po::value<double>()->default_value(1e-5, "1e-5"),
       "largest accepted absolute difference of a step's loss")(
       "weight-tolerance", po::value<double>()->default_value(1e-3),
       "largest accepted absolute difference of a weight")(

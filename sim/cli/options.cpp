@@ -86,10 +86,9 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
       "precision of the weight gradients (their accumulation over micro-batches, memory and "
       "data-parallel reduction): fp32, bf16 or fp16 (default: fp32 with bf16, fp8 and fp32 "
       "training, as Megatron-LM accumulates and all-reduces bf16 models' gradients; fp16 with "
-      "fp16)")(
-      "comm-precision", po::value<std::string>(),
-      "precision of communicated activations and gradients, e.g. fp8 (default: --precision, "
-      "and --grad-precision for gradients)")(
+      "fp16)")("comm-precision", po::value<std::string>(),
+               "precision of communicated activations and gradients: bf16, fp16, fp8, fp32 or tf32 "
+               "(default: --precision, and --grad-precision for gradients)")(
       "grad-compression", po::value<double>(),
       "fraction of the data-parallel gradient bytes sent, in (0, 1] (default 1: none); "
       "compressing and decompressing cost memory passes")("optimizer", po::value<std::string>(),

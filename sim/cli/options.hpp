@@ -36,7 +36,7 @@ void search_space_from_options(const po::variables_map& vm, planner::SearchSpace
 
 // Adds the plan flags and --plan (`precision_help`: --precision's values and default).
 void add_plan_options(po::options_description& desc,
-                      const char* precision_help = "bf16 (default), fp16, fp8, fp32");
+                      const char* precision_help = "bf16 (default), fp16, fp8, fp32, tf32");
 // Adds --jitter-cv (the straggler model) and --rank-spread-cv (the slow rank); `where` says
 // which parts of the command use them.
 void add_jitter_option(po::options_description& desc, const char* where = "");
