@@ -295,6 +295,22 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.vocab = hf_int(r, names, "vocab", {"vocab_size"});
     m.max_positions = hf_int(r, names, "max_positions", {"max_position_embeddings"});
     m.activation = Activation::SwiGlu;
+    // The gated MLP is modelled with SiLU (SwiGLU), what these families use; another
+    // activation (a GeGLU) would be priced as SwiGLU, so it is refused rather than misread.
+    if (r.has("hidden_act") && r.string("hidden_act") != "silu") {
+      r.fail("hidden_act",
+             fmt::format("\"{}\": dtsim models {}'s gated MLP with silu (SwiGLU) only",
+                         r.string("hidden_act"), type));
+    }
+    // Sliding-window attention is not modelled: full causal attention, the same as long as the
+    // sequence is within the window; said in the description (dtsim describe prints it).
+    if (j.contains("sliding_window") && j.at("sliding_window").is_number_integer() &&
+        r.boolean_or("use_sliding_window", true)) {
+      m.description += fmt::format(
+          "; its sliding_window of {} tokens is not modelled (full causal attention, the same "
+          "up to that length)",
+          j.at("sliding_window").get<std::int64_t>());
+    }
     m.norm = Norm::RmsNorm;
     m.positions = Positions::Rope;
     if (r.has("rope_theta")) m.rope_theta = r.positive_number("rope_theta");

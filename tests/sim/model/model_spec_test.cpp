@@ -93,6 +93,25 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
       "n_layer": 12, "n_positions": 1024, "vocab_size": 50257})");
     CHECK(count_params(load_model(f.path())) == 124439808ULL);
   }
+  SECTION("a sliding window is said not to be modelled; a gated MLP other than SiLU refused") {
+    TempFile f("config.json", R"({"model_type": "mistral", "hidden_size": 4096,
+      "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+      "hidden_act": "silu", "sliding_window": 4096})");
+    CHECK_THAT(load_model(f.path()).description,
+               Catch::Contains("sliding_window of 4096 tokens is not modelled"));
+    TempFile off("config.json", R"({"model_type": "qwen2", "hidden_size": 3584,
+      "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28,
+      "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072,
+      "sliding_window": 131072, "use_sliding_window": false})");
+    CHECK_THAT(load_model(off.path()).description, !Catch::Contains("sliding_window"));
+    TempFile geglu("config.json", R"({"model_type": "llama", "hidden_size": 4096,
+      "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "vocab_size": 32000, "max_position_embeddings": 8192, "hidden_act": "gelu"})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        load_model(geglu.path()), InputError,
+        "hidden_act: \"gelu\": dtsim models llama's gated MLP with silu (SwiGLU) only");
+  }
   SECTION("unsupported model_type lists the supported ones") {
     TempFile f("config.json", R"({"model_type": "bert", "hidden_size": 768})");
     DTSIM_REQUIRE_THROWS_CONTAINING(
