@@ -139,11 +139,14 @@ int cmd_simulate(const std::vector<std::string>& args) {
 
   std::cout << fmt::format("{} on {} ({} x {}), plan {}\n", spec.name, cluster.name, p.gpus,
                            cluster.device.display_name, plan::summary(plan));
+  // TFLOP/s, or GFLOP/s on a device that computes under one TFLOP/s (a CPU rank).
+  const bool giga = p.tflops_per_gpu < 1;
+  const double unit = giga ? 1e3 : 1;
   std::cout << fmt::format(
-      "step time {:.3f} s   {:.0f} tokens/s   {:.1f} TFLOP/s per GPU (model {:.1f})   MFU "
+      "step time {:.3f} s   {:.0f} tokens/s   {:.1f} {}FLOP/s per GPU (model {:.1f})   MFU "
       "{:.1f}%   HFU {:.1f}%\n",
-      p.step_time_s, p.tokens_per_s, p.tflops_per_gpu, p.model_tflops_per_gpu, 100 * p.mfu,
-      100 * p.hfu);
+      p.step_time_s, p.tokens_per_s, unit * p.tflops_per_gpu, giga ? "G" : "T",
+      unit * p.model_tflops_per_gpu, 100 * p.mfu, 100 * p.hfu);
   std::cout << fmt::format(
       "memory per GPU {} of {} ({})\n\n", format_gib(p.memory.worst().total_bytes),
       format_gib(p.memory.capacity_bytes), p.memory.fits ? "fits" : "DOES NOT FIT");
