@@ -116,8 +116,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "tokens", po::value<double>(), "training tokens, for time, cost and energy to train")(
       "refine", po::value<int>()->default_value(2), "plans simulated per point")(
       "fixed-plan", po::value<std::string>(),
-      "simulate this plan file at every point instead of searching")(
-      "json", po::bool_switch(), "print JSON")("csv", po::bool_switch(), "print CSV");
+      "simulate this plan file at every point instead of searching (its dp is recomputed to "
+      "fill each point's devices)")("json", po::bool_switch(), "print JSON")(
+      "csv", po::bool_switch(), "print CSV");
   po::options_description search("The search at each point (as dtsim plan's)");
   add_search_space_options(search);
   desc.add(search);
@@ -461,6 +462,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
   }
   std::cout << table.render();
   if (tokens <= 0) std::cout << "(give --tokens N for time, cost and energy to train)\n";
+  if (vm.count("fixed-plan")) {
+    std::cout << "(--fixed-plan: its tp, pp, cp, ep and the rest at every point; dp fills each "
+                 "point's devices)\n";
+  }
   if (tokens > 0 && priceless_device) {
     std::cout << "(cost: the cluster's price is its own device's; points with another device "
                  "have none)\n";
