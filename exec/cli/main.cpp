@@ -913,6 +913,11 @@ void write_host_topology(const std::string& dir, const nlohmann::json& profile, 
         {"memory_bw", figure(1.0, "the bandwidth above is measured")},
         {"launch_overhead_s",
          figure(profile.at("launch_overhead_s").get<double>(), source + "; a tiny GEMM")}}},
+      {"framework_overhead_bytes",
+       figure(0.0,
+              "a CPU rank has no CUDA context or GPU library workspaces, and dtexec's pool "
+              "holds what dtsim memory predicts without an allowance "
+              "(bench/memory_validation.sh)")},
       {"notes",
        "written by dtexec calibrate --cluster-out; a calibration profile (--profile) "
        "gives the per-op rates this entry cannot hold"}};

@@ -403,23 +403,26 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
 }
 
 void add_memory_options(po::options_description& desc) {
-  desc.add_options()("framework-overhead-gib", po::value<double>()->default_value(1.0),
-                     "allowance for CUDA context, library workspaces and fragmentation (an "
-                     "assumption; calibrate it on your system)")(
+  desc.add_options()("framework-overhead-gib", po::value<double>(),
+                     "allowance for CUDA context, library workspaces and fragmentation "
+                     "(default: the device's where its file gives one, e.g. 0 for a CPU rank, "
+                     "else 1, an assumption; calibrate it on your system)")(
       "device-memory-gib", po::value<double>(), "override the device's memory capacity");
 }
 
 plan::MemoryOptions memory_options_from(const po::variables_map& vm) {
   plan::MemoryOptions options;
-  const double overhead = vm["framework-overhead-gib"].as<double>();
-  if (!(overhead >= 0) || !std::isfinite(overhead)) {
-    throw InputError(
-        fmt::format("--framework-overhead-gib: expected a finite number >= 0, got {}", overhead));
-  }
-  options.framework_overhead_bytes = overhead * kGiB;
-  if (!std::isfinite(options.framework_overhead_bytes)) {
-    throw InputError(
-        fmt::format("--framework-overhead-gib: expected a finite number of GiB, got {}", overhead));
+  if (vm.count("framework-overhead-gib")) {
+    const double overhead = vm["framework-overhead-gib"].as<double>();
+    if (!(overhead >= 0) || !std::isfinite(overhead)) {
+      throw InputError(
+          fmt::format("--framework-overhead-gib: expected a finite number >= 0, got {}", overhead));
+    }
+    if (!std::isfinite(overhead * kGiB)) {
+      throw InputError(fmt::format(
+          "--framework-overhead-gib: expected a finite number of GiB, got {}", overhead));
+    }
+    options.framework_overhead_bytes = overhead * kGiB;
   }
   if (vm.count("device-memory-gib")) {
     const double cap = vm["device-memory-gib"].as<double>();

@@ -26,7 +26,7 @@ DeviceSpec device_from_json(const json& j, const std::string& file) {
   const JsonReader r(j, file);
   r.expect_only({"name", "display_name", "vendor", "aliases", "peak_flops", "memory_bytes",
                  "memory_bw_bytes_per_s", "intra_node_bw_bytes_per_s", "efficiency", "power_w",
-                 "notes"});
+                 "framework_overhead_bytes", "notes"});
   DeviceSpec d;
   d.file = file;
   d.name = r.string("name");
@@ -45,6 +45,7 @@ DeviceSpec device_from_json(const json& j, const std::string& file) {
   d.intra_node_bw_bytes_per_s = r.figure("intra_node_bw_bytes_per_s");
   read_efficiency(r.object("efficiency"), d.efficiency, /*required=*/true);
   d.power_w = r.optional_figure("power_w");
+  d.framework_overhead_bytes = r.optional_figure("framework_overhead_bytes", /*allow_zero=*/true);
   return d;
 }
 

@@ -49,6 +49,10 @@ struct DeviceSpec {
   Figure intra_node_bw_bytes_per_s;  // scale-up link, per direction
   DeviceEfficiency efficiency;
   std::optional<Figure> power_w;
+  // What a rank holds beside its tensors (a GPU's CUDA context, library workspaces, allocator
+  // fragmentation): the memory model's framework allowance unless --framework-overhead-gib
+  // says otherwise. Absent from the file: 1 GiB, a dtsim assumption.
+  std::optional<Figure> framework_overhead_bytes;
 
   bool supports(Precision p) const { return peak_flops.count(p) != 0; }
   // Dense peak for `p`; throws UnsupportedError naming the precisions the device has.

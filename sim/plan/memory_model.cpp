@@ -211,6 +211,13 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
 
   MemoryReport report;
   report.capacity_bytes = options.capacity_bytes.value_or(cluster.device.memory_bytes.value);
+  const auto& device_allowance = cluster.device.framework_overhead_bytes;
+  const double allowance = options.framework_overhead_bytes.value_or(
+      device_allowance ? device_allowance->value : kDefaultFrameworkOverheadBytes);
+  const std::string allowance_source =
+      options.framework_overhead_bytes ? "--framework-overhead-gib"
+      : device_allowance               ? fmt::format("the device's: {}", device_allowance->source)
+                                       : "assumed; --framework-overhead-gib";
   for (int stage = 0; stage < plan.pp; ++stage) {
     StageMemory s;
     s.stage = stage;
@@ -407,7 +414,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     s.peak_moment = peak_moment.name;
     s.working_bytes = peak_moment.working;
     s.activations_bytes += peak_moment.working - peak_moment.freed;
-    s.other_bytes = options.framework_overhead_bytes + peak_moment.other;
+    s.other_bytes = allowance + peak_moment.other;
     if (plan.zero_stage == 2 && shard > 1) {
       // ZeRO-2 keeps a bucket's full gradients from their first write in a micro-batch's
       // backward to the bucket's reduce-scatter (the reduced slice is in gradients_bytes): up
@@ -442,15 +449,15 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       "working tensors there (working_bytes: the last stage's logits while the loss reads "
       "them, an MLP activation's gradients, a block recomputed)",
       report.worst().peak_moment, report.worst().working_bytes / (1024.0 * 1024 * 1024)));
-  report.notes.push_back(fmt::format(
-      "other = {:.2f} GiB framework allowance (assumed; --framework-overhead-gib){}",
-      options.framework_overhead_bytes / (1024.0 * 1024 * 1024),
-      plan.zero_stage == 3   ? " + ZeRO-3 gathered-weight and reduce-scatter buffers"
-      : plan.zero_stage == 2 ? " + ZeRO-2 gradient buckets beyond the activations "
-                               "their backward frees"
-      : plan.zero_stage == 1 && report.worst().other_bytes > options.framework_overhead_bytes
-          ? " + the step's gradient reduce-scatter buffers"
-          : ""));
+  report.notes.push_back(
+      fmt::format("other = {:.2f} GiB framework allowance ({}){}",
+                  allowance / (1024.0 * 1024 * 1024), allowance_source,
+                  plan.zero_stage == 3   ? " + ZeRO-3 gathered-weight and reduce-scatter buffers"
+                  : plan.zero_stage == 2 ? " + ZeRO-2 gradient buckets beyond the activations "
+                                           "their backward frees"
+                  : plan.zero_stage == 1 && report.worst().other_bytes > allowance
+                      ? " + the step's gradient reduce-scatter buffers"
+                      : ""));
   return report;
 }
 

@@ -66,11 +66,16 @@ std::int64_t in_flight(const Plan& plan, int stage);
 // When the warm-up covers all m·v forwards, every chunk holds all m.
 std::int64_t end_in_flight(const Plan& plan, int stage);
 
+// The framework allowance where neither the options nor the device give one: 1 GiB for the
+// CUDA context, library workspaces (cuBLAS, NCCL) and allocator fragmentation. A dtsim
+// assumption, not a measurement.
+inline constexpr double kDefaultFrameworkOverheadBytes = 1.0 * 1024 * 1024 * 1024;
+
 struct MemoryOptions {
-  // An allowance for the CUDA context, library workspaces (cuBLAS, NCCL) and allocator
-  // fragmentation. A dtsim assumption, not a measurement: override with
+  // An allowance for what a rank holds beside its tensors; unset: the device's
+  // (DeviceSpec::framework_overhead_bytes), else kDefaultFrameworkOverheadBytes. Override with
   // --framework-overhead-gib, or calibrate on the target system.
-  double framework_overhead_bytes = 1.0 * 1024 * 1024 * 1024;
+  std::optional<double> framework_overhead_bytes;
   std::optional<double> capacity_bytes;  // overrides the device's memory
 };
 
