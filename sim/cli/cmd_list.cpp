@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <iostream>
+#include <nlohmann/json.hpp>
 
 #include "sim/cli/commands.hpp"
 #include "sim/cli/options.hpp"
@@ -14,7 +15,8 @@ namespace dtsim::cli {
 int cmd_list(const std::vector<std::string>& args) {
   po::options_description desc("dtsim list options");
   desc.add_options()("help,h", "show this help")(
-      "what", po::value<std::string>()->default_value("all"), "models, clusters, devices or all");
+      "what", po::value<std::string>()->default_value("all"), "models, clusters, devices or all")(
+      "json", po::bool_switch(), "print JSON: {\"models\": [...], \"clusters\": [...], ...}");
   po::positional_options_description pos;
   pos.add("what", 1);
   po::variables_map vm;
@@ -26,7 +28,7 @@ int cmd_list(const std::vector<std::string>& args) {
     throw InputError(fmt::format("{} (see --help)", e.what()));
   }
   if (vm.count("help")) {
-    std::cout << "usage: dtsim list [models|clusters|devices]\n\n" << desc;
+    std::cout << "usage: dtsim list [models|clusters|devices] [--json]\n\n" << desc;
     return 0;
   }
   const std::string what = vm["what"].as<std::string>();
@@ -34,12 +36,19 @@ int cmd_list(const std::vector<std::string>& args) {
     throw InputError(
         fmt::format("list: expected models, clusters, devices or all, got \"{}\"", what));
   }
+  const bool json_out = vm["json"].as<bool>();
+  nlohmann::json out = nlohmann::json::object();
   auto show = [&](const char* title, const std::vector<std::string>& names) {
-    std::cout << fmt::format("{}: {}\n", title, fmt::join(names, " "));
+    if (json_out) {
+      out[title] = names;
+    } else {
+      std::cout << fmt::format("{}: {}\n", title, fmt::join(names, " "));
+    }
   };
   if (what == "all" || what == "models") show("models", list_data_names("models"));
   if (what == "all" || what == "clusters") show("clusters", list_data_names("topologies"));
   if (what == "all" || what == "devices") show("devices", cluster::list_devices());
+  if (json_out) std::cout << out.dump(2) << "\n";
   return 0;
 }
 
