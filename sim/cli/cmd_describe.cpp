@@ -144,15 +144,15 @@ int cmd_describe(const std::vector<std::string>& args) {
                            format_count(embedding_params), spec.layers, format_count(block_params),
                            format_count(head_params));
   // 6 x the parameters a token meets: with a mixture of experts, its top_k experts' of each
-  // block, not all of them (Kaplan et al.'s 6N counts the active parameters).
-  double active = static_cast<double>(totals.params);
-  if (spec.moe) {
-    const double h = static_cast<double>(spec.hidden);
-    const double f = static_cast<double>(spec.moe->expert_ffn_hidden);
-    const bool gated = spec.activation == model::Activation::SwiGlu;
-    const double per_expert =
-        (gated ? 3.0 : 2.0) * h * f + (spec.bias.mlp ? (gated ? 2.0 : 1.0) * f + h : 0.0);
-    active -= static_cast<double>(spec.layers * (spec.moe->experts - spec.moe->top_k)) * per_expert;
+  // block, not all of them (Kaplan et al.'s 6N counts the active parameters). An expert op's
+  // parameters are every expert's.
+  double active = 0;
+  for (model::OpId id = 0; id < graph.size(); ++id) {
+    const model::Op& op = graph.op(id);
+    active += static_cast<double>(op.params) *
+              (op.expert && spec.moe
+                   ? static_cast<double>(spec.moe->top_k) / static_cast<double>(spec.moe->experts)
+                   : 1.0);
   }
   std::cout << fmt::format(
       "\ntraining FLOPs per token at seq_len {}: {} (forward {}; 6 x {}params = {})\n", seq,
