@@ -819,8 +819,11 @@ struct Kernels::Impl {
     if (pool != nullptr) cudaMemPoolTrimTo(pool, 0);
   }
 
+  // The stream of in-step allocations: this one, where the GPU has memory pools.
+  void* allocation_stream() const { return pool != nullptr ? stream : nullptr; }
+
   float* room(DeviceBuffer& b, std::size_t bytes) {
-    if (b.bytes() < bytes) b = DeviceBuffer(bytes, pool != nullptr ? stream : nullptr);
+    if (b.bytes() < bytes) b = DeviceBuffer(bytes, allocation_stream());
     return b.f32();
   }
 
@@ -897,7 +900,7 @@ void Kernels::return_free_memory() {
 }
 
 void* Kernels::allocation_stream() const {
-  return impl_->pool != nullptr ? impl_->stream : nullptr;
+  return impl_->allocation_stream();
 }
 
 int Kernels::mark() {

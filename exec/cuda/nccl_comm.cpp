@@ -303,15 +303,7 @@ class NcclComm final : public Comm {
   bool complete(Handle handle) override {
     if (handle < 0) return true;
     DTSIM_ASSERT(handle < used_, "a handle of this step");
-    const cudaError_t e = cudaEventQuery(done_[static_cast<std::size_t>(handle)]);
-    if (e == cudaErrorNotReady) {
-      // Not an error, but the runtime may hold it as the last error, which the next kernel
-      // launch's check would read: clear it (launch errors were checked as they were queued).
-      (void)cudaGetLastError();
-      return false;
-    }
-    cuda(e, "cudaEventQuery");
-    return true;
+    return passed(done_[static_cast<std::size_t>(handle)]);
   }
 
   void finish(Handle handle) override {
@@ -419,17 +411,22 @@ class NcclComm final : public Comm {
     return g.comm == nullptr ? nullptr : &g;
   }
 
+  // Whether the GPU has passed `e`, without waiting.
+  bool passed(cudaEvent_t e) {
+    const cudaError_t r = cudaEventQuery(e);
+    if (r == cudaErrorNotReady) {
+      // Not an error, but the runtime may hold it as the last error, which the next kernel
+      // launch's check would read: clear it (launch errors were checked as they were queued).
+      (void)cudaGetLastError();
+      return false;
+    }
+    cuda(r, "cudaEventQuery");
+    return true;
+  }
+
   // The copies of sends whose event says the GPU has sent them (no wait).
   void reclaim_sent() {
-    release_staged([this](cudaEvent_t sent) {
-      const cudaError_t e = cudaEventQuery(sent);
-      if (e == cudaErrorNotReady) {
-        (void)cudaGetLastError();  // not ready is no error: see complete()
-        return false;
-      }
-      cuda(e, "cudaEventQuery");
-      return true;
-    });
+    release_staged([this](cudaEvent_t sent) { return passed(sent); });
   }
   template <class Done>
   void release_staged(Done done) {
@@ -501,7 +498,7 @@ class NcclComm final : public Comm {
         const View out = device_.allocate(static_cast<std::int64_t>(c->members), Dtype::F32);
         const std::vector<int> each(c->members, 1);
         all_to_all(static_cast<int>(g), in, each, out, each);
-        cuda(cudaStreamSynchronize(compute_), "cudaStreamSynchronize");
+        // The compute stream waits for the exchange: reuse of these buffers comes after it.
         device_.release(in);
         device_.release(out);
       }

@@ -167,12 +167,11 @@ int cmd_simulate(const std::vector<std::string>& args) {
   row("pipeline bubble", b.bubble_s);
   row("optimizer", b.optimizer_s);
   std::cout << table.render();
-  std::cout << (p.max_speedup > 0
-                    ? fmt::format("\nAmdahl (more dp replicas, this global batch): serial fraction "
-                                  "{:.1f}% -> speedup bound {:.1f}x\n",
-                                  100 * p.serial_fraction, p.max_speedup)
-                    : std::string("\nAmdahl (more dp replicas, this global batch): nothing "
-                                  "serial, no bound\n"));
+  const std::string bound = p.max_speedup > 0
+                                ? fmt::format("serial fraction {:.1f}% -> speedup bound {:.1f}x",
+                                              100 * p.serial_fraction, p.max_speedup)
+                                : std::string("nothing serial, no bound");
+  std::cout << "\nAmdahl (more dp replicas, this global batch): " << bound << "\n";
   std::cout << fmt::format("simulated {} tasks ({} events), {} network\n", p.tasks, p.events,
                            p.network);
   for (const auto& n : notes) std::cout << "note: " << n << "\n";
