@@ -206,16 +206,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
     cluster::Cluster c = cluster::load_cluster(
         point.count("cluster") ? point.at("cluster") : vm["cluster"].as<std::string>());
     if (point.count("device")) {
-      const std::string own = c.device.name;
-      c.device = cluster::load_device(point.at("device"));
-      cluster::use_device_link(c.intra, c.device);
-      c.power_per_device_w = c.device.power_w;
-      // The cluster's price is its own device's (an instance type's rate): another device has
-      // no price here, and its cost is left out rather than priced at the first one's rate.
-      if (c.device.name != own && c.price_per_device_hour_usd) {
-        c.price_per_device_hour_usd.reset();
-        priceless_device = true;
-      }
+      // Another device leaves the cluster's price (its own device's rate) out.
+      const bool priced = c.price_per_device_hour_usd.has_value();
+      c = cluster::with_device(std::move(c), cluster::load_device(point.at("device")));
+      if (priced && !c.price_per_device_hour_usd) priceless_device = true;
     }
     if (point.count("nic_gbps")) {
       c.inter.nic_bw_bytes_per_s = {number("nic_gbps", point.at("nic_gbps"), false) * 1e9 / 8,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <utility>
 
 #include "sim/common/data_files.hpp"
 #include "sim/common/error.hpp"
@@ -198,6 +199,14 @@ std::vector<std::string> list_clusters() {
 Cluster load_cluster(std::string_view name_or_path) {
   const auto path = resolve_data_file("cluster", "topologies", name_or_path);
   return cluster_from_json(JsonReader::parse_file(path), path.string());
+}
+
+Cluster with_device(Cluster cluster, DeviceSpec device) {
+  if (device.name != cluster.device.name) cluster.price_per_device_hour_usd.reset();
+  cluster.device = std::move(device);
+  use_device_link(cluster.intra, cluster.device);
+  cluster.power_per_device_w = cluster.device.power_w;
+  return cluster;
 }
 
 Cluster with_devices(const Cluster& cluster, std::int64_t devices) {

@@ -91,6 +91,9 @@ std::vector<std::string> list_clusters();
 // more than the cluster has. Throws InputError when `devices` is neither, exceeds the cluster,
 // or is not a torus's fixed size.
 Cluster with_devices(const Cluster& cluster, std::int64_t devices);
+// The cluster with another device in its nodes: its scale-up links and power are the device's;
+// its price, its own device's rate (an instance type's), is dropped for a different device.
+Cluster with_device(Cluster cluster, DeviceSpec device);
 
 std::string_view to_string(IntraFabric f);
 std::string_view to_string(InterFabric f);

@@ -185,3 +185,17 @@ TEST_CASE("bad cluster files are rejected naming file and field",
     DTSIM_REQUIRE_THROWS_CONTAINING(load_cluster("summit"), InputError, "selene");
   }
 }
+
+TEST_CASE("another device takes the cluster's links and power, and leaves its price", "[cluster]") {
+  const auto p5 = dtsim::cluster::load_cluster("aws-p5");
+  REQUIRE(p5.price_per_device_hour_usd);
+  const auto same = dtsim::cluster::with_device(p5, p5.device);
+  CHECK(same.price_per_device_hour_usd);
+  const auto b200 = dtsim::cluster::with_device(p5, dtsim::cluster::load_device("b200"));
+  CHECK(b200.device.name == "b200");
+  CHECK_FALSE(b200.price_per_device_hour_usd);
+  CHECK(b200.intra.bw_bytes_per_s.value == b200.device.intra_node_bw_bytes_per_s.value);
+  REQUIRE(b200.power_per_device_w);
+  REQUIRE(b200.device.power_w);
+  CHECK(b200.power_per_device_w->value == b200.device.power_w->value);
+}
