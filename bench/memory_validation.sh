@@ -7,7 +7,7 @@
 #
 # The plans cover what changes the memory model's terms: the in-flight micro-batches of each
 # schedule at 2 and 8 micro-batches, pipeline receives posted ahead, recompute, ZeRO 1-3,
-# tensor, sequence, context and expert parallelism. With a mixture-of-experts MODEL the MoE
+# tensor, sequence, context and expert parallelism, and FlashAttention's memory. With a mixture-of-experts MODEL the MoE
 # terms (the copies' outputs kept for the gates' gradient, routing) are in play too.
 #
 # usage: [MODEL=cpu-small] [ONLY=REGEX] bench/memory_validation.sh [BUILD_DIR] [WORK_DIR]
@@ -39,6 +39,9 @@ plans=(
   "2|32|--pp 2 --schedule zero-bubble"
   "2|32|--pp 2 --schedule interleaved --virtual-stages 2"
   "2|8|--cp 2"
+  "1|8|--attention flash"
+  "2|8|--pp 2 --schedule 1f1b --attention flash"
+  "2|8|--tp 2 --sequence-parallel --attention flash"
   "2|8|--dp 2 --ep 2"
   "4|8|--tp 2 --dp 2 --ep 2"
 )

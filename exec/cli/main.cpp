@@ -579,9 +579,7 @@ int run(const std::vector<std::string>& args) {
         "--micro-batch-size {} x --seq-len {}: expected at most {} tokens per micro-batch",
         plan.micro_batch_size, plan.seq_len, std::numeric_limits<int>::max()));
   }
-  const dtsim::model::ModelGraph graph(dtsim::plan::with_padded_vocab(spec, plan),
-                                       plan.micro_batch_size, plan.seq_len,
-                                       dtsim::plan::activation_bytes_per_element(plan.precision));
+  const dtsim::model::ModelGraph graph = dtsim::plan::graph_of(spec, plan);
   dtsim::lower::LowerOptions lower_options;
   lower_options.mode = devices > 1 && !only_rank ? dtsim::lower::Lowering::AllRanks
                                                  : dtsim::lower::Lowering::Representatives;

@@ -127,7 +127,7 @@ class Device {
   // ---- context parallelism and dropout (exec/cpu/kernels.hpp: AttentionOptions, Dropout) ----
   // A device that has these says so (has()); the runner refuses a plan that needs what its
   // device lacks before it starts.
-  enum class Feature { ContextParallelism, Dropout, MixtureOfExperts };
+  enum class Feature { ContextParallelism, Dropout, MixtureOfExperts, FlashAttention };
   virtual bool has(Feature) const { return false; }
   // Dropout: the kernels' Dropout, its positions an I32 view (empty: 0 ... Sq-1).
   struct DropoutSite {
@@ -142,12 +142,16 @@ class Device {
   // The attention core with what attention_forward lacks: kv (act, [cp·B·Sq, 2·G·D]; empty: the
   // keys of qkv), qpos and order (I32) for context parallelism; attention dropout when
   // `dropout` is set, its mask (U8) and the probabilities after it (act) [B, H, Sq, S].
+  // FlashAttention's memory (Feature::FlashAttention) when lse (fp32 [B, H, Sq]) is given: the
+  // rows' log-sum-exp kept instead of the probabilities (probs, mask and dropped empty; the
+  // backward computes them again).
   struct Attention {
     View kv;
     int cp = 1;
     View qpos, order;
     const DropoutSite* dropout = nullptr;
     View mask, dropped;
+    View lse;
   };
   virtual void attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G,
                                     int D, const Attention& a);

@@ -246,6 +246,7 @@ class Runner {
     check_runnable(g, program, options.replay_communication);
     check_device(g, program, device);
     dropout_ = g.spec().dropout ? kDropoutRate : 0.0f;
+    flash_ = g.attention() == model::AttentionKernel::Flash;
     if (comm.size() > 1 && !device.host_memory() && !comm.moves_device_memory()) {
       throw UnsupportedError(
           fmt::format("dtexec: {} ranks on {}: this communication backend moves host memory only",
@@ -953,7 +954,14 @@ class Runner {
       }
       case OpKind::AttentionCore: {
         fresh(out, static_cast<std::int64_t>(T_) * H_ * D_);
-        fresh(mb.aux1[id], static_cast<std::int64_t>(B_) * H_ * Sq_ * S_);  // probabilities
+        // What the backward reads: the probabilities, or FlashAttention's log-sum-exp of each
+        // row (fp32).
+        const std::int64_t rows = static_cast<std::int64_t>(B_) * H_ * Sq_;
+        if (flash_) {
+          fresh(mb.aux1[id], rows, Dtype::F32);
+        } else {
+          fresh(mb.aux1[id], rows * S_);
+        }
         View q = mb.out.at(input(id));
         if (m_.positions == model::Positions::Rope) {
           // Rotary positions are applied to q and k as the attention core reads them.
@@ -962,16 +970,17 @@ class Runner {
           dev_.rope_forward(turned, q, B_, Sq_, H_, G_, D_, m_.rope_theta, positions_);
           q = turned;
         }
-        if (cp_ > 1 || dropout_ > 0) {
+        if (cp_ > 1 || dropout_ > 0 || flash_) {
           const Device::DropoutSite site = dropout_site(mb, op.layer, kAttentionDropout, 0);
           Device::Attention a = attention_extras(mb, id, dropout_ > 0 ? &site : nullptr);
-          if (dropout_ > 0) {
+          if (dropout_ > 0 && !flash_) {
             fresh(mb.mask[id], mb.aux1[id].size(), Dtype::U8);
             fresh(mb.dropped[id], mb.aux1[id].size());
             a.mask = mb.mask[id];
             a.dropped = mb.dropped[id];
           }
-          dev_.attention_forward_ex(out, mb.aux1[id], q, B_, Sq_, H_, G_, D_, a);
+          if (flash_) a.lse = mb.aux1[id];
+          dev_.attention_forward_ex(out, flash_ ? View{} : mb.aux1[id], q, B_, Sq_, H_, G_, D_, a);
         } else {
           dev_.attention_forward(out, mb.aux1[id], q, B_, S_, H_, G_, D_);
         }
@@ -1155,18 +1164,19 @@ class Runner {
         const View q = rope ? mb.aux2.at(id) : mb.out.at(input(id));
         // Rotary positions: the gradient of the rotated q and k, turned back into qkv's.
         const View dq = rope ? allocate(q.size()) : grad_of(mb, input(id));
-        if (cp_ > 1 || dropout_ > 0) {
+        if (cp_ > 1 || dropout_ > 0 || flash_) {
           const Device::DropoutSite site = dropout_site(mb, op.layer, kAttentionDropout, 0);
           Device::Attention a = attention_extras(mb, id, dropout_ > 0 ? &site : nullptr);
-          if (dropout_ > 0) {
+          if (dropout_ > 0 && !flash_) {
             a.mask = mb.mask.at(id);
             a.dropped = mb.dropped.at(id);
           }
+          if (flash_) a.lse = mb.aux1.at(id);
           // K and V gradients of every cp rank's tokens, reduce-scattered to their owners by
           // the Program's next task (cp_collective).
           if (cp_ > 1) fresh(mb.kv_grad[id], mb.kv.at(id).size());
           dev_.attention_backward_ex(dq, cp_ > 1 ? mb.kv_grad[id] : dq, mb.grad.at(id), q,
-                                     mb.aux1.at(id), B_, Sq_, H_, G_, D_, a);
+                                     flash_ ? View{} : mb.aux1.at(id), B_, Sq_, H_, G_, D_, a);
         } else {
           dev_.attention_backward(dq, mb.grad.at(id), q, mb.aux1.at(id), B_, S_, H_, G_, D_);
         }
@@ -2692,7 +2702,10 @@ class Runner {
   // -parallel replica whose sequences the rank reads.
   int cp_ = 1, c_ = 0, Sq_ = 0, replica_ = 0;
   float dropout_ = 0;  // the model's dropout rate (kDropoutRate, or 0 without dropout)
-  int step_ = 0;       // the step being run (dropout masks differ per step)
+  // The plan's attention is FlashAttention: the cores keep each row's log-sum-exp, not the
+  // probabilities (Device::Attention::lse).
+  bool flash_ = false;
+  int step_ = 0;  // the step being run (dropout masks differ per step)
   View positions_, key_order_;
   std::vector<int> host_positions_;
   bool sharded_ = false, last_stage_ = false;
@@ -2730,6 +2743,12 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
         "load balancing); K and V all-gathered, their gradients reduce-scattered",
         2 * plan.cp));
   }
+  if (plan.attention == model::AttentionKernel::Flash) {
+    notes.push_back(
+        "attention: FlashAttention's memory and recompute (each row's log-sum-exp kept, the "
+        "scores and dropout masks computed again in the backward); the CPU kernel takes a "
+        "query's whole row of keys at once, not FlashAttention's tiles");
+  }
   if (plan.expert_load != 1) {
     notes.push_back(fmt::format(
         "expert load {:g}: dtsim's figures beside the run assume it; the run routes its tokens "
@@ -2757,6 +2776,12 @@ void check_device(const model::ModelGraph& graph, const lower::Program& program,
   }
   if (m.moe && !device.has(Device::Feature::MixtureOfExperts)) {
     lacks(fmt::format("a mixture of experts (model {})", m.name));
+  }
+  if (graph.attention() == model::AttentionKernel::Flash &&
+      !device.has(Device::Feature::FlashAttention)) {
+    lacks(
+        "FlashAttention (plan attention flash; its kernels keep the attention probabilities: "
+        "--attention unfused)");
   }
 }
 

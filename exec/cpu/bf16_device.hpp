@@ -163,9 +163,10 @@ class Bf16Device final : public Device {
                             vocab_begin, s.ints_or_null(positions));
   }
   // Context parallelism, dropout (masks: bytes) and mixtures of experts, with the GPU device's
-  // types.
+  // types; not FlashAttention's memory, which the GPU device lacks.
   bool has(Feature f) const override {
-    return std::find(without_.begin(), without_.end(), f) == without_.end();
+    return f != Feature::FlashAttention &&
+           std::find(without_.begin(), without_.end(), f) == without_.end();
   }
   void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override {
     Scope s;

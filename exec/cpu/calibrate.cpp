@@ -146,50 +146,56 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
         record(rms ? "rmsnorm" : "layernorm", f, bw);
         break;
       }
-      case OpKind::AttentionCore: {
-        const auto width = static_cast<std::size_t>(T) * (H + 2 * G) * D;
-        const auto out_n = static_cast<std::size_t>(T) * H * D;
-        const auto probs_n = static_cast<std::size_t>(B) * H * S * S;
-        const int n = copies_for((2 * width + 2 * out_n + probs_n) * fl);
-        auto qkv = random_buffers(n, width, 5), dout = random_buffers(n, out_n, 6);
-        std::vector<std::vector<float>> out(n), probs(n), dqkv(n, std::vector<float>(width));
-        // With RoPE the runner turns q and k before the core and the gradients back after.
-        const bool rope = m.positions == model::Positions::Rope;
-        std::vector<float> turned(rope ? width : 0), turned_grad(rope ? width : 0);
-        // Dropout of the probabilities: a mask and the dropped probabilities per copy.
-        std::vector<std::vector<std::uint8_t>> mask(drop ? n : 0,
-                                                    std::vector<std::uint8_t>(probs_n));
-        std::vector<std::vector<float>> dropped(drop ? n : 0, std::vector<float>(probs_n));
-        auto options = [&](std::size_t i) {
-          AttentionOptions o;
-          if (drop) {
+      case OpKind::AttentionCore:
+        // Both kinds of plan: the probabilities kept (unfused), or FlashAttention's memory.
+        for (const bool flash : {false, true}) {
+          const auto width = static_cast<std::size_t>(T) * (H + 2 * G) * D;
+          const auto out_n = static_cast<std::size_t>(T) * H * D;
+          const auto probs_n = static_cast<std::size_t>(B) * H * S * (flash ? 1 : S);
+          const int n = copies_for((2 * width + 2 * out_n + probs_n) * fl);
+          auto qkv = random_buffers(n, width, 5), dout = random_buffers(n, out_n, 6);
+          std::vector<std::vector<float>> out(n), probs(n), dqkv(n, std::vector<float>(width));
+          // With RoPE the runner turns q and k before the core and the gradients back after.
+          const bool rope = m.positions == model::Positions::Rope;
+          std::vector<float> turned(rope ? width : 0), turned_grad(rope ? width : 0);
+          // Dropout of the probabilities: a mask and the dropped probabilities per copy (unfused).
+          const bool masks = drop != nullptr && !flash;
+          std::vector<std::vector<std::uint8_t>> mask(masks ? n : 0,
+                                                      std::vector<std::uint8_t>(probs_n));
+          std::vector<std::vector<float>> dropped(masks ? n : 0, std::vector<float>(probs_n));
+          // probs: the probabilities, or FlashAttention's log-sum-exp per row.
+          auto options = [&](std::size_t i) {
+            AttentionOptions o;
             o.dropout = drop;
-            o.mask = mask[i];
-            o.dropped = dropped[i];
-          }
-          return o;
-        };
-        const double f = median_per_copy(repeats, n, [&](std::size_t i) {
-          out[i].assign(out_n, 0.0f);
-          probs[i].assign(probs_n, 0.0f);
-          if (rope) rope_forward(turned, qkv[i], B, S, H, G, D, m.rope_theta);
-          attention_forward(out[i], probs[i], rope ? In(turned) : In(qkv[i]), B, S, H, G, D,
-                            options(i));
-        });
-        const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
-          if (rope) {
-            turned_grad.assign(width, 0.0f);
-            attention_backward(turned_grad, turned_grad, dout[i], qkv[i], probs[i], B, S, H, G, D,
-                               options(i));
-            rope_backward(dqkv[i], turned_grad, B, S, H, G, D, m.rope_theta);
-          } else {
-            attention_backward(dqkv[i], dqkv[i], dout[i], qkv[i], probs[i], B, S, H, G, D,
-                               options(i));
-          }
-        });
-        record("attention", f, bw);
+            if (masks) {
+              o.mask = mask[i];
+              o.dropped = dropped[i];
+            }
+            if (flash) o.lse = probs[i];
+            return o;
+          };
+          auto kept = [&](std::size_t i) { return flash ? Out() : Out(probs[i]); };
+          const double f = median_per_copy(repeats, n, [&](std::size_t i) {
+            out[i].assign(out_n, 0.0f);
+            probs[i].assign(probs_n, 0.0f);
+            if (rope) rope_forward(turned, qkv[i], B, S, H, G, D, m.rope_theta);
+            attention_forward(out[i], kept(i), rope ? In(turned) : In(qkv[i]), B, S, H, G, D,
+                              options(i));
+          });
+          const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
+            if (rope) {
+              turned_grad.assign(width, 0.0f);
+              attention_backward(turned_grad, turned_grad, dout[i], qkv[i], kept(i), B, S, H, G, D,
+                                 options(i));
+              rope_backward(dqkv[i], turned_grad, B, S, H, G, D, m.rope_theta);
+            } else {
+              attention_backward(dqkv[i], dqkv[i], dout[i], qkv[i], kept(i), B, S, H, G, D,
+                                 options(i));
+            }
+          });
+          record(flash ? "flash_attention" : "attention", f, bw);
+        }
         break;
-      }
       case OpKind::Activation: {
         const auto n_in = static_cast<std::size_t>(T) * F * (gelu ? 1 : 2);
         const auto n_out = static_cast<std::size_t>(T) * F;
@@ -316,7 +322,7 @@ nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<Op
   };
   auto named = [&](const std::string& name) -> const model::Op& {
     if (name == "layernorm" || name == "rmsnorm") return first_of(0, OpKind::Norm);
-    if (name == "attention") return first_of(0, OpKind::AttentionCore);
+    if (name == "attention" || name == "flash_attention") return first_of(0, OpKind::AttentionCore);
     if (name == "gelu" || name == "swiglu") return first_of(0, OpKind::Activation);
     if (name == "residual") return first_of(0, OpKind::Residual);
     if (name == "embedding") return first_of(-1, OpKind::Embedding);

@@ -187,7 +187,8 @@ cpu::AttentionOptions options_of(const Device::Attention& a, std::optional<cpu::
           ints(a.order),
           holder ? &*holder : nullptr,
           bytes(a.mask),
-          floats(a.dropped)};
+          floats(a.dropped),
+          floats(a.lse)};
 }
 
 }  // namespace

@@ -219,6 +219,10 @@ void attend(const Attention& a, Out out, Out probs, In qkv, In kv, const Attenti
   const std::size_t width = static_cast<std::size_t>(H + 2 * G) * D;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int group = H / G;
+  // FlashAttention: a row's probabilities (and what dropout leaves of them) only here.
+  const bool flash = !o.lse.empty();
+  std::vector<float> row(flash ? static_cast<std::size_t>(S) : 0);
+  std::vector<float> row_dropped(flash && a.dropout ? static_cast<std::size_t>(S) : 0);
   for (int b = 0; b < B; ++b) {
     const std::int64_t sequence = a.dropout ? a.dropout->first_sequence + b : 0;
     for (int h = 0; h < H; ++h) {
@@ -227,7 +231,7 @@ void attend(const Attention& a, Out out, Out probs, In qkv, In kv, const Attenti
         const int last = a.position(i);
         const float* q = qkv.data() + (static_cast<std::size_t>(b) * Sq + i) * width + h * D;
         const std::size_t at = ((static_cast<std::size_t>(b) * H + h) * Sq + i) * S;
-        float* p = probs.data() + at;
+        float* p = flash ? row.data() : probs.data() + at;
         float maxv = -INFINITY;
         for (int j = 0; j <= last; ++j) {
           const float* k = kv.data() + a.k_at(b, j, g);
@@ -242,15 +246,16 @@ void attend(const Attention& a, Out out, Out probs, In qkv, In kv, const Attenti
           sum += p[j];
         }
         for (int j = 0; j < S; ++j) p[j] = j <= last ? p[j] / sum : 0.0f;
+        if (flash) o.lse[at / static_cast<std::size_t>(S)] = maxv + std::log(sum);
         // Dropout of the probabilities: the values read them after it.
         const float* weights = p;
         if (a.dropout) {
-          float* dropped = o.dropped.data() + at;
-          std::uint8_t* mask = o.mask.data() + at;
+          float* dropped = flash ? row_dropped.data() : o.dropped.data() + at;
+          std::uint8_t* mask = flash ? nullptr : o.mask.data() + at;
           const float keep_scale = a.dropout->scale();
           for (int j = 0; j < S; ++j) {
             const bool keep = j <= last && a.dropout->keeps(sequence, a.element(h, last, j));
-            mask[j] = keep ? 1 : 0;
+            if (mask != nullptr) mask[j] = keep ? 1 : 0;
             dropped[j] = keep ? p[j] * keep_scale : 0.0f;
           }
           weights = dropped;
@@ -274,35 +279,58 @@ void attend_backward(const Attention& a, Out dqkv, Out dkv, In dout, In qkv, In 
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int group = H / G;
   const float keep_scale = a.dropout ? a.dropout->scale() : 1.0f;
+  const bool flash = !o.lse.empty();
   std::vector<float> dp(static_cast<std::size_t>(S));
+  std::vector<float> recomputed(flash ? static_cast<std::size_t>(S) : 0);
   for (int b = 0; b < B; ++b) {
+    const std::int64_t sequence = a.dropout ? a.dropout->first_sequence + b : 0;
     for (int h = 0; h < H; ++h) {
       const int g = h / group;
       for (int i = 0; i < Sq; ++i) {
         const int last = a.position(i);
         const std::size_t row = static_cast<std::size_t>(b) * Sq + i;
         const std::size_t at = ((static_cast<std::size_t>(b) * H + h) * Sq + i) * S;
-        const float* p = probs.data() + at;
-        // What the values read: the probabilities after dropout, if any.
-        const float* weights = a.dropout ? o.dropped.data() + at : p;
-        const std::uint8_t* mask = a.dropout ? o.mask.data() + at : nullptr;
+        const float* q = qkv.data() + row * width + h * D;
+        const float* p = flash ? recomputed.data() : probs.data() + at;
+        if (flash) {
+          // FlashAttention's backward: the scores again, the probabilities from the row's
+          // log-sum-exp.
+          const float lse = o.lse[at / static_cast<std::size_t>(S)];
+          for (int j = 0; j <= last; ++j) {
+            const float* k = kv.data() + a.k_at(b, j, g);
+            float s = 0;
+            for (int d = 0; d < D; ++d) s += q[d] * k[d];
+            recomputed[static_cast<std::size_t>(j)] = std::exp(s * scale - lse);
+          }
+        }
+        // What the values read: the probabilities after dropout, if any (FlashAttention: the
+        // mask drawn again).
+        const float* dropped = a.dropout && !flash ? o.dropped.data() + at : nullptr;
+        const std::uint8_t* mask = a.dropout && !flash ? o.mask.data() + at : nullptr;
+        const auto kept = [&](int j) {
+          return mask != nullptr ? mask[j] != 0 : a.dropout->keeps(sequence, a.element(h, last, j));
+        };
         const float* dy = dout.data() + row * H * D + h * D;
         // dP = dy · v^T (through dropout: masked and scaled); dv += P^T · dy
         float dot = 0;
         for (int j = 0; j <= last; ++j) {
           const float* v = kv.data() + a.v_at(b, j, g);
           float* dv = dkv.data() + a.v_at(b, j, g);
+          const bool keep = a.dropout == nullptr || kept(j);
+          const float weight = a.dropout == nullptr ? p[j]
+                               : dropped != nullptr ? dropped[j]
+                               : keep               ? p[j] * keep_scale
+                                                    : 0.0f;
           float s = 0;
           for (int d = 0; d < D; ++d) {
             s += dy[d] * v[d];
-            dv[d] += weights[j] * dy[d];
+            dv[d] += weight * dy[d];
           }
-          if (mask) s = mask[j] ? s * keep_scale : 0.0f;
+          if (a.dropout) s = keep ? s * keep_scale : 0.0f;
           dp[static_cast<std::size_t>(j)] = s;
           dot += s * p[j];
         }
         // Softmax backward: dS = P ⊙ (dP - sum(dP ⊙ P)); then through the scaled q·k.
-        const float* q = qkv.data() + row * width + h * D;
         float* dq = dqkv.data() + row * width + h * D;
         for (int j = 0; j <= last; ++j) {
           const float ds = p[j] * (dp[static_cast<std::size_t>(j)] - dot) * scale;

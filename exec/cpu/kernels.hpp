@@ -99,6 +99,13 @@ void dropout_backward(Out din, std::span<const std::uint8_t> mask, In dout, floa
 // Dropout of the probabilities (attention dropout) when `dropout` is set: element (head,
 // query position, key position) has index (head_offset + h)·S² + q·S + k; mask and dropped
 // [B, H, Sq, S] keep its mask and the probabilities after it, which the values read.
+// FlashAttention's memory (model::AttentionKernel::Flash) when `lse` is given, [B, H, Sq]: a
+// row's probabilities live only while the kernel computes the row; the forward keeps the
+// log-sum-exp of its scaled scores, the backward computes the scores again and the
+// probabilities as exp(score - lse), and draws the dropout mask again from its counter (probs,
+// mask and dropped are then empty). The whole row of keys is one block here, so the forward's
+// outputs are those of the unfused kernel, bit for bit; the backward's probabilities differ
+// from them by rounding.
 struct AttentionOptions {
   In kv;
   int cp = 1;
@@ -106,6 +113,7 @@ struct AttentionOptions {
   const Dropout* dropout = nullptr;
   std::span<std::uint8_t> mask;
   Out dropped;
+  Out lse;
 };
 // out[B·Sq, H·D]; probs[B, H, Sq, S] by key position. The backward adds dq into dqkv's q
 // columns and dk, dv into dkv (kv's layout; dqkv's own k and v columns when kv is empty).

@@ -179,8 +179,8 @@ class CudaDevice final : public Device {
                           ints(tokens), B, S, C, vocab_begin, ints_or_null(positions));
   }
   // Context parallelism, dropout (the CPU's masks: exec/cuda/kernels.hpp) and mixtures of
-  // experts (the CPU's routing).
-  bool has(Feature) const override { return true; }
+  // experts (the CPU's routing); not FlashAttention (its kernels keep the probabilities).
+  bool has(Feature f) const override { return f != Feature::FlashAttention; }
   void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override {
     k_.copy_columns(act(dst), act(src), T, src_width, begin, width);
   }

@@ -429,9 +429,7 @@ int cmd_plan(const std::vector<std::string>& args) {
     // Nothing fits: how far the closest plan is, and what its memory is made of.
     const auto& c = *result.closest_not_fitting;
     auto memory_parts = [&](const planner::Candidate& k) {
-      const model::ModelGraph g(plan::with_padded_vocab(spec, k.plan), k.plan.micro_batch_size,
-                                k.plan.seq_len,
-                                plan::activation_bytes_per_element(k.plan.precision));
+      const model::ModelGraph g = plan::graph_of(spec, k.plan);
       const auto m = plan::estimate_memory(g, k.plan, cluster).worst();
       return fmt::format(
           "weights {:.1f}, gradients {:.1f}, optimizer {:.1f}, activations {:.1f}, other "

@@ -273,11 +273,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
       p.global_batch_size = space.global_batch_size;
       if (space.seq_len > 0) p.seq_len = space.seq_len;
+      if (vm.count("attention")) p.attention = space.attention;
       p.dp = 0;
       plan::complete_plan(p, spec, c.devices());
       plan::require_valid(p, spec, c.devices());
-      const model::ModelGraph g(plan::with_padded_vocab(spec, p), p.micro_batch_size, p.seq_len,
-                                plan::activation_bytes_per_element(p.precision));
+      const model::ModelGraph g = plan::graph_of(spec, p);
       auto net = network::make_analytical(c);
       engine::SimulateOptions sim_options;
       sim_options.jitter_cv = jitter;

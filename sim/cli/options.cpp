@@ -20,6 +20,24 @@
 
 namespace dtsim::cli {
 
+namespace {
+
+constexpr const char* kAttentionHelp =
+    "the attention core's kernels: unfused (default; scores and softmax in device memory, as "
+    "in Megatron-LM's published runs) or flash (FlashAttention: no s² tensors kept, the scores "
+    "computed again in the backward, causal blocks skipped)";
+
+// --attention into `out` when given.
+void attention_from_options(const po::variables_map& vm, model::AttentionKernel& out) {
+  if (vm.count("attention") &&
+      !model::parse_attention_kernel(vm["attention"].as<std::string>(), out)) {
+    throw InputError(fmt::format("--attention: expected unfused or flash, got \"{}\"",
+                                 vm["attention"].as<std::string>()));
+  }
+}
+
+}  // namespace
+
 void add_model_options(po::options_description& desc, bool with_cluster) {
   desc.add_options()(
       "model", po::value<std::string>()->default_value(kDefaultModel),
@@ -55,6 +73,7 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
       "zero-stage", po::value<int>(), "ZeRO stage 0-3 (default 0)")(
       "recompute", po::value<std::string>(),
       "activation recompute: none (default), selective, full")(
+      "attention", po::value<std::string>(), kAttentionHelp)(
       "sequence-parallel", po::bool_switch(), "Megatron sequence parallelism (needs tp > 1)")(
       "no-overlap-grad-reduce", po::bool_switch(),
       "start the data-parallel gradient reduction after the last backward pass instead of "
@@ -206,7 +225,8 @@ void add_search_space_options(po::options_description& desc) {
       "max-pp", po::value<int>(), "largest pipeline-parallel degree")(
       "max-cp", po::value<int>()->default_value(1), "largest context-parallel degree")(
       "fixed", po::value<std::vector<std::string>>()->composing(),
-      "fix a degree, e.g. --fixed tp=8 (repeatable; tp, pp, dp, cp, ep)");
+      "fix a degree, e.g. --fixed tp=8 (repeatable; tp, pp, dp, cp, ep)")(
+      "attention", po::value<std::string>(), kAttentionHelp);
 }
 
 void search_space_from_options(const po::variables_map& vm, planner::SearchSpace& space) {
@@ -220,6 +240,7 @@ void search_space_from_options(const po::variables_map& vm, planner::SearchSpace
   if (vm.count("max-pp")) space.max_pp = vm["max-pp"].as<int>();
   space.max_cp = vm["max-cp"].as<int>();
   if (vm.count("fixed")) apply_fixed(vm["fixed"].as<std::vector<std::string>>(), space);
+  attention_from_options(vm, space.attention);
 }
 
 cluster::Cluster cluster_from_options(const po::variables_map& vm) {
@@ -322,6 +343,7 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
     throw InputError(fmt::format("--recompute: expected none, selective or full, got \"{}\"",
                                  vm["recompute"].as<std::string>()));
   }
+  attention_from_options(vm, p.attention);
   if (vm.count("optimizer") &&
       !plan::parse_optimizer(vm["optimizer"].as<std::string>(), p.optimizer)) {
     throw InputError(fmt::format("--optimizer: expected adam or sgd, got \"{}\"",
@@ -500,8 +522,7 @@ PlanSetup setup_from_options(const po::variables_map& vm) {
   }
   cluster.device.peak_flops_for(plan.precision);
   if (auto note = plan::vocab_padding_note(spec, plan)) notes.push_back(std::move(*note));
-  model::ModelGraph graph(plan::with_padded_vocab(spec, plan), plan.micro_batch_size, plan.seq_len,
-                          plan::activation_bytes_per_element(plan.precision));
+  model::ModelGraph graph = plan::graph_of(spec, plan);
   return PlanSetup{std::move(spec), std::move(cluster), std::move(plan), std::move(notes),
                    std::move(graph)};
 }

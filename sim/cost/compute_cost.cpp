@@ -145,6 +145,26 @@ double ComputeCost::op_flops(const model::Op& op, Phase phase) const {
   return 0;
 }
 
+double ComputeCost::kernel_flops(const model::Op& op, Phase phase) const {
+  if (op.kernel_fwd_flops <= 0 && op.kernel_bwd_flops <= 0) return op_flops(op, phase);
+  // Only the attention core has its own (model/model_graph.hpp), with no weight gradient: its
+  // whole backward is the input-gradient pass.
+  const double d = divisor(op);
+  switch (phase) {
+    case Phase::Forward:
+    case Phase::Recompute:
+      return op.kernel_fwd_flops / d;
+    case Phase::Backward:
+    case Phase::BackwardInput:
+      return op.kernel_bwd_flops / d;
+    case Phase::BackwardWeight:
+    case Phase::Optimizer:
+    case Phase::None:
+      return 0;
+  }
+  return 0;
+}
+
 double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
   // The busiest ep rank's experts compute plan.expert_load times the even share of copies
   // (the whole kernel time scales, its weight traffic too: a slight overestimate where that
@@ -198,7 +218,8 @@ double ComputeCost::kernel_seconds(const model::Op& op, Phase phase) const {
   }
   const bool attention = op.kind == OpKind::AttentionCore;
   const double eff = attention ? attention_eff_ : gemm_eff_;
-  double compute_s = flops > 0 ? flops / (peak_flops_ * eff) * wave_factor(op, phase) : 0.0;
+  const double executed = kernel_flops(op, phase);
+  double compute_s = executed > 0 ? executed / (peak_flops_ * eff) * wave_factor(op, phase) : 0.0;
   // A profile's GEMM times were measured: they hold whatever quantization the shapes had. A
   // combined backward is two GEMMs (input and weight gradients), each priced at its own shape.
   if (profile_ != nullptr && flops > 0 && op.gemm_m > 0)
@@ -243,7 +264,8 @@ std::string ComputeCost::profile_key(OpKind kind) const {
   const model::ModelSpec& m = graph_.spec();
   switch (kind) {
     case OpKind::AttentionCore:
-      return "attention";
+      // What dtexec calibrate timed: its attention kernels of either kind.
+      return graph_.attention() == model::AttentionKernel::Flash ? "flash_attention" : "attention";
     case OpKind::Norm:
       return m.norm == model::Norm::RmsNorm ? "rmsnorm" : "layernorm";
     case OpKind::Activation:

@@ -2,7 +2,8 @@
 //
 // Roofline per op (DESIGN.md "Modeling rules"): max(flops / (peak · eff), bytes / (hbm_bw ·
 // eff_bw)) + launch overhead per kernel, with `eff` the device catalog's GEMM efficiency for
-// matrix multiplications and its attention efficiency for the attention core. Each op's FLOPs
+// matrix multiplications and its attention efficiency for the attention core (over the FLOPs
+// its kernels execute: FlashAttention's skip masked blocks and recompute). Each op's FLOPs
 // and bytes come from the ModelGraph, divided as the plan splits the op: tensor-parallel ops
 // over tp; the others (norms, residual adds) over tp only with sequence parallelism; everything
 // over cp (each context-parallel rank holds 1/cp of the tokens).
@@ -50,8 +51,10 @@ class ComputeCost {
   // at the device's (or the profile's) memory bandwidth, two kernels.
   double codec_seconds(std::uint64_t uncompressed, std::uint64_t compressed) const;
 
-  // FLOPs of one op in one phase on one rank (for reports).
+  // FLOPs of one op in one phase on one rank (for reports): the counted ones.
   double op_flops(const model::Op& op, lower::Phase phase) const;
+  // What its kernels execute (model::Op::kernel_fwd_flops): op_flops but for FlashAttention's.
+  double kernel_flops(const model::Op& op, lower::Phase phase) const;
 
  private:
   // op_seconds before the profile's in_run factor: the kernels as timed alone.

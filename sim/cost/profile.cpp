@@ -110,8 +110,9 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
     for (std::size_t i = 0; i < ops.size(); ++i) {
       const JsonReader o(ops[i], path, fmt::format("ops[{}]", i));
       o.expect_only({"op", "phase", "flops_per_s", "bytes_per_s", "seconds"});
-      const std::string op = o.choice("op", {"attention", "layernorm", "rmsnorm", "gelu", "swiglu",
-                                             "residual", "embedding", "loss", "optimizer"});
+      const std::string op =
+          o.choice("op", {"attention", "flash_attention", "layernorm", "rmsnorm", "gelu", "swiglu",
+                          "residual", "embedding", "loss", "optimizer"});
       const std::string phase = o.choice("phase", {"fwd", "bwd", "step"});
       if (o.has("flops_per_s") == o.has("bytes_per_s")) {
         o.fail("flops_per_s", "give exactly one of flops_per_s and bytes_per_s");

@@ -31,7 +31,8 @@
 // over rounds), and the compute cost multiplies its times by it.
 // "ops" gives measured rates of the non-GEMM ops in the model graph's own units: FLOP/s of
 // the graph's FLOPs for the attention core, bytes/s of the graph's bytes for the others (ops:
-// attention, layernorm, rmsnorm, gelu, swiglu, residual, embedding, loss; phases fwd, bwd),
+// attention (unfused), flash_attention, layernorm, rmsnorm, gelu, swiglu, residual, embedding,
+// loss; phases fwd, bwd),
 // and for the optimizer bytes/s (the executors' AdamW moves 28 bytes per parameter, all fp32;
 // the simulator divides the plan's own bytes by it, ComputeCost::optimizer_seconds). An op
 // with a rate is priced

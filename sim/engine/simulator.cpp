@@ -167,9 +167,11 @@ StepFlops step_flops(const model::ModelGraph& graph, const plan::Plan& plan) {
   for (const model::Op& op : graph.ops()) {
     const bool block = op.layer >= 0 && op.layer < graph.spec().layers;
     if (plan.recompute == plan::Recompute::Full && block) recompute += op.fwd_flops;
-    if (plan.recompute == plan::Recompute::Selective && op.kind == model::OpKind::AttentionCore) {
-      recompute += op.fwd_flops;
-    }
+    if (op.kind != model::OpKind::AttentionCore) continue;
+    if (plan.recompute == plan::Recompute::Selective) recompute += op.fwd_flops;
+    // FlashAttention's backward computes the scores again: one of the forward's two GEMMs
+    // (counted dense, as the model FLOPs are).
+    if (graph.attention() == model::AttentionKernel::Flash) recompute += op.fwd_flops / 2;
   }
   f.hardware = f.model + recompute * micro_batches_global;
   return f;
@@ -271,6 +273,20 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
     p.notes.push_back(
         "pipedream: asynchronous steady state (no flush); step time excludes the "
         "one-time pipeline fill and drain");
+  }
+  if (plan.attention == model::AttentionKernel::Flash) {
+    const bool measured =
+        options.profile != nullptr && options.profile->ops.count({"flash_attention", "fwd"}) != 0;
+    p.notes.push_back(
+        measured
+            ? std::string("attention: FlashAttention, at the profile's measured rate")
+            : fmt::format(
+                  "attention: FlashAttention at {:.0f}% of the dense peak (the "
+                  "device's attention efficiency) over the FLOPs it executes: the "
+                  "causal mask's blocks skipped, the scores computed again in the "
+                  "backward{}",
+                  100 * cluster.device.efficiency.attention.value,
+                  options.profile != nullptr ? "; the profile has no flash_attention rate" : ""));
   }
   if (!cluster.device_efficiency_overrides.empty()) {
     p.notes.push_back(fmt::format(

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <boost/graph/adjacency_list.hpp>
 #include <boost/graph/topological_sort.hpp>
+#include <cmath>
 #include <iterator>
 
 #include "sim/common/error.hpp"
@@ -50,11 +51,19 @@ namespace {
 
 using u64 = std::uint64_t;
 
+// FlashAttention's tile of queries and of keys: FlashAttention-2 (Dao 2023, Sec. 3.3) uses
+// blocks of {64, 128} x {64, 128} by head dimension and shared memory; 128 for the head
+// dimensions of 64 and 128 that GPT and Llama models have. Its causal skipping works a query
+// block at a time.
+constexpr double kFlashBlock = 128;
+
 // Builds the ops of the model in dependency order; `add` returns the new op's id.
 class Builder {
  public:
-  Builder(const ModelSpec& m, std::int64_t b, std::int64_t s, int act_bytes)
+  Builder(const ModelSpec& m, std::int64_t b, std::int64_t s, int act_bytes,
+          AttentionKernel attention)
       : m_(m),
+        attention_(attention),
         tokens_(static_cast<double>(b) * static_cast<double>(s)),
         b_(static_cast<u64>(b)),
         s_(static_cast<u64>(s)),
@@ -74,6 +83,7 @@ class Builder {
 
  private:
   const ModelSpec& m_;
+  AttentionKernel attention_;
   double tokens_;  // b·s
   u64 b_, s_, act_;
 
@@ -151,6 +161,32 @@ class Builder {
     return add(std::move(op), {branch, skip});
   }
 
+  // The attention core as FlashAttention runs it (FlashAttention-2, Dao 2023, Algorithms 1
+  // and 2): blocks of queries against blocks of keys on chip, the softmax online.
+  void flash(Op& core, u64 qw, u64 kw) const {
+    // Causal: the key blocks wholly after a query block are skipped (Sec. 3.1.1): with n
+    // blocks of rows, n(n+1)/2 of the n² block pairs run.
+    const double n = std::ceil(static_cast<double>(s_) / kFlashBlock);
+    const double causal = (n + 1) / (2 * n);
+    core.kernel_fwd_flops = causal * core.fwd_flops;
+    // The backward's five GEMMs per block pair (S = QK^T again, dV = P^T dO, dP = dO V^T,
+    // dQ = dS K, dK = dS^T Q) against the forward's two: 2.5x (Sec. 4.1's FLOP count).
+    core.kernel_bwd_flops = 2.5 * core.kernel_fwd_flops;
+    // Traffic: read Q, K, V, write the output and the log-sum-exp (fp32, a row per head);
+    // backward: read Q, K, V, the output, its gradient and the log-sum-exp, write dQ, dK, dV
+    // and read and write the rows' sum of dO ∘ O (fp32). A kernel's re-reads of K and V per
+    // query block are in its measured rate (the device's attention efficiency).
+    const double a = static_cast<double>(act_);
+    const double rows =
+        static_cast<double>(b_) * static_cast<double>(m_.heads) * static_cast<double>(s_);
+    core.fwd_bytes = a * tokens_ * static_cast<double>(2 * qw + 2 * kw) + 4.0 * rows;
+    core.bwd_bytes = a * tokens_ * static_cast<double>(4 * qw + 4 * kw) + 12.0 * rows;
+    // Saved: Q, K, V and the log-sum-exp. Attention dropout's mask is drawn again in the
+    // backward from its seed (FlashAttention's Philox offsets), not kept.
+    core.saved_quadratic_bytes = 0;
+    core.saved_bytes = act_ * T() * (qw + 2 * kw) + 4 * b_ * static_cast<u64>(m_.heads) * s_;
+  }
+
   OpId block(int l, OpId x) {
     const auto name = [l](std::string_view what) { return fmt::format("L{}.{}", l, what); };
     const double hd = static_cast<double>(h());
@@ -191,6 +227,7 @@ class Builder {
     const u64 quad_elems = b_ * static_cast<u64>(m_.heads) * s_ * s_;
     core.saved_quadratic_bytes = act_ * quad_elems + (m_.dropout ? (1 + act_) * quad_elems : 0);
     core.saved_bytes = act_ * T() * (qw + 2 * kw) + core.saved_quadratic_bytes;
+    if (attention_ == AttentionKernel::Flash) flash(core, qw, kw);
     const OpId c = add(std::move(core), {q});
 
     Op out;
@@ -322,10 +359,10 @@ class Builder {
 }  // namespace
 
 ModelGraph::ModelGraph(ModelSpec spec, std::int64_t micro_batch, std::int64_t seq_len,
-                       int activation_bytes)
-    : spec_(std::move(spec)), micro_batch_(micro_batch), seq_len_(seq_len) {
+                       int activation_bytes, AttentionKernel attention)
+    : spec_(std::move(spec)), micro_batch_(micro_batch), seq_len_(seq_len), attention_(attention) {
   DTSIM_ASSERT(micro_batch > 0 && seq_len > 0, "ModelGraph needs a positive batch and length");
-  Builder builder(spec_, micro_batch, seq_len, activation_bytes);
+  Builder builder(spec_, micro_batch, seq_len, activation_bytes, attention);
   builder.build();
   ops_ = std::move(builder.ops);
 

@@ -8,7 +8,8 @@
 //   activations and residual adds have 0 FLOPs and are costed by their memory traffic.
 // - Attention scores are counted dense (no causal halving), as in Megatron-LM's formula.
 // - Saved activations follow Korthikanti et al. 2022 §4.1 (16-bit tensors, 1-byte dropout
-//   masks), generalised to GQA, SwiGLU and MoE.
+//   masks), generalised to GQA, SwiGLU and MoE; with FlashAttention the attention core keeps
+//   no s² tensor (Dao et al. 2022).
 // - Work is for the whole op, before any parallel split; the plan divides it.
 #pragma once
 
@@ -59,6 +60,12 @@ struct Op {
   // context-parallel rank reads all its weights).
   double weight_bytes = 0;
   double bwd_bytes = 0;  // same for the backward kernels
+  // The FLOPs the kernels execute where they are not the counted ones above (0: as counted):
+  // FlashAttention skips the key blocks that the causal mask hides, and its backward computes
+  // the scores again. The counted FLOPs stay the model's (Megatron-LM's formula: dense, no
+  // recompute), for MFU.
+  double kernel_fwd_flops = 0;
+  double kernel_bwd_flops = 0;
   std::uint64_t params = 0;
   // Of `params`, those that tensor parallelism does not split (norm weights, biases of
   // row-parallel layers, learned position embeddings): every tp rank holds them whole.
@@ -87,9 +94,10 @@ struct GraphTotals {
 
 class ModelGraph {
  public:
-  // activation_bytes: bytes per element of saved activations (2 for bf16/fp16 training).
+  // activation_bytes: bytes per element of saved activations (2 for bf16/fp16 training);
+  // attention: the attention core's kernels (a plan's; plan::graph_of builds a plan's graph).
   ModelGraph(ModelSpec spec, std::int64_t micro_batch, std::int64_t seq_len,
-             int activation_bytes = 2);
+             int activation_bytes = 2, AttentionKernel attention = AttentionKernel::Unfused);
   ~ModelGraph();
   ModelGraph(ModelGraph&&) noexcept;
   ModelGraph& operator=(ModelGraph&&) noexcept;
@@ -97,6 +105,7 @@ class ModelGraph {
   const ModelSpec& spec() const { return spec_; }
   std::int64_t micro_batch() const { return micro_batch_; }
   std::int64_t seq_len() const { return seq_len_; }
+  AttentionKernel attention() const { return attention_; }
 
   std::size_t size() const { return ops_.size(); }
   const Op& op(OpId id) const { return ops_.at(id); }
@@ -118,6 +127,7 @@ class ModelGraph {
   ModelSpec spec_;
   std::int64_t micro_batch_;
   std::int64_t seq_len_;
+  AttentionKernel attention_;
   std::vector<Op> ops_;
   std::vector<std::vector<OpId>> groups_;  // index layer + 1
   std::vector<OpId> topo_;

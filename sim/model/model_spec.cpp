@@ -23,6 +23,18 @@ std::string_view to_string(Norm n) {
 std::string_view to_string(Positions p) {
   return p == Positions::Learned ? "learned" : "rope";
 }
+std::string_view to_string(AttentionKernel a) {
+  return a == AttentionKernel::Unfused ? "unfused" : "flash";
+}
+bool parse_attention_kernel(std::string_view text, AttentionKernel& out) {
+  for (const AttentionKernel a : {AttentionKernel::Unfused, AttentionKernel::Flash}) {
+    if (text == to_string(a)) {
+      out = a;
+      return true;
+    }
+  }
+  return false;
+}
 
 bool ModelSpec::is_megatron_gpt() const {
   return activation == Activation::Gelu && !moe && kv_heads == heads &&

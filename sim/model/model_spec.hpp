@@ -14,6 +14,13 @@ namespace dtsim::model {
 enum class Activation { Gelu, SwiGlu };
 enum class Norm { LayerNorm, RmsNorm };
 enum class Positions { Learned, Rope };
+// How the attention core runs, a plan's choice (plan::Plan::attention) that its ModelGraph's
+// ops describe. Unfused: scores, masked softmax and probabilities x values as separate
+// kernels, the s² tensors written to device memory and kept for the backward (Megatron-LM
+// before fused kernels; Korthikanti et al. 2022). Flash: FlashAttention (Dao et al. 2022,
+// Dao 2023): tiled on chip, only the output and a log-sum-exp per row written, the scores
+// recomputed in the backward, and key blocks that the causal mask hides skipped.
+enum class AttentionKernel { Unfused, Flash };
 
 struct BiasSpec {
   bool qkv = false;
@@ -108,5 +115,8 @@ void validate_model(const ModelSpec& m,
 std::string_view to_string(Activation a);
 std::string_view to_string(Norm n);
 std::string_view to_string(Positions p);
+std::string_view to_string(AttentionKernel a);
+// "unfused" or "flash"; false for anything else.
+bool parse_attention_kernel(std::string_view text, AttentionKernel& out);
 
 }  // namespace dtsim::model

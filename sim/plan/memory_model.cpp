@@ -18,6 +18,11 @@ int activation_bytes_per_element(Precision precision) {
   return precision == Precision::Fp32 || precision == Precision::Tf32 ? 4 : 2;
 }
 
+model::ModelGraph graph_of(const model::ModelSpec& spec, const Plan& plan) {
+  return model::ModelGraph(with_padded_vocab(spec, plan), plan.micro_batch_size, plan.seq_len,
+                           activation_bytes_per_element(plan.precision), plan.attention);
+}
+
 StateBytesPerParam state_bytes_per_param(const Plan& plan) {
   const bool full = plan.precision == Precision::Fp32 || plan.precision == Precision::Tf32;
   const double weights = full ? 4 : 2;
@@ -203,8 +208,9 @@ std::int64_t end_in_flight(const Plan& plan, int stage) {
 MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluster::Cluster& cluster,
                              const MemoryOptions& options) {
   const model::ModelSpec& spec = g.spec();
-  DTSIM_ASSERT(g.micro_batch() == plan.micro_batch_size && g.seq_len() == plan.seq_len,
-               "the graph must be built for the plan's micro-batch and sequence length");
+  DTSIM_ASSERT(g.micro_batch() == plan.micro_batch_size && g.seq_len() == plan.seq_len &&
+                   g.attention() == plan.attention,
+               "the graph must be built for the plan's micro-batch, sequence length and attention");
   const std::vector<int> chunks = chunk_layers(plan, spec.layers);
   const StateBytesPerParam per_param = state_bytes_per_param(plan);
   const int v = plan.virtual_stages;

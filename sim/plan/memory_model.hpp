@@ -114,11 +114,16 @@ struct MemoryReport {
   const StageMemory& worst() const { return stages.at(static_cast<std::size_t>(worst_stage)); }
 };
 
-// `graph` must be built for plan.micro_batch_size and plan.seq_len. The plan must be valid.
+// `graph` must be built for the plan (graph_of: its micro-batch, sequence length and attention
+// kernel). The plan must be valid.
 MemoryReport estimate_memory(const model::ModelGraph& graph, const Plan& plan,
                              const cluster::Cluster& cluster, const MemoryOptions& options = {});
 
 int activation_bytes_per_element(Precision precision);
+
+// The graph a plan runs: `spec` with the plan's padded vocabulary (with_padded_vocab), its
+// micro-batch, sequence length, activation width and attention kernel.
+model::ModelGraph graph_of(const model::ModelSpec& spec, const Plan& plan);
 
 // Parameters of `op` held by one rank: tensor-parallel ops split all but their replicated part
 // over tp; expert ops are spread over ep; a tied LM head holds a copy of the embedding matrix

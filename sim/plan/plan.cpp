@@ -106,6 +106,7 @@ std::string summary(const Plan& p) {
   if (p.virtual_stages > 1) s += fmt::format(" v={}", p.virtual_stages);
   if (p.zero_stage > 0) s += fmt::format(" zero={}", p.zero_stage);
   if (p.recompute != Recompute::None) s += fmt::format(" recompute={}", to_string(p.recompute));
+  if (p.attention == model::AttentionKernel::Flash) s += " flash";
   if (p.sequence_parallel) s += " sp";
   if (!p.overlap_grad_reduce) s += " no-overlap-grad-reduce";
   if (!p.overlap_tp_backward && p.tp > 1) s += " no-overlap-tp-backward";
@@ -293,6 +294,12 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
         "weights gathered) once per micro-batch instead of once per step",
         p.zero_stage));
   }
+  if (p.recompute == Recompute::Selective && p.attention == model::AttentionKernel::Flash) {
+    check.warnings.push_back(
+        "selective recompute with FlashAttention runs each attention core's forward again for "
+        "almost nothing: FlashAttention keeps no s² tensor to drop (Megatron-LM still does it "
+        "when asked)");
+  }
   return check;
 }
 
@@ -362,6 +369,7 @@ json to_json(const Plan& p) {
             {"virtual_stages", p.virtual_stages},
             {"zero_stage", p.zero_stage},
             {"recompute", to_string(p.recompute)},
+            {"attention", model::to_string(p.attention)},
             {"sequence_parallel", p.sequence_parallel},
             {"overlap_grad_reduce", p.overlap_grad_reduce},
             {"overlap_tp_backward", p.overlap_tp_backward},
@@ -394,6 +402,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "virtual_stages",
                  "zero_stage",
                  "recompute",
+                 "attention",
                  "sequence_parallel",
                  "overlap_grad_reduce",
                  "overlap_tp_backward",
@@ -436,6 +445,9 @@ Plan plan_from_json(const json& j, const std::string& file) {
   }
   if (r.has("recompute")) {
     parse_recompute(r.choice("recompute", {"none", "selective", "full"}), p.recompute);
+  }
+  if (r.has("attention")) {
+    model::parse_attention_kernel(r.choice("attention", {"unfused", "flash"}), p.attention);
   }
   p.sequence_parallel = r.boolean_or("sequence_parallel", false);
   p.overlap_grad_reduce = r.boolean_or("overlap_grad_reduce", true);

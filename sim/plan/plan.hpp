@@ -49,6 +49,11 @@ struct Plan {
   int virtual_stages = 1;  // model chunks per pipeline rank (interleaved)
   int zero_stage = 0;
   Recompute recompute = Recompute::None;
+  // The attention core's kernels (model::AttentionKernel). Unfused by default: what the
+  // published Megatron-LM measurements ran (validation/) and what dtexec's GPU kernels run;
+  // FlashAttention (Megatron-LM --use-flash-attn, Transformer Engine's fused attention) is
+  // what training runs use today.
+  model::AttentionKernel attention = model::AttentionKernel::Unfused;
   bool sequence_parallel = false;
   // Data-parallel gradient reduction overlapped with the backward pass (PyTorch DDP; Megatron-LM
   // --overlap-grad-reduce). False: it starts after the last backward pass, as Megatron-LM did in

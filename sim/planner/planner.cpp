@@ -477,6 +477,7 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
                       p.recompute = r;
                       p.sequence_parallel = sp;
                       p.precision = space.precision;
+                      p.attention = space.attention;
                       if (!cluster::Placement(p.degrees(), p.order)
                                .symmetric_on(devices_per_node)) {
                         continue;
@@ -535,9 +536,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   for (const Plan& p : plans) {
     auto& g = graphs[graph_key(p)];
     if (!g) {
-      g = std::make_unique<model::ModelGraph>(plan::with_padded_vocab(m, p), p.micro_batch_size,
-                                              p.seq_len,
-                                              plan::activation_bytes_per_element(p.precision));
+      g = std::make_unique<model::ModelGraph>(plan::graph_of(m, p));
     }
   }
   struct Evaluated {

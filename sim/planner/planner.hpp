@@ -36,6 +36,8 @@ struct SearchSpace {
   std::vector<plan::Recompute> recomputes = {plan::Recompute::None, plan::Recompute::Selective,
                                              plan::Recompute::Full};
   Precision precision = Precision::Bf16;
+  // The attention kernel every candidate runs (a given, not searched).
+  model::AttentionKernel attention = model::AttentionKernel::Unfused;
   // Fixed values ("--fixed tp=8"): -1 = free.
   int fixed_tp = -1, fixed_pp = -1, fixed_dp = -1, fixed_cp = -1, fixed_ep = -1;
   double memory_headroom = 0.0;  // fraction of device memory kept free

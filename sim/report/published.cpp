@@ -7,6 +7,7 @@
 
 #include "sim/common/error.hpp"
 #include "sim/cost/compute_cost.hpp"
+#include "sim/plan/memory_model.hpp"
 
 namespace dtsim::report {
 
@@ -30,8 +31,7 @@ LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parall
   plan.seq_len = 2048;
   plan.recompute = recompute;
   plan.sequence_parallel = sequence_parallel;
-  const model::ModelGraph g(plan::with_padded_vocab(spec, plan), plan.micro_batch_size,
-                            plan.seq_len);
+  const model::ModelGraph g = plan::graph_of(spec, plan);
   const auto selene = cluster::with_devices(cluster::load_cluster("selene"), 8);
   cost::ComputeCost cost(g, plan, selene.device);
   auto net = network::make_analytical(selene);
@@ -163,8 +163,7 @@ Table1Case megatron_table1_case(const CsvRow& row) {
 }
 
 engine::Prediction simulate_case(const Table1Case& c) {
-  const model::ModelGraph g(plan::with_padded_vocab(c.spec, c.plan), c.plan.micro_batch_size,
-                            c.plan.seq_len);
+  const model::ModelGraph g = plan::graph_of(c.spec, c.plan);
   auto net = network::make_analytical(c.cluster);
   return engine::simulate(g, c.plan, c.cluster, *net).prediction;
 }

@@ -39,7 +39,7 @@ dtsim::lower::Program all_ranks(const dtsim::model::ModelGraph& g, const dtsim::
 dtsim::exec::RunResult run(const char* model, dtsim::plan::Plan p, int steps,
                            dtsim::exec::RunOptions o = {}, dtsim::exec::Device* device = nullptr) {
   const auto spec = dtsim::model::load_model(model);
-  const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 4);
+  const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 4, p.attention);
   const auto program = dtsim::lower::lower(g, p);
   o.steps = steps;
   o.learning_rate = 3e-3f;
@@ -109,6 +109,27 @@ TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   alone.replay_communication = true;  // one of the two ranks' programs
   REQUIRE_THROWS_WITH(run("tiny-gpt", cp, 1, alone, &bf16),
                       Catch::Contains("context parallelism (cp 2) is not executed on"));
+}
+
+// FlashAttention's memory trains as the unfused kernel: its forward is the same, its
+// backward's probabilities come from the rows' log-sum-exp (rounding), so the losses agree to
+// fp32 rounding over steps; with dropout (masks drawn again) and context parallelism.
+TEST_CASE("FlashAttention's memory trains as the unfused attention", "[exec][runner]") {
+  for (const bool cp : {false, true}) {
+    auto p = single_rank(2, 4);
+    if (cp) p.cp = 2;
+    INFO((cp ? "cp 2, one rank's program" : "one rank"));
+    dtsim::exec::RunOptions o;
+    o.replay_communication = cp;
+    const auto unfused = run(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_gpt_dropout.json", p, 6, o);
+    p.attention = dtsim::model::AttentionKernel::Flash;
+    const auto flash = run(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_gpt_dropout.json", p, 6, o);
+    REQUIRE(flash.losses.size() == unfused.losses.size());
+    CHECK(flash.losses.front() == unfused.losses.front());  // the same forward
+    for (std::size_t i = 0; i < flash.losses.size(); ++i) {
+      CHECK(flash.losses[i] == Approx(unfused.losses[i]).epsilon(1e-5));
+    }
+  }
 }
 
 TEST_CASE("a resumed run continues with bitwise-identical losses", "[exec][runner]") {
@@ -516,7 +537,7 @@ Replayed replay_every_program(const char* name, dtsim::plan::Plan p, bool keep_t
                               int steps = 1, Variant variant = Variant::AsIs) {
   p.precision = dtsim::Precision::Fp32;
   const auto spec = load(name, variant);
-  const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 4);
+  const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 4, p.attention);
   const auto program = dtsim::lower::lower(g, p);
   Replayed out;
   for (std::size_t index = 0; index < program.ranks.size(); ++index) {
@@ -698,6 +719,11 @@ TEST_CASE("the executor holds what dtsim memory predicts for the CPU plans", "[e
   add(
       "dropout, tp 2 sequence parallel", 2, 1, 1, [](auto& p) { p.sequence_parallel = true; },
       Variant::Dropout);
+  // FlashAttention: the rows' log-sum-exp instead of the probabilities (and their masks).
+  const auto flash = [](auto& p) { p.attention = dtsim::model::AttentionKernel::Flash; };
+  add("flash attention", 1, 1, 1, flash);
+  add("flash attention, pp 2 1F1B", 1, 2, 1, flash);
+  add("flash attention, dropout", 1, 1, 1, flash, Variant::Dropout);
   // The router's state and the experts' copies (top 2 of 4, each half the MLP's width).
   add(
       "mixture of experts", 1, 1, 1, [](auto&) {}, Variant::Moe);
@@ -714,7 +740,8 @@ TEST_CASE("the executor holds what dtsim memory predicts for the CPU plans", "[e
   for (auto& c : cases) {
     c.plan.precision = dtsim::Precision::Fp32;
     const auto spec = load("cpu-small", c.variant);
-    const dtsim::model::ModelGraph g(spec, c.plan.micro_batch_size, c.plan.seq_len, 4);
+    const dtsim::model::ModelGraph g(spec, c.plan.micro_batch_size, c.plan.seq_len, 4,
+                                     c.plan.attention);
     const double predicted =
         dtsim::plan::estimate_memory(
             g, c.plan, dtsim::cluster::with_devices(cluster, c.plan.devices()), no_allowance)

@@ -193,7 +193,7 @@ TEST_CASE("attention split over context-parallel ranks equals one rank's", "[exe
     std::vector<std::uint8_t> mask(with_dropout ? quad : 0);
     std::vector<float> dqkv(qkv.size());
     cpu::AttentionOptions whole;
-    if (with_dropout) whole = {{}, 1, {}, {}, &dropout, mask, dropped};
+    if (with_dropout) whole = {{}, 1, {}, {}, &dropout, mask, dropped, {}};
     cpu::attention_forward(out, probs, qkv, B, S, H, G, D, whole);
     cpu::attention_backward(dqkv, dqkv, dout, qkv, probs, B, S, H, G, D, whole);
     if (with_dropout) {
@@ -217,7 +217,7 @@ TEST_CASE("attention split over context-parallel ranks equals one rank's", "[exe
       std::vector<float> dr(with_dropout ? local_quad : 0);
       std::vector<std::uint8_t> m(with_dropout ? local_quad : 0);
       const cpu::AttentionOptions split{
-          kv, cp, positions[c], order, with_dropout ? &dropout : nullptr, m, dr};
+          kv, cp, positions[c], order, with_dropout ? &dropout : nullptr, m, dr, {}};
       cpu::attention_forward(o, pr, mine, B, Sq, H, G, D, split);
       CHECK(o == rows_of(out, c, H * D));
       dqkv_of[c].assign(mine.size(), 0.0f);
@@ -257,7 +257,7 @@ TEST_CASE("attention dropout's backward matches finite differences", "[exec][cpu
   cpu::Dropout dropout;
   dropout.stream = 11;
   dropout.rate = 0.25f;
-  const cpu::AttentionOptions o{{}, 1, {}, {}, &dropout, mask, dropped};
+  const cpu::AttentionOptions o{{}, 1, {}, {}, &dropout, mask, dropped, {}};
   auto loss = [&] {
     cpu::attention_forward(out, probs, qkv, B, S, H, G, D, o);
     return dot(out, r);
@@ -270,6 +270,61 @@ TEST_CASE("attention dropout's backward matches finite differences", "[exec][cpu
   std::vector<float> dqkv(qkv.size());
   cpu::attention_backward(dqkv, dqkv, r, qkv, probs, B, S, H, G, D, o);
   check_gradient(qkv, dqkv, loss, "qkv");
+}
+
+// FlashAttention's memory (AttentionOptions::lse): the forward's outputs are the unfused
+// kernel's bit for bit, and the backward, from the scores computed again and the rows'
+// log-sum-exp (dropout's masks drawn again), gives its gradients to rounding; with 320 keys per
+// row, longer than a block of FlashAttention's, and split over context-parallel ranks.
+TEST_CASE("FlashAttention's memory gives the unfused kernel's outputs and gradients",
+          "[exec][cpu]") {
+  const int B = 2, H = 4, G = 2, D = 8;
+  const int width = (H + 2 * G) * D;
+  cpu::Dropout dropout;
+  dropout.stream = 5;
+  dropout.rate = 0.2f;
+  dropout.first_sequence = 3;
+  for (const int S : {5, 320}) {
+    for (const bool with_dropout : {false, true}) {
+      INFO("S " << S << (with_dropout ? " with" : " without") << " dropout");
+      const auto qkv = random(static_cast<std::size_t>(B) * S * width, 70);
+      const auto dout = random(static_cast<std::size_t>(B) * S * H * D, 71);
+      const std::size_t quad = static_cast<std::size_t>(B) * H * S * S;
+      std::vector<float> out(dout.size()), probs(quad), dropped(with_dropout ? quad : 0);
+      std::vector<std::uint8_t> mask(with_dropout ? quad : 0);
+      std::vector<float> dqkv(qkv.size());
+      const cpu::AttentionOptions unfused{{},   1,       {}, {}, with_dropout ? &dropout : nullptr,
+                                          mask, dropped, {}};
+      cpu::attention_forward(out, probs, qkv, B, S, H, G, D, unfused);
+      cpu::attention_backward(dqkv, dqkv, dout, qkv, probs, B, S, H, G, D, unfused);
+
+      std::vector<float> lse(static_cast<std::size_t>(B) * H * S), flash_out(out.size());
+      std::vector<float> flash_dqkv(qkv.size());
+      cpu::AttentionOptions flash;
+      flash.dropout = with_dropout ? &dropout : nullptr;
+      flash.lse = lse;
+      cpu::attention_forward(flash_out, {}, qkv, B, S, H, G, D, flash);
+      CHECK(flash_out == out);
+      // The first query of a sequence attends to itself alone: its log-sum-exp is its score.
+      const float q0k0 = [&] {
+        float s = 0;
+        for (int d = 0; d < D; ++d) s += qkv[static_cast<std::size_t>(d)] * qkv[H * D + d];
+        return s / std::sqrt(static_cast<float>(D));
+      }();
+      CHECK(lse[0] == Approx(q0k0));
+      cpu::attention_backward(flash_dqkv, flash_dqkv, dout, qkv, {}, B, S, H, G, D, flash);
+      // The largest difference, relative to the element (at least 1e-2 of the largest).
+      const float largest = std::abs(*std::max_element(
+          dqkv.begin(), dqkv.end(), [](float a, float b) { return std::abs(a) < std::abs(b); }));
+      double worst = 0;
+      for (std::size_t i = 0; i < dqkv.size(); ++i) {
+        const double scale = std::max(std::abs(dqkv[i]), 1e-2f * largest);
+        worst = std::max(worst, std::abs(flash_dqkv[i] - dqkv[i]) / scale);
+      }
+      CHECK(largest > 0);
+      CHECK(worst < 1e-4);
+    }
+  }
 }
 
 TEST_CASE("hidden dropout keeps 1 - rate of the elements, the same mask however rows are split",

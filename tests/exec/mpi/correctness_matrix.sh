@@ -1,8 +1,8 @@
 #!/bin/bash
 # The executor's correctness matrix (issue 5): for plans over dp, tp, pp, cp, ep, ZeRO stages,
 # schedules (GPipe, 1F1B, interleaved, zero-bubble; pipeline receives posted when reached or,
-# with --overlap-p2p-comm, ahead of need), micro-batch counts and recompute, K steps of five
-# tiny models (GPT, Llama, GPT with dropout, a mixture of experts, GPT with an odd vocabulary
+# with --overlap-p2p-comm, ahead of need), micro-batch counts, recompute and FlashAttention's
+# memory (against the unfused single rank), K steps of five tiny models (GPT, Llama, GPT with dropout, a mixture of experts, GPT with an odd vocabulary
 # that the plans pad) under mpirun give the losses and final weights of the single-rank run
 # of the same global batch (the first plan: one rank under mpirun, as without it).
 #
@@ -119,6 +119,9 @@ plans=(
   "moe|4|2|--dp 4 --ep 4 --no-grad-accumulation-fusion"
   "moe|4|1|--dp 2 --ep 2 --pp 2 --schedule zero-bubble"
   "moe|4|1|--dp 2 --ep 2 --cp 2"
+  "dropout|2|2|--tp 2 --sequence-parallel --attention flash"
+  "llama|4|2|--cp 2 --pp 2 --schedule 1f1b --attention flash"
+  "tiny-gpt|2|2|--pp 2 --schedule 1f1b --recompute selective --attention flash"
   "vocab251|2|2|--tp 2"
   "vocab251|4|2|--tp 2 --pp 2 --sequence-parallel"
 )

@@ -190,3 +190,54 @@ TEST_CASE("without gradient-accumulation fusion each backward adds a pass over t
   CHECK(passes > 0);
   CHECK(b - a == Approx(4 * passes).epsilon(1e-6));
 }
+
+// FlashAttention's core: compute-bound at the device's attention efficiency over the FLOPs it
+// executes (the causal half, five GEMMs' worth in the backward); the unfused core moves its s²
+// tensors through memory and takes longer at long sequences. A profile's flash_attention rate
+// replaces the roofline.
+TEST_CASE("FlashAttention's core is priced by the FLOPs it executes", "[cost]") {
+  using dtsim::model::AttentionKernel;
+  auto device = dtsim::cluster::load_device("h100-sxm");
+  device.efficiency.launch_overhead_s.value = 0;
+  const auto spec = dtsim::model::load_model("llama3-8b");
+  dtsim::plan::Plan plan;
+  plan.micro_batch_size = 1;
+  plan.seq_len = 8192;
+  plan.tp = 2;
+  plan.attention = AttentionKernel::Flash;
+  const auto flash = dtsim::plan::graph_of(spec, plan);
+  dtsim::plan::Plan unfused_plan = plan;
+  unfused_plan.attention = AttentionKernel::Unfused;
+  const auto unfused = dtsim::plan::graph_of(spec, unfused_plan);
+  const auto core_of = [](const dtsim::model::ModelGraph& g) {
+    for (auto id : g.layer_ops(0)) {
+      if (g.op(id).kind == dtsim::model::OpKind::AttentionCore) return g.op(id);
+    }
+    FAIL("no attention core");
+    return dtsim::model::Op{};
+  };
+  const auto core = core_of(flash);
+  const dtsim::cost::ComputeCost cost(flash, plan, device);
+  const double rate = device.peak_flops_for(plan.precision) * device.efficiency.attention.value;
+  // 8192 rows: 64 blocks, 64·65/2 of 64² block pairs; tp 2 halves the heads.
+  const double executed = core.fwd_flops * (65.0 / 128.0) / 2;
+  CHECK(cost.op_seconds(core, Phase::Forward) == Approx(executed / rate).epsilon(1e-12));
+  CHECK(cost.op_seconds(core, Phase::Backward) == Approx(2.5 * executed / rate).epsilon(1e-12));
+  CHECK(cost.op_seconds(core, Phase::BackwardInput) == cost.op_seconds(core, Phase::Backward));
+  CHECK(cost.op_seconds(core, Phase::BackwardWeight) == 0);
+  // The counted FLOPs stay the model's.
+  CHECK(cost.op_flops(core, Phase::Forward) == core.fwd_flops / 2);
+  const dtsim::cost::ComputeCost unfused_cost(unfused, unfused_plan, device);
+  const auto unfused_core = core_of(unfused);
+  CHECK(unfused_cost.op_seconds(unfused_core, Phase::Forward) >
+        2 * cost.op_seconds(core, Phase::Forward));
+
+  dtsim::cost::Profile profile;
+  profile.file = "p.json";
+  profile.precision = plan.precision;
+  profile.gemm = {{1024, 1024, 1024, 1e-4}, {4096, 4096, 4096, 4e-3}};
+  profile.ops[{"flash_attention", "fwd"}] = {1e14, true};
+  profile.ops[{"attention", "fwd"}] = {1e12, true};
+  const dtsim::cost::ComputeCost measured(flash, plan, device, &profile);
+  CHECK(measured.op_seconds(core, Phase::Forward) == Approx(core.fwd_flops / 2 / 1e14));
+}

@@ -15,7 +15,7 @@ dtsim::engine::Simulation run(const std::string& model, const std::string& clust
   auto c = dtsim::cluster::load_cluster(cluster);
   dtsim::plan::complete_plan(plan, spec, c.devices());
   dtsim::plan::require_valid(plan, spec, c.devices());
-  const dtsim::model::ModelGraph g(spec, plan.micro_batch_size, plan.seq_len);
+  const dtsim::model::ModelGraph g = dtsim::plan::graph_of(spec, plan);
   auto net = dtsim::network::make_analytical(c);
   return dtsim::engine::simulate(g, plan, c, *net, options);
 }
@@ -168,6 +168,32 @@ TEST_CASE("the breakdown covers the whole step", "[engine]") {
   CHECK(pr.tflops_per_gpu == Approx(pr.hardware_flops / pr.step_time_s / 32 / 1e12));
   CHECK(pr.serial_fraction > 0);
   CHECK(pr.max_speedup == Approx(1.0 / pr.serial_fraction));
+}
+
+// FlashAttention against the unfused core at a long sequence: the same model FLOPs (MFU counts
+// those), the scores of its backward counted as recomputed in the hardware FLOPs, a faster
+// step and less memory (no s² tensors).
+TEST_CASE("FlashAttention: same model FLOPs, its recomputed scores in HFU, faster and smaller",
+          "[engine]") {
+  Plan p = blank();
+  p.tp = 8;
+  p.pp = 2;
+  p.seq_len = 8192;
+  p.global_batch_size = 16;
+  const auto unfused = run("llama3-8b", "default", p).prediction;
+  p.attention = dtsim::model::AttentionKernel::Flash;
+  const auto flash = run("llama3-8b", "default", p).prediction;
+  CHECK(flash.model_flops == unfused.model_flops);
+  const auto spec = dtsim::model::load_model("llama3-8b");
+  // One core's forward: 4·b·a·s²·d, dense; half of it again per core and sequence.
+  const double core = 4.0 * spec.heads * 8192.0 * 8192.0 * spec.head_dim;
+  CHECK(flash.hardware_flops - unfused.hardware_flops ==
+        Approx(16 * spec.layers * core / 2).epsilon(1e-9));
+  CHECK(flash.step_time_s < unfused.step_time_s);
+  CHECK(flash.memory.worst().total_bytes < unfused.memory.worst().total_bytes);
+  CHECK(std::any_of(flash.notes.begin(), flash.notes.end(), [](const std::string& n) {
+    return n.find("attention: FlashAttention at 60% of the dense peak") != std::string::npos;
+  }));
 }
 
 // Amdahl's serial fraction is what more dp replicas at the same global batch do not divide: the

@@ -87,3 +87,46 @@ TEST_CASE("every shipped model builds a graph whose parameters add up", "[model]
     }
   }
 }
+
+TEST_CASE("FlashAttention keeps no s² tensor and executes the causal half, scores again",
+          "[model][graph]") {
+  using dtsim::model::AttentionKernel;
+  const auto spec = load_model("gpt3-175b");  // with dropout: its masks go too
+  REQUIRE(spec.dropout);
+  const std::int64_t b = 2, s = 2048;
+  const ModelGraph unfused(spec, b, s);
+  const ModelGraph flash(spec, b, s, 2, AttentionKernel::Flash);
+  CHECK(flash.attention() == AttentionKernel::Flash);
+  // The model's FLOPs are the same (MFU counts them so); only the core's kernels differ.
+  CHECK(flash.totals().fwd_flops == unfused.totals().fwd_flops);
+  CHECK(flash.totals().bwd_flops == unfused.totals().bwd_flops);
+  REQUIRE(flash.size() == unfused.size());
+  const double T = static_cast<double>(b * s), h = static_cast<double>(spec.hidden);
+  const double rows = static_cast<double>(b * spec.heads * s);
+  int cores = 0;
+  for (std::size_t i = 0; i < flash.size(); ++i) {
+    const auto& f = flash.op(i);
+    const auto& u = unfused.op(i);
+    if (f.kind != OpKind::AttentionCore) {
+      CHECK(f.saved_bytes == u.saved_bytes);
+      CHECK(f.fwd_bytes == u.fwd_bytes);
+      CHECK(f.kernel_fwd_flops == 0);
+      continue;
+    }
+    ++cores;
+    CHECK(u.kernel_fwd_flops == 0);
+    CHECK(f.saved_quadratic_bytes == 0);
+    // Korthikanti's 4sbh of Q, K, V... plus FlashAttention's fp32 log-sum-exp per row and head,
+    // against the unfused core's 5as²b more (softmax, dropout mask and output).
+    CHECK(static_cast<double>(f.saved_bytes) == 2 * T * 3 * h + 4 * rows);
+    CHECK(static_cast<double>(u.saved_bytes) == 2 * T * 3 * h + 5 * rows * static_cast<double>(s));
+    // 2048 rows in blocks of 128: 16 blocks, 16·17/2 of the 256 block pairs run.
+    CHECK(f.kernel_fwd_flops == Approx(f.fwd_flops * 136.0 / 256.0).epsilon(1e-12));
+    CHECK(f.kernel_bwd_flops == Approx(2.5 * f.kernel_fwd_flops).epsilon(1e-12));
+    // Linear traffic: Q, K, V read and the output written (2 bytes each), the log-sum-exp
+    // written; no pass over the s² scores.
+    CHECK(f.fwd_bytes == 2 * T * 4 * h + 4 * rows);
+    CHECK(f.fwd_bytes < u.fwd_bytes / 10);
+  }
+  CHECK(cores == spec.layers);
+}

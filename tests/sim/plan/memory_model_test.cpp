@@ -186,6 +186,37 @@ TEST_CASE("Korthikanti et al. Table 2: activations per layer", "[plan][memory][a
   CHECK(act(Recompute::Full, true, 8) == 2 * sbh / t);  // input kept sequence-sharded
 }
 
+// FlashAttention keeps what selective recompute keeps (Korthikanti's 34sbh/t with sequence
+// parallelism), plus its fp32 log-sum-exp per row and head, and needs no recompute for it.
+TEST_CASE("FlashAttention: Korthikanti's selective-recompute activations plus the log-sum-exp",
+          "[plan][memory][activations]") {
+  const auto spec = korthikanti_22b();
+  const double s = 2048, b = 4, h = 6144, a = 64, t = 8;
+  Plan p;
+  p.tp = 8;
+  p.dp = 1;
+  p.micro_batch_size = 4;
+  p.global_batch_size = 4;
+  p.seq_len = 2048;
+  p.sequence_parallel = true;
+  p.attention = dtsim::model::AttentionKernel::Flash;
+  const ModelGraph g = dtsim::plan::graph_of(spec, p);
+  REQUIRE(g.attention() == dtsim::model::AttentionKernel::Flash);
+  const double sbh = s * b * h, lse = 4 * a * s * b / t;
+  CHECK(dtsim::plan::block_activation_bytes(g, 0, p) == Approx(sbh * 34 / t + lse).epsilon(1e-12));
+  Plan selective = p;
+  selective.recompute = Recompute::Selective;
+  CHECK(dtsim::plan::block_activation_bytes(g, 0, selective) ==
+        dtsim::plan::block_activation_bytes(g, 0, p));
+  // Against the unfused kernel's 5as²b/t more per block.
+  Plan unfused = p;
+  unfused.attention = dtsim::model::AttentionKernel::Unfused;
+  const ModelGraph gu = dtsim::plan::graph_of(spec, unfused);
+  CHECK(dtsim::plan::block_activation_bytes(gu, 0, unfused) -
+            dtsim::plan::block_activation_bytes(g, 0, p) ==
+        Approx(5 * a * s * s * b / t - lse).epsilon(1e-12));
+}
+
 TEST_CASE("micro-batches in flight per schedule", "[plan][memory][schedule]") {
   Plan p;
   p.pp = 4;

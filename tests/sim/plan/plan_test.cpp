@@ -1,5 +1,6 @@
 #include "sim/plan/plan.hpp"
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "sim/common/error.hpp"
@@ -231,7 +232,15 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   p.grad_compression = 0.25;
   p.make_vocab_size_divisible_by = 64;
   p.expert_load = 1.25;
+  p.attention = dtsim::model::AttentionKernel::Flash;
   const Plan q = dtsim::plan::plan_from_json(dtsim::plan::to_json(p), "p.json");
+  CHECK(q.attention == dtsim::model::AttentionKernel::Flash);
+  CHECK(dtsim::plan::summary(q).find(" flash") != std::string::npos);
+  // Selective recompute has nothing to drop with FlashAttention: allowed, with a warning.
+  const auto check = check_plan(q, load_model("megatron-18.4b"), q.devices());
+  CHECK(std::count_if(check.warnings.begin(), check.warnings.end(), [](const std::string& w) {
+          return w.find("FlashAttention keeps no s² tensor") != std::string::npos;
+        }) == 1);
   CHECK(q.make_vocab_size_divisible_by == 64);
   CHECK(dtsim::plan::to_json(q) == dtsim::plan::to_json(p));
   CHECK(q.comm_precision == dtsim::Precision::Fp8);
@@ -277,6 +286,8 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   bad(R"({"grad_precision": "fp8"})",
       "plan.json: grad_precision: expected one of fp32, bf16, fp16, got \"fp8\"");
   bad(R"({"schedule": "looped"})", "schedule: expected one of gpipe, 1f1b, interleaved");
+  bad(R"({"attention": "fused"})",
+      "plan.json: attention: expected one of unfused, flash, got \"fused\"");
   bad(R"({"order": "tp-dp"})", "plan.json: order: ");
   bad(R"({"tensor_parallel": 2})", "tensor_parallel: unknown field");
   bad(R"([1, 2])", "plan.json: expected a JSON object");
