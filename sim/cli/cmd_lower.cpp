@@ -11,6 +11,12 @@
 
 namespace dtsim::cli {
 
+namespace {
+// Output beyond which --all-ranks says how large it is (a 64-rank plan of a small model stays
+// under it).
+constexpr std::size_t kLargeOutputBytes = 64ULL << 20;
+}  // namespace
+
 int cmd_lower(const std::vector<std::string>& args) {
   po::options_description desc("dtsim lower options");
   desc.add_options()("help,h", "show this help");
@@ -35,7 +41,17 @@ int cmd_lower(const std::vector<std::string>& args) {
   nlohmann::json out = lower::to_json(program);
   out["plan"] = plan::to_json(setup.plan);
   out["model"] = setup.spec.name;
-  std::cout << out.dump(2) << "\n";
+  const std::string text = out.dump(2);
+  std::cout << text << "\n";
+  // Every rank's program of a large plan is large: say so where a person sees it.
+  if (options.mode == lower::Lowering::AllRanks && program.ranks.size() > 1 &&
+      text.size() > kLargeOutputBytes) {
+    std::cerr << fmt::format(
+        "note: {} programs, {} tasks, {:.0f} MB of JSON; without --all-ranks one program per "
+        "pipeline stage stands for its ranks ({} programs)\n",
+        program.ranks.size(), program.task_count(), static_cast<double>(text.size()) / 1e6,
+        setup.plan.pp);
+  }
   return 0;
 }
 

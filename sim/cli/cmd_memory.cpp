@@ -93,7 +93,11 @@ int cmd_memory(const std::vector<std::string>& args) {
                            plan::summary(plan));
   report::Table table({"stage", "layers", "in flight", "weights", "gradients", "optimizer",
                        "activations", "other", "total", "dominant"});
-  table.set_units({"", "", "micro-batches", "GiB", "GiB", "GiB", "GiB", "GiB", "GiB", ""});
+  // Interleaving keeps model chunks in flight, each 1/v of the rank's blocks for one micro-batch.
+  const bool chunks = plan.schedule == plan::Schedule::Interleaved && plan.virtual_stages > 1;
+  const std::string in_flight_unit =
+      chunks ? fmt::format("chunks (1/{})", plan.virtual_stages) : "micro-batches";
+  table.set_units({"", "", in_flight_unit, "GiB", "GiB", "GiB", "GiB", "GiB", "GiB", ""});
   table.align_left(9);
   for (const auto& s : report.stages) {
     table.add_row({fmt::format("{}", s.stage), fmt::format("{}", s.layers),

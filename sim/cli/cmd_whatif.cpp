@@ -380,7 +380,22 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (vm["json"].as<bool>()) {
     nlohmann::json out = nlohmann::json::array();
     for (const Row& r : rows) {
-      nlohmann::json j = {{"point", r.point}, {"gpus", r.gpus}, {"found", r.found}};
+      // The point's values as the axes take them: names for device, cluster and model, numbers
+      // for the others (checked as numbers when the point was run).
+      nlohmann::json point = nlohmann::json::object();
+      for (const auto& [key, value] : r.point) {
+        if (key == "device" || key == "cluster" || key == "model") {
+          point[key] = value;
+          continue;
+        }
+        const double x = std::stod(value);
+        if (x == std::floor(x) && std::abs(x) < 9e15) {
+          point[key] = static_cast<std::int64_t>(x);
+        } else {
+          point[key] = x;
+        }
+      }
+      nlohmann::json j = {{"point", point}, {"gpus", r.gpus}, {"found", r.found}};
       if (r.found) {
         j.update({{"plan", r.plan},
                   {"fits", r.fits},
