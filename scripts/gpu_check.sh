@@ -5,7 +5,8 @@
 #   1. dtexec devices --selftest and the CUDA unit tests (among them every GPU kernel of the
 #      executor against its CPU reference, in fp32 and bf16);
 #   2. dtexec run --backend cuda: fp32 on the GPU against fp32 on the CPU (dtexec compare) for
-#      tiny models plain, with dropout and with a mixture of experts; GPT-2 124M trained on the
+#      tiny models plain, with dropout, with a mixture of experts and with FlashAttention's
+#      memory (--attention flash); GPT-2 124M trained on the
 #      GPU in bf16, its measured tasks against dtsim's prediction (dtsim validate: error per
 #      task kind, with the catalog and with the H200 profile shipped in validation/, measured
 #      by dtexec calibrate on an H200 before); GPT-2 with dropout at cp 2, one rank alone;
@@ -119,12 +120,14 @@ cp "$repo/validation/h200_llama3-8b_profile.json" "$profile"
 # A model trained 5 steps in fp32 on the CPU and on the GPU from one seed: the checkpoints
 # compared (losses within 1e-3, weights within 3e-3).
 gpu_against_cpu() {
-  local name=$1 model=$2
-  limit 60 "$bin/dtexec" run --model "$model" --steps 5 --warmup 0 \
+  local name=$1 model=$2 flags=${3:-}
+  # shellcheck disable=SC2086
+  limit 60 "$bin/dtexec" run --model "$model" --steps 5 --warmup 0 $flags \
     --checkpoint "$out/ckpt_cpu_$name" >"$out/ckpt_cpu_$name.txt" 2>&1 ||
     say "$name: the CPU run failed: $(tail -1 "$out/ckpt_cpu_$name.txt")"
+  # shellcheck disable=SC2086
   limit 60 "$bin/dtexec" run --backend cuda --precision fp32 --model "$model" --steps 5 \
-    --warmup 0 --checkpoint "$out/ckpt_gpu_$name" 2>&1 | tail -2 | tee -a "$report"
+    --warmup 0 $flags --checkpoint "$out/ckpt_gpu_$name" 2>&1 | tail -2 | tee -a "$report"
   "$bin/dtexec" compare "$out/ckpt_cpu_$name" "$out/ckpt_gpu_$name" --loss-tolerance 1e-3 \
     --weight-tolerance 3e-3 2>&1 | tee -a "$report"
 }
@@ -134,6 +137,8 @@ say "-- with dropout (the GPU draws the CPU's masks): fp32 on the GPU against th
 gpu_against_cpu dropout "$repo/tests/exec/mpi/tiny_gpt_dropout.json"
 say "-- a mixture of experts (the GPU routes as the CPU): fp32 on the GPU against the CPU"
 gpu_against_cpu moe "$repo/tests/exec/mpi/tiny_moe.json"
+say "-- FlashAttention's memory with dropout (probabilities and masks made again): GPU against CPU"
+gpu_against_cpu flash "$repo/tests/exec/mpi/tiny_gpt_dropout.json" "--attention flash"
 
 # One plan: dtexec measures it, dtsim predicts it (catalog, then $profile), dtsim validate
 # joins. Each plan is kept (validated_plans), so that section 4 can price it again with the

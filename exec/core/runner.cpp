@@ -2779,9 +2779,7 @@ void check_device(const model::ModelGraph& graph, const lower::Program& program,
   }
   if (graph.attention() == model::AttentionKernel::Flash &&
       !device.has(Device::Feature::FlashAttention)) {
-    lacks(
-        "FlashAttention (plan attention flash; its kernels keep the attention probabilities: "
-        "--attention unfused)");
+    lacks("FlashAttention's memory (plan attention flash; --attention unfused runs without it)");
   }
 }
 

@@ -162,11 +162,10 @@ class Bf16Device final : public Device {
     cpu_.embedding_backward(s.f32(dwte), s.f32_or_null(dwpe), s.act(dout), s.ints(tokens), B, S, C,
                             vocab_begin, s.ints_or_null(positions));
   }
-  // Context parallelism, dropout (masks: bytes) and mixtures of experts, with the GPU device's
-  // types; not FlashAttention's memory, which the GPU device lacks.
+  // Context parallelism, dropout (masks: bytes), mixtures of experts and FlashAttention's
+  // memory (the log-sum-exp: fp32), with the GPU device's types.
   bool has(Feature f) const override {
-    return f != Feature::FlashAttention &&
-           std::find(without_.begin(), without_.end(), f) == without_.end();
+    return std::find(without_.begin(), without_.end(), f) == without_.end();
   }
   void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override {
     Scope s;
@@ -209,14 +208,16 @@ class Bf16Device final : public Device {
                             const Attention& a) override {
     Scope s;
     const Attention x = extras(s, a);
-    cpu_.attention_forward_ex(s.act(out), s.act(probs), s.act(qkv), B, Sq, H, G, D, x);
+    const View p = a.lse.empty() ? s.act(probs) : View{};  // FlashAttention's: none
+    cpu_.attention_forward_ex(s.act(out), p, s.act(qkv), B, Sq, H, G, D, x);
   }
   void attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B, int Sq,
                              int H, int G, int D, const Attention& a) override {
     Scope s;
     const Attention x = extras(s, a);
-    cpu_.attention_backward_ex(s.act(dqkv), s.act(dkv), s.act(dout), s.act(qkv), s.act(probs), B,
-                               Sq, H, G, D, x);
+    const View p = a.lse.empty() ? s.act(probs) : View{};  // FlashAttention's: none
+    cpu_.attention_backward_ex(s.act(dqkv), s.act(dkv), s.act(dout), s.act(qkv), p, B, Sq, H, G, D,
+                               x);
   }
   void dropout_forward(View out, View mask, View in, const DropoutSite& d, int T, int C) override {
     Scope s;
@@ -349,7 +350,8 @@ inline Device::Attention Bf16Device::extras(Scope& s, const Attention& a) {
   x.kv = s.act_or_null(a.kv);
   x.qpos = Scope::ints_or_null(a.qpos);
   x.order = Scope::ints_or_null(a.order);
-  if (a.dropout != nullptr) {
+  x.lse = Scope::f32_or_null(a.lse);
+  if (a.dropout != nullptr && a.lse.empty()) {  // FlashAttention's memory keeps no masks
     x.mask = s.u8(a.mask);
     x.dropped = s.act(a.dropped);
   }

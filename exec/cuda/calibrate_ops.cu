@@ -64,29 +64,34 @@ OpTimes time_ops(int gpu, GemmPrecision precision, const OpShapes& s, int repeat
     });
     out.ops.push_back({s.rms ? "rmsnorm" : "layernorm", f, bw});
   }
-  {  // the attention core, with the rotation of q and k where the model has RoPE
+  // The attention core, with the rotation of q and k where the model has RoPE: the
+  // probabilities kept (unfused), and FlashAttention's memory (the rows' log-sum-exp kept).
+  for (const bool flash : {false, true}) {
     const std::int64_t width = T * (s.H + 2 * s.G) * s.D, o_n = T * s.H * s.D;
-    const std::int64_t probs_n = static_cast<std::int64_t>(s.B) * s.H * s.S * s.S;
-    DeviceBuffer qkv = act(width), dout = act(o_n), o = act(o_n), probs = act(probs_n),
+    const std::int64_t rows = static_cast<std::int64_t>(s.B) * s.H * s.S;
+    DeviceBuffer qkv = act(width), dout = act(o_n), o = act(o_n),
+                 probs = act(flash ? 1 : rows * s.S), lse = f32(flash ? rows : 1),
                  dqkv = act(width);
+    void* p = flash ? nullptr : probs.get();
+    float* l = flash ? lse.f32() : nullptr;
     DeviceBuffer turned = act(s.rope ? width : 1), turned_grad = act(s.rope ? width : 1);
     const double f = median_time(k, repeats, [&] {
       if (s.rope) k.rope_forward(turned.get(), qkv.get(), s.B, s.S, s.H, s.G, s.D, s.rope_theta);
-      k.attention_forward(o.get(), probs.get(), s.rope ? turned.get() : qkv.get(), s.B, s.S, s.H,
-                          s.G, s.D);
+      k.attention_forward(o.get(), p, s.rope ? turned.get() : qkv.get(), s.B, s.S, s.H, s.G, s.D,
+                          nullptr, nullptr, nullptr, l);
     });
     const double bw = median_time(k, repeats, [&] {
       if (s.rope) {
         k.zero(turned_grad.get(), static_cast<std::size_t>(width) * e);
-        k.attention_backward(turned_grad.get(), dout.get(), turned.get(), probs.get(), s.B, s.S,
-                             s.H, s.G, s.D);
+        k.attention_backward(turned_grad.get(), dout.get(), turned.get(), p, s.B, s.S, s.H, s.G,
+                             s.D, 0.0f, nullptr, nullptr, l);
         k.rope_backward(dqkv.get(), turned_grad.get(), s.B, s.S, s.H, s.G, s.D, s.rope_theta);
       } else {
-        k.attention_backward(dqkv.get(), dout.get(), qkv.get(), probs.get(), s.B, s.S, s.H, s.G,
-                             s.D);
+        k.attention_backward(dqkv.get(), dout.get(), qkv.get(), p, s.B, s.S, s.H, s.G, s.D, 0.0f,
+                             nullptr, nullptr, l);
       }
     });
-    out.ops.push_back({"attention", f, bw});
+    out.ops.push_back({flash ? "flash_attention" : "attention", f, bw});
   }
   {  // the MLP's activation
     const std::int64_t n_in = T * s.F * (s.gelu ? 1 : 2), n_out = T * s.F;

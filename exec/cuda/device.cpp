@@ -178,9 +178,9 @@ class CudaDevice final : public Device {
     k_.embedding_backward(f32(dwte), static_cast<int>(dwte.n / C), f32_or_null(dwpe), act(dout),
                           ints(tokens), B, S, C, vocab_begin, ints_or_null(positions));
   }
-  // Context parallelism, dropout (the CPU's masks: exec/cuda/kernels.hpp) and mixtures of
-  // experts (the CPU's routing); not FlashAttention (its kernels keep the probabilities).
-  bool has(Feature f) const override { return f != Feature::FlashAttention; }
+  // Context parallelism, dropout (the CPU's masks: exec/cuda/kernels.hpp), mixtures of experts
+  // (the CPU's routing) and FlashAttention's memory (exec/cuda/kernels.hpp).
+  bool has(Feature) const override { return true; }
   void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override {
     k_.copy_columns(act(dst), act(src), T, src_width, begin, width);
   }
@@ -215,30 +215,42 @@ class CudaDevice final : public Device {
     Kernels::DropoutSite site;
     if (a.dropout != nullptr) site = site_of(*a.dropout);
     const Kernels::DropoutSite* dropout = a.dropout != nullptr ? &site : nullptr;
-    std::uint8_t* mask = a.dropout != nullptr ? u8(a.mask) : nullptr;
-    void* dropped = a.dropout != nullptr ? act(a.dropped) : nullptr;
+    // FlashAttention's memory: the rows' log-sum-exp kept, no probabilities or masks.
+    const bool flash = !a.lse.empty();
+    float* lse = flash ? f32(a.lse) : nullptr;
+    void* p = flash ? nullptr : act(probs);
+    std::uint8_t* mask = a.dropout != nullptr && !flash ? u8(a.mask) : nullptr;
+    void* dropped = a.dropout != nullptr && !flash ? act(a.dropped) : nullptr;
     if (a.kv.empty()) {
       DTSIM_ASSERT(a.cp == 1 && a.qpos.empty() && a.order.empty(), "a query's keys its own");
-      k_.attention_forward(act(out), act(probs), act(qkv), B, Sq, H, G, D, dropout, mask, dropped);
+      k_.attention_forward(act(out), p, act(qkv), B, Sq, H, G, D, dropout, mask, dropped, lse);
       return;
     }
-    k_.attention_forward_cp(act(out), act(probs), act(qkv), act(a.kv), ints_or_null(a.qpos),
-                            ints_or_null(a.order), a.cp, B, Sq, H, G, D, dropout, mask, dropped);
+    k_.attention_forward_cp(act(out), p, act(qkv), act(a.kv), ints_or_null(a.qpos),
+                            ints_or_null(a.order), a.cp, B, Sq, H, G, D, dropout, mask, dropped,
+                            lse);
   }
   void attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B, int Sq,
                              int H, int G, int D, const Attention& a) override {
     const float rate = a.dropout != nullptr ? a.dropout->rate : 0.0f;
-    const std::uint8_t* mask = a.dropout != nullptr ? u8(a.mask) : nullptr;
-    const void* dropped = a.dropout != nullptr ? act(a.dropped) : nullptr;
+    Kernels::DropoutSite site;
+    if (a.dropout != nullptr) site = site_of(*a.dropout);
+    const bool flash = !a.lse.empty();
+    // FlashAttention's backward draws the masks again from the site.
+    const Kernels::DropoutSite* dropout = a.dropout != nullptr && flash ? &site : nullptr;
+    const float* lse = flash ? f32(a.lse) : nullptr;
+    const void* p = flash ? nullptr : act(probs);
+    const std::uint8_t* mask = a.dropout != nullptr && !flash ? u8(a.mask) : nullptr;
+    const void* dropped = a.dropout != nullptr && !flash ? act(a.dropped) : nullptr;
     if (a.kv.empty()) {
       DTSIM_ASSERT(dkv.p == dqkv.p, "k and v gradients in dqkv (a query's keys its own)");
-      k_.attention_backward(act(dqkv), act(dout), act(qkv), act(probs), B, Sq, H, G, D, rate, mask,
-                            dropped);
+      k_.attention_backward(act(dqkv), act(dout), act(qkv), p, B, Sq, H, G, D, rate, mask, dropped,
+                            lse, dropout);
       return;
     }
-    k_.attention_backward_cp(act(dqkv), act(dkv), act(dout), act(qkv), act(a.kv), act(probs),
+    k_.attention_backward_cp(act(dqkv), act(dkv), act(dout), act(qkv), act(a.kv), p,
                              ints_or_null(a.qpos), ints_or_null(a.order), a.cp, B, Sq, H, G, D,
-                             rate, mask, dropped);
+                             rate, mask, dropped, lse, dropout);
   }
   void dropout_forward(View out, View mask, View in, const DropoutSite& d, int T, int C) override {
     k_.dropout_forward(act(out), u8(mask), act(in), nullptr, site_of(d), T, C);

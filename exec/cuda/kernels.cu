@@ -505,8 +505,8 @@ __global__ void moe_combine_backward_kernel(T* dy, float* dgates, const T* dout,
 // Sq query rows of S keys; with qpos (context parallelism) query i is at position qpos[i] and
 // reads keys up to it. One block per (row i, head h).
 template <class T>
-__global__ void causal_softmax_kernel(T* probs, const float* scores, int Sq, int S,
-                                      const int* qpos) {
+__global__ void causal_softmax_kernel(T* probs, const float* scores, int Sq, int S, const int* qpos,
+                                      float* lse) {
   const std::int64_t row = (static_cast<std::int64_t>(blockIdx.y) * Sq + blockIdx.x) * S;
   const int i = qpos != nullptr ? qpos[blockIdx.x] : static_cast<int>(blockIdx.x);
   float m = -INFINITY;
@@ -517,6 +517,24 @@ __global__ void causal_softmax_kernel(T* probs, const float* scores, int Sq, int
   s = block_sum(s);
   for (int j = threadIdx.x; j < S; j += blockDim.x) {
     store(probs, row + j, j <= i ? expf(scores[row + j] - m) / s : 0.0f);
+  }
+  // FlashAttention's memory: the row's log-sum-exp, [H, Sq] for the sequence.
+  if (lse != nullptr && threadIdx.x == 0) {
+    lse[static_cast<std::int64_t>(blockIdx.y) * Sq + blockIdx.x] = m + logf(s);
+  }
+}
+
+// FlashAttention's backward: the probabilities again from the scores computed again and the
+// rows' log-sum-exp, exp(score - lse); zero above the diagonal.
+template <class T>
+__global__ void softmax_from_lse_kernel(T* probs, const float* scores, const float* lse, int Sq,
+                                        int S, const int* qpos) {
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.y) * Sq + blockIdx.x;
+  const std::int64_t row = r * S;
+  const int i = qpos != nullptr ? qpos[blockIdx.x] : static_cast<int>(blockIdx.x);
+  const float l = lse[r];
+  for (int j = threadIdx.x; j < S; j += blockDim.x) {
+    store(probs, row + j, j <= i ? expf(scores[row + j] - l) : 0.0f);
   }
 }
 
@@ -799,15 +817,18 @@ struct Kernels::Impl {
   DeviceBuffer staging, stats, scores, dscores, partials;
   DeviceBuffer slots;          // mixture of experts: each copy's row (the inverse of the order)
   DeviceBuffer cp_kv, cp_dkv;  // context parallelism: one sequence's keys in position order
-  DeviceBuffer workspace;      // cuBLAS's, given at construction (no allocation at a first GEMM)
+  // FlashAttention's memory: one sequence's scores, probabilities, dropout mask and dropped
+  // probabilities, made again in its backward (the runner keeps only the log-sum-exp).
+  DeviceBuffer flash_scores, flash_probs, flash_mask, flash_dropped;
+  DeviceBuffer workspace;  // cuBLAS's, given at construction (no allocation at a first GEMM)
   std::vector<cudaEvent_t> events;  // mark() numbers [0, marks) in use
   int marks = 0;
 
   ~Impl() {
     // The scratch goes back on the stream, before the stream does; then the pool gives it to
     // the GPU (its release threshold keeps it otherwise, where cudaMalloc cannot reach it).
-    for (DeviceBuffer* b :
-         {&staging, &stats, &scores, &dscores, &partials, &slots, &cp_kv, &cp_dkv})
+    for (DeviceBuffer* b : {&staging, &stats, &scores, &dscores, &partials, &slots, &cp_kv, &cp_dkv,
+                            &flash_scores, &flash_probs, &flash_mask, &flash_dropped})
       *b = DeviceBuffer();
     for (cudaEvent_t e : events) cudaEventDestroy(e);
     if (blas != nullptr) cublasDestroy(blas);
@@ -825,6 +846,26 @@ struct Kernels::Impl {
   float* room(DeviceBuffer& b, std::size_t bytes) {
     if (b.bytes() < bytes) b = DeviceBuffer(bytes, allocation_stream());
     return b.f32();
+  }
+
+  // FlashAttention's memory, one sequence of H·Q·S probabilities (Q queries, S keys) at a
+  // time: where the probabilities, the mask and the dropped probabilities go (the mask and the
+  // dropped ones with dropout only), and the fp32 scores of the backward.
+  struct FlashRooms {
+    char* probs = nullptr;
+    std::uint8_t* mask = nullptr;
+    char* dropped = nullptr;
+    float* scores = nullptr;
+  };
+  FlashRooms flash_rooms(std::size_t quad, std::size_t e, bool dropout, bool backward) {
+    FlashRooms r;
+    r.probs = reinterpret_cast<char*>(room(flash_probs, quad * e));
+    if (dropout) {
+      r.mask = reinterpret_cast<std::uint8_t*>(room(flash_mask, quad));
+      r.dropped = reinterpret_cast<char*>(room(flash_dropped, quad * e));
+    }
+    if (backward) r.scores = room(flash_scores, quad * sizeof(float));
+    return r;
   }
 
   // Two column sums' chunk partials of N columns (row_chunks: at most max(65536, N) floats
@@ -1324,7 +1365,7 @@ void Kernels::dropout_backward(void* din, const std::uint8_t* mask, const void* 
 // [q heads | k heads | v heads], D values each.
 void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G,
                                 int D, const DropoutSite* dropout, std::uint8_t* mask,
-                                void* dropped) {
+                                void* dropped, float* lse) {
   if (B == 0 || S == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
   const int width = (H + 2 * G) * D;
@@ -1334,9 +1375,16 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
   float* scores = impl_->room(impl_->scores, static_cast<std::size_t>(H) * SS * 4);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const auto* base = static_cast<const char*>(qkv);
+  // FlashAttention's memory: the sequence's probabilities (and dropout's) in scratch.
+  const bool flash = lse != nullptr;
+  const Impl::FlashRooms rooms =
+      flash ? impl_->flash_rooms(static_cast<std::size_t>(H) * SS, e, dropout != nullptr, false)
+            : Impl::FlashRooms{};
   for (int b = 0; b < B; ++b) {
     const char* rows = base + static_cast<std::size_t>(b) * S * width * e;
-    char* p = static_cast<char*>(probs) + static_cast<std::size_t>(b) * H * SS * e;
+    char* p =
+        flash ? rooms.probs : static_cast<char*>(probs) + static_cast<std::size_t>(b) * H * SS * e;
+    float* row_lse = flash ? lse + static_cast<std::size_t>(b) * H * S : nullptr;
     char* o = static_cast<char*>(out) + static_cast<std::size_t>(b) * S * H * D * e;
     for (const HeadBatch& hb : batches) {
       gemm(impl_->blas, false, true, S, S, D, scale,
@@ -1346,19 +1394,21 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
     }
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
-      causal_softmax_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(reinterpret_cast<A*>(p),
-                                                                        scores, S, S, nullptr);
+      causal_softmax_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(
+          reinterpret_cast<A*>(p), scores, S, S, nullptr, row_lse);
     });
     launched("causal_softmax_kernel");
     // The values read the probabilities after dropout, if any.
     const char* weights = p;
     if (dropout != nullptr) {
-      char* kept = static_cast<char*>(dropped) + static_cast<std::size_t>(b) * H * SS * e;
+      char* kept = flash ? rooms.dropped
+                         : static_cast<char*>(dropped) + static_cast<std::size_t>(b) * H * SS * e;
+      std::uint8_t* m = flash ? rooms.mask : mask + static_cast<std::size_t>(b) * H * SS;
       with_type(act_, [&](auto* tag) {
         using A = std::remove_pointer_t<decltype(tag)>;
         attention_dropout_kernel<<<blocks_for(H * SS), kThreads, 0, impl_->stream>>>(
-            reinterpret_cast<A*>(kept), mask + static_cast<std::size_t>(b) * H * SS,
-            reinterpret_cast<const A*>(p), H, S, S, nullptr, dropout->first_sequence + b, *dropout);
+            reinterpret_cast<A*>(kept), m, reinterpret_cast<const A*>(p), H, S, S, nullptr,
+            dropout->first_sequence + b, *dropout);
       });
       launched("attention_dropout_kernel");
       weights = kept;
@@ -1378,7 +1428,8 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
 // heads at a time (beta = 1): never two writing one buffer.
 void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, const void* probs,
                                  int B, int S, int H, int G, int D, float dropout_rate,
-                                 const std::uint8_t* mask, const void* dropped) {
+                                 const std::uint8_t* mask, const void* dropped, const float* lse,
+                                 const DropoutSite* dropout) {
   if (B == 0 || S == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
   const int width = (H + 2 * G) * D, group = H / G;
@@ -1388,16 +1439,49 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
   float* dprobs = impl_->room(impl_->scores, static_cast<std::size_t>(H) * SS * 4);
   void* dscores = impl_->room(impl_->dscores, static_cast<std::size_t>(H) * SS * e);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // FlashAttention's memory: the sequence's probabilities (and dropout's) made again.
+  const bool flash = lse != nullptr;
+  const Impl::FlashRooms rooms =
+      flash ? impl_->flash_rooms(static_cast<std::size_t>(H) * SS, e, dropout != nullptr, true)
+            : Impl::FlashRooms{};
   for (int b = 0; b < B; ++b) {
     const char* rows = static_cast<const char*>(qkv) + static_cast<std::size_t>(b) * S * width * e;
     char* drows = static_cast<char*>(dqkv) + static_cast<std::size_t>(b) * S * width * e;
-    const char* p = static_cast<const char*>(probs) + static_cast<std::size_t>(b) * H * SS * e;
+    if (flash) {
+      for (const HeadBatch& hb : batches) {  // the scores again, as the forward made them
+        gemm(impl_->blas, false, true, S, S, D, scale,
+             {rows + hb.head * D * e, t, width, static_cast<long long>(hb.head_step) * D},
+             {rows + (H + hb.kv) * D * e, t, width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
+             rooms.scores + hb.head * SS, CUDA_R_32F, S, hb.head_step * SS, hb.count);
+      }
+      with_type(act_, [&](auto* tag) {
+        using A = std::remove_pointer_t<decltype(tag)>;
+        softmax_from_lse_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(
+            reinterpret_cast<A*>(rooms.probs), rooms.scores,
+            lse + static_cast<std::size_t>(b) * H * S, S, S, nullptr);
+        launched("softmax_from_lse_kernel");
+        if (dropout != nullptr) {
+          attention_dropout_kernel<<<blocks_for(H * SS), kThreads, 0, impl_->stream>>>(
+              reinterpret_cast<A*>(rooms.dropped), rooms.mask,
+              reinterpret_cast<const A*>(rooms.probs), H, S, S, nullptr,
+              dropout->first_sequence + b, *dropout);
+          launched("attention_dropout_kernel");
+        }
+      });
+    }
+    const char* p =
+        flash ? rooms.probs
+              : static_cast<const char*>(probs) + static_cast<std::size_t>(b) * H * SS * e;
     // With dropout the values read the dropped probabilities: dv takes those, and dP comes
     // back through the mask.
-    const bool drop = mask != nullptr;
-    const std::uint8_t* m = drop ? mask + static_cast<std::size_t>(b) * H * SS : nullptr;
+    const bool drop = flash ? dropout != nullptr : mask != nullptr;
+    const std::uint8_t* m = !drop   ? nullptr
+                            : flash ? rooms.mask
+                                    : mask + static_cast<std::size_t>(b) * H * SS;
     const char* weights =
-        drop ? static_cast<const char*>(dropped) + static_cast<std::size_t>(b) * H * SS * e : p;
+        !drop   ? p
+        : flash ? rooms.dropped
+                : static_cast<const char*>(dropped) + static_cast<std::size_t>(b) * H * SS * e;
     const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * S * H * D * e;
     const char* ds = static_cast<const char*>(dscores);
     for (const HeadBatch& hb : batches) {
@@ -1435,7 +1519,7 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
 void Kernels::attention_forward_cp(void* out, void* probs, const void* qkv, const void* kv,
                                    const int* qpos, const int* order, int cp, int B, int Sq, int H,
                                    int G, int D, const DropoutSite* dropout, std::uint8_t* mask,
-                                   void* dropped) {
+                                   void* dropped, float* lse) {
   if (B == 0 || Sq == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
   const int S = cp * Sq, width = (H + 2 * G) * D, kv_width = 2 * G * D;
@@ -1446,6 +1530,10 @@ void Kernels::attention_forward_cp(void* out, void* probs, const void* qkv, cons
   char* kvp = reinterpret_cast<char*>(
       impl_->room(impl_->cp_kv, static_cast<std::size_t>(S) * kv_width * e));
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const bool flash = lse != nullptr;
+  const Impl::FlashRooms rooms =
+      flash ? impl_->flash_rooms(static_cast<std::size_t>(H) * QS, e, dropout != nullptr, false)
+            : Impl::FlashRooms{};
   for (int b = 0; b < B; ++b) {
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
@@ -1455,7 +1543,9 @@ void Kernels::attention_forward_cp(void* out, void* probs, const void* qkv, cons
     });
     launched("cp_gather_kernel");
     const char* rows = static_cast<const char*>(qkv) + static_cast<std::size_t>(b) * Sq * width * e;
-    char* p = static_cast<char*>(probs) + static_cast<std::size_t>(b) * H * QS * e;
+    char* p =
+        flash ? rooms.probs : static_cast<char*>(probs) + static_cast<std::size_t>(b) * H * QS * e;
+    float* row_lse = flash ? lse + static_cast<std::size_t>(b) * H * Sq : nullptr;
     char* o = static_cast<char*>(out) + static_cast<std::size_t>(b) * Sq * H * D * e;
     for (const HeadBatch& hb : batches) {
       gemm(impl_->blas, false, true, Sq, S, D, scale,
@@ -1465,18 +1555,20 @@ void Kernels::attention_forward_cp(void* out, void* probs, const void* qkv, cons
     }
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
-      causal_softmax_kernel<<<dim3(Sq, H), kThreads, 0, impl_->stream>>>(reinterpret_cast<A*>(p),
-                                                                         scores, Sq, S, qpos);
+      causal_softmax_kernel<<<dim3(Sq, H), kThreads, 0, impl_->stream>>>(
+          reinterpret_cast<A*>(p), scores, Sq, S, qpos, row_lse);
     });
     launched("causal_softmax_kernel");
     const char* weights = p;
     if (dropout != nullptr) {
-      char* kept = static_cast<char*>(dropped) + static_cast<std::size_t>(b) * H * QS * e;
+      char* kept = flash ? rooms.dropped
+                         : static_cast<char*>(dropped) + static_cast<std::size_t>(b) * H * QS * e;
+      std::uint8_t* m = flash ? rooms.mask : mask + static_cast<std::size_t>(b) * H * QS;
       with_type(act_, [&](auto* tag) {
         using A = std::remove_pointer_t<decltype(tag)>;
         attention_dropout_kernel<<<blocks_for(H * QS), kThreads, 0, impl_->stream>>>(
-            reinterpret_cast<A*>(kept), mask + static_cast<std::size_t>(b) * H * QS,
-            reinterpret_cast<const A*>(p), H, Sq, S, qpos, dropout->first_sequence + b, *dropout);
+            reinterpret_cast<A*>(kept), m, reinterpret_cast<const A*>(p), H, Sq, S, qpos,
+            dropout->first_sequence + b, *dropout);
       });
       launched("attention_dropout_kernel");
       weights = kept;
@@ -1494,7 +1586,8 @@ void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, con
                                     const void* kv, const void* probs, const int* qpos,
                                     const int* order, int cp, int B, int Sq, int H, int G, int D,
                                     float dropout_rate, const std::uint8_t* mask,
-                                    const void* dropped) {
+                                    const void* dropped, const float* lse,
+                                    const DropoutSite* dropout) {
   if (B == 0 || Sq == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
   const int S = cp * Sq, width = (H + 2 * G) * D, kv_width = 2 * G * D, group = H / G;
@@ -1507,6 +1600,10 @@ void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, con
   char* kvp = reinterpret_cast<char*>(impl_->room(impl_->cp_kv, kv_bytes));
   char* dkvp = reinterpret_cast<char*>(impl_->room(impl_->cp_dkv, kv_bytes));
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const bool flash = lse != nullptr;
+  const Impl::FlashRooms rooms =
+      flash ? impl_->flash_rooms(static_cast<std::size_t>(H) * QS, e, dropout != nullptr, true)
+            : Impl::FlashRooms{};
   for (int b = 0; b < B; ++b) {
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
@@ -1518,11 +1615,39 @@ void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, con
     zero(dkvp, kv_bytes);
     const char* rows = static_cast<const char*>(qkv) + static_cast<std::size_t>(b) * Sq * width * e;
     char* drows = static_cast<char*>(dqkv) + static_cast<std::size_t>(b) * Sq * width * e;
-    const char* p = static_cast<const char*>(probs) + static_cast<std::size_t>(b) * H * QS * e;
-    const bool drop = mask != nullptr;
-    const std::uint8_t* m = drop ? mask + static_cast<std::size_t>(b) * H * QS : nullptr;
+    if (flash) {
+      for (const HeadBatch& hb : batches) {  // the scores again, as the forward made them
+        gemm(impl_->blas, false, true, Sq, S, D, scale,
+             {rows + hb.head * D * e, t, width, static_cast<long long>(hb.head_step) * D},
+             {kvp + hb.kv * D * e, t, kv_width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
+             rooms.scores + hb.head * QS, CUDA_R_32F, S, hb.head_step * QS, hb.count);
+      }
+      with_type(act_, [&](auto* tag) {
+        using A = std::remove_pointer_t<decltype(tag)>;
+        softmax_from_lse_kernel<<<dim3(Sq, H), kThreads, 0, impl_->stream>>>(
+            reinterpret_cast<A*>(rooms.probs), rooms.scores,
+            lse + static_cast<std::size_t>(b) * H * Sq, Sq, S, qpos);
+        launched("softmax_from_lse_kernel");
+        if (dropout != nullptr) {
+          attention_dropout_kernel<<<blocks_for(H * QS), kThreads, 0, impl_->stream>>>(
+              reinterpret_cast<A*>(rooms.dropped), rooms.mask,
+              reinterpret_cast<const A*>(rooms.probs), H, Sq, S, qpos, dropout->first_sequence + b,
+              *dropout);
+          launched("attention_dropout_kernel");
+        }
+      });
+    }
+    const char* p =
+        flash ? rooms.probs
+              : static_cast<const char*>(probs) + static_cast<std::size_t>(b) * H * QS * e;
+    const bool drop = flash ? dropout != nullptr : mask != nullptr;
+    const std::uint8_t* m = !drop   ? nullptr
+                            : flash ? rooms.mask
+                                    : mask + static_cast<std::size_t>(b) * H * QS;
     const char* weights =
-        drop ? static_cast<const char*>(dropped) + static_cast<std::size_t>(b) * H * QS * e : p;
+        !drop   ? p
+        : flash ? rooms.dropped
+                : static_cast<const char*>(dropped) + static_cast<std::size_t>(b) * H * QS * e;
     const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * Sq * H * D * e;
     const char* ds = static_cast<const char*>(dscores);
     for (const HeadBatch& hb : batches) {  // dP = dO · v^T

@@ -172,12 +172,19 @@ class Kernels {
   // attention dropout of the probabilities (element (head, query, key) has index
   // (head_offset + h)·S² + q·S + k in its sequence), its mask and the probabilities after it
   // in mask and dropped [B,H,S,S]; the values read dropped, as exec/cpu's attention does.
+  // FlashAttention's memory (exec/cpu/kernels.hpp: AttentionOptions::lse) where lse (fp32
+  // [B,H,S]) is given: probs, mask and dropped are null, one sequence's probabilities live in
+  // scratch while it computes, the forward writes each row's log-sum-exp, and the backward
+  // computes the scores again (cuBLAS), the probabilities from lse and the masks from `dropout`
+  // (its site; dropout_rate its rate). The same GEMMs as the unfused path, on one sequence's s²
+  // scratch: FlashAttention's memory between the passes, not its fused kernel's speed.
   void attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G, int D,
                          const DropoutSite* dropout = nullptr, std::uint8_t* mask = nullptr,
-                         void* dropped = nullptr);
+                         void* dropped = nullptr, float* lse = nullptr);
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* probs, int B,
                           int S, int H, int G, int D, float dropout_rate = 0,
-                          const std::uint8_t* mask = nullptr, const void* dropped = nullptr);
+                          const std::uint8_t* mask = nullptr, const void* dropped = nullptr,
+                          const float* lse = nullptr, const DropoutSite* dropout = nullptr);
   // Context parallelism (exec/cpu/kernels.hpp: AttentionOptions): this rank's Sq queries of
   // each of B sequences, at positions qpos[Sq], attend the keys up to their positions among
   // the S = cp·Sq keys of kv [cp·B·Sq, 2·G·D] (cp rank r's B·Sq rows r-th, each row K then V);
@@ -185,13 +192,16 @@ class Kernels {
   // r·Sq + s). The keys are gathered into position order first (scratch), so the GEMMs are
   // attention_forward's. probs, mask, dropped [B, H, Sq, S]. The backward adds dq into dqkv's
   // q columns and dk, dv into dkv (kv's layout).
+  // lse [B, H, Sq] and dropout as attention_forward's and attention_backward's.
   void attention_forward_cp(void* out, void* probs, const void* qkv, const void* kv,
                             const int* qpos, const int* order, int cp, int B, int Sq, int H, int G,
-                            int D, const DropoutSite* dropout, std::uint8_t* mask, void* dropped);
+                            int D, const DropoutSite* dropout, std::uint8_t* mask, void* dropped,
+                            float* lse = nullptr);
   void attention_backward_cp(void* dqkv, void* dkv, const void* dout, const void* qkv,
                              const void* kv, const void* probs, const int* qpos, const int* order,
                              int cp, int B, int Sq, int H, int G, int D, float dropout_rate,
-                             const std::uint8_t* mask, const void* dropped);
+                             const std::uint8_t* mask, const void* dropped,
+                             const float* lse = nullptr, const DropoutSite* dropout = nullptr);
   // dst[T, width] = columns [begin, begin + width) of src[T, src_width]; add_columns adds
   // src[T, width] into those columns of dst[T, dst_width] (activations).
   void copy_columns(void* dst, const void* src, int T, int src_width, int begin, int width);

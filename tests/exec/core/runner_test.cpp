@@ -109,6 +109,12 @@ TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   alone.replay_communication = true;  // one of the two ranks' programs
   REQUIRE_THROWS_WITH(run("tiny-gpt", cp, 1, alone, &bf16),
                       Catch::Contains("context parallelism (cp 2) is not executed on"));
+  auto flash = single_rank(1, 2);
+  flash.attention = dtsim::model::AttentionKernel::Flash;
+  dtsim::exec::cpu::Bf16Device no_flash(true, {dtsim::exec::Device::Feature::FlashAttention});
+  REQUIRE_THROWS_WITH(run("tiny-gpt", flash, 1, {}, &no_flash),
+                      Catch::Contains("FlashAttention's memory (plan attention flash; --attention "
+                                      "unfused runs without it) is not executed on"));
 }
 
 // FlashAttention's memory trains as the unfused kernel: its forward is the same, its
@@ -129,6 +135,21 @@ TEST_CASE("FlashAttention's memory trains as the unfused attention", "[exec][run
     for (std::size_t i = 0; i < flash.losses.size(); ++i) {
       CHECK(flash.losses[i] == Approx(unfused.losses[i]).epsilon(1e-5));
     }
+  }
+  // The GPU device's path (bf16 activations, fp32 log-sum-exp), emulated: the same first loss,
+  // then within bf16's rounding of the unfused run.
+  auto p = single_rank(2, 4);
+  p.precision = dtsim::Precision::Bf16;
+  dtsim::exec::cpu::Bf16Device bf16;
+  const auto unfused =
+      run(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_gpt_dropout.json", p, 6, {}, &bf16);
+  p.attention = dtsim::model::AttentionKernel::Flash;
+  dtsim::exec::cpu::Bf16Device bf16_flash;
+  const auto flash =
+      run(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_gpt_dropout.json", p, 6, {}, &bf16_flash);
+  CHECK(flash.losses.front() == unfused.losses.front());
+  for (std::size_t i = 0; i < flash.losses.size(); ++i) {
+    CHECK(flash.losses[i] == Approx(unfused.losses[i]).epsilon(1e-2));
   }
 }
 
@@ -301,6 +322,9 @@ TEST_CASE("every rank of a matrix of plans runs alone on the bf16 path", "[exec]
       {llama, "cp2 selective recompute",
        [](Plan& p) { p.cp = 2, p.recompute = Recompute::Selective; }},
       {"tiny-gpt", "tp2 cp2 sp", [](Plan& p) { p.tp = 2, p.cp = 2, p.sequence_parallel = true; }},
+      // FlashAttention's memory (fp32 log-sum-exp beside bf16 activations).
+      {llama, "cp2 pp2 flash",
+       [](Plan& p) { p.cp = 2, p.pp = 2, p.attention = dtsim::model::AttentionKernel::Flash; }},
       // Llama-3 70B's tp 8 pp 8 plan in miniature (one KV head and two query heads per tp
       // rank): on an H200 its last stage met a mistyped view, which the emulation now finds.
       {llama_tp8, "tp8 pp8", [](Plan& p) { p.tp = 8, p.pp = 8; }},
@@ -318,7 +342,7 @@ TEST_CASE("every rank of a matrix of plans runs alone on the bf16 path", "[exec]
     c.set(p);
     p.global_batch_size = 2 * p.dp * 4;  // four micro-batches per replica
     const auto spec = dtsim::model::load_model(c.model);
-    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2, p.attention);
     const auto program = dtsim::lower::lower(g, p);
     for (std::size_t index = 0; index < program.ranks.size(); ++index) {
       INFO(c.model << ", " << c.what << ": program " << index << " (stage "

@@ -265,6 +265,21 @@ TEST_CASE("GPU causal attention matches the CPU, with and without grouped KV hea
       CHECK(error(d_probs.host(), probs) < tolerance(type));
       CHECK(error(d_out.host(), out) < tolerance(type));
       CHECK(error(d_dqkv.host(), dqkv) < tolerance(type));
+
+      // FlashAttention's memory: the CPU's log-sum-exp per row, the same output and gradients
+      // (the probabilities made again in the backward).
+      Vec lse(static_cast<std::size_t>(B) * H * S), flash_out(out.size());
+      cpu::AttentionOptions f;
+      f.lse = lse;
+      cpu::attention_forward(flash_out, {}, qkv, B, S, H, G, D, f);
+      Dev f_lse(k, Vec(lse.size()), true), f_out(k, Vec(out.size())), f_dqkv(k, dqkv0);
+      k.attention_forward(f_out.p(), nullptr, d_qkv.p(), B, S, H, G, D, nullptr, nullptr, nullptr,
+                          f_lse.f());
+      k.attention_backward(f_dqkv.p(), d_dout.p(), d_qkv.p(), nullptr, B, S, H, G, D, 0.0f, nullptr,
+                           nullptr, f_lse.f());
+      CHECK(error(f_lse.host(), lse) < tolerance(type));
+      CHECK(error(f_out.host(), out) < tolerance(type));
+      CHECK(error(f_dqkv.host(), dqkv) < tolerance(type));
     }
   }
 }
@@ -483,6 +498,26 @@ TEST_CASE("GPU attention with context parallelism matches the CPU", "[exec][cuda
         CHECK(error(g_out.host(), out) < tolerance(type));
         CHECK(error(g_dqkv.host(), dqkv) < tolerance(type));
         CHECK(error(g_dkv.host(), dkv) < tolerance(type));
+
+        // FlashAttention's memory: the CPU's log-sum-exp per row, the same output and
+        // gradients, the probabilities and dropout's masks made again in the backward.
+        Vec lse(static_cast<std::size_t>(B) * H * Sq), flash_out(out.size());
+        cpu::AttentionOptions f = o;
+        f.mask = {};
+        f.dropped = {};
+        f.lse = lse;
+        cpu::attention_forward(flash_out, {}, qkv, B, Sq, H, G, D, f);
+        Dev f_lse(k, Vec(lse.size()), true), f_out(k, Vec(out.size())),
+            f_dqkv(k, Vec(qkv.size(), 0.0f)), f_dkv(k, Vec(kv.size(), 0.0f));
+        k.attention_forward_cp(f_out.p(), nullptr, g_qkv.p(), g_kv.p(), g_qpos.p(), g_order.p(), cp,
+                               B, Sq, H, G, D, drop ? &site : nullptr, nullptr, nullptr, f_lse.f());
+        k.attention_backward_cp(f_dqkv.p(), f_dkv.p(), g_dout.p(), g_qkv.p(), g_kv.p(), nullptr,
+                                g_qpos.p(), g_order.p(), cp, B, Sq, H, G, D, drop ? d.rate : 0.0f,
+                                nullptr, nullptr, f_lse.f(), drop ? &site : nullptr);
+        CHECK(error(f_lse.host(), lse) < tolerance(type));
+        CHECK(error(f_out.host(), out) < tolerance(type));
+        CHECK(error(f_dqkv.host(), dqkv) < tolerance(type));
+        CHECK(error(f_dkv.host(), dkv) < tolerance(type));
       }
       // Rotary positions and learned positions at the rank's positions; the KV columns.
       INFO(name(type) << ": rotary, positions, columns");
