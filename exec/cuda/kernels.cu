@@ -350,7 +350,7 @@ __global__ void attention_dropout_kernel(T* dropped, std::uint8_t* mask, const T
     const std::int64_t q = qpos != nullptr ? qpos[i] : i;
     const auto index = static_cast<std::uint64_t>((d.head_offset + h) * SS + q * S + j);
     const bool keep = j <= q && keeps(d, sequence, index);
-    mask[e] = keep ? 1 : 0;
+    if (mask != nullptr) mask[e] = keep ? 1 : 0;  // (FlashAttention's forward keeps none)
     store(dropped, e, keep ? load(probs, e) * keep_scale : 0.0f);
   }
 }
@@ -817,9 +817,10 @@ struct Kernels::Impl {
   DeviceBuffer staging, stats, scores, dscores, partials;
   DeviceBuffer slots;          // mixture of experts: each copy's row (the inverse of the order)
   DeviceBuffer cp_kv, cp_dkv;  // context parallelism: one sequence's keys in position order
-  // FlashAttention's memory: one sequence's scores, probabilities, dropout mask and dropped
-  // probabilities, made again in its backward (the runner keeps only the log-sum-exp).
-  DeviceBuffer flash_scores, flash_probs, flash_mask, flash_dropped;
+  // FlashAttention's memory: one sequence's probabilities, dropout mask and dropped
+  // probabilities, made again in its backward (the runner keeps only the log-sum-exp); the
+  // backward's scores again go where their gradient goes next (`scores`).
+  DeviceBuffer flash_probs, flash_mask, flash_dropped;
   DeviceBuffer workspace;  // cuBLAS's, given at construction (no allocation at a first GEMM)
   std::vector<cudaEvent_t> events;  // mark() numbers [0, marks) in use
   int marks = 0;
@@ -828,7 +829,7 @@ struct Kernels::Impl {
     // The scratch goes back on the stream, before the stream does; then the pool gives it to
     // the GPU (its release threshold keeps it otherwise, where cudaMalloc cannot reach it).
     for (DeviceBuffer* b : {&staging, &stats, &scores, &dscores, &partials, &slots, &cp_kv, &cp_dkv,
-                            &flash_scores, &flash_probs, &flash_mask, &flash_dropped})
+                            &flash_probs, &flash_mask, &flash_dropped})
       *b = DeviceBuffer();
     for (cudaEvent_t e : events) cudaEventDestroy(e);
     if (blas != nullptr) cublasDestroy(blas);
@@ -849,22 +850,20 @@ struct Kernels::Impl {
   }
 
   // FlashAttention's memory, one sequence of H·Q·S probabilities (Q queries, S keys) at a
-  // time: where the probabilities, the mask and the dropped probabilities go (the mask and the
-  // dropped ones with dropout only), and the fp32 scores of the backward.
+  // time: where the probabilities and, with dropout, the dropped probabilities go, and in the
+  // backward the mask (which the softmax's backward reads; the forward keeps none).
   struct FlashRooms {
     char* probs = nullptr;
     std::uint8_t* mask = nullptr;
     char* dropped = nullptr;
-    float* scores = nullptr;
   };
   FlashRooms flash_rooms(std::size_t quad, std::size_t e, bool dropout, bool backward) {
     FlashRooms r;
     r.probs = reinterpret_cast<char*>(room(flash_probs, quad * e));
     if (dropout) {
-      r.mask = reinterpret_cast<std::uint8_t*>(room(flash_mask, quad));
       r.dropped = reinterpret_cast<char*>(room(flash_dropped, quad * e));
+      if (backward) r.mask = reinterpret_cast<std::uint8_t*>(room(flash_mask, quad));
     }
-    if (backward) r.scores = room(flash_scores, quad * sizeof(float));
     return r;
   }
 
@@ -1441,6 +1440,8 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // FlashAttention's memory: the sequence's probabilities (and dropout's) made again.
   const bool flash = lse != nullptr;
+  // FlashAttention's masks are drawn at the site's rate: its keep scale too.
+  const float rate = flash && dropout != nullptr ? dropout->rate : dropout_rate;
   const Impl::FlashRooms rooms =
       flash ? impl_->flash_rooms(static_cast<std::size_t>(H) * SS, e, dropout != nullptr, true)
             : Impl::FlashRooms{};
@@ -1452,13 +1453,13 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
         gemm(impl_->blas, false, true, S, S, D, scale,
              {rows + hb.head * D * e, t, width, static_cast<long long>(hb.head_step) * D},
              {rows + (H + hb.kv) * D * e, t, width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
-             rooms.scores + hb.head * SS, CUDA_R_32F, S, hb.head_step * SS, hb.count);
+             dprobs + hb.head * SS, CUDA_R_32F, S, hb.head_step * SS, hb.count);
       }
       with_type(act_, [&](auto* tag) {
         using A = std::remove_pointer_t<decltype(tag)>;
         softmax_from_lse_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(
-            reinterpret_cast<A*>(rooms.probs), rooms.scores,
-            lse + static_cast<std::size_t>(b) * H * S, S, S, nullptr);
+            reinterpret_cast<A*>(rooms.probs), dprobs, lse + static_cast<std::size_t>(b) * H * S, S,
+            S, nullptr);
         launched("softmax_from_lse_kernel");
         if (dropout != nullptr) {
           attention_dropout_kernel<<<blocks_for(H * SS), kThreads, 0, impl_->stream>>>(
@@ -1494,7 +1495,7 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
       using A = std::remove_pointer_t<decltype(tag)>;
       softmax_backward_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(
           static_cast<A*>(dscores), dprobs, reinterpret_cast<const A*>(p), S, S, nullptr, scale, m,
-          drop ? 1.0f / (1.0f - dropout_rate) : 1.0f);
+          drop ? 1.0f / (1.0f - rate) : 1.0f);
     });
     launched("softmax_backward_kernel");
     for (const HeadBatch& hb : batches) {
@@ -1601,6 +1602,8 @@ void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, con
   char* dkvp = reinterpret_cast<char*>(impl_->room(impl_->cp_dkv, kv_bytes));
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const bool flash = lse != nullptr;
+  // FlashAttention's masks are drawn at the site's rate: its keep scale too.
+  const float rate = flash && dropout != nullptr ? dropout->rate : dropout_rate;
   const Impl::FlashRooms rooms =
       flash ? impl_->flash_rooms(static_cast<std::size_t>(H) * QS, e, dropout != nullptr, true)
             : Impl::FlashRooms{};
@@ -1620,13 +1623,13 @@ void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, con
         gemm(impl_->blas, false, true, Sq, S, D, scale,
              {rows + hb.head * D * e, t, width, static_cast<long long>(hb.head_step) * D},
              {kvp + hb.kv * D * e, t, kv_width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
-             rooms.scores + hb.head * QS, CUDA_R_32F, S, hb.head_step * QS, hb.count);
+             dprobs + hb.head * QS, CUDA_R_32F, S, hb.head_step * QS, hb.count);
       }
       with_type(act_, [&](auto* tag) {
         using A = std::remove_pointer_t<decltype(tag)>;
         softmax_from_lse_kernel<<<dim3(Sq, H), kThreads, 0, impl_->stream>>>(
-            reinterpret_cast<A*>(rooms.probs), rooms.scores,
-            lse + static_cast<std::size_t>(b) * H * Sq, Sq, S, qpos);
+            reinterpret_cast<A*>(rooms.probs), dprobs, lse + static_cast<std::size_t>(b) * H * Sq,
+            Sq, S, qpos);
         launched("softmax_from_lse_kernel");
         if (dropout != nullptr) {
           attention_dropout_kernel<<<blocks_for(H * QS), kThreads, 0, impl_->stream>>>(
@@ -1660,7 +1663,7 @@ void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, con
       using A = std::remove_pointer_t<decltype(tag)>;
       softmax_backward_kernel<<<dim3(Sq, H), kThreads, 0, impl_->stream>>>(
           static_cast<A*>(dscores), dprobs, reinterpret_cast<const A*>(p), Sq, S, qpos, scale, m,
-          drop ? 1.0f / (1.0f - dropout_rate) : 1.0f);
+          drop ? 1.0f / (1.0f - rate) : 1.0f);
     });
     launched("softmax_backward_kernel");
     for (const HeadBatch& hb : batches) {  // dq += dS · k

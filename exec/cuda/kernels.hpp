@@ -176,8 +176,10 @@ class Kernels {
   // [B,H,S]) is given: probs, mask and dropped are null, one sequence's probabilities live in
   // scratch while it computes, the forward writes each row's log-sum-exp, and the backward
   // computes the scores again (cuBLAS), the probabilities from lse and the masks from `dropout`
-  // (its site; dropout_rate its rate). The same GEMMs as the unfused path, on one sequence's s²
-  // scratch: FlashAttention's memory between the passes, not its fused kernel's speed.
+  // (its site, whose rate the backward uses). The same GEMMs as the unfused path, on one
+  // sequence's s² scratch (its probabilities, and dropout's; with the fp32 scores the unfused
+  // path has too, scratch that the device's memory use does not count): FlashAttention's
+  // memory between the passes, not its fused kernel's speed.
   void attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G, int D,
                          const DropoutSite* dropout = nullptr, std::uint8_t* mask = nullptr,
                          void* dropped = nullptr, float* lse = nullptr);

@@ -279,7 +279,9 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
         options.profile != nullptr && options.profile->ops.count({"flash_attention", "fwd"}) != 0;
     p.notes.push_back(
         measured
-            ? std::string("attention: FlashAttention, at the profile's measured rate")
+            ? std::string("attention: FlashAttention's memory, at the profile's measured rate of "
+                          "dtexec's kernels (on a GPU: cuBLAS over one sequence's scratch, not "
+                          "FlashAttention's fused kernel)")
             : fmt::format(
                   "attention: FlashAttention at {:.0f}% of the dense peak (the "
                   "device's attention efficiency) over the FLOPs it executes: the "

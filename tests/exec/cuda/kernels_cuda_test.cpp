@@ -350,6 +350,28 @@ TEST_CASE("GPU dropout, residual and attention, matches the CPU", "[exec][cuda][
     CHECK(error(a_dropped.host(), dropped) < tolerance(type));
     CHECK(error(a_out.host(), aout) < tolerance(type));
     CHECK(error(a_dqkv.host(), dqkv) < tolerance(type));
+
+    // FlashAttention's memory with dropout (tensor-parallel rank 1's heads): the masks drawn
+    // again in the backward give the same gradients. A flash forward of other data between the
+    // passes: the backward must make its own probabilities, not find the forward's.
+    Vec lse(static_cast<std::size_t>(B) * H * S), flash_out(aout.size());
+    cpu::AttentionOptions f;
+    f.dropout = &d;
+    f.lse = lse;
+    cpu::attention_forward(flash_out, {}, qkv, B, S, H, G, D, f);
+    Dev f_lse(k, Vec(lse.size()), true), f_out(k, Vec(aout.size())),
+        f_dqkv(k, Vec(qkv.size(), 0.0f));
+    k.attention_forward(f_out.p(), nullptr, a_qkv.p(), B, S, H, G, D, &site, nullptr, nullptr,
+                        f_lse.f());
+    const Vec other = as_stored(k, random(qkv.size(), 47, 0.5f));
+    Dev o_qkv(k, other), o_out(k, Vec(aout.size())), o_lse(k, Vec(lse.size()), true);
+    k.attention_forward(o_out.p(), nullptr, o_qkv.p(), B, S, H, G, D, &site, nullptr, nullptr,
+                        o_lse.f());
+    k.attention_backward(f_dqkv.p(), a_dy.p(), a_qkv.p(), nullptr, B, S, H, G, D, d.rate, nullptr,
+                         nullptr, f_lse.f(), &site);
+    CHECK(error(f_lse.host(), lse) < tolerance(type));
+    CHECK(error(f_out.host(), aout) < tolerance(type));
+    CHECK(error(f_dqkv.host(), dqkv) < tolerance(type));
   }
 }
 
