@@ -25,7 +25,17 @@ namespace {
 
 const std::vector<std::string> kKeys = {
     "gpus",         "device",  "cluster", "nic_gbps",  "latency_us",     "oversubscription",
-    "global_batch", "seq_len", "model",   "jitter_cv", "rank_spread_cv", "expert_load"};
+    "global_batch", "seq_len", "model",   "jitter_cv", "rank_spread_cv", "expert_load",
+    "attention"};
+
+// A value of --vary attention.
+model::AttentionKernel attention_value(const std::string& v) {
+  model::AttentionKernel a = model::AttentionKernel::Unfused;
+  if (!model::parse_attention_kernel(v, a)) {
+    throw InputError(fmt::format("--vary attention={}: expected unfused or flash", v));
+  }
+  return a;
+}
 
 struct Axis {
   std::string key;
@@ -92,6 +102,7 @@ Axis parse_vary(const std::string& text) {
     // Checked before any point runs.
     if (a.key == "jitter_cv" || a.key == "rank_spread_cv") spread_value(a.key, v);
     if (a.key == "expert_load") load_value(v);
+    if (a.key == "attention") attention_value(v);
     a.values.push_back(v);
   }
   return a;
@@ -110,8 +121,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "model, jitter_cv (stragglers: spread of compute times, in [0, 1)), rank_spread_cv (the "
       "slow rank: spread of the ranks' lasting speeds, in [0, 1)), expert_load (expert "
       "parallelism's routing: the busiest ep rank's token copies over the even share, >= 1; "
-      "capped at the plan's ep)")("global-batch-size", po::value<std::int64_t>(),
-                                  "sequences per step (required)")(
+      "capped at the plan's ep), attention (unfused, flash: the attention core's kernels)")(
+      "global-batch-size", po::value<std::int64_t>(), "sequences per step (required)")(
       "seq-len", po::value<std::int64_t>(), "sequence length (default: the model's)")(
       "tokens", po::value<double>(), "training tokens, for time, cost and energy to train")(
       "refine", po::value<int>()->default_value(2), "plans simulated per point")(
@@ -154,6 +165,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
     }
     axes.push_back(std::move(a));
+  }
+  if (vm.count("attention") &&
+      std::any_of(axes.begin(), axes.end(), [](const Axis& a) { return a.key == "attention"; })) {
+    throw InputError(
+        "--attention: the attention kernel is varied (--vary attention=...); give "
+        "one or the other");
   }
   const int refine = vm["refine"].as<int>();
   if (refine < 1) {
@@ -265,6 +282,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       rank_spread = spread_value("rank_spread_cv", point.at("rank_spread_cv"));
     }
     if (point.count("expert_load")) space.expert_load = load_value(point.at("expert_load"));
+    if (point.count("attention")) space.attention = attention_value(point.at("attention"));
     engine::Prediction pred;
     if (vm.count("fixed-plan")) {
       plan::Plan p = plan::load_plan(vm["fixed-plan"].as<std::string>());
@@ -273,7 +291,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
       p.global_batch_size = space.global_batch_size;
       if (space.seq_len > 0) p.seq_len = space.seq_len;
-      if (vm.count("attention")) p.attention = space.attention;
+      if (vm.count("attention") || point.count("attention")) p.attention = space.attention;
       p.dp = 0;
       plan::complete_plan(p, spec, c.devices());
       plan::require_valid(p, spec, c.devices());
@@ -384,7 +402,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       // for the others (checked as numbers when the point was run).
       nlohmann::json point = nlohmann::json::object();
       for (const auto& [key, value] : r.point) {
-        if (key == "device" || key == "cluster" || key == "model") {
+        if (key == "device" || key == "cluster" || key == "model" || key == "attention") {
           point[key] = value;
           continue;
         }

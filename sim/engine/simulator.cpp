@@ -164,8 +164,16 @@ StepFlops step_flops(const model::ModelGraph& graph, const plan::Plan& plan) {
   StepFlops f;
   f.model = (totals.fwd_flops + totals.bwd_flops) * micro_batches_global;
   double recompute = 0;
+  double executed = 0;  // per micro-batch
   for (const model::Op& op : graph.ops()) {
     const bool block = op.layer >= 0 && op.layer < graph.spec().layers;
+    const double fwd = op.kernel_fwd_flops > 0 ? op.kernel_fwd_flops : op.fwd_flops;
+    const double bwd =
+        op.kernel_bwd_flops > 0 ? op.kernel_bwd_flops : op.bwd_input_flops + op.bwd_weight_flops;
+    const bool recomputed =
+        (plan.recompute == plan::Recompute::Full && block) ||
+        (plan.recompute == plan::Recompute::Selective && op.kind == model::OpKind::AttentionCore);
+    executed += fwd + bwd + (recomputed ? fwd : 0.0);
     if (plan.recompute == plan::Recompute::Full && block) recompute += op.fwd_flops;
     if (op.kind != model::OpKind::AttentionCore) continue;
     if (plan.recompute == plan::Recompute::Selective) recompute += op.fwd_flops;
@@ -174,6 +182,7 @@ StepFlops step_flops(const model::ModelGraph& graph, const plan::Plan& plan) {
     if (graph.attention() == model::AttentionKernel::Flash) recompute += op.fwd_flops / 2;
   }
   f.hardware = f.model + recompute * micro_batches_global;
+  f.executed = executed * micro_batches_global;
   return f;
 }
 
@@ -340,6 +349,14 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   p.model_tflops_per_gpu = p.model_flops / (p.step_time_s * gpus) / 1e12;
   p.mfu = p.model_flops / (p.step_time_s * gpus * peak);
   p.hfu = p.hardware_flops / (p.step_time_s * gpus * peak);
+  if (graph.attention() == model::AttentionKernel::Flash) {
+    p.notes.push_back(fmt::format(
+        "MFU and HFU count the attention core dense, as Megatron-LM's formula does; "
+        "FlashAttention executes {:.0f}% of the hardware FLOPs (it skips the causal mask's "
+        "blocks): {:.1f}% of the peak by the FLOPs executed",
+        100 * flops.executed / flops.hardware,
+        100 * flops.executed / (p.step_time_s * gpus * peak)));
+  }
   const Breakdown& b = p.breakdown;
   // Amdahl: what more data-parallel replicas at this global batch do not divide. Each
   // replica's micro-batches, and with them their compute and their exposed tp, cp, ep and

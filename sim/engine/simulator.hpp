@@ -77,10 +77,13 @@ struct SimulateOptions {
 };
 
 // FLOPs of one training step over all devices (Megatron-LM's accounting): `model` counts the
-// forward and backward passes, `hardware` adds what recompute runs again.
+// forward and backward passes, `hardware` adds what recompute runs again; both count the
+// attention core dense. `executed`: what the kernels run (hardware's, but FlashAttention's
+// causal blocks skipped: model::Op::kernel_fwd_flops).
 struct StepFlops {
   double model = 0;
   double hardware = 0;
+  double executed = 0;
 };
 StepFlops step_flops(const model::ModelGraph& graph, const plan::Plan& plan);
 

@@ -194,6 +194,17 @@ TEST_CASE("FlashAttention: same model FLOPs, its recomputed scores in HFU, faste
   CHECK(std::any_of(flash.notes.begin(), flash.notes.end(), [](const std::string& n) {
     return n.find("attention: FlashAttention at 60% of the dense peak") != std::string::npos;
   }));
+  // The FLOPs executed: the causal half of the cores' dense forward and 2.5x it backward (64
+  // blocks of 128 rows: 65/128 of the dense block pairs), the rest as counted.
+  const auto g = dtsim::plan::graph_of(spec, p);
+  const auto f = dtsim::engine::step_flops(g, p);
+  const double executed_core = 3.5 * core * 65.0 / 128.0;
+  const double counted_core = 3.0 * core;
+  CHECK(f.executed == Approx(f.model + 16 * spec.layers * (executed_core - counted_core))
+                          .epsilon(1e-9));
+  CHECK(std::any_of(flash.notes.begin(), flash.notes.end(), [](const std::string& n) {
+    return n.find("MFU and HFU count the attention core dense") != std::string::npos;
+  }));
 }
 
 // Amdahl's serial fraction is what more dp replicas at the same global batch do not divide: the
