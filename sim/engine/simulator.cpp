@@ -283,6 +283,21 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
         "pipedream: asynchronous steady state (no flush); step time excludes the "
         "one-time pipeline fill and drain");
   }
+  if (plan.attention == model::AttentionKernel::Unfused) {
+    // Where the unfused kernel's s² tensors weigh, say that another kernel exists.
+    double quadratic = 0, saved = 0;
+    for (model::OpId id : graph.layer_ops(0)) {
+      quadratic += static_cast<double>(graph.op(id).saved_quadratic_bytes);
+      saved += static_cast<double>(graph.op(id).saved_bytes);
+    }
+    if (saved > 0 && quadratic > 0.25 * saved) {
+      p.notes.push_back(fmt::format(
+          "attention: unfused (the default, as in Megatron-LM's published runs): its s² tensors "
+          "are {:.0f}% of what a block keeps without recompute; --attention flash prices "
+          "FlashAttention",
+          100 * quadratic / saved));
+    }
+  }
   if (plan.attention == model::AttentionKernel::Flash) {
     const bool measured =
         options.profile != nullptr && options.profile->ops.count({"flash_attention", "fwd"}) != 0;
