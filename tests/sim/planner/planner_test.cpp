@@ -261,3 +261,26 @@ TEST_CASE("with stragglers the closed-form tier tracks the simulator as closely 
   CHECK(static_cast<double>(near) >= 0.8 * static_cast<double>(ratios.size()));
   CHECK(errors.second <= errors.first + 0.01);
 }
+
+// The attention kernel is the search's given: every candidate runs it, and at 8k tokens
+// FlashAttention's plans are faster and fit where the unfused kernel's s² tensors do not.
+TEST_CASE("every candidate runs the search's attention kernel", "[planner]") {
+  const auto spec = dtsim::model::load_model("llama3-8b");
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 16);
+  SearchSpace space;
+  space.global_batch_size = 32;
+  space.seq_len = 8192;
+  space.micro_batch_sizes = {1, 2};
+  const auto unfused = dtsim::planner::search(spec, cluster, space, SearchOptions{});
+  space.attention = dtsim::model::AttentionKernel::Flash;
+  const auto flash = dtsim::planner::search(spec, cluster, space, SearchOptions{});
+  REQUIRE(!unfused.ranked.empty());
+  REQUIRE(!flash.ranked.empty());
+  for (const auto& c : flash.ranked)
+    CHECK(c.plan.attention == dtsim::model::AttentionKernel::Flash);
+  for (const auto& c : unfused.ranked) {
+    CHECK(c.plan.attention == dtsim::model::AttentionKernel::Unfused);
+  }
+  CHECK(flash.feasible > unfused.feasible);
+  CHECK(flash.ranked.front().step_time_s < unfused.ranked.front().step_time_s);
+}
