@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
       const auto t0 = std::chrono::steady_clock::now();
       // Everything a `dtsim simulate` run does after reading its inputs: graph, lowering,
       // engine, breakdown and memory.
-      const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len);
+      const dtsim::model::ModelGraph g = dtsim::plan::graph_of(spec, p);
       auto net = dtsim::network::make_analytical(cluster);
       const auto sim = dtsim::engine::simulate(g, p, cluster, *net);
       const auto t1 = std::chrono::steady_clock::now();

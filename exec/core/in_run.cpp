@@ -14,6 +14,7 @@ plan::Plan in_run_plan(const model::ModelGraph& graph, Precision precision) {
   p.global_batch_size = graph.micro_batch();
   p.seq_len = graph.seq_len();
   p.precision = precision;
+  p.attention = graph.attention();
   plan::require_valid(p, graph.spec(), 1);
   return p;
 }

@@ -185,7 +185,9 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
           const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
             if (rope) {
               turned_grad.assign(width, 0.0f);
-              attention_backward(turned_grad, turned_grad, dout[i], qkv[i], kept(i), B, S, H, G, D,
+              // The rotated q and k the forward read (of the last copy: the rotation keeps
+              // their norms, so the scores' range and the work are the same).
+              attention_backward(turned_grad, turned_grad, dout[i], turned, kept(i), B, S, H, G, D,
                                  options(i));
               rope_backward(dqkv[i], turned_grad, B, S, H, G, D, m.rope_theta);
             } else {

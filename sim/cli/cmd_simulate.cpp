@@ -123,6 +123,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
         {"hfu", p.hfu},
         {"model_flops_per_step", p.model_flops},
         {"hardware_flops_per_step", p.hardware_flops},
+        {"executed_flops_per_step", p.executed_flops},
         {"memory_per_gpu_bytes", p.memory.worst().total_bytes},
         {"memory_capacity_bytes", p.memory.capacity_bytes},
         {"fits", p.memory.fits},

@@ -25,7 +25,7 @@ namespace {
 constexpr const char* kAttentionHelp =
     "the attention core's kernels: unfused (default; scores and softmax in device memory, as "
     "in Megatron-LM's published runs) or flash (FlashAttention: no s² tensors kept, the scores "
-    "computed again in the backward, causal blocks skipped)";
+    "computed again in the backward; dtsim prices its kernels skipping the causal half)";
 
 // --attention into `out` when given.
 void attention_from_options(const po::variables_map& vm, model::AttentionKernel& out) {

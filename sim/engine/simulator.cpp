@@ -175,11 +175,11 @@ StepFlops step_flops(const model::ModelGraph& graph, const plan::Plan& plan) {
         (plan.recompute == plan::Recompute::Selective && op.kind == model::OpKind::AttentionCore);
     executed += fwd + bwd + (recomputed ? fwd : 0.0);
     if (plan.recompute == plan::Recompute::Full && block) recompute += op.fwd_flops;
-    if (op.kind != model::OpKind::AttentionCore) continue;
-    if (plan.recompute == plan::Recompute::Selective) recompute += op.fwd_flops;
-    // FlashAttention's backward computes the scores again: one of the forward's two GEMMs
-    // (counted dense, as the model FLOPs are).
-    if (graph.attention() == model::AttentionKernel::Flash) recompute += op.fwd_flops / 2;
+    // (FlashAttention's scores computed again in its backward are in `executed`, not here:
+    // Megatron-LM's count leaves them out.)
+    if (op.kind == model::OpKind::AttentionCore && plan.recompute == plan::Recompute::Selective) {
+      recompute += op.fwd_flops;
+    }
   }
   f.hardware = f.model + recompute * micro_batches_global;
   f.executed = executed * micro_batches_global;
@@ -312,7 +312,11 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
                   "causal mask's blocks skipped, the scores computed again in the "
                   "backward{}",
                   100 * cluster.device.efficiency.attention.value,
-                  options.profile != nullptr ? "; the profile has no flash_attention rate" : ""));
+                  options.profile != nullptr ? "; the profile has no flash_attention rate"
+                  : cluster.device.efficiency.attention.source.rfind("dtexec calibrate", 0) == 0
+                      ? "; that efficiency is dtexec's unfused kernel's, in dense FLOPs: a "
+                        "dtexec calibrate profile prices FlashAttention's"
+                      : ""));
   }
   if (!cluster.device_efficiency_overrides.empty()) {
     p.notes.push_back(fmt::format(
@@ -357,6 +361,7 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   const StepFlops flops = step_flops(graph, plan);
   p.model_flops = flops.model;
   p.hardware_flops = flops.hardware;
+  p.executed_flops = flops.executed;
   const double gpus = static_cast<double>(p.gpus);
   const double peak = cluster.device.peak_flops_for(plan.precision);
   p.tokens_per_s = static_cast<double>(plan.global_batch_size * plan.seq_len) / p.step_time_s;
@@ -366,9 +371,10 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   p.hfu = p.hardware_flops / (p.step_time_s * gpus * peak);
   if (graph.attention() == model::AttentionKernel::Flash) {
     p.notes.push_back(fmt::format(
-        "MFU and HFU count the attention core dense, as Megatron-LM's formula does; "
-        "FlashAttention executes {:.0f}% of the hardware FLOPs (it skips the causal mask's "
-        "blocks): {:.1f}% of the peak by the FLOPs executed",
+        "MFU and HFU count the attention core dense, as Megatron-LM's formula does; the step's "
+        "kernels execute {:.0f}% of the hardware FLOPs (FlashAttention skips the causal mask's "
+        "blocks and computes its scores again in the backward): {:.1f}% of the peak by the "
+        "FLOPs executed (executed_flops_per_step)",
         100 * flops.executed / flops.hardware,
         100 * flops.executed / (p.step_time_s * gpus * peak)));
   }

@@ -44,6 +44,7 @@ struct Prediction {
   double tokens_per_s = 0;
   double model_flops = 0;     // per step, all devices (no recompute)
   double hardware_flops = 0;  // per step, all devices, with recompute
+  double executed_flops = 0;  // per step, all devices, as the kernels run them (StepFlops)
   double tflops_per_gpu = 0;  // hardware FLOP/s per device / 1e12 (Megatron-LM Eq. 3 style)
   double model_tflops_per_gpu = 0;
   double mfu = 0;
@@ -77,9 +78,10 @@ struct SimulateOptions {
 };
 
 // FLOPs of one training step over all devices (Megatron-LM's accounting): `model` counts the
-// forward and backward passes, `hardware` adds what recompute runs again; both count the
-// attention core dense. `executed`: what the kernels run (hardware's, but FlashAttention's
-// causal blocks skipped: model::Op::kernel_fwd_flops).
+// forward and backward passes, `hardware` adds the forward passes that recompute runs again;
+// both count the attention core dense. `executed`: what the kernels run, hardware's but for
+// FlashAttention's (model::Op::kernel_fwd_flops: the causal half, its scores computed again in
+// the backward).
 struct StepFlops {
   double model = 0;
   double hardware = 0;

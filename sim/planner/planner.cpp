@@ -458,6 +458,11 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
                   if (zero >= 2 && pp > 1) continue;  // allowed, but not worth searching
                   if (zero > 0 && dp * cp == 1) continue;
                   for (Recompute r : space.recomputes) {
+                    // FlashAttention keeps no s² tensor for selective recompute to drop.
+                    if (r == Recompute::Selective &&
+                        space.attention == model::AttentionKernel::Flash) {
+                      continue;
+                    }
                     for (bool sp : {false, true}) {
                       if (sp && tp == 1) continue;
                       Plan p;

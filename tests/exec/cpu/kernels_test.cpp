@@ -223,6 +223,21 @@ TEST_CASE("attention split over context-parallel ranks equals one rank's", "[exe
       dqkv_of[c].assign(mine.size(), 0.0f);
       cpu::attention_backward(dqkv_of[c], dkv, rows_of(dout, c, H * D), mine, pr, B, Sq, H, G, D,
                               split);
+      // FlashAttention's memory on the rank: the same outputs, and gradients to rounding, with
+      // the other ranks' keys (the probabilities and masks made again from their positions).
+      std::vector<float> lse(static_cast<std::size_t>(B) * H * Sq), fo(o.size());
+      std::vector<float> fdq(mine.size(), 0.0f), fdkv(kv.size(), 0.0f), udq(mine.size(), 0.0f),
+          udkv(kv.size(), 0.0f);
+      cpu::AttentionOptions flash = split;
+      flash.mask = {};
+      flash.dropped = {};
+      flash.lse = lse;
+      cpu::attention_forward(fo, {}, mine, B, Sq, H, G, D, flash);
+      CHECK(fo == o);
+      cpu::attention_backward(udq, udkv, rows_of(dout, c, H * D), mine, pr, B, Sq, H, G, D, split);
+      cpu::attention_backward(fdq, fdkv, rows_of(dout, c, H * D), mine, {}, B, Sq, H, G, D, flash);
+      for (std::size_t i = 0; i < fdq.size(); ++i) CHECK(fdq[i] == Approx(udq[i]).margin(1e-5));
+      for (std::size_t i = 0; i < fdkv.size(); ++i) CHECK(fdkv[i] == Approx(udkv[i]).margin(1e-5));
     }
     // dkv holds the sum over ranks (what the reduce-scatter makes); each owner adds its block
     // into its qkv gradient's K and V columns.
@@ -275,7 +290,8 @@ TEST_CASE("attention dropout's backward matches finite differences", "[exec][cpu
 // FlashAttention's memory (AttentionOptions::lse): the forward's outputs are the unfused
 // kernel's bit for bit, and the backward, from the scores computed again and the rows'
 // log-sum-exp (dropout's masks drawn again), gives its gradients to rounding; with 320 keys per
-// row, longer than a block of FlashAttention's, and split over context-parallel ranks.
+// row, longer than a block of FlashAttention's. (Split over context-parallel ranks: the test
+// above.)
 TEST_CASE("FlashAttention's memory gives the unfused kernel's outputs and gradients",
           "[exec][cpu]") {
   const int B = 2, H = 4, G = 2, D = 8;

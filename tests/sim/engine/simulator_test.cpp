@@ -170,10 +170,10 @@ TEST_CASE("the breakdown covers the whole step", "[engine]") {
   CHECK(pr.max_speedup == Approx(1.0 / pr.serial_fraction));
 }
 
-// FlashAttention against the unfused core at a long sequence: the same model FLOPs (MFU counts
-// those), the scores of its backward counted as recomputed in the hardware FLOPs, a faster
-// step and less memory (no s² tensors).
-TEST_CASE("FlashAttention: same model FLOPs, its recomputed scores in HFU, faster and smaller",
+// FlashAttention against the unfused core at a long sequence: the same model and hardware FLOPs
+// (Megatron-LM's counts, for MFU and HFU), its executed FLOPs apart, a faster step and less
+// memory (no s² tensors).
+TEST_CASE("FlashAttention: Megatron-LM's FLOP counts, its own executed FLOPs, faster, smaller",
           "[engine]") {
   Plan p = blank();
   p.tp = 8;
@@ -184,11 +184,11 @@ TEST_CASE("FlashAttention: same model FLOPs, its recomputed scores in HFU, faste
   p.attention = dtsim::model::AttentionKernel::Flash;
   const auto flash = run("llama3-8b", "default", p).prediction;
   CHECK(flash.model_flops == unfused.model_flops);
+  CHECK(flash.hardware_flops == unfused.hardware_flops);
+  CHECK(unfused.executed_flops == unfused.hardware_flops);
   const auto spec = dtsim::model::load_model("llama3-8b");
-  // One core's forward: 4·b·a·s²·d, dense; half of it again per core and sequence.
+  // One core's forward: 4·b·a·s²·d, dense.
   const double core = 4.0 * spec.heads * 8192.0 * 8192.0 * spec.head_dim;
-  CHECK(flash.hardware_flops - unfused.hardware_flops ==
-        Approx(16 * spec.layers * core / 2).epsilon(1e-9));
   CHECK(flash.step_time_s < unfused.step_time_s);
   CHECK(flash.memory.worst().total_bytes < unfused.memory.worst().total_bytes);
   CHECK(std::any_of(flash.notes.begin(), flash.notes.end(), [](const std::string& n) {
@@ -200,8 +200,27 @@ TEST_CASE("FlashAttention: same model FLOPs, its recomputed scores in HFU, faste
   const auto f = dtsim::engine::step_flops(g, p);
   const double executed_core = 3.5 * core * 65.0 / 128.0;
   const double counted_core = 3.0 * core;
-  CHECK(f.executed == Approx(f.model + 16 * spec.layers * (executed_core - counted_core))
-                          .epsilon(1e-9));
+  CHECK(f.executed ==
+        Approx(f.model + 16 * spec.layers * (executed_core - counted_core)).epsilon(1e-9));
+  CHECK(flash.executed_flops == f.executed);
+  // Recompute runs a core's forward again: the causal half, as the kernel runs it; selective
+  // recompute re-runs only the cores, full recompute whole blocks.
+  for (const auto r : {dtsim::plan::Recompute::Selective, dtsim::plan::Recompute::Full}) {
+    Plan q = p;
+    q.recompute = r;
+    const auto fr = dtsim::engine::step_flops(dtsim::plan::graph_of(spec, q), q);
+    double block_fwd = 0;
+    for (auto id : g.layer_ops(0)) {
+      const auto& op = g.op(id);
+      if (op.kind != dtsim::model::OpKind::AttentionCore) block_fwd += op.fwd_flops;
+    }
+    const double rerun =
+        core * 65.0 / 128.0 + (r == dtsim::plan::Recompute::Full ? block_fwd : 0.0);
+    CHECK(fr.executed == Approx(f.executed + 16 * spec.layers * rerun).epsilon(1e-9));
+    CHECK(fr.hardware - fr.model ==
+          Approx(16 * spec.layers * (core + (r == dtsim::plan::Recompute::Full ? block_fwd : 0.0)))
+              .epsilon(1e-9));
+  }
   CHECK(std::any_of(flash.notes.begin(), flash.notes.end(), [](const std::string& n) {
     return n.find("MFU and HFU count the attention core dense") != std::string::npos;
   }));
