@@ -292,6 +292,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       p.global_batch_size = space.global_batch_size;
       if (space.seq_len > 0) p.seq_len = space.seq_len;
       if (vm.count("attention") || point.count("attention")) p.attention = space.attention;
+      if (space.overlap_param_gather) p.overlap_param_gather = true;
       p.dp = 0;
       plan::complete_plan(p, spec, c.devices());
       plan::require_valid(p, spec, c.devices());

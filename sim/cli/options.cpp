@@ -75,6 +75,9 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
       "activation recompute: none (default), selective, full")(
       "attention", po::value<std::string>(), kAttentionHelp)(
       "sequence-parallel", po::bool_switch(), "Megatron sequence parallelism (needs tp > 1)")(
+      "overlap-param-gather", po::bool_switch(),
+      "with ZeRO-1/2, all-gather the updated weights during the next step's forward, a block "
+      "ahead (Megatron-LM --overlap-param-gather) instead of after the optimizer step")(
       "no-overlap-grad-reduce", po::bool_switch(),
       "start the data-parallel gradient reduction after the last backward pass instead of "
       "overlapping it (Megatron-LM before --overlap-grad-reduce)")(
@@ -226,7 +229,10 @@ void add_search_space_options(po::options_description& desc) {
       "max-cp", po::value<int>()->default_value(1), "largest context-parallel degree")(
       "fixed", po::value<std::vector<std::string>>()->composing(),
       "fix a degree, e.g. --fixed tp=8 (repeatable; tp, pp, dp, cp, ep)")(
-      "attention", po::value<std::string>(), kAttentionHelp);
+      "attention", po::value<std::string>(), kAttentionHelp)(
+      "overlap-param-gather", po::bool_switch(),
+      "ZeRO-1/2 candidates all-gather the updated weights during the next step's forward "
+      "(Megatron-LM --overlap-param-gather)");
 }
 
 void search_space_from_options(const po::variables_map& vm, planner::SearchSpace& space) {
@@ -241,6 +247,7 @@ void search_space_from_options(const po::variables_map& vm, planner::SearchSpace
   space.max_cp = vm["max-cp"].as<int>();
   if (vm.count("fixed")) apply_fixed(vm["fixed"].as<std::vector<std::string>>(), space);
   attention_from_options(vm, space.attention);
+  space.overlap_param_gather = vm["overlap-param-gather"].as<bool>();
 }
 
 cluster::Cluster cluster_from_options(const po::variables_map& vm) {
@@ -387,6 +394,9 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   }
   if (vm.count("no-overlap-grad-reduce") && vm["no-overlap-grad-reduce"].as<bool>()) {
     p.overlap_grad_reduce = false;
+  }
+  if (vm.count("overlap-param-gather") && vm["overlap-param-gather"].as<bool>()) {
+    p.overlap_param_gather = true;
   }
   if (vm.count("no-overlap-tp-backward") && vm["no-overlap-tp-backward"].as<bool>()) {
     p.overlap_tp_backward = false;

@@ -230,6 +230,9 @@ class Lowerer {
     int micro_batch = 0;
   };
   bool unit_gathers_ = false;
+  // The units gather ZeRO-1/2's updated weights (plan overlap_param_gather) rather than
+  // ZeRO-3's.
+  bool param_gathers_ = false;
   std::vector<Unit> units_;
   std::vector<TaskId> unit_gather_;
   std::size_t next_unit_ = 0;
@@ -694,7 +697,8 @@ class Lowerer {
     unit_started_ = started;
   }
 
-  // The ZeRO-3 all-gathers of unit e's weights, after `after` (see gather_weights).
+  // The all-gathers of unit e's weights (ZeRO-3's, or ZeRO-1/2's updated ones), after `after`
+  // (see gather_weights).
   TaskId gather_unit(std::size_t e, TaskId after) {
     const Unit& u = units_[e];
     std::vector<Item> ops;
@@ -820,8 +824,10 @@ class Lowerer {
       ag.op_begin = static_cast<std::int32_t>(lo);
       ag.op_end = static_cast<std::int32_t>(hi);
       if (after >= 0) ag.deps.push_back(after);
-      ag.label = fmt::format("zero-3 all-gather {}weights {} mb{}", experts ? "expert " : "", what,
-                             micro_batch);
+      ag.label = param_gathers_ ? fmt::format("zero all-gather updated {}weights {} (for mb{})",
+                                              experts ? "expert " : "", what, micro_batch)
+                                : fmt::format("zero-3 all-gather {}weights {} mb{}",
+                                              experts ? "expert " : "", what, micro_batch);
       last = add(std::move(ag));
     }
     return last;
@@ -861,11 +867,33 @@ class Lowerer {
     // buckets on the data-parallel stream).
     TaskId weights = -1;
     rank_items_ = &items;
-    unit_gathers_ = zero3 && plan_.schedule != plan::Schedule::ZeroBubble;
+    const bool zero3_units = zero3 && plan_.schedule != plan::Schedule::ZeroBubble;
+    // ZeRO-1/2 with overlap_param_gather: the step starts with the all-gathers of the previous
+    // step's updated weights, a block ahead of the first forward pass of each chunk (a steady
+    // state: the optimizer step at the end gathers nothing).
+    param_gathers_ = (plan_.zero_stage == 1 || plan_.zero_stage == 2) &&
+                     plan_.overlap_param_gather && grad_group > 1;
+    unit_gathers_ = zero3_units || param_gathers_;
     units_.clear();
     next_unit_ = 0;
     unit_started_ = -1;
-    if (unit_gathers_) {
+    if (param_gathers_) {
+      std::vector<bool> seen(static_cast<std::size_t>(v), false);
+      for (std::size_t i = 0; i < passes.size(); ++i) {
+        const auto c = static_cast<std::size_t>(passes[i].chunk);
+        if (passes[i].kind != PassKind::Forward || seen[c]) continue;
+        seen[c] = true;
+        std::vector<int> layers;
+        for (const Item& it : items[c]) {
+          if (it.op && (layers.empty() || layers.back() != it.layer)) layers.push_back(it.layer);
+        }
+        for (int layer : layers) {
+          units_.push_back({i, passes[i].chunk, layer, passes[i].micro_batch});
+        }
+      }
+      unit_gather_.assign(units_.size(), -1);
+      if (!units_.empty()) unit_gather_[0] = gather_unit(0, -1);
+    } else if (zero3_units) {
       for (std::size_t i = 0; i < passes.size(); ++i) {
         std::vector<int> layers;
         for (const Item& it : items[static_cast<std::size_t>(passes[i].chunk)]) {
@@ -906,7 +934,7 @@ class Lowerer {
         plan_.schedule == plan::Schedule::GPipe || plan_.schedule == plan::Schedule::OneFOneB;
     // With unit gathers, a backward pass's gradients go out block by block, in order with the
     // gathers of the blocks ahead on the data-parallel stream.
-    const bool buckets_per_block = unit_gathers_ && plan_.overlap_grad_reduce;
+    const bool buckets_per_block = zero3_units && plan_.overlap_grad_reduce;
 
     for (std::size_t i = 0; i < passes.size(); ++i) {
       const Pass& pass = passes[i];
@@ -1111,7 +1139,7 @@ class Lowerer {
     opt.deps = dp_tasks;
     opt.label = "optimizer step";
     const TaskId opt_id = add(std::move(opt));
-    if (plan_.zero_stage == 1 || plan_.zero_stage == 2) {
+    if ((plan_.zero_stage == 1 || plan_.zero_stage == 2) && !param_gathers_) {
       // Every rank gathers the updated weights of the others.
       for (const bool expert : {false, true}) {
         const double shard = expert ? expert_shard : dense_shard;

@@ -109,6 +109,7 @@ std::string summary(const Plan& p) {
   if (p.attention == model::AttentionKernel::Flash) s += " flash";
   if (p.sequence_parallel) s += " sp";
   if (!p.overlap_grad_reduce) s += " no-overlap-grad-reduce";
+  if (p.overlap_param_gather) s += " overlap-param-gather";
   if (!p.overlap_tp_backward && p.tp > 1) s += " no-overlap-tp-backward";
   if (!p.grad_accumulation_fusion) s += " no-grad-accumulation-fusion";
   if (p.overlap_p2p_comm) s += " overlap-p2p-comm";
@@ -215,6 +216,14 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
                    : fmt::format("expert load {:g} needs ep > 1 (one rank holds every expert, so "
                                  "its share is even)",
                                  p.expert_load));
+  }
+  if (p.overlap_param_gather && p.zero_stage != 1 && p.zero_stage != 2) {
+    error("overlap-param-gather",
+          fmt::format(
+              "overlap_param_gather overlaps ZeRO-1/2's all-gather of the updated weights "
+              "(Megatron-LM's distributed optimizer); with ZeRO-{} there is none{}",
+              p.zero_stage,
+              p.zero_stage == 3 ? " (ZeRO-3 gathers each block's weights ahead already)" : ""));
   }
   if (!p.overlap_grad_reduce && p.zero_stage >= 2) {
     error("no-overlap-zero",
@@ -372,6 +381,7 @@ json to_json(const Plan& p) {
             {"attention", model::to_string(p.attention)},
             {"sequence_parallel", p.sequence_parallel},
             {"overlap_grad_reduce", p.overlap_grad_reduce},
+            {"overlap_param_gather", p.overlap_param_gather},
             {"overlap_tp_backward", p.overlap_tp_backward},
             {"grad_accumulation_fusion", p.grad_accumulation_fusion},
             {"overlap_p2p_comm", p.overlap_p2p_comm},
@@ -405,6 +415,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "attention",
                  "sequence_parallel",
                  "overlap_grad_reduce",
+                 "overlap_param_gather",
                  "overlap_tp_backward",
                  "grad_accumulation_fusion",
                  "overlap_p2p_comm",
@@ -451,6 +462,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
   }
   p.sequence_parallel = r.boolean_or("sequence_parallel", false);
   p.overlap_grad_reduce = r.boolean_or("overlap_grad_reduce", true);
+  p.overlap_param_gather = r.boolean_or("overlap_param_gather", false);
   p.overlap_tp_backward = r.boolean_or("overlap_tp_backward", true);
   p.grad_accumulation_fusion = r.boolean_or("grad_accumulation_fusion", true);
   p.overlap_p2p_comm = r.boolean_or("overlap_p2p_comm", false);

@@ -59,6 +59,13 @@ struct Plan {
   // --overlap-grad-reduce). False: it starts after the last backward pass, as Megatron-LM did in
   // 2021 (megatron/training.py, train_step: allreduce_gradients after forward_backward_func).
   bool overlap_grad_reduce = true;
+  // ZeRO-1/2's all-gather of the updated weights overlapped with the next step's forward, a
+  // block's weights gathered while the block before it computes, one block ahead (Megatron-LM
+  // --overlap-param-gather with its distributed optimizer, off by default; its forward
+  // pre-hooks wait for each bucket's gather). False: one all-gather after the optimizer step,
+  // exposed. The simulated step starts with the gathers of the previous step's update (a
+  // steady state).
+  bool overlap_param_gather = false;
   // The backward's tensor-parallel collective at a column-parallel layer's input (the input
   // gradient's all-reduce, or its reduce-scatter with sequence parallelism) runs while the
   // layer's weight-gradient GEMM computes (NVIDIA/Megatron-LM,

@@ -301,7 +301,14 @@ class Estimator {
               ? mb * std::max({0.0, all - backward, all + first_wait - stage_b}) + last + last_wait
               : std::max({last + last_wait, all - backward, all + first_wait - stage_b});
       const auto weights = static_cast<std::uint64_t>(params * bytes_per.weights);
-      if (p.zero_stage == 1 || p.zero_stage == 2) {
+      if ((p.zero_stage == 1 || p.zero_stage == 2) && p.overlap_param_gather) {
+        // A block's gather during the forward of the block before it (lowering: the units of
+        // the first forward passes), the first one exposed.
+        const double units = std::max(1.0, static_cast<double>(m.layers) / p.pp);
+        const double gather = net_->collective_s(grp, CollectiveKind::AllGather,
+                                                 static_cast<std::uint64_t>(weights / units));
+        b.exposed_dp_s += gather + (units - 1) * std::max(0.0, gather - stage_f / units);
+      } else if (p.zero_stage == 1 || p.zero_stage == 2) {
         b.exposed_dp_s += net_->collective_s(grp, CollectiveKind::AllGather, weights);
       }
       if (p.zero_stage == 3 && !expert) {
@@ -483,6 +490,8 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
                       p.sequence_parallel = sp;
                       p.precision = space.precision;
                       p.attention = space.attention;
+                      p.overlap_param_gather =
+                          space.overlap_param_gather && (zero == 1 || zero == 2);
                       if (!cluster::Placement(p.degrees(), p.order)
                                .symmetric_on(devices_per_node)) {
                         continue;

@@ -38,6 +38,9 @@ struct SearchSpace {
   Precision precision = Precision::Bf16;
   // The attention kernel every candidate runs (a given, not searched).
   model::AttentionKernel attention = model::AttentionKernel::Unfused;
+  // ZeRO-1/2 candidates overlap their weight gather with the next forward (plan
+  // overlap_param_gather).
+  bool overlap_param_gather = false;
   // Fixed values ("--fixed tp=8"): -1 = free.
   int fixed_tp = -1, fixed_pp = -1, fixed_dp = -1, fixed_cp = -1, fixed_ep = -1;
   double memory_headroom = 0.0;  // fraction of device memory kept free

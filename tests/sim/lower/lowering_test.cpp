@@ -115,6 +115,64 @@ TEST_CASE("ZeRO-3 gathers each unit's weights once per pass, one unit ahead", "[
   CHECK(zb_gathers == 3 * 8);  // forward, input- and weight-gradient passes of 8 micro-batches
 }
 
+TEST_CASE("overlapped, ZeRO-1/2 gather the updated weights a block ahead of the first forward",
+          "[lower]") {
+  // Megatron-LM's --overlap-param-gather: the step starts with the gathers of the previous
+  // step's update, each block's before its first forward (micro-batch 0), one block ahead; the
+  // optimizer step gathers nothing after it. Without the flag: one gather after the optimizer.
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  for (const int pp : {1, 2}) {
+    Plan p = plan_for(2, 1, pp, 1);
+    p.zero_stage = 1;
+    const Program plain = dtsim::lower::lower(g, p);
+    p.overlap_param_gather = true;
+    const Program overlapped = dtsim::lower::lower(g, p);
+    for (std::size_t r = 0; r < plain.ranks.size(); ++r) {
+      INFO("pp " << pp << ", stage " << r);
+      const auto& before = plain.ranks[r].tasks;
+      const auto& tasks = overlapped.ranks[r].tasks;
+      // Plain: the last task is the one gather, after the optimizer step.
+      REQUIRE(before.back().collective == CollectiveKind::AllGather);
+      CHECK(before.back().deps == std::vector<dtsim::lower::TaskId>{
+                                      static_cast<dtsim::lower::TaskId>(before.size() - 2)});
+      CHECK(tasks.back().phase == Phase::Optimizer);
+      std::vector<std::size_t> gathers;
+      std::uint64_t bytes = 0;
+      for (std::size_t i = 0; i < tasks.size(); ++i) {
+        if (tasks[i].collective != CollectiveKind::AllGather) continue;
+        CHECK(tasks[i].stream == Stream::Dp);
+        CHECK(tasks[i].label.rfind("zero all-gather updated weights", 0) == 0);
+        gathers.push_back(i);
+        bytes += tasks[i].bytes;
+      }
+      // The same weights, a unit (embedding, block or head) at a time.
+      CHECK(bytes == before.back().bytes);
+      // The stage's blocks, and the embedding (first stage) and the final norm and head (last).
+      const int units = static_cast<int>(spec.layers) / pp + (pp == 1 ? 2 : 1);
+      CHECK(gathers.size() == static_cast<std::size_t>(units));
+      // Each gather's first user is a forward compute task of micro-batch 0, in order.
+      int last_user = -1;
+      for (std::size_t u = 0; u < gathers.size(); ++u) {
+        int user = -1;
+        for (std::size_t i = 0; i < tasks.size() && user < 0; ++i) {
+          const auto& d = tasks[i].deps;
+          if (tasks[i].kind == TaskKind::Compute &&
+              std::count(d.begin(), d.end(), static_cast<dtsim::lower::TaskId>(gathers[u])) > 0) {
+            user = static_cast<int>(i);
+          }
+        }
+        REQUIRE(user >= 0);
+        CHECK(tasks[static_cast<std::size_t>(user)].phase == Phase::Forward);
+        CHECK(tasks[static_cast<std::size_t>(user)].micro_batch == 0);
+        CHECK(user > last_user);
+        last_user = user;
+      }
+      CHECK(tasks[gathers.front()].deps.empty());  // at the step's start
+    }
+  }
+}
+
 TEST_CASE("with experts, ZeRO-3 gathers expert weights too and expert buckets interleave",
           "[lower]") {
   auto moe = dtsim::model::load_model("tiny");

@@ -1,5 +1,7 @@
 #include "sim/plan/plan.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
@@ -233,7 +235,11 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   p.make_vocab_size_divisible_by = 64;
   p.expert_load = 1.25;
   p.attention = dtsim::model::AttentionKernel::Flash;
+  p.overlap_param_gather = true;
   const Plan q = dtsim::plan::plan_from_json(dtsim::plan::to_json(p), "p.json");
+  CHECK(q.overlap_param_gather);  // with ZeRO-1: allowed
+  CHECK(!has_rule(check_plan(q, load_model("megatron-18.4b"), q.devices()), "overlap-param-gather",
+                  ""));
   CHECK(q.attention == dtsim::model::AttentionKernel::Flash);
   CHECK(dtsim::plan::summary(q).find(" flash") != std::string::npos);
   // Selective recompute has nothing to drop with FlashAttention: allowed, with a warning.
@@ -286,6 +292,15 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   bad(R"({"grad_precision": "fp8"})",
       "plan.json: grad_precision: expected one of fp32, bf16, fp16, got \"fp8\"");
   bad(R"({"schedule": "looped"})", "schedule: expected one of gpipe, 1f1b, interleaved");
+  bad(R"({"overlap_param_gather": "yes"})",
+      "plan.json: overlap_param_gather: expected true or false");
+  for (const int zero : {0, 3}) {
+    Plan z = base_plan();
+    z.zero_stage = zero;
+    z.overlap_param_gather = true;
+    CHECK(has_rule(check_plan(z, load_model("megatron-18.4b"), 64), "overlap-param-gather",
+                   fmt::format("with ZeRO-{} there is none", zero)));
+  }
   bad(R"({"attention": "fused"})",
       "plan.json: attention: expected one of unfused, flash, got \"fused\"");
   bad(R"({"order": "tp-dp"})", "plan.json: order: ");
