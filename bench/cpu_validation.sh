@@ -53,6 +53,7 @@ plans=(
   "1|--recompute full"
   "2|--dp 2"
   "2|--dp 2 --zero-stage 1"
+  "2|--dp 2 --zero-stage 1 --overlap-param-gather"
   "2|--dp 2 --zero-stage 2"
   "2|--dp 2 --zero-stage 3"
   "2|--dp 2 --zero-stage 3 --recompute full"

@@ -22,6 +22,7 @@ plans=(
   "1|8|--recompute full"
   "2|8|--dp 2"
   "2|8|--dp 2 --zero-stage 1"
+  "2|8|--dp 2 --zero-stage 1 --overlap-param-gather"
   "2|8|--dp 2 --zero-stage 1 --recompute full"
   "2|8|--dp 2 --zero-stage 2"
   "2|8|--dp 2 --zero-stage 3"

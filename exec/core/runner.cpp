@@ -2799,11 +2799,6 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   if (p.grad_compression < 1) {
     refuse(fmt::format("gradient compression ({:g} of the bytes)", p.grad_compression));
   }
-  if (p.overlap_param_gather) {
-    refuse(
-        "ZeRO's weight all-gather overlapped with the next step's forward (--overlap-param-"
-        "gather; dtexec gathers after the optimizer step)");
-  }
   if (p.comm_precision && *p.comm_precision != p.precision) {
     refuse(fmt::format("communication in {} while training in {}", to_string(*p.comm_precision),
                        to_string(p.precision)));

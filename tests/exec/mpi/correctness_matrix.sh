@@ -119,6 +119,8 @@ plans=(
   "moe|4|2|--dp 4 --ep 4 --no-grad-accumulation-fusion"
   "moe|4|1|--dp 2 --ep 2 --pp 2 --schedule zero-bubble"
   "moe|4|1|--dp 2 --ep 2 --cp 2"
+  "tiny-gpt|2|2|--dp 2 --zero-stage 1 --overlap-param-gather"
+  "moe|4|1|--dp 4 --ep 2 --zero-stage 2 --overlap-param-gather"
   "dropout|2|2|--tp 2 --sequence-parallel --attention flash"
   "llama|4|2|--cp 2 --pp 2 --schedule 1f1b --attention flash"
   "tiny-gpt|2|2|--pp 2 --schedule 1f1b --recompute selective --attention flash"
