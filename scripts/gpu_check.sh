@@ -213,6 +213,7 @@ nccl_plans=(
   "tiny-gpt|2|2|45|--cp 2"
   "tiny-gpt|4|1|75|--dp 2 --tp 2 --zero-stage 1"
   "moe|4|1|75|--tp 2 --dp 2 --ep 2 --sequence-parallel --schedule zero-bubble --recompute full"
+  "tiny-gpt|2|2|45|--dp 2 --zero-stage 1 --overlap-param-gather --attention flash"
 )
 i=0
 timeouts=0
