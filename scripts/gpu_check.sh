@@ -12,8 +12,9 @@
 #      by dtexec calibrate on an H200 before); GPT-2 with dropout at cp 2, one rank alone;
 #   3. several ranks on the one GPU over NCCL (mpirun from the bundle, dtexec --share-gpus: each
 #      rank a host of its own to NCCL, which moves the data through sockets): dp, ZeRO-3, tp
-#      with SP, pp with blocking and overlapped transfers, cp, ep, and two 4-rank plans, each
-#      against the CPU's single-rank run of the same batch;
+#      with SP, pp with blocking and overlapped transfers, cp, ep, two 4-rank plans, and ZeRO-1
+#      gathering at the step's start with FlashAttention's memory, each against the CPU's
+#      single-rank run of the same batch;
 #   4. the last pipeline stage of Llama-3 70B at tp8 pp8 and a rank of Mixtral 8x7B at ep 8
 #      (--only-rank, communication replaced by the predicted waits), validated as in 2;
 #   5. dtexec calibrate --backend cuda: cuBLAS GEMMs (squares, and Llama-3 8B's shapes forward
