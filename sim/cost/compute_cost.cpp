@@ -153,10 +153,10 @@ double ComputeCost::kernel_flops(const model::Op& op, Phase phase) const {
   switch (phase) {
     case Phase::Forward:
     case Phase::Recompute:
-      return op.kernel_fwd_flops / d;
+      return op.executed_fwd_flops() / d;
     case Phase::Backward:
     case Phase::BackwardInput:
-      return op.kernel_bwd_flops / d;
+      return op.executed_bwd_flops() / d;
     case Phase::BackwardWeight:
     case Phase::Optimizer:
     case Phase::None:

@@ -167,19 +167,13 @@ StepFlops step_flops(const model::ModelGraph& graph, const plan::Plan& plan) {
   double executed = 0;  // per micro-batch
   for (const model::Op& op : graph.ops()) {
     const bool block = op.layer >= 0 && op.layer < graph.spec().layers;
-    const double fwd = op.kernel_fwd_flops > 0 ? op.kernel_fwd_flops : op.fwd_flops;
-    const double bwd =
-        op.kernel_bwd_flops > 0 ? op.kernel_bwd_flops : op.bwd_input_flops + op.bwd_weight_flops;
     const bool recomputed =
         (plan.recompute == plan::Recompute::Full && block) ||
         (plan.recompute == plan::Recompute::Selective && op.kind == model::OpKind::AttentionCore);
-    executed += fwd + bwd + (recomputed ? fwd : 0.0);
-    if (plan.recompute == plan::Recompute::Full && block) recompute += op.fwd_flops;
-    // (FlashAttention's scores computed again in its backward are in `executed`, not here:
-    // Megatron-LM's count leaves them out.)
-    if (op.kind == model::OpKind::AttentionCore && plan.recompute == plan::Recompute::Selective) {
-      recompute += op.fwd_flops;
-    }
+    // Megatron-LM's count: the forward again, dense. (FlashAttention's scores computed again in
+    // its backward are in `executed` only: Megatron-LM's count leaves them out.)
+    if (recomputed) recompute += op.fwd_flops;
+    executed += op.executed_fwd_flops() * (recomputed ? 2 : 1) + op.executed_bwd_flops();
   }
   f.hardware = f.model + recompute * micro_batches_global;
   f.executed = executed * micro_batches_global;
@@ -290,6 +284,7 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
       quadratic += static_cast<double>(graph.op(id).saved_quadratic_bytes);
       saved += static_cast<double>(graph.op(id).saved_bytes);
     }
+    // Over a quarter: a threshold of dtsim's for saying so, not a modelling figure.
     if (saved > 0 && quadratic > 0.25 * saved) {
       p.notes.push_back(fmt::format(
           "attention: unfused (the default, as in Megatron-LM's published runs): its s² tensors "

@@ -877,30 +877,22 @@ class Lowerer {
     units_.clear();
     next_unit_ = 0;
     unit_started_ = -1;
-    if (param_gathers_) {
+    if (unit_gathers_) {
+      // ZeRO-3: the blocks of every pass (a backward's in reverse); ZeRO-1/2's overlapped
+      // gathers: the blocks of each chunk's first forward pass.
       std::vector<bool> seen(static_cast<std::size_t>(v), false);
       for (std::size_t i = 0; i < passes.size(); ++i) {
         const auto c = static_cast<std::size_t>(passes[i].chunk);
-        if (passes[i].kind != PassKind::Forward || seen[c]) continue;
-        seen[c] = true;
+        if (param_gathers_) {
+          if (passes[i].kind != PassKind::Forward || seen[c]) continue;
+          seen[c] = true;
+        }
+        DTSIM_ASSERT(passes[i].kind == PassKind::Forward || passes[i].kind == PassKind::Backward,
+                     "unit gathers need whole backward passes");
         std::vector<int> layers;
         for (const Item& it : items[c]) {
           if (it.op && (layers.empty() || layers.back() != it.layer)) layers.push_back(it.layer);
         }
-        for (int layer : layers) {
-          units_.push_back({i, passes[i].chunk, layer, passes[i].micro_batch});
-        }
-      }
-      unit_gather_.assign(units_.size(), -1);
-      if (!units_.empty()) unit_gather_[0] = gather_unit(0, -1);
-    } else if (zero3_units) {
-      for (std::size_t i = 0; i < passes.size(); ++i) {
-        std::vector<int> layers;
-        for (const Item& it : items[static_cast<std::size_t>(passes[i].chunk)]) {
-          if (it.op && (layers.empty() || layers.back() != it.layer)) layers.push_back(it.layer);
-        }
-        DTSIM_ASSERT(passes[i].kind == PassKind::Forward || passes[i].kind == PassKind::Backward,
-                     "unit gathers need whole backward passes");
         if (passes[i].kind == PassKind::Backward) std::reverse(layers.begin(), layers.end());
         for (int layer : layers) {
           units_.push_back({i, passes[i].chunk, layer, passes[i].micro_batch});

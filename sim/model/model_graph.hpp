@@ -66,6 +66,11 @@ struct Op {
   // recompute), for MFU.
   double kernel_fwd_flops = 0;
   double kernel_bwd_flops = 0;
+  // What the kernels execute: kernel_*_flops where set, else the counted FLOPs.
+  double executed_fwd_flops() const { return kernel_fwd_flops > 0 ? kernel_fwd_flops : fwd_flops; }
+  double executed_bwd_flops() const {
+    return kernel_bwd_flops > 0 ? kernel_bwd_flops : bwd_input_flops + bwd_weight_flops;
+  }
   std::uint64_t params = 0;
   // Of `params`, those that tensor parallelism does not split (norm weights, biases of
   // row-parallel layers, learned position embeddings): every tp rank holds them whole.
