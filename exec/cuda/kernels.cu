@@ -1095,6 +1095,22 @@ std::vector<HeadBatch> head_batches(int H, int G) {
   return batches;
 }
 
+// For one sequence, per query head h (fp32 out, [M, S] per head, the heads M·S apart):
+// out_h = alpha · a_h · b_{kv(h)}^T, a_h the D columns of head h in rows of a_ld values, b_kv
+// those of kv head kv in rows of b_ld values: the scores q·k^T, and dP = dO·v^T, batched by
+// head_batches.
+void heads_by_kv(cublasHandle_t blas, cudaDataType_t t, std::size_t e,
+                 const std::vector<HeadBatch>& batches, int M, int S, int D, float alpha,
+                 const char* a, int a_ld, const char* b, int b_ld, float* out) {
+  const auto MS = static_cast<long long>(M) * S;
+  for (const HeadBatch& hb : batches) {
+    gemm(blas, false, true, M, S, D, alpha,
+         {a + hb.head * D * e, t, a_ld, static_cast<long long>(hb.head_step) * D},
+         {b + hb.kv * D * e, t, b_ld, static_cast<long long>(hb.kv_step) * D}, 0.0f,
+         out + hb.head * MS, CUDA_R_32F, S, hb.head_step * MS, hb.count);
+  }
+}
+
 }  // namespace
 
 void Kernels::matmul_forward(void* out, const void* in, const void* w, const float* bias, int T,
@@ -1385,12 +1401,8 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
         flash ? rooms.probs : static_cast<char*>(probs) + static_cast<std::size_t>(b) * H * SS * e;
     float* row_lse = flash ? lse + static_cast<std::size_t>(b) * H * S : nullptr;
     char* o = static_cast<char*>(out) + static_cast<std::size_t>(b) * S * H * D * e;
-    for (const HeadBatch& hb : batches) {
-      gemm(impl_->blas, false, true, S, S, D, scale,
-           {rows + hb.head * D * e, t, width, static_cast<long long>(hb.head_step) * D},
-           {rows + (H + hb.kv) * D * e, t, width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
-           scores + hb.head * SS, CUDA_R_32F, S, hb.head_step * SS, hb.count);
-    }
+    heads_by_kv(impl_->blas, t, e, batches, S, S, D, scale, rows, width, rows + H * D * e, width,
+                scores);
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
       causal_softmax_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(
@@ -1421,6 +1433,24 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
   }
 }
 
+void Kernels::remake_probabilities(void* probs, std::uint8_t* mask, void* dropped,
+                                   const float* scores, const float* lse, int H, int Sq, int S,
+                                   const int* qpos, const DropoutSite* dropout, int b) {
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    softmax_from_lse_kernel<<<dim3(Sq, H), kThreads, 0, impl_->stream>>>(static_cast<A*>(probs),
+                                                                         scores, lse, Sq, S, qpos);
+    launched("softmax_from_lse_kernel");
+    if (dropout != nullptr) {
+      attention_dropout_kernel<<<blocks_for(static_cast<std::int64_t>(H) * Sq * S), kThreads, 0,
+                                 impl_->stream>>>(static_cast<A*>(dropped), mask,
+                                                  static_cast<const A*>(probs), H, Sq, S, qpos,
+                                                  dropout->first_sequence + b, *dropout);
+      launched("attention_dropout_kernel");
+    }
+  });
+}
+
 // dP_h = dO_h · v^T (fp32), dS_h = softmax backward · scale, then dq_h += dS_h · k (these
 // batched by head_batches), dk += dS_h^T · q_h and dv += P_h^T · dO_h. The k and v gradients of
 // a kv group sum over its heads, so those GEMMs batch over the groups, one of each group's
@@ -1449,26 +1479,11 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
     const char* rows = static_cast<const char*>(qkv) + static_cast<std::size_t>(b) * S * width * e;
     char* drows = static_cast<char*>(dqkv) + static_cast<std::size_t>(b) * S * width * e;
     if (flash) {
-      for (const HeadBatch& hb : batches) {  // the scores again, as the forward made them
-        gemm(impl_->blas, false, true, S, S, D, scale,
-             {rows + hb.head * D * e, t, width, static_cast<long long>(hb.head_step) * D},
-             {rows + (H + hb.kv) * D * e, t, width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
-             dprobs + hb.head * SS, CUDA_R_32F, S, hb.head_step * SS, hb.count);
-      }
-      with_type(act_, [&](auto* tag) {
-        using A = std::remove_pointer_t<decltype(tag)>;
-        softmax_from_lse_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(
-            reinterpret_cast<A*>(rooms.probs), dprobs, lse + static_cast<std::size_t>(b) * H * S, S,
-            S, nullptr);
-        launched("softmax_from_lse_kernel");
-        if (dropout != nullptr) {
-          attention_dropout_kernel<<<blocks_for(H * SS), kThreads, 0, impl_->stream>>>(
-              reinterpret_cast<A*>(rooms.dropped), rooms.mask,
-              reinterpret_cast<const A*>(rooms.probs), H, S, S, nullptr,
-              dropout->first_sequence + b, *dropout);
-          launched("attention_dropout_kernel");
-        }
-      });
+      // The scores again, as the forward made them.
+      heads_by_kv(impl_->blas, t, e, batches, S, S, D, scale, rows, width, rows + H * D * e, width,
+                  dprobs);
+      remake_probabilities(rooms.probs, rooms.mask, rooms.dropped, dprobs,
+                           lse + static_cast<std::size_t>(b) * H * S, H, S, S, nullptr, dropout, b);
     }
     const char* p =
         flash ? rooms.probs
@@ -1485,12 +1500,8 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
                 : static_cast<const char*>(dropped) + static_cast<std::size_t>(b) * H * SS * e;
     const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * S * H * D * e;
     const char* ds = static_cast<const char*>(dscores);
-    for (const HeadBatch& hb : batches) {
-      gemm(impl_->blas, false, true, S, S, D, 1.0f,
-           {dO + hb.head * D * e, t, H * D, static_cast<long long>(hb.head_step) * D},
-           {rows + (H + G + hb.kv) * D * e, t, width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
-           dprobs + hb.head * SS, CUDA_R_32F, S, hb.head_step * SS, hb.count);
-    }
+    heads_by_kv(impl_->blas, t, e, batches, S, S, D, 1.0f, dO, H * D, rows + (H + G) * D * e, width,
+                dprobs);
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
       softmax_backward_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(
@@ -1548,12 +1559,7 @@ void Kernels::attention_forward_cp(void* out, void* probs, const void* qkv, cons
         flash ? rooms.probs : static_cast<char*>(probs) + static_cast<std::size_t>(b) * H * QS * e;
     float* row_lse = flash ? lse + static_cast<std::size_t>(b) * H * Sq : nullptr;
     char* o = static_cast<char*>(out) + static_cast<std::size_t>(b) * Sq * H * D * e;
-    for (const HeadBatch& hb : batches) {
-      gemm(impl_->blas, false, true, Sq, S, D, scale,
-           {rows + hb.head * D * e, t, width, static_cast<long long>(hb.head_step) * D},
-           {kvp + hb.kv * D * e, t, kv_width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
-           scores + hb.head * QS, CUDA_R_32F, S, hb.head_step * QS, hb.count);
-    }
+    heads_by_kv(impl_->blas, t, e, batches, Sq, S, D, scale, rows, width, kvp, kv_width, scores);
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
       causal_softmax_kernel<<<dim3(Sq, H), kThreads, 0, impl_->stream>>>(
@@ -1619,26 +1625,10 @@ void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, con
     const char* rows = static_cast<const char*>(qkv) + static_cast<std::size_t>(b) * Sq * width * e;
     char* drows = static_cast<char*>(dqkv) + static_cast<std::size_t>(b) * Sq * width * e;
     if (flash) {
-      for (const HeadBatch& hb : batches) {  // the scores again, as the forward made them
-        gemm(impl_->blas, false, true, Sq, S, D, scale,
-             {rows + hb.head * D * e, t, width, static_cast<long long>(hb.head_step) * D},
-             {kvp + hb.kv * D * e, t, kv_width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
-             dprobs + hb.head * QS, CUDA_R_32F, S, hb.head_step * QS, hb.count);
-      }
-      with_type(act_, [&](auto* tag) {
-        using A = std::remove_pointer_t<decltype(tag)>;
-        softmax_from_lse_kernel<<<dim3(Sq, H), kThreads, 0, impl_->stream>>>(
-            reinterpret_cast<A*>(rooms.probs), dprobs, lse + static_cast<std::size_t>(b) * H * Sq,
-            Sq, S, qpos);
-        launched("softmax_from_lse_kernel");
-        if (dropout != nullptr) {
-          attention_dropout_kernel<<<blocks_for(H * QS), kThreads, 0, impl_->stream>>>(
-              reinterpret_cast<A*>(rooms.dropped), rooms.mask,
-              reinterpret_cast<const A*>(rooms.probs), H, Sq, S, qpos, dropout->first_sequence + b,
-              *dropout);
-          launched("attention_dropout_kernel");
-        }
-      });
+      // The scores again, as the forward made them.
+      heads_by_kv(impl_->blas, t, e, batches, Sq, S, D, scale, rows, width, kvp, kv_width, dprobs);
+      remake_probabilities(rooms.probs, rooms.mask, rooms.dropped, dprobs,
+                           lse + static_cast<std::size_t>(b) * H * Sq, H, Sq, S, qpos, dropout, b);
     }
     const char* p =
         flash ? rooms.probs
@@ -1653,12 +1643,9 @@ void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, con
                 : static_cast<const char*>(dropped) + static_cast<std::size_t>(b) * H * QS * e;
     const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * Sq * H * D * e;
     const char* ds = static_cast<const char*>(dscores);
-    for (const HeadBatch& hb : batches) {  // dP = dO · v^T
-      gemm(impl_->blas, false, true, Sq, S, D, 1.0f,
-           {dO + hb.head * D * e, t, H * D, static_cast<long long>(hb.head_step) * D},
-           {kvp + (G + hb.kv) * D * e, t, kv_width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
-           dprobs + hb.head * QS, CUDA_R_32F, S, hb.head_step * QS, hb.count);
-    }
+    // dP = dO · v^T
+    heads_by_kv(impl_->blas, t, e, batches, Sq, S, D, 1.0f, dO, H * D, kvp + G * D * e, kv_width,
+                dprobs);
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
       softmax_backward_kernel<<<dim3(Sq, H), kThreads, 0, impl_->stream>>>(

@@ -259,6 +259,14 @@ class Kernels {
              float beta1, float beta2, float eps, float weight_decay, int t);
 
  private:
+  // FlashAttention's backward, sequence b (of the micro-batch): its H·Sq rows of S
+  // probabilities again into probs from the scores made again (fp32, scores) and the rows'
+  // log-sum-exp (lse, the sequence's [H, Sq]), and with `dropout` its mask and dropped
+  // probabilities; qpos as attention_forward_cp's (null: 0 ... Sq-1).
+  void remake_probabilities(void* probs, std::uint8_t* mask, void* dropped, const float* scores,
+                            const float* lse, int H, int Sq, int S, const int* qpos,
+                            const DropoutSite* dropout, int b);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
   Dtype act_;
