@@ -408,7 +408,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
           continue;
         }
         const double x = std::stod(value);
-        if (x == std::floor(x) && std::abs(x) < 9e15) {
+        // Whole values below 2^53 (exact as doubles, as number() checks) as integers.
+        if (x == std::floor(x) && std::abs(x) < 9007199254740992.0) {
           point[key] = static_cast<std::int64_t>(x);
         } else {
           point[key] = x;
