@@ -193,6 +193,34 @@ std::pair<double, double> spread(const dtsim::exec::RunResult& result, int warmu
   return {*std::min_element(from, t.end()), *std::max_element(from, t.end())};
 }
 
+// The learning-rate schedule of --lr and its warm-up and decay flags; a decay ends at --steps
+// unless --lr-decay-steps says otherwise.
+dtsim::exec::LrSchedule lr_schedule_of(const po::variables_map& vm, int steps) {
+  dtsim::exec::LrSchedule s;
+  s.max_lr = vm["lr"].as<float>();
+  s.warmup_steps = vm["lr-warmup-steps"].as<int>();
+  const auto style = vm["lr-decay-style"].as<std::string>();
+  const auto decay = dtsim::exec::parse_lr_decay(style);
+  if (!decay) {
+    throw dtsim::InputError(
+        fmt::format("--lr-decay-style: expected constant, linear or cosine, got \"{}\"", style));
+  }
+  s.decay = *decay;
+  if (s.decay == dtsim::exec::LrDecay::Constant) {
+    for (const char* flag : {"lr-decay-steps", "min-lr"}) {
+      if (vm.count(flag)) {
+        throw dtsim::InputError(
+            fmt::format("--{}: only with --lr-decay-style linear or cosine", flag));
+      }
+    }
+  } else {
+    s.decay_steps = vm.count("lr-decay-steps") ? vm["lr-decay-steps"].as<int>() : steps;
+    if (vm.count("min-lr")) s.min_lr = vm["min-lr"].as<float>();
+  }
+  s.check();
+  return s;
+}
+
 // The devices a plan given by --plan and the degree flags needs (dp defaults to 1).
 std::int64_t requested_devices(const po::variables_map& vm) {
   dtsim::plan::Plan p;
@@ -448,7 +476,17 @@ int run(const std::vector<std::string>& args) {
       "train until this many steps are done (counting a resumed checkpoint's)")(
       "warmup", po::value<int>()->default_value(1),
       "steps left out of the median step time (0 when --steps is 1 and this is not given)")(
-      "lr", po::value<float>()->default_value(3e-3f, "3e-3"), "AdamW learning rate")(
+      "lr", po::value<float>()->default_value(3e-3f, "3e-3"),
+      "AdamW learning rate (the peak, with a warm-up or decay)")(
+      "lr-warmup-steps", po::value<int>()->default_value(0),
+      "raise the rate linearly over this many steps (step s of them at lr x s / N), as "
+      "Megatron-LM's --lr-warmup-iters")(
+      "lr-decay-style", po::value<std::string>()->default_value("constant"),
+      "after the warm-up: constant, or linear or cosine decay from --lr to --min-lr at "
+      "--lr-decay-steps (Megatron-LM's --lr-decay-style)")(
+      "lr-decay-steps", po::value<int>(),
+      "with a decay: the step at which the rate reaches --min-lr (default: --steps)")(
+      "min-lr", po::value<float>(), "with a decay: the rate it ends at (default 0)")(
       "seed", po::value<std::uint64_t>()->default_value(1234), "initialisation and data seed")(
       "cluster", po::value<std::string>(),
       "the cluster (name or path) whose device's peak the measured MFU is taken against "
@@ -588,11 +626,7 @@ int run(const std::vector<std::string>& args) {
   dtsim::exec::RunOptions options;
   options.steps = steps;
   options.warmup_steps = warmup;
-  options.learning_rate = vm["lr"].as<float>();
-  if (!(std::isfinite(options.learning_rate) && options.learning_rate > 0)) {
-    throw dtsim::InputError(
-        fmt::format("--lr: expected a positive learning rate, got {}", options.learning_rate));
-  }
+  options.lr = lr_schedule_of(vm, steps);
   options.seed = vm["seed"].as<std::uint64_t>();
   if (vm.count("checkpoint")) options.checkpoint_dir = vm["checkpoint"].as<std::string>();
   options.checkpoint_every = every;
@@ -655,8 +689,12 @@ int run(const std::vector<std::string>& args) {
         options.resume_dir.empty() ? "" : ", resuming " + options.resume_dir);
     for (const auto& note : run_notes) out(rank) << "note: " << note << "\n";
     // Each step as it ends.
-    options.on_step = [rank](int step, double loss, double seconds) {
-      out(rank) << fmt::format("step {:>4}  loss {:.4f}  {:.1f} ms\n", step, loss, seconds * 1e3)
+    if (options.lr.warmup_steps > 0 || options.lr.decay != dtsim::exec::LrDecay::Constant) {
+      out(rank) << "learning rate: " << options.lr.describe() << "\n";
+    }
+    options.on_step = [rank, lr = options.lr](int step, double loss, double seconds) {
+      out(rank) << fmt::format("step {:>4}  loss {:.4f}  {:.1f} ms  lr {:.3g}\n", step, loss,
+                               seconds * 1e3, lr.at(step))
                 << std::flush;
     };
   }
@@ -719,6 +757,11 @@ int run(const std::vector<std::string>& args) {
   }
   const double tokens = static_cast<double>(plan.global_batch_size * plan.seq_len);
   const int first = result.first_step;
+  // The rate each step of `losses` trained at (the checkpointed steps' too: one schedule).
+  std::vector<double> learning_rates;
+  for (std::size_t s = 1; s <= result.losses.size(); ++s) {
+    learning_rates.push_back(dtsim::exec::decimal(options.lr.at(static_cast<int>(s))));
+  }
   // What simulate predicts, measured: FLOP rates, and where this rank's step went.
   const auto flops = dtsim::engine::step_flops(graph, plan);
   const double gpus = static_cast<double>(devices);
@@ -755,6 +798,8 @@ int run(const std::vector<std::string>& args) {
                      {"plan", dtsim::plan::to_json(plan)},
                      {"first_step", first},
                      {"losses", result.losses},
+                     {"lr_schedule", options.lr.to_json()},
+                     {"learning_rates", learning_rates},
                      {"step_times_s", result.step_times_s},
                      {"step_time_s", result.step_time_s},
                      {"step_time_min_s", spread(result, warmup).first},

@@ -2,7 +2,8 @@
 // the step reached and every step's loss, whatever the plan that wrote them, so that a run can
 // resume under the same plan and two runs with different plans can be compared.
 //
-// On disk, a folder: `checkpoint.json` (format, model, plan, step, seed, learning rate, losses,
+// On disk, a folder: `checkpoint.json` (format, model, plan, step, seed, learning rate and its
+// schedule, losses,
 // tensors with name, shape and offset) and `tensors.bin` (for each tensor its weights, AdamW m
 // and v as little-endian fp32). A checkpoint is written to a sibling temporary folder and
 // renamed into place, so a reader never sees half of one.
@@ -26,7 +27,10 @@ struct Checkpoint {
   nlohmann::json plan;
   int step = 0;  // steps completed
   std::uint64_t seed = 0;
-  double learning_rate = 0;
+  double learning_rate = 0;  // the schedule's max_lr
+  // The learning-rate schedule (exec/core/lr_schedule.hpp's JSON); null in checkpoints written
+  // before schedules (a constant learning_rate).
+  nlohmann::json lr_schedule;
   std::vector<double> losses;  // one per completed step
   std::vector<CheckpointTensor> tensors;
 };

@@ -1517,9 +1517,10 @@ class Runner {
 
   void optimizer_step() {
     ++adam_step_;
+    const float lr = options_.lr.at(adam_step_);
     for (auto& [key, p] : params_) {
-      dev_.adamw(master_slice(p), sharded_ ? p.reduced : grad(p), p.m, p.v, options_.learning_rate,
-                 0.9f, 0.95f, 1e-8f, 0.0f, adam_step_);
+      dev_.adamw(master_slice(p), sharded_ ? p.reduced : grad(p), p.m, p.v, lr, 0.9f, 0.95f, 1e-8f,
+                 0.0f, adam_step_);
       // Sharded, the gradients were cleared when their reduce-scatter took its packed copy (a
       // replay of predicted waits runs no reduce-scatter: they are cleared here).
       if (sharded_) dev_.zero(p.reduced);
@@ -2558,7 +2559,8 @@ class Runner {
     c.plan = plan::to_json(p_);
     c.step = steps_done;
     c.seed = options_.seed;
-    c.learning_rate = options_.learning_rate;
+    c.learning_rate = options_.lr.max_lr;
+    c.lr_schedule = options_.lr.to_json();
     c.losses = losses;
     std::map<Key, CheckpointTensor> tensors;
     for (const auto& part : parts) {
@@ -2614,12 +2616,23 @@ class Runner {
                       "has --seed {}; give --seed {} to continue it",
                       where, c.seed, options_.seed, c.seed));
     }
-    if (static_cast<float>(c.learning_rate) != options_.learning_rate) {
+    if (static_cast<float>(c.learning_rate) != options_.lr.max_lr) {
       throw InputError(
           fmt::format("{}: learning_rate: the checkpoint was trained with --lr {}, "
                       "this run has --lr {}; give --lr {} to continue it",
-                      where, static_cast<float>(c.learning_rate), options_.learning_rate,
+                      where, static_cast<float>(c.learning_rate), options_.lr.max_lr,
                       static_cast<float>(c.learning_rate)));
+    }
+    // Checkpoints from before schedules trained at a constant rate.
+    LrSchedule trained;
+    trained.max_lr = static_cast<float>(c.learning_rate);
+    if (!c.lr_schedule.is_null()) trained = lr_schedule_from_json(c.lr_schedule, where);
+    if (!(trained == options_.lr)) {
+      throw InputError(fmt::format(
+          "{}: lr_schedule: the checkpoint was trained with a learning rate of {}, this run "
+          "has {}; give the same --lr-warmup-steps, --lr-decay-style, --lr-decay-steps and "
+          "--min-lr to continue it",
+          where, trained.describe(), options_.lr.describe()));
     }
     if (c.step >= options_.steps) {
       throw InputError(

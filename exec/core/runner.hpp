@@ -37,6 +37,7 @@
 
 #include "exec/core/comm.hpp"
 #include "exec/core/device.hpp"
+#include "exec/core/lr_schedule.hpp"
 #include "sim/lower/program.hpp"
 #include "sim/model/model_graph.hpp"
 
@@ -45,7 +46,7 @@ namespace dtsim::exec {
 struct RunOptions {
   int steps = 10;        // the step number to stop after (counted from the first step ever)
   int warmup_steps = 1;  // steps of this run left out of the median step time
-  float learning_rate = 1e-3f;
+  LrSchedule lr;         // the learning rate of each step
   std::uint64_t seed = 1234;
   std::string checkpoint_dir;  // where to write checkpoints ("" = none)
   int checkpoint_every = 0;    // steps between checkpoints (0 = only after the last step)

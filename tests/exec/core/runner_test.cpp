@@ -42,7 +42,7 @@ dtsim::exec::RunResult run(const char* model, dtsim::plan::Plan p, int steps,
   const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 4, p.attention);
   const auto program = dtsim::lower::lower(g, p);
   o.steps = steps;
-  o.learning_rate = 3e-3f;
+  o.lr.max_lr = 3e-3f;
   dtsim::exec::SingleRankComm comm;
   if (device != nullptr) return dtsim::exec::run_program(g, program, o, comm, *device);
   return dtsim::exec::run_program(g, program, o, comm);

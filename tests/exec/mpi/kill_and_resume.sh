@@ -1,7 +1,8 @@
 #!/bin/bash
 # A rank killed mid-run ends the whole job with an error (no rank left hanging); resuming from
 # the last checkpoint loses at most --checkpoint-every steps and continues with losses and
-# weights bitwise identical to a run that was never interrupted.
+# weights bitwise identical to a run that was never interrupted, its learning-rate schedule
+# (warm-up, then a cosine decay over the 10 steps) continued.
 #
 # usage: kill_and_resume.sh DTEXEC MPIRUN [WORKDIR]
 set -uo pipefail
@@ -11,7 +12,8 @@ work=${3:-$(mktemp -d)}
 mkdir -p "$work"
 cd "$work" || exit 1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-plan=(--model tiny-gpt --steps 10 --warmup 0 --micro-batch-size 2 --global-batch-size 8 --dp 2 --pp 2 --zero-stage 1)
+plan=(--model tiny-gpt --steps 10 --warmup 0 --micro-batch-size 2 --global-batch-size 8 --dp 2 --pp 2 --zero-stage 1
+  --lr-warmup-steps 2 --lr-decay-style cosine --min-lr 3e-4)
 rm -rf whole interrupted interrupted.old
 "$mpirun" -np 4 "$dtexec" run "${plan[@]}" --checkpoint whole >/dev/null || exit 1
 
