@@ -24,7 +24,8 @@
 #      against it (dtsim only);
 #   6. GPT-2 calibrated at its own shapes; run with its vocabulary padded (50304, the default)
 #      and as it is (50257, --make-vocab-size-divisible-by 1), each validated against that
-#      profile; its loss at --lr 6e-4 in bf16 and fp32.
+#      profile; its loss at --lr 6e-4 in bf16 and fp32, and in bf16 with a 4-step warm-up and a
+#      cosine decay to 6e-5 (nanoGPT's GPT-2 rates).
 # Writes report.txt, the profile, the traces and the raw outputs into ./gpu-report, or, where
 # $OUT is set (the device machines, which bring back at most 8 files from it), into
 # /tmp/gpu-report and, however the script ends, report.txt, profile_h200.json and one archive
@@ -382,3 +383,7 @@ for precision in bf16 fp32; do
     $g2 --steps 12 --lr 6e-4 2>&1 | awk '/^step/ {printf "%s ", $4}')
   say "$precision: $losses"
 done
+# shellcheck disable=SC2086
+losses=$(limit 60 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 \
+  --lr-warmup-steps 4 --lr-decay-style cosine --min-lr 6e-5 2>&1 | awk '/^step/ {printf "%s ", $4}')
+say "bf16, warm-up 4 steps, cosine decay to 6e-5: $losses"
