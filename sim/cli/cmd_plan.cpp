@@ -19,6 +19,7 @@
 #include "sim/engine/simulator.hpp"
 #include "sim/planner/planner.hpp"
 #include "sim/report/breakdown_json.hpp"
+#include "sim/report/json_values.hpp"
 #include "sim/report/table.hpp"
 
 namespace dtsim::cli {
@@ -31,7 +32,20 @@ const engine::Breakdown& breakdown_of(const planner::Candidate& c) {
   return c.refined ? c.prediction.breakdown : c.estimate;
 }
 
-json candidate_json(const planner::Candidate& c, double train_tokens) {
+// What --tokens asks of each candidate: the tokens, and for the time with interruptions the
+// model, the devices and the reliability flags.
+struct TrainingGoal {
+  double tokens = 0;
+  const model::ModelSpec* spec = nullptr;
+  std::int64_t devices = 0;
+  plan::Reliability reliability;
+  plan::TrainingTime of(const planner::Candidate& c) const {
+    return plan::training_time(*spec, c.plan, devices, c.step_time_s, tokens, reliability);
+  }
+};
+
+json candidate_json(const planner::Candidate& c, const TrainingGoal& goal) {
+  const double train_tokens = goal.tokens;
   const double tokens = static_cast<double>(c.plan.global_batch_size * c.plan.seq_len);
   json j = {{"plan", plan::to_json(c.plan)},
             {"summary", plan::summary(c.plan)},
@@ -50,6 +64,19 @@ json candidate_json(const planner::Candidate& c, double train_tokens) {
     const double steps = train_tokens / tokens;
     j["time_to_train_s"] = steps * c.step_time_s;
     if (c.cost_per_step_usd >= 0) j["cost_to_train_usd"] = steps * c.cost_per_step_usd;
+    const auto tt = goal.of(c);
+    const auto interrupted = [&](double x) {
+      return report::value_or_null(tt.goodput > 0 ? std::optional<double>(x / tt.goodput)
+                                                  : std::nullopt);
+    };
+    j["goodput"] = tt.goodput;
+    j["time_to_train_with_interruptions_s"] = interrupted(steps * c.step_time_s);
+    if (c.cost_per_step_usd >= 0) {
+      j["cost_to_train_with_interruptions_usd"] = interrupted(steps * c.cost_per_step_usd);
+    }
+    j["checkpoint_every_steps"] = tt.checkpoint_every_steps;
+    j["checkpoint_write_s"] = tt.checkpoint_write_s;
+    j["job_mtbf_s"] = tt.job_mtbf_s;
   }
   return j;
 }
@@ -154,6 +181,7 @@ int cmd_plan(const std::vector<std::string>& args) {
       "json", po::bool_switch(), "print JSON")("csv", po::bool_switch(), "print CSV")(
       "out", po::value<std::string>(), "write the best plan to this file (a --plan file)");
   add_search_space_options(desc);
+  add_reliability_options(desc);
   add_memory_options(desc);
   desc.add_options()("profile", po::value<std::string>(),
                      "calibration profile (dtexec calibrate) for the compute cost");
@@ -251,6 +279,7 @@ int cmd_plan(const std::vector<std::string>& args) {
   if (vm.count("tokens") && !(train_tokens > 0 && std::isfinite(train_tokens))) {
     throw InputError(fmt::format("--tokens: expected a positive number, got {}", train_tokens));
   }
+  const TrainingGoal goal{train_tokens, &spec, cluster.devices(), reliability_from_options(vm)};
   const int top = vm["top"].as<int>();
   if (top < 1 || options.refine < 0) throw InputError("--top must be >= 1 and --refine >= 0");
   // A progress bar on a terminal, for searches longer than a second.
@@ -291,7 +320,7 @@ int cmd_plan(const std::vector<std::string>& args) {
   if (vm["json"].as<bool>()) {
     json cands = json::array();
     for (int i = 0; i < shown; ++i)
-      cands.push_back(candidate_json(result.ranked[static_cast<std::size_t>(i)], train_tokens));
+      cands.push_back(candidate_json(result.ranked[static_cast<std::size_t>(i)], goal));
     json out = {{"model", spec.name},
                 {"cluster", cluster.name},
                 {"gpus", cluster.devices()},
@@ -302,10 +331,10 @@ int cmd_plan(const std::vector<std::string>& args) {
                 {"tier_max_estimate_error", result.max_estimate_error},
                 {"candidates", cands}};
     if (result.best_not_fitting) {
-      out["best_not_fitting"] = candidate_json(*result.best_not_fitting, train_tokens);
+      out["best_not_fitting"] = candidate_json(*result.best_not_fitting, goal);
     }
     if (result.closest_not_fitting) {
-      out["closest_not_fitting"] = candidate_json(*result.closest_not_fitting, train_tokens);
+      out["closest_not_fitting"] = candidate_json(*result.closest_not_fitting, goal);
     }
     std::cout << out.dump(2) << "\n";
     return 0;
@@ -423,7 +452,23 @@ int cmd_plan(const std::vector<std::string>& args) {
     if (best.cost_per_step_usd >= 0) {
       std::cout << fmt::format(", {:.0f} USD", steps * best.cost_per_step_usd);
     }
-    std::cout << "\n";
+    const auto tt = goal.of(best);
+    if (tt.goodput > 0) {
+      std::cout << fmt::format(
+          "; with interruptions {:.1f} days{} (goodput {:.1f}%: one every {:.1f} h, a "
+          "checkpoint every {} steps taking {:.1f} s)",
+          tt.wall_s / 86400,
+          best.cost_per_step_usd >= 0
+              ? fmt::format(", {:.0f} USD", steps * best.cost_per_step_usd / tt.goodput)
+              : std::string(),
+          100 * tt.goodput, tt.job_mtbf_s / 3600, tt.checkpoint_every_steps, tt.checkpoint_write_s);
+    } else {
+      std::cout << fmt::format(
+          "; with interruptions never: one every {:.2f} h, sooner than a restart and half a "
+          "checkpoint interval",
+          tt.job_mtbf_s / 3600);
+    }
+    std::cout << "\n" << interruptions_note(goal.reliability) << "\n";
   }
   if (result.ranked.empty() && result.closest_not_fitting) {
     // Nothing fits: how far the closest plan is, and what its memory is made of.

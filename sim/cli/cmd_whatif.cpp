@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -17,6 +18,7 @@
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
 #include "sim/planner/planner.hpp"
+#include "sim/report/json_values.hpp"
 #include "sim/report/table.hpp"
 
 namespace dtsim::cli {
@@ -124,7 +126,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "capped at the plan's ep), attention (unfused, flash: the attention core's kernels)")(
       "global-batch-size", po::value<std::int64_t>(), "sequences per step (required)")(
       "seq-len", po::value<std::int64_t>(), "sequence length (default: the model's)")(
-      "tokens", po::value<double>(), "training tokens, for time, cost and energy to train")(
+      "tokens", po::value<double>(),
+      "training tokens, for time, cost and energy to train (the time with interruptions, "
+      "checkpoints and restarts as well: see the reliability flags)")(
       "refine", po::value<int>()->default_value(2), "plans simulated per point")(
       "fixed-plan", po::value<std::string>(),
       "simulate this plan file at every point instead of searching (its dp is recomputed to "
@@ -133,6 +137,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
   po::options_description search("The search at each point (as dtsim plan's)");
   add_search_space_options(search);
   desc.add(search);
+  po::options_description interruptions("Time to train with interruptions (with --tokens)");
+  add_reliability_options(interruptions);
+  desc.add(interruptions);
   po::variables_map vm;
   if (!parse(
           args, desc,
@@ -187,6 +194,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (vm.count("tokens") && !(tokens > 0 && std::isfinite(tokens))) {
     throw InputError(fmt::format("--tokens: expected a finite positive number, got {}", tokens));
   }
+  const plan::Reliability reliability = reliability_from_options(vm);
 
   // Every combination, first axis slowest.
   std::vector<std::map<std::string, std::string>> points(1);
@@ -208,6 +216,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::int64_t gpus = 0;
     double step_s = 0, tokens_per_s = 0, mfu = 0, max_speedup = 0;
     double train_s = 0, cost_usd = -1, energy_kwh = -1;
+    // With --tokens: interruptions, checkpoints and restarts (plan/goodput.hpp).
+    double goodput = 0, job_mtbf_s = 0, checkpoint_write_s = 0;
+    std::int64_t checkpoint_every_steps = 0;
+    double wall_s() const {
+      return goodput > 0 ? train_s / goodput : std::numeric_limits<double>::infinity();
+    }
     bool found = false;
     // With --fixed-plan the plan is simulated whether or not it fits in memory.
     bool fits = true;
@@ -284,6 +298,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     if (point.count("expert_load")) space.expert_load = load_value(point.at("expert_load"));
     if (point.count("attention")) space.attention = attention_value(point.at("attention"));
     engine::Prediction pred;
+    plan::Plan chosen;
     if (vm.count("fixed-plan")) {
       plan::Plan p = plan::load_plan(vm["fixed-plan"].as<std::string>());
       if (point.count("expert_load") && p.ep > 1) {
@@ -302,6 +317,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       sim_options.jitter_cv = jitter;
       sim_options.rank_spread_cv = rank_spread;
       pred = engine::simulate(g, p, c, *net, sim_options).prediction;
+      chosen = p;
       row.plan = plan::summary(p);
       row.found = true;
       row.fits = pred.memory.fits;
@@ -315,7 +331,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       const auto r = planner::search(spec, c, space, options);
       if (!r.ranked.empty()) {
         pred = r.ranked.front().prediction;
-        row.plan = plan::summary(r.ranked.front().plan);
+        chosen = r.ranked.front().plan;
+        row.plan = plan::summary(chosen);
         row.found = true;
       }
     }
@@ -326,6 +343,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
       row.max_speedup = pred.max_speedup;
       if (tokens > 0) {
         row.train_s = tokens / row.tokens_per_s;
+        const auto tt =
+            plan::training_time(spec, chosen, row.gpus, row.step_s, tokens, reliability);
+        row.goodput = tt.goodput;
+        row.job_mtbf_s = tt.job_mtbf_s;
+        row.checkpoint_write_s = tt.checkpoint_write_s;
+        row.checkpoint_every_steps = tt.checkpoint_every_steps;
         const double device_hours = row.train_s / 3600 * static_cast<double>(row.gpus);
         if (c.price_per_device_hour_usd)
           row.cost_usd = device_hours * c.price_per_device_hour_usd->value;
@@ -352,6 +375,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"mfu", r.mfu},
                                   {"amdahl", r.max_speedup},
                                   {"train", r.train_s},
+                                  {"goodput", r.goodput},
+                                  {"mtbf", r.job_mtbf_s},
+                                  {"ckpt_write", r.checkpoint_write_s},
+                                  {"ckpt_every", r.checkpoint_every_steps},
                                   {"cost", r.cost_usd},
                                   {"energy", r.energy_kwh},
                                   {"found", r.found},
@@ -374,6 +401,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.mfu = j.at("mfu").get<double>();
       r.max_speedup = j.at("amdahl").get<double>();
       r.train_s = j.at("train").get<double>();
+      r.goodput = j.at("goodput").get<double>();
+      r.job_mtbf_s = j.at("mtbf").get<double>();
+      r.checkpoint_write_s = j.at("ckpt_write").get<double>();
+      r.checkpoint_every_steps = j.at("ckpt_every").get<std::int64_t>();
       r.cost_usd = j.at("cost").get<double>();
       r.energy_kwh = j.at("energy").get<double>();
       r.found = j.at("found").get<bool>();
@@ -424,7 +455,21 @@ int cmd_whatif(const std::vector<std::string>& args) {
                   {"mfu", r.mfu},
                   {"scaling_efficiency", efficiency(r)},
                   {"amdahl_max_speedup", r.max_speedup}});
-        if (tokens > 0) j["time_to_train_s"] = r.train_s;
+        if (tokens > 0) {
+          j["time_to_train_s"] = r.train_s;
+          // Infinite (JSON null) when interruptions come faster than the job recovers.
+          j["time_to_train_with_interruptions_s"] = report::value_or_null(
+              r.goodput > 0 ? std::optional<double>(r.wall_s()) : std::nullopt);
+          j["goodput"] = r.goodput;
+          j["job_mtbf_s"] = r.job_mtbf_s;
+          j["checkpoint_write_s"] = r.checkpoint_write_s;
+          j["checkpoint_every_steps"] = r.checkpoint_every_steps;
+          // The devices are paid for the wall time.
+          if (r.cost_usd >= 0) {
+            j["cost_with_interruptions_usd"] = report::value_or_null(
+                r.goodput > 0 ? std::optional<double>(r.cost_usd / r.goodput) : std::nullopt);
+          }
+        }
         if (r.cost_usd >= 0) j["cost_usd"] = r.cost_usd;
         if (r.energy_kwh >= 0) j["energy_kwh"] = r.energy_kwh;
         if (vm.count("fixed-plan")) {
@@ -440,29 +485,33 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (vm["csv"].as<bool>()) {
     std::cout << fmt::format(
         "{},devices,plan,step_time_s,tokens_per_s,mfu,scaling_efficiency,"
-        "amdahl_max_speedup,time_to_train_days,cost_usd,energy_mwh,fits\n",
+        "amdahl_max_speedup,time_to_train_days,cost_usd,energy_mwh,fits,goodput,"
+        "time_to_train_with_interruptions_days,checkpoint_every_steps\n",
         fmt::join(keys, ","));
     for (const Row& r : rows) {
       std::vector<std::string> vals;
       for (const auto& k : keys) vals.push_back(r.point.at(k));
       std::cout << fmt::format(
-          "{},{},\"{}\",{:.6g},{:.6g},{:.4f},{:.4f},{:.4g},{},{},{},{}\n", fmt::join(vals, ","),
-          r.gpus, r.plan, r.step_s, r.tokens_per_s, r.mfu, efficiency(r), r.max_speedup,
-          tokens > 0 && r.found ? fmt::format("{:.4g}", r.train_s / 86400) : "",
+          "{},{},\"{}\",{:.6g},{:.6g},{:.4f},{:.4f},{:.4g},{},{},{},{},{},{},{}\n",
+          fmt::join(vals, ","), r.gpus, r.plan, r.step_s, r.tokens_per_s, r.mfu, efficiency(r),
+          r.max_speedup, tokens > 0 && r.found ? fmt::format("{:.4g}", r.train_s / 86400) : "",
           r.cost_usd >= 0 ? fmt::format("{:.0f}", r.cost_usd) : "",
           r.energy_kwh >= 0 ? fmt::format("{:.4g}", r.energy_kwh / 1000) : "",
-          r.found ? (r.fits ? "1" : "0") : "");
+          r.found ? (r.fits ? "1" : "0") : "",
+          tokens > 0 && r.found ? fmt::format("{:.4f}", r.goodput) : "",
+          tokens > 0 && r.found && r.goodput > 0 ? fmt::format("{:.4g}", r.wall_s() / 86400) : "",
+          tokens > 0 && r.found ? fmt::format("{}", r.checkpoint_every_steps) : "");
     }
     return 0;
   }
   std::vector<std::string> headers = keys;
   for (const char* h : {"GPUs", "best plan", "step", "tokens/s", "MFU", "scaling", "Amdahl",
-                        "train", "cost", "energy"}) {
+                        "goodput", "train", "cost", "energy"}) {
     headers.push_back(h);
   }
   report::Table table(headers);
   std::vector<std::string> units(keys.size(), "");
-  for (const char* u : {"", "", "s", "", "", "vs first", "bound", "days", "USD", "MWh"}) {
+  for (const char* u : {"", "", "s", "", "", "vs first", "bound", "", "days", "USD", "MWh"}) {
     units.push_back(u);
   }
   table.set_units(units);
@@ -472,7 +521,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     for (const auto& k : keys) cells.push_back(r.point.at(k));
     cells.push_back(fmt::format("{}", r.gpus));
     if (!r.found) {
-      for (const char* s : {"no plan fits", "-", "-", "-", "-", "-", "-", "-", "-"})
+      for (const char* s : {"no plan fits", "-", "-", "-", "-", "-", "-", "-", "-", "-"})
         cells.push_back(s);
     } else {
       cells.push_back(r.fits ? r.plan
@@ -483,8 +532,13 @@ int cmd_whatif(const std::vector<std::string>& args) {
       cells.push_back(fmt::format("{:.1f}%", 100 * r.mfu));
       cells.push_back(fmt::format("{:.1f}%", 100 * efficiency(r)));
       cells.push_back(r.max_speedup > 0 ? fmt::format("{:.1f}x", r.max_speedup) : "-");
-      cells.push_back(tokens > 0 ? fmt::format("{:.1f}", r.train_s / 86400) : "-");
-      cells.push_back(r.cost_usd >= 0 ? fmt::format("{:.0f}", r.cost_usd) : "-");
+      cells.push_back(tokens > 0 ? fmt::format("{:.1f}%", 100 * r.goodput) : "-");
+      cells.push_back(tokens <= 0      ? "-"
+                      : r.goodput <= 0 ? "never"
+                                       : fmt::format("{:.1f}", r.wall_s() / 86400));
+      cells.push_back(r.cost_usd < 0   ? "-"
+                      : r.goodput <= 0 ? "never"
+                                       : fmt::format("{:.0f}", r.cost_usd / r.goodput));
       cells.push_back(r.energy_kwh >= 0 ? fmt::format("{:.1f}", r.energy_kwh / 1000) : "-");
     }
     table.add_row(cells);
@@ -499,6 +553,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::cout << "(cost: the cluster's price is its own device's; points with another device "
                  "have none)\n";
   }
+  if (tokens > 0) std::cout << interruptions_note(reliability) << "\n";
   return 0;
 }
 

@@ -250,6 +250,64 @@ void search_space_from_options(const po::variables_map& vm, planner::SearchSpace
   space.overlap_param_gather = vm["overlap-param-gather"].as<bool>();
 }
 
+void add_reliability_options(po::options_description& desc) {
+  const plan::Reliability d;
+  desc.add_options()(
+      "interruptions-per-gpu-hour",
+      po::value<double>()->default_value(d.interruptions_per_device_hour, "1.97e-5"),
+      "with --tokens: job interruptions per device and hour, of any cause (default: Llama 3 "
+      "405B's 419 in 54 days on 16,384 H100s, Dubey et al. 2024)")(
+      "restart-minutes", po::value<double>()->default_value(0),
+      "with --tokens: minutes from an interruption to training again (detection, a new node, "
+      "start-up, loading the checkpoint; default 0: not counted, no published figure)")(
+      "checkpoint-write-gbs-per-gpu",
+      po::value<double>()->default_value(d.checkpoint_write_bytes_per_s_per_device / 1e9, "0.122"),
+      "with --tokens: checkpoint write bandwidth per device, GB/s (default: Llama 3's storage, "
+      "2 TB/s sustained over 16,384 GPUs)");
+}
+
+plan::Reliability reliability_from_options(const po::variables_map& vm) {
+  plan::Reliability r;
+  const double rate = vm["interruptions-per-gpu-hour"].as<double>();
+  const double restart_min = vm["restart-minutes"].as<double>();
+  const double write_gbs = vm["checkpoint-write-gbs-per-gpu"].as<double>();
+  if (!(std::isfinite(rate) && rate > 0)) {
+    throw InputError(
+        fmt::format("--interruptions-per-gpu-hour: expected a finite positive rate, got {}", rate));
+  }
+  if (!(std::isfinite(restart_min) && restart_min >= 0)) {
+    throw InputError(
+        fmt::format("--restart-minutes: expected a finite number >= 0, got {}", restart_min));
+  }
+  if (!(std::isfinite(write_gbs) && write_gbs > 0)) {
+    throw InputError(fmt::format(
+        "--checkpoint-write-gbs-per-gpu: expected a finite positive bandwidth, got {}", write_gbs));
+  }
+  r.interruptions_per_device_hour = rate;
+  r.restart_s = restart_min * 60;
+  r.checkpoint_write_bytes_per_s_per_device = write_gbs * 1e9;
+  return r;
+}
+
+std::string interruptions_note(const plan::Reliability& r) {
+  const plan::Reliability d;
+  return fmt::format(
+      "(train and cost with interruptions: {:.3g} per GPU-hour{}, each losing the work since the "
+      "last checkpoint{}; checkpoints (weights and optimizer state) written at {:.3g} GB/s per "
+      "GPU{} every Young's interval sqrt(2 x write x MTBF); goodput: the failure-free time over "
+      "that, the devices paid for the whole time; a first-order model (Young 1974, Daly 2006))",
+      r.interruptions_per_device_hour,
+      r.interruptions_per_device_hour == d.interruptions_per_device_hour
+          ? " (Llama 3's; --interruptions-per-gpu-hour)"
+          : "",
+      r.restart_s > 0 ? fmt::format(" and {:.3g} min to restart", r.restart_s / 60)
+                      : " (restarts not counted: --restart-minutes)",
+      r.checkpoint_write_bytes_per_s_per_device / 1e9,
+      r.checkpoint_write_bytes_per_s_per_device == d.checkpoint_write_bytes_per_s_per_device
+          ? " (Llama 3's storage; --checkpoint-write-gbs-per-gpu)"
+          : "");
+}
+
 cluster::Cluster cluster_from_options(const po::variables_map& vm) {
   cluster::Cluster c = cluster::load_cluster(vm["cluster"].as<std::string>());
   if (vm.count("gpus")) return cluster::with_devices(c, vm["gpus"].as<std::int64_t>());

@@ -10,6 +10,7 @@
 #include "sim/cluster/topology.hpp"
 #include "sim/model/model_graph.hpp"
 #include "sim/model/model_spec.hpp"
+#include "sim/plan/goodput.hpp"
 #include "sim/plan/memory_model.hpp"
 #include "sim/plan/plan.hpp"
 #include "sim/planner/planner.hpp"
@@ -33,6 +34,14 @@ void add_model_options(po::options_description& desc, bool with_cluster);
 void add_search_space_options(po::options_description& desc);
 // Applies them to `space` (InputError naming the flag for a bad value).
 void search_space_from_options(const po::variables_map& vm, planner::SearchSpace& space);
+
+// Adds the reliability flags of time to train with failures (--tokens of dtsim plan and whatif):
+// --interruptions-per-gpu-hour, --restart-minutes, --checkpoint-write-gbs-per-gpu.
+void add_reliability_options(po::options_description& desc);
+// Their values over plan::Reliability's defaults (InputError naming the flag for a bad value).
+plan::Reliability reliability_from_options(const po::variables_map& vm);
+// What a time to train with interruptions assumed, for a table's footnote.
+std::string interruptions_note(const plan::Reliability& r);
 
 // Adds the plan flags and --plan (`precision_help`: --precision's values and default).
 void add_plan_options(po::options_description& desc,

@@ -1,0 +1,47 @@
+#include "sim/plan/goodput.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "sim/common/error.hpp"
+#include "sim/model/model_graph.hpp"
+#include "sim/plan/memory_model.hpp"
+
+namespace dtsim::plan {
+
+TrainingTime training_time(const model::ModelSpec& spec, const Plan& plan, std::int64_t devices,
+                           double step_time_s, double tokens, const Reliability& reliability) {
+  DTSIM_ASSERT(devices > 0 && step_time_s > 0 && tokens > 0, "bad training-time arguments");
+  TrainingTime t;
+  t.steps = tokens / static_cast<double>(plan.global_batch_size * plan.seq_len);
+  t.work_s = t.steps * step_time_s;
+  const double n = static_cast<double>(devices);
+  t.job_mtbf_s = 3600.0 / (reliability.interruptions_per_device_hour * n);
+  // A checkpoint holds the weights and the optimizer's state (with mixed precision the fp32
+  // master copy too: 2 + 12 bytes per parameter with Adam), not the gradients.
+  const auto per_param = state_bytes_per_param(plan);
+  t.checkpoint_bytes = static_cast<double>(model::count_params(with_padded_vocab(spec, plan))) *
+                       (per_param.weights + per_param.optimizer);
+  t.checkpoint_write_s =
+      t.checkpoint_bytes / (reliability.checkpoint_write_bytes_per_s_per_device * n);
+  const double young_s = std::sqrt(2.0 * t.checkpoint_write_s * t.job_mtbf_s);
+  // No more than the run: a run shorter than the interval checkpoints once, at its end.
+  t.checkpoint_every_steps = std::clamp<std::int64_t>(
+      std::llround(young_s / step_time_s), 1,
+      std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(t.steps))));
+  const double interval_s = static_cast<double>(t.checkpoint_every_steps) * step_time_s;
+  const double lost_per_interruption_s =
+      reliability.restart_s + 0.5 * (interval_s + t.checkpoint_write_s);
+  const double useful = 1.0 - lost_per_interruption_s / t.job_mtbf_s;
+  if (useful <= 0) {
+    t.wall_s = std::numeric_limits<double>::infinity();
+    t.goodput = 0;
+    return t;
+  }
+  t.wall_s = t.work_s * (1.0 + t.checkpoint_write_s / interval_s) / useful;
+  t.goodput = t.work_s / t.wall_s;
+  return t;
+}
+
+}  // namespace dtsim::plan

@@ -1,0 +1,83 @@
+#include "sim/plan/goodput.hpp"
+
+#include <catch2/catch.hpp>
+#include <cmath>
+
+#include "sim/model/model_spec.hpp"
+#include "sim/model/model_graph.hpp"
+#include "sim/plan/memory_model.hpp"
+
+using dtsim::plan::Reliability;
+using dtsim::plan::training_time;
+
+namespace {
+
+dtsim::plan::Plan plan_of(std::int64_t gbs, std::int64_t seq) {
+  dtsim::plan::Plan p;
+  p.global_batch_size = gbs;
+  p.seq_len = seq;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("goodput: Llama 3 405B on 16,384 GPUs, the run the defaults come from",
+          "[plan][goodput]") {
+  const auto spec = dtsim::model::load_model("llama3-405b");
+  const auto p = plan_of(2048, 8192);  // 16.8M tokens per step
+  const double step_s = 13.0, tokens = 15.6e12;
+  const auto t = training_time(spec, p, 16384, step_s, tokens, Reliability{});
+  // 419 interruptions in 54 days: the job's MTBF is 54 x 24 x 3600 / 419 = 11,135 s (3.1 h).
+  CHECK(t.job_mtbf_s == Approx(54.0 * 24 * 3600 / 419));
+  // The checkpoint: bf16 weights (2) and Adam's fp32 master copy, momentum and variance (12)
+  // per parameter, of the padded vocabulary's model; written at 2 TB/s in all.
+  const double params =
+      static_cast<double>(dtsim::model::count_params(dtsim::plan::with_padded_vocab(spec, p)));
+  CHECK(t.checkpoint_bytes == Approx(14 * params));
+  CHECK(t.checkpoint_write_s == Approx(14 * params / 2e12));
+  // Young: sqrt(2 x 2.8 s x 11,135 s) = 250 s, 19 steps of 13 s.
+  const double young = std::sqrt(2 * t.checkpoint_write_s * t.job_mtbf_s);
+  CHECK(t.checkpoint_every_steps == std::llround(young / step_s));
+  const double interval = static_cast<double>(t.checkpoint_every_steps) * step_s;
+  // Each interruption loses half an interval and its write on average (no restart given).
+  const double useful = 1 - 0.5 * (interval + t.checkpoint_write_s) / t.job_mtbf_s;
+  CHECK(t.steps == Approx(tokens / (2048.0 * 8192)));
+  CHECK(t.work_s == Approx(t.steps * step_s));
+  CHECK(t.wall_s == Approx(t.work_s * (1 + t.checkpoint_write_s / interval) / useful));
+  CHECK(t.goodput == Approx(t.work_s / t.wall_s));
+  // About 2% lost without restarts; Meta reports over 90% effective training time with them.
+  CHECK(t.goodput > 0.97);
+  CHECK(t.goodput < 0.99);
+  // Ten minutes per restart: 600 s of every 11,135 more.
+  Reliability slow;
+  slow.restart_s = 600;
+  const auto r = training_time(spec, p, 16384, step_s, tokens, slow);
+  CHECK(r.wall_s ==
+        Approx(t.work_s * (1 + t.checkpoint_write_s / interval) / (useful - 600 / t.job_mtbf_s)));
+}
+
+TEST_CASE("goodput: more devices, interruptions more often; no progress is said",
+          "[plan][goodput]") {
+  const auto spec = dtsim::model::load_model("llama3-8b");
+  const auto p = plan_of(512, 8192);
+  const auto small = training_time(spec, p, 64, 2.0, 1e12, Reliability{});
+  const auto big = training_time(spec, p, 4096, 2.0, 1e12, Reliability{});
+  CHECK(big.job_mtbf_s == Approx(small.job_mtbf_s / 64));
+  CHECK(big.goodput < small.goodput);
+  // A faster store: shorter writes, a shorter interval, more goodput.
+  Reliability fast;
+  fast.checkpoint_write_bytes_per_s_per_device *= 10;
+  const auto quick = training_time(spec, p, 4096, 2.0, 1e12, fast);
+  CHECK(quick.checkpoint_write_s == Approx(big.checkpoint_write_s / 10));
+  CHECK(quick.checkpoint_every_steps < big.checkpoint_every_steps);
+  CHECK(quick.goodput > big.goodput);
+  // Restarts longer than the time between interruptions: the job never finishes.
+  Reliability hopeless;
+  hopeless.restart_s = 2 * big.job_mtbf_s;
+  const auto never = training_time(spec, p, 4096, 2.0, 1e12, hopeless);
+  CHECK(never.goodput == 0);
+  CHECK(std::isinf(never.wall_s));
+  // A run shorter than Young's interval checkpoints once, at its end.
+  const auto short_run = training_time(spec, p, 8, 2.0, 512.0 * 8192 * 10, Reliability{});
+  CHECK(short_run.checkpoint_every_steps == 10);
+}
