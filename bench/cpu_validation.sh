@@ -44,7 +44,7 @@ batch=(--micro-batch-size 4 --global-batch-size 8)
 
 # ranks | plan flags (micro-batch 4, global batch 8): the plan shapes of the correctness
 # matrix (tests/exec/mpi/correctness_matrix.sh) with no more than two ranks, and one rank with
-# and without recompute; and FlashAttention's memory (--attention flash). The tp plans run with and without --no-overlap-tp-backward: dtexec
+# and without recompute; FlashAttention's memory (--attention flash); gradient clipping. The tp plans run with and without --no-overlap-tp-backward: dtexec
 # starts the overlapped all-reduce with MPI_Iallreduce, but MPI moves its data only inside MPI
 # calls, not during a GEMM (the CPU cluster says so, and dtsim runs its ranks serially).
 # Expert parallelism (--ep) needs a mixture of experts: MODEL=bench/models/cpu-small-moe.json.
@@ -74,6 +74,8 @@ plans=(
   "2|--tp 2 --attention flash"
   "2|--pp 2 --schedule 1f1b --attention flash"
   "2|--dp 2 --ep 2"
+  "2|--dp 2 --zero-stage 1 --clip-grad 1"
+  "2|--pp 2 --schedule 1f1b --clip-grad 1"
 )
 # Expert parallelism needs a mixture of experts ($moe): its plans run only with such a MODEL.
 # A plan this host runs (no more ranks than cores), its model has what it needs, ONLY asks for.

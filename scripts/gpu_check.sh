@@ -6,7 +6,7 @@
 #      executor against its CPU reference, in fp32 and bf16);
 #   2. dtexec run --backend cuda: fp32 on the GPU against fp32 on the CPU (dtexec compare) for
 #      tiny models plain, with dropout, with a mixture of experts and with FlashAttention's
-#      memory (--attention flash); GPT-2 124M trained on the
+#      memory (--attention flash), and with gradient clipping; GPT-2 124M trained on the
 #      GPU in bf16, its measured tasks against dtsim's prediction (dtsim validate: error per
 #      task kind, with the catalog and with the H200 profile shipped in validation/, measured
 #      by dtexec calibrate on an H200 before); GPT-2 with dropout at cp 2, one rank alone;
@@ -129,7 +129,8 @@ gpu_against_cpu() {
     say "$name: the CPU run failed: $(tail -1 "$out/ckpt_cpu_$name.txt")"
   # shellcheck disable=SC2086
   limit 60 "$bin/dtexec" run --backend cuda --precision fp32 --model "$model" --steps 5 \
-    --warmup 0 $flags --checkpoint "$out/ckpt_gpu_$name" 2>&1 | tail -2 | tee -a "$report"
+    --warmup 0 $flags --checkpoint "$out/ckpt_gpu_$name" 2>&1 | tee "$out/ckpt_gpu_$name.txt" |
+    tail -2 | tee -a "$report"
   "$bin/dtexec" compare "$out/ckpt_cpu_$name" "$out/ckpt_gpu_$name" --loss-tolerance 1e-3 \
     --weight-tolerance 3e-3 2>&1 | tee -a "$report"
 }
@@ -141,6 +142,11 @@ say "-- a mixture of experts (the GPU routes as the CPU): fp32 on the GPU agains
 gpu_against_cpu moe "$repo/tests/exec/mpi/tiny_moe.json"
 say "-- FlashAttention's memory with dropout (probabilities and masks made again): GPU against CPU"
 gpu_against_cpu flash "$repo/tests/exec/mpi/tiny_gpt_dropout.json" "--attention flash"
+say "-- gradient clipping at norm 0.5 (every step clips): GPU against CPU, and the norms"
+gpu_against_cpu clip tiny-gpt "--clip-grad 0.5"
+for side in cpu gpu; do
+  say "$side: $(grep -h -o 'grad norm [0-9.]*' "$out/ckpt_${side}_clip.txt" | tr '\n' ' ')"
+done
 
 # One plan: dtexec measures it, dtsim predicts it (catalog, then $profile), dtsim validate
 # joins. Each plan is kept (validated_plans), so that section 4 can price it again with the

@@ -177,9 +177,9 @@ RankBreakdown rank_breakdown(const dtsim::exec::RunResult& result,
     steps.insert(r.step);
     const double d = r.end_s - r.start_s;
     using dtsim::lower::Phase;
-    (t.phase == Phase::Optimizer   ? b.optimizer_s
-     : t.phase == Phase::Recompute ? b.recompute_s
-                                   : b.compute_s) += d;
+    (t.phase == Phase::Optimizer || t.phase == Phase::GradNorm ? b.optimizer_s
+     : t.phase == Phase::Recompute                             ? b.recompute_s
+                                                               : b.compute_s) += d;
   }
   const double n = std::max<double>(1.0, static_cast<double>(steps.size()));
   return {b.compute_s / n, b.recompute_s / n, b.optimizer_s / n};
@@ -692,9 +692,12 @@ int run(const std::vector<std::string>& args) {
     if (options.lr.warmup_steps > 0 || options.lr.decay != dtsim::exec::LrDecay::Constant) {
       out(rank) << "learning rate: " << options.lr.describe() << "\n";
     }
-    options.on_step = [rank, lr = options.lr](int step, double loss, double seconds) {
-      out(rank) << fmt::format("step {:>4}  loss {:.4f}  {:.1f} ms  lr {:.3g}\n", step, loss,
-                               seconds * 1e3, lr.at(step))
+    options.on_step = [rank, lr = options.lr](int step, double loss, double seconds,
+                                              double grad_norm) {
+      out(rank) << fmt::format("step {:>4}  loss {:.4f}  {:.1f} ms  lr {:.3g}{}\n", step, loss,
+                               seconds * 1e3, lr.at(step),
+                               grad_norm >= 0 ? fmt::format("  grad norm {:.4g}", grad_norm)
+                                              : std::string())
                 << std::flush;
     };
   }
@@ -800,6 +803,7 @@ int run(const std::vector<std::string>& args) {
                      {"losses", result.losses},
                      {"lr_schedule", options.lr.to_json()},
                      {"learning_rates", learning_rates},
+                     {"grad_norms", result.grad_norms},
                      {"step_times_s", result.step_times_s},
                      {"step_time_s", result.step_time_s},
                      {"step_time_min_s", spread(result, warmup).first},
@@ -1090,7 +1094,7 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
   run.steps = 2 * rounds;
   run.warmup_steps = 1;
   std::map<int, std::vector<double>> gemm_seconds;  // by the measured step (0-based)
-  run.on_step = [&](int done, double, double) {
+  run.on_step = [&](int done, double, double, double) {
     if (done % 2 == 0) {
       gemm_seconds[done - 1] = time_gemms(gemms);
       DTSIM_ASSERT(gemm_seconds[done - 1].size() == gemms.size(),
@@ -1114,9 +1118,9 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
     for (const auto& record : result.tasks) {
       const auto& task = program_tasks.at(static_cast<std::size_t>(record.task));
       if (record.step != step || task.kind != dtsim::lower::TaskKind::Compute) continue;
-      const std::size_t k = task.phase == Phase::Forward || task.phase == Phase::Recompute ? 0
-                            : task.phase == Phase::Optimizer                               ? 2
-                                                                                           : 1;
+      const std::size_t k = task.phase == Phase::Forward || task.phase == Phase::Recompute    ? 0
+                            : task.phase == Phase::Optimizer || task.phase == Phase::GradNorm ? 2
+                                                                                              : 1;
       measured[k] += record.end_s - record.start_s;
       predicted[k] += cost.task_seconds(task);
       ++tasks;

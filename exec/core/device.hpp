@@ -127,7 +127,7 @@ class Device {
   // ---- context parallelism and dropout (exec/cpu/kernels.hpp: AttentionOptions, Dropout) ----
   // A device that has these says so (has()); the runner refuses a plan that needs what its
   // device lacks before it starts.
-  enum class Feature { ContextParallelism, Dropout, MixtureOfExperts, FlashAttention };
+  enum class Feature { ContextParallelism, Dropout, MixtureOfExperts, FlashAttention, GradClip };
   virtual bool has(Feature) const { return false; }
   // Dropout: the kernels' Dropout, its positions an I32 view (empty: 0 ... Sq-1).
   struct DropoutSite {
@@ -191,6 +191,11 @@ class Device {
                                   int vocab_begin) = 0;
   virtual void cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,
                                      View targets, int T, int V, int vocab_begin) = 0;
+  // Gradient clipping (Feature::GradClip): acc (fp32, one element) += the sum of the squares of
+  // x (fp32); x (fp32) *= min(1, max_norm / (sqrt(norm_sq[0]) + 1e-6)), norm_sq read where it
+  // lies (no wait on the host for it on a GPU).
+  virtual void sum_squares(View acc, View x);
+  virtual void clip_scale(View x, View norm_sq, float max_norm);
   // AdamW on fp32 views of one size.
   virtual void adamw(View params, View grads, View m, View v, float lr, float beta1, float beta2,
                      float eps, float weight_decay, int t) = 0;
@@ -225,6 +230,12 @@ inline void Device::dropout_add_forward(View, View, View, View, const DropoutSit
 }
 inline void Device::dropout_backward(View, View, View, float) {
   lacks("dropout");
+}
+inline void Device::sum_squares(View, View) {
+  lacks("gradient clipping");
+}
+inline void Device::clip_scale(View, View, float) {
+  lacks("gradient clipping");
 }
 inline void Device::moe_route(View, View, View, int, int, int) {
   lacks("a mixture of experts");

@@ -412,8 +412,17 @@ class Runner {
       comm_.all_ranks(slowest, Reduce::Max);
       result.losses.push_back(loss[0] / (micro_batches_ * dp_));
       result.step_times_s.push_back(slowest[0]);
+      double grad_norm = -1;
+      if (p_.clip_grad > 0) {
+        float squared = 0;
+        dev_.download(&squared, grad_norm_sq_);
+        grad_norm = std::sqrt(static_cast<double>(squared));
+        result.grad_norms.push_back(grad_norm);
+      }
       const int done = step + 1;
-      if (options_.on_step) options_.on_step(done, result.losses.back(), slowest[0]);
+      if (options_.on_step) {
+        options_.on_step(done, result.losses.back(), slowest[0], grad_norm);
+      }
       if (!options_.checkpoint_dir.empty() &&
           (done == options_.steps ||
            (options_.checkpoint_every > 0 && done % options_.checkpoint_every == 0))) {
@@ -1515,10 +1524,32 @@ class Runner {
     if (input_grads) dev_.moe_dispatch_backward(dx, mb.grad.at(id), mb.route.at(id), T_, C_, k);
   }
 
+  // Gradient clipping: the gradients whose squares this rank adds to the global norm, each
+  // counted on one rank only: the rank's ZeRO slice of the reduced gradient (sharded), else on
+  // the first rank of its data-parallel group (dp x cp; the expert-dp group for an expert's,
+  // other ep ranks holding other experts); a tp-replicated tensor on tp rank 0; the tied
+  // embedding on the first stage (the last stage's copy is equal after their all-reduce).
+  bool counts_in_norm(const Param& p) const {
+    if (p.tied_copy || (p.replicated_over_tp && t_ != 0)) return false;
+    return sharded_ || (p.expert ? ed_ : d_) == 0;
+  }
+
+  // The rank's share of the gradients' squared norm, which the Program's grad-norm
+  // all-reduces then sum over the ranks.
+  void grad_norm() {
+    if (grad_norm_sq_.n == 0) grad_norm_sq_ = dev_.allocate(1, Dtype::F32);
+    dev_.zero(grad_norm_sq_);
+    for (auto& [key, p] : params_) {
+      if (counts_in_norm(p)) dev_.sum_squares(grad_norm_sq_, sharded_ ? p.reduced : grad(p));
+    }
+  }
+
   void optimizer_step() {
     ++adam_step_;
     const float lr = options_.lr.at(adam_step_);
+    const auto clip = static_cast<float>(p_.clip_grad);
     for (auto& [key, p] : params_) {
+      if (clip > 0) dev_.clip_scale(sharded_ ? p.reduced : grad(p), grad_norm_sq_, clip);
       dev_.adamw(master_slice(p), sharded_ ? p.reduced : grad(p), p.m, p.v, lr, 0.9f, 0.95f, 1e-8f,
                  0.0f, adam_step_);
       // Sharded, the gradients were cleared when their reduce-scatter took its packed copy (a
@@ -1859,6 +1890,10 @@ class Runner {
 
   void collective(const lower::Task& task, std::size_t index) {
     const auto& grp = program_.groups.at(static_cast<std::size_t>(task.group));
+    if (task.phase == Phase::GradNorm) {  // the squared norm's shares, over dp, tp or pp
+      comm_.all_reduce(task.group, grad_norm_sq_, Reduce::Sum);
+      return;
+    }
     switch (grp.kind) {
       case GroupKind::Tp: {
         if (task.micro_batch < 0) {
@@ -2230,7 +2265,7 @@ class Runner {
     for (const lower::Task& task : rp_->tasks) {
       if (task.kind != TaskKind::Compute) {
         note(task.micro_batch, communication_uses(task));
-      } else if (task.phase == Phase::Optimizer) {
+      } else if (task.phase == Phase::Optimizer || task.phase == Phase::GradNorm) {
         note(-1, {});
       } else if (task.phase == Phase::Forward || task.phase == Phase::Recompute) {
         for (auto id = task.op_begin; id < task.op_end; ++id) {
@@ -2271,7 +2306,10 @@ class Runner {
         }
         continue;
       }
-      if (task.kind != TaskKind::Compute || task.phase == Phase::Optimizer) continue;
+      if (task.kind != TaskKind::Compute || task.phase == Phase::Optimizer ||
+          task.phase == Phase::GradNorm) {
+        continue;
+      }
       std::vector<Key> read = keys_of(task.op_begin, task.op_end);
       for (auto id = task.op_begin; id < task.op_end; ++id) {
         const auto op = static_cast<OpId>(id);
@@ -2480,6 +2518,11 @@ class Runner {
       case TaskKind::Compute: {
         if (task.phase == Phase::Optimizer) {
           optimizer_step();
+          retire();
+          return;
+        }
+        if (task.phase == Phase::GradNorm) {
+          grad_norm();
           retire();
           return;
         }
@@ -2728,6 +2771,7 @@ class Runner {
   int B_ = 0, S_ = 0, T_ = 0, C_ = 0, V_ = 0, H_ = 0, G_ = 0, D_ = 0, F_ = 0, Vl_ = 0;
   int tokens_ = 0;
   int micro_batches_ = 1, adam_step_ = 0;
+  View grad_norm_sq_;  // gradient clipping: the squared norm (fp32, one element)
 };
 
 }  // namespace
@@ -2789,6 +2833,9 @@ void check_device(const model::ModelGraph& graph, const lower::Program& program,
   }
   if (m.moe && !device.has(Device::Feature::MixtureOfExperts)) {
     lacks(fmt::format("a mixture of experts (model {})", m.name));
+  }
+  if (program.plan.clip_grad > 0 && !device.has(Device::Feature::GradClip)) {
+    lacks(fmt::format("gradient clipping (--clip-grad {:g})", program.plan.clip_grad));
   }
   if (graph.attention() == model::AttentionKernel::Flash &&
       !device.has(Device::Feature::FlashAttention)) {

@@ -61,9 +61,10 @@ struct RunOptions {
   std::function<void(const std::string&)> on_hang;
   // A hang on purpose (tests): rank hang_rank stops answering as step hang_step starts.
   int hang_rank = -1, hang_step = 0;
-  // Called on every rank after each step with the step number (1-based), its mean loss and the
-  // slowest rank's time (both reduced over all ranks, outside the step's timing): progress.
-  std::function<void(int, double, double)> on_step;
+  // Called on every rank after each step with the step number (1-based), its mean loss, the
+  // slowest rank's time (both reduced over all ranks, outside the step's timing) and, with
+  // gradient clipping, the gradients' global norm before clipping (else -1): progress.
+  std::function<void(int, double, double, double)> on_step;
   // --only-rank: run program `program_index` alone (one rank's share of a plan whose other
   // ranks do not run), every communication task replaced by a wait of its predicted length
   // (predicted_comm_s, by task id; empty: no wait). Received tensors are zeros, reductions
@@ -88,8 +89,11 @@ struct RunResult {
   int first_step = 0;                // 0, or the step a resumed run started at
   std::vector<double> losses;        // mean loss of every step so far (all ranks agree)
   std::vector<double> step_times_s;  // wall time of each step of this run (slowest rank)
-  double step_time_s = 0;            // median after warm-up
-  std::vector<TaskRecord> tasks;     // this rank's tasks of every step after warm-up
+  // With gradient clipping (plan.clip_grad): each step's global gradient norm before clipping
+  // (of this run's steps; with --only-rank this rank's share alone).
+  std::vector<double> grad_norms;
+  double step_time_s = 0;         // median after warm-up
+  std::vector<TaskRecord> tasks;  // this rank's tasks of every step after warm-up
   // Expert parallelism: the token copies this rank's experts got, over the even share
   // (micro-batch tokens x top_k), on average over a micro-batch's MoE blocks: the mean over
   // micro-batches (what its experts compute and receive, on average) and the largest (what

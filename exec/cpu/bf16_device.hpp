@@ -252,6 +252,14 @@ class Bf16Device final : public Device {
     cpu_.cross_entropy_sharded(s.act(dlogits), s.f32(loss), s.act(logits), s.f32(rowmax),
                                s.f32(sums), s.ints(targets), T, V, vocab_begin);
   }
+  void sum_squares(View acc, View x) override {
+    Scope s;
+    cpu_.sum_squares(s.f32(acc), s.f32(x));
+  }
+  void clip_scale(View x, View norm_sq, float max_norm) override {
+    Scope s;
+    cpu_.clip_scale(s.f32(x), s.f32(norm_sq), max_norm);
+  }
   void adamw(View params, View grads, View m, View v, float lr, float beta1, float beta2, float eps,
              float weight_decay, int t) override {
     Scope s;

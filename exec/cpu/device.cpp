@@ -1,6 +1,7 @@
 #include "exec/cpu/device.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -313,6 +314,14 @@ void CpuDevice::cross_entropy_sharded(View dlogits, View loss, View logits, View
   floats(loss)[0] = static_cast<float>(
       cpu::cross_entropy_sharded(floats(dlogits), floats(logits), floats(rowmax), floats(sums),
                                  ints(targets), T, V, vocab_begin));
+}
+
+void CpuDevice::sum_squares(View acc, View x) {
+  floats(acc)[0] += static_cast<float>(cpu::sum_squares(floats(x), x.n));
+}
+
+void CpuDevice::clip_scale(View x, View norm_sq, float max_norm) {
+  cpu::clip_scale(floats(x), x.n, std::sqrt(static_cast<double>(floats(norm_sq)[0])), max_norm);
 }
 
 void CpuDevice::adamw(View params, View grads, View m, View v, float lr, float beta1, float beta2,

@@ -87,6 +87,8 @@ class CpuDevice final : public Device {
                           int vocab_begin) override;
   void cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,
                              View targets, int T, int V, int vocab_begin) override;
+  void sum_squares(View acc, View x) override;
+  void clip_scale(View x, View norm_sq, float max_norm) override;
   void adamw(View params, View grads, View m, View v, float lr, float beta1, float beta2, float eps,
              float weight_decay, int t) override;
   void cast(View out, View in) override;

@@ -645,6 +645,23 @@ double cross_entropy_sharded(Out dlogits, In logits, In rowmax, In sums,
   return loss / T;
 }
 
+double sum_squares(In x, std::int64_t n) {
+  double s = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double v = x[static_cast<std::size_t>(i)];
+    s += v * v;
+  }
+  return s;
+}
+
+void clip_scale(Out x, std::int64_t n, double norm, float max_norm) {
+  // Megatron-LM's coefficient: max_norm / (total_norm + 1e-6), applied when below 1.
+  const double coeff = static_cast<double>(max_norm) / (norm + 1e-6);
+  if (!(coeff < 1.0)) return;
+  const auto c = static_cast<float>(coeff);
+  for (std::int64_t i = 0; i < n; ++i) x[static_cast<std::size_t>(i)] *= c;
+}
+
 void adamw(Out params, In grads, Out m, Out v, std::int64_t n, float lr, float beta1, float beta2,
            float eps, float weight_decay, int t) {
   const float c1 = 1.0f - std::pow(beta1, static_cast<float>(t));

@@ -182,6 +182,11 @@ void cross_entropy_sums(Out sums, In logits, In rowmax, std::span<const int> tar
 double cross_entropy_sharded(Out dlogits, In logits, In rowmax, In sums,
                              std::span<const int> targets, int T, int V, int vocab_begin);
 
+// Gradient clipping by global norm (Megatron-LM clip_grad_norm_fp32): the sum of the squares
+// of x (accumulated in double, in order), and x scaled by min(1, max_norm / (norm + 1e-6)).
+double sum_squares(In x, std::int64_t n);
+void clip_scale(Out x, std::int64_t n, double norm, float max_norm);
+
 // AdamW (Loshchilov & Hutter 2019), step t >= 1, decoupled weight decay.
 void adamw(Out params, In grads, Out m, Out v, std::int64_t n, float lr, float beta1, float beta2,
            float eps, float weight_decay, int t);

@@ -179,7 +179,7 @@ class CudaDevice final : public Device {
                           ints(tokens), B, S, C, vocab_begin, ints_or_null(positions));
   }
   // Context parallelism, dropout (the CPU's masks: exec/cuda/kernels.hpp), mixtures of experts
-  // (the CPU's routing) and FlashAttention's memory (exec/cuda/kernels.hpp).
+  // (the CPU's routing), FlashAttention's memory and gradient clipping (exec/cuda/kernels.hpp).
   bool has(Feature) const override { return true; }
   void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override {
     k_.copy_columns(act(dst), act(src), T, src_width, begin, width);
@@ -279,6 +279,10 @@ class CudaDevice final : public Device {
     k_.cross_entropy_sharded(act(dlogits), rows(T), act(logits), f32(rowmax), f32(sums),
                              ints(targets), T, V, vocab_begin);
     k_.mean(f32(loss), rows_.f32(), T);
+  }
+  void sum_squares(View acc, View x) override { k_.sum_squares(f32(acc), f32(x), x.n); }
+  void clip_scale(View x, View norm_sq, float max_norm) override {
+    k_.clip_scale(f32(x), x.n, f32(norm_sq), max_norm);
   }
   void adamw(View params, View grads, View m, View v, float lr, float beta1, float beta2, float eps,
              float weight_decay, int t) override {

@@ -749,6 +749,42 @@ __global__ void adamw_kernel(float* params, const float* grads, float* m, float*
   }
 }
 
+// Gradient clipping. A fixed grid (kNormBlocks x kThreads, whatever n): each block's threads
+// sum a strided share in double, the block reduces them in shared memory in a fixed tree, and
+// one block then adds the blocks' sums in order into acc: deterministic, unlike atomics.
+constexpr int kNormBlocks = 256;
+
+__global__ void sum_squares_blocks_kernel(double* partial, const float* x, std::int64_t n) {
+  __shared__ double s[kThreads];
+  double t = 0;
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
+    const double v = x[i];
+    t += v * v;
+  }
+  s[threadIdx.x] = t;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) s[threadIdx.x] += s[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] = s[0];
+}
+
+__global__ void sum_squares_total_kernel(float* acc, const double* partial, int blocks) {
+  double t = 0;
+  for (int b = 0; b < blocks; ++b) t += partial[b];
+  acc[0] += static_cast<float>(t);
+}
+
+__global__ void clip_scale_kernel(float* x, std::int64_t n, const float* norm_sq, float max_norm) {
+  // Megatron-LM's coefficient, as the CPU's: max_norm / (norm + 1e-6) when below 1.
+  const double coeff =
+      static_cast<double>(max_norm) / (sqrt(static_cast<double>(norm_sq[0])) + 1e-6);
+  if (!(coeff < 1.0)) return;
+  const auto c = static_cast<float>(coeff);
+  for (std::int64_t i = first_index(); i < n; i += grid_stride()) x[i] *= c;
+}
+
 unsigned blocks_for(std::int64_t n) {
   return static_cast<unsigned>(
       std::clamp<std::int64_t>((n + kThreads - 1) / kThreads, 1, kMaxBlocks));
@@ -1805,6 +1841,20 @@ void Kernels::cross_entropy(void* dlogits, float* row_loss, const void* logits, 
   cross_entropy_max(stats, logits, T, V);
   cross_entropy_sums(stats + T, logits, stats, targets, T, V, 0);
   cross_entropy_sharded(dlogits, row_loss, logits, stats, stats + T, targets, T, V, 0);
+}
+
+void Kernels::sum_squares(float* acc, const float* x, std::int64_t n) {
+  DeviceBuffer partial(kNormBlocks * sizeof(double), impl_->stream);
+  auto* p = static_cast<double*>(partial.get());
+  sum_squares_blocks_kernel<<<kNormBlocks, kThreads, 0, impl_->stream>>>(p, x, n);
+  launched("sum_squares_blocks_kernel");
+  sum_squares_total_kernel<<<1, 1, 0, impl_->stream>>>(acc, p, kNormBlocks);
+  launched("sum_squares_total_kernel");
+}
+
+void Kernels::clip_scale(float* x, std::int64_t n, const float* norm_sq, float max_norm) {
+  clip_scale_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(x, n, norm_sq, max_norm);
+  launched("clip_scale_kernel");
 }
 
 void Kernels::adamw(float* params, const float* grads, float* m, float* v, std::int64_t n, float lr,

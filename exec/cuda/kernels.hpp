@@ -254,6 +254,13 @@ class Kernels {
   void moe_combine_backward(void* dy, float* dgates, const void* dout, const void* y,
                             const float* gates, const int* order, int T, int C, int k);
 
+  // Gradient clipping (exec/cpu/kernels.hpp): acc[0] (fp32) += the sum of the squares of x's n
+  // fp32 values, summed in double in a fixed order (per block, then the blocks in order: the
+  // same bits every run); x *= min(1, max_norm / (sqrt(norm_sq[0]) + 1e-6)), the coefficient
+  // computed on the device from norm_sq (no wait on the host).
+  void sum_squares(float* acc, const float* x, std::int64_t n);
+  void clip_scale(float* x, std::int64_t n, const float* norm_sq, float max_norm);
+
   // AdamW on fp32 masters, step t >= 1 (bias corrections computed here).
   void adamw(float* params, const float* grads, float* m, float* v, std::int64_t n, float lr,
              float beta1, float beta2, float eps, float weight_decay, int t);

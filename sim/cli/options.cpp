@@ -115,6 +115,9 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
       "fraction of the data-parallel gradient bytes sent, in (0, 1] (default 1: none); "
       "compressing and decompressing cost memory passes")("optimizer", po::value<std::string>(),
                                                           "adam (default) or sgd (with momentum)")(
+      "clip-grad", po::value<double>(),
+      "clip the gradients to this global norm before the optimizer step (Megatron-LM "
+      "--clip-grad, whose default is 1.0); default 0: none")(
       "layers-per-stage", po::value<std::string>(),
       "blocks per model chunk, comma-separated (default: even split)")(
       "order", po::value<std::string>(),
@@ -447,6 +450,7 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   }
   if (vm.count("grad-compression")) p.grad_compression = vm["grad-compression"].as<double>();
   if (vm.count("expert-load")) p.expert_load = vm["expert-load"].as<double>();
+  if (vm.count("clip-grad")) p.clip_grad = vm["clip-grad"].as<double>();
   if (vm.count("sequence-parallel") && vm["sequence-parallel"].as<bool>()) {
     p.sequence_parallel = true;
   }

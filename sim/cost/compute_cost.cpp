@@ -89,6 +89,7 @@ double ComputeCost::profile_gemm_seconds(const model::Op& op, Phase phase) const
     case Phase::BackwardWeight:
       return op.bwd_weight_flops > 0 ? weight() : 0.0;
     case Phase::Optimizer:
+    case Phase::GradNorm:
     case Phase::None:
       return 0.0;
   }
@@ -120,6 +121,7 @@ double ComputeCost::wave_factor(const model::Op& op, Phase phase) const {
     case Phase::BackwardWeight:
       return 1.0 / efficiency(k, n);
     case Phase::Optimizer:
+    case Phase::GradNorm:
     case Phase::None:
       return 1.0;
   }
@@ -139,6 +141,7 @@ double ComputeCost::op_flops(const model::Op& op, Phase phase) const {
     case Phase::BackwardWeight:
       return op.bwd_weight_flops / d;
     case Phase::Optimizer:
+    case Phase::GradNorm:
     case Phase::None:
       return 0;
   }
@@ -159,6 +162,7 @@ double ComputeCost::kernel_flops(const model::Op& op, Phase phase) const {
       return op.executed_bwd_flops() / d;
     case Phase::BackwardWeight:
     case Phase::Optimizer:
+    case Phase::GradNorm:
     case Phase::None:
       return 0;
   }
@@ -208,6 +212,7 @@ double ComputeCost::kernel_seconds(const model::Op& op, Phase phase) const {
       break;
     }
     case Phase::Optimizer:
+    case Phase::GradNorm:
     case Phase::None:
       return 0;
   }
@@ -250,6 +255,7 @@ double ComputeCost::codec_seconds(std::uint64_t uncompressed, std::uint64_t comp
 double ComputeCost::task_seconds(const lower::Task& task) {
   DTSIM_ASSERT(task.kind == lower::TaskKind::Compute, "task_seconds needs a compute task");
   if (task.phase == Phase::Optimizer) return optimizer_seconds(task.params);
+  if (task.phase == Phase::GradNorm) return grad_norm_seconds(task.params);
   const auto key = std::make_tuple(task.op_begin, task.op_end, task.phase);
   if (auto it = memo_.find(key); it != memo_.end()) return it->second;
   double s = 0;
@@ -292,6 +298,16 @@ double ComputeCost::optimizer_seconds(std::uint64_t params) const {
     return static_cast<double>(params) * bytes_per_param / *optimizer_rate_ * in_run;
   }
   return (static_cast<double>(params) * bytes_per_param / hbm_bw_ + launch_s_) * in_run;
+}
+
+double ComputeCost::grad_norm_seconds(std::uint64_t params) const {
+  // One read of the gradients (Megatron-LM's multi_tensor_l2norm), at the optimizer's measured
+  // rate of state bytes where a profile has one. Scaling them when the norm is over the limit
+  // (a pass on the steps that clip) is not counted.
+  const double bytes = static_cast<double>(params) * plan::state_bytes_per_param(plan_).gradients;
+  const double in_run = profile_ != nullptr && profile_->in_run ? profile_->in_run->optimizer : 1.0;
+  if (optimizer_rate_) return bytes / *optimizer_rate_ * in_run;
+  return (bytes / hbm_bw_ + launch_s_) * in_run;
 }
 
 }  // namespace dtsim::cost

@@ -46,6 +46,8 @@ class ComputeCost {
   // 16-bit gradients, 30 with fp32 ones (bf16's default), 4 + 8 + 16 = 28 in fp32; SGD with
   // momentum 8 fewer.
   double optimizer_seconds(std::uint64_t params) const;
+  // Gradient clipping's sum of squares over `params` gradients: one read of them.
+  double grad_norm_seconds(std::uint64_t params) const;
   // Gradient compression's codec for one collective: compress (read the uncompressed bytes,
   // write the compressed ones) and decompress the result (the converse), memory-bound passes
   // at the device's (or the profile's) memory bandwidth, two kernels.

@@ -84,9 +84,11 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
     if (tt.end_s <= tt.start_s) continue;
     int c = Compute;
     if (task.kind == TaskKind::Compute) {
-      c = task.phase == Phase::Recompute   ? Recompute
-          : task.phase == Phase::Optimizer ? Optimizer
-                                           : Compute;
+      // Gradient clipping's sum of squares is part of the optimizer step (Megatron-LM's
+      // optimizer.step computes the norm).
+      c = task.phase == Phase::Recompute                                    ? Recompute
+          : task.phase == Phase::Optimizer || task.phase == Phase::GradNorm ? Optimizer
+                                                                            : Compute;
     } else {
       switch (task.stream) {
         case Stream::Tp:

@@ -69,6 +69,8 @@ std::string_view to_string(Phase p) {
       return "recompute";
     case Phase::Optimizer:
       return "optimizer";
+    case Phase::GradNorm:
+      return "grad_norm";
     case Phase::None:
       return "none";
   }
@@ -1123,11 +1125,14 @@ class Lowerer {
     const bool sharded = plan_.zero_stage >= 1;
     const double dense_shard = sharded ? static_cast<double>(grad_group) : 1.0;
     const double expert_shard = sharded ? static_cast<double>(dp_group_size(true)) : 1.0;
+    const auto update_params =
+        static_cast<std::uint64_t>(dense / dense_shard + experts / expert_shard);
+    if (plan_.clip_grad > 0) dp_tasks = {grad_norm(update_params, dp_tasks)};
     Task opt;
     opt.kind = TaskKind::Compute;
     opt.stream = Stream::Compute;
     opt.phase = Phase::Optimizer;
-    opt.params = static_cast<std::uint64_t>(dense / dense_shard + experts / expert_shard);
+    opt.params = update_params;
     opt.deps = dp_tasks;
     opt.label = "optimizer step";
     const TaskId opt_id = add(std::move(opt));
@@ -1144,6 +1149,40 @@ class Lowerer {
         add(std::move(ag));
       }
     }
+  }
+
+  // Gradient clipping (Megatron-LM clip_grad_norm_fp32): the squares of the `params` gradients
+  // the rank updates summed once every gradient is final (`after`), the sums all-reduced over
+  // the ranks that hold other parts of the model: dp x cp (ZeRO's shards, and experts over ep),
+  // tp, then the pipeline's stages. 4 bytes each; returns the last task, which the optimizer
+  // step waits for.
+  TaskId grad_norm(std::uint64_t params, const std::vector<TaskId>& after) {
+    Task sum;
+    sum.kind = TaskKind::Compute;
+    sum.stream = Stream::Compute;
+    sum.phase = Phase::GradNorm;
+    sum.params = params;
+    sum.deps = after;
+    sum.label = "grad norm";
+    TaskId last = add(std::move(sum));
+    const std::pair<GroupKind, int> reductions[] = {
+        {GroupKind::Dp, plan_.dp * plan_.cp}, {GroupKind::Tp, plan_.tp}, {GroupKind::Pp, plan_.pp}};
+    for (const auto& [kind, size] : reductions) {
+      if (size <= 1) continue;
+      Task ar;
+      ar.kind = TaskKind::Collective;
+      ar.stream = kind == GroupKind::Dp   ? Stream::Dp
+                  : kind == GroupKind::Tp ? Stream::Tp
+                                          : Stream::Pp;
+      ar.phase = Phase::GradNorm;
+      ar.collective = CollectiveKind::AllReduce;
+      ar.group = group(kind);
+      ar.bytes = sizeof(float);
+      ar.deps = {last};
+      ar.label = fmt::format("{} all-reduce grad norm", to_string(kind));
+      last = add(std::move(ar));
+    }
+    return last;
   }
 
   std::uint64_t activation_bytes() const {

@@ -33,7 +33,10 @@ enum class Phase : std::uint8_t {
   BackwardWeight,  // zero-bubble: weight gradients only
   Recompute,       // forward again before backward (selective or full recompute)
   Optimizer,
-  None  // communication tasks
+  // Gradient clipping (plan.clip_grad): the sum of the squares of the rank's gradients
+  // (compute, `params` of them read) and the all-reduces of that sum (communication).
+  GradNorm,
+  None  // other communication tasks
 };
 
 enum class CollectiveKind : std::uint8_t { AllReduce, AllGather, ReduceScatter, AllToAll };

@@ -122,6 +122,7 @@ std::string summary(const Plan& p) {
   if (p.comm_precision) s += fmt::format(" comm={}", to_string(*p.comm_precision));
   if (p.grad_compression < 1) s += fmt::format(" grad-compression={:g}", p.grad_compression);
   if (p.expert_load != 1) s += fmt::format(" expert-load={:g}", p.expert_load);
+  if (p.clip_grad > 0) s += fmt::format(" clip-grad={:g}", p.clip_grad);
   return s;
 }
 
@@ -201,6 +202,11 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
     error("sp-seq", fmt::format("sequence parallelism needs tp = {} to divide the sequence "
                                 "length per cp rank ({})",
                                 p.tp, p.seq_len / p.cp));
+  }
+  if (!(std::isfinite(p.clip_grad) && p.clip_grad >= 0)) {
+    error("clip-grad", fmt::format("gradient clipping at norm {:g}: expected a finite norm > 0, "
+                                   "or 0 for none",
+                                   p.clip_grad));
   }
   if (!(p.grad_compression > 0 && p.grad_compression <= 1)) {
     error("grad-compression",
@@ -395,6 +401,7 @@ json to_json(const Plan& p) {
   if (p.comm_precision) j["comm_precision"] = to_string(*p.comm_precision);
   if (p.grad_compression != 1.0) j["grad_compression"] = p.grad_compression;
   if (p.expert_load != 1.0) j["expert_load"] = p.expert_load;
+  if (p.clip_grad > 0) j["clip_grad"] = p.clip_grad;
   return j;
 }
 
@@ -426,6 +433,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "comm_precision",
                  "grad_compression",
                  "expert_load",
+                 "clip_grad",
                  "optimizer",
                  "layers_per_stage",
                  "order"});
@@ -491,6 +499,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
       r.fail("expert_load", std::string(kExpertLoadExpected));
     }
   }
+  if (r.has("clip_grad")) p.clip_grad = r.non_negative_number("clip_grad");
   if (r.has("optimizer")) parse_optimizer(r.choice("optimizer", {"adam", "sgd"}), p.optimizer);
   if (r.has("layers_per_stage")) {
     for (std::int64_t n : r.positive_int_array_up_to("layers_per_stage", kMaxDegree)) {

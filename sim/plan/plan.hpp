@@ -120,6 +120,11 @@ struct Plan {
   // and every rank waits for it at the all-to-alls. `dtexec run` measures it (expert_load).
   double expert_load = 1.0;
   Optimizer optimizer = Optimizer::Adam;
+  // Gradient clipping by global norm (Megatron-LM --clip-grad; its default is 1.0): before the
+  // optimizer step every rank sums the squares of the gradients it owns, the sums are
+  // all-reduced (over dp x cp, then tp, then pp) and the gradients scaled by
+  // min(1, clip_grad / (norm + 1e-6)). 0: no clipping, no such tasks.
+  double clip_grad = 0;
   // Transformer blocks per model chunk (pp x virtual_stages entries), empty = even split.
   std::vector<int> layers_per_stage;
   std::vector<cluster::ParallelDim> order = cluster::Placement::default_order();

@@ -13,6 +13,7 @@
 
 #include "exec/core/checkpoint.hpp"
 #include "exec/cpu/bf16_device.hpp"
+#include "exec/cpu/kernels.hpp"
 #include "sim/cluster/topology.hpp"
 #include "sim/common/error.hpp"
 #include "sim/lower/lowering.hpp"
@@ -115,6 +116,39 @@ TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   REQUIRE_THROWS_WITH(run("tiny-gpt", flash, 1, {}, &no_flash),
                       Catch::Contains("FlashAttention's memory (plan attention flash; --attention "
                                       "unfused runs without it) is not executed on"));
+  // Gradient clipping, as on the GPU device (which lacks it yet).
+  auto clip = single_rank(1, 2);
+  clip.clip_grad = 1.0;
+  dtsim::exec::cpu::Bf16Device no_clip(true, {dtsim::exec::Device::Feature::GradClip});
+  REQUIRE_THROWS_WITH(run("tiny-gpt", clip, 1, {}, &no_clip),
+                      Catch::Contains("gradient clipping (--clip-grad 1) is not executed on"));
+}
+
+// Gradient clipping (Megatron-LM's clip_grad_norm_fp32) on one rank: the norm it reports is
+// the gradients' own (their sum of squares as the kernels give it), a limit above every
+// step's norm trains as no clipping at all, and one below scales every step.
+TEST_CASE("gradient clipping reports the norm and clips only above it", "[exec][runner]") {
+  auto p = single_rank(1, 2);
+  const auto free_run = run("tiny-gpt", p, 3);
+  p.clip_grad = 1e6;
+  const auto loose = run("tiny-gpt", p, 3);
+  REQUIRE(loose.grad_norms.size() == 3);
+  CHECK(loose.losses == free_run.losses);  // bitwise: the coefficient is never applied
+  for (double n : loose.grad_norms) CHECK(n > 0);
+  p.clip_grad = 0.1;
+  const auto tight = run("tiny-gpt", p, 3);
+  CHECK(tight.grad_norms.front() == loose.grad_norms.front());  // the first step's, before any
+  CHECK(tight.losses.front() == loose.losses.front());
+  CHECK(tight.losses.back() != loose.losses.back());
+  // cpu::clip_scale: max_norm / (norm + 1e-6) when below 1.
+  std::vector<float> g = {3.0f, 4.0f};
+  dtsim::exec::cpu::clip_scale(g, 2, 5.0, 1.0f);
+  CHECK(g[0] == Approx(3.0 / (5.0 + 1e-6)));
+  CHECK(g[1] == Approx(4.0 / (5.0 + 1e-6)));
+  CHECK(dtsim::exec::cpu::sum_squares(g, 2) == Approx(1.0).epsilon(1e-6));
+  std::vector<float> small = {0.3f, 0.4f};
+  dtsim::exec::cpu::clip_scale(small, 2, 0.5, 1.0f);  // under the limit: unchanged
+  CHECK(small[0] == 0.3f);
 }
 
 // FlashAttention's memory trains as the unfused kernel: its forward is the same, its

@@ -731,6 +731,33 @@ TEST_CASE("GPU AdamW matches the CPU over three steps", "[exec][cuda][gpu]") {
   CHECK(error(d_v.host(), v) < 1e-5);
 }
 
+TEST_CASE("GPU gradient clipping matches the CPU and repeats bit for bit", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  cu::Kernels k(*gpu, cu::Dtype::BF16);  // gradients are fp32 whatever the activations
+  // Two tensors (one larger than the fixed grid covers in one pass), summed into one norm.
+  const Vec a = random(100003, 81), b = random(777, 82, 3.0f);
+  const double want = cpu::sum_squares(a, 100003) + cpu::sum_squares(b, 777);
+  Dev d_a(k, a, true), d_b(k, b, true), acc(k, Vec{0.0f}, true);
+  k.sum_squares(acc.f(), d_a.f(), 100003);
+  k.sum_squares(acc.f(), d_b.f(), 777);
+  const float got = acc.host()[0];
+  CHECK(got == Approx(want).epsilon(1e-6));
+  Dev again(k, Vec{0.0f}, true);
+  k.sum_squares(again.f(), d_a.f(), 100003);
+  k.sum_squares(again.f(), d_b.f(), 777);
+  CHECK(again.host()[0] == got);  // a fixed order of sums: the same bits
+  // Scaled as the CPU scales, from the same squared norm: bit for bit.
+  Vec ref = a;
+  cpu::clip_scale(ref, 100003, std::sqrt(static_cast<double>(got)), 1.0f);
+  k.clip_scale(d_a.f(), 100003, acc.f(), 1.0f);
+  CHECK(d_a.host() == ref);
+  // A limit above the norm leaves the gradients alone.
+  Vec same = b;
+  k.clip_scale(d_b.f(), 777, acc.f(), 1e9f);
+  CHECK(d_b.host() == same);
+}
+
 TEST_CASE("GPU kernels repeat bit for bit", "[exec][cuda][gpu]") {
   const auto gpu = first_gpu();
   if (!gpu) return;

@@ -35,11 +35,12 @@ TEST_CASE("one representative per stage predicts exactly what every rank does",
   // All ranks of a stage run the same tasks; on a symmetric placement their groups have the
   // same shape, so every member reaches a collective at the same instant. Simulating all ranks
   // must then give the same times as simulating one representative per stage.
-  for (auto [tp, pp, sched, zero, sp] :
-       {std::tuple{2, 2, dtsim::plan::Schedule::OneFOneB, 0, false},
-        std::tuple{4, 2, dtsim::plan::Schedule::Interleaved, 1, true},
-        std::tuple{2, 4, dtsim::plan::Schedule::ZeroBubble, 2, false},
-        std::tuple{1, 2, dtsim::plan::Schedule::GPipe, 3, false}}) {
+  // Gradient clipping's all-reduce over the whole pipeline too (clip).
+  for (auto [tp, pp, sched, zero, sp, clip] :
+       {std::tuple{2, 2, dtsim::plan::Schedule::OneFOneB, 0, false, false},
+        std::tuple{4, 2, dtsim::plan::Schedule::Interleaved, 1, true, true},
+        std::tuple{2, 4, dtsim::plan::Schedule::ZeroBubble, 2, false, true},
+        std::tuple{1, 2, dtsim::plan::Schedule::GPipe, 3, false, false}}) {
     DYNAMIC_SECTION("tp=" << tp << " pp=" << pp << " zero=" << zero) {
       Plan p = blank();
       p.tp = tp;
@@ -47,6 +48,7 @@ TEST_CASE("one representative per stage predicts exactly what every rank does",
       p.schedule = sched;
       p.zero_stage = zero;
       p.sequence_parallel = sp;
+      if (clip) p.clip_grad = 1.0;
       p.seq_len = 512;
       p.global_batch_size = 32;
       if (sched == dtsim::plan::Schedule::Interleaved) p.virtual_stages = 2;
@@ -68,6 +70,40 @@ TEST_CASE("one representative per stage predicts exactly what every rank does",
       }
     }
   }
+}
+
+TEST_CASE("gradient clipping costs a read of the gradients and three tiny all-reduces",
+          "[engine][clip]") {
+  // Llama 2 7B, dp 8 x tp 2 x pp 2 on the default cluster: the norm's sum of squares reads
+  // each rank's fp32 gradients once (ComputeCost::grad_norm_seconds), and its 4-byte
+  // all-reduces are latency; the step grows by about that and no more.
+  Plan p = blank();
+  p.tp = 2;
+  p.pp = 2;
+  p.global_batch_size = 64;
+  const auto a = run("llama2-7b", "default", p).prediction;
+  p.clip_grad = 1.0;
+  const auto sim = run("llama2-7b", "default", p);
+  const auto b = sim.prediction;
+  const auto dev = dtsim::cluster::load_cluster("default").device;
+  double norm_s = 0, params = 0;
+  for (std::size_t i = 0; i < sim.program.ranks[0].tasks.size(); ++i) {
+    const auto& t = sim.program.ranks[0].tasks[i];
+    if (t.phase == dtsim::lower::Phase::GradNorm && t.kind == dtsim::lower::TaskKind::Compute) {
+      norm_s = sim.timeline.tasks[0][i].end_s - sim.timeline.tasks[0][i].start_s;
+      params = static_cast<double>(t.params);
+    }
+  }
+  REQUIRE(params > 0);
+  // fp32 gradients at the element-wise kernels' share of the device's memory bandwidth, plus
+  // one launch.
+  CHECK(norm_s ==
+        Approx(params * 4 / (dev.memory_bw_bytes_per_s.value * dev.efficiency.memory_bw.value) +
+               dev.efficiency.launch_overhead_s.value)
+            .epsilon(1e-9));
+  CHECK(b.step_time_s > a.step_time_s);
+  CHECK(b.step_time_s - a.step_time_s < 2 * norm_s + 1e-3);
+  CHECK(b.breakdown.optimizer_s > a.breakdown.optimizer_s);
 }
 
 TEST_CASE("the backward's tp all-reduces hide behind the weight gradients", "[engine][tp]") {

@@ -249,6 +249,50 @@ TEST_CASE("tied embeddings on two stages all-reduce their gradients", "[lower]")
   }
 }
 
+TEST_CASE("gradient clipping sums the squares, all-reduces them, then steps", "[lower]") {
+  // dp 2 x tp 2 x pp 2, ZeRO-1: each rank reads the gradients it updates (its dp slice), and the
+  // 4-byte sum goes over dp x cp, tp and the pipeline, in that order, before the optimizer.
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  auto p = plan_for(2, 2, 2, 1);
+  p.zero_stage = 1;
+  const Program plain = dtsim::lower::lower(g, p);
+  p.clip_grad = 1.0;
+  const Program clipped = dtsim::lower::lower(g, p);
+  for (std::size_t r = 0; r < clipped.ranks.size(); ++r) {
+    const auto& tasks = clipped.ranks[r].tasks;
+    CHECK(tasks.size() == plain.ranks[r].tasks.size() + 4);
+    std::vector<const dtsim::lower::Task*> norm;
+    const dtsim::lower::Task* opt = nullptr;
+    for (const auto& t : tasks) {
+      if (t.phase == Phase::GradNorm) norm.push_back(&t);
+      if (t.phase == Phase::Optimizer) opt = &t;
+    }
+    REQUIRE(norm.size() == 4);
+    REQUIRE(opt != nullptr);
+    CHECK(norm[0]->kind == TaskKind::Compute);
+    CHECK(norm[0]->params == opt->params);
+    const GroupKind kinds[] = {GroupKind::Dp, GroupKind::Tp, GroupKind::Pp};
+    for (int i = 1; i < 4; ++i) {
+      CHECK(norm[static_cast<std::size_t>(i)]->kind == TaskKind::Collective);
+      CHECK(norm[static_cast<std::size_t>(i)]->bytes == 4);
+      const auto& grp =
+          clipped.groups[static_cast<std::size_t>(norm[static_cast<std::size_t>(i)]->group)];
+      CHECK(grp.kind == kinds[i - 1]);
+      CHECK(grp.ranks.size() == 2);
+    }
+    // Each waits for the one before; the optimizer for the last.
+    const auto id = [&](const dtsim::lower::Task* t) {
+      return static_cast<dtsim::lower::TaskId>(t - tasks.data());
+    };
+    for (int i = 1; i < 4; ++i) {
+      CHECK(norm[static_cast<std::size_t>(i)]->deps ==
+            std::vector<dtsim::lower::TaskId>{id(norm[static_cast<std::size_t>(i) - 1])});
+    }
+    CHECK(opt->deps == std::vector<dtsim::lower::TaskId>{id(norm[3])});
+  }
+}
+
 TEST_CASE("a representative per stage is exact with cp and with experts", "[lower][symmetry]") {
   auto moe = dtsim::model::load_model("tiny");
   moe.moe = dtsim::model::MoeSpec{4, 2, 64};
