@@ -69,7 +69,8 @@ int main(int argc, char** argv) {
         "dp gradients all-reduced after the last backward pass and tp input-gradient\n"
         "all-reduces after the weight gradients (no overlap), and weight gradients added\n"
         "into the main gradients by a kernel of their own per micro-batch, as Megatron-LM\n"
-        "did in 2021; GEMMs at selene.json's CUDA 11 rate (73.7% of peak)\n");
+        "did in 2021; gradients clipped to norm 1 (Megatron-LM's default); GEMMs at\n"
+        "selene.json's CUDA 11 rate (73.7% of peak)\n");
     fmt::print("{:<16} {:>4} {:>4} {:>4} {:>3} {:>10} {:>9} {:>8}\n", "model", "tp", "pp", "dp",
                "v", "predicted", "paper", "error");
   }

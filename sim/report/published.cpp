@@ -143,6 +143,9 @@ Table1Case megatron_table1_case(const CsvRow& row) {
   p.precision = Precision::Fp16;
   p.overlap_grad_reduce = false;
   p.overlap_tp_backward = false;
+  // Gradients clipped to norm 1: Megatron-LM's default --clip-grad (megatron/arguments.py),
+  // which the scripts do not change.
+  p.clip_grad = 1.0;
   // Weight gradients added into the main gradients by a kernel of their own (2021's
   // DistributedDataParallel; gradient-accumulation fusion came later that year).
   p.grad_accumulation_fusion = false;
