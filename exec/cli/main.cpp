@@ -487,6 +487,9 @@ int run(const std::vector<std::string>& args) {
       "lr-decay-steps", po::value<int>(),
       "with a decay: the step at which the rate reaches --min-lr (default: --steps)")(
       "min-lr", po::value<float>(), "with a decay: the rate it ends at (default 0)")(
+      "weight-decay", po::value<float>()->default_value(0.0f),
+      "AdamW's decoupled weight decay on matrices and embedding tables, not biases or norms "
+      "(Megatron-LM's --weight-decay, whose default is 0.01)")(
       "seed", po::value<std::uint64_t>()->default_value(1234), "initialisation and data seed")(
       "cluster", po::value<std::string>(),
       "the cluster (name or path) whose device's peak the measured MFU is taken against "
@@ -627,6 +630,11 @@ int run(const std::vector<std::string>& args) {
   options.steps = steps;
   options.warmup_steps = warmup;
   options.lr = lr_schedule_of(vm, steps);
+  options.weight_decay = vm["weight-decay"].as<float>();
+  if (!(std::isfinite(options.weight_decay) && options.weight_decay >= 0)) {
+    throw dtsim::InputError(
+        fmt::format("--weight-decay: expected a finite number >= 0, got {}", options.weight_decay));
+  }
   options.seed = vm["seed"].as<std::uint64_t>();
   if (vm.count("checkpoint")) options.checkpoint_dir = vm["checkpoint"].as<std::string>();
   options.checkpoint_every = every;
@@ -802,6 +810,7 @@ int run(const std::vector<std::string>& args) {
                      {"first_step", first},
                      {"losses", result.losses},
                      {"lr_schedule", options.lr.to_json()},
+                     {"weight_decay", dtsim::exec::decimal(options.weight_decay)},
                      {"learning_rates", learning_rates},
                      {"grad_norms", result.grad_norms},
                      {"step_times_s", result.step_times_s},

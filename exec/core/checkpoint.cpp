@@ -57,6 +57,7 @@ void write_checkpoint(const std::string& dir, const Checkpoint& c) {
                      {"step", c.step},     {"seed", c.seed},    {"learning_rate", c.learning_rate},
                      {"losses", c.losses}, {"tensors", tensors}};
     if (!c.lr_schedule.is_null()) j["lr_schedule"] = c.lr_schedule;
+    j["weight_decay"] = c.weight_decay;
     meta << j.dump(1) << "\n";
     if (!meta)
       throw InputError(fmt::format("{}: cannot write", (tmp / "checkpoint.json").string()));
@@ -109,6 +110,7 @@ Checkpoint read_checkpoint(const std::string& dir_given) {
     c.seed = j.at("seed").get<std::uint64_t>();
     c.learning_rate = j.at("learning_rate").get<double>();
     if (j.contains("lr_schedule")) c.lr_schedule = j.at("lr_schedule");
+    if (j.contains("weight_decay")) c.weight_decay = j.at("weight_decay").get<double>();
     c.losses = j.at("losses").get<std::vector<double>>();
     if (c.step < 0 || static_cast<std::size_t>(c.step) != c.losses.size()) {
       throw InputError(fmt::format("{}: step: expected the number of losses ({}), got {}",

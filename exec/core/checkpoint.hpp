@@ -3,7 +3,7 @@
 // resume under the same plan and two runs with different plans can be compared.
 //
 // On disk, a folder: `checkpoint.json` (format, model, plan, step, seed, learning rate and its
-// schedule, losses,
+// schedule, weight decay, losses,
 // tensors with name, shape and offset) and `tensors.bin` (for each tensor its weights, AdamW m
 // and v as little-endian fp32). A checkpoint is written to a sibling temporary folder and
 // renamed into place, so a reader never sees half of one.
@@ -28,6 +28,7 @@ struct Checkpoint {
   int step = 0;  // steps completed
   std::uint64_t seed = 0;
   double learning_rate = 0;  // the schedule's max_lr
+  double weight_decay = 0;   // AdamW's (0 in checkpoints written before it was recorded)
   // The learning-rate schedule (exec/core/lr_schedule.hpp's JSON); null in checkpoints written
   // before schedules (a constant learning_rate).
   nlohmann::json lr_schedule;

@@ -116,6 +116,7 @@ struct Param {
   bool tied_copy = false;  // the last stage's copy of the embedding (pipeline, tied head)
   bool norm = false;       // a norm's weight or bias
   bool expert = false;     // an expert's (its gradient reduces over the expert-dp group)
+  bool decays = false;     // AdamW's weight decay applies (a matrix: not a bias or a norm's)
 };
 
 // What one micro-batch keeps between its forward and backward passes (device views).
@@ -624,6 +625,10 @@ class Runner {
         p.slice = slice;
         p.tied_copy = op.kind == OpKind::LmHead && op.params == 0;
         p.norm = op.kind == OpKind::Norm;
+        // AdamW's weight decay: matrices and embedding tables (the learned positions are the
+        // embedding's second tensor), not biases or norms' weights (Megatron-LM's
+        // no_weight_decay_cond: ".bias" and 1-D parameters).
+        p.decays = !p.norm && (which % 2 == 0 || op.kind == OpKind::Embedding);
         // The copy starts from (and is saved as) the embedding matrix.
         const OpId source = p.tied_copy ? embedding : id;
         p.expert = op.expert;
@@ -1551,7 +1556,7 @@ class Runner {
     for (auto& [key, p] : params_) {
       if (clip > 0) dev_.clip_scale(sharded_ ? p.reduced : grad(p), grad_norm_sq_, clip);
       dev_.adamw(master_slice(p), sharded_ ? p.reduced : grad(p), p.m, p.v, lr, 0.9f, 0.95f, 1e-8f,
-                 0.0f, adam_step_);
+                 p.decays ? options_.weight_decay : 0.0f, adam_step_);
       // Sharded, the gradients were cleared when their reduce-scatter took its packed copy (a
       // replay of predicted waits runs no reduce-scatter: they are cleared here).
       if (sharded_) dev_.zero(p.reduced);
@@ -2603,6 +2608,7 @@ class Runner {
     c.step = steps_done;
     c.seed = options_.seed;
     c.learning_rate = options_.lr.max_lr;
+    c.weight_decay = options_.weight_decay;
     c.lr_schedule = options_.lr.to_json();
     c.losses = losses;
     std::map<Key, CheckpointTensor> tensors;
@@ -2665,6 +2671,13 @@ class Runner {
                       "this run has --lr {}; give --lr {} to continue it",
                       where, static_cast<float>(c.learning_rate), options_.lr.max_lr,
                       static_cast<float>(c.learning_rate)));
+    }
+    if (static_cast<float>(c.weight_decay) != options_.weight_decay) {
+      throw InputError(
+          fmt::format("{}: weight_decay: the checkpoint was trained with --weight-decay {}, "
+                      "this run has --weight-decay {}; give --weight-decay {} to continue it",
+                      where, static_cast<float>(c.weight_decay), options_.weight_decay,
+                      static_cast<float>(c.weight_decay)));
     }
     // Checkpoints from before schedules trained at a constant rate.
     LrSchedule trained;

@@ -47,6 +47,8 @@ struct RunOptions {
   int steps = 10;        // the step number to stop after (counted from the first step ever)
   int warmup_steps = 1;  // steps of this run left out of the median step time
   LrSchedule lr;         // the learning rate of each step
+  // AdamW's decoupled weight decay, on matrices and embedding tables (not biases or norms).
+  float weight_decay = 0.0f;
   std::uint64_t seed = 1234;
   std::string checkpoint_dir;  // where to write checkpoints ("" = none)
   int checkpoint_every = 0;    // steps between checkpoints (0 = only after the last step)

@@ -124,6 +124,43 @@ TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
                       Catch::Contains("gradient clipping (--clip-grad 1) is not executed on"));
 }
 
+// AdamW's decoupled weight decay (Megatron-LM's --weight-decay): after one step from the same
+// initial weights, the same gradients (the first step's do not depend on it) move biases and
+// norms' weights identically, and matrices by lr x decay x weight more.
+TEST_CASE("weight decay shrinks matrices only", "[exec][runner]") {
+  namespace fs = std::filesystem;
+  const auto p = single_rank(1, 2);
+  std::map<std::string, std::vector<float>> after[2];
+  for (int k = 0; k < 2; ++k) {
+    const fs::path dir = fs::temp_directory_path() / ("dtexec_runner_test_wd" + std::to_string(k));
+    fs::remove_all(dir);
+    dtsim::exec::RunOptions o;
+    o.checkpoint_dir = dir.string();
+    o.weight_decay = k == 0 ? 0.0f : 0.1f;
+    run("tiny-gpt", p, 1, o);
+    for (auto& t : dtsim::exec::read_checkpoint(dir.string()).tensors) after[k][t.name] = t.data;
+    fs::remove_all(dir);
+  }
+  int matrices = 0, others = 0;
+  for (const auto& [name, plain] : after[0]) {
+    const auto& decayed = after[1].at(name);
+    // Biases and norms' weights and biases are 1-D; the embedding's second tensor is the
+    // learned positions' table, a matrix.
+    const bool one_dim = name.find("norm") != std::string::npos ||
+                         (name.find(".bias") != std::string::npos && name != "embedding.bias");
+    INFO(name);
+    if (!one_dim) {
+      ++matrices;
+      CHECK(decayed != plain);
+    } else {
+      ++others;
+      CHECK(decayed == plain);
+    }
+  }
+  CHECK(matrices > 0);
+  CHECK(others > 0);
+}
+
 // Gradient clipping (Megatron-LM's clip_grad_norm_fp32) on one rank: the norm it reports is
 // the gradients' own (their sum of squares as the kernels give it), a limit above every
 // step's norm trains as no clipping at all, and one below scales every step.

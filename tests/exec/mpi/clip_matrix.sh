@@ -5,7 +5,8 @@
 # over ep and their expert-dp replicas, cp), each step's norm before clipping equals the
 # single rank's (relative 1e-5: fp32 sums in another order), and the losses and weights of K
 # clipped steps equal its too (the correctness matrix's tolerances). The limit, 0.5, is under
-# every step's norm, so every step clips.
+# every step's norm, so every step clips. AdamW's weight decay (0.1, on matrices only) is on:
+# its choice of tensors must hold on every split of them too.
 #
 # usage: clip_matrix.sh DTEXEC MPIRUN [WORKDIR]
 set -euo pipefail
@@ -13,7 +14,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=tests/exec/mpi/plan_matrix.sh
 source "$here/plan_matrix.sh"
 setup_plan_matrix "$@"
-common=(--steps 3 --lr 3e-3 --warmup 0 --global-batch-size 8 --clip-grad 0.5)
+common=(--steps 3 --lr 3e-3 --warmup 0 --global-batch-size 8 --clip-grad 0.5 --weight-decay 0.1)
 tolerances=(--loss-tolerance 1e-5 --weight-tolerance 1e-3)
 path_of() {
   case "$1" in
@@ -44,6 +45,7 @@ plans=(
   "moe|4|1|--dp 2 --ep 2 --cp 2"
 )
 failed=0
+rm -rf ref_* run  # a reused work folder's references may be another version's
 printf '%-9s %-62s %9s %9s  %s\n' model plan norm_diff loss_diff result
 for entry in "${plans[@]}"; do
   IFS='|' read -r model ranks mbs flags <<<"$entry"
