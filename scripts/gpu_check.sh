@@ -145,7 +145,7 @@ gpu_against_cpu flash "$repo/tests/exec/mpi/tiny_gpt_dropout.json" "--attention 
 say "-- gradient clipping at norm 0.5 (every step clips): GPU against CPU, and the norms"
 gpu_against_cpu clip tiny-gpt "--clip-grad 0.5"
 for side in cpu gpu; do
-  say "$side: $(grep -h -o 'grad norm [0-9.]*' "$out/ckpt_${side}_clip.txt" | tr '\n' ' ')"
+  say "$side: $(grep -h -o 'grad norm [0-9.e+-]*' "$out/ckpt_${side}_clip.txt" | tr '\n' ' ')"
 done
 
 # One plan: dtexec measures it, dtsim predicts it (catalog, then $profile), dtsim validate

@@ -56,8 +56,8 @@ void LrSchedule::check() const {
   }
   if (decay_steps <= warmup_steps) {
     throw InputError(fmt::format(
-        "--lr-decay-steps {}: expected more than --lr-warmup-steps ({}), the decay running "
-        "from the end of the warm-up to that step",
+        "--lr-decay-steps {} (default: --steps): expected more than --lr-warmup-steps ({}), "
+        "the decay running from the end of the warm-up to that step",
         decay_steps, warmup_steps));
   }
 }

@@ -2679,6 +2679,13 @@ class Runner {
                       where, static_cast<float>(c.weight_decay), options_.weight_decay,
                       static_cast<float>(c.weight_decay)));
     }
+    const double clipped = c.plan.is_object() ? c.plan.value("clip_grad", 0.0) : 0.0;
+    if (clipped != p_.clip_grad) {
+      throw InputError(fmt::format(
+          "{}: clip_grad: the checkpoint was trained with --clip-grad {:g}, this run has "
+          "--clip-grad {:g}; give --clip-grad {:g} to continue it",
+          where, clipped, p_.clip_grad, clipped));
+    }
     // Checkpoints from before schedules trained at a constant rate.
     LrSchedule trained;
     trained.max_lr = static_cast<float>(c.learning_rate);

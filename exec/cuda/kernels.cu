@@ -857,7 +857,8 @@ struct Kernels::Impl {
   // probabilities, made again in its backward (the runner keeps only the log-sum-exp); the
   // backward's scores again go where their gradient goes next (`scores`).
   DeviceBuffer flash_probs, flash_mask, flash_dropped;
-  DeviceBuffer workspace;  // cuBLAS's, given at construction (no allocation at a first GEMM)
+  DeviceBuffer norm_partials;  // gradient clipping: the blocks' sums of squares (double)
+  DeviceBuffer workspace;      // cuBLAS's, given at construction (no allocation at a first GEMM)
   std::vector<cudaEvent_t> events;  // mark() numbers [0, marks) in use
   int marks = 0;
 
@@ -865,7 +866,7 @@ struct Kernels::Impl {
     // The scratch goes back on the stream, before the stream does; then the pool gives it to
     // the GPU (its release threshold keeps it otherwise, where cudaMalloc cannot reach it).
     for (DeviceBuffer* b : {&staging, &stats, &scores, &dscores, &partials, &slots, &cp_kv, &cp_dkv,
-                            &flash_probs, &flash_mask, &flash_dropped})
+                            &flash_probs, &flash_mask, &flash_dropped, &norm_partials})
       *b = DeviceBuffer();
     for (cudaEvent_t e : events) cudaEventDestroy(e);
     if (blas != nullptr) cublasDestroy(blas);
@@ -1844,8 +1845,9 @@ void Kernels::cross_entropy(void* dlogits, float* row_loss, const void* logits, 
 }
 
 void Kernels::sum_squares(float* acc, const float* x, std::int64_t n) {
-  DeviceBuffer partial(kNormBlocks * sizeof(double), impl_->stream);
-  auto* p = static_cast<double*>(partial.get());
+  // Scratch kept from call to call (one stream: the next call's kernels follow these).
+  auto* p =
+      reinterpret_cast<double*>(impl_->room(impl_->norm_partials, kNormBlocks * sizeof(double)));
   sum_squares_blocks_kernel<<<kNormBlocks, kThreads, 0, impl_->stream>>>(p, x, n);
   launched("sum_squares_blocks_kernel");
   sum_squares_total_kernel<<<1, 1, 0, impl_->stream>>>(acc, p, kNormBlocks);

@@ -69,6 +69,7 @@ struct Task {
   // - ep all-to-alls: the tokens' copies before op_begin's expert up GEMMs (dispatch) or after
   //   its down GEMMs (combine); tag 0 in the forward pass, 1 in the backward.
   // ZeRO-1/2's all-gather of updated weights covers every parameter of the rank (no ops).
+  // Gradient clipping's all-reduces (phase GradNorm, no ops) carry the squared norm's sum.
   std::int32_t op_begin = 0;
   std::int32_t op_end = 0;
   // Collective: kind, group (index into Program::groups), payload bytes per rank (the size of

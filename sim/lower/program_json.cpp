@@ -38,6 +38,8 @@ nlohmann::json to_json(const Program& program) {
           task["bytes"] = t.bytes;
           if (t.uncompressed_bytes > 0) task["uncompressed_bytes"] = t.uncompressed_bytes;
           if (t.op_end > t.op_begin) task["ops"] = {t.op_begin, t.op_end};
+          // Gradient clipping's all-reduces of the squared norm (no tensor of ops).
+          if (t.phase == Phase::GradNorm) task["phase"] = to_string(t.phase);
           break;
         case TaskKind::Send:
         case TaskKind::Recv:

@@ -62,8 +62,9 @@ TEST_CASE("lr schedule: out-of-range fields name their flag", "[exec][lr]") {
   s.warmup_steps = 5;
   s.decay = LrDecay::Cosine;
   s.decay_steps = 5;
-  CHECK_THROWS_WITH(s.check(), Catch::Contains("--lr-decay-steps 5: expected more than "
-                                               "--lr-warmup-steps (5)"));
+  CHECK_THROWS_WITH(s.check(),
+                    Catch::Contains("--lr-decay-steps 5 (default: --steps): expected more "
+                                    "than --lr-warmup-steps (5)"));
   s.decay_steps = 6;
   s.min_lr = 2e-3f;
   CHECK_THROWS_WITH(s.check(), Catch::Contains("--min-lr: expected a rate from 0 to --lr"));
