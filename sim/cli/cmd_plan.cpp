@@ -341,22 +341,26 @@ int cmd_plan(const std::vector<std::string>& args) {
   }
   if (vm["csv"].as<bool>()) {
     // The first seven columns as they always were; then MFU (simulated plans), capacity, and
-    // with --tokens the time (and, with a price, cost) to train; empty where there is none.
+    // with --tokens the time (and, with a price, cost) to train, failure-free, then the
+    // goodput and the time with interruptions; empty where there is none.
     std::cout << "rank,plan,step_time_s,simulated,tokens_per_s,memory_per_gpu_bytes,dominant,"
-                 "mfu,capacity_bytes,cost_per_step_usd,time_to_train_s,cost_to_train_usd\n";
+                 "mfu,capacity_bytes,cost_per_step_usd,time_to_train_s,cost_to_train_usd,"
+                 "goodput,time_to_train_with_interruptions_s\n";
     auto cell = [](bool has, double v) { return has ? fmt::format("{:.6g}", v) : std::string(); };
     for (int i = 0; i < shown; ++i) {
       const auto& c = result.ranked[static_cast<std::size_t>(i)];
       const double tokens = static_cast<double>(c.plan.global_batch_size * c.plan.seq_len);
       const double steps = train_tokens > 0 ? train_tokens / tokens : 0;
       const bool priced = c.cost_per_step_usd >= 0;
+      const plan::TrainingTime tt = steps > 0 ? goal.of(c) : plan::TrainingTime{};
       std::cout << fmt::format(
-          "{},\"{}\",{:.6g},{},{:.6g},{:.0f},\"{}\",{},{:.0f},{},{},{}\n", i + 1,
+          "{},\"{}\",{:.6g},{},{:.6g},{:.0f},\"{}\",{},{:.0f},{},{},{},{},{}\n", i + 1,
           plan::summary(c.plan), c.step_time_s, c.refined ? 1 : 0, tokens / c.step_time_s,
           c.memory_bytes, planner::dominant_term(breakdown_of(c), c.step_time_s),
           cell(c.refined, c.prediction.mfu), c.capacity_bytes, cell(priced, c.cost_per_step_usd),
           cell(steps > 0, steps * c.step_time_s),
-          cell(steps > 0 && priced, steps * c.cost_per_step_usd));
+          cell(steps > 0 && priced, steps * c.cost_per_step_usd), cell(steps > 0, tt.goodput),
+          cell(steps > 0 && tt.goodput > 0, tt.wall_s));
     }
     return 0;
   }

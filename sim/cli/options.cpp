@@ -235,7 +235,10 @@ void add_search_space_options(po::options_description& desc) {
       "attention", po::value<std::string>(), kAttentionHelp)(
       "overlap-param-gather", po::bool_switch(),
       "ZeRO-1/2 candidates all-gather the updated weights during the next step's forward "
-      "(Megatron-LM --overlap-param-gather)");
+      "(Megatron-LM --overlap-param-gather)")(
+      "clip-grad", po::value<double>(),
+      "every candidate clips its gradients to this global norm (Megatron-LM --clip-grad, "
+      "whose default is 1.0; default 0: none)");
 }
 
 void search_space_from_options(const po::variables_map& vm, planner::SearchSpace& space) {
@@ -251,6 +254,13 @@ void search_space_from_options(const po::variables_map& vm, planner::SearchSpace
   if (vm.count("fixed")) apply_fixed(vm["fixed"].as<std::vector<std::string>>(), space);
   attention_from_options(vm, space.attention);
   space.overlap_param_gather = vm["overlap-param-gather"].as<bool>();
+  if (vm.count("clip-grad")) {
+    space.clip_grad = vm["clip-grad"].as<double>();
+    if (!(std::isfinite(space.clip_grad) && space.clip_grad >= 0)) {
+      throw InputError(fmt::format("--clip-grad: expected a finite norm > 0, or 0 for none, got {}",
+                                   space.clip_grad));
+    }
+  }
 }
 
 void add_reliability_options(po::options_description& desc) {
@@ -270,6 +280,12 @@ void add_reliability_options(po::options_description& desc) {
 }
 
 plan::Reliability reliability_from_options(const po::variables_map& vm) {
+  for (const char* flag :
+       {"interruptions-per-gpu-hour", "restart-minutes", "checkpoint-write-gbs-per-gpu"}) {
+    if (!vm[flag].defaulted() && !vm.count("tokens")) {
+      throw InputError(fmt::format("--{}: only with --tokens (the time to train)", flag));
+    }
+  }
   plan::Reliability r;
   const double rate = vm["interruptions-per-gpu-hour"].as<double>();
   const double restart_min = vm["restart-minutes"].as<double>();

@@ -38,7 +38,8 @@ void search_space_from_options(const po::variables_map& vm, planner::SearchSpace
 // Adds the reliability flags of time to train with failures (--tokens of dtsim plan and whatif):
 // --interruptions-per-gpu-hour, --restart-minutes, --checkpoint-write-gbs-per-gpu.
 void add_reliability_options(po::options_description& desc);
-// Their values over plan::Reliability's defaults (InputError naming the flag for a bad value).
+// Their values over plan::Reliability's defaults (InputError naming the flag for a bad value,
+// or one given without --tokens, which nothing would read).
 plan::Reliability reliability_from_options(const po::variables_map& vm);
 // What a time to train with interruptions assumed, for a table's footnote.
 std::string interruptions_note(const plan::Reliability& r);

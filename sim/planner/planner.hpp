@@ -41,6 +41,8 @@ struct SearchSpace {
   // ZeRO-1/2 candidates overlap their weight gather with the next forward (plan
   // overlap_param_gather).
   bool overlap_param_gather = false;
+  // Every candidate clips its gradients to this global norm (plan clip_grad; 0: none).
+  double clip_grad = 0;
   // Fixed values ("--fixed tp=8"): -1 = free.
   int fixed_tp = -1, fixed_pp = -1, fixed_dp = -1, fixed_cp = -1, fixed_ep = -1;
   double memory_headroom = 0.0;  // fraction of device memory kept free
