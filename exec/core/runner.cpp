@@ -1529,14 +1529,19 @@ class Runner {
     if (input_grads) dev_.moe_dispatch_backward(dx, mb.grad.at(id), mb.route.at(id), T_, C_, k);
   }
 
-  // Gradient clipping: the gradients whose squares this rank adds to the global norm, each
-  // counted on one rank only: the rank's ZeRO slice of the reduced gradient (sharded), else on
-  // the first rank of its data-parallel group (dp x cp; the expert-dp group for an expert's,
-  // other ep ranks holding other experts); a tp-replicated tensor on tp rank 0; the tied
-  // embedding on the first stage (the last stage's copy is equal after their all-reduce).
-  bool counts_in_norm(const Param& p) const {
-    if (p.tied_copy || (p.replicated_over_tp && t_ != 0)) return false;
-    return sharded_ || (p.expert ? ed_ : d_) == 0;
+  // Gradient clipping: what this rank adds to the global norm, each gradient element counted
+  // on one rank only: the rank's ZeRO slice of the reduced gradient (sharded), else its equal
+  // part of the replicated one (by its index in the dp x cp group, or in the expert-dp group
+  // for an expert's, other ep ranks holding other experts); a tp-replicated tensor on tp rank
+  // 0 only; the tied embedding on the first stage (the last stage's copy is equal after their
+  // all-reduce). Empty: nothing.
+  View norm_share(Param& p) {
+    if (p.tied_copy || (p.replicated_over_tp && t_ != 0)) return {};
+    if (sharded_) return p.reduced;
+    const View g = grad(p);
+    const std::int64_t shards = p.expert ? edp_ : dp_, mine = p.expert ? ed_ : d_;
+    const std::int64_t begin = g.size() * mine / shards, end = g.size() * (mine + 1) / shards;
+    return g.sub(begin, end - begin);
   }
 
   // The rank's share of the gradients' squared norm, which the Program's grad-norm
@@ -1545,7 +1550,8 @@ class Runner {
     if (grad_norm_sq_.n == 0) grad_norm_sq_ = dev_.allocate(1, Dtype::F32);
     dev_.zero(grad_norm_sq_);
     for (auto& [key, p] : params_) {
-      if (counts_in_norm(p)) dev_.sum_squares(grad_norm_sq_, sharded_ ? p.reduced : grad(p));
+      const View share = norm_share(p);
+      if (share.size() > 0) dev_.sum_squares(grad_norm_sq_, share);
     }
   }
 

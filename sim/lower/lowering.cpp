@@ -1127,7 +1127,15 @@ class Lowerer {
     const double expert_shard = sharded ? static_cast<double>(dp_group_size(true)) : 1.0;
     const auto update_params =
         static_cast<std::uint64_t>(dense / dense_shard + experts / expert_shard);
-    if (plan_.clip_grad > 0) dp_tasks = {grad_norm(update_params, dp_tasks)};
+    if (plan_.clip_grad > 0) {
+      // Each rank of a data-parallel group sums the squares of its share of the gradients (its
+      // ZeRO slice; without ZeRO, an equal part of the replicated gradients), so that the dp
+      // all-reduce counts each once.
+      const auto norm_params =
+          static_cast<std::uint64_t>(dense / static_cast<double>(grad_group) +
+                                     experts / static_cast<double>(dp_group_size(true)));
+      dp_tasks = {grad_norm(norm_params, dp_tasks)};
+    }
     Task opt;
     opt.kind = TaskKind::Compute;
     opt.stream = Stream::Compute;
@@ -1151,8 +1159,8 @@ class Lowerer {
     }
   }
 
-  // Gradient clipping (Megatron-LM clip_grad_norm_fp32): the squares of the `params` gradients
-  // the rank updates summed once every gradient is final (`after`), the sums all-reduced over
+  // Gradient clipping (Megatron-LM clip_grad_norm_fp32): the squares of the rank's `params`
+  // gradients summed once every gradient is final (`after`), the sums all-reduced over
   // the ranks that hold other parts of the model: dp x cp (ZeRO's shards, and experts over ep),
   // tp, then the pipeline's stages. 4 bytes each; returns the last task, which the optimizer
   // step waits for.

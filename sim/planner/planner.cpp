@@ -329,8 +329,12 @@ class Estimator {
     const auto updated =
         static_cast<std::uint64_t>(stage_params / (p.zero_stage >= 1 ? shard_group : 1.0));
     b.optimizer_s = cost.optimizer_seconds(updated);
-    // Gradient clipping's read of the gradients (its 4-byte all-reduces: latency, left out).
-    if (p.clip_grad > 0) b.optimizer_s += cost.grad_norm_seconds(updated);
+    // Gradient clipping's read of the rank's share of the gradients (its 4-byte all-reduces:
+    // latency, left out).
+    if (p.clip_grad > 0) {
+      b.optimizer_s +=
+          cost.grad_norm_seconds(static_cast<std::uint64_t>(stage_params / shard_group));
+    }
     // TP/CP/EP time inside the passes, for the dominant-term report.
     const double layers_total = static_cast<double>(m.layers) / p.pp;
     b.exposed_tp_s = mb * layers_total * (tp_comm + tp_backward);
