@@ -451,28 +451,12 @@ int cmd_plan(const std::vector<std::string>& args) {
     const auto& best = result.ranked.front();
     const double steps =
         train_tokens / static_cast<double>(best.plan.global_batch_size * best.plan.seq_len);
-    std::cout << fmt::format("time to train on {:.3g} tokens with #1: {:.1f} days", train_tokens,
-                             steps * best.step_time_s / 86400);
-    if (best.cost_per_step_usd >= 0) {
-      std::cout << fmt::format(", {:.0f} USD", steps * best.cost_per_step_usd);
-    }
-    const auto tt = goal.of(best);
-    if (tt.goodput > 0) {
-      std::cout << fmt::format(
-          "; with interruptions {:.1f} days{} (goodput {:.1f}%: one every {:.1f} h, a "
-          "checkpoint every {} steps taking {:.1f} s)",
-          tt.wall_s / 86400,
-          best.cost_per_step_usd >= 0
-              ? fmt::format(", {:.0f} USD", steps * best.cost_per_step_usd / tt.goodput)
-              : std::string(),
-          100 * tt.goodput, tt.job_mtbf_s / 3600, tt.checkpoint_every_steps, tt.checkpoint_write_s);
-    } else {
-      std::cout << fmt::format(
-          "; with interruptions never: one every {:.2f} h, sooner than a restart and half a "
-          "checkpoint interval",
-          tt.job_mtbf_s / 3600);
-    }
-    std::cout << "\n" << interruptions_note(goal.reliability) << "\n";
+    std::cout << fmt::format("time to train on {:.3g} tokens with #1: {}\n", train_tokens,
+                             training_time_text(goal.of(best),
+                                                best.cost_per_step_usd >= 0
+                                                    ? std::optional(steps * best.cost_per_step_usd)
+                                                    : std::nullopt))
+              << interruptions_note(goal.reliability) << "\n";
   }
   if (result.ranked.empty() && result.closest_not_fitting) {
     // Nothing fits: how far the closest plan is, and what its memory is made of.

@@ -1,6 +1,7 @@
 // dtsim simulate: predicted step time of a plan, its breakdown, memory, MFU; JSON and a trace.
 #include <fmt/format.h>
 
+#include <cmath>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -11,6 +12,7 @@
 #include "sim/common/units.hpp"
 #include "sim/engine/simulator.hpp"
 #include "sim/report/breakdown_json.hpp"
+#include "sim/report/json_values.hpp"
 #include "sim/report/table.hpp"
 #include "sim/report/trace.hpp"
 
@@ -40,23 +42,36 @@ int cmd_simulate(const std::vector<std::string>& args) {
       "network model: analytical (alpha-beta per collective algorithm) or simgrid "
       "(flow-level: concurrent groups contend for NICs and uplinks)")(
       "trace", po::value<std::string>(), "write a Chrome trace (open in ui.perfetto.dev)")(
-      "json", po::bool_switch(), "print JSON instead of tables");
+      "json", po::bool_switch(), "print JSON instead of tables")(
+      "tokens", po::value<double>(),
+      "training tokens: the time (and, with the cluster's price, the cost) to train on them, "
+      "failure-free and with interruptions (see the reliability flags)");
   add_memory_options(sim_opts);
   sim_opts.add_options()("profile", po::value<std::string>(),
                          "calibration profile (dtexec calibrate) for the compute cost");
   add_jitter_option(sim_opts);
   desc.add(sim_opts);
+  po::options_description interruptions("Time to train with interruptions (with --tokens)");
+  add_reliability_options(interruptions);
+  desc.add(interruptions);
   po::variables_map vm;
   if (!parse(args, desc,
              "usage: dtsim simulate --model M --cluster C [plan flags | --plan P.json]\n"
-             "                      [--network analytical|simgrid] [--trace T.json] [--json]\n\n"
+             "                      [--network analytical|simgrid] [--trace T.json] [--json]\n"
+             "                      [--tokens N [reliability flags]]\n\n"
              "Predicts one training step of a plan with the discrete-event simulator: step "
              "time, tokens/s, TFLOP/s and MFU per GPU, where the time goes (compute, "
              "recompute, exposed communication per kind, pipeline bubble, optimizer), the "
-             "Amdahl bound, and memory per GPU.",
+             "Amdahl bound, and memory per GPU; with --tokens the time and cost to train, "
+             "failure-free and with interruptions.",
              vm)) {
     return 0;
   }
+  const double tokens = vm.count("tokens") ? vm["tokens"].as<double>() : 0.0;
+  if (vm.count("tokens") && !(tokens > 0 && std::isfinite(tokens))) {
+    throw InputError(fmt::format("--tokens: expected a finite positive number, got {}", tokens));
+  }
+  const plan::Reliability reliability = reliability_from_options(vm);
   PlanSetup setup = setup_from_options(vm);
   require_symmetric_placement(setup.plan, setup.cluster);
   const model::ModelSpec& spec = setup.spec;
@@ -102,6 +117,17 @@ int cmd_simulate(const std::vector<std::string>& args) {
   if (vm.count("trace")) {
     report::write_chrome_trace(vm["trace"].as<std::string>(), sim.program, sim.timeline);
   }
+  // --tokens: the time (and cost, at the cluster's price) to train, failure-free and with
+  // interruptions.
+  std::optional<plan::TrainingTime> train;
+  std::optional<double> cost_usd;
+  if (tokens > 0) {
+    train = plan::training_time(spec, plan, p.gpus, p.step_time_s, tokens, reliability);
+    if (cluster.price_per_device_hour_usd) {
+      cost_usd = train->work_s / 3600 * static_cast<double>(p.gpus) *
+                 cluster.price_per_device_hour_usd->value;
+    }
+  }
 
   if (vm["json"].as<bool>()) {
     json stages = json::array();
@@ -134,6 +160,24 @@ int cmd_simulate(const std::vector<std::string>& args) {
         {"plan", plan::to_json(plan)},
         {"simulation", {{"tasks", p.tasks}, {"events", p.events}}},
         {"notes", notes}};
+    if (train) {
+      json t = {
+          {"tokens", tokens},
+          {"time_to_train_s", train->work_s},
+          {"goodput", train->goodput},
+          {"time_to_train_with_interruptions_s",
+           report::value_or_null(train->goodput > 0 ? std::optional(train->wall_s) : std::nullopt)},
+          {"checkpoint_every_steps", train->checkpoint_every_steps},
+          {"checkpoint_write_s", train->checkpoint_write_s},
+          {"checkpoint_bytes", train->checkpoint_bytes},
+          {"job_mtbf_s", train->job_mtbf_s}};
+      if (cost_usd) {
+        t["cost_to_train_usd"] = *cost_usd;
+        t["cost_to_train_with_interruptions_usd"] = report::value_or_null(
+            train->goodput > 0 ? std::optional(*cost_usd / train->goodput) : std::nullopt);
+      }
+      out["training"] = t;
+    }
     std::cout << out.dump(2) << "\n";
     return 0;
   }
@@ -175,6 +219,11 @@ int cmd_simulate(const std::vector<std::string>& args) {
   std::cout << "\nAmdahl (more dp replicas, this global batch): " << bound << "\n";
   std::cout << fmt::format("simulated {} tasks ({} events), {} network\n", p.tasks, p.events,
                            p.network);
+  if (train) {
+    std::cout << fmt::format("time to train on {:.3g} tokens: {}\n", tokens,
+                             training_time_text(*train, cost_usd))
+              << interruptions_note(reliability) << "\n";
+  }
   for (const auto& n : notes) std::cout << "note: " << n << "\n";
   return 0;
 }

@@ -327,6 +327,24 @@ std::string interruptions_note(const plan::Reliability& r) {
           : "");
 }
 
+std::string training_time_text(const plan::TrainingTime& tt, std::optional<double> cost_usd) {
+  std::string s = fmt::format("{:.1f} days", tt.work_s / 86400);
+  if (cost_usd) s += fmt::format(", {:.0f} USD", *cost_usd);
+  if (tt.goodput <= 0) {
+    return s + fmt::format(
+                   "; with interruptions never: one every {:.2f} h, sooner than a restart and "
+                   "half a checkpoint interval",
+                   tt.job_mtbf_s / 3600);
+  }
+  return s + fmt::format(
+                 "; with interruptions {:.1f} days{} (goodput {:.1f}%: one every {:.1f} h, a "
+                 "checkpoint every {} steps taking {:.1f} s)",
+                 tt.wall_s / 86400,
+                 cost_usd ? fmt::format(", {:.0f} USD", *cost_usd / tt.goodput) : std::string(),
+                 100 * tt.goodput, tt.job_mtbf_s / 3600, tt.checkpoint_every_steps,
+                 tt.checkpoint_write_s);
+}
+
 cluster::Cluster cluster_from_options(const po::variables_map& vm) {
   cluster::Cluster c = cluster::load_cluster(vm["cluster"].as<std::string>());
   if (vm.count("gpus")) return cluster::with_devices(c, vm["gpus"].as<std::int64_t>());

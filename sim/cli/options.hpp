@@ -43,6 +43,9 @@ void add_reliability_options(po::options_description& desc);
 plan::Reliability reliability_from_options(const po::variables_map& vm);
 // What a time to train with interruptions assumed, for a table's footnote.
 std::string interruptions_note(const plan::Reliability& r);
+// "X days, Y USD; with interruptions ... (goodput ...)": a training time, failure-free and with
+// interruptions, and the failure-free cost when the cluster has a price.
+std::string training_time_text(const plan::TrainingTime& tt, std::optional<double> cost_usd);
 
 // Adds the plan flags and --plan (`precision_help`: --precision's values and default).
 void add_plan_options(po::options_description& desc,
