@@ -246,7 +246,7 @@ void write_trace(const std::string& path, const dtsim::lower::Program& program,
     const double record[3] = {static_cast<double>(t.task), t.start_s - begin, t.end_s - begin};
     mine.append(reinterpret_cast<const char*>(record), sizeof(record));
   }
-  const auto parts = comm.gather_to_root(mine);
+  const auto parts = comm.gather_to_root(std::move(mine));
   if (comm.rank() != 0) return;
   dtsim::engine::Timeline timeline;
   timeline.tasks.resize(program.ranks.size());
@@ -768,6 +768,10 @@ int run(const std::vector<std::string>& args) {
   }
   const double tokens = static_cast<double>(plan.global_batch_size * plan.seq_len);
   const int first = result.first_step;
+  nlohmann::json checkpoints = nlohmann::json::array();
+  for (const auto& c : result.checkpoints) {
+    checkpoints.push_back({{"step", c.step}, {"seconds", c.seconds}, {"bytes", c.bytes}});
+  }
   // The rate each step of `losses` trained at (the checkpointed steps' too: one schedule).
   std::vector<double> learning_rates;
   for (std::size_t s = 1; s <= result.losses.size(); ++s) {
@@ -813,6 +817,7 @@ int run(const std::vector<std::string>& args) {
                      {"weight_decay", dtsim::exec::decimal(options.weight_decay)},
                      {"learning_rates", learning_rates},
                      {"grad_norms", result.grad_norms},
+                     {"checkpoints", checkpoints},
                      {"step_times_s", result.step_times_s},
                      {"step_time_s", result.step_time_s},
                      {"step_time_min_s", spread(result, warmup).first},
@@ -839,8 +844,16 @@ int run(const std::vector<std::string>& args) {
                                      "(without its framework allowance){}",
                                      *predicted_memory / mib, load_note)
                        : std::string());
-  if (!options.checkpoint_dir.empty()) {
-    out(rank) << fmt::format("checkpoint written to {}\n", options.checkpoint_dir);
+  if (!options.checkpoint_dir.empty() && !result.checkpoints.empty()) {
+    // What a checkpoint cost here: dtsim's time to train with interruptions takes a write
+    // bandwidth (--checkpoint-write-gbs-per-gpu).
+    const auto& last = result.checkpoints.back();
+    out(rank) << fmt::format(
+        "checkpoint written to {} ({} time{}; the last: {:.1f} MiB of weights and AdamW state "
+        "in {:.3f} s, {:.0f} MB/s, gathered to rank 0, which writes alone)\n",
+        options.checkpoint_dir, result.checkpoints.size(),
+        result.checkpoints.size() == 1 ? "" : "s", last.bytes / (1024.0 * 1024.0), last.seconds,
+        last.seconds > 0 ? last.bytes / last.seconds / 1e6 : 0.0);
   }
   return 0;
 }

@@ -80,8 +80,9 @@ class Comm {
 
   // Outside the Program: element-wise over all ranks, result on every rank.
   virtual void all_ranks(std::span<double> data, Reduce op) = 0;
-  // Every rank's bytes, on rank 0 (empty elsewhere).
-  virtual std::vector<std::string> gather_to_root(const std::string& mine) = 0;
+  // Every rank's bytes, on rank 0 (empty elsewhere); taken by value, so that a rank's own part
+  // moves rather than copies (a checkpoint's can be gigabytes).
+  virtual std::vector<std::string> gather_to_root(std::string mine) = 0;
   virtual void barrier() = 0;
 };
 
@@ -116,7 +117,7 @@ class SingleRankComm final : public Comm {
   }
   void wait_sends() override {}
   void all_ranks(std::span<double>, Reduce) override {}
-  std::vector<std::string> gather_to_root(const std::string& mine) override { return {mine}; }
+  std::vector<std::string> gather_to_root(std::string mine) override { return {std::move(mine)}; }
   void barrier() override {}
 
  private:

@@ -427,7 +427,9 @@ class Runner {
       if (!options_.checkpoint_dir.empty() &&
           (done == options_.steps ||
            (options_.checkpoint_every > 0 && done % options_.checkpoint_every == 0))) {
-        save(done, result.losses);
+        const double started = now();
+        const std::uint64_t bytes = save(done, result.losses);
+        result.checkpoints.push_back({done, now() - started, bytes});
       }
     }
     for (auto& mb : batches_) release(mb);
@@ -2585,29 +2587,41 @@ class Runner {
   // Every rank sends its part of each full tensor (its tensor-parallel slice; its dp slice under
   // ZeRO >= 1, where only the owner's weights and AdamW state are current); rank 0 assembles and
   // writes them. The tied copy is the embedding and is not written twice.
-  void save(int steps_done, const std::vector<double>& losses) {
-    std::string mine;
-    auto put = [&mine](const void* data, std::size_t bytes) {
-      mine.append(static_cast<const char*>(data), bytes);
+  // Returns the bytes of tensors.bin on rank 0 (0 elsewhere).
+  std::uint64_t save(int steps_done, const std::vector<double>& losses) {
+    // Unsharded, the first replica writes (an expert's: the first of its expert-dp group).
+    const auto writes = [&](const Param& p) {
+      return !(p.tied_copy || (p.replicated_over_tp && t_ != 0) ||
+               (!sharded_ && (p.expert ? ed_ : d_) != 0));
+    };
+    // Sized first and filled in place: a growing buffer would copy (and fault in) its
+    // gigabytes again at each doubling.
+    constexpr std::size_t kHeader = 5 * sizeof(std::int64_t);
+    std::size_t size = 0;
+    for (const auto& [key, p] : params_) {
+      if (writes(p))
+        size += kHeader + 3 * sizeof(float) * static_cast<std::size_t>(p.own_end - p.own_begin);
+    }
+    std::string mine(size, '\0');
+    std::size_t filled = 0;
+    auto put = [&](const void* data, std::size_t bytes) {
+      std::memcpy(mine.data() + filled, data, bytes);
+      filled += bytes;
     };
     for (const auto& [key, p] : params_) {
-      // Unsharded, the first replica writes (an expert's: the first of its expert-dp group).
-      if (p.tied_copy || (p.replicated_over_tp && t_ != 0) ||
-          (!sharded_ && (p.expert ? ed_ : d_) != 0)) {
-        continue;
-      }
+      if (!writes(p)) continue;
       const std::int64_t header[4] = {static_cast<std::int64_t>(key.first), key.second, t_,
                                       p.own_end - p.own_begin};
       put(header, sizeof(header));
       put(&p.own_begin, sizeof(p.own_begin));
-      std::vector<float> values(static_cast<std::size_t>(p.own_end - p.own_begin));
       for (const View part : {master_slice(p), p.m, p.v}) {
-        dev_.download(values.data(), part);
-        put(values.data(), values.size() * sizeof(float));
+        dev_.download(reinterpret_cast<float*>(mine.data() + filled), part);
+        filled += sizeof(float) * static_cast<std::size_t>(part.size());
       }
     }
-    const auto parts = comm_.gather_to_root(mine);
-    if (comm_.rank() != 0) return;
+    DTSIM_ASSERT(filled == size, "checkpoint: the rank's part was sized wrong");
+    const auto parts = comm_.gather_to_root(std::move(mine));
+    if (comm_.rank() != 0) return 0;
     Checkpoint c;
     c.model = m_.name;
     c.plan = plan::to_json(p_);
@@ -2642,18 +2656,27 @@ class Runner {
           for (auto* v : {&t.data, &t.m, &t.v})
             v->assign(static_cast<std::size_t>(slice.rows * slice.cols), 0.0f);
         }
+        // Straight from the part into place: no buffer per tensor (each a fresh allocation,
+        // which costs its pages again).
         for (auto* v : {&t.data, &t.m, &t.v}) {
-          std::vector<float> values(static_cast<std::size_t>(header[3]));
-          get(values.data(), values.size() * sizeof(float));
+          DTSIM_ASSERT(at + static_cast<std::size_t>(header[3]) * sizeof(float) <= part.size(),
+                       "checkpoint part");
+          const char* from = part.data() + at;
           for (std::int64_t i = 0; i < header[3]; ++i) {
-            (*v)[static_cast<std::size_t>(slice.full_index(begin + i))] =
-                values[static_cast<std::size_t>(i)];
+            std::memcpy(&(*v)[static_cast<std::size_t>(slice.full_index(begin + i))],
+                        from + static_cast<std::size_t>(i) * sizeof(float), sizeof(float));
           }
+          at += static_cast<std::size_t>(header[3]) * sizeof(float);
         }
       }
     }
-    for (auto& [key, t] : tensors) c.tensors.push_back(std::move(t));
+    std::uint64_t bytes = 0;
+    for (auto& [key, t] : tensors) {
+      bytes += 3 * sizeof(float) * t.data.size();  // weights, AdamW's m and v
+      c.tensors.push_back(std::move(t));
+    }
     write_checkpoint(options_.checkpoint_dir, c);
+    return bytes;
   }
 
   int resume(RunResult& result) {

@@ -87,6 +87,14 @@ struct TaskRecord {
   int step = 0;
 };
 
+// A checkpoint this run wrote: after which step, how long every rank spent in it (gathering
+// the tensors to rank 0, which alone writes), and on rank 0 the bytes of tensors.bin.
+struct CheckpointRecord {
+  int step = 0;
+  double seconds = 0;
+  std::uint64_t bytes = 0;
+};
+
 struct RunResult {
   int first_step = 0;                // 0, or the step a resumed run started at
   std::vector<double> losses;        // mean loss of every step so far (all ranks agree)
@@ -94,6 +102,7 @@ struct RunResult {
   // With gradient clipping (plan.clip_grad): each step's global gradient norm before clipping
   // (of this run's steps; with --only-rank this rank's share alone).
   std::vector<double> grad_norms;
+  std::vector<CheckpointRecord> checkpoints;
   double step_time_s = 0;         // median after warm-up
   std::vector<TaskRecord> tasks;  // this rank's tasks of every step after warm-up
   // Expert parallelism: the token copies this rank's experts got, over the even share

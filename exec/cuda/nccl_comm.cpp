@@ -391,8 +391,8 @@ class NcclComm final : public Comm {
   }
 
   void all_ranks(std::span<double> data, Reduce op) override { host_->all_ranks(data, op); }
-  std::vector<std::string> gather_to_root(const std::string& mine) override {
-    return host_->gather_to_root(mine);
+  std::vector<std::string> gather_to_root(std::string mine) override {
+    return host_->gather_to_root(std::move(mine));
   }
   void barrier() override { host_->barrier(); }
 
