@@ -16,6 +16,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "exec/core/device.hpp"
@@ -117,7 +118,11 @@ class SingleRankComm final : public Comm {
   }
   void wait_sends() override {}
   void all_ranks(std::span<double>, Reduce) override {}
-  std::vector<std::string> gather_to_root(std::string mine) override { return {std::move(mine)}; }
+  std::vector<std::string> gather_to_root(std::string mine) override {
+    std::vector<std::string> out;  // not {std::move(mine)}: an initializer list copies
+    out.push_back(std::move(mine));
+    return out;
+  }
   void barrier() override {}
 
  private:

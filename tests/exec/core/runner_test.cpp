@@ -452,7 +452,11 @@ class HostOnlyComm : public dtsim::exec::Comm {
   Handle start_recv(int, std::int64_t, dtsim::exec::View) override { return -1; }
   void wait_sends() override {}
   void all_ranks(std::span<double>, dtsim::exec::Reduce) override {}
-  std::vector<std::string> gather_to_root(std::string mine) override { return {std::move(mine)}; }
+  std::vector<std::string> gather_to_root(std::string mine) override {
+    std::vector<std::string> out;
+    out.push_back(std::move(mine));
+    return out;
+  }
   void barrier() override {}
 };
 
