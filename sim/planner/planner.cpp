@@ -326,14 +326,18 @@ class Estimator {
         b.exposed_dp_s += gather + (passes - 1) * std::max(0.0, gather - unit);
       }
     }
-    const auto updated =
-        static_cast<std::uint64_t>(stage_params / (p.zero_stage >= 1 ? shard_group : 1.0));
+    // The optimizer updates the rank's dense parameters and its experts' (each ZeRO-sharded
+    // over its own data-parallel group), as the lowering's optimizer task.
+    const bool sharded = p.zero_stage >= 1;
+    const auto updated = static_cast<std::uint64_t>(
+        stage_params / (sharded ? shard_group : 1.0) +
+        stage_expert_params / (sharded ? std::max(1.0, expert_group) : 1.0));
     b.optimizer_s = cost.optimizer_seconds(updated);
     // Gradient clipping's read of the rank's share of the gradients (its 4-byte all-reduces:
     // latency, left out).
     if (p.clip_grad > 0) {
-      b.optimizer_s +=
-          cost.grad_norm_seconds(static_cast<std::uint64_t>(stage_params / shard_group));
+      b.optimizer_s += cost.grad_norm_seconds(static_cast<std::uint64_t>(
+          stage_params / shard_group + stage_expert_params / std::max(1.0, expert_group)));
     }
     // TP/CP/EP time inside the passes, for the dominant-term report.
     const double layers_total = static_cast<double>(m.layers) / p.pp;
