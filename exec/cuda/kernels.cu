@@ -904,6 +904,37 @@ struct Kernels::Impl {
     return r;
   }
 
+  // What the attention backward of sequence b reads: the probabilities (made again into
+  // `rooms` with FlashAttention's memory, else the forward's), the dropout mask (null without
+  // dropout) and what the values were multiplied by (the dropped probabilities with dropout,
+  // else the probabilities). quad: elements of one sequence's H x Sq x S tensors; e: bytes per
+  // activation.
+  struct BackwardInputs {
+    const char* probs = nullptr;
+    const std::uint8_t* mask = nullptr;
+    const char* weights = nullptr;
+    bool dropout = false;
+  };
+  static BackwardInputs backward_inputs(bool flash, const FlashRooms& rooms, bool flash_dropout,
+                                        const void* probs, const std::uint8_t* mask,
+                                        const void* dropped, int b, std::size_t quad,
+                                        std::size_t e) {
+    BackwardInputs in;
+    const std::size_t at = static_cast<std::size_t>(b) * quad;
+    in.probs = flash ? rooms.probs : static_cast<const char*>(probs) + at * e;
+    in.dropout = flash ? flash_dropout : mask != nullptr;
+    if (!in.dropout) {
+      in.weights = in.probs;
+    } else if (flash) {
+      in.mask = rooms.mask;
+      in.weights = rooms.dropped;
+    } else {
+      in.mask = mask + at;
+      in.weights = static_cast<const char*>(dropped) + at * e;
+    }
+    return in;
+  }
+
   // Two column sums' chunk partials of N columns (row_chunks: at most max(65536, N) floats
   // each), sized once for every N up to 65536, so that no step waits on a reallocation.
   float* partials_room(int N) {
@@ -1522,19 +1553,15 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
       remake_probabilities(rooms.probs, rooms.mask, rooms.dropped, dprobs,
                            lse + static_cast<std::size_t>(b) * H * S, H, S, S, nullptr, dropout, b);
     }
-    const char* p =
-        flash ? rooms.probs
-              : static_cast<const char*>(probs) + static_cast<std::size_t>(b) * H * SS * e;
     // With dropout the values read the dropped probabilities: dv takes those, and dP comes
     // back through the mask.
-    const bool drop = flash ? dropout != nullptr : mask != nullptr;
-    const std::uint8_t* m = !drop   ? nullptr
-                            : flash ? rooms.mask
-                                    : mask + static_cast<std::size_t>(b) * H * SS;
-    const char* weights =
-        !drop   ? p
-        : flash ? rooms.dropped
-                : static_cast<const char*>(dropped) + static_cast<std::size_t>(b) * H * SS * e;
+    const Impl::BackwardInputs in =
+        Impl::backward_inputs(flash, rooms, dropout != nullptr, probs, mask, dropped, b,
+                              static_cast<std::size_t>(H) * SS, e);
+    const char* p = in.probs;
+    const std::uint8_t* m = in.mask;
+    const char* weights = in.weights;
+    const bool drop = in.dropout;
     const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * S * H * D * e;
     const char* ds = static_cast<const char*>(dscores);
     heads_by_kv(impl_->blas, t, e, batches, S, S, D, 1.0f, dO, H * D, rows + (H + G) * D * e, width,
@@ -1667,17 +1694,13 @@ void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, con
       remake_probabilities(rooms.probs, rooms.mask, rooms.dropped, dprobs,
                            lse + static_cast<std::size_t>(b) * H * Sq, H, Sq, S, qpos, dropout, b);
     }
-    const char* p =
-        flash ? rooms.probs
-              : static_cast<const char*>(probs) + static_cast<std::size_t>(b) * H * QS * e;
-    const bool drop = flash ? dropout != nullptr : mask != nullptr;
-    const std::uint8_t* m = !drop   ? nullptr
-                            : flash ? rooms.mask
-                                    : mask + static_cast<std::size_t>(b) * H * QS;
-    const char* weights =
-        !drop   ? p
-        : flash ? rooms.dropped
-                : static_cast<const char*>(dropped) + static_cast<std::size_t>(b) * H * QS * e;
+    const Impl::BackwardInputs in =
+        Impl::backward_inputs(flash, rooms, dropout != nullptr, probs, mask, dropped, b,
+                              static_cast<std::size_t>(H) * QS, e);
+    const char* p = in.probs;
+    const std::uint8_t* m = in.mask;
+    const char* weights = in.weights;
+    const bool drop = in.dropout;
     const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * Sq * H * D * e;
     const char* ds = static_cast<const char*>(dscores);
     // dP = dO · v^T
