@@ -62,21 +62,9 @@ json candidate_json(const planner::Candidate& c, const TrainingGoal& goal) {
   if (c.cost_per_step_usd >= 0) j["cost_per_step_usd"] = c.cost_per_step_usd;
   if (train_tokens > 0) {
     const double steps = train_tokens / tokens;
-    j["time_to_train_s"] = steps * c.step_time_s;
-    if (c.cost_per_step_usd >= 0) j["cost_to_train_usd"] = steps * c.cost_per_step_usd;
-    const auto tt = goal.of(c);
-    const auto interrupted = [&](double x) {
-      return report::value_or_null(tt.goodput > 0 ? std::optional<double>(x / tt.goodput)
-                                                  : std::nullopt);
-    };
-    j["goodput"] = tt.goodput;
-    j["time_to_train_with_interruptions_s"] = interrupted(steps * c.step_time_s);
-    if (c.cost_per_step_usd >= 0) {
-      j["cost_to_train_with_interruptions_usd"] = interrupted(steps * c.cost_per_step_usd);
-    }
-    j["checkpoint_every_steps"] = tt.checkpoint_every_steps;
-    j["checkpoint_write_s"] = tt.checkpoint_write_s;
-    j["job_mtbf_s"] = tt.job_mtbf_s;
+    j.update(training_time_json(goal.of(c), c.cost_per_step_usd >= 0
+                                                ? std::optional(steps * c.cost_per_step_usd)
+                                                : std::nullopt));
   }
   return j;
 }

@@ -161,22 +161,8 @@ int cmd_simulate(const std::vector<std::string>& args) {
         {"simulation", {{"tasks", p.tasks}, {"events", p.events}}},
         {"notes", notes}};
     if (train) {
-      json t = {
-          {"tokens", tokens},
-          {"time_to_train_s", train->work_s},
-          {"goodput", train->goodput},
-          {"time_to_train_with_interruptions_s",
-           report::value_or_null(train->goodput > 0 ? std::optional(train->wall_s) : std::nullopt)},
-          {"checkpoint_every_steps", train->checkpoint_every_steps},
-          {"checkpoint_write_s", train->checkpoint_write_s},
-          {"checkpoint_bytes", train->checkpoint_bytes},
-          {"job_mtbf_s", train->job_mtbf_s}};
-      if (cost_usd) {
-        t["cost_to_train_usd"] = *cost_usd;
-        t["cost_to_train_with_interruptions_usd"] = report::value_or_null(
-            train->goodput > 0 ? std::optional(*cost_usd / train->goodput) : std::nullopt);
-      }
-      out["training"] = t;
+      out["training"] = training_time_json(*train, cost_usd);
+      out["training"]["tokens"] = tokens;
     }
     std::cout << out.dump(2) << "\n";
     return 0;

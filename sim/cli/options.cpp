@@ -17,6 +17,7 @@
 #include "sim/common/json_reader.hpp"
 #include "sim/common/units.hpp"
 #include "sim/plan/memory_model.hpp"
+#include "sim/report/json_values.hpp"
 
 namespace dtsim::cli {
 
@@ -343,6 +344,24 @@ std::string training_time_text(const plan::TrainingTime& tt, std::optional<doubl
                  cost_usd ? fmt::format(", {:.0f} USD", *cost_usd / tt.goodput) : std::string(),
                  100 * tt.goodput, tt.job_mtbf_s / 3600, tt.checkpoint_every_steps,
                  tt.checkpoint_write_s);
+}
+
+nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<double> cost_usd) {
+  const auto interrupted = [&](double x) {
+    return report::value_or_null(tt.goodput > 0 ? std::optional(x / tt.goodput) : std::nullopt);
+  };
+  nlohmann::json j = {{"time_to_train_s", tt.work_s},
+                      {"goodput", tt.goodput},
+                      {"time_to_train_with_interruptions_s", interrupted(tt.work_s)},
+                      {"checkpoint_every_steps", tt.checkpoint_every_steps},
+                      {"checkpoint_write_s", tt.checkpoint_write_s},
+                      {"checkpoint_bytes", tt.checkpoint_bytes},
+                      {"job_mtbf_s", tt.job_mtbf_s}};
+  if (cost_usd) {
+    j["cost_to_train_usd"] = *cost_usd;
+    j["cost_to_train_with_interruptions_usd"] = interrupted(*cost_usd);
+  }
+  return j;
 }
 
 cluster::Cluster cluster_from_options(const po::variables_map& vm) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <boost/program_options.hpp>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -46,6 +47,10 @@ std::string interruptions_note(const plan::Reliability& r);
 // "X days, Y USD; with interruptions ... (goodput ...)": a training time, failure-free and with
 // interruptions, and the failure-free cost when the cluster has a price.
 std::string training_time_text(const plan::TrainingTime& tt, std::optional<double> cost_usd);
+// The same as JSON: time_to_train_s, goodput, time_to_train_with_interruptions_s (null when
+// the job never finishes), checkpoint_every_steps, checkpoint_write_s, checkpoint_bytes,
+// job_mtbf_s, and with a price cost_to_train_usd and cost_to_train_with_interruptions_usd.
+nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<double> cost_usd);
 
 // Adds the plan flags and --plan (`precision_help`: --precision's values and default).
 void add_plan_options(po::options_description& desc,
