@@ -495,12 +495,15 @@ int run(const std::vector<std::string>& args) {
       "the cluster (name or path) whose device's peak the measured MFU is taken against "
       "(default: cpu-host for the CPU backend; for a GPU, the catalog device of its name)")(
       "checkpoint", po::value<std::string>(),
-      "write a checkpoint folder here after the last step (and see --checkpoint-every)")(
+      "write a checkpoint folder here after the last step (and see --checkpoint-every): a shard "
+      "per rank and an index, on a file system every rank sees")(
       "checkpoint-every", po::value<int>()->default_value(0),
       "also write the checkpoint every N steps (0: only at the end)")(
-      "resume", po::value<std::string>(), "continue from this checkpoint folder")(
-      "trace", po::value<std::string>(), "write the last step's tasks as a Chrome trace")(
-      "json", po::bool_switch(), "print JSON")(
+      "resume", po::value<std::string>(),
+      "continue from this checkpoint folder (written under this plan or another: its tensors "
+      "are resharded)")("trace", po::value<std::string>(),
+                        "write the last step's tasks as a Chrome trace")("json", po::bool_switch(),
+                                                                         "print JSON")(
       "only-rank", po::value<std::int64_t>(),
       "run only this rank's share of the plan, on this machine, its communication replaced by "
       "waits (see --predicted); for checking the compute of plans larger than the machine")(
@@ -686,7 +689,19 @@ int run(const std::vector<std::string>& args) {
   }
   const bool json_out = vm["json"].as<bool>();
   // What this run does that its figures depend on (dropout, routing, context parallelism).
-  const std::vector<std::string> run_notes = dtsim::exec::execution_notes(spec, plan);
+  std::vector<std::string> run_notes = dtsim::exec::execution_notes(spec, plan);
+  if (!options.resume_dir.empty()) {
+    // A checkpoint of another plan resumes too: each rank reads its slices of the full tensors.
+    const dtsim::exec::CheckpointReader checkpoint(options.resume_dir);
+    const std::string written = dtsim::plan::summary(
+        dtsim::plan::plan_from_json(checkpoint.info().plan, checkpoint.where()));
+    if (written != dtsim::plan::summary(plan)) {
+      run_notes.push_back(fmt::format(
+          "resuming a checkpoint of another plan ({}): its tensors resharded to this one, so the "
+          "losses continue within fp32 rounding (bitwise under the same plan)",
+          written));
+    }
+  }
   if (!json_out) {
     out(rank) << fmt::format(
         "{} on {}, {} rank{}, plan {}: {} x {} tokens per step ({} micro-batch{} per "
@@ -770,7 +785,8 @@ int run(const std::vector<std::string>& args) {
   const int first = result.first_step;
   nlohmann::json checkpoints = nlohmann::json::array();
   for (const auto& c : result.checkpoints) {
-    checkpoints.push_back({{"step", c.step}, {"seconds", c.seconds}, {"bytes", c.bytes}});
+    checkpoints.push_back(
+        {{"step", c.step}, {"seconds", c.seconds}, {"bytes", c.bytes}, {"shards", c.shards}});
   }
   // The rate each step of `losses` trained at (the checkpointed steps' too: one schedule).
   std::vector<double> learning_rates;
@@ -850,10 +866,11 @@ int run(const std::vector<std::string>& args) {
     const auto& last = result.checkpoints.back();
     out(rank) << fmt::format(
         "checkpoint written to {} ({} time{}; the last: {:.1f} MiB of weights and AdamW state "
-        "in {:.3f} s, {:.0f} MB/s, gathered to rank 0, which writes alone)\n",
+        "in {:.3f} s, {:.0f} MB/s, {} shard{} written by {})\n",
         options.checkpoint_dir, result.checkpoints.size(),
         result.checkpoints.size() == 1 ? "" : "s", last.bytes / (1024.0 * 1024.0), last.seconds,
-        last.seconds > 0 ? last.bytes / last.seconds / 1e6 : 0.0);
+        last.seconds > 0 ? last.bytes / last.seconds / 1e6 : 0.0, last.shards,
+        last.shards == 1 ? "" : "s", last.shards == 1 ? "one rank" : "as many ranks at once");
   }
   return 0;
 }

@@ -2,9 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <optional>
 
 #include "sim/common/error.hpp"
 
@@ -14,56 +18,157 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr const char* kFormat = "dtexec-checkpoint-1";
+// The first format: one tensors.bin of whole tensors, written by rank 0 after a gather.
+constexpr const char* kFormatWhole = "dtexec-checkpoint-1";
+constexpr const char* kFormat = "dtexec-checkpoint-2";
+constexpr std::uint64_t kBytesPerElement = 3 * sizeof(float);  // weight, AdamW's m and v
 
-std::int64_t elements(const std::vector<std::int64_t>& shape) {
-  std::int64_t n = 1;
-  for (auto d : shape) n *= d;
-  return n;
+fs::path temporary(const std::string& dir) {
+  return fs::path(dir + ".tmp");
+}
+
+// Calls run(local, full, length) for the runs of consecutive full-tensor elements that
+// elements [begin, begin + count) of `slice` make: `local` counts from begin.
+void for_runs(const Slice& s, std::int64_t begin, std::int64_t count,
+              const std::function<void(std::int64_t, std::int64_t, std::int64_t)>& run) {
+  const std::int64_t lc = s.local_cols();
+  std::int64_t i = begin;
+  const std::int64_t end = begin + count;
+  while (i < end) {
+    const std::int64_t row = s.row_begin + i / lc;
+    std::int64_t col = i % lc;
+    for (const auto& [first, n] : s.col_ranges) {
+      if (col >= n) {
+        col -= n;
+        continue;
+      }
+      const std::int64_t length = std::min(n - col, end - i);
+      run(i - begin, row * s.cols + first + col, length);
+      i += length;
+      break;
+    }
+  }
+}
+
+void write_info(nlohmann::json& j, const CheckpointInfo& c) {
+  j["model"] = c.model;
+  j["plan"] = c.plan;
+  j["step"] = c.step;
+  j["seed"] = c.seed;
+  j["learning_rate"] = c.learning_rate;
+  if (!c.lr_schedule.is_null()) j["lr_schedule"] = c.lr_schedule;
+  j["weight_decay"] = c.weight_decay;
+  j["losses"] = c.losses;
+}
+
+CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
+  CheckpointInfo c;
+  c.model = j.at("model").get<std::string>();
+  c.plan = j.at("plan");
+  c.step = j.at("step").get<int>();
+  c.seed = j.at("seed").get<std::uint64_t>();
+  c.learning_rate = j.at("learning_rate").get<double>();
+  if (j.contains("lr_schedule")) c.lr_schedule = j.at("lr_schedule");
+  if (j.contains("weight_decay")) c.weight_decay = j.at("weight_decay").get<double>();
+  c.losses = j.at("losses").get<std::vector<double>>();
+  if (c.step < 0 || static_cast<std::size_t>(c.step) != c.losses.size()) {
+    throw InputError(fmt::format("{}: step: expected the number of losses ({}), got {}", where,
+                                 c.losses.size(), c.step));
+  }
+  return c;
 }
 
 }  // namespace
 
-void write_checkpoint(const std::string& dir, const Checkpoint& c) {
-  const fs::path final_dir(dir);
-  const fs::path tmp = final_dir.string() + ".tmp";
+void begin_checkpoint(const std::string& dir) {
+  const fs::path tmp = temporary(dir);
   std::error_code ec;
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp, ec);
   if (ec)
     throw InputError(fmt::format("{}: cannot create the folder: {}", tmp.string(), ec.message()));
-  nlohmann::json tensors = nlohmann::json::array();
-  std::int64_t offset = 0;
-  {
-    std::ofstream bin(tmp / "tensors.bin", std::ios::binary);
-    for (const auto& t : c.tensors) {
-      const auto n = elements(t.shape);
-      DTSIM_ASSERT(static_cast<std::int64_t>(t.data.size()) == n &&
-                       static_cast<std::int64_t>(t.m.size()) == n &&
-                       static_cast<std::int64_t>(t.v.size()) == n,
-                   fmt::format("checkpoint tensor {}: sizes", t.name));
-      for (const auto* part : {&t.data, &t.m, &t.v}) {
-        bin.write(reinterpret_cast<const char*>(part->data()),
-                  static_cast<std::streamsize>(part->size() * sizeof(float)));
-      }
-      tensors.push_back({{"name", t.name}, {"shape", t.shape}, {"offset", offset}});
-      offset += 3 * n;
+}
+
+ShardWriter::ShardWriter(const std::string& dir, int rank)
+    : folder_(temporary(dir).string()), file_(fmt::format("rank-{:05d}.bin", rank)) {}
+
+void ShardWriter::add(const std::string& name, const Slice& slice, std::int64_t begin,
+                      std::span<const float> weights, std::span<const float> m,
+                      std::span<const float> v) {
+  DTSIM_ASSERT(weights.size() == m.size() && m.size() == v.size() &&
+                   begin + static_cast<std::int64_t>(weights.size()) <= slice.local_size(),
+               fmt::format("checkpoint piece of {}: sizes", name));
+  if (!out_.is_open()) {
+    out_.open(fs::path(folder_) / file_, std::ios::binary | std::ios::trunc);
+    if (!out_) throw InputError(fmt::format("{}/{}: cannot create", folder_, file_));
+  }
+  for (const auto part : {weights, m, v}) {
+    out_.write(reinterpret_cast<const char*>(part.data()),
+               static_cast<std::streamsize>(part.size_bytes()));
+  }
+  nlohmann::json cols = nlohmann::json::array();
+  for (const auto& [first, n] : slice.col_ranges) cols.push_back({first, n});
+  pieces_.push_back({{"tensor", name},
+                     {"shape", {slice.rows, slice.cols}},
+                     {"rows", {slice.row_begin, slice.row_count}},
+                     {"cols", cols},
+                     {"begin", begin},
+                     {"count", weights.size()},
+                     {"offset", bytes_}});
+  bytes_ += kBytesPerElement * weights.size();
+}
+
+nlohmann::json ShardWriter::close() {
+  if (!out_.is_open()) return nullptr;
+  out_.close();
+  if (!out_) throw InputError(fmt::format("{}/{}: cannot write", folder_, file_));
+  return {{"file", file_}, {"bytes", bytes_}, {"pieces", std::move(pieces_)}};
+}
+
+std::uint64_t finish_checkpoint(const std::string& dir, const CheckpointInfo& info,
+                                const std::vector<nlohmann::json>& shards) {
+  const fs::path tmp = temporary(dir);
+  nlohmann::json tensors = nlohmann::json::array(), listed = nlohmann::json::array();
+  std::map<std::string, bool> seen;
+  std::uint64_t bytes = 0;
+  for (const auto& given : shards) {
+    if (given.is_null()) continue;
+    nlohmann::json shard = given;
+    const auto file = shard.at("file").get<std::string>();
+    const auto expected = shard.at("bytes").get<std::uint64_t>();
+    std::error_code ec;
+    const auto size = fs::file_size(tmp / file, ec);
+    if (ec || size != expected) {
+      throw InputError(fmt::format(
+          "{}: a rank's shard is {} ({} bytes expected): is {} on a file system that every "
+          "rank sees?",
+          (tmp / file).string(), ec ? "missing" : fmt::format("{} bytes", size), expected, dir));
     }
-    if (!bin) throw InputError(fmt::format("{}: cannot write", (tmp / "tensors.bin").string()));
+    bytes += expected;
+    for (auto& piece : shard.at("pieces")) {
+      const auto name = piece.at("tensor").get<std::string>();
+      if (!seen[name]) {
+        seen[name] = true;
+        tensors.push_back({{"name", name}, {"shape", piece.at("shape")}});
+      }
+      piece.erase("shape");
+    }
+    listed.push_back(std::move(shard));
   }
   {
     std::ofstream meta(tmp / "checkpoint.json");
-    nlohmann::json j{{"format", kFormat},  {"model", c.model},  {"plan", c.plan},
-                     {"step", c.step},     {"seed", c.seed},    {"learning_rate", c.learning_rate},
-                     {"losses", c.losses}, {"tensors", tensors}};
-    if (!c.lr_schedule.is_null()) j["lr_schedule"] = c.lr_schedule;
-    j["weight_decay"] = c.weight_decay;
+    nlohmann::json j{{"format", kFormat}};
+    write_info(j, info);
+    j["tensors"] = std::move(tensors);
+    j["shards"] = std::move(listed);
     meta << j.dump(1) << "\n";
     if (!meta)
       throw InputError(fmt::format("{}: cannot write", (tmp / "checkpoint.json").string()));
   }
   // The previous checkpoint stays readable (as DIR.old) until the new one is in place.
-  const fs::path old = final_dir.string() + ".old";
+  const fs::path final_dir(dir);
+  const fs::path old = dir + ".old";
+  std::error_code ec;
   fs::remove_all(old, ec);
   if (fs::exists(final_dir)) fs::rename(final_dir, old, ec);
   fs::rename(tmp, final_dir, ec);
@@ -72,89 +177,219 @@ void write_checkpoint(const std::string& dir, const Checkpoint& c) {
     throw InputError(
         fmt::format("{}: cannot move the checkpoint into place: {}", dir, ec.message()));
   }
+  return bytes;
 }
 
-Checkpoint read_checkpoint(const std::string& dir_given) {
-  // A writer stopped between its two renames leaves the previous checkpoint as DIR.old.
-  std::string dir = dir_given;
-  if (!fs::exists(fs::path(dir) / "checkpoint.json") &&
-      fs::exists(fs::path(dir + ".old") / "checkpoint.json")) {
-    dir += ".old";
+void write_checkpoint(const std::string& dir, const Checkpoint& c) {
+  begin_checkpoint(dir);
+  ShardWriter shard(dir, 0);
+  for (const auto& t : c.tensors) {
+    DTSIM_ASSERT(t.shape.size() == 2, fmt::format("checkpoint tensor {}: shape", t.name));
+    shard.add(t.name, whole(t.shape[0], t.shape[1]), 0, t.data, t.m, t.v);
   }
-  const fs::path meta_path = fs::path(dir) / "checkpoint.json";
-  std::ifstream meta(meta_path);
-  if (!meta)
-    throw InputError(fmt::format("{}: cannot open (not a dtexec checkpoint?)", meta_path.string()));
+  finish_checkpoint(dir, c, {shard.close()});
+}
+
+CheckpointReader::CheckpointReader(const std::string& dir_given) {
+  // A writer stopped between its two renames leaves the previous checkpoint as DIR.old.
+  dir_ = dir_given;
+  if (!fs::exists(fs::path(dir_) / "checkpoint.json") &&
+      fs::exists(fs::path(dir_ + ".old") / "checkpoint.json")) {
+    dir_ += ".old";
+  }
+  where_ = (fs::path(dir_) / "checkpoint.json").string();
+  std::ifstream meta(where_);
+  if (!meta) throw InputError(fmt::format("{}: cannot open (not a dtexec checkpoint?)", where_));
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(meta);
   } catch (const nlohmann::json::exception& e) {
-    throw InputError(fmt::format("{}: malformed JSON: {}", meta_path.string(), e.what()));
+    throw InputError(fmt::format("{}: malformed JSON: {}", where_, e.what()));
   }
-  Checkpoint c;
-  std::ifstream bin(fs::path(dir) / "tensors.bin", std::ios::binary);
-  const std::string bin_name = (fs::path(dir) / "tensors.bin").string();
-  if (!bin) throw InputError(fmt::format("{}: cannot open", bin_name));
-  std::error_code size_error;
-  const auto bin_bytes = fs::file_size(fs::path(dir) / "tensors.bin", size_error);
-  if (size_error) throw InputError(fmt::format("{}: cannot read its size", bin_name));
-  const auto floats_in_file = static_cast<std::int64_t>(bin_bytes / sizeof(float));
   try {
-    if (j.at("format").get<std::string>() != kFormat) {
-      throw InputError(fmt::format("{}: format: expected \"{}\", got {}", meta_path.string(),
-                                   kFormat, j.at("format").dump()));
+    const auto format = j.at("format").get<std::string>();
+    if (format != kFormat && format != kFormatWhole) {
+      throw InputError(fmt::format("{}: format: expected \"{}\" (or \"{}\"), got {}", where_,
+                                   kFormat, kFormatWhole, j.at("format").dump()));
     }
-    c.model = j.at("model").get<std::string>();
-    c.plan = j.at("plan");
-    c.step = j.at("step").get<int>();
-    c.seed = j.at("seed").get<std::uint64_t>();
-    c.learning_rate = j.at("learning_rate").get<double>();
-    if (j.contains("lr_schedule")) c.lr_schedule = j.at("lr_schedule");
-    if (j.contains("weight_decay")) c.weight_decay = j.at("weight_decay").get<double>();
-    c.losses = j.at("losses").get<std::vector<double>>();
-    if (c.step < 0 || static_cast<std::size_t>(c.step) != c.losses.size()) {
-      throw InputError(fmt::format("{}: step: expected the number of losses ({}), got {}",
-                                   meta_path.string(), c.losses.size(), c.step));
+    info_ = read_info(j, where_);
+    // The shard files, each present with the size its index gives: their floats bound every
+    // shape and offset below, checked before anything is allocated.
+    std::vector<std::uint64_t> sizes;
+    auto add_file = [&](const std::string& file, std::optional<std::uint64_t> expected) {
+      if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..") {
+        throw InputError(fmt::format(
+            "{}: shards: file: expected a file name in the folder, got \"{}\"", where_, file));
+      }
+      const fs::path path = fs::path(dir_) / file;
+      std::error_code ec;
+      const auto size = fs::file_size(path, ec);
+      if (ec) throw InputError(fmt::format("{}: cannot open", path.string()));
+      if (expected && size != *expected) {
+        throw InputError(fmt::format("{}: {} bytes, expected {} (a shard cut short?)",
+                                     path.string(), size, *expected));
+      }
+      files_.push_back(file);
+      sizes.push_back(size);
+    };
+    const bool whole_format = format == kFormatWhole;
+    if (whole_format) {
+      add_file("tensors.bin", std::nullopt);
+    } else {
+      for (const auto& shard : j.at("shards")) {
+        add_file(shard.at("file").get<std::string>(), shard.at("bytes").get<std::uint64_t>());
+      }
     }
+    std::uint64_t stored = 0;  // elements held by all the files together
+    for (const auto size : sizes) stored += size / kBytesPerElement;
     for (const auto& t : j.at("tensors")) {
-      CheckpointTensor ct;
-      ct.name = t.at("name").get<std::string>();
-      ct.shape = t.at("shape").get<std::vector<std::int64_t>>();
-      // The tensor (weights, then both Adam moments) must lie inside tensors.bin: checked
-      // before anything is allocated, without overflow for absurd shapes.
+      const auto name = t.at("name").get<std::string>();
+      auto shape = t.at("shape").get<std::vector<std::int64_t>>();
       std::int64_t n = 1;
-      for (const std::int64_t d : ct.shape) {
-        if (d <= 0 || n > floats_in_file / d) {
+      for (const std::int64_t d : shape) {
+        if (d <= 0 || static_cast<std::uint64_t>(n) > stored / static_cast<std::uint64_t>(d)) {
           throw InputError(fmt::format(
-              "{}: tensors: {}: shape {}: expected positive sizes that fit in {} ({} floats)",
-              meta_path.string(), ct.name, t.at("shape").dump(), bin_name, floats_in_file));
+              "{}: tensors: {}: shape {}: expected positive sizes, with no more elements than "
+              "the checkpoint's files hold ({})",
+              where_, name, t.at("shape").dump(), stored));
         }
         n *= d;
       }
-      if (ct.shape.empty()) {
-        throw InputError(
-            fmt::format("{}: tensors: {} has an empty shape", meta_path.string(), ct.name));
+      if (shape.empty() || (!whole_format && shape.size() != 2)) {
+        throw InputError(fmt::format("{}: tensors: {}: shape {}: expected [rows, cols]", where_,
+                                     name, t.at("shape").dump()));
       }
-      const auto offset = t.at("offset").get<std::int64_t>();
-      if (offset < 0 || offset > floats_in_file || 3 * n > floats_in_file - offset) {
-        throw InputError(
-            fmt::format("{}: tensor {} runs past the end of the file", bin_name, ct.name));
+      if (shapes_.count(name)) {
+        throw InputError(fmt::format("{}: tensors: {} is listed twice", where_, name));
       }
-      bin.seekg(static_cast<std::streamoff>(offset * static_cast<std::int64_t>(sizeof(float))));
-      for (auto* part : {&ct.data, &ct.m, &ct.v}) {
-        part->resize(static_cast<std::size_t>(n));
-        bin.read(reinterpret_cast<char*>(part->data()),
-                 static_cast<std::streamsize>(part->size() * sizeof(float)));
+      names_.push_back(name);
+      shapes_[name] = shape;
+      if (whole_format) {
+        // A whole tensor (weights, m, v) from `offset` floats into tensors.bin.
+        const auto offset = t.at("offset").get<std::int64_t>();
+        const auto floats = static_cast<std::int64_t>(sizes[0] / sizeof(float));
+        if (offset < 0 || offset > floats || 3 * n > floats - offset) {
+          throw InputError(
+              fmt::format("{}/tensors.bin: tensor {} runs past the end of the file", dir_, name));
+        }
+        pieces_[name].push_back({0, whole(n / shape.back(), shape.back()), 0, n,
+                                 static_cast<std::uint64_t>(offset) * sizeof(float)});
       }
-      if (!bin) {
-        throw InputError(
-            fmt::format("{}: tensor {} runs past the end of the file", bin_name, ct.name));
+    }
+    if (!whole_format) {
+      std::size_t f = 0;
+      for (const auto& shard : j.at("shards")) {
+        for (const auto& piece : shard.at("pieces")) {
+          const auto name = piece.at("tensor").get<std::string>();
+          const auto it = shapes_.find(name);
+          if (it == shapes_.end()) {
+            throw InputError(fmt::format("{}: shards: {}: a piece of {}, which is not in tensors",
+                                         where_, files_[f], name));
+          }
+          const auto bad = [&](const std::string& what) {
+            return InputError(
+                fmt::format("{}: shards: {}: a piece of {}: {}", where_, files_[f], name, what));
+          };
+          Piece p;
+          p.file = f;
+          p.slice.rows = it->second[0];
+          p.slice.cols = it->second[1];
+          const auto rows = piece.at("rows").get<std::vector<std::int64_t>>();
+          if (rows.size() != 2 || rows[0] < 0 || rows[1] <= 0 || rows[0] > p.slice.rows ||
+              rows[1] > p.slice.rows - rows[0]) {
+            throw bad(fmt::format("rows {}: expected [first, count] inside {} rows",
+                                  piece.at("rows").dump(), p.slice.rows));
+          }
+          p.slice.row_begin = rows[0];
+          p.slice.row_count = rows[1];
+          for (const auto& range : piece.at("cols")) {
+            const auto r = range.get<std::vector<std::int64_t>>();
+            if (r.size() != 2 || r[0] < 0 || r[1] <= 0 || r[0] > p.slice.cols ||
+                r[1] > p.slice.cols - r[0] || p.slice.local_cols() > p.slice.cols - r[1]) {
+              throw bad(fmt::format(
+                  "cols {}: expected [first, count] ranges inside {} columns, {} at most in all",
+                  piece.at("cols").dump(), p.slice.cols, p.slice.cols));
+            }
+            p.slice.col_ranges.push_back({r[0], r[1]});
+          }
+          if (p.slice.col_ranges.empty()) throw bad("cols: expected at least one range");
+          p.begin = piece.at("begin").get<std::int64_t>();
+          p.count = piece.at("count").get<std::int64_t>();
+          if (p.begin < 0 || p.count < 0 || p.begin > p.slice.local_size() ||
+              p.count > p.slice.local_size() - p.begin) {
+            throw bad(fmt::format("begin {}, count {}: expected a range of its slice's {} elements",
+                                  p.begin, p.count, p.slice.local_size()));
+          }
+          p.offset = piece.at("offset").get<std::uint64_t>();
+          const std::uint64_t need = kBytesPerElement * static_cast<std::uint64_t>(p.count);
+          if (p.offset > sizes[f] || need > sizes[f] - p.offset) {
+            throw bad(fmt::format("offset {}: its {} bytes run past the end of the file ({})",
+                                  p.offset, need, sizes[f]));
+          }
+          pieces_[name].push_back(std::move(p));
+        }
+        ++f;
       }
-      c.tensors.push_back(std::move(ct));
     }
   } catch (const nlohmann::json::exception& e) {
-    throw InputError(fmt::format("{}: {}", meta_path.string(), e.what()));
+    throw InputError(fmt::format("{}: {}", where_, e.what()));
   }
+}
+
+const std::vector<std::int64_t>* CheckpointReader::shape(const std::string& name) const {
+  const auto it = shapes_.find(name);
+  return it == shapes_.end() ? nullptr : &it->second;
+}
+
+CheckpointTensor CheckpointReader::read(const std::string& name) const {
+  const auto* full_shape = shape(name);
+  DTSIM_ASSERT(full_shape != nullptr, fmt::format("checkpoint: no tensor {}", name));
+  CheckpointTensor t;
+  t.name = name;
+  t.shape = *full_shape;
+  std::int64_t n = 1;
+  for (const auto d : t.shape) n *= d;
+  for (auto* part : {&t.data, &t.m, &t.v}) part->assign(static_cast<std::size_t>(n), 0.0f);
+  std::vector<std::uint8_t> covered(static_cast<std::size_t>(n), 0);
+  std::int64_t filled = 0;
+  std::vector<float> buffer;
+  const auto it = pieces_.find(name);
+  for (const Piece& p : it == pieces_.end() ? std::vector<Piece>{} : it->second) {
+    const fs::path path = fs::path(dir_) / files_[p.file];
+    std::ifstream in(path, std::ios::binary);
+    buffer.resize(3 * static_cast<std::size_t>(p.count));
+    in.seekg(static_cast<std::streamoff>(p.offset));
+    in.read(reinterpret_cast<char*>(buffer.data()),
+            static_cast<std::streamsize>(buffer.size() * sizeof(float)));
+    if (!in) throw InputError(fmt::format("{}: cannot read {}'s piece", path.string(), name));
+    for_runs(p.slice, p.begin, p.count,
+             [&](std::int64_t local, std::int64_t full, std::int64_t length) {
+               auto* mark = covered.data() + full;
+               if (std::find(mark, mark + length, 1) != mark + length) {
+                 throw InputError(fmt::format("{}: shards: {}: an element of {} is in two pieces",
+                                              where_, files_[p.file], name));
+               }
+               std::fill(mark, mark + length, 1);
+               const auto bytes = static_cast<std::size_t>(length) * sizeof(float);
+               for (int k = 0; k < 3; ++k) {
+                 auto& to = k == 0 ? t.data : (k == 1 ? t.m : t.v);
+                 std::memcpy(to.data() + full, buffer.data() + k * p.count + local, bytes);
+               }
+               filled += length;
+             });
+  }
+  if (filled != n) {
+    throw InputError(fmt::format("{}: shards: {}: {} of its {} elements are in no shard", where_,
+                                 name, n - filled, n));
+  }
+  return t;
+}
+
+Checkpoint read_checkpoint(const std::string& dir) {
+  const CheckpointReader reader(dir);
+  Checkpoint c;
+  static_cast<CheckpointInfo&>(c) = reader.info();
+  for (const auto& name : reader.names()) c.tensors.push_back(reader.read(name));
   return c;
 }
 
@@ -170,16 +405,19 @@ CheckpointDiff compare_checkpoints(const Checkpoint& a, const Checkpoint& b) {
     d.max_loss_diff = std::max(d.max_loss_diff, std::abs(a.losses[static_cast<std::size_t>(i)] -
                                                          b.losses[static_cast<std::size_t>(i)]));
   }
-  if (a.tensors.size() != b.tensors.size()) {
-    d.problems.push_back(
-        fmt::format("tensor counts differ: {} and {}", a.tensors.size(), b.tensors.size()));
-    return d;
-  }
-  for (std::size_t i = 0; i < a.tensors.size(); ++i) {
-    const auto& x = a.tensors[i];
-    const auto& y = b.tensors[i];
-    if (x.name != y.name || x.shape != y.shape) {
-      d.problems.push_back(fmt::format("tensor {}: {} in one, {} in the other", i, x.name, y.name));
+  // Matched by name: plans write their tensors in other orders.
+  std::map<std::string, const CheckpointTensor*> in_b;
+  for (const auto& y : b.tensors) in_b[y.name] = &y;
+  for (const auto& x : a.tensors) {
+    const auto it = in_b.find(x.name);
+    if (it == in_b.end()) {
+      d.problems.push_back(fmt::format("tensor {} is in the first only", x.name));
+      continue;
+    }
+    const auto& y = *it->second;
+    in_b.erase(it);
+    if (x.shape != y.shape) {
+      d.problems.push_back(fmt::format("tensor {}: shapes differ", x.name));
       continue;
     }
     for (std::size_t k = 0; k < x.data.size(); ++k) {
@@ -189,6 +427,9 @@ CheckpointDiff compare_checkpoints(const Checkpoint& a, const Checkpoint& b) {
         d.worst_tensor = x.name;
       }
     }
+  }
+  for (const auto& [name, y] : in_b) {
+    d.problems.push_back(fmt::format("tensor {} is in the second only", name));
   }
   return d;
 }

@@ -1,18 +1,29 @@
-// Checkpoints of dtexec runs: the full (unsharded) tensors of the model with their AdamW state,
-// the step reached and every step's loss, whatever the plan that wrote them, so that a run can
-// resume under the same plan and two runs with different plans can be compared.
+// Checkpoints of dtexec runs: the tensors of the model with their AdamW state, the step reached
+// and every step's loss, whatever the plan that wrote them, so that a run can resume under the
+// same plan or another one (its tensors resharded) and two runs with different plans can be
+// compared.
 //
 // On disk, a folder: `checkpoint.json` (format, model, plan, step, seed, learning rate and its
-// schedule, weight decay, losses,
-// tensors with name, shape and offset) and `tensors.bin` (for each tensor its weights, AdamW m
-// and v as little-endian fp32). A checkpoint is written to a sibling temporary folder and
-// renamed into place, so a reader never sees half of one.
+// schedule, weight decay, losses, the full tensors' names and shapes, and the shards) and one
+// shard file per rank that holds something, `rank-NNNNN.bin`. Every rank writes its own shard
+// (no rank gathers the others' tensors); a shard is a list of pieces, each a range of a rank's
+// slice of one tensor (exec/core/slice.hpp): its weights, then AdamW's m, then v, little-endian
+// fp32. `checkpoint.json` says where each piece lies and which elements of the full tensor it
+// holds, so that a reader assembles any tensor from the shards of any plan. A checkpoint is
+// written to a sibling temporary folder and renamed into place, so a reader never sees half of
+// one. The folder must be on a file system that every rank sees. Checkpoints of the first
+// format (one `tensors.bin` of whole tensors, written by rank 0) are still read.
 #pragma once
 
 #include <cstdint>
+#include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
 #include <vector>
+
+#include "exec/core/slice.hpp"
 
 namespace dtsim::exec {
 
@@ -22,7 +33,8 @@ struct CheckpointTensor {
   std::vector<float> data, m, v;    // product(shape) each
 };
 
-struct Checkpoint {
+// A checkpoint but for its tensors' values.
+struct CheckpointInfo {
   std::string model;
   nlohmann::json plan;
   int step = 0;  // steps completed
@@ -33,15 +45,84 @@ struct Checkpoint {
   // before schedules (a constant learning_rate).
   nlohmann::json lr_schedule;
   std::vector<double> losses;  // one per completed step
+};
+
+struct Checkpoint : CheckpointInfo {
   std::vector<CheckpointTensor> tensors;
 };
 
+// Writing a checkpoint from many ranks, each its own shard:
+//   1. rank 0: begin_checkpoint(dir), a clean DIR.tmp; then a barrier;
+//   2. every rank: a ShardWriter adds its pieces and close() gives their index;
+//   3. rank 0, with every rank's index: finish_checkpoint writes checkpoint.json and renames
+//      DIR.tmp to DIR.
+void begin_checkpoint(const std::string& dir);
+
+class ShardWriter {
+ public:
+  // The shard of `rank` in DIR.tmp (its file is made at the first piece).
+  ShardWriter(const std::string& dir, int rank);
+  // Elements [begin, begin + weights.size()) of `slice` of tensor `name` (full shape
+  // slice.rows x slice.cols): weights and AdamW's m and v, one value each per element.
+  void add(const std::string& name, const Slice& slice, std::int64_t begin,
+           std::span<const float> weights, std::span<const float> m, std::span<const float> v);
+  // Flushes the file; returns the shard's index (null when nothing was added). Throws
+  // InputError when the file cannot be written.
+  nlohmann::json close();
+
+ private:
+  std::string folder_, file_;
+  std::ofstream out_;
+  std::uint64_t bytes_ = 0;
+  nlohmann::json pieces_ = nlohmann::json::array();
+};
+
+// Returns the bytes of the shards (weights and AdamW state). Throws InputError when a shard is
+// missing from the folder or has another size than its index says (a folder that not every rank
+// sees), or the folder cannot be moved into place.
+std::uint64_t finish_checkpoint(const std::string& dir, const CheckpointInfo& info,
+                                const std::vector<nlohmann::json>& shards);
+
+// One writer, whole tensors (tests, tools): the three steps above on this process.
 void write_checkpoint(const std::string& dir, const Checkpoint& checkpoint);
-// Throws InputError naming the file and field when the folder is not a readable checkpoint.
+
+// Reads checkpoint.json (checked, every shard's size included) and, on demand, one full tensor
+// assembled from the pieces that hold it. Throws InputError naming the file and field when the
+// folder is not a readable checkpoint.
+class CheckpointReader {
+ public:
+  explicit CheckpointReader(const std::string& dir);
+  const CheckpointInfo& info() const { return info_; }
+  // The tensors' names, in the checkpoint's order.
+  const std::vector<std::string>& names() const { return names_; }
+  // Its full shape, or nullptr when the checkpoint has no tensor of that name.
+  const std::vector<std::int64_t>* shape(const std::string& name) const;
+  // The full tensor; throws InputError when a piece cannot be read or some element is in none.
+  CheckpointTensor read(const std::string& name) const;
+  // "DIR/checkpoint.json", for messages.
+  const std::string& where() const { return where_; }
+  int shards() const { return static_cast<int>(files_.size()); }
+
+ private:
+  struct Piece {
+    std::size_t file = 0;  // index into files_
+    Slice slice;
+    std::int64_t begin = 0, count = 0;
+    std::uint64_t offset = 0;  // bytes into the file
+  };
+  std::string dir_, where_;
+  CheckpointInfo info_;
+  std::vector<std::string> names_;
+  std::map<std::string, std::vector<std::int64_t>> shapes_;
+  std::vector<std::string> files_;
+  std::map<std::string, std::vector<Piece>> pieces_;  // by tensor
+};
+
+// Every tensor, read whole (small models, `dtexec compare`, tests).
 Checkpoint read_checkpoint(const std::string& dir);
 
 // Differences between two checkpoints of the same model: losses step by step, weights tensor by
-// tensor (the largest absolute difference, and the tensor where it occurs).
+// tensor, matched by name (the largest absolute difference, and the tensor where it occurs).
 struct CheckpointDiff {
   int steps_compared = 0;
   double max_loss_diff = 0;

@@ -24,6 +24,7 @@
 #include "exec/core/checkpoint.hpp"
 #include "exec/core/device.hpp"
 #include "exec/core/for_pieces.hpp"
+#include "exec/core/slice.hpp"
 #include "exec/cpu/device.hpp"
 #include "exec/cpu/kernels.hpp"
 #include "sim/cluster/placement.hpp"
@@ -52,39 +53,6 @@ enum DropoutSiteKind : int {
   kAttnResidual,
   kMlpResidual
 };
-
-// Which part of a full [rows, cols] tensor a rank holds: a range of rows and, within them, a
-// list of column ranges (Megatron-LM's column- and row-parallel splits; QKV takes a range of
-// the q, k and v columns each).
-struct Slice {
-  std::int64_t rows = 1, cols = 1;
-  std::int64_t row_begin = 0, row_count = 1;
-  std::vector<std::pair<std::int64_t, std::int64_t>> col_ranges;  // (begin, count)
-
-  std::int64_t local_cols() const {
-    std::int64_t n = 0;
-    for (const auto& r : col_ranges) n += r.second;
-    return n;
-  }
-  std::int64_t local_size() const { return row_count * local_cols(); }
-  // The full tensor's flat index of local flat index i.
-  std::int64_t full_index(std::int64_t i) const {
-    const std::int64_t lc = local_cols();
-    const std::int64_t row = row_begin + i / lc;
-    std::int64_t col = i % lc;
-    for (const auto& [begin, count] : col_ranges) {
-      if (col < count) return row * cols + begin + col;
-      col -= count;
-    }
-    DTSIM_ASSERT(false, "slice index out of range");
-    return 0;
-  }
-  bool whole() const { return row_count == rows && local_cols() == cols; }
-};
-
-Slice whole(std::int64_t rows, std::int64_t cols) {
-  return {rows, cols, 0, rows, {{0, cols}}};
-}
 
 // A weight or bias of this rank, on the device: the fp32 master and its AdamW state, the copy
 // the GEMMs read (in the activation type; the master itself when that is fp32), and its
@@ -428,8 +396,9 @@ class Runner {
           (done == options_.steps ||
            (options_.checkpoint_every > 0 && done % options_.checkpoint_every == 0))) {
         const double started = now();
-        const std::uint64_t bytes = save(done, result.losses);
-        result.checkpoints.push_back({done, now() - started, bytes});
+        CheckpointRecord record = save(done, result.losses);
+        record.seconds = now() - started;
+        result.checkpoints.push_back(record);
       }
     }
     for (auto& mb : batches_) release(mb);
@@ -2584,45 +2553,39 @@ class Runner {
 
   // ---- checkpoints -------------------------------------------------------------------------
 
-  // Every rank sends its part of each full tensor (its tensor-parallel slice; its dp slice under
-  // ZeRO >= 1, where only the owner's weights and AdamW state are current); rank 0 assembles and
-  // writes them. The tied copy is the embedding and is not written twice.
-  // Returns the bytes of tensors.bin on rank 0 (0 elsewhere).
-  std::uint64_t save(int steps_done, const std::vector<double>& losses) {
+  // Every rank writes its part of each full tensor (its tensor-parallel slice; its dp slice under
+  // ZeRO >= 1, where only the owner's weights and AdamW state are current) to a shard of its
+  // own; rank 0 then writes the index. The tied copy is the embedding and is not written twice.
+  // Returns the step, and on rank 0 the bytes of the shards and their number.
+  CheckpointRecord save(int steps_done, const std::vector<double>& losses) {
     // Unsharded, the first replica writes (an expert's: the first of its expert-dp group).
     const auto writes = [&](const Param& p) {
       return !(p.tied_copy || (p.replicated_over_tp && t_ != 0) ||
                (!sharded_ && (p.expert ? ed_ : d_) != 0));
     };
-    // Sized first and filled in place: a growing buffer would copy (and fault in) its
-    // gigabytes again at each doubling.
-    constexpr std::size_t kHeader = 5 * sizeof(std::int64_t);
-    std::size_t size = 0;
-    for (const auto& [key, p] : params_) {
-      if (writes(p))
-        size += kHeader + 3 * sizeof(float) * static_cast<std::size_t>(p.own_end - p.own_begin);
-    }
-    std::string mine(size, '\0');
-    std::size_t filled = 0;
-    auto put = [&](const void* data, std::size_t bytes) {
-      std::memcpy(mine.data() + filled, data, bytes);
-      filled += bytes;
-    };
+    if (comm_.rank() == 0) begin_checkpoint(options_.checkpoint_dir);
+    comm_.barrier();
+    ShardWriter shard(options_.checkpoint_dir, comm_.rank());
+    std::vector<float> weights, m, v;
     for (const auto& [key, p] : params_) {
       if (!writes(p)) continue;
-      const std::int64_t header[4] = {static_cast<std::int64_t>(key.first), key.second, t_,
-                                      p.own_end - p.own_begin};
-      put(header, sizeof(header));
-      put(&p.own_begin, sizeof(p.own_begin));
-      for (const View part : {master_slice(p), p.m, p.v}) {
-        dev_.download(reinterpret_cast<float*>(mine.data() + filled), part);
-        filled += sizeof(float) * static_cast<std::size_t>(part.size());
+      const auto n = static_cast<std::size_t>(p.own_end - p.own_begin);
+      for (auto [host, part] : {std::pair{&weights, master_slice(p)}, {&m, p.m}, {&v, p.v}}) {
+        host->resize(n);
+        dev_.download(host->data(), part);
       }
+      shard.add(p.name, p.slice, p.own_begin, weights, m, v);
     }
-    DTSIM_ASSERT(filled == size, "checkpoint: the rank's part was sized wrong");
-    const auto parts = comm_.gather_to_root(std::move(mine));
-    if (comm_.rank() != 0) return 0;
-    Checkpoint c;
+    // The gather of the indices also says that every shard is written.
+    const auto indices = comm_.gather_to_root(shard.close().dump());
+    CheckpointRecord record{.step = steps_done};
+    if (comm_.rank() != 0) return record;
+    std::vector<nlohmann::json> shards;
+    for (const auto& index : indices) {
+      shards.push_back(nlohmann::json::parse(index));
+      if (!shards.back().is_null()) ++record.shards;
+    }
+    CheckpointInfo c;
     c.model = m_.name;
     c.plan = plan::to_json(p_);
     c.step = steps_done;
@@ -2631,57 +2594,14 @@ class Runner {
     c.weight_decay = options_.weight_decay;
     c.lr_schedule = options_.lr.to_json();
     c.losses = losses;
-    std::map<Key, CheckpointTensor> tensors;
-    for (const auto& part : parts) {
-      std::size_t at = 0;
-      auto get = [&](void* data, std::size_t bytes) {
-        DTSIM_ASSERT(at + bytes <= part.size(), "checkpoint part");
-        std::memcpy(data, part.data() + at, bytes);
-        at += bytes;
-      };
-      while (at < part.size()) {
-        std::int64_t header[4], begin = 0;
-        get(header, sizeof(header));
-        get(&begin, sizeof(begin));
-        const auto id = static_cast<OpId>(header[0]);
-        const int which = static_cast<int>(header[1]);
-        Slice slice;
-        for (auto& [w, s] : slices(g_.op(id), static_cast<int>(header[2]))) {
-          if (w == which) slice = s;
-        }
-        auto& t = tensors[{id, which}];
-        if (t.data.empty()) {
-          t.name = tensor_name(id, which);
-          t.shape = {slice.rows, slice.cols};
-          for (auto* v : {&t.data, &t.m, &t.v})
-            v->assign(static_cast<std::size_t>(slice.rows * slice.cols), 0.0f);
-        }
-        // Straight from the part into place: no buffer per tensor (each a fresh allocation,
-        // which costs its pages again).
-        for (auto* v : {&t.data, &t.m, &t.v}) {
-          DTSIM_ASSERT(at + static_cast<std::size_t>(header[3]) * sizeof(float) <= part.size(),
-                       "checkpoint part");
-          const char* from = part.data() + at;
-          for (std::int64_t i = 0; i < header[3]; ++i) {
-            std::memcpy(&(*v)[static_cast<std::size_t>(slice.full_index(begin + i))],
-                        from + static_cast<std::size_t>(i) * sizeof(float), sizeof(float));
-          }
-          at += static_cast<std::size_t>(header[3]) * sizeof(float);
-        }
-      }
-    }
-    std::uint64_t bytes = 0;
-    for (auto& [key, t] : tensors) {
-      bytes += 3 * sizeof(float) * t.data.size();  // weights, AdamW's m and v
-      c.tensors.push_back(std::move(t));
-    }
-    write_checkpoint(options_.checkpoint_dir, c);
-    return bytes;
+    record.bytes = finish_checkpoint(options_.checkpoint_dir, c, shards);
+    return record;
   }
 
   int resume(RunResult& result) {
-    const Checkpoint c = read_checkpoint(options_.resume_dir);
-    const std::string where = options_.resume_dir + "/checkpoint.json";
+    const CheckpointReader checkpoint(options_.resume_dir);
+    const CheckpointInfo& c = checkpoint.info();
+    const std::string& where = checkpoint.where();
     if (c.model != m_.name) {
       throw InputError(fmt::format("{}: model: the checkpoint is of {}, this run trains {}", where,
                                    c.model, m_.name));
@@ -2732,25 +2652,25 @@ class Runner {
                       "nothing to run",
                       where, c.step, options_.steps));
     }
-    std::map<std::string, const CheckpointTensor*> by_name;
-    for (const auto& t : c.tensors) by_name[t.name] = &t;
+    // Each tensor read whole from the pieces that hold it, whatever plan wrote them (one
+    // tensor at a time: a rank never holds the whole checkpoint).
     for (auto& [key, p] : params_) {
-      const auto it = by_name.find(p.name);
-      if (it == by_name.end() ||
-          it->second->shape != std::vector<std::int64_t>{p.slice.rows, p.slice.cols}) {
+      const auto* shape = checkpoint.shape(p.name);
+      if (shape == nullptr || *shape != std::vector<std::int64_t>{p.slice.rows, p.slice.cols}) {
         throw InputError(fmt::format("{}: tensors: no {} of shape [{}, {}]", where, p.name,
                                      p.slice.rows, p.slice.cols));
       }
+      const CheckpointTensor t = checkpoint.read(p.name);
       // Each rank takes its tp slice, and of that its dp slice where it holds only that.
-      const auto data = extract(it->second->data, p.slice);
+      const auto data = extract(t.data, p.slice);
       if (zero3_) {
         dev_.upload(p.shard, data.data() + p.own_begin);
       } else {
         dev_.upload(p.data, data.data());
         refresh_work(p);
       }
-      dev_.upload(p.m, extract(it->second->m, p.slice).data() + p.own_begin);
-      dev_.upload(p.v, extract(it->second->v, p.slice).data() + p.own_begin);
+      dev_.upload(p.m, extract(t.m, p.slice).data() + p.own_begin);
+      dev_.upload(p.v, extract(t.v, p.slice).data() + p.own_begin);
     }
     adam_step_ = c.step;
     result.losses = c.losses;

@@ -87,12 +87,14 @@ struct TaskRecord {
   int step = 0;
 };
 
-// A checkpoint this run wrote: after which step, how long every rank spent in it (gathering
-// the tensors to rank 0, which alone writes), and on rank 0 the bytes of tensors.bin.
+// A checkpoint this run wrote: after which step, how long every rank spent in it (each
+// writing its shard, then rank 0 the index), and on rank 0 the bytes of the shards and their
+// number.
 struct CheckpointRecord {
   int step = 0;
   double seconds = 0;
   std::uint64_t bytes = 0;
+  int shards = 0;
 };
 
 struct RunResult {

@@ -269,7 +269,7 @@ TEST_CASE("a checkpoint that does not fit the run is refused", "[exec][runner]")
                                   "step: the checkpoint is at step 2");
   DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::exec::read_checkpoint((dir / "nope").string()),
                                   dtsim::InputError, "cannot open");
-  // A tensor whose shape claims more than tensors.bin holds: refused before it is allocated.
+  // A tensor whose shape claims more than the shards hold: refused before it is allocated.
   auto c = dtsim::exec::read_checkpoint(dir.string());
   nlohmann::json meta;
   {
@@ -282,7 +282,7 @@ TEST_CASE("a checkpoint that does not fit the run is refused", "[exec][runner]")
     out << meta.dump();
   }
   DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::exec::read_checkpoint(dir.string()), dtsim::InputError,
-                                  "expected positive sizes that fit in");
+                                  "expected positive sizes, with no more elements than");
   meta["tensors"][0]["shape"] = {-1, 4};
   {
     std::ofstream out(dir / "checkpoint.json");

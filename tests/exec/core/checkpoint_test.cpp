@@ -1,0 +1,293 @@
+#include "exec/core/checkpoint.hpp"
+
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+
+#include "sim/common/error.hpp"
+
+namespace fs = std::filesystem;
+using dtsim::exec::Checkpoint;
+using dtsim::exec::CheckpointReader;
+using dtsim::exec::CheckpointTensor;
+using dtsim::exec::ShardWriter;
+using dtsim::exec::Slice;
+
+namespace {
+
+// A fresh folder under the temporary directory (and its .tmp and .old siblings gone).
+std::string folder(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("dtexec_checkpoint_test_" + name);
+  for (const auto* suffix : {"", ".tmp", ".old"}) fs::remove_all(dir.string() + suffix);
+  return dir.string();
+}
+
+// A [rows, cols] tensor whose weight, m and v at flat index i are i, 1000 + i and 2000 + i.
+CheckpointTensor numbered(const std::string& name, std::int64_t rows, std::int64_t cols) {
+  CheckpointTensor t{name, {rows, cols}, {}, {}, {}};
+  const auto n = static_cast<std::size_t>(rows * cols);
+  for (std::size_t i = 0; i < n; ++i) {
+    t.data.push_back(static_cast<float>(i));
+    t.m.push_back(static_cast<float>(1000 + i));
+    t.v.push_back(static_cast<float>(2000 + i));
+  }
+  return t;
+}
+
+dtsim::exec::CheckpointInfo info() {
+  dtsim::exec::CheckpointInfo c;
+  c.model = "tiny-gpt";
+  c.plan = {{"dp", 2}};
+  c.step = 2;
+  c.seed = 7;
+  c.learning_rate = 1e-3;
+  c.weight_decay = 0.1;
+  c.losses = {5.5, 5.25};
+  return c;
+}
+
+// Adds elements [begin, begin + count) of `slice` of `full` to `shard`, as a rank would.
+void add_piece(ShardWriter& shard, const CheckpointTensor& full, const Slice& slice,
+               std::int64_t begin, std::int64_t count) {
+  std::vector<float> w, m, v;
+  for (std::int64_t i = begin; i < begin + count; ++i) {
+    const auto at = static_cast<std::size_t>(slice.full_index(i));
+    w.push_back(full.data[at]);
+    m.push_back(full.m[at]);
+    v.push_back(full.v[at]);
+  }
+  shard.add(full.name, slice, begin, w, m, v);
+}
+
+// A checkpoint of two tensors written as tp 2 x ZeRO dp 2 would shard them: a [4, 6] QKV-like
+// matrix split by column ranges (rank t holds columns [t, t + 1) of each of three blocks of
+// two), and a [4, 3] row-parallel one split by rows, each tp slice split in two dp ranges.
+std::string write_sharded(const std::string& name, const CheckpointTensor& qkv,
+                          const CheckpointTensor& out) {
+  const std::string dir = folder(name);
+  dtsim::exec::begin_checkpoint(dir);
+  std::vector<nlohmann::json> indices;
+  for (int t = 0; t < 2; ++t) {
+    const Slice columns{4, 6, 0, 4, {{t, 1}, {2 + t, 1}, {4 + t, 1}}};
+    const Slice rows{4, 3, 2 * t, 2, {{0, 3}}};
+    for (int d = 0; d < 2; ++d) {
+      ShardWriter shard(dir, t * 2 + d);
+      add_piece(shard, qkv, columns, d * 5, d == 0 ? 5 : 7);  // 12 elements: 5 + 7
+      add_piece(shard, out, rows, d * 3, 3);
+      indices.push_back(shard.close());
+    }
+  }
+  indices.push_back(ShardWriter(dir, 4).close());  // a rank with nothing to write
+  CHECK(indices.back().is_null());
+  CHECK(dtsim::exec::finish_checkpoint(dir, info(), indices) == (24 + 12) * 12);
+  return dir;
+}
+
+void rewrite_index(const std::string& dir, const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json j;
+  std::ifstream(fs::path(dir) / "checkpoint.json") >> j;
+  edit(j);
+  std::ofstream(fs::path(dir) / "checkpoint.json") << j.dump(1);
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint: one writer's whole tensors read back", "[exec][checkpoint]") {
+  const std::string dir = folder("whole");
+  Checkpoint c;
+  static_cast<dtsim::exec::CheckpointInfo&>(c) = info();
+  c.tensors = {numbered("a.weight", 3, 5), numbered("a.bias", 1, 5)};
+  dtsim::exec::write_checkpoint(dir, c);
+  CHECK(fs::exists(fs::path(dir) / "rank-00000.bin"));
+  CHECK_FALSE(fs::exists(dir + ".tmp"));
+  const Checkpoint back = dtsim::exec::read_checkpoint(dir);
+  CHECK(back.model == "tiny-gpt");
+  CHECK(back.plan == c.plan);
+  CHECK(back.step == 2);
+  CHECK(back.seed == 7);
+  CHECK(back.weight_decay == 0.1);
+  CHECK(back.losses == c.losses);
+  REQUIRE(back.tensors.size() == 2);
+  for (std::size_t i = 0; i < 2; ++i) {
+    CHECK(back.tensors[i].name == c.tensors[i].name);
+    CHECK(back.tensors[i].shape == c.tensors[i].shape);
+    CHECK(back.tensors[i].data == c.tensors[i].data);
+    CHECK(back.tensors[i].m == c.tensors[i].m);
+    CHECK(back.tensors[i].v == c.tensors[i].v);
+  }
+  // Written again over it: the new one replaces it, no .old left behind.
+  c.step = 3;
+  c.losses.push_back(5.0);
+  dtsim::exec::write_checkpoint(dir, c);
+  CHECK(dtsim::exec::read_checkpoint(dir).step == 3);
+  CHECK_FALSE(fs::exists(dir + ".old"));
+}
+
+TEST_CASE("checkpoint: shards of column, row and dp slices assemble the full tensors",
+          "[exec][checkpoint]") {
+  const auto qkv = numbered("L0.qkv.weight", 4, 6);
+  const auto out = numbered("L0.out.weight", 4, 3);
+  const std::string dir = write_sharded("sharded", qkv, out);
+  const CheckpointReader reader(dir);
+  CHECK(reader.shards() == 4);
+  CHECK(reader.names() == std::vector<std::string>{"L0.qkv.weight", "L0.out.weight"});
+  REQUIRE(reader.shape("L0.qkv.weight") != nullptr);
+  CHECK(*reader.shape("L0.qkv.weight") == std::vector<std::int64_t>{4, 6});
+  CHECK(reader.shape("nope") == nullptr);
+  for (const auto* full : {&qkv, &out}) {
+    const auto t = reader.read(full->name);
+    CHECK(t.data == full->data);
+    CHECK(t.m == full->m);
+    CHECK(t.v == full->v);
+  }
+}
+
+TEST_CASE("checkpoint: the first format (one tensors.bin) is still read", "[exec][checkpoint]") {
+  const std::string dir = folder("format1");
+  fs::create_directories(dir);
+  const auto a = numbered("a.weight", 2, 3);
+  const auto b = numbered("b.bias", 1, 4);
+  {
+    std::ofstream bin(fs::path(dir) / "tensors.bin", std::ios::binary);
+    for (const auto* t : {&a, &b}) {
+      for (const auto* part : {&t->data, &t->m, &t->v}) {
+        bin.write(reinterpret_cast<const char*>(part->data()),
+                  static_cast<std::streamsize>(part->size() * sizeof(float)));
+      }
+    }
+  }
+  nlohmann::json j{{"format", "dtexec-checkpoint-1"},
+                   {"model", "tiny-gpt"},
+                   {"plan", {{"dp", 1}}},
+                   {"step", 1},
+                   {"seed", 1234},
+                   {"learning_rate", 0.003},
+                   {"losses", {5.5}},
+                   {"tensors",
+                    {{{"name", "a.weight"}, {"shape", {2, 3}}, {"offset", 0}},
+                     {{"name", "b.bias"}, {"shape", {1, 4}}, {"offset", 18}}}}};
+  std::ofstream(fs::path(dir) / "checkpoint.json") << j.dump();
+  const Checkpoint c = dtsim::exec::read_checkpoint(dir);
+  REQUIRE(c.tensors.size() == 2);
+  CHECK(c.tensors[0].data == a.data);
+  CHECK(c.tensors[0].v == a.v);
+  CHECK(c.tensors[1].m == b.m);
+  CHECK(c.weight_decay == 0);
+  CHECK(c.lr_schedule.is_null());
+}
+
+TEST_CASE("checkpoint: compare matches tensors by name", "[exec][checkpoint]") {
+  Checkpoint a;
+  static_cast<dtsim::exec::CheckpointInfo&>(a) = info();
+  a.tensors = {numbered("x", 1, 3), numbered("y", 2, 2)};
+  Checkpoint b = a;
+  std::swap(b.tensors[0], b.tensors[1]);
+  b.tensors[0].data[3] += 0.5f;  // y
+  auto d = dtsim::exec::compare_checkpoints(a, b);
+  CHECK(d.problems.empty());
+  CHECK(d.max_weight_diff == Approx(0.5));
+  CHECK(d.worst_tensor == "y");
+  b.tensors[1].name = "z";
+  d = dtsim::exec::compare_checkpoints(a, b);
+  CHECK(d.problems == std::vector<std::string>{"tensor x is in the first only",
+                                               "tensor z is in the second only"});
+}
+
+TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[exec][checkpoint]") {
+  const auto qkv = numbered("L0.qkv.weight", 4, 6);
+  const auto out = numbered("L0.out.weight", 4, 3);
+  using Catch::Contains;
+  SECTION("a shard missing") {
+    const auto dir = write_sharded("bad_missing", qkv, out);
+    fs::remove(fs::path(dir) / "rank-00002.bin");
+    REQUIRE_THROWS_AS(CheckpointReader(dir), dtsim::InputError);
+    REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("rank-00002.bin: cannot open"));
+  }
+  SECTION("a shard cut short") {
+    const auto dir = write_sharded("bad_short", qkv, out);
+    fs::resize_file(fs::path(dir) / "rank-00001.bin", 40);
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("rank-00001.bin: 40 bytes, expected 120 (a shard cut short?)"));
+  }
+  SECTION("a piece's rows outside its tensor") {
+    const auto dir = write_sharded("bad_rows", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) { j["shards"][0]["pieces"][1]["rows"] = {3, 2}; });
+    REQUIRE_THROWS_WITH(
+        CheckpointReader(dir),
+        Contains("shards: rank-00000.bin: a piece of L0.out.weight: rows [3,2]: expected [first, "
+                 "count] inside 4 rows"));
+  }
+  SECTION("a piece's columns outside its tensor") {
+    const auto dir = write_sharded("bad_cols", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["shards"][0]["pieces"][0]["cols"] = {{0, 4}, {3, 4}};
+    });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("a piece of L0.qkv.weight: cols"));
+  }
+  SECTION("a piece running past its file") {
+    const auto dir = write_sharded("bad_offset", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) { j["shards"][3]["pieces"][1]["offset"] = 100; });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("offset 100: its 36 bytes run past the end of the file (120)"));
+  }
+  SECTION("a piece of a tensor not listed") {
+    const auto dir = write_sharded("bad_tensor", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) { j["shards"][0]["pieces"][0]["tensor"] = "nope"; });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("a piece of nope, which is not in tensors"));
+  }
+  SECTION("a piece's range outside its slice") {
+    const auto dir = write_sharded("bad_range", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) { j["shards"][0]["pieces"][0]["begin"] = 10; });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("begin 10, count 5: expected a range of its slice's 12 elements"));
+  }
+  SECTION("a shard file outside the folder") {
+    const auto dir = write_sharded("bad_file", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) { j["shards"][0]["file"] = "../rank-00000.bin"; });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("expected a file name in the folder"));
+  }
+  SECTION("elements in no shard, and in two") {
+    const auto dir = write_sharded("bad_cover", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["shards"][0]["pieces"].erase(1);         // rows 0-1, first 3 elements
+      j["shards"][1]["pieces"][0]["begin"] = 4;  // 4..10 over 0..4: element 4 twice
+    });
+    const CheckpointReader reader(dir);
+    REQUIRE_THROWS_WITH(reader.read("L0.out.weight"),
+                        Contains("L0.out.weight: 3 of its 12 elements are in no shard"));
+    REQUIRE_THROWS_WITH(reader.read("L0.qkv.weight"),
+                        Contains("rank-00001.bin: an element of L0.qkv.weight is in two pieces"));
+  }
+  SECTION("another format, and a shape not [rows, cols]") {
+    const auto dir = write_sharded("bad_format", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) { j["format"] = "dtexec-checkpoint-9"; });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("format: expected \"dtexec-checkpoint-2\""));
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["format"] = "dtexec-checkpoint-2";
+      j["tensors"][1]["shape"] = {2, 2, 3};
+    });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("tensors: L0.out.weight: shape [2,2,3]: expected [rows, cols]"));
+  }
+  SECTION("a shape larger than the files") {
+    const auto dir = write_sharded("bad_shape", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) { j["tensors"][0]["shape"] = {1000000, 1000000}; });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("with no more elements than the checkpoint's files hold (36)"));
+  }
+  SECTION("a shard that the writer cannot see (a folder not every rank shares)") {
+    const std::string dir = folder("bad_unshared");
+    dtsim::exec::begin_checkpoint(dir);
+    ShardWriter shard(dir, 3);
+    add_piece(shard, out, dtsim::exec::whole(4, 3), 0, 12);
+    const auto index = shard.close();
+    fs::remove(fs::path(dir + ".tmp") / "rank-00003.bin");
+    REQUIRE_THROWS_WITH(dtsim::exec::finish_checkpoint(dir, info(), {index}),
+                        Contains("rank-00003.bin: a rank's shard is missing (144 bytes expected): "
+                                 "is " +
+                                 dir + " on a file system that every rank sees?"));
+  }
+}
