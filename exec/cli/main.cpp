@@ -917,8 +917,7 @@ int compare(const std::vector<std::string>& args) {
     if (!(value >= 0)) throw dtsim::InputError(fmt::format("{}: expected a number >= 0", name));
   }
   const auto& dirs = vm["checkpoints"].as<std::vector<std::string>>();
-  const auto a = dtsim::exec::read_checkpoint(dirs[0]);
-  const auto b = dtsim::exec::read_checkpoint(dirs[1]);
+  const dtsim::exec::CheckpointReader a(dirs[0]), b(dirs[1]);
   const auto d = dtsim::exec::compare_checkpoints(a, b);
   for (const auto& p : d.problems) std::cout << "mismatch: " << p << "\n";
   std::cout << fmt::format(

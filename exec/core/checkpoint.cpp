@@ -393,8 +393,9 @@ Checkpoint read_checkpoint(const std::string& dir) {
   return c;
 }
 
-CheckpointDiff compare_checkpoints(const Checkpoint& a, const Checkpoint& b) {
-  CheckpointDiff d;
+namespace {
+
+void compare_info(const CheckpointInfo& a, const CheckpointInfo& b, CheckpointDiff& d) {
   if (a.model != b.model) {
     d.problems.push_back(fmt::format("models differ: {} and {}", a.model, b.model));
   }
@@ -405,32 +406,66 @@ CheckpointDiff compare_checkpoints(const Checkpoint& a, const Checkpoint& b) {
     d.max_loss_diff = std::max(d.max_loss_diff, std::abs(a.losses[static_cast<std::size_t>(i)] -
                                                          b.losses[static_cast<std::size_t>(i)]));
   }
-  // Matched by name: plans write their tensors in other orders.
-  std::map<std::string, const CheckpointTensor*> in_b;
-  for (const auto& y : b.tensors) in_b[y.name] = &y;
-  for (const auto& x : a.tensors) {
-    const auto it = in_b.find(x.name);
+}
+
+void compare_tensor(const CheckpointTensor& x, const CheckpointTensor& y, CheckpointDiff& d) {
+  if (x.shape != y.shape) {
+    d.problems.push_back(fmt::format("tensor {}: shapes differ", x.name));
+    return;
+  }
+  for (std::size_t k = 0; k < x.data.size(); ++k) {
+    const double diff = std::abs(static_cast<double>(x.data[k]) - y.data[k]);
+    if (diff > d.max_weight_diff || std::isnan(diff)) {
+      d.max_weight_diff = std::isnan(diff) ? INFINITY : diff;
+      d.worst_tensor = x.name;
+    }
+  }
+}
+
+// Tensors matched by name (plans write them in other orders): compare(name in both) for each
+// of a's in its order, then a problem for each name in one only.
+void match_names(const std::vector<std::string>& a, const std::vector<std::string>& b,
+                 CheckpointDiff& d, const std::function<void(const std::string&)>& compare) {
+  std::map<std::string, bool> in_b;
+  for (const auto& name : b) in_b[name] = false;
+  for (const auto& name : a) {
+    const auto it = in_b.find(name);
     if (it == in_b.end()) {
-      d.problems.push_back(fmt::format("tensor {} is in the first only", x.name));
+      d.problems.push_back(fmt::format("tensor {} is in the first only", name));
       continue;
     }
-    const auto& y = *it->second;
-    in_b.erase(it);
-    if (x.shape != y.shape) {
-      d.problems.push_back(fmt::format("tensor {}: shapes differ", x.name));
-      continue;
-    }
-    for (std::size_t k = 0; k < x.data.size(); ++k) {
-      const double diff = std::abs(static_cast<double>(x.data[k]) - y.data[k]);
-      if (diff > d.max_weight_diff || std::isnan(diff)) {
-        d.max_weight_diff = std::isnan(diff) ? INFINITY : diff;
-        d.worst_tensor = x.name;
-      }
+    it->second = true;
+    compare(name);
+  }
+  for (const auto& [name, matched] : in_b) {
+    if (!matched) d.problems.push_back(fmt::format("tensor {} is in the second only", name));
+  }
+}
+
+}  // namespace
+
+CheckpointDiff compare_checkpoints(const Checkpoint& a, const Checkpoint& b) {
+  CheckpointDiff d;
+  compare_info(a, b, d);
+  std::map<std::string, const CheckpointTensor*> by_name[2];
+  std::vector<std::string> names[2];
+  for (int k = 0; k < 2; ++k) {
+    for (const auto& t : (k == 0 ? a : b).tensors) {
+      by_name[k][t.name] = &t;
+      names[k].push_back(t.name);
     }
   }
-  for (const auto& [name, y] : in_b) {
-    d.problems.push_back(fmt::format("tensor {} is in the second only", name));
-  }
+  match_names(names[0], names[1], d, [&](const std::string& name) {
+    compare_tensor(*by_name[0].at(name), *by_name[1].at(name), d);
+  });
+  return d;
+}
+
+CheckpointDiff compare_checkpoints(const CheckpointReader& a, const CheckpointReader& b) {
+  CheckpointDiff d;
+  compare_info(a.info(), b.info(), d);
+  match_names(a.names(), b.names(), d,
+              [&](const std::string& name) { compare_tensor(a.read(name), b.read(name), d); });
   return d;
 }
 

@@ -131,5 +131,7 @@ struct CheckpointDiff {
   std::vector<std::string> problems;  // mismatched models, steps, names or shapes
 };
 CheckpointDiff compare_checkpoints(const Checkpoint& a, const Checkpoint& b);
+// The same, reading one tensor of each at a time (what `dtexec compare` holds: two tensors).
+CheckpointDiff compare_checkpoints(const CheckpointReader& a, const CheckpointReader& b);
 
 }  // namespace dtsim::exec

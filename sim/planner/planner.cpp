@@ -464,9 +464,11 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
               std::vector<int> vs = {1};
               if (s == Schedule::Interleaved) {
                 vs.clear();
+                // Chunks of unequal layers where pp x v does not divide them, as pipeline
+                // stages are (plan::chunk_layers: the first chunks take one more; Llama 3
+                // 405B's 126 layers ran on 16 interleaved stages, Dubey et al. 2024, Sec. 3.3.2).
                 for (int v : space.virtual_stages) {
-                  if (micro_batches % pp == 0 && std::int64_t{pp} * v <= m.layers &&
-                      m.layers % (std::int64_t{pp} * v) == 0) {
+                  if (micro_batches % pp == 0 && std::int64_t{pp} * v <= m.layers) {
                     vs.push_back(v);
                   }
                 }

@@ -8,6 +8,7 @@
 #include "sim/common/error.hpp"
 #include "sim/cost/compute_cost.hpp"
 #include "sim/plan/memory_model.hpp"
+#include "sim/planner/planner.hpp"
 
 namespace dtsim::report {
 
@@ -174,6 +175,44 @@ engine::Prediction simulate_case(const Table1Case& c) {
 Table1Run megatron_table1_run(const CsvRow& row) {
   const Table1Case c = megatron_table1_case(row);
   return {c.model, c.plan, simulate_case(c)};
+}
+
+Llama3Table4Run llama3_table4_run(const CsvRow& row) {
+  model::ModelSpec spec = model::load_model("llama3-405b");
+  const std::int64_t seq = whole(row, "seq_len");
+  // Llama 3.1's context for the long-context row (RoPE: nothing else in the model changes).
+  if (seq > spec.max_positions) spec.max_positions = 131072;
+  const auto cluster =
+      cluster::with_devices(cluster::load_cluster("h100-roce"), whole(row, "gpus"));
+  planner::SearchSpace space;
+  space.global_batch_size = whole(row, "global_batch");
+  space.seq_len = seq;
+  space.attention = model::AttentionKernel::Flash;
+  space.fixed_tp = static_cast<int>(whole(row, "tp"));
+  space.fixed_pp = static_cast<int>(whole(row, "pp"));
+  space.fixed_cp = static_cast<int>(whole(row, "cp"));
+  space.fixed_dp = static_cast<int>(whole(row, "dp"));
+  space.max_cp = space.fixed_cp;
+  const auto found = planner::search(spec, cluster, space, planner::SearchOptions{});
+  const auto best = std::find_if(found.ranked.begin(), found.ranked.end(),
+                                 [](const planner::Candidate& c) { return c.fits; });
+  if (best == found.ranked.end()) {
+    throw InputError(fmt::format("Table 4 row {}: no plan at its degrees fits", row.at("id")));
+  }
+  Llama3Table4Run run;
+  run.plan = best->plan;
+  const model::ModelGraph g = plan::graph_of(spec, run.plan);
+  auto net = network::make_analytical(cluster);
+  run.prediction = engine::simulate(g, run.plan, cluster, *net).prediction;
+  // The attention core's dense FLOPs per step: per token and layer 4·s·(heads·head_dim) forward
+  // (q·k^T and the weighted sum of v), three times that with the backward.
+  const double tokens = static_cast<double>(space.global_batch_size) * static_cast<double>(seq);
+  const double core = 12.0 * static_cast<double>(spec.layers) * static_cast<double>(seq) *
+                      static_cast<double>(spec.heads * spec.head_dim) * tokens;
+  const double gpus = static_cast<double>(run.prediction.gpus);
+  run.causal_model_tflops_per_gpu =
+      (run.prediction.model_flops - core / 2) / (run.prediction.step_time_s * gpus) / 1e12;
+  return run;
 }
 
 }  // namespace dtsim::report

@@ -60,4 +60,21 @@ struct Table1Run {
 };
 Table1Run megatron_table1_run(const CsvRow& row);
 
+// Llama Team 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B pre-training on 8,192
+// and 16,384 H100s of Meta's RoCE cluster (topologies/h100-roce.json, from the same paper), one
+// row of validation/llama3_table4_scaling.csv (metric achieved_tflops_per_gpu). The paper gives
+// tp, cp, pp, dp and the batch; what it leaves out (the schedule and its virtual stages, the
+// ZeRO stage, recompute, the micro-batch) dtsim's planner chooses among the plans that fit in
+// 80 GB, at those degrees, with FlashAttention (assumed: the paper does not name its kernel). The
+// 131,072-token row runs the model with Llama 3.1's context (max_position_embeddings 131072 in
+// the Hugging Face config).
+struct Llama3Table4Run {
+  plan::Plan plan;
+  engine::Prediction prediction;
+  // Model TFLOP/s per GPU with the attention core counted causal (half of its dense FLOPs): the
+  // paper does not say which count its figures use.
+  double causal_model_tflops_per_gpu = 0;
+};
+Llama3Table4Run llama3_table4_run(const CsvRow& row);
+
 }  // namespace dtsim::report

@@ -291,3 +291,28 @@ TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[e
                                  dir + " on a file system that every rank sees?"));
   }
 }
+
+TEST_CASE("checkpoint: compare reads one tensor of each at a time, whatever the shards",
+          "[exec][checkpoint]") {
+  const auto qkv = numbered("L0.qkv.weight", 4, 6);
+  const auto out = numbered("L0.out.weight", 4, 3);
+  const std::string sharded = write_sharded("compare_sharded", qkv, out);
+  Checkpoint whole_one;
+  static_cast<dtsim::exec::CheckpointInfo&>(whole_one) = info();
+  whole_one.tensors = {out, qkv};  // another order
+  whole_one.tensors[1].data[7] += 0.25f;
+  const std::string single = folder("compare_whole");
+  dtsim::exec::write_checkpoint(single, whole_one);
+  const auto d =
+      dtsim::exec::compare_checkpoints(CheckpointReader(sharded), CheckpointReader(single));
+  CHECK(d.problems.empty());
+  CHECK(d.steps_compared == 2);
+  CHECK(d.max_loss_diff == 0);
+  CHECK(d.max_weight_diff == Approx(0.25));
+  CHECK(d.worst_tensor == "L0.qkv.weight");
+  // The same answer as comparing the checkpoints read whole.
+  const auto whole_diff = dtsim::exec::compare_checkpoints(dtsim::exec::read_checkpoint(sharded),
+                                                           dtsim::exec::read_checkpoint(single));
+  CHECK(whole_diff.max_weight_diff == d.max_weight_diff);
+  CHECK(whole_diff.worst_tensor == d.worst_tensor);
+}
