@@ -466,9 +466,13 @@ int cmd_whatif(const std::vector<std::string>& args) {
           j["checkpoint_write_s"] = r.checkpoint_write_s;
           j["checkpoint_every_steps"] = r.checkpoint_every_steps;
           // The devices are paid for the wall time.
+          // Under plan's and simulate's names, and the names whatif gave them first.
           if (r.cost_usd >= 0) {
-            j["cost_with_interruptions_usd"] = report::value_or_null(
+            const auto interrupted = report::value_or_null(
                 r.goodput > 0 ? std::optional<double>(r.cost_usd / r.goodput) : std::nullopt);
+            j["cost_to_train_usd"] = r.cost_usd;
+            j["cost_to_train_with_interruptions_usd"] = interrupted;
+            j["cost_with_interruptions_usd"] = interrupted;
           }
         }
         if (r.cost_usd >= 0) j["cost_usd"] = r.cost_usd;
