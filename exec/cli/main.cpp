@@ -147,6 +147,34 @@ std::ostream& out(int rank) {
   return rank == 0 ? std::cout : discard;
 }
 
+// What resuming `dir` under `plan` changes, when its checkpoint was written under another plan
+// (the plan's summary or sequence length differ). Throws InputError when the folder is not a
+// readable checkpoint.
+std::optional<std::string> resume_note(const std::string& dir, const dtsim::plan::Plan& plan) {
+  const dtsim::exec::CheckpointReader checkpoint(dir);
+  dtsim::plan::Plan written;
+  try {
+    written = dtsim::plan::plan_from_json(checkpoint.info().plan, checkpoint.where());
+  } catch (const dtsim::InputError&) {
+    return "resuming a checkpoint whose plan this dtexec does not read: its tensors resharded to "
+           "this plan";
+  }
+  if (dtsim::plan::summary(written) == dtsim::plan::summary(plan) &&
+      written.seq_len == plan.seq_len) {
+    return std::nullopt;
+  }
+  const bool same_batch = written.global_batch_size == plan.global_batch_size &&
+                          written.seq_len == plan.seq_len && written.precision == plan.precision;
+  return fmt::format(
+      "resuming a checkpoint of another plan ({}, sequence {}): its tensors resharded to this "
+      "one; {}",
+      dtsim::plan::summary(written), written.seq_len,
+      same_batch ? "the same batch and precision, so the losses continue within fp32 rounding "
+                   "(bitwise under the same plan)"
+                 : "the steps from here train on another batch or precision than the "
+                   "checkpoint's");
+}
+
 // A fault-injection option RANK:STEP (--fail-at, --hang-at), when given.
 void rank_and_step(const po::variables_map& vm, const char* key, int& rank, int& step) {
   if (!vm.count(key)) return;
@@ -556,6 +584,11 @@ int run(const std::vector<std::string>& args) {
   if (vm.count("predicted") && !only_rank) {
     throw dtsim::InputError("--predicted: only with --only-rank");
   }
+  if (vm.count("checkpoint") && only_rank) {
+    throw dtsim::InputError(
+        "--checkpoint: not with --only-rank (one rank's share of a plan is not a checkpoint of "
+        "it)");
+  }
   const bool share_gpus = vm["share-gpus"].as<bool>();
   if (share_gpus && !gpu) throw dtsim::InputError("--share-gpus: only with --backend cuda");
   if (gpu && dtsim::exec::cpu::under_mpirun()) {
@@ -692,14 +725,12 @@ int run(const std::vector<std::string>& args) {
   std::vector<std::string> run_notes = dtsim::exec::execution_notes(spec, plan);
   if (!options.resume_dir.empty()) {
     // A checkpoint of another plan resumes too: each rank reads its slices of the full tensors.
-    const dtsim::exec::CheckpointReader checkpoint(options.resume_dir);
-    const std::string written = dtsim::plan::summary(
-        dtsim::plan::plan_from_json(checkpoint.info().plan, checkpoint.where()));
-    if (written != dtsim::plan::summary(plan)) {
-      run_notes.push_back(fmt::format(
-          "resuming a checkpoint of another plan ({}): its tensors resharded to this one, so the "
-          "losses continue within fp32 rounding (bitwise under the same plan)",
-          written));
+    // A rank that cannot read it (a folder its node does not see) ends every rank.
+    try {
+      if (auto note = resume_note(options.resume_dir, plan)) run_notes.push_back(*note);
+    } catch (const std::exception& e) {
+      end_all_ranks(e, mpi.get(), "run");
+      throw;
     }
   }
   if (!json_out) {

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <optional>
+#include <set>
 
 #include "sim/common/error.hpp"
 
@@ -27,27 +28,29 @@ fs::path temporary(const std::string& dir) {
   return fs::path(dir + ".tmp");
 }
 
-// Calls run(local, full, length) for the runs of consecutive full-tensor elements that
-// elements [begin, begin + count) of `slice` make: `local` counts from begin.
-void for_runs(const Slice& s, std::int64_t begin, std::int64_t count,
-              const std::function<void(std::int64_t, std::int64_t, std::int64_t)>& run) {
-  const std::int64_t lc = s.local_cols();
-  std::int64_t i = begin;
-  const std::int64_t end = begin + count;
-  while (i < end) {
-    const std::int64_t row = s.row_begin + i / lc;
-    std::int64_t col = i % lc;
-    for (const auto& [first, n] : s.col_ranges) {
-      if (col >= n) {
-        col -= n;
-        continue;
-      }
-      const std::int64_t length = std::min(n - col, end - i);
-      run(i - begin, row * s.cols + first + col, length);
-      i += length;
-      break;
-    }
+// A whole number at j[field] (a float, a string or one out of range is an InputError naming the
+// field, not a truncated or wrapped value).
+std::int64_t whole_number(const nlohmann::json& j, const std::string& field,
+                          const std::string& where) {
+  const auto& v = j.at(field);
+  if (!v.is_number_integer() ||
+      (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))) {
+    throw InputError(
+        fmt::format("{}: {}: expected a whole number, got {}", where, field, v.dump()));
   }
+  return v.get<std::int64_t>();
+}
+
+// A list of whole numbers (`field` names it in messages), of `size` entries unless size is 0.
+std::vector<std::int64_t> whole_numbers(const nlohmann::json& v, const std::string& field,
+                                        const std::string& where, std::size_t size = 0) {
+  if (!v.is_array() || (size > 0 && v.size() != size)) {
+    throw InputError(fmt::format("{}: {}: expected a list of {}whole numbers, got {}", where, field,
+                                 size > 0 ? std::to_string(size) + " " : "", v.dump()));
+  }
+  std::vector<std::int64_t> out;
+  for (const auto& x : v) out.push_back(whole_number(nlohmann::json{{field, x}}, field, where));
+  return out;
 }
 
 void write_info(nlohmann::json& j, const CheckpointInfo& c) {
@@ -65,8 +68,17 @@ CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
   CheckpointInfo c;
   c.model = j.at("model").get<std::string>();
   c.plan = j.at("plan");
-  c.step = j.at("step").get<int>();
-  c.seed = j.at("seed").get<std::uint64_t>();
+  const std::int64_t step = whole_number(j, "step", where);
+  if (step < 0 || step > INT32_MAX) {
+    throw InputError(fmt::format("{}: step: expected a step count, got {}", where, step));
+  }
+  c.step = static_cast<int>(step);
+  const auto& seed = j.at("seed");
+  if (!seed.is_number_unsigned()) {
+    throw InputError(
+        fmt::format("{}: seed: expected a whole number >= 0, got {}", where, seed.dump()));
+  }
+  c.seed = seed.get<std::uint64_t>();
   c.learning_rate = j.at("learning_rate").get<double>();
   if (j.contains("lr_schedule")) c.lr_schedule = j.at("lr_schedule");
   if (j.contains("weight_decay")) c.weight_decay = j.at("weight_decay").get<double>();
@@ -100,7 +112,12 @@ void ShardWriter::add(const std::string& name, const Slice& slice, std::int64_t 
                fmt::format("checkpoint piece of {}: sizes", name));
   if (!out_.is_open()) {
     out_.open(fs::path(folder_) / file_, std::ios::binary | std::ios::trunc);
-    if (!out_) throw InputError(fmt::format("{}/{}: cannot create", folder_, file_));
+    if (!out_) {
+      throw InputError(fmt::format(
+          "{}/{}: cannot create (rank 0 makes the folder: is it on a file system that every rank "
+          "sees?)",
+          folder_, file_));
+    }
   }
   for (const auto part : {weights, m, v}) {
     out_.write(reinterpret_cast<const char*>(part.data()),
@@ -129,7 +146,7 @@ std::uint64_t finish_checkpoint(const std::string& dir, const CheckpointInfo& in
                                 const std::vector<nlohmann::json>& shards) {
   const fs::path tmp = temporary(dir);
   nlohmann::json tensors = nlohmann::json::array(), listed = nlohmann::json::array();
-  std::map<std::string, bool> seen;
+  std::set<std::string> seen;
   std::uint64_t bytes = 0;
   for (const auto& given : shards) {
     if (given.is_null()) continue;
@@ -147,8 +164,7 @@ std::uint64_t finish_checkpoint(const std::string& dir, const CheckpointInfo& in
     bytes += expected;
     for (auto& piece : shard.at("pieces")) {
       const auto name = piece.at("tensor").get<std::string>();
-      if (!seen[name]) {
-        seen[name] = true;
+      if (seen.insert(name).second) {
         tensors.push_back({{"name", name}, {"shape", piece.at("shape")}});
       }
       piece.erase("shape");
@@ -229,6 +245,9 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
         throw InputError(fmt::format("{}: {} bytes, expected {} (a shard cut short?)",
                                      path.string(), size, *expected));
       }
+      if (std::find(files_.begin(), files_.end(), file) != files_.end()) {
+        throw InputError(fmt::format("{}: shards: {} is listed twice", where_, file));
+      }
       files_.push_back(file);
       sizes.push_back(size);
     };
@@ -237,14 +256,18 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
       add_file("tensors.bin", std::nullopt);
     } else {
       for (const auto& shard : j.at("shards")) {
-        add_file(shard.at("file").get<std::string>(), shard.at("bytes").get<std::uint64_t>());
+        const std::int64_t bytes = whole_number(shard, "bytes", where_ + ": shards");
+        if (bytes < 0) {
+          throw InputError(fmt::format("{}: shards: bytes: expected >= 0, got {}", where_, bytes));
+        }
+        add_file(shard.at("file").get<std::string>(), static_cast<std::uint64_t>(bytes));
       }
     }
     std::uint64_t stored = 0;  // elements held by all the files together
     for (const auto size : sizes) stored += size / kBytesPerElement;
     for (const auto& t : j.at("tensors")) {
       const auto name = t.at("name").get<std::string>();
-      auto shape = t.at("shape").get<std::vector<std::int64_t>>();
+      auto shape = whole_numbers(t.at("shape"), "shape", where_ + ": tensors: " + name);
       std::int64_t n = 1;
       for (const std::int64_t d : shape) {
         if (d <= 0 || static_cast<std::uint64_t>(n) > stored / static_cast<std::uint64_t>(d)) {
@@ -266,7 +289,7 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
       shapes_[name] = shape;
       if (whole_format) {
         // A whole tensor (weights, m, v) from `offset` floats into tensors.bin.
-        const auto offset = t.at("offset").get<std::int64_t>();
+        const auto offset = whole_number(t, "offset", where_ + ": tensors: " + name);
         const auto floats = static_cast<std::int64_t>(sizes[0] / sizeof(float));
         if (offset < 0 || offset > floats || 3 * n > floats - offset) {
           throw InputError(
@@ -279,6 +302,7 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
     if (!whole_format) {
       std::size_t f = 0;
       for (const auto& shard : j.at("shards")) {
+        std::uint64_t next = 0;  // where the shard's next piece starts
         for (const auto& piece : shard.at("pieces")) {
           const auto name = piece.at("tensor").get<std::string>();
           const auto it = shapes_.find(name);
@@ -294,7 +318,9 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
           p.file = f;
           p.slice.rows = it->second[0];
           p.slice.cols = it->second[1];
-          const auto rows = piece.at("rows").get<std::vector<std::int64_t>>();
+          const std::string field =
+              fmt::format("{}: shards: {}: a piece of {}", where_, files_[f], name);
+          const auto rows = whole_numbers(piece.at("rows"), "rows", field);
           if (rows.size() != 2 || rows[0] < 0 || rows[1] <= 0 || rows[0] > p.slice.rows ||
               rows[1] > p.slice.rows - rows[0]) {
             throw bad(fmt::format("rows {}: expected [first, count] inside {} rows",
@@ -303,7 +329,7 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
           p.slice.row_begin = rows[0];
           p.slice.row_count = rows[1];
           for (const auto& range : piece.at("cols")) {
-            const auto r = range.get<std::vector<std::int64_t>>();
+            const auto r = whole_numbers(range, "cols", field, 2);
             if (r.size() != 2 || r[0] < 0 || r[1] <= 0 || r[0] > p.slice.cols ||
                 r[1] > p.slice.cols - r[0] || p.slice.local_cols() > p.slice.cols - r[1]) {
               throw bad(fmt::format(
@@ -313,20 +339,30 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
             p.slice.col_ranges.push_back({r[0], r[1]});
           }
           if (p.slice.col_ranges.empty()) throw bad("cols: expected at least one range");
-          p.begin = piece.at("begin").get<std::int64_t>();
-          p.count = piece.at("count").get<std::int64_t>();
+          p.begin = whole_number(piece, "begin", field);
+          p.count = whole_number(piece, "count", field);
           if (p.begin < 0 || p.count < 0 || p.begin > p.slice.local_size() ||
               p.count > p.slice.local_size() - p.begin) {
             throw bad(fmt::format("begin {}, count {}: expected a range of its slice's {} elements",
                                   p.begin, p.count, p.slice.local_size()));
           }
-          p.offset = piece.at("offset").get<std::uint64_t>();
+          // The writer lays a shard's pieces one after the other: an offset elsewhere (into
+          // another piece, or between floats) would read wrong numbers.
+          const std::int64_t offset = whole_number(piece, "offset", field);
           const std::uint64_t need = kBytesPerElement * static_cast<std::uint64_t>(p.count);
-          if (p.offset > sizes[f] || need > sizes[f] - p.offset) {
-            throw bad(fmt::format("offset {}: its {} bytes run past the end of the file ({})",
-                                  p.offset, need, sizes[f]));
+          if (offset < 0 || static_cast<std::uint64_t>(offset) != next || need > sizes[f] - next) {
+            throw bad(fmt::format(
+                "offset {}: expected {}, where the piece before it ends, with its {} bytes "
+                "inside the file ({})",
+                offset, next, need, sizes[f]));
           }
+          p.offset = next;
+          next += need;
           pieces_[name].push_back(std::move(p));
+        }
+        if (next != sizes[f]) {
+          throw InputError(fmt::format("{}: shards: {}: its pieces hold {} bytes, the file {}",
+                                       where_, files_[f], next, sizes[f]));
         }
         ++f;
       }
@@ -353,8 +389,9 @@ CheckpointTensor CheckpointReader::read(const std::string& name) const {
   std::vector<std::uint8_t> covered(static_cast<std::size_t>(n), 0);
   std::int64_t filled = 0;
   std::vector<float> buffer;
+  static const std::vector<Piece> none;
   const auto it = pieces_.find(name);
-  for (const Piece& p : it == pieces_.end() ? std::vector<Piece>{} : it->second) {
+  for (const Piece& p : it == pieces_.end() ? none : it->second) {
     const fs::path path = fs::path(dir_) / files_[p.file];
     std::ifstream in(path, std::ios::binary);
     buffer.resize(3 * static_cast<std::size_t>(p.count));
@@ -362,21 +399,21 @@ CheckpointTensor CheckpointReader::read(const std::string& name) const {
     in.read(reinterpret_cast<char*>(buffer.data()),
             static_cast<std::streamsize>(buffer.size() * sizeof(float)));
     if (!in) throw InputError(fmt::format("{}: cannot read {}'s piece", path.string(), name));
-    for_runs(p.slice, p.begin, p.count,
-             [&](std::int64_t local, std::int64_t full, std::int64_t length) {
-               auto* mark = covered.data() + full;
-               if (std::find(mark, mark + length, 1) != mark + length) {
-                 throw InputError(fmt::format("{}: shards: {}: an element of {} is in two pieces",
-                                              where_, files_[p.file], name));
-               }
-               std::fill(mark, mark + length, 1);
-               const auto bytes = static_cast<std::size_t>(length) * sizeof(float);
-               for (int k = 0; k < 3; ++k) {
-                 auto& to = k == 0 ? t.data : (k == 1 ? t.m : t.v);
-                 std::memcpy(to.data() + full, buffer.data() + k * p.count + local, bytes);
-               }
-               filled += length;
-             });
+    p.slice.for_runs(
+        p.begin, p.count, [&](std::int64_t local, std::int64_t full, std::int64_t length) {
+          auto* mark = covered.data() + full;
+          if (std::find(mark, mark + length, 1) != mark + length) {
+            throw InputError(fmt::format("{}: shards: {}: an element of {} is in two pieces",
+                                         where_, files_[p.file], name));
+          }
+          std::fill(mark, mark + length, 1);
+          const auto bytes = static_cast<std::size_t>(length) * sizeof(float);
+          for (int k = 0; k < 3; ++k) {
+            auto& to = k == 0 ? t.data : (k == 1 ? t.m : t.v);
+            std::memcpy(to.data() + full, buffer.data() + k * p.count + local, bytes);
+          }
+          filled += length;
+        });
   }
   if (filled != n) {
     throw InputError(fmt::format("{}: shards: {}: {} of its {} elements are in no shard", where_,

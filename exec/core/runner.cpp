@@ -579,9 +579,9 @@ class Runner {
 
   static std::vector<float> extract(const std::vector<float>& full, const Slice& s) {
     std::vector<float> local(static_cast<std::size_t>(s.local_size()));
-    for (std::int64_t i = 0; i < s.local_size(); ++i) {
-      local[static_cast<std::size_t>(i)] = full[static_cast<std::size_t>(s.full_index(i))];
-    }
+    s.for_runs(0, s.local_size(), [&](std::int64_t at, std::int64_t from, std::int64_t length) {
+      std::copy_n(full.begin() + from, length, local.begin() + at);
+    });
     return local;
   }
 
@@ -2763,6 +2763,7 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
   if (auto padding = plan::vocab_padding_note(spec, plan)) {
     notes.push_back(*padding + "; tokens are drawn from the first " + std::to_string(spec.vocab));
   }
+  if (auto uneven = plan::uneven_layers_note(spec, plan)) notes.push_back(*uneven);
   if (plan.cp > 1) {
     notes.push_back(fmt::format(
         "context parallelism: each rank holds 2 of {} chunks of every sequence (Megatron-LM's "

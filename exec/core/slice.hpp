@@ -4,6 +4,7 @@
 // checkpoint's shards say with it where their pieces go.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -34,6 +35,29 @@ struct Slice {
     }
     DTSIM_ASSERT(false, "slice index out of range");
     return 0;
+  }
+  // Calls run(local, full, length) for the runs of consecutive full-tensor elements that local
+  // elements [begin, begin + count) make (`local` counts from begin): a copy between a rank's
+  // slice and the full tensor a run at a time.
+  template <typename Run>
+  void for_runs(std::int64_t begin, std::int64_t count, Run&& run) const {
+    const std::int64_t lc = local_cols();
+    const std::int64_t end = begin + count;
+    std::int64_t i = begin;
+    while (i < end) {
+      const std::int64_t row = row_begin + i / lc;
+      std::int64_t col = i % lc;
+      for (const auto& [first, n] : col_ranges) {
+        if (col >= n) {
+          col -= n;
+          continue;
+        }
+        const std::int64_t length = std::min(n - col, end - i);
+        run(i - begin, row * cols + first + col, length);
+        i += length;
+        break;
+      }
+    }
   }
   bool whole() const { return row_count == rows && local_cols() == cols; }
   bool operator==(const Slice&) const = default;

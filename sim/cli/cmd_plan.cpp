@@ -400,6 +400,9 @@ int cmd_plan(const std::vector<std::string>& args) {
     for (int i = 0; i < shown; ++i)
       estimates = estimates || !result.ranked[static_cast<std::size_t>(i)].refined;
     if (estimates) std::cout << "(* closed-form estimate, not simulated)\n";
+    if (auto note = plan::uneven_layers_note(spec, result.ranked.front().plan)) {
+      std::cout << "#1: " << *note << "\n";
+    }
     if (result.ranked.size() > 1 && result.ranked[0].refined && result.ranked[1].refined) {
       const auto& a = result.ranked[0].prediction.breakdown;
       const auto& b = result.ranked[1].prediction.breakdown;

@@ -465,8 +465,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
           j["job_mtbf_s"] = r.job_mtbf_s;
           j["checkpoint_write_s"] = r.checkpoint_write_s;
           j["checkpoint_every_steps"] = r.checkpoint_every_steps;
-          // The devices are paid for the wall time.
-          // Under plan's and simulate's names, and the names whatif gave them first.
+          // The devices are paid for the wall time. Under plan's and simulate's names, and
+          // the names whatif gave them first.
           if (r.cost_usd >= 0) {
             const auto interrupted = report::value_or_null(
                 r.goodput > 0 ? std::optional<double>(r.cost_usd / r.goodput) : std::nullopt);

@@ -647,6 +647,7 @@ PlanSetup setup_from_options(const po::variables_map& vm) {
   }
   cluster.device.peak_flops_for(plan.precision);
   if (auto note = plan::vocab_padding_note(spec, plan)) notes.push_back(std::move(*note));
+  if (auto note = plan::uneven_layers_note(spec, plan)) notes.push_back(std::move(*note));
   model::ModelGraph graph = plan::graph_of(spec, plan);
   return PlanSetup{std::move(spec), std::move(cluster), std::move(plan), std::move(notes),
                    std::move(graph)};

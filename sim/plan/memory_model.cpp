@@ -231,6 +231,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double dense_params = 0;
     double expert_params = 0;
     double block_activations = 0;
+    double largest_chunk_activations = 0;  // interleaved: the stage's largest chunk's
+    bool equal_chunks = true;
     double weight_pass = 0;           // zero-bubble: what a deferred W pass keeps
     double block_output_grads = 0;    // zero-bubble: a block's weight GEMMs' output gradients
     double largest_quadratic = 0;     // selective recompute: one block's recomputed s² tensors
@@ -246,7 +248,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       int first = 0;
       for (int i = 0; i < k; ++i) first += chunks[static_cast<std::size_t>(i)];
       const int count = chunks[static_cast<std::size_t>(k)];
+      equal_chunks = equal_chunks && count == chunks[static_cast<std::size_t>(stage)];
       s.layers += count;
+      const double before_chunk = block_activations;
       for (int layer = first; layer < first + count; ++layer) {
         double layer_params = 0, layer_expert_params = 0;
         double quadratic = 0;
@@ -280,6 +284,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           block_output_grads = std::max(block_output_grads, w.output_grads);
         }
       }
+      largest_chunk_activations =
+          std::max(largest_chunk_activations, block_activations - before_chunk);
     }
     // The embedding lives on the first stage, the final norm, head and loss on the last (a tied
     // head's copy of the embedding included, see rank_params).
@@ -341,8 +347,10 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       s.weights_bytes *= static_cast<double>(s.in_flight);
     }
 
-    // In-flight micro-batches (interleaved: chunks, each 1/v of the rank's blocks).
-    const double per_micro_batch = block_activations / v;
+    // In-flight micro-batches (interleaved: chunks, each 1/v of the rank's blocks; where the
+    // stage's chunks have unequal layers, its largest one's: an upper bound, since the in-flight
+    // passes are of every chunk).
+    const double per_micro_batch = equal_chunks ? block_activations / v : largest_chunk_activations;
     s.activations_bytes = per_micro_batch * static_cast<double>(s.in_flight);
     if (plan.schedule == Schedule::ZeroBubble && plan.pp > 1) {
       const ZbPeak peak =

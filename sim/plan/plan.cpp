@@ -97,6 +97,22 @@ std::optional<std::string> vocab_padding_note(const model::ModelSpec& spec, cons
       spec.vocab, rows, plan.make_vocab_size_divisible_by, plan.tp);
 }
 
+std::optional<std::string> uneven_layers_note(const model::ModelSpec& spec, const Plan& plan) {
+  const std::int64_t chunks = std::int64_t{plan.pp} * plan.virtual_stages;
+  if (!plan.layers_per_stage.empty() || chunks <= 1 || spec.layers % chunks == 0) {
+    return std::nullopt;
+  }
+  const std::int64_t fewer = spec.layers / chunks, more = chunks - spec.layers % chunks;
+  return fmt::format(
+      "{} layers over {} {}: {} of {} and {} of {}, the first taking one more "
+      "(--layers-per-stage sets them)",
+      spec.layers, chunks,
+      plan.virtual_stages > 1
+          ? fmt::format("chunks (pp {} x {} virtual stages)", plan.pp, plan.virtual_stages)
+          : std::string("pipeline stages"),
+      chunks - more, fewer + 1, more, fewer);
+}
+
 std::string summary(const Plan& p) {
   std::string s = fmt::format("dp={} tp={} pp={}", p.dp, p.tp, p.pp);
   if (p.cp > 1) s += fmt::format(" cp={}", p.cp);

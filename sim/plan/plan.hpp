@@ -140,6 +140,9 @@ std::int64_t padded_vocab(std::int64_t vocab, const Plan& plan);
 model::ModelSpec with_padded_vocab(model::ModelSpec spec, const Plan& plan);
 // "vocabulary 50257 padded to 50304 (...)" when the plan pads it, else nothing.
 std::optional<std::string> vocab_padding_note(const model::ModelSpec& spec, const Plan& plan);
+// When the layers do not split evenly over pp x virtual stages (and layers_per_stage does not
+// set them): how chunk_layers splits them.
+std::optional<std::string> uneven_layers_note(const model::ModelSpec& spec, const Plan& plan);
 
 // One broken rule, with a message that names it ("tp = 3 does not divide 64 attention heads").
 struct PlanViolation {

@@ -181,7 +181,7 @@ Llama3Table4Run llama3_table4_run(const CsvRow& row) {
   model::ModelSpec spec = model::load_model("llama3-405b");
   const std::int64_t seq = whole(row, "seq_len");
   // Llama 3.1's context for the long-context row (RoPE: nothing else in the model changes).
-  if (seq > spec.max_positions) spec.max_positions = 131072;
+  if (seq > spec.max_positions) spec.max_positions = seq;
   const auto cluster =
       cluster::with_devices(cluster::load_cluster("h100-roce"), whole(row, "gpus"));
   planner::SearchSpace space;

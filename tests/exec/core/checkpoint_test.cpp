@@ -225,11 +225,42 @@ TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[e
     });
     REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("a piece of L0.qkv.weight: cols"));
   }
-  SECTION("a piece running past its file") {
+  SECTION("a piece elsewhere than after the one before it, or past its file") {
     const auto dir = write_sharded("bad_offset", qkv, out);
     rewrite_index(dir, [](nlohmann::json& j) { j["shards"][3]["pieces"][1]["offset"] = 100; });
     REQUIRE_THROWS_WITH(CheckpointReader(dir),
-                        Contains("offset 100: its 36 bytes run past the end of the file (120)"));
+                        Contains("offset 100: expected 84, where the piece before it ends, with "
+                                 "its 36 bytes inside the file (120)"));
+  }
+  SECTION("pieces that do not fill their file") {
+    const auto dir = write_sharded("bad_fill", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) { j["shards"][3]["pieces"].erase(1); });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("shards: rank-00003.bin: its pieces hold 84 bytes, the file 120"));
+  }
+  SECTION("a shard listed twice") {
+    const auto dir = write_sharded("bad_twice", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) { j["shards"][1] = j["shards"][0]; });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("shards: rank-00000.bin is listed twice"));
+  }
+  SECTION("numbers that are not whole, or out of range") {
+    const auto dir = write_sharded("bad_numbers", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) { j["shards"][0]["pieces"][0]["count"] = 2.5; });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("a piece of L0.qkv.weight: count: expected a whole number, got "
+                                 "2.5"));
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["shards"][0]["pieces"][0]["count"] = 5;
+      j["shards"][0]["pieces"][0]["rows"] = {0, "4"};
+    });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("rows: expected a whole number, got \"4\""));
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["shards"][0]["pieces"][0]["rows"] = {0, 4};
+      j["step"] = 4294967298LL;  // 2^32 + 2: not wrapped to 2
+    });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("step: expected a step count, got 4294967298"));
   }
   SECTION("a piece of a tensor not listed") {
     const auto dir = write_sharded("bad_tensor", qkv, out);
@@ -248,15 +279,18 @@ TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[e
     rewrite_index(dir, [](nlohmann::json& j) { j["shards"][0]["file"] = "../rank-00000.bin"; });
     REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("expected a file name in the folder"));
   }
-  SECTION("elements in no shard, and in two") {
+  SECTION("elements in no shard") {
     const auto dir = write_sharded("bad_cover", qkv, out);
-    rewrite_index(dir, [](nlohmann::json& j) {
-      j["shards"][0]["pieces"].erase(1);         // rows 0-1, first 3 elements
-      j["shards"][1]["pieces"][0]["begin"] = 4;  // 4..10 over 0..4: element 4 twice
-    });
+    rewrite_index(dir, [](nlohmann::json& j) { j["shards"].erase(0); });  // rank 0's unlisted
     const CheckpointReader reader(dir);
     REQUIRE_THROWS_WITH(reader.read("L0.out.weight"),
                         Contains("L0.out.weight: 3 of its 12 elements are in no shard"));
+  }
+  SECTION("elements in two pieces") {
+    const auto dir = write_sharded("bad_twice_element", qkv, out);
+    // Rank 1's 4..10 over rank 0's 0..4: element 4 twice.
+    rewrite_index(dir, [](nlohmann::json& j) { j["shards"][1]["pieces"][0]["begin"] = 4; });
+    const CheckpointReader reader(dir);
     REQUIRE_THROWS_WITH(reader.read("L0.qkv.weight"),
                         Contains("rank-00001.bin: an element of L0.qkv.weight is in two pieces"));
   }

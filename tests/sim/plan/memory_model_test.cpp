@@ -337,6 +337,22 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     const auto r = dtsim::plan::estimate_memory(g, p, cluster);
     CHECK(r.stages[0].activations_bytes == Approx(16 * (1 + 3.0 / 8) * block + working));
   }
+  SECTION("interleaved with chunks of unequal layers: each pass in flight as the largest") {
+    // 18 layers over pp 4 x v 2 = 8 chunks: 3, 3, 2, 2, 2, 2, 2, 2. Stage 0 holds chunks 0 and
+    // 4 (3 and 2 layers): its in-flight passes are counted at the larger chunk's 3 blocks (an
+    // upper bound); stage 2's chunks 2 and 6 are equal, 2 blocks each.
+    auto longer = spec;
+    longer.layers = 18;
+    const ModelGraph gl(longer, 2, 32);
+    p.schedule = Schedule::Interleaved;
+    p.virtual_stages = 2;
+    const auto r = dtsim::plan::estimate_memory(gl, p, cluster);
+    const double in_flight0 = static_cast<double>(dtsim::plan::in_flight(p, 0));
+    const double in_flight2 = static_cast<double>(dtsim::plan::in_flight(p, 2));
+    CHECK(r.stages[0].layers == 5);
+    CHECK(r.stages[0].activations_bytes == Approx(in_flight0 * 3 * block + working));
+    CHECK(r.stages[2].activations_bytes == Approx(in_flight2 * 2 * block + working));
+  }
   SECTION("the last stage's working tensors: the logits while the loss reads them") {
     auto wide = spec;  // a vocabulary whose logits outweigh the MLP's gradients
     wide.vocab = 4096;
