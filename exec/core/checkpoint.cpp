@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -380,18 +381,47 @@ const std::vector<std::int64_t>* CheckpointReader::shape(const std::string& name
 CheckpointTensor CheckpointReader::read(const std::string& name) const {
   const auto* full_shape = shape(name);
   DTSIM_ASSERT(full_shape != nullptr, fmt::format("checkpoint: no tensor {}", name));
+  const std::int64_t cols = full_shape->back();
+  std::int64_t n = 1;
+  for (const auto d : *full_shape) n *= d;
+  CheckpointTensor t = read_slice(name, whole(n / cols, cols));
+  t.shape = *full_shape;
+  return t;
+}
+
+CheckpointTensor CheckpointReader::read_slice(const std::string& name, const Slice& want) const {
+  DTSIM_ASSERT(shape(name) != nullptr, fmt::format("checkpoint: no tensor {}", name));
   CheckpointTensor t;
   t.name = name;
-  t.shape = *full_shape;
-  std::int64_t n = 1;
-  for (const auto d : t.shape) n *= d;
+  const std::int64_t n = want.local_size();
+  t.shape = {n};
   for (auto* part : {&t.data, &t.m, &t.v}) part->assign(static_cast<std::size_t>(n), 0.0f);
   std::vector<std::uint8_t> covered(static_cast<std::size_t>(n), 0);
   std::int64_t filled = 0;
+  // The wanted column ranges with where each starts among the slice's local columns.
+  const std::int64_t lc = want.local_cols();
+  std::vector<std::array<std::int64_t, 3>> ranges;  // first column, count, local offset
+  for (std::int64_t at = 0; const auto& [first, count] : want.col_ranges) {
+    ranges.push_back({first, count, at});
+    at += count;
+  }
+  const auto shares = [&](const Slice& s) {
+    if (s.row_begin >= want.row_begin + want.row_count ||
+        want.row_begin >= s.row_begin + s.row_count) {
+      return false;
+    }
+    for (const auto& [a, an] : s.col_ranges) {
+      for (const auto& [b, bn, at] : ranges) {
+        if (a < b + bn && b < a + an) return true;
+      }
+    }
+    return false;
+  };
   std::vector<float> buffer;
   static const std::vector<Piece> none;
   const auto it = pieces_.find(name);
   for (const Piece& p : it == pieces_.end() ? none : it->second) {
+    if (!shares(p.slice)) continue;  // only the pieces that hold some of it are read
     const fs::path path = fs::path(dir_) / files_[p.file];
     std::ifstream in(path, std::ios::binary);
     buffer.resize(3 * static_cast<std::size_t>(p.count));
@@ -399,25 +429,36 @@ CheckpointTensor CheckpointReader::read(const std::string& name) const {
     in.read(reinterpret_cast<char*>(buffer.data()),
             static_cast<std::streamsize>(buffer.size() * sizeof(float)));
     if (!in) throw InputError(fmt::format("{}: cannot read {}'s piece", path.string(), name));
+    // Each run of the piece lies in one row: its columns' overlap with each wanted range is a
+    // run of the wanted slice.
     p.slice.for_runs(
         p.begin, p.count, [&](std::int64_t local, std::int64_t full, std::int64_t length) {
-          auto* mark = covered.data() + full;
-          if (std::find(mark, mark + length, 1) != mark + length) {
-            throw InputError(fmt::format("{}: shards: {}: an element of {} is in two pieces",
-                                         where_, files_[p.file], name));
+          const std::int64_t row = full / want.cols, col = full % want.cols;
+          if (row < want.row_begin || row >= want.row_begin + want.row_count) return;
+          for (const auto& [first, count, at] : ranges) {
+            const std::int64_t lo = std::max(col, first),
+                               hi = std::min(col + length, first + count);
+            if (lo >= hi) continue;
+            const std::int64_t to = (row - want.row_begin) * lc + at + (lo - first);
+            auto* mark = covered.data() + to;
+            if (std::find(mark, mark + (hi - lo), 1) != mark + (hi - lo)) {
+              throw InputError(fmt::format("{}: shards: {}: an element of {} is in two pieces",
+                                           where_, files_[p.file], name));
+            }
+            std::fill(mark, mark + (hi - lo), 1);
+            const auto bytes = static_cast<std::size_t>(hi - lo) * sizeof(float);
+            for (int k = 0; k < 3; ++k) {
+              auto& into = k == 0 ? t.data : (k == 1 ? t.m : t.v);
+              std::memcpy(into.data() + to, buffer.data() + k * p.count + local + (lo - col),
+                          bytes);
+            }
+            filled += hi - lo;
           }
-          std::fill(mark, mark + length, 1);
-          const auto bytes = static_cast<std::size_t>(length) * sizeof(float);
-          for (int k = 0; k < 3; ++k) {
-            auto& to = k == 0 ? t.data : (k == 1 ? t.m : t.v);
-            std::memcpy(to.data() + full, buffer.data() + k * p.count + local, bytes);
-          }
-          filled += length;
         });
   }
   if (filled != n) {
-    throw InputError(fmt::format("{}: shards: {}: {} of its {} elements are in no shard", where_,
-                                 name, n - filled, n));
+    throw InputError(fmt::format("{}: shards: {}: {} of the {} elements read are in no shard",
+                                 where_, name, n - filled, n));
   }
   return t;
 }

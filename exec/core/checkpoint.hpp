@@ -99,6 +99,9 @@ class CheckpointReader {
   const std::vector<std::int64_t>* shape(const std::string& name) const;
   // The full tensor; throws InputError when a piece cannot be read or some element is in none.
   CheckpointTensor read(const std::string& name) const;
+  // A rank's slice of it (its local elements, in the slice's order; shape {local size}),
+  // reading only the pieces that share rows and columns with the slice.
+  CheckpointTensor read_slice(const std::string& name, const Slice& want) const;
   // "DIR/checkpoint.json", for messages.
   const std::string& where() const { return where_; }
   int shards() const { return static_cast<int>(files_.size()); }

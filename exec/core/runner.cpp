@@ -577,14 +577,6 @@ class Runner {
     return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(kTwoPi * u2));
   }
 
-  static std::vector<float> extract(const std::vector<float>& full, const Slice& s) {
-    std::vector<float> local(static_cast<std::size_t>(s.local_size()));
-    s.for_runs(0, s.local_size(), [&](std::int64_t at, std::int64_t from, std::int64_t length) {
-      std::copy_n(full.begin() + from, length, local.begin() + at);
-    });
-    return local;
-  }
-
   void init_params() {
     const OpId embedding = g_.layer_ops(-1).front();
     for (OpId id : my_ops()) {
@@ -2652,25 +2644,25 @@ class Runner {
                       "nothing to run",
                       where, c.step, options_.steps));
     }
-    // Each tensor read whole from the pieces that hold it, whatever plan wrote them (one
-    // tensor at a time: a rank never holds the whole checkpoint).
+    // Each tensor's tp slice read from the pieces that hold it, whatever plan wrote them (one
+    // tensor at a time: a rank never holds the whole checkpoint, nor reads other tp slices).
     for (auto& [key, p] : params_) {
       const auto* shape = checkpoint.shape(p.name);
       if (shape == nullptr || *shape != std::vector<std::int64_t>{p.slice.rows, p.slice.cols}) {
         throw InputError(fmt::format("{}: tensors: no {} of shape [{}, {}]", where, p.name,
                                      p.slice.rows, p.slice.cols));
       }
-      const CheckpointTensor t = checkpoint.read(p.name);
-      // Each rank takes its tp slice, and of that its dp slice where it holds only that.
-      const auto data = extract(t.data, p.slice);
+      const CheckpointTensor t = checkpoint.read_slice(p.name, p.slice);
+      // Of its tp slice, each rank keeps its dp slice where it holds only that.
+      const auto& data = t.data;
       if (zero3_) {
         dev_.upload(p.shard, data.data() + p.own_begin);
       } else {
         dev_.upload(p.data, data.data());
         refresh_work(p);
       }
-      dev_.upload(p.m, extract(t.m, p.slice).data() + p.own_begin);
-      dev_.upload(p.v, extract(t.v, p.slice).data() + p.own_begin);
+      dev_.upload(p.m, t.m.data() + p.own_begin);
+      dev_.upload(p.v, t.v.data() + p.own_begin);
     }
     adam_step_ = c.step;
     result.losses = c.losses;

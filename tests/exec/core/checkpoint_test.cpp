@@ -284,7 +284,7 @@ TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[e
     rewrite_index(dir, [](nlohmann::json& j) { j["shards"].erase(0); });  // rank 0's unlisted
     const CheckpointReader reader(dir);
     REQUIRE_THROWS_WITH(reader.read("L0.out.weight"),
-                        Contains("L0.out.weight: 3 of its 12 elements are in no shard"));
+                        Contains("L0.out.weight: 3 of the 12 elements read are in no shard"));
   }
   SECTION("elements in two pieces") {
     const auto dir = write_sharded("bad_twice_element", qkv, out);
@@ -349,4 +349,31 @@ TEST_CASE("checkpoint: compare reads one tensor of each at a time, whatever the 
                                                            dtsim::exec::read_checkpoint(single));
   CHECK(whole_diff.max_weight_diff == d.max_weight_diff);
   CHECK(whole_diff.worst_tensor == d.worst_tensor);
+}
+
+TEST_CASE("checkpoint: a slice of another split read from the pieces that hold it",
+          "[exec][checkpoint]") {
+  const auto qkv = numbered("L0.qkv.weight", 4, 6);
+  const auto out = numbered("L0.out.weight", 4, 3);
+  const CheckpointReader reader(write_sharded("slices", qkv, out));
+  // Written as tp 2 by column ranges (qkv) and rows (out), each split again in two dp ranges;
+  // read as other plans would hold them: rows, several column ranges, one column, the whole.
+  const std::vector<std::pair<const CheckpointTensor*, Slice>> wants = {
+      {&qkv, Slice{4, 6, 1, 2, {{0, 6}}}},
+      {&qkv, Slice{4, 6, 0, 4, {{0, 2}, {3, 1}, {5, 1}}}},
+      {&qkv, Slice{4, 6, 2, 2, {{4, 1}}}},
+      {&out, Slice{4, 3, 0, 4, {{1, 2}}}},
+      {&out, dtsim::exec::whole(4, 3)}};
+  for (const auto& [full, want] : wants) {
+    const auto t = reader.read_slice(full->name, want);
+    REQUIRE(static_cast<std::int64_t>(t.data.size()) == want.local_size());
+    for (std::int64_t i = 0; i < want.local_size(); ++i) {
+      const auto at = static_cast<std::size_t>(want.full_index(i));
+      const auto k = static_cast<std::size_t>(i);
+      INFO(full->name << " element " << i);
+      CHECK(t.data[k] == full->data[at]);
+      CHECK(t.m[k] == full->m[at]);
+      CHECK(t.v[k] == full->v[at]);
+    }
+  }
 }
