@@ -66,8 +66,7 @@ Table1Run megatron_table1_run(const CsvRow& row);
 // tp, cp, pp, dp and the batch; what it leaves out (the schedule and its virtual stages, the
 // ZeRO stage, recompute, the micro-batch) dtsim's planner chooses among the plans that fit in
 // 80 GB, at those degrees, with FlashAttention (assumed: the paper does not name its kernel). The
-// 131,072-token row runs the model with Llama 3.1's context (max_position_embeddings 131072 in
-// the Hugging Face config).
+// 131,072-token row runs models/llama3.1-405b.json (the same model with Llama 3.1's context).
 struct Llama3Table4Run {
   plan::Plan plan;
   engine::Prediction prediction;
