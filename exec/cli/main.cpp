@@ -816,8 +816,12 @@ int run(const std::vector<std::string>& args) {
   const int first = result.first_step;
   nlohmann::json checkpoints = nlohmann::json::array();
   for (const auto& c : result.checkpoints) {
-    checkpoints.push_back(
-        {{"step", c.step}, {"seconds", c.seconds}, {"bytes", c.bytes}, {"shards", c.shards}});
+    checkpoints.push_back({{"step", c.step},
+                           {"seconds", c.seconds},
+                           {"bytes", c.bytes},
+                           {"shards", c.shards},
+                           {"copy_to_host_seconds", c.copy_s},
+                           {"copy_to_host_bytes_per_s_per_rank", c.copy_bytes_per_s}});
   }
   // The rate each step of `losses` trained at (the checkpointed steps' too: one schedule).
   std::vector<double> learning_rates;
@@ -897,11 +901,14 @@ int run(const std::vector<std::string>& args) {
     const auto& last = result.checkpoints.back();
     out(rank) << fmt::format(
         "checkpoint written to {} ({} time{}; the last: {:.1f} MiB of weights and AdamW state "
-        "in {:.3f} s, {:.0f} MB/s, {} shard{} written by {})\n",
+        "in {:.3f} s, {:.0f} MB/s, {} shard{} written by {}; of that the copy to host memory "
+        "{:.3f} s, {:.2f} GB/s per rank, what an asynchronous save stops for: dtsim "
+        "--checkpoint-async-gbs-per-gpu)\n",
         options.checkpoint_dir, result.checkpoints.size(),
         result.checkpoints.size() == 1 ? "" : "s", last.bytes / (1024.0 * 1024.0), last.seconds,
         last.seconds > 0 ? last.bytes / last.seconds / 1e6 : 0.0, last.shards,
-        last.shards == 1 ? "" : "s", last.shards == 1 ? "one rank" : "as many ranks at once");
+        last.shards == 1 ? "" : "s", last.shards == 1 ? "one rank" : "as many ranks at once",
+        last.copy_s, last.copy_bytes_per_s / 1e9);
   }
   return 0;
 }

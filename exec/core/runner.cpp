@@ -2557,20 +2557,39 @@ class Runner {
     };
     if (comm_.rank() == 0) begin_checkpoint(options_.checkpoint_dir);
     comm_.barrier();
+    // Each piece copied to host memory, then written. The copies are timed apart: they are what
+    // an asynchronous save stops training for (dtsim --checkpoint-async-gbs-per-gpu), into
+    // buffers sized once, as such a save keeps its host buffers from one checkpoint to the next.
     ShardWriter shard(options_.checkpoint_dir, comm_.rank());
-    std::vector<float> weights, m, v;
+    std::size_t largest = 0;
+    for (const auto& [key, p] : params_) {
+      if (writes(p)) largest = std::max(largest, static_cast<std::size_t>(p.own_end - p.own_begin));
+    }
+    std::vector<float> weights(largest), m(largest), v(largest);
+    double copy_s = 0, copied_bytes = 0;
     for (const auto& [key, p] : params_) {
       if (!writes(p)) continue;
       const auto n = static_cast<std::size_t>(p.own_end - p.own_begin);
+      const auto copy_start = std::chrono::steady_clock::now();
       for (auto [host, part] : {std::pair{&weights, master_slice(p)}, {&m, p.m}, {&v, p.v}}) {
-        host->resize(n);
         dev_.download(host->data(), part);
       }
-      shard.add(p.name, p.slice, p.own_begin, weights, m, v);
+      copy_s +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_start).count();
+      copied_bytes += 3.0 * sizeof(float) * static_cast<double>(n);
+      shard.add(p.name, p.slice, p.own_begin, std::span(weights).first(n), std::span(m).first(n),
+                std::span(v).first(n));
     }
     // The gather of the indices also says that every shard is written.
     const auto indices = comm_.gather_to_root(shard.close().dump());
     CheckpointRecord record{.step = steps_done};
+    // The slowest rank's copy, and the lowest rate of a rank that copied anything.
+    std::array<double, 2> copy = {copy_s, copy_s > 0 && copied_bytes > 0
+                                              ? -copied_bytes / copy_s
+                                              : -std::numeric_limits<double>::max()};
+    comm_.all_ranks(copy, Reduce::Max);
+    record.copy_s = copy[0];
+    record.copy_bytes_per_s = -copy[1];
     if (comm_.rank() != 0) return record;
     std::vector<nlohmann::json> shards;
     for (const auto& index : indices) {

@@ -95,6 +95,10 @@ struct CheckpointRecord {
   double seconds = 0;
   std::uint64_t bytes = 0;
   int shards = 0;
+  // Of `seconds`, the copy of the tensors to host memory before they are written: the slowest
+  // rank's, and the lowest rate of a rank (bytes per second) among those that copied any.
+  double copy_s = 0;
+  double copy_bytes_per_s = 0;
 };
 
 struct RunResult {

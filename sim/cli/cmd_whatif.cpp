@@ -217,7 +217,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     double step_s = 0, tokens_per_s = 0, mfu = 0, max_speedup = 0;
     double train_s = 0, cost_usd = -1, energy_kwh = -1;
     // With --tokens: interruptions, checkpoints and restarts (plan/goodput.hpp).
-    double goodput = 0, job_mtbf_s = 0, checkpoint_write_s = 0;
+    double goodput = 0, job_mtbf_s = 0, checkpoint_write_s = 0, checkpoint_blocking_s = 0;
     std::int64_t checkpoint_every_steps = 0;
     double wall_s() const {
       return goodput > 0 ? train_s / goodput : std::numeric_limits<double>::infinity();
@@ -349,6 +349,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         row.goodput = tt.goodput;
         row.job_mtbf_s = tt.job_mtbf_s;
         row.checkpoint_write_s = tt.checkpoint_write_s;
+        row.checkpoint_blocking_s = tt.checkpoint_blocking_s;
         row.checkpoint_every_steps = tt.checkpoint_every_steps;
         const double device_hours = row.train_s / 3600 * static_cast<double>(row.gpus);
         if (c.price_per_device_hour_usd)
@@ -379,6 +380,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"goodput", r.goodput},
                                   {"mtbf", r.job_mtbf_s},
                                   {"ckpt_write", r.checkpoint_write_s},
+                                  {"ckpt_block", r.checkpoint_blocking_s},
                                   {"ckpt_every", r.checkpoint_every_steps},
                                   {"cost", r.cost_usd},
                                   {"energy", r.energy_kwh},
@@ -405,6 +407,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.goodput = j.at("goodput").get<double>();
       r.job_mtbf_s = j.at("mtbf").get<double>();
       r.checkpoint_write_s = j.at("ckpt_write").get<double>();
+      r.checkpoint_blocking_s = j.at("ckpt_block").get<double>();
       r.checkpoint_every_steps = j.at("ckpt_every").get<std::int64_t>();
       r.cost_usd = j.at("cost").get<double>();
       r.energy_kwh = j.at("energy").get<double>();
@@ -464,6 +467,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
           j["goodput"] = r.goodput;
           j["job_mtbf_s"] = r.job_mtbf_s;
           j["checkpoint_write_s"] = r.checkpoint_write_s;
+          j["checkpoint_blocking_s"] = r.checkpoint_blocking_s;
           j["checkpoint_every_steps"] = r.checkpoint_every_steps;
           // The devices are paid for the wall time. Under plan's and simulate's names, and
           // the names whatif gave them first.

@@ -277,13 +277,18 @@ void add_reliability_options(po::options_description& desc) {
       "checkpoint-write-gbs-per-gpu",
       po::value<double>()->default_value(d.checkpoint_write_bytes_per_s_per_device / 1e9, "0.122"),
       "with --tokens: checkpoint write bandwidth per device, GB/s (default: Llama 3's storage, "
-      "2 TB/s sustained over 16,384 GPUs)");
+      "2 TB/s sustained over 16,384 GPUs)")(
+      "checkpoint-async-gbs-per-gpu", po::value<double>(),
+      "with --tokens: asynchronous checkpoints (Megatron-LM --async-save): training stops only "
+      "while each device copies its state to host memory at this many GB/s (a device-to-host "
+      "copy; dtexec run --checkpoint measures it as the snapshot), the write runs behind it "
+      "(default: synchronous)");
 }
 
 plan::Reliability reliability_from_options(const po::variables_map& vm) {
-  for (const char* flag :
-       {"interruptions-per-gpu-hour", "restart-minutes", "checkpoint-write-gbs-per-gpu"}) {
-    if (!vm[flag].defaulted() && !vm.count("tokens")) {
+  for (const char* flag : {"interruptions-per-gpu-hour", "restart-minutes",
+                           "checkpoint-write-gbs-per-gpu", "checkpoint-async-gbs-per-gpu"}) {
+    if (vm.count(flag) && !vm[flag].defaulted() && !vm.count("tokens")) {
       throw InputError(fmt::format("--{}: only with --tokens (the time to train)", flag));
     }
   }
@@ -306,6 +311,15 @@ plan::Reliability reliability_from_options(const po::variables_map& vm) {
   r.interruptions_per_device_hour = rate;
   r.restart_s = restart_min * 60;
   r.checkpoint_write_bytes_per_s_per_device = write_gbs * 1e9;
+  if (vm.count("checkpoint-async-gbs-per-gpu")) {
+    const double snapshot_gbs = vm["checkpoint-async-gbs-per-gpu"].as<double>();
+    if (!(std::isfinite(snapshot_gbs) && snapshot_gbs > 0)) {
+      throw InputError(fmt::format(
+          "--checkpoint-async-gbs-per-gpu: expected a finite positive bandwidth, got {}",
+          snapshot_gbs));
+    }
+    r.checkpoint_snapshot_bytes_per_s_per_device = snapshot_gbs * 1e9;
+  }
   return r;
 }
 
@@ -314,7 +328,7 @@ std::string interruptions_note(const plan::Reliability& r) {
   return fmt::format(
       "(train and cost with interruptions: {:.3g} per GPU-hour{}, each losing the work since the "
       "last checkpoint{}; checkpoints (weights and optimizer state) written at {:.3g} GB/s per "
-      "GPU{} every Young's interval sqrt(2 x write x MTBF); goodput: the failure-free time over "
+      "GPU{}{} every Young's interval sqrt(2 x {} x MTBF); goodput: the failure-free time over "
       "that, the devices paid for the whole time; a first-order model (Young 1974, Daly 2006))",
       r.interruptions_per_device_hour,
       r.interruptions_per_device_hour == d.interruptions_per_device_hour
@@ -325,7 +339,14 @@ std::string interruptions_note(const plan::Reliability& r) {
       r.checkpoint_write_bytes_per_s_per_device / 1e9,
       r.checkpoint_write_bytes_per_s_per_device == d.checkpoint_write_bytes_per_s_per_device
           ? " (Llama 3's storage; --checkpoint-write-gbs-per-gpu)"
-          : "");
+          : "",
+      r.checkpoint_snapshot_bytes_per_s_per_device
+          ? fmt::format(
+                ", asynchronously: training stops only for a copy to host memory at "
+                "{:.3g} GB/s per GPU, and a failure also loses the checkpoint being written,",
+                *r.checkpoint_snapshot_bytes_per_s_per_device / 1e9)
+          : std::string(),
+      r.checkpoint_snapshot_bytes_per_s_per_device ? "copy" : "write");
 }
 
 std::string training_time_text(const plan::TrainingTime& tt, std::optional<double> cost_usd) {
@@ -339,11 +360,15 @@ std::string training_time_text(const plan::TrainingTime& tt, std::optional<doubl
   }
   return s + fmt::format(
                  "; with interruptions {:.1f} days{} (goodput {:.1f}%: one every {:.1f} h, a "
-                 "checkpoint every {} steps taking {:.1f} s)",
+                 "checkpoint every {} steps taking {:.1f} s{})",
                  tt.wall_s / 86400,
                  cost_usd ? fmt::format(", {:.0f} USD", *cost_usd / tt.goodput) : std::string(),
                  100 * tt.goodput, tt.job_mtbf_s / 3600, tt.checkpoint_every_steps,
-                 tt.checkpoint_write_s);
+                 tt.checkpoint_write_s,
+                 tt.asynchronous
+                     ? fmt::format(" behind training, which stops {:.2f} s for the copy",
+                                   tt.checkpoint_blocking_s)
+                     : std::string());
 }
 
 nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<double> cost_usd) {
@@ -355,6 +380,8 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
                       {"time_to_train_with_interruptions_s", interrupted(tt.work_s)},
                       {"checkpoint_every_steps", tt.checkpoint_every_steps},
                       {"checkpoint_write_s", tt.checkpoint_write_s},
+                      {"checkpoint_blocking_s", tt.checkpoint_blocking_s},
+                      {"checkpoint_asynchronous", tt.asynchronous},
                       {"checkpoint_bytes", tt.checkpoint_bytes},
                       {"job_mtbf_s", tt.job_mtbf_s}};
   if (cost_usd) {

@@ -25,21 +25,28 @@ TrainingTime training_time(const model::ModelSpec& spec, const Plan& plan, std::
                        (per_param.weights + per_param.optimizer);
   t.checkpoint_write_s =
       t.checkpoint_bytes / (reliability.checkpoint_write_bytes_per_s_per_device * n);
-  const double young_s = std::sqrt(2.0 * t.checkpoint_write_s * t.job_mtbf_s);
+  const auto& snapshot = reliability.checkpoint_snapshot_bytes_per_s_per_device;
+  t.asynchronous = snapshot.has_value();
+  t.checkpoint_blocking_s =
+      t.asynchronous ? t.checkpoint_bytes / (*snapshot * n) : t.checkpoint_write_s;
+  const double young_s = std::sqrt(2.0 * t.checkpoint_blocking_s * t.job_mtbf_s);
   // No more than the run: a run shorter than the interval checkpoints once, at its end.
+  const auto run_steps = std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(t.steps)));
+  const std::int64_t write_steps =
+      t.asynchronous ? static_cast<std::int64_t>(std::ceil(t.checkpoint_write_s / step_time_s)) : 1;
   t.checkpoint_every_steps = std::clamp<std::int64_t>(
-      std::llround(young_s / step_time_s), 1,
-      std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(t.steps))));
+      std::max<std::int64_t>(std::llround(young_s / step_time_s), write_steps), 1, run_steps);
   const double interval_s = static_cast<double>(t.checkpoint_every_steps) * step_time_s;
   const double lost_per_interruption_s =
-      reliability.restart_s + 0.5 * (interval_s + t.checkpoint_write_s);
+      reliability.restart_s + (t.asynchronous ? 0.5 * interval_s + t.checkpoint_write_s
+                                              : 0.5 * (interval_s + t.checkpoint_write_s));
   const double useful = 1.0 - lost_per_interruption_s / t.job_mtbf_s;
   if (useful <= 0) {
     t.wall_s = std::numeric_limits<double>::infinity();
     t.goodput = 0;
     return t;
   }
-  t.wall_s = t.work_s * (1.0 + t.checkpoint_write_s / interval_s) / useful;
+  t.wall_s = t.work_s * (1.0 + t.checkpoint_blocking_s / interval_s) / useful;
   t.goodput = t.work_s / t.wall_s;
   return t;
 }

@@ -2,11 +2,13 @@
 // checkpoints a job writes and the work it loses and the time it takes to restart after each
 // interruption. First-order model (Young 1974, "A first order approximation to the optimum
 // checkpoint interval"; Daly 2006): interruptions arrive at random at a constant rate, every
-// rank's state is written at once (synchronously, as Megatron-LM's default save), and a job
-// restarts from its last complete checkpoint.
+// rank's state is written at once (synchronously, as Megatron-LM's default save; or
+// asynchronously, training stopped only for a copy to host memory, as Megatron-LM's
+// --async-save), and a job restarts from its last complete checkpoint.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "sim/model/model_spec.hpp"
 #include "sim/plan/plan.hpp"
@@ -28,6 +30,9 @@ struct Reliability {
   // published figure to take as a default, so not counted unless given.
   double restart_s = 0;
   double checkpoint_write_bytes_per_s_per_device = kLlama3CheckpointWriteBytesPerSPerDevice;
+  // Asynchronous checkpoints: training stops only while each device copies its state to host
+  // memory at this rate; the write to storage runs behind the next steps. Unset: synchronous.
+  std::optional<double> checkpoint_snapshot_bytes_per_s_per_device;
 };
 
 struct TrainingTime {
@@ -36,11 +41,18 @@ struct TrainingTime {
   double job_mtbf_s = 0;        // mean time between the job's interruptions
   double checkpoint_bytes = 0;  // weights and optimizer state, one copy (not per dp replica)
   double checkpoint_write_s = 0;
-  // Young's interval sqrt(2 x write time x MTBF), in whole steps (at least 1, at most the run).
+  // What stops training per checkpoint: the write, or with asynchronous checkpoints the copy to
+  // host memory.
+  double checkpoint_blocking_s = 0;
+  bool asynchronous = false;
+  // Young's interval sqrt(2 x blocking time x MTBF), in whole steps (at least 1, at most the
+  // run; asynchronous, no shorter than a write, which must end before the next begins).
   std::int64_t checkpoint_every_steps = 1;
-  // Expected wall time: work x (1 + write / interval) / (1 - lost / MTBF), each interruption
-  // losing the restart and on average half an interval and its write. Infinite (and goodput
-  // 0) when interruptions come faster than that.
+  // Expected wall time: work x (1 + blocking / interval) / (1 - lost / MTBF), each interruption
+  // losing the restart and on average half an interval and its write (synchronous: half the
+  // write, a failure during it losing the interval before; asynchronous: the whole write, the
+  // newest checkpoint not durable until it ends). Infinite (and goodput 0) when interruptions
+  // come faster than that.
   double wall_s = 0;
   double goodput = 0;  // work_s / wall_s
 };

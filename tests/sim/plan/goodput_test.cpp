@@ -3,8 +3,8 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 
-#include "sim/model/model_spec.hpp"
 #include "sim/model/model_graph.hpp"
+#include "sim/model/model_spec.hpp"
 #include "sim/plan/memory_model.hpp"
 
 using dtsim::plan::Reliability;
@@ -80,4 +80,39 @@ TEST_CASE("goodput: more devices, interruptions more often; no progress is said"
   // A run shorter than Young's interval checkpoints once, at its end.
   const auto short_run = training_time(spec, p, 8, 2.0, 512.0 * 8192 * 10, Reliability{});
   CHECK(short_run.checkpoint_every_steps == 10);
+}
+
+TEST_CASE("goodput: asynchronous checkpoints stop training only for the copy to host memory",
+          "[plan][goodput]") {
+  const auto spec = dtsim::model::load_model("llama3-405b");
+  const auto p = plan_of(2048, 8192);
+  const double step_s = 13.0, tokens = 15.6e12;
+  const auto sync = training_time(spec, p, 16384, step_s, tokens, Reliability{});
+  Reliability async;
+  async.checkpoint_snapshot_bytes_per_s_per_device = 25e9;  // a device-to-host copy
+  const auto t = training_time(spec, p, 16384, step_s, tokens, async);
+  CHECK_FALSE(sync.asynchronous);
+  CHECK(sync.checkpoint_blocking_s == sync.checkpoint_write_s);
+  CHECK(t.asynchronous);
+  CHECK(t.checkpoint_write_s == Approx(sync.checkpoint_write_s));
+  // 5.7 TB over 16,384 devices at 25 GB/s each: 14 ms.
+  CHECK(t.checkpoint_blocking_s == Approx(t.checkpoint_bytes / (25e9 * 16384)));
+  // Young's interval on the copy: sqrt(2 x 14 ms x 11,135 s) = 17.6 s, 1 step of 13 s; no
+  // shorter than a write (2.8 s: 1 step).
+  const double young = std::sqrt(2 * t.checkpoint_blocking_s * t.job_mtbf_s);
+  CHECK(t.checkpoint_every_steps == std::max<std::int64_t>(1, std::llround(young / step_s)));
+  const double interval = static_cast<double>(t.checkpoint_every_steps) * step_s;
+  // A failure loses half an interval and the whole write (the newest checkpoint is not durable
+  // until it ends).
+  const double useful = 1 - (0.5 * interval + t.checkpoint_write_s) / t.job_mtbf_s;
+  CHECK(t.wall_s == Approx(t.work_s * (1 + t.checkpoint_blocking_s / interval) / useful));
+  CHECK(t.goodput > sync.goodput);
+  CHECK(t.goodput > 0.99);
+  // A write longer than Young's interval: checkpoints no closer than one write apart.
+  Reliability slow_store = async;
+  slow_store.checkpoint_write_bytes_per_s_per_device /= 100;  // 284 s a write
+  const auto slow = training_time(spec, p, 16384, step_s, tokens, slow_store);
+  CHECK(static_cast<double>(slow.checkpoint_every_steps) * step_s >= slow.checkpoint_write_s);
+  CHECK(slow.checkpoint_every_steps ==
+        static_cast<std::int64_t>(std::ceil(slow.checkpoint_write_s / step_s)));
 }
