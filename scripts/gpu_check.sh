@@ -147,6 +147,14 @@ gpu_against_cpu clip tiny-gpt "--clip-grad 0.5"
 for side in cpu gpu; do
   say "$side: $(grep -h -o 'grad norm [0-9.e+-]*' "$out/ckpt_${side}_clip.txt" | tr '\n' ' ')"
 done
+say "-- a CPU checkpoint (step 3) resumed on the GPU to step 5, against the CPU's 5 steps"
+limit 60 "$bin/dtexec" run --model tiny-gpt --steps 3 --warmup 0 --checkpoint "$out/ckpt_cpu_half" \
+  >"$out/ckpt_cpu_half.txt" 2>&1 || say "the CPU run failed: $(tail -1 "$out/ckpt_cpu_half.txt")"
+limit 60 "$bin/dtexec" run --backend cuda --precision fp32 --model tiny-gpt --steps 5 --warmup 0 \
+  --resume "$out/ckpt_cpu_half" --checkpoint "$out/ckpt_gpu_resumed" 2>&1 | tail -2 |
+  tee -a "$report"
+"$bin/dtexec" compare "$out/ckpt_cpu_tiny" "$out/ckpt_gpu_resumed" --loss-tolerance 1e-3 \
+  --weight-tolerance 3e-3 2>&1 | tee -a "$report"
 
 # One plan: dtexec measures it, dtsim predicts it (catalog, then $profile), dtsim validate
 # joins. Each plan is kept (validated_plans), so that section 4 can price it again with the
@@ -389,7 +397,12 @@ for precision in bf16 fp32; do
     $g2 --steps 12 --lr 6e-4 2>&1 | awk '/^step/ {printf "%s ", $4}')
   say "$precision: $losses"
 done
+# With a checkpoint at the end (outside $OUT: 1.4 GiB): what it costs, and its copy to host
+# memory, the figure for dtsim --checkpoint-async-gbs-per-gpu.
 # shellcheck disable=SC2086
-losses=$(limit 60 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 \
-  --lr-warmup-steps 4 --lr-decay-style cosine --min-lr 6e-5 2>&1 | awk '/^step/ {printf "%s ", $4}')
-say "bf16, warm-up 4 steps, cosine decay to 6e-5: $losses"
+limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 --lr-warmup-steps 4 \
+  --lr-decay-style cosine --min-lr 6e-5 --checkpoint /tmp/gpu_check_gpt2_ckpt \
+  >"$out/gpt2_warmup.txt" 2>&1
+say "bf16, warm-up 4 steps, cosine decay to 6e-5: $(awk '/^step/ {printf "%s ", $4}' "$out/gpt2_warmup.txt")"
+say "$(grep -h 'checkpoint written' "$out/gpt2_warmup.txt")"
+rm -rf /tmp/gpu_check_gpt2_ckpt
