@@ -6,7 +6,8 @@
 #      executor against its CPU reference, in fp32 and bf16);
 #   2. dtexec run --backend cuda: fp32 on the GPU against fp32 on the CPU (dtexec compare) for
 #      tiny models plain, with dropout, with a mixture of experts and with FlashAttention's
-#      memory (--attention flash), and with gradient clipping; GPT-2 124M trained on the
+#      memory (--attention flash), and with gradient clipping; a CPU checkpoint resumed on
+#      the GPU; GPT-2 124M trained on the
 #      GPU in bf16, its measured tasks against dtsim's prediction (dtsim validate: error per
 #      task kind, with the catalog and with the H200 profile shipped in validation/, measured
 #      by dtexec calibrate on an H200 before); GPT-2 with dropout at cp 2, one rank alone;

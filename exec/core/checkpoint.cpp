@@ -390,7 +390,12 @@ CheckpointTensor CheckpointReader::read(const std::string& name) const {
 }
 
 CheckpointTensor CheckpointReader::read_slice(const std::string& name, const Slice& want) const {
-  DTSIM_ASSERT(shape(name) != nullptr, fmt::format("checkpoint: no tensor {}", name));
+  const auto* full_shape = shape(name);
+  DTSIM_ASSERT(full_shape != nullptr, fmt::format("checkpoint: no tensor {}", name));
+  std::int64_t elements = 1;
+  for (const auto d : *full_shape) elements *= d;
+  DTSIM_ASSERT(want.cols == full_shape->back() && want.rows * want.cols == elements,
+               fmt::format("checkpoint: a slice of {} of another shape", name));
   CheckpointTensor t;
   t.name = name;
   const std::int64_t n = want.local_size();

@@ -2586,10 +2586,10 @@ class Runner {
     // The slowest rank's copy, and the lowest rate of a rank that copied anything.
     std::array<double, 2> copy = {copy_s, copy_s > 0 && copied_bytes > 0
                                               ? -copied_bytes / copy_s
-                                              : -std::numeric_limits<double>::max()};
+                                              : -std::numeric_limits<double>::infinity()};
     comm_.all_ranks(copy, Reduce::Max);
     record.copy_s = copy[0];
-    record.copy_bytes_per_s = -copy[1];
+    record.copy_bytes_per_s = std::isfinite(copy[1]) ? -copy[1] : 0.0;  // 0: nothing copied
     if (comm_.rank() != 0) return record;
     std::vector<nlohmann::json> shards;
     for (const auto& index : indices) {

@@ -468,6 +468,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
           j["job_mtbf_s"] = r.job_mtbf_s;
           j["checkpoint_write_s"] = r.checkpoint_write_s;
           j["checkpoint_blocking_s"] = r.checkpoint_blocking_s;
+          j["checkpoint_asynchronous"] =
+              reliability.checkpoint_snapshot_bytes_per_s_per_device.has_value();
           j["checkpoint_every_steps"] = r.checkpoint_every_steps;
           // The devices are paid for the wall time. Under plan's and simulate's names, and
           // the names whatif gave them first.

@@ -355,8 +355,8 @@ std::string training_time_text(const plan::TrainingTime& tt, std::optional<doubl
   if (tt.goodput <= 0) {
     return s + fmt::format(
                    "; with interruptions never: one every {:.2f} h, sooner than a restart and "
-                   "half a checkpoint interval",
-                   tt.job_mtbf_s / 3600);
+                   "half a checkpoint interval{}",
+                   tt.job_mtbf_s / 3600, tt.asynchronous ? " and a write" : "");
   }
   return s + fmt::format(
                  "; with interruptions {:.1f} days{} (goodput {:.1f}%: one every {:.1f} h, a "

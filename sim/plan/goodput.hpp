@@ -45,8 +45,9 @@ struct TrainingTime {
   // host memory.
   double checkpoint_blocking_s = 0;
   bool asynchronous = false;
-  // Young's interval sqrt(2 x blocking time x MTBF), in whole steps (at least 1, at most the
-  // run; asynchronous, no shorter than a write, which must end before the next begins).
+  // Young's interval sqrt(2 x blocking time x MTBF), in whole steps: asynchronous, no shorter
+  // than a write (which must end before the next begins); at least 1, and at most the run,
+  // which takes precedence (a run shorter than either checkpoints once, at its end).
   std::int64_t checkpoint_every_steps = 1;
   // Expected wall time: work x (1 + blocking / interval) / (1 - lost / MTBF), each interruption
   // losing the restart and on average half an interval and its write (synchronous: half the

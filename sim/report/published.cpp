@@ -180,7 +180,8 @@ Table1Run megatron_table1_run(const CsvRow& row) {
 Llama3Table4Run llama3_table4_run(const CsvRow& row) {
   // The long-context row with Llama 3.1's 131072-token context (nothing else changes).
   const std::int64_t seq = whole(row, "seq_len");
-  const model::ModelSpec spec = model::load_model(seq > 8192 ? "llama3.1-405b" : "llama3-405b");
+  model::ModelSpec spec = model::load_model("llama3-405b");
+  if (seq > spec.max_positions) spec = model::load_model("llama3.1-405b");
   const auto cluster =
       cluster::with_devices(cluster::load_cluster("h100-roce"), whole(row, "gpus"));
   planner::SearchSpace space;
