@@ -278,6 +278,10 @@ void add_reliability_options(po::options_description& desc) {
       po::value<double>()->default_value(d.checkpoint_write_bytes_per_s_per_device / 1e9, "0.122"),
       "with --tokens: checkpoint write bandwidth per device, GB/s (default: Llama 3's storage, "
       "2 TB/s sustained over 16,384 GPUs)")(
+      "checkpoint-write-gbs-total", po::value<double>(),
+      "with --tokens: the storage's sustained write bandwidth in all, GB/s, capping the "
+      "devices' sum (default: none, the per-device figure scales with the job; Llama 3's "
+      "storage sustains 2000)")(
       "checkpoint-async-gbs-per-gpu", po::value<double>(),
       "with --tokens: asynchronous checkpoints (Megatron-LM --async-save): training stops only "
       "while each device copies its state to host memory at this many GB/s (a device-to-host "
@@ -286,8 +290,9 @@ void add_reliability_options(po::options_description& desc) {
 }
 
 plan::Reliability reliability_from_options(const po::variables_map& vm) {
-  for (const char* flag : {"interruptions-per-gpu-hour", "restart-minutes",
-                           "checkpoint-write-gbs-per-gpu", "checkpoint-async-gbs-per-gpu"}) {
+  for (const char* flag :
+       {"interruptions-per-gpu-hour", "restart-minutes", "checkpoint-write-gbs-per-gpu",
+        "checkpoint-write-gbs-total", "checkpoint-async-gbs-per-gpu"}) {
     if (vm.count(flag) && !vm[flag].defaulted() && !vm.count("tokens")) {
       throw InputError(fmt::format("--{}: only with --tokens (the time to train)", flag));
     }
@@ -311,6 +316,14 @@ plan::Reliability reliability_from_options(const po::variables_map& vm) {
   r.interruptions_per_device_hour = rate;
   r.restart_s = restart_min * 60;
   r.checkpoint_write_bytes_per_s_per_device = write_gbs * 1e9;
+  if (vm.count("checkpoint-write-gbs-total")) {
+    const double total_gbs = vm["checkpoint-write-gbs-total"].as<double>();
+    if (!(std::isfinite(total_gbs) && total_gbs > 0)) {
+      throw InputError(fmt::format(
+          "--checkpoint-write-gbs-total: expected a finite positive bandwidth, got {}", total_gbs));
+    }
+    r.checkpoint_write_bytes_per_s_total = total_gbs * 1e9;
+  }
   if (vm.count("checkpoint-async-gbs-per-gpu")) {
     const double snapshot_gbs = vm["checkpoint-async-gbs-per-gpu"].as<double>();
     if (!(std::isfinite(snapshot_gbs) && snapshot_gbs > 0)) {
@@ -328,7 +341,7 @@ std::string interruptions_note(const plan::Reliability& r) {
   return fmt::format(
       "(train and cost with interruptions: {:.3g} per GPU-hour{}, each losing the work since the "
       "last checkpoint{}; checkpoints (weights and optimizer state) written at {:.3g} GB/s per "
-      "GPU{}{} every Young's interval sqrt(2 x {} x MTBF); goodput: the failure-free time over "
+      "GPU{}{}{} every Young's interval sqrt(2 x {} x MTBF); goodput: the failure-free time over "
       "that, the devices paid for the whole time; a first-order model (Young 1974, Daly 2006))",
       r.interruptions_per_device_hour,
       r.interruptions_per_device_hour == d.interruptions_per_device_hour
@@ -340,6 +353,10 @@ std::string interruptions_note(const plan::Reliability& r) {
       r.checkpoint_write_bytes_per_s_per_device == d.checkpoint_write_bytes_per_s_per_device
           ? " (Llama 3's storage; --checkpoint-write-gbs-per-gpu)"
           : "",
+      r.checkpoint_write_bytes_per_s_total
+          ? fmt::format(", at most {:.4g} GB/s in all (--checkpoint-write-gbs-total)",
+                        *r.checkpoint_write_bytes_per_s_total / 1e9)
+          : std::string(),
       r.checkpoint_snapshot_bytes_per_s_per_device
           ? fmt::format(
                 ", asynchronously: training stops only for a copy to host memory at "

@@ -23,8 +23,11 @@ TrainingTime training_time(const model::ModelSpec& spec, const Plan& plan, std::
   const auto per_param = state_bytes_per_param(plan);
   t.checkpoint_bytes = static_cast<double>(model::count_params(with_padded_vocab(spec, plan))) *
                        (per_param.weights + per_param.optimizer);
-  t.checkpoint_write_s =
-      t.checkpoint_bytes / (reliability.checkpoint_write_bytes_per_s_per_device * n);
+  double write_rate = reliability.checkpoint_write_bytes_per_s_per_device * n;
+  if (reliability.checkpoint_write_bytes_per_s_total) {
+    write_rate = std::min(write_rate, *reliability.checkpoint_write_bytes_per_s_total);
+  }
+  t.checkpoint_write_s = t.checkpoint_bytes / write_rate;
   const auto& snapshot = reliability.checkpoint_snapshot_bytes_per_s_per_device;
   t.asynchronous = snapshot.has_value();
   t.checkpoint_blocking_s =

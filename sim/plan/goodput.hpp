@@ -30,6 +30,9 @@ struct Reliability {
   // published figure to take as a default, so not counted unless given.
   double restart_s = 0;
   double checkpoint_write_bytes_per_s_per_device = kLlama3CheckpointWriteBytesPerSPerDevice;
+  // The storage system's sustained write bandwidth in all, when it caps the devices' sum
+  // (unset: the per-device figure scales with the job).
+  std::optional<double> checkpoint_write_bytes_per_s_total;
   // Asynchronous checkpoints: training stops only while each device copies its state to host
   // memory at this rate; the write to storage runs behind the next steps. Unset: synchronous.
   std::optional<double> checkpoint_snapshot_bytes_per_s_per_device;

@@ -116,3 +116,25 @@ TEST_CASE("goodput: asynchronous checkpoints stop training only for the copy to 
   CHECK(slow.checkpoint_every_steps ==
         static_cast<std::int64_t>(std::ceil(slow.checkpoint_write_s / step_s)));
 }
+
+TEST_CASE("goodput: a storage system's total write bandwidth caps the devices' sum",
+          "[plan][goodput]") {
+  const auto spec = dtsim::model::load_model("llama3-70b");
+  const auto p = plan_of(1024, 8192);
+  Reliability capped;
+  capped.checkpoint_write_bytes_per_s_total = 500e9;
+  for (const std::int64_t gpus : {1024, 16384}) {
+    const auto free = training_time(spec, p, gpus, 5.0, 1.5e13, Reliability{});
+    const auto t = training_time(spec, p, gpus, 5.0, 1.5e13, capped);
+    // 0.122 GB/s per GPU: 125 GB/s in all on 1,024 (under the cap), 2 TB/s on 16,384 (over).
+    const double sum =
+        Reliability{}.checkpoint_write_bytes_per_s_per_device * static_cast<double>(gpus);
+    CHECK(t.checkpoint_write_s == Approx(t.checkpoint_bytes / std::min(sum, 500e9)));
+    if (sum <= 500e9) {
+      CHECK(t.goodput == free.goodput);
+    } else {
+      CHECK(t.checkpoint_write_s > free.checkpoint_write_s);
+      CHECK(t.goodput < free.goodput);
+    }
+  }
+}
