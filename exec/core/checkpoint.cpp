@@ -410,9 +410,14 @@ CheckpointTensor CheckpointReader::read_slice(const std::string& name, const Sli
     ranges.push_back({first, count, at});
     at += count;
   }
-  const auto shares = [&](const Slice& s) {
-    if (s.row_begin >= want.row_begin + want.row_count ||
-        want.row_begin >= s.row_begin + s.row_count) {
+  // Whether a piece may hold some of it: the rows its range spans (a dp range of its slice
+  // spans only some of the slice's rows) and its slice's columns meet the wanted ones.
+  const auto shares = [&](const Piece& p) {
+    const Slice& s = p.slice;
+    if (p.count == 0) return false;
+    const std::int64_t first_row = s.row_begin + p.begin / s.local_cols();
+    const std::int64_t last_row = s.row_begin + (p.begin + p.count - 1) / s.local_cols();
+    if (first_row >= want.row_begin + want.row_count || want.row_begin > last_row) {
       return false;
     }
     for (const auto& [a, an] : s.col_ranges) {
@@ -426,7 +431,7 @@ CheckpointTensor CheckpointReader::read_slice(const std::string& name, const Sli
   static const std::vector<Piece> none;
   const auto it = pieces_.find(name);
   for (const Piece& p : it == pieces_.end() ? none : it->second) {
-    if (!shares(p.slice)) continue;  // only the pieces that hold some of it are read
+    if (!shares(p)) continue;  // only the pieces that hold some of it are read
     const fs::path path = fs::path(dir_) / files_[p.file];
     std::ifstream in(path, std::ios::binary);
     buffer.resize(3 * static_cast<std::size_t>(p.count));
