@@ -1492,6 +1492,13 @@ class Runner {
     if (input_grads) dev_.moe_dispatch_backward(dx, mb.grad.at(id), mb.route.at(id), T_, C_, k);
   }
 
+  // Whether this rank's copy of a tensor is the one that counts across tp ranks and pipeline
+  // stages (the gradient norm, checkpoints): not the last stage's copy of a tied embedding, and
+  // a tp-replicated tensor (a norm, a row-parallel bias) on tp rank 0 only.
+  bool canonical_copy(const Param& p) const {
+    return !(p.tied_copy || (p.replicated_over_tp && t_ != 0));
+  }
+
   // Gradient clipping: what this rank adds to the global norm, each gradient element counted
   // on one rank only: the rank's ZeRO slice of the reduced gradient (sharded), else its equal
   // part of the replicated one (by its index in the dp x cp group, or in the expert-dp group
@@ -1499,7 +1506,7 @@ class Runner {
   // 0 only; the tied embedding on the first stage (the last stage's copy is equal after their
   // all-reduce). Empty: nothing.
   View norm_share(Param& p) {
-    if (p.tied_copy || (p.replicated_over_tp && t_ != 0)) return {};
+    if (!canonical_copy(p)) return {};
     if (sharded_) return p.reduced;
     const View g = grad(p);
     const std::int64_t shards = p.expert ? edp_ : dp_, mine = p.expert ? ed_ : d_;
@@ -2552,8 +2559,7 @@ class Runner {
   CheckpointRecord save(int steps_done, const std::vector<double>& losses) {
     // Unsharded, the first replica writes (an expert's: the first of its expert-dp group).
     const auto writes = [&](const Param& p) {
-      return !(p.tied_copy || (p.replicated_over_tp && t_ != 0) ||
-               (!sharded_ && (p.expert ? ed_ : d_) != 0));
+      return canonical_copy(p) && (sharded_ || (p.expert ? ed_ : d_) == 0);
     };
     if (comm_.rank() == 0) begin_checkpoint(options_.checkpoint_dir);
     comm_.barrier();
@@ -2673,11 +2679,10 @@ class Runner {
       }
       const CheckpointTensor t = checkpoint.read_slice(p.name, p.slice);
       // Of its tp slice, each rank keeps its dp slice where it holds only that.
-      const auto& data = t.data;
       if (zero3_) {
-        dev_.upload(p.shard, data.data() + p.own_begin);
+        dev_.upload(p.shard, t.data.data() + p.own_begin);
       } else {
-        dev_.upload(p.data, data.data());
+        dev_.upload(p.data, t.data.data());
         refresh_work(p);
       }
       dev_.upload(p.m, t.m.data() + p.own_begin);

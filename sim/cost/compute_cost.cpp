@@ -293,21 +293,21 @@ double ComputeCost::optimizer_seconds(std::uint64_t params) const {
   const double bytes_per_param = state.gradients +
                                  (plan_.optimizer == plan::Optimizer::Adam ? 24.0 : 16.0) +
                                  (mixed ? state.weights : 0.0);
+  return optimizer_pass_seconds(static_cast<double>(params) * bytes_per_param);
+}
+
+double ComputeCost::optimizer_pass_seconds(double bytes) const {
   const double in_run = profile_ != nullptr && profile_->in_run ? profile_->in_run->optimizer : 1.0;
-  if (optimizer_rate_) {
-    return static_cast<double>(params) * bytes_per_param / *optimizer_rate_ * in_run;
-  }
-  return (static_cast<double>(params) * bytes_per_param / hbm_bw_ + launch_s_) * in_run;
+  if (optimizer_rate_) return bytes / *optimizer_rate_ * in_run;
+  return (bytes / hbm_bw_ + launch_s_) * in_run;
 }
 
 double ComputeCost::grad_norm_seconds(std::uint64_t params) const {
   // One read of the gradients (Megatron-LM's multi_tensor_l2norm), at the optimizer's measured
   // rate of state bytes where a profile has one. Scaling them when the norm is over the limit
   // (a pass on the steps that clip) is not counted.
-  const double bytes = static_cast<double>(params) * plan::state_bytes_per_param(plan_).gradients;
-  const double in_run = profile_ != nullptr && profile_->in_run ? profile_->in_run->optimizer : 1.0;
-  if (optimizer_rate_) return bytes / *optimizer_rate_ * in_run;
-  return (bytes / hbm_bw_ + launch_s_) * in_run;
+  return optimizer_pass_seconds(static_cast<double>(params) *
+                                plan::state_bytes_per_param(plan_).gradients);
 }
 
 }  // namespace dtsim::cost

@@ -59,6 +59,10 @@ class ComputeCost {
   double kernel_flops(const model::Op& op, lower::Phase phase) const;
 
  private:
+  // A memory-bound pass of the optimizer step over `bytes`: at the profile's measured optimizer
+  // rate where it has one, else the memory bandwidth plus a launch; times the profile's in_run
+  // factor of the optimizer.
+  double optimizer_pass_seconds(double bytes) const;
   // op_seconds before the profile's in_run factor: the kernels as timed alone.
   double kernel_seconds(const model::Op& op, lower::Phase phase) const;
   double divisor(const model::Op& op) const;
