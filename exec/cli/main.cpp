@@ -205,9 +205,9 @@ RankBreakdown rank_breakdown(const dtsim::exec::RunResult& result,
     steps.insert(r.step);
     const double d = r.end_s - r.start_s;
     using dtsim::lower::Phase;
-    (t.phase == Phase::Optimizer || t.phase == Phase::GradNorm ? b.optimizer_s
-     : t.phase == Phase::Recompute                             ? b.recompute_s
-                                                               : b.compute_s) += d;
+    (dtsim::lower::in_optimizer_step(t.phase) ? b.optimizer_s
+     : t.phase == Phase::Recompute            ? b.recompute_s
+                                              : b.compute_s) += d;
   }
   const double n = std::max<double>(1.0, static_cast<double>(steps.size()));
   return {b.compute_s / n, b.recompute_s / n, b.optimizer_s / n};
@@ -1194,9 +1194,9 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
     for (const auto& record : result.tasks) {
       const auto& task = program_tasks.at(static_cast<std::size_t>(record.task));
       if (record.step != step || task.kind != dtsim::lower::TaskKind::Compute) continue;
-      const std::size_t k = task.phase == Phase::Forward || task.phase == Phase::Recompute    ? 0
-                            : task.phase == Phase::Optimizer || task.phase == Phase::GradNorm ? 2
-                                                                                              : 1;
+      const std::size_t k = task.phase == Phase::Forward || task.phase == Phase::Recompute ? 0
+                            : dtsim::lower::in_optimizer_step(task.phase)                  ? 2
+                                                                                           : 1;
       measured[k] += record.end_s - record.start_s;
       predicted[k] += cost.task_seconds(task);
       ++tasks;

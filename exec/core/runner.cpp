@@ -2246,7 +2246,7 @@ class Runner {
     for (const lower::Task& task : rp_->tasks) {
       if (task.kind != TaskKind::Compute) {
         note(task.micro_batch, communication_uses(task));
-      } else if (task.phase == Phase::Optimizer || task.phase == Phase::GradNorm) {
+      } else if (lower::in_optimizer_step(task.phase)) {
         note(-1, {});
       } else if (task.phase == Phase::Forward || task.phase == Phase::Recompute) {
         for (auto id = task.op_begin; id < task.op_end; ++id) {
@@ -2287,10 +2287,7 @@ class Runner {
         }
         continue;
       }
-      if (task.kind != TaskKind::Compute || task.phase == Phase::Optimizer ||
-          task.phase == Phase::GradNorm) {
-        continue;
-      }
+      if (task.kind != TaskKind::Compute || lower::in_optimizer_step(task.phase)) continue;
       std::vector<Key> read = keys_of(task.op_begin, task.op_end);
       for (auto id = task.op_begin; id < task.op_end; ++id) {
         const auto op = static_cast<OpId>(id);

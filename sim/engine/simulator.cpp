@@ -86,9 +86,9 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
     if (task.kind == TaskKind::Compute) {
       // Gradient clipping's sum of squares is part of the optimizer step (Megatron-LM's
       // optimizer.step computes the norm).
-      c = task.phase == Phase::Recompute                                    ? Recompute
-          : task.phase == Phase::Optimizer || task.phase == Phase::GradNorm ? Optimizer
-                                                                            : Compute;
+      c = task.phase == Phase::Recompute         ? Recompute
+          : lower::in_optimizer_step(task.phase) ? Optimizer
+                                                 : Compute;
     } else {
       switch (task.stream) {
         case Stream::Tp:

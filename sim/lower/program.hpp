@@ -39,6 +39,12 @@ enum class Phase : std::uint8_t {
   None  // other communication tasks
 };
 
+// The tasks of the optimizer step, once the gradients are final: the update, and with clipping
+// the gradients' norm (Megatron-LM's optimizer.step computes it); no micro-batch's.
+inline bool in_optimizer_step(Phase p) {
+  return p == Phase::Optimizer || p == Phase::GradNorm;
+}
+
 enum class CollectiveKind : std::uint8_t { AllReduce, AllGather, ReduceScatter, AllToAll };
 
 enum class TaskKind : std::uint8_t { Compute, Collective, Send, Recv };

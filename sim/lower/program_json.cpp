@@ -26,7 +26,7 @@ nlohmann::json to_json(const Program& program) {
       switch (t.kind) {
         case TaskKind::Compute:
           task["phase"] = to_string(t.phase);
-          if (t.phase == Phase::Optimizer || t.phase == Phase::GradNorm) {
+          if (in_optimizer_step(t.phase)) {
             task["params"] = t.params;
           } else {
             task["ops"] = {t.op_begin, t.op_end};
