@@ -26,7 +26,8 @@
 #   6. GPT-2 calibrated at its own shapes; run with its vocabulary padded (50304, the default)
 #      and as it is (50257, --make-vocab-size-divisible-by 1), each validated against that
 #      profile; its loss at --lr 6e-4 in bf16 and fp32, and in bf16 with a 4-step warm-up and a
-#      cosine decay to 6e-5 (nanoGPT's GPT-2 rates).
+#      cosine decay to 6e-5 (nanoGPT's GPT-2 rates); a checkpoint's cost, saved synchronously
+#      and asynchronously (--checkpoint-async: what training stops for against the write).
 # Writes report.txt, the profile, the traces and the raw outputs into ./gpu-report, or, where
 # $OUT is set (the device machines, which bring back at most 8 files from it), into
 # /tmp/gpu-report and, however the script ends, report.txt, profile_h200.json and one archive
@@ -406,4 +407,13 @@ limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 --lr-warmup-s
   >"$out/gpt2_warmup.txt" 2>&1
 say "bf16, warm-up 4 steps, cosine decay to 6e-5: $(awk '/^step/ {printf "%s ", $4}' "$out/gpt2_warmup.txt")"
 say "$(grep -h 'checkpoint written' "$out/gpt2_warmup.txt")"
+rm -rf /tmp/gpu_check_gpt2_ckpt
+# Asynchronous saves every 4 steps: what training stops for (the copy to host memory) against
+# the write behind it, and the steps' times while it writes.
+# shellcheck disable=SC2086
+limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 \
+  --checkpoint /tmp/gpu_check_gpt2_ckpt --checkpoint-every 4 --checkpoint-async \
+  >"$out/gpt2_async_ckpt.txt" 2>&1
+say "asynchronous saves: step times (ms) $(awk '/^step/ {printf "%s ", $6}' "$out/gpt2_async_ckpt.txt")"
+grep -h -e '^checkpoint' "$out/gpt2_async_ckpt.txt" | while read -r line; do say "$line"; done
 rm -rf /tmp/gpu_check_gpt2_ckpt

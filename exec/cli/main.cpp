@@ -527,6 +527,12 @@ int run(const std::vector<std::string>& args) {
       "per rank and an index, on a file system every rank sees")(
       "checkpoint-every", po::value<int>()->default_value(0),
       "also write the checkpoint every N steps (0: only at the end)")(
+      "checkpoint-async", po::bool_switch(),
+      "save asynchronously: training stops only while each rank copies its weights and AdamW "
+      "state to host memory (a copy of 12 bytes per parameter it writes, kept for the run); a "
+      "thread writes its shard while the next steps run, and the checkpoint is in place at the "
+      "end of the first step by which every shard is written (a crash before that leaves the "
+      "one before it)")(
       "resume", po::value<std::string>(),
       "continue from this checkpoint folder (written under this plan or another: its tensors "
       "are resharded)")("trace", po::value<std::string>(),
@@ -650,6 +656,9 @@ int run(const std::vector<std::string>& args) {
   if (every > 0 && !vm.count("checkpoint")) {
     throw dtsim::InputError("--checkpoint-every: give --checkpoint DIR as well");
   }
+  if (vm["checkpoint-async"].as<bool>() && !vm.count("checkpoint")) {
+    throw dtsim::InputError("--checkpoint-async: give --checkpoint DIR as well");
+  }
   // The kernels count a micro-batch's tokens in an int.
   if (plan.micro_batch_size * plan.seq_len > std::numeric_limits<int>::max()) {
     throw dtsim::InputError(fmt::format(
@@ -674,6 +683,7 @@ int run(const std::vector<std::string>& args) {
   options.seed = vm["seed"].as<std::uint64_t>();
   if (vm.count("checkpoint")) options.checkpoint_dir = vm["checkpoint"].as<std::string>();
   options.checkpoint_every = every;
+  options.checkpoint_async = vm["checkpoint-async"].as<bool>();
   if (vm.count("resume")) options.resume_dir = vm["resume"].as<std::string>();
   rank_and_step(vm, "fail-at", options.fail_rank, options.fail_step);
   rank_and_step(vm, "hang-at", options.hang_rank, options.hang_step);
@@ -754,6 +764,19 @@ int run(const std::vector<std::string>& args) {
                                               : std::string())
                 << std::flush;
     };
+    options.on_checkpoint = [rank,
+                             dir = options.checkpoint_dir](const dtsim::exec::CheckpointRecord& c) {
+      out(rank) << (c.asynchronous
+                        ? fmt::format("checkpoint of step {} in place in {} after step {}: "
+                                      "{:.1f} MiB, training stopped {:.3f} s, written behind "
+                                      "it in {:.3f} s\n",
+                                      c.step, dir, c.in_place_after, c.bytes / (1024.0 * 1024.0),
+                                      c.blocking_s, c.write_s)
+                        : fmt::format("checkpoint of step {} in place in {}: {:.1f} MiB in "
+                                      "{:.3f} s\n",
+                                      c.step, dir, c.bytes / (1024.0 * 1024.0), c.seconds))
+                << std::flush;
+    };
   }
   // The device whose peak the measured MFU is taken against, checked before the run: a
   // --cluster that does not load is an error; without one, an unknown device leaves it unknown.
@@ -821,7 +844,11 @@ int run(const std::vector<std::string>& args) {
                            {"bytes", c.bytes},
                            {"shards", c.shards},
                            {"copy_to_host_seconds", c.copy_s},
-                           {"copy_to_host_bytes_per_s_per_rank", c.copy_bytes_per_s}});
+                           {"copy_to_host_bytes_per_s_per_rank", c.copy_bytes_per_s},
+                           {"asynchronous", c.asynchronous},
+                           {"blocking_seconds", c.blocking_s},
+                           {"write_seconds", c.write_s},
+                           {"in_place_after_step", c.in_place_after}});
   }
   // The rate each step of `losses` trained at (the checkpointed steps' too: one schedule).
   std::vector<double> learning_rates;
@@ -869,6 +896,11 @@ int run(const std::vector<std::string>& args) {
                      {"learning_rates", learning_rates},
                      {"grad_norms", result.grad_norms},
                      {"checkpoints", checkpoints},
+                     {"checkpoint_host_copy",
+                      options.checkpoint_async
+                          ? nlohmann::json{{"bytes", result.checkpoint_host_bytes},
+                                           {"allocate_seconds", result.checkpoint_host_seconds}}
+                          : nlohmann::json()},
                      {"step_times_s", result.step_times_s},
                      {"step_time_s", result.step_time_s},
                      {"step_time_min_s", spread(result, warmup).first},
@@ -899,6 +931,22 @@ int run(const std::vector<std::string>& args) {
     // What a checkpoint cost here: dtsim's time to train with interruptions takes a write
     // bandwidth (--checkpoint-write-gbs-per-gpu).
     const auto& last = result.checkpoints.back();
+    if (last.asynchronous) {
+      out(rank) << fmt::format(
+          "checkpoint written to {} asynchronously ({} time{}; the last: {:.1f} MiB of weights "
+          "and AdamW state, training stopped {:.3f} s for it, of that the copy to host memory "
+          "{:.3f} s, {:.2f} GB/s per rank: dtsim --checkpoint-async-gbs-per-gpu; its {} "
+          "shard{} written behind training in {:.3f} s, {:.0f} MB/s; in place after step {}; "
+          "the host copy {:.1f} MiB on the busiest rank, allocated before the first step in "
+          "{:.3f} s)\n",
+          options.checkpoint_dir, result.checkpoints.size(),
+          result.checkpoints.size() == 1 ? "" : "s", last.bytes / (1024.0 * 1024.0),
+          last.blocking_s, last.copy_s, last.copy_bytes_per_s / 1e9, last.shards,
+          last.shards == 1 ? "" : "s", last.write_s,
+          last.write_s > 0 ? last.bytes / last.write_s / 1e6 : 0.0, last.in_place_after,
+          result.checkpoint_host_bytes / (1024.0 * 1024.0), result.checkpoint_host_seconds);
+      return 0;
+    }
     out(rank) << fmt::format(
         "checkpoint written to {} ({} time{}; the last: {:.1f} MiB of weights and AdamW state "
         "in {:.3f} s, {:.0f} MB/s, {} shard{} written by {}; of that the copy to host memory "

@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <csignal>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <map>
@@ -288,6 +290,7 @@ class Runner {
     auto now = [&] { return since_start(std::chrono::steady_clock::now()); };
     const auto& tasks = rp_->tasks;
     Watchdog watchdog(options_, *rp_);
+    if (options_.checkpoint_async && !options_.checkpoint_dir.empty()) prepare_async_saves(result);
     for (int step = first; step < options_.steps; ++step) {
       step_ = step;
       if (me_ == options_.fail_rank && step + 1 == options_.fail_step) std::raise(SIGKILL);
@@ -371,7 +374,9 @@ class Runner {
       // micro-batches and data-parallel replicas, known on the last stage, where tensor-parallel
       // rank 0 reports it) and the slowest rank's time.
       std::array<double, 1> loss = {0.0};
-      std::array<double, 1> slowest = {now() - begin};
+      // With an asynchronous save in flight, whether this rank's shard is still being written
+      // (reduced with the step's time: every rank learns at once that all are written).
+      std::array<double, 2> slowest = {now() - begin, writing() ? 1.0 : 0.0};
       if (last_stage_ && t_ == 0) {
         std::vector<float> each(static_cast<std::size_t>(micro_batches_));
         dev_.download(each.data(), losses_);
@@ -392,15 +397,25 @@ class Runner {
       if (options_.on_step) {
         options_.on_step(done, result.losses.back(), slowest[0], grad_norm);
       }
+      if (async_.active && slowest[1] == 0) put_async_in_place(done, result);
       if (!options_.checkpoint_dir.empty() &&
           (done == options_.steps ||
            (options_.checkpoint_every > 0 && done % options_.checkpoint_every == 0))) {
-        const double started = now();
-        CheckpointRecord record = save(done, result.losses);
-        record.seconds = now() - started;
-        result.checkpoints.push_back(record);
+        if (options_.checkpoint_async) {
+          start_async_save(done, result);
+        } else {
+          const double started = now();
+          CheckpointRecord record = save(done, result.losses);
+          record.seconds = now() - started;
+          record.blocking_s = record.seconds;
+          record.write_s = std::max(0.0, record.seconds - record.copy_s);
+          record.in_place_after = done;
+          checkpoint_done(record, result);
+        }
       }
     }
+    // The last save, if still writing, is waited for: the run ends with it in place.
+    if (async_.active) put_async_in_place(options_.steps, result);
     for (auto& mb : batches_) release(mb);
     batches_.clear();
     std::vector<double> timed(
@@ -2551,13 +2566,18 @@ class Runner {
 
   // Every rank writes its part of each full tensor (its tensor-parallel slice; its dp slice under
   // ZeRO >= 1, where only the owner's weights and AdamW state are current) to a shard of its
-  // own; rank 0 then writes the index. The tied copy is the embedding and is not written twice.
-  // Returns the step, and on rank 0 the bytes of the shards and their number.
+  // own; rank 0 then writes the index. The tied copy is the embedding and is not written twice;
+  // unsharded, the first replica writes (an expert's: the first of its expert-dp group).
+  bool in_checkpoint(const Param& p) const {
+    return canonical_copy(p) && (sharded_ || (p.expert ? ed_ : d_) == 0);
+  }
+
+  static double seconds_since(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  }
+
+  // A synchronous save: returns the step, and on rank 0 the bytes of the shards and their number.
   CheckpointRecord save(int steps_done, const std::vector<double>& losses) {
-    // Unsharded, the first replica writes (an expert's: the first of its expert-dp group).
-    const auto writes = [&](const Param& p) {
-      return canonical_copy(p) && (sharded_ || (p.expert ? ed_ : d_) == 0);
-    };
     if (comm_.rank() == 0) begin_checkpoint(options_.checkpoint_dir);
     comm_.barrier();
     // Each piece copied to host memory, then written. The copies are timed apart: they are what
@@ -2566,43 +2586,56 @@ class Runner {
     ShardWriter shard(options_.checkpoint_dir, comm_.rank());
     std::size_t largest = 0;
     for (const auto& [key, p] : params_) {
-      if (writes(p)) largest = std::max(largest, static_cast<std::size_t>(p.own_end - p.own_begin));
+      if (in_checkpoint(p)) {
+        largest = std::max(largest, static_cast<std::size_t>(p.own_end - p.own_begin));
+      }
     }
     std::vector<float> weights(largest), m(largest), v(largest);
     double copy_s = 0, copied_bytes = 0;
     for (const auto& [key, p] : params_) {
-      if (!writes(p)) continue;
+      if (!in_checkpoint(p)) continue;
       const auto n = static_cast<std::size_t>(p.own_end - p.own_begin);
       const auto copy_start = std::chrono::steady_clock::now();
       for (auto [host, part] : {std::pair{&weights, master_slice(p)}, {&m, p.m}, {&v, p.v}}) {
         dev_.download(host->data(), part);
       }
-      copy_s +=
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_start).count();
+      copy_s += seconds_since(copy_start);
       copied_bytes += 3.0 * sizeof(float) * static_cast<double>(n);
       shard.add(p.name, p.slice, p.own_begin, std::span(weights).first(n), std::span(m).first(n),
                 std::span(v).first(n));
     }
-    // The gather of the indices also says that every shard is written.
-    const auto indices = comm_.gather_to_root(shard.close().dump());
-    CheckpointRecord record{.step = steps_done};
-    // The slowest rank's copy, and the lowest rate of a rank that copied anything.
-    std::array<double, 2> copy = {copy_s, copy_s > 0 && copied_bytes > 0
-                                              ? -copied_bytes / copy_s
-                                              : -std::numeric_limits<double>::infinity()};
-    comm_.all_ranks(copy, Reduce::Max);
-    record.copy_s = copy[0];
-    record.copy_bytes_per_s = std::isfinite(copy[1]) ? -copy[1] : 0.0;  // 0: nothing copied
+    return put_in_place(steps_done, shard.close(), copy_s, copied_bytes, 0.0, 0.0, losses);
+  }
+
+  // Every rank's shard written (`index` this rank's): gathers the indices, which also says that
+  // every shard is written, and the slowest rank's times; rank 0 writes checkpoint.json and
+  // moves the folder into place.
+  CheckpointRecord put_in_place(int step, const nlohmann::json& index, double copy_s,
+                                double copied_bytes, double write_s, double blocking_s,
+                                const std::vector<double>& losses) {
+    const auto indices = comm_.gather_to_root(index.dump());
+    CheckpointRecord record{.step = step};
+    // The slowest rank's copy, write and wait, and the lowest rate of a rank that copied anything.
+    std::array<double, 4> slowest = {copy_s,
+                                     copy_s > 0 && copied_bytes > 0
+                                         ? -copied_bytes / copy_s
+                                         : -std::numeric_limits<double>::infinity(),
+                                     write_s, blocking_s};
+    comm_.all_ranks(slowest, Reduce::Max);
+    record.copy_s = slowest[0];
+    record.copy_bytes_per_s = std::isfinite(slowest[1]) ? -slowest[1] : 0.0;  // 0: none copied
+    record.write_s = slowest[2];
+    record.blocking_s = slowest[3];
     if (comm_.rank() != 0) return record;
     std::vector<nlohmann::json> shards;
-    for (const auto& index : indices) {
-      shards.push_back(nlohmann::json::parse(index));
+    for (const auto& shard : indices) {
+      shards.push_back(nlohmann::json::parse(shard));
       if (!shards.back().is_null()) ++record.shards;
     }
     CheckpointInfo c;
     c.model = m_.name;
     c.plan = plan::to_json(p_);
-    c.step = steps_done;
+    c.step = step;
     c.seed = options_.seed;
     c.learning_rate = options_.lr.max_lr;
     c.weight_decay = options_.weight_decay;
@@ -2610,6 +2643,124 @@ class Runner {
     c.losses = losses;
     record.bytes = finish_checkpoint(options_.checkpoint_dir, c, shards);
     return record;
+  }
+
+  void checkpoint_done(const CheckpointRecord& record, RunResult& result) {
+    result.checkpoints.push_back(record);
+    if (options_.on_checkpoint) options_.on_checkpoint(record);
+  }
+
+  // An asynchronous save: the rank's pieces copied to host memory (training waits for this
+  // alone), then written to its shard by a thread that touches nothing but that copy and the
+  // file, so that every collective of the save stays on the training thread (no MPI from two
+  // threads): each step's end tells every rank at once whether all shards are written
+  // (writing()), and the first that does puts the checkpoint in place (put_async_in_place).
+  struct SnapshotPiece {
+    std::string name;
+    Slice slice;
+    std::int64_t begin = 0;
+    std::size_t at = 0, n = 0;  // weights at host[at], m at host[at + n], v at host[at + 2n]
+  };
+  struct AsyncSave {
+    bool active = false;  // a save between its copy and its index
+    int step = 0;
+    std::vector<double> losses;
+    std::chrono::steady_clock::time_point started;
+    double copy_s = 0, copied_bytes = 0, blocking_s = 0;
+    std::vector<SnapshotPiece> pieces;
+    // The copy, kept from one save to the next (as an asynchronous save keeps its host buffers).
+    std::vector<float> host;
+    // Set by the writer before `written`.
+    nlohmann::json index;
+    std::exception_ptr error;
+    double write_s = 0;
+    std::atomic<bool> written{false};
+    std::jthread writer;  // declared last: joined before what it reads goes
+  };
+
+  // The host copy of an asynchronous save, allocated and touched once before the first step
+  // (the first touch of fresh memory is slow: on this VM 1.4 GiB take 4 s), as a saver keeps
+  // its (pinned) host buffers; its pieces are the same at every save.
+  void prepare_async_saves(RunResult& result) {
+    const auto started = std::chrono::steady_clock::now();
+    std::size_t total = 0;
+    for (const auto& [key, p] : params_) {
+      if (!in_checkpoint(p)) continue;
+      const auto n = static_cast<std::size_t>(p.own_end - p.own_begin);
+      async_.pieces.push_back({p.name, p.slice, p.own_begin, total, n});
+      total += 3 * n;
+    }
+    async_.host.assign(total, 0.0f);
+    std::array<double, 2> largest = {sizeof(float) * static_cast<double>(total),
+                                     seconds_since(started)};
+    comm_.all_ranks(largest, Reduce::Max);
+    result.checkpoint_host_bytes = largest[0];
+    result.checkpoint_host_seconds = largest[1];
+  }
+
+  bool writing() const { return async_.active && !async_.written.load(std::memory_order_acquire); }
+
+  void start_async_save(int steps_done, RunResult& result) {
+    // The save before it still writing: training waits for it here (its blocking time).
+    if (async_.active) put_async_in_place(steps_done, result);
+    const auto started = std::chrono::steady_clock::now();
+    if (comm_.rank() == 0) begin_checkpoint(options_.checkpoint_dir);
+    comm_.barrier();
+    const auto copy_start = std::chrono::steady_clock::now();
+    auto next = async_.pieces.begin();
+    for (const auto& [key, p] : params_) {
+      if (!in_checkpoint(p)) continue;
+      float* at = async_.host.data() + next->at;
+      dev_.download(at, master_slice(p));
+      dev_.download(at + next->n, p.m);
+      dev_.download(at + 2 * next->n, p.v);
+      ++next;
+    }
+    async_.copy_s = seconds_since(copy_start);
+    async_.copied_bytes = sizeof(float) * static_cast<double>(async_.host.size());
+    async_.step = steps_done;
+    async_.losses = result.losses;
+    async_.started = started;
+    async_.index = nullptr;
+    async_.error = nullptr;
+    async_.write_s = 0;
+    async_.written.store(false);
+    async_.active = true;
+    async_.blocking_s = seconds_since(started);
+    async_.writer = std::jthread([this, dir = options_.checkpoint_dir, rank = comm_.rank()] {
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        ShardWriter shard(dir, rank);
+        for (const auto& piece : async_.pieces) {
+          const std::span<const float> all(async_.host.data() + piece.at, 3 * piece.n);
+          shard.add(piece.name, piece.slice, piece.begin, all.first(piece.n),
+                    all.subspan(piece.n, piece.n), all.subspan(2 * piece.n, piece.n));
+        }
+        async_.index = shard.close();
+      } catch (...) {
+        async_.error = std::current_exception();
+      }
+      async_.write_s = seconds_since(start);
+      async_.written.store(true, std::memory_order_release);
+    });
+  }
+
+  // Every rank's shard of the save in flight written (or, at its next save or the run's end,
+  // waited for): puts it in place at the end of step `done`. A rank whose writer failed throws
+  // its error here (the CLI then ends every rank).
+  void put_async_in_place(int done, RunResult& result) {
+    const auto started = std::chrono::steady_clock::now();
+    async_.writer.join();
+    async_.active = false;
+    if (async_.error) std::rethrow_exception(async_.error);
+    CheckpointRecord record =
+        put_in_place(async_.step, async_.index, async_.copy_s, async_.copied_bytes, async_.write_s,
+                     async_.blocking_s, async_.losses);
+    record.asynchronous = true;
+    record.blocking_s += seconds_since(started);
+    record.seconds = seconds_since(async_.started);
+    record.in_place_after = done;
+    checkpoint_done(record, result);
   }
 
   int resume(RunResult& result) {
@@ -2754,6 +2905,8 @@ class Runner {
   int tokens_ = 0;
   int micro_batches_ = 1, adam_step_ = 0;
   View grad_norm_sq_;  // gradient clipping: the squared norm (fp32, one element)
+  // Last: its writer is joined before anything else of the runner goes.
+  AsyncSave async_;
 };
 
 }  // namespace

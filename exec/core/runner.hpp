@@ -43,6 +43,8 @@
 
 namespace dtsim::exec {
 
+struct CheckpointRecord;
+
 struct RunOptions {
   int steps = 10;        // the step number to stop after (counted from the first step ever)
   int warmup_steps = 1;  // steps of this run left out of the median step time
@@ -52,7 +54,13 @@ struct RunOptions {
   std::uint64_t seed = 1234;
   std::string checkpoint_dir;  // where to write checkpoints ("" = none)
   int checkpoint_every = 0;    // steps between checkpoints (0 = only after the last step)
-  std::string resume_dir;      // a checkpoint to continue from ("" = start at step 0)
+  // Save asynchronously: training stops only while each rank copies its pieces to host memory
+  // (a copy it keeps from one save to the next); a thread of the rank writes its shard while
+  // the next steps run, and the index that puts the checkpoint in place is written at the end
+  // of the first step by which every rank's shard is written (a save still writing when the
+  // next one is due is waited for).
+  bool checkpoint_async = false;
+  std::string resume_dir;  // a checkpoint to continue from ("" = start at step 0)
   // Fault injection (tests): rank fail_rank kills itself with SIGKILL as step fail_step (1-based)
   // starts, as a crashed node would.
   int fail_rank = -1, fail_step = 0;
@@ -67,6 +75,8 @@ struct RunOptions {
   // slowest rank's time (both reduced over all ranks, outside the step's timing) and, with
   // gradient clipping, the gradients' global norm before clipping (else -1): progress.
   std::function<void(int, double, double, double)> on_step;
+  // Called on every rank when a checkpoint is in place (progress; the bytes on rank 0 only).
+  std::function<void(const CheckpointRecord&)> on_checkpoint;
   // --only-rank: run program `program_index` alone (one rank's share of a plan whose other
   // ranks do not run), every communication task replaced by a wait of its predicted length
   // (predicted_comm_s, by task id; empty: no wait). Received tensors are zeros, reductions
@@ -87,9 +97,9 @@ struct TaskRecord {
   int step = 0;
 };
 
-// A checkpoint this run wrote: after which step, how long every rank spent in it (each
-// writing its shard, then rank 0 the index), and on rank 0 the bytes of the shards and their
-// number.
+// A checkpoint this run wrote: after which step, how long it took (each rank writing its
+// shard, then rank 0 the index; asynchronous: from the copy to host memory to its index), and
+// on rank 0 the bytes of the shards and their number.
 struct CheckpointRecord {
   int step = 0;
   double seconds = 0;
@@ -99,6 +109,15 @@ struct CheckpointRecord {
   // rank's, and the lowest rate of a rank (bytes per second) among those that copied any.
   double copy_s = 0;
   double copy_bytes_per_s = 0;
+  // What training stopped for (the slowest rank's): the whole save when synchronous; when
+  // asynchronous, the wait for the save before it still writing, the copy and the gather that
+  // puts it in place. write_s: the slowest rank's time writing its shard (asynchronous: behind
+  // training). in_place_after: the step at whose end it was put in place (the step itself
+  // when synchronous), a crash before which leaves the checkpoint before it.
+  bool asynchronous = false;
+  double blocking_s = 0;
+  double write_s = 0;
+  int in_place_after = 0;
 };
 
 struct RunResult {
@@ -109,6 +128,9 @@ struct RunResult {
   // (of this run's steps; with --only-rank this rank's share alone).
   std::vector<double> grad_norms;
   std::vector<CheckpointRecord> checkpoints;
+  // Asynchronous saves: the host copy of the busiest rank (bytes) and the longest time a rank
+  // took to allocate and touch it, before the first step.
+  double checkpoint_host_bytes = 0, checkpoint_host_seconds = 0;
   double step_time_s = 0;         // median after warm-up
   std::vector<TaskRecord> tasks;  // this rank's tasks of every step after warm-up
   // Expert parallelism: the token copies this rank's experts got, over the even share
