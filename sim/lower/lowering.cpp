@@ -241,10 +241,22 @@ class Lowerer {
   TaskId unit_started_ = -1;
   std::size_t pass_ = 0;  // the pass being lowered
   const std::vector<std::vector<Item>>* rank_items_ = nullptr;
-  // Set while a backward pass's gradients go out per block (with unit gathers): the buckets'
-  // tasks, and the micro-batch.
-  std::vector<TaskId>* block_buckets_ = nullptr;
-  int block_buckets_mb_ = 0;
+  // Data-parallel gradient buckets being filled (grad_buckets): dense and experts' apart, each
+  // sent once it reaches options_.dp_bucket_bytes.
+  struct Bucket {
+    double bytes = 0;
+    TaskId last = -1;
+    int index = 0;
+    OpId lo = 0, hi = 0;  // the ops whose gradients the bucket carries
+  };
+  struct GradBuckets {
+    int micro_batch = 0;
+    std::array<Bucket, 2> open;  // dense, experts
+    std::vector<TaskId>* out = nullptr;
+    bool per_block = false;  // each block's gradients in buckets of their own (unit gathers)
+  };
+  // Set while a backward pass's gradients go out as its blocks produce them.
+  GradBuckets* block_buckets_ = nullptr;
 
   int total_chunks() const { return plan_.pp * plan_.virtual_stages; }
   int global_chunk(int chunk) const { return chunk * plan_.pp + rp_->stage; }
@@ -678,10 +690,13 @@ class Lowerer {
       }
       prev = emit_chain(pending, phase, true, mb, chunk, prev, op_tasks);
       if (block_buckets_ != nullptr && op_tasks != nullptr) {
-        // This block's gradients go out now, between the gathers of the blocks ahead.
+        // This block's gradients fill the buckets, a full one goes out now (as a framework's
+        // hooks send a bucket once its last gradient is written), before the blocks below
+        // (with unit gathers, between the gathers of the blocks ahead).
         const std::vector<std::pair<OpId, TaskId>> block(
             op_tasks->begin() + static_cast<std::ptrdiff_t>(sent), op_tasks->end());
-        for (TaskId t : grad_buckets(block, block_buckets_mb_)) block_buckets_->push_back(t);
+        fill_buckets(*block_buckets_, block);
+        if (block_buckets_->per_block) flush_buckets(*block_buckets_);
         sent = op_tasks->size();
       }
     }
@@ -759,54 +774,60 @@ class Lowerer {
   std::vector<TaskId> grad_buckets(const std::vector<std::pair<OpId, TaskId>>& produced,
                                    int micro_batch) {
     std::vector<TaskId> out;
-    const CollectiveKind kind =
-        plan_.zero_stage == 0 ? CollectiveKind::AllReduce : CollectiveKind::ReduceScatter;
-    struct Bucket {
-      double bytes = 0;
-      TaskId last = -1;
-      int index = 0;
-      OpId lo = 0, hi = 0;  // the ops whose gradients the bucket carries
-    };
-    std::array<Bucket, 2> buckets;  // dense, experts
-    for (Bucket& b : buckets) b.lo = static_cast<OpId>(g_.size());
-    auto flush = [&](bool experts) {
-      Bucket& b = buckets[experts ? 1 : 0];
-      if (b.bytes <= 0) return;
-      Task t;
-      t.kind = TaskKind::Collective;
-      t.stream = Stream::Dp;
-      t.collective = kind;
-      t.group = group(experts ? GroupKind::ExpertDp : GroupKind::Dp);
-      // Sent: in the communication precision, compressed (the codec's passes over the
-      // uncompressed bytes are the collective's, see Task::uncompressed_bytes).
-      const double sent = b.bytes * grad_comm_scale_;
-      t.bytes = static_cast<std::uint64_t>(sent * plan_.grad_compression);
-      if (plan_.grad_compression < 1) t.uncompressed_bytes = static_cast<std::uint64_t>(sent);
-      t.micro_batch = micro_batch;
-      t.op_begin = static_cast<std::int32_t>(b.lo);
-      t.op_end = static_cast<std::int32_t>(b.hi + 1);
-      t.deps.push_back(b.last);
-      t.label =
-          fmt::format("{} {} bucket {}", experts ? "expert-dp" : "dp", to_string(kind), b.index++);
-      out.push_back(add(std::move(t)));
-      b.bytes = 0;
-      b.lo = static_cast<OpId>(g_.size());
-      b.hi = 0;
-    };
+    GradBuckets buckets{.micro_batch = micro_batch, .open = {}, .out = &out, .per_block = false};
+    fill_buckets(buckets, produced);
+    flush_buckets(buckets);
+    return out;
+  }
+
+  // Adds the gradients of `produced` to the open buckets, sending each that reaches the size.
+  void fill_buckets(GradBuckets& buckets, const std::vector<std::pair<OpId, TaskId>>& produced) {
     for (const auto& [op, task] : produced) {
       const model::Op& o = g_.op(op);
       const double params = plan::rank_params(o, plan_);
       if (params <= 0 || dp_group_size(o.expert) <= 1) continue;
-      Bucket& b = buckets[o.expert ? 1 : 0];
+      Bucket& b = buckets.open[o.expert ? 1 : 0];
+      if (b.bytes <= 0) {
+        b.lo = static_cast<OpId>(g_.size());
+        b.hi = 0;
+      }
       b.bytes += params * grad_bytes_;
       b.lo = std::min(b.lo, op);
       b.hi = std::max(b.hi, op);
       b.last = task;
-      if (b.bytes >= static_cast<double>(options_.dp_bucket_bytes)) flush(o.expert);
+      if (b.bytes >= static_cast<double>(options_.dp_bucket_bytes)) send_bucket(buckets, o.expert);
     }
-    flush(false);
-    flush(true);
-    return out;
+  }
+
+  // Sends what the open buckets hold.
+  void flush_buckets(GradBuckets& buckets) {
+    send_bucket(buckets, false);
+    send_bucket(buckets, true);
+  }
+
+  void send_bucket(GradBuckets& buckets, bool experts) {
+    Bucket& b = buckets.open[experts ? 1 : 0];
+    if (b.bytes <= 0) return;
+    const CollectiveKind kind =
+        plan_.zero_stage == 0 ? CollectiveKind::AllReduce : CollectiveKind::ReduceScatter;
+    Task t;
+    t.kind = TaskKind::Collective;
+    t.stream = Stream::Dp;
+    t.collective = kind;
+    t.group = group(experts ? GroupKind::ExpertDp : GroupKind::Dp);
+    // Sent: in the communication precision, compressed (the codec's passes over the
+    // uncompressed bytes are the collective's, see Task::uncompressed_bytes).
+    const double sent = b.bytes * grad_comm_scale_;
+    t.bytes = static_cast<std::uint64_t>(sent * plan_.grad_compression);
+    if (plan_.grad_compression < 1) t.uncompressed_bytes = static_cast<std::uint64_t>(sent);
+    t.micro_batch = buckets.micro_batch;
+    t.op_begin = static_cast<std::int32_t>(b.lo);
+    t.op_end = static_cast<std::int32_t>(b.hi + 1);
+    t.deps.push_back(b.last);
+    t.label =
+        fmt::format("{} {} bucket {}", experts ? "expert-dp" : "dp", to_string(kind), b.index++);
+    buckets.out->push_back(add(std::move(t)));
+    b.bytes = 0;
   }
 
   // The ZeRO-3 all-gathers of the weights of `items` (a unit's or a chunk's ops; the gathered
@@ -970,13 +991,17 @@ class Lowerer {
         case PassKind::BackwardInput: {
           const Phase phase =
               pass.kind == PassKind::Backward ? Phase::Backward : Phase::BackwardInput;
-          if (buckets_per_block && wants_grads) {
-            block_buckets_ = &dp_tasks;
-            block_buckets_mb_ = pass.micro_batch;
+          GradBuckets buckets{.micro_batch = pass.micro_batch,
+                              .open = {},
+                              .out = &dp_tasks,
+                              .per_block = buckets_per_block};
+          if (pass.kind == PassKind::Backward && wants_grads && plan_.overlap_grad_reduce) {
+            block_buckets_ = &buckets;
           }
           pass_end = emit_backward(
               chunk, phase, pass.micro_batch, c, dep,
               pass.kind == PassKind::Backward && wants_grads ? &produced : nullptr, weights);
+          if (block_buckets_ != nullptr) flush_buckets(buckets);
           block_buckets_ = nullptr;
           input_grad_done[{pass.micro_batch, c}] = pass_end;
           if (k > 0) {
@@ -1031,8 +1056,9 @@ class Lowerer {
         for (const auto& [op, task] : produced) ops.push_back(op);
         if (!ops.empty()) held_grads.emplace_back(pass.micro_batch, std::move(ops));
       } else if ((per_micro_batch_grads || last_micro_batch_grads) &&
-                 !(buckets_per_block && pass.kind == PassKind::Backward)) {
-        // Buckets go out as soon as this pass's gradients exist.
+                 pass.kind != PassKind::Backward) {
+        // Buckets go out as soon as this pass's gradients exist (a backward pass's went out
+        // as its blocks produced them).
         for (TaskId t : grad_buckets(produced, pass.micro_batch)) dp_tasks.push_back(t);
       }
       const bool has_embedding = k == 0 || (k == last_global && g_.spec().tied_embeddings);
