@@ -138,6 +138,33 @@ double tied_table_params(const Op& op, const Plan& plan) {
   return op.kind == model::OpKind::LmHead && op.params == 0 ? op.gemm_k * op.gemm_n / plan.tp : 0.0;
 }
 
+// The largest data-parallel gradient bucket of a stage in bytes, filled as the lowering fills
+// them (lower's grad_buckets): each chunk's gradients in backward order (its head, its blocks
+// from the last, its embedding), an op's whole gradient at a time, until the bucket reaches
+// kGradientBucketBytes; dense and expert gradients apart, and no bucket spans two chunks. So a
+// bucket may pass the cap by an op's gradient: an embedding table makes one of about its size
+// (GPT-2's 150 MiB against the 25 MiB cap).
+double largest_gradient_bucket(const ModelGraph& g, const Plan& plan,
+                               const std::vector<std::vector<int>>& chunk_groups,
+                               double bytes_per_param) {
+  const auto cap = static_cast<double>(kGradientBucketBytes);
+  double largest = 0;
+  for (const auto& groups : chunk_groups) {
+    std::array<double, 2> bucket = {0, 0};  // dense, experts
+    for (auto group = groups.rbegin(); group != groups.rend(); ++group) {
+      const auto& ops = g.layer_ops(*group);
+      for (auto id = ops.rbegin(); id != ops.rend(); ++id) {
+        const Op& op = g.op(*id);
+        double& b = bucket[op.expert ? 1 : 0];
+        b += rank_params(op, plan) * bytes_per_param;
+        largest = std::max(largest, b);
+        if (b >= cap) b = 0;
+      }
+    }
+  }
+  return largest;
+}
+
 }  // namespace
 
 double expert_load_of(const Op& op, const Plan& plan) {
@@ -241,6 +268,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double largest_layer_params = 0;  // for ZeRO-3's gathered-weights buffer
     double largest_reduction = 0;     // ZeRO-3: the most parameters a block's reduce-scatter takes
     double tied_table = 0;            // ZeRO-3: a tied head's table, gathered for the embedding
+    // Each chunk's groups of ops, in forward order: its blocks, the embedding (-1) before them
+    // in the first chunk, the head (layers) after them in the last.
+    std::vector<std::vector<int>> chunk_groups;
     // Chunk c of this rank is global chunk c·pp + stage; global chunk k covers the blocks after
     // chunks 0..k-1.
     for (int c = 0; c < v; ++c) {
@@ -251,6 +281,10 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       equal_chunks = equal_chunks && count == chunks[static_cast<std::size_t>(stage)];
       s.layers += count;
       const double before_chunk = block_activations;
+      auto& groups = chunk_groups.emplace_back();
+      if (k == 0) groups.push_back(-1);
+      for (int layer = first; layer < first + count; ++layer) groups.push_back(layer);
+      if (k == v * plan.pp - 1) groups.push_back(static_cast<int>(spec.layers));
       for (int layer = first; layer < first + count; ++layer) {
         double layer_params = 0, layer_expert_params = 0;
         double quadratic = 0;
@@ -413,6 +447,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       consider({"a block's gradient reduce-scatter", recomputed_block, head_kept + last_block_kept,
                 backward.other + reduction_bytes * largest_reduction});
     }
+    const double largest_bucket =
+        largest_gradient_bucket(g, plan, chunk_groups, per_param.gradients);
     if (plan.zero_stage == 1 && shard > 1) {
       // ZeRO-1 reduce-scatters the accumulated gradients once per step, as the last backward
       // ends (its activations freed): a bucket's packed copy and its reduced shard, beside the
@@ -420,25 +456,46 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // buckets; Megatron-LM's distributed optimizer reduce-scatters its contiguous buffer in
       // place, without the copy). Up to a bucket (the last one), at most the rank's
       // gradients; the stage then keeps no activations.
-      const double bucket = std::min(static_cast<double>(kGradientBucketBytes),
-                                     (dense_params + expert_params) * per_param.gradients);
       consider({"the step's gradient reduce-scatter", 0, s.activations_bytes,
-                (1.0 + 1.0 / shard) * bucket});
+                (1.0 + 1.0 / shard) * largest_bucket});
+    }
+    // ZeRO-2 keeps a bucket's full gradients from their first write in a micro-batch's
+    // backward to the bucket's reduce-scatter (the reduced slice is in gradients_bytes): up to
+    // a bucket, at most the rank's gradients. They grow while that backward frees the
+    // micro-batch's activations, so only what exceeds those adds to the peak (it does with full
+    // recompute, whose kept activations are small).
+    double zero2_bucket =
+        plan.zero_stage == 2 && shard > 1 ? std::max(0.0, largest_bucket - per_micro_batch) : 0.0;
+    if (plan.zero_stage == 2 && shard > 1) {
+      // And its reduce-scatter: the bucket's gradients and their packed copy at once (they are
+      // dropped once copied). The largest bucket is an embedding table's, the last of the
+      // backward, when the micro-batch's activations are freed.
+      const Moment packing{"a gradient bucket's reduce-scatter", 0, s.activations_bytes,
+                           2.0 * largest_bucket};
+      if (packing.extra() > peak_moment.extra() + zero2_bucket) {
+        peak_moment = packing;
+        zero2_bucket = 0;
+      }
+    }
+    if ((plan.zero_stage == 1 || plan.zero_stage == 2) && shard > 1 && !plan.overlap_param_gather) {
+      // After the optimizer step every rank gathers the others' updated weights (its
+      // activations freed, ZeRO-2's full gradients gone): the packed copy of its slices and
+      // the gathered chunk, fp32 masters in chunks of a bucket's bytes, as dtexec gathers them
+      // (DeepSpeed gathers in buckets too; Megatron-LM gathers in place into its contiguous
+      // buffer, without either).
+      const double chunk =
+          std::min(static_cast<double>(kGradientBucketBytes), (dense_params + expert_params) * 4.0);
+      const Moment gather{"the updated weights' all-gather", 0, s.activations_bytes,
+                          (1.0 + 1.0 / shard) * chunk};
+      if (gather.extra() > peak_moment.extra() + zero2_bucket) {
+        peak_moment = gather;
+        zero2_bucket = 0;
+      }
     }
     s.peak_moment = peak_moment.name;
     s.working_bytes = peak_moment.working;
     s.activations_bytes += peak_moment.working - peak_moment.freed;
-    s.other_bytes = allowance + peak_moment.other;
-    if (plan.zero_stage == 2 && shard > 1) {
-      // ZeRO-2 keeps a bucket's full gradients from their first write in a micro-batch's
-      // backward to the bucket's reduce-scatter (the reduced slice is in gradients_bytes): up
-      // to a bucket, at most the rank's gradients. They grow while that backward frees the
-      // micro-batch's activations, so only what exceeds those adds to the peak (it does with
-      // full recompute, whose kept activations are small).
-      const double bucket = std::min(static_cast<double>(kGradientBucketBytes),
-                                     (dense_params + expert_params) * per_param.gradients);
-      s.other_bytes += std::max(0.0, bucket - per_micro_batch);
-    }
+    s.other_bytes = allowance + peak_moment.other + zero2_bucket;
     s.total_bytes = s.weights_bytes + s.gradients_bytes + s.optimizer_bytes + s.activations_bytes +
                     s.other_bytes;
     const std::array<std::pair<double, const char*>, 5> terms = {{

@@ -1,7 +1,7 @@
 #!/bin/bash
 # dtsim memory against what dtexec holds: for plans over recompute, ZeRO-3, tp with SP, the
 # pipeline schedules (overlapped receives at 8 micro-batches), cp, and a mixture of experts with
-# tp and ep, the busiest rank's peak of tensor bytes (dtexec run --json, memory.peak_bytes)
+# tp and ep, ZeRO-1-3 over several gradient buckets, the busiest rank's peak of tensor bytes (dtexec run --json, memory.peak_bytes)
 # within 8% of dtsim's prediction for the same plan (predicted_bytes). bench/memory_validation.sh
 # measures the same on larger models (within -3.5% .. +4.2% there, -4.5% .. +6.8% on these tiny
 # ones, where small terms weigh more); before the sixteenth session's model the MoE plans were
@@ -15,6 +15,9 @@ mpirun=$3
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$4" && cd "$4" || exit 1
 moe=$here/tiny_moe.json
+# Gradients over several 25 MiB buckets, the embedding table's a bucket of its own (ZeRO-1 and 2
+# held 1.5x the weights for their gather, and every bucket at once, before the 21st session).
+buckets=$here/bucket_gpt.json
 tolerance=8
 # model | ranks | global batch (micro-batch 4) | plan flags
 plans=(
@@ -26,6 +29,9 @@ plans=(
   "tiny-gpt|2|8|--cp 2"
   "$moe|2|8|--tp 2 --sequence-parallel"
   "$moe|2|8|--dp 2 --ep 2"
+  "$buckets|2|8|--dp 2 --zero-stage 1"
+  "$buckets|2|8|--dp 2 --zero-stage 2"
+  "$buckets|2|8|--dp 2 --zero-stage 3"
 )
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 failed=0
