@@ -414,6 +414,6 @@ rm -rf /tmp/gpu_check_gpt2_ckpt
 limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 \
   --checkpoint /tmp/gpu_check_gpt2_ckpt --checkpoint-every 4 --checkpoint-async \
   >"$out/gpt2_async_ckpt.txt" 2>&1
-say "asynchronous saves: step times (ms) $(awk '/^step/ {printf "%s ", $6}' "$out/gpt2_async_ckpt.txt")"
+say "asynchronous saves: step times (ms) $(awk '/^step/ {printf "%s ", $5}' "$out/gpt2_async_ckpt.txt")"
 grep -h -e '^checkpoint' "$out/gpt2_async_ckpt.txt" | while read -r line; do say "$line"; done
 rm -rf /tmp/gpu_check_gpt2_ckpt

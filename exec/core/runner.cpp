@@ -1586,9 +1586,8 @@ class Runner {
     // framework bounds its reduction buckets: the reduce-scatters started before this one are
     // finished first (their buffers go back before this bucket's are made; on the host a wait,
     // on a GPU the compute stream waits for them). Left to pile up, they held every bucket of
-    // the step at once wherever the buckets are issued faster than they complete (ZeRO-1 issues
-    // them back to back after the last backward): GPT-2 124M on 2 ranks held 2137 MiB against
-    // the 1492 predicted.
+    // the step at once wherever the buckets are issued faster than they complete (as they are
+    // back to back after the last backward with --no-overlap-grad-reduce).
     for (auto it = pending_.begin(); it != pending_.end();) {
       it = it->second.holds_bucket ? finish_pending(it) : std::next(it);
     }

@@ -972,6 +972,12 @@ class Lowerer {
       const TaskId dep = between_rounds ? received[i] : receive(pass, chunk);
       std::vector<std::pair<OpId, TaskId>> produced;
       const bool wants_grads = last_micro_batch_grads || per_micro_batch_grads;
+      // A backward pass's buckets: each sent as soon as its blocks fill it, what is left once
+      // the pass's sends are out (where all its buckets went before).
+      GradBuckets buckets{.micro_batch = pass.micro_batch,
+                          .open = {},
+                          .out = &dp_tasks,
+                          .per_block = buckets_per_block};
       TaskId pass_end = -1;
       // The tensors crossing stage boundaries: the output of the op before the chunk's first
       // (received activations, sent gradients) and of the chunk's last op (sent activations,
@@ -991,17 +997,12 @@ class Lowerer {
         case PassKind::BackwardInput: {
           const Phase phase =
               pass.kind == PassKind::Backward ? Phase::Backward : Phase::BackwardInput;
-          GradBuckets buckets{.micro_batch = pass.micro_batch,
-                              .open = {},
-                              .out = &dp_tasks,
-                              .per_block = buckets_per_block};
           if (pass.kind == PassKind::Backward && wants_grads && plan_.overlap_grad_reduce) {
             block_buckets_ = &buckets;
           }
           pass_end = emit_backward(
               chunk, phase, pass.micro_batch, c, dep,
               pass.kind == PassKind::Backward && wants_grads ? &produced : nullptr, weights);
-          if (block_buckets_ != nullptr) flush_buckets(buckets);
           block_buckets_ = nullptr;
           input_grad_done[{pass.micro_batch, c}] = pass_end;
           if (k > 0) {
@@ -1056,9 +1057,10 @@ class Lowerer {
         for (const auto& [op, task] : produced) ops.push_back(op);
         if (!ops.empty()) held_grads.emplace_back(pass.micro_batch, std::move(ops));
       } else if ((per_micro_batch_grads || last_micro_batch_grads) &&
-                 pass.kind != PassKind::Backward) {
-        // Buckets go out as soon as this pass's gradients exist (a backward pass's went out
-        // as its blocks produced them).
+                 pass.kind == PassKind::Backward) {
+        flush_buckets(buckets);  // the rest of what the blocks filled
+      } else if (per_micro_batch_grads || last_micro_batch_grads) {
+        // Buckets go out as soon as this pass's gradients exist.
         for (TaskId t : grad_buckets(produced, pass.micro_batch)) dp_tasks.push_back(t);
       }
       const bool has_embedding = k == 0 || (k == last_global && g_.spec().tied_embeddings);

@@ -138,31 +138,55 @@ double tied_table_params(const Op& op, const Plan& plan) {
   return op.kind == model::OpKind::LmHead && op.params == 0 ? op.gemm_k * op.gemm_n / plan.tp : 0.0;
 }
 
-// The largest data-parallel gradient bucket of a stage in bytes, filled as the lowering fills
-// them (lower's grad_buckets): each chunk's gradients in backward order (its head, its blocks
-// from the last, its embedding), an op's whole gradient at a time, until the bucket reaches
-// kGradientBucketBytes; dense and expert gradients apart, and no bucket spans two chunks. So a
-// bucket may pass the cap by an op's gradient: an embedding table makes one of about its size
-// (GPT-2's 150 MiB against the 25 MiB cap).
-double largest_gradient_bucket(const ModelGraph& g, const Plan& plan,
-                               const std::vector<std::vector<int>>& chunk_groups,
-                               double bytes_per_param) {
+// The data-parallel gradient buckets of a stage, filled as the lowering fills them (lower's
+// grad_buckets): each chunk's gradients in backward order (its head, its blocks from the last,
+// its embedding), an op's whole gradient at a time, until the bucket reaches
+// kGradientBucketBytes; dense and expert gradients apart (those whose group has one rank are not
+// reduced), and no bucket spans two chunks. So a bucket may pass the cap by an op's gradient:
+// an embedding table or an LM head makes one of about its size (GPT-2's 147 MiB against the
+// 25 MiB cap). Each bucket goes out once its last op's backward is done (the lowering places it
+// after that block), while the blocks below it in its chunk, and the chunks before it, still
+// keep a micro-batch's activations (`kept`).
+struct GradientBucket {
+  double bytes = 0;
+  double kept = 0;
+};
+std::vector<GradientBucket> gradient_buckets(const ModelGraph& g, const Plan& plan,
+                                             const std::vector<std::vector<int>>& chunk_groups,
+                                             double bytes_per_param) {
   const auto cap = static_cast<double>(kGradientBucketBytes);
-  double largest = 0;
+  const int dense_group = plan.dp * plan.cp;
+  const int expert_group = dense_group / plan.ep;
+  const int layers = static_cast<int>(g.spec().layers);
+  auto kept_by = [&](int group) {
+    return group >= 0 && group < layers ? block_activation_bytes(g, group, plan) : 0.0;
+  };
+  std::vector<GradientBucket> buckets;
+  double lower_chunks = 0;  // what the chunks before this one keep
   for (const auto& groups : chunk_groups) {
-    std::array<double, 2> bucket = {0, 0};  // dense, experts
+    double below = lower_chunks;  // kept below the group being run backward, and it
+    for (int group : groups) below += kept_by(group);
+    std::array<double, 2> open = {0, 0};  // dense, experts
     for (auto group = groups.rbegin(); group != groups.rend(); ++group) {
+      below -= kept_by(*group);  // freed by its backward, before its bucket goes out
       const auto& ops = g.layer_ops(*group);
       for (auto id = ops.rbegin(); id != ops.rend(); ++id) {
         const Op& op = g.op(*id);
-        double& b = bucket[op.expert ? 1 : 0];
+        if ((op.expert ? expert_group : dense_group) <= 1) continue;
+        double& b = open[op.expert ? 1 : 0];
         b += rank_params(op, plan) * bytes_per_param;
-        largest = std::max(largest, b);
-        if (b >= cap) b = 0;
+        if (b >= cap) {
+          buckets.push_back({b, below});
+          b = 0;
+        }
       }
     }
+    for (double b : open) {
+      if (b > 0) buckets.push_back({b, below});
+    }
+    for (int group : groups) lower_chunks += kept_by(group);
   }
-  return largest;
+  return buckets;
 }
 
 }  // namespace
@@ -430,6 +454,14 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       forward_end.other = (tied_table + head_params) * per_param.weights;
       backward.other = (tied_table + 2.0 * largest_layer_params) * per_param.weights;
     }
+    // ZeRO-2 keeps only a shard of each gradient, but a tied head (pp = 1) writes the
+    // embedding table's whole gradient in its backward, the first, and it stays until the
+    // embedding's bucket, the last, goes out: through the whole backward (bucket-gpt, dp 2:
+    // -5.9% before it was counted, -2.6% since; with ZeRO-3 dtexec held less than this adds,
+    // +7% over, and it is left out there).
+    const double table_gradient =
+        plan.zero_stage == 2 && shard > 1 ? tied_table * per_param.gradients : 0.0;
+    backward.other += table_gradient;
     Moment peak_moment = forward_end;
     auto consider = [&peak_moment](const Moment& m) {
       if (m.extra() > peak_moment.extra()) peak_moment = m;
@@ -447,17 +479,21 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       consider({"a block's gradient reduce-scatter", recomputed_block, head_kept + last_block_kept,
                 backward.other + reduction_bytes * largest_reduction});
     }
-    const double largest_bucket =
-        largest_gradient_bucket(g, plan, chunk_groups, per_param.gradients);
+    const std::vector<GradientBucket> buckets =
+        gradient_buckets(g, plan, chunk_groups, per_param.gradients);
+    double largest_bucket = 0;
+    for (const GradientBucket& b : buckets) largest_bucket = std::max(largest_bucket, b.bytes);
     if (plan.zero_stage == 1 && shard > 1) {
-      // ZeRO-1 reduce-scatters the accumulated gradients once per step, as the last backward
-      // ends (its activations freed): a bucket's packed copy and its reduced shard, beside the
-      // full gradients (dtexec packs them, as DeepSpeed copies gradients into its reduction
-      // buckets; Megatron-LM's distributed optimizer reduce-scatters its contiguous buffer in
-      // place, without the copy). Up to a bucket (the last one), at most the rank's
-      // gradients; the stage then keeps no activations.
-      consider({"the step's gradient reduce-scatter", 0, s.activations_bytes,
-                (1.0 + 1.0 / shard) * largest_bucket});
+      // ZeRO-1 reduce-scatters the accumulated gradients once per step, in the last
+      // micro-batch's backward as its blocks fill the buckets (the other micro-batches done):
+      // a bucket's packed copy and its reduced shard, beside the full gradients (dtexec packs
+      // them, as DeepSpeed copies gradients into its reduction buckets; Megatron-LM's
+      // distributed optimizer reduce-scatters its contiguous buffer in place, without the
+      // copy), while the blocks below it keep that micro-batch's activations.
+      for (const GradientBucket& b : buckets) {
+        consider({"the step's gradient reduce-scatter", 0,
+                  std::max(0.0, s.activations_bytes - b.kept), (1.0 + 1.0 / shard) * b.bytes});
+      }
     }
     // ZeRO-2 keeps a bucket's full gradients from their first write in a micro-batch's
     // backward to the bucket's reduce-scatter (the reduced slice is in gradients_bytes): up to
@@ -467,14 +503,20 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double zero2_bucket =
         plan.zero_stage == 2 && shard > 1 ? std::max(0.0, largest_bucket - per_micro_batch) : 0.0;
     if (plan.zero_stage == 2 && shard > 1) {
-      // And its reduce-scatter: the bucket's gradients and their packed copy at once (they are
-      // dropped once copied). The largest bucket is an embedding table's, the last of the
-      // backward, when the micro-batch's activations are freed.
-      const Moment packing{"a gradient bucket's reduce-scatter", 0, s.activations_bytes,
-                           2.0 * largest_bucket};
-      if (packing.extra() > peak_moment.extra() + zero2_bucket) {
-        peak_moment = packing;
-        zero2_bucket = 0;
+      // And a bucket's reduce-scatter, in every micro-batch's backward: its gradients and their
+      // packed copy at once (they are dropped once copied), while the blocks below it keep
+      // the micro-batch's activations and the other micro-batches in flight theirs.
+      const double others =
+          std::max(0.0, s.activations_bytes - extra_activations - per_micro_batch);
+      for (const GradientBucket& b : buckets) {
+        const bool last = &b == &buckets.back();  // the embedding's (with its table's gradient)
+        const Moment packing{"a gradient bucket's reduce-scatter", 0,
+                             std::max(0.0, s.activations_bytes - others - b.kept),
+                             2.0 * b.bytes + (last ? 0.0 : table_gradient)};
+        if (packing.extra() > peak_moment.extra() + zero2_bucket) {
+          peak_moment = packing;
+          zero2_bucket = 0;
+        }
       }
     }
     if ((plan.zero_stage == 1 || plan.zero_stage == 2) && shard > 1 && !plan.overlap_param_gather) {
