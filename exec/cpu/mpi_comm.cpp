@@ -428,7 +428,12 @@ bool under_mpirun() {
 MpiSession::MpiSession() {
   int initialized = 0;
   MPI_Initialized(&initialized);
-  if (!initialized) check(MPI_Init(nullptr, nullptr), "MPI_Init");
+  if (!initialized) {
+    // Funneled: only this thread calls MPI; dtexec's other threads (the watchdog, an
+    // asynchronous checkpoint's writer) make no MPI call but its abort.
+    int provided = MPI_THREAD_SINGLE;
+    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+  }
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   check(MPI_Comm_rank(MPI_COMM_WORLD, &rank_), "MPI_Comm_rank");
   check(MPI_Comm_size(MPI_COMM_WORLD, &size_), "MPI_Comm_size");
