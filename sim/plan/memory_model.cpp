@@ -292,6 +292,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double largest_layer_params = 0;  // for ZeRO-3's gathered-weights buffer
     double largest_reduction = 0;     // ZeRO-3: the most parameters a block's reduce-scatter takes
     double tied_table = 0;            // ZeRO-3: a tied head's table, gathered for the embedding
+    double embedding_params = 0;      // the first stage's embedding (and positions)
     // Each chunk's groups of ops, in forward order: its blocks, the embedding (-1) before them
     // in the first chunk, the head (layers) after them in the last.
     std::vector<std::vector<int>> chunk_groups;
@@ -357,6 +358,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       double group_params = 0;
       for (model::OpId id : g.layer_ops(-1)) group_params += rank_params(g.op(id), plan);
       dense_params += group_params;
+      embedding_params = group_params;
       extra_activations += extra_activation_bytes(g, -1, plan) * end_count;
       // A tied head on this stage (pp = 1) reads the embedding's own table: the lowering
       // gathers it once per pass, for the embedding's forward, and it stays gathered until the
@@ -478,6 +480,20 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
                 backward.other + reduction_bytes * head_params});
       consider({"a block's gradient reduce-scatter", recomputed_block, head_kept + last_block_kept,
                 backward.other + reduction_bytes * largest_reduction});
+      if (embedding_params > 0) {
+        // The backward's last gather, the embedding's (dtexec gathers it again, as FSDP's unit),
+        // the activations gone: the gathered table, the gather's chunk of fp32 masters packed
+        // and gathered, the first block's reduce-scatter still in flight (its packed copy and
+        // reduced shard), and a tied table's whole gradient, written by the head's backward
+        // (bucket-gpt at dp 2 with full recompute held 379.4 MiB there against 348.7
+        // predicted before this moment).
+        const double chunk =
+            std::min(static_cast<double>(kGradientBucketBytes), embedding_params * 4.0);
+        consider({"the embedding's weight gather in the backward", 0, s.activations_bytes,
+                  embedding_params * per_param.weights + (1.0 + 1.0 / shard) * chunk +
+                      (1.0 + 1.0 / shard) * per_param.gradients * largest_reduction +
+                      tied_table * per_param.gradients});
+      }
     }
     const std::vector<GradientBucket> buckets =
         gradient_buckets(g, plan, chunk_groups, per_param.gradients);

@@ -588,14 +588,23 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
       const auto s = estimate_memory(graph, p, cluster, no_allowance).stages[0];
       return s.activations_bytes - saved(graph, -1, wide.layers) + s.other_bytes;
     };
+    // And the embedding's gather in the backward, every activation freed: the gathered bf16
+    // table, the gather's fp32 chunk packed and gathered (1 + 1/4 times it, at most a bucket),
+    // the first block's reduce-scatter in flight (1 + 1/4 times its gradients) and a tied
+    // table's whole gradient.
+    const double grad_bytes = dtsim::plan::state_bytes_per_param(p).gradients;
+    const auto cap = static_cast<double>(dtsim::plan::kGradientBucketBytes);
     const auto moments = [&](const ModelGraph& graph, double forward_gathered,
                              double backward_gathered, double head_params) {
       const double head_saved = saved(graph, wide.layers, wide.layers);
-      return std::max({logits + forward_gathered,
-                       mlp_backward_grads(graph) + backward_gathered - head_saved,
-                       backward_gathered + reduction * head_params - head_saved,
-                       backward_gathered + reduction * block_params - head_saved -
-                           saved(graph, wide.layers - 1, wide.layers - 1)});
+      const double table = graph.spec().tied_embeddings ? embedding : 0.0;
+      return std::max(
+          {logits + forward_gathered, mlp_backward_grads(graph) + backward_gathered - head_saved,
+           backward_gathered + reduction * head_params - head_saved,
+           backward_gathered + reduction * block_params - head_saved -
+               saved(graph, wide.layers - 1, wide.layers - 1),
+           2 * embedding + 1.25 * std::min(cap, 4 * embedding) + 1.25 * grad_bytes * block_params +
+               grad_bytes * table - saved(graph, -1, wide.layers)});
     };
     CHECK(peak_extra(untied) ==
           Approx(moments(untied, 2 * untied_head, 2 * 2 * untied_head, untied_head)));
