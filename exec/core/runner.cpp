@@ -2712,7 +2712,7 @@ class Runner {
     int step = 0;
     std::vector<double> losses;
     std::chrono::steady_clock::time_point started;
-    double copy_s = 0, copied_bytes = 0, blocking_s = 0;
+    double copy_s = 0, blocking_s = 0;
     std::vector<SnapshotPiece> pieces;
     // The copy, kept from one save to the next (as an asynchronous save keeps its host buffers).
     std::vector<float> host;
@@ -2763,7 +2763,6 @@ class Runner {
       ++next;
     }
     async_.copy_s = seconds_since(copy_start);
-    async_.copied_bytes = sizeof(float) * static_cast<double>(async_.host.size());
     async_.step = steps_done;
     async_.losses = result.losses;
     async_.started = started;
@@ -2799,9 +2798,9 @@ class Runner {
     async_.writer.join();
     async_.active = false;
     if (async_.error) std::rethrow_exception(async_.error);
-    CheckpointRecord record =
-        put_in_place(async_.step, async_.index, async_.copy_s, async_.copied_bytes, async_.write_s,
-                     async_.blocking_s, async_.losses);
+    CheckpointRecord record = put_in_place(async_.step, async_.index, async_.copy_s,
+                                           sizeof(float) * static_cast<double>(async_.host.size()),
+                                           async_.write_s, async_.blocking_s, async_.losses);
     record.asynchronous = true;
     record.blocking_s += seconds_since(started);
     record.seconds = seconds_since(async_.started);

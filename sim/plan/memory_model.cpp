@@ -151,25 +151,28 @@ struct GradientBucket {
   double bytes = 0;
   double kept = 0;
 };
+// A group of a chunk's ops (-1: the embedding, layers: the head, else a block) and what it
+// keeps of a micro-batch (its blocks' activations; the embedding's and head's are not counted).
+struct OpGroup {
+  int id = 0;
+  double kept = 0;
+};
 std::vector<GradientBucket> gradient_buckets(const ModelGraph& g, const Plan& plan,
-                                             const std::vector<std::vector<int>>& chunk_groups,
+                                             const std::vector<std::vector<OpGroup>>& chunks,
                                              double bytes_per_param) {
   const auto cap = static_cast<double>(kGradientBucketBytes);
   const int dense_group = plan.dp * plan.cp;
   const int expert_group = dense_group / plan.ep;
-  const int layers = static_cast<int>(g.spec().layers);
-  auto kept_by = [&](int group) {
-    return group >= 0 && group < layers ? block_activation_bytes(g, group, plan) : 0.0;
-  };
   std::vector<GradientBucket> buckets;
   double lower_chunks = 0;  // what the chunks before this one keep
-  for (const auto& groups : chunk_groups) {
-    double below = lower_chunks;  // kept below the group being run backward, and it
-    for (int group : groups) below += kept_by(group);
-    std::array<double, 2> open = {0, 0};  // dense, experts
+  for (const auto& groups : chunks) {
+    double chunk_kept = 0;
+    for (const OpGroup& group : groups) chunk_kept += group.kept;
+    double below = lower_chunks + chunk_kept;  // kept below the group run backward, and it
+    std::array<double, 2> open = {0, 0};       // dense, experts
     for (auto group = groups.rbegin(); group != groups.rend(); ++group) {
-      below -= kept_by(*group);  // freed by its backward, before its bucket goes out
-      const auto& ops = g.layer_ops(*group);
+      below -= group->kept;  // freed by its backward, before its bucket goes out
+      const auto& ops = g.layer_ops(group->id);
       for (auto id = ops.rbegin(); id != ops.rend(); ++id) {
         const Op& op = g.op(*id);
         if ((op.expert ? expert_group : dense_group) <= 1) continue;
@@ -184,7 +187,7 @@ std::vector<GradientBucket> gradient_buckets(const ModelGraph& g, const Plan& pl
     for (double b : open) {
       if (b > 0) buckets.push_back({b, below});
     }
-    for (int group : groups) lower_chunks += kept_by(group);
+    lower_chunks += chunk_kept;
   }
   return buckets;
 }
@@ -295,7 +298,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double embedding_params = 0;      // the first stage's embedding (and positions)
     // Each chunk's groups of ops, in forward order: its blocks, the embedding (-1) before them
     // in the first chunk, the head (layers) after them in the last.
-    std::vector<std::vector<int>> chunk_groups;
+    std::vector<std::vector<OpGroup>> chunk_groups;
     // Chunk c of this rank is global chunk c·pp + stage; global chunk k covers the blocks after
     // chunks 0..k-1.
     for (int c = 0; c < v; ++c) {
@@ -307,9 +310,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       s.layers += count;
       const double before_chunk = block_activations;
       auto& groups = chunk_groups.emplace_back();
-      if (k == 0) groups.push_back(-1);
-      for (int layer = first; layer < first + count; ++layer) groups.push_back(layer);
-      if (k == v * plan.pp - 1) groups.push_back(static_cast<int>(spec.layers));
+      if (k == 0) groups.push_back({-1, 0.0});
       for (int layer = first; layer < first + count; ++layer) {
         double layer_params = 0, layer_expert_params = 0;
         double quadratic = 0;
@@ -337,12 +338,14 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         const double act = block_activation_bytes(g, layer, plan);
         block_activations += act;
         last_block_kept = act;
+        groups.push_back({layer, act});
         if (plan.schedule == Schedule::ZeroBubble) {
           const WeightPass w = weight_pass_bytes(g, layer, plan);
           weight_pass += w.bytes();
           block_output_grads = std::max(block_output_grads, w.output_grads);
         }
       }
+      if (k == v * plan.pp - 1) groups.push_back({static_cast<int>(spec.layers), 0.0});
       largest_chunk_activations =
           std::max(largest_chunk_activations, block_activations - before_chunk);
     }
@@ -484,7 +487,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         // The backward's last gather, the embedding's (dtexec gathers it again, as FSDP's unit),
         // the activations gone: the gathered table, the gather's chunk of fp32 masters packed
         // and gathered, the first block's reduce-scatter still in flight (its packed copy and
-        // reduced shard), and a tied table's whole gradient, written by the head's backward
+        // reduced shard; the largest block's taken, an upper bound), and a tied table's whole
+        // gradient, written by the head's backward
         // (bucket-gpt at dp 2 with full recompute held 379.4 MiB there against 348.7
         // predicted before this moment).
         const double chunk =
@@ -495,8 +499,11 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
                       tied_table * per_param.gradients});
       }
     }
+    // ZeRO-1/2's buckets (ZeRO-3 reduces each block apart, ZeRO-0 in place).
+    const bool bucketed = (plan.zero_stage == 1 || plan.zero_stage == 2) && shard > 1;
     const std::vector<GradientBucket> buckets =
-        gradient_buckets(g, plan, chunk_groups, per_param.gradients);
+        bucketed ? gradient_buckets(g, plan, chunk_groups, per_param.gradients)
+                 : std::vector<GradientBucket>{};
     double largest_bucket = 0;
     for (const GradientBucket& b : buckets) largest_bucket = std::max(largest_bucket, b.bytes);
     if (plan.zero_stage == 1 && shard > 1) {
@@ -518,6 +525,14 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // recompute, whose kept activations are small).
     double zero2_bucket =
         plan.zero_stage == 2 && shard > 1 ? std::max(0.0, largest_bucket - per_micro_batch) : 0.0;
+    // A moment when ZeRO-2's growing bucket is gone: the peak where it holds more than the
+    // peak so far with that bucket.
+    auto consider_without_bucket = [&](const Moment& m) {
+      if (m.extra() > peak_moment.extra() + zero2_bucket) {
+        peak_moment = m;
+        zero2_bucket = 0;
+      }
+    };
     if (plan.zero_stage == 2 && shard > 1) {
       // And a bucket's reduce-scatter, in every micro-batch's backward: its gradients and their
       // packed copy at once (they are dropped once copied), while the blocks below it keep
@@ -526,16 +541,12 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           std::max(0.0, s.activations_bytes - extra_activations - per_micro_batch);
       for (const GradientBucket& b : buckets) {
         const bool last = &b == &buckets.back();  // the embedding's (with its table's gradient)
-        const Moment packing{"a gradient bucket's reduce-scatter", 0,
-                             std::max(0.0, s.activations_bytes - others - b.kept),
-                             2.0 * b.bytes + (last ? 0.0 : table_gradient)};
-        if (packing.extra() > peak_moment.extra() + zero2_bucket) {
-          peak_moment = packing;
-          zero2_bucket = 0;
-        }
+        consider_without_bucket({"a gradient bucket's reduce-scatter", 0,
+                                 std::max(0.0, s.activations_bytes - others - b.kept),
+                                 2.0 * b.bytes + (last ? 0.0 : table_gradient)});
       }
     }
-    if ((plan.zero_stage == 1 || plan.zero_stage == 2) && shard > 1 && !plan.overlap_param_gather) {
+    if (bucketed && !plan.overlap_param_gather) {
       // After the optimizer step every rank gathers the others' updated weights (its
       // activations freed, ZeRO-2's full gradients gone): the packed copy of its slices and
       // the gathered chunk, fp32 masters in chunks of a bucket's bytes, as dtexec gathers them
@@ -543,12 +554,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // buffer, without either).
       const double chunk =
           std::min(static_cast<double>(kGradientBucketBytes), (dense_params + expert_params) * 4.0);
-      const Moment gather{"the updated weights' all-gather", 0, s.activations_bytes,
-                          (1.0 + 1.0 / shard) * chunk};
-      if (gather.extra() > peak_moment.extra() + zero2_bucket) {
-        peak_moment = gather;
-        zero2_bucket = 0;
-      }
+      consider_without_bucket(
+          {"the updated weights' all-gather", 0, s.activations_bytes, (1.0 + 1.0 / shard) * chunk});
     }
     s.peak_moment = peak_moment.name;
     s.working_bytes = peak_moment.working;
