@@ -1591,6 +1591,7 @@ int main(int argc, char** argv) {
     return args.empty() ? 2 : 0;
   }
   if (args[0] == "run" || args[0] == "calibrate" || args[0] == "compare") {
+    if (args[0] != "compare") dtsim::exec::cpu::keep_freed_host_memory();
     try {
       const std::vector<std::string> rest(args.begin() + 1, args.end());
       if (args[0] == "compare") return compare(rest);

@@ -8,7 +8,20 @@
 
 #include "exec/cpu/kernels.hpp"
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 namespace dtsim::exec::cpu {
+
+void keep_freed_host_memory() {
+#if defined(__GLIBC__)
+  // mallopt(3): M_MMAP_MAX 0 serves every block from the heap; M_TRIM_THRESHOLD -1 never gives
+  // the heap's top back. Both only tune the allocator; a refusal leaves glibc's defaults.
+  mallopt(M_MMAP_MAX, 0);
+  mallopt(M_TRIM_THRESHOLD, -1);
+#endif
+}
 
 std::span<float> floats(View v) {
   if (v.empty()) return {};

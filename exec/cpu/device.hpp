@@ -16,6 +16,17 @@
 
 namespace dtsim::exec::cpu {
 
+// Keeps the host memory that this process frees for its later allocations (glibc's malloc:
+// no mmap for large blocks, no trimming of the heap), as a GPU framework's caching allocator
+// keeps device memory. Without it a block of 32 MiB or more goes back to the kernel when freed
+// and is faulted in again when next allocated: Open MPI allocates a temporary of the message's
+// size in each large all-reduce (MPI_Allreduce, MPI_Iallreduce), so a large gradient bucket paid
+// a fresh page-in every step (on this project's VM a 47 MB bucket's all-reduce took 200-240 ms
+// instead of about 25, the step 976 ms instead of 570), which no device of the simulator pays.
+// Called before anything is allocated; run and calibrate both, so that a profile measures
+// what a run sees. A no-op where the C library is not glibc.
+void keep_freed_host_memory();
+
 class CpuDevice final : public Device {
  public:
   std::string name() const override { return "cpu"; }
