@@ -64,6 +64,10 @@ class Device {
   // n zeros of `type`: from the buffers released earlier where one is large enough (as a
   // framework's caching allocator does), else new.
   virtual View allocate(std::int64_t n, Dtype type) = 0;
+  // As allocate, without the zeros, for a tensor that the caller writes whole before anything
+  // reads it (a collective's or a packing's destination): its values are whatever the buffer
+  // last held.
+  virtual View allocate_for_overwrite(std::int64_t n, Dtype type) { return allocate(n, type); }
   virtual void release(View v) = 0;
   // Bytes of the tensors handed out (the sizes asked for, from allocate until release): now, and
   // the most since the device was made; and what its pool holds (its buffers, handed out or

@@ -1596,7 +1596,7 @@ class Runner {
     std::int64_t total = 0;
     for (Param* p : params) total += p->n;
     auto buffers = std::make_shared<ScatterBuffers>();
-    buffers->in = dev_.allocate(total, Dtype::F32);
+    buffers->in = dev_.allocate_for_overwrite(total, Dtype::F32);  // packed whole below
     std::int64_t at = 0;
     for (int r = 0; r < shards; ++r) {
       for (Param* p : params) {
@@ -1618,7 +1618,8 @@ class Runner {
       }
     }
     buffers->counts = std::move(counts);
-    buffers->out = dev_.allocate(buffers->counts[static_cast<std::size_t>(mine)], Dtype::F32);
+    buffers->out =
+        dev_.allocate_for_overwrite(buffers->counts[static_cast<std::size_t>(mine)], Dtype::F32);
     const Comm::Handle handle =
         comm_.start_reduce_scatter(task.group, buffers->in, buffers->out, buffers->counts);
     pending_[index] = {handle,
@@ -1735,10 +1736,14 @@ class Runner {
                       bool local = false) {
     if (!sharded_) return;
     if (zero3_) {
+      // Written whole below (every rank's slice), except with `local`, whose other slices
+      // stay zeros.
       for (Param* p : params) {
         if (!p->data.empty()) continue;
-        p->data = dev_.allocate(p->n, Dtype::F32);
-        p->work = p->separate_work ? dev_.allocate(p->n, dev_.activations()) : p->data;
+        p->data =
+            local ? dev_.allocate(p->n, Dtype::F32) : dev_.allocate_for_overwrite(p->n, Dtype::F32);
+        p->work =
+            p->separate_work ? dev_.allocate_for_overwrite(p->n, dev_.activations()) : p->data;
       }
     }
     if (local) {
@@ -1776,9 +1781,10 @@ class Runner {
         }
       }
       const std::vector<int> counts = collective_counts(wide, "ZeRO weight all-gather");
-      const View mine = dev_.allocate(counts[static_cast<std::size_t>(me)], Dtype::F32);
-      const View all =
-          dev_.allocate(std::accumulate(wide.begin(), wide.end(), std::int64_t{0}), Dtype::F32);
+      const View mine =
+          dev_.allocate_for_overwrite(counts[static_cast<std::size_t>(me)], Dtype::F32);
+      const View all = dev_.allocate_for_overwrite(
+          std::accumulate(wide.begin(), wide.end(), std::int64_t{0}), Dtype::F32);
       std::int64_t at = 0;
       for (const Slab& part : chunk) {
         const auto [b, e] = range(part, me);

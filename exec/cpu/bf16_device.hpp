@@ -58,6 +58,10 @@ class Bf16Device final : public Device {
     const View words = cpu_.allocate((n + 1) / 2, Dtype::F32);  // zeros: bf16 zeros too
     return {words.p, n, Dtype::BF16};
   }
+  View allocate_for_overwrite(std::int64_t n, Dtype type) override {
+    if (type != Dtype::BF16) return cpu_.allocate_for_overwrite(n, type);
+    return {cpu_.allocate_for_overwrite((n + 1) / 2, Dtype::F32).p, n, Dtype::BF16};
+  }
   void release(View v) override { cpu_.release(v); }
   MemoryUse memory_use() const override { return cpu_.memory_use(); }
   void zero(View v) override { cpu_.zero(v); }

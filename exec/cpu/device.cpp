@@ -39,7 +39,7 @@ std::span<const int> ints(View v) {
 
 }  // namespace
 
-View CpuDevice::allocate(std::int64_t n, Dtype type) {
+View CpuDevice::take(std::int64_t n, Dtype type, bool zeros) {
   DTSIM_ASSERT(n >= 0 && type != Dtype::BF16, "the CPU device holds fp32, int32 and masks");
   // Words of 4 bytes (a mask of n bytes takes n/4 of them, rounded up).
   const auto words = static_cast<std::size_t>(
@@ -52,7 +52,7 @@ View CpuDevice::allocate(std::int64_t n, Dtype type) {
     capacity = it->first;
     block = std::move(it->second);
     free_.erase(it);
-    std::fill_n(block.get(), words, 0.0f);
+    if (zeros) std::fill_n(block.get(), words, 0.0f);
   } else {
     block = std::make_unique<float[]>(words);  // zeroed
   }

@@ -33,7 +33,10 @@ class CpuDevice final : public Device {
   Dtype activations() const override { return Dtype::F32; }
   bool host_memory() const override { return true; }
 
-  View allocate(std::int64_t n, Dtype type) override;
+  View allocate(std::int64_t n, Dtype type) override { return take(n, type, /*zeros=*/true); }
+  View allocate_for_overwrite(std::int64_t n, Dtype type) override {
+    return take(n, type, /*zeros=*/false);
+  }
   void release(View v) override;
   MemoryUse memory_use() const override;
   void zero(View v) override;
@@ -105,6 +108,10 @@ class CpuDevice final : public Device {
   void cast(View out, View in) override;
 
  private:
+  // allocate's work: a released buffer that fits (its old values zeroed only with `zeros`), or a
+  // new one (zeros).
+  View take(std::int64_t n, Dtype type, bool zeros);
+
   // Buffers of 4-byte words: handed out (by address) and released (by capacity).
   // A buffer handed out: its block, the block's size and the size asked for (words).
   struct Live {

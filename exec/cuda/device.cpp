@@ -30,37 +30,9 @@ class CudaDevice final : public Device {
   exec::Dtype activations() const override { return act_; }
   bool host_memory() const override { return false; }
 
-  View allocate(std::int64_t n, exec::Dtype type) override {
-    DTSIM_ASSERT(n >= 0, "a size");
-    const std::size_t bytes =
-        static_cast<std::size_t>(std::max<std::int64_t>(n, 1)) * bytes_of(type);
-    DeviceBuffer block;
-    const auto it = free_.lower_bound(bytes);
-    if (it != free_.end()) {
-      block = std::move(it->second);
-      free_.erase(it);
-    } else {
-      try {
-        block = DeviceBuffer(bytes, k_.allocation_stream());
-      } catch (const CudaError&) {
-        // Out of memory with released buffers in the pool (none large enough), or freed
-        // memory in the GPU's pool (scratch that grew): give them back to the GPU and try once
-        // more, as a caching allocator does. The one wait of this path: for the compute
-        // stream, before the GPU's pool lets the freed memory go.
-        if (free_.empty() && k_.allocation_stream() == nullptr) throw;
-        for (const auto& entry : free_) memory_.reserved -= static_cast<std::int64_t>(entry.first);
-        free_.clear();
-        k_.return_free_memory();
-        block = DeviceBuffer(bytes, k_.allocation_stream());
-      }
-      memory_.reserved += static_cast<std::int64_t>(block.bytes());
-    }
-    k_.zero(block.get(), bytes);
-    memory_.in_use += static_cast<std::int64_t>(bytes);
-    memory_.peak = std::max(memory_.peak, memory_.in_use);
-    void* p = block.get();
-    live_.emplace(p, std::make_pair(std::move(block), bytes));
-    return {p, n, type};
+  View allocate(std::int64_t n, exec::Dtype type) override { return take(n, type, true); }
+  View allocate_for_overwrite(std::int64_t n, exec::Dtype type) override {
+    return take(n, type, false);
   }
 
   MemoryUse memory_use() const override { return memory_; }
@@ -292,6 +264,40 @@ class CudaDevice final : public Device {
   void cast(View out, View in) override { k_.cast(act(out), f32(in), in.n); }
 
  private:
+  // allocate's work: a released buffer that fits or a new one, zeroed only with `zeros`.
+  View take(std::int64_t n, exec::Dtype type, bool zeros) {
+    DTSIM_ASSERT(n >= 0, "a size");
+    const std::size_t bytes =
+        static_cast<std::size_t>(std::max<std::int64_t>(n, 1)) * bytes_of(type);
+    DeviceBuffer block;
+    const auto it = free_.lower_bound(bytes);
+    if (it != free_.end()) {
+      block = std::move(it->second);
+      free_.erase(it);
+    } else {
+      try {
+        block = DeviceBuffer(bytes, k_.allocation_stream());
+      } catch (const CudaError&) {
+        // Out of memory with released buffers in the pool (none large enough), or freed
+        // memory in the GPU's pool (scratch that grew): give them back to the GPU and try once
+        // more, as a caching allocator does. The one wait of this path: for the compute
+        // stream, before the GPU's pool lets the freed memory go.
+        if (free_.empty() && k_.allocation_stream() == nullptr) throw;
+        for (const auto& entry : free_) memory_.reserved -= static_cast<std::int64_t>(entry.first);
+        free_.clear();
+        k_.return_free_memory();
+        block = DeviceBuffer(bytes, k_.allocation_stream());
+      }
+      memory_.reserved += static_cast<std::int64_t>(block.bytes());
+    }
+    if (zeros) k_.zero(block.get(), bytes);
+    memory_.in_use += static_cast<std::int64_t>(bytes);
+    memory_.peak = std::max(memory_.peak, memory_.in_use);
+    void* p = block.get();
+    live_.emplace(p, std::make_pair(std::move(block), bytes));
+    return {p, n, type};
+  }
+
   static std::size_t bytes(View v) { return static_cast<std::size_t>(v.n) * bytes_of(v.type); }
   static Kernels::DropoutSite site_of(const DropoutSite& d) {
     return {d.stream, d.rate,        d.first_sequence,         d.first_row,
