@@ -263,10 +263,7 @@ int cmd_plan(const std::vector<std::string>& args) {
     throw InputError(
         fmt::format("--objective: expected time, cost or time-to-train, got \"{}\"", objective));
   }
-  const double train_tokens = vm.count("tokens") ? vm["tokens"].as<double>() : 0.0;
-  if (vm.count("tokens") && !(train_tokens > 0 && std::isfinite(train_tokens))) {
-    throw InputError(fmt::format("--tokens: expected a positive number, got {}", train_tokens));
-  }
+  const double train_tokens = training_tokens(vm);
   const TrainingGoal goal{train_tokens, &spec, cluster.devices(), reliability_from_options(vm)};
   const int top = vm["top"].as<int>();
   if (top < 1 || options.refine < 0) throw InputError("--top must be >= 1 and --refine >= 0");

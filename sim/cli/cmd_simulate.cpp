@@ -67,10 +67,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
              vm)) {
     return 0;
   }
-  const double tokens = vm.count("tokens") ? vm["tokens"].as<double>() : 0.0;
-  if (vm.count("tokens") && !(tokens > 0 && std::isfinite(tokens))) {
-    throw InputError(fmt::format("--tokens: expected a finite positive number, got {}", tokens));
-  }
+  const double tokens = training_tokens(vm);
   const plan::Reliability reliability = reliability_from_options(vm);
   PlanSetup setup = setup_from_options(vm);
   require_symmetric_placement(setup.plan, setup.cluster);

@@ -190,10 +190,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     throw InputError(fmt::format("--global-batch-size: expected a positive integer, got {}",
                                  vm["global-batch-size"].as<std::int64_t>()));
   }
-  const double tokens = vm.count("tokens") ? vm["tokens"].as<double>() : 0.0;
-  if (vm.count("tokens") && !(tokens > 0 && std::isfinite(tokens))) {
-    throw InputError(fmt::format("--tokens: expected a finite positive number, got {}", tokens));
-  }
+  const double tokens = training_tokens(vm);
   const plan::Reliability reliability = reliability_from_options(vm);
 
   // Every combination, first axis slowest.

@@ -289,6 +289,15 @@ void add_reliability_options(po::options_description& desc) {
       "(default: synchronous)");
 }
 
+double training_tokens(const po::variables_map& vm) {
+  if (!vm.count("tokens")) return 0;
+  const double tokens = vm["tokens"].as<double>();
+  if (!(tokens > 0 && std::isfinite(tokens))) {
+    throw InputError(fmt::format("--tokens: expected a finite positive number, got {}", tokens));
+  }
+  return tokens;
+}
+
 plan::Reliability reliability_from_options(const po::variables_map& vm) {
   for (const char* flag :
        {"interruptions-per-gpu-hour", "restart-minutes", "checkpoint-write-gbs-per-gpu",

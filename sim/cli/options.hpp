@@ -42,6 +42,9 @@ void add_reliability_options(po::options_description& desc);
 // Their values over plan::Reliability's defaults (InputError naming the flag for a bad value,
 // or one given without --tokens, which nothing would read).
 plan::Reliability reliability_from_options(const po::variables_map& vm);
+// --tokens, the training tokens for the time to train: 0 without it (InputError unless a
+// finite positive number).
+double training_tokens(const po::variables_map& vm);
 // What a time to train with interruptions assumed, for a table's footnote.
 std::string interruptions_note(const plan::Reliability& r);
 // "X days, Y USD; with interruptions ... (goodput ...)": a training time, failure-free and with
