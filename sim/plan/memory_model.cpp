@@ -544,6 +544,18 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         consider_without_bucket({"a gradient bucket's reduce-scatter", 0,
                                  std::max(0.0, s.activations_bytes - others - b.kept),
                                  2.0 * b.bytes + (last ? 0.0 : table_gradient)});
+        if (last) continue;
+        // Its reduce-scatter may still run when the next bucket is full (the next one's
+        // reduce-scatter waits for it, so one is in flight at a time): its packed copy and
+        // reduced shard beside the next bucket's gradients, the blocks below that one keeping
+        // theirs (bucket-gpt at dp 2 held 441.1 MiB there, on the rank whose reduce-scatter
+        // completed later, against 429.6 predicted before this moment).
+        const GradientBucket& next = *(&b + 1);
+        const bool next_last = &next == &buckets.back();
+        consider_without_bucket(
+            {"a gradient bucket's reduce-scatter as the next one fills", 0,
+             std::max(0.0, s.activations_bytes - others - next.kept),
+             (1.0 + 1.0 / shard) * b.bytes + next.bytes + (next_last ? 0.0 : table_gradient)});
       }
     }
     if (bucketed && !plan.overlap_param_gather) {
