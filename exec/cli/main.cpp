@@ -339,6 +339,25 @@ std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision,
 #endif
 }
 
+// A profile's notes with `note` added.
+void add_note(nlohmann::json& profile, const std::string& note) {
+  const std::string before = profile.value("notes", std::string());
+  profile["notes"] = before.empty() ? note : before + "; " + note;
+}
+
+// The memory this host can still give its processes (MemAvailable in /proc/meminfo), shared
+// by `ranks_here` ranks; none where the file does not say.
+std::optional<double> host_memory_per_rank(int ranks_here) {
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  double kib = 0;
+  while (in >> key >> kib) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") return kib * 1024.0 / std::max(1, ranks_here);
+  }
+  return std::nullopt;
+}
+
 // dtexec run --only-rank R: the program of R's pipeline stage (every rank of a stage runs the
 // same tasks) on this machine alone; communication tasks wait their predicted times.
 // What dtsim memory predicts for the plan on --cluster (default cpu-host), without its framework
@@ -700,6 +719,25 @@ int run(const std::vector<std::string>& args) {
     device = std::make_unique<dtsim::exec::cpu::CpuDevice>();
   }
   dtsim::exec::check_device(graph, program, *device);
+  if (!gpu) {
+    // The CPU device's tensors live in this host's memory: a plan that cannot fit there is
+    // refused now, where the kernel would kill a rank part-way with no word of why.
+    // dtexec's pool holds what dtsim memory predicts within a few percent
+    // (bench/memory_validation.sh), the rest of a rank (MPI, libraries) is not counted.
+    const auto report = predicted_memory_report(vm, graph, plan);
+    const int ranks_here = mpi ? mpi->local_size() : 1;
+    const auto available = host_memory_per_rank(only_rank ? 1 : ranks_here);
+    if (report && available && report->worst().total_bytes > *available) {
+      throw dtsim::InputError(fmt::format(
+          "the plan needs {:.1f} GiB of tensors per rank (dtsim memory, its busiest rank), more "
+          "than this host's available memory gives each of its {} rank{} ({:.1f} GiB, "
+          "MemAvailable in /proc/meminfo); a smaller --micro-batch-size or --seq-len, "
+          "--recompute, or more ranks over tp, pp or ZeRO need less (`dtsim memory` prints "
+          "where it goes)",
+          report->worst().total_bytes / (1024.0 * 1024 * 1024), only_rank ? 1 : ranks_here,
+          (only_rank ? 1 : ranks_here) == 1 ? "" : "s", *available / (1024.0 * 1024 * 1024)));
+    }
+  }
   if (only_rank) return run_only_rank(vm, spec, plan, graph, program, options, *device, where);
   options.task_timeout_s = vm["task-timeout"].as<double>();
   if (!(options.task_timeout_s >= 0)) {
@@ -1554,11 +1592,38 @@ int calibrate(const std::vector<std::string>& args) {
           for (const auto& g : gemms) seconds.push_back(dtsim::exec::cpu::time_gemm(g, 1));
           return seconds;
         };
-        auto in_run =
-            measure_in_run(profile, dtsim::exec::cpu::calibration_graph(options), device,
-                           time_gemms, options.quick ? 2 : 5, options.sync, phase_seconds);
-        if (mpi) in_run_over_ranks(in_run, phase_seconds, *mpi);
-        profile["in_run"] = in_run;
+        // The calibration model's step with as many of its blocks as fit in 80% of this host's
+        // available memory shared by the ranks measuring at once (as on the GPU: the factors
+        // are ratios per phase); the whole model where it fits. (GPT-2 124M at its sequence of
+        // 1024 held 11.6 GB per rank, and the kernel killed one of two on a 24 GB host.)
+        const dtsim::model::ModelGraph whole = dtsim::exec::cpu::calibration_graph(options);
+        const double capacity = 0.8 * host_memory_per_rank(mpi ? mpi->local_size() : 1)
+                                          .value_or(std::numeric_limits<double>::infinity());
+        auto step_graph = dtsim::exec::in_run_graph(
+            whole.spec(), whole.micro_batch(), whole.seq_len(), dtsim::Precision::Fp32,
+            mpi ? -mpi->max(-capacity) : capacity, whole.spec().layers);
+        if (step_graph) {
+          auto in_run = measure_in_run(profile, *step_graph, device, time_gemms,
+                                       options.quick ? 2 : 5, options.sync, phase_seconds);
+          if (mpi) in_run_over_ranks(in_run, phase_seconds, *mpi);
+          profile["in_run"] = in_run;
+          if (step_graph->spec().layers < whole.spec().layers) {
+            const std::string what = fmt::format(
+                "in_run: {} with {} of its {} blocks (what fits in 80% of this host's available "
+                "memory per rank, dtsim memory)",
+                whole.spec().name, step_graph->spec().layers, whole.spec().layers);
+            if (rank == 0) std::cerr << "dtexec calibrate: " << what << "\n";
+            add_note(profile, what);
+          }
+        } else {
+          const std::string why = fmt::format(
+              "in_run not measured: a training step of {} with one block does not fit in 80% of "
+              "this host's available memory per rank ({:.1f} GiB, dtsim memory); the profile "
+              "prices tasks by the kernels alone",
+              whole.spec().name, capacity / (1024.0 * 1024 * 1024));
+          if (rank == 0) std::cerr << "dtexec calibrate: " << why << "\n";
+          add_note(profile, why);
+        }
       }
     }
   } catch (const std::exception& e) {
