@@ -1469,7 +1469,7 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
           "this GPU's {:.0f} GiB (dtsim memory); the profile prices tasks by the kernels alone",
           spec.name, capacity / (1024.0 * 1024 * 1024));
       if (rank == 0) std::cerr << "dtexec calibrate: " << why << "\n";
-      profile["notes"] = profile.at("notes").get<std::string>() + "; " + why;
+      add_note(profile, why);
       return profile;
     }
     auto step_device = cu::make_device(
@@ -1484,10 +1484,8 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
                                  sync, phase_seconds);
     if (mpi) in_run_over_ranks(in_run, phase_seconds, *mpi);
     profile["in_run"] = in_run;
-    profile["notes"] =
-        profile.at("notes").get<std::string>() +
-        fmt::format("; in_run: {} with {} of its {} blocks, one micro-batch per step", spec.name,
-                    step_graph->spec().layers, spec.layers);
+    add_note(profile, fmt::format("in_run: {} with {} of its {} blocks, one micro-batch per step",
+                                  spec.name, step_graph->spec().layers, spec.layers));
   }
   return profile;
 }
