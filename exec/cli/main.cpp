@@ -358,6 +358,26 @@ std::optional<double> host_memory_per_rank(int ranks_here) {
   return std::nullopt;
 }
 
+// Refuses a run on host memory whose tensors (`bytes` per rank: dtsim memory's figure, which
+// dtexec's pool holds within a few percent, bench/memory_validation.sh) need more than this
+// host's available memory gives each of its `ranks_here` ranks: refused now, where the kernel
+// would kill a rank part-way with no word of why. Under mpirun every rank calls it: the least
+// any rank was given decides, so that all refuse together. The rest of a rank (MPI, libraries)
+// is not counted.
+void require_host_memory(double bytes, int ranks_here, const dtsim::exec::cpu::MpiSession* mpi) {
+  double available =
+      host_memory_per_rank(ranks_here).value_or(std::numeric_limits<double>::infinity());
+  if (mpi != nullptr) available = -mpi->max(-available);
+  if (bytes <= available) return;
+  constexpr double gib = 1024.0 * 1024 * 1024;
+  throw dtsim::InputError(fmt::format(
+      "the plan needs {:.1f} GiB of tensors per rank (dtsim memory), more than this host's "
+      "available memory gives each of its {} rank{} ({:.1f} GiB, MemAvailable in "
+      "/proc/meminfo); a smaller --micro-batch-size or --seq-len, --recompute, or more ranks "
+      "over tp, pp or ZeRO need less (`dtsim memory` prints where it goes)",
+      bytes / gib, ranks_here, ranks_here == 1 ? "" : "s", available / gib));
+}
+
 // dtexec run --only-rank R: the program of R's pipeline stage (every rank of a stage runs the
 // same tasks) on this machine alone; communication tasks wait their predicted times.
 // What dtsim memory predicts for the plan on --cluster (default cpu-host), without its framework
@@ -396,6 +416,12 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   }
   DTSIM_ASSERT(index >= 0, "every rank belongs to a stage");
   const auto& rp = program.ranks[static_cast<std::size_t>(index)];
+  if (device.host_memory()) {
+    if (const auto report = predicted_memory_report(vm, graph, plan)) {
+      require_host_memory(report->stages.at(static_cast<std::size_t>(rp.stage)).total_bytes, 1,
+                          nullptr);
+    }
+  }
   std::size_t comm_tasks = 0;
   for (const auto& t : rp.tasks) comm_tasks += t.kind == dtsim::lower::TaskKind::Compute ? 0 : 1;
   std::string waits = "of zero length (no --predicted)";
@@ -719,23 +745,9 @@ int run(const std::vector<std::string>& args) {
     device = std::make_unique<dtsim::exec::cpu::CpuDevice>();
   }
   dtsim::exec::check_device(graph, program, *device);
-  if (!gpu) {
-    // The CPU device's tensors live in this host's memory: a plan that cannot fit there is
-    // refused now, where the kernel would kill a rank part-way with no word of why.
-    // dtexec's pool holds what dtsim memory predicts within a few percent
-    // (bench/memory_validation.sh), the rest of a rank (MPI, libraries) is not counted.
-    const auto report = predicted_memory_report(vm, graph, plan);
-    const int ranks_here = mpi ? mpi->local_size() : 1;
-    const auto available = host_memory_per_rank(only_rank ? 1 : ranks_here);
-    if (report && available && report->worst().total_bytes > *available) {
-      throw dtsim::InputError(fmt::format(
-          "the plan needs {:.1f} GiB of tensors per rank (dtsim memory, its busiest rank), more "
-          "than this host's available memory gives each of its {} rank{} ({:.1f} GiB, "
-          "MemAvailable in /proc/meminfo); a smaller --micro-batch-size or --seq-len, "
-          "--recompute, or more ranks over tp, pp or ZeRO need less (`dtsim memory` prints "
-          "where it goes)",
-          report->worst().total_bytes / (1024.0 * 1024 * 1024), only_rank ? 1 : ranks_here,
-          (only_rank ? 1 : ranks_here) == 1 ? "" : "s", *available / (1024.0 * 1024 * 1024)));
+  if (device->host_memory() && !only_rank) {
+    if (const auto report = predicted_memory_report(vm, graph, plan)) {
+      require_host_memory(report->worst().total_bytes, mpi ? mpi->local_size() : 1, mpi.get());
     }
   }
   if (only_rank) return run_only_rank(vm, spec, plan, graph, program, options, *device, where);
@@ -1595,11 +1607,12 @@ int calibrate(const std::vector<std::string>& args) {
         // are ratios per phase); the whole model where it fits. (GPT-2 124M at its sequence of
         // 1024 held 11.6 GB per rank, and the kernel killed one of two on a 24 GB host.)
         const dtsim::model::ModelGraph whole = dtsim::exec::cpu::calibration_graph(options);
-        const double capacity = 0.8 * host_memory_per_rank(mpi ? mpi->local_size() : 1)
-                                          .value_or(std::numeric_limits<double>::infinity());
-        auto step_graph = dtsim::exec::in_run_graph(
-            whole.spec(), whole.micro_batch(), whole.seq_len(), dtsim::Precision::Fp32,
-            mpi ? -mpi->max(-capacity) : capacity, whole.spec().layers);
+        double capacity = 0.8 * host_memory_per_rank(mpi ? mpi->local_size() : 1)
+                                    .value_or(std::numeric_limits<double>::infinity());
+        if (mpi) capacity = -mpi->max(-capacity);  // the least any rank has
+        auto step_graph =
+            dtsim::exec::in_run_graph(whole.spec(), whole.micro_batch(), whole.seq_len(),
+                                      dtsim::Precision::Fp32, capacity, whole.spec().layers);
         if (step_graph) {
           auto in_run = measure_in_run(profile, *step_graph, device, time_gemms,
                                        options.quick ? 2 : 5, options.sync, phase_seconds);
