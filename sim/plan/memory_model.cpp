@@ -146,10 +146,12 @@ double tied_table_params(const Op& op, const Plan& plan) {
 // an embedding table or an LM head makes one of about its size (GPT-2's 147 MiB against the
 // 25 MiB cap). Each bucket goes out once its last op's backward is done (the lowering places it
 // after that block), while the blocks below it in its chunk, and the chunks before it, still
-// keep a micro-batch's activations (`kept`).
+// keep a micro-batch's activations (`kept`). `embedding`: it carries the embedding's gradient
+// (a tied table's, written by the head's backward, is held until this bucket goes out).
 struct GradientBucket {
   double bytes = 0;
   double kept = 0;
+  bool embedding = false;
 };
 // A group of a chunk's ops (-1: the embedding, layers: the head, else a block) and what it
 // keeps of a micro-batch (its blocks' activations; the embedding's and head's are not counted).
@@ -169,23 +171,24 @@ std::vector<GradientBucket> gradient_buckets(const ModelGraph& g, const Plan& pl
     double chunk_kept = 0;
     for (const OpGroup& group : groups) chunk_kept += group.kept;
     double below = lower_chunks + chunk_kept;  // kept below the group run backward, and it
-    std::array<double, 2> open = {0, 0};       // dense, experts
+    std::array<GradientBucket, 2> open;        // dense, experts
     for (auto group = groups.rbegin(); group != groups.rend(); ++group) {
       below -= group->kept;  // freed by its backward, before its bucket goes out
       const auto& ops = g.layer_ops(group->id);
       for (auto id = ops.rbegin(); id != ops.rend(); ++id) {
         const Op& op = g.op(*id);
         if ((op.expert ? expert_group : dense_group) <= 1) continue;
-        double& b = open[op.expert ? 1 : 0];
-        b += rank_params(op, plan) * bytes_per_param;
-        if (b >= cap) {
-          buckets.push_back({b, below});
-          b = 0;
+        GradientBucket& b = open[op.expert ? 1 : 0];
+        b.bytes += rank_params(op, plan) * bytes_per_param;
+        b.embedding = b.embedding || group->id < 0;
+        if (b.bytes >= cap) {
+          buckets.push_back({b.bytes, below, b.embedding});
+          b = {};
         }
       }
     }
-    for (double b : open) {
-      if (b > 0) buckets.push_back({b, below});
+    for (const GradientBucket& b : open) {
+      if (b.bytes > 0) buckets.push_back({b.bytes, below, b.embedding});
     }
     lower_chunks += chunk_kept;
   }
@@ -464,8 +467,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // embedding's bucket, the last, goes out: through the whole backward (bucket-gpt, dp 2:
     // -5.9% before it was counted, -2.6% since; with ZeRO-3 dtexec held less than this adds,
     // +7% over, and it is left out there).
-    const double table_gradient =
-        plan.zero_stage == 2 && shard > 1 ? tied_table * per_param.gradients : 0.0;
+    const bool zero2 = plan.zero_stage == 2 && shard > 1;
+    const double table_gradient = zero2 ? tied_table * per_param.gradients : 0.0;
     backward.other += table_gradient;
     Moment peak_moment = forward_end;
     auto consider = [&peak_moment](const Moment& m) {
@@ -523,8 +526,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // a bucket, at most the rank's gradients. They grow while that backward frees the
     // micro-batch's activations, so only what exceeds those adds to the peak (it does with full
     // recompute, whose kept activations are small).
-    double zero2_bucket =
-        plan.zero_stage == 2 && shard > 1 ? std::max(0.0, largest_bucket - per_micro_batch) : 0.0;
+    double zero2_bucket = zero2 ? std::max(0.0, largest_bucket - per_micro_batch) : 0.0;
     // A moment when ZeRO-2's growing bucket is gone: the peak where it holds more than the
     // peak so far with that bucket.
     auto consider_without_bucket = [&](const Moment& m) {
@@ -533,29 +535,33 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         zero2_bucket = 0;
       }
     };
-    if (plan.zero_stage == 2 && shard > 1) {
+    if (zero2) {
       // And a bucket's reduce-scatter, in every micro-batch's backward: its gradients and their
       // packed copy at once (they are dropped once copied), while the blocks below it keep
       // the micro-batch's activations and the other micro-batches in flight theirs.
       const double others =
           std::max(0.0, s.activations_bytes - extra_activations - per_micro_batch);
-      for (const GradientBucket& b : buckets) {
-        const bool last = &b == &buckets.back();  // the embedding's (with its table's gradient)
-        consider_without_bucket({"a gradient bucket's reduce-scatter", 0,
-                                 std::max(0.0, s.activations_bytes - others - b.kept),
-                                 2.0 * b.bytes + (last ? 0.0 : table_gradient)});
-        if (last) continue;
+      // A tied table's whole gradient is held beside the buckets before the embedding's (whose
+      // bytes carry it).
+      bool table_sent = false;
+      for (std::size_t i = 0; i < buckets.size(); ++i) {
+        const GradientBucket& b = buckets[i];
+        consider_without_bucket(
+            {"a gradient bucket's reduce-scatter", 0,
+             std::max(0.0, s.activations_bytes - others - b.kept),
+             2.0 * b.bytes + (table_sent || b.embedding ? 0.0 : table_gradient)});
+        table_sent = table_sent || b.embedding;
+        if (i + 1 == buckets.size()) break;
         // Its reduce-scatter may still run when the next bucket is full (the next one's
         // reduce-scatter waits for it, so one is in flight at a time): its packed copy and
         // reduced shard beside the next bucket's gradients, the blocks below that one keeping
         // theirs (bucket-gpt at dp 2 held 441.1 MiB there, on the rank whose reduce-scatter
         // completed later, against 429.6 predicted before this moment).
-        const GradientBucket& next = *(&b + 1);
-        const bool next_last = &next == &buckets.back();
-        consider_without_bucket(
-            {"a gradient bucket's reduce-scatter as the next one fills", 0,
-             std::max(0.0, s.activations_bytes - others - next.kept),
-             (1.0 + 1.0 / shard) * b.bytes + next.bytes + (next_last ? 0.0 : table_gradient)});
+        const GradientBucket& next = buckets[i + 1];
+        consider_without_bucket({"a gradient bucket's reduce-scatter as the next one fills", 0,
+                                 std::max(0.0, s.activations_bytes - others - next.kept),
+                                 (1.0 + 1.0 / shard) * b.bytes + next.bytes +
+                                     (table_sent || next.embedding ? 0.0 : table_gradient)});
       }
     }
     if (bucketed && !plan.overlap_param_gather) {
