@@ -2707,11 +2707,11 @@ class Runner {
   // file, so that every collective of the save stays on the training thread (no MPI from two
   // threads): each step's end tells every rank at once whether all shards are written
   // (writing()), and the first that does puts the checkpoint in place (put_async_in_place).
+  // A parameter's piece (its name, slice and offset do not change during a run, so the writer
+  // reads them too): weights at host[at], m at host[at + n], v at host[at + 2n].
   struct SnapshotPiece {
-    std::string name;
-    Slice slice;
-    std::int64_t begin = 0;
-    std::size_t at = 0, n = 0;  // weights at host[at], m at host[at + n], v at host[at + 2n]
+    const Param* p = nullptr;
+    std::size_t at = 0, n = 0;
   };
   struct AsyncSave {
     bool active = false;  // a save between its copy and its index
@@ -2739,7 +2739,7 @@ class Runner {
     for (const auto& [key, p] : params_) {
       if (!in_checkpoint(p)) continue;
       const auto n = static_cast<std::size_t>(p.own_end - p.own_begin);
-      async_.pieces.push_back({p.name, p.slice, p.own_begin, total, n});
+      async_.pieces.push_back({&p, total, n});
       total += 3 * n;
     }
     async_.host.assign(total, 0.0f);
@@ -2759,14 +2759,11 @@ class Runner {
     if (comm_.rank() == 0) begin_checkpoint(options_.checkpoint_dir);
     comm_.barrier();
     const auto copy_start = std::chrono::steady_clock::now();
-    auto next = async_.pieces.begin();
-    for (const auto& [key, p] : params_) {
-      if (!in_checkpoint(p)) continue;
-      float* at = async_.host.data() + next->at;
-      dev_.download(at, master_slice(p));
-      dev_.download(at + next->n, p.m);
-      dev_.download(at + 2 * next->n, p.v);
-      ++next;
+    for (const SnapshotPiece& piece : async_.pieces) {
+      float* at = async_.host.data() + piece.at;
+      dev_.download(at, master_slice(*piece.p));
+      dev_.download(at + piece.n, piece.p->m);
+      dev_.download(at + 2 * piece.n, piece.p->v);
     }
     async_.copy_s = seconds_since(copy_start);
     async_.step = steps_done;
@@ -2784,7 +2781,7 @@ class Runner {
         ShardWriter shard(dir, rank);
         for (const auto& piece : async_.pieces) {
           const std::span<const float> all(async_.host.data() + piece.at, 3 * piece.n);
-          shard.add(piece.name, piece.slice, piece.begin, all.first(piece.n),
+          shard.add(piece.p->name, piece.p->slice, piece.p->own_begin, all.first(piece.n),
                     all.subspan(piece.n, piece.n), all.subspan(2 * piece.n, piece.n));
         }
         async_.index = shard.close();
