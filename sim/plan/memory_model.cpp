@@ -147,7 +147,10 @@ double tied_table_params(const Op& op, const Plan& plan) {
 // 25 MiB cap). Each bucket goes out once its last op's backward is done (the lowering places it
 // after that block), while the blocks below it in its chunk, and the chunks before it, still
 // keep a micro-batch's activations (`kept`). `embedding`: it carries the embedding's gradient
-// (a tied table's, written by the head's backward, is held until this bucket goes out).
+// (a tied table's, written by the head's backward, is held until this bucket goes out). The
+// list is in the order a micro-batch's backward fills them: the last chunk's first, as the
+// interleaved schedule runs a micro-batch's chunks backward from the last, so that a bucket's
+// successor in the list is the one that fills while it is reduced.
 struct GradientBucket {
   double bytes = 0;
   double kept = 0;
@@ -168,8 +171,13 @@ std::vector<GradientBucket> gradient_buckets(const ModelGraph& g, const Plan& pl
   std::vector<GradientBucket> buckets;
   double lower_chunks = 0;  // what the chunks before this one keep
   for (const auto& groups : chunks) {
+    for (const OpGroup& group : groups) lower_chunks += group.kept;
+  }
+  for (auto chunk = chunks.rbegin(); chunk != chunks.rend(); ++chunk) {
+    const auto& groups = *chunk;
     double chunk_kept = 0;
     for (const OpGroup& group : groups) chunk_kept += group.kept;
+    lower_chunks -= chunk_kept;
     double below = lower_chunks + chunk_kept;  // kept below the group run backward, and it
     std::array<GradientBucket, 2> open;        // dense, experts
     for (auto group = groups.rbegin(); group != groups.rend(); ++group) {
@@ -190,7 +198,6 @@ std::vector<GradientBucket> gradient_buckets(const ModelGraph& g, const Plan& pl
     for (const GradientBucket& b : open) {
       if (b.bytes > 0) buckets.push_back({b.bytes, below, b.embedding});
     }
-    lower_chunks += chunk_kept;
   }
   return buckets;
 }
