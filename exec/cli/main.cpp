@@ -31,6 +31,7 @@
 #include "exec/cpu/bf16_device.hpp"
 #include "exec/cpu/calibrate.hpp"
 #include "exec/cpu/device.hpp"
+#include "exec/cpu/host_memory.hpp"
 #include "exec/cpu/kernels.hpp"
 #include "exec/cpu/mpi_comm.hpp"
 #include "sim/cli/options.hpp"
@@ -345,17 +346,13 @@ void add_note(nlohmann::json& profile, const std::string& note) {
   profile["notes"] = before.empty() ? note : before + "; " + note;
 }
 
-// The memory this host can still give its processes (MemAvailable in /proc/meminfo), shared
-// by `ranks_here` ranks; none where the file does not say.
-std::optional<double> host_memory_per_rank(int ranks_here) {
-  std::ifstream in("/proc/meminfo");
-  std::string key, unit;
-  double kib = 0;
-  while (in >> key >> kib) {
-    std::getline(in, unit);
-    if (key == "MemAvailable:") return kib * 1024.0 / std::max(1, ranks_here);
-  }
-  return std::nullopt;
+// The memory this host can still give its processes (MemAvailable, or its memory cgroup's
+// limit less its use where that is less: exec/cpu/host_memory.hpp), shared by `ranks_here`
+// ranks; none where no file says.
+std::optional<dtsim::exec::cpu::HostMemory> host_memory_per_rank(int ranks_here) {
+  auto available = dtsim::exec::cpu::available_host_memory();
+  if (available) available->bytes /= std::max(1, ranks_here);
+  return available;
 }
 
 // Refuses a run on host memory whose tensors (`bytes` per rank: dtsim memory's figure, which
@@ -365,17 +362,19 @@ std::optional<double> host_memory_per_rank(int ranks_here) {
 // any rank was given decides, so that all refuse together. The rest of a rank (MPI, libraries)
 // is not counted.
 void require_host_memory(double bytes, int ranks_here, const dtsim::exec::cpu::MpiSession* mpi) {
-  double available =
-      host_memory_per_rank(ranks_here).value_or(std::numeric_limits<double>::infinity());
+  const auto mine = host_memory_per_rank(ranks_here);
+  double available = mine ? mine->bytes : std::numeric_limits<double>::infinity();
   if (mpi != nullptr) available = -mpi->max(-available);
   if (bytes <= available) return;
   constexpr double gib = 1024.0 * 1024 * 1024;
+  const std::string source =
+      mine && mine->bytes == available ? mine->source : "on another rank of this run";
   throw dtsim::InputError(fmt::format(
       "the plan needs {:.1f} GiB of tensors per rank (dtsim memory), more than this host's "
-      "available memory gives each of its {} rank{} ({:.1f} GiB, MemAvailable in "
-      "/proc/meminfo); a smaller --micro-batch-size or --seq-len, --recompute, or more ranks "
-      "over tp, pp or ZeRO need less (`dtsim memory` prints where it goes)",
-      bytes / gib, ranks_here, ranks_here == 1 ? "" : "s", available / gib));
+      "available memory gives each of its {} rank{} ({:.1f} GiB: {}); a smaller "
+      "--micro-batch-size or --seq-len, --recompute, or more ranks over tp, pp or ZeRO need "
+      "less (`dtsim memory` prints where it goes)",
+      bytes / gib, ranks_here, ranks_here == 1 ? "" : "s", available / gib, source));
 }
 
 // dtexec run --only-rank R: the program of R's pipeline stage (every rank of a stage runs the
@@ -1607,8 +1606,9 @@ int calibrate(const std::vector<std::string>& args) {
         // are ratios per phase); the whole model where it fits. (GPT-2 124M at its sequence of
         // 1024 held 11.6 GB per rank, and the kernel killed one of two on a 24 GB host.)
         const dtsim::model::ModelGraph whole = dtsim::exec::cpu::calibration_graph(options);
-        double capacity = 0.8 * host_memory_per_rank(mpi ? mpi->local_size() : 1)
-                                    .value_or(std::numeric_limits<double>::infinity());
+        const auto available = host_memory_per_rank(mpi ? mpi->local_size() : 1);
+        double capacity =
+            0.8 * (available ? available->bytes : std::numeric_limits<double>::infinity());
         if (mpi) capacity = -mpi->max(-capacity);  // the least any rank has
         auto step_graph =
             dtsim::exec::in_run_graph(whole.spec(), whole.micro_batch(), whole.seq_len(),

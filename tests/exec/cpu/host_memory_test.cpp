@@ -1,0 +1,154 @@
+#include "exec/cpu/host_memory.hpp"
+
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace fs = std::filesystem;
+using dtsim::exec::cpu::available_host_memory;
+using dtsim::exec::cpu::HostMemoryFiles;
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+
+// A fake /proc and /sys/fs/cgroup under a temporary folder, removed with the object.
+class FakeHost {
+ public:
+  explicit FakeHost(const std::string& name)
+      : root_(fs::temp_directory_path() /
+              ("dtexec_host_memory_" + name + "_" + std::to_string(::getpid()))) {
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+    files.meminfo = root_ / "meminfo";
+    files.self_cgroup = root_ / "cgroup";
+    files.cgroup_mount = root_ / "sys";
+  }
+  ~FakeHost() {
+    std::error_code ec;
+    fs::remove_all(root_, ec);
+  }
+  FakeHost(const FakeHost&) = delete;
+  FakeHost& operator=(const FakeHost&) = delete;
+
+  // Writes `text` to `path` (relative to the fake root), making its folders.
+  void write(const fs::path& path, const std::string& text) const {
+    fs::create_directories((root_ / path).parent_path());
+    std::ofstream(root_ / path) << text;
+  }
+  void meminfo(double gib) const {
+    write("meminfo", "MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   " +
+                         std::to_string(static_cast<long long>(gib * 1024 * 1024)) + " kB\n");
+  }
+
+  HostMemoryFiles files;
+
+ private:
+  fs::path root_;
+};
+
+std::string bytes(double gib) {
+  return std::to_string(static_cast<long long>(gib * kGiB)) + "\n";
+}
+
+}  // namespace
+
+TEST_CASE("host memory: MemAvailable where no cgroup limits the process", "[host_memory]") {
+  FakeHost host("plain");
+  host.meminfo(20);
+  // cgroup v2 at the mount without a limit ("max"), and v1's "no limit" value.
+  host.write("cgroup", "0::/user.slice\n4:memory:/user.slice\n");
+  host.write("sys/user.slice/memory.max", "max\n");
+  host.write("sys/user.slice/memory.current", bytes(3));
+  host.write("sys/memory/user.slice/memory.limit_in_bytes", "9223372036854771712\n");
+  host.write("sys/memory/user.slice/memory.usage_in_bytes", bytes(3));
+  const auto m = available_host_memory(host.files);
+  REQUIRE(m);
+  CHECK(m->bytes == Approx(20 * kGiB));
+  CHECK(m->source.find("MemAvailable") != std::string::npos);
+}
+
+TEST_CASE("host memory: a cgroup v2 limit less what the cgroup uses beyond inactive page cache",
+          "[host_memory]") {
+  FakeHost host("v2");
+  host.meminfo(20);
+  host.write("cgroup", "0::/docker/abc\n");
+  host.write("sys/docker/abc/memory.max", bytes(8));
+  host.write("sys/docker/abc/memory.current", bytes(3));
+  host.write("sys/docker/abc/memory.stat", "anon 1000\nfile 2000\ninactive_file " + bytes(1));
+  auto m = available_host_memory(host.files);
+  REQUIRE(m);
+  CHECK(m->bytes == Approx(6 * kGiB));  // 8 - (3 - 1)
+  CHECK(m->source.find("docker/abc/memory.max") != std::string::npos);
+
+  // A tighter limit above it applies as well.
+  host.write("sys/docker/memory.max", bytes(5));
+  host.write("sys/docker/memory.current", bytes(4));
+  m = available_host_memory(host.files);
+  REQUIRE(m);
+  CHECK(m->bytes == Approx(1 * kGiB));
+  CHECK(m->source.find("docker/memory.max") != std::string::npos);
+
+  // Using more than its limit (page cache not yet reclaimed) leaves nothing, never less.
+  host.write("sys/docker/memory.current", bytes(9));
+  m = available_host_memory(host.files);
+  REQUIRE(m);
+  CHECK(m->bytes == 0);
+}
+
+TEST_CASE("host memory: a cgroup namespace's root at the mount", "[host_memory]") {
+  FakeHost host("ns");
+  host.meminfo(20);
+  // Inside a cgroup namespace the process's own cgroup is "/" (or a path not under the mount).
+  host.write("cgroup", "0::/\n");
+  host.write("sys/memory.max", bytes(4));
+  host.write("sys/memory.current", bytes(1));
+  auto m = available_host_memory(host.files);
+  REQUIRE(m);
+  CHECK(m->bytes == Approx(3 * kGiB));
+
+  host.write("cgroup", "0::/../../outside\n");
+  m = available_host_memory(host.files);
+  REQUIRE(m);
+  CHECK(m->bytes == Approx(3 * kGiB));
+}
+
+TEST_CASE("host memory: a cgroup v1 limit, the least of its own and the hierarchy's",
+          "[host_memory]") {
+  FakeHost host("v1");
+  host.meminfo(20);
+  host.write("cgroup", "9:pids:/job\n4:cpuacct,memory:/job\n0::/\n");
+  host.write("sys/memory/job/memory.limit_in_bytes", bytes(10));
+  host.write("sys/memory/job/memory.usage_in_bytes", bytes(4));
+  host.write("sys/memory/job/memory.stat", "cache 100\nhierarchical_memory_limit " +
+                                               std::to_string(7 * 1024LL * 1024 * 1024) +
+                                               "\ntotal_inactive_file " + bytes(2));
+  const auto m = available_host_memory(host.files);
+  REQUIRE(m);
+  CHECK(m->bytes == Approx(5 * kGiB));  // min(10, 7) - (4 - 2)
+  CHECK(m->source.find("memory/job/memory.limit_in_bytes") != std::string::npos);
+}
+
+TEST_CASE("host memory: none where no file says, and unreadable figures are ignored",
+          "[host_memory]") {
+  FakeHost host("none");
+  CHECK(!available_host_memory(host.files));
+  host.write("meminfo", "MemTotal: 100 kB\n");
+  host.write("cgroup", "0::/x\n");
+  host.write("sys/x/memory.max", "lots\n");
+  host.write("sys/x/memory.current", bytes(1));
+  CHECK(!available_host_memory(host.files));
+  host.meminfo(2);
+  const auto m = available_host_memory(host.files);
+  REQUIRE(m);
+  CHECK(m->bytes == Approx(2 * kGiB));
+}
+
+TEST_CASE("host memory: this Linux machine's figure is positive", "[host_memory]") {
+  const auto m = available_host_memory();
+  REQUIRE(m);
+  CHECK(m->bytes > 0);
+}
