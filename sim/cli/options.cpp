@@ -306,10 +306,19 @@ plan::Reliability reliability_from_options(const po::variables_map& vm) {
       throw InputError(fmt::format("--{}: only with --tokens (the time to train)", flag));
     }
   }
+  // A bandwidth flag in GB/s as bytes/s: finite and positive in either unit (1e300 GB/s
+  // overflows bytes/s to infinity, which printed as "inf GB/s" and priced checkpoints at 0 s).
+  auto bandwidth = [&vm](const char* flag) {
+    const double gbs = vm[flag].as<double>();
+    if (!(std::isfinite(gbs) && gbs > 0 && std::isfinite(gbs * 1e9))) {
+      throw InputError(
+          fmt::format("--{}: expected a finite positive bandwidth, got {} (GB/s)", flag, gbs));
+    }
+    return gbs * 1e9;
+  };
   plan::Reliability r;
   const double rate = vm["interruptions-per-gpu-hour"].as<double>();
   const double restart_min = vm["restart-minutes"].as<double>();
-  const double write_gbs = vm["checkpoint-write-gbs-per-gpu"].as<double>();
   if (!(std::isfinite(rate) && rate > 0)) {
     throw InputError(
         fmt::format("--interruptions-per-gpu-hour: expected a finite positive rate, got {}", rate));
@@ -318,29 +327,14 @@ plan::Reliability reliability_from_options(const po::variables_map& vm) {
     throw InputError(
         fmt::format("--restart-minutes: expected a finite number >= 0, got {}", restart_min));
   }
-  if (!(std::isfinite(write_gbs) && write_gbs > 0)) {
-    throw InputError(fmt::format(
-        "--checkpoint-write-gbs-per-gpu: expected a finite positive bandwidth, got {}", write_gbs));
-  }
   r.interruptions_per_device_hour = rate;
   r.restart_s = restart_min * 60;
-  r.checkpoint_write_bytes_per_s_per_device = write_gbs * 1e9;
+  r.checkpoint_write_bytes_per_s_per_device = bandwidth("checkpoint-write-gbs-per-gpu");
   if (vm.count("checkpoint-write-gbs-total")) {
-    const double total_gbs = vm["checkpoint-write-gbs-total"].as<double>();
-    if (!(std::isfinite(total_gbs) && total_gbs > 0)) {
-      throw InputError(fmt::format(
-          "--checkpoint-write-gbs-total: expected a finite positive bandwidth, got {}", total_gbs));
-    }
-    r.checkpoint_write_bytes_per_s_total = total_gbs * 1e9;
+    r.checkpoint_write_bytes_per_s_total = bandwidth("checkpoint-write-gbs-total");
   }
   if (vm.count("checkpoint-async-gbs-per-gpu")) {
-    const double snapshot_gbs = vm["checkpoint-async-gbs-per-gpu"].as<double>();
-    if (!(std::isfinite(snapshot_gbs) && snapshot_gbs > 0)) {
-      throw InputError(fmt::format(
-          "--checkpoint-async-gbs-per-gpu: expected a finite positive bandwidth, got {}",
-          snapshot_gbs));
-    }
-    r.checkpoint_snapshot_bytes_per_s_per_device = snapshot_gbs * 1e9;
+    r.checkpoint_snapshot_bytes_per_s_per_device = bandwidth("checkpoint-async-gbs-per-gpu");
   }
   return r;
 }
