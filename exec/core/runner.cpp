@@ -399,6 +399,19 @@ class Runner {
       if (options_.on_step) {
         options_.on_step(done, result.losses.back(), slowest[0], grad_norm);
       }
+      // A loss or gradient norm that is not finite ends the run, on every rank at once (both
+      // are reduced over all ranks), before a checkpoint of weights it ruined is written, as
+      // Megatron-LM's --check-for-nan-in-loss-and-grad does. (Replayed communication feeds
+      // zeros: its losses mean nothing.)
+      if (!options_.replay_communication &&
+          !(std::isfinite(result.losses.back()) && std::isfinite(grad_norm))) {
+        throw InputError(fmt::format(
+            "step {}: the {} is not finite ({}): training diverged; a smaller --lr (its peak "
+            "is {:g}) or --clip-grad may keep it finite",
+            done, std::isfinite(result.losses.back()) ? "gradient norm" : "loss",
+            std::isfinite(result.losses.back()) ? grad_norm : result.losses.back(),
+            options_.lr.max_lr));
+      }
       if (async_.active && slowest[1] == 0) put_async_in_place(done, result);
       if (!options_.checkpoint_dir.empty() &&
           (done == options_.steps ||
