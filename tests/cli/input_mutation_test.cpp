@@ -6,6 +6,7 @@
 // code 1: an internal error) nor a crash.
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,6 +19,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -558,4 +560,79 @@ TEST_CASE("every flag of simulate, memory, plan and whatif given a wrong value r
             << shown);
   CHECK(failures.empty());
   CHECK(refusals > 0);
+}
+
+// Plans drawn at random (a fixed seed) from every plan flag's values, on a dense and a
+// mixture-of-experts model: each is simulated or refused as invalid, never an internal error
+// (a broken invariant of the lowering, schedule or simulator that check_plan let through).
+TEST_CASE("random plan combinations simulate or are refused, never an internal error",
+          "[mutation][combinations]") {
+  Scratch scratch("combinations");
+  const fs::path capture = scratch.path("output.txt");
+  std::mt19937 rng(20261201);
+  auto pick = [&rng](const std::vector<std::string>& values) {
+    return values[std::uniform_int_distribution<std::size_t>(0, values.size() - 1)(rng)];
+  };
+  auto coin = [&rng](double p) { return std::bernoulli_distribution(p)(rng); };
+  const std::vector<std::string> models = {"cpu-small", "mixtral-8x7b",
+                                           (repo() / "tests/exec/mpi/tiny_moe.json").string(),
+                                           (repo() / "tests/exec/mpi/tiny_llama_4l.json").string()};
+  const int draws = 400;
+  std::vector<std::string> failures;
+  int runs = 0, refusals = 0;
+  for (int i = 0; i < draws; ++i) {
+    std::vector<std::string> args = {"--model",   pick(models),
+                                     "--cluster", "dgx-h100-superpod",
+                                     "--gpus",    pick({"8", "16", "32"}),
+                                     "--seq-len", pick({"32", "64"})};
+    auto maybe = [&](const char* flag, const std::vector<std::string>& values, double p = 0.5) {
+      if (coin(p)) {
+        args.push_back(flag);
+        args.push_back(pick(values));
+      }
+    };
+    maybe("--tp", {"1", "2", "4", "8"}, 0.7);
+    maybe("--pp", {"1", "2", "4"}, 0.6);
+    maybe("--cp", {"1", "2"}, 0.3);
+    maybe("--ep", {"1", "2", "4", "8"}, 0.3);
+    maybe("--micro-batch-size", {"1", "2", "4"});
+    maybe("--global-batch-size", {"8", "16", "32", "64"}, 0.9);
+    maybe("--schedule", {"gpipe", "1f1b", "interleaved", "zero-bubble", "pipedream"});
+    maybe("--virtual-stages", {"1", "2"}, 0.3);
+    maybe("--zero-stage", {"0", "1", "2", "3"});
+    maybe("--recompute", {"none", "selective", "full"});
+    maybe("--attention", {"unfused", "flash"}, 0.3);
+    maybe("--precision", {"bf16", "fp16", "fp8", "fp32", "tf32"}, 0.3);
+    maybe("--grad-precision", {"fp32", "bf16", "fp16"}, 0.2);
+    maybe("--comm-precision", {"bf16", "fp16", "fp8", "fp32"}, 0.2);
+    maybe("--grad-compression", {"0.25", "1"}, 0.15);
+    maybe("--optimizer", {"adam", "sgd"}, 0.2);
+    maybe("--clip-grad", {"0", "1"}, 0.3);
+    maybe("--expert-load", {"1", "1.5"}, 0.2);
+    maybe("--order", {"tp-cp-ep-dp-pp", "dp-tp-cp-ep-pp", "pp-dp-tp-cp-ep"}, 0.15);
+    maybe("--layers-per-stage", {"1,3", "2,2", "3,1", "16,16", "10,22", "1,1,1,1"}, 0.15);
+    for (const char* flag :
+         {"--sequence-parallel", "--overlap-param-gather", "--no-overlap-grad-reduce",
+          "--no-overlap-tp-backward", "--no-grad-accumulation-fusion", "--overlap-p2p-comm",
+          "--scatter-gather-p2p", "--no-dropout"}) {
+      if (coin(0.2)) args.push_back(flag);
+    }
+    const std::string line = fmt::format("{}", fmt::join(args, " "));
+    const std::vector<std::pair<std::string, Command>> commands = {
+        {"simulate", dtsim::cli::cmd_simulate}, {"memory", dtsim::cli::cmd_memory}};
+    for (const auto& [name, command] : commands) {
+      const Outcome o = run(command, args, capture);
+      if (const auto what = problem(o)) {
+        failures.push_back(fmt::format("{} {}: {}", name, line, *what));
+      }
+      (o.kind == Outcome::Ran ? runs : refusals) += 1;
+    }
+  }
+  std::string shown;
+  for (std::size_t i = 0; i < failures.size() && i < 25; ++i) shown += failures[i] + "\n";
+  INFO(runs << " runs, " << refusals << " refusals, " << failures.size()
+            << " failures, the first:\n"
+            << shown);
+  CHECK(failures.empty());
+  CHECK(runs > draws / 4);  // most draws are valid plans
 }
