@@ -158,6 +158,65 @@ TEST_CASE("ZeRO-2 holds a bucket of full gradients and, at its reduce-scatter, t
   CHECK(other(1, Recompute::None).other_bytes == 0);
 }
 
+TEST_CASE("ZeRO-2's last reduce-scatter of a micro-batch may run through the next one's forward",
+          "[plan][memory]") {
+  // cpu-small's one bucket on two ranks with two micro-batches each: the first micro-batch's
+  // reduce-scatter (its packed copy and reduced half) is still in flight as the second's
+  // forward ends (bench/memory_validation.sh: 101.8 MiB measured, 101.7 predicted); with one
+  // micro-batch there is no such forward.
+  const auto spec = load_model("cpu-small");
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("cpu-host"), 2);
+  Plan p;
+  p.dp = 2;
+  p.zero_stage = 2;
+  p.micro_batch_size = 4;
+  p.seq_len = 128;
+  p.precision = Precision::Fp32;
+  const ModelGraph g(spec, 4, 128);
+  dtsim::plan::MemoryOptions none;
+  none.framework_overhead_bytes = 0;
+  auto memory = [&](std::int64_t global_batch, Schedule schedule) {
+    Plan q = p;
+    q.global_batch_size = global_batch;
+    q.schedule = schedule;
+    return dtsim::plan::estimate_memory(g, q, cluster, none).worst();
+  };
+  const auto one = memory(8, Schedule::OneFOneB);
+  const auto two = memory(16, Schedule::OneFOneB);
+  const double grads = 2.0 * one.gradients_bytes;  // one bucket of the unsharded gradients
+  CHECK(one.peak_moment != two.peak_moment);
+  CHECK(two.peak_moment ==
+        "the forward's end, the last gradient bucket's reduce-scatter in flight");
+  // The forward's end with the bucket's packed copy and reduced half besides.
+  CHECK(two.other_bytes == Approx(1.5 * grads));
+  CHECK(two.total_bytes == Approx(two.weights_bytes + two.gradients_bytes + two.optimizer_bytes +
+                                  two.activations_bytes + 1.5 * grads));
+
+  // Over two pipeline stages each stage holds a bucket of its blocks. With 1F1B and two
+  // micro-batches, stage 0 runs both forwards before its backwards (no forward between them)
+  // and its second backward first waits for its gradient (the reduce-scatter completes
+  // meanwhile): no moment of the kind; with four, a forward runs between them.
+  Plan q = p;
+  q.pp = 2;
+  q.micro_batch_size = 4;
+  auto stage0 = [&](std::int64_t global_batch) {
+    Plan r = q;
+    r.global_batch_size = global_batch;
+    // (Memory per rank needs only the device: the cluster may have fewer of them.)
+    return dtsim::plan::estimate_memory(g, r, cluster, none).stages.at(0);
+  };
+  const std::string crossing =
+      "a backward pass's last gradient bucket's reduce-scatter as the next pass fills its first";
+  const std::string forward =
+      "the forward's end, the last gradient bucket's reduce-scatter in flight";
+  const auto two_stage0 = stage0(16);
+  CHECK(two_stage0.peak_moment != crossing);
+  CHECK(two_stage0.peak_moment != forward);
+  const auto four_stage0 = stage0(32);
+  CHECK(four_stage0.total_bytes > two_stage0.total_bytes);
+  CHECK((four_stage0.peak_moment == crossing || four_stage0.peak_moment == forward));
+}
+
 TEST_CASE("a gradient bucket holds whole ops: an embedding table makes one of its own size",
           "[plan][memory]") {
   // GPT-2 124M: its 50304 x 768 table (147 MiB of fp32 gradients) passes the 25 MiB cap alone.
