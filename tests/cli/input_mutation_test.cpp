@@ -293,7 +293,7 @@ TEST_CASE("a mutated Hugging Face config.json: describe and simulate refuse or r
                    "--global-batch-size", "8"}}});
 }
 
-TEST_CASE("mutated clusters: simulate on both network models refuses or runs",
+TEST_CASE("mutated clusters: simulate, memory and export-platform refuse or run",
           "[mutation][cluster]") {
   Scratch scratch("cluster");
   const std::string cluster = scratch.path("cluster.json").string();
@@ -310,7 +310,8 @@ TEST_CASE("mutated clusters: simulate on both network models refuses or runs",
     check_mutants(scratch, "cluster.json",
                   read_json(repo() / "topologies" / (std::string(name) + ".json")),
                   {{"simulate", dtsim::cli::cmd_simulate, with({})},
-                   {"memory", dtsim::cli::cmd_memory, with({})}});
+                   {"memory", dtsim::cli::cmd_memory, with({})},
+                   {"export-platform", dtsim::cli::cmd_export_platform, with({})}});
   }
 }
 
@@ -383,7 +384,7 @@ TEST_CASE("a mutated device: simulate refuses or runs", "[mutation][cluster]") {
                    "--global-batch-size", "8"}}});
 }
 
-TEST_CASE("a mutated plan: simulate and memory refuse or run", "[mutation][plan]") {
+TEST_CASE("a mutated plan: simulate, memory and lower refuse or run", "[mutation][plan]") {
   Scratch scratch("plan");
   const std::string plan_file = scratch.path("plan.json").string();
   const json plan = {{"dp", 2},
@@ -402,9 +403,10 @@ TEST_CASE("a mutated plan: simulate and memory refuse or run", "[mutation][plan]
                      {"clip_grad", 1.0}};
   const std::vector<std::string> common = {"--model",           "cpu-small", "--cluster",
                                            "dgx-h100-superpod", "--plan",    plan_file};
-  check_mutants(
-      scratch, "plan.json", plan,
-      {{"simulate", dtsim::cli::cmd_simulate, common}, {"memory", dtsim::cli::cmd_memory, common}});
+  check_mutants(scratch, "plan.json", plan,
+                {{"simulate", dtsim::cli::cmd_simulate, common},
+                 {"memory", dtsim::cli::cmd_memory, common},
+                 {"lower", dtsim::cli::cmd_lower, common}});
 }
 
 TEST_CASE("a mutated calibration profile: simulate refuses or runs", "[mutation][profile]") {
