@@ -399,10 +399,13 @@ class Runner {
       if (options_.on_step) {
         options_.on_step(done, result.losses.back(), slowest[0], grad_norm);
       }
+      if (async_.active && slowest[1] == 0) put_async_in_place(done, result);
       // A loss or gradient norm that is not finite ends the run, on every rank at once (both
-      // are reduced over all ranks), before a checkpoint of weights it ruined is written, as
-      // Megatron-LM's --check-for-nan-in-loss-and-grad does. (Replayed communication feeds
-      // zeros: its losses mean nothing.)
+      // are reduced over all ranks), as Megatron-LM's --check-for-nan-in-loss-and-grad does:
+      // before this step's checkpoint is written (an earlier asynchronous one, complete, is put
+      // in place first). The loss is the forward's, before this step's update: without
+      // --clip-grad (no norm) gradients that overflow show in the next step's loss, after
+      // this step's checkpoint. (Replayed communication feeds zeros: its losses mean nothing.)
       if (!options_.replay_communication &&
           !(std::isfinite(result.losses.back()) && std::isfinite(grad_norm))) {
         throw InputError(fmt::format(
@@ -412,7 +415,6 @@ class Runner {
             std::isfinite(result.losses.back()) ? grad_norm : result.losses.back(),
             options_.lr.max_lr));
       }
-      if (async_.active && slowest[1] == 0) put_async_in_place(done, result);
       if (!options_.checkpoint_dir.empty() &&
           (done == options_.steps ||
            (options_.checkpoint_every > 0 && done % options_.checkpoint_every == 0))) {

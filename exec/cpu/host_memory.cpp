@@ -87,40 +87,56 @@ void keep_least(std::optional<HostMemory>& least, double bytes, std::string sour
   if (!least || bytes < least->bytes) least = HostMemory{bytes, std::move(source)};
 }
 
-// cgroup v2: every cgroup from this process's up to the mount that sets memory.max.
-void cgroup_v2(const HostMemoryFiles& files, std::optional<HostMemory>& least) {
-  const fs::path mount = tidy(files.cgroup_mount);
-  const auto own = cgroup_dir(files, mount, /*v2=*/true);
-  if (!own) return;
-  for (fs::path dir = *own;; dir = dir.parent_path()) {
-    const auto limit = read_number(dir / "memory.max");
-    const auto current = read_number(dir / "memory.current");
-    if (limit && current && *limit < kNoLimit) {
-      const double cache = read_key(dir / "memory.stat", "inactive_file").value_or(0.0);
+// The page cache a cgroup's use includes that the kernel reclaims before it kills (its file
+// pages, active and inactive; shmem is not among them): `prefix` "" for v2's memory.stat,
+// "total_" for v1's (the cgroup and those below it).
+double reclaimable(const fs::path& stat, const std::string& prefix) {
+  return read_key(stat, prefix + "inactive_file").value_or(0.0) +
+         read_key(stat, prefix + "active_file").value_or(0.0);
+}
+
+// Every cgroup from `own` up to `mount` that sets a limit (file `limit_file`, its use in
+// `usage_file`): its limit less its use beyond reclaimable page cache.
+void walk_up(const fs::path& own, const fs::path& mount, const char* limit_file,
+             const char* usage_file, const std::string& stat_prefix,
+             std::optional<HostMemory>& least) {
+  for (fs::path dir = own;; dir = dir.parent_path()) {
+    const auto limit = read_number(dir / limit_file);
+    const auto usage = read_number(dir / usage_file);
+    if (limit && usage && *limit < kNoLimit) {
+      const double cache = reclaimable(dir / "memory.stat", stat_prefix);
       keep_least(
-          least, *limit - std::max(0.0, *current - cache),
-          fmt::format("the memory cgroup's limit less its use, {}", (dir / "memory.max").string()));
+          least, *limit - std::max(0.0, *usage - cache),
+          fmt::format("the memory cgroup's limit less its use, {}", (dir / limit_file).string()));
     }
     if (dir == mount || !dir.has_relative_path() || dir.parent_path() == dir) break;
   }
 }
 
-// cgroup v1: the memory controller's hierarchy, whose memory.stat gives the least limit of
-// the cgroups above as well.
-void cgroup_v1(const HostMemoryFiles& files, std::optional<HostMemory>& least) {
-  const auto dir = cgroup_dir(files, files.cgroup_mount / "memory", /*v2=*/false);
-  if (!dir) return;
-  auto limit = read_number(*dir / "memory.limit_in_bytes");
-  const auto usage = read_number(*dir / "memory.usage_in_bytes");
-  const fs::path stat = *dir / "memory.stat";
-  if (const auto above = read_key(stat, "hierarchical_memory_limit")) {
-    limit = std::min(limit.value_or(*above), *above);
+// cgroup v2: every cgroup from this process's up to the mount that sets memory.max.
+void cgroup_v2(const HostMemoryFiles& files, std::optional<HostMemory>& least) {
+  const fs::path mount = tidy(files.cgroup_mount);
+  if (const auto own = cgroup_dir(files, mount, /*v2=*/true)) {
+    walk_up(*own, mount, "memory.max", "memory.current", "", least);
   }
-  if (!limit || !usage || *limit >= kNoLimit) return;
-  const double cache = read_key(stat, "total_inactive_file").value_or(0.0);
-  keep_least(least, *limit - std::max(0.0, *usage - cache),
-             fmt::format("the memory cgroup's limit less its use, {}",
-                         (*dir / "memory.limit_in_bytes").string()));
+}
+
+// cgroup v1: the memory controller's cgroups from this process's up to the mount (each
+// ancestor's use includes its other children's), and the least limit of those above that are
+// not visible (memory.stat's hierarchical_memory_limit), less this cgroup's use.
+void cgroup_v1(const HostMemoryFiles& files, std::optional<HostMemory>& least) {
+  const fs::path mount = tidy(files.cgroup_mount / "memory");
+  const auto own = cgroup_dir(files, mount, /*v2=*/false);
+  if (!own) return;
+  walk_up(*own, mount, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_", least);
+  const fs::path stat = *own / "memory.stat";
+  const auto above = read_key(stat, "hierarchical_memory_limit");
+  const auto usage = read_number(*own / "memory.usage_in_bytes");
+  if (above && usage && *above < kNoLimit) {
+    keep_least(
+        least, *above - std::max(0.0, *usage - reclaimable(stat, "total_")),
+        fmt::format("the memory cgroup's hierarchical limit less its use, {}", stat.string()));
+  }
 }
 
 }  // namespace

@@ -22,13 +22,13 @@ struct HostMemory {
   std::string source;  // where the figure comes from, for messages
 };
 
-// The least of: MemAvailable in meminfo; for a cgroup v2 memory controller (memory.max), at
-// this process's cgroup and every cgroup above it that has a limit, the limit less what the
-// cgroup uses other than reclaimable page cache (memory.current less memory.stat's
-// inactive_file); for cgroup v1 (memory.limit_in_bytes, memory.stat's
-// hierarchical_memory_limit), the same with memory.usage_in_bytes and total_inactive_file.
-// Where the cgroup's own directory is not visible (a cgroup namespace shows its root at the
-// mount), the mount's files are read. None where no file says.
+// The least of: MemAvailable in meminfo; for each cgroup from this process's up to the mount
+// that sets a memory limit, the limit less what the cgroup uses beyond the page cache the
+// kernel reclaims before it kills (active and inactive file pages): cgroup v2's memory.max,
+// memory.current and memory.stat, v1's memory.limit_in_bytes, memory.usage_in_bytes and
+// memory.stat's total_ figures, and v1's hierarchical_memory_limit for the ones above that are
+// not visible. Where the cgroup's own directory is not visible (a cgroup namespace shows its
+// root at the mount), the mount's files are read. None where no file says.
 std::optional<HostMemory> available_host_memory(const HostMemoryFiles& files = {});
 
 }  // namespace dtsim::exec::cpu

@@ -34,11 +34,16 @@ TrainingTime training_time(const model::ModelSpec& spec, const Plan& plan, std::
       t.asynchronous ? t.checkpoint_bytes / (*snapshot * n) : t.checkpoint_write_s;
   const double young_s = std::sqrt(2.0 * t.checkpoint_blocking_s * t.job_mtbf_s);
   // No more than the run: a run shorter than the interval checkpoints once, at its end.
-  const auto run_steps = std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(t.steps)));
+  // (Counts of steps from doubles, clamped before the cast: absurd token counts or write
+  // rates, which the options accept as finite, would overflow a 64-bit integer.)
+  auto steps_of = [](double x) {
+    return static_cast<std::int64_t>(std::clamp(std::isnan(x) ? 1.0 : x, 1.0, 0x1p62));
+  };
+  const std::int64_t run_steps = steps_of(std::ceil(t.steps));
   const std::int64_t write_steps =
-      t.asynchronous ? static_cast<std::int64_t>(std::ceil(t.checkpoint_write_s / step_time_s)) : 1;
+      t.asynchronous ? steps_of(std::ceil(t.checkpoint_write_s / step_time_s)) : 1;
   t.checkpoint_every_steps = std::clamp<std::int64_t>(
-      std::max<std::int64_t>(std::llround(young_s / step_time_s), write_steps), 1, run_steps);
+      std::max(steps_of(std::round(young_s / step_time_s)), write_steps), 1, run_steps);
   const double interval_s = static_cast<double>(t.checkpoint_every_steps) * step_time_s;
   const double lost_per_interruption_s =
       reliability.restart_s + (t.asynchronous ? 0.5 * interval_s + t.checkpoint_write_s

@@ -159,6 +159,9 @@ struct GradientBucket {
   // The gradients of the following buckets that the backward task filling this one writes as
   // well (its group's ops past the one that filled it): held when it goes out.
   double spill = 0;
+  // It goes out at the end of its chunk's backward (what the chunk's last ops left in the
+  // open buckets: dense and experts' both, with a mixture of experts).
+  bool ends_pass = false;
 };
 // A group of a chunk's ops (-1: the embedding, layers: the head, else a block) and what it
 // keeps of a micro-batch (its blocks' activations; the embedding's and head's are not counted).
@@ -208,8 +211,13 @@ std::vector<GradientBucket> gradient_buckets(const ModelGraph& g, const Plan& pl
         }
       }
     }
+    const std::size_t closed = buckets.size();
     for (const GradientBucket& b : open) {
-      if (b.bytes > 0) buckets.push_back({b.bytes, below, b.embedding, c});
+      if (b.bytes > 0) buckets.push_back({b.bytes, below, b.embedding, c, 0.0, true});
+    }
+    // (A bucket filled exactly by the chunk's last op ends it too.)
+    if (buckets.size() == closed && !buckets.empty() && buckets.back().chunk == c) {
+      buckets.back().ends_pass = true;
     }
   }
   return buckets;
@@ -602,7 +610,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         double largest_last = 0;
         for (std::size_t i = 0; i < buckets.size(); ++i) {
           const GradientBucket& last = buckets[i];
-          if (i + 1 < buckets.size() && buckets[i + 1].chunk == last.chunk) continue;
+          if (!last.ends_pass) continue;
           largest_last = std::max(largest_last, last.bytes);
           for (std::size_t j = 0; j < buckets.size(); ++j) {
             const GradientBucket& first = buckets[j];

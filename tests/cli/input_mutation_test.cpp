@@ -97,50 +97,84 @@ Outcome run_program(const std::vector<std::string>& args, const fs::path& captur
           fmt::format("exit status {:#x} (code {}): {}", status, code, out.substr(0, 2000))};
 }
 
-// Runs `command` with stdout and stderr in a file (read back into the outcome when it ran); a
-// null command runs the dtsim program instead (run_program).
+// While it lives, stdout and stderr (the descriptors and their streams) go to a file; put back
+// however the scope ends.
+class Redirect {
+ public:
+  explicit Redirect(const fs::path& file) {
+    flush();
+    saved_out_ = ::dup(1);
+    saved_err_ = ::dup(2);
+    const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ok_ = saved_out_ >= 0 && saved_err_ >= 0 && fd >= 0 && ::dup2(fd, 1) >= 0 && ::dup2(fd, 2) >= 0;
+    if (fd >= 0) ::close(fd);
+  }
+  ~Redirect() {
+    flush();
+    for (auto [saved, fd] : {std::pair{saved_out_, 1}, std::pair{saved_err_, 2}}) {
+      if (saved >= 0) {
+        ::dup2(saved, fd);
+        ::close(saved);
+      }
+    }
+  }
+  Redirect(const Redirect&) = delete;
+  Redirect& operator=(const Redirect&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  static void flush() {
+    std::cout.flush();
+    std::cerr.flush();
+    std::fflush(nullptr);
+  }
+  int saved_out_ = -1, saved_err_ = -1;
+  bool ok_ = false;
+};
+
+// Runs `command` with stdout and stderr in a file (read back into the outcome where it ran or
+// returned a code); a null command runs the dtsim program instead (run_program). Exit codes as
+// main() gives them: 0 ran, an input error or 2 refused, anything else failed.
 Outcome run(int (*command)(const std::vector<std::string>&), const std::vector<std::string>& args,
             const fs::path& capture) {
   if (command == nullptr) return run_program(args, capture);
-  std::cout.flush();
-  std::cerr.flush();
-  std::fflush(nullptr);
-  const int saved_out = ::dup(1), saved_err = ::dup(2);
-  const int fd = ::open(capture.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  REQUIRE((saved_out >= 0 && saved_err >= 0 && fd >= 0));
-  ::dup2(fd, 1);
-  ::dup2(fd, 2);
-  ::close(fd);
   Outcome outcome;
-  try {
-    command(args);
-  } catch (const dtsim::InputError& e) {
-    outcome = {Outcome::Refused, e.what()};
-  } catch (const dtsim::UnsupportedError& e) {
-    outcome = {Outcome::Refused, e.what()};
-  } catch (const std::exception& e) {
-    outcome = {Outcome::Failed, fmt::format("internal error: {}", e.what())};
+  int code = 0;
+  {
+    const Redirect redirect(capture);
+    if (!redirect.ok()) return {Outcome::Failed, "could not redirect stdout and stderr"};
+    try {
+      code = command(args);
+    } catch (const dtsim::InputError& e) {
+      outcome = {Outcome::Refused, e.what()};
+    } catch (const dtsim::UnsupportedError& e) {
+      outcome = {Outcome::Refused, e.what()};
+    } catch (const std::exception& e) {
+      outcome = {Outcome::Failed, fmt::format("internal error: {}", e.what())};
+    } catch (...) {
+      outcome = {Outcome::Failed, "an exception that is not a std::exception"};
+    }
   }
-  std::cout.flush();
-  std::cerr.flush();
-  std::fflush(nullptr);
-  ::dup2(saved_out, 1);
-  ::dup2(saved_err, 2);
-  ::close(saved_out);
-  ::close(saved_err);
   if (outcome.kind == Outcome::Ran) {
     std::ifstream in(capture);
     std::stringstream text;
     text << in.rdbuf();
     outcome.text = text.str();
+    if (code == 2) outcome.kind = Outcome::Refused;
+    if (code != 0 && code != 2) {
+      outcome = {Outcome::Failed,
+                 fmt::format("returned {}: {}", code, outcome.text.substr(0, 2000))};
+    }
   }
   return outcome;
 }
 
-// A number printed as NaN or infinity ("nan", "inf", "-inf"), as fmt and JSON writers spell
-// them, not inside a word ("Infiniband", "info").
+// A number printed as NaN or infinity ("nan", "-inf", "Infinity", any case), as fmt and
+// iostreams spell them, not inside a word ("InfiniBand", "info"). (JSON output writes them as
+// null, which this cannot tell from a field that is null by design: the checks read tables.)
 bool prints_non_finite(const std::string& text) {
-  static const std::regex word(R"((^|[^A-Za-z_])-?(nan|inf|NaN|Infinity)([^A-Za-z_]|$))");
+  static const std::regex word(R"((^|[^A-Za-z_])-?(nan|inf|infinity)([^A-Za-z_]|$))",
+                               std::regex::icase);
   return std::regex_search(text, word);
 }
 
@@ -163,8 +197,9 @@ void nodes(const json& j, const json::json_pointer& at, std::vector<json::json_p
 // fraction, beyond any range (and past a 64-bit integer), and empty containers.
 const std::vector<json>& wrong_values() {
   static const std::vector<json> values = {
-      json(nullptr), json(-1),   json(0),       json(0.5),      json(1e300),  json(1e19),
-      json("x"),     json(true), json::array(), json::object(), json(-1e300), json(1 << 30)};
+      json(nullptr), json(-1),      json(0),     json(0.5),     json(1e300),
+      json(1e19),    json("x"),     json(true),  json::array(), json::object(),
+      json(-1e300),  json(1 << 30), json(1e-300)};
   return values;
 }
 
@@ -214,6 +249,14 @@ std::optional<std::string> problem(const Outcome& o) {
   return std::nullopt;
 }
 
+// A count of runs and refusals, and the first failures, one a line.
+std::string summary(int runs, int refusals, const std::vector<std::string>& failures) {
+  std::string text =
+      fmt::format("{} runs, {} refusals, {} failures", runs, refusals, failures.size());
+  for (std::size_t i = 0; i < failures.size() && i < 25; ++i) text += "\n" + failures[i];
+  return text;
+}
+
 // Runs every invocation on every mutant of `base` (written to `file` in `scratch`; the
 // invocations name it as `file`'s path) and checks the outcomes. The unchanged input must run.
 void check_mutants(const Scratch& scratch, const std::string& file, const json& base,
@@ -239,11 +282,7 @@ void check_mutants(const Scratch& scratch, const std::string& file, const json& 
       if (o.kind == Outcome::Refused && inv.stop_if_refused) break;
     }
   }
-  std::string shown;
-  for (std::size_t i = 0; i < failures.size() && i < 25; ++i) shown += failures[i] + "\n";
-  INFO(file << ": " << ran << " runs, " << refused << " refusals, " << failures.size()
-            << " failures, the first:\n"
-            << shown);
+  INFO(file << ": " << summary(ran, refused, failures));
   CHECK(failures.empty());
   CHECK(refused > 0);  // the wrong values were read
 }
@@ -453,7 +492,7 @@ TEST_CASE("a mutated trace: validate refuses or runs", "[mutation][trace]") {
                   {"--predicted", other, "--measured", mutated, "--tasks"}},
                  {"validate --predicted",
                   dtsim::cli::cmd_validate,
-                  {"--predicted", mutated, "--measured", other, "--json"}}});
+                  {"--predicted", mutated, "--measured", other}}});
 }
 
 namespace {
@@ -510,8 +549,9 @@ TEST_CASE("every flag of simulate, memory, plan and whatif given a wrong value r
       {"whatif", dtsim::cli::cmd_whatif, with({"--vary", "gpus=8,16", "--tokens", "1e9"})},
   };
   // Values of the wrong kind or range; files written by a flag (--trace, --out) are left out.
-  const std::vector<std::string> values = {"0",   "-1",   "0.5", "1e300", "1e19", "nan",
-                                           "inf", "-inf", "x",   "",      "1,2",  "2147483648"};
+  const std::vector<std::string> values = {"0",    "-1",  "0.5",       "1e300", "1e-300",
+                                           "1e19", "nan", "inf",       "-inf",  "x",
+                                           "",     "1,2", "2147483648"};
   // And the swept inputs of whatif --vary.
   const std::vector<std::string> sweeps = {"gpus=0",
                                            "gpus=x",
@@ -555,11 +595,7 @@ TEST_CASE("every flag of simulate, memory, plan and whatif given a wrong value r
   for (const std::string& sweep : sweeps) {
     check(bases[3], with_flag(bases[3].args, "--vary", sweep), fmt::format("--vary '{}'", sweep));
   }
-  std::string shown;
-  for (std::size_t i = 0; i < failures.size() && i < 25; ++i) shown += failures[i] + "\n";
-  INFO(runs << " runs, " << refusals << " refusals, " << failures.size()
-            << " failures, the first:\n"
-            << shown);
+  INFO(summary(runs, refusals, failures));
   CHECK(failures.empty());
   CHECK(refusals > 0);
 }
@@ -630,11 +666,9 @@ TEST_CASE("random plan combinations simulate or are refused, never an internal e
       (o.kind == Outcome::Ran ? runs : refusals) += 1;
     }
   }
-  std::string shown;
-  for (std::size_t i = 0; i < failures.size() && i < 25; ++i) shown += failures[i] + "\n";
-  INFO(runs << " runs, " << refusals << " refusals, " << failures.size()
-            << " failures, the first:\n"
-            << shown);
+  INFO(summary(runs, refusals, failures));
   CHECK(failures.empty());
-  CHECK(runs > draws / 4);  // most draws are valid plans
+  // Each draw runs two commands; most draws are refused as invalid plans (69 of the 400
+  // simulate), and the check wants a tenth of them at least to run.
+  CHECK(runs / 2 > draws / 10);
 }
