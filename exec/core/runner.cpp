@@ -406,13 +406,14 @@ class Runner {
       // in place first). The loss is the forward's, before this step's update: without
       // --clip-grad (no norm) gradients that overflow show in the next step's loss, after
       // this step's checkpoint. (Replayed communication feeds zeros: its losses mean nothing.)
+      const double loss_now = result.losses.back();
       if (!options_.replay_communication &&
-          !(std::isfinite(result.losses.back()) && std::isfinite(grad_norm))) {
+          !(std::isfinite(loss_now) && std::isfinite(grad_norm))) {
+        const bool loss_bad = !std::isfinite(loss_now);
         throw InputError(fmt::format(
             "step {}: the {} is not finite ({}): training diverged; a smaller --lr (its peak "
             "is {:g}) or --clip-grad may keep it finite",
-            done, std::isfinite(result.losses.back()) ? "gradient norm" : "loss",
-            std::isfinite(result.losses.back()) ? grad_norm : result.losses.back(),
+            done, loss_bad ? "loss" : "gradient norm", loss_bad ? loss_now : grad_norm,
             options_.lr.max_lr));
       }
       if (!options_.checkpoint_dir.empty() &&

@@ -42,8 +42,8 @@ TrainingTime training_time(const model::ModelSpec& spec, const Plan& plan, std::
   const std::int64_t run_steps = steps_of(std::ceil(t.steps));
   const std::int64_t write_steps =
       t.asynchronous ? steps_of(std::ceil(t.checkpoint_write_s / step_time_s)) : 1;
-  t.checkpoint_every_steps = std::clamp<std::int64_t>(
-      std::max(steps_of(std::round(young_s / step_time_s)), write_steps), 1, run_steps);
+  t.checkpoint_every_steps =
+      std::min(std::max(steps_of(std::round(young_s / step_time_s)), write_steps), run_steps);
   const double interval_s = static_cast<double>(t.checkpoint_every_steps) * step_time_s;
   const double lost_per_interruption_s =
       reliability.restart_s + (t.asynchronous ? 0.5 * interval_s + t.checkpoint_write_s

@@ -607,14 +607,18 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       const bool forward_between = plan.micro_batches() * v > in_flight(plan, stage);
       const bool last_stage = stage == plan.pp - 1;
       if (plan.micro_batches() * v > 1 && (forward_between || last_stage)) {
-        double largest_last = 0;
+        // A chunk's first bucket starts its list; its last ones end its pass.
+        std::vector<const GradientBucket*> firsts, lasts;
         for (std::size_t i = 0; i < buckets.size(); ++i) {
-          const GradientBucket& last = buckets[i];
-          if (!last.ends_pass) continue;
+          if (i == 0 || buckets[i - 1].chunk != buckets[i].chunk) firsts.push_back(&buckets[i]);
+          if (buckets[i].ends_pass) lasts.push_back(&buckets[i]);
+        }
+        double largest_last = 0;
+        for (const GradientBucket* last_bucket : lasts) {
+          const GradientBucket& last = *last_bucket;
           largest_last = std::max(largest_last, last.bytes);
-          for (std::size_t j = 0; j < buckets.size(); ++j) {
-            const GradientBucket& first = buckets[j];
-            if (j > 0 && buckets[j - 1].chunk == first.chunk) continue;
+          for (const GradientBucket* first_bucket : firsts) {
+            const GradientBucket& first = *first_bucket;
             consider_without_bucket(
                 {"a backward pass's last gradient bucket's reduce-scatter as the next pass "
                  "fills its first",

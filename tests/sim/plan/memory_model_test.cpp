@@ -53,6 +53,30 @@ double mlp_backward_grads(const ModelGraph& g) {
   return bytes;
 }
 
+// cpu-small (micro-batch 4, sequence 128, fp32; about 3.7 M parameters, 14 MiB of fp32
+// gradients: one 25 MiB bucket of them all) on cpu-host at dp 2, as bench/memory_validation.sh
+// runs it, and its memory without a framework allowance.
+struct CpuSmallDp2 {
+  ModelGraph graph{load_model("cpu-small"), 4, 128};
+  dtsim::cluster::Cluster cluster =
+      dtsim::cluster::with_devices(dtsim::cluster::load_cluster("cpu-host"), 2);
+  Plan plan = [] {
+    Plan p;
+    p.dp = 2;
+    p.micro_batch_size = 4;
+    p.global_batch_size = 8;
+    p.seq_len = 128;
+    p.precision = Precision::Fp32;
+    return p;
+  }();
+  // (Memory per rank needs only the device: the cluster may have fewer of them than `q`.)
+  dtsim::plan::MemoryReport memory(const Plan& q) const {
+    dtsim::plan::MemoryOptions none;
+    none.framework_overhead_bytes = 0;
+    return estimate_memory(graph, q, cluster, none);
+  }
+};
+
 }  // namespace
 
 TEST_CASE("ZeRO Table 1: model-state memory per device, every row", "[plan][memory][zero]") {
@@ -115,26 +139,15 @@ TEST_CASE("gradients take the plan's gradient precision, fp32 with bf16 by defau
 
 TEST_CASE("ZeRO-2 holds a bucket of full gradients and, at its reduce-scatter, their copy",
           "[plan][memory]") {
-  // cpu-small (about 3.7 M parameters, 14 MiB of fp32 gradients: less than a 25 MiB bucket, so
-  // one bucket of them all) on two ranks. Its reduce-scatter, once the backward has freed the
+  // cpu-small's one bucket on two ranks. Its reduce-scatter, once the backward has freed the
   // micro-batch's activations, holds the full gradients and the packed copy dtexec sends:
   // with full recompute (little kept) that is the peak.
-  const auto spec = load_model("cpu-small");
-  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("cpu-host"), 2);
-  Plan p;
-  p.dp = 2;
-  p.micro_batch_size = 4;
-  p.global_batch_size = 8;
-  p.seq_len = 128;
-  p.precision = Precision::Fp32;
-  const ModelGraph g(spec, 4, 128);
-  dtsim::plan::MemoryOptions none;
-  none.framework_overhead_bytes = 0;
+  const CpuSmallDp2 base;
   auto other = [&](int zero, Recompute r) {
-    Plan q = p;
+    Plan q = base.plan;
     q.zero_stage = zero;
     q.recompute = r;
-    return dtsim::plan::estimate_memory(g, q, cluster, none).worst();
+    return base.memory(q).worst();
   };
   const auto full = other(2, Recompute::Full);
   const double grads = 2.0 * full.gradients_bytes;  // the unsharded fp32 gradients
@@ -164,22 +177,14 @@ TEST_CASE("ZeRO-2's last reduce-scatter of a micro-batch may run through the nex
   // reduce-scatter (its packed copy and reduced half) is still in flight as the second's
   // forward ends (bench/memory_validation.sh: 101.8 MiB measured, 101.7 predicted); with one
   // micro-batch there is no such forward.
-  const auto spec = load_model("cpu-small");
-  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("cpu-host"), 2);
-  Plan p;
-  p.dp = 2;
+  const CpuSmallDp2 base;
+  Plan p = base.plan;
   p.zero_stage = 2;
-  p.micro_batch_size = 4;
-  p.seq_len = 128;
-  p.precision = Precision::Fp32;
-  const ModelGraph g(spec, 4, 128);
-  dtsim::plan::MemoryOptions none;
-  none.framework_overhead_bytes = 0;
   auto memory = [&](std::int64_t global_batch, Schedule schedule) {
     Plan q = p;
     q.global_batch_size = global_batch;
     q.schedule = schedule;
-    return dtsim::plan::estimate_memory(g, q, cluster, none).worst();
+    return base.memory(q).worst();
   };
   const auto one = memory(8, Schedule::OneFOneB);
   const auto two = memory(16, Schedule::OneFOneB);
@@ -198,12 +203,10 @@ TEST_CASE("ZeRO-2's last reduce-scatter of a micro-batch may run through the nex
   // meanwhile): no moment of the kind; with four, a forward runs between them.
   Plan q = p;
   q.pp = 2;
-  q.micro_batch_size = 4;
   auto stage0 = [&](std::int64_t global_batch) {
     Plan r = q;
     r.global_batch_size = global_batch;
-    // (Memory per rank needs only the device: the cluster may have fewer of them.)
-    return dtsim::plan::estimate_memory(g, r, cluster, none).stages.at(0);
+    return base.memory(r).stages.at(0);
   };
   const std::string crossing =
       "a backward pass's last gradient bucket's reduce-scatter as the next pass fills its first";
