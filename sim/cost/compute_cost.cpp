@@ -252,6 +252,20 @@ double ComputeCost::codec_seconds(std::uint64_t uncompressed, std::uint64_t comp
   return 2.0 * static_cast<double>(uncompressed + compressed) / hbm_bw_ + 2 * launch_s_;
 }
 
+double ComputeCost::staging_seconds(lower::CollectiveKind kind, std::uint64_t bytes,
+                                    std::int64_t ranks) const {
+  if (ranks <= 1) return 0;
+  const double b = static_cast<double>(bytes), slice = b / static_cast<double>(ranks);
+  switch (kind) {
+    case lower::CollectiveKind::AllGather:
+      return 2 * (slice + b) / hbm_bw_ + 2 * launch_s_;
+    case lower::CollectiveKind::ReduceScatter:
+      return (2 * b + 3 * slice) / hbm_bw_ + 2 * launch_s_;
+    default:
+      return 0;
+  }
+}
+
 double ComputeCost::task_seconds(const lower::Task& task) {
   DTSIM_ASSERT(task.kind == lower::TaskKind::Compute, "task_seconds needs a compute task");
   if (task.phase == Phase::Optimizer) return optimizer_seconds(task.params);

@@ -52,6 +52,17 @@ class ComputeCost {
   // write the compressed ones) and decompress the result (the converse), memory-bound passes
   // at the device's (or the profile's) memory bandwidth, two kernels.
   double codec_seconds(std::uint64_t uncompressed, std::uint64_t compressed) const;
+  // ZeRO's data-parallel collectives staged through contiguous buffers, as dtexec and PyTorch
+  // FSDP2 (all_gather copy-in / copy-out, chunk_cat before its reduce-scatter) stage them: a
+  // weight all-gather of `bytes` (the gathered size) over `ranks` copies this rank's slices in
+  // (reads and writes bytes / ranks) and the gathered tensors out to their places (reads and
+  // writes bytes); a gradient reduce-scatter packs the bucket (reads and writes bytes) and
+  // adds the reduced slice into the rank's accumulator (reads 2 bytes / ranks, writes bytes /
+  // ranks). Memory-bound passes at the device's (or the profile's) memory bandwidth, two
+  // kernels; 0 for other kinds. (Megatron-LM's distributed optimizer reduces and gathers in
+  // place in its contiguous buffers, without these passes; on a GPU they are a few percent
+  // of an NVLink collective's time, on CPU ranks over shared memory as long as it.)
+  double staging_seconds(lower::CollectiveKind kind, std::uint64_t bytes, std::int64_t ranks) const;
 
   // FLOPs of one op in one phase on one rank (for reports): the counted ones.
   double op_flops(const model::Op& op, lower::Phase phase) const;

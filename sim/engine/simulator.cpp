@@ -27,15 +27,20 @@ class ModelDurations final : public Durations {
       : compute_(compute), network_(network), measured_(measured) {}
   double compute_s(const lower::Task& task) override { return compute_.task_seconds(task); }
   double collective_s(const lower::Group& group, const lower::Task& task) override {
-    // A compressed gradient reduction also runs its codec (plan.grad_compression).
-    const double codec = task.uncompressed_bytes > 0
-                             ? compute_.codec_seconds(task.uncompressed_bytes, task.bytes)
-                             : 0.0;
-    if (const auto s = measured(static_cast<int>(task.collective),
-                                static_cast<int>(group.ranks.size()), task.bytes)) {
-      return *s + codec;
+    // A compressed gradient reduction also runs its codec (plan.grad_compression), which
+    // packs and unpacks it; ZeRO's uncompressed ones are staged (ComputeCost::staging_seconds).
+    const auto ranks = static_cast<std::int64_t>(group.ranks.size());
+    double memory = 0;
+    if (task.uncompressed_bytes > 0) {
+      memory = compute_.codec_seconds(task.uncompressed_bytes, task.bytes);
+    } else if (group.kind == lower::GroupKind::Dp || group.kind == lower::GroupKind::ExpertDp) {
+      memory = compute_.staging_seconds(task.collective, task.bytes, ranks);
     }
-    return network_.collective_s(group, task.collective, task.bytes) + codec;
+    if (const auto s =
+            measured(static_cast<int>(task.collective), static_cast<int>(ranks), task.bytes)) {
+      return *s + memory;
+    }
+    return network_.collective_s(group, task.collective, task.bytes) + memory;
   }
   double p2p_s(std::int64_t src, std::int64_t dst, std::uint64_t bytes) override {
     if (const auto s = measured(kSendRecv, 2, bytes)) return *s;

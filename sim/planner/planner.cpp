@@ -282,10 +282,15 @@ class Estimator {
           expert ? lower::GroupKind::ExpertDp : lower::GroupKind::Dp,
           expert ? placement.expert_gradient_group(0) : placement.gradient_group(0),
           {0}};
+      // A collective over the group with its staging passes, as the simulator times it.
+      const auto dp_s = [&](CollectiveKind kind, std::uint64_t bytes) {
+        return net_->collective_s(grp, kind, bytes) +
+               cost.staging_seconds(kind, bytes, static_cast<std::int64_t>(size));
+      };
       const auto grads = static_cast<std::uint64_t>(params * bytes_per.gradients);
       const auto bucket = std::min<std::uint64_t>(grads, 25ULL << 20);
-      const double all = net_->collective_s(grp, reduce, grads);
-      const double last = net_->collective_s(grp, reduce, bucket);
+      const double all = dp_s(reduce, grads);
+      const double last = dp_s(reduce, bucket);
       // Stragglers on the dp stream: the first bucket of a reduction waits for the compute
       // since the group's previous one (the step's, or with ZeRO-2/3 a micro-batch's), which the
       // stage's backward pass of that micro-batch (every chunk's) can hide; the later buckets
@@ -305,11 +310,11 @@ class Estimator {
         // A block's gather during the forward of the block before it (lowering: the units of
         // the first forward passes), the first one exposed.
         const double units = std::max(1.0, static_cast<double>(m.layers) / p.pp);
-        const double gather = net_->collective_s(grp, CollectiveKind::AllGather,
-                                                 static_cast<std::uint64_t>(weights / units));
+        const double gather =
+            dp_s(CollectiveKind::AllGather, static_cast<std::uint64_t>(weights / units));
         b.exposed_dp_s += gather + (units - 1) * std::max(0.0, gather - stage_f / units);
       } else if (p.zero_stage == 1 || p.zero_stage == 2) {
-        b.exposed_dp_s += net_->collective_s(grp, CollectiveKind::AllGather, weights);
+        b.exposed_dp_s += dp_s(CollectiveKind::AllGather, weights);
       }
       if (p.zero_stage == 3 && !expert) {
         // One gather per unit (a block; zero-bubble: a chunk) and pass, 2 passes per
@@ -319,8 +324,8 @@ class Estimator {
         const double units = p.schedule == Schedule::ZeroBubble
                                  ? 1.0
                                  : std::max(1.0, static_cast<double>(m.layers) / (p.pp * v));
-        const double gather = net_->collective_s(grp, CollectiveKind::AllGather,
-                                                 static_cast<std::uint64_t>(weights / v / units));
+        const double gather =
+            dp_s(CollectiveKind::AllGather, static_cast<std::uint64_t>(weights / v / units));
         const double unit = std::min(stage_f, stage_b) / v / units;
         const double passes = 2 * mb * v * units;
         b.exposed_dp_s += gather + (passes - 1) * std::max(0.0, gather - unit);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "sim/cost/compute_cost.hpp"
 #include "sim/lower/lowering.hpp"
 #include "tests/test_util.hpp"
 
@@ -365,4 +366,67 @@ TEST_CASE("an overlapped ZeRO weight gather hides behind the forward", "[engine]
   CHECK(overlapped.breakdown.exposed_dp_s < 0.5 * plain.breakdown.exposed_dp_s);
   CHECK(overlapped.step_time_s < plain.step_time_s);
   CHECK(overlapped.model_flops == plain.model_flops);
+}
+
+TEST_CASE("ZeRO's gathers and reduce-scatters pay their staging copies, an all-reduce none",
+          "[engine][zero]") {
+  // Llama 2 7B at dp 32 on the default cluster: each data-parallel collective lasts
+  // the network's time plus ComputeCost::staging_seconds, which is 0 for ZeRO-0's in-place
+  // all-reduce and, for ZeRO's, memory passes over the gathered or reduced bytes and their
+  // slice.
+  const auto spec = dtsim::model::load_model("llama2-7b");
+  const auto cluster = dtsim::cluster::load_cluster("default");
+  const auto dev = cluster.device;
+  const double bw = dev.memory_bw_bytes_per_s.value * dev.efficiency.memory_bw.value;
+  const double launch = dev.efficiency.launch_overhead_s.value;
+  for (const int stage : {0, 1, 2, 3}) {
+    INFO("ZeRO-" << stage);
+    Plan p = blank();
+    p.zero_stage = stage;
+    p.global_batch_size = 64;
+    const auto sim = run("llama2-7b", "default", p);
+    const auto net = dtsim::network::make_analytical(cluster);
+    const dtsim::model::ModelGraph g = dtsim::plan::graph_of(spec, sim.program.plan);
+    const dtsim::cost::ComputeCost cost(g, sim.program.plan, dev);
+    int gathers = 0, reductions = 0;
+    const auto& tasks = sim.program.ranks[0].tasks;
+    for (std::size_t i = 0; i < tasks.size(); ++i) {
+      const auto& t = tasks[i];
+      if (t.kind != dtsim::lower::TaskKind::Collective || t.stream != dtsim::lower::Stream::Dp)
+        continue;
+      INFO(t.label);
+      const auto& group = sim.program.groups.at(static_cast<std::size_t>(t.group));
+      const double b = static_cast<double>(t.bytes);
+      const auto n = static_cast<std::int64_t>(group.ranks.size());
+      REQUIRE(n == 32);
+      double staging = 0;
+      if (t.collective == dtsim::lower::CollectiveKind::AllGather) {
+        staging = 2 * (b / 32 + b) / bw + 2 * launch;  // copy-in of the slice, copy-out of all
+        ++gathers;
+      } else if (t.collective == dtsim::lower::CollectiveKind::ReduceScatter) {
+        staging = (2 * b + 3 * b / 32) / bw + 2 * launch;  // pack, then add the slice
+        ++reductions;
+      } else {
+        REQUIRE(t.collective == dtsim::lower::CollectiveKind::AllReduce);
+        CHECK(stage == 0);
+      }
+      CHECK(cost.staging_seconds(t.collective, t.bytes, n) == Approx(staging).epsilon(1e-12));
+      const auto& time = sim.timeline.tasks[0][i];
+      CHECK(time.end_s - time.start_s ==
+            Approx(net->collective_s(group, t.collective, t.bytes) + staging).epsilon(1e-9));
+    }
+    if (stage == 0) {
+      CHECK(gathers == 0);
+      CHECK(reductions == 0);
+    } else {
+      CHECK(reductions > 0);
+      // ZeRO-1/2: the updated weights at once; ZeRO-3: each block's, in both passes of both
+      // micro-batches.
+      if (stage == 3) {
+        CHECK(gathers > 2 * 2 * 32);
+      } else {
+        CHECK(gathers == 1);
+      }
+    }
+  }
 }
