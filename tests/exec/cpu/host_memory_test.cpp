@@ -15,6 +15,10 @@ namespace {
 
 constexpr double kGiB = 1024.0 * 1024 * 1024;
 
+std::string bytes(double gib) {
+  return std::to_string(static_cast<long long>(gib * kGiB)) + "\n";
+}
+
 // A fake /proc and /sys/fs/cgroup under a temporary folder, removed with the object.
 class FakeHost {
  public:
@@ -44,15 +48,22 @@ class FakeHost {
                          std::to_string(static_cast<long long>(gib * 1024 * 1024)) + " kB\n");
   }
 
+  // A cgroup v2 folder under the mount: its limit file's text and what it uses.
+  void cgroup_v2(const std::string& path, const std::string& max, double current_gib) const {
+    write("sys/" + path + "/memory.max", max);
+    write("sys/" + path + "/memory.current", bytes(current_gib));
+  }
+  // A cgroup v1 memory controller's folder: its limit file's text and what it uses.
+  void cgroup_v1(const std::string& path, const std::string& limit, double usage_gib) const {
+    write("sys/memory/" + path + "/memory.limit_in_bytes", limit);
+    write("sys/memory/" + path + "/memory.usage_in_bytes", bytes(usage_gib));
+  }
+
   HostMemoryFiles files;
 
  private:
   fs::path root_;
 };
-
-std::string bytes(double gib) {
-  return std::to_string(static_cast<long long>(gib * kGiB)) + "\n";
-}
 
 }  // namespace
 
@@ -61,10 +72,8 @@ TEST_CASE("host memory: MemAvailable where no cgroup limits the process", "[host
   host.meminfo(20);
   // cgroup v2 at the mount without a limit ("max"), and v1's "no limit" value.
   host.write("cgroup", "0::/user.slice\n4:memory:/user.slice\n");
-  host.write("sys/user.slice/memory.max", "max\n");
-  host.write("sys/user.slice/memory.current", bytes(3));
-  host.write("sys/memory/user.slice/memory.limit_in_bytes", "9223372036854771712\n");
-  host.write("sys/memory/user.slice/memory.usage_in_bytes", bytes(3));
+  host.cgroup_v2("user.slice", "max\n", 3);
+  host.cgroup_v1("user.slice", "9223372036854771712\n", 3);
   const auto m = available_host_memory(host.files);
   REQUIRE(m);
   CHECK(m->bytes == Approx(20 * kGiB));
@@ -76,8 +85,7 @@ TEST_CASE("host memory: a cgroup v2 limit less what the cgroup uses beyond its f
   FakeHost host("v2");
   host.meminfo(20);
   host.write("cgroup", "0::/docker/abc\n");
-  host.write("sys/docker/abc/memory.max", bytes(8));
-  host.write("sys/docker/abc/memory.current", bytes(3));
+  host.cgroup_v2("docker/abc", bytes(8), 3);
   host.write("sys/docker/abc/memory.stat",
              "anon 1000\nfile 2000\ninactive_file " + bytes(1) + "active_file " + bytes(0.5));
   auto m = available_host_memory(host.files);
@@ -86,8 +94,7 @@ TEST_CASE("host memory: a cgroup v2 limit less what the cgroup uses beyond its f
   CHECK(m->source.find("docker/abc/memory.max") != std::string::npos);
 
   // A tighter limit above it applies as well.
-  host.write("sys/docker/memory.max", bytes(5));
-  host.write("sys/docker/memory.current", bytes(4));
+  host.cgroup_v2("docker", bytes(5), 4);
   m = available_host_memory(host.files);
   REQUIRE(m);
   CHECK(m->bytes == Approx(1 * kGiB));
@@ -105,8 +112,7 @@ TEST_CASE("host memory: a cgroup namespace's root at the mount", "[host_memory]"
   host.meminfo(20);
   // Inside a cgroup namespace the process's own cgroup is "/" (or a path not under the mount).
   host.write("cgroup", "0::/\n");
-  host.write("sys/memory.max", bytes(4));
-  host.write("sys/memory.current", bytes(1));
+  host.cgroup_v2("", bytes(4), 1);
   auto m = available_host_memory(host.files);
   REQUIRE(m);
   CHECK(m->bytes == Approx(3 * kGiB));
@@ -122,8 +128,7 @@ TEST_CASE("host memory: a cgroup v1 limit, the least of its own and the hierarch
   FakeHost host("v1");
   host.meminfo(20);
   host.write("cgroup", "9:pids:/job\n4:cpuacct,memory:/job\n0::/\n");
-  host.write("sys/memory/job/memory.limit_in_bytes", bytes(10));
-  host.write("sys/memory/job/memory.usage_in_bytes", bytes(4));
+  host.cgroup_v1("job", bytes(10), 4);
   host.write("sys/memory/job/memory.stat", "cache 100\nhierarchical_memory_limit " +
                                                std::to_string(7 * 1024LL * 1024 * 1024) +
                                                "\ntotal_inactive_file " + bytes(2));
@@ -134,10 +139,8 @@ TEST_CASE("host memory: a cgroup v1 limit, the least of its own and the hierarch
 
   // A visible parent whose other children use most of its limit leaves less.
   host.write("cgroup", "4:memory:/slurm/job\n");
-  host.write("sys/memory/slurm/job/memory.limit_in_bytes", bytes(10));
-  host.write("sys/memory/slurm/job/memory.usage_in_bytes", bytes(1));
-  host.write("sys/memory/slurm/memory.limit_in_bytes", bytes(6));
-  host.write("sys/memory/slurm/memory.usage_in_bytes", bytes(5));
+  host.cgroup_v1("slurm/job", bytes(10), 1);
+  host.cgroup_v1("slurm", bytes(6), 5);
   m = available_host_memory(host.files);
   REQUIRE(m);
   CHECK(m->bytes == Approx(1 * kGiB));
@@ -150,8 +153,7 @@ TEST_CASE("host memory: none where no file says, and unreadable figures are igno
   CHECK(!available_host_memory(host.files));
   host.write("meminfo", "MemTotal: 100 kB\n");
   host.write("cgroup", "0::/x\n");
-  host.write("sys/x/memory.max", "lots\n");
-  host.write("sys/x/memory.current", bytes(1));
+  host.cgroup_v2("x", "lots\n", 1);
   CHECK(!available_host_memory(host.files));
   host.meminfo(2);
   const auto m = available_host_memory(host.files);
