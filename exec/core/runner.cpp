@@ -73,7 +73,11 @@ struct Param {
   View data, m, v;
   View work;
   bool separate_work = false;  // work is a copy of data in the activation type
-  View shard;                  // ZeRO-3: this rank's dp slice of the fp32 master
+  // Of a separate working copy, only it is read (a GEMM's weight, not a tied embedding table,
+  // whose fp32 rows the embedding reads): ZeRO gathers it in the activation type, and ZeRO-3
+  // makes no full fp32 copy of it.
+  bool work_only = false;
+  View shard;  // ZeRO-3: this rank's dp slice of the fp32 master
   // Without ZeRO, and at ZeRO-1: a view into the rank's one gradient buffer, where the tensors
   // lie in (op, weight/bias) order: a dp bucket (a range of ops) is one contiguous piece,
   // reduced in place. ZeRO-2/3: a buffer of its own while it exists (empty otherwise).
@@ -644,6 +648,7 @@ class Runner {
                             (op.kind == OpKind::Embedding && m_.tied_embeddings))) ||
             (which % 2 == 0 && (op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown));
         p.separate_work = dev_.activations() != Dtype::F32 && gemm_weight;
+        p.work_only = p.separate_work && op.kind != OpKind::Embedding;
         if (zero3_) {
           p.shard = dev_.allocate(own, Dtype::F32);
           dev_.upload(p.shard, values.data() + p.own_begin);
@@ -1746,35 +1751,52 @@ class Runner {
   }
 
   // Every dp rank's updated slice of `params`, gathered into the full weights (ZeRO-3: into
-  // buffers made here, which live to the last compute task that reads them). With `local`
-  // (--only-rank) the other slices stay zeros.
+  // buffers made here, which live to the last compute task that reads them). A tensor of which
+  // only the working copy is read (Param::work_only) is gathered in the activation type straight
+  // into it, as Megatron-LM and FSDP2 gather 16-bit weights (half the bytes of its fp32
+  // master); the others in fp32, their working copies cast after. With `local` (--only-rank)
+  // the other slices stay zeros.
   void gather_weights(const lower::Task& task, const std::vector<Param*>& params,
                       bool local = false) {
     if (!sharded_) return;
     if (zero3_) {
       // Written whole below (every rank's slice), except with `local`, whose other slices
       // stay zeros.
+      const auto make = [&](std::int64_t n, Dtype type) {
+        return local ? dev_.allocate(n, type) : dev_.allocate_for_overwrite(n, type);
+      };
       for (Param* p : params) {
-        if (!p->data.empty()) continue;
-        p->data =
-            local ? dev_.allocate(p->n, Dtype::F32) : dev_.allocate_for_overwrite(p->n, Dtype::F32);
-        p->work =
-            p->separate_work ? dev_.allocate_for_overwrite(p->n, dev_.activations()) : p->data;
+        if (!p->work.empty()) continue;
+        if (!p->work_only) p->data = make(p->n, Dtype::F32);
+        p->work = p->separate_work ? make(p->n, dev_.activations()) : p->data;
       }
     }
+    // Where a gather puts a tensor, and its copy of this rank's master slice into a view.
+    const auto gathered = [](const Param& p) { return p.work_only ? p.work : p.data; };
+    const auto copy_in = [this](const Param& p, View to, View from) {
+      if (p.work_only) {
+        dev_.cast(to, from);
+      } else {
+        dev_.copy(to, from);
+      }
+    };
     if (local) {
-      for (Param* p : params) dev_.copy(p->data.sub(p->own_begin, p->shard.size()), p->shard);
-      for (Param* p : params) refresh_work(*p);
+      for (Param* p : params) {
+        copy_in(*p, gathered(*p).sub(p->own_begin, p->shard.size()), p->shard);
+      }
+      for (Param* p : params) {
+        if (!p->work_only) refresh_work(*p);
+      }
       return;
     }
-    // In chunks of at most a gradient bucket's bytes (plan::kGradientBucketBytes, fp32), as
+    // In chunks of at most a gradient bucket's bytes (plan::kGradientBucketBytes), as
     // DeepSpeed gathers in buckets of allgather_bucket_size (Megatron-LM gathers in place into
     // its contiguous buffer): the packed copy of the rank's slices and the gathered chunk are
     // all the memory the gather adds, whatever the model's size (one gather of every updated
     // weight held 1.5x the weights: GPT-2 124M's 712 MiB at dp 2). A tensor larger than a
-    // chunk goes in parts: part i of P of every rank's slice of it.
+    // chunk goes in parts: part i of P of every rank's slice of it. The fp32 tensors go first,
+    // then those gathered in the activation type (one type per collective).
     const auto [shards, me] = shards_of(task);
-    const auto budget = static_cast<std::int64_t>(plan::kGradientBucketBytes / sizeof(float));
     struct Slab {
       Param* p;
       std::int64_t i, of;
@@ -1785,53 +1807,60 @@ class Runner {
       const std::int64_t b = n * r / shards, length = n * (r + 1) / shards - b;
       return std::pair{b + length * part.i / part.of, b + length * (part.i + 1) / part.of};
     };
-    std::vector<Slab> chunk;
-    std::int64_t chunk_size = 0;
-    const auto flush = [&] {
-      if (chunk.empty()) return;
-      std::vector<std::int64_t> wide(static_cast<std::size_t>(shards), 0);
-      for (const Slab& part : chunk) {
-        for (int r = 0; r < shards; ++r) {
-          const auto [b, e] = range(part, r);
-          wide[static_cast<std::size_t>(r)] += e - b;
-        }
-      }
-      const std::vector<int> counts = collective_counts(wide, "ZeRO weight all-gather");
-      const View mine =
-          dev_.allocate_for_overwrite(counts[static_cast<std::size_t>(me)], Dtype::F32);
-      const View all = dev_.allocate_for_overwrite(
-          std::accumulate(wide.begin(), wide.end(), std::int64_t{0}), Dtype::F32);
-      std::int64_t at = 0;
-      for (const Slab& part : chunk) {
-        const auto [b, e] = range(part, me);
-        dev_.copy(mine.sub(at, e - b), master_slice(*part.p).sub(b - part.p->own_begin, e - b));
-        at += e - b;
-      }
-      comm_.all_gather(task.group, mine, all, counts);
-      at = 0;
-      for (int r = 0; r < shards; ++r) {
+    for (const bool work : {false, true}) {
+      const Dtype type = work ? dev_.activations() : Dtype::F32;
+      const auto budget = static_cast<std::int64_t>(plan::kGradientBucketBytes / bytes_of(type));
+      std::vector<Slab> chunk;
+      std::int64_t chunk_size = 0;
+      const auto flush = [&] {
+        if (chunk.empty()) return;
+        std::vector<std::int64_t> wide(static_cast<std::size_t>(shards), 0);
         for (const Slab& part : chunk) {
-          const auto [b, e] = range(part, r);
-          dev_.copy(part.p->data.sub(b, e - b), all.sub(at, e - b));
+          for (int r = 0; r < shards; ++r) {
+            const auto [b, e] = range(part, r);
+            wide[static_cast<std::size_t>(r)] += e - b;
+          }
+        }
+        const std::vector<int> counts = collective_counts(wide, "ZeRO weight all-gather");
+        const View mine = dev_.allocate_for_overwrite(counts[static_cast<std::size_t>(me)], type);
+        const View all = dev_.allocate_for_overwrite(
+            std::accumulate(wide.begin(), wide.end(), std::int64_t{0}), type);
+        std::int64_t at = 0;
+        for (const Slab& part : chunk) {
+          const auto [b, e] = range(part, me);
+          copy_in(*part.p, mine.sub(at, e - b),
+                  master_slice(*part.p).sub(b - part.p->own_begin, e - b));
           at += e - b;
         }
+        comm_.all_gather(task.group, mine, all, counts);
+        at = 0;
+        for (int r = 0; r < shards; ++r) {
+          for (const Slab& part : chunk) {
+            const auto [b, e] = range(part, r);
+            dev_.copy(gathered(*part.p).sub(b, e - b), all.sub(at, e - b));
+            at += e - b;
+          }
+        }
+        dev_.release(mine);
+        dev_.release(all);
+        chunk.clear();
+        chunk_size = 0;
+      };
+      for (Param* p : params) {
+        if (p->work_only != work) continue;
+        const std::int64_t parts = std::max<std::int64_t>(1, (p->n + budget - 1) / budget);
+        for (std::int64_t i = 0; i < parts; ++i) {
+          const std::int64_t size = p->n * (i + 1) / parts - p->n * i / parts;
+          if (chunk_size + size > budget) flush();
+          chunk.push_back({p, i, parts});
+          chunk_size += size;
+        }
       }
-      dev_.release(mine);
-      dev_.release(all);
-      chunk.clear();
-      chunk_size = 0;
-    };
-    for (Param* p : params) {
-      const std::int64_t parts = std::max<std::int64_t>(1, (p->n + budget - 1) / budget);
-      for (std::int64_t i = 0; i < parts; ++i) {
-        const std::int64_t size = p->n * (i + 1) / parts - p->n * i / parts;
-        if (chunk_size + size > budget) flush();
-        chunk.push_back({p, i, parts});
-        chunk_size += size;
-      }
+      flush();
     }
-    flush();
-    for (Param* p : params) refresh_work(*p);
+    for (Param* p : params) {
+      if (!p->work_only) refresh_work(*p);
+    }
   }
 
   // Context parallelism (the lowering's all-gather variant, as Llama 3's): before an attention

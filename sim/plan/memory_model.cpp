@@ -646,8 +646,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // After the optimizer step every rank gathers the others' updated weights (its
       // activations freed, ZeRO-2's full gradients gone): the packed copy of its slices and
       // the gathered chunk, fp32 masters in chunks of a bucket's bytes, as dtexec gathers them
-      // (DeepSpeed gathers in buckets too; Megatron-LM gathers in place into its contiguous
-      // buffer, without either).
+      // on CPU ranks (on its bf16 path a linear layer's weights go as their 16-bit copies, in
+      // chunks of the same bytes: an upper bound there; DeepSpeed gathers in buckets too;
+      // Megatron-LM gathers in place into its contiguous buffer, without either).
       const double chunk =
           std::min(static_cast<double>(kGradientBucketBytes), (dense_params + expert_params) * 4.0);
       consider_without_bucket(

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -477,6 +478,55 @@ TEST_CASE("a device's memory is not handed to a backend that moves host memory o
                                   dtsim::UnsupportedError,
                                   "2 ranks on cpu-bf16-emulation: this communication backend "
                                   "moves host memory only");
+}
+
+namespace {
+
+// Rank 0 of a data-parallel pair, its peer a stand-in: the elements each all-gather fills, by
+// type.
+class GatherRecordingComm final : public HostOnlyComm {
+ public:
+  std::map<dtsim::exec::Dtype, std::int64_t> gathered;
+  void all_gather(int, dtsim::exec::View, dtsim::exec::View out, std::span<const int>) override {
+    gathered[out.type] += out.n;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("ZeRO gathers the GEMMs' weights in the activation type and the rest in fp32",
+          "[exec][runner]") {
+  // tiny-gpt at dp 2 on the bf16 path: the step's all-gather of updated weights (ZeRO-1) and
+  // ZeRO-3's gathers before each pass move a linear layer's weight as its 16-bit working copy
+  // (Megatron-LM's and FSDP2's 16-bit weights, half the bytes of the fp32 master), and the
+  // tensors read in fp32 (the tied embedding table, positions, norms, biases) in fp32.
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const auto C = static_cast<std::int64_t>(spec.hidden);
+  const auto F = static_cast<std::int64_t>(spec.ffn_hidden);
+  const std::int64_t gemm = spec.layers * (4 * C * C + 2 * C * F);  // qkv, out, up, down
+  const auto all = static_cast<std::int64_t>(dtsim::model::count_params(spec));
+  for (const int stage : {1, 3}) {
+    INFO("ZeRO-" << stage);
+    auto p = single_rank(1, 2);
+    p.dp = 2;
+    p.zero_stage = stage;
+    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+    const auto program = all_ranks(g, p);
+    dtsim::exec::cpu::Bf16Device device;
+    GatherRecordingComm comm;
+    dtsim::exec::RunOptions o;
+    o.steps = 1;
+    o.warmup_steps = 0;
+    dtsim::exec::run_program(g, program, o, comm, device);
+    REQUIRE(comm.gathered.size() == 2);
+    // ZeRO-1: every weight once, after the optimizer step; ZeRO-3: every weight before each of
+    // the micro-batch's two passes (the tied table twice in the forward, for the embedding and
+    // the head, and once in the backward).
+    const std::int64_t passes = stage == 1 ? 1 : 2;
+    CHECK(comm.gathered[dtsim::exec::Dtype::BF16] == passes * gemm);
+    if (stage == 1) CHECK(comm.gathered[dtsim::exec::Dtype::F32] == all - gemm);
+    CHECK(comm.gathered[dtsim::exec::Dtype::F32] >= passes * (all - gemm));
+  }
 }
 
 namespace {
