@@ -64,15 +64,17 @@ enum DropoutSiteKind : int {
 // this rank's dp slice only; from stage 2 the gradient exists from the first weight gradient
 // of a micro-batch's backward to its bucket's reduce-scatter (the Program reduce-scatters
 // every micro-batch's), and the reduced slice accumulates; at stage 3 the fp32 master is the
-// slice (`shard`), and `data` (with `work`) holds the whole tensor from an all-gather of the
-// Program to the last compute task that reads it.
+// slice (`shard`), and `data` (with `work`; `work` alone for a `work_only` tensor) holds the
+// whole tensor from an all-gather of the Program to the last compute task that reads it. With
+// ZeRO-1/2, a `work_only` tensor's `data` is current in this rank's slice only (the gathers
+// fill `work`).
 struct Param {
   std::string name;
   Slice slice;
   std::int64_t n = 0;  // elements of the tensor on this tp rank (slice.local_size())
   View data, m, v;
   View work;
-  bool separate_work = false;  // work is a copy of data in the activation type
+  bool separate_work = false;  // work is a copy of the weights in the activation type
   // Of a separate working copy, only it is read (a GEMM's weight, not a tied embedding table,
   // whose fp32 rows the embedding reads): ZeRO gathers it in the activation type, and ZeRO-3
   // makes no full fp32 copy of it.
