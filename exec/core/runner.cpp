@@ -3090,6 +3090,11 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   if (p.grad_compression < 1) {
     refuse(fmt::format("gradient compression ({:g} of the bytes)", p.grad_compression));
   }
+  if (p.zero_in_place) {
+    refuse(
+        "ZeRO-1 in place (zero_in_place: Megatron-LM's contiguous buffers; dtexec shards each "
+        "tensor and stages its ZeRO collectives)");
+  }
   if (p.comm_precision && *p.comm_precision != p.precision) {
     refuse(fmt::format("communication in {} while training in {}", to_string(*p.comm_precision),
                        to_string(p.precision)));

@@ -79,6 +79,10 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
       "overlap-param-gather", po::bool_switch(),
       "with ZeRO-1/2, all-gather the updated weights during the next step's forward, a block "
       "ahead (Megatron-LM --overlap-param-gather) instead of after the optimizer step")(
+      "zero-in-place", po::bool_switch(),
+      "ZeRO-1 as Megatron-LM's distributed optimizer runs it: gradients reduce-scattered and "
+      "weights all-gathered in place in contiguous buffers, without the staging copies and "
+      "packed buffers of dtexec, DeepSpeed and FSDP2 (dtexec does not run it)")(
       "no-overlap-grad-reduce", po::bool_switch(),
       "start the data-parallel gradient reduction after the last backward pass instead of "
       "overlapping it (Megatron-LM before --overlap-grad-reduce)")(
@@ -237,6 +241,9 @@ void add_search_space_options(po::options_description& desc) {
       "overlap-param-gather", po::bool_switch(),
       "ZeRO-1/2 candidates all-gather the updated weights during the next step's forward "
       "(Megatron-LM --overlap-param-gather)")(
+      "zero-in-place", po::bool_switch(),
+      "ZeRO-1 candidates reduce-scatter and all-gather in place, as Megatron-LM's distributed "
+      "optimizer (no staging copies or packed buffers)")(
       "clip-grad", po::value<double>(),
       "every candidate clips its gradients to this global norm (Megatron-LM --clip-grad, "
       "whose default is 1.0; default 0: none)");
@@ -255,6 +262,7 @@ void search_space_from_options(const po::variables_map& vm, planner::SearchSpace
   if (vm.count("fixed")) apply_fixed(vm["fixed"].as<std::vector<std::string>>(), space);
   attention_from_options(vm, space.attention);
   space.overlap_param_gather = vm["overlap-param-gather"].as<bool>();
+  space.zero_in_place = vm["zero-in-place"].as<bool>();
   if (vm.count("clip-grad")) {
     space.clip_grad = vm["clip-grad"].as<double>();
     if (!(std::isfinite(space.clip_grad) && space.clip_grad >= 0)) {
@@ -560,6 +568,7 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   if (vm.count("overlap-param-gather") && vm["overlap-param-gather"].as<bool>()) {
     p.overlap_param_gather = true;
   }
+  if (vm.count("zero-in-place") && vm["zero-in-place"].as<bool>()) p.zero_in_place = true;
   if (vm.count("no-overlap-tp-backward") && vm["no-overlap-tp-backward"].as<bool>()) {
     p.overlap_tp_backward = false;
   }

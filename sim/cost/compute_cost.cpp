@@ -254,7 +254,7 @@ double ComputeCost::codec_seconds(std::uint64_t uncompressed, std::uint64_t comp
 
 double ComputeCost::staging_seconds(lower::CollectiveKind kind, std::uint64_t bytes,
                                     std::int64_t ranks) const {
-  if (ranks <= 1) return 0;
+  if (ranks <= 1 || plan_.zero_in_place) return 0;
   const double b = static_cast<double>(bytes), slice = b / static_cast<double>(ranks);
   switch (kind) {
     case lower::CollectiveKind::AllGather:

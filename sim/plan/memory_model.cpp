@@ -537,13 +537,14 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
                  : std::vector<GradientBucket>{};
     double largest_bucket = 0;
     for (const GradientBucket& b : buckets) largest_bucket = std::max(largest_bucket, b.bytes);
-    if (plan.zero_stage == 1 && shard > 1) {
+    if (plan.zero_stage == 1 && shard > 1 && !plan.zero_in_place) {
       // ZeRO-1 reduce-scatters the accumulated gradients once per step, in the last
       // micro-batch's backward as its blocks fill the buckets (the other micro-batches done):
       // a bucket's packed copy and its reduced shard, beside the full gradients (dtexec packs
       // them, as DeepSpeed copies gradients into its reduction buckets; Megatron-LM's
       // distributed optimizer reduce-scatters its contiguous buffer in place, without the
-      // copy), while the blocks below it keep that micro-batch's activations.
+      // copy: plan zero_in_place), while the blocks below it keep that micro-batch's
+      // activations.
       for (const GradientBucket& b : buckets) {
         consider({"the step's gradient reduce-scatter", 0,
                   std::max(0.0, s.activations_bytes - b.kept), (1.0 + 1.0 / shard) * b.bytes});
@@ -642,7 +643,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         }
       }
     }
-    if (bucketed && !plan.overlap_param_gather) {
+    if (bucketed && !plan.overlap_param_gather && !plan.zero_in_place) {
       // After the optimizer step every rank gathers the others' updated weights (its
       // activations freed, ZeRO-2's full gradients gone): the packed copy of its slices and
       // the gathered chunk, fp32 masters in chunks of a bucket's bytes, as dtexec gathers them

@@ -126,6 +126,7 @@ std::string summary(const Plan& p) {
   if (p.sequence_parallel) s += " sp";
   if (!p.overlap_grad_reduce) s += " no-overlap-grad-reduce";
   if (p.overlap_param_gather) s += " overlap-param-gather";
+  if (p.zero_in_place) s += " zero-in-place";
   if (!p.overlap_tp_backward && p.tp > 1) s += " no-overlap-tp-backward";
   if (!p.grad_accumulation_fusion) s += " no-grad-accumulation-fusion";
   if (p.overlap_p2p_comm) s += " overlap-p2p-comm";
@@ -246,6 +247,13 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
               "(Megatron-LM's distributed optimizer); with ZeRO-{} there is none{}",
               p.zero_stage,
               p.zero_stage == 3 ? " (ZeRO-3 gathers each block's weights ahead already)" : ""));
+  }
+  if (p.zero_in_place && p.zero_stage != 1) {
+    error("zero-in-place",
+          fmt::format("zero_in_place is ZeRO-1 as Megatron-LM's distributed optimizer runs it "
+                      "(its gradients and weights in contiguous buffers); ZeRO-{} has no such "
+                      "form here",
+                      p.zero_stage));
   }
   if (!p.overlap_grad_reduce && p.zero_stage >= 2) {
     error("no-overlap-zero",
@@ -404,6 +412,7 @@ json to_json(const Plan& p) {
             {"sequence_parallel", p.sequence_parallel},
             {"overlap_grad_reduce", p.overlap_grad_reduce},
             {"overlap_param_gather", p.overlap_param_gather},
+            {"zero_in_place", p.zero_in_place},
             {"overlap_tp_backward", p.overlap_tp_backward},
             {"grad_accumulation_fusion", p.grad_accumulation_fusion},
             {"overlap_p2p_comm", p.overlap_p2p_comm},
@@ -439,6 +448,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "sequence_parallel",
                  "overlap_grad_reduce",
                  "overlap_param_gather",
+                 "zero_in_place",
                  "overlap_tp_backward",
                  "grad_accumulation_fusion",
                  "overlap_p2p_comm",
@@ -487,6 +497,7 @@ Plan plan_from_json(const json& j, const std::string& file) {
   p.sequence_parallel = r.boolean_or("sequence_parallel", false);
   p.overlap_grad_reduce = r.boolean_or("overlap_grad_reduce", true);
   p.overlap_param_gather = r.boolean_or("overlap_param_gather", false);
+  p.zero_in_place = r.boolean_or("zero_in_place", false);
   p.overlap_tp_backward = r.boolean_or("overlap_tp_backward", true);
   p.grad_accumulation_fusion = r.boolean_or("grad_accumulation_fusion", true);
   p.overlap_p2p_comm = r.boolean_or("overlap_p2p_comm", false);

@@ -66,6 +66,12 @@ struct Plan {
   // exposed. The simulated step starts with the gathers of the previous step's update (a
   // steady state).
   bool overlap_param_gather = false;
+  // ZeRO-1 as Megatron-LM's distributed optimizer (--use-distributed-optimizer) runs it: the
+  // gradients reduce-scattered and the updated weights all-gathered in place in contiguous
+  // buffers, each rank's shard a contiguous range of them, so that neither collective stages
+  // its tensors (no copies in time, ComputeCost::staging_seconds, nor packed buffers in
+  // memory). False: staged, as dtexec, DeepSpeed and PyTorch FSDP2 do. ZeRO-1 only.
+  bool zero_in_place = false;
   // The backward's tensor-parallel collective at a column-parallel layer's input (the input
   // gradient's all-reduce, or its reduce-scatter with sequence parallelism) runs while the
   // layer's weight-gradient GEMM computes (NVIDIA/Megatron-LM,

@@ -510,6 +510,7 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
                       p.attention = space.attention;
                       p.overlap_param_gather =
                           space.overlap_param_gather && (zero == 1 || zero == 2);
+                      p.zero_in_place = space.zero_in_place && zero == 1;
                       p.clip_grad = space.clip_grad;
                       if (!cluster::Placement(p.degrees(), p.order)
                                .symmetric_on(devices_per_node)) {

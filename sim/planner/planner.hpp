@@ -41,6 +41,8 @@ struct SearchSpace {
   // ZeRO-1/2 candidates overlap their weight gather with the next forward (plan
   // overlap_param_gather).
   bool overlap_param_gather = false;
+  // ZeRO-1 candidates reduce and gather in place (plan zero_in_place).
+  bool zero_in_place = false;
   // Every candidate clips its gradients to this global norm (plan clip_grad; 0: none).
   double clip_grad = 0;
   // Fixed values ("--fixed tp=8"): -1 = free.

@@ -652,7 +652,7 @@ TEST_CASE("random plan combinations simulate or are refused, never an internal e
     for (const char* flag :
          {"--sequence-parallel", "--overlap-param-gather", "--no-overlap-grad-reduce",
           "--no-overlap-tp-backward", "--no-grad-accumulation-fusion", "--overlap-p2p-comm",
-          "--scatter-gather-p2p", "--no-dropout"}) {
+          "--scatter-gather-p2p", "--no-dropout", "--zero-in-place"}) {
       if (coin(0.2)) args.push_back(flag);
     }
     const std::string line = fmt::format("{}", fmt::join(args, " "));

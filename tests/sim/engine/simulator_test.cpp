@@ -415,6 +415,29 @@ TEST_CASE("ZeRO's gathers and reduce-scatters pay their staging copies, an all-r
       CHECK(time.end_s - time.start_s ==
             Approx(net->collective_s(group, t.collective, t.bytes) + staging).epsilon(1e-9));
     }
+    if (stage == 1) {
+      // Megatron-LM's distributed optimizer reduces and gathers in place: the network's time
+      // alone, a shorter step, the same FLOPs.
+      Plan q = p;
+      q.zero_in_place = true;
+      const auto in_place = run("llama2-7b", "default", q);
+      const auto& same = in_place.program.ranks[0].tasks;
+      REQUIRE(same.size() == tasks.size());
+      int checked = 0;
+      for (std::size_t i = 0; i < same.size(); ++i) {
+        const auto& t = same[i];
+        if (t.kind != dtsim::lower::TaskKind::Collective || t.stream != dtsim::lower::Stream::Dp)
+          continue;
+        const auto& group = in_place.program.groups.at(static_cast<std::size_t>(t.group));
+        const auto& time = in_place.timeline.tasks[0][i];
+        CHECK(time.end_s - time.start_s ==
+              Approx(net->collective_s(group, t.collective, t.bytes)).epsilon(1e-9));
+        ++checked;
+      }
+      CHECK(checked == gathers + reductions);
+      CHECK(in_place.prediction.step_time_s < sim.prediction.step_time_s);
+      CHECK(in_place.prediction.model_flops == sim.prediction.model_flops);
+    }
     if (stage == 0) {
       CHECK(gathers == 0);
       CHECK(reductions == 0);

@@ -169,6 +169,18 @@ TEST_CASE("ZeRO-2 holds a bucket of full gradients and, at its reduce-scatter, t
   CHECK(z1.other_bytes == Approx(1.5 * grads));
   CHECK(z1.activations_bytes == 0);
   CHECK(other(1, Recompute::None).other_bytes == 0);
+  // In place (Megatron-LM's distributed optimizer) neither the reduce-scatter nor the updated
+  // weights' all-gather holds a copy: the same states, nothing besides.
+  Plan in_place = base.plan;
+  in_place.zero_stage = 1;
+  in_place.recompute = Recompute::Full;
+  in_place.zero_in_place = true;
+  const auto z1_in_place = base.memory(in_place).worst();
+  CHECK(z1_in_place.other_bytes == 0);
+  CHECK(z1_in_place.peak_moment != "the step's gradient reduce-scatter");
+  CHECK(z1_in_place.weights_bytes + z1_in_place.gradients_bytes + z1_in_place.optimizer_bytes ==
+        Approx(z1.weights_bytes + z1.gradients_bytes + z1.optimizer_bytes));
+  CHECK(z1_in_place.total_bytes < z1.total_bytes);
 }
 
 TEST_CASE("ZeRO-2's last reduce-scatter of a micro-batch may run through the next one's forward",

@@ -236,8 +236,12 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   p.expert_load = 1.25;
   p.attention = dtsim::model::AttentionKernel::Flash;
   p.overlap_param_gather = true;
+  p.zero_in_place = true;
   const Plan q = dtsim::plan::plan_from_json(dtsim::plan::to_json(p), "p.json");
   CHECK(q.overlap_param_gather);  // with ZeRO-1: allowed
+  CHECK(q.zero_in_place);
+  CHECK(!has_rule(check_plan(q, load_model("megatron-18.4b"), q.devices()), "zero-in-place", ""));
+  CHECK(dtsim::plan::summary(q).find(" zero-in-place") != std::string::npos);
   CHECK(!has_rule(check_plan(q, load_model("megatron-18.4b"), q.devices()), "overlap-param-gather",
                   ""));
   CHECK(q.attention == dtsim::model::AttentionKernel::Flash);
@@ -300,6 +304,14 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
     z.overlap_param_gather = true;
     CHECK(has_rule(check_plan(z, load_model("megatron-18.4b"), 64), "overlap-param-gather",
                    fmt::format("with ZeRO-{} there is none", zero)));
+  }
+  bad(R"({"zero_in_place": 1})", "plan.json: zero_in_place: expected true or false");
+  for (const int zero : {0, 2, 3}) {
+    Plan z = base_plan();
+    z.zero_stage = zero;
+    z.zero_in_place = true;
+    CHECK(has_rule(check_plan(z, load_model("megatron-18.4b"), 64), "zero-in-place",
+                   fmt::format("ZeRO-{} has no such form here", zero)));
   }
   bad(R"({"attention": "fused"})",
       "plan.json: attention: expected one of unfused, flash, got \"fused\"");
