@@ -305,7 +305,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       if (space.seq_len > 0) p.seq_len = space.seq_len;
       if (vm.count("attention") || point.count("attention")) p.attention = space.attention;
       if (space.overlap_param_gather) p.overlap_param_gather = true;
-      if (space.zero_in_place && p.zero_stage == 1) p.zero_in_place = true;
+      if (space.zero_in_place) p.zero_in_place = true;
       if (vm.count("clip-grad")) p.clip_grad = space.clip_grad;
       p.dp = 0;
       plan::complete_plan(p, spec, c.devices());

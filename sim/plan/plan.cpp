@@ -252,7 +252,7 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
     error("zero-in-place",
           fmt::format("zero_in_place is ZeRO-1 as Megatron-LM's distributed optimizer runs it "
                       "(its gradients and weights in contiguous buffers); ZeRO-{} has no such "
-                      "form here",
+                      "form here (Megatron-FSDP is not modelled)",
                       p.zero_stage));
   }
   if (!p.overlap_grad_reduce && p.zero_stage >= 2) {

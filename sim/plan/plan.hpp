@@ -70,7 +70,8 @@ struct Plan {
   // gradients reduce-scattered and the updated weights all-gathered in place in contiguous
   // buffers, each rank's shard a contiguous range of them, so that neither collective stages
   // its tensors (no copies in time, ComputeCost::staging_seconds, nor packed buffers in
-  // memory). False: staged, as dtexec, DeepSpeed and PyTorch FSDP2 do. ZeRO-1 only.
+  // memory). False: staged, as dtexec and PyTorch FSDP2 do. ZeRO-1 only (Megatron-FSDP's
+  // ZeRO-2/3 over per-unit buffers is not modelled).
   bool zero_in_place = false;
   // The backward's tensor-parallel collective at a column-parallel layer's input (the input
   // gradient's all-reduce, or its reduce-scatter with sequence parallelism) runs while the

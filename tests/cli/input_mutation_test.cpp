@@ -668,7 +668,7 @@ TEST_CASE("random plan combinations simulate or are refused, never an internal e
   }
   INFO(summary(runs, refusals, failures));
   CHECK(failures.empty());
-  // Each draw runs two commands; most draws are refused as invalid plans (69 of the 400
-  // simulate), and the check wants a tenth of them at least to run.
+  // Each draw runs two commands; most draws are refused as invalid plans, and the check wants
+  // a tenth of them at least to run.
   CHECK(runs / 2 > draws / 10);
 }
