@@ -59,12 +59,11 @@ class ComputeCost {
   // writes bytes); a gradient reduce-scatter packs the bucket (reads and writes bytes) and
   // adds the reduced slice into the rank's accumulator (reads 2 bytes / ranks, writes bytes /
   // ranks). Memory-bound passes at the device's (or the profile's) memory bandwidth, two
-  // kernels; 0 for other kinds, and with plan zero_in_place. (Megatron-LM's distributed
-  // optimizer reduces and gathers in place in its contiguous buffers, without these passes
-  // (--zero-in-place); DeepSpeed's ZeRO-1/2 gathers in
-  // place: for them this overstates an NVLink collective by about a third and an InfiniBand
-  // one by a few percent; on CPU ranks over shared memory the passes are as long as the
-  // transfer.)
+  // kernels; 0 for other kinds, and with plan zero_in_place (Megatron-LM's distributed
+  // optimizer reduces and gathers in place in its contiguous buffers). Where a framework works
+  // in place and the plan does not say so (DeepSpeed's ZeRO-1/2 gathers), this overstates an
+  // NVLink collective by about a third and an InfiniBand one by a few percent; on CPU ranks
+  // over shared memory the passes are as long as the transfer.
   double staging_seconds(lower::CollectiveKind kind, std::uint64_t bytes, std::int64_t ranks) const;
 
   // FLOPs of one op in one phase on one rank (for reports): the counted ones.

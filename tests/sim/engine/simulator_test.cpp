@@ -21,6 +21,19 @@ dtsim::engine::Simulation run(const std::string& model, const std::string& clust
   return dtsim::engine::simulate(g, plan, c, *net, options);
 }
 
+// Rank 0's data-parallel collectives: their indices in its program.
+std::vector<std::size_t> dp_collectives(const dtsim::engine::Simulation& sim) {
+  std::vector<std::size_t> out;
+  const auto& tasks = sim.program.ranks[0].tasks;
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    if (tasks[i].kind == dtsim::lower::TaskKind::Collective &&
+        tasks[i].stream == dtsim::lower::Stream::Dp) {
+      out.push_back(i);
+    }
+  }
+  return out;
+}
+
 Plan blank() {
   Plan p;
   p.dp = 0;
@@ -389,11 +402,8 @@ TEST_CASE("ZeRO's gathers and reduce-scatters pay their staging copies, an all-r
     const dtsim::model::ModelGraph g = dtsim::plan::graph_of(spec, sim.program.plan);
     const dtsim::cost::ComputeCost cost(g, sim.program.plan, dev);
     int gathers = 0, reductions = 0;
-    const auto& tasks = sim.program.ranks[0].tasks;
-    for (std::size_t i = 0; i < tasks.size(); ++i) {
-      const auto& t = tasks[i];
-      if (t.kind != dtsim::lower::TaskKind::Collective || t.stream != dtsim::lower::Stream::Dp)
-        continue;
+    for (const std::size_t i : dp_collectives(sim)) {
+      const auto& t = sim.program.ranks[0].tasks[i];
       INFO(t.label);
       const auto& group = sim.program.groups.at(static_cast<std::size_t>(t.group));
       const double b = static_cast<double>(t.bytes);
@@ -421,13 +431,10 @@ TEST_CASE("ZeRO's gathers and reduce-scatters pay their staging copies, an all-r
       Plan q = p;
       q.zero_in_place = true;
       const auto in_place = run("llama2-7b", "default", q);
-      const auto& same = in_place.program.ranks[0].tasks;
-      REQUIRE(same.size() == tasks.size());
+      REQUIRE(in_place.program.ranks[0].tasks.size() == sim.program.ranks[0].tasks.size());
       int checked = 0;
-      for (std::size_t i = 0; i < same.size(); ++i) {
-        const auto& t = same[i];
-        if (t.kind != dtsim::lower::TaskKind::Collective || t.stream != dtsim::lower::Stream::Dp)
-          continue;
+      for (const std::size_t i : dp_collectives(in_place)) {
+        const auto& t = in_place.program.ranks[0].tasks[i];
         const auto& group = in_place.program.groups.at(static_cast<std::size_t>(t.group));
         const auto& time = in_place.timeline.tasks[0][i];
         CHECK(time.end_s - time.start_s ==
