@@ -66,8 +66,9 @@ enum DropoutSiteKind : int {
 // every micro-batch's), and the reduced slice accumulates; at stage 3 the fp32 master is the
 // slice (`shard`), and `data` (with `work`; `work` alone for a `work_only` tensor) holds the
 // whole tensor from an all-gather of the Program to the last compute task that reads it. With
-// ZeRO-1/2, a `work_only` tensor's `data` is current in this rank's slice only (the gathers
-// fill `work`).
+// ZeRO-1/2, a `work_only` tensor's master is its slice too, and `work` its whole tensor (the
+// gathers fill it), as Megatron-LM's distributed optimizer keeps an fp32 shard beside full
+// 16-bit weights.
 struct Param {
   std::string name;
   Slice slice;
@@ -79,7 +80,7 @@ struct Param {
   // whose fp32 rows the embedding reads): ZeRO gathers it in the activation type, and ZeRO-3
   // makes no full fp32 copy of it.
   bool work_only = false;
-  View shard;  // ZeRO-3: this rank's dp slice of the fp32 master
+  View shard;  // ZeRO-3, and a work_only tensor's at ZeRO-1/2: this rank's dp slice of the master
   // Without ZeRO, and at ZeRO-1: a view into the rank's one gradient buffer, where the tensors
   // lie in (op, weight/bias) order: a dp bucket (a range of ops) is one contiguous piece,
   // reduced in place. ZeRO-2/3: a buffer of its own while it exists (empty otherwise).
@@ -651,14 +652,13 @@ class Runner {
             (which % 2 == 0 && (op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown));
         p.separate_work = dev_.activations() != Dtype::F32 && gemm_weight;
         p.work_only = p.separate_work && op.kind != OpKind::Embedding;
-        if (zero3_) {
-          p.shard = dev_.allocate(own, Dtype::F32);
-          dev_.upload(p.shard, values.data() + p.own_begin);
-        } else {
-          p.data = dev_.allocate(n, Dtype::F32);
-          dev_.upload(p.data, values.data());
-          p.work = p.separate_work ? dev_.allocate(n, dev_.activations()) : p.data;
+        if (sharded_master(p)) p.shard = dev_.allocate(own, Dtype::F32);
+        if (!zero3_) {
+          p.work = p.separate_work ? dev_.allocate(n, dev_.activations()) : View{};
+          if (!p.work_only || !sharded_) p.data = dev_.allocate(n, Dtype::F32);
+          if (!p.separate_work) p.work = p.data;
         }
+        load_weights(p, values.data());
         p.m = dev_.allocate(own, Dtype::F32);
         p.v = dev_.allocate(own, Dtype::F32);
         p.replicated_over_tp = slice.whole();
@@ -691,8 +691,26 @@ class Runner {
         p.reduced = transient_grads_ ? dev_.allocate(p.own_end - p.own_begin, Dtype::F32)
                                      : p.grad.sub(p.own_begin, p.own_end - p.own_begin);
       }
-      if (!zero3_) refresh_work(p);
     }
+  }
+
+  // Whether the fp32 master of a tensor is this rank's dp slice only (Param::shard).
+  bool sharded_master(const Param& p) const { return zero3_ || (sharded_ && p.work_only); }
+
+  // A tensor's weights set from the whole tp slice `full` (initial, or read from a checkpoint):
+  // its master (slice), and what the GEMMs read, except under ZeRO-3 (its gathers make it).
+  void load_weights(Param& p, const float* full) {
+    if (sharded_master(p)) dev_.upload(p.shard, full + p.own_begin);
+    if (zero3_) return;
+    if (p.data.empty()) {  // a work_only tensor at ZeRO-1/2: its working copy alone is whole
+      const View staging = dev_.allocate_for_overwrite(p.n, Dtype::F32);
+      dev_.upload(staging, full);
+      dev_.cast(p.work, staging);
+      dev_.release(staging);
+      return;
+    }
+    dev_.upload(p.data, full);
+    refresh_work(p);
   }
 
   // A tensor's name in checkpoints and messages: "L3.qkv.weight", "L0.experts_up.e2.bias"
@@ -721,7 +739,7 @@ class Runner {
 
   // This rank's dp slice of a tensor's fp32 master (the whole tensor without ZeRO).
   View master_slice(const Param& p) const {
-    return zero3_ ? p.shard : p.data.sub(p.own_begin, p.own_end - p.own_begin);
+    return sharded_master(p) ? p.shard : p.data.sub(p.own_begin, p.own_end - p.own_begin);
   }
 
   Param* find(OpId id, int which) {
@@ -2922,12 +2940,7 @@ class Runner {
       }
       const CheckpointTensor t = checkpoint.read_slice(p.name, p.slice);
       // Of its tp slice, each rank keeps its dp slice where it holds only that.
-      if (zero3_) {
-        dev_.upload(p.shard, t.data.data() + p.own_begin);
-      } else {
-        dev_.upload(p.data, t.data.data());
-        refresh_work(p);
-      }
+      load_weights(p, t.data.data());
       dev_.upload(p.m, t.m.data() + p.own_begin);
       dev_.upload(p.v, t.v.data() + p.own_begin);
     }

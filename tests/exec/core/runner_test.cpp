@@ -7,6 +7,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -526,6 +527,57 @@ TEST_CASE("ZeRO gathers the GEMMs' weights in the activation type and the rest i
     CHECK(comm.gathered[dtsim::exec::Dtype::BF16] == passes * gemm);
     CHECK(comm.gathered[dtsim::exec::Dtype::F32] == passes * (all - gemm));
   }
+}
+
+namespace {
+
+// Rank 0 of a data-parallel pair, its peer a stand-in: the bytes its device holds when the
+// first step is over (at the first report of the step's loss).
+class ResidentRecordingComm final : public HostOnlyComm {
+ public:
+  explicit ResidentRecordingComm(const dtsim::exec::Device& device) : device_(device) {}
+  std::optional<std::int64_t> resident;
+  void all_ranks(std::span<double>, dtsim::exec::Reduce) override {
+    if (!resident) resident = device_.memory_use().in_use;
+  }
+
+ private:
+  const dtsim::exec::Device& device_;
+};
+
+}  // namespace
+
+TEST_CASE("ZeRO-1/2 keep a GEMM weight's fp32 master as the rank's slice on the bf16 path",
+          "[exec][runner]") {
+  // tiny-gpt at dp 2 on the bf16 path, between steps: against ZeRO-0, ZeRO-1 holds half of
+  // every tensor's AdamW moments (8 bytes an element) and half of a linear layer's fp32 master
+  // (4 bytes), its 16-bit working copy whole, as Megatron-LM's distributed optimizer keeps an
+  // fp32 shard beside full 16-bit weights; the tensors read in fp32 (the embedding table,
+  // positions, norms, biases) stay whole. ZeRO-2 also keeps half of the gradients, as
+  // their reduced slices. (tiny-gpt's tensors have even sizes: rank 0's slice is half.)
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const auto C = static_cast<std::int64_t>(spec.hidden);
+  const auto F = static_cast<std::int64_t>(spec.ffn_hidden);
+  const std::int64_t gemm = spec.layers * (4 * C * C + 2 * C * F);  // qkv, out, up, down
+  const auto all = static_cast<std::int64_t>(dtsim::model::count_params(spec));
+  std::map<int, std::int64_t> resident;
+  for (const int stage : {0, 1, 2}) {
+    auto p = single_rank(1, 2);
+    p.dp = 2;
+    p.zero_stage = stage;
+    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+    const auto program = all_ranks(g, p);
+    dtsim::exec::cpu::Bf16Device device;
+    ResidentRecordingComm comm(device);
+    dtsim::exec::RunOptions o;
+    o.steps = 1;
+    o.warmup_steps = 0;
+    dtsim::exec::run_program(g, program, o, comm, device);
+    REQUIRE(comm.resident.has_value());
+    resident[stage] = *comm.resident;
+  }
+  CHECK(resident[0] - resident[1] == 8 * all / 2 + 4 * gemm / 2);
+  CHECK(resident[1] - resident[2] == 4 * all - 4 * all / 2);
 }
 
 namespace {
