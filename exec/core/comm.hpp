@@ -36,9 +36,12 @@ class Comm {
 
   // Collectives over Program group `group`, in place or with per-member counts (elements).
   virtual void all_reduce(int group, View data, Reduce op) = 0;
-  // out = the sum over members of their in[offset(me) .. + counts[me]).
+  // out = the sum over members of their in[offset(me) .. + counts[me]). In place where `out`
+  // is that part of `in` (ZeRO-1 over contiguous buffers, Megatron-LM's distributed
+  // optimizer); the rest of `in` is then undefined after it.
   virtual void reduce_scatter(int group, View in, View out, std::span<const int> counts) = 0;
-  // out = the concatenation of every member's in (counts[member] elements each).
+  // out = the concatenation of every member's in (counts[member] elements each). In place
+  // where `in` is this member's part of `out`, at its place there.
   virtual void all_gather(int group, View in, View out, std::span<const int> counts) = 0;
   // Expert parallelism's exchange, in member order: in holds one piece per member (in_counts[r]
   // elements for member r, consecutive), out one piece from each member (out_counts[r]
@@ -128,6 +131,7 @@ class SingleRankComm final : public Comm {
  private:
   void copy(View out, View in) {
     DTSIM_ASSERT(in.n == out.n && in.type == out.type, "a collective over one rank");
+    if (in.p == out.p) return;  // in place
     if (device_ != nullptr) {
       device_->copy(out, in);
     } else if (!in.empty() && in.p != out.p) {

@@ -19,6 +19,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <set>
 #include <span>
 #include <thread>
 #include <utility>
@@ -89,6 +90,13 @@ struct Param {
   // the step's one reduce-scatter adds into it after packing and clearing the buffer).
   View reduced;
   std::int64_t own_begin = 0, own_end = 0;  // this rank's dp slice (ZeRO >= 1), local indices
+  // ZeRO-1 in place (plan zero_in_place): where the tensor lies in the gradient buffer and in
+  // the weight buffer of its gathered type, and its bucket (see Runner::plan_flat_layout).
+  struct Flat {
+    std::int64_t at = 0, weight_at = 0;
+    std::int64_t bucket_begin = 0, bucket_size = 0;
+    int shards = 0;  // 0: in no bucket yet
+  } flat;
   bool replicated_over_tp = false;
   bool tied_copy = false;  // the last stage's copy of the embedding (pipeline, tied head)
   bool norm = false;       // a norm's weight or bias
@@ -147,6 +155,8 @@ struct PendingCollective {
   std::optional<std::size_t> record;
   // A ZeRO gradient reduce-scatter, which holds its bucket's packed copy and reduced shard.
   bool holds_bucket = false;
+  // More collectives of the same task, finished with it (ZeRO in place: a bucket's pieces).
+  std::vector<Comm::Handle> also = {};
 };
 
 // Watches the task in progress from a second thread; one that outlasts the timeout is reported
@@ -247,6 +257,8 @@ class Runner {
     sharded_ = p_.zero_stage >= 1 && dp_ > 1;
     transient_grads_ = sharded_ && p_.zero_stage >= 2;
     zero3_ = sharded_ && p_.zero_stage >= 3;
+    in_place_ = sharded_ && p_.zero_in_place;
+    DTSIM_ASSERT(!in_place_ || p_.zero_stage == 1, "ZeRO in place is ZeRO-1's (plan validation)");
     B_ = static_cast<int>(p_.micro_batch_size);
     S_ = static_cast<int>(p_.seq_len);
     cp_ = static_cast<int>(p_.cp);
@@ -619,6 +631,8 @@ class Runner {
 
   void init_params() {
     const OpId embedding = g_.layer_ops(-1).front();
+    const std::map<Key, Param::Flat> flat =
+        in_place_ ? plan_flat_layout() : std::map<Key, Param::Flat>{};
     for (OpId id : my_ops()) {
       const Op& op = g_.op(id);
       std::uint64_t have = 0;
@@ -642,20 +656,23 @@ class Runner {
         const int shards = op.expert ? edp_ : dp_, mine = op.expert ? ed_ : d_;
         p.own_begin = sharded_ ? n * mine / shards : 0;
         p.own_end = sharded_ ? n * (mine + 1) / shards : n;
+        if (in_place_) {
+          p.flat = flat.at({id, which});
+          std::tie(p.own_begin, p.own_end) = flat_slice(p, mine);
+        }
         const std::int64_t own = p.own_end - p.own_begin;
-        // The GEMMs' copy, in the activation type, of the weights they read (linear layers and a
-        // tied head's table); other tensors are read as their fp32 master.
-        const bool gemm_weight =
-            (which == 0 && (op.kind == OpKind::QkvProj || op.kind == OpKind::AttnOutProj ||
-                            op.kind == OpKind::LmHead || op.kind == OpKind::Router ||
-                            (op.kind == OpKind::Embedding && m_.tied_embeddings))) ||
-            (which % 2 == 0 && (op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown));
-        p.separate_work = dev_.activations() != Dtype::F32 && gemm_weight;
+        p.separate_work = dev_.activations() != Dtype::F32 && gemm_weight(op, which);
         p.work_only = p.separate_work && op.kind != OpKind::Embedding;
         if (sharded_master(p)) p.shard = dev_.allocate(own, Dtype::F32);
         if (!zero3_) {
-          p.work = p.separate_work ? dev_.allocate(n, dev_.activations()) : View{};
-          if (!p.work_only || !sharded_) p.data = dev_.allocate(n, Dtype::F32);
+          // In place, the tensors gathered lie in one buffer per type, in the gradients' order.
+          const auto place = [&](View storage, Dtype type) {
+            return in_place_ ? storage.sub(p.flat.weight_at, n) : dev_.allocate(n, type);
+          };
+          p.work = p.separate_work ? (p.work_only ? place(work_storage_, dev_.activations())
+                                                  : dev_.allocate(n, dev_.activations()))
+                                   : View{};
+          if (!p.work_only || !sharded_) p.data = place(weight_storage_, Dtype::F32);
           if (!p.separate_work) p.work = p.data;
         }
         load_weights(p, values.data());
@@ -681,6 +698,7 @@ class Runner {
       for (const bool experts : {false, true}) {
         for (auto& [key, p] : params_) {
           if (p.expert != experts) continue;
+          DTSIM_ASSERT(!in_place_ || p.flat.at == at, "ZeRO in place: the gradient buffer's order");
           p.grad = grad_storage_.sub(at, p.n);
           at += p.n;
         }
@@ -692,6 +710,119 @@ class Runner {
                                      : p.grad.sub(p.own_begin, p.own_end - p.own_begin);
       }
     }
+  }
+
+  // The GEMMs' copy, in the activation type, of the weights they read (linear layers and a
+  // tied head's table); other tensors are read as their fp32 master.
+  bool gemm_weight(const Op& op, int which) const {
+    return (which == 0 && (op.kind == OpKind::QkvProj || op.kind == OpKind::AttnOutProj ||
+                           op.kind == OpKind::LmHead || op.kind == OpKind::Router ||
+                           (op.kind == OpKind::Embedding && m_.tied_embeddings))) ||
+           (which % 2 == 0 && (op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown));
+  }
+
+  // ZeRO-1 in place (plan zero_in_place), as Megatron-LM's distributed optimizer lays out its
+  // buffers: the gradients lie in one buffer (dense tensors, then experts', each in key order,
+  // as init_params places them), where a dp bucket (the ops of one of the Program's gradient
+  // reduce-scatters) is one contiguous range, cut into one contiguous part per dp rank (rank
+  // r's: elements [size·r/n, size·(r+1)/n) of it). A tensor's slice is what of it falls in the
+  // rank's part: a whole tensor, a piece, or nothing. The reduce-scatter then leaves the rank's
+  // part of the sums where its gradients were, and the weights, laid out alike (one buffer per
+  // type a gather moves), gather in place after the optimizer step. Allocates the weight
+  // buffers; returns each tensor's places.
+  std::map<Key, Param::Flat> plan_flat_layout() {
+    struct Tensor {
+      std::int64_t n = 0;
+      bool expert = false, work_only = false;
+    };
+    std::map<Key, Tensor> tensors;
+    for (OpId id : my_ops()) {
+      const Op& op = g_.op(id);
+      for (auto& [which, slice] : slices(op, t_)) {
+        if (op.expert && !local_expert(which / 2)) continue;
+        tensors[{id, which}] = {slice.local_size(), op.expert,
+                                dev_.activations() != Dtype::F32 && gemm_weight(op, which) &&
+                                    op.kind != OpKind::Embedding};
+      }
+    }
+    std::map<Key, Param::Flat> flat;
+    std::int64_t at = 0;
+    std::array<std::int64_t, 2> weights = {0, 0};  // fp32, working copies
+    for (const bool experts : {false, true}) {
+      for (const auto& [key, t] : tensors) {
+        if (t.expert != experts) continue;
+        std::int64_t& w = weights[t.work_only ? 1 : 0];
+        flat[key] = {.at = at, .weight_at = w};
+        at += t.n;
+        w += t.n;
+      }
+    }
+    // The tied embedding table of a pipeline (the first stage's and the last stage's copy,
+    // whose reduced slices the stages then sum) is a bucket of its own, so that both stages
+    // cut it alike, as Megatron-LM gives its shared embedding a bucket of its own under the
+    // distributed optimizer.
+    std::set<Key> tied;
+    for (const lower::Task& task : rp_->tasks) {
+      if (task.kind == TaskKind::Collective &&
+          program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Pp) {
+        tied.insert({static_cast<OpId>(task.op_begin), 0});
+      }
+    }
+    for (const lower::Task& task : rp_->tasks) {
+      if (task.kind != TaskKind::Collective || !is_dp_group(task) ||
+          task.collective != CollectiveKind::ReduceScatter) {
+        continue;
+      }
+      const std::vector<Key> keys = keys_of_tensors(tensors, task);
+      for (std::size_t i = 0; i < keys.size();) {
+        // A run of the task's tensors up to a tied table, or the table alone.
+        std::size_t j = i + 1;
+        if (tied.count(keys[i]) == 0) {
+          while (j < keys.size() && tied.count(keys[j]) == 0) ++j;
+        }
+        const std::int64_t begin = flat.at(keys[i]).at;
+        std::int64_t size = 0;
+        for (std::size_t k = i; k < j; ++k) {
+          DTSIM_ASSERT(flat.at(keys[k]).at == begin + size,
+                       "ZeRO in place: a bucket is contiguous");
+          size += tensors.at(keys[k]).n;
+        }
+        for (std::size_t k = i; k < j; ++k) {
+          Param::Flat& f = flat.at(keys[k]);
+          DTSIM_ASSERT(f.shards == 0 || (f.bucket_begin == begin && f.bucket_size == size),
+                       "ZeRO in place: a tensor in two buckets");
+          f.bucket_begin = begin;
+          f.bucket_size = size;
+          f.shards = shards_of(task).first;
+        }
+        i = j;
+      }
+    }
+    for (const auto& [key, f] : flat) {
+      DTSIM_ASSERT(f.shards > 0, fmt::format("ZeRO in place: {} is in no gradient bucket",
+                                             g_.op(key.first).name));
+    }
+    weight_storage_ = dev_.allocate(weights[0], Dtype::F32);
+    if (weights[1] > 0) work_storage_ = dev_.allocate(weights[1], dev_.activations());
+    return flat;
+  }
+  template <class Tensors>
+  std::vector<Key> keys_of_tensors(const Tensors& tensors, const lower::Task& task) const {
+    std::vector<Key> out;
+    for (auto it = tensors.lower_bound({static_cast<OpId>(task.op_begin), 0});
+         it != tensors.end() && it->first.first < static_cast<OpId>(task.op_end); ++it) {
+      if (it->second.expert == expert_group(task)) out.push_back(it->first);
+    }
+    return out;
+  }
+
+  // ZeRO-1 in place: the elements [begin, end) of a tensor in dp rank r's part of its bucket.
+  static std::pair<std::int64_t, std::int64_t> flat_slice(const Param& p, int r) {
+    const Param::Flat& f = p.flat;
+    const std::int64_t lo = f.bucket_begin + f.bucket_size * r / f.shards - f.at;
+    const std::int64_t hi = f.bucket_begin + f.bucket_size * (r + 1) / f.shards - f.at;
+    const std::int64_t begin = std::clamp<std::int64_t>(lo, 0, p.n);
+    return {begin, std::clamp<std::int64_t>(hi, begin, p.n)};
   }
 
   // Whether the fp32 master of a tensor is this rank's dp slice only (Param::shard).
@@ -1592,11 +1723,12 @@ class Runner {
       dev_.adamw(master_slice(p), sharded_ ? p.reduced : grad(p), p.m, p.v, lr, 0.9f, 0.95f, 1e-8f,
                  p.decays ? options_.weight_decay : 0.0f, adam_step_);
       // Sharded, the gradients were cleared when their reduce-scatter took its packed copy (a
-      // replay of predicted waits runs no reduce-scatter: they are cleared here).
-      if (sharded_) dev_.zero(p.reduced);
+      // replay of predicted waits runs no reduce-scatter: they are cleared here; in place, the
+      // reduce-scatter leaves them where they were).
+      if (sharded_ && !in_place_) dev_.zero(p.reduced);
       if (transient_grads_) {
         drop_grad(p);
-      } else if (!sharded_ || options_.replay_communication) {
+      } else if (!sharded_ || in_place_ || options_.replay_communication) {
         dev_.zero(p.grad);
       }
       if (!sharded_) refresh_work(p);  // sharded: after the all-gather of the updated slices
@@ -1623,6 +1755,39 @@ class Runner {
     }
     DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter && sharded_,
                  "dp gradient reduction");
+    if (in_place_) {
+      // The bucket's sums land where this rank's part of its gradients was: its tensors'
+      // reduced slices (Param::reduced), cleared after the optimizer step. No copy, no buffer.
+      // One reduce-scatter per bucket of the layout: the task's, or its pieces where a tied
+      // embedding table is a bucket of its own (plan_flat_layout).
+      const auto [shards, mine] = shards_of(task);
+      std::vector<Comm::Handle> handles;
+      for (std::size_t i = 0; i < params.size();) {
+        const Param::Flat& f = params[i]->flat;
+        DTSIM_ASSERT(f.at == f.bucket_begin, "ZeRO in place: a reduce-scatter carries its buckets");
+        std::int64_t size = 0;
+        for (; i < params.size() && params[i]->flat.bucket_begin == f.bucket_begin; ++i) {
+          size += params[i]->n;
+        }
+        DTSIM_ASSERT(size == f.bucket_size, "ZeRO in place: a reduce-scatter carries its buckets");
+        std::vector<std::int64_t> wide(static_cast<std::size_t>(shards));
+        for (int r = 0; r < shards; ++r) {
+          wide[static_cast<std::size_t>(r)] = size * (r + 1) / shards - size * r / shards;
+        }
+        const std::vector<int> counts = collective_counts(wide, "ZeRO gradient reduce-scatter");
+        const View bucket = grad_storage_.sub(f.bucket_begin, size);
+        handles.push_back(comm_.start_reduce_scatter(
+            task.group, bucket,
+            bucket.sub(size * mine / shards, counts[static_cast<std::size_t>(mine)]), counts));
+      }
+      if (handles.empty()) return;
+      pending_[index] = {handles.front(),
+                         {},
+                         std::nullopt,
+                         /*holds_bucket=*/false,
+                         std::vector<Comm::Handle>(handles.begin() + 1, handles.end())};
+      return;
+    }
     // One bucket's reduction buffers at a time, as the memory model counts them and as a
     // framework bounds its reduction buckets: the reduce-scatters started before this one are
     // finished first (their buffers go back before this bucket's are made; on the host a wait,
@@ -1736,8 +1901,13 @@ class Runner {
   std::map<std::size_t, PendingCollective>::iterator finish_pending(
       std::map<std::size_t, PendingCollective>::iterator it) {
     comm_.finish(it->second.handle);
+    for (const Comm::Handle h : it->second.also) comm_.finish(h);
     if (it->second.record) {
       TaskRecord& r = (*records_)[*it->second.record];
+      for (const Comm::Handle h : it->second.also) {
+        const auto done = comm_.completed_at(h);
+        if (done) r.end_s = std::max(r.end_s, since_start(*done));
+      }
       const auto done = comm_.completed_at(it->second.handle);
       r.end_s = std::max(r.end_s, since_start(done ? *done : std::chrono::steady_clock::now()));
     }
@@ -1809,6 +1979,10 @@ class Runner {
       }
       return;
     }
+    if (in_place_) {
+      gather_in_place(task, params);
+      return;
+    }
     // In chunks of at most a gradient bucket's bytes (plan::kGradientBucketBytes), as
     // DeepSpeed gathers in buckets of allgather_bucket_size (Megatron-LM gathers in place into
     // its contiguous buffer): the packed copy of the rank's slices and the gathered chunk are
@@ -1875,6 +2049,60 @@ class Runner {
           chunk.push_back({p, i, parts});
           chunk_size += size;
         }
+      }
+      flush();
+    }
+    for (Param* p : params) {
+      if (!p->work_only) refresh_work(*p);
+    }
+  }
+
+  // ZeRO-1 in place (plan_flat_layout): the weights of `params` gathered where they lie, one
+  // all-gather per bucket and type, each rank's part the updated master slices it holds
+  // there (cast into it first where the working copy is gathered: the fp32 ones are there
+  // already). A bucket's tensors of one type are consecutive in their buffer, and every rank's
+  // part of them is one range there, the ranks' in rank order.
+  void gather_in_place(const lower::Task& task, const std::vector<Param*>& params) {
+    const auto [shards, me] = shards_of(task);
+    for (Param* p : params) {
+      if (p->work_only && p->own_end > p->own_begin) {
+        dev_.cast(p->work.sub(p->own_begin, p->own_end - p->own_begin), p->shard);
+      }
+    }
+    for (const bool work : {false, true}) {
+      const View storage = work ? work_storage_ : weight_storage_;
+      std::vector<std::int64_t> wide(static_cast<std::size_t>(shards), 0);
+      std::int64_t begin = -1, size = 0, mine_at = -1, bucket = -1;
+      const auto flush = [&] {
+        if (size > 0) {
+          const std::vector<int> counts = collective_counts(wide, "ZeRO weight all-gather");
+          std::int64_t before = 0;
+          for (int r = 0; r < me; ++r) before += counts[static_cast<std::size_t>(r)];
+          DTSIM_ASSERT(mine_at < 0 || mine_at == before,
+                       "ZeRO in place: the ranks' parts of a gather follow one another");
+          const View whole = storage.sub(begin, size);
+          comm_.all_gather(task.group, whole.sub(before, counts[static_cast<std::size_t>(me)]),
+                           whole, counts);
+        }
+        std::fill(wide.begin(), wide.end(), 0);
+        begin = -1;
+        size = 0;
+        mine_at = -1;
+      };
+      for (Param* p : params) {
+        if (p->work_only != work) continue;
+        if (p->flat.bucket_begin != bucket) {
+          flush();
+          bucket = p->flat.bucket_begin;
+        }
+        if (begin < 0) begin = p->flat.weight_at;
+        DTSIM_ASSERT(p->flat.weight_at == begin + size, "ZeRO in place: a gather is contiguous");
+        for (int r = 0; r < shards; ++r) {
+          const auto [b, e] = flat_slice(*p, r);
+          wide[static_cast<std::size_t>(r)] += e - b;
+          if (r == me && e > b && mine_at < 0) mine_at = size + b;
+        }
+        size += p->n;
       }
       flush();
     }
@@ -2572,7 +2800,7 @@ class Runner {
                task.op_end > task.op_begin) {
       // ZeRO-3: the chunk's weights take their place (this rank's slice, zeros elsewhere).
       gather_weights(task, params_for(task), /*local=*/true);
-    } else if (dp && sharded_ && task.collective == CollectiveKind::ReduceScatter) {
+    } else if (dp && sharded_ && !in_place_ && task.collective == CollectiveKind::ReduceScatter) {
       // ZeRO's reduce-scatter, in memory: its packed copy of the bucket's gradients and its
       // reduced shard, held until the next task is done, as a started collective holds them
       // until it completes; the bucket's gradients (ZeRO-2/3) are gone once packed.
@@ -2959,7 +3187,9 @@ class Runner {
   const lower::RankProgram* rp_ = nullptr;
   std::map<Key, Param> params_;
   View grad_storage_;  // every Param::grad, contiguous
-  View losses_;        // each micro-batch's mean loss (last stage)
+  // ZeRO-1 in place: the weights gathered, in fp32 and as working copies (plan_flat_layout).
+  View weight_storage_, work_storage_;
+  View losses_;  // each micro-batch's mean loss (last stage)
   // Per micro-batch, the last task that reads it.
   std::vector<std::size_t> last_use_;
   // Collectives started and not yet finished, by task index.
@@ -3008,7 +3238,8 @@ class Runner {
   bool sharded_ = false, last_stage_ = false;
   bool transient_grads_ = false;  // ZeRO-2/3 (see Param)
   bool zero3_ = false;
-  int Ts_ = 0;  // tokens of the sequence-parallel regions on this rank (T / tp with SP)
+  bool in_place_ = false;  // ZeRO-1 in place (plan zero_in_place)
+  int Ts_ = 0;             // tokens of the sequence-parallel regions on this rank (T / tp with SP)
   int B_ = 0, S_ = 0, T_ = 0, C_ = 0, V_ = 0, H_ = 0, G_ = 0, D_ = 0, F_ = 0, Vl_ = 0;
   int tokens_ = 0;
   int micro_batches_ = 1, adam_step_ = 0;
@@ -3102,11 +3333,6 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   }
   if (p.grad_compression < 1) {
     refuse(fmt::format("gradient compression ({:g} of the bytes)", p.grad_compression));
-  }
-  if (p.zero_in_place) {
-    refuse(
-        "ZeRO-1 in place (zero_in_place: Megatron-LM's contiguous buffers; dtexec shards each "
-        "tensor and stages its ZeRO collectives)");
   }
   if (p.comm_precision && *p.comm_precision != p.precision) {
     refuse(fmt::format("communication in {} while training in {}", to_string(*p.comm_precision),

@@ -135,9 +135,12 @@ class MpiComm final : public Comm {
       return;
     }
     expect_shapes("reduce-scatter", in_view, out_view, counts, member(c));
-    check(
-        MPI_Reduce_scatter(in.p, out.p, counts.data(), in.type, reduction(in_view, Reduce::Sum), c),
-        "MPI_Reduce_scatter");
+    const std::optional<Move> move =
+        in_place_result(in, out, counts, member(c), bytes_of(in_view.type));
+    check(MPI_Reduce_scatter(move ? MPI_IN_PLACE : in.p, move ? in.p : out.p, counts.data(),
+                             in.type, reduction(in_view, Reduce::Sum), c),
+          "MPI_Reduce_scatter");
+    if (move) move->apply();
   }
 
   void all_gather(int group, View in_view, View out_view, std::span<const int> counts) override {
@@ -149,7 +152,13 @@ class MpiComm final : public Comm {
     }
     expect_shapes("all-gather", out_view, in_view, counts, member(c));
     const std::vector<int> displs = displacements(counts);
-    check(MPI_Allgatherv(in.p, in.n, in.type, out.p, counts.data(), displs.data(), out.type, c),
+    // In place: this member's part already lies at its place in `out`.
+    const bool in_place =
+        in.p == static_cast<std::byte*>(out.p) +
+                    static_cast<std::size_t>(displs[static_cast<std::size_t>(member(c))]) *
+                        bytes_of(in_view.type);
+    check(MPI_Allgatherv(in_place ? MPI_IN_PLACE : in.p, in.n, in.type, out.p, counts.data(),
+                         displs.data(), out.type, c),
           "MPI_Allgatherv");
   }
 
@@ -188,11 +197,15 @@ class MpiComm final : public Comm {
       return -1;
     }
     expect_shapes("reduce-scatter", in_view, out_view, counts, member(c));
+    const std::optional<Move> move =
+        in_place_result(in, out, counts, member(c), bytes_of(in_view.type));
     MPI_Request request = MPI_REQUEST_NULL;
-    check(MPI_Ireduce_scatter(in.p, out.p, counts.data(), in.type, reduction(in_view, Reduce::Sum),
-                              c, &request),
+    check(MPI_Ireduce_scatter(move ? MPI_IN_PLACE : in.p, move ? in.p : out.p, counts.data(),
+                              in.type, reduction(in_view, Reduce::Sum), c, &request),
           "MPI_Ireduce_scatter");
-    return keep(request);
+    const Handle handle = keep(request);
+    moves_.back() = move;
+    return handle;
   }
 
   void finish(Handle handle) override {
@@ -203,6 +216,10 @@ class MpiComm final : public Comm {
       done_at_[h] = std::chrono::steady_clock::now();
     }
     check_received(h);
+    if (moves_[h]) {
+      moves_[h]->apply();
+      moves_[h].reset();
+    }
   }
 
   void progress() override {
@@ -259,7 +276,11 @@ class MpiComm final : public Comm {
     if (!pending_.empty()) {
       check(MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE),
             "MPI_Waitall");
+      for (auto& move : moves_) {
+        if (move) move->apply();
+      }
       pending_.clear();
+      moves_.clear();
       done_at_.clear();
       status_.clear();
       expected_.clear();
@@ -327,6 +348,7 @@ class MpiComm final : public Comm {
   // Handles index the requests of this step; wait_sends (at the step's end) retires them.
   Handle keep(MPI_Request request) {
     pending_.push_back(request);
+    moves_.emplace_back();
     done_at_.emplace_back();
     status_.emplace_back();
     expected_.emplace_back();
@@ -376,6 +398,35 @@ class MpiComm final : public Comm {
     if (v.type == Dtype::BF16) return op == Reduce::Sum ? bf16_sum_ : bf16_max_;
     return op == Reduce::Sum ? MPI_SUM : MPI_MAX;
   }
+  // A reduce-scatter in place (`out` is this member's part of `in`, at its place there): MPI's
+  // MPI_IN_PLACE leaves the member's result at the start of the buffer, moved to its place
+  // once the collective is done (rank 0's is there already).
+  struct Move {
+    void* to = nullptr;
+    const void* from = nullptr;
+    std::size_t bytes = 0;
+    void apply() const {
+      if (to != from && bytes > 0) std::memmove(to, from, bytes);
+    }
+  };
+  static std::optional<Move> in_place_result(const Wire& in, const Wire& out,
+                                             std::span<const int> counts, int me,
+                                             std::size_t element) {
+    std::size_t before = 0;
+    for (std::size_t r = 0; r < static_cast<std::size_t>(me); ++r) {
+      before += static_cast<std::size_t>(counts[r]);
+    }
+    if (out.p != static_cast<std::byte*>(in.p) + before * element) {
+      DTSIM_ASSERT(!overlap(in, out), "a reduce-scatter's views overlap, not in place");
+      return std::nullopt;
+    }
+    return Move{out.p, in.p, out.bytes};
+  }
+  static bool overlap(const Wire& a, const Wire& b) {
+    const auto* a0 = static_cast<const std::byte*>(a.p);
+    const auto* b0 = static_cast<const std::byte*>(b.p);
+    return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
+  }
   static void copy(const Wire& out, const Wire& in) {
     if (in.p != out.p && in.bytes > 0) std::memmove(out.p, in.p, std::min(in.bytes, out.bytes));
   }
@@ -409,7 +460,8 @@ class MpiComm final : public Comm {
   MPI_Op bf16_sum_ = MPI_OP_NULL, bf16_max_ = MPI_OP_NULL;
   std::deque<std::vector<std::byte>> buffers_;
   std::vector<MPI_Request> requests_;
-  std::vector<MPI_Request> pending_;  // non-blocking collectives by handle
+  std::vector<MPI_Request> pending_;        // non-blocking collectives by handle
+  std::vector<std::optional<Move>> moves_;  // an in-place reduce-scatter's, by handle
   // When each was first seen complete.
   std::vector<std::optional<std::chrono::steady_clock::time_point>> done_at_;
   std::vector<MPI_Status> status_;

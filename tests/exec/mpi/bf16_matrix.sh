@@ -44,6 +44,7 @@ done
 plans=(
   "tiny-gpt|2|2|--dp 2"
   "tiny-gpt|4|1|--dp 4 --zero-stage 1"
+  "tiny-gpt|4|1|--dp 2 --pp 2 --zero-stage 1 --zero-in-place"
   "tiny-gpt|2|1|--dp 2 --zero-stage 3 --recompute full"
   "tiny-gpt|2|2|--tp 2 --no-overlap-tp-backward --no-grad-accumulation-fusion"
   "tiny-gpt|4|1|--tp 2 --pp 2 --schedule 1f1b"

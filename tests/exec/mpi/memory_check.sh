@@ -1,7 +1,7 @@
 #!/bin/bash
 # dtsim memory against what dtexec holds: for plans over recompute, ZeRO-3, tp with SP, the
 # pipeline schedules (overlapped receives at 8 micro-batches), cp, and a mixture of experts with
-# tp and ep, ZeRO-1-3 over several gradient buckets, the busiest rank's peak of tensor bytes (dtexec run --json, memory.peak_bytes)
+# tp and ep, ZeRO-1-3 over several gradient buckets (ZeRO-1 also in place), the busiest rank's peak of tensor bytes (dtexec run --json, memory.peak_bytes)
 # within 8% of dtsim's prediction for the same plan (predicted_bytes). bench/memory_validation.sh
 # measures the same on larger models (within -3.5% .. +4.2% there, -4.5% .. +6.8% on these tiny
 # ones, where small terms weigh more); before the sixteenth session's model the MoE plans were
@@ -30,6 +30,7 @@ plans=(
   "$moe|2|8|--tp 2 --sequence-parallel"
   "$moe|2|8|--dp 2 --ep 2"
   "$buckets|2|8|--dp 2 --zero-stage 1"
+  "$buckets|2|8|--dp 2 --zero-stage 1 --zero-in-place"
   "$buckets|2|8|--dp 2 --zero-stage 2"
   "$buckets|2|8|--dp 2 --zero-stage 3"
 )

@@ -2,7 +2,8 @@
 # A checkpoint resumes under another plan (after losing nodes, or to change the split): each
 # rank reads its slices of the full tensors from the shards that another plan's ranks wrote.
 # Each chain trains 6 steps in three legs of two, each leg under another plan (tp, pp,
-# interleaving, sequence and context parallelism, ZeRO 1-3, experts over ep), resuming the
+# interleaving, sequence and context parallelism, ZeRO 1-3, ZeRO-1 in place (whose slices cut
+# tensors where a bucket's parts end), experts over ep), resuming the
 # previous leg's checkpoint, with a warm-up and a cosine decay over the whole run; its final
 # checkpoint equals the uninterrupted single-rank run's within the correctness matrix's fp32
 # tolerances (losses 1e-5, weights 1e-3: the sums run in other orders, so not bitwise).
@@ -24,9 +25,10 @@ path_of() {
 }
 # model | micro-batch size | three legs "ranks:plan flags"
 chains=(
-  "tiny-gpt|2|4:--dp 2 --pp 2 --zero-stage 1|4:--tp 2 --dp 2 --sequence-parallel --zero-stage 3|1:"
+  "tiny-gpt|2|4:--dp 2 --pp 2 --zero-stage 1 --zero-in-place|4:--tp 2 --dp 2 --sequence-parallel --zero-stage 3|1:"
   "llama|2|4:--tp 2 --pp 2 --schedule interleaved --virtual-stages 2|4:--dp 4 --zero-stage 2|2:--cp 2"
   "moe|1|4:--dp 4 --ep 2 --zero-stage 1|4:--tp 2 --dp 2 --ep 2 --sequence-parallel|2:--pp 2"
+  "tiny-gpt|1|2:--dp 2 --zero-stage 1|4:--dp 4 --zero-stage 1 --zero-in-place|2:--dp 2 --zero-stage 1 --zero-in-place"
 )
 failed=0
 for chain in "${chains[@]}"; do
