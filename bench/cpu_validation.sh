@@ -54,6 +54,8 @@ plans=(
   "2|--dp 2"
   "2|--dp 2 --zero-stage 1"
   "2|--dp 2 --zero-stage 1 --overlap-param-gather"
+  "2|--dp 2 --zero-stage 1 --zero-in-place"
+  "2|--dp 2 --zero-stage 1 --zero-in-place --overlap-param-gather"
   "2|--dp 2 --zero-stage 2"
   "2|--dp 2 --zero-stage 3"
   "2|--dp 2 --zero-stage 3 --recompute full"

@@ -1,5 +1,6 @@
 #!/bin/bash
-# The executor's correctness matrix (issue 5): for plans over dp, tp, pp, cp, ep, ZeRO stages,
+# The executor's correctness matrix (issue 5): for plans over dp, tp, pp, cp, ep, ZeRO stages
+# (ZeRO-1 also in place, --zero-in-place),
 # schedules (GPipe, 1F1B, interleaved, zero-bubble; pipeline receives posted when reached or,
 # with --overlap-p2p-comm, ahead of need), micro-batch counts, recompute and FlashAttention's
 # memory (against the unfused single rank), K steps of five tiny models (GPT, Llama, GPT with dropout, a mixture of experts, GPT with an odd vocabulary
