@@ -268,7 +268,9 @@ double ComputeCost::staging_seconds(lower::CollectiveKind kind, std::uint64_t by
 
 double ComputeCost::task_seconds(const lower::Task& task) {
   DTSIM_ASSERT(task.kind == lower::TaskKind::Compute, "task_seconds needs a compute task");
-  if (task.phase == Phase::Optimizer) return optimizer_seconds(task.params);
+  if (task.phase == Phase::Optimizer) {
+    return optimizer_seconds(task.params) + grad_clear_seconds(task.cleared_params);
+  }
   if (task.phase == Phase::GradNorm) return grad_norm_seconds(task.params);
   const auto key = std::make_tuple(task.op_begin, task.op_end, task.phase);
   if (auto it = memo_.find(key); it != memo_.end()) return it->second;
@@ -313,6 +315,13 @@ double ComputeCost::optimizer_seconds(std::uint64_t params) const {
 double ComputeCost::optimizer_pass_seconds(double bytes) const {
   const double in_run = profile_ != nullptr && profile_->in_run ? profile_->in_run->optimizer : 1.0;
   if (optimizer_rate_) return bytes / *optimizer_rate_ * in_run;
+  return (bytes / hbm_bw_ + launch_s_) * in_run;
+}
+
+double ComputeCost::grad_clear_seconds(std::uint64_t params) const {
+  if (params == 0) return 0;
+  const double in_run = profile_ != nullptr && profile_->in_run ? profile_->in_run->optimizer : 1.0;
+  const double bytes = static_cast<double>(params) * plan::state_bytes_per_param(plan_).gradients;
   return (bytes / hbm_bw_ + launch_s_) * in_run;
 }
 

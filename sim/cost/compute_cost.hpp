@@ -48,6 +48,11 @@ class ComputeCost {
   double optimizer_seconds(std::uint64_t params) const;
   // Gradient clipping's sum of squares over `params` gradients: one read of them.
   double grad_norm_seconds(std::uint64_t params) const;
+  // Clearing `params` gradients for the next step (lower::Task::cleared_params): one write of
+  // them, at the memory bandwidth plus a launch (Megatron-LM's zero_grad_buffer is one memset
+  // of the contiguous buffer), times the profile's in_run factor of the optimizer, whose task
+  // it is.
+  double grad_clear_seconds(std::uint64_t params) const;
   // Gradient compression's codec for one collective: compress (read the uncompressed bytes,
   // write the compressed ones) and decompress the result (the converse), memory-bound passes
   // at the device's (or the profile's) memory bandwidth, two kernels.

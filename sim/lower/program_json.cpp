@@ -28,6 +28,7 @@ nlohmann::json to_json(const Program& program) {
           task["phase"] = to_string(t.phase);
           if (in_optimizer_step(t.phase)) {
             task["params"] = t.params;
+            if (t.cleared_params > 0) task["cleared_params"] = t.cleared_params;
           } else {
             task["ops"] = {t.op_begin, t.op_end};
           }

@@ -241,3 +241,49 @@ TEST_CASE("FlashAttention's core is priced by the FLOPs it executes", "[cost]") 
   const dtsim::cost::ComputeCost measured(flash, plan, device, &profile);
   CHECK(measured.op_seconds(core, Phase::Forward) == Approx(core.fwd_flops / 2 / 1e14));
 }
+
+TEST_CASE("the optimizer clears the gradient buffer where it persists and reduces in place",
+          "[cost]") {
+  // Megatron-LM's zero_grad_buffer: one memset of the rank's gradients each step, where they
+  // live in one buffer reduced in place (ZeRO-0, ZeRO-1 in place, one dp rank); staged ZeRO-1
+  // clears a bucket when its reduce-scatter packs it, and ZeRO-2/3 free theirs.
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  const auto device = dtsim::cluster::load_device("a100-sxm4-80gb");
+  const auto params = dtsim::model::count_params(spec);
+  struct Case {
+    int dp, zero;
+    bool in_place;
+    std::uint64_t cleared;
+  };
+  for (const Case c :
+       {Case{2, 0, false, params}, Case{2, 1, true, params}, Case{1, 1, false, params},
+        Case{2, 1, false, 0}, Case{2, 2, false, 0}, Case{2, 3, false, 0}}) {
+    INFO("dp " << c.dp << " ZeRO-" << c.zero << (c.in_place ? " in place" : ""));
+    dtsim::plan::Plan plan;
+    plan.dp = c.dp;
+    plan.global_batch_size = c.dp;
+    plan.seq_len = 32;
+    plan.zero_stage = c.zero;
+    plan.zero_in_place = c.in_place;
+    const auto program = dtsim::lower::lower(g, plan);
+    const dtsim::lower::Task* opt = nullptr;
+    for (const auto& t : program.ranks[0].tasks) {
+      if (t.phase == Phase::Optimizer) opt = &t;
+    }
+    REQUIRE(opt != nullptr);
+    CHECK(opt->cleared_params == c.cleared);
+    dtsim::cost::ComputeCost cost(g, plan, device);
+    // One write of the fp32 gradients (bf16's default) at the element-wise kernels' share of
+    // the memory bandwidth, plus a launch, in the optimizer task's time.
+    const double clear =
+        c.cleared == 0
+            ? 0.0
+            : static_cast<double>(c.cleared) * 4 /
+                      (device.memory_bw_bytes_per_s.value * device.efficiency.memory_bw.value) +
+                  device.efficiency.launch_overhead_s.value;
+    CHECK(cost.grad_clear_seconds(c.cleared) == Approx(clear).epsilon(1e-12));
+    CHECK(cost.task_seconds(*opt) ==
+          Approx(cost.optimizer_seconds(opt->params) + clear).epsilon(1e-12));
+  }
+}
