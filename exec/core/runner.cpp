@@ -157,6 +157,9 @@ struct PendingCollective {
   bool holds_bucket = false;
   // More collectives of the same task, finished with it (ZeRO in place: a bucket's pieces).
   std::vector<Comm::Handle> also = {};
+  // Per-member counts that the started collectives read until they finish (MPI's rule for
+  // non-blocking vector collectives).
+  std::vector<std::vector<int>> counts = {};
 };
 
 // Watches the task in progress from a second thread; one that outlasts the timeout is reported
@@ -1726,12 +1729,13 @@ class Runner {
       // replay of predicted waits runs no reduce-scatter: they are cleared here; in place, the
       // reduce-scatter leaves them where they were).
       if (sharded_ && !in_place_) dev_.zero(p.reduced);
-      if (transient_grads_) {
-        drop_grad(p);
-      } else if (!sharded_ || in_place_ || options_.replay_communication) {
-        dev_.zero(p.grad);
-      }
+      if (transient_grads_) drop_grad(p);
       if (!sharded_) refresh_work(p);  // sharded: after the all-gather of the updated slices
+    }
+    // The gradient buffer cleared for the next step, in one pass as Megatron-LM's
+    // zero_grad_buffer clears its contiguous buffer (the simulator's Task::cleared_params).
+    if (!transient_grads_ && (!sharded_ || in_place_ || options_.replay_communication)) {
+      dev_.zero(grad_storage_);
     }
   }
 
@@ -1762,6 +1766,7 @@ class Runner {
       // embedding table is a bucket of its own (plan_flat_layout).
       const auto [shards, mine] = shards_of(task);
       std::vector<Comm::Handle> handles;
+      std::vector<std::vector<int>> all_counts;  // a moved vector keeps its elements in place
       for (std::size_t i = 0; i < params.size();) {
         const Param::Flat& f = params[i]->flat;
         DTSIM_ASSERT(f.at == f.bucket_begin, "ZeRO in place: a reduce-scatter carries its buckets");
@@ -1774,18 +1779,19 @@ class Runner {
         for (int r = 0; r < shards; ++r) {
           wide[static_cast<std::size_t>(r)] = size * (r + 1) / shards - size * r / shards;
         }
-        const std::vector<int> counts = collective_counts(wide, "ZeRO gradient reduce-scatter");
+        all_counts.push_back(collective_counts(wide, "ZeRO gradient reduce-scatter"));
+        const std::vector<int>& counts = all_counts.back();
         const View bucket = grad_storage_.sub(f.bucket_begin, size);
         handles.push_back(comm_.start_reduce_scatter(
             task.group, bucket,
             bucket.sub(size * mine / shards, counts[static_cast<std::size_t>(mine)]), counts));
       }
       if (handles.empty()) return;
-      pending_[index] = {handles.front(),
-                         {},
-                         std::nullopt,
-                         /*holds_bucket=*/false,
-                         std::vector<Comm::Handle>(handles.begin() + 1, handles.end())};
+      pending_[index] = {
+          handles.front(),        {},
+          std::nullopt,
+          /*holds_bucket=*/false, std::vector<Comm::Handle>(handles.begin() + 1, handles.end()),
+          std::move(all_counts)};
       return;
     }
     // One bucket's reduction buffers at a time, as the memory model counts them and as a

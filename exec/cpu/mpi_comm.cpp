@@ -157,6 +157,7 @@ class MpiComm final : public Comm {
         in.p == static_cast<std::byte*>(out.p) +
                     static_cast<std::size_t>(displs[static_cast<std::size_t>(member(c))]) *
                         bytes_of(in_view.type);
+    DTSIM_ASSERT(in_place || !overlap(in, out), "an all-gather's views overlap, not in place");
     check(MPI_Allgatherv(in_place ? MPI_IN_PLACE : in.p, in.n, in.type, out.p, counts.data(),
                          displs.data(), out.type, c),
           "MPI_Allgatherv");

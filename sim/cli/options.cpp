@@ -82,7 +82,7 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
       "zero-in-place", po::bool_switch(),
       "ZeRO-1 as Megatron-LM's distributed optimizer runs it: gradients reduce-scattered and "
       "weights all-gathered in place in contiguous buffers, without the staging copies and "
-      "packed buffers of dtexec and FSDP2 (dtexec does not run it)")(
+      "packed buffers of staged ZeRO (FSDP2's, and dtexec's without this flag)")(
       "no-overlap-grad-reduce", po::bool_switch(),
       "start the data-parallel gradient reduction after the last backward pass instead of "
       "overlapping it (Megatron-LM before --overlap-grad-reduce)")(

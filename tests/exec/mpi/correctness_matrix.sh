@@ -125,6 +125,7 @@ plans=(
   "tiny-gpt|4|1|--dp 2 --pp 2 --zero-stage 1 --zero-in-place"
   "llama|4|2|--dp 2 --tp 2 --sequence-parallel --zero-stage 1 --zero-in-place --overlap-param-gather"
   "moe|4|1|--dp 4 --ep 2 --zero-stage 1 --zero-in-place"
+  "tiny-gpt|4|1|--cp 2 --dp 2 --zero-stage 1 --zero-in-place"
   "moe|4|1|--dp 4 --ep 2 --zero-stage 2 --overlap-param-gather"
   "dropout|2|2|--tp 2 --sequence-parallel --attention flash"
   "llama|4|2|--cp 2 --pp 2 --schedule 1f1b --attention flash"
