@@ -464,6 +464,36 @@ class HostOnlyComm : public dtsim::exec::Comm {
 
 }  // namespace
 
+namespace {
+
+// tiny-gpt's parameters: all of them, and the linear layers' weights (qkv, out, up, down).
+struct TinyGptParams {
+  std::int64_t all = 0, gemm = 0;
+};
+TinyGptParams tiny_gpt_params(const dtsim::model::ModelSpec& spec) {
+  const auto C = static_cast<std::int64_t>(spec.hidden);
+  const auto F = static_cast<std::int64_t>(spec.ffn_hidden);
+  return {static_cast<std::int64_t>(dtsim::model::count_params(spec)),
+          spec.layers * (4 * C * C + 2 * C * F)};
+}
+
+// One step of comm.rank()'s share of tiny-gpt at dp 2 (micro-batches of 1, 2 per replica).
+void run_dp2_step(const dtsim::model::ModelSpec& spec, int zero_stage, bool zero_in_place,
+                  dtsim::exec::Comm& comm, dtsim::exec::Device& device) {
+  auto p = single_rank(1, 2);
+  p.dp = 2;
+  p.zero_stage = zero_stage;
+  p.zero_in_place = zero_in_place;
+  const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+  const auto program = all_ranks(g, p);
+  dtsim::exec::RunOptions o;
+  o.steps = 1;
+  o.warmup_steps = 0;
+  dtsim::exec::run_program(g, program, o, comm, device);
+}
+
+}  // namespace
+
 TEST_CASE("a device's memory is not handed to a backend that moves host memory only",
           "[exec][runner]") {
   const auto spec = dtsim::model::load_model("tiny-gpt");
@@ -502,23 +532,12 @@ TEST_CASE("ZeRO gathers the GEMMs' weights in the activation type and the rest i
   // (Megatron-LM's and FSDP2's 16-bit weights, half the bytes of the fp32 master), and the
   // tensors read in fp32 (the tied embedding table, positions, norms, biases) in fp32.
   const auto spec = dtsim::model::load_model("tiny-gpt");
-  const auto C = static_cast<std::int64_t>(spec.hidden);
-  const auto F = static_cast<std::int64_t>(spec.ffn_hidden);
-  const std::int64_t gemm = spec.layers * (4 * C * C + 2 * C * F);  // qkv, out, up, down
-  const auto all = static_cast<std::int64_t>(dtsim::model::count_params(spec));
+  const auto [all, gemm] = tiny_gpt_params(spec);
   for (const int stage : {1, 3}) {
     INFO("ZeRO-" << stage);
-    auto p = single_rank(1, 2);
-    p.dp = 2;
-    p.zero_stage = stage;
-    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
-    const auto program = all_ranks(g, p);
     dtsim::exec::cpu::Bf16Device device;
     GatherRecordingComm comm;
-    dtsim::exec::RunOptions o;
-    o.steps = 1;
-    o.warmup_steps = 0;
-    dtsim::exec::run_program(g, program, o, comm, device);
+    run_dp2_step(spec, stage, /*zero_in_place=*/false, comm, device);
     REQUIRE(comm.gathered.size() == 2);
     // ZeRO-1: every weight once, after the optimizer step; ZeRO-3: every weight before each of
     // the micro-batch's two passes (the tied table once a pass, held from the embedding to the
@@ -556,23 +575,12 @@ TEST_CASE("ZeRO-1/2 keep a GEMM weight's fp32 master as the rank's slice on the 
   // positions, norms, biases) stay whole. ZeRO-2 also keeps half of the gradients, as
   // their reduced slices. (tiny-gpt's tensors have even sizes: rank 0's slice is half.)
   const auto spec = dtsim::model::load_model("tiny-gpt");
-  const auto C = static_cast<std::int64_t>(spec.hidden);
-  const auto F = static_cast<std::int64_t>(spec.ffn_hidden);
-  const std::int64_t gemm = spec.layers * (4 * C * C + 2 * C * F);  // qkv, out, up, down
-  const auto all = static_cast<std::int64_t>(dtsim::model::count_params(spec));
+  const auto [all, gemm] = tiny_gpt_params(spec);
   std::map<int, std::int64_t> resident;
   for (const int stage : {0, 1, 2}) {
-    auto p = single_rank(1, 2);
-    p.dp = 2;
-    p.zero_stage = stage;
-    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
-    const auto program = all_ranks(g, p);
     dtsim::exec::cpu::Bf16Device device;
     ResidentRecordingComm comm(device);
-    dtsim::exec::RunOptions o;
-    o.steps = 1;
-    o.warmup_steps = 0;
-    dtsim::exec::run_program(g, program, o, comm, device);
+    run_dp2_step(spec, stage, /*zero_in_place=*/false, comm, device);
     REQUIRE(comm.resident.has_value());
     resident[stage] = *comm.resident;
   }
@@ -610,26 +618,14 @@ TEST_CASE("ZeRO-1 in place reduce-scatters and gathers where the tensors lie", "
   // of the updated weights takes its part from its place in the weight buffer, on the fp32
   // and bf16 paths; each carries every tensor once a step.
   const auto spec = dtsim::model::load_model("tiny-gpt");
-  const auto all = static_cast<std::int64_t>(dtsim::model::count_params(spec));
+  const std::int64_t all = tiny_gpt_params(spec).all;
   for (const bool bf16 : {false, true}) {
     INFO((bf16 ? "bf16" : "fp32"));
-    auto p = single_rank(1, 2);
-    p.dp = 2;
-    p.zero_stage = 1;
-    p.zero_in_place = true;
-    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
-    const auto program = all_ranks(g, p);
     dtsim::exec::cpu::Bf16Device bf16_device;
     dtsim::exec::cpu::CpuDevice fp32_device;
     InPlaceRecordingComm comm;
-    dtsim::exec::RunOptions o;
-    o.steps = 1;
-    o.warmup_steps = 0;
-    if (bf16) {
-      dtsim::exec::run_program(g, program, o, comm, bf16_device);
-    } else {
-      dtsim::exec::run_program(g, program, o, comm, fp32_device);
-    }
+    run_dp2_step(spec, 1, /*zero_in_place=*/true, comm,
+                 bf16 ? static_cast<dtsim::exec::Device&>(bf16_device) : fp32_device);
     CHECK(comm.all_in_place);
     CHECK(comm.scattered == all);
     CHECK(comm.gathered == all);
