@@ -1311,9 +1311,12 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
     std::sort(v.begin(), v.end());
     return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
   };
+  // The optimizer's prediction above priced the step's gradient clear (ComputeCost::
+  // grad_clear_seconds): its factor is the optimizer's alone.
   return {{"forward", median(ratios[0])},
           {"backward", median(ratios[1])},
           {"optimizer", median(ratios[2])},
+          {"optimizer_prices_clear", true},
           {"tasks", tasks}};
 }
 

@@ -320,6 +320,8 @@ double ComputeCost::optimizer_pass_seconds(double bytes) const {
 
 double ComputeCost::grad_clear_seconds(std::uint64_t params) const {
   if (params == 0) return 0;
+  // An older profile's optimizer factor holds the clear already (Profile::InRun::prices_clear).
+  if (profile_ != nullptr && profile_->in_run && !profile_->in_run->prices_clear) return 0;
   const double in_run = profile_ != nullptr && profile_->in_run ? profile_->in_run->optimizer : 1.0;
   const double bytes = static_cast<double>(params) * plan::state_bytes_per_param(plan_).gradients;
   return (bytes / hbm_bw_ + launch_s_) * in_run;

@@ -51,7 +51,8 @@ class ComputeCost {
   // Clearing `params` gradients for the next step (lower::Task::cleared_params): one write of
   // them, at the memory bandwidth plus a launch (Megatron-LM's zero_grad_buffer is one memset
   // of the contiguous buffer), times the profile's in_run factor of the optimizer, whose task
-  // it is.
+  // it is; 0 with a profile whose in_run factor was measured with the clear inside it (one
+  // calibrated before 2026-12, Profile::InRun::prices_clear).
   double grad_clear_seconds(std::uint64_t params) const;
   // Gradient compression's codec for one collective: compress (read the uncompressed bytes,
   // write the compressed ones) and decompress the result (the converse), memory-bound passes

@@ -92,7 +92,8 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   if (r.has("jitter_cv")) p.jitter_cv = coefficient_of_variation(r, "jitter_cv");
   if (r.has("in_run")) {
     const JsonReader f = r.object("in_run");
-    f.expect_only({"forward", "backward", "optimizer", "tasks", "rank_spread_cv"});
+    f.expect_only(
+        {"forward", "backward", "optimizer", "tasks", "rank_spread_cv", "optimizer_prices_clear"});
     if (f.has("rank_spread_cv")) p.rank_spread_cv = coefficient_of_variation(f, "rank_spread_cv");
     auto factor = [&](std::string_view key) {
       const double v = f.positive_number(key);
@@ -102,7 +103,8 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
       }
       return v;
     };
-    p.in_run = Profile::InRun{factor("forward"), factor("backward"), factor("optimizer")};
+    p.in_run = Profile::InRun{factor("forward"), factor("backward"), factor("optimizer"),
+                              f.boolean_or("optimizer_prices_clear", false)};
   }
   if (r.has("ops")) {
     const auto& ops = r.raw().at("ops");

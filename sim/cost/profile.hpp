@@ -78,6 +78,11 @@ struct Profile {
   // Measured over predicted compute time in a training step, by phase (the "in_run" object).
   struct InRun {
     double forward = 1, backward = 1, optimizer = 1;
+    // Whether the optimizer factor was measured against a prediction that prices the gradient
+    // clear ("optimizer_prices_clear", dtexec calibrate since 2026-12). Before, the training
+    // step's clear was inside the measured optimizer time but not in the prediction, so the
+    // factor holds it: ComputeCost then leaves the clear unpriced instead of counting it twice.
+    bool prices_clear = false;
   };
   std::optional<InRun> in_run;
   struct OpRate {

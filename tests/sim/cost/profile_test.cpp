@@ -182,6 +182,17 @@ TEST_CASE("a profile's in_run factors scale its compute times by phase", "[cost]
           Approx(1.3 * a.op_seconds(op, Phase::BackwardWeight)));
   }
   CHECK(b.optimizer_seconds(1000000) == Approx(1.5 * a.optimizer_seconds(1000000)));
+  // The gradient buffer's clear: scaled as the optimizer where the factor was measured against
+  // a prediction that priced it, else left out (the factor holds it: an older calibration).
+  TempFile priced_file("in_run_clear.json",
+                       "{" + base +
+                           R"(, "in_run": {"forward": 1.1, "backward": 1.3, "optimizer": 1.5,
+                                           "optimizer_prices_clear": true}})");
+  const auto priced = dtsim::cost::load_profile(priced_file.path());
+  const dtsim::cost::ComputeCost c(g, plan, device, &priced);
+  REQUIRE(a.grad_clear_seconds(1000000) > 0);
+  CHECK(c.grad_clear_seconds(1000000) == Approx(1.5 * a.grad_clear_seconds(1000000)));
+  CHECK(b.grad_clear_seconds(1000000) == 0);
 }
 
 TEST_CASE("measured op rates price the non-GEMM ops in the graph's own units", "[cost][profile]") {
