@@ -665,7 +665,7 @@ class Runner {
         }
         const std::int64_t own = p.own_end - p.own_begin;
         p.separate_work = dev_.activations() != Dtype::F32 && gemm_weight(op, which);
-        p.work_only = p.separate_work && op.kind != OpKind::Embedding;
+        p.work_only = work_only(op, which);
         if (sharded_master(p)) p.shard = dev_.allocate(own, Dtype::F32);
         if (!zero3_) {
           // In place, the tensors gathered lie in one buffer per type, in the gradients' order.
@@ -723,6 +723,12 @@ class Runner {
                            (op.kind == OpKind::Embedding && m_.tied_embeddings))) ||
            (which % 2 == 0 && (op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown));
   }
+  // Param::work_only: a separate working copy (not fp32 activations) of a GEMM's weight that
+  // only the GEMMs read (not the tied embedding table, whose fp32 rows the embedding reads).
+  bool work_only(const Op& op, int which) const {
+    return dev_.activations() != Dtype::F32 && gemm_weight(op, which) &&
+           op.kind != OpKind::Embedding;
+  }
 
   // ZeRO-1 in place (plan zero_in_place), as Megatron-LM's distributed optimizer lays out its
   // buffers: the gradients lie in one buffer (dense tensors, then experts', each in key order,
@@ -743,9 +749,7 @@ class Runner {
       const Op& op = g_.op(id);
       for (auto& [which, slice] : slices(op, t_)) {
         if (op.expert && !local_expert(which / 2)) continue;
-        tensors[{id, which}] = {slice.local_size(), op.expert,
-                                dev_.activations() != Dtype::F32 && gemm_weight(op, which) &&
-                                    op.kind != OpKind::Embedding};
+        tensors[{id, which}] = {slice.local_size(), op.expert, work_only(op, which)};
       }
     }
     std::map<Key, Param::Flat> flat;
@@ -1733,8 +1737,10 @@ class Runner {
       if (!sharded_) refresh_work(p);  // sharded: after the all-gather of the updated slices
     }
     // The gradient buffer cleared for the next step, in one pass as Megatron-LM's
-    // zero_grad_buffer clears its contiguous buffer (the simulator's Task::cleared_params).
-    if (!transient_grads_ && (!sharded_ || in_place_ || options_.replay_communication)) {
+    // zero_grad_buffer clears its contiguous buffer (the simulator's Task::cleared_params); a
+    // replay of predicted waits ran no reduce-scatter to clear staged ZeRO-1's.
+    if (plan::optimizer_clears_gradients(p_) ||
+        (options_.replay_communication && !transient_grads_)) {
       dev_.zero(grad_storage_);
     }
   }

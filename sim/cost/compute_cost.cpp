@@ -312,19 +312,21 @@ double ComputeCost::optimizer_seconds(std::uint64_t params) const {
   return optimizer_pass_seconds(static_cast<double>(params) * bytes_per_param);
 }
 
+double ComputeCost::optimizer_in_run() const {
+  return profile_ != nullptr && profile_->in_run ? profile_->in_run->optimizer : 1.0;
+}
+
 double ComputeCost::optimizer_pass_seconds(double bytes) const {
-  const double in_run = profile_ != nullptr && profile_->in_run ? profile_->in_run->optimizer : 1.0;
-  if (optimizer_rate_) return bytes / *optimizer_rate_ * in_run;
-  return (bytes / hbm_bw_ + launch_s_) * in_run;
+  if (optimizer_rate_) return bytes / *optimizer_rate_ * optimizer_in_run();
+  return (bytes / hbm_bw_ + launch_s_) * optimizer_in_run();
 }
 
 double ComputeCost::grad_clear_seconds(std::uint64_t params) const {
   if (params == 0) return 0;
   // An older profile's optimizer factor holds the clear already (Profile::InRun::prices_clear).
   if (profile_ != nullptr && profile_->in_run && !profile_->in_run->prices_clear) return 0;
-  const double in_run = profile_ != nullptr && profile_->in_run ? profile_->in_run->optimizer : 1.0;
   const double bytes = static_cast<double>(params) * plan::state_bytes_per_param(plan_).gradients;
-  return (bytes / hbm_bw_ + launch_s_) * in_run;
+  return (bytes / hbm_bw_ + launch_s_) * optimizer_in_run();
 }
 
 double ComputeCost::grad_norm_seconds(std::uint64_t params) const {

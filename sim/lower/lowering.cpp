@@ -1169,7 +1169,7 @@ class Lowerer {
     opt.stream = Stream::Compute;
     opt.phase = Phase::Optimizer;
     opt.params = update_params;
-    if (plan_.zero_stage == 0 || plan_.zero_in_place || grad_group <= 1) {
+    if (plan::optimizer_clears_gradients(plan_)) {
       opt.cleared_params = static_cast<std::uint64_t>(dense + experts);
     }
     opt.deps = dp_tasks;

@@ -91,11 +91,9 @@ struct Task {
   std::int64_t tag = -1;
   // Optimizer: parameters this rank updates.
   std::uint64_t params = 0;
-  // Optimizer: gradients it clears for the next step, where the rank keeps every gradient in one
-  // buffer through the step and reduces it in place (ZeRO-0, ZeRO-1 in place, one dp rank):
-  // Megatron-LM's zero_grad_buffer, a memset of the whole buffer each step (dtexec clears it
-  // after the update). 0 where the gradients are packed and cleared by their reduce-scatter
-  // (staged ZeRO-1) or freed (ZeRO-2/3).
+  // Optimizer: gradients it clears for the next step (plan::optimizer_clears_gradients: the
+  // rank's whole gradient buffer, as Megatron-LM's zero_grad_buffer; dtexec clears it after
+  // the update), else 0.
   std::uint64_t cleared_params = 0;
   std::vector<TaskId> deps;  // tasks of the same rank that must finish first
   std::string label;         // "fwd L3-5 mb2", "tp all-reduce L4 attn", "dp grad bucket 2"

@@ -179,6 +179,14 @@ std::vector<int> chunk_layers(const Plan& plan, std::int64_t layers);
 // keeps 16-bit gradients, as in ZeRO's 16 bytes per parameter; fp32 and tf32, fp32).
 Precision gradient_precision(const Plan& plan);
 
+// Whether the optimizer step clears the rank's gradient buffer for the next step: where every
+// gradient lives in one buffer through the step, reduced in place (ZeRO-0, ZeRO-1 in place, or
+// a dp x cp group of one), as Megatron-LM's zero_grad_buffer memsets it each step. Staged
+// ZeRO-1 clears a bucket when its reduce-scatter packs it; ZeRO-2/3 free their gradients.
+inline bool optimizer_clears_gradients(const Plan& plan) {
+  return plan.zero_stage == 0 || plan.zero_in_place || plan.dp * plan.cp <= 1;
+}
+
 // What an expert load is (plan.expert_load), for messages about a value below 1.
 inline constexpr std::string_view kExpertLoadExpected =
     "expected the busiest ep rank's token copies over the even share, at least 1";

@@ -338,9 +338,8 @@ class Estimator {
         stage_params / (sharded ? shard_group : 1.0) +
         stage_expert_params / (sharded ? std::max(1.0, expert_group) : 1.0));
     b.optimizer_s = cost.optimizer_seconds(updated);
-    // The gradient buffer cleared for the next step, where it persists and is reduced in place
-    // (the lowering's Task::cleared_params).
-    if (p.zero_stage == 0 || p.zero_in_place || shard_group <= 1) {
+    // The gradient buffer cleared for the next step (the lowering's Task::cleared_params).
+    if (plan::optimizer_clears_gradients(p)) {
       b.optimizer_s +=
           cost.grad_clear_seconds(static_cast<std::uint64_t>(stage_params + stage_expert_params));
     }
