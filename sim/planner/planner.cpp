@@ -187,24 +187,36 @@ class Estimator {
       head_b += regather;  // before the head's backward
     }
 
-    double p2p = 0;  // one pipeline transfer
+    // One pipeline transfer per hop: hop s from stage s to stage s + 1, the last one from the
+    // last stage back to the first (the interleaved schedule's next chunk). Each hop is priced
+    // on the links its ranks cross, which differ where stages straddle a node, leaf or pod
+    // boundary (an oversubscribed one makes that hop the pipeline's slowest).
+    std::vector<double> hop(static_cast<std::size_t>(p.pp), 0.0);
     if (p.pp > 1) {
       const auto pp_ranks = placement.group(ParallelDim::Pp, 0);
       const bool split = p.sequence_parallel || p.scatter_gather_p2p;
       const std::uint64_t bytes = hidden_bytes / static_cast<std::uint64_t>(split ? p.tp : 1);
-      p2p = net_->p2p_s(pp_ranks[0], pp_ranks[1], bytes);
-      if (p.scatter_gather_p2p) {
-        p2p += net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
-                                  CollectiveKind::AllGather, hidden_bytes);
+      const double gather = p.scatter_gather_p2p
+                                ? net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
+                                                     CollectiveKind::AllGather, hidden_bytes)
+                                : 0.0;
+      for (int s = 0; s < p.pp; ++s) {
+        hop[static_cast<std::size_t>(s)] =
+            net_->p2p_s(pp_ranks[static_cast<std::size_t>(s)],
+                        pp_ranks[static_cast<std::size_t>((s + 1) % p.pp)], bytes) +
+            gather;
       }
     }
     // The slowest stage's forward and backward per micro-batch, and without p2p overlap the
     // time its receives expose per micro-batch: each is posted when the compute before it ends
     // and waits for the whole transfer (activations for every chunk but the first stage's
-    // first, gradients for every chunk but the last stage's last).
+    // first, over the hop from the stage before; gradients for every chunk but the last
+    // stage's last, over the hop to the stage after).
     const std::vector<int> chunks = plan::chunk_layers(p, m.layers);
     double stage_f = 0, stage_b = 0, stage_w = 0, stage_rec = 0, stage_recv = 0;
-    double stage_compute = 0;  // the slowest stage's compute alone, per micro-batch
+    double stage_compute = 0;    // the slowest stage's compute alone, per micro-batch
+    double stage_exchanges = 0;  // the slowest stage's receives per micro-batch
+    double every_stage = 0;      // every stage's passes of one micro-batch, summed
     double stage_params = 0, stage_expert_params = 0;
     for (int s = 0; s < p.pp; ++s) {
       int layers = 0;
@@ -222,14 +234,19 @@ class Estimator {
         b += head_b;
         compute += head_compute_f + head_compute_b;
       }
+      const int from_before = p.virtual_stages - (s == 0 ? 1 : 0);
+      const int from_after = p.virtual_stages - (s == p.pp - 1 ? 1 : 0);
       const double recv = p.pp > 1 && !p.overlap_p2p_comm
-                              ? p2p * (2 * p.virtual_stages - (s == 0) - (s == p.pp - 1))
+                              ? from_before * hop[static_cast<std::size_t>((s + p.pp - 1) % p.pp)] +
+                                    from_after * hop[static_cast<std::size_t>(s)]
                               : 0.0;
+      every_stage += f + b + r;
       if (f + b + r + recv > stage_f + stage_b + stage_rec + stage_recv) {
         stage_f = f;
         stage_b = b;
         stage_rec = r;
         stage_recv = recv;
+        stage_exchanges = from_before + from_after;
         stage_w = layers * lbw;
         stage_compute = compute;
       }
@@ -241,7 +258,11 @@ class Estimator {
     engine::Breakdown b;
     b.compute_s = mb * (stage_f + stage_b);
     b.recompute_s = mb * stage_rec;
-    const double fill = p.pp - 1.0;
+    // The fill and drain: the passes of one micro-batch on every stage but the slowest, which
+    // the steady state paces (with uneven stages, e.g. the embedding's or the head's, or 80
+    // layers on 64 stages, less than pp - 1 of the slowest stage's). As a count of the slowest
+    // stage's passes, pp - 1 when the stages are even.
+    const double fill = per_mb > 0 ? (every_stage - per_mb) / per_mb : p.pp - 1.0;
     switch (p.schedule) {
       case Schedule::GPipe:
       case Schedule::OneFOneB:
@@ -257,7 +278,14 @@ class Estimator {
         b.bubble_s = 0;
         break;
     }
-    b.exposed_pp_s = p.pp > 1 ? 2 * fill * p2p + mb * stage_recv : 0;
+    // The first micro-batch's activations go down the pipeline hop by hop, and the last one's
+    // gradients back up.
+    double chain = 0;
+    for (int s = 0; s + 1 < p.pp; ++s) chain += hop[static_cast<std::size_t>(s)];
+    b.exposed_pp_s = p.pp > 1 ? 2 * chain + mb * stage_recv : 0;
+    // One of the slowest stage's transfers.
+    const double p2p =
+        stage_recv > 0 ? stage_recv / stage_exchanges : (p.pp > 1 ? chain / (p.pp - 1) : 0.0);
     // Stragglers (see the class comment): the waits of one group kind over a step.
     const double step_compute = mb * stage_compute;
     auto straggling = [&](double ranks) {
@@ -274,6 +302,12 @@ class Estimator {
     const double backward = stage_b / std::max(1, p.virtual_stages);
     const CollectiveKind reduce =
         p.zero_stage == 0 ? CollectiveKind::AllReduce : CollectiveKind::ReduceScatter;
+    // The dp stream carries every reduction and gather of a step one after another: what the
+    // closed forms below expose inside the passes, the stream's busy time in all (which the
+    // passes can hide at most), when it can start (the first gradients, after a forward; a
+    // gather, at once), and what comes after the optimizer (ZeRO-1/2's gather).
+    double dp_in_passes = 0, dp_busy = 0, dp_after = 0;
+    double dp_start = stage_f / std::max(1, p.virtual_stages);
     for (const bool expert : {false, true}) {
       const double params = expert ? stage_expert_params : stage_params;
       const double size = expert ? expert_group : shard_group;
@@ -288,8 +322,16 @@ class Estimator {
                cost.staging_seconds(kind, bytes, static_cast<std::int64_t>(size));
       };
       const auto grads = static_cast<std::uint64_t>(params * bytes_per.gradients);
-      const auto bucket = std::min<std::uint64_t>(grads, 25ULL << 20);
-      const double all = dp_s(reduce, grads);
+      const auto bucket = std::min<std::uint64_t>(grads, plan::kGradientBucketBytes);
+      // One collective per bucket, each paying the group's latency (at a dp of thousands a
+      // ring's thousands of steps): as many as the stage's blocks fill.
+      const bool per_block =
+          p.zero_stage == 3 && p.schedule != Schedule::ZeroBubble && p.overlap_grad_reduce;
+      const double buckets =
+          std::max(1.0, std::round(static_cast<double>(grads) *
+                                   block_buckets(g, p, expert, bytes_per.gradients, per_block)));
+      const double all =
+          buckets * dp_s(reduce, static_cast<std::uint64_t>(static_cast<double>(grads) / buckets));
       const double last = dp_s(reduce, bucket);
       // Stragglers on the dp stream: the first bucket of a reduction waits for the compute
       // since the group's previous one (the step's, or with ZeRO-2/3 a micro-batch's), which the
@@ -301,10 +343,13 @@ class Estimator {
                                    ? waits * (backward / step_compute) *
                                          (static_cast<double>(bucket) / static_cast<double>(grads))
                                    : 0.0;
-      b.exposed_dp_s +=
-          p.zero_stage >= 2
-              ? mb * std::max({0.0, all - backward, all + first_wait - stage_b}) + last + last_wait
-              : std::max({last + last_wait, all - backward, all + first_wait - stage_b});
+      // The last (with ZeRO-2/3 the last micro-batch's) reduction outlasts its backward pass
+      // by this; ZeRO-2/3's earlier ones run beside the passes after theirs, as long as the
+      // stream keeps up (dp_busy).
+      dp_in_passes += std::max({last + last_wait, all - backward, all + first_wait - stage_b});
+      // Each collective on the stream first waits for the group's slowest rank: over a step,
+      // the group's waits (see the class comment).
+      dp_busy += (p.zero_stage >= 2 ? mb : 1.0) * all + waits;
       const auto weights = static_cast<std::uint64_t>(params * bytes_per.weights);
       if ((p.zero_stage == 1 || p.zero_stage == 2) && p.overlap_param_gather) {
         // A block's gather during the forward of the block before it (lowering: the units of
@@ -312,9 +357,11 @@ class Estimator {
         const double units = std::max(1.0, static_cast<double>(m.layers) / p.pp);
         const double gather =
             dp_s(CollectiveKind::AllGather, static_cast<std::uint64_t>(weights / units));
-        b.exposed_dp_s += gather + (units - 1) * std::max(0.0, gather - stage_f / units);
+        dp_in_passes += gather + (units - 1) * std::max(0.0, gather - stage_f / units);
+        dp_busy += units * gather;
+        dp_start = 0;
       } else if (p.zero_stage == 1 || p.zero_stage == 2) {
-        b.exposed_dp_s += dp_s(CollectiveKind::AllGather, weights);
+        dp_after += dp_s(CollectiveKind::AllGather, weights);
       }
       if (p.zero_stage == 3 && !expert) {
         // One gather per unit (a block; zero-bubble: a chunk) and pass, 2 passes per
@@ -328,7 +375,9 @@ class Estimator {
             dp_s(CollectiveKind::AllGather, static_cast<std::uint64_t>(weights / v / units));
         const double unit = std::min(stage_f, stage_b) / v / units;
         const double passes = 2 * mb * v * units;
-        b.exposed_dp_s += gather + (passes - 1) * std::max(0.0, gather - unit);
+        dp_in_passes += gather + (passes - 1) * std::max(0.0, gather - unit);
+        dp_busy += passes * gather;
+        dp_start = 0;
       }
     }
     // The optimizer updates the rank's dense parameters and its experts' (each ZeRO-sharded
@@ -394,10 +443,41 @@ class Estimator {
         b.exposed_pp_s += jitter_cv_ * spread(2) * b.bubble_s;
       }
     }
+    // The dp stream outlasts the passes where its work in all does not fit beside them
+    // (ZeRO-3's gathers and reduce-scatters at large dp, ZeRO-2's reductions per micro-batch).
+    const double window = b.compute_s + b.recompute_s + b.bubble_s + b.exposed_tp_s +
+                          b.exposed_cp_s + b.exposed_ep_s + b.exposed_pp_s;
+    b.exposed_dp_s = std::max(dp_in_passes, dp_start + dp_busy - window) + dp_after;
     return b;
   }
 
  private:
+  // The data-parallel buckets per byte of gradients that a block's ops fill, as the lowering
+  // fills them (grad_buckets): in the backward's order, each sent once it holds
+  // plan::kGradientBucketBytes; what the block leaves open counts as its share of a bucket
+  // shared with the next block, or as a bucket of its own where each block's gradients go
+  // alone (`per_block`, ZeRO-3's unit gathers). 0 when the block has no such gradients.
+  static double block_buckets(const model::ModelGraph& g, const Plan& p, bool experts,
+                              double grad_bytes, bool per_block) {
+    const auto limit = static_cast<double>(plan::kGradientBucketBytes);
+    double open = 0, total = 0, sent = 0;
+    const auto& ops = g.layer_ops(0);
+    for (auto it = ops.rbegin(); it != ops.rend(); ++it) {
+      const model::Op& o = g.op(*it);
+      if (o.expert != experts) continue;
+      const double bytes = plan::rank_params(o, p) * grad_bytes;
+      if (bytes <= 0) continue;
+      open += bytes;
+      total += bytes;
+      if (open >= limit) {
+        ++sent;
+        open = 0;
+      }
+    }
+    if (total <= 0) return 0;
+    return (sent + (open <= 0 ? 0.0 : per_block ? 1.0 : open / limit)) / total;
+  }
+
   static double stage_param_count(const model::ModelGraph& g, const Plan& p, int stage,
                                   const std::vector<int>& chunks, bool experts) {
     double params = 0;

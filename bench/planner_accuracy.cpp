@@ -1,0 +1,128 @@
+// How well the planner's closed-form tier (its estimate) stands in for the simulator, on
+// searches at scale: every feasible candidate simulated, against the estimate that ranks them.
+//   build/bench/dtsim_planner_accuracy [--threads N] [--only SUBSTRING]
+// Per search: candidates feasible, the median, 90th-percentile and worst |estimate / simulated
+// - 1|, the share of candidate pairs the estimate orders otherwise than the simulator, and what
+// the default search (the simulator on the best `refine` = 8 by estimate) loses against the
+// best plan of all: the regret, in percent of the best step time (0: it found the best).
+// Run it by hand; the note of the issue records the figures. Minutes on two cores.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "sim/planner/planner.hpp"
+
+namespace {
+
+struct Case {
+  const char* name;
+  const char* model;
+  const char* cluster;
+  std::int64_t gpus;
+  std::int64_t global_batch;
+  std::int64_t seq_len;  // 0: the model's
+};
+
+double quantile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int threads = 0, worst = 0;
+  std::string only;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--threads") {
+      threads = std::stoi(argv[i + 1]);
+    } else if (flag == "--only") {
+      only = argv[i + 1];
+    } else if (flag == "--worst") {
+      worst = std::stoi(argv[i + 1]);
+    } else {
+      fmt::print(stderr,
+                 "usage: dtsim_planner_accuracy [--threads N] [--only SUBSTRING] [--worst N]\n");
+      return 2;
+    }
+  }
+  const std::vector<Case> cases = {
+      {"Llama-3 8B, 32 A100 (default), batch 256", "llama3-8b", "default", 32, 256, 0},
+      {"GPT-3 175B, 1024 A100 (selene), batch 1536", "gpt3-175b", "selene", 1024, 1536, 0},
+      {"Llama-3 70B, 512 H100 (dgx-h100-superpod), batch 512", "llama3-70b", "dgx-h100-superpod",
+       512, 512, 0},
+      {"Llama-3 405B, 16384 H100 (h100-roce), batch 2048", "llama3-405b", "h100-roce", 16384, 2048,
+       0},
+  };
+  fmt::print("{:<56} {:>8} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}\n", "search", "feasible", "median",
+             "p90", "worst", "misorder", "regret", "wall");
+  fmt::print("{:<56} {:>8} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}\n", "", "", "|err| %", "%", "%",
+             "pairs %", "%", "s");
+  for (const Case& c : cases) {
+    if (!only.empty() && std::string(c.name).find(only) == std::string::npos) continue;
+    const auto spec = dtsim::model::load_model(c.model);
+    const auto cluster =
+        dtsim::cluster::with_devices(dtsim::cluster::load_cluster(c.cluster), c.gpus);
+    dtsim::planner::SearchSpace space;
+    space.global_batch_size = c.global_batch;
+    space.seq_len = c.seq_len;
+    dtsim::planner::SearchOptions all;
+    all.threads = threads;
+    all.refine = std::numeric_limits<int>::max();
+    const auto start = std::chrono::steady_clock::now();
+    const auto r = dtsim::planner::search(spec, cluster, space, all);
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (r.ranked.empty()) {
+      fmt::print("{:<56} {:>8}\n", c.name, 0);
+      continue;
+    }
+    std::vector<double> errors;
+    for (const auto& k : r.ranked) errors.push_back(std::abs(k.estimate_s / k.step_time_s - 1));
+    // The default search simulates the best 8 by estimate and keeps the fastest of them.
+    std::vector<const dtsim::planner::Candidate*> by_estimate;
+    for (const auto& k : r.ranked) by_estimate.push_back(&k);
+    std::stable_sort(by_estimate.begin(), by_estimate.end(),
+                     [](const auto* a, const auto* b) { return a->estimate_s < b->estimate_s; });
+    double found = std::numeric_limits<double>::infinity();
+    for (std::size_t i = 0; i < std::min<std::size_t>(8, by_estimate.size()); ++i) {
+      found = std::min(found, by_estimate[i]->step_time_s);
+    }
+    const double best = r.ranked.front().step_time_s;
+    const double pairs =
+        static_cast<double>(r.ranked.size()) * static_cast<double>(r.ranked.size() - 1) / 2.0;
+    fmt::print("{:<56} {:>8} {:>7.1f} {:>7.1f} {:>7.1f} {:>9.1f} {:>7.2f} {:>7.0f}\n", c.name,
+               r.ranked.size(), 100 * quantile(errors, 0.5), 100 * quantile(errors, 0.9),
+               100 * quantile(errors, 1.0), pairs > 0 ? 100 * r.order_disagreements / pairs : 0.0,
+               100 * (found / best - 1), wall);
+    // The candidates the estimate misses most, each term of both breakdowns.
+    std::vector<const dtsim::planner::Candidate*> misses = by_estimate;
+    std::stable_sort(misses.begin(), misses.end(), [](const auto* a, const auto* b) {
+      return std::abs(a->estimate_s / a->step_time_s - 1) >
+             std::abs(b->estimate_s / b->step_time_s - 1);
+    });
+    for (std::size_t i = 0;
+         i < std::min<std::size_t>(static_cast<std::size_t>(worst), misses.size()); ++i) {
+      const auto& k = *misses[i];
+      auto terms = [](const dtsim::engine::Breakdown& b) {
+        return fmt::format(
+            "compute {:.3f} recompute {:.3f} bubble {:.3f} tp {:.3f} cp {:.3f} ep {:.3f} dp {:.3f} "
+            "pp {:.3f} optimizer {:.3f}",
+            b.compute_s, b.recompute_s, b.bubble_s, b.exposed_tp_s, b.exposed_cp_s, b.exposed_ep_s,
+            b.exposed_dp_s, b.exposed_pp_s, b.optimizer_s);
+      };
+      fmt::print("  {:+.1f}%  {}\n    estimate  {:.3f} s: {}\n    simulated {:.3f} s: {}\n",
+                 100 * (k.estimate_s / k.step_time_s - 1), dtsim::plan::summary(k.plan),
+                 k.estimate_s, terms(k.estimate), k.step_time_s, terms(k.prediction.breakdown));
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
