@@ -26,7 +26,6 @@ struct Case {
   const char* cluster;
   std::int64_t gpus;
   std::int64_t global_batch;
-  std::int64_t seq_len;  // 0: the model's
 };
 
 double quantile(std::vector<double> v, double q) {
@@ -54,12 +53,11 @@ int main(int argc, char** argv) {
     }
   }
   const std::vector<Case> cases = {
-      {"Llama-3 8B, 32 A100 (default), batch 256", "llama3-8b", "default", 32, 256, 0},
-      {"GPT-3 175B, 1024 A100 (selene), batch 1536", "gpt3-175b", "selene", 1024, 1536, 0},
+      {"Llama-3 8B, 32 A100 (default), batch 256", "llama3-8b", "default", 32, 256},
+      {"GPT-3 175B, 1024 A100 (selene), batch 1536", "gpt3-175b", "selene", 1024, 1536},
       {"Llama-3 70B, 512 H100 (dgx-h100-superpod), batch 512", "llama3-70b", "dgx-h100-superpod",
-       512, 512, 0},
-      {"Llama-3 405B, 16384 H100 (h100-roce), batch 2048", "llama3-405b", "h100-roce", 16384, 2048,
-       0},
+       512, 512},
+      {"Llama-3 405B, 16384 H100 (h100-roce), batch 2048", "llama3-405b", "h100-roce", 16384, 2048},
   };
   fmt::print("{:<56} {:>8} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}\n", "search", "feasible", "median",
              "p90", "worst", "misorder", "regret", "wall");
@@ -72,7 +70,6 @@ int main(int argc, char** argv) {
         dtsim::cluster::with_devices(dtsim::cluster::load_cluster(c.cluster), c.gpus);
     dtsim::planner::SearchSpace space;
     space.global_batch_size = c.global_batch;
-    space.seq_len = c.seq_len;
     dtsim::planner::SearchOptions all;
     all.threads = threads;
     all.refine = std::numeric_limits<int>::max();

@@ -245,7 +245,7 @@ double ComputeCost::accumulation_seconds(const model::Op& op, Phase phase) const
   // accumulator: one memory-bound kernel.
   const double bytes = params * (plan::activation_bytes_per_element(plan_.precision) +
                                  2 * plan::state_bytes_per_param(plan_).gradients);
-  return bytes / hbm_bw_ + launch_s_;
+  return memory_kernel_seconds(bytes);
 }
 
 double ComputeCost::codec_seconds(std::uint64_t uncompressed, std::uint64_t compressed) const {
@@ -312,13 +312,17 @@ double ComputeCost::optimizer_seconds(std::uint64_t params) const {
   return optimizer_pass_seconds(static_cast<double>(params) * bytes_per_param);
 }
 
+double ComputeCost::memory_kernel_seconds(double bytes) const {
+  return bytes / hbm_bw_ + launch_s_;
+}
+
 double ComputeCost::optimizer_in_run() const {
   return profile_ != nullptr && profile_->in_run ? profile_->in_run->optimizer : 1.0;
 }
 
 double ComputeCost::optimizer_pass_seconds(double bytes) const {
   if (optimizer_rate_) return bytes / *optimizer_rate_ * optimizer_in_run();
-  return (bytes / hbm_bw_ + launch_s_) * optimizer_in_run();
+  return memory_kernel_seconds(bytes) * optimizer_in_run();
 }
 
 double ComputeCost::grad_clear_seconds(std::uint64_t params) const {
@@ -326,7 +330,7 @@ double ComputeCost::grad_clear_seconds(std::uint64_t params) const {
   // An older profile's optimizer factor holds the clear already (Profile::InRun::prices_clear).
   if (profile_ != nullptr && profile_->in_run && !profile_->in_run->prices_clear) return 0;
   const double bytes = static_cast<double>(params) * plan::state_bytes_per_param(plan_).gradients;
-  return (bytes / hbm_bw_ + launch_s_) * optimizer_in_run();
+  return memory_kernel_seconds(bytes) * optimizer_in_run();
 }
 
 double ComputeCost::grad_norm_seconds(std::uint64_t params) const {

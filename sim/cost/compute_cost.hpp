@@ -82,6 +82,9 @@ class ComputeCost {
   // rate where it has one, else the memory bandwidth plus a launch; times the profile's in_run
   // factor of the optimizer.
   double optimizer_pass_seconds(double bytes) const;
+  // One memory-bound kernel that moves `bytes`: at the device's (or the profile's) memory
+  // bandwidth, plus a launch.
+  double memory_kernel_seconds(double bytes) const;
   // The profile's in_run factor of the optimizer step (1 without one).
   double optimizer_in_run() const;
   // op_seconds before the profile's in_run factor: the kernels as timed alone.

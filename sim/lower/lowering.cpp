@@ -949,7 +949,7 @@ class Lowerer {
         plan_.schedule == plan::Schedule::GPipe || plan_.schedule == plan::Schedule::OneFOneB;
     // With unit gathers, a backward pass's gradients go out block by block, in order with the
     // gathers of the blocks ahead on the data-parallel stream.
-    const bool buckets_per_block = zero3_units && plan_.overlap_grad_reduce;
+    const bool buckets_per_block = plan::gradient_buckets_per_block(plan_) && grad_group > 1;
 
     for (std::size_t i = 0; i < passes.size(); ++i) {
       const Pass& pass = passes[i];

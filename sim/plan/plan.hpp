@@ -187,6 +187,15 @@ inline bool optimizer_clears_gradients(const Plan& plan) {
   return plan.zero_stage == 0 || plan.zero_in_place || plan.dp * plan.cp <= 1;
 }
 
+// Whether each block's data-parallel gradients go out in buckets of their own (a block's
+// gradients never share a bucket with the next block's): with ZeRO-3's gathers per block,
+// which the zero-bubble schedule does per chunk instead, and the reduction overlapped with the
+// backward pass, the reduce-scatters take their turns on the dp stream between the gathers of
+// the blocks ahead (lowering; the planner's bucket count).
+inline bool gradient_buckets_per_block(const Plan& plan) {
+  return plan.zero_stage == 3 && plan.schedule != Schedule::ZeroBubble && plan.overlap_grad_reduce;
+}
+
 // What an expert load is (plan.expert_load), for messages about a value below 1.
 inline constexpr std::string_view kExpertLoadExpected =
     "expected the busiest ep rank's token copies over the even share, at least 1";

@@ -307,7 +307,9 @@ class Estimator {
     // passes can hide at most), when it can start (the first gradients, after a forward; a
     // gather, at once), and what comes after the optimizer (ZeRO-1/2's gather).
     double dp_in_passes = 0, dp_busy = 0, dp_after = 0;
-    double dp_start = stage_f / std::max(1, p.virtual_stages);
+    const bool gathers_first =
+        p.zero_stage == 3 || ((p.zero_stage == 1 || p.zero_stage == 2) && p.overlap_param_gather);
+    const double dp_start = gathers_first ? 0.0 : stage_f / std::max(1, p.virtual_stages);
     for (const bool expert : {false, true}) {
       const double params = expert ? stage_expert_params : stage_params;
       const double size = expert ? expert_group : shard_group;
@@ -325,11 +327,10 @@ class Estimator {
       const auto bucket = std::min<std::uint64_t>(grads, plan::kGradientBucketBytes);
       // One collective per bucket, each paying the group's latency (at a dp of thousands a
       // ring's thousands of steps): as many as the stage's blocks fill.
-      const bool per_block =
-          p.zero_stage == 3 && p.schedule != Schedule::ZeroBubble && p.overlap_grad_reduce;
       const double buckets =
           std::max(1.0, std::round(static_cast<double>(grads) *
-                                   block_buckets(g, p, expert, bytes_per.gradients, per_block)));
+                                   block_buckets(g, p, expert, bytes_per.gradients,
+                                                 plan::gradient_buckets_per_block(p))));
       const double all =
           buckets * dp_s(reduce, static_cast<std::uint64_t>(static_cast<double>(grads) / buckets));
       const double last = dp_s(reduce, bucket);
@@ -359,7 +360,6 @@ class Estimator {
             dp_s(CollectiveKind::AllGather, static_cast<std::uint64_t>(weights / units));
         dp_in_passes += gather + (units - 1) * std::max(0.0, gather - stage_f / units);
         dp_busy += units * gather;
-        dp_start = 0;
       } else if (p.zero_stage == 1 || p.zero_stage == 2) {
         dp_after += dp_s(CollectiveKind::AllGather, weights);
       }
@@ -377,7 +377,6 @@ class Estimator {
         const double passes = 2 * mb * v * units;
         dp_in_passes += gather + (passes - 1) * std::max(0.0, gather - unit);
         dp_busy += passes * gather;
-        dp_start = 0;
       }
     }
     // The optimizer updates the rank's dense parameters and its experts' (each ZeRO-sharded
