@@ -17,6 +17,7 @@
 #include "sim/engine/engine.hpp"
 #include "sim/network/network_model.hpp"
 #include "sim/plan/memory_model.hpp"
+#include "sim/planner/pass_timeline.hpp"
 
 namespace dtsim::planner {
 
@@ -38,7 +39,8 @@ std::vector<int> divisors(std::int64_t n) {
 }
 
 // Closed-form step time of one plan (tier 1). Uses the simulator's compute cost and network
-// models per op and per collective, and composes them with the schedule's bubble formula.
+// models per op and per collective, and runs the passes through the schedule's order
+// (pass_timeline.hpp) for the bubble and the pipeline transfers.
 //
 // Stragglers, as the engine models them (sim/engine/engine.hpp): a collective waits
 // cv·E[max of its group's n ranks]·T, T the compute since that group's previous collective.
@@ -213,10 +215,9 @@ class Estimator {
     // first, over the hop from the stage before; gradients for every chunk but the last
     // stage's last, over the hop to the stage after).
     const std::vector<int> chunks = plan::chunk_layers(p, m.layers);
-    double stage_f = 0, stage_b = 0, stage_w = 0, stage_rec = 0, stage_recv = 0;
+    double stage_f = 0, stage_b = 0, stage_rec = 0, stage_recv = 0;
     double stage_compute = 0;    // the slowest stage's compute alone, per micro-batch
     double stage_exchanges = 0;  // the slowest stage's receives per micro-batch
-    double every_stage = 0;      // every stage's passes of one micro-batch, summed
     double stage_params = 0, stage_expert_params = 0;
     for (int s = 0; s < p.pp; ++s) {
       int layers = 0;
@@ -240,14 +241,12 @@ class Estimator {
                               ? from_before * hop[static_cast<std::size_t>((s + p.pp - 1) % p.pp)] +
                                     from_after * hop[static_cast<std::size_t>(s)]
                               : 0.0;
-      every_stage += f + b + r;
       if (f + b + r + recv > stage_f + stage_b + stage_rec + stage_recv) {
         stage_f = f;
         stage_b = b;
         stage_rec = r;
         stage_recv = recv;
         stage_exchanges = from_before + from_after;
-        stage_w = layers * lbw;
         stage_compute = compute;
       }
       stage_params = std::max(stage_params, stage_param_count(g, p, s, chunks, false));
@@ -258,31 +257,42 @@ class Estimator {
     engine::Breakdown b;
     b.compute_s = mb * (stage_f + stage_b);
     b.recompute_s = mb * stage_rec;
-    // The fill and drain: the passes of one micro-batch on every stage but the slowest, which
-    // the steady state paces (with uneven stages, e.g. the embedding's or the head's, or 80
-    // layers on 64 stages, less than pp - 1 of the slowest stage's). As a count of the slowest
-    // stage's passes, pp - 1 when the stages are even.
-    const double fill = per_mb > 0 ? (every_stage - per_mb) / per_mb : p.pp - 1.0;
-    switch (p.schedule) {
-      case Schedule::GPipe:
-      case Schedule::OneFOneB:
-        b.bubble_s = fill * per_mb;
-        break;
-      case Schedule::Interleaved:
-        b.bubble_s = fill * per_mb / p.virtual_stages;
-        break;
-      case Schedule::ZeroBubble:
-        b.bubble_s = fill * std::max(0.0, stage_f + stage_rec + (stage_b - stage_w) - stage_w);
-        break;
-      case Schedule::PipeDreamAsync:
-        b.bubble_s = 0;
-        break;
-    }
     // The first micro-batch's activations go down the pipeline hop by hop, and the last one's
     // gradients back up.
     double chain = 0;
     for (int s = 0; s + 1 < p.pp; ++s) chain += hop[static_cast<std::size_t>(s)];
-    b.exposed_pp_s = p.pp > 1 ? 2 * chain + mb * stage_recv : 0;
+    if (p.pp > 1 && p.schedule != Schedule::PipeDreamAsync) {
+      // The bubble: the idle time of the slowest stage in the schedule's order with compute
+      // alone; the transfers' share: what the hops add to that (pass_timeline.hpp).
+      std::vector<ChunkPasses> passes(chunks.size());
+      for (std::size_t k = 0; k < chunks.size(); ++k) {
+        const double layers = chunks[k];
+        ChunkPasses& c = passes[k];
+        c.forward = layers * block_f;
+        c.backward = layers * (block_b + block_recompute);
+        if (p.schedule == Schedule::ZeroBubble) {
+          c.backward -= layers * lbw;
+          c.weight = layers * lbw;
+        }
+        if (k == 0) {
+          c.forward += emb_f;
+          c.backward += emb_b;
+        }
+        if (k + 1 == chunks.size()) {
+          c.forward += head_f;
+          c.backward += head_b;
+        }
+      }
+      const bool blocking = !p.overlap_p2p_comm;
+      const std::vector<double> no_hops(hop.size(), 0.0);
+      const double compute_only = pipeline_timeline(p, passes, no_hops, blocking).makespan_s;
+      const double with_hops = pipeline_timeline(p, passes, hop, blocking).makespan_s;
+      b.bubble_s = std::max(0.0, compute_only - mb * per_mb);
+      b.exposed_pp_s = std::max(0.0, with_hops - compute_only);
+    } else if (p.pp > 1) {
+      // PipeDream's asynchronous 1F1B has no flush: no bubble, the transfers as 1F1B's.
+      b.exposed_pp_s = 2 * chain + mb * stage_recv;
+    }
     // One of the slowest stage's transfers.
     const double p2p =
         stage_recv > 0 ? stage_recv / stage_exchanges : (p.pp > 1 ? chain / (p.pp - 1) : 0.0);

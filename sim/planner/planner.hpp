@@ -1,8 +1,8 @@
 // dtsim plan: search the parallel configurations of a model on a cluster, rank them, explain.
 //
 // Two tiers (issue 4): a closed-form estimate of every candidate's step time (per-stage pass
-// times from the same compute cost and network models the simulator uses, each pipeline hop on
-// its own links, composed with the schedules' bubble formulas over every stage's passes, a
+// times from the same compute cost and network models the simulator uses, run through the
+// schedule's pass order with each pipeline hop on its own links (pass_timeline.hpp), a
 // data-parallel overlap rule and the dp stream's whole work as a bound), with candidates that
 // do not fit in memory pruned by the memory model; then the discrete-event simulator on the
 // best `refine` of them, whose simulated times give the final order.

@@ -316,6 +316,7 @@ TEST_CASE("the closed form follows the simulator where hops, stages or the dp st
     int zero;
     Recompute recompute;
     std::int64_t micro_batch;
+    int virtual_stages = 4;
   };
   const std::vector<Probe> probes = {
       {"hops across pods", "llama3-405b", "h100-roce", 16384, 2048, 8, 16, Schedule::Interleaved, 1,
@@ -324,6 +325,13 @@ TEST_CASE("the closed form follows the simulator where hops, stages or the dp st
        Schedule::OneFOneB, 3, Recompute::Selective, 1},
       {"uneven stages", "llama3-8b", "default", 32, 64, 1, 32, Schedule::OneFOneB, 0,
        Recompute::Full, 2},
+      // 96 layers in 64 chunks: each stage's chunk 1 (one layer) waits at every chunk
+      // transition for the two-layer chunks before it.
+      {"interleaved chunks of unequal layers", "gpt3-175b", "selene", 1024, 1536, 8, 32,
+       Schedule::Interleaved, 1, Recompute::Selective, 1, 2},
+      // Blocking exchanges with the head's chunk heavier: every round waits for it.
+      {"blocking interleaved exchanges", "llama3-8b", "default", 32, 256, 8, 4,
+       Schedule::Interleaved, 0, Recompute::None, 2},
   };
   for (const Probe& probe : probes) {
     DYNAMIC_SECTION(probe.what) {
@@ -335,7 +343,7 @@ TEST_CASE("the closed form follows the simulator where hops, stages or the dp st
       space.fixed_tp = probe.tp;
       space.fixed_pp = probe.pp;
       space.schedules = {probe.schedule};
-      space.virtual_stages = {4};
+      space.virtual_stages = {probe.virtual_stages};
       space.zero_stages = {probe.zero};
       space.recomputes = {probe.recompute};
       space.micro_batch_sizes = {probe.micro_batch};
@@ -347,7 +355,7 @@ TEST_CASE("the closed form follows the simulator where hops, stages or the dp st
         INFO(dtsim::plan::summary(c.plan)
              << ": estimate " << c.estimate_s << " s, simulated " << c.step_time_s << " s");
         CHECK(c.refined);
-        CHECK(std::abs(c.estimate_s / c.step_time_s - 1) <= 0.15);
+        CHECK(std::abs(c.estimate_s / c.step_time_s - 1) <= 0.08);
       }
     }
   }

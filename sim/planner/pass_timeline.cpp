@@ -1,0 +1,270 @@
+#include "sim/planner/pass_timeline.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <iterator>
+
+#include "sim/common/error.hpp"
+#include "sim/lower/schedule.hpp"
+
+namespace dtsim::planner {
+
+namespace {
+
+using lower::Pass;
+using lower::PassKind;
+using plan::Schedule;
+
+// One device's link in one direction: the intervals it is busy, by start (booked mostly in
+// order of time, so mostly appended).
+class Link {
+ public:
+  // The first time from `t` at which the link is free for `seconds`.
+  double first_free(double t, double seconds) const {
+    auto it = std::upper_bound(busy_.begin(), busy_.end(), t,
+                               [](double x, const Interval& b) { return x < b.start; });
+    if (it != busy_.begin() && std::prev(it)->end > t) t = std::prev(it)->end;
+    for (; it != busy_.end() && it->start < t + seconds; ++it) t = std::max(t, it->end);
+    return t;
+  }
+  void book(double start, double seconds) {
+    const Interval booked{start, start + seconds};
+    auto it = std::upper_bound(busy_.begin(), busy_.end(), start,
+                               [](double x, const Interval& b) { return x < b.start; });
+    busy_.insert(it, booked);
+  }
+
+ private:
+  struct Interval {
+    double start, end;
+  };
+  std::vector<Interval> busy_;
+};
+
+// The timeline's pipeline transfers, one per chunk boundary, micro-batch and direction: when
+// the sender and the receiver posted their sides (negative: not yet) and, once both have, when
+// the transfer ends.
+struct Transfers {
+  std::vector<double> send_posted, recv_posted, end;
+  // A device sends one pipeline transfer at a time and receives one at a time (the engine's
+  // reserve_link): a stage that sends to both neighbours at once sends them one after the
+  // other. The engine books a link in the order of the transfers' readiness; the timeline
+  // meets them in another order (stage by stage), so each takes the first gap that holds it.
+  std::vector<Link> out, in;
+};
+
+class Timeline {
+ public:
+  Timeline(const plan::Plan& plan, const std::vector<ChunkPasses>& chunks,
+           const std::vector<double>& hop, bool blocking)
+      : chunks_(chunks),
+        hop_(hop),
+        pp_(plan.pp),
+        m_(static_cast<int>(plan.micro_batches())),
+        last_chunk_(static_cast<int>(chunks.size()) - 1),
+        blocking_(blocking),
+        // As the lowering: Megatron-LM's blocking exchanges hold the sender until its tensors
+        // are received (1F1B, interleaved; GPipe taken as 1F1B is), and its 1F1B receives
+        // after sending between two passes of one kind.
+        holds_sends_(blocking &&
+                     (plan.schedule == Schedule::GPipe || plan.schedule == Schedule::OneFOneB ||
+                      plan.schedule == Schedule::Interleaved)),
+        in_turn_when_alike_(
+            blocking && (plan.schedule == Schedule::GPipe || plan.schedule == Schedule::OneFOneB)) {
+    DTSIM_ASSERT(pp_ >= 1 && !chunks.empty() &&
+                     chunks.size() % static_cast<std::size_t>(pp_) == 0 &&
+                     hop.size() == static_cast<std::size_t>(pp_),
+                 "pipeline_timeline: one set of passes per chunk, one hop per stage");
+    const std::size_t keys = chunks.size() * static_cast<std::size_t>(m_) * 2;
+    t_.send_posted.assign(keys, -1.0);
+    t_.recv_posted.assign(keys, -1.0);
+    t_.end.assign(keys, -1.0);
+    t_.out.resize(static_cast<std::size_t>(pp_));
+    t_.in.resize(static_cast<std::size_t>(pp_));
+    stages_.resize(static_cast<std::size_t>(pp_));
+    for (int s = 0; s < pp_; ++s) {
+      Stage& st = stages_[static_cast<std::size_t>(s)];
+      st.passes = lower::stage_passes(plan, s);
+      // Overlapped transfers: each pass its own round, its receive posted ahead of need.
+      if (!blocking_) {
+        for (std::size_t i = 0; i < st.passes.size(); ++i) st.passes[i].round = static_cast<int>(i);
+      }
+    }
+  }
+
+  PipelineTimeline run() {
+    std::size_t done = 0;
+    while (done < stages_.size()) {
+      bool moved = false;
+      done = 0;
+      for (int s = 0; s < pp_; ++s) {
+        moved = advance(s) || moved;
+        if (stages_[static_cast<std::size_t>(s)].phase == Phase::Done) ++done;
+      }
+      DTSIM_ASSERT(moved || done == stages_.size(),
+                   "pipeline_timeline: the schedule's exchanges deadlock");
+    }
+    PipelineTimeline out;
+    for (const Stage& st : stages_) {
+      out.makespan_s = std::max(out.makespan_s, st.free);
+      out.busy_s.push_back(st.busy);
+    }
+    return out;
+  }
+
+ private:
+  enum class Phase { Boundary, Sends, Receives, Done };
+  struct Stage {
+    std::vector<Pass> passes;
+    std::size_t next = 0;
+    Phase phase = Phase::Boundary;
+    double free = 0, busy = 0;
+    double boundary = 0, sends_end = 0;  // the exchange before the next round
+    bool in_turn = false;
+    std::vector<std::size_t> to_send, sending, receiving;
+  };
+
+  std::size_t key(int k, int micro_batch, bool gradient) const {
+    return (static_cast<std::size_t>(k) * static_cast<std::size_t>(m_) +
+            static_cast<std::size_t>(micro_batch)) *
+               2 +
+           (gradient ? 1 : 0);
+  }
+  // The transfer into chunk k: activations from the chunk before (stage s - 1), gradients from
+  // the chunk after (stage s + 1), over the hop between the two stages.
+  int sender(std::size_t key) const {
+    const int k = static_cast<int>(key / 2 / static_cast<std::size_t>(m_));
+    return ((key % 2 == 1 ? k + 1 : k - 1) % pp_ + pp_) % pp_;
+  }
+  int receiver(std::size_t key) const {
+    return static_cast<int>(key / 2 / static_cast<std::size_t>(m_)) % pp_;
+  }
+  double hop_of(std::size_t key) const {
+    const int r = receiver(key);
+    return hop_[static_cast<std::size_t>(key % 2 == 1 ? r : (r + pp_ - 1) % pp_)];
+  }
+
+  // The transfer's end once both sides are posted (negative before), booked on the sender's
+  // and receiver's links when first known.
+  double resolve(std::size_t k) {
+    if (t_.end[k] >= 0) return t_.end[k];
+    if (t_.send_posted[k] < 0 || t_.recv_posted[k] < 0) return -1;
+    const auto out = static_cast<std::size_t>(sender(k));
+    const auto in = static_cast<std::size_t>(receiver(k));
+    const double ready = std::max(t_.send_posted[k], t_.recv_posted[k]);
+    const double seconds = hop_of(k);
+    if (seconds <= 0) return t_.end[k] = ready;
+    // The first time from `ready` at which both links are free for the whole transfer.
+    double start = ready;
+    for (double before = -1; before != start;) {
+      before = start;
+      start = t_.out[out].first_free(start, seconds);
+      start = t_.in[in].first_free(start, seconds);
+    }
+    t_.out[out].book(start, seconds);
+    t_.in[in].book(start, seconds);
+    return t_.end[k] = start + seconds;
+  }
+
+  // Runs stage s as far as its exchanges allow; whether it moved.
+  bool advance(int s) {
+    Stage& st = stages_[static_cast<std::size_t>(s)];
+    bool moved = false;
+    while (st.phase != Phase::Done) {
+      if (st.phase == Phase::Boundary) {
+        // The sends of the round that ended, and the receives of the next.
+        st.boundary = st.free;
+        for (std::size_t k : st.to_send) t_.send_posted[k] = st.boundary;
+        st.sending = std::move(st.to_send);
+        st.to_send.clear();
+        st.receiving.clear();
+        const int round = st.next < st.passes.size() ? st.passes[st.next].round : -1;
+        for (std::size_t i = st.next; i < st.passes.size() && st.passes[i].round == round; ++i) {
+          const Pass& pass = st.passes[i];
+          const int k = pass.chunk * pp_ + s;
+          if (pass.kind == PassKind::Forward && k > 0) {
+            st.receiving.push_back(key(k, pass.micro_batch, false));
+          }
+          if ((pass.kind == PassKind::Backward || pass.kind == PassKind::BackwardInput) &&
+              k < last_chunk_) {
+            st.receiving.push_back(key(k, pass.micro_batch, true));
+          }
+        }
+        st.in_turn = in_turn_when_alike_ && st.next > 0 && st.next < st.passes.size() &&
+                     st.passes[st.next - 1].kind == st.passes[st.next].kind;
+        if (!st.in_turn) post_receives(st, blocking_ ? st.boundary : 0.0);
+        st.phase = Phase::Sends;
+        moved = true;
+      }
+      if (st.phase == Phase::Sends) {
+        st.sends_end = st.boundary;
+        if (holds_sends_) {
+          for (std::size_t k : st.sending) {
+            const double end = resolve(k);
+            if (end < 0) return moved;  // the receiver has not posted yet
+            st.sends_end = std::max(st.sends_end, end);
+          }
+        }
+        if (st.in_turn) post_receives(st, st.sends_end);
+        st.phase = Phase::Receives;
+        moved = true;
+      }
+      // Phase::Receives: the next round starts once its inputs are in.
+      double start = st.sends_end;
+      for (std::size_t k : st.receiving) {
+        const double end = resolve(k);
+        if (end < 0) return moved;  // the sender has not produced it yet
+        start = std::max(start, end);
+      }
+      st.free = start;
+      moved = true;
+      if (st.next == st.passes.size()) {
+        st.phase = Phase::Done;
+        break;
+      }
+      const int round = st.passes[st.next].round;
+      while (st.next < st.passes.size() && st.passes[st.next].round == round) {
+        run(s, st, st.passes[st.next]);
+        ++st.next;
+      }
+      st.phase = Phase::Boundary;
+    }
+    return moved;
+  }
+
+  void post_receives(const Stage& st, double when) {
+    for (std::size_t k : st.receiving) t_.recv_posted[k] = when;
+  }
+
+  void run(int s, Stage& st, const Pass& pass) {
+    const int k = pass.chunk * pp_ + s;
+    const ChunkPasses& c = chunks_[static_cast<std::size_t>(k)];
+    const double length = pass.kind == PassKind::Forward          ? c.forward
+                          : pass.kind == PassKind::BackwardWeight ? c.weight
+                                                                  : c.backward;
+    st.free += length;
+    st.busy += length;
+    if (pass.kind == PassKind::Forward && k < last_chunk_) {
+      st.to_send.push_back(key(k + 1, pass.micro_batch, false));
+    }
+    if ((pass.kind == PassKind::Backward || pass.kind == PassKind::BackwardInput) && k > 0) {
+      st.to_send.push_back(key(k - 1, pass.micro_batch, true));
+    }
+  }
+
+  const std::vector<ChunkPasses>& chunks_;
+  const std::vector<double>& hop_;
+  int pp_, m_, last_chunk_;
+  bool blocking_, holds_sends_, in_turn_when_alike_;
+  Transfers t_;
+  std::vector<Stage> stages_;
+};
+
+}  // namespace
+
+PipelineTimeline pipeline_timeline(const plan::Plan& plan, const std::vector<ChunkPasses>& chunks,
+                                   const std::vector<double>& hop, bool blocking) {
+  return Timeline(plan, chunks, hop, blocking).run();
+}
+
+}  // namespace dtsim::planner

@@ -1,0 +1,38 @@
+// The planner's pipeline timeline: every stage's forward and backward passes, in the order the
+// schedule runs them (lower::stage_passes, the same order the lowering gives the simulator),
+// each started once its stage is free and its input has come from the neighbouring stage.
+//
+// It replaces a bubble formula where the stages or the interleaved schedule's chunks are
+// uneven: with 96 layers on 32 x 2 chunks (2 and 1 layers), a stage's 1-layer chunk waits for
+// the 2-layer chunk before it at every chunk transition, which no per-stage formula sees. It
+// times compute and pipeline transfers only, every pass of a chunk alike: no contention on the
+// links, no stragglers, no data-parallel or optimizer work (the closed form adds those).
+#pragma once
+
+#include <vector>
+
+#include "sim/plan/plan.hpp"
+
+namespace dtsim::planner {
+
+// One model chunk's passes of one micro-batch, indexed by virtual stage k = chunk x pp + stage
+// (plan::chunk_layers' order). `backward` is the whole backward pass, or under zero-bubble the
+// input-gradient pass, with `weight` its deferred weight-gradient pass.
+struct ChunkPasses {
+  double forward = 0, backward = 0, weight = 0;
+};
+
+struct PipelineTimeline {
+  double makespan_s = 0;  // from the first forward to the last stage's last pass
+  // Each stage's passes summed (the busiest stage's is the least the makespan can be).
+  std::vector<double> busy_s;
+};
+
+// hop[s]: one transfer from stage s to stage s + 1 (the last: back to stage 0), either way.
+// Blocking transfers (no p2p overlap) start once the receiving stage posts its receive, after
+// its pass before, and once the sender has produced them; overlapped ones start when the
+// sender has produced them, so the receiver waits only for what is left of them.
+PipelineTimeline pipeline_timeline(const plan::Plan& plan, const std::vector<ChunkPasses>& chunks,
+                                   const std::vector<double>& hop, bool blocking);
+
+}  // namespace dtsim::planner

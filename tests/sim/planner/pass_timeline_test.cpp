@@ -1,0 +1,135 @@
+#include "sim/planner/pass_timeline.hpp"
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+#include "tests/test_util.hpp"
+
+using dtsim::plan::Plan;
+using dtsim::plan::Schedule;
+using dtsim::planner::ChunkPasses;
+using dtsim::planner::pipeline_timeline;
+
+namespace {
+
+Plan pipeline(Schedule schedule, int pp, int micro_batches, int virtual_stages = 1) {
+  Plan p;
+  p.pp = pp;
+  p.schedule = schedule;
+  p.virtual_stages = virtual_stages;
+  p.global_batch_size = micro_batches;
+  return p;
+}
+
+std::vector<ChunkPasses> even(const Plan& p, double forward, double backward, double weight = 0) {
+  return std::vector<ChunkPasses>(static_cast<std::size_t>(p.pp * p.virtual_stages),
+                                  ChunkPasses{forward, backward, weight});
+}
+
+}  // namespace
+
+// With even chunks and free transfers the timeline is the schedules' textbook length: GPipe's
+// and 1F1B's (m + p - 1)(f + b), the interleaved schedule's bubble of (p - 1) chunk passes
+// (Narayanan et al. 2021, Sec. 2.2: (p - 1)/v of a stage's), zero-bubble's (p - 1)(f + b - w)
+// at most, with W deferred into the cool-down (Qi et al. 2023).
+TEST_CASE("even chunks without transfer times give the schedules' textbook lengths",
+          "[planner][pipeline]") {
+  const int pp = 4, m = 8;
+  const std::vector<double> no_hops(pp, 0.0);
+  for (const bool blocking : {false, true}) {
+    INFO("blocking " << blocking);
+    for (const Schedule s : {Schedule::GPipe, Schedule::OneFOneB}) {
+      const Plan p = pipeline(s, pp, m);
+      const auto t = pipeline_timeline(p, even(p, 1, 2), no_hops, blocking);
+      CHECK(t.makespan_s == Approx((m + pp - 1) * 3.0));
+      for (double busy : t.busy_s) CHECK(busy == Approx(m * 3.0));
+    }
+    const Plan interleaved = pipeline(Schedule::Interleaved, pp, m, 2);
+    const auto t = pipeline_timeline(interleaved, even(interleaved, 0.5, 1), no_hops, blocking);
+    CHECK(t.makespan_s == Approx(m * 2 * 1.5 + (pp - 1) * 1.5));
+    const Plan zb = pipeline(Schedule::ZeroBubble, pp, m);
+    const auto z = pipeline_timeline(zb, even(zb, 1, 1, 1), no_hops, blocking);
+    CHECK(z.makespan_s >= m * 3.0);
+    CHECK(z.makespan_s <= m * 3.0 + (pp - 1) * 1.0 + 1e-9);
+    CHECK(z.makespan_s < (m + pp - 1) * 3.0);
+  }
+}
+
+// pp 2, one micro-batch, f = b = 1, a hop of 0.5 s: the activations cross after stage 0's
+// forward, the gradients after stage 1's backward, each in full: 4 s of passes and 1 s of
+// transfers, blocking or not.
+TEST_CASE("a pipeline transfer delays the pass that needs it by its length",
+          "[planner][pipeline]") {
+  const Plan p = pipeline(Schedule::OneFOneB, 2, 1);
+  for (const bool blocking : {false, true}) {
+    const auto t = pipeline_timeline(p, even(p, 1, 1), {0.5, 0.5}, blocking);
+    CHECK(t.makespan_s == Approx(5.0));
+  }
+}
+
+// Overlapped transfers run beside the passes; blocking ones (Megatron-LM's default) wait for
+// the receiver to post its receive and hold the sender until they are received. Either way the
+// fill and drain pay the hops down and up the pipeline, and in 1F1B each group of pp
+// micro-batches waits for its first one's round trip.
+TEST_CASE("transfers lengthen the pipeline, blocking ones more than overlapped ones",
+          "[planner][pipeline]") {
+  const int pp = 4, m = 16;
+  const Plan p = pipeline(Schedule::OneFOneB, pp, m);
+  const std::vector<double> hops(pp, 0.2);
+  const double textbook = (m + pp - 1) * 3.0;
+  const auto overlapped = pipeline_timeline(p, even(p, 1, 2), hops, false);
+  const auto blocking = pipeline_timeline(p, even(p, 1, 2), hops, true);
+  CHECK(overlapped.makespan_s >= textbook + 2 * (pp - 1) * 0.2 - 1e-9);
+  CHECK(overlapped.makespan_s <= textbook + 2 * m * 0.2);
+  CHECK(blocking.makespan_s > overlapped.makespan_s);
+}
+
+// 96 layers in 32 x 2 chunks (Megatron-LM's interleaving of GPT-3 at pp 32, v 2): chunk 0 of
+// each stage has 2 layers, chunk 1 one. Every stage does the same work, yet the one-layer
+// chunks wait at each chunk transition for the two-layer chunks that feed them, which a bubble
+// formula over the stages' work cannot see.
+TEST_CASE("interleaved chunks of unequal layers wait for each other", "[planner][pipeline]") {
+  const int pp = 32, m = 64;
+  const Plan p = pipeline(Schedule::Interleaved, pp, m, 2);
+  std::vector<ChunkPasses> chunks;
+  for (int k = 0; k < 2 * pp; ++k) {
+    const double layers = k < pp ? 2 : 1;
+    chunks.push_back({layers * 1.0, layers * 2.0, 0});
+  }
+  const auto t = pipeline_timeline(p, chunks, std::vector<double>(pp, 0.0), false);
+  const double busy = *std::max_element(t.busy_s.begin(), t.busy_s.end());
+  CHECK(busy == Approx(m * 9.0));
+  // The formula's bubble: (p - 1) x the stage's passes of one micro-batch / v.
+  const double formula = busy + (pp - 1) * 9.0 / 2;
+  CHECK(t.makespan_s > formula * 1.05);
+}
+
+TEST_CASE("every schedule's order runs to the end, blocking or not", "[planner][pipeline]") {
+  for (const Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved,
+                           Schedule::ZeroBubble, Schedule::PipeDreamAsync}) {
+    for (const int pp : {2, 3, 8}) {
+      for (const int rounds : {1, 2, 5}) {
+        const int m = pp * rounds;
+        const Plan p = pipeline(s, pp, m, s == Schedule::Interleaved ? (pp == 3 ? 3 : 2) : 1);
+        std::vector<ChunkPasses> chunks;
+        for (int k = 0; k < pp * p.virtual_stages; ++k) {
+          chunks.push_back(
+              {1.0 + 0.1 * (k % 3), 2.0 + 0.3 * (k % 2), s == Schedule::ZeroBubble ? 0.7 : 0.0});
+        }
+        std::vector<double> hops;
+        for (int i = 0; i < pp; ++i) hops.push_back(0.05 * (i + 1));
+        for (const bool blocking : {false, true}) {
+          INFO(dtsim::plan::to_string(s) << " pp " << pp << " m " << m << " blocking " << blocking);
+          const auto t = pipeline_timeline(p, chunks, hops, blocking);
+          const double busiest = *std::max_element(t.busy_s.begin(), t.busy_s.end());
+          const double work = std::accumulate(t.busy_s.begin(), t.busy_s.end(), 0.0);
+          const double transfers =
+              2.0 * m * p.virtual_stages * std::accumulate(hops.begin(), hops.end(), 0.0);
+          CHECK(t.makespan_s >= busiest);
+          CHECK(t.makespan_s <= work + transfers);
+        }
+      }
+    }
+  }
+}
