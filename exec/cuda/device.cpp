@@ -53,7 +53,9 @@ class CudaDevice final : public Device {
 
   void copy(View dst, View src) override {
     DTSIM_ASSERT(dst.n == src.n && dst.type == src.type, "copy between views of one shape");
-    if (!dst.empty()) k_.copy(dst.p, src.p, bytes(dst));
+    // In place (a one-rank group's collective on its own buffer): nothing to move, and
+    // cudaMemcpyAsync does not define copies whose regions overlap.
+    if (!dst.empty() && dst.p != src.p) k_.copy(dst.p, src.p, bytes(dst));
   }
 
   void upload(View dst, const float* host) override {
