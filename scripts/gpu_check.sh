@@ -159,7 +159,7 @@ gpu_against_cpu flash "$repo/tests/exec/mpi/tiny_gpt_dropout.json" "--attention 
 say "-- gradient clipping at norm 0.5 (every step clips): GPU against CPU, and the norms"
 gpu_against_cpu clip tiny-gpt "--clip-grad 0.5"
 for side in cpu gpu; do
-  say "$side: $(grep -h -o 'grad norm [0-9.e+-]*' "$out/ckpt_${side}_clip.txt" | tr '\n' ' ')"
+  say "$side: $(grep -s -h -o 'grad norm [0-9.e+-]*' "$out/ckpt_${side}_clip.txt" | tr '\n' ' ')"
 done
 say "-- a CPU checkpoint (step 3) resumed on the GPU to step 5, against the CPU's 5 steps"
 limit 60 "$bin/dtexec" run --model tiny-gpt --steps 3 --warmup 0 --checkpoint "$out/ckpt_cpu_half" \
