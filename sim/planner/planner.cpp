@@ -168,20 +168,34 @@ class Estimator {
       for (model::OpId id : g.layer_ops(layer)) s += cost.op_seconds(g.op(id), phase);
       return s;
     };
-    const double emb_f = group_time(-1, Phase::Forward), emb_b = group_time(-1, Phase::Backward);
+    // The vocabulary-parallel embedding's output is all-reduced over tp (with sequence
+    // parallelism reduce-scattered, and its gradient all-gathered back); the LM head's input
+    // gradient likewise (with sequence parallelism its input all-gathered first), and its
+    // cross-entropy all-reduces three statistics per token (lowering: the embedding's TpExit,
+    // the head's TpEnter and TpLoss).
+    double tp_out = 0, tp_in = 0, tp_loss = 0;
+    if (p.tp > 1) {
+      const auto tp = group(ParallelDim::Tp, lower::GroupKind::Tp);
+      tp_out = net_->collective_s(
+          tp, p.sequence_parallel ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce,
+          hidden_bytes);
+      tp_in = p.sequence_parallel ? net_->collective_s(tp, CollectiveKind::AllGather, hidden_bytes)
+                                  : 0.0;
+      tp_loss = net_->collective_s(tp, CollectiveKind::AllReduce, tokens * 3 * 4);
+    }
+    const double emb_compute_f = group_time(-1, Phase::Forward);
+    const double emb_compute_b = group_time(-1, Phase::Backward);
+    const double emb_f = emb_compute_f + tp_out, emb_b = emb_compute_b + tp_in;
     const int head = static_cast<int>(m.layers);
-    // The LM head has one tensor-parallel collective per direction (Megatron's f before the
-    // vocabulary-parallel head) where a block has two per direction (tp_comm counts those two,
-    // of either kind with sequence parallelism): about tp_comm / 2 split over both directions.
     const double head_compute_f = group_time(head, Phase::Forward);
     const double head_compute_b = group_time(head, Phase::Backward);
-    const double head_f = head_compute_f + (p.tp > 1 ? tp_comm / 4 : 0);
-    double head_b = head_compute_b + (p.tp > 1 ? tp_comm / 4 : 0);
+    const double head_f = head_compute_f + tp_in + tp_loss;
+    double head_b = head_compute_b + tp_out;
     if (tp_overlap) {
       for (model::OpId id : g.layer_ops(head)) {
         if (g.op(id).kind == model::OpKind::LmHead) {
           head_b = head_compute_b +
-                   std::max(0.0, tp_comm / 4 - cost.op_seconds(g.op(id), Phase::BackwardWeight));
+                   std::max(0.0, tp_out - cost.op_seconds(g.op(id), Phase::BackwardWeight));
           head_b += std::max(0.0, regather - cost.op_seconds(g.op(id), Phase::BackwardInput));
         }
       }
@@ -228,7 +242,7 @@ class Estimator {
       if (s == 0) {
         f += emb_f;
         b += emb_b;
-        compute += emb_f + emb_b;
+        compute += emb_compute_f + emb_compute_b;
       }
       if (s == p.pp - 1) {
         f += head_f;
