@@ -403,6 +403,17 @@ class Estimator {
         dp_busy += passes * gather;
       }
     }
+    // ZeRO-3 without pipelining, unit by unit (lowering: Unit): one gather per unit (the
+    // embedding, each block, the head) and pass, issued on the dp stream when the unit before
+    // starts, and each block's gradients reduce-scattered when its backward ends, in the
+    // stream's order. A unit waits for its gather where the stream is behind: after the
+    // embedding's and the head's large gathers (a vocabulary's rows) behind passes too short
+    // to hide them, and behind the reductions queued before it in the backward.
+    const double zero3_exposed =
+        p.zero_stage == 3 && p.pp == 1 && !m.moe && shard_group > 1
+            ? zero3_unit_exposure(g, p, cost, placement, mb, block_f, block_b + block_recompute,
+                                  emb_f, emb_b, head_f, head_b)
+            : 0.0;
     // The optimizer updates the rank's dense parameters and its experts' (each ZeRO-sharded
     // over its own data-parallel group), as the lowering's optimizer task.
     const bool sharded = p.zero_stage >= 1;
@@ -470,7 +481,8 @@ class Estimator {
     // (ZeRO-3's gathers and reduce-scatters at large dp, ZeRO-2's reductions per micro-batch).
     const double window = b.compute_s + b.recompute_s + b.bubble_s + b.exposed_tp_s +
                           b.exposed_cp_s + b.exposed_ep_s + b.exposed_pp_s;
-    b.exposed_dp_s = std::max(dp_in_passes, dp_start + dp_busy - window) + dp_after;
+    b.exposed_dp_s =
+        std::max({dp_in_passes, dp_start + dp_busy - window, zero3_exposed}) + dp_after;
     return b;
   }
 
@@ -499,6 +511,67 @@ class Estimator {
     }
     if (total <= 0) return 0;
     return (sent + (open <= 0 ? 0.0 : per_block ? 1.0 : open / limit)) / total;
+  }
+
+  // The time ZeRO-3's units wait for the dp stream over a step without pipelining: the
+  // micro-batches' passes unit by unit (forward: embedding, blocks, head; backward the other
+  // way), each unit's gather issued when the unit before it starts (the first at the step's
+  // start), each block's reduce-scatters (its gradient buckets) when its backward ends.
+  double zero3_unit_exposure(const model::ModelGraph& g, const Plan& p,
+                             const cost::ComputeCost& cost, const cluster::Placement& placement,
+                             double micro_batches, double block_f, double block_b, double emb_f,
+                             double emb_b, double head_f, double head_b) {
+    const lower::Group grp{lower::GroupKind::Dp, placement.gradient_group(0), {0}};
+    const auto size = static_cast<std::int64_t>(p.dp) * p.cp;
+    const auto bytes_per = plan::state_bytes_per_param(p);
+    const auto dp_s = [&](CollectiveKind kind, double bytes) {
+      const auto b = static_cast<std::uint64_t>(bytes);
+      return net_->collective_s(grp, kind, b) + cost.staging_seconds(kind, b, size);
+    };
+    const auto params = [&](int layer) {
+      double n = 0;
+      for (model::OpId id : g.layer_ops(layer)) n += plan::rank_params(g.op(id), p);
+      return n;
+    };
+    const int layers = static_cast<int>(g.spec().layers);
+    const double block = params(0);
+    const double block_gather = dp_s(CollectiveKind::AllGather, block * bytes_per.weights);
+    // A block's gradients in buckets of its own (gradient_buckets_per_block), as many as its
+    // ops fill.
+    const double grads = block * bytes_per.gradients;
+    const double buckets =
+        std::max(1.0, std::round(grads * block_buckets(g, p, false, bytes_per.gradients, true)));
+    const double block_reduce = buckets * dp_s(CollectiveKind::ReduceScatter, grads / buckets);
+    struct Unit {
+      double compute, gather, reduce;
+    };
+    const double emb_gather = dp_s(CollectiveKind::AllGather, params(-1) * bytes_per.weights);
+    const double head_gather = dp_s(CollectiveKind::AllGather, params(layers) * bytes_per.weights);
+    std::vector<Unit> units;
+    units.push_back({emb_f, emb_gather, 0});
+    for (int l = 0; l < layers; ++l) units.push_back({block_f, block_gather, 0});
+    units.push_back({head_f, head_gather, 0});
+    units.push_back({head_b, head_gather,
+                     dp_s(CollectiveKind::ReduceScatter, params(layers) * bytes_per.gradients)});
+    for (int l = 0; l < layers; ++l) units.push_back({block_b, block_gather, block_reduce});
+    units.push_back(
+        {emb_b, emb_gather, dp_s(CollectiveKind::ReduceScatter, params(-1) * bytes_per.gradients)});
+    double stream = units.front().gather, ready = stream, compute = 0, busy = 0;
+    const auto passes = static_cast<std::int64_t>(micro_batches);
+    for (std::int64_t mb = 0; mb < passes; ++mb) {
+      for (std::size_t i = 0; i < units.size(); ++i) {
+        const double start = std::max(compute, ready);
+        const bool last = mb + 1 == passes && i + 1 == units.size();
+        if (!last) {
+          stream = std::max(stream, start) + units[(i + 1) % units.size()].gather;
+          ready = stream;
+        }
+        compute = start + units[i].compute;
+        busy += units[i].compute;
+        if (units[i].reduce > 0) stream = std::max(stream, compute) + units[i].reduce;
+      }
+    }
+    return std::max(compute, stream) - busy;
   }
 
   static double stage_param_count(const model::ModelGraph& g, const Plan& p, int stage,
