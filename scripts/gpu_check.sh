@@ -251,6 +251,13 @@ nccl_plans=(
 )
 i=0
 timeouts=0
+# One plan of the list below on NCCL (its fields as the loop reads them).
+nccl_run() {
+  # shellcheck disable=SC2086
+  limit "$seconds" "${mpirun[@]}" -np "$ranks" "$bin/dtexec" run --backend cuda --share-gpus \
+    --model "$path" "${nccl_common[@]}" --micro-batch-size "$mbs" $flags \
+    --task-timeout $((seconds - 15)) --checkpoint "$out/nccl_$i" </dev/null >"$out/nccl_$i.txt" 2>&1
+}
 for entry in "${nccl_plans[@]}"; do
   if [ -n "${nccl_skip:-}" ] || [ $timeouts -ge 2 ]; then
     say "skipped: $entry"
@@ -267,11 +274,20 @@ for entry in "${nccl_plans[@]}"; do
     # A reference cut short is not kept for the plans after.
     ran $? "the CPU reference of $entry" "$ref.txt" || { rm -rf "$ref"; continue; }
   fi
-  # shellcheck disable=SC2086
-  limit "$seconds" "${mpirun[@]}" -np "$ranks" "$bin/dtexec" run --backend cuda --share-gpus \
-    --model "$path" "${nccl_common[@]}" --micro-batch-size "$mbs" $flags \
-    --task-timeout $((seconds - 15)) --checkpoint "$out/nccl_$i" </dev/null >"$out/nccl_$i.txt" 2>&1
+  nccl_run
   rc=$?
+  # NCCL's cuMem allocations have not been seen working in every container runtime: if NCCL
+  # fails to set up, the rest of the section goes without them (once).
+  if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 125 ] && [ $rc -ne 137 ] &&
+    [ -z "${cumem_off:-}" ] &&
+    grep -qi 'ncclCommInit\|ncclCommSplit\|cuMem\|ncclUnhandledCudaError\|ncclSystemError' "$out/nccl_$i.txt"; then
+    say "NCCL did not set up ($(grep -i -m1 'nccl' "$out/nccl_$i.txt" | cut -c1-160)); again," \
+      "and for the plans after, with NCCL_CUMEM_ENABLE=0"
+    cumem_off=1
+    mpirun=(env NCCL_CUMEM_ENABLE=0 "${mpirun[@]}")
+    nccl_run
+    rc=$?
+  fi
   { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && timeouts=$((timeouts + 1))
   if [ $rc -eq 125 ]; then
     say "skipped (the check's time is spent): $entry"
