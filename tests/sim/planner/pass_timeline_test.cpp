@@ -109,8 +109,10 @@ TEST_CASE("every schedule's order runs to the end, blocking or not", "[planner][
   for (const Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved,
                            Schedule::ZeroBubble, Schedule::PipeDreamAsync}) {
     for (const int pp : {2, 3, 8}) {
-      for (const int rounds : {1, 2, 5}) {
-        const int m = pp * rounds;
+      // Micro-batches a multiple of pp (the interleaved schedule's rule), and for the others
+      // fewer than pp and one more than a multiple.
+      for (const int m : {pp, 2 * pp, 5 * pp, 1, pp - 1, pp + 1}) {
+        if (s == Schedule::Interleaved && m % pp != 0) continue;
         const Plan p = pipeline(s, pp, m, s == Schedule::Interleaved ? (pp == 3 ? 3 : 2) : 1);
         std::vector<ChunkPasses> chunks;
         for (int k = 0; k < pp * p.virtual_stages; ++k) {
