@@ -313,6 +313,7 @@ int cmd_plan(const std::vector<std::string>& args) {
                 {"feasible", result.feasible},
                 {"refined", result.refined},
                 {"tier_order_disagreements", result.order_disagreements},
+                {"tier_max_disagreement_gap", result.max_disagreement_gap},
                 {"tier_max_estimate_error", result.max_estimate_error},
                 {"candidates", cands}};
     if (result.best_not_fitting) {
@@ -475,8 +476,11 @@ int cmd_plan(const std::vector<std::string>& args) {
   if (result.refined > 1) {
     std::cout << fmt::format(
         "tiers: {} of {} pairs of simulated plans ordered differently by the "
-        "estimate; largest estimate error {:.1f}%\n",
+        "estimate{}; largest estimate error {:.1f}%\n",
         result.order_disagreements, result.refined * (result.refined - 1) / 2,
+        result.order_disagreements > 0
+            ? fmt::format(" (simulated at most {:.1f}% apart)", 100 * result.max_disagreement_gap)
+            : "",
         100 * result.max_estimate_error);
   }
   if (vm.count("out") && !result.ranked.empty()) {

@@ -862,12 +862,24 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     out.max_estimate_error =
         std::max(out.max_estimate_error, std::abs(c.estimate_s / c.step_time_s - 1));
   }
+  // Pairs the two tiers order the opposite way; a tie in either tier (to a part in 10^9: ZeRO-1
+  // and ZeRO-2 plans often take the same time) orders nothing.
+  const auto order = [](double x, double y) {
+    const double tie = 1e-9 * std::max(std::abs(x), std::abs(y));
+    return x < y - tie ? -1 : (x > y + tie ? 1 : 0);
+  };
   for (int i = 0; i < refine; ++i) {
     for (int j = i + 1; j < refine; ++j) {
       const auto& a = feasible[static_cast<std::size_t>(i)];
       const auto& b = feasible[static_cast<std::size_t>(j)];
-      if ((a.estimate_s < b.estimate_s) != (a.step_time_s < b.step_time_s))
+      const int by_estimate = order(a.estimate_s, b.estimate_s);
+      const int simulated = order(a.step_time_s, b.step_time_s);
+      if (by_estimate != 0 && simulated != 0 && by_estimate != simulated) {
         ++out.order_disagreements;
+        out.max_disagreement_gap = std::max(
+            out.max_disagreement_gap,
+            std::max(a.step_time_s, b.step_time_s) / std::min(a.step_time_s, b.step_time_s) - 1);
+      }
     }
   }
   std::sort(feasible.begin(), feasible.begin() + refine, by_key);

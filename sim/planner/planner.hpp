@@ -82,9 +82,11 @@ struct SearchResult {
   // holding the model at all, when nothing fits.
   std::optional<Candidate> closest_not_fitting;
   int refined = 0;
-  // Tier agreement among the refined candidates: pairs whose order the estimate got wrong,
-  // and the largest estimate error.
+  // Tier agreement among the refined candidates: pairs whose order the estimate got wrong
+  // (ties in either tier excluded), how far apart the simulator puts the farthest of them
+  // (slower / faster - 1), and the largest estimate error.
   int order_disagreements = 0;
+  double max_disagreement_gap = 0;
   double max_estimate_error = 0;
 };
 

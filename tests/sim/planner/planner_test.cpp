@@ -96,6 +96,39 @@ TEST_CASE("two tiers find the plan that brute-force simulation finds", "[planner
   CHECK(fast.evaluated == brute.evaluated);
 }
 
+// The default job's 8 simulated plans include ZeRO-1 and ZeRO-2 twins that both tiers time
+// alike: a tie orders nothing, so it is no disagreement (it counted as one, 9 of the 10 the
+// default job reported).
+TEST_CASE("the tiers' disagreements count pairs ordered the other way, not ties", "[planner]") {
+  const auto spec = dtsim::model::load_model("llama3-8b");
+  const auto cluster = dtsim::cluster::load_cluster("default");
+  SearchSpace space;
+  space.global_batch_size = 256;
+  const auto r = dtsim::planner::search(spec, cluster, space, SearchOptions{});
+  REQUIRE(r.refined == 8);
+  int ties = 0, opposite = 0;
+  double gap = 0;
+  for (int i = 0; i < r.refined; ++i) {
+    for (int j = i + 1; j < r.refined; ++j) {
+      const auto& a = r.ranked[static_cast<std::size_t>(i)];
+      const auto& b = r.ranked[static_cast<std::size_t>(j)];
+      const double de = a.estimate_s - b.estimate_s, ds = a.step_time_s - b.step_time_s;
+      const double tie = 1e-9 * a.step_time_s;
+      if (std::abs(de) <= tie || std::abs(ds) <= tie) {
+        ++ties;
+      } else if ((de < 0) != (ds < 0)) {
+        ++opposite;
+        gap = std::max(
+            gap,
+            std::max(a.step_time_s, b.step_time_s) / std::min(a.step_time_s, b.step_time_s) - 1);
+      }
+    }
+  }
+  CHECK(ties > 0);
+  CHECK(r.order_disagreements == opposite);
+  CHECK(r.max_disagreement_gap == Approx(gap));
+}
+
 TEST_CASE("what the planner says fits, the memory model says fits", "[planner][memory]") {
   const auto spec = dtsim::model::load_model("llama2-13b");
   const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 16);
