@@ -142,17 +142,16 @@ class Estimator {
     }
     // Sequence parallelism gathers a column-parallel layer's input again for its weight
     // gradient (lowering: regathers_input): beside the layer's input gradient with the overlap,
-    // else before the layer's backward. Zero-bubble gathers them before its weight pass, among
-    // other passes' work: counted as hidden.
+    // else before the layer's backward. Zero-bubble gathers them once the input-gradient pass
+    // is done, and its weight pass, which mostly follows at once, waits for them (lowering:
+    // emit_regather).
     double regather = 0;
     if (p.tp > 1 && p.sequence_parallel) {
       regather = net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
                                     CollectiveKind::AllGather, hidden_bytes);
-      if (p.schedule != Schedule::ZeroBubble) {
-        for (const Segment& seg : segments) {
-          if (m.moe && !seg.overlapped) continue;  // a router: not split over tp
-          tp_backward += std::max(0.0, regather - (tp_overlap ? seg.input : 0.0));
-        }
+      for (const Segment& seg : segments) {
+        if (m.moe && !seg.overlapped) continue;  // a router: not split over tp
+        tp_backward += std::max(0.0, regather - (tp_overlap ? seg.input : 0.0));
       }
     }
     double block_b = lb + tp_backward + cp_backward + ep_comm;
