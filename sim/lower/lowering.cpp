@@ -204,11 +204,9 @@ class Lowerer {
   double weight_bytes_;
   std::uint64_t tokens_ = 0;        // tokens of one micro-batch on one rank (b·s/cp)
   std::uint64_t hidden_bytes_ = 0;  // one activation tensor of width h
-  // Without p2p overlap, Megatron-LM's schedules (1F1B, interleaved; GPipe taken as 1F1B is)
-  // hold the sender of an exchange until its tensors are received (see add).
-  bool holds_sends_ = !plan_.overlap_p2p_comm && (plan_.schedule == plan::Schedule::GPipe ||
-                                                  plan_.schedule == plan::Schedule::OneFOneB ||
-                                                  plan_.schedule == plan::Schedule::Interleaved);
+  // Without p2p overlap, whether an exchange holds its sender until its tensors are received
+  // (see add and schedule.hpp).
+  bool holds_sends_ = exchanges_hold_senders(plan_);
   Program program_;
   std::map<std::pair<GroupKind, std::vector<std::int64_t>>, std::int32_t> group_ids_;
 
@@ -941,12 +939,8 @@ class Lowerer {
       round_sends.clear();
       return sent;
     };
-    // Megatron-LM's 1F1B sends, then receives, between two passes of one kind (send_forward,
-    // then recv_forward, in the warm-up; send_backward, then recv_backward, in the cool-down),
-    // and batches them between a forward and a backward pass. Its interleaved schedule batches
-    // them everywhere.
-    const bool in_turn_when_alike =
-        plan_.schedule == plan::Schedule::GPipe || plan_.schedule == plan::Schedule::OneFOneB;
+    // 1F1B receives after it sends between two passes of one kind (schedule.hpp).
+    const bool in_turn_when_alike = receives_after_sends_when_alike(plan_);
     // With unit gathers, a backward pass's gradients go out block by block, in order with the
     // gathers of the blocks ahead on the data-parallel stream.
     const bool buckets_per_block = plan::gradient_buckets_per_block(plan_) && grad_group > 1;

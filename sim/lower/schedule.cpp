@@ -90,4 +90,15 @@ std::vector<Pass> stage_passes(const plan::Plan& plan, int stage) {
   return {};
 }
 
+bool exchanges_hold_senders(const plan::Plan& plan) {
+  return !plan.overlap_p2p_comm &&
+         (plan.schedule == Schedule::GPipe || plan.schedule == Schedule::OneFOneB ||
+          plan.schedule == Schedule::Interleaved);
+}
+
+bool receives_after_sends_when_alike(const plan::Plan& plan) {
+  return !plan.overlap_p2p_comm &&
+         (plan.schedule == Schedule::GPipe || plan.schedule == Schedule::OneFOneB);
+}
+
 }  // namespace dtsim::lower

@@ -36,4 +36,16 @@ struct Pass {
 //   the flush between steps.
 std::vector<Pass> stage_passes(const plan::Plan& plan, int stage);
 
+// How blocking pipeline exchanges (no p2p overlap: the tensors go between rounds) behave, as the
+// lowering emits them and the planner's timeline follows them:
+// - Megatron-LM's schedules (1F1B, interleaved; GPipe taken as 1F1B is) hold the sender of an
+//   exchange until its tensors are received; zero-bubble and PipeDream, which Megatron-LM does
+//   not have, block the receives alone.
+bool exchanges_hold_senders(const plan::Plan& plan);
+// - Its 1F1B sends, then receives, between two passes of one kind (send_forward, then
+//   recv_forward, in the warm-up; send_backward, then recv_backward, in the cool-down), and
+//   batches them between a forward and a backward pass; its interleaved schedule batches them
+//   everywhere.
+bool receives_after_sends_when_alike(const plan::Plan& plan);
+
 }  // namespace dtsim::lower

@@ -13,7 +13,6 @@ namespace {
 
 using lower::Pass;
 using lower::PassKind;
-using plan::Schedule;
 
 // One device's link in one direction: the intervals it is busy, by start (booked mostly in
 // order of time, so mostly appended).
@@ -56,21 +55,16 @@ struct Transfers {
 class Timeline {
  public:
   Timeline(const plan::Plan& plan, const std::vector<ChunkPasses>& chunks,
-           const std::vector<double>& hop, bool blocking)
+           const std::vector<double>& hop)
       : chunks_(chunks),
         hop_(hop),
         pp_(plan.pp),
         m_(static_cast<int>(plan.micro_batches())),
         last_chunk_(static_cast<int>(chunks.size()) - 1),
-        blocking_(blocking),
-        // As the lowering: Megatron-LM's blocking exchanges hold the sender until its tensors
-        // are received (1F1B, interleaved; GPipe taken as 1F1B is), and its 1F1B receives
-        // after sending between two passes of one kind.
-        holds_sends_(blocking &&
-                     (plan.schedule == Schedule::GPipe || plan.schedule == Schedule::OneFOneB ||
-                      plan.schedule == Schedule::Interleaved)),
-        in_turn_when_alike_(
-            blocking && (plan.schedule == Schedule::GPipe || plan.schedule == Schedule::OneFOneB)) {
+        blocking_(!plan.overlap_p2p_comm),
+        // The exchanges as the lowering emits them (schedule.hpp).
+        holds_sends_(lower::exchanges_hold_senders(plan)),
+        in_turn_when_alike_(lower::receives_after_sends_when_alike(plan)) {
     DTSIM_ASSERT(pp_ >= 1 && !chunks.empty() &&
                      chunks.size() % static_cast<std::size_t>(pp_) == 0 &&
                      hop.size() == static_cast<std::size_t>(pp_),
@@ -263,8 +257,8 @@ class Timeline {
 }  // namespace
 
 PipelineTimeline pipeline_timeline(const plan::Plan& plan, const std::vector<ChunkPasses>& chunks,
-                                   const std::vector<double>& hop, bool blocking) {
-  return Timeline(plan, chunks, hop, blocking).run();
+                                   const std::vector<double>& hop) {
+  return Timeline(plan, chunks, hop).run();
 }
 
 }  // namespace dtsim::planner

@@ -5,8 +5,9 @@
 // It replaces a bubble formula where the stages or the interleaved schedule's chunks are
 // uneven: with 96 layers on 32 x 2 chunks (2 and 1 layers), a stage's 1-layer chunk waits for
 // the 2-layer chunk before it at every chunk transition, which no per-stage formula sees. It
-// times compute and pipeline transfers only, every pass of a chunk alike: no contention on the
-// links, no stragglers, no data-parallel or optimizer work (the closed form adds those).
+// times compute and pipeline transfers only (each device's link carrying one transfer at a time
+// each way), every pass of a chunk alike: no stragglers, no data-parallel or optimizer work (the
+// closed form adds those).
 #pragma once
 
 #include <vector>
@@ -29,10 +30,11 @@ struct PipelineTimeline {
 };
 
 // hop[s]: one transfer from stage s to stage s + 1 (the last: back to stage 0), either way.
-// Blocking transfers (no p2p overlap) start once the receiving stage posts its receive, after
-// its pass before, and once the sender has produced them; overlapped ones start when the
-// sender has produced them, so the receiver waits only for what is left of them.
+// Blocking transfers (the plan without p2p overlap) start once the receiving stage posts its
+// receive, after its round before, and once the sender has produced them; overlapped ones
+// start when the sender has produced them, so the receiver waits only for what is left of
+// them.
 PipelineTimeline pipeline_timeline(const plan::Plan& plan, const std::vector<ChunkPasses>& chunks,
-                                   const std::vector<double>& hop, bool blocking);
+                                   const std::vector<double>& hop);
 
 }  // namespace dtsim::planner

@@ -296,10 +296,9 @@ class Estimator {
           c.backward += head_b;
         }
       }
-      const bool blocking = !p.overlap_p2p_comm;
       const std::vector<double> no_hops(hop.size(), 0.0);
-      const double compute_only = pipeline_timeline(p, passes, no_hops, blocking).makespan_s;
-      const double with_hops = pipeline_timeline(p, passes, hop, blocking).makespan_s;
+      const double compute_only = pipeline_timeline(p, passes, no_hops).makespan_s;
+      const double with_hops = pipeline_timeline(p, passes, hop).makespan_s;
       b.bubble_s = std::max(0.0, compute_only - mb * per_mb);
       b.exposed_pp_s = std::max(0.0, with_hops - compute_only);
     } else if (p.pp > 1) {

@@ -22,6 +22,13 @@ Plan pipeline(Schedule schedule, int pp, int micro_batches, int virtual_stages =
   return p;
 }
 
+// The plan's timeline with its transfers blocking (Megatron-LM's default) or overlapped.
+dtsim::planner::PipelineTimeline timeline(Plan p, const std::vector<ChunkPasses>& chunks,
+                                          const std::vector<double>& hops, bool blocking) {
+  p.overlap_p2p_comm = !blocking;
+  return pipeline_timeline(p, chunks, hops);
+}
+
 std::vector<ChunkPasses> even(const Plan& p, double forward, double backward, double weight = 0) {
   return std::vector<ChunkPasses>(static_cast<std::size_t>(p.pp * p.virtual_stages),
                                   ChunkPasses{forward, backward, weight});
@@ -41,15 +48,15 @@ TEST_CASE("even chunks without transfer times give the schedules' textbook lengt
     INFO("blocking " << blocking);
     for (const Schedule s : {Schedule::GPipe, Schedule::OneFOneB}) {
       const Plan p = pipeline(s, pp, m);
-      const auto t = pipeline_timeline(p, even(p, 1, 2), no_hops, blocking);
+      const auto t = timeline(p, even(p, 1, 2), no_hops, blocking);
       CHECK(t.makespan_s == Approx((m + pp - 1) * 3.0));
       for (double busy : t.busy_s) CHECK(busy == Approx(m * 3.0));
     }
     const Plan interleaved = pipeline(Schedule::Interleaved, pp, m, 2);
-    const auto t = pipeline_timeline(interleaved, even(interleaved, 0.5, 1), no_hops, blocking);
+    const auto t = timeline(interleaved, even(interleaved, 0.5, 1), no_hops, blocking);
     CHECK(t.makespan_s == Approx(m * 2 * 1.5 + (pp - 1) * 1.5));
     const Plan zb = pipeline(Schedule::ZeroBubble, pp, m);
-    const auto z = pipeline_timeline(zb, even(zb, 1, 1, 1), no_hops, blocking);
+    const auto z = timeline(zb, even(zb, 1, 1, 1), no_hops, blocking);
     CHECK(z.makespan_s >= m * 3.0);
     CHECK(z.makespan_s <= m * 3.0 + (pp - 1) * 1.0 + 1e-9);
     CHECK(z.makespan_s < (m + pp - 1) * 3.0);
@@ -63,7 +70,7 @@ TEST_CASE("a pipeline transfer delays the pass that needs it by its length",
           "[planner][pipeline]") {
   const Plan p = pipeline(Schedule::OneFOneB, 2, 1);
   for (const bool blocking : {false, true}) {
-    const auto t = pipeline_timeline(p, even(p, 1, 1), {0.5, 0.5}, blocking);
+    const auto t = timeline(p, even(p, 1, 1), {0.5, 0.5}, blocking);
     CHECK(t.makespan_s == Approx(5.0));
   }
 }
@@ -78,8 +85,8 @@ TEST_CASE("transfers lengthen the pipeline, blocking ones more than overlapped o
   const Plan p = pipeline(Schedule::OneFOneB, pp, m);
   const std::vector<double> hops(pp, 0.2);
   const double textbook = (m + pp - 1) * 3.0;
-  const auto overlapped = pipeline_timeline(p, even(p, 1, 2), hops, false);
-  const auto blocking = pipeline_timeline(p, even(p, 1, 2), hops, true);
+  const auto overlapped = timeline(p, even(p, 1, 2), hops, false);
+  const auto blocking = timeline(p, even(p, 1, 2), hops, true);
   CHECK(overlapped.makespan_s >= textbook + 2 * (pp - 1) * 0.2 - 1e-9);
   CHECK(overlapped.makespan_s <= textbook + 2 * m * 0.2);
   CHECK(blocking.makespan_s > overlapped.makespan_s);
@@ -97,7 +104,7 @@ TEST_CASE("interleaved chunks of unequal layers wait for each other", "[planner]
     const double layers = k < pp ? 2 : 1;
     chunks.push_back({layers * 1.0, layers * 2.0, 0});
   }
-  const auto t = pipeline_timeline(p, chunks, std::vector<double>(pp, 0.0), false);
+  const auto t = timeline(p, chunks, std::vector<double>(pp, 0.0), false);
   const double busy = *std::max_element(t.busy_s.begin(), t.busy_s.end());
   CHECK(busy == Approx(m * 9.0));
   // The formula's bubble: (p - 1) x the stage's passes of one micro-batch / v.
@@ -123,7 +130,7 @@ TEST_CASE("every schedule's order runs to the end, blocking or not", "[planner][
         for (int i = 0; i < pp; ++i) hops.push_back(0.05 * (i + 1));
         for (const bool blocking : {false, true}) {
           INFO(dtsim::plan::to_string(s) << " pp " << pp << " m " << m << " blocking " << blocking);
-          const auto t = pipeline_timeline(p, chunks, hops, blocking);
+          const auto t = timeline(p, chunks, hops, blocking);
           const double busiest = *std::max_element(t.busy_s.begin(), t.busy_s.end());
           const double work = std::accumulate(t.busy_s.begin(), t.busy_s.end(), 0.0);
           const double transfers =
