@@ -198,8 +198,9 @@ class Estimator {
           head_b += std::max(0.0, regather - cost.op_seconds(g.op(id), Phase::BackwardInput));
         }
       }
-    } else if (p.schedule != Schedule::ZeroBubble) {
-      head_b += regather;  // before the head's backward
+    } else {
+      // Before the head's backward; zero-bubble's before its weight pass, as the blocks'.
+      head_b += regather;
     }
 
     // One pipeline transfer per hop: hop s from stage s to stage s + 1, the last one from the
@@ -342,8 +343,7 @@ class Estimator {
           {0}};
       // A collective over the group with its staging passes, as the simulator times it.
       const auto dp_s = [&](CollectiveKind kind, std::uint64_t bytes) {
-        return net_->collective_s(grp, kind, bytes) +
-               cost.staging_seconds(kind, bytes, static_cast<std::int64_t>(size));
+        return dp_collective_s(grp, static_cast<std::int64_t>(size), cost, kind, bytes);
       };
       const auto grads = static_cast<std::uint64_t>(params * bytes_per.gradients);
       const auto bucket = std::min<std::uint64_t>(grads, plan::kGradientBucketBytes);
@@ -511,6 +511,12 @@ class Estimator {
     return (sent + (open <= 0 ? 0.0 : per_block ? 1.0 : open / limit)) / total;
   }
 
+  // A data-parallel collective over `ranks` with its staging passes, as the simulator times it.
+  double dp_collective_s(const lower::Group& grp, std::int64_t ranks, const cost::ComputeCost& cost,
+                         CollectiveKind kind, std::uint64_t bytes) {
+    return net_->collective_s(grp, kind, bytes) + cost.staging_seconds(kind, bytes, ranks);
+  }
+
   // The time ZeRO-3's units wait for the dp stream over a step without pipelining: the
   // micro-batches' passes unit by unit (forward: embedding, blocks, head; backward the other
   // way), each unit's gather issued when the unit before it starts (the first at the step's
@@ -523,8 +529,7 @@ class Estimator {
     const auto size = static_cast<std::int64_t>(p.dp) * p.cp;
     const auto bytes_per = plan::state_bytes_per_param(p);
     const auto dp_s = [&](CollectiveKind kind, double bytes) {
-      const auto b = static_cast<std::uint64_t>(bytes);
-      return net_->collective_s(grp, kind, b) + cost.staging_seconds(kind, b, size);
+      return dp_collective_s(grp, size, cost, kind, static_cast<std::uint64_t>(bytes));
     };
     const auto params = [&](int layer) {
       double n = 0;
