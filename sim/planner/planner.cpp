@@ -30,6 +30,50 @@ using plan::Plan;
 using plan::Recompute;
 using plan::Schedule;
 
+// Runs work(i) for every i in [0, n) on `threads` threads, each with its own `work` (made by
+// make_work() on that thread: an estimator, a network model). Threads take the next few
+// indices as they come free: the candidates' costs differ a hundredfold (a pipeline of 64
+// stages and 1,024 micro-batches against none), so fixed ranges leave a thread idle. What each
+// index computes is the same whatever the thread count. An exception ends its thread; the one
+// of the smallest index is rethrown after the join, as if the loop had run on this thread
+// (indices are taken in order, so every smaller index was run).
+template <class MakeWork>
+void parallel_for(std::size_t n, unsigned threads, const MakeWork& make_work) {
+  constexpr std::size_t batch = 4;
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> failing{false};
+  struct Failure {
+    std::size_t index = 0;
+    std::exception_ptr error;
+  };
+  std::vector<Failure> failed(threads);
+  auto worker = [&](unsigned t) {
+    std::size_t i = 0;
+    try {
+      auto work = make_work();
+      while (!failing.load()) {
+        const std::size_t begin = next.fetch_add(batch);
+        if (begin >= n) break;
+        for (i = begin; i < std::min(n, begin + batch); ++i) work(i);
+      }
+    } catch (...) {
+      failed[t] = {i, std::current_exception()};
+      failing = true;
+    }
+  };
+  std::vector<std::thread> pool;
+  const auto used =
+      static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(n, 1)));
+  for (unsigned t = 1; t < used; ++t) pool.emplace_back(worker, t);
+  worker(0);
+  for (auto& th : pool) th.join();
+  const Failure* first = nullptr;
+  for (const Failure& f : failed) {
+    if (f.error && (!first || f.index < first->index)) first = &f;
+  }
+  if (first) std::rethrow_exception(first->error);
+}
+
 std::vector<int> divisors(std::int64_t n) {
   std::vector<int> out;
   for (std::int64_t d = 1; d <= n; ++d) {
@@ -771,9 +815,13 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   const double jitter_cv = engine::jitter_cv_of(options.jitter_cv, options.profile);
   const double rank_spread_cv = engine::rank_spread_cv_of(options.rank_spread_cv, options.profile);
   std::atomic<std::uint64_t> done{0};
-  auto estimate_range = [&](std::size_t begin, std::size_t end) {
-    Estimator estimator(cluster, options.profile, jitter_cv, rank_spread_cv);
-    for (std::size_t i = begin; i < end; ++i) {
+  const unsigned threads = std::max(1U, options.threads > 0 ? static_cast<unsigned>(options.threads)
+                                                            : std::thread::hardware_concurrency());
+  // Bad input found while estimating ends the search with the error of the earliest candidate
+  // that meets it, whatever the thread count.
+  parallel_for(plans.size(), threads, [&] {
+    return [&, estimator = Estimator(cluster, options.profile, jitter_cv, rank_spread_cv)](
+               std::size_t i) mutable {
       const Plan& p = plans[i];
       Evaluated& e = results[i];
       if (plan::check_plan(p, m, cluster.devices()).ok()) {
@@ -792,30 +840,8 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
       const std::uint64_t n = ++done;
       if (options.progress && (n % 256 == 0 || n == plans.size()))
         options.progress(n, plans.size());
-    }
-  };
-  const unsigned threads = std::max(1U, options.threads > 0 ? static_cast<unsigned>(options.threads)
-                                                            : std::thread::hardware_concurrency());
-  // An exception in a worker (bad input found while estimating) ends that worker's range; the
-  // one of the earliest range is rethrown after the join, as if the search had run on this
-  // thread, whatever the thread count.
-  std::vector<std::exception_ptr> failed(threads);
-  auto work = [&](unsigned t, std::size_t begin, std::size_t end) {
-    try {
-      estimate_range(begin, end);
-    } catch (...) {
-      failed[t] = std::current_exception();
-    }
-  };
-  std::vector<std::thread> pool;
-  const std::size_t per = (plans.size() + threads - 1) / threads;
-  for (unsigned t = 0; t < threads && t * per < plans.size(); ++t) {
-    pool.emplace_back(work, t, t * per, std::min(plans.size(), (t + 1) * per));
-  }
-  for (auto& th : pool) th.join();
-  for (const auto& f : failed) {
-    if (f) std::rethrow_exception(f);
-  }
+    };
+  });
 
   SearchResult out;
   std::vector<Candidate> feasible;
@@ -847,21 +873,26 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   std::sort(feasible.begin(), feasible.end(), by_key);
 
   // Tier 2: the discrete-event simulator on the best `refine` candidates.
+  // Each thread simulates with a network model of its own (the analytical model memoizes).
   const int refine = std::min<int>(options.refine, static_cast<int>(feasible.size()));
-  auto net = network::make_analytical(cluster);
+  engine::SimulateOptions sim_options;
+  sim_options.memory = memory;
+  sim_options.profile = options.profile;
+  sim_options.jitter_cv = options.jitter_cv;
+  sim_options.rank_spread_cv = options.rank_spread_cv;
+  parallel_for(static_cast<std::size_t>(refine), threads, [&] {
+    return [&, net = network::make_analytical(cluster)](std::size_t i) {
+      Candidate& c = feasible[i];
+      c.prediction =
+          engine::simulate(*graphs.at(graph_key(c.plan)), c.plan, cluster, *net, sim_options)
+              .prediction;
+      c.step_time_s = c.prediction.step_time_s;
+      c.refined = true;
+      if (price > 0) c.cost_per_step_usd = c.step_time_s * cluster.devices() * price / 3600;
+    };
+  });
   for (int i = 0; i < refine; ++i) {
-    Candidate& c = feasible[static_cast<std::size_t>(i)];
-    engine::SimulateOptions sim_options;
-    sim_options.memory = memory;
-    sim_options.profile = options.profile;
-    sim_options.jitter_cv = options.jitter_cv;
-    sim_options.rank_spread_cv = options.rank_spread_cv;
-    c.prediction =
-        engine::simulate(*graphs.at(graph_key(c.plan)), c.plan, cluster, *net, sim_options)
-            .prediction;
-    c.step_time_s = c.prediction.step_time_s;
-    c.refined = true;
-    if (price > 0) c.cost_per_step_usd = c.step_time_s * cluster.devices() * price / 3600;
+    const Candidate& c = feasible[static_cast<std::size_t>(i)];
     out.max_estimate_error =
         std::max(out.max_estimate_error, std::abs(c.estimate_s / c.step_time_s - 1));
   }
