@@ -1,7 +1,9 @@
 #include "sim/planner/pass_timeline.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
+#include <cstdint>
 #include <iterator>
 
 #include "sim/common/error.hpp"
@@ -40,6 +42,30 @@ class Link {
   std::vector<Interval> busy_;
 };
 
+// Stages as bits: insert, and the first one from a given stage on, in a word's steps.
+class StageSet {
+ public:
+  explicit StageSet(int stages) : words_((static_cast<std::size_t>(stages) + 63) / 64) {}
+  void insert(int s) { words_[word(s)] |= bit(s); }
+  void erase(int s) { words_[word(s)] &= ~bit(s); }
+  bool empty() const {
+    return std::all_of(words_.begin(), words_.end(), [](std::uint64_t w) { return w == 0; });
+  }
+  // The first stage in the set at or after `s`, else -1.
+  int from(int s) const {
+    for (std::size_t w = word(s); w < words_.size(); ++w) {
+      const std::uint64_t left = w == word(s) ? words_[w] & ~(bit(s) - 1) : words_[w];
+      if (left != 0) return static_cast<int>(w * 64) + std::countr_zero(left);
+    }
+    return -1;
+  }
+
+ private:
+  static std::size_t word(int s) { return static_cast<std::size_t>(s) / 64; }
+  static std::uint64_t bit(int s) { return std::uint64_t{1} << (s % 64); }
+  std::vector<std::uint64_t> words_;
+};
+
 // The timeline's pipeline transfers, one per chunk boundary, micro-batch and direction: when
 // the sender and the receiver posted their sides (negative: not yet) and, once both have, when
 // the transfer ends.
@@ -64,7 +90,8 @@ class Timeline {
         blocking_(!plan.overlap_p2p_comm),
         // The exchanges as the lowering emits them (schedule.hpp).
         holds_sends_(lower::exchanges_hold_senders(plan)),
-        in_turn_when_alike_(lower::receives_after_sends_when_alike(plan)) {
+        in_turn_when_alike_(lower::receives_after_sends_when_alike(plan)),
+        pending_(plan.pp) {
     DTSIM_ASSERT(pp_ >= 1 && !chunks.empty() &&
                      chunks.size() % static_cast<std::size_t>(pp_) == 0 &&
                      hop.size() == static_cast<std::size_t>(pp_),
@@ -86,20 +113,23 @@ class Timeline {
     }
   }
 
+  // Sweeps the stages in order, 0 to pp - 1 and again, each run as far as its exchanges allow,
+  // until all are done. A stage that stopped at an exchange can only go on once the other side
+  // posts it, so a sweep skips the stages nothing was posted to since they stopped: the same
+  // order of events as running every stage at every sweep (which the gradients, flowing from
+  // the last stage to the first, make pp sweeps per round), in time linear in the passes.
   PipelineTimeline run() {
-    std::size_t done = 0;
-    while (done < stages_.size()) {
-      bool moved = false;
-      done = 0;
-      for (int s = 0; s < pp_; ++s) {
-        moved = advance(s) || moved;
-        if (stages_[static_cast<std::size_t>(s)].phase == Phase::Done) ++done;
-      }
-      DTSIM_ASSERT(moved || done == stages_.size(),
-                   "pipeline_timeline: the schedule's exchanges deadlock");
+    for (int s = 0; s < pp_; ++s) pending_.insert(s);
+    for (int at = 0; !pending_.empty();) {
+      int s = at < pp_ ? pending_.from(at) : -1;
+      if (s < 0) s = pending_.from(0);
+      pending_.erase(s);
+      advance(s);
+      at = s + 1;
     }
     PipelineTimeline out;
     for (const Stage& st : stages_) {
+      DTSIM_ASSERT(st.phase == Phase::Done, "pipeline_timeline: the schedule's exchanges deadlock");
       out.makespan_s = std::max(out.makespan_s, st.free);
       out.busy_s.push_back(st.busy);
     }
@@ -160,15 +190,17 @@ class Timeline {
     return t_.end[k] = start + seconds;
   }
 
-  // Runs stage s as far as its exchanges allow; whether it moved.
-  bool advance(int s) {
+  // Runs stage s as far as its exchanges allow.
+  void advance(int s) {
     Stage& st = stages_[static_cast<std::size_t>(s)];
-    bool moved = false;
     while (st.phase != Phase::Done) {
       if (st.phase == Phase::Boundary) {
         // The sends of the round that ended, and the receives of the next.
         st.boundary = st.free;
-        for (std::size_t k : st.to_send) t_.send_posted[k] = st.boundary;
+        for (std::size_t k : st.to_send) {
+          t_.send_posted[k] = st.boundary;
+          pending_.insert(receiver(k));
+        }
         st.sending = std::move(st.to_send);
         st.to_send.clear();
         st.receiving.clear();
@@ -188,30 +220,27 @@ class Timeline {
                      st.passes[st.next - 1].kind == st.passes[st.next].kind;
         if (!st.in_turn) post_receives(st, blocking_ ? st.boundary : 0.0);
         st.phase = Phase::Sends;
-        moved = true;
       }
       if (st.phase == Phase::Sends) {
         st.sends_end = st.boundary;
         if (holds_sends_) {
           for (std::size_t k : st.sending) {
             const double end = resolve(k);
-            if (end < 0) return moved;  // the receiver has not posted yet
+            if (end < 0) return;  // the receiver has not posted yet
             st.sends_end = std::max(st.sends_end, end);
           }
         }
         if (st.in_turn) post_receives(st, st.sends_end);
         st.phase = Phase::Receives;
-        moved = true;
       }
       // Phase::Receives: the next round starts once its inputs are in.
       double start = st.sends_end;
       for (std::size_t k : st.receiving) {
         const double end = resolve(k);
-        if (end < 0) return moved;  // the sender has not produced it yet
+        if (end < 0) return;  // the sender has not produced it yet
         start = std::max(start, end);
       }
       st.free = start;
-      moved = true;
       if (st.next == st.passes.size()) {
         st.phase = Phase::Done;
         break;
@@ -223,11 +252,13 @@ class Timeline {
       }
       st.phase = Phase::Boundary;
     }
-    return moved;
   }
 
   void post_receives(const Stage& st, double when) {
-    for (std::size_t k : st.receiving) t_.recv_posted[k] = when;
+    for (std::size_t k : st.receiving) {
+      t_.recv_posted[k] = when;
+      pending_.insert(sender(k));
+    }
   }
 
   void run(int s, Stage& st, const Pass& pass) {
@@ -252,6 +283,7 @@ class Timeline {
   bool blocking_, holds_sends_, in_turn_when_alike_;
   Transfers t_;
   std::vector<Stage> stages_;
+  StageSet pending_;  // stages something was posted to since they last stopped
 };
 
 }  // namespace
