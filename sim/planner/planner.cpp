@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <exception>
+#include <limits>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -82,6 +83,17 @@ std::vector<int> divisors(std::int64_t n) {
   return out;
 }
 
+// What an estimate holds: the step time, or a bound below it that leaves out the pipeline
+// timeline (the bubble and the pipeline transfers, the costliest part of an estimate), which
+// only lengthens a step: the terms it adds are positive, and the dp stream's exposure, which
+// they can shrink, at most by as much (the step is window + max(in passes, busy - window, ...)).
+enum class Detail { Full, Bound };
+
+// Whether a plan's bound differs from its estimate.
+bool has_timeline(const Plan& p) {
+  return p.pp > 1 && p.schedule != Schedule::PipeDreamAsync;
+}
+
 // Closed-form step time of one plan (tier 1). Uses the simulator's compute cost and network
 // models per op and per collective, and runs the passes through the schedule's order
 // (pass_timeline.hpp) for the bubble and the pipeline transfers.
@@ -104,7 +116,8 @@ class Estimator {
         rank_spread_cv_(rank_spread_cv),
         net_(network::make_analytical(cluster)) {}
 
-  engine::Breakdown estimate(const model::ModelGraph& g, const Plan& p) {
+  engine::Breakdown estimate(const model::ModelGraph& g, const Plan& p,
+                             Detail detail = Detail::Full) {
     const model::ModelSpec& m = g.spec();
     cost::ComputeCost cost(g, p, cluster_.device, profile_);
     const cluster::Placement placement(p.degrees(), p.order);
@@ -319,7 +332,7 @@ class Estimator {
     // gradients back up.
     double chain = 0;
     for (int s = 0; s + 1 < p.pp; ++s) chain += hop[static_cast<std::size_t>(s)];
-    if (p.pp > 1 && p.schedule != Schedule::PipeDreamAsync) {
+    if (has_timeline(p) && detail == Detail::Full) {
       // The bubble: the idle time of the slowest stage in the schedule's order with compute
       // alone; the transfers' share: what the hops add to that (pass_timeline.hpp).
       std::vector<ChunkPasses> passes(chunks.size());
@@ -803,6 +816,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   }
   struct Evaluated {
     bool valid = false;
+    bool bound = false;  // c.estimate is Detail::Bound's
     Candidate c;
   };
   std::vector<Evaluated> results(plans.size());
@@ -817,25 +831,34 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   std::atomic<std::uint64_t> done{0};
   const unsigned threads = std::max(1U, options.threads > 0 ? static_cast<unsigned>(options.threads)
                                                             : std::thread::hardware_concurrency());
-  // Bad input found while estimating ends the search with the error of the earliest candidate
-  // that meets it, whatever the thread count.
+  auto estimate = [&](Estimator& estimator, Evaluated& e, Detail detail) {
+    e.c.estimate = estimator.estimate(*graphs.at(graph_key(e.c.plan)), e.c.plan, detail);
+    e.bound = detail == Detail::Bound && has_timeline(e.c.plan);
+    e.c.estimate_s = total(e.c.estimate);
+    e.c.step_time_s = e.c.estimate_s;
+    if (price > 0) e.c.cost_per_step_usd = e.c.step_time_s * cluster.devices() * price / 3600;
+  };
+  auto make_estimator = [&] {
+    return Estimator(cluster, options.profile, jitter_cv, rank_spread_cv);
+  };
+  // Every candidate's memory, and the estimate of those that fit. Over memory only the fastest
+  // and the one closest to fitting are shown, so they get a bound first and an estimate below
+  // only where the bound leaves them in the running (most of a large model's candidates do
+  // not fit). Bad input found while estimating ends the search with the error of the earliest
+  // candidate that meets it, whatever the thread count.
   parallel_for(plans.size(), threads, [&] {
-    return [&, estimator = Estimator(cluster, options.profile, jitter_cv, rank_spread_cv)](
-               std::size_t i) mutable {
+    return [&, estimator = make_estimator()](std::size_t i) mutable {
       const Plan& p = plans[i];
       Evaluated& e = results[i];
       if (plan::check_plan(p, m, cluster.devices()).ok()) {
-        const model::ModelGraph& g = *graphs.at(graph_key(p));
         e.valid = true;
         e.c.plan = p;
-        const plan::MemoryReport r = plan::estimate_memory(g, p, cluster, memory);
+        const plan::MemoryReport r =
+            plan::estimate_memory(*graphs.at(graph_key(p)), p, cluster, memory);
         e.c.memory_bytes = r.worst().total_bytes;
         e.c.capacity_bytes = r.capacity_bytes;
         e.c.fits = r.fits;
-        e.c.estimate = estimator.estimate(g, p);
-        e.c.estimate_s = total(e.c.estimate);
-        e.c.step_time_s = e.c.estimate_s;
-        if (price > 0) e.c.cost_per_step_usd = e.c.step_time_s * cluster.devices() * price / 3600;
+        estimate(estimator, e, r.fits ? Detail::Full : Detail::Bound);
       }
       const std::uint64_t n = ++done;
       if (options.progress && (n % 256 == 0 || n == plans.size()))
@@ -845,23 +868,57 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
 
   SearchResult out;
   std::vector<Candidate> feasible;
-  for (auto& e : results) {
+  std::vector<std::size_t> over;  // candidates over memory
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const Evaluated& e = results[i];
     if (!e.valid) continue;
     ++out.evaluated;
     if (e.c.fits) {
       feasible.push_back(e.c);
-      continue;
+    } else {
+      over.push_back(i);
     }
-    if (!out.best_not_fitting || e.c.estimate_s < out.best_not_fitting->estimate_s) {
-      out.best_not_fitting = e.c;
-    }
+  }
+  out.feasible = feasible.size();
+  // The fastest over memory: estimated in the order of their bounds, each only while its bound
+  // is at most the fastest estimate yet; whichever thread finds which, a candidate left out was
+  // bound above an estimate, so slower than the fastest.
+  std::vector<std::size_t> by_bound = over;
+  std::stable_sort(by_bound.begin(), by_bound.end(), [&](std::size_t a, std::size_t b) {
+    return results[a].c.estimate_s < results[b].c.estimate_s;
+  });
+  std::atomic<double> fastest{std::numeric_limits<double>::infinity()};
+  parallel_for(by_bound.size(), threads, [&] {
+    return [&, estimator = make_estimator()](std::size_t j) mutable {
+      Evaluated& e = results[by_bound[j]];
+      if (e.bound) {
+        if (e.c.estimate_s > fastest.load()) return;
+        estimate(estimator, e, Detail::Full);
+      }
+      for (double was = fastest.load();
+           e.c.estimate_s < was && !fastest.compare_exchange_weak(was, e.c.estimate_s);) {
+      }
+    };
+  });
+  // The closest to fitting: the least memory, then the fastest.
+  Estimator estimator = make_estimator();
+  for (const std::size_t i : over) {
+    Evaluated& e = results[i];
     const auto& closest = out.closest_not_fitting;
+    if (closest && e.c.memory_bytes > closest->memory_bytes) continue;
+    if (e.bound) estimate(estimator, e, Detail::Full);
     if (!closest || std::tie(e.c.memory_bytes, e.c.estimate_s) <
                         std::tie(closest->memory_bytes, closest->estimate_s)) {
       out.closest_not_fitting = e.c;
     }
   }
-  out.feasible = feasible.size();
+  for (const std::size_t i : over) {
+    const Evaluated& e = results[i];
+    if (e.bound) continue;
+    if (!out.best_not_fitting || e.c.estimate_s < out.best_not_fitting->estimate_s) {
+      out.best_not_fitting = e.c;
+    }
+  }
   auto key = [&](const Candidate& c) {
     return options.objective == Objective::Cost && c.cost_per_step_usd >= 0 ? c.cost_per_step_usd
                                                                             : c.step_time_s;

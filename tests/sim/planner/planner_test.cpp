@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <vector>
 
@@ -153,6 +154,43 @@ TEST_CASE("what the planner says fits, the memory model says fits", "[planner][m
   CHECK_FALSE(r.closest_not_fitting->fits);
   CHECK(r.closest_not_fitting->memory_bytes <= c.memory_bytes);
   CHECK(r.closest_not_fitting->memory_bytes > r.closest_not_fitting->capacity_bytes);
+}
+
+TEST_CASE("over memory, the fastest and the closest are those of the full estimates",
+          "[planner][memory]") {
+  // The search estimates a candidate over memory only where a bound (its estimate without the
+  // pipeline timeline) does not rule it out. With memory enough for all, every candidate gets
+  // the full estimate: the fastest and the closest of those over the real memory must be the
+  // same as the search's. Pipelined candidates alone, so that the bound is what decides.
+  const auto spec = dtsim::model::load_model("llama2-13b");
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 16);
+  SearchSpace space;
+  space.global_batch_size = 64;
+  space.seq_len = 4096;
+  space.fixed_pp = 2;
+  SearchOptions options;
+  options.refine = 0;
+  const auto r = dtsim::planner::search(spec, cluster, space, options);
+  REQUIRE(r.best_not_fitting);
+  REQUIRE(r.closest_not_fitting);
+  SearchSpace roomy = space;
+  roomy.memory.capacity_bytes = 1e18;
+  const auto all = dtsim::planner::search(spec, cluster, roomy, options);
+  REQUIRE(all.ranked.size() == r.evaluated);
+  const double capacity = r.best_not_fitting->capacity_bytes;
+  double fastest = std::numeric_limits<double>::infinity();
+  std::pair<double, double> closest{fastest, fastest};
+  int over = 0;
+  for (const auto& c : all.ranked) {
+    if (c.memory_bytes <= capacity) continue;
+    ++over;
+    fastest = std::min(fastest, c.estimate_s);
+    closest = std::min(closest, std::pair{c.memory_bytes, c.estimate_s});
+  }
+  CHECK(over == static_cast<int>(r.evaluated - r.feasible));
+  CHECK(r.best_not_fitting->estimate_s == fastest);
+  CHECK(r.closest_not_fitting->memory_bytes == closest.first);
+  CHECK(r.closest_not_fitting->estimate_s == closest.second);
 }
 
 TEST_CASE("an expert load prices the candidates with ep > 1, capped at their ep",
