@@ -379,7 +379,8 @@ class Estimator {
     const auto bytes_per = plan::state_bytes_per_param(p);
     const double shard_group = static_cast<double>(p.dp) * p.cp;
     const double expert_group = static_cast<double>(p.dp / p.ep) * p.cp;
-    const double backward = stage_b / std::max(1, p.virtual_stages);
+    const double v = std::max(1, p.virtual_stages);
+    const double backward = (stage_b + stage_rec) / v;  // a chunk's, recompute included
     const CollectiveKind reduce =
         p.zero_stage == 0 ? CollectiveKind::AllReduce : CollectiveKind::ReduceScatter;
     // The dp stream carries every reduction and gather of a step one after another: what the
@@ -426,7 +427,14 @@ class Estimator {
       // The last (with ZeRO-2/3 the last micro-batch's) reduction outlasts its backward pass
       // by this; ZeRO-2/3's earlier ones run beside the passes after theirs, as long as the
       // stream keeps up (dp_busy).
-      dp_in_passes += std::max({last + last_wait, all - backward, all + first_wait - stage_b});
+      // A backward pass hides reductions with its recompute too. Interleaved, a chunk's
+      // gradients are final after its own last backward pass, and the drain runs the chunks'
+      // last passes pp backward passes apart (a chunk's share of the last round): the stream
+      // starts on the first chunk's (v - 1)·pp passes before the last one, and has at least
+      // the last chunk's left when that one starts.
+      const double queued = std::max(all / v, all - (v - 1) * p.pp * backward);
+      dp_in_passes +=
+          std::max({last + last_wait, queued - backward, all + first_wait - stage_b - stage_rec});
       // Each collective on the stream first waits for the group's slowest rank: over a step,
       // the group's waits (see the class comment).
       dp_busy += (p.zero_stage >= 2 ? mb : 1.0) * all + waits;
@@ -446,7 +454,6 @@ class Estimator {
         // One gather per unit (a block; zero-bubble: a chunk) and pass, 2 passes per
         // micro-batch and chunk, each hidden behind the unit before it except for the first
         // (lowering: Unit).
-        const double v = std::max(1, p.virtual_stages);
         const double units = p.schedule == Schedule::ZeroBubble
                                  ? 1.0
                                  : std::max(1.0, static_cast<double>(m.layers) / (p.pp * v));
