@@ -220,6 +220,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
       return goodput > 0 ? train_s / goodput : std::numeric_limits<double>::infinity();
     }
     bool found = false;
+    // Without a plan: whether any candidate met the search's constraints (a prime number of
+    // GPUs may leave none: no dp dividing the global batch).
+    bool valid_candidates = true;
     // With --fixed-plan the plan is simulated whether or not it fits in memory.
     bool fits = true;
     double memory_bytes = 0, capacity_bytes = 0;  // worst rank, device
@@ -328,6 +331,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       options.jitter_cv = jitter;
       options.rank_spread_cv = rank_spread;
       const auto r = planner::search(spec, c, space, options);
+      row.valid_candidates = r.evaluated > 0;
       if (!r.ranked.empty()) {
         pred = r.ranked.front().prediction;
         chosen = r.ranked.front().plan;
@@ -383,6 +387,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"cost", r.cost_usd},
                                   {"energy", r.energy_kwh},
                                   {"found", r.found},
+                                  {"valid", r.valid_candidates},
                                   {"fits", r.fits},
                                   {"memory", r.memory_bytes},
                                   {"capacity", r.capacity_bytes}}
@@ -410,6 +415,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.cost_usd = j.at("cost").get<double>();
       r.energy_kwh = j.at("energy").get<double>();
       r.found = j.at("found").get<bool>();
+      r.valid_candidates = j.at("valid").get<bool>();
       r.fits = j.at("fits").get<bool>();
       r.memory_bytes = j.at("memory").get<double>();
       r.capacity_bytes = j.at("capacity").get<double>();
@@ -449,6 +455,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         }
       }
       nlohmann::json j = {{"point", point}, {"gpus", r.gpus}, {"found", r.found}};
+      if (!r.found) j["valid_candidates"] = r.valid_candidates;
       if (r.found) {
         j.update({{"plan", r.plan},
                   {"fits", r.fits},
@@ -530,8 +537,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
     for (const auto& k : keys) cells.push_back(r.point.at(k));
     cells.push_back(fmt::format("{}", r.gpus));
     if (!r.found) {
-      for (const char* s : {"no plan fits", "-", "-", "-", "-", "-", "-", "-", "-", "-"})
-        cells.push_back(s);
+      cells.push_back(r.valid_candidates ? "no plan fits" : "no valid plan");
+      for (int i = 0; i < 9; ++i) cells.push_back("-");
     } else {
       cells.push_back(r.fits ? r.plan
                              : fmt::format("{} (DOES NOT FIT: needs {:.1f} GiB of {:.1f} GiB)",
@@ -553,6 +560,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
     table.add_row(cells);
   }
   std::cout << table.render();
+  if (std::any_of(rows.begin(), rows.end(),
+                  [](const Row& r) { return !r.found && !r.valid_candidates; })) {
+    std::cout << "(no valid plan: no tp x pp x cp x dp makes the point's GPUs with dp x "
+                 "micro-batch dividing the global batch; dtsim plan at that point names the "
+                 "constraints)\n";
+  }
   if (tokens <= 0) std::cout << "(give --tokens N for time, cost and energy to train)\n";
   if (vm.count("fixed-plan")) {
     std::cout << "(--fixed-plan: its tp, pp, cp, ep and the rest at every point; dp fills each "
