@@ -62,7 +62,7 @@ void parallel_for(std::size_t n, unsigned threads, const MakeWork& make_work) {
       failing = true;
     }
   };
-  std::vector<std::thread> pool;
+  std::vector<std::jthread> pool;  // joined on the way out, should a thread fail to start
   const auto used =
       static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(n, 1)));
   for (unsigned t = 1; t < used; ++t) pool.emplace_back(worker, t);
@@ -83,11 +83,10 @@ std::vector<int> divisors(std::int64_t n) {
   return out;
 }
 
-// What an estimate holds: the step time, or a bound below it that leaves out the pipeline
-// timeline (the bubble and the pipeline transfers, the costliest part of an estimate), which
-// only lengthens a step: the terms it adds are positive, and the dp stream's exposure, which
-// they can shrink, at most by as much (the step is window + max(in passes, busy - window, ...)).
-enum class Detail { Full, Bound };
+// Detail::Bound leaves out the pipeline timeline (the bubble and the pipeline transfers, the
+// costliest part of an estimate), which only lengthens a step: the terms it adds are positive,
+// and the dp stream's exposure, which they can shrink, at most by as much (the step is
+// window + max(in passes, busy - window, ...)).
 
 // Whether a plan's bound differs from its estimate.
 bool has_timeline(const Plan& p) {
@@ -359,7 +358,7 @@ class Estimator {
       const double with_hops = pipeline_timeline(p, passes, hop).makespan_s;
       b.bubble_s = std::max(0.0, compute_only - mb * per_mb);
       b.exposed_pp_s = std::max(0.0, with_hops - compute_only);
-    } else if (p.pp > 1) {
+    } else if (p.pp > 1 && !has_timeline(p)) {
       // PipeDream's asynchronous 1F1B has no flush: no bubble, the transfers as 1F1B's.
       b.exposed_pp_s = 2 * chain + mb * stage_recv;
     }
@@ -801,6 +800,14 @@ std::string dominant_term(const engine::Breakdown& b, double step_s) {
   return fmt::format("{} {:.0f}%", best->second, 100.0 * best->first / step_s);
 }
 
+double estimate_s(const model::ModelGraph& graph, const plan::Plan& plan,
+                  const cluster::Cluster& cluster, const SearchOptions& options, Detail detail) {
+  Estimator estimator(cluster, options.profile,
+                      engine::jitter_cv_of(options.jitter_cv, options.profile),
+                      engine::rank_spread_cv_of(options.rank_spread_cv, options.profile));
+  return total(estimator.estimate(graph, plan, detail));
+}
+
 SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
                     const SearchSpace& space, const SearchOptions& options) {
   if (space.global_batch_size < 1) {
@@ -889,7 +896,9 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   out.feasible = feasible.size();
   // The fastest over memory: estimated in the order of their bounds, each only while its bound
   // is at most the fastest estimate yet; whichever thread finds which, a candidate left out was
-  // bound above an estimate, so slower than the fastest.
+  // bound above an estimate, so slower than the fastest. (The margin: a bound equal to its
+  // estimate may come out a rounding above it, summed in another order.) Bad input was met in
+  // the first pass; an internal error in an estimate here may depend on the thread count.
   std::vector<std::size_t> by_bound = over;
   std::stable_sort(by_bound.begin(), by_bound.end(), [&](std::size_t a, std::size_t b) {
     return results[a].c.estimate_s < results[b].c.estimate_s;
@@ -899,7 +908,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     return [&, estimator = make_estimator()](std::size_t j) mutable {
       Evaluated& e = results[by_bound[j]];
       if (e.bound) {
-        if (e.c.estimate_s > fastest.load()) return;
+        if (e.c.estimate_s > fastest.load() * (1 + 1e-12)) return;
         estimate(estimator, e, Detail::Full);
       }
       for (double was = fastest.load();
@@ -908,12 +917,14 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     };
   });
   // The closest to fitting: the least memory, then the fastest.
+  double least = std::numeric_limits<double>::infinity();
+  for (const std::size_t i : over) least = std::min(least, results[i].c.memory_bytes);
   Estimator estimator = make_estimator();
   for (const std::size_t i : over) {
     Evaluated& e = results[i];
-    const auto& closest = out.closest_not_fitting;
-    if (closest && e.c.memory_bytes > closest->memory_bytes) continue;
+    if (e.c.memory_bytes > least) continue;
     if (e.bound) estimate(estimator, e, Detail::Full);
+    const auto& closest = out.closest_not_fitting;
     if (!closest || std::tie(e.c.memory_bytes, e.c.estimate_s) <
                         std::tie(closest->memory_bytes, closest->estimate_s)) {
       out.closest_not_fitting = e.c;
@@ -938,7 +949,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
 
   // Tier 2: the discrete-event simulator on the best `refine` candidates.
   // Each thread simulates with a network model of its own (the analytical model memoizes).
-  const int refine = std::min<int>(options.refine, static_cast<int>(feasible.size()));
+  const int refine = std::clamp<int>(options.refine, 0, static_cast<int>(feasible.size()));
   engine::SimulateOptions sim_options;
   sim_options.memory = memory;
   sim_options.profile = options.profile;

@@ -4,8 +4,10 @@
 // times from the same compute cost and network models the simulator uses, run through the
 // schedule's pass order with each pipeline hop on its own links (pass_timeline.hpp), a
 // data-parallel overlap rule and the dp stream's whole work as a bound), with candidates that
-// do not fit in memory pruned by the memory model; then the discrete-event simulator on the
-// best `refine` of them, whose simulated times give the final order.
+// do not fit in memory pruned by the memory model (of those, only the ones that may be the
+// fastest or the closest over memory are estimated in full; the rest get a bound below their
+// estimate); then the discrete-event simulator on the best `refine` of them, whose simulated
+// times give the final order.
 // bench/planner_accuracy.cpp measures the first tier against the second.
 #pragma once
 
@@ -17,6 +19,7 @@
 
 #include "sim/cluster/topology.hpp"
 #include "sim/engine/simulator.hpp"
+#include "sim/model/model_graph.hpp"
 #include "sim/model/model_spec.hpp"
 #include "sim/plan/plan.hpp"
 
@@ -74,7 +77,7 @@ struct Candidate {
 };
 
 struct SearchResult {
-  std::uint64_t evaluated = 0;                // candidates estimated
+  std::uint64_t evaluated = 0;                // valid candidates, their memory estimated
   std::uint64_t feasible = 0;                 // of those, valid and fitting in memory
   std::vector<Candidate> ranked;              // feasible, best first (refined ones on top)
   std::optional<Candidate> best_not_fitting;  // fastest estimate among those over memory
@@ -106,6 +109,16 @@ struct SearchOptions {
 
 SearchResult search(const model::ModelSpec& model, const cluster::Cluster& cluster,
                     const SearchSpace& space, const SearchOptions& options);
+
+// What a tier-1 estimate holds: the step time, or a bound at most that (the estimate without
+// the pipeline timeline), which the search gives candidates over memory first.
+enum class Detail { Full, Bound };
+
+// One plan's tier-1 estimate (Candidate::estimate_s) or its bound, as the search computes them
+// with `options`' profile and straggler model.
+double estimate_s(const model::ModelGraph& graph, const plan::Plan& plan,
+                  const cluster::Cluster& cluster, const SearchOptions& options,
+                  Detail detail = Detail::Full);
 
 // The largest term of a breakdown, as text: "exposed TP communication 18%".
 std::string dominant_term(const engine::Breakdown& b, double step_s);
