@@ -288,6 +288,7 @@ class Estimator {
     double stage_f = 0, stage_b = 0, stage_rec = 0, stage_recv = 0;
     double stage_compute = 0;    // the slowest stage's compute alone, per micro-batch
     double stage_exchanges = 0;  // the slowest stage's receives per micro-batch
+    int stage_layers = 0;
     double stage_params = 0, stage_expert_params = 0;
     for (int s = 0; s < p.pp; ++s) {
       int layers = 0;
@@ -318,6 +319,7 @@ class Estimator {
         stage_recv = recv;
         stage_exchanges = from_before + from_after;
         stage_compute = compute;
+        stage_layers = layers;
       }
       stage_params = std::max(stage_params, stage_param_count(g, p, s, chunks, false));
       stage_expert_params = std::max(stage_expert_params, stage_param_count(g, p, s, chunks, true));
@@ -379,7 +381,10 @@ class Estimator {
     const double shard_group = static_cast<double>(p.dp) * p.cp;
     const double expert_group = static_cast<double>(p.dp / p.ep) * p.cp;
     const double v = std::max(1, p.virtual_stages);
-    const double backward = (stage_b + stage_rec) / v;  // a chunk's, recompute included
+    // The pass whose end makes a chunk's gradients final, which its reductions can overlap: a
+    // chunk's backward with its recompute, or zero-bubble's deferred weight-gradient pass.
+    const double backward =
+        p.schedule == Schedule::ZeroBubble ? stage_layers * lbw : (stage_b + stage_rec) / v;
     const CollectiveKind reduce =
         p.zero_stage == 0 ? CollectiveKind::AllReduce : CollectiveKind::ReduceScatter;
     // The dp stream carries every reduction and gather of a step one after another: what the
