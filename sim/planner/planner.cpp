@@ -435,10 +435,10 @@ class Estimator {
       // gradients are final after its own last backward pass, and the drain runs the chunks'
       // last passes pp backward passes apart (a chunk's share of the last round): the stream
       // starts on the first chunk's (v - 1)·pp passes before the last one, and has at least
-      // the last chunk's left when that one starts.
-      const double queued = std::max(all / v, all - (v - 1) * p.pp * backward);
-      dp_in_passes +=
-          std::max({last + last_wait, queued - backward, all + first_wait - stage_b - stage_rec});
+      // the last chunk's left when that one starts. The stream's first collective waits for
+      // the group's slowest rank first.
+      const double queued = std::max(all / v, all + first_wait - (v - 1) * p.pp * backward);
+      dp_in_passes += std::max(last + last_wait, queued - backward);
       // Each collective on the stream first waits for the group's slowest rank: over a step,
       // the group's waits (see the class comment).
       dp_busy += (p.zero_stage >= 2 ? mb : 1.0) * all + waits;
