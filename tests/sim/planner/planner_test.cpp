@@ -131,12 +131,32 @@ TEST_CASE("the tiers' disagreements count pairs ordered the other way, not ties"
   CHECK(r.max_disagreement_gap == Approx(gap));
 }
 
-TEST_CASE("what the planner says fits, the memory model says fits", "[planner][memory]") {
-  const auto spec = dtsim::model::load_model("llama2-13b");
-  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 16);
+namespace {
+
+// Llama 2 13B on 16 A100s, batches of 64 sequences of 4,096 tokens: a search where many
+// candidates do not fit.
+const dtsim::model::ModelSpec& llama2_13b() {
+  static const auto spec = dtsim::model::load_model("llama2-13b");
+  return spec;
+}
+const dtsim::cluster::Cluster& sixteen_a100() {
+  static const auto cluster =
+      dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 16);
+  return cluster;
+}
+SearchSpace tight_space() {
   SearchSpace space;
   space.global_batch_size = 64;
   space.seq_len = 4096;
+  return space;
+}
+
+}  // namespace
+
+TEST_CASE("what the planner says fits, the memory model says fits", "[planner][memory]") {
+  const auto& spec = llama2_13b();
+  const auto& cluster = sixteen_a100();
+  const SearchSpace space = tight_space();
   SearchOptions options;
   options.refine = 2;
   const auto r = dtsim::planner::search(spec, cluster, space, options);
@@ -162,11 +182,9 @@ TEST_CASE("over memory, the fastest and the closest are those of the full estima
   // pipeline timeline) does not rule it out. With memory enough for all, every candidate gets
   // the full estimate: the fastest and the closest of those over the real memory must be the
   // same as the search's. Pipelined candidates alone, so that the bound is what decides.
-  const auto spec = dtsim::model::load_model("llama2-13b");
-  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 16);
-  SearchSpace space;
-  space.global_batch_size = 64;
-  space.seq_len = 4096;
+  const auto& spec = llama2_13b();
+  const auto& cluster = sixteen_a100();
+  SearchSpace space = tight_space();
   space.fixed_pp = 2;
   SearchOptions options;
   options.refine = 0;
@@ -196,13 +214,11 @@ TEST_CASE("over memory, the fastest and the closest are those of the full estima
 TEST_CASE("a candidate's bound is at most its estimate", "[planner][memory]") {
   // What makes the pruning over memory exact: every pipelined candidate of two searches, each
   // schedule, with and without stragglers.
-  const auto spec = dtsim::model::load_model("llama2-13b");
-  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 16);
+  const auto& spec = llama2_13b();
+  const auto& cluster = sixteen_a100();
   for (const int pp : {2, 4}) {
     for (const double jitter : {0.0, 0.05}) {
-      SearchSpace space;
-      space.global_batch_size = 64;
-      space.seq_len = 4096;
+      SearchSpace space = tight_space();
       space.fixed_pp = pp;
       space.memory.capacity_bytes = 1e18;
       SearchOptions options;
