@@ -1,10 +1,13 @@
 #include "sim/planner/pass_timeline.hpp"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <queue>
+#include <tuple>
 
 #include "sim/common/error.hpp"
 #include "sim/lower/schedule.hpp"
@@ -33,13 +36,18 @@ class Link {
     auto it = std::upper_bound(busy_.begin(), busy_.end(), start,
                                [](double x, const Interval& b) { return x < b.start; });
     busy_.insert(it, booked);
+    last_end_ = std::max(last_end_, start + seconds);
   }
+  // When the last transfer booked ends: a link booked in time order, one transfer after another
+  // (the engine's reserve_link), is next free then.
+  double last_end() const { return last_end_; }
 
  private:
   struct Interval {
     double start, end;
   };
   std::vector<Interval> busy_;
+  double last_end_ = 0;
 };
 
 // Stages as bits: insert, and the first one from a given stage on, in a word's steps.
@@ -73,8 +81,10 @@ struct Transfers {
   std::vector<double> send_posted, recv_posted, end;
   // A device sends one pipeline transfer at a time and receives one at a time (the engine's
   // reserve_link): a stage that sends to both neighbours at once sends them one after the
-  // other. The engine books a link in the order of the transfers' readiness; the timeline
-  // meets them in another order (stage by stage), so each takes the first gap that holds it.
+  // other. The engine books a link in the order of the transfers' readiness. Blocking
+  // interleaved exchanges are met in that order (run_in_time_order) and booked as the engine
+  // books them; the other schedules' sweep meets them stage by stage, so each takes the first
+  // gap that holds it.
   std::vector<Link> out, in;
 };
 
@@ -91,6 +101,7 @@ class Timeline {
         // The exchanges as the lowering emits them (schedule.hpp).
         holds_sends_(lower::exchanges_hold_senders(plan)),
         in_turn_when_alike_(lower::receives_after_sends_when_alike(plan)),
+        in_time_order_(blocking_ && holds_sends_ && !in_turn_when_alike_),
         pending_(plan.pp) {
     DTSIM_ASSERT(pp_ >= 1 && !chunks.empty() &&
                      chunks.size() % static_cast<std::size_t>(pp_) == 0 &&
@@ -119,13 +130,17 @@ class Timeline {
   // order of events as running every stage at every sweep (which the gradients, flowing from
   // the last stage to the first, make pp sweeps per round), in time linear in the passes.
   PipelineTimeline run() {
-    for (int s = 0; s < pp_; ++s) pending_.insert(s);
-    for (int at = 0; !pending_.empty();) {
-      int s = at < pp_ ? pending_.from(at) : -1;
-      if (s < 0) s = pending_.from(0);
-      pending_.erase(s);
-      advance(s);
-      at = s + 1;
+    if (in_time_order_) {
+      run_in_time_order();
+    } else {
+      for (int s = 0; s < pp_; ++s) pending_.insert(s);
+      for (int at = 0; !pending_.empty();) {
+        int s = at < pp_ ? pending_.from(at) : -1;
+        if (s < 0) s = pending_.from(0);
+        pending_.erase(s);
+        advance(s);
+        at = s + 1;
+      }
     }
     PipelineTimeline out;
     for (const Stage& st : stages_) {
@@ -188,6 +203,103 @@ class Timeline {
     t_.out[out].book(start, seconds);
     t_.in[in].book(start, seconds);
     return t_.end[k] = start + seconds;
+  }
+
+  // Blocking interleaved exchanges, as the engine meets them: the stages' round boundaries in
+  // time order; at each, the stage posts its sends and its next round's receives, and each
+  // transfer whose other side has posted is booked then, sends before receives, each in its
+  // passes' order, on both links one transfer after another in that order (a transfer that
+  // waits for its receiver's link holds its sender's link too; no gap is filled). A stage runs
+  // its next round once its exchange's transfers are all in.
+  void run_in_time_order() {
+    using Boundary = std::tuple<double, std::uint64_t, int>;  // when, order posted, stage
+    std::priority_queue<Boundary, std::vector<Boundary>, std::greater<>> boundaries;
+    std::uint64_t order = 0;
+    for (int s = 0; s < pp_; ++s) boundaries.emplace(0.0, order++, s);
+    std::vector<std::size_t> open(static_cast<std::size_t>(pp_), 0);  // transfers not booked
+    auto release = [&](int s) {
+      Stage& st = stages_[static_cast<std::size_t>(s)];
+      double start = st.boundary;
+      for (const auto* keys : {&st.sending, &st.receiving}) {
+        for (std::size_t k : *keys) start = std::max(start, t_.end[k]);
+      }
+      st.free = start;
+      if (st.next == st.passes.size()) {
+        st.phase = Phase::Done;
+        return;
+      }
+      const int round = st.passes[st.next].round;
+      while (st.next < st.passes.size() && st.passes[st.next].round == round) {
+        run(s, st, st.passes[st.next]);
+        ++st.next;
+      }
+      boundaries.emplace(st.free, order++, s);
+    };
+    while (!boundaries.empty()) {
+      const int s = std::get<2>(boundaries.top());
+      boundaries.pop();
+      Stage& st = stages_[static_cast<std::size_t>(s)];
+      post_exchange(s, st);
+      for (std::size_t k : st.sending) t_.send_posted[k] = st.boundary;
+      for (std::size_t k : st.receiving) t_.recv_posted[k] = st.boundary;
+      open[static_cast<std::size_t>(s)] = st.sending.size() + st.receiving.size();
+      std::vector<int> released;
+      for (const auto* keys : {&st.sending, &st.receiving}) {
+        for (std::size_t k : *keys) {
+          if (t_.send_posted[k] < 0 || t_.recv_posted[k] < 0 || t_.end[k] >= 0) continue;
+          book_in_order(k);
+          const int other = keys == &st.sending ? receiver(k) : sender(k);
+          // The sender's side first, as the engine finishes a transfer's send before its
+          // receive.
+          for (const int side : keys == &st.sending ? std::array{s, other} : std::array{other, s}) {
+            if (--open[static_cast<std::size_t>(side)] == 0) released.push_back(side);
+          }
+        }
+      }
+      if (open[static_cast<std::size_t>(s)] == 0 &&
+          std::find(released.begin(), released.end(), s) == released.end()) {
+        released.push_back(s);
+      }
+      for (const int r : released) release(r);
+    }
+  }
+
+  // The stage's exchange at a round boundary: the sends of the round that ended, and the
+  // receives of the next.
+  void post_exchange(int s, Stage& st) {
+    st.boundary = st.free;
+    st.sending = std::move(st.to_send);
+    st.to_send.clear();
+    st.receiving.clear();
+    const int round = st.next < st.passes.size() ? st.passes[st.next].round : -1;
+    for (std::size_t i = st.next; i < st.passes.size() && st.passes[i].round == round; ++i) {
+      const Pass& pass = st.passes[i];
+      const int k = pass.chunk * pp_ + s;
+      if (pass.kind == PassKind::Forward && k > 0) {
+        st.receiving.push_back(key(k, pass.micro_batch, false));
+      }
+      if ((pass.kind == PassKind::Backward || pass.kind == PassKind::BackwardInput) &&
+          k < last_chunk_) {
+        st.receiving.push_back(key(k, pass.micro_batch, true));
+      }
+    }
+  }
+
+  // A transfer both sides have posted, booked now, after every transfer booked before on
+  // either link.
+  void book_in_order(std::size_t k) {
+    const auto out = static_cast<std::size_t>(sender(k));
+    const auto in = static_cast<std::size_t>(receiver(k));
+    const double ready = std::max(t_.send_posted[k], t_.recv_posted[k]);
+    const double seconds = hop_of(k);
+    if (seconds <= 0) {
+      t_.end[k] = ready;
+      return;
+    }
+    const double start = std::max({ready, t_.out[out].last_end(), t_.in[in].last_end()});
+    t_.out[out].book(start, seconds);
+    t_.in[in].book(start, seconds);
+    t_.end[k] = start + seconds;
   }
 
   // Runs stage s as far as its exchanges allow.
@@ -281,6 +393,7 @@ class Timeline {
   const std::vector<double>& hop_;
   int pp_, m_, last_chunk_;
   bool blocking_, holds_sends_, in_turn_when_alike_;
+  bool in_time_order_;  // run_in_time_order
   Transfers t_;
   std::vector<Stage> stages_;
   StageSet pending_;  // stages something was posted to since they last stopped

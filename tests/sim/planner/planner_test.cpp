@@ -453,7 +453,9 @@ TEST_CASE("every candidate runs the search's attention kernel", "[planner]") {
 // h100-roce, whose 1:7 uplinks a stage boundary every 3 pods of stages crosses), stages of
 // unequal work (one block a stage, the head's stage heavier), and a dp stream that ZeRO-3's
 // gathers and per-block reduce-scatters over 2048 ranks keep busy three times as long as the
-// passes. Every candidate of each search simulated; each estimate within 15%.
+// passes. Every candidate of each search simulated; each estimate within 3% (all within 1.5%
+// since the blocking interleaved exchanges are booked as the engine books them; the 8B pp 4 v 4
+// plans were at -4.9% before).
 TEST_CASE("the closed form follows the simulator where hops, stages or the dp stream are uneven",
           "[planner]") {
   using dtsim::plan::Recompute;
@@ -507,7 +509,7 @@ TEST_CASE("the closed form follows the simulator where hops, stages or the dp st
         INFO(dtsim::plan::summary(c.plan)
              << ": estimate " << c.estimate_s << " s, simulated " << c.step_time_s << " s");
         CHECK(c.refined);
-        CHECK(std::abs(c.estimate_s / c.step_time_s - 1) <= 0.08);
+        CHECK(std::abs(c.estimate_s / c.step_time_s - 1) <= 0.03);
       }
     }
   }
