@@ -36,11 +36,13 @@ class Link {
     auto it = std::upper_bound(busy_.begin(), busy_.end(), start,
                                [](double x, const Interval& b) { return x < b.start; });
     busy_.insert(it, booked);
+  }
+  // A link booked in time order, one transfer after another (the engine's reserve_link): when
+  // its last transfer ends, and booking one after it. No gap is looked up, so none is kept.
+  double last_end() const { return last_end_; }
+  void book_after(double start, double seconds) {
     last_end_ = std::max(last_end_, start + seconds);
   }
-  // When the last transfer booked ends: a link booked in time order, one transfer after another
-  // (the engine's reserve_link), is next free then.
-  double last_end() const { return last_end_; }
 
  private:
   struct Interval {
@@ -297,8 +299,8 @@ class Timeline {
       return;
     }
     const double start = std::max({ready, t_.out[out].last_end(), t_.in[in].last_end()});
-    t_.out[out].book(start, seconds);
-    t_.in[in].book(start, seconds);
+    t_.out[out].book_after(start, seconds);
+    t_.in[in].book_after(start, seconds);
     t_.end[k] = start + seconds;
   }
 
