@@ -225,17 +225,7 @@ class Timeline {
       for (const auto* keys : {&st.sending, &st.receiving}) {
         for (std::size_t k : *keys) start = std::max(start, t_.end[k]);
       }
-      st.free = start;
-      if (st.next == st.passes.size()) {
-        st.phase = Phase::Done;
-        return;
-      }
-      const int round = st.passes[st.next].round;
-      while (st.next < st.passes.size() && st.passes[st.next].round == round) {
-        run(s, st, st.passes[st.next]);
-        ++st.next;
-      }
-      boundaries.emplace(st.free, order++, s);
+      if (run_round(s, st, start)) boundaries.emplace(st.free, order++, s);
     };
     while (!boundaries.empty()) {
       const int s = std::get<2>(boundaries.top());
@@ -309,26 +299,10 @@ class Timeline {
     Stage& st = stages_[static_cast<std::size_t>(s)];
     while (st.phase != Phase::Done) {
       if (st.phase == Phase::Boundary) {
-        // The sends of the round that ended, and the receives of the next.
-        st.boundary = st.free;
-        for (std::size_t k : st.to_send) {
+        post_exchange(s, st);
+        for (std::size_t k : st.sending) {
           t_.send_posted[k] = st.boundary;
           pending_.insert(receiver(k));
-        }
-        st.sending = std::move(st.to_send);
-        st.to_send.clear();
-        st.receiving.clear();
-        const int round = st.next < st.passes.size() ? st.passes[st.next].round : -1;
-        for (std::size_t i = st.next; i < st.passes.size() && st.passes[i].round == round; ++i) {
-          const Pass& pass = st.passes[i];
-          const int k = pass.chunk * pp_ + s;
-          if (pass.kind == PassKind::Forward && k > 0) {
-            st.receiving.push_back(key(k, pass.micro_batch, false));
-          }
-          if ((pass.kind == PassKind::Backward || pass.kind == PassKind::BackwardInput) &&
-              k < last_chunk_) {
-            st.receiving.push_back(key(k, pass.micro_batch, true));
-          }
         }
         st.in_turn = in_turn_when_alike_ && st.next > 0 && st.next < st.passes.size() &&
                      st.passes[st.next - 1].kind == st.passes[st.next].kind;
@@ -354,16 +328,7 @@ class Timeline {
         if (end < 0) return;  // the sender has not produced it yet
         start = std::max(start, end);
       }
-      st.free = start;
-      if (st.next == st.passes.size()) {
-        st.phase = Phase::Done;
-        break;
-      }
-      const int round = st.passes[st.next].round;
-      while (st.next < st.passes.size() && st.passes[st.next].round == round) {
-        run(s, st, st.passes[st.next]);
-        ++st.next;
-      }
+      if (!run_round(s, st, start)) break;
       st.phase = Phase::Boundary;
     }
   }
@@ -373,6 +338,22 @@ class Timeline {
       t_.recv_posted[k] = when;
       pending_.insert(sender(k));
     }
+  }
+
+  // The stage's next round from `start`, its exchange done; false (the stage done) when it has
+  // none left.
+  bool run_round(int s, Stage& st, double start) {
+    st.free = start;
+    if (st.next == st.passes.size()) {
+      st.phase = Phase::Done;
+      return false;
+    }
+    const int round = st.passes[st.next].round;
+    while (st.next < st.passes.size() && st.passes[st.next].round == round) {
+      run(s, st, st.passes[st.next]);
+      ++st.next;
+    }
+    return true;
   }
 
   void run(int s, Stage& st, const Pass& pass) {
