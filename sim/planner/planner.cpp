@@ -83,12 +83,10 @@ std::vector<int> divisors(std::int64_t n) {
   return out;
 }
 
-// Detail::Bound leaves out the pipeline timeline (the bubble and the pipeline transfers, the
-// costliest part of an estimate), which only lengthens a step: the terms it adds are positive,
-// and the dp stream's exposure, which they can shrink, at most by as much (the step is
-// window + max(in passes, busy - window, ...)).
-
-// Whether a plan's bound differs from its estimate.
+// Whether a plan's bound differs from its estimate. Detail::Bound leaves out the pipeline
+// timeline (the bubble and the pipeline transfers, the costliest part of an estimate), which
+// only lengthens a step: the terms it adds are positive, and the dp stream's exposure, which
+// they can shrink, at most by as much (the step is window + max(in passes, busy - window, ...)).
 bool has_timeline(const Plan& p) {
   return p.pp > 1 && p.schedule != Schedule::PipeDreamAsync;
 }
@@ -850,12 +848,16 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   std::atomic<std::uint64_t> done{0};
   const unsigned threads = std::max(1U, options.threads > 0 ? static_cast<unsigned>(options.threads)
                                                             : std::thread::hardware_concurrency());
+  // A step's price on the whole cluster, when the cluster has one.
+  auto price_step = [&](Candidate& c) {
+    if (price > 0) c.cost_per_step_usd = c.step_time_s * cluster.devices() * price / 3600;
+  };
   auto estimate = [&](Estimator& estimator, Evaluated& e, Detail detail) {
     e.c.estimate = estimator.estimate(*graphs.at(graph_key(e.c.plan)), e.c.plan, detail);
     e.bound = detail == Detail::Bound && has_timeline(e.c.plan);
     e.c.estimate_s = total(e.c.estimate);
     e.c.step_time_s = e.c.estimate_s;
-    if (price > 0) e.c.cost_per_step_usd = e.c.step_time_s * cluster.devices() * price / 3600;
+    price_step(e.c);
   };
   auto make_estimator = [&] {
     return Estimator(cluster, options.profile, jitter_cv, rank_spread_cv);
@@ -968,7 +970,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
               .prediction;
       c.step_time_s = c.prediction.step_time_s;
       c.refined = true;
-      if (price > 0) c.cost_per_step_usd = c.step_time_s * cluster.devices() * price / 3600;
+      price_step(c);
     };
   });
   for (int i = 0; i < refine; ++i) {
