@@ -361,10 +361,26 @@ std::vector<std::string> complete_plan(Plan& plan, const model::ModelSpec& model
     const double others = static_cast<double>(plan.tp) * plan.pp * plan.cp;
     if (others < 1 || others > static_cast<double>(devices) ||
         devices % static_cast<std::int64_t>(others) != 0) {
-      throw InputError(
-          fmt::format("cannot derive dp: tp x pp x cp = {:.0f} does not divide the {} "
-                      "devices",
-                      others, devices));
+      const std::string derive =
+          fmt::format("cannot derive dp: tp x pp x cp = {:.0f} does not divide the {} devices",
+                      others, devices);
+      if (others < 1) throw InputError(derive);
+      // The rules that do not involve dp, checked with dp = 1 on tp x pp x cp devices, so that
+      // every broken rule is said at once.
+      Plan probe = plan;
+      probe.dp = 1;
+      if (probe.seq_len == 0) probe.seq_len = model.seq_len;
+      if (probe.global_batch_size == 0) probe.global_batch_size = probe.micro_batch_size;
+      std::string msg =
+          fmt::format("invalid plan (tp={} pp={} cp={} on {} devices):\n  - {} [devices]", plan.tp,
+                      plan.pp, plan.cp, devices, derive);
+      for (const auto& v :
+           check_plan(probe, model, static_cast<std::int64_t>(std::min(others, 0x1p62))).errors) {
+        const bool involves_dp = v.rule == "devices" || v.rule == "batch" || v.rule == "ep-dp" ||
+                                 v.rule == "interleaved-m";
+        if (!involves_dp) msg += fmt::format("\n  - {} [{}]", v.message, v.rule);
+      }
+      throw InputError(msg);
     }
     plan.dp = static_cast<int>(devices / static_cast<std::int64_t>(others));
     notes.push_back(fmt::format("dp = {} (devices / (tp x pp x cp))", plan.dp));

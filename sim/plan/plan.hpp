@@ -227,7 +227,8 @@ namespace dtsim::plan {
 // Fills what the user left unset (0): dp = devices / (tp·pp·cp), seq_len = the model's,
 // global batch = micro-batch x dp x m with m = 1 without pipelining and 4·pp with it (so the
 // 1F1B bubble (pp-1)/m stays under 25%). Returns one note per defaulted field. Throws
-// InputError when dp cannot be derived.
+// InputError when dp cannot be derived, listing as well every rule the plan breaks whatever its
+// dp (as require_valid does).
 std::vector<std::string> complete_plan(Plan& plan, const model::ModelSpec& model,
                                        std::int64_t devices);
 }  // namespace dtsim::plan

@@ -177,8 +177,19 @@ TEST_CASE("unset values get documented defaults", "[plan]") {
   Plan q;
   q.dp = 0;
   q.tp = 3;
-  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::plan::complete_plan(q, m, 64), InputError,
-                                  "cannot derive dp");
+  q.zero_stage = 9;
+  // Every rule broken whatever dp would be is said with it; none that dp's value decides.
+  try {
+    dtsim::plan::complete_plan(q, m, 64);
+    FAIL("no error");
+  } catch (const InputError& e) {
+    const std::string what = e.what();
+    CHECK_THAT(what, Catch::Contains("cannot derive dp: tp x pp x cp = 3 does not divide the 64 "
+                                     "devices [devices]"));
+    CHECK_THAT(what, Catch::Contains("tp = 3 does not divide 32 attention heads [tp-heads]"));
+    CHECK_THAT(what, Catch::Contains("zero stage 9 is not one of 0, 1, 2, 3 [zero]"));
+    CHECK_THAT(what, !Catch::Contains("[batch]") && !Catch::Contains("dp x tp x pp x cp ="));
+  }
 }
 
 // Megatron-LM's rule (megatron/training/tokenizer/tokenizer.py, _vocab_size_with_padding): the
