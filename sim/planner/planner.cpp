@@ -47,7 +47,10 @@ void parallel_for(std::size_t n, unsigned threads, const MakeWork& make_work) {
     std::size_t index = 0;
     std::exception_ptr error;
   };
-  std::vector<Failure> failed(threads);
+  // No more threads than indices (--threads 2147483647 asks for more than can be made).
+  const auto used =
+      static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(n, 1)));
+  std::vector<Failure> failed(used);
   auto worker = [&](unsigned t) {
     std::size_t i = 0;
     try {
@@ -63,8 +66,6 @@ void parallel_for(std::size_t n, unsigned threads, const MakeWork& make_work) {
     }
   };
   std::vector<std::jthread> pool;  // joined on the way out, should a thread fail to start
-  const auto used =
-      static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(n, 1)));
   for (unsigned t = 1; t < used; ++t) pool.emplace_back(worker, t);
   worker(0);
   for (auto& th : pool) th.join();
