@@ -40,6 +40,7 @@
 #include "sim/engine/simulator.hpp"
 #include "sim/lower/lowering.hpp"
 #include "sim/plan/memory_model.hpp"
+#include "sim/report/breakdown_json.hpp"
 #include "sim/report/json_values.hpp"
 #include "sim/report/trace.hpp"
 #include "sim/report/validate.hpp"
@@ -112,12 +113,7 @@ namespace po = boost::program_options;
 // options are bad input (exit code 2).
 bool parse(const std::vector<std::string>& args, const po::options_description& desc,
            const char* usage, po::variables_map& vm) {
-  try {
-    po::store(po::command_line_parser(args).options(desc).style(dtsim::cli::kNoGuessing).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw dtsim::InputError(fmt::format("{} (see --help)", e.what()));
-  }
+  dtsim::cli::store_options(args, desc, vm);
   if (vm.count("help")) {
     std::cout << usage << "\n\n" << desc;
     return false;
@@ -187,31 +183,35 @@ void rank_and_step(const po::variables_map& vm, const char* key, int& rank, int&
   }
 }
 
-// Where one rank's timed steps went, per step: compute (forward and backward passes), the
-// recompute, the optimizer.
-struct RankBreakdown {
-  double compute_s = 0, recompute_s = 0, optimizer_s = 0;
-};
-RankBreakdown rank_breakdown(const dtsim::exec::RunResult& result,
-                             const dtsim::lower::Program& program, int rank) {
-  RankBreakdown b;
-  std::set<int> steps;
-  const auto& tasks = program
-                          .ranks[static_cast<std::size_t>(std::min<std::size_t>(
-                              static_cast<std::size_t>(rank), program.ranks.size() - 1))]
-                          .tasks;
+// Where one rank's timed steps went, on average: the simulator's rule (engine::breakdown_of)
+// over each step's tasks, from the rank's start of the step to the end of the slowest rank's
+// step, so that each term is the measured counterpart of simulate's.
+dtsim::engine::Breakdown measured_breakdown(const dtsim::exec::RunResult& result,
+                                            const dtsim::lower::RankProgram& program) {
+  std::map<int, std::vector<dtsim::engine::TaskTime>> steps;  // step -> its tasks' times
   for (const auto& r : result.tasks) {
-    const auto& t = tasks.at(static_cast<std::size_t>(r.task));
-    if (t.kind != dtsim::lower::TaskKind::Compute) continue;
-    steps.insert(r.step);
-    const double d = r.end_s - r.start_s;
-    using dtsim::lower::Phase;
-    (dtsim::lower::in_optimizer_step(t.phase) ? b.optimizer_s
-     : t.phase == Phase::Recompute            ? b.recompute_s
-                                              : b.compute_s) += d;
+    auto [it, fresh] = steps.try_emplace(r.step);
+    if (fresh) it->second.resize(program.tasks.size());
+    const double begin =
+        result.step_begins_s.at(static_cast<std::size_t>(r.step - result.first_step));
+    it->second.at(static_cast<std::size_t>(r.task)) = {r.start_s - begin, r.end_s - begin};
   }
-  const double n = std::max<double>(1.0, static_cast<double>(steps.size()));
-  return {b.compute_s / n, b.recompute_s / n, b.optimizer_s / n};
+  dtsim::engine::Breakdown mean;
+  const double n = static_cast<double>(std::max<std::size_t>(1, steps.size()));
+  for (const auto& [step, times] : steps) {
+    const double window =
+        result.step_times_s.at(static_cast<std::size_t>(step - result.first_step));
+    const dtsim::engine::Breakdown b = dtsim::engine::breakdown_of(program, times, window);
+    for (auto term :
+         {&dtsim::engine::Breakdown::compute_s, &dtsim::engine::Breakdown::recompute_s,
+          &dtsim::engine::Breakdown::optimizer_s, &dtsim::engine::Breakdown::bubble_s,
+          &dtsim::engine::Breakdown::exposed_tp_s, &dtsim::engine::Breakdown::exposed_cp_s,
+          &dtsim::engine::Breakdown::exposed_ep_s, &dtsim::engine::Breakdown::exposed_dp_s,
+          &dtsim::engine::Breakdown::exposed_pp_s}) {
+      mean.*term += b.*term / n;
+    }
+  }
+  return mean;
 }
 
 // The fastest and slowest step after warm-up.
@@ -268,10 +268,11 @@ std::int64_t requested_devices(const po::variables_map& vm) {
 void write_trace(const std::string& path, const dtsim::lower::Program& program,
                  const dtsim::exec::RunResult& result, int last_step, dtsim::exec::Comm& comm) {
   std::string mine;
-  double begin = -1;
+  // (A resumed run that had no step left to run has no tasks.)
+  const auto index = static_cast<std::size_t>(std::max(0, last_step - result.first_step));
+  const double begin = index < result.step_begins_s.size() ? result.step_begins_s[index] : 0.0;
   for (const auto& t : result.tasks) {
     if (t.step != last_step) continue;
-    if (begin < 0) begin = t.start_s;
     const double record[3] = {static_cast<double>(t.task), t.start_s - begin, t.end_s - begin};
     mine.append(reinterpret_cast<const char*>(record), sizeof(record));
   }
@@ -611,7 +612,7 @@ int run(const std::vector<std::string>& args) {
   po::variables_map vm;
   if (!parse(args, desc,
              "usage: dtexec run --model M [plan flags or --plan P.json] [options]\n"
-             "       mpirun -np N dtexec run ...   (N = dp x tp x pp ranks)\n\n"
+             "       mpirun -np N dtexec run ...   (N = dp x tp x pp x cp ranks)\n\n"
              "Trains M on the CPU (fp32, OpenBLAS), one MPI process per rank, following the\n"
              "Program dtsim lowers the plan to: the same tasks the simulator predicts.\n"
              "--precision bf16 on the CPU stores activations in bf16 and checks every tensor's\n"
@@ -652,6 +653,10 @@ int run(const std::vector<std::string>& args) {
   if (dtsim::exec::cpu::under_mpirun()) mpi = std::make_unique<dtsim::exec::cpu::MpiSession>();
   const int rank = mpi ? mpi->rank() : 0;
   g_rank = rank;
+  // Rank 0 writes the trace, after the run: a path it cannot write ends the job now.
+  if (rank == 0 && vm.count("trace")) {
+    dtsim::cli::check_writable(vm["trace"].as<std::string>(), "--trace");
+  }
   if (only_rank && mpi && mpi->size() > 1) {
     throw dtsim::InputError("--only-rank: runs one process; start it without mpirun");
   }
@@ -907,7 +912,9 @@ int run(const std::vector<std::string>& args) {
   // What simulate predicts, measured: FLOP rates, and where this rank's step went.
   const auto flops = dtsim::engine::step_flops(graph, plan);
   const double gpus = static_cast<double>(devices);
-  const RankBreakdown spent = rank_breakdown(result, program, rank);
+  const dtsim::lower::RankProgram& mine = program.ranks.at(
+      std::min<std::size_t>(static_cast<std::size_t>(rank), program.ranks.size() - 1));
+  const dtsim::engine::Breakdown spent = measured_breakdown(result, mine);
   if (vm["json"].as<bool>()) {
     const double step = result.step_time_s;
     std::optional<double> mfu, hfu;
@@ -915,24 +922,32 @@ int run(const std::vector<std::string>& args) {
       mfu = flops.model / (step * gpus * *peak);
       hfu = flops.hardware / (step * gpus * *peak);
     }
-    nlohmann::json measured = {
-        {"gpus", devices},
-        {"model_flops", flops.model},
-        {"hardware_flops", flops.hardware},
-        {"tflops_per_gpu", flops.hardware / (step * gpus) / 1e12},
-        {"model_tflops_per_gpu", flops.model / (step * gpus) / 1e12},
-        {"mfu", dtsim::report::value_or_null(mfu)},
-        {"hfu", dtsim::report::value_or_null(hfu)},
-        {"peak_device", dtsim::report::value_or_null(peak_device)},
-        {"breakdown",
-         {{"compute_s", spent.compute_s},
-          {"recompute_s", spent.recompute_s},
-          {"optimizer_s", spent.optimizer_s},
-          {"other_s",
-           std::max(0.0, step - spent.compute_s - spent.recompute_s - spent.optimizer_s)},
-          {"note",
-           "rank 0's tasks, per step after warm-up; other_s is the rest of the step: waits for "
-           "communication and pipeline peers, and the runner's own work"}}}};
+    nlohmann::json breakdown = dtsim::report::breakdown_json(spent);
+    // Before the simulator's terms were measured, the rest of the (median) step was one figure.
+    breakdown["other_s"] =
+        std::max(0.0, step - spent.compute_s - spent.recompute_s - spent.optimizer_s);
+    breakdown["note"] = fmt::format(
+        "rank {}'s tasks, the mean over the steps after warm-up, each from the rank's start of "
+        "the step to the end of the slowest rank's, split as dtsim simulate splits a step; but "
+        "a receive, collective or blocking send lasts here until its peers have done their "
+        "part, so waiting for a peer, the simulator's bubble, is measured as that kind's "
+        "exposed communication; bubble_s is then the time no task ran (the runner's own work "
+        "between tasks, and waiting for the slowest rank at the end); other_s: the median step "
+        "less compute, recompute and optimizer",
+        mine.rank);
+    nlohmann::json measured = {{"gpus", devices},
+                               {"model_flops", flops.model},
+                               {"hardware_flops", flops.hardware},
+                               {"model_flops_per_step", flops.model},
+                               {"hardware_flops_per_step", flops.hardware},
+                               {"memory_per_gpu_bytes", held[0]},
+                               {"breakdown_stage", mine.stage},
+                               {"tflops_per_gpu", flops.hardware / (step * gpus) / 1e12},
+                               {"model_tflops_per_gpu", flops.model / (step * gpus) / 1e12},
+                               {"mfu", dtsim::report::value_or_null(mfu)},
+                               {"hfu", dtsim::report::value_or_null(hfu)},
+                               {"peak_device", dtsim::report::value_or_null(peak_device)},
+                               {"breakdown", breakdown}};
     nlohmann::json j{{"model", spec.name},
                      {"backend", backend},
                      {"device", device->name()},
@@ -1022,17 +1037,7 @@ int compare(const std::vector<std::string>& args) {
   po::positional_options_description positional;
   positional.add("checkpoints", 2);
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(args)
-                  .options(desc)
-                  .style(dtsim::cli::kNoGuessing)
-                  .positional(positional)
-                  .run(),
-              vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw dtsim::InputError(fmt::format("{} (see --help)", e.what()));
-  }
+  dtsim::cli::store_options(args, desc, vm, &positional);
   if (vm.count("help")) {
     std::cout << "usage: dtexec compare A B [--loss-tolerance X] [--weight-tolerance Y]\n\n"
                  "Compares two checkpoints of the same model, step by step and tensor by tensor;\n"
@@ -1535,6 +1540,7 @@ int calibrate(const std::vector<std::string>& args) {
     throw dtsim::InputError(fmt::format("--backend: expected cpu or cuda, got \"{}\"", backend));
   }
   if (!vm.count("out")) throw dtsim::InputError("--out: required (where to write the profile)");
+  dtsim::cli::check_writable(vm["out"].as<std::string>(), "--out");
   const std::string precision = vm["precision"].as<std::string>();
   if (backend == "cpu" && !vm["precision"].defaulted() && precision != "fp32") {
     throw dtsim::InputError(
@@ -1666,7 +1672,8 @@ int calibrate(const std::vector<std::string>& args) {
 int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "-h") {
-    usage(std::cout);
+    // No command is an error: the usage goes to stderr, as errors do.
+    usage(args.empty() ? std::cerr : std::cout);
     return args.empty() ? 2 : 0;
   }
   if (args[0] == "run" || args[0] == "calibrate" || args[0] == "compare") {

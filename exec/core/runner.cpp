@@ -346,6 +346,7 @@ class Runner {
         dev_.clear_marks();
       }
       const double begin = now();
+      result.step_begins_s.push_back(begin);
       const int step_mark = queued ? dev_.mark() : -1;
       for (std::size_t i = 0; i < tasks.size(); ++i) {
         watchdog.begin(i);

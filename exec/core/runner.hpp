@@ -124,6 +124,9 @@ struct RunResult {
   int first_step = 0;                // 0, or the step a resumed run started at
   std::vector<double> losses;        // mean loss of every step so far (all ranks agree)
   std::vector<double> step_times_s;  // wall time of each step of this run (slowest rank)
+  // When this rank began each step of this run, from the start of the run (TaskRecord's clock;
+  // index: step - first_step).
+  std::vector<double> step_begins_s;
   // With gradient clipping (plan.clip_grad): each step's global gradient norm before clipping
   // (of this run's steps; with --only-rank this rank's share alone).
   std::vector<double> grad_norms;

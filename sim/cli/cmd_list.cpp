@@ -20,13 +20,7 @@ int cmd_list(const std::vector<std::string>& args) {
   po::positional_options_description pos;
   pos.add("what", 1);
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(args).options(desc).style(kNoGuessing).positional(pos).run(),
-              vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw InputError(fmt::format("{} (see --help)", e.what()));
-  }
+  store_options(args, desc, vm, &pos);
   if (vm.count("help")) {
     std::cout << "usage: dtsim list [models|clusters|devices] [--json]\n\n" << desc;
     return 0;

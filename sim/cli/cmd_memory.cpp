@@ -77,7 +77,12 @@ int cmd_memory(const std::vector<std::string>& args) {
     out["fits"] = report.fits;
     out["margin_bytes"] = report.margin_bytes;
     json stages = json::array();
-    for (const auto& s : report.stages) stages.push_back(stage_json(s));
+    for (const auto& s : report.stages) {
+      json stage = stage_json(s);
+      stage["capacity_bytes"] = report.capacity_bytes;
+      stage["fits"] = s.total_bytes <= report.capacity_bytes;
+      stages.push_back(std::move(stage));
+    }
     out["per_stage"] = stages;
     out["plan"] = plan::to_json(plan);
     out["model"] = spec.name;

@@ -148,9 +148,9 @@ int cmd_plan(const std::vector<std::string>& args) {
   po::options_description desc("dtsim plan options");
   desc.add_options()("help,h", "show this help");
   add_model_options(desc, /*with_cluster=*/true);
-  desc.add_options()("global-batch-size", po::value<std::int64_t>(),
-                     "sequences per step (required)")("seq-len", po::value<std::int64_t>(),
-                                                      "sequence length (default: the model's)")(
+  add_global_batch_options(desc, "sequences per step (required)");
+  desc.add_options()("seq-len", po::value<std::int64_t>(),
+                     "sequence length (default: the model's)")(
       "top", po::value<int>()->default_value(5), "plans to show")(
       "objective", po::value<std::string>()->default_value("time"),
       "rank by step time, or by cost per step (time, cost, time-to-train; with a fixed global "
@@ -186,17 +186,15 @@ int cmd_plan(const std::vector<std::string>& args) {
              vm)) {
     return 0;
   }
+  check_one_format(vm);
   const model::ModelSpec spec = model_from_options(vm);
   const cluster::Cluster cluster = cluster_from_options(vm);
   planner::SearchSpace space;
-  if (!vm.count("global-batch-size")) {
+  const auto global_batch = global_batch_from_options(vm);
+  if (!global_batch) {
     throw InputError("--global-batch-size: required (sequences per optimizer step)");
   }
-  space.global_batch_size = vm["global-batch-size"].as<std::int64_t>();
-  if (space.global_batch_size < 1) {
-    throw InputError(fmt::format("--global-batch-size: expected a positive integer, got {}",
-                                 space.global_batch_size));
-  }
+  space.global_batch_size = *global_batch;
   if (vm.count("seq-len")) {
     space.seq_len = vm["seq-len"].as<std::int64_t>();
     if (space.seq_len < 1 || space.seq_len > spec.max_positions) {
@@ -267,6 +265,7 @@ int cmd_plan(const std::vector<std::string>& args) {
   const TrainingGoal goal{train_tokens, &spec, cluster.devices(), reliability_from_options(vm)};
   const int top = vm["top"].as<int>();
   if (top < 1 || options.refine < 0) throw InputError("--top must be >= 1 and --refine >= 0");
+  if (vm.count("out")) check_writable(vm["out"].as<std::string>(), "--out");
   // A progress bar on a terminal, for searches longer than a second.
   const auto started = std::chrono::steady_clock::now();
   if (isatty(fileno(stderr))) {
@@ -291,9 +290,13 @@ int cmd_plan(const std::vector<std::string>& args) {
     throw InputError(explain_no_candidates(spec, cluster, space, vm.count("max-tp") > 0));
   }
 
-  if (vm.count("out") && result.ranked.empty()) {
+  // No plan to write is the job's failure for a script that reads --out next: exit code 2
+  // once the output says why.
+  const bool out_unwritten = vm.count("out") && result.ranked.empty();
+  if (out_unwritten) {
     std::cerr << fmt::format("no plan fits: --out {} not written\n", vm["out"].as<std::string>());
   }
+  const int rc = out_unwritten ? 2 : 0;
   if (vm.count("out") && !result.ranked.empty()) {
     const std::string path = vm["out"].as<std::string>();
     std::ofstream out(path);
@@ -323,7 +326,7 @@ int cmd_plan(const std::vector<std::string>& args) {
       out["closest_not_fitting"] = candidate_json(*result.closest_not_fitting, goal);
     }
     std::cout << out.dump(2) << "\n";
-    return 0;
+    return rc;
   }
   if (vm["csv"].as<bool>()) {
     // The first seven columns as they always were; then MFU (simulated plans), capacity, and
@@ -348,16 +351,16 @@ int cmd_plan(const std::vector<std::string>& args) {
           cell(steps > 0 && priced, steps * c.cost_per_step_usd), cell(steps > 0, tt.goodput),
           cell(steps > 0 && tt.goodput > 0, tt.wall_s));
     }
-    return 0;
+    return rc;
   }
   std::cout << fmt::format("{} on {} ({} x {}), global batch {} x {} tokens\n", spec.name,
                            cluster.name, cluster.devices(), cluster.device.display_name,
                            space.global_batch_size,
                            space.seq_len > 0 ? space.seq_len : spec.seq_len);
-  std::cout << fmt::format(
-      "{} candidates evaluated, {} fit in memory ({:.2f} s); the best {} "
-      "simulated\n",
-      result.evaluated, result.feasible, elapsed, result.refined);
+  std::cout << fmt::format("{} candidates evaluated, {} fit in memory; the best {} simulated\n",
+                           result.evaluated, result.feasible, result.refined);
+  // The search's wall time goes to stderr: stdout is the same for the same input.
+  std::cerr << fmt::format("dtsim plan: searched in {:.2f} s\n", elapsed);
   const double jitter = engine::jitter_cv_of(options.jitter_cv, options.profile);
   if (jitter > 0) {
     std::cout << fmt::format(
@@ -486,7 +489,7 @@ int cmd_plan(const std::vector<std::string>& args) {
   if (vm.count("out") && !result.ranked.empty()) {
     std::cout << "best plan written to " << vm["out"].as<std::string>() << "\n";
   }
-  return 0;
+  return rc;
 }
 
 }  // namespace dtsim::cli

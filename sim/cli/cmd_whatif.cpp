@@ -123,9 +123,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "model, jitter_cv (stragglers: spread of compute times, in [0, 1)), rank_spread_cv (the "
       "slow rank: spread of the ranks' lasting speeds, in [0, 1)), expert_load (expert "
       "parallelism's routing: the busiest ep rank's token copies over the even share, >= 1; "
-      "capped at the plan's ep), attention (unfused, flash: the attention core's kernels)")(
-      "global-batch-size", po::value<std::int64_t>(), "sequences per step (required)")(
-      "seq-len", po::value<std::int64_t>(), "sequence length (default: the model's)")(
+      "capped at the plan's ep), attention (unfused, flash: the attention core's kernels)");
+  add_global_batch_options(desc, "sequences per step (required unless global_batch is varied)");
+  desc.add_options()("seq-len", po::value<std::int64_t>(),
+                     "sequence length (default: the model's)")(
       "tokens", po::value<double>(),
       "training tokens, for time, cost and energy to train (the time with interruptions, "
       "checkpoints and restarts as well: see the reliability flags)")(
@@ -151,6 +152,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
           vm)) {
     return 0;
   }
+  check_one_format(vm);
   if (!vm.count("vary")) throw InputError("--vary: give at least one KEY=V1,V2,...");
   if (vm.count("fixed-plan")) {
     for (const char* flag : {"fixed", "max-tp", "max-pp"}) {
@@ -159,7 +161,6 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
     }
   }
-  if (!vm.count("global-batch-size")) throw InputError("--global-batch-size: required");
   std::vector<Axis> axes;
   for (const auto& v : vm["vary"].as<std::vector<std::string>>()) {
     Axis a = parse_vary(v);
@@ -186,9 +187,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
                     "point), got {}",
                     refine));
   }
-  if (vm["global-batch-size"].as<std::int64_t>() < 1) {
-    throw InputError(fmt::format("--global-batch-size: expected a positive integer, got {}",
-                                 vm["global-batch-size"].as<std::int64_t>()));
+  const auto global_batch = global_batch_from_options(vm);
+  const bool batch_varied =
+      std::any_of(axes.begin(), axes.end(), [](const Axis& a) { return a.key == "global_batch"; });
+  if (!global_batch && !batch_varied) {
+    throw InputError("--global-batch-size: required (or --vary global_batch=...)");
+  }
+  if (global_batch && batch_varied) {
+    throw InputError(
+        "--global-batch-size: the global batch is varied (--vary global_batch=...); give one or "
+        "the other");
   }
   const double tokens = training_tokens(vm);
   const plan::Reliability reliability = reliability_from_options(vm);
@@ -276,7 +284,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     space.global_batch_size =
         point.count("global_batch")
             ? static_cast<std::int64_t>(number("global_batch", point.at("global_batch"), true))
-            : vm["global-batch-size"].as<std::int64_t>();
+            : *global_batch;
     space.seq_len = point.count("seq_len")
                         ? static_cast<std::int64_t>(number("seq_len", point.at("seq_len"), true))
                         : (vm.count("seq-len") ? vm["seq-len"].as<std::int64_t>() : 0);

@@ -45,7 +45,8 @@ void usage(std::ostream& os) {
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
-    usage(std::cout);
+    // No command is an error: the usage goes to stderr, as errors do.
+    usage(args.empty() ? std::cerr : std::cout);
     return args.empty() ? 2 : 0;
   }
   const auto it = commands().find(args[0]);

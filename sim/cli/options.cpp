@@ -1,11 +1,13 @@
 #include "sim/cli/options.hpp"
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -164,14 +166,33 @@ std::optional<double> rank_spread_from_options(const po::variables_map& vm) {
   return checked_jitter(vm["rank-spread-cv"].as<double>(), "--rank-spread-cv");
 }
 
-bool parse(const std::vector<std::string>& args, const po::options_description& desc,
-           const std::string& usage, po::variables_map& vm) {
+void store_options(const std::vector<std::string>& args, const po::options_description& desc,
+                   po::variables_map& vm, const po::positional_options_description* positional) {
   try {
-    po::store(po::command_line_parser(args).options(desc).style(kNoGuessing).run(), vm);
+    po::command_line_parser parser(args);
+    parser.options(desc).style(kNoGuessing);
+    if (positional != nullptr) parser.positional(*positional);
+    const po::parsed_options parsed = parser.run();
+    // Without a positional description Boost keeps a loose word as an option without a name,
+    // which po::store skips: say so instead.
+    for (const po::option& o : parsed.options) {
+      if (o.string_key.empty() && o.position_key >= 0 && !o.original_tokens.empty()) {
+        throw InputError(
+            fmt::format("unexpected argument \"{}\": a value follows its option's name (--model "
+                        "NAME, --tp N); see --help",
+                        o.original_tokens.front()));
+      }
+    }
+    po::store(parsed, vm);
     po::notify(vm);
   } catch (const po::error& e) {
     throw InputError(fmt::format("{} (see --help)", e.what()));
   }
+}
+
+bool parse(const std::vector<std::string>& args, const po::options_description& desc,
+           const std::string& usage, po::variables_map& vm) {
+  store_options(args, desc, vm);
   if (vm.count("help")) {
     std::ostringstream os;
     os << desc;
@@ -179,6 +200,30 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
     return false;
   }
   return true;
+}
+
+void check_one_format(const po::variables_map& vm) {
+  if (vm["json"].as<bool>() && vm["csv"].as<bool>()) {
+    throw InputError("--json and --csv: one output format, give one");
+  }
+}
+
+void check_writable(const std::string& path, const std::string& flag) {
+  namespace fs = std::filesystem;
+  if (path.empty()) throw InputError(fmt::format("{}: expected a file name, got \"\"", flag));
+  std::error_code ec;
+  const fs::path file(path);
+  if (fs::is_directory(file, ec)) {
+    throw InputError(fmt::format("{} {}: is a directory; expected a file name", flag, path));
+  }
+  const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
+  if (!fs::is_directory(dir, ec)) {
+    throw InputError(fmt::format("{} {}: no directory {}", flag, path, dir.string()));
+  }
+  if (::access(dir.c_str(), W_OK) != 0 ||
+      (fs::exists(file, ec) && ::access(file.c_str(), W_OK) != 0)) {
+    throw InputError(fmt::format("{} {}: cannot write there (permission denied)", flag, path));
+  }
 }
 
 model::ModelSpec model_from_options(const po::variables_map& vm) {
@@ -295,6 +340,24 @@ void add_reliability_options(po::options_description& desc) {
       "while each device copies its state to host memory at this many GB/s (a device-to-host "
       "copy; dtexec run --checkpoint measures it as the snapshot), the write runs behind it "
       "(default: synchronous)");
+}
+
+void add_global_batch_options(po::options_description& desc, const char* help) {
+  desc.add_options()("global-batch-size", po::value<std::int64_t>(), help)(
+      "global-batch", po::value<std::int64_t>(), "the same as --global-batch-size");
+}
+
+std::optional<std::int64_t> global_batch_from_options(const po::variables_map& vm) {
+  if (vm.count("global-batch-size") && vm.count("global-batch")) {
+    throw InputError("--global-batch and --global-batch-size: the same setting, give one");
+  }
+  const char* flag = vm.count("global-batch") ? "global-batch" : "global-batch-size";
+  if (!vm.count(flag)) return std::nullopt;
+  const std::int64_t batch = vm[flag].as<std::int64_t>();
+  if (batch < 1) {
+    throw InputError(fmt::format("--{}: expected a positive integer, got {}", flag, batch));
+  }
+  return batch;
 }
 
 double training_tokens(const po::variables_map& vm) {

@@ -36,6 +36,13 @@ void add_search_space_options(po::options_description& desc);
 // Applies them to `space` (InputError naming the flag for a bad value).
 void search_space_from_options(const po::variables_map& vm, planner::SearchSpace& space);
 
+// Adds --global-batch-size (sequences per optimizer step; `help` says when it is needed) and
+// --global-batch, DESIGN.md's name for it in dtsim plan's synopsis (dtsim plan and whatif).
+void add_global_batch_options(po::options_description& desc, const char* help);
+// Its value from either name, checked positive (InputError naming the flag; both names given:
+// InputError); none given: nullopt.
+std::optional<std::int64_t> global_batch_from_options(const po::variables_map& vm);
+
 // Adds the reliability flags of time to train with failures (--tokens of dtsim plan and whatif):
 // --interruptions-per-gpu-hour, --restart-minutes, --checkpoint-write-gbs-per-gpu.
 void add_reliability_options(po::options_description& desc);
@@ -68,10 +75,26 @@ std::optional<double> rank_spread_from_options(const po::variables_map& vm);
 // A straggler spread named `what` (a flag or a --vary value), checked: a fraction in [0, 1).
 double checked_jitter(double cv, const std::string& what);
 
-// Parses `args` against `desc`; on --help prints `usage` and the options to stdout and returns
-// false. Unknown or malformed options throw InputError (exit code 2).
+// Stores `args` parsed against `desc` into `vm`: long options matched whole, and the words that
+// are not options named by `positional` (none when null). Unknown or malformed options, and a
+// word that nothing takes (`dtsim describe llama3-70b`, which would otherwise describe the
+// default model), throw InputError (exit code 2).
+void store_options(const std::vector<std::string>& args, const po::options_description& desc,
+                   po::variables_map& vm,
+                   const po::positional_options_description* positional = nullptr);
+
+// Parses `args` against `desc` (store_options, no positional words); on --help prints `usage`
+// and the options to stdout and returns false.
 bool parse(const std::vector<std::string>& args, const po::options_description& desc,
            const std::string& usage, po::variables_map& vm);
+
+// --json and --csv are one output or the other: InputError when both are given.
+void check_one_format(const po::variables_map& vm);
+
+// Checks, before the work that fills it, that `path` (given by `flag`, e.g. "--trace") can be
+// written: not empty, not a directory, in a directory that exists and is writable, and if it
+// exists, writable itself. InputError naming the flag otherwise. Creates nothing.
+void check_writable(const std::string& path, const std::string& flag);
 
 model::ModelSpec model_from_options(const po::variables_map& vm);
 // `spec` with the model flags applied (--no-dropout).

@@ -34,6 +34,8 @@ Trace read_trace(const std::string& path) {
   Trace trace;
   trace.file = path;
   const json& events = j.at("traceEvents");
+  // (rank, task) -> its event: a trace holds one step, so one event per task.
+  std::map<std::pair<std::int64_t, std::int64_t>, std::size_t> seen;
   for (std::size_t i = 0; i < events.size(); ++i) {
     const json& e = events[i];
     const std::string where = fmt::format("traceEvents[{}]", i);
@@ -94,6 +96,12 @@ Trace read_trace(const std::string& path) {
       args.fail("task", "expected the task id (an integer)");
     }
     t.task = e.at("args").at("task").get<std::int64_t>();
+    if (const auto [it, fresh] = seen.emplace(std::make_pair(t.rank, t.task), i); !fresh) {
+      throw InputError(fmt::format(
+          "{}: {}: task {} of rank {} again (first at traceEvents[{}]); expected one event per "
+          "task (a trace of one step)",
+          path, where, t.task, t.rank, it->second));
+    }
     t.name = r.string_or("name", "");
     t.kind =
         args.has("phase") ? args.string("phase") : args.string_or("kind", r.string_or("cat", "?"));

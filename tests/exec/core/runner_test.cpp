@@ -338,9 +338,14 @@ TEST_CASE("one rank of a tp2 pp2 dp2 plan runs alone on the bf16 path", "[exec][
     dtsim::exec::SingleRankComm comm;
     const auto r = dtsim::exec::run_program(g, program, o, comm, bf16);
     CHECK(r.step_times_s.size() == 2);
+    REQUIRE(r.step_begins_s.size() == 2);
     REQUIRE(!r.tasks.empty());
-    // Timed with the device's marks (the queued-device path): each task after the one before.
+    // Timed with the device's marks (the queued-device path): each task after the one before,
+    // within its step (dtexec's breakdown and trace count from the step's begin).
     for (std::size_t i = 0; i < r.tasks.size(); ++i) {
+      const auto step = static_cast<std::size_t>(r.tasks[i].step);
+      CHECK(r.step_begins_s.at(step) <= r.tasks[i].start_s);
+      CHECK(r.tasks[i].end_s <= r.step_begins_s.at(step) + r.step_times_s.at(step) + 1e-9);
       CHECK(r.tasks[i].start_s <= r.tasks[i].end_s);
       if (i > 0 && r.tasks[i].step == r.tasks[i - 1].step) {
         CHECK(r.tasks[i - 1].end_s <= r.tasks[i].start_s + 1e-9);
