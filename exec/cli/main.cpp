@@ -926,15 +926,25 @@ int run(const std::vector<std::string>& args) {
     // Before the simulator's terms were measured, the rest of the (median) step was one figure.
     breakdown["other_s"] =
         std::max(0.0, step - spent.compute_s - spent.recompute_s - spent.optimizer_s);
-    breakdown["note"] = fmt::format(
-        "rank {}'s tasks, the mean over the steps after warm-up, each from the rank's start of "
-        "the step to the end of the slowest rank's, split as dtsim simulate splits a step; but "
-        "a receive, collective or blocking send lasts here until its peers have done their "
-        "part, so waiting for a peer, the simulator's bubble, is measured as that kind's "
-        "exposed communication; bubble_s is then the time no task ran (the runner's own work "
-        "between tasks, and waiting for the slowest rank at the end); other_s: the median step "
-        "less compute, recompute and optimizer",
-        mine.rank);
+    breakdown["note"] =
+        result.tasks.empty()
+            ? std::string(
+                  "no step of this run came after its warm-up (a resumed run with no more "
+                  "steps left than --warmup): nothing was timed, so every term is 0")
+            : fmt::format(
+                  "rank {}'s tasks, the mean over the steps after warm-up, each from the rank's "
+                  "start of "
+                  "the step to the end of the slowest rank's, split as dtsim simulate splits a "
+                  "step; but "
+                  "a receive, collective or blocking send lasts here until its peers have done "
+                  "their "
+                  "part, so waiting for a peer, the simulator's bubble, is measured as that kind's "
+                  "exposed communication; bubble_s is then the time no task ran (the runner's own "
+                  "work "
+                  "between tasks, and waiting for the slowest rank at the end); other_s: the "
+                  "median step "
+                  "less compute, recompute and optimizer",
+                  mine.rank);
     nlohmann::json measured = {{"gpus", devices},
                                {"model_flops", flops.model},
                                {"hardware_flops", flops.hardware},

@@ -145,6 +145,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (!parse(
           args, desc,
           "usage: dtsim whatif --model M --cluster C --global-batch-size B --vary KEY=V1,V2,...\n"
+          "                    (or --vary global_batch=B1,B2,... without --global-batch-size)\n"
           "                    [--vary ...] [--tokens N] [--csv|--json]\n\n"
           "For every combination of the varied inputs: the best plan (or --fixed-plan), step "
           "time, tokens/s, scaling efficiency against the first point, the Amdahl bound, and "
@@ -194,9 +195,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     throw InputError("--global-batch-size: required (or --vary global_batch=...)");
   }
   if (global_batch && batch_varied) {
-    throw InputError(
-        "--global-batch-size: the global batch is varied (--vary global_batch=...); give one or "
-        "the other");
+    throw InputError(fmt::format(
+        "--{}: the global batch is varied (--vary global_batch=...); give one or the other",
+        vm.count("global-batch") ? "global-batch" : "global-batch-size"));
   }
   const double tokens = training_tokens(vm);
   const plan::Reliability reliability = reliability_from_options(vm);

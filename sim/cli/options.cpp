@@ -216,13 +216,26 @@ void check_writable(const std::string& path, const std::string& flag) {
   if (fs::is_directory(file, ec)) {
     throw InputError(fmt::format("{} {}: is a directory; expected a file name", flag, path));
   }
-  const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
+  // An existing file (a link to one, /dev/null) needs only to be writable itself.
+  if (fs::exists(file, ec)) {
+    if (::access(file.c_str(), W_OK) != 0) {
+      throw InputError(fmt::format("{} {}: cannot write it (permission denied)", flag, path));
+    }
+    return;
+  }
+  // A new file, or the target of a link to none: its directory must take it.
+  fs::path target = file;
+  if (fs::is_symlink(fs::symlink_status(file, ec))) {
+    const fs::path to = fs::read_symlink(file, ec);
+    target = to.is_absolute() || !file.has_parent_path() ? to : file.parent_path() / to;
+  }
+  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
   if (!fs::is_directory(dir, ec)) {
     throw InputError(fmt::format("{} {}: no directory {}", flag, path, dir.string()));
   }
-  if (::access(dir.c_str(), W_OK) != 0 ||
-      (fs::exists(file, ec) && ::access(file.c_str(), W_OK) != 0)) {
-    throw InputError(fmt::format("{} {}: cannot write there (permission denied)", flag, path));
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    throw InputError(
+        fmt::format("{} {}: cannot create it in {} (permission denied)", flag, path, dir.string()));
   }
 }
 

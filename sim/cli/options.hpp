@@ -92,8 +92,9 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
 void check_one_format(const po::variables_map& vm);
 
 // Checks, before the work that fills it, that `path` (given by `flag`, e.g. "--trace") can be
-// written: not empty, not a directory, in a directory that exists and is writable, and if it
-// exists, writable itself. InputError naming the flag otherwise. Creates nothing.
+// written: not empty, not a directory; if it exists, writable itself; else (a link to nothing
+// included) in a directory that exists and takes a new file. InputError naming the flag
+// otherwise. Creates nothing.
 void check_writable(const std::string& path, const std::string& flag);
 
 model::ModelSpec model_from_options(const po::variables_map& vm);
