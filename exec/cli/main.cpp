@@ -27,6 +27,7 @@
 
 #include "exec/core/checkpoint.hpp"
 #include "exec/core/in_run.hpp"
+#include "exec/core/peer_waits.hpp"
 #include "exec/core/runner.hpp"
 #include "exec/cpu/bf16_device.hpp"
 #include "exec/cpu/calibrate.hpp"
@@ -183,25 +184,96 @@ void rank_and_step(const po::variables_map& vm, const char* key, int& rank, int&
   }
 }
 
-// Where one rank's timed steps went, on average: the simulator's rule (engine::breakdown_of)
-// over each step's tasks, from the rank's start of the step to the end of the slowest rank's
-// step, so that each term is the measured counterpart of simulate's.
-dtsim::engine::Breakdown measured_breakdown(const dtsim::exec::RunResult& result,
-                                            const dtsim::lower::RankProgram& program) {
-  std::map<int, std::vector<dtsim::engine::TaskTime>> steps;  // step -> its tasks' times
-  for (const auto& r : result.tasks) {
-    auto [it, fresh] = steps.try_emplace(r.step);
-    if (fresh) it->second.resize(program.tasks.size());
-    const double begin =
-        result.step_begins_s.at(static_cast<std::size_t>(r.step - result.first_step));
-    it->second.at(static_cast<std::size_t>(r.task)) = {r.start_s - begin, r.end_s - begin};
+// Every rank's timed tasks, gathered on rank 0 (empty elsewhere).
+struct Timings {
+  // The ranks share a clock (one host): their times can be compared, and a communication task
+  // started when its peers were ready (peer_waits.hpp).
+  bool one_clock = false;
+  std::vector<double> origin_s;               // per rank: its clock's zero on the host's clock
+  std::vector<std::vector<double>> begins_s;  // per rank: its start of each step (its clock)
+  std::vector<std::vector<dtsim::exec::TaskRecord>> records;  // per rank
+};
+
+Timings gather_timings(const dtsim::exec::RunResult& result, dtsim::exec::Comm& comm,
+                       const std::string& host) {
+  std::vector<double> mine = {result.clock_origin_s,
+                              static_cast<double>(result.step_begins_s.size())};
+  mine.insert(mine.end(), result.step_begins_s.begin(), result.step_begins_s.end());
+  for (const auto& t : result.tasks) {
+    mine.insert(mine.end(),
+                {static_cast<double>(t.task), static_cast<double>(t.step), t.start_s, t.end_s});
   }
+  std::string bytes(reinterpret_cast<const char*>(mine.data()), mine.size() * sizeof(double));
+  const auto parts = comm.gather_to_root(std::move(bytes));
+  const auto hosts = comm.gather_to_root(host);
+  Timings all;
+  if (comm.rank() != 0) return all;
+  all.one_clock = std::all_of(hosts.begin(), hosts.end(),
+                              [&](const std::string& h) { return h == hosts.front(); });
+  for (std::size_t r = 0; r < parts.size(); ++r) {
+    std::vector<double> v(parts[r].size() / sizeof(double));
+    std::memcpy(v.data(), parts[r].data(), v.size() * sizeof(double));
+    all.origin_s.push_back(v.at(0));
+    const auto steps = static_cast<std::size_t>(v.at(1));
+    all.begins_s.emplace_back(v.begin() + 2, v.begin() + 2 + static_cast<std::ptrdiff_t>(steps));
+    auto& records = all.records.emplace_back();
+    for (std::size_t at = 2 + steps; at + 4 <= v.size(); at += 4) {
+      records.push_back({static_cast<std::int64_t>(r), static_cast<std::int32_t>(v[at]), v[at + 2],
+                         v[at + 3], static_cast<int>(v[at + 1])});
+    }
+  }
+  return all;
+}
+
+// One step's tasks of every program, each from `origin(rank)` on its rank's clock; with one
+// clock, each communication task starts when its parties are all ready, as the simulator's do.
+template <class Origin>
+std::vector<std::vector<dtsim::engine::TaskTime>> step_times(const Timings& all,
+                                                             const dtsim::lower::Program& program,
+                                                             int step, const Origin& origin) {
+  std::vector<std::vector<dtsim::exec::TaskSpan>> spans(program.ranks.size());
+  for (std::size_t r = 0; r < program.ranks.size(); ++r) {
+    spans[r].resize(program.ranks[r].tasks.size());
+    if (r >= all.records.size()) continue;
+    for (const auto& t : all.records[r]) {
+      if (t.step == step) spans[r].at(static_cast<std::size_t>(t.task)) = {t.start_s, t.end_s};
+    }
+  }
+  if (all.one_clock && program.ranks.size() > 1) {
+    for (std::size_t r = 0; r < spans.size() && r < all.origin_s.size(); ++r) {
+      for (auto& s : spans[r]) s = {s.start_s + all.origin_s[r], s.end_s + all.origin_s[r]};
+    }
+    dtsim::exec::start_when_peers_ready(program, spans);
+    for (std::size_t r = 0; r < spans.size() && r < all.origin_s.size(); ++r) {
+      for (auto& s : spans[r]) s = {s.start_s - all.origin_s[r], s.end_s - all.origin_s[r]};
+    }
+  }
+  std::vector<std::vector<dtsim::engine::TaskTime>> times(program.ranks.size());
+  for (std::size_t r = 0; r < spans.size(); ++r) {
+    const double zero = origin(r);
+    for (const auto& s : spans[r]) times[r].push_back({s.start_s - zero, s.end_s - zero});
+  }
+  return times;
+}
+
+// Where rank 0's timed steps went, on average: the simulator's rule (engine::breakdown_of) over
+// each step's tasks, from the rank's start of the step to the end of the slowest rank's step.
+dtsim::engine::Breakdown measured_breakdown(const Timings& all,
+                                            const dtsim::exec::RunResult& result,
+                                            const dtsim::lower::Program& program) {
+  std::set<int> steps;
+  for (const auto& t : all.records.at(0)) steps.insert(t.step);
   dtsim::engine::Breakdown mean;
   const double n = static_cast<double>(std::max<std::size_t>(1, steps.size()));
-  for (const auto& [step, times] : steps) {
-    const double window =
-        result.step_times_s.at(static_cast<std::size_t>(step - result.first_step));
-    const dtsim::engine::Breakdown b = dtsim::engine::breakdown_of(program, times, window);
+  for (const int step : steps) {
+    const auto index = static_cast<std::size_t>(step - result.first_step);
+    const double begin = all.begins_s.at(0).at(index);
+    const auto times = step_times(all, program, step, [&](std::size_t r) {
+      // Rank 0's clock; the others' are not read here.
+      return r == 0 ? begin : 0.0;
+    });
+    const dtsim::engine::Breakdown b =
+        dtsim::engine::breakdown_of(program.ranks[0], times[0], result.step_times_s.at(index));
     for (auto term :
          {&dtsim::engine::Breakdown::compute_s, &dtsim::engine::Breakdown::recompute_s,
           &dtsim::engine::Breakdown::optimizer_s, &dtsim::engine::Breakdown::bubble_s,
@@ -263,32 +335,23 @@ std::int64_t requested_devices(const po::variables_map& vm) {
                                 static_cast<std::int64_t>(p.tp) * p.pp * p.cp * std::max(1, p.dp));
 }
 
-// Writes the last step's tasks of every rank as one Chrome trace (times from the step's start
-// on each rank), in the simulator's trace schema.
-void write_trace(const std::string& path, const dtsim::lower::Program& program,
-                 const dtsim::exec::RunResult& result, int last_step, dtsim::exec::Comm& comm) {
-  std::string mine;
-  // (A resumed run that had no step left to run has no tasks.)
-  const auto index = static_cast<std::size_t>(std::max(0, last_step - result.first_step));
-  const double begin = index < result.step_begins_s.size() ? result.step_begins_s[index] : 0.0;
-  for (const auto& t : result.tasks) {
-    if (t.step != last_step) continue;
-    const double record[3] = {static_cast<double>(t.task), t.start_s - begin, t.end_s - begin};
-    mine.append(reinterpret_cast<const char*>(record), sizeof(record));
+// Writes the last step's tasks of every rank as one Chrome trace, in the simulator's trace
+// schema: on one clock from the first rank's start of the step, where the ranks share one (one
+// host), else each from its own rank's start.
+void write_trace(const std::string& path, const dtsim::lower::Program& program, const Timings& all,
+                 int last_step, int first_step) {
+  const auto index = static_cast<std::size_t>(std::max(0, last_step - first_step));
+  auto begin = [&](std::size_t r) {
+    return r < all.begins_s.size() && index < all.begins_s[r].size() ? all.begins_s[r][index] : 0.0;
+  };
+  double first = std::numeric_limits<double>::infinity();
+  for (std::size_t r = 0; r < all.origin_s.size(); ++r) {
+    first = std::min(first, all.origin_s[r] + begin(r));
   }
-  const auto parts = comm.gather_to_root(std::move(mine));
-  if (comm.rank() != 0) return;
   dtsim::engine::Timeline timeline;
-  timeline.tasks.resize(program.ranks.size());
-  for (std::size_t r = 0; r < program.ranks.size(); ++r) {
-    timeline.tasks[r].resize(program.ranks[r].tasks.size());
-    const std::string& part = parts.at(r);
-    for (std::size_t at = 0; at + 3 * sizeof(double) <= part.size(); at += 3 * sizeof(double)) {
-      double record[3];
-      std::memcpy(record, part.data() + at, sizeof(record));
-      timeline.tasks[r][static_cast<std::size_t>(record[0])] = {record[1], record[2]};
-    }
-  }
+  timeline.tasks = step_times(all, program, last_step, [&](std::size_t r) {
+    return all.one_clock && r < all.origin_s.size() ? first - all.origin_s[r] : begin(r);
+  });
   dtsim::report::write_chrome_trace(path, program, timeline);
 }
 
@@ -848,10 +911,12 @@ int run(const std::vector<std::string>& args) {
     if (vm.count("cluster")) throw;
   }
   dtsim::exec::RunResult result;
+  Timings timings;
   try {
     result = dtsim::exec::run_program(graph, program, options, *comm, *device);
-    if (vm.count("trace")) {
-      write_trace(vm["trace"].as<std::string>(), program, result, steps - 1, *comm);
+    timings = gather_timings(result, *comm, host);
+    if (vm.count("trace") && rank == 0) {
+      write_trace(vm["trace"].as<std::string>(), program, timings, steps - 1, result.first_step);
     }
   } catch (const std::exception& e) {
     end_all_ranks(e, mpi.get(), "run");
@@ -912,9 +977,9 @@ int run(const std::vector<std::string>& args) {
   // What simulate predicts, measured: FLOP rates, and where this rank's step went.
   const auto flops = dtsim::engine::step_flops(graph, plan);
   const double gpus = static_cast<double>(devices);
-  const dtsim::lower::RankProgram& mine = program.ranks.at(
-      std::min<std::size_t>(static_cast<std::size_t>(rank), program.ranks.size() - 1));
-  const dtsim::engine::Breakdown spent = measured_breakdown(result, mine);
+  // Rank 0 prints the JSON, and has every rank's times.
+  const dtsim::engine::Breakdown spent =
+      rank == 0 ? measured_breakdown(timings, result, program) : dtsim::engine::Breakdown{};
   if (vm["json"].as<bool>()) {
     const double step = result.step_time_s;
     std::optional<double> mfu, hfu;
@@ -926,32 +991,33 @@ int run(const std::vector<std::string>& args) {
     // Before the simulator's terms were measured, the rest of the (median) step was one figure.
     breakdown["other_s"] =
         std::max(0.0, step - spent.compute_s - spent.recompute_s - spent.optimizer_s);
+    const bool aligned = timings.one_clock && program.ranks.size() > 1;
     breakdown["note"] =
         result.tasks.empty()
             ? std::string(
                   "no step of this run came after its warm-up (a resumed run with no more "
                   "steps left than --warmup): nothing was timed, so every term is 0")
             : fmt::format(
-                  "rank {}'s tasks, the mean over the steps after warm-up, each from the rank's "
-                  "start of "
-                  "the step to the end of the slowest rank's, split as dtsim simulate splits a "
-                  "step; but "
-                  "a receive, collective or blocking send lasts here until its peers have done "
-                  "their "
-                  "part, so waiting for a peer, the simulator's bubble, is measured as that kind's "
-                  "exposed communication; bubble_s is then the time no task ran (the runner's own "
-                  "work "
-                  "between tasks, and waiting for the slowest rank at the end); other_s: the "
-                  "median step "
-                  "less compute, recompute and optimizer",
-                  mine.rank);
+                  "rank 0's tasks, the mean over the steps after warm-up, each from the rank's "
+                  "start of the step to the end of the slowest rank's, split as dtsim simulate "
+                  "splits a step{}; bubble_s also holds the runner's own work between tasks; "
+                  "other_s: the median step less compute, recompute and optimizer",
+                  aligned ? ": a receive, collective or blocking send counted from when all its "
+                            "ranks had reached it (the ranks share this host's clock), the wait "
+                            "before that as bubble"
+                  : program.ranks.size() > 1
+                      ? ", except that the ranks are on several hosts (no common clock): a "
+                        "receive, collective or blocking send lasts from when this rank reached "
+                        "it, so the wait for its peers, the simulator's bubble, is in that "
+                        "kind's exposed communication"
+                      : "");
     nlohmann::json measured = {{"gpus", devices},
                                {"model_flops", flops.model},
                                {"hardware_flops", flops.hardware},
                                {"model_flops_per_step", flops.model},
                                {"hardware_flops_per_step", flops.hardware},
                                {"memory_per_gpu_bytes", held[0]},
-                               {"breakdown_stage", mine.stage},
+                               {"breakdown_stage", program.ranks.front().stage},
                                {"tflops_per_gpu", flops.hardware / (step * gpus) / 1e12},
                                {"model_tflops_per_gpu", flops.model / (step * gpus) / 1e12},
                                {"mfu", dtsim::report::value_or_null(mfu)},

@@ -310,6 +310,7 @@ class Runner {
     if (!options_.resume_dir.empty()) first = resume(result);
     result.first_step = first;
     t0_ = std::chrono::steady_clock::now();
+    result.clock_origin_s = std::chrono::duration<double>(t0_.time_since_epoch()).count();
     records_ = &result.tasks;
     auto now = [&] { return since_start(std::chrono::steady_clock::now()); };
     const auto& tasks = rp_->tasks;

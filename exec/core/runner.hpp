@@ -127,6 +127,9 @@ struct RunResult {
   // When this rank began each step of this run, from the start of the run (TaskRecord's clock;
   // index: step - first_step).
   std::vector<double> step_begins_s;
+  // That clock's zero on the host's steady clock (seconds since its epoch): ranks on one host
+  // share it, so their times can be put on one clock.
+  double clock_origin_s = 0;
   // With gradient clipping (plan.clip_grad): each step's global gradient norm before clipping
   // (of this run's steps; with --only-rank this rank's share alone).
   std::vector<double> grad_norms;

@@ -50,10 +50,10 @@ int cmd_validate(const std::vector<std::string>& args) {
   }
   // What a task's time covers differs for the tasks that wait on peers.
   const std::string note =
-      "a measured receive, collective or blocking send (dtexec run on CPUs) lasts until its "
-      "peers have done their part; a predicted one starts when they are all ready, so the error "
-      "of these kinds is mostly that wait, and the compute kinds and the step are the ones to "
-      "read";
+      "a predicted receive, collective or blocking send starts when all its ranks are ready; "
+      "dtexec run's trace starts it so where its ranks share a clock (one host), else (several "
+      "hosts) it lasts from when its own rank reached it, the wait for its peers included, and "
+      "then the compute kinds and the step are the ones to read";
   if (vm["json"].as<bool>()) {
     nlohmann::json rows = nlohmann::json::array();
     for (const auto& r : v.rows) {

@@ -1,0 +1,67 @@
+#include "exec/core/peer_waits.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <tuple>
+#include <utility>
+
+#include "sim/common/error.hpp"
+
+namespace dtsim::exec {
+
+void start_when_peers_ready(const lower::Program& program,
+                            std::vector<std::vector<TaskSpan>>& spans) {
+  DTSIM_ASSERT(spans.size() == program.ranks.size(), "one list of spans per program");
+  using Party = std::pair<std::size_t, std::size_t>;  // program, task
+  std::vector<std::vector<Party>> parties;            // each: the tasks that start together
+  // Sends waiting for their receive, per (sender, receiver, tag), in program order; and the
+  // receives waiting for their send.
+  std::map<std::tuple<std::size_t, std::size_t, std::int64_t>, std::deque<std::size_t>> sends,
+      recvs;
+  std::map<std::pair<std::int32_t, std::int64_t>, std::size_t> collectives;  // (group, k) -> at
+  for (std::size_t p = 0; p < program.ranks.size(); ++p) {
+    const auto& tasks = program.ranks[p].tasks;
+    DTSIM_ASSERT(spans[p].size() == tasks.size(), "one span per task");
+    std::map<std::int32_t, std::int64_t> seen;  // group -> collectives of it so far
+    for (std::size_t i = 0; i < tasks.size(); ++i) {
+      const lower::Task& t = tasks[i];
+      if (t.kind == lower::TaskKind::Collective) {
+        const auto [it, fresh] =
+            collectives.try_emplace({t.group, seen[t.group]++}, parties.size());
+        if (fresh) parties.emplace_back();
+        parties[it->second].emplace_back(p, i);
+      } else if (t.kind == lower::TaskKind::Send || t.kind == lower::TaskKind::Recv) {
+        const bool send = t.kind == lower::TaskKind::Send;
+        const auto peer = static_cast<std::size_t>(t.peer);
+        const auto key = send ? std::make_tuple(p, peer, t.tag) : std::make_tuple(peer, p, t.tag);
+        auto& other = send ? recvs[key] : sends[key];
+        if (other.empty()) {
+          (send ? sends : recvs)[key].push_back(i);
+          continue;
+        }
+        parties.push_back({{p, i}, {peer, other.front()}});
+        other.pop_front();
+      }
+    }
+  }
+  for (const auto& together : parties) {
+    double latest = -1e300;
+    bool any = false;
+    for (const auto& [p, i] : together) {
+      const TaskSpan& s = spans[p][i];
+      if (s.end_s <= s.start_s) continue;
+      latest = std::max(latest, s.start_s);
+      any = true;
+    }
+    if (!any) continue;
+    for (const auto& [p, i] : together) {
+      TaskSpan& s = spans[p][i];
+      if (s.end_s <= s.start_s) continue;
+      s.start_s = std::min(std::max(s.start_s, latest), s.end_s);
+    }
+  }
+}
+
+}  // namespace dtsim::exec

@@ -1,0 +1,31 @@
+// Measured communication tasks, read as the simulator reads its own. A rank's receive,
+// collective or blocking send lasts, as measured, from when that rank reached it until it
+// completed: the wait for the peers that reach it later is inside. The simulator starts such a
+// task when all its parties are ready (engine.cpp: a collective at its members' latest arrival,
+// a transfer when the sender is ready and the receive is posted), and counts the wait before it
+// as idle time (the pipeline bubble, or waiting for a straggler). Given every rank's times on
+// one clock, this moves each communication task's start to its parties' latest start, so that
+// a measured trace and breakdown split a step as a predicted one does.
+#pragma once
+
+#include <vector>
+
+#include "sim/lower/program.hpp"
+
+namespace dtsim::exec {
+
+struct TaskSpan {
+  double start_s = 0;
+  double end_s = 0;  // end_s <= start_s: not run (not timed); left as it is
+};
+
+// `spans[p][i]`: task i of program p (program.ranks[p]), every program's on one clock, one
+// step. Parties: a send and the receive it matches (same pair of programs and tag, matched in
+// program order), and a group's k-th collective on each of its programs (members reach a group's
+// collectives in the same order). A task's start becomes the latest start of its parties that
+// ran, at most its own end. Compute tasks are left as they are. Needs a Program lowered with
+// Lowering::AllRanks (every party has its own program).
+void start_when_peers_ready(const lower::Program& program,
+                            std::vector<std::vector<TaskSpan>>& spans);
+
+}  // namespace dtsim::exec

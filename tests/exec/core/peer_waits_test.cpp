@@ -1,0 +1,77 @@
+// A measured communication task starts when all its parties have reached it, as the
+// simulator's do (the wait before is idle time).
+#include "exec/core/peer_waits.hpp"
+
+#include "tests/test_util.hpp"
+
+using dtsim::exec::TaskSpan;
+using dtsim::lower::TaskKind;
+
+namespace {
+
+dtsim::lower::Task p2p(TaskKind kind, int peer, std::int64_t tag) {
+  dtsim::lower::Task t;
+  t.kind = kind;
+  t.stream = dtsim::lower::Stream::Pp;
+  t.peer = peer;
+  t.tag = tag;
+  return t;
+}
+
+dtsim::lower::Task collective(int group) {
+  dtsim::lower::Task t;
+  t.kind = TaskKind::Collective;
+  t.stream = dtsim::lower::Stream::Tp;
+  t.group = group;
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("a measured communication task starts when its parties are all ready",
+          "[exec][peer_waits]") {
+  dtsim::lower::Program program;
+  program.lowering = dtsim::lower::Lowering::AllRanks;
+  program.groups.resize(1);
+  program.groups[0].programs = {0, 1};
+  program.ranks.resize(2);
+  dtsim::lower::Task compute;
+  // Program 0: compute, two sends with one tag (matched in order), the group's two collectives.
+  program.ranks[0].tasks = {compute, p2p(TaskKind::Send, 1, 7), p2p(TaskKind::Send, 1, 7),
+                            collective(0), collective(0)};
+  // Program 1: the receives, then the collectives.
+  program.ranks[1].tasks = {p2p(TaskKind::Recv, 0, 7), p2p(TaskKind::Recv, 0, 7), compute,
+                            collective(0), collective(0)};
+  std::vector<std::vector<TaskSpan>> spans = {
+      {{0, 2}, {2, 3}, {3, 6}, {6, 8}, {9, 10}},
+      // The first receive was posted at 0.5 and waited for the send (2); the second was posted
+      // after its send (4 > 3); the first collective reached last here; the second not run.
+      {{0.5, 3}, {4, 6}, {6, 7}, {7, 8}, {0, 0}},
+  };
+  dtsim::exec::start_when_peers_ready(program, spans);
+  CHECK(spans[0][0].start_s == 0);  // compute: as measured
+  CHECK(spans[1][0].start_s == 2);  // the wait for the sender is not the receive's
+  CHECK(spans[0][1].start_s == 2);
+  CHECK(spans[0][2].start_s == 4);  // the sender waited for the receive to be posted
+  CHECK(spans[1][1].start_s == 4);
+  CHECK(spans[0][3].start_s == 7);  // the group's first collective: its latest member
+  CHECK(spans[1][3].start_s == 7);
+  CHECK(spans[0][4].start_s == 9);  // a party that did not run does not move the others
+  CHECK(spans[1][4].start_s == 0);
+  CHECK(spans[1][4].end_s == 0);
+  for (const auto& rank : spans) {
+    for (const auto& s : rank) CHECK(s.start_s <= s.end_s);
+  }
+}
+
+TEST_CASE("a start never passes the task's own end (clocks a little apart)", "[exec][peer_waits]") {
+  dtsim::lower::Program program;
+  program.lowering = dtsim::lower::Lowering::AllRanks;
+  program.ranks.resize(2);
+  program.ranks[0].tasks = {p2p(TaskKind::Send, 1, 0)};
+  program.ranks[1].tasks = {p2p(TaskKind::Recv, 0, 0)};
+  std::vector<std::vector<TaskSpan>> spans = {{{0, 1}}, {{1.5, 2}}};
+  dtsim::exec::start_when_peers_ready(program, spans);
+  CHECK(spans[0][0].start_s == 1);  // ended before its receive's start: begins at its end
+  CHECK(spans[1][0].start_s == 1.5);
+}
