@@ -184,49 +184,83 @@ void rank_and_step(const po::variables_map& vm, const char* key, int& rank, int&
   }
 }
 
-// Every rank's timed tasks, gathered on rank 0 (empty elsewhere).
+// The breakdown averages the last timed steps, at most this many: what rank 0 gathers of every
+// rank stays bounded on long runs (a bound of dtexec's, not a modelling figure).
+constexpr std::size_t kBreakdownSteps = 8;
+
+// This machine's boot, hashed to 52 bits (exact in a double): CLOCK_MONOTONIC, the steady
+// clock, counts from it, for every process and container on the machine. 0 when unknown.
+double boot_id() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (!(in >> id) || id.empty()) return 0;
+  std::uint64_t h = 1469598103934665603ULL;  // FNV-1a
+  for (const unsigned char c : id) h = (h ^ c) * 1099511628211ULL;
+  return static_cast<double>((h & ((std::uint64_t{1} << 52) - 1)) | 1);
+}
+
+// Timed tasks gathered on rank 0 (empty elsewhere): rank 0's last kBreakdownSteps timed steps;
+// the others' too where the ranks share a clock, else their last step where a trace is written.
 struct Timings {
-  // The ranks share a clock (one host): their times can be compared, and a communication task
+  // The ranks share a clock (one machine): their times can be compared, and a communication task
   // started when its peers were ready (peer_waits.hpp).
   bool one_clock = false;
-  std::vector<double> origin_s;               // per rank: its clock's zero on the host's clock
+  std::vector<double> origin_s;               // per rank: its clock's zero on the machine's clock
   std::vector<std::vector<double>> begins_s;  // per rank: its start of each step (its clock)
-  std::vector<std::vector<dtsim::exec::TaskRecord>> records;  // per rank
+  std::vector<std::map<int, std::vector<dtsim::exec::TaskRecord>>> by_step;  // per rank
 };
 
-Timings gather_timings(const dtsim::exec::RunResult& result, dtsim::exec::Comm& comm,
-                       const std::string& host) {
+Timings gather_timings(const dtsim::exec::RunResult& result, dtsim::exec::Comm& comm, bool trace) {
+  // One clock: one boot, and origins within a minute of each other (the ranks start together;
+  // a clock offset, as a time namespace gives, would show there).
+  const double boot = boot_id();
+  std::array<double, 4> clock = {boot, -boot, result.clock_origin_s, -result.clock_origin_s};
+  comm.all_ranks(clock, dtsim::exec::Reduce::Max);
+  const bool one_clock =
+      comm.size() == 1 || (boot != 0 && clock[0] == -clock[1] && clock[2] + clock[3] < 60.0);
+  std::set<int> timed;
+  for (const auto& t : result.tasks) timed.insert(t.step);
+  std::set<int> send;
+  if (!timed.empty()) {
+    if (one_clock || comm.rank() == 0) {
+      auto it = timed.end();
+      for (std::size_t k = 0; k < kBreakdownSteps && it != timed.begin(); ++k) send.insert(*--it);
+    } else if (trace) {
+      send.insert(*timed.rbegin());
+    }
+  }
   std::vector<double> mine = {result.clock_origin_s,
                               static_cast<double>(result.step_begins_s.size())};
   mine.insert(mine.end(), result.step_begins_s.begin(), result.step_begins_s.end());
   for (const auto& t : result.tasks) {
+    if (!send.count(t.step)) continue;
     mine.insert(mine.end(),
                 {static_cast<double>(t.task), static_cast<double>(t.step), t.start_s, t.end_s});
   }
   std::string bytes(reinterpret_cast<const char*>(mine.data()), mine.size() * sizeof(double));
   const auto parts = comm.gather_to_root(std::move(bytes));
-  const auto hosts = comm.gather_to_root(host);
   Timings all;
   if (comm.rank() != 0) return all;
-  all.one_clock = std::all_of(hosts.begin(), hosts.end(),
-                              [&](const std::string& h) { return h == hosts.front(); });
+  all.one_clock = one_clock;
   for (std::size_t r = 0; r < parts.size(); ++r) {
     std::vector<double> v(parts[r].size() / sizeof(double));
     std::memcpy(v.data(), parts[r].data(), v.size() * sizeof(double));
     all.origin_s.push_back(v.at(0));
     const auto steps = static_cast<std::size_t>(v.at(1));
     all.begins_s.emplace_back(v.begin() + 2, v.begin() + 2 + static_cast<std::ptrdiff_t>(steps));
-    auto& records = all.records.emplace_back();
+    auto& by_step = all.by_step.emplace_back();
     for (std::size_t at = 2 + steps; at + 4 <= v.size(); at += 4) {
-      records.push_back({static_cast<std::int64_t>(r), static_cast<std::int32_t>(v[at]), v[at + 2],
-                         v[at + 3], static_cast<int>(v[at + 1])});
+      const int step = static_cast<int>(v[at + 1]);
+      by_step[step].push_back({static_cast<std::int64_t>(r), static_cast<std::int32_t>(v[at]),
+                               v[at + 2], v[at + 3], step});
     }
   }
   return all;
 }
 
-// One step's tasks of every program, each from `origin(rank)` on its rank's clock; with one
-// clock, each communication task starts when its parties are all ready, as the simulator's do.
+// One step's tasks of every program, each from `origin(rank)` on its rank's clock (untimed ones
+// {0, 0}); with one clock, each communication task starts when its parties are all ready, as
+// the simulator's do.
 template <class Origin>
 std::vector<std::vector<dtsim::engine::TaskTime>> step_times(const Timings& all,
                                                              const dtsim::lower::Program& program,
@@ -234,44 +268,43 @@ std::vector<std::vector<dtsim::engine::TaskTime>> step_times(const Timings& all,
   std::vector<std::vector<dtsim::exec::TaskSpan>> spans(program.ranks.size());
   for (std::size_t r = 0; r < program.ranks.size(); ++r) {
     spans[r].resize(program.ranks[r].tasks.size());
-    if (r >= all.records.size()) continue;
-    for (const auto& t : all.records[r]) {
-      if (t.step == step) spans[r].at(static_cast<std::size_t>(t.task)) = {t.start_s, t.end_s};
+    if (r >= all.by_step.size()) continue;
+    const auto it = all.by_step[r].find(step);
+    if (it == all.by_step[r].end()) continue;
+    for (const auto& t : it->second) {
+      spans[r].at(static_cast<std::size_t>(t.task)) = {t.start_s + all.origin_s[r],
+                                                       t.end_s + all.origin_s[r], true};
     }
   }
   if (all.one_clock && program.ranks.size() > 1) {
-    for (std::size_t r = 0; r < spans.size() && r < all.origin_s.size(); ++r) {
-      for (auto& s : spans[r]) s = {s.start_s + all.origin_s[r], s.end_s + all.origin_s[r]};
-    }
     dtsim::exec::start_when_peers_ready(program, spans);
-    for (std::size_t r = 0; r < spans.size() && r < all.origin_s.size(); ++r) {
-      for (auto& s : spans[r]) s = {s.start_s - all.origin_s[r], s.end_s - all.origin_s[r]};
-    }
   }
   std::vector<std::vector<dtsim::engine::TaskTime>> times(program.ranks.size());
   for (std::size_t r = 0; r < spans.size(); ++r) {
-    const double zero = origin(r);
-    for (const auto& s : spans[r]) times[r].push_back({s.start_s - zero, s.end_s - zero});
+    const double zero = r < all.origin_s.size() ? all.origin_s[r] + origin(r) : 0.0;
+    for (const auto& s : spans[r]) {
+      times[r].push_back(s.timed ? dtsim::engine::TaskTime{s.start_s - zero, s.end_s - zero}
+                                 : dtsim::engine::TaskTime{});
+    }
   }
   return times;
 }
 
-// Where rank 0's timed steps went, on average: the simulator's rule (engine::breakdown_of) over
-// each step's tasks, from the rank's start of the step to the end of the slowest rank's step.
+// Where rank 0's last timed steps (kBreakdownSteps at most) went, on average: the simulator's
+// rule (engine::breakdown_of) over each step's tasks, from the rank's start of the step to the
+// end of the slowest rank's step.
 dtsim::engine::Breakdown measured_breakdown(const Timings& all,
                                             const dtsim::exec::RunResult& result,
                                             const dtsim::lower::Program& program) {
-  std::set<int> steps;
-  for (const auto& t : all.records.at(0)) steps.insert(t.step);
   dtsim::engine::Breakdown mean;
-  const double n = static_cast<double>(std::max<std::size_t>(1, steps.size()));
-  for (const int step : steps) {
+  if (all.by_step.empty()) return mean;
+  const double n = static_cast<double>(std::max<std::size_t>(1, all.by_step[0].size()));
+  for (const auto& [step, records] : all.by_step[0]) {
     const auto index = static_cast<std::size_t>(step - result.first_step);
     const double begin = all.begins_s.at(0).at(index);
-    const auto times = step_times(all, program, step, [&](std::size_t r) {
-      // Rank 0's clock; the others' are not read here.
-      return r == 0 ? begin : 0.0;
-    });
+    // Rank 0's clock; the others' are not read here.
+    const auto times =
+        step_times(all, program, step, [&](std::size_t r) { return r == 0 ? begin : 0.0; });
     const dtsim::engine::Breakdown b =
         dtsim::engine::breakdown_of(program.ranks[0], times[0], result.step_times_s.at(index));
     for (auto term :
@@ -914,7 +947,7 @@ int run(const std::vector<std::string>& args) {
   Timings timings;
   try {
     result = dtsim::exec::run_program(graph, program, options, *comm, *device);
-    timings = gather_timings(result, *comm, host);
+    timings = gather_timings(result, *comm, vm.count("trace") > 0);
     if (vm.count("trace") && rank == 0) {
       write_trace(vm["trace"].as<std::string>(), program, timings, steps - 1, result.first_step);
     }
@@ -998,15 +1031,16 @@ int run(const std::vector<std::string>& args) {
                   "no step of this run came after its warm-up (a resumed run with no more "
                   "steps left than --warmup): nothing was timed, so every term is 0")
             : fmt::format(
-                  "rank 0's tasks, the mean over the steps after warm-up, each from the rank's "
+                  "rank 0's tasks, the mean over the last (up to 8) steps after warm-up, each from "
+                  "the rank's "
                   "start of the step to the end of the slowest rank's, split as dtsim simulate "
                   "splits a step{}; bubble_s also holds the runner's own work between tasks; "
                   "other_s: the median step less compute, recompute and optimizer",
                   aligned ? ": a receive, collective or blocking send counted from when all its "
-                            "ranks had reached it (the ranks share this host's clock), the wait "
+                            "ranks had reached it (the ranks share this machine's clock), the wait "
                             "before that as bubble"
                   : program.ranks.size() > 1
-                      ? ", except that the ranks are on several hosts (no common clock): a "
+                      ? ", except that the ranks do not share a clock (several machines): a "
                         "receive, collective or blocking send lasts from when this rank reached "
                         "it, so the wait for its peers, the simulator's bubble, is in that "
                         "kind's exposed communication"

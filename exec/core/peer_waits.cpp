@@ -46,19 +46,22 @@ void start_when_peers_ready(const lower::Program& program,
       }
     }
   }
+  const bool eager_sends = program.plan.overlap_p2p_comm;
   for (const auto& together : parties) {
     double latest = -1e300;
     bool any = false;
     for (const auto& [p, i] : together) {
       const TaskSpan& s = spans[p][i];
-      if (s.end_s <= s.start_s) continue;
+      if (!s.timed) continue;
       latest = std::max(latest, s.start_s);
       any = true;
     }
     if (!any) continue;
     for (const auto& [p, i] : together) {
       TaskSpan& s = spans[p][i];
-      if (s.end_s <= s.start_s) continue;
+      if (!s.timed || (eager_sends && program.ranks[p].tasks[i].kind == lower::TaskKind::Send)) {
+        continue;
+      }
       s.start_s = std::min(std::max(s.start_s, latest), s.end_s);
     }
   }

@@ -16,14 +16,17 @@ namespace dtsim::exec {
 
 struct TaskSpan {
   double start_s = 0;
-  double end_s = 0;  // end_s <= start_s: not run (not timed); left as it is
+  double end_s = 0;
+  bool timed = false;  // not timed (not run in this step): neither moved nor a party's start
 };
 
 // `spans[p][i]`: task i of program p (program.ranks[p]), every program's on one clock, one
 // step. Parties: a send and the receive it matches (same pair of programs and tag, matched in
 // program order), and a group's k-th collective on each of its programs (members reach a group's
-// collectives in the same order). A task's start becomes the latest start of its parties that
-// ran, at most its own end. Compute tasks are left as they are. Needs a Program lowered with
+// collectives in the same order). A task's start becomes the latest start of its timed parties,
+// at most its own end. Compute tasks are left as they are, and so are sends with overlapped
+// transfers (plan.overlap_p2p_comm): the simulator has them eager, not waiting for the receive
+// (their start still counts for the receive's). Needs a Program lowered with
 // Lowering::AllRanks (every party has its own program).
 void start_when_peers_ready(const lower::Program& program,
                             std::vector<std::vector<TaskSpan>>& spans);

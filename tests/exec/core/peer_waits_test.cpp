@@ -43,10 +43,10 @@ TEST_CASE("a measured communication task starts when its parties are all ready",
   program.ranks[1].tasks = {p2p(TaskKind::Recv, 0, 7), p2p(TaskKind::Recv, 0, 7), compute,
                             collective(0), collective(0)};
   std::vector<std::vector<TaskSpan>> spans = {
-      {{0, 2}, {2, 3}, {3, 6}, {6, 8}, {9, 10}},
+      {{0, 2, true}, {2, 3, true}, {3, 6, true}, {6, 8, true}, {9, 10, true}},
       // The first receive was posted at 0.5 and waited for the send (2); the second was posted
-      // after its send (4 > 3); the first collective reached last here; the second not run.
-      {{0.5, 3}, {4, 6}, {6, 7}, {7, 8}, {0, 0}},
+      // after its send (4 > 3); the first collective reached last here; the second not timed.
+      {{0.5, 3, true}, {4, 6, true}, {6, 7, true}, {7, 8, true}, {0, 0, false}},
   };
   dtsim::exec::start_when_peers_ready(program, spans);
   CHECK(spans[0][0].start_s == 0);  // compute: as measured
@@ -62,6 +62,18 @@ TEST_CASE("a measured communication task starts when its parties are all ready",
   for (const auto& rank : spans) {
     for (const auto& s : rank) CHECK(s.start_s <= s.end_s);
   }
+  SECTION("overlapped transfers: the sends are eager, the receives wait for them") {
+    program.plan.overlap_p2p_comm = true;
+    spans[0][1] = {2, 3, true};
+    spans[1][0] = {0.5, 3, true};
+    spans[0][2] = {3, 3.5, true};  // handed off before its receive was posted (4)
+    spans[1][1] = {4, 6, true};
+    dtsim::exec::start_when_peers_ready(program, spans);
+    CHECK(spans[1][0].start_s == 2);
+    CHECK(spans[0][1].start_s == 2);
+    CHECK(spans[0][2].start_s == 3);  // not moved to its receive's start
+    CHECK(spans[1][1].start_s == 4);
+  }
 }
 
 TEST_CASE("a start never passes the task's own end (clocks a little apart)", "[exec][peer_waits]") {
@@ -70,7 +82,7 @@ TEST_CASE("a start never passes the task's own end (clocks a little apart)", "[e
   program.ranks.resize(2);
   program.ranks[0].tasks = {p2p(TaskKind::Send, 1, 0)};
   program.ranks[1].tasks = {p2p(TaskKind::Recv, 0, 0)};
-  std::vector<std::vector<TaskSpan>> spans = {{{0, 1}}, {{1.5, 2}}};
+  std::vector<std::vector<TaskSpan>> spans = {{{0, 1, true}}, {{1.5, 2, true}}};
   dtsim::exec::start_when_peers_ready(program, spans);
   CHECK(spans[0][0].start_s == 1);  // ended before its receive's start: begins at its end
   CHECK(spans[1][0].start_s == 1.5);
