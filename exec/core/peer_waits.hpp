@@ -26,7 +26,9 @@ struct TaskSpan {
 // collectives in the same order). A task's start becomes the latest start of its timed parties,
 // at most its own end. Compute tasks are left as they are, and so are sends with overlapped
 // transfers (plan.overlap_p2p_comm): the simulator has them eager, not waiting for the receive
-// (their start still counts for the receive's). Needs a Program lowered with
+// (their start still counts for the receive's). A blocking send also ends at the latest when
+// its receive does: it is done when the data is in, while the runner sees it done only where it
+// next waits for its sends, possibly after later tasks. Needs a Program lowered with
 // Lowering::AllRanks (every party has its own program).
 void start_when_peers_ready(const lower::Program& program,
                             std::vector<std::vector<TaskSpan>>& spans);

@@ -43,7 +43,8 @@ TEST_CASE("a measured communication task starts when its parties are all ready",
   program.ranks[1].tasks = {p2p(TaskKind::Recv, 0, 7), p2p(TaskKind::Recv, 0, 7), compute,
                             collective(0), collective(0)};
   std::vector<std::vector<TaskSpan>> spans = {
-      {{0, 2, true}, {2, 3, true}, {3, 6, true}, {6, 8, true}, {9, 10, true}},
+      // The second send was seen done at 6.5, after its receive had the data (6).
+      {{0, 2, true}, {2, 3, true}, {3, 6.5, true}, {6, 8, true}, {9, 10, true}},
       // The first receive was posted at 0.5 and waited for the send (2); the second was posted
       // after its send (4 > 3); the first collective reached last here; the second not timed.
       {{0.5, 3, true}, {4, 6, true}, {6, 7, true}, {7, 8, true}, {0, 0, false}},
@@ -53,7 +54,9 @@ TEST_CASE("a measured communication task starts when its parties are all ready",
   CHECK(spans[1][0].start_s == 2);  // the wait for the sender is not the receive's
   CHECK(spans[0][1].start_s == 2);
   CHECK(spans[0][2].start_s == 4);  // the sender waited for the receive to be posted
+  CHECK(spans[0][2].end_s == 6);    // and its transfer ended with the receive
   CHECK(spans[1][1].start_s == 4);
+  CHECK(spans[0][1].end_s == 3);
   CHECK(spans[0][3].start_s == 7);  // the group's first collective: its latest member
   CHECK(spans[1][3].start_s == 7);
   CHECK(spans[0][4].start_s == 9);  // a party that did not run does not move the others
@@ -66,12 +69,13 @@ TEST_CASE("a measured communication task starts when its parties are all ready",
     program.plan.overlap_p2p_comm = true;
     spans[0][1] = {2, 3, true};
     spans[1][0] = {0.5, 3, true};
-    spans[0][2] = {3, 3.5, true};  // handed off before its receive was posted (4)
+    spans[0][2] = {3, 7, true};  // handed off before its receive was posted (4)
     spans[1][1] = {4, 6, true};
     dtsim::exec::start_when_peers_ready(program, spans);
     CHECK(spans[1][0].start_s == 2);
     CHECK(spans[0][1].start_s == 2);
     CHECK(spans[0][2].start_s == 3);  // not moved to its receive's start
+    CHECK(spans[0][2].end_s == 7);    // an eager send's end is its own
     CHECK(spans[1][1].start_s == 4);
   }
 }
