@@ -1025,6 +1025,15 @@ int run(const std::vector<std::string>& args) {
     breakdown["other_s"] =
         std::max(0.0, step - spent.compute_s - spent.recompute_s - spent.optimizer_s);
     const bool aligned = timings.one_clock && program.ranks.size() > 1;
+    // Amdahl's bound from the measured split (simulate's rule), where the bubble is measured:
+    // with the waits for peers counted as idle (one clock) or no peers at all.
+    const double mean_step = spent.compute_s + spent.recompute_s + spent.optimizer_s +
+                             spent.bubble_s + spent.exposed_comm_s();
+    nlohmann::json amdahl;  // null where not measured
+    if ((aligned || program.ranks.size() == 1) && mean_step > 0) {
+      const double serial = dtsim::engine::serial_fraction(spent, plan, mean_step);
+      amdahl = {{"serial_fraction", serial}, {"max_speedup", serial > 0 ? 1.0 / serial : 0.0}};
+    }
     breakdown["note"] =
         result.tasks.empty()
             ? std::string(
@@ -1052,6 +1061,7 @@ int run(const std::vector<std::string>& args) {
                                {"hardware_flops_per_step", flops.hardware},
                                {"memory_per_gpu_bytes", held[0]},
                                {"breakdown_stage", program.ranks.front().stage},
+                               {"amdahl", amdahl},
                                {"tflops_per_gpu", flops.hardware / (step * gpus) / 1e12},
                                {"model_tflops_per_gpu", flops.model / (step * gpus) / 1e12},
                                {"mfu", dtsim::report::value_or_null(mfu)},

@@ -164,6 +164,17 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
   return b;
 }
 
+double serial_fraction(const Breakdown& b, const plan::Plan& plan, double step_s) {
+  // What more data-parallel replicas at this global batch do not divide. Each replica's
+  // micro-batches, and with them their compute and their exposed tp, cp, ep and
+  // pipeline-transfer time, divide among the replicas; the data-parallel reduction, the bubble
+  // ((pp - 1) passes whatever the micro-batch count) and an unsharded optimizer step do not.
+  // (ZeRO-3's per-micro-batch gathers are dp communication that does divide: counted serial,
+  // the bound is then low.)
+  const bool sharded_optimizer = plan.zero_stage >= 1 && plan.dp > 1;
+  return (b.exposed_dp_s + b.bubble_s + (sharded_optimizer ? 0.0 : b.optimizer_s)) / step_s;
+}
+
 StepFlops step_flops(const model::ModelGraph& graph, const plan::Plan& plan) {
   const double micro_batches_global =
       static_cast<double>(plan.global_batch_size) / static_cast<double>(plan.micro_batch_size);
@@ -380,16 +391,7 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
         100 * flops.executed / flops.hardware,
         100 * flops.executed / (p.step_time_s * gpus * peak)));
   }
-  const Breakdown& b = p.breakdown;
-  // Amdahl: what more data-parallel replicas at this global batch do not divide. Each
-  // replica's micro-batches, and with them their compute and their exposed tp, cp, ep and
-  // pipeline-transfer time, divide among the replicas; the data-parallel reduction, the bubble
-  // ((pp - 1) passes whatever the micro-batch count) and an unsharded optimizer step do not.
-  // (ZeRO-3's per-micro-batch gathers are dp communication that does divide: counted serial,
-  // the bound is then low.)
-  const bool sharded_optimizer = plan.zero_stage >= 1 && plan.dp > 1;
-  p.serial_fraction =
-      (b.exposed_dp_s + b.bubble_s + (sharded_optimizer ? 0.0 : b.optimizer_s)) / p.step_time_s;
+  p.serial_fraction = serial_fraction(p.breakdown, plan, p.step_time_s);
   p.max_speedup = p.serial_fraction > 0 ? 1.0 / p.serial_fraction : 0.0;
   p.memory = plan::estimate_memory(graph, plan, cluster, options.memory);
   return sim;

@@ -110,4 +110,9 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
 Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTime>& times,
                        double step_s);
 
+// Amdahl's serial fraction of a step of `step_s` that breaks down as `b`: the share that more
+// data-parallel replicas at the same global batch do not divide (the dp exposure, the bubble,
+// and an optimizer step that ZeRO does not shard). The speedup bound is its inverse.
+double serial_fraction(const Breakdown& b, const plan::Plan& plan, double step_s);
+
 }  // namespace dtsim::engine
