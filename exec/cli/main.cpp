@@ -290,33 +290,51 @@ std::vector<std::vector<dtsim::engine::TaskTime>> step_times(const Timings& all,
   return times;
 }
 
-// Where rank 0's last timed steps (kBreakdownSteps at most) went, on average: the simulator's
-// rule (engine::breakdown_of) over each step's tasks, from the rank's start of the step to the
-// end of the slowest rank's step.
-dtsim::engine::Breakdown measured_breakdown(const Timings& all,
-                                            const dtsim::exec::RunResult& result,
-                                            const dtsim::lower::Program& program) {
-  dtsim::engine::Breakdown mean;
-  if (all.by_step.empty()) return mean;
+// Where a stage's last timed steps (kBreakdownSteps at most) went, on average, on its first
+// rank: the simulator's rule (engine::breakdown_of) over each step's tasks, from the rank's
+// start of the step to the end of the slowest rank's step. Every stage where the ranks share a
+// clock (rank 0 has all their times), else rank 0's alone.
+std::vector<dtsim::engine::StagePrediction> measured_stages(const Timings& all,
+                                                            const dtsim::exec::RunResult& result,
+                                                            const dtsim::lower::Program& program) {
+  std::vector<dtsim::engine::StagePrediction> stages;
+  if (all.by_step.empty()) return stages;
+  std::vector<std::size_t> firsts;  // each stage's first program with times, in stage order
+  for (std::size_t r = 0; r < program.ranks.size() && r < all.by_step.size(); ++r) {
+    const bool seen = std::any_of(firsts.begin(), firsts.end(), [&](std::size_t f) {
+      return program.ranks[f].stage == program.ranks[r].stage;
+    });
+    // (Without one clock the others sent their last step at most, for a trace.)
+    if (!seen && !all.by_step[r].empty() && (r == 0 || all.one_clock)) firsts.push_back(r);
+  }
+  std::sort(firsts.begin(), firsts.end(), [&](std::size_t a, std::size_t b) {
+    return program.ranks[a].stage < program.ranks[b].stage;
+  });
+  for (const std::size_t r : firsts) {
+    stages.push_back({program.ranks[r].stage, program.ranks[r].rank, {}});
+  }
   const double n = static_cast<double>(std::max<std::size_t>(1, all.by_step[0].size()));
   for (const auto& [step, records] : all.by_step[0]) {
     const auto index = static_cast<std::size_t>(step - result.first_step);
-    const double begin = all.begins_s.at(0).at(index);
-    // Rank 0's clock; the others' are not read here.
-    const auto times =
-        step_times(all, program, step, [&](std::size_t r) { return r == 0 ? begin : 0.0; });
-    const dtsim::engine::Breakdown b =
-        dtsim::engine::breakdown_of(program.ranks[0], times[0], result.step_times_s.at(index));
-    for (auto term :
-         {&dtsim::engine::Breakdown::compute_s, &dtsim::engine::Breakdown::recompute_s,
-          &dtsim::engine::Breakdown::optimizer_s, &dtsim::engine::Breakdown::bubble_s,
-          &dtsim::engine::Breakdown::exposed_tp_s, &dtsim::engine::Breakdown::exposed_cp_s,
-          &dtsim::engine::Breakdown::exposed_ep_s, &dtsim::engine::Breakdown::exposed_dp_s,
-          &dtsim::engine::Breakdown::exposed_pp_s}) {
-      mean.*term += b.*term / n;
+    // Each rank from its own start of the step.
+    const auto times = step_times(all, program, step, [&](std::size_t r) {
+      return r < all.begins_s.size() && index < all.begins_s[r].size() ? all.begins_s[r][index]
+                                                                       : 0.0;
+    });
+    for (std::size_t k = 0; k < firsts.size(); ++k) {
+      const dtsim::engine::Breakdown b = dtsim::engine::breakdown_of(
+          program.ranks[firsts[k]], times[firsts[k]], result.step_times_s.at(index));
+      for (auto term :
+           {&dtsim::engine::Breakdown::compute_s, &dtsim::engine::Breakdown::recompute_s,
+            &dtsim::engine::Breakdown::optimizer_s, &dtsim::engine::Breakdown::bubble_s,
+            &dtsim::engine::Breakdown::exposed_tp_s, &dtsim::engine::Breakdown::exposed_cp_s,
+            &dtsim::engine::Breakdown::exposed_ep_s, &dtsim::engine::Breakdown::exposed_dp_s,
+            &dtsim::engine::Breakdown::exposed_pp_s}) {
+        stages[k].breakdown.*term += b.*term / n;
+      }
     }
   }
-  return mean;
+  return stages;
 }
 
 // The fastest and slowest step after warm-up.
@@ -1010,9 +1028,21 @@ int run(const std::vector<std::string>& args) {
   // What simulate predicts, measured: FLOP rates, and where this rank's step went.
   const auto flops = dtsim::engine::step_flops(graph, plan);
   const double gpus = static_cast<double>(devices);
-  // Rank 0 prints the JSON, and has every rank's times.
+  // Rank 0 prints the JSON, and has the ranks' times. As simulate, the breakdown reported is the
+  // stage that computes the most (ties: the first).
+  const auto stages = rank == 0 ? measured_stages(timings, result, program)
+                                : std::vector<dtsim::engine::StagePrediction>{};
+  auto busy = [](const dtsim::engine::Breakdown& b) {
+    return b.compute_s + b.recompute_s + b.optimizer_s;
+  };
+  std::size_t busiest = 0;
+  for (std::size_t k = 1; k < stages.size(); ++k) {
+    if (busy(stages[k].breakdown) > busy(stages[busiest].breakdown)) busiest = k;
+  }
   const dtsim::engine::Breakdown spent =
-      rank == 0 ? measured_breakdown(timings, result, program) : dtsim::engine::Breakdown{};
+      stages.empty() ? dtsim::engine::Breakdown{} : stages[busiest].breakdown;
+  const int spent_stage = stages.empty() ? 0 : stages[busiest].stage;
+  const std::int64_t spent_rank = stages.empty() ? 0 : stages[busiest].rank;
   if (vm["json"].as<bool>()) {
     const double step = result.step_time_s;
     std::optional<double> mfu, hfu;
@@ -1029,6 +1059,12 @@ int run(const std::vector<std::string>& args) {
     // with the waits for peers counted as idle (one clock) or no peers at all.
     const double mean_step = spent.compute_s + spent.recompute_s + spent.optimizer_s +
                              spent.bubble_s + spent.exposed_comm_s();
+    nlohmann::json per_stage = nlohmann::json::array();
+    for (const auto& s : stages) {
+      per_stage.push_back({{"stage", s.stage},
+                           {"rank", s.rank},
+                           {"breakdown", dtsim::report::breakdown_json(s.breakdown)}});
+    }
     nlohmann::json amdahl;  // null where not measured
     if ((aligned || program.ranks.size() == 1) && mean_step > 0) {
       const double serial = dtsim::engine::serial_fraction(spent, plan, mean_step);
@@ -1040,11 +1076,16 @@ int run(const std::vector<std::string>& args) {
                   "no step of this run came after its warm-up (a resumed run with no more "
                   "steps left than --warmup): nothing was timed, so every term is 0")
             : fmt::format(
-                  "rank 0's tasks, the mean over the last (up to 8) steps after warm-up, each from "
-                  "the rank's "
-                  "start of the step to the end of the slowest rank's, split as dtsim simulate "
-                  "splits a step{}; bubble_s also holds the runner's own work between tasks; "
-                  "other_s: the median step less compute, recompute and optimizer",
+                  "rank {}'s tasks ({}), the mean over the last (up to 8) steps after warm-up, "
+                  "each from the rank's start of the step to the end of the slowest rank's, split "
+                  "as dtsim simulate splits a step{}; bubble_s also holds the runner's own work "
+                  "between tasks; other_s: the median step less compute, recompute and optimizer",
+                  spent_rank,
+                  stages.size() > 1 ? fmt::format("stage {}, the stage that computes the most, as "
+                                                  "simulate reports; per_stage has each stage's "
+                                                  "first rank",
+                                                  spent_stage)
+                                    : fmt::format("stage {}", spent_stage),
                   aligned ? ": a receive, collective or blocking send counted from when all its "
                             "ranks had reached it (the ranks share this machine's clock), the wait "
                             "before that as bubble"
@@ -1060,7 +1101,8 @@ int run(const std::vector<std::string>& args) {
                                {"model_flops_per_step", flops.model},
                                {"hardware_flops_per_step", flops.hardware},
                                {"memory_per_gpu_bytes", held[0]},
-                               {"breakdown_stage", program.ranks.front().stage},
+                               {"breakdown_stage", spent_stage},
+                               {"per_stage", per_stage},
                                {"amdahl", amdahl},
                                {"tflops_per_gpu", flops.hardware / (step * gpus) / 1e12},
                                {"model_tflops_per_gpu", flops.model / (step * gpus) / 1e12},
