@@ -208,6 +208,10 @@ struct Timings {
   std::vector<double> origin_s;               // per rank: its clock's zero on the machine's clock
   std::vector<std::vector<double>> begins_s;  // per rank: its start of each step (its clock)
   std::vector<std::map<int, std::vector<dtsim::exec::TaskRecord>>> by_step;  // per rank
+  // Rank r's start of the step at `index` (step - first_step) on its clock; 0 if not known.
+  double begin(std::size_t r, std::size_t index) const {
+    return r < begins_s.size() && index < begins_s[r].size() ? begins_s[r][index] : 0.0;
+  }
 };
 
 Timings gather_timings(const dtsim::exec::RunResult& result, dtsim::exec::Comm& comm, bool trace) {
@@ -299,28 +303,25 @@ std::vector<dtsim::engine::StagePrediction> measured_stages(const Timings& all,
                                                             const dtsim::lower::Program& program) {
   std::vector<dtsim::engine::StagePrediction> stages;
   if (all.by_step.empty()) return stages;
-  std::vector<std::size_t> firsts;  // each stage's first program with times, in stage order
+  // Each stage's first program with times (without one clock the others sent their last step
+  // at most, for a trace), in stage order.
+  std::map<int, std::size_t> first_of;
   for (std::size_t r = 0; r < program.ranks.size() && r < all.by_step.size(); ++r) {
-    const bool seen = std::any_of(firsts.begin(), firsts.end(), [&](std::size_t f) {
-      return program.ranks[f].stage == program.ranks[r].stage;
-    });
-    // (Without one clock the others sent their last step at most, for a trace.)
-    if (!seen && !all.by_step[r].empty() && (r == 0 || all.one_clock)) firsts.push_back(r);
+    if (!all.by_step[r].empty() && (r == 0 || all.one_clock)) {
+      first_of.try_emplace(program.ranks[r].stage, r);
+    }
   }
-  std::sort(firsts.begin(), firsts.end(), [&](std::size_t a, std::size_t b) {
-    return program.ranks[a].stage < program.ranks[b].stage;
-  });
-  for (const std::size_t r : firsts) {
-    stages.push_back({program.ranks[r].stage, program.ranks[r].rank, {}});
+  std::vector<std::size_t> firsts;
+  for (const auto& [stage, r] : first_of) {
+    firsts.push_back(r);
+    stages.push_back({stage, program.ranks[r].rank, {}});
   }
   const double n = static_cast<double>(std::max<std::size_t>(1, all.by_step[0].size()));
   for (const auto& [step, records] : all.by_step[0]) {
     const auto index = static_cast<std::size_t>(step - result.first_step);
     // Each rank from its own start of the step.
-    const auto times = step_times(all, program, step, [&](std::size_t r) {
-      return r < all.begins_s.size() && index < all.begins_s[r].size() ? all.begins_s[r][index]
-                                                                       : 0.0;
-    });
+    const auto times =
+        step_times(all, program, step, [&](std::size_t r) { return all.begin(r, index); });
     for (std::size_t k = 0; k < firsts.size(); ++k) {
       const dtsim::engine::Breakdown b = dtsim::engine::breakdown_of(
           program.ranks[firsts[k]], times[firsts[k]], result.step_times_s.at(index));
@@ -392,16 +393,13 @@ std::int64_t requested_devices(const po::variables_map& vm) {
 void write_trace(const std::string& path, const dtsim::lower::Program& program, const Timings& all,
                  int last_step, int first_step) {
   const auto index = static_cast<std::size_t>(std::max(0, last_step - first_step));
-  auto begin = [&](std::size_t r) {
-    return r < all.begins_s.size() && index < all.begins_s[r].size() ? all.begins_s[r][index] : 0.0;
-  };
   double first = std::numeric_limits<double>::infinity();
   for (std::size_t r = 0; r < all.origin_s.size(); ++r) {
-    first = std::min(first, all.origin_s[r] + begin(r));
+    first = std::min(first, all.origin_s[r] + all.begin(r, index));
   }
   dtsim::engine::Timeline timeline;
   timeline.tasks = step_times(all, program, last_step, [&](std::size_t r) {
-    return all.one_clock && r < all.origin_s.size() ? first - all.origin_s[r] : begin(r);
+    return all.one_clock && r < all.origin_s.size() ? first - all.origin_s[r] : all.begin(r, index);
   });
   dtsim::report::write_chrome_trace(path, program, timeline);
 }
@@ -1032,13 +1030,7 @@ int run(const std::vector<std::string>& args) {
   // stage that computes the most (ties: the first).
   const auto stages = rank == 0 ? measured_stages(timings, result, program)
                                 : std::vector<dtsim::engine::StagePrediction>{};
-  auto busy = [](const dtsim::engine::Breakdown& b) {
-    return b.compute_s + b.recompute_s + b.optimizer_s;
-  };
-  std::size_t busiest = 0;
-  for (std::size_t k = 1; k < stages.size(); ++k) {
-    if (busy(stages[k].breakdown) > busy(stages[busiest].breakdown)) busiest = k;
-  }
+  const std::size_t busiest = dtsim::engine::busiest_stage(stages);
   const dtsim::engine::Breakdown spent =
       stages.empty() ? dtsim::engine::Breakdown{} : stages[busiest].breakdown;
   const int spent_stage = stages.empty() ? 0 : stages[busiest].stage;
@@ -1057,14 +1049,9 @@ int run(const std::vector<std::string>& args) {
     const bool aligned = timings.one_clock && program.ranks.size() > 1;
     // Amdahl's bound from the measured split (simulate's rule), where the bubble is measured:
     // with the waits for peers counted as idle (one clock) or no peers at all.
-    const double mean_step = spent.compute_s + spent.recompute_s + spent.optimizer_s +
-                             spent.bubble_s + spent.exposed_comm_s();
+    const double mean_step = spent.total_s();
     nlohmann::json per_stage = nlohmann::json::array();
-    for (const auto& s : stages) {
-      per_stage.push_back({{"stage", s.stage},
-                           {"rank", s.rank},
-                           {"breakdown", dtsim::report::breakdown_json(s.breakdown)}});
-    }
+    for (const auto& s : stages) per_stage.push_back(dtsim::report::stage_json(s));
     nlohmann::json amdahl;  // null where not measured
     if ((aligned || program.ranks.size() == 1) && mean_step > 0) {
       const double serial = dtsim::engine::serial_fraction(spent, plan, mean_step);

@@ -15,8 +15,8 @@ void start_when_peers_ready(const lower::Program& program,
                             std::vector<std::vector<TaskSpan>>& spans) {
   DTSIM_ASSERT(spans.size() == program.ranks.size(), "one list of spans per program");
   using Party = std::pair<std::size_t, std::size_t>;  // program, task
-  std::vector<std::vector<Party>> parties;            // each: the tasks that start together
-  std::vector<bool> transfer;  // per entry of `parties`: a send and its receive, in that order
+  // Each: the tasks that start together (a transfer: its send, then its receive).
+  std::vector<std::vector<Party>> parties;
   // Sends waiting for their receive, per (sender, receiver, tag), in program order; and the
   // receives waiting for their send.
   std::map<std::tuple<std::size_t, std::size_t, std::int64_t>, std::deque<std::size_t>> sends,
@@ -31,10 +31,7 @@ void start_when_peers_ready(const lower::Program& program,
       if (t.kind == lower::TaskKind::Collective) {
         const auto [it, fresh] =
             collectives.try_emplace({t.group, seen[t.group]++}, parties.size());
-        if (fresh) {
-          parties.emplace_back();
-          transfer.push_back(false);
-        }
+        if (fresh) parties.emplace_back();
         parties[it->second].emplace_back(p, i);
       } else if (t.kind == lower::TaskKind::Send || t.kind == lower::TaskKind::Recv) {
         const bool send = t.kind == lower::TaskKind::Send;
@@ -48,14 +45,15 @@ void start_when_peers_ready(const lower::Program& program,
         const Party mine{p, i}, theirs{peer, other.front()};
         parties.push_back(send ? std::vector<Party>{mine, theirs}
                                : std::vector<Party>{theirs, mine});
-        transfer.push_back(true);
         other.pop_front();
       }
     }
   }
   const bool eager_sends = program.plan.overlap_p2p_comm;
-  for (std::size_t k = 0; k < parties.size(); ++k) {
-    const auto& together = parties[k];
+  auto kind = [&](const Party& party) {
+    return program.ranks[party.first].tasks[party.second].kind;
+  };
+  for (const auto& together : parties) {
     double latest = -1e300;
     bool any = false;
     for (const auto& [p, i] : together) {
@@ -67,14 +65,14 @@ void start_when_peers_ready(const lower::Program& program,
     if (!any) continue;
     for (const auto& [p, i] : together) {
       TaskSpan& s = spans[p][i];
-      if (!s.timed || (eager_sends && program.ranks[p].tasks[i].kind == lower::TaskKind::Send)) {
+      if (!s.timed || (eager_sends && kind({p, i}) == lower::TaskKind::Send)) {
         continue;
       }
       s.start_s = std::min(std::max(s.start_s, latest), s.end_s);
     }
     // A blocking send ends with its transfer, when its receive has the data: the runner sees
     // it done only where it next waits for its sends, which can be after later tasks.
-    if (transfer[k] && !eager_sends) {
+    if (kind(together.front()) == lower::TaskKind::Send && !eager_sends) {
       TaskSpan& send = spans[together[0].first][together[0].second];
       const TaskSpan& recv = spans[together[1].first][together[1].second];
       if (send.timed && recv.timed) {

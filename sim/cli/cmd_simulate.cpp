@@ -129,11 +129,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
 
   if (vm["json"].as<bool>()) {
     json stages = json::array();
-    for (const auto& s : p.stages) {
-      stages.push_back({{"stage", s.stage},
-                        {"rank", s.rank},
-                        {"breakdown", report::breakdown_json(s.breakdown)}});
-    }
+    for (const auto& s : p.stages) stages.push_back(report::stage_json(s));
     json out = {
         {"model", spec.name},
         {"cluster", cluster.name},

@@ -175,8 +175,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
     axes.push_back(std::move(a));
   }
-  if (vm.count("attention") &&
-      std::any_of(axes.begin(), axes.end(), [](const Axis& a) { return a.key == "attention"; })) {
+  auto varied = [&](const char* key) {
+    return std::any_of(axes.begin(), axes.end(), [&](const Axis& a) { return a.key == key; });
+  };
+  if (vm.count("attention") && varied("attention")) {
     throw InputError(
         "--attention: the attention kernel is varied (--vary attention=...); give "
         "one or the other");
@@ -189,8 +191,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                     refine));
   }
   const auto global_batch = global_batch_from_options(vm);
-  const bool batch_varied =
-      std::any_of(axes.begin(), axes.end(), [](const Axis& a) { return a.key == "global_batch"; });
+  const bool batch_varied = varied("global_batch");
   if (!global_batch && !batch_varied) {
     throw InputError("--global-batch-size: required (or --vary global_batch=...)");
   }

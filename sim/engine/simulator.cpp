@@ -164,6 +164,15 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
   return b;
 }
 
+std::size_t busiest_stage(const std::vector<StagePrediction>& stages) {
+  auto busy = [](const Breakdown& b) { return b.compute_s + b.recompute_s + b.optimizer_s; };
+  std::size_t busiest = 0;
+  for (std::size_t i = 1; i < stages.size(); ++i) {
+    if (busy(stages[i].breakdown) > busy(stages[busiest].breakdown)) busiest = i;
+  }
+  return busiest;
+}
+
 double serial_fraction(const Breakdown& b, const plan::Plan& plan, double step_s) {
   // What more data-parallel replicas at this global batch do not divide. Each replica's
   // micro-batches, and with them their compute and their exposed tp, cp, ep and
@@ -264,14 +273,7 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
     s.breakdown = breakdown_of(rp, sim.timeline.tasks[i], sim.timeline.makespan_s);
     p.stages.push_back(s);
   }
-  // Report the stage that computes the most (the pipeline's bottleneck); ties: the first.
-  auto busy = [](const Breakdown& b) { return b.compute_s + b.recompute_s + b.optimizer_s; };
-  for (std::size_t i = 0; i < p.stages.size(); ++i) {
-    if (busy(p.stages[i].breakdown) >
-        busy(p.stages[static_cast<std::size_t>(p.bottleneck_stage)].breakdown)) {
-      p.bottleneck_stage = static_cast<int>(i);
-    }
-  }
+  p.bottleneck_stage = static_cast<int>(busiest_stage(p.stages));
   p.breakdown = p.stages[static_cast<std::size_t>(p.bottleneck_stage)].breakdown;
   p.step_time_s = sim.timeline.makespan_s;
   if (plan.schedule == plan::Schedule::PipeDreamAsync && plan.pp > 1) {

@@ -31,6 +31,9 @@ struct Breakdown {
   double exposed_comm_s() const {
     return exposed_tp_s + exposed_cp_s + exposed_ep_s + exposed_dp_s + exposed_pp_s;
   }
+  double total_s() const {  // the step it splits
+    return compute_s + recompute_s + optimizer_s + bubble_s + exposed_comm_s();
+  }
 };
 
 struct StagePrediction {
@@ -109,6 +112,10 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
 // The breakdown of one rank program's timeline over [0, step_s).
 Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTime>& times,
                        double step_s);
+
+// The stage that computes the most (compute, recompute and optimizer; the pipeline's
+// bottleneck), the one a step's breakdown reports; ties: the first. 0 when there is none.
+std::size_t busiest_stage(const std::vector<StagePrediction>& stages);
 
 // Amdahl's serial fraction of a step of `step_s` that breaks down as `b`: the share that more
 // data-parallel replicas at the same global batch do not divide (the dp exposure, the bubble,

@@ -166,18 +166,23 @@ std::vector<int> chunk_layers(const Plan& plan, std::int64_t layers) {
   return out;
 }
 
-PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devices) {
+namespace {
+
+// The rules of check_plan. Without `dp_known` (complete_plan could not derive dp) the rules
+// that read dp are left out: devices, ep-dp, batch, and interleaved-m, which needs the batch.
+PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t devices,
+                      bool dp_known) {
   PlanCheck check;
   auto error = [&](std::string rule, std::string message) {
     check.errors.push_back({std::move(rule), std::move(message)});
   };
-  if (p.dp < 1 || p.tp < 1 || p.pp < 1 || p.cp < 1 || p.ep < 1) {
+  if ((dp_known && p.dp < 1) || p.tp < 1 || p.pp < 1 || p.cp < 1 || p.ep < 1) {
     error("positive-degrees", "dp, tp, pp, cp and ep must all be >= 1");
     return check;
   }
   // In double, exact below 2^53: the product of four ints cannot wrap around.
   const double product = static_cast<double>(p.dp) * p.tp * p.pp * p.cp;
-  if (product != static_cast<double>(devices)) {
+  if (dp_known && product != static_cast<double>(devices)) {
     error("devices", fmt::format("dp x tp x pp x cp = {} x {} x {} x {} = {:.0f} but the cluster "
                                  "has {} devices",
                                  p.dp, p.tp, p.pp, p.cp, product, devices));
@@ -263,7 +268,7 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
   }
   if (p.ep > 1 && !m.moe)
     error("ep-needs-moe", fmt::format("ep = {} but {} has no experts", p.ep, m.name));
-  if (p.dp % p.ep != 0) {
+  if (dp_known && p.dp % p.ep != 0) {
     error("ep-dp", fmt::format("ep = {} must divide dp = {} (experts are spread over data-"
                                "parallel ranks)",
                                p.ep, p.dp));
@@ -273,7 +278,7 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
   }
   // With one micro-batch's tokens bounded (the "size" rule), micro-batch x dp cannot wrap;
   // otherwise the batch is not checked ("size" says what is wrong).
-  const bool bounded = size.empty() && p.seq_len >= 1;
+  const bool bounded = dp_known && size.empty() && p.seq_len >= 1;
   bool batch_ok = false;
   if (bounded && (p.micro_batch_size < 1 || p.global_batch_size < 1)) {
     error("batch", "micro-batch and global batch sizes must be >= 1");
@@ -342,6 +347,12 @@ PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devi
   return check;
 }
 
+}  // namespace
+
+PlanCheck check_plan(const Plan& p, const model::ModelSpec& m, std::int64_t devices) {
+  return check_rules(p, m, devices, /*dp_known=*/true);
+}
+
 std::vector<std::string> require_valid(const Plan& plan, const model::ModelSpec& model,
                                        std::int64_t devices) {
   PlanCheck check = check_plan(plan, model, devices);
@@ -365,20 +376,14 @@ std::vector<std::string> complete_plan(Plan& plan, const model::ModelSpec& model
           fmt::format("cannot derive dp: tp x pp x cp = {:.0f} does not divide the {} devices",
                       others, devices);
       if (others < 1) throw InputError(derive);
-      // The rules that do not involve dp, checked with dp = 1 on tp x pp x cp devices, so that
-      // every broken rule is said at once.
+      // With it, every rule that does not read dp, so that every broken rule is said at once.
       Plan probe = plan;
-      probe.dp = 1;
       if (probe.seq_len == 0) probe.seq_len = model.seq_len;
-      if (probe.global_batch_size == 0) probe.global_batch_size = probe.micro_batch_size;
       std::string msg =
           fmt::format("invalid plan (tp={} pp={} cp={} on {} devices):\n  - {} [devices]", plan.tp,
                       plan.pp, plan.cp, devices, derive);
-      for (const auto& v :
-           check_plan(probe, model, static_cast<std::int64_t>(std::min(others, 0x1p62))).errors) {
-        const bool involves_dp = v.rule == "devices" || v.rule == "batch" || v.rule == "ep-dp" ||
-                                 v.rule == "interleaved-m";
-        if (!involves_dp) msg += fmt::format("\n  - {} [{}]", v.message, v.rule);
+      for (const auto& v : check_rules(probe, model, devices, /*dp_known=*/false).errors) {
+        msg += fmt::format("\n  - {} [{}]", v.message, v.rule);
       }
       throw InputError(msg);
     }

@@ -679,10 +679,6 @@ class Estimator {
   std::map<std::int64_t, double> spread_;
 };
 
-double total(const engine::Breakdown& b) {
-  return b.compute_s + b.recompute_s + b.optimizer_s + b.bubble_s + b.exposed_comm_s();
-}
-
 bool allowed(int fixed, int value) {
   return fixed < 0 || fixed == value;
 }
@@ -809,7 +805,7 @@ double estimate_s(const model::ModelGraph& graph, const plan::Plan& plan,
   Estimator estimator(cluster, options.profile,
                       engine::jitter_cv_of(options.jitter_cv, options.profile),
                       engine::rank_spread_cv_of(options.rank_spread_cv, options.profile));
-  return total(estimator.estimate(graph, plan, detail));
+  return estimator.estimate(graph, plan, detail).total_s();
 }
 
 SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
@@ -856,7 +852,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   auto estimate = [&](Estimator& estimator, Evaluated& e, Detail detail) {
     e.c.estimate = estimator.estimate(*graphs.at(graph_key(e.c.plan)), e.c.plan, detail);
     e.bound = detail == Detail::Bound && has_timeline(e.c.plan);
-    e.c.estimate_s = total(e.c.estimate);
+    e.c.estimate_s = e.c.estimate.total_s();
     e.c.step_time_s = e.c.estimate_s;
     price_step(e.c);
   };

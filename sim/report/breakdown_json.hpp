@@ -21,4 +21,9 @@ inline nlohmann::json breakdown_json(const engine::Breakdown& b) {
             {"ep", b.exposed_ep_s}}}};
 }
 
+// One stage's entry of `per_stage`: its stage, the rank it was taken on, its breakdown.
+inline nlohmann::json stage_json(const engine::StagePrediction& s) {
+  return {{"stage", s.stage}, {"rank", s.rank}, {"breakdown", breakdown_json(s.breakdown)}};
+}
+
 }  // namespace dtsim::report
