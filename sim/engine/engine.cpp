@@ -230,19 +230,35 @@ class Engine {
   }
 
   // Stragglers: the slowest of the group's ranks (not programs: a representative stands for
-  // several) arrives late by the spread of the compute its members did since the group's last
-  // collective; that collective is now their last.
+  // several) arrives late by the spread of the compute its members did since they were last
+  // tied: at the group's last collective, or where a member last exchanged a pipeline transfer
+  // with another member (the later of the two waited there, so a lead or lag from before is
+  // spent; the first and last stages' tied-embedding all-reduce follows the pipeline's last
+  // transfers, not a whole step of compute). The collective is now their last tie.
   double straggler_wait(const std::vector<std::pair<std::int32_t, TaskId>>& members,
                         const lower::Group& g, std::int32_t group) {
+    std::vector<std::int32_t> programs;
+    for (const auto& member : members) programs.push_back(member.first);
+    std::sort(programs.begin(), programs.end());
+    auto is_member = [&](std::int32_t p) {
+      return std::binary_search(programs.begin(), programs.end(), p);
+    };
     double since = 0;
-    for (const auto& [mp, mt] : members) {
-      const auto i = static_cast<std::size_t>(mp);
+    for (const std::int32_t p : programs) {
+      const auto i = static_cast<std::size_t>(p);
       const auto it = synced_at_[i].find(group);
-      since = std::max(since, compute_total_[i] - (it == synced_at_[i].end() ? 0 : it->second));
+      double tied = it == synced_at_[i].end() ? 0 : it->second;
+      for (const auto& [peer, at] : paired_at_[i]) {
+        if (is_member(peer)) tied = std::max(tied, at);
+      }
+      since = std::max(since, compute_total_[i] - tied);
     }
-    for (const auto& [mp, mt] : members) {
-      const auto i = static_cast<std::size_t>(mp);
+    for (const std::int32_t p : programs) {
+      const auto i = static_cast<std::size_t>(p);
       synced_at_[i][group] = compute_total_[i];
+      for (auto& [peer, at] : paired_at_[i]) {
+        if (is_member(peer)) at = compute_total_[i];
+      }
     }
     double& e = spread_[static_cast<std::size_t>(group)];  // computed once per group
     if (e < 0) e = expected_max_normal(static_cast<std::int64_t>(g.ranks.size()));
@@ -279,7 +295,8 @@ class Engine {
   // program last completed a collective of each group.
   std::vector<double> compute_total_;
   std::vector<std::map<std::int32_t, double>> synced_at_;
-  // ... and when it last exchanged a transfer with each peer program.
+  // ... and when it last exchanged a transfer with each peer program (or met it in a
+  // collective after that).
   std::vector<std::map<std::int32_t, double>> paired_at_;
   double pair_spread_ = -1;     // expected_max_normal(2), once needed
   std::vector<double> spread_;  // per group: expected_max_normal(ranks), -1 until needed

@@ -1,6 +1,6 @@
 // The straggler model of the engine, and its pipeline transfers: a collective waits E[max of n
 // normals]·cv·T for its slowest rank, T the compute its members did since the group's previous
-// collective.
+// collective or their last transfer between them.
 #include <algorithm>
 #include <cmath>
 #include <numbers>
@@ -172,6 +172,43 @@ TEST_CASE("a pipeline receive waits for a late sender", "[engine][stragglers]") 
   CHECK(t.tasks[0][1].end_s == Approx(2));
   // Back: rank 1 computed 1 s since, rank 0 nothing: 0.1·e(2)·1 late.
   CHECK(t.tasks[0][2].end_s == Approx(2 + 0.1 * e2 * 2 + 1 + 0.1 * e2 * 1));
+}
+
+TEST_CASE("a pipeline transfer ties its two ranks as a collective does", "[engine][stragglers]") {
+  // Rank 0 computes 3 s, sends to rank 1, computes 1 s; rank 1 receives and computes 2 s. Both
+  // then meet in a collective (0.5 s), after which rank 1 computes 1 s and sends back. Eager
+  // sends; transfers take no time (Fixed::p2p_s).
+  dtsim::lower::Program p;
+  p.plan.overlap_p2p_comm = true;
+  dtsim::lower::Group g;
+  g.ranks = {0, 1};
+  g.programs = {0, 1};
+  p.groups = {g};
+  dtsim::lower::RankProgram r0, r1;
+  r0.rank = 0;
+  r1.rank = 1;
+  r0.tasks = {compute(3, {}), transfer(TaskKind::Send, 1, 0, {0}), compute(1, {0}),
+              collective(0, {2}), transfer(TaskKind::Recv, 1, 1, {3})};
+  r1.tasks = {transfer(TaskKind::Recv, 0, 0, {}), compute(2, {0}), collective(0, {1}),
+              compute(1, {2}), transfer(TaskKind::Send, 0, 1, {3})};
+  p.ranks = {r0, r1};
+  Fixed d;
+  dtsim::engine::EngineOptions options;
+  options.jitter_cv = 0.1;
+  const auto t = dtsim::engine::run(p, d, options);
+  const double e2 = dtsim::engine::expected_max_normal(2);
+  // The transfer: 3 s of rank 0's compute since the pair last met.
+  const double late = 0.1 * e2 * 3;
+  CHECK(t.tasks[1][0].end_s == Approx(3 + late));
+  // The collective: since the transfer, rank 0 computed 1 s and rank 1 2 s; the 3 s before it
+  // are not counted again (the transfer absorbed them).
+  CHECK(t.tasks[0][3].start_s == Approx(3 + late + 2));
+  const double collective_end = 3 + late + 2 + 0.1 * e2 * 2 + 0.5;
+  CHECK(t.tasks[0][3].end_s == Approx(collective_end));
+  CHECK(t.tasks[1][2].end_s == Approx(collective_end));
+  // The transfer back: 1 s of rank 1's compute since the collective, not the 3 s since the pair's
+  // last transfer.
+  CHECK(t.tasks[0][4].end_s == Approx(collective_end + 1 + 0.1 * e2 * 1));
 }
 
 TEST_CASE("without p2p overlap a transfer starts when both ends are ready", "[engine][pipeline]") {
