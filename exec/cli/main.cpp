@@ -199,13 +199,28 @@ double boot_id() {
   return static_cast<double>((h & ((std::uint64_t{1} << 52) - 1)) | 1);
 }
 
-// Timed tasks gathered on rank 0 (empty elsewhere): rank 0's last kBreakdownSteps timed steps;
-// the others' too where the ranks share a clock, else their last step where a trace is written.
+// For tests of ranks on several machines, on one: DTEXEC_TEST_CLOCK_SKEW_S=X moves rank r's
+// clock r·X seconds ahead (the seconds returned), as another machine's clock would be.
+double clock_skew_s(int rank) {
+  const char* v = std::getenv("DTEXEC_TEST_CLOCK_SKEW_S");
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const double x = std::strtod(v, &end);
+  if (*end != '\0' || !std::isfinite(x)) {
+    throw dtsim::InputError(
+        fmt::format("DTEXEC_TEST_CLOCK_SKEW_S: expected a number of seconds, got \"{}\"", v));
+  }
+  return x * rank;
+}
+
+// Every rank's last kBreakdownSteps timed steps, gathered on rank 0 (empty elsewhere), on one
+// clock: their host's where the ranks share one, else rank 0's, to which the others' were put.
 struct Timings {
-  // The ranks share a clock (one machine): their times can be compared, and a communication task
-  // started when its peers were ready (peer_waits.hpp).
-  bool one_clock = false;
-  std::vector<double> origin_s;               // per rank: its clock's zero on the machine's clock
+  // The ranks share one machine's clock; else theirs were put on rank 0's
+  // (Comm::clock_offsets), each within clock_error_s.
+  bool shared_clock = true;
+  double clock_error_s = 0;
+  std::vector<double> origin_s;               // per rank: its clock's zero on the one clock
   std::vector<std::vector<double>> begins_s;  // per rank: its start of each step (its clock)
   std::vector<std::map<int, std::vector<dtsim::exec::TaskRecord>>> by_step;  // per rank
   // Rank r's start of the step at `index` (step - first_step) on its clock; 0 if not known.
@@ -214,27 +229,32 @@ struct Timings {
   }
 };
 
-Timings gather_timings(const dtsim::exec::RunResult& result, dtsim::exec::Comm& comm, bool trace) {
+// `skew`: clock_skew_s of this rank.
+Timings gather_timings(const dtsim::exec::RunResult& result, dtsim::exec::Comm& comm, double skew) {
+  // This rank's clock; its times count from `origin`.
+  const double origin = result.clock_origin_s + skew;
   // One clock: one boot, and origins within a minute of each other (the ranks start together;
   // a clock offset, as a time namespace gives, would show there).
   const double boot = boot_id();
-  std::array<double, 4> clock = {boot, -boot, result.clock_origin_s, -result.clock_origin_s};
+  std::array<double, 4> clock = {boot, -boot, origin, -origin};
   comm.all_ranks(clock, dtsim::exec::Reduce::Max);
-  const bool one_clock =
+  const bool shared =
       comm.size() == 1 || (boot != 0 && clock[0] == -clock[1] && clock[2] + clock[3] < 60.0);
+  // Else: each rank's clock against rank 0's, now, just after the steps that are measured.
+  dtsim::exec::ClockOffsets offsets;
+  if (!shared) {
+    offsets = comm.clock_offsets([skew] {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+                 .count() +
+             skew;
+    });
+  }
   std::set<int> timed;
   for (const auto& t : result.tasks) timed.insert(t.step);
   std::set<int> send;
-  if (!timed.empty()) {
-    if (one_clock || comm.rank() == 0) {
-      auto it = timed.end();
-      for (std::size_t k = 0; k < kBreakdownSteps && it != timed.begin(); ++k) send.insert(*--it);
-    } else if (trace) {
-      send.insert(*timed.rbegin());
-    }
-  }
-  std::vector<double> mine = {result.clock_origin_s,
-                              static_cast<double>(result.step_begins_s.size())};
+  auto it = timed.end();
+  for (std::size_t k = 0; k < kBreakdownSteps && it != timed.begin(); ++k) send.insert(*--it);
+  std::vector<double> mine = {origin, static_cast<double>(result.step_begins_s.size())};
   mine.insert(mine.end(), result.step_begins_s.begin(), result.step_begins_s.end());
   for (const auto& t : result.tasks) {
     if (!send.count(t.step)) continue;
@@ -245,11 +265,13 @@ Timings gather_timings(const dtsim::exec::RunResult& result, dtsim::exec::Comm& 
   const auto parts = comm.gather_to_root(std::move(bytes));
   Timings all;
   if (comm.rank() != 0) return all;
-  all.one_clock = one_clock;
+  all.shared_clock = shared;
+  all.clock_error_s = offsets.error_s;
   for (std::size_t r = 0; r < parts.size(); ++r) {
     std::vector<double> v(parts[r].size() / sizeof(double));
     std::memcpy(v.data(), parts[r].data(), v.size() * sizeof(double));
-    all.origin_s.push_back(v.at(0));
+    // On rank 0's clock where the ranks' clocks differ.
+    all.origin_s.push_back(v.at(0) - (shared ? 0.0 : offsets.offset_s.at(r)));
     const auto steps = static_cast<std::size_t>(v.at(1));
     all.begins_s.emplace_back(v.begin() + 2, v.begin() + 2 + static_cast<std::ptrdiff_t>(steps));
     auto& by_step = all.by_step.emplace_back();
@@ -263,8 +285,7 @@ Timings gather_timings(const dtsim::exec::RunResult& result, dtsim::exec::Comm& 
 }
 
 // One step's tasks of every program, each from `origin(rank)` on its rank's clock (untimed ones
-// {0, 0}); with one clock, each communication task starts when its parties are all ready, as
-// the simulator's do.
+// {0, 0}); each communication task starts when its parties are all ready, as the simulator's do.
 template <class Origin>
 std::vector<std::vector<dtsim::engine::TaskTime>> step_times(const Timings& all,
                                                              const dtsim::lower::Program& program,
@@ -280,9 +301,7 @@ std::vector<std::vector<dtsim::engine::TaskTime>> step_times(const Timings& all,
                                                        t.end_s + all.origin_s[r], true};
     }
   }
-  if (all.one_clock && program.ranks.size() > 1) {
-    dtsim::exec::start_when_peers_ready(program, spans);
-  }
+  if (program.ranks.size() > 1) dtsim::exec::start_when_peers_ready(program, spans);
   std::vector<std::vector<dtsim::engine::TaskTime>> times(program.ranks.size());
   for (std::size_t r = 0; r < spans.size(); ++r) {
     const double zero = r < all.origin_s.size() ? all.origin_s[r] + origin(r) : 0.0;
@@ -296,20 +315,17 @@ std::vector<std::vector<dtsim::engine::TaskTime>> step_times(const Timings& all,
 
 // Where a stage's last timed steps (kBreakdownSteps at most) went, on average, on its first
 // rank: the simulator's rule (engine::breakdown_of) over each step's tasks, from the rank's
-// start of the step to the end of the slowest rank's step. Every stage where the ranks share a
-// clock (rank 0 has all their times), else rank 0's alone.
+// start of the step to the end of the slowest rank's step; every stage (rank 0 has all ranks'
+// times).
 std::vector<dtsim::engine::StagePrediction> measured_stages(const Timings& all,
                                                             const dtsim::exec::RunResult& result,
                                                             const dtsim::lower::Program& program) {
   std::vector<dtsim::engine::StagePrediction> stages;
   if (all.by_step.empty()) return stages;
-  // Each stage's first program with times (without one clock the others sent their last step
-  // at most, for a trace), in stage order.
+  // Each stage's first program with times, in stage order.
   std::map<int, std::size_t> first_of;
   for (std::size_t r = 0; r < program.ranks.size() && r < all.by_step.size(); ++r) {
-    if (!all.by_step[r].empty() && (r == 0 || all.one_clock)) {
-      first_of.try_emplace(program.ranks[r].stage, r);
-    }
+    if (!all.by_step[r].empty()) first_of.try_emplace(program.ranks[r].stage, r);
   }
   std::vector<std::size_t> firsts;
   for (const auto& [stage, r] : first_of) {
@@ -388,8 +404,7 @@ std::int64_t requested_devices(const po::variables_map& vm) {
 }
 
 // Writes the last step's tasks of every rank as one Chrome trace, in the simulator's trace
-// schema: on one clock from the first rank's start of the step, where the ranks share one (one
-// host), else each from its own rank's start.
+// schema, on one clock from the first rank's start of the step.
 void write_trace(const std::string& path, const dtsim::lower::Program& program, const Timings& all,
                  int last_step, int first_step) {
   const auto index = static_cast<std::size_t>(std::max(0, last_step - first_step));
@@ -399,7 +414,7 @@ void write_trace(const std::string& path, const dtsim::lower::Program& program, 
   }
   dtsim::engine::Timeline timeline;
   timeline.tasks = step_times(all, program, last_step, [&](std::size_t r) {
-    return all.one_clock && r < all.origin_s.size() ? first - all.origin_s[r] : all.begin(r, index);
+    return r < all.origin_s.size() ? first - all.origin_s[r] : 0.0;
   });
   dtsim::report::write_chrome_trace(path, program, timeline);
 }
@@ -765,6 +780,7 @@ int run(const std::vector<std::string>& args) {
   if (dtsim::exec::cpu::under_mpirun()) mpi = std::make_unique<dtsim::exec::cpu::MpiSession>();
   const int rank = mpi ? mpi->rank() : 0;
   g_rank = rank;
+  const double clock_skew = clock_skew_s(rank);
   // Rank 0 writes the trace, after the run: a path it cannot write ends the job now.
   if (rank == 0 && vm.count("trace")) {
     dtsim::cli::check_writable(vm["trace"].as<std::string>(), "--trace");
@@ -963,7 +979,7 @@ int run(const std::vector<std::string>& args) {
   Timings timings;
   try {
     result = dtsim::exec::run_program(graph, program, options, *comm, *device);
-    timings = gather_timings(result, *comm, vm.count("trace") > 0);
+    timings = gather_timings(result, *comm, clock_skew);
     if (vm.count("trace") && rank == 0) {
       write_trace(vm["trace"].as<std::string>(), program, timings, steps - 1, result.first_step);
     }
@@ -1046,14 +1062,13 @@ int run(const std::vector<std::string>& args) {
     // Before the simulator's terms were measured, the rest of the (median) step was one figure.
     breakdown["other_s"] =
         std::max(0.0, step - spent.compute_s - spent.recompute_s - spent.optimizer_s);
-    const bool aligned = timings.one_clock && program.ranks.size() > 1;
-    // Amdahl's bound from the measured split (simulate's rule), where the bubble is measured:
-    // with the waits for peers counted as idle (one clock) or no peers at all.
+    // Amdahl's bound from the measured split (simulate's rule), the waits for peers counted as
+    // idle.
     const double mean_step = spent.total_s();
     nlohmann::json per_stage = nlohmann::json::array();
     for (const auto& s : stages) per_stage.push_back(dtsim::report::stage_json(s));
     nlohmann::json amdahl;  // null where not measured
-    if ((aligned || program.ranks.size() == 1) && mean_step > 0) {
+    if (mean_step > 0) {
       const double serial = dtsim::engine::serial_fraction(spent, plan, mean_step);
       amdahl = {{"serial_fraction", serial}, {"max_speedup", serial > 0 ? 1.0 / serial : 0.0}};
     }
@@ -1073,15 +1088,17 @@ int run(const std::vector<std::string>& args) {
                                                   "first rank",
                                                   spent_stage)
                                     : fmt::format("stage {}", spent_stage),
-                  aligned ? ": a receive, collective or blocking send counted from when all its "
-                            "ranks had reached it (the ranks share this machine's clock), the wait "
-                            "before that as bubble"
-                  : program.ranks.size() > 1
-                      ? ", except that the ranks do not share a clock (several machines): a "
-                        "receive, collective or blocking send lasts from when this rank reached "
-                        "it, so the wait for its peers, the simulator's bubble, is in that "
-                        "kind's exposed communication"
-                      : "");
+                  program.ranks.size() == 1 ? ""
+                  : timings.shared_clock
+                      ? ": a receive, collective or blocking send counted from when all its ranks "
+                        "had reached it (the ranks share this machine's clock), the wait before "
+                        "that as bubble"
+                      : fmt::format(
+                            ": a receive, collective or blocking send counted from when all its "
+                            "ranks had reached it, the wait before that as bubble; the ranks' "
+                            "clocks (several machines) were put on rank 0's by round trips, each "
+                            "within {:.1f} us",
+                            timings.clock_error_s * 1e6));
     nlohmann::json measured = {{"gpus", devices},
                                {"model_flops", flops.model},
                                {"hardware_flops", flops.hardware},
@@ -1091,6 +1108,13 @@ int run(const std::vector<std::string>& args) {
                                {"breakdown_stage", spent_stage},
                                {"per_stage", per_stage},
                                {"amdahl", amdahl},
+                               {"clock",
+                                {{"shared", timings.shared_clock},
+                                 {"error_s", timings.clock_error_s},
+                                 {"note",
+                                  "shared: the ranks read one machine's clock; else each rank's "
+                                  "was put on rank 0's by round trips (Cristian's method), each "
+                                  "within error_s"}}},
                                {"tflops_per_gpu", flops.hardware / (step * gpus) / 1e12},
                                {"model_tflops_per_gpu", flops.model / (step * gpus) / 1e12},
                                {"mfu", dtsim::report::value_or_null(mfu)},

@@ -1,6 +1,7 @@
 // What the Program runner needs from a communication backend: the collectives and
 // point-to-point transfers of a lowered Program's communication tasks, over the Program's groups,
-// plus a few calls outside the Program (reporting losses and times, assembling checkpoints).
+// plus a few calls outside the Program (reporting losses and times, assembling checkpoints,
+// putting the ranks' clocks on one).
 //
 // The tensors are views of the runner's Device (exec/core/device.hpp), with their type and size
 // (counts are elements). A backend moves the memory it can: the MPI backend (exec/cpu/mpi_comm)
@@ -13,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -25,6 +27,13 @@
 namespace dtsim::exec {
 
 enum class Reduce { Sum, Max };
+
+// Each rank's clock less rank 0's, in seconds (on rank 0; empty elsewhere), and a bound on the
+// error of each: Comm::clock_offsets.
+struct ClockOffsets {
+  std::vector<double> offset_s;
+  double error_s = 0;
+};
 
 class Comm {
  public:
@@ -88,6 +97,12 @@ class Comm {
   // moves rather than copies (a checkpoint's can be gigabytes).
   virtual std::vector<std::string> gather_to_root(std::string mine) = 0;
   virtual void barrier() = 0;
+  // Where the ranks' clocks are on different machines: every rank calls it with its clock
+  // (seconds), and rank 0 gets each rank's reading less its own at one moment. Rank 0 times
+  // round trips to each rank, which answers with its reading; the shortest of several is kept,
+  // and its midpoint taken as the moment the rank read (Cristian's method), which is off by
+  // half that round trip at most (`error_s`: the largest such half).
+  virtual ClockOffsets clock_offsets(const std::function<double()>& now) = 0;
 };
 
 // One rank and no peers: collectives over a group of one are the identity (a copy, through
@@ -127,6 +142,7 @@ class SingleRankComm final : public Comm {
     return out;
   }
   void barrier() override {}
+  ClockOffsets clock_offsets(const std::function<double()>&) override { return {{0.0}, 0.0}; }
 
  private:
   void copy(View out, View in) {

@@ -128,7 +128,7 @@ struct RunResult {
   // index: step - first_step).
   std::vector<double> step_begins_s;
   // That clock's zero on the host's steady clock (seconds since its epoch): ranks on one host
-  // share it, so their times can be put on one clock.
+  // share it, so their times can be put on one clock (on several, with Comm::clock_offsets).
   double clock_origin_s = 0;
   // With gradient clipping (plan.clip_grad): each step's global gradient norm before clipping
   // (of this run's steps; with --only-rank this rank's share alone).

@@ -10,7 +10,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <iostream>
+#include <limits>
 #include <optional>
 
 #include "exec/cpu/bf16_device.hpp"
@@ -331,6 +333,40 @@ class MpiComm final : public Comm {
   }
 
   void barrier() override { check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
+
+  ClockOffsets clock_offsets(const std::function<double()>& now) override {
+    // Round trips per rank: enough that one meets neither a busy core nor a queued message
+    // (the shortest is kept); a bound of dtexec's, not a modelling figure.
+    constexpr int kRoundTrips = 16;
+    constexpr int kTag = 1;  // on side_, apart from gather_to_root's parts (tag 0)
+    ClockOffsets out;
+    if (rank_ == 0) out.offset_s.assign(static_cast<std::size_t>(size_), 0.0);
+    for (int r = 1; r < size_; ++r) {
+      if (rank_ == 0) {
+        double shortest = std::numeric_limits<double>::infinity();
+        for (int k = 0; k < kRoundTrips; ++k) {
+          const double sent = now();
+          double read = 0;
+          check(MPI_Send(&sent, 1, MPI_DOUBLE, r, kTag, side_), "MPI_Send");
+          check(MPI_Recv(&read, 1, MPI_DOUBLE, r, kTag, side_, MPI_STATUS_IGNORE), "MPI_Recv");
+          const double back = now();
+          if (back - sent < shortest) {
+            shortest = back - sent;
+            out.offset_s[static_cast<std::size_t>(r)] = read - (sent + back) / 2;
+          }
+        }
+        out.error_s = std::max(out.error_s, shortest / 2);
+      } else if (rank_ == r) {
+        for (int k = 0; k < kRoundTrips; ++k) {
+          double ping = 0;
+          check(MPI_Recv(&ping, 1, MPI_DOUBLE, 0, kTag, side_, MPI_STATUS_IGNORE), "MPI_Recv");
+          const double read = now();
+          check(MPI_Send(&read, 1, MPI_DOUBLE, 0, kTag, side_), "MPI_Send");
+        }
+      }
+    }
+    return out;
+  }
 
  private:
   // This rank's place in a group's communicator.

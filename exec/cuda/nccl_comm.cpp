@@ -394,6 +394,9 @@ class NcclComm final : public Comm {
   std::vector<std::string> gather_to_root(std::string mine) override {
     return host_->gather_to_root(std::move(mine));
   }
+  ClockOffsets clock_offsets(const std::function<double()>& now) override {
+    return host_->clock_offsets(now);
+  }
   void barrier() override { host_->barrier(); }
 
  private:

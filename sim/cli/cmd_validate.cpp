@@ -51,9 +51,8 @@ int cmd_validate(const std::vector<std::string>& args) {
   // What a task's time covers differs for the tasks that wait on peers.
   const std::string note =
       "a predicted receive, collective or blocking send starts when all its ranks are ready; "
-      "dtexec run's trace starts it so where its ranks share a clock (one host), else (several "
-      "hosts) it lasts from when its own rank reached it, the wait for its peers included, and "
-      "then the compute kinds and the step are the ones to read";
+      "dtexec run's trace starts it so too, its ranks' times on one clock (one host's, or rank "
+      "0's on several, to within the round trips its JSON's clock.error_s gives)";
   if (vm["json"].as<bool>()) {
     nlohmann::json rows = nlohmann::json::array();
     for (const auto& r : v.rows) {

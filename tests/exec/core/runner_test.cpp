@@ -465,6 +465,9 @@ class HostOnlyComm : public dtsim::exec::Comm {
     return out;
   }
   void barrier() override {}
+  dtsim::exec::ClockOffsets clock_offsets(const std::function<double()>&) override {
+    return {{0.0, 0.0}, 0.0};
+  }
 };
 
 }  // namespace
