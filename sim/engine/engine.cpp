@@ -8,6 +8,7 @@
 #include <mutex>
 #include <numbers>
 #include <queue>
+#include <set>
 #include <tuple>
 #include <utility>
 
@@ -44,6 +45,7 @@ class Engine {
     spread_.assign(program.groups.size(), -1.0);
     synced_at_.resize(n);
     paired_at_.resize(n);
+    peers_.resize(n);
     link_out_free_.assign(n, 0.0);
     link_in_free_.assign(n, 0.0);
     pending_.resize(n);
@@ -65,6 +67,9 @@ class Engine {
           DTSIM_ASSERT(d >= 0 && d < t, fmt::format("task {} depends on later task {}", t, d));
           dependents_[p][static_cast<std::size_t>(d)].push_back(t);
           ++pending_[p][static_cast<std::size_t>(t)];
+        }
+        if (task.kind == TaskKind::Send || task.kind == TaskKind::Recv) {
+          peers_[p].insert(task.peer);
         }
         // A receive occupies no stream: the sender's transfer carries its time. Without p2p
         // overlap a send leaves the pipeline stream too: it waits for its receiver, and a
@@ -232,9 +237,12 @@ class Engine {
   // Stragglers: the slowest of the group's ranks (not programs: a representative stands for
   // several) arrives late by the spread of the compute its members did since they were last
   // tied: at the group's last collective, or where a member last exchanged a pipeline transfer
-  // with another member (the later of the two waited there, so a lead or lag from before is
-  // spent; the first and last stages' tied-embedding all-reduce follows the pipeline's last
-  // transfers, not a whole step of compute). The collective is now their last tie.
+  // with another member (a blocking transfer waits for the later of the two, so a lead or lag
+  // from before is spent; an eager send ties only a receiver that was ahead, which this takes
+  // as a tie as well). So at pp 2, or with interleaved chunks, the first and last stages'
+  // tied-embedding all-reduce follows their last transfers, not a whole step of compute; at
+  // pp > 2 without interleaving those two stages exchange nothing directly, and the ties along
+  // the stages between them are not followed. The collective is now their last tie.
   double straggler_wait(const std::vector<std::pair<std::int32_t, TaskId>>& members,
                         const lower::Group& g, std::int32_t group) {
     std::vector<std::int32_t> programs;
@@ -256,8 +264,8 @@ class Engine {
     for (const std::int32_t p : programs) {
       const auto i = static_cast<std::size_t>(p);
       synced_at_[i][group] = compute_total_[i];
-      for (auto& [peer, at] : paired_at_[i]) {
-        if (is_member(peer)) at = compute_total_[i];
+      for (const std::int32_t peer : peers_[i]) {
+        if (is_member(peer)) paired_at_[i][peer] = compute_total_[i];
       }
     }
     double& e = spread_[static_cast<std::size_t>(group)];  // computed once per group
@@ -267,7 +275,12 @@ class Engine {
 
   // Stragglers between the two ranks of a transfer: the sender is late past the receiver by
   // E[max(0, X - Y)] = e(2)·cv·T for X, Y their normal spreads (e(2) = 1/sqrt(pi), the same
-  // as the later of two), T the compute either did since the pair's previous transfer.
+  // as the later of two), T the compute either did since the pair's previous tie (a transfer,
+  // or a collective of both). This is their new tie, marked with the compute each has issued
+  // when the send is ready: a receiver not at its receive yet may have some of it under way
+  // (an approximation; marking the receiver where it posts the receive instead would count a
+  // wait for each direction of Megatron-LM's paired exchanges, where now the second of the
+  // pair, ready at the same moment, finds the two just tied).
   double pair_wait(std::int32_t sender, std::int32_t receiver) {
     const auto s = static_cast<std::size_t>(sender), r = static_cast<std::size_t>(receiver);
     const double since = std::max(compute_total_[s] - paired_at_[s][receiver],
@@ -296,8 +309,9 @@ class Engine {
   std::vector<double> compute_total_;
   std::vector<std::map<std::int32_t, double>> synced_at_;
   // ... and when it last exchanged a transfer with each peer program (or met it in a
-  // collective after that).
+  // collective after that); its peers, from its sends and receives.
   std::vector<std::map<std::int32_t, double>> paired_at_;
+  std::vector<std::set<std::int32_t>> peers_;
   double pair_spread_ = -1;     // expected_max_normal(2), once needed
   std::vector<double> spread_;  // per group: expected_max_normal(ranks), -1 until needed
   std::vector<std::vector<int>> pending_;

@@ -211,6 +211,33 @@ TEST_CASE("a pipeline transfer ties its two ranks as a collective does", "[engin
   CHECK(t.tasks[0][4].end_s == Approx(collective_end + 1 + 0.1 * e2 * 1));
 }
 
+TEST_CASE("a collective ties two ranks before their first transfer", "[engine][stragglers]") {
+  // Both compute 2 s and meet in a collective (0.5 s); rank 0 then computes 1 s and sends to
+  // rank 1, which waits for it. Eager sends; transfers take no time.
+  dtsim::lower::Program p;
+  p.plan.overlap_p2p_comm = true;
+  dtsim::lower::Group g;
+  g.ranks = {0, 1};
+  g.programs = {0, 1};
+  p.groups = {g};
+  dtsim::lower::RankProgram r0, r1;
+  r0.rank = 0;
+  r1.rank = 1;
+  r0.tasks = {compute(2, {}), collective(0, {0}), compute(1, {1}),
+              transfer(TaskKind::Send, 1, 0, {2})};
+  r1.tasks = {compute(2, {}), collective(0, {0}), transfer(TaskKind::Recv, 0, 0, {1})};
+  p.ranks = {r0, r1};
+  Fixed d;
+  dtsim::engine::EngineOptions options;
+  options.jitter_cv = 0.1;
+  const auto t = dtsim::engine::run(p, d, options);
+  const double e2 = dtsim::engine::expected_max_normal(2);
+  const double collective_end = 2 + 0.1 * e2 * 2 + 0.5;
+  CHECK(t.tasks[0][1].end_s == Approx(collective_end));
+  // The transfer: rank 0's 1 s since the collective, not its 3 s since the step began.
+  CHECK(t.tasks[1][2].end_s == Approx(collective_end + 1 + 0.1 * e2 * 1));
+}
+
 TEST_CASE("without p2p overlap a transfer starts when both ends are ready", "[engine][pipeline]") {
   // Rank 0 computes 2 s and sends; rank 1 computes 3 s, then posts its receive and computes
   // 1 s on the data. A transfer takes 0.5 s.
