@@ -75,6 +75,27 @@ dtsim::lower::Program two_syncs(int ranks) {
   return p;
 }
 
+// Ranks 0 and 1 with these tasks, group 0 the two of them, eager sends, jitter 0.1, Fixed
+// durations (collectives 0.5 s, transfers none).
+dtsim::engine::Timeline run_pair_with_jitter(std::vector<Task> rank0, std::vector<Task> rank1) {
+  dtsim::lower::Program p;
+  p.plan.overlap_p2p_comm = true;
+  dtsim::lower::Group g;
+  g.ranks = {0, 1};
+  g.programs = {0, 1};
+  p.groups = {g};
+  dtsim::lower::RankProgram r0, r1;
+  r0.rank = 0;
+  r1.rank = 1;
+  r0.tasks = std::move(rank0);
+  r1.tasks = std::move(rank1);
+  p.ranks = {r0, r1};
+  Fixed d;
+  dtsim::engine::EngineOptions options;
+  options.jitter_cv = 0.1;
+  return dtsim::engine::run(p, d, options);
+}
+
 }  // namespace
 
 TEST_CASE("the expected maximum of n standard normals", "[engine][stragglers]") {
@@ -178,24 +199,11 @@ TEST_CASE("a pipeline transfer ties its two ranks as a collective does", "[engin
   // Rank 0 computes 3 s, sends to rank 1, computes 1 s; rank 1 receives and computes 2 s. Both
   // then meet in a collective (0.5 s), after which rank 1 computes 1 s and sends back. Eager
   // sends; transfers take no time (Fixed::p2p_s).
-  dtsim::lower::Program p;
-  p.plan.overlap_p2p_comm = true;
-  dtsim::lower::Group g;
-  g.ranks = {0, 1};
-  g.programs = {0, 1};
-  p.groups = {g};
-  dtsim::lower::RankProgram r0, r1;
-  r0.rank = 0;
-  r1.rank = 1;
-  r0.tasks = {compute(3, {}), transfer(TaskKind::Send, 1, 0, {0}), compute(1, {0}),
-              collective(0, {2}), transfer(TaskKind::Recv, 1, 1, {3})};
-  r1.tasks = {transfer(TaskKind::Recv, 0, 0, {}), compute(2, {0}), collective(0, {1}),
-              compute(1, {2}), transfer(TaskKind::Send, 0, 1, {3})};
-  p.ranks = {r0, r1};
-  Fixed d;
-  dtsim::engine::EngineOptions options;
-  options.jitter_cv = 0.1;
-  const auto t = dtsim::engine::run(p, d, options);
+  const auto t =
+      run_pair_with_jitter({compute(3, {}), transfer(TaskKind::Send, 1, 0, {0}), compute(1, {0}),
+                            collective(0, {2}), transfer(TaskKind::Recv, 1, 1, {3})},
+                           {transfer(TaskKind::Recv, 0, 0, {}), compute(2, {0}), collective(0, {1}),
+                            compute(1, {2}), transfer(TaskKind::Send, 0, 1, {3})});
   const double e2 = dtsim::engine::expected_max_normal(2);
   // The transfer: 3 s of rank 0's compute since the pair last met.
   const double late = 0.1 * e2 * 3;
@@ -214,23 +222,9 @@ TEST_CASE("a pipeline transfer ties its two ranks as a collective does", "[engin
 TEST_CASE("a collective ties two ranks before their first transfer", "[engine][stragglers]") {
   // Both compute 2 s and meet in a collective (0.5 s); rank 0 then computes 1 s and sends to
   // rank 1, which waits for it. Eager sends; transfers take no time.
-  dtsim::lower::Program p;
-  p.plan.overlap_p2p_comm = true;
-  dtsim::lower::Group g;
-  g.ranks = {0, 1};
-  g.programs = {0, 1};
-  p.groups = {g};
-  dtsim::lower::RankProgram r0, r1;
-  r0.rank = 0;
-  r1.rank = 1;
-  r0.tasks = {compute(2, {}), collective(0, {0}), compute(1, {1}),
-              transfer(TaskKind::Send, 1, 0, {2})};
-  r1.tasks = {compute(2, {}), collective(0, {0}), transfer(TaskKind::Recv, 0, 0, {1})};
-  p.ranks = {r0, r1};
-  Fixed d;
-  dtsim::engine::EngineOptions options;
-  options.jitter_cv = 0.1;
-  const auto t = dtsim::engine::run(p, d, options);
+  const auto t = run_pair_with_jitter(
+      {compute(2, {}), collective(0, {0}), compute(1, {1}), transfer(TaskKind::Send, 1, 0, {2})},
+      {compute(2, {}), collective(0, {0}), transfer(TaskKind::Recv, 0, 0, {1})});
   const double e2 = dtsim::engine::expected_max_normal(2);
   const double collective_end = 2 + 0.1 * e2 * 2 + 0.5;
   CHECK(t.tasks[0][1].end_s == Approx(collective_end));
