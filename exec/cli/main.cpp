@@ -355,6 +355,27 @@ std::vector<dtsim::engine::StagePrediction> measured_stages(const Timings& all,
   return stages;
 }
 
+// The time rank r spent between its tasks, the mean over the steps rank 0 has of it: from the
+// rank's start of the step to its last task's end, what none of its tasks covers as the rank
+// timed them (a communication task from when this rank reached it, so waits for peers are
+// inside tasks, not here). That is the runner's own work between tasks (and what the OS took),
+// which the measured bubble holds along with the waits.
+double runner_work_s(const Timings& all, const dtsim::exec::RunResult& result, std::size_t r) {
+  if (r >= all.by_step.size() || all.by_step[r].empty()) return 0;
+  double sum = 0;
+  for (const auto& [step, records] : all.by_step[r]) {
+    std::vector<std::pair<double, double>> spans;
+    for (const auto& t : records) spans.emplace_back(t.start_s, t.end_s);
+    std::sort(spans.begin(), spans.end());
+    double covered = all.begin(r, static_cast<std::size_t>(step - result.first_step));
+    for (const auto& [start, end] : spans) {
+      if (start > covered) sum += start - covered;
+      covered = std::max(covered, end);
+    }
+  }
+  return sum / static_cast<double>(all.by_step[r].size());
+}
+
 // The fastest and slowest step after warm-up.
 std::pair<double, double> spread(const dtsim::exec::RunResult& result, int warmup) {
   const auto& t = result.step_times_s;
@@ -1063,6 +1084,12 @@ int run(const std::vector<std::string>& args) {
     // Before the simulator's terms were measured, the rest of the (median) step was one figure.
     breakdown["other_s"] =
         std::max(0.0, step - spent.compute_s - spent.recompute_s - spent.optimizer_s);
+    // Measured only: the part of the bubble that is the runner's own work between tasks.
+    double runner_s = 0;
+    for (std::size_t r = 0; r < program.ranks.size() && !stages.empty(); ++r) {
+      if (program.ranks[r].rank == spent_rank) runner_s = runner_work_s(timings, result, r);
+    }
+    breakdown["runner_s"] = runner_s;
     // Amdahl's bound from the measured split (simulate's rule), the waits for peers counted as
     // idle.
     const double mean_step = spent.total_s();
@@ -1082,7 +1109,8 @@ int run(const std::vector<std::string>& args) {
                   "rank {}'s tasks ({}), the mean over the last (up to 8) steps after warm-up, "
                   "each from the rank's start of the step to the end of the slowest rank's, split "
                   "as dtsim simulate splits a step{}; bubble_s also holds the runner's own work "
-                  "between tasks; other_s: the median step less compute, recompute and optimizer",
+                  "between tasks, runner_s of it (what none of the rank's tasks covers, as it "
+                  "timed them); other_s: the median step less compute, recompute and optimizer",
                   spent_rank,
                   stages.size() > 1 ? fmt::format("stage {}, the stage that computes the most, as "
                                                   "simulate reports; per_stage has each stage's "

@@ -24,6 +24,9 @@ assert 0 <= clock["error_s"] < 0.01, clock
 assert "put on rank 0's by round trips" in run["breakdown"]["note"], run["breakdown"]["note"]
 assert [s["stage"] for s in run["per_stage"]] == [0, 1], run["per_stage"]
 assert run["amdahl"] is not None and 0 < run["amdahl"]["serial_fraction"] < 1, run["amdahl"]
+# The runner's own work between tasks is a part of the bubble.
+breakdown = run["breakdown"]
+assert 0 <= breakdown["runner_s"] <= breakdown["bubble_s"] + 1e-9, breakdown
 trace = json.load(open("skew_trace.json"))
 events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
 # One step on one clock: no event a second away from the step's start (1000 s without offsets).
