@@ -355,11 +355,14 @@ std::vector<dtsim::engine::StagePrediction> measured_stages(const Timings& all,
   return stages;
 }
 
-// The time rank r spent between its tasks, the mean over the steps rank 0 has of it: from the
-// rank's start of the step to its last task's end, what none of its tasks covers as the rank
-// timed them (a communication task from when this rank reached it, so waits for peers are
-// inside tasks, not here). That is the runner's own work between tasks (and what the OS took),
-// which the measured bubble holds along with the waits.
+// The time rank r spent between its tasks, the mean over its gathered steps: from the rank's
+// start of the step to its last task's end, what none of its tasks covers as the rank timed
+// them. On a host-memory device a communication task lasts from when this rank reached it to
+// its completion, so waits for peers are inside tasks, and this is the runner's own work
+// between tasks (and what the OS took), which the measured bubble holds along with the waits.
+// A lower bound of it: work done while a blocking send is open (its end is where the runner
+// next waits for sends) is covered by that send. (On a device that queues work, the spans are
+// the compute stream's, and its waits for collectives and sends fall between them: not this.)
 double runner_work_s(const Timings& all, const dtsim::exec::RunResult& result, std::size_t r) {
   if (r >= all.by_step.size() || all.by_step[r].empty()) return 0;
   double sum = 0;
@@ -370,7 +373,7 @@ double runner_work_s(const Timings& all, const dtsim::exec::RunResult& result, s
     double covered = all.begin(r, static_cast<std::size_t>(step - result.first_step));
     for (const auto& [start, end] : spans) {
       if (start > covered) sum += start - covered;
-      covered = std::max(covered, end);
+      covered = std::max({covered, start, end});
     }
   }
   return sum / static_cast<double>(all.by_step[r].size());
@@ -1084,12 +1087,16 @@ int run(const std::vector<std::string>& args) {
     // Before the simulator's terms were measured, the rest of the (median) step was one figure.
     breakdown["other_s"] =
         std::max(0.0, step - spent.compute_s - spent.recompute_s - spent.optimizer_s);
-    // Measured only: the part of the bubble that is the runner's own work between tasks.
-    double runner_s = 0;
-    for (std::size_t r = 0; r < program.ranks.size() && !stages.empty(); ++r) {
-      if (program.ranks[r].rank == spent_rank) runner_s = runner_work_s(timings, result, r);
+    // Measured only: the part of the bubble that is the runner's own work between tasks; null
+    // where a device queues work and has peers to wait for (runner_work_s).
+    std::optional<double> runner_s;
+    if (device->host_memory() || program.ranks.size() == 1) {
+      runner_s = 0.0;
+      for (std::size_t r = 0; r < program.ranks.size() && !stages.empty(); ++r) {
+        if (program.ranks[r].rank == spent_rank) runner_s = runner_work_s(timings, result, r);
+      }
     }
-    breakdown["runner_s"] = runner_s;
+    breakdown["runner_s"] = dtsim::report::value_or_null(runner_s);
     // Amdahl's bound from the measured split (simulate's rule), the waits for peers counted as
     // idle.
     const double mean_step = spent.total_s();
@@ -1109,8 +1116,10 @@ int run(const std::vector<std::string>& args) {
                   "rank {}'s tasks ({}), the mean over the last (up to 8) steps after warm-up, "
                   "each from the rank's start of the step to the end of the slowest rank's, split "
                   "as dtsim simulate splits a step{}; bubble_s also holds the runner's own work "
-                  "between tasks, runner_s of it (what none of the rank's tasks covers, as it "
-                  "timed them); other_s: the median step less compute, recompute and optimizer",
+                  "between tasks, at least runner_s of it (what none of the rank's tasks covers, "
+                  "as it timed them; null on GPUs with peers, where the compute stream's gaps "
+                  "hold its waits); other_s: the median step less compute, recompute and "
+                  "optimizer",
                   spent_rank,
                   stages.size() > 1 ? fmt::format("stage {}, the stage that computes the most, as "
                                                   "simulate reports; per_stage has each stage's "

@@ -242,7 +242,8 @@ class Engine {
   // as a tie as well). So at pp 2, or with interleaved chunks, the first and last stages'
   // tied-embedding all-reduce follows their last transfers, not a whole step of compute; at
   // pp > 2 without interleaving those two stages exchange nothing directly, and the ties along
-  // the stages between them are not followed. The collective is now their last tie.
+  // the stages between them are not followed. The collective is now their last tie, and the
+  // last tie of each pair of its members that exchange pipeline transfers (its group's or not).
   double straggler_wait(const std::vector<std::pair<std::int32_t, TaskId>>& members,
                         const lower::Group& g, std::int32_t group) {
     std::vector<std::int32_t> programs;
