@@ -1434,6 +1434,13 @@ void print_profile(const nlohmann::json& profile, const std::string& path) {
         "{:.3f}, optimizer {:.3f} (over {} tasks; dtsim --profile applies them)\n",
         r.at("forward").get<double>(), r.at("backward").get<double>(),
         r.at("optimizer").get<double>(), r.at("tasks").get<int>());
+    if (r.contains("transient_cv")) {
+      std::cout << fmt::format(
+          "ranks' spread: lasting {:.2f}% (the simulator's slow rank), transient {:.2f}% per "
+          "phase of a step, against the GEMM's {:.1f}% (jitter_cv, the straggler model's)\n",
+          100 * r.at("rank_spread_cv").get<double>(), 100 * r.at("transient_cv").get<double>(),
+          100 * profile.at("jitter_cv").get<double>());
+    }
   }
 }
 
@@ -1542,6 +1549,15 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
 // what stays with the rank (a slower core, a busier one) and averages away most of what
 // changes from round to round (which jitter_cv and the straggler model stand for). The spread
 // is the coefficient of variation of those averages across the ranks, pooled over both phases.
+//
+// With the same table (a phase's time per rank and round), `transient_cv`: what is left of a
+// rank's time in a round once its lasting speed (its mean over rounds) and that round's pace on
+// every rank (the host's drift, which no rank waits for) are taken out, as a coefficient of
+// variation (a two-way table's interaction: the variance of x[k][r] - rank[k] - round[r] + mean
+// over (ranks - 1)(rounds - 1), pooled over both phases). That is the spread of a whole phase
+// of compute that one rank has and the others do not at the same moment: what a straggler
+// model needs of a pipeline stage's segment, where jitter_cv is one GEMM's spread over repeats.
+// Recorded beside jitter_cv for comparison; the simulator does not use it yet.
 void in_run_over_ranks(nlohmann::json& in_run, const std::vector<double>& phase_seconds,
                        dtsim::exec::cpu::MpiSession& mpi) {
   for (const char* k : {"forward", "backward", "optimizer"}) {
@@ -1560,6 +1576,27 @@ void in_run_over_ranks(nlohmann::json& in_run, const std::vector<double>& phase_
     sum += variance / (mean * mean);
   }
   in_run["rank_spread_cv"] = std::sqrt(sum / 2);
+  if (rounds < 2) return;
+  double transient = 0;
+  for (std::size_t phase = 0; phase < 2; ++phase) {
+    std::vector<double> x(rounds);
+    double own = 0;
+    for (std::size_t r = 0; r < rounds; ++r) {
+      x[r] = phase_seconds[2 * r + phase];
+      own += x[r] / static_cast<double>(rounds);
+    }
+    const double grand = mpi.mean(own);
+    double squares = 0;  // this rank's sum of squared interactions
+    for (std::size_t r = 0; r < rounds; ++r) {
+      const double pace = mpi.mean(x[r]);  // the round's mean over the ranks
+      const double e = x[r] - own - pace + grand;
+      squares += e * e;
+    }
+    const double variance =
+        mpi.mean(squares) * ranks / ((ranks - 1.0) * (static_cast<double>(rounds) - 1.0));
+    transient += variance / (grand * grand);
+  }
+  in_run["transient_cv"] = std::sqrt(transient / 2);
 }
 
 #ifdef DTEXEC_HAVE_CUDA

@@ -92,9 +92,11 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   if (r.has("jitter_cv")) p.jitter_cv = coefficient_of_variation(r, "jitter_cv");
   if (r.has("in_run")) {
     const JsonReader f = r.object("in_run");
-    f.expect_only(
-        {"forward", "backward", "optimizer", "tasks", "rank_spread_cv", "optimizer_prices_clear"});
+    f.expect_only({"forward", "backward", "optimizer", "tasks", "rank_spread_cv", "transient_cv",
+                   "optimizer_prices_clear"});
     if (f.has("rank_spread_cv")) p.rank_spread_cv = coefficient_of_variation(f, "rank_spread_cv");
+    // Recorded by dtexec calibrate for comparison with jitter_cv; not used by the model yet.
+    if (f.has("transient_cv")) coefficient_of_variation(f, "transient_cv");
     auto factor = [&](std::string_view key) {
       const double v = f.positive_number(key);
       if (v < 0.1 || v > 100) {

@@ -17,12 +17,15 @@
 //                                           ranks (a coefficient of variation, below 1), for the
 //                                           straggler model (optional)
 //   "in_run": {"forward": 1.08, "backward": 1.15, "optimizer": 1.0, "tasks": 31,
-//              "rank_spread_cv": 0.08}
+//              "rank_spread_cv": 0.08, "transient_cv": 0.01}
 //                                           measured over predicted time of the calibration
 //                                           model's forward, backward and optimizer tasks in a
 //                                           training step that dtexec ran (optional); with
-//                                           several ranks at once, the spread of a phase's time
-//                                           across them (optional; informative, not used)
+//                                           several ranks at once, the spread of their lasting
+//                                           speeds (rank_spread_cv, the slow rank; optional)
+//                                           and of a phase's time from round to round once
+//                                           those and the host's drift are out (transient_cv;
+//                                           optional, recorded, not used yet)
 // }
 // Kernels timed alone run faster than in a training step, where their operands come from other
 // kernels (caches) and the executor works between them: "in_run" holds that ratio, measured by

@@ -145,6 +145,10 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
           "in_run": {"forward": 1, "backward": 1, "optimizer": 1, "rank_spread_cv": 1.2}})",
       "bad_profile.json: in_run.rank_spread_cv: expected a coefficient of variation below 1, "
       "got 1.2");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "in_run": {"forward": 1, "backward": 1, "optimizer": 1, "transient_cv": 2}})",
+      "bad_profile.json: in_run.transient_cv: expected a coefficient of variation below 1, "
+      "got 2");
 }
 
 TEST_CASE("a profile's in_run factors scale its compute times by phase", "[cost][profile]") {
@@ -155,7 +159,8 @@ TEST_CASE("a profile's in_run factors scale its compute times by phase", "[cost]
   TempFile run_file("in_run.json", "{" + base +
                                        R"(, "in_run": {"forward": 1.1, "backward": 1.3,
                                                         "optimizer": 1.5, "tasks": 12,
-                                                        "rank_spread_cv": 0.03}})");
+                                                        "rank_spread_cv": 0.03,
+                                                        "transient_cv": 0.01}})");
   const auto plain = dtsim::cost::load_profile(plain_file.path());
   const auto in_run = dtsim::cost::load_profile(run_file.path());
   REQUIRE(in_run.in_run);
