@@ -1566,36 +1566,25 @@ void in_run_over_ranks(nlohmann::json& in_run, const std::vector<double>& phase_
   const int ranks = mpi.size();
   if (ranks < 2 || phase_seconds.size() < 2) return;
   const std::size_t rounds = phase_seconds.size() / 2;
-  double sum = 0;
+  auto at = [&](std::size_t round, std::size_t phase) { return phase_seconds[2 * round + phase]; };
+  double lasting = 0, transient = 0;  // squared coefficients of variation, summed over phases
   for (std::size_t phase = 0; phase < 2; ++phase) {
     double own = 0;  // this rank's mean over the rounds
-    for (std::size_t r = 0; r < rounds; ++r) own += phase_seconds[2 * r + phase];
-    own /= static_cast<double>(rounds);
+    for (std::size_t r = 0; r < rounds; ++r) own += at(r, phase) / static_cast<double>(rounds);
     const double mean = mpi.mean(own), mean_sq = mpi.mean(own * own);
-    const double variance = std::max(0.0, mean_sq - mean * mean) * ranks / (ranks - 1.0);
-    sum += variance / (mean * mean);
-  }
-  in_run["rank_spread_cv"] = std::sqrt(sum / 2);
-  if (rounds < 2) return;
-  double transient = 0;
-  for (std::size_t phase = 0; phase < 2; ++phase) {
-    std::vector<double> x(rounds);
-    double own = 0;
-    for (std::size_t r = 0; r < rounds; ++r) {
-      x[r] = phase_seconds[2 * r + phase];
-      own += x[r] / static_cast<double>(rounds);
-    }
-    const double grand = mpi.mean(own);
+    lasting += std::max(0.0, mean_sq - mean * mean) * ranks / (ranks - 1.0) / (mean * mean);
+    if (rounds < 2) continue;
     double squares = 0;  // this rank's sum of squared interactions
     for (std::size_t r = 0; r < rounds; ++r) {
-      const double pace = mpi.mean(x[r]);  // the round's mean over the ranks
-      const double e = x[r] - own - pace + grand;
+      const double pace = mpi.mean(at(r, phase));  // the round's mean over the ranks
+      const double e = at(r, phase) - own - pace + mean;
       squares += e * e;
     }
-    const double variance =
-        mpi.mean(squares) * ranks / ((ranks - 1.0) * (static_cast<double>(rounds) - 1.0));
-    transient += variance / (grand * grand);
+    transient += mpi.mean(squares) * ranks / ((ranks - 1.0) * (static_cast<double>(rounds) - 1.0)) /
+                 (mean * mean);
   }
+  in_run["rank_spread_cv"] = std::sqrt(lasting / 2);
+  if (rounds < 2) return;
   in_run["transient_cv"] = std::sqrt(transient / 2);
 }
 
