@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <numbers>
@@ -42,7 +43,6 @@ class Engine {
         serial_(options.serial_ranks) {
     const std::size_t n = program.ranks.size();
     compute_total_.assign(n, 0.0);
-    spread_.assign(program.groups.size(), -1.0);
     synced_at_.resize(n);
     paired_at_.resize(n);
     peers_.resize(n);
@@ -114,6 +114,22 @@ class Engine {
   }
 
  private:
+  // A pipeline transfer's two ends: the spread of each's arrival (pair_spreads).
+  struct Spreads {
+    double sender_s = 0, receiver_s = 0;
+  };
+  // An eager send's data on its way: when it travels, and the two ends' spreads.
+  struct Sent {
+    TaskTime transfer;
+    Spreads spreads;
+  };
+  // A blocking send whose receive is not posted yet.
+  struct WaitingSend {
+    TaskId send;
+    double ready_s;
+    Spreads spreads;
+  };
+
   const Task& task(std::int32_t p, TaskId t) const {
     return program_.ranks[static_cast<std::size_t>(p)].tasks[static_cast<std::size_t>(t)];
   }
@@ -140,27 +156,25 @@ class Engine {
         arrive(p, t, now);
         break;
       case TaskKind::Send: {
-        // Stragglers: the receiver gets the data as late as the sender is, on average.
-        const double late = jitter_cv_ > 0 ? pair_wait(p, k.peer) : 0.0;
+        const Spreads spreads = jitter_cv_ > 0 ? pair_spreads(p, k.peer) : Spreads{};
         const auto key = std::make_tuple(k.peer, p, k.tag);
         const auto posted = recvs_.find(key);
         if (!eager_p2p_) {
           // Rendezvous: the transfer starts once the receiver has posted its receive.
           if (posted == recvs_.end()) {
-            waiting_sends_[key] = {t, now + late};
+            waiting_sends_[key] = {t, now, spreads};
             break;
           }
-          rendezvous(p, t, now + late, k.peer, posted->second);
+          rendezvous(p, t, now, spreads, k.peer, posted->second);
           recvs_.erase(posted);
           break;
         }
-        // The data travels as late as the sender is; the sender's own task is not shifted.
-        const auto [start, end] = reserve_link(p, k.peer, now + late, transfer_s(p, k));
-        schedule(p, t, now, end - late);  // eager: the sender does not wait for the receiver
-        const TaskTime arrival{start, end};
-        sends_[key] = arrival;
+        const auto [start, end] = reserve_link(p, k.peer, now, transfer_s(p, k));
+        schedule(p, t, now, end);  // eager: the sender does not wait for the receiver
+        const Sent sent{TaskTime{start, end}, spreads};
+        sends_[key] = sent;
         if (posted != recvs_.end()) {
-          complete_recv(k.peer, posted->second, arrival);
+          complete_recv(k.peer, posted->second, sent);
           recvs_.erase(posted);
         }
         break;
@@ -168,7 +182,7 @@ class Engine {
       case TaskKind::Recv: {
         const auto key = std::make_tuple(p, k.peer, k.tag);
         if (auto it = waiting_sends_.find(key); it != waiting_sends_.end()) {
-          rendezvous(k.peer, it->second.first, it->second.second, p, t);
+          rendezvous(k.peer, it->second.send, it->second.ready_s, it->second.spreads, p, t);
           waiting_sends_.erase(it);
         } else if (auto sent = sends_.find(key); sent != sends_.end()) {
           complete_recv(p, t, sent->second);
@@ -186,13 +200,15 @@ class Engine {
                             program_.ranks[static_cast<std::size_t>(send.peer)].rank, send.bytes);
   }
 
-  // A blocking transfer: it starts when the sender is ready and the receive is posted, and
-  // both tasks end with it.
-  void rendezvous(std::int32_t sender, TaskId send, double ready, std::int32_t receiver,
-                  TaskId recv) {
+  // A blocking transfer: it starts when the sender is ready and the receive is posted (the
+  // later of the two, on average later still by their spreads), and both tasks end with it.
+  void rendezvous(std::int32_t sender, TaskId send, double ready, Spreads spreads,
+                  std::int32_t receiver, TaskId recv) {
     const double posted =
         eligible_[static_cast<std::size_t>(receiver)][static_cast<std::size_t>(recv)];
-    const auto [start, end] = reserve_link(sender, receiver, std::max(ready, posted),
+    const double late =
+        expected_lateness(Arrival{ready, spreads.sender_s}, Arrival{posted, spreads.receiver_s});
+    const auto [start, end] = reserve_link(sender, receiver, std::max(ready, posted) + late,
                                            transfer_s(sender, task(sender, send)));
     schedule(sender, send, start, end);
     schedule(receiver, recv, start, end);
@@ -213,10 +229,15 @@ class Engine {
     return {start, start + seconds};
   }
 
-  // The receive spans the part of the transfer after it was posted.
-  void complete_recv(std::int32_t p, TaskId t, TaskTime transfer) {
+  // The receive spans the part of the transfer after it was posted. It ends when the data is
+  // there and the receiver is at it (the later of the two, on average later still by their
+  // spreads).
+  void complete_recv(std::int32_t p, TaskId t, const Sent& sent) {
     const double posted = eligible_[static_cast<std::size_t>(p)][static_cast<std::size_t>(t)];
-    schedule(p, t, std::max(posted, transfer.start_s), std::max(posted, transfer.end_s));
+    const double late = expected_lateness(Arrival{sent.transfer.end_s, sent.spreads.sender_s},
+                                          Arrival{posted, sent.spreads.receiver_s});
+    schedule(p, t, std::max(posted, sent.transfer.start_s),
+             std::max(posted, sent.transfer.end_s) + late);
   }
 
   void arrive(std::int32_t p, TaskId t, double now) {
@@ -235,14 +256,17 @@ class Engine {
   }
 
   // Stragglers: the slowest of the group's ranks (not programs: a representative stands for
-  // several) arrives late by the spread of the compute its members did since they were last
-  // tied: at the group's last collective, or where a member last exchanged a pipeline transfer
-  // with another member (a blocking transfer waits for the later of the two, so a lead or lag
-  // from before is spent; an eager send ties only a receiver that was ahead, which this takes
-  // as a tie as well). So at pp 2, or with interleaved chunks, the first and last stages'
-  // tied-embedding all-reduce follows their last transfers, not a whole step of compute; at
-  // pp > 2 without interleaving those two stages exchange nothing directly, and the ties along
-  // the stages between them are not followed. The collective is now their last tie, and the
+  // several) comes after the others by the spread of the compute each did since its members
+  // were last tied, cv times that compute: at the group's last collective, or where a member
+  // last exchanged a pipeline transfer with another member (a blocking transfer waits for the
+  // later of the two, so a lead or lag from before is spent; an eager send ties only a
+  // receiver that was ahead, which this takes as a tie as well). So at pp 2, or with
+  // interleaved chunks, the first and last stages' tied-embedding all-reduce follows their last
+  // transfers, not a whole step of compute; at pp > 2 without interleaving those two stages
+  // exchange nothing directly, and the ties along the stages between them are not followed.
+  // The wait is the expected lateness of the last of them past the latest average arrival:
+  // E[max of n normals]·cv·T where they arrive together after the same compute T, nothing for
+  // a member that arrives long after the others. The collective is now their last tie, and the
   // last tie of each pair of its members that exchange pipeline transfers (its group's or not).
   double straggler_wait(const std::vector<std::pair<std::int32_t, TaskId>>& members,
                         const lower::Group& g, std::int32_t group) {
@@ -252,15 +276,19 @@ class Engine {
     auto is_member = [&](std::int32_t p) {
       return std::binary_search(programs.begin(), programs.end(), p);
     };
-    double since = 0;
-    for (const std::int32_t p : programs) {
+    // Each program stands for an equal share of the group's ranks.
+    const double ranks_each =
+        static_cast<double>(g.ranks.size()) / static_cast<double>(members.size());
+    std::vector<Arrival> arrivals;
+    for (const auto& [p, t] : members) {
       const auto i = static_cast<std::size_t>(p);
       const auto it = synced_at_[i].find(group);
       double tied = it == synced_at_[i].end() ? 0 : it->second;
       for (const auto& [peer, at] : paired_at_[i]) {
         if (is_member(peer)) tied = std::max(tied, at);
       }
-      since = std::max(since, compute_total_[i] - tied);
+      arrivals.push_back(Arrival{eligible_[i][static_cast<std::size_t>(t)],
+                                 jitter_cv_ * (compute_total_[i] - tied), ranks_each});
     }
     for (const std::int32_t p : programs) {
       const auto i = static_cast<std::size_t>(p);
@@ -269,29 +297,26 @@ class Engine {
         if (is_member(peer)) paired_at_[i][peer] = compute_total_[i];
       }
     }
-    double& e = spread_[static_cast<std::size_t>(group)];  // computed once per group
-    if (e < 0) e = expected_max_normal(static_cast<std::int64_t>(g.ranks.size()));
-    return jitter_cv_ * e * since;
+    return expected_lateness(std::move(arrivals));
   }
 
-  // Stragglers between the two ranks of a transfer: the sender is late past the receiver by
-  // E[max(0, X - Y)] = e(2)·cv·T for X, Y their normal spreads (e(2) = 1/sqrt(pi), the same
-  // as the later of two), T the compute either did since the pair's previous tie (a transfer,
-  // or a collective of both). This is their new tie, marked with the compute each has issued
-  // when the send is ready: a receiver not at its receive yet may have some of it under way
-  // (an approximation; marking the receiver where it posts the receive instead would count a
-  // wait for each direction of Megatron-LM's paired exchanges, where now the second of the
-  // pair, ready at the same moment, finds the two just tied).
-  double pair_wait(std::int32_t sender, std::int32_t receiver) {
+  // Stragglers between the two ranks of a transfer: the spread of each's arrival, cv times the
+  // compute it did since the pair's previous tie (a transfer, or a collective of both). Where
+  // both come at once after the same compute T, the later is e(2)·cv·T late (e(2) = 1/sqrt(pi));
+  // a receive posted long before the send is ready waits for the send alone, on average not
+  // late. This is their new tie, marked with the compute each has issued when the send is
+  // ready: a receiver not at its receive yet may have some of it under way (an approximation;
+  // marking the receiver where it posts the receive instead would count a wait for each
+  // direction of Megatron-LM's paired exchanges, where now the second of the pair, ready at
+  // the same moment, finds the two just tied).
+  Spreads pair_spreads(std::int32_t sender, std::int32_t receiver) {
     const auto s = static_cast<std::size_t>(sender), r = static_cast<std::size_t>(receiver);
-    const double since = std::max(compute_total_[s] - paired_at_[s][receiver],
-                                  compute_total_[r] - paired_at_[r][sender]);
+    const Spreads spreads{jitter_cv_ * (compute_total_[s] - paired_at_[s][receiver]),
+                          jitter_cv_ * (compute_total_[r] - paired_at_[r][sender])};
     paired_at_[s][receiver] = compute_total_[s];
     paired_at_[r][sender] = compute_total_[r];
-    if (pair_spread_ < 0) pair_spread_ = expected_max_normal(2);
-    return jitter_cv_ * pair_spread_ * since;
+    return spreads;
   }
-
   void finish(std::int32_t p, TaskId t, double now) {
     for (TaskId d : dependents_[static_cast<std::size_t>(p)][static_cast<std::size_t>(t)]) {
       if (--pending_[static_cast<std::size_t>(p)][static_cast<std::size_t>(d)] == 0) {
@@ -313,8 +338,6 @@ class Engine {
   // collective after that); its peers, from its sends and receives.
   std::vector<std::map<std::int32_t, double>> paired_at_;
   std::vector<std::set<std::int32_t>> peers_;
-  double pair_spread_ = -1;     // expected_max_normal(2), once needed
-  std::vector<double> spread_;  // per group: expected_max_normal(ranks), -1 until needed
   std::vector<std::vector<int>> pending_;
   std::vector<std::vector<std::vector<TaskId>>> dependents_;
   std::vector<std::vector<double>> eligible_;
@@ -325,11 +348,9 @@ class Engine {
     std::vector<std::pair<std::int32_t, TaskId>> members;
   };
   std::map<std::pair<std::int32_t, std::int64_t>, Rendezvous> collectives_;
-  std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, TaskTime> sends_;
+  std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, Sent> sends_;
   std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, TaskId> recvs_;
-  // Blocking transfers whose receive is not posted yet: the send and when its sender was ready.
-  std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, std::pair<TaskId, double>>
-      waiting_sends_;
+  std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, WaitingSend> waiting_sends_;
   bool eager_p2p_;
   bool serial_;
   // Per program: when its link is next free to send and to receive a pipeline transfer.
@@ -362,6 +383,95 @@ double expected_max_normal(std::int64_t n) {
   const double e = sum * h / 3;
   memo.emplace(n, e);
   return e;
+}
+
+namespace {
+
+double normal_cdf(double x) {
+  return 0.5 * std::erfc(-x / std::numbers::sqrt2);
+}
+double normal_pdf(double x) {
+  return std::exp(-0.5 * x * x) / std::sqrt(2 * std::numbers::pi);
+}
+
+}  // namespace
+
+double expected_lateness(const Arrival& a, const Arrival& b) {
+  const double theta = std::hypot(a.sigma_s, b.sigma_s);
+  if (!(theta > 0)) return 0;
+  // Clark: E[max] = mu1·Phi(alpha) + mu2·Phi(-alpha) + theta·phi(alpha), alpha = (mu1 - mu2) /
+  // theta; less the later mean mu1: theta·(phi(alpha) - alpha·Phi(-alpha)).
+  const double alpha = std::abs(a.at_s - b.at_s) / theta;
+  return std::max(0.0, theta * (normal_pdf(alpha) - alpha * normal_cdf(-alpha)));
+}
+
+double expected_lateness(std::vector<Arrival> arrivals) {
+  std::erase_if(arrivals, [](const Arrival& a) { return !(a.ranks > 0); });
+  if (arrivals.empty()) return 0;
+  double latest = arrivals.front().at_s, widest = 0;
+  for (const Arrival& a : arrivals) {
+    latest = std::max(latest, a.at_s);
+    widest = std::max(widest, a.sigma_s);
+  }
+  if (!(widest > 0)) return 0;
+  // Spreads too narrow for the integral's steps count as none.
+  constexpr double kNarrow = 1e-3;
+  for (Arrival& a : arrivals) {
+    if (a.sigma_s < kNarrow * widest) a.sigma_s = 0;
+  }
+  // Ranks alike in arrival and spread are one set of ranks.
+  std::sort(arrivals.begin(), arrivals.end(), [](const Arrival& a, const Arrival& b) {
+    return std::tie(a.at_s, a.sigma_s) < std::tie(b.at_s, b.sigma_s);
+  });
+  std::vector<Arrival> sets;
+  for (const Arrival& a : arrivals) {
+    if (!sets.empty() && sets.back().at_s == a.at_s && sets.back().sigma_s == a.sigma_s) {
+      sets.back().ranks += a.ranks;
+    } else {
+      sets.push_back(a);
+    }
+  }
+  if (sets.size() == 1) {
+    const double n = sets.front().ranks;
+    if (n == std::round(n)) return sets.front().sigma_s * expected_max_normal(std::llround(n));
+  }
+  if (sets.size() == 2 && sets[0].ranks == 1 && sets[1].ranks == 1) {
+    return expected_lateness(sets[0], sets[1]);
+  }
+  // Ranks without a spread arrive at their mean: the maximum is at least the latest of those.
+  // Every other set is past its mean by more than 13 spreads with a negligible probability
+  // (2e-38 each, for up to 2^24 ranks).
+  constexpr double kTail = 13;
+  double lo = -std::numeric_limits<double>::infinity(), hi = lo;
+  std::vector<Arrival> spread;
+  for (const Arrival& a : sets) {
+    if (a.sigma_s == 0) {
+      lo = std::max(lo, a.at_s);
+    } else {
+      spread.push_back(a);
+    }
+  }
+  for (const Arrival& a : spread) {
+    lo = std::max(lo, a.at_s - kTail * a.sigma_s);
+    hi = std::max(hi, a.at_s + kTail * a.sigma_s);
+  }
+  // E[max] = lo + the integral over [lo, hi] of P(max > x), where P(max <= x) is the product of
+  // each set's Phi((x - at) / sigma)^ranks (Simpson's rule).
+  double mean = lo;
+  if (hi > lo) {
+    auto above = [&](double x) {
+      double below = 1;
+      for (const Arrival& a : spread)
+        below *= std::pow(normal_cdf((x - a.at_s) / a.sigma_s), a.ranks);
+      return 1 - below;
+    };
+    constexpr int kSteps = 4000;
+    const double h = (hi - lo) / kSteps;
+    double sum = above(lo) + above(hi);
+    for (int i = 1; i < kSteps; ++i) sum += above(lo + i * h) * (i % 2 == 1 ? 4 : 2);
+    mean += sum * h / 3;
+  }
+  return std::max(0.0, mean - latest);
 }
 
 Timeline run(const lower::Program& program, Durations& durations, const EngineOptions& options) {

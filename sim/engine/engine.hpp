@@ -8,16 +8,18 @@
 // Deterministic: ties in time are broken by the order events were created.
 //
 // Stragglers (EngineOptions::jitter_cv): ranks that run the same compute do not finish it at
-// the same moment. With each rank's compute since the group's previous collective taking
-// T·(1 + e), e normal with standard deviation cv and independent across ranks, the last of the
-// group's n ranks arrives E[max of n standard normals]·cv·T after the average one. A collective
-// waits that long before it starts (its members' tasks span the wait, as a measured trace shows
-// it). A pipeline transfer delivers its data E[max(0, X - Y)]·cv·T late, X and Y the sender's
-// and receiver's spreads and T the compute either did since their previous transfer: the
-// receiver waits for a late sender (the sender never waits for lateness). An approximation: real
-// noise is neither normal nor independent across ranks; the spread is taken as proportional to
-// T (noise correlated along one rank's segment; were it independent from op to op, long
-// segments would spread less, as sqrt(T)).
+// the same moment. Each rank's compute since it last met the others (the group's previous
+// collective, or its last pipeline transfer with one of them) takes T·(1 + e), e normal with
+// standard deviation cv and independent across ranks, so it arrives early or late by a normal
+// spread of cv·T around the simulated time. A collective or a transfer waits for the last of
+// its ranks: on average that long after the latest simulated arrival (expected_lateness),
+// E[max of n standard normals]·cv·T for n ranks that come together after the same T, nothing
+// for a rank that comes long after the others. A collective waits before it starts (its
+// members' tasks span the wait, as a measured trace shows it); a blocking transfer starts that
+// late; an eager send's data reaches its receive that late (the sender never waits). An
+// approximation: real noise is neither normal nor independent across ranks; the spread is
+// taken as proportional to T (noise correlated along one rank's segment; were it independent
+// from op to op, long segments would spread less, as sqrt(T)).
 //
 // A slow rank (EngineOptions::slow_program, slow_factor): ranks whose speeds differ for good
 // (a slower chip, a hotter one, a busier host) rather than from one segment to the next. One
@@ -66,6 +68,26 @@ struct EngineOptions {
 
 // E[max of n independent standard normal variables] (0 for n = 1; 0.5642 for n = 2).
 double expected_max_normal(std::int64_t n);
+
+// Ranks that reach a rendezvous (a collective, the two ends of a pipeline transfer) at `at_s`
+// on average, each early or late by its own normal spread of standard deviation `sigma_s`,
+// independently; `ranks` of them (a program that stands for several).
+struct Arrival {
+  double at_s = 0;
+  double sigma_s = 0;
+  double ranks = 1;
+};
+
+// How long after the latest average arrival the last rank comes, on average: E[max over all
+// ranks] - max at_s. Arrivals together with one spread give E[max of n normals]·sigma; a rank
+// that comes long after the others waits for nobody (0). The maximum's distribution is the
+// product of the normal distributions, integrated numerically (to about 0.5% of the largest
+// spread; spreads under 0.1% of it count as none).
+double expected_lateness(std::vector<Arrival> arrivals);
+
+// The same for two single ranks, in closed form (Clark 1961, "The greatest of a finite set of
+// random variables", Operations Research 9(2): E[max] of two normals).
+double expected_lateness(const Arrival& a, const Arrival& b);
 
 // Throws InternalError naming a stuck task if the program cannot finish (a lowering bug).
 Timeline run(const lower::Program& program, Durations& durations,

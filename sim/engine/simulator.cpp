@@ -357,9 +357,10 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   }
   if (engine.jitter_cv > 0) {
     p.notes.push_back(fmt::format(
-        "stragglers: compute time spread {:.1f}% (std/mean, {}); each collective waits for the "
-        "slowest of its ranks, each pipeline receive for a late sender, modelled as independent "
-        "normal spreads (an approximation)",
+        "stragglers: compute time spread {:.1f}% (std/mean, {}); each collective and pipeline "
+        "transfer waits for the last of its ranks, each early or late by that spread of its "
+        "compute since they last met, modelled as independent normal spreads (an "
+        "approximation)",
         100 * engine.jitter_cv, options.jitter_cv ? "as given" : "the profile's jitter_cv"));
   }
 

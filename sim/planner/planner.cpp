@@ -96,12 +96,13 @@ bool has_timeline(const Plan& p) {
 // models per op and per collective, and runs the passes through the schedule's order
 // (pass_timeline.hpp) for the bubble and the pipeline transfers.
 //
-// Stragglers, as the engine models them (sim/engine/engine.hpp): a collective waits
-// cv·E[max of its group's n ranks]·T, T the compute since that group's previous collective.
-// Over a step those T add up to the rank's compute, once per group kind. Tensor-parallel
-// collectives sit between the ops, so their waits, cv·e(tp)·compute, are all exposed; the
-// pipeline receives' waits for late senders count in the fill and drain, or at every round of
-// a blocking interleaved schedule (see below). The data-parallel buckets wait on the dp
+// Stragglers, as the engine models them (sim/engine/engine.hpp): a collective whose ranks come
+// together waits cv·E[max of its group's n ranks]·T, T the compute since that group's previous
+// collective. Over a step those T add up to the rank's compute, once per group kind.
+// Tensor-parallel collectives sit between the ops, so their waits, cv·e(tp)·compute, are all
+// exposed; the pipeline transfers' waits for the later end count as the bubble's length of
+// compute (a proxy, checked against the simulator in the planner test), or at every round of a
+// blocking interleaved schedule (see below). The data-parallel buckets wait on the dp
 // stream while the backward pass goes on, which hides their waits unless the stream outlasts
 // it (see the dp term below).
 class Estimator {
@@ -524,14 +525,15 @@ class Estimator {
     }
     b.exposed_cp_s += straggling(p.cp);
     b.exposed_ep_s += p.ep > 1 && m.moe ? straggling(p.ep) : 0.0;
-    // Pipeline receives wait for late senders (pairs). With overlapped transfers the data comes
-    // a pass ahead of its use in the steady state, which hides the lateness; the fill and drain
-    // hops, the bubble's length of compute, do not hide it. Blocking interleaved transfers (the
-    // default) expose it at every round: the exchange waits for both neighbours, one of them
-    // late by the spread of the round's compute (the engine's pair wait), less the one transfer
-    // time that the stage's second send queues behind its first on the link anyway. With one
-    // neighbour per exchange (1F1B, GPipe) or receives alone blocking (zero-bubble), the bubble
-    // term stays close to the simulator's (planner test).
+    // Pipeline transfers wait for the later of their two ends (pairs). With overlapped transfers
+    // the data comes a pass ahead of its use in the steady state, which hides the lateness;
+    // elsewhere the bubble's length of compute stands for the exchanges whose two ends come
+    // together (the simulator waits nothing where a stage idles long before its data comes).
+    // Blocking interleaved transfers (the default) expose it at every round: the exchange waits for
+    // both neighbours, one of them late by the spread of the round's compute (the engine's pair
+    // wait), less the one transfer time that the stage's second send queues behind its first on the
+    // link anyway. With one neighbour per exchange (1F1B, GPipe) or receives alone blocking
+    // (zero-bubble), the bubble term stays close to the simulator's (planner test).
     if (p.pp > 1 && jitter_cv_ > 0) {
       const bool every_round = !p.overlap_p2p_comm && p.schedule == Schedule::Interleaved;
       if (every_round) {

@@ -1,6 +1,7 @@
-// The straggler model of the engine, and its pipeline transfers: a collective waits E[max of n
-// normals]·cv·T for its slowest rank, T the compute its members did since the group's previous
-// collective or their last transfer between them.
+// The straggler model of the engine, and its pipeline transfers: a rendezvous waits for its last
+// rank, each rank late or early by cv·T (T the compute it did since it last met the others: the
+// group's previous collective or their last transfer between them), E[max of n normals]·cv·T
+// where all come together after the same T, nothing where the last comes long after the others.
 #include <algorithm>
 #include <cmath>
 #include <numbers>
@@ -75,11 +76,12 @@ dtsim::lower::Program two_syncs(int ranks) {
   return p;
 }
 
-// Ranks 0 and 1 with these tasks, group 0 the two of them, eager sends, jitter 0.1, Fixed
-// durations (collectives 0.5 s, transfers none).
-dtsim::engine::Timeline run_pair_with_jitter(std::vector<Task> rank0, std::vector<Task> rank1) {
+// Ranks 0 and 1 with these tasks, group 0 the two of them, eager sends (or blocking ones),
+// jitter 0.1, Fixed durations (collectives 0.5 s, transfers none).
+dtsim::engine::Timeline run_pair_with_jitter(std::vector<Task> rank0, std::vector<Task> rank1,
+                                             bool eager = true) {
   dtsim::lower::Program p;
-  p.plan.overlap_p2p_comm = true;
+  p.plan.overlap_p2p_comm = eager;
   dtsim::lower::Group g;
   g.ranks = {0, 1};
   g.programs = {0, 1};
@@ -105,6 +107,53 @@ TEST_CASE("the expected maximum of n standard normals", "[engine][stragglers]") 
   CHECK(dtsim::engine::expected_max_normal(4) == Approx(1.0293754).epsilon(1e-6));
   CHECK(dtsim::engine::expected_max_normal(8) == Approx(1.4236003).epsilon(1e-6));
   CHECK(dtsim::engine::expected_max_normal(1000) == Approx(3.2414).epsilon(1e-4));
+}
+
+TEST_CASE("the expected lateness of the last of several arrivals", "[engine][stragglers]") {
+  using dtsim::engine::Arrival;
+  using dtsim::engine::expected_lateness;
+  const double e8 = dtsim::engine::expected_max_normal(8);
+  // Together, with one spread: E[max of n normals] spreads.
+  CHECK(expected_lateness({Arrival{2, 0.5, 8}}) == Approx(0.5 * e8));
+  CHECK(expected_lateness({Arrival{2, 0.5, 3}, Arrival{2, 0.5, 5}}) == Approx(0.5 * e8));
+  // Two ranks together with spreads 0.3 and 0.4: theta·phi(0) for theta = 0.5 (Clark).
+  CHECK(expected_lateness(Arrival{1, 0.3}, Arrival{1, 0.4}) ==
+        Approx(0.5 / std::sqrt(2 * std::numbers::pi)));
+  // One unit of theta apart: phi(1) - Phi(-1) = 0.2419707 - 0.1586553.
+  const double s = 1 / std::numbers::sqrt2;
+  CHECK(expected_lateness(Arrival{0, s}, Arrival{1, s}) == Approx(0.0833154).epsilon(1e-6));
+  CHECK(expected_lateness(Arrival{1, s}, Arrival{0, s}) ==
+        expected_lateness(Arrival{0, s}, Arrival{1, s}));
+  // The last long after the others: it waits for nobody, and its own spread is no wait.
+  CHECK(expected_lateness({Arrival{0, 0.1, 8}, Arrival{10, 0.1, 1}}) == Approx(0).margin(1e-12));
+  CHECK(expected_lateness(Arrival{0, 0.1}, Arrival{10, 0.1}) == Approx(0).margin(1e-12));
+  // A wider gap, less lateness.
+  double before = expected_lateness(Arrival{0, 0.2}, Arrival{0, 0.2});
+  for (const double gap : {0.05, 0.1, 0.2, 0.4, 0.8}) {
+    const double late = expected_lateness(Arrival{0, 0.2}, Arrival{gap, 0.2});
+    CHECK(late < before);
+    before = late;
+  }
+  // The numerical integral (an early rank without spread, which cannot be the last, makes the
+  // set need it) against the closed forms: Clark's, and E[max of 8 normals].
+  for (const double gap : {0.0, 0.1, 0.5, 2.0}) {
+    INFO("gap " << gap);
+    CHECK(expected_lateness({Arrival{0, 0.3}, Arrival{gap, 0.4}, Arrival{-50, 0}}) ==
+          Approx(expected_lateness(Arrival{0, 0.3}, Arrival{gap, 0.4})).margin(1e-6));
+  }
+  CHECK(expected_lateness({Arrival{0, 1, 8}, Arrival{-50, 0}}) == Approx(e8).epsilon(1e-6));
+  // Spreads far apart: one rank's 1% of the other's, and one at 0.02%, which counts as none.
+  CHECK(expected_lateness({Arrival{0, 1}, Arrival{0, 0.01}, Arrival{-50, 0}}) ==
+        Approx(expected_lateness(Arrival{0, 1}, Arrival{0, 0.01})).epsilon(1e-3));
+  CHECK(expected_lateness({Arrival{0, 1}, Arrival{0, 0.0002}, Arrival{-50, 0}}) ==
+        Approx(expected_lateness(Arrival{0, 1}, Arrival{0, 0.0002})).epsilon(1e-3));
+  // A rank without spread at the latest mean: max(0, Z), phi(0).
+  CHECK(expected_lateness({Arrival{0, 0}, Arrival{0, 1}, Arrival{-50, 0}}) ==
+        Approx(1 / std::sqrt(2 * std::numbers::pi)).epsilon(1e-6));
+  // No spread, no ranks: no lateness.
+  CHECK(expected_lateness({Arrival{0, 0, 4}, Arrival{1, 0, 4}}) == 0);
+  CHECK(expected_lateness(std::vector<Arrival>{}) == 0);
+  CHECK(expected_lateness({Arrival{0, 1, 0}}) == 0);
 }
 
 TEST_CASE("a collective waits for its slowest rank", "[engine][stragglers]") {
@@ -155,81 +204,89 @@ TEST_CASE("each group waits for the compute since its own last collective",
   const double a1 = t.tasks[0][1].end_s;
   // B: never synced before, so all 3 s of rank 0's compute count.
   CHECK(t.tasks[0][3].end_s - t.tasks[0][3].start_s == Approx(0.1 * e4 * 3 + 0.5));
-  // A #2: since A #1, rank 0 computed 2 + 1 = 3 s, rank 1 3 s: the larger, 3 s. Rank 0 arrives
-  // last (its B in between), at a1 + 2 + B + 1.
+  // A #2: since A #1, rank 0 computed 2 + 1 = 3 s, rank 1 3 s. Rank 0 arrives last (its B in
+  // between), at a1 + 2 + B + 1, B's length after rank 1: less lateness than if together.
   const double b_len = 0.1 * e4 * 3 + 0.5;
   CHECK(t.tasks[0][5].start_s == Approx(a1 + 2 + b_len + 1));
-  CHECK(t.tasks[0][5].end_s == Approx(a1 + 2 + b_len + 1 + 0.1 * e2 * 3 + 0.5));
+  const double late = dtsim::engine::expected_lateness(dtsim::engine::Arrival{a1 + 3, 0.3},
+                                                       dtsim::engine::Arrival{a1 + 3 + b_len, 0.3});
+  CHECK(late < 0.1 * e2 * 3 / 4);
+  CHECK(t.tasks[0][5].end_s == Approx(a1 + 2 + b_len + 1 + late + 0.5));
   CHECK(t.tasks[1][3].end_s == Approx(t.tasks[0][5].end_s));
 }
 
-TEST_CASE("a pipeline receive waits for a late sender", "[engine][stragglers]") {
-  // Two stages: rank 0 computes 2 s and sends; rank 1 receives, computes 1 s and sends back;
-  // rank 0 receives. Transfers take no time here (Fixed::p2p_s); sends are eager.
-  dtsim::lower::Program p;
-  p.plan.overlap_p2p_comm = true;
-  auto send = [&](std::int32_t peer, std::int64_t tag, std::vector<dtsim::lower::TaskId> deps) {
-    return transfer(TaskKind::Send, peer, tag, std::move(deps));
-  };
-  auto recv = [&](std::int32_t peer, std::int64_t tag, std::vector<dtsim::lower::TaskId> deps) {
-    return transfer(TaskKind::Recv, peer, tag, std::move(deps));
-  };
-  dtsim::lower::RankProgram r0, r1;
-  r0.rank = 0;
-  r1.rank = 1;
-  r0.tasks = {compute(2, {}), send(1, 0, {0}), recv(1, 1, {})};
-  r1.tasks = {recv(0, 0, {}), compute(1, {0}), send(0, 1, {1})};
-  p.ranks = {r0, r1};
-  Fixed d;
-  const auto plain = dtsim::engine::run(p, d);
-  CHECK(plain.makespan_s == Approx(3));
-  dtsim::engine::EngineOptions options;
-  options.jitter_cv = 0.1;
-  const auto t = dtsim::engine::run(p, d, options);
-  const double e2 = dtsim::engine::expected_max_normal(2);
-  // The first transfer: 2 s of compute (rank 0's) since the pair last met: 0.1·e(2)·2 late.
-  CHECK(t.tasks[1][0].end_s == Approx(2 + 0.1 * e2 * 2));
-  // The sender does not wait.
-  CHECK(t.tasks[0][1].end_s == Approx(2));
-  // Back: rank 1 computed 1 s since, rank 0 nothing: 0.1·e(2)·1 late.
-  CHECK(t.tasks[0][2].end_s == Approx(2 + 0.1 * e2 * 2 + 1 + 0.1 * e2 * 1));
+TEST_CASE("a pipeline transfer waits for the later of its two ends", "[engine][stragglers]") {
+  // Both ranks compute 2 s; rank 0 sends to rank 1, which receives, computes 1 s and sends back;
+  // rank 0 receives at once. Transfers take no time here (Fixed::p2p_s).
+  for (const bool eager : {true, false}) {
+    INFO((eager ? "eager" : "blocking") << " sends");
+    const auto t = run_pair_with_jitter(
+        {compute(2, {}), transfer(TaskKind::Send, 1, 0, {0}), transfer(TaskKind::Recv, 1, 1, {1})},
+        {compute(2, {}), transfer(TaskKind::Recv, 0, 0, {0}), compute(1, {1}),
+         transfer(TaskKind::Send, 0, 1, {2})},
+        eager);
+    const double e2 = dtsim::engine::expected_max_normal(2);
+    // The first transfer: both come at 2 s after 2 s of compute, the later 0.1·e(2)·2 late.
+    const double first = 2 + 0.1 * e2 * 2;
+    CHECK(t.tasks[1][1].end_s == Approx(first));
+    // An eager sender does not wait; a blocking one ends with the transfer.
+    CHECK(t.tasks[0][1].end_s == Approx(eager ? 2 : first));
+    // Back: rank 0 has waited at its receive since, with no compute to spread it; rank 1's
+    // send comes 1 s after, late or early by 0.1 s: the receive waits for it alone, on
+    // average not late (0.1·e(2)·1 if they came together).
+    CHECK(t.tasks[0][2].end_s == Approx(first + 1).margin(1e-9));
+  }
 }
 
 TEST_CASE("a pipeline transfer ties its two ranks as a collective does", "[engine][stragglers]") {
-  // Rank 0 computes 3 s, sends to rank 1, computes 1 s; rank 1 receives and computes 2 s. Both
-  // then meet in a collective (0.5 s), after which rank 1 computes 1 s and sends back. Eager
-  // sends; transfers take no time (Fixed::p2p_s).
-  const auto t =
-      run_pair_with_jitter({compute(3, {}), transfer(TaskKind::Send, 1, 0, {0}), compute(1, {0}),
-                            collective(0, {2}), transfer(TaskKind::Recv, 1, 1, {3})},
-                           {transfer(TaskKind::Recv, 0, 0, {}), compute(2, {0}), collective(0, {1}),
-                            compute(1, {2}), transfer(TaskKind::Send, 0, 1, {3})});
+  // Both compute 3 s and rank 0 sends to rank 1; both compute 2 s and meet in a collective
+  // (0.5 s); both compute 1 s, and rank 1 sends back. Eager sends; transfers take no time
+  // (Fixed::p2p_s).
+  const auto t = run_pair_with_jitter(
+      {compute(3, {}), transfer(TaskKind::Send, 1, 0, {0}), compute(2, {0}), collective(0, {2}),
+       compute(1, {3}), transfer(TaskKind::Recv, 1, 1, {4})},
+      {compute(3, {}), transfer(TaskKind::Recv, 0, 0, {0}), compute(2, {1}), collective(0, {2}),
+       compute(1, {3}), transfer(TaskKind::Send, 0, 1, {4})});
+  using dtsim::engine::Arrival;
   const double e2 = dtsim::engine::expected_max_normal(2);
-  // The transfer: 3 s of rank 0's compute since the pair last met.
+  // The transfer: both come after 3 s of compute.
   const double late = 0.1 * e2 * 3;
-  CHECK(t.tasks[1][0].end_s == Approx(3 + late));
-  // The collective: since the transfer, rank 0 computed 1 s and rank 1 2 s; the 3 s before it
-  // are not counted again (the transfer absorbed them).
+  CHECK(t.tasks[1][1].end_s == Approx(3 + late));
+  // The collective: rank 0 at 5 s, rank 1 the transfer's lateness after; each after 2 s of
+  // compute since the transfer (the 3 s before it are not counted again: the transfer absorbed
+  // them).
   CHECK(t.tasks[0][3].start_s == Approx(3 + late + 2));
-  const double collective_end = 3 + late + 2 + 0.1 * e2 * 2 + 0.5;
+  const double collective_end =
+      3 + late + 2 + dtsim::engine::expected_lateness(Arrival{5, 0.2}, Arrival{5 + late, 0.2}) +
+      0.5;
   CHECK(t.tasks[0][3].end_s == Approx(collective_end));
-  CHECK(t.tasks[1][2].end_s == Approx(collective_end));
-  // The transfer back: 1 s of rank 1's compute since the collective, not the 3 s since the pair's
-  // last transfer.
-  CHECK(t.tasks[0][4].end_s == Approx(collective_end + 1 + 0.1 * e2 * 1));
+  CHECK(t.tasks[1][3].end_s == Approx(collective_end));
+  // The transfer back: 1 s of compute on each since the collective, not the 3 s since the
+  // pair's last transfer.
+  CHECK(t.tasks[0][5].end_s == Approx(collective_end + 1 + 0.1 * e2 * 1));
 }
 
 TEST_CASE("a collective ties two ranks before their first transfer", "[engine][stragglers]") {
-  // Both compute 2 s and meet in a collective (0.5 s); rank 0 then computes 1 s and sends to
-  // rank 1, which waits for it. Eager sends; transfers take no time.
+  // Both compute 2 s and meet in a collective (0.5 s); both then compute 1 s, and rank 0 sends
+  // to rank 1. Eager sends; transfers take no time.
   const auto t = run_pair_with_jitter(
       {compute(2, {}), collective(0, {0}), compute(1, {1}), transfer(TaskKind::Send, 1, 0, {2})},
-      {compute(2, {}), collective(0, {0}), transfer(TaskKind::Recv, 0, 0, {1})});
+      {compute(2, {}), collective(0, {0}), compute(1, {1}), transfer(TaskKind::Recv, 0, 0, {2})});
   const double e2 = dtsim::engine::expected_max_normal(2);
   const double collective_end = 2 + 0.1 * e2 * 2 + 0.5;
   CHECK(t.tasks[0][1].end_s == Approx(collective_end));
-  // The transfer: rank 0's 1 s since the collective, not its 3 s since the step began.
-  CHECK(t.tasks[1][2].end_s == Approx(collective_end + 1 + 0.1 * e2 * 1));
+  // The transfer: 1 s of compute on each since the collective, not 3 s since the step began.
+  CHECK(t.tasks[1][3].end_s == Approx(collective_end + 1 + 0.1 * e2 * 1));
+}
+
+TEST_CASE("a rank that comes long after the others waits for nobody", "[engine][stragglers]") {
+  // Rank 0 computes 1 s, rank 1 5 s, and they meet in a collective (0.5 s): rank 1, 4 s after
+  // rank 0, is the last whatever its 0.5 s spread, and ends the collective on time.
+  const auto t = run_pair_with_jitter({compute(1, {}), collective(0, {0})},
+                                      {compute(5, {}), collective(0, {0})});
+  CHECK(t.tasks[0][1].start_s == Approx(5));
+  CHECK(t.tasks[0][1].end_s == Approx(5.5).margin(1e-12));
+  CHECK(t.tasks[1][1].end_s == Approx(5.5).margin(1e-12));
 }
 
 TEST_CASE("without p2p overlap a transfer starts when both ends are ready", "[engine][pipeline]") {

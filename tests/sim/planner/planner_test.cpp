@@ -384,7 +384,7 @@ TEST_CASE("with a slow rank the closed-form tier adds what the simulator adds", 
 TEST_CASE("with stragglers the closed-form tier tracks the simulator as closely as without",
           "[planner]") {
   // Micro-batches 1 and 2, with the straggler model off and at 5% (collectives wait for their
-  // slowest rank and receives for a late sender, in both tiers). What the stragglers add to
+  // last rank and transfers for the later end, in both tiers). What the stragglers add to
   // each candidate's step, where the simulator finds it matters (over 1% of the step): the
   // estimate's share of the simulator's. Elsewhere the waits hide behind the backward pass in
   // both tiers, or there is no collective to wait at.
