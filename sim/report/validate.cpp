@@ -88,9 +88,19 @@ Trace read_trace(const std::string& path) {
       r.fail("tid", "expected a thread id from 0 to 2^31 - 1");
     }
     t.stream = static_cast<int>(id("tid"));
-    t.start_s = number("ts") * 1e-6;
-    t.duration_s = number("dur") * 1e-6;
-    if (t.duration_s < 0) r.fail("dur", "expected a duration >= 0");
+    // Times in microseconds, as Chrome's trace format has them. A trace spans one step: past
+    // 1e15 us (31 years) a double no longer resolves a tenth of a microsecond, and sums of such
+    // times would print as silent nonsense.
+    constexpr double kMaxMicroseconds = 1e15;
+    const double ts = number("ts"), dur = number("dur");
+    if (std::abs(ts) > kMaxMicroseconds) {
+      r.fail("ts", "expected a time in microseconds within +-1e15 (31 years)");
+    }
+    if (dur < 0 || dur > kMaxMicroseconds) {
+      r.fail("dur", "expected a duration in microseconds from 0 to 1e15 (31 years)");
+    }
+    t.start_s = ts * 1e-6;
+    t.duration_s = dur * 1e-6;
     const JsonReader args = r.object("args");
     if (!args.has("task") || !e.at("args").at("task").is_number_integer()) {
       args.fail("task", "expected the task id (an integer)");
