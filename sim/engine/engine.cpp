@@ -129,6 +129,17 @@ class Engine {
     double ready_s;
     Spreads spreads;
   };
+  // A receive posted before its send: the task, and the compute its rank had issued then.
+  struct PostedRecv {
+    TaskId recv;
+    double issued_s;
+  };
+  // A collective's member that has arrived: its program, task, and compute issued then.
+  struct Member {
+    std::int32_t program;
+    TaskId task;
+    double issued_s;
+  };
 
   const Task& task(std::int32_t p, TaskId t) const {
     return program_.ranks[static_cast<std::size_t>(p)].tasks[static_cast<std::size_t>(t)];
@@ -156,16 +167,22 @@ class Engine {
         arrive(p, t, now);
         break;
       case TaskKind::Send: {
-        const Spreads spreads = jitter_cv_ > 0 ? pair_spreads(p, k.peer) : Spreads{};
         const auto key = std::make_tuple(k.peer, p, k.tag);
         const auto posted = recvs_.find(key);
+        // A receiver at its receive already: the compute it had issued when it posted it.
+        const Spreads spreads =
+            jitter_cv_ > 0 ? pair_spreads(p, k.peer,
+                                          posted != recvs_.end()
+                                              ? posted->second.issued_s
+                                              : compute_total_[static_cast<std::size_t>(k.peer)])
+                           : Spreads{};
         if (!eager_p2p_) {
           // Rendezvous: the transfer starts once the receiver has posted its receive.
           if (posted == recvs_.end()) {
             waiting_sends_[key] = {t, now, spreads};
             break;
           }
-          rendezvous(p, t, now, spreads, k.peer, posted->second);
+          rendezvous(p, t, now, spreads, k.peer, posted->second.recv);
           recvs_.erase(posted);
           break;
         }
@@ -174,7 +191,7 @@ class Engine {
         const Sent sent{TaskTime{start, end}, spreads};
         sends_[key] = sent;
         if (posted != recvs_.end()) {
-          complete_recv(k.peer, posted->second, sent);
+          complete_recv(k.peer, posted->second.recv, sent);
           recvs_.erase(posted);
         }
         break;
@@ -188,7 +205,7 @@ class Engine {
           complete_recv(p, t, sent->second);
           sends_.erase(sent);
         } else {
-          recvs_[key] = t;
+          recvs_[key] = PostedRecv{t, compute_total_[static_cast<std::size_t>(p)]};
         }
         break;
       }
@@ -231,7 +248,10 @@ class Engine {
 
   // The receive spans the part of the transfer after it was posted. It ends when the data is
   // there and the receiver is at it (the later of the two, on average later still by their
-  // spreads).
+  // spreads). The data's mean arrival is the transfer's end on the link, its spread the
+  // sender's: where the link queue held the transfer back, part of the sender's lateness would
+  // be absorbed there, which this does not count. The expected wait holds the receive, not the
+  // link: a transfer booked after this one does not wait for it.
   void complete_recv(std::int32_t p, TaskId t, const Sent& sent) {
     const double posted = eligible_[static_cast<std::size_t>(p)][static_cast<std::size_t>(t)];
     const double late = expected_lateness(Arrival{sent.transfer.end_s, sent.spreads.sender_s},
@@ -247,11 +267,11 @@ class Engine {
     const std::int64_t seq = group_seq_[static_cast<std::size_t>(p)][k.group]++;
     Rendezvous& r = collectives_[{k.group, seq}];
     r.start_s = std::max(r.start_s, now);
-    r.members.emplace_back(p, t);
+    r.members.push_back(Member{p, t, compute_total_[static_cast<std::size_t>(p)]});
     if (r.members.size() < g.programs.size()) return;
     const double wait = jitter_cv_ > 0 ? straggler_wait(r.members, g, k.group) : 0.0;
     const double end = r.start_s + wait + durations_.collective_s(g, k);
-    for (const auto& [mp, mt] : r.members) schedule(mp, mt, r.start_s, end);
+    for (const Member& m : r.members) schedule(m.program, m.task, r.start_s, end);
     collectives_.erase({k.group, seq});
   }
 
@@ -266,12 +286,14 @@ class Engine {
   // exchange nothing directly, and the ties along the stages between them are not followed.
   // The wait is the expected lateness of the last of them past the latest average arrival:
   // E[max of n normals]·cv·T where they arrive together after the same compute T, nothing for
-  // a member that arrives long after the others. The collective is now their last tie, and the
-  // last tie of each pair of its members that exchange pipeline transfers (its group's or not).
-  double straggler_wait(const std::vector<std::pair<std::int32_t, TaskId>>& members,
-                        const lower::Group& g, std::int32_t group) {
+  // a member that arrives long after the others. Each member's compute counts up to its arrival
+  // (what it issues while it waits for the others, on other streams, counts towards the next
+  // tie). The collective is now their last tie, and the last tie of each pair of its members
+  // that exchange pipeline transfers (its group's or not).
+  double straggler_wait(const std::vector<Member>& members, const lower::Group& g,
+                        std::int32_t group) {
     std::vector<std::int32_t> programs;
-    for (const auto& member : members) programs.push_back(member.first);
+    for (const Member& m : members) programs.push_back(m.program);
     std::sort(programs.begin(), programs.end());
     auto is_member = [&](std::int32_t p) {
       return std::binary_search(programs.begin(), programs.end(), p);
@@ -280,21 +302,24 @@ class Engine {
     const double ranks_each =
         static_cast<double>(g.ranks.size()) / static_cast<double>(members.size());
     std::vector<Arrival> arrivals;
-    for (const auto& [p, t] : members) {
-      const auto i = static_cast<std::size_t>(p);
+    for (const Member& m : members) {
+      const auto i = static_cast<std::size_t>(m.program);
       const auto it = synced_at_[i].find(group);
       double tied = it == synced_at_[i].end() ? 0 : it->second;
       for (const auto& [peer, at] : paired_at_[i]) {
         if (is_member(peer)) tied = std::max(tied, at);
       }
-      arrivals.push_back(Arrival{eligible_[i][static_cast<std::size_t>(t)],
-                                 jitter_cv_ * (compute_total_[i] - tied), ranks_each});
+      arrivals.push_back(Arrival{eligible_[i][static_cast<std::size_t>(m.task)],
+                                 jitter_cv_ * std::max(0.0, m.issued_s - tied), ranks_each});
     }
-    for (const std::int32_t p : programs) {
-      const auto i = static_cast<std::size_t>(p);
-      synced_at_[i][group] = compute_total_[i];
+    for (const Member& m : members) {
+      const auto i = static_cast<std::size_t>(m.program);
+      synced_at_[i][group] = m.issued_s;
       for (const std::int32_t peer : peers_[i]) {
-        if (is_member(peer)) paired_at_[i][peer] = compute_total_[i];
+        if (is_member(peer)) {
+          double& at = paired_at_[i][peer];
+          at = std::max(at, m.issued_s);
+        }
       }
     }
     return expected_lateness(std::move(arrivals));
@@ -304,17 +329,22 @@ class Engine {
   // compute it did since the pair's previous tie (a transfer, or a collective of both). Where
   // both come at once after the same compute T, the later is e(2)·cv·T late (e(2) = 1/sqrt(pi));
   // a receive posted long before the send is ready waits for the send alone, on average not
-  // late. This is their new tie, marked with the compute each has issued when the send is
-  // ready: a receiver not at its receive yet may have some of it under way (an approximation;
-  // marking the receiver where it posts the receive instead would count a wait for each
-  // direction of Megatron-LM's paired exchanges, where now the second of the pair, ready at
-  // the same moment, finds the two just tied).
-  Spreads pair_spreads(std::int32_t sender, std::int32_t receiver) {
+  // late. This is their new tie, marked with the compute each has issued when it came: the
+  // sender when its send is ready, the receiver when it posted its receive (`receiver_issued`;
+  // what it computes while the receive waits, on its compute stream, counts towards the next
+  // tie). A receiver not at its receive yet is marked when the send is ready, and may have
+  // some of its compute before the receive still to issue (an approximation; marking it where
+  // it posts the receive instead would count a wait for each direction of Megatron-LM's
+  // paired exchanges, where now the second of the pair, ready at the same moment, finds the
+  // two just tied).
+  Spreads pair_spreads(std::int32_t sender, std::int32_t receiver, double receiver_issued) {
     const auto s = static_cast<std::size_t>(sender), r = static_cast<std::size_t>(receiver);
-    const Spreads spreads{jitter_cv_ * (compute_total_[s] - paired_at_[s][receiver]),
-                          jitter_cv_ * (compute_total_[r] - paired_at_[r][sender])};
-    paired_at_[s][receiver] = compute_total_[s];
-    paired_at_[r][sender] = compute_total_[r];
+    double& sender_tied = paired_at_[s][receiver];
+    double& receiver_tied = paired_at_[r][sender];
+    const Spreads spreads{jitter_cv_ * std::max(0.0, compute_total_[s] - sender_tied),
+                          jitter_cv_ * std::max(0.0, receiver_issued - receiver_tied)};
+    sender_tied = compute_total_[s];
+    receiver_tied = std::max(receiver_tied, receiver_issued);
     return spreads;
   }
   void finish(std::int32_t p, TaskId t, double now) {
@@ -345,11 +375,11 @@ class Engine {
   // A collective instance (group, sequence number) waiting for its members.
   struct Rendezvous {
     double start_s = 0;
-    std::vector<std::pair<std::int32_t, TaskId>> members;
+    std::vector<Member> members;
   };
   std::map<std::pair<std::int32_t, std::int64_t>, Rendezvous> collectives_;
   std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, Sent> sends_;
-  std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, TaskId> recvs_;
+  std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, PostedRecv> recvs_;
   std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, WaitingSend> waiting_sends_;
   bool eager_p2p_;
   bool serial_;
@@ -440,7 +470,7 @@ double expected_lateness(std::vector<Arrival> arrivals) {
   }
   // Ranks without a spread arrive at their mean: the maximum is at least the latest of those.
   // Every other set is past its mean by more than 13 spreads with a negligible probability
-  // (2e-38 each, for up to 2^24 ranks).
+  // (6e-39 for one rank, 1e-31 for 2^24 of them).
   constexpr double kTail = 13;
   double lo = -std::numeric_limits<double>::infinity(), hi = lo;
   std::vector<Arrival> spread;

@@ -81,8 +81,10 @@ struct Arrival {
 // How long after the latest average arrival the last rank comes, on average: E[max over all
 // ranks] - max at_s. Arrivals together with one spread give E[max of n normals]·sigma; a rank
 // that comes long after the others waits for nobody (0). The maximum's distribution is the
-// product of the normal distributions, integrated numerically (to about 0.5% of the largest
-// spread; spreads under 0.1% of it count as none).
+// product of the normal distributions, integrated numerically: to about 0.5% of the largest
+// spread where one spread is far narrower than another (under 0.1% of the largest, it counts
+// as none), far closer where they are alike. Two single ranks, and ranks together with one
+// spread, take the closed forms.
 double expected_lateness(std::vector<Arrival> arrivals);
 
 // The same for two single ranks, in closed form (Clark 1961, "The greatest of a finite set of

@@ -142,6 +142,10 @@ TEST_CASE("the expected lateness of the last of several arrivals", "[engine][str
           Approx(expected_lateness(Arrival{0, 0.3}, Arrival{gap, 0.4})).margin(1e-6));
   }
   CHECK(expected_lateness({Arrival{0, 1, 8}, Arrival{-50, 0}}) == Approx(e8).epsilon(1e-6));
+  // Sets of several ranks at different times, with different spreads: against an adaptive
+  // quadrature of the same expectation (mpmath.quad at 30 digits).
+  CHECK(expected_lateness({Arrival{0, 0.3, 3}, Arrival{0.2, 0.5, 2}}) ==
+        Approx(0.3759460229).epsilon(1e-6));
   // Spreads far apart: one rank's 1% of the other's, and one at 0.02%, which counts as none.
   CHECK(expected_lateness({Arrival{0, 1}, Arrival{0, 0.01}, Arrival{-50, 0}}) ==
         Approx(expected_lateness(Arrival{0, 1}, Arrival{0, 0.01})).epsilon(1e-3));
@@ -277,6 +281,69 @@ TEST_CASE("a collective ties two ranks before their first transfer", "[engine][s
   CHECK(t.tasks[0][1].end_s == Approx(collective_end));
   // The transfer: 1 s of compute on each since the collective, not 3 s since the step began.
   CHECK(t.tasks[1][3].end_s == Approx(collective_end + 1 + 0.1 * e2 * 1));
+}
+
+TEST_CASE("programs that stand for several ranks wait for the last of all of them",
+          "[engine][stragglers]") {
+  // Two programs, each for 2 of the group's 4 ranks: program 0 computes 1 s, program 1 1.1 s,
+  // and they meet in a collective (0.5 s). The last of 2 ranks at 1 s and 2 at 1.1 s, spreads
+  // 0.1 and 0.11 s: 0.0752235 s after 1.1 s on average (mpmath.quad at 30 digits).
+  dtsim::lower::Program p;
+  dtsim::lower::Group g;
+  g.ranks = {0, 1, 2, 3};
+  g.programs = {0, 1};
+  p.groups = {g};
+  dtsim::lower::RankProgram r0, r1;
+  r0.rank = 0;
+  r0.represents = {0, 2};
+  r1.rank = 1;
+  r1.represents = {1, 3};
+  r0.tasks = {compute(10, {}), collective(0, {0})};
+  r1.tasks = {compute(11, {}), collective(0, {0})};
+  p.ranks = {r0, r1};
+  // Compute tasks last a tenth of op_end - op_begin seconds; collectives 0.5 s.
+  class Tenths final : public dtsim::engine::Durations {
+   public:
+    double compute_s(const Task& t) override { return (t.op_end - t.op_begin) / 10.0; }
+    double collective_s(const dtsim::lower::Group&, const Task&) override { return 0.5; }
+    double p2p_s(std::int64_t, std::int64_t, std::uint64_t) override { return 0; }
+  } d;
+  dtsim::engine::EngineOptions options;
+  options.jitter_cv = 0.1;
+  const auto t = dtsim::engine::run(p, d, options);
+  CHECK(t.tasks[0][1].start_s == Approx(1.1));
+  CHECK(t.tasks[0][1].end_s == Approx(1.1 + 0.0752235227 + 0.5).epsilon(1e-7));
+  CHECK(t.tasks[1][1].end_s == t.tasks[0][1].end_s);
+}
+
+TEST_CASE("a receiver's spread counts its compute until it posts the receive",
+          "[engine][stragglers]") {
+  // Rank 0 computes 3 s, sends to rank 1, computes 1 s and receives from rank 1. Rank 1
+  // computes 2 s, posts its receive, computes 2 s meanwhile (a receive holds no stream), and
+  // sends back. Eager sends; transfers take no time.
+  const auto t = run_pair_with_jitter({compute(3, {}), transfer(TaskKind::Send, 1, 0, {0}),
+                                       compute(1, {0}), transfer(TaskKind::Recv, 1, 1, {2})},
+                                      {compute(2, {}), transfer(TaskKind::Recv, 0, 0, {0}),
+                                       compute(2, {0}), transfer(TaskKind::Send, 0, 1, {2})});
+  using dtsim::engine::Arrival;
+  // The first transfer: rank 1 at its receive at 2 s after 2 s of compute (the 2 s it issues
+  // after posting it do not count), rank 0's data at 3 s after 3 s.
+  CHECK(t.tasks[1][1].end_s ==
+        Approx(3 + dtsim::engine::expected_lateness(Arrival{3, 0.3}, Arrival{2, 0.2})));
+  // Back: both at 4 s; rank 1 after its 2 s since it posted the receive (they count here),
+  // rank 0 after its 1 s since its send: theta·phi(0), theta = sqrt(0.2² + 0.1²).
+  CHECK(t.tasks[0][3].end_s == Approx(4 + std::sqrt(0.05) / std::sqrt(2 * std::numbers::pi)));
+}
+
+TEST_CASE("a rank's compute after it reaches a collective counts towards the next",
+          "[engine][stragglers]") {
+  // Both compute 1 s and meet in a collective (0.5 s, on another stream than the compute);
+  // rank 0 starts 5 s of compute beside it at once. Both arrive at 1 s after 1 s of compute.
+  const auto t = run_pair_with_jitter({compute(1, {}), collective(0, {0}), compute(5, {0})},
+                                      {compute(1, {}), collective(0, {0})});
+  const double e2 = dtsim::engine::expected_max_normal(2);
+  CHECK(t.tasks[0][1].end_s == Approx(1 + 0.1 * e2 * 1 + 0.5));
+  CHECK(t.tasks[1][1].end_s == t.tasks[0][1].end_s);
 }
 
 TEST_CASE("a rank that comes long after the others waits for nobody", "[engine][stragglers]") {

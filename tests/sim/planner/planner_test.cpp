@@ -412,7 +412,9 @@ TEST_CASE("with stragglers the closed-form tier tracks the simulator as closely 
   // Since the closed form prices each pipeline hop, uneven stages and the dp stream's whole
   // work (with its waits), 109 of 705 are outside; since an interleaved stage's reductions start
   // on each chunk as its last backward ends (the first one's wait for the slowest rank hidden
-  // by the chunks' passes after it), 34.
+  // by the chunks' passes after it), 34. Since the simulator waits for the last rank past the
+  // latest mean arrival (a stage idle long before its data comes waits for no straggler), 42 of
+  // 675, median 0.98 (0.91 before).
   CHECK(static_cast<double>(near) >= 0.8 * static_cast<double>(ratios.size()));
   CHECK(errors.second <= errors.first + 0.01);
 }
