@@ -1548,14 +1548,14 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
 // at once, each on its own; a rank's forward (or backward) time averaged over the rounds keeps
 // what stays with the rank (a slower core, a busier one) and averages away most of what
 // changes from round to round (which jitter_cv and the straggler model stand for). The spread
-// is the coefficient of variation of those averages across the ranks, pooled over both phases.
+// is the coefficient of variation of those averages across the ranks, less what of the round
+// to round noise each average still holds, pooled over both phases (exec::phase_spread).
 //
 // With the same table (a phase's time per rank and round), `transient_cv`: what is left of a
 // rank's time in a round once its lasting speed (its mean over rounds) and that round's pace on
 // every rank (the host's drift, which no rank waits for) are taken out, as a coefficient of
-// variation (a two-way table's interaction: the variance of x[k][r] - rank[k] - round[r] + mean
-// over (ranks - 1)(rounds - 1), pooled over both phases). That is the spread of a whole phase
-// of compute that one rank has and the others do not at the same moment: what a straggler
+// variation (a two-way table's interaction, pooled over both phases). That is the spread of a whole
+// phase of compute that one rank has and the others do not at the same moment: what a straggler
 // model needs of a pipeline stage's segment, where jitter_cv is one GEMM's spread over repeats.
 // Recorded beside jitter_cv for comparison; the simulator does not use it yet.
 void in_run_over_ranks(nlohmann::json& in_run, const std::vector<double>& phase_seconds,
@@ -1566,22 +1566,19 @@ void in_run_over_ranks(nlohmann::json& in_run, const std::vector<double>& phase_
   const int ranks = mpi.size();
   if (ranks < 2 || phase_seconds.size() < 2) return;
   const std::size_t rounds = phase_seconds.size() / 2;
-  auto at = [&](std::size_t round, std::size_t phase) { return phase_seconds[2 * round + phase]; };
+  const std::vector<double> all = mpi.all_gather(phase_seconds);  // rank by rank
   double lasting = 0, transient = 0;  // squared coefficients of variation, summed over phases
   for (std::size_t phase = 0; phase < 2; ++phase) {
-    double own = 0;  // this rank's mean over the rounds
-    for (std::size_t r = 0; r < rounds; ++r) own += at(r, phase) / static_cast<double>(rounds);
-    const double mean = mpi.mean(own), mean_sq = mpi.mean(own * own);
-    lasting += std::max(0.0, mean_sq - mean * mean) * ranks / (ranks - 1.0) / (mean * mean);
-    if (rounds < 2) continue;
-    double squares = 0;  // this rank's sum of squared interactions
-    for (std::size_t r = 0; r < rounds; ++r) {
-      const double pace = mpi.mean(at(r, phase));  // the round's mean over the ranks
-      const double e = at(r, phase) - own - pace + mean;
-      squares += e * e;
+    std::vector<std::vector<double>> table(static_cast<std::size_t>(ranks),
+                                           std::vector<double>(rounds));
+    for (std::size_t k = 0; k < table.size(); ++k) {
+      for (std::size_t r = 0; r < rounds; ++r) {
+        table[k][r] = all[k * phase_seconds.size() + 2 * r + phase];
+      }
     }
-    transient += mpi.mean(squares) * ranks / ((ranks - 1.0) * (static_cast<double>(rounds) - 1.0)) /
-                 (mean * mean);
+    const dtsim::exec::PhaseSpread spread = dtsim::exec::phase_spread(table);
+    lasting += spread.lasting_cv2;
+    transient += spread.transient_cv2.value_or(0.0);
   }
   in_run["rank_spread_cv"] = std::sqrt(lasting / 2);
   if (rounds < 2) return;

@@ -3,9 +3,49 @@
 #include <algorithm>
 
 #include "sim/cluster/topology.hpp"
+#include "sim/common/error.hpp"
 #include "sim/plan/memory_model.hpp"
 
 namespace dtsim::exec {
+
+PhaseSpread phase_spread(const std::vector<std::vector<double>>& seconds) {
+  const std::size_t ranks = seconds.size();
+  DTSIM_ASSERT(ranks >= 2, "phase_spread: fewer than two ranks");
+  const std::size_t rounds = seconds.front().size();
+  DTSIM_ASSERT(rounds >= 1, "phase_spread: no rounds");
+  for (const auto& row : seconds) {
+    DTSIM_ASSERT(row.size() == rounds, "phase_spread: ranks with different rounds");
+  }
+  const double n = static_cast<double>(ranks), k = static_cast<double>(rounds);
+  std::vector<double> own(ranks, 0.0), pace(rounds, 0.0);
+  double mean = 0;
+  for (std::size_t i = 0; i < ranks; ++i) {
+    for (std::size_t r = 0; r < rounds; ++r) {
+      own[i] += seconds[i][r] / k;
+      pace[r] += seconds[i][r] / n;
+      mean += seconds[i][r] / (n * k);
+    }
+  }
+  double between = 0;  // the variance of the ranks' means
+  for (const double o : own) between += (o - mean) * (o - mean) / (n - 1);
+  PhaseSpread out;
+  if (!(mean > 0)) return out;
+  if (rounds < 2) {
+    out.lasting_cv2 = between / (mean * mean);
+    return out;
+  }
+  double squares = 0;
+  for (std::size_t i = 0; i < ranks; ++i) {
+    for (std::size_t r = 0; r < rounds; ++r) {
+      const double e = seconds[i][r] - own[i] - pace[r] + mean;
+      squares += e * e;
+    }
+  }
+  const double transient = squares / ((n - 1) * (k - 1));
+  out.transient_cv2 = transient / (mean * mean);
+  out.lasting_cv2 = std::max(0.0, between - transient / k) / (mean * mean);
+  return out;
+}
 
 plan::Plan in_run_plan(const model::ModelGraph& graph, Precision precision) {
   plan::Plan p;

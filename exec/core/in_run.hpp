@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "sim/common/precision.hpp"
 #include "sim/model/model_graph.hpp"
@@ -22,5 +23,22 @@ std::optional<model::ModelGraph> in_run_graph(const model::ModelSpec& spec,
                                               std::int64_t micro_batch, std::int64_t seq_len,
                                               Precision precision, double capacity_bytes,
                                               std::int64_t max_blocks = 8);
+
+// The ranks' spread in one phase of the in_run steps, from `seconds[k][r]`: rank k's time in
+// round r (every rank the same rounds, at least two ranks), as squared coefficients of
+// variation over the grand mean. A two-way table without replication (Montgomery, "Design and
+// Analysis of Experiments", the random-effects model's expected mean squares):
+// - transient: the interaction's mean square, the variance of x[k][r] - rank k's mean - round
+//   r's mean + the grand mean over (ranks - 1)(rounds - 1): what one rank has in a round and the
+//   others do not, once the ranks' lasting speeds and each round's pace on all of them are out;
+//   none with one round;
+// - lasting: the variance of the ranks' means over the rounds, less the transient variance
+//   over the rounds that each mean still holds (its expected share, E[MS_ranks] = sigma_e^2 +
+//   rounds·sigma_ranks^2); 0 where the ranks' means differ no more than that.
+struct PhaseSpread {
+  double lasting_cv2 = 0;
+  std::optional<double> transient_cv2;
+};
+PhaseSpread phase_spread(const std::vector<std::vector<double>>& seconds);
 
 }  // namespace dtsim::exec

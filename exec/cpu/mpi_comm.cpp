@@ -641,6 +641,14 @@ void MpiSession::broadcast(void* data, std::size_t bytes) const {
   check(MPI_Bcast(data, static_cast<int>(bytes), MPI_BYTE, 0, MPI_COMM_WORLD), "MPI_Bcast");
 }
 
+std::vector<double> MpiSession::all_gather(const std::vector<double>& mine) const {
+  std::vector<double> all(mine.size() * static_cast<std::size_t>(size_));
+  check(MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_DOUBLE, all.data(),
+                      static_cast<int>(mine.size()), MPI_DOUBLE, MPI_COMM_WORLD),
+        "MPI_Allgather");
+  return all;
+}
+
 void MpiSession::abort(int code) const {
   MPI_Abort(MPI_COMM_WORLD, code);
   std::abort();

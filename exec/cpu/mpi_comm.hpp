@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "exec/core/comm.hpp"
 #include "sim/lower/program.hpp"
@@ -39,6 +40,8 @@ class MpiSession {
   double max(double value) const;
   // Rank 0's `bytes` at `data` on every rank.
   void broadcast(void* data, std::size_t bytes) const;
+  // Every rank's `mine` (the same length on every rank), rank by rank, on every rank.
+  std::vector<double> all_gather(const std::vector<double>& mine) const;
 
  private:
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;

@@ -1,6 +1,9 @@
 // The in_run steps of dtexec calibrate on a device of bounded memory: as many of the model's
-// blocks as dtsim memory says fit, at most the cap, none when one does not fit.
+// blocks as dtsim memory says fit, at most the cap, none when one does not fit; and the ranks'
+// spreads from a table of their phase times.
 #include "exec/core/in_run.hpp"
+
+#include <cmath>
 
 #include "sim/plan/memory_model.hpp"
 #include "tests/test_util.hpp"
@@ -45,4 +48,32 @@ TEST_CASE("in_run trains as many blocks as fit, up to the cap", "[runner]") {
   const auto all = in_run_graph(tiny, 1, 32, dtsim::Precision::Bf16, gib);
   REQUIRE(all);
   CHECK(all->spec().layers == std::min<std::int64_t>(tiny.layers, 8));
+}
+
+TEST_CASE("the ranks' lasting and transient spreads from a table of phase times", "[in_run]") {
+  using dtsim::exec::phase_spread;
+  // Two ranks, one 10% slower and one 10% faster in every round: all lasting.
+  auto s = phase_spread({{0.9, 0.9, 0.9}, {1.1, 1.1, 1.1}});
+  CHECK(std::sqrt(s.lasting_cv2) == Approx(std::sqrt(0.02)));
+  REQUIRE(s.transient_cv2);
+  CHECK(*s.transient_cv2 == Approx(0).margin(1e-15));
+  // Every rank at each round's pace: neither (the host's drift, which no rank waits for).
+  s = phase_spread({{1.0, 1.3, 0.8}, {1.0, 1.3, 0.8}});
+  CHECK(s.lasting_cv2 == Approx(0).margin(1e-15));
+  CHECK(*s.transient_cv2 == Approx(0).margin(1e-15));
+  // Each rank slow in one round and fast in the other: transient only. Interactions +-0.1 over
+  // (2 - 1)(2 - 1) degrees of freedom: 0.04; the means are equal, so nothing lasts.
+  s = phase_spread({{1.1, 0.9}, {0.9, 1.1}});
+  CHECK(*s.transient_cv2 == Approx(0.04));
+  CHECK(s.lasting_cv2 == 0);
+  // Both: rank means 1.1333 and 0.8667 (variance 0.035556), interactions 0.0667, -0.0333,
+  // -0.0333 and their negatives (mean square 0.013333 / 2 = 0.0066667), of which each mean over
+  // 3 rounds holds a third: 0.035556 - 0.0022222 = 0.033333 lasting.
+  s = phase_spread({{1.2, 1.1, 1.1}, {0.8, 0.9, 0.9}});
+  CHECK(*s.transient_cv2 == Approx(0.0066667).epsilon(1e-4));
+  CHECK(s.lasting_cv2 == Approx(0.033333).epsilon(1e-4));
+  // One round: no interaction to take out.
+  s = phase_spread({{0.9}, {1.1}});
+  CHECK(!s.transient_cv2);
+  CHECK(s.lasting_cv2 == Approx(0.02));
 }
