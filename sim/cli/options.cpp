@@ -135,9 +135,9 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
 void add_jitter_option(po::options_description& desc, const char* where) {
   desc.add_options()(
       "jitter-cv", po::value<double>(),
-      fmt::format("straggler model: spread (std/mean) of each rank's compute time; every "
+      fmt::format("straggler model{}: spread (std/mean) of each rank's compute time; every "
                   "collective and pipeline transfer waits for the last of its ranks, each early "
-                  "or late by this spread of its compute since they last met{} (default: the "
+                  "or late by this spread of its compute since they last met (default: the "
                   "profile's measured jitter_cv, else 0)",
                   where)
           .c_str())(

@@ -189,10 +189,11 @@ class Engine {
         const auto [start, end] = reserve_link(p, k.peer, now, transfer_s(p, k));
         schedule(p, t, now, end);  // eager: the sender does not wait for the receiver
         const Sent sent{TaskTime{start, end}, spreads};
-        sends_[key] = sent;
         if (posted != recvs_.end()) {
           complete_recv(k.peer, posted->second.recv, sent);
           recvs_.erase(posted);
+        } else {
+          sends_[key] = sent;
         }
         break;
       }
@@ -234,9 +235,10 @@ class Engine {
   // A device's link carries one pipeline transfer at a time each way: a stage that sends to
   // both neighbours at once (Megatron-LM's exchange between two rounds) sends at half the
   // bandwidth, and queueing the second transfer behind the first gives the pair the same end.
-  // Transfers book the links in the order the engine meets them (the later end's readiness),
-  // which is their order of readiness except where a straggler delay pushes a start later
-  // than a transfer met after it. Returns the transfer's start and end.
+  // Transfers book the links in the order the engine meets them (an eager send's readiness, a
+  // blocking transfer's later end's), which is their order of readiness except where a
+  // straggler delay pushes a blocking transfer's start later than a transfer met after it.
+  // Returns the transfer's start and end.
   std::pair<double, double> reserve_link(std::int32_t sender, std::int32_t receiver, double ready,
                                          double seconds) {
     double& out = link_out_free_[static_cast<std::size_t>(sender)];
@@ -288,8 +290,10 @@ class Engine {
   // E[max of n normals]·cv·T where they arrive together after the same compute T, nothing for
   // a member that arrives long after the others. Each member's compute counts up to its arrival
   // (what it issues while it waits for the others, on other streams, counts towards the next
-  // tie). The collective is now their last tie, and the last tie of each pair of its members
-  // that exchange pipeline transfers (its group's or not).
+  // tie). Its arrival is when the collective can start on its side, its stream's previous task
+  // done too: one queued behind another collective of its stream counts the compute issued
+  // while it queued. The collective is now their last tie, and the last tie of each pair of its
+  // members that exchange pipeline transfers (its group's or not).
   double straggler_wait(const std::vector<Member>& members, const lower::Group& g,
                         std::int32_t group) {
     std::vector<std::int32_t> programs;

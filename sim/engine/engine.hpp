@@ -55,7 +55,8 @@ class Durations {
 };
 
 struct EngineOptions {
-  // Coefficient of variation of a rank's compute time between two collectives (0: none).
+  // Coefficient of variation of a rank's compute time between two meetings with the others (a
+  // collective, a pipeline transfer; 0: none).
   double jitter_cv = 0;
   // A rank runs one task at a time, in program order, on all its streams together (its
   // communication cannot progress while it computes: cluster::Cluster::serial_ranks_source).

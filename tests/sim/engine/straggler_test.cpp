@@ -320,30 +320,38 @@ TEST_CASE("a receiver's spread counts its compute until it posts the receive",
           "[engine][stragglers]") {
   // Rank 0 computes 3 s, sends to rank 1, computes 1 s and receives from rank 1. Rank 1
   // computes 2 s, posts its receive, computes 2 s meanwhile (a receive holds no stream), and
-  // sends back. Eager sends; transfers take no time.
-  const auto t = run_pair_with_jitter({compute(3, {}), transfer(TaskKind::Send, 1, 0, {0}),
-                                       compute(1, {0}), transfer(TaskKind::Recv, 1, 1, {2})},
-                                      {compute(2, {}), transfer(TaskKind::Recv, 0, 0, {0}),
-                                       compute(2, {0}), transfer(TaskKind::Send, 0, 1, {2})});
-  using dtsim::engine::Arrival;
-  // The first transfer: rank 1 at its receive at 2 s after 2 s of compute (the 2 s it issues
-  // after posting it do not count), rank 0's data at 3 s after 3 s.
-  CHECK(t.tasks[1][1].end_s ==
-        Approx(3 + dtsim::engine::expected_lateness(Arrival{3, 0.3}, Arrival{2, 0.2})));
-  // Back: both at 4 s; rank 1 after its 2 s since it posted the receive (they count here),
-  // rank 0 after its 1 s since its send: theta·phi(0), theta = sqrt(0.2² + 0.1²).
-  CHECK(t.tasks[0][3].end_s == Approx(4 + std::sqrt(0.05) / std::sqrt(2 * std::numbers::pi)));
+  // sends back. Eager sends, then blocking ones; transfers take no time.
+  for (const bool eager : {true, false}) {
+    INFO((eager ? "eager" : "blocking") << " sends");
+    const auto t = run_pair_with_jitter({compute(3, {}), transfer(TaskKind::Send, 1, 0, {0}),
+                                         compute(1, {0}), transfer(TaskKind::Recv, 1, 1, {2})},
+                                        {compute(2, {}), transfer(TaskKind::Recv, 0, 0, {0}),
+                                         compute(2, {0}), transfer(TaskKind::Send, 0, 1, {2})},
+                                        eager);
+    using dtsim::engine::Arrival;
+    // The first transfer: rank 1 at its receive at 2 s after 2 s of compute (the 2 s it issues
+    // after posting it do not count), rank 0's data at 3 s after 3 s.
+    CHECK(t.tasks[1][1].end_s ==
+          Approx(3 + dtsim::engine::expected_lateness(Arrival{3, 0.3}, Arrival{2, 0.2})));
+    // Back: both at 4 s; rank 1 after its 2 s since it posted the receive (they count here),
+    // rank 0 after its 1 s since its send: theta·phi(0), theta = sqrt(0.2² + 0.1²).
+    CHECK(t.tasks[0][3].end_s == Approx(4 + std::sqrt(0.05) / std::sqrt(2 * std::numbers::pi)));
+  }
 }
 
 TEST_CASE("a rank's compute after it reaches a collective counts towards the next",
           "[engine][stragglers]") {
   // Both compute 1 s and meet in a collective (0.5 s, on another stream than the compute);
-  // rank 0 starts 5 s of compute beside it at once. Both arrive at 1 s after 1 s of compute.
-  const auto t = run_pair_with_jitter({compute(1, {}), collective(0, {0}), compute(5, {0})},
-                                      {compute(1, {}), collective(0, {0})});
+  // both start 5 s of compute beside it at once, and meet again after it. Both arrive at the
+  // first at 1 s after 1 s of compute, at the second at 6 s after 5 s more.
+  const auto t = run_pair_with_jitter(
+      {compute(1, {}), collective(0, {0}), compute(5, {0}), collective(0, {2})},
+      {compute(1, {}), collective(0, {0}), compute(5, {0}), collective(0, {2})});
   const double e2 = dtsim::engine::expected_max_normal(2);
   CHECK(t.tasks[0][1].end_s == Approx(1 + 0.1 * e2 * 1 + 0.5));
   CHECK(t.tasks[1][1].end_s == t.tasks[0][1].end_s);
+  CHECK(t.tasks[0][3].start_s == Approx(6));
+  CHECK(t.tasks[0][3].end_s == Approx(6 + 0.1 * e2 * 5 + 0.5));
 }
 
 TEST_CASE("a rank that comes long after the others waits for nobody", "[engine][stragglers]") {
