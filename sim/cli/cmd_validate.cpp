@@ -54,7 +54,7 @@ int cmd_validate(const std::vector<std::string>& args) {
       "dtexec run's trace starts it so too, its ranks' times on one clock (one host's, or rank "
       "0's on several, to within the round trips its JSON's clock.error_s gives). With the "
       "straggler model on (--jitter-cv, or a profile's jitter_cv), a predicted collective also "
-      "holds the expected wait for its slowest rank, which a measured one has before its start";
+      "holds the expected wait for its last rank, which a measured one has before its start";
   if (vm["json"].as<bool>()) {
     nlohmann::json rows = nlohmann::json::array();
     for (const auto& r : v.rows) {
