@@ -6,7 +6,6 @@
 #include <cmath>
 #include <limits>
 #include <map>
-#include <mutex>
 #include <numbers>
 #include <queue>
 #include <set>
@@ -394,33 +393,6 @@ class Engine {
   Timeline timeline_;
 };
 
-}  // namespace
-
-double expected_max_normal(std::int64_t n) {
-  if (n <= 1) return 0;
-  static std::mutex mutex;
-  static std::map<std::int64_t, double> memo;
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = memo.find(n); it != memo.end()) return it->second;
-  // E[max] = integral of x · n·phi(x)·Phi(x)^(n-1) dx; Simpson's rule on [-12, 12], where the
-  // density of the maximum of up to 2^24 normals is negligible outside.
-  const int steps = 24000;
-  const double lo = -12, hi = 12, h = (hi - lo) / steps;
-  const double nd = static_cast<double>(n);
-  auto density = [&](double x) {
-    const double phi = std::exp(-0.5 * x * x) / std::sqrt(2 * std::numbers::pi);
-    const double cdf = 0.5 * std::erfc(-x / std::numbers::sqrt2);
-    return x * nd * phi * std::pow(cdf, nd - 1);
-  };
-  double sum = density(lo) + density(hi);
-  for (int i = 1; i < steps; ++i) sum += density(lo + i * h) * (i % 2 == 1 ? 4 : 2);
-  const double e = sum * h / 3;
-  memo.emplace(n, e);
-  return e;
-}
-
-namespace {
-
 double normal_cdf(double x) {
   return 0.5 * std::erfc(-x / std::numbers::sqrt2);
 }
@@ -429,6 +401,25 @@ double normal_pdf(double x) {
 }
 
 }  // namespace
+
+double expected_max_normal(std::int64_t n) {
+  if (n <= 1) return 0;
+  // Per thread: every collective of a jittered simulation asks, and the planner simulates on
+  // many threads; each computes a group size once.
+  thread_local std::map<std::int64_t, double> memo;
+  if (auto it = memo.find(n); it != memo.end()) return it->second;
+  // E[max] = integral of x · n·phi(x)·Phi(x)^(n-1) dx; Simpson's rule on [-12, 12], where the
+  // density of the maximum of up to 2^24 normals is negligible outside.
+  const int steps = 24000;
+  const double lo = -12, hi = 12, h = (hi - lo) / steps;
+  const double nd = static_cast<double>(n);
+  auto density = [&](double x) { return x * nd * normal_pdf(x) * std::pow(normal_cdf(x), nd - 1); };
+  double sum = density(lo) + density(hi);
+  for (int i = 1; i < steps; ++i) sum += density(lo + i * h) * (i % 2 == 1 ? 4 : 2);
+  const double e = sum * h / 3;
+  memo.emplace(n, e);
+  return e;
+}
 
 double expected_lateness(const Arrival& a, const Arrival& b) {
   const double theta = std::hypot(a.sigma_s, b.sigma_s);

@@ -14,12 +14,17 @@ using dtsim::lower::TaskKind;
 
 namespace {
 
-// Compute tasks last op_end - op_begin seconds; collectives 0.5 s.
+// Compute tasks last op_end - op_begin units of `unit_s` seconds (1 s unless given);
+// collectives 0.5 s.
 class Fixed final : public dtsim::engine::Durations {
  public:
-  double compute_s(const Task& t) override { return t.op_end - t.op_begin; }
+  explicit Fixed(double unit_s = 1) : unit_s_(unit_s) {}
+  double compute_s(const Task& t) override { return (t.op_end - t.op_begin) * unit_s_; }
   double collective_s(const dtsim::lower::Group&, const Task&) override { return 0.5; }
   double p2p_s(std::int64_t, std::int64_t, std::uint64_t) override { return 0; }
+
+ private:
+  double unit_s_;
 };
 
 Task compute(int seconds, std::vector<dtsim::lower::TaskId> deps) {
@@ -301,13 +306,7 @@ TEST_CASE("programs that stand for several ranks wait for the last of all of the
   r0.tasks = {compute(10, {}), collective(0, {0})};
   r1.tasks = {compute(11, {}), collective(0, {0})};
   p.ranks = {r0, r1};
-  // Compute tasks last a tenth of op_end - op_begin seconds; collectives 0.5 s.
-  class Tenths final : public dtsim::engine::Durations {
-   public:
-    double compute_s(const Task& t) override { return (t.op_end - t.op_begin) / 10.0; }
-    double collective_s(const dtsim::lower::Group&, const Task&) override { return 0.5; }
-    double p2p_s(std::int64_t, std::int64_t, std::uint64_t) override { return 0; }
-  } d;
+  Fixed d(0.1);  // compute in tenths of a second
   dtsim::engine::EngineOptions options;
   options.jitter_cv = 0.1;
   const auto t = dtsim::engine::run(p, d, options);
