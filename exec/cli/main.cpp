@@ -1083,7 +1083,7 @@ int run(const std::vector<std::string>& args) {
       mfu = flops.model / (step * gpus * *peak);
       hfu = flops.hardware / (step * gpus * *peak);
     }
-    nlohmann::json breakdown = dtsim::report::breakdown_json(spent);
+    nlohmann::json breakdown = dtsim::report::breakdown_json(spent, /*predicted=*/false);
     // Before the simulator's terms were measured, the rest of the (median) step was one figure.
     breakdown["other_s"] =
         std::max(0.0, step - spent.compute_s - spent.recompute_s - spent.optimizer_s);
@@ -1101,7 +1101,7 @@ int run(const std::vector<std::string>& args) {
     // idle.
     const double mean_step = spent.total_s();
     nlohmann::json per_stage = nlohmann::json::array();
-    for (const auto& s : stages) per_stage.push_back(dtsim::report::stage_json(s));
+    for (const auto& s : stages) per_stage.push_back(dtsim::report::stage_json(s, false));
     nlohmann::json amdahl;  // null where not measured
     if (mean_step > 0) {
       const double serial = dtsim::engine::serial_fraction(spent, plan, mean_step);
@@ -1119,7 +1119,8 @@ int run(const std::vector<std::string>& args) {
                   "between tasks, at least runner_s of it (what none of the rank's tasks covers, "
                   "as it timed them; null on GPUs with peers, where the compute stream's gaps "
                   "hold its waits); other_s: the median step less compute, recompute and "
-                  "optimizer",
+                  "optimizer; straggler_wait_s is null: a wait for a late rank is inside the "
+                  "communication task that waited, not told apart",
                   spent_rank,
                   stages.size() > 1 ? fmt::format("stage {}, the stage that computes the most, as "
                                                   "simulate reports; per_stage has each stage's "

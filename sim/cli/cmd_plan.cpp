@@ -416,6 +416,7 @@ int cmd_plan(const std::vector<std::string>& args) {
           {b.exposed_ep_s - a.exposed_ep_s, "exposed EP communication"},
           {b.exposed_dp_s - a.exposed_dp_s, "exposed DP communication"},
           {b.exposed_pp_s - a.exposed_pp_s, "exposed PP communication"},
+          {b.straggler_s() - a.straggler_s(), "straggler waits"},
           {b.optimizer_s - a.optimizer_s, "optimizer"}};
       const auto* most = &diffs[0];
       const auto* least = &diffs[0];

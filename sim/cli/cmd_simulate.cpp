@@ -108,6 +108,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
   }
   options.jitter_cv = jitter_from_options(vm);
   options.rank_spread_cv = rank_spread_from_options(vm);
+  options.straggler_cost = true;
   if (vm.count("trace")) check_writable(vm["trace"].as<std::string>(), "--trace");
   const engine::Simulation sim = engine::simulate(setup.graph, plan, cluster, *network, options);
   const engine::Prediction& p = sim.prediction;
@@ -151,6 +152,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
         {"breakdown_stage", p.bottleneck_stage},
         {"per_stage", stages},
         {"amdahl", {{"serial_fraction", p.serial_fraction}, {"max_speedup", p.max_speedup}}},
+        {"straggler_cost_s", p.straggler_cost_s.value_or(0.0)},
         {"plan", plan::to_json(plan)},
         {"simulation", {{"tasks", p.tasks}, {"events", p.events}}},
         {"notes", notes}};
@@ -189,9 +191,21 @@ int cmd_simulate(const std::vector<std::string>& args) {
   row("exposed EP communication", b.exposed_ep_s);
   row("exposed DP communication", b.exposed_dp_s);
   row("exposed PP communication", b.exposed_pp_s);
+  row("straggler waits at TP", b.straggler_tp_s);
+  row("straggler waits at CP", b.straggler_cp_s);
+  row("straggler waits at EP", b.straggler_ep_s);
+  row("straggler waits at DP", b.straggler_dp_s);
+  row("straggler waits at PP", b.straggler_pp_s);
   row("pipeline bubble", b.bubble_s);
   row("optimizer", b.optimizer_s);
   std::cout << table.render();
+  if (p.straggler_cost_s && *p.straggler_cost_s != 0) {
+    std::cout << fmt::format(
+        "\nstragglers add {} ms to the step ({}; without them {:.3f} s): {} ms of it is compute "
+        "waiting on a late rank (the straggler rows), the rest the work those waits delay\n",
+        ms(*p.straggler_cost_s), pct(*p.straggler_cost_s, p.step_time_s),
+        p.step_time_s - *p.straggler_cost_s, ms(b.straggler_s()));
+  }
   const std::string bound = p.max_speedup > 0
                                 ? fmt::format("serial fraction {:.1f}% -> speedup bound {:.1f}x",
                                               100 * p.serial_fraction, p.max_speedup)

@@ -147,8 +147,10 @@ class Engine {
     return timeline_.tasks[static_cast<std::size_t>(p)][static_cast<std::size_t>(t)];
   }
 
-  void schedule(std::int32_t p, TaskId t, double start, double end) {
-    time(p, t) = TaskTime{start, end};
+  // The task spans [start, end); its straggler wait, if any, is [wait_from, wait_from + wait).
+  void schedule(std::int32_t p, TaskId t, double start, double end, double wait_from = 0,
+                double wait = 0) {
+    time(p, t) = TaskTime{start, end, wait_from, wait};
     queue_.push(Event{end, seq_++, p, t});
   }
 
@@ -225,10 +227,11 @@ class Engine {
         eligible_[static_cast<std::size_t>(receiver)][static_cast<std::size_t>(recv)];
     const double late =
         expected_lateness(Arrival{ready, spreads.sender_s}, Arrival{posted, spreads.receiver_s});
-    const auto [start, end] = reserve_link(sender, receiver, std::max(ready, posted) + late,
-                                           transfer_s(sender, task(sender, send)));
-    schedule(sender, send, start, end);
-    schedule(receiver, recv, start, end);
+    const double both = std::max(ready, posted);
+    const auto [start, end] =
+        reserve_link(sender, receiver, both + late, transfer_s(sender, task(sender, send)));
+    schedule(sender, send, start, end, both, late);
+    schedule(receiver, recv, start, end, both, late);
   }
 
   // A device's link carries one pipeline transfer at a time each way: a stage that sends to
@@ -257,8 +260,8 @@ class Engine {
     const double posted = eligible_[static_cast<std::size_t>(p)][static_cast<std::size_t>(t)];
     const double late = expected_lateness(Arrival{sent.transfer.end_s, sent.spreads.sender_s},
                                           Arrival{posted, sent.spreads.receiver_s});
-    schedule(p, t, std::max(posted, sent.transfer.start_s),
-             std::max(posted, sent.transfer.end_s) + late);
+    const double there = std::max(posted, sent.transfer.end_s);
+    schedule(p, t, std::max(posted, sent.transfer.start_s), there + late, there, late);
   }
 
   void arrive(std::int32_t p, TaskId t, double now) {
@@ -272,7 +275,7 @@ class Engine {
     if (r.members.size() < g.programs.size()) return;
     const double wait = jitter_cv_ > 0 ? straggler_wait(r.members, g, k.group) : 0.0;
     const double end = r.start_s + wait + durations_.collective_s(g, k);
-    for (const Member& m : r.members) schedule(m.program, m.task, r.start_s, end);
+    for (const Member& m : r.members) schedule(m.program, m.task, r.start_s, end, r.start_s, wait);
     collectives_.erase({k.group, seq});
   }
 

@@ -37,6 +37,12 @@ namespace dtsim::engine {
 struct TaskTime {
   double start_s = 0;
   double end_s = 0;
+  // The straggler model's wait for the last rank, [wait_from_s, wait_from_s + wait_s): inside
+  // the span of a collective and of a receive, just before it for a blocking transfer (both
+  // ends idle until it starts). 0 without the model, and in a measured trace (where such waits
+  // are inside the tasks, not told apart).
+  double wait_from_s = 0;
+  double wait_s = 0;
 };
 
 struct Timeline {

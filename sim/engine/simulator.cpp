@@ -74,8 +74,11 @@ class ModelDurations final : public Durations {
 
 Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTime>& times,
                        double step_s) {
-  // Boundary sweep: +1/-1 per stream category at task starts and ends.
-  enum Category { Compute, Recompute, Optimizer, Tp, Cp, Ep, Dp, Pp, kCategories };
+  // Boundary sweep: +1/-1 per stream category at task starts and ends. A communication task's
+  // straggler wait is the wait category of its kind (kWait after the kind's), the rest of its
+  // span its kind's.
+  enum Category { Compute, Recompute, Optimizer, Tp, Cp, Ep, Dp, Pp, kCategories = Pp + 6 };
+  constexpr int kWait = Pp - Tp + 1;
   struct Edge {
     double t;
     int category;
@@ -86,7 +89,7 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
   for (std::size_t i = 0; i < rank.tasks.size(); ++i) {
     const auto& task = rank.tasks[i];
     const TaskTime& tt = times[i];
-    if (tt.end_s <= tt.start_s) continue;
+    if (tt.end_s <= tt.start_s && tt.wait_s <= 0) continue;
     int c = Compute;
     if (task.kind == TaskKind::Compute) {
       // Gradient clipping's sum of squares is part of the optimizer step (Megatron-LM's
@@ -116,8 +119,19 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
           break;
       }
     }
-    edges.push_back({tt.start_s, c, +1});
-    edges.push_back({tt.end_s, c, -1});
+    auto span = [&](double from, double to, int category) {
+      if (to <= from) return;
+      edges.push_back({from, category, +1});
+      edges.push_back({to, category, -1});
+    };
+    if (tt.wait_s > 0 && c >= Tp) {
+      const double wait_end = tt.wait_from_s + tt.wait_s;
+      span(tt.wait_from_s, wait_end, c + kWait);
+      span(tt.start_s, std::min(tt.end_s, tt.wait_from_s), c);
+      span(std::max(tt.start_s, wait_end), tt.end_s, c);
+    } else {
+      span(tt.start_s, tt.end_s, c);
+    }
   }
   std::sort(edges.begin(), edges.end(), [](const Edge& a, const Edge& b) {
     return std::tie(a.t, a.delta, a.category) < std::tie(b.t, b.delta, b.category);
@@ -136,12 +150,12 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
       }
     }
     int comms = 0;
-    for (int c = Tp; c <= Pp; ++c) comms += active[static_cast<std::size_t>(c)] > 0 ? 1 : 0;
+    for (int c = Tp; c < kCategories; ++c) comms += active[static_cast<std::size_t>(c)] > 0 ? 1 : 0;
     if (comms == 0) {
       bubble += dt;
       return;
     }
-    for (int c = Tp; c <= Pp; ++c) {
+    for (int c = Tp; c < kCategories; ++c) {
       if (active[static_cast<std::size_t>(c)] > 0) share[static_cast<std::size_t>(c)] += dt / comms;
     }
   };
@@ -160,6 +174,11 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
   b.exposed_ep_s = share[Ep];
   b.exposed_dp_s = share[Dp];
   b.exposed_pp_s = share[Pp];
+  b.straggler_tp_s = share[Tp + kWait];
+  b.straggler_cp_s = share[Cp + kWait];
+  b.straggler_ep_s = share[Ep + kWait];
+  b.straggler_dp_s = share[Dp + kWait];
+  b.straggler_pp_s = share[Pp + kWait];
   b.bubble_s = bubble;
   return b;
 }
@@ -176,12 +195,15 @@ std::size_t busiest_stage(const std::vector<StagePrediction>& stages) {
 double serial_fraction(const Breakdown& b, const plan::Plan& plan, double step_s) {
   // What more data-parallel replicas at this global batch do not divide. Each replica's
   // micro-batches, and with them their compute and their exposed tp, cp, ep and
-  // pipeline-transfer time, divide among the replicas; the data-parallel reduction, the bubble
-  // ((pp - 1) passes whatever the micro-batch count) and an unsharded optimizer step do not.
-  // (ZeRO-3's per-micro-batch gathers are dp communication that does divide: counted serial,
-  // the bound is then low.)
+  // pipeline-transfer time and their waits for late ranks, divide among the replicas; the
+  // data-parallel reduction and its wait for the last replica, the bubble ((pp - 1) passes
+  // whatever the micro-batch count) and an unsharded optimizer step do not. (ZeRO-3's
+  // per-micro-batch gathers are dp communication that does divide: counted serial, the bound
+  // is then low.)
   const bool sharded_optimizer = plan.zero_stage >= 1 && plan.dp > 1;
-  return (b.exposed_dp_s + b.bubble_s + (sharded_optimizer ? 0.0 : b.optimizer_s)) / step_s;
+  return (b.exposed_dp_s + b.straggler_dp_s + b.bubble_s +
+          (sharded_optimizer ? 0.0 : b.optimizer_s)) /
+         step_s;
 }
 
 StepFlops step_flops(const model::ModelGraph& graph, const plan::Plan& plan) {
@@ -393,6 +415,24 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
         "FLOPs executed (executed_flops_per_step)",
         100 * flops.executed / flops.hardware,
         100 * flops.executed / (p.step_time_s * gpus * peak)));
+  }
+  if (options.straggler_cost) {
+    p.straggler_cost_s = 0.0;
+    if (engine.jitter_cv > 0) {
+      EngineOptions calm = engine;
+      calm.jitter_cv = 0;
+      const Timeline t = run(sim.program, durations, calm);
+      double step = t.makespan_s;
+      if (plan.schedule == plan::Schedule::PipeDreamAsync && plan.pp > 1) {
+        step = 0;  // the busiest stage's busy time, as above
+        for (std::size_t i = 0; i < sim.program.ranks.size(); ++i) {
+          const double bubble =
+              breakdown_of(sim.program.ranks[i], t.tasks[i], t.makespan_s).bubble_s;
+          step = std::max(step, t.makespan_s - bubble);
+        }
+      }
+      p.straggler_cost_s = p.step_time_s - step;
+    }
   }
   p.serial_fraction = serial_fraction(p.breakdown, plan, p.step_time_s);
   p.max_speedup = p.serial_fraction > 0 ? 1.0 / p.serial_fraction : 0.0;

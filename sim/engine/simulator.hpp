@@ -19,8 +19,9 @@
 namespace dtsim::engine {
 
 // Where a rank's step goes. Every instant of [0, step) is in exactly one term: the compute
-// stream's work (split by phase), else the communication that is running while compute waits
-// (shared equally when several kinds run at once), else idle (the pipeline bubble).
+// stream's work (split by phase), else the communication, or the straggler model's wait for a
+// late rank, that is running while compute waits (shared equally when several run at once),
+// else idle (the pipeline bubble).
 struct Breakdown {
   double compute_s = 0;    // forward and backward
   double recompute_s = 0;  // forward re-run before backward
@@ -28,11 +29,18 @@ struct Breakdown {
   double bubble_s = 0;
   // Exposed communication by kind: tp, cp, ep, dp (incl. expert dp and ZeRO), pp.
   double exposed_tp_s = 0, exposed_cp_s = 0, exposed_ep_s = 0, exposed_dp_s = 0, exposed_pp_s = 0;
+  // Exposed waits for the last rank of a collective or a pipeline transfer, by its kind (the
+  // straggler model, engine.hpp; a measured trace has them inside its communication).
+  double straggler_tp_s = 0, straggler_cp_s = 0, straggler_ep_s = 0, straggler_dp_s = 0,
+         straggler_pp_s = 0;
   double exposed_comm_s() const {
     return exposed_tp_s + exposed_cp_s + exposed_ep_s + exposed_dp_s + exposed_pp_s;
   }
+  double straggler_s() const {
+    return straggler_tp_s + straggler_cp_s + straggler_ep_s + straggler_dp_s + straggler_pp_s;
+  }
   double total_s() const {  // the step it splits
-    return compute_s + recompute_s + optimizer_s + bubble_s + exposed_comm_s();
+    return compute_s + recompute_s + optimizer_s + bubble_s + exposed_comm_s() + straggler_s();
   }
 };
 
@@ -56,10 +64,16 @@ struct Prediction {
   int bottleneck_stage = 0;  // the stage whose breakdown is reported
   Breakdown breakdown;
   std::vector<StagePrediction> stages;
-  // Amdahl over data-parallel replicas at a fixed global batch: (exposed dp communication +
-  // bubble + the optimizer unless ZeRO shards it) / step, and 1 / that (0: nothing serial).
+  // Amdahl over data-parallel replicas at a fixed global batch: (exposed dp communication and
+  // its straggler waits + bubble + the optimizer unless ZeRO shards it) / step, and 1 / that
+  // (0: nothing serial).
   double serial_fraction = 0;
   double max_speedup = 0;
+  // What the straggler model adds to the step: the step less the same simulation's without it
+  // (SimulateOptions::straggler_cost; 0 without the model). The breakdown's straggler terms are
+  // the part of it where compute waits on a late rank itself; the rest is the communication and
+  // passes those waits delay, counted where they show.
+  std::optional<double> straggler_cost_s;
   plan::MemoryReport memory;
   std::string network;
   std::uint64_t tasks = 0;
@@ -78,6 +92,9 @@ struct SimulateOptions {
   // slowest of the plan's n ranks, E[max of n standard normals]·spread slower, computes the
   // busiest stage's tasks. Unset: the profile's in_run rank_spread_cv, else none.
   std::optional<double> rank_spread_cv;
+  // Also run the program without the straggler model, for Prediction::straggler_cost_s (a
+  // second simulation where the model is on).
+  bool straggler_cost = false;
 };
 
 // FLOPs of one training step over all devices (Megatron-LM's accounting): `model` counts the
@@ -118,8 +135,9 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
 std::size_t busiest_stage(const std::vector<StagePrediction>& stages);
 
 // Amdahl's serial fraction of a step of `step_s` that breaks down as `b`: the share that more
-// data-parallel replicas at the same global batch do not divide (the dp exposure, the bubble,
-// and an optimizer step that ZeRO does not shard). The speedup bound is its inverse.
+// data-parallel replicas at the same global batch do not divide (the dp exposure and its
+// stragglers' waits, the bubble, and an optimizer step that ZeRO does not shard). The speedup
+// bound is its inverse.
 double serial_fraction(const Breakdown& b, const plan::Plan& plan, double step_s);
 
 }  // namespace dtsim::engine

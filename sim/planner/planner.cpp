@@ -390,8 +390,12 @@ class Estimator {
     // The dp stream carries every reduction and gather of a step one after another: what the
     // closed forms below expose inside the passes, the stream's busy time in all (which the
     // passes can hide at most), when it can start (the first gradients, after a forward; a
-    // gather, at once), and what comes after the optimizer (ZeRO-1/2's gather).
-    double dp_in_passes = 0, dp_busy = 0, dp_after = 0;
+    // gather, at once), and what comes after the optimizer (ZeRO-1/2's gather). The breakdown
+    // tells apart, as the simulator's does, a wait for the slowest rank that keeps compute
+    // waiting itself (the last reduction's, which outlasts the backward pass): the first
+    // reduction's wait, hidden by the pass, shows as the later reductions' delay, in the
+    // communication, and so does the stream's in all where it outlasts the passes.
+    double dp_in_passes = 0, dp_busy = 0, dp_after = 0, dp_waits_in_passes = 0;
     const bool gathers_first =
         p.zero_stage == 3 || ((p.zero_stage == 1 || p.zero_stage == 2) && p.overlap_param_gather);
     const double dp_start = gathers_first ? 0.0 : stage_f / std::max(1, p.virtual_stages);
@@ -437,8 +441,13 @@ class Estimator {
       // starts on the first chunk's (v - 1)·pp passes before the last one, and has at least
       // the last chunk's left when that one starts. The stream's first collective waits for
       // the group's slowest rank first.
-      const double queued = std::max(all / v, all + first_wait - (v - 1) * p.pp * backward);
-      dp_in_passes += std::max(last + last_wait, queued - backward);
+      const auto exposed_in_passes = [&](double first, double last_late) {
+        const double queued = std::max(all / v, all + first - (v - 1) * p.pp * backward);
+        return std::max(last + last_late, queued - backward);
+      };
+      const double delayed = exposed_in_passes(first_wait, 0);
+      dp_in_passes += delayed;
+      dp_waits_in_passes += exposed_in_passes(first_wait, last_wait) - delayed;
       // Each collective on the stream first waits for the group's slowest rank: over a step,
       // the group's waits (see the class comment).
       dp_busy += (p.zero_stage >= 2 ? mb : 1.0) * all + waits;
@@ -513,7 +522,7 @@ class Estimator {
       b.compute_s += slower * step_compute;
       b.optimizer_s *= 1 + slower;
     }
-    b.exposed_tp_s += straggling(p.tp);
+    double tp_waits = straggling(p.tp);
     if (tp_overlap && jitter_cv_ > 0) {
       // The backward's tp collectives, nearly all of them f's, wait for the backward compute
       // before them; the weight gradient beside each hides that wait up to its slack.
@@ -521,10 +530,14 @@ class Estimator {
       for (const Segment& seg : segments) {
         hidden += std::min(jitter_cv_ * spread(p.tp) * seg.compute, seg.slack);
       }
-      b.exposed_tp_s -= mb * layers_total * hidden;
+      tp_waits -= mb * layers_total * hidden;
     }
-    b.exposed_cp_s += straggling(p.cp);
-    b.exposed_ep_s += p.ep > 1 && m.moe ? straggling(p.ep) : 0.0;
+    // (Where more is hidden than waited, the rest comes off the tp communication, as before
+    // the waits were told apart.)
+    b.straggler_tp_s = std::max(0.0, tp_waits);
+    b.exposed_tp_s += std::min(0.0, tp_waits);
+    b.straggler_cp_s = straggling(p.cp);
+    b.straggler_ep_s = p.ep > 1 && m.moe ? straggling(p.ep) : 0.0;
     // Pipeline transfers wait for the later of their two ends (pairs). With overlapped transfers
     // the data comes a pass ahead of its use in the steady state, which hides the lateness;
     // elsewhere the bubble's length of compute stands for the exchanges whose two ends come
@@ -539,17 +552,23 @@ class Estimator {
       if (every_round) {
         const double rounds = mb * p.virtual_stages;
         const double late = jitter_cv_ * spread(2) * step_compute / rounds;
-        b.exposed_pp_s += rounds * std::max(0.0, late - p2p);
+        b.straggler_pp_s = rounds * std::max(0.0, late - p2p);
       } else {
-        b.exposed_pp_s += jitter_cv_ * spread(2) * b.bubble_s;
+        b.straggler_pp_s = jitter_cv_ * spread(2) * b.bubble_s;
       }
     }
     // The dp stream outlasts the passes where its work in all does not fit beside them
     // (ZeRO-3's gathers and reduce-scatters at large dp, ZeRO-2's reductions per micro-batch).
     const double window = b.compute_s + b.recompute_s + b.bubble_s + b.exposed_tp_s +
-                          b.exposed_cp_s + b.exposed_ep_s + b.exposed_pp_s;
+                          b.exposed_cp_s + b.exposed_ep_s + b.exposed_pp_s + b.straggler_tp_s +
+                          b.straggler_cp_s + b.straggler_ep_s + b.straggler_pp_s;
     b.exposed_dp_s =
         std::max({dp_in_passes, dp_start + dp_busy - window, zero3_exposed}) + dp_after;
+    // With the last reductions' own waits the stream exposes at least as much: the difference
+    // is theirs.
+    b.straggler_dp_s =
+        std::max({dp_in_passes + dp_waits_in_passes, dp_start + dp_busy - window, zero3_exposed}) +
+        dp_after - b.exposed_dp_s;
     return b;
   }
 
@@ -791,6 +810,7 @@ std::string dominant_term(const engine::Breakdown& b, double step_s) {
       {b.exposed_ep_s, "EP communication"},
       {b.exposed_dp_s, "exposed DP communication"},
       {b.exposed_pp_s, "exposed PP communication"},
+      {b.straggler_s(), "straggler waits"},
       {b.optimizer_s, "optimizer"},
   };
   // The largest term other than compute: what the plan pays for parallelism.

@@ -1,5 +1,6 @@
 // The breakdown of a step as JSON (DESIGN.md "JSON results": compute_s, recompute_s,
-// exposed_comm_s {dp, tp, pp, cp, ep}, bubble_s, optimizer_s), shared by simulate and plan.
+// exposed_comm_s {dp, tp, pp, cp, ep}, bubble_s, optimizer_s; and straggler_wait_s {dp, tp, pp,
+// cp, ep}), shared by simulate, plan and dtexec run.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -8,22 +9,32 @@
 
 namespace dtsim::report {
 
-inline nlohmann::json breakdown_json(const engine::Breakdown& b) {
-  return {{"compute_s", b.compute_s},
-          {"recompute_s", b.recompute_s},
-          {"optimizer_s", b.optimizer_s},
-          {"bubble_s", b.bubble_s},
-          {"exposed_comm_s",
-           {{"dp", b.exposed_dp_s},
-            {"tp", b.exposed_tp_s},
-            {"pp", b.exposed_pp_s},
-            {"cp", b.exposed_cp_s},
-            {"ep", b.exposed_ep_s}}}};
+// `predicted`: the straggler model's waits are told apart from the communication; a measured
+// breakdown (dtexec run) has them inside its exposed communication, and straggler_wait_s null.
+inline nlohmann::json breakdown_json(const engine::Breakdown& b, bool predicted = true) {
+  nlohmann::json j = {{"compute_s", b.compute_s},
+                      {"recompute_s", b.recompute_s},
+                      {"optimizer_s", b.optimizer_s},
+                      {"bubble_s", b.bubble_s},
+                      {"exposed_comm_s",
+                       {{"dp", b.exposed_dp_s},
+                        {"tp", b.exposed_tp_s},
+                        {"pp", b.exposed_pp_s},
+                        {"cp", b.exposed_cp_s},
+                        {"ep", b.exposed_ep_s}}}};
+  j["straggler_wait_s"] = predicted ? nlohmann::json{{"dp", b.straggler_dp_s},
+                                                     {"tp", b.straggler_tp_s},
+                                                     {"pp", b.straggler_pp_s},
+                                                     {"cp", b.straggler_cp_s},
+                                                     {"ep", b.straggler_ep_s}}
+                                    : nlohmann::json(nullptr);
+  return j;
 }
 
 // One stage's entry of `per_stage`: its stage, the rank it was taken on, its breakdown.
-inline nlohmann::json stage_json(const engine::StagePrediction& s) {
-  return {{"stage", s.stage}, {"rank", s.rank}, {"breakdown", breakdown_json(s.breakdown)}};
+inline nlohmann::json stage_json(const engine::StagePrediction& s, bool predicted = true) {
+  return {
+      {"stage", s.stage}, {"rank", s.rank}, {"breakdown", breakdown_json(s.breakdown, predicted)}};
 }
 
 }  // namespace dtsim::report

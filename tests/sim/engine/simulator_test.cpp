@@ -211,6 +211,7 @@ TEST_CASE("the breakdown covers the whole step", "[engine]") {
     const auto& b = s.breakdown;
     CHECK(b.compute_s + b.recompute_s + b.optimizer_s + b.bubble_s + b.exposed_comm_s() ==
           Approx(pr.step_time_s).epsilon(1e-9));
+    CHECK(b.straggler_s() == 0);  // no straggler model
   }
   CHECK(pr.breakdown.recompute_s > 0);
   CHECK(pr.breakdown.exposed_tp_s > 0);
@@ -361,6 +362,38 @@ TEST_CASE("a slow rank paces the step from the busiest stage", "[engine][slow-ra
     // The other stages compute at their own pace and wait for it.
     CHECK(b.stages[0].breakdown.compute_s == Approx(a.stages[0].breakdown.compute_s));
   }
+}
+
+TEST_CASE("what stragglers cost: the step against the same simulation without them",
+          "[engine][stragglers]") {
+  // Llama 3 8B, dp 4 x tp 4 x pp 2 with 1F1B, at a 3% spread: every kind of wait.
+  Plan p = blank();
+  p.tp = 4;
+  p.pp = 2;
+  p.global_batch_size = 32;
+  p.seq_len = 2048;
+  dtsim::engine::SimulateOptions calm, noisy;
+  calm.jitter_cv = 0.0;
+  noisy.jitter_cv = 0.03;
+  calm.straggler_cost = noisy.straggler_cost = true;
+  const auto a = run("llama3-8b", "default", p, calm).prediction;
+  const auto b = run("llama3-8b", "default", p, noisy).prediction;
+  REQUIRE(a.straggler_cost_s);
+  REQUIRE(b.straggler_cost_s);
+  CHECK(*a.straggler_cost_s == 0);
+  CHECK(a.breakdown.straggler_s() == 0);
+  CHECK(*b.straggler_cost_s == Approx(b.step_time_s - a.step_time_s).epsilon(1e-12));
+  CHECK(*b.straggler_cost_s > 0);
+  // The breakdown's waits are where compute waits on a late rank itself: part of the cost, the
+  // rest showing as the work those waits delay.
+  CHECK(b.breakdown.straggler_tp_s > 0);
+  CHECK(b.breakdown.straggler_s() <= *b.straggler_cost_s);
+  for (const auto& s : b.stages) {
+    CHECK(s.breakdown.total_s() == Approx(b.step_time_s).epsilon(1e-9));
+  }
+  // Not asked for: not simulated twice.
+  noisy.straggler_cost = false;
+  CHECK(!run("llama3-8b", "default", p, noisy).prediction.straggler_cost_s);
 }
 
 // ZeRO-1's weight all-gather overlapped with the next step's forward (Megatron-LM

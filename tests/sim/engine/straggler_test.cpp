@@ -7,6 +7,7 @@
 #include <numbers>
 
 #include "sim/engine/engine.hpp"
+#include "sim/engine/simulator.hpp"
 #include "tests/test_util.hpp"
 
 using dtsim::lower::Task;
@@ -185,6 +186,51 @@ TEST_CASE("a collective waits for its slowest rank", "[engine][stragglers]") {
   CHECK(alone.makespan_s == Approx(plain.makespan_s));
 }
 
+TEST_CASE("the breakdown tells a wait for the last rank apart from the communication",
+          "[engine][stragglers]") {
+  Fixed d;
+  const auto program = two_syncs(8);
+  dtsim::engine::EngineOptions options;
+  options.jitter_cv = 0.1;
+  const auto t = dtsim::engine::run(program, d, options);
+  const double e8 = dtsim::engine::expected_max_normal(8);
+  // Each all-reduce's wait comes first in its span: 0.1·e(8) times the compute before it.
+  CHECK(t.tasks[0][1].wait_from_s == Approx(1));
+  CHECK(t.tasks[0][1].wait_s == Approx(0.1 * e8 * 1));
+  CHECK(t.tasks[0][3].wait_from_s == Approx(t.tasks[0][3].start_s));
+  CHECK(t.tasks[0][3].wait_s == Approx(0.1 * e8 * 2));
+  const auto b = dtsim::engine::breakdown_of(program.ranks[0], t.tasks[0], t.makespan_s);
+  CHECK(b.compute_s == Approx(3));
+  CHECK(b.exposed_tp_s == Approx(2 * 0.5));
+  CHECK(b.straggler_tp_s == Approx(0.1 * e8 * 3));
+  CHECK(b.straggler_s() == Approx(b.straggler_tp_s));
+  CHECK(b.bubble_s == Approx(0).margin(1e-12));
+  CHECK(b.total_s() == Approx(t.makespan_s));
+  // Without the model the same span is communication alone.
+  const auto plain = dtsim::engine::run(program, d);
+  CHECK(plain.tasks[0][1].wait_s == 0);
+  const auto calm = dtsim::engine::breakdown_of(program.ranks[0], plain.tasks[0], plain.makespan_s);
+  CHECK(calm.straggler_s() == 0);
+  CHECK(calm.exposed_tp_s == Approx(2 * 0.5));
+}
+
+TEST_CASE("a wait for a late rank that compute hides is not in the breakdown",
+          "[engine][stragglers]") {
+  // Both ranks compute 1 s, then reduce on the dp stream while computing 3 s more: the
+  // reduction's wait (0.1·e(2)·1 s) and its 0.5 s run beside that compute.
+  Task reduce = collective(0, {0});
+  reduce.stream = dtsim::lower::Stream::Dp;
+  const auto t = run_pair_with_jitter({compute(1, {}), reduce, compute(3, {0})},
+                                      {compute(1, {}), reduce, compute(3, {0})});
+  CHECK(t.tasks[0][1].wait_s == Approx(0.1 * dtsim::engine::expected_max_normal(2)));
+  dtsim::lower::RankProgram rank;
+  rank.tasks = {compute(1, {}), reduce, compute(3, {0})};
+  const auto b = dtsim::engine::breakdown_of(rank, t.tasks[0], t.makespan_s);
+  CHECK(b.compute_s == Approx(4));
+  CHECK(b.straggler_s() == 0);
+  CHECK(b.exposed_dp_s == 0);
+}
+
 TEST_CASE("each group waits for the compute since its own last collective",
           "[engine][stragglers]") {
   // Two programs (ranks 0 and 1), a group of both (2 ranks) and a group of rank 0 with 3 ranks
@@ -244,6 +290,23 @@ TEST_CASE("a pipeline transfer waits for the later of its two ends", "[engine][s
     // send comes 1 s after, late or early by 0.1 s: the receive waits for it alone, on
     // average not late (0.1·e(2)·1 if they came together).
     CHECK(t.tasks[0][2].end_s == Approx(first + 1).margin(1e-9));
+    // The first transfer's wait: inside the receive's span when the data came ahead, before
+    // both ends' spans when they start it together; in either case the receiver's breakdown
+    // has it, and a blocking sender's too.
+    CHECK(t.tasks[1][1].wait_from_s == Approx(2));
+    CHECK(t.tasks[1][1].wait_s == Approx(0.1 * e2 * 2));
+    dtsim::lower::RankProgram receiver;
+    receiver.tasks = {compute(2, {}), transfer(TaskKind::Recv, 0, 0, {0}), compute(1, {1}),
+                      transfer(TaskKind::Send, 0, 1, {2})};
+    const auto b = dtsim::engine::breakdown_of(receiver, t.tasks[1], t.makespan_s);
+    CHECK(b.compute_s == Approx(3));
+    CHECK(b.straggler_pp_s == Approx(0.1 * e2 * 2));
+    CHECK(b.total_s() == Approx(t.makespan_s));
+    dtsim::lower::RankProgram sender;
+    sender.tasks = {compute(2, {}), transfer(TaskKind::Send, 1, 0, {0}),
+                    transfer(TaskKind::Recv, 1, 1, {1})};
+    const auto a = dtsim::engine::breakdown_of(sender, t.tasks[0], t.makespan_s);
+    CHECK(a.straggler_pp_s == Approx(eager ? 0 : 0.1 * e2 * 2).margin(1e-9));
   }
 }
 
