@@ -1443,6 +1443,13 @@ void print_profile(const nlohmann::json& profile, const std::string& path) {
           100 * profile.at("jitter_cv").get<double>());
     }
   }
+  std::optional<double> transient;
+  if (profile.contains("in_run") && profile.at("in_run").contains("transient_cv")) {
+    transient = profile.at("in_run").at("transient_cv").get<double>();
+  }
+  if (auto w = dtsim::exec::noisy_host_warning(profile.at("jitter_cv").get<double>(), transient)) {
+    std::cerr << *w << "\n";
+  }
 }
 
 // The profile's "in_run" factors (sim/cost/profile.hpp): one process trains `graph` on

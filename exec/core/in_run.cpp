@@ -1,5 +1,7 @@
 #include "exec/core/in_run.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "sim/cluster/topology.hpp"
@@ -77,6 +79,21 @@ std::optional<model::ModelGraph> in_run_graph(const model::ModelSpec& spec,
     }
   }
   return std::nullopt;
+}
+
+std::optional<std::string> noisy_host_warning(double jitter_cv,
+                                              std::optional<double> transient_cv) {
+  constexpr double kNoisy = 0.10;  // see the header
+  const double worst = std::max(jitter_cv, transient_cv.value_or(0.0));
+  if (worst < kNoisy) return std::nullopt;
+  const bool gemm = jitter_cv >= transient_cv.value_or(0.0);
+  return fmt::format(
+      "warning: a noisy host: {} varied by {:.1f}% (std/mean) while calibrating. Every rate in "
+      "this profile carries that noise, and a step predicted from it is about as uncertain. "
+      "Calibrate again when the host is quieter (other jobs stopped), or several times, and "
+      "keep the profile with the least jitter_cv",
+      gemm ? "one GEMM's time from repeat to repeat" : "a rank's phase time from round to round",
+      100 * worst);
 }
 
 }  // namespace dtsim::exec

@@ -77,3 +77,15 @@ TEST_CASE("the ranks' lasting and transient spreads from a table of phase times"
   CHECK(!s.transient_cv2);
   CHECK(s.lasting_cv2 == Approx(0.02));
 }
+
+TEST_CASE("a calibration on a noisy host says so", "[in_run]") {
+  CHECK(!dtsim::exec::noisy_host_warning(0.03, std::nullopt));
+  CHECK(!dtsim::exec::noisy_host_warning(0.0999, 0.05));
+  const auto gemm = dtsim::exec::noisy_host_warning(0.123, 0.02);
+  REQUIRE(gemm);
+  CHECK(gemm->find("one GEMM's time from repeat to repeat varied by 12.3%") != std::string::npos);
+  const auto ranks = dtsim::exec::noisy_host_warning(0.02, 0.15);
+  REQUIRE(ranks);
+  CHECK(ranks->find("a rank's phase time from round to round varied by 15.0%") !=
+        std::string::npos);
+}
