@@ -111,9 +111,9 @@ int main(int argc, char** argv) {
       auto terms = [](const dtsim::engine::Breakdown& b) {
         return fmt::format(
             "compute {:.3f} recompute {:.3f} bubble {:.3f} tp {:.3f} cp {:.3f} ep {:.3f} dp {:.3f} "
-            "pp {:.3f} optimizer {:.3f}",
+            "pp {:.3f} optimizer {:.3f} straggler waits {:.3f}",
             b.compute_s, b.recompute_s, b.bubble_s, b.exposed_tp_s, b.exposed_cp_s, b.exposed_ep_s,
-            b.exposed_dp_s, b.exposed_pp_s, b.optimizer_s);
+            b.exposed_dp_s, b.exposed_pp_s, b.optimizer_s, b.straggler_s());
       };
       fmt::print("  {:+.1f}%  {}\n    estimate  {:.3f} s: {}\n    simulated {:.3f} s: {}\n",
                  100 * (k.estimate_s / k.step_time_s - 1), dtsim::plan::summary(k.plan),

@@ -347,7 +347,7 @@ std::vector<dtsim::engine::StagePrediction> measured_stages(const Timings& all,
             &dtsim::engine::Breakdown::optimizer_s, &dtsim::engine::Breakdown::bubble_s,
             &dtsim::engine::Breakdown::exposed_tp_s, &dtsim::engine::Breakdown::exposed_cp_s,
             &dtsim::engine::Breakdown::exposed_ep_s, &dtsim::engine::Breakdown::exposed_dp_s,
-            &dtsim::engine::Breakdown::exposed_pp_s}) {
+            &dtsim::engine::Breakdown::exposed_pp_s}) {  // (no straggler terms: 0 measured)
         stages[k].breakdown.*term += b.*term / n;
       }
     }
@@ -1119,8 +1119,8 @@ int run(const std::vector<std::string>& args) {
                   "between tasks, at least runner_s of it (what none of the rank's tasks covers, "
                   "as it timed them; null on GPUs with peers, where the compute stream's gaps "
                   "hold its waits); other_s: the median step less compute, recompute and "
-                  "optimizer; straggler_wait_s is null: a wait for a late rank is inside the "
-                  "communication task that waited, not told apart",
+                  "optimizer; straggler_wait_s is null: a wait for a late rank is not told "
+                  "apart from other waits for peers",
                   spent_rank,
                   stages.size() > 1 ? fmt::format("stage {}, the stage that computes the most, as "
                                                   "simulate reports; per_stage has each stage's "

@@ -200,10 +200,12 @@ int cmd_simulate(const std::vector<std::string>& args) {
   row("optimizer", b.optimizer_s);
   std::cout << table.render();
   if (p.straggler_cost_s && *p.straggler_cost_s != 0) {
+    // (A cost below the waits, even negative, is possible: the waits can reorder the transfers
+    // on a link.)
     std::cout << fmt::format(
-        "\nstragglers add {} ms to the step ({}; without them {:.3f} s): {} ms of it is compute "
-        "waiting on a late rank (the straggler rows), the rest the work those waits delay\n",
-        ms(*p.straggler_cost_s), pct(*p.straggler_cost_s, p.step_time_s),
+        "\nstragglers: the step is {:+.2f} ms ({:+.1f}%) against {:.3f} s without them; compute "
+        "waits on a late rank for {} ms (the straggler rows), and those waits delay other work\n",
+        *p.straggler_cost_s * 1e3, 100 * *p.straggler_cost_s / p.step_time_s,
         p.step_time_s - *p.straggler_cost_s, ms(b.straggler_s()));
   }
   const std::string bound = p.max_speedup > 0

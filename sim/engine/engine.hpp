@@ -38,9 +38,10 @@ struct TaskTime {
   double start_s = 0;
   double end_s = 0;
   // The straggler model's wait for the last rank, [wait_from_s, wait_from_s + wait_s): inside
-  // the span of a collective and of a receive, just before it for a blocking transfer (both
-  // ends idle until it starts). 0 without the model, and in a measured trace (where such waits
-  // are inside the tasks, not told apart).
+  // the span of a collective and of a receive, before it for a blocking transfer (both ends
+  // idle; the link queue may start the transfer later still). 0 without the model, and in a
+  // measured trace, which cannot tell such waits apart (dtexec counts a task from when its last
+  // party reached it, and the wait before that as bubble).
   double wait_from_s = 0;
   double wait_s = 0;
 };

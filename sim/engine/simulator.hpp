@@ -30,7 +30,8 @@ struct Breakdown {
   // Exposed communication by kind: tp, cp, ep, dp (incl. expert dp and ZeRO), pp.
   double exposed_tp_s = 0, exposed_cp_s = 0, exposed_ep_s = 0, exposed_dp_s = 0, exposed_pp_s = 0;
   // Exposed waits for the last rank of a collective or a pipeline transfer, by its kind (the
-  // straggler model, engine.hpp; a measured trace has them inside its communication).
+  // straggler model, engine.hpp; a measured breakdown cannot tell them apart: its waits for
+  // peers are in its bubble).
   double straggler_tp_s = 0, straggler_cp_s = 0, straggler_ep_s = 0, straggler_dp_s = 0,
          straggler_pp_s = 0;
   double exposed_comm_s() const {

@@ -10,7 +10,8 @@
 namespace dtsim::report {
 
 // `predicted`: the straggler model's waits are told apart from the communication; a measured
-// breakdown (dtexec run) has them inside its exposed communication, and straggler_wait_s null.
+// breakdown (dtexec run) has its waits for peers in bubble_s, not told apart: straggler_wait_s
+// null.
 inline nlohmann::json breakdown_json(const engine::Breakdown& b, bool predicted = true) {
   nlohmann::json j = {{"compute_s", b.compute_s},
                       {"recompute_s", b.recompute_s},
