@@ -86,6 +86,11 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
   };
   std::vector<Edge> edges;
   edges.reserve(rank.tasks.size() * 2);
+  auto span = [&](double from, double to, int category) {
+    if (to <= from) return;
+    edges.push_back({from, category, +1});
+    edges.push_back({to, category, -1});
+  };
   for (std::size_t i = 0; i < rank.tasks.size(); ++i) {
     const auto& task = rank.tasks[i];
     const TaskTime& tt = times[i];
@@ -119,11 +124,6 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
           break;
       }
     }
-    auto span = [&](double from, double to, int category) {
-      if (to <= from) return;
-      edges.push_back({from, category, +1});
-      edges.push_back({to, category, -1});
-    };
     if (tt.wait_s > 0 && c >= Tp) {
       const double wait_end = tt.wait_from_s + tt.wait_s;
       span(tt.wait_from_s, wait_end, c + kWait);
@@ -260,6 +260,35 @@ std::int32_t busiest_program(const lower::Program& program, cost::ComputeCost& c
   return busiest;
 }
 
+// Each rank program's breakdown of `timeline`, as its stage's.
+std::vector<StagePrediction> stage_predictions(const lower::Program& program,
+                                               const Timeline& timeline) {
+  std::vector<StagePrediction> stages;
+  for (std::size_t i = 0; i < program.ranks.size(); ++i) {
+    const auto& rp = program.ranks[i];
+    stages.push_back({rp.stage, rp.rank, breakdown_of(rp, timeline.tasks[i], timeline.makespan_s)});
+  }
+  return stages;
+}
+
+// PipeDream's asynchronous step (no flush between steps): in steady state the pipeline stays
+// full, so a step costs the busiest stage's busy time (the makespan less its bubble; the
+// fill/drain bubble is paid once per run, not per step). That stage and its time; ties: the
+// first.
+std::pair<std::size_t, double> steady_stage(const std::vector<StagePrediction>& stages,
+                                            double makespan_s) {
+  std::size_t busiest = 0;
+  double steady = -1;
+  for (std::size_t i = 0; i < stages.size(); ++i) {
+    const double busy_s = makespan_s - stages[i].breakdown.bubble_s;
+    if (busy_s > steady) {
+      steady = busy_s;
+      busiest = i;
+    }
+  }
+  return {busiest, steady};
+}
+
 }  // namespace
 
 Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
@@ -287,31 +316,16 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   p.gpus = plan.devices();
   p.tasks = sim.program.task_count();
   p.events = sim.timeline.events;
-  for (std::size_t i = 0; i < sim.program.ranks.size(); ++i) {
-    const auto& rp = sim.program.ranks[i];
-    StagePrediction s;
-    s.stage = rp.stage;
-    s.rank = rp.rank;
-    s.breakdown = breakdown_of(rp, sim.timeline.tasks[i], sim.timeline.makespan_s);
-    p.stages.push_back(s);
-  }
+  p.stages = stage_predictions(sim.program, sim.timeline);
   p.bottleneck_stage = static_cast<int>(busiest_stage(p.stages));
   p.breakdown = p.stages[static_cast<std::size_t>(p.bottleneck_stage)].breakdown;
   p.step_time_s = sim.timeline.makespan_s;
-  if (plan.schedule == plan::Schedule::PipeDreamAsync && plan.pp > 1) {
-    // No flush between steps: in steady state the pipeline stays full, so a step costs the
-    // bottleneck stage's busy time; the fill/drain bubble is paid once per run, not per step.
-    // The stage with the largest busy time (makespan - bubble) sets the step and is the one
-    // reported, so that its breakdown, less the bubble, sums to the step time. Ties: the first.
-    const double makespan = p.step_time_s;
-    double steady = -1;
-    for (std::size_t i = 0; i < p.stages.size(); ++i) {
-      const double busy_s = makespan - p.stages[i].breakdown.bubble_s;
-      if (busy_s > steady) {
-        steady = busy_s;
-        p.bottleneck_stage = static_cast<int>(i);
-      }
-    }
+  const bool pipedream = plan.schedule == plan::Schedule::PipeDreamAsync && plan.pp > 1;
+  if (pipedream) {
+    // The stage that sets the step is the one reported, so that its breakdown, less the bubble,
+    // sums to the step time.
+    const auto [stage, steady] = steady_stage(p.stages, sim.timeline.makespan_s);
+    p.bottleneck_stage = static_cast<int>(stage);
     p.step_time_s = steady;
     p.breakdown = p.stages[static_cast<std::size_t>(p.bottleneck_stage)].breakdown;
     p.breakdown.bubble_s = 0;
@@ -422,15 +436,9 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
       EngineOptions calm = engine;
       calm.jitter_cv = 0;
       const Timeline t = run(sim.program, durations, calm);
-      double step = t.makespan_s;
-      if (plan.schedule == plan::Schedule::PipeDreamAsync && plan.pp > 1) {
-        step = 0;  // the busiest stage's busy time, as above
-        for (std::size_t i = 0; i < sim.program.ranks.size(); ++i) {
-          const double bubble =
-              breakdown_of(sim.program.ranks[i], t.tasks[i], t.makespan_s).bubble_s;
-          step = std::max(step, t.makespan_s - bubble);
-        }
-      }
+      const double step = pipedream
+                              ? steady_stage(stage_predictions(sim.program, t), t.makespan_s).second
+                              : t.makespan_s;
       p.straggler_cost_s = p.step_time_s - step;
     }
   }

@@ -45,7 +45,7 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
       if (task.kind == lower::TaskKind::Compute) args["phase"] = to_string(task.phase);
       if (task.bytes > 0) args["bytes"] = task.bytes;
       // The straggler model's wait for a late rank: from when, how long (inside the span, or
-      // just before a blocking transfer's).
+      // before a blocking transfer's).
       if (tt.wait_s > 0) {
         args["straggler_wait_from_us"] = tt.wait_from_s * 1e6;
         args["straggler_wait_us"] = tt.wait_s * 1e6;
