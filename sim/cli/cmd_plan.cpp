@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -67,6 +68,50 @@ json candidate_json(const planner::Candidate& c, const TrainingGoal& goal) {
                                                 : std::nullopt));
   }
   return j;
+}
+
+// What more memory per device would buy: the memory frontier, by the closed-form estimates,
+// thinned to rows at least 1% of the reference faster than the row above (the reference: the
+// fastest fitting estimate, or when nothing fits the first row, the closest to fitting, always
+// shown; the last row, the fastest over memory, always shown; --json lists every one).
+void print_memory_frontier(const planner::SearchResult& result) {
+  const auto& front = result.memory_frontier;
+  const bool none_fits = result.ranked.empty();
+  double reference = none_fits ? front.front().estimate_s : std::numeric_limits<double>::infinity();
+  for (const auto& c : result.ranked) reference = std::min(reference, c.estimate_s);
+  std::cout << (none_fits
+                    ? fmt::format(
+                          "more memory per GPU would let these run (estimates; the fastest plan "
+                          "of those needing at most each figure; the GPU holds {:.1f} GiB):\n",
+                          front.front().capacity_bytes / kGiB)
+                    : fmt::format(
+                          "more memory per GPU would buy (estimates; the fastest plan of those "
+                          "needing at most each figure, against {:.3f} s for the fastest that "
+                          "fits in {:.1f} GiB):\n",
+                          reference, front.front().capacity_bytes / kGiB));
+  report::Table table({"memory/GPU", "estimate", none_fits ? "vs first" : "faster", "plan"});
+  table.set_units({"GiB", "s", "", ""});
+  table.align_left(3);
+  double shown = none_fits ? std::numeric_limits<double>::infinity() : reference;
+  std::size_t left_out = 0;
+  for (std::size_t i = 0; i < front.size(); ++i) {
+    const auto& c = front[i];
+    if (i + 1 < front.size() && shown - c.estimate_s < 0.01 * reference) {
+      ++left_out;
+      continue;
+    }
+    shown = c.estimate_s;
+    table.add_row(
+        {fmt::format("{:.1f}", c.memory_bytes / kGiB), fmt::format("{:.3f}", c.estimate_s),
+         fmt::format("{:.1f}%", 100 * (1 - c.estimate_s / reference)), plan::summary(c.plan)});
+  }
+  std::cout << table.render();
+  if (left_out > 0) {
+    std::cout << fmt::format(
+        "({} more in between, each under 1% faster than the row above; --json lists them in "
+        "memory_frontier)\n",
+        left_out);
+  }
 }
 
 // Why the search had no candidate at all: the constraints that apply, the ones that exclude
@@ -325,6 +370,9 @@ int cmd_plan(const std::vector<std::string>& args) {
     if (result.closest_not_fitting) {
       out["closest_not_fitting"] = candidate_json(*result.closest_not_fitting, goal);
     }
+    json frontier = json::array();
+    for (const auto& c : result.memory_frontier) frontier.push_back(candidate_json(c, goal));
+    out["memory_frontier"] = frontier;
     std::cout << out.dump(2) << "\n";
     return rc;
   }
@@ -469,7 +517,10 @@ int cmd_plan(const std::vector<std::string>& args) {
         plan::summary(c.plan), c.memory_bytes / kGiB, c.capacity_bytes / kGiB,
         (c.memory_bytes - c.capacity_bytes) / kGiB, memory_parts(c));
   }
-  if (result.best_not_fitting) {
+  if (!result.memory_frontier.empty()) {
+    // Its last row is the fastest plan that does not fit.
+    print_memory_frontier(result);
+  } else if (result.best_not_fitting) {
     const auto& c = *result.best_not_fitting;
     std::cout << fmt::format(
         "fastest plan that does not fit: {} (estimate {:.3f} s) needs {:.1f} GiB "

@@ -340,6 +340,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       options.refine = refine;
       options.jitter_cv = jitter;
       options.rank_spread_cv = rank_spread;
+      options.memory_frontier = false;  // not shown
       const auto r = planner::search(spec, c, space, options);
       row.valid_candidates = r.evaluated > 0;
       if (!r.ranked.empty()) {

@@ -963,6 +963,41 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
       out.best_not_fitting = e.c;
     }
   }
+  // The memory frontier: over memory, in order of memory, each candidate whose estimate beats
+  // the fastest fitting estimate and all those before it (estimate against estimate, both
+  // closed form; the objective does not matter, a step's price being its time on the same
+  // devices). A chunk at a time: the bounds at or above the best yet are skipped, since they
+  // cannot beat it; the others are estimated in full on the threads, then walked in order, so
+  // the front does not depend on the thread count (which ones get estimated does).
+  // When nothing fits, the front starts at the closest to fitting.
+  double best = std::numeric_limits<double>::infinity();
+  for (const Candidate& c : feasible) best = std::min(best, c.estimate_s);
+  std::vector<std::size_t> by_memory;
+  if (options.memory_frontier) by_memory = over;
+  // By memory alone: which estimates are full yet depends on the threads.
+  std::stable_sort(by_memory.begin(), by_memory.end(), [&](std::size_t a, std::size_t b) {
+    return results[a].c.memory_bytes < results[b].c.memory_bytes;
+  });
+  const std::size_t chunk = 8 * static_cast<std::size_t>(threads);
+  for (std::size_t from = 0; from < by_memory.size(); from += chunk) {
+    const std::size_t n = std::min(chunk, by_memory.size() - from);
+    parallel_for(n, threads, [&] {
+      return [&, estimator = make_estimator()](std::size_t j) mutable {
+        Evaluated& e = results[by_memory[from + j]];
+        if (e.bound && e.c.estimate_s < best) estimate(estimator, e, Detail::Full);
+      };
+    });
+    for (std::size_t j = 0; j < n; ++j) {
+      const Evaluated& e = results[by_memory[from + j]];
+      if (e.bound || !(e.c.estimate_s < best)) continue;
+      // Of two needing the same memory, the faster (the first of equals): it replaces the one
+      // before it.
+      auto& front = out.memory_frontier;
+      if (!front.empty() && front.back().memory_bytes == e.c.memory_bytes) front.pop_back();
+      front.push_back(e.c);
+      best = e.c.estimate_s;
+    }
+  }
   auto key = [&](const Candidate& c) {
     return options.objective == Objective::Cost && c.cost_per_step_usd >= 0 ? c.cost_per_step_usd
                                                                             : c.step_time_s;

@@ -84,6 +84,12 @@ struct SearchResult {
   // The one over memory that needs the least (then the fastest): how far the cluster is from
   // holding the model at all, when nothing fits.
   std::optional<Candidate> closest_not_fitting;
+  // What more memory per device would buy: those over memory whose estimate beats every
+  // fitting candidate's and every one needing less memory, by memory (the memory-time Pareto
+  // front over memory; ties in memory: the fastest). The last is the fastest over memory, up to
+  // a tie. When nothing fits, the first is the closest to fitting (or as close and faster).
+  // Empty when every candidate fits or none over memory is faster than the fastest that fits.
+  std::vector<Candidate> memory_frontier;
   int refined = 0;
   // Tier agreement among the refined candidates: pairs whose order the estimate got wrong
   // (ties in either tier excluded), how far apart the simulator puts the farthest of them
@@ -105,6 +111,9 @@ struct SearchOptions {
   // The slow rank of both tiers (engine::SimulateOptions::rank_spread_cv; the closed form slows
   // the busiest stage's compute the same way). Unset: the profile's rank_spread_cv, else none.
   std::optional<double> rank_spread_cv;
+  // Whether to find SearchResult::memory_frontier (more estimates of plans over memory; whatif,
+  // which does not show it, leaves it out).
+  bool memory_frontier = true;
 };
 
 SearchResult search(const model::ModelSpec& model, const cluster::Cluster& cluster,

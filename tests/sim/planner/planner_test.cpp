@@ -14,6 +14,7 @@
 
 using dtsim::planner::Candidate;
 using dtsim::planner::SearchOptions;
+using dtsim::planner::SearchResult;
 using dtsim::planner::SearchSpace;
 
 namespace {
@@ -159,6 +160,38 @@ SearchSpace tight_space() {
   return space;
 }
 
+// The memory frontier of search `r` against every candidate's full estimate (`all`, the same
+// search with memory for all): over memory, by memory, each faster than the fastest that fits
+// and than every one needing less; of those needing the same memory the fastest.
+void check_memory_frontier(const SearchResult& r, const SearchResult& all) {
+  REQUIRE(r.best_not_fitting);
+  const double capacity = r.best_not_fitting->capacity_bytes;
+  double best = std::numeric_limits<double>::infinity();
+  for (const auto& c : r.ranked) best = std::min(best, c.estimate_s);
+  std::map<double, double> fastest_at;  // memory -> fastest estimate needing it
+  for (const auto& c : all.ranked) {
+    if (c.memory_bytes <= capacity) continue;
+    auto [it, added] = fastest_at.emplace(c.memory_bytes, c.estimate_s);
+    if (!added) it->second = std::min(it->second, c.estimate_s);
+  }
+  std::vector<std::pair<double, double>> front;
+  for (const auto& [memory, estimate] : fastest_at) {
+    if (estimate < best) {
+      front.emplace_back(memory, estimate);
+      best = estimate;
+    }
+  }
+  REQUIRE(!front.empty());
+  REQUIRE(r.memory_frontier.size() == front.size());
+  for (std::size_t i = 0; i < front.size(); ++i) {
+    INFO(dtsim::plan::summary(r.memory_frontier[i].plan));
+    CHECK_FALSE(r.memory_frontier[i].fits);
+    CHECK(r.memory_frontier[i].memory_bytes == front[i].first);
+    CHECK(r.memory_frontier[i].estimate_s == front[i].second);
+  }
+  CHECK(r.memory_frontier.back().estimate_s == r.best_not_fitting->estimate_s);
+}
+
 }  // namespace
 
 TEST_CASE("what the planner says fits, the memory model says fits", "[planner][memory]") {
@@ -217,6 +250,73 @@ TEST_CASE("over memory, the fastest and the closest are those of the full estima
   CHECK(r.best_not_fitting->estimate_s == fastest);
   CHECK(r.closest_not_fitting->memory_bytes == closest.first);
   CHECK(r.closest_not_fitting->estimate_s == closest.second);
+  check_memory_frontier(r, all);
+}
+
+TEST_CASE("the memory frontier of a search with pp 1 and more", "[planner][memory]") {
+  // The default job's model and cluster: candidates without a pipeline (estimated in full at
+  // once) and with one (bounds first). A front of several points, the same as the full
+  // estimates give.
+  const auto spec = dtsim::model::load_model("llama3-8b");
+  const auto cluster = dtsim::cluster::load_cluster("default");
+  SearchSpace space;
+  space.global_batch_size = 256;
+  SearchOptions options;
+  options.refine = 0;
+  const auto r = dtsim::planner::search(spec, cluster, space, options);
+  CHECK(r.memory_frontier.size() >= 3);
+  SearchOptions without = options;
+  without.memory_frontier = false;
+  const auto w = dtsim::planner::search(spec, cluster, space, without);
+  CHECK(w.memory_frontier.empty());
+  REQUIRE(w.best_not_fitting);
+  CHECK(w.best_not_fitting->estimate_s == r.best_not_fitting->estimate_s);
+  SearchSpace roomy = space;
+  roomy.memory.capacity_bytes = 1e18;
+  check_memory_frontier(r, dtsim::planner::search(spec, cluster, roomy, options));
+}
+
+TEST_CASE("the memory frontier when nothing fits, and when nothing over memory is faster",
+          "[planner][memory]") {
+  const auto& spec = llama2_13b();
+  const auto& cluster = sixteen_a100();
+  const SearchSpace space = tight_space();
+  SearchOptions options;
+  options.refine = 0;
+  // Nothing fits in 1 GiB: the front starts at the closest to fitting.
+  SearchSpace small = space;
+  small.memory.capacity_bytes = 1.0 * (1 << 30);
+  const auto none = dtsim::planner::search(spec, cluster, small, options);
+  REQUIRE(none.ranked.empty());
+  REQUIRE(none.closest_not_fitting);
+  REQUIRE(!none.memory_frontier.empty());
+  CHECK(none.memory_frontier.front().memory_bytes == none.closest_not_fitting->memory_bytes);
+  CHECK(none.memory_frontier.front().estimate_s == none.closest_not_fitting->estimate_s);
+  // Everything fits: no front.
+  SearchSpace roomy = space;
+  roomy.memory.capacity_bytes = 1e18;
+  const auto all = dtsim::planner::search(spec, cluster, roomy, options);
+  REQUIRE(!all.ranked.empty());
+  CHECK(all.memory_frontier.empty());
+  // Room for all but the hungriest: that one is the front if it is faster, else there is none.
+  double hungriest = 0, second = 0;
+  for (const auto& c : all.ranked) {
+    if (c.memory_bytes > hungriest) {
+      second = hungriest;
+      hungriest = c.memory_bytes;
+    } else if (c.memory_bytes > second && c.memory_bytes < hungriest) {
+      second = c.memory_bytes;
+    }
+  }
+  SearchSpace almost = space;
+  almost.memory.capacity_bytes = second;
+  almost.memory_headroom = 0;
+  const auto r = dtsim::planner::search(spec, cluster, almost, options);
+  double fastest_fit = std::numeric_limits<double>::infinity();
+  for (const auto& c : r.ranked) fastest_fit = std::min(fastest_fit, c.estimate_s);
+  REQUIRE(r.best_not_fitting);
+  CHECK(r.best_not_fitting->memory_bytes == hungriest);
+  CHECK(r.memory_frontier.size() == (r.best_not_fitting->estimate_s < fastest_fit ? 1U : 0U));
 }
 
 TEST_CASE("a candidate's bound is at most its estimate", "[planner][memory]") {
@@ -296,6 +396,7 @@ TEST_CASE("the result is the same for any thread count", "[planner]") {
   const auto a = dtsim::planner::search(spec, cluster, space, one);
   REQUIRE(a.best_not_fitting);
   REQUIRE(a.closest_not_fitting);
+  REQUIRE(a.memory_frontier.size() >= 2);
   auto same = [](const Candidate& x, const Candidate& y) {
     CHECK(dtsim::plan::summary(x.plan) == dtsim::plan::summary(y.plan));
     CHECK(x.estimate_s == y.estimate_s);
@@ -315,6 +416,10 @@ TEST_CASE("the result is the same for any thread count", "[planner]") {
     same(*a.best_not_fitting, *b.best_not_fitting);
     REQUIRE(b.closest_not_fitting);
     same(*a.closest_not_fitting, *b.closest_not_fitting);
+    REQUIRE(a.memory_frontier.size() == b.memory_frontier.size());
+    for (std::size_t i = 0; i < a.memory_frontier.size(); ++i) {
+      same(a.memory_frontier[i], b.memory_frontier[i]);
+    }
   }
 }
 
