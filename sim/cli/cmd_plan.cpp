@@ -227,7 +227,8 @@ int cmd_plan(const std::vector<std::string>& args) {
              "Searches tp/pp/dp/cp/ep degrees, micro-batch sizes, schedules, ZeRO stages, "
              "recompute and sequence parallelism; drops what does not fit in memory; ranks the "
              "rest by a closed-form estimate, then simulates the best with the discrete-event "
-             "simulator.",
+             "simulator. Also says what more memory per GPU would buy: the plans over memory "
+             "faster than all those needing less.",
              vm)) {
     return 0;
   }
