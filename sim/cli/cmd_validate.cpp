@@ -21,10 +21,15 @@ int cmd_validate(const std::vector<std::string>& args) {
       "json", po::bool_switch(), "print JSON (always with every joined task)")(
       "tasks", po::bool_switch(),
       "also print every joined task: rank, task id, name, predicted, measured and error, in "
-      "the measured order");
+      "the measured order")(
+      "by-task", po::bool_switch(),
+      "also print the error per task of each predicted program (a pipeline stage's), summed "
+      "over the micro-batches and the ranks it stands for: where in a stage the prediction "
+      "misses");
   po::variables_map vm;
   if (!parse(args, desc,
-             "usage: dtsim validate --predicted A.json --measured B.json [--tasks] [--json]\n\n"
+             "usage: dtsim validate --predicted A.json --measured B.json [--by-task] [--tasks] "
+             "[--json]\n\n"
              "Joins two traces task by task (same rank and task id) and reports the error per "
              "task kind, per stream and for the whole step (error = predicted / measured - 1).",
              vm)) {
@@ -55,16 +60,33 @@ int cmd_validate(const std::vector<std::string>& args) {
       "0's on several, to within the round trips its JSON's clock.error_s gives). With the "
       "straggler model on (--jitter-cv, or a profile's jitter_cv), a predicted collective also "
       "holds the expected wait for its last rank, which a measured one has before its start";
-  if (vm["json"].as<bool>()) {
-    nlohmann::json rows = nlohmann::json::array();
-    for (const auto& r : v.rows) {
-      rows.push_back({{"group", r.group},
-                      {"tasks", r.tasks},
-                      {"predicted_s", r.predicted_s},
-                      {"measured_s", r.measured_s},
-                      {"error", report::value_or_null(r.error)},
-                      {"mean_abs_task_error", report::value_or_null(r.mean_abs_error)}});
+  auto add_rows = [](report::Table& t, const std::vector<report::ErrorRow>& rows) {
+    for (const auto& r : rows) {
+      t.add_row({r.group, fmt::format("{}", r.tasks), fmt::format("{:.3f}", r.predicted_s * 1e3),
+                 fmt::format("{:.3f}", r.measured_s * 1e3),
+                 r.error ? fmt::format("{:+.1f}%", 100 * *r.error) : "-",
+                 r.mean_abs_error ? fmt::format("{:.1f}%", 100 * *r.mean_abs_error) : "-"});
     }
+  };
+  auto error_table = [](const char* first) {
+    report::Table t({first, "tasks", "predicted", "measured", "error", "mean |task error|"});
+    t.set_units({"", "", "ms", "ms", "", ""});
+    t.align_left(0);
+    return t;
+  };
+  if (vm["json"].as<bool>()) {
+    auto json_rows = [](const std::vector<report::ErrorRow>& from) {
+      nlohmann::json rows = nlohmann::json::array();
+      for (const auto& r : from) {
+        rows.push_back({{"group", r.group},
+                        {"tasks", r.tasks},
+                        {"predicted_s", r.predicted_s},
+                        {"measured_s", r.measured_s},
+                        {"error", report::value_or_null(r.error)},
+                        {"mean_abs_task_error", report::value_or_null(r.mean_abs_error)}});
+      }
+      return rows;
+    };
     nlohmann::json tasks = nlohmann::json::array();
     for (const auto& t : v.tasks) {
       tasks.push_back({{"rank", t.rank},
@@ -81,23 +103,22 @@ int cmd_validate(const std::vector<std::string>& args) {
     std::cout << nlohmann::json{{"matched", v.matched},
                                 {"only_predicted", v.only_predicted},
                                 {"only_measured", v.only_measured},
-                                {"rows", rows},
+                                {"rows", json_rows(v.rows)},
+                                {"by_task", json_rows(v.by_task)},
                                 {"tasks", tasks},
                                 {"notes", nlohmann::json::array({note})}}
                      .dump(2)
               << "\n";
     return 0;
   }
-  report::Table t({"group", "tasks", "predicted", "measured", "error", "mean |task error|"});
-  t.set_units({"", "", "ms", "ms", "", ""});
-  t.align_left(0);
-  for (const auto& r : v.rows) {
-    t.add_row({r.group, fmt::format("{}", r.tasks), fmt::format("{:.3f}", r.predicted_s * 1e3),
-               fmt::format("{:.3f}", r.measured_s * 1e3),
-               r.error ? fmt::format("{:+.1f}%", 100 * *r.error) : "-",
-               r.mean_abs_error ? fmt::format("{:.1f}%", 100 * *r.mean_abs_error) : "-"});
-  }
+  report::Table t = error_table("group");
+  add_rows(t, v.rows);
   std::cout << t.render();
+  if (vm["by-task"].as<bool>()) {
+    report::Table per = error_table("program task (all micro-batches)");
+    add_rows(per, v.by_task);
+    std::cout << "\n" << per.render();
+  }
   if (vm["tasks"].as<bool>()) {
     report::Table per(
         {"rank", "task", "name", "kind", "stream", "start", "predicted", "measured", "error"});

@@ -3,9 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <tuple>
 
 #include "sim/common/error.hpp"
@@ -123,6 +125,20 @@ Trace read_trace(const std::string& path) {
   return trace;
 }
 
+std::string without_micro_batch(const std::string& name) {
+  std::istringstream words(name);
+  std::string word, out;
+  while (words >> word) {
+    const bool micro_batch = word.size() > 2 && word.compare(0, 2, "mb") == 0 &&
+                             std::all_of(word.begin() + 2, word.end(),
+                                         [](unsigned char c) { return std::isdigit(c) != 0; });
+    if (micro_batch) continue;
+    if (!out.empty()) out += ' ';
+    out += word;
+  }
+  return out;
+}
+
 Validation validate(const Trace& predicted, const Trace& measured) {
   std::map<std::pair<std::int64_t, std::int64_t>, const TraceTask*> by_id;
   for (const auto& t : predicted.tasks) by_id[{t.rank, t.task}] = &t;
@@ -132,6 +148,27 @@ Validation validate(const Trace& predicted, const Trace& measured) {
     std::int64_t with_time = 0;
   };
   std::map<std::string, Acc> groups;
+  // Per program task: (predicted rank, name without micro-batch) -> its sums, first task id.
+  std::map<std::pair<std::int64_t, std::string>, std::pair<Acc, std::int64_t>> per_task;
+  auto add = [](Acc& a, double p, double m) {
+    ++a.n;
+    a.p += p;
+    a.m += m;
+    if (m > 0) {
+      a.abs_err += std::abs(p / m - 1);
+      ++a.with_time;
+    }
+  };
+  auto row = [](std::string group, const Acc& a) {
+    return ErrorRow{std::move(group),
+                    a.n,
+                    a.p,
+                    a.m,
+                    a.m > 0 ? std::optional<double>(a.p / a.m - 1) : std::nullopt,
+                    a.with_time > 0
+                        ? std::optional<double>(a.abs_err / static_cast<double>(a.with_time))
+                        : std::nullopt};
+  };
   Validation v;
   std::map<std::pair<std::int64_t, std::int64_t>, bool> seen;
   double first_measured = 0;
@@ -162,25 +199,27 @@ Validation validate(const Trace& predicted, const Trace& measured) {
     if (m.duration_s > 0) te.error = p.duration_s / m.duration_s - 1;
     v.tasks.push_back(std::move(te));
     for (const std::string& g : {"kind " + p.kind, "stream " + stream}) {
-      Acc& a = groups[g];
-      ++a.n;
-      a.p += p.duration_s;
-      a.m += m.duration_s;
-      if (m.duration_s > 0) {
-        a.abs_err += std::abs(p.duration_s / m.duration_s - 1);
-        ++a.with_time;
-      }
+      add(groups[g], p.duration_s, m.duration_s);
     }
+    const std::string task_name =
+        p.name.empty() ? fmt::format("({} task, unnamed)", p.kind) : without_micro_batch(p.name);
+    auto [at, added] = per_task.try_emplace({p.rank, task_name}, Acc{}, p.task);
+    if (!added) at->second.second = std::min(at->second.second, p.task);
+    add(at->second.first, p.duration_s, m.duration_s);
   }
   v.only_predicted =
       static_cast<std::int64_t>(predicted.tasks.size()) - static_cast<std::int64_t>(seen.size());
   v.only_measured = static_cast<std::int64_t>(measured.tasks.size()) - v.matched;
-  for (const auto& [name, a] : groups) {
-    v.rows.push_back(
-        {name, a.n, a.p, a.m, a.m > 0 ? std::optional<double>(a.p / a.m - 1) : std::nullopt,
-         a.with_time > 0 ? std::optional<double>(a.abs_err / static_cast<double>(a.with_time))
-                         : std::nullopt});
+  for (const auto& [name, a] : groups) v.rows.push_back(row(name, a));
+  std::vector<std::tuple<std::int64_t, std::int64_t, ErrorRow>> by_task;
+  for (const auto& [key, sums] : per_task) {
+    by_task.emplace_back(key.first, sums.second,
+                         row(fmt::format("rank {}: {}", key.first, key.second), sums.first));
   }
+  std::stable_sort(by_task.begin(), by_task.end(), [](const auto& a, const auto& b) {
+    return std::tie(std::get<0>(a), std::get<1>(a)) < std::tie(std::get<0>(b), std::get<1>(b));
+  });
+  for (auto& t : by_task) v.by_task.push_back(std::move(std::get<2>(t)));
   std::stable_sort(v.tasks.begin(), v.tasks.end(), [](const TaskError& a, const TaskError& b) {
     return std::tie(a.rank, a.measured_start_s, a.task) <
            std::tie(b.rank, b.measured_start_s, b.task);

@@ -64,6 +64,11 @@ struct TaskError {
 
 struct Validation {
   std::vector<ErrorRow> rows;  // per kind, per stream, then the step
+  // Per task of a predicted program, summed over its micro-batches and the ranks the program
+  // stands for: where in a stage the prediction misses (the LM head's stage, a chunk). Group
+  // "rank R: NAME", R the predicted rank and NAME the task's name without its " mbN" word; by
+  // R, then by each group's first task id.
+  std::vector<ErrorRow> by_task;
   // Every joined pair, by measured rank, then measured start, then task id.
   std::vector<TaskError> tasks;
   std::int64_t matched = 0;
@@ -74,6 +79,10 @@ struct Validation {
   std::int64_t renamed = 0;
   std::string first_renamed;
 };
+
+// A task's name without its micro-batch word: "fwd L2.norm1..loss mb3" -> "fwd L2.norm1..loss",
+// "send activations mb0 chunk 1" -> "send activations chunk 1".
+std::string without_micro_batch(const std::string& name);
 
 // Every measured task joins the predicted task of the same id on its rank, or on the rank
 // whose program stands for it (so all ranks of a multi-rank run compare with one simulated

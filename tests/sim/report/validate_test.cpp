@@ -96,3 +96,41 @@ TEST_CASE("a malformed represents list is rejected naming the event",
       dtsim::report::read_trace(p.path()), InputError,
       "bad_rep.json: traceEvents[0].args.represents: expected integer ranks");
 }
+
+TEST_CASE("validate sums each program task over its micro-batches and ranks",
+          "[report][validate]") {
+  using dtsim::report::without_micro_batch;
+  CHECK(without_micro_batch("fwd L2.norm1..loss mb3") == "fwd L2.norm1..loss");
+  CHECK(without_micro_batch("send activations mb12 chunk 1") == "send activations chunk 1");
+  CHECK(without_micro_batch("optimizer step") == "optimizer step");
+  CHECK(without_micro_batch("mb") == "mb");              // no number: not a micro-batch
+  CHECK(without_micro_batch("fwd mb1x") == "fwd mb1x");  // not a number
+  // Rank 0's program stands for ranks 0 and 4: two micro-batches of one forward and a
+  // backward, then rank 1's own program.
+  TempFile p("predicted_by_task.json", R"({"traceEvents": [
+    {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0", "represents": [0, 4]}},
+    {"ph": "X", "name": "fwd L0 mb0", "pid": 0, "tid": 0, "ts": 0, "dur": 100, "args": {"task": 0, "kind": "compute", "phase": "fwd"}},
+    {"ph": "X", "name": "fwd L0 mb1", "pid": 0, "tid": 0, "ts": 100, "dur": 100, "args": {"task": 1, "kind": "compute", "phase": "fwd"}},
+    {"ph": "X", "name": "bwd L0 mb0", "pid": 0, "tid": 0, "ts": 200, "dur": 200, "args": {"task": 2, "kind": "compute", "phase": "bwd"}},
+    {"ph": "X", "name": "fwd L1 mb0", "pid": 1, "tid": 0, "ts": 100, "dur": 50, "args": {"task": 0, "kind": "compute", "phase": "fwd"}}]})");
+  TempFile m("measured_by_task.json", R"({"traceEvents": [
+    {"ph": "X", "name": "fwd L0 mb0", "pid": 0, "tid": 0, "ts": 0, "dur": 80, "args": {"task": 0}},
+    {"ph": "X", "name": "fwd L0 mb1", "pid": 0, "tid": 0, "ts": 80, "dur": 120, "args": {"task": 1}},
+    {"ph": "X", "name": "bwd L0 mb0", "pid": 0, "tid": 0, "ts": 200, "dur": 250, "args": {"task": 2}},
+    {"ph": "X", "name": "fwd L0 mb0", "pid": 4, "tid": 0, "ts": 0, "dur": 100, "args": {"task": 0}},
+    {"ph": "X", "name": "fwd L1 mb0", "pid": 1, "tid": 0, "ts": 80, "dur": 40, "args": {"task": 0}}]})");
+  const auto v = dtsim::report::validate(dtsim::report::read_trace(p.path()),
+                                         dtsim::report::read_trace(m.path()));
+  REQUIRE(v.by_task.size() == 3);
+  // By predicted rank, then program order.
+  CHECK(v.by_task[0].group == "rank 0: fwd L0");
+  CHECK(v.by_task[0].tasks == 3);  // mb0 and mb1 on rank 0, mb0 on rank 4
+  CHECK(v.by_task[0].predicted_s == Approx(300e-6));
+  CHECK(v.by_task[0].measured_s == Approx(300e-6));
+  CHECK(*v.by_task[0].error == Approx(0.0).margin(1e-12));
+  CHECK(*v.by_task[0].mean_abs_error == Approx((0.25 + 1.0 / 6.0 + 0.0) / 3));
+  CHECK(v.by_task[1].group == "rank 0: bwd L0");
+  CHECK(*v.by_task[1].error == Approx(-0.2));
+  CHECK(v.by_task[2].group == "rank 1: fwd L1");
+  CHECK(*v.by_task[2].error == Approx(0.25));
+}
