@@ -1,0 +1,65 @@
+// What dtexec's commands share (exec/cli/commands.hpp).
+#include "exec/cli/commands.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <iostream>
+#include <limits>
+#include <sstream>
+
+#include "sim/cli/options.hpp"
+#include "sim/common/error.hpp"
+
+namespace dtsim::exec::cli {
+
+bool parse(const std::vector<std::string>& args, const po::options_description& desc,
+           const char* usage, po::variables_map& vm) {
+  dtsim::cli::store_options(args, desc, vm);
+  if (vm.count("help")) {
+    std::cout << usage << "\n\n" << desc;
+    return false;
+  }
+  return true;
+}
+
+int g_rank = 0;
+
+void end_all_ranks(const std::exception& e, const dtsim::exec::cpu::MpiSession* mpi,
+                   const char* command) {
+  if (mpi == nullptr || mpi->size() <= 1) return;
+  const bool input = dynamic_cast<const dtsim::InputError*>(&e) != nullptr ||
+                     dynamic_cast<const dtsim::UnsupportedError*>(&e) != nullptr;
+  std::cerr << fmt::format("dtexec {}: rank {} on {}: {}: {}\n", command, mpi->rank(), mpi->host(),
+                           input ? "error" : "internal error", e.what());
+  mpi->abort(input ? 2 : 1);
+}
+
+std::ostream& out(int rank) {
+  static std::ostringstream discard;
+  return rank == 0 ? std::cout : discard;
+}
+
+std::optional<dtsim::exec::cpu::HostMemory> host_memory_per_rank(int ranks_here) {
+  auto available = dtsim::exec::cpu::available_host_memory();
+  if (available) available->bytes /= std::max(1, ranks_here);
+  return available;
+}
+
+void require_host_memory(double bytes, int ranks_here, const dtsim::exec::cpu::MpiSession* mpi) {
+  const auto mine = host_memory_per_rank(ranks_here);
+  double available = mine ? mine->bytes : std::numeric_limits<double>::infinity();
+  if (mpi != nullptr) available = -mpi->max(-available);
+  if (bytes <= available) return;
+  constexpr double gib = 1024.0 * 1024 * 1024;
+  const std::string source =
+      mine && mine->bytes == available ? mine->source : "on another rank of this run";
+  throw dtsim::InputError(fmt::format(
+      "the plan needs {:.1f} GiB of tensors per rank (dtsim memory), more than this host's "
+      "available memory gives each of its {} rank{} ({:.1f} GiB: {}); a smaller "
+      "--micro-batch-size or --seq-len, --recompute, or more ranks over tp, pp or ZeRO need "
+      "less (`dtsim memory` prints where it goes)",
+      bytes / gib, ranks_here, ranks_here == 1 ? "" : "s", available / gib, source));
+}
+
+}  // namespace dtsim::exec::cli

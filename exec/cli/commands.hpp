@@ -1,0 +1,58 @@
+// What dtexec's commands share: their options, rank 0 speaking for the job, ending every rank
+// on an error, and the host memory a run may take; and the commands themselves.
+#pragma once
+
+#include <boost/program_options.hpp>
+#include <exception>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "exec/cpu/host_memory.hpp"
+#include "exec/cpu/mpi_comm.hpp"
+
+namespace dtsim::exec::cli {
+
+namespace po = boost::program_options;
+
+// dtexec run: train a model following the Program dtsim lowers a plan to.
+int run(const std::vector<std::string>& args);
+// dtexec compare A B: two checkpoints, losses and weights within tolerances.
+int compare(const std::vector<std::string>& args);
+// dtexec calibrate: a profile for dtsim --profile (CPU or CUDA).
+int calibrate(const std::vector<std::string>& args);
+// dtexec devices: the GPUs the CUDA backend sees; a check kernel on each with `selftest`.
+int devices(bool selftest);
+
+// Parses a sub-command's options; on --help prints the usage and returns false. Malformed
+// options are bad input (exit code 2).
+bool parse(const std::vector<std::string>& args, const po::options_description& desc,
+           const char* usage, po::variables_map& vm);
+
+// This process's rank under mpirun (set by run and calibrate): errors every rank meets alike
+// (bad options, a plan that does not fit the ranks) are printed by rank 0 only.
+extern int g_rank;
+
+// Under mpirun, peers may be waiting for this rank (a collective, a barrier, NCCL's set-up):
+// on an error, say which rank failed and end them all (exit 2 for bad input, else 1). Alone,
+// it returns and the caller rethrows.
+void end_all_ranks(const std::exception& e, const cpu::MpiSession* mpi, const char* command);
+
+// Rank 0 speaks for the job; the other ranks stay quiet.
+std::ostream& out(int rank);
+
+// The memory this host can still give its processes (MemAvailable, or its memory cgroup's
+// limit less its use where that is less: exec/cpu/host_memory.hpp), shared by `ranks_here`
+// ranks; none where no file says.
+std::optional<cpu::HostMemory> host_memory_per_rank(int ranks_here);
+
+// Refuses a run on host memory whose tensors (`bytes` per rank: dtsim memory's figure, which
+// dtexec's pool holds within a few percent, bench/memory_validation.sh) need more than this
+// host's available memory gives each of its `ranks_here` ranks: refused now, where the kernel
+// would kill a rank part-way with no word of why. Under mpirun every rank calls it: the least
+// any rank was given decides, so that all refuse together. The rest of a rank (MPI, libraries)
+// is not counted.
+void require_host_memory(double bytes, int ranks_here, const cpu::MpiSession* mpi);
+
+}  // namespace dtsim::exec::cli
