@@ -139,7 +139,7 @@ struct MicroBatch {
 };
 
 // A micro-batch's tensor maps, in the order of Runner::Slot.
-constexpr std::array<std::map<OpId, View> MicroBatch::*, 12> kTensorSlots = {
+inline constexpr std::array<std::map<OpId, View> MicroBatch::*, 12> kTensorSlots = {
     &MicroBatch::out,  &MicroBatch::grad,      &MicroBatch::aux1,  &MicroBatch::aux2,
     &MicroBatch::full, &MicroBatch::full_grad, &MicroBatch::kv,    &MicroBatch::kv_grad,
     &MicroBatch::mask, &MicroBatch::dropped,   &MicroBatch::route, &MicroBatch::gate_grad};
@@ -681,7 +681,7 @@ class Runner {
   // The end of an event: what it read last goes back to the device.
   void retire();
 
-  // n zeros of the activation type (or `type`).
+  // n zeros of the activation type.
   View allocate(std::int64_t n) { return dev_.allocate(n, dev_.activations()); }
 
   // v = n zeros (of the activation type, or `type`); what v held goes back to the device.

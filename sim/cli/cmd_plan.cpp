@@ -71,9 +71,10 @@ json candidate_json(const planner::Candidate& c, const TrainingGoal& goal) {
 }
 
 // What more memory per device would buy: the memory frontier, by the closed-form estimates,
-// thinned to rows at least 1% of the reference faster than the row above (the reference: the
-// fastest fitting estimate, or when nothing fits the first row, the closest to fitting, always
-// shown; the last row, the fastest over memory, always shown; --json lists every one).
+// thinned to rows faster than the row shown above by at least 1% of the reference (the
+// fastest fitting estimate; or when nothing fits the first row, the closest to fitting, always
+// shown); the last row, as fast as the fastest over memory, always shown; --json lists every
+// one.
 void print_memory_frontier(const planner::SearchResult& result) {
   const auto& front = result.memory_frontier;
   const bool none_fits = result.ranked.empty();
@@ -82,14 +83,16 @@ void print_memory_frontier(const planner::SearchResult& result) {
   std::cout << (none_fits
                     ? fmt::format(
                           "more memory per GPU would let these run (estimates; the fastest plan "
-                          "of those needing at most each figure; the GPU holds {:.1f} GiB):\n",
+                          "of those needing at most each figure; none fits in {:.1f} GiB, times "
+                          "against the first row's):\n",
                           front.front().capacity_bytes / kGiB)
                     : fmt::format(
                           "more memory per GPU would buy (estimates; the fastest plan of those "
                           "needing at most each figure, against {:.3f} s for the fastest that "
                           "fits in {:.1f} GiB):\n",
                           reference, front.front().capacity_bytes / kGiB));
-  report::Table table({"memory/GPU", "estimate", none_fits ? "vs first" : "faster", "plan"});
+  report::Table table(
+      {"memory/GPU", "estimate", none_fits ? "faster than first" : "faster", "plan"});
   table.set_units({"GiB", "s", "", ""});
   table.align_left(3);
   double shown = none_fits ? std::numeric_limits<double>::infinity() : reference;
@@ -108,8 +111,8 @@ void print_memory_frontier(const planner::SearchResult& result) {
   std::cout << table.render();
   if (left_out > 0) {
     std::cout << fmt::format(
-        "({} more in between, each under 1% faster than the row above; --json lists them in "
-        "memory_frontier)\n",
+        "({} more in between, each less than 1% faster than the row shown above; --json lists "
+        "them in memory_frontier)\n",
         left_out);
   }
 }
@@ -519,7 +522,8 @@ int cmd_plan(const std::vector<std::string>& args) {
         (c.memory_bytes - c.capacity_bytes) / kGiB, memory_parts(c));
   }
   if (!result.memory_frontier.empty()) {
-    // Its last row is the fastest plan that does not fit.
+    // Its last row is as fast as the fastest plan that does not fit (the same plan but for a
+    // tie in time, where the front keeps the one needing less memory).
     print_memory_frontier(result);
   } else if (result.best_not_fitting) {
     const auto& c = *result.best_not_fitting;

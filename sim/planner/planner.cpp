@@ -966,8 +966,8 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   // The memory frontier: over memory, in order of memory, each candidate whose estimate beats
   // the fastest fitting estimate and all those before it (estimate against estimate, both
   // closed form; the objective does not matter, a step's price being its time on the same
-  // devices). A chunk at a time: the bounds at or above the best yet are skipped, since they
-  // cannot beat it; the others are estimated in full on the threads, then walked in order, so
+  // devices). A chunk at a time: the bounds above the best yet are skipped, since they cannot
+  // beat it; the others are estimated in full on the threads, then walked in order, so
   // the front does not depend on the thread count (which ones get estimated does).
   // When nothing fits, the front starts at the closest to fitting.
   double best = std::numeric_limits<double>::infinity();
@@ -981,12 +981,21 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   const std::size_t chunk = 8 * static_cast<std::size_t>(threads);
   for (std::size_t from = 0; from < by_memory.size(); from += chunk) {
     const std::size_t n = std::min(chunk, by_memory.size() - from);
-    parallel_for(n, threads, [&] {
-      return [&, estimator = make_estimator()](std::size_t j) mutable {
-        Evaluated& e = results[by_memory[from + j]];
-        if (e.bound && e.c.estimate_s < best) estimate(estimator, e, Detail::Full);
-      };
-    });
+    // A bound may come out a rounding above its estimate (summed in another order): the same
+    // margin as the fastest's pass above.
+    auto in_running = [&](const Evaluated& e) {
+      return e.bound && e.c.estimate_s <= best * (1 + 1e-12);
+    };
+    if (std::any_of(by_memory.begin() + static_cast<std::ptrdiff_t>(from),
+                    by_memory.begin() + static_cast<std::ptrdiff_t>(from + n),
+                    [&](std::size_t i) { return in_running(results[i]); })) {
+      parallel_for(n, threads, [&] {
+        return [&, estimator = make_estimator()](std::size_t j) mutable {
+          Evaluated& e = results[by_memory[from + j]];
+          if (in_running(e)) estimate(estimator, e, Detail::Full);
+        };
+      });
+    }
     for (std::size_t j = 0; j < n; ++j) {
       const Evaluated& e = results[by_memory[from + j]];
       if (e.bound || !(e.c.estimate_s < best)) continue;

@@ -169,10 +169,13 @@ void check_memory_frontier(const SearchResult& r, const SearchResult& all) {
   double best = std::numeric_limits<double>::infinity();
   for (const auto& c : r.ranked) best = std::min(best, c.estimate_s);
   std::map<double, double> fastest_at;  // memory -> fastest estimate needing it
+  // (memory, estimate) -> the plans with them: where one plan alone has them, the front names it.
+  std::map<std::pair<double, double>, std::vector<std::string>> plans_at;
   for (const auto& c : all.ranked) {
     if (c.memory_bytes <= capacity) continue;
     auto [it, added] = fastest_at.emplace(c.memory_bytes, c.estimate_s);
     if (!added) it->second = std::min(it->second, c.estimate_s);
+    plans_at[{c.memory_bytes, c.estimate_s}].push_back(dtsim::plan::summary(c.plan));
   }
   std::vector<std::pair<double, double>> front;
   for (const auto& [memory, estimate] : fastest_at) {
@@ -188,6 +191,8 @@ void check_memory_frontier(const SearchResult& r, const SearchResult& all) {
     CHECK_FALSE(r.memory_frontier[i].fits);
     CHECK(r.memory_frontier[i].memory_bytes == front[i].first);
     CHECK(r.memory_frontier[i].estimate_s == front[i].second);
+    const auto& plans = plans_at[front[i]];
+    if (plans.size() == 1) CHECK(dtsim::plan::summary(r.memory_frontier[i].plan) == plans[0]);
   }
   CHECK(r.memory_frontier.back().estimate_s == r.best_not_fitting->estimate_s);
 }
