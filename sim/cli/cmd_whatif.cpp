@@ -223,6 +223,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::int64_t gpus = 0;
     double step_s = 0, tokens_per_s = 0, mfu = 0, max_speedup = 0;
     double train_s = 0, cost_usd = -1, energy_kwh = -1;
+    // With the straggler model on (--vary jitter_cv): what stragglers add to the step (the
+    // step against the same plan's without jitter; engine::Prediction::straggler_cost_s).
+    std::optional<double> straggler_cost_s;
     // With --tokens: interruptions, checkpoints and restarts (plan/goodput.hpp).
     double goodput = 0, job_mtbf_s = 0, checkpoint_write_s = 0, checkpoint_blocking_s = 0;
     std::int64_t checkpoint_every_steps = 0;
@@ -328,7 +331,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
       engine::SimulateOptions sim_options;
       sim_options.jitter_cv = jitter;
       sim_options.rank_spread_cv = rank_spread;
+      sim_options.straggler_cost = true;
       pred = engine::simulate(g, p, c, *net, sim_options).prediction;
+      if (jitter && *jitter > 0) row.straggler_cost_s = pred.straggler_cost_s;
       chosen = p;
       row.plan = plan::summary(p);
       row.found = true;
@@ -348,6 +353,17 @@ int cmd_whatif(const std::vector<std::string>& args) {
         chosen = r.ranked.front().plan;
         row.plan = plan::summary(chosen);
         row.found = true;
+        if (jitter && *jitter > 0) {
+          // The search's simulations leave the cost out: the best plan again, with it.
+          auto net = network::make_analytical(c);
+          engine::SimulateOptions sim_options;
+          sim_options.jitter_cv = jitter;
+          sim_options.rank_spread_cv = rank_spread;
+          sim_options.straggler_cost = true;
+          row.straggler_cost_s =
+              engine::simulate(plan::graph_of(spec, chosen), chosen, c, *net, sim_options)
+                  .prediction.straggler_cost_s;
+        }
       }
     }
     if (row.found) {
@@ -397,6 +413,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"ckpt_every", r.checkpoint_every_steps},
                                   {"cost", r.cost_usd},
                                   {"energy", r.energy_kwh},
+                                  {"stragglers", report::value_or_null(r.straggler_cost_s)},
                                   {"found", r.found},
                                   {"valid", r.valid_candidates},
                                   {"fits", r.fits},
@@ -425,6 +442,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.checkpoint_every_steps = j.at("ckpt_every").get<std::int64_t>();
       r.cost_usd = j.at("cost").get<double>();
       r.energy_kwh = j.at("energy").get<double>();
+      if (!j.at("stragglers").is_null()) r.straggler_cost_s = j.at("stragglers").get<double>();
       r.found = j.at("found").get<bool>();
       r.valid_candidates = j.at("valid").get<bool>();
       r.fits = j.at("fits").get<bool>();
@@ -475,6 +493,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                   {"mfu", r.mfu},
                   {"scaling_efficiency", efficiency(r)},
                   {"amdahl_max_speedup", r.max_speedup}});
+        if (r.straggler_cost_s) j["straggler_cost_s"] = *r.straggler_cost_s;
         if (tokens > 0) {
           j["time_to_train_s"] = r.train_s;
           // Infinite (JSON null) when interruptions come faster than the job recovers.
@@ -513,13 +532,13 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::cout << fmt::format(
         "{},devices,plan,step_time_s,tokens_per_s,mfu,scaling_efficiency,"
         "amdahl_max_speedup,time_to_train_days,cost_usd,energy_mwh,fits,goodput,"
-        "time_to_train_with_interruptions_days,checkpoint_every_steps\n",
+        "time_to_train_with_interruptions_days,checkpoint_every_steps,straggler_cost_s\n",
         fmt::join(keys, ","));
     for (const Row& r : rows) {
       std::vector<std::string> vals;
       for (const auto& k : keys) vals.push_back(r.point.at(k));
       std::cout << fmt::format(
-          "{},{},\"{}\",{:.6g},{:.6g},{:.4f},{:.4f},{:.4g},{},{},{},{},{},{},{}\n",
+          "{},{},\"{}\",{:.6g},{:.6g},{:.4f},{:.4f},{:.4g},{},{},{},{},{},{},{},{}\n",
           fmt::join(vals, ","), r.gpus, r.plan, r.step_s, r.tokens_per_s, r.mfu, efficiency(r),
           r.max_speedup, tokens > 0 && r.found ? fmt::format("{:.4g}", r.train_s / 86400) : "",
           r.cost_usd >= 0 ? fmt::format("{:.0f}", r.cost_usd) : "",
@@ -527,20 +546,25 @@ int cmd_whatif(const std::vector<std::string>& args) {
           r.found ? (r.fits ? "1" : "0") : "",
           tokens > 0 && r.found ? fmt::format("{:.4f}", r.goodput) : "",
           tokens > 0 && r.found && r.goodput > 0 ? fmt::format("{:.4g}", r.wall_s() / 86400) : "",
-          tokens > 0 && r.found ? fmt::format("{}", r.checkpoint_every_steps) : "");
+          tokens > 0 && r.found ? fmt::format("{}", r.checkpoint_every_steps) : "",
+          r.straggler_cost_s ? fmt::format("{:.6g}", *r.straggler_cost_s) : "");
     }
     return 0;
   }
+  // The stragglers' column where the straggler model is on at some point.
+  const bool stragglers = std::any_of(rows.begin(), rows.end(),
+                                      [](const Row& r) { return r.straggler_cost_s.has_value(); });
   std::vector<std::string> headers = keys;
-  for (const char* h : {"GPUs", "best plan", "step", "tokens/s", "MFU", "scaling", "Amdahl",
-                        "goodput", "train", "cost", "energy"}) {
+  for (const char* h : {"GPUs", "best plan", "step", "tokens/s", "MFU", "scaling", "Amdahl"}) {
     headers.push_back(h);
   }
+  if (stragglers) headers.push_back("stragglers");
+  for (const char* h : {"goodput", "train", "cost", "energy"}) headers.push_back(h);
   report::Table table(headers);
   std::vector<std::string> units(keys.size(), "");
-  for (const char* u : {"", "", "s", "", "", "vs first", "bound", "", "days", "USD", "MWh"}) {
-    units.push_back(u);
-  }
+  for (const char* u : {"", "", "s", "", "", "vs first", "bound"}) units.push_back(u);
+  if (stragglers) units.push_back("of step");
+  for (const char* u : {"", "days", "USD", "MWh"}) units.push_back(u);
   table.set_units(units);
   table.align_left(keys.size() + 1);
   for (const Row& r : rows) {
@@ -549,7 +573,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     cells.push_back(fmt::format("{}", r.gpus));
     if (!r.found) {
       cells.push_back(r.valid_candidates ? "no plan fits" : "no valid plan");
-      for (int i = 0; i < 9; ++i) cells.push_back("-");
+      for (int i = 0; i < (stragglers ? 10 : 9); ++i) cells.push_back("-");
     } else {
       cells.push_back(r.fits ? r.plan
                              : fmt::format("{} (DOES NOT FIT: needs {:.1f} GiB of {:.1f} GiB)",
@@ -559,6 +583,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
       cells.push_back(fmt::format("{:.1f}%", 100 * r.mfu));
       cells.push_back(fmt::format("{:.1f}%", 100 * efficiency(r)));
       cells.push_back(r.max_speedup > 0 ? fmt::format("{:.1f}x", r.max_speedup) : "-");
+      if (stragglers) {
+        cells.push_back(r.straggler_cost_s
+                            ? fmt::format("{:+.1f}%", 100 * *r.straggler_cost_s / r.step_s)
+                            : "-");
+      }
       cells.push_back(tokens > 0 ? fmt::format("{:.1f}%", 100 * r.goodput) : "-");
       cells.push_back(tokens <= 0      ? "-"
                       : r.goodput <= 0 ? "never"
@@ -576,6 +605,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::cout << "(no valid plan: no tp x pp x cp x dp makes the point's GPUs with dp x "
                  "micro-batch dividing the global batch; dtsim plan at that point names the "
                  "constraints)\n";
+  }
+  if (stragglers) {
+    std::cout << "(stragglers: what the straggler model adds to the step, against the same plan "
+                 "without compute jitter; dtsim simulate --jitter-cv breaks it down)\n";
   }
   if (tokens <= 0) std::cout << "(give --tokens N for time, cost and energy to train)\n";
   if (vm.count("fixed-plan")) {
