@@ -354,15 +354,15 @@ int cmd_whatif(const std::vector<std::string>& args) {
         row.plan = plan::summary(chosen);
         row.found = true;
         if (jitter && *jitter > 0) {
-          // The search's simulations leave the cost out: the best plan again, with it.
+          // The search simulated the best plan with the model: only the calm run is left, as
+          // SimulateOptions::straggler_cost makes it (without jitter, the slow rank kept).
           auto net = network::make_analytical(c);
-          engine::SimulateOptions sim_options;
-          sim_options.jitter_cv = jitter;
-          sim_options.rank_spread_cv = rank_spread;
-          sim_options.straggler_cost = true;
-          row.straggler_cost_s =
-              engine::simulate(plan::graph_of(spec, chosen), chosen, c, *net, sim_options)
-                  .prediction.straggler_cost_s;
+          engine::SimulateOptions calm;
+          calm.jitter_cv = 0.0;
+          calm.rank_spread_cv = rank_spread;
+          row.straggler_cost_s = pred.step_time_s - engine::simulate(plan::graph_of(spec, chosen),
+                                                                     chosen, c, *net, calm)
+                                                        .prediction.step_time_s;
         }
       }
     }
