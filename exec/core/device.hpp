@@ -186,13 +186,14 @@ class Device {
   virtual void moe_combine(View out, View y, View gates, View order, int T, int C, int k);
   virtual void moe_combine_backward(View dy, View dgates, View dout, View y, View gates, View order,
                                     int T, int C, int k);
-  // loss: one fp32, the mean over the T rows; dlogits = (softmax - onehot) / T. targets I32.
-  virtual void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) = 0;
-  // Vocab-parallel: rowmax[T], then sums[2T] (fp32), then loss and dlogits from the reduced
-  // statistics (exec/cpu/kernels.hpp).
+  // Cross-entropy, vocab-parallel (exec/cpu/kernels.hpp): rowmax[T], then sums[2T] (fp32), over
+  // tp the sums rescaled to the reduced maxima (sums[T] *= exp(local_max - global_max)), then
+  // loss (one fp32, the mean over the T rows) and dlogits = (softmax - onehot) / T from the
+  // reduced statistics. targets I32.
   virtual void cross_entropy_max(View rowmax, View logits, int T, int V) = 0;
   virtual void cross_entropy_sums(View sums, View logits, View rowmax, View targets, int T, int V,
                                   int vocab_begin) = 0;
+  virtual void cross_entropy_rescale(View sums, View local_max, View global_max, int T) = 0;
   virtual void cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,
                                      View targets, int T, int V, int vocab_begin) = 0;
   // Gradient clipping (Feature::GradClip): acc (fp32, one element) += the sum of the squares of

@@ -828,12 +828,6 @@ void Runner::replay(const lower::Task& task, std::size_t index) {
              program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Ep) {
     ep_collective(task, batches_.at(static_cast<std::size_t>(task.micro_batch)),
                   /*local=*/true);
-  } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
-             program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
-             g_.op(static_cast<OpId>(task.op_begin)).kind == OpKind::Loss) {
-    // The loss still needs its softmax statistics: the local ones.
-    loss_statistics(task, batches_.at(static_cast<std::size_t>(task.micro_batch)),
-                    static_cast<OpId>(task.op_begin), /*reduce=*/false);
   }
 }
 

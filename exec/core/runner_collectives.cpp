@@ -106,15 +106,15 @@ void Runner::reduce_gradients(const lower::Task& task, const std::vector<Param*>
                      std::nullopt, /*holds_bucket=*/true};
 }
 
-void Runner::loss_statistics(const lower::Task& task, MicroBatch& mb, OpId loss, bool reduce) {
-  const View logits = mb.out.at(input(loss));
-  auto& stats = mb.aux2[loss];
-  fresh(stats, 3 * static_cast<std::int64_t>(T_), Dtype::F32);
-  const View rowmax = stats.sub(0, T_), sums = stats.sub(T_, 2 * T_);
-  dev_.cross_entropy_max(rowmax, logits, T_, Vl_);
-  if (reduce) comm_.all_reduce(task.group, rowmax, Reduce::Max);
-  dev_.cross_entropy_sums(sums, logits, rowmax, mb.targets, T_, Vl_, t_ * Vl_);
-  if (reduce) comm_.all_reduce(task.group, sums, Reduce::Sum);
+void Runner::loss_statistics(const lower::Task& task, MicroBatch& mb, OpId statistics) {
+  const View stats = mb.aux2.at(statistics);
+  const View rowmax = stats.sub(0, T_), sums = stats.sub(T_, T_), local = stats.sub(3 * T_, T_);
+  dev_.copy(local, rowmax);
+  comm_.all_reduce(task.group, rowmax, Reduce::Max);
+  // Each rank's sums of exponentials to the maximum over all ranks (exp(x - m) =
+  // exp(x - m_rank)·exp(m_rank - m)), then summed with the target logits (one rank's is not 0).
+  dev_.cross_entropy_rescale(sums, local, rowmax, T_);
+  comm_.all_reduce(task.group, stats.sub(T_, 2 * T_), Reduce::Sum);
 }
 
 void Runner::finish_completed() {
@@ -510,8 +510,8 @@ void Runner::collective(const lower::Task& task, std::size_t index) {
         return;
       }
       DTSIM_ASSERT(task.collective == CollectiveKind::AllReduce, "tp collective");
-      if (op.kind == OpKind::Loss) {
-        loss_statistics(task, mb, anchor, /*reduce=*/true);
+      if (op.kind == OpKind::LossStatistics) {
+        loss_statistics(task, mb, anchor);
       } else if (exit) {
         comm_.all_reduce(task.group, mb.out.at(anchor), Reduce::Sum);  // forward: g
         if (op.kind == OpKind::Embedding) embedding_dropout(mb, anchor);

@@ -383,6 +383,8 @@ class Runner {
   View& grad_of(MicroBatch& mb, OpId id);
 
   OpId input(OpId id) const { return g_.predecessors(id).front(); }
+  // The loss's other input: the op that computed its softmax statistics.
+  OpId statistics_of(OpId loss) const { return g_.predecessors(loss).at(1); }
 
   // An op's input: the all-gathered copy where sequence parallelism made one.
   View input_of(MicroBatch& mb, OpId id) {
@@ -547,9 +549,10 @@ class Runner {
   void reduce_gradients(const lower::Task& task, const std::vector<Param*>& params,
                         std::size_t index);
 
-  // Vocab-parallel cross-entropy (Megatron-LM): the row maxima reduced with max, then the sums
-  // of exponentials and the target logits with sum, over tp (local only for --only-rank).
-  void loss_statistics(const lower::Task& task, MicroBatch& mb, OpId loss, bool reduce);
+  // Vocab-parallel cross-entropy (Megatron-LM): the statistics that op `statistics` computed
+  // over the rank's share of the vocabulary, reduced over tp: the row maxima with max, then the
+  // sums of exponentials (rescaled to those maxima) and the target logits with sum.
+  void loss_statistics(const lower::Task& task, MicroBatch& mb, OpId statistics);
 
   // Started collectives whose results are added somewhere (ZeRO's reduce-scatters, into the
   // reduced slices) finish as soon as the backend has seen them complete, so that their

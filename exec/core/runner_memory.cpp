@@ -69,9 +69,13 @@ std::vector<Runner::Use> Runner::forward_uses(OpId id) const {
       read(Slot::Out, input(id));
       make(Slot::Out, id);
       break;
+    case OpKind::LossStatistics:
+      read(Slot::Out, input(id));
+      make(Slot::Aux2, id);
+      break;
     case OpKind::Loss:
       read(Slot::Out, input(id));
-      if (tp_ > 1) read(Slot::Aux2, id);
+      read(Slot::Aux2, statistics_of(id));
       make(Slot::Aux1, id);
       break;
     case OpKind::Router:
@@ -91,6 +95,8 @@ std::vector<Runner::Use> Runner::backward_uses(OpId id, Part part) const {
   if (!has_weights && !input_grads) return u;
   auto read = [&u](Slot s, OpId x) { u.push_back({s, x, false}); };
   switch (op.kind) {
+    case OpKind::LossStatistics:  // no backward
+      break;
     case OpKind::Loss:
       read(Slot::Aux1, id);
       read(Slot::Grad, input(id));
@@ -211,8 +217,7 @@ std::vector<Runner::Use> Runner::communication_uses(const lower::Task& task) con
     if (!scatter) return {{Slot::Out, in, false}, {Slot::Full, in, true}};
     return {{Slot::FullGrad, in, false}, {Slot::Grad, in, false}};
   }
-  if (op.kind == OpKind::Loss)
-    return {{Slot::Out, input(anchor), false}, {Slot::Aux2, anchor, true}};
+  if (op.kind == OpKind::LossStatistics) return {{Slot::Aux2, anchor, false}};
   if (exit && embedding_dropout) return {{Slot::Out, anchor, false}, {Slot::Mask, anchor, true}};
   if (exit) return {{Slot::Out, anchor, false}};
   return {{Slot::Grad, input(anchor), false}};

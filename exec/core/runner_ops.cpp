@@ -117,18 +117,25 @@ void Runner::forward(MicroBatch& mb, OpId id) {
       }
       break;
     }
+    case OpKind::LossStatistics: {
+      // Over the rank's share of the vocabulary: each row's maximum, then the sums of the
+      // exponentials (to that maximum) and the target logits. With tp > 1 a copy of the
+      // maxima follows, for loss_statistics to rescale the sums once the maxima are reduced.
+      const View logits = mb.out.at(input(id));
+      View& stats = mb.aux2[id];
+      fresh(stats, (tp_ > 1 ? 4 : 3) * static_cast<std::int64_t>(T_), Dtype::F32);
+      const View rowmax = stats.sub(0, T_);
+      dev_.cross_entropy_max(rowmax, logits, T_, Vl_);
+      dev_.cross_entropy_sums(stats.sub(T_, 2 * T_), logits, rowmax, mb.targets, T_, Vl_, t_ * Vl_);
+      break;
+    }
     case OpKind::Loss: {
+      // From the statistics over the whole vocabulary (reduced over tp by the task before).
       const View logits = mb.out.at(input(id));
       fresh(mb.aux1[id], logits.size());  // the logits' gradient, kept for backward
-      const View loss = losses_.sub(mb.index, 1);
-      if (tp_ == 1) {
-        dev_.cross_entropy(mb.aux1[id], loss, logits, mb.targets, T_, V_);
-      } else {
-        // The statistics were reduced over tp by the task before this one.
-        const View stats = mb.aux2.at(id);
-        dev_.cross_entropy_sharded(mb.aux1[id], loss, logits, stats.sub(0, T_),
-                                   stats.sub(T_, 2 * T_), mb.targets, T_, Vl_, t_ * Vl_);
-      }
+      const View stats = mb.aux2.at(statistics_of(id));
+      dev_.cross_entropy_sharded(mb.aux1[id], losses_.sub(mb.index, 1), logits, stats.sub(0, T_),
+                                 stats.sub(T_, 2 * T_), mb.targets, T_, Vl_, t_ * Vl_);
       break;
     }
     case OpKind::Router:
@@ -193,6 +200,8 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
   const bool has_weights = holds_weights(id) || tied_head(op);
   if (!has_weights && !input_grads) return;
   switch (op.kind) {
+    case OpKind::LossStatistics:  // no backward: the loss's forward wrote the gradient
+      break;
     case OpKind::Loss: {
       // The step's loss is the mean over micro-batches and data-parallel replicas: scale each
       // micro-batch's gradient by 1/(m·dp); the dp reduction sums.

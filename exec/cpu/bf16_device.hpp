@@ -236,10 +236,6 @@ class Bf16Device final : public Device {
     Scope s;
     cpu_.dropout_backward(s.act(din), s.u8(mask), s.act(dout), rate);
   }
-  void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override {
-    Scope s;
-    cpu_.cross_entropy(s.act(dlogits), s.f32(loss), s.act(logits), s.ints(targets), T, V);
-  }
   void cross_entropy_max(View rowmax, View logits, int T, int V) override {
     Scope s;
     cpu_.cross_entropy_max(s.f32(rowmax), s.act(logits), T, V);
@@ -249,6 +245,10 @@ class Bf16Device final : public Device {
     Scope s;
     cpu_.cross_entropy_sums(s.f32(sums), s.act(logits), s.f32(rowmax), s.ints(targets), T, V,
                             vocab_begin);
+  }
+  void cross_entropy_rescale(View sums, View local_max, View global_max, int T) override {
+    Scope s;
+    cpu_.cross_entropy_rescale(s.f32(sums), s.f32(local_max), s.f32(global_max), T);
   }
   void cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,
                              View targets, int T, int V, int vocab_begin) override {

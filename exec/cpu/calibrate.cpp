@@ -281,17 +281,22 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
     });
     record("embedding", f, bw);
   }
-  for (model::OpId id : graph.layer_ops(static_cast<int>(m.layers))) {
-    const model::Op& op = graph.op(id);
-    if (op.kind != OpKind::Loss) continue;
+  {  // the loss: its statistics (no backward), then the loss and gradient from them
     const auto logits_n = static_cast<std::size_t>(T) * V;
     const int n = copies_for(3 * logits_n * fl);
     auto logits = random_buffers(n, logits_n, 15);
     std::vector<std::vector<float>> dlogits(n, std::vector<float>(logits_n)),
-        grad(n, std::vector<float>(logits_n));
+        grad(n, std::vector<float>(logits_n)),
+        stats(n, std::vector<float>(3 * static_cast<std::size_t>(T)));
+    auto statistics = [&](std::size_t i) {
+      const std::span<float> s = stats[i];
+      cross_entropy_max(s.first(T), logits[i], T, V);
+      cross_entropy_sums(s.subspan(T), logits[i], s.first(T), tokens, T, V, 0);
+    };
+    record("loss_statistics", median_per_copy(repeats, n, statistics), 0.0);
     const double f = median_per_copy(repeats, n, [&](std::size_t i) {
-      dlogits[i].assign(logits_n, 0.0f);
-      cross_entropy(dlogits[i], logits[i], tokens, T, V);
+      const std::span<const float> s = stats[i];
+      cross_entropy_sharded(dlogits[i], logits[i], s.first(T), s.subspan(T), tokens, T, V, 0);
     });
     // The runner's loss backward: the saved gradient, scaled, into the logits' gradient.
     const double bw = median_per_copy(
@@ -328,7 +333,9 @@ nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<Op
     if (name == "gelu" || name == "swiglu") return first_of(0, OpKind::Activation);
     if (name == "residual") return first_of(0, OpKind::Residual);
     if (name == "embedding") return first_of(-1, OpKind::Embedding);
-    if (name == "loss") return first_of(static_cast<int>(graph.spec().layers), OpKind::Loss);
+    const int head = static_cast<int>(graph.spec().layers);
+    if (name == "loss_statistics") return first_of(head, OpKind::LossStatistics);
+    if (name == "loss") return first_of(head, OpKind::Loss);
     throw InternalError(fmt::format("calibration: no op is called {}", name));
   };
   nlohmann::json ops = nlohmann::json::array();
@@ -340,6 +347,7 @@ nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<Op
     const char* unit = flops ? "flops_per_s" : "bytes_per_s";
     ops.push_back(
         {{"op", t.op}, {"phase", "fwd"}, {unit, fwd_work / t.fwd_s}, {"seconds", t.fwd_s}});
+    if (bwd_work <= 0) continue;  // no backward (the loss statistics)
     ops.push_back(
         {{"op", t.op}, {"phase", "bwd"}, {unit, bwd_work / t.bwd_s}, {"seconds", t.bwd_s}});
   }

@@ -51,8 +51,10 @@ CalibrationStamp calibration_stamp();
 
 // The profile's "ops" rows (sim/cost/profile.hpp) of ops timed at `graph`'s shapes: forward and
 // backward, each as a rate of the graph's own measure of the op's work (FLOP/s for the attention
-// core, bytes/s of the graph's byte counts for the others). The op of a name is layer 0's
-// (its first norm and residual), the embedding, or the loss. Both backends report through it.
+// core, bytes/s of the graph's byte counts for the others); no backward row for an op without
+// backward work (a timing's bwd_s is then 0). The op of a name is layer 0's (its first norm
+// and residual), the embedding, the loss statistics or the loss. Both backends report through
+// it.
 nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<OpTiming>& timings);
 
 using exec::GemmPass;  // exec/core/timing_stats.hpp

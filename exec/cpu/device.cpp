@@ -307,11 +307,6 @@ void CpuDevice::embedding_backward(View dwte, View dwpe, View dout, View tokens,
                           vocab_begin, ints(positions));
 }
 
-void CpuDevice::cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) {
-  floats(loss)[0] =
-      static_cast<float>(cpu::cross_entropy(floats(dlogits), floats(logits), ints(targets), T, V));
-}
-
 void CpuDevice::cross_entropy_max(View rowmax, View logits, int T, int V) {
   cpu::cross_entropy_max(floats(rowmax), floats(logits), T, V);
 }
@@ -320,6 +315,10 @@ void CpuDevice::cross_entropy_sums(View sums, View logits, View rowmax, View tar
                                    int vocab_begin) {
   cpu::cross_entropy_sums(floats(sums), floats(logits), floats(rowmax), ints(targets), T, V,
                           vocab_begin);
+}
+
+void CpuDevice::cross_entropy_rescale(View sums, View local_max, View global_max, int T) {
+  cpu::cross_entropy_rescale(floats(sums), floats(local_max), floats(global_max), T);
 }
 
 void CpuDevice::cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,

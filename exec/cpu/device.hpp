@@ -95,10 +95,10 @@ class CpuDevice final : public Device {
                             int C, int k) override;
   void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override;
   void add_columns(View dst, View src, int T, int dst_width, int begin, int width) override;
-  void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override;
   void cross_entropy_max(View rowmax, View logits, int T, int V) override;
   void cross_entropy_sums(View sums, View logits, View rowmax, View targets, int T, int V,
                           int vocab_begin) override;
+  void cross_entropy_rescale(View sums, View local_max, View global_max, int T) override;
   void cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,
                              View targets, int T, int V, int vocab_begin) override;
   void sum_squares(View acc, View x) override;

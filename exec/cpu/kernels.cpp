@@ -589,24 +589,6 @@ void embedding_backward(Out dwte, Out dwpe, In dout, std::span<const int> tokens
   }
 }
 
-double cross_entropy(Out dlogits, In logits, std::span<const int> targets, int T, int V) {
-  double loss = 0;
-  for (int t = 0; t < T; ++t) {
-    const float* z = logits.data() + static_cast<std::size_t>(t) * V;
-    float* dz = dlogits.data() + static_cast<std::size_t>(t) * V;
-    const float maxv = *std::max_element(z, z + V);
-    double sum = 0;
-    for (int v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v] - maxv));
-    const int y = targets[static_cast<std::size_t>(t)];
-    loss += std::log(sum) - static_cast<double>(z[y] - maxv);
-    for (int v = 0; v < V; ++v) {
-      const double p = std::exp(static_cast<double>(z[v] - maxv)) / sum;
-      dz[v] = static_cast<float>((p - (v == y ? 1.0 : 0.0)) / T);
-    }
-  }
-  return loss / T;
-}
-
 void cross_entropy_max(Out rowmax, In logits, int T, int V) {
   for (int t = 0; t < T; ++t) {
     const float* z = logits.data() + static_cast<std::size_t>(t) * V;
@@ -624,6 +606,13 @@ void cross_entropy_sums(Out sums, In logits, In rowmax, std::span<const int> tar
     sums[k] = static_cast<float>(sum);
     const int y = targets[k] - vocab_begin;
     sums[static_cast<std::size_t>(T) + k] = y >= 0 && y < V ? z[y] : 0.0f;
+  }
+}
+
+void cross_entropy_rescale(Out sums, In local_max, In global_max, int T) {
+  for (std::size_t t = 0; t < static_cast<std::size_t>(T); ++t) {
+    sums[t] = static_cast<float>(static_cast<double>(sums[t]) *
+                                 std::exp(static_cast<double>(local_max[t] - global_max[t])));
   }
 }
 

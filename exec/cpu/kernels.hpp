@@ -166,19 +166,19 @@ void embedding_forward(Out out, std::span<const int> tokens, In wte, In wpe, int
 void embedding_backward(Out dwte, Out dwpe, In dout, std::span<const int> tokens, int B, int S,
                         int C, int vocab_begin = 0, std::span<const int> positions = {});
 
-// Softmax cross-entropy: logits[T, V], targets[T] -> returns the mean loss; dlogits[T, V] =
-// (softmax - onehot) / T (the gradient of the mean).
-double cross_entropy(Out dlogits, In logits, std::span<const int> targets, int T, int V);
-
-// Vocab-parallel cross-entropy (Megatron-LM's vocab_parallel_cross_entropy), logits[T, V] being
-// columns [vocab_begin, vocab_begin + V) of the full vocabulary:
-// 1. rowmax[T] = the local maximum of each row (then all-reduced with max);
+// Softmax cross-entropy, vocab-parallel (Megatron-LM's vocab_parallel_cross_entropy), logits[T,
+// V] being columns [vocab_begin, vocab_begin + V) of the full vocabulary (the whole of it: 0, V):
+// 1. rowmax[T] = the local maximum of each row;
 // 2. sums[2T] = the sum of exp(z - rowmax) and the target logit where this shard holds the
-//    target, else 0 (then all-reduced with sum);
-// 3. returns the mean loss and writes dlogits[T, V] = (softmax - onehot) / T for the shard.
+//    target, else 0;
+//    over tensor-parallel ranks: the maxima all-reduced with max, each rank's sums rescaled to
+//    them (cross_entropy_rescale: sums[T] *= exp(local - global)), then all-reduced with sum;
+// 3. returns the mean loss and writes dlogits[T, V] = (softmax - onehot) / T (the gradient of
+//    the mean) for the shard.
 void cross_entropy_max(Out rowmax, In logits, int T, int V);
 void cross_entropy_sums(Out sums, In logits, In rowmax, std::span<const int> targets, int T, int V,
                         int vocab_begin);
+void cross_entropy_rescale(Out sums, In local_max, In global_max, int T);
 double cross_entropy_sharded(Out dlogits, In logits, In rowmax, In sums,
                              std::span<const int> targets, int T, int V, int vocab_begin);
 

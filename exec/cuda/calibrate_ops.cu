@@ -142,12 +142,21 @@ OpTimes time_ops(int gpu, GemmPrecision precision, const OpShapes& s, int repeat
     });
     out.ops.push_back({"embedding", f, bw});
   }
-  {  // the loss; its backward is the runner's scaled add of the saved gradient to the logits'
+  {  // the loss: its statistics (no backward), then the loss from them, whose backward is the
+     // runner's scaled add of the saved gradient to the logits'
     const std::int64_t n = T * s.V;
-    DeviceBuffer logits = act(n), dlogits = act(n), grad = act(n), rows = f32(T);
+    const int rows_n = static_cast<int>(T);
+    DeviceBuffer logits = act(n), dlogits = act(n), grad = act(n), rows = f32(T),
+                 stats = f32(3 * T);
+    const double statistics = median_time(k, repeats, [&] {
+      k.cross_entropy_max(stats.f32(), logits.get(), rows_n, s.V);
+      k.cross_entropy_sums(stats.f32() + T, logits.get(), stats.f32(), tokens.i32(), rows_n, s.V,
+                           0);
+    });
+    out.ops.push_back({"loss_statistics", statistics, 0.0});
     const double f = median_time(k, repeats, [&] {
-      k.cross_entropy(dlogits.get(), rows.f32(), logits.get(), tokens.i32(), static_cast<int>(T),
-                      s.V);
+      k.cross_entropy_sharded(dlogits.get(), rows.f32(), logits.get(), stats.f32(), stats.f32() + T,
+                              tokens.i32(), rows_n, s.V, 0);
     });
     const double bw =
         median_time(k, repeats, [&] { k.accumulate(grad.get(), dlogits.get(), n, 0.5f); });

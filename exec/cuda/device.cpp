@@ -237,16 +237,15 @@ class CudaDevice final : public Device {
     DTSIM_ASSERT(din.n == mask.n && dout.n == mask.n, "dropout views of one size");
     k_.dropout_backward(act(din), u8(mask), act(dout), rate, din.n);
   }
-  void cross_entropy(View dlogits, View loss, View logits, View targets, int T, int V) override {
-    k_.cross_entropy(act(dlogits), rows(T), act(logits), ints(targets), T, V);
-    k_.mean(f32(loss), rows_.f32(), T);
-  }
   void cross_entropy_max(View rowmax, View logits, int T, int V) override {
     k_.cross_entropy_max(f32(rowmax), act(logits), T, V);
   }
   void cross_entropy_sums(View sums, View logits, View rowmax, View targets, int T, int V,
                           int vocab_begin) override {
     k_.cross_entropy_sums(f32(sums), act(logits), f32(rowmax), ints(targets), T, V, vocab_begin);
+  }
+  void cross_entropy_rescale(View sums, View local_max, View global_max, int T) override {
+    k_.cross_entropy_rescale(f32(sums), f32(local_max), f32(global_max), T);
   }
   void cross_entropy_sharded(View dlogits, View loss, View logits, View rowmax, View sums,
                              View targets, int T, int V, int vocab_begin) override {

@@ -719,6 +719,13 @@ __global__ void exp_sums_kernel(float* sums, const T* logits, const float* rowma
   }
 }
 
+// sums[t] *= exp(local[t] - global[t]): a shard's sums of exponentials to its own maximum,
+// made sums to the maximum over all shards.
+__global__ void rescale_sums_kernel(float* sums, const float* local, const float* global, int T) {
+  for (std::int64_t i = first_index(); i < T; i += grid_stride())
+    sums[i] *= expf(local[i] - global[i]);
+}
+
 // row_loss[t] = log(sum) - (z_y - max); dz = (softmax - onehot) / T, from the statistics.
 template <class T>
 __global__ void softmax_loss_kernel(T* dlogits, float* row_loss, const T* logits,
@@ -850,7 +857,7 @@ struct Kernels::Impl {
   // Scratch, grown on demand in the stream's order (the old one is freed after the kernels
   // that used it): host transfers, the loss statistics, attention scores and their gradients,
   // column sums' chunks.
-  DeviceBuffer staging, stats, scores, dscores, partials;
+  DeviceBuffer staging, scores, dscores, partials;
   DeviceBuffer slots;          // mixture of experts: each copy's row (the inverse of the order)
   DeviceBuffer cp_kv, cp_dkv;  // context parallelism: one sequence's keys in position order
   // FlashAttention's memory: one sequence's probabilities, dropout mask and dropped
@@ -865,7 +872,7 @@ struct Kernels::Impl {
   ~Impl() {
     // The scratch goes back on the stream, before the stream does; then the pool gives it to
     // the GPU (its release threshold keeps it otherwise, where cudaMalloc cannot reach it).
-    for (DeviceBuffer* b : {&staging, &stats, &scores, &dscores, &partials, &slots, &cp_kv, &cp_dkv,
+    for (DeviceBuffer* b : {&staging, &scores, &dscores, &partials, &slots, &cp_kv, &cp_dkv,
                             &flash_probs, &flash_mask, &flash_dropped, &norm_partials})
       *b = DeviceBuffer();
     for (cudaEvent_t e : events) cudaEventDestroy(e);
@@ -1858,13 +1865,12 @@ void Kernels::cross_entropy_sharded(void* dlogits, float* row_loss, const void* 
   launched("softmax_loss_kernel");
 }
 
-// The unsharded loss is the sharded one on a single shard: its statistics are already whole.
-void Kernels::cross_entropy(void* dlogits, float* row_loss, const void* logits, const int* targets,
-                            int T, int V) {
-  float* stats = impl_->room(impl_->stats, static_cast<std::size_t>(3) * T * 4);
-  cross_entropy_max(stats, logits, T, V);
-  cross_entropy_sums(stats + T, logits, stats, targets, T, V, 0);
-  cross_entropy_sharded(dlogits, row_loss, logits, stats, stats + T, targets, T, V, 0);
+void Kernels::cross_entropy_rescale(float* sums, const float* local_max, const float* global_max,
+                                    int T) {
+  if (T == 0) return;  // (a grid of no blocks is a launch error)
+  rescale_sums_kernel<<<blocks_for(T), kThreads, 0, impl_->stream>>>(sums, local_max, global_max,
+                                                                     T);
+  launched("rescale_sums_kernel");
 }
 
 void Kernels::sum_squares(float* acc, const float* x, std::int64_t n) {

@@ -223,19 +223,17 @@ class Kernels {
   void embedding_backward(float* dwte, int rows, float* dwpe, const void* dout, const int* tokens,
                           int B, int S, int C, int vocab_begin, const int* positions = nullptr);
 
-  // Softmax cross-entropy of logits[T,V]: row_loss[T] (fp32, on the device; their mean is the
-  // loss) and dlogits[T,V] = (softmax - onehot) / T.
-  void cross_entropy(void* dlogits, float* row_loss, const void* logits, const int* targets, int T,
-                     int V);
-  // Vocab-parallel cross-entropy in three steps, as exec/cpu: rowmax[T]; sums[2T] (sum of
-  // exp(z - rowmax), and the target logit where this shard holds it); then row_loss and
-  // dlogits from the (tp-reduced) statistics.
+  // Softmax cross-entropy, vocab-parallel, in steps as exec/cpu: rowmax[T]; sums[2T] (sum of
+  // exp(z - rowmax), and the target logit where this shard holds it); then row_loss[T] (fp32,
+  // on the device; their mean is the loss) and dlogits = (softmax - onehot) / T from the
+  // (tp-reduced) statistics. cross_entropy_rescale: sums[T] *= exp(local_max - global_max).
   void cross_entropy_max(float* rowmax, const void* logits, int T, int V);
   void cross_entropy_sums(float* sums, const void* logits, const float* rowmax, const int* targets,
                           int T, int V, int vocab_begin);
   void cross_entropy_sharded(void* dlogits, float* row_loss, const void* logits,
                              const float* rowmax, const float* sums, const int* targets, int T,
                              int V, int vocab_begin);
+  void cross_entropy_rescale(float* sums, const float* local_max, const float* global_max, int T);
 
   // Mixture of experts (exec/cpu/kernels.hpp: moe_route ...), the CPU's choices and orders, so
   // that the GPU routes every token as the CPU does: slot j of token t is t·k + j. experts and

@@ -216,6 +216,8 @@ double ComputeCost::kernel_seconds(const model::Op& op, Phase phase) const {
     case Phase::None:
       return 0;
   }
+  // A pass without work (the loss statistics' backward) runs no kernel.
+  if (bytes <= 0 && flops <= 0 && kernel_flops(op, phase) <= 0) return 0;
   // A measured rate for this op kind and phase, in the graph's own units.
   const bool forward = phase == Phase::Forward || phase == Phase::Recompute;
   if (const auto& rate = op_rates_[rate_index(op.kind, forward)]) {
@@ -296,6 +298,8 @@ std::string ComputeCost::profile_key(OpKind kind) const {
       return "residual";
     case OpKind::Embedding:
       return "embedding";
+    case OpKind::LossStatistics:
+      return "loss_statistics";
     case OpKind::Loss:
       return "loss";
     default:

@@ -116,7 +116,7 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
       o.expect_only({"op", "phase", "flops_per_s", "bytes_per_s", "seconds"});
       const std::string op =
           o.choice("op", {"attention", "flash_attention", "layernorm", "rmsnorm", "gelu", "swiglu",
-                          "residual", "embedding", "loss", "optimizer"});
+                          "residual", "embedding", "loss_statistics", "loss", "optimizer"});
       const std::string phase = o.choice("phase", {"fwd", "bwd", "step"});
       if (o.has("flops_per_s") == o.has("bytes_per_s")) {
         o.fail("flops_per_s", "give exactly one of flops_per_s and bytes_per_s");

@@ -129,7 +129,8 @@ struct Item {
   int layer = 0;
   // A marker's boundary op, which names the tensor its collective carries: for TpExit the op
   // before it (its output is reduced in forward), for TpEnter the op after it (the gradient of
-  // its input is reduced in backward), for TpLoss the loss, for TpGates the experts' up op.
+  // its input is reduced in backward), for TpLoss the loss statistics, for TpGates the
+  // experts' up op.
   OpId anchor = 0;
 };
 
@@ -384,9 +385,9 @@ class Lowerer {
       const int head = static_cast<int>(g_.spec().layers);
       for (OpId id : g_.layer_ops(head)) {
         if (g_.op(id).kind == OpKind::LmHead) marker(Marker::TpEnter, head, id);
-        // Vocab-parallel cross-entropy reduces per-token statistics over tp before the loss.
-        if (g_.op(id).kind == OpKind::Loss) marker(Marker::TpLoss, head, id);
         op(id, head);
+        // Vocab-parallel cross-entropy reduces per-token statistics over tp before the loss.
+        if (g_.op(id).kind == OpKind::LossStatistics) marker(Marker::TpLoss, head, id);
       }
     }
     return items;
@@ -416,8 +417,9 @@ class Lowerer {
       case Marker::TpLoss: {
         if (plan_.tp == 1 || backward) return std::nullopt;
         // Megatron-LM's vocab_parallel_cross_entropy all-reduces three fp32 values per token
-        // over tp (the logit maximum, the target logit, the sum of exponentials); the gradient
-        // needs no communication.
+        // over tp (the logit maximum, the target logit, the sum of exponentials), priced as one
+        // all-reduce (Megatron-LM makes three calls, dtexec two: the maxima, then the sums
+        // rescaled to them with the target logits); the gradient needs no communication.
         return Comm{CollectiveKind::AllReduce, GroupKind::Tp, Stream::Tp, tokens_ * 3 * 4,
                     "tp all-reduce loss statistics"};
       }

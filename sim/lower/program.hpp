@@ -62,7 +62,7 @@ struct Task {
   // Communication: the tensor it carries, named by ops (the executor's meaning of the task):
   // - tp collectives: op_begin is the boundary op; after a row-parallel op or the embedding its
   //   output is reduced (forward), before a column-parallel op the gradient of its input
-  //   (backward), before the loss the vocab-parallel softmax statistics; with sequence
+  //   (backward), after the loss statistics op the vocab-parallel softmax statistics; with sequence
   //   parallelism, a Backward-phase all-gather before a column-parallel op gathers its input
   //   again for the weight gradient;
   // - dp buckets: the gradients of the parameters of ops [op_begin, op_end);

@@ -41,6 +41,8 @@ std::string_view to_string(OpKind kind) {
       return "router";
     case OpKind::LmHead:
       return "lm_head";
+    case OpKind::LossStatistics:
+      return "loss_statistics";
     case OpKind::Loss:
       return "loss";
   }
@@ -78,7 +80,7 @@ class Builder {
     for (int l = 0; l < layers; ++l) x = block(l, x);
     const OpId fn = norm("final_norm", layers, x);
     const OpId head = lm_head(layers, fn);
-    loss(layers, head);
+    loss(layers, head, loss_statistics(layers, head));
   }
 
  private:
@@ -340,20 +342,39 @@ class Builder {
     return add(std::move(op), {in});
   }
 
-  void loss(int layer, OpId in) {
+  // Cross-entropy in fp32 over the logits, in two ops: each row's statistics over the rank's
+  // share of the vocabulary (its maximum, the sum of the exponentials, the target's logit),
+  // which tensor parallelism all-reduces (the values Megatron-LM's vocab_parallel_cross_entropy
+  // reduces); then the loss and the logits' gradient from them.
+  OpId loss_statistics(int layer, OpId logits_op) {
+    Op op;
+    op.name = "loss_statistics";
+    op.kind = OpKind::LossStatistics;
+    op.layer = layer;
+    op.tp_split = TpSplit::Vocab;
+    // Two reads of the logits (the maximum first, for exponentials that cannot overflow); the
+    // statistics written are three fp32 values a row. No backward: the loss's gradient needs
+    // none, and nothing is kept for it.
+    op.fwd_bytes = 4.0 * logits() * 2.0;
+    return add(std::move(op), {logits_op});
+  }
+
+  void loss(int layer, OpId logits_op, OpId statistics) {
     Op op;
     op.name = "loss";
     op.kind = OpKind::Loss;
     op.layer = layer;
     op.tp_split = TpSplit::Vocab;
     op.saved_tp_split = true;
-    // Cross-entropy in fp32 over the logits (Korthikanti et al. §4.3: 4sbV/t bytes).
-    const double logits = tokens_ * static_cast<double>(m_.vocab_rows());
-    op.fwd_bytes = 4.0 * logits * 2.0;
-    op.bwd_bytes = 4.0 * logits * 2.0;
+    // Forward: read the logits, write their gradient (kept for the backward: Korthikanti et
+    // al. §4.3, 4sbV/t bytes); backward: read and scale it.
+    op.fwd_bytes = 4.0 * logits() * 2.0;
+    op.bwd_bytes = 4.0 * logits() * 2.0;
     op.saved_bytes = 4 * T() * static_cast<u64>(m_.vocab_rows());
-    add(std::move(op), {in});
+    add(std::move(op), {logits_op, statistics});
   }
+
+  double logits() const { return tokens_ * static_cast<double>(m_.vocab_rows()); }
 };
 
 }  // namespace

@@ -35,6 +35,7 @@ enum class OpKind {
   MlpDown,
   Router,
   LmHead,
+  LossStatistics,  // the softmax statistics of the logits, which tensor parallelism reduces
   Loss
 };
 

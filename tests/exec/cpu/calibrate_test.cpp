@@ -52,3 +52,22 @@ TEST_CASE("calibration times each linear op's three GEMMs, whole and split over 
     CHECK(covered);
   }
 }
+
+TEST_CASE("op rates: the loss statistics have a forward row only", "[calibrate]") {
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  const auto rows =
+      dtsim::exec::cpu::op_rate_rows(g, {{"loss_statistics", 2e-3, 0.0}, {"loss", 4e-3, 1e-3}});
+  REQUIRE(rows.size() == 3);
+  const auto& head = g.layer_ops(static_cast<int>(spec.layers));
+  const auto& statistics = g.op(head[2]);
+  const auto& loss = g.op(head[3]);
+  CHECK(rows[0]["op"] == "loss_statistics");
+  CHECK(rows[0]["phase"] == "fwd");
+  CHECK(rows[0]["bytes_per_s"].get<double>() == Approx(statistics.fwd_bytes / 2e-3));
+  CHECK(rows[1]["phase"] == "fwd");
+  CHECK(rows[1]["bytes_per_s"].get<double>() == Approx(loss.fwd_bytes / 4e-3));
+  CHECK(rows[2]["op"] == "loss");
+  CHECK(rows[2]["phase"] == "bwd");
+  CHECK(rows[2]["bytes_per_s"].get<double>() == Approx(loss.bwd_bytes / 1e-3));
+}

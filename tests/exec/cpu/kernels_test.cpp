@@ -30,6 +30,17 @@ double dot(const std::vector<float>& a, const std::vector<float>& b) {
   return s;
 }
 
+// Cross-entropy over the whole vocabulary (one shard), as the runner computes it at tp = 1:
+// the mean loss, and the gradient into dlogits.
+double whole_cross_entropy(std::vector<float>& dlogits, const std::vector<float>& logits,
+                           const std::vector<int>& targets, int T, int V) {
+  std::vector<float> stats(3 * static_cast<std::size_t>(T));
+  const std::span<float> s = stats;
+  cpu::cross_entropy_max(s.first(T), logits, T, V);
+  cpu::cross_entropy_sums(s.subspan(T), logits, s.first(T), targets, T, V, 0);
+  return cpu::cross_entropy_sharded(dlogits, logits, s.first(T), s.subspan(T), targets, T, V, 0);
+}
+
 // Checks `analytic` (d loss / d x) against finite differences of `loss` over x.
 void check_gradient(std::vector<float>& x, const std::vector<float>& analytic,
                     const std::function<double()>& loss, const char* what) {
@@ -524,10 +535,52 @@ TEST_CASE("embedding and cross-entropy backward match finite differences", "[exe
 
   auto logits = random(B * S * V, 17);
   std::vector<float> dlogits(logits.size()), scratch(logits.size());
-  auto xent = [&] { return cpu::cross_entropy(scratch, logits, tokens, B * S, V); };
-  const double l = cpu::cross_entropy(dlogits, logits, tokens, B * S, V);
+  auto xent = [&] { return whole_cross_entropy(scratch, logits, tokens, B * S, V); };
+  const double l = whole_cross_entropy(dlogits, logits, tokens, B * S, V);
   CHECK(l > 0);
   check_gradient(logits, dlogits, xent, "logits");
+}
+
+TEST_CASE("vocab-parallel cross-entropy over two shards equals the whole", "[exec][cpu]") {
+  // The dtexec runner's tp = 2 loss: each shard's statistics to its own maximum; the maxima
+  // reduced with max, each shard's sums rescaled to them, the sums and target logits summed.
+  const int T = 5, V = 8, half = V / 2;
+  const std::vector<int> targets = {0, 7, 3, 4, 6};  // in either shard
+  auto logits = random(T * V, 18);
+  logits[2 * V + 6] = 9.0f;  // a row whose maximum only the second shard holds
+  std::vector<float> dwhole(logits.size());
+  const double whole = whole_cross_entropy(dwhole, logits, targets, T, V);
+
+  std::vector<std::vector<float>> shard(2), stats(2, std::vector<float>(3 * T)), local(2);
+  for (int r = 0; r < 2; ++r) {
+    for (int t = 0; t < T; ++t) {
+      const auto row = logits.begin() + t * V + r * half;
+      shard[r].insert(shard[r].end(), row, row + half);
+    }
+    const std::span<float> s = stats[r];
+    cpu::cross_entropy_max(s.first(T), shard[r], T, half);
+    cpu::cross_entropy_sums(s.subspan(T), shard[r], s.first(T), targets, T, half, r * half);
+    local[r].assign(s.begin(), s.begin() + T);
+  }
+  std::vector<float> reduced(3 * T, 0.0f);
+  for (int t = 0; t < T; ++t) reduced[t] = std::max(stats[0][t], stats[1][t]);
+  for (int r = 0; r < 2; ++r) {
+    cpu::cross_entropy_rescale(std::span<float>(stats[r]).subspan(T, T), local[r],
+                               std::span<const float>(reduced).first(T), T);
+    for (int i = T; i < 3 * T; ++i) reduced[i] += stats[r][i];
+  }
+  const std::span<const float> g = reduced;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<float> dshard(shard[r].size());
+    const double l = cpu::cross_entropy_sharded(dshard, shard[r], g.first(T), g.subspan(T), targets,
+                                                T, half, r * half);
+    CHECK(l == Approx(whole).epsilon(1e-6));
+    for (int t = 0; t < T; ++t) {
+      for (int v = 0; v < half; ++v) {
+        CHECK(dshard[t * half + v] == Approx(dwhole[t * V + r * half + v]).margin(1e-7));
+      }
+    }
+  }
 }
 
 TEST_CASE("AdamW takes the first step of size lr along -sign(grad)", "[exec][cpu]") {

@@ -680,11 +680,20 @@ TEST_CASE("GPU cross-entropy, whole and vocab-parallel, matches the CPU", "[exec
     INFO(name(type));
     cu::Kernels k(*gpu, type);
     const Vec logits = as_stored(k, random(T * V, 61, 2.0f));
-    Vec dz(T * V);
-    const double loss = cpu::cross_entropy(dz, logits, targets, T, V);
-    Dev d_logits(k, logits), d_dz(k, Vec(T * V)), d_rows(k, Vec(T), true);
+    // The whole vocabulary: the three kernels on one shard, as the runner runs them at tp = 1.
+    Vec dz(T * V), whole(3 * T);
+    const std::span<float> w = whole;
+    cpu::cross_entropy_max(w.first(T), logits, T, V);
+    cpu::cross_entropy_sums(w.subspan(T), logits, w.first(T), targets, T, V, 0);
+    const double loss =
+        cpu::cross_entropy_sharded(dz, logits, w.first(T), w.subspan(T), targets, T, V, 0);
+    Dev d_logits(k, logits), d_dz(k, Vec(T * V)), d_rows(k, Vec(T), true),
+        d_whole(k, Vec(3 * T), true);
     Ints d_targets(k, targets);
-    k.cross_entropy(d_dz.p(), d_rows.f(), d_logits.p(), d_targets.p(), T, V);
+    k.cross_entropy_max(d_whole.f(), d_logits.p(), T, V);
+    k.cross_entropy_sums(d_whole.f() + T, d_logits.p(), d_whole.f(), d_targets.p(), T, V, 0);
+    k.cross_entropy_sharded(d_dz.p(), d_rows.f(), d_logits.p(), d_whole.f(), d_whole.f() + T,
+                            d_targets.p(), T, V, 0);
     const Vec rows = d_rows.host();
     const double gpu_loss = std::accumulate(rows.begin(), rows.end(), 0.0) / T;
     CHECK(std::fabs(gpu_loss - loss) / loss < tolerance(type));
@@ -702,6 +711,15 @@ TEST_CASE("GPU cross-entropy, whole and vocab-parallel, matches the CPU", "[exec
     k.cross_entropy_sums(d_sums.f(), d_logits.p(), d_max.f(), d_shard_targets.p(), T, V, begin);
     CHECK(error(d_max.host(), rowmax) < tolerance(type));
     CHECK(error(d_sums.host(), sums) < tolerance(type));
+    // The sums rescaled to a larger maximum (another shard's), in fp32 whatever the type.
+    Vec global(rowmax), rescaled(sums.begin(), sums.begin() + T);
+    for (int t = 0; t < T; ++t)
+      global[static_cast<std::size_t>(t)] += 0.25f * static_cast<float>(t);
+    cpu::cross_entropy_rescale(rescaled, rowmax, global, T);
+    Dev d_local(k, rowmax, true), d_global(k, global, true), d_rescaled(k, Vec(sums), true);
+    k.cross_entropy_rescale(d_rescaled.f(), d_local.f(), d_global.f(), T);
+    const Vec gpu_rescaled = d_rescaled.host();
+    CHECK(error(Vec(gpu_rescaled.begin(), gpu_rescaled.begin() + T), rescaled) < 1e-6);
     // The loss from the CPU's statistics, so that only the last kernel is compared.
     Dev c_max(k, rowmax, true), c_sums(k, sums, true);
     k.cross_entropy_sharded(d_sdz.p(), d_rows.f(), d_logits.p(), c_max.f(), c_sums.f(),

@@ -208,6 +208,7 @@ TEST_CASE("measured op rates price the non-GEMM ops in the graph's own units", "
     "gemm": [{"m": 256, "n": 256, "k": 256, "seconds": 1e-3}],
     "ops": [{"op": "attention", "phase": "fwd", "flops_per_s": 2e9},
             {"op": "layernorm", "phase": "bwd", "bytes_per_s": 3e9, "seconds": 1e-4},
+            {"op": "loss_statistics", "phase": "fwd", "bytes_per_s": 4e9},
             {"op": "optimizer", "phase": "step", "bytes_per_s": 6e9}]})");
   const auto profile = dtsim::cost::load_profile(f.path());
   const auto spec = dtsim::model::load_model("tiny-gpt");
@@ -235,6 +236,15 @@ TEST_CASE("measured op rates price the non-GEMM ops in the graph's own units", "
     }
   }
   CHECK(checked == 3);  // one attention core, two norms
+  // The loss statistics: the measured forward rate; a backward without work costs nothing.
+  for (auto id : g.layer_ops(static_cast<int>(spec.layers))) {
+    const auto& op = g.op(id);
+    if (op.kind != dtsim::model::OpKind::LossStatistics) continue;
+    CHECK(cost.op_seconds(op, Phase::Forward) == Approx(op.fwd_bytes / 4e9));
+    CHECK(cost.op_seconds(op, Phase::Backward) == 0);
+    ++checked;
+  }
+  CHECK(checked == 4);
   CHECK(cost.optimizer_seconds(1000000) == Approx(28e6 / 6e9));
 }
 

@@ -249,6 +249,48 @@ TEST_CASE("tied embeddings on two stages all-reduce their gradients", "[lower]")
   }
 }
 
+TEST_CASE("vocab-parallel loss statistics are computed before their all-reduce", "[lower]") {
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  const auto head = g.layer_ops(static_cast<int>(spec.layers));
+  const auto statistics = static_cast<std::int32_t>(head[2]), loss = statistics + 1;
+  REQUIRE(g.op(head[2]).kind == dtsim::model::OpKind::LossStatistics);
+  for (const int tp : {1, 2}) {
+    INFO("tp " << tp);
+    const Program program = dtsim::lower::lower(g, plan_for(1, tp, 1, 1));
+    const auto& tasks = program.ranks[0].tasks;
+    int reductions = 0, losses = 0;
+    for (std::size_t i = 0; i < tasks.size(); ++i) {
+      const auto& t = tasks[i];
+      if (t.kind == TaskKind::Collective && t.label.find("loss statistics") != std::string::npos) {
+        // After the compute task that ends with the statistics; before the loss's.
+        ++reductions;
+        CHECK(t.op_begin == statistics);
+        CHECK(t.collective == CollectiveKind::AllReduce);
+        CHECK(t.bytes == 32u * 3 * 4);  // three fp32 values for each of 32 tokens
+        REQUIRE(t.deps.size() == 1);
+        const auto& before = tasks[static_cast<std::size_t>(t.deps[0])];
+        CHECK(before.kind == TaskKind::Compute);
+        CHECK(before.op_end == statistics + 1);
+        const auto next = std::find_if(tasks.begin(), tasks.end(), [&](const auto& u) {
+          return u.kind == TaskKind::Compute && u.phase == Phase::Forward &&
+                 u.micro_batch == t.micro_batch && u.op_begin == loss;
+        });
+        REQUIRE(next != tasks.end());
+        CHECK(std::find(next->deps.begin(), next->deps.end(), static_cast<std::int32_t>(i)) !=
+              next->deps.end());
+      }
+      // At tp = 1 one forward task computes both.
+      if (t.kind == TaskKind::Compute && t.phase == Phase::Forward && t.op_begin <= statistics &&
+          t.op_end > loss) {
+        ++losses;
+      }
+    }
+    CHECK(reductions == (tp == 1 ? 0 : 4));  // one per micro-batch
+    CHECK(losses == (tp == 1 ? 4 : 0));
+  }
+}
+
 TEST_CASE("gradient clipping sums the squares, all-reduces them, then steps", "[lower]") {
   // dp 2 x tp 2 x pp 2, ZeRO-1: each rank reads the gradients it updates (its dp slice), and the
   // 4-byte sum goes over dp x cp, tp and the pipeline, in that order, before the optimizer.

@@ -71,6 +71,16 @@ TEST_CASE("the graph is a DAG in topological order with per-layer groups", "[mod
   CHECK(grouped == g.size());
   CHECK(g.op(g.layer_ops(-1).front()).kind == OpKind::Embedding);
   CHECK(g.op(g.layer_ops(static_cast<int>(spec.layers)).back()).kind == OpKind::Loss);
+  // The loss reads the logits and their softmax statistics, which need no backward.
+  const auto head = g.layer_ops(static_cast<int>(spec.layers));
+  REQUIRE(head.size() == 4);
+  const dtsim::model::OpId lm_head = head[1], statistics = head[2], loss = head[3];
+  CHECK(g.op(statistics).kind == OpKind::LossStatistics);
+  CHECK(g.predecessors(statistics) == std::vector<dtsim::model::OpId>{lm_head});
+  CHECK(g.predecessors(loss) == std::vector<dtsim::model::OpId>{lm_head, statistics});
+  CHECK(g.op(statistics).fwd_bytes > 0);
+  CHECK(g.op(statistics).bwd_bytes == 0);
+  CHECK(g.op(statistics).saved_bytes == 0);
   // The residual add of attention consumes both the projection and the block input.
   for (auto id : g.layer_ops(1)) {
     if (g.op(id).name == "L1.attn_residual") CHECK(g.predecessors(id).size() == 2);
