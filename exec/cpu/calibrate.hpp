@@ -3,9 +3,10 @@
 // - fp32 GEMM times by shape (OpenBLAS): square sizes and the GEMMs of the calibration model,
 //   forward and backward;
 // - each non-GEMM op of the calibration model, timed with the very kernels `dtexec run` uses,
-//   forward and backward, as a rate of the model graph's own measure of its work (FLOP/s for
-//   the attention core, bytes/s of the graph's byte counts for norms, activations, residual
-//   adds, embedding, loss) and the optimizer's bytes/s (28 bytes per parameter);
+//   forward and backward (the loss statistics have none), as a rate of the model graph's own
+//   measure of its work (FLOP/s for the attention core, bytes/s of the graph's byte counts for
+//   norms, activations, residual adds, embedding, loss statistics, loss) and the optimizer's
+//   bytes/s (28 bytes per parameter);
 // - streaming memory bandwidth and the fixed cost of a tiny kernel;
 // - jitter_cv: the spread of a compute segment's time over many runs (1.4826 x median absolute
 //   deviation / median), which the simulator's straggler model uses (the caller averages it

@@ -59,7 +59,7 @@ struct OpShapes {
 
 struct OpTimes {
   std::vector<OpTiming> ops;  // layernorm/rmsnorm, attention, gelu/swiglu, residual, embedding,
-                              // loss (exec/core/timing_stats.hpp)
+                              // loss_statistics, loss (exec/core/timing_stats.hpp)
   double adamw_s = 0;         // AdamW over adamw_params fp32 parameters
   std::int64_t adamw_params = 0;
 };

@@ -855,8 +855,7 @@ struct Kernels::Impl {
   cublasHandle_t blas = nullptr;
   cudaMemPool_t pool = nullptr;  // the GPU's default pool (stream-ordered allocations)
   // Scratch, grown on demand in the stream's order (the old one is freed after the kernels
-  // that used it): host transfers, the loss statistics, attention scores and their gradients,
-  // column sums' chunks.
+  // that used it): host transfers, attention scores and their gradients, column sums' chunks.
   DeviceBuffer staging, scores, dscores, partials;
   DeviceBuffer slots;          // mixture of experts: each copy's row (the inverse of the order)
   DeviceBuffer cp_kv, cp_dkv;  // context parallelism: one sequence's keys in position order

@@ -102,6 +102,11 @@ int cmd_simulate(const std::vector<std::string>& args) {
           "x{:.3f}, backward x{:.3f}, optimizer x{:.3f} (its in_run)",
           profile->in_run->forward, profile->in_run->backward, profile->in_run->optimizer));
     }
+    if (profile->loss_split_evenly) {
+      notes.push_back(
+          "the profile times the cross-entropy whole (dtexec calibrate before 2026-12-03): its "
+          "forward time is split evenly between the loss statistics and the loss");
+    }
     if (auto w = profile_device_warning(profile->file, profile->device, cluster.device)) {
       notes.push_back(*w);
     }

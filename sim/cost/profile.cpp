@@ -124,6 +124,12 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
       const bool flops = o.has("flops_per_s");
       p.ops[{op, phase}] = {o.positive_number(flops ? "flops_per_s" : "bytes_per_s"), flops};
     }
+    const auto loss = p.ops.find({"loss", "fwd"});
+    if (loss != p.ops.end() && !loss->second.flops && !p.ops.count({"loss_statistics", "fwd"})) {
+      loss->second.rate *= 2;
+      p.ops[{"loss_statistics", "fwd"}] = loss->second;
+      p.loss_split_evenly = true;
+    }
   }
   if (r.has("collectives")) {
     const auto& table = r.raw().at("collectives");

@@ -35,7 +35,7 @@
 // "ops" gives measured rates of the non-GEMM ops in the model graph's own units: FLOP/s of
 // the graph's FLOPs for the attention core, bytes/s of the graph's bytes for the others (ops:
 // attention (unfused), flash_attention, layernorm, rmsnorm, gelu, swiglu, residual, embedding,
-// loss; phases fwd, bwd),
+// loss_statistics (forward only), loss; phases fwd, bwd),
 // and for the optimizer bytes/s (the executors' AdamW moves 28 bytes per parameter, all fp32;
 // the simulator divides the plan's own bytes by it, ComputeCost::optimizer_seconds). An op
 // with a rate is priced
@@ -93,6 +93,11 @@ struct Profile {
     bool flops = false;  // FLOP/s (else bytes/s)
   };
   std::map<std::pair<std::string, std::string>, OpRate> ops;  // (op, phase) -> rate
+  // A profile from before the loss's softmax statistics were an op of their own (dtexec
+  // calibrate before 2026-12-03) timed the whole cross-entropy as the loss's forward: load_profile
+  // splits that time evenly between the two ops, whose byte counts are equal (two passes over
+  // the logits each), and sets this.
+  bool loss_split_evenly = false;
   struct CollectiveSample {
     double bytes = 0, seconds = 0;
   };

@@ -123,7 +123,7 @@ class ModelGraph {
   std::vector<OpId> successors(OpId id) const;
 
   // Ops of one layer group, for pipeline partitioning: -1 = embedding, 0..L-1 = blocks,
-  // L = final norm, LM head and loss.
+  // L = final norm, LM head, loss statistics and loss.
   const std::vector<OpId>& layer_ops(int layer) const;
   GraphTotals layer_totals(int layer) const;
   GraphTotals totals() const;

@@ -313,7 +313,8 @@ TEST_CASE("the runner's bf16 path trains and tracks the fp32 run", "[exec][runne
 }
 
 // --only-rank's path on a device whose memory is not the host's: every communication task
-// replaced by a wait, sequence parallelism's local copies and the loss statistics in bf16.
+// replaced by a wait, sequence parallelism's local copies, and the loss from its local
+// statistics, in bf16.
 TEST_CASE("one rank of a tp2 pp2 dp2 plan runs alone on the bf16 path", "[exec][runner]") {
   const auto spec = dtsim::model::load_model("tiny");
   dtsim::plan::Plan p;

@@ -290,3 +290,44 @@ TEST_CASE("measured collectives: throughput interpolated in log(bytes), latency 
       dtsim::cost::load_profile(bad.path()), InputError,
       "bad_coll.json: collectives[0].ranks: expected at least 2, got 1");
 }
+
+TEST_CASE("a profile that times the cross-entropy whole splits it between its two ops",
+          "[cost][profile]") {
+  // dtexec calibrate before 2026-12-03: "loss" timed the statistics and the loss together.
+  TempFile f("profile_fused_loss.json", R"({"device": "cpu-host", "source": "test data",
+    "precision": "fp32", "memory_bw_bytes_per_s": 1e10, "launch_overhead_s": 0,
+    "gemm": [{"m": 256, "n": 256, "k": 256, "seconds": 1e-3}],
+    "ops": [{"op": "loss", "phase": "fwd", "bytes_per_s": 5e9},
+            {"op": "loss", "phase": "bwd", "bytes_per_s": 7e9}]})");
+  const auto profile = dtsim::cost::load_profile(f.path());
+  CHECK(profile.loss_split_evenly);
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 2, 32, 4);
+  dtsim::plan::Plan plan;
+  plan.micro_batch_size = 2;
+  plan.seq_len = 32;
+  plan.precision = dtsim::Precision::Fp32;
+  const auto device = dtsim::cluster::load_device("a100-sxm4-80gb");
+  dtsim::cost::ComputeCost cost(g, plan, device, &profile);
+  using dtsim::lower::Phase;
+  const auto head = g.layer_ops(static_cast<int>(spec.layers));
+  const auto& statistics = g.op(head[2]);
+  const auto& loss = g.op(head[3]);
+  REQUIRE(loss.kind == dtsim::model::OpKind::Loss);
+  // The measured whole: the old graph's loss forward (8 bytes per logit) at the profile's rate.
+  const double whole = loss.fwd_bytes / 5e9;
+  CHECK(cost.op_seconds(statistics, Phase::Forward) == Approx(whole / 2));
+  CHECK(cost.op_seconds(loss, Phase::Forward) == Approx(whole / 2));
+  CHECK(cost.op_seconds(loss, Phase::Backward) == Approx(loss.bwd_bytes / 7e9));
+
+  // A profile that times them apart keeps both rates.
+  TempFile apart("profile_split_loss.json", R"({"device": "cpu-host", "source": "test data",
+    "precision": "fp32", "memory_bw_bytes_per_s": 1e10, "launch_overhead_s": 0,
+    "gemm": [{"m": 256, "n": 256, "k": 256, "seconds": 1e-3}],
+    "ops": [{"op": "loss_statistics", "phase": "fwd", "bytes_per_s": 4e9},
+            {"op": "loss", "phase": "fwd", "bytes_per_s": 5e9}]})");
+  const auto measured = dtsim::cost::load_profile(apart.path());
+  CHECK(!measured.loss_split_evenly);
+  CHECK(measured.ops.at({"loss", "fwd"}).rate == 5e9);
+  CHECK(measured.ops.at({"loss_statistics", "fwd"}).rate == 4e9);
+}
