@@ -124,6 +124,9 @@ struct Timings {
   // (Comm::clock_offsets), each within clock_error_s.
   bool shared_clock = true;
   double clock_error_s = 0;
+  // Comm::progresses_while_computing: else a collective's time leaves out the compute that ran
+  // while it was pending (exec::leave_out_compute).
+  bool comm_progresses = true;
   std::vector<double> origin_s;               // per rank: its clock's zero on the one clock
   std::vector<std::vector<double>> begins_s;  // per rank: its start of each step (its clock)
   std::vector<std::map<int, std::vector<dtsim::exec::TaskRecord>>> by_step;  // per rank
@@ -172,6 +175,7 @@ Timings gather_timings(const dtsim::exec::RunResult& result, dtsim::exec::Comm& 
   if (comm.rank() != 0) return all;
   all.shared_clock = shared;
   all.clock_error_s = offsets.error_s;
+  all.comm_progresses = comm.progresses_while_computing();
   for (std::size_t r = 0; r < parts.size(); ++r) {
     std::vector<double> v(parts[r].size() / sizeof(double));
     std::memcpy(v.data(), parts[r].data(), v.size() * sizeof(double));
@@ -190,7 +194,9 @@ Timings gather_timings(const dtsim::exec::RunResult& result, dtsim::exec::Comm& 
 }
 
 // One step's tasks of every program, each from `origin(rank)` on its rank's clock (untimed ones
-// {0, 0}); each communication task starts when its parties are all ready, as the simulator's do.
+// {0, 0}); each communication task starts when its parties are all ready, as the simulator's do,
+// and with a backend that moves data only inside its calls a collective leaves out the compute
+// run while it was pending.
 template <class Origin>
 std::vector<std::vector<dtsim::engine::TaskTime>> step_times(const Timings& all,
                                                              const dtsim::lower::Program& program,
@@ -206,6 +212,7 @@ std::vector<std::vector<dtsim::engine::TaskTime>> step_times(const Timings& all,
                                                        t.end_s + all.origin_s[r], true};
     }
   }
+  if (!all.comm_progresses) dtsim::exec::leave_out_compute(program, spans);
   if (program.ranks.size() > 1) dtsim::exec::start_when_peers_ready(program, spans);
   std::vector<std::vector<dtsim::engine::TaskTime>> times(program.ranks.size());
   for (std::size_t r = 0; r < spans.size(); ++r) {

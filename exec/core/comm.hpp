@@ -42,6 +42,10 @@ class Comm {
   virtual int size() const = 0;
   // Whether the views may be device memory (a GPU's): else host memory only.
   virtual bool moves_device_memory() const { return false; }
+  // Whether a started collective moves its data while the rank computes (NCCL, on streams of
+  // its own); else only inside this backend's calls, between tasks (exec/core/peer_waits.hpp:
+  // leave_out_compute).
+  virtual bool progresses_while_computing() const { return true; }
 
   // Collectives over Program group `group`, in place or with per-member counts (elements).
   virtual void all_reduce(int group, View data, Reduce op) = 0;

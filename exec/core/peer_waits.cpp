@@ -82,4 +82,30 @@ void start_when_peers_ready(const lower::Program& program,
   }
 }
 
+void leave_out_compute(const lower::Program& program, std::vector<std::vector<TaskSpan>>& spans) {
+  DTSIM_ASSERT(spans.size() == program.ranks.size(), "one list of spans per program");
+  for (std::size_t p = 0; p < program.ranks.size(); ++p) {
+    const auto& tasks = program.ranks[p].tasks;
+    DTSIM_ASSERT(spans[p].size() == tasks.size(), "one span per task");
+    // The rank's timed compute, in order of start (a rank runs one task at a time).
+    std::vector<std::pair<double, double>> compute;
+    for (std::size_t i = 0; i < tasks.size(); ++i) {
+      if (tasks[i].kind == lower::TaskKind::Compute && spans[p][i].timed) {
+        compute.emplace_back(spans[p][i].start_s, spans[p][i].end_s);
+      }
+    }
+    std::sort(compute.begin(), compute.end());
+    for (std::size_t i = 0; i < tasks.size(); ++i) {
+      TaskSpan& s = spans[p][i];
+      if (tasks[i].kind != lower::TaskKind::Collective || !s.timed) continue;
+      double inside = 0;
+      auto c = std::lower_bound(compute.begin(), compute.end(), std::make_pair(s.start_s, -1e300));
+      for (; c != compute.end() && c->first < s.end_s; ++c) {
+        if (c->second <= s.end_s) inside += c->second - c->first;
+      }
+      s.start_s = std::min(s.start_s + inside, s.end_s);
+    }
+  }
+}
+
 }  // namespace dtsim::exec

@@ -33,4 +33,14 @@ struct TaskSpan {
 void start_when_peers_ready(const lower::Program& program,
                             std::vector<std::vector<TaskSpan>>& spans);
 
+// A backend whose communication progresses only inside its own calls (Comm::
+// progresses_while_computing false: MPI on CPU ranks) moves a started collective's data after
+// the compute tasks that the rank runs while it is pending, in the calls between and after
+// them. Measured from its start to its completion, the collective's span holds those tasks,
+// which the simulator (a cluster whose ranks compute and communicate one task at a time,
+// cpu-host) runs apart. This moves each timed collective's start later by the time of the
+// timed compute tasks of its program that ran inside its span, at most to its end. Before
+// start_when_peers_ready.
+void leave_out_compute(const lower::Program& program, std::vector<std::vector<TaskSpan>>& spans);
+
 }  // namespace dtsim::exec

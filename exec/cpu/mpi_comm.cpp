@@ -117,6 +117,11 @@ class MpiComm final : public Comm {
     if (bf16_ != MPI_DATATYPE_NULL) MPI_Type_free(&bf16_);
   }
 
+  // Open MPI (4.1, Debian 12) moves a nonblocking collective's data inside MPI calls only
+  // (MPI_Test between tasks, MPI_Wait), with no progress thread: on cpu-small at tp 2, an
+  // overlapped all-reduce's span held the weight-gradient GEMM beside it.
+  bool progresses_while_computing() const override { return false; }
+
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 

@@ -91,3 +91,41 @@ TEST_CASE("a start never passes the task's own end (clocks a little apart)", "[e
   CHECK(spans[0][0].start_s == 1);  // ended before its receive's start: begins at its end
   CHECK(spans[1][0].start_s == 1.5);
 }
+
+TEST_CASE("without progress during compute a collective leaves out the compute beside it",
+          "[exec][peer_waits]") {
+  // MPI on CPU ranks: an all-reduce started before the weight-gradient GEMM moves its data
+  // after it, in the wait that ends it.
+  dtsim::lower::Program program;
+  program.lowering = dtsim::lower::Lowering::AllRanks;
+  program.ranks.resize(1);
+  dtsim::lower::Task compute;
+  program.ranks[0].tasks = {compute,       collective(0), compute,      compute,
+                            collective(0), compute,       collective(0)};
+  std::vector<std::vector<TaskSpan>> spans = {{
+      {0, 1, true},     // input gradient
+      {1, 4.5, true},   // started at 1, completed at 4.5 (in the wait after the next two)
+      {1.1, 2, true},   // inside
+      {2, 4, true},     // inside
+      {5, 6, true},     // started after the next one: a collective with nothing inside
+      {6, 7, true},     // a compute task after the second collective's end
+      {7, 7.5, false},  // not timed: not moved
+  }};
+  std::vector<std::vector<TaskSpan>> serial = spans;
+  dtsim::exec::leave_out_compute(program, serial);
+  CHECK(serial[0][1].start_s == Approx(1 + 0.9 + 2.0));  // after the compute inside
+  CHECK(serial[0][1].end_s == 4.5);
+  CHECK(serial[0][4].start_s == 5);  // nothing inside
+  CHECK(serial[0][6].start_s == 7);
+  for (std::size_t i : {0, 2, 3, 5}) {  // compute as measured
+    CHECK(serial[0][i].start_s == spans[0][i].start_s);
+    CHECK(serial[0][i].end_s == spans[0][i].end_s);
+  }
+  SECTION("at most to its end (clocks rounding)") {
+    spans[0][1] = {1, 3.9, true};
+    spans[0][2] = {1, 2.5, true};  // overlapping its neighbour: 3.4 s inside a 2.9 s span
+    spans[0][3] = {2, 3.9, true};
+    dtsim::exec::leave_out_compute(program, spans);
+    CHECK(spans[0][1].start_s == 3.9);
+  }
+}
