@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <string>
+
 #include "sim/common/error.hpp"
 #include "sim/cost/compute_cost.hpp"
 #include "sim/engine/simulator.hpp"
@@ -16,6 +18,37 @@ const char* kProfile = R"({"device": "a100-sxm4-80gb", "source": "test data, not
   "precision": "bf16", "memory_bw_bytes_per_s": 1.5e12, "launch_overhead_s": 0,
   "gemm": [{"m": 4096, "n": 4096, "k": 4096, "seconds": 1e-3},
            {"m": 1024, "n": 1024, "k": 1024, "seconds": 1e-4}]})";
+
+// A CPU host's profile (one GEMM) with the given "ops" rows.
+std::string profile_with_ops(const std::string& ops) {
+  return R"({"device": "cpu-host", "source": "test data",
+    "precision": "fp32", "memory_bw_bytes_per_s": 1e10, "launch_overhead_s": 0,
+    "gemm": [{"m": 256, "n": 256, "k": 256, "seconds": 1e-3}], "ops": [)" +
+         ops + "]}";
+}
+
+dtsim::plan::Plan fp32_plan() {
+  dtsim::plan::Plan plan;
+  plan.micro_batch_size = 2;
+  plan.seq_len = 32;
+  plan.precision = dtsim::Precision::Fp32;
+  return plan;
+}
+
+// tiny-gpt at micro-batch 2, sequence 32, in fp32 on an A100, priced with `profile`.
+struct TinyGptCost {
+  explicit TinyGptCost(const dtsim::cost::Profile& profile)
+      : spec(dtsim::model::load_model("tiny-gpt")),
+        g(spec, 2, 32, 4),
+        plan(fp32_plan()),
+        device(dtsim::cluster::load_device("a100-sxm4-80gb")),
+        cost(g, plan, device, &profile) {}
+  dtsim::model::ModelSpec spec;
+  dtsim::model::ModelGraph g;
+  dtsim::plan::Plan plan;
+  dtsim::cluster::DeviceSpec device;
+  dtsim::cost::ComputeCost cost;
+};
 }  // namespace
 
 TEST_CASE("GEMM throughput is interpolated in log(FLOPs) between measurements", "[cost][profile]") {
@@ -211,14 +244,10 @@ TEST_CASE("measured op rates price the non-GEMM ops in the graph's own units", "
             {"op": "loss_statistics", "phase": "fwd", "bytes_per_s": 4e9},
             {"op": "optimizer", "phase": "step", "bytes_per_s": 6e9}]})");
   const auto profile = dtsim::cost::load_profile(f.path());
-  const auto spec = dtsim::model::load_model("tiny-gpt");
-  const dtsim::model::ModelGraph g(spec, 2, 32, 4);
-  dtsim::plan::Plan plan;
-  plan.micro_batch_size = 2;
-  plan.seq_len = 32;
-  plan.precision = dtsim::Precision::Fp32;
-  const auto device = dtsim::cluster::load_device("a100-sxm4-80gb");
-  dtsim::cost::ComputeCost cost(g, plan, device, &profile);
+  TinyGptCost t(profile);
+  const auto& spec = t.spec;
+  const auto& g = t.g;
+  const auto& cost = t.cost;
   using dtsim::lower::Phase;
   int checked = 0;
   for (auto id : g.layer_ops(0)) {
@@ -294,21 +323,15 @@ TEST_CASE("measured collectives: throughput interpolated in log(bytes), latency 
 TEST_CASE("a profile that times the cross-entropy whole splits it between its two ops",
           "[cost][profile]") {
   // dtexec calibrate before 2026-12-03: "loss" timed the statistics and the loss together.
-  TempFile f("profile_fused_loss.json", R"({"device": "cpu-host", "source": "test data",
-    "precision": "fp32", "memory_bw_bytes_per_s": 1e10, "launch_overhead_s": 0,
-    "gemm": [{"m": 256, "n": 256, "k": 256, "seconds": 1e-3}],
-    "ops": [{"op": "loss", "phase": "fwd", "bytes_per_s": 5e9},
-            {"op": "loss", "phase": "bwd", "bytes_per_s": 7e9}]})");
+  TempFile f("profile_fused_loss.json",
+             profile_with_ops(R"({"op": "loss", "phase": "fwd", "bytes_per_s": 5e9},
+                                 {"op": "loss", "phase": "bwd", "bytes_per_s": 7e9})"));
   const auto profile = dtsim::cost::load_profile(f.path());
   CHECK(profile.loss_split_evenly);
-  const auto spec = dtsim::model::load_model("tiny-gpt");
-  const dtsim::model::ModelGraph g(spec, 2, 32, 4);
-  dtsim::plan::Plan plan;
-  plan.micro_batch_size = 2;
-  plan.seq_len = 32;
-  plan.precision = dtsim::Precision::Fp32;
-  const auto device = dtsim::cluster::load_device("a100-sxm4-80gb");
-  dtsim::cost::ComputeCost cost(g, plan, device, &profile);
+  TinyGptCost t(profile);
+  const auto& spec = t.spec;
+  const auto& g = t.g;
+  const auto& cost = t.cost;
   using dtsim::lower::Phase;
   const auto head = g.layer_ops(static_cast<int>(spec.layers));
   const auto& statistics = g.op(head[2]);
@@ -321,11 +344,9 @@ TEST_CASE("a profile that times the cross-entropy whole splits it between its tw
   CHECK(cost.op_seconds(loss, Phase::Backward) == Approx(loss.bwd_bytes / 7e9));
 
   // A profile that times them apart keeps both rates.
-  TempFile apart("profile_split_loss.json", R"({"device": "cpu-host", "source": "test data",
-    "precision": "fp32", "memory_bw_bytes_per_s": 1e10, "launch_overhead_s": 0,
-    "gemm": [{"m": 256, "n": 256, "k": 256, "seconds": 1e-3}],
-    "ops": [{"op": "loss_statistics", "phase": "fwd", "bytes_per_s": 4e9},
-            {"op": "loss", "phase": "fwd", "bytes_per_s": 5e9}]})");
+  TempFile apart("profile_split_loss.json",
+                 profile_with_ops(R"({"op": "loss_statistics", "phase": "fwd", "bytes_per_s": 4e9},
+                                     {"op": "loss", "phase": "fwd", "bytes_per_s": 5e9})"));
   const auto measured = dtsim::cost::load_profile(apart.path());
   CHECK(!measured.loss_split_evenly);
   CHECK(measured.ops.at({"loss", "fwd"}).rate == 5e9);
