@@ -236,13 +236,11 @@ TEST_CASE("a profile's in_run factors scale its compute times by phase", "[cost]
 TEST_CASE("measured op rates price the non-GEMM ops in the graph's own units", "[cost][profile]") {
   // Attention forward at 2 GFLOP/s of the graph's FLOPs, LayerNorm backward at 3 GB/s of the
   // graph's bytes, the optimizer at 6 GB/s of 28 bytes per parameter; the rest as before.
-  TempFile f("profile_ops.json", R"({"device": "cpu-host", "source": "test data",
-    "precision": "fp32", "memory_bw_bytes_per_s": 1e10, "launch_overhead_s": 0,
-    "gemm": [{"m": 256, "n": 256, "k": 256, "seconds": 1e-3}],
-    "ops": [{"op": "attention", "phase": "fwd", "flops_per_s": 2e9},
+  TempFile f("profile_ops.json",
+             profile_with_ops(R"({"op": "attention", "phase": "fwd", "flops_per_s": 2e9},
             {"op": "layernorm", "phase": "bwd", "bytes_per_s": 3e9, "seconds": 1e-4},
             {"op": "loss_statistics", "phase": "fwd", "bytes_per_s": 4e9},
-            {"op": "optimizer", "phase": "step", "bytes_per_s": 6e9}]})");
+            {"op": "optimizer", "phase": "step", "bytes_per_s": 6e9})"));
   const auto profile = dtsim::cost::load_profile(f.path());
   TinyGptCost t(profile);
   const auto& spec = t.spec;
