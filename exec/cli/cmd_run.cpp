@@ -1013,7 +1013,12 @@ int run(const std::vector<std::string>& args) {
                             "ranks had reached it, the wait before that as bubble; the ranks' "
                             "clocks (several machines) were put on rank 0's by round trips, each "
                             "within {:.1f} us",
-                            timings.clock_error_s * 1e6));
+                            timings.clock_error_s * 1e6)) +
+                  (program.ranks.size() == 1 || timings.comm_progresses
+                       ? ""
+                       : "; a started collective's time leaves out the compute tasks its rank ran "
+                         "while it was pending (MPI moves its data only inside its calls, between "
+                         "tasks)");
     nlohmann::json measured = {{"gpus", devices},
                                {"model_flops", flops.model},
                                {"hardware_flops", flops.hardware},
