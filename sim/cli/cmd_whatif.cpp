@@ -573,7 +573,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     cells.push_back(fmt::format("{}", r.gpus));
     if (!r.found) {
       cells.push_back(r.valid_candidates ? "no plan fits" : "no valid plan");
-      for (int i = 0; i < (stragglers ? 10 : 9); ++i) cells.push_back("-");
+      cells.resize(headers.size(), "-");  // the rest of the row
     } else {
       cells.push_back(r.fits ? r.plan
                              : fmt::format("{} (DOES NOT FIT: needs {:.1f} GiB of {:.1f} GiB)",

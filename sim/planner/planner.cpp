@@ -978,14 +978,14 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   std::stable_sort(by_memory.begin(), by_memory.end(), [&](std::size_t a, std::size_t b) {
     return results[a].c.memory_bytes < results[b].c.memory_bytes;
   });
+  // A bound that may still beat `best`. A bound may come out a rounding above its estimate
+  // (summed in another order): the same margin as the fastest's pass above.
+  auto in_running = [&best](const Evaluated& e) {
+    return e.bound && e.c.estimate_s <= best * (1 + 1e-12);
+  };
   const std::size_t chunk = 8 * static_cast<std::size_t>(threads);
   for (std::size_t from = 0; from < by_memory.size(); from += chunk) {
     const std::size_t n = std::min(chunk, by_memory.size() - from);
-    // A bound may come out a rounding above its estimate (summed in another order): the same
-    // margin as the fastest's pass above.
-    auto in_running = [&](const Evaluated& e) {
-      return e.bound && e.c.estimate_s <= best * (1 + 1e-12);
-    };
     if (std::any_of(by_memory.begin() + static_cast<std::ptrdiff_t>(from),
                     by_memory.begin() + static_cast<std::ptrdiff_t>(from + n),
                     [&](std::size_t i) { return in_running(results[i]); })) {
