@@ -37,7 +37,8 @@ void norm_backward(Out din, Out dw, Out db, In dout, In in, In w, In mean, In rs
 void add_forward(Out out, In a, In b);
 void accumulate(Out d, In dout, float scale = 1.0f);
 
-// GELU, tanh approximation (as GPT-2): out = 0.5·x·(1 + tanh(sqrt(2/pi)·(x + 0.044715·x³))).
+// GELU, tanh approximation (as GPT-2): out = 0.5·x·(1 + tanh(sqrt(2/pi)·(x + 0.044715·x³))),
+// computed through exp (see kernels.cpp).
 void gelu_forward(Out out, In in, std::int64_t n);
 void gelu_backward(Out din, In in, In dout, std::int64_t n);
 

@@ -122,6 +122,35 @@ TEST_CASE("layernorm and rmsnorm backward match finite differences", "[exec][cpu
   }
 }
 
+TEST_CASE("GELU through exp is the tanh approximation, also far out", "[exec][cpu]") {
+  // The kernel computes 0.5·x·(1 + tanh(u)) as x / (1 + exp(-2u)); here against the tanh form
+  // in double, and its derivative, from the centre to where exp overflows.
+  std::vector<float> x;
+  for (const float v : {0.0f, 1e-6f, 0.02f, 0.3f, 1.0f, 2.5f, 6.0f, 12.0f, 30.0f, 100.0f, 1e4f}) {
+    x.push_back(v);
+    x.push_back(-v);
+  }
+  const auto n = static_cast<std::int64_t>(x.size());
+  std::vector<float> out(x.size()), din(x.size()), ones(x.size(), 1.0f);
+  cpu::gelu_forward(out, x, n);
+  cpu::gelu_backward(din, x, ones, n);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double v = x[i];
+    const double k = std::sqrt(2.0 / std::acos(-1.0));
+    const double u = k * (v + 0.044715 * v * v * v);
+    const double th = std::tanh(u);
+    const double want = 0.5 * v * (1.0 + th);
+    const double dwant =
+        0.5 * (1.0 + th) + 0.5 * v * (1.0 - th * th) * k * (1.0 + 3.0 * 0.044715 * v * v);
+    INFO("x = " << v << ": " << out[i] << " against " << want << ", d " << din[i] << " against "
+                << dwant);
+    REQUIRE(std::isfinite(out[i]));
+    REQUIRE(std::isfinite(din[i]));
+    CHECK(std::abs(out[i] - want) <= 1e-6 * std::max(1.0, std::abs(want)));
+    CHECK(std::abs(din[i] - dwant) <= 1e-5 * std::max(1.0, std::abs(dwant)));
+  }
+}
+
 TEST_CASE("GELU and SwiGLU backward match finite differences", "[exec][cpu]") {
   const int T = 3, F = 8;
   auto in = random(T * 2 * F, 9), r = random(T * 2 * F, 10);
