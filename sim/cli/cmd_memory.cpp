@@ -81,6 +81,7 @@ int cmd_memory(const std::vector<std::string>& args) {
       json stage = stage_json(s);
       stage["capacity_bytes"] = report.capacity_bytes;
       stage["fits"] = s.total_bytes <= report.capacity_bytes;
+      stage["margin_bytes"] = report.capacity_bytes - s.total_bytes;
       stages.push_back(std::move(stage));
     }
     out["per_stage"] = stages;

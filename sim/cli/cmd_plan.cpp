@@ -212,7 +212,7 @@ int cmd_plan(const std::vector<std::string>& args) {
       "expert parallelism's routing: the token copies the busiest ep rank's experts get over "
       "the even share (at least 1; capped at each candidate's ep; dtexec run measures it)")(
       "precision", po::value<std::string>(),
-      "bf16, fp16, fp8, fp32 (default bf16, or fp32 on a device without bf16)")(
+      "bf16, fp16, fp8, fp32, tf32 (default bf16, or fp32 on a device without bf16)")(
       "threads", po::value<int>()->default_value(0), "threads for the search (0: all cores)")(
       "json", po::bool_switch(), "print JSON")("csv", po::bool_switch(), "print CSV")(
       "out", po::value<std::string>(), "write the best plan to this file (a --plan file)");
@@ -269,8 +269,8 @@ int cmd_plan(const std::vector<std::string>& args) {
                             : std::string(to_string(default_precision(cluster.device)));
   const auto prec = parse_precision(precision_text);
   if (!prec) {
-    throw InputError(
-        fmt::format("--precision: expected bf16, fp16, fp8 or fp32, got \"{}\"", precision_text));
+    throw InputError(fmt::format("--precision: expected bf16, fp16, fp8, fp32 or tf32, got \"{}\"",
+                                 precision_text));
   }
   space.precision = *prec;
   cluster.device.peak_flops_for(space.precision);
@@ -346,6 +346,9 @@ int cmd_plan(const std::vector<std::string>& args) {
     std::cerr << fmt::format("no plan fits: --out {} not written\n", vm["out"].as<std::string>());
   }
   const int rc = out_unwritten ? 2 : 0;
+  // The search's wall time goes to stderr, whatever the format: stdout is the same for the
+  // same input.
+  std::cerr << fmt::format("dtsim plan: searched in {:.2f} s\n", elapsed);
   if (vm.count("out") && !result.ranked.empty()) {
     const std::string path = vm["out"].as<std::string>();
     std::ofstream out(path);
@@ -411,8 +414,6 @@ int cmd_plan(const std::vector<std::string>& args) {
                            space.seq_len > 0 ? space.seq_len : spec.seq_len);
   std::cout << fmt::format("{} candidates evaluated, {} fit in memory; the best {} simulated\n",
                            result.evaluated, result.feasible, result.refined);
-  // The search's wall time goes to stderr: stdout is the same for the same input.
-  std::cerr << fmt::format("dtsim plan: searched in {:.2f} s\n", elapsed);
   const double jitter = engine::jitter_cv_of(options.jitter_cv, options.profile);
   if (jitter > 0) {
     std::cout << fmt::format(

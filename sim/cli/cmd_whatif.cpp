@@ -17,6 +17,7 @@
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
+#include "sim/engine/simulator.hpp"
 #include "sim/planner/planner.hpp"
 #include "sim/report/json_values.hpp"
 #include "sim/report/table.hpp"
@@ -131,6 +132,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "training tokens, for time, cost and energy to train (the time with interruptions, "
       "checkpoints and restarts as well: see the reliability flags)")(
       "refine", po::value<int>()->default_value(2), "plans simulated per point")(
+      "profile", po::value<std::string>(),
+      "calibration profile (dtexec calibrate) for the compute cost at every point (not with "
+      "--vary device; its jitter_cv and rank_spread_cv are the straggler model's unless "
+      "varied)")(
       "fixed-plan", po::value<std::string>(),
       "simulate this plan file at every point instead of searching (its dp is recomputed to "
       "fill each point's devices)")("json", po::bool_switch(), "print JSON")(
@@ -146,7 +151,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
           args, desc,
           "usage: dtsim whatif --model M --cluster C --global-batch-size B --vary KEY=V1,V2,...\n"
           "                    (or --vary global_batch=B1,B2,... without --global-batch-size)\n"
-          "                    [--vary ...] [--tokens N] [--csv|--json]\n\n"
+          "                    [--vary ...] [--tokens N] [--profile P.json] [--csv|--json]\n\n"
           "For every combination of the varied inputs: the best plan (or --fixed-plan), step "
           "time, tokens/s, scaling efficiency against the first point, the Amdahl bound, and "
           "with --tokens the time, cost (cluster price) and energy (device power) to train.",
@@ -202,6 +207,31 @@ int cmd_whatif(const std::vector<std::string>& args) {
   }
   const double tokens = training_tokens(vm);
   const plan::Reliability reliability = reliability_from_options(vm);
+
+  // A profile times one device: it prices every point, so no other device may come in.
+  std::optional<cost::Profile> profile;
+  if (vm.count("profile")) {
+    if (varied("device")) {
+      throw InputError(
+          "--profile: a profile prices the device it was measured on; not with --vary device");
+    }
+    profile = cost::load_profile(vm["profile"].as<std::string>());
+  }
+  const MpiSplit split;
+  if (profile && split.rank() == 0) {
+    // The clusters of the points, each said once where its device is another than the
+    // profile's.
+    std::vector<std::string> clusters = {vm["cluster"].as<std::string>()};
+    for (const Axis& a : axes) {
+      if (a.key == "cluster") clusters = a.values;
+    }
+    for (const std::string& name : clusters) {
+      const cluster::Cluster c = cluster::load_cluster(name);
+      if (auto w = profile_device_warning(profile->file, profile->device, c.device)) {
+        std::cerr << *w << "\n";
+      }
+    }
+  }
 
   // Every combination, first axis slowest.
   std::vector<std::map<std::string, std::string>> points(1);
@@ -286,6 +316,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
     search_space_from_options(vm, space);
     // As dtsim plan: bf16, or fp32 on a device without it (a CPU host).
     space.precision = default_precision(c.device);
+    if (profile && profile->precision != space.precision) {
+      throw InputError(fmt::format(
+          "{}: precision: the profile was measured at {}, the cluster {} trains at {}",
+          profile->file, to_string(profile->precision), c.name, to_string(space.precision)));
+    }
+    const cost::Profile* const priced_by = profile ? &*profile : nullptr;
     space.global_batch_size =
         point.count("global_batch")
             ? static_cast<std::int64_t>(number("global_batch", point.at("global_batch"), true))
@@ -310,6 +346,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
     if (point.count("expert_load")) space.expert_load = load_value(point.at("expert_load"));
     if (point.count("attention")) space.attention = attention_value(point.at("attention"));
+    // The straggler model is on where the point varies jitter_cv above 0, or else where the
+    // profile measured some.
+    const bool stragglers = engine::jitter_cv_of(jitter, priced_by) > 0;
     engine::Prediction pred;
     plan::Plan chosen;
     if (vm.count("fixed-plan")) {
@@ -329,11 +368,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
       const model::ModelGraph g = plan::graph_of(spec, p);
       auto net = network::make_analytical(c);
       engine::SimulateOptions sim_options;
+      sim_options.profile = priced_by;
       sim_options.jitter_cv = jitter;
       sim_options.rank_spread_cv = rank_spread;
       sim_options.straggler_cost = true;
       pred = engine::simulate(g, p, c, *net, sim_options).prediction;
-      if (jitter && *jitter > 0) row.straggler_cost_s = pred.straggler_cost_s;
+      if (stragglers) row.straggler_cost_s = pred.straggler_cost_s;
       chosen = p;
       row.plan = plan::summary(p);
       row.found = true;
@@ -343,6 +383,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     } else {
       planner::SearchOptions options;
       options.refine = refine;
+      options.profile = priced_by;
       options.jitter_cv = jitter;
       options.rank_spread_cv = rank_spread;
       options.memory_frontier = false;  // not shown
@@ -353,11 +394,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
         chosen = r.ranked.front().plan;
         row.plan = plan::summary(chosen);
         row.found = true;
-        if (jitter && *jitter > 0) {
+        if (stragglers) {
           // The search simulated the best plan with the model: only the calm run is left, as
           // SimulateOptions::straggler_cost makes it (without jitter, the slow rank kept).
           auto net = network::make_analytical(c);
           engine::SimulateOptions calm;
+          calm.profile = priced_by;
           calm.jitter_cv = 0.0;
           calm.rank_spread_cv = rank_spread;
           row.straggler_cost_s = pred.step_time_s - engine::simulate(plan::graph_of(spec, chosen),
@@ -391,7 +433,6 @@ int cmd_whatif(const std::vector<std::string>& args) {
   };
 
   // Under mpirun every rank takes every size-th point; rank 0 gathers and prints.
-  const MpiSplit split;
   std::vector<Row> rows(points.size());
   std::vector<std::string> mine;
   for (std::size_t i = 0; i < points.size(); ++i) {

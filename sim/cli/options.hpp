@@ -64,7 +64,9 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
 
 // Adds the plan flags and --plan (`precision_help`: --precision's values and default).
 void add_plan_options(po::options_description& desc,
-                      const char* precision_help = "bf16 (default), fp16, fp8, fp32, tf32");
+                      const char* precision_help =
+                          "bf16, fp16, fp8, fp32, tf32 (default bf16, "
+                          "or fp32 on a device without bf16)");
 // Adds --jitter-cv (the straggler model) and --rank-spread-cv (the slow rank); `where` says
 // which parts of the command use them.
 void add_jitter_option(po::options_description& desc, const char* where = "");
