@@ -434,8 +434,8 @@ int cmd_plan(const std::vector<std::string>& args) {
     std::cout << "no plan fits.\n";
   } else {
     report::Table table(
-        {"#", "plan", "step", "tokens/s", "MFU", "memory/GPU", "margin", "dominant"});
-    table.set_units({"", "", "s", "", "", "GiB", "GiB", "cost term"});
+        {"#", "plan", "step", "tokens/s", "MFU", "memory/GPU", "margin", "largest"});
+    table.set_units({"", "", "s", "", "", "GiB", "GiB", "overhead"});
     table.align_left(1);
     table.align_left(7);
     for (int i = 0; i < shown; ++i) {
@@ -483,13 +483,20 @@ int cmd_plan(const std::vector<std::string>& args) {
       // is not named: a wording choice, not a model constant.
       if (least->first < -0.05 * std::max(faster, 1e-12) && most->first > faster) {
         std::cout << fmt::format(
-            "\nwhy #1 beats #2: {:.3f} s faster per step: #2 spends {:.3f} s more on {}, and "
-            "{:.3f} s less on {}\n",
-            faster, most->first, most->second, -least->first, least->second);
+            "\nwhy #1 beats #2: {} faster per step: #2 spends {} more on {}, and {} less on {}\n",
+            format_duration(faster), format_duration(most->first), most->second,
+            format_duration(-least->first), least->second);
+      } else if (faster > 0) {
+        std::cout << fmt::format("\nwhy #1 beats #2: {} faster per step, most of it ({}) in {}\n",
+                                 format_duration(faster), format_duration(most->first),
+                                 most->second);
+      } else if (faster == 0) {
+        std::cout << "\n#1 and #2 take the same time per step; #1 comes first by its plan's "
+                     "name (the ranking's tie-break)\n";
       } else {
         std::cout << fmt::format(
-            "\nwhy #1 beats #2: {:.3f} s faster per step, most of it ({:.3f} s) in {}\n", faster,
-            most->first, most->second);
+            "\n#1 takes {} more per step than #2 and comes first by --objective {}\n",
+            format_duration(-faster), objective);
       }
     }
   }

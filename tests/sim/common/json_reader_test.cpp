@@ -68,4 +68,11 @@ TEST_CASE("numbers are formatted for humans", "[common]") {
   CHECK(dtsim::format_count(12345678) == "12,345,678");
   CHECK(dtsim::format_gib(1.5 * dtsim::kGiB) == "1.50 GiB");
   CHECK(dtsim::format_si(6.738e9) == "6.74 G");
+  CHECK(dtsim::format_duration(0) == "0 s");
+  CHECK(dtsim::format_duration(1.23456) == "1.235 s");
+  CHECK(dtsim::format_duration(0.1) == "0.100 s");
+  CHECK(dtsim::format_duration(0.0123) == "12.3 ms");
+  CHECK(dtsim::format_duration(0.000412) == "0.412 ms");
+  CHECK(dtsim::format_duration(4.12e-6) == "4.12 us");
+  CHECK(dtsim::format_duration(-0.002) == "-2 ms");
 }
