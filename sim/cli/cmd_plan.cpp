@@ -478,25 +478,22 @@ int cmd_plan(const std::vector<std::string>& args) {
         if (d.first < least->first) least = &d;
       }
       const double faster = result.ranked[1].step_time_s - result.ranked[0].step_time_s;
-      // The term #2 loses most on, and, when #2 wins back part of it elsewhere, that term too
-      // (the terms then add up to more than the difference). A term under 5% of the difference
-      // is not named: a wording choice, not a model constant.
-      if (least->first < -0.05 * std::max(faster, 1e-12) && most->first > faster) {
+      // #2 is never faster: both were simulated and ranked by step time (or by its cost, in
+      // proportion). Within a part in 10^9 they tie, as the planner's tier comparison counts.
+      if (faster <= 1e-9 * result.ranked[0].step_time_s) {
+        std::cout << "\n#1 and #2 take the same time per step (to a part in 10^9)\n";
+      } else if (least->first < -0.05 * faster && most->first > faster) {
+        // The term #2 loses most on and, as #2 wins back part of it elsewhere, that term too
+        // (the terms then add up to more than the difference). A term under 5% of the
+        // difference is not named: a wording choice, not a model constant.
         std::cout << fmt::format(
             "\nwhy #1 beats #2: {} faster per step: #2 spends {} more on {}, and {} less on {}\n",
             format_duration(faster), format_duration(most->first), most->second,
             format_duration(-least->first), least->second);
-      } else if (faster > 0) {
+      } else {
         std::cout << fmt::format("\nwhy #1 beats #2: {} faster per step, most of it ({}) in {}\n",
                                  format_duration(faster), format_duration(most->first),
                                  most->second);
-      } else if (faster == 0) {
-        std::cout << "\n#1 and #2 take the same time per step; #1 comes first by its plan's "
-                     "name (the ranking's tie-break)\n";
-      } else {
-        std::cout << fmt::format(
-            "\n#1 takes {} more per step than #2 and comes first by --objective {}\n",
-            format_duration(-faster), objective);
       }
     }
   }

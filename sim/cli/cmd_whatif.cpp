@@ -111,6 +111,19 @@ Axis parse_vary(const std::string& text) {
   return a;
 }
 
+// An error of a point evaluated on another rank, carried to rank 0 by name.
+std::string error_kind(const Error& e) {
+  if (dynamic_cast<const InputError*>(&e)) return "input";
+  if (dynamic_cast<const UnsupportedError*>(&e)) return "unsupported";
+  return "internal";
+}
+
+[[noreturn]] void rethrow_error(const std::string& kind, const std::string& what) {
+  if (kind == "input") throw InputError(what);
+  if (kind == "unsupported") throw UnsupportedError(what);
+  throw InternalError(what);
+}
+
 }  // namespace
 
 int cmd_whatif(const std::vector<std::string>& args) {
@@ -132,6 +145,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "training tokens, for time, cost and energy to train (the time with interruptions, "
       "checkpoints and restarts as well: see the reliability flags)")(
       "refine", po::value<int>()->default_value(2), "plans simulated per point")(
+      "precision", po::value<std::string>(),
+      "bf16, fp16, fp8, fp32, tf32 (default: a --fixed-plan's own, else bf16, or fp32 on a "
+      "device without bf16)")(
       "profile", po::value<std::string>(),
       "calibration profile (dtexec calibrate) for the compute cost at every point (not with "
       "--vary device; its jitter_cv and rank_spread_cv are the straggler model's unless "
@@ -217,18 +233,30 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
     profile = cost::load_profile(vm["profile"].as<std::string>());
   }
+  std::optional<Precision> precision;
+  if (vm.count("precision")) {
+    const std::string& text = vm["precision"].as<std::string>();
+    precision = parse_precision(text);
+    if (!precision) {
+      throw InputError(
+          fmt::format("--precision: expected bf16, fp16, fp8, fp32 or tf32, got \"{}\"", text));
+    }
+  }
   const MpiSplit split;
-  if (profile && split.rank() == 0) {
-    // The clusters of the points, each said once where its device is another than the
-    // profile's.
+  if (profile) {
+    // Each device of the points' clusters that is not the profile's, said once. Every rank
+    // loads the clusters, so that a bad name ends them all alike.
     std::vector<std::string> clusters = {vm["cluster"].as<std::string>()};
     for (const Axis& a : axes) {
       if (a.key == "cluster") clusters = a.values;
     }
+    std::vector<std::string> said;
     for (const std::string& name : clusters) {
       const cluster::Cluster c = cluster::load_cluster(name);
-      if (auto w = profile_device_warning(profile->file, profile->device, c.device)) {
-        std::cerr << *w << "\n";
+      auto w = profile_device_warning(profile->file, profile->device, c.device);
+      if (w && std::find(said.begin(), said.end(), *w) == said.end()) {
+        if (split.rank() == 0) std::cerr << *w << "\n";
+        said.push_back(*w);
       }
     }
   }
@@ -253,8 +281,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::int64_t gpus = 0;
     double step_s = 0, tokens_per_s = 0, mfu = 0, max_speedup = 0;
     double train_s = 0, cost_usd = -1, energy_kwh = -1;
-    // With the straggler model on (--vary jitter_cv): what stragglers add to the step (the
-    // step against the same plan's without jitter; engine::Prediction::straggler_cost_s).
+    // With the straggler model on (--vary jitter_cv, or the profile's): what stragglers add to
+    // the step (the step against the same plan's without jitter;
+    // engine::Prediction::straggler_cost_s).
     std::optional<double> straggler_cost_s;
     // With --tokens: interruptions, checkpoints and restarts (plan/goodput.hpp).
     double goodput = 0, job_mtbf_s = 0, checkpoint_write_s = 0, checkpoint_blocking_s = 0;
@@ -268,9 +297,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     bool valid_candidates = true;
     // With --fixed-plan the plan is simulated whether or not it fits in memory.
     bool fits = true;
+    bool priceless = false;                       // another device left the cluster's price out
     double memory_bytes = 0, capacity_bytes = 0;  // worst rank, device
   };
-  bool priceless_device = false;  // a varied device left the cluster's price out
   auto evaluate = [&](const std::map<std::string, std::string>& point) {
     Row row;
     row.point = point;
@@ -283,7 +312,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       // Another device leaves the cluster's price (its own device's rate) out.
       const bool priced = c.price_per_device_hour_usd.has_value();
       c = cluster::with_device(std::move(c), cluster::load_device(point.at("device")));
-      if (priced && !c.price_per_device_hour_usd) priceless_device = true;
+      row.priceless = priced && !c.price_per_device_hour_usd;
     }
     if (point.count("nic_gbps")) {
       c.inter.nic_bw_bytes_per_s = {number("nic_gbps", point.at("nic_gbps"), false) * 1e9 / 8,
@@ -315,12 +344,18 @@ int cmd_whatif(const std::vector<std::string>& args) {
     planner::SearchSpace space;
     search_space_from_options(vm, space);
     // As dtsim plan: bf16, or fp32 on a device without it (a CPU host).
-    space.precision = default_precision(c.device);
-    if (profile && profile->precision != space.precision) {
-      throw InputError(fmt::format(
-          "{}: precision: the profile was measured at {}, the cluster {} trains at {}",
-          profile->file, to_string(profile->precision), c.name, to_string(space.precision)));
-    }
+    space.precision = precision ? *precision : default_precision(c.device);
+    // The profile's precision against the point's: a fixed plan's own where --precision does
+    // not say.
+    auto check_profile = [&](Precision trained) {
+      if (profile && profile->precision != trained) {
+        throw InputError(
+            fmt::format("{}: precision: the profile was measured at {}, the point trains at {} "
+                        "(give --precision {} if the device has it)",
+                        profile->file, to_string(profile->precision), to_string(trained),
+                        to_string(profile->precision)));
+      }
+    };
     const cost::Profile* const priced_by = profile ? &*profile : nullptr;
     space.global_batch_size =
         point.count("global_batch")
@@ -357,6 +392,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
         p.expert_load = std::min(space.expert_load, static_cast<double>(p.ep));
       }
       p.global_batch_size = space.global_batch_size;
+      if (precision) p.precision = *precision;
+      check_profile(p.precision);
       if (space.seq_len > 0) p.seq_len = space.seq_len;
       if (vm.count("attention") || point.count("attention")) p.attention = space.attention;
       if (space.overlap_param_gather) p.overlap_param_gather = true;
@@ -381,6 +418,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       row.memory_bytes = pred.memory.worst().total_bytes;
       row.capacity_bytes = pred.memory.capacity_bytes;
     } else {
+      check_profile(space.precision);
+      c.device.peak_flops_for(space.precision);  // a device without it says so
       planner::SearchOptions options;
       options.refine = refine;
       options.profile = priced_by;
@@ -437,7 +476,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
   std::vector<std::string> mine;
   for (std::size_t i = 0; i < points.size(); ++i) {
     if (static_cast<int>(i % static_cast<std::size_t>(split.size())) != split.rank()) continue;
-    rows[i] = evaluate(points[i]);
+    try {
+      rows[i] = evaluate(points[i]);
+    } catch (const Error& e) {
+      // Alone, the first bad point ends the run. Under mpirun the rank stops here and rank 0
+      // reports the first bad point of all (the one a single process would have stopped at),
+      // after the gather that every rank reaches.
+      if (split.size() == 1) throw;
+      mine.push_back(nlohmann::json{{"i", i}, {"error", e.what()}, {"kind", error_kind(e)}}.dump());
+      break;
+    }
     const Row& r = rows[i];
     mine.push_back(nlohmann::json{{"i", i},
                                   {"plan", r.plan},
@@ -456,6 +504,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"energy", r.energy_kwh},
                                   {"stragglers", report::value_or_null(r.straggler_cost_s)},
                                   {"found", r.found},
+                                  {"priceless", r.priceless},
                                   {"valid", r.valid_candidates},
                                   {"fits", r.fits},
                                   {"memory", r.memory_bytes},
@@ -464,9 +513,17 @@ int cmd_whatif(const std::vector<std::string>& args) {
   }
   if (split.size() > 1) {
     const std::vector<std::string> all = split.gather(mine);
-    if (split.rank() != 0) return 0;
+    if (split.rank() != 0) {
+      const bool failed = !mine.empty() && nlohmann::json::parse(mine.back()).contains("error");
+      return failed ? 2 : 0;
+    }
+    std::optional<nlohmann::json> first_error;
     for (const std::string& text : all) {
       const auto j = nlohmann::json::parse(text);
+      if (j.contains("error")) {
+        if (!first_error || j.at("i") < first_error->at("i")) first_error = j;
+        continue;
+      }
       Row& r = rows[j.at("i").get<std::size_t>()];
       r.point = points[j.at("i").get<std::size_t>()];
       r.plan = j.at("plan").get<std::string>();
@@ -485,10 +542,15 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.energy_kwh = j.at("energy").get<double>();
       if (!j.at("stragglers").is_null()) r.straggler_cost_s = j.at("stragglers").get<double>();
       r.found = j.at("found").get<bool>();
+      r.priceless = j.at("priceless").get<bool>();
       r.valid_candidates = j.at("valid").get<bool>();
       r.fits = j.at("fits").get<bool>();
       r.memory_bytes = j.at("memory").get<double>();
       r.capacity_bytes = j.at("capacity").get<double>();
+    }
+    if (first_error) {
+      rethrow_error(first_error->at("kind").get<std::string>(),
+                    first_error->at("error").get<std::string>());
     }
   }
   // Scaling efficiency: tokens/s per GPU against the first point that has a plan that fits.
@@ -656,7 +718,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::cout << "(--fixed-plan: its tp, pp, cp, ep and the rest at every point; dp fills each "
                  "point's devices)\n";
   }
-  if (tokens > 0 && priceless_device) {
+  if (tokens > 0 &&
+      std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.priceless; })) {
     std::cout << "(cost: the cluster's price is its own device's; points with another device "
                  "have none)\n";
   }

@@ -15,8 +15,8 @@ std::string format_gib(double bytes);
 std::string format_count(std::uint64_t n);
 // "6.74 B", "124.4 M", "155.97 K" (params, FLOPs)
 std::string format_si(double value);
-// A time difference for a sentence: "1.234 s" from 0.1 s up, else "12.3 ms", "412 us",
-// "0 s" for zero, so that a small model's differences do not read "0.000 s".
+// A time difference for a sentence: "1.234 s" from 0.1 s up, "12.3 ms" or "0.412 ms" from
+// 0.1 ms, else "41.2 us"; "0 s" for zero. A small model's differences do not read "0.000 s".
 std::string format_duration(double seconds);
 
 }  // namespace dtsim
