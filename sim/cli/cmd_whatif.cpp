@@ -167,7 +167,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
           args, desc,
           "usage: dtsim whatif --model M --cluster C --global-batch-size B --vary KEY=V1,V2,...\n"
           "                    (or --vary global_batch=B1,B2,... without --global-batch-size)\n"
-          "                    [--vary ...] [--tokens N] [--profile P.json] [--csv|--json]\n\n"
+          "                    [--vary ...] [--tokens N] [--precision P] [--profile P.json]\n"
+          "                    [--csv|--json]\n\n"
           "For every combination of the varied inputs: the best plan (or --fixed-plan), step "
           "time, tokens/s, scaling efficiency against the first point, the Amdahl bound, and "
           "with --tokens the time, cost (cluster price) and energy (device power) to train.",
