@@ -112,7 +112,7 @@ Axis parse_vary(const std::string& text) {
 }
 
 // An error of a point evaluated on another rank, carried to rank 0 by name.
-std::string error_kind(const Error& e) {
+std::string error_kind(const std::exception& e) {
   if (dynamic_cast<const InputError*>(&e)) return "input";
   if (dynamic_cast<const UnsupportedError*>(&e)) return "unsupported";
   return "internal";
@@ -479,7 +479,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     if (static_cast<int>(i % static_cast<std::size_t>(split.size())) != split.rank()) continue;
     try {
       rows[i] = evaluate(points[i]);
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       // Alone, the first bad point ends the run. Under mpirun the rank stops here and rank 0
       // reports the first bad point of all (the one a single process would have stopped at),
       // after the gather that every rank reaches.
