@@ -188,7 +188,15 @@ double ComputeCost::kernel_seconds(const model::Op& op, Phase phase) const {
   const double weight_split =
       (op.tp_split == model::TpSplit::None ? 1.0 : static_cast<double>(plan_.tp)) *
       (op.expert ? static_cast<double>(plan_.ep) : 1.0);
-  const double fwd_share = (op.fwd_bytes - op.weight_bytes) / d + op.weight_bytes / weight_split;
+  double fwd_share = (op.fwd_bytes - op.weight_bytes) / d + op.weight_bytes / weight_split;
+  if (op.kind == OpKind::Embedding && plan_.tp > 1) {
+    // A vocabulary-parallel embedding reads only its shard's rows of the table (1/tp of the
+    // lookups), but every tp rank writes the whole output, zeros for the other shards'
+    // tokens, for the all-reduce to sum (Megatron-LM's VocabParallelEmbedding; dtexec's
+    // too). Its traffic: the table's rows, the learned positions', and the output's.
+    const double positions = graph_.spec().positions == model::Positions::Learned ? 1.0 : 0.0;
+    fwd_share = op.fwd_bytes / plan_.cp * (1.0 / plan_.tp + positions + 1.0) / (2.0 + positions);
+  }
   const double bwd_share =
       op.fwd_bytes > 0 ? op.bwd_bytes / op.fwd_bytes * fwd_share : op.bwd_bytes / d;
   double bytes = 0;

@@ -242,6 +242,38 @@ TEST_CASE("FlashAttention's core is priced by the FLOPs it executes", "[cost]") 
   CHECK(measured.op_seconds(core, Phase::Forward) == Approx(core.fwd_flops / 2 / 1e14));
 }
 
+TEST_CASE("every tp rank writes the whole output of the vocabulary-parallel embedding", "[cost]") {
+  auto device = dtsim::cluster::load_device("h100-sxm");
+  device.efficiency.launch_overhead_s.value = 0;
+  // Learned positions (GPT-2) read a second table; rotary ones (Llama) none.
+  for (const auto& [model, positions] : {std::pair{"gpt2-124m", 1.0}, {"llama3-8b", 0.0}}) {
+    auto seconds = [&](int tp, int cp) {
+      dtsim::plan::Plan plan;
+      plan.micro_batch_size = 1;
+      plan.seq_len = 1024;
+      plan.tp = tp;
+      plan.cp = cp;
+      const auto graph = dtsim::plan::graph_of(dtsim::model::load_model(model), plan);
+      const dtsim::cost::ComputeCost cost(graph, plan, device);
+      for (const auto& op : graph.ops()) {
+        if (op.kind == dtsim::model::OpKind::Embedding) return cost.op_seconds(op, Phase::Forward);
+      }
+      FAIL("no embedding");
+      return 0.0;
+    };
+    INFO(model);
+    const double whole = seconds(1, 1);
+    REQUIRE(whole > 0);
+    for (const int tp : {2, 8}) {
+      // Table reads split over tp; the positions' reads and the output's writes do not.
+      CHECK(seconds(tp, 1) / whole ==
+            Approx((1.0 / tp + positions + 1.0) / (2.0 + positions)).epsilon(1e-9));
+    }
+    // Context parallelism splits the tokens, so all of it.
+    CHECK(seconds(2, 2) / whole == Approx((0.5 + positions + 1.0) / (2.0 + positions) / 2));
+  }
+}
+
 TEST_CASE("the optimizer clears the gradient buffer where it persists and reduces in place",
           "[cost]") {
   // Megatron-LM's zero_grad_buffer: one memset of the rank's gradients each step, where they
