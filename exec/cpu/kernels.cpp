@@ -573,8 +573,15 @@ void embedding_forward(Out out, std::span<const int> tokens, In wte, In wpe, int
           local >= 0 && local < rows ? wte.data() + static_cast<std::size_t>(local) * C : nullptr;
       float* y = out.data() + row * C;
       const auto pos = static_cast<std::size_t>(position_of(positions, s));
-      for (int c = 0; c < C; ++c) {
-        y[c] = (e ? e[c] : 0.0f) + (wpe.empty() ? 0.0f : wpe[pos * C + c]);
+      // The row (zeros for another shard's token), then its position: loops without a branch.
+      if (e) {
+        std::copy_n(e, C, y);
+      } else {
+        std::fill_n(y, C, 0.0f);
+      }
+      if (!wpe.empty()) {
+        const float* p = wpe.data() + pos * C;
+        for (int c = 0; c < C; ++c) y[c] += p[c];
       }
     }
   }
@@ -591,9 +598,13 @@ void embedding_backward(Out dwte, Out dwpe, In dout, std::span<const int> tokens
       const int local = tokens[row] - vocab_begin;
       float* de =
           local >= 0 && local < rows ? dwte.data() + static_cast<std::size_t>(local) * C : nullptr;
-      for (int c = 0; c < C; ++c) {
-        if (de) de[c] += dy[c];
-        if (!dwpe.empty()) dwpe[pos * C + c] += dy[c];
+      // Loops without a branch; each element still sums the tokens in their order.
+      if (de) {
+        for (int c = 0; c < C; ++c) de[c] += dy[c];
+      }
+      if (!dwpe.empty()) {
+        float* dp = dwpe.data() + pos * C;
+        for (int c = 0; c < C; ++c) dp[c] += dy[c];
       }
     }
   }
