@@ -189,16 +189,22 @@ double ComputeCost::kernel_seconds(const model::Op& op, Phase phase) const {
       (op.tp_split == model::TpSplit::None ? 1.0 : static_cast<double>(plan_.tp)) *
       (op.expert ? static_cast<double>(plan_.ep) : 1.0);
   double fwd_share = (op.fwd_bytes - op.weight_bytes) / d + op.weight_bytes / weight_split;
+  double bwd_share = op.fwd_bytes > 0 ? op.bwd_bytes / op.fwd_bytes * fwd_share : op.bwd_bytes / d;
   if (op.kind == OpKind::Embedding && plan_.tp > 1) {
-    // A vocabulary-parallel embedding reads only its shard's rows of the table (1/tp of the
-    // lookups), but every tp rank writes the whole output, zeros for the other shards'
-    // tokens, for the all-reduce to sum (Megatron-LM's VocabParallelEmbedding; dtexec's
-    // too). Its traffic: the table's rows, the learned positions', and the output's.
-    const double positions = graph_.spec().positions == model::Positions::Learned ? 1.0 : 0.0;
-    fwd_share = op.fwd_bytes / plan_.cp * (1.0 / plan_.tp + positions + 1.0) / (2.0 + positions);
+    // A vocabulary-parallel embedding looks up only its shard's rows of the table, but every
+    // tp rank writes the whole output, zeros for the other shards' tokens, for the reduction
+    // to sum (Megatron-LM's VocabParallelEmbedding; dtexec's too), with or without sequence
+    // parallelism. In units of the output (p = 1 with learned positions, added on one tp rank
+    // in dtexec, the busiest): the forward reads 1/tp of rows and p of positions and writes 1,
+    // of the op's 2 + p; the backward reads the output gradient's rows of the shard's tokens
+    // (all of them where the positions' gradient needs them) and updates the shard's rows of
+    // the table gradient (2/tp) and the positions' (2p), of the op's 3 + 2p.
+    const double p = graph_.spec().positions == model::Positions::Learned ? 1.0 : 0.0;
+    const double tp = plan_.tp;
+    fwd_share = op.fwd_bytes / plan_.cp * (1.0 / tp + p + 1.0) / (2.0 + p);
+    bwd_share =
+        op.bwd_bytes / plan_.cp * ((p > 0 ? 1.0 : 1.0 / tp) + 2.0 / tp + 2.0 * p) / (3.0 + 2.0 * p);
   }
-  const double bwd_share =
-      op.fwd_bytes > 0 ? op.bwd_bytes / op.fwd_bytes * fwd_share : op.bwd_bytes / d;
   double bytes = 0;
   int kernels = 1;
   switch (phase) {

@@ -5,8 +5,9 @@
 // matrix multiplications and its attention efficiency for the attention core (over the FLOPs
 // its kernels execute: FlashAttention's skip masked blocks and recompute). Each op's FLOPs
 // and bytes come from the ModelGraph, divided as the plan splits the op: tensor-parallel ops
-// over tp; the others (norms, residual adds) over tp only with sequence parallelism; everything
-// over cp (each context-parallel rank holds 1/cp of the tokens).
+// over tp (but the vocabulary-parallel embedding writes its whole output on every tp rank);
+// the others (norms, residual adds) over tp only with sequence parallelism; everything over cp
+// (each context-parallel rank holds 1/cp of the tokens).
 #pragma once
 
 #include <array>

@@ -246,31 +246,46 @@ TEST_CASE("every tp rank writes the whole output of the vocabulary-parallel embe
   auto device = dtsim::cluster::load_device("h100-sxm");
   device.efficiency.launch_overhead_s.value = 0;
   // Learned positions (GPT-2) read a second table; rotary ones (Llama) none.
-  for (const auto& [model, positions] : {std::pair{"gpt2-124m", 1.0}, {"llama3-8b", 0.0}}) {
-    auto seconds = [&](int tp, int cp) {
+  for (const auto& [model, p] : {std::pair{"gpt2-124m", 1.0}, {"llama3-8b", 0.0}}) {
+    auto seconds = [&](int tp, int cp, bool sp, Phase phase) {
       dtsim::plan::Plan plan;
       plan.micro_batch_size = 1;
       plan.seq_len = 1024;
       plan.tp = tp;
       plan.cp = cp;
+      plan.sequence_parallel = sp;
       const auto graph = dtsim::plan::graph_of(dtsim::model::load_model(model), plan);
       const dtsim::cost::ComputeCost cost(graph, plan, device);
       for (const auto& op : graph.ops()) {
-        if (op.kind == dtsim::model::OpKind::Embedding) return cost.op_seconds(op, Phase::Forward);
+        if (op.kind == dtsim::model::OpKind::Embedding) return cost.op_seconds(op, phase);
       }
       FAIL("no embedding");
       return 0.0;
     };
     INFO(model);
-    const double whole = seconds(1, 1);
-    REQUIRE(whole > 0);
-    for (const int tp : {2, 8}) {
-      // Table reads split over tp; the positions' reads and the output's writes do not.
-      CHECK(seconds(tp, 1) / whole ==
-            Approx((1.0 / tp + positions + 1.0) / (2.0 + positions)).epsilon(1e-9));
+    const double fwd = seconds(1, 1, false, Phase::Forward);
+    const double bwd = seconds(1, 1, false, Phase::Backward);
+    REQUIRE(fwd > 0);
+    REQUIRE(bwd > 0);
+    for (const int tp : {2, 4}) {
+      INFO("tp " << tp);
+      // The forward, in units of the output: the shard's table rows (1/tp) and the positions
+      // (p) read, the whole output written; at tp 1, 2 + p.
+      const double f = (1.0 / tp + p + 1.0) / (2.0 + p);
+      CHECK(seconds(tp, 1, false, Phase::Forward) / fwd == Approx(f).epsilon(1e-9));
+      // The backward: the output gradient's rows read (the shard's tokens', or all of them for
+      // the positions' gradient), the shard's table-gradient rows (2/tp) and the positions'
+      // (2p) updated; at tp 1, 3 + 2p.
+      const double b = ((p > 0 ? 1.0 : 1.0 / tp) + 2.0 / tp + 2.0 * p) / (3.0 + 2.0 * p);
+      CHECK(seconds(tp, 1, false, Phase::Backward) / bwd == Approx(b).epsilon(1e-9));
+      // Sequence parallelism changes none of it: the lookup is whole before the
+      // reduce-scatter.
+      CHECK(seconds(tp, 1, true, Phase::Forward) == seconds(tp, 1, false, Phase::Forward));
+      CHECK(seconds(tp, 1, true, Phase::Backward) == seconds(tp, 1, false, Phase::Backward));
+      // Context parallelism splits the tokens, so all of it.
+      CHECK(seconds(tp, 2, false, Phase::Forward) / fwd == Approx(f / 2).epsilon(1e-9));
+      CHECK(seconds(tp, 2, false, Phase::Backward) / bwd == Approx(b / 2).epsilon(1e-9));
     }
-    // Context parallelism splits the tokens, so all of it.
-    CHECK(seconds(2, 2) / whole == Approx((0.5 + positions + 1.0) / (2.0 + positions) / 2));
   }
 }
 
