@@ -16,6 +16,7 @@
 #include "sim/cli/mpi_split.hpp"
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
+#include "sim/common/json_reader.hpp"
 #include "sim/common/units.hpp"
 #include "sim/engine/simulator.hpp"
 #include "sim/planner/planner.hpp"
@@ -65,15 +66,19 @@ double number(const std::string& key, const std::string& v, bool integer) {
     std::size_t used = 0;
     const double d = std::stod(v, &used);
     // Integers stay below 2^53, where doubles are exact and the cast to int64 is defined.
+    // Other figures keep to the bounds a cluster file's do (in the axis's own unit).
     if (used != v.size() || !std::isfinite(d) || !(d > 0) ||
+        (!integer && !(d >= kSmallestFigure && d <= kLargestFigure)) ||
         (integer &&
          (d >= 9007199254740992.0 || d != static_cast<double>(static_cast<std::int64_t>(d))))) {
       throw std::invalid_argument(v);
     }
     return d;
   } catch (const std::exception&) {
-    throw InputError(fmt::format("--vary {}={}: expected a positive {}", key, v,
-                                 integer ? "integer" : "finite number"));
+    throw InputError(fmt::format(
+        "--vary {}={}: expected a positive {}", key, v,
+        integer ? "integer"
+                : fmt::format("number (from {:g} to {:g})", kSmallestFigure, kLargestFigure)));
   }
 }
 
@@ -401,8 +406,17 @@ int cmd_whatif(const std::vector<std::string>& args) {
       if (space.zero_in_place) p.zero_in_place = true;
       if (vm.count("clip-grad")) p.clip_grad = space.clip_grad;
       p.dp = 0;
-      plan::complete_plan(p, spec, c.devices());
-      plan::require_valid(p, spec, c.devices());
+      try {
+        plan::complete_plan(p, spec, c.devices());
+        plan::require_valid(p, spec, c.devices());
+      } catch (const InputError& e) {
+        // Which file, and at which point: the plan may be valid at the others.
+        std::vector<std::string> at;
+        for (const auto& [key, value] : point) at.push_back(fmt::format("{}={}", key, value));
+        throw InputError(fmt::format("--fixed-plan {} at {}: {}",
+                                     vm["fixed-plan"].as<std::string>(), fmt::join(at, " "),
+                                     e.what()));
+      }
       const model::ModelGraph g = plan::graph_of(spec, p);
       auto net = network::make_analytical(c);
       engine::SimulateOptions sim_options;

@@ -126,10 +126,8 @@ std::int64_t JsonReader::positive_int_up_to_or(std::string_view key, std::int64_
 }
 
 namespace {
-// What a figure of this domain can be (seconds, bytes, FLOP/s, fractions, prices): values
-// outside turn into inf, NaN or a flow solver's failure downstream, never into a prediction.
-constexpr double kSmallest = 1e-12;
-constexpr double kLargest = 1e21;
+constexpr double kSmallest = kSmallestFigure;
+constexpr double kLargest = kLargestFigure;
 }  // namespace
 
 double JsonReader::positive_number(std::string_view key) const {

@@ -14,6 +14,11 @@
 
 namespace dtsim {
 
+// What a figure of this domain can be (seconds, bytes, FLOP/s, fractions, prices): values
+// outside turn into inf, NaN or a flow solver's failure downstream, never into a prediction.
+inline constexpr double kSmallestFigure = 1e-12;
+inline constexpr double kLargestFigure = 1e21;
+
 // A number with the place it comes from (datasheet, paper, calibration run).
 struct Figure {
   double value = 0.0;

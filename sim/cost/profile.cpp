@@ -118,14 +118,32 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
           o.choice("op", {"attention", "flash_attention", "layernorm", "rmsnorm", "gelu", "swiglu",
                           "residual", "embedding", "loss_statistics", "loss", "optimizer"});
       const std::string phase = o.choice("phase", {"fwd", "bwd", "step"});
+      // The passes each op has (the optimizer its step, the loss statistics no backward), and
+      // the unit of its work in the model graph (the attention core's FLOPs, else bytes):
+      // anything else would be read by nothing, or as the wrong quantity.
+      const bool step = op == "optimizer";
+      if ((phase == "step") != step || (op == "loss_statistics" && phase == "bwd")) {
+        o.fail("phase", fmt::format("{} has no \"{}\" rate (its phases: {})", op, phase,
+                                    step                      ? "step"
+                                    : op == "loss_statistics" ? "fwd"
+                                                              : "fwd, bwd"));
+      }
       if (o.has("flops_per_s") == o.has("bytes_per_s")) {
         o.fail("flops_per_s", "give exactly one of flops_per_s and bytes_per_s");
       }
       const bool flops = o.has("flops_per_s");
+      const bool flops_op = op == "attention" || op == "flash_attention";
+      if (flops != flops_op) {
+        o.fail(flops ? "flops_per_s" : "bytes_per_s",
+               fmt::format("{} is rated in {}", op, flops_op ? "flops_per_s" : "bytes_per_s"));
+      }
+      if (p.ops.count({op, phase})) {
+        o.fail("op", fmt::format("{} {} is given twice", op, phase));
+      }
       p.ops[{op, phase}] = {o.positive_number(flops ? "flops_per_s" : "bytes_per_s"), flops};
     }
     const auto loss = p.ops.find({"loss", "fwd"});
-    if (loss != p.ops.end() && !loss->second.flops && !p.ops.count({"loss_statistics", "fwd"})) {
+    if (loss != p.ops.end() && !p.ops.count({"loss_statistics", "fwd"})) {
       loss->second.rate *= 2;
       p.ops[{"loss_statistics", "fwd"}] = loss->second;
       p.loss_split_evenly = true;
@@ -142,8 +160,14 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
           "kind", {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"});
       const auto ranks = static_cast<int>(c.positive_int_up_to("ranks", 1 << 24));
       if (ranks < 2) c.fail("ranks", fmt::format("expected at least 2, got {}", ranks));
-      p.collectives[{kind, ranks}].push_back(
-          {static_cast<double>(c.positive_int("bytes")), c.positive_number("seconds")});
+      const auto bytes = static_cast<double>(c.positive_int("bytes"));
+      auto& measured = p.collectives[{kind, ranks}];
+      if (std::any_of(measured.begin(), measured.end(),
+                      [&](const Profile::CollectiveSample& s) { return s.bytes == bytes; })) {
+        c.fail("bytes", fmt::format("{} over {} ranks at {} bytes is given twice", kind, ranks,
+                                    c.positive_int("bytes")));
+      }
+      measured.push_back({bytes, c.positive_number("seconds")});
     }
     for (auto& entry : p.collectives) {
       auto& measured = entry.second;

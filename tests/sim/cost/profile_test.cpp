@@ -291,6 +291,21 @@ TEST_CASE("bad op rates in a profile are rejected naming the entry", "[cost][pro
   bad(R"([{"op": "gelu", "phase": "fwd", "bytes_per_s": 0}])",
       "ops[0].bytes_per_s: expected a positive number");
   bad(R"({"op": "gelu"})", "bad_ops.json: ops: expected an array");
+  // A rate nothing reads, or read as the wrong quantity, or given twice.
+  bad(R"([{"op": "rmsnorm", "phase": "step", "bytes_per_s": 1}])",
+      "ops[0].phase: rmsnorm has no \"step\" rate (its phases: fwd, bwd)");
+  bad(R"([{"op": "optimizer", "phase": "fwd", "bytes_per_s": 1}])",
+      "ops[0].phase: optimizer has no \"fwd\" rate (its phases: step)");
+  bad(R"([{"op": "loss_statistics", "phase": "bwd", "bytes_per_s": 1}])",
+      "ops[0].phase: loss_statistics has no \"bwd\" rate (its phases: fwd)");
+  bad(R"([{"op": "loss", "phase": "fwd", "flops_per_s": 1}])",
+      "ops[0].flops_per_s: loss is rated in bytes_per_s");
+  bad(R"([{"op": "attention", "phase": "fwd", "bytes_per_s": 1}])",
+      "ops[0].bytes_per_s: attention is rated in flops_per_s");
+  bad(R"([{"op": "gelu", "phase": "fwd", "bytes_per_s": 1},
+          {"op": "gelu", "phase": "bwd", "bytes_per_s": 1},
+          {"op": "gelu", "phase": "fwd", "bytes_per_s": 2}])",
+      "bad_ops.json: ops[2].op: gelu fwd is given twice");
 }
 
 TEST_CASE("measured collectives: throughput interpolated in log(bytes), latency below the table",
@@ -316,6 +331,14 @@ TEST_CASE("measured collectives: throughput interpolated in log(bytes), latency 
   DTSIM_REQUIRE_THROWS_CONTAINING(
       dtsim::cost::load_profile(bad.path()), InputError,
       "bad_coll.json: collectives[0].ranks: expected at least 2, got 1");
+  TempFile twice("twice_coll.json",
+                 R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+    "collectives": [{"kind": "all_reduce", "ranks": 2, "bytes": 8, "seconds": 1},
+                    {"kind": "all_gather", "ranks": 2, "bytes": 8, "seconds": 1},
+                    {"kind": "all_reduce", "ranks": 2, "bytes": 8, "seconds": 2}]})");
+  DTSIM_REQUIRE_THROWS_CONTAINING(
+      dtsim::cost::load_profile(twice.path()), InputError,
+      "twice_coll.json: collectives[2].bytes: all_reduce over 2 ranks at 8 bytes is given twice");
 }
 
 TEST_CASE("a profile that times the cross-entropy whole splits it between its two ops",
