@@ -169,6 +169,18 @@ std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Clus
     why.push_back(fmt::format("--fixed dp={} does not divide --global-batch-size {}",
                               space.fixed_dp, space.global_batch_size));
   }
+  // The fewest micro-batches a step can have: the largest micro-batch on every device as dp.
+  const std::int64_t largest_mbs =
+      space.micro_batch_sizes.empty()
+          ? 1
+          : *std::max_element(space.micro_batch_sizes.begin(), space.micro_batch_sizes.end());
+  const std::int64_t fewest = space.global_batch_size / (largest_mbs * devices);
+  if (fewest > plan::kMaxMicroBatches) {
+    why.push_back(fmt::format(
+        "--global-batch-size {} needs at least {} micro-batches per step (micro-batch {} on all "
+        "{} devices as dp), over dtsim's limit of 2^24",
+        space.global_batch_size, fewest, largest_mbs, devices));
+  }
   std::string text = "no candidate plan to evaluate: ";
   text += why.empty() ? "no combination of degrees meets all the constraints"
                       : fmt::format("{}", fmt::join(why, "; "));
@@ -183,8 +195,9 @@ std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Clus
                     ? fmt::format("pp <= {} (--max-pp) and <= {} layers", space.max_pp, m.layers)
                     : fmt::format("pp <= {} layers", m.layers));
   all.push_back(fmt::format("cp <= {} (--max-cp) and divides seq_len", space.max_cp));
-  all.push_back(fmt::format("dp x micro-batch ({}) divides --global-batch-size {}",
-                            fmt::join(space.micro_batch_sizes, ", "), space.global_batch_size));
+  all.push_back(fmt::format(
+      "dp x micro-batch ({}) divides --global-batch-size {}, in at most 2^24 micro-batches",
+      fmt::join(space.micro_batch_sizes, ", "), space.global_batch_size));
   if (m.moe) all.push_back(fmt::format("ep divides dp and the {} experts", m.moe->experts));
   text += fmt::format("\n  constraints: {}", fmt::join(all, "\n               "));
   return text;

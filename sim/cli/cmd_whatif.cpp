@@ -721,8 +721,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (std::any_of(rows.begin(), rows.end(),
                   [](const Row& r) { return !r.found && !r.valid_candidates; })) {
     std::cout << "(no valid plan: no tp x pp x cp x dp makes the point's GPUs with dp x "
-                 "micro-batch dividing the global batch; dtsim plan at that point names the "
-                 "constraints)\n";
+                 "micro-batch dividing the global batch in at most 2^24 micro-batches; dtsim "
+                 "plan at that point names the constraints)\n";
   }
   if (stragglers) {
     std::cout << "(stragglers: what the straggler model adds to the step, against the same plan "
