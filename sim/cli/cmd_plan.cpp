@@ -455,7 +455,7 @@ int cmd_plan(const std::vector<std::string>& args) {
       const auto& c = result.ranked[static_cast<std::size_t>(i)];
       const double tokens = static_cast<double>(c.plan.global_batch_size * c.plan.seq_len);
       table.add_row({fmt::format("{}", i + 1), plan::summary(c.plan),
-                     fmt::format("{:.3f}{}", c.step_time_s, c.refined ? "" : "*"),
+                     format_seconds(c.step_time_s) + (c.refined ? "" : "*"),
                      fmt::format("{:.0f}", tokens / c.step_time_s),
                      c.refined ? fmt::format("{:.1f}%", 100 * c.prediction.mfu) : "-",
                      fmt::format("{:.1f}", c.memory_bytes / kGiB),

@@ -175,9 +175,9 @@ int cmd_simulate(const std::vector<std::string>& args) {
   const bool giga = p.tflops_per_gpu < 1;
   const double unit = giga ? 1e3 : 1;
   std::cout << fmt::format(
-      "step time {:.3f} s   {:.0f} tokens/s   {:.1f} {}FLOP/s per GPU (model {:.1f})   MFU "
+      "step time {} s   {:.0f} tokens/s   {:.1f} {}FLOP/s per GPU (model {:.1f})   MFU "
       "{:.1f}%   HFU {:.1f}%\n",
-      p.step_time_s, p.tokens_per_s, unit * p.tflops_per_gpu, giga ? "G" : "T",
+      format_seconds(p.step_time_s), p.tokens_per_s, unit * p.tflops_per_gpu, giga ? "G" : "T",
       unit * p.model_tflops_per_gpu, 100 * p.mfu, 100 * p.hfu);
   std::cout << fmt::format(
       "memory per GPU {} of {} ({})\n\n", format_gib(p.memory.worst().total_bytes),
@@ -208,10 +208,10 @@ int cmd_simulate(const std::vector<std::string>& args) {
     // (A cost below the waits, even negative, is possible: the waits can reorder the transfers
     // on a link.)
     std::cout << fmt::format(
-        "\nstragglers: the step is {:+.2f} ms ({:+.1f}%) against {:.3f} s without them; compute "
+        "\nstragglers: the step is {:+.2f} ms ({:+.1f}%) against {} s without them; compute "
         "waits on a late rank for {} ms (the straggler rows), and those waits delay other work\n",
         *p.straggler_cost_s * 1e3, 100 * *p.straggler_cost_s / p.step_time_s,
-        p.step_time_s - *p.straggler_cost_s, ms(b.straggler_s()));
+        format_seconds(p.step_time_s - *p.straggler_cost_s), ms(b.straggler_s()));
   }
   const std::string bound = p.max_speedup > 0
                                 ? fmt::format("serial fraction {:.1f}% -> speedup bound {:.1f}x",

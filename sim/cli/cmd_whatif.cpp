@@ -696,7 +696,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       cells.push_back(r.fits ? r.plan
                              : fmt::format("{} (DOES NOT FIT: needs {:.1f} GiB of {:.1f} GiB)",
                                            r.plan, r.memory_bytes / kGiB, r.capacity_bytes / kGiB));
-      cells.push_back(fmt::format("{:.3f}", r.step_s));
+      cells.push_back(format_seconds(r.step_s));
       cells.push_back(fmt::format("{:.0f}", r.tokens_per_s));
       cells.push_back(fmt::format("{:.1f}%", 100 * r.mfu));
       cells.push_back(fmt::format("{:.1f}%", 100 * efficiency(r)));

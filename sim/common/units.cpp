@@ -31,6 +31,11 @@ std::string format_si(double value) {
   return fmt::format("{:.0f}", value);
 }
 
+std::string format_seconds(double seconds) {
+  return std::fabs(seconds) >= 0.1 || seconds == 0 ? fmt::format("{:.3f}", seconds)
+                                                   : fmt::format("{:.3g}", seconds);
+}
+
 std::string format_duration(double seconds) {
   const double a = std::fabs(seconds);
   if (a == 0) return "0 s";

@@ -18,5 +18,8 @@ std::string format_si(double value);
 // A time difference for a sentence: "1.234 s" from 0.1 s up, "12.3 ms" or "0.412 ms" from
 // 0.1 ms, else "41.2 us"; "0 s" for zero. A small model's differences do not read "0.000 s".
 std::string format_duration(double seconds);
+// Seconds for a column or a headline, always in s: "21.408" from 0.1 s up, else three
+// significant digits ("0.000157"), so that a small model's steps do not read "0.000".
+std::string format_seconds(double seconds);
 
 }  // namespace dtsim

@@ -68,6 +68,10 @@ TEST_CASE("numbers are formatted for humans", "[common]") {
   CHECK(dtsim::format_count(12345678) == "12,345,678");
   CHECK(dtsim::format_gib(1.5 * dtsim::kGiB) == "1.50 GiB");
   CHECK(dtsim::format_si(6.738e9) == "6.74 G");
+  CHECK(dtsim::format_seconds(21.40812) == "21.408");
+  CHECK(dtsim::format_seconds(0.1) == "0.100");
+  CHECK(dtsim::format_seconds(0.000157) == "0.000157");
+  CHECK(dtsim::format_seconds(0) == "0.000");
   CHECK(dtsim::format_duration(0) == "0 s");
   CHECK(dtsim::format_duration(1.23456) == "1.235 s");
   CHECK(dtsim::format_duration(0.1) == "0.100 s");
