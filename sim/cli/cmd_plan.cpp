@@ -277,15 +277,9 @@ int cmd_plan(const std::vector<std::string>& args) {
         fmt::format("--expert-load: {}, got {}", plan::kExpertLoadExpected, space.expert_load));
   }
   // The default precision follows the device: bf16, or fp32 where it has no bf16 (a CPU host).
-  const std::string precision_text =
-      vm.count("precision") ? vm["precision"].as<std::string>()
-                            : std::string(to_string(default_precision(cluster.device)));
-  const auto prec = parse_precision(precision_text);
-  if (!prec) {
-    throw InputError(fmt::format("--precision: expected bf16, fp16, fp8, fp32 or tf32, got \"{}\"",
-                                 precision_text));
-  }
-  space.precision = *prec;
+  space.precision = vm.count("precision")
+                        ? precision_of_flag("precision", vm["precision"].as<std::string>())
+                        : default_precision(cluster.device);
   cluster.device.peak_flops_for(space.precision);
   planner::SearchOptions options;
   options.refine = vm["refine"].as<int>();

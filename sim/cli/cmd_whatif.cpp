@@ -241,12 +241,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
   }
   std::optional<Precision> precision;
   if (vm.count("precision")) {
-    const std::string& text = vm["precision"].as<std::string>();
-    precision = parse_precision(text);
-    if (!precision) {
-      throw InputError(
-          fmt::format("--precision: expected bf16, fp16, fp8, fp32 or tf32, got \"{}\"", text));
-    }
+    precision = precision_of_flag("precision", vm["precision"].as<std::string>());
   }
   const MpiSplit split;
   if (profile) {

@@ -604,13 +604,7 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   }
   // --precision and --comm-precision take the same names.
   auto precision_flag = [&vm](const char* flag) {
-    const std::string& text = vm[flag].as<std::string>();
-    const auto prec = parse_precision(text);
-    if (!prec) {
-      throw InputError(
-          fmt::format("--{}: expected bf16, fp16, fp8, fp32 or tf32, got \"{}\"", flag, text));
-    }
-    return *prec;
+    return precision_of_flag(flag, vm[flag].as<std::string>());
   };
   if (vm.count("precision")) p.precision = precision_flag("precision");
   const bool precision_given =
@@ -747,6 +741,15 @@ std::optional<std::string> profile_device_warning(const std::string& profile_fil
       "warning: profile {} was measured on {}, the cluster's devices are {}: its times are used "
       "as if measured there",
       profile_file, profile_device, device.name);
+}
+
+Precision precision_of_flag(std::string_view flag, const std::string& text) {
+  const auto prec = parse_precision(text);
+  if (!prec) {
+    throw InputError(
+        fmt::format("--{}: expected bf16, fp16, fp8, fp32 or tf32, got \"{}\"", flag, text));
+  }
+  return *prec;
 }
 
 Precision default_precision(const cluster::DeviceSpec& device) {

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "sim/cluster/topology.hpp"
@@ -120,6 +121,8 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
 
 // The precision a search uses unless told: bf16, or fp32 on a device without bf16 (a CPU host).
 Precision default_precision(const cluster::DeviceSpec& device);
+// The precision a flag names (--precision, --comm-precision), or an InputError naming the flag.
+Precision precision_of_flag(std::string_view flag, const std::string& text);
 
 // A warning when a calibration profile was measured on another device than the cluster's
 // (its "device" is neither the catalog name nor an alias, compared without case): the profile's

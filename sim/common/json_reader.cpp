@@ -125,26 +125,22 @@ std::int64_t JsonReader::positive_int_up_to_or(std::string_view key, std::int64_
   return has(key) ? positive_int_up_to(key, max) : fallback;
 }
 
-namespace {
-constexpr double kSmallest = kSmallestFigure;
-constexpr double kLargest = kLargestFigure;
-}  // namespace
-
 double JsonReader::positive_number(std::string_view key) const {
   const json& v = at(key);
-  if (!v.is_number() || !(v.get<double>() >= kSmallest && v.get<double>() <= kLargest)) {
-    fail(key, fmt::format("expected a positive number (from {:g} to {:g}), got {}", kSmallest,
-                          kLargest, describe_json_value(v)));
+  if (!v.is_number() ||
+      !(v.get<double>() >= kSmallestFigure && v.get<double>() <= kLargestFigure)) {
+    fail(key, fmt::format("expected a positive number (from {:g} to {:g}), got {}", kSmallestFigure,
+                          kLargestFigure, describe_json_value(v)));
   }
   return v.get<double>();
 }
 
 double JsonReader::non_negative_number(std::string_view key) const {
   const json& v = at(key);
-  if (!v.is_number() ||
-      !(v.get<double>() == 0 || (v.get<double>() >= kSmallest && v.get<double>() <= kLargest))) {
-    fail(key, fmt::format("expected a number >= 0 (0, or from {:g} to {:g}), got {}", kSmallest,
-                          kLargest, describe_json_value(v)));
+  if (!v.is_number() || !(v.get<double>() == 0 || (v.get<double>() >= kSmallestFigure &&
+                                                   v.get<double>() <= kLargestFigure))) {
+    fail(key, fmt::format("expected a number >= 0 (0, or from {:g} to {:g}), got {}",
+                          kSmallestFigure, kLargestFigure, describe_json_value(v)));
   }
   return v.get<double>();
 }

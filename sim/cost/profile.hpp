@@ -42,11 +42,12 @@
 // An op with a rate is priced by it instead of the roofline. "collectives" (kinds all_reduce,
 // all_gather, reduce_scatter, all_to_all, send_recv; one sample per kind, ranks and bytes) replace
 // the network model for groups of a measured size inside one node: time from the measured
-// throughput interpolated in log(bytes), never below the smallest size's time (latency). A GEMM of
-// a measured shape takes its measured time (`dtexec calibrate` times the model's own GEMMs, forward
-// and backward, whole and split over tp); any other GEMM's time comes from the measured throughput
-// (FLOP/s) interpolated linearly in log(FLOPs) between the two measured sizes around it (clamped at
-// the ends).
+// throughput interpolated in log(bytes), never below the smallest size's time (latency).
+//
+// A GEMM of a measured shape takes its measured time (`dtexec calibrate` times the model's own
+// GEMMs, forward and backward, whole and split over tp); any other GEMM's time comes from the
+// measured throughput (FLOP/s) interpolated linearly in log(FLOPs) between the two measured
+// sizes around it (clamped at the ends).
 #pragma once
 
 #include <map>
