@@ -203,6 +203,20 @@ std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Clus
   return text;
 }
 
+// Nothing fits: how far the closest plan is, and what its memory is made of.
+std::string closest_to_fitting(const model::ModelSpec& spec, const cluster::Cluster& cluster,
+                               const planner::Candidate& c) {
+  const model::ModelGraph g = plan::graph_of(spec, c.plan);
+  const auto m = plan::estimate_memory(g, c.plan, cluster).worst();
+  return fmt::format(
+      "closest to fitting: {} needs {:.1f} GiB of {:.1f} GiB, {:.1f} GiB too much (weights "
+      "{:.1f}, gradients {:.1f}, optimizer {:.1f}, activations {:.1f}, other {:.1f} GiB); more "
+      "devices, a larger tp, pp or ZeRO stage, or recompute shrink it",
+      plan::summary(c.plan), c.memory_bytes / kGiB, c.capacity_bytes / kGiB,
+      (c.memory_bytes - c.capacity_bytes) / kGiB, m.weights_bytes / kGiB, m.gradients_bytes / kGiB,
+      m.optimizer_bytes / kGiB, m.activations_bytes / kGiB, m.other_bytes / kGiB);
+}
+
 }  // namespace
 
 int cmd_plan(const std::vector<std::string>& args) {
@@ -391,6 +405,14 @@ int cmd_plan(const std::vector<std::string>& args) {
     return rc;
   }
   if (vm["csv"].as<bool>()) {
+    // Only a header on stdout: stderr says why, as the text output would.
+    if (result.ranked.empty()) {
+      std::cerr << fmt::format("no plan fits in memory: {} candidates evaluated\n",
+                               result.evaluated);
+      if (result.closest_not_fitting) {
+        std::cerr << closest_to_fitting(spec, cluster, *result.closest_not_fitting) << "\n";
+      }
+    }
     // The first seven columns as they always were; then MFU (simulated plans), capacity, and
     // with --tokens the time (and, with a price, cost) to train, failure-free, then the
     // goodput and the time with interruptions; empty where there is none.
@@ -516,22 +538,7 @@ int cmd_plan(const std::vector<std::string>& args) {
               << interruptions_note(goal.reliability) << "\n";
   }
   if (result.ranked.empty() && result.closest_not_fitting) {
-    // Nothing fits: how far the closest plan is, and what its memory is made of.
-    const auto& c = *result.closest_not_fitting;
-    auto memory_parts = [&](const planner::Candidate& k) {
-      const model::ModelGraph g = plan::graph_of(spec, k.plan);
-      const auto m = plan::estimate_memory(g, k.plan, cluster).worst();
-      return fmt::format(
-          "weights {:.1f}, gradients {:.1f}, optimizer {:.1f}, activations {:.1f}, other "
-          "{:.1f} GiB",
-          m.weights_bytes / kGiB, m.gradients_bytes / kGiB, m.optimizer_bytes / kGiB,
-          m.activations_bytes / kGiB, m.other_bytes / kGiB);
-    };
-    std::cout << fmt::format(
-        "closest to fitting: {} needs {:.1f} GiB of {:.1f} GiB, {:.1f} GiB too much ({}); "
-        "more devices, a larger tp, pp or ZeRO stage, or recompute shrink it\n",
-        plan::summary(c.plan), c.memory_bytes / kGiB, c.capacity_bytes / kGiB,
-        (c.memory_bytes - c.capacity_bytes) / kGiB, memory_parts(c));
+    std::cout << closest_to_fitting(spec, cluster, *result.closest_not_fitting) << "\n";
   }
   if (!result.memory_frontier.empty()) {
     // Its last row is as fast as the fastest plan that does not fit (the same plan but for a
