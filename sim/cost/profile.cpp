@@ -63,6 +63,10 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   p.file = path;
   p.device = r.string("device");
   p.source = r.string("source");
+  // Fields that the model does not read still have their types checked: a profile is written
+  // by dtexec calibrate, and a wrong type means a file that it did not write.
+  if (r.has("notes")) r.string("notes");
+  if (r.has("ranks_per_host")) r.positive_int("ranks_per_host");
   if (r.has("precision")) {
     p.precision = *parse_precision(r.choice("precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));
   }
@@ -97,6 +101,7 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
     if (f.has("rank_spread_cv")) p.rank_spread_cv = coefficient_of_variation(f, "rank_spread_cv");
     // Recorded by dtexec calibrate for comparison with jitter_cv; not used by the model yet.
     if (f.has("transient_cv")) coefficient_of_variation(f, "transient_cv");
+    if (f.has("tasks")) f.positive_int("tasks");
     auto factor = [&](std::string_view key) {
       const double v = f.positive_number(key);
       if (v < 0.1 || v > 100) {
@@ -141,6 +146,7 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
         o.fail("op", fmt::format("{} {} is given twice", op, phase));
       }
       p.ops[{op, phase}] = {o.positive_number(flops ? "flops_per_s" : "bytes_per_s"), flops};
+      if (o.has("seconds")) o.positive_number("seconds");
     }
     const auto loss = p.ops.find({"loss", "fwd"});
     if (loss != p.ops.end() && !p.ops.count({"loss_statistics", "fwd"})) {
@@ -168,6 +174,9 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
                                     c.positive_int("bytes")));
       }
       measured.push_back({bytes, c.positive_number("seconds")});
+      for (const char* rate : {"algbw_bytes_per_s", "busbw_bytes_per_s"}) {
+        if (c.has(rate)) c.positive_number(rate);
+      }
     }
     for (auto& entry : p.collectives) {
       auto& measured = entry.second;

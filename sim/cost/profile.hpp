@@ -43,6 +43,8 @@
 // all_gather, reduce_scatter, all_to_all, send_recv; one sample per kind, ranks and bytes) replace
 // the network model for groups of a measured size inside one node: time from the measured
 // throughput interpolated in log(bytes), never below the smallest size's time (latency).
+// Fields recorded but not read (notes, ranks_per_host, in_run.tasks, an op's seconds, a
+// collective's algbw and busbw) are still refused when their type is not calibrate's.
 //
 // A GEMM of a measured shape takes its measured time (`dtexec calibrate` times the model's own
 // GEMMs, forward and backward, whole and split over tp); any other GEMM's time comes from the

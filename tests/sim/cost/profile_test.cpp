@@ -182,6 +182,23 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
           "in_run": {"forward": 1, "backward": 1, "optimizer": 1, "transient_cv": 2}})",
       "bad_profile.json: in_run.transient_cv: expected a coefficient of variation below 1, "
       "got 2");
+  // Fields that the model does not read are still typed as dtexec calibrate writes them.
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "notes": 3})",
+      "bad_profile.json: notes: expected a string");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "ranks_per_host": "two"})",
+      "bad_profile.json: ranks_per_host: expected a positive integer");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "in_run": {"forward": 1, "backward": 1, "optimizer": 1, "tasks": -4}})",
+      "bad_profile.json: in_run.tasks: expected a positive integer, got -4");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "ops": [{"op": "gelu", "phase": "fwd", "bytes_per_s": 1e9, "seconds": "fast"}]})",
+      "bad_profile.json: ops[0].seconds: expected a positive number");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "collectives": [{"kind": "all_reduce", "ranks": 2, "bytes": 8, "seconds": 1e-5,
+                           "busbw_bytes_per_s": 0}]})",
+      "bad_profile.json: collectives[0].busbw_bytes_per_s: expected a positive number");
 }
 
 TEST_CASE("a profile's in_run factors scale its compute times by phase", "[cost][profile]") {
