@@ -563,9 +563,8 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   return 0;
 }
 
-}  // namespace
-
-int run(const std::vector<std::string>& args) {
+// The flags of dtexec run: its own, then the plan's (dtsim's).
+po::options_description run_options_description() {
   po::options_description desc("dtexec run options");
   desc.add_options()("help,h", "show this help")(
       "model", po::value<std::string>()->default_value("tiny-gpt"), "model name or path")(
@@ -637,6 +636,411 @@ int run(const std::vector<std::string>& args) {
                      "for every plan");
   dtsim::cli::add_plan_options(
       desc, "fp32 (the CPU's default) or bf16 (the GPU's default; on the CPU, its emulation)");
+  return desc;
+}
+
+// The plan of the flags, in a precision this backend trains in, checked for `devices`.
+dtsim::plan::Plan backend_plan(const po::variables_map& vm, const dtsim::model::ModelSpec& spec,
+                               std::int64_t devices, bool gpu) {
+  std::vector<std::string> notes;  // what dtsim says it completed; the run reports its own
+  // The CPU backend trains in fp32: the plan is completed and checked in it.
+  std::optional<dtsim::cli::PrecisionDefault> fallback;
+  if (!gpu) fallback = dtsim::cli::PrecisionDefault{dtsim::Precision::Fp32, "the CPU backend"};
+  dtsim::plan::Plan plan = dtsim::cli::plan_from_options(vm, spec, devices, notes, fallback);
+  if (gpu) {
+    if (plan.precision != dtsim::Precision::Bf16 && plan.precision != dtsim::Precision::Fp32) {
+      throw dtsim::UnsupportedError(
+          fmt::format("precision {}: the GPU backend trains in bf16 or fp32",
+                      dtsim::to_string(plan.precision)));
+    }
+  } else if (plan.precision != dtsim::Precision::Fp32) {
+    // bf16 asked for on the command line: the GPU's mixed precision, emulated (bf16_device.hpp).
+    const bool asked = vm.count("precision") > 0;
+    if (asked && plan.precision != dtsim::Precision::Bf16) {
+      throw dtsim::UnsupportedError(
+          fmt::format("--precision {}: the CPU backend trains in fp32, or bf16 emulated",
+                      vm["precision"].as<std::string>()));
+    }
+    if (!asked) plan.precision = dtsim::Precision::Fp32;
+  }
+  if (plan.optimizer != dtsim::plan::Optimizer::Adam) {
+    throw dtsim::UnsupportedError("optimizer: dtexec trains with AdamW only");
+  }
+  dtsim::plan::require_valid(plan, spec, devices);
+  return plan;
+}
+
+// The run's steps, warm-up, learning rate, checkpoints and fault injection, checked.
+dtsim::exec::RunOptions run_options_of(const po::variables_map& vm) {
+  const int steps = vm["steps"].as<int>();
+  if (steps < 1) throw dtsim::InputError(fmt::format("--steps {}: expected 1 or more", steps));
+  const int warmup = vm["warmup"].defaulted() ? std::min(1, steps - 1) : vm["warmup"].as<int>();
+  if (warmup < 0 || warmup >= steps) {
+    throw dtsim::InputError(
+        fmt::format("--steps {} / --warmup {}: need 0 <= warmup < steps", steps, warmup));
+  }
+  const int every = vm["checkpoint-every"].as<int>();
+  if (every < 0) {
+    throw dtsim::InputError(fmt::format("--checkpoint-every: expected 0 or more, got {}", every));
+  }
+  if (every > 0 && !vm.count("checkpoint")) {
+    throw dtsim::InputError("--checkpoint-every: give --checkpoint DIR as well");
+  }
+  if (vm["checkpoint-async"].as<bool>() && !vm.count("checkpoint")) {
+    throw dtsim::InputError("--checkpoint-async: give --checkpoint DIR as well");
+  }
+  dtsim::exec::RunOptions options;
+  options.steps = steps;
+  options.warmup_steps = warmup;
+  options.lr = lr_schedule_of(vm, steps);
+  options.weight_decay = vm["weight-decay"].as<float>();
+  if (!(std::isfinite(options.weight_decay) && options.weight_decay >= 0)) {
+    throw dtsim::InputError(
+        fmt::format("--weight-decay: expected a finite number >= 0, got {}", options.weight_decay));
+  }
+  options.seed = vm["seed"].as<std::uint64_t>();
+  if (vm.count("checkpoint")) options.checkpoint_dir = vm["checkpoint"].as<std::string>();
+  options.checkpoint_every = every;
+  options.checkpoint_async = vm["checkpoint-async"].as<bool>();
+  if (vm.count("resume")) options.resume_dir = vm["resume"].as<std::string>();
+  rank_and_step(vm, "fail-at", options.fail_rank, options.fail_step);
+  rank_and_step(vm, "hang-at", options.hang_rank, options.hang_step);
+  return options;
+}
+
+// This rank's device for the plan's precision: a GPU with --backend cuda (`mpi`'s node-local
+// rank's), else the CPU, emulating bf16 where the plan has it. Says which in `where`.
+std::unique_ptr<dtsim::exec::Device> make_device(const dtsim::plan::Plan& plan, bool gpu,
+                                                 const dtsim::exec::cpu::MpiSession* mpi,
+                                                 bool share_gpus, std::string& where) {
+  where = "the CPU";
+  std::unique_ptr<dtsim::exec::Device> device;
+  if (gpu) {
+    device = mpi ? make_gpu_device(plan.precision, mpi->local_rank(), mpi->local_size(),
+                                   mpi->host(), share_gpus, where)
+                 : make_gpu_device(plan.precision, 0, 1, "this host", false, where);
+  } else if (plan.precision == dtsim::Precision::Bf16) {
+    device = std::make_unique<dtsim::exec::cpu::Bf16Device>();
+    where = "the CPU (bf16 activations emulated: fp32 kernels, bf16 storage)";
+  } else {
+    device = std::make_unique<dtsim::exec::cpu::CpuDevice>();
+  }
+  return device;
+}
+
+// The ranks' communicators: MPI's between CPU ranks, NCCL's between GPUs, none for one rank.
+std::unique_ptr<dtsim::exec::Comm> make_comm(dtsim::exec::cpu::MpiSession* mpi, bool gpu,
+                                             const dtsim::lower::Program& program,
+                                             dtsim::exec::Device& device, double task_timeout_s) {
+  std::unique_ptr<dtsim::exec::Comm> comm;
+  // One process under mpirun (mpirun -np 1) runs as one without it.
+  if (mpi && mpi->size() > 1 && !gpu) {
+    comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);
+    dtsim::exec::cpu::set_gemm_threads(1);
+  } else if (mpi && mpi->size() > 1) {
+#ifdef DTEXEC_HAVE_CUDA
+    try {
+      comm = dtsim::exec::cuda::make_nccl_comm(*mpi, program, device, task_timeout_s);
+    } catch (const std::exception& e) {
+      end_all_ranks(e, mpi, "run");
+      throw;
+    }
+#endif
+  } else {
+    comm = std::make_unique<dtsim::exec::SingleRankComm>(&device);
+  }
+  return comm;
+}
+
+// Rank 0's header, and each step and checkpoint as it ends (the text output).
+void announce_run(int rank, const dtsim::model::ModelSpec& spec, const std::string& where,
+                  std::int64_t devices, const dtsim::plan::Plan& plan,
+                  const std::vector<std::string>& run_notes, dtsim::exec::RunOptions& options) {
+  const int steps = options.steps;
+  out(rank) << fmt::format(
+      "{} on {}, {} rank{}, plan {}: {} x {} tokens per step ({} micro-batch{} per "
+      "replica), until step {}{}\n",
+      spec.name, where, devices, devices == 1 ? "" : "s", dtsim::plan::summary(plan),
+      plan.global_batch_size, plan.seq_len, plan.micro_batches(),
+      plan.micro_batches() == 1 ? "" : "es", steps,
+      options.resume_dir.empty() ? "" : ", resuming " + options.resume_dir);
+  for (const auto& note : run_notes) out(rank) << "note: " << note << "\n";
+  // Each step as it ends.
+  if (options.lr.warmup_steps > 0 || options.lr.decay != dtsim::exec::LrDecay::Constant) {
+    out(rank) << "learning rate: " << options.lr.describe() << "\n";
+  }
+  options.on_step = [rank, lr = options.lr](int step, double loss, double seconds,
+                                            double grad_norm) {
+    out(rank) << fmt::format(
+                     "step {:>4}  loss {:.4f}  {:.1f} ms  lr {:.3g}{}\n", step, loss, seconds * 1e3,
+                     lr.at(step),
+                     grad_norm >= 0 ? fmt::format("  grad norm {:.4g}", grad_norm) : std::string())
+              << std::flush;
+  };
+  options.on_checkpoint = [rank,
+                           dir = options.checkpoint_dir](const dtsim::exec::CheckpointRecord& c) {
+    out(rank) << (c.asynchronous
+                      ? fmt::format("checkpoint of step {} in place in {} after step {}: "
+                                    "{:.1f} MiB, training stopped {:.3f} s, written behind "
+                                    "it in {:.3f} s\n",
+                                    c.step, dir, c.in_place_after, c.bytes / (1024.0 * 1024.0),
+                                    c.blocking_s, c.write_s)
+                      : fmt::format("checkpoint of step {} in place in {}: {:.1f} MiB in "
+                                    "{:.3f} s\n",
+                                    c.step, dir, c.bytes / (1024.0 * 1024.0), c.seconds))
+              << std::flush;
+  };
+}
+
+// The device whose peak the measured MFU is taken against, and its peak in the plan's precision.
+struct Peak {
+  std::optional<double> flops;
+  std::optional<std::string> device;
+};
+
+// Checked before the run: a --cluster that does not load is an error; without one, an unknown
+// device leaves the peak unknown.
+Peak peak_of(const po::variables_map& vm, bool gpu, const dtsim::exec::Device& device,
+             const dtsim::plan::Plan& plan) {
+  Peak peak;
+  try {
+    const auto d = vm.count("cluster")
+                       ? dtsim::cluster::load_cluster(vm["cluster"].as<std::string>()).device
+                       : dtsim::cluster::load_device(gpu ? device.name() : "cpu-host");
+    peak.flops = d.peak_flops_for(plan.precision);
+    peak.device = d.name;
+  } catch (const dtsim::InputError&) {
+    if (vm.count("cluster")) throw;
+  } catch (const dtsim::UnsupportedError&) {
+    if (vm.count("cluster")) throw;
+  }
+  return peak;
+}
+
+// The memory the busiest rank held, gathered over the ranks: its peak of tensors, its pool's
+// bytes, and (expert parallelism) its experts' load over the even share, mean and peak.
+struct HeldMemory {
+  double peak_bytes = 0;
+  double reserved_bytes = 0;
+  double expert_load = 0;
+  double expert_load_peak = 0;
+};
+
+// The JSON "memory" object, against dtsim memory's prediction where it applies.
+nlohmann::json memory_json(const HeldMemory& held, std::optional<double> predicted,
+                           const dtsim::plan::Plan& plan) {
+  nlohmann::json memory = {
+      {"peak_bytes", held.peak_bytes},
+      {"reserved_bytes", held.reserved_bytes},
+      {"predicted_bytes", dtsim::report::value_or_null(predicted)},
+      {"note",
+       "peak_bytes: the most tensor bytes the device held at once on the busiest rank; "
+       "reserved_bytes: what its pool of buffers held; predicted_bytes: dtsim memory's busiest "
+       "stage without its framework allowance (null where the memory model does not apply)"}};
+  if (plan.ep > 1) {
+    memory["expert_load"] = held.expert_load;
+    memory["expert_load_peak"] = held.expert_load_peak;
+    memory["note"] =
+        memory["note"].get<std::string>() +
+        "; expert_load: the token copies the busiest rank's experts got over the even share, on "
+        "average over a micro-batch's MoE blocks, the mean over its micro-batches "
+        "(expert_load_peak: the largest), dtsim's --expert-load";
+  }
+  return memory;
+}
+
+// The JSON "checkpoints": each checkpoint the run wrote, with what it cost.
+nlohmann::json checkpoints_json(const dtsim::exec::RunResult& result) {
+  nlohmann::json checkpoints = nlohmann::json::array();
+  for (const auto& c : result.checkpoints) {
+    checkpoints.push_back({{"step", c.step},
+                           {"seconds", c.seconds},
+                           {"bytes", c.bytes},
+                           {"shards", c.shards},
+                           {"copy_to_host_seconds", c.copy_s},
+                           {"copy_to_host_bytes_per_s_per_rank", c.copy_bytes_per_s},
+                           {"asynchronous", c.asynchronous},
+                           {"blocking_seconds", c.blocking_s},
+                           {"write_seconds", c.write_s},
+                           {"in_place_after_step", c.in_place_after}});
+  }
+  return checkpoints;
+}
+
+// What simulate predicts, measured: FLOP rates, and where the step went on the stage that
+// computes the most (rank 0 has the ranks' times; the other ranks return an empty breakdown).
+nlohmann::json measured_json(int rank, const dtsim::exec::RunResult& result, const Timings& timings,
+                             const dtsim::model::ModelGraph& graph,
+                             const dtsim::lower::Program& program, const dtsim::plan::Plan& plan,
+                             std::int64_t devices, bool host_memory, const Peak& peak,
+                             double peak_bytes) {
+  const auto flops = dtsim::engine::step_flops(graph, plan);
+  const double gpus = static_cast<double>(devices);
+  // Rank 0 prints the JSON, and has the ranks' times. As simulate, the breakdown reported is the
+  // stage that computes the most (ties: the first).
+  const auto stages = rank == 0 ? measured_stages(timings, result, program)
+                                : std::vector<dtsim::engine::StagePrediction>{};
+  const std::size_t busiest = dtsim::engine::busiest_stage(stages);
+  const dtsim::engine::Breakdown spent =
+      stages.empty() ? dtsim::engine::Breakdown{} : stages[busiest].breakdown;
+  const int spent_stage = stages.empty() ? 0 : stages[busiest].stage;
+  const std::int64_t spent_rank = stages.empty() ? 0 : stages[busiest].rank;
+  const double step = result.step_time_s;
+  std::optional<double> mfu, hfu;
+  if (peak.flops) {
+    mfu = flops.model / (step * gpus * *peak.flops);
+    hfu = flops.hardware / (step * gpus * *peak.flops);
+  }
+  nlohmann::json breakdown = dtsim::report::breakdown_json(spent, /*predicted=*/false);
+  // Before the simulator's terms were measured, the rest of the (median) step was one figure.
+  breakdown["other_s"] =
+      std::max(0.0, step - spent.compute_s - spent.recompute_s - spent.optimizer_s);
+  // Measured only: the part of the bubble that is the runner's own work between tasks; null
+  // where a device queues work and has peers to wait for (runner_work_s).
+  std::optional<double> runner_s;
+  if (host_memory || program.ranks.size() == 1) {
+    runner_s = 0.0;
+    for (std::size_t r = 0; r < program.ranks.size() && !stages.empty(); ++r) {
+      if (program.ranks[r].rank == spent_rank) runner_s = runner_work_s(timings, result, r);
+    }
+  }
+  breakdown["runner_s"] = dtsim::report::value_or_null(runner_s);
+  // Amdahl's bound from the measured split (simulate's rule), the waits for peers counted as
+  // idle.
+  const double mean_step = spent.total_s();
+  nlohmann::json per_stage = nlohmann::json::array();
+  for (const auto& s : stages) per_stage.push_back(dtsim::report::stage_json(s, false));
+  nlohmann::json amdahl;  // null where not measured
+  if (mean_step > 0) {
+    const double serial = dtsim::engine::serial_fraction(spent, plan, mean_step);
+    amdahl = {{"serial_fraction", serial}, {"max_speedup", serial > 0 ? 1.0 / serial : 0.0}};
+  }
+  breakdown["note"] =
+      result.tasks.empty()
+          ? std::string(
+                "no step of this run came after its warm-up (a resumed run with no more "
+                "steps left than --warmup): nothing was timed, so every term is 0")
+          : fmt::format(
+                "rank {}'s tasks ({}), the mean over the last (up to 8) steps after warm-up, "
+                "each from the rank's start of the step to the end of the slowest rank's, split "
+                "as dtsim simulate splits a step{}; bubble_s also holds the runner's own work "
+                "between tasks, at least runner_s of it (what none of the rank's tasks covers, "
+                "as it timed them; null on GPUs with peers, where the compute stream's gaps "
+                "hold its waits); other_s: the median step less compute, recompute and "
+                "optimizer; straggler_wait_s is null: a wait for a late rank is not told "
+                "apart from other waits for peers",
+                spent_rank,
+                stages.size() > 1 ? fmt::format("stage {}, the stage that computes the most, as "
+                                                "simulate reports; per_stage has each stage's "
+                                                "first rank",
+                                                spent_stage)
+                                  : fmt::format("stage {}", spent_stage),
+                program.ranks.size() == 1 ? ""
+                : timings.shared_clock
+                    ? ": a receive, collective or blocking send counted from when all its ranks "
+                      "had reached it (the ranks share this machine's clock), the wait before "
+                      "that as bubble"
+                    : fmt::format(
+                          ": a receive, collective or blocking send counted from when all its "
+                          "ranks had reached it, the wait before that as bubble; the ranks' "
+                          "clocks (several machines) were put on rank 0's by round trips, each "
+                          "within {:.1f} us",
+                          timings.clock_error_s * 1e6)) +
+                (program.ranks.size() == 1 || timings.comm_progresses
+                     ? ""
+                     : "; a started collective's time leaves out the compute tasks its rank ran "
+                       "while it was pending (MPI moves its data only inside its calls, between "
+                       "tasks)");
+  nlohmann::json measured = {{"gpus", devices},
+                             {"model_flops", flops.model},
+                             {"hardware_flops", flops.hardware},
+                             {"model_flops_per_step", flops.model},
+                             {"hardware_flops_per_step", flops.hardware},
+                             {"memory_per_gpu_bytes", peak_bytes},
+                             {"breakdown_stage", spent_stage},
+                             {"per_stage", per_stage},
+                             {"amdahl", amdahl},
+                             {"clock",
+                              {{"shared", timings.shared_clock},
+                               {"error_s", timings.clock_error_s},
+                               {"note",
+                                "shared: the ranks read one machine's clock; else each rank's "
+                                "was put on rank 0's by round trips (Cristian's method), each "
+                                "within error_s"}}},
+                             {"tflops_per_gpu", flops.hardware / (step * gpus) / 1e12},
+                             {"model_tflops_per_gpu", flops.model / (step * gpus) / 1e12},
+                             {"mfu", dtsim::report::value_or_null(mfu)},
+                             {"hfu", dtsim::report::value_or_null(hfu)},
+                             {"peak_device", dtsim::report::value_or_null(peak.device)},
+                             {"breakdown", breakdown}};
+  return measured;
+}
+
+// The text output's closing lines: the step time, memory, and the last checkpoint's cost.
+void print_summary(int rank, const dtsim::exec::RunResult& result,
+                   const dtsim::exec::RunOptions& options, const dtsim::plan::Plan& plan,
+                   const HeldMemory& held, std::optional<double> predicted_memory) {
+  const int warmup = options.warmup_steps;
+  const double tokens = static_cast<double>(plan.global_batch_size * plan.seq_len);
+  // What dtsim's --expert-load assumes, against what the busiest rank's experts got.
+  const std::string load_note =
+      plan.ep > 1
+          ? fmt::format(
+                "; the busiest rank's experts got {:.3f}x the even share of token copies (up to "
+                "{:.3f}x in a micro-batch), where dtsim assumes {:g}x (--expert-load)",
+                held.expert_load, held.expert_load_peak, plan.expert_load)
+          : std::string();
+  const auto [fastest, slowest] = spread(result, warmup);
+  out(rank) << fmt::format(
+      "median step time {:.1f} ms after {} warm-up step(s) (from {:.1f} to {:.1f} ms), {:.0f} "
+      "tokens/s\n",
+      result.step_time_s * 1e3, warmup, fastest * 1e3, slowest * 1e3, tokens / result.step_time_s);
+  constexpr double mib = 1024.0 * 1024.0;
+  out(rank) << fmt::format(
+      "memory: peak {:.1f} MiB of tensors on the busiest rank ({:.1f} MiB held "
+      "by its pool){}\n",
+      held.peak_bytes / mib, held.reserved_bytes / mib,
+      predicted_memory ? fmt::format("; dtsim memory predicts {:.1f} MiB "
+                                     "(without its framework allowance){}",
+                                     *predicted_memory / mib, load_note)
+                       : std::string());
+  if (!options.checkpoint_dir.empty() && !result.checkpoints.empty()) {
+    // What a checkpoint cost here: dtsim's time to train with interruptions takes a write
+    // bandwidth (--checkpoint-write-gbs-per-gpu).
+    const auto& last = result.checkpoints.back();
+    if (last.asynchronous) {
+      out(rank) << fmt::format(
+          "checkpoint written to {} asynchronously ({} time{}; the last: {:.1f} MiB of weights "
+          "and AdamW state, training stopped {:.3f} s for it, of that the copy to host memory "
+          "{:.3f} s, {:.2f} GB/s per rank: dtsim --checkpoint-async-gbs-per-gpu; its {} "
+          "shard{} written behind training in {:.3f} s, {:.0f} MB/s; in place after step {}; "
+          "the host copy {:.1f} MiB on the busiest rank, allocated before the first step in "
+          "{:.3f} s)\n",
+          options.checkpoint_dir, result.checkpoints.size(),
+          result.checkpoints.size() == 1 ? "" : "s", last.bytes / (1024.0 * 1024.0),
+          last.blocking_s, last.copy_s, last.copy_bytes_per_s / 1e9, last.shards,
+          last.shards == 1 ? "" : "s", last.write_s,
+          last.write_s > 0 ? last.bytes / last.write_s / 1e6 : 0.0, last.in_place_after,
+          result.checkpoint_host_bytes / (1024.0 * 1024.0), result.checkpoint_host_seconds);
+      return;
+    }
+    out(rank) << fmt::format(
+        "checkpoint written to {} ({} time{}; the last: {:.1f} MiB of weights and AdamW state "
+        "in {:.3f} s, {:.0f} MB/s, {} shard{} written by {}; of that the copy to host memory "
+        "{:.3f} s, {:.2f} GB/s per rank, what an asynchronous save stops for: dtsim "
+        "--checkpoint-async-gbs-per-gpu)\n",
+        options.checkpoint_dir, result.checkpoints.size(),
+        result.checkpoints.size() == 1 ? "" : "s", last.bytes / (1024.0 * 1024.0), last.seconds,
+        last.seconds > 0 ? last.bytes / last.seconds / 1e6 : 0.0, last.shards,
+        last.shards == 1 ? "" : "s", last.shards == 1 ? "one rank" : "as many ranks at once",
+        last.copy_s, last.copy_bytes_per_s / 1e9);
+  }
+}
+
+}  // namespace
+
+int run(const std::vector<std::string>& args) {
+  const po::options_description desc = run_options_description();
   po::variables_map vm;
   if (!parse(args, desc,
              "usage: dtexec run --model M [plan flags or --plan P.json] [options]\n"
@@ -695,48 +1099,8 @@ int run(const std::vector<std::string>& args) {
     throw dtsim::InputError(fmt::format(
         "the plan needs {} ranks: start them with mpirun -np {} dtexec run ...", devices, devices));
   }
-  std::vector<std::string> notes;
-  // The CPU backend trains in fp32: the plan is completed and checked in it.
-  std::optional<dtsim::cli::PrecisionDefault> fallback;
-  if (!gpu) fallback = dtsim::cli::PrecisionDefault{dtsim::Precision::Fp32, "the CPU backend"};
-  dtsim::plan::Plan plan = dtsim::cli::plan_from_options(vm, spec, devices, notes, fallback);
-  if (gpu) {
-    if (plan.precision != dtsim::Precision::Bf16 && plan.precision != dtsim::Precision::Fp32) {
-      throw dtsim::UnsupportedError(
-          fmt::format("precision {}: the GPU backend trains in bf16 or fp32",
-                      dtsim::to_string(plan.precision)));
-    }
-  } else if (plan.precision != dtsim::Precision::Fp32) {
-    // bf16 asked for on the command line: the GPU's mixed precision, emulated (bf16_device.hpp).
-    const bool asked = vm.count("precision") > 0;
-    if (asked && plan.precision != dtsim::Precision::Bf16) {
-      throw dtsim::UnsupportedError(
-          fmt::format("--precision {}: the CPU backend trains in fp32, or bf16 emulated",
-                      vm["precision"].as<std::string>()));
-    }
-    if (!asked) plan.precision = dtsim::Precision::Fp32;
-  }
-  if (plan.optimizer != dtsim::plan::Optimizer::Adam) {
-    throw dtsim::UnsupportedError("optimizer: dtexec trains with AdamW only");
-  }
-  dtsim::plan::require_valid(plan, spec, devices);
-  const int steps = vm["steps"].as<int>();
-  if (steps < 1) throw dtsim::InputError(fmt::format("--steps {}: expected 1 or more", steps));
-  const int warmup = vm["warmup"].defaulted() ? std::min(1, steps - 1) : vm["warmup"].as<int>();
-  if (warmup < 0 || warmup >= steps) {
-    throw dtsim::InputError(
-        fmt::format("--steps {} / --warmup {}: need 0 <= warmup < steps", steps, warmup));
-  }
-  const int every = vm["checkpoint-every"].as<int>();
-  if (every < 0) {
-    throw dtsim::InputError(fmt::format("--checkpoint-every: expected 0 or more, got {}", every));
-  }
-  if (every > 0 && !vm.count("checkpoint")) {
-    throw dtsim::InputError("--checkpoint-every: give --checkpoint DIR as well");
-  }
-  if (vm["checkpoint-async"].as<bool>() && !vm.count("checkpoint")) {
-    throw dtsim::InputError("--checkpoint-async: give --checkpoint DIR as well");
-  }
+  const dtsim::plan::Plan plan = backend_plan(vm, spec, devices, gpu);
+  dtsim::exec::RunOptions options = run_options_of(vm);
   // The kernels count a micro-batch's tokens in an int.
   if (plan.micro_batch_size * plan.seq_len > std::numeric_limits<int>::max()) {
     throw dtsim::InputError(fmt::format(
@@ -749,34 +1113,9 @@ int run(const std::vector<std::string>& args) {
                                                  : dtsim::lower::Lowering::Representatives;
   const auto program = dtsim::lower::lower(graph, plan, lower_options);
   dtsim::exec::check_runnable(graph, program, only_rank);
-  dtsim::exec::RunOptions options;
-  options.steps = steps;
-  options.warmup_steps = warmup;
-  options.lr = lr_schedule_of(vm, steps);
-  options.weight_decay = vm["weight-decay"].as<float>();
-  if (!(std::isfinite(options.weight_decay) && options.weight_decay >= 0)) {
-    throw dtsim::InputError(
-        fmt::format("--weight-decay: expected a finite number >= 0, got {}", options.weight_decay));
-  }
-  options.seed = vm["seed"].as<std::uint64_t>();
-  if (vm.count("checkpoint")) options.checkpoint_dir = vm["checkpoint"].as<std::string>();
-  options.checkpoint_every = every;
-  options.checkpoint_async = vm["checkpoint-async"].as<bool>();
-  if (vm.count("resume")) options.resume_dir = vm["resume"].as<std::string>();
-  rank_and_step(vm, "fail-at", options.fail_rank, options.fail_step);
-  rank_and_step(vm, "hang-at", options.hang_rank, options.hang_step);
-  std::string where = "the CPU";
-  std::unique_ptr<dtsim::exec::Device> device;
-  if (gpu) {
-    device = mpi ? make_gpu_device(plan.precision, mpi->local_rank(), mpi->local_size(),
-                                   mpi->host(), share_gpus, where)
-                 : make_gpu_device(plan.precision, 0, 1, "this host", false, where);
-  } else if (plan.precision == dtsim::Precision::Bf16) {
-    device = std::make_unique<dtsim::exec::cpu::Bf16Device>();
-    where = "the CPU (bf16 activations emulated: fp32 kernels, bf16 storage)";
-  } else {
-    device = std::make_unique<dtsim::exec::cpu::CpuDevice>();
-  }
+  std::string where;
+  const std::unique_ptr<dtsim::exec::Device> device =
+      make_device(plan, gpu, mpi.get(), share_gpus, where);
   dtsim::exec::check_device(graph, program, *device);
   if (device->host_memory() && !only_rank) {
     if (const auto report = predicted_memory_report(vm, graph, plan)) {
@@ -796,23 +1135,8 @@ int run(const std::vector<std::string>& args) {
     std::cerr.flush();
     std::_Exit(3);
   };
-  std::unique_ptr<dtsim::exec::Comm> comm;
-  // One process under mpirun (mpirun -np 1) runs as one without it.
-  if (mpi && mpi->size() > 1 && !gpu) {
-    comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);
-    dtsim::exec::cpu::set_gemm_threads(1);
-  } else if (mpi && mpi->size() > 1) {
-#ifdef DTEXEC_HAVE_CUDA
-    try {
-      comm = dtsim::exec::cuda::make_nccl_comm(*mpi, program, *device, options.task_timeout_s);
-    } catch (const std::exception& e) {
-      end_all_ranks(e, mpi.get(), "run");
-      throw;
-    }
-#endif
-  } else {
-    comm = std::make_unique<dtsim::exec::SingleRankComm>(device.get());
-  }
+  const std::unique_ptr<dtsim::exec::Comm> comm =
+      make_comm(mpi.get(), gpu, program, *device, options.task_timeout_s);
   const bool json_out = vm["json"].as<bool>();
   // What this run does that its figures depend on (dropout, routing, context parallelism).
   std::vector<std::string> run_notes = dtsim::exec::execution_notes(spec, plan);
@@ -826,63 +1150,16 @@ int run(const std::vector<std::string>& args) {
       throw;
     }
   }
-  if (!json_out) {
-    out(rank) << fmt::format(
-        "{} on {}, {} rank{}, plan {}: {} x {} tokens per step ({} micro-batch{} per "
-        "replica), until step {}{}\n",
-        spec.name, where, devices, devices == 1 ? "" : "s", dtsim::plan::summary(plan),
-        plan.global_batch_size, plan.seq_len, plan.micro_batches(),
-        plan.micro_batches() == 1 ? "" : "es", steps,
-        options.resume_dir.empty() ? "" : ", resuming " + options.resume_dir);
-    for (const auto& note : run_notes) out(rank) << "note: " << note << "\n";
-    // Each step as it ends.
-    if (options.lr.warmup_steps > 0 || options.lr.decay != dtsim::exec::LrDecay::Constant) {
-      out(rank) << "learning rate: " << options.lr.describe() << "\n";
-    }
-    options.on_step = [rank, lr = options.lr](int step, double loss, double seconds,
-                                              double grad_norm) {
-      out(rank) << fmt::format("step {:>4}  loss {:.4f}  {:.1f} ms  lr {:.3g}{}\n", step, loss,
-                               seconds * 1e3, lr.at(step),
-                               grad_norm >= 0 ? fmt::format("  grad norm {:.4g}", grad_norm)
-                                              : std::string())
-                << std::flush;
-    };
-    options.on_checkpoint = [rank,
-                             dir = options.checkpoint_dir](const dtsim::exec::CheckpointRecord& c) {
-      out(rank) << (c.asynchronous
-                        ? fmt::format("checkpoint of step {} in place in {} after step {}: "
-                                      "{:.1f} MiB, training stopped {:.3f} s, written behind "
-                                      "it in {:.3f} s\n",
-                                      c.step, dir, c.in_place_after, c.bytes / (1024.0 * 1024.0),
-                                      c.blocking_s, c.write_s)
-                        : fmt::format("checkpoint of step {} in place in {}: {:.1f} MiB in "
-                                      "{:.3f} s\n",
-                                      c.step, dir, c.bytes / (1024.0 * 1024.0), c.seconds))
-                << std::flush;
-    };
-  }
-  // The device whose peak the measured MFU is taken against, checked before the run: a
-  // --cluster that does not load is an error; without one, an unknown device leaves it unknown.
-  std::optional<double> peak;
-  std::optional<std::string> peak_device;
-  try {
-    const auto d = vm.count("cluster")
-                       ? dtsim::cluster::load_cluster(vm["cluster"].as<std::string>()).device
-                       : dtsim::cluster::load_device(gpu ? device->name() : "cpu-host");
-    peak = d.peak_flops_for(plan.precision);
-    peak_device = d.name;
-  } catch (const dtsim::InputError&) {
-    if (vm.count("cluster")) throw;
-  } catch (const dtsim::UnsupportedError&) {
-    if (vm.count("cluster")) throw;
-  }
+  if (!json_out) announce_run(rank, spec, where, devices, plan, run_notes, options);
+  const Peak peak = peak_of(vm, gpu, *device, plan);
   dtsim::exec::RunResult result;
   Timings timings;
   try {
     result = dtsim::exec::run_program(graph, program, options, *comm, *device);
     timings = gather_timings(result, *comm, clock_skew);
     if (vm.count("trace") && rank == 0) {
-      write_trace(vm["trace"].as<std::string>(), program, timings, steps - 1, result.first_step);
+      write_trace(vm["trace"].as<std::string>(), program, timings, options.steps - 1,
+                  result.first_step);
     }
   } catch (const std::exception& e) {
     end_all_ranks(e, mpi.get(), "run");
@@ -891,230 +1168,55 @@ int run(const std::vector<std::string>& args) {
   // Memory: the peak of tensor bytes on the busiest rank, and the memory model's busiest stage
   // without its framework allowance (the pool holds tensors only). Every rank takes part.
   const auto use = device->memory_use();
-  std::array<double, 4> held = {static_cast<double>(use.peak), static_cast<double>(use.reserved),
-                                result.expert_load, result.expert_load_peak};
-  comm->all_ranks(held, dtsim::exec::Reduce::Max);
+  std::array<double, 4> gathered = {static_cast<double>(use.peak),
+                                    static_cast<double>(use.reserved), result.expert_load,
+                                    result.expert_load_peak};
+  comm->all_ranks(gathered, dtsim::exec::Reduce::Max);
+  const HeldMemory held{gathered[0], gathered[1], gathered[2], gathered[3]};
   std::optional<double> predicted_memory;
   if (const auto report = predicted_memory_report(vm, graph, plan)) {
     predicted_memory = report->worst().total_bytes;
   }
-  nlohmann::json memory = {
-      {"peak_bytes", held[0]},
-      {"reserved_bytes", held[1]},
-      {"predicted_bytes", dtsim::report::value_or_null(predicted_memory)},
-      {"note",
-       "peak_bytes: the most tensor bytes the device held at once on the busiest rank; "
-       "reserved_bytes: what its pool of buffers held; predicted_bytes: dtsim memory's busiest "
-       "stage without its framework allowance (null where the memory model does not apply)"}};
-  std::string load_note;
-  if (plan.ep > 1) {
-    memory["expert_load"] = held[2];
-    memory["expert_load_peak"] = held[3];
-    memory["note"] =
-        memory["note"].get<std::string>() +
-        "; expert_load: the token copies the busiest rank's experts got over the even share, on "
-        "average over a micro-batch's MoE blocks, the mean over its micro-batches "
-        "(expert_load_peak: the largest), dtsim's --expert-load";
-    load_note = fmt::format(
-        "; the busiest rank's experts got {:.3f}x the even share of token copies (up to {:.3f}x "
-        "in a micro-batch), where dtsim assumes {:g}x (--expert-load)",
-        held[2], held[3], plan.expert_load);
+  if (!json_out) {
+    print_summary(rank, result, options, plan, held, predicted_memory);
+    return 0;
   }
   const double tokens = static_cast<double>(plan.global_batch_size * plan.seq_len);
   const int first = result.first_step;
-  nlohmann::json checkpoints = nlohmann::json::array();
-  for (const auto& c : result.checkpoints) {
-    checkpoints.push_back({{"step", c.step},
-                           {"seconds", c.seconds},
-                           {"bytes", c.bytes},
-                           {"shards", c.shards},
-                           {"copy_to_host_seconds", c.copy_s},
-                           {"copy_to_host_bytes_per_s_per_rank", c.copy_bytes_per_s},
-                           {"asynchronous", c.asynchronous},
-                           {"blocking_seconds", c.blocking_s},
-                           {"write_seconds", c.write_s},
-                           {"in_place_after_step", c.in_place_after}});
-  }
+  const int warmup = options.warmup_steps;
   // The rate each step of `losses` trained at (the checkpointed steps' too: one schedule).
   std::vector<double> learning_rates;
   for (std::size_t s = 1; s <= result.losses.size(); ++s) {
     learning_rates.push_back(dtsim::exec::decimal(options.lr.at(static_cast<int>(s))));
   }
-  // What simulate predicts, measured: FLOP rates, and where this rank's step went.
-  const auto flops = dtsim::engine::step_flops(graph, plan);
-  const double gpus = static_cast<double>(devices);
-  // Rank 0 prints the JSON, and has the ranks' times. As simulate, the breakdown reported is the
-  // stage that computes the most (ties: the first).
-  const auto stages = rank == 0 ? measured_stages(timings, result, program)
-                                : std::vector<dtsim::engine::StagePrediction>{};
-  const std::size_t busiest = dtsim::engine::busiest_stage(stages);
-  const dtsim::engine::Breakdown spent =
-      stages.empty() ? dtsim::engine::Breakdown{} : stages[busiest].breakdown;
-  const int spent_stage = stages.empty() ? 0 : stages[busiest].stage;
-  const std::int64_t spent_rank = stages.empty() ? 0 : stages[busiest].rank;
-  if (vm["json"].as<bool>()) {
-    const double step = result.step_time_s;
-    std::optional<double> mfu, hfu;
-    if (peak) {
-      mfu = flops.model / (step * gpus * *peak);
-      hfu = flops.hardware / (step * gpus * *peak);
-    }
-    nlohmann::json breakdown = dtsim::report::breakdown_json(spent, /*predicted=*/false);
-    // Before the simulator's terms were measured, the rest of the (median) step was one figure.
-    breakdown["other_s"] =
-        std::max(0.0, step - spent.compute_s - spent.recompute_s - spent.optimizer_s);
-    // Measured only: the part of the bubble that is the runner's own work between tasks; null
-    // where a device queues work and has peers to wait for (runner_work_s).
-    std::optional<double> runner_s;
-    if (device->host_memory() || program.ranks.size() == 1) {
-      runner_s = 0.0;
-      for (std::size_t r = 0; r < program.ranks.size() && !stages.empty(); ++r) {
-        if (program.ranks[r].rank == spent_rank) runner_s = runner_work_s(timings, result, r);
-      }
-    }
-    breakdown["runner_s"] = dtsim::report::value_or_null(runner_s);
-    // Amdahl's bound from the measured split (simulate's rule), the waits for peers counted as
-    // idle.
-    const double mean_step = spent.total_s();
-    nlohmann::json per_stage = nlohmann::json::array();
-    for (const auto& s : stages) per_stage.push_back(dtsim::report::stage_json(s, false));
-    nlohmann::json amdahl;  // null where not measured
-    if (mean_step > 0) {
-      const double serial = dtsim::engine::serial_fraction(spent, plan, mean_step);
-      amdahl = {{"serial_fraction", serial}, {"max_speedup", serial > 0 ? 1.0 / serial : 0.0}};
-    }
-    breakdown["note"] =
-        result.tasks.empty()
-            ? std::string(
-                  "no step of this run came after its warm-up (a resumed run with no more "
-                  "steps left than --warmup): nothing was timed, so every term is 0")
-            : fmt::format(
-                  "rank {}'s tasks ({}), the mean over the last (up to 8) steps after warm-up, "
-                  "each from the rank's start of the step to the end of the slowest rank's, split "
-                  "as dtsim simulate splits a step{}; bubble_s also holds the runner's own work "
-                  "between tasks, at least runner_s of it (what none of the rank's tasks covers, "
-                  "as it timed them; null on GPUs with peers, where the compute stream's gaps "
-                  "hold its waits); other_s: the median step less compute, recompute and "
-                  "optimizer; straggler_wait_s is null: a wait for a late rank is not told "
-                  "apart from other waits for peers",
-                  spent_rank,
-                  stages.size() > 1 ? fmt::format("stage {}, the stage that computes the most, as "
-                                                  "simulate reports; per_stage has each stage's "
-                                                  "first rank",
-                                                  spent_stage)
-                                    : fmt::format("stage {}", spent_stage),
-                  program.ranks.size() == 1 ? ""
-                  : timings.shared_clock
-                      ? ": a receive, collective or blocking send counted from when all its ranks "
-                        "had reached it (the ranks share this machine's clock), the wait before "
-                        "that as bubble"
-                      : fmt::format(
-                            ": a receive, collective or blocking send counted from when all its "
-                            "ranks had reached it, the wait before that as bubble; the ranks' "
-                            "clocks (several machines) were put on rank 0's by round trips, each "
-                            "within {:.1f} us",
-                            timings.clock_error_s * 1e6)) +
-                  (program.ranks.size() == 1 || timings.comm_progresses
-                       ? ""
-                       : "; a started collective's time leaves out the compute tasks its rank ran "
-                         "while it was pending (MPI moves its data only inside its calls, between "
-                         "tasks)");
-    nlohmann::json measured = {{"gpus", devices},
-                               {"model_flops", flops.model},
-                               {"hardware_flops", flops.hardware},
-                               {"model_flops_per_step", flops.model},
-                               {"hardware_flops_per_step", flops.hardware},
-                               {"memory_per_gpu_bytes", held[0]},
-                               {"breakdown_stage", spent_stage},
-                               {"per_stage", per_stage},
-                               {"amdahl", amdahl},
-                               {"clock",
-                                {{"shared", timings.shared_clock},
-                                 {"error_s", timings.clock_error_s},
-                                 {"note",
-                                  "shared: the ranks read one machine's clock; else each rank's "
-                                  "was put on rank 0's by round trips (Cristian's method), each "
-                                  "within error_s"}}},
-                               {"tflops_per_gpu", flops.hardware / (step * gpus) / 1e12},
-                               {"model_tflops_per_gpu", flops.model / (step * gpus) / 1e12},
-                               {"mfu", dtsim::report::value_or_null(mfu)},
-                               {"hfu", dtsim::report::value_or_null(hfu)},
-                               {"peak_device", dtsim::report::value_or_null(peak_device)},
-                               {"breakdown", breakdown}};
-    nlohmann::json j{{"model", spec.name},
-                     {"backend", backend},
-                     {"device", device->name()},
-                     {"ranks", devices},
-                     {"plan", dtsim::plan::to_json(plan)},
-                     {"first_step", first},
-                     {"losses", result.losses},
-                     {"lr_schedule", options.lr.to_json()},
-                     {"weight_decay", dtsim::exec::decimal(options.weight_decay)},
-                     {"learning_rates", learning_rates},
-                     {"grad_norms", result.grad_norms},
-                     {"checkpoints", checkpoints},
-                     {"checkpoint_host_copy",
-                      options.checkpoint_async
-                          ? nlohmann::json{{"bytes", result.checkpoint_host_bytes},
-                                           {"allocate_seconds", result.checkpoint_host_seconds}}
-                          : nlohmann::json()},
-                     {"step_times_s", result.step_times_s},
-                     {"step_time_s", result.step_time_s},
-                     {"step_time_min_s", spread(result, warmup).first},
-                     {"step_time_max_s", spread(result, warmup).second},
-                     {"tokens_per_s", tokens / result.step_time_s},
-                     {"warmup_steps", warmup},
-                     {"notes", run_notes}};
-    j.update(measured);
-    j["memory"] = memory;
-    out(rank) << j.dump(2) << "\n";
-    return 0;
-  }
-  const auto [fastest, slowest] = spread(result, warmup);
-  out(rank) << fmt::format(
-      "median step time {:.1f} ms after {} warm-up step(s) (from {:.1f} to {:.1f} ms), {:.0f} "
-      "tokens/s\n",
-      result.step_time_s * 1e3, warmup, fastest * 1e3, slowest * 1e3, tokens / result.step_time_s);
-  constexpr double mib = 1024.0 * 1024.0;
-  out(rank) << fmt::format(
-      "memory: peak {:.1f} MiB of tensors on the busiest rank ({:.1f} MiB held "
-      "by its pool){}\n",
-      held[0] / mib, held[1] / mib,
-      predicted_memory ? fmt::format("; dtsim memory predicts {:.1f} MiB "
-                                     "(without its framework allowance){}",
-                                     *predicted_memory / mib, load_note)
-                       : std::string());
-  if (!options.checkpoint_dir.empty() && !result.checkpoints.empty()) {
-    // What a checkpoint cost here: dtsim's time to train with interruptions takes a write
-    // bandwidth (--checkpoint-write-gbs-per-gpu).
-    const auto& last = result.checkpoints.back();
-    if (last.asynchronous) {
-      out(rank) << fmt::format(
-          "checkpoint written to {} asynchronously ({} time{}; the last: {:.1f} MiB of weights "
-          "and AdamW state, training stopped {:.3f} s for it, of that the copy to host memory "
-          "{:.3f} s, {:.2f} GB/s per rank: dtsim --checkpoint-async-gbs-per-gpu; its {} "
-          "shard{} written behind training in {:.3f} s, {:.0f} MB/s; in place after step {}; "
-          "the host copy {:.1f} MiB on the busiest rank, allocated before the first step in "
-          "{:.3f} s)\n",
-          options.checkpoint_dir, result.checkpoints.size(),
-          result.checkpoints.size() == 1 ? "" : "s", last.bytes / (1024.0 * 1024.0),
-          last.blocking_s, last.copy_s, last.copy_bytes_per_s / 1e9, last.shards,
-          last.shards == 1 ? "" : "s", last.write_s,
-          last.write_s > 0 ? last.bytes / last.write_s / 1e6 : 0.0, last.in_place_after,
-          result.checkpoint_host_bytes / (1024.0 * 1024.0), result.checkpoint_host_seconds);
-      return 0;
-    }
-    out(rank) << fmt::format(
-        "checkpoint written to {} ({} time{}; the last: {:.1f} MiB of weights and AdamW state "
-        "in {:.3f} s, {:.0f} MB/s, {} shard{} written by {}; of that the copy to host memory "
-        "{:.3f} s, {:.2f} GB/s per rank, what an asynchronous save stops for: dtsim "
-        "--checkpoint-async-gbs-per-gpu)\n",
-        options.checkpoint_dir, result.checkpoints.size(),
-        result.checkpoints.size() == 1 ? "" : "s", last.bytes / (1024.0 * 1024.0), last.seconds,
-        last.seconds > 0 ? last.bytes / last.seconds / 1e6 : 0.0, last.shards,
-        last.shards == 1 ? "" : "s", last.shards == 1 ? "one rank" : "as many ranks at once",
-        last.copy_s, last.copy_bytes_per_s / 1e9);
-  }
+  nlohmann::json j{{"model", spec.name},
+                   {"backend", backend},
+                   {"device", device->name()},
+                   {"ranks", devices},
+                   {"plan", dtsim::plan::to_json(plan)},
+                   {"first_step", first},
+                   {"losses", result.losses},
+                   {"lr_schedule", options.lr.to_json()},
+                   {"weight_decay", dtsim::exec::decimal(options.weight_decay)},
+                   {"learning_rates", learning_rates},
+                   {"grad_norms", result.grad_norms},
+                   {"checkpoints", checkpoints_json(result)},
+                   {"checkpoint_host_copy",
+                    options.checkpoint_async
+                        ? nlohmann::json{{"bytes", result.checkpoint_host_bytes},
+                                         {"allocate_seconds", result.checkpoint_host_seconds}}
+                        : nlohmann::json()},
+                   {"step_times_s", result.step_times_s},
+                   {"step_time_s", result.step_time_s},
+                   {"step_time_min_s", spread(result, warmup).first},
+                   {"step_time_max_s", spread(result, warmup).second},
+                   {"tokens_per_s", tokens / result.step_time_s},
+                   {"warmup_steps", warmup},
+                   {"notes", run_notes}};
+  j.update(measured_json(rank, result, timings, graph, program, plan, devices,
+                         device->host_memory(), peak, held.peak_bytes));
+  j["memory"] = memory_json(held, predicted_memory, plan);
+  out(rank) << j.dump(2) << "\n";
   return 0;
 }
 
