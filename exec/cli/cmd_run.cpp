@@ -699,10 +699,17 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm) {
         fmt::format("--weight-decay: expected a finite number >= 0, got {}", options.weight_decay));
   }
   options.seed = vm["seed"].as<std::uint64_t>();
-  if (vm.count("checkpoint")) options.checkpoint_dir = vm["checkpoint"].as<std::string>();
+  if (vm.count("checkpoint")) {
+    options.checkpoint_dir =
+        dtsim::exec::checkpoint_folder(vm["checkpoint"].as<std::string>(), "--checkpoint");
+  }
   options.checkpoint_every = every;
   options.checkpoint_async = vm["checkpoint-async"].as<bool>();
-  if (vm.count("resume")) options.resume_dir = vm["resume"].as<std::string>();
+  if (vm.count("resume")) {
+    options.resume_dir = vm["resume"].as<std::string>();
+    if (options.resume_dir.empty())
+      throw dtsim::InputError("--resume: expected a folder, got \"\"");
+  }
   rank_and_step(vm, "fail-at", options.fail_rank, options.fail_step);
   rank_and_step(vm, "hang-at", options.hang_rank, options.hang_step);
   return options;
@@ -1086,9 +1093,15 @@ int run(const std::vector<std::string>& args) {
   const int rank = mpi ? mpi->rank() : 0;
   g_rank = rank;
   const double clock_skew = clock_skew_s(rank);
-  // Rank 0 writes the trace, after the run: a path it cannot write ends the job now.
+  // Rank 0 writes the trace, after the run: a path it cannot write ends the job now (every
+  // rank: the others may already wait for it in a collective).
   if (rank == 0 && vm.count("trace")) {
-    dtsim::cli::check_writable(vm["trace"].as<std::string>(), "--trace");
+    try {
+      dtsim::cli::check_writable(vm["trace"].as<std::string>(), "--trace");
+    } catch (const std::exception& e) {
+      end_all_ranks(e, mpi.get(), "run");
+      throw;
+    }
   }
   if (only_rank && mpi && mpi->size() > 1) {
     throw dtsim::InputError("--only-rank: runs one process; start it without mpirun");
@@ -1101,6 +1114,16 @@ int run(const std::vector<std::string>& args) {
   }
   const dtsim::plan::Plan plan = backend_plan(vm, spec, devices, gpu);
   dtsim::exec::RunOptions options = run_options_of(vm);
+  // Rank 0 makes the checkpoint's folder, after steps: a path it cannot take (or that holds
+  // what a checkpoint would replace) ends the job now.
+  if (rank == 0 && !options.checkpoint_dir.empty()) {
+    try {
+      dtsim::exec::check_checkpoint_folder(options.checkpoint_dir, "--checkpoint");
+    } catch (const std::exception& e) {
+      end_all_ranks(e, mpi.get(), "run");
+      throw;
+    }
+  }
   // The kernels count a micro-batch's tokens in an int.
   if (plan.micro_batch_size * plan.seq_len > std::numeric_limits<int>::max()) {
     throw dtsim::InputError(fmt::format(

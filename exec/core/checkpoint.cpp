@@ -29,6 +29,31 @@ fs::path temporary(const std::string& dir) {
   return fs::path(dir + ".tmp");
 }
 
+// Whether `p` is a folder that a checkpoint writer made, or is making: nothing in it but
+// checkpoint.json, tensors.bin and rank-NNNNN.bin files. Writing a checkpoint replaces such a
+// folder, and no other: a path that names anything else is the user's.
+bool written_by_checkpoint(const fs::path& p) {
+  std::error_code ec;
+  if (!fs::is_directory(fs::symlink_status(p, ec))) return false;
+  for (fs::directory_iterator it(p, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const bool ours = name == "checkpoint.json" || name == "tensors.bin" ||
+                      (name.starts_with("rank-") && name.ends_with(".bin"));
+    if (!ours || !fs::is_regular_file(it->symlink_status(ec))) return false;
+  }
+  return !ec;
+}
+
+// Throws unless `p` is absent or a checkpoint writer's folder.
+void require_replaceable(const fs::path& p, const std::string& flag, const std::string& dir) {
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(p, ec)) || written_by_checkpoint(p)) return;
+  throw InputError(fmt::format(
+      "{} {}: {}exists and is not a dtexec checkpoint folder (it holds other files, or is not "
+      "a folder); writing a checkpoint replaces it, so give a new path or remove it",
+      flag, dir, p.string() == dir ? "" : p.string() + " "));
+}
+
 // A whole number at j[field] (a float, a string or one out of range is an InputError naming the
 // field, not a truncated or wrapped value).
 std::int64_t whole_number(const nlohmann::json& j, const std::string& field,
@@ -93,11 +118,46 @@ CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
 
 }  // namespace
 
+std::string checkpoint_folder(const std::string& given, const std::string& flag) {
+  fs::path p = fs::path(given).lexically_normal();
+  if (!p.has_filename() && p.has_relative_path()) p = p.parent_path();  // "ck/" names "ck"
+  const std::string name = p.filename().string();
+  if (name.empty() || name == "." || name == "..") {
+    throw InputError(fmt::format(
+        "{}: expected a folder of its own, got \"{}\" (a checkpoint is written beside it, as "
+        "DIR.tmp, and renamed into place)",
+        flag, given));
+  }
+  return p.string();
+}
+
+void check_checkpoint_folder(const std::string& dir, const std::string& flag) {
+  const fs::path p(dir);
+  const fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  std::error_code ec;
+  if (!fs::is_directory(parent, ec)) {
+    throw InputError(fmt::format("{} {}: no folder {}", flag, dir, parent.string()));
+  }
+  for (const fs::path& q : {p, temporary(dir), fs::path(dir + ".old")}) {
+    require_replaceable(q, flag, dir);
+  }
+  // The parent takes a new folder (what begin_checkpoint makes): tried now, not after training.
+  const fs::path tmp = temporary(dir);
+  if (!fs::exists(tmp, ec)) {
+    if (!fs::create_directory(tmp, ec) || ec) {
+      throw InputError(fmt::format("{} {}: cannot create {}: {}", flag, dir, tmp.string(),
+                                   ec ? ec.message() : "not created"));
+    }
+    fs::remove(tmp, ec);
+  }
+}
+
 void begin_checkpoint(const std::string& dir) {
   const fs::path tmp = temporary(dir);
+  require_replaceable(tmp, "checkpoint", dir);
   std::error_code ec;
   fs::remove_all(tmp, ec);
-  fs::create_directories(tmp, ec);
+  fs::create_directory(tmp, ec);
   if (ec)
     throw InputError(fmt::format("{}: cannot create the folder: {}", tmp.string(), ec.message()));
 }
@@ -185,6 +245,8 @@ std::uint64_t finish_checkpoint(const std::string& dir, const CheckpointInfo& in
   // The previous checkpoint stays readable (as DIR.old) until the new one is in place.
   const fs::path final_dir(dir);
   const fs::path old = dir + ".old";
+  require_replaceable(final_dir, "checkpoint", dir);
+  require_replaceable(old, "checkpoint", dir);
   std::error_code ec;
   fs::remove_all(old, ec);
   if (fs::exists(final_dir)) fs::rename(final_dir, old, ec);

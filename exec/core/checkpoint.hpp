@@ -51,6 +51,16 @@ struct Checkpoint : CheckpointInfo {
   std::vector<CheckpointTensor> tensors;
 };
 
+// The folder a checkpoint is written to, as given (`flag` names it in messages): "ck/" is "ck".
+// Throws InputError for an empty path, or one without a folder name of its own ("/", ".").
+std::string checkpoint_folder(const std::string& given, const std::string& flag);
+
+// Checks before a run that a checkpoint can be written to `dir` (checkpoint_folder's): its
+// parent folder exists and takes a new folder, and DIR, DIR.tmp and DIR.old are each absent or a
+// folder that a checkpoint writer made (only checkpoint.json, tensors.bin and rank-NNNNN.bin
+// files), since writing one replaces them. Throws InputError naming `flag` otherwise.
+void check_checkpoint_folder(const std::string& dir, const std::string& flag);
+
 // Writing a checkpoint from many ranks, each its own shard:
 //   1. rank 0: begin_checkpoint(dir), a clean DIR.tmp; then a barrier;
 //   2. every rank: a ShardWriter adds its pieces and close() gives their index;

@@ -402,3 +402,58 @@ TEST_CASE("checkpoint: a slice reads only the pieces whose rows it needs", "[exe
   REQUIRE_THROWS_WITH(reader.read("L0.out.weight"),
                       Catch::Contains("rank-00002.bin: cannot read L0.out.weight's piece"));
 }
+
+TEST_CASE("checkpoint: only a checkpoint writer's folders are replaced", "[exec][checkpoint]") {
+  using Catch::Contains;
+  using dtsim::exec::check_checkpoint_folder;
+  using dtsim::exec::checkpoint_folder;
+  SECTION("the path names a folder of its own") {
+    CHECK(checkpoint_folder("ck/", "--checkpoint") == "ck");
+    CHECK(checkpoint_folder("a//b/", "--checkpoint") == "a/b");
+    CHECK(checkpoint_folder("/x/ck", "--checkpoint") == "/x/ck");
+    for (const char* bad : {"", ".", "..", "/", "a/.."}) {
+      REQUIRE_THROWS_WITH(checkpoint_folder(bad, "--checkpoint"),
+                          Contains("--checkpoint: expected a folder of its own"));
+    }
+  }
+  Checkpoint c;
+  static_cast<dtsim::exec::CheckpointInfo&>(c) = info();
+  c.tensors = {numbered("a.weight", 2, 3)};
+  SECTION("a folder with a user's file, a file, or a .tmp or .old of others is refused") {
+    const std::string dir = folder("user");
+    fs::create_directories(dir);
+    std::ofstream(fs::path(dir) / "notes.txt") << "mine";
+    REQUIRE_THROWS_WITH(check_checkpoint_folder(dir, "--checkpoint"),
+                        Contains("exists and is not a dtexec checkpoint folder"));
+    // The library refuses it too, whoever calls it, and leaves it as it was.
+    REQUIRE_THROWS_AS(dtsim::exec::write_checkpoint(dir, c), dtsim::InputError);
+    CHECK(fs::exists(fs::path(dir) / "notes.txt"));
+    fs::remove_all(dir);
+    std::ofstream(dir) << "a file";
+    REQUIRE_THROWS_WITH(check_checkpoint_folder(dir, "--checkpoint"),
+                        Contains("exists and is not a dtexec checkpoint folder"));
+    fs::remove(dir);
+    fs::create_directories(dir + ".old/sub");
+    REQUIRE_THROWS_WITH(check_checkpoint_folder(dir, "--checkpoint"),
+                        Contains(dir + ".old exists and is not a dtexec checkpoint folder"));
+    REQUIRE_THROWS_AS(dtsim::exec::write_checkpoint(dir, c), dtsim::InputError);
+    CHECK(fs::exists(dir + ".old/sub"));
+    fs::remove_all(dir + ".old");
+  }
+  SECTION("an earlier checkpoint, an empty folder, or a missing one is fine") {
+    const std::string dir = folder("ours");
+    check_checkpoint_folder(dir, "--checkpoint");
+    CHECK_FALSE(fs::exists(dir + ".tmp"));  // the probe leaves nothing behind
+    fs::create_directories(dir);
+    check_checkpoint_folder(dir, "--checkpoint");
+    dtsim::exec::write_checkpoint(dir, c);
+    check_checkpoint_folder(dir, "--checkpoint");
+    dtsim::exec::write_checkpoint(dir, c);
+    CHECK(dtsim::exec::read_checkpoint(dir).step == 2);
+  }
+  SECTION("a parent folder that is not there") {
+    REQUIRE_THROWS_WITH(
+        check_checkpoint_folder("/nonexistent-dtsim/ck", "--checkpoint"),
+        Contains("--checkpoint /nonexistent-dtsim/ck: no folder /nonexistent-dtsim"));
+  }
+}
