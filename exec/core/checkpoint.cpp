@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <boost/crc.hpp>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include <set>
 
 #include "sim/common/error.hpp"
+#include "sim/common/json_reader.hpp"
 
 namespace dtsim::exec {
 
@@ -54,11 +56,46 @@ void require_replaceable(const fs::path& p, const std::string& flag, const std::
       flag, dir, p.string() == dir ? "" : p.string() + " "));
 }
 
+// j[field], which must be there: an InputError naming the field (or saying that j is no
+// object), not the JSON library's.
+const nlohmann::json& required(const nlohmann::json& j, const std::string& field,
+                               const std::string& where) {
+  if (!j.is_object()) {
+    throw InputError(fmt::format("{}: expected an object with {}, got {}", where, field,
+                                 describe_json_value(j)));
+  }
+  if (!j.contains(field)) {
+    throw InputError(fmt::format("{}: {}: required field is missing", where, field));
+  }
+  return j.at(field);
+}
+
+// The string at j[field].
+std::string text(const nlohmann::json& j, const std::string& field, const std::string& where) {
+  const auto& v = required(j, field, where);
+  if (!v.is_string()) {
+    throw InputError(
+        fmt::format("{}: {}: expected a string, got {}", where, field, describe_json_value(v)));
+  }
+  return v.get<std::string>();
+}
+
+// The array at j[field].
+const nlohmann::json& list(const nlohmann::json& j, const std::string& field,
+                           const std::string& where) {
+  const auto& v = required(j, field, where);
+  if (!v.is_array()) {
+    throw InputError(
+        fmt::format("{}: {}: expected a list, got {}", where, field, describe_json_value(v)));
+  }
+  return v;
+}
+
 // A whole number at j[field] (a float, a string or one out of range is an InputError naming the
 // field, not a truncated or wrapped value).
 std::int64_t whole_number(const nlohmann::json& j, const std::string& field,
                           const std::string& where) {
-  const auto& v = j.at(field);
+  const auto& v = required(j, field, where);
   if (!v.is_number_integer() ||
       (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))) {
     throw InputError(
@@ -91,24 +128,36 @@ void write_info(nlohmann::json& j, const CheckpointInfo& c) {
 }
 
 CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
+  const JsonReader r(j, where);
   CheckpointInfo c;
-  c.model = j.at("model").get<std::string>();
-  c.plan = j.at("plan");
+  c.model = r.string("model");
+  // The plan is read whole where it is used (dtsim's plan reader); what a resumed run compares
+  // directly is typed here.
+  c.plan = r.object("plan").raw();
+  const JsonReader plan(c.plan, where, "plan");
+  if (plan.has("clip_grad")) plan.non_negative_number("clip_grad");
   const std::int64_t step = whole_number(j, "step", where);
   if (step < 0 || step > INT32_MAX) {
     throw InputError(fmt::format("{}: step: expected a step count, got {}", where, step));
   }
   c.step = static_cast<int>(step);
-  const auto& seed = j.at("seed");
+  const auto& seed = required(j, "seed", where);
   if (!seed.is_number_unsigned()) {
     throw InputError(
         fmt::format("{}: seed: expected a whole number >= 0, got {}", where, seed.dump()));
   }
   c.seed = seed.get<std::uint64_t>();
-  c.learning_rate = j.at("learning_rate").get<double>();
-  if (j.contains("lr_schedule")) c.lr_schedule = j.at("lr_schedule");
-  if (j.contains("weight_decay")) c.weight_decay = j.at("weight_decay").get<double>();
-  c.losses = j.at("losses").get<std::vector<double>>();
+  c.learning_rate = r.positive_number("learning_rate");
+  if (r.has("lr_schedule")) c.lr_schedule = j.at("lr_schedule");
+  if (r.has("weight_decay")) c.weight_decay = r.non_negative_number("weight_decay");
+  const auto& losses = list(j, "losses", where);
+  for (std::size_t i = 0; i < losses.size(); ++i) {
+    if (!losses[i].is_number() || !std::isfinite(losses[i].get<double>())) {
+      throw InputError(fmt::format("{}: losses[{}]: expected a finite number, got {}", where, i,
+                                   describe_json_value(losses[i])));
+    }
+    c.losses.push_back(losses[i].get<double>());
+  }
   if (c.step < 0 || static_cast<std::size_t>(c.step) != c.losses.size()) {
     throw InputError(fmt::format("{}: step: expected the number of losses ({}), got {}", where,
                                  c.losses.size(), c.step));
@@ -180,9 +229,11 @@ void ShardWriter::add(const std::string& name, const Slice& slice, std::int64_t 
           folder_, file_));
     }
   }
+  boost::crc_32_type crc;
   for (const auto part : {weights, m, v}) {
     out_.write(reinterpret_cast<const char*>(part.data()),
                static_cast<std::streamsize>(part.size_bytes()));
+    crc.process_bytes(part.data(), part.size_bytes());
   }
   nlohmann::json cols = nlohmann::json::array();
   for (const auto& [first, n] : slice.col_ranges) cols.push_back({first, n});
@@ -192,7 +243,8 @@ void ShardWriter::add(const std::string& name, const Slice& slice, std::int64_t 
                      {"cols", cols},
                      {"begin", begin},
                      {"count", weights.size()},
-                     {"offset", bytes_}});
+                     {"offset", bytes_},
+                     {"crc32", crc.checksum()}});
   bytes_ += kBytesPerElement * weights.size();
 }
 
@@ -277,16 +329,13 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
     dir_ += ".old";
   }
   where_ = (fs::path(dir_) / "checkpoint.json").string();
-  std::ifstream meta(where_);
-  if (!meta) throw InputError(fmt::format("{}: cannot open (not a dtexec checkpoint?)", where_));
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(meta);
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(fmt::format("{}: malformed JSON: {}", where_, e.what()));
+  std::error_code missing;
+  if (!fs::exists(where_, missing)) {
+    throw InputError(fmt::format("{}: cannot open (not a dtexec checkpoint?)", where_));
   }
+  const nlohmann::json j = JsonReader::parse_file(where_);
   try {
-    const auto format = j.at("format").get<std::string>();
+    const auto format = text(j, "format", where_);
     if (format != kFormat && format != kFormatWhole) {
       throw InputError(fmt::format("{}: format: expected \"{}\" (or \"{}\"), got {}", where_,
                                    kFormat, kFormatWhole, j.at("format").dump()));
@@ -305,8 +354,9 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
       const auto size = fs::file_size(path, ec);
       if (ec) throw InputError(fmt::format("{}: cannot open", path.string()));
       if (expected && size != *expected) {
-        throw InputError(fmt::format("{}: {} bytes, expected {} (a shard cut short?)",
-                                     path.string(), size, *expected));
+        throw InputError(fmt::format(
+            "{}: {} bytes, expected {} ({})", path.string(), size, *expected,
+            size < *expected ? "a shard cut short?" : "a shard of another checkpoint?"));
       }
       if (std::find(files_.begin(), files_.end(), file) != files_.end()) {
         throw InputError(fmt::format("{}: shards: {} is listed twice", where_, file));
@@ -318,19 +368,20 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
     if (whole_format) {
       add_file("tensors.bin", std::nullopt);
     } else {
-      for (const auto& shard : j.at("shards")) {
+      for (const auto& shard : list(j, "shards", where_)) {
         const std::int64_t bytes = whole_number(shard, "bytes", where_ + ": shards");
         if (bytes < 0) {
           throw InputError(fmt::format("{}: shards: bytes: expected >= 0, got {}", where_, bytes));
         }
-        add_file(shard.at("file").get<std::string>(), static_cast<std::uint64_t>(bytes));
+        add_file(text(shard, "file", where_ + ": shards"), static_cast<std::uint64_t>(bytes));
       }
     }
     std::uint64_t stored = 0;  // elements held by all the files together
     for (const auto size : sizes) stored += size / kBytesPerElement;
-    for (const auto& t : j.at("tensors")) {
-      const auto name = t.at("name").get<std::string>();
-      auto shape = whole_numbers(t.at("shape"), "shape", where_ + ": tensors: " + name);
+    for (const auto& t : list(j, "tensors", where_)) {
+      const auto name = text(t, "name", where_ + ": tensors");
+      auto shape = whole_numbers(required(t, "shape", where_ + ": tensors: " + name), "shape",
+                                 where_ + ": tensors: " + name);
       std::int64_t n = 1;
       for (const std::int64_t d : shape) {
         if (d <= 0 || static_cast<std::uint64_t>(n) > stored / static_cast<std::uint64_t>(d)) {
@@ -359,15 +410,15 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
               fmt::format("{}/tensors.bin: tensor {} runs past the end of the file", dir_, name));
         }
         pieces_[name].push_back({0, whole(n / shape.back(), shape.back()), 0, n,
-                                 static_cast<std::uint64_t>(offset) * sizeof(float)});
+                                 static_cast<std::uint64_t>(offset) * sizeof(float), std::nullopt});
       }
     }
     if (!whole_format) {
       std::size_t f = 0;
       for (const auto& shard : j.at("shards")) {
         std::uint64_t next = 0;  // where the shard's next piece starts
-        for (const auto& piece : shard.at("pieces")) {
-          const auto name = piece.at("tensor").get<std::string>();
+        for (const auto& piece : list(shard, "pieces", where_ + ": shards: " + files_[f])) {
+          const auto name = text(piece, "tensor", where_ + ": shards: " + files_[f]);
           const auto it = shapes_.find(name);
           if (it == shapes_.end()) {
             throw InputError(fmt::format("{}: shards: {}: a piece of {}, which is not in tensors",
@@ -383,7 +434,7 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
           p.slice.cols = it->second[1];
           const std::string field =
               fmt::format("{}: shards: {}: a piece of {}", where_, files_[f], name);
-          const auto rows = whole_numbers(piece.at("rows"), "rows", field);
+          const auto rows = whole_numbers(required(piece, "rows", field), "rows", field);
           if (rows.size() != 2 || rows[0] < 0 || rows[1] <= 0 || rows[0] > p.slice.rows ||
               rows[1] > p.slice.rows - rows[0]) {
             throw bad(fmt::format("rows {}: expected [first, count] inside {} rows",
@@ -391,7 +442,7 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
           }
           p.slice.row_begin = rows[0];
           p.slice.row_count = rows[1];
-          for (const auto& range : piece.at("cols")) {
+          for (const auto& range : list(piece, "cols", field)) {
             const auto r = whole_numbers(range, "cols", field, 2);
             if (r.size() != 2 || r[0] < 0 || r[1] <= 0 || r[0] > p.slice.cols ||
                 r[1] > p.slice.cols - r[0] || p.slice.local_cols() > p.slice.cols - r[1]) {
@@ -421,6 +472,14 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
           }
           p.offset = next;
           next += need;
+          // Written since checkpoints had them: read_slice checks the bytes it reads against it.
+          if (piece.contains("crc32")) {
+            const std::int64_t crc = whole_number(piece, "crc32", field);
+            if (crc < 0 || crc > 0xffffffffLL) {
+              throw bad(fmt::format("crc32 {}: expected a 32-bit checksum", crc));
+            }
+            p.crc32 = static_cast<std::uint32_t>(crc);
+          }
           pieces_[name].push_back(std::move(p));
         }
         if (next != sizes[f]) {
@@ -501,6 +560,16 @@ CheckpointTensor CheckpointReader::read_slice(const std::string& name, const Sli
     in.read(reinterpret_cast<char*>(buffer.data()),
             static_cast<std::streamsize>(buffer.size() * sizeof(float)));
     if (!in) throw InputError(fmt::format("{}: cannot read {}'s piece", path.string(), name));
+    if (p.crc32) {
+      boost::crc_32_type crc;
+      crc.process_bytes(buffer.data(), buffer.size() * sizeof(float));
+      if (crc.checksum() != *p.crc32) {
+        throw InputError(fmt::format(
+            "{}: a piece of {} does not match its checksum in {} (crc32 {:08x}, the bytes read "
+            "{:08x}): a damaged shard, or one of another checkpoint",
+            path.string(), name, where_, *p.crc32, crc.checksum()));
+      }
+    }
     // Each run of the piece lies in one row: its columns' overlap with each wanted range is a
     // run of the wanted slice.
     p.slice.for_runs(

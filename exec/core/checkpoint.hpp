@@ -19,6 +19,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -121,7 +122,8 @@ class CheckpointReader {
     std::size_t file = 0;  // index into files_
     Slice slice;
     std::int64_t begin = 0, count = 0;
-    std::uint64_t offset = 0;  // bytes into the file
+    std::uint64_t offset = 0;            // bytes into the file
+    std::optional<std::uint32_t> crc32;  // of its bytes (weights, m, v), where written
   };
   std::string dir_, where_;
   CheckpointInfo info_;

@@ -3,10 +3,12 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <limits>
 #include <numbers>
 #include <string>
 
 #include "sim/common/error.hpp"
+#include "sim/common/json_reader.hpp"
 
 namespace dtsim::exec {
 
@@ -87,23 +89,27 @@ std::string LrSchedule::describe() const {
 
 LrSchedule lr_schedule_from_json(const nlohmann::json& j, const std::string& where) {
   LrSchedule s;
-  try {
-    s.max_lr = j.at("max_lr").get<float>();
-    s.warmup_steps = j.at("warmup_steps").get<int>();
-    const auto style = j.at("decay_style").get<std::string>();
-    const auto decay = parse_lr_decay(style);
-    if (!decay) {
-      throw InputError(fmt::format(
-          "{}: lr_schedule.decay_style: expected constant, linear or cosine, got \"{}\"", where,
-          style));
-    }
-    s.decay = *decay;
-    if (s.decay != LrDecay::Constant) {
-      s.decay_steps = j.at("decay_steps").get<int>();
-      s.min_lr = j.at("min_lr").get<float>();
-    }
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(fmt::format("{}: lr_schedule: {}", where, e.what()));
+  const JsonReader r(j, where, "lr_schedule");
+  s.max_lr = static_cast<float>(r.positive_number("max_lr"));
+  // 0 or more steps of warm-up.
+  const nlohmann::json& warmup =
+      r.raw().contains("warmup_steps") ? r.raw().at("warmup_steps") : nlohmann::json();
+  if (!warmup.is_number_integer() || warmup.get<std::int64_t>() < 0 ||
+      warmup.get<std::int64_t>() > std::numeric_limits<int>::max()) {
+    r.fail("warmup_steps", fmt::format("expected a whole number of steps >= 0, got {}",
+                                       describe_json_value(warmup)));
+  }
+  s.warmup_steps = warmup.get<int>();
+  const auto style = r.string("decay_style");
+  const auto decay = parse_lr_decay(style);
+  if (!decay) {
+    r.fail("decay_style", fmt::format("expected constant, linear or cosine, got \"{}\"", style));
+  }
+  s.decay = *decay;
+  if (s.decay != LrDecay::Constant) {
+    s.decay_steps =
+        static_cast<int>(r.positive_int_up_to("decay_steps", std::numeric_limits<int>::max()));
+    s.min_lr = static_cast<float>(r.non_negative_number("min_lr"));
   }
   try {
     s.check();

@@ -1,5 +1,9 @@
 // The Program runner (exec/core/runner_internal.hpp): checkpoints: saving (synchronous and
 // asynchronous) and resuming.
+#include <algorithm>
+#include <cmath>
+#include <set>
+
 #include "exec/core/runner_internal.hpp"
 
 namespace dtsim::exec::runner_internal {
@@ -172,7 +176,8 @@ int Runner::resume(RunResult& result) {
                     where, static_cast<float>(c.weight_decay), options_.weight_decay,
                     static_cast<float>(c.weight_decay)));
   }
-  const double clipped = c.plan.is_object() ? c.plan.value("clip_grad", 0.0) : 0.0;
+  // (read_info checked that the plan is an object, and its clip_grad a number >= 0.)
+  const double clipped = c.plan.value("clip_grad", 0.0);
   if (clipped != p_.clip_grad) {
     throw InputError(
         fmt::format("{}: clip_grad: the checkpoint was trained with --clip-grad {:g}, this run has "
@@ -196,6 +201,25 @@ int Runner::resume(RunResult& result) {
                     "nothing to run",
                     where, c.step, options_.steps));
   }
+  // Every tensor of the checkpoint is one of the model's: a model file changed under the same
+  // name (positions, biases or norms dropped) would otherwise leave some unread, silently.
+  std::set<std::string> model_tensors;
+  const OpId embedding = g_.layer_ops(-1).front();
+  for (OpId id = 0; id < static_cast<OpId>(g_.size()); ++id) {
+    const Op& op = g_.op(id);
+    for (const auto& [which, slice] : slices(op, 0)) {
+      const bool tied_copy = op.kind == OpKind::LmHead && op.params == 0;
+      model_tensors.insert(tensor_name(tied_copy ? embedding : id, which));
+    }
+  }
+  for (const auto& name : checkpoint.names()) {
+    if (!model_tensors.count(name)) {
+      throw InputError(fmt::format(
+          "{}: tensors: {} is no tensor of model {} (a checkpoint of another model under its "
+          "name?)",
+          where, name, m_.name));
+    }
+  }
   // Each tensor's tp slice read from the pieces that hold it, whatever plan wrote them (one
   // tensor at a time: a rank never holds the whole checkpoint, nor reads other tp slices).
   for (auto& [key, p] : params_) {
@@ -205,6 +229,18 @@ int Runner::resume(RunResult& result) {
                                    p.slice.rows, p.slice.cols));
     }
     const CheckpointTensor t = checkpoint.read_slice(p.name, p.slice);
+    // Values that training could not have left: they would surface steps later as a diverged
+    // loss, blaming the learning rate.
+    const auto finite = [](const std::vector<float>& x) {
+      return std::all_of(x.begin(), x.end(), [](float v) { return std::isfinite(v); });
+    };
+    if (!finite(t.data) || !finite(t.m) || !finite(t.v) ||
+        std::any_of(t.v.begin(), t.v.end(), [](float v) { return v < 0; })) {
+      throw InputError(fmt::format(
+          "{}: tensors: {}: a weight or AdamW moment that is not finite, or a negative second "
+          "moment (a damaged shard?)",
+          where, p.name));
+    }
     // Of its tp slice, each rank keeps its dp slice where it holds only that.
     load_weights(p, t.data.data());
     dev_.upload(p.m, t.m.data() + p.own_begin);

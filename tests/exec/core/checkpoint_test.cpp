@@ -312,6 +312,46 @@ TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[e
     REQUIRE_THROWS_WITH(CheckpointReader(dir),
                         Contains("with no more elements than the checkpoint's files hold (36)"));
   }
+  SECTION("a piece whose bytes are not those written: a damaged or swapped shard") {
+    const auto dir = write_sharded("bad_crc", qkv, out);
+    // Ranks 0 and 2 hold pieces of the same sizes (of other tp slices): swapped, each is read.
+    fs::rename(fs::path(dir) / "rank-00002.bin", fs::path(dir) / "swap.bin");
+    fs::rename(fs::path(dir) / "rank-00000.bin", fs::path(dir) / "rank-00002.bin");
+    fs::rename(fs::path(dir) / "swap.bin", fs::path(dir) / "rank-00000.bin");
+    const CheckpointReader reader(dir);
+    REQUIRE_THROWS_WITH(reader.read("L0.qkv.weight"),
+                        Contains("a piece of L0.qkv.weight does not match its checksum"));
+  }
+  SECTION("fields missing, or of another type, named as such") {
+    const auto dir = write_sharded("bad_fields", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) { j.erase("format"); });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("format: required field is missing"));
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["format"] = "dtexec-checkpoint-2";
+      j["plan"]["clip_grad"] = "1";
+    });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("plan.clip_grad: expected a number >= 0"));
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["plan"].erase("clip_grad");
+      j["losses"] = {"5.5", 5.25};
+    });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("losses[0]: expected a finite number, got \"5.5\""));
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["losses"] = {5.5, 5.25};
+      j["shards"][0]["pieces"] = "none";
+    });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("shards: rank-00000.bin: pieces: expected a list, got \"none\""));
+    rewrite_index(dir, [](nlohmann::json& j) { j = nlohmann::json::array({1, 2}); });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("expected an object with format, got an array"));
+  }
+  SECTION("checkpoint.json a folder") {
+    const std::string dir = folder("bad_index_folder");
+    fs::create_directories(fs::path(dir) / "checkpoint.json");
+    REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("is a directory; expected a JSON file"));
+  }
   SECTION("a shard that the writer cannot see (a folder not every rank shares)") {
     const std::string dir = folder("bad_unshared");
     dtsim::exec::begin_checkpoint(dir);
