@@ -632,13 +632,17 @@ void compare_tensor(const CheckpointTensor& x, const CheckpointTensor& y, Checkp
     d.problems.push_back(fmt::format("tensor {}: shapes differ", x.name));
     return;
   }
+  bool finite = true;
   for (std::size_t k = 0; k < x.data.size(); ++k) {
     const double diff = std::abs(static_cast<double>(x.data[k]) - y.data[k]);
+    finite = finite && std::isfinite(x.data[k]) && std::isfinite(y.data[k]);
     if (diff > d.max_weight_diff || std::isnan(diff)) {
       d.max_weight_diff = std::isnan(diff) ? INFINITY : diff;
       d.worst_tensor = x.name;
     }
   }
+  // A weight that is NaN or infinite is no difference to measure: said so, as a mismatch.
+  if (!finite) d.problems.push_back(fmt::format("tensor {}: a weight is not finite", x.name));
 }
 
 // Tensors matched by name (plans write them in other orders): compare(name in both) for each

@@ -1,8 +1,10 @@
 #include "exec/core/checkpoint.hpp"
 
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <numeric>
 
 #include "sim/common/error.hpp"
@@ -192,6 +194,12 @@ TEST_CASE("checkpoint: compare matches tensors by name", "[exec][checkpoint]") {
   d = dtsim::exec::compare_checkpoints(a, b);
   CHECK(d.problems == std::vector<std::string>{"tensor x is in the first only",
                                                "tensor z is in the second only"});
+  // A NaN is not a difference of infinity alone: it is named.
+  b = a;
+  b.tensors[1].data[0] = std::numeric_limits<float>::quiet_NaN();
+  d = dtsim::exec::compare_checkpoints(a, b);
+  CHECK(d.problems == std::vector<std::string>{"tensor y: a weight is not finite"});
+  CHECK(std::isinf(d.max_weight_diff));
 }
 
 TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[exec][checkpoint]") {
