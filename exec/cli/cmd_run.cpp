@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -78,13 +79,21 @@ std::optional<std::string> resume_note(const std::string& dir, const dtsim::plan
 }
 
 // A fault-injection option RANK:STEP (--fail-at, --hang-at), when given.
-void rank_and_step(const po::variables_map& vm, const char* key, int& rank, int& step) {
+void rank_and_step(const po::variables_map& vm, const char* key, std::int64_t ranks, int steps,
+                   int& rank, int& step) {
   if (!vm.count(key)) return;
   const std::string text = vm[key].as<std::string>();
   char rest = 0;
   if (std::sscanf(text.c_str(), "%d:%d%c", &rank, &step, &rest) != 2 || rank < 0 || step < 1) {
     throw dtsim::InputError(
         fmt::format("--{} {}: expected RANK:STEP (a rank >= 0, a step >= 1)", key, text));
+  }
+  // A fault that could not happen would let a test that relies on it pass without it.
+  if (rank >= ranks || step > steps) {
+    throw dtsim::InputError(
+        fmt::format("--{} {}: never happens in this run: expected a rank below {} and a step up "
+                    "to --steps {}",
+                    key, text, ranks, steps));
   }
 }
 
@@ -590,7 +599,8 @@ po::options_description run_options_description() {
       "weight-decay", po::value<float>()->default_value(0.0f),
       "AdamW's decoupled weight decay on matrices and embedding tables, not biases or norms "
       "(Megatron-LM's --weight-decay, whose default is 0.01)")(
-      "seed", po::value<std::uint64_t>()->default_value(1234), "initialisation and data seed")(
+      "seed", po::value<std::string>()->default_value("1234"),
+      "initialisation and data seed, a whole number from 0 to 2^64 - 1")(
       "cluster", po::value<std::string>(),
       "the cluster (name or path) whose device's peak the measured MFU is taken against "
       "(default: cpu-host for the CPU backend; for a GPU, the catalog device of its name)")(
@@ -671,7 +681,7 @@ dtsim::plan::Plan backend_plan(const po::variables_map& vm, const dtsim::model::
 }
 
 // The run's steps, warm-up, learning rate, checkpoints and fault injection, checked.
-dtsim::exec::RunOptions run_options_of(const po::variables_map& vm) {
+dtsim::exec::RunOptions run_options_of(const po::variables_map& vm, std::int64_t ranks) {
   const int steps = vm["steps"].as<int>();
   if (steps < 1) throw dtsim::InputError(fmt::format("--steps {}: expected 1 or more", steps));
   const int warmup = vm["warmup"].defaulted() ? std::min(1, steps - 1) : vm["warmup"].as<int>();
@@ -698,7 +708,13 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm) {
     throw dtsim::InputError(
         fmt::format("--weight-decay: expected a finite number >= 0, got {}", options.weight_decay));
   }
-  options.seed = vm["seed"].as<std::uint64_t>();
+  // Read here, not by program_options, whose unsigned parse wraps "-1" to 2^64 - 1.
+  const std::string seed = vm["seed"].as<std::string>();
+  const auto [end, error] = std::from_chars(seed.data(), seed.data() + seed.size(), options.seed);
+  if (seed.empty() || error != std::errc() || end != seed.data() + seed.size()) {
+    throw dtsim::InputError(
+        fmt::format("--seed {}: expected a whole number from 0 to 2^64 - 1", seed));
+  }
   if (vm.count("checkpoint")) {
     options.checkpoint_dir =
         dtsim::exec::checkpoint_folder(vm["checkpoint"].as<std::string>(), "--checkpoint");
@@ -710,8 +726,8 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm) {
     if (options.resume_dir.empty())
       throw dtsim::InputError("--resume: expected a folder, got \"\"");
   }
-  rank_and_step(vm, "fail-at", options.fail_rank, options.fail_step);
-  rank_and_step(vm, "hang-at", options.hang_rank, options.hang_step);
+  rank_and_step(vm, "fail-at", ranks, steps, options.fail_rank, options.fail_step);
+  rank_and_step(vm, "hang-at", ranks, steps, options.hang_rank, options.hang_step);
   return options;
 }
 
@@ -1113,7 +1129,7 @@ int run(const std::vector<std::string>& args) {
         "the plan needs {} ranks: start them with mpirun -np {} dtexec run ...", devices, devices));
   }
   const dtsim::plan::Plan plan = backend_plan(vm, spec, devices, gpu);
-  dtsim::exec::RunOptions options = run_options_of(vm);
+  dtsim::exec::RunOptions options = run_options_of(vm, devices);
   // Rank 0 makes the checkpoint's folder, after steps: a path it cannot take (or that holds
   // what a checkpoint would replace) ends the job now.
   if (rank == 0 && !options.checkpoint_dir.empty()) {
