@@ -721,11 +721,7 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm, std::int64_t
   }
   options.checkpoint_every = every;
   options.checkpoint_async = vm["checkpoint-async"].as<bool>();
-  if (vm.count("resume")) {
-    options.resume_dir = vm["resume"].as<std::string>();
-    if (options.resume_dir.empty())
-      throw dtsim::InputError("--resume: expected a folder, got \"\"");
-  }
+  if (vm.count("resume")) options.resume_dir = vm["resume"].as<std::string>();
   rank_and_step(vm, "fail-at", ranks, steps, options.fail_rank, options.fail_step);
   rank_and_step(vm, "hang-at", ranks, steps, options.hang_rank, options.hang_step);
   return options;

@@ -189,6 +189,19 @@ void store_options(const std::vector<std::string>& args, const po::options_descr
   } catch (const po::error& e) {
     throw InputError(fmt::format("{} (see --help)", e.what()));
   }
+  // No option takes an empty word ("--plan ''" from an unset shell variable): said here, with
+  // its name, rather than as a file "" that cannot be opened.
+  // (--help takes no value; program_options stores an empty string for it.)
+  for (const auto& [name, value] : vm) {
+    if (value.defaulted() || name == "help") continue;
+    const auto* text = boost::any_cast<std::string>(&value.value());
+    const auto* words = boost::any_cast<std::vector<std::string>>(&value.value());
+    if ((text != nullptr && text->empty()) ||
+        (words != nullptr &&
+         std::any_of(words->begin(), words->end(), [](const auto& w) { return w.empty(); }))) {
+      throw InputError(fmt::format("--{}: expected a value, got an empty one (\"\")", name));
+    }
+  }
 }
 
 bool parse(const std::vector<std::string>& args, const po::options_description& desc,
