@@ -350,8 +350,9 @@ std::int64_t requested_devices(const po::variables_map& vm) {
 
 // Writes the last step's tasks of every rank as one Chrome trace, in the simulator's trace
 // schema, on one clock from the first rank's start of the step.
-void write_trace(const std::string& path, const dtsim::lower::Program& program, const Timings& all,
-                 int last_step, int first_step) {
+void write_trace(const std::string& path, const std::string& model,
+                 const dtsim::lower::Program& program, const Timings& all, int last_step,
+                 int first_step) {
   const auto index = static_cast<std::size_t>(std::max(0, last_step - first_step));
   double first = std::numeric_limits<double>::infinity();
   for (std::size_t r = 0; r < all.origin_s.size(); ++r) {
@@ -361,7 +362,7 @@ void write_trace(const std::string& path, const dtsim::lower::Program& program, 
   timeline.tasks = step_times(all, program, last_step, [&](std::size_t r) {
     return r < all.origin_s.size() ? first - all.origin_s[r] : 0.0;
   });
-  dtsim::report::write_chrome_trace(path, program, timeline);
+  dtsim::report::write_chrome_trace(path, program, timeline, model);
 }
 
 // The GPU of this rank (the node-local rank's; the first one without mpirun), with activations in
@@ -464,6 +465,17 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   if (vm.count("predicted")) {
     const std::string path = vm["predicted"].as<std::string>();
     const auto trace = dtsim::report::read_trace(path);
+    // A prediction of another run (model or plan) would time the waits wrongly.
+    dtsim::report::Trace self;
+    self.model = spec.name;
+    const nlohmann::json plan_json = dtsim::plan::to_json(plan);
+    for (const auto& [key, value] : plan_json.items()) self.plan[key] = value.dump();
+    if (const auto differ = dtsim::report::run_difference(trace, self)) {
+      throw dtsim::InputError(fmt::format(
+          "--predicted {}: a trace of another run ({}, the trace's against this run's): "
+          "simulate this plan: dtsim simulate ... --trace {}",
+          path, *differ, path));
+    }
     std::size_t found = 0;
     for (const auto& t : trace.tasks) {
       if (t.rank != rp.rank || t.task < 0 || static_cast<std::size_t>(t.task) >= rp.tasks.size()) {
@@ -507,7 +519,7 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     one.lowering = program.lowering;
     one.groups = program.groups;
     one.ranks = {rp};
-    dtsim::report::write_chrome_trace(vm["trace"].as<std::string>(), one, timeline);
+    dtsim::report::write_chrome_trace(vm["trace"].as<std::string>(), one, timeline, spec.name);
   }
   // Memory: this rank's peak of tensors against dtsim memory's prediction for its stage.
   const double peak = static_cast<double>(device.memory_use().peak);
@@ -1193,7 +1205,7 @@ int run(const std::vector<std::string>& args) {
     result = dtsim::exec::run_program(graph, program, options, *comm, *device);
     timings = gather_timings(result, *comm, clock_skew);
     if (vm.count("trace") && rank == 0) {
-      write_trace(vm["trace"].as<std::string>(), program, timings, options.steps - 1,
+      write_trace(vm["trace"].as<std::string>(), spec.name, program, timings, options.steps - 1,
                   result.first_step);
     }
   } catch (const std::exception& e) {

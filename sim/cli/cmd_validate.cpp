@@ -40,6 +40,14 @@ int cmd_validate(const std::vector<std::string>& args) {
   }
   const auto predicted = report::read_trace(vm["predicted"].as<std::string>());
   const auto measured = report::read_trace(vm["measured"].as<std::string>());
+  // Traces that say what ran (otherData) must say the same: a join of two plans' tasks by id
+  // would compare different work.
+  if (const auto differ = report::run_difference(predicted, measured)) {
+    throw InputError(fmt::format(
+        "{} and {}: not traces of the same run ({}, predicted against measured): simulate the "
+        "plan that ran (dtexec run --json prints it)",
+        predicted.file, measured.file, *differ));
+  }
   const report::Validation v = report::validate(predicted, measured);
   if (v.matched == 0) {
     throw InputError(

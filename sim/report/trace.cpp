@@ -6,12 +6,14 @@
 #include <nlohmann/json.hpp>
 
 #include "sim/common/error.hpp"
+#include "sim/plan/plan.hpp"
 
 namespace dtsim::report {
 
 using nlohmann::json;
 
-json chrome_trace(const lower::Program& program, const engine::Timeline& timeline) {
+json chrome_trace(const lower::Program& program, const engine::Timeline& timeline,
+                  const std::string& model) {
   json events = json::array();
   for (std::size_t p = 0; p < program.ranks.size(); ++p) {
     const lower::RankProgram& rp = program.ranks[p];
@@ -60,14 +62,16 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
                         {"args", std::move(args)}});
     }
   }
-  return {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
+  return {{"traceEvents", std::move(events)},
+          {"displayTimeUnit", "ms"},
+          {"otherData", {{"model", model}, {"plan", plan::to_json(program.plan)}}}};
 }
 
 void write_chrome_trace(const std::string& path, const lower::Program& program,
-                        const engine::Timeline& timeline) {
+                        const engine::Timeline& timeline, const std::string& model) {
   std::ofstream out(path);
   if (!out) throw InputError(fmt::format("--trace {}: cannot write the file", path));
-  out << chrome_trace(program, timeline).dump() << "\n";
+  out << chrome_trace(program, timeline, model).dump() << "\n";
   if (!out) throw InputError(fmt::format("--trace {}: write failed", path));
 }
 

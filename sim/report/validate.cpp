@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -35,6 +36,16 @@ Trace read_trace(const std::string& path) {
   }
   Trace trace;
   trace.file = path;
+  if (j.contains("otherData")) {
+    const JsonReader other(j, path);
+    const JsonReader what = other.object("otherData");
+    if (what.has("model")) trace.model = what.string("model");
+    if (what.has("plan")) {
+      for (const auto& [key, value] : what.object("plan").raw().items()) {
+        trace.plan[key] = value.dump();
+      }
+    }
+  }
   const json& events = j.at("traceEvents");
   // (rank, task) -> its event: a trace holds one step, so one event per task.
   std::map<std::pair<std::int64_t, std::int64_t>, std::size_t> seen;
@@ -137,6 +148,33 @@ std::string without_micro_batch(const std::string& name) {
     out += word;
   }
   return out;
+}
+
+std::optional<std::string> run_difference(const Trace& a, const Trace& b) {
+  if (!a.model.empty() && !b.model.empty() && a.model != b.model) {
+    return fmt::format("model {} against {}", a.model, b.model);
+  }
+  if (a.plan.empty() || b.plan.empty()) return std::nullopt;
+  std::vector<std::string> fields;
+  auto value = [](const std::map<std::string, std::string>& plan, const std::string& key) {
+    const auto it = plan.find(key);
+    return it == plan.end() ? std::string("(none)") : it->second;
+  };
+  std::set<std::string> keys;
+  for (const auto* plan : {&a.plan, &b.plan}) {
+    for (const auto& [key, v] : *plan) keys.insert(key);
+  }
+  for (const auto& key : keys) {
+    // The simulator's assumption of how unevenly tokens route (dtexec routes them for real, and
+    // a prediction at the load a run measured is the same run's).
+    if (key == "expert_load") continue;
+    if (value(a.plan, key) != value(b.plan, key)) {
+      fields.push_back(
+          fmt::format("{} {} against {}", key, value(a.plan, key), value(b.plan, key)));
+    }
+  }
+  if (fields.empty()) return std::nullopt;
+  return fmt::format("plan: {}", fmt::join(fields, ", "));
 }
 
 Validation validate(const Trace& predicted, const Trace& measured) {

@@ -28,6 +28,10 @@ struct Trace {
   // by dtsim simulate for a stage's representative)
   std::map<std::int64_t, std::int64_t> representative;
   std::vector<TraceTask> tasks;
+  // What ran (otherData; empty in traces written before it): the model's name, and each field
+  // of the plan's JSON as text.
+  std::string model;
+  std::map<std::string, std::string> plan;
   double span_s() const;  // last end - first start
 };
 
@@ -83,6 +87,11 @@ struct Validation {
 // A task's name without its micro-batch word: "fwd L2.norm1..loss mb3" -> "fwd L2.norm1..loss",
 // "send activations mb0 chunk 1" -> "send activations chunk 1".
 std::string without_micro_batch(const std::string& name);
+
+// How two traces' runs differ, as "model a against b" or "plan: seq_len 8 against 32, ..."
+// (every differing field but expert_load, the simulator's routing assumption); nothing where
+// they agree or either does not say.
+std::optional<std::string> run_difference(const Trace& a, const Trace& b);
 
 // Every measured task joins the predicted task of the same id on its rank, or on the rank
 // whose program stands for it (so all ranks of a multi-rank run compare with one simulated

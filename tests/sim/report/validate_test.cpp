@@ -134,3 +134,32 @@ TEST_CASE("validate sums each program task over its micro-batches and ranks",
   CHECK(v.by_task[2].group == "rank 1: fwd L1");
   CHECK(*v.by_task[2].error == Approx(0.25));
 }
+
+TEST_CASE("traces say what ran, and traces of different runs are told apart",
+          "[report][validate]") {
+  auto trace = [](const char* name, const char* other) {
+    TempFile f(name, std::string(R"({"traceEvents": [{"ph": "X", "pid": 0, "tid": 0, "ts": 0,
+      "dur": 1, "args": {"task": 0}}], "otherData": )") +
+                         other + "}");
+    return dtsim::report::read_trace(f.path());
+  };
+  const auto a = trace("run_a.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32}})");
+  CHECK(a.model == "tiny");
+  CHECK(a.plan.at("seq_len") == "32");
+  CHECK_FALSE(dtsim::report::run_difference(a, a));
+  const auto b = trace("run_b.json", R"({"model": "tiny", "plan": {"dp": 2, "seq_len": 8}})");
+  CHECK(dtsim::report::run_difference(a, b) == "plan: dp 1 against 2, seq_len 32 against 8");
+  const auto c = trace("run_c.json", R"({"model": "tiny-gpt", "plan": {"dp": 1}})");
+  CHECK(dtsim::report::run_difference(a, c) == "model tiny against tiny-gpt");
+  // The simulator's routing assumption is no difference of the run; a trace that does not say
+  // (written before otherData) compares with any.
+  const auto d = trace("run_d.json",
+                       R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32, "expert_load": 2}})");
+  CHECK_FALSE(dtsim::report::run_difference(a, d));
+  const auto e = trace("run_e.json", "{}");
+  CHECK_FALSE(dtsim::report::run_difference(a, e));
+  TempFile bad("run_bad.json", R"({"traceEvents": [], "otherData": {"model": 3}})");
+  // (otherData is read before the events.)
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::report::read_trace(bad.path()), InputError,
+                                  "run_bad.json: otherData.model: expected a string");
+}
