@@ -1262,6 +1262,13 @@ int run(const std::vector<std::string>& args) {
                    {"notes", run_notes}};
   j.update(measured_json(rank, result, timings, graph, program, plan, devices,
                          device->host_memory(), peak, held.peak_bytes));
+  // More than the device's peak: the peak is wrong (a device file's), not the run.
+  if (j["mfu"].is_number() && j["mfu"].get<double>() > 1) {
+    j["notes"].push_back(fmt::format(
+        "mfu {:.3g} is above 1: the run did more FLOP/s than {}'s peak of {:.3g} FLOP/s in {} "
+        "(check its device file's peak_flops)",
+        j["mfu"].get<double>(), *peak.device, *peak.flops, dtsim::to_string(plan.precision)));
+  }
   j["memory"] = memory_json(held, predicted_memory, plan);
   out(rank) << j.dump(2) << "\n";
   return 0;
