@@ -238,12 +238,13 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
   }
   if (!(p.expert_load >= 1 && p.expert_load <= p.ep)) {
     error("expert-load",
-          p.ep > 1 ? fmt::format("expert load {:g}: expected the busiest ep rank's token copies "
-                                 "over the even share, in [1, ep = {}]",
-                                 p.expert_load, p.ep)
-                   : fmt::format("expert load {:g} needs ep > 1 (one rank holds every expert, so "
-                                 "its share is even)",
-                                 p.expert_load));
+          p.ep > 1 || !(p.expert_load >= 1)
+              ? fmt::format("expert load {:g}: expected the busiest ep rank's token copies "
+                            "over the even share, in [1, ep = {}]",
+                            p.expert_load, p.ep)
+              : fmt::format("expert load {:g} needs ep > 1 (one rank holds every expert, so "
+                            "its share is even)",
+                            p.expert_load));
   }
   if (p.overlap_param_gather && p.zero_stage != 1 && p.zero_stage != 2) {
     error("overlap-param-gather",
