@@ -783,10 +783,11 @@ std::unique_ptr<dtsim::exec::Comm> make_comm(dtsim::exec::cpu::MpiSession* mpi, 
   return comm;
 }
 
-// Rank 0's header, and each step and checkpoint as it ends (the text output).
+// Rank 0's header (the text output).
 void announce_run(int rank, const dtsim::model::ModelSpec& spec, const std::string& where,
                   std::int64_t devices, const dtsim::plan::Plan& plan,
-                  const std::vector<std::string>& run_notes, dtsim::exec::RunOptions& options) {
+                  const std::vector<std::string>& run_notes,
+                  const dtsim::exec::RunOptions& options) {
   const int steps = options.steps;
   out(rank) << fmt::format(
       "{} on {}, {} rank{}, plan {}: {} x {} tokens per step ({} micro-batch{} per "
@@ -796,10 +797,13 @@ void announce_run(int rank, const dtsim::model::ModelSpec& spec, const std::stri
       plan.micro_batches() == 1 ? "" : "es", steps,
       options.resume_dir.empty() ? "" : ", resuming " + options.resume_dir);
   for (const auto& note : run_notes) out(rank) << "note: " << note << "\n";
-  // Each step as it ends.
   if (options.lr.warmup_steps > 0 || options.lr.decay != dtsim::exec::LrDecay::Constant) {
     out(rank) << "learning rate: " << options.lr.describe() << "\n";
   }
+}
+
+// Has rank 0 print each step and checkpoint as it ends (the text output).
+void report_progress(int rank, dtsim::exec::RunOptions& options) {
   options.on_step = [rank, lr = options.lr](int step, double loss, double seconds,
                                             double grad_norm) {
     out(rank) << fmt::format(
@@ -825,7 +829,7 @@ void announce_run(int rank, const dtsim::model::ModelSpec& spec, const std::stri
 
 // The device whose peak the measured MFU is taken against, and its peak in the plan's precision.
 struct Peak {
-  std::optional<double> flops;
+  std::optional<double> flops_per_s;
   std::optional<std::string> device;
 };
 
@@ -838,7 +842,7 @@ Peak peak_of(const po::variables_map& vm, bool gpu, const dtsim::exec::Device& d
     const auto d = vm.count("cluster")
                        ? dtsim::cluster::load_cluster(vm["cluster"].as<std::string>()).device
                        : dtsim::cluster::load_device(gpu ? device.name() : "cpu-host");
-    peak.flops = d.peak_flops_for(plan.precision);
+    peak.flops_per_s = d.peak_flops_for(plan.precision);
     peak.device = d.name;
   } catch (const dtsim::InputError&) {
     if (vm.count("cluster")) throw;
@@ -918,9 +922,9 @@ nlohmann::json measured_json(int rank, const dtsim::exec::RunResult& result, con
   const std::int64_t spent_rank = stages.empty() ? 0 : stages[busiest].rank;
   const double step = result.step_time_s;
   std::optional<double> mfu, hfu;
-  if (peak.flops) {
-    mfu = flops.model / (step * gpus * *peak.flops);
-    hfu = flops.hardware / (step * gpus * *peak.flops);
+  if (peak.flops_per_s) {
+    mfu = flops.model / (step * gpus * *peak.flops_per_s);
+    hfu = flops.hardware / (step * gpus * *peak.flops_per_s);
   }
   nlohmann::json breakdown = dtsim::report::breakdown_json(spent, /*predicted=*/false);
   // Before the simulator's terms were measured, the rest of the (median) step was one figure.
@@ -1098,6 +1102,12 @@ int run(const std::vector<std::string>& args) {
   if (vm.count("predicted") && !only_rank) {
     throw dtsim::InputError("--predicted: only with --only-rank");
   }
+  for (const char* fault : {"fail-at", "hang-at"}) {
+    if (vm.count(fault) && only_rank) {
+      throw dtsim::InputError(fmt::format(
+          "--{}: not with --only-rank (fault injection is for runs of every rank)", fault));
+    }
+  }
   if (vm.count("checkpoint") && only_rank) {
     throw dtsim::InputError(
         "--checkpoint: not with --only-rank (one rank's share of a plan is not a checkpoint of "
@@ -1197,7 +1207,10 @@ int run(const std::vector<std::string>& args) {
       throw;
     }
   }
-  if (!json_out) announce_run(rank, spec, where, devices, plan, run_notes, options);
+  if (!json_out) {
+    announce_run(rank, spec, where, devices, plan, run_notes, options);
+    report_progress(rank, options);
+  }
   const Peak peak = peak_of(vm, gpu, *device, plan);
   dtsim::exec::RunResult result;
   Timings timings;
@@ -1267,7 +1280,7 @@ int run(const std::vector<std::string>& args) {
     j["notes"].push_back(fmt::format(
         "mfu {:.3g} is above 1: the run did more FLOP/s than {}'s peak of {:.3g} FLOP/s in {} "
         "(check its device file's peak_flops)",
-        j["mfu"].get<double>(), *peak.device, *peak.flops, dtsim::to_string(plan.precision)));
+        j["mfu"].get<double>(), *peak.device, *peak.flops_per_s, dtsim::to_string(plan.precision)));
   }
   j["memory"] = memory_json(held, predicted_memory, plan);
   out(rank) << j.dump(2) << "\n";

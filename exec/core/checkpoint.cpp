@@ -49,11 +49,30 @@ bool written_by_checkpoint(const fs::path& p) {
 // Throws unless `p` is absent or a checkpoint writer's folder.
 void require_replaceable(const fs::path& p, const std::string& flag, const std::string& dir) {
   std::error_code ec;
-  if (!fs::exists(fs::symlink_status(p, ec)) || written_by_checkpoint(p)) return;
+  const auto status = fs::symlink_status(p, ec);
+  if (!fs::exists(status) || written_by_checkpoint(p)) return;
+  const std::string what = p.string() == dir ? "" : p.string() + " ";
+  // Writing renames the link, not the folder it points to, which would keep the old checkpoint.
+  if (fs::is_symlink(status)) {
+    throw InputError(fmt::format(
+        "{} {}: {}is a symbolic link; give the folder it points to ({}), since writing a "
+        "checkpoint renames the path it is given",
+        flag, dir, what, fs::read_symlink(p, ec).string()));
+  }
   throw InputError(fmt::format(
       "{} {}: {}exists and is not a dtexec checkpoint folder (it holds other files, or is not "
-      "a folder); writing a checkpoint replaces it, so give a new path or remove it",
-      flag, dir, p.string() == dir ? "" : p.string() + " "));
+      "a folder, or cannot be listed); writing a checkpoint replaces it, so give a new path or "
+      "remove it",
+      flag, dir, what));
+}
+
+// `given` without trailing separators: "ck/" is the folder "ck", whose siblings DIR.tmp and
+// DIR.old are "ck.tmp" and "ck.old" (not "ck/.tmp"). Nothing else is rewritten: "a/../ck" is
+// what the OS makes of it, through a link or not.
+fs::path without_trailing_separators(const std::string& given) {
+  std::string s = given;
+  while (s.size() > 1 && s.back() == '/') s.pop_back();
+  return fs::path(s);
 }
 
 // j[field], which must be there: an InputError naming the field (or saying that j is no
@@ -168,8 +187,7 @@ CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
 }  // namespace
 
 std::string checkpoint_folder(const std::string& given, const std::string& flag) {
-  fs::path p = fs::path(given).lexically_normal();
-  if (!p.has_filename() && p.has_relative_path()) p = p.parent_path();  // "ck/" names "ck"
+  const fs::path p = without_trailing_separators(given);
   const std::string name = p.filename().string();
   if (name.empty() || name == "." || name == "..") {
     throw InputError(fmt::format(
@@ -185,7 +203,7 @@ void check_checkpoint_folder(const std::string& dir, const std::string& flag) {
   const fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
   std::error_code ec;
   if (!fs::is_directory(parent, ec)) {
-    throw InputError(fmt::format("{} {}: no folder {}", flag, dir, parent.string()));
+    throw InputError(fmt::format("{} {}: no directory {}", flag, dir, parent.string()));
   }
   for (const fs::path& q : {p, temporary(dir), fs::path(dir + ".old")}) {
     require_replaceable(q, flag, dir);
@@ -297,8 +315,14 @@ std::uint64_t finish_checkpoint(const std::string& dir, const CheckpointInfo& in
   // The previous checkpoint stays readable (as DIR.old) until the new one is in place.
   const fs::path final_dir(dir);
   const fs::path old = dir + ".old";
-  require_replaceable(final_dir, "checkpoint", dir);
-  require_replaceable(old, "checkpoint", dir);
+  // (Checked before the run; something put there since would be replaced.)
+  try {
+    require_replaceable(final_dir, "checkpoint", dir);
+    require_replaceable(old, "checkpoint", dir);
+  } catch (const InputError& e) {
+    throw InputError(
+        fmt::format("{}; this checkpoint is left in {}", e.what(), temporary(dir).string()));
+  }
   std::error_code ec;
   fs::remove_all(old, ec);
   if (fs::exists(final_dir)) fs::rename(final_dir, old, ec);
@@ -323,7 +347,7 @@ void write_checkpoint(const std::string& dir, const Checkpoint& c) {
 
 CheckpointReader::CheckpointReader(const std::string& dir_given) {
   // A writer stopped between its two renames leaves the previous checkpoint as DIR.old.
-  dir_ = dir_given;
+  dir_ = without_trailing_separators(dir_given).string();
   if (!fs::exists(fs::path(dir_) / "checkpoint.json") &&
       fs::exists(fs::path(dir_ + ".old") / "checkpoint.json")) {
     dir_ += ".old";
@@ -472,7 +496,7 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
           }
           p.offset = next;
           next += need;
-          // Written since checkpoints had them: read_slice checks the bytes it reads against it.
+          // Checkpoints from before CRCs have no crc32: their pieces are read unchecked.
           if (piece.contains("crc32")) {
             const std::int64_t crc = whole_number(piece, "crc32", field);
             if (crc < 0 || crc > 0xffffffffLL) {

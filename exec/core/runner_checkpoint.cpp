@@ -195,6 +195,16 @@ int Runner::resume(RunResult& result) {
         "--min-lr to continue it",
         where, trained.describe(), options_.lr.describe()));
   }
+  // A fault set for a step that the checkpoint holds would never happen.
+  for (const auto& [flag, step] :
+       {std::pair{"--fail-at", options_.fail_step}, std::pair{"--hang-at", options_.hang_step}}) {
+    if (step > 0 && step <= c.step) {
+      throw InputError(
+          fmt::format("{}: step: the checkpoint is at step {}; {} at step {} never "
+                      "happens in this run",
+                      where, c.step, flag, step));
+    }
+  }
   if (c.step >= options_.steps) {
     throw InputError(
         fmt::format("{}: step: the checkpoint is at step {}; --steps {} leaves "

@@ -199,7 +199,11 @@ void store_options(const std::vector<std::string>& args, const po::options_descr
     if ((text != nullptr && text->empty()) ||
         (words != nullptr &&
          std::any_of(words->begin(), words->end(), [](const auto& w) { return w.empty(); }))) {
-      throw InputError(fmt::format("--{}: expected a value, got an empty one (\"\")", name));
+      // A positional argument is not typed after its option's name: named as the usage has it.
+      const bool by_position = positional != nullptr && positional->max_total_count() > 0 &&
+                               positional->name_for_position(0) == name;
+      throw InputError(fmt::format("{}: expected a value, got an empty one (\"\")",
+                                   by_position ? "the " + name + " argument" : "--" + name));
     }
   }
 }

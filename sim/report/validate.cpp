@@ -155,22 +155,32 @@ std::optional<std::string> run_difference(const Trace& a, const Trace& b) {
     return fmt::format("model {} against {}", a.model, b.model);
   }
   if (a.plan.empty() || b.plan.empty()) return std::nullopt;
-  std::vector<std::string> fields;
-  auto value = [](const std::map<std::string, std::string>& plan, const std::string& key) {
-    const auto it = plan.find(key);
-    return it == plan.end() ? std::string("(none)") : it->second;
-  };
+  // A plan's JSON leaves out some fields at their defaults: where one trace has such a field and
+  // the other not, the other's is its default. Fields whose absence means "derived"
+  // (layers_per_stage: the even split; grad_precision, comm_precision: from precision) are
+  // compared only where both have them: either way the other trace's run is the same one.
+  static const std::map<std::string, std::string> kDefaults = {{"clip_grad", "0"},
+                                                               {"grad_compression", "1"}};
   std::set<std::string> keys;
   for (const auto* plan : {&a.plan, &b.plan}) {
     for (const auto& [key, v] : *plan) keys.insert(key);
   }
+  std::vector<std::string> fields;
   for (const auto& key : keys) {
     // The simulator's assumption of how unevenly tokens route (dtexec routes them for real, and
     // a prediction at the load a run measured is the same run's).
     if (key == "expert_load") continue;
-    if (value(a.plan, key) != value(b.plan, key)) {
-      fields.push_back(
-          fmt::format("{} {} against {}", key, value(a.plan, key), value(b.plan, key)));
+    const auto default_value = kDefaults.find(key);
+    auto value = [&](const std::map<std::string, std::string>& plan) -> std::optional<std::string> {
+      const auto it = plan.find(key);
+      if (it != plan.end()) return it->second;
+      if (default_value != kDefaults.end()) return default_value->second;
+      return std::nullopt;
+    };
+    const auto x = value(a.plan), y = value(b.plan);
+    // Compared as JSON values: 1 and 1.0 are one number.
+    if (x && y && json::parse(*x) != json::parse(*y)) {
+      fields.push_back(fmt::format("{} {} against {}", key, *x, *y));
     }
   }
   if (fields.empty()) return std::nullopt;

@@ -330,6 +330,19 @@ TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[e
     REQUIRE_THROWS_WITH(reader.read("L0.qkv.weight"),
                         Contains("a piece of L0.qkv.weight does not match its checksum"));
   }
+  SECTION("a crc32 that is no 32-bit checksum, and a shard longer than its pieces") {
+    const auto dir = write_sharded("bad_crc_field", qkv, out);
+    rewrite_index(dir,
+                  [](nlohmann::json& j) { j["shards"][0]["pieces"][0]["crc32"] = 4294967296LL; });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("a piece of L0.qkv.weight: crc32 4294967296: expected a 32-bit "
+                                 "checksum"));
+    const auto longer = write_sharded("bad_long", qkv, out);
+    fs::resize_file(fs::path(longer) / "rank-00001.bin", 240);
+    REQUIRE_THROWS_WITH(CheckpointReader(longer),
+                        Contains("rank-00001.bin: 240 bytes, expected 120 (a shard of another "
+                                 "checkpoint?)"));
+  }
   SECTION("fields missing, or of another type, named as such") {
     const auto dir = write_sharded("bad_fields", qkv, out);
     rewrite_index(dir, [](nlohmann::json& j) { j.erase("format"); });
@@ -351,6 +364,17 @@ TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[e
     });
     REQUIRE_THROWS_WITH(CheckpointReader(dir),
                         Contains("shards: rank-00000.bin: pieces: expected a list, got \"none\""));
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["shards"][0]["pieces"] = nlohmann::json::array();
+      j["learning_rate"] = "fast";
+    });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("learning_rate: expected a positive number"));
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["learning_rate"] = 1e-3;
+      j["weight_decay"] = -1;
+    });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("weight_decay: expected a number >= 0"));
     rewrite_index(dir, [](nlohmann::json& j) { j = nlohmann::json::array({1, 2}); });
     REQUIRE_THROWS_WITH(CheckpointReader(dir),
                         Contains("expected an object with format, got an array"));
@@ -457,7 +481,7 @@ TEST_CASE("checkpoint: only a checkpoint writer's folders are replaced", "[exec]
   using dtsim::exec::checkpoint_folder;
   SECTION("the path names a folder of its own") {
     CHECK(checkpoint_folder("ck/", "--checkpoint") == "ck");
-    CHECK(checkpoint_folder("a//b/", "--checkpoint") == "a/b");
+    CHECK(checkpoint_folder("a//b//", "--checkpoint") == "a//b");
     CHECK(checkpoint_folder("/x/ck", "--checkpoint") == "/x/ck");
     for (const char* bad : {"", ".", "..", "/", "a/.."}) {
       REQUIRE_THROWS_WITH(checkpoint_folder(bad, "--checkpoint"),
@@ -499,9 +523,30 @@ TEST_CASE("checkpoint: only a checkpoint writer's folders are replaced", "[exec]
     dtsim::exec::write_checkpoint(dir, c);
     CHECK(dtsim::exec::read_checkpoint(dir).step == 2);
   }
+  SECTION("a user's DIR.tmp, and a link to a checkpoint (renaming it would keep the old one)") {
+    const std::string dir = folder("links");
+    fs::create_directories(dir + ".tmp");
+    std::ofstream(fs::path(dir + ".tmp") / "draft.txt") << "mine";
+    REQUIRE_THROWS_WITH(check_checkpoint_folder(dir, "--checkpoint"),
+                        Contains(dir + ".tmp exists and is not a dtexec checkpoint folder"));
+    fs::remove_all(dir + ".tmp");
+    const std::string real = folder("links_real");
+    dtsim::exec::write_checkpoint(real, c);
+    fs::create_directory_symlink(real, dir);
+    REQUIRE_THROWS_WITH(check_checkpoint_folder(dir, "--checkpoint"),
+                        Contains("is a symbolic link; give the folder it points to (" + real));
+    fs::remove(dir);
+  }
+  SECTION("a folder given with a trailing '/' has its DIR.old beside it") {
+    const std::string dir = folder("slash_old");
+    dtsim::exec::write_checkpoint(dir, c);
+    fs::rename(dir, dir + ".old");  // a writer stopped between its two renames
+    CHECK(CheckpointReader(dir + "/").info().step == 2);
+    CHECK(CheckpointReader(dir + "//").where() == dir + ".old/checkpoint.json");
+  }
   SECTION("a parent folder that is not there") {
     REQUIRE_THROWS_WITH(
         check_checkpoint_folder("/nonexistent-dtsim/ck", "--checkpoint"),
-        Contains("--checkpoint /nonexistent-dtsim/ck: no folder /nonexistent-dtsim"));
+        Contains("--checkpoint /nonexistent-dtsim/ck: no directory /nonexistent-dtsim"));
   }
 }

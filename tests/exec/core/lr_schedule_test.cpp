@@ -82,7 +82,16 @@ TEST_CASE("lr schedule: a checkpoint's JSON reads back as the same schedule", "[
                     "cosine, got \"step\"");
   bad = j;
   bad.erase("warmup_steps");
-  CHECK_THROWS_AS(dtsim::exec::lr_schedule_from_json(bad, "ck/checkpoint.json"), dtsim::InputError);
+  CHECK_THROWS_WITH(dtsim::exec::lr_schedule_from_json(bad, "ck/checkpoint.json"),
+                    "ck/checkpoint.json: lr_schedule.warmup_steps: required field is missing");
+  bad["warmup_steps"] = 1.5;
+  CHECK_THROWS_WITH(dtsim::exec::lr_schedule_from_json(bad, "ck/checkpoint.json"),
+                    "ck/checkpoint.json: lr_schedule.warmup_steps: expected a whole number of "
+                    "steps >= 0, got 1.5");
+  bad = j;
+  bad["decay_steps"] = "20";
+  CHECK_THROWS_WITH(dtsim::exec::lr_schedule_from_json(bad, "ck/checkpoint.json"),
+                    Catch::Contains("lr_schedule.decay_steps: expected a positive integer"));
   bad = j;
   bad["min_lr"] = 1.0;
   CHECK_THROWS_WITH(dtsim::exec::lr_schedule_from_json(bad, "ck/checkpoint.json"),

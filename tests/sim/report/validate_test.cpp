@@ -158,6 +158,17 @@ TEST_CASE("traces say what ran, and traces of different runs are told apart",
   CHECK_FALSE(dtsim::report::run_difference(a, d));
   const auto e = trace("run_e.json", "{}");
   CHECK_FALSE(dtsim::report::run_difference(a, e));
+  // A field that one plan leaves derived (the even split of layers) is the other's run too; one
+  // left out at its default is that default.
+  const auto f = trace("run_f.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32,
+    "layers_per_stage": [1, 1]}})");
+  CHECK_FALSE(dtsim::report::run_difference(a, f));
+  const auto g = trace("run_g.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32,
+    "clip_grad": 1.0}})");
+  CHECK(dtsim::report::run_difference(a, g) == "plan: clip_grad 0 against 1.0");
+  const auto h = trace("run_h.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32,
+    "clip_grad": 0}})");
+  CHECK_FALSE(dtsim::report::run_difference(a, h));
   TempFile bad("run_bad.json", R"({"traceEvents": [], "otherData": {"model": 3}})");
   // (otherData is read before the events.)
   DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::report::read_trace(bad.path()), InputError,
