@@ -75,46 +75,11 @@ fs::path without_trailing_separators(const std::string& given) {
   return fs::path(s);
 }
 
-// j[field], which must be there: an InputError naming the field (or saying that j is no
-// object), not the JSON library's.
-const nlohmann::json& required(const nlohmann::json& j, const std::string& field,
-                               const std::string& where) {
-  if (!j.is_object()) {
-    throw InputError(fmt::format("{}: expected an object with {}, got {}", where, field,
-                                 describe_json_value(j)));
-  }
-  if (!j.contains(field)) {
-    throw InputError(fmt::format("{}: {}: required field is missing", where, field));
-  }
-  return j.at(field);
-}
-
-// The string at j[field].
-std::string text(const nlohmann::json& j, const std::string& field, const std::string& where) {
-  const auto& v = required(j, field, where);
-  if (!v.is_string()) {
-    throw InputError(
-        fmt::format("{}: {}: expected a string, got {}", where, field, describe_json_value(v)));
-  }
-  return v.get<std::string>();
-}
-
-// The array at j[field].
-const nlohmann::json& list(const nlohmann::json& j, const std::string& field,
-                           const std::string& where) {
-  const auto& v = required(j, field, where);
-  if (!v.is_array()) {
-    throw InputError(
-        fmt::format("{}: {}: expected a list, got {}", where, field, describe_json_value(v)));
-  }
-  return v;
-}
-
 // A whole number at j[field] (a float, a string or one out of range is an InputError naming the
 // field, not a truncated or wrapped value).
 std::int64_t whole_number(const nlohmann::json& j, const std::string& field,
                           const std::string& where) {
-  const auto& v = required(j, field, where);
+  const auto& v = JsonReader(j, where).at(field);
   if (!v.is_number_integer() ||
       (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))) {
     throw InputError(
@@ -160,7 +125,7 @@ CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
     throw InputError(fmt::format("{}: step: expected a step count, got {}", where, step));
   }
   c.step = static_cast<int>(step);
-  const auto& seed = required(j, "seed", where);
+  const auto& seed = r.at("seed");
   if (!seed.is_number_unsigned()) {
     throw InputError(
         fmt::format("{}: seed: expected a whole number >= 0, got {}", where, seed.dump()));
@@ -169,7 +134,7 @@ CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
   c.learning_rate = r.positive_number("learning_rate");
   if (r.has("lr_schedule")) c.lr_schedule = j.at("lr_schedule");
   if (r.has("weight_decay")) c.weight_decay = r.non_negative_number("weight_decay");
-  const auto& losses = list(j, "losses", where);
+  const auto& losses = r.array("losses");
   for (std::size_t i = 0; i < losses.size(); ++i) {
     if (!losses[i].is_number() || !std::isfinite(losses[i].get<double>())) {
       throw InputError(fmt::format("{}: losses[{}]: expected a finite number, got {}", where, i,
@@ -359,7 +324,8 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
   }
   const nlohmann::json j = JsonReader::parse_file(where_);
   try {
-    const auto format = text(j, "format", where_);
+    const JsonReader index(j, where_);
+    const auto format = index.string("format");
     if (format != kFormat && format != kFormatWhole) {
       throw InputError(fmt::format("{}: format: expected \"{}\" (or \"{}\"), got {}", where_,
                                    kFormat, kFormatWhole, j.at("format").dump()));
@@ -392,19 +358,20 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
     if (whole_format) {
       add_file("tensors.bin", std::nullopt);
     } else {
-      for (const auto& shard : list(j, "shards", where_)) {
+      for (const auto& shard : index.array("shards")) {
         const std::int64_t bytes = whole_number(shard, "bytes", where_ + ": shards");
         if (bytes < 0) {
           throw InputError(fmt::format("{}: shards: bytes: expected >= 0, got {}", where_, bytes));
         }
-        add_file(text(shard, "file", where_ + ": shards"), static_cast<std::uint64_t>(bytes));
+        add_file(JsonReader(shard, where_ + ": shards").string("file"),
+                 static_cast<std::uint64_t>(bytes));
       }
     }
     std::uint64_t stored = 0;  // elements held by all the files together
     for (const auto size : sizes) stored += size / kBytesPerElement;
-    for (const auto& t : list(j, "tensors", where_)) {
-      const auto name = text(t, "name", where_ + ": tensors");
-      auto shape = whole_numbers(required(t, "shape", where_ + ": tensors: " + name), "shape",
+    for (const auto& t : index.array("tensors")) {
+      const auto name = JsonReader(t, where_ + ": tensors").string("name");
+      auto shape = whole_numbers(JsonReader(t, where_ + ": tensors: " + name).at("shape"), "shape",
                                  where_ + ": tensors: " + name);
       std::int64_t n = 1;
       for (const std::int64_t d : shape) {
@@ -441,8 +408,9 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
       std::size_t f = 0;
       for (const auto& shard : j.at("shards")) {
         std::uint64_t next = 0;  // where the shard's next piece starts
-        for (const auto& piece : list(shard, "pieces", where_ + ": shards: " + files_[f])) {
-          const auto name = text(piece, "tensor", where_ + ": shards: " + files_[f]);
+        const std::string in_shard = where_ + ": shards: " + files_[f];
+        for (const auto& piece : JsonReader(shard, in_shard).array("pieces")) {
+          const auto name = JsonReader(piece, in_shard).string("tensor");
           const auto it = shapes_.find(name);
           if (it == shapes_.end()) {
             throw InputError(fmt::format("{}: shards: {}: a piece of {}, which is not in tensors",
@@ -458,7 +426,8 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
           p.slice.cols = it->second[1];
           const std::string field =
               fmt::format("{}: shards: {}: a piece of {}", where_, files_[f], name);
-          const auto rows = whole_numbers(required(piece, "rows", field), "rows", field);
+          const JsonReader piece_reader(piece, field);
+          const auto rows = whole_numbers(piece_reader.at("rows"), "rows", field);
           if (rows.size() != 2 || rows[0] < 0 || rows[1] <= 0 || rows[0] > p.slice.rows ||
               rows[1] > p.slice.rows - rows[0]) {
             throw bad(fmt::format("rows {}: expected [first, count] inside {} rows",
@@ -466,7 +435,7 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
           }
           p.slice.row_begin = rows[0];
           p.slice.row_count = rows[1];
-          for (const auto& range : list(piece, "cols", field)) {
+          for (const auto& range : piece_reader.array("cols")) {
             const auto r = whole_numbers(range, "cols", field, 2);
             if (r.size() != 2 || r[0] < 0 || r[1] <= 0 || r[0] > p.slice.cols ||
                 r[1] > p.slice.cols - r[0] || p.slice.local_cols() > p.slice.cols - r[1]) {

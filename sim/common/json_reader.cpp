@@ -174,6 +174,12 @@ std::optional<Figure> JsonReader::optional_figure(std::string_view key, bool all
   return figure(key, allow_zero);
 }
 
+const json& JsonReader::array(std::string_view key) const {
+  const json& v = at(key);
+  if (!v.is_array()) fail(key, fmt::format("expected an array, got {}", describe_json_value(v)));
+  return v;
+}
+
 JsonReader JsonReader::object(std::string_view key) const {
   const json& v = at(key);
   if (!v.is_object()) fail(key, fmt::format("expected an object, got {}", describe_json_value(v)));

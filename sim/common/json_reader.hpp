@@ -56,6 +56,9 @@ class JsonReader {
   Figure figure(std::string_view key, bool allow_zero = false) const;
   std::optional<Figure> optional_figure(std::string_view key, bool allow_zero = false) const;
   JsonReader object(std::string_view key) const;
+  // A required field of any type, and one that must be an array.
+  const nlohmann::json& at(std::string_view key) const;
+  const nlohmann::json& array(std::string_view key) const;
   std::vector<std::int64_t> positive_int_array(std::string_view key) const;
   // Every element in 1..max.
   std::vector<std::int64_t> positive_int_array_up_to(std::string_view key, std::int64_t max) const;
@@ -66,7 +69,6 @@ class JsonReader {
   [[noreturn]] void fail(std::string_view key, std::string_view message) const;
 
  private:
-  const nlohmann::json& at(std::string_view key) const;  // required field
   std::int64_t as_positive_int(const nlohmann::json& v, std::string_view key) const;
 
   const nlohmann::json* json_;

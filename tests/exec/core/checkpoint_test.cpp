@@ -362,8 +362,9 @@ TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[e
       j["losses"] = {5.5, 5.25};
       j["shards"][0]["pieces"] = "none";
     });
-    REQUIRE_THROWS_WITH(CheckpointReader(dir),
-                        Contains("shards: rank-00000.bin: pieces: expected a list, got \"none\""));
+    REQUIRE_THROWS_WITH(
+        CheckpointReader(dir),
+        Contains("shards: rank-00000.bin: pieces: expected an array, got \"none\""));
     rewrite_index(dir, [](nlohmann::json& j) {
       j["shards"][0]["pieces"] = nlohmann::json::array();
       j["learning_rate"] = "fast";
@@ -377,7 +378,7 @@ TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[e
     REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("weight_decay: expected a number >= 0"));
     rewrite_index(dir, [](nlohmann::json& j) { j = nlohmann::json::array({1, 2}); });
     REQUIRE_THROWS_WITH(CheckpointReader(dir),
-                        Contains("expected an object with format, got an array"));
+                        Contains("checkpoint.json: expected a JSON object, got an array"));
   }
   SECTION("checkpoint.json a folder") {
     const std::string dir = folder("bad_index_folder");

@@ -38,6 +38,11 @@ TEST_CASE("typed fields report file, path and what was expected", "[common]") {
   DTSIM_REQUIRE_THROWS_CONTAINING(r.figure("fig"), InputError, "fig.source: required field");
   DTSIM_REQUIRE_THROWS_CONTAINING(r.choice("c", {"gelu", "swiglu"}), InputError,
                                   "expected one of gelu, swiglu, got \"x\"");
+  CHECK(r.at("f") == 1.5);
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.at("missing"), InputError,
+                                  "f.json: missing: required field is missing");
+  DTSIM_REQUIRE_THROWS_CONTAINING(r.array("o"), InputError,
+                                  "f.json: o: expected an array, got an object");
 }
 
 TEST_CASE("bounded integers name the bound", "[common]") {
