@@ -40,11 +40,7 @@ Trace read_trace(const std::string& path) {
     const JsonReader other(j, path);
     const JsonReader what = other.object("otherData");
     if (what.has("model")) trace.model = what.string("model");
-    if (what.has("plan")) {
-      for (const auto& [key, value] : what.object("plan").raw().items()) {
-        trace.plan[key] = value.dump();
-      }
-    }
+    if (what.has("plan")) trace.plan = what.object("plan").raw();
   }
   const json& events = j.at("traceEvents");
   // (rank, task) -> its event: a trace holds one step, so one event per task.
@@ -154,33 +150,27 @@ std::optional<std::string> run_difference(const Trace& a, const Trace& b) {
   if (!a.model.empty() && !b.model.empty() && a.model != b.model) {
     return fmt::format("model {} against {}", a.model, b.model);
   }
-  if (a.plan.empty() || b.plan.empty()) return std::nullopt;
+  if (a.plan.is_null() || b.plan.is_null()) return std::nullopt;
   // A plan's JSON leaves out some fields at their defaults: where one trace has such a field and
   // the other not, the other's is its default. Fields whose absence means "derived"
   // (layers_per_stage: the even split; grad_precision, comm_precision: from precision) are
   // compared only where both have them: either way the other trace's run is the same one.
-  static const std::map<std::string, std::string> kDefaults = {{"clip_grad", "0"},
-                                                               {"grad_compression", "1"}};
+  static const json kDefaults = {{"clip_grad", 0}, {"grad_compression", 1}};
   std::set<std::string> keys;
-  for (const auto* plan : {&a.plan, &b.plan}) {
-    for (const auto& [key, v] : *plan) keys.insert(key);
+  for (const json* plan : {&a.plan, &b.plan}) {
+    for (const auto& item : plan->items()) keys.insert(item.key());
   }
   std::vector<std::string> fields;
   for (const auto& key : keys) {
     // The simulator's assumption of how unevenly tokens route (dtexec routes them for real, and
     // a prediction at the load a run measured is the same run's).
     if (key == "expert_load") continue;
-    const auto default_value = kDefaults.find(key);
-    auto value = [&](const std::map<std::string, std::string>& plan) -> std::optional<std::string> {
-      const auto it = plan.find(key);
-      if (it != plan.end()) return it->second;
-      if (default_value != kDefaults.end()) return default_value->second;
-      return std::nullopt;
-    };
-    const auto x = value(a.plan), y = value(b.plan);
-    // Compared as JSON values: 1 and 1.0 are one number.
-    if (x && y && json::parse(*x) != json::parse(*y)) {
-      fields.push_back(fmt::format("{} {} against {}", key, *x, *y));
+    const json& fallback = kDefaults.contains(key) ? kDefaults.at(key) : json();
+    const json& x = a.plan.contains(key) ? a.plan.at(key) : fallback;
+    const json& y = b.plan.contains(key) ? b.plan.at(key) : fallback;
+    // (JSON values compare numbers by value: 1 and 1.0 are one number.)
+    if (!x.is_null() && !y.is_null() && x != y) {
+      fields.push_back(fmt::format("{} {} against {}", key, x.dump(), y.dump()));
     }
   }
   if (fields.empty()) return std::nullopt;

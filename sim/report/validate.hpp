@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,10 +29,10 @@ struct Trace {
   // by dtsim simulate for a stage's representative)
   std::map<std::int64_t, std::int64_t> representative;
   std::vector<TraceTask> tasks;
-  // What ran (otherData; empty in traces written before it): the model's name, and each field
-  // of the plan's JSON as text.
+  // What ran (otherData; empty and null in traces written before it): the model's name, and the
+  // plan's JSON.
   std::string model;
-  std::map<std::string, std::string> plan;
+  nlohmann::json plan;
   double span_s() const;  // last end - first start
 };
 

@@ -145,7 +145,7 @@ TEST_CASE("traces say what ran, and traces of different runs are told apart",
   };
   const auto a = trace("run_a.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32}})");
   CHECK(a.model == "tiny");
-  CHECK(a.plan.at("seq_len") == "32");
+  CHECK(a.plan.at("seq_len") == 32);
   CHECK_FALSE(dtsim::report::run_difference(a, a));
   const auto b = trace("run_b.json", R"({"model": "tiny", "plan": {"dp": 2, "seq_len": 8}})");
   CHECK(dtsim::report::run_difference(a, b) == "plan: dp 1 against 2, seq_len 32 against 8");
