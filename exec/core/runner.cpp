@@ -401,7 +401,6 @@ float Runner::standard_normal(std::uint64_t stream, std::int64_t index) {
 }
 
 void Runner::init_params() {
-  const OpId embedding = g_.layer_ops(-1).front();
   const std::map<Key, Param::Flat> flat =
       in_place_ ? plan_flat_layout() : std::map<Key, Param::Flat>{};
   for (OpId id : my_ops()) {
@@ -411,14 +410,14 @@ void Runner::init_params() {
       if (op.expert && !local_expert(which / 2)) continue;  // another ep rank's
       Param p;
       p.slice = slice;
-      p.tied_copy = op.kind == OpKind::LmHead && op.params == 0;
+      // A tied head's copy starts from (and is saved as) the embedding matrix.
+      const OpId source = saved_as(id);
+      p.tied_copy = source != id;
       p.norm = op.kind == OpKind::Norm;
       // AdamW's weight decay: matrices and embedding tables (the learned positions are the
       // embedding's second tensor), not biases or norms' weights (Megatron-LM's
       // no_weight_decay_cond: ".bias" and 1-D parameters).
       p.decays = !p.norm && (which % 2 == 0 || op.kind == OpKind::Embedding);
-      // The copy starts from (and is saved as) the embedding matrix.
-      const OpId source = p.tied_copy ? embedding : id;
       p.expert = op.expert;
       p.name = tensor_name(source, which);
       const std::vector<float> values = initial(source, which, slice);
@@ -584,6 +583,11 @@ void Runner::load_weights(Param& p, const float* full) {
   }
   dev_.upload(p.data, full);
   refresh_work(p);
+}
+
+OpId Runner::saved_as(OpId id) const {
+  const Op& op = g_.op(id);
+  return op.kind == OpKind::LmHead && op.params == 0 ? g_.layer_ops(-1).front() : id;
 }
 
 std::string Runner::tensor_name(OpId id, int which) const {

@@ -214,12 +214,9 @@ int Runner::resume(RunResult& result) {
   // Every tensor of the checkpoint is one of the model's: a model file changed under the same
   // name (positions, biases or norms dropped) would otherwise leave some unread, silently.
   std::set<std::string> model_tensors;
-  const OpId embedding = g_.layer_ops(-1).front();
   for (OpId id = 0; id < static_cast<OpId>(g_.size()); ++id) {
-    const Op& op = g_.op(id);
-    for (const auto& [which, slice] : slices(op, 0)) {
-      const bool tied_copy = op.kind == OpKind::LmHead && op.params == 0;
-      model_tensors.insert(tensor_name(tied_copy ? embedding : id, which));
+    for (const auto& [which, slice] : slices(g_.op(id), 0)) {
+      model_tensors.insert(tensor_name(saved_as(id), which));
     }
   }
   for (const auto& name : checkpoint.names()) {

@@ -304,6 +304,9 @@ class Runner {
   // A tensor's name in checkpoints and messages: "L3.qkv.weight", "L0.experts_up.e2.bias"
   // (expert e's weight and bias are tensors 2e and 2e + 1).
   std::string tensor_name(OpId id, int which) const;
+  // The op whose tensors `id`'s are, in checkpoints and initialisation: the embedding for a tied
+  // LM head (its weight a copy of the table), else `id` itself.
+  OpId saved_as(OpId id) const;
 
   // The GEMMs' copy of a weight, after its master changed (a no-op when they are one).
   void refresh_work(Param& p) {
