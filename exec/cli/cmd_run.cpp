@@ -468,8 +468,7 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     // A prediction of another run (model or plan) would time the waits wrongly.
     dtsim::report::Trace self;
     self.model = spec.name;
-    const nlohmann::json plan_json = dtsim::plan::to_json(plan);
-    for (const auto& [key, value] : plan_json.items()) self.plan[key] = value.dump();
+    self.plan = dtsim::plan::to_json(plan);
     if (const auto differ = dtsim::report::run_difference(trace, self)) {
       throw dtsim::InputError(fmt::format(
           "--predicted {}: a trace of another run ({}, the trace's against this run's): "
@@ -1127,16 +1126,6 @@ int run(const std::vector<std::string>& args) {
   const int rank = mpi ? mpi->rank() : 0;
   g_rank = rank;
   const double clock_skew = clock_skew_s(rank);
-  // Rank 0 writes the trace, after the run: a path it cannot write ends the job now (every
-  // rank: the others may already wait for it in a collective).
-  if (rank == 0 && vm.count("trace")) {
-    try {
-      dtsim::cli::check_writable(vm["trace"].as<std::string>(), "--trace");
-    } catch (const std::exception& e) {
-      end_all_ranks(e, mpi.get(), "run");
-      throw;
-    }
-  }
   if (only_rank && mpi && mpi->size() > 1) {
     throw dtsim::InputError("--only-rank: runs one process; start it without mpirun");
   }
@@ -1148,11 +1137,15 @@ int run(const std::vector<std::string>& args) {
   }
   const dtsim::plan::Plan plan = backend_plan(vm, spec, devices, gpu);
   dtsim::exec::RunOptions options = run_options_of(vm, devices);
-  // Rank 0 makes the checkpoint's folder, after steps: a path it cannot take (or that holds
-  // what a checkpoint would replace) ends the job now.
-  if (rank == 0 && !options.checkpoint_dir.empty()) {
+  // Rank 0 writes the trace after the run, and makes the checkpoint's folder after steps: a
+  // path it cannot take (or one holding what a checkpoint would replace) ends the job now, on
+  // every rank (the others may already wait for rank 0 in a collective).
+  if (rank == 0) {
     try {
-      dtsim::exec::check_checkpoint_folder(options.checkpoint_dir, "--checkpoint");
+      if (vm.count("trace")) dtsim::cli::check_writable(vm["trace"].as<std::string>(), "--trace");
+      if (!options.checkpoint_dir.empty()) {
+        dtsim::exec::check_checkpoint_folder(options.checkpoint_dir, "--checkpoint");
+      }
     } catch (const std::exception& e) {
       end_all_ranks(e, mpi.get(), "run");
       throw;
