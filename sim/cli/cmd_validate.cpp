@@ -62,12 +62,18 @@ int cmd_validate(const std::vector<std::string>& args) {
         predicted.file, measured.file, v.renamed, v.matched, v.first_renamed));
   }
   // What a task's time covers differs for the tasks that wait on peers.
-  const std::string note =
+  std::string note =
       "a predicted receive, collective or blocking send starts when all its ranks are ready; "
       "dtexec run's trace starts it so too, its ranks' times on one clock (one host's, or rank "
-      "0's on several, to within the round trips its JSON's clock.error_s gives). With the "
-      "straggler model on (--jitter-cv, or a profile's jitter_cv), a predicted collective also "
-      "holds the expected wait for its last rank, which a measured one has before its start";
+      "0's on several, to within the round trips its JSON's clock.error_s gives)";
+  if (v.waiting_tasks > 0) {
+    note += fmt::format(
+        ". The straggler model (--jitter-cv, or a profile's jitter_cv) also puts an expected "
+        "wait for the last rank inside {} predicted collectives and receives, {:.3f} ms in all, "
+        "which a measured one has before its start: their predicted times here leave it out "
+        "(the step's span holds it)",
+        v.waiting_tasks, v.straggler_wait_s * 1e3);
+  }
   auto add_rows = [](report::Table& t, const std::vector<report::ErrorRow>& rows) {
     for (const auto& r : rows) {
       t.add_row({r.group, fmt::format("{}", r.tasks), fmt::format("{:.3f}", r.predicted_s * 1e3),
@@ -104,6 +110,7 @@ int cmd_validate(const std::vector<std::string>& args) {
                        {"kind", t.kind},
                        {"stream", t.stream},
                        {"predicted_s", t.predicted_s},
+                       {"predicted_wait_s", t.predicted_wait_s},
                        {"measured_s", t.measured_s},
                        {"measured_start_s", t.measured_start_s},
                        {"error", report::value_or_null(t.error)}});
@@ -111,6 +118,8 @@ int cmd_validate(const std::vector<std::string>& args) {
     std::cout << nlohmann::json{{"matched", v.matched},
                                 {"only_predicted", v.only_predicted},
                                 {"only_measured", v.only_measured},
+                                {"straggler_wait",
+                                 {{"tasks", v.waiting_tasks}, {"predicted_s", v.straggler_wait_s}}},
                                 {"rows", json_rows(v.rows)},
                                 {"by_task", json_rows(v.by_task)},
                                 {"tasks", tasks},
@@ -128,9 +137,9 @@ int cmd_validate(const std::vector<std::string>& args) {
     std::cout << "\n" << per.render();
   }
   if (vm["tasks"].as<bool>()) {
-    report::Table per(
-        {"rank", "task", "name", "kind", "stream", "start", "predicted", "measured", "error"});
-    per.set_units({"", "", "", "", "", "ms", "ms", "ms", ""});
+    report::Table per({"rank", "task", "name", "kind", "stream", "start", "predicted", "measured",
+                       "error", "predicted wait"});
+    per.set_units({"", "", "", "", "", "ms", "ms", "ms", "", "ms"});
     per.align_left(2);
     per.align_left(3);
     per.align_left(4);
@@ -139,7 +148,8 @@ int cmd_validate(const std::vector<std::string>& args) {
                    task.stream, fmt::format("{:.3f}", task.measured_start_s * 1e3),
                    fmt::format("{:.3f}", task.predicted_s * 1e3),
                    fmt::format("{:.3f}", task.measured_s * 1e3),
-                   task.error ? fmt::format("{:+.1f}%", 100 * *task.error) : "-"});
+                   task.error ? fmt::format("{:+.1f}%", 100 * *task.error) : "-",
+                   fmt::format("{:.3f}", task.predicted_wait_s * 1e3)});
     }
     std::cout << "\n" << per.render();
   }

@@ -124,6 +124,17 @@ Trace read_trace(const std::string& path) {
     t.name = r.string_or("name", "");
     t.kind =
         args.has("phase") ? args.string("phase") : args.string_or("kind", r.string_or("cat", "?"));
+    if (args.has("straggler_wait_us")) {
+      // (Within rounding: the simulator's span is computed as its end less its start.)
+      const json& wait = e.at("args").at("straggler_wait_us");
+      if (!wait.is_number() || !(wait.get<double>() >= 0) ||
+          wait.get<double>() > dur * (1 + 1e-9) + 1e-6) {
+        args.fail(
+            "straggler_wait_us",
+            fmt::format("expected a wait in microseconds from 0 to the task's dur ({})", dur));
+      }
+      t.wait_s = std::min(wait.get<double>(), dur) * 1e-6;
+    }
     trace.tasks.push_back(std::move(t));
   }
   if (trace.tasks.empty()) {
@@ -230,20 +241,26 @@ Validation validate(const Trace& predicted, const Trace& measured) {
     }
     const auto stream = predicted.stream_names.count(p.stream) ? predicted.stream_names.at(p.stream)
                                                                : fmt::format("{}", p.stream);
-    TaskError te{m.rank,       p.rank,       m.task,
-                 p.name,       p.kind,       stream,
-                 p.duration_s, m.duration_s, m.start_s - first_measured,
+    // (A simulated "measurement" holds its own straggler waits, and leaves them out alike.)
+    const double predicted_s = p.duration_s - p.wait_s;
+    const double measured_s = m.duration_s - m.wait_s;
+    if (p.wait_s > 0) {
+      v.straggler_wait_s += p.wait_s;
+      ++v.waiting_tasks;
+    }
+    TaskError te{m.rank,      p.rank,      m.task,   p.name,     p.kind,
+                 stream,      predicted_s, p.wait_s, measured_s, m.start_s - first_measured,
                  std::nullopt};
-    if (m.duration_s > 0) te.error = p.duration_s / m.duration_s - 1;
+    if (measured_s > 0) te.error = predicted_s / measured_s - 1;
     v.tasks.push_back(std::move(te));
     for (const std::string& g : {"kind " + p.kind, "stream " + stream}) {
-      add(groups[g], p.duration_s, m.duration_s);
+      add(groups[g], predicted_s, measured_s);
     }
     const std::string task_name =
         p.name.empty() ? fmt::format("({} task, unnamed)", p.kind) : without_micro_batch(p.name);
     auto [at, added] = per_task.try_emplace({p.rank, task_name}, Acc{}, p.task);
     if (!added) at->second.second = std::min(at->second.second, p.task);
-    add(at->second.first, p.duration_s, m.duration_s);
+    add(at->second.first, predicted_s, measured_s);
   }
   v.only_predicted =
       static_cast<std::int64_t>(predicted.tasks.size()) - static_cast<std::int64_t>(seen.size());

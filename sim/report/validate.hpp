@@ -20,6 +20,9 @@ struct TraceTask {
   std::string kind;  // "fwd", "bwd", ... for compute (args.phase), else args.kind / category
   double start_s = 0;
   double duration_s = 0;
+  // The straggler model's expected wait for a late rank inside the span (args.straggler_wait_us,
+  // written by dtsim simulate for a collective or a receive; 0 where absent).
+  double wait_s = 0;
 };
 
 struct Trace {
@@ -60,8 +63,9 @@ struct TaskError {
   std::string name;  // the predicted event's name
   std::string kind;
   std::string stream;
-  double predicted_s = 0;
-  double measured_s = 0;
+  double predicted_s = 0;       // without the predicted straggler wait (predicted_wait_s)
+  double predicted_wait_s = 0;  // the predicted task's expected wait for a late rank
+  double measured_s = 0;        // without a wait it says it has (a simulated trace's)
   double measured_start_s = 0;  // from the measured trace's first task
   // predicted / measured - 1; unset when the measured time is 0.
   std::optional<double> error;
@@ -77,6 +81,12 @@ struct Validation {
   // Every joined pair, by measured rank, then measured start, then task id.
   std::vector<TaskError> tasks;
   std::int64_t matched = 0;
+  // The predicted straggler waits of the joined tasks, summed, and how many tasks have one:
+  // left out of the tasks' and rows' predicted times (the step's span holds them). A measured
+  // collective or receive starts when its last rank reaches it (exec/core/peer_waits.hpp), so
+  // its wait for a late rank is before its start, not in its span.
+  double straggler_wait_s = 0;
+  std::int64_t waiting_tasks = 0;
   std::int64_t only_predicted = 0;
   std::int64_t only_measured = 0;
   // Joined pairs whose names differ (traces of different plans: a task id names another task),
@@ -96,9 +106,11 @@ std::optional<std::string> run_difference(const Trace& a, const Trace& b);
 
 // Every measured task joins the predicted task of the same id on its rank, or on the rank
 // whose program stands for it (so all ranks of a multi-rank run compare with one simulated
-// program per stage); the rows sum over the joined pairs. Traces of one plan name a task alike
-// (both write the Program's names); `renamed` counts the pairs that do not (where both have a
-// name).
+// program per stage); the rows sum over the joined pairs. A predicted task's time is its span
+// less its straggler wait (TraceTask::wait_s), the part a measured task's span holds too (a
+// simulated "measured" trace's tasks leave out their own waits alike). Traces of
+// one plan name a task alike (both write the Program's names); `renamed` counts the pairs that do
+// not (where both have a name).
 Validation validate(const Trace& predicted, const Trace& measured);
 
 }  // namespace dtsim::report

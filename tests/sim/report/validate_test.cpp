@@ -174,3 +174,59 @@ TEST_CASE("traces say what ran, and traces of different runs are told apart",
   DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::report::read_trace(bad.path()), InputError,
                                   "run_bad.json: otherData.model: expected a string");
 }
+
+TEST_CASE("a predicted straggler wait is left out of the task's predicted time",
+          "[report][validate]") {
+  // A collective predicted to last 150 µs of which 50 are the straggler model's expected wait
+  // for its last rank; measured, it starts when that rank came (the wait is before its start).
+  TempFile p("predicted_wait.json", R"({"traceEvents": [
+    {"ph": "M", "name": "thread_name", "pid": 0, "tid": 1, "args": {"name": "comm_tp"}},
+    {"ph": "X", "name": "fwd", "pid": 0, "tid": 0, "ts": 0, "dur": 100, "args": {"task": 0, "kind": "compute", "phase": "fwd"}},
+    {"ph": "X", "name": "all-reduce", "pid": 0, "tid": 1, "ts": 100, "dur": 150, "args": {"task": 1, "kind": "collective", "straggler_wait_from_us": 100, "straggler_wait_us": 50}}]})");
+  TempFile m("measured_wait.json", R"({"traceEvents": [
+    {"ph": "X", "name": "fwd", "pid": 0, "tid": 0, "ts": 0, "dur": 100, "args": {"task": 0, "kind": "compute", "phase": "fwd"}},
+    {"ph": "X", "name": "all-reduce", "pid": 0, "tid": 1, "ts": 160, "dur": 80, "args": {"task": 1, "kind": "collective"}}]})");
+  const auto predicted = dtsim::report::read_trace(p.path());
+  CHECK(predicted.tasks[1].wait_s == Approx(50e-6));
+  CHECK(predicted.tasks[0].wait_s == 0);
+  const auto v = dtsim::report::validate(predicted, dtsim::report::read_trace(m.path()));
+  CHECK(v.waiting_tasks == 1);
+  CHECK(v.straggler_wait_s == Approx(50e-6));
+  REQUIRE(v.tasks.size() == 2);
+  CHECK(v.tasks[1].predicted_s == Approx(100e-6));
+  CHECK(v.tasks[1].predicted_wait_s == Approx(50e-6));
+  CHECK(*v.tasks[1].error == Approx(0.25));  // 100 against 80
+  bool found = false;
+  for (const auto& row : v.rows) {
+    if (row.group == "stream comm_tp") {
+      found = true;
+      CHECK(row.predicted_s == Approx(100e-6));
+    }
+    // The step's span holds the wait: 250 µs predicted against 240 measured.
+    if (row.group == "step") CHECK(row.predicted_s == Approx(250e-6));
+  }
+  CHECK(found);
+  // A simulated trace as the measurement leaves out its own waits too.
+  const auto self = dtsim::report::validate(predicted, predicted);
+  CHECK(self.tasks[1].measured_s == Approx(100e-6));
+  CHECK(*self.tasks[1].error == Approx(0.0).margin(1e-12));
+}
+
+TEST_CASE("a malformed straggler wait is rejected naming the event",
+          "[report][validate][bad-input]") {
+  auto trace = [](const char* name, const char* wait) {
+    return TempFile(name, std::string(R"({"traceEvents": [{"ph": "X", "pid": 0, "tid": 0,
+      "ts": 0, "dur": 10, "args": {"task": 0, "straggler_wait_us": )") +
+                              wait + "}}]}");
+  };
+  const char* expected =
+      "traceEvents[0].args.straggler_wait_us: expected a wait in microseconds from 0 to the "
+      "task's dur (10)";
+  for (const char* wait : {"-1", "11", "\"5\""}) {
+    INFO(wait);
+    const TempFile f = trace("bad_wait.json", wait);
+    DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::report::read_trace(f.path()), InputError, expected);
+  }
+  const TempFile ok = trace("ok_wait.json", "10");
+  CHECK(dtsim::report::read_trace(ok.path()).tasks[0].wait_s == Approx(10e-6));
+}
