@@ -91,15 +91,8 @@ LrSchedule lr_schedule_from_json(const nlohmann::json& j, const std::string& whe
   LrSchedule s;
   const JsonReader r(j, where, "lr_schedule");
   s.max_lr = static_cast<float>(r.positive_number("max_lr"));
-  // 0 or more steps of warm-up.
-  if (!r.raw().contains("warmup_steps")) r.fail("warmup_steps", "required field is missing");
-  const nlohmann::json& warmup = r.raw().at("warmup_steps");
-  if (!warmup.is_number_integer() || warmup.get<std::int64_t>() < 0 ||
-      warmup.get<std::int64_t>() > std::numeric_limits<int>::max()) {
-    r.fail("warmup_steps", fmt::format("expected a whole number of steps >= 0, got {}",
-                                       describe_json_value(warmup)));
-  }
-  s.warmup_steps = warmup.get<int>();
+  s.warmup_steps =
+      static_cast<int>(r.non_negative_int_up_to("warmup_steps", std::numeric_limits<int>::max()));
   const auto style = r.string("decay_style");
   const auto decay = parse_lr_decay(style);
   if (!decay) {

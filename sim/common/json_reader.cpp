@@ -90,20 +90,37 @@ bool JsonReader::boolean_or(std::string_view key, bool fallback) const {
   return has(key) ? boolean(key) : fallback;
 }
 
-std::int64_t JsonReader::as_positive_int(const json& v, std::string_view key) const {
+std::optional<std::int64_t> JsonReader::as_whole(const json& v, std::int64_t least) {
   // Integers written as 1e9 are accepted when they are whole numbers.
-  if (v.is_number_integer() && !v.is_number_unsigned() && v.get<std::int64_t>() > 0) {
+  if (v.is_number_integer() && !v.is_number_unsigned() && v.get<std::int64_t>() >= least) {
     return v.get<std::int64_t>();
   }
-  if (v.is_number_unsigned() && v.get<std::uint64_t>() > 0 &&
+  if (v.is_number_unsigned() && v.get<std::uint64_t>() >= static_cast<std::uint64_t>(least) &&
       v.get<std::uint64_t>() <= static_cast<std::uint64_t>(INT64_MAX)) {
     return static_cast<std::int64_t>(v.get<std::uint64_t>());
   }
   if (v.is_number_float()) {
     const double d = v.get<double>();
-    if (d > 0 && d < 9.2e18 && std::floor(d) == d) return static_cast<std::int64_t>(d);
+    if (d >= static_cast<double>(least) && d < 9.2e18 && std::floor(d) == d) {
+      return static_cast<std::int64_t>(d);
+    }
   }
+  return std::nullopt;
+}
+
+std::int64_t JsonReader::as_positive_int(const json& v, std::string_view key) const {
+  if (const auto n = as_whole(v, 1)) return *n;
   fail(key, fmt::format("expected a positive integer, got {}", describe_json_value(v)));
+}
+
+std::int64_t JsonReader::non_negative_int_up_to(std::string_view key, std::int64_t max) const {
+  const json& v = at(key);
+  const auto n = as_whole(v, 0);
+  if (!n || *n > max) {
+    fail(key,
+         fmt::format("expected a whole number from 0 to {}, got {}", max, describe_json_value(v)));
+  }
+  return *n;
 }
 
 std::int64_t JsonReader::positive_int(std::string_view key) const {

@@ -48,6 +48,8 @@ class JsonReader {
   std::int64_t positive_int_up_to(std::string_view key, std::int64_t max) const;
   std::int64_t positive_int_up_to_or(std::string_view key, std::int64_t max,
                                      std::int64_t fallback) const;
+  // A whole number from 0 to `max`.
+  std::int64_t non_negative_int_up_to(std::string_view key, std::int64_t max) const;
   double positive_number(std::string_view key) const;
   double non_negative_number(std::string_view key) const;
   // One of `allowed` (exact spelling); the message lists them.
@@ -70,6 +72,8 @@ class JsonReader {
 
  private:
   std::int64_t as_positive_int(const nlohmann::json& v, std::string_view key) const;
+  // A whole number (1e9 too) >= `least` (0 or 1), else nullopt.
+  static std::optional<std::int64_t> as_whole(const nlohmann::json& v, std::int64_t least);
 
   const nlohmann::json* json_;
   std::string file_;

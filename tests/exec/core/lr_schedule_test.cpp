@@ -86,8 +86,13 @@ TEST_CASE("lr schedule: a checkpoint's JSON reads back as the same schedule", "[
                     "ck/checkpoint.json: lr_schedule.warmup_steps: required field is missing");
   bad["warmup_steps"] = 1.5;
   CHECK_THROWS_WITH(dtsim::exec::lr_schedule_from_json(bad, "ck/checkpoint.json"),
-                    "ck/checkpoint.json: lr_schedule.warmup_steps: expected a whole number of "
-                    "steps >= 0, got 1.5");
+                    "ck/checkpoint.json: lr_schedule.warmup_steps: expected a whole number "
+                    "from 0 to 2147483647, got 1.5");
+  bad["warmup_steps"] = -1;
+  CHECK_THROWS_WITH(dtsim::exec::lr_schedule_from_json(bad, "ck/checkpoint.json"),
+                    Catch::Contains("lr_schedule.warmup_steps: expected a whole number from 0"));
+  bad["warmup_steps"] = 0;
+  CHECK(dtsim::exec::lr_schedule_from_json(bad, "ck/checkpoint.json").warmup_steps == 0);
   bad = j;
   bad["decay_steps"] = "20";
   CHECK_THROWS_WITH(dtsim::exec::lr_schedule_from_json(bad, "ck/checkpoint.json"),

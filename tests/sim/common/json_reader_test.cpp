@@ -56,6 +56,17 @@ TEST_CASE("bounded integers name the bound", "[common]") {
                                   "f.json: z: expected a positive integer, got 0");
   DTSIM_REQUIRE_THROWS_CONTAINING(r.positive_int_array_up_to("a", 8), InputError,
                                   "f.json: a[2]: expected at most 8, got 9");
+  // From 0: zero and whole floats pass, a negative, a fraction or one past the bound do not.
+  const json w = json::parse(R"({"zero": 0, "e": 1e3, "neg": -1, "half": 0.5, "s": "3"})");
+  const JsonReader wr(w, "w.json");
+  CHECK(wr.non_negative_int_up_to("zero", 4) == 0);
+  CHECK(wr.non_negative_int_up_to("e", 1000) == 1000);
+  DTSIM_REQUIRE_THROWS_CONTAINING(wr.non_negative_int_up_to("e", 999), InputError,
+                                  "w.json: e: expected a whole number from 0 to 999, got 1000");
+  for (const char* key : {"neg", "half", "s", "missing"}) {
+    INFO(key);
+    CHECK_THROWS_AS(wr.non_negative_int_up_to(key, 4), InputError);
+  }
 }
 
 TEST_CASE("unknown fields are rejected with the known ones listed", "[common]") {
