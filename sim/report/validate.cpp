@@ -124,16 +124,25 @@ Trace read_trace(const std::string& path) {
     t.name = r.string_or("name", "");
     t.kind =
         args.has("phase") ? args.string("phase") : args.string_or("kind", r.string_or("cat", "?"));
+    // The straggler model's wait, [from, from + wait): the part inside the span (a collective's
+    // or a receive's; a blocking transfer's is before it).
     if (args.has("straggler_wait_us")) {
-      // (Within rounding: the simulator's span is computed as its end less its start.)
-      const json& wait = e.at("args").at("straggler_wait_us");
-      if (!wait.is_number() || !(wait.get<double>() >= 0) ||
-          wait.get<double>() > dur * (1 + 1e-9) + 1e-6) {
-        args.fail(
-            "straggler_wait_us",
-            fmt::format("expected a wait in microseconds from 0 to the task's dur ({})", dur));
-      }
-      t.wait_s = std::min(wait.get<double>(), dur) * 1e-6;
+      auto time_at = [&](const char* key, double least, const char* expected) {
+        const json& v = e.at("args").contains(key) ? e.at("args").at(key) : json();
+        if (!v.is_number() || !(v.get<double>() >= least && v.get<double>() <= kMaxMicroseconds)) {
+          args.fail(key, expected);
+        }
+        return v.get<double>();
+      };
+      const double wait = time_at("straggler_wait_us", 0,
+                                  "expected a wait in microseconds from 0 to 1e15 (31 years)");
+      const double from =
+          time_at("straggler_wait_from_us", -kMaxMicroseconds,
+                  "expected the wait's start in microseconds, within +-1e15 (31 years), as "
+                  "straggler_wait_us has");
+      const double begin = std::max(from, ts);
+      const double end = std::min(from + wait, ts + dur);
+      t.wait_s = std::max(0.0, end - begin) * 1e-6;
     }
     trace.tasks.push_back(std::move(t));
   }

@@ -212,21 +212,45 @@ TEST_CASE("a predicted straggler wait is left out of the task's predicted time",
   CHECK(*self.tasks[1].error == Approx(0.0).margin(1e-12));
 }
 
+TEST_CASE("only the part of a straggler wait inside a task's span is left out",
+          "[report][validate]") {
+  // A blocking transfer's wait is before its span (both ends idle), a collective's inside it,
+  // a receive's at its end.
+  TempFile p("predicted_waits.json", R"({"traceEvents": [
+    {"ph": "X", "pid": 0, "tid": 5, "ts": 200, "dur": 30, "args": {"task": 0, "kind": "send", "straggler_wait_from_us": 100, "straggler_wait_us": 100}},
+    {"ph": "X", "pid": 0, "tid": 5, "ts": 300, "dur": 50, "args": {"task": 1, "kind": "recv", "straggler_wait_from_us": 330, "straggler_wait_us": 20}},
+    {"ph": "X", "pid": 0, "tid": 1, "ts": 400, "dur": 50, "args": {"task": 2, "kind": "collective", "straggler_wait_from_us": 390, "straggler_wait_us": 30}}]})");
+  const auto t = dtsim::report::read_trace(p.path()).tasks;
+  CHECK(t[0].wait_s == 0);
+  CHECK(t[1].wait_s == Approx(20e-6));
+  CHECK(t[2].wait_s == Approx(20e-6));  // 10 of its 30 µs before the span
+}
+
 TEST_CASE("a malformed straggler wait is rejected naming the event",
           "[report][validate][bad-input]") {
-  auto trace = [](const char* name, const char* wait) {
+  auto trace = [](const char* name, const char* args) {
     return TempFile(name, std::string(R"({"traceEvents": [{"ph": "X", "pid": 0, "tid": 0,
-      "ts": 0, "dur": 10, "args": {"task": 0, "straggler_wait_us": )") +
-                              wait + "}}]}");
+      "ts": 0, "dur": 10, "args": {"task": 0, )") +
+                              args + "}}]}");
   };
-  const char* expected =
-      "traceEvents[0].args.straggler_wait_us: expected a wait in microseconds from 0 to the "
-      "task's dur (10)";
-  for (const char* wait : {"-1", "11", "\"5\""}) {
+  for (const char* wait : {"-1", "1e16", "\"5\""}) {
     INFO(wait);
-    const TempFile f = trace("bad_wait.json", wait);
-    DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::report::read_trace(f.path()), InputError, expected);
+    const TempFile f = trace(
+        "bad_wait.json",
+        (std::string(R"("straggler_wait_from_us": 0, "straggler_wait_us": )") + wait).c_str());
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        dtsim::report::read_trace(f.path()), InputError,
+        "traceEvents[0].args.straggler_wait_us: expected a wait in microseconds from 0 to 1e15");
   }
-  const TempFile ok = trace("ok_wait.json", "10");
+  for (const char* from : {R"("straggler_wait_from_us": "0", )", ""}) {
+    INFO(from);
+    const TempFile f =
+        trace("bad_from.json", (std::string(from) + R"("straggler_wait_us": 5)").c_str());
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        dtsim::report::read_trace(f.path()), InputError,
+        "traceEvents[0].args.straggler_wait_from_us: expected the wait's start in microseconds");
+  }
+  const TempFile ok =
+      trace("ok_wait.json", R"("straggler_wait_from_us": 0, "straggler_wait_us": 10)");
   CHECK(dtsim::report::read_trace(ok.path()).tasks[0].wait_s == Approx(10e-6));
 }
