@@ -23,6 +23,7 @@
 #include "exec/core/checkpoint.hpp"
 #include "exec/core/in_run.hpp"
 #include "exec/core/runner.hpp"
+#include "exec/core/timing_stats.hpp"
 #include "exec/cpu/bf16_device.hpp"
 #include "exec/cpu/calibrate.hpp"
 #include "exec/cpu/device.hpp"
@@ -304,10 +305,6 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
     phase_seconds.push_back(measured[0]);
     phase_seconds.push_back(measured[1]);
   }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-  };
   // The optimizer's prediction above priced the step's gradient clear (ComputeCost::
   // grad_clear_seconds): its factor is the optimizer's alone.
   return {{"forward", median(ratios[0])},

@@ -4,6 +4,7 @@
 #include "exec/core/runner.hpp"
 
 #include "exec/core/runner_internal.hpp"
+#include "exec/core/timing_stats.hpp"
 
 namespace dtsim::exec::runner_internal {
 
@@ -239,13 +240,11 @@ RunResult Runner::run() {
   if (async_.active) put_async_in_place(options_.steps, result);
   for (auto& mb : batches_) release(mb);
   batches_.clear();
-  std::vector<double> timed(
+  result.step_time_s = median(std::vector<double>(
       result.step_times_s.begin() +
           std::min<std::ptrdiff_t>(options_.warmup_steps,
                                    static_cast<std::ptrdiff_t>(result.step_times_s.size()) - 1),
-      result.step_times_s.end());
-  std::sort(timed.begin(), timed.end());
-  result.step_time_s = timed.empty() ? 0 : timed[timed.size() / 2];
+      result.step_times_s.end()));
   result.expert_load = expert_load_count_ > 0 ? expert_load_sum_ / expert_load_count_ : 0.0;
   result.expert_load_peak = expert_load_peak_;
   return result;

@@ -10,10 +10,12 @@
 
 namespace dtsim::exec {
 
+// Of an even count, the mean of the middle two (not the upper one: of two steps, their mean).
 inline double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  const std::size_t mid = v.size() / 2;
+  return v.size() % 2 ? v[mid] : (v[mid - 1] + v[mid]) / 2;
 }
 
 // The spread of timings as a coefficient of variation, robust to the odd preempted sample:

@@ -15,6 +15,7 @@
 #include <limits>
 #include <optional>
 
+#include "exec/core/timing_stats.hpp"
 #include "exec/cpu/bf16_device.hpp"
 #include "exec/cpu/device.hpp"
 
@@ -568,8 +569,7 @@ nlohmann::json measure_collectives(const MpiSession& session, bool quick, int re
             "MPI_Allreduce");
       times.push_back(t);
     }
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
+    return median(std::move(times));
   };
   auto add = [&](const char* kind, int ranks, std::size_t bytes, double seconds, double factor) {
     const double algbw = static_cast<double>(bytes) / seconds;
