@@ -19,6 +19,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "exec/cli/commands.hpp"
@@ -1135,7 +1136,22 @@ int run(const std::vector<std::string>& args) {
     throw dtsim::InputError(fmt::format(
         "the plan needs {} ranks: start them with mpirun -np {} dtexec run ...", devices, devices));
   }
-  const dtsim::plan::Plan plan = backend_plan(vm, spec, devices, gpu);
+  const dtsim::plan::Plan plan = [&] {
+    try {
+      return backend_plan(vm, spec, devices, gpu);
+    } catch (const dtsim::InputError& e) {
+      // The plan's check of its degrees against the devices (rule "devices") speaks of a
+      // cluster's: here they are mpirun's ranks.
+      if (!mpi || only_rank ||
+          std::string_view(e.what()).find("[devices]") == std::string_view::npos) {
+        throw;
+      }
+      throw dtsim::InputError(fmt::format(
+          "{}\n  (the devices are the {} ranks that mpirun started, one per device: start "
+          "dp x tp x pp x cp ranks, mpirun -np N dtexec run ...)",
+          e.what(), devices));
+    }
+  }();
   dtsim::exec::RunOptions options = run_options_of(vm, devices);
   // Rank 0 writes the trace after the run, and makes the checkpoint's folder after steps: a
   // path it cannot take (or one holding what a checkpoint would replace) ends the job now, on
