@@ -298,7 +298,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     bool valid_candidates = true;
     // With --fixed-plan the plan is simulated whether or not it fits in memory.
     bool fits = true;
-    bool priceless = false;                       // another device left the cluster's price out
+    bool priceless = false;  // another device left the cluster's price out
+    // Another device left the cluster's device_efficiency out (its own device's figures).
+    bool catalog_efficiency = false;
     double memory_bytes = 0, capacity_bytes = 0;  // worst rank, device
   };
   auto evaluate = [&](const std::map<std::string, std::string>& point) {
@@ -312,8 +314,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
     if (point.count("device")) {
       // Another device leaves the cluster's price (its own device's rate) out.
       const bool priced = c.price_per_device_hour_usd.has_value();
+      const bool tuned = !c.device_efficiency_overrides.empty();
       c = cluster::with_device(std::move(c), cluster::load_device(point.at("device")));
       row.priceless = priced && !c.price_per_device_hour_usd;
+      row.catalog_efficiency = tuned && c.device_efficiency_overrides.empty();
     }
     if (point.count("nic_gbps")) {
       c.inter.nic_bw_bytes_per_s = {number("nic_gbps", point.at("nic_gbps"), false) * 1e9 / 8,
@@ -515,6 +519,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"stragglers", report::value_or_null(r.straggler_cost_s)},
                                   {"found", r.found},
                                   {"priceless", r.priceless},
+                                  {"catalog_efficiency", r.catalog_efficiency},
                                   {"valid", r.valid_candidates},
                                   {"fits", r.fits},
                                   {"memory", r.memory_bytes},
@@ -552,6 +557,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       if (!j.at("stragglers").is_null()) r.straggler_cost_s = j.at("stragglers").get<double>();
       r.found = j.at("found").get<bool>();
       r.priceless = j.at("priceless").get<bool>();
+      r.catalog_efficiency = j.at("catalog_efficiency").get<bool>();
       r.valid_candidates = j.at("valid").get<bool>();
       r.fits = j.at("fits").get<bool>();
       r.memory_bytes = j.at("memory").get<double>();
@@ -666,23 +672,26 @@ int cmd_whatif(const std::vector<std::string>& args) {
   // The stragglers' column where the straggler model is on at some point.
   const bool stragglers = std::any_of(rows.begin(), rows.end(),
                                       [](const Row& r) { return r.straggler_cost_s.has_value(); });
+  // The devices of each point, unless they are an axis already (--vary gpus).
+  const bool gpus_column = std::find(keys.begin(), keys.end(), "gpus") == keys.end();
   std::vector<std::string> headers = keys;
-  for (const char* h : {"GPUs", "best plan", "step", "tokens/s", "MFU", "scaling", "Amdahl"}) {
+  if (gpus_column) headers.push_back("GPUs");
+  for (const char* h : {"best plan", "step", "tokens/s", "MFU", "scaling", "Amdahl"}) {
     headers.push_back(h);
   }
   if (stragglers) headers.push_back("stragglers");
   for (const char* h : {"goodput", "train", "cost", "energy"}) headers.push_back(h);
   report::Table table(headers);
-  std::vector<std::string> units(keys.size(), "");
-  for (const char* u : {"", "", "s", "", "", "vs first", "bound"}) units.push_back(u);
+  std::vector<std::string> units(keys.size() + (gpus_column ? 1 : 0), "");
+  for (const char* u : {"", "s", "", "", "vs first", "bound"}) units.push_back(u);
   if (stragglers) units.push_back("of step");
   for (const char* u : {"", "days", "USD", "MWh"}) units.push_back(u);
   table.set_units(units);
-  table.align_left(keys.size() + 1);
+  table.align_left(keys.size() + (gpus_column ? 1 : 0));
   for (const Row& r : rows) {
     std::vector<std::string> cells;
     for (const auto& k : keys) cells.push_back(r.point.at(k));
-    cells.push_back(fmt::format("{}", r.gpus));
+    if (gpus_column) cells.push_back(fmt::format("{}", r.gpus));
     if (!r.found) {
       cells.push_back(r.valid_candidates ? "no plan fits" : "no valid plan");
       cells.resize(headers.size(), "-");  // the rest of the row
@@ -731,6 +740,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
       std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.priceless; })) {
     std::cout << "(cost: the cluster's price is its own device's; points with another device "
                  "have none)\n";
+  }
+  if (std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.catalog_efficiency; })) {
+    std::cout << "(device: the cluster's device_efficiency is its own device's; points with "
+                 "another device take that device's catalog efficiencies)\n";
   }
   if (tokens > 0) std::cout << interruptions_note(reliability) << "\n";
   return 0;

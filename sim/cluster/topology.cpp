@@ -202,7 +202,10 @@ Cluster load_cluster(std::string_view name_or_path) {
 }
 
 Cluster with_device(Cluster cluster, DeviceSpec device) {
-  if (device.name != cluster.device.name) cluster.price_per_device_hour_usd.reset();
+  // Its own device: as the file has it (with its device_efficiency).
+  if (device.name == cluster.device.name) return cluster;
+  cluster.price_per_device_hour_usd.reset();
+  cluster.device_efficiency_overrides.clear();
   cluster.device = std::move(device);
   use_device_link(cluster.intra, cluster.device);
   cluster.power_per_device_w = cluster.device.power_w;

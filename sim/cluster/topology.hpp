@@ -92,7 +92,8 @@ std::vector<std::string> list_clusters();
 // or is not a torus's fixed size.
 Cluster with_devices(const Cluster& cluster, std::int64_t devices);
 // The cluster with another device in its nodes: its scale-up links and power are the device's;
-// its price, its own device's rate (an instance type's), is dropped for a different device.
+// its price (an instance type's rate) and its device_efficiency, both its own device's, are
+// dropped. Its own device (the same name) leaves the cluster as it is.
 Cluster with_device(Cluster cluster, DeviceSpec device);
 
 std::string_view to_string(IntraFabric f);

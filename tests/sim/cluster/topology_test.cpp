@@ -199,3 +199,19 @@ TEST_CASE("another device takes the cluster's links and power, and leaves its pr
   REQUIRE(b200.device.power_w);
   CHECK(b200.power_per_device_w->value == b200.device.power_w->value);
 }
+
+TEST_CASE("the cluster's own device keeps its device_efficiency; another takes the catalog's",
+          "[cluster]") {
+  using dtsim::cluster::load_device;
+  const auto selene = dtsim::cluster::load_cluster("selene");
+  REQUIRE_FALSE(selene.device_efficiency_overrides.empty());
+  const auto catalog_a100 = load_device("a100-sxm4-80gb");
+  REQUIRE(selene.device.efficiency.gemm.value != catalog_a100.efficiency.gemm.value);
+  // Named again (whatif --vary device=a100-sxm4-80gb on Selene): the same cluster.
+  const auto same = dtsim::cluster::with_device(selene, catalog_a100);
+  CHECK(same.device.efficiency.gemm.value == selene.device.efficiency.gemm.value);
+  CHECK(same.device_efficiency_overrides == selene.device_efficiency_overrides);
+  const auto h100 = dtsim::cluster::with_device(selene, load_device("h100-sxm"));
+  CHECK(h100.device.efficiency.gemm.value == load_device("h100-sxm").efficiency.gemm.value);
+  CHECK(h100.device_efficiency_overrides.empty());
+}
