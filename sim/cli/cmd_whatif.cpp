@@ -159,8 +159,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "varied)")(
       "fixed-plan", po::value<std::string>(),
       "simulate this plan file at every point instead of searching (its dp is recomputed to "
-      "fill each point's devices)")("json", po::bool_switch(), "print JSON")(
-      "csv", po::bool_switch(), "print CSV");
+      "fill each point's devices; its global batch is the default of --global-batch-size)")(
+      "json", po::bool_switch(), "print JSON")("csv", po::bool_switch(), "print CSV");
   po::options_description search("The search at each point (as dtsim plan's)");
   add_search_space_options(search);
   desc.add(search);
@@ -171,7 +171,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (!parse(
           args, desc,
           "usage: dtsim whatif --model M --cluster C --global-batch-size B --vary KEY=V1,V2,...\n"
-          "                    (or --vary global_batch=B1,B2,... without --global-batch-size)\n"
+          "                    (or --vary global_batch=B1,B2,... without --global-batch-size;\n"
+          "                    with --fixed-plan P.json, its global batch by default)\n"
           "                    [--vary ...] [--tokens N] [--precision P] [--profile P.json]\n"
           "                    [--csv|--json]\n\n"
           "For every combination of the varied inputs: the best plan (or --fixed-plan), step "
@@ -217,10 +218,15 @@ int cmd_whatif(const std::vector<std::string>& args) {
                     "point), got {}",
                     refine));
   }
-  const auto global_batch = global_batch_from_options(vm);
+  auto global_batch = global_batch_from_options(vm);
   const bool batch_varied = varied("global_batch");
+  // A fixed plan's own global batch, unless given or varied.
+  if (!global_batch && !batch_varied && vm.count("fixed-plan")) {
+    global_batch = plan::load_plan(vm["fixed-plan"].as<std::string>()).global_batch_size;
+  }
   if (!global_batch && !batch_varied) {
-    throw InputError("--global-batch-size: required (or --vary global_batch=...)");
+    throw InputError(
+        "--global-batch-size: required (or --vary global_batch=..., or a --fixed-plan's)");
   }
   if (global_batch && batch_varied) {
     throw InputError(fmt::format(
