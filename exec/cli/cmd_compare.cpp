@@ -45,6 +45,13 @@ int compare(const std::vector<std::string>& args) {
   }
   const auto& dirs = vm["checkpoints"].as<std::vector<std::string>>();
   const dtsim::exec::CheckpointReader a(dirs[0]), b(dirs[1]);
+  // Another model's tensors would list as mismatches one by one, under "DIFFERENT".
+  if (a.info().model != b.info().model) {
+    throw dtsim::InputError(
+        fmt::format("{} and {}: checkpoints of different models ({} against {}); compare two "
+                    "checkpoints of one model",
+                    dirs[0], dirs[1], a.info().model, b.info().model));
+  }
   const auto d = dtsim::exec::compare_checkpoints(a, b);
   for (const auto& p : d.problems) std::cout << "mismatch: " << p << "\n";
   std::cout << fmt::format(
