@@ -53,9 +53,13 @@ namespace {
 
 // What resuming `dir` under `plan` changes, when its checkpoint was written under another plan
 // (the plan's summary or sequence length differ). Throws InputError when the folder is not a
-// readable checkpoint.
-std::optional<std::string> resume_note(const std::string& dir, const dtsim::plan::Plan& plan) {
+// readable checkpoint, or one that this run of `model` with `options` would not continue
+// (check_resume).
+std::optional<std::string> resume_note(const std::string& dir, const std::string& model,
+                                       const dtsim::exec::RunOptions& options,
+                                       const dtsim::plan::Plan& plan) {
   const dtsim::exec::CheckpointReader checkpoint(dir);
+  dtsim::exec::check_resume(checkpoint.info(), checkpoint.where(), model, options, plan.clip_grad);
   dtsim::plan::Plan written;
   try {
     written = dtsim::plan::plan_from_json(checkpoint.info().plan, checkpoint.where());
@@ -1208,13 +1212,26 @@ int run(const std::vector<std::string>& args) {
   std::vector<std::string> run_notes = dtsim::exec::execution_notes(spec, plan);
   if (!options.resume_dir.empty()) {
     // A checkpoint of another plan resumes too: each rank reads its slices of the full tensors.
-    // A rank that cannot read it (a folder its node does not see) ends every rank.
+    // Where every rank refuses it (the same checkpoint.json), rank 0 says why; a rank that alone
+    // cannot read it (a folder its node does not see) ends every rank.
+    std::exception_ptr refused;
     try {
-      if (auto note = resume_note(options.resume_dir, plan)) run_notes.push_back(*note);
-    } catch (const std::exception& e) {
-      end_all_ranks(e, mpi.get(), "run");
-      throw;
+      if (auto note = resume_note(options.resume_dir, spec.name, options, plan)) {
+        run_notes.push_back(*note);
+      }
+    } catch (const std::exception&) {
+      refused = std::current_exception();
     }
+    const bool all_refused = !mpi || -mpi->max(refused ? -1.0 : 0.0) > 0;
+    if (refused && !all_refused) {
+      try {
+        std::rethrow_exception(refused);
+      } catch (const std::exception& e) {
+        end_all_ranks(e, mpi.get(), "run");
+        throw;
+      }
+    }
+    if (refused) std::rethrow_exception(refused);
   }
   if (!json_out) {
     announce_run(rank, spec, where, devices, plan, run_notes, options);

@@ -160,6 +160,16 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
 void check_device(const model::ModelGraph& graph, const lower::Program& program,
                   const Device& device);
 
+struct CheckpointInfo;  // exec/core/checkpoint.hpp
+
+// Throws InputError naming the field where resuming the checkpoint `c` (read from `where`) with
+// this run's model, options and clip_grad would not continue the run that wrote it (another
+// model, seed, learning rate or schedule, weight decay or clipping), or where --steps or a
+// fault step leaves nothing to do. Runner::resume asks it; dtexec run asks it first, before it
+// says anything of the run.
+void check_resume(const CheckpointInfo& c, const std::string& where, const std::string& model,
+                  const RunOptions& options, double clip_grad);
+
 // Runs this rank's program (program.ranks[comm.rank()]) on `device`. A single-rank plan may use
 // any lowering; a multi-rank plan needs Lowering::AllRanks and a Comm with one rank per device.
 // The communication backends move host memory (MPI): a device whose memory is not the host's

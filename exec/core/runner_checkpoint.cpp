@@ -146,58 +146,60 @@ void Runner::put_async_in_place(int done, RunResult& result) {
   checkpoint_done(record, result);
 }
 
-int Runner::resume(RunResult& result) {
-  const CheckpointReader checkpoint(options_.resume_dir);
-  const CheckpointInfo& c = checkpoint.info();
-  const std::string& where = checkpoint.where();
-  if (c.model != m_.name) {
+}  // namespace dtsim::exec::runner_internal
+
+namespace dtsim::exec {
+
+void check_resume(const CheckpointInfo& c, const std::string& where, const std::string& model,
+                  const RunOptions& options, double clip_grad) {
+  if (c.model != model) {
     throw InputError(fmt::format("{}: model: the checkpoint is of {}, this run trains {}", where,
-                                 c.model, m_.name));
+                                 c.model, model));
   }
   // The data stream and its token mapping come from the seed, and the optimizer from the
   // learning rate: a run resumed with others would not continue the checkpointed one.
-  if (c.seed != options_.seed) {
+  if (c.seed != options.seed) {
     throw InputError(
         fmt::format("{}: seed: the checkpoint was trained with --seed {}, this run "
                     "has --seed {}; give --seed {} to continue it",
-                    where, c.seed, options_.seed, c.seed));
+                    where, c.seed, options.seed, c.seed));
   }
-  if (static_cast<float>(c.learning_rate) != options_.lr.max_lr) {
+  if (static_cast<float>(c.learning_rate) != options.lr.max_lr) {
     throw InputError(
         fmt::format("{}: learning_rate: the checkpoint was trained with --lr {}, "
                     "this run has --lr {}; give --lr {} to continue it",
-                    where, static_cast<float>(c.learning_rate), options_.lr.max_lr,
+                    where, static_cast<float>(c.learning_rate), options.lr.max_lr,
                     static_cast<float>(c.learning_rate)));
   }
-  if (static_cast<float>(c.weight_decay) != options_.weight_decay) {
+  if (static_cast<float>(c.weight_decay) != options.weight_decay) {
     throw InputError(
         fmt::format("{}: weight_decay: the checkpoint was trained with --weight-decay {}, "
                     "this run has --weight-decay {}; give --weight-decay {} to continue it",
-                    where, static_cast<float>(c.weight_decay), options_.weight_decay,
+                    where, static_cast<float>(c.weight_decay), options.weight_decay,
                     static_cast<float>(c.weight_decay)));
   }
   // (read_info checked that the plan is an object, and its clip_grad a number >= 0.)
   const double clipped = c.plan.value("clip_grad", 0.0);
-  if (clipped != p_.clip_grad) {
+  if (clipped != clip_grad) {
     throw InputError(
         fmt::format("{}: clip_grad: the checkpoint was trained with --clip-grad {:g}, this run has "
                     "--clip-grad {:g}; give --clip-grad {:g} to continue it",
-                    where, clipped, p_.clip_grad, clipped));
+                    where, clipped, clip_grad, clipped));
   }
   // Checkpoints from before schedules trained at a constant rate.
   LrSchedule trained;
   trained.max_lr = static_cast<float>(c.learning_rate);
   if (!c.lr_schedule.is_null()) trained = lr_schedule_from_json(c.lr_schedule, where);
-  if (!(trained == options_.lr)) {
+  if (!(trained == options.lr)) {
     throw InputError(fmt::format(
         "{}: lr_schedule: the checkpoint was trained with a learning rate of {}, this run "
         "has {}; give the same --lr-warmup-steps, --lr-decay-style, --lr-decay-steps and "
         "--min-lr to continue it",
-        where, trained.describe(), options_.lr.describe()));
+        where, trained.describe(), options.lr.describe()));
   }
   // A fault set for a step that the checkpoint holds would never happen.
   for (const auto& [flag, step] :
-       {std::pair{"--fail-at", options_.fail_step}, std::pair{"--hang-at", options_.hang_step}}) {
+       {std::pair{"--fail-at", options.fail_step}, std::pair{"--hang-at", options.hang_step}}) {
     if (step > 0 && step <= c.step) {
       throw InputError(
           fmt::format("{}: step: the checkpoint is at step {}; {} at step {} never "
@@ -205,12 +207,23 @@ int Runner::resume(RunResult& result) {
                       where, c.step, flag, step));
     }
   }
-  if (c.step >= options_.steps) {
+  if (c.step >= options.steps) {
     throw InputError(
         fmt::format("{}: step: the checkpoint is at step {}; --steps {} leaves "
                     "nothing to run",
-                    where, c.step, options_.steps));
+                    where, c.step, options.steps));
   }
+}
+
+}  // namespace dtsim::exec
+
+namespace dtsim::exec::runner_internal {
+
+int Runner::resume(RunResult& result) {
+  const CheckpointReader checkpoint(options_.resume_dir);
+  const CheckpointInfo& c = checkpoint.info();
+  const std::string& where = checkpoint.where();
+  check_resume(c, where, m_.name, options_, p_.clip_grad);
   // Every tensor of the checkpoint is one of the model's: a model file changed under the same
   // name (positions, biases or norms dropped) would otherwise leave some unread, silently.
   std::set<std::string> model_tensors;
