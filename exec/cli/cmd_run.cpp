@@ -835,6 +835,7 @@ void report_progress(int rank, dtsim::exec::RunOptions& options) {
 struct Peak {
   std::optional<double> flops_per_s;
   std::optional<std::string> device;
+  bool shipped_cpu = false;  // the catalog's cpu-host (no --cluster on the CPU): another host's
 };
 
 // Checked before the run: a --cluster that does not load is an error; without one, an unknown
@@ -848,6 +849,7 @@ Peak peak_of(const po::variables_map& vm, bool gpu, const dtsim::exec::Device& d
                        : dtsim::cluster::load_device(gpu ? device.name() : "cpu-host");
     peak.flops_per_s = d.peak_flops_for(plan.precision);
     peak.device = d.name;
+    peak.shipped_cpu = !gpu && !vm.count("cluster");
   } catch (const dtsim::InputError&) {
     if (vm.count("cluster")) throw;
   } catch (const dtsim::UnsupportedError&) {
@@ -1307,6 +1309,13 @@ int run(const std::vector<std::string>& args) {
         "mfu {:.3g} is above 1: the run did more FLOP/s than {}'s peak of {:.3g} FLOP/s in {} "
         "(check its device file's peak_flops)",
         j["mfu"].get<double>(), *peak.device, *peak.flops_per_s, dtsim::to_string(plan.precision)));
+  }
+  if (peak.shipped_cpu && peak.flops_per_s) {
+    j["notes"].push_back(fmt::format(
+        "mfu and hfu: against the catalog's cpu-host peak of {:.3g} FLOP/s in {}, calibrated on "
+        "another host; for this host's, give --cluster DIR/cpu-host.json as dtexec calibrate "
+        "--cluster-out DIR writes it",
+        *peak.flops_per_s, dtsim::to_string(plan.precision)));
   }
   j["memory"] = memory_json(held, predicted_memory, plan);
   out(rank) << j.dump(2) << "\n";
