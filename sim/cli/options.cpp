@@ -682,9 +682,18 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   }
   if (vm.count("order")) p.order = cluster::Placement::parse_order(vm["order"].as<std::string>());
 
+  const bool dp_derived = p.dp == 0;
   try {
     for (auto& n : plan::complete_plan(p, model, devices)) notes.push_back(std::move(n));
-    for (auto& w : plan::require_valid(p, model, devices)) notes.push_back("warning: " + w);
+    try {
+      for (auto& w : plan::require_valid(p, model, devices)) notes.push_back("warning: " + w);
+    } catch (const InputError& e) {
+      // A dp that no flag gave: say where it came from (the cluster's devices, or the ranks).
+      if (!dp_derived) throw;
+      throw InputError(
+          fmt::format("{}\n  (dp = {} was derived: the {} devices over tp x pp x cp = {})",
+                      e.what(), p.dp, devices, static_cast<std::int64_t>(p.tp) * p.pp * p.cp));
+    }
   } catch (const InputError& e) {
     // A plan read from a file names the file (flags may have overridden some of its fields).
     if (!vm.count("plan")) throw;
