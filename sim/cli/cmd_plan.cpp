@@ -252,8 +252,8 @@ int cmd_plan(const std::vector<std::string>& args) {
   po::variables_map vm;
   if (!parse(args, desc,
              "usage: dtsim plan --model M --cluster C [--gpus N] --global-batch-size B\n"
-             "                  [--seq-len S] [--top K] [--objective time|cost] [--json|--csv]\n"
-             "                  [--out P.json]\n\n"
+             "                  [--seq-len S] [--top K] [--objective time|cost|time-to-train]\n"
+             "                  [--json|--csv] [--out P.json]\n\n"
              "Searches tp/pp/dp/cp/ep degrees, micro-batch sizes, schedules, ZeRO stages, "
              "recompute and sequence parallelism; drops what does not fit in memory; ranks the "
              "rest by a closed-form estimate, then simulates the best with the discrete-event "
@@ -462,21 +462,37 @@ int cmd_plan(const std::vector<std::string>& args) {
   if (result.ranked.empty()) {
     std::cout << "no plan fits.\n";
   } else {
-    report::Table table(
-        {"#", "plan", "step", "tokens/s", "MFU", "memory/GPU", "margin", "largest"});
-    table.set_units({"", "", "s", "", "", "GiB", "GiB", "overhead"});
+    // Ranked by cost: what a step costs, the figure it ranks by.
+    const bool by_cost = options.objective == planner::Objective::Cost;
+    std::vector<std::string> headers = {"#", "plan", "step"};
+    std::vector<std::string> units = {"", "", "s"};
+    if (by_cost) {
+      headers.push_back("cost/step");
+      units.push_back("USD");
+    }
+    for (const char* h : {"tokens/s", "MFU", "memory/GPU", "margin", "largest"}) {
+      headers.push_back(h);
+    }
+    for (const char* u : {"", "", "GiB", "GiB", "overhead"}) units.push_back(u);
+    report::Table table(headers);
+    table.set_units(units);
     table.align_left(1);
-    table.align_left(7);
+    table.align_left(headers.size() - 1);
     for (int i = 0; i < shown; ++i) {
       const auto& c = result.ranked[static_cast<std::size_t>(i)];
       const double tokens = static_cast<double>(c.plan.global_batch_size * c.plan.seq_len);
-      table.add_row({fmt::format("{}", i + 1), plan::summary(c.plan),
-                     format_seconds(c.step_time_s) + (c.refined ? "" : "*"),
-                     fmt::format("{:.0f}", tokens / c.step_time_s),
-                     c.refined ? fmt::format("{:.1f}%", 100 * c.prediction.mfu) : "-",
-                     fmt::format("{:.1f}", c.memory_bytes / kGiB),
-                     fmt::format("{:.1f}", (c.capacity_bytes - c.memory_bytes) / kGiB),
-                     planner::dominant_term(breakdown_of(c), c.step_time_s)});
+      std::vector<std::string> cells = {fmt::format("{}", i + 1), plan::summary(c.plan),
+                                        format_seconds(c.step_time_s) + (c.refined ? "" : "*")};
+      if (by_cost) cells.push_back(fmt::format("{:.4g}", c.cost_per_step_usd));
+      for (std::string cell :
+           {fmt::format("{:.0f}", tokens / c.step_time_s),
+            c.refined ? fmt::format("{:.1f}%", 100 * c.prediction.mfu) : std::string("-"),
+            fmt::format("{:.1f}", c.memory_bytes / kGiB),
+            fmt::format("{:.1f}", (c.capacity_bytes - c.memory_bytes) / kGiB),
+            planner::dominant_term(breakdown_of(c), c.step_time_s)}) {
+        cells.push_back(std::move(cell));
+      }
+      table.add_row(cells);
     }
     std::cout << table.render();
     bool estimates = false;
@@ -500,29 +516,43 @@ int cmd_plan(const std::vector<std::string>& args) {
           {b.exposed_pp_s - a.exposed_pp_s, "exposed PP communication"},
           {b.straggler_s() - a.straggler_s(), "straggler waits"},
           {b.optimizer_s - a.optimizer_s, "optimizer"}};
-      const auto* most = &diffs[0];
-      const auto* least = &diffs[0];
-      for (const auto& d : diffs) {
-        if (d.first > most->first) most = &d;
-        if (d.first < least->first) least = &d;
-      }
       const double faster = result.ranked[1].step_time_s - result.ranked[0].step_time_s;
+      // The terms #2 spends more and less on, largest first; a term under 5% of the difference
+      // is not named (a wording choice, not a model constant).
+      std::vector<std::pair<double, const char*>> more, less;
+      for (const auto& d : diffs) {
+        if (d.first >= 0.05 * faster) more.push_back(d);
+        if (d.first <= -0.05 * faster) less.push_back({-d.first, d.second});
+      }
+      auto list = [](std::vector<std::pair<double, const char*>> terms, const char* how) {
+        std::stable_sort(terms.begin(), terms.end(),
+                         [](const auto& x, const auto& y) { return x.first > y.first; });
+        std::vector<std::string> said;
+        for (const auto& [seconds, what] : terms) {
+          said.push_back(fmt::format("{} {} on {}", format_duration(seconds), how, what));
+        }
+        if (said.size() <= 1) return said.empty() ? std::string() : said.front();
+        const std::string last = said.back();
+        said.pop_back();
+        return fmt::format("{} and {}", fmt::join(said, ", "), last);
+      };
       // #2 is never faster: both were simulated and ranked by step time (or by its cost, in
       // proportion). Within a part in 10^9 they tie, as the planner's tier comparison counts.
       if (faster <= 1e-9 * result.ranked[0].step_time_s) {
         std::cout << "\n#1 and #2 take the same time per step (to a part in 10^9)\n";
-      } else if (least->first < -0.05 * faster && most->first > faster) {
-        // The term #2 loses most on and, as #2 wins back part of it elsewhere, that term too
-        // (the terms then add up to more than the difference). A term under 5% of the
-        // difference is not named: a wording choice, not a model constant.
+      } else if (more.empty()) {
         std::cout << fmt::format(
-            "\nwhy #1 beats #2: {} faster per step: #2 spends {} more on {}, and {} less on {}\n",
-            format_duration(faster), format_duration(most->first), most->second,
-            format_duration(-least->first), least->second);
-      } else {
+            "\nwhy #1 beats #2: {} faster per step, in parts of several terms (none 5% of it)\n",
+            format_duration(faster));
+      } else if (more.size() == 1 && less.empty()) {
         std::cout << fmt::format("\nwhy #1 beats #2: {} faster per step, most of it ({}) in {}\n",
-                                 format_duration(faster), format_duration(most->first),
-                                 most->second);
+                                 format_duration(faster), format_duration(more.front().first),
+                                 more.front().second);
+      } else {
+        // Every term that weighs: with what #2 wins back, they add up to the difference.
+        std::cout << fmt::format("\nwhy #1 beats #2: {} faster per step: #2 spends {}{}\n",
+                                 format_duration(faster), list(more, "more"),
+                                 less.empty() ? "" : ", and " + list(less, "less"));
       }
     }
   }
