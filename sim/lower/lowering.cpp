@@ -608,6 +608,13 @@ class Lowerer {
             op.kind == OpKind::Router);
   }
 
+  // A layer as task labels name it: "embedding" (layer -1), "L3", "head" (past the blocks).
+  std::string layer_name(int layer) const {
+    if (layer < 0) return "embedding";
+    if (layer == static_cast<int>(g_.spec().layers)) return "head";
+    return fmt::format("L{}", layer);
+  }
+
   // The all-gather of regathers_input, after `dep`, on the tp stream: a Backward-phase
   // collective (the forward's all-gather of the same input has no phase).
   TaskId emit_regather(const Item& marker, int micro_batch, int chunk, TaskId dep) {
@@ -622,7 +629,8 @@ class Lowerer {
     t.bytes = hidden_bytes_;
     t.op_begin = static_cast<std::int32_t>(marker.anchor);
     t.op_end = t.op_begin + 1;
-    t.label = fmt::format("tp all-gather input again L{} mb{}", marker.layer, micro_batch);
+    t.label =
+        fmt::format("tp all-gather input again {} mb{}", layer_name(marker.layer), micro_batch);
     if (dep >= 0) t.deps.push_back(dep);
     return add(std::move(t));
   }
@@ -645,7 +653,7 @@ class Lowerer {
     t.op_end = t.op_begin + 1;
     // An expert all-to-all moves tokens one way in the forward pass and back in the backward.
     if (c->group == GroupKind::Ep) t.tag = backward ? 1 : 0;
-    t.label = fmt::format("{} L{} mb{}", c->what, marker.layer, micro_batch);
+    t.label = fmt::format("{} {} mb{}", c->what, layer_name(marker.layer), micro_batch);
     if (dep >= 0) t.deps.push_back(dep);
     if (beside >= 0) t.deps.push_back(beside);
     if (extra >= 0) t.deps.push_back(extra);
@@ -722,11 +730,7 @@ class Lowerer {
     for (const Item& it : (*rank_items_)[static_cast<std::size_t>(u.chunk)]) {
       if (it.op && it.layer == u.layer) ops.push_back(it);
     }
-    const int layers = static_cast<int>(g_.spec().layers);
-    const std::string what = u.layer < 0         ? "embedding"
-                             : u.layer == layers ? "head"
-                                                 : fmt::format("L{}", u.layer);
-    return gather_weights(ops, u.micro_batch, u.chunk, what, after);
+    return gather_weights(ops, u.micro_batch, u.chunk, layer_name(u.layer), after);
   }
 
   // Parameters of a chunk on this rank (tensor-parallel share), dense or expert.
