@@ -34,8 +34,9 @@ json stage_json(const plan::StageMemory& s) {
           {"dominant", s.dominant}};
 }
 
-std::string gib(double bytes) {
-  return fmt::format("{:.2f}", bytes / kGiB);
+// The table's unit: MiB where the worst rank needs under a GiB (a CPU rank's model).
+double table_unit(double worst_bytes) {
+  return worst_bytes < kGiB ? 1024.0 * 1024.0 : kGiB;
 }
 
 }  // namespace
@@ -103,8 +104,13 @@ int cmd_memory(const std::vector<std::string>& args) {
   const bool chunks = plan.schedule == plan::Schedule::Interleaved && plan.virtual_stages > 1;
   const std::string in_flight_unit =
       chunks ? fmt::format("chunks (1/{})", plan.virtual_stages) : "micro-batches";
-  table.set_units({"", "", in_flight_unit, "GiB", "GiB", "GiB", "GiB", "GiB", "GiB", ""});
+  const double unit = table_unit(worst.total_bytes);
+  const std::string u = unit == kGiB ? "GiB" : "MiB";
+  table.set_units({"", "", in_flight_unit, u, u, u, u, u, u, ""});
   table.align_left(9);
+  auto gib = [&](double bytes) {
+    return fmt::format("{:.{}f}", bytes / unit, unit == kGiB ? 2 : 1);
+  };
   for (const auto& s : report.stages) {
     table.add_row({fmt::format("{}", s.stage), fmt::format("{}", s.layers),
                    fmt::format("{}", s.in_flight), gib(s.weights_bytes), gib(s.gradients_bytes),

@@ -9,7 +9,7 @@ namespace dtsim {
 inline constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 inline constexpr double kGB = 1e9;
 
-// "12.34 GiB"
+// "12.34 GiB"; under a GiB "68.0 MiB"
 std::string format_gib(double bytes);
 // "1,234,567"
 std::string format_count(std::uint64_t n);

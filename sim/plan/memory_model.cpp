@@ -6,6 +6,7 @@
 #include <array>
 
 #include "sim/common/error.hpp"
+#include "sim/common/units.hpp"
 #include "sim/plan/zero_bubble.hpp"
 
 namespace dtsim::plan {
@@ -679,13 +680,12 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
   report.margin_bytes = report.capacity_bytes - report.worst().total_bytes;
   report.fits = report.margin_bytes >= 0;
   report.notes.push_back(fmt::format(
-      "the worst rank peaks at {} (peak_moment); its activations include {:.2f} GiB of "
+      "the worst rank peaks at {} (peak_moment); its activations include {} of "
       "working tensors there (working_bytes: the last stage's logits while the loss reads "
       "them, an MLP activation's gradients, a block recomputed)",
-      report.worst().peak_moment, report.worst().working_bytes / (1024.0 * 1024 * 1024)));
+      report.worst().peak_moment, format_gib(report.worst().working_bytes)));
   report.notes.push_back(
-      fmt::format("other = {:.2f} GiB framework allowance ({}){}",
-                  allowance / (1024.0 * 1024 * 1024), allowance_source,
+      fmt::format("other = {} framework allowance ({}){}", format_gib(allowance), allowance_source,
                   plan.zero_stage == 3   ? " + ZeRO-3 gathered-weight and reduce-scatter buffers"
                   : plan.zero_stage == 2 ? " + ZeRO-2 gradient buckets beyond the activations "
                                            "their backward frees"

@@ -83,6 +83,8 @@ TEST_CASE("numbers are formatted for humans", "[common]") {
   CHECK(dtsim::format_count(124439808) == "124,439,808");
   CHECK(dtsim::format_count(12345678) == "12,345,678");
   CHECK(dtsim::format_gib(1.5 * dtsim::kGiB) == "1.50 GiB");
+  CHECK(dtsim::format_gib(68.0 * 1024 * 1024) == "68.0 MiB");  // under a GiB: a CPU rank's
+  CHECK(dtsim::format_gib(0) == "0.00 GiB");
   CHECK(dtsim::format_si(6.738e9) == "6.74 G");
   CHECK(dtsim::format_seconds(21.40812) == "21.408");
   CHECK(dtsim::format_seconds(0.1) == "0.100");
