@@ -222,7 +222,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
   const bool batch_varied = varied("global_batch");
   // A fixed plan's own global batch, unless given or varied.
   if (!global_batch && !batch_varied && vm.count("fixed-plan")) {
-    global_batch = plan::load_plan(vm["fixed-plan"].as<std::string>()).global_batch_size;
+    const std::int64_t own = plan::load_plan(vm["fixed-plan"].as<std::string>()).global_batch_size;
+    if (own > 0) global_batch = own;  // (0: the file has none)
   }
   if (!global_batch && !batch_varied) {
     throw InputError(

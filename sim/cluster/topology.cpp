@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <utility>
@@ -202,8 +203,17 @@ Cluster load_cluster(std::string_view name_or_path) {
 }
 
 Cluster with_device(Cluster cluster, DeviceSpec device) {
-  // Its own device: as the file has it (with its device_efficiency).
-  if (device.name == cluster.device.name) return cluster;
+  // Its own device (the same device file): as the cluster's file has it, with its
+  // device_efficiency. Another file of the same name (a calibrated copy) is another device.
+  auto same_file = [](const std::string& a, const std::string& b) {
+    std::error_code ec1, ec2;
+    const auto x = std::filesystem::weakly_canonical(a, ec1);
+    const auto y = std::filesystem::weakly_canonical(b, ec2);
+    return !ec1 && !ec2 ? x == y : a == b;
+  };
+  if (device.name == cluster.device.name && same_file(device.file, cluster.device.file)) {
+    return cluster;
+  }
   cluster.price_per_device_hour_usd.reset();
   cluster.device_efficiency_overrides.clear();
   cluster.device = std::move(device);

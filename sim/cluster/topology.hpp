@@ -93,7 +93,7 @@ std::vector<std::string> list_clusters();
 Cluster with_devices(const Cluster& cluster, std::int64_t devices);
 // The cluster with another device in its nodes: its scale-up links and power are the device's;
 // its price (an instance type's rate) and its device_efficiency, both its own device's, are
-// dropped. Its own device (the same name) leaves the cluster as it is.
+// dropped. Its own device (the same device file) leaves the cluster as it is.
 Cluster with_device(Cluster cluster, DeviceSpec device);
 
 std::string_view to_string(IntraFabric f);

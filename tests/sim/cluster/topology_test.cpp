@@ -211,6 +211,13 @@ TEST_CASE("the cluster's own device keeps its device_efficiency; another takes t
   const auto same = dtsim::cluster::with_device(selene, catalog_a100);
   CHECK(same.device.efficiency.gemm.value == selene.device.efficiency.gemm.value);
   CHECK(same.device_efficiency_overrides == selene.device_efficiency_overrides);
+  // A copy of its device file under the same name (a calibration's) is another device.
+  auto copy = catalog_a100;
+  copy.file = "elsewhere/devices/a100-sxm4-80gb.json";
+  copy.efficiency.gemm.value = 0.5;
+  const auto copied = dtsim::cluster::with_device(selene, copy);
+  CHECK(copied.device.efficiency.gemm.value == 0.5);
+  CHECK(copied.device_efficiency_overrides.empty());
   const auto h100 = dtsim::cluster::with_device(selene, load_device("h100-sxm"));
   CHECK(h100.device.efficiency.gemm.value == load_device("h100-sxm").efficiency.gemm.value);
   CHECK(h100.device_efficiency_overrides.empty());
