@@ -540,19 +540,22 @@ int cmd_plan(const std::vector<std::string>& args) {
       // proportion). Within a part in 10^9 they tie, as the planner's tier comparison counts.
       if (faster <= 1e-9 * result.ranked[0].step_time_s) {
         std::cout << "\n#1 and #2 take the same time per step (to a part in 10^9)\n";
-      } else if (more.empty()) {
+      } else if (more.empty() && less.empty()) {
         std::cout << fmt::format(
-            "\nwhy #1 beats #2: {} faster per step, in parts of several terms (none 5% of it)\n",
+            "\nwhy #1 beats #2: {} faster per step, spread over terms that each differ by less "
+            "than 5% of it\n",
             format_duration(faster));
-      } else if (more.size() == 1 && less.empty()) {
+      } else if (more.size() == 1 && less.empty() && more.front().first <= faster) {
         std::cout << fmt::format("\nwhy #1 beats #2: {} faster per step, most of it ({}) in {}\n",
                                  format_duration(faster), format_duration(more.front().first),
                                  more.front().second);
       } else {
         // Every term that weighs: with what #2 wins back, they add up to the difference.
-        std::cout << fmt::format("\nwhy #1 beats #2: {} faster per step: #2 spends {}{}\n",
-                                 format_duration(faster), list(more, "more"),
-                                 less.empty() ? "" : ", and " + list(less, "less"));
+        std::vector<std::string> parts;
+        if (!more.empty()) parts.push_back(list(more, "more"));
+        if (!less.empty()) parts.push_back(list(less, "less"));
+        std::cout << fmt::format("\nwhy #1 beats #2: {} faster per step: #2 spends {}\n",
+                                 format_duration(faster), fmt::join(parts, ", and "));
       }
     }
   }

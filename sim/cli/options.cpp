@@ -688,8 +688,14 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
     try {
       for (auto& w : plan::require_valid(p, model, devices)) notes.push_back("warning: " + w);
     } catch (const InputError& e) {
-      // A dp that no flag gave: say where it came from (the cluster's devices, or the ranks).
-      if (!dp_derived) throw;
+      // A dp that no flag gave, where a broken rule reads it: say where it came from (the
+      // cluster's devices, or the ranks).
+      const auto errors = plan::check_plan(p, model, devices).errors;
+      const bool reads_dp = std::any_of(errors.begin(), errors.end(), [](const auto& v) {
+        return v.rule == "devices" || v.rule == "batch" || v.rule == "ep-dp" ||
+               v.rule == "interleaved-m";
+      });
+      if (!dp_derived || !reads_dp) throw;
       throw InputError(
           fmt::format("{}\n  (dp = {} was derived: the {} devices over tp x pp x cp = {})",
                       e.what(), p.dp, devices, static_cast<std::int64_t>(p.tp) * p.pp * p.cp));

@@ -142,7 +142,8 @@ Trace read_trace(const std::string& path) {
                   "straggler_wait_us has");
       const double begin = std::max(from, ts);
       const double end = std::min(from + wait, ts + dur);
-      t.wait_s = std::max(0.0, end - begin) * 1e-6;
+      // (At most the span: a span all wait leaves exactly 0, not a rounding's -1e-18.)
+      t.wait_s = std::clamp(end - begin, 0.0, dur) * 1e-6;
     }
     trace.tasks.push_back(std::move(t));
   }

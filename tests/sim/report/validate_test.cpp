@@ -224,6 +224,11 @@ TEST_CASE("only the part of a straggler wait inside a task's span is left out",
   CHECK(t[0].wait_s == 0);
   CHECK(t[1].wait_s == Approx(20e-6));
   CHECK(t[2].wait_s == Approx(20e-6));  // 10 of its 30 µs before the span
+  // A span that is all wait leaves exactly no time, whatever the rounding of its ends.
+  TempFile all("predicted_all_wait.json", R"({"traceEvents": [
+    {"ph": "X", "pid": 0, "tid": 1, "ts": 0.1, "dur": 0.2, "args": {"task": 0, "kind": "collective", "straggler_wait_from_us": 0.1, "straggler_wait_us": 0.2}}]})");
+  const auto w = dtsim::report::read_trace(all.path()).tasks[0];
+  CHECK(w.duration_s - w.wait_s == 0);
 }
 
 TEST_CASE("a malformed straggler wait is rejected naming the event",
