@@ -1114,6 +1114,11 @@ int run(const std::vector<std::string>& args) {
           "--{}: not with --only-rank (fault injection is for runs of every rank)", fault));
     }
   }
+  if (vm.count("resume") && only_rank) {
+    throw dtsim::InputError(
+        "--resume: not with --only-rank (it times one rank's share of a plan from freshly "
+        "initialized weights, and would not read the checkpoint)");
+  }
   if (vm.count("checkpoint") && only_rank) {
     throw dtsim::InputError(
         "--checkpoint: not with --only-rank (one rank's share of a plan is not a checkpoint of "
@@ -1153,9 +1158,9 @@ int run(const std::vector<std::string>& args) {
         throw;
       }
       throw dtsim::InputError(fmt::format(
-          "{}\n  (the devices are the {} ranks that mpirun started, one per device: start "
+          "{}\n  (the devices are the {} rank{} that mpirun started, one per device: start "
           "dp x tp x pp x cp ranks, mpirun -np N dtexec run ...)",
-          e.what(), devices));
+          e.what(), devices, devices == 1 ? "" : "s"));
     }
   }();
   dtsim::exec::RunOptions options = run_options_of(vm, devices);
