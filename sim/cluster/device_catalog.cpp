@@ -37,15 +37,22 @@ DeviceSpec device_from_json(const json& j, const std::string& file) {
   const JsonReader peaks = r.object("peak_flops");
   peaks.expect_only({"fp32", "tf32", "bf16", "fp16", "fp8"});
   for (Precision p : kAllPrecisions) {
-    if (peaks.has(to_string(p))) d.peak_flops[p] = peaks.figure(to_string(p));
+    if (peaks.has(to_string(p))) {
+      d.peak_flops[p] = peaks.figure_within(to_string(p), kLeastFlops, kMostFlops, "FLOP/s");
+    }
   }
   if (d.peak_flops.empty()) r.fail("peak_flops", "expected at least one precision");
-  d.memory_bytes = r.figure("memory_bytes");
-  d.memory_bw_bytes_per_s = r.figure("memory_bw_bytes_per_s");
-  d.intra_node_bw_bytes_per_s = r.figure("intra_node_bw_bytes_per_s");
+  d.memory_bytes = r.figure_within("memory_bytes", kLeastMemory, kMostMemory, "bytes");
+  d.memory_bw_bytes_per_s =
+      r.figure_within("memory_bw_bytes_per_s", kLeastBandwidth, kMostBandwidth, "bytes/s");
+  d.intra_node_bw_bytes_per_s =
+      r.figure_within("intra_node_bw_bytes_per_s", kLeastBandwidth, kMostBandwidth, "bytes/s");
   read_efficiency(r.object("efficiency"), d.efficiency, /*required=*/true);
   d.power_w = r.optional_figure("power_w");
-  d.framework_overhead_bytes = r.optional_figure("framework_overhead_bytes", /*allow_zero=*/true);
+  if (r.has("framework_overhead_bytes")) {
+    d.framework_overhead_bytes = r.figure_within("framework_overhead_bytes", kLeastOverhead,
+                                                 kMostMemory, "bytes", /*allow_zero=*/true);
+  }
   return d;
 }
 
@@ -66,7 +73,8 @@ std::vector<std::string> read_efficiency(const JsonReader& eff, DeviceEfficiency
   fraction("attention", e.attention);
   fraction("memory_bw", e.memory_bw);
   if (required || eff.has("launch_overhead_s")) {
-    e.launch_overhead_s = eff.figure("launch_overhead_s", /*allow_zero=*/true);
+    e.launch_overhead_s = eff.figure_within("launch_overhead_s", kLeastLatency, kMostLatency,
+                                            "seconds", /*allow_zero=*/true);
     read.emplace_back("launch_overhead_s");
   }
   if (eff.has("intra_node_bw")) fraction("intra_node_bw", e.intra_node_bw.emplace());

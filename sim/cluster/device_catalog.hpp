@@ -15,6 +15,20 @@
 
 namespace dtsim::cluster {
 
+// What device and cluster files may say, so that a value in another unit is refused rather
+// than priced (400 for a 400 Gbit/s NIC, 5 for 5 microseconds, 362 for 362 TFLOP/s). Sanity
+// bounds, orders of magnitude beyond the hardware of the catalog (a CPU rank's 77 GFLOP/s,
+// 9.5 GB/s and 1.3 GB/s to a B200's 4.5 PFLOP/s and 7.7 TB/s), not model constants.
+inline constexpr double kLeastFlops = 1e9;        // FLOP/s: 1 GFLOP/s
+inline constexpr double kMostFlops = 1e17;        // 100 PFLOP/s
+inline constexpr double kLeastMemory = 0x1p27;    // bytes: 128 MiB
+inline constexpr double kMostMemory = 0x1p45;     // 32 TiB
+inline constexpr double kLeastOverhead = 0x1p20;  // bytes: 1 MiB (or none)
+inline constexpr double kLeastBandwidth = 1e7;    // bytes/s: 10 MB/s
+inline constexpr double kMostBandwidth = 1e14;    // 100 TB/s
+inline constexpr double kLeastLatency = 1e-9;     // seconds: 1 ns
+inline constexpr double kMostLatency = 1e-2;      // 10 ms
+
 // Wave quantization of a GEMM (NVIDIA, "Matrix Multiplication Background User's Guide", Wave
 // Quantization): the output is cut into tile_m x tile_n tiles, one thread block each, and
 // sm_count of them run at a time; a last, partly filled wave takes as long as a full one.

@@ -126,11 +126,12 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   intra.expect_only({"fabric", "bw_bytes_per_s", "latency_s", "note"});
   c.intra.fabric = kIntraNames.parse(intra, "fabric");
   if (intra.has("bw_bytes_per_s")) {
-    c.intra.bw_bytes_per_s = intra.figure("bw_bytes_per_s");
+    c.intra.bw_bytes_per_s =
+        intra.figure_within("bw_bytes_per_s", kLeastBandwidth, kMostBandwidth, "bytes/s");
   } else {
     use_device_link(c.intra, c.device);
   }
-  c.intra.latency_s = intra.figure("latency_s");
+  c.intra.latency_s = intra.figure_within("latency_s", kLeastLatency, kMostLatency, "seconds");
 
   const JsonReader inter = r.object("inter_node");
   inter.expect_only({"fabric", "transport", "nics_per_node", "nic_bw_bytes_per_s", "latency_s",
@@ -150,11 +151,14 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
     inter.fail("transport", fmt::format("expected none with fabric none (a single node), got {}",
                                         to_string(c.inter.transport)));
   }
-  if (f != InterFabric::None) c.inter.latency_s = inter.figure("latency_s");
+  if (f != InterFabric::None) {
+    c.inter.latency_s = inter.figure_within("latency_s", kLeastLatency, kMostLatency, "seconds");
+  }
   if (f == InterFabric::FatTree || f == InterFabric::RailOptimized || f == InterFabric::Dragonfly) {
     // Real nodes have up to a few dozen (AWS p5: 32); the platform holds a link per NIC.
     c.inter.nics_per_node = inter.positive_int_up_to("nics_per_node", 1024);
-    c.inter.nic_bw_bytes_per_s = inter.figure("nic_bw_bytes_per_s");
+    c.inter.nic_bw_bytes_per_s =
+        inter.figure_within("nic_bw_bytes_per_s", kLeastBandwidth, kMostBandwidth, "bytes/s");
   }
   if (f == InterFabric::FatTree || f == InterFabric::RailOptimized) {
     c.inter.nodes_per_leaf = inter.positive_int("nodes_per_leaf");
@@ -182,7 +186,8 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
       inter.fail("torus_dims", fmt::format("expected 3 sizes (x, y, z) for a torus_3d, got {}",
                                            c.inter.torus_dims.size()));
     }
-    c.inter.link_bw_bytes_per_s = inter.figure("link_bw_bytes_per_s");
+    c.inter.link_bw_bytes_per_s =
+        inter.figure_within("link_bw_bytes_per_s", kLeastBandwidth, kMostBandwidth, "bytes/s");
     // In double: three sizes up to 2^24 may not fit a 64-bit product.
     const double product =
         std::accumulate(c.inter.torus_dims.begin(), c.inter.torus_dims.end(), 1.0,

@@ -186,6 +186,15 @@ Figure JsonReader::figure(std::string_view key, bool allow_zero) const {
   return out;
 }
 
+Figure JsonReader::figure_within(std::string_view key, double least, double most,
+                                 std::string_view unit, bool allow_zero) const {
+  Figure out = figure(key, allow_zero);
+  if ((allow_zero && out.value == 0) || (out.value >= least && out.value <= most)) return out;
+  object(key).fail("value", fmt::format("expected {} from {:g} to {:g}{}, got {:g} (a unit "
+                                        "mistake?)",
+                                        unit, least, most, allow_zero ? ", or 0" : "", out.value));
+}
+
 std::optional<Figure> JsonReader::optional_figure(std::string_view key, bool allow_zero) const {
   if (!has(key)) return std::nullopt;
   return figure(key, allow_zero);

@@ -57,6 +57,11 @@ class JsonReader {
   // {"value": number > 0 (or >= 0 with allow_zero), "source": non-empty string}
   Figure figure(std::string_view key, bool allow_zero = false) const;
   std::optional<Figure> optional_figure(std::string_view key, bool allow_zero = false) const;
+  // A figure whose value lies in [least, most] (or is 0 where allow_zero): bounds that only a
+  // unit mistake leaves (Gbit/s typed for bytes/s, microseconds for seconds), not a model's
+  // limits. `unit` names the unit the message asks for ("bytes/s").
+  Figure figure_within(std::string_view key, double least, double most, std::string_view unit,
+                       bool allow_zero = false) const;
   JsonReader object(std::string_view key) const;
   // A required field of any type, and one that must be an array.
   const nlohmann::json& at(std::string_view key) const;
