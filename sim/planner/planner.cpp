@@ -399,6 +399,10 @@ class Estimator {
     const bool gathers_first =
         p.zero_stage == 3 || ((p.zero_stage == 1 || p.zero_stage == 2) && p.overlap_param_gather);
     const double dp_start = gathers_first ? 0.0 : stage_f / std::max(1, p.virtual_stages);
+    const double zero3_units = p.schedule == Schedule::ZeroBubble
+                                   ? 1.0
+                                   : std::max(1.0, static_cast<double>(m.layers) / (p.pp * v));
+    double zero3_gather = 0;  // a unit's gathers, dense and expert
     for (const bool expert : {false, true}) {
       const double params = expert ? stage_expert_params : stage_params;
       const double size = expert ? expert_group : shard_group;
@@ -463,20 +467,21 @@ class Estimator {
       } else if (p.zero_stage == 1 || p.zero_stage == 2) {
         dp_after += dp_s(CollectiveKind::AllGather, weights);
       }
-      if (p.zero_stage == 3 && !expert) {
-        // One gather per unit (a block; zero-bubble: a chunk) and pass, 2 passes per
-        // micro-batch and chunk, each hidden behind the unit before it except for the first
-        // (lowering: Unit).
-        const double units = p.schedule == Schedule::ZeroBubble
-                                 ? 1.0
-                                 : std::max(1.0, static_cast<double>(m.layers) / (p.pp * v));
-        const double gather =
-            dp_s(CollectiveKind::AllGather, static_cast<std::uint64_t>(weights / v / units));
-        const double unit = std::min(stage_f, stage_b) / v / units;
-        const double passes = 2 * mb * v * units;
-        dp_in_passes += gather + (passes - 1) * std::max(0.0, gather - unit);
-        dp_busy += passes * gather;
+      // ZeRO-3: a unit's gather of these weights (its dense ones, or its experts' over their
+      // own group), summed below.
+      if (p.zero_stage == 3) {
+        zero3_gather +=
+            dp_s(CollectiveKind::AllGather, static_cast<std::uint64_t>(weights / v / zero3_units));
       }
+    }
+    if (zero3_gather > 0) {
+      // One gather per unit (a block; zero-bubble: a chunk) and pass, 2 passes per micro-batch
+      // and chunk, each hidden behind the unit before it except for the first (lowering: Unit,
+      // whose dense and expert gathers queue on the one dp stream).
+      const double unit = std::min(stage_f, stage_b) / v / zero3_units;
+      const double passes = 2 * mb * v * zero3_units;
+      dp_in_passes += zero3_gather + (passes - 1) * std::max(0.0, zero3_gather - unit);
+      dp_busy += passes * zero3_gather;
     }
     // ZeRO-3 without pipelining, unit by unit (lowering: Unit): one gather per unit (the
     // embedding, each block, the head) and pass, issued on the dp stream when the unit before

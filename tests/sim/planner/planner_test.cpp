@@ -619,6 +619,10 @@ TEST_CASE("the closed form follows the simulator where hops, stages or the dp st
       // Blocking exchanges with the head's chunk heavier: every round waits for it.
       {"blocking interleaved exchanges", "llama3-8b", "default", 32, 256, 8, 4,
        Schedule::Interleaved, 0, Recompute::None, 2},
+      // ZeRO-3 gathers every unit's experts too (at ep 1 most of the weights), on the dp
+      // stream with its dense weights: at one sequence per micro-batch, longer than the unit.
+      {"ZeRO-3 gathers of experts", "mixtral-8x7b", "dgx-h100-superpod", 64, 512, 1, 1,
+       Schedule::OneFOneB, 3, Recompute::Selective, 1},
   };
   for (const Probe& probe : probes) {
     DYNAMIC_SECTION(probe.what) {
