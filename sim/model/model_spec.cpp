@@ -301,8 +301,14 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.layers = hf_int(r, names, "layers", {"num_hidden_layers"});
     m.hidden = hf_int(r, names, "hidden", {"hidden_size"});
     m.heads = hf_int(r, names, "heads", {"num_attention_heads"});
-    // Without num_key_value_heads, multi-head attention: one key/value head per head.
+    // Without num_key_value_heads, multi-head attention: one key/value head per head (as
+    // Hugging Face defaults it), said in the description (a misspelt key would read so too).
     m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"});
+    if (!r.has("num_key_value_heads")) {
+      m.description +=
+          "; no num_key_value_heads: one key/value head per head (multi-head attention), as "
+          "Hugging Face defaults it";
+    }
     m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
     m.vocab = hf_int(r, names, "vocab", {"vocab_size"});
     m.max_positions = hf_int(r, names, "max_positions", {"max_position_embeddings"});
@@ -316,8 +322,11 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     }
     // Sliding-window attention is not modelled: full causal attention, the same as long as the
     // sequence is within the window; said in the description (dtsim describe prints it).
-    if (j.contains("sliding_window") && j.at("sliding_window").is_number_integer() &&
-        r.boolean_or("use_sliding_window", true)) {
+    // (Llama's attention has no window: its configs' sliding_window, where present, is unread;
+    // Qwen2's uses it only with use_sliding_window, false by default in Hugging Face's.)
+    if (type != "llama" && j.contains("sliding_window") &&
+        j.at("sliding_window").is_number_integer() &&
+        r.boolean_or("use_sliding_window", type != "qwen2")) {
       m.description += fmt::format(
           "; its sliding_window of {} tokens is not modelled (full causal attention, the same "
           "up to that length)",
@@ -326,6 +335,15 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.norm = Norm::RmsNorm;
     m.positions = Positions::Rope;
     if (r.has("rope_theta")) m.rope_theta = r.positive_number("rope_theta");
+    // RoPE scaling (llama3, yarn, linear, dynamic) changes the rotary frequencies, not what
+    // computing them costs: nothing to model, said so.
+    if (r.has("rope_scaling")) {
+      const JsonReader scaling = r.object("rope_scaling");
+      const std::string kind = scaling.has("rope_type") ? scaling.string("rope_type")
+                                                        : scaling.string_or("type", "unnamed");
+      m.description += fmt::format(
+          "; its rope_scaling ({}) changes RoPE's frequencies, not its cost: not modelled", kind);
+    }
     m.tied_embeddings = r.boolean_or("tie_word_embeddings", false);
     // qwen2 always has q/k/v biases (Qwen2Attention: bias=True on q,k,v; False on o_proj).
     const bool attention_bias = r.boolean_or("attention_bias", false);

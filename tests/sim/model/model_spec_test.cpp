@@ -105,12 +105,34 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
       "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072,
       "sliding_window": 131072, "use_sliding_window": false})");
     CHECK_THAT(load_model(off.path()).description, !Catch::Contains("sliding_window"));
+    // Qwen2 uses its window only with use_sliding_window (false by default); Llama never.
+    for (const char* type : {"qwen2", "llama"}) {
+      INFO(type);
+      TempFile unused("config.json",
+                      std::string(R"({"model_type": ")") + type + R"(", "hidden_size": 3584,
+        "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28,
+        "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072,
+        "sliding_window": 4096})");
+      CHECK_THAT(load_model(unused.path()).description, !Catch::Contains("sliding_window"));
+    }
     TempFile geglu("config.json", R"({"model_type": "llama", "hidden_size": 4096,
       "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
       "vocab_size": 32000, "max_position_embeddings": 8192, "hidden_act": "gelu"})");
     DTSIM_REQUIRE_THROWS_CONTAINING(
         load_model(geglu.path()), InputError,
         "hidden_act: \"gelu\": dtsim models llama's gated MLP with silu (SwiGLU) only");
+  }
+  SECTION("RoPE scaling and defaulted key/value heads are said in the description") {
+    TempFile f("config.json", R"({"model_type": "llama", "hidden_size": 4096,
+      "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "vocab_size": 128256, "max_position_embeddings": 131072,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})");
+    const auto m = load_model(f.path());
+    CHECK(m.kv_heads == 32);
+    CHECK_THAT(m.description, Catch::Contains("no num_key_value_heads: one key/value head per "
+                                              "head (multi-head attention)"));
+    CHECK_THAT(m.description, Catch::Contains("its rope_scaling (llama3) changes RoPE's "
+                                              "frequencies, not its cost: not modelled"));
   }
   SECTION("unsupported model_type lists the supported ones") {
     TempFile f("config.json", R"({"model_type": "bert", "hidden_size": 768})");
