@@ -125,6 +125,16 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   const JsonReader intra = r.object("intra_node");
   intra.expect_only({"fabric", "bw_bytes_per_s", "latency_s", "note"});
   c.intra.fabric = kIntraNames.parse(intra, "fabric");
+  // The device's intra_node_bw_bytes_per_s is its scale-up link's (NVLink, xGMI, ICI): a node
+  // that joins its devices by PCIe or host memory says its own.
+  const bool own_link =
+      c.intra.fabric == IntraFabric::Pcie || c.intra.fabric == IntraFabric::SharedMemory;
+  if (own_link && !intra.has("bw_bytes_per_s")) {
+    intra.fail("bw_bytes_per_s",
+               fmt::format("required with fabric {} (the device's intra_node_bw_bytes_per_s is "
+                           "its scale-up link's, such as NVLink)",
+                           to_string(c.intra.fabric)));
+  }
   if (intra.has("bw_bytes_per_s")) {
     c.intra.bw_bytes_per_s =
         intra.figure_within("bw_bytes_per_s", kLeastBandwidth, kMostBandwidth, "bytes/s");
@@ -142,6 +152,21 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   const InterFabric f = c.inter.fabric;
   const bool switched =
       f == InterFabric::FatTree || f == InterFabric::RailOptimized || f == InterFabric::Dragonfly;
+  // A field this fabric does not read would be ignored: refused, as a typo is.
+  auto only_with = [&](std::initializer_list<const char*> keys, bool read, const char* fabrics) {
+    for (const char* key : keys) {
+      if (!read && inter.has(key)) {
+        inter.fail(key, fmt::format("only with fabric {}; this cluster's is {}, which does not "
+                                    "read it",
+                                    fabrics, to_string(f)));
+      }
+    }
+  };
+  only_with({"torus_dims", "link_bw_bytes_per_s"}, f == InterFabric::Torus3d, "torus_3d");
+  only_with({"nics_per_node", "nic_bw_bytes_per_s"}, switched,
+            "fat_tree, rail_optimized or dragonfly");
+  only_with({"nodes_per_leaf", "oversubscription"}, switched,
+            "fat_tree, rail_optimized or dragonfly");
   if (switched && c.inter.transport == Transport::None) {
     inter.fail("transport", fmt::format("a {} network needs a transport (infiniband, roce, "
                                         "ethernet, efa, slingshot), got none",

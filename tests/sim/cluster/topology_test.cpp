@@ -121,6 +121,34 @@ TEST_CASE("bad cluster files are rejected naming file and field",
     j["inter_node"]["oversubscription"] = {{"value", 0.5}, {"source", "s"}};
     expect(j, "inter_node.oversubscription: expected a ratio >= 1");
   }
+  SECTION("a field the fabric does not read") {
+    auto j = valid_cluster();
+    j["inter_node"]["torus_dims"] = {2, 2, 4};
+    expect(j,
+           "inter_node.torus_dims: only with fabric torus_3d; this cluster's is fat_tree, which "
+           "does not read it");
+    j = valid_cluster();
+    j["inter_node"]["link_bw_bytes_per_s"] = {{"value", 5e10}, {"source", "s"}};
+    expect(j, "inter_node.link_bw_bytes_per_s: only with fabric torus_3d");
+  }
+  SECTION("values in another unit") {
+    auto j = valid_cluster();
+    j["inter_node"]["nic_bw_bytes_per_s"] = {{"value", 400}, {"source", "400 Gbit/s"}};
+    expect(j,
+           "inter_node.nic_bw_bytes_per_s.value: expected bytes/s from 1e+07 to 1e+14, got 400 "
+           "(a unit mistake?)");
+    j = valid_cluster();
+    j["inter_node"]["latency_s"] = {{"value", 5}, {"source", "5 us"}};
+    expect(j, "inter_node.latency_s.value: expected seconds from 1e-09 to 0.01, got 5");
+  }
+  SECTION("PCIe or host memory between the devices needs its own bandwidth") {
+    auto j = valid_cluster();
+    j["intra_node"]["fabric"] = "pcie";
+    j["intra_node"].erase("bw_bytes_per_s");
+    expect(j,
+           "intra_node.bw_bytes_per_s: required with fabric pcie (the device's "
+           "intra_node_bw_bytes_per_s is its scale-up link's");
+  }
   SECTION("torus size differs from the device count") {
     auto j = valid_cluster();
     j["inter_node"] = nlohmann::json::parse(R"({"fabric": "torus_3d", "transport": "ici",
