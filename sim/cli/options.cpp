@@ -690,15 +690,24 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
     } catch (const InputError& e) {
       // A dp that no flag gave, where a broken rule reads it: say where it came from (the
       // cluster's devices, or the ranks).
+      // And where the devices are --gpus's part of the cluster, so.
       const auto errors = plan::check_plan(p, model, devices).errors;
-      const bool reads_dp = std::any_of(errors.begin(), errors.end(), [](const auto& v) {
-        return v.rule == "devices" || v.rule == "batch" || v.rule == "ep-dp" ||
-               v.rule == "interleaved-m";
-      });
-      if (!dp_derived || !reads_dp) throw;
-      throw InputError(
-          fmt::format("{}\n  (dp = {} was derived: the {} devices over tp x pp x cp = {})",
-                      e.what(), p.dp, devices, static_cast<std::int64_t>(p.tp) * p.pp * p.cp));
+      auto broken = [&](std::initializer_list<std::string_view> rules) {
+        return std::any_of(errors.begin(), errors.end(), [&](const auto& v) {
+          return std::find(rules.begin(), rules.end(), v.rule) != rules.end();
+        });
+      };
+      std::string hints;
+      if (dp_derived && broken({"devices", "batch", "ep-dp", "interleaved-m"})) {
+        hints += fmt::format("\n  (dp = {} was derived: the {} devices over tp x pp x cp = {})",
+                             p.dp, devices, static_cast<std::int64_t>(p.tp) * p.pp * p.cp);
+      }
+      if (vm.count("gpus") && broken({"devices"})) {
+        hints += fmt::format("\n  (the {} devices are those --gpus {} takes of the cluster)",
+                             devices, devices);
+      }
+      if (hints.empty()) throw;
+      throw InputError(e.what() + hints);
     }
   } catch (const InputError& e) {
     // A plan read from a file names the file (flags may have overridden some of its fields).
