@@ -111,6 +111,15 @@ int cmd_simulate(const std::vector<std::string>& args) {
       notes.push_back(*w);
     }
   }
+  // Without a profile or the device's GEMM waves, every GEMM runs at the catalog's rate, the
+  // best one over a sweep of shapes: said, as an upper bound for small or odd shapes.
+  if (!profile && !cluster.device.efficiency.gemm_waves) {
+    notes.push_back(fmt::format(
+        "GEMMs at {:.1f}% of peak whatever their shape ({}'s GEMM efficiency, measured on "
+        "large ones; no tile or wave quantization without the device's gemm_waves): an upper "
+        "bound for small or odd shapes; a dtexec calibrate profile (--profile) times them",
+        100 * cluster.device.efficiency.gemm.value, cluster.device.name));
+  }
   options.jitter_cv = jitter_from_options(vm);
   options.rank_spread_cv = rank_spread_from_options(vm);
   options.straggler_cost = true;
