@@ -58,6 +58,9 @@ int main(int argc, char** argv) {
       {"Llama-3 70B, 512 H100 (dgx-h100-superpod), batch 512", "llama3-70b", "dgx-h100-superpod",
        512, 512},
       {"Llama-3 405B, 16384 H100 (h100-roce), batch 2048", "llama3-405b", "h100-roce", 16384, 2048},
+      // A mixture of experts: expert parallelism, and ZeRO-3 gathering experts too.
+      {"Mixtral 8x7B, 64 H100 (dgx-h100-superpod), batch 512", "mixtral-8x7b", "dgx-h100-superpod",
+       64, 512},
   };
   fmt::print("{:<56} {:>8} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}\n", "search", "feasible", "median",
              "p90", "worst", "misorder", "regret", "wall");
