@@ -19,7 +19,6 @@
 #include <optional>
 #include <set>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "exec/cli/commands.hpp"
@@ -665,14 +664,16 @@ po::options_description run_options_description() {
   return desc;
 }
 
-// The plan of the flags, in a precision this backend trains in, checked for `devices`.
+// The plan of the flags, in a precision this backend trains in, checked for `devices` (which
+// `devices_are` describes: plan_from_options).
 dtsim::plan::Plan backend_plan(const po::variables_map& vm, const dtsim::model::ModelSpec& spec,
-                               std::int64_t devices, bool gpu) {
+                               std::int64_t devices, bool gpu, const std::string& devices_are) {
   std::vector<std::string> notes;  // what dtsim says it completed; the run reports its own
   // The CPU backend trains in fp32: the plan is completed and checked in it.
   std::optional<dtsim::cli::PrecisionDefault> fallback;
   if (!gpu) fallback = dtsim::cli::PrecisionDefault{dtsim::Precision::Fp32, "the CPU backend"};
-  dtsim::plan::Plan plan = dtsim::cli::plan_from_options(vm, spec, devices, notes, fallback);
+  dtsim::plan::Plan plan =
+      dtsim::cli::plan_from_options(vm, spec, devices, notes, fallback, devices_are);
   if (gpu) {
     if (plan.precision != dtsim::Precision::Bf16 && plan.precision != dtsim::Precision::Fp32) {
       throw dtsim::UnsupportedError(
@@ -1147,22 +1148,16 @@ int run(const std::vector<std::string>& args) {
     throw dtsim::InputError(fmt::format(
         "the plan needs {} ranks: start them with mpirun -np {} dtexec run ...", devices, devices));
   }
-  const dtsim::plan::Plan plan = [&] {
-    try {
-      return backend_plan(vm, spec, devices, gpu);
-    } catch (const dtsim::InputError& e) {
-      // The plan's check of its degrees against the devices (rule "devices") speaks of a
-      // cluster's: here they are mpirun's ranks.
-      if (!mpi || only_rank ||
-          std::string_view(e.what()).find("[devices]") == std::string_view::npos) {
-        throw;
-      }
-      throw dtsim::InputError(fmt::format(
-          "{}\n  (the devices are the {} rank{} that mpirun started, one per device: start "
-          "dp x tp x pp x cp ranks, mpirun -np N dtexec run ...)",
-          e.what(), devices, devices == 1 ? "" : "s"));
-    }
-  }();
+  // The plan's check of its degrees against the devices speaks of a cluster's: here they are
+  // mpirun's ranks.
+  const std::string devices_are =
+      mpi && !only_rank ? fmt::format(
+                              "the devices are the {} rank{} that mpirun started, one "
+                              "per device: start dp x tp x pp x cp ranks, mpirun -np N "
+                              "dtexec run ...",
+                              devices, devices == 1 ? "" : "s")
+                        : std::string();
+  const dtsim::plan::Plan plan = backend_plan(vm, spec, devices, gpu, devices_are);
   dtsim::exec::RunOptions options = run_options_of(vm, devices);
   // Rank 0 writes the trace after the run, and makes the checkpoint's folder after steps: a
   // path it cannot take (or one holding what a checkpoint would replace) ends the job now, on

@@ -575,7 +575,8 @@ std::vector<int> parse_layers_per_stage(const std::string& text) {
 
 plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec& model,
                              std::int64_t devices, std::vector<std::string>& notes,
-                             const std::optional<PrecisionDefault>& precision_default) {
+                             const std::optional<PrecisionDefault>& precision_default,
+                             const std::string& devices_are) {
   plan::Plan p;
   p.dp = 0;  // derived unless given
   p.global_batch_size = 0;
@@ -688,9 +689,8 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
     try {
       for (auto& w : plan::require_valid(p, model, devices)) notes.push_back("warning: " + w);
     } catch (const InputError& e) {
-      // A dp that no flag gave, where a broken rule reads it: say where it came from (the
-      // cluster's devices, or the ranks).
-      // And where the devices are --gpus's part of the cluster, so.
+      // A dp that no flag gave, where a broken rule reads it: say where it came from; and
+      // where the degrees do not match the devices, what those are.
       const auto errors = plan::check_plan(p, model, devices).errors;
       auto broken = [&](std::initializer_list<std::string_view> rules) {
         return std::any_of(errors.begin(), errors.end(), [&](const auto& v) {
@@ -702,10 +702,12 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
         hints += fmt::format("\n  (dp = {} was derived: the {} devices over tp x pp x cp = {})",
                              p.dp, devices, static_cast<std::int64_t>(p.tp) * p.pp * p.cp);
       }
-      if (vm.count("gpus") && broken({"devices"})) {
-        hints += fmt::format("\n  (the {} devices are those --gpus {} takes of the cluster)",
-                             devices, devices);
-      }
+      const std::string are =
+          !devices_are.empty() || !vm.count("gpus")
+              ? devices_are
+              : fmt::format("the {} devices are those --gpus {} takes of the cluster", devices,
+                            devices);
+      if (!are.empty() && broken({"devices"})) hints += fmt::format("\n  ({})", are);
       if (hints.empty()) throw;
       throw InputError(e.what() + hints);
     }

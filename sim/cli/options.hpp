@@ -110,14 +110,17 @@ cluster::Cluster cluster_from_options(const po::variables_map& vm);
 // completed with defaults (plan::complete_plan) and validated against model and devices.
 // `notes` receives what was defaulted and any warnings. `precision_default`, when given, is the
 // precision where neither --precision nor the plan file names one, with why (a note says so):
-// the plan is validated in the precision it will run in.
+// the plan is validated in the precision it will run in. `devices_are`, said where the plan's
+// degrees do not match the devices, tells what they are ("the devices are the 2 ranks that
+// mpirun started"); by default, where --gpus is given, that --gpus took them.
 struct PrecisionDefault {
   Precision precision;
   std::string why;
 };
 plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec& model,
                              std::int64_t devices, std::vector<std::string>& notes,
-                             const std::optional<PrecisionDefault>& precision_default = {});
+                             const std::optional<PrecisionDefault>& precision_default = {},
+                             const std::string& devices_are = {});
 
 // The precision a search uses unless told: bf16, or fp32 on a device without bf16 (a CPU host).
 Precision default_precision(const cluster::DeviceSpec& device);
