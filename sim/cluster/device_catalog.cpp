@@ -102,7 +102,7 @@ std::vector<std::string> list_devices() {
   return list_data_names("topologies/devices");
 }
 
-DeviceSpec load_device(std::string_view name) {
+DeviceSpec load_device(std::string_view name, const std::filesystem::path& beside) {
   const bool looks_like_path = name.find('/') != std::string_view::npos || name.ends_with(".json");
   if (!looks_like_path) {
     // Names and aliases, case-insensitive.
@@ -114,6 +114,13 @@ DeviceSpec load_device(std::string_view name) {
       for (const std::string& alias : d.aliases) {
         if (lower(alias) == wanted) return d;
       }
+    }
+  }
+  if (looks_like_path && !beside.empty() && std::filesystem::path(name).is_relative()) {
+    const auto there = beside / name;
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(there, ec)) {
+      return device_from_json(JsonReader::parse_file(there), there.string());
     }
   }
   const auto path = resolve_data_file("device", "topologies/devices", name);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
@@ -81,8 +82,10 @@ DeviceSpec device_from_json(const nlohmann::json& j, const std::string& file);
 // there (a device's own object) or may be missing (a cluster's overrides).
 std::vector<std::string> read_efficiency(const JsonReader& r, DeviceEfficiency& efficiency,
                                          bool required);
-// By file name, alias (case-insensitive) or path.
-DeviceSpec load_device(std::string_view name_alias_or_path);
+// By file name, alias (case-insensitive) or path. A relative path is looked for in `beside`
+// first where given (a cluster file's folder), then from the working folder.
+DeviceSpec load_device(std::string_view name_alias_or_path,
+                       const std::filesystem::path& beside = {});
 std::vector<std::string> list_devices();
 
 }  // namespace dtsim::cluster

@@ -88,18 +88,11 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   c.name = r.string("name");
   c.description = r.string("description");
   c.source = r.string("source");
-  std::string device_name = r.string("device");
-  // A device file's relative path is the cluster file's neighbour (as a calibration's
-  // --cluster-out folder has it), else as given (from the working folder).
-  const bool device_path = device_name.find('/') != std::string::npos ||
-                           std::string_view(device_name).ends_with(".json");
-  if (device_path && std::filesystem::path(device_name).is_relative()) {
-    const auto beside = std::filesystem::path(file).parent_path() / device_name;
-    std::error_code ec;
-    if (std::filesystem::is_regular_file(beside, ec)) device_name = beside.string();
-  }
+  const std::string device_name = r.string("device");
   try {
-    c.device = load_device(device_name);
+    // A device file's relative path is the cluster file's neighbour (as a calibration's
+    // --cluster-out folder has it), else as given (from the working folder).
+    c.device = load_device(device_name, std::filesystem::path(file).parent_path());
   } catch (const InputError& e) {
     r.fail("device", e.what());
   }
