@@ -185,7 +185,7 @@ int cmd_describe(const std::vector<std::string>& args) {
     std::string label = group_name(l, spec.layers);
     if (block && first != l) label = fmt::format("{}-{}", first, l);
     table.add_row({label, format_count(t.params), format_si(t.fwd_flops / tokens),
-                   fmt::format("{:.1f}", static_cast<double>(t.saved_bytes) / (1024.0 * 1024.0))});
+                   fmt::format("{:.1f}", static_cast<double>(t.saved_bytes) / kMiB)});
     first = l + 1;
   }
   std::cout << table.render();

@@ -36,7 +36,7 @@ json stage_json(const plan::StageMemory& s) {
 
 // The table's unit: MiB where the worst rank needs under a GiB (a CPU rank's model).
 double table_unit(double worst_bytes) {
-  return worst_bytes < kGiB ? 1024.0 * 1024.0 : kGiB;
+  return worst_bytes < kGiB ? kMiB : kGiB;
 }
 
 }  // namespace

@@ -9,7 +9,7 @@ namespace dtsim {
 std::string format_gib(double bytes) {
   // Under a GiB (a CPU rank's model), in MiB: 0.07 GiB would say little.
   if (std::fabs(bytes) < kGiB && bytes != 0) {
-    return fmt::format("{:.1f} MiB", bytes / (1024.0 * 1024.0));
+    return fmt::format("{:.1f} MiB", bytes / kMiB);
   }
   return fmt::format("{:.2f} GiB", bytes / kGiB);
 }

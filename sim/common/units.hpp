@@ -6,7 +6,8 @@
 
 namespace dtsim {
 
-inline constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+inline constexpr double kMiB = 1024.0 * 1024.0;
+inline constexpr double kGiB = 1024.0 * kMiB;
 inline constexpr double kGB = 1e9;
 
 // "12.34 GiB"; under a GiB "68.0 MiB"

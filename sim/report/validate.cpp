@@ -172,10 +172,11 @@ std::optional<std::string> run_difference(const Trace& a, const Trace& b) {
     return fmt::format("model {} against {}", a.model, b.model);
   }
   if (a.plan.is_null() || b.plan.is_null()) return std::nullopt;
-  // A plan's JSON leaves out some fields at their defaults: where one trace has such a field and
-  // the other not, the other's is its default. Fields whose absence means "derived"
-  // (layers_per_stage: the even split; grad_precision, comm_precision: from precision) are
-  // compared only where both have them: either way the other trace's run is the same one.
+  // A plan's JSON leaves out some fields at their defaults (plan::to_json): where one trace has
+  // such a field and the other not, the other's is the Plan's default. Fields whose absence means
+  // "derived" (layers_per_stage: the even split; grad_precision, comm_precision: from precision)
+  // are compared only where both have them: either way the other trace's run is the same one.
+  // (plan::Plan's defaults, written as to_json would write them.)
   static const json kDefaults = {{"clip_grad", 0}, {"grad_compression", 1}};
   std::set<std::string> keys;
   for (const json* plan : {&a.plan, &b.plan}) {
