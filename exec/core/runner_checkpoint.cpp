@@ -6,6 +6,75 @@
 
 #include "exec/core/runner_internal.hpp"
 
+namespace dtsim::exec {
+
+void check_resume(const CheckpointInfo& c, const std::string& where, const std::string& model,
+                  const RunOptions& options, double clip_grad) {
+  if (c.model != model) {
+    throw InputError(fmt::format("{}: model: the checkpoint is of {}, this run trains {}", where,
+                                 c.model, model));
+  }
+  // The data stream and its token mapping come from the seed, and the optimizer from the
+  // learning rate: a run resumed with others would not continue the checkpointed one.
+  if (c.seed != options.seed) {
+    throw InputError(
+        fmt::format("{}: seed: the checkpoint was trained with --seed {}, this run "
+                    "has --seed {}; give --seed {} to continue it",
+                    where, c.seed, options.seed, c.seed));
+  }
+  if (static_cast<float>(c.learning_rate) != options.lr.max_lr) {
+    throw InputError(
+        fmt::format("{}: learning_rate: the checkpoint was trained with --lr {}, "
+                    "this run has --lr {}; give --lr {} to continue it",
+                    where, static_cast<float>(c.learning_rate), options.lr.max_lr,
+                    static_cast<float>(c.learning_rate)));
+  }
+  if (static_cast<float>(c.weight_decay) != options.weight_decay) {
+    throw InputError(
+        fmt::format("{}: weight_decay: the checkpoint was trained with --weight-decay {}, "
+                    "this run has --weight-decay {}; give --weight-decay {} to continue it",
+                    where, static_cast<float>(c.weight_decay), options.weight_decay,
+                    static_cast<float>(c.weight_decay)));
+  }
+  // (read_info checked that the plan is an object, and its clip_grad a number >= 0.)
+  const double clipped = c.plan.value("clip_grad", 0.0);
+  if (clipped != clip_grad) {
+    throw InputError(
+        fmt::format("{}: clip_grad: the checkpoint was trained with --clip-grad {:g}, this run has "
+                    "--clip-grad {:g}; give --clip-grad {:g} to continue it",
+                    where, clipped, clip_grad, clipped));
+  }
+  // Checkpoints from before schedules trained at a constant rate.
+  LrSchedule trained;
+  trained.max_lr = static_cast<float>(c.learning_rate);
+  if (!c.lr_schedule.is_null()) trained = lr_schedule_from_json(c.lr_schedule, where);
+  if (!(trained == options.lr)) {
+    throw InputError(fmt::format(
+        "{}: lr_schedule: the checkpoint was trained with a learning rate of {}, this run "
+        "has {}; give the same --lr-warmup-steps, --lr-decay-style, --lr-decay-steps and "
+        "--min-lr to continue it",
+        where, trained.describe(), options.lr.describe()));
+  }
+  // A fault set for a step that the checkpoint holds would never happen.
+  for (const auto& [flag, step] :
+       {std::pair{"--fail-at", options.fail_step}, std::pair{"--hang-at", options.hang_step}}) {
+    if (step > 0 && step <= c.step) {
+      throw InputError(
+          fmt::format("{}: step: the checkpoint is at step {}; {} at step {} never "
+                      "happens in this run",
+                      where, c.step, flag, step));
+    }
+  }
+  if (c.step >= options.steps) {
+    throw InputError(
+        fmt::format("{}: step: the checkpoint is at step {}; --steps {} leaves "
+                    "nothing to run",
+                    where, c.step, options.steps));
+  }
+}
+
+}  // namespace dtsim::exec
+
 namespace dtsim::exec::runner_internal {
 
 CheckpointRecord Runner::save(int steps_done, const std::vector<double>& losses) {
@@ -145,79 +214,6 @@ void Runner::put_async_in_place(int done, RunResult& result) {
   record.in_place_after = done;
   checkpoint_done(record, result);
 }
-
-}  // namespace dtsim::exec::runner_internal
-
-namespace dtsim::exec {
-
-void check_resume(const CheckpointInfo& c, const std::string& where, const std::string& model,
-                  const RunOptions& options, double clip_grad) {
-  if (c.model != model) {
-    throw InputError(fmt::format("{}: model: the checkpoint is of {}, this run trains {}", where,
-                                 c.model, model));
-  }
-  // The data stream and its token mapping come from the seed, and the optimizer from the
-  // learning rate: a run resumed with others would not continue the checkpointed one.
-  if (c.seed != options.seed) {
-    throw InputError(
-        fmt::format("{}: seed: the checkpoint was trained with --seed {}, this run "
-                    "has --seed {}; give --seed {} to continue it",
-                    where, c.seed, options.seed, c.seed));
-  }
-  if (static_cast<float>(c.learning_rate) != options.lr.max_lr) {
-    throw InputError(
-        fmt::format("{}: learning_rate: the checkpoint was trained with --lr {}, "
-                    "this run has --lr {}; give --lr {} to continue it",
-                    where, static_cast<float>(c.learning_rate), options.lr.max_lr,
-                    static_cast<float>(c.learning_rate)));
-  }
-  if (static_cast<float>(c.weight_decay) != options.weight_decay) {
-    throw InputError(
-        fmt::format("{}: weight_decay: the checkpoint was trained with --weight-decay {}, "
-                    "this run has --weight-decay {}; give --weight-decay {} to continue it",
-                    where, static_cast<float>(c.weight_decay), options.weight_decay,
-                    static_cast<float>(c.weight_decay)));
-  }
-  // (read_info checked that the plan is an object, and its clip_grad a number >= 0.)
-  const double clipped = c.plan.value("clip_grad", 0.0);
-  if (clipped != clip_grad) {
-    throw InputError(
-        fmt::format("{}: clip_grad: the checkpoint was trained with --clip-grad {:g}, this run has "
-                    "--clip-grad {:g}; give --clip-grad {:g} to continue it",
-                    where, clipped, clip_grad, clipped));
-  }
-  // Checkpoints from before schedules trained at a constant rate.
-  LrSchedule trained;
-  trained.max_lr = static_cast<float>(c.learning_rate);
-  if (!c.lr_schedule.is_null()) trained = lr_schedule_from_json(c.lr_schedule, where);
-  if (!(trained == options.lr)) {
-    throw InputError(fmt::format(
-        "{}: lr_schedule: the checkpoint was trained with a learning rate of {}, this run "
-        "has {}; give the same --lr-warmup-steps, --lr-decay-style, --lr-decay-steps and "
-        "--min-lr to continue it",
-        where, trained.describe(), options.lr.describe()));
-  }
-  // A fault set for a step that the checkpoint holds would never happen.
-  for (const auto& [flag, step] :
-       {std::pair{"--fail-at", options.fail_step}, std::pair{"--hang-at", options.hang_step}}) {
-    if (step > 0 && step <= c.step) {
-      throw InputError(
-          fmt::format("{}: step: the checkpoint is at step {}; {} at step {} never "
-                      "happens in this run",
-                      where, c.step, flag, step));
-    }
-  }
-  if (c.step >= options.steps) {
-    throw InputError(
-        fmt::format("{}: step: the checkpoint is at step {}; --steps {} leaves "
-                    "nothing to run",
-                    where, c.step, options.steps));
-  }
-}
-
-}  // namespace dtsim::exec
-
-namespace dtsim::exec::runner_internal {
 
 int Runner::resume(RunResult& result) {
   const CheckpointReader checkpoint(options_.resume_dir);
