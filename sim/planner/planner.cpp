@@ -484,13 +484,13 @@ class Estimator {
       dp_busy += passes * zero3_gather;
     }
     // ZeRO-3 without pipelining, unit by unit (lowering: Unit): one gather per unit (the
-    // embedding, each block, the head) and pass, issued on the dp stream when the unit before
-    // starts, and each block's gradients reduce-scattered when its backward ends, in the
-    // stream's order. A unit waits for its gather where the stream is behind: after the
+    // embedding, each block with its experts, the head) and pass, issued on the dp stream when the
+    // unit before starts, and each block's gradients reduce-scattered when its backward ends, in
+    // the stream's order. A unit waits for its gather where the stream is behind: after the
     // embedding's and the head's large gathers (a vocabulary's rows) behind passes too short
     // to hide them, and behind the reductions queued before it in the backward.
     const double zero3_exposed =
-        p.zero_stage == 3 && p.pp == 1 && !m.moe && shard_group > 1
+        p.zero_stage == 3 && p.pp == 1 && shard_group > 1
             ? zero3_unit_exposure(g, p, cost, placement, mb, block_f, block_b + block_recompute,
                                   emb_f, emb_b, head_f, head_b)
             : 0.0;
@@ -618,40 +618,61 @@ class Estimator {
                              const cost::ComputeCost& cost, const cluster::Placement& placement,
                              double micro_batches, double block_f, double block_b, double emb_f,
                              double emb_b, double head_f, double head_b) {
-    const lower::Group grp{lower::GroupKind::Dp, placement.gradient_group(0), {0}};
-    const auto size = static_cast<std::int64_t>(p.dp) * p.cp;
     const auto bytes_per = plan::state_bytes_per_param(p);
-    const auto dp_s = [&](CollectiveKind kind, double bytes) {
-      return dp_collective_s(grp, size, cost, kind, static_cast<std::uint64_t>(bytes));
-    };
-    const auto params = [&](int layer) {
+    // A layer's parameters on this rank: its dense ones, or its experts'.
+    const auto params = [&](int layer, bool experts) {
       double n = 0;
-      for (model::OpId id : g.layer_ops(layer)) n += plan::rank_params(g.op(id), p);
+      for (model::OpId id : g.layer_ops(layer)) {
+        if (g.op(id).expert == experts) n += plan::rank_params(g.op(id), p);
+      }
       return n;
     };
+    // The dense weights are sharded over dp x cp, the experts' over (dp / ep) x cp; a unit's
+    // gathers and reductions of both queue on the one dp stream (lowering: Unit).
+    struct Sharding {
+      lower::Group group;
+      std::int64_t ranks;
+    };
+    const Sharding dense{{lower::GroupKind::Dp, placement.gradient_group(0), {0}},
+                         static_cast<std::int64_t>(p.dp) * p.cp};
+    const Sharding experts{{lower::GroupKind::ExpertDp, placement.expert_gradient_group(0), {0}},
+                           static_cast<std::int64_t>(p.dp / p.ep) * p.cp};
+    const auto dp_s = [&](const Sharding& over, CollectiveKind kind, double bytes) {
+      return over.ranks > 1 && bytes > 0 ? dp_collective_s(over.group, over.ranks, cost, kind,
+                                                           static_cast<std::uint64_t>(bytes))
+                                         : 0.0;
+    };
     const int layers = static_cast<int>(g.spec().layers);
-    const double block = params(0);
-    const double block_gather = dp_s(CollectiveKind::AllGather, block * bytes_per.weights);
-    // A block's gradients in buckets of its own (gradient_buckets_per_block), as many as its
-    // ops fill.
-    const double grads = block * bytes_per.gradients;
-    const double buckets =
-        std::max(1.0, std::round(grads * block_buckets(g, p, false, bytes_per.gradients, true)));
-    const double block_reduce = buckets * dp_s(CollectiveKind::ReduceScatter, grads / buckets);
+    double block_gather = 0, block_reduce = 0;
+    for (const bool expert : {false, true}) {
+      const Sharding& over = expert ? experts : dense;
+      const double block = params(0, expert);
+      block_gather += dp_s(over, CollectiveKind::AllGather, block * bytes_per.weights);
+      // A block's gradients in buckets of its own (gradient_buckets_per_block), as many as its
+      // ops fill.
+      const double grads = block * bytes_per.gradients;
+      const double buckets =
+          std::max(1.0, std::round(grads * block_buckets(g, p, expert, bytes_per.gradients, true)));
+      block_reduce += buckets * dp_s(over, CollectiveKind::ReduceScatter, grads / buckets);
+    }
     struct Unit {
       double compute, gather, reduce;
     };
-    const double emb_gather = dp_s(CollectiveKind::AllGather, params(-1) * bytes_per.weights);
-    const double head_gather = dp_s(CollectiveKind::AllGather, params(layers) * bytes_per.weights);
+    const double emb_gather =
+        dp_s(dense, CollectiveKind::AllGather, params(-1, false) * bytes_per.weights);
+    const double head_gather =
+        dp_s(dense, CollectiveKind::AllGather, params(layers, false) * bytes_per.weights);
     std::vector<Unit> units;
     units.push_back({emb_f, emb_gather, 0});
     for (int l = 0; l < layers; ++l) units.push_back({block_f, block_gather, 0});
     units.push_back({head_f, head_gather, 0});
-    units.push_back({head_b, head_gather,
-                     dp_s(CollectiveKind::ReduceScatter, params(layers) * bytes_per.gradients)});
+    units.push_back(
+        {head_b, head_gather,
+         dp_s(dense, CollectiveKind::ReduceScatter, params(layers, false) * bytes_per.gradients)});
     for (int l = 0; l < layers; ++l) units.push_back({block_b, block_gather, block_reduce});
     units.push_back(
-        {emb_b, emb_gather, dp_s(CollectiveKind::ReduceScatter, params(-1) * bytes_per.gradients)});
+        {emb_b, emb_gather,
+         dp_s(dense, CollectiveKind::ReduceScatter, params(-1, false) * bytes_per.gradients)});
     double stream = units.front().gather, ready = stream, compute = 0, busy = 0;
     const auto passes = static_cast<std::int64_t>(micro_batches);
     for (std::int64_t mb = 0; mb < passes; ++mb) {
