@@ -136,6 +136,10 @@ class Estimator {
       double compute = 0, weight = 0, slack = 0;
       bool overlapped = false;
       double input = 0;  // the layer's input gradient
+      // With sequence parallelism its backward gathers its input again (lowering:
+      // regathers_input): a column-parallel layer's, or a router's; a mixture's experts take
+      // the tokens the all-to-all brings them.
+      bool regathers = false;
     };
     std::vector<Segment> segments;
     double lf = 0, lb = 0, lbw = 0, attention = 0;
@@ -150,8 +154,9 @@ class Estimator {
       if (op.kind == model::OpKind::AttentionCore) attention = forward;
       if (op.kind == model::OpKind::QkvProj || op.kind == model::OpKind::MlpUp ||
           op.kind == model::OpKind::Router) {
+        const bool experts = op.kind == model::OpKind::MlpUp && m.moe;
         segments.push_back({0, weight, 0, op.kind == model::OpKind::QkvProj || !m.moe,
-                            cost.op_seconds(op, Phase::BackwardInput)});
+                            cost.op_seconds(op, Phase::BackwardInput), !experts});
       }
       // In forward order, an op's backward runs before the collective of the nearest
       // column-parallel layer at or before it.
@@ -206,9 +211,18 @@ class Estimator {
       regather = net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
                                     CollectiveKind::AllGather, hidden_bytes);
       for (const Segment& seg : segments) {
-        if (m.moe && !seg.overlapped) continue;  // a router: not split over tp
-        tp_backward += std::max(0.0, regather - (tp_overlap ? seg.input : 0.0));
+        if (!seg.regathers) continue;
+        // A router reads the whole sequence too, and its backward, not split, waits for it.
+        const bool beside_input = tp_overlap && seg.overlapped;
+        tp_backward += std::max(0.0, regather - (beside_input ? seg.input : 0.0));
       }
+    }
+    // Each tp rank holds a slice of every expert: the gates' gradients, partial sums, are
+    // all-reduced over tp before the router's backward (lowering: TpGates), in fp32.
+    if (p.tp > 1 && m.moe) {
+      tp_backward += net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
+                                        CollectiveKind::AllReduce,
+                                        tokens * static_cast<std::uint64_t>(m.moe->top_k) * 4);
     }
     double block_b = lb + tp_backward + cp_backward + ep_comm;
     double block_recompute = 0, block_recompute_compute = 0;
@@ -673,16 +687,19 @@ class Estimator {
     units.push_back(
         {emb_b, emb_gather,
          dp_s(dense, CollectiveKind::ReduceScatter, params(-1, false) * bytes_per.gradients)});
-    double stream = units.front().gather, ready = stream, compute = 0, busy = 0;
+    // The gather of unit i + 1 goes out when unit i is issued, and may start once unit i - 1
+    // has started (lowering: start_unit), behind what the stream holds already.
+    double stream = units.front().gather, ready = stream, compute = 0, busy = 0, previous = 0;
     const auto passes = static_cast<std::int64_t>(micro_batches);
     for (std::int64_t mb = 0; mb < passes; ++mb) {
       for (std::size_t i = 0; i < units.size(); ++i) {
         const double start = std::max(compute, ready);
         const bool last = mb + 1 == passes && i + 1 == units.size();
         if (!last) {
-          stream = std::max(stream, start) + units[(i + 1) % units.size()].gather;
+          stream = std::max(stream, previous) + units[(i + 1) % units.size()].gather;
           ready = stream;
         }
+        previous = start;
         compute = start + units[i].compute;
         busy += units[i].compute;
         if (units[i].reduce > 0) stream = std::max(stream, compute) + units[i].reduce;
