@@ -286,6 +286,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
   struct Row {
     std::map<std::string, std::string> point;
     std::string plan;
+    nlohmann::json plan_spec;  // the plan in a --plan file's fields (plan::to_json)
     std::int64_t gpus = 0;
     double step_s = 0, tokens_per_s = 0, mfu = 0, max_speedup = 0;
     double train_s = 0, cost_usd = -1, energy_kwh = -1;
@@ -434,6 +435,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       if (stragglers) row.straggler_cost_s = pred.straggler_cost_s;
       chosen = p;
       row.plan = plan::summary(p);
+      row.plan_spec = plan::to_json(p);
       row.found = true;
       row.fits = pred.memory.fits;
       row.memory_bytes = pred.memory.worst().total_bytes;
@@ -453,6 +455,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         pred = r.ranked.front().prediction;
         chosen = r.ranked.front().plan;
         row.plan = plan::summary(chosen);
+        row.plan_spec = plan::to_json(chosen);
         row.found = true;
         if (stragglers) {
           // The search simulated the best plan with the model: only the calm run is left, as
@@ -510,6 +513,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     const Row& r = rows[i];
     mine.push_back(nlohmann::json{{"i", i},
                                   {"plan", r.plan},
+                                  {"plan_spec", r.plan_spec},
                                   {"gpus", r.gpus},
                                   {"step", r.step_s},
                                   {"tps", r.tokens_per_s},
@@ -548,6 +552,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       Row& r = rows[j.at("i").get<std::size_t>()];
       r.point = points[j.at("i").get<std::size_t>()];
       r.plan = j.at("plan").get<std::string>();
+      r.plan_spec = j.at("plan_spec");
       r.gpus = j.at("gpus").get<std::int64_t>();
       r.step_s = j.at("step").get<double>();
       r.tokens_per_s = j.at("tps").get<double>();
@@ -612,6 +617,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       if (!r.found) j["valid_candidates"] = r.valid_candidates;
       if (r.found) {
         j.update({{"plan", r.plan},
+                  {"plan_spec", r.plan_spec},
                   {"fits", r.fits},
                   {"step_time_s", r.step_s},
                   {"tokens_per_s", r.tokens_per_s},
