@@ -708,6 +708,13 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
               : fmt::format("the {} devices are those --gpus {} takes of the cluster", devices,
                             devices);
       if (!are.empty() && broken({"devices"})) hints += fmt::format("\n  ({})", are);
+      // A plan file's own dp (dtsim plan --out writes it) made for another count of devices.
+      const std::int64_t others = static_cast<std::int64_t>(p.tp) * p.pp * p.cp;
+      if (!dp_derived && vm.count("plan") && !vm.count("dp") && broken({"devices"}) &&
+          devices % others == 0) {
+        hints += fmt::format("\n  (the plan file sets dp = {}; --dp {} fits these {} devices)",
+                             p.dp, devices / others, devices);
+      }
       if (hints.empty()) throw;
       throw InputError(e.what() + hints);
     }
