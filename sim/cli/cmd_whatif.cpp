@@ -402,7 +402,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     if (vm.count("fixed-plan")) {
       plan::Plan p = plan::load_plan(vm["fixed-plan"].as<std::string>());
       if (point.count("expert_load") && p.ep > 1) {
-        p.expert_load = std::min(space.expert_load, static_cast<double>(p.ep));
+        p.expert_load = std::min(space.expert_load, plan::max_expert_load(spec, p));
       }
       p.global_batch_size = space.global_batch_size;
       if (precision) p.precision = *precision;

@@ -236,15 +236,22 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
                       "(0, 1]",
                       p.grad_compression));
   }
-  if (!(p.expert_load >= 1 && p.expert_load <= p.ep)) {
-    error("expert-load",
-          p.ep > 1 || !(p.expert_load >= 1)
-              ? fmt::format("expert load {:g}: expected the busiest ep rank's token copies "
-                            "over the even share, in [1, ep = {}]",
-                            p.expert_load, p.ep)
-              : fmt::format("expert load {:g} needs ep > 1 (one rank holds every expert, so "
-                            "its share is even)",
-                            p.expert_load));
+  if (!(p.expert_load >= 1 && p.expert_load <= max_expert_load(m, p))) {
+    if (p.ep > 1 && m.moe) {
+      error("expert-load",
+            fmt::format("expert load {:g}: expected the busiest ep rank's token copies over the "
+                        "even share, in [1, {:g}] (a token sends one copy to each of its top {} of "
+                        "the {} experts, and a rank at ep {} holds {} of them)",
+                        p.expert_load, max_expert_load(m, p), m.moe->top_k, m.moe->experts, p.ep,
+                        m.moe->experts / p.ep));
+    } else if (!(p.expert_load >= 1)) {
+      error("expert-load", fmt::format("expert load {:g}: {}, 1 without expert parallelism",
+                                       p.expert_load, kExpertLoadExpected));
+    } else {
+      error("expert-load", fmt::format("expert load {:g} needs experts split over ep > 1 (one "
+                                       "rank holds every expert, so its share is even)",
+                                       p.expert_load));
+    }
   }
   if (p.overlap_param_gather && p.zero_stage != 1 && p.zero_stage != 2) {
     error("overlap-param-gather",
@@ -409,11 +416,16 @@ std::vector<std::string> complete_plan(Plan& plan, const model::ModelSpec& model
   return notes;
 }
 
+double max_expert_load(const model::ModelSpec& spec, const Plan& plan) {
+  if (!spec.moe || plan.ep <= 1) return 1.0;
+  return std::min(static_cast<double>(plan.ep),
+                  static_cast<double>(spec.moe->experts) / static_cast<double>(spec.moe->top_k));
+}
+
 std::uint64_t ep_all_to_all_bytes(const model::ModelSpec& spec, const Plan& plan,
                                   std::uint64_t hidden_bytes) {
-  const std::uint64_t even = hidden_bytes *
-                             static_cast<std::uint64_t>(spec.moe ? spec.moe->top_k : 1) /
-                             static_cast<std::uint64_t>(plan.sequence_parallel ? plan.tp : 1);
+  const std::uint64_t even =
+      hidden_bytes * static_cast<std::uint64_t>(spec.moe ? spec.moe->top_k : 1);
   return static_cast<std::uint64_t>(std::llround(static_cast<double>(even) * plan.expert_load));
 }
 

@@ -121,10 +121,11 @@ struct Plan {
   // to its collective (sim/engine/simulator.cpp).
   double grad_compression = 1.0;
   // Expert parallelism's routing: the token copies the busiest ep rank's experts get, over the
-  // even share (1: even routing, a well-balanced router's; at most ep, every copy to one
-  // rank; Megatron-LM's --moe-expert-capacity-factor caps it where tokens beyond capacity are
-  // dropped). That rank's experts compute, keep and receive this many times the even share,
-  // and every rank waits for it at the all-to-alls. `dtexec run` measures it (expert_load).
+  // even share (1: even routing, a well-balanced router's; at most max_expert_load, every token's
+  // copies to that rank's experts as far as they hold; Megatron-LM's --moe-expert-capacity-factor
+  // caps it where tokens beyond capacity are dropped). That rank's experts compute, keep and
+  // receive this many times the even share, and every rank waits for it at the all-to-alls. `dtexec
+  // run` measures it (expert_load).
   double expert_load = 1.0;
   Optimizer optimizer = Optimizer::Adam;
   // Gradient clipping by global norm (Megatron-LM --clip-grad; its default is 1.0): before the
@@ -200,10 +201,18 @@ inline bool gradient_buckets_per_block(const Plan& plan) {
 inline constexpr std::string_view kExpertLoadExpected =
     "expected the busiest ep rank's token copies over the even share, at least 1";
 
+// The largest expert_load that routing can make: a token sends at most one copy to each expert,
+// so at most min(top_k, experts / ep) of its copies to one ep rank: min(ep, experts / top_k)
+// times the even share (1 without experts or ep).
+double max_expert_load(const model::ModelSpec& spec, const Plan& plan);
+
 // Bytes one ep all-to-all of an MoE block moves for the busiest ep rank, one way: its tokens'
 // top_k copies of width h (`hidden_bytes`: one activation tensor of the micro-batch's tokens
-// on the rank; 1/tp of them under sequence parallelism), plan.expert_load times the even
-// share. The lowering and the planner's closed form both price this.
+// on the rank), plan.expert_load times the even share. Under sequence parallelism too: the
+// router reads the block's all-gathered input, and every tp rank sends its tokens' copies to
+// its ep peers for its slice of their experts (dtexec's router_forward and ep_collective; not
+// Megatron-Core's dispatch of the sequence's 1/tp followed by a tp all-gather on the expert
+// side). The lowering and the planner's closed form both price this.
 std::uint64_t ep_all_to_all_bytes(const model::ModelSpec& spec, const Plan& plan,
                                   std::uint64_t hidden_bytes);
 

@@ -808,7 +808,7 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
                       p.dp = dp;
                       p.ep = ep;
                       if (ep > 1)
-                        p.expert_load = std::min(space.expert_load, static_cast<double>(ep));
+                        p.expert_load = std::min(space.expert_load, plan::max_expert_load(m, p));
                       p.micro_batch_size = mbs;
                       p.global_batch_size = space.global_batch_size;
                       p.seq_len = seq;

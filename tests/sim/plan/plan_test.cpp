@@ -77,7 +77,7 @@ TEST_CASE("each broken rule says which one and why", "[plan][bad-input]") {
   SECTION("the expert load is in [1, ep], and needs ep > 1 above 1") {
     p.expert_load = 1.5;
     CHECK(has_rule(check_plan(p, m, 64), "expert-load",
-                   "expert load 1.5 needs ep > 1 (one rank holds every expert"));
+                   "expert load 1.5 needs experts split over ep > 1 (one rank holds every expert"));
   }
   SECTION("no overlapped gradient reduction with ZeRO-2/3") {
     p.overlap_grad_reduce = false;
@@ -329,4 +329,19 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   bad(R"({"order": "tp-dp"})", "plan.json: order: ");
   bad(R"({"tensor_parallel": 2})", "tensor_parallel: unknown field");
   bad(R"([1, 2])", "plan.json: expected a JSON object");
+}
+
+// A token sends one copy to each of its top k experts: an ep rank holding E / ep of them gets
+// at most min(k, E / ep) of its copies, min(ep, E / k) times the even share.
+TEST_CASE("routing bounds the expert load", "[plan]") {
+  const auto mixtral = dtsim::model::load_model("mixtral-8x7b");  // top 2 of 8
+  Plan p;
+  p.ep = 2;
+  CHECK(dtsim::plan::max_expert_load(mixtral, p) == 2.0);  // every copy to one rank's 4
+  p.ep = 8;
+  CHECK(dtsim::plan::max_expert_load(mixtral, p) == 4.0);  // one expert a rank
+  p.ep = 1;
+  CHECK(dtsim::plan::max_expert_load(mixtral, p) == 1.0);
+  p.ep = 8;
+  CHECK(dtsim::plan::max_expert_load(dtsim::model::load_model("llama3-8b"), p) == 1.0);
 }
