@@ -254,7 +254,8 @@ int cmd_plan(const std::vector<std::string>& args) {
              "usage: dtsim plan --model M --cluster C [--gpus N] --global-batch-size B\n"
              "                  [--seq-len S] [--top K] [--objective time|cost|time-to-train]\n"
              "                  [--json|--csv] [--out P.json]\n\n"
-             "Searches tp/pp/dp/cp/ep degrees, micro-batch sizes, schedules, ZeRO stages, "
+             "Searches tp/pp/dp/ep degrees (and cp up to --max-cp), micro-batch sizes, schedules, "
+             "ZeRO stages, "
              "recompute and sequence parallelism; drops what does not fit in memory; ranks the "
              "rest by a closed-form estimate, then simulates the best with the discrete-event "
              "simulator. Also says what more memory per GPU would buy: the plans over memory "
@@ -499,6 +500,16 @@ int cmd_plan(const std::vector<std::string>& args) {
     for (int i = 0; i < shown; ++i)
       estimates = estimates || !result.ranked[static_cast<std::size_t>(i)].refined;
     if (estimates) std::cout << "(* closed-form estimate, not simulated)\n";
+    // What the table leaves out or prices at its best: said, as simulate says it.
+    if (vm["max-cp"].defaulted() && space.fixed_cp < 0) {
+      std::cout << "(context parallelism not searched: --max-cp N adds cp degrees up to N)\n";
+    }
+    if (!profile && !cluster.device.efficiency.gemm_waves) {
+      std::cout << fmt::format(
+          "(MFU: GEMMs at {:.1f}% of peak whatever their shape, {}'s best over large ones: an "
+          "upper bound for small or odd shapes; --profile times them)\n",
+          100 * cluster.device.efficiency.gemm.value, cluster.device.name);
+    }
     if (auto note = plan::uneven_layers_note(spec, result.ranked.front().plan)) {
       std::cout << "#1: " << *note << "\n";
     }

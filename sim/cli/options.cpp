@@ -53,7 +53,8 @@ void add_model_options(po::options_description& desc, bool with_cluster) {
                        "cluster: a name in topologies/ (e.g. selene) or a path")(
         "gpus", po::value<std::int64_t>(),
         "use this many devices of the cluster (whole nodes, or part of one node); default: all "
-        "of them, or as many as a --plan file's dp x tp x pp x cp where that is fewer");
+        "of them (where the command takes a --plan file: as many as its dp x tp x pp x cp, "
+        "where that is fewer)");
   }
 }
 
