@@ -337,7 +337,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
     if (point.count("oversubscription")) {
       const double o = number("oversubscription", point.at("oversubscription"), false);
-      if (o < 1) throw InputError("--vary oversubscription: expected ratios >= 1");
+      if (!(o >= 1 && o <= cluster::kMostOversubscription)) {
+        throw InputError(fmt::format("--vary oversubscription={}: expected a ratio from 1 to {:g}",
+                                     point.at("oversubscription"), cluster::kMostOversubscription));
+      }
       c.inter.oversubscription = {o, "whatif --vary oversubscription"};
     }
     if (point.count("gpus")) {

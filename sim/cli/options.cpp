@@ -15,6 +15,7 @@
 #include <string_view>
 #include <system_error>
 
+#include "sim/cluster/device_catalog.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/json_reader.hpp"
 #include "sim/common/units.hpp"
@@ -743,11 +744,15 @@ plan::MemoryOptions memory_options_from(const po::variables_map& vm) {
       throw InputError(
           fmt::format("--framework-overhead-gib: expected a finite number >= 0, got {}", overhead));
     }
-    if (!std::isfinite(overhead * kGiB)) {
+    // The bounds of a device file's framework_overhead_bytes (device_catalog.hpp).
+    const double bytes = overhead * kGiB;
+    if (bytes != 0 && !(bytes >= cluster::kLeastOverhead && bytes <= cluster::kMostMemory)) {
       throw InputError(fmt::format(
-          "--framework-overhead-gib: expected a finite number of GiB, got {}", overhead));
+          "--framework-overhead-gib: expected 0 or from {:g} MiB to {:g} TiB, got {} GiB (a "
+          "unit mistake?)",
+          cluster::kLeastOverhead / kMiB, cluster::kMostMemory / kGiB / 1024, overhead));
     }
-    options.framework_overhead_bytes = overhead * kGiB;
+    options.framework_overhead_bytes = bytes;
   }
   if (vm.count("device-memory-gib")) {
     const double cap = vm["device-memory-gib"].as<double>();
@@ -755,10 +760,14 @@ plan::MemoryOptions memory_options_from(const po::variables_map& vm) {
       throw InputError(
           fmt::format("--device-memory-gib: expected a finite number > 0, got {}", cap));
     }
+    // The bounds of a device file's memory_bytes (device_catalog.hpp).
     options.capacity_bytes = cap * kGiB;
-    if (!std::isfinite(*options.capacity_bytes)) {
+    if (!(*options.capacity_bytes >= cluster::kLeastMemory &&
+          *options.capacity_bytes <= cluster::kMostMemory)) {
       throw InputError(
-          fmt::format("--device-memory-gib: expected a finite number of GiB, got {}", cap));
+          fmt::format("--device-memory-gib: expected from {:g} MiB to {:g} TiB, got {} GiB (a "
+                      "unit mistake?)",
+                      cluster::kLeastMemory / kMiB, cluster::kMostMemory / kGiB / 1024, cap));
     }
   }
   return options;

@@ -193,9 +193,11 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   }
   if (inter.has("oversubscription")) {
     c.inter.oversubscription = inter.figure("oversubscription");
-    if (c.inter.oversubscription.value < 1.0) {
-      inter.fail("oversubscription", fmt::format("expected a ratio >= 1 (1 = non-blocking), got {}",
-                                                 c.inter.oversubscription.value));
+    if (!(c.inter.oversubscription.value >= 1.0 &&
+          c.inter.oversubscription.value <= kMostOversubscription)) {
+      inter.fail("oversubscription",
+                 fmt::format("expected a ratio from 1 (non-blocking) to {:g}, got {}",
+                             kMostOversubscription, c.inter.oversubscription.value));
     }
   }
   if (f == InterFabric::Torus3d) {

@@ -25,6 +25,9 @@ enum class Transport { InfiniBand, RoCE, Ethernet, Efa, Slingshot, Ici, None };
 
 // At most 2^24 devices in a cluster (keeps device counts and their products in 64 bits).
 inline constexpr std::int64_t kMaxDevices = std::int64_t{1} << 24;
+// The largest leaf oversubscription a cluster may give: a sanity bound far past real leaves
+// (1:1 to 1:8 or so), not a model constant.
+inline constexpr double kMostOversubscription = 1000;
 
 struct IntraNode {
   IntraFabric fabric = IntraFabric::NvSwitch;

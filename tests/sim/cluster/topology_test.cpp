@@ -119,7 +119,14 @@ TEST_CASE("bad cluster files are rejected naming file and field",
   SECTION("oversubscription below 1") {
     auto j = valid_cluster();
     j["inter_node"]["oversubscription"] = {{"value", 0.5}, {"source", "s"}};
-    expect(j, "inter_node.oversubscription: expected a ratio >= 1");
+    expect(j, "inter_node.oversubscription: expected a ratio from 1 (non-blocking) to 1000");
+  }
+  SECTION("oversubscription far past any leaf") {
+    auto j = valid_cluster();
+    j["inter_node"]["oversubscription"] = {{"value", 1e9}, {"source", "s"}};
+    expect(j,
+           "inter_node.oversubscription: expected a ratio from 1 (non-blocking) to 1000, got "
+           "1000000000");
   }
   SECTION("a field the fabric does not read") {
     auto j = valid_cluster();
