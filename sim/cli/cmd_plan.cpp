@@ -165,6 +165,12 @@ std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Clus
   if (space.fixed_pp > 0 && space.max_pp > 0 && space.fixed_pp > space.max_pp) {
     why.push_back(fmt::format("--fixed pp={} exceeds --max-pp {}", space.fixed_pp, space.max_pp));
   }
+  if (space.fixed_ep > 1 && !m.moe) {
+    why.push_back(fmt::format("--fixed ep={}: the model has no experts", space.fixed_ep));
+  } else if (space.fixed_ep > 0 && m.moe && m.moe->experts % space.fixed_ep != 0) {
+    why.push_back(fmt::format("--fixed ep={} must divide the model's {} experts", space.fixed_ep,
+                              m.moe->experts));
+  }
   if (space.fixed_dp > 0 && space.global_batch_size % space.fixed_dp != 0) {
     why.push_back(fmt::format("--fixed dp={} does not divide --global-batch-size {}",
                               space.fixed_dp, space.global_batch_size));
