@@ -1144,10 +1144,6 @@ int run(const std::vector<std::string>& args) {
   }
   const auto spec = dtsim::cli::model_from_options(vm);
   const std::int64_t devices = mpi && !only_rank ? mpi->size() : requested_devices(vm);
-  if (!mpi && devices > 1 && !only_rank) {
-    throw dtsim::InputError(fmt::format(
-        "the plan needs {} ranks: start them with mpirun -np {} dtexec run ...", devices, devices));
-  }
   // The plan's check of its degrees against the devices speaks of a cluster's: here they are
   // mpirun's ranks.
   const std::string devices_are =
@@ -1157,7 +1153,12 @@ int run(const std::vector<std::string>& args) {
                               "dtexec run ...",
                               devices, devices == 1 ? "" : "s")
                         : std::string();
+  // Checked first: a plan that no count of ranks can run says why before asking for ranks.
   const dtsim::plan::Plan plan = backend_plan(vm, spec, devices, gpu, devices_are);
+  if (!mpi && devices > 1 && !only_rank) {
+    throw dtsim::InputError(fmt::format(
+        "the plan needs {} ranks: start them with mpirun -np {} dtexec run ...", devices, devices));
+  }
   dtsim::exec::RunOptions options = run_options_of(vm, devices);
   // Rank 0 writes the trace after the run, and makes the checkpoint's folder after steps: a
   // path it cannot take (or one holding what a checkpoint would replace) ends the job now, on
