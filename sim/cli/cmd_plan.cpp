@@ -243,7 +243,8 @@ int cmd_plan(const std::vector<std::string>& args) {
       "fraction of device memory to keep free (0-0.9)")(
       "expert-load", po::value<double>()->default_value(1.0),
       "expert parallelism's routing: the token copies the busiest ep rank's experts get over "
-      "the even share (at least 1; capped at each candidate's ep; dtexec run measures it)")(
+      "the even share (at least 1; capped at what routing can make at each candidate's ep, "
+      "min(ep, experts / top k); dtexec run measures it)")(
       "precision", po::value<std::string>(),
       "bf16, fp16, fp8, fp32, tf32 (default bf16, or fp32 on a device without bf16)")(
       "threads", po::value<int>()->default_value(0), "threads for the search (0: all cores)")(
@@ -261,8 +262,8 @@ int cmd_plan(const std::vector<std::string>& args) {
              "                  [--seq-len S] [--top K] [--objective time|cost|time-to-train]\n"
              "                  [--json|--csv] [--out P.json]\n\n"
              "Searches tp/pp/dp/ep degrees (and cp up to --max-cp), micro-batch sizes, schedules, "
-             "ZeRO stages, "
-             "recompute and sequence parallelism; drops what does not fit in memory; ranks the "
+             "ZeRO stages, recompute and sequence parallelism; drops what does not fit in memory; "
+             "ranks the "
              "rest by a closed-form estimate, then simulates the best with the discrete-event "
              "simulator. Also says what more memory per GPU would buy: the plans over memory "
              "faster than all those needing less.",

@@ -142,7 +142,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "model, jitter_cv (stragglers: spread of compute times, in [0, 1)), rank_spread_cv (the "
       "slow rank: spread of the ranks' lasting speeds, in [0, 1)), expert_load (expert "
       "parallelism's routing: the busiest ep rank's token copies over the even share, >= 1; "
-      "capped at the plan's ep), attention (unfused, flash: the attention core's kernels)");
+      "capped at what routing can make at the plan's ep), attention (unfused, flash: the attention "
+      "core's kernels)");
   add_global_batch_options(desc, "sequences per step (required unless global_batch is varied)");
   desc.add_options()("seq-len", po::value<std::int64_t>(),
                      "sequence length (default: the model's)")(

@@ -104,7 +104,8 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
       "blocking batches between compute passes, as Megatron-LM does")(
       "expert-load", po::value<double>(),
       "expert parallelism's routing: the token copies the busiest ep rank's experts get over "
-      "the even share, in [1, ep] (default 1: even); its experts' compute, tensors and "
+      "the even share, from 1 to min(ep, experts / top k), what routing can make (default 1: "
+      "even); its experts' compute, tensors and "
       "all-to-all bytes scale by it (dtexec run reports the measured expert_load)")(
       "make-vocab-size-divisible-by", po::value<std::int64_t>(),
       "pad the vocabulary (the embedding's and LM head's rows) to a multiple of this x tp, as "
@@ -710,10 +711,13 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
               : fmt::format("the {} devices are those --gpus {} takes of the cluster", devices,
                             devices);
       if (!are.empty() && broken({"devices"})) hints += fmt::format("\n  ({})", are);
-      // A plan file's own dp (dtsim plan --out writes it) made for another count of devices.
+      // A plan file's own dp (dtsim plan --out writes it) made for another count of devices:
+      // the dp that fits them, where the plan with it breaks no rule.
       const std::int64_t others = static_cast<std::int64_t>(p.tp) * p.pp * p.cp;
+      plan::Plan refit = p;
+      refit.dp = static_cast<int>(devices / others);
       if (!dp_derived && vm.count("plan") && !vm.count("dp") && broken({"devices"}) &&
-          devices % others == 0) {
+          devices % others == 0 && plan::check_plan(refit, model, devices).ok()) {
         hints += fmt::format("\n  (the plan file sets dp = {}; --dp {} fits these {} devices)",
                              p.dp, devices / others, devices);
       }

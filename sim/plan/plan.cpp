@@ -238,15 +238,24 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
   }
   if (!(p.expert_load >= 1 && p.expert_load <= max_expert_load(m, p))) {
     if (p.ep > 1 && m.moe) {
+      // Why routing bounds it, where ep splits the experts evenly (else the ep rule says so).
+      const std::string why =
+          m.moe->experts % p.ep == 0
+              ? fmt::format(
+                    " (a token sends one copy to each of its top {} of the {} experts, "
+                    "and a rank at ep {} holds {} of them)",
+                    m.moe->top_k, m.moe->experts, p.ep, m.moe->experts / p.ep)
+              : std::string();
       error("expert-load",
             fmt::format("expert load {:g}: expected the busiest ep rank's token copies over the "
-                        "even share, in [1, {:g}] (a token sends one copy to each of its top {} of "
-                        "the {} experts, and a rank at ep {} holds {} of them)",
-                        p.expert_load, max_expert_load(m, p), m.moe->top_k, m.moe->experts, p.ep,
-                        m.moe->experts / p.ep));
+                        "even share, in [1, {:g}]{}",
+                        p.expert_load, max_expert_load(m, p), why));
     } else if (!(p.expert_load >= 1)) {
       error("expert-load", fmt::format("expert load {:g}: {}, 1 without expert parallelism",
                                        p.expert_load, kExpertLoadExpected));
+    } else if (!m.moe) {
+      error("expert-load", fmt::format("expert load {:g} needs a mixture of experts; {} has none",
+                                       p.expert_load, m.name));
     } else {
       error("expert-load", fmt::format("expert load {:g} needs experts split over ep > 1 (one "
                                        "rank holds every expert, so its share is even)",

@@ -155,8 +155,10 @@ class Estimator {
       if (op.kind == model::OpKind::QkvProj || op.kind == model::OpKind::MlpUp ||
           op.kind == model::OpKind::Router) {
         const bool experts = op.kind == model::OpKind::MlpUp && m.moe;
-        segments.push_back({0, weight, 0, op.kind == model::OpKind::QkvProj || !m.moe,
-                            cost.op_seconds(op, Phase::BackwardInput), !experts});
+        segments.push_back({.weight = weight,
+                            .overlapped = op.kind == model::OpKind::QkvProj || !m.moe,
+                            .input = cost.op_seconds(op, Phase::BackwardInput),
+                            .regathers = !experts});
       }
       // In forward order, an op's backward runs before the collective of the nearest
       // column-parallel layer at or before it.
@@ -498,8 +500,9 @@ class Estimator {
       dp_busy += passes * zero3_gather;
     }
     // ZeRO-3 without pipelining, unit by unit (lowering: Unit): one gather per unit (the
-    // embedding, each block with its experts, the head) and pass, issued on the dp stream when the
-    // unit before starts, and each block's gradients reduce-scattered when its backward ends, in
+    // embedding, each block with its experts, the head) and pass, issued on the dp stream as the
+    // unit before it starts and free to start once the unit before that has (lowering:
+    // start_unit), and each block's gradients reduce-scattered when its backward ends, in
     // the stream's order. A unit waits for its gather where the stream is behind: after the
     // embedding's and the head's large gathers (a vocabulary's rows) behind passes too short
     // to hide them, and behind the reductions queued before it in the backward.
@@ -626,8 +629,9 @@ class Estimator {
 
   // The time ZeRO-3's units wait for the dp stream over a step without pipelining: the
   // micro-batches' passes unit by unit (forward: embedding, blocks, head; backward the other
-  // way), each unit's gather issued when the unit before it starts (the first at the step's
-  // start), each block's reduce-scatters (its gradient buckets) when its backward ends.
+  // way), each unit's gather issued when the unit before it starts and started once the one
+  // before that has (the first two at the step's start), each block's reduce-scatters (its gradient
+  // buckets) when its backward ends.
   double zero3_unit_exposure(const model::ModelGraph& g, const Plan& p,
                              const cost::ComputeCost& cost, const cluster::Placement& placement,
                              double micro_batches, double block_f, double block_b, double emb_f,
@@ -649,8 +653,11 @@ class Estimator {
     };
     const Sharding dense{{lower::GroupKind::Dp, placement.gradient_group(0), {0}},
                          static_cast<std::int64_t>(p.dp) * p.cp};
-    const Sharding experts{{lower::GroupKind::ExpertDp, placement.expert_gradient_group(0), {0}},
-                           static_cast<std::int64_t>(p.dp / p.ep) * p.cp};
+    const Sharding experts{
+        {lower::GroupKind::ExpertDp,
+         g.spec().moe ? placement.expert_gradient_group(0) : std::vector<std::int64_t>{},
+         {0}},
+        g.spec().moe ? static_cast<std::int64_t>(p.dp / p.ep) * p.cp : 1};
     const auto dp_s = [&](const Sharding& over, CollectiveKind kind, double bytes) {
       return over.ranks > 1 && bytes > 0 ? dp_collective_s(over.group, over.ranks, cost, kind,
                                                            static_cast<std::uint64_t>(bytes))
@@ -688,7 +695,8 @@ class Estimator {
         {emb_b, emb_gather,
          dp_s(dense, CollectiveKind::ReduceScatter, params(-1, false) * bytes_per.gradients)});
     // The gather of unit i + 1 goes out when unit i is issued, and may start once unit i - 1
-    // has started (lowering: start_unit), behind what the stream holds already.
+    // has (lowering: start_unit waits for that unit's first task to end; its start stands for
+    // that here), behind what the stream holds already.
     double stream = units.front().gather, ready = stream, compute = 0, busy = 0, previous = 0;
     const auto passes = static_cast<std::int64_t>(micro_batches);
     for (std::int64_t mb = 0; mb < passes; ++mb) {

@@ -54,7 +54,7 @@ struct SearchSpace {
   int fixed_tp = -1, fixed_pp = -1, fixed_dp = -1, fixed_cp = -1, fixed_ep = -1;
   double memory_headroom = 0.0;  // fraction of device memory kept free
   // Expert parallelism's routing (plan::Plan::expert_load) for candidates with ep > 1, capped
-  // at their ep (every copy to one rank); 1: even.
+  // at what routing can make at their ep (plan::max_expert_load); 1: even.
   double expert_load = 1.0;
   // The framework allowance, and the device memory when it overrides the catalog's
   // (--framework-overhead-gib, --device-memory-gib); the headroom applies to that memory.

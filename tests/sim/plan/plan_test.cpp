@@ -74,9 +74,12 @@ TEST_CASE("each broken rule says which one and why", "[plan][bad-input]") {
     CHECK(has_rule(check_plan(p, m, 64), "grad-compression",
                    "gradient compression 1.5: expected the fraction of the bytes sent, in (0, 1]"));
   }
-  SECTION("the expert load is in [1, ep], and needs ep > 1 above 1") {
+  SECTION("an expert load above 1 needs experts, split over ep > 1") {
     p.expert_load = 1.5;
     CHECK(has_rule(check_plan(p, m, 64), "expert-load",
+                   "expert load 1.5 needs a mixture of experts; llama2-70b has none"));
+    const auto mixtral = load_model("mixtral-8x7b");
+    CHECK(has_rule(check_plan(p, mixtral, 64), "expert-load",
                    "expert load 1.5 needs experts split over ep > 1 (one rank holds every expert"));
   }
   SECTION("no overlapped gradient reduction with ZeRO-2/3") {
@@ -344,4 +347,21 @@ TEST_CASE("routing bounds the expert load", "[plan]") {
   CHECK(dtsim::plan::max_expert_load(mixtral, p) == 1.0);
   p.ep = 8;
   CHECK(dtsim::plan::max_expert_load(dtsim::model::load_model("llama3-8b"), p) == 1.0);
+}
+
+// Under sequence parallelism the router reads the all-gathered sequence and each tp rank sends
+// its ep peers the whole sequence's copies (dtexec's ep_collective): the same bytes as without.
+TEST_CASE("the ep all-to-all moves the whole sequence's copies, sequence parallel or not",
+          "[plan]") {
+  const auto mixtral = dtsim::model::load_model("mixtral-8x7b");
+  Plan p;
+  p.tp = 2;
+  p.ep = 8;
+  const std::uint64_t hidden = 4096ull * 4096 * 2;
+  const std::uint64_t plain = dtsim::plan::ep_all_to_all_bytes(mixtral, p, hidden);
+  CHECK(plain == 2 * hidden);  // top 2
+  p.sequence_parallel = true;
+  CHECK(dtsim::plan::ep_all_to_all_bytes(mixtral, p, hidden) == plain);
+  p.expert_load = 1.5;
+  CHECK(dtsim::plan::ep_all_to_all_bytes(mixtral, p, hidden) == 3 * hidden);
 }
