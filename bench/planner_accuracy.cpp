@@ -1,6 +1,6 @@
 // How well the planner's closed-form tier (its estimate) stands in for the simulator, on
 // searches at scale: every feasible candidate simulated, against the estimate that ranks them.
-//   build/bench/dtsim_planner_accuracy [--threads N] [--only SUBSTRING]
+//   build/bench/dtsim_planner_accuracy [--threads N] [--only SUBSTRING] [--worst N] [--max-cp N]
 // Per search: candidates feasible, the median, 90th-percentile and worst |estimate / simulated
 // - 1|, the share of candidate pairs the estimate orders otherwise than the simulator, and what
 // the default search (the simulator on the best `refine` = 8 by estimate) loses against the
@@ -36,7 +36,7 @@ double quantile(std::vector<double> v, double q) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int threads = 0, worst = 0;
+  int threads = 0, worst = 0, max_cp = dtsim::planner::kDefaultMaxCp;
   std::string only;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -46,9 +46,12 @@ int main(int argc, char** argv) {
       only = argv[i + 1];
     } else if (flag == "--worst") {
       worst = std::stoi(argv[i + 1]);
+    } else if (flag == "--max-cp") {
+      max_cp = std::stoi(argv[i + 1]);
     } else {
       fmt::print(stderr,
-                 "usage: dtsim_planner_accuracy [--threads N] [--only SUBSTRING] [--worst N]\n");
+                 "usage: dtsim_planner_accuracy [--threads N] [--only SUBSTRING] [--worst N] "
+                 "[--max-cp N]\n");
       return 2;
     }
   }
@@ -73,6 +76,7 @@ int main(int argc, char** argv) {
         dtsim::cluster::with_devices(dtsim::cluster::load_cluster(c.cluster), c.gpus);
     dtsim::planner::SearchSpace space;
     space.global_batch_size = c.global_batch;
+    space.max_cp = max_cp;  // as dtsim plan --max-cp
     dtsim::planner::SearchOptions all;
     all.threads = threads;
     all.refine = std::numeric_limits<int>::max();

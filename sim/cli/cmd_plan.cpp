@@ -200,7 +200,7 @@ std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Clus
   all.push_back(space.max_pp > 0
                     ? fmt::format("pp <= {} (--max-pp) and <= {} layers", space.max_pp, m.layers)
                     : fmt::format("pp <= {} layers", m.layers));
-  all.push_back(fmt::format("cp <= {} (--max-cp) and divides seq_len", space.max_cp));
+  all.push_back(fmt::format("cp <= {} (--max-cp), 2 x cp divides seq_len", space.max_cp));
   all.push_back(fmt::format(
       "dp x micro-batch ({}) divides --global-batch-size {}, in at most 2^24 micro-batches",
       fmt::join(space.micro_batch_sizes, ", "), space.global_batch_size));
@@ -261,7 +261,7 @@ int cmd_plan(const std::vector<std::string>& args) {
              "usage: dtsim plan --model M --cluster C [--gpus N] --global-batch-size B\n"
              "                  [--seq-len S] [--top K] [--objective time|cost|time-to-train]\n"
              "                  [--json|--csv] [--out P.json]\n\n"
-             "Searches tp/pp/dp/ep degrees (and cp up to --max-cp), micro-batch sizes, schedules, "
+             "Searches tp/pp/dp/cp/ep degrees, micro-batch sizes, schedules, "
              "ZeRO stages, recompute and sequence parallelism; drops what does not fit in memory; "
              "ranks the "
              "rest by a closed-form estimate, then simulates the best with the discrete-event "
@@ -508,9 +508,6 @@ int cmd_plan(const std::vector<std::string>& args) {
       estimates = estimates || !result.ranked[static_cast<std::size_t>(i)].refined;
     if (estimates) std::cout << "(* closed-form estimate, not simulated)\n";
     // What the table leaves out or prices at its best: said, as simulate says it.
-    if (vm["max-cp"].defaulted() && space.fixed_cp < 0) {
-      std::cout << "(context parallelism not searched: --max-cp N adds cp degrees up to N)\n";
-    }
     if (!profile && !cluster.device.efficiency.gemm_waves) {
       std::cout << fmt::format(
           "(MFU: GEMMs at {:.1f}% of peak whatever their shape, {}'s best over large ones: an "

@@ -313,7 +313,8 @@ void add_search_space_options(po::options_description& desc) {
   desc.add_options()("max-tp", po::value<int>(),
                      "largest tensor-parallel degree (default: devices per node)")(
       "max-pp", po::value<int>(), "largest pipeline-parallel degree")(
-      "max-cp", po::value<int>()->default_value(1), "largest context-parallel degree")(
+      "max-cp", po::value<int>()->default_value(planner::kDefaultMaxCp),
+      "largest context-parallel degree (1: context parallelism not searched)")(
       "fixed", po::value<std::vector<std::string>>()->composing(),
       "fix a degree, e.g. --fixed tp=8 (repeatable; tp, pp, dp, cp, ep)")(
       "attention", po::value<std::string>(), kAttentionHelp)(

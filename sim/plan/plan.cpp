@@ -209,8 +209,12 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
     error("seq-len", fmt::format("seq_len = {} must be in 1..{} (the model's max_positions)",
                                  p.seq_len, m.max_positions));
   }
-  if (p.seq_len % p.cp != 0) {
-    error("cp-seq", fmt::format("cp = {} does not divide seq_len = {}", p.cp, p.seq_len));
+  // Megatron-LM balances the causal mask's work over cp: each rank takes two of 2·cp chunks
+  // of every sequence (the cost model's even split, and dtexec's layout).
+  if (p.cp > 1 && p.seq_len % (2 * p.cp) != 0) {
+    error("cp-seq", fmt::format("2 x cp = {} does not divide seq_len = {} (each cp rank takes two "
+                                "of 2 x cp chunks of a sequence)",
+                                2 * p.cp, p.seq_len));
   }
   if (p.sequence_parallel && p.tp < 2) {
     error("sp-needs-tp", "sequence parallelism needs tp > 1");

@@ -27,12 +27,18 @@ namespace dtsim::planner {
 
 enum class Objective { Time, Cost };
 
+inline constexpr int kDefaultMaxCp = 8;  // SearchSpace::max_cp, dtsim plan --max-cp
+
 struct SearchSpace {
   std::int64_t global_batch_size = 0;  // sequences per step (required)
   std::int64_t seq_len = 0;            // 0: the model's
   int max_tp = 0;                      // 0: devices per node
   int max_pp = 0;                      // 0: no limit
-  int max_cp = 1;
+  // Context parallelism is searched by default: it splits the tokens, so the activations, and
+  // leaves more micro-batches per pipeline at a given batch. NeMo's Llama 3 8B pre-training
+  // recipe (nemo/collections/llm/recipes/llama3_8b.py) runs cp 2 at 8,192 tokens; Llama 3 405B
+  // ran cp 16 at 128K (Llama Team 2024, Table 4). 8 bounds the search's size; 1: not searched.
+  int max_cp = kDefaultMaxCp;
   std::vector<std::int64_t> micro_batch_sizes = {1, 2, 4, 8};
   std::vector<plan::Schedule> schedules = {plan::Schedule::OneFOneB, plan::Schedule::Interleaved,
                                            plan::Schedule::ZeroBubble};

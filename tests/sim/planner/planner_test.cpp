@@ -42,6 +42,7 @@ std::vector<double> added_time_ratios(std::vector<std::int64_t> micro_batch_size
   space.global_batch_size = 64;
   space.seq_len = 2048;
   space.micro_batch_sizes = std::move(micro_batch_sizes);
+  space.max_cp = 1;  // the counts in the comments below are of these candidates, without cp
   SearchOptions all_base = base, all_changed = changed;
   all_base.refine = all_changed.refine = 1 << 20;
   const auto a = dtsim::planner::search(spec, cluster, space, all_base);
@@ -468,6 +469,7 @@ TEST_CASE("Megatron SC'21 Table 1 on every row: the best plan fits and beats the
       SearchSpace space;
       space.global_batch_size = paper.global_batch_size;
       space.seq_len = 2048;
+      space.max_cp = 1;  // the paper's plans have none; cp candidates would add minutes here
       SearchOptions options;
       options.refine = 2;
       const auto r = dtsim::planner::search(spec, cluster, space, options);
@@ -644,6 +646,7 @@ TEST_CASE("the closed form follows the simulator where hops, stages or the dp st
       space.global_batch_size = probe.batch;
       space.fixed_tp = probe.tp;
       space.fixed_pp = probe.pp;
+      space.fixed_cp = 1;
       space.schedules = {probe.schedule};
       space.virtual_stages = {probe.virtual_stages};
       space.zero_stages = {probe.zero};
