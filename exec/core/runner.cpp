@@ -976,12 +976,6 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   auto refuse = [&](const std::string& what) {
     throw UnsupportedError(fmt::format("dtexec: {} is not executed yet", what));
   };
-  if (p.cp > 1 && p.seq_len % (2 * p.cp) != 0) {
-    refuse(
-        fmt::format("context parallelism cp {} with sequence length {}, not divisible by 2·cp "
-                    "(each rank takes two of 2·cp chunks)",
-                    p.cp, p.seq_len));
-  }
   if (p.grad_compression < 1) {
     refuse(fmt::format("gradient compression ({:g} of the bytes)", p.grad_compression));
   }

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <list>
 #include <queue>
 #include <tuple>
 
@@ -42,6 +43,11 @@ class Link {
   double last_end() const { return last_end_; }
   void book_after(double start, double seconds) {
     last_end_ = std::max(last_end_, start + seconds);
+  }
+  // Free again, its storage kept for the next timeline.
+  void reset() {
+    busy_.clear();
+    last_end_ = 0;
   }
 
  private:
@@ -90,6 +96,42 @@ struct Transfers {
   std::vector<Link> out, in;
 };
 
+// A thread's transfers, kept from one timeline to the next: a search makes thousands of
+// timelines of up to a few hundred thousand transfers, and fresh arrays of that size cost more
+// in page faults than the timeline itself.
+Transfers& thread_transfers() {
+  thread_local Transfers transfers;
+  return transfers;
+}
+
+// Every stage's passes (lower::stage_passes) depend on the schedule, pp, the micro-batches and
+// the virtual stages only, which candidates share (the closed form times each twice, without and
+// with its hops): a thread keeps the last few it made.
+const std::vector<std::vector<Pass>>& stage_passes_of(const plan::Plan& plan) {
+  struct Entry {
+    plan::Schedule schedule;
+    int pp;
+    std::int64_t micro_batches;
+    int virtual_stages;
+    std::vector<std::vector<Pass>> passes;
+  };
+  constexpr std::size_t kKept = 8;
+  thread_local std::list<Entry> kept;  // the most recently used first
+  const std::int64_t m = plan.micro_batches();
+  for (auto it = kept.begin(); it != kept.end(); ++it) {
+    if (it->schedule == plan.schedule && it->pp == plan.pp && it->micro_batches == m &&
+        it->virtual_stages == plan.virtual_stages) {
+      kept.splice(kept.begin(), kept, it);
+      return kept.front().passes;
+    }
+  }
+  Entry entry{plan.schedule, plan.pp, m, plan.virtual_stages, {}};
+  for (int s = 0; s < plan.pp; ++s) entry.passes.push_back(lower::stage_passes(plan, s));
+  kept.push_front(std::move(entry));
+  if (kept.size() > kKept) kept.pop_back();
+  return kept.front().passes;
+}
+
 class Timeline {
  public:
   Timeline(const plan::Plan& plan, const std::vector<ChunkPasses>& chunks,
@@ -104,6 +146,7 @@ class Timeline {
         holds_sends_(lower::exchanges_hold_senders(plan)),
         in_turn_when_alike_(lower::receives_after_sends_when_alike(plan)),
         in_time_order_(blocking_ && holds_sends_ && !in_turn_when_alike_),
+        t_(thread_transfers()),
         pending_(plan.pp) {
     DTSIM_ASSERT(pp_ >= 1 && !chunks.empty() &&
                      chunks.size() % static_cast<std::size_t>(pp_) == 0 &&
@@ -115,15 +158,13 @@ class Timeline {
     t_.end.assign(keys, -1.0);
     t_.out.resize(static_cast<std::size_t>(pp_));
     t_.in.resize(static_cast<std::size_t>(pp_));
-    stages_.resize(static_cast<std::size_t>(pp_));
-    for (int s = 0; s < pp_; ++s) {
-      Stage& st = stages_[static_cast<std::size_t>(s)];
-      st.passes = lower::stage_passes(plan, s);
-      // Overlapped transfers: each pass its own round, its receive posted ahead of need.
-      if (!blocking_) {
-        for (std::size_t i = 0; i < st.passes.size(); ++i) st.passes[i].round = static_cast<int>(i);
-      }
+    for (auto* links : {&t_.out, &t_.in}) {
+      for (Link& link : *links) link.reset();
     }
+    const auto& passes = stage_passes_of(plan);
+    stages_.resize(static_cast<std::size_t>(pp_));
+    for (int s = 0; s < pp_; ++s)
+      stages_[static_cast<std::size_t>(s)].passes = &passes[static_cast<std::size_t>(s)];
   }
 
   // Sweeps the stages in order, 0 to pp - 1 and again, each run as far as its exchanges allow,
@@ -156,7 +197,7 @@ class Timeline {
  private:
   enum class Phase { Boundary, Sends, Receives, Done };
   struct Stage {
-    std::vector<Pass> passes;
+    const std::vector<Pass>* passes = nullptr;
     std::size_t next = 0;
     Phase phase = Phase::Boundary;
     double free = 0, busy = 0;
@@ -164,6 +205,12 @@ class Timeline {
     bool in_turn = false;
     std::vector<std::size_t> to_send, sending, receiving;
   };
+
+  // The round of a stage's pass i. Overlapped transfers: each pass its own round, its receive
+  // posted ahead of need.
+  int round_of(const Stage& st, std::size_t i) const {
+    return blocking_ ? (*st.passes)[i].round : static_cast<int>(i);
+  }
 
   std::size_t key(int k, int micro_batch, bool gradient) const {
     return (static_cast<std::size_t>(k) * static_cast<std::size_t>(m_) +
@@ -263,9 +310,9 @@ class Timeline {
     st.sending = std::move(st.to_send);
     st.to_send.clear();
     st.receiving.clear();
-    const int round = st.next < st.passes.size() ? st.passes[st.next].round : -1;
-    for (std::size_t i = st.next; i < st.passes.size() && st.passes[i].round == round; ++i) {
-      const Pass& pass = st.passes[i];
+    const int round = st.next < st.passes->size() ? round_of(st, st.next) : -1;
+    for (std::size_t i = st.next; i < st.passes->size() && round_of(st, i) == round; ++i) {
+      const Pass& pass = (*st.passes)[i];
       const int k = pass.chunk * pp_ + s;
       if (pass.kind == PassKind::Forward && k > 0) {
         st.receiving.push_back(key(k, pass.micro_batch, false));
@@ -304,8 +351,8 @@ class Timeline {
           t_.send_posted[k] = st.boundary;
           pending_.insert(receiver(k));
         }
-        st.in_turn = in_turn_when_alike_ && st.next > 0 && st.next < st.passes.size() &&
-                     st.passes[st.next - 1].kind == st.passes[st.next].kind;
+        st.in_turn = in_turn_when_alike_ && st.next > 0 && st.next < st.passes->size() &&
+                     (*st.passes)[st.next - 1].kind == (*st.passes)[st.next].kind;
         if (!st.in_turn) post_receives(st, blocking_ ? st.boundary : 0.0);
         st.phase = Phase::Sends;
       }
@@ -344,13 +391,13 @@ class Timeline {
   // none left.
   bool run_round(int s, Stage& st, double start) {
     st.free = start;
-    if (st.next == st.passes.size()) {
+    if (st.next == st.passes->size()) {
       st.phase = Phase::Done;
       return false;
     }
-    const int round = st.passes[st.next].round;
-    while (st.next < st.passes.size() && st.passes[st.next].round == round) {
-      run(s, st, st.passes[st.next]);
+    const int round = round_of(st, st.next);
+    while (st.next < st.passes->size() && round_of(st, st.next) == round) {
+      run(s, st, (*st.passes)[st.next]);
       ++st.next;
     }
     return true;
@@ -377,7 +424,7 @@ class Timeline {
   int pp_, m_, last_chunk_;
   bool blocking_, holds_sends_, in_turn_when_alike_;
   bool in_time_order_;  // run_in_time_order
-  Transfers t_;
+  Transfers& t_;        // the thread's (thread_transfers)
   std::vector<Stage> stages_;
   StageSet pending_;  // stages something was posted to since they last stopped
 };
