@@ -729,8 +729,15 @@ class Estimator {
         }
       }
     }
+    // The embedding's on the first stage, the head's (and the final norm's) on the last, as the
+    // lowering's gradient buckets hold them (a tied head with pp = 1 has none of its own).
     if (stage == 0 && !experts) {
       for (model::OpId id : g.layer_ops(-1)) params += plan::rank_params(g.op(id), p);
+    }
+    if (stage == p.pp - 1 && !experts) {
+      for (model::OpId id : g.layer_ops(static_cast<int>(g.spec().layers))) {
+        params += plan::rank_params(g.op(id), p);
+      }
     }
     return params;
   }
