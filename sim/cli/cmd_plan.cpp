@@ -261,9 +261,8 @@ int cmd_plan(const std::vector<std::string>& args) {
              "usage: dtsim plan --model M --cluster C [--gpus N] --global-batch-size B\n"
              "                  [--seq-len S] [--top K] [--objective time|cost|time-to-train]\n"
              "                  [--json|--csv] [--out P.json]\n\n"
-             "Searches tp/pp/dp/cp/ep degrees, micro-batch sizes, schedules, "
-             "ZeRO stages, recompute and sequence parallelism; drops what does not fit in memory; "
-             "ranks the "
+             "Searches tp/pp/dp/cp/ep degrees, micro-batch sizes, schedules, ZeRO stages, "
+             "recompute and sequence parallelism; drops what does not fit in memory; ranks the "
              "rest by a closed-form estimate, then simulates the best with the discrete-event "
              "simulator. Also says what more memory per GPU would buy: the plans over memory "
              "faster than all those needing less.",

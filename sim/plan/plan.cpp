@@ -209,9 +209,7 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
     error("seq-len", fmt::format("seq_len = {} must be in 1..{} (the model's max_positions)",
                                  p.seq_len, m.max_positions));
   }
-  // Megatron-LM balances the causal mask's work over cp: each rank takes two of 2·cp chunks
-  // of every sequence (the cost model's even split, and dtexec's layout).
-  if (p.cp > 1 && p.seq_len % (2 * p.cp) != 0) {
+  if (!cp_splits_sequence(p.seq_len, p.cp)) {
     error("cp-seq", fmt::format("2 x cp = {} does not divide seq_len = {} (each cp rank takes two "
                                 "of 2 x cp chunks of a sequence)",
                                 2 * p.cp, p.seq_len));

@@ -201,6 +201,12 @@ inline bool gradient_buckets_per_block(const Plan& plan) {
 inline constexpr std::string_view kExpertLoadExpected =
     "expected the busiest ep rank's token copies over the even share, at least 1";
 
+// Megatron-LM balances the causal mask's work over cp: each cp rank takes two of 2·cp chunks of
+// every sequence (the cost model's even split, and dtexec's layout), so 2·cp divides seq_len.
+inline bool cp_splits_sequence(std::int64_t seq_len, int cp) {
+  return cp == 1 || seq_len % (2 * static_cast<std::int64_t>(cp)) == 0;
+}
+
 // The largest expert_load that routing can make: a token sends at most one copy to each expert,
 // so at most min(top_k, experts / ep) of its copies to one ep rank: min(ep, experts / top_k)
 // times the even share (1 without experts or ep).

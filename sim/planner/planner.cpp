@@ -771,9 +771,8 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
     if (tp > max_tp || !allowed(space.fixed_tp, tp)) continue;
     if (m.heads % tp != 0 || m.kv_heads % tp != 0 || m.ffn_hidden % tp != 0) continue;
     for (int cp : divisors(devices / tp)) {
-      if (cp > space.max_cp || !allowed(space.fixed_cp, cp) || (cp > 1 && seq % (2 * cp) != 0)) {
+      if (cp > space.max_cp || !allowed(space.fixed_cp, cp) || !plan::cp_splits_sequence(seq, cp))
         continue;
-      }
       for (int pp : divisors(devices / tp / cp)) {
         if (pp > m.layers || (space.max_pp > 0 && pp > space.max_pp) ||
             !allowed(space.fixed_pp, pp))
