@@ -22,6 +22,9 @@ struct Case {
   int gpus, tp, pp, v;
   std::int64_t global_batch;
   dtsim::plan::Schedule schedule;
+  int cp = 1;
+  std::int64_t seq_len = 2048;
+  dtsim::plan::Recompute recompute = dtsim::plan::Recompute::Full;
 };
 
 double peak_rss_mib() {
@@ -47,6 +50,10 @@ int main(int argc, char** argv) {
        S::OneFOneB},
       {"Llama-3 405B, 16384 H100, tp8 pp16 dp128", "llama3-405b", "h100-roce", 16384, 8, 16, 1,
        2048, S::OneFOneB},
+      // dtsim plan's choice for 405B on 512 H100 at batch 1,024 and 8,192 tokens: 1,024
+      // micro-batches through 32 stages, the largest program a default search simulates.
+      {"Llama-3 405B, 512 H100, tp4 pp32 cp4, 8k tokens", "llama3-405b", "h100-roce", 512, 4, 32, 1,
+       1024, S::OneFOneB, 4, 8192, dtsim::plan::Recompute::Selective},
   };
   fmt::print("{:<55} {:>9} {:>10} {:>12} {:>11} {:>9}\n", "case", "wall", "tasks", "events/s",
              "peak RSS", "step");
@@ -58,13 +65,14 @@ int main(int argc, char** argv) {
     dtsim::plan::Plan p;
     p.tp = c.tp;
     p.pp = c.pp;
-    p.dp = c.gpus / (c.tp * c.pp);
+    p.cp = c.cp;
+    p.dp = c.gpus / (c.tp * c.pp * c.cp);
     p.micro_batch_size = 1;
     p.global_batch_size = c.global_batch;
-    p.seq_len = 2048;
+    p.seq_len = c.seq_len;
     p.schedule = c.schedule;
     p.virtual_stages = c.v;
-    p.recompute = dtsim::plan::Recompute::Full;
+    p.recompute = c.recompute;
     p.sequence_parallel = true;
     dtsim::plan::require_valid(p, spec, cluster.devices());
     double best = 1e30;

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -55,33 +56,27 @@ class Engine {
     for (std::size_t p = 0; p < n; ++p) {
       const auto& tasks = program.ranks[p].tasks;
       pending_[p].assign(tasks.size(), 0);
-      dependents_[p].resize(tasks.size());
       eligible_[p].assign(tasks.size(), -1.0);
       timeline_.tasks[p].assign(tasks.size(), TaskTime{-1.0, -1.0});
-      std::array<TaskId, lower::kStreamCount> last{};
-      last.fill(-1);
-      for (TaskId t = 0; t < static_cast<TaskId>(tasks.size()); ++t) {
-        const Task& task = tasks[static_cast<std::size_t>(t)];
-        for (TaskId d : task.deps) {
-          DTSIM_ASSERT(d >= 0 && d < t, fmt::format("task {} depends on later task {}", t, d));
-          dependents_[p][static_cast<std::size_t>(d)].push_back(t);
-          ++pending_[p][static_cast<std::size_t>(t)];
-        }
+      for (const Task& task : tasks) {
         if (task.kind == TaskKind::Send || task.kind == TaskKind::Recv) {
           peers_[p].insert(task.peer);
         }
-        // A receive occupies no stream: the sender's transfer carries its time. Without p2p
-        // overlap a send leaves the pipeline stream too: it waits for its receiver, and a
-        // later send to the other neighbour must not queue behind that wait.
-        if (task.kind == TaskKind::Recv) continue;
-        if (task.kind == TaskKind::Send && !eager_p2p_) continue;
-        auto& prev = last[serial_ ? 0 : static_cast<std::size_t>(task.stream)];
-        if (prev >= 0) {
-          dependents_[p][static_cast<std::size_t>(prev)].push_back(t);
-          ++pending_[p][static_cast<std::size_t>(t)];
-        }
-        prev = t;
       }
+      // The dependents of each task, in one array (a rank has millions of tasks at 1,000
+      // micro-batches): counted, then filled in the same order.
+      Dependents& out = dependents_[p];
+      out.begin.assign(tasks.size() + 1, 0);
+      for_each_edge(tasks, [&](TaskId from, TaskId to) {
+        ++out.begin[static_cast<std::size_t>(from) + 1];
+        ++pending_[p][static_cast<std::size_t>(to)];
+      });
+      for (std::size_t t = 0; t < tasks.size(); ++t) out.begin[t + 1] += out.begin[t];
+      out.tasks.resize(out.begin.back());
+      std::vector<std::uint32_t> filled(out.begin.begin(), out.begin.end() - 1);
+      for_each_edge(tasks, [&](TaskId from, TaskId to) {
+        out.tasks[filled[static_cast<std::size_t>(from)]++] = to;
+      });
     }
   }
 
@@ -354,10 +349,36 @@ class Engine {
     return spreads;
   }
   void finish(std::int32_t p, TaskId t, double now) {
-    for (TaskId d : dependents_[static_cast<std::size_t>(p)][static_cast<std::size_t>(t)]) {
+    const Dependents& of = dependents_[static_cast<std::size_t>(p)];
+    for (std::uint32_t i = of.begin[static_cast<std::size_t>(t)];
+         i < of.begin[static_cast<std::size_t>(t) + 1]; ++i) {
+      const TaskId d = of.tasks[i];
       if (--pending_[static_cast<std::size_t>(p)][static_cast<std::size_t>(d)] == 0) {
         eligible(p, d, now);
       }
+    }
+  }
+
+  // Calls edge(from, to) for each task `to` of `tasks` and each task it waits for: its
+  // dependencies, then the previous task of its stream.
+  template <typename Edge>
+  void for_each_edge(const std::vector<Task>& tasks, Edge edge) const {
+    std::array<TaskId, lower::kStreamCount> last{};
+    last.fill(-1);
+    for (TaskId t = 0; t < static_cast<TaskId>(tasks.size()); ++t) {
+      const Task& task = tasks[static_cast<std::size_t>(t)];
+      for (TaskId d : task.deps) {
+        DTSIM_ASSERT(d >= 0 && d < t, fmt::format("task {} depends on later task {}", t, d));
+        edge(d, t);
+      }
+      // A receive occupies no stream: the sender's transfer carries its time. Without p2p
+      // overlap a send leaves the pipeline stream too: it waits for its receiver, and a
+      // later send to the other neighbour must not queue behind that wait.
+      if (task.kind == TaskKind::Recv) continue;
+      if (task.kind == TaskKind::Send && !eager_p2p_) continue;
+      auto& prev = last[serial_ ? 0 : static_cast<std::size_t>(task.stream)];
+      if (prev >= 0) edge(prev, t);
+      prev = t;
     }
   }
 
@@ -375,7 +396,12 @@ class Engine {
   std::vector<std::map<std::int32_t, double>> paired_at_;
   std::vector<std::set<std::int32_t>> peers_;
   std::vector<std::vector<int>> pending_;
-  std::vector<std::vector<std::vector<TaskId>>> dependents_;
+  // Per program, the tasks waiting for task t: tasks[begin[t], begin[t + 1]).
+  struct Dependents {
+    std::vector<std::uint32_t> begin;
+    std::vector<TaskId> tasks;
+  };
+  std::vector<Dependents> dependents_;
   std::vector<std::vector<double>> eligible_;
   std::vector<std::map<std::int32_t, std::int64_t>> group_seq_;
   // A collective instance (group, sequence number) waiting for its members.

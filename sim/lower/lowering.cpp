@@ -1,8 +1,11 @@
 #include "sim/lower/lowering.hpp"
 
+#include <fmt/compile.h>
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <set>
@@ -12,6 +15,22 @@
 #include "sim/plan/memory_model.hpp"
 
 namespace dtsim::lower {
+
+std::string_view LabelText::keep(std::string_view text) {
+  constexpr std::size_t kBlock = std::size_t{1} << 16;
+  if (text.empty()) return {};
+  if (text.size() > left_) {
+    const std::size_t size = std::max(kBlock, text.size());
+    blocks_.push_back(std::make_unique_for_overwrite<char[]>(size));
+    next_ = blocks_.back().get();
+    left_ = size;
+  }
+  std::memcpy(next_, text.data(), text.size());
+  const std::string_view kept(next_, text.size());
+  next_ += text.size();
+  left_ -= text.size();
+  return kept;
+}
 
 std::size_t Program::task_count() const {
   std::size_t n = 0;
@@ -189,7 +208,10 @@ class Lowerer {
         program_.ranks.push_back(std::move(rp));
       }
     }
-    for (std::size_t i = 0; i < program_.ranks.size(); ++i) lower_rank(static_cast<int>(i));
+    for (std::size_t i = 0; i < program_.ranks.size(); ++i) {
+      lower_rank(static_cast<int>(i));
+      most_tasks_ = std::max(most_tasks_, program_.ranks[i].tasks.size());
+    }
     return std::move(program_);
   }
 
@@ -209,11 +231,17 @@ class Lowerer {
   // (see add and schedule.hpp).
   bool holds_sends_ = exchanges_hold_senders(plan_);
   Program program_;
+  fmt::memory_buffer label_buffer_;
   std::map<std::pair<GroupKind, std::vector<std::int64_t>>, std::int32_t> group_ids_;
 
   // Per-rank state while lowering.
   RankProgram* rp_ = nullptr;
   int prog_ = 0;
+  // Per GroupKind (Pp the last), -1 until looked up.
+  std::array<std::int32_t, static_cast<std::size_t>(GroupKind::Pp) + 1> rank_groups_{};
+  // The most tasks a rank program had so far: the next reserves that many (stages differ by
+  // little), so that its tasks are not moved as the vector grows.
+  std::size_t most_tasks_ = 0;
   // Pipeline transfers without overlap (plan.overlap_p2p_comm false): the last compute task
   // issued, after which a round's exchange is posted.
   TaskId last_compute_task_ = -1;
@@ -266,6 +294,13 @@ class Lowerer {
   }
 
   std::int32_t group(GroupKind kind) {
+    // Each task names its group: the rank's groups are looked up once.
+    std::int32_t& cached = rank_groups_[static_cast<std::size_t>(kind)];
+    if (cached < 0) cached = find_group(kind);
+    return cached;
+  }
+
+  std::int32_t find_group(GroupKind kind) {
     std::vector<std::int64_t> ranks;
     switch (kind) {
       case GroupKind::Tp:
@@ -319,6 +354,14 @@ class Lowerer {
     auto c = placement_.coords(rp_->rank);
     c.pp = stage;
     return static_cast<std::int32_t>(placement_.rank(c));
+  }
+
+  // A task label, formatted into the Program's label text (a program has millions of tasks).
+  template <typename Format, typename... Args>
+  std::string_view label(const Format& format, Args&&... args) {
+    label_buffer_.clear();
+    fmt::format_to(std::back_inserter(label_buffer_), format, std::forward<Args>(args)...);
+    return program_.label_text->keep({label_buffer_.data(), label_buffer_.size()});
   }
 
   TaskId add(Task t) {
@@ -491,8 +534,8 @@ class Lowerer {
       t.chunk = chunk;
       t.op_begin = static_cast<std::int32_t>(lo);
       t.op_end = static_cast<std::int32_t>(hi + 1);
-      t.label =
-          fmt::format("{} {}..{} mb{}", to_string(ph), g_.op(lo).name, g_.op(hi).name, micro_batch);
+      t.label = label(FMT_COMPILE("{} {}..{} mb{}"), to_string(ph), g_.op(lo).name, g_.op(hi).name,
+                      micro_batch);
       if (prev >= 0) t.deps.push_back(prev);
       if (beside >= 0) t.deps.push_back(beside);
       if (gathered >= 0) t.deps.push_back(gathered);
@@ -629,8 +672,8 @@ class Lowerer {
     t.bytes = hidden_bytes_;
     t.op_begin = static_cast<std::int32_t>(marker.anchor);
     t.op_end = t.op_begin + 1;
-    t.label =
-        fmt::format("tp all-gather input again {} mb{}", layer_name(marker.layer), micro_batch);
+    t.label = label(FMT_COMPILE("tp all-gather input again {} mb{}"), layer_name(marker.layer),
+                    micro_batch);
     if (dep >= 0) t.deps.push_back(dep);
     return add(std::move(t));
   }
@@ -653,7 +696,7 @@ class Lowerer {
     t.op_end = t.op_begin + 1;
     // An expert all-to-all moves tokens one way in the forward pass and back in the backward.
     if (c->group == GroupKind::Ep) t.tag = backward ? 1 : 0;
-    t.label = fmt::format("{} {} mb{}", c->what, layer_name(marker.layer), micro_batch);
+    t.label = label(FMT_COMPILE("{} {} mb{}"), c->what, layer_name(marker.layer), micro_batch);
     if (dep >= 0) t.deps.push_back(dep);
     if (beside >= 0) t.deps.push_back(beside);
     if (extra >= 0) t.deps.push_back(extra);
@@ -828,8 +871,8 @@ class Lowerer {
     t.op_begin = static_cast<std::int32_t>(b.lo);
     t.op_end = static_cast<std::int32_t>(b.hi + 1);
     t.deps.push_back(b.last);
-    t.label =
-        fmt::format("{} {} bucket {}", experts ? "expert-dp" : "dp", to_string(kind), b.index++);
+    t.label = label(FMT_COMPILE("{} {} bucket {}"), experts ? "expert-dp" : "dp", to_string(kind),
+                    b.index++);
     buckets.out->push_back(add(std::move(t)));
     b.bytes = 0;
   }
@@ -851,10 +894,11 @@ class Lowerer {
       ag.op_begin = static_cast<std::int32_t>(lo);
       ag.op_end = static_cast<std::int32_t>(hi);
       if (after >= 0) ag.deps.push_back(after);
-      ag.label = param_gathers_ ? fmt::format("zero all-gather updated {}weights {} (for mb{})",
-                                              experts ? "expert " : "", what, micro_batch)
-                                : fmt::format("zero-3 all-gather {}weights {} mb{}",
-                                              experts ? "expert " : "", what, micro_batch);
+      ag.label = param_gathers_
+                     ? label(FMT_COMPILE("zero all-gather updated {}weights {} (for mb{})"),
+                             experts ? "expert " : "", what, micro_batch)
+                     : label(FMT_COMPILE("zero-3 all-gather {}weights {} mb{}"),
+                             experts ? "expert " : "", what, micro_batch);
       last = add(std::move(ag));
     }
     return last;
@@ -863,6 +907,8 @@ class Lowerer {
   void lower_rank(int index) {
     prog_ = index;
     rp_ = &program_.ranks[static_cast<std::size_t>(index)];
+    rank_groups_.fill(-1);
+    rp_->tasks.reserve(most_tasks_ + most_tasks_ / 16);
     last_compute_task_ = -1;
     exchange_.clear();
     const int v = plan_.virtual_stages;
@@ -1032,7 +1078,7 @@ class Lowerer {
           w.deps.push_back(input_grad_done.at({pass.micro_batch, c}));
           w.deps.insert(w.deps.end(), inputs.begin(), inputs.end());
           if (weights >= 0) w.deps.push_back(weights);
-          w.label = fmt::format("bwd_weight chunk {} mb{}", c, pass.micro_batch);
+          w.label = label(FMT_COMPILE("bwd_weight chunk {} mb{}"), c, pass.micro_batch);
           pass_end = add(std::move(w));
           if (wants_grads) {
             for (auto it = chunk.rbegin(); it != chunk.rend(); ++it) {
@@ -1100,7 +1146,7 @@ class Lowerer {
                                             plan_.tp * grad_bytes_ * grad_comm_scale_);
       // After the dp reduction of the embedding's gradients (Megatron-LM: finalize_model_grads
       // reduces over dp, then all-reduces the embedding between the first and last stage).
-      ar.deps = embedding_grads_done;
+      ar.deps.assign(embedding_grads_done.begin(), embedding_grads_done.end());
       ar.deps.insert(ar.deps.end(), dp_tasks.begin(), dp_tasks.end());
       // The embedding on the first stage, the head's copy of it on the last.
       OpId holder = g_.layer_ops(-1).front();
@@ -1134,7 +1180,7 @@ class Lowerer {
         ar.collective = CollectiveKind::AllReduce;
         ar.group = group(GroupKind::Tp);
         ar.bytes = static_cast<std::uint64_t>(norm_params * grad_bytes_ * grad_comm_scale_);
-        ar.deps = final_grads_done;
+        ar.deps.assign(final_grads_done.begin(), final_grads_done.end());
         ar.deps.insert(ar.deps.end(), dp_tasks.begin(), dp_tasks.end());
         ar.op_begin = 0;
         ar.op_end = static_cast<std::int32_t>(g_.size());
@@ -1172,7 +1218,7 @@ class Lowerer {
     if (plan::optimizer_clears_gradients(plan_)) {
       opt.cleared_params = static_cast<std::uint64_t>(dense + experts);
     }
-    opt.deps = dp_tasks;
+    opt.deps.assign(dp_tasks.begin(), dp_tasks.end());
     opt.label = "optimizer step";
     const TaskId opt_id = add(std::move(opt));
     if ((plan_.zero_stage == 1 || plan_.zero_stage == 2) && !param_gathers_) {
@@ -1201,7 +1247,7 @@ class Lowerer {
     sum.stream = Stream::Compute;
     sum.phase = Phase::GradNorm;
     sum.params = params;
-    sum.deps = after;
+    sum.deps.assign(after.begin(), after.end());
     sum.label = "grad norm";
     TaskId last = add(std::move(sum));
     const std::pair<GroupKind, int> reductions[] = {
@@ -1218,7 +1264,7 @@ class Lowerer {
       ar.group = group(kind);
       ar.bytes = sizeof(float);
       ar.deps = {last};
-      ar.label = fmt::format("{} all-reduce grad norm", to_string(kind));
+      ar.label = label(FMT_COMPILE("{} all-reduce grad norm"), to_string(kind));
       last = add(std::move(ar));
     }
     return last;
@@ -1258,8 +1304,8 @@ class Lowerer {
     s.micro_batch = p.micro_batch;
     s.chunk = p.chunk;
     s.deps.push_back(p.after);
-    s.label = fmt::format("send {} mb{} chunk {}", p.gradient ? "gradients" : "activations",
-                          p.micro_batch, p.chunk);
+    s.label = label(FMT_COMPILE("send {} mb{} chunk {}"), p.gradient ? "gradients" : "activations",
+                    p.micro_batch, p.chunk);
     return add(std::move(s));
   }
 
@@ -1285,9 +1331,9 @@ class Lowerer {
     recv.chunk = pass.chunk;
     recv.op_begin = static_cast<std::int32_t>(gradient ? end_op - 1 : first_op - 1);
     recv.op_end = recv.op_begin + 1;
-    recv.label = fmt::format("recv {} mb{} chunk {}", gradient ? "gradients" : "activations",
-                             pass.micro_batch, pass.chunk);
-    recv.deps = after;
+    recv.label = label(FMT_COMPILE("recv {} mb{} chunk {}"), gradient ? "gradients" : "activations",
+                       pass.micro_batch, pass.chunk);
+    recv.deps.assign(after.begin(), after.end());
     const TaskId received = add(std::move(recv));
     if (!plan_.scatter_gather_p2p) return received;
     // Scatter/gather: the tp ranks all-gather their slices into the whole tensor before the
@@ -1304,8 +1350,8 @@ class Lowerer {
     ag.op_end = ag.op_begin + 1;
     ag.tag = tag(pass.micro_batch, k, gradient);  // names the tensor, as the receive's does
     ag.deps.push_back(received);
-    ag.label = fmt::format("tp all-gather received {} mb{} chunk {}",
-                           gradient ? "gradients" : "activations", pass.micro_batch, pass.chunk);
+    ag.label = label(FMT_COMPILE("tp all-gather received {} mb{} chunk {}"),
+                     gradient ? "gradients" : "activations", pass.micro_batch, pass.chunk);
     return add(std::move(ag));
   }
 };

@@ -11,7 +11,9 @@
 // with `Lowering::AllRanks` has one RankProgram per rank; tests simulate both and compare.
 #pragma once
 
+#include <boost/container/small_vector.hpp>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -50,6 +52,9 @@ enum class CollectiveKind : std::uint8_t { AllReduce, AllGather, ReduceScatter, 
 enum class TaskKind : std::uint8_t { Compute, Collective, Send, Recv };
 
 using TaskId = std::int32_t;
+// Most tasks wait for one to three others: kept inside the task, not in an allocation of its own
+// (a program has millions of tasks).
+using Deps = boost::container::small_vector<TaskId, 3>;
 
 struct Task {
   TaskKind kind = TaskKind::Compute;
@@ -95,8 +100,10 @@ struct Task {
   // rank's whole gradient buffer, as Megatron-LM's zero_grad_buffer; dtexec clears it after
   // the update), else 0.
   std::uint64_t cleared_params = 0;
-  std::vector<TaskId> deps;  // tasks of the same rank that must finish first
-  std::string label;         // "fwd L3-5 mb2", "tp all-reduce L4 attn", "dp grad bucket 2"
+  Deps deps;  // tasks of the same rank that must finish first
+  // "fwd L8.norm1..L8.attn_out mb0", "tp all-reduce L4 mb2", "dp reduce-scatter bucket 2": a
+  // view of its Program's label_text (or of a literal, in a program built by hand).
+  std::string_view label;
 };
 
 struct Group {
@@ -116,11 +123,25 @@ struct RankProgram {
 
 enum class Lowering { Representatives, AllRanks };
 
+// The text of a Program's task labels: in blocks of 64 KiB rather than an allocation per label
+// (a program has millions of tasks). Text once kept never moves.
+class LabelText {
+ public:
+  std::string_view keep(std::string_view text);
+
+ private:
+  std::vector<std::unique_ptr<char[]>> blocks_;
+  char* next_ = nullptr;  // the last block's free bytes: [next_, next_ + left_)
+  std::size_t left_ = 0;
+};
+
 struct Program {
   plan::Plan plan;
   std::vector<Group> groups;
   std::vector<RankProgram> ranks;
   Lowering lowering = Lowering::Representatives;
+  // What the tasks' labels view; copies of the Program share it.
+  std::shared_ptr<LabelText> label_text = std::make_shared<LabelText>();
   std::size_t task_count() const;
 };
 

@@ -28,7 +28,7 @@ class Fixed final : public dtsim::engine::Durations {
   double unit_s_;
 };
 
-Task compute(int seconds, std::vector<dtsim::lower::TaskId> deps) {
+Task compute(int seconds, dtsim::lower::Deps deps) {
   Task t;
   t.kind = TaskKind::Compute;
   t.stream = dtsim::lower::Stream::Compute;
@@ -39,8 +39,7 @@ Task compute(int seconds, std::vector<dtsim::lower::TaskId> deps) {
 }
 
 // A pipeline send or receive.
-Task transfer(TaskKind kind, std::int32_t peer, std::int64_t tag,
-              std::vector<dtsim::lower::TaskId> deps) {
+Task transfer(TaskKind kind, std::int32_t peer, std::int64_t tag, dtsim::lower::Deps deps) {
   Task t;
   t.kind = kind;
   t.stream = dtsim::lower::Stream::Pp;
@@ -58,7 +57,7 @@ class Transfers final : public dtsim::engine::Durations {
   double p2p_s(std::int64_t, std::int64_t, std::uint64_t) override { return 0.5; }
 };
 
-Task collective(std::int32_t group, std::vector<dtsim::lower::TaskId> deps) {
+Task collective(std::int32_t group, dtsim::lower::Deps deps) {
   Task t;
   t.kind = TaskKind::Collective;
   t.stream = dtsim::lower::Stream::Tp;

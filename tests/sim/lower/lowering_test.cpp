@@ -46,6 +46,29 @@ std::vector<const dtsim::lower::Task*> on_stream(const Program& program, std::si
 
 }  // namespace
 
+TEST_CASE("label text keeps every label where it was written, across blocks", "[lower]") {
+  dtsim::lower::LabelText text;
+  std::vector<std::string> written;
+  std::vector<std::string_view> kept;
+  // Enough labels for several 64 KiB blocks, and one longer than a block.
+  for (int i = 0; i < 20000; ++i) written.push_back(fmt::format("fwd L{} mb{}", i % 126, i));
+  written.insert(written.begin() + 7000, std::string(70000, 'x'));
+  for (const std::string& w : written) kept.push_back(text.keep(w));
+  REQUIRE(kept.size() == written.size());
+  for (std::size_t i = 0; i < written.size(); ++i) CHECK(kept[i] == written[i]);
+  CHECK(text.keep("").empty());
+  // A lowered program's labels view its own text, which copies of the program share.
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  Program copy;
+  {
+    const Program program = dtsim::lower::lower(g, plan_for(1, 1, 2, 1));
+    copy = program;
+  }
+  REQUIRE(!copy.ranks.front().tasks.empty());
+  CHECK(copy.ranks.front().tasks.front().label.rfind("fwd ", 0) == 0);
+}
+
 TEST_CASE("gradients reduce over dp x cp and ZeRO shards over it", "[lower]") {
   const auto spec = dtsim::model::load_model("tiny-gpt");
   const dtsim::model::ModelGraph g(spec, 1, 32);
@@ -99,7 +122,7 @@ TEST_CASE("ZeRO-3 gathers each unit's weights once per pass, one unit ahead", "[
     if (u < 2) {
       CHECK(waits.empty());
     } else {
-      CHECK(waits == std::vector<dtsim::lower::TaskId>{user[u - 2]});
+      CHECK(waits == dtsim::lower::Deps{user[u - 2]});
     }
     if (u > 0) CHECK(user[u] > user[u - 1]);
   }
@@ -134,8 +157,8 @@ TEST_CASE("overlapped, ZeRO-1/2 gather the updated weights a block ahead of the 
       const auto& tasks = overlapped.ranks[r].tasks;
       // Plain: the last task is the one gather, after the optimizer step.
       REQUIRE(before.back().collective == CollectiveKind::AllGather);
-      CHECK(before.back().deps == std::vector<dtsim::lower::TaskId>{
-                                      static_cast<dtsim::lower::TaskId>(before.size() - 2)});
+      CHECK(before.back().deps ==
+            dtsim::lower::Deps{static_cast<dtsim::lower::TaskId>(before.size() - 2)});
       CHECK(tasks.back().phase == Phase::Optimizer);
       std::vector<std::size_t> gathers;
       std::uint64_t bytes = 0;
@@ -329,9 +352,9 @@ TEST_CASE("gradient clipping sums the squares, all-reduces them, then steps", "[
     };
     for (int i = 1; i < 4; ++i) {
       CHECK(norm[static_cast<std::size_t>(i)]->deps ==
-            std::vector<dtsim::lower::TaskId>{id(norm[static_cast<std::size_t>(i) - 1])});
+            dtsim::lower::Deps{id(norm[static_cast<std::size_t>(i) - 1])});
     }
-    CHECK(opt->deps == std::vector<dtsim::lower::TaskId>{id(norm[3])});
+    CHECK(opt->deps == dtsim::lower::Deps{id(norm[3])});
   }
 }
 
@@ -480,7 +503,7 @@ TEST_CASE("without p2p overlap a receive is posted after the compute before its 
   for (std::size_t r = 0; r < a.ranks.size(); ++r) {
     const auto& tasks = a.ranks[r].tasks;
     REQUIRE(tasks.size() == b.ranks[r].tasks.size());
-    std::map<std::string, const dtsim::lower::Task*> overlapped_receives;
+    std::map<std::string_view, const dtsim::lower::Task*> overlapped_receives;
     for (const auto& t : b.ranks[r].tasks) {
       if (t.kind == TaskKind::Recv) overlapped_receives[t.label] = &t;
     }
@@ -677,7 +700,7 @@ TEST_CASE(
       CHECK(collective.stream == Stream::Tp);
       CHECK(collective.collective ==
             (sp ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce));
-      CHECK(collective.deps == std::vector<dtsim::lower::TaskId>{static_cast<int>(i)});
+      CHECK(collective.deps == dtsim::lower::Deps{static_cast<int>(i)});
       CHECK(weight.phase == Phase::BackwardWeight);
       CHECK(weight.op_begin == input.op_begin);
       CHECK(weight.op_end == input.op_begin + 1);
@@ -691,10 +714,9 @@ TEST_CASE(
         CHECK(again.bytes == collective.bytes);
         // Both start once the tasks before the layer are done: side by side.
         CHECK(again.deps == input.deps);
-        CHECK(weight.deps ==
-              std::vector<dtsim::lower::TaskId>{static_cast<int>(i), static_cast<int>(i - 1)});
+        CHECK(weight.deps == dtsim::lower::Deps{static_cast<int>(i), static_cast<int>(i - 1)});
       } else {
-        CHECK(weight.deps == std::vector<dtsim::lower::TaskId>{static_cast<int>(i)});
+        CHECK(weight.deps == dtsim::lower::Deps{static_cast<int>(i)});
       }
       const auto kind = g.op(static_cast<dtsim::model::OpId>(input.op_begin)).kind;
       CHECK((kind == dtsim::model::OpKind::QkvProj || kind == dtsim::model::OpKind::MlpUp ||
@@ -760,7 +782,7 @@ TEST_CASE("scatter/gather sends 1/tp of a pipeline tensor and all-gathers it on 
       CHECK(gather.collective == CollectiveKind::AllGather);
       CHECK(split.groups[static_cast<std::size_t>(gather.group)].kind == GroupKind::Tp);
       CHECK(gather.bytes == whole_bytes);
-      CHECK(gather.deps == std::vector<dtsim::lower::TaskId>{static_cast<int>(i)});
+      CHECK(gather.deps == dtsim::lower::Deps{static_cast<int>(i)});
       const auto used = std::find_if(b.begin(), b.end(), [&](const auto& t) {
         return t.kind == TaskKind::Compute &&
                std::count(t.deps.begin(), t.deps.end(), static_cast<int>(i + 1)) > 0;
