@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 5, in one run on a GPU machine (one H200 in this workplace's device
-# machines, which have CUDA but none of dtsim's Debian packages), the ones never run before
-# first, so that a short lease still brings them back:
+# machines, which have CUDA but none of dtsim's Debian packages), the issue's targets (each
+# task's compute against dtsim's prediction) before the multi-rank runs, so that a short lease
+# still brings the targets back:
 #   1. dtexec devices --selftest and the CUDA unit tests (among them every GPU kernel of the
 #      executor against its CPU reference, in fp32 and bf16);
 #   2. dtexec run --backend cuda: fp32 on the GPU against fp32 on the CPU (dtexec compare) for
@@ -11,23 +12,23 @@
 #      GPU in bf16, its measured tasks against dtsim's prediction (dtsim validate: error per
 #      task kind, with the catalog and with the H200 profile shipped in validation/, measured
 #      by dtexec calibrate on an H200 before); GPT-2 with dropout at cp 2, one rank alone;
-#   3. several ranks on the one GPU over NCCL (mpirun from the bundle, dtexec --share-gpus: each
-#      rank a host of its own to NCCL, which moves the data through sockets): dp, ZeRO-3, tp
-#      with SP, pp with blocking and overlapped transfers, cp, ep, two 4-rank plans, and ZeRO-1
-#      gathering at the step's start with FlashAttention's memory, each against the CPU's
-#      single-rank run of the same batch;
-#   4. the last pipeline stage of Llama-3 70B at tp8 pp8 and a rank of Mixtral 8x7B at ep 8
+#   3. the last pipeline stage of Llama-3 70B at tp8 pp8 and a rank of Mixtral 8x7B at ep 8
 #      (--only-rank, communication replaced by the predicted waits), validated as in 2;
-#   5. dtexec calibrate --backend cuda: cuBLAS GEMMs (squares, and Llama-3 8B's shapes forward
+#   4. dtexec calibrate --backend cuda: cuBLAS GEMMs (squares, and Llama-3 8B's shapes forward
 #      and backward as the executor calls them), copy bandwidth, launch overhead, jitter, the
 #      non-GEMM ops with the executor's GPU kernels, and the in_run factors; the catalog's
-#      figures against it; single-GPU predictions with it; the runs of 2 and 4 validated again
+#      figures against it; single-GPU predictions with it; the runs of 2 and 3 validated again
 #      against it (dtsim only);
-#   6. GPT-2 calibrated at its own shapes; run with its vocabulary padded (50304, the default)
+#   5. GPT-2 calibrated at its own shapes; run with its vocabulary padded (50304, the default)
 #      and as it is (50257, --make-vocab-size-divisible-by 1), each validated against that
 #      profile; its loss at --lr 6e-4 in bf16 and fp32, and in bf16 with a 4-step warm-up and a
 #      cosine decay to 6e-5 (nanoGPT's GPT-2 rates); a checkpoint's cost, saved synchronously
-#      and asynchronously (--checkpoint-async: what training stops for against the write).
+#      and asynchronously (--checkpoint-async: what training stops for against the write);
+#   6. several ranks on the one GPU over NCCL (mpirun from the bundle, dtexec --share-gpus: each
+#      rank a host of its own to NCCL, which moves the data through sockets): dp, ZeRO-3, tp
+#      with SP, pp with blocking and overlapped transfers, cp, ep, two 4-rank plans, and ZeRO-1
+#      gathering at the step's start with FlashAttention's memory, each against the CPU's
+#      single-rank run of the same batch.
 # Writes report.txt, the profile, the traces and the raw outputs into ./gpu-report, or, where
 # $OUT is set (the device machines, which bring back at most 8 files from it), into
 # /tmp/gpu-report and, however the script ends, report.txt, profile_h200.json and one archive
@@ -210,7 +211,161 @@ g2cp="--model gpt2-124m --cp 2 --micro-batch-size 4 --seq-len 1024 --global-batc
 validate_plan gpt2_cp "--gpus 2 $g2cp" "$g2cp --only-rank 1 --steps 4"
 
 say ""
-say "== 3. several ranks on the one GPU over NCCL (mpirun -np N dtexec run --share-gpus)"
+say "== 3. one rank of large plans on the GPU (--only-rank), bf16"
+say "-- Llama-3 70B, tp8 pp8 (64 GPUs), its last stage's tp rank 7 alone, bf16, sequence 4096"
+# 64 H200: the SuperPOD's fabric with H200 devices (the shipped H200 topology is one node).
+python3 - "$repo/topologies/dgx-h100-superpod.json" "$out/h200-pod.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+d["name"] = "h200-pod"
+d["device"] = "h200"
+d["description"] = "dgx-h100-superpod with H200 devices: the fabric of the --only-rank waits"
+json.dump(d, open(sys.argv[2], "w"), indent=2)
+PY
+l70="--model llama3-70b --tp 8 --pp 8 --micro-batch-size 1 --seq-len 4096 --global-batch-size 16"
+# shellcheck disable=SC2086
+limit 60 "$bin/dtsim" simulate --cluster "$out/h200-pod.json" --gpus 64 $l70 \
+  --profile "$profile" --trace "$out/l70_waits.json" >/dev/null 2>&1
+cluster="$out/h200-pod.json" validate_plan l70 "--gpus 64 $l70" \
+  "$l70 --dp 1 --only-rank 63 --predicted $out/l70_waits.json --steps 3"
+
+say "-- Mixtral 8x7B, tp2 (SP) dp8 ep8 (16 GPUs), rank 0 alone (its experts get 8x its own copies)"
+mix="--model mixtral-8x7b --tp 2 --sequence-parallel --ep 8 --micro-batch-size 1 --seq-len 4096"
+mix="$mix --global-batch-size 16"
+cluster="$out/h200-pod.json" validate_plan mixtral "--gpus 16 $mix" \
+  "$mix --dp 8 --only-rank 0 --steps 3"
+
+say ""
+say "== 4. calibrate (cuBLAS bf16, Llama-3 8B shapes at micro-batch 1, sequence 4096)"
+limit 150 "$bin/dtexec" calibrate --backend cuda --model llama3-8b --micro-batch-size 1 \
+  --seq-len 4096 --repeats 10 --out "$out/profile_h200.json" >"$out/calibrate.txt" 2>&1
+rc=$?
+tee -a "$report" <"$out/calibrate.txt"
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 125 ] && [ $rc -ne 137 ]; then
+  # One GPU lease per task: if the training steps of the in_run factors fail, say so and go on
+  # with the kernels alone, so that the other checks still run (not when it ran out of time).
+  say "calibrate failed (exit $rc); again without the in_run training steps"
+  limit 90 "$bin/dtexec" calibrate --backend cuda --model llama3-8b --micro-batch-size 1 \
+    --seq-len 4096 --repeats 10 --no-in-run --out "$out/profile_h200.json" >"$out/calibrate_kernels.txt" 2>&1
+  rc=$?
+  tee -a "$report" <"$out/calibrate_kernels.txt"
+  # The runs below still go, priced by the catalog alone.
+  [ $rc -eq 0 ] || say "calibrate failed (exit $rc): the comparisons with a profile will fail"
+fi
+
+if [ -s "$out/profile_h200.json" ]; then
+  [ -n "${OUT:-}" ] && cp -f "$out/profile_h200.json" "$OUT/"
+  profile=$out/profile_h200.json
+fi
+say ""
+say "-- catalog against measurement ($(basename "$profile"))"
+python3 - "$profile" "$repo/topologies/devices/h200.json" <<'PY' | tee -a "$report"
+import json, sys
+p = json.load(open(sys.argv[1]))
+d = json.load(open(sys.argv[2]))
+peak = d["peak_flops"]["bf16"]["value"]
+eff = d["efficiency"]["gemm"]["value"]
+best = max(2 * g["m"] * g["n"] * g["k"] / g["seconds"] for g in p["gemm"])
+print(f"GEMM: best measured {best/1e12:.0f} TFLOP/s; catalog peak x gemm efficiency "
+      f"{peak*eff/1e12:.0f} TFLOP/s ({eff:.3f}); measured/peak {best/peak:.3f}")
+bw = d["memory_bw_bytes_per_s"]["value"] * d["efficiency"]["memory_bw"]["value"]
+print(f"copy: measured {p['memory_bw_bytes_per_s']/1e12:.2f} TB/s; catalog "
+      f"{bw/1e12:.2f} TB/s; launch overhead {p['launch_overhead_s']*1e6:.2f} us "
+      f"(catalog {d['efficiency']['launch_overhead_s']['value']*1e6:.2f}); jitter {p['jitter_cv']*100:.2f}%")
+for g in p["gemm"]:
+    f = 2 * g["m"] * g["n"] * g["k"]
+    print(f"  gemm {g['m']:>6} x {g['k']:>6} x {g['n']:>6}: {f/g['seconds']/1e12:7.1f} TFLOP/s")
+for o in p.get("ops", []):
+    rate = (f"{o['flops_per_s']/1e12:8.1f} TFLOP/s" if "flops_per_s" in o
+            else f"{o['bytes_per_s']/1e12:8.2f} TB/s")
+    print(f"  {o['op']:>10} {o['phase']:>4}: {rate}  {o['seconds']*1e3:8.3f} ms")
+PY
+
+say ""
+say "-- single-GPU predictions, catalog against profile (hgx-h200, 1 GPU)"
+for plan in "--model llama3-8b --seq-len 4096 --recompute full" \
+            "--model llama3-8b --seq-len 2048 --micro-batch-size 2 --recompute selective" \
+            "--model gpt2-124m --micro-batch-size 16"; do
+  for with in "" "--profile $profile"; do
+    # shellcheck disable=SC2086
+    line=$(limit 60 "$bin/dtsim" simulate --cluster hgx-h200 --gpus 1 $plan $with 2>&1 | sed -n 2p)
+    say "$plan ${with:+(profile)}: $line"
+  done
+done
+say ""
+say "-- sections 2 and 3: the runs against the profile measured here (dtsim only)"
+if [ "$profile" = "$out/profile_h200.json" ]; then
+  for entry in "${validated_plans[@]}"; do
+    IFS='|' read -r name topology flags <<<"$entry"
+    [ -s "$out/${name}_measured.json" ] || continue
+    # shellcheck disable=SC2086
+    limit 60 "$bin/dtsim" simulate --cluster "$topology" $flags --profile "$profile" \
+      --trace "$out/${name}_fresh.json" >/dev/null 2>&1 || continue
+    say "-- $name: predicted (this GPU's profile) against measured"
+    "$bin/dtsim" validate --predicted "$out/${name}_fresh.json" \
+      --measured "$out/${name}_measured.json" 2>&1 | head -12 | tee -a "$report"
+  done
+else
+  say "no profile measured here"
+fi
+say ""
+say "== 5. GPT-2 at its own shapes: vocabulary padded to 50304 (the default) and as it is (50257)"
+# Without dropout (as section 2 runs it): a model file, since calibrate trains the model.
+python3 - "$repo/models/gpt2-124m.json" "$out/gpt2_nodrop.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+m["dropout"] = False
+m["name"] = "gpt2-124m-nodrop"
+json.dump(m, open(sys.argv[2], "w"), indent=2)
+PY
+g2="--model $out/gpt2_nodrop.json --micro-batch-size 8 --seq-len 1024 --global-batch-size 16"
+# Calibrated at GPT-2's own shapes (its vocabulary padded, as dtexec runs it by default).
+limit 60 "$bin/dtexec" calibrate --backend cuda --model "$out/gpt2_nodrop.json" --micro-batch-size 8 \
+  --seq-len 1024 --repeats 10 --out "$out/profile_gpt2.json" >"$out/calibrate_gpt2.txt" 2>&1
+grep -E "50304|in a training step|attention|layernorm|gelu|loss" "$out/calibrate_gpt2.txt" |
+  tee -a "$report"
+# Padded to 50304 (the default: a multiple of 128) against the vocabulary as it is (1).
+for multiple in 128 1; do
+  flags="$g2 --make-vocab-size-divisible-by $multiple"
+  # shellcheck disable=SC2086
+  limit 60 "$bin/dtsim" simulate --cluster hgx-h200 --gpus 1 $flags --profile "$out/profile_gpt2.json" \
+    --trace "$out/gpt2_m${multiple}_own.json" >/dev/null 2>&1
+  # shellcheck disable=SC2086
+  limit 60 "$bin/dtexec" run --backend cuda $flags --steps 6 \
+    --trace "$out/gpt2_m${multiple}_measured.json" 2>&1 | tail -2 | tee -a "$report"
+  ran "${PIPESTATUS[0]}" "GPT-2, vocabulary multiple $multiple" || continue
+  [ -s "$out/profile_gpt2.json" ] || { say "no GPT-2 profile: nothing to validate"; continue; }
+  say "-- vocabulary multiple $multiple: predicted (GPT-2's own profile) against measured"
+  "$bin/dtsim" validate --predicted "$out/gpt2_m${multiple}_own.json" \
+    --measured "$out/gpt2_m${multiple}_measured.json" 2>&1 | head -7 | tee -a "$report"
+done
+say "-- GPT-2's loss over 12 steps at --lr 6e-4, bf16 then fp32"
+for precision in bf16 fp32; do
+  # shellcheck disable=SC2086
+  losses=$(limit 60 "$bin/dtexec" run --backend cuda --precision $precision \
+    $g2 --steps 12 --lr 6e-4 2>&1 | awk '/^step/ {printf "%s ", $4}')
+  say "$precision: $losses"
+done
+# With a checkpoint at the end (outside $OUT: 1.4 GiB): what it costs, and its copy to host
+# memory, the figure for dtsim --checkpoint-async-gbs-per-gpu.
+# shellcheck disable=SC2086
+limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 --lr-warmup-steps 4 \
+  --lr-decay-style cosine --min-lr 6e-5 --checkpoint /tmp/gpu_check_gpt2_ckpt \
+  >"$out/gpt2_warmup.txt" 2>&1
+say "bf16, warm-up 4 steps, cosine decay to 6e-5: $(awk '/^step/ {printf "%s ", $4}' "$out/gpt2_warmup.txt")"
+say "$(grep -h 'checkpoint written' "$out/gpt2_warmup.txt")"
+rm -rf /tmp/gpu_check_gpt2_ckpt
+# Asynchronous saves every 4 steps: what training stops for (the copy to host memory) against
+# the write behind it, and the steps' times while it writes.
+# shellcheck disable=SC2086
+limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 \
+  --checkpoint /tmp/gpu_check_gpt2_ckpt --checkpoint-every 4 --checkpoint-async \
+  >"$out/gpt2_async_ckpt.txt" 2>&1
+say "asynchronous saves: step times (ms) $(awk '/^step/ {printf "%s ", $5}' "$out/gpt2_async_ckpt.txt")"
+grep -h -e '^checkpoint' "$out/gpt2_async_ckpt.txt" | while read -r line; do say "$line"; done
+rm -rf /tmp/gpu_check_gpt2_ckpt
+say ""
+say "== 6. several ranks on the one GPU over NCCL (mpirun -np N dtexec run --share-gpus)"
 # mpirun from the bundle, relocated; each rank a host of its own to NCCL (NCCL_HOSTID), the data
 # through sockets over loopback, the GPU time-slicing the ranks' kernels: the multi-GPU code
 # paths (communicators split per group, NCCL collectives, grouped all-to-all, pipeline
@@ -302,157 +457,3 @@ for entry in "${nccl_plans[@]}"; do
   say "$model, $ranks ranks, mbs $mbs, $flags: $(grep -m1 'median step time' "$out/nccl_$i.txt" |
     cut -d'(' -f1); against the CPU: $result"
 done
-say ""
-say "== 4. one rank of large plans on the GPU (--only-rank), bf16"
-say "-- Llama-3 70B, tp8 pp8 (64 GPUs), its last stage's tp rank 7 alone, bf16, sequence 4096"
-# 64 H200: the SuperPOD's fabric with H200 devices (the shipped H200 topology is one node).
-python3 - "$repo/topologies/dgx-h100-superpod.json" "$out/h200-pod.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-d["name"] = "h200-pod"
-d["device"] = "h200"
-d["description"] = "dgx-h100-superpod with H200 devices: the fabric of the --only-rank waits"
-json.dump(d, open(sys.argv[2], "w"), indent=2)
-PY
-l70="--model llama3-70b --tp 8 --pp 8 --micro-batch-size 1 --seq-len 4096 --global-batch-size 16"
-# shellcheck disable=SC2086
-limit 60 "$bin/dtsim" simulate --cluster "$out/h200-pod.json" --gpus 64 $l70 \
-  --profile "$profile" --trace "$out/l70_waits.json" >/dev/null 2>&1
-cluster="$out/h200-pod.json" validate_plan l70 "--gpus 64 $l70" \
-  "$l70 --dp 1 --only-rank 63 --predicted $out/l70_waits.json --steps 3"
-
-say "-- Mixtral 8x7B, tp2 (SP) dp8 ep8 (16 GPUs), rank 0 alone (its experts get 8x its own copies)"
-mix="--model mixtral-8x7b --tp 2 --sequence-parallel --ep 8 --micro-batch-size 1 --seq-len 4096"
-mix="$mix --global-batch-size 16"
-cluster="$out/h200-pod.json" validate_plan mixtral "--gpus 16 $mix" \
-  "$mix --dp 8 --only-rank 0 --steps 3"
-
-say ""
-say "== 5. calibrate (cuBLAS bf16, Llama-3 8B shapes at micro-batch 1, sequence 4096)"
-limit 150 "$bin/dtexec" calibrate --backend cuda --model llama3-8b --micro-batch-size 1 \
-  --seq-len 4096 --repeats 10 --out "$out/profile_h200.json" >"$out/calibrate.txt" 2>&1
-rc=$?
-tee -a "$report" <"$out/calibrate.txt"
-if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 125 ] && [ $rc -ne 137 ]; then
-  # One GPU lease per task: if the training steps of the in_run factors fail, say so and go on
-  # with the kernels alone, so that the other checks still run (not when it ran out of time).
-  say "calibrate failed (exit $rc); again without the in_run training steps"
-  limit 90 "$bin/dtexec" calibrate --backend cuda --model llama3-8b --micro-batch-size 1 \
-    --seq-len 4096 --repeats 10 --no-in-run --out "$out/profile_h200.json" >"$out/calibrate_kernels.txt" 2>&1
-  rc=$?
-  tee -a "$report" <"$out/calibrate_kernels.txt"
-  # The runs below still go, priced by the catalog alone.
-  [ $rc -eq 0 ] || say "calibrate failed (exit $rc): the comparisons with a profile will fail"
-fi
-
-if [ -s "$out/profile_h200.json" ]; then
-  [ -n "${OUT:-}" ] && cp -f "$out/profile_h200.json" "$OUT/"
-  profile=$out/profile_h200.json
-fi
-say ""
-say "-- catalog against measurement ($(basename "$profile"))"
-python3 - "$profile" "$repo/topologies/devices/h200.json" <<'PY' | tee -a "$report"
-import json, sys
-p = json.load(open(sys.argv[1]))
-d = json.load(open(sys.argv[2]))
-peak = d["peak_flops"]["bf16"]["value"]
-eff = d["efficiency"]["gemm"]["value"]
-best = max(2 * g["m"] * g["n"] * g["k"] / g["seconds"] for g in p["gemm"])
-print(f"GEMM: best measured {best/1e12:.0f} TFLOP/s; catalog peak x gemm efficiency "
-      f"{peak*eff/1e12:.0f} TFLOP/s ({eff:.3f}); measured/peak {best/peak:.3f}")
-bw = d["memory_bw_bytes_per_s"]["value"] * d["efficiency"]["memory_bw"]["value"]
-print(f"copy: measured {p['memory_bw_bytes_per_s']/1e12:.2f} TB/s; catalog "
-      f"{bw/1e12:.2f} TB/s; launch overhead {p['launch_overhead_s']*1e6:.2f} us "
-      f"(catalog {d['efficiency']['launch_overhead_s']['value']*1e6:.2f}); jitter {p['jitter_cv']*100:.2f}%")
-for g in p["gemm"]:
-    f = 2 * g["m"] * g["n"] * g["k"]
-    print(f"  gemm {g['m']:>6} x {g['k']:>6} x {g['n']:>6}: {f/g['seconds']/1e12:7.1f} TFLOP/s")
-for o in p.get("ops", []):
-    rate = (f"{o['flops_per_s']/1e12:8.1f} TFLOP/s" if "flops_per_s" in o
-            else f"{o['bytes_per_s']/1e12:8.2f} TB/s")
-    print(f"  {o['op']:>10} {o['phase']:>4}: {rate}  {o['seconds']*1e3:8.3f} ms")
-PY
-
-say ""
-say "-- single-GPU predictions, catalog against profile (hgx-h200, 1 GPU)"
-for plan in "--model llama3-8b --seq-len 4096 --recompute full" \
-            "--model llama3-8b --seq-len 2048 --micro-batch-size 2 --recompute selective" \
-            "--model gpt2-124m --micro-batch-size 16"; do
-  for with in "" "--profile $profile"; do
-    # shellcheck disable=SC2086
-    line=$(limit 60 "$bin/dtsim" simulate --cluster hgx-h200 --gpus 1 $plan $with 2>&1 | sed -n 2p)
-    say "$plan ${with:+(profile)}: $line"
-  done
-done
-say ""
-say "-- sections 2 and 4: the runs against the profile measured here (dtsim only)"
-if [ "$profile" = "$out/profile_h200.json" ]; then
-  for entry in "${validated_plans[@]}"; do
-    IFS='|' read -r name topology flags <<<"$entry"
-    [ -s "$out/${name}_measured.json" ] || continue
-    # shellcheck disable=SC2086
-    limit 60 "$bin/dtsim" simulate --cluster "$topology" $flags --profile "$profile" \
-      --trace "$out/${name}_fresh.json" >/dev/null 2>&1 || continue
-    say "-- $name: predicted (this GPU's profile) against measured"
-    "$bin/dtsim" validate --predicted "$out/${name}_fresh.json" \
-      --measured "$out/${name}_measured.json" 2>&1 | head -12 | tee -a "$report"
-  done
-else
-  say "no profile measured here"
-fi
-say ""
-say "== 6. GPT-2 at its own shapes: vocabulary padded to 50304 (the default) and as it is (50257)"
-# Without dropout (as section 2 runs it): a model file, since calibrate trains the model.
-python3 - "$repo/models/gpt2-124m.json" "$out/gpt2_nodrop.json" <<'PY'
-import json, sys
-m = json.load(open(sys.argv[1]))
-m["dropout"] = False
-m["name"] = "gpt2-124m-nodrop"
-json.dump(m, open(sys.argv[2], "w"), indent=2)
-PY
-g2="--model $out/gpt2_nodrop.json --micro-batch-size 8 --seq-len 1024 --global-batch-size 16"
-# Calibrated at GPT-2's own shapes (its vocabulary padded, as dtexec runs it by default).
-limit 60 "$bin/dtexec" calibrate --backend cuda --model "$out/gpt2_nodrop.json" --micro-batch-size 8 \
-  --seq-len 1024 --repeats 10 --out "$out/profile_gpt2.json" >"$out/calibrate_gpt2.txt" 2>&1
-grep -E "50304|in a training step|attention|layernorm|gelu|loss" "$out/calibrate_gpt2.txt" |
-  tee -a "$report"
-# Padded to 50304 (the default: a multiple of 128) against the vocabulary as it is (1).
-for multiple in 128 1; do
-  flags="$g2 --make-vocab-size-divisible-by $multiple"
-  # shellcheck disable=SC2086
-  limit 60 "$bin/dtsim" simulate --cluster hgx-h200 --gpus 1 $flags --profile "$out/profile_gpt2.json" \
-    --trace "$out/gpt2_m${multiple}_own.json" >/dev/null 2>&1
-  # shellcheck disable=SC2086
-  limit 60 "$bin/dtexec" run --backend cuda $flags --steps 6 \
-    --trace "$out/gpt2_m${multiple}_measured.json" 2>&1 | tail -2 | tee -a "$report"
-  ran "${PIPESTATUS[0]}" "GPT-2, vocabulary multiple $multiple" || continue
-  [ -s "$out/profile_gpt2.json" ] || { say "no GPT-2 profile: nothing to validate"; continue; }
-  say "-- vocabulary multiple $multiple: predicted (GPT-2's own profile) against measured"
-  "$bin/dtsim" validate --predicted "$out/gpt2_m${multiple}_own.json" \
-    --measured "$out/gpt2_m${multiple}_measured.json" 2>&1 | head -7 | tee -a "$report"
-done
-say "-- GPT-2's loss over 12 steps at --lr 6e-4, bf16 then fp32"
-for precision in bf16 fp32; do
-  # shellcheck disable=SC2086
-  losses=$(limit 60 "$bin/dtexec" run --backend cuda --precision $precision \
-    $g2 --steps 12 --lr 6e-4 2>&1 | awk '/^step/ {printf "%s ", $4}')
-  say "$precision: $losses"
-done
-# With a checkpoint at the end (outside $OUT: 1.4 GiB): what it costs, and its copy to host
-# memory, the figure for dtsim --checkpoint-async-gbs-per-gpu.
-# shellcheck disable=SC2086
-limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 --lr-warmup-steps 4 \
-  --lr-decay-style cosine --min-lr 6e-5 --checkpoint /tmp/gpu_check_gpt2_ckpt \
-  >"$out/gpt2_warmup.txt" 2>&1
-say "bf16, warm-up 4 steps, cosine decay to 6e-5: $(awk '/^step/ {printf "%s ", $4}' "$out/gpt2_warmup.txt")"
-say "$(grep -h 'checkpoint written' "$out/gpt2_warmup.txt")"
-rm -rf /tmp/gpu_check_gpt2_ckpt
-# Asynchronous saves every 4 steps: what training stops for (the copy to host memory) against
-# the write behind it, and the steps' times while it writes.
-# shellcheck disable=SC2086
-limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 \
-  --checkpoint /tmp/gpu_check_gpt2_ckpt --checkpoint-every 4 --checkpoint-async \
-  >"$out/gpt2_async_ckpt.txt" 2>&1
-say "asynchronous saves: step times (ms) $(awk '/^step/ {printf "%s ", $5}' "$out/gpt2_async_ckpt.txt")"
-grep -h -e '^checkpoint' "$out/gpt2_async_ckpt.txt" | while read -r line; do say "$line"; done
-rm -rf /tmp/gpu_check_gpt2_ckpt
