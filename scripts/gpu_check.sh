@@ -37,6 +37,8 @@
 # Here:  scripts/gpu_bundle.sh                 (gpu-bundle.tar.xz: binaries, mpirun, libraries)
 # There: scripts/gpu_check.sh [gpu-bundle.tar.xz]   (run with carry: ["gpu-bundle.tar.xz"] and a
 #        timeout_s of at least GPU_CHECK_BUDGET + 30)
+# GPU_CHECK_SECTIONS="3 6" runs those sections alone (default: all, in order);
+# GPU_CHECK_NCCL_ONLY=TEXT runs the plans of section 6 whose line holds TEXT.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 repo=$(pwd)
@@ -56,7 +58,14 @@ if [ -n "${OUT:-}" ]; then
     # 16 MiB a file comes back: without the predicted traces (dtsim makes them again) if over.
     if [ "$(stat -c %s "$OUT/gpu-report.tar.xz" 2>/dev/null || echo 0)" -gt 16000000 ]; then
       tar -C /tmp -cJf "$OUT/gpu-report.tar.xz" --exclude='*_catalog.json' \
-        --exclude='*_profile.json' --exclude='*_waits.json' gpu-report 2>/dev/null
+        --exclude='*_profile.json' --exclude='*_waits.json' --exclude='*_own.json' \
+        --exclude='*_fresh.json' gpu-report 2>/dev/null
+    fi
+    # Still over: the measured traces, the logs and the profiles alone (what a later session
+    # needs to price the runs again without a GPU).
+    if [ "$(stat -c %s "$OUT/gpu-report.tar.xz" 2>/dev/null || echo 0)" -gt 16000000 ]; then
+      (cd /tmp && find gpu-report -maxdepth 1 \( -name '*_measured.json' -o -name '*.txt' \
+        -o -name 'profile_*.json' \) -print0 | tar -cJf "$OUT/gpu-report.tar.xz" --null -T -)
     fi
   }
   trap bring_back EXIT
@@ -110,20 +119,10 @@ say "dtsim GPU check, $(date -u +%Y-%m-%dT%H:%MZ), $(nvidia-smi --query-gpu=name
 say "host: $(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME"), $(ldd --version 2>/dev/null | head -1)"
 say "libraries: $(ldd "$bin/dtexec" | awk '/libcudart|libcublas|libnccl/ {print $1 "=" $3}' | tr '\n' ' ')"
 
-say ""
-say "== 1. devices and CUDA unit tests"
-limit 60 "$bin/dtexec" devices --selftest 2>&1 | tee -a "$report"
-limit 90 "$bin/dtexec_cuda_tests" --reporter compact 2>&1 | tee "$out/cuda_tests.txt" |
-  grep -v -E '^$' | tail -40 | tee -a "$report"
-
-say ""
-say "== 2. dtexec run on the GPU"
 # The profile that prices the predictions: the H200's measured one, shipped in validation/
 # (dtexec calibrate on an H200, before this run), until section 4 measures this GPU's.
 profile=$out/profile_shipped.json
 cp "$repo/validation/h200_llama3-8b_profile.json" "$profile"
-# A model trained 5 steps in fp32 on the CPU and on the GPU from one seed: the checkpoints
-# compared (losses within 1e-3, weights within 3e-3).
 # Whether a step ran: says so when it failed or was skipped (exit 125: the time is spent).
 ran() {
   local rc=$1 what=$2 log=${3:-}
@@ -149,6 +148,54 @@ gpu_against_cpu() {
   "$bin/dtexec" compare "$out/ckpt_cpu_$name" "$out/ckpt_gpu_$name" --loss-tolerance 1e-3 \
     --weight-tolerance 3e-3 2>&1 | tee -a "$report"
 }
+# One plan: dtexec measures it, dtsim predicts it (catalog, then $profile, then $own_profile
+# where the caller sets one: a profile calibrated at the plan's model's own shapes), dtsim
+# validate joins. Each plan is kept (validated_plans), so that section 4 can price it again with the
+# profile it measures, without running it again.
+validated_plans=()
+validate_plan() {
+  local name=$1 predicted_flags=$2 run_flags=$3 topology=${cluster:-hgx-h200} own=${own_profile:-}
+  local with
+  validated_plans+=("$name|$topology|$predicted_flags")
+  # shellcheck disable=SC2086
+  limit 60 "$bin/dtsim" simulate --cluster "$topology" $predicted_flags \
+    --trace "$out/${name}_catalog.json" >"$out/${name}_simulate_catalog.txt" 2>&1
+  # shellcheck disable=SC2086
+  limit 60 "$bin/dtsim" simulate --cluster "$topology" $predicted_flags \
+    --profile "$profile" --trace "$out/${name}_profile.json" \
+    >"$out/${name}_simulate_profile.txt" 2>&1
+  if [ -n "$own" ]; then
+    # shellcheck disable=SC2086
+    limit 60 "$bin/dtsim" simulate --cluster "$topology" $predicted_flags \
+      --profile "$own" --trace "$out/${name}_own.json" >"$out/${name}_simulate_own.txt" 2>&1
+  fi
+  # shellcheck disable=SC2086
+  limit 100 "$bin/dtexec" run --backend cuda $run_flags --trace "$out/${name}_measured.json" \
+    >"$out/${name}_run.txt" 2>&1
+  local rc=$?
+  tail -3 "$out/${name}_run.txt" | tee -a "$report"
+  ran $rc "$name: dtexec run" || return
+  for with in catalog profile ${own:+own}; do
+    say "-- $name: predicted ($with) against measured"
+    "$bin/dtsim" validate --predicted "$out/${name}_${with}.json" \
+      --measured "$out/${name}_measured.json" 2>&1 | tee -a "$report"
+  done
+}
+
+section_1() {
+say ""
+say "== 1. devices and CUDA unit tests"
+limit 60 "$bin/dtexec" devices --selftest 2>&1 | tee -a "$report"
+limit 90 "$bin/dtexec_cuda_tests" --reporter compact 2>&1 | tee "$out/cuda_tests.txt" |
+  grep -v -E '^$' | tail -40 | tee -a "$report"
+
+}
+
+section_2() {
+say ""
+say "== 2. dtexec run on the GPU"
+# A model trained 5 steps in fp32 on the CPU and on the GPU from one seed: the checkpoints
+# compared (losses within 1e-3, weights within 3e-3).
 say "-- fp32 on the GPU against fp32 on the CPU (tiny-gpt, 5 steps, same seed)"
 gpu_against_cpu tiny tiny-gpt
 say "-- with dropout (the GPU draws the CPU's masks): fp32 on the GPU against the CPU"
@@ -175,33 +222,6 @@ if ran $? "resume: the CPU run" "$out/ckpt_cpu_half.txt"; then
   fi
 fi
 
-# One plan: dtexec measures it, dtsim predicts it (catalog, then $profile), dtsim validate
-# joins. Each plan is kept (validated_plans), so that section 4 can price it again with the
-# profile it measures, without running it again.
-validated_plans=()
-validate_plan() {
-  local name=$1 predicted_flags=$2 run_flags=$3 topology=${cluster:-hgx-h200}
-  validated_plans+=("$name|$topology|$predicted_flags")
-  # shellcheck disable=SC2086
-  limit 60 "$bin/dtsim" simulate --cluster "$topology" $predicted_flags \
-    --trace "$out/${name}_catalog.json" >"$out/${name}_simulate_catalog.txt" 2>&1
-  # shellcheck disable=SC2086
-  limit 60 "$bin/dtsim" simulate --cluster "$topology" $predicted_flags \
-    --profile "$profile" --trace "$out/${name}_profile.json" \
-    >"$out/${name}_simulate_profile.txt" 2>&1
-  # shellcheck disable=SC2086
-  limit 100 "$bin/dtexec" run --backend cuda $run_flags --trace "$out/${name}_measured.json" \
-    >"$out/${name}_run.txt" 2>&1
-  local rc=$?
-  tail -3 "$out/${name}_run.txt" | tee -a "$report"
-  ran $rc "$name: dtexec run" || return
-  for with in catalog profile; do
-    say "-- $name: predicted ($with) against measured"
-    "$bin/dtsim" validate --predicted "$out/${name}_${with}.json" \
-      --measured "$out/${name}_measured.json" 2>&1 | tee -a "$report"
-  done
-}
-
 say "-- GPT-2 124M on one GPU, bf16, micro-batch 8, sequence 1024"
 gpt2="--model gpt2-124m --no-dropout --micro-batch-size 8 --seq-len 1024 --global-batch-size 16"
 validate_plan gpt2 "--gpus 1 $gpt2" "$gpt2 --steps 6"
@@ -210,6 +230,9 @@ say "-- GPT-2 124M with dropout, cp 2: rank 1 alone (its queries at chunks 1 and
 g2cp="--model gpt2-124m --cp 2 --micro-batch-size 4 --seq-len 1024 --global-batch-size 8"
 validate_plan gpt2_cp "--gpus 2 $g2cp" "$g2cp --only-rank 1 --steps 4"
 
+}
+
+section_3() {
 say ""
 say "== 3. one rank of large plans on the GPU (--only-rank), bf16"
 say "-- Llama-3 70B, tp8 pp8 (64 GPUs), its last stage's tp rank 7 alone, bf16, sequence 4096"
@@ -226,15 +249,34 @@ l70="--model llama3-70b --tp 8 --pp 8 --micro-batch-size 1 --seq-len 4096 --glob
 # shellcheck disable=SC2086
 limit 60 "$bin/dtsim" simulate --cluster "$out/h200-pod.json" --gpus 64 $l70 \
   --profile "$profile" --trace "$out/l70_waits.json" >/dev/null 2>&1
-cluster="$out/h200-pod.json" validate_plan l70 "--gpus 64 $l70" \
+# Llama-3 70B's own shapes (hidden 8192; its GEMMs whole and split over tp up to 8, so the
+# slice's tp-8 shapes are measured, each pass apart): the shipped profile has Llama-3 8B's,
+# and a shape it lacks is priced by its FLOPs alone, the same for a layer's input and weight
+# gradients.
+limit 150 "$bin/dtexec" calibrate --backend cuda --model llama3-70b --micro-batch-size 1 \
+  --seq-len 4096 --repeats 10 --out "$out/profile_l70.json" >"$out/calibrate_l70.txt" 2>&1
+ran $? "calibrate at Llama-3 70B's shapes" "$out/calibrate_l70.txt" &&
+  grep -E "in a training step|memory bandwidth" "$out/calibrate_l70.txt" | tee -a "$report"
+l70_own=""
+[ -s "$out/profile_l70.json" ] && l70_own=$out/profile_l70.json
+own_profile=$l70_own cluster="$out/h200-pod.json" validate_plan l70 "--gpus 64 $l70" \
   "$l70 --dp 1 --only-rank 63 --predicted $out/l70_waits.json --steps 3"
 
-say "-- Mixtral 8x7B, tp2 (SP) dp8 ep8 (16 GPUs), rank 0 alone (its experts get 8x its own copies)"
+say "-- Mixtral 8x7B, tp2 (SP) dp8 ep8 (16 GPUs), rank 0 alone (its experts get 8x its own copies)," \
+  "full recompute"
+# Full recompute: without it the rank ran out of the H200's memory (2026-12-04) where dtsim
+# predicts 95.9 GiB for balanced routing: alone, the rank's experts get 8x the copies its own
+# tokens route to them, and at initialisation its tokens did not route evenly (one expert got
+# 2,048 of a layer's 8,192 copies, twice the even share, in the allocation that failed). Its
+# dense shapes are Llama-3 8B's (hidden 4096, kv 1024, ffn 14336): the shipped profile has them.
 mix="--model mixtral-8x7b --tp 2 --sequence-parallel --ep 8 --micro-batch-size 1 --seq-len 4096"
-mix="$mix --global-batch-size 16"
+mix="$mix --global-batch-size 16 --recompute full"
 cluster="$out/h200-pod.json" validate_plan mixtral "--gpus 16 $mix" \
   "$mix --dp 8 --only-rank 0 --steps 3"
 
+}
+
+section_4() {
 say ""
 say "== 4. calibrate (cuBLAS bf16, Llama-3 8B shapes at micro-batch 1, sequence 4096)"
 limit 150 "$bin/dtexec" calibrate --backend cuda --model llama3-8b --micro-batch-size 1 \
@@ -308,6 +350,9 @@ if [ "$profile" = "$out/profile_h200.json" ]; then
 else
   say "no profile measured here"
 fi
+}
+
+section_5() {
 say ""
 say "== 5. GPT-2 at its own shapes: vocabulary padded to 50304 (the default) and as it is (50257)"
 # Without dropout (as section 2 runs it): a model file, since calibrate trains the model.
@@ -364,6 +409,9 @@ limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 \
 say "asynchronous saves: step times (ms) $(awk '/^step/ {printf "%s ", $5}' "$out/gpt2_async_ckpt.txt")"
 grep -h -e '^checkpoint' "$out/gpt2_async_ckpt.txt" | while read -r line; do say "$line"; done
 rm -rf /tmp/gpu_check_gpt2_ckpt
+}
+
+section_6() {
 say ""
 say "== 6. several ranks on the one GPU over NCCL (mpirun -np N dtexec run --share-gpus)"
 # mpirun from the bundle, relocated; each rank a host of its own to NCCL (NCCL_HOSTID), the data
@@ -414,6 +462,7 @@ nccl_run() {
     --task-timeout $((seconds - 15)) --checkpoint "$out/nccl_$i" </dev/null >"$out/nccl_$i.txt" 2>&1
 }
 for entry in "${nccl_plans[@]}"; do
+  [[ $entry == *"${GPU_CHECK_NCCL_ONLY:-}"* ]] || continue
   if [ -n "${nccl_skip:-}" ] || [ $timeouts -ge 2 ]; then
     say "skipped: $entry"
     continue
@@ -456,4 +505,12 @@ for entry in "${nccl_plans[@]}"; do
     --weight-tolerance 3e-3 2>&1 | tail -1)
   say "$model, $ranks ranks, mbs $mbs, $flags: $(grep -m1 'median step time' "$out/nccl_$i.txt" |
     cut -d'(' -f1); against the CPU: $result"
+done
+}
+
+for section in ${GPU_CHECK_SECTIONS:-1 2 3 4 5 6}; do
+  case $section in
+    [1-6]) "section_$section" ;;
+    *) say "GPU_CHECK_SECTIONS: no section $section (1 to 6)" ;;
+  esac
 done
