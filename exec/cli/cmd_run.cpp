@@ -1133,12 +1133,6 @@ int run(const std::vector<std::string>& args) {
     // queues, unless the user chose a number; before MPI_Init, since a CUDA-aware MPI (UCX's
     // cuda_ipc, HPC-X) creates the process's CUDA context there.
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
-    // Every kernel loaded when the context is made, not at its first launch (CUDA's default
-    // since 12.2 is lazy): loading a kernel can wait for the whole device, and with a receive
-    // posted ahead (--overlap-p2p-comm) whose NCCL kernel waits for a peer that waits for this
-    // rank, that wait never ends (the CUDA Programming Guide, "Lazy Loading", on concurrent
-    // kernels that wait for each other). Eager loading is what CUDA did before 12.2.
-    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   }
   std::unique_ptr<dtsim::exec::cpu::MpiSession> mpi;
   if (dtsim::exec::cpu::under_mpirun()) mpi = std::make_unique<dtsim::exec::cpu::MpiSession>();

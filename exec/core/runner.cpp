@@ -112,8 +112,15 @@ RunResult Runner::run() {
     // Overlapped pipeline transfers: receives are posted ahead of need, as the simulator has
     // them (a receive without overlap is posted when it is reached): each peer's first now,
     // each next one when the one before it is taken (posting the whole step's at once would
-    // hold a buffer per micro-batch; Megatron-LM posts one ahead too).
-    if (program_.plan.overlap_p2p_comm && !options_.replay_communication) {
+    // hold a buffer per micro-batch; Megatron-LM posts one ahead too). On a GPU not in the
+    // process's first step: cuBLASLt loads its kernels at a GEMM's first use
+    // (cuLibraryLoadData), which waits for the whole device, and a receive posted ahead waits
+    // there for a peer that may be waiting for this rank's next send. Seen on an H200
+    // (2026-12-04, two ranks sharing it, fp32): both ranks' hosts stopped in that load, each
+    // in its first forward. The first step (a warm-up one by default) receives when it gets
+    // there, and loads every GEMM's kernels.
+    const bool loads_kernels = !dev_.host_memory() && step == first;
+    if (program_.plan.overlap_p2p_comm && !options_.replay_communication && !loads_kernels) {
       for (const std::size_t i : first_receives_) posted_[i] = post_receive(tasks[i]);
     }
     dev_.zero(losses_);
