@@ -217,7 +217,8 @@ RunResult Runner::run() {
     // before this step's checkpoint is written (an earlier asynchronous one, complete, is put
     // in place first). The loss is the forward's, before this step's update: without
     // --clip-grad (no norm) gradients that overflow show in the next step's loss, after
-    // this step's checkpoint. (Replayed communication feeds zeros: its losses mean nothing.)
+    // this step's checkpoint. (Replayed communication feeds made-up values: its losses mean
+    // nothing.)
     const double loss_now = result.losses.back();
     if (!options_.replay_communication && !(std::isfinite(loss_now) && std::isfinite(grad_norm))) {
       const bool loss_bad = !std::isfinite(loss_now);
@@ -247,6 +248,8 @@ RunResult Runner::run() {
   if (async_.active) put_async_in_place(options_.steps, result);
   for (auto& mb : batches_) release(mb);
   batches_.clear();
+  dev_.release(replay_input_);
+  replay_input_ = View{};
   result.step_time_s = median(std::vector<double>(
       result.step_times_s.begin() +
           std::min<std::ptrdiff_t>(options_.warmup_steps,
@@ -775,6 +778,21 @@ void Runner::optimizer_step() {
   }
 }
 
+View Runner::replayed_input() {
+  const auto n = static_cast<std::int64_t>(Ts_) * C_;
+  if (replay_input_.n == n) return replay_input_;
+  std::vector<float> host(static_cast<std::size_t>(n));
+  const std::uint64_t stream = counter_hash(options_.seed, 0x7265706c6179ULL, 0);  // "replay"
+  for_pieces(n, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i)
+      host[static_cast<std::size_t>(i)] = standard_normal(stream, i);
+  });
+  dev_.release(replay_input_);
+  replay_input_ = allocate(n);
+  dev_.upload(replay_input_, host.data());
+  return replay_input_;
+}
+
 void Runner::replay(const lower::Task& task, std::size_t index) {
   const double wait =
       index < options_.predicted_comm_s.size() ? options_.predicted_comm_s[index] : 0.0;
@@ -795,7 +813,9 @@ void Runner::replay(const lower::Task& task, std::size_t index) {
   }
   const bool dp = task.kind == TaskKind::Collective && is_dp_group(task);
   if (task.kind == TaskKind::Recv) {
-    fresh(transferred(task), static_cast<std::int64_t>(Ts_) * C_);
+    View& buffer = transferred(task);
+    fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
+    dev_.copy(buffer, replayed_input());
   } else if (dp && zero3_ && task.collective == CollectiveKind::AllGather &&
              task.op_end > task.op_begin) {
     // ZeRO-3: the chunk's weights take their place (this rank's slice, zeros elsewhere).

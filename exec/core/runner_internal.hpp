@@ -258,6 +258,10 @@ class Runner {
   // A standard normal from (stream, index): two uniforms in (0, 1] from the splitmix64 of the
   // pair, then Box and Muller's transform (1958).
   static float standard_normal(std::uint64_t stream, std::int64_t index);
+  // --only-rank: the values a replayed receive holds, one tensor of a transfer's size made
+  // once: standard normal, not zeros, since a GEMM of zeros draws less power and runs at
+  // higher clocks than one of a real peer's activations or gradients.
+  View replayed_input();
 
   void init_params();
 
@@ -832,6 +836,8 @@ class Runner {
   std::map<std::size_t, Comm::Handle> posted_;
   // --only-rank: buffers of replayed collectives, by the task that started them.
   std::vector<std::pair<std::size_t, View>> replay_held_;
+  // --only-rank: what a replayed receive gets, made once (replayed_input).
+  View replay_input_;
   // Overlapped pipeline receives come in streams, one per peer, each in program order (NCCL
   // matches a peer's receives to its sends in the order they are issued, without tags): the
   // first task of each, and each task's next one.
