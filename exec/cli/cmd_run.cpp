@@ -531,12 +531,23 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     predicted = report->stages.at(static_cast<std::size_t>(rp.stage)).total_bytes;
   }
   std::vector<std::string> notes = dtsim::exec::execution_notes(spec, plan);
+  // What dtsim's --expert-load stands for, as this rank's experts got it (its tokens' routing
+  // taken for every ep rank's): the mean over micro-batches and the largest.
+  std::optional<double> expert_load, expert_load_peak;
   if (plan.ep > 1) {
     notes.push_back(fmt::format(
         "expert parallelism alone: each of the {} ep ranks is taken to route its tokens as this "
         "rank does, so this rank's experts get {} times its own copies for them (even routing "
         "across replicas)",
         plan.ep, plan.ep));
+    if (result.expert_load > 0) {
+      expert_load = result.expert_load;
+      expert_load_peak = result.expert_load_peak;
+      notes.push_back(fmt::format(
+          "this rank's experts got {:.3f}x the even share of token copies (up to {:.3f}x in a "
+          "micro-batch), where dtsim assumes {:g}x (--expert-load)",
+          *expert_load, *expert_load_peak, plan.expert_load));
+    }
   }
   if (vm["json"].as<bool>()) {
     std::cout << nlohmann::json{{"model", spec.name},
@@ -560,6 +571,9 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
                                 {"compute_s", compute},
                                 {"communication_waits_s", waited},
                                 {"communication", "replaced by waits " + waits},
+                                {"expert_load", dtsim::report::value_or_null(expert_load)},
+                                {"expert_load_peak",
+                                 dtsim::report::value_or_null(expert_load_peak)},
                                 {"notes", notes}}
                      .dump(2)
               << "\n";
@@ -567,8 +581,8 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   }
   std::cout << fmt::format(
       "{}, plan {}: rank {} alone on {} (stage {}; its program stands for {} rank{}), {} steps\n"
-      "compute measured; {} communication tasks replaced by waits {}; received tensors are "
-      "zeros, so losses mean nothing\n",
+      "compute measured; {} communication tasks replaced by waits {}; received tensors hold "
+      "made-up values (standard normal), so losses mean nothing\n",
       spec.name, dtsim::plan::summary(plan), r, where, rp.stage, rp.represents.size(),
       rp.represents.size() == 1 ? "" : "s", options.steps, comm_tasks, waits);
   for (const auto& note : notes) std::cout << "note: " << note << "\n";

@@ -79,8 +79,9 @@ struct RunOptions {
   std::function<void(const CheckpointRecord&)> on_checkpoint;
   // --only-rank: run program `program_index` alone (one rank's share of a plan whose other
   // ranks do not run), every communication task replaced by a wait of its predicted length
-  // (predicted_comm_s, by task id; empty: no wait). Received tensors are zeros, reductions
-  // keep the local values, so losses mean nothing; compute times are real.
+  // (predicted_comm_s, by task id; empty: no wait). Received tensors hold made-up values
+  // (standard normal, not zeros, whose GEMMs draw less power and run faster), reductions keep
+  // the local values, so losses mean nothing; compute times are real.
   int program_index = -1;  // -1: comm.rank()
   bool replay_communication = false;
   std::vector<double> predicted_comm_s;

@@ -477,18 +477,30 @@ class Runner {
   // fn(w, at, n) for each expert with rows: its weight's tensor number w, and its n rows of
   // the copies from row `at`.
   // With expert parallelism the rows are those this rank's experts received, a block per
-  // (sender, expert) in arrival order: an expert's GEMMs run once per sender's block.
+  // (sender, expert) in arrival order: an expert's GEMMs run once per run of its adjacent
+  // blocks (once in all where a rank holds one expert, whose blocks are all adjacent; per
+  // sender's block where it holds several, whose blocks alternate).
   template <typename Fn>
   void for_each_expert(MicroBatch& mb, OpId router, Fn&& fn) {
     std::int64_t at = 0;
     if (ep_ > 1) {
       const auto& blocks = mb.ep_blocks.at(router);
       const int local = static_cast<int>(blocks.size()) / ep_;
+      int run_expert = -1, run_rows = 0;
+      std::int64_t run_at = 0;
       for (std::size_t b = 0; b < blocks.size(); ++b) {
+        if (blocks[b] == 0) continue;
         const int e = e_ * local + static_cast<int>(b) % local;
-        if (blocks[b] > 0) fn(2 * e, at, blocks[b]);
+        if (e != run_expert || run_at + run_rows != at) {
+          if (run_rows > 0) fn(2 * run_expert, run_at, run_rows);
+          run_expert = e;
+          run_at = at;
+          run_rows = 0;
+        }
+        run_rows += blocks[b];
         at += blocks[b];
       }
+      if (run_rows > 0) fn(2 * run_expert, run_at, run_rows);
       return;
     }
     const auto& rows = mb.expert_rows.at(router);

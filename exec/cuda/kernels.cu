@@ -405,33 +405,47 @@ __global__ void moe_route_backward_kernel(T* dlogits, const float* dgates, const
   }
 }
 
-// One block: each thread counts its experts' copies, thread 0 turns the counts into first
-// rows, and each thread places its experts' slots in slot order: a stable sort by expert, as
-// exec/cpu's moe_dispatch. Dynamic shared memory: E ints.
+// One block: a stable sort of the slots by expert, as exec/cpu's moe_dispatch. Each thread
+// takes a contiguous chunk of slots and counts its copies per expert (count[e * threads + t],
+// in dynamic shared memory: E x threads + E ints); each expert's counts become the first row of
+// each chunk's copies (in chunk order, after the experts before it); then each thread places its
+// chunk's slots in slot order. Every expert's rows keep slot order, whatever the thread count.
 __global__ void moe_order_kernel(int* order, float* rows, const int* experts, std::int64_t slots,
                                  int E) {
-  extern __shared__ int first[];
-  for (int e = static_cast<int>(threadIdx.x); e < E; e += static_cast<int>(blockDim.x)) {
-    int n = 0;
-    for (std::int64_t i = 0; i < slots; ++i) n += experts[i] == e ? 1 : 0;
-    first[e] = n;
+  extern __shared__ int shared[];
+  const int threads = static_cast<int>(blockDim.x), t = static_cast<int>(threadIdx.x);
+  int* count = shared;                // [E][threads]
+  int* total = shared + E * threads;  // [E]
+  const std::int64_t chunk = (slots + threads - 1) / threads;
+  const std::int64_t begin = t * chunk < slots ? t * chunk : slots;
+  const std::int64_t end = begin + chunk < slots ? begin + chunk : slots;
+  for (int e = 0; e < E; ++e) count[e * threads + t] = 0;
+  for (std::int64_t i = begin; i < end; ++i) ++count[experts[i] * threads + t];
+  __syncthreads();
+  // Each expert's chunks in order: their exclusive running sum (one thread per expert).
+  for (int e = t; e < E; e += threads) {
+    int at = 0;
+    for (int c = 0; c < threads; ++c) {
+      const int n = count[e * threads + c];
+      count[e * threads + c] = at;
+      at += n;
+    }
+    total[e] = at;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (t == 0) {
     int at = 0;
     for (int e = 0; e < E; ++e) {
-      const int n = first[e];
-      rows[e] = static_cast<float>(n);
-      first[e] = at;
+      rows[e] = static_cast<float>(total[e]);
+      const int n = total[e];
+      total[e] = at;
       at += n;
     }
   }
   __syncthreads();
-  for (int e = static_cast<int>(threadIdx.x); e < E; e += static_cast<int>(blockDim.x)) {
-    int p = first[e];
-    for (std::int64_t i = 0; i < slots; ++i) {
-      if (experts[i] == e) order[p++] = static_cast<int>(i);
-    }
+  for (int e = 0; e < E; ++e) count[e * threads + t] += total[e];
+  for (std::int64_t i = begin; i < end; ++i) {
+    order[count[experts[i] * threads + t]++] = static_cast<int>(i);
   }
 }
 
@@ -1364,8 +1378,17 @@ void Kernels::moe_route_backward(void* dlogits, const float* dgates, const float
 void Kernels::moe_dispatch(void* dispatched, int* order, float* rows, const void* x,
                            const int* experts, int T, int C, int k, int E) {
   const std::int64_t slots = static_cast<std::int64_t>(T) * k;
-  moe_order_kernel<<<1, std::min(kThreads, std::max(E, 32)), static_cast<std::size_t>(E) * 4,
-                     impl_->stream>>>(order, rows, experts, slots, E);
+  // As many threads as the counts fit in 48 KiB of shared memory (the default most a block
+  // gets), up to 1024, a multiple of 32; at least one warp.
+  const int fit = static_cast<int>((48 * 1024 / 4 - E) / std::max(E, 1));
+  const int threads = std::clamp(fit / 32 * 32, 32, 1024);
+  if (static_cast<std::int64_t>(E + 1) * threads * 4 > 48 * 1024) {
+    throw CudaError("moe_dispatch: " + std::to_string(E) +
+                    " experts: their counts for a warp of threads do not fit in 48 KiB of "
+                    "shared memory (at most 351 experts)");
+  }
+  moe_order_kernel<<<1, threads, static_cast<std::size_t>(E) * (threads + 1) * 4, impl_->stream>>>(
+      order, rows, experts, slots, E);
   launched("moe_order_kernel");
   if (slots == 0 || C == 0) return;
   with_type(act_, [&](auto* tag) {
