@@ -13,7 +13,9 @@
 #      task kind, with the catalog and with the H200 profile shipped in validation/, measured
 #      by dtexec calibrate on an H200 before); GPT-2 with dropout at cp 2, one rank alone;
 #   3. the last pipeline stage of Llama-3 70B at tp8 pp8 and a rank of Mixtral 8x7B at ep 8
-#      (--only-rank, communication replaced by the predicted waits), validated as in 2;
+#      (--only-rank, communication replaced by the predicted waits), validated as in 2, the
+#      70B slice also with a profile calibrated at 70B's shapes, Mixtral also at the expert
+#      load its run measured;
 #   4. dtexec calibrate --backend cuda: cuBLAS GEMMs (squares, and Llama-3 8B's shapes forward
 #      and backward as the executor calls them), copy bandwidth, launch overhead, jitter, the
 #      non-GEMM ops with the executor's GPU kernels, and the in_run factors; the catalog's
@@ -21,7 +23,8 @@
 #      against it (dtsim only);
 #   5. GPT-2 calibrated at its own shapes; run with its vocabulary padded (50304, the default)
 #      and as it is (50257, --make-vocab-size-divisible-by 1), each validated against that
-#      profile; its loss at --lr 6e-4 in bf16 and fp32, and in bf16 with a 4-step warm-up and a
+#      profile, and section 2's GPT-2 runs priced with that profile; its loss at --lr 6e-4
+#      in bf16 and fp32 (12 steps), and in bf16 over 200 steps with a 10-step warm-up and a
 #      cosine decay to 6e-5 (nanoGPT's GPT-2 rates); a checkpoint's cost, saved synchronously
 #      and asynchronously (--checkpoint-async: what training stops for against the write);
 #   6. several ranks on the one GPU over NCCL (mpirun from the bundle, dtexec --share-gpus: each
@@ -51,6 +54,7 @@ if [ -n "${OUT:-}" ]; then
   rm -rf "$out"
   report=$OUT/report.txt
   bring_back() {
+    [ -n "${smi_pid:-}" ] && kill "$smi_pid" 2>/dev/null
     cp -f "$report" "$out/report.txt" 2>/dev/null
     cp -f "$out/profile_h200.json" "$OUT/" 2>/dev/null
     export XZ_OPT='-T0 -3'  # seconds, not minutes, on the machine's cores
@@ -273,6 +277,17 @@ mix="--model mixtral-8x7b --tp 2 --sequence-parallel --ep 8 --micro-batch-size 1
 mix="$mix --global-batch-size 16 --recompute full"
 cluster="$out/h200-pod.json" validate_plan mixtral "--gpus 16 $mix" \
   "$mix --dp 8 --only-rank 0 --steps 3"
+# The routing the rank's experts got (dtexec prints it) against dtsim's even share: the same
+# prediction with --expert-load at the measured mean.
+load=$(grep -o -m1 'experts got [0-9.]*x' "$out/mixtral_run.txt" | grep -o '[0-9][0-9.]*')
+if [ -n "$load" ] && [ -s "$out/mixtral_measured.json" ]; then
+  # shellcheck disable=SC2086
+  limit 60 "$bin/dtsim" simulate --cluster "$out/h200-pod.json" --gpus 16 $mix --profile "$profile" \
+    --expert-load "$load" --trace "$out/mixtral_load.json" >"$out/mixtral_simulate_load.txt" 2>&1
+  say "-- mixtral: predicted (profile, --expert-load $load as the run measured) against measured"
+  "$bin/dtsim" validate --predicted "$out/mixtral_load.json" \
+    --measured "$out/mixtral_measured.json" 2>&1 | tee -a "$report"
+fi
 
 }
 
@@ -384,6 +399,21 @@ for multiple in 128 1; do
   "$bin/dtsim" validate --predicted "$out/gpt2_m${multiple}_own.json" \
     --measured "$out/gpt2_m${multiple}_measured.json" 2>&1 | head -7 | tee -a "$report"
 done
+# Section 2's GPT-2 runs priced again with GPT-2's own profile (dtsim only; the cp slice has
+# dropout, which that profile did not time).
+if [ -s "$out/profile_gpt2.json" ]; then
+  for entry in "${validated_plans[@]}"; do
+    IFS='|' read -r name topology flags <<<"$entry"
+    case $name in gpt2*) ;; *) continue ;; esac
+    [ -s "$out/${name}_measured.json" ] || continue
+    # shellcheck disable=SC2086
+    limit 60 "$bin/dtsim" simulate --cluster "$topology" $flags --profile "$out/profile_gpt2.json" \
+      --trace "$out/${name}_gpt2own.json" >/dev/null 2>&1 || continue
+    say "-- $name: predicted (GPT-2's own profile) against measured"
+    "$bin/dtsim" validate --predicted "$out/${name}_gpt2own.json" \
+      --measured "$out/${name}_measured.json" 2>&1 | head -12 | tee -a "$report"
+  done
+fi
 say "-- GPT-2's loss over 12 steps at --lr 6e-4, bf16 then fp32"
 for precision in bf16 fp32; do
   # shellcheck disable=SC2086
@@ -391,22 +421,26 @@ for precision in bf16 fp32; do
     $g2 --steps 12 --lr 6e-4 2>&1 | awk '/^step/ {printf "%s ", $4}')
   say "$precision: $losses"
 done
-# With a checkpoint at the end (outside $OUT: 1.4 GiB): what it costs, and its copy to host
-# memory, the figure for dtsim --checkpoint-async-gbs-per-gpu.
+# 200 steps (12 barely move it: 10.975 to 10.952 on 2026-12-04; 200 took it to 1.59), with a
+# checkpoint at the end (outside $OUT: 1.4 GiB): what it costs, and its copy to host memory,
+# the figure for dtsim --checkpoint-async-gbs-per-gpu.
 # shellcheck disable=SC2086
-limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 --lr-warmup-steps 4 \
+limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 200 --lr 6e-4 --lr-warmup-steps 10 \
   --lr-decay-style cosine --min-lr 6e-5 --checkpoint /tmp/gpu_check_gpt2_ckpt \
   >"$out/gpt2_warmup.txt" 2>&1
-say "bf16, warm-up 4 steps, cosine decay to 6e-5: $(awk '/^step/ {printf "%s ", $4}' "$out/gpt2_warmup.txt")"
+say "bf16, 200 steps, warm-up 10 steps, cosine decay to 6e-5, every 20th loss:" \
+  "$(awk '/^step/ && ($2 == 1 || $2 % 20 == 0) {printf "%s ", $4}' "$out/gpt2_warmup.txt")"
 say "$(grep -h 'checkpoint written' "$out/gpt2_warmup.txt")"
 rm -rf /tmp/gpu_check_gpt2_ckpt
-# Asynchronous saves every 4 steps: what training stops for (the copy to host memory) against
-# the write behind it, and the steps' times while it writes.
+# Asynchronous saves every 75 steps: what training stops for (the copy to host memory) against
+# the write behind it, and the steps' times while it writes. (Every 4 steps, on 2026-12-04,
+# each save waited 5.5 s for the write before it: 1.4 GiB at 250 MB/s outlasts 4 steps.)
 # shellcheck disable=SC2086
-limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 12 --lr 6e-4 \
-  --checkpoint /tmp/gpu_check_gpt2_ckpt --checkpoint-every 4 --checkpoint-async \
+limit 90 "$bin/dtexec" run --backend cuda $g2 --steps 150 --lr 6e-4 \
+  --checkpoint /tmp/gpu_check_gpt2_ckpt --checkpoint-every 75 --checkpoint-async \
   >"$out/gpt2_async_ckpt.txt" 2>&1
-say "asynchronous saves: step times (ms) $(awk '/^step/ {printf "%s ", $5}' "$out/gpt2_async_ckpt.txt")"
+say "asynchronous saves: step times (ms) of steps 70 to 85" \
+  "$(awk '/^step/ && $2 >= 70 && $2 <= 85 {printf "%s ", $5}' "$out/gpt2_async_ckpt.txt")"
 grep -h -e '^checkpoint' "$out/gpt2_async_ckpt.txt" | while read -r line; do say "$line"; done
 rm -rf /tmp/gpu_check_gpt2_ckpt
 }
@@ -508,9 +542,53 @@ for entry in "${nccl_plans[@]}"; do
 done
 }
 
+# The GPU's clock and power through the check (every 200 ms), summed up per section at the
+# end: GEMMs of random values load an H200 to its power cap and lower its clock, which a
+# profile's rates carry (exec/README.md, 2026-12-04).
+smi_pid=""
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active \
+    --format=csv,noheader,nounits -lms 200 >"$out/smi.csv" 2>/dev/null &
+  smi_pid=$!
+fi
+stamp() { echo "$1 $(date '+%Y/%m/%d %H:%M:%S.%3N')" >>"$out/sections.txt"; }
 for section in ${GPU_CHECK_SECTIONS:-1 2 3 4 5 6}; do
+  stamp "$section"
   case $section in
     [1-6]) "section_$section" ;;
     *) say "GPU_CHECK_SECTIONS: no section $section (1 to 6)" ;;
   esac
 done
+stamp end
+if [ -n "$smi_pid" ]; then
+  kill "$smi_pid" 2>/dev/null
+  say ""
+  say "== the GPU's SM clock and power per section (nvidia-smi every 200 ms)"
+  python3 - "$out/smi.csv" "$out/sections.txt" <<'PY' | tee -a "$report"
+import sys
+from datetime import datetime
+def when(text):
+    return datetime.strptime(text.strip(), "%Y/%m/%d %H:%M:%S.%f")
+samples = []
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    try:
+        samples.append((when(f[0]), float(f[1]), float(f[2]), int(f[3], 16)))
+    except (ValueError, IndexError):
+        continue
+marks = [(l.split(" ", 1)[0], when(l.split(" ", 1)[1])) for l in open(sys.argv[2])]
+for (name, begin), (_, end) in zip(marks, marks[1:]):
+    s = [x for x in samples if begin <= x[0] < end]
+    if not s:
+        continue
+    busy = [x for x in s if x[2] > 150]  # above idle power
+    capped = sum(1 for x in s if x[3] & 0x4)  # software power cap
+    if busy:
+        print(f"section {name}: {len(s)} samples, {len(busy)} busy: SM clock mean "
+              f"{sum(x[1] for x in busy) / len(busy):.0f} MHz (min {min(x[1] for x in busy):.0f}), "
+              f"power mean {sum(x[2] for x in busy) / len(busy):.0f} W "
+              f"(max {max(x[2] for x in busy):.0f}); power-capped in {capped}")
+    else:
+        print(f"section {name}: {len(s)} samples, none above 150 W")
+PY
+fi
