@@ -63,7 +63,7 @@ if [ -n "${OUT:-}" ]; then
     if [ "$(stat -c %s "$OUT/gpu-report.tar.xz" 2>/dev/null || echo 0)" -gt 16000000 ]; then
       tar -C /tmp -cJf "$OUT/gpu-report.tar.xz" --exclude='*_catalog.json' \
         --exclude='*_profile.json' --exclude='*_waits.json' --exclude='*_own.json' \
-        --exclude='*_fresh.json' gpu-report 2>/dev/null
+        --exclude='*_fresh.json' --exclude='*_gpt2own.json' gpu-report 2>/dev/null
     fi
     # Still over: the measured traces, the logs and the profiles alone (what a later session
     # needs to price the runs again without a GPU).
@@ -183,6 +183,25 @@ validate_plan() {
     say "-- $name: predicted ($with) against measured"
     "$bin/dtsim" validate --predicted "$out/${name}_${with}.json" \
       --measured "$out/${name}_measured.json" 2>&1 | tee -a "$report"
+  done
+}
+
+# The runs validate_plan kept (those whose name matches PATTERN, default all) priced again
+# with PROFILE, without running them again (dtsim only), each against its measured trace.
+#   revalidate PROFILE LABEL SUFFIX [PATTERN]
+revalidate() {
+  local with=$1 label=$2 suffix=$3 pattern=${4:-*} entry name topology flags
+  for entry in "${validated_plans[@]}"; do
+    IFS='|' read -r name topology flags <<<"$entry"
+    # shellcheck disable=SC2053
+    [[ $name == $pattern ]] || continue
+    [ -s "$out/${name}_measured.json" ] || continue
+    # shellcheck disable=SC2086
+    limit 60 "$bin/dtsim" simulate --cluster "$topology" $flags --profile "$with" \
+      --trace "$out/${name}_$suffix.json" >/dev/null 2>&1 || continue
+    say "-- $name: predicted ($label) against measured"
+    "$bin/dtsim" validate --predicted "$out/${name}_$suffix.json" \
+      --measured "$out/${name}_measured.json" 2>&1 | head -12 | tee -a "$report"
   done
 }
 
@@ -352,16 +371,7 @@ done
 say ""
 say "-- sections 2 and 3: the runs against the profile measured here (dtsim only)"
 if [ "$profile" = "$out/profile_h200.json" ]; then
-  for entry in "${validated_plans[@]}"; do
-    IFS='|' read -r name topology flags <<<"$entry"
-    [ -s "$out/${name}_measured.json" ] || continue
-    # shellcheck disable=SC2086
-    limit 60 "$bin/dtsim" simulate --cluster "$topology" $flags --profile "$profile" \
-      --trace "$out/${name}_fresh.json" >/dev/null 2>&1 || continue
-    say "-- $name: predicted (this GPU's profile) against measured"
-    "$bin/dtsim" validate --predicted "$out/${name}_fresh.json" \
-      --measured "$out/${name}_measured.json" 2>&1 | head -12 | tee -a "$report"
-  done
+  revalidate "$profile" "this GPU's profile" fresh
 else
   say "no profile measured here"
 fi
@@ -401,19 +411,9 @@ for multiple in 128 1; do
 done
 # Section 2's GPT-2 runs priced again with GPT-2's own profile (dtsim only; the cp slice has
 # dropout, which that profile did not time).
-if [ -s "$out/profile_gpt2.json" ]; then
-  for entry in "${validated_plans[@]}"; do
-    IFS='|' read -r name topology flags <<<"$entry"
-    case $name in gpt2*) ;; *) continue ;; esac
-    [ -s "$out/${name}_measured.json" ] || continue
-    # shellcheck disable=SC2086
-    limit 60 "$bin/dtsim" simulate --cluster "$topology" $flags --profile "$out/profile_gpt2.json" \
-      --trace "$out/${name}_gpt2own.json" >/dev/null 2>&1 || continue
-    say "-- $name: predicted (GPT-2's own profile) against measured"
-    "$bin/dtsim" validate --predicted "$out/${name}_gpt2own.json" \
-      --measured "$out/${name}_measured.json" 2>&1 | head -12 | tee -a "$report"
-  done
-fi
+[ -s "$out/profile_gpt2.json" ] &&
+  revalidate "$out/profile_gpt2.json" "GPT-2's own profile" gpt2own 'gpt2*'
+
 say "-- GPT-2's loss over 12 steps at --lr 6e-4, bf16 then fp32"
 for precision in bf16 fp32; do
   # shellcheck disable=SC2086
