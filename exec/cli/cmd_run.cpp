@@ -555,9 +555,12 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
                                 {"device", device.name()},
                                 {"memory",
                                  {{"peak_bytes", peak},
+                                  {"replay_input_bytes", result.replay_input_bytes},
                                   {"predicted_bytes", dtsim::report::value_or_null(predicted)},
                                   {"note",
-                                   "peak_bytes: the most tensor bytes this rank held at once; "
+                                   "peak_bytes: the most tensor bytes this rank held at once "
+                                   "(replay_input_bytes of them the values replayed receives "
+                                   "copy); "
                                    "predicted_bytes: dtsim memory's figure for its stage without "
                                    "its framework allowance"}}},
                                 {"only_rank", r},
@@ -592,7 +595,11 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
       result.step_time_s * 1e3, options.warmup_steps, compute * 1e3, waited * 1e3);
   constexpr double mib = 1024.0 * 1024.0;
   std::cout << fmt::format(
-      "memory: peak {:.1f} MiB of tensors{}\n", peak / mib,
+      "memory: peak {:.1f} MiB of tensors{}{}\n", peak / mib,
+      result.replay_input_bytes > 0
+          ? fmt::format(" (of which {:.1f} MiB the values replayed receives copy)",
+                        result.replay_input_bytes / mib)
+          : std::string(),
       predicted ? fmt::format("; dtsim memory predicts {:.1f} MiB for stage {} (without its "
                               "framework allowance)",
                               *predicted / mib, rp.stage)

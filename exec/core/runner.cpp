@@ -248,6 +248,8 @@ RunResult Runner::run() {
   if (async_.active) put_async_in_place(options_.steps, result);
   for (auto& mb : batches_) release(mb);
   batches_.clear();
+  result.replay_input_bytes =
+      static_cast<double>(replay_input_.n) * static_cast<double>(bytes_of(replay_input_.type));
   dev_.release(replay_input_);
   replay_input_ = View{};
   result.step_time_s = median(std::vector<double>(

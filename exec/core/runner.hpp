@@ -147,6 +147,9 @@ struct RunResult {
   // (plan.expert_load); 0 without ep.
   double expert_load = 0;
   double expert_load_peak = 0;
+  // --only-rank: the bytes of the values replayed receives copy (one transfer's tensor, held
+  // from the first replayed receive to the end: in the peak, and in no plan's).
+  double replay_input_bytes = 0;
 };
 
 // Throws UnsupportedError naming what the runner does not execute in this model or plan (every

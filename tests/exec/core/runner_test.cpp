@@ -336,6 +336,14 @@ TEST_CASE("one rank of a tp2 pp2 dp2 plan runs alone on the bf16 path", "[exec][
     dtsim::exec::SingleRankComm comm;
     const auto r = dtsim::exec::run_program(g, program, o, comm, bf16);
     CHECK(r.step_times_s.size() == 2);
+    // Replayed receives copy one made-up tensor of a transfer's size (every stage receives:
+    // activations forward, gradients backward).
+    const auto& tasks = program.ranks[index].tasks;
+    const auto recv = std::find_if(tasks.begin(), tasks.end(), [](const dtsim::lower::Task& t) {
+      return t.kind == dtsim::lower::TaskKind::Recv;
+    });
+    REQUIRE(recv != tasks.end());
+    CHECK(r.replay_input_bytes == Approx(static_cast<double>(recv->bytes)));
     REQUIRE(r.step_begins_s.size() == 2);
     REQUIRE(!r.tasks.empty());
     // Timed with the device's marks (the queued-device path): each task after the one before,
