@@ -489,9 +489,9 @@ class Runner {
       int run_expert = -1, run_rows = 0;
       std::int64_t run_at = 0;
       for (std::size_t b = 0; b < blocks.size(); ++b) {
-        if (blocks[b] == 0) continue;
+        if (blocks[b] == 0) continue;  // an empty block leaves its neighbours adjacent
         const int e = e_ * local + static_cast<int>(b) % local;
-        if (e != run_expert || run_at + run_rows != at) {
+        if (e != run_expert) {
           if (run_rows > 0) fn(2 * run_expert, run_at, run_rows);
           run_expert = e;
           run_at = at;

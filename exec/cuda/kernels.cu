@@ -1385,7 +1385,7 @@ void Kernels::moe_dispatch(void* dispatched, int* order, float* rows, const void
   if (static_cast<std::int64_t>(E + 1) * threads * 4 > 48 * 1024) {
     throw CudaError("moe_dispatch: " + std::to_string(E) +
                     " experts: their counts for a warp of threads do not fit in 48 KiB of "
-                    "shared memory (at most 351 experts)");
+                    "shared memory (at most 383 experts)");
   }
   moe_order_kernel<<<1, threads, static_cast<std::size_t>(E) * (threads + 1) * 4, impl_->stream>>>(
       order, rows, experts, slots, E);
