@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <exception>
@@ -306,6 +307,13 @@ class Estimator {
     double stage_exchanges = 0;  // the slowest stage's receives per micro-batch
     int stage_layers = 0;
     double stage_params = 0, stage_expert_params = 0;
+    // The data-parallel buckets of a micro-batch's gradients (the stage's with the most), dense
+    // and the experts'.
+    const double grad_bytes = plan::state_bytes_per_param(p).gradients;
+    const bool per_block = plan::gradient_buckets_per_block(p);
+    const std::array<double, 2> block_rate = {block_buckets(g, p, false, grad_bytes, per_block),
+                                              block_buckets(g, p, true, grad_bytes, per_block)};
+    std::array<double, 2> stage_buckets{};
     for (int s = 0; s < p.pp; ++s) {
       int layers = 0;
       for (int c = 0; c < p.virtual_stages; ++c)
@@ -337,8 +345,14 @@ class Estimator {
         stage_compute = compute;
         stage_layers = layers;
       }
-      stage_params = std::max(stage_params, stage_param_count(g, p, s, chunks, false));
-      stage_expert_params = std::max(stage_expert_params, stage_param_count(g, p, s, chunks, true));
+      const double dense = stage_param_count(g, p, s, chunks, false);
+      const double experts = stage_param_count(g, p, s, chunks, true);
+      stage_params = std::max(stage_params, dense);
+      stage_expert_params = std::max(stage_expert_params, experts);
+      const EdgeBuckets edge = edge_buckets(g, p, s, grad_bytes, per_block);
+      stage_buckets[0] = std::max(
+          stage_buckets[0], (dense - edge.params) * grad_bytes * block_rate[0] + edge.buckets);
+      stage_buckets[1] = std::max(stage_buckets[1], experts * grad_bytes * block_rate[1]);
     }
     const double mb = static_cast<double>(p.micro_batches());
     const double per_mb = stage_f + stage_b + stage_rec;
@@ -435,10 +449,7 @@ class Estimator {
       const auto bucket = std::min<std::uint64_t>(grads, plan::kGradientBucketBytes);
       // One collective per bucket, each paying the group's latency (at a dp of thousands a
       // ring's thousands of steps): as many as the stage's blocks fill.
-      const double buckets =
-          std::max(1.0, std::round(static_cast<double>(grads) *
-                                   block_buckets(g, p, expert, bytes_per.gradients,
-                                                 plan::gradient_buckets_per_block(p))));
+      const double buckets = std::max(1.0, std::round(stage_buckets[expert ? 1 : 0]));
       const double all =
           buckets * dp_s(reduce, static_cast<std::uint64_t>(static_cast<double>(grads) / buckets));
       const double last = dp_s(reduce, bucket);
@@ -619,6 +630,35 @@ class Estimator {
     }
     if (total <= 0) return 0;
     return (sent + (open <= 0 ? 0.0 : per_block ? 1.0 : open / limit)) / total;
+  }
+
+  // The embedding's gradients on the first stage, the final norm's and the head's on the last:
+  // their parameters, and the buckets they fill in the backward's order (the vocabulary's rows
+  // are a bucket of their own, which a block's rate of buckets per byte would count as many).
+  struct EdgeBuckets {
+    double params = 0, buckets = 0;
+  };
+  static EdgeBuckets edge_buckets(const model::ModelGraph& g, const Plan& p, int stage,
+                                  double grad_bytes, bool per_block) {
+    const auto limit = static_cast<double>(plan::kGradientBucketBytes);
+    EdgeBuckets e;
+    const auto fill = [&](int layer) {
+      double open = 0;
+      const auto& ops = g.layer_ops(layer);
+      for (auto it = ops.rbegin(); it != ops.rend(); ++it) {
+        const double params = plan::rank_params(g.op(*it), p);
+        e.params += params;
+        open += params * grad_bytes;
+        if (open >= limit) {
+          ++e.buckets;
+          open = 0;
+        }
+      }
+      if (open > 0) e.buckets += per_block ? 1.0 : open / limit;
+    };
+    if (stage == p.pp - 1) fill(static_cast<int>(g.spec().layers));
+    if (stage == 0) fill(-1);
+    return e;
   }
 
   // A data-parallel collective over `ranks` with its staging passes, as the simulator times it.
