@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -38,20 +39,47 @@ double quantile(std::vector<double> v, double q) {
 int main(int argc, char** argv) {
   int threads = 0, worst = 0, max_cp = dtsim::planner::kDefaultMaxCp;
   std::string only;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  const auto usage = [](std::FILE* to) {
+    fmt::print(to,
+               "usage: dtsim_planner_accuracy [--threads N] [--only SUBSTRING] [--worst N] "
+               "[--max-cp N]\n");
+  };
+  for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      usage(stdout);
+      return 0;
+    }
+    if (i + 1 == argc) {  // a flag without its value would otherwise run every search
+      fmt::print(stderr, "dtsim_planner_accuracy: {} needs a value\n", flag);
+      usage(stderr);
+      return 2;
+    }
+    // A count, or a message and exit code 2 (not std::stoi's exception).
+    int value = 0;
+    if (flag != "--only") {
+      const std::string text = argv[i + 1];
+      std::size_t used = 0;
+      try {
+        value = std::stoi(text, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != text.size() || value < 0) {
+        fmt::print(stderr, "dtsim_planner_accuracy: {} takes a count, not '{}'\n", flag, text);
+        return 2;
+      }
+    }
     if (flag == "--threads") {
-      threads = std::stoi(argv[i + 1]);
+      threads = value;
     } else if (flag == "--only") {
       only = argv[i + 1];
     } else if (flag == "--worst") {
-      worst = std::stoi(argv[i + 1]);
+      worst = value;
     } else if (flag == "--max-cp") {
-      max_cp = std::stoi(argv[i + 1]);
+      max_cp = value;
     } else {
-      fmt::print(stderr,
-                 "usage: dtsim_planner_accuracy [--threads N] [--only SUBSTRING] [--worst N] "
-                 "[--max-cp N]\n");
+      usage(stderr);
       return 2;
     }
   }

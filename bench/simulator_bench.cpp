@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -37,7 +38,23 @@ double peak_rss_mib() {
 
 int main(int argc, char** argv) {
   int repeat = 5;
-  if (argc == 3 && std::string(argv[1]) == "--repeat") repeat = std::max(1, std::stoi(argv[2]));
+  if (argc > 1) {
+    // --repeat N, the only flag; anything else is a usage error (not a run with defaults).
+    const std::string flag = argv[1];
+    std::size_t used = 0;
+    if (argc == 3 && flag == "--repeat") {
+      try {
+        repeat = std::stoi(argv[2], &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+    }
+    if (argc != 3 || flag != "--repeat" || used != std::string(argv[2]).size() || repeat < 1) {
+      const bool help = argc == 2 && (flag == "--help" || flag == "-h");
+      fmt::print(help ? stdout : stderr, "usage: dtsim_bench [--repeat N]   (N >= 1, default 5)\n");
+      return help ? 0 : 2;
+    }
+  }
   using S = dtsim::plan::Schedule;
   const std::vector<Case> cases = {
       {"GPT-3 175B, 64 A100, tp8 pp8, 8 micro-batches", "gpt3-175b", "selene", 64, 8, 8, 1, 8,
