@@ -450,9 +450,9 @@ TEST_CASE("GPU mixture-of-experts routing, dispatch and combine match the CPU",
 // Context parallelism: rank 1 of cp 2 (Megatron-LM's load balancing: chunks 1 and 2 of 4),
 // its queries against every rank's keys, with and without attention dropout; and the ops that
 // read positions (rotary, learned positions and their gradient, residual dropout) and the
-// column copies of the KV exchange. Both head batchings of the attention GEMMs (kernels.cu,
-// head_batches: several query heads per kv head; Llama-3 70B's tp-8 shard, 8 query heads on one
-// kv head), and rows longer than a block of the softmax kernels (S = 320).
+// column copies of the KV exchange. Both head batchings of the attention GEMMs
+// (kernels_attention.cu, head_batches: several query heads per kv head; Llama-3 70B's tp-8 shard, 8
+// query heads on one kv head), and rows longer than a block of the softmax kernels (S = 320).
 TEST_CASE("GPU attention with context parallelism matches the CPU", "[exec][cuda][gpu]") {
   const auto gpu = first_gpu();
   if (!gpu) return;
