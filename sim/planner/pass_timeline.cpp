@@ -87,6 +87,9 @@ class StageSet {
 // the transfer ends.
 struct Transfers {
   std::vector<double> send_posted, recv_posted, end;
+  // Blocking interleaved exchanges (run_in_time_order): the order in which the engine would
+  // meet the transfer's end on the sender's side, and on the receiver's (see `release` there).
+  std::vector<std::uint64_t> send_seq, recv_seq;
   // A device sends one pipeline transfer at a time and receives one at a time (the engine's
   // reserve_link): a stage that sends to both neighbours at once sends them one after the
   // other. The engine books a link in the order of the transfers' readiness. Blocking
@@ -156,6 +159,10 @@ class Timeline {
     t_.send_posted.assign(keys, -1.0);
     t_.recv_posted.assign(keys, -1.0);
     t_.end.assign(keys, -1.0);
+    if (in_time_order_) {
+      t_.send_seq.assign(keys, 0);
+      t_.recv_seq.assign(keys, 0);
+    }
     t_.out.resize(static_cast<std::size_t>(pp_));
     t_.in.resize(static_cast<std::size_t>(pp_));
     for (auto* links : {&t_.out, &t_.in}) {
@@ -260,24 +267,42 @@ class Timeline {
   // passes' order, on both links one transfer after another in that order (a transfer that
   // waits for its receiver's link holds its sender's link too; no gap is filled). A stage runs
   // its next round once its exchange's transfers are all in.
+  //
+  // Boundaries at the same time (stages in lockstep, common where the stages' passes are
+  // alike) are met in the engine's order of events: an event scheduled earlier first. A round
+  // starts when the last of its exchange's transfers ends, so its boundary comes in the order
+  // of that transfer's end (its two sides' events scheduled when it was booked, the sender's
+  // first); the events of the round in between keep that order. Which of two stages posts
+  // first decides which of their transfers gets a shared link first (a stage receiving from
+  // both neighbours at once).
   void run_in_time_order() {
-    using Boundary = std::tuple<double, std::uint64_t, int>;  // when, order posted, stage
+    using Boundary = std::tuple<double, std::uint64_t, int>;  // when, order of events, stage
     std::priority_queue<Boundary, std::vector<Boundary>, std::greater<>> boundaries;
-    std::uint64_t order = 0;
-    for (int s = 0; s < pp_; ++s) boundaries.emplace(0.0, order++, s);
+    std::uint64_t events = 0;  // the engine's order of scheduling, as far as it decides ties
+    for (int s = 0; s < pp_; ++s) boundaries.emplace(0.0, events++, s);
     std::vector<std::size_t> open(static_cast<std::size_t>(pp_), 0);  // transfers not booked
-    auto release = [&](int s) {
+    // The stage's next round, from the end of its exchange's last transfer (the event met
+    // last, where several end together).
+    auto release = [&](int s, std::uint64_t posted) {
       Stage& st = stages_[static_cast<std::size_t>(s)];
       double start = st.boundary;
-      for (const auto* keys : {&st.sending, &st.receiving}) {
-        for (std::size_t k : *keys) start = std::max(start, t_.end[k]);
-      }
-      if (run_round(s, st, start)) boundaries.emplace(st.free, order++, s);
+      std::uint64_t last = posted;
+      const auto later = [&](std::size_t k, std::uint64_t seq) {
+        if (t_.end[k] > start || (t_.end[k] == start && seq > last)) {
+          start = t_.end[k];
+          last = seq;
+        }
+      };
+      for (std::size_t k : st.sending) later(k, t_.send_seq[k]);
+      for (std::size_t k : st.receiving) later(k, t_.recv_seq[k]);
+      if (run_round(s, st, start)) boundaries.emplace(st.free, last, s);
     };
+    std::vector<std::uint64_t> posted_at(static_cast<std::size_t>(pp_), 0);
     while (!boundaries.empty()) {
       const int s = std::get<2>(boundaries.top());
       boundaries.pop();
       Stage& st = stages_[static_cast<std::size_t>(s)];
+      posted_at[static_cast<std::size_t>(s)] = events++;
       post_exchange(s, st);
       for (std::size_t k : st.sending) t_.send_posted[k] = st.boundary;
       for (std::size_t k : st.receiving) t_.recv_posted[k] = st.boundary;
@@ -287,6 +312,8 @@ class Timeline {
         for (std::size_t k : *keys) {
           if (t_.send_posted[k] < 0 || t_.recv_posted[k] < 0 || t_.end[k] >= 0) continue;
           book_in_order(k);
+          t_.send_seq[k] = events++;
+          t_.recv_seq[k] = events++;
           const int other = keys == &st.sending ? receiver(k) : sender(k);
           // The sender's side first, as the engine finishes a transfer's send before its
           // receive.
@@ -299,7 +326,7 @@ class Timeline {
           std::find(released.begin(), released.end(), s) == released.end()) {
         released.push_back(s);
       }
-      for (const int r : released) release(r);
+      for (const int r : released) release(r, posted_at[static_cast<std::size_t>(r)]);
     }
   }
 
