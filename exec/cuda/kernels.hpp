@@ -264,6 +264,10 @@ class Kernels {
              float beta1, float beta2, float eps, float weight_decay, int t);
 
  private:
+  // moe_dispatch_backward (add: into dst, no gates) and moe_combine (from zero, weighted by the
+  // gates): each token's row of dst [T, C], the sum of its k copies' rows in `rows`' order.
+  void moe_token_sums(void* dst, const void* rows, const float* gates, const int* order, int T,
+                      int C, int k, bool add);
   // FlashAttention's backward, sequence b (of the micro-batch): its H·Sq rows of S
   // probabilities again into probs from the scores made again (fp32, scores) and the rows'
   // log-sum-exp (lse, the sequence's [H, Sq]), and with `dropout` its mask and dropped

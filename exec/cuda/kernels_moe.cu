@@ -215,24 +215,16 @@ void Kernels::moe_dispatch(void* dispatched, int* order, float* rows, const void
 
 void Kernels::moe_dispatch_backward(void* dx, const void* ddispatched, const int* order, int T,
                                     int C, int k) {
-  const std::int64_t slots = static_cast<std::int64_t>(T) * k;
-  if (slots == 0 || C == 0) return;
-  // The row of each slot's copy (the inverse of the order), in scratch.
-  auto* where =
-      reinterpret_cast<int*>(impl_->room(impl_->slots, static_cast<std::size_t>(slots) * 4));
-  moe_where_kernel<<<blocks_for(slots), kThreads, 0, impl_->stream>>>(where, order, slots);
-  launched("moe_where_kernel");
-  with_type(act_, [&](auto* tag) {
-    using A = std::remove_pointer_t<decltype(tag)>;
-    moe_token_sum_kernel<<<blocks_for(static_cast<std::int64_t>(T) * C), kThreads, 0,
-                           impl_->stream>>>(static_cast<A*>(dx), static_cast<const A*>(ddispatched),
-                                            where, nullptr, order, T, C, k, true);
-  });
-  launched("moe_token_sum_kernel");
+  moe_token_sums(dx, ddispatched, nullptr, order, T, C, k, true);
 }
 
 void Kernels::moe_combine(void* out, const void* y, const float* gates, const int* order, int T,
                           int C, int k) {
+  moe_token_sums(out, y, gates, order, T, C, k, false);
+}
+
+void Kernels::moe_token_sums(void* dst, const void* rows, const float* gates, const int* order,
+                             int T, int C, int k, bool add) {
   const std::int64_t slots = static_cast<std::int64_t>(T) * k;
   if (slots == 0 || C == 0) return;
   // The row of each slot's copy (the inverse of the order), in scratch.
@@ -243,8 +235,8 @@ void Kernels::moe_combine(void* out, const void* y, const float* gates, const in
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     moe_token_sum_kernel<<<blocks_for(static_cast<std::int64_t>(T) * C), kThreads, 0,
-                           impl_->stream>>>(static_cast<A*>(out), static_cast<const A*>(y), where,
-                                            gates, order, T, C, k, false);
+                           impl_->stream>>>(static_cast<A*>(dst), static_cast<const A*>(rows),
+                                            where, gates, order, T, C, k, add);
   });
   launched("moe_token_sum_kernel");
 }
