@@ -7,12 +7,13 @@
 // best plan of all: the regret, in percent of the best step time (0: it found the best).
 // Run it by hand; the note of the issue records the figures. Minutes on two cores.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
-#include <exception>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <limits>
 #include <string>
 #include <vector>
@@ -108,6 +109,14 @@ int main(int argc, char** argv) {
     dtsim::planner::SearchOptions all;
     all.threads = threads;
     all.refine = std::numeric_limits<int>::max();
+    // Minutes a search: on a terminal, how far the simulator has got (stderr, one line).
+    if (isatty(fileno(stderr))) {
+      all.simulated = [name = c.name](std::uint64_t done, std::uint64_t total) {
+        if (done % 16 != 0 && done != total) return;
+        fmt::print(stderr, "\r{}: {}/{} simulated{}", name, done, total, done == total ? "\r" : "");
+        if (done == total) fmt::print(stderr, "{:<80}\r", "");
+      };
+    }
     const auto start = std::chrono::steady_clock::now();
     const auto r = dtsim::planner::search(spec, cluster, space, all);
     const double wall =

@@ -343,20 +343,26 @@ int cmd_plan(const std::vector<std::string>& args) {
   const int top = vm["top"].as<int>();
   if (top < 1 || options.refine < 0) throw InputError("--top must be >= 1 and --refine >= 0");
   if (vm.count("out")) check_writable(vm["out"].as<std::string>(), "--out");
-  // A progress bar on a terminal, for searches longer than a second.
+  // A progress bar on a terminal, for searches longer than a second: the candidates estimated,
+  // then the best ones simulated (seconds each for a large model's plans).
   const auto started = std::chrono::steady_clock::now();
   if (isatty(fileno(stderr))) {
-    options.progress = [started](std::uint64_t done, std::uint64_t total) {
-      const double elapsed =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-      if (elapsed < 1.0 && done != total) return;
-      const int width = 30;
-      const int filled = static_cast<int>(width * done / std::max<std::uint64_t>(total, 1));
-      std::fprintf(stderr, "\r[%s%s] %llu/%llu candidates", std::string(filled, '#').c_str(),
-                   std::string(width - filled, ' ').c_str(), static_cast<unsigned long long>(done),
-                   static_cast<unsigned long long>(total));
-      if (done == total) std::fprintf(stderr, "\n");
+    const auto bar = [started](const char* what) {
+      return [started, what](std::uint64_t done, std::uint64_t total) {
+        const double elapsed =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+        if (elapsed < 1.0 && done != total) return;
+        const int width = 30;
+        const int filled = static_cast<int>(width * done / std::max<std::uint64_t>(total, 1));
+        std::fprintf(stderr, "\r[%s%s] %llu/%llu %s", std::string(filled, '#').c_str(),
+                     std::string(width - filled, ' ').c_str(),
+                     static_cast<unsigned long long>(done), static_cast<unsigned long long>(total),
+                     what);
+        if (done == total) std::fprintf(stderr, "\n");
+      };
     };
+    options.progress = bar("candidates");
+    options.simulated = bar("simulated");
   }
   const planner::SearchResult result = planner::search(spec, cluster, space, options);
   const double elapsed =

@@ -1124,6 +1124,7 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   sim_options.profile = options.profile;
   sim_options.jitter_cv = options.jitter_cv;
   sim_options.rank_spread_cv = options.rank_spread_cv;
+  std::atomic<std::uint64_t> simulations_done{0};
   parallel_for(static_cast<std::size_t>(refine), threads, [&] {
     return [&, net = network::make_analytical(cluster)](std::size_t i) {
       Candidate& c = feasible[i];
@@ -1133,6 +1134,8 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
       c.step_time_s = c.prediction.step_time_s;
       c.refined = true;
       price_step(c);
+      const std::uint64_t n = ++simulations_done;
+      if (options.simulated) options.simulated(n, static_cast<std::uint64_t>(refine));
     };
   });
   for (int i = 0; i < refine; ++i) {

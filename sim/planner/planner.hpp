@@ -109,7 +109,10 @@ struct SearchOptions {
   int refine = 8;
   int threads = 0;  // 0: hardware concurrency
   Objective objective = Objective::Time;
+  // Progress, called from the search's threads: `progress` as candidates are estimated,
+  // `simulated` as the simulator finishes each of the best `refine` (done of total).
   std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+  std::function<void(std::uint64_t done, std::uint64_t total)> simulated;
   const cost::Profile* profile = nullptr;  // calibration profile for both tiers
   // The straggler model of both tiers (engine::SimulateOptions::jitter_cv; the closed form
   // adds the engine's waits per group kind). Unset: the profile's jitter_cv, else none.
