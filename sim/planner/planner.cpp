@@ -448,7 +448,8 @@ class Estimator {
       const auto grads = static_cast<std::uint64_t>(params * bytes_per.gradients);
       const auto bucket = std::min<std::uint64_t>(grads, plan::kGradientBucketBytes);
       // One collective per bucket, each paying the group's latency (at a dp of thousands a
-      // ring's thousands of steps): as many as the stage's blocks fill.
+      // ring's thousands of steps): as many as the stage's blocks, embedding and head fill
+      // (stage_buckets).
       const double buckets = std::max(1.0, std::round(stage_buckets[expert ? 1 : 0]));
       const double all =
           buckets * dp_s(reduce, static_cast<std::uint64_t>(static_cast<double>(grads) / buckets));
