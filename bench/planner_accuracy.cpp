@@ -112,9 +112,11 @@ int main(int argc, char** argv) {
     // Minutes a search: on a terminal, how far the simulator has got (stderr, one line).
     if (isatty(fileno(stderr))) {
       all.simulated = [name = c.name](std::uint64_t done, std::uint64_t total) {
-        if (done % 16 != 0 && done != total) return;
-        fmt::print(stderr, "\r{}: {}/{} simulated{}", name, done, total, done == total ? "\r" : "");
-        if (done == total) fmt::print(stderr, "{:<80}\r", "");
+        if (done == total) {
+          fmt::print(stderr, "\r{:<100}\r", "");  // cleared for the table's row
+        } else if (done % 16 == 0) {
+          fmt::print(stderr, "\r{}: {}/{} simulated", name, done, total);
+        }
       };
     }
     const auto start = std::chrono::steady_clock::now();
