@@ -349,7 +349,7 @@ class Estimator {
       const double experts = stage_param_count(g, p, s, chunks, true);
       stage_params = std::max(stage_params, dense);
       stage_expert_params = std::max(stage_expert_params, experts);
-      const EdgeBuckets edge = edge_buckets(g, p, s, grad_bytes, per_block);
+      const Filled edge = edge_buckets(g, p, s, grad_bytes, per_block);
       stage_buckets[0] = std::max(
           stage_buckets[0], (dense - edge.params) * grad_bytes * block_rate[0] + edge.buckets);
       stage_buckets[1] = std::max(stage_buckets[1], experts * grad_bytes * block_rate[1]);
@@ -607,58 +607,54 @@ class Estimator {
   }
 
  private:
-  // The data-parallel buckets per byte of gradients that a block's ops fill, as the lowering
+  // The data-parallel buckets that a layer's ops (dense or experts') fill, as the lowering
   // fills them (grad_buckets): in the backward's order, each sent once it holds
-  // plan::kGradientBucketBytes; what the block leaves open counts as its share of a bucket
-  // shared with the next block, or as a bucket of its own where each block's gradients go
-  // alone (`per_block`, ZeRO-3's unit gathers). 0 when the block has no such gradients.
-  static double block_buckets(const model::ModelGraph& g, const Plan& p, bool experts,
-                              double grad_bytes, bool per_block) {
+  // plan::kGradientBucketBytes; what the layer leaves open counts as its share of a bucket
+  // shared with the next layer, or as a bucket of its own where each unit's gradients go alone
+  // (`per_block`, ZeRO-3's unit gathers). With the ops' parameters on this rank.
+  struct Filled {
+    double params = 0, buckets = 0;
+  };
+  static Filled fill_buckets(const model::ModelGraph& g, const Plan& p, int layer, bool experts,
+                             double grad_bytes, bool per_block) {
     const auto limit = static_cast<double>(plan::kGradientBucketBytes);
-    double open = 0, total = 0, sent = 0;
-    const auto& ops = g.layer_ops(0);
+    Filled f;
+    double open = 0;
+    const auto& ops = g.layer_ops(layer);
     for (auto it = ops.rbegin(); it != ops.rend(); ++it) {
       const model::Op& o = g.op(*it);
       if (o.expert != experts) continue;
-      const double bytes = plan::rank_params(o, p) * grad_bytes;
-      if (bytes <= 0) continue;
-      open += bytes;
-      total += bytes;
+      const double params = plan::rank_params(o, p);
+      f.params += params;
+      open += params * grad_bytes;
       if (open >= limit) {
-        ++sent;
+        ++f.buckets;
         open = 0;
       }
     }
-    if (total <= 0) return 0;
-    return (sent + (open <= 0 ? 0.0 : per_block ? 1.0 : open / limit)) / total;
+    if (open > 0) f.buckets += per_block ? 1.0 : open / limit;
+    return f;
   }
 
-  // The embedding's gradients on the first stage, the final norm's and the head's on the last:
-  // their parameters, and the buckets they fill in the backward's order (the vocabulary's rows
-  // are a bucket of their own, which a block's rate of buckets per byte would count as many).
-  struct EdgeBuckets {
-    double params = 0, buckets = 0;
-  };
-  static EdgeBuckets edge_buckets(const model::ModelGraph& g, const Plan& p, int stage,
-                                  double grad_bytes, bool per_block) {
-    const auto limit = static_cast<double>(plan::kGradientBucketBytes);
-    EdgeBuckets e;
-    const auto fill = [&](int layer) {
-      double open = 0;
-      const auto& ops = g.layer_ops(layer);
-      for (auto it = ops.rbegin(); it != ops.rend(); ++it) {
-        const double params = plan::rank_params(g.op(*it), p);
-        e.params += params;
-        open += params * grad_bytes;
-        if (open >= limit) {
-          ++e.buckets;
-          open = 0;
-        }
-      }
-      if (open > 0) e.buckets += per_block ? 1.0 : open / limit;
-    };
-    if (stage == p.pp - 1) fill(static_cast<int>(g.spec().layers));
-    if (stage == 0) fill(-1);
+  // A block's buckets per byte of its gradients (all blocks are alike); 0 when it has none.
+  static double block_buckets(const model::ModelGraph& g, const Plan& p, bool experts,
+                              double grad_bytes, bool per_block) {
+    const Filled f = fill_buckets(g, p, 0, experts, grad_bytes, per_block);
+    return f.params > 0 ? f.buckets / (f.params * grad_bytes) : 0.0;
+  }
+
+  // The embedding's gradients on the first stage, the final norm's and the head's on the last,
+  // filled on their own: the vocabulary's rows are a bucket of their own, which a block's rate
+  // of buckets per byte would count as many.
+  static Filled edge_buckets(const model::ModelGraph& g, const Plan& p, int stage,
+                             double grad_bytes, bool per_block) {
+    Filled e;
+    for (const int layer : {static_cast<int>(g.spec().layers), -1}) {
+      if (layer == -1 ? stage != 0 : stage != p.pp - 1) continue;
+      const Filled f = fill_buckets(g, p, layer, false, grad_bytes, per_block);
+      e.params += f.params;
+      e.buckets += f.buckets;
+    }
     return e;
   }
 
