@@ -306,12 +306,11 @@ nlohmann::json measure_in_run(const nlohmann::json& profile_json,
     phase_seconds.push_back(measured[1]);
   }
   // The optimizer's prediction above priced the step's gradient clear (ComputeCost::
-  // grad_clear_seconds): its factor is the optimizer's alone.
-  return {{"forward", median(ratios[0])},
-          {"backward", median(ratios[1])},
-          {"optimizer", median(ratios[2])},
-          {"optimizer_prices_clear", true},
-          {"tasks", tasks}};
+  // grad_clear_seconds) and, in mixed precision, the master's second read for the 16-bit copy
+  // (ComputeCost::optimizer_seconds): its factor is the optimizer's alone.
+  return {{"forward", median(ratios[0])},         {"backward", median(ratios[1])},
+          {"optimizer", median(ratios[2])},       {"optimizer_prices_clear", true},
+          {"optimizer_prices_master_copy", true}, {"tasks", tasks}};
 }
 
 // Under mpirun: the in_run factors averaged over the ranks, and the spread of the ranks'

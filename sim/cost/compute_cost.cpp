@@ -323,10 +323,17 @@ std::string ComputeCost::profile_key(OpKind kind) const {
 
 double ComputeCost::optimizer_seconds(std::uint64_t params) const {
   const plan::StateBytesPerParam state = plan::state_bytes_per_param(plan_);
-  const bool mixed = state.weights < 4;  // a 16-bit copy of the weights, written after the step
-  const double bytes_per_param = state.gradients +
-                                 (plan_.optimizer == plan::Optimizer::Adam ? 24.0 : 16.0) +
-                                 (mixed ? state.weights : 0.0);
+  // With 16-bit weights the step then casts the fp32 master to them, a pass of its own that
+  // reads the master again (4 bytes) and writes the 16-bit copy: Megatron-LM's
+  // _copy_main_params_to_model_params (megatron/optimizer/distrib_optimizer.py), dtexec's
+  // refresh of the working weights. A profile whose optimizer factor was measured against a
+  // price without that read holds it in the factor (Profile::InRun::prices_master_copy).
+  const bool mixed = state.weights < 4;
+  const bool master_read =
+      profile_ == nullptr || !profile_->in_run || profile_->in_run->prices_master_copy;
+  const double copy = mixed ? state.weights + (master_read ? 4.0 : 0.0) : 0.0;
+  const double bytes_per_param =
+      state.gradients + (plan_.optimizer == plan::Optimizer::Adam ? 24.0 : 16.0) + copy;
   return optimizer_pass_seconds(static_cast<double>(params) * bytes_per_param);
 }
 

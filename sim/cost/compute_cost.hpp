@@ -43,9 +43,10 @@ class ComputeCost {
   double accumulation_seconds(const model::Op& op, lower::Phase phase) const;
   // The optimizer step over `params` parameters: memory-bound. Adam reads the gradient (its
   // plan::gradient_precision) and reads and writes the fp32 master weight, momentum and
-  // variance, then writes the 16-bit weight: 2 + 8 + 8 + 8 + 2 = 28 bytes per parameter with
-  // 16-bit gradients, 30 with fp32 ones (bf16's default), 4 + 8 + 16 = 28 in fp32; SGD with
-  // momentum 8 fewer.
+  // variance; with 16-bit weights it then reads the master again and writes the 16-bit weight:
+  // 2 + 8 + 8 + 8 + 4 + 2 = 32 bytes per parameter with 16-bit gradients, 34 with fp32 ones
+  // (bf16's default; 30 with a profile calibrated before that read was priced), 4 + 8 + 16 = 28
+  // in fp32; SGD with momentum 8 fewer.
   double optimizer_seconds(std::uint64_t params) const;
   // Gradient clipping's sum of squares over `params` gradients: one read of them.
   double grad_norm_seconds(std::uint64_t params) const;

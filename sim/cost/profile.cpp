@@ -97,7 +97,7 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   if (r.has("in_run")) {
     const JsonReader f = r.object("in_run");
     f.expect_only({"forward", "backward", "optimizer", "tasks", "rank_spread_cv", "transient_cv",
-                   "optimizer_prices_clear"});
+                   "optimizer_prices_clear", "optimizer_prices_master_copy"});
     if (f.has("rank_spread_cv")) p.rank_spread_cv = coefficient_of_variation(f, "rank_spread_cv");
     // Recorded by dtexec calibrate for comparison with jitter_cv; not used by the model yet.
     if (f.has("transient_cv")) coefficient_of_variation(f, "transient_cv");
@@ -111,7 +111,8 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
       return v;
     };
     p.in_run = Profile::InRun{factor("forward"), factor("backward"), factor("optimizer"),
-                              f.boolean_or("optimizer_prices_clear", false)};
+                              f.boolean_or("optimizer_prices_clear", false),
+                              f.boolean_or("optimizer_prices_master_copy", false)};
   }
   if (r.has("ops")) {
     const auto& ops = r.raw().at("ops");

@@ -89,6 +89,11 @@ struct Profile {
     // step's clear was inside the measured optimizer time but not in the prediction, so the
     // factor holds it: ComputeCost then leaves the clear unpriced instead of counting it twice.
     bool prices_clear = false;
+    // Whether it was measured against a price of the mixed-precision step that reads the fp32
+    // master again to write the 16-bit weights ("optimizer_prices_master_copy", dtexec
+    // calibrate since 2026-12-04; ComputeCost::optimizer_seconds). Before, that read (4 of 34
+    // bytes per parameter) was inside the measured time only, so the factor holds it.
+    bool prices_master_copy = false;
   };
   std::optional<InRun> in_run;
   struct OpRate {

@@ -236,18 +236,31 @@ TEST_CASE("a profile's in_run factors scale its compute times by phase", "[cost]
     CHECK(b.op_seconds(op, Phase::BackwardWeight) ==
           Approx(1.3 * a.op_seconds(op, Phase::BackwardWeight)));
   }
-  CHECK(b.optimizer_seconds(1000000) == Approx(1.5 * a.optimizer_seconds(1000000)));
+  // bf16 weights: the step's 34 bytes per parameter (fp32 gradients 4, Adam 24, the 16-bit
+  // copy's second read of the master 4 and its write 2) without in_run; a factor measured
+  // before that read was priced holds it, so the price leaves it out (30 bytes).
+  REQUIRE(plan.precision == dtsim::Precision::Bf16);
+  CHECK(b.optimizer_seconds(1000000) == Approx(1.5 * 30.0 / 34.0 * a.optimizer_seconds(1000000)));
   // The gradient buffer's clear: scaled as the optimizer where the factor was measured against
   // a prediction that priced it, else left out (the factor holds it: an older calibration).
   TempFile priced_file("in_run_clear.json",
                        "{" + base +
                            R"(, "in_run": {"forward": 1.1, "backward": 1.3, "optimizer": 1.5,
-                                           "optimizer_prices_clear": true}})");
+                                           "optimizer_prices_clear": true,
+                                           "optimizer_prices_master_copy": true}})");
   const auto priced = dtsim::cost::load_profile(priced_file.path());
   const dtsim::cost::ComputeCost c(g, plan, device, &priced);
   REQUIRE(a.grad_clear_seconds(1000000) > 0);
   CHECK(c.grad_clear_seconds(1000000) == Approx(1.5 * a.grad_clear_seconds(1000000)));
   CHECK(b.grad_clear_seconds(1000000) == 0);
+  CHECK(c.optimizer_seconds(1000000) == Approx(1.5 * a.optimizer_seconds(1000000)));
+  // In fp32 there is no 16-bit copy: the factor scales the same 28 bytes either way.
+  dtsim::plan::Plan fp32 = plan;
+  fp32.precision = dtsim::Precision::Fp32;
+  auto plain32 = plain, in_run32 = in_run;
+  plain32.precision = in_run32.precision = dtsim::Precision::Fp32;
+  const dtsim::cost::ComputeCost a32(g, fp32, device, &plain32), b32(g, fp32, device, &in_run32);
+  CHECK(b32.optimizer_seconds(1000000) == Approx(1.5 * a32.optimizer_seconds(1000000)));
 }
 
 TEST_CASE("measured op rates price the non-GEMM ops in the graph's own units", "[cost][profile]") {
