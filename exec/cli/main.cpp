@@ -87,26 +87,31 @@ int main(int argc, char** argv) {
   }
   if (args[0] == "run" || args[0] == "calibrate" || args[0] == "compare") {
     if (args[0] != "compare") dtsim::exec::cpu::keep_freed_host_memory();
-    try {
-      const std::vector<std::string> rest(args.begin() + 1, args.end());
-      if (args[0] == "compare") return compare(rest);
-      return args[0] == "run" ? run(rest) : calibrate(rest);
-    } catch (const dtsim::InputError& e) {
-      if (g_rank == 0) std::cerr << "dtexec " << args[0] << ": error: " << e.what() << "\n";
-      return 2;
-    } catch (const dtsim::UnsupportedError& e) {
-      if (g_rank == 0) std::cerr << "dtexec " << args[0] << ": unsupported: " << e.what() << "\n";
-      return 2;
-    } catch (const std::bad_alloc&) {
-      std::cerr << "dtexec " << args[0]
-                << ": error: out of host memory (std::bad_alloc): the model, micro-batch or "
-                   "sequence is too large for this host's memory; `dtsim memory` estimates what "
-                   "a plan needs, and --only-rank runs one rank's share\n";
-      return 2;
-    } catch (const std::exception& e) {
-      std::cerr << "dtexec " << args[0] << ": internal error: " << e.what() << "\n";
-      return 1;
-    }
+    const int code = [&] {
+      try {
+        const std::vector<std::string> rest(args.begin() + 1, args.end());
+        if (args[0] == "compare") return compare(rest);
+        return args[0] == "run" ? run(rest) : calibrate(rest);
+      } catch (const dtsim::InputError& e) {
+        if (g_rank == 0) std::cerr << "dtexec " << args[0] << ": error: " << e.what() << "\n";
+        return 2;
+      } catch (const dtsim::UnsupportedError& e) {
+        if (g_rank == 0) {
+          std::cerr << "dtexec " << args[0] << ": unsupported: " << e.what() << "\n";
+        }
+        return 2;
+      } catch (const std::bad_alloc&) {
+        std::cerr << "dtexec " << args[0]
+                  << ": error: out of host memory (std::bad_alloc): the model, micro-batch or "
+                     "sequence is too large for this host's memory; `dtsim memory` estimates "
+                     "what a plan needs, and --only-rank runs one rank's share\n";
+        return 2;
+      } catch (const std::exception& e) {
+        std::cerr << "dtexec " << args[0] << ": internal error: " << e.what() << "\n";
+        return 1;
+      }
+    }();
+    return dtsim::exit_code_after_output("dtexec " + args[0], code);
   }
   if (args[0] == "devices") {
     bool selftest = false;

@@ -273,7 +273,7 @@ std::uint64_t finish_checkpoint(const std::string& dir, const CheckpointInfo& in
     write_info(j, info);
     j["tensors"] = std::move(tensors);
     j["shards"] = std::move(listed);
-    meta << j.dump(1) << "\n";
+    meta << j.dump(1) << "\n" << std::flush;
     if (!meta)
       throw InputError(fmt::format("{}: cannot write", (tmp / "checkpoint.json").string()));
   }

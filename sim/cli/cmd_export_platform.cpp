@@ -50,7 +50,8 @@ int cmd_export_platform(const std::vector<std::string>& args) {
   if (vm.count("out")) {
     const std::string path = vm["out"].as<std::string>();
     std::ofstream out(path);
-    if (!out || !(out << xml)) throw InputError(fmt::format("--out {}: cannot write", path));
+    if (!out || !(out << xml << std::flush))
+      throw InputError(fmt::format("--out {}: cannot write", path));
     std::cout << fmt::format("SimGrid platform of {} ({} devices) written to {}\n", cluster.name,
                              cluster.devices(), path);
   } else {

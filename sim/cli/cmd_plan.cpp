@@ -386,7 +386,7 @@ int cmd_plan(const std::vector<std::string>& args) {
   if (vm.count("out") && !result.ranked.empty()) {
     const std::string path = vm["out"].as<std::string>();
     std::ofstream out(path);
-    if (!out || !(out << plan::to_json(result.ranked.front().plan).dump(2) << "\n")) {
+    if (!out || !(out << plan::to_json(result.ranked.front().plan).dump(2) << "\n" << std::flush)) {
       throw InputError(fmt::format("--out {}: cannot write", path));
     }
   }

@@ -672,10 +672,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
     for (const Row& r : rows) {
       std::vector<std::string> vals;
       for (const auto& k : keys) vals.push_back(r.point.at(k));
+      // A point without a plan (none valid, none fits) leaves its figures empty, as the
+      // table's "-" and the JSON's "found": false.
+      auto figure = [&](std::string_view spec, double v) {
+        return r.found ? fmt::format(fmt::runtime(spec), v) : std::string();
+      };
       std::cout << fmt::format(
-          "{},{},\"{}\",{:.6g},{:.6g},{:.4f},{:.4f},{:.4g},{},{},{},{},{},{},{},{}\n",
-          fmt::join(vals, ","), r.gpus, r.plan, r.step_s, r.tokens_per_s, r.mfu, efficiency(r),
-          r.max_speedup, tokens > 0 && r.found ? fmt::format("{:.4g}", r.train_s / 86400) : "",
+          "{},{},\"{}\",{},{},{},{},{},{},{},{},{},{},{},{},{}\n", fmt::join(vals, ","), r.gpus,
+          r.plan, figure("{:.6g}", r.step_s), figure("{:.6g}", r.tokens_per_s),
+          figure("{:.4f}", r.mfu), figure("{:.4f}", efficiency(r)), figure("{:.4g}", r.max_speedup),
+          tokens > 0 && r.found ? fmt::format("{:.4g}", r.train_s / 86400) : "",
           r.cost_usd >= 0 ? fmt::format("{:.0f}", r.cost_usd) : "",
           r.energy_kwh >= 0 ? fmt::format("{:.4g}", r.energy_kwh / 1000) : "",
           r.found ? (r.fits ? "1" : "0") : "",

@@ -55,16 +55,19 @@ int main(int argc, char** argv) {
     usage(std::cerr);
     return 2;
   }
-  try {
-    return it->second.run({args.begin() + 1, args.end()});
-  } catch (const dtsim::InputError& e) {
-    std::cerr << "dtsim " << args[0] << ": error: " << e.what() << "\n";
-    return 2;
-  } catch (const dtsim::UnsupportedError& e) {
-    std::cerr << "dtsim " << args[0] << ": unsupported: " << e.what() << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "dtsim " << args[0] << ": internal error: " << e.what() << "\n";
-    return 1;
-  }
+  const int code = [&] {
+    try {
+      return it->second.run({args.begin() + 1, args.end()});
+    } catch (const dtsim::InputError& e) {
+      std::cerr << "dtsim " << args[0] << ": error: " << e.what() << "\n";
+      return 2;
+    } catch (const dtsim::UnsupportedError& e) {
+      std::cerr << "dtsim " << args[0] << ": unsupported: " << e.what() << "\n";
+      return 2;
+    } catch (const std::exception& e) {
+      std::cerr << "dtsim " << args[0] << ": internal error: " << e.what() << "\n";
+      return 1;
+    }
+  }();
+  return dtsim::exit_code_after_output("dtsim " + args[0], code);
 }

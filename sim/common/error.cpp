@@ -2,7 +2,23 @@
 
 #include <fmt/format.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+
 namespace dtsim {
+
+int exit_code_after_output(const std::string& who, int code) {
+  std::cout.flush();  // (synchronised with stdio: what it wrote is in stdout's buffer now)
+  errno = 0;
+  const bool flushed = std::fflush(stdout) == 0;
+  const int error = errno;
+  if (flushed && !std::ferror(stdout) && std::cout.good()) return code;
+  std::cerr << who << ": error: cannot write the output to stdout"
+            << (error != 0 ? fmt::format(" ({})", std::strerror(error)) : std::string()) << "\n";
+  return 2;
+}
 
 void fail_assert(const char* expr, const char* file, int line, const std::string& msg) {
   throw InternalError(fmt::format("internal error: {} ({}:{}): {}", msg, file, line, expr));

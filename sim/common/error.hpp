@@ -33,6 +33,11 @@ class InternalError : public Error {
 
 [[noreturn]] void fail_assert(const char* expr, const char* file, int line, const std::string& msg);
 
+// A program's exit code once its standard output is flushed: `code`, or 2 with a message on
+// stderr naming `who` where a write to stdout failed (a full disk: the output is cut short, and
+// the exit code must not say that it succeeded). For the programs' main() only.
+int exit_code_after_output(const std::string& who, int code);
+
 }  // namespace dtsim
 
 // Always-on invariant check with context (not compiled out in release builds).

@@ -2,10 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <vector>
 
 #include "sim/common/error.hpp"
 
@@ -38,8 +40,48 @@ json JsonReader::parse_file(const std::filesystem::path& file) {
   if (!in) throw InputError(fmt::format("{}: cannot open file", file.string()));
   std::stringstream buffer;
   buffer << in.rdbuf();
+  // A field given twice in one object would otherwise keep its last value in silence
+  // (nlohmann's parser overwrites it): refused, naming its path. The objects being parsed,
+  // innermost last, each with the keys seen so far (few per object: a linear search).
+  struct Frame {
+    bool array = false;
+    std::vector<std::string> keys;
+  };
+  std::vector<Frame> open;
+  const json::parser_callback_t refuse_repeats = [&](int, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+        open.push_back({false, {}});
+        break;
+      case json::parse_event_t::array_start:
+        open.push_back({true, {}});
+        break;
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        if (!open.empty()) open.pop_back();
+        break;
+      case json::parse_event_t::key: {
+        const auto& key = parsed.get_ref<const std::string&>();
+        auto& keys = open.back().keys;
+        if (std::find(keys.begin(), keys.end(), key) != keys.end()) {
+          std::string path;
+          for (std::size_t i = 0; i + 1 < open.size(); ++i) {
+            path += open[i].array ? "[]" : (path.empty() ? "" : ".") + open[i].keys.back();
+          }
+          throw InputError(
+              fmt::format("{}: {}{}: the field appears twice in one object; expected it once",
+                          file.string(), path.empty() ? "" : path + ".", key));
+        }
+        keys.push_back(key);
+        break;
+      }
+      default:
+        break;
+    }
+    return true;
+  };
   try {
-    return json::parse(buffer.str());
+    return json::parse(buffer.str(), refuse_repeats);
   } catch (const json::exception& e) {
     // A parse error, or a number too large for a double (out_of_range.406). nlohmann's message
     // carries line and column ("[json.exception.parse_error.101] parse error at line 3,

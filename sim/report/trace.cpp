@@ -71,7 +71,7 @@ void write_chrome_trace(const std::string& path, const lower::Program& program,
                         const engine::Timeline& timeline, const std::string& model) {
   std::ofstream out(path);
   if (!out) throw InputError(fmt::format("--trace {}: cannot write the file", path));
-  out << chrome_trace(program, timeline, model).dump() << "\n";
+  out << chrome_trace(program, timeline, model).dump() << "\n" << std::flush;
   if (!out) throw InputError(fmt::format("--trace {}: write failed", path));
 }
 

@@ -16,6 +16,21 @@ TEST_CASE("malformed JSON names the file, line and column", "[common]") {
   DTSIM_REQUIRE_THROWS_CONTAINING(JsonReader::parse_file(f.path()), InputError, "line 4");
 }
 
+TEST_CASE("a field given twice in one object is refused, naming its path", "[common]") {
+  // nlohmann's parser keeps the last of them: a model's "layers": 2, "layers": 7 read as 7.
+  dtsim::test::TempFile top("twice.json", R"({"layers": 2, "hidden": 8, "layers": 7})");
+  DTSIM_REQUIRE_THROWS_CONTAINING(JsonReader::parse_file(top.path()), InputError,
+                                  "twice.json: layers: the field appears twice");
+  dtsim::test::TempFile nested("twice_nested.json",
+                               R"({"a": {"b": [{"c": 1}, {"c": 2, "d": 3, "c": 4}]}, "e": 5})");
+  DTSIM_REQUIRE_THROWS_CONTAINING(JsonReader::parse_file(nested.path()), InputError,
+                                  "twice_nested.json: a.b[].c: the field appears twice");
+  // The same key in sibling objects, or at another depth, is not a repeat.
+  dtsim::test::TempFile fine("siblings.json", R"({"c": {"c": 1}, "d": [{"c": 1}, {"c": 2}]})");
+  const json j = JsonReader::parse_file(fine.path());
+  CHECK(j.at("d").at(1).at("c") == 2);
+}
+
 TEST_CASE("a missing file is an input error", "[common]") {
   DTSIM_REQUIRE_THROWS_CONTAINING(JsonReader::parse_file("/nonexistent/x.json"), InputError,
                                   "/nonexistent/x.json: cannot open file");
