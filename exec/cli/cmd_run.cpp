@@ -487,6 +487,14 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
       // The same task in both: a communication task of the same kind.
       const auto& task = rp.tasks[static_cast<std::size_t>(t.task)];
       if (task.kind == dtsim::lower::TaskKind::Compute || t.kind != to_string(task.kind)) continue;
+      // A wait is a sleep that nothing else ends: one longer than a task may take would hang
+      // the run (a trace of seconds in the wrong unit, an edited one).
+      if (options.task_timeout_s > 0 && t.duration_s > options.task_timeout_s) {
+        throw dtsim::InputError(fmt::format(
+            "--predicted {}: task {} of rank {} ({}) lasts {:.6g} s, longer than --task-timeout "
+            "({:.6g} s) lets a task take; expected a dtsim simulate --trace of this plan",
+            path, t.task, rp.rank, t.name, t.duration_s, options.task_timeout_s));
+      }
       options.predicted_comm_s[static_cast<std::size_t>(t.task)] = t.duration_s;
       ++found;
     }
@@ -1216,11 +1224,11 @@ int run(const std::vector<std::string>& args) {
       require_host_memory(report->worst().total_bytes, mpi ? mpi->local_size() : 1, mpi.get());
     }
   }
-  if (only_rank) return run_only_rank(vm, spec, plan, graph, program, options, *device, where);
   options.task_timeout_s = vm["task-timeout"].as<double>();
   if (!(options.task_timeout_s >= 0)) {
     throw dtsim::InputError("--task-timeout: expected a number of seconds >= 0");
   }
+  if (only_rank) return run_only_rank(vm, spec, plan, graph, program, options, *device, where);
   // From the watchdog thread: no MPI call there; the process exits and mpirun ends the others.
   const std::string host = mpi ? mpi->host() : std::string();
   options.on_hang = [host](const std::string& what) {

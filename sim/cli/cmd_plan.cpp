@@ -297,6 +297,10 @@ int cmd_plan(const std::vector<std::string>& args) {
     throw InputError(
         fmt::format("--expert-load: {}, got {}", plan::kExpertLoadExpected, space.expert_load));
   }
+  if (space.expert_load != 1 && !spec.moe) {
+    throw InputError(fmt::format("--expert-load {:g} needs a mixture of experts; {} has none",
+                                 space.expert_load, spec.name));
+  }
   // The default precision follows the device: bf16, or fp32 where it has no bf16 (a CPU host).
   space.precision = vm.count("precision")
                         ? precision_of_flag("precision", vm["precision"].as<std::string>())
@@ -319,9 +323,7 @@ int cmd_plan(const std::vector<std::string>& args) {
                       profile->file, to_string(profile->precision), to_string(space.precision)));
     }
     options.profile = &*profile;
-    if (auto w = profile_device_warning(profile->file, profile->device, cluster.device)) {
-      std::cerr << *w << "\n";
-    }
+    for (const auto& w : profile_warnings(*profile, cluster.device)) std::cerr << w << "\n";
   }
   options.jitter_cv = jitter_from_options(vm);
   options.rank_spread_cv = rank_spread_from_options(vm);

@@ -107,9 +107,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
           "the profile times the cross-entropy whole (dtexec calibrate before 2026-12-03): its "
           "forward time is split evenly between the loss statistics and the loss");
     }
-    if (auto w = profile_device_warning(profile->file, profile->device, cluster.device)) {
-      notes.push_back(*w);
-    }
+    for (auto& w : profile_warnings(*profile, cluster.device)) notes.push_back(std::move(w));
   }
   // Without a profile or the device's GEMM waves, every GEMM runs at the catalog's rate, the
   // best one over a sweep of shapes: said, as an upper bound for small or odd shapes.

@@ -262,10 +262,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::vector<std::string> said;
     for (const std::string& name : clusters) {
       const cluster::Cluster c = cluster::load_cluster(name);
-      auto w = profile_device_warning(profile->file, profile->device, c.device);
-      if (w && std::find(said.begin(), said.end(), *w) == said.end()) {
-        if (split.rank() == 0) std::cerr << *w << "\n";
-        said.push_back(*w);
+      for (const auto& w : profile_warnings(*profile, c.device)) {
+        if (std::find(said.begin(), said.end(), w) != said.end()) continue;
+        if (split.rank() == 0) std::cerr << w << "\n";
+        said.push_back(w);
       }
     }
   }
@@ -396,7 +396,15 @@ int cmd_whatif(const std::vector<std::string>& args) {
     if (point.count("rank_spread_cv")) {
       rank_spread = spread_value("rank_spread_cv", point.at("rank_spread_cv"));
     }
-    if (point.count("expert_load")) space.expert_load = load_value(point.at("expert_load"));
+    if (point.count("expert_load")) {
+      space.expert_load = load_value(point.at("expert_load"));
+      // (A dense model's row would carry a load that nothing of it reads.)
+      if (space.expert_load != 1 && !spec.moe) {
+        throw InputError(
+            fmt::format("--vary expert_load={}: needs a mixture of experts; {} has none",
+                        point.at("expert_load"), spec.name));
+      }
+    }
     if (point.count("attention")) space.attention = attention_value(point.at("attention"));
     // The straggler model is on where the point varies jitter_cv above 0, or else where the
     // profile measured some.

@@ -790,22 +790,38 @@ void require_symmetric_placement(const plan::Plan& plan, const cluster::Cluster&
   }
 }
 
-std::optional<std::string> profile_device_warning(const std::string& profile_file,
-                                                  const std::string& profile_device,
-                                                  const cluster::DeviceSpec& device) {
+std::vector<std::string> profile_warnings(const cost::Profile& profile,
+                                          const cluster::DeviceSpec& device) {
   auto lower = [](std::string text) {
     for (char& ch : text) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
     return text;
   };
-  const std::string measured = lower(profile_device);
-  if (measured == lower(device.name)) return std::nullopt;
-  for (const auto& alias : device.aliases) {
-    if (measured == lower(alias)) return std::nullopt;
+  const std::string measured = lower(profile.device);
+  const bool same = measured == lower(device.name) ||
+                    std::any_of(device.aliases.begin(), device.aliases.end(),
+                                [&](const std::string& alias) { return measured == lower(alias); });
+  if (!same) {
+    return {fmt::format(
+        "warning: profile {} was measured on {}, the cluster's devices are {}: its times are "
+        "used as if measured there",
+        profile.file, profile.device, device.name)};
   }
-  return fmt::format(
-      "warning: profile {} was measured on {}, the cluster's devices are {}: its times are used "
-      "as if measured there",
-      profile_file, profile_device, device.name);
+  if (!device.supports(profile.precision)) return {};
+  // The fastest GEMM against the catalog's dense peak (a datasheet's figure): 5% over it is
+  // beyond what clocks above the rated boost give, so a timing went wrong.
+  const double peak = device.peak_flops_for(profile.precision);
+  const cost::GemmSample* fastest = nullptr;
+  for (const auto& g : profile.gemm) {
+    if (fastest == nullptr || g.flops() / g.seconds > fastest->flops() / fastest->seconds) {
+      fastest = &g;
+    }
+  }
+  if (fastest == nullptr || fastest->flops() / fastest->seconds <= 1.05 * peak) return {};
+  return {fmt::format(
+      "warning: profile {}: its GEMM m={:g} n={:g} k={:g} ran at {:.4g} TFLOP/s, above the {} "
+      "peak of {:.4g} at {} (a timing error?); its times are used as measured",
+      profile.file, fastest->m, fastest->n, fastest->k, fastest->flops() / fastest->seconds / 1e12,
+      device.name, peak / 1e12, to_string(profile.precision))};
 }
 
 Precision precision_of_flag(std::string_view flag, const std::string& text) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "sim/cluster/topology.hpp"
+#include "sim/cost/profile.hpp"
 #include "sim/model/model_graph.hpp"
 #include "sim/model/model_spec.hpp"
 #include "sim/plan/goodput.hpp"
@@ -127,12 +128,12 @@ Precision default_precision(const cluster::DeviceSpec& device);
 // The precision a flag names (--precision, --comm-precision), or an InputError naming the flag.
 Precision precision_of_flag(std::string_view flag, const std::string& text);
 
-// A warning when a calibration profile was measured on another device than the cluster's
-// (its "device" is neither the catalog name nor an alias, compared without case): the profile's
-// times then stand for a device they were not measured on.
-std::optional<std::string> profile_device_warning(const std::string& profile_file,
-                                                  const std::string& profile_device,
-                                                  const cluster::DeviceSpec& device);
+// Warnings on a calibration profile for a cluster's device: measured on another device (its
+// "device" is neither the catalog name nor an alias, compared without case: its times then stand
+// for a device they were not measured on); else GEMMs that ran above the device's peak at the
+// profile's precision (a timing error, or the wrong device named).
+std::vector<std::string> profile_warnings(const cost::Profile& profile,
+                                          const cluster::DeviceSpec& device);
 
 // --framework-overhead-gib and --device-memory-gib, and the memory options they set.
 void add_memory_options(po::options_description& desc);

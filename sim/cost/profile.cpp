@@ -6,6 +6,7 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
+#include "sim/cluster/device_catalog.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/json_reader.hpp"
 
@@ -85,7 +86,16 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
             [](const GemmSample& a, const GemmSample& b) { return a.flops() < b.flops(); });
   if (r.has("memory_bw_bytes_per_s"))
     p.memory_bw_bytes_per_s = r.positive_number("memory_bw_bytes_per_s");
-  if (r.has("launch_overhead_s")) p.launch_overhead_s = r.non_negative_number("launch_overhead_s");
+  if (r.has("launch_overhead_s")) {
+    // The bounds of a device file's launch overhead (cluster::kLeastLatency, kMostLatency).
+    const double s = r.non_negative_number("launch_overhead_s");
+    if (s != 0 && !(s >= cluster::kLeastLatency && s <= cluster::kMostLatency)) {
+      r.fail("launch_overhead_s",
+             fmt::format("expected seconds from {:g} to {:g}, or 0, got {:g} (a unit mistake?)",
+                         cluster::kLeastLatency, cluster::kMostLatency, s));
+    }
+    p.launch_overhead_s = s;
+  }
   auto coefficient_of_variation = [](const JsonReader& reader, std::string_view key) {
     const double cv = reader.non_negative_number(key);
     if (cv >= 1) {

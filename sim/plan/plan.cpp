@@ -357,6 +357,12 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
         "weights gathered) once per micro-batch instead of once per step",
         p.zero_stage));
   }
+  if (p.schedule == Schedule::ZeroBubble && p.pp == 1) {
+    check.warnings.push_back(
+        "the zero-bubble schedule at pp 1 has no bubble to fill: it still splits each backward "
+        "pass into input gradients and then weight gradients, so the dp reduction, which starts "
+        "with the weight gradients, overlaps less of it than under 1f1b");
+  }
   if (p.recompute == Recompute::Selective && p.attention == model::AttentionKernel::Flash) {
     check.warnings.push_back(
         "selective recompute with FlashAttention runs each attention core's forward again for "

@@ -161,6 +161,11 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
   bad(R"({"device": "x", "source": "s", "gemm": [{"m": 0, "n": 1, "k": 1, "seconds": 1}]})",
       "gemm[0].m: expected a positive integer, got 0");
   bad(R"({"source": "s", "gemm": []})", "bad_profile.json: device: required field is missing");
+  // Seconds where a device file takes them (1 ns to 10 ms), not milliseconds or microseconds.
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "launch_overhead_s": 10})",
+      "bad_profile.json: launch_overhead_s: expected seconds from 1e-09 to 0.01, or 0, got 10 (a "
+      "unit mistake?)");
   bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
           "jitter_cv": 1.5})",
       "bad_profile.json: jitter_cv: expected a coefficient of variation below 1, got 1.5");
