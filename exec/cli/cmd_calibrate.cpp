@@ -55,6 +55,28 @@ nlohmann::json figure(double value, const std::string& source) {
   return {{"value", value}, {"source", source}};
 }
 
+// --cluster-out DIR, checked before minutes of measuring: an existing directory, or a new one
+// in an existing directory (as --out's file must be in one).
+void check_cluster_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (dir.empty()) throw dtsim::InputError("--cluster-out: expected a directory, got \"\"");
+  fs::path p = fs::path(dir).lexically_normal();
+  if (p.filename().empty() && p.has_parent_path()) p = p.parent_path();  // "out/"
+  std::error_code ec;
+  if (fs::exists(p, ec)) {
+    if (!fs::is_directory(p, ec)) {
+      throw dtsim::InputError(
+          fmt::format("--cluster-out {}: not a directory; expected one for its files", dir));
+    }
+    return;
+  }
+  const fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!fs::is_directory(parent, ec)) {
+    throw dtsim::InputError(
+        fmt::format("--cluster-out {}: no directory {} to make it in", dir, parent.string()));
+  }
+}
+
 // The device and cluster files of this host, from a profile (topologies/README.md format):
 // ranks as devices on one node, shared-memory MPI as the fabric.
 void write_host_topology(const std::string& dir, const nlohmann::json& profile, int ranks) {
@@ -370,7 +392,7 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
   const int ranks = mpi ? mpi->size() : 1;
   const int local = mpi ? mpi->local_rank() : 0;
   const cu::GpuInfo& gpu = p.gpus[static_cast<std::size_t>(local) % p.gpus.size()];
-  const std::string precision = vm["precision"].as<std::string>();
+  const std::string precision = vm.count("precision") ? vm["precision"].as<std::string>() : "bf16";
   const bool quick = vm["quick"].as<bool>();
   const int repeats = vm["repeats"].as<int>();
   // Square GEMMs (cuBLAS alone), and the model's GEMMs forward and backward (below).
@@ -520,9 +542,9 @@ int calibrate(const std::vector<std::string>& args) {
   po::options_description desc("dtexec calibrate options");
   desc.add_options()("help,h", "show this help")(
       "backend", po::value<std::string>()->default_value("cpu"), "cpu or cuda")(
-      "precision", po::value<std::string>()->default_value("bf16"),
-      "cuda GEMMs: bf16 (fp32 accumulation) or fp32; the CPU backend measures fp32")(
-      "out", po::value<std::string>(), "write the profile here (required)")(
+      "precision", po::value<std::string>(),
+      "GEMMs: bf16 (fp32 accumulation; cuda's default) or fp32 (the CPU backend measures fp32 "
+      "only)")("out", po::value<std::string>(), "write the profile here (required)")(
       "model", po::value<std::string>()->default_value("cpu-small"),
       "time the ops at this model's shapes")(
       "micro-batch-size", po::value<std::int64_t>()->default_value(4), "for the op shapes")(
@@ -547,8 +569,10 @@ int calibrate(const std::vector<std::string>& args) {
   }
   if (!vm.count("out")) throw dtsim::InputError("--out: required (where to write the profile)");
   dtsim::cli::check_writable(vm["out"].as<std::string>(), "--out");
-  const std::string precision = vm["precision"].as<std::string>();
-  if (backend == "cpu" && !vm["precision"].defaulted() && precision != "fp32") {
+  const std::string precision = vm.count("precision") ? vm["precision"].as<std::string>()
+                                : backend == "cuda"   ? "bf16"
+                                                      : "fp32";
+  if (backend == "cpu" && precision != "fp32") {
     throw dtsim::InputError(
         fmt::format("--precision {}: the CPU backend measures fp32 only", precision));
   }
@@ -561,6 +585,7 @@ int calibrate(const std::vector<std::string>& args) {
         "--cluster-out: only with --backend cpu (a GPU cluster is in "
         "topologies/; --profile applies the measurements to it)");
   }
+  if (vm.count("cluster-out")) check_cluster_dir(vm["cluster-out"].as<std::string>());
 #ifndef DTEXEC_HAVE_CUDA
   if (backend == "cuda") {
     throw dtsim::UnsupportedError(

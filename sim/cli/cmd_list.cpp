@@ -22,7 +22,7 @@ int cmd_list(const std::vector<std::string>& args) {
   po::variables_map vm;
   store_options(args, desc, vm, &pos);
   if (vm.count("help")) {
-    std::cout << "usage: dtsim list [models|clusters|devices] [--json]\n\n" << desc;
+    std::cout << "usage: dtsim list [models|clusters|devices|all] [--json]\n\n" << desc;
     return 0;
   }
   const std::string what = vm["what"].as<std::string>();

@@ -211,9 +211,10 @@ std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Clus
 
 // Nothing fits: how far the closest plan is, and what its memory is made of.
 std::string closest_to_fitting(const model::ModelSpec& spec, const cluster::Cluster& cluster,
-                               const planner::Candidate& c) {
+                               const plan::MemoryOptions& memory, const planner::Candidate& c) {
   const model::ModelGraph g = plan::graph_of(spec, c.plan);
-  const auto m = plan::estimate_memory(g, c.plan, cluster).worst();
+  // (With the search's memory options: "other" holds --framework-overhead-gib, as the total.)
+  const auto m = plan::estimate_memory(g, c.plan, cluster, memory).worst();
   return fmt::format(
       "closest to fitting: {} needs {:.1f} GiB of {:.1f} GiB, {:.1f} GiB too much (weights "
       "{:.1f}, gradients {:.1f}, optimizer {:.1f}, activations {:.1f}, other {:.1f} GiB); more "
@@ -343,7 +344,12 @@ int cmd_plan(const std::vector<std::string>& args) {
   const double train_tokens = training_tokens(vm);
   const TrainingGoal goal{train_tokens, &spec, cluster.devices(), reliability_from_options(vm)};
   const int top = vm["top"].as<int>();
-  if (top < 1 || options.refine < 0) throw InputError("--top must be >= 1 and --refine >= 0");
+  if (top < 1)
+    throw InputError(fmt::format("--top: expected at least 1 plan to show, got {}", top));
+  if (options.refine < 0) {
+    throw InputError(fmt::format("--refine: expected a number of plans to simulate >= 0, got {}",
+                                 options.refine));
+  }
   if (vm.count("out")) check_writable(vm["out"].as<std::string>(), "--out");
   // A progress bar on a terminal, for searches longer than a second: the candidates estimated,
   // then the best ones simulated (seconds each for a large model's plans).
@@ -425,7 +431,8 @@ int cmd_plan(const std::vector<std::string>& args) {
       std::cerr << fmt::format("no plan fits in memory: {} candidates evaluated\n",
                                result.evaluated);
       if (result.closest_not_fitting) {
-        std::cerr << closest_to_fitting(spec, cluster, *result.closest_not_fitting) << "\n";
+        std::cerr << closest_to_fitting(spec, cluster, space.memory, *result.closest_not_fitting)
+                  << "\n";
       }
     }
     // The first seven columns as they always were; then MFU (simulated plans), capacity, and
@@ -593,7 +600,8 @@ int cmd_plan(const std::vector<std::string>& args) {
               << interruptions_note(goal.reliability) << "\n";
   }
   if (result.ranked.empty() && result.closest_not_fitting) {
-    std::cout << closest_to_fitting(spec, cluster, *result.closest_not_fitting) << "\n";
+    std::cout << closest_to_fitting(spec, cluster, space.memory, *result.closest_not_fitting)
+              << "\n";
   }
   if (!result.memory_frontier.empty()) {
     // Its last row is as fast as the fastest plan that does not fit (the same plan but for a

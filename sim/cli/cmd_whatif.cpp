@@ -310,6 +310,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     bool priceless = false;  // another device left the cluster's price out
     // Another device left the cluster's device_efficiency out (its own device's figures).
     bool catalog_efficiency = false;
+    // The point sets the inter-node network (nic_gbps, latency_us, oversubscription) of a
+    // cluster whose devices are all in one node: nothing travels over it.
+    bool network_unused = false;
     double memory_bytes = 0, capacity_bytes = 0;  // worst rank, device
   };
   auto evaluate = [&](const std::map<std::string, std::string>& point) {
@@ -358,6 +361,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
     } else if (vm.count("gpus")) {
       c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
     }
+    row.network_unused = c.nodes == 1 && (point.count("nic_gbps") || point.count("latency_us") ||
+                                          point.count("oversubscription"));
     planner::SearchSpace space;
     search_space_from_options(vm, space);
     // As dtsim plan: bf16, or fp32 on a device without it (a CPU host).
@@ -543,6 +548,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"found", r.found},
                                   {"priceless", r.priceless},
                                   {"catalog_efficiency", r.catalog_efficiency},
+                                  {"network_unused", r.network_unused},
                                   {"valid", r.valid_candidates},
                                   {"fits", r.fits},
                                   {"memory", r.memory_bytes},
@@ -582,6 +588,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.found = j.at("found").get<bool>();
       r.priceless = j.at("priceless").get<bool>();
       r.catalog_efficiency = j.at("catalog_efficiency").get<bool>();
+      r.network_unused = j.at("network_unused").get<bool>();
       r.valid_candidates = j.at("valid").get<bool>();
       r.fits = j.at("fits").get<bool>();
       r.memory_bytes = j.at("memory").get<double>();
@@ -604,6 +611,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
     return base > 0 && r.found ? r.tokens_per_s / static_cast<double>(r.gpus) / base : 0.0;
   };
 
+  // (stderr, whatever the format: the rows are right, only the axis is idle at them.)
+  if (std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.network_unused; })) {
+    std::cerr << "note: at points whose devices fit in one node the inter-node network that "
+                 "nic_gbps, latency_us and oversubscription set carries nothing: their rows do "
+                 "not change with them\n";
+  }
   std::vector<std::string> keys;
   for (const Axis& a : axes) keys.push_back(a.key);
   if (vm["json"].as<bool>()) {

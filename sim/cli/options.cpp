@@ -398,8 +398,10 @@ std::optional<std::int64_t> global_batch_from_options(const po::variables_map& v
 double training_tokens(const po::variables_map& vm) {
   if (!vm.count("tokens")) return 0;
   const double tokens = vm["tokens"].as<double>();
-  if (!(tokens > 0 && std::isfinite(tokens))) {
-    throw InputError(fmt::format("--tokens: expected a finite positive number, got {}", tokens));
+  // Up to 1e18: 64,000 times Llama 3's 15.6e12 (Llama Team 2024); beyond, a typo.
+  if (!(tokens >= 1 && tokens <= 1e18)) {
+    throw InputError(
+        fmt::format("--tokens: expected a number of tokens from 1 to 1e18, got {}", tokens));
   }
   return tokens;
 }
@@ -475,8 +477,20 @@ std::string interruptions_note(const plan::Reliability& r) {
       r.checkpoint_snapshot_bytes_per_s_per_device ? "copy" : "write");
 }
 
+namespace {
+
+// A time to train in the largest unit it fills (a short run is not "0.0 days").
+std::string span_text(double seconds) {
+  if (seconds >= 86400) return fmt::format("{:.1f} days", seconds / 86400);
+  if (seconds >= 3600) return fmt::format("{:.1f} h", seconds / 3600);
+  if (seconds >= 60) return fmt::format("{:.1f} min", seconds / 60);
+  return fmt::format("{:.1f} s", seconds);
+}
+
+}  // namespace
+
 std::string training_time_text(const plan::TrainingTime& tt, std::optional<double> cost_usd) {
-  std::string s = fmt::format("{:.1f} days", tt.work_s / 86400);
+  std::string s = span_text(tt.work_s);
   if (cost_usd) s += fmt::format(", {:.0f} USD", *cost_usd);
   if (tt.goodput <= 0) {
     return s + fmt::format(
@@ -485,9 +499,9 @@ std::string training_time_text(const plan::TrainingTime& tt, std::optional<doubl
                    tt.job_mtbf_s / 3600, tt.asynchronous ? " and a write" : "");
   }
   return s + fmt::format(
-                 "; with interruptions {:.1f} days{} (goodput {:.1f}%: one every {:.1f} h, a "
+                 "; with interruptions {}{} (goodput {:.1f}%: one every {:.1f} h, a "
                  "checkpoint every {} steps taking {:.1f} s{})",
-                 tt.wall_s / 86400,
+                 span_text(tt.wall_s),
                  cost_usd ? fmt::format(", {:.0f} USD", *cost_usd / tt.goodput) : std::string(),
                  100 * tt.goodput, tt.job_mtbf_s / 3600, tt.checkpoint_every_steps,
                  tt.checkpoint_write_s,
