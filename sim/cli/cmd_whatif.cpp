@@ -103,10 +103,16 @@ Axis parse_vary(const std::string& text) {
     throw InputError(fmt::format("--vary {}: unknown key \"{}\" (keys: {})", text, a.key,
                                  fmt::join(kKeys, ", ")));
   }
+  // (getline does not yield the empty value after a trailing comma.)
+  if (text.back() == ',') throw InputError(fmt::format("--vary {}: empty value", text));
   std::stringstream ss(text.substr(eq + 1));
   std::string v;
   while (std::getline(ss, v, ',')) {
     if (v.empty()) throw InputError(fmt::format("--vary {}: empty value", text));
+    if (std::find(a.values.begin(), a.values.end(), v) != a.values.end()) {
+      throw InputError(
+          fmt::format("--vary {}: {} given twice (its rows would be the same)", text, v));
+    }
     // Checked before any point runs.
     if (a.key == "jitter_cv" || a.key == "rank_spread_cv") spread_value(a.key, v);
     if (a.key == "expert_load") load_value(v);

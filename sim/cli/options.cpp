@@ -122,7 +122,7 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
                "precision of communicated activations and gradients: bf16, fp16, fp8, fp32 or tf32 "
                "(default: --precision, and --grad-precision for gradients)")(
       "grad-compression", po::value<double>(),
-      "fraction of the data-parallel gradient bytes sent, in (0, 1] (default 1: none); "
+      "fraction of the data-parallel gradient bytes sent, from 1e-4 to 1 (default 1: none); "
       "compressing and decompressing cost memory passes")("optimizer", po::value<std::string>(),
                                                           "adam (default) or sgd (with momentum)")(
       "clip-grad", po::value<double>(),
