@@ -330,6 +330,9 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
       throw InputError(fmt::format("{}: format: expected \"{}\" (or \"{}\"), got {}", where_,
                                    kFormat, kFormatWhole, j.at("format").dump()));
     }
+    // (A field of another version, or a hand edit, would otherwise be ignored in silence.)
+    index.expect_only({"format", "model", "plan", "step", "seed", "learning_rate", "lr_schedule",
+                       "weight_decay", "losses", "tensors", "shards"});
     info_ = read_info(j, where_);
     // The shard files, each present with the size its index gives: their floats bound every
     // shape and offset below, checked before anything is allocated.

@@ -376,6 +376,12 @@ TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[e
       j["weight_decay"] = -1;
     });
     REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("weight_decay: expected a number >= 0"));
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["weight_decay"] = 0;
+      j["bogus"] = 1;
+    });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir), Contains("bogus: unknown field"));
+    rewrite_index(dir, [](nlohmann::json& j) { j.erase("bogus"); });
     rewrite_index(dir, [](nlohmann::json& j) { j = nlohmann::json::array({1, 2}); });
     REQUIRE_THROWS_WITH(CheckpointReader(dir),
                         Contains("checkpoint.json: expected a JSON object, got an array"));
