@@ -75,6 +75,9 @@ int cmd_validate(const std::vector<std::string>& args) {
         v.waiting_tasks, v.straggler_wait_s * 1e3);
   }
   std::vector<std::string> notes = {note};
+  for (const report::Trace* trace : {&predicted, &measured}) {
+    if (auto n = report::span_note(*trace)) notes.push_back(std::move(*n));
+  }
   if (v.only_predicted > 0 || v.only_measured > 0) {
     // The step row spans each trace's own tasks: a task in one trace only (a rank missing, a
     // trace cut short) changes one span and not the other.

@@ -20,12 +20,46 @@ using nlohmann::json;
 
 double Trace::span_s() const {
   if (tasks.empty()) return 0;
-  double first = tasks.front().start_s, last = 0;
+  double first = tasks.front().start_s, last = first + tasks.front().duration_s;
   for (const auto& t : tasks) {
     first = std::min(first, t.start_s);
     last = std::max(last, t.start_s + t.duration_s);
   }
   return last - first;
+}
+
+double Trace::busy_s() const {
+  std::vector<std::pair<double, double>> spans;
+  spans.reserve(tasks.size());
+  for (const auto& t : tasks) spans.emplace_back(t.start_s, t.start_s + t.duration_s);
+  std::sort(spans.begin(), spans.end());
+  double busy = 0, from = 0, to = 0;
+  bool open = false;
+  for (const auto& [begin, end] : spans) {
+    if (open && begin <= to) {
+      to = std::max(to, end);
+      continue;
+    }
+    if (open) busy += to - from;
+    from = begin, to = end, open = true;
+  }
+  return open ? busy + (to - from) : 0.0;
+}
+
+std::optional<std::string> span_note(const Trace& trace) {
+  // In one step some task of some rank runs nearly all the time (a pipeline's bubbles on one
+  // stage are another stage's passes); a tenth is far below any schedule's.
+  constexpr double kLeastBusyShare = 0.1;
+  const double span = trace.span_s(), busy = trace.busy_s();
+  if (span > 0 && busy == 0) {
+    return fmt::format("{}: every task lasts 0: its step row is only the tasks' spread",
+                       trace.file);
+  }
+  if (busy >= kLeastBusyShare * span) return std::nullopt;
+  return fmt::format(
+      "{}: its tasks span {:.6g} ms, in only {:.6g} ms of which ({:.2g}%) a task runs: a task's "
+      "ts out of place? The step row compares that span",
+      trace.file, span * 1e3, busy * 1e3, 100 * busy / span);
 }
 
 Trace read_trace(const std::string& path) {

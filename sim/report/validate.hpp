@@ -37,7 +37,15 @@ struct Trace {
   std::string model;
   nlohmann::json plan;
   double span_s() const;  // last end - first start
+  // The time in which some task of some rank runs (the union of the tasks' spans).
+  double busy_s() const;
 };
+
+// A note where a trace's span is mostly time in which no task of any rank runs (a task's ts far
+// from the others': an edited or damaged trace), or where its tasks all last 0: the step row
+// then says little. Nothing for a trace of one step as dtsim and dtexec write them (waits,
+// transfers and bubbles are tasks or lie between tasks of another rank).
+std::optional<std::string> span_note(const Trace& trace);
 
 // Throws InputError naming the file and the event/field that is malformed.
 Trace read_trace(const std::string& path);
