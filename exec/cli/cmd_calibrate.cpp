@@ -2,6 +2,7 @@
 // and training steps on this host (CPU) or GPU (CUDA) into a profile for dtsim --profile, and
 // with --cluster-out this host as a cluster.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -55,25 +56,25 @@ nlohmann::json figure(double value, const std::string& source) {
   return {{"value", value}, {"source", source}};
 }
 
-// --cluster-out DIR, checked before minutes of measuring: an existing directory, or a new one
-// in an existing directory (as --out's file must be in one).
+// --cluster-out DIR, checked before minutes of measuring: a directory, or one that can be made
+// (write_host_topology makes the missing ones) in the nearest existing directory above it; and
+// that one writable.
 void check_cluster_dir(const std::string& dir) {
   namespace fs = std::filesystem;
-  if (dir.empty()) throw dtsim::InputError("--cluster-out: expected a directory, got \"\"");
+  std::error_code ec;
   fs::path p = fs::path(dir).lexically_normal();
   if (p.filename().empty() && p.has_parent_path()) p = p.parent_path();  // "out/"
-  std::error_code ec;
-  if (fs::exists(p, ec)) {
-    if (!fs::is_directory(p, ec)) {
-      throw dtsim::InputError(
-          fmt::format("--cluster-out {}: not a directory; expected one for its files", dir));
-    }
-    return;
-  }
-  const fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
-  if (!fs::is_directory(parent, ec)) {
+  fs::path existing = p;
+  while (!existing.empty() && !fs::exists(existing, ec)) existing = existing.parent_path();
+  if (existing.empty()) existing = ".";
+  if (!fs::is_directory(existing, ec)) {
     throw dtsim::InputError(
-        fmt::format("--cluster-out {}: no directory {} to make it in", dir, parent.string()));
+        fmt::format("--cluster-out {}: {} is not a directory; expected one for its files", dir,
+                    existing.string()));
+  }
+  if (::access(existing.c_str(), W_OK | X_OK) != 0) {
+    throw dtsim::InputError(fmt::format("--cluster-out {}: cannot write in {} (permission denied)",
+                                        dir, existing.string()));
   }
 }
 

@@ -487,8 +487,9 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
       // The same task in both: a communication task of the same kind.
       const auto& task = rp.tasks[static_cast<std::size_t>(t.task)];
       if (task.kind == dtsim::lower::TaskKind::Compute || t.kind != to_string(task.kind)) continue;
-      // A wait is a sleep that nothing else ends: one longer than a task may take would hang
-      // the run (a trace of seconds in the wrong unit, an edited one).
+      // A wait is a sleep that nothing ends early (no communicator, no watchdog here): one
+      // longer than --task-timeout lets a task take is refused rather than slept (a trace in
+      // the wrong unit, an edited one).
       if (options.task_timeout_s > 0 && t.duration_s > options.task_timeout_s) {
         throw dtsim::InputError(fmt::format(
             "--predicted {}: task {} of rank {} ({}) lasts {:.6g} s, longer than --task-timeout "

@@ -78,13 +78,14 @@ int cmd_validate(const std::vector<std::string>& args) {
   for (const report::Trace* trace : {&predicted, &measured}) {
     if (auto n = report::span_note(*trace)) notes.push_back(std::move(*n));
   }
-  if (v.only_predicted > 0 || v.only_measured > 0) {
-    // The step row spans each trace's own tasks: a task in one trace only (a rank missing, a
-    // trace cut short) changes one span and not the other.
+  if (v.only_predicted_on_joined_ranks > 0 || v.only_measured > 0) {
+    // The step row spans each trace's own tasks: a task of a rank in one trace only (a trace
+    // cut short, an edited one) changes one span and not the other. Ranks that the measured
+    // trace leaves out whole (dtexec run --only-rank) are not that.
     notes.push_back(fmt::format(
-        "the traces hold different tasks ({} only predicted, {} only measured): the step row "
-        "spans each trace's own, so there it compares different work",
-        v.only_predicted, v.only_measured));
+        "the traces hold different tasks of the ranks they share ({} only predicted, {} only "
+        "measured): the step row spans each trace's own, so there it compares different work",
+        v.only_predicted_on_joined_ranks, v.only_measured));
   }
   auto add_rows = [](report::Table& t, const std::vector<report::ErrorRow>& rows) {
     for (const auto& r : rows) {

@@ -276,6 +276,35 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
   }
 
+  // --vary expert_load: refused where no model of the sweep has experts (as plan and simulate
+  // refuse --expert-load); a dense model among others keeps its rows, which a note names.
+  std::vector<std::string> dense_models;
+  for (const Axis& a : axes) {
+    if (a.key != "expert_load" ||
+        std::all_of(a.values.begin(), a.values.end(),
+                    [](const std::string& v) { return load_value(v) == 1; })) {
+      continue;
+    }
+    std::vector<std::string> models = {vm["model"].as<std::string>()};
+    for (const Axis& b : axes) {
+      if (b.key == "model") models = b.values;
+    }
+    bool experts = false;
+    for (const auto& name : models) {
+      const model::ModelSpec spec = model::load_model(name);
+      if (spec.moe) {
+        experts = true;
+      } else {
+        dense_models.push_back(spec.name);
+      }
+    }
+    if (!experts) {
+      throw InputError(fmt::format("--vary expert_load: needs a mixture of experts; {} {} none",
+                                   fmt::join(dense_models, ", "),
+                                   dense_models.size() == 1 ? "has" : "have"));
+    }
+  }
+
   // Every combination, first axis slowest.
   std::vector<std::map<std::string, std::string>> points(1);
   for (const Axis& a : axes) {
@@ -407,15 +436,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     if (point.count("rank_spread_cv")) {
       rank_spread = spread_value("rank_spread_cv", point.at("rank_spread_cv"));
     }
-    if (point.count("expert_load")) {
-      space.expert_load = load_value(point.at("expert_load"));
-      // (A dense model's row would carry a load that nothing of it reads.)
-      if (space.expert_load != 1 && !spec.moe) {
-        throw InputError(
-            fmt::format("--vary expert_load={}: needs a mixture of experts; {} has none",
-                        point.at("expert_load"), spec.name));
-      }
-    }
+    if (point.count("expert_load")) space.expert_load = load_value(point.at("expert_load"));
     if (point.count("attention")) space.attention = attention_value(point.at("attention"));
     // The straggler model is on where the point varies jitter_cv above 0, or else where the
     // profile measured some.
@@ -622,6 +643,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::cerr << "note: at points whose devices fit in one node the inter-node network that "
                  "nic_gbps, latency_us and oversubscription set carries nothing: their rows do "
                  "not change with them\n";
+  }
+  if (!dense_models.empty()) {
+    std::cerr << fmt::format("note: expert_load leaves the rows of {} as they are: {} no experts\n",
+                             fmt::join(dense_models, ", "),
+                             dense_models.size() == 1 ? "it has" : "they have");
   }
   std::vector<std::string> keys;
   for (const Axis& a : axes) keys.push_back(a.key);

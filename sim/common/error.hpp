@@ -33,9 +33,9 @@ class InternalError : public Error {
 
 [[noreturn]] void fail_assert(const char* expr, const char* file, int line, const std::string& msg);
 
-// A program's exit code once its standard output is flushed: `code`, or 2 with a message on
-// stderr naming `who` where a write to stdout failed (a full disk: the output is cut short, and
-// the exit code must not say that it succeeded). For the programs' main() only.
+// A program's exit code once its standard output is flushed: `code`; where a write to stdout
+// failed (a full disk: the output is cut short), a message on stderr naming `who`, and 2 in
+// place of a 0 that would say it succeeded. For the programs' main() only.
 int exit_code_after_output(const std::string& who, int code);
 
 }  // namespace dtsim

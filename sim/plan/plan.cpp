@@ -232,13 +232,11 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
                                    "or 0 for none",
                                    p.clip_grad));
   }
-  // Down to 1e-4: PowerSGD at rank 1 sends (n + m) / (n m) of an n x m gradient, 1/2048 for a
-  // 4096 x 4096 layer (Vogels et al. 2019), the strongest of the published codecs.
-  if (!(p.grad_compression >= 1e-4 && p.grad_compression <= 1)) {
+  if (!(p.grad_compression >= kLeastGradCompression && p.grad_compression <= 1)) {
     error("grad-compression",
           fmt::format("gradient compression {:g}: expected the fraction of the bytes sent, from "
-                      "1e-4 to 1",
-                      p.grad_compression));
+                      "{:g} to 1",
+                      p.grad_compression, kLeastGradCompression));
   }
   if (!(p.expert_load >= 1 && p.expert_load <= max_expert_load(m, p))) {
     if (p.ep > 1 && m.moe) {
@@ -569,10 +567,10 @@ Plan plan_from_json(const json& j, const std::string& file) {
   }
   if (r.has("grad_compression")) {
     p.grad_compression = r.positive_number("grad_compression");
-    if (!(p.grad_compression >= 1e-4 && p.grad_compression <= 1)) {
+    if (!(p.grad_compression >= kLeastGradCompression && p.grad_compression <= 1)) {
       r.fail("grad_compression", fmt::format("expected the fraction of the gradient bytes sent, "
-                                             "from 1e-4 to 1, got {:g}",
-                                             p.grad_compression));
+                                             "from {:g} to 1, got {:g}",
+                                             kLeastGradCompression, p.grad_compression));
     }
   }
   if (r.has("expert_load")) {

@@ -36,6 +36,11 @@ inline constexpr std::int64_t kMaxVocabMultiple = 65536;
 inline constexpr int kDefaultVocabMultiple = 128;
 inline constexpr std::int64_t kMaxMicroBatches = std::int64_t{1} << 24;
 
+// The least fraction of gradient bytes a plan may send: PowerSGD at rank 1 sends (n + m) / (n m)
+// of an n x m gradient (Vogels et al. 2019), 7.8e-5 for Llama 3 405B's 16384 x 53248 MLP
+// projection; a hundred times below that, a typo.
+inline constexpr double kLeastGradCompression = 1e-6;
+
 struct Plan {
   int dp = 1;
   int tp = 1;
@@ -119,7 +124,7 @@ struct Plan {
   // Gradient compression of the data-parallel reduction: the fraction of the gradient bytes
   // sent (1: none). Compressing and decompressing a bucket are memory passes over it, charged
   // to its collective (sim/engine/simulator.cpp).
-  double grad_compression = 1.0;
+  double grad_compression = 1.0;  // from kLeastGradCompression to 1
   // Expert parallelism's routing: the token copies the busiest ep rank's experts get, over the
   // even share (1: even routing, a well-balanced router's; at most max_expert_load, every token's
   // copies to that rank's experts as far as they hold; Megatron-LM's --moe-expert-capacity-factor

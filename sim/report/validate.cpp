@@ -310,6 +310,13 @@ Validation validate(const Trace& predicted, const Trace& measured) {
   v.only_predicted =
       static_cast<std::int64_t>(predicted.tasks.size()) - static_cast<std::int64_t>(seen.size());
   v.only_measured = static_cast<std::int64_t>(measured.tasks.size()) - v.matched;
+  std::set<std::int64_t> joined_ranks;
+  for (const auto& [key, _] : seen) joined_ranks.insert(key.first);
+  for (const auto& p : predicted.tasks) {
+    if (joined_ranks.count(p.rank) != 0 && seen.count({p.rank, p.task}) == 0) {
+      ++v.only_predicted_on_joined_ranks;
+    }
+  }
   for (const auto& [name, a] : groups) v.rows.push_back(row(name, a));
   std::vector<std::tuple<std::int64_t, std::int64_t, ErrorRow>> by_task;
   for (const auto& [key, sums] : per_task) {

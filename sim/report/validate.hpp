@@ -97,6 +97,9 @@ struct Validation {
   std::int64_t waiting_tasks = 0;
   std::int64_t only_predicted = 0;
   std::int64_t only_measured = 0;
+  // Of only_predicted, those of a predicted rank that some measured task joined (not of a rank
+  // that the measured trace leaves out, as a dtexec run --only-rank trace leaves all but one).
+  std::int64_t only_predicted_on_joined_ranks = 0;
   // Joined pairs whose names differ (traces of different plans: a task id names another task),
   // and the first of them, as "rank R task T: "predicted name" predicted, "measured" measured".
   std::int64_t renamed = 0;

@@ -73,7 +73,7 @@ TEST_CASE("each broken rule says which one and why", "[plan][bad-input]") {
     p.grad_compression = 1.5;
     CHECK(has_rule(
         check_plan(p, m, 64), "grad-compression",
-        "gradient compression 1.5: expected the fraction of the bytes sent, from 1e-4 to 1"));
+        "gradient compression 1.5: expected the fraction of the bytes sent, from 1e-06 to 1"));
   }
   SECTION("an expert load above 1 needs experts, split over ep > 1") {
     p.expert_load = 1.5;
@@ -302,7 +302,8 @@ TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][
   bad(R"({"make_vocab_size_divisible_by": 131072})",
       "plan.json: make_vocab_size_divisible_by: expected at most 65536, got 131072");
   bad(R"({"grad_compression": 2})",
-      "plan.json: grad_compression: expected the fraction of the gradient bytes sent, from 1e-4 to "
+      "plan.json: grad_compression: expected the fraction of the gradient bytes sent, from 1e-06 "
+      "to "
       "1, got 2");
   bad(R"({"grad_compression": 0})", "plan.json: grad_compression: expected a positive number");
   bad(R"({"expert_load": 0.5})",
