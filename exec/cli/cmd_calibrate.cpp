@@ -382,7 +382,8 @@ void in_run_over_ranks(nlohmann::json& in_run, const std::vector<double>& phase_
 // dtexec calibrate --backend cuda: one GPU per rank (the node-local rank's), cuBLAS GEMMs at
 // the model's shapes, copy bandwidth, launch overhead, jitter, and NCCL collectives over the
 // ranks of an mpirun job.
-nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::MpiSession* mpi) {
+nlohmann::json calibrate_cuda(const po::variables_map& vm, const std::string& precision,
+                              dtsim::exec::cpu::MpiSession* mpi) {
   namespace cu = dtsim::exec::cuda;
   const auto p = cu::probe();
   if (p.gpus.empty()) {
@@ -393,7 +394,6 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, dtsim::exec::cpu::Mpi
   const int ranks = mpi ? mpi->size() : 1;
   const int local = mpi ? mpi->local_rank() : 0;
   const cu::GpuInfo& gpu = p.gpus[static_cast<std::size_t>(local) % p.gpus.size()];
-  const std::string precision = vm.count("precision") ? vm["precision"].as<std::string>() : "bf16";
   const bool quick = vm["quick"].as<bool>();
   const int repeats = vm["repeats"].as<int>();
   // Square GEMMs (cuBLAS alone), and the model's GEMMs forward and backward (below).
@@ -625,7 +625,7 @@ int calibrate(const std::vector<std::string>& args) {
   nlohmann::json profile;
   try {
 #ifdef DTEXEC_HAVE_CUDA
-    if (backend == "cuda") profile = calibrate_cuda(vm, mpi.get());
+    if (backend == "cuda") profile = calibrate_cuda(vm, precision, mpi.get());
 #endif
     if (backend == "cpu") {
       profile = dtsim::exec::cpu::calibrate(options);

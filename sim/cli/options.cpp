@@ -827,18 +827,16 @@ std::vector<std::string> profile_warnings(const cost::Profile& profile,
   const Figure& rated = device.peak_flops.at(profile.precision);
   if (rated.source.rfind("dtexec calibrate", 0) == 0) return {};
   const double peak = rated.value;
-  const cost::GemmSample* fastest = nullptr;
-  for (const auto& g : profile.gemm) {
-    if (fastest == nullptr || g.flops() / g.seconds > fastest->flops() / fastest->seconds) {
-      fastest = &g;
-    }
-  }
-  if (fastest == nullptr || fastest->flops() / fastest->seconds <= 1.05 * peak) return {};
+  const auto rate = [](const cost::GemmSample& g) { return g.flops() / g.seconds; };
+  const auto fastest =
+      std::max_element(profile.gemm.begin(), profile.gemm.end(),
+                       [&](const auto& a, const auto& b) { return rate(a) < rate(b); });
+  if (fastest == profile.gemm.end() || rate(*fastest) <= 1.05 * peak) return {};
   return {fmt::format(
       "warning: profile {}: its GEMM m={:g} n={:g} k={:g} ran at {:.4g} TFLOP/s, above the {} "
       "peak of {:.4g} at {} (a timing error?); its times are used as measured",
-      profile.file, fastest->m, fastest->n, fastest->k, fastest->flops() / fastest->seconds / 1e12,
-      device.name, peak / 1e12, to_string(profile.precision))};
+      profile.file, fastest->m, fastest->n, fastest->k, rate(*fastest) / 1e12, device.name,
+      peak / 1e12, to_string(profile.precision))};
 }
 
 Precision precision_of_flag(std::string_view flag, const std::string& text) {

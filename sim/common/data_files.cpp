@@ -37,24 +37,23 @@ fs::path resolve_data_file(std::string_view what, std::string_view subdir,
       name_or_path.find('/') != std::string_view::npos || as_path.extension() == ".json";
   std::error_code ec;
   const fs::file_status status = fs::status(as_path, ec);
-  if (looks_like_path || fs::is_regular_file(status)) {
-    if (fs::is_regular_file(status)) return as_path;
-    // Say what is there instead, where something is.
-    if (fs::is_directory(status)) {
-      throw InputError(
-          fmt::format("{}: is a directory; expected a {} name or a JSON file", name_or_path, what));
-    }
+  if (fs::is_regular_file(status)) return as_path;
+  // A name: a shipped file (before a directory of that name here).
+  if (!looks_like_path) {
+    const fs::path candidate = data_dir() / subdir / (std::string(name_or_path) + ".json");
+    if (fs::is_regular_file(candidate)) return candidate;
+  }
+  // Say what is there instead, where something is.
+  if (fs::is_directory(status)) {
+    throw InputError(
+        fmt::format("{}: is a directory; expected a {} name or a JSON file", name_or_path, what));
+  }
+  if (looks_like_path) {
     if (fs::exists(status)) {
       throw InputError(
           fmt::format("{}: not a regular file; expected a {} JSON file", name_or_path, what));
     }
     throw InputError(fmt::format("{}: no such {} file", name_or_path, what));
-  }
-  const fs::path candidate = data_dir() / subdir / (std::string(name_or_path) + ".json");
-  if (fs::is_regular_file(candidate)) return candidate;
-  if (fs::is_directory(status)) {
-    throw InputError(
-        fmt::format("{}: is a directory; expected a {} name or a JSON file", name_or_path, what));
   }
   throw InputError(fmt::format("unknown {} \"{}\" (known: {}; or give a path to a JSON file)", what,
                                name_or_path, fmt::join(list_data_names(subdir), ", ")));

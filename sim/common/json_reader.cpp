@@ -228,13 +228,30 @@ Figure JsonReader::figure(std::string_view key, bool allow_zero) const {
   return out;
 }
 
+namespace {
+
+// Whether `value` lies in [least, most] (or is 0 where allowed); else what was expected.
+std::optional<std::string> outside(double value, double least, double most, std::string_view unit,
+                                   bool allow_zero) {
+  if ((allow_zero && value == 0) || (value >= least && value <= most)) return std::nullopt;
+  return fmt::format("expected {} from {:g} to {:g}{}, got {:g} (a unit mistake?)", unit, least,
+                     most, allow_zero ? ", or 0" : "", value);
+}
+
+}  // namespace
+
 Figure JsonReader::figure_within(std::string_view key, double least, double most,
                                  std::string_view unit, bool allow_zero) const {
   Figure out = figure(key, allow_zero);
-  if ((allow_zero && out.value == 0) || (out.value >= least && out.value <= most)) return out;
-  object(key).fail("value", fmt::format("expected {} from {:g} to {:g}{}, got {:g} (a unit "
-                                        "mistake?)",
-                                        unit, least, most, allow_zero ? ", or 0" : "", out.value));
+  if (auto why = outside(out.value, least, most, unit, allow_zero)) object(key).fail("value", *why);
+  return out;
+}
+
+double JsonReader::number_within(std::string_view key, double least, double most,
+                                 std::string_view unit, bool allow_zero) const {
+  const double value = allow_zero ? non_negative_number(key) : positive_number(key);
+  if (auto why = outside(value, least, most, unit, allow_zero)) fail(key, *why);
+  return value;
 }
 
 std::optional<Figure> JsonReader::optional_figure(std::string_view key, bool allow_zero) const {

@@ -62,6 +62,9 @@ class JsonReader {
   // limits. `unit` names the unit the message asks for ("bytes/s").
   Figure figure_within(std::string_view key, double least, double most, std::string_view unit,
                        bool allow_zero = false) const;
+  // The same bounds on a plain number (a calibration profile's fields).
+  double number_within(std::string_view key, double least, double most, std::string_view unit,
+                       bool allow_zero = false) const;
   JsonReader object(std::string_view key) const;
   // A required field of any type, and one that must be an array.
   const nlohmann::json& at(std::string_view key) const;

@@ -87,14 +87,9 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   if (r.has("memory_bw_bytes_per_s"))
     p.memory_bw_bytes_per_s = r.positive_number("memory_bw_bytes_per_s");
   if (r.has("launch_overhead_s")) {
-    // The bounds of a device file's launch overhead (cluster::kLeastLatency, kMostLatency).
-    const double s = r.non_negative_number("launch_overhead_s");
-    if (s != 0 && !(s >= cluster::kLeastLatency && s <= cluster::kMostLatency)) {
-      r.fail("launch_overhead_s",
-             fmt::format("expected seconds from {:g} to {:g}, or 0, got {:g} (a unit mistake?)",
-                         cluster::kLeastLatency, cluster::kMostLatency, s));
-    }
-    p.launch_overhead_s = s;
+    // The bounds of a device file's launch overhead.
+    p.launch_overhead_s = r.number_within("launch_overhead_s", cluster::kLeastLatency,
+                                          cluster::kMostLatency, "seconds", /*allow_zero=*/true);
   }
   auto coefficient_of_variation = [](const JsonReader& reader, std::string_view key) {
     const double cv = reader.non_negative_number(key);
