@@ -91,6 +91,19 @@ double load_value(const std::string& v) {
   return load;
 }
 
+// The number a value of a numeric axis stands for, checked here, before any point runs; nothing
+// for the named axes (device, cluster, model, attention).
+std::optional<double> axis_number(const std::string& key, const std::string& v) {
+  if (key == "jitter_cv" || key == "rank_spread_cv") return spread_value(key, v);
+  if (key == "expert_load") return load_value(v);
+  if (key == "gpus" || key == "global_batch" || key == "seq_len") return number(key, v, true);
+  if (key == "nic_gbps" || key == "latency_us" || key == "oversubscription") {
+    return number(key, v, false);
+  }
+  if (key == "attention") attention_value(v);
+  return std::nullopt;
+}
+
 Axis parse_vary(const std::string& text) {
   const auto eq = text.find('=');
   if (eq == std::string::npos || eq + 1 >= text.size()) {
@@ -107,17 +120,18 @@ Axis parse_vary(const std::string& text) {
   if (text.back() == ',') throw InputError(fmt::format("--vary {}: empty value", text));
   std::stringstream ss(text.substr(eq + 1));
   std::string v;
+  std::vector<std::optional<double>> numbers;  // a.values' numbers (8 and 08 are one value)
   while (std::getline(ss, v, ',')) {
     if (v.empty()) throw InputError(fmt::format("--vary {}: empty value", text));
-    if (std::find(a.values.begin(), a.values.end(), v) != a.values.end()) {
-      throw InputError(
-          fmt::format("--vary {}: {} given twice (its rows would be the same)", text, v));
+    const auto n = axis_number(a.key, v);
+    for (std::size_t i = 0; i < a.values.size(); ++i) {
+      if (a.values[i] == v || (n && numbers[i] == n)) {
+        throw InputError(fmt::format("--vary {}: {} given twice (its rows would be the same)", text,
+                                     a.values[i] == v ? v : a.values[i] + " and " + v));
+      }
     }
-    // Checked before any point runs.
-    if (a.key == "jitter_cv" || a.key == "rank_spread_cv") spread_value(a.key, v);
-    if (a.key == "expert_load") load_value(v);
-    if (a.key == "attention") attention_value(v);
     a.values.push_back(v);
+    numbers.push_back(n);
   }
   return a;
 }
