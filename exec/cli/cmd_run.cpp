@@ -1210,6 +1210,9 @@ int run(const std::vector<std::string>& args) {
         "--micro-batch-size {} x --seq-len {}: expected at most {} tokens per micro-batch",
         plan.micro_batch_size, plan.seq_len, std::numeric_limits<int>::max()));
   }
+  // A --cluster that does not load is refused before anything runs or prints (later reads of it
+  // leave out what they cannot price).
+  if (vm.count("cluster")) dtsim::cluster::load_cluster(vm["cluster"].as<std::string>());
   const dtsim::model::ModelGraph graph = dtsim::plan::graph_of(spec, plan);
   dtsim::lower::LowerOptions lower_options;
   lower_options.mode = devices > 1 && !only_rank ? dtsim::lower::Lowering::AllRanks
