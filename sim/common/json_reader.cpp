@@ -68,9 +68,24 @@ json JsonReader::parse_file(const std::filesystem::path& file) {
           for (std::size_t i = 0; i + 1 < open.size(); ++i) {
             path += open[i].array ? "[]" : (path.empty() ? "" : ".") + open[i].keys.back();
           }
+          // Where the parser stands: just past the second key's closing quote.
+          const auto at =
+              static_cast<std::size_t>(buffer.rdbuf()->pubseekoff(0, std::ios::cur, std::ios::in));
+          const std::string text = buffer.str().substr(0, at);
+          std::string where =
+              fmt::format("line {}", std::count(text.begin(), text.end(), '\n') + 1);
+          // The key's column where it is written as read (no escapes): its opening quote.
+          const std::string quoted = '"' + key + '"';
+          if (text.size() >= quoted.size() &&
+              text.compare(text.size() - quoted.size(), quoted.size(), quoted) == 0) {
+            const auto line_start = text.rfind('\n');
+            where += fmt::format(", column {}",
+                                 text.size() - quoted.size() + 1 -
+                                     (line_start == std::string::npos ? 0 : line_start + 1));
+          }
           throw InputError(
-              fmt::format("{}: {}{}: the field appears twice in one object; expected it once",
-                          file.string(), path.empty() ? "" : path + ".", key));
+              fmt::format("{}: {}{} ({}): the field appears twice in one object; expected it once",
+                          file.string(), path.empty() ? "" : path + ".", key, where));
         }
         keys.push_back(key);
         break;
@@ -81,7 +96,7 @@ json JsonReader::parse_file(const std::filesystem::path& file) {
     return true;
   };
   try {
-    return json::parse(buffer.str(), refuse_repeats);
+    return json::parse(buffer, refuse_repeats);
   } catch (const json::exception& e) {
     // A parse error, or a number too large for a double (out_of_range.406). nlohmann's message
     // carries line and column ("[json.exception.parse_error.101] parse error at line 3,

@@ -19,12 +19,24 @@ TEST_CASE("malformed JSON names the file, line and column", "[common]") {
 TEST_CASE("a field given twice in one object is refused, naming its path", "[common]") {
   // nlohmann's parser keeps the last of them: a model's "layers": 2, "layers": 7 read as 7.
   dtsim::test::TempFile top("twice.json", R"({"layers": 2, "hidden": 8, "layers": 7})");
-  DTSIM_REQUIRE_THROWS_CONTAINING(JsonReader::parse_file(top.path()), InputError,
-                                  "twice.json: layers: the field appears twice");
+  DTSIM_REQUIRE_THROWS_CONTAINING(
+      JsonReader::parse_file(top.path()), InputError,
+      "twice.json: layers (line 1, column 28): the field appears twice");
   dtsim::test::TempFile nested("twice_nested.json",
                                R"({"a": {"b": [{"c": 1}, {"c": 2, "d": 3, "c": 4}]}, "e": 5})");
   DTSIM_REQUIRE_THROWS_CONTAINING(JsonReader::parse_file(nested.path()), InputError,
-                                  "twice_nested.json: a.b[].c: the field appears twice");
+                                  "twice_nested.json: a.b[].c (line 1, column 41): the field "
+                                  "appears twice");
+  // Over lines; a key written with an escape gets its line only.
+  dtsim::test::TempFile lines("twice_lines.json",
+                              "{\n  \"name\": \"x\",\n  \"layers\": 2,\n"
+                              "    \"layers\": 7\n}\n");
+  DTSIM_REQUIRE_THROWS_CONTAINING(JsonReader::parse_file(lines.path()), InputError,
+                                  "twice_lines.json: layers (line 4, column 5): the field");
+  dtsim::test::TempFile escaped("twice_escaped.json", R"({"ab": 1,
+"a\u0062": 2})");
+  DTSIM_REQUIRE_THROWS_CONTAINING(JsonReader::parse_file(escaped.path()), InputError,
+                                  "twice_escaped.json: ab (line 2): the field");
   // The same key in sibling objects, or at another depth, is not a repeat.
   dtsim::test::TempFile fine("siblings.json", R"({"c": {"c": 1}, "d": [{"c": 1}, {"c": 2}]})");
   const json j = JsonReader::parse_file(fine.path());
