@@ -179,9 +179,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "--vary device; its jitter_cv and rank_spread_cv are the straggler model's unless "
       "varied)")(
       "fixed-plan", po::value<std::string>(),
-      "simulate this plan file at every point instead of searching (its dp is recomputed to "
-      "fill each point's devices; its global batch is the default of --global-batch-size)")(
-      "json", po::bool_switch(), "print JSON")("csv", po::bool_switch(), "print CSV");
+      "simulate this plan file at every point instead of searching (on its own dp x tp x pp x "
+      "cp devices, or the cluster's where fewer, unless --gpus or --vary gpus say otherwise: "
+      "then its dp is recomputed to fill them; its global batch is the default of "
+      "--global-batch-size)")("json", po::bool_switch(), "print JSON")("csv", po::bool_switch(),
+                                                                       "print CSV");
   po::options_description search("The search at each point (as dtsim plan's)");
   add_search_space_options(search);
   desc.add(search);
@@ -409,6 +411,22 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
     } else if (vm.count("gpus")) {
       c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
+    } else if (vm.count("fixed-plan")) {
+      // A plan file with its dp runs on its own devices, as dtsim simulate --plan does, where
+      // the point's cluster has more.
+      const std::string& file = vm["fixed-plan"].as<std::string>();
+      const plan::Plan p = plan::load_plan(file);
+      const std::int64_t own = static_cast<std::int64_t>(p.dp) * p.tp * p.pp * p.cp;
+      if (own > 0 && own < c.devices()) {
+        try {
+          c = cluster::with_devices(c, own);
+        } catch (const InputError& e) {
+          throw InputError(
+              fmt::format("--fixed-plan {}: its {} devices on {}: {} (give --gpus or "
+                          "--vary gpus)",
+                          file, own, c.name, e.what()));
+        }
+      }
     }
     row.network_unused = c.nodes == 1 && (point.count("nic_gbps") || point.count("latency_us") ||
                                           point.count("oversubscription"));
@@ -495,9 +513,6 @@ int cmd_whatif(const std::vector<std::string>& args) {
       row.plan = plan::summary(p);
       row.plan_spec = plan::to_json(p);
       row.found = true;
-      row.fits = pred.memory.fits;
-      row.memory_bytes = pred.memory.worst().total_bytes;
-      row.capacity_bytes = pred.memory.capacity_bytes;
     } else {
       check_profile(space.precision);
       c.device.peak_flops_for(space.precision);  // a device without it says so
@@ -530,6 +545,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
     }
     if (row.found) {
+      row.fits = pred.memory.fits;
+      row.memory_bytes = pred.memory.worst().total_bytes;
+      row.capacity_bytes = pred.memory.capacity_bytes;
       row.step_s = pred.step_time_s;
       row.tokens_per_s = pred.tokens_per_s;
       row.mfu = pred.mfu;
@@ -650,10 +668,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
     if (r.found && r.fits)
       base.try_emplace(model_of(r), r.tokens_per_s / static_cast<double>(r.gpus));
   }
-  auto efficiency = [&](const Row& r) {
+  // None where no point of the model has a plan that fits.
+  auto efficiency = [&](const Row& r) -> std::optional<double> {
     const auto it = base.find(model_of(r));
-    return it != base.end() && r.found ? r.tokens_per_s / static_cast<double>(r.gpus) / it->second
-                                       : 0.0;
+    if (it == base.end() || !r.found) return std::nullopt;
+    return r.tokens_per_s / static_cast<double>(r.gpus) / it->second;
   };
 
   // (stderr, whatever the format: the rows are right, only the axis is idle at them.)
@@ -697,7 +716,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                   {"step_time_s", r.step_s},
                   {"tokens_per_s", r.tokens_per_s},
                   {"mfu", r.mfu},
-                  {"scaling_efficiency", efficiency(r)},
+                  {"scaling_efficiency", efficiency(r) ? nlohmann::json(*efficiency(r)) : nullptr},
                   {"amdahl_max_speedup", r.max_speedup}});
         if (r.straggler_cost_s) j["straggler_cost_s"] = *r.straggler_cost_s;
         if (tokens > 0) {
@@ -724,10 +743,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
         }
         if (r.cost_usd >= 0) j["cost_usd"] = r.cost_usd;
         if (r.energy_kwh >= 0) j["energy_kwh"] = r.energy_kwh;
-        if (vm.count("fixed-plan")) {
-          j["memory_per_gpu_bytes"] = r.memory_bytes;
-          j["capacity_bytes"] = r.capacity_bytes;
-        }
+        j["memory_per_gpu_bytes"] = r.memory_bytes;
+        j["capacity_bytes"] = r.capacity_bytes;
       }
       out.push_back(j);
     }
@@ -738,28 +755,29 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::cout << fmt::format(
         "{},devices,plan,step_time_s,tokens_per_s,mfu,scaling_efficiency,"
         "amdahl_max_speedup,time_to_train_days,cost_usd,energy_mwh,fits,goodput,"
-        "time_to_train_with_interruptions_days,checkpoint_every_steps,straggler_cost_s\n",
+        "time_to_train_with_interruptions_days,checkpoint_every_steps,straggler_cost_s,"
+        "cost_with_interruptions_usd\n",
         fmt::join(keys, ","));
     for (const Row& r : rows) {
       std::vector<std::string> vals;
       for (const auto& k : keys) vals.push_back(r.point.at(k));
-      // A point without a plan (none valid, none fits) leaves its figures empty, as the
-      // table's "-" and the JSON's "found": false.
-      auto figure = [&](std::string_view spec, double v) {
-        return r.found ? fmt::format(fmt::runtime(spec), v) : std::string();
+      // Figures in full (the shortest text that reads back as the same double); a point without
+      // a plan (none valid, none fits) leaves them empty, as the table's "-" and the JSON's
+      // "found": false. Time and cost to train are failure-free, and again with interruptions.
+      auto figure = [&](bool known, double v) {
+        return r.found && known ? fmt::format("{}", v) : std::string();
       };
+      const bool trained = tokens > 0, priced = r.cost_usd >= 0, reached = r.goodput > 0;
       std::cout << fmt::format(
-          "{},{},\"{}\",{},{},{},{},{},{},{},{},{},{},{},{},{}\n", fmt::join(vals, ","), r.gpus,
-          r.plan, figure("{:.6g}", r.step_s), figure("{:.6g}", r.tokens_per_s),
-          figure("{:.4f}", r.mfu), figure("{:.4f}", efficiency(r)), figure("{:.4g}", r.max_speedup),
-          tokens > 0 && r.found ? fmt::format("{:.4g}", r.train_s / 86400) : "",
-          r.cost_usd >= 0 ? fmt::format("{:.0f}", r.cost_usd) : "",
-          r.energy_kwh >= 0 ? fmt::format("{:.4g}", r.energy_kwh / 1000) : "",
-          r.found ? (r.fits ? "1" : "0") : "",
-          tokens > 0 && r.found ? fmt::format("{:.4f}", r.goodput) : "",
-          tokens > 0 && r.found && r.goodput > 0 ? fmt::format("{:.4g}", r.wall_s() / 86400) : "",
-          tokens > 0 && r.found ? fmt::format("{}", r.checkpoint_every_steps) : "",
-          r.straggler_cost_s ? fmt::format("{:.6g}", *r.straggler_cost_s) : "");
+          "{},{},\"{}\",{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", fmt::join(vals, ","), r.gpus,
+          r.plan, figure(true, r.step_s), figure(true, r.tokens_per_s), figure(true, r.mfu),
+          figure(efficiency(r).has_value(), efficiency(r).value_or(0)), figure(true, r.max_speedup),
+          figure(trained, r.train_s / 86400), figure(priced, r.cost_usd),
+          figure(r.energy_kwh >= 0, r.energy_kwh / 1000), r.found ? (r.fits ? "1" : "0") : "",
+          figure(trained, r.goodput), figure(trained && reached, r.wall_s() / 86400),
+          trained && r.found ? fmt::format("{}", r.checkpoint_every_steps) : "",
+          figure(r.straggler_cost_s.has_value(), r.straggler_cost_s.value_or(0)),
+          figure(priced && reached, r.cost_usd / r.goodput));
     }
     return 0;
   }
@@ -770,16 +788,15 @@ int cmd_whatif(const std::vector<std::string>& args) {
   const bool gpus_column = std::find(keys.begin(), keys.end(), "gpus") == keys.end();
   std::vector<std::string> headers = keys;
   if (gpus_column) headers.push_back("GPUs");
-  for (const char* h : {"best plan", "step", "tokens/s", "MFU", "scaling", "Amdahl"}) {
-    headers.push_back(h);
-  }
+  headers.push_back(vm.count("fixed-plan") ? "plan" : "best plan");
+  for (const char* h : {"step", "tokens/s", "MFU", "scaling", "Amdahl"}) headers.push_back(h);
   if (stragglers) headers.push_back("stragglers");
   for (const char* h : {"goodput", "train", "cost", "energy"}) headers.push_back(h);
   report::Table table(headers);
   std::vector<std::string> units(keys.size() + (gpus_column ? 1 : 0), "");
   for (const char* u : {"", "s", "", "", "vs first", "bound"}) units.push_back(u);
   if (stragglers) units.push_back("of step");
-  for (const char* u : {"", "days", "USD", "MWh"}) units.push_back(u);
+  for (const char* u : {"", "", "USD", ""}) units.push_back(u);
   table.set_units(units);
   table.align_left(keys.size() + (gpus_column ? 1 : 0));
   for (const Row& r : rows) {
@@ -796,7 +813,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       cells.push_back(format_seconds(r.step_s));
       cells.push_back(fmt::format("{:.0f}", r.tokens_per_s));
       cells.push_back(fmt::format("{:.1f}%", 100 * r.mfu));
-      cells.push_back(fmt::format("{:.1f}%", 100 * efficiency(r)));
+      cells.push_back(efficiency(r) ? fmt::format("{:.1f}%", 100 * *efficiency(r)) : "-");
       cells.push_back(r.max_speedup > 0 ? fmt::format("{:.1f}x", r.max_speedup) : "-");
       if (stragglers) {
         cells.push_back(r.straggler_cost_s
@@ -804,17 +821,26 @@ int cmd_whatif(const std::vector<std::string>& args) {
                             : "-");
       }
       cells.push_back(tokens > 0 ? fmt::format("{:.1f}%", 100 * r.goodput) : "-");
-      cells.push_back(tokens <= 0      ? "-"
-                      : r.goodput <= 0 ? "never"
-                                       : fmt::format("{:.1f}", r.wall_s() / 86400));
+      cells.push_back(tokens <= 0 ? "-" : r.goodput <= 0 ? "never" : span_text(r.wall_s()));
       cells.push_back(r.cost_usd < 0   ? "-"
                       : r.goodput <= 0 ? "never"
                                        : fmt::format("{:.0f}", r.cost_usd / r.goodput));
-      cells.push_back(r.energy_kwh >= 0 ? fmt::format("{:.1f}", r.energy_kwh / 1000) : "-");
+      cells.push_back(r.energy_kwh < 0       ? "-"
+                      : r.energy_kwh >= 1000 ? fmt::format("{:.1f} MWh", r.energy_kwh / 1000)
+                                             : fmt::format("{:.1f} kWh", r.energy_kwh));
     }
     table.add_row(cells);
   }
   std::cout << table.render();
+  // Where "vs first" is not simply the first row: a model whose first point has no plan that
+  // fits, or several models.
+  std::map<std::string, bool> first_fits;
+  for (const Row& r : rows) first_fits.try_emplace(model_of(r), r.found && r.fits);
+  if (first_fits.size() > 1 ||
+      std::any_of(first_fits.begin(), first_fits.end(), [](const auto& f) { return !f.second; })) {
+    std::cout << "(scaling: tokens/s per GPU against the first point of the same model whose "
+                 "plan fits)\n";
+  }
   if (std::any_of(rows.begin(), rows.end(),
                   [](const Row& r) { return !r.found && !r.valid_candidates; })) {
     std::cout << "(no valid plan: no tp x pp x cp x dp makes the point's GPUs with dp x "
@@ -828,7 +854,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (tokens <= 0) std::cout << "(give --tokens N for time, cost and energy to train)\n";
   if (vm.count("fixed-plan")) {
     std::cout << "(--fixed-plan: its tp, pp, cp, ep and the rest at every point; dp fills each "
-                 "point's devices)\n";
+                 "point's devices: its own dp x tp x pp x cp unless --gpus or --vary gpus give "
+                 "others, or the cluster has fewer)\n";
   }
   if (tokens > 0 &&
       std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.priceless; })) {

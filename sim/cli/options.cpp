@@ -477,17 +477,12 @@ std::string interruptions_note(const plan::Reliability& r) {
       r.checkpoint_snapshot_bytes_per_s_per_device ? "copy" : "write");
 }
 
-namespace {
-
-// A time to train in the largest unit it fills (a short run is not "0.0 days").
 std::string span_text(double seconds) {
   if (seconds >= 86400) return fmt::format("{:.1f} days", seconds / 86400);
   if (seconds >= 3600) return fmt::format("{:.1f} h", seconds / 3600);
   if (seconds >= 60) return fmt::format("{:.1f} min", seconds / 60);
   return fmt::format("{:.1f} s", seconds);
 }
-
-}  // namespace
 
 std::string training_time_text(const plan::TrainingTime& tt, std::optional<double> cost_usd) {
   std::string s = span_text(tt.work_s);

@@ -45,6 +45,9 @@ void add_global_batch_options(po::options_description& desc, const char* help);
 // InputError); none given: nullopt.
 std::optional<std::int64_t> global_batch_from_options(const po::variables_map& vm);
 
+// A time to train in the largest unit it fills (a short run is not "0.0 days").
+std::string span_text(double seconds);
+
 // Adds the reliability flags of time to train with failures (--tokens of dtsim plan and whatif):
 // --interruptions-per-gpu-hour, --restart-minutes, --checkpoint-write-gbs-per-gpu.
 void add_reliability_options(po::options_description& desc);
