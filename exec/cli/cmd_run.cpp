@@ -370,11 +370,13 @@ void write_trace(const std::string& path, const std::string& model,
 }
 
 // The GPU of this rank (the node-local rank's; the first one without mpirun), with activations in
-// the plan's precision; says which in `where`. Exit code 2 with the reason where there is none.
-// `share` (--share-gpus): a host's ranks share its GPUs, each rank a host of its own to NCCL.
+// the plan's precision; says which in `where`, and its product name (the catalog's alias for it)
+// in `product`. Exit code 2 with the reason where there is none. `share` (--share-gpus): a
+// host's ranks share its GPUs, each rank a host of its own to NCCL.
 std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision, int local_rank,
                                                      int local_size, const std::string& host,
-                                                     bool share, std::string& where) {
+                                                     bool share, std::string& where,
+                                                     std::string& product) {
 #ifdef DTEXEC_HAVE_CUDA
   const auto p = dtsim::exec::cuda::probe();
   if (p.gpus.empty()) {
@@ -393,6 +395,7 @@ std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision,
   const auto& g = p.gpus[static_cast<std::size_t>(local_rank) % p.gpus.size()];
   const bool bf16 = precision == dtsim::Precision::Bf16;
   where = fmt::format("GPU {} ({}), {} activations", g.index, g.name, bf16 ? "bf16" : "fp32");
+  product = g.name;
   if (share && static_cast<std::size_t>(local_size) > p.gpus.size()) {
     // NCCL tells hosts apart by a hash of NCCL_HOSTID where it is set: a rank of its own host
     // is no duplicate of the ranks on its GPU, and reaches them over its network transport
@@ -412,6 +415,7 @@ std::unique_ptr<dtsim::exec::Device> make_gpu_device(dtsim::Precision precision,
   (void)host;
   (void)share;
   (void)where;
+  (void)product;
   throw dtsim::UnsupportedError(
       "--backend cuda: this dtexec was built without the CUDA backend (CUDA toolkit or NCCL "
       "not found at build time)");
@@ -775,16 +779,19 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm, std::int64_t
 }
 
 // This rank's device for the plan's precision: a GPU with --backend cuda (`mpi`'s node-local
-// rank's), else the CPU, emulating bf16 where the plan has it. Says which in `where`.
+// rank's), else the CPU, emulating bf16 where the plan has it. Says which in `where`, and in
+// `product` the name the device catalog knows it by (a GPU's product name, or cpu-host).
 std::unique_ptr<dtsim::exec::Device> make_device(const dtsim::plan::Plan& plan, bool gpu,
                                                  const dtsim::exec::cpu::MpiSession* mpi,
-                                                 bool share_gpus, std::string& where) {
+                                                 bool share_gpus, std::string& where,
+                                                 std::string& product) {
   where = "the CPU";
+  product = "cpu-host";
   std::unique_ptr<dtsim::exec::Device> device;
   if (gpu) {
     device = mpi ? make_gpu_device(plan.precision, mpi->local_rank(), mpi->local_size(),
-                                   mpi->host(), share_gpus, where)
-                 : make_gpu_device(plan.precision, 0, 1, "this host", false, where);
+                                   mpi->host(), share_gpus, where, product)
+                 : make_gpu_device(plan.precision, 0, 1, "this host", false, where, product);
   } else if (plan.precision == dtsim::Precision::Bf16) {
     device = std::make_unique<dtsim::exec::cpu::Bf16Device>();
     where = "the CPU (bf16 activations emulated: fp32 kernels, bf16 storage)";
@@ -871,13 +878,13 @@ struct Peak {
 
 // Checked before the run: a --cluster that does not load is an error; without one, an unknown
 // device leaves the peak unknown.
-Peak peak_of(const po::variables_map& vm, bool gpu, const dtsim::exec::Device& device,
+Peak peak_of(const po::variables_map& vm, bool gpu, const std::string& product,
              const dtsim::plan::Plan& plan) {
   Peak peak;
   try {
     const auto d = vm.count("cluster")
                        ? dtsim::cluster::load_cluster(vm["cluster"].as<std::string>()).device
-                       : dtsim::cluster::load_device(gpu ? device.name() : "cpu-host");
+                       : dtsim::cluster::load_device(product);
     peak.flops_per_s = d.peak_flops_for(plan.precision);
     peak.device = d.name;
     peak.shipped_cpu = !gpu && !vm.count("cluster");
@@ -1219,9 +1226,9 @@ int run(const std::vector<std::string>& args) {
                                                  : dtsim::lower::Lowering::Representatives;
   const auto program = dtsim::lower::lower(graph, plan, lower_options);
   dtsim::exec::check_runnable(graph, program, only_rank);
-  std::string where;
+  std::string where, product;
   const std::unique_ptr<dtsim::exec::Device> device =
-      make_device(plan, gpu, mpi.get(), share_gpus, where);
+      make_device(plan, gpu, mpi.get(), share_gpus, where, product);
   dtsim::exec::check_device(graph, program, *device);
   if (device->host_memory() && !only_rank) {
     if (const auto report = predicted_memory_report(vm, graph, plan)) {
@@ -1273,7 +1280,7 @@ int run(const std::vector<std::string>& args) {
     announce_run(rank, spec, where, devices, plan, run_notes, options);
     report_progress(rank, options);
   }
-  const Peak peak = peak_of(vm, gpu, *device, plan);
+  const Peak peak = peak_of(vm, gpu, product, plan);
   dtsim::exec::RunResult result;
   Timings timings;
   try {
