@@ -354,7 +354,7 @@ std::int64_t requested_devices(const po::variables_map& vm) {
 
 // Writes the last step's tasks of every rank as one Chrome trace, in the simulator's trace
 // schema, on one clock from the first rank's start of the step.
-void write_trace(const std::string& path, const std::string& model,
+void write_trace(const std::string& path, const dtsim::report::TraceInfo& info,
                  const dtsim::lower::Program& program, const Timings& all, int last_step,
                  int first_step) {
   const auto index = static_cast<std::size_t>(std::max(0, last_step - first_step));
@@ -366,7 +366,7 @@ void write_trace(const std::string& path, const std::string& model,
   timeline.tasks = step_times(all, program, last_step, [&](std::size_t r) {
     return r < all.origin_s.size() ? first - all.origin_s[r] : 0.0;
   });
-  dtsim::report::write_chrome_trace(path, program, timeline, model);
+  dtsim::report::write_chrome_trace(path, program, timeline, info);
 }
 
 // The GPU of this rank (the node-local rank's; the first one without mpirun), with activations in
@@ -444,10 +444,12 @@ std::optional<dtsim::plan::MemoryReport> predicted_memory_report(
 
 // dtexec run --only-rank R: the program of R's pipeline stage (every rank of a stage runs the
 // same tasks) on this machine alone; communication tasks wait their predicted times.
+// `device_name`: the device catalog's name for `device`, for the trace.
 int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& spec,
                   const dtsim::plan::Plan& plan, const dtsim::model::ModelGraph& graph,
                   const dtsim::lower::Program& program, dtsim::exec::RunOptions options,
-                  dtsim::exec::Device& device, const std::string& where) {
+                  dtsim::exec::Device& device, const std::string& where,
+                  const std::string& device_name) {
   const std::int64_t r = vm["only-rank"].as<std::int64_t>();
   if (r < 0 || r >= plan.devices()) {
     throw dtsim::InputError(
@@ -535,7 +537,8 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     one.lowering = program.lowering;
     one.groups = program.groups;
     one.ranks = {rp};
-    dtsim::report::write_chrome_trace(vm["trace"].as<std::string>(), one, timeline, spec.name);
+    dtsim::report::write_chrome_trace(vm["trace"].as<std::string>(), one, timeline,
+                                      {spec.name, dtsim::report::kProducedByRun, device_name});
   }
   // Memory: this rank's peak of tensors against dtsim memory's prediction for its stage.
   const double peak = static_cast<double>(device.memory_use().peak);
@@ -1239,7 +1242,16 @@ int run(const std::vector<std::string>& args) {
   if (!(options.task_timeout_s >= 0)) {
     throw dtsim::InputError("--task-timeout: expected a number of seconds >= 0");
   }
-  if (only_rank) return run_only_rank(vm, spec, plan, graph, program, options, *device, where);
+  // What this device is in the device catalog (a trace says what it ran on, whatever --cluster
+  // says for the MFU's peak): its entry's name, else its product name.
+  std::string device_name = product;
+  try {
+    device_name = dtsim::cluster::load_device(product).name;
+  } catch (const dtsim::InputError&) {
+  }
+  if (only_rank) {
+    return run_only_rank(vm, spec, plan, graph, program, options, *device, where, device_name);
+  }
   // From the watchdog thread: no MPI call there; the process exits and mpirun ends the others.
   const std::string host = mpi ? mpi->host() : std::string();
   options.on_hang = [host](const std::string& what) {
@@ -1287,8 +1299,9 @@ int run(const std::vector<std::string>& args) {
     result = dtsim::exec::run_program(graph, program, options, *comm, *device);
     timings = gather_timings(result, *comm, clock_skew);
     if (vm.count("trace") && rank == 0) {
-      write_trace(vm["trace"].as<std::string>(), spec.name, program, timings, options.steps - 1,
-                  result.first_step);
+      write_trace(vm["trace"].as<std::string>(),
+                  {spec.name, dtsim::report::kProducedByRun, device_name}, program, timings,
+                  options.steps - 1, result.first_step);
     }
   } catch (const std::exception& e) {
     end_all_ranks(e, mpi.get(), "run");

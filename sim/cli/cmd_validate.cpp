@@ -1,6 +1,7 @@
 // dtsim validate: predicted against measured, task by task.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -74,7 +75,13 @@ int cmd_validate(const std::vector<std::string>& args) {
         "(the step's span holds it)",
         v.waiting_tasks, v.straggler_wait_s * 1e3);
   }
-  std::vector<std::string> notes = {note};
+  // (Only where such tasks joined: a single rank's trace has none.)
+  std::vector<std::string> notes;
+  if (std::any_of(v.tasks.begin(), v.tasks.end(),
+                  [](const report::TaskError& t) { return t.stream != "compute"; })) {
+    notes.push_back(note);
+  }
+  for (auto& n : report::origin_notes(predicted, measured)) notes.push_back(std::move(n));
   for (const report::Trace* trace : {&predicted, &measured}) {
     if (auto n = report::span_note(*trace)) notes.push_back(std::move(*n));
   }

@@ -13,7 +13,7 @@ namespace dtsim::report {
 using nlohmann::json;
 
 json chrome_trace(const lower::Program& program, const engine::Timeline& timeline,
-                  const std::string& model) {
+                  const TraceInfo& info) {
   json events = json::array();
   for (std::size_t p = 0; p < program.ranks.size(); ++p) {
     const lower::RankProgram& rp = program.ranks[p];
@@ -62,16 +62,19 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
                         {"args", std::move(args)}});
     }
   }
+  nlohmann::json other = {{"model", info.model}, {"plan", plan::to_json(program.plan)}};
+  if (!info.producer.empty()) other["producer"] = info.producer;
+  if (!info.device.empty()) other["device"] = info.device;
   return {{"traceEvents", std::move(events)},
           {"displayTimeUnit", "ms"},
-          {"otherData", {{"model", model}, {"plan", plan::to_json(program.plan)}}}};
+          {"otherData", std::move(other)}};
 }
 
 void write_chrome_trace(const std::string& path, const lower::Program& program,
-                        const engine::Timeline& timeline, const std::string& model) {
+                        const engine::Timeline& timeline, const TraceInfo& info) {
   std::ofstream out(path);
   if (!out) throw InputError(fmt::format("--trace {}: cannot write the file", path));
-  out << chrome_trace(program, timeline, model).dump() << "\n" << std::flush;
+  out << chrome_trace(program, timeline, info).dump() << "\n" << std::flush;
   if (!out) throw InputError(fmt::format("--trace {}: write failed", path));
 }
 

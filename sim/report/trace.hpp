@@ -2,7 +2,10 @@
 // one complete event per task with args.task = the task id. Opens in Perfetto
 // (ui.perfetto.dev) and chrome://tracing. The simulator and dtexec write the same schema.
 // "otherData" (the format's free-form object) says what ran: {"model": name, "plan": the plan's
-// JSON}, so that dtsim validate and dtexec run --predicted refuse traces of different plans.
+// JSON}, so that dtsim validate and dtexec run --predicted refuse traces of different plans; and
+// who wrote it for which device ({"producer": "dtsim simulate" or "dtexec run", "device": the
+// catalog device's name}), so that dtsim validate can say when a prediction for one device
+// meets a measurement on another, or the two traces are given the wrong way round.
 #pragma once
 
 #include <nlohmann/json_fwd.hpp>
@@ -13,10 +16,19 @@
 
 namespace dtsim::report {
 
+// What a trace says about its run besides the plan (otherData); empty fields are left out.
+struct TraceInfo {
+  std::string model;     // the model's name
+  std::string producer;  // kProducedBySimulate or kProducedByRun
+  std::string device;    // the device catalog's name (h200, cpu-host), else what the run knew
+};
+inline constexpr const char* kProducedBySimulate = "dtsim simulate";
+inline constexpr const char* kProducedByRun = "dtexec run";
+
 nlohmann::json chrome_trace(const lower::Program& program, const engine::Timeline& timeline,
-                            const std::string& model);
+                            const TraceInfo& info);
 // Writes chrome_trace() to `path`; throws InputError if the file cannot be written.
 void write_chrome_trace(const std::string& path, const lower::Program& program,
-                        const engine::Timeline& timeline, const std::string& model);
+                        const engine::Timeline& timeline, const TraceInfo& info);
 
 }  // namespace dtsim::report

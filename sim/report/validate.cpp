@@ -13,6 +13,7 @@
 
 #include "sim/common/error.hpp"
 #include "sim/common/json_reader.hpp"
+#include "sim/report/trace.hpp"
 
 namespace dtsim::report {
 
@@ -62,6 +63,30 @@ std::optional<std::string> span_note(const Trace& trace) {
       trace.file, span * 1e3, busy * 1e3, 100 * busy / span);
 }
 
+std::vector<std::string> origin_notes(const Trace& predicted, const Trace& measured) {
+  std::vector<std::string> notes;
+  if (predicted.producer == kProducedByRun && measured.producer == kProducedBySimulate) {
+    notes.push_back(fmt::format(
+        "{} was written by {} and {} by {}: given the wrong way round? (error = predicted / "
+        "measured - 1)",
+        predicted.file, predicted.producer, measured.file, measured.producer));
+  }
+  if (!predicted.device.empty() && !measured.device.empty() &&
+      predicted.device != measured.device) {
+    notes.push_back(fmt::format(
+        "{} is for device {}, {} ran on {}: the errors compare different hardware (simulate on "
+        "the cluster the run used, e.g. --cluster cpu-host for CPU ranks)",
+        predicted.file, predicted.device, measured.file, measured.device));
+  }
+  if (measured.producer == kProducedByRun) {
+    notes.push_back(fmt::format(
+        "the step row is the one step {} holds, the run's last (dtexec run's median step time is "
+        "over all its steps after the warm-up)",
+        measured.file));
+  }
+  return notes;
+}
+
 Trace read_trace(const std::string& path) {
   const json j = JsonReader::parse_file(path);
   if (!j.is_object() || !j.contains("traceEvents") || !j.at("traceEvents").is_array()) {
@@ -75,6 +100,8 @@ Trace read_trace(const std::string& path) {
     const JsonReader what = other.object("otherData");
     if (what.has("model")) trace.model = what.string("model");
     if (what.has("plan")) trace.plan = what.object("plan").raw();
+    if (what.has("producer")) trace.producer = what.string("producer");
+    if (what.has("device")) trace.device = what.string("device");
   }
   const json& events = j.at("traceEvents");
   // (rank, task) -> its event: a trace holds one step, so one event per task.

@@ -36,6 +36,9 @@ struct Trace {
   // plan's JSON.
   std::string model;
   nlohmann::json plan;
+  // Who wrote it and for which device (otherData; empty in traces written before 2026-12-04).
+  std::string producer;
+  std::string device;
   double span_s() const;  // last end - first start
   // The time in which some task of some rank runs (the union of the tasks' spans).
   double busy_s() const;
@@ -46,6 +49,11 @@ struct Trace {
 // then says little. Nothing for a trace of one step as dtsim and dtexec write them (waits,
 // transfers and bubbles are tasks or lie between tasks of another rank).
 std::optional<std::string> span_note(const Trace& trace);
+
+// Notes on what the two traces say of their origin: a prediction for one device against a
+// measurement on another, traces given the wrong way round (the predicted one written by dtexec
+// run, the measured one by dtsim simulate), and what the step row of a dtexec run's trace is.
+std::vector<std::string> origin_notes(const Trace& predicted, const Trace& measured);
 
 // Throws InputError naming the file and the event/field that is malformed.
 Trace read_trace(const std::string& path);

@@ -175,6 +175,46 @@ TEST_CASE("traces say what ran, and traces of different runs are told apart",
                                   "run_bad.json: otherData.model: expected a string");
 }
 
+TEST_CASE("traces say who wrote them for which device: notes where they differ",
+          "[report][validate]") {
+  auto trace = [](const char* name, const char* other) {
+    TempFile f(name, std::string(R"({"traceEvents": [{"ph": "X", "pid": 0, "tid": 0, "ts": 0,
+      "dur": 1, "args": {"task": 0}}], "otherData": )") +
+                         other + "}");
+    return dtsim::report::read_trace(f.path());
+  };
+  const auto sim = trace("origin_sim.json",
+                         R"({"model": "tiny", "producer": "dtsim simulate", "device": "a100"})");
+  const auto run = trace("origin_run.json",
+                         R"({"model": "tiny", "producer": "dtexec run", "device": "cpu-host"})");
+  const auto sim_cpu =
+      trace("origin_sim_cpu.json",
+            R"({"model": "tiny", "producer": "dtsim simulate", "device": "cpu-host"})");
+  CHECK(sim.producer == "dtsim simulate");
+  CHECK(run.device == "cpu-host");
+  // The same device: only what the measured step row is.
+  auto notes = dtsim::report::origin_notes(sim_cpu, run);
+  REQUIRE(notes.size() == 1);
+  CHECK_THAT(notes[0], Catch::StartsWith("the step row is the one step " + run.file +
+                                         " holds, the run's last"));
+  // Another device.
+  notes = dtsim::report::origin_notes(sim, run);
+  REQUIRE(notes.size() == 2);
+  CHECK_THAT(notes[0], Catch::StartsWith(sim.file + " is for device a100, " + run.file +
+                                         " ran on cpu-host: the errors compare different "
+                                         "hardware"));
+  // Given the wrong way round.
+  notes = dtsim::report::origin_notes(run, sim_cpu);
+  REQUIRE(notes.size() == 1);
+  CHECK_THAT(notes[0],
+             Catch::StartsWith(run.file + " was written by dtexec run and " + sim_cpu.file +
+                               " by dtsim simulate: given the wrong way round?"));
+  // Traces written before producer and device: nothing to say.
+  const auto old = trace("origin_old.json", R"({"model": "tiny"})");
+  CHECK(dtsim::report::origin_notes(old, old).empty());
+  CHECK(dtsim::report::origin_notes(sim, old).empty());
+}
+
 TEST_CASE("a predicted straggler wait is left out of the task's predicted time",
           "[report][validate]") {
   // A collective predicted to last 150 µs of which 50 are the straggler model's expected wait
