@@ -568,7 +568,10 @@ int cmd_plan(const std::vector<std::string>& args) {
       // #2 is never faster: both were simulated and ranked by step time (or by its cost, in
       // proportion). Within a part in 10^9 they tie, as the planner's tier comparison counts.
       if (faster <= 1e-9 * result.ranked[0].step_time_s) {
-        std::cout << "\n#1 and #2 take the same time per step (to a part in 10^9)\n";
+        const double saved = result.ranked[1].memory_bytes - result.ranked[0].memory_bytes;
+        std::cout << fmt::format(
+            "\n#1 and #2 take the same time per step (to a part in 10^9){}\n",
+            saved > 0 ? fmt::format("; #1 needs {:.1f} GiB less per GPU", saved / kGiB) : "");
       } else if (more.empty() && less.empty()) {
         std::cout << fmt::format(
             "\nwhy #1 beats #2: {} faster per step, spread over terms that each differ by less "
