@@ -14,7 +14,7 @@ namespace dtsim::cli {
 int cmd_export_platform(const std::vector<std::string>& args) {
   po::options_description desc("dtsim export-platform options");
   desc.add_options()("help,h", "show this help");
-  add_model_options(desc, /*with_cluster=*/true);
+  add_model_options(desc, /*with_cluster=*/true, "--plan");
   add_plan_options(desc);
   desc.add_options()("out", po::value<std::string>(), "write the XML here (default: stdout)")(
       "all-pairs", po::bool_switch(),

@@ -20,7 +20,7 @@ constexpr std::size_t kLargeOutputBytes = 64ULL << 20;
 int cmd_lower(const std::vector<std::string>& args) {
   po::options_description desc("dtsim lower options");
   desc.add_options()("help,h", "show this help");
-  add_model_options(desc, /*with_cluster=*/true);
+  add_model_options(desc, /*with_cluster=*/true, "--plan");
   add_plan_options(desc);
   desc.add_options()("all-ranks", po::bool_switch(),
                      "one program per rank (default: one per pipeline stage, standing for its "

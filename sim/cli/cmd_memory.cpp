@@ -44,7 +44,7 @@ double table_unit(double worst_bytes) {
 int cmd_memory(const std::vector<std::string>& args) {
   po::options_description desc("dtsim memory options");
   desc.add_options()("help,h", "show this help");
-  add_model_options(desc, /*with_cluster=*/true);
+  add_model_options(desc, /*with_cluster=*/true, "--plan");
   add_plan_options(desc);
   po::options_description mem("Memory model");
   add_memory_options(mem);

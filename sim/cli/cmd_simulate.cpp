@@ -34,7 +34,7 @@ std::string pct(double part, double whole) {
 int cmd_simulate(const std::vector<std::string>& args) {
   po::options_description desc("dtsim simulate options");
   desc.add_options()("help,h", "show this help");
-  add_model_options(desc, /*with_cluster=*/true);
+  add_model_options(desc, /*with_cluster=*/true, "--plan");
   add_plan_options(desc);
   po::options_description sim_opts("Simulation");
   sim_opts.add_options()(

@@ -154,7 +154,7 @@ std::string error_kind(const std::exception& e) {
 int cmd_whatif(const std::vector<std::string>& args) {
   po::options_description desc("dtsim whatif options");
   desc.add_options()("help,h", "show this help");
-  add_model_options(desc, /*with_cluster=*/true);
+  add_model_options(desc, /*with_cluster=*/true, "--fixed-plan");
   desc.add_options()(
       "vary", po::value<std::vector<std::string>>()->composing(),
       "KEY=V1,V2,... (repeatable; every combination is a point). Keys: gpus, device, cluster, "

@@ -42,7 +42,7 @@ void attention_from_options(const po::variables_map& vm, model::AttentionKernel&
 
 }  // namespace
 
-void add_model_options(po::options_description& desc, bool with_cluster) {
+void add_model_options(po::options_description& desc, bool with_cluster, const char* plan_flag) {
   desc.add_options()(
       "model", po::value<std::string>()->default_value(kDefaultModel),
       "model: a name in models/ (e.g. llama3-70b), a path to a dtsim model JSON, or a Hugging "
@@ -53,9 +53,13 @@ void add_model_options(po::options_description& desc, bool with_cluster) {
     desc.add_options()("cluster", po::value<std::string>()->default_value(kDefaultCluster),
                        "cluster: a name in topologies/ (e.g. selene) or a path")(
         "gpus", po::value<std::int64_t>(),
-        "use this many devices of the cluster (whole nodes, or part of one node); default: all "
-        "of them (where the command takes a --plan file: as many as its dp x tp x pp x cp, "
-        "where that is fewer)");
+        fmt::format("use this many devices of the cluster (whole nodes, or part of one node); "
+                    "default: all of them{}",
+                    plan_flag ? fmt::format(" (with {} P.json: as many as its dp x tp x pp x "
+                                            "cp, where that is fewer)",
+                                            plan_flag)
+                              : std::string())
+            .c_str());
   }
 }
 
@@ -71,6 +75,7 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
       "micro-batch-size", po::value<std::int64_t>(), "sequences per micro-batch (default 1)")(
       "global-batch-size", po::value<std::int64_t>(),
       "sequences per step (default: micro-batch x dp x (1, or 4 x pp when pipelining))")(
+      "global-batch", po::value<std::int64_t>(), "the same as --global-batch-size")(
       "seq-len", po::value<std::int64_t>(), "sequence length (default: the model's)")(
       "schedule", po::value<std::string>(),
       "pipeline schedule: gpipe, 1f1b (default), interleaved, zero-bubble, pipedream")(
@@ -603,16 +608,17 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
           fmt::format("--{}: expected at most {}, got {}", key, plan::kMaxDegree, value));
     }
   }
-  for (const char* key : {"micro-batch-size", "global-batch-size", "seq-len"}) {
+  for (const char* key : {"micro-batch-size", "seq-len"}) {
     if (vm.count(key)) positive(key, vm[key].as<std::int64_t>());
   }
+  const auto global_batch = global_batch_from_options(vm);  // or --global-batch
   override_if(vm, "tp", p.tp);
   override_if(vm, "pp", p.pp);
   override_if(vm, "dp", p.dp);
   override_if(vm, "cp", p.cp);
   override_if(vm, "ep", p.ep);
   override_if(vm, "micro-batch-size", p.micro_batch_size);
-  override_if(vm, "global-batch-size", p.global_batch_size);
+  if (global_batch) p.global_batch_size = *global_batch;
   override_if(vm, "seq-len", p.seq_len);
   override_if(vm, "virtual-stages", p.virtual_stages);
   override_if(vm, "zero-stage", p.zero_stage);

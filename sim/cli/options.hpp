@@ -30,8 +30,10 @@ inline constexpr int kNoGuessing =
 inline constexpr const char* kDefaultModel = "llama3-8b";
 inline constexpr const char* kDefaultCluster = "default";
 
-// Adds --model (and --cluster, --gpus when `with_cluster`).
-void add_model_options(po::options_description& desc, bool with_cluster);
+// Adds --model (and --cluster, --gpus when `with_cluster`; `plan_flag`: the command's flag for
+// a plan file, whose devices are --gpus's default).
+void add_model_options(po::options_description& desc, bool with_cluster,
+                       const char* plan_flag = nullptr);
 // Adds the planner's search limits: --max-tp, --max-pp, --max-cp and --fixed (dtsim plan and
 // whatif).
 void add_search_space_options(po::options_description& desc);
