@@ -183,13 +183,15 @@ int cmd_simulate(const std::vector<std::string>& args) {
   // TFLOP/s, or GFLOP/s on a device that computes under one TFLOP/s (a CPU rank).
   const bool giga = p.tflops_per_gpu < 1;
   const double unit = giga ? 1e3 : 1;
+  // A CPU cluster's devices are ranks (MPI processes).
+  const char* per = cluster.device.vendor == "cpu" ? "rank" : "GPU";
   std::cout << fmt::format(
-      "step time {} s   {:.0f} tokens/s   {:.1f} {}FLOP/s per GPU (model {:.1f})   MFU "
+      "step time {} s   {:.0f} tokens/s   {:.1f} {}FLOP/s per {} (model {:.1f})   MFU "
       "{:.1f}%   HFU {:.1f}%\n",
-      format_seconds(p.step_time_s), p.tokens_per_s, unit * p.tflops_per_gpu, giga ? "G" : "T",
+      format_seconds(p.step_time_s), p.tokens_per_s, unit * p.tflops_per_gpu, giga ? "G" : "T", per,
       unit * p.model_tflops_per_gpu, 100 * p.mfu, 100 * p.hfu);
   std::cout << fmt::format(
-      "memory per GPU {} of {} ({})\n\n", format_gib(p.memory.worst().total_bytes),
+      "memory per {} {} of {} ({})\n\n", per, format_gib(p.memory.worst().total_bytes),
       format_gib(p.memory.capacity_bytes), p.memory.fits ? "fits" : "DOES NOT FIT");
   const engine::Breakdown& b = p.breakdown;
   report::Table table({"where the step goes", "time", "share"});
@@ -216,11 +218,12 @@ int cmd_simulate(const std::vector<std::string>& args) {
   if (p.straggler_cost_s && *p.straggler_cost_s != 0) {
     // (A cost below the waits, even negative, is possible: the waits can reorder the transfers
     // on a link.)
+    const double cost = *p.straggler_cost_s;
     std::cout << fmt::format(
-        "\nstragglers: the step is {:+.2f} ms ({:+.1f}%) against {} s without them; compute "
-        "waits on a late rank for {} ms (the straggler rows), and those waits delay other work\n",
-        *p.straggler_cost_s * 1e3, 100 * *p.straggler_cost_s / p.step_time_s,
-        format_seconds(p.step_time_s - *p.straggler_cost_s), ms(b.straggler_s()));
+        "\nstragglers: the step is {}{} ({:+.1f}%) against {} without them; compute waits on a "
+        "late rank for {} (the straggler rows), and those waits delay other work\n",
+        cost < 0 ? "-" : "+", format_duration(std::abs(cost)), 100 * cost / p.step_time_s,
+        format_duration(p.step_time_s - cost), format_duration(b.straggler_s()));
   }
   const std::string bound = p.max_speedup > 0
                                 ? fmt::format("serial fraction {:.1f}% -> speedup bound {:.1f}x",
