@@ -3,12 +3,14 @@
 
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "sim/cli/commands.hpp"
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
 #include "sim/model/model_graph.hpp"
+#include "sim/plan/plan.hpp"
 #include "sim/report/table.hpp"
 
 namespace dtsim::cli {
@@ -76,6 +78,17 @@ int cmd_describe(const std::vector<std::string>& args) {
   const double fwd_per_token = totals.fwd_flops / tokens;
   const double train_per_token = (totals.fwd_flops + totals.bwd_flops) / tokens;
 
+  // Training pads the vocabulary (Megatron-LM's --make-vocab-size-divisible-by, default 128 x
+  // tp): the FLOPs per token of a plan at tp 1 where that adds rows.
+  const plan::Plan tp1;
+  const std::int64_t padded_rows = plan::padded_vocab(spec.vocab, tp1);
+  std::optional<double> padded_per_token;
+  if (padded_rows != spec.vocab) {
+    const model::GraphTotals padded =
+        model::ModelGraph(plan::with_padded_vocab(spec, tp1), 1, seq).totals();
+    padded_per_token = (padded.fwd_flops + padded.bwd_flops) / tokens;
+  }
+
   std::uint64_t embedding_params = graph.layer_totals(-1).params;
   std::uint64_t head_params = graph.layer_totals(static_cast<int>(spec.layers)).params;
   const std::uint64_t block_params = totals.params - embedding_params - head_params;
@@ -94,6 +107,10 @@ int cmd_describe(const std::vector<std::string>& args) {
         {"flops_per_token_note",
          "training (forward + backward) matrix-multiply FLOPs per token, 2 FLOPs per "
          "multiply-add, dense attention, no recompute"}};
+    if (padded_per_token) {
+      out["padded_vocab"] = padded_rows;
+      out["flops_per_token_padded_vocab"] = *padded_per_token;
+    }
     if (spec.published_params) {
       out["published_params"] = *spec.published_params;
       out["published_params_precision"] = spec.published_params_precision;
@@ -164,6 +181,12 @@ int cmd_describe(const std::vector<std::string>& args) {
         "96·l·h²·(...)): {}\n",
         format_si(model::megatron_train_flops_per_token(spec, seq, false)),
         format_si(model::megatron_train_flops_per_token(spec, seq, true)));
+  }
+  if (padded_per_token) {
+    std::cout << fmt::format(
+        "  trained with the {} ({} per token; at tp > 1 the multiple grows with tp: dtsim "
+        "simulate says)\n",
+        *plan::vocab_padding_note(spec, tp1), format_si(*padded_per_token));
   }
   std::cout << "  (2 FLOPs per multiply-add; matrix multiplications only; dense attention)\n\n";
 
