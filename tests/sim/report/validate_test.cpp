@@ -13,6 +13,14 @@ const char* kPredicted = R"({"traceEvents": [
   {"ph": "M", "name": "thread_name", "pid": 0, "tid": 0, "args": {"name": "compute"}},
   {"ph": "X", "name": "fwd", "pid": 0, "tid": 0, "ts": 0, "dur": 100, "args": {"task": 0, "kind": "compute", "phase": "fwd"}},
   {"ph": "X", "name": "bwd", "pid": 0, "tid": 0, "ts": 100, "dur": 200, "args": {"task": 1, "kind": "compute", "phase": "bwd"}}]})";
+
+// A trace of one task whose otherData is `other`, read from file `name`.
+dtsim::report::Trace trace_with(const char* name, const char* other) {
+  TempFile f(name, std::string(R"({"traceEvents": [{"ph": "X", "pid": 0, "tid": 0, "ts": 0,
+    "dur": 1, "args": {"task": 0}}], "otherData": )") +
+                       other + "}");
+  return dtsim::report::read_trace(f.path());
+}
 }  // namespace
 
 TEST_CASE("validate joins every rank a predicted program stands for", "[report][validate]") {
@@ -137,36 +145,30 @@ TEST_CASE("validate sums each program task over its micro-batches and ranks",
 
 TEST_CASE("traces say what ran, and traces of different runs are told apart",
           "[report][validate]") {
-  auto trace = [](const char* name, const char* other) {
-    TempFile f(name, std::string(R"({"traceEvents": [{"ph": "X", "pid": 0, "tid": 0, "ts": 0,
-      "dur": 1, "args": {"task": 0}}], "otherData": )") +
-                         other + "}");
-    return dtsim::report::read_trace(f.path());
-  };
-  const auto a = trace("run_a.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32}})");
+  const auto a = trace_with("run_a.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32}})");
   CHECK(a.model == "tiny");
   CHECK(a.plan.at("seq_len") == 32);
   CHECK_FALSE(dtsim::report::run_difference(a, a));
-  const auto b = trace("run_b.json", R"({"model": "tiny", "plan": {"dp": 2, "seq_len": 8}})");
+  const auto b = trace_with("run_b.json", R"({"model": "tiny", "plan": {"dp": 2, "seq_len": 8}})");
   CHECK(dtsim::report::run_difference(a, b) == "plan: dp 1 against 2, seq_len 32 against 8");
-  const auto c = trace("run_c.json", R"({"model": "tiny-gpt", "plan": {"dp": 1}})");
+  const auto c = trace_with("run_c.json", R"({"model": "tiny-gpt", "plan": {"dp": 1}})");
   CHECK(dtsim::report::run_difference(a, c) == "model tiny against tiny-gpt");
   // The simulator's routing assumption is no difference of the run; a trace that does not say
   // (written before otherData) compares with any.
-  const auto d = trace("run_d.json",
-                       R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32, "expert_load": 2}})");
+  const auto d = trace_with(
+      "run_d.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32, "expert_load": 2}})");
   CHECK_FALSE(dtsim::report::run_difference(a, d));
-  const auto e = trace("run_e.json", "{}");
+  const auto e = trace_with("run_e.json", "{}");
   CHECK_FALSE(dtsim::report::run_difference(a, e));
   // A field that one plan leaves derived (the even split of layers) is the other's run too; one
   // left out at its default is that default.
-  const auto f = trace("run_f.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32,
+  const auto f = trace_with("run_f.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32,
     "layers_per_stage": [1, 1]}})");
   CHECK_FALSE(dtsim::report::run_difference(a, f));
-  const auto g = trace("run_g.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32,
+  const auto g = trace_with("run_g.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32,
     "clip_grad": 1.0}})");
   CHECK(dtsim::report::run_difference(a, g) == "plan: clip_grad 0 against 1.0");
-  const auto h = trace("run_h.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32,
+  const auto h = trace_with("run_h.json", R"({"model": "tiny", "plan": {"dp": 1, "seq_len": 32,
     "clip_grad": 0}})");
   CHECK_FALSE(dtsim::report::run_difference(a, h));
   TempFile bad("run_bad.json", R"({"traceEvents": [], "otherData": {"model": 3}})");
@@ -177,19 +179,13 @@ TEST_CASE("traces say what ran, and traces of different runs are told apart",
 
 TEST_CASE("traces say who wrote them for which device: notes where they differ",
           "[report][validate]") {
-  auto trace = [](const char* name, const char* other) {
-    TempFile f(name, std::string(R"({"traceEvents": [{"ph": "X", "pid": 0, "tid": 0, "ts": 0,
-      "dur": 1, "args": {"task": 0}}], "otherData": )") +
-                         other + "}");
-    return dtsim::report::read_trace(f.path());
-  };
-  const auto sim = trace("origin_sim.json",
-                         R"({"model": "tiny", "producer": "dtsim simulate", "device": "a100"})");
-  const auto run = trace("origin_run.json",
-                         R"({"model": "tiny", "producer": "dtexec run", "device": "cpu-host"})");
+  const auto sim = trace_with(
+      "origin_sim.json", R"({"model": "tiny", "producer": "dtsim simulate", "device": "a100"})");
+  const auto run = trace_with(
+      "origin_run.json", R"({"model": "tiny", "producer": "dtexec run", "device": "cpu-host"})");
   const auto sim_cpu =
-      trace("origin_sim_cpu.json",
-            R"({"model": "tiny", "producer": "dtsim simulate", "device": "cpu-host"})");
+      trace_with("origin_sim_cpu.json",
+                 R"({"model": "tiny", "producer": "dtsim simulate", "device": "cpu-host"})");
   CHECK(sim.producer == "dtsim simulate");
   CHECK(run.device == "cpu-host");
   // The same device: only what the measured step row is.
@@ -210,7 +206,7 @@ TEST_CASE("traces say who wrote them for which device: notes where they differ",
              Catch::StartsWith(run.file + " was written by dtexec run and " + sim_cpu.file +
                                " by dtsim simulate: given the wrong way round?"));
   // Traces written before producer and device: nothing to say.
-  const auto old = trace("origin_old.json", R"({"model": "tiny"})");
+  const auto old = trace_with("origin_old.json", R"({"model": "tiny"})");
   CHECK(dtsim::report::origin_notes(old, old).empty());
   CHECK(dtsim::report::origin_notes(sim, old).empty());
 }
