@@ -207,8 +207,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
   check_one_format(vm);
   if (!vm.count("vary")) throw InputError("--vary: give at least one KEY=V1,V2,...");
   if (vm.count("fixed-plan")) {
-    for (const char* flag : {"fixed", "max-tp", "max-pp"}) {
-      if (vm.count(flag)) {
+    for (const char* flag : {"fixed", "max-tp", "max-pp", "max-cp"}) {
+      if (vm.count(flag) && !vm[flag].defaulted()) {
         throw InputError(fmt::format("--{}: a search limit, not with --fixed-plan", flag));
       }
     }
