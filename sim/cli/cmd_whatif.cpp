@@ -126,8 +126,12 @@ Axis parse_vary(const std::string& text) {
     const auto n = axis_number(a.key, v);
     for (std::size_t i = 0; i < a.values.size(); ++i) {
       if (a.values[i] == v || (n && numbers[i] == n)) {
-        throw InputError(fmt::format("--vary {}: {} given twice (its rows would be the same)", text,
-                                     a.values[i] == v ? v : a.values[i] + " and " + v));
+        throw InputError(
+            a.values[i] == v
+                ? fmt::format("--vary {}: {} given twice (its rows would be the same)", text, v)
+                : fmt::format("--vary {}: {} and {} are the same value (their rows would be the "
+                              "same)",
+                              text, a.values[i], v));
       }
     }
     a.values.push_back(v);
@@ -400,15 +404,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
     if (point.count("gpus")) {
       const auto gpus = static_cast<std::int64_t>(number("gpus", point.at("gpus"), true));
-      try {
-        c = cluster::with_devices(c, gpus);
-      } catch (const InputError& e) {
-        // with_devices names the flag it knows (--gpus N); name the axis instead.
-        std::string why = e.what();
-        const std::string flag = fmt::format("--gpus {}: ", gpus);
-        if (why.rfind(flag, 0) == 0) why = why.substr(flag.size());
-        throw InputError(fmt::format("--vary gpus={}: {}", point.at("gpus"), why));
-      }
+      c = with_devices_for(c, gpus, fmt::format("--vary gpus={}", point.at("gpus")));
     } else if (vm.count("gpus")) {
       c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
     } else if (vm.count("fixed-plan")) {
@@ -418,14 +414,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
       const plan::Plan p = plan::load_plan(file);
       const std::int64_t own = static_cast<std::int64_t>(p.dp) * p.tp * p.pp * p.cp;
       if (own > 0 && own < c.devices()) {
-        try {
-          c = cluster::with_devices(c, own);
-        } catch (const InputError& e) {
-          throw InputError(
-              fmt::format("--fixed-plan {}: its {} devices on {}: {} (give --gpus or "
-                          "--vary gpus)",
-                          file, own, c.name, e.what()));
-        }
+        c = with_devices_for(c, own,
+                             fmt::format("--fixed-plan {}: its {} devices on {} (or give --gpus "
+                                         "or --vary gpus)",
+                                         file, own, c.name));
       }
     }
     row.network_unused = c.nodes == 1 && (point.count("nic_gbps") || point.count("latency_us") ||
@@ -756,7 +748,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         "{},devices,plan,step_time_s,tokens_per_s,mfu,scaling_efficiency,"
         "amdahl_max_speedup,time_to_train_days,cost_usd,energy_mwh,fits,goodput,"
         "time_to_train_with_interruptions_days,checkpoint_every_steps,straggler_cost_s,"
-        "cost_with_interruptions_usd\n",
+        "cost_with_interruptions_usd,memory_per_gpu_bytes,capacity_bytes\n",
         fmt::join(keys, ","));
     for (const Row& r : rows) {
       std::vector<std::string> vals;
@@ -769,15 +761,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
       };
       const bool trained = tokens > 0, priced = r.cost_usd >= 0, reached = r.goodput > 0;
       std::cout << fmt::format(
-          "{},{},\"{}\",{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", fmt::join(vals, ","), r.gpus,
-          r.plan, figure(true, r.step_s), figure(true, r.tokens_per_s), figure(true, r.mfu),
+          "{},{},\"{}\",{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", fmt::join(vals, ","),
+          r.gpus, r.plan, figure(true, r.step_s), figure(true, r.tokens_per_s), figure(true, r.mfu),
           figure(efficiency(r).has_value(), efficiency(r).value_or(0)), figure(true, r.max_speedup),
           figure(trained, r.train_s / 86400), figure(priced, r.cost_usd),
           figure(r.energy_kwh >= 0, r.energy_kwh / 1000), r.found ? (r.fits ? "1" : "0") : "",
           figure(trained, r.goodput), figure(trained && reached, r.wall_s() / 86400),
           trained && r.found ? fmt::format("{}", r.checkpoint_every_steps) : "",
           figure(r.straggler_cost_s.has_value(), r.straggler_cost_s.value_or(0)),
-          figure(priced && reached, r.cost_usd / r.goodput));
+          figure(priced && reached, r.cost_usd / r.goodput), figure(true, r.memory_bytes),
+          figure(true, r.capacity_bytes));
     }
     return 0;
   }
@@ -836,10 +829,19 @@ int cmd_whatif(const std::vector<std::string>& args) {
   // fits, or several models.
   std::map<std::string, bool> first_fits;
   for (const Row& r : rows) first_fits.try_emplace(model_of(r), r.found && r.fits);
-  if (first_fits.size() > 1 ||
-      std::any_of(first_fits.begin(), first_fits.end(), [](const auto& f) { return !f.second; })) {
+  std::vector<std::string> none_fit;
+  for (const auto& [model, fits] : first_fits) {
+    if (!base.count(model)) none_fit.push_back(model);
+  }
+  if (none_fit.size() < first_fits.size() &&
+      (first_fits.size() > 1 || std::any_of(first_fits.begin(), first_fits.end(),
+                                            [](const auto& f) { return !f.second; }))) {
     std::cout << "(scaling: tokens/s per GPU against the first point of the same model whose "
                  "plan fits)\n";
+  }
+  if (!none_fit.empty()) {
+    std::cout << fmt::format("(scaling: no point of {} has a plan that fits: no figure)\n",
+                             fmt::join(none_fit, ", "));
   }
   if (std::any_of(rows.begin(), rows.end(),
                   [](const Row& r) { return !r.found && !r.valid_candidates; })) {

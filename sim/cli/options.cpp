@@ -544,15 +544,24 @@ cluster::Cluster cluster_from_options(const po::variables_map& vm) {
     const std::int64_t devices =
         degree("dp", p.dp) * degree("tp", p.tp) * degree("pp", p.pp) * degree("cp", p.cp);
     if (devices > 0 && devices < c.devices()) {
-      try {
-        c = cluster::with_devices(c, devices);
-      } catch (const InputError& e) {
-        throw InputError(fmt::format("{}: its {} devices on {}: {}", vm["plan"].as<std::string>(),
-                                     devices, c.name, e.what()));
-      }
+      c = with_devices_for(
+          c, devices,
+          fmt::format("{}: its {} devices on {}", vm["plan"].as<std::string>(), devices, c.name));
     }
   }
   return c;
+}
+
+cluster::Cluster with_devices_for(const cluster::Cluster& c, std::int64_t devices,
+                                  const std::string& who) {
+  try {
+    return cluster::with_devices(c, devices);
+  } catch (const InputError& e) {
+    std::string why = e.what();
+    const std::string flag = fmt::format("--gpus {}: ", devices);
+    if (why.rfind(flag, 0) == 0) why = why.substr(flag.size());
+    throw InputError(fmt::format("{}: {}", who, why));
+  }
 }
 
 namespace {

@@ -111,6 +111,10 @@ model::ModelSpec model_from_options(const po::variables_map& vm);
 model::ModelSpec model_with_options(model::ModelSpec spec, const po::variables_map& vm);
 // The cluster, resized by --gpus when given.
 cluster::Cluster cluster_from_options(const po::variables_map& vm);
+// cluster::with_devices(c, devices), its error named by `who` (an axis, a plan file) rather
+// than the --gpus flag it names itself.
+cluster::Cluster with_devices_for(const cluster::Cluster& c, std::int64_t devices,
+                                  const std::string& who);
 
 // The plan from --plan and/or the flags (flags given on the command line override the file),
 // completed with defaults (plan::complete_plan) and validated against model and devices.
