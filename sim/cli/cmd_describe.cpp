@@ -107,10 +107,9 @@ int cmd_describe(const std::vector<std::string>& args) {
         {"flops_per_token_note",
          "training (forward + backward) matrix-multiply FLOPs per token, 2 FLOPs per "
          "multiply-add, dense attention, no recompute"}};
-    if (padded_per_token) {
-      out["padded_vocab"] = padded_rows;
-      out["flops_per_token_padded_vocab"] = *padded_per_token;
-    }
+    // (The vocabulary's own where training pads nothing.)
+    out["padded_vocab"] = padded_rows;
+    out["flops_per_token_padded_vocab"] = padded_per_token.value_or(train_per_token);
     if (spec.published_params) {
       out["published_params"] = *spec.published_params;
       out["published_params_precision"] = spec.published_params_precision;

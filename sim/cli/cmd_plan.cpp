@@ -566,11 +566,12 @@ int cmd_plan(const std::vector<std::string>& args) {
         return fmt::format("{} and {}", fmt::join(said, ", "), last);
       };
       // #2 is never faster: both were simulated and ranked by step time (or by its cost, in
-      // proportion). Within a part in 10^9 they tie, as the planner's tier comparison counts.
-      if (faster <= 1e-9 * result.ranked[0].step_time_s) {
+      // proportion). Where the ranking's keys tie, the one that needs less memory is first.
+      if (planner::ranking_key(result.ranked[0].step_time_s) ==
+          planner::ranking_key(result.ranked[1].step_time_s)) {
         const double saved = result.ranked[1].memory_bytes - result.ranked[0].memory_bytes;
         std::cout << fmt::format(
-            "\n#1 and #2 take the same time per step (to a part in 10^9){}\n",
+            "\n#1 and #2 take the same time per step (to about a part in 10^9){}\n",
             saved > 0 ? fmt::format("; #1 needs {:.1f} GiB less per GPU", saved / kGiB) : "");
       } else if (more.empty() && less.empty()) {
         std::cout << fmt::format(

@@ -1,7 +1,6 @@
 // dtsim validate: predicted against measured, task by task.
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -77,10 +76,7 @@ int cmd_validate(const std::vector<std::string>& args) {
   }
   // (Only where such tasks joined: a single rank's trace has none.)
   std::vector<std::string> notes;
-  if (std::any_of(v.tasks.begin(), v.tasks.end(),
-                  [](const report::TaskError& t) { return t.stream != "compute"; })) {
-    notes.push_back(note);
-  }
+  if (v.communication_tasks > 0) notes.push_back(note);
   for (auto& n : report::origin_notes(predicted, measured)) notes.push_back(std::move(n));
   for (const report::Trace* trace : {&predicted, &measured}) {
     if (auto n = report::span_note(*trace)) notes.push_back(std::move(*n));

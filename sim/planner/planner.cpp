@@ -926,6 +926,12 @@ double estimate_s(const model::ModelGraph& graph, const plan::Plan& plan,
   return estimator.estimate(graph, plan, detail).total_s();
 }
 
+double ranking_key(double key) {
+  int exponent = 0;
+  const double mantissa = std::frexp(key, &exponent);
+  return std::ldexp(std::round(std::ldexp(mantissa, 30)), exponent - 30);
+}
+
 SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
                     const SearchSpace& space, const SearchOptions& options) {
   if (space.global_batch_size < 1) {
@@ -1107,16 +1113,9 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     return options.objective == Objective::Cost && c.cost_per_step_usd >= 0 ? c.cost_per_step_usd
                                                                             : c.step_time_s;
   };
-  // Plans whose keys agree to about a part in 10^9 (ZeRO-1 and ZeRO-2 often take the same time,
-  // apart from rounding) rank by memory, the less first: the key is compared with its mantissa
-  // rounded to 30 bits, which keeps the order a strict weak one (a tolerance would not).
-  auto rounded = [&](const Candidate& c) {
-    int exponent = 0;
-    const double mantissa = std::frexp(key(c), &exponent);
-    return std::ldexp(std::round(std::ldexp(mantissa, 30)), exponent - 30);
-  };
+  // Keys that tie (ranking_key) rank by memory, the less first.
   auto by_key = [&](const Candidate& a, const Candidate& b) {
-    const double x = rounded(a), y = rounded(b);
+    const double x = ranking_key(key(a)), y = ranking_key(key(b));
     if (x != y) return x < y;
     if (a.memory_bytes != b.memory_bytes) return a.memory_bytes < b.memory_bytes;
     return plan::summary(a.plan) < plan::summary(b.plan);

@@ -128,6 +128,12 @@ struct SearchOptions {
 SearchResult search(const model::ModelSpec& model, const cluster::Cluster& cluster,
                     const SearchSpace& space, const SearchOptions& options);
 
+// A ranking key (step time, or cost per step) as the search compares it: its mantissa rounded to
+// 30 bits, so that keys agreeing to about a part in 10^9 (ZeRO-1 and ZeRO-2 often take the same
+// time, apart from rounding) tie, and plans that tie rank by memory, the less first. (Rounding
+// keeps the order a strict weak one, which a tolerance would not.)
+double ranking_key(double key);
+
 // What a tier-1 estimate holds: the step time, or a bound at most that (the estimate without
 // the pipeline timeline), which the search gives candidates over memory first.
 enum class Detail { Full, Bound };

@@ -183,8 +183,9 @@ Trace read_trace(const std::string& path) {
           path, where, t.task, t.rank, it->second));
     }
     t.name = r.string_or("name", "");
+    t.communication = !args.has("phase");
     t.kind =
-        args.has("phase") ? args.string("phase") : args.string_or("kind", r.string_or("cat", "?"));
+        t.communication ? args.string_or("kind", r.string_or("cat", "?")) : args.string("phase");
     // The straggler model's wait, [from, from + wait): the part inside the span (a collective's
     // or a receive's; a blocking transfer's is before it).
     if (args.has("straggler_wait_us")) {
@@ -316,6 +317,7 @@ Validation validate(const Trace& predicted, const Trace& measured) {
     // (A simulated "measurement" holds its own straggler waits, and leaves them out alike.)
     const double predicted_s = p.duration_s - p.wait_s;
     const double measured_s = m.duration_s - m.wait_s;
+    if (p.communication) ++v.communication_tasks;
     if (p.wait_s > 0) {
       v.straggler_wait_s += p.wait_s;
       ++v.waiting_tasks;

@@ -18,6 +18,7 @@ struct TraceTask {
   int stream = 0;
   std::string name;  // the event's name ("fwd L3.norm1..L3.mlp_residual mb1")
   std::string kind;  // "fwd", "bwd", ... for compute (args.phase), else args.kind / category
+  bool communication = false;  // a collective or transfer: an event without args.phase
   double start_s = 0;
   double duration_s = 0;
   // The straggler model's expected wait for a late rank inside the span (args.straggler_wait_us,
@@ -105,6 +106,8 @@ struct Validation {
   std::int64_t waiting_tasks = 0;
   std::int64_t only_predicted = 0;
   std::int64_t only_measured = 0;
+  // Joined pairs whose predicted task is a collective or transfer (waits on peers).
+  std::int64_t communication_tasks = 0;
   // Of only_predicted, those of a predicted rank that some measured task joined (not of a rank
   // that the measured trace leaves out, as a dtexec run --only-rank trace leaves all but one).
   std::int64_t only_predicted_on_joined_ranks = 0;
