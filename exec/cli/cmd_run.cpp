@@ -569,6 +569,7 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     std::cout << nlohmann::json{{"model", spec.name},
                                 {"backend", vm["backend"].as<std::string>()},
                                 {"device", device.name()},
+                                {"catalog_device", device_name},
                                 {"memory",
                                  {{"peak_bytes", peak},
                                   {"replay_input_bytes", result.replay_input_bytes},
@@ -1220,9 +1221,13 @@ int run(const std::vector<std::string>& args) {
         "--micro-batch-size {} x --seq-len {}: expected at most {} tokens per micro-batch",
         plan.micro_batch_size, plan.seq_len, std::numeric_limits<int>::max()));
   }
-  // A --cluster that does not load is refused before anything runs or prints (later reads of it
-  // leave out what they cannot price).
-  if (vm.count("cluster")) dtsim::cluster::load_cluster(vm["cluster"].as<std::string>());
+  // A --cluster that does not load, or whose device has no peak at the plan's precision (the
+  // MFU's), is refused before anything runs or prints (later reads of it leave out what they
+  // cannot price).
+  if (vm.count("cluster")) {
+    dtsim::cluster::load_cluster(vm["cluster"].as<std::string>())
+        .device.peak_flops_for(plan.precision);
+  }
   const dtsim::model::ModelGraph graph = dtsim::plan::graph_of(spec, plan);
   dtsim::lower::LowerOptions lower_options;
   lower_options.mode = devices > 1 && !only_rank ? dtsim::lower::Lowering::AllRanks
@@ -1334,6 +1339,7 @@ int run(const std::vector<std::string>& args) {
   nlohmann::json j{{"model", spec.name},
                    {"backend", backend},
                    {"device", device->name()},
+                   {"catalog_device", device_name},
                    {"ranks", devices},
                    {"plan", dtsim::plan::to_json(plan)},
                    {"first_step", first},
