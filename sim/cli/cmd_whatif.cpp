@@ -91,17 +91,29 @@ double load_value(const std::string& v) {
   return load;
 }
 
-// The number a value of a numeric axis stands for, checked here, before any point runs; nothing
-// for the named axes (device, cluster, model, attention).
-std::optional<double> axis_number(const std::string& key, const std::string& v) {
-  if (key == "jitter_cv" || key == "rank_spread_cv") return spread_value(key, v);
-  if (key == "expert_load") return load_value(v);
-  if (key == "gpus" || key == "global_batch" || key == "seq_len") return number(key, v, true);
-  if (key == "nic_gbps" || key == "latency_us" || key == "oversubscription") {
-    return number(key, v, false);
+// What a value of an axis stands for, checked here, before any point runs: a number for the
+// numeric axes (8 and 08 are one), a catalog device's name for a device given by name or alias
+// (h100-sxm and H100 are one; a file is its path), an attention kernel's name; else the text.
+std::string axis_identity(const std::string& key, const std::string& v) {
+  auto as_number = [](double x) { return fmt::format("{}", x == 0 ? 0.0 : x); };  // (-0 is 0)
+  if (key == "jitter_cv" || key == "rank_spread_cv") return as_number(spread_value(key, v));
+  if (key == "expert_load") return as_number(load_value(v));
+  if (key == "gpus" || key == "global_batch" || key == "seq_len") {
+    return as_number(number(key, v, true));
   }
-  if (key == "attention") attention_value(v);
-  return std::nullopt;
+  if (key == "nic_gbps" || key == "latency_us" || key == "oversubscription") {
+    return as_number(number(key, v, false));
+  }
+  if (key == "attention") return std::string(model::to_string(attention_value(v)));
+  const bool path = v.find('/') != std::string::npos || v.ends_with(".json");
+  if (key == "device" && !path) {
+    try {
+      return cluster::load_device(v).name;
+    } catch (const InputError& e) {
+      throw InputError(fmt::format("--vary device={}: {}", v, e.what()));
+    }
+  }
+  return v;
 }
 
 Axis parse_vary(const std::string& text) {
@@ -120,12 +132,12 @@ Axis parse_vary(const std::string& text) {
   if (text.back() == ',') throw InputError(fmt::format("--vary {}: empty value", text));
   std::stringstream ss(text.substr(eq + 1));
   std::string v;
-  std::vector<std::optional<double>> numbers;  // a.values' numbers (8 and 08 are one value)
+  std::vector<std::string> identities;  // what a.values stand for (axis_identity)
   while (std::getline(ss, v, ',')) {
     if (v.empty()) throw InputError(fmt::format("--vary {}: empty value", text));
-    const auto n = axis_number(a.key, v);
+    const std::string identity = axis_identity(a.key, v);
     for (std::size_t i = 0; i < a.values.size(); ++i) {
-      if (a.values[i] == v || (n && numbers[i] == n)) {
+      if (a.values[i] == v || identities[i] == identity) {
         throw InputError(
             a.values[i] == v
                 ? fmt::format("--vary {}: {} given twice (its rows would be the same)", text, v)
@@ -135,7 +147,7 @@ Axis parse_vary(const std::string& text) {
       }
     }
     a.values.push_back(v);
-    numbers.push_back(n);
+    identities.push_back(identity);
   }
   return a;
 }
