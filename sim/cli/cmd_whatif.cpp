@@ -257,11 +257,15 @@ int cmd_whatif(const std::vector<std::string>& args) {
                     "point), got {}",
                     refine));
   }
+  // --fixed-plan's file, read once for every point.
+  const std::optional<plan::Plan> fixed_plan =
+      vm.count("fixed-plan") ? std::optional(plan::load_plan(vm["fixed-plan"].as<std::string>()))
+                             : std::nullopt;
   auto global_batch = global_batch_from_options(vm);
   const bool batch_varied = varied("global_batch");
   // A fixed plan's own global batch, unless given or varied.
-  if (!global_batch && !batch_varied && vm.count("fixed-plan")) {
-    const std::int64_t own = plan::load_plan(vm["fixed-plan"].as<std::string>()).global_batch_size;
+  if (!global_batch && !batch_varied && fixed_plan) {
+    const std::int64_t own = fixed_plan->global_batch_size;
     if (own > 0) global_batch = own;  // (0: the file has none)
   }
   if (!global_batch && !batch_varied) {
@@ -419,17 +423,15 @@ int cmd_whatif(const std::vector<std::string>& args) {
       c = with_devices_for(c, gpus, fmt::format("--vary gpus={}", point.at("gpus")));
     } else if (vm.count("gpus")) {
       c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
-    } else if (vm.count("fixed-plan")) {
+    } else if (fixed_plan) {
       // A plan file with its dp runs on its own devices, as dtsim simulate --plan does, where
       // the point's cluster has more.
-      const std::string& file = vm["fixed-plan"].as<std::string>();
-      const plan::Plan p = plan::load_plan(file);
-      const std::int64_t own = static_cast<std::int64_t>(p.dp) * p.tp * p.pp * p.cp;
+      const std::int64_t own = fixed_plan->devices();
       if (own > 0 && own < c.devices()) {
         c = with_devices_for(c, own,
                              fmt::format("--fixed-plan {}: its {} devices on {} (or give --gpus "
                                          "or --vary gpus)",
-                                         file, own, c.name));
+                                         vm["fixed-plan"].as<std::string>(), own, c.name));
       }
     }
     row.network_unused = c.nodes == 1 && (point.count("nic_gbps") || point.count("latency_us") ||
@@ -479,8 +481,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
     const bool stragglers = engine::jitter_cv_of(jitter, priced_by) > 0;
     engine::Prediction pred;
     plan::Plan chosen;
-    if (vm.count("fixed-plan")) {
-      plan::Plan p = plan::load_plan(vm["fixed-plan"].as<std::string>());
+    if (fixed_plan) {
+      plan::Plan p = *fixed_plan;
       if (point.count("expert_load") && p.ep > 1) {
         p.expert_load = std::min(space.expert_load, plan::max_expert_load(spec, p));
       }
