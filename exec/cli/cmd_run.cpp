@@ -880,23 +880,15 @@ struct Peak {
   bool shipped_cpu = false;  // the catalog's cpu-host (no --cluster on the CPU): another host's
 };
 
-// Checked before the run: a --cluster that does not load is an error; without one, an unknown
-// device leaves the peak unknown.
-Peak peak_of(const po::variables_map& vm, bool gpu, const std::string& product,
+// The peak of `against` (--cluster's device, checked before the run; else this device's catalog
+// entry, if it has one) at the plan's precision: unknown where there is none.
+Peak peak_of(const std::optional<dtsim::cluster::DeviceSpec>& against, bool shipped_cpu,
              const dtsim::plan::Plan& plan) {
   Peak peak;
-  try {
-    const auto d = vm.count("cluster")
-                       ? dtsim::cluster::load_cluster(vm["cluster"].as<std::string>()).device
-                       : dtsim::cluster::load_device(product);
-    peak.flops_per_s = d.peak_flops_for(plan.precision);
-    peak.device = d.name;
-    peak.shipped_cpu = !gpu && !vm.count("cluster");
-  } catch (const dtsim::InputError&) {
-    if (vm.count("cluster")) throw;
-  } catch (const dtsim::UnsupportedError&) {
-    if (vm.count("cluster")) throw;
-  }
+  if (!against || !against->supports(plan.precision)) return peak;
+  peak.flops_per_s = against->peak_flops_for(plan.precision);
+  peak.device = against->name;
+  peak.shipped_cpu = shipped_cpu;
   return peak;
 }
 
@@ -1224,9 +1216,10 @@ int run(const std::vector<std::string>& args) {
   // A --cluster that does not load, or whose device has no peak at the plan's precision (the
   // MFU's), is refused before anything runs or prints (later reads of it leave out what they
   // cannot price).
+  std::optional<dtsim::cluster::DeviceSpec> cluster_device;
   if (vm.count("cluster")) {
-    dtsim::cluster::load_cluster(vm["cluster"].as<std::string>())
-        .device.peak_flops_for(plan.precision);
+    cluster_device = dtsim::cluster::load_cluster(vm["cluster"].as<std::string>()).device;
+    cluster_device->peak_flops_for(plan.precision);
   }
   const dtsim::model::ModelGraph graph = dtsim::plan::graph_of(spec, plan);
   dtsim::lower::LowerOptions lower_options;
@@ -1249,11 +1242,12 @@ int run(const std::vector<std::string>& args) {
   }
   // What this device is in the device catalog (a trace says what it ran on, whatever --cluster
   // says for the MFU's peak): its entry's name, else its product name.
-  std::string device_name = product;
+  std::optional<dtsim::cluster::DeviceSpec> catalog_device;
   try {
-    device_name = dtsim::cluster::load_device(product).name;
+    catalog_device = dtsim::cluster::load_device(product);
   } catch (const dtsim::InputError&) {
   }
+  const std::string device_name = catalog_device ? catalog_device->name : product;
   if (only_rank) {
     return run_only_rank(vm, spec, plan, graph, program, options, *device, where, device_name);
   }
@@ -1297,7 +1291,8 @@ int run(const std::vector<std::string>& args) {
     announce_run(rank, spec, where, devices, plan, run_notes, options);
     report_progress(rank, options);
   }
-  const Peak peak = peak_of(vm, gpu, product, plan);
+  const Peak peak =
+      cluster_device ? peak_of(cluster_device, false, plan) : peak_of(catalog_device, !gpu, plan);
   dtsim::exec::RunResult result;
   Timings timings;
   try {
