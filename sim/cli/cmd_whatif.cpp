@@ -373,6 +373,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
       return goodput > 0 ? train_s / goodput : std::numeric_limits<double>::infinity();
     }
     bool found = false;
+    // With --fixed-plan: why the plan is not valid at this point (its tp does not divide the
+    // point's GPUs, its dp x micro-batch the point's global batch, ...); empty where it is.
+    std::string invalid;
     // Without a plan: whether any candidate met the search's constraints (a prime number of
     // GPUs may leave none: no dp dividing the global batch).
     bool valid_candidates = true;
@@ -499,12 +502,14 @@ int cmd_whatif(const std::vector<std::string>& args) {
         plan::complete_plan(p, spec, c.devices());
         plan::require_valid(p, spec, c.devices());
       } catch (const InputError& e) {
-        // Which file, and at which point: the plan may be valid at the others.
+        // Which file, and at which point: the plan may be valid at the others, which get
+        // their rows (a plan valid at no point ends the run, below).
         std::vector<std::string> at;
         for (const auto& [key, value] : point) at.push_back(fmt::format("{}={}", key, value));
-        throw InputError(fmt::format("--fixed-plan {} at {}: {}",
-                                     vm["fixed-plan"].as<std::string>(), fmt::join(at, " "),
-                                     e.what()));
+        row.valid_candidates = false;
+        row.invalid = fmt::format("--fixed-plan {} at {}: {}", vm["fixed-plan"].as<std::string>(),
+                                  fmt::join(at, " "), e.what());
+        return row;
       }
       const model::ModelGraph g = plan::graph_of(spec, p);
       auto net = network::make_analytical(c);
@@ -611,6 +616,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"energy", r.energy_kwh},
                                   {"stragglers", report::value_or_null(r.straggler_cost_s)},
                                   {"found", r.found},
+                                  {"invalid", r.invalid},
                                   {"priceless", r.priceless},
                                   {"catalog_efficiency", r.catalog_efficiency},
                                   {"network_unused", r.network_unused},
@@ -651,6 +657,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.energy_kwh = j.at("energy").get<double>();
       if (!j.at("stragglers").is_null()) r.straggler_cost_s = j.at("stragglers").get<double>();
       r.found = j.at("found").get<bool>();
+      r.invalid = j.at("invalid").get<std::string>();
       r.priceless = j.at("priceless").get<bool>();
       r.catalog_efficiency = j.at("catalog_efficiency").get<bool>();
       r.network_unused = j.at("network_unused").get<bool>();
@@ -663,6 +670,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
       rethrow_error(first_error->at("kind").get<std::string>(),
                     first_error->at("error").get<std::string>());
     }
+  }
+  // A fixed plan valid at no point: nothing to compare (its first point's reason).
+  if (!rows.empty() &&
+      std::all_of(rows.begin(), rows.end(), [](const Row& r) { return !r.invalid.empty(); })) {
+    throw InputError(rows.front().invalid);
   }
   // Scaling efficiency: tokens/s per GPU against the first point of the same model that has a
   // plan that fits (another model's tokens are other work: GPT-2's against Mixtral's read 39x).
@@ -715,6 +727,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
       nlohmann::json j = {{"point", point}, {"gpus", r.gpus}, {"found", r.found}};
       if (!r.found) j["valid_candidates"] = r.valid_candidates;
+      if (!r.invalid.empty()) j["invalid_plan"] = r.invalid;
       if (r.found) {
         j.update({{"plan", r.plan},
                   {"plan_spec", r.plan_spec},
@@ -811,7 +824,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     for (const auto& k : keys) cells.push_back(r.point.at(k));
     if (gpus_column) cells.push_back(fmt::format("{}", r.gpus));
     if (!r.found) {
-      cells.push_back(r.valid_candidates ? "no plan fits" : "no valid plan");
+      cells.push_back(!r.invalid.empty()   ? "invalid here (below)"
+                      : r.valid_candidates ? "no plan fits"
+                                           : "no valid plan");
       cells.resize(headers.size(), "-");  // the rest of the row
     } else {
       cells.push_back(r.fits ? r.plan
@@ -857,11 +872,15 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::cout << fmt::format("(scaling: no point of {} has a plan that fits: no figure)\n",
                              fmt::join(none_fit, ", "));
   }
-  if (std::any_of(rows.begin(), rows.end(),
-                  [](const Row& r) { return !r.found && !r.valid_candidates; })) {
+  if (std::any_of(rows.begin(), rows.end(), [](const Row& r) {
+        return !r.found && !r.valid_candidates && r.invalid.empty();
+      })) {
     std::cout << "(no valid plan: no tp x pp x cp x dp makes the point's GPUs with dp x "
                  "micro-batch dividing the global batch in at most 2^24 micro-batches; dtsim "
                  "plan at that point names the constraints)\n";
+  }
+  for (const Row& r : rows) {
+    if (!r.invalid.empty()) std::cout << fmt::format("(invalid here: {})\n", r.invalid);
   }
   if (stragglers) {
     std::cout << "(stragglers: what the straggler model adds to the step, against the same plan "
