@@ -78,6 +78,19 @@ std::vector<std::string> origin_notes(const Trace& predicted, const Trace& measu
         "the cluster the run used, e.g. --cluster cpu-host for CPU ranks)",
         predicted.file, predicted.device, measured.file, measured.device));
   }
+  // A trace that does not say what ran (otherData's plan: written by hand, by another tool, or
+  // before 2026-12-03) leaves the check that both are of one run undone; only the tasks' names
+  // were compared.
+  std::vector<std::string> unsaid;
+  for (const Trace* t : {&predicted, &measured}) {
+    if (t->plan.is_null()) unsaid.push_back(t->file);
+  }
+  if (!unsaid.empty()) {
+    notes.push_back(fmt::format(
+        "{} {} not say which model and plan ran (otherData): that both traces are of one run "
+        "was checked only by their tasks' names",
+        fmt::join(unsaid, " and "), unsaid.size() == 1 ? "does" : "do"));
+  }
   if (measured.producer == kProducedByRun) {
     notes.push_back(fmt::format(
         "the step row is the one step {} holds, the run's last (dtexec run's median step time is "
