@@ -82,6 +82,18 @@ class Comm {
   // nothing.
   virtual bool complete(Handle handle) { return completed_at(handle).has_value(); }
 
+  // A device that queues work (a GPU) runs a started collective or a send on a stream of the
+  // backend's own, after the runner's marks around its launch on the device's stream: the
+  // device marks (Device::mark's numbering) around what the calls since the last take queued
+  // there, the first one's start (once the stream has reached it: the compute before it and the
+  // stream's earlier work done) and the last one's end, so that the task is timed as its
+  // transfer and not its launch. nullopt where none was queued so (a blocking collective holds
+  // the device's stream until it ends: the marks around its launch time it), or where the
+  // backend has no device marks (MPI: completed_at).
+  struct TransferMarks {
+    int start = -1, end = -1;
+  };
+  virtual std::optional<TransferMarks> take_transfer_marks() { return std::nullopt; }
   // Point-to-point between global ranks. send copies the data and may return before the peer
   // receives it; wait_sends completes every send issued so far.
   virtual void send(int peer, std::int64_t tag, View data) = 0;

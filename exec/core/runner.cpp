@@ -133,6 +133,7 @@ RunResult Runner::run() {
     if (queued) {
       dev_.synchronize();
       dev_.clear_marks();
+      comm_.take_transfer_marks();  // numbered before the clear
     }
     const double begin = now();
     result.step_begins_s.push_back(begin);
@@ -149,7 +150,12 @@ RunResult Runner::run() {
       release_weights(i);
       comm_.progress();
       watchdog.end();
-      if (queued && timed) {
+      // A started collective or a send on a stream of the backend's own: its marks there (a
+      // compute task's gathers and reductions are its own time).
+      const auto transfer = comm_.take_transfer_marks();
+      if (queued && timed && transfer && tasks[i].kind != TaskKind::Compute) {
+        marks.push_back({static_cast<int>(i), transfer->start, transfer->end});
+      } else if (queued && timed) {
         marks.push_back({static_cast<int>(i), start_mark, dev_.mark()});
       } else if (timed) {
         result.tasks.push_back({rp_->rank, static_cast<std::int32_t>(i), start, now(), step});

@@ -81,6 +81,7 @@ class CudaDevice final : public Device {
 
   void synchronize() override { k_.synchronize(); }
   int mark() override { return k_.mark(); }
+  int mark_on(void* stream) { return k_.mark(stream); }
   double elapsed(int a, int b) override { return k_.seconds(a, b); }
   void clear_marks() override { k_.clear_marks(); }
 
@@ -366,6 +367,12 @@ void* stream_of(Device& device) {
   auto* d = dynamic_cast<CudaDevice*>(&device);
   DTSIM_ASSERT(d != nullptr, "a GPU stream of a device that is not a GPU");
   return d->stream();
+}
+
+int mark_on(Device& device, void* stream) {
+  auto* d = dynamic_cast<CudaDevice*>(&device);
+  DTSIM_ASSERT(d != nullptr, "a GPU mark on a device that is not a GPU");
+  return d->mark_on(stream);
 }
 
 int gpu_of(const Device& device) {

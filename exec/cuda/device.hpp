@@ -19,4 +19,8 @@ std::unique_ptr<Device> make_device(int gpu, Dtype activations);
 void* stream_of(Device& device);
 int gpu_of(const Device& device);
 
+// A mark (Device::mark's numbering, elapsed() between any two) recorded on `stream`, another
+// stream of the device's GPU (a cudaStream_t): where a collective queued there has got to.
+int mark_on(Device& device, void* stream);
+
 }  // namespace dtsim::exec::cuda

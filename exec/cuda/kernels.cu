@@ -437,13 +437,14 @@ void* Kernels::allocation_stream() const {
   return impl_->allocation_stream();
 }
 
-int Kernels::mark() {
+int Kernels::mark(void* stream) {
   if (static_cast<std::size_t>(impl_->marks) == impl_->events.size()) {
     cudaEvent_t e = nullptr;
     check(cudaEventCreate(&e), "cudaEventCreate");
     impl_->events.push_back(e);
   }
-  check(cudaEventRecord(impl_->events[static_cast<std::size_t>(impl_->marks)], impl_->stream),
+  check(cudaEventRecord(impl_->events[static_cast<std::size_t>(impl_->marks)],
+                        stream != nullptr ? static_cast<cudaStream_t>(stream) : impl_->stream),
         "cudaEventRecord");
   return impl_->marks++;
 }

@@ -100,8 +100,10 @@ class Kernels {
 
   // Timing on the stream with CUDA events: mark() records an event after the work queued so
   // far and returns its number; seconds(a, b) is the GPU time between marks a and b (it waits
-  // for b). clear_marks() starts the numbering again (the events are reused).
-  int mark();
+  // for b). clear_marks() starts the numbering again (the events are reused). mark(stream)
+  // records on another stream of this GPU (a cudaStream_t: a collective's), numbered with the
+  // others, so that its work is timed on the same clock.
+  int mark(void* stream = nullptr);
   double seconds(int a, int b);
   void clear_marks();
 

@@ -282,9 +282,11 @@ class NcclComm final : public Comm {
     const Channel* g = member_of(group);
     if (g == nullptr || data.empty()) return -1;
     after_compute(g->stream);
+    transfer_begins(g->stream);
     nccl(ncclAllReduce(data.p, data.p, count(data), nccl_type(data.type), ncclSum, g->comm,
                        g->stream),
          "ncclAllReduce");
+    transfer_ends(g->stream);
     return done_on(g->stream);
   }
 
@@ -295,8 +297,14 @@ class NcclComm final : public Comm {
       return -1;
     }
     after_compute(g->stream);
+    transfer_begins(g->stream);
     enqueue_reduce_scatter(*g, in, out, counts);
+    transfer_ends(g->stream);
     return done_on(g->stream);
+  }
+
+  std::optional<TransferMarks> take_transfer_marks() override {
+    return std::exchange(transfer_, std::nullopt);
   }
 
   // Done on the device (its event has passed): waiting for it costs the compute stream nothing.
@@ -323,9 +331,11 @@ class NcclComm final : public Comm {
     const View staged = device_.allocate(data.n, data.type);
     device_.copy(staged, data);
     after_compute(it->second.stream);
+    transfer_begins(it->second.stream);
     nccl(ncclSend(staged.p, count(staged), nccl_type(staged.type), 1, it->second.comm,
                   it->second.stream),
          "ncclSend");
+    transfer_ends(it->second.stream);
     cudaEvent_t sent = nullptr;
     if (spare_events_.empty()) {
       cuda(cudaEventCreateWithFlags(&sent, cudaEventDisableTiming), "cudaEventCreateWithFlags");
@@ -540,6 +550,14 @@ class NcclComm final : public Comm {
     cuda(cudaStreamWaitEvent(compute_, fence_, 0), "cudaStreamWaitEvent");
   }
 
+  // The device's marks around a started collective or a send queued on `s`
+  // (take_transfer_marks): the first one's start since the last take, the last one's end.
+  void transfer_begins(cudaStream_t s) {
+    const int m = mark_on(device_, s);
+    if (!transfer_) transfer_ = TransferMarks{m, m};
+  }
+  void transfer_ends(cudaStream_t s) { transfer_->end = mark_on(device_, s); }
+
   // An event after the work queued on `s`: the handle that finish() makes compute wait for.
   Handle done_on(cudaStream_t s) {
     if (static_cast<std::size_t>(used_) == done_.size()) {
@@ -627,7 +645,8 @@ class NcclComm final : public Comm {
   std::map<int, cudaStream_t> recv_streams_;
   std::vector<cudaStream_t> streams_;
   cudaEvent_t fence_ = nullptr;
-  std::vector<cudaEvent_t> done_;  // handles of this step: done_[0, used_)
+  std::vector<cudaEvent_t> done_;          // handles of this step: done_[0, used_)
+  std::optional<TransferMarks> transfer_;  // since the last take_transfer_marks
   int used_ = 0;
   struct Staged {
     View copy;

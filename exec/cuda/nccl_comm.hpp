@@ -13,6 +13,8 @@
 // for them (start_* defers that wait to finish()). A send copies the tensor into a staging
 // buffer on the compute stream and leaves on the pair's stream, so the sender does not wait (as
 // MPI_Isend of a copy); a receive runs on the compute stream and holds it until the data is there.
+// A started collective and a send are timed with the device's marks on their own stream
+// (Comm::take_transfer_marks), the others by the compute stream's around them.
 // NCCL transfers carry no tag: a program whose transfers between two ranks are not received in
 // the order they are sent is refused (exec/core/p2p_order.hpp).
 //
@@ -25,9 +27,11 @@
 // gives the queued work `timeout_s` to finish: past it the rank reports a hang, aborts its
 // communicators and exits, and mpirun ends the others.
 //
-// Not yet run: the device machine of this project has one GPU, and NCCL refuses two ranks of a
-// communicator on one GPU, so only the logic shared with the MPI backend (the Program's groups,
-// counts and transfer order) is tested (on the CPU).
+// Not run on several GPUs: the device machine of this project has one, and NCCL refuses two ranks
+// of a communicator on one GPU but for ranks that are hosts of their own (dtexec run
+// --share-gpus: data through sockets; scripts/gpu_check.sh section 6, exec/README.md). The logic
+// shared with the MPI backend (the Program's groups, counts and transfer order) is tested on the
+// CPU.
 #pragma once
 
 #include <memory>

@@ -11,6 +11,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "exec/core/checkpoint.hpp"
@@ -752,6 +753,81 @@ TEST_CASE("a started collective and a blocking send are timed until they complet
     p.pp = 2;
     p.schedule = dtsim::plan::Schedule::OneFOneB;
     CHECK(shortest_with_slow_peer(p, dtsim::lower::TaskKind::Send) >= 0.03);
+  }
+}
+
+namespace {
+
+// Rank 0 of two on a device that queues its work (a GPU's stand-in), whose started collectives
+// and sends go to a stream of their own: with `marks`, the device marks there (two taken at
+// once: the transfer takes no time), and then 0.1 s more of launching, which the marks around
+// the launch on the device's own stream count.
+class StreamedComm final : public HostOnlyComm {
+ public:
+  StreamedComm(dtsim::exec::Device& device, bool marks) : device_(device), marks_(marks) {}
+  bool moves_device_memory() const override { return true; }
+  Handle start_all_reduce(int, dtsim::exec::View) override {
+    queue();
+    return 0;
+  }
+  Handle start_reduce_scatter(int, dtsim::exec::View, dtsim::exec::View,
+                              std::span<const int>) override {
+    queue();
+    return 0;
+  }
+  void send(int, std::int64_t, dtsim::exec::View) override { queue(); }
+  std::optional<TransferMarks> take_transfer_marks() override {
+    return std::exchange(taken_, std::nullopt);
+  }
+
+ private:
+  void queue() {
+    if (marks_) {
+      const int start = device_.mark(), end = device_.mark();
+      if (!taken_) taken_ = TransferMarks{start, start};
+      taken_->end = end;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  dtsim::exec::Device& device_;
+  bool marks_;
+  std::optional<TransferMarks> taken_;
+};
+
+}  // namespace
+
+TEST_CASE(
+    "on a device that queues work, a started collective and a send are timed by their "
+    "own stream's marks",
+    "[exec][runner]") {
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  dtsim::exec::RunOptions o;
+  o.steps = 1;
+  o.warmup_steps = 0;
+  // The shortest measured time of the plan's tasks of `kind`, with the backend's marks or
+  // without (the marks around the launch).
+  auto shortest_of = [&](const dtsim::plan::Plan& p, dtsim::lower::TaskKind kind, bool marks) {
+    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+    const auto program = all_ranks(g, p);
+    dtsim::exec::cpu::Bf16Device device(/*host_memory=*/false);  // queued: timed by marks
+    StreamedComm comm(device, marks);
+    const double s = shortest(dtsim::exec::run_program(g, program, o, comm, device), program, kind);
+    CHECK(s < 1.0);  // there was one
+    return s;
+  };
+  SECTION("data-parallel buckets") {
+    auto p = single_rank(1, 2);
+    p.dp = 2;
+    p.global_batch_size = 4;
+    CHECK(shortest_of(p, dtsim::lower::TaskKind::Collective, true) < 0.05);
+    CHECK(shortest_of(p, dtsim::lower::TaskKind::Collective, false) >= 0.1);
+  }
+  SECTION("pipeline sends") {
+    auto p = single_rank(1, 4);
+    p.pp = 2;
+    p.schedule = dtsim::plan::Schedule::OneFOneB;
+    CHECK(shortest_of(p, dtsim::lower::TaskKind::Send, true) < 0.05);
+    CHECK(shortest_of(p, dtsim::lower::TaskKind::Send, false) >= 0.1);
   }
 }
 
