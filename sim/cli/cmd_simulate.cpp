@@ -167,6 +167,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
         {"per_stage", stages},
         {"amdahl", {{"serial_fraction", p.serial_fraction}, {"max_speedup", p.max_speedup}}},
         {"straggler_cost_s", p.straggler_cost_s.value_or(0.0)},
+        {"slow_rank_cost_s", p.slow_rank_cost_s.value_or(0.0)},
         {"plan", plan::to_json(plan)},
         {"simulation", {{"tasks", p.tasks}, {"events", p.events}}},
         {"notes", notes}};
@@ -224,6 +225,16 @@ int cmd_simulate(const std::vector<std::string>& args) {
         "late rank for {} (the straggler rows), and those waits delay other work\n",
         cost < 0 ? "-" : "+", format_duration(std::abs(cost)), 100 * cost / p.step_time_s,
         format_duration(p.step_time_s - cost), format_duration(b.straggler_s()));
+  }
+  if (p.slow_rank_cost_s && *p.slow_rank_cost_s != 0) {
+    const double cost = *p.slow_rank_cost_s;
+    const double calm = p.step_time_s - p.straggler_cost_s.value_or(0.0);
+    std::cout << fmt::format(
+        "{}slow rank: the step{} is {}{} ({:+.1f}%) against {} with every rank at one speed\n",
+        p.straggler_cost_s && *p.straggler_cost_s != 0 ? "" : "\n",
+        p.straggler_cost_s && *p.straggler_cost_s != 0 ? " without jitter" : "",
+        cost < 0 ? "-" : "+", format_duration(std::abs(cost)), 100 * cost / calm,
+        format_duration(calm - cost));
   }
   const std::string bound = p.max_speedup > 0
                                 ? fmt::format("serial fraction {:.1f}% -> speedup bound {:.1f}x",

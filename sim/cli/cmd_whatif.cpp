@@ -366,6 +366,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     // the step (the step against the same plan's without jitter;
     // engine::Prediction::straggler_cost_s).
     std::optional<double> straggler_cost_s;
+    // With the slow rank on (--vary rank_spread_cv, or the profile's): what it adds to the step
+    // without jitter (engine::Prediction::slow_rank_cost_s).
+    std::optional<double> slow_rank_cost_s;
     // With --tokens: interruptions, checkpoints and restarts (plan/goodput.hpp).
     double goodput = 0, job_mtbf_s = 0, checkpoint_write_s = 0, checkpoint_blocking_s = 0;
     std::int64_t checkpoint_every_steps = 0;
@@ -482,6 +485,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     // The straggler model is on where the point varies jitter_cv above 0, or else where the
     // profile measured some.
     const bool stragglers = engine::jitter_cv_of(jitter, priced_by) > 0;
+    const bool slow_rank = engine::rank_spread_cv_of(rank_spread, priced_by) > 0 && row.gpus > 1;
     engine::Prediction pred;
     plan::Plan chosen;
     if (fixed_plan) {
@@ -520,6 +524,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       sim_options.straggler_cost = true;
       pred = engine::simulate(g, p, c, *net, sim_options).prediction;
       if (stragglers) row.straggler_cost_s = pred.straggler_cost_s;
+      if (slow_rank) row.slow_rank_cost_s = pred.slow_rank_cost_s;
       chosen = p;
       row.plan = plan::summary(p);
       row.plan_spec = plan::to_json(p);
@@ -541,17 +546,19 @@ int cmd_whatif(const std::vector<std::string>& args) {
         row.plan = plan::summary(chosen);
         row.plan_spec = plan::to_json(chosen);
         row.found = true;
-        if (stragglers) {
-          // The search simulated the best plan with the model: only the calm run is left, as
-          // SimulateOptions::straggler_cost makes it (without jitter, the slow rank kept).
+        if (stragglers || slow_rank) {
+          // What the straggler model adds, as SimulateOptions::straggler_cost finds it (the
+          // search ran the best plan without those runs).
           auto net = network::make_analytical(c);
-          engine::SimulateOptions calm;
-          calm.profile = priced_by;
-          calm.jitter_cv = 0.0;
-          calm.rank_spread_cv = rank_spread;
-          row.straggler_cost_s = pred.step_time_s - engine::simulate(plan::graph_of(spec, chosen),
-                                                                     chosen, c, *net, calm)
-                                                        .prediction.step_time_s;
+          engine::SimulateOptions costs;
+          costs.profile = priced_by;
+          costs.jitter_cv = jitter;
+          costs.rank_spread_cv = rank_spread;
+          costs.straggler_cost = true;
+          const engine::Prediction again =
+              engine::simulate(plan::graph_of(spec, chosen), chosen, c, *net, costs).prediction;
+          if (stragglers) row.straggler_cost_s = again.straggler_cost_s;
+          if (slow_rank) row.slow_rank_cost_s = again.slow_rank_cost_s;
         }
       }
     }
@@ -615,6 +622,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"cost", r.cost_usd},
                                   {"energy", r.energy_kwh},
                                   {"stragglers", report::value_or_null(r.straggler_cost_s)},
+                                  {"slow_rank", report::value_or_null(r.slow_rank_cost_s)},
                                   {"found", r.found},
                                   {"invalid", r.invalid},
                                   {"priceless", r.priceless},
@@ -656,6 +664,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.cost_usd = j.at("cost").get<double>();
       r.energy_kwh = j.at("energy").get<double>();
       if (!j.at("stragglers").is_null()) r.straggler_cost_s = j.at("stragglers").get<double>();
+      if (!j.at("slow_rank").is_null()) r.slow_rank_cost_s = j.at("slow_rank").get<double>();
       r.found = j.at("found").get<bool>();
       r.invalid = j.at("invalid").get<std::string>();
       r.priceless = j.at("priceless").get<bool>();
@@ -738,6 +747,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                   {"scaling_efficiency", efficiency(r) ? nlohmann::json(*efficiency(r)) : nullptr},
                   {"amdahl_max_speedup", r.max_speedup}});
         if (r.straggler_cost_s) j["straggler_cost_s"] = *r.straggler_cost_s;
+        if (r.slow_rank_cost_s) j["slow_rank_cost_s"] = *r.slow_rank_cost_s;
         if (tokens > 0) {
           j["time_to_train_s"] = r.train_s;
           // Infinite (JSON null) when interruptions come faster than the job recovers.
@@ -775,7 +785,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         "{},devices,plan,step_time_s,tokens_per_s,mfu,scaling_efficiency,"
         "amdahl_max_speedup,time_to_train_days,cost_usd,energy_mwh,fits,goodput,"
         "time_to_train_with_interruptions_days,checkpoint_every_steps,straggler_cost_s,"
-        "cost_with_interruptions_usd,memory_per_gpu_bytes,capacity_bytes\n",
+        "cost_with_interruptions_usd,memory_per_gpu_bytes,capacity_bytes,slow_rank_cost_s\n",
         fmt::join(keys, ","));
     for (const Row& r : rows) {
       std::vector<std::string> vals;
@@ -788,7 +798,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       };
       const bool trained = tokens > 0, priced = r.cost_usd >= 0, reached = r.goodput > 0;
       std::cout << fmt::format(
-          "{},{},\"{}\",{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", fmt::join(vals, ","),
+          "{},{},\"{}\",{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", fmt::join(vals, ","),
           r.gpus, r.plan, figure(true, r.step_s), figure(true, r.tokens_per_s), figure(true, r.mfu),
           figure(efficiency(r).has_value(), efficiency(r).value_or(0)), figure(true, r.max_speedup),
           figure(trained, r.train_s / 86400), figure(priced, r.cost_usd),
@@ -797,13 +807,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
           trained && r.found ? fmt::format("{}", r.checkpoint_every_steps) : "",
           figure(r.straggler_cost_s.has_value(), r.straggler_cost_s.value_or(0)),
           figure(priced && reached, r.cost_usd / r.goodput), figure(true, r.memory_bytes),
-          figure(true, r.capacity_bytes));
+          figure(true, r.capacity_bytes),
+          figure(r.slow_rank_cost_s.has_value(), r.slow_rank_cost_s.value_or(0)));
     }
     return 0;
   }
   // The stragglers' column where the straggler model is on at some point.
   const bool stragglers = std::any_of(rows.begin(), rows.end(),
                                       [](const Row& r) { return r.straggler_cost_s.has_value(); });
+  const bool slow_ranks = std::any_of(rows.begin(), rows.end(),
+                                      [](const Row& r) { return r.slow_rank_cost_s.has_value(); });
   // The devices of each point, unless they are an axis already (--vary gpus).
   const bool gpus_column = std::find(keys.begin(), keys.end(), "gpus") == keys.end();
   std::vector<std::string> headers = keys;
@@ -811,11 +824,13 @@ int cmd_whatif(const std::vector<std::string>& args) {
   headers.push_back(vm.count("fixed-plan") ? "plan" : "best plan");
   for (const char* h : {"step", "tokens/s", "MFU", "scaling", "Amdahl"}) headers.push_back(h);
   if (stragglers) headers.push_back("stragglers");
+  if (slow_ranks) headers.push_back("slow rank");
   for (const char* h : {"goodput", "train", "cost", "energy"}) headers.push_back(h);
   report::Table table(headers);
   std::vector<std::string> units(keys.size() + (gpus_column ? 1 : 0), "");
   for (const char* u : {"", "s", "", "", "vs first", "bound"}) units.push_back(u);
   if (stragglers) units.push_back("of step");
+  if (slow_ranks) units.push_back("of step");
   for (const char* u : {"", "", "USD", ""}) units.push_back(u);
   table.set_units(units);
   table.align_left(keys.size() + (gpus_column ? 1 : 0));
@@ -841,6 +856,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
         cells.push_back(r.straggler_cost_s
                             ? fmt::format("{:+.1f}%", 100 * *r.straggler_cost_s / r.step_s)
                             : "-");
+      }
+      if (slow_ranks) {
+        // (Of the step without jitter, against which simulate gives it.)
+        const double calm = r.step_s - r.straggler_cost_s.value_or(0.0);
+        cells.push_back(
+            r.slow_rank_cost_s ? fmt::format("{:+.1f}%", 100 * *r.slow_rank_cost_s / calm) : "-");
       }
       cells.push_back(tokens > 0 ? fmt::format("{:.1f}%", 100 * r.goodput) : "-");
       cells.push_back(tokens <= 0 ? "-" : r.goodput <= 0 ? "never" : span_text(r.wall_s()));
@@ -885,6 +906,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (stragglers) {
     std::cout << "(stragglers: what the straggler model adds to the step, against the same plan "
                  "without compute jitter; dtsim simulate --jitter-cv breaks it down)\n";
+  }
+  if (slow_ranks) {
+    std::cout << "(slow rank: what the slowest rank adds to the step without jitter, against "
+                 "every rank at one speed; dtsim simulate --rank-spread-cv says which rank)\n";
   }
   if (tokens <= 0) std::cout << "(give --tokens N for time, cost and energy to train)\n";
   if (vm.count("fixed-plan")) {

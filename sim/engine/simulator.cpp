@@ -431,15 +431,21 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
         100 * flops.executed / (p.step_time_s * gpus * peak)));
   }
   if (options.straggler_cost) {
-    p.straggler_cost_s = 0.0;
-    if (engine.jitter_cv > 0) {
-      EngineOptions calm = engine;
-      calm.jitter_cv = 0;
-      const Timeline t = run(sim.program, durations, calm);
-      const double step = pipedream
-                              ? steady_stage(stage_predictions(sim.program, t), t.makespan_s).second
-                              : t.makespan_s;
-      p.straggler_cost_s = p.step_time_s - step;
+    auto step_with = [&](const EngineOptions& o) {
+      const Timeline t = run(sim.program, durations, o);
+      return pipedream ? steady_stage(stage_predictions(sim.program, t), t.makespan_s).second
+                       : t.makespan_s;
+    };
+    EngineOptions calm = engine;
+    calm.jitter_cv = 0;
+    const double calm_step = engine.jitter_cv > 0 ? step_with(calm) : p.step_time_s;
+    p.straggler_cost_s = p.step_time_s - calm_step;
+    p.slow_rank_cost_s = 0.0;
+    if (engine.slow_program >= 0) {
+      EngineOptions even = calm;
+      even.slow_program = -1;
+      even.slow_factor = 1.0;
+      p.slow_rank_cost_s = calm_step - step_with(even);
     }
   }
   p.serial_fraction = serial_fraction(p.breakdown, plan, p.step_time_s);

@@ -75,6 +75,10 @@ struct Prediction {
   // the part of it where compute waits on a late rank itself; the rest is the communication and
   // passes those waits delay, counted where they show.
   std::optional<double> straggler_cost_s;
+  // What the slow rank (SimulateOptions::rank_spread_cv) adds to the step: the step without
+  // jitter less the same without the slow rank (SimulateOptions::straggler_cost; 0 without it).
+  // straggler_cost_s above keeps the slow rank in both runs.
+  std::optional<double> slow_rank_cost_s;
   plan::MemoryReport memory;
   std::string network;
   std::uint64_t tasks = 0;
@@ -93,8 +97,8 @@ struct SimulateOptions {
   // slowest of the plan's n ranks, E[max of n standard normals]·spread slower, computes the
   // busiest stage's tasks. Unset: the profile's in_run rank_spread_cv, else none.
   std::optional<double> rank_spread_cv;
-  // Also run the program without the straggler model, for Prediction::straggler_cost_s (a
-  // second simulation where the model is on).
+  // Also run the program without the straggler model, for Prediction::straggler_cost_s and
+  // slow_rank_cost_s (a second simulation where jitter is on, another where a rank is slow).
   bool straggler_cost = false;
 };
 
