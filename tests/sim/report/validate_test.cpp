@@ -180,12 +180,14 @@ TEST_CASE("traces say what ran, and traces of different runs are told apart",
 TEST_CASE("traces say who wrote them for which device: notes where they differ",
           "[report][validate]") {
   const auto sim = trace_with(
-      "origin_sim.json", R"({"model": "tiny", "producer": "dtsim simulate", "device": "a100"})");
+      "origin_sim.json",
+      R"({"model": "tiny", "plan": {"dp": 1}, "producer": "dtsim simulate", "device": "a100"})");
   const auto run = trace_with(
-      "origin_run.json", R"({"model": "tiny", "producer": "dtexec run", "device": "cpu-host"})");
-  const auto sim_cpu =
-      trace_with("origin_sim_cpu.json",
-                 R"({"model": "tiny", "producer": "dtsim simulate", "device": "cpu-host"})");
+      "origin_run.json",
+      R"({"model": "tiny", "plan": {"dp": 1}, "producer": "dtexec run", "device": "cpu-host"})");
+  const auto sim_cpu = trace_with(
+      "origin_sim_cpu.json",
+      R"({"model": "tiny", "plan": {"dp": 1}, "producer": "dtsim simulate", "device": "cpu-host"})");
   CHECK(sim.producer == "dtsim simulate");
   CHECK(run.device == "cpu-host");
   // The same device: only what the measured step row is.
@@ -206,9 +208,17 @@ TEST_CASE("traces say who wrote them for which device: notes where they differ",
              Catch::StartsWith(run.file + " was written by dtexec run and " + sim_cpu.file +
                                " by dtsim simulate: given the wrong way round?"));
   // Traces written before producer and device: nothing to say.
-  const auto old = trace_with("origin_old.json", R"({"model": "tiny"})");
+  const auto old = trace_with("origin_old.json", R"({"model": "tiny", "plan": {"dp": 1}})");
   CHECK(dtsim::report::origin_notes(old, old).empty());
   CHECK(dtsim::report::origin_notes(sim, old).empty());
+  // One that does not say which plan ran: the same-run check was only the tasks' names.
+  const auto unsaid = trace_with("origin_unsaid.json", R"({"model": "tiny"})");
+  notes = dtsim::report::origin_notes(sim, unsaid);
+  REQUIRE(notes.size() == 1);
+  CHECK_THAT(notes[0], Catch::StartsWith(unsaid.file + " does not say which model and plan ran "
+                                                       "(otherData): that both traces are of "
+                                                       "one run was checked only by their "
+                                                       "tasks' names"));
 }
 
 TEST_CASE("a predicted straggler wait is left out of the task's predicted time",
