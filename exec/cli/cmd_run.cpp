@@ -779,6 +779,12 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm, std::int64_t
   if (vm.count("resume")) options.resume_dir = vm["resume"].as<std::string>();
   rank_and_step(vm, "fail-at", ranks, steps, options.fail_rank, options.fail_step);
   rank_and_step(vm, "hang-at", ranks, steps, options.hang_rank, options.hang_step);
+  // The hung rank waits outside any task; its peers' collectives and transfers find it.
+  if (vm.count("hang-at") && ranks == 1) {
+    throw dtsim::InputError(
+        "--hang-at: a run of one rank has no peer to find it hung (--task-timeout times the "
+        "peers' waits for it), so it would wait for ever; run it under mpirun -np 2 or more");
+  }
   return options;
 }
 

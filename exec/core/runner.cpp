@@ -96,6 +96,7 @@ RunResult Runner::run() {
   auto now = [&] { return since_start(std::chrono::steady_clock::now()); };
   const auto& tasks = rp_->tasks;
   Watchdog watchdog(options_, *rp_);
+  watchdog_ = &watchdog;
   if (options_.checkpoint_async && !options_.checkpoint_dir.empty()) prepare_async_saves(result);
   for (int step = first; step < options_.steps; ++step) {
     step_ = step;
@@ -177,6 +178,7 @@ RunResult Runner::run() {
       finish_completed();
       release_replayed(i);
     }
+    watchdog.begin_step_end();
     settle(nullptr);
     DTSIM_ASSERT(release_after_.empty() || event_ == release_after_.size(),
                  "the step's events differ from its plan of releases");
@@ -204,6 +206,7 @@ RunResult Runner::run() {
     }
     comm_.all_ranks(loss, Reduce::Sum);
     comm_.all_ranks(slowest, Reduce::Max);
+    watchdog.end();
     result.losses.push_back(loss[0] / (micro_batches_ * dp_));
     result.step_times_s.push_back(slowest[0]);
     double grad_norm = -1;
@@ -265,6 +268,7 @@ RunResult Runner::run() {
       result.step_times_s.end()));
   result.expert_load = expert_load_count_ > 0 ? expert_load_sum_ / expert_load_count_ : 0.0;
   result.expert_load_peak = expert_load_peak_;
+  watchdog_ = nullptr;
   return result;
 }
 

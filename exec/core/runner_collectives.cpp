@@ -155,8 +155,10 @@ void Runner::settle(const lower::Task* task) {
 
 std::map<std::size_t, PendingCollective>::iterator Runner::finish_pending(
     std::map<std::size_t, PendingCollective>::iterator it) {
+  if (watchdog_ != nullptr) watchdog_->waiting_for(static_cast<std::int64_t>(it->first));
   comm_.finish(it->second.handle);
   for (const Comm::Handle h : it->second.also) comm_.finish(h);
+  if (watchdog_ != nullptr) watchdog_->waiting_for(-1);
   if (it->second.record) {
     TaskRecord& r = (*records_)[*it->second.record];
     for (const Comm::Handle h : it->second.also) {

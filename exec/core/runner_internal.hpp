@@ -188,16 +188,21 @@ class Watchdog {
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
 
-  void begin(std::size_t task) {
+  void begin(std::size_t task) { begin_at(static_cast<std::int64_t>(task)); }
+  // The step's end: its started collectives and sends finished, its loss and time reduced.
+  void begin_step_end() { begin_at(kStepEnd); }
+  // What is watched now waits for started collective `task` (the message names it: the task
+  // that waits is often a compute task, the optimizer's step); -1: no longer.
+  void waiting_for(std::int64_t task) {
     if (!thread_.joinable()) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    task_ = static_cast<std::int64_t>(task);
-    since_ = std::chrono::steady_clock::now();
+    waiting_ = task;
   }
   void end() {
     if (!thread_.joinable()) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    task_ = -1;
+    task_ = kNone;
+    waiting_ = kNone;
   }
 
  private:
@@ -205,19 +210,32 @@ class Watchdog {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
       wake_.wait_for(lock, std::chrono::milliseconds(200));
-      if (stop_ || task_ < 0) continue;
+      if (stop_ || task_ == kNone) continue;
       const double held =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - since_).count();
       if (held > timeout_) {
-        const auto& task = rp_.tasks[static_cast<std::size_t>(task_)];
-        on_hang_(
-            fmt::format("rank {}: task {} ({}) has not finished after {:.0f} s (timeout {:g} s); "
-                        "a peer is missing or hung",
-                        rp_.rank, task_, task.label, held, timeout_));
+        auto named = [this](std::int64_t i) {
+          return fmt::format("task {} ({})", i, rp_.tasks[static_cast<std::size_t>(i)].label);
+        };
+        on_hang_(fmt::format(
+            "rank {}: {} has not finished after {:.0f} s (timeout {:g} s){}; a peer is missing or "
+            "hung",
+            rp_.rank,
+            task_ == kStepEnd ? std::string("the step's end (its collectives, sends and loss)")
+                              : named(task_),
+            held, timeout_, waiting_ >= 0 ? ", waiting for " + named(waiting_) : ""));
         return;
       }
     }
   }
+  void begin_at(std::int64_t what) {
+    if (!thread_.joinable()) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    task_ = what;
+    waiting_ = kNone;
+    since_ = std::chrono::steady_clock::now();
+  }
+  static constexpr std::int64_t kNone = -1, kStepEnd = -2;
 
   double timeout_;
   std::function<void(const std::string&)> on_hang_;
@@ -226,7 +244,8 @@ class Watchdog {
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false;
-  std::int64_t task_ = -1;
+  std::int64_t task_ = kNone;     // a task's index, kStepEnd, or kNone (nothing watched)
+  std::int64_t waiting_ = kNone;  // the started collective it waits for
   std::chrono::steady_clock::time_point since_;
 };
 
@@ -843,6 +862,7 @@ class Runner {
   // yet known to be received.
   std::chrono::steady_clock::time_point t0_;
   std::vector<TaskRecord>* records_ = nullptr;
+  Watchdog* watchdog_ = nullptr;  // run()'s, while it runs
   std::vector<std::size_t> open_sends_;
   // Receives posted ahead of need (overlapped pipeline transfers), by task index.
   std::map<std::size_t, Comm::Handle> posted_;
