@@ -600,11 +600,15 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     return 0;
   }
   std::cout << fmt::format(
-      "{}, plan {}: rank {} alone on {} (stage {}; its program stands for {} rank{}), {} steps\n"
-      "compute measured; {} communication tasks replaced by waits {}; received tensors hold "
-      "made-up values (standard normal), so losses mean nothing\n",
+      "{}, plan {}: rank {} alone on {} (stage {}; its program stands for {} rank{}), {} step{}\n"
+      "compute measured; {}\n",
       spec.name, dtsim::plan::summary(plan), r, where, rp.stage, rp.represents.size(),
-      rp.represents.size() == 1 ? "" : "s", options.steps, comm_tasks, waits);
+      rp.represents.size() == 1 ? "" : "s", options.steps, options.steps == 1 ? "" : "s",
+      comm_tasks == 0
+          ? std::string("no communication task to replace (the plan's rank has none)")
+          : fmt::format("{} communication task{} replaced by waits {}; received tensors hold "
+                        "made-up values (standard normal), so losses mean nothing",
+                        comm_tasks, comm_tasks == 1 ? "" : "s", waits));
   for (const auto& note : notes) std::cout << "note: " << note << "\n";
   std::cout << fmt::format(
       "median step time {:.1f} ms after {} warm-up step(s); last step: compute {:.1f} ms, "

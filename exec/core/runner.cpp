@@ -233,9 +233,11 @@ RunResult Runner::run() {
       const bool loss_bad = !std::isfinite(loss_now);
       throw InputError(fmt::format(
           "step {}: the {} is not finite ({}): training diverged; a smaller --lr (its peak "
-          "is {:g}) or --clip-grad may keep it finite",
+          "is {:g}){} may keep it finite",
           done, loss_bad ? "loss" : "gradient norm", loss_bad ? loss_now : grad_norm,
-          options_.lr.max_lr));
+          options_.lr.max_lr,
+          p_.clip_grad > 0 ? fmt::format(" or a smaller --clip-grad (it is {:g})", p_.clip_grad)
+                           : std::string(" or --clip-grad")));
     }
     if (!options_.checkpoint_dir.empty() &&
         (done == options_.steps ||
