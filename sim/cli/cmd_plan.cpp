@@ -437,11 +437,12 @@ int cmd_plan(const std::vector<std::string>& args) {
     }
     // The first seven columns as they always were; then MFU (simulated plans), capacity, and
     // with --tokens the time (and, with a price, cost) to train, failure-free, then the
-    // goodput and the time with interruptions; empty where there is none.
+    // goodput and the time with interruptions; empty where there is none. Figures in full (the
+    // shortest text that reads back as the same double), as whatif's CSV.
     std::cout << "rank,plan,step_time_s,simulated,tokens_per_s,memory_per_gpu_bytes,dominant,"
                  "mfu,capacity_bytes,cost_per_step_usd,time_to_train_s,cost_to_train_usd,"
                  "goodput,time_to_train_with_interruptions_s\n";
-    auto cell = [](bool has, double v) { return has ? fmt::format("{:.6g}", v) : std::string(); };
+    auto cell = [](bool has, double v) { return has ? fmt::format("{}", v) : std::string(); };
     for (int i = 0; i < shown; ++i) {
       const auto& c = result.ranked[static_cast<std::size_t>(i)];
       const double tokens = static_cast<double>(c.plan.global_batch_size * c.plan.seq_len);
@@ -449,7 +450,7 @@ int cmd_plan(const std::vector<std::string>& args) {
       const bool priced = c.cost_per_step_usd >= 0;
       const plan::TrainingTime tt = steps > 0 ? goal.of(c) : plan::TrainingTime{};
       std::cout << fmt::format(
-          "{},\"{}\",{:.6g},{},{:.6g},{:.0f},\"{}\",{},{:.0f},{},{},{},{},{}\n", i + 1,
+          "{},\"{}\",{},{},{},{:.0f},\"{}\",{},{:.0f},{},{},{},{},{}\n", i + 1,
           plan::summary(c.plan), c.step_time_s, c.refined ? 1 : 0, tokens / c.step_time_s,
           c.memory_bytes, planner::dominant_term(breakdown_of(c), c.step_time_s),
           cell(c.refined, c.prediction.mfu), c.capacity_bytes, cell(priced, c.cost_per_step_usd),
@@ -495,7 +496,13 @@ int cmd_plan(const std::vector<std::string>& args) {
     for (const char* h : {"tokens/s", "MFU", "memory/GPU", "margin", "largest"}) {
       headers.push_back(h);
     }
-    for (const char* u : {"", "", "GiB", "GiB", "overhead"}) units.push_back(u);
+    // Memory in MiB where every row's is under a GiB (a CPU host's small models read 0.0 GiB).
+    double most = 0;
+    for (int i = 0; i < shown; ++i) {
+      most = std::max(most, result.ranked[static_cast<std::size_t>(i)].memory_bytes);
+    }
+    const bool mib = most < kGiB;
+    for (const char* u : {"", "", mib ? "MiB" : "GiB", "GiB", "overhead"}) units.push_back(u);
     report::Table table(headers);
     table.set_units(units);
     table.align_left(1);
@@ -505,11 +512,11 @@ int cmd_plan(const std::vector<std::string>& args) {
       const double tokens = static_cast<double>(c.plan.global_batch_size * c.plan.seq_len);
       std::vector<std::string> cells = {fmt::format("{}", i + 1), plan::summary(c.plan),
                                         format_seconds(c.step_time_s) + (c.refined ? "" : "*")};
-      if (by_cost) cells.push_back(fmt::format("{:.4g}", c.cost_per_step_usd));
+      if (by_cost) cells.push_back(fmt::format("{:#.4g}", c.cost_per_step_usd));
       for (std::string cell :
            {fmt::format("{:.0f}", tokens / c.step_time_s),
             c.refined ? fmt::format("{:.1f}%", 100 * c.prediction.mfu) : std::string("-"),
-            fmt::format("{:.1f}", c.memory_bytes / kGiB),
+            fmt::format("{:.1f}", c.memory_bytes / (mib ? kMiB : kGiB)),
             fmt::format("{:.1f}", (c.capacity_bytes - c.memory_bytes) / kGiB),
             planner::dominant_term(breakdown_of(c), c.step_time_s)}) {
         cells.push_back(std::move(cell));

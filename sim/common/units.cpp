@@ -36,8 +36,9 @@ std::string format_si(double value) {
 }
 
 std::string format_seconds(double seconds) {
+  // (Below 0.1 s three significant digits, their trailing zeros kept: a column of them lines up.)
   return std::fabs(seconds) >= 0.1 || seconds == 0 ? fmt::format("{:.3f}", seconds)
-                                                   : fmt::format("{:.3g}", seconds);
+                                                   : fmt::format("{:#.3g}", seconds);
 }
 
 std::string format_duration(double seconds) {
