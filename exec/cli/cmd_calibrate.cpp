@@ -34,6 +34,7 @@
 #include "sim/common/error.hpp"
 #include "sim/cost/compute_cost.hpp"
 #include "sim/lower/lowering.hpp"
+#include "sim/report/table.hpp"
 
 #ifdef DTEXEC_HAVE_CUDA
 #include "exec/cuda/calibrate_cuda.hpp"
@@ -180,37 +181,46 @@ void write_host_topology(const std::string& dir, const nlohmann::json& profile, 
 
 // The calibration profile as tables: GEMMs, op rates, collectives, the rest.
 void print_profile(const nlohmann::json& profile, const std::string& path) {
-  std::cout << fmt::format("{:>6} {:>6} {:>6} {:>12} {:>10}\n", "m", "n", "k", "seconds",
-                           "GFLOP/s");
+  dtsim::report::Table gemms({"m", "n", "k", "seconds", "rate"});
+  gemms.set_units({"", "", "", "", "GFLOP/s"});
   for (const auto& g : profile.at("gemm")) {
     const double flops =
         2.0 * g.at("m").get<double>() * g.at("n").get<double>() * g.at("k").get<double>();
-    std::cout << fmt::format("{:>6} {:>6} {:>6} {:>12.3g} {:>10.1f}\n", g.at("m").get<int>(),
-                             g.at("n").get<int>(), g.at("k").get<int>(),
-                             g.at("seconds").get<double>(),
-                             flops / g.at("seconds").get<double>() / 1e9);
+    gemms.add_row({fmt::format("{}", g.at("m").get<int>()), fmt::format("{}", g.at("n").get<int>()),
+                   fmt::format("{}", g.at("k").get<int>()),
+                   fmt::format("{:.3g}", g.at("seconds").get<double>()),
+                   fmt::format("{:.1f}", flops / g.at("seconds").get<double>() / 1e9)});
   }
+  std::cout << gemms.render();
   if (profile.contains("ops")) {
-    std::cout << fmt::format("\n{:<10} {:<5} {:>12} {:>14}\n", "op", "phase", "seconds", "rate");
-  }
-  for (const auto& o : profile.value("ops", nlohmann::json::array())) {
-    const bool flops = o.contains("flops_per_s");
-    std::cout << fmt::format(
-        "{:<10} {:<5} {:>12.3g} {:>10.2f} {}\n", o.at("op").get<std::string>(),
-        o.at("phase").get<std::string>(), o.at("seconds").get<double>(),
-        (flops ? o.at("flops_per_s") : o.at("bytes_per_s")).get<double>() / 1e9,
-        flops ? "GFLOP/s" : "GB/s");
+    dtsim::report::Table ops({"op", "phase", "seconds", "rate", ""});
+    ops.align_left(0);
+    ops.align_left(1);
+    ops.align_left(4);
+    for (const auto& o : profile.at("ops")) {
+      const bool flops = o.contains("flops_per_s");
+      ops.add_row(
+          {o.at("op").get<std::string>(), o.at("phase").get<std::string>(),
+           fmt::format("{:.3g}", o.at("seconds").get<double>()),
+           fmt::format("{:.2f}",
+                       (flops ? o.at("flops_per_s") : o.at("bytes_per_s")).get<double>() / 1e9),
+           flops ? "GFLOP/s" : "GB/s"});
+    }
+    std::cout << "\n" << ops.render();
   }
   if (profile.contains("collectives") && !profile.at("collectives").empty()) {
-    std::cout << fmt::format("\n{:<15} {:>5} {:>10} {:>12} {:>12} {:>12}\n", "collective", "ranks",
-                             "bytes", "seconds", "algbw GB/s", "busbw GB/s");
+    dtsim::report::Table collectives(
+        {"collective", "ranks", "bytes", "seconds", "algbw GB/s", "busbw GB/s"});
+    collectives.align_left(0);
     for (const auto& c : profile.at("collectives")) {
-      std::cout << fmt::format("{:<15} {:>5} {:>10} {:>12.3g} {:>12.2f} {:>12.2f}\n",
-                               c.at("kind").get<std::string>(), c.at("ranks").get<int>(),
-                               c.at("bytes").get<std::size_t>(), c.at("seconds").get<double>(),
-                               c.at("algbw_bytes_per_s").get<double>() / 1e9,
-                               c.at("busbw_bytes_per_s").get<double>() / 1e9);
+      collectives.add_row({c.at("kind").get<std::string>(),
+                           fmt::format("{}", c.at("ranks").get<int>()),
+                           fmt::format("{}", c.at("bytes").get<std::size_t>()),
+                           fmt::format("{:.3g}", c.at("seconds").get<double>()),
+                           fmt::format("{:.2f}", c.at("algbw_bytes_per_s").get<double>() / 1e9),
+                           fmt::format("{:.2f}", c.at("busbw_bytes_per_s").get<double>() / 1e9)});
     }
+    std::cout << "\n" << collectives.render();
   }
   std::cout << fmt::format(
       "\nmemory bandwidth {:.1f} GB/s, launch overhead {:.2f} us, compute jitter {:.1f}%\n"
