@@ -37,6 +37,7 @@
 #include "sim/plan/memory_model.hpp"
 #include "sim/report/breakdown_json.hpp"
 #include "sim/report/json_values.hpp"
+#include "sim/report/table.hpp"
 #include "sim/report/trace.hpp"
 #include "sim/report/validate.hpp"
 
@@ -609,7 +610,7 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
           : fmt::format("{} communication task{} replaced by waits {}; received tensors hold "
                         "made-up values (standard normal), so losses mean nothing",
                         comm_tasks, comm_tasks == 1 ? "" : "s", waits));
-  for (const auto& note : notes) std::cout << "note: " << note << "\n";
+  for (const auto& note : notes) std::cout << dtsim::report::note_line(note) << "\n";
   std::cout << fmt::format(
       "median step time {:.1f} ms after {} warm-up step(s); last step: compute {:.1f} ms, "
       "waits {:.1f} ms (one after the other: the waits do not overlap compute here)\n",
@@ -852,7 +853,7 @@ void announce_run(int rank, const dtsim::model::ModelSpec& spec, const std::stri
       plan.global_batch_size, plan.seq_len, plan.micro_batches(),
       plan.micro_batches() == 1 ? "" : "es", steps,
       options.resume_dir.empty() ? "" : ", resuming " + options.resume_dir);
-  for (const auto& note : run_notes) out(rank) << "note: " << note << "\n";
+  for (const auto& note : run_notes) out(rank) << dtsim::report::note_line(note) << "\n";
   if (options.lr.warmup_steps > 0 || options.lr.decay != dtsim::exec::LrDecay::Constant) {
     out(rank) << "learning rate: " << options.lr.describe() << "\n";
   }

@@ -203,7 +203,7 @@ inline void expect_all_to_all_shapes(View in, std::span<const int> in_counts, Vi
 }
 
 inline void Comm::all_to_all(int, View, std::span<const int>, View, std::span<const int>) {
-  throw UnsupportedError("dtexec: this communication backend has no all-to-all yet");
+  throw UnsupportedError("this communication backend has no all-to-all yet");
 }
 
 }  // namespace dtsim::exec

@@ -209,7 +209,7 @@ class Device {
 
  private:
   [[noreturn]] void lacks(const std::string& what) const {
-    throw UnsupportedError("dtexec: " + what + " is not executed on " + name() + " yet");
+    throw UnsupportedError(what + " is not executed on " + name() + " yet");
   }
 };
 

@@ -23,7 +23,7 @@ Runner::Runner(const model::ModelGraph& g, const lower::Program& program, const 
   flash_ = g.attention() == model::AttentionKernel::Flash;
   if (comm.size() > 1 && !device.host_memory() && !comm.moves_device_memory()) {
     throw UnsupportedError(
-        fmt::format("dtexec: {} ranks on {}: this communication backend moves host memory only",
+        fmt::format("{} ranks on {}: this communication backend moves host memory only",
                     comm.size(), device.name()));
   }
   me_ = options.program_index >= 0 ? options.program_index : comm.rank();
@@ -908,7 +908,7 @@ void Runner::execute(const lower::Task& task, std::size_t index) {
         }
       } else {
         throw UnsupportedError(
-            fmt::format("dtexec: phase {} is not executed yet", to_string(task.phase)));
+            fmt::format("phase {} is not executed yet", to_string(task.phase)));
       }
       return;
     }
@@ -987,7 +987,7 @@ void check_device(const model::ModelGraph& graph, const lower::Program& program,
   const model::ModelSpec& m = graph.spec();
   auto lacks = [&](const std::string& what) {
     throw UnsupportedError(
-        fmt::format("dtexec: {} is not executed on {} yet", what, device.name()));
+        fmt::format("{} is not executed on {} yet", what, device.name()));
   };
   if (program.plan.cp > 1 && !device.has(Device::Feature::ContextParallelism)) {
     lacks(fmt::format("context parallelism (cp {})", program.plan.cp));
@@ -1015,7 +1015,7 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   const model::ModelSpec& m = graph.spec();
   const plan::Plan& p = program.plan;
   auto refuse = [&](const std::string& what) {
-    throw UnsupportedError(fmt::format("dtexec: {} is not executed yet", what));
+    throw UnsupportedError(fmt::format("{} is not executed yet", what));
   };
   if (p.grad_compression < 1) {
     refuse(fmt::format("gradient compression ({:g} of the bytes)", p.grad_compression));

@@ -553,7 +553,7 @@ void Runner::collective(const lower::Task& task, std::size_t index) {
     }
     default:
       throw UnsupportedError(
-          fmt::format("dtexec: {} collectives are not executed yet", lower::to_string(grp.kind)));
+          fmt::format("{} collectives are not executed yet", lower::to_string(grp.kind)));
   }
 }
 

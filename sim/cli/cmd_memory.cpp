@@ -131,7 +131,7 @@ int cmd_memory(const std::vector<std::string>& args) {
         report.worst_stage, format_gib(worst.total_bytes), format_gib(report.capacity_bytes),
         format_gib(-report.margin_bytes), worst.dominant);
   }
-  for (const auto& n : notes) std::cout << "note: " << n << "\n";
+  for (const auto& n : notes) std::cout << report::note_line(n) << "\n";
   return 0;
 }
 

@@ -248,7 +248,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
                              training_time_text(*train, cost_usd))
               << interruptions_note(reliability) << "\n";
   }
-  for (const auto& n : notes) std::cout << "note: " << n << "\n";
+  for (const auto& n : notes) std::cout << report::note_line(n) << "\n";
   return 0;
 }
 

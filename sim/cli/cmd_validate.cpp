@@ -171,7 +171,7 @@ int cmd_validate(const std::vector<std::string>& args) {
   }
   std::cout << fmt::format("{} tasks matched; {} only predicted, {} only measured\n", v.matched,
                            v.only_predicted, v.only_measured);
-  for (const auto& n : notes) std::cout << "note: " << n << "\n";
+  for (const auto& n : notes) std::cout << report::note_line(n) << "\n";
   return 0;
 }
 

@@ -59,4 +59,8 @@ std::string Table::render() const {
   return out;
 }
 
+std::string note_line(const std::string& note) {
+  return note.rfind("warning: ", 0) == 0 ? note : "note: " + note;
+}
+
 }  // namespace dtsim::report

@@ -23,4 +23,8 @@ class Table {
   std::vector<std::vector<std::string>> rows_;
 };
 
+// A note as a line of text output: "note: X", or "warning: X" for a note that is a warning
+// (one that starts so), not "note: warning: X".
+std::string note_line(const std::string& note);
+
 }  // namespace dtsim::report
