@@ -104,9 +104,10 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
       "pass per parameter per micro-batch, as PyTorch autograd and Megatron-LM in 2021) instead "
       "of inside the weight-gradient GEMM (Megatron-LM --gradient-accumulation-fusion)")(
       "overlap-p2p-comm", po::bool_switch(),
-      "overlap pipeline sends and receives with compute (Megatron-LM "
-      "--overlap-p2p-communication); by default a stage exchanges its pipeline tensors in "
-      "blocking batches between compute passes, as Megatron-LM does")(
+      // (The flag's name first: boost cuts a word that long where a line ends in it.)
+      "--overlap-p2p-communication of Megatron-LM: overlap pipeline sends and receives with "
+      "compute; by default a stage exchanges its pipeline tensors in blocking batches between "
+      "compute passes, as Megatron-LM does")(
       "expert-load", po::value<double>(),
       "expert parallelism's routing: the token copies the busiest ep rank's experts get over "
       "the even share, from 1 to min(ep, experts / top k), what routing can make (default 1: "
@@ -486,7 +487,8 @@ std::string span_text(double seconds) {
   if (seconds >= 86400) return fmt::format("{:.1f} days", seconds / 86400);
   if (seconds >= 3600) return fmt::format("{:.1f} h", seconds / 3600);
   if (seconds >= 60) return fmt::format("{:.1f} min", seconds / 60);
-  return fmt::format("{:.1f} s", seconds);
+  if (seconds >= 1) return fmt::format("{:.1f} s", seconds);
+  return format_duration(seconds);
 }
 
 std::string training_time_text(const plan::TrainingTime& tt, std::optional<double> cost_usd) {
@@ -494,16 +496,16 @@ std::string training_time_text(const plan::TrainingTime& tt, std::optional<doubl
   if (cost_usd) s += fmt::format(", {:.0f} USD", *cost_usd);
   if (tt.goodput <= 0) {
     return s + fmt::format(
-                   "; with interruptions never: one every {:.2f} h, sooner than a restart and "
+                   "; with interruptions never: one every {}, sooner than a restart and "
                    "half a checkpoint interval{}",
-                   tt.job_mtbf_s / 3600, tt.asynchronous ? " and a write" : "");
+                   span_text(tt.job_mtbf_s), tt.asynchronous ? " and a write" : "");
   }
   return s + fmt::format(
-                 "; with interruptions {}{} (goodput {:.1f}%: one every {:.1f} h, a "
+                 "; with interruptions {}{} (goodput {:.1f}%: one every {}, a "
                  "checkpoint every {} steps taking {:.1f} s{})",
                  span_text(tt.wall_s),
                  cost_usd ? fmt::format(", {:.0f} USD", *cost_usd / tt.goodput) : std::string(),
-                 100 * tt.goodput, tt.job_mtbf_s / 3600, tt.checkpoint_every_steps,
+                 100 * tt.goodput, span_text(tt.job_mtbf_s), tt.checkpoint_every_steps,
                  tt.checkpoint_write_s,
                  tt.asynchronous
                      ? fmt::format(" behind training, which stops {:.2f} s for the copy",
