@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "sim/cli/commands.hpp"
+#include "sim/cli/mpi_split.hpp"
 #include "sim/common/error.hpp"
 
 namespace {
@@ -59,10 +60,15 @@ int main(int argc, char** argv) {
     try {
       return it->second.run({args.begin() + 1, args.end()});
     } catch (const dtsim::InputError& e) {
-      std::cerr << "dtsim " << args[0] << ": error: " << e.what() << "\n";
+      // (Under mpirun every rank reads the same input: rank 0 says what is wrong with it.)
+      if (dtsim::cli::launched_rank() == 0) {
+        std::cerr << "dtsim " << args[0] << ": error: " << e.what() << "\n";
+      }
       return 2;
     } catch (const dtsim::UnsupportedError& e) {
-      std::cerr << "dtsim " << args[0] << ": unsupported: " << e.what() << "\n";
+      if (dtsim::cli::launched_rank() == 0) {
+        std::cerr << "dtsim " << args[0] << ": unsupported: " << e.what() << "\n";
+      }
       return 2;
     } catch (const std::exception& e) {
       std::cerr << "dtsim " << args[0] << ": internal error: " << e.what() << "\n";
