@@ -28,6 +28,7 @@ json stage_json(const plan::StageMemory& s) {
           {"optimizer_bytes", s.optimizer_bytes},
           {"activations_bytes", s.activations_bytes},
           {"working_bytes", s.working_bytes},
+          {"working_tensors", s.working_tensors},
           {"peak_moment", s.peak_moment},
           {"other_bytes", s.other_bytes},
           {"total_bytes", s.total_bytes},

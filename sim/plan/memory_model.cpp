@@ -130,6 +130,7 @@ ZbPeak zero_bubble_peak(const Plan& plan, int stage, double per_micro_batch, dou
 struct Moment {
   const char* name = "";
   double working = 0, freed = 0, other = 0;
+  const char* working_what = "";  // what the working bytes are (StageMemory::working_tensors)
   double extra() const { return working - freed + other; }
 };
 
@@ -461,9 +462,11 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // backward: the gradients an MLP activation's backward reads and writes (the widest of a
     // block's backward), or a block recomputed.
     double backward_working = largest_mlp_grads;
-    if (plan.recompute == Recompute::Selective) {
+    const char* backward_what = "an MLP activation's gradients";
+    if (plan.recompute == Recompute::Selective && largest_quadratic > backward_working) {
       // Backward recomputes one block's attention core and holds its s² tensors meanwhile.
-      backward_working = std::max(backward_working, largest_quadratic);
+      backward_working = largest_quadratic;
+      backward_what = "an attention core's s² tensors, recomputed";
     }
     double recomputed_block = 0;
     if (plan.recompute == Recompute::Full) {
@@ -476,12 +479,15 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
             std::max(recomputed_block, block_activation_bytes(g, layer, no_recompute));
       }
       backward_working = recomputed_block + largest_mlp_grads;
+      backward_what = "a block recomputed, and its MLP activation's gradients";
     }
+    const char* recomputed_what = recomputed_block > 0 ? "a block recomputed" : "";
     // The moments that can hold the most, on top of what is kept; the peak is the first of the
     // largest (the forward's end where they tie). By the backward's first block, the last
     // stage has freed what the head and the loss kept for that micro-batch (head_kept).
-    Moment forward_end{"the forward's end", logits, 0, 0};
-    Moment backward{"the backward", backward_working, head_kept, 0};
+    Moment forward_end{"the forward's end", logits, 0, 0,
+                       "the last stage's logits while the loss reads them"};
+    Moment backward{"the backward", backward_working, head_kept, 0, backward_what};
     const bool zero3 = plan.zero_stage == 3 && shard > 1;
     if (zero3) {
       // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
@@ -512,9 +518,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // holding that block recomputed).
       const double reduction_bytes = (2.0 + 1.0 / shard) * per_param.gradients;
       consider({"the head's gradient reduce-scatter", recomputed_block, head_kept,
-                backward.other + reduction_bytes * head_params});
+                backward.other + reduction_bytes * head_params, recomputed_what});
       consider({"a block's gradient reduce-scatter", recomputed_block, head_kept + last_block_kept,
-                backward.other + reduction_bytes * largest_reduction});
+                backward.other + reduction_bytes * largest_reduction, recomputed_what});
       if (embedding_params > 0) {
         // The backward's last gather, the embedding's (dtexec gathers it again, as FSDP's unit),
         // the activations gone: the gathered table, the gather's chunk of fp32 masters packed
@@ -658,6 +664,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     }
     s.peak_moment = peak_moment.name;
     s.working_bytes = peak_moment.working;
+    s.working_tensors = peak_moment.working > 0 ? peak_moment.working_what : "";
     s.activations_bytes += peak_moment.working - peak_moment.freed;
     s.other_bytes = allowance + peak_moment.other + zero2_bucket;
     s.total_bytes = s.weights_bytes + s.gradients_bytes + s.optimizer_bytes + s.activations_bytes +
@@ -679,11 +686,15 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
   }
   report.margin_bytes = report.capacity_bytes - report.worst().total_bytes;
   report.fits = report.margin_bytes >= 0;
-  report.notes.push_back(fmt::format(
-      "the worst rank peaks at {} (peak_moment); its activations include {} of "
-      "working tensors there (working_bytes: the last stage's logits while the loss reads "
-      "them, an MLP activation's gradients, a block recomputed)",
-      report.worst().peak_moment, format_gib(report.worst().working_bytes)));
+  report.notes.push_back(
+      report.worst().working_bytes > 0
+          ? fmt::format("the worst rank peaks at {} (peak_moment); its activations include {} of "
+                        "working tensors there (working_bytes: {})",
+                        report.worst().peak_moment, format_gib(report.worst().working_bytes),
+                        report.worst().working_tensors)
+          : fmt::format("the worst rank peaks at {} (peak_moment), with no working tensors "
+                        "beyond what it keeps",
+                        report.worst().peak_moment));
   report.notes.push_back(
       fmt::format("other = {} framework allowance ({}){}", format_gib(allowance), allowance_source,
                   plan.zero_stage == 3   ? " + ZeRO-3 gathered-weight and reduce-scatter buffers"

@@ -99,6 +99,8 @@ struct StageMemory {
   // backward, an MLP activation's gradients or a block recomputed (there the last stage has
   // freed one micro-batch's head and loss tensors, which activations_bytes leaves out).
   double working_bytes = 0;
+  // What they are at that moment, in words ("an MLP activation's gradients"); empty with none.
+  std::string working_tensors;
   double other_bytes = 0;
   double total_bytes = 0;
   std::string dominant;  // the largest term
