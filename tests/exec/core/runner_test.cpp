@@ -713,47 +713,51 @@ class SlowPeerComm final : public HostOnlyComm {
   void wait_sends() override { std::this_thread::sleep_for(std::chrono::milliseconds(30)); }
 };
 
-// The shortest measured time of rank 0's tasks of `kind`.
-double shortest(const dtsim::exec::RunResult& r, const dtsim::lower::Program& program,
-                dtsim::lower::TaskKind kind) {
+// The shortest measured time of rank 0's tasks of `kind` in one step of tiny-gpt under `p`,
+// over `comm`, on `device` (else the CPU).
+double shortest(const dtsim::plan::Plan& p, dtsim::lower::TaskKind kind, dtsim::exec::Comm& comm,
+                dtsim::exec::Device* device = nullptr) {
+  const dtsim::model::ModelGraph g(dtsim::model::load_model("tiny-gpt"), p.micro_batch_size,
+                                   p.seq_len, 2);
+  const auto program = all_ranks(g, p);
+  dtsim::exec::RunOptions o;
+  o.steps = 1;
+  o.warmup_steps = 0;
+  const auto r = device ? dtsim::exec::run_program(g, program, o, comm, *device)
+                        : dtsim::exec::run_program(g, program, o, comm);
   double s = 1e9;
   for (const auto& t : r.tasks) {
     if (program.ranks[0].tasks[static_cast<std::size_t>(t.task)].kind == kind) {
       s = std::min(s, t.end_s - t.start_s);
     }
   }
+  CHECK(s < 1e9);  // there was one
   return s;
+}
+
+// Data-parallel buckets, their collectives started and overlapped with the backward pass.
+dtsim::plan::Plan dp2_buckets() {
+  auto p = single_rank(1, 2);
+  p.dp = 2;
+  p.global_batch_size = 4;
+  return p;
+}
+
+// Blocking pipeline sends that the next round waits for.
+dtsim::plan::Plan pp2_sends() {
+  auto p = single_rank(1, 4);
+  p.pp = 2;
+  p.schedule = dtsim::plan::Schedule::OneFOneB;
+  return p;
 }
 
 }  // namespace
 
 TEST_CASE("a started collective and a blocking send are timed until they complete",
           "[exec][runner]") {
-  const auto spec = dtsim::model::load_model("tiny-gpt");
-  dtsim::exec::RunOptions o;
-  o.steps = 1;
-  o.warmup_steps = 0;
-  // The shortest measured time of the plan's tasks of `kind` with a slow peer (one at least).
-  auto shortest_with_slow_peer = [&](const dtsim::plan::Plan& p, dtsim::lower::TaskKind kind) {
-    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
-    const auto program = all_ranks(g, p);
-    SlowPeerComm comm;
-    const double s = shortest(dtsim::exec::run_program(g, program, o, comm), program, kind);
-    CHECK(s < 1.0);  // there was one
-    return s;
-  };
-  SECTION("data-parallel buckets, overlapped with the backward pass") {
-    auto p = single_rank(1, 2);
-    p.dp = 2;
-    p.global_batch_size = 4;
-    CHECK(shortest_with_slow_peer(p, dtsim::lower::TaskKind::Collective) >= 0.03);
-  }
-  SECTION("pipeline sends that the next round waits for") {
-    auto p = single_rank(1, 4);
-    p.pp = 2;
-    p.schedule = dtsim::plan::Schedule::OneFOneB;
-    CHECK(shortest_with_slow_peer(p, dtsim::lower::TaskKind::Send) >= 0.03);
-  }
+  SlowPeerComm comm;
+  CHECK(shortest(dp2_buckets(), dtsim::lower::TaskKind::Collective, comm) >= 0.03);
+  CHECK(shortest(pp2_sends(), dtsim::lower::TaskKind::Send, comm) >= 0.03);
 }
 
 namespace {
@@ -800,35 +804,16 @@ TEST_CASE(
     "on a device that queues work, a started collective and a send are timed by their "
     "own stream's marks",
     "[exec][runner]") {
-  const auto spec = dtsim::model::load_model("tiny-gpt");
-  dtsim::exec::RunOptions o;
-  o.steps = 1;
-  o.warmup_steps = 0;
-  // The shortest measured time of the plan's tasks of `kind`, with the backend's marks or
-  // without (the marks around the launch).
-  auto shortest_of = [&](const dtsim::plan::Plan& p, dtsim::lower::TaskKind kind, bool marks) {
-    const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
-    const auto program = all_ranks(g, p);
+  // With the backend's marks on its stream, or without (the marks around the launch).
+  auto shortest_of = [](const dtsim::plan::Plan& p, dtsim::lower::TaskKind kind, bool marks) {
     dtsim::exec::cpu::Bf16Device device(/*host_memory=*/false);  // queued: timed by marks
     StreamedComm comm(device, marks);
-    const double s = shortest(dtsim::exec::run_program(g, program, o, comm, device), program, kind);
-    CHECK(s < 1.0);  // there was one
-    return s;
+    return shortest(p, kind, comm, &device);
   };
-  SECTION("data-parallel buckets") {
-    auto p = single_rank(1, 2);
-    p.dp = 2;
-    p.global_batch_size = 4;
-    CHECK(shortest_of(p, dtsim::lower::TaskKind::Collective, true) < 0.05);
-    CHECK(shortest_of(p, dtsim::lower::TaskKind::Collective, false) >= 0.1);
-  }
-  SECTION("pipeline sends") {
-    auto p = single_rank(1, 4);
-    p.pp = 2;
-    p.schedule = dtsim::plan::Schedule::OneFOneB;
-    CHECK(shortest_of(p, dtsim::lower::TaskKind::Send, true) < 0.05);
-    CHECK(shortest_of(p, dtsim::lower::TaskKind::Send, false) >= 0.1);
-  }
+  CHECK(shortest_of(dp2_buckets(), dtsim::lower::TaskKind::Collective, true) < 0.05);
+  CHECK(shortest_of(dp2_buckets(), dtsim::lower::TaskKind::Collective, false) >= 0.1);
+  CHECK(shortest_of(pp2_sends(), dtsim::lower::TaskKind::Send, true) < 0.05);
+  CHECK(shortest_of(pp2_sends(), dtsim::lower::TaskKind::Send, false) >= 0.1);
 }
 
 TEST_CASE("the CPU device counts the memory it hands out, its peak and its pool", "[exec][cpu]") {
