@@ -493,7 +493,24 @@ nccl_run() {
   # shellcheck disable=SC2086
   limit "$seconds" "${mpirun[@]}" -np "$ranks" "$bin/dtexec" run --backend cuda --share-gpus \
     --model "$path" "${nccl_common[@]}" --micro-batch-size "$mbs" $flags \
-    --task-timeout $((seconds - 15)) --checkpoint "$out/nccl_$i" </dev/null >"$out/nccl_$i.txt" 2>&1
+    --task-timeout $((seconds - 15)) --checkpoint "$out/nccl_$i" --trace "$out/nccl_$i.json" \
+    </dev/null >"$out/nccl_$i.txt" 2>&1
+}
+# The measured communication tasks of a trace, by kind: their number and median time. A
+# started collective or a send is timed by events on its NCCL stream (since 2026-12-04; before,
+# its launch on the compute stream: microseconds); through sockets on a time-sliced GPU they
+# are slow, which is the point here: a transfer's time, not a launch's.
+comm_times() {
+  python3 - "$1" <<'PY'
+import json, statistics, sys
+kinds = {}
+for e in json.load(open(sys.argv[1])).get("traceEvents", []):
+    args = e.get("args", {})
+    if e.get("ph") == "X" and "phase" not in args:
+        kinds.setdefault(args.get("kind", e.get("cat", "?")), []).append(e.get("dur", 0))
+print("; ".join(f"{k} {len(v)} tasks, median {statistics.median(v):.0f} us"
+                for k, v in sorted(kinds.items())) or "no communication tasks")
+PY
 }
 for entry in "${nccl_plans[@]}"; do
   [[ $entry == *"${GPU_CHECK_NCCL_ONLY:-}"* ]] || continue
@@ -539,6 +556,7 @@ for entry in "${nccl_plans[@]}"; do
     --weight-tolerance 3e-3 2>&1 | tail -1)
   say "$model, $ranks ranks, mbs $mbs, $flags: $(grep -m1 'median step time' "$out/nccl_$i.txt" |
     cut -d'(' -f1); against the CPU: $result"
+  [ -s "$out/nccl_$i.json" ] && say "  communication measured: $(comm_times "$out/nccl_$i.json" 2>&1)"
 done
 }
 
