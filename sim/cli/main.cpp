@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "sim/cli/commands.hpp"
-#include "sim/cli/mpi_split.hpp"
 #include "sim/common/error.hpp"
 
 namespace {
@@ -60,15 +59,10 @@ int main(int argc, char** argv) {
     try {
       return it->second.run({args.begin() + 1, args.end()});
     } catch (const dtsim::InputError& e) {
-      // (Under mpirun every rank reads the same input: rank 0 says what is wrong with it.)
-      if (dtsim::cli::launched_rank() == 0) {
-        std::cerr << "dtsim " << args[0] << ": error: " << e.what() << "\n";
-      }
+      std::cerr << "dtsim " << args[0] << ": error: " << e.what() << "\n";
       return 2;
     } catch (const dtsim::UnsupportedError& e) {
-      if (dtsim::cli::launched_rank() == 0) {
-        std::cerr << "dtsim " << args[0] << ": unsupported: " << e.what() << "\n";
-      }
+      std::cerr << "dtsim " << args[0] << ": unsupported: " << e.what() << "\n";
       return 2;
     } catch (const std::exception& e) {
       std::cerr << "dtsim " << args[0] << ": internal error: " << e.what() << "\n";

@@ -22,13 +22,6 @@ void check(int rc, const char* call) {
 }
 }  // namespace
 
-int launched_rank() {
-  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}) {
-    if (const char* v = std::getenv(var)) return std::atoi(v);
-  }
-  return 0;
-}
-
 MpiSplit::MpiSplit() {
   if (!under_mpirun()) return;
   check(MPI_Init(nullptr, nullptr), "MPI_Init");

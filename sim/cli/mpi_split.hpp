@@ -8,11 +8,6 @@
 
 namespace dtsim::cli {
 
-// This process's rank as mpirun's launcher gives it (OMPI_COMM_WORLD_RANK, PMI_RANK,
-// PMIX_RANK), without initialising MPI; 0 outside mpirun. Every rank reads the same input, so
-// an error in it is reported by rank 0 alone.
-int launched_rank();
-
 class MpiSplit {
  public:
   MpiSplit();
