@@ -97,6 +97,11 @@ RunResult Runner::run() {
   const auto& tasks = rp_->tasks;
   Watchdog watchdog(options_, *rp_);
   watchdog_ = &watchdog;
+  // (Gone with it, however run() ends.)
+  struct Unwatch {
+    Watchdog*& watched;
+    ~Unwatch() { watched = nullptr; }
+  } unwatch{watchdog_};
   if (options_.checkpoint_async && !options_.checkpoint_dir.empty()) prepare_async_saves(result);
   for (int step = first; step < options_.steps; ++step) {
     step_ = step;
@@ -178,7 +183,10 @@ RunResult Runner::run() {
       finish_completed();
       release_replayed(i);
     }
-    watchdog.begin_step_end();
+    // The step's end is watched for a peer that does not come; on a device that queues work,
+    // from after its wait for that work (which the backend's own deadline bounds: the NCCL
+    // backend's wait_sends, --task-timeout, and a long step on one GPU is no hang).
+    if (!queued) watchdog.begin_step_end();
     settle(nullptr);
     DTSIM_ASSERT(release_after_.empty() || event_ == release_after_.size(),
                  "the step's events differ from its plan of releases");
@@ -191,6 +199,7 @@ RunResult Runner::run() {
         result.tasks.push_back({rp_->rank, i, begin + dev_.elapsed(step_mark, a),
                                 begin + dev_.elapsed(step_mark, b), step});
       }
+      watchdog.begin_step_end();
     }
     // Reported outside the step's timing and the Program: the step's loss (the mean over
     // micro-batches and data-parallel replicas, known on the last stage, where tensor-parallel
@@ -270,7 +279,6 @@ RunResult Runner::run() {
       result.step_times_s.end()));
   result.expert_load = expert_load_count_ > 0 ? expert_load_sum_ / expert_load_count_ : 0.0;
   result.expert_load_peak = expert_load_peak_;
-  watchdog_ = nullptr;
   return result;
 }
 
@@ -907,8 +915,7 @@ void Runner::execute(const lower::Task& task, std::size_t index) {
           retire();
         }
       } else {
-        throw UnsupportedError(
-            fmt::format("phase {} is not executed yet", to_string(task.phase)));
+        throw UnsupportedError(fmt::format("phase {} is not executed yet", to_string(task.phase)));
       }
       return;
     }
@@ -986,8 +993,7 @@ void check_device(const model::ModelGraph& graph, const lower::Program& program,
                   const Device& device) {
   const model::ModelSpec& m = graph.spec();
   auto lacks = [&](const std::string& what) {
-    throw UnsupportedError(
-        fmt::format("{} is not executed on {} yet", what, device.name()));
+    throw UnsupportedError(fmt::format("{} is not executed on {} yet", what, device.name()));
   };
   if (program.plan.cp > 1 && !device.has(Device::Feature::ContextParallelism)) {
     lacks(fmt::format("context parallelism (cp {})", program.plan.cp));

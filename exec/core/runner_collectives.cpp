@@ -135,7 +135,9 @@ void Runner::settle(const lower::Task* task) {
       std::any_of(task->deps.begin(), task->deps.end(), [this](lower::TaskId d) {
         return rp_->tasks[static_cast<std::size_t>(d)].kind == TaskKind::Send;
       })) {
+    if (watchdog_ != nullptr) watchdog_->waiting_for(Watchdog::kSends);
     comm_.finish_sends();
+    if (watchdog_ != nullptr) watchdog_->waiting_for(Watchdog::kNone);
     close_sends();
   }
   auto depends = [task](std::size_t index) {
@@ -158,7 +160,7 @@ std::map<std::size_t, PendingCollective>::iterator Runner::finish_pending(
   if (watchdog_ != nullptr) watchdog_->waiting_for(static_cast<std::int64_t>(it->first));
   comm_.finish(it->second.handle);
   for (const Comm::Handle h : it->second.also) comm_.finish(h);
-  if (watchdog_ != nullptr) watchdog_->waiting_for(-1);
+  if (watchdog_ != nullptr) watchdog_->waiting_for(Watchdog::kNone);
   if (it->second.record) {
     TaskRecord& r = (*records_)[*it->second.record];
     for (const Comm::Handle h : it->second.also) {

@@ -171,6 +171,9 @@ struct PendingCollective {
 // through RunOptions::on_hang (which is expected not to return).
 class Watchdog {
  public:
+  // What is watched or waited for besides a task: nothing, the step's end, pipeline sends.
+  static constexpr std::int64_t kNone = -1, kStepEnd = -2, kSends = -3;
+
   Watchdog(const RunOptions& options, const lower::RankProgram& rp)
       : timeout_(options.task_timeout_s), on_hang_(options.on_hang), rp_(rp) {
     if (timeout_ <= 0 || !on_hang_) return;
@@ -192,7 +195,8 @@ class Watchdog {
   // The step's end: its started collectives and sends finished, its loss and time reduced.
   void begin_step_end() { begin_at(kStepEnd); }
   // What is watched now waits for started collective `task` (the message names it: the task
-  // that waits is often a compute task, the optimizer's step); -1: no longer.
+  // that waits is often a compute task, the optimizer's step), or for its pipeline sends to be
+  // received (kSends); kNone: no longer.
   void waiting_for(std::int64_t task) {
     if (!thread_.joinable()) return;
     std::lock_guard<std::mutex> lock(mutex_);
@@ -223,7 +227,10 @@ class Watchdog {
             rp_.rank,
             task_ == kStepEnd ? std::string("the step's end (its collectives, sends and loss)")
                               : named(task_),
-            held, timeout_, waiting_ >= 0 ? ", waiting for " + named(waiting_) : ""));
+            held, timeout_,
+            waiting_ >= 0        ? ", waiting for " + named(waiting_)
+            : waiting_ == kSends ? ", waiting for its pipeline sends to be received"
+                                 : ""));
         return;
       }
     }
@@ -235,7 +242,6 @@ class Watchdog {
     waiting_ = kNone;
     since_ = std::chrono::steady_clock::now();
   }
-  static constexpr std::int64_t kNone = -1, kStepEnd = -2;
 
   double timeout_;
   std::function<void(const std::string&)> on_hang_;
@@ -245,7 +251,7 @@ class Watchdog {
   std::condition_variable wake_;
   bool stop_ = false;
   std::int64_t task_ = kNone;     // a task's index, kStepEnd, or kNone (nothing watched)
-  std::int64_t waiting_ = kNone;  // the started collective it waits for
+  std::int64_t waiting_ = kNone;  // the started collective it waits for, or kSends
   std::chrono::steady_clock::time_point since_;
 };
 

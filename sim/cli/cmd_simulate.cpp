@@ -223,7 +223,8 @@ int cmd_simulate(const std::vector<std::string>& args) {
     std::cout << fmt::format(
         "\nstragglers: the step is {}{} ({:+.1f}%) against {} without them; compute waits on a "
         "late rank for {} (the straggler rows), and those waits delay other work\n",
-        cost < 0 ? "-" : "+", format_duration(std::abs(cost)), 100 * cost / p.step_time_s,
+        cost < 0 ? "-" : "+", format_duration(std::abs(cost)),
+        100 * cost / (p.step_time_s - cost),  // (of the figure it is against)
         format_duration(p.step_time_s - cost), format_duration(b.straggler_s()));
   }
   if (p.slow_rank_cost_s && *p.slow_rank_cost_s != 0) {
@@ -233,7 +234,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
         "{}slow rank: the step{} is {}{} ({:+.1f}%) against {} with every rank at one speed\n",
         p.straggler_cost_s && *p.straggler_cost_s != 0 ? "" : "\n",
         p.straggler_cost_s && *p.straggler_cost_s != 0 ? " without jitter" : "",
-        cost < 0 ? "-" : "+", format_duration(std::abs(cost)), 100 * cost / calm,
+        cost < 0 ? "-" : "+", format_duration(std::abs(cost)), 100 * cost / (calm - cost),
         format_duration(calm - cost));
   }
   const std::string bound = p.max_speedup > 0

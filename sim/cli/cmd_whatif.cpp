@@ -547,18 +547,19 @@ int cmd_whatif(const std::vector<std::string>& args) {
         row.plan_spec = plan::to_json(chosen);
         row.found = true;
         if (stragglers || slow_rank) {
-          // What the straggler model adds, as SimulateOptions::straggler_cost finds it (the
-          // search ran the best plan without those runs).
+          // What the straggler model adds, as SimulateOptions::straggler_cost finds it: the
+          // search simulated the best plan with the model, so only the run without jitter (the
+          // slow rank kept) is left, and that run's own without the slow rank.
           auto net = network::make_analytical(c);
-          engine::SimulateOptions costs;
-          costs.profile = priced_by;
-          costs.jitter_cv = jitter;
-          costs.rank_spread_cv = rank_spread;
-          costs.straggler_cost = true;
-          const engine::Prediction again =
-              engine::simulate(plan::graph_of(spec, chosen), chosen, c, *net, costs).prediction;
-          if (stragglers) row.straggler_cost_s = again.straggler_cost_s;
-          if (slow_rank) row.slow_rank_cost_s = again.slow_rank_cost_s;
+          engine::SimulateOptions calm;
+          calm.profile = priced_by;
+          calm.jitter_cv = 0.0;
+          calm.rank_spread_cv = rank_spread;
+          calm.straggler_cost = true;
+          const engine::Prediction still =
+              engine::simulate(plan::graph_of(spec, chosen), chosen, c, *net, calm).prediction;
+          if (stragglers) row.straggler_cost_s = pred.step_time_s - still.step_time_s;
+          if (slow_rank) row.slow_rank_cost_s = still.slow_rank_cost_s;
         }
       }
     }
@@ -781,6 +782,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
     return 0;
   }
   if (vm["csv"].as<bool>()) {
+    // (Why a fixed plan's row is empty: on stderr, as plan --csv says why nothing fits.)
+    for (const Row& r : rows) {
+      if (!r.invalid.empty()) std::cerr << fmt::format("invalid here: {}\n", r.invalid);
+    }
     std::cout << fmt::format(
         "{},devices,plan,step_time_s,tokens_per_s,mfu,scaling_efficiency,"
         "amdahl_max_speedup,time_to_train_days,cost_usd,energy_mwh,fits,goodput,"
