@@ -45,8 +45,8 @@ std::string format_duration(double seconds) {
   const double a = std::fabs(seconds);
   if (a == 0) return "0 s";
   if (a >= 0.1) return format_seconds(seconds) + " s";
-  if (a >= 1e-4) return fmt::format("{:.3g} ms", seconds * 1e3);
-  return fmt::format("{:.3g} us", seconds * 1e6);
+  if (a >= 1e-4) return fmt::format("{:#.3g} ms", seconds * 1e3);
+  return fmt::format("{:#.3g} us", seconds * 1e6);
 }
 
 }  // namespace dtsim

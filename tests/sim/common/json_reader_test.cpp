@@ -123,5 +123,6 @@ TEST_CASE("numbers are formatted for humans", "[common]") {
   CHECK(dtsim::format_duration(0.0123) == "12.3 ms");
   CHECK(dtsim::format_duration(0.000412) == "0.412 ms");
   CHECK(dtsim::format_duration(4.12e-6) == "4.12 us");
-  CHECK(dtsim::format_duration(-0.002) == "-2 ms");
+  CHECK(dtsim::format_duration(-0.002) == "-2.00 ms");  // three digits, its zeros kept
+  CHECK(dtsim::format_seconds(0.0023) == "0.00230");     // so that a column lines up
 }
