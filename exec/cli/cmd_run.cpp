@@ -539,7 +539,7 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     one.groups = program.groups;
     one.ranks = {rp};
     dtsim::report::write_chrome_trace(vm["trace"].as<std::string>(), one, timeline,
-                                      {spec.name, dtsim::report::kProducedByRun, device_name});
+                                      {spec.name, dtsim::report::kProducedByRun, device_name, r});
   }
   // Memory: this rank's peak of tensors against dtsim memory's prediction for its stage.
   const double peak = static_cast<double>(device.memory_use().peak);
@@ -1311,8 +1311,8 @@ int run(const std::vector<std::string>& args) {
     timings = gather_timings(result, *comm, clock_skew);
     if (vm.count("trace") && rank == 0) {
       write_trace(vm["trace"].as<std::string>(),
-                  {spec.name, dtsim::report::kProducedByRun, device_name}, program, timings,
-                  options.steps - 1, result.first_step);
+                  {spec.name, dtsim::report::kProducedByRun, device_name, std::nullopt}, program,
+                  timings, options.steps - 1, result.first_step);
     }
   } catch (const std::exception& e) {
     end_all_ranks(e, mpi.get(), "run");

@@ -76,7 +76,8 @@ int cmd_validate(const std::vector<std::string>& args) {
   }
   // (Only where such tasks joined: a single rank's trace has none.)
   std::vector<std::string> notes;
-  if (v.communication_tasks > 0) notes.push_back(note);
+  // (A run of one rank, its communication replayed, has no peers to wait for.)
+  if (v.communication_tasks > 0 && !measured.only_rank) notes.push_back(note);
   for (auto& n : report::origin_notes(predicted, measured)) notes.push_back(std::move(n));
   for (const report::Trace* trace : {&predicted, &measured}) {
     if (auto n = report::span_note(*trace)) notes.push_back(std::move(*n));

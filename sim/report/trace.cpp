@@ -65,6 +65,7 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
   nlohmann::json other = {{"model", info.model}, {"plan", plan::to_json(program.plan)}};
   if (!info.producer.empty()) other["producer"] = info.producer;
   if (!info.device.empty()) other["device"] = info.device;
+  if (info.only_rank) other["only_rank"] = *info.only_rank;
   return {{"traceEvents", std::move(events)},
           {"displayTimeUnit", "ms"},
           {"otherData", std::move(other)}};

@@ -5,10 +5,13 @@
 // JSON}, so that dtsim validate and dtexec run --predicted refuse traces of different plans; and
 // who wrote it for which device ({"producer": "dtsim simulate" or "dtexec run", "device": the
 // catalog device's name}), so that dtsim validate can say when a prediction for one device
-// meets a measurement on another, or the two traces are given the wrong way round.
+// meets a measurement on another, or the two traces are given the wrong way round; and a
+// dtexec run --only-rank's rank ({"only_rank": R}), whose communication was replayed waits.
 #pragma once
 
+#include <cstdint>
 #include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <string>
 
 #include "sim/engine/engine.hpp"
@@ -21,6 +24,8 @@ struct TraceInfo {
   std::string model;     // the model's name
   std::string producer;  // kProducedBySimulate or kProducedByRun
   std::string device;    // the device catalog's name (h200, cpu-host), else what the run knew
+  // dtexec run --only-rank R: R, the one rank that ran, its communication replaced by waits.
+  std::optional<std::int64_t> only_rank;
 };
 inline constexpr const char* kProducedBySimulate = "dtsim simulate";
 inline constexpr const char* kProducedByRun = "dtexec run";

@@ -91,6 +91,13 @@ std::vector<std::string> origin_notes(const Trace& predicted, const Trace& measu
         "was checked only by their tasks' names",
         fmt::join(unsaid, " and "), unsaid.size() == 1 ? "does" : "do"));
   }
+  if (measured.only_rank) {
+    notes.push_back(fmt::format(
+        "{} is dtexec run --only-rank {}: its communication tasks were waits of the predicted "
+        "lengths, not transfers (their rows measure how closely the waits kept them), and the "
+        "other ranks did not run (their tasks are only predicted)",
+        measured.file, *measured.only_rank));
+  }
   if (measured.producer == kProducedByRun) {
     notes.push_back(fmt::format(
         "the step row is the one step {} holds, the run's last (dtexec run's median step time is "
@@ -115,6 +122,13 @@ Trace read_trace(const std::string& path) {
     if (what.has("plan")) trace.plan = what.object("plan").raw();
     if (what.has("producer")) trace.producer = what.string("producer");
     if (what.has("device")) trace.device = what.string("device");
+    if (what.has("only_rank")) {
+      const json& r = j.at("otherData").at("only_rank");
+      if (!r.is_number_integer() || r.get<std::int64_t>() < 0) {
+        what.fail("only_rank", "expected a rank (an integer from 0)");
+      }
+      trace.only_rank = r.get<std::int64_t>();
+    }
   }
   const json& events = j.at("traceEvents");
   // (rank, task) -> its event: a trace holds one step, so one event per task.

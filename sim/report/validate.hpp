@@ -40,6 +40,9 @@ struct Trace {
   // Who wrote it and for which device (otherData; empty in traces written before 2026-12-04).
   std::string producer;
   std::string device;
+  // dtexec run --only-rank's rank (otherData only_rank): its communication tasks were waits of
+  // the predicted lengths, and no other rank ran.
+  std::optional<std::int64_t> only_rank;
   double span_s() const;  // last end - first start
   // The time in which some task of some rank runs (the union of the tasks' spans).
   double busy_s() const;

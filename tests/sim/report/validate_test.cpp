@@ -211,6 +211,18 @@ TEST_CASE("traces say who wrote them for which device: notes where they differ",
   const auto old = trace_with("origin_old.json", R"({"model": "tiny", "plan": {"dp": 1}})");
   CHECK(dtsim::report::origin_notes(old, old).empty());
   CHECK(dtsim::report::origin_notes(sim, old).empty());
+  // dtexec run --only-rank's: its communication was replayed, the other ranks did not run.
+  const auto alone = trace_with("origin_alone.json", R"({"model": "tiny", "plan": {"dp": 1},
+      "producer": "dtexec run", "device": "a100", "only_rank": 3})");
+  CHECK(alone.only_rank == 3);
+  notes = dtsim::report::origin_notes(sim, alone);
+  REQUIRE(notes.size() == 2);
+  CHECK_THAT(notes[0], Catch::StartsWith(alone.file + " is dtexec run --only-rank 3: its "
+                                                      "communication tasks were waits of the "
+                                                      "predicted lengths"));
+  DTSIM_REQUIRE_THROWS_CONTAINING(
+      trace_with("origin_bad_rank.json", R"({"model": "tiny", "only_rank": -1})"), InputError,
+      "origin_bad_rank.json: otherData.only_rank: expected a rank (an integer from 0)");
   // One that does not say which plan ran: the same-run check was only the tasks' names.
   const auto unsaid = trace_with("origin_unsaid.json", R"({"model": "tiny"})");
   notes = dtsim::report::origin_notes(sim, unsaid);
