@@ -567,20 +567,24 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     }
   }
   if (vm["json"].as<bool>()) {
+    nlohmann::json memory = {
+        {"peak_bytes", peak},
+        {"replay_input_bytes", result.replay_input_bytes},
+        {"predicted_bytes", dtsim::report::value_or_null(predicted)},
+        {"note",
+         "peak_bytes: the most tensor bytes this rank held at once (replay_input_bytes of them "
+         "the values replayed receives copy); predicted_bytes: dtsim memory's figure for its "
+         "stage without its framework allowance"}};
+    // With experts, where a whole run's JSON has them too (and at the top level, below).
+    if (expert_load) {
+      memory["expert_load"] = *expert_load;
+      memory["expert_load_peak"] = *expert_load_peak;
+    }
     std::cout << nlohmann::json{{"model", spec.name},
                                 {"backend", vm["backend"].as<std::string>()},
                                 {"device", device.name()},
                                 {"catalog_device", device_name},
-                                {"memory",
-                                 {{"peak_bytes", peak},
-                                  {"replay_input_bytes", result.replay_input_bytes},
-                                  {"predicted_bytes", dtsim::report::value_or_null(predicted)},
-                                  {"note",
-                                   "peak_bytes: the most tensor bytes this rank held at once "
-                                   "(replay_input_bytes of them the values replayed receives "
-                                   "copy); "
-                                   "predicted_bytes: dtsim memory's figure for its stage without "
-                                   "its framework allowance"}}},
+                                {"memory", memory},
                                 {"only_rank", r},
                                 {"program_rank", rp.rank},
                                 {"stage", rp.stage},
