@@ -243,11 +243,15 @@ void print_profile(const nlohmann::json& profile, const std::string& path) {
           100 * profile.at("jitter_cv").get<double>());
     }
   }
-  std::optional<double> transient;
+  std::optional<double> transient, lasting;
   if (profile.contains("in_run") && profile.at("in_run").contains("transient_cv")) {
     transient = profile.at("in_run").at("transient_cv").get<double>();
   }
-  if (auto w = dtsim::exec::noisy_host_warning(profile.at("jitter_cv").get<double>(), transient)) {
+  if (profile.contains("in_run") && profile.at("in_run").contains("rank_spread_cv")) {
+    lasting = profile.at("in_run").at("rank_spread_cv").get<double>();
+  }
+  if (auto w = dtsim::exec::noisy_host_warning(profile.at("jitter_cv").get<double>(), transient,
+                                               lasting)) {
     std::cerr << *w << "\n";
   }
 }

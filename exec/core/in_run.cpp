@@ -81,11 +81,19 @@ std::optional<model::ModelGraph> in_run_graph(const model::ModelSpec& spec,
   return std::nullopt;
 }
 
-std::optional<std::string> noisy_host_warning(double jitter_cv,
-                                              std::optional<double> transient_cv) {
+std::optional<std::string> noisy_host_warning(double jitter_cv, std::optional<double> transient_cv,
+                                              std::optional<double> rank_spread_cv) {
   constexpr double kNoisy = 0.10;  // see the header
   const double worst = std::max(jitter_cv, transient_cv.value_or(0.0));
-  if (worst < kNoisy) return std::nullopt;
+  if (worst < kNoisy) {
+    if (rank_spread_cv.value_or(0.0) < kNoisy) return std::nullopt;
+    return fmt::format(
+        "warning: the ranks' speeds differed by {:.1f}% (std/mean) for the whole calibration: a "
+        "slower device, or a host busier for some ranks than others. The profile's "
+        "rank_spread_cv passes it on to every prediction as a lasting slow rank (dtsim "
+        "--rank-spread-cv overrides it); calibrate again if it was the host",
+        100 * *rank_spread_cv);
+  }
   const bool gemm = jitter_cv >= transient_cv.value_or(0.0);
   return fmt::format(
       "warning: a noisy host: {} varied by {:.1f}% (std/mean) while calibrating. Every rate in "

@@ -48,6 +48,10 @@ PhaseSpread phase_spread(const std::vector<std::vector<double>>& seconds);
 // step predicted from it is that uncertain: two thirds of the ±15% step-time target that
 // bench/cpu_validation.sh checks (a threshold for saying so, not a model constant; on this
 // project's 2-core host calibrations gave 1-5%, and the one at 12% missed that target by 19%).
-std::optional<std::string> noisy_host_warning(double jitter_cv, std::optional<double> transient_cv);
+// And where the ranks' lasting speeds differ by as much (`rank_spread_cv`, the simulator's slow
+// rank, which the profile passes on to every prediction): said too, as a slow device or a busy
+// host.
+std::optional<std::string> noisy_host_warning(double jitter_cv, std::optional<double> transient_cv,
+                                              std::optional<double> rank_spread_cv = std::nullopt);
 
 }  // namespace dtsim::exec

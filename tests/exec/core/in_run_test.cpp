@@ -88,4 +88,10 @@ TEST_CASE("a calibration on a noisy host says so", "[in_run]") {
   REQUIRE(ranks);
   CHECK(ranks->find("a rank's phase time from round to round varied by 15.0%") !=
         std::string::npos);
+  // The ranks' lasting speeds far apart: said, where nothing else is.
+  CHECK(!dtsim::exec::noisy_host_warning(0.02, 0.01, 0.05));
+  const auto lasting = dtsim::exec::noisy_host_warning(0.02, 0.01, 0.187);
+  REQUIRE(lasting);
+  CHECK(lasting->find("the ranks' speeds differed by 18.7% (std/mean) for the whole calibration") !=
+        std::string::npos);
 }
