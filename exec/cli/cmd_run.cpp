@@ -539,7 +539,8 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     one.groups = program.groups;
     one.ranks = {rp};
     dtsim::report::write_chrome_trace(vm["trace"].as<std::string>(), one, timeline,
-                                      {spec.name, dtsim::report::kProducedByRun, device_name, r});
+                                      {spec.name, dtsim::report::kProducedByRun, device_name, r,
+                                       vm.count("predicted") ? "predicted" : "zero"});
   }
   // Memory: this rank's peak of tensors against dtsim memory's prediction for its stage.
   const double peak = static_cast<double>(device.memory_use().peak);
@@ -579,6 +580,10 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     if (expert_load) {
       memory["expert_load"] = *expert_load;
       memory["expert_load_peak"] = *expert_load_peak;
+      memory["note"] = memory["note"].get<std::string>() +
+                       "; expert_load: the token copies this rank's experts got over the even "
+                       "share, on average over a micro-batch's MoE blocks, the mean over its "
+                       "micro-batches (expert_load_peak: the largest), dtsim's --expert-load";
     }
     std::cout << nlohmann::json{{"model", spec.name},
                                 {"backend", vm["backend"].as<std::string>()},
@@ -1315,8 +1320,8 @@ int run(const std::vector<std::string>& args) {
     timings = gather_timings(result, *comm, clock_skew);
     if (vm.count("trace") && rank == 0) {
       write_trace(vm["trace"].as<std::string>(),
-                  {spec.name, dtsim::report::kProducedByRun, device_name, std::nullopt}, program,
-                  timings, options.steps - 1, result.first_step);
+                  {spec.name, dtsim::report::kProducedByRun, device_name, std::nullopt, ""},
+                  program, timings, options.steps - 1, result.first_step);
     }
   } catch (const std::exception& e) {
     end_all_ranks(e, mpi.get(), "run");

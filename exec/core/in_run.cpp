@@ -85,23 +85,30 @@ std::optional<std::string> noisy_host_warning(double jitter_cv, std::optional<do
                                               std::optional<double> rank_spread_cv) {
   constexpr double kNoisy = 0.10;  // see the header
   const double worst = std::max(jitter_cv, transient_cv.value_or(0.0));
+  const std::string lasting =
+      rank_spread_cv.value_or(0.0) < kNoisy
+          ? std::string()
+          : fmt::format(
+                "warning: the ranks' speeds differed by {:.1f}% (std/mean) for the whole "
+                "calibration: a slower device, or a host busier for some ranks than others. The "
+                "profile's rank_spread_cv passes it on to every prediction as a lasting slow "
+                "rank (dtsim --rank-spread-cv overrides it); calibrate again if it was the host",
+                100 * *rank_spread_cv);
   if (worst < kNoisy) {
-    if (rank_spread_cv.value_or(0.0) < kNoisy) return std::nullopt;
-    return fmt::format(
-        "warning: the ranks' speeds differed by {:.1f}% (std/mean) for the whole calibration: a "
-        "slower device, or a host busier for some ranks than others. The profile's "
-        "rank_spread_cv passes it on to every prediction as a lasting slow rank (dtsim "
-        "--rank-spread-cv overrides it); calibrate again if it was the host",
-        100 * *rank_spread_cv);
+    if (lasting.empty()) return std::nullopt;
+    return lasting;
   }
   const bool gemm = jitter_cv >= transient_cv.value_or(0.0);
   return fmt::format(
-      "warning: a noisy host: {} varied by {:.1f}% (std/mean) while calibrating. Every rate in "
-      "this profile carries that noise, and a step predicted from it is about as uncertain. "
-      "Calibrate again when the host is quieter (other jobs stopped), or several times, and "
-      "keep the profile with the least jitter_cv",
-      gemm ? "one GEMM's time from repeat to repeat" : "a rank's phase time from round to round",
-      100 * worst);
+             "warning: a noisy host: {} varied by {:.1f}% (std/mean) while calibrating. Every rate "
+             "in "
+             "this profile carries that noise, and a step predicted from it is about as uncertain. "
+             "Calibrate again when the host is quieter (other jobs stopped), or several times, and "
+             "keep the profile with the least jitter_cv",
+             gemm ? "one GEMM's time from repeat to repeat"
+                  : "a rank's phase time from round to round",
+             100 * worst) +
+         (lasting.empty() ? "" : "\n" + lasting);
 }
 
 }  // namespace dtsim::exec

@@ -126,9 +126,9 @@ int cmd_simulate(const std::vector<std::string>& args) {
   const engine::Prediction& p = sim.prediction;
   for (const auto& n : p.notes) notes.push_back(n);
   if (vm.count("trace")) {
-    report::write_chrome_trace(
-        vm["trace"].as<std::string>(), sim.program, sim.timeline,
-        {setup.graph.spec().name, report::kProducedBySimulate, cluster.device.name, std::nullopt});
+    report::write_chrome_trace(vm["trace"].as<std::string>(), sim.program, sim.timeline,
+                               {setup.graph.spec().name, report::kProducedBySimulate,
+                                cluster.device.name, std::nullopt, ""});
   }
   // --tokens: the time (and cost, at the cluster's price) to train, failure-free and with
   // interruptions.

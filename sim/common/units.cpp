@@ -44,9 +44,11 @@ std::string format_seconds(double seconds) {
 std::string format_duration(double seconds) {
   const double a = std::fabs(seconds);
   if (a == 0) return "0 s";
-  if (a >= 0.1) return format_seconds(seconds) + " s";
-  if (a >= 1e-4) return fmt::format("{:#.3g} ms", seconds * 1e3);
-  return fmt::format("{:#.3g} us", seconds * 1e6);
+  // Each unit from where three digits round up into it (0.09996 s reads 0.100 s, not 100. ms).
+  if (a >= 0.09995) return format_seconds(seconds) + " s";
+  if (a >= 9.995e-5) return fmt::format("{:#.3g} ms", seconds * 1e3);
+  if (a >= 9.995e-8) return fmt::format("{:#.3g} us", seconds * 1e6);
+  return fmt::format("{:#.3g} ns", seconds * 1e9);
 }
 
 }  // namespace dtsim

@@ -66,6 +66,7 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
   if (!info.producer.empty()) other["producer"] = info.producer;
   if (!info.device.empty()) other["device"] = info.device;
   if (info.only_rank) other["only_rank"] = *info.only_rank;
+  if (!info.only_rank_waits.empty()) other["only_rank_waits"] = info.only_rank_waits;
   return {{"traceEvents", std::move(events)},
           {"displayTimeUnit", "ms"},
           {"otherData", std::move(other)}};

@@ -93,10 +93,13 @@ std::vector<std::string> origin_notes(const Trace& predicted, const Trace& measu
   }
   if (measured.only_rank) {
     notes.push_back(fmt::format(
-        "{} is dtexec run --only-rank {}: its communication tasks were waits of the predicted "
-        "lengths, not transfers (their rows measure how closely the waits kept them), and the "
-        "other ranks did not run (their tasks are only predicted)",
-        measured.file, *measured.only_rank));
+        "{} is dtexec run --only-rank {}: its communication tasks were waits {}, not transfers "
+        "({}), and the other ranks did not run (their tasks are only predicted)",
+        measured.file, *measured.only_rank,
+        measured.only_rank_waits == "zero" ? "of zero length (no --predicted)"
+                                           : "of the predicted lengths",
+        measured.only_rank_waits == "zero" ? "their rows compare the prediction with nothing"
+                                           : "their rows measure how closely the waits kept them"));
   }
   if (measured.producer == kProducedByRun) {
     notes.push_back(fmt::format(
@@ -129,6 +132,7 @@ Trace read_trace(const std::string& path) {
       }
       trace.only_rank = r.get<std::int64_t>();
     }
+    if (what.has("only_rank_waits")) trace.only_rank_waits = what.string("only_rank_waits");
   }
   const json& events = j.at("traceEvents");
   // (rank, task) -> its event: a trace holds one step, so one event per task.

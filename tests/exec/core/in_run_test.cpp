@@ -94,4 +94,9 @@ TEST_CASE("a calibration on a noisy host says so", "[in_run]") {
   REQUIRE(lasting);
   CHECK(lasting->find("the ranks' speeds differed by 18.7% (std/mean) for the whole calibration") !=
         std::string::npos);
+  // Both at once: both said.
+  const auto both = dtsim::exec::noisy_host_warning(0.123, 0.01, 0.187);
+  REQUIRE(both);
+  CHECK(both->find("varied by 12.3%") != std::string::npos);
+  CHECK(both->find("\nwarning: the ranks' speeds differed by 18.7%") != std::string::npos);
 }

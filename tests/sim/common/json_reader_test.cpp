@@ -124,5 +124,8 @@ TEST_CASE("numbers are formatted for humans", "[common]") {
   CHECK(dtsim::format_duration(0.000412) == "0.412 ms");
   CHECK(dtsim::format_duration(4.12e-6) == "4.12 us");
   CHECK(dtsim::format_duration(-0.002) == "-2.00 ms");  // three digits, its zeros kept
-  CHECK(dtsim::format_seconds(0.0023) == "0.00230");     // so that a column lines up
+  CHECK(dtsim::format_duration(0.09996) == "0.100 s");  // rounded up into the next unit
+  CHECK(dtsim::format_duration(9.996e-5) == "0.100 ms");
+  CHECK(dtsim::format_duration(3e-11) == "0.0300 ns");
+  CHECK(dtsim::format_seconds(0.0023) == "0.00230");  // so that a column lines up
 }

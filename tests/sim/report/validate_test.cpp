@@ -220,9 +220,21 @@ TEST_CASE("traces say who wrote them for which device: notes where they differ",
   CHECK_THAT(notes[0], Catch::StartsWith(alone.file + " is dtexec run --only-rank 3: its "
                                                       "communication tasks were waits of the "
                                                       "predicted lengths"));
-  DTSIM_REQUIRE_THROWS_CONTAINING(
-      trace_with("origin_bad_rank.json", R"({"model": "tiny", "only_rank": -1})"), InputError,
-      "origin_bad_rank.json: otherData.only_rank: expected a rank (an integer from 0)");
+  // Without --predicted its waits lasted nothing: said so.
+  const auto zero = trace_with("origin_zero.json", R"({"model": "tiny", "plan": {"dp": 1},
+      "producer": "dtexec run", "only_rank": 3, "only_rank_waits": "zero"})");
+  notes = dtsim::report::origin_notes(sim, zero);
+  REQUIRE(notes.size() == 2);
+  CHECK_THAT(notes[0], Catch::Contains("its communication tasks were waits of zero length (no "
+                                       "--predicted), not transfers (their rows compare the "
+                                       "prediction with nothing)"));
+  for (const char* bad : {"-1", "1.5", "\"3\""}) {
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        trace_with("origin_bad_rank.json",
+                   (std::string(R"({"model": "tiny", "only_rank": )") + bad + "}").c_str()),
+        InputError,
+        "origin_bad_rank.json: otherData.only_rank: expected a rank (an integer from 0)");
+  }
   // One that does not say which plan ran: the same-run check was only the tasks' names.
   const auto unsaid = trace_with("origin_unsaid.json", R"({"model": "tiny"})");
   notes = dtsim::report::origin_notes(sim, unsaid);
