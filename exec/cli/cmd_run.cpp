@@ -628,8 +628,11 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   std::cout << fmt::format(
       "memory: peak {:.1f} MiB of tensors{}{}\n", peak / mib,
       result.replay_input_bytes > 0
-          ? fmt::format(" (of which {:.1f} MiB the values replayed receives copy)",
-                        result.replay_input_bytes / mib)
+          ? fmt::format(" (of which {} the values replayed receives copy)",
+                        // (A few KiB on a small model read 0.0 MiB.)
+                        result.replay_input_bytes < 0.05 * mib
+                            ? fmt::format("{:.1f} KiB", result.replay_input_bytes / 1024.0)
+                            : fmt::format("{:.1f} MiB", result.replay_input_bytes / mib))
           : std::string(),
       predicted ? fmt::format("; dtsim memory predicts {:.1f} MiB for stage {} (without its "
                               "framework allowance)",
