@@ -446,6 +446,17 @@ std::optional<dtsim::plan::MemoryReport> predicted_memory_report(
 // dtexec run --only-rank R: the program of R's pipeline stage (every rank of a stage runs the
 // same tasks) on this machine alone; communication tasks wait their predicted times.
 // `device_name`: the device catalog's name for `device`, for the trace.
+// A JSON "memory" object's routing figures (expert parallelism), measured on `whose` experts.
+void add_expert_load(nlohmann::json& memory, double load, double peak, const char* whose) {
+  memory["expert_load"] = load;
+  memory["expert_load_peak"] = peak;
+  memory["note"] = fmt::format(
+      "{}; expert_load: the token copies {} experts got over the even share, on average over a "
+      "micro-batch's MoE blocks, the mean over its micro-batches (expert_load_peak: the "
+      "largest), dtsim's --expert-load",
+      memory["note"].get<std::string>(), whose);
+}
+
 int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& spec,
                   const dtsim::plan::Plan& plan, const dtsim::model::ModelGraph& graph,
                   const dtsim::lower::Program& program, dtsim::exec::RunOptions options,
@@ -577,14 +588,7 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
          "the values replayed receives copy); predicted_bytes: dtsim memory's figure for its "
          "stage without its framework allowance"}};
     // With experts, where a whole run's JSON has them too (and at the top level, below).
-    if (expert_load) {
-      memory["expert_load"] = *expert_load;
-      memory["expert_load_peak"] = *expert_load_peak;
-      memory["note"] = memory["note"].get<std::string>() +
-                       "; expert_load: the token copies this rank's experts got over the even "
-                       "share, on average over a micro-batch's MoE blocks, the mean over its "
-                       "micro-batches (expert_load_peak: the largest), dtsim's --expert-load";
-    }
+    if (expert_load) add_expert_load(memory, *expert_load, *expert_load_peak, "this rank's");
     std::cout << nlohmann::json{{"model", spec.name},
                                 {"backend", vm["backend"].as<std::string>()},
                                 {"device", device.name()},
@@ -936,13 +940,7 @@ nlohmann::json memory_json(const HeldMemory& held, std::optional<double> predict
        "reserved_bytes: what its pool of buffers held; predicted_bytes: dtsim memory's busiest "
        "stage without its framework allowance (null where the memory model does not apply)"}};
   if (plan.ep > 1) {
-    memory["expert_load"] = held.expert_load;
-    memory["expert_load_peak"] = held.expert_load_peak;
-    memory["note"] =
-        memory["note"].get<std::string>() +
-        "; expert_load: the token copies the busiest rank's experts got over the even share, on "
-        "average over a micro-batch's MoE blocks, the mean over its micro-batches "
-        "(expert_load_peak: the largest), dtsim's --expert-load";
+    add_expert_load(memory, held.expert_load, held.expert_load_peak, "the busiest rank's");
   }
   return memory;
 }

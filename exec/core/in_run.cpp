@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <string>
+#include <vector>
 
 #include "sim/cluster/topology.hpp"
 #include "sim/common/error.hpp"
@@ -84,31 +86,28 @@ std::optional<model::ModelGraph> in_run_graph(const model::ModelSpec& spec,
 std::optional<std::string> noisy_host_warning(double jitter_cv, std::optional<double> transient_cv,
                                               std::optional<double> rank_spread_cv) {
   constexpr double kNoisy = 0.10;  // see the header
+  std::vector<std::string> said;
   const double worst = std::max(jitter_cv, transient_cv.value_or(0.0));
-  const std::string lasting =
-      rank_spread_cv.value_or(0.0) < kNoisy
-          ? std::string()
-          : fmt::format(
-                "warning: the ranks' speeds differed by {:.1f}% (std/mean) for the whole "
-                "calibration: a slower device, or a host busier for some ranks than others. The "
-                "profile's rank_spread_cv passes it on to every prediction as a lasting slow "
-                "rank (dtsim --rank-spread-cv overrides it); calibrate again if it was the host",
-                100 * *rank_spread_cv);
-  if (worst < kNoisy) {
-    if (lasting.empty()) return std::nullopt;
-    return lasting;
+  if (worst >= kNoisy) {
+    const bool gemm = jitter_cv >= transient_cv.value_or(0.0);
+    said.push_back(fmt::format(
+        "warning: a noisy host: {} varied by {:.1f}% (std/mean) while calibrating. Every rate in "
+        "this profile carries that noise, and a step predicted from it is about as uncertain. "
+        "Calibrate again when the host is quieter (other jobs stopped), or several times, and "
+        "keep the profile with the least jitter_cv",
+        gemm ? "one GEMM's time from repeat to repeat" : "a rank's phase time from round to round",
+        100 * worst));
   }
-  const bool gemm = jitter_cv >= transient_cv.value_or(0.0);
-  return fmt::format(
-             "warning: a noisy host: {} varied by {:.1f}% (std/mean) while calibrating. Every rate "
-             "in "
-             "this profile carries that noise, and a step predicted from it is about as uncertain. "
-             "Calibrate again when the host is quieter (other jobs stopped), or several times, and "
-             "keep the profile with the least jitter_cv",
-             gemm ? "one GEMM's time from repeat to repeat"
-                  : "a rank's phase time from round to round",
-             100 * worst) +
-         (lasting.empty() ? "" : "\n" + lasting);
+  if (rank_spread_cv.value_or(0.0) >= kNoisy) {
+    said.push_back(fmt::format(
+        "warning: the ranks' speeds differed by {:.1f}% (std/mean) for the whole calibration: a "
+        "slower device, or a host busier for some ranks than others. The profile's "
+        "rank_spread_cv passes it on to every prediction as a lasting slow rank (dtsim "
+        "--rank-spread-cv overrides it); calibrate again if it was the host",
+        100 * *rank_spread_cv));
+  }
+  if (said.empty()) return std::nullopt;
+  return fmt::format("{}", fmt::join(said, "\n"));
 }
 
 }  // namespace dtsim::exec

@@ -230,12 +230,11 @@ int cmd_simulate(const std::vector<std::string>& args) {
   if (p.slow_rank_cost_s && *p.slow_rank_cost_s != 0) {
     const double cost = *p.slow_rank_cost_s;
     const double calm = p.step_time_s - p.straggler_cost_s.value_or(0.0);
+    const bool jittered = p.straggler_cost_s.value_or(0.0) != 0;  // (its line is above)
     std::cout << fmt::format(
         "{}slow rank: the step{} is {}{} ({:+.1f}%) against {} with every rank at one speed\n",
-        p.straggler_cost_s && *p.straggler_cost_s != 0 ? "" : "\n",
-        p.straggler_cost_s && *p.straggler_cost_s != 0 ? " without jitter" : "",
-        cost < 0 ? "-" : "+", format_duration(std::abs(cost)), 100 * cost / (calm - cost),
-        format_duration(calm - cost));
+        jittered ? "" : "\n", jittered ? " without jitter" : "", cost < 0 ? "-" : "+",
+        format_duration(std::abs(cost)), 100 * cost / (calm - cost), format_duration(calm - cost));
   }
   const std::string bound = p.max_speedup > 0
                                 ? fmt::format("serial fraction {:.1f}% -> speedup bound {:.1f}x",
