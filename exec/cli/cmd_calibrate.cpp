@@ -698,6 +698,7 @@ int calibrate(const std::vector<std::string>& args) {
   }
   if (rank != 0) return 0;
   const std::string path = vm["out"].as<std::string>();
+  dtsim::exec::check_profile_readable(profile, path);
   std::ofstream file(path);
   if (!file || !(file << profile.dump(2) << "\n" << std::flush)) {
     throw dtsim::InputError(fmt::format("--out {}: cannot write", path));

@@ -3,11 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "sim/cluster/topology.hpp"
 #include "sim/common/error.hpp"
+#include "sim/cost/profile.hpp"
 #include "sim/plan/memory_model.hpp"
 
 namespace dtsim::exec {
@@ -108,6 +110,18 @@ std::optional<std::string> noisy_host_warning(double jitter_cv, std::optional<do
   }
   if (said.empty()) return std::nullopt;
   return fmt::format("{}", fmt::join(said, "\n"));
+}
+
+void check_profile_readable(const nlohmann::json& profile, const std::string& path) {
+  try {
+    cost::profile_from_json(profile, path);
+  } catch (const InputError& e) {
+    throw std::runtime_error(fmt::format(
+        "the measurements make a profile that dtsim --profile refuses, so {} was not written: "
+        "{}. A spread of 100% or more means a host too busy for a calibration (see `uptime`): run "
+        "it again on a quiet host",
+        path, e.what()));
+  }
 }
 
 }  // namespace dtsim::exec

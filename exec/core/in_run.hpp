@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -53,5 +54,11 @@ PhaseSpread phase_spread(const std::vector<std::vector<double>>& seconds);
 // host.
 std::optional<std::string> noisy_host_warning(double jitter_cv, std::optional<double> transient_cv,
                                               std::optional<double> rank_spread_cv = std::nullopt);
+
+// Throws std::runtime_error (not a bad input: a measurement) where `profile`, about to be
+// written to `path`, is one that dtsim --profile refuses: on a very busy host a spread can
+// reach 100% (a GEMM's repeats beside three busy processes on this project's host: jitter_cv
+// up to 0.99), which the simulator's straggler model does not take.
+void check_profile_readable(const nlohmann::json& profile, const std::string& path);
 
 }  // namespace dtsim::exec

@@ -4,7 +4,10 @@
 #include "exec/core/in_run.hpp"
 
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
+#include "sim/common/error.hpp"
 #include "sim/plan/memory_model.hpp"
 #include "tests/test_util.hpp"
 
@@ -99,4 +102,30 @@ TEST_CASE("a calibration on a noisy host says so", "[in_run]") {
   REQUIRE(both);
   CHECK(both->find("varied by 12.3%") != std::string::npos);
   CHECK(both->find("\nwarning: the ranks' speeds differed by 18.7%") != std::string::npos);
+}
+
+TEST_CASE("a calibration's profile is written only where dtsim reads it", "[exec][in_run]") {
+  nlohmann::json profile = {{"device", "cpu-host"},
+                            {"source", "a test"},
+                            {"precision", "fp32"},
+                            {"gemm", {{{"m", 64}, {"n", 64}, {"k", 64}, {"seconds", 1e-4}}}},
+                            {"memory_bw_bytes_per_s", 1e10},
+                            {"launch_overhead_s", 1e-6},
+                            {"jitter_cv", 0.05}};
+  CHECK_NOTHROW(dtsim::exec::check_profile_readable(profile, "p.json"));
+  // A GEMM's repeats spread by 100% on a busy host: refused before anything is written, naming
+  // the file, the field and why.
+  profile["jitter_cv"] = 1.2;
+  try {
+    dtsim::exec::check_profile_readable(profile, "p.json");
+    FAIL("a profile with jitter_cv 1.2 passed");
+  } catch (const dtsim::InputError&) {
+    FAIL("reported as bad input, not as a measurement");
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    CHECK(what.find("p.json was not written") != std::string::npos);
+    CHECK(what.find("jitter_cv") != std::string::npos);
+    CHECK(what.find("below 1, got 1.2") != std::string::npos);
+    CHECK(what.find("too busy") != std::string::npos);
+  }
 }
