@@ -85,6 +85,17 @@ Runner::Runner(const model::ModelGraph& g, const lower::Program& program, const 
   std::shuffle(next_.begin(), next_.end(), perm);
 }
 
+namespace {
+
+// A value that is not finite, as a person writes it (fmt prints -nan for a NaN with its sign
+// bit set, which is meaningless).
+std::string not_finite(double v) {
+  if (std::isnan(v)) return "NaN";
+  return v > 0 ? "+inf" : "-inf";
+}
+
+}  // namespace
+
 RunResult Runner::run() {
   RunResult result;
   int first = 0;
@@ -226,14 +237,12 @@ RunResult Runner::run() {
       result.grad_norms.push_back(grad_norm);
     }
     const int done = step + 1;
-    if (options_.on_step) {
-      options_.on_step(done, result.losses.back(), slowest[0], grad_norm);
-    }
     if (async_.active && slowest[1] == 0) put_async_in_place(done, result);
     // A loss or gradient norm that is not finite ends the run, on every rank at once (both
     // are reduced over all ranks), as Megatron-LM's --check-for-nan-in-loss-and-grad does:
-    // before this step's checkpoint is written (an earlier asynchronous one, complete, is put
-    // in place first). The loss is the forward's, before this step's update: without
+    // before this step's line is printed (not a `nan` loss) and its checkpoint written (an
+    // earlier asynchronous one, complete, is put in place first). The loss is the forward's, before
+    // this step's update: without
     // --clip-grad (no norm) gradients that overflow show in the next step's loss, after
     // this step's checkpoint. (Replayed communication feeds made-up values: its losses mean
     // nothing.)
@@ -243,10 +252,13 @@ RunResult Runner::run() {
       throw InputError(fmt::format(
           "step {}: the {} is not finite ({}): training diverged; a smaller --lr (its peak "
           "is {:g}){} may keep it finite",
-          done, loss_bad ? "loss" : "gradient norm", loss_bad ? loss_now : grad_norm,
+          done, loss_bad ? "loss" : "gradient norm", not_finite(loss_bad ? loss_now : grad_norm),
           options_.lr.max_lr,
           p_.clip_grad > 0 ? fmt::format(" or a smaller --clip-grad (it is {:g})", p_.clip_grad)
                            : std::string(" or --clip-grad")));
+    }
+    if (options_.on_step) {
+      options_.on_step(done, result.losses.back(), slowest[0], grad_norm);
     }
     if (!options_.checkpoint_dir.empty() &&
         (done == options_.steps ||
