@@ -49,6 +49,8 @@ Runner::Runner(const model::ModelGraph& g, const lower::Program& program, const 
   Sq_ = S_ / cp_;
   T_ = B_ * Sq_;
   Ts_ = p_.sequence_parallel ? T_ / static_cast<int>(p_.tp) : T_;
+  local_dispatch_ = plan::moe_local_dispatch(m_, p_);
+  Tr_ = local_dispatch_ ? Ts_ : T_;
   C_ = static_cast<int>(m_.hidden);
   V_ = static_cast<int>(m_.vocab_rows());  // the embedding and LM head's rows (padded)
   tokens_ = static_cast<int>(m_.vocab);    // the data's vocabulary
@@ -457,6 +459,8 @@ void Runner::init_params() {
       const OpId source = saved_as(id);
       p.tied_copy = source != id;
       p.norm = op.kind == OpKind::Norm;
+      p.sequence_share = p_.sequence_parallel && p_.tp > 1 &&
+                         (p.norm || (op.kind == OpKind::Router && local_dispatch_));
       // AdamW's weight decay: matrices and embedding tables (the learned positions are the
       // embedding's second tensor), not biases or norms' weights (Megatron-LM's
       // no_weight_decay_cond: ".bias" and 1-D parameters).
@@ -866,6 +870,12 @@ void Runner::replay(const lower::Task& task, std::size_t index) {
     }
     replay_held_.push_back({index, packed});
     replay_held_.push_back({index, dev_.allocate(total / shards_of(task).first, Dtype::F32)});
+  } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
+             program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
+             local_dispatch_ && g_.op(static_cast<OpId>(task.op_begin)).expert) {
+    // The experts' copies take the shapes the next ops expect.
+    tp_copies_collective(task, batches_.at(static_cast<std::size_t>(task.micro_batch)),
+                         /*alone=*/true);
   } else if (task.kind == TaskKind::Collective && task.micro_batch >= 0 &&
              program_.groups.at(static_cast<std::size_t>(task.group)).kind == GroupKind::Tp &&
              !program_.plan.scatter_gather_p2p &&

@@ -470,11 +470,12 @@ void Runner::collective(const lower::Task& task, std::size_t index) {
   switch (grp.kind) {
     case GroupKind::Tp: {
       if (task.micro_batch < 0) {
-        // Sequence parallelism: the norms' weight gradients, each from a share of the
-        // sequence, summed over tp (the dp-reduced slice under ZeRO >= 1).
+        // Sequence parallelism: the norms' weight gradients (and the routers' under
+        // moe_local_dispatch), each from a share of the sequence, summed over tp (the
+        // dp-reduced slice under ZeRO >= 1).
         std::vector<Param*> norms;
         for (Param* p : params_of(task.op_begin, task.op_end)) {
-          if (p->norm) norms.push_back(p);
+          if (p->sequence_share) norms.push_back(p);
         }
         std::int64_t total = 0;
         for (Param* p : norms) total += (sharded_ ? p->reduced : p->grad).size();
@@ -498,6 +499,10 @@ void Runner::collective(const lower::Task& task, std::size_t index) {
       MicroBatch& mb = batches_.at(static_cast<std::size_t>(task.micro_batch));
       const auto anchor = static_cast<OpId>(task.op_begin);
       const Op& op = g_.op(anchor);
+      if (op.expert && local_dispatch_) {
+        tp_copies_collective(task, mb);
+        return;
+      }
       if (op.kind == OpKind::MlpUp && op.expert) {
         // The gates' gradient, a partial sum on each rank of the experts' slices.
         comm_.all_reduce(task.group, mb.gate_grad.at(router_of(anchor)), Reduce::Sum);

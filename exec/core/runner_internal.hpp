@@ -105,8 +105,11 @@ struct Param {
   bool replicated_over_tp = false;
   bool tied_copy = false;  // the last stage's copy of the embedding (pipeline, tied head)
   bool norm = false;       // a norm's weight or bias
-  bool expert = false;     // an expert's (its gradient reduces over the expert-dp group)
-  bool decays = false;     // AdamW's weight decay applies (a matrix: not a bias or a norm's)
+  // Its gradient comes from the rank's share of the sequence and is all-reduced over tp before
+  // the step: a norm's under sequence parallelism, a router's under plan::moe_local_dispatch.
+  bool sequence_share = false;
+  bool expert = false;  // an expert's (its gradient reduces over the expert-dp group)
+  bool decays = false;  // AdamW's weight decay applies (a matrix: not a bias or a norm's)
 };
 
 // What one micro-batch keeps between its forward and backward passes (device views).
@@ -134,6 +137,9 @@ struct MicroBatch {
   // Expert parallelism, by router (on the host): the copies this rank's experts received, as
   // rows per (sending ep member s, local expert l) at s·E/ep + l, in the order they arrived.
   std::map<OpId, std::vector<int>> ep_blocks;
+  // plan::moe_local_dispatch, by router (on the host): the copies the experts compute on, all
+  // tp ranks' blocks (expert_rows, or ep_blocks with ep) one rank after the other.
+  std::map<OpId, std::vector<int>> tp_blocks;
   // The size of an output released before its gradient was made (the gradient has its shape).
   std::map<OpId, std::int64_t> released_out;
 };
@@ -428,10 +434,11 @@ class Runner {
   // input-gradient pass runs before it is gathered again).
   View& input_grad_of(MicroBatch& mb, OpId id);
   // Sequence parallelism all-gathers the input of a column-parallel layer (the lowering's
-  // TpEnter markers: QKV, MLP up, the LM head).
+  // TpEnter markers: QKV, MLP up, the LM head; a router but under plan::moe_local_dispatch).
   bool gathers_input(const Op& op) const {
-    return Ts_ != T_ && (op.kind == OpKind::QkvProj || (op.kind == OpKind::MlpUp && !op.expert) ||
-                         op.kind == OpKind::Router || op.kind == OpKind::LmHead);
+    return Ts_ != T_ &&
+           (op.kind == OpKind::QkvProj || (op.kind == OpKind::MlpUp && !op.expert) ||
+            (op.kind == OpKind::Router && !local_dispatch_) || op.kind == OpKind::LmHead);
   }
 
   // Local GEMM shape (K, N) of a linear op on this tensor-parallel rank.
@@ -499,44 +506,42 @@ class Runner {
 
   void router_forward(MicroBatch& mb, OpId id);
 
-  // fn(w, at, n) for each expert with rows: its weight's tensor number w, and its n rows of
-  // the copies from row `at`.
-  // With expert parallelism the rows are those this rank's experts received, a block per
-  // (sender, expert) in arrival order: an expert's GEMMs run once per run of its adjacent
-  // blocks (once in all where a rank holds one expert, whose blocks are all adjacent; per
-  // sender's block where it holds several, whose blocks alternate).
-  template <typename Fn>
-  void for_each_expert(MicroBatch& mb, OpId router, Fn&& fn) {
-    std::int64_t at = 0;
-    if (ep_ > 1) {
-      const auto& blocks = mb.ep_blocks.at(router);
-      const int local = static_cast<int>(blocks.size()) / ep_;
-      int run_expert = -1, run_rows = 0;
-      std::int64_t run_at = 0;
-      for (std::size_t b = 0; b < blocks.size(); ++b) {
-        if (blocks[b] == 0) continue;  // an empty block leaves its neighbours adjacent
-        const int e = e_ * local + static_cast<int>(b) % local;
-        if (e != run_expert) {
-          if (run_rows > 0) fn(2 * run_expert, run_at, run_rows);
-          run_expert = e;
-          run_at = at;
-          run_rows = 0;
-        }
-        run_rows += blocks[b];
-        at += blocks[b];
-      }
-      if (run_rows > 0) fn(2 * run_expert, run_at, run_rows);
-      return;
-    }
-    const auto& rows = mb.expert_rows.at(router);
-    for (std::size_t e = 0; e < rows.size(); ++e) {
-      if (rows[e] > 0) fn(2 * static_cast<int>(e), at, rows[e]);
-      at += rows[e];
-    }
+  // The blocks of copies the experts compute on, by router: the rows per expert of this
+  // rank's tokens (expert_rows), with expert parallelism those per (sender, local expert) that
+  // this rank's experts received (ep_blocks), under plan::moe_local_dispatch either of them
+  // from every tp rank (tp_blocks). Block b holds copies for local expert b mod E/ep.
+  const std::vector<int>& expert_blocks(const MicroBatch& mb, OpId router) const {
+    if (local_dispatch_) return mb.tp_blocks.at(router);
+    return ep_ > 1 ? mb.ep_blocks.at(router) : mb.expert_rows.at(router);
   }
 
-  // The copies this rank's experts compute on: all T·k of its tokens' (ep 1), or what the
-  // ep all-to-all brought.
+  // fn(w, at, n) for each expert with rows: its weight's tensor number w, and its n rows of
+  // the copies from row `at`. An expert's GEMMs run once per run of its adjacent blocks (once
+  // in all where a rank holds one expert, whose blocks are all adjacent; per block where it
+  // holds several, whose blocks alternate: per sender's with ep, per tp rank's gathered).
+  template <typename Fn>
+  void for_each_expert(MicroBatch& mb, OpId router, Fn&& fn) {
+    const auto& blocks = expert_blocks(mb, router);
+    const int local = static_cast<int>(m_.moe->experts) / ep_;
+    std::int64_t at = 0, run_at = 0;
+    int run_expert = -1, run_rows = 0;
+    for (std::size_t b = 0; b < blocks.size(); ++b) {
+      if (blocks[b] == 0) continue;  // an empty block leaves its neighbours adjacent
+      const int e = e_ * local + static_cast<int>(b) % local;
+      if (e != run_expert) {
+        if (run_rows > 0) fn(2 * run_expert, run_at, run_rows);
+        run_expert = e;
+        run_at = at;
+        run_rows = 0;
+      }
+      run_rows += blocks[b];
+      at += blocks[b];
+    }
+    if (run_rows > 0) fn(2 * run_expert, run_at, run_rows);
+  }
+
+  // The copies this rank's experts compute on: all T·k of its tokens' (ep 1), what the ep
+  // all-to-all brought, or under plan::moe_local_dispatch those of every tp rank.
   std::int64_t expert_copies(const MicroBatch& mb, OpId router) const;
 
   // The experts' GEMMs of an up or down op, each on its rows of the copies.
@@ -560,6 +565,18 @@ class Runner {
   // and what would come back from other ranks' experts is zeros. Shapes and work are a rank's;
   // the values mean nothing (as every --only-rank loss).
   void ep_collective(const lower::Task& task, MicroBatch& mb, bool alone = false);
+
+  // plan::moe_local_dispatch (the lowering's TpGatherCopies and TpScatterCopies): each tp rank
+  // routes its share of the sequence, and its copies (after the ep all-to-all, those its ep
+  // rank's experts got from its ep peers' shares) are all-gathered over tp before the up GEMMs,
+  // the tp ranks' blocks one after the other (tp_blocks, their counts gathered first); the
+  // down GEMMs' partial outputs are reduce-scattered back to each tp rank's own copies, and
+  // combined at their tokens (ep 1) or sent home by the ep all-to-all. Backward: the gradients
+  // the other way (the combine's backward first, with ep 1).
+  //
+  // Alone (--only-rank) every tp rank is taken to send this rank's copies, and the
+  // reduce-scatter keeps this rank's piece.
+  void tp_copies_collective(const lower::Task& task, MicroBatch& mb, bool alone = false);
 
   void router_backward(MicroBatch& mb, OpId id, Part part);
 
@@ -913,6 +930,9 @@ class Runner {
   bool zero3_ = false;
   bool in_place_ = false;  // ZeRO-1 in place (plan zero_in_place)
   int Ts_ = 0;             // tokens of the sequence-parallel regions on this rank (T / tp with SP)
+  // plan::moe_local_dispatch: each tp rank routes its Ts_ tokens (Tr_), else all T_ of them.
+  bool local_dispatch_ = false;
+  int Tr_ = 0;
   int B_ = 0, S_ = 0, T_ = 0, C_ = 0, V_ = 0, H_ = 0, G_ = 0, D_ = 0, F_ = 0, Vl_ = 0;
   int tokens_ = 0;
   int micro_batches_ = 1, adam_step_ = 0;

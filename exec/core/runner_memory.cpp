@@ -43,8 +43,8 @@ std::vector<Runner::Use> Runner::forward_uses(OpId id) const {
     case OpKind::LmHead:
       read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
       if (op.kind == OpKind::MlpDown && op.expert) {
-        make(Slot::Aux1, id);  // the copies' outputs
-        if (ep_ > 1) break;    // combined by the ep all-to-all that follows
+        make(Slot::Aux1, id);                   // the copies' outputs
+        if (ep_ > 1 || local_dispatch_) break;  // combined after the collectives that follow
         for (Slot s : {Slot::Aux1, Slot::Route}) read(s, router_of(id));
       }
       make(Slot::Out, id);
@@ -116,7 +116,7 @@ std::vector<Runner::Use> Runner::backward_uses(OpId id, Part part) const {
     case OpKind::MlpDown:
     case OpKind::LmHead:
       read(Slot::Grad, id);
-      if (op.kind == OpKind::MlpDown && op.expert && ep_ == 1) {
+      if (op.kind == OpKind::MlpDown && op.expert && ep_ == 1 && !local_dispatch_) {
         read(Slot::Aux1, id);
         for (Slot s : {Slot::Aux1, Slot::Route}) read(s, router_of(id));
         if (input_grads) u.push_back({Slot::GateGrad, router_of(id), false});
@@ -198,6 +198,25 @@ std::vector<Runner::Use> Runner::communication_uses(const lower::Task& task) con
   }
   if (kind != GroupKind::Tp) return u;
   const Op& op = g_.op(anchor);
+  if (op.expert && local_dispatch_) {
+    // tp_copies_collective: the up op's input copies (or their gradients), the down op's
+    // outputs (or their gradients), with the combine (or its backward) where ep is 1.
+    const OpId router = router_of(anchor);
+    const bool gather = task.collective == CollectiveKind::AllGather;
+    if (op.kind == OpKind::MlpUp) return {{gather ? Slot::Out : Slot::Grad, router, false}};
+    if (ep_ > 1) return {{gather ? Slot::Grad : Slot::Aux1, anchor, false}};
+    if (!gather) {
+      return {{Slot::Aux1, anchor, false},
+              {Slot::Aux1, router, false},
+              {Slot::Route, router, false},
+              {Slot::Out, anchor, true}};
+    }
+    return {{Slot::Grad, anchor, false},
+            {Slot::Aux1, anchor, false},
+            {Slot::Aux1, router, false},
+            {Slot::Route, router, false},
+            {Slot::GateGrad, router, false}};
+  }
   if (op.kind == OpKind::MlpUp && op.expert) return {{Slot::GateGrad, router_of(anchor), false}};
   const bool exit = op.kind == OpKind::Embedding || row_parallel(op);
   // The embedding's dropout: applied after its forward reduction, undone (sequence

@@ -338,20 +338,21 @@ OpId Runner::router_of(OpId id) const {
 
 void Runner::router_forward(MicroBatch& mb, OpId id) {
   const int E = static_cast<int>(m_.moe->experts), k = top_k();
-  const View x = input_of(mb, id);  // the whole sequence (all-gathered under SP)
-  const View logits = allocate(static_cast<std::int64_t>(T_) * E);
-  dev_.matmul_forward(logits, x, param(id, 0).work, View{}, T_, C_, E, false);
-  fresh(mb.aux1[id], static_cast<std::int64_t>(T_) * k, Dtype::F32);  // gates
-  fresh(mb.aux2[id], static_cast<std::int64_t>(T_) * k, Dtype::I32);  // experts
-  dev_.moe_route(mb.aux2[id], mb.aux1[id], logits, T_, E, k);
+  // The whole sequence (all-gathered under SP), or the rank's share under moe_local_dispatch.
+  const View x = input_of(mb, id);
+  const View logits = allocate(static_cast<std::int64_t>(Tr_) * E);
+  dev_.matmul_forward(logits, x, param(id, 0).work, View{}, Tr_, C_, E, false);
+  fresh(mb.aux1[id], static_cast<std::int64_t>(Tr_) * k, Dtype::F32);  // gates
+  fresh(mb.aux2[id], static_cast<std::int64_t>(Tr_) * k, Dtype::I32);  // experts
+  dev_.moe_route(mb.aux2[id], mb.aux1[id], logits, Tr_, E, k);
   dev_.release(logits);
-  fresh(mb.route[id], static_cast<std::int64_t>(T_) * k, Dtype::I32);
-  fresh(mb.out[id], static_cast<std::int64_t>(T_) * k * C_);
+  fresh(mb.route[id], static_cast<std::int64_t>(Tr_) * k, Dtype::I32);
+  fresh(mb.out[id], static_cast<std::int64_t>(Tr_) * k * C_);
   // Each expert's row count comes back as fp32 (Device::download), exact below 2^24.
   DTSIM_ASSERT(static_cast<std::int64_t>(T_) * k < (std::int64_t{1} << 24),
                "fewer than 2^24 token copies per micro-batch");
   const View rows = dev_.allocate(E, Dtype::F32);
-  dev_.moe_dispatch(mb.out[id], mb.route[id], rows, x, mb.aux2[id], T_, C_, k, E);
+  dev_.moe_dispatch(mb.out[id], mb.route[id], rows, x, mb.aux2[id], Tr_, C_, k, E);
   std::vector<float> counts(static_cast<std::size_t>(E));
   dev_.download(counts.data(), rows);
   dev_.release(rows);
@@ -366,8 +367,8 @@ void Runner::router_forward(MicroBatch& mb, OpId id) {
 }
 
 std::int64_t Runner::expert_copies(const MicroBatch& mb, OpId router) const {
-  if (ep_ == 1) return static_cast<std::int64_t>(T_) * top_k();
-  const auto& blocks = mb.ep_blocks.at(router);
+  if (ep_ == 1 && !local_dispatch_) return static_cast<std::int64_t>(T_) * top_k();
+  const auto& blocks = expert_blocks(mb, router);
   return std::accumulate(blocks.begin(), blocks.end(), std::int64_t{0});
 }
 
@@ -387,8 +388,9 @@ void Runner::experts_forward(MicroBatch& mb, OpId id) {
                         param(id, w).work, bias_here ? bias_in(id, w + 1) : View{}, n, K, N, false);
   });
   // With expert parallelism the copies' outputs go back to their tokens' ranks first (the
-  // combine all-to-all, ep_collective), which combine them there.
-  if (down && ep_ == 1) {
+  // combine all-to-all, ep_collective), which combine them there; under moe_local_dispatch
+  // the partial sums are reduce-scattered over tp first (tp_copies_collective).
+  if (down && ep_ == 1 && !local_dispatch_) {
     fresh(mb.out[id], static_cast<std::int64_t>(T_) * C_);
     dev_.moe_combine(mb.out[id], y, mb.aux1.at(router), mb.route.at(router), T_, C_, k);
   }
@@ -405,8 +407,9 @@ void Runner::experts_backward(MicroBatch& mb, OpId id, Part part) {
   const std::int64_t copies = static_cast<std::int64_t>(T_) * k;
   View dy = mb.grad.at(id);
   // With expert parallelism the combine's backward ran at the tokens' ranks, and the copies'
-  // gradients came here by the combine all-to-all (ep_collective): dy is theirs already.
-  const bool through_combine = down && ep_ == 1;
+  // gradients came here by the combine all-to-all (ep_collective): dy is theirs already; so
+  // under moe_local_dispatch, all-gathered over tp (tp_copies_collective).
+  const bool through_combine = down && ep_ == 1 && !local_dispatch_;
   if (through_combine) {
     // Through the combine: each copy's output gradient (its gate times its token's), and
     // (once, with the input gradients) the gates' gradient for the router.
@@ -468,7 +471,7 @@ void Runner::ep_collective(const lower::Task& task, MicroBatch& mb, bool alone) 
     }
     blocks.assign(received.begin(), received.end());
     const double copies = std::accumulate(received.begin(), received.end(), 0.0);
-    mb.expert_load += copies / (static_cast<double>(T_) * k);
+    mb.expert_load += copies / (static_cast<double>(Tr_) * k);
     ++mb.expert_blocks;
   }
   std::vector<int> to(static_cast<std::size_t>(ep_), 0), from(static_cast<std::size_t>(ep_), 0);
@@ -517,21 +520,117 @@ void Runner::ep_collective(const lower::Task& task, MicroBatch& mb, bool alone) 
   if (!backward) {
     // The copies' outputs back to their tokens, combined there.
     exchange(mb.aux1.at(anchor), from, to);
-    fresh(mb.out[anchor], static_cast<std::int64_t>(T_) * C_);
+    fresh(mb.out[anchor], static_cast<std::int64_t>(Tr_) * C_);
     dev_.moe_combine(mb.out[anchor], mb.aux1.at(anchor), mb.aux1.at(router), mb.route.at(router),
-                     T_, C_, k);
+                     Tr_, C_, k);
     return;
   }
   // The combine's backward at the tokens' rank: the copies' gradients and the gates'.
-  const std::int64_t copies = static_cast<std::int64_t>(T_) * k;
+  const std::int64_t copies = static_cast<std::int64_t>(Tr_) * k;
   View dy = allocate(copies * C_);
   auto& dgates = mb.gate_grad[router];
   if (dgates.empty()) fresh(dgates, copies, Dtype::F32);
   dev_.moe_combine_backward(dy, dgates, mb.grad.at(anchor), mb.aux1.at(anchor), mb.aux1.at(router),
-                            mb.route.at(router), T_, C_, k);
+                            mb.route.at(router), Tr_, C_, k);
   exchange(dy, to, from);
   dev_.release(mb.grad.at(anchor));
   mb.grad[anchor] = dy;
+}
+
+void Runner::tp_copies_collective(const lower::Task& task, MicroBatch& mb, bool alone) {
+  const auto anchor = static_cast<OpId>(task.op_begin);
+  const Op& op = g_.op(anchor);
+  DTSIM_ASSERT(
+      local_dispatch_ && op.expert && (op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown),
+      "a tp collective of the experts' copies at an expert up or down op");
+  const OpId router = router_of(anchor);
+  const bool up = op.kind == OpKind::MlpUp;
+  // Forward: the up op's input gathered, the down op's output scattered; backward the converse.
+  const bool backward = up != (task.collective == CollectiveKind::AllGather);
+  const int E = static_cast<int>(m_.moe->experts), k = top_k();
+  auto& blocks = mb.tp_blocks[router];
+  if (up && !backward) {
+    // Every tp rank's blocks (rows per expert, or per (ep sender, local expert)), as fp32
+    // (exact below 2^24, as the router's counts).
+    const auto& own = ep_ > 1 ? mb.ep_blocks.at(router) : mb.expert_rows.at(router);
+    DTSIM_ASSERT(own.size() == static_cast<std::size_t>(E), "a block per expert");
+    const std::vector<float> counts(own.begin(), own.end());
+    std::vector<float> all(static_cast<std::size_t>(tp_) * E);
+    if (alone) {
+      for (int j = 0; j < tp_; ++j) std::copy(counts.begin(), counts.end(), all.begin() + j * E);
+    } else {
+      const View sent = dev_.allocate(E, Dtype::F32), got = dev_.allocate(tp_ * E, Dtype::F32);
+      dev_.upload(sent, counts.data());
+      const std::vector<int> each(static_cast<std::size_t>(tp_), E);
+      comm_.all_gather(task.group, sent, got, each);
+      dev_.download(all.data(), got);
+      dev_.release(sent);
+      dev_.release(got);
+    }
+    blocks.assign(all.begin(), all.end());
+  }
+  // Each tp rank's copies, in elements of rows of width C_.
+  std::vector<std::int64_t> pieces(static_cast<std::size_t>(tp_), 0);
+  for (std::size_t b = 0; b < blocks.size(); ++b)
+    pieces[b / static_cast<std::size_t>(E)] += blocks[b];
+  for (auto& n : pieces) n *= C_;
+  const std::vector<int> counts = collective_counts(pieces, "tp all-gather of expert copies");
+  const std::int64_t total = std::accumulate(pieces.begin(), pieces.end(), std::int64_t{0});
+  const std::int64_t mine = pieces[static_cast<std::size_t>(t_)];
+  const std::int64_t offset = std::accumulate(pieces.begin(), pieces.begin() + t_, std::int64_t{0});
+  auto all_gather = [&](View& tensor) {
+    DTSIM_ASSERT(tensor.size() == mine, "a tp rank's own copies");
+    const View whole = dev_.allocate(total, tensor.type);
+    if (alone) {
+      for (std::int64_t at = 0; at < total; at += mine) dev_.copy(whole.sub(at, mine), tensor);
+    } else {
+      comm_.all_gather(task.group, tensor, whole, counts);
+    }
+    dev_.release(tensor);
+    tensor = whole;
+  };
+  auto reduce_scatter = [&](View& tensor) {
+    DTSIM_ASSERT(tensor.size() == total, "every tp rank's copies");
+    const View part = dev_.allocate(mine, tensor.type);
+    if (alone) {
+      dev_.copy(part, tensor.sub(offset, mine));
+    } else {
+      comm_.reduce_scatter(task.group, tensor, part, counts);
+    }
+    dev_.release(tensor);
+    tensor = part;
+  };
+  if (up) {
+    if (!backward) {
+      all_gather(mb.out.at(router));
+    } else {
+      reduce_scatter(mb.grad.at(router));
+    }
+    return;
+  }
+  if (!backward) {
+    // The down GEMMs' partial sums (row-parallel: each tp rank holds a slice of every expert),
+    // summed at the copies' tp rank; combined there where no ep all-to-all follows.
+    reduce_scatter(mb.aux1.at(anchor));
+    if (ep_ == 1) {
+      fresh(mb.out[anchor], static_cast<std::int64_t>(Tr_) * C_);
+      dev_.moe_combine(mb.out[anchor], mb.aux1.at(anchor), mb.aux1.at(router), mb.route.at(router),
+                       Tr_, C_, k);
+    }
+    return;
+  }
+  if (ep_ == 1) {
+    // The combine's backward at the tokens first: the copies' gradients and the gates'.
+    const std::int64_t copies = static_cast<std::int64_t>(Tr_) * k;
+    const View dy = allocate(copies * C_);
+    auto& dgates = mb.gate_grad[router];
+    if (dgates.empty()) fresh(dgates, copies, Dtype::F32);
+    dev_.moe_combine_backward(dy, dgates, mb.grad.at(anchor), mb.aux1.at(anchor),
+                              mb.aux1.at(router), mb.route.at(router), Tr_, C_, k);
+    dev_.release(mb.grad.at(anchor));
+    mb.grad[anchor] = dy;
+  }
+  all_gather(mb.grad.at(anchor));
 }
 
 void Runner::router_backward(MicroBatch& mb, OpId id, Part part) {
@@ -539,17 +638,18 @@ void Runner::router_backward(MicroBatch& mb, OpId id, Part part) {
   const bool weight_grads = part != Part::Input;
   const int E = static_cast<int>(m_.moe->experts), k = top_k();
   // The logits' gradient through the gates' softmax (again in a weight pass).
-  const View dlogits = allocate(static_cast<std::int64_t>(T_) * E);
-  dev_.moe_route_backward(dlogits, mb.gate_grad.at(id), mb.aux1.at(id), mb.aux2.at(id), T_, E, k);
+  const View dlogits = allocate(static_cast<std::int64_t>(Tr_) * E);
+  dev_.moe_route_backward(dlogits, mb.gate_grad.at(id), mb.aux1.at(id), mb.aux2.at(id), Tr_, E, k);
   const View x = weight_grads ? input_of(mb, id) : View{};
   const View dx = input_grads ? input_grad_of(mb, id) : View{};
   // Every tp rank routes alike: the router's share of the input gradient is added by rank 0
   // alone, as the tp all-reduce that follows sums the ranks' (the experts' shares differ).
-  linear_backward(t_ == 0 ? dx : View{}, param(id, 0), View{}, dlogits, x, T_, C_, E, false,
-                  weight_grads);
+  // Under moe_local_dispatch each routes its own tokens, and their gradients are whole.
+  linear_backward(t_ == 0 || local_dispatch_ ? dx : View{}, param(id, 0), View{}, dlogits, x, Tr_,
+                  C_, E, false, weight_grads);
   dev_.release(dlogits);
   // Each token's copies' gradients back to the token.
-  if (input_grads) dev_.moe_dispatch_backward(dx, mb.grad.at(id), mb.route.at(id), T_, C_, k);
+  if (input_grads) dev_.moe_dispatch_backward(dx, mb.grad.at(id), mb.route.at(id), Tr_, C_, k);
 }
 
 }  // namespace dtsim::exec::runner_internal

@@ -139,7 +139,12 @@ enum class Marker {
   CpGatherKv,
   CpRegatherKv,
   EpDispatch,
-  EpCombine
+  EpCombine,
+  // plan::moe_local_dispatch: the copies an ep rank's experts got, all-gathered over tp
+  // (forward; their gradients reduce-scattered in backward), and the experts' outputs
+  // reduce-scattered back (forward; their gradients all-gathered in backward).
+  TpGatherCopies,
+  TpScatterCopies
 };
 
 struct Item {
@@ -227,6 +232,8 @@ class Lowerer {
   double weight_bytes_;
   std::uint64_t tokens_ = 0;        // tokens of one micro-batch on one rank (b·s/cp)
   std::uint64_t hidden_bytes_ = 0;  // one activation tensor of width h
+  // Each tp rank routes its share of the sequence (plan::moe_local_dispatch).
+  bool local_dispatch_ = plan::moe_local_dispatch(g_.spec(), plan_);
   // Without p2p overlap, whether an exchange holds its sender until its tensors are received
   // (see add and schedule.hpp).
   bool holds_sends_ = exchanges_hold_senders(plan_);
@@ -409,17 +416,27 @@ class Lowerer {
       for (OpId id : g_.layer_ops(l)) {
         const model::Op& o = g_.op(id);
         // Before the experts in forward order: after their backward, before the router's.
-        if (o.kind == OpKind::MlpUp && o.expert && plan_.tp > 1) marker(Marker::TpGates, l, id);
-        const bool first_mlp =
-            o.kind == OpKind::Router || (o.kind == OpKind::MlpUp && !g_.spec().moe);
+        if (o.kind == OpKind::MlpUp && o.expert && plan_.tp > 1 && !local_dispatch_) {
+          marker(Marker::TpGates, l, id);
+        }
+        // A router that routes the rank's share of the sequence has no gathered input.
+        const bool first_mlp = (o.kind == OpKind::Router && !local_dispatch_) ||
+                               (o.kind == OpKind::MlpUp && !g_.spec().moe);
         if (o.kind == OpKind::QkvProj || first_mlp) marker(Marker::TpEnter, l, id);
         if (o.kind == OpKind::AttentionCore && plan_.cp > 1) marker(Marker::CpGatherKv, l, id);
         if (o.kind == OpKind::MlpUp && o.expert && plan_.ep > 1) marker(Marker::EpDispatch, l, id);
+        if (o.kind == OpKind::MlpUp && o.expert && local_dispatch_) {
+          marker(Marker::TpGatherCopies, l, id);
+        }
         op(id, l);
         // After the core in forward order: before its backward (and selective recompute).
         if (o.kind == OpKind::AttentionCore && plan_.cp > 1) marker(Marker::CpRegatherKv, l, id);
+        if (o.kind == OpKind::MlpDown && o.expert && local_dispatch_) {
+          marker(Marker::TpScatterCopies, l, id);
+        }
         if (o.kind == OpKind::MlpDown && o.expert && plan_.ep > 1) marker(Marker::EpCombine, l, id);
-        if (o.kind == OpKind::AttnOutProj || o.kind == OpKind::MlpDown) {
+        if (o.kind == OpKind::AttnOutProj ||
+            (o.kind == OpKind::MlpDown && !(o.expert && local_dispatch_))) {
           marker(Marker::TpExit, l, id);
         }
       }
@@ -498,6 +515,20 @@ class Lowerer {
         return Comm{CollectiveKind::AllToAll, GroupKind::Ep, Stream::Ep,
                     plan::ep_all_to_all_bytes(spec, plan_, hidden_bytes_),
                     m == Marker::EpDispatch ? "ep all-to-all dispatch" : "ep all-to-all combine"};
+      }
+      case Marker::TpGatherCopies:
+      case Marker::TpScatterCopies: {
+        // The gathered copies (the busiest ep rank's), as the all-gather's output and the
+        // reduce-scatter's input.
+        const std::uint64_t bytes = plan::expert_copies_bytes(spec, plan_, hidden_bytes_);
+        const bool gather = (m == Marker::TpGatherCopies) != backward;
+        return Comm{gather ? CollectiveKind::AllGather : CollectiveKind::ReduceScatter,
+                    GroupKind::Tp, Stream::Tp, bytes,
+                    m == Marker::TpGatherCopies
+                        ? (backward ? "tp reduce-scatter expert input gradients"
+                                    : "tp all-gather expert inputs")
+                        : (backward ? "tp all-gather expert output gradients"
+                                    : "tp reduce-scatter expert outputs")};
       }
     }
     return std::nullopt;
@@ -1163,14 +1194,19 @@ class Lowerer {
 
     // Sequence parallelism: each tp rank computed the norms' weight gradients on its share of
     // the sequence only; they are all-reduced over tp before the step (Megatron-LM,
-    // finalize_model_grads: _allreduce_layernorm_grads), after the dp reduction.
+    // finalize_model_grads: _allreduce_layernorm_grads), after the dp reduction; so are the
+    // routers' where each tp rank routes its share (Megatron-Core marks the router's weight
+    // sequence_parallel under moe_local_dispatch's dispatcher).
     if (plan_.sequence_parallel && plan_.tp > 1) {
       double norm_params = 0;
+      bool routers = false;
       for (const auto& chunk : items) {
         for (const Item& it : chunk) {
-          if (it.op && g_.op(*it.op).kind == OpKind::Norm) {
-            norm_params += static_cast<double>(g_.op(*it.op).params);
-          }
+          if (!it.op) continue;
+          const model::Op& o = g_.op(*it.op);
+          const bool router = o.kind == OpKind::Router && local_dispatch_;
+          if (o.kind == OpKind::Norm || router) norm_params += static_cast<double>(o.params);
+          routers = routers || router;
         }
       }
       if (norm_params > 0) {
@@ -1184,7 +1220,8 @@ class Lowerer {
         ar.deps.insert(ar.deps.end(), dp_tasks.begin(), dp_tasks.end());
         ar.op_begin = 0;
         ar.op_end = static_cast<std::int32_t>(g_.size());
-        ar.label = "tp all-reduce sequence-parallel norm gradients";
+        ar.label = routers ? "tp all-reduce sequence-parallel norm and router gradients"
+                           : "tp all-reduce sequence-parallel norm gradients";
         dp_tasks.push_back(add(std::move(ar)));
       }
     }

@@ -72,11 +72,14 @@ struct Task {
   //   again for the weight gradient;
   // - dp buckets: the gradients of the parameters of ops [op_begin, op_end);
   // - the sequence-parallel norm-gradient all-reduce (tp, no micro-batch): the norms' weight
-  //   gradients of ops [op_begin, op_end);
+  //   gradients of ops [op_begin, op_end) (and the routers' under plan::moe_local_dispatch);
   // - ZeRO-3 weight gathers: the weights of ops [op_begin, op_end) (one chunk);
   // - the tied-embedding all-reduce: the gradient of op_begin's embedding matrix;
   // - send / recv: op_begin's output (activations) or its gradient (gradients);
   // - the tp all-reduce of a mixture of experts' gate gradients: op_begin is its experts' up op;
+  // - under plan::moe_local_dispatch, a tp all-gather at an experts' up op gathers their input
+  //   copies (its reduce-scatter, backward: their gradients), a tp reduce-scatter at an
+  //   experts' down op their outputs (its all-gather, backward: their gradients);
   // - ep all-to-alls: the tokens' copies before op_begin's expert up GEMMs (dispatch) or after
   //   its down GEMMs (combine); tag 0 in the forward pass, 1 in the backward.
   // ZeRO-1/2's all-gather of updated weights covers every parameter of the rank (no ops).

@@ -285,8 +285,8 @@ class Builder {
       up.weight_bytes = a * static_cast<double>(up.params);
     }
     up.saved_bytes = act_ * T() * copies * h();  // its input (2sbh per copy)
-    // An MoE's experts read every token's copies, all-gathered over tp under sequence
-    // parallelism (Megatron-LM's all-gather token dispatcher): each tp rank keeps them whole.
+    // An MoE's experts read every token's copies: each tp rank keeps them whole (under sequence
+    // parallelism all-gathered over tp, plan::moe_local_dispatch).
     if (expert) up.saved_tp_whole_bytes = up.saved_bytes;
     const OpId u = add(std::move(up), {mlp_in});
 

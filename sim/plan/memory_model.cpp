@@ -61,11 +61,14 @@ double rank_split_bytes(const Op& op, const Plan& plan, double saved) {
 
 // One rank's share of `saved` bytes of `op`'s saved tensors: the split part, and the part
 // every tp rank keeps whole, split over cp only (an expert op's also the copies its experts
-// got, but for the down op's outputs, which went back to their tokens' ranks).
+// got, but for the down op's outputs, which went back to their tokens' ranks: under
+// plan::moe_local_dispatch, to their tokens' tp rank too).
 double rank_saved_bytes(const Op& op, const Plan& plan, double saved) {
   const double whole = static_cast<double>(op.saved_tp_whole_bytes) / plan.cp;
+  const bool local_dispatch = op.expert && plan.sequence_parallel && plan.tp > 1;
+  const double outputs = local_dispatch ? 1.0 / plan.tp : 1.0;
   return rank_split_bytes(op, plan, saved) +
-         whole * (op.kind == model::OpKind::MlpDown ? 1.0 : expert_load_of(op, plan));
+         whole * (op.kind == model::OpKind::MlpDown ? outputs : expert_load_of(op, plan));
 }
 
 // Activations of ops outside the blocks (embedding; final norm, LM head, loss).

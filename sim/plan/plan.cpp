@@ -439,11 +439,21 @@ double max_expert_load(const model::ModelSpec& spec, const Plan& plan) {
                   static_cast<double>(spec.moe->experts) / static_cast<double>(spec.moe->top_k));
 }
 
-std::uint64_t ep_all_to_all_bytes(const model::ModelSpec& spec, const Plan& plan,
+bool moe_local_dispatch(const model::ModelSpec& spec, const Plan& plan) {
+  return spec.moe.has_value() && plan.sequence_parallel && plan.tp > 1;
+}
+
+std::uint64_t expert_copies_bytes(const model::ModelSpec& spec, const Plan& plan,
                                   std::uint64_t hidden_bytes) {
   const std::uint64_t even =
       hidden_bytes * static_cast<std::uint64_t>(spec.moe ? spec.moe->top_k : 1);
   return static_cast<std::uint64_t>(std::llround(static_cast<double>(even) * plan.expert_load));
+}
+
+std::uint64_t ep_all_to_all_bytes(const model::ModelSpec& spec, const Plan& plan,
+                                  std::uint64_t hidden_bytes) {
+  const std::uint64_t tp = moe_local_dispatch(spec, plan) ? static_cast<std::uint64_t>(plan.tp) : 1;
+  return expert_copies_bytes(spec, plan, hidden_bytes / tp);
 }
 
 json to_json(const Plan& p) {

@@ -217,14 +217,29 @@ inline bool cp_splits_sequence(std::int64_t seq_len, int cp) {
 // times the even share (1 without experts or ep).
 double max_expert_load(const model::ModelSpec& spec, const Plan& plan);
 
+// Megatron-Core's all-to-all token dispatcher under sequence parallelism (tp > 1): each tp
+// rank routes and dispatches only its 1/tp of the sequence (megatron/core/transformer/moe/
+// token_dispatcher.py, MoEAlltoAllTokenDispatcher: num_local_tokens = S/TP*B); the copies that
+// reach an expert's ranks are all-gathered over tp, since each tp rank holds a slice of every
+// expert, and the experts' outputs reduce-scattered back before the all-to-all home. The MoE
+// block then has no all-gather of its input, no reduce-scatter of its output and no all-reduce
+// of the gates' gradients over tp; the router's weight gradient, from a share of the tokens,
+// is all-reduced over tp with the norms'. Without sequence parallelism every tp rank routes
+// the whole sequence (its input is whole there) and sends its copies to its ep peers.
+bool moe_local_dispatch(const model::ModelSpec& spec, const Plan& plan);
+
 // Bytes one ep all-to-all of an MoE block moves for the busiest ep rank, one way: its tokens'
-// top_k copies of width h (`hidden_bytes`: one activation tensor of the micro-batch's tokens
-// on the rank), plan.expert_load times the even share. Under sequence parallelism too: the
-// router reads the block's all-gathered input, and every tp rank sends its tokens' copies to
-// its ep peers for its slice of their experts (dtexec's router_forward and ep_collective; not
-// Megatron-Core's dispatch of the sequence's 1/tp followed by a tp all-gather on the expert
-// side). The lowering and the planner's closed form both price this.
+// top_k copies of width h, plan.expert_load times the even share. `hidden_bytes`: one
+// activation tensor of the micro-batch's tokens on the rank (whole over tp); under
+// moe_local_dispatch a tp rank's tokens are 1/tp of them. The lowering and the planner's
+// closed form both price this.
 std::uint64_t ep_all_to_all_bytes(const model::ModelSpec& spec, const Plan& plan,
+                                  std::uint64_t hidden_bytes);
+
+// Bytes of the copies an ep rank's experts got, all-gathered over tp under
+// moe_local_dispatch (and their outputs reduce-scattered back): every tp rank's, so the
+// whole sequence's share, plan.expert_load times the even one.
+std::uint64_t expert_copies_bytes(const model::ModelSpec& spec, const Plan& plan,
                                   std::uint64_t hidden_bytes);
 
 nlohmann::json to_json(const Plan& plan);

@@ -144,6 +144,8 @@ class Estimator {
     };
     std::vector<Segment> segments;
     double lf = 0, lb = 0, lbw = 0, attention = 0;
+    // A router that routes the rank's share of the sequence has no tp collective before it.
+    const bool local_dispatch = plan::moe_local_dispatch(m, p);
     for (model::OpId id : g.layer_ops(0)) {
       const auto& op = g.op(id);
       const double forward = cost.op_seconds(op, Phase::Forward);
@@ -154,7 +156,7 @@ class Estimator {
       lbw += weight;
       if (op.kind == model::OpKind::AttentionCore) attention = forward;
       if (op.kind == model::OpKind::QkvProj || op.kind == model::OpKind::MlpUp ||
-          op.kind == model::OpKind::Router) {
+          (op.kind == model::OpKind::Router && !local_dispatch)) {
         const bool experts = op.kind == model::OpKind::MlpUp && m.moe;
         segments.push_back({.weight = weight,
                             .overlapped = op.kind == model::OpKind::QkvProj || !m.moe,
@@ -168,10 +170,18 @@ class Estimator {
     double tp_comm = 0, cp_comm = 0, ep_comm = 0;
     if (p.tp > 1) {
       const auto tp = group(ParallelDim::Tp, lower::GroupKind::Tp);
-      tp_comm = p.sequence_parallel
-                    ? 2 * (net_->collective_s(tp, CollectiveKind::AllGather, hidden_bytes) +
-                           net_->collective_s(tp, CollectiveKind::ReduceScatter, hidden_bytes))
-                    : 2 * net_->collective_s(tp, CollectiveKind::AllReduce, hidden_bytes);
+      auto gather_scatter = [&](std::uint64_t bytes) {
+        return net_->collective_s(tp, CollectiveKind::AllGather, bytes) +
+               net_->collective_s(tp, CollectiveKind::ReduceScatter, bytes);
+      };
+      // Attention's and the MLP's; an MoE block's under moe_local_dispatch moves the experts'
+      // copies instead of the block's input and output.
+      tp_comm =
+          p.sequence_parallel
+              ? gather_scatter(hidden_bytes) +
+                    gather_scatter(local_dispatch ? plan::expert_copies_bytes(m, p, hidden_bytes)
+                                                  : hidden_bytes)
+              : 2 * net_->collective_s(tp, CollectiveKind::AllReduce, hidden_bytes);
     }
     if (p.cp > 1) {
       const std::uint64_t kv = static_cast<std::uint64_t>(p.cp) * tokens * 2 *
@@ -215,14 +225,16 @@ class Estimator {
                                     CollectiveKind::AllGather, hidden_bytes);
       for (const Segment& seg : segments) {
         if (!seg.regathers) continue;
-        // A router reads the whole sequence too, and its backward, not split, waits for it.
+        // A router reads the whole sequence too (but under moe_local_dispatch, where it is no
+        // segment), and its backward, not split, waits for it.
         const bool beside_input = tp_overlap && seg.overlapped;
         tp_backward += std::max(0.0, regather - (beside_input ? seg.input : 0.0));
       }
     }
     // Each tp rank holds a slice of every expert: the gates' gradients, partial sums, are
-    // all-reduced over tp before the router's backward (lowering: TpGates), in fp32.
-    if (p.tp > 1 && m.moe) {
+    // all-reduced over tp before the router's backward (lowering: TpGates), in fp32; not under
+    // moe_local_dispatch, where the copies' outputs are reduce-scattered before the combine.
+    if (p.tp > 1 && m.moe && !local_dispatch) {
       tp_backward += net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
                                         CollectiveKind::AllReduce,
                                         tokens * static_cast<std::uint64_t>(m.moe->top_k) * 4);

@@ -423,6 +423,72 @@ TEST_CASE("an uneven expert load lengthens the experts' compute and the ep all-t
         dtsim::engine::simulate(g, even, cluster, *net).prediction.step_time_s);
 }
 
+// Megatron-Core's all-to-all dispatcher under sequence parallelism: each tp rank dispatches its
+// share of the sequence (1/tp of the all-to-all bytes), the copies are all-gathered over tp at
+// the experts and their outputs reduce-scattered back; the MoE block has no all-gather of its
+// input, no reduce-scatter of its output and no all-reduce of the gates' gradients over tp, and
+// the routers' weight gradients are all-reduced with the norms'.
+TEST_CASE("under sequence parallelism each tp rank dispatches its share of the tokens",
+          "[lower][moe]") {
+  auto moe = dtsim::model::load_model("tiny");
+  moe.moe = dtsim::model::MoeSpec{4, 2, 64};
+  const dtsim::model::ModelGraph g(moe, 1, 32);
+  Plan gathered = plan_for(2, 2, 1, 1);
+  gathered.ep = 2;
+  Plan local = gathered;
+  local.sequence_parallel = true;
+  REQUIRE(dtsim::plan::check_plan(local, moe, 4).ok());
+  const auto a = dtsim::lower::lower(g, gathered), b = dtsim::lower::lower(g, local);
+  const std::uint64_t hidden = 32ull * moe.hidden * 2;  // bf16 activations of a micro-batch
+  auto count = [](const Program& p, auto&& pred) {
+    return std::count_if(p.ranks[0].tasks.begin(), p.ranks[0].tasks.end(), pred);
+  };
+  auto labelled = [](std::string_view text) {
+    return [text](const dtsim::lower::Task& t) { return t.label.find(text) != t.label.npos; };
+  };
+  const auto micro_batches = static_cast<long>(gathered.micro_batches());
+  const auto layers = static_cast<long>(moe.layers);
+  // The ep all-to-alls: four per block and micro-batch, a tp rank's share of the copies.
+  for (const auto* p : {&a, &b}) {
+    for (const auto& t : p->ranks[0].tasks) {
+      if (t.collective != CollectiveKind::AllToAll) continue;
+      CHECK(t.bytes == (p == &a ? 2 * hidden : hidden));
+    }
+  }
+  CHECK(count(a, [](const auto& t) { return t.collective == CollectiveKind::AllToAll; }) ==
+        4 * layers * micro_batches);
+  CHECK(count(b, [](const auto& t) { return t.collective == CollectiveKind::AllToAll; }) ==
+        4 * layers * micro_batches);
+  // The copies all-gathered and reduce-scattered over tp, forward and backward: every tp
+  // rank's copies (the even load: top 2 of the whole sequence's tokens).
+  for (const char* what :
+       {"tp all-gather expert inputs", "tp reduce-scatter expert outputs",
+        "tp all-gather expert output gradients", "tp reduce-scatter expert input gradients"}) {
+    INFO(what);
+    CHECK(count(b, labelled(what)) == layers * micro_batches);
+    CHECK(count(a, labelled(what)) == 0);
+    for (const auto& t : b.ranks[0].tasks) {
+      if (labelled(what)(t)) {
+        CHECK(t.bytes == 2 * hidden);
+        CHECK(t.stream == Stream::Tp);
+      }
+    }
+  }
+  // No gates' all-reduce; the routers' gradients go with the norms'.
+  CHECK(count(a, labelled("tp all-reduce gate gradients")) == layers * micro_batches);
+  CHECK(count(b, labelled("tp all-reduce gate gradients")) == 0);
+  CHECK(count(b, labelled("tp all-reduce sequence-parallel norm and router gradients")) == 1);
+  // Of the whole sequence's all-gathers and reduce-scatters over tp in the blocks, attention's
+  // stay (forward: its input gathered, its output scattered; backward: the converse and the
+  // input gathered again for QKV's weight gradient); the MoE block's are gone.
+  const auto in_blocks = [&](const dtsim::lower::Task& t) {
+    return t.stream == Stream::Tp && t.bytes == hidden && t.label.find(" L") != t.label.npos &&
+           (t.collective == CollectiveKind::AllGather ||
+            t.collective == CollectiveKind::ReduceScatter);
+  };
+  CHECK(count(b, in_blocks) == 5 * layers * micro_batches);
+}
+
 TEST_CASE("too many micro-batches to simulate is an input error", "[lower][bad-input]") {
   const auto spec = dtsim::model::load_model("llama3-70b");
   const dtsim::model::ModelGraph g(spec, 1, 64);

@@ -352,19 +352,27 @@ TEST_CASE("routing bounds the expert load", "[plan]") {
   CHECK(dtsim::plan::max_expert_load(dtsim::model::load_model("llama3-8b"), p) == 1.0);
 }
 
-// Under sequence parallelism the router reads the all-gathered sequence and each tp rank sends
-// its ep peers the whole sequence's copies (dtexec's ep_collective): the same bytes as without.
-TEST_CASE("the ep all-to-all moves the whole sequence's copies, sequence parallel or not",
+// Without sequence parallelism every tp rank routes the whole sequence and sends its copies to
+// its ep peers; with it (Megatron-Core's all-to-all dispatcher) each sends its 1/tp share's,
+// and the copies an ep rank's experts got are all-gathered over tp.
+TEST_CASE("the ep all-to-all moves a tp rank's share of the copies under sequence parallelism",
           "[plan]") {
   const auto mixtral = dtsim::model::load_model("mixtral-8x7b");
   Plan p;
   p.tp = 2;
   p.ep = 8;
   const std::uint64_t hidden = 4096ull * 4096 * 2;
+  CHECK_FALSE(dtsim::plan::moe_local_dispatch(mixtral, p));
   const std::uint64_t plain = dtsim::plan::ep_all_to_all_bytes(mixtral, p, hidden);
   CHECK(plain == 2 * hidden);  // top 2
+  CHECK(dtsim::plan::expert_copies_bytes(mixtral, p, hidden) == plain);
   p.sequence_parallel = true;
-  CHECK(dtsim::plan::ep_all_to_all_bytes(mixtral, p, hidden) == plain);
+  CHECK(dtsim::plan::moe_local_dispatch(mixtral, p));
+  CHECK(dtsim::plan::ep_all_to_all_bytes(mixtral, p, hidden) == plain / 2);
+  CHECK(dtsim::plan::expert_copies_bytes(mixtral, p, hidden) == plain);
   p.expert_load = 1.5;
-  CHECK(dtsim::plan::ep_all_to_all_bytes(mixtral, p, hidden) == 3 * hidden);
+  CHECK(dtsim::plan::ep_all_to_all_bytes(mixtral, p, hidden) == 3 * hidden / 2);
+  CHECK(dtsim::plan::expert_copies_bytes(mixtral, p, hidden) == 3 * hidden);
+  // A dense model has no dispatch.
+  CHECK_FALSE(dtsim::plan::moe_local_dispatch(dtsim::model::load_model("llama3-8b"), p));
 }
