@@ -502,15 +502,14 @@ std::string training_time_text(const plan::TrainingTime& tt, std::optional<doubl
   }
   return s + fmt::format(
                  "; with interruptions {}{} (goodput {:.1f}%: one every {}, a "
-                 "checkpoint every {} steps taking {:.1f} s{})",
+                 "checkpoint every {} step{} taking {}{})",
                  span_text(tt.wall_s),
                  cost_usd ? fmt::format(", {:.0f} USD", *cost_usd / tt.goodput) : std::string(),
                  100 * tt.goodput, span_text(tt.job_mtbf_s), tt.checkpoint_every_steps,
-                 tt.checkpoint_write_s,
-                 tt.asynchronous
-                     ? fmt::format(" behind training, which stops {:.2f} s for the copy",
-                                   tt.checkpoint_blocking_s)
-                     : std::string());
+                 tt.checkpoint_every_steps == 1 ? "" : "s", span_text(tt.checkpoint_write_s),
+                 tt.asynchronous ? fmt::format(" behind training, which stops {} for the copy",
+                                               span_text(tt.checkpoint_blocking_s))
+                                 : std::string());
 }
 
 nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<double> cost_usd) {
@@ -521,6 +520,7 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
                       {"goodput", tt.goodput},
                       {"time_to_train_with_interruptions_s", interrupted(tt.work_s)},
                       {"checkpoint_every_steps", tt.checkpoint_every_steps},
+                      {"checkpoints", tt.checkpoints},
                       {"checkpoint_write_s", tt.checkpoint_write_s},
                       {"checkpoint_blocking_s", tt.checkpoint_blocking_s},
                       {"checkpoint_asynchronous", tt.asynchronous},

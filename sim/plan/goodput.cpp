@@ -54,7 +54,11 @@ TrainingTime training_time(const model::ModelSpec& spec, const Plan& plan, std::
     t.goodput = 0;
     return t;
   }
-  t.wall_s = t.work_s * (1.0 + t.checkpoint_blocking_s / interval_s) / useful;
+  // Whole checkpoints: a run a little longer than an interval writes two (a fraction of one
+  // made a run of one step and a token cost less than a run of one step).
+  t.checkpoints =
+      std::max(1.0, std::ceil(t.steps / static_cast<double>(t.checkpoint_every_steps) - 1e-9));
+  t.wall_s = (t.work_s + t.checkpoints * t.checkpoint_blocking_s) / useful;
   t.goodput = t.work_s / t.wall_s;
   return t;
 }

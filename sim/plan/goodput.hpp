@@ -52,7 +52,10 @@ struct TrainingTime {
   // than a write (which must end before the next begins); at least 1, and at most the run,
   // which takes precedence (a run shorter than either checkpoints once, at its end).
   std::int64_t checkpoint_every_steps = 1;
-  // Expected wall time: work x (1 + blocking / interval) / (1 - lost / MTBF), each interruption
+  // The checkpoints written: one every interval and the last at the run's end (steps / interval
+  // rounded up).
+  double checkpoints = 1;
+  // Expected wall time: (work + checkpoints x blocking) / (1 - lost / MTBF), each interruption
   // losing the restart and on average half an interval and its write (synchronous: half the
   // write, a failure during it losing the interval before; asynchronous: the whole write, the
   // newest checkpoint not durable until it ends). Infinite (and goodput 0) when interruptions
