@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "sim/cluster/device_catalog.hpp"
 #include "sim/common/error.hpp"
@@ -78,14 +79,28 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   for (std::size_t i = 0; i < samples.size(); ++i) {
     const JsonReader s(samples[i], path, fmt::format("gemm[{}]", i));
     s.expect_only({"m", "n", "k", "seconds"});
-    p.gemm.push_back({static_cast<double>(s.positive_int("m")),
-                      static_cast<double>(s.positive_int("n")),
-                      static_cast<double>(s.positive_int("k")), s.positive_number("seconds")});
+    const GemmSample sample{static_cast<double>(s.positive_int("m")),
+                            static_cast<double>(s.positive_int("n")),
+                            static_cast<double>(s.positive_int("k")), s.positive_number("seconds")};
+    // Two times for one shape: which one the simulator took would depend on their order.
+    for (std::size_t before = 0; before < p.gemm.size(); ++before) {
+      const GemmSample& o = p.gemm[before];
+      if (o.m == sample.m && o.n == sample.n && o.k == sample.k) {
+        s.fail("m", fmt::format("m={} n={} k={} is given twice (also gemm[{}]): one time per shape",
+                                sample.m, sample.n, sample.k, before));
+      }
+    }
+    p.gemm.push_back(sample);
   }
-  std::sort(p.gemm.begin(), p.gemm.end(),
-            [](const GemmSample& a, const GemmSample& b) { return a.flops() < b.flops(); });
-  if (r.has("memory_bw_bytes_per_s"))
-    p.memory_bw_bytes_per_s = r.positive_number("memory_bw_bytes_per_s");
+  // By FLOPs, shapes of equal FLOPs by shape: an order that the file's does not change.
+  std::sort(p.gemm.begin(), p.gemm.end(), [](const GemmSample& a, const GemmSample& b) {
+    return std::tuple(a.flops(), a.m, a.n, a.k) < std::tuple(b.flops(), b.m, b.n, b.k);
+  });
+  // The bounds of a device file's bandwidths: beyond them only a unit mistake.
+  if (r.has("memory_bw_bytes_per_s")) {
+    p.memory_bw_bytes_per_s = r.number_within("memory_bw_bytes_per_s", cluster::kLeastBandwidth,
+                                              cluster::kMostBandwidth, "bytes/s");
+  }
   if (r.has("launch_overhead_s")) {
     // The bounds of a device file's launch overhead.
     p.launch_overhead_s = r.number_within("launch_overhead_s", cluster::kLeastLatency,
@@ -151,7 +166,12 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
       if (p.ops.count({op, phase})) {
         o.fail("op", fmt::format("{} {} is given twice", op, phase));
       }
-      p.ops[{op, phase}] = {o.positive_number(flops ? "flops_per_s" : "bytes_per_s"), flops};
+      // Up to a device file's bounds (a faster rate is a unit or timing mistake); no least one,
+      // as a small op's rate on a busy host may be low.
+      const double rate =
+          flops ? o.number_within("flops_per_s", 1, cluster::kMostFlops, "FLOP/s")
+                : o.number_within("bytes_per_s", 1, cluster::kMostBandwidth, "bytes/s");
+      p.ops[{op, phase}] = {rate, flops};
       if (o.has("seconds")) o.positive_number("seconds");
     }
     const auto loss = p.ops.find({"loss", "fwd"});

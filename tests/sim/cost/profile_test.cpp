@@ -204,6 +204,32 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
           "collectives": [{"kind": "all_reduce", "ranks": 2, "bytes": 8, "seconds": 1e-5,
                            "busbw_bytes_per_s": 0}]})",
       "bad_profile.json: collectives[0].busbw_bytes_per_s: expected a positive number");
+  // One time per shape: which of two the simulator took would depend on their order.
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 8, "n": 4, "k": 2, "seconds": 1},
+          {"m": 2, "n": 4, "k": 8, "seconds": 1}, {"m": 8, "n": 4, "k": 2, "seconds": 10}]})",
+      "bad_profile.json: gemm[2].m: m=8 n=4 k=2 is given twice (also gemm[0]): one time per "
+      "shape");
+  // A device file's bounds on bandwidth: beyond them a unit mistake.
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "memory_bw_bytes_per_s": 1e20})",
+      "bad_profile.json: memory_bw_bytes_per_s: expected bytes/s from 1e+07 to 1e+14, got 1e+20 "
+      "(a unit mistake?)");
+}
+
+TEST_CASE("a profile's GEMMs of equal FLOPs price alike whatever their order in the file",
+          "[cost][profile]") {
+  const char* ab = R"({"device": "a100-sxm4-80gb", "source": "s", "precision": "bf16",
+    "gemm": [{"m": 8, "n": 4, "k": 2, "seconds": 1e-6}, {"m": 2, "n": 4, "k": 8, "seconds": 3e-6},
+             {"m": 64, "n": 64, "k": 64, "seconds": 1e-5}]})";
+  const char* ba = R"({"device": "a100-sxm4-80gb", "source": "s", "precision": "bf16",
+    "gemm": [{"m": 64, "n": 64, "k": 64, "seconds": 1e-5}, {"m": 2, "n": 4, "k": 8, "seconds": 3e-6},
+             {"m": 8, "n": 4, "k": 2, "seconds": 1e-6}]})";
+  TempFile fa("ab.json", ab), fb("ba.json", ba);
+  const auto a = dtsim::cost::load_profile(fa.path()), b = dtsim::cost::load_profile(fb.path());
+  for (double flops : {64.0, 100.0, 1000.0, 1e5, 1e6}) {
+    INFO(flops);
+    CHECK(a.gemm_seconds(flops) == b.gemm_seconds(flops));
+  }
 }
 
 TEST_CASE("a profile's in_run factors scale its compute times by phase", "[cost][profile]") {
@@ -325,6 +351,11 @@ TEST_CASE("bad op rates in a profile are rejected naming the entry", "[cost][pro
       "ops[0].flops_per_s: give exactly one of flops_per_s and bytes_per_s");
   bad(R"([{"op": "gelu", "phase": "fwd", "bytes_per_s": 0}])",
       "ops[0].bytes_per_s: expected a positive number");
+  // Faster than a device file's bandwidth or peak: a unit or timing mistake.
+  bad(R"([{"op": "gelu", "phase": "fwd", "bytes_per_s": 1e20}])",
+      "bad_ops.json: ops[0].bytes_per_s: expected bytes/s from 1 to 1e+14, got 1e+20");
+  bad(R"([{"op": "attention", "phase": "fwd", "flops_per_s": 1e20}])",
+      "bad_ops.json: ops[0].flops_per_s: expected FLOP/s from 1 to 1e+17, got 1e+20");
   bad(R"({"op": "gelu"})", "bad_ops.json: ops: expected an array");
   // A rate nothing reads, or read as the wrong quantity, or given twice.
   bad(R"([{"op": "rmsnorm", "phase": "step", "bytes_per_s": 1}])",
