@@ -64,6 +64,10 @@ double spread_value(const std::string& key, const std::string& v) {
 double number(const std::string& key, const std::string& v, bool integer) {
   try {
     std::size_t used = 0;
+    // Decimal only (std::stod also reads hexadecimal, which the plan flags do not take).
+    if (v.find_first_not_of("0123456789.eE+-") != std::string::npos) {
+      throw std::invalid_argument(v);
+    }
     const double d = std::stod(v, &used);
     // Integers stay below 2^53, where doubles are exact and the cast to int64 is defined.
     // Other figures keep to the bounds a cluster file's do (in the axis's own unit).
@@ -80,6 +84,21 @@ double number(const std::string& key, const std::string& v, bool integer) {
         integer ? "integer"
                 : fmt::format("number (from {:g} to {:g})", kSmallestFigure, kLargestFigure)));
   }
+}
+
+// A value of --vary nic_gbps or latency_us, within a cluster file's bounds on the figure it
+// sets (beyond them a unit mistake: a cluster file refuses them too), in the axis's unit.
+double network_value(const std::string& key, const std::string& v) {
+  const double d = number(key, v, false);
+  const bool nic = key == "nic_gbps";
+  // Bytes/s to Gbit/s; seconds to microseconds.
+  const double least = nic ? cluster::kLeastBandwidth * 8 / 1e9 : cluster::kLeastLatency * 1e6;
+  const double most = nic ? cluster::kMostBandwidth * 8 / 1e9 : cluster::kMostLatency * 1e6;
+  if (!(d >= least && d <= most)) {
+    throw InputError(fmt::format("--vary {}={}: expected {} from {:g} to {:g} (a unit mistake?)",
+                                 key, v, nic ? "Gbit/s" : "microseconds", least, most));
+  }
+  return d;
 }
 
 // A value of --vary expert_load: at least 1.
@@ -101,9 +120,8 @@ std::string axis_identity(const std::string& key, const std::string& v) {
   if (key == "gpus" || key == "global_batch" || key == "seq_len") {
     return as_number(number(key, v, true));
   }
-  if (key == "nic_gbps" || key == "latency_us" || key == "oversubscription") {
-    return as_number(number(key, v, false));
-  }
+  if (key == "nic_gbps" || key == "latency_us") return as_number(network_value(key, v));
+  if (key == "oversubscription") return as_number(number(key, v, false));
   if (key == "attention") return std::string(model::to_string(attention_value(v)));
   const bool path = v.find('/') != std::string::npos || v.ends_with(".json");
   if (key == "device" && !path) {
@@ -409,11 +427,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
       row.catalog_efficiency = tuned && c.device_efficiency_overrides.empty();
     }
     if (point.count("nic_gbps")) {
-      c.inter.nic_bw_bytes_per_s = {number("nic_gbps", point.at("nic_gbps"), false) * 1e9 / 8,
+      c.inter.nic_bw_bytes_per_s = {network_value("nic_gbps", point.at("nic_gbps")) * 1e9 / 8,
                                     "whatif --vary nic_gbps"};
     }
     if (point.count("latency_us")) {
-      c.inter.latency_s = {number("latency_us", point.at("latency_us"), false) * 1e-6,
+      c.inter.latency_s = {network_value("latency_us", point.at("latency_us")) * 1e-6,
                            "whatif --vary latency_us"};
     }
     if (point.count("oversubscription")) {
