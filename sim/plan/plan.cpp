@@ -138,7 +138,7 @@ std::string summary(const Plan& p) {
   if (p.grad_precision) s += fmt::format(" grads={}", to_string(*p.grad_precision));
   if (p.comm_precision) s += fmt::format(" comm={}", to_string(*p.comm_precision));
   if (p.grad_compression < 1) s += fmt::format(" grad-compression={:g}", p.grad_compression);
-  if (p.expert_load != 1) s += fmt::format(" expert-load={:g}", p.expert_load);
+  if (p.expert_load != 1) s += fmt::format(" expert-load={}", p.expert_load);
   if (p.clip_grad > 0) s += fmt::format(" clip-grad={:g}", p.clip_grad);
   return s;
 }
@@ -249,17 +249,17 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
                     m.moe->top_k, m.moe->experts, p.ep, m.moe->experts / p.ep)
               : std::string();
       error("expert-load",
-            fmt::format("expert load {:g}: expected the busiest ep rank's token copies over the "
+            fmt::format("expert load {}: expected the busiest ep rank's token copies over the "
                         "even share, in [1, {:g}]{}",
                         p.expert_load, max_expert_load(m, p), why));
     } else if (!(p.expert_load >= 1)) {
-      error("expert-load", fmt::format("expert load {:g}: {}, 1 without expert parallelism",
+      error("expert-load", fmt::format("expert load {}: {}, 1 without expert parallelism",
                                        p.expert_load, kExpertLoadExpected));
     } else if (!m.moe) {
-      error("expert-load", fmt::format("expert load {:g} needs a mixture of experts; {} has none",
+      error("expert-load", fmt::format("expert load {} needs a mixture of experts; {} has none",
                                        p.expert_load, m.name));
     } else {
-      error("expert-load", fmt::format("expert load {:g} needs experts split over ep > 1 (one "
+      error("expert-load", fmt::format("expert load {} needs experts split over ep > 1 (one "
                                        "rank holds every expert, so its share is even)",
                                        p.expert_load));
     }
