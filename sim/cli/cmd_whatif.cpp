@@ -845,7 +845,13 @@ int cmd_whatif(const std::vector<std::string>& args) {
   std::vector<std::string> headers = keys;
   if (gpus_column) headers.push_back("GPUs");
   headers.push_back(vm.count("fixed-plan") ? "plan" : "best plan");
-  for (const char* h : {"step", "tokens/s", "MFU", "scaling", "Amdahl"}) headers.push_back(h);
+  // Per-GPU throughput against the first point: a scaling efficiency where the points' devices
+  // differ; where they do not (a faster network, another sequence length) only a ratio, which
+  // may well exceed 100%.
+  const bool devices_vary = std::any_of(rows.begin(), rows.end(),
+                                        [&](const Row& r) { return r.gpus != rows.front().gpus; });
+  const char* ratio = devices_vary ? "scaling" : "per GPU";
+  for (const char* h : {"step", "tokens/s", "MFU", ratio, "Amdahl"}) headers.push_back(h);
   if (stragglers) headers.push_back("stragglers");
   if (slow_ranks) headers.push_back("slow rank");
   for (const char* h : {"goodput", "train", "cost", "energy"}) headers.push_back(h);
@@ -909,11 +915,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (none_fit.size() < first_fits.size() &&
       (first_fits.size() > 1 || std::any_of(first_fits.begin(), first_fits.end(),
                                             [](const auto& f) { return !f.second; }))) {
-    std::cout << "(scaling: tokens/s per GPU against the first point of the same model whose "
-                 "plan fits)\n";
+    std::cout << fmt::format(
+        "({}: tokens/s per GPU against the first point of the same model whose plan fits)\n",
+        ratio);
   }
   if (!none_fit.empty()) {
-    std::cout << fmt::format("(scaling: no point of {} has a plan that fits: no figure)\n",
+    std::cout << fmt::format("({}: no point of {} has a plan that fits: no figure)\n", ratio,
                              fmt::join(none_fit, ", "));
   }
   if (std::any_of(rows.begin(), rows.end(), [](const Row& r) {
