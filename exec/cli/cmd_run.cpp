@@ -1192,6 +1192,7 @@ int run(const std::vector<std::string>& args) {
   if (dtsim::exec::cpu::under_mpirun()) mpi = std::make_unique<dtsim::exec::cpu::MpiSession>();
   const int rank = mpi ? mpi->rank() : 0;
   g_rank = rank;
+  if (mpi) check_same_arguments(*mpi, args, "run");
   const double clock_skew = clock_skew_s(rank);
   if (only_rank && mpi && mpi->size() > 1) {
     throw dtsim::InputError("--only-rank: runs one process; start it without mpirun");

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <iostream>
 #include <limits>
 #include <sstream>
@@ -24,6 +25,33 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
 }
 
 int g_rank = 0;
+
+void check_same_arguments(const cpu::MpiSession& mpi, const std::vector<std::string>& args,
+                          const char* command) {
+  // FNV-1a (64 bits) over the sorted arguments, each ended by a 0 byte.
+  std::vector<std::string> sorted(args);
+  std::sort(sorted.begin(), sorted.end());
+  std::uint64_t hash = 14695981039346656037ull;
+  for (const std::string& a : sorted) {
+    for (const char c : a + '\0') {
+      hash ^= static_cast<unsigned char>(c);
+      hash *= 1099511628211ull;
+    }
+  }
+  // As two 32-bit halves, which doubles hold exactly.
+  const auto all =
+      mpi.all_gather({static_cast<double>(hash >> 32), static_cast<double>(hash & 0xffffffffull)});
+  for (int r = 1; r < mpi.size(); ++r) {
+    const auto at = static_cast<std::size_t>(2 * r);
+    if (all[at] != all[0] || all[at + 1] != all[1]) {
+      throw InputError(fmt::format(
+          "rank {} was started with other arguments than rank 0: every rank of a dtexec {} "
+          "job takes the same ones (an mpirun of several programs, with ':', gave the ranks "
+          "different seeds, plans or models)",
+          r, command));
+    }
+  }
+}
 
 void end_all_ranks(const std::exception& e, const dtsim::exec::cpu::MpiSession* mpi,
                    const char* command) {

@@ -34,6 +34,13 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
 // (bad options, a plan that does not fit the ranks) are printed by rank 0 only.
 extern int g_rank;
 
+// Under mpirun, every rank must have been started with the same arguments (in any order): an
+// mpirun of several programs (`mpirun -np 1 dtexec run ... : -np 1 dtexec run --seed 7 ...`)
+// trained replicas of different initial weights in silence, and other plans or models hung or
+// failed in MPI. Throws InputError, on every rank alike, naming the first rank that differs.
+void check_same_arguments(const cpu::MpiSession& mpi, const std::vector<std::string>& args,
+                          const char* command);
+
 // Under mpirun, peers may be waiting for this rank (a collective, a barrier, NCCL's set-up):
 // on an error, say which rank failed and end them all (exit 2 for bad input, else 1). Alone,
 // it returns and the caller rethrows.
