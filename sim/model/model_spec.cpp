@@ -247,13 +247,22 @@ namespace {
 using KeyMap = std::map<std::string, std::string, std::less<>>;
 
 // First present key among `keys` as a positive integer; records it as the key of `field`.
+// Where the keys are `aliases` (names of one figure), another of them present with another
+// value is a contradiction, refused (which one Hugging Face reads depends on the model class);
+// else the later keys are fallbacks.
 std::int64_t hf_int(const JsonReader& r, KeyMap& names, std::string_view field,
-                    std::initializer_list<std::string_view> keys) {
-  for (std::string_view k : keys) {
-    if (r.has(k)) {
-      names[std::string(field)] = std::string(k);
-      return r.positive_int(k);
+                    std::initializer_list<std::string_view> keys, bool aliases = true) {
+  for (auto k = keys.begin(); k != keys.end(); ++k) {
+    if (!r.has(*k)) continue;
+    names[std::string(field)] = std::string(*k);
+    const std::int64_t v = r.positive_int(*k);
+    for (auto other = std::next(k); aliases && other != keys.end(); ++other) {
+      if (r.has(*other) && r.positive_int(*other) != v) {
+        r.fail(*other, fmt::format("{} here, but {} is {}: the same figure, given twice apart",
+                                   r.positive_int(*other), *k, v));
+      }
     }
+    return v;
   }
   r.fail(*keys.begin(), "required field is missing");
 }
@@ -292,6 +301,17 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.vocab = hf_int(r, names, "vocab", {"vocab_size"});
     m.max_positions = hf_int(r, names, "max_positions", {"n_positions", "max_position_embeddings"});
     m.activation = Activation::Gelu;
+    // GPT-2's MLP is modelled with GELU (its approximations cost alike); another activation
+    // would be priced as GELU, so it is refused rather than misread.
+    if (r.has("activation_function")) {
+      const std::string act = r.string("activation_function");
+      if (!act.starts_with("gelu") && act != "quick_gelu") {
+        r.fail("activation_function",
+               fmt::format("\"{}\": dtsim models gpt2's MLP with gelu (or one of its "
+                           "approximations: gelu_new, gelu_fast, quick_gelu, ...) only",
+                           act));
+      }
+    }
     m.norm = Norm::LayerNorm;
     m.positions = Positions::Learned;
     m.tied_embeddings = r.boolean_or("tie_word_embeddings", true);
@@ -303,7 +323,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.heads = hf_int(r, names, "heads", {"num_attention_heads"});
     // Without num_key_value_heads, multi-head attention: one key/value head per head (as
     // Hugging Face defaults it), said in the description (a misspelt key would read so too).
-    m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"});
+    m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"},
+                        /*aliases=*/false);
     if (!r.has("num_key_value_heads")) {
       m.description +=
           "; no num_key_value_heads: one key/value head per head (multi-head attention), as "
@@ -324,6 +345,10 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // sequence is within the window; said in the description (dtsim describe prints it).
     // (Llama's attention has no window: its configs' sliding_window, where present, is unread;
     // Qwen2's uses it only with use_sliding_window, false by default in Hugging Face's.)
+    if (type != "llama" && j.contains("sliding_window") && !j.at("sliding_window").is_null() &&
+        !j.at("sliding_window").is_number_integer()) {
+      r.fail("sliding_window", "expected a number of tokens (an integer) or null");
+    }
     if (type != "llama" && j.contains("sliding_window") &&
         j.at("sliding_window").is_number_integer() &&
         r.boolean_or("use_sliding_window", type != "qwen2")) {

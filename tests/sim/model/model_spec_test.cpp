@@ -92,8 +92,38 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     TempFile f("config.json", R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12,
       "n_layer": 12, "n_positions": 1024, "vocab_size": 50257})");
     CHECK(count_params(load_model(f.path())) == 124439808ULL);
+    // GELU's approximations price alike; another activation is refused, not priced as GELU.
+    TempFile tanh("config.json", R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12,
+      "n_layer": 12, "n_positions": 1024, "vocab_size": 50257, "activation_function": "gelu_new"})");
+    CHECK(count_params(load_model(tanh.path())) == 124439808ULL);
+    TempFile relu("config.json", R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12,
+      "n_layer": 12, "n_positions": 1024, "vocab_size": 50257, "activation_function": "relu"})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        load_model(relu.path()), InputError,
+        "activation_function: \"relu\": dtsim models gpt2's MLP with gelu");
+    // Two names of one figure that disagree: which one counts depends on the model class.
+    TempFile both("config.json", R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12,
+      "n_layer": 2, "num_hidden_layers": 5, "n_positions": 1024, "vocab_size": 50257})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        load_model(both.path()), InputError,
+        "num_hidden_layers: 5 here, but n_layer is 2: the same figure, given twice apart");
+    TempFile agree("config.json", R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12,
+      "n_layer": 12, "num_hidden_layers": 12, "n_positions": 1024, "vocab_size": 50257})");
+    CHECK(count_params(load_model(agree.path())) == 124439808ULL);
   }
   SECTION("a sliding window is said not to be modelled; a gated MLP other than SiLU refused") {
+    TempFile text("config.json", R"({"model_type": "mistral", "hidden_size": 4096,
+      "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+      "sliding_window": "abc"})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(text.path()), InputError,
+                                    "sliding_window: expected a number of tokens (an integer) or "
+                                    "null");
+    TempFile none("config.json", R"({"model_type": "mistral", "hidden_size": 4096,
+      "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+      "sliding_window": null})");
+    CHECK_THAT(load_model(none.path()).description, !Catch::Contains("sliding_window"));
     TempFile f("config.json", R"({"model_type": "mistral", "hidden_size": 4096,
       "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
       "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
