@@ -524,6 +524,12 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
           path, found, comm_tasks, rp.rank, rp.stage, path));
     }
     waits = "of their predicted length (" + path + ")";
+    // The waits are the predicted cluster's communication (the point of --only-rank: a large
+    // plan's rank on one device); said where its device is not this one's.
+    if (!trace.device.empty() && trace.device != device_name) {
+      waits += fmt::format(", predicted on a cluster of {} while this rank computes on {}",
+                           trace.device, device_name);
+    }
   }
   options.program_index = index;
   options.replay_communication = true;
@@ -783,6 +789,16 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm, std::int64_t
   if (!(std::isfinite(options.weight_decay) && options.weight_decay >= 0)) {
     throw dtsim::InputError(
         fmt::format("--weight-decay: expected a finite number >= 0, got {}", options.weight_decay));
+  }
+  // AdamW's decoupled decay multiplies the weights by 1 - lr x decay each step: from 1 on it
+  // zeroes them or flips their sign (1e9 at the default lr ended at a loss of 1.3 million).
+  if (const double shrink = static_cast<double>(options.lr.max_lr) * options.weight_decay;
+      shrink >= 1) {
+    throw dtsim::InputError(fmt::format(
+        "--weight-decay {:g} with a peak --lr of {:g}: their product is {:g}, and AdamW multiplies "
+        "the weights by 1 - that each step (expected below 1; Megatron-LM's default decay is "
+        "0.01)",
+        options.weight_decay, options.lr.max_lr, shrink));
   }
   // Read here, not by program_options, whose unsigned parse wraps "-1" to 2^64 - 1.
   const std::string seed = vm["seed"].as<std::string>();

@@ -136,9 +136,12 @@ CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
   if (r.has("weight_decay")) c.weight_decay = r.non_negative_number("weight_decay");
   const auto& losses = r.array("losses");
   for (std::size_t i = 0; i < losses.size(); ++i) {
-    if (!losses[i].is_number() || !std::isfinite(losses[i].get<double>())) {
-      throw InputError(fmt::format("{}: losses[{}]: expected a finite number, got {}", where, i,
-                                   describe_json_value(losses[i])));
+    if (!losses[i].is_number() || !std::isfinite(losses[i].get<double>()) ||
+        losses[i].get<double>() < 0) {
+      throw InputError(
+          fmt::format("{}: losses[{}]: expected a cross-entropy (a finite number >= "
+                      "0), got {}",
+                      where, i, describe_json_value(losses[i])));
     }
     c.losses.push_back(losses[i].get<double>());
   }

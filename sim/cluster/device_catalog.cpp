@@ -29,7 +29,7 @@ DeviceSpec device_from_json(const json& j, const std::string& file) {
                  "framework_overhead_bytes", "notes"});
   DeviceSpec d;
   d.file = file;
-  d.name = r.string("name");
+  d.name = r.name("name");
   d.display_name = r.string("display_name");
   d.vendor = r.string("vendor");
   d.notes = r.string_or("notes", "");

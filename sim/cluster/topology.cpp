@@ -85,7 +85,7 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
                  "power_per_device_w", "communication", "notes"});
   Cluster c;
   c.file = file;
-  c.name = r.string("name");
+  c.name = r.name("name");
   c.description = r.string("description");
   c.source = r.string("source");
   const std::string device_name = r.string("device");
@@ -160,6 +160,8 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
             "fat_tree, rail_optimized or dragonfly");
   only_with({"nodes_per_leaf", "oversubscription"}, switched,
             "fat_tree, rail_optimized or dragonfly");
+  only_with({"latency_s"}, f != InterFabric::None,
+            "fat_tree, rail_optimized, dragonfly or torus_3d (a network between nodes)");
   if (switched && c.inter.transport == Transport::None) {
     inter.fail("transport", fmt::format("a {} network needs a transport (infiniband, roce, "
                                         "ethernet, efa, slingshot), got none",

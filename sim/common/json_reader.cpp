@@ -131,6 +131,18 @@ std::string JsonReader::string(std::string_view key) const {
   return v.get<std::string>();
 }
 
+std::string JsonReader::name(std::string_view key) const {
+  const std::string s = string(key);
+  if (s.empty()) fail(key, "expected a name, got an empty string");
+  if (std::any_of(s.begin(), s.end(), [](char c) {
+        const auto u = static_cast<unsigned char>(c);
+        return u < 0x20 || u == 0x7f;
+      })) {
+    fail(key, "expected a name without control characters (a newline, a tab, a NUL)");
+  }
+  return s;
+}
+
 std::string JsonReader::string_or(std::string_view key, std::string_view fallback) const {
   return has(key) ? string(key) : std::string(fallback);
 }

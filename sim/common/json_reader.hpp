@@ -40,6 +40,9 @@ class JsonReader {
 
   std::string string(std::string_view key) const;
   std::string string_or(std::string_view key, std::string_view fallback) const;
+  // A name that tables and messages print: a non-empty string without control characters
+  // (a newline split a table's header, a NUL ended it).
+  std::string name(std::string_view key) const;
   bool boolean(std::string_view key) const;
   bool boolean_or(std::string_view key, bool fallback) const;
   std::int64_t positive_int(std::string_view key) const;

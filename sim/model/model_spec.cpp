@@ -68,7 +68,7 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
                  "published_params_source"});
   ModelSpec m;
   m.file = file;
-  m.name = r.string("name");
+  m.name = r.name("name");
   m.description = r.string_or("description", "");
   m.source = r.string("source");
   m.layers = r.positive_int("layers");
@@ -285,7 +285,9 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   ModelSpec m;
   m.file = file;
   m.name =
-      r.string_or("_name_or_path", std::filesystem::path(file).parent_path().filename().string());
+      r.has("_name_or_path") && !r.string("_name_or_path").empty()
+          ? r.name("_name_or_path")
+          : std::filesystem::path(file).parent_path().filename().string();
   if (m.name.empty()) m.name = type;
   m.source = fmt::format("Hugging Face config.json ({})", file);
   m.description = fmt::format("imported from a Hugging Face {} config", type);

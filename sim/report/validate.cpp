@@ -185,6 +185,7 @@ Trace read_trace(const std::string& path) {
     };
     TraceTask t;
     t.rank = id("pid");
+    if (t.rank < 0) r.fail("pid", fmt::format("expected a rank (>= 0), got {}", t.rank));
     if (id("tid") < 0 || id("tid") > std::numeric_limits<int>::max()) {
       r.fail("tid", "expected a thread id from 0 to 2^31 - 1");
     }
@@ -207,6 +208,7 @@ Trace read_trace(const std::string& path) {
       args.fail("task", "expected the task id (an integer)");
     }
     t.task = e.at("args").at("task").get<std::int64_t>();
+    if (t.task < 0) args.fail("task", fmt::format("expected a task id (>= 0), got {}", t.task));
     if (const auto [it, fresh] = seen.emplace(std::make_pair(t.rank, t.task), i); !fresh) {
       throw InputError(fmt::format(
           "{}: {}: task {} of rank {} again (first at traceEvents[{}]); expected one event per "

@@ -357,7 +357,12 @@ TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[e
       j["losses"] = {"5.5", 5.25};
     });
     REQUIRE_THROWS_WITH(CheckpointReader(dir),
-                        Contains("losses[0]: expected a finite number, got \"5.5\""));
+                        Contains("losses[0]: expected a cross-entropy (a finite number >= 0), got "
+                                 "\"5.5\""));
+    rewrite_index(dir, [](nlohmann::json& j) { j["losses"] = {5.5, -5.25}; });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("losses[1]: expected a cross-entropy (a finite number >= 0), got "
+                                 "-5.25"));
     rewrite_index(dir, [](nlohmann::json& j) {
       j["losses"] = {5.5, 5.25};
       j["shards"][0]["pieces"] = "none";

@@ -137,6 +137,14 @@ TEST_CASE("bad cluster files are rejected naming file and field",
     j = valid_cluster();
     j["inter_node"]["link_bw_bytes_per_s"] = {{"value", 5e10}, {"source", "s"}};
     expect(j, "inter_node.link_bw_bytes_per_s: only with fabric torus_3d");
+    // One node: no network between nodes, so no latency to read.
+    j = valid_cluster();
+    j["nodes"] = 1;
+    j["inter_node"] = {
+        {"fabric", "none"}, {"transport", "none"}, {"latency_s", {{"value", 5}, {"source", "s"}}}};
+    expect(j,
+           "inter_node.latency_s: only with fabric fat_tree, rail_optimized, dragonfly or "
+           "torus_3d (a network between nodes); this cluster's is none");
   }
   SECTION("values in another unit") {
     auto j = valid_cluster();

@@ -248,6 +248,10 @@ TEST_CASE("bad model files are rejected naming file and field", "[model][bad-inp
       {"tied_embeddings", "yes", "tied_embeddings: expected true or false"},
       {"seq_len", 64, "seq_len: seq_len = 64 exceeds max_positions = 32"},
       {"hiden", 64, "hiden: unknown field"},
+      // A name that tables print: a newline split a header, a NUL cut it.
+      {"name", "", "name: expected a name, got an empty string"},
+      {"name", "two\nlines", "name: expected a name without control characters"},
+      {"name", std::string("nul\0byte", 8), "name: expected a name without control characters"},
       {"moe", nlohmann::json{{"experts", 2}, {"top_k", 4}, {"expert_ffn_hidden", 8}},
        "moe.top_k: top_k = 4 exceeds experts = 2"},
       // Sanity bounds keep every count inside 64 bits (a wrapped product, or bad_alloc for

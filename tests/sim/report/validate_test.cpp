@@ -105,6 +105,20 @@ TEST_CASE("a malformed represents list is rejected naming the event",
       "bad_rep.json: traceEvents[0].args.represents: expected integer ranks");
 }
 
+TEST_CASE("a negative rank or task id is rejected naming the event",
+          "[report][validate][bad-input]") {
+  TempFile rank("bad_pid.json", R"({"traceEvents": [
+    {"ph": "X", "pid": -1, "tid": 0, "ts": 0, "dur": 1, "args": {"task": 0}}]})");
+  DTSIM_REQUIRE_THROWS_CONTAINING(
+      dtsim::report::read_trace(rank.path()), InputError,
+      "bad_pid.json: traceEvents[0].pid: expected a rank (>= 0), got -1");
+  TempFile task("bad_task.json", R"({"traceEvents": [
+    {"ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 1, "args": {"task": -3}}]})");
+  DTSIM_REQUIRE_THROWS_CONTAINING(
+      dtsim::report::read_trace(task.path()), InputError,
+      "bad_task.json: traceEvents[0].args.task: expected a task id (>= 0), got -3");
+}
+
 TEST_CASE("validate sums each program task over its micro-batches and ranks",
           "[report][validate]") {
   using dtsim::report::without_micro_batch;
