@@ -1,6 +1,7 @@
 #include "sim/report/validate.hpp"
 
 #include "sim/common/error.hpp"
+#include "sim/report/trace.hpp"
 #include "tests/test_util.hpp"
 
 using dtsim::InputError;
@@ -342,4 +343,14 @@ TEST_CASE("a malformed straggler wait is rejected naming the event",
   const TempFile ok =
       trace("ok_wait.json", R"("straggler_wait_from_us": 0, "straggler_wait_us": 10)");
   CHECK(dtsim::report::read_trace(ok.path()).tasks[0].wait_s == Approx(10e-6));
+}
+
+// A trace of millions of tasks takes tens of seconds and gigabytes to write: said before.
+TEST_CASE("a trace of a million tasks or more is said to take a while", "[report][trace]") {
+  CHECK_FALSE(dtsim::report::large_trace_note(999'999, "t.json"));
+  const auto note = dtsim::report::large_trace_note(2'034'000, "t.json");
+  REQUIRE(note);
+  CHECK(
+      note->find("note: writing a trace of 2.0 million tasks to t.json: expect tens of seconds") !=
+      std::string::npos);
 }
