@@ -177,13 +177,9 @@ std::vector<Runner::Use> Runner::communication_uses(const lower::Task& task) con
     }
     return {{Slot::KvGrad, anchor, false}, {Slot::Grad, input(anchor), false}};
   }
-  if (kind == GroupKind::Ep) {
-    // ep_collective: what each of the four all-to-alls reads and makes.
-    const OpId router = router_of(anchor);
-    const bool backward = (task.tag & 1) != 0;
-    if (g_.op(anchor).kind == OpKind::MlpUp) {
-      return {{backward ? Slot::Grad : Slot::Out, router, false}};
-    }
+  // A collective at an experts' down op that combines the copies' outputs at their tokens
+  // (forward) or takes the combine's backward there: the outputs, the gates and the order.
+  auto combine = [&](OpId router, bool backward) -> std::vector<Use> {
     if (!backward) {
       return {{Slot::Aux1, anchor, false},
               {Slot::Aux1, router, false},
@@ -195,6 +191,15 @@ std::vector<Runner::Use> Runner::communication_uses(const lower::Task& task) con
             {Slot::Aux1, router, false},
             {Slot::Route, router, false},
             {Slot::GateGrad, router, false}};
+  };
+  if (kind == GroupKind::Ep) {
+    // ep_collective: what each of the four all-to-alls reads and makes.
+    const OpId router = router_of(anchor);
+    const bool backward = (task.tag & 1) != 0;
+    if (g_.op(anchor).kind == OpKind::MlpUp) {
+      return {{backward ? Slot::Grad : Slot::Out, router, false}};
+    }
+    return combine(router, backward);
   }
   if (kind != GroupKind::Tp) return u;
   const Op& op = g_.op(anchor);
@@ -205,17 +210,7 @@ std::vector<Runner::Use> Runner::communication_uses(const lower::Task& task) con
     const bool gather = task.collective == CollectiveKind::AllGather;
     if (op.kind == OpKind::MlpUp) return {{gather ? Slot::Out : Slot::Grad, router, false}};
     if (ep_ > 1) return {{gather ? Slot::Grad : Slot::Aux1, anchor, false}};
-    if (!gather) {
-      return {{Slot::Aux1, anchor, false},
-              {Slot::Aux1, router, false},
-              {Slot::Route, router, false},
-              {Slot::Out, anchor, true}};
-    }
-    return {{Slot::Grad, anchor, false},
-            {Slot::Aux1, anchor, false},
-            {Slot::Aux1, router, false},
-            {Slot::Route, router, false},
-            {Slot::GateGrad, router, false}};
+    return combine(router, /*backward=*/gather);
   }
   if (op.kind == OpKind::MlpUp && op.expert) return {{Slot::GateGrad, router_of(anchor), false}};
   const bool exit = op.kind == OpKind::Embedding || row_parallel(op);
