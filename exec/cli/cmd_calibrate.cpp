@@ -616,7 +616,7 @@ int calibrate(const std::vector<std::string>& args) {
   const int rank = mpi ? mpi->rank() : 0;
   const int ranks = mpi ? mpi->size() : 1;
   g_rank = rank;
-  if (mpi) check_same_arguments(*mpi, args, "calibrate");
+  if (mpi) check_same_arguments(*mpi, vm, "calibrate");
   dtsim::exec::cpu::CalibrateOptions options;
   options.quick = vm["quick"].as<bool>();
   options.repeats = repeats;

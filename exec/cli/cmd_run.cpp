@@ -569,12 +569,16 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   // What dtsim's --expert-load stands for, as this rank's experts got it (its tokens' routing
   // taken for every ep rank's): the mean over micro-batches and the largest.
   std::optional<double> expert_load, expert_load_peak;
-  if (plan.ep > 1) {
+  const bool local_dispatch = dtsim::plan::moe_local_dispatch(spec, plan);
+  if (plan.ep > 1 || local_dispatch) {
+    // Under sequence parallelism the tp ranks route their own shares and gather the copies.
+    const std::int64_t peers = plan.ep * (local_dispatch ? plan.tp : 1);
     notes.push_back(fmt::format(
-        "expert parallelism alone: each of the {} ep ranks is taken to route its tokens as this "
-        "rank does, so this rank's experts get {} times its own copies for them (even routing "
-        "across replicas)",
-        plan.ep, plan.ep));
+        "{} alone: each of the {} {}ranks is taken to route its tokens as this rank does, so "
+        "this rank's experts get {} times its own copies for them (even routing across "
+        "replicas)",
+        plan.ep > 1 ? "expert parallelism" : "a mixture of experts", peers,
+        plan.ep > 1 && local_dispatch ? "ep x tp " : (plan.ep > 1 ? "ep " : "tp "), peers));
     if (result.expert_load > 0) {
       expert_load = result.expert_load;
       expert_load_peak = result.expert_load_peak;
@@ -1208,7 +1212,7 @@ int run(const std::vector<std::string>& args) {
   if (dtsim::exec::cpu::under_mpirun()) mpi = std::make_unique<dtsim::exec::cpu::MpiSession>();
   const int rank = mpi ? mpi->rank() : 0;
   g_rank = rank;
-  if (mpi) check_same_arguments(*mpi, args, "run");
+  if (mpi) check_same_arguments(*mpi, vm, "run");
   const double clock_skew = clock_skew_s(rank);
   if (only_rank && mpi && mpi->size() > 1) {
     throw dtsim::InputError("--only-rank: runs one process; start it without mpirun");

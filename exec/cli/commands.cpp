@@ -26,17 +26,38 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
 
 int g_rank = 0;
 
-void check_same_arguments(const cpu::MpiSession& mpi, const std::vector<std::string>& args,
+void check_same_arguments(const cpu::MpiSession& mpi, const po::variables_map& vm,
                           const char* command) {
-  // FNV-1a (64 bits) over the sorted arguments, each ended by a 0 byte.
-  std::vector<std::string> sorted(args);
-  std::sort(sorted.begin(), sorted.end());
-  std::uint64_t hash = 14695981039346656037ull;
-  for (const std::string& a : sorted) {
-    for (const char c : a + '\0') {
-      hash ^= static_cast<unsigned char>(c);
-      hash *= 1099511628211ull;
+  // Each option as key=value, in the variables map's order (by key): the same however the
+  // command line ordered or spelt them (--seed 7, --seed=7), and a value stays with its key.
+  std::string text;
+  for (const auto& [key, value] : vm) {
+    const boost::any& v = value.value();
+    std::string shown;
+    if (const auto* s = boost::any_cast<std::string>(&v)) {
+      shown = *s;
+    } else if (const auto* i = boost::any_cast<int>(&v)) {
+      shown = std::to_string(*i);
+    } else if (const auto* l = boost::any_cast<std::int64_t>(&v)) {
+      shown = std::to_string(*l);
+    } else if (const auto* d = boost::any_cast<double>(&v)) {
+      shown = fmt::format("{}", *d);
+    } else if (const auto* f = boost::any_cast<float>(&v)) {
+      shown = fmt::format("{}", *f);
+    } else if (const auto* b = boost::any_cast<bool>(&v)) {
+      shown = *b ? "true" : "false";
+    } else if (const auto* list = boost::any_cast<std::vector<std::string>>(&v)) {
+      shown = fmt::format("{}", fmt::join(*list, "\x1f"));
+    } else {
+      throw InternalError(fmt::format("--{}: an option type the ranks' check does not know", key));
     }
+    text += key + '=' + shown + '\0';
+  }
+  // FNV-1a (64 bits).
+  std::uint64_t hash = 14695981039346656037ull;
+  for (const char c : text) {
+    hash ^= static_cast<unsigned char>(c);
+    hash *= 1099511628211ull;
   }
   // As two 32-bit halves, which doubles hold exactly.
   const auto all =

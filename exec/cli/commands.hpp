@@ -34,11 +34,12 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
 // (bad options, a plan that does not fit the ranks) are printed by rank 0 only.
 extern int g_rank;
 
-// Under mpirun, every rank must have been started with the same arguments (in any order): an
-// mpirun of several programs (`mpirun -np 1 dtexec run ... : -np 1 dtexec run --seed 7 ...`)
-// trained replicas of different initial weights in silence, and other plans or models hung or
-// failed in MPI. Throws InputError, on every rank alike, naming the first rank that differs.
-void check_same_arguments(const cpu::MpiSession& mpi, const std::vector<std::string>& args,
+// Under mpirun, every rank must have been started with the same options (`vm`, parsed: in any
+// order or spelling): an mpirun of several programs (`mpirun -np 1 dtexec run ... : -np 1
+// dtexec run --seed 7 ...`) trained replicas of different initial weights in silence, and
+// other plans or models hung or failed in MPI. Throws InputError, on every rank alike, naming
+// the first rank that differs.
+void check_same_arguments(const cpu::MpiSession& mpi, const po::variables_map& vm,
                           const char* command);
 
 // Under mpirun, peers may be waiting for this rank (a collective, a barrier, NCCL's set-up):

@@ -116,11 +116,15 @@ void check_profile_readable(const nlohmann::json& profile, const std::string& pa
   try {
     cost::profile_from_json(profile, path);
   } catch (const InputError& e) {
+    const std::string what = e.what();
+    const bool spread = what.find("coefficient of variation") != std::string::npos;
     throw std::runtime_error(fmt::format(
         "the measurements make a profile that dtsim --profile refuses, so {} was not written: "
-        "{}. A spread of 100% or more means a host too busy for a calibration (see `uptime`): run "
-        "it again on a quiet host",
-        path, e.what()));
+        "{}{}",
+        path, what,
+        spread ? ". A spread of 100% or more means a host too busy for a calibration (see "
+                 "`uptime`): run it again on a quiet host"
+               : ""));
   }
 }
 

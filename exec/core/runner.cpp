@@ -243,11 +243,10 @@ RunResult Runner::run() {
     // A loss or gradient norm that is not finite ends the run, on every rank at once (both
     // are reduced over all ranks), as Megatron-LM's --check-for-nan-in-loss-and-grad does:
     // before this step's line is printed (not a `nan` loss) and its checkpoint written (an
-    // earlier asynchronous one, complete, is put in place first). The loss is the forward's, before
-    // this step's update: without
-    // --clip-grad (no norm) gradients that overflow show in the next step's loss, after
-    // this step's checkpoint. (Replayed communication feeds made-up values: its losses mean
-    // nothing.)
+    // earlier asynchronous one, complete, is put in place first). The loss is the forward's,
+    // before this step's update: without --clip-grad (no norm) gradients that overflow show in
+    // the next step's loss, after this step's checkpoint. (Replayed communication feeds made-up
+    // values: its losses mean nothing.)
     const double loss_now = result.losses.back();
     if (!options_.replay_communication && !(std::isfinite(loss_now) && std::isfinite(grad_norm))) {
       const bool loss_bad = !std::isfinite(loss_now);

@@ -434,11 +434,11 @@ class Runner {
   // input-gradient pass runs before it is gathered again).
   View& input_grad_of(MicroBatch& mb, OpId id);
   // Sequence parallelism all-gathers the input of a column-parallel layer (the lowering's
-  // TpEnter markers: QKV, MLP up, the LM head; a router but under plan::moe_local_dispatch).
+  // TpEnter markers: QKV, MLP up, the LM head; not a router, which routes its rank's share of
+  // the sequence, plan::moe_local_dispatch).
   bool gathers_input(const Op& op) const {
-    return Ts_ != T_ &&
-           (op.kind == OpKind::QkvProj || (op.kind == OpKind::MlpUp && !op.expert) ||
-            (op.kind == OpKind::Router && !local_dispatch_) || op.kind == OpKind::LmHead);
+    return Ts_ != T_ && (op.kind == OpKind::QkvProj || (op.kind == OpKind::MlpUp && !op.expert) ||
+                         op.kind == OpKind::LmHead);
   }
 
   // Local GEMM shape (K, N) of a linear op on this tensor-parallel rank.

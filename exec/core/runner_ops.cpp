@@ -338,7 +338,7 @@ OpId Runner::router_of(OpId id) const {
 
 void Runner::router_forward(MicroBatch& mb, OpId id) {
   const int E = static_cast<int>(m_.moe->experts), k = top_k();
-  // The whole sequence (all-gathered under SP), or the rank's share under moe_local_dispatch.
+  // The whole sequence, or under sequence parallelism the rank's share (moe_local_dispatch).
   const View x = input_of(mb, id);
   const View logits = allocate(static_cast<std::int64_t>(Tr_) * E);
   dev_.matmul_forward(logits, x, param(id, 0).work, View{}, Tr_, C_, E, false);
@@ -358,12 +358,6 @@ void Runner::router_forward(MicroBatch& mb, OpId id) {
   dev_.release(rows);
   auto& per_expert = mb.expert_rows[id];
   per_expert.assign(counts.begin(), counts.end());
-  // Sequence parallelism keeps only the rank's share of the input (gathered again for the
-  // backward), as for the other column-parallel layers.
-  if (const auto it = mb.full.find(input(id)); it != mb.full.end()) {
-    dev_.release(it->second);
-    mb.full.erase(it);
-  }
 }
 
 std::int64_t Runner::expert_copies(const MicroBatch& mb, OpId router) const {

@@ -674,12 +674,11 @@ class Lowerer {
         marker.marker != Marker::TpEnter || marker.anchor != last) {
       return false;
     }
-    // A mixture of experts' router reads the whole sequence too (its input all-gathered at the
-    // block's entry): the same for its weight gradient.
+    // (A mixture of experts' router reads its rank's share of the sequence under sequence
+    // parallelism, plan::moe_local_dispatch: no TpEnter before it.)
     const model::Op& op = g_.op(last);
     return op.bwd_weight_flops > 0 &&
-           (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab ||
-            op.kind == OpKind::Router);
+           (op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab);
   }
 
   // A layer as task labels name it: "embedding" (layer -1), "L3", "head" (past the blocks).

@@ -320,7 +320,9 @@ class Builder {
       // And the copies' outputs, for the gates' gradient (y = sum_j g_j E_j(x), so
       // dL/dg_j = <dL/dy, E_j(x)>; Megatron-LM's unpermute keeps them for the same reason).
       // Each tp rank holds its row-parallel partial sums at full width until the combine,
-      // so these are not split over tp, with or without sequence parallelism.
+      // so these are not split over tp without sequence parallelism; with it they are
+      // reduce-scattered back to their tokens' tp rank first (plan::moe_local_dispatch), and
+      // the memory model splits them.
       down.saved_tp_whole_bytes = act_ * T() * copies * h();
       down.saved_bytes += down.saved_tp_whole_bytes;
     }

@@ -48,16 +48,16 @@ TrainingTime training_time(const model::ModelSpec& spec, const Plan& plan, std::
   const double lost_per_interruption_s =
       reliability.restart_s + (t.asynchronous ? 0.5 * interval_s + t.checkpoint_write_s
                                               : 0.5 * (interval_s + t.checkpoint_write_s));
+  // Whole checkpoints: a run a little longer than an interval writes two (a fraction of one
+  // made a run of one step and a token cost less than a run of one step).
+  t.checkpoints =
+      std::max(1.0, std::ceil(t.steps / static_cast<double>(t.checkpoint_every_steps) - 1e-9));
   const double useful = 1.0 - lost_per_interruption_s / t.job_mtbf_s;
   if (useful <= 0) {
     t.wall_s = std::numeric_limits<double>::infinity();
     t.goodput = 0;
     return t;
   }
-  // Whole checkpoints: a run a little longer than an interval writes two (a fraction of one
-  // made a run of one step and a token cost less than a run of one step).
-  t.checkpoints =
-      std::max(1.0, std::ceil(t.steps / static_cast<double>(t.checkpoint_every_steps) - 1e-9));
   t.wall_s = (t.work_s + t.checkpoints * t.checkpoint_blocking_s) / useful;
   t.goodput = t.work_s / t.wall_s;
   return t;

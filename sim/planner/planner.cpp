@@ -138,8 +138,9 @@ class Estimator {
       bool overlapped = false;
       double input = 0;  // the layer's input gradient
       // With sequence parallelism its backward gathers its input again (lowering:
-      // regathers_input): a column-parallel layer's, or a router's; a mixture's experts take
-      // the tokens the all-to-all brings them.
+      // regathers_input): a column-parallel layer's; a router then routes its rank's share
+      // (moe_local_dispatch: no segment), and a mixture's experts take the copies the
+      // collectives bring them.
       bool regathers = false;
     };
     std::vector<Segment> segments;
@@ -161,7 +162,7 @@ class Estimator {
         segments.push_back({.weight = weight,
                             .overlapped = op.kind == model::OpKind::QkvProj || !m.moe,
                             .input = cost.op_seconds(op, Phase::BackwardInput),
-                            .regathers = !experts});
+                            .regathers = !experts && op.kind != model::OpKind::Router});
       }
       // In forward order, an op's backward runs before the collective of the nearest
       // column-parallel layer at or before it.
@@ -225,8 +226,6 @@ class Estimator {
                                     CollectiveKind::AllGather, hidden_bytes);
       for (const Segment& seg : segments) {
         if (!seg.regathers) continue;
-        // A router reads the whole sequence too (but under moe_local_dispatch, where it is no
-        // segment), and its backward, not split, waits for it.
         const bool beside_input = tp_overlap && seg.overlapped;
         tp_backward += std::max(0.0, regather - (beside_input ? seg.input : 0.0));
       }

@@ -34,11 +34,12 @@ inline constexpr const char* kProducedByRun = "dtexec run";
 
 nlohmann::json chrome_trace(const lower::Program& program, const engine::Timeline& timeline,
                             const TraceInfo& info);
-// Writes chrome_trace() to `path`; throws InputError if the file cannot be written.
 // A note for stderr before a trace of a million tasks or more is built and written (it takes
 // tens of seconds and gigabytes): so that a long wait is not taken for a hang. None below.
 std::optional<std::string> large_trace_note(std::size_t tasks, const std::string& path);
 
+// Writes chrome_trace() to `path` (large_trace_note first, on stderr); throws InputError if
+// the file cannot be written.
 void write_chrome_trace(const std::string& path, const lower::Program& program,
                         const engine::Timeline& timeline, const TraceInfo& info);
 

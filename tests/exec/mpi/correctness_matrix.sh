@@ -115,6 +115,8 @@ plans=(
   "moe|4|1|--tp 2 --dp 2 --sequence-parallel --zero-stage 2"
   "moe|2|2|--dp 2 --ep 2"
   "moe|4|1|--tp 2 --dp 2 --ep 2 --sequence-parallel --schedule zero-bubble --recompute full"
+  "moe|4|1|--tp 2 --pp 2 --sequence-parallel --schedule zero-bubble"
+  "moe|4|1|--tp 2 --cp 2 --sequence-parallel"
   "moe|4|1|--dp 4 --ep 2 --zero-stage 1"
   "moe|4|1|--dp 4 --ep 2 --zero-stage 3 --recompute full"
   "moe|4|2|--dp 4 --ep 4 --no-grad-accumulation-fusion"
