@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -15,6 +16,7 @@
 #include "sim/cli/commands.hpp"
 #include "sim/cli/mpi_split.hpp"
 #include "sim/cli/options.hpp"
+#include "sim/common/data_files.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/json_reader.hpp"
 #include "sim/common/units.hpp"
@@ -124,6 +126,18 @@ std::string axis_identity(const std::string& key, const std::string& v) {
   if (key == "oversubscription") return as_number(number(key, v, false));
   if (key == "attention") return std::string(model::to_string(attention_value(v)));
   const bool path = v.find('/') != std::string::npos || v.ends_with(".json");
+  // A model or cluster by name or by its file's path: the file (tiny-gpt and
+  // models/tiny-gpt.json are one).
+  if (key == "model" || key == "cluster") {
+    try {
+      const auto file = resolve_data_file(key, key == "model" ? "models" : "topologies", v);
+      std::error_code ec;
+      const auto canonical = std::filesystem::weakly_canonical(file, ec);
+      return (ec ? file : canonical).string();
+    } catch (const InputError& e) {
+      throw InputError(fmt::format("--vary {}={}: {}", key, v, e.what()));
+    }
+  }
   if (key == "device" && !path) {
     try {
       return cluster::load_device(v).name;
