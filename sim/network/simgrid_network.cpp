@@ -54,6 +54,22 @@ class SimGridNetwork final : public NetworkModel {
  public:
   SimGridNetwork(const cluster::Cluster& c, const plan::Plan& plan)
       : c_(c), plan_(plan), placement_(plan.degrees(), plan.order) {
+    // SimGrid's Full zone keeps a routing-table slot per ordered pair of hosts (FullZone: a
+    // table_size x table_size table of pointers, "the highest memory requirements" in its
+    // documentation): 8 bytes x devices^2, 0.5 GiB at 8,192 devices, 4.5 GiB at the 24,576 of
+    // h100-roce, 46 GiB at Frontier's 78,848. Beyond 8 GiB (32,768 devices) it is refused here
+    // rather than left to exhaust memory after minutes.
+    constexpr std::int64_t kMostDevices = 32768;
+    if (c.devices() > kMostDevices) {
+      throw UnsupportedError(fmt::format(
+          "--network simgrid: {} devices; SimGrid's Full routing zone keeps a route slot per "
+          "pair of devices, {:.0f} GiB of them here, and dtsim builds it for at most {} "
+          "devices: use --network analytical, or --gpus {} or fewer",
+          c.devices(),
+          8.0 * static_cast<double>(c.devices()) * static_cast<double>(c.devices()) /
+              (1024.0 * 1024 * 1024),
+          kMostDevices, kMostDevices));
+    }
     auto pairs = plan_pairs(plan, c.devices_per_node);
     if (cluster::is_mesh(c.intra.fabric)) pairs.merge(node_pairs(c));
     spec_ = build_platform(c, pairs);
