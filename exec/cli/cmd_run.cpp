@@ -112,8 +112,7 @@ double boot_id() {
   std::ifstream in("/proc/sys/kernel/random/boot_id");
   std::string id;
   if (!(in >> id) || id.empty()) return 0;
-  std::uint64_t h = 1469598103934665603ULL;  // FNV-1a
-  for (const unsigned char c : id) h = (h ^ c) * 1099511628211ULL;
+  const std::uint64_t h = fnv1a(id);
   return static_cast<double>((h & ((std::uint64_t{1} << 52) - 1)) | 1);
 }
 

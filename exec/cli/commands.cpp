@@ -26,6 +26,12 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
 
 int g_rank = 0;
 
+std::uint64_t fnv1a(std::string_view text) {
+  std::uint64_t h = 14695981039346656037ull;
+  for (const unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
 void check_same_arguments(const cpu::MpiSession& mpi, const po::variables_map& vm,
                           const char* command) {
   // Each option as key=value, in the variables map's order (by key): the same however the
@@ -53,12 +59,7 @@ void check_same_arguments(const cpu::MpiSession& mpi, const po::variables_map& v
     }
     text += key + '=' + shown + '\0';
   }
-  // FNV-1a (64 bits).
-  std::uint64_t hash = 14695981039346656037ull;
-  for (const char c : text) {
-    hash ^= static_cast<unsigned char>(c);
-    hash *= 1099511628211ull;
-  }
+  const std::uint64_t hash = fnv1a(text);
   // As two 32-bit halves, which doubles hold exactly.
   const auto all =
       mpi.all_gather({static_cast<double>(hash >> 32), static_cast<double>(hash & 0xffffffffull)});

@@ -3,10 +3,12 @@
 #pragma once
 
 #include <boost/program_options.hpp>
+#include <cstdint>
 #include <exception>
 #include <optional>
 #include <ostream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "exec/cpu/host_memory.hpp"
@@ -33,6 +35,9 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
 // This process's rank under mpirun (set by run and calibrate): errors every rank meets alike
 // (bad options, a plan that does not fit the ranks) are printed by rank 0 only.
 extern int g_rank;
+
+// FNV-1a, 64 bits (Fowler, Noll and Vo): a hash of `text` that every process computes alike.
+std::uint64_t fnv1a(std::string_view text);
 
 // Under mpirun, every rank must have been started with the same options (`vm`, parsed: in any
 // order or spelling): an mpirun of several programs (`mpirun -np 1 dtexec run ... : -np 1

@@ -511,7 +511,10 @@ class Runner {
   // this rank's experts received (ep_blocks), under plan::moe_local_dispatch either of them
   // from every tp rank (tp_blocks). Block b holds copies for local expert b mod E/ep.
   const std::vector<int>& expert_blocks(const MicroBatch& mb, OpId router) const {
-    if (local_dispatch_) return mb.tp_blocks.at(router);
+    return local_dispatch_ ? mb.tp_blocks.at(router) : own_blocks(mb, router);
+  }
+  // This tp rank's blocks before the tp all-gather: expert_rows, or ep_blocks with ep.
+  const std::vector<int>& own_blocks(const MicroBatch& mb, OpId router) const {
     return ep_ > 1 ? mb.ep_blocks.at(router) : mb.expert_rows.at(router);
   }
 

@@ -546,7 +546,7 @@ void Runner::tp_copies_collective(const lower::Task& task, MicroBatch& mb, bool 
   if (up && !backward) {
     // Every tp rank's blocks (rows per expert, or per (ep sender, local expert)), as fp32
     // (exact below 2^24, as the router's counts).
-    const auto& own = ep_ > 1 ? mb.ep_blocks.at(router) : mb.expert_rows.at(router);
+    const auto& own = own_blocks(mb, router);
     DTSIM_ASSERT(own.size() == static_cast<std::size_t>(E), "a block per expert");
     const std::vector<float> counts(own.begin(), own.end());
     std::vector<float> all(static_cast<std::size_t>(tp_) * E);

@@ -49,7 +49,8 @@ TrainingTime training_time(const model::ModelSpec& spec, const Plan& plan, std::
       reliability.restart_s + (t.asynchronous ? 0.5 * interval_s + t.checkpoint_write_s
                                               : 0.5 * (interval_s + t.checkpoint_write_s));
   // Whole checkpoints: a run a little longer than an interval writes two (a fraction of one
-  // made a run of one step and a token cost less than a run of one step).
+  // made a run of one step and a token cost less than a run of one step). (The 1e-9 keeps a
+  // whole multiple of the interval, rounded a hair above it by the division, at its count.)
   t.checkpoints =
       std::max(1.0, std::ceil(t.steps / static_cast<double>(t.checkpoint_every_steps) - 1e-9));
   const double useful = 1.0 - lost_per_interruption_s / t.job_mtbf_s;
