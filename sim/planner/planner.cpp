@@ -318,6 +318,9 @@ class Estimator {
     double stage_exchanges = 0;  // the slowest stage's receives per micro-batch
     int stage_layers = 0;
     double stage_params = 0, stage_expert_params = 0;
+    // The norms' parameters (and the routers' under moe_local_dispatch), whose gradients
+    // sequence parallelism all-reduces over tp at the step's end (the stage with the most).
+    double stage_sp_params = 0;
     // The data-parallel buckets of a micro-batch's gradients (the stage's with the most), dense
     // and the experts'.
     const double grad_bytes = plan::state_bytes_per_param(p).gradients;
@@ -355,6 +358,13 @@ class Estimator {
         stage_exchanges = from_before + from_after;
         stage_compute = compute;
         stage_layers = layers;
+      }
+      if (p.sequence_parallel && p.tp > 1) {
+        stage_sp_params = std::max(
+            stage_sp_params, stage_params_where(g, p, s, chunks, [&](const model::Op& o) {
+              const bool router = o.kind == model::OpKind::Router && local_dispatch;
+              return o.kind == model::OpKind::Norm || router ? static_cast<double>(o.params) : 0.0;
+            }));
       }
       const double dense = stage_param_count(g, p, s, chunks, false);
       const double experts = stage_param_count(g, p, s, chunks, true);
@@ -614,6 +624,23 @@ class Estimator {
     b.straggler_dp_s =
         std::max({dp_in_passes + dp_waits_in_passes, dp_start + dp_busy - window, zero3_exposed}) +
         dp_after - b.exposed_dp_s;
+    // The lowering's collectives after the dp stream and before the optimizer, with nothing
+    // beside them: a tied embedding's gradients all-reduced between the first and the last
+    // stage, then under sequence parallelism the norms' (and routers') over tp.
+    const double grad_wire = p.comm_precision ? wire_bytes(*p.comm_precision) : grad_bytes;
+    if (m.tied_embeddings && p.pp > 1) {
+      const auto stages = placement.group(ParallelDim::Pp, 0);
+      b.exposed_pp_s += net_->collective_s(
+          lower::Group{lower::GroupKind::Pp, {stages.front(), stages.back()}, {0}},
+          CollectiveKind::AllReduce,
+          static_cast<std::uint64_t>(static_cast<double>(m.vocab_rows() * m.hidden) / p.tp *
+                                     grad_wire));
+    }
+    if (stage_sp_params > 0) {
+      b.exposed_tp_s += net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
+                                           CollectiveKind::AllReduce,
+                                           static_cast<std::uint64_t>(stage_sp_params * grad_wire));
+    }
     return b;
   }
 
@@ -766,25 +793,33 @@ class Estimator {
 
   static double stage_param_count(const model::ModelGraph& g, const Plan& p, int stage,
                                   const std::vector<int>& chunks, bool experts) {
+    return stage_params_where(g, p, stage, chunks, [&](const model::Op& o) {
+      return o.expert == experts ? plan::rank_params(o, p) : 0.0;
+    });
+  }
+
+  // The sum of `params(op)` over the ops of a pipeline stage: its blocks (every chunk's), the
+  // embedding's on the first stage, the head's and the final norm's on the last.
+  template <class Params>
+  static double stage_params_where(const model::ModelGraph& g, const Plan& p, int stage,
+                                   const std::vector<int>& chunks, Params params_of) {
     double params = 0;
     for (int c = 0; c < p.virtual_stages; ++c) {
       const int k = c * p.pp + stage;
       int first = 0;
       for (int i = 0; i < k; ++i) first += chunks[static_cast<std::size_t>(i)];
       for (int l = first; l < first + chunks[static_cast<std::size_t>(k)]; ++l) {
-        for (model::OpId id : g.layer_ops(l)) {
-          if (g.op(id).expert == experts) params += plan::rank_params(g.op(id), p);
-        }
+        for (model::OpId id : g.layer_ops(l)) params += params_of(g.op(id));
       }
     }
     // The embedding's on the first stage, the head's (and the final norm's) on the last, as the
     // lowering's gradient buckets hold them (a tied head with pp = 1 has none of its own).
-    if (stage == 0 && !experts) {
-      for (model::OpId id : g.layer_ops(-1)) params += plan::rank_params(g.op(id), p);
+    if (stage == 0) {
+      for (model::OpId id : g.layer_ops(-1)) params += params_of(g.op(id));
     }
-    if (stage == p.pp - 1 && !experts) {
+    if (stage == p.pp - 1) {
       for (model::OpId id : g.layer_ops(static_cast<int>(g.spec().layers))) {
-        params += plan::rank_params(g.op(id), p);
+        params += params_of(g.op(id));
       }
     }
     return params;
