@@ -112,6 +112,14 @@ double load_value(const std::string& v) {
   return load;
 }
 
+// The axes whose values are numbers: rows and JSON show a value as the number it reads as
+// (+8 and 08 as 8, 1e2 as 100).
+bool numeric_axis(const std::string& key) {
+  return key == "jitter_cv" || key == "rank_spread_cv" || key == "expert_load" || key == "gpus" ||
+         key == "global_batch" || key == "seq_len" || key == "nic_gbps" || key == "latency_us" ||
+         key == "oversubscription";
+}
+
 // What a value of an axis stands for, checked here, before any point runs: a number for the
 // numeric axes (8 and 08 are one), a catalog device's name for a device given by name or alias
 // (h100-sxm and H100 are one; a file is its path), an attention kernel's name; else the text.
@@ -164,21 +172,22 @@ Axis parse_vary(const std::string& text) {
   if (text.back() == ',') throw InputError(fmt::format("--vary {}: empty value", text));
   std::stringstream ss(text.substr(eq + 1));
   std::string v;
-  std::vector<std::string> identities;  // what a.values stand for (axis_identity)
+  std::vector<std::string> given, identities;  // the texts and what they stand for
   while (std::getline(ss, v, ',')) {
     if (v.empty()) throw InputError(fmt::format("--vary {}: empty value", text));
     const std::string identity = axis_identity(a.key, v);
-    for (std::size_t i = 0; i < a.values.size(); ++i) {
-      if (a.values[i] == v || identities[i] == identity) {
+    for (std::size_t i = 0; i < given.size(); ++i) {
+      if (given[i] == v || identities[i] == identity) {
         throw InputError(
-            a.values[i] == v
+            given[i] == v
                 ? fmt::format("--vary {}: {} given twice (its rows would be the same)", text, v)
                 : fmt::format("--vary {}: {} and {} are the same value (their rows would be the "
                               "same)",
-                              text, a.values[i], v));
+                              text, given[i], v));
       }
     }
-    a.values.push_back(v);
+    a.values.push_back(numeric_axis(a.key) ? identity : v);
+    given.push_back(v);
     identities.push_back(identity);
   }
   return a;
