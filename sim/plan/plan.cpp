@@ -117,7 +117,10 @@ std::string summary(const Plan& p) {
   std::string s = fmt::format("dp={} tp={} pp={}", p.dp, p.tp, p.pp);
   if (p.cp > 1) s += fmt::format(" cp={}", p.cp);
   if (p.ep > 1) s += fmt::format(" ep={}", p.ep);
-  s += fmt::format(" mbs={} gbs={} {}", p.micro_batch_size, p.global_batch_size,
+  // (A global batch of 0: not derived, its product too large; the plan's errors say why.)
+  s += fmt::format(" mbs={} gbs={} {}", p.micro_batch_size,
+                   p.global_batch_size == 0 ? std::string("?")
+                                            : fmt::format("{}", p.global_batch_size),
                    to_string(p.schedule));
   if (p.virtual_stages > 1) s += fmt::format(" v={}", p.virtual_stages);
   if (p.zero_stage > 0) s += fmt::format(" zero={}", p.zero_stage);
