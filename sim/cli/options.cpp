@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -176,6 +177,33 @@ std::optional<double> rank_spread_from_options(const po::variables_map& vm) {
   return checked_jitter(vm["rank-spread-cv"].as<double>(), "--rank-spread-cv");
 }
 
+namespace {
+
+template <class T>
+bool takes(const po::value_semantic* semantic) {
+  return dynamic_cast<const po::typed_value<T>*>(semantic) != nullptr;
+}
+
+// What the option `name` (as Boost names it in errors: "--tp") takes, from its value's type:
+// ": expected ..." or nothing.
+std::string expected_value(const po::options_description& desc, const std::string& name) {
+  const std::string key = name.starts_with("--") ? name.substr(2) : name;
+  const po::option_description* option = desc.find_nothrow(key, false);
+  if (option == nullptr) return "";
+  const po::value_semantic* semantic = option->semantic().get();
+  if (takes<int>(semantic)) {
+    return fmt::format(": expected an integer (at most {})", std::numeric_limits<int>::max());
+  }
+  if (takes<std::int64_t>(semantic)) {
+    return fmt::format(": expected an integer (at most {})",
+                       std::numeric_limits<std::int64_t>::max());
+  }
+  if (takes<double>(semantic) || takes<float>(semantic)) return ": expected a number";
+  return "";
+}
+
+}  // namespace
+
 void store_options(const std::vector<std::string>& args, const po::options_description& desc,
                    po::variables_map& vm, const po::positional_options_description* positional) {
   try {
@@ -195,6 +223,10 @@ void store_options(const std::vector<std::string>& args, const po::options_descr
     }
     po::store(parsed, vm);
     po::notify(vm);
+  } catch (const po::invalid_option_value& e) {
+    // Boost names the option and the word, not what it takes.
+    throw InputError(
+        fmt::format("{}{} (see --help)", e.what(), expected_value(desc, e.get_option_name())));
   } catch (const po::error& e) {
     throw InputError(fmt::format("{} (see --help)", e.what()));
   }
