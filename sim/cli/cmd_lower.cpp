@@ -41,6 +41,7 @@ int cmd_lower(const std::vector<std::string>& args) {
   nlohmann::json out = lower::to_json(program);
   out["plan"] = plan::to_json(setup.plan);
   out["model"] = setup.spec.name;
+  out["notes"] = setup.notes;  // what was derived or defaulted (dp, precision, padding)
   const std::string text = out.dump(2);
   std::cout << text << "\n";
   // Every rank's program of a large plan is large: say so where a person sees it.
