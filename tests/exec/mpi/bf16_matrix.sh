@@ -9,7 +9,7 @@
 #
 # Tolerances (bf16): losses within 5e-3. A split changes where bf16 rounds (a row-parallel
 # layer's partial sums are rounded before their all-reduce), about 2^-8 relative per rounding;
-# measured: tp 2 moves the losses by 1.1e-3 at most, dp and pp by ~1e-5. Weights within
+# measured: tp 2 moves the losses by 1.2e-3 at most, dp and pp by ~1e-5. Weights within
 # 2·K·lr = 0.018: AdamW moves an element by about lr per step whatever its gradient's size, so
 # two runs whose roundings differ can part by up to that; this bound only catches a run gone
 # wrong (NaN, a lost reduction's drift over steps shows in the losses first).
