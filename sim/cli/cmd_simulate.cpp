@@ -81,6 +81,8 @@ int cmd_simulate(const std::vector<std::string>& args) {
     network = network::make_analytical(cluster);
   } else if (network_name == "simgrid") {
     network = network::make_simgrid(cluster, plan);
+    // Said at once: the run that follows may be long.
+    if (const auto note = network::simgrid_scale_note(plan)) std::cerr << *note << "\n";
     notes.push_back(
         "simgrid: every distinct collective and pipeline transfer was flow-simulated once, "
         "with all the groups of its kind in its pipeline stage running at the same time");

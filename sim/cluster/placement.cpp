@@ -191,6 +191,33 @@ std::vector<std::int64_t> Placement::expert_gradient_group(std::int64_t rank) co
   return out;
 }
 
+bool Placement::first_of_group(ParallelDim dim, std::int64_t rank) const {
+  const RankCoords c = coords(rank);
+  switch (dim) {
+    case ParallelDim::Tp:
+      return c.tp == 0;
+    case ParallelDim::Cp:
+      return c.cp == 0;
+    case ParallelDim::Ep:
+      return c.ep == 0;
+    case ParallelDim::Dp:
+      return c.ep == 0 && c.dp_outer == 0;
+    case ParallelDim::Pp:
+      return c.pp == 0;
+  }
+  return false;
+}
+
+bool Placement::first_of_gradient_group(std::int64_t rank) const {
+  const RankCoords c = coords(rank);
+  return c.cp == 0 && c.ep == 0 && c.dp_outer == 0;
+}
+
+bool Placement::first_of_expert_gradient_group(std::int64_t rank) const {
+  const RankCoords c = coords(rank);
+  return c.cp == 0 && c.dp_outer == 0;
+}
+
 bool Placement::symmetric_on(std::int64_t devices_per_node) const {
   std::int64_t product = 1;
   for (ParallelDim d : order_) {

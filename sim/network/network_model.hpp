@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "sim/cluster/topology.hpp"
@@ -42,5 +43,9 @@ std::unique_ptr<NetworkModel> make_analytical(const cluster::Cluster& cluster);
 // platform per process: a second cluster or plan in the same process is an UnsupportedError.
 // Throws UnsupportedError for torus fabrics.
 std::unique_ptr<NetworkModel> make_simgrid(const cluster::Cluster& cluster, const plan::Plan& plan);
+// What to expect before a long SimGrid run, or nothing: where a pipeline stage holds more than
+// 8,192 devices, a collective over all of them is that many flows at once (a ring per node
+// member: k times more), and SimGrid's time grows faster than the square of the flows.
+std::optional<std::string> simgrid_scale_note(const plan::Plan& plan);
 
 }  // namespace dtsim::network

@@ -39,31 +39,31 @@ std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& pla
                                                            std::int64_t devices_per_node) {
   const cluster::Placement placement(plan.degrees(), plan.order);
   std::set<std::pair<std::int64_t, std::int64_t>> pairs;
-  // Each group is walked once: from its first (smallest) rank.
-  auto ring = [&](std::int64_t r, const std::vector<std::int64_t>& g) {
-    if (g.size() < 2 || *std::min_element(g.begin(), g.end()) != r) return;
+  auto ring = [&](const std::vector<std::int64_t>& g) {
+    if (g.size() < 2) return;
     for (const auto& channel : ring_channels(g, devices_per_node)) {
       for (std::size_t i = 0; i < channel.size(); ++i) {
         pairs.emplace(channel[i], channel[(i + 1) % channel.size()]);
       }
     }
   };
+  // Each group is walked once: from its first (smallest) rank.
   const std::int64_t ranks = plan.devices();
   for (std::int64_t r = 0; r < ranks; ++r) {
-    ring(r, placement.group(ParallelDim::Tp, r));
-    ring(r, placement.group(ParallelDim::Cp, r));
-    ring(r, placement.gradient_group(r));
-    ring(r, placement.expert_gradient_group(r));
-    const auto ep = placement.group(ParallelDim::Ep, r);
-    if (ep.size() > 1 && ep.front() == r) {
+    if (placement.first_of_group(ParallelDim::Tp, r)) ring(placement.group(ParallelDim::Tp, r));
+    if (placement.first_of_group(ParallelDim::Cp, r)) ring(placement.group(ParallelDim::Cp, r));
+    if (placement.first_of_gradient_group(r)) ring(placement.gradient_group(r));
+    if (placement.first_of_expert_gradient_group(r)) ring(placement.expert_gradient_group(r));
+    if (placement.first_of_group(ParallelDim::Ep, r)) {
+      const auto ep = placement.group(ParallelDim::Ep, r);
       for (std::int64_t a : ep) {
         for (std::int64_t b : ep) {
           if (a != b) pairs.emplace(a, b);
         }
       }
     }
-    const auto pp = placement.group(ParallelDim::Pp, r);
-    if (pp.size() > 1 && pp.front() == r) {
+    if (placement.first_of_group(ParallelDim::Pp, r) && plan.pp > 1) {
+      const auto pp = placement.group(ParallelDim::Pp, r);
       for (std::size_t i = 0; i + 1 < pp.size(); ++i) {
         pairs.emplace(pp[i], pp[i + 1]);
         pairs.emplace(pp[i + 1], pp[i]);

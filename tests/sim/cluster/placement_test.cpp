@@ -1,5 +1,7 @@
 #include "sim/cluster/placement.hpp"
 
+#include <algorithm>
+
 #include "sim/common/error.hpp"
 #include "tests/test_util.hpp"
 
@@ -26,6 +28,31 @@ TEST_CASE("expert parallelism lives inside data parallelism", "[cluster][placeme
   CHECK(p.group(ParallelDim::Ep, 0) == std::vector<std::int64_t>{0, 2});
   CHECK(p.group(ParallelDim::Dp, 0) == std::vector<std::int64_t>{0, 2, 4, 6});
   REQUIRE_THROWS_AS(Placement({1, 1, 3, 4, 1}), dtsim::InputError);
+}
+
+TEST_CASE("a group's first rank is the one with its varied coordinates 0", "[cluster][placement]") {
+  // Every order of the five dimensions with all degrees above 1: first_of_* says of a rank
+  // what building its group and taking the smallest member says.
+  std::vector<ParallelDim> order = Placement::default_order();
+  std::sort(order.begin(), order.end());
+  int orders = 0;
+  do {
+    const Placement p({2, 2, 2, 4, 3}, order);
+    for (std::int64_t r = 0; r < p.degrees().ranks(); ++r) {
+      INFO(Placement::to_string(order) << ", rank " << r);
+      auto first = [r](const std::vector<std::int64_t>& g) {
+        return *std::min_element(g.begin(), g.end()) == r;
+      };
+      for (ParallelDim d :
+           {ParallelDim::Tp, ParallelDim::Cp, ParallelDim::Ep, ParallelDim::Dp, ParallelDim::Pp}) {
+        CHECK(p.first_of_group(d, r) == first(p.group(d, r)));
+      }
+      CHECK(p.first_of_gradient_group(r) == first(p.gradient_group(r)));
+      CHECK(p.first_of_expert_gradient_group(r) == first(p.expert_gradient_group(r)));
+    }
+    ++orders;
+  } while (std::next_permutation(order.begin(), order.end()));
+  CHECK(orders == 120);
 }
 
 TEST_CASE("a custom order and its parsing", "[cluster][placement]") {

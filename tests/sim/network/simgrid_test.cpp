@@ -109,3 +109,17 @@ TEST_CASE("the exported platform lists hosts, links and routes", "[network][plat
       dtsim::network::build_platform(dtsim::cluster::load_cluster("tpu-v4-slice"), {}),
       dtsim::UnsupportedError, "torus");
 }
+
+TEST_CASE("SimGrid runs past 8,192 devices a stage are said before they start",
+          "[network][simgrid]") {
+  dtsim::plan::Plan p;
+  p.tp = 8;
+  p.pp = 2;
+  p.dp = 1024;  // 8,192 devices a stage
+  CHECK(!dtsim::network::simgrid_scale_note(p));
+  p.dp = 2048;
+  const auto note = dtsim::network::simgrid_scale_note(p);
+  REQUIRE(note);
+  CHECK_THAT(*note, Catch::Matchers::Contains("--network simgrid with 16384 devices in a "
+                                              "pipeline stage"));
+}
