@@ -19,12 +19,15 @@ int compare(const std::vector<std::string>& args) {
       "loss-tolerance", po::value<double>()->default_value(1e-5, "1e-5"),
       "largest accepted absolute difference of a step's loss")(
       "weight-tolerance", po::value<double>()->default_value(1e-3),
-      "largest accepted absolute difference of a weight")(
-      "checkpoints", po::value<std::vector<std::string>>(), "the two checkpoint folders");
+      "largest accepted absolute difference of a weight");
+  // A B: the option behind the positional words, left out of --help.
+  po::options_description all;
+  all.add(desc).add_options()("checkpoints", po::value<std::vector<std::string>>(),
+                              "the two checkpoint folders");
   po::positional_options_description positional;
   positional.add("checkpoints", 2);
   po::variables_map vm;
-  dtsim::cli::store_options(args, desc, vm, &positional);
+  dtsim::cli::store_options(args, all, vm, &positional);
   if (vm.count("help")) {
     std::cout << "usage: dtexec compare A B [--loss-tolerance X] [--weight-tolerance Y]\n\n"
                  "Compares two checkpoints of the same model, step by step and tensor by tensor;\n"
