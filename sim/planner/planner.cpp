@@ -568,6 +568,15 @@ class Estimator {
     b.exposed_cp_s = mb * layers_total * (cp_comm + cp_backward);
     b.exposed_ep_s = mb * layers_total * 2 * ep_comm;
     b.compute_s -= b.exposed_tp_s + b.exposed_cp_s + b.exposed_ep_s;
+    // Full recompute runs each block's forward collectives again: the simulator counts them as
+    // communication, not as recompute (the step is the same either way).
+    if (p.recompute == Recompute::Full) {
+      const double again = mb * stage_layers;
+      b.recompute_s -= again * (tp_comm + cp_comm + ep_comm);
+      b.exposed_tp_s += again * tp_comm;
+      b.exposed_cp_s += again * cp_comm;
+      b.exposed_ep_s += again * ep_comm;
+    }
     // A slow rank (the simulator's, on the busiest stage): that stage computes slower, and the
     // step with it. Nothing hides it here; where communication outlasts the compute (ZeRO-3's
     // gathers) the simulator finds part of it hidden.
