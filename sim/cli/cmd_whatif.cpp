@@ -112,27 +112,30 @@ double load_value(const std::string& v) {
   return load;
 }
 
-// The axes whose values are numbers: rows and JSON show a value as the number it reads as
-// (+8 and 08 as 8, 1e2 as 100).
-bool numeric_axis(const std::string& key) {
-  return key == "jitter_cv" || key == "rank_spread_cv" || key == "expert_load" || key == "gpus" ||
-         key == "global_batch" || key == "seq_len" || key == "nic_gbps" || key == "latency_us" ||
-         key == "oversubscription";
+// The number a value of a numeric axis reads as, checked; nullopt on the other axes.
+std::optional<double> axis_number(const std::string& key, const std::string& v) {
+  if (key == "jitter_cv" || key == "rank_spread_cv") return spread_value(key, v);
+  if (key == "expert_load") return load_value(v);
+  if (key == "gpus" || key == "global_batch" || key == "seq_len") return number(key, v, true);
+  if (key == "nic_gbps" || key == "latency_us") return network_value(key, v);
+  if (key == "oversubscription") return number(key, v, false);
+  return std::nullopt;
 }
 
-// What a value of an axis stands for, checked here, before any point runs: a number for the
-// numeric axes (8 and 08 are one), a catalog device's name for a device given by name or alias
-// (h100-sxm and H100 are one; a file is its path), an attention kernel's name; else the text.
-std::string axis_identity(const std::string& key, const std::string& v) {
-  auto as_number = [](double x) { return fmt::format("{}", x == 0 ? 0.0 : x); };  // (-0 is 0)
-  if (key == "jitter_cv" || key == "rank_spread_cv") return as_number(spread_value(key, v));
-  if (key == "expert_load") return as_number(load_value(v));
-  if (key == "gpus" || key == "global_batch" || key == "seq_len") {
-    return as_number(number(key, v, true));
+struct Identity {
+  std::string text;
+  bool number = false;  // a numeric axis's value: rows and JSON show `text`
+};
+
+// What a value of an axis stands for, checked here, before any point runs: the number it reads
+// as on the numeric axes (8, 08 and +8 are one), a catalog device's name for a device given by
+// name or alias (h100-sxm and H100 are one; a file is its path), an attention kernel's name;
+// else the text.
+Identity axis_identity(const std::string& key, const std::string& v) {
+  if (const auto x = axis_number(key, v)) {
+    return {fmt::format("{}", *x == 0 ? 0.0 : *x), true};  // (-0 is 0)
   }
-  if (key == "nic_gbps" || key == "latency_us") return as_number(network_value(key, v));
-  if (key == "oversubscription") return as_number(number(key, v, false));
-  if (key == "attention") return std::string(model::to_string(attention_value(v)));
+  if (key == "attention") return {std::string(model::to_string(attention_value(v)))};
   const bool path = v.find('/') != std::string::npos || v.ends_with(".json");
   // A model or cluster by name or by its file's path: the file (tiny-gpt and
   // models/tiny-gpt.json are one).
@@ -141,19 +144,19 @@ std::string axis_identity(const std::string& key, const std::string& v) {
       const auto file = resolve_data_file(key, key == "model" ? "models" : "topologies", v);
       std::error_code ec;
       const auto canonical = std::filesystem::weakly_canonical(file, ec);
-      return (ec ? file : canonical).string();
+      return {(ec ? file : canonical).string()};
     } catch (const InputError& e) {
       throw InputError(fmt::format("--vary {}={}: {}", key, v, e.what()));
     }
   }
   if (key == "device" && !path) {
     try {
-      return cluster::load_device(v).name;
+      return {cluster::load_device(v).name};
     } catch (const InputError& e) {
       throw InputError(fmt::format("--vary device={}: {}", v, e.what()));
     }
   }
-  return v;
+  return {v};
 }
 
 Axis parse_vary(const std::string& text) {
@@ -175,9 +178,9 @@ Axis parse_vary(const std::string& text) {
   std::vector<std::string> given, identities;  // the texts and what they stand for
   while (std::getline(ss, v, ',')) {
     if (v.empty()) throw InputError(fmt::format("--vary {}: empty value", text));
-    const std::string identity = axis_identity(a.key, v);
+    const Identity identity = axis_identity(a.key, v);
     for (std::size_t i = 0; i < given.size(); ++i) {
-      if (given[i] == v || identities[i] == identity) {
+      if (given[i] == v || identities[i] == identity.text) {
         throw InputError(
             given[i] == v
                 ? fmt::format("--vary {}: {} given twice (its rows would be the same)", text, v)
@@ -186,9 +189,10 @@ Axis parse_vary(const std::string& text) {
                               text, given[i], v));
       }
     }
-    a.values.push_back(numeric_axis(a.key) ? identity : v);
+    // A number as it reads; a name or path as given (the rows show what the user wrote).
+    a.values.push_back(identity.number ? identity.text : v);
     given.push_back(v);
-    identities.push_back(identity);
+    identities.push_back(identity.text);
   }
   return a;
 }

@@ -180,8 +180,7 @@ class Lowerer {
             plan.comm_precision ? wire_bytes(*plan.comm_precision)
                                 : plan::activation_bytes_per_element(plan.precision))),
         grad_bytes_(plan::state_bytes_per_param(plan).gradients),
-        grad_comm_scale_(plan.comm_precision ? wire_bytes(*plan.comm_precision) / grad_bytes_
-                                             : 1.0),
+        grad_comm_scale_(plan::gradient_wire_bytes(plan) / grad_bytes_),
         weight_bytes_(plan::state_bytes_per_param(plan).weights) {
     const model::ModelSpec& m = g.spec();
     tokens_ = static_cast<std::uint64_t>(plan.micro_batch_size * plan.seq_len / plan.cp);

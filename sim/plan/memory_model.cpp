@@ -33,6 +33,11 @@ StateBytesPerParam state_bytes_per_param(const Plan& plan) {
   return {weights, gradients, moments + master};
 }
 
+double gradient_wire_bytes(const Plan& plan) {
+  return plan.comm_precision ? wire_bytes(*plan.comm_precision)
+                             : state_bytes_per_param(plan).gradients;
+}
+
 ModelStates zero_model_states(double params, int zero_stage, int dp, StateBytesPerParam bytes) {
   DTSIM_ASSERT(dp >= 1 && zero_stage >= 0 && zero_stage <= 3, "bad ZeRO arguments");
   const double n = dp;

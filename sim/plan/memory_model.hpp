@@ -27,6 +27,10 @@ struct StateBytesPerParam {
   double optimizer = 0;
 };
 StateBytesPerParam state_bytes_per_param(const Plan& plan);
+// Bytes per gradient element as a reduction sends it (the dp buckets, the tied embedding's and
+// the sequence-parallel norms' all-reduces): the plan's comm_precision where it has one, else as
+// the gradients are kept.
+double gradient_wire_bytes(const Plan& plan);
 
 // Model-state bytes on one data-parallel rank holding `params` parameters, ZeRO stage 0-3 over
 // `dp` ranks (ZeRO Table 1): stage 1 divides optimizer states, 2 also gradients, 3 also weights.

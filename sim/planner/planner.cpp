@@ -359,17 +359,11 @@ class Estimator {
         stage_compute = compute;
         stage_layers = layers;
       }
-      if (p.sequence_parallel && p.tp > 1) {
-        stage_sp_params = std::max(
-            stage_sp_params, stage_params_where(g, p, s, chunks, [&](const model::Op& o) {
-              const bool router = o.kind == model::OpKind::Router && local_dispatch;
-              return o.kind == model::OpKind::Norm || router ? static_cast<double>(o.params) : 0.0;
-            }));
-      }
-      const double dense = stage_param_count(g, p, s, chunks, false);
-      const double experts = stage_param_count(g, p, s, chunks, true);
+      const StageParams held = stage_param_counts(g, p, s, chunks, local_dispatch);
+      const double dense = held.dense, experts = held.experts;
       stage_params = std::max(stage_params, dense);
       stage_expert_params = std::max(stage_expert_params, experts);
+      if (p.sequence_parallel && p.tp > 1) stage_sp_params = std::max(stage_sp_params, held.sp);
       const Filled edge = edge_buckets(g, p, s, grad_bytes, per_block);
       stage_buckets[0] = std::max(
           stage_buckets[0], (dense - edge.params) * grad_bytes * block_rate[0] + edge.buckets);
@@ -636,7 +630,7 @@ class Estimator {
     // The lowering's collectives after the dp stream and before the optimizer, with nothing
     // beside them: a tied embedding's gradients all-reduced between the first and the last
     // stage, then under sequence parallelism the norms' (and routers') over tp.
-    const double grad_wire = p.comm_precision ? wire_bytes(*p.comm_precision) : grad_bytes;
+    const double grad_wire = plan::gradient_wire_bytes(p);
     if (m.tied_embeddings && p.pp > 1) {
       const auto stages = placement.group(ParallelDim::Pp, 0);
       b.exposed_pp_s += net_->collective_s(
@@ -800,38 +794,39 @@ class Estimator {
     return std::max(compute, stream) - busy;
   }
 
-  static double stage_param_count(const model::ModelGraph& g, const Plan& p, int stage,
-                                  const std::vector<int>& chunks, bool experts) {
-    return stage_params_where(g, p, stage, chunks, [&](const model::Op& o) {
-      return o.expert == experts ? plan::rank_params(o, p) : 0.0;
-    });
-  }
-
-  // The sum of `params(op)` over the ops of a pipeline stage: its blocks (every chunk's), the
-  // embedding's on the first stage, the head's and the final norm's on the last.
-  template <class Params>
-  static double stage_params_where(const model::ModelGraph& g, const Plan& p, int stage,
-                                   const std::vector<int>& chunks, Params params_of) {
-    double params = 0;
+  // A pipeline stage's parameters on a rank, dense and its experts' (their blocks, every
+  // chunk's; the embedding's on the first stage, the head's and the final norm's on the last,
+  // as the lowering's gradient buckets hold them: a tied head with pp = 1 has none of its own),
+  // and the norms' and (under moe_local_dispatch) routers' whole, whose gradients sequence
+  // parallelism all-reduces over tp. One walk of the stage's ops.
+  struct StageParams {
+    double dense = 0, experts = 0, sp = 0;
+  };
+  static StageParams stage_param_counts(const model::ModelGraph& g, const Plan& p, int stage,
+                                        const std::vector<int>& chunks, bool local_dispatch) {
+    StageParams held;
+    auto add = [&](model::OpId id) {
+      const model::Op& o = g.op(id);
+      (o.expert ? held.experts : held.dense) += plan::rank_params(o, p);
+      if (o.kind == model::OpKind::Norm || (o.kind == model::OpKind::Router && local_dispatch)) {
+        held.sp += static_cast<double>(o.params);
+      }
+    };
     for (int c = 0; c < p.virtual_stages; ++c) {
       const int k = c * p.pp + stage;
       int first = 0;
       for (int i = 0; i < k; ++i) first += chunks[static_cast<std::size_t>(i)];
       for (int l = first; l < first + chunks[static_cast<std::size_t>(k)]; ++l) {
-        for (model::OpId id : g.layer_ops(l)) params += params_of(g.op(id));
+        for (model::OpId id : g.layer_ops(l)) add(id);
       }
     }
-    // The embedding's on the first stage, the head's (and the final norm's) on the last, as the
-    // lowering's gradient buckets hold them (a tied head with pp = 1 has none of its own).
     if (stage == 0) {
-      for (model::OpId id : g.layer_ops(-1)) params += params_of(g.op(id));
+      for (model::OpId id : g.layer_ops(-1)) add(id);
     }
     if (stage == p.pp - 1) {
-      for (model::OpId id : g.layer_ops(static_cast<int>(g.spec().layers))) {
-        params += params_of(g.op(id));
-      }
+      for (model::OpId id : g.layer_ops(static_cast<int>(g.spec().layers))) add(id);
     }
-    return params;
+    return held;
   }
 
   // E[max of n standard normals], memoised per estimator (one per search thread: the shared
