@@ -44,8 +44,8 @@ std::unique_ptr<NetworkModel> make_analytical(const cluster::Cluster& cluster);
 // Throws UnsupportedError for torus fabrics.
 std::unique_ptr<NetworkModel> make_simgrid(const cluster::Cluster& cluster, const plan::Plan& plan);
 // What to expect before a long SimGrid run, or nothing: where a pipeline stage holds more than
-// 8,192 devices, a collective over all of them is that many flows at once (a ring per node
-// member: k times more), and SimGrid's time grows faster than the square of the flows.
+// 16,384 devices, a collective over all of them is that many flows at once (a ring per node
+// member: k times more) and as many SimGrid actors, each with a stack of its own.
 std::optional<std::string> simgrid_scale_note(const plan::Plan& plan);
 
 }  // namespace dtsim::network

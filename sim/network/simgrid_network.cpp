@@ -11,9 +11,15 @@
 // member carrying 1/(n-1) of the ring's share. The ring's other 2(n-1) - 1
 // (all-gather: n - 2) latency steps are added to the simulated time, as the analytical backend
 // counts them. Network model CM02 without cross-traffic: textbook max-min sharing.
+//
+// How the flows are started (SimGridNetwork::run) changes SimGrid's cost, not the result: each
+// flow is one network action between its two hosts, started at the same simulated time.
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
@@ -83,11 +89,26 @@ class PairRoutes final : public simgrid::kernel::routing::NetZoneImpl {
   std::unordered_map<std::uint64_t, Route> routes_;
 };
 
+// How many memory mappings Linux allows this process (vm.max_map_count; its default where the
+// file cannot be read).
+std::int64_t max_map_count() {
+  std::ifstream in("/proc/sys/vm/max_map_count");
+  std::int64_t n = 0;
+  return in >> n && n > 0 ? n : 65530;
+}
+
 // SimGrid allows one engine and one platform per process.
 struct World {
   std::unique_ptr<sg4::Engine> engine;
   std::vector<sg4::Host*> hosts;
-  std::string key;  // what the platform was built for
+  std::vector<sg4::Mailbox*> mailboxes;  // a host's, made when first used
+  std::string key;                       // what the platform was built for
+
+  sg4::Mailbox* mailbox(std::int64_t host) {
+    sg4::Mailbox*& m = mailboxes[static_cast<std::size_t>(host)];
+    if (m == nullptr) m = sg4::Mailbox::by_name(hosts[static_cast<std::size_t>(host)]->get_name());
+    return m;
+  }
 };
 
 World& world() {
@@ -122,12 +143,22 @@ class SimGridNetwork final : public NetworkModel {
       }
       return;
     }
-    static int argc = 4;
+    static int argc = 6;
     static char arg0[] = "dtsim";
     static char arg1[] = "--cfg=network/model:CM02";
     static char arg2[] = "--cfg=network/crosstraffic:0";
     static char arg3[] = "--log=root.thres:critical";
-    static char* argv[] = {arg0, arg1, arg2, arg3, nullptr};
+    // An actor's stack (KiB; SimGrid's default is 8 MiB of address space each, 128 GiB for the
+    // 16,384 actors of a collective over 16,384 devices). run()'s actors need less than 8 KiB
+    // (4 KiB overflows). SimGrid puts a guard page below each stack, which turns an overflow
+    // into a crash, but each is a memory mapping of its own, and Linux allows a process
+    // vm.max_map_count of them (65,530 by default): with more actors than half of that (one
+    // per device of the plan at most) the stacks go without (they are allocated, not mapped:
+    // 32 KiB of memory each, 2.5 GiB at 78,848 devices).
+    static char arg4[] = "--cfg=contexts/stack-size:32";
+    static std::string arg5 = fmt::format("--cfg=contexts/guard-size:{}",
+                                          2 * plan.devices() + 8192 <= max_map_count() ? 1 : 0);
+    static char* argv[] = {arg0, arg1, arg2, arg3, arg4, arg5.data(), nullptr};
     w.engine = std::make_unique<sg4::Engine>(&argc, argv);
     w.key = key;
     // The root zone (the first one made); SimGrid owns it.
@@ -135,6 +166,7 @@ class SimGridNetwork final : public NetworkModel {
     sg4::NetZone* zone = routes->get_iface();
     for (const auto& name : spec_.hosts) {
       w.hosts.push_back(zone->create_host(name, 1e9)->seal());
+      w.mailboxes.push_back(nullptr);
       DTSIM_ASSERT(w.hosts.back()->get_netpoint()->id() == w.hosts.size() - 1,
                    "SimGrid numbers a zone's hosts as they are made");
     }
@@ -277,23 +309,78 @@ class SimGridNetwork final : public NetworkModel {
   }
 
   // Simulates the flows from the current simulated time; returns how long the last one took.
+  //
+  // SimGrid 3.32 files a host-to-host comm (Comm::sendto_async) under one owner for all of them
+  // and takes each finished one out with a walk of that whole list: n flows at once cost
+  // n^2 / 2 steps (tiny-gpt at dp 4,096 on h100-roce, 32,768 flows: 6 s; at 16,384 devices
+  // 199 s). Comms through mailboxes between an actor on each flow's source and one on its
+  // destination are filed under those actors instead, but an actor costs tens of microseconds to
+  // make (context, stack, guard page). So mailboxes where flows^2 > 65,536 x the hosts they
+  // touch: where the two cost the same on this project's host (2026-12-05, tiny-gpt pure dp on
+  // h100-roce, one collective of 8 flows per device: 1,024 devices 0.2 s either way, 2,048
+  // devices 1.4 s host-to-host against 0.4 s through mailboxes). Both start the same action
+  // between the same hosts at the same time; the tests check that they give the same output.
   double run(const std::vector<Flow>& flows) {
     if (flows.empty()) return 0;
     World& w = world();
     const double start = sg4::Engine::get_clock();
-    sg4::Actor::create("collective", w.hosts.front(), [&w, &flows]() {
-      std::vector<sg4::CommPtr> comms;
-      comms.reserve(flows.size());
-      for (const Flow& f : flows) {
-        comms.push_back(sg4::Comm::sendto_async(w.hosts[static_cast<std::size_t>(f.src)],
-                                                w.hosts[static_cast<std::size_t>(f.dst)],
-                                                static_cast<std::uint64_t>(f.bytes)));
+    // A host's flows out (indices into `flows`) and how many it receives.
+    std::map<std::int64_t, std::pair<std::vector<std::size_t>, std::size_t>> at;
+    for (std::size_t i = 0; i < flows.size(); ++i) {
+      at[flows[i].src].first.push_back(i);
+      ++at[flows[i].dst].second;
+    }
+    const double n = static_cast<double>(flows.size());
+    const bool mailboxes = comms_forced() == Comms::Mailboxes ||
+                           (comms_forced() == Comms::ByCost && n * n > 65536.0 * at.size());
+    if (mailboxes) {
+      for (const auto& [host, work] : at) {
+        sg4::Actor::create(
+            "flows", w.hosts[static_cast<std::size_t>(host)], [&w, &flows, &work, host]() {
+              static char payload;  // (flows carry no data)
+              void* received = nullptr;
+              std::vector<sg4::CommPtr> comms;
+              comms.reserve(work.first.size() + work.second);
+              for (std::size_t i : work.first) {
+                comms.push_back(
+                    w.mailbox(flows[i].dst)
+                        ->put_async(&payload, static_cast<std::uint64_t>(flows[i].bytes)));
+              }
+              for (std::size_t k = 0; k < work.second; ++k) {
+                comms.push_back(w.mailbox(host)->get_async(&received));
+              }
+              sg4::Comm::wait_all(comms);
+            });
       }
-      sg4::Comm::wait_all(comms);
-    });
+    } else {
+      sg4::Actor::create("flows", w.hosts.front(), [&w, &flows]() {
+        std::vector<sg4::CommPtr> comms;
+        comms.reserve(flows.size());
+        for (const Flow& f : flows) {
+          comms.push_back(sg4::Comm::sendto_async(w.hosts[static_cast<std::size_t>(f.src)],
+                                                  w.hosts[static_cast<std::size_t>(f.dst)],
+                                                  static_cast<std::uint64_t>(f.bytes)));
+        }
+        sg4::Comm::wait_all(comms);
+      });
+    }
     w.engine->run();
-    ++episodes_;
     return sg4::Engine::get_clock() - start;
+  }
+
+  // DTSIM_TEST_SIMGRID_COMMS=host-to-host or =mailboxes makes run() start every collective one
+  // way (for the tests that compare the two); unset, run() chooses by cost.
+  enum class Comms { ByCost, HostToHost, Mailboxes };
+  static Comms comms_forced() {
+    static const Comms forced = [] {
+      const char* v = std::getenv("DTSIM_TEST_SIMGRID_COMMS");
+      if (v == nullptr) return Comms::ByCost;
+      if (std::strcmp(v, "host-to-host") == 0) return Comms::HostToHost;
+      if (std::strcmp(v, "mailboxes") == 0) return Comms::Mailboxes;
+      throw InputError(fmt::format(
+          "DTSIM_TEST_SIMGRID_COMMS: expected host-to-host or mailboxes, got \"{}\"", v));
+    }();
+    return forced;
   }
 
   const cluster::Cluster& c_;
@@ -303,7 +390,6 @@ class SimGridNetwork final : public NetworkModel {
   std::map<std::pair<std::int64_t, std::int64_t>, double> latency_;
   std::map<std::tuple<std::vector<std::int64_t>, CollectiveKind, std::uint64_t>, double> memo_;
   std::map<std::tuple<std::int64_t, std::int64_t, std::uint64_t>, double> p2p_memo_;
-  std::uint64_t episodes_ = 0;
 };
 
 }  // namespace
@@ -315,14 +401,15 @@ std::unique_ptr<NetworkModel> make_simgrid(const cluster::Cluster& cluster,
 
 std::optional<std::string> simgrid_scale_note(const plan::Plan& plan) {
   const std::int64_t stage = plan.devices() / plan.pp;
-  if (stage <= 8192) return std::nullopt;
-  // tiny-gpt at dp = devices on h100-roce (a data-parallel ring per node member), one core of
-  // this project's host (2026-12-05): 4,096 devices 5.8 s, 8,192 25 s, 16,384 199 s.
+  if (stage <= 16384) return std::nullopt;
+  // tiny-gpt at dp = devices (a data-parallel ring per node member), one core of this project's
+  // host (2026-12-05): 16,384 devices of h100-roce 3.9 s and 470 MB; Frontier's 32,768 10 s and
+  // 1.9 GB, 78,848 31 s and 4.4 GB.
   return fmt::format(
       "note: --network simgrid with {} devices in a pipeline stage: a collective over all of "
-      "them is flow-simulated as that many flows or more at once, and SimGrid's time grows faster "
-      "than their square (a data-parallel ring over 8,192 H100s: 25 s, over 16,384: 199 s, on "
-      "one core); --network analytical takes seconds",
+      "them is flow-simulated as that many flows or more at once, with a SimGrid actor per "
+      "device (a data-parallel ring over Frontier's 32,768 GCDs: 10 s and 1.9 GB, over its "
+      "78,848: 31 s and 4.4 GB, on one core); --network analytical takes seconds",
       stage);
 }
 

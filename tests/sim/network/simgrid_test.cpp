@@ -110,16 +110,16 @@ TEST_CASE("the exported platform lists hosts, links and routes", "[network][plat
       dtsim::UnsupportedError, "torus");
 }
 
-TEST_CASE("SimGrid runs past 8,192 devices a stage are said before they start",
+TEST_CASE("SimGrid runs past 16,384 devices a stage are said before they start",
           "[network][simgrid]") {
   dtsim::plan::Plan p;
   p.tp = 8;
   p.pp = 2;
-  p.dp = 1024;  // 8,192 devices a stage
+  p.dp = 2048;  // 16,384 devices a stage
   CHECK(!dtsim::network::simgrid_scale_note(p));
-  p.dp = 2048;
+  p.dp = 4096;
   const auto note = dtsim::network::simgrid_scale_note(p);
   REQUIRE(note);
-  CHECK_THAT(*note, Catch::Matchers::Contains("--network simgrid with 16384 devices in a "
+  CHECK_THAT(*note, Catch::Matchers::Contains("--network simgrid with 32768 devices in a "
                                               "pipeline stage"));
 }
