@@ -35,6 +35,44 @@ std::vector<std::vector<std::int64_t>> ring_channels(const std::vector<std::int6
   return rings;
 }
 
+TreeAllReduce tree_all_reduce(const std::vector<std::int64_t>& g, std::int64_t devices_per_node) {
+  std::map<std::int64_t, std::vector<std::int64_t>> by_node;  // members per node, in group order
+  for (std::int64_t r : g) by_node[r / devices_per_node].push_back(r);
+  TreeAllReduce tree;
+  if (g.size() <= 2 || by_node.size() <= 1) return tree;
+  std::vector<std::vector<std::int64_t>> nodes;
+  for (auto& [node, members] : by_node) nodes.push_back(std::move(members));
+  const std::size_t k = nodes.front().size();
+  const bool regular = std::all_of(nodes.begin(), nodes.end(),
+                                   [&](const auto& members) { return members.size() == k; });
+  tree.channels = regular ? k : 1;
+  const std::size_t m = nodes.size();
+  for (std::size_t i = m; i > 1; i /= 2) ++tree.depth;  // floor(log2(m)): a heap's depth
+  for (const auto& members : nodes) {
+    tree.chain_hops = std::max(tree.chain_hops, static_cast<int>(members.size()) - 1);
+  }
+  for (std::size_t c = 0; c < tree.channels; ++c) {
+    // Channel c's chain through node i: its members from the c-th on (tree 0 enters at the
+    // first, tree 1 at the last).
+    auto member = [&](std::size_t i, std::size_t at) {
+      const auto& members = nodes[i];
+      return members[(c + at) % members.size()];
+    };
+    for (std::size_t i = 0; i < m; ++i) {
+      for (std::size_t at = 0; at + 1 < nodes[i].size(); ++at) {
+        tree.chain.emplace_back(member(i, at), member(i, at + 1));
+      }
+    }
+    // Tree 0: node i's parent is node (i - 1) / 2; tree 1 is its mirror (node i as m - 1 - i).
+    for (std::size_t i = 1; i < m; ++i) {
+      tree.edges.emplace_back(member(i, 0), member((i - 1) / 2, 0));
+      const std::size_t mi = m - 1 - i, mp = m - 1 - (i - 1) / 2;
+      tree.edges.emplace_back(member(mi, nodes[mi].size() - 1), member(mp, nodes[mp].size() - 1));
+    }
+  }
+  return tree;
+}
+
 std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan,
                                                            std::int64_t devices_per_node) {
   const cluster::Placement placement(plan.degrees(), plan.order);
@@ -44,6 +82,13 @@ std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& pla
     for (const auto& channel : ring_channels(g, devices_per_node)) {
       for (std::size_t i = 0; i < channel.size(); ++i) {
         pairs.emplace(channel[i], channel[(i + 1) % channel.size()]);
+      }
+    }
+    const TreeAllReduce tree = tree_all_reduce(g, devices_per_node);
+    for (const auto* links : {&tree.chain, &tree.edges}) {
+      for (const auto& [a, b] : *links) {
+        pairs.emplace(a, b);
+        pairs.emplace(b, a);
       }
     }
   };

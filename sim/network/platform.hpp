@@ -46,9 +46,29 @@ struct PlatformSpec {
 std::vector<std::vector<std::int64_t>> ring_channels(const std::vector<std::int64_t>& group,
                                                      std::int64_t devices_per_node);
 
-// The device pairs that exchange data under `plan`: ring neighbours (every channel) of every
-// tp, cp, dp and expert-dp group, every pair of an ep group, and pipeline neighbours (both
-// directions).
+// The flows of NCCL's tree all-reduce over a group that spans nodes (devices_per_node devices
+// per node): its members on each node form a chain, and the nodes two binary trees (a double
+// binary tree: the second the mirror of the first, so that most inner nodes of one are leaves
+// of the other), each carrying half of the buffer, reduced up and broadcast down, pipelined:
+// every edge carries its half both ways at once. A group with k > 1 members on each node runs
+// k channels, each a k-th of the buffer, as its rings do: channel c's chain starts at the
+// node's c-th member, where tree 0 enters the node, and ends where tree 1 does, so that each
+// member's NIC carries two trees. Empty for a group on one node or of two members (a ring of
+// two is as fast).
+struct TreeAllReduce {
+  // Neighbours in a node's chain and (child's, parent's) entry members of a tree edge, every
+  // channel's; each carries flows both ways.
+  std::vector<std::pair<std::int64_t, std::int64_t>> chain, edges;
+  std::size_t channels = 0;
+  int depth = 0;       // the trees' node hops from a leaf to the root
+  int chain_hops = 0;  // a chain's hops (members on a node - 1, the most)
+};
+TreeAllReduce tree_all_reduce(const std::vector<std::int64_t>& group,
+                              std::int64_t devices_per_node);
+
+// The device pairs that exchange data under `plan`: ring neighbours (every channel) and tree
+// links (both directions) of every tp, cp, dp and expert-dp group, every pair of an ep group,
+// and pipeline neighbours (both directions).
 std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan,
                                                            std::int64_t devices_per_node);
 // Every ordered pair of devices inside each node (what collectives on a mesh use).
