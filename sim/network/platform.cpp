@@ -13,7 +13,7 @@ namespace dtsim::network {
 using cluster::ParallelDim;
 
 std::vector<std::vector<std::int64_t>> ring_channels(const std::vector<std::int64_t>& g,
-                                                     std::int64_t devices_per_node) {
+                                                     std::int64_t devices_per_node, bool mesh) {
   std::vector<std::vector<std::int64_t>> nodes;  // members per node, in ring order
   for (std::int64_t r : g) {
     if (nodes.empty() || nodes.back().front() / devices_per_node != r / devices_per_node) {
@@ -26,69 +26,41 @@ std::vector<std::vector<std::int64_t>> ring_channels(const std::vector<std::int6
                        std::all_of(nodes.begin(), nodes.end(),
                                    [&](const auto& members) { return members.size() == k; });
   if (!regular) return {g};
+  // Ring c's order through a node's k members.
+  std::vector<std::vector<std::size_t>> paths(k);
+  for (std::size_t c = 0; c < k; ++c) {
+    for (std::size_t i = 0; i < k; ++i) paths[c].push_back((c + i) % k);
+  }
+  if (mesh && k % 2 == 0) {
+    const std::size_t half = k / 2;
+    for (std::size_t c = 0; c < half; ++c) {
+      auto& path = paths[c];
+      for (std::size_t i = 1; i < k; ++i) {
+        // c + 1, c - 1, c + 2, c - 2, ... (mod k), ending at c + k/2.
+        path[i] = i % 2 == 1 ? (c + (i + 1) / 2) % k : (c + k - i / 2) % k;
+      }
+      paths[c + half].assign(path.rbegin(), path.rend());
+    }
+  }
   std::vector<std::vector<std::int64_t>> rings(k);
   for (std::size_t c = 0; c < k; ++c) {
     for (const auto& members : nodes) {
-      for (std::size_t i = 0; i < k; ++i) rings[c].push_back(members[(c + i) % k]);
+      for (std::size_t i : paths[c]) rings[c].push_back(members[i]);
     }
   }
   return rings;
 }
 
-TreeAllReduce tree_all_reduce(const std::vector<std::int64_t>& g, std::int64_t devices_per_node) {
-  std::map<std::int64_t, std::vector<std::int64_t>> by_node;  // members per node, in group order
-  for (std::int64_t r : g) by_node[r / devices_per_node].push_back(r);
-  TreeAllReduce tree;
-  if (g.size() <= 2 || by_node.size() <= 1) return tree;
-  std::vector<std::vector<std::int64_t>> nodes;
-  for (auto& [node, members] : by_node) nodes.push_back(std::move(members));
-  const std::size_t k = nodes.front().size();
-  const bool regular = std::all_of(nodes.begin(), nodes.end(),
-                                   [&](const auto& members) { return members.size() == k; });
-  tree.channels = regular ? k : 1;
-  const std::size_t m = nodes.size();
-  for (std::size_t i = m; i > 1; i /= 2) ++tree.depth;  // floor(log2(m)): a heap's depth
-  for (const auto& members : nodes) {
-    tree.chain_hops = std::max(tree.chain_hops, static_cast<int>(members.size()) - 1);
-  }
-  for (std::size_t c = 0; c < tree.channels; ++c) {
-    // Channel c's chain through node i: its members from the c-th on (tree 0 enters at the
-    // first, tree 1 at the last).
-    auto member = [&](std::size_t i, std::size_t at) {
-      const auto& members = nodes[i];
-      return members[(c + at) % members.size()];
-    };
-    for (std::size_t i = 0; i < m; ++i) {
-      for (std::size_t at = 0; at + 1 < nodes[i].size(); ++at) {
-        tree.chain.emplace_back(member(i, at), member(i, at + 1));
-      }
-    }
-    // Tree 0: node i's parent is node (i - 1) / 2; tree 1 is its mirror (node i as m - 1 - i).
-    for (std::size_t i = 1; i < m; ++i) {
-      tree.edges.emplace_back(member(i, 0), member((i - 1) / 2, 0));
-      const std::size_t mi = m - 1 - i, mp = m - 1 - (i - 1) / 2;
-      tree.edges.emplace_back(member(mi, nodes[mi].size() - 1), member(mp, nodes[mp].size() - 1));
-    }
-  }
-  return tree;
-}
-
 std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan,
-                                                           std::int64_t devices_per_node) {
+                                                           std::int64_t devices_per_node,
+                                                           bool mesh) {
   const cluster::Placement placement(plan.degrees(), plan.order);
   std::set<std::pair<std::int64_t, std::int64_t>> pairs;
   auto ring = [&](const std::vector<std::int64_t>& g) {
     if (g.size() < 2) return;
-    for (const auto& channel : ring_channels(g, devices_per_node)) {
+    for (const auto& channel : ring_channels(g, devices_per_node, mesh)) {
       for (std::size_t i = 0; i < channel.size(); ++i) {
         pairs.emplace(channel[i], channel[(i + 1) % channel.size()]);
-      }
-    }
-    const TreeAllReduce tree = tree_all_reduce(g, devices_per_node);
-    for (const auto* links : {&tree.chain, &tree.edges}) {
-      for (const auto& [a, b] : *links) {
-        pairs.emplace(a, b);
-        pairs.emplace(b, a);
       }
     }
   };

@@ -40,37 +40,22 @@ struct PlatformSpec {
 
 // The rings a group's ring collective runs (devices_per_node devices per node), each carrying
 // an equal part of it. A group with k > 1 members on each of several nodes runs k rings, as
-// NCCL's channels do: ring c enters every node at its c-th member and leaves it from another
-// one each, so that each member's NIC carries one ring across nodes. Otherwise the group's own
-// order is the one ring.
+// NCCL's channels do, each entering every node at a member of its own and leaving it from
+// another, so that each member's NIC carries one ring across nodes. Through a switch (NVSwitch)
+// ring c visits a node's members from its c-th on. On a mesh of direct links (`mesh`), where
+// each pair of devices has a link of its own, the rings' paths through a node use every link
+// once, as NCCL and RCCL search rings over a mesh: for even k, Walecki's zigzag paths (c, c+1,
+// c-1, c+2, ..., c+k/2, for c < k/2) and the same paths reversed; for odd k, the rotations
+// (whose paths share links). Otherwise the group's own order is the one ring.
 std::vector<std::vector<std::int64_t>> ring_channels(const std::vector<std::int64_t>& group,
-                                                     std::int64_t devices_per_node);
+                                                     std::int64_t devices_per_node, bool mesh);
 
-// The flows of NCCL's tree all-reduce over a group that spans nodes (devices_per_node devices
-// per node): its members on each node form a chain, and the nodes two binary trees (a double
-// binary tree: the second the mirror of the first, so that most inner nodes of one are leaves
-// of the other), each carrying half of the buffer, reduced up and broadcast down, pipelined:
-// every edge carries its half both ways at once. A group with k > 1 members on each node runs
-// k channels, each a k-th of the buffer, as its rings do: channel c's chain starts at the
-// node's c-th member, where tree 0 enters the node, and ends where tree 1 does, so that each
-// member's NIC carries two trees. Empty for a group on one node or of two members (a ring of
-// two is as fast).
-struct TreeAllReduce {
-  // Neighbours in a node's chain and (child's, parent's) entry members of a tree edge, every
-  // channel's; each carries flows both ways.
-  std::vector<std::pair<std::int64_t, std::int64_t>> chain, edges;
-  std::size_t channels = 0;
-  int depth = 0;       // the trees' node hops from a leaf to the root
-  int chain_hops = 0;  // a chain's hops (members on a node - 1, the most)
-};
-TreeAllReduce tree_all_reduce(const std::vector<std::int64_t>& group,
-                              std::int64_t devices_per_node);
-
-// The device pairs that exchange data under `plan`: ring neighbours (every channel) and tree
-// links (both directions) of every tp, cp, dp and expert-dp group, every pair of an ep group,
-// and pipeline neighbours (both directions).
+// The device pairs that exchange data under `plan`: ring neighbours (every channel) of every
+// tp, cp, dp and expert-dp group, every pair of an ep group, and pipeline neighbours (both
+// directions). `mesh`: the nodes are meshes of direct links (ring_channels).
 std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan,
-                                                           std::int64_t devices_per_node);
+                                                           std::int64_t devices_per_node,
+                                                           bool mesh);
 // Every ordered pair of devices inside each node (what collectives on a mesh use).
 std::set<std::pair<std::int64_t, std::int64_t>> node_pairs(const cluster::Cluster& c);
 // Every ordered pair of devices (small clusters only).

@@ -6,9 +6,9 @@
 //
 // Flows per collective (few per rank, as TOOLCHAIN.md advises): a ring all-reduce is one flow
 // per rank to its ring successor carrying 2(n-1)/n of the buffer; all-gather and reduce-scatter
-// (n-1)/n; all-to-all one flow per ordered pair carrying 1/n. An all-reduce across nodes also
-// runs as NCCL's double binary trees (network/platform.hpp: tree_all_reduce), a flow each way
-// over every tree edge and chain link, and the faster counts. On a mesh of direct links, a group
+// (n-1)/n; all-to-all one flow per ordered pair carrying 1/n. An all-reduce across nodes may
+// take NCCL's tree instead (tree_all_reduce_s: the rings' transfer and the tree's latency, not
+// flows of its own). On a mesh of direct links, a group
 // inside one node runs n - 1 rings at once, one per link: a flow from each rank to every other
 // member carrying 1/(n-1) of the ring's share. The ring's other 2(n-1) - 1
 // (all-gather: n - 2) latency steps are added to the simulated time, as the analytical backend
@@ -22,9 +22,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
-#include <optional>
 #include <set>
 #include <simgrid/kernel/routing/NetPoint.hpp>
 #include <simgrid/kernel/routing/NetZoneImpl.hpp>
@@ -128,7 +128,7 @@ class SimGridNetwork final : public NetworkModel {
       throw UnsupportedError(
           fmt::format("--network simgrid: {} devices, more than 2^32", c.devices()));
     }
-    auto pairs = plan_pairs(plan, c.devices_per_node);
+    auto pairs = plan_pairs(plan, c.devices_per_node, cluster::is_mesh(c.intra.fabric));
     if (cluster::is_mesh(c.intra.fabric)) pairs.merge(node_pairs(c));
     spec_ = build_platform(c, pairs);
     for (const auto& [pair, links] : spec_.routes) {
@@ -200,8 +200,7 @@ class SimGridNetwork final : public NetworkModel {
     std::vector<Flow> flows;
     double extra_steps = 0;
     double hop_latency = 0;
-    const auto groups = concurrent_groups(group);
-    for (const auto& g : groups) {
+    for (const auto& g : concurrent_groups(group)) {
       const int m = static_cast<int>(g.size());
       if (kind == CollectiveKind::AllToAll) {
         for (std::int64_t a : g) {
@@ -221,7 +220,7 @@ class SimGridNetwork final : public NetworkModel {
             return r / c_.devices_per_node == node;
           });
       // (A mesh group lies in one node: one ring.)
-      const auto rings = ring_channels(g, c_.devices_per_node);
+      const auto rings = ring_channels(g, c_.devices_per_node, cluster::is_mesh(c_.intra.fabric));
       for (const auto& ring : rings) {
         for (int i = 0; i < m; ++i) {
           const std::int64_t a = ring[static_cast<std::size_t>(i)];
@@ -240,17 +239,8 @@ class SimGridNetwork final : public NetworkModel {
       extra_steps = kind == CollectiveKind::AllReduce ? 2.0 * (m - 1) - 1 : m - 2.0;
     }
     double t = run(flows) + extra_steps * hop_latency;
-    // An all-reduce across nodes also runs as NCCL's trees, and the faster counts (as NCCL's
-    // tuner picks one, and as the analytical backend takes the fastest algorithm). A tree's
-    // flows load a node's NICs as much as the rings' do (2 x the buffer / k out of each), so
-    // what it can gain is latency: the ring's 2 (m - 1) hops against the tree's
-    // 2 (chain + depth). Where that is under 1% of the ring's time, the tree is not simulated
-    // (it costs SimGrid four flows per member where a ring has one).
     if (kind == CollectiveKind::AllReduce) {
-      const double ring_latency_s = (extra_steps + 1) * hop_latency;
-      if (auto tree = tree_flows(groups, s); tree && ring_latency_s - tree->hops_s > 0.01 * t) {
-        t = std::min(t, run(tree->flows) + tree->hops_s - tree->counted_s);
-      }
+      t = std::min(t, tree_all_reduce_s(group.ranks, t - (extra_steps + 1) * hop_latency));
     }
     memo_.emplace(key, t);
     return t;
@@ -324,45 +314,22 @@ class SimGridNetwork final : public NetworkModel {
     return {groups.begin(), groups.end()};
   }
 
-  // The concurrent groups' all-reduce of `bytes` each as trees (network/platform.hpp), or
-  // nothing where a group has none. Latency: a chunk climbs each chain and tree and comes back
-  // down, 2 (chain hops + depth) hops (hops_s); the flows run at once, and SimGrid counts one
-  // hop of them (counted_s).
-  struct TreeFlows {
-    std::vector<Flow> flows;
-    double hops_s = 0;
-    double counted_s = 0;
-  };
-  std::optional<TreeFlows> tree_flows(const std::vector<std::vector<std::int64_t>>& groups,
-                                      double bytes) const {
-    TreeFlows out;
-    auto& [flows, hops_s, counted_s] = out;
-    for (const auto& g : groups) {
-      const TreeAllReduce tree = network::tree_all_reduce(g, c_.devices_per_node);
-      if (tree.channels == 0) return std::nullopt;
-      const double channels = static_cast<double>(tree.channels);
-      double chain_lat = 0, edge_lat = 0;
-      // Both trees' halves of each channel's part, each way; the channels that pass between the
-      // same two members (k - 1 of k) as one flow (they share its links alike).
-      std::map<std::pair<std::int64_t, std::int64_t>, double> chain;
-      for (const auto& [a, b] : tree.chain) {
-        chain[{a, b}] += bytes / channels;
-        chain[{b, a}] += bytes / channels;
-      }
-      for (const auto& [pair, on] : chain) {
-        flows.push_back({pair.first, pair.second, on});
-        chain_lat = std::max(chain_lat, latency_.at(pair));
-      }
-      for (const auto& [child, parent] : tree.edges) {
-        // Its tree's half of the channel's part: reduced up, broadcast down.
-        flows.push_back({child, parent, bytes / (2 * channels)});
-        flows.push_back({parent, child, bytes / (2 * channels)});
-        edge_lat = std::max({edge_lat, latency_.at({child, parent}), latency_.at({parent, child})});
-      }
-      hops_s = std::max(hops_s, 2 * (tree.chain_hops * chain_lat + tree.depth * edge_lat));
-      counted_s = std::max({counted_s, chain_lat, edge_lat});
-    }
-    return out;
+  // An all-reduce across nodes as NCCL's double binary tree, which the faster counts (as
+  // NCCL's tuner picks one, and as the analytical backend takes the fastest algorithm): the
+  // rings' simulated transfer (`ring_transfer_s`, their contention included) scaled to a tree's
+  // 2 x the buffer per rank against a ring's 2 (m - 1) / m, plus the tree's latency hops (a
+  // chain through each node's members, log2 of the nodes across), as the analytical model
+  // counts them (network/collectives.hpp). Not a flow simulation of the tree: its gain is the
+  // ring's 2 (m - 1) latency hops, which rule small all-reduces over many nodes. Infinity for a
+  // group on one node.
+  double tree_all_reduce_s(const std::vector<std::int64_t>& ranks, double ring_transfer_s) const {
+    const cluster::GroupSpan span = cluster::group_span(c_, ranks);
+    if (span.nodes <= 1) return std::numeric_limits<double>::infinity();
+    const double m = static_cast<double>(ranks.size());
+    const double latency_s = node_tree_all_reduce_s(
+        0, static_cast<int>(span.max_devices_per_node), static_cast<int>(span.nodes),
+        Link{1, c_.intra.latency_s.value}, Link{1, c_.inter.latency_s.value});
+    return std::max(0.0, ring_transfer_s) * m / (m - 1) + latency_s;
   }
 
   // Simulates the flows from the current simulated time; returns how long the last one took.
@@ -459,14 +426,14 @@ std::unique_ptr<NetworkModel> make_simgrid(const cluster::Cluster& cluster,
 std::optional<std::string> simgrid_scale_note(const plan::Plan& plan) {
   const std::int64_t stage = plan.devices() / plan.pp;
   if (stage <= 16384) return std::nullopt;
-  // tiny-gpt at dp = devices (its all-reduce as rings, a ring per node member, and as trees),
-  // one core of this project's host (2026-12-05): 16,384 devices of h100-roce 7.7 s and
-  // 580 MB; Frontier's 32,768 14 s and 2.0 GB, 78,848 56 s and 4.7 GB.
+  // tiny-gpt at dp = devices (a data-parallel ring per node member), one core of this project's
+  // host (2026-12-05): 16,384 devices of h100-roce 3.9 s and 470 MB; Frontier's 32,768 10 s and
+  // 1.9 GB, 78,848 31 s and 4.4 GB.
   return fmt::format(
       "note: --network simgrid with {} devices in a pipeline stage: a collective over all of "
       "them is flow-simulated as that many flows or more at once, with a SimGrid actor per "
-      "device (a data-parallel all-reduce over Frontier's 32,768 GCDs: 14 s and 2.0 GB, over "
-      "its 78,848: 56 s and 4.7 GB, on one core); --network analytical takes seconds",
+      "device (a data-parallel ring over Frontier's 32,768 GCDs: 10 s and 1.9 GB, over its "
+      "78,848: 31 s and 4.4 GB, on one core); --network analytical takes seconds",
       stage);
 }
 

@@ -1,5 +1,6 @@
 #include "sim/network/collectives.hpp"
 
+#include <map>
 #include <set>
 
 #include "sim/cluster/placement.hpp"
@@ -156,7 +157,7 @@ TEST_CASE("a group with several members per node runs one ring per member, as NC
   // 2 nodes of 4: ring c enters each node at its c-th member and leaves from another one, so
   // that each member's NIC carries one ring across nodes.
   const std::vector<std::int64_t> g = {0, 1, 2, 3, 4, 5, 6, 7};
-  const auto rings = dtsim::network::ring_channels(g, 4);
+  const auto rings = dtsim::network::ring_channels(g, 4, false);
   REQUIRE(rings.size() == 4);
   std::set<std::int64_t> leaving;
   for (const auto& ring : rings) {
@@ -168,6 +169,37 @@ TEST_CASE("a group with several members per node runs one ring per member, as NC
   }
   CHECK(leaving == std::set<std::int64_t>{0, 1, 2, 3});
   // One member per node, or uneven nodes: the group's own ring.
-  CHECK(dtsim::network::ring_channels({0, 4}, 4) == std::vector<std::vector<std::int64_t>>{{0, 4}});
-  CHECK(dtsim::network::ring_channels({0, 1, 4}, 4).size() == 1);
+  CHECK(dtsim::network::ring_channels({0, 4}, 4, false) ==
+        std::vector<std::vector<std::int64_t>>{{0, 4}});
+  CHECK(dtsim::network::ring_channels({0, 1, 4}, 4, false).size() == 1);
+}
+
+TEST_CASE("on a mesh node, a group's rings use each direct link once (Walecki's paths)",
+          "[network]") {
+  for (const std::int64_t k : {2, 4, 6, 8}) {
+    // Three nodes of k devices, all in the group.
+    std::vector<std::int64_t> g;
+    for (std::int64_t d = 0; d < 3 * k; ++d) g.push_back(d);
+    const auto rings = dtsim::network::ring_channels(g, k, true);
+    REQUIRE(rings.size() == static_cast<std::size_t>(k));
+    std::map<std::pair<std::int64_t, std::int64_t>, int> uses;  // inside node 1
+    std::set<std::int64_t> entering, leaving;                   // node 1's members
+    for (const auto& ring : rings) {
+      CHECK(std::set<std::int64_t>(ring.begin(), ring.end()).size() == g.size());
+      for (std::size_t i = 0; i < ring.size(); ++i) {
+        const auto a = ring[i], b = ring[(i + 1) % ring.size()];
+        if (a / k == 1 && b / k == 1) ++uses[{a, b}];
+        if (a / k != 1 && b / k == 1) entering.insert(b);
+        if (a / k == 1 && b / k != 1) leaving.insert(a);
+      }
+    }
+    INFO("k = " << k);
+    CHECK(uses.size() == static_cast<std::size_t>(k * (k - 1)));  // every directed link
+    for (const auto& [link, n] : uses) CHECK(n == 1);
+    CHECK(entering.size() == static_cast<std::size_t>(k));  // every member's NIC, once
+    CHECK(leaving.size() == static_cast<std::size_t>(k));
+  }
+  // Odd k: the rotations, as through a switch.
+  CHECK(dtsim::network::ring_channels({0, 1, 2, 3, 4, 5}, 3, true) ==
+        dtsim::network::ring_channels({0, 1, 2, 3, 4, 5}, 3, false));
 }

@@ -123,38 +123,3 @@ TEST_CASE("SimGrid runs past 16,384 devices a stage are said before they start",
   CHECK_THAT(*note, Catch::Matchers::Contains("--network simgrid with 32768 devices in a "
                                               "pipeline stage"));
 }
-
-TEST_CASE("a tree all-reduce: chains through nodes, two mirrored trees over them, k channels",
-          "[network][platform]") {
-  using Pair = std::pair<std::int64_t, std::int64_t>;
-  // Two members on each of three nodes (8 devices a node).
-  const auto tree = dtsim::network::tree_all_reduce({0, 1, 8, 9, 16, 17}, 8);
-  CHECK(tree.channels == 2);
-  CHECK(tree.depth == 1);  // node 0 the root of tree 0, nodes 1 and 2 its children
-  CHECK(tree.chain_hops == 1);
-  // Channel 0 enters each node at its first member (tree 0) and leaves at its second (tree 1);
-  // channel 1 the other way round.
-  CHECK(tree.chain == std::vector<Pair>{{0, 1}, {8, 9}, {16, 17}, {1, 0}, {9, 8}, {17, 16}});
-  // (child, parent): tree 0 from node 0, its mirror from node 2.
-  CHECK(tree.edges == std::vector<Pair>{{8, 0},
-                                        {9, 17},
-                                        {16, 0},
-                                        {1, 17},  // channel 0
-                                        {9, 1},
-                                        {8, 16},
-                                        {17, 1},
-                                        {0, 16}});
-  // Every member's NIC carries trees across nodes, as every member's carries a ring.
-  std::set<std::int64_t> entries;
-  for (const auto& [child, parent] : tree.edges) entries.insert({child, parent});
-  CHECK(entries == std::set<std::int64_t>{0, 1, 8, 9, 16, 17});
-  // A group of two, or on one node, runs no tree (its ring is as fast).
-  CHECK(dtsim::network::tree_all_reduce({0, 8}, 8).channels == 0);
-  CHECK(dtsim::network::tree_all_reduce({0, 1, 2, 3}, 8).channels == 0);
-  // Uneven nodes: one channel through each node's members in group order.
-  const auto uneven = dtsim::network::tree_all_reduce({0, 1, 2, 8, 16, 17, 24, 25}, 8);
-  CHECK(uneven.channels == 1);
-  CHECK(uneven.depth == 2);  // 4 nodes: a heap of depth 2
-  CHECK(uneven.chain_hops == 2);
-  CHECK(uneven.edges.size() == 2 * 3);
-}
