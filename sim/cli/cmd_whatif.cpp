@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "sim/cli/commands.hpp"
+#include "sim/cli/isolated.hpp"
 #include "sim/cli/mpi_split.hpp"
 #include "sim/cli/options.hpp"
 #include "sim/common/data_files.hpp"
@@ -197,19 +198,6 @@ Axis parse_vary(const std::string& text) {
   return a;
 }
 
-// An error of a point evaluated on another rank, carried to rank 0 by name.
-std::string error_kind(const std::exception& e) {
-  if (dynamic_cast<const InputError*>(&e)) return "input";
-  if (dynamic_cast<const UnsupportedError*>(&e)) return "unsupported";
-  return "internal";
-}
-
-[[noreturn]] void rethrow_error(const std::string& kind, const std::string& what) {
-  if (kind == "input") throw InputError(what);
-  if (kind == "unsupported") throw UnsupportedError(what);
-  throw InternalError(what);
-}
-
 }  // namespace
 
 int cmd_whatif(const std::vector<std::string>& args) {
@@ -232,6 +220,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "training tokens, for time, cost and energy to train (the time with interruptions, "
       "checkpoints and restarts as well: see the reliability flags)")(
       "refine", po::value<int>()->default_value(2), "plans simulated per point")(
+      "network", po::value<std::string>()->default_value("analytical"),
+      "network model of each point's plan: analytical, or simgrid (the plan the search chose, or "
+      "--fixed-plan, simulated with flows on SimGrid, each point in a process of its own; the "
+      "search ranks plans with the analytical model)")(
       "precision", po::value<std::string>(),
       "bf16, fp16, fp8, fp32, tf32 (default: a --fixed-plan's own, else bf16, or fp32 on a "
       "device without bf16)")(
@@ -295,6 +287,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
         "--attention: the attention kernel is varied (--vary attention=...); give "
         "one or the other");
   }
+  const std::string network_name = vm["network"].as<std::string>();
+  if (network_name != "analytical" && network_name != "simgrid") {
+    throw InputError(
+        fmt::format("--network: expected analytical or simgrid, got \"{}\"", network_name));
+  }
+  const bool on_simgrid = network_name == "simgrid";
   const int refine = vm["refine"].as<int>();
   if (refine < 1) {
     throw InputError(
@@ -608,6 +606,37 @@ int cmd_whatif(const std::vector<std::string>& args) {
         }
       }
     }
+    if (row.found && on_simgrid) {
+      // The chosen plan again, its collectives and transfers flow-simulated: SimGrid's platform
+      // is the point's, so a process of its own. Memory does not depend on the network.
+      const auto flows = nlohmann::json::parse(run_isolated([&] {
+        engine::SimulateOptions o;
+        o.profile = priced_by;
+        o.jitter_cv = jitter;
+        o.rank_spread_cv = rank_spread;
+        o.straggler_cost = true;
+        auto net = network::make_simgrid(c, chosen);
+        const engine::Prediction p =
+            engine::simulate(plan::graph_of(spec, chosen), chosen, c, *net, o).prediction;
+        return nlohmann::json{{"step", p.step_time_s},
+                              {"tps", p.tokens_per_s},
+                              {"mfu", p.mfu},
+                              {"amdahl", p.max_speedup},
+                              {"stragglers", report::value_or_null(p.straggler_cost_s)},
+                              {"slow_rank", report::value_or_null(p.slow_rank_cost_s)}}
+            .dump();
+      }));
+      pred.step_time_s = flows.at("step").get<double>();
+      pred.tokens_per_s = flows.at("tps").get<double>();
+      pred.mfu = flows.at("mfu").get<double>();
+      pred.max_speedup = flows.at("amdahl").get<double>();
+      if (stragglers && !flows.at("stragglers").is_null()) {
+        row.straggler_cost_s = flows.at("stragglers").get<double>();
+      }
+      if (slow_rank && !flows.at("slow_rank").is_null()) {
+        row.slow_rank_cost_s = flows.at("slow_rank").get<double>();
+      }
+    }
     if (row.found) {
       row.fits = pred.memory.fits;
       row.memory_bytes = pred.memory.worst().total_bytes;
@@ -784,6 +813,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       if (!r.found) j["valid_candidates"] = r.valid_candidates;
       if (!r.invalid.empty()) j["invalid_plan"] = r.invalid;
       if (r.found) {
+        j["network"] = network_name;
         j.update({{"plan", r.plan},
                   {"plan_spec", r.plan_spec},
                   {"fits", r.fits},
@@ -967,6 +997,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (slow_ranks) {
     std::cout << "(slow rank: what the slowest rank adds to the step without jitter, against "
                  "every rank at one speed; dtsim simulate --rank-spread-cv says which rank)\n";
+  }
+  if (on_simgrid) {
+    std::cout << "(network: SimGrid; each point's plan flow-simulated, the search's ranking by "
+                 "the analytical model)\n";
   }
   if (tokens <= 0) std::cout << "(give --tokens N for time, cost and energy to train)\n";
   if (vm.count("fixed-plan")) {
