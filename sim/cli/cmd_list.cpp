@@ -27,8 +27,7 @@ int cmd_list(const std::vector<std::string>& args) {
   }
   const std::string what = vm["what"].as<std::string>();
   if (what != "all" && what != "models" && what != "clusters" && what != "devices") {
-    throw InputError(
-        fmt::format("expected models, clusters, devices or all, got \"{}\"", what));
+    throw InputError(fmt::format("expected models, clusters, devices or all, got \"{}\"", what));
   }
   const bool json_out = vm["json"].as<bool>();
   nlohmann::json out = nlohmann::json::object();

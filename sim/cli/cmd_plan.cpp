@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "sim/cli/commands.hpp"
+#include "sim/cli/isolated.hpp"
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
@@ -240,6 +241,10 @@ int cmd_plan(const std::vector<std::string>& args) {
       "tokens", po::value<double>(), "training tokens: report time (and cost) to train")(
       "refine", po::value<int>()->default_value(8),
       "simulate the best K candidates with the discrete-event simulator")(
+      "network", po::value<std::string>()->default_value("analytical"),
+      "network model of the simulated candidates: analytical, or simgrid (their collectives and "
+      "transfers flow-simulated on SimGrid, one after another, each in a process of its own; "
+      "the estimates before them use the analytical model)")(
       "memory-headroom", po::value<double>()->default_value(0.0),
       "fraction of device memory to keep free (0-0.9)")(
       "expert-load", po::value<double>()->default_value(1.0),
@@ -309,6 +314,17 @@ int cmd_plan(const std::vector<std::string>& args) {
   cluster.device.peak_flops_for(space.precision);
   planner::SearchOptions options;
   options.refine = vm["refine"].as<int>();
+  const std::string network_name = vm["network"].as<std::string>();
+  if (network_name != "analytical" && network_name != "simgrid") {
+    throw InputError(
+        fmt::format("--network: expected analytical or simgrid, got \"{}\"", network_name));
+  }
+  if (network_name == "simgrid") {
+    // SimGrid holds one platform per process, and each candidate has its own.
+    options.simulate = [&](const plan::Plan& p, const engine::SimulateOptions& o) {
+      return simulate_on_simgrid(spec, p, cluster, o);
+    };
+  }
   options.threads = vm["threads"].as<int>();
   if (options.threads < 0) {
     throw InputError(fmt::format("--threads: expected 0 (all cores) or a positive integer, got {}",
@@ -409,6 +425,7 @@ int cmd_plan(const std::vector<std::string>& args) {
                 {"evaluated", result.evaluated},
                 {"feasible", result.feasible},
                 {"refined", result.refined},
+                {"network", network_name},
                 {"tier_order_disagreements", result.order_disagreements},
                 {"tier_max_disagreement_gap", result.max_disagreement_gap},
                 {"tier_max_estimate_error", result.max_estimate_error},
@@ -635,6 +652,12 @@ int cmd_plan(const std::vector<std::string>& args) {
             ? fmt::format(" (simulated at most {:.1f}% apart)", 100 * result.max_disagreement_gap)
             : "",
         100 * result.max_estimate_error);
+  }
+  if (network_name == "simgrid" && result.refined > 0) {
+    std::cout << fmt::format(
+        "network: the {} simulated plans' collectives and transfers flow-simulated on SimGrid; "
+        "the estimates with the analytical model\n",
+        result.refined);
   }
   if (vm.count("out") && !result.ranked.empty()) {
     std::cout << "best plan written to " << vm["out"].as<std::string>() << "\n";

@@ -607,35 +607,19 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
     }
     if (row.found && on_simgrid) {
-      // The chosen plan again, its collectives and transfers flow-simulated: SimGrid's platform
-      // is the point's, so a process of its own. Memory does not depend on the network.
-      const auto flows = nlohmann::json::parse(run_isolated([&] {
-        engine::SimulateOptions o;
-        o.profile = priced_by;
-        o.jitter_cv = jitter;
-        o.rank_spread_cv = rank_spread;
-        o.straggler_cost = true;
-        auto net = network::make_simgrid(c, chosen);
-        const engine::Prediction p =
-            engine::simulate(plan::graph_of(spec, chosen), chosen, c, *net, o).prediction;
-        return nlohmann::json{{"step", p.step_time_s},
-                              {"tps", p.tokens_per_s},
-                              {"mfu", p.mfu},
-                              {"amdahl", p.max_speedup},
-                              {"stragglers", report::value_or_null(p.straggler_cost_s)},
-                              {"slow_rank", report::value_or_null(p.slow_rank_cost_s)}}
-            .dump();
-      }));
-      pred.step_time_s = flows.at("step").get<double>();
-      pred.tokens_per_s = flows.at("tps").get<double>();
-      pred.mfu = flows.at("mfu").get<double>();
-      pred.max_speedup = flows.at("amdahl").get<double>();
-      if (stragglers && !flows.at("stragglers").is_null()) {
-        row.straggler_cost_s = flows.at("stragglers").get<double>();
-      }
-      if (slow_rank && !flows.at("slow_rank").is_null()) {
-        row.slow_rank_cost_s = flows.at("slow_rank").get<double>();
-      }
+      // The chosen plan again, its collectives and transfers flow-simulated (SimGrid's platform
+      // is the point's: a process of its own); its memory as the search or simulation above
+      // found it (with the search's memory options).
+      engine::SimulateOptions o;
+      o.profile = priced_by;
+      o.jitter_cv = jitter;
+      o.rank_spread_cv = rank_spread;
+      o.straggler_cost = true;
+      plan::MemoryReport memory = std::move(pred.memory);
+      pred = simulate_on_simgrid(spec, chosen, c, o);
+      pred.memory = std::move(memory);
+      if (stragglers) row.straggler_cost_s = pred.straggler_cost_s;
+      if (slow_rank) row.slow_rank_cost_s = pred.slow_rank_cost_s;
     }
     if (row.found) {
       row.fits = pred.memory.fits;

@@ -9,11 +9,20 @@
 #include <functional>
 #include <string>
 
+#include "sim/engine/simulator.hpp"
+
 namespace dtsim::cli {
 
 // What `work` returns, run in a child process; its error rethrown here. A child that dies (a
 // signal, SimGrid's own abort) is an InternalError naming how it ended.
 std::string run_isolated(const std::function<std::string()>& work);
+
+// The plan simulated with its collectives and pipeline transfers on SimGrid (in a child process:
+// run_isolated), its memory and FLOPs as the in-process analytical simulation finds them (they
+// do not depend on the network).
+engine::Prediction simulate_on_simgrid(const model::ModelSpec& spec, const plan::Plan& plan,
+                                       const cluster::Cluster& cluster,
+                                       const engine::SimulateOptions& options);
 
 // An error by name ("input", "unsupported", "internal"), and back.
 std::string error_kind(const std::exception& e);

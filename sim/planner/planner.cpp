@@ -1181,19 +1181,30 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
   sim_options.jitter_cv = options.jitter_cv;
   sim_options.rank_spread_cv = options.rank_spread_cv;
   std::atomic<std::uint64_t> simulations_done{0};
-  parallel_for(static_cast<std::size_t>(refine), threads, [&] {
-    return [&, net = network::make_analytical(cluster)](std::size_t i) {
-      Candidate& c = feasible[i];
-      c.prediction =
-          engine::simulate(*graphs.at(graph_key(c.plan)), c.plan, cluster, *net, sim_options)
-              .prediction;
-      c.step_time_s = c.prediction.step_time_s;
-      c.refined = true;
-      price_step(c);
-      const std::uint64_t n = ++simulations_done;
-      if (options.simulated) options.simulated(n, static_cast<std::uint64_t>(refine));
-    };
-  });
+  const auto refined = [&](Candidate& c) {
+    c.step_time_s = c.prediction.step_time_s;
+    c.refined = true;
+    price_step(c);
+    const std::uint64_t n = ++simulations_done;
+    if (options.simulated) options.simulated(n, static_cast<std::uint64_t>(refine));
+  };
+  if (options.simulate) {
+    for (int i = 0; i < refine; ++i) {
+      Candidate& c = feasible[static_cast<std::size_t>(i)];
+      c.prediction = options.simulate(c.plan, sim_options);
+      refined(c);
+    }
+  } else {
+    parallel_for(static_cast<std::size_t>(refine), threads, [&] {
+      return [&, net = network::make_analytical(cluster)](std::size_t i) {
+        Candidate& c = feasible[i];
+        c.prediction =
+            engine::simulate(*graphs.at(graph_key(c.plan)), c.plan, cluster, *net, sim_options)
+                .prediction;
+        refined(c);
+      };
+    });
+  }
   for (int i = 0; i < refine; ++i) {
     const Candidate& c = feasible[static_cast<std::size_t>(i)];
     out.max_estimate_error =

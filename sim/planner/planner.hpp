@@ -120,6 +120,11 @@ struct SearchOptions {
   // The slow rank of both tiers (engine::SimulateOptions::rank_spread_cv; the closed form slows
   // the busiest stage's compute the same way). Unset: the profile's rank_spread_cv, else none.
   std::optional<double> rank_spread_cv;
+  // Where set, tier 2's simulator in place of the in-process one with the analytical network:
+  // the candidate's prediction under these options (dtsim plan --network simgrid runs each on
+  // SimGrid, in a process of its own). Called from the calling thread, one candidate after
+  // another.
+  std::function<engine::Prediction(const plan::Plan&, const engine::SimulateOptions&)> simulate;
   // Whether to find SearchResult::memory_frontier (more estimates of plans over memory; whatif,
   // which does not show it, leaves it out).
   bool memory_frontier = true;

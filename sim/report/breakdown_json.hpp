@@ -32,6 +32,28 @@ inline nlohmann::json breakdown_json(const engine::Breakdown& b, bool predicted 
   return j;
 }
 
+// A breakdown read back from breakdown_json's (predicted) form.
+inline engine::Breakdown breakdown_from_json(const nlohmann::json& j) {
+  engine::Breakdown b;
+  b.compute_s = j.at("compute_s").get<double>();
+  b.recompute_s = j.at("recompute_s").get<double>();
+  b.optimizer_s = j.at("optimizer_s").get<double>();
+  b.bubble_s = j.at("bubble_s").get<double>();
+  const auto& comm = j.at("exposed_comm_s");
+  b.exposed_dp_s = comm.at("dp").get<double>();
+  b.exposed_tp_s = comm.at("tp").get<double>();
+  b.exposed_pp_s = comm.at("pp").get<double>();
+  b.exposed_cp_s = comm.at("cp").get<double>();
+  b.exposed_ep_s = comm.at("ep").get<double>();
+  const auto& waits = j.at("straggler_wait_s");
+  b.straggler_dp_s = waits.at("dp").get<double>();
+  b.straggler_tp_s = waits.at("tp").get<double>();
+  b.straggler_pp_s = waits.at("pp").get<double>();
+  b.straggler_cp_s = waits.at("cp").get<double>();
+  b.straggler_ep_s = waits.at("ep").get<double>();
+  return b;
+}
+
 // One stage's entry of `per_stage`: its stage, the rank it was taken on, its breakdown.
 inline nlohmann::json stage_json(const engine::StagePrediction& s, bool predicted = true) {
   return {

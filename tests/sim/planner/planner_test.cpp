@@ -108,6 +108,34 @@ TEST_CASE("two tiers find the plan that brute-force simulation finds", "[planner
   CHECK(fast.evaluated == brute.evaluated);
 }
 
+// SearchOptions::simulate replaces tier 2's simulator (dtsim plan --network simgrid): its
+// predictions rank the simulated candidates, and it is called once for each of them.
+TEST_CASE("tier 2 takes its predictions from SearchOptions::simulate where given", "[planner]") {
+  const auto spec = dtsim::model::load_model("gpt2-124m");
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 8);
+  const auto usual = dtsim::planner::search(spec, cluster, small_space(), SearchOptions{});
+  REQUIRE(usual.refined == 8);
+  // A simulator that finds the estimates' 8th best plan twice as fast as the usual simulation
+  // does, and the others as it does.
+  const std::string eighth = dtsim::plan::summary(usual.ranked[7].plan);
+  SearchOptions hooked;
+  int calls = 0;
+  hooked.simulate = [&](const dtsim::plan::Plan& p, const dtsim::engine::SimulateOptions& o) {
+    ++calls;
+    auto net = dtsim::network::make_analytical(cluster);
+    auto pred =
+        dtsim::engine::simulate(dtsim::plan::graph_of(spec, p), p, cluster, *net, o).prediction;
+    if (dtsim::plan::summary(p) == eighth) pred.step_time_s /= 2;
+    return pred;
+  };
+  const auto r = dtsim::planner::search(spec, cluster, small_space(), hooked);
+  CHECK(calls == 8);
+  CHECK(r.refined == 8);
+  CHECK(dtsim::plan::summary(r.ranked[0].plan) == eighth);
+  CHECK(r.ranked[0].step_time_s == Approx(usual.ranked[7].step_time_s / 2));
+  CHECK(dtsim::plan::summary(r.ranked[1].plan) == dtsim::plan::summary(usual.ranked[0].plan));
+}
+
 // The default job's 8 simulated plans include ZeRO-1 and ZeRO-2 twins that both tiers time
 // alike: a tie orders nothing, so it is no disagreement (it counted as one, 9 of the 10 the
 // default job reported).
