@@ -60,7 +60,10 @@ json candidate_json(const planner::Candidate& c, const TrainingGoal& goal) {
             {"fits", c.fits},
             {"dominant", planner::dominant_term(breakdown_of(c), c.step_time_s)}};
   j["breakdown"] = report::breakdown_json(breakdown_of(c));
-  if (c.refined) j["mfu"] = c.prediction.mfu;
+  if (c.refined) {
+    j["mfu"] = c.prediction.mfu;
+    j["network"] = c.prediction.network;  // the network model that simulated it
+  }
   if (c.cost_per_step_usd >= 0) j["cost_per_step_usd"] = c.cost_per_step_usd;
   if (train_tokens > 0) {
     const double steps = train_tokens / tokens;

@@ -402,6 +402,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::map<std::string, std::string> point;
     std::string plan;
     nlohmann::json plan_spec;  // the plan in a --plan file's fields (plan::to_json)
+    std::string network;       // the network model that timed the plan (Prediction::network)
     std::int64_t gpus = 0;
     double step_s = 0, tokens_per_s = 0, mfu = 0, max_speedup = 0;
     double train_s = 0, cost_usd = -1, energy_kwh = -1;
@@ -589,7 +590,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         row.plan = plan::summary(chosen);
         row.plan_spec = plan::to_json(chosen);
         row.found = true;
-        if (stragglers || slow_rank) {
+        if ((stragglers || slow_rank) && !on_simgrid) {
           // What the straggler model adds, as SimulateOptions::straggler_cost finds it: the
           // search simulated the best plan with the model, so only the run without jitter (the
           // slow rank kept) is left, and that run's own without the slow rank.
@@ -622,6 +623,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       if (slow_rank) row.slow_rank_cost_s = pred.slow_rank_cost_s;
     }
     if (row.found) {
+      row.network = pred.network;
       row.fits = pred.memory.fits;
       row.memory_bytes = pred.memory.worst().total_bytes;
       row.capacity_bytes = pred.memory.capacity_bytes;
@@ -667,6 +669,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     mine.push_back(nlohmann::json{{"i", i},
                                   {"plan", r.plan},
                                   {"plan_spec", r.plan_spec},
+                                  {"network", r.network},
                                   {"gpus", r.gpus},
                                   {"step", r.step_s},
                                   {"tps", r.tokens_per_s},
@@ -709,6 +712,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.point = points[j.at("i").get<std::size_t>()];
       r.plan = j.at("plan").get<std::string>();
       r.plan_spec = j.at("plan_spec");
+      r.network = j.at("network").get<std::string>();
       r.gpus = j.at("gpus").get<std::int64_t>();
       r.step_s = j.at("step").get<double>();
       r.tokens_per_s = j.at("tps").get<double>();
@@ -797,7 +801,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       if (!r.found) j["valid_candidates"] = r.valid_candidates;
       if (!r.invalid.empty()) j["invalid_plan"] = r.invalid;
       if (r.found) {
-        j["network"] = network_name;
+        j["network"] = r.network;
         j.update({{"plan", r.plan},
                   {"plan_spec", r.plan_spec},
                   {"fits", r.fits},

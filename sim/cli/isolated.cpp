@@ -1,10 +1,13 @@
 #include "sim/cli/isolated.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -87,7 +90,10 @@ engine::Prediction simulate_on_simgrid(const model::ModelSpec& spec, const plan:
 
 std::string run_isolated(const std::function<std::string()>& work) {
   int fds[2];
-  if (pipe(fds) != 0) throw InternalError(fmt::format("pipe: {}", std::strerror(errno)));
+  // (Close-on-exec: a child of another thread's fork does not hold this pipe open.)
+  if (pipe2(fds, O_CLOEXEC) != 0) {
+    throw InternalError(fmt::format("pipe: {}", std::strerror(errno)));
+  }
   // (What is buffered would be written twice, by each process.)
   std::cout.flush();
   std::cerr.flush();
@@ -100,6 +106,8 @@ std::string run_isolated(const std::function<std::string()>& work) {
     throw InternalError(fmt::format("fork: {}", std::strerror(err)));
   }
   if (pid == 0) {
+    // Dies with its parent (mpirun ending a rank, a Ctrl-C) rather than simulating on alone.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
     close(fds[0]);
     std::string out;
     try {

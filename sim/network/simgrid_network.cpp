@@ -346,6 +346,13 @@ class SimGridNetwork final : public NetworkModel {
   // between the same hosts at the same time; the tests check that they give the same output.
   double run(const std::vector<Flow>& flows) {
     if (flows.empty()) return 0;
+    // Every flow between devices the platform routes (PairRoutes would throw inside SimGrid).
+    for (const Flow& f : flows) {
+      if (!latency_.count({f.src, f.dst})) {
+        throw InternalError(
+            fmt::format("SimGrid platform: no route from device {} to {}", f.src, f.dst));
+      }
+    }
     World& w = world();
     const double start = sg4::Engine::get_clock();
     // A host's flows out (indices into `flows`) and how many it receives.
