@@ -32,10 +32,14 @@ class Analytical final : public NetworkModel {
     const Link inter_ring = inter_link(span, k, Crossing::OnePerGroup);
     const Link inter_each = inter_link(span, 1, Crossing::OnePerGroup);
     const Link inter_all = inter_link(span, 1, Crossing::Every);
-    // The ring's slowest hop.
+    // The ring's slowest hop. Across nodes with k > 1 members on each, the group runs k rings
+    // (NCCL's channels, each a k-th of the buffer), each leaving a node from a member of its
+    // own: a member sends its share inside the node in k - 1 of them and across in one, so its
+    // intra-node link carries (k - 1)/k of what the member sends (the SimGrid backend's rings
+    // alike, network/platform.hpp: ring_channels).
     Link ring = nodes > 1 ? inter_ring : intra;
     if (nodes > 1 && k > 1) {
-      ring.bw_bytes_per_s = std::min(intra.bw_bytes_per_s, inter_ring.bw_bytes_per_s);
+      ring.bw_bytes_per_s = std::min(intra.bw_bytes_per_s * k / (k - 1), inter_ring.bw_bytes_per_s);
     }
     const double s = static_cast<double>(bytes);
     double t = 0;
