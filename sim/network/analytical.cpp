@@ -32,21 +32,24 @@ class Analytical final : public NetworkModel {
     const Link inter_ring = inter_link(span, k, Crossing::OnePerGroup);
     const Link inter_each = inter_link(span, 1, Crossing::OnePerGroup);
     const Link inter_all = inter_link(span, 1, Crossing::Every);
-    // The ring's slowest hop. Across nodes with k > 1 members on each, the group runs k rings
-    // (NCCL's channels, each a k-th of the buffer), each leaving a node from a member of its
+    // Across nodes with k > 1 members on each, the group runs k rings or trees (NCCL's
+    // channels, each a k-th of the buffer), each entering and leaving a node at members of its
     // own: a member sends its share inside the node in k - 1 of them and across in one, so its
     // intra-node link carries (k - 1)/k of what the member sends (the SimGrid backend's rings
     // alike, network/platform.hpp: ring_channels).
+    Link channels = intra;
+    if (k > 1) channels.bw_bytes_per_s *= static_cast<double>(k) / (k - 1);
+    // The ring's slowest hop.
     Link ring = nodes > 1 ? inter_ring : intra;
     if (nodes > 1 && k > 1) {
-      ring.bw_bytes_per_s = std::min(intra.bw_bytes_per_s * k / (k - 1), inter_ring.bw_bytes_per_s);
+      ring.bw_bytes_per_s = std::min(channels.bw_bytes_per_s, inter_ring.bw_bytes_per_s);
     }
     const double s = static_cast<double>(bytes);
     double t = 0;
     switch (kind) {
       case CollectiveKind::AllReduce: {
         t = ring_all_reduce_s(s, n, ring);
-        if (nodes > 1) t = std::min(t, node_tree_all_reduce_s(s, k, nodes, intra, inter_ring));
+        if (nodes > 1) t = std::min(t, node_tree_all_reduce_s(s, k, nodes, channels, inter_ring));
         if (nodes > 1 && k > 1) {
           t = std::min(t, hierarchical_all_reduce_s(s, k, nodes, intra, inter_each));
         }
