@@ -85,7 +85,9 @@ int cmd_simulate(const std::vector<std::string>& args) {
     if (const auto note = network::simgrid_scale_note(plan)) std::cerr << *note << "\n";
     notes.push_back(
         "simgrid: every distinct collective and pipeline transfer was flow-simulated once, "
-        "with all the groups of its kind in its pipeline stage running at the same time");
+        "with all the groups of its kind in its pipeline stage running at the same time (an "
+        "all-reduce across nodes as rings, or as NCCL's tree where faster: the rings' transfer "
+        "and the tree's latency, not flows of its own)");
   } else {
     throw InputError(
         fmt::format("--network: expected analytical or simgrid, got \"{}\"", network_name));
