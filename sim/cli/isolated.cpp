@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <optional>
+#include <utility>
 
 #include "sim/common/error.hpp"
 #include "sim/report/breakdown_json.hpp"
@@ -30,61 +32,72 @@ std::string error_kind(const std::exception& e) {
   throw InternalError(what);
 }
 
+namespace {
+
+// A prediction's fields but its memory report, as the child sends them.
+constexpr std::pair<const char*, double engine::Prediction::*> kTimes[] = {
+    {"step_time_s", &engine::Prediction::step_time_s},
+    {"tokens_per_s", &engine::Prediction::tokens_per_s},
+    {"model_flops", &engine::Prediction::model_flops},
+    {"hardware_flops", &engine::Prediction::hardware_flops},
+    {"executed_flops", &engine::Prediction::executed_flops},
+    {"tflops_per_gpu", &engine::Prediction::tflops_per_gpu},
+    {"model_tflops_per_gpu", &engine::Prediction::model_tflops_per_gpu},
+    {"mfu", &engine::Prediction::mfu},
+    {"hfu", &engine::Prediction::hfu},
+    {"serial_fraction", &engine::Prediction::serial_fraction},
+    {"max_speedup", &engine::Prediction::max_speedup}};
+constexpr std::pair<const char*, std::optional<double> engine::Prediction::*> kCosts[] = {
+    {"straggler_cost_s", &engine::Prediction::straggler_cost_s},
+    {"slow_rank_cost_s", &engine::Prediction::slow_rank_cost_s}};
+
+nlohmann::json prediction_json(const engine::Prediction& p) {
+  nlohmann::json j = {{"gpus", p.gpus},
+                      {"bottleneck_stage", p.bottleneck_stage},
+                      {"breakdown", report::breakdown_json(p.breakdown)},
+                      {"stages", nlohmann::json::array()},
+                      {"network", p.network},
+                      {"tasks", p.tasks},
+                      {"events", p.events},
+                      {"notes", p.notes}};
+  for (const auto& [key, field] : kTimes) j[key] = p.*field;
+  for (const auto& [key, field] : kCosts) j[key] = report::value_or_null(p.*field);
+  for (const auto& s : p.stages) j["stages"].push_back(report::stage_json(s));
+  return j;
+}
+
+engine::Prediction prediction_from_json(const nlohmann::json& j) {
+  engine::Prediction p;
+  for (const auto& [key, field] : kTimes) p.*field = j.at(key).get<double>();
+  for (const auto& [key, field] : kCosts) {
+    if (!j.at(key).is_null()) p.*field = j.at(key).get<double>();
+  }
+  p.gpus = j.at("gpus").get<std::int64_t>();
+  p.bottleneck_stage = j.at("bottleneck_stage").get<int>();
+  p.breakdown = report::breakdown_from_json(j.at("breakdown"));
+  for (const auto& s : j.at("stages")) {
+    p.stages.push_back({s.at("stage").get<int>(), s.at("rank").get<std::int64_t>(),
+                        report::breakdown_from_json(s.at("breakdown"))});
+  }
+  p.network = j.at("network").get<std::string>();
+  p.tasks = j.at("tasks").get<std::uint64_t>();
+  p.events = j.at("events").get<std::uint64_t>();
+  p.notes = j.at("notes").get<std::vector<std::string>>();
+  return p;
+}
+
+}  // namespace
+
 engine::Prediction simulate_on_simgrid(const model::ModelSpec& spec, const plan::Plan& plan,
                                        const cluster::Cluster& cluster,
                                        const engine::SimulateOptions& options) {
   const model::ModelGraph graph = plan::graph_of(spec, plan);
-  auto analytical = network::make_analytical(cluster);
-  engine::Prediction pred = engine::simulate(graph, plan, cluster, *analytical, options).prediction;
-  const auto timed = nlohmann::json::parse(run_isolated([&] {
+  engine::Prediction pred = prediction_from_json(nlohmann::json::parse(run_isolated([&] {
     auto net = network::make_simgrid(cluster, plan);
-    const engine::Prediction p = engine::simulate(graph, plan, cluster, *net, options).prediction;
-    nlohmann::json stages = nlohmann::json::array();
-    for (const auto& s : p.stages) stages.push_back(report::stage_json(s));
-    return nlohmann::json{{"step_time_s", p.step_time_s},
-                          {"tokens_per_s", p.tokens_per_s},
-                          {"tflops_per_gpu", p.tflops_per_gpu},
-                          {"model_tflops_per_gpu", p.model_tflops_per_gpu},
-                          {"mfu", p.mfu},
-                          {"hfu", p.hfu},
-                          {"bottleneck_stage", p.bottleneck_stage},
-                          {"breakdown", report::breakdown_json(p.breakdown)},
-                          {"stages", stages},
-                          {"serial_fraction", p.serial_fraction},
-                          {"max_speedup", p.max_speedup},
-                          {"straggler_cost_s", report::value_or_null(p.straggler_cost_s)},
-                          {"slow_rank_cost_s", report::value_or_null(p.slow_rank_cost_s)},
-                          {"network", p.network},
-                          {"tasks", p.tasks},
-                          {"events", p.events},
-                          {"notes", p.notes}}
-        .dump();
-  }));
-  pred.step_time_s = timed.at("step_time_s").get<double>();
-  pred.tokens_per_s = timed.at("tokens_per_s").get<double>();
-  pred.tflops_per_gpu = timed.at("tflops_per_gpu").get<double>();
-  pred.model_tflops_per_gpu = timed.at("model_tflops_per_gpu").get<double>();
-  pred.mfu = timed.at("mfu").get<double>();
-  pred.hfu = timed.at("hfu").get<double>();
-  pred.bottleneck_stage = timed.at("bottleneck_stage").get<int>();
-  pred.breakdown = report::breakdown_from_json(timed.at("breakdown"));
-  pred.stages.clear();
-  for (const auto& s : timed.at("stages")) {
-    pred.stages.push_back({s.at("stage").get<int>(), s.at("rank").get<std::int64_t>(),
-                           report::breakdown_from_json(s.at("breakdown"))});
-  }
-  pred.serial_fraction = timed.at("serial_fraction").get<double>();
-  pred.max_speedup = timed.at("max_speedup").get<double>();
-  const auto optional = [&](const char* key) -> std::optional<double> {
-    if (timed.at(key).is_null()) return std::nullopt;
-    return timed.at(key).get<double>();
-  };
-  pred.straggler_cost_s = optional("straggler_cost_s");
-  pred.slow_rank_cost_s = optional("slow_rank_cost_s");
-  pred.network = timed.at("network").get<std::string>();
-  pred.tasks = timed.at("tasks").get<std::uint64_t>();
-  pred.events = timed.at("events").get<std::uint64_t>();
-  pred.notes = timed.at("notes").get<std::vector<std::string>>();
+    return prediction_json(engine::simulate(graph, plan, cluster, *net, options).prediction).dump();
+  })));
+  // The memory report as engine::simulate makes it (the network has no part in it).
+  pred.memory = plan::estimate_memory(graph, plan, cluster, options.memory);
   return pred;
 }
 

@@ -17,9 +17,8 @@ namespace dtsim::cli {
 // signal, SimGrid's own abort) is an InternalError naming how it ended.
 std::string run_isolated(const std::function<std::string()>& work);
 
-// The plan simulated with its collectives and pipeline transfers on SimGrid (in a child process:
-// run_isolated), its memory and FLOPs as the in-process analytical simulation finds them (they
-// do not depend on the network).
+// The plan simulated with its collectives and pipeline transfers on SimGrid, in a child process
+// (run_isolated) that sends back all but the memory report, which is made here.
 engine::Prediction simulate_on_simgrid(const model::ModelSpec& spec, const plan::Plan& plan,
                                        const cluster::Cluster& cluster,
                                        const engine::SimulateOptions& options);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "sim/engine/simulator.hpp"
 
@@ -39,18 +40,18 @@ inline engine::Breakdown breakdown_from_json(const nlohmann::json& j) {
   b.recompute_s = j.at("recompute_s").get<double>();
   b.optimizer_s = j.at("optimizer_s").get<double>();
   b.bubble_s = j.at("bubble_s").get<double>();
-  const auto& comm = j.at("exposed_comm_s");
-  b.exposed_dp_s = comm.at("dp").get<double>();
-  b.exposed_tp_s = comm.at("tp").get<double>();
-  b.exposed_pp_s = comm.at("pp").get<double>();
-  b.exposed_cp_s = comm.at("cp").get<double>();
-  b.exposed_ep_s = comm.at("ep").get<double>();
-  const auto& waits = j.at("straggler_wait_s");
-  b.straggler_dp_s = waits.at("dp").get<double>();
-  b.straggler_tp_s = waits.at("tp").get<double>();
-  b.straggler_pp_s = waits.at("pp").get<double>();
-  b.straggler_cp_s = waits.at("cp").get<double>();
-  b.straggler_ep_s = waits.at("ep").get<double>();
+  using B = engine::Breakdown;
+  // Each kind's exposed communication and straggler wait.
+  constexpr std::tuple<const char*, double B::*, double B::*> kinds[] = {
+      {"dp", &B::exposed_dp_s, &B::straggler_dp_s},
+      {"tp", &B::exposed_tp_s, &B::straggler_tp_s},
+      {"pp", &B::exposed_pp_s, &B::straggler_pp_s},
+      {"cp", &B::exposed_cp_s, &B::straggler_cp_s},
+      {"ep", &B::exposed_ep_s, &B::straggler_ep_s}};
+  for (const auto& [kind, exposed, waits] : kinds) {
+    b.*exposed = j.at("exposed_comm_s").at(kind).get<double>();
+    b.*waits = j.at("straggler_wait_s").at(kind).get<double>();
+  }
   return b;
 }
 
