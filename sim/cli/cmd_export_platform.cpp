@@ -44,10 +44,7 @@ int cmd_export_platform(const std::vector<std::string>& args) {
     const model::ModelSpec spec = model_from_options(vm);
     std::vector<std::string> notes;
     const plan::Plan plan = plan_from_options(vm, spec, cluster.devices(), notes);
-    pairs =
-        network::plan_pairs(plan, cluster.devices_per_node, cluster::is_mesh(cluster.intra.fabric));
-    // As simulate's platform: a mesh node's groups run a ring over each direct link.
-    if (cluster::is_mesh(cluster.intra.fabric)) pairs.merge(network::node_pairs(cluster));
+    pairs = network::plan_pairs(plan, cluster);
   }
   const std::string xml = network::platform_xml(network::build_platform(cluster, pairs));
   if (vm.count("out")) {

@@ -52,8 +52,9 @@ std::vector<std::vector<std::int64_t>> ring_channels(const std::vector<std::int6
 }
 
 std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan,
-                                                           std::int64_t devices_per_node,
-                                                           bool mesh) {
+                                                           const cluster::Cluster& c) {
+  const std::int64_t devices_per_node = c.devices_per_node;
+  const bool mesh = cluster::is_mesh(c.intra.fabric);
   const cluster::Placement placement(plan.degrees(), plan.order);
   std::set<std::pair<std::int64_t, std::int64_t>> pairs;
   auto ring = [&](const std::vector<std::int64_t>& g) {
@@ -90,6 +91,7 @@ std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& pla
       pairs.emplace(pp.front(), pp.back());
     }
   }
+  if (mesh) pairs.merge(node_pairs(c));
   return pairs;
 }
 

@@ -50,12 +50,12 @@ struct PlatformSpec {
 std::vector<std::vector<std::int64_t>> ring_channels(const std::vector<std::int64_t>& group,
                                                      std::int64_t devices_per_node, bool mesh);
 
-// The device pairs that exchange data under `plan`: ring neighbours (every channel) of every
-// tp, cp, dp and expert-dp group, every pair of an ep group, and pipeline neighbours (both
-// directions). `mesh`: the nodes are meshes of direct links (ring_channels).
+// The device pairs that exchange data under `plan` on cluster `c`: ring neighbours (every
+// channel) of every tp, cp, dp and expert-dp group, every pair of an ep group, and pipeline
+// neighbours (both directions); on mesh nodes also every pair inside a node (a group inside one
+// runs a ring over each of its direct links).
 std::set<std::pair<std::int64_t, std::int64_t>> plan_pairs(const plan::Plan& plan,
-                                                           std::int64_t devices_per_node,
-                                                           bool mesh);
+                                                           const cluster::Cluster& c);
 // Every ordered pair of devices inside each node (what collectives on a mesh use).
 std::set<std::pair<std::int64_t, std::int64_t>> node_pairs(const cluster::Cluster& c);
 // Every ordered pair of devices (small clusters only).

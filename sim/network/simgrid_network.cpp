@@ -128,9 +128,7 @@ class SimGridNetwork final : public NetworkModel {
       throw UnsupportedError(
           fmt::format("--network simgrid: {} devices, more than 2^32", c.devices()));
     }
-    auto pairs = plan_pairs(plan, c.devices_per_node, cluster::is_mesh(c.intra.fabric));
-    if (cluster::is_mesh(c.intra.fabric)) pairs.merge(node_pairs(c));
-    spec_ = build_platform(c, pairs);
+    spec_ = build_platform(c, plan_pairs(plan, c));
     for (const auto& [pair, links] : spec_.routes) {
       double lat = 0;
       for (std::size_t l : links) lat += spec_.links[l].latency_s;
@@ -155,9 +153,11 @@ class SimGridNetwork final : public NetworkModel {
     // 16,384 actors of a collective over 16,384 devices). run()'s actors need less than 8 KiB
     // (4 KiB overflows). SimGrid puts a guard page below each stack, which turns an overflow
     // into a crash, but each is a memory mapping of its own, and Linux allows a process
-    // vm.max_map_count of them (65,530 by default): with more actors than half of that (one
-    // per device of the plan at most) the stacks go without (they are allocated, not mapped:
-    // 32 KiB of memory each, 2.5 GiB at 78,848 devices).
+    // vm.max_map_count of them (65,530 by default): two per actor, and one actor per device of
+    // the plan at most, besides the process's own (about 230 in a dtsim run, /proc/PID/maps;
+    // 32,996 with the 16,384 actors of a ring over Frontier's 16,384 GCDs; 8,192 leaves room
+    // to spare). Beyond that the stacks go without (they are allocated, not mapped: 32 KiB of
+    // memory each, 2.5 GiB at 78,848 devices).
     static char arg4[] = "--cfg=contexts/stack-size:32";
     static std::string arg5 = fmt::format("--cfg=contexts/guard-size:{}",
                                           2 * plan.devices() + 8192 <= max_map_count() ? 1 : 0);
