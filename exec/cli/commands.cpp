@@ -11,6 +11,7 @@
 
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
+#include "sim/common/launcher.hpp"
 
 namespace dtsim::exec::cli {
 
@@ -24,7 +25,8 @@ bool parse(const std::vector<std::string>& args, const po::options_description& 
   return true;
 }
 
-int g_rank = 0;
+// The launcher's numbering until MPI starts: a bad option is printed by rank 0 alone.
+int g_rank = dtsim::launcher_rank();
 
 std::uint64_t fnv1a(std::string_view text) {
   std::uint64_t h = 14695981039346656037ull;

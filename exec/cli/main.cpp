@@ -11,6 +11,7 @@
 #include "exec/cli/commands.hpp"
 #include "exec/cpu/device.hpp"
 #include "sim/common/error.hpp"
+#include "sim/common/launcher.hpp"
 
 #ifdef DTEXEC_HAVE_CUDA
 #include "exec/cuda/gpu_probe.hpp"
@@ -35,6 +36,14 @@ void usage(std::ostream& os) {
         "                         overhead; a profile for dtsim --profile\n"
         "  devices [--selftest]   GPUs visible to the CUDA backend, library versions; with\n"
         "                         --selftest, run a check kernel on each GPU\n";
+}
+
+// Bad input, which under mpirun every rank meets alike (options, a plan that does not fit the
+// ranks): said by rank 0, once; by another rank only where rank 0 did not end the job first.
+void say_once_per_job(const std::string& command, const char* what, const char* message) {
+  dtsim::let_rank0_report_first();
+  std::cerr << fmt::format("dtexec {}{}: {}: {}\n", command,
+                           g_rank == 0 ? "" : fmt::format(" (rank {})", g_rank), what, message);
 }
 
 }  // namespace
@@ -93,12 +102,10 @@ int main(int argc, char** argv) {
         if (args[0] == "compare") return compare(rest);
         return args[0] == "run" ? run(rest) : calibrate(rest);
       } catch (const dtsim::InputError& e) {
-        if (g_rank == 0) std::cerr << "dtexec " << args[0] << ": error: " << e.what() << "\n";
+        say_once_per_job(args[0], "error", e.what());
         return 2;
       } catch (const dtsim::UnsupportedError& e) {
-        if (g_rank == 0) {
-          std::cerr << "dtexec " << args[0] << ": unsupported: " << e.what() << "\n";
-        }
+        say_once_per_job(args[0], "unsupported", e.what());
         return 2;
       } catch (const std::bad_alloc&) {
         std::cerr << "dtexec " << args[0]

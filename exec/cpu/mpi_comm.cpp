@@ -513,13 +513,6 @@ class MpiComm final : public Comm {
 
 }  // namespace
 
-bool under_mpirun() {
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}) {
-    if (std::getenv(var) != nullptr) return true;
-  }
-  return false;
-}
-
 MpiSession::MpiSession() {
   int initialized = 0;
   MPI_Initialized(&initialized);

@@ -12,12 +12,13 @@
 #include <vector>
 
 #include "exec/core/comm.hpp"
+#include "sim/common/launcher.hpp"
 #include "sim/lower/program.hpp"
 
 namespace dtsim::exec::cpu {
 
 // True when this process was started by mpirun (OpenMPI, MPICH or PMIx environment).
-bool under_mpirun();
+using dtsim::under_mpirun;
 
 // Initialises MPI (once per process) and finalises it when destroyed.
 class MpiSession {

@@ -3,20 +3,12 @@
 #include <fmt/format.h>
 #include <mpi.h>
 
-#include <cstdlib>
-
 #include "sim/common/error.hpp"
+#include "sim/common/launcher.hpp"
 
 namespace dtsim::cli {
 
 namespace {
-bool under_mpirun() {
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}) {
-    if (std::getenv(var) != nullptr) return true;
-  }
-  return false;
-}
-
 void check(int rc, const char* call) {
   if (rc != MPI_SUCCESS) throw InternalError(fmt::format("{} failed with MPI error {}", call, rc));
 }
