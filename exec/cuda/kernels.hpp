@@ -35,6 +35,18 @@ inline std::size_t dtype_bytes(Dtype t) {
   return t == Dtype::F32 ? 4 : 2;
 }
 
+// The threads of moe_dispatch's counting block for E experts: as many as the counts fit in 48
+// KiB of shared memory (the most a block gets without opting in), one int per expert and
+// thread and one per expert, E x (threads + 1) x 4 bytes; a multiple of 32, at most 1024; 0
+// where not even a warp's fit (over 372 experts).
+constexpr int moe_order_threads(int experts) {
+  constexpr int kInts = 48 * 1024 / 4;
+  if (experts <= 0) return 32;
+  const int fit = (kInts / experts - 1) / 32 * 32;
+  if (fit < 32) return 0;
+  return fit < 1024 ? fit : 1024;
+}
+
 // Device memory, released on destruction. Given a stream (a cudaStream_t), it is allocated
 // and freed in that stream's order (cudaMallocAsync, cudaFreeAsync), which never waits for the
 // device. cudaFree does: a rank whose host waits there for its NCCL kernels, while they wait

@@ -192,14 +192,11 @@ void Kernels::moe_route_backward(void* dlogits, const float* dgates, const float
 void Kernels::moe_dispatch(void* dispatched, int* order, float* rows, const void* x,
                            const int* experts, int T, int C, int k, int E) {
   const std::int64_t slots = static_cast<std::int64_t>(T) * k;
-  // As many threads as the counts fit in 48 KiB of shared memory (the default most a block
-  // gets), up to 1024, a multiple of 32; at least one warp.
-  const int fit = static_cast<int>((48 * 1024 / 4 - E) / std::max(E, 1));
-  const int threads = std::clamp(fit / 32 * 32, 32, 1024);
-  if (static_cast<std::int64_t>(E + 1) * threads * 4 > 48 * 1024) {
+  const int threads = moe_order_threads(E);
+  if (threads == 0) {
     throw CudaError("moe_dispatch: " + std::to_string(E) +
                     " experts: their counts for a warp of threads do not fit in 48 KiB of "
-                    "shared memory (at most 383 experts)");
+                    "shared memory (at most 372 experts)");
   }
   moe_order_kernel<<<1, threads, static_cast<std::size_t>(E) * (threads + 1) * 4, impl_->stream>>>(
       order, rows, experts, slots, E);
