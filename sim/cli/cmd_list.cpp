@@ -16,7 +16,8 @@ int cmd_list(const std::vector<std::string>& args) {
   po::options_description desc("dtsim list options");
   desc.add_options()("help,h", "show this help")(
       "what", po::value<std::string>()->default_value("all"), "models, clusters, devices or all")(
-      "json", po::bool_switch(), "print JSON: {\"models\": [...], \"clusters\": [...], ...}");
+      "json", po::bool_switch(),
+      "print JSON: {\"clusters\": [...], \"devices\": [...], \"models\": [...]}");
   po::positional_options_description pos;
   pos.add("what", 1);
   po::variables_map vm;

@@ -22,9 +22,12 @@ class ModelDurations final : public Durations {
  public:
   // `measured`: a profile whose collective measurements replace the network model (groups
   // inside one node of a size it measured); nullptr for none.
-  ModelDurations(cost::ComputeCost& compute, network::NetworkModel& network,
+  ModelDurations(cost::ComputeCost& compute, network::NetworkModel& network, const plan::Plan& plan,
                  const cost::Profile* measured)
-      : compute_(compute), network_(network), measured_(measured) {}
+      : compute_(compute),
+        network_(network),
+        placement_(plan.degrees(), plan.order),
+        measured_(measured) {}
   double compute_s(const lower::Task& task) override { return compute_.task_seconds(task); }
   double collective_s(const lower::Group& group, const lower::Task& task) override {
     // A compressed gradient reduction also runs its codec (plan.grad_compression), which
@@ -44,7 +47,7 @@ class ModelDurations final : public Durations {
   }
   double p2p_s(std::int64_t src, std::int64_t dst, std::uint64_t bytes) override {
     if (const auto s = measured(kSendRecv, 2, bytes)) return *s;
-    return network_.p2p_s(src, dst, bytes);
+    return network_.p2p_s(placement_, src, dst, bytes);
   }
 
  private:
@@ -66,6 +69,7 @@ class ModelDurations final : public Durations {
 
   cost::ComputeCost& compute_;
   network::NetworkModel& network_;
+  const cluster::Placement placement_;
   const cost::Profile* measured_;
   std::map<std::tuple<int, int, std::uint64_t>, std::optional<double>> memo_;
 };
@@ -299,7 +303,7 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
   cost::ComputeCost compute(graph, plan, cluster.device, options.profile);
   // Measured collectives stand for groups inside one node (where the profile measured them).
   const bool one_node = cluster.nodes == 1;
-  ModelDurations durations(compute, network,
+  ModelDurations durations(compute, network, plan,
                            options.profile != nullptr && one_node ? options.profile : nullptr);
   EngineOptions engine;
   engine.jitter_cv = jitter_cv_of(options.jitter_cv, options.profile);

@@ -1,6 +1,9 @@
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
+#include <utility>
+#include <vector>
 
 #include "sim/cluster/placement.hpp"
 #include "sim/network/network_model.hpp"
@@ -67,7 +70,8 @@ class Analytical final : public NetworkModel {
     return t;
   }
 
-  double p2p_s(std::int64_t src, std::int64_t dst, std::uint64_t bytes) override {
+  double p2p_s(const cluster::Placement& placement, std::int64_t src, std::int64_t dst,
+               std::uint64_t bytes) override {
     const std::int64_t dpn = c_.devices_per_node;
     if (src / dpn == dst / dpn) {
       return network::p2p_s(static_cast<double>(bytes),
@@ -75,10 +79,20 @@ class Analytical final : public NetworkModel {
     }
     const std::vector<std::int64_t> pair = {src, dst};
     // Every device of the node sends to its own peer at the same time (pipeline symmetry).
-    // Across leaves, every device of the stage may be sending to the next (a stage boundary at
-    // a leaf boundary): all of the leaf's flows take the uplink.
-    return network::p2p_s(static_cast<double>(bytes),
-                          inter_link(cluster::group_span(c_, pair), 1, Crossing::Every));
+    cluster::GroupSpan span = cluster::group_span(c_, pair);
+    if (!span.crosses_spine || c_.inter.oversubscription.value <= 1 ||
+        leaf_of(src) == leaf_of(dst)) {
+      return network::p2p_s(static_cast<double>(bytes), inter_link(span, 1, Crossing::Every));
+    }
+    span.crosses_spine = false;  // the node's NICs first, then the leaf's uplink
+    Link link = inter_link(span, 1, Crossing::Every);
+    // Across leaves every device of the sender's stage sends to its peer at once, and the
+    // uplink of the sender's leaf (the downlink of the receiver's) is shared by those of the
+    // flows that leave it (enter it): a stage smaller than the leaf shares it with fewer.
+    const auto [out, in] = leaf_crossings(placement, src, dst);
+    link.bw_bytes_per_s =
+        std::min(link.bw_bytes_per_s, leaf_uplink_bw() / static_cast<double>(std::max(out, in)));
+    return network::p2p_s(static_cast<double>(bytes), link);
   }
 
  private:
@@ -134,8 +148,54 @@ class Analytical final : public NetworkModel {
     return Link{bw, inter.latency_s.value};
   }
 
+  std::int64_t leaf_of(std::int64_t device) const {
+    const std::int64_t node = device / c_.devices_per_node;
+    return c_.inter.nodes_per_leaf > 0 ? node / c_.inter.nodes_per_leaf : 0;
+  }
+
+  // A leaf's bandwidth to the spine, each way: its nodes' NICs over the oversubscription
+  // (network/platform.cpp's leaf links alike).
+  double leaf_uplink_bw() const {
+    const auto& inter = c_.inter;
+    const double leaf_nodes = static_cast<double>(
+        std::min(inter.nodes_per_leaf > 0 ? inter.nodes_per_leaf : c_.nodes, c_.nodes));
+    return leaf_nodes * static_cast<double>(inter.nics_per_node) * inter.nic_bw_bytes_per_s.value /
+           inter.oversubscription.value;
+  }
+
+  // The flows of the pipeline hop from src's stage to dst's that leave src's leaf and that
+  // enter dst's: each rank of the stage sends to the rank of the other stage with its
+  // coordinates (as the SimGrid backend runs the hop). Counted once per hop and pair of leaves.
+  std::pair<std::int64_t, std::int64_t> leaf_crossings(const cluster::Placement& placement,
+                                                       std::int64_t src, std::int64_t dst) {
+    const int from = placement.coords(src).pp, to = placement.coords(dst).pp;
+    const std::int64_t leaf_src = leaf_of(src), leaf_dst = leaf_of(dst);
+    const cluster::ParallelDegrees& d = placement.degrees();
+    const auto key = std::make_tuple(std::array<int, 5>{d.tp, d.cp, d.ep, d.dp, d.pp},
+                                     placement.order(), from, to, leaf_src, leaf_dst);
+    if (auto it = crossings_.find(key); it != crossings_.end()) return it->second;
+    std::int64_t out = 0, in = 0;
+    for (std::int64_t r = 0; r < d.ranks(); ++r) {
+      cluster::RankCoords c = placement.coords(r);
+      if (c.pp != from) continue;
+      c.pp = to;
+      const std::int64_t a = leaf_of(r), b = leaf_of(placement.rank(c));
+      if (a == b) continue;
+      out += a == leaf_src ? 1 : 0;
+      in += b == leaf_dst ? 1 : 0;
+    }
+    const auto counted =
+        std::make_pair(std::max<std::int64_t>(out, 1), std::max<std::int64_t>(in, 1));
+    crossings_.emplace(key, counted);
+    return counted;
+  }
+
   const cluster::Cluster& c_;
   std::map<std::tuple<std::vector<std::int64_t>, CollectiveKind, std::uint64_t>, double> memo_;
+  std::map<std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>, int, int, std::int64_t,
+                      std::int64_t>,
+           std::pair<std::int64_t, std::int64_t>>
+      crossings_;
 };
 
 }  // namespace

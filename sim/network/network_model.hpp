@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 
+#include "sim/cluster/placement.hpp"
 #include "sim/cluster/topology.hpp"
 #include "sim/lower/program.hpp"
 #include "sim/network/collectives.hpp"
@@ -20,8 +21,10 @@ class NetworkModel {
   // Seconds for one collective of `kind` over `group` with `bytes` (nccl-tests convention).
   virtual double collective_s(const lower::Group& group, lower::CollectiveKind kind,
                               std::uint64_t bytes) = 0;
-  // Seconds to send `bytes` from global rank `src` to `dst`.
-  virtual double p2p_s(std::int64_t src, std::int64_t dst, std::uint64_t bytes) = 0;
+  // Seconds to send `bytes` from global rank `src` to `dst`, a hop between pipeline stages of
+  // a plan laid out as `placement` (every rank of src's stage sends to its peer at once).
+  virtual double p2p_s(const cluster::Placement& placement, std::int64_t src, std::int64_t dst,
+                       std::uint64_t bytes) = 0;
 };
 
 // The analytical backend (alpha-beta). For a group it finds what the ranks cross on the cluster
@@ -30,7 +33,8 @@ class NetworkModel {
 // - across nodes, the node's NICs shared by the groups of the same kind that run at the same
 //   time on that node (all of them, by symmetry: devices_per_node / k rings, k = the group's
 //   ranks per node, each with one flow leaving the node), divided by the oversubscription when
-//   the group spans leaf groups; on a torus, one link per direction.
+//   the group spans leaf groups; on a torus, one link per direction. A pipeline hop between
+//   leaves shares the leaf's spine links with the flows of its stage that cross there.
 // It then takes the fastest of ring, double binary tree and hierarchical algorithms for an
 // all-reduce (as NCCL's tuner picks one), the ring for all-gather and reduce-scatter, direct
 // sends for all-to-all. Traffic of different kinds at the same time (a pipeline send during a

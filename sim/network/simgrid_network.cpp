@@ -246,7 +246,8 @@ class SimGridNetwork final : public NetworkModel {
     return t;
   }
 
-  double p2p_s(std::int64_t src, std::int64_t dst, std::uint64_t bytes) override {
+  double p2p_s(const cluster::Placement& /*placement: the plan's, as placement_*/, std::int64_t src,
+               std::int64_t dst, std::uint64_t bytes) override {
     const auto key = std::make_tuple(src, dst, bytes);
     if (auto it = p2p_memo_.find(key); it != p2p_memo_.end()) return it->second;
     // Every rank of the sender's stage sends to its peer in the receiver's stage at once.

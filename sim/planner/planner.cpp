@@ -302,7 +302,7 @@ class Estimator {
                                 : 0.0;
       for (int s = 0; s < p.pp; ++s) {
         hop[static_cast<std::size_t>(s)] =
-            net_->p2p_s(pp_ranks[static_cast<std::size_t>(s)],
+            net_->p2p_s(placement, pp_ranks[static_cast<std::size_t>(s)],
                         pp_ranks[static_cast<std::size_t>((s + 1) % p.pp)], bytes) +
             gather;
       }

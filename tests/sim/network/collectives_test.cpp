@@ -11,6 +11,11 @@
 
 using dtsim::network::Link;
 
+namespace {
+// A pipeline of two stages of one rank: the layout of a pair's transfers.
+const dtsim::cluster::Placement kPair({.pp = 2});
+}  // namespace
+
 TEST_CASE("ring collectives take their alpha-beta time exactly", "[network]") {
   const Link link{100e9, 5e-6};  // B = 100 GB/s, alpha = 5 us
   for (int n : {2, 4, 8, 64, 1024}) {
@@ -47,8 +52,8 @@ TEST_CASE("the analytical model uses the links a group crosses", "[network]") {
           Approx(dtsim::network::ring_all_gather_s(s, 4, nic)).epsilon(1e-12));
   }
   SECTION("point to point inside and across nodes") {
-    CHECK(model->p2p_s(0, 1, 1 << 20) == Approx((1 << 20) / nvlink + alpha).epsilon(1e-12));
-    CHECK(model->p2p_s(0, 8, 1 << 20) ==
+    CHECK(model->p2p_s(kPair, 0, 1, 1 << 20) == Approx((1 << 20) / nvlink + alpha).epsilon(1e-12));
+    CHECK(model->p2p_s(kPair, 0, 8, 1 << 20) ==
           Approx((1 << 20) / c.inter.nic_bw_bytes_per_s.value + c.inter.latency_s.value)
               .epsilon(1e-12));
   }
@@ -61,7 +66,7 @@ TEST_CASE("on a mesh of direct links a small group uses only its own links", "[n
   auto model = dtsim::network::make_analytical(c);
   const double bw = c.intra.bw_bytes_per_s.value;
   const double alpha = c.intra.latency_s.value;
-  CHECK(model->p2p_s(0, 1, 1 << 20) == Approx((1 << 20) / (bw / 7) + alpha).epsilon(1e-12));
+  CHECK(model->p2p_s(kPair, 0, 1, 1 << 20) == Approx((1 << 20) / (bw / 7) + alpha).epsilon(1e-12));
   dtsim::lower::Group node{dtsim::lower::GroupKind::Tp, {0, 1, 2, 3, 4, 5, 6, 7}, {0}};
   CHECK(model->collective_s(node, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
         Approx(dtsim::network::ring_all_gather_s(1073741824.0, 8, Link{bw, alpha})).epsilon(1e-12));
@@ -76,7 +81,7 @@ TEST_CASE("part of a mesh node keeps the whole node's links", "[network]") {
   CHECK(part.node_size() == 8);
   auto a = dtsim::network::make_analytical(whole);
   auto b = dtsim::network::make_analytical(part);
-  CHECK(b->p2p_s(0, 1, 1 << 20) == Approx(a->p2p_s(0, 1, 1 << 20)).epsilon(1e-12));
+  CHECK(b->p2p_s(kPair, 0, 1, 1 << 20) == Approx(a->p2p_s(kPair, 0, 1, 1 << 20)).epsilon(1e-12));
   const dtsim::lower::Group pair{dtsim::lower::GroupKind::Tp, {0, 1}, {0}};
   CHECK(b->collective_s(pair, dtsim::lower::CollectiveKind::AllReduce, 1 << 26) ==
         Approx(a->collective_s(pair, dtsim::lower::CollectiveKind::AllReduce, 1 << 26))
@@ -107,8 +112,22 @@ TEST_CASE("a ring across leaves shares the uplinks with the groups of its leaf",
   const dtsim::lower::Group near{dtsim::lower::GroupKind::Dp, {0, 8}, {0}};
   CHECK(model->collective_s(near, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
         Approx(dtsim::network::ring_all_gather_s(s, 2, Link{25e9, alpha})).epsilon(1e-12));
-  // A pipeline transfer across leaves: every device of the leaf may send at once, 25 / 4.
-  CHECK(model->p2p_s(0, 16, 1 << 20) == Approx((1 << 20) / 6.25e9 + alpha).epsilon(1e-12));
+  // A pipeline transfer across leaves: every device of the stage sends at once. Two stages of
+  // a leaf each: the leaf's 16 flows share its uplink, 100 / 16 = 25 / 4 GB/s each.
+  const double mib = 1 << 20;
+  const dtsim::cluster::Placement two_stages({.dp = 16, .pp = 2});
+  CHECK(model->p2p_s(two_stages, 0, 16, 1 << 20) == Approx(mib / 6.25e9 + alpha).epsilon(1e-12));
+  CHECK(model->p2p_s(two_stages, 31, 15, 1 << 20) == Approx(mib / 6.25e9 + alpha).epsilon(1e-12));
+  // Four stages of a node each: a hop between leaves is 8 flows, 100 / 8 = 12.5 GB/s (a NIC's
+  // 25 would allow more); between the two nodes of a leaf, a NIC each.
+  const dtsim::cluster::Placement four_stages({.dp = 8, .pp = 4});
+  CHECK(model->p2p_s(four_stages, 8, 16, 1 << 20) == Approx(mib / 12.5e9 + alpha).epsilon(1e-12));
+  CHECK(model->p2p_s(four_stages, 24, 0, 1 << 20) == Approx(mib / 12.5e9 + alpha).epsilon(1e-12));
+  CHECK(model->p2p_s(four_stages, 0, 8, 1 << 20) == Approx(mib / 25e9 + alpha).epsilon(1e-12));
+  // Stages of half a node (tp 4, pp 8): the hop from the second node's upper half to the third
+  // node's lower half crosses with 4 flows (100 / 4 = 25 GB/s: a NIC's share binds).
+  const dtsim::cluster::Placement eight_stages({.tp = 4, .pp = 8});
+  CHECK(model->p2p_s(eight_stages, 12, 16, 1 << 20) == Approx(mib / 25e9 + alpha).epsilon(1e-12));
 }
 
 TEST_CASE("NCCL's tree spans nodes; inside one node the ring is the algorithm", "[network]") {

@@ -49,7 +49,9 @@ TEST_CASE("SimGrid agrees with the analytical model, and shows contention", "[ne
       INFO("simgrid " << s << " s, analytical " << a << " s");
       CHECK(s == Approx(a).epsilon(0.02));
     }
-    CHECK(simgrid->p2p_s(0, 1, bytes) == Approx(analytical->p2p_s(0, 1, bytes)).epsilon(0.02));
+    const dtsim::cluster::Placement layout(plan.degrees(), plan.order);
+    CHECK(simgrid->p2p_s(layout, 0, 1, bytes) ==
+          Approx(analytical->p2p_s(layout, 0, 1, bytes)).epsilon(0.02));
   }
   SECTION("two dp groups through one oversubscribed uplink: slowdown, matched within 10%") {
     const double alone = simgrid->collective_s(tp, CollectiveKind::AllReduce, bytes);
