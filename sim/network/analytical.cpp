@@ -2,6 +2,7 @@
 #include <array>
 #include <cmath>
 #include <map>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -72,27 +73,35 @@ class Analytical final : public NetworkModel {
 
   double p2p_s(const cluster::Placement& placement, std::int64_t src, std::int64_t dst,
                std::uint64_t bytes) override {
+    const double s = static_cast<double>(bytes);
     const std::int64_t dpn = c_.devices_per_node;
+    double t = 0;
     if (src / dpn == dst / dpn) {
-      return network::p2p_s(static_cast<double>(bytes),
-                            Link{intra_bw(2), c_.intra.latency_s.value});
+      t = network::p2p_s(s, Link{intra_bw(2), c_.intra.latency_s.value});
+    } else {
+      // Every device of the node sends to its own peer at the same time (pipeline symmetry).
+      const std::vector<std::int64_t> pair = {src, dst};
+      cluster::GroupSpan span = cluster::group_span(c_, pair);
+      // Across an oversubscribed spine, the leaf's share is counted below.
+      if (c_.inter.oversubscription.value > 1) span.crosses_spine = false;
+      t = network::p2p_s(s, inter_link(span, 1, Crossing::Every));
     }
-    const std::vector<std::int64_t> pair = {src, dst};
-    // Every device of the node sends to its own peer at the same time (pipeline symmetry).
-    cluster::GroupSpan span = cluster::group_span(c_, pair);
-    if (!span.crosses_spine || c_.inter.oversubscription.value <= 1 ||
-        leaf_of(src) == leaf_of(dst)) {
-      return network::p2p_s(static_cast<double>(bytes), inter_link(span, 1, Crossing::Every));
-    }
-    span.crosses_spine = false;  // the node's NICs first, then the leaf's uplink
-    Link link = inter_link(span, 1, Crossing::Every);
-    // Across leaves every device of the sender's stage sends to its peer at once, and the
-    // uplink of the sender's leaf (the downlink of the receiver's) is shared by those of the
-    // flows that leave it (enter it): a stage smaller than the leaf shares it with fewer.
-    const auto [out, in] = leaf_crossings(placement, src, dst);
+    if (c_.inter.oversubscription.value <= 1) return t;
+    // Every rank of the sender's stage sends to its peer at once, and the stage's slowest
+    // transfer holds the pipeline (its replicas meet at the tp and dp collectives; the SimGrid
+    // backend times the hop by its last flow alike). A transfer between leaves gets its node's
+    // NIC share and, on its leaf's uplink (the other leaf's downlink), a share among the
+    // stage's flows that cross there: a stage smaller than the leaf shares it with fewer than
+    // the leaf's devices.
+    const std::int64_t crossing = leaf_crossings(placement, src, dst);
+    if (crossing == 0) return t;
+    cluster::GroupSpan across;  // two nodes, below the spine: the NICs' share
+    across.devices = 2;
+    across.nodes = 2;
+    Link link = inter_link(across, 1, Crossing::Every);
     link.bw_bytes_per_s =
-        std::min(link.bw_bytes_per_s, leaf_uplink_bw() / static_cast<double>(std::max(out, in)));
-    return network::p2p_s(static_cast<double>(bytes), link);
+        std::min(link.bw_bytes_per_s, leaf_uplink_bw() / static_cast<double>(crossing));
+    return std::max(t, network::p2p_s(s, link));
   }
 
  private:
@@ -163,38 +172,39 @@ class Analytical final : public NetworkModel {
            inter.oversubscription.value;
   }
 
-  // The flows of the pipeline hop from src's stage to dst's that leave src's leaf and that
-  // enter dst's: each rank of the stage sends to the rank of the other stage with its
-  // coordinates (as the SimGrid backend runs the hop). Counted once per hop and pair of leaves.
-  std::pair<std::int64_t, std::int64_t> leaf_crossings(const cluster::Placement& placement,
-                                                       std::int64_t src, std::int64_t dst) {
+  // The most flows of the pipeline hop from src's stage to dst's that share a leaf's uplink
+  // or downlink with a flow between leaves (0: none crosses): each rank of the stage sends to
+  // the rank of the other stage with its coordinates, as the SimGrid backend runs the hop.
+  // Counted once per hop and layout.
+  std::int64_t leaf_crossings(const cluster::Placement& placement, std::int64_t src,
+                              std::int64_t dst) {
     const int from = placement.coords(src).pp, to = placement.coords(dst).pp;
-    const std::int64_t leaf_src = leaf_of(src), leaf_dst = leaf_of(dst);
     const cluster::ParallelDegrees& d = placement.degrees();
     const auto key = std::make_tuple(std::array<int, 5>{d.tp, d.cp, d.ep, d.dp, d.pp},
-                                     placement.order(), from, to, leaf_src, leaf_dst);
+                                     placement.order(), from, to);
     if (auto it = crossings_.find(key); it != crossings_.end()) return it->second;
-    std::int64_t out = 0, in = 0;
+    std::map<std::int64_t, std::int64_t> out, in;  // by leaf
+    std::set<std::pair<std::int64_t, std::int64_t>> crossed;
     for (std::int64_t r = 0; r < d.ranks(); ++r) {
       cluster::RankCoords c = placement.coords(r);
       if (c.pp != from) continue;
       c.pp = to;
       const std::int64_t a = leaf_of(r), b = leaf_of(placement.rank(c));
       if (a == b) continue;
-      out += a == leaf_src ? 1 : 0;
-      in += b == leaf_dst ? 1 : 0;
+      ++out[a];
+      ++in[b];
+      crossed.emplace(a, b);
     }
-    const auto counted =
-        std::make_pair(std::max<std::int64_t>(out, 1), std::max<std::int64_t>(in, 1));
-    crossings_.emplace(key, counted);
-    return counted;
+    std::int64_t worst = 0;
+    for (const auto& [a, b] : crossed) worst = std::max({worst, out[a], in[b]});
+    crossings_.emplace(key, worst);
+    return worst;
   }
 
   const cluster::Cluster& c_;
   std::map<std::tuple<std::vector<std::int64_t>, CollectiveKind, std::uint64_t>, double> memo_;
-  std::map<std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>, int, int, std::int64_t,
-                      std::int64_t>,
-           std::pair<std::int64_t, std::int64_t>>
+  std::map<std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>, int, int>,
+           std::int64_t>
       crossings_;
 };
 

@@ -130,6 +130,31 @@ TEST_CASE("a ring across leaves shares the uplinks with the groups of its leaf",
   CHECK(model->p2p_s(eight_stages, 12, 16, 1 << 20) == Approx(mib / 25e9 + alpha).epsilon(1e-12));
 }
 
+TEST_CASE("a pipeline hop takes as long as its stage's slowest transfer", "[network]") {
+  // 6 nodes of 8 GPUs, 3 per leaf, uplinks 3 x 8 x 25 / 4 = 150 GB/s; stages of two nodes, so
+  // that stage 1 straddles the leaves.
+  dtsim::test::TempFile file("three_per_leaf.json", R"({
+    "name": "three_per_leaf", "description": "test", "source": "test",
+    "device": "a100-sxm4-80gb", "nodes": 6, "devices_per_node": 8,
+    "intra_node": {"fabric": "nvswitch", "latency_s": {"value": 2e-6, "source": "test"}},
+    "inter_node": {"fabric": "fat_tree", "transport": "infiniband", "nics_per_node": 8,
+      "nic_bw_bytes_per_s": {"value": 25e9, "source": "test"},
+      "latency_s": {"value": 4e-6, "source": "test"}, "nodes_per_leaf": 3,
+      "oversubscription": {"value": 4, "source": "test"}}})");
+  const auto c = dtsim::cluster::load_cluster(file.path());
+  auto model = dtsim::network::make_analytical(c);
+  const double mib = 1 << 20, alpha = 4e-6;
+  const dtsim::cluster::Placement stages({.dp = 16, .pp = 3});
+  // Hop 0 -> 1: node 0 to node 2 stays in leaf 0, node 1 to node 3 crosses with 8 flows (150 /
+  // 8 = 18.75 GB/s): rank 0's own transfer, which does not cross, waits as long, as the
+  // SimGrid backend times the hop by its last flow.
+  CHECK(model->p2p_s(stages, 0, 16, 1 << 20) == Approx(mib / 18.75e9 + alpha).epsilon(1e-12));
+  CHECK(model->p2p_s(stages, 8, 24, 1 << 20) == Approx(mib / 18.75e9 + alpha).epsilon(1e-12));
+  // The interleaved schedule's hop from the last stage to the first: both of its nodes cross,
+  // 16 flows on leaf 1's uplink (9.375 GB/s).
+  CHECK(model->p2p_s(stages, 32, 0, 1 << 20) == Approx(mib / 9.375e9 + alpha).epsilon(1e-12));
+}
+
 TEST_CASE("NCCL's tree spans nodes; inside one node the ring is the algorithm", "[network]") {
   const auto c = dtsim::cluster::load_cluster("default");  // 4 nodes of 8 A100
   auto model = dtsim::network::make_analytical(c);
