@@ -43,7 +43,7 @@ class ModelDurations final : public Durations {
             measured(static_cast<int>(task.collective), static_cast<int>(ranks), task.bytes)) {
       return *s + memory;
     }
-    return network_.collective_s(group, task.collective, task.bytes) + memory;
+    return network_.collective_s(placement_, group, task.collective, task.bytes) + memory;
   }
   double p2p_s(std::int64_t src, std::int64_t dst, std::uint64_t bytes) override {
     if (const auto s = measured(kSendRecv, 2, bytes)) return *s;

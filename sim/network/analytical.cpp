@@ -21,21 +21,30 @@ class Analytical final : public NetworkModel {
 
   std::string name() const override { return "analytical"; }
 
-  double collective_s(const lower::Group& group, CollectiveKind kind,
-                      std::uint64_t bytes) override {
+  double collective_s(const cluster::Placement& placement, const lower::Group& group,
+                      CollectiveKind kind, std::uint64_t bytes) override {
     const int n = static_cast<int>(group.ranks.size());
     if (n <= 1 || bytes == 0) return 0;
-    const auto key = std::make_tuple(group.ranks, kind, bytes);
+    const cluster::ParallelDegrees& d = placement.degrees();
+    const auto key = std::make_tuple(std::array<int, 5>{d.tp, d.cp, d.ep, d.dp, d.pp},
+                                     placement.order(), group.ranks, kind, bytes);
     if (auto it = memo_.find(key); it != memo_.end()) return it->second;
     const cluster::GroupSpan span = cluster::group_span(c_, group.ranks);
     const int k = static_cast<int>(span.max_devices_per_node);
     const int nodes = static_cast<int>(span.nodes);
     const Link intra{intra_bw(k), c_.intra.latency_s.value};
+    // The devices of the groups of this kind that run with this one (those of its pipeline
+    // stages, as the SimGrid backend runs them) in the busiest leaf it spans: across an
+    // oversubscribed spine they share the leaf's uplink. Elsewhere it never binds.
+    const double concurrent =
+        span.crosses_spine && span.leaf_groups > 1 && c_.inter.oversubscription.value > 1
+            ? concurrent_in_leaf(placement, group.ranks)
+            : leaf_devices();
     // Rings (and the tree and hierarchical phases that stand in for them) send one flow per
     // group out of a leaf; all-to-all sends every member's traffic across.
-    const Link inter_ring = inter_link(span, k, Crossing::OnePerGroup);
-    const Link inter_each = inter_link(span, 1, Crossing::OnePerGroup);
-    const Link inter_all = inter_link(span, 1, Crossing::Every);
+    const Link inter_ring = inter_link(span, k, Crossing::OnePerGroup, concurrent);
+    const Link inter_each = inter_link(span, 1, Crossing::OnePerGroup, concurrent);
+    const Link inter_all = inter_link(span, 1, Crossing::Every, concurrent);
     // Across nodes with k > 1 members on each, the group runs k rings or trees (NCCL's
     // channels, each a k-th of the buffer), each entering and leaving a node at members of its
     // own: a member sends its share inside the node in k - 1 of them and across in one, so its
@@ -121,11 +130,12 @@ class Analytical final : public NetworkModel {
   // Per-flow bandwidth leaving a node when every device of the node is in a group of this kind
   // with k members per node (devices_per_node / k flows share the node's NICs). A group that
   // spans leaves also shares its leaf's uplinks (nodes_per_leaf x NICs x NIC bandwidth /
-  // oversubscription) with every group of its kind in the leaf, all running at once: a ring
-  // leaves the leaf once (one flow per group, rank order visiting a leaf's members together);
-  // with Crossing::Every all the leaf's flows take the uplink, each slowed by the
-  // oversubscription.
-  Link inter_link(const cluster::GroupSpan& span, int k, Crossing crossing) const {
+  // oversubscription) with the groups of its kind that run with it there, `concurrent` of
+  // the leaf's devices in them (by default all): a ring leaves the leaf once (one flow per
+  // group, rank order visiting a leaf's members together); with Crossing::Every every one of
+  // those devices' flows takes the uplink.
+  Link inter_link(const cluster::GroupSpan& span, int k, Crossing crossing,
+                  double concurrent = 0) const {
     const auto& inter = c_.inter;
     if (inter.fabric == cluster::InterFabric::Torus3d) {
       // A ring step between members h hops apart crosses h links and pays h hops of latency.
@@ -142,19 +152,55 @@ class Analytical final : public NetworkModel {
         static_cast<double>(inter.nics_per_node) * inter.nic_bw_bytes_per_s.value;
     const double flows = static_cast<double>(c_.devices_per_node) / std::max(k, 1);
     double bw = node_bw / flows;
-    if (span.crosses_spine && crossing == Crossing::Every) {
-      bw /= inter.oversubscription.value;
-    } else if (span.crosses_spine) {
-      const double leaf_nodes = static_cast<double>(
-          std::min(inter.nodes_per_leaf > 0 ? inter.nodes_per_leaf : c_.nodes, c_.nodes));
-      const double uplink = leaf_nodes * node_bw / inter.oversubscription.value;
-      const double leaf_devices = leaf_nodes * static_cast<double>(c_.devices_per_node);
+    if (!span.crosses_spine) return Link{bw, inter.latency_s.value};
+    if (concurrent <= 0) concurrent = leaf_devices();
+    if (crossing == Crossing::Every) {
+      bw = std::min(bw, leaf_uplink_bw() / concurrent);
+    } else {
       const double members_in_leaf =
           std::ceil(static_cast<double>(span.devices) / static_cast<double>(span.leaf_groups));
-      const double groups_in_leaf = std::max(1.0, leaf_devices / members_in_leaf);
-      bw = std::min(bw, uplink / groups_in_leaf);
+      const double groups_in_leaf = std::max(1.0, concurrent / members_in_leaf);
+      bw = std::min(bw, leaf_uplink_bw() / groups_in_leaf);
     }
     return Link{bw, inter.latency_s.value};
+  }
+
+  // A leaf's devices (the cluster's, where it has fewer nodes than a leaf).
+  double leaf_devices() const {
+    const auto& inter = c_.inter;
+    return static_cast<double>(
+        std::min(inter.nodes_per_leaf > 0 ? inter.nodes_per_leaf : c_.nodes, c_.nodes) *
+        c_.devices_per_node);
+  }
+
+  // The plan's devices in the pipeline stages of `ranks` (a group, all in one stage but a
+  // tied embedding's, in the first and the last), in the busiest of the leaves the group
+  // spans: those that run the collectives of the group's kind with it.
+  double concurrent_in_leaf(const cluster::Placement& placement,
+                            const std::vector<std::int64_t>& ranks) {
+    std::vector<int> stages;
+    for (std::int64_t r : ranks) stages.push_back(placement.coords(r).pp);
+    std::sort(stages.begin(), stages.end());
+    stages.erase(std::unique(stages.begin(), stages.end()), stages.end());
+    const cluster::ParallelDegrees& d = placement.degrees();
+    const auto key = std::make_tuple(std::array<int, 5>{d.tp, d.cp, d.ep, d.dp, d.pp},
+                                     placement.order(), stages);
+    auto it = stage_devices_.find(key);
+    if (it == stage_devices_.end()) {
+      std::map<std::int64_t, std::int64_t> by_leaf;
+      for (std::int64_t r = 0; r < d.ranks(); ++r) {
+        if (std::binary_search(stages.begin(), stages.end(), placement.coords(r).pp)) {
+          ++by_leaf[leaf_of(r)];
+        }
+      }
+      it = stage_devices_.emplace(key, std::move(by_leaf)).first;
+    }
+    std::int64_t most = 1;
+    for (std::int64_t r : ranks) {
+      const auto found = it->second.find(leaf_of(r));
+      if (found != it->second.end()) most = std::max(most, found->second);
+    }
+    return static_cast<double>(most);
   }
 
   std::int64_t leaf_of(std::int64_t device) const {
@@ -202,7 +248,13 @@ class Analytical final : public NetworkModel {
   }
 
   const cluster::Cluster& c_;
-  std::map<std::tuple<std::vector<std::int64_t>, CollectiveKind, std::uint64_t>, double> memo_;
+  std::map<std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>,
+                      std::vector<std::int64_t>, CollectiveKind, std::uint64_t>,
+           double>
+      memo_;
+  std::map<std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>, std::vector<int>>,
+           std::map<std::int64_t, std::int64_t>>
+      stage_devices_;
   std::map<std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>, int, int>,
            std::int64_t>
       crossings_;

@@ -18,9 +18,11 @@ class NetworkModel {
  public:
   virtual ~NetworkModel() = default;
   virtual std::string name() const = 0;
-  // Seconds for one collective of `kind` over `group` with `bytes` (nccl-tests convention).
-  virtual double collective_s(const lower::Group& group, lower::CollectiveKind kind,
-                              std::uint64_t bytes) = 0;
+  // Seconds for one collective of `kind` over `group` with `bytes` (nccl-tests convention), in
+  // a plan laid out as `placement` (whose groups of the same kind in the same pipeline stage
+  // run with it).
+  virtual double collective_s(const cluster::Placement& placement, const lower::Group& group,
+                              lower::CollectiveKind kind, std::uint64_t bytes) = 0;
   // Seconds to send `bytes` from global rank `src` to `dst`, a hop between pipeline stages of
   // a plan laid out as `placement` (every rank of src's stage sends to its peer at once).
   virtual double p2p_s(const cluster::Placement& placement, std::int64_t src, std::int64_t dst,

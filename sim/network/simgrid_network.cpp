@@ -190,7 +190,8 @@ class SimGridNetwork final : public NetworkModel {
 
   std::string name() const override { return "simgrid"; }
 
-  double collective_s(const lower::Group& group, CollectiveKind kind,
+  double collective_s(const cluster::Placement& /*placement: the plan's, as placement_*/,
+                      const lower::Group& group, CollectiveKind kind,
                       std::uint64_t bytes) override {
     const int n = static_cast<int>(group.ranks.size());
     if (n <= 1 || bytes == 0) return 0;

@@ -172,8 +172,8 @@ class Estimator {
     if (p.tp > 1) {
       const auto tp = group(ParallelDim::Tp, lower::GroupKind::Tp);
       auto gather_scatter = [&](std::uint64_t bytes) {
-        return net_->collective_s(tp, CollectiveKind::AllGather, bytes) +
-               net_->collective_s(tp, CollectiveKind::ReduceScatter, bytes);
+        return net_->collective_s(placement, tp, CollectiveKind::AllGather, bytes) +
+               net_->collective_s(placement, tp, CollectiveKind::ReduceScatter, bytes);
       };
       // Attention's and the MLP's; an MoE block's under moe_local_dispatch moves the experts'
       // copies instead of the block's input and output.
@@ -182,16 +182,16 @@ class Estimator {
               ? gather_scatter(hidden_bytes) +
                     gather_scatter(local_dispatch ? plan::expert_copies_bytes(m, p, hidden_bytes)
                                                   : hidden_bytes)
-              : 2 * net_->collective_s(tp, CollectiveKind::AllReduce, hidden_bytes);
+              : 2 * net_->collective_s(placement, tp, CollectiveKind::AllReduce, hidden_bytes);
     }
     if (p.cp > 1) {
       const std::uint64_t kv = static_cast<std::uint64_t>(p.cp) * tokens * 2 *
                                static_cast<std::uint64_t>(m.kv_width() / p.tp) * act;
-      cp_comm = net_->collective_s(group(ParallelDim::Cp, lower::GroupKind::Cp),
+      cp_comm = net_->collective_s(placement, group(ParallelDim::Cp, lower::GroupKind::Cp),
                                    CollectiveKind::AllGather, kv);
     }
     if (p.ep > 1 && m.moe) {
-      ep_comm = 2 * net_->collective_s(group(ParallelDim::Ep, lower::GroupKind::Ep),
+      ep_comm = 2 * net_->collective_s(placement, group(ParallelDim::Ep, lower::GroupKind::Ep),
                                        CollectiveKind::AllToAll,
                                        plan::ep_all_to_all_bytes(m, p, hidden_bytes));
     }
@@ -206,7 +206,7 @@ class Estimator {
     if (tp_overlap) {
       // One of the backward's input-gradient collectives.
       const double f = net_->collective_s(
-          group(ParallelDim::Tp, lower::GroupKind::Tp),
+          placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
           p.sequence_parallel ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce,
           hidden_bytes);
       for (Segment& seg : segments) {
@@ -222,7 +222,7 @@ class Estimator {
     // emit_regather).
     double regather = 0;
     if (p.tp > 1 && p.sequence_parallel) {
-      regather = net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
+      regather = net_->collective_s(placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
                                     CollectiveKind::AllGather, hidden_bytes);
       for (const Segment& seg : segments) {
         if (!seg.regathers) continue;
@@ -234,7 +234,7 @@ class Estimator {
     // all-reduced over tp before the router's backward (lowering: TpGates), in fp32; not under
     // moe_local_dispatch, where the copies' outputs are reduce-scattered before the combine.
     if (p.tp > 1 && m.moe && !local_dispatch) {
-      tp_backward += net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
+      tp_backward += net_->collective_s(placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
                                         CollectiveKind::AllReduce,
                                         tokens * static_cast<std::uint64_t>(m.moe->top_k) * 4);
     }
@@ -260,11 +260,13 @@ class Estimator {
     if (p.tp > 1) {
       const auto tp = group(ParallelDim::Tp, lower::GroupKind::Tp);
       tp_out = net_->collective_s(
-          tp, p.sequence_parallel ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce,
+          placement, tp,
+          p.sequence_parallel ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce,
           hidden_bytes);
-      tp_in = p.sequence_parallel ? net_->collective_s(tp, CollectiveKind::AllGather, hidden_bytes)
-                                  : 0.0;
-      tp_loss = net_->collective_s(tp, CollectiveKind::AllReduce, tokens * 3 * 4);
+      tp_in = p.sequence_parallel
+                  ? net_->collective_s(placement, tp, CollectiveKind::AllGather, hidden_bytes)
+                  : 0.0;
+      tp_loss = net_->collective_s(placement, tp, CollectiveKind::AllReduce, tokens * 3 * 4);
     }
     const double emb_compute_f = group_time(-1, Phase::Forward);
     const double emb_compute_b = group_time(-1, Phase::Backward);
@@ -296,10 +298,11 @@ class Estimator {
       const auto pp_ranks = placement.group(ParallelDim::Pp, 0);
       const bool split = p.sequence_parallel || p.scatter_gather_p2p;
       const std::uint64_t bytes = hidden_bytes / static_cast<std::uint64_t>(split ? p.tp : 1);
-      const double gather = p.scatter_gather_p2p
-                                ? net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
-                                                     CollectiveKind::AllGather, hidden_bytes)
-                                : 0.0;
+      const double gather =
+          p.scatter_gather_p2p
+              ? net_->collective_s(placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
+                                   CollectiveKind::AllGather, hidden_bytes)
+              : 0.0;
       for (int s = 0; s < p.pp; ++s) {
         hop[static_cast<std::size_t>(s)] =
             net_->p2p_s(placement, pp_ranks[static_cast<std::size_t>(s)],
@@ -458,7 +461,7 @@ class Estimator {
           {0}};
       // A collective over the group with its staging passes, as the simulator times it.
       const auto dp_s = [&](CollectiveKind kind, std::uint64_t bytes) {
-        return dp_collective_s(grp, static_cast<std::int64_t>(size), cost, kind, bytes);
+        return dp_collective_s(placement, grp, static_cast<std::int64_t>(size), cost, kind, bytes);
       };
       const auto grads = static_cast<std::uint64_t>(params * bytes_per.gradients);
       const auto bucket = std::min<std::uint64_t>(grads, plan::kGradientBucketBytes);
@@ -634,13 +637,13 @@ class Estimator {
     if (m.tied_embeddings && p.pp > 1) {
       const auto stages = placement.group(ParallelDim::Pp, 0);
       b.exposed_pp_s += net_->collective_s(
-          lower::Group{lower::GroupKind::Pp, {stages.front(), stages.back()}, {0}},
+          placement, lower::Group{lower::GroupKind::Pp, {stages.front(), stages.back()}, {0}},
           CollectiveKind::AllReduce,
           static_cast<std::uint64_t>(static_cast<double>(m.vocab_rows() * m.hidden) / p.tp *
                                      grad_wire));
     }
     if (stage_sp_params > 0) {
-      b.exposed_tp_s += net_->collective_s(group(ParallelDim::Tp, lower::GroupKind::Tp),
+      b.exposed_tp_s += net_->collective_s(placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
                                            CollectiveKind::AllReduce,
                                            static_cast<std::uint64_t>(stage_sp_params * grad_wire));
     }
@@ -700,9 +703,11 @@ class Estimator {
   }
 
   // A data-parallel collective over `ranks` with its staging passes, as the simulator times it.
-  double dp_collective_s(const lower::Group& grp, std::int64_t ranks, const cost::ComputeCost& cost,
-                         CollectiveKind kind, std::uint64_t bytes) {
-    return net_->collective_s(grp, kind, bytes) + cost.staging_seconds(kind, bytes, ranks);
+  double dp_collective_s(const cluster::Placement& placement, const lower::Group& grp,
+                         std::int64_t ranks, const cost::ComputeCost& cost, CollectiveKind kind,
+                         std::uint64_t bytes) {
+    return net_->collective_s(placement, grp, kind, bytes) +
+           cost.staging_seconds(kind, bytes, ranks);
   }
 
   // The time ZeRO-3's units wait for the dp stream over a step without pipelining: the
@@ -737,8 +742,8 @@ class Estimator {
          {0}},
         g.spec().moe ? static_cast<std::int64_t>(p.dp / p.ep) * p.cp : 1};
     const auto dp_s = [&](const Sharding& over, CollectiveKind kind, double bytes) {
-      return over.ranks > 1 && bytes > 0 ? dp_collective_s(over.group, over.ranks, cost, kind,
-                                                           static_cast<std::uint64_t>(bytes))
+      return over.ranks > 1 && bytes > 0 ? dp_collective_s(placement, over.group, over.ranks, cost,
+                                                           kind, static_cast<std::uint64_t>(bytes))
                                          : 0.0;
     };
     const int layers = static_cast<int>(g.spec().layers);

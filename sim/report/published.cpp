@@ -36,23 +36,24 @@ LayerTimes korthikanti_22b_layer(plan::Recompute recompute, bool sequence_parall
   const auto selene = cluster::with_devices(cluster::load_cluster("selene"), 8);
   cost::ComputeCost cost(g, plan, selene.device);
   auto net = network::make_analytical(selene);
+  const cluster::Placement layout(plan.degrees(), plan.order);
   const lower::Group tp{lower::GroupKind::Tp, {0, 1, 2, 3, 4, 5, 6, 7}, {0}};
   // The activations of a micro-batch in 16 bits: b·s·h·2 bytes.
   const std::uint64_t bytes = 4ULL * 2048 * 6144 * 2;
   using K = lower::CollectiveKind;
   // Forward: f and g of the attention and the MLP (all-gathers and reduce-scatters with
   // sequence parallelism, else g's all-reduces).
-  const double gather = net->collective_s(tp, K::AllGather, bytes);
+  const double gather = net->collective_s(layout, tp, K::AllGather, bytes);
   const double comm = sequence_parallel
-                          ? 2 * (gather + net->collective_s(tp, K::ReduceScatter, bytes))
-                          : 2 * net->collective_s(tp, K::AllReduce, bytes);
+                          ? 2 * (gather + net->collective_s(layout, tp, K::ReduceScatter, bytes))
+                          : 2 * net->collective_s(layout, tp, K::AllReduce, bytes);
   // Backward: g's all-gathers (sequence parallelism), and f's input-gradient collectives, which
   // Megatron-LM of 2022 runs during the QKV and MLP-up weight gradients (plan
   // overlap_tp_backward): only what outlasts those GEMMs adds. With sequence parallelism the
   // QKV and MLP-up inputs are gathered again during their input gradients (lowering:
   // regathers_input): what outlasts those adds too.
   const double f =
-      net->collective_s(tp, sequence_parallel ? K::ReduceScatter : K::AllReduce, bytes);
+      net->collective_s(layout, tp, sequence_parallel ? K::ReduceScatter : K::AllReduce, bytes);
   double bwd_comm = sequence_parallel ? 2 * gather : 0.0;
   double fwd = 0, bwd = 0, attention = 0;
   for (model::OpId id : g.layer_ops(0)) {

@@ -14,6 +14,9 @@ using dtsim::network::Link;
 namespace {
 // A pipeline of two stages of one rank: the layout of a pair's transfers.
 const dtsim::cluster::Placement kPair({.pp = 2});
+// A layout of one stage: where no oversubscribed spine is crossed, a collective's time does
+// not depend on the layout.
+const dtsim::cluster::Placement kOneStage({.dp = 1024});
 }  // namespace
 
 TEST_CASE("ring collectives take their alpha-beta time exactly", "[network]") {
@@ -41,14 +44,14 @@ TEST_CASE("the analytical model uses the links a group crosses", "[network]") {
   const double s = 1024.0 * 1024 * 1024;
   SECTION("inside a node: NVSwitch ring (bandwidth-bound, so the ring is the fastest)") {
     dtsim::lower::Group tp{dtsim::lower::GroupKind::Tp, {0, 1, 2, 3, 4, 5, 6, 7}, {0}};
-    CHECK(model->collective_s(tp, dtsim::lower::CollectiveKind::AllReduce, 1ULL << 30) ==
+    CHECK(model->collective_s(kOneStage, tp, dtsim::lower::CollectiveKind::AllReduce, 1ULL << 30) ==
           Approx(dtsim::network::ring_all_reduce_s(s, 8, Link{nvlink, alpha})).epsilon(1e-12));
   }
   SECTION("across nodes, one rank per node: each rank gets one NIC's share") {
     // 8 such groups leave every node at once, sharing its 8 NICs: 25 GB/s each.
     dtsim::lower::Group dp{dtsim::lower::GroupKind::Dp, {0, 8, 16, 24}, {0}};
     const Link nic{c.inter.nic_bw_bytes_per_s.value, c.inter.latency_s.value};
-    CHECK(model->collective_s(dp, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
+    CHECK(model->collective_s(kOneStage, dp, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
           Approx(dtsim::network::ring_all_gather_s(s, 4, nic)).epsilon(1e-12));
   }
   SECTION("point to point inside and across nodes") {
@@ -68,7 +71,7 @@ TEST_CASE("on a mesh of direct links a small group uses only its own links", "[n
   const double alpha = c.intra.latency_s.value;
   CHECK(model->p2p_s(kPair, 0, 1, 1 << 20) == Approx((1 << 20) / (bw / 7) + alpha).epsilon(1e-12));
   dtsim::lower::Group node{dtsim::lower::GroupKind::Tp, {0, 1, 2, 3, 4, 5, 6, 7}, {0}};
-  CHECK(model->collective_s(node, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
+  CHECK(model->collective_s(kOneStage, node, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
         Approx(dtsim::network::ring_all_gather_s(1073741824.0, 8, Link{bw, alpha})).epsilon(1e-12));
 }
 
@@ -83,8 +86,8 @@ TEST_CASE("part of a mesh node keeps the whole node's links", "[network]") {
   auto b = dtsim::network::make_analytical(part);
   CHECK(b->p2p_s(kPair, 0, 1, 1 << 20) == Approx(a->p2p_s(kPair, 0, 1, 1 << 20)).epsilon(1e-12));
   const dtsim::lower::Group pair{dtsim::lower::GroupKind::Tp, {0, 1}, {0}};
-  CHECK(b->collective_s(pair, dtsim::lower::CollectiveKind::AllReduce, 1 << 26) ==
-        Approx(a->collective_s(pair, dtsim::lower::CollectiveKind::AllReduce, 1 << 26))
+  CHECK(b->collective_s(kOneStage, pair, dtsim::lower::CollectiveKind::AllReduce, 1 << 26) ==
+        Approx(a->collective_s(kOneStage, pair, dtsim::lower::CollectiveKind::AllReduce, 1 << 26))
             .epsilon(1e-12));
 }
 
@@ -103,14 +106,15 @@ TEST_CASE("a ring across leaves shares the uplinks with the groups of its leaf",
   auto model = dtsim::network::make_analytical(c);
   const double s = 1 << 30;
   const double alpha = 4e-6;
+  const dtsim::cluster::Placement tp8_dp4({.tp = 8, .dp = 4});
   // One rank per node, 8 such groups: each group's ring leaves a leaf once, 8 flows share the
   // 100 GB/s uplink (12.5 GB/s each, below a NIC's 25), not 25 / 4.
   const dtsim::lower::Group dp{dtsim::lower::GroupKind::Dp, {0, 8, 16, 24}, {0}};
-  CHECK(model->collective_s(dp, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
+  CHECK(model->collective_s(tp8_dp4, dp, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
         Approx(dtsim::network::ring_all_gather_s(s, 4, Link{12.5e9, alpha})).epsilon(1e-12));
   // Inside one leaf nothing is shared: a NIC each.
   const dtsim::lower::Group near{dtsim::lower::GroupKind::Dp, {0, 8}, {0}};
-  CHECK(model->collective_s(near, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
+  CHECK(model->collective_s(tp8_dp4, near, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) ==
         Approx(dtsim::network::ring_all_gather_s(s, 2, Link{25e9, alpha})).epsilon(1e-12));
   // A pipeline transfer across leaves: every device of the stage sends at once. Two stages of
   // a leaf each: the leaf's 16 flows share its uplink, 100 / 16 = 25 / 4 GB/s each.
@@ -128,6 +132,15 @@ TEST_CASE("a ring across leaves shares the uplinks with the groups of its leaf",
   // node's lower half crosses with 4 flows (100 / 4 = 25 GB/s: a NIC's share binds).
   const dtsim::cluster::Placement eight_stages({.tp = 4, .pp = 8});
   CHECK(model->p2p_s(eight_stages, 12, 16, 1 << 20) == Approx(mib / 25e9 + alpha).epsilon(1e-12));
+  // A tied embedding's all-reduce between the first stage and the last (node 0 and node 3):
+  // the groups of its kind that run with it are those of the two stages, 8 in each leaf, not
+  // 16 (100 / 8 = 12.5 GB/s for the one flow of each ring leaving the leaf).
+  const dtsim::lower::Group tied{dtsim::lower::GroupKind::Pp, {0, 24}, {0}};
+  CHECK(
+      model->collective_s(four_stages, tied, dtsim::lower::CollectiveKind::AllReduce, 1ULL << 30) ==
+      Approx(dtsim::network::ring_all_reduce_s(s, 2, Link{12.5e9, alpha})).epsilon(1e-12));
+  CHECK(model->collective_s(tp8_dp4, tied, dtsim::lower::CollectiveKind::AllReduce, 1ULL << 30) ==
+        Approx(dtsim::network::ring_all_reduce_s(s, 2, Link{6.25e9, alpha})).epsilon(1e-12));
 }
 
 TEST_CASE("a pipeline hop takes as long as its stage's slowest transfer", "[network]") {
@@ -162,11 +175,11 @@ TEST_CASE("NCCL's tree spans nodes; inside one node the ring is the algorithm", 
   const Link nic{c.inter.nic_bw_bytes_per_s.value, c.inter.latency_s.value};
   // A small all-reduce inside a node: the ring's 2 x 7 latency steps (no tree inside a node).
   const dtsim::lower::Group tp{dtsim::lower::GroupKind::Tp, {0, 1, 2, 3, 4, 5, 6, 7}, {0}};
-  CHECK(model->collective_s(tp, dtsim::lower::CollectiveKind::AllReduce, 4096) ==
+  CHECK(model->collective_s(kOneStage, tp, dtsim::lower::CollectiveKind::AllReduce, 4096) ==
         Approx(dtsim::network::ring_all_reduce_s(4096, 8, nvlink)).epsilon(1e-12));
   // Across the 4 nodes, one rank each: the tree's 2 x log2(4) steps beat the ring's 2 x 3.
   const dtsim::lower::Group dp{dtsim::lower::GroupKind::Dp, {0, 8, 16, 24}, {0}};
-  CHECK(model->collective_s(dp, dtsim::lower::CollectiveKind::AllReduce, 4096) ==
+  CHECK(model->collective_s(kOneStage, dp, dtsim::lower::CollectiveKind::AllReduce, 4096) ==
         Approx(dtsim::network::node_tree_all_reduce_s(4096, 1, 4, nvlink, nic)).epsilon(1e-12));
   CHECK(dtsim::network::node_tree_all_reduce_s(4096, 1, 4, nvlink, nic) ==
         Approx(2.0 * 4096 / nic.bw_bytes_per_s + 2 * 2 * nic.latency_s));
@@ -190,9 +203,9 @@ TEST_CASE("on a torus a ring's steps pay for the hops between neighbours", "[net
   const dtsim::lower::Group strided{dtsim::lower::GroupKind::Dp, {0, 8}, {0}};
   CHECK(dtsim::cluster::group_span(c, line.ranks).max_ring_hops == 1);
   CHECK(dtsim::cluster::group_span(c, strided.ranks).max_ring_hops == 2);
-  CHECK(model->collective_s(line, CollectiveKind::AllGather, 1 << 26) ==
+  CHECK(model->collective_s(kOneStage, line, CollectiveKind::AllGather, 1 << 26) ==
         Approx(dtsim::network::ring_all_gather_s(s, 4, Link{b, alpha})).epsilon(1e-12));
-  CHECK(model->collective_s(strided, CollectiveKind::AllGather, 1 << 26) ==
+  CHECK(model->collective_s(kOneStage, strided, CollectiveKind::AllGather, 1 << 26) ==
         Approx(dtsim::network::ring_all_gather_s(s, 2, Link{b / 2, 2 * alpha})).epsilon(1e-12));
 }
 

@@ -36,6 +36,7 @@ TEST_CASE("SimGrid agrees with the analytical model, and shows contention", "[ne
   dtsim::plan::require_valid(plan, spec, cluster.devices());
 
   auto simgrid = dtsim::network::make_simgrid(cluster, plan);
+  const dtsim::cluster::Placement layout(plan.degrees(), plan.order);
   auto analytical = dtsim::network::make_analytical(cluster);
   const std::uint64_t bytes = 256ULL << 20;
   const Group tp{GroupKind::Tp, {0, 1}, {0}};
@@ -44,19 +45,18 @@ TEST_CASE("SimGrid agrees with the analytical model, and shows contention", "[ne
   SECTION("where nothing contends, within 2%") {
     for (auto kind :
          {CollectiveKind::AllReduce, CollectiveKind::AllGather, CollectiveKind::ReduceScatter}) {
-      const double s = simgrid->collective_s(tp, kind, bytes);
-      const double a = analytical->collective_s(tp, kind, bytes);
+      const double s = simgrid->collective_s(layout, tp, kind, bytes);
+      const double a = analytical->collective_s(layout, tp, kind, bytes);
       INFO("simgrid " << s << " s, analytical " << a << " s");
       CHECK(s == Approx(a).epsilon(0.02));
     }
-    const dtsim::cluster::Placement layout(plan.degrees(), plan.order);
     CHECK(simgrid->p2p_s(layout, 0, 1, bytes) ==
           Approx(analytical->p2p_s(layout, 0, 1, bytes)).epsilon(0.02));
   }
   SECTION("two dp groups through one oversubscribed uplink: slowdown, matched within 10%") {
-    const double alone = simgrid->collective_s(tp, CollectiveKind::AllReduce, bytes);
-    const double shared = simgrid->collective_s(dp, CollectiveKind::AllReduce, bytes);
-    const double rule = analytical->collective_s(dp, CollectiveKind::AllReduce, bytes);
+    const double alone = simgrid->collective_s(layout, tp, CollectiveKind::AllReduce, bytes);
+    const double shared = simgrid->collective_s(layout, dp, CollectiveKind::AllReduce, bytes);
+    const double rule = analytical->collective_s(layout, dp, CollectiveKind::AllReduce, bytes);
     INFO("simgrid within a leaf " << alone << " s, across the shared uplink " << shared
                                   << " s; analytical sharing rule " << rule << " s");
     CHECK(shared > 1.8 * alone);  // each group gets half of the uplink
