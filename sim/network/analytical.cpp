@@ -25,21 +25,18 @@ class Analytical final : public NetworkModel {
                       CollectiveKind kind, std::uint64_t bytes) override {
     const int n = static_cast<int>(group.ranks.size());
     if (n <= 1 || bytes == 0) return 0;
-    const cluster::ParallelDegrees& d = placement.degrees();
-    const auto key = std::make_tuple(std::array<int, 5>{d.tp, d.cp, d.ep, d.dp, d.pp},
-                                     placement.order(), group.ranks, kind, bytes);
+    // The devices of the groups of this kind that run with this one (those of its pipeline
+    // stages, as the SimGrid backend runs them) in the busiest leaf it spans: across an
+    // oversubscribed spine they share the leaf's uplink. Elsewhere it never binds.
+    const double concurrent = c_.inter.oversubscription.value > 1 && several_leaves()
+                                  ? concurrent_in_leaf(placement, group.ranks)
+                                  : leaf_devices();
+    const auto key = std::make_tuple(group.ranks, kind, bytes, concurrent);
     if (auto it = memo_.find(key); it != memo_.end()) return it->second;
     const cluster::GroupSpan span = cluster::group_span(c_, group.ranks);
     const int k = static_cast<int>(span.max_devices_per_node);
     const int nodes = static_cast<int>(span.nodes);
     const Link intra{intra_bw(k), c_.intra.latency_s.value};
-    // The devices of the groups of this kind that run with this one (those of its pipeline
-    // stages, as the SimGrid backend runs them) in the busiest leaf it spans: across an
-    // oversubscribed spine they share the leaf's uplink. Elsewhere it never binds.
-    const double concurrent =
-        span.crosses_spine && span.leaf_groups > 1 && c_.inter.oversubscription.value > 1
-            ? concurrent_in_leaf(placement, group.ranks)
-            : leaf_devices();
     // Rings (and the tree and hierarchical phases that stand in for them) send one flow per
     // group out of a leaf; all-to-all sends every member's traffic across.
     const Link inter_ring = inter_link(span, k, Crossing::OnePerGroup, concurrent);
@@ -91,8 +88,11 @@ class Analytical final : public NetworkModel {
       // Every device of the node sends to its own peer at the same time (pipeline symmetry).
       const std::vector<std::int64_t> pair = {src, dst};
       cluster::GroupSpan span = cluster::group_span(c_, pair);
-      // Across an oversubscribed spine, the leaf's share is counted below.
-      if (c_.inter.oversubscription.value > 1) span.crosses_spine = false;
+      // Between leaves of an oversubscribed spine, the leaf's share is counted below (a
+      // rail-optimized pair across rails inside one leaf keeps the rule for groups).
+      if (c_.inter.oversubscription.value > 1 && leaf_of(src) != leaf_of(dst)) {
+        span.crosses_spine = false;
+      }
       t = network::p2p_s(s, inter_link(span, 1, Crossing::Every));
     }
     if (c_.inter.oversubscription.value <= 1) return t;
@@ -175,32 +175,66 @@ class Analytical final : public NetworkModel {
 
   // The plan's devices in the pipeline stages of `ranks` (a group, all in one stage but a
   // tied embedding's, in the first and the last), in the busiest of the leaves the group
-  // spans: those that run the collectives of the group's kind with it.
+  // spans: those that run the collectives of the group's kind with it. (The SimGrid backend
+  // times the slowest of those groups; a stage's groups of a kind are alike where the
+  // placement is symmetric, which simulate and plan require.)
   double concurrent_in_leaf(const cluster::Placement& placement,
                             const std::vector<std::int64_t>& ranks) {
-    std::vector<int> stages;
-    for (std::int64_t r : ranks) stages.push_back(placement.coords(r).pp);
-    std::sort(stages.begin(), stages.end());
-    stages.erase(std::unique(stages.begin(), stages.end()), stages.end());
     const cluster::ParallelDegrees& d = placement.degrees();
-    const auto key = std::make_tuple(std::array<int, 5>{d.tp, d.cp, d.ep, d.dp, d.pp},
-                                     placement.order(), stages);
-    auto it = stage_devices_.find(key);
-    if (it == stage_devices_.end()) {
-      std::map<std::int64_t, std::int64_t> by_leaf;
-      for (std::int64_t r = 0; r < d.ranks(); ++r) {
-        if (std::binary_search(stages.begin(), stages.end(), placement.coords(r).pp)) {
-          ++by_leaf[leaf_of(r)];
+    const std::array<int, 5> degrees{d.tp, d.cp, d.ep, d.dp, d.pp};
+    const auto group_key = std::make_tuple(degrees, placement.order(), ranks);
+    if (auto it = concurrent_.find(group_key); it != concurrent_.end()) return it->second;
+    double most = leaf_devices();  // a group inside one leaf: what it shares does not bind
+    std::set<std::int64_t> leaves;
+    std::vector<int> stages;
+    for (std::int64_t r : ranks) {
+      leaves.insert(leaf_of(r));
+      stages.push_back(placement.coords(r).pp);
+    }
+    if (leaves.size() > 1) {
+      std::sort(stages.begin(), stages.end());
+      stages.erase(std::unique(stages.begin(), stages.end()), stages.end());
+      const auto stages_key = std::make_tuple(degrees, placement.order(), stages);
+      auto it = stage_devices_.find(stages_key);
+      if (it == stage_devices_.end()) {
+        std::map<std::int64_t, std::int64_t> by_leaf;
+        for (const int stage : stages) {
+          for_each_in_stage(placement, stage, [&](std::int64_t r, const cluster::RankCoords&) {
+            ++by_leaf[leaf_of(r)];
+          });
+        }
+        it = stage_devices_.emplace(stages_key, std::move(by_leaf)).first;
+      }
+      std::int64_t count = 1;
+      for (const std::int64_t leaf : leaves) {
+        const auto found = it->second.find(leaf);
+        if (found != it->second.end()) count = std::max(count, found->second);
+      }
+      most = static_cast<double>(count);
+    }
+    concurrent_.emplace(group_key, most);
+    return most;
+  }
+
+  // Calls fn(rank, coordinates) for every rank of pipeline stage `stage`: a stage's ranks
+  // alone, so that all the stages of a plan cost a walk of its ranks.
+  template <typename Fn>
+  static void for_each_in_stage(const cluster::Placement& placement, int stage, Fn&& fn) {
+    const cluster::ParallelDegrees& d = placement.degrees();
+    cluster::RankCoords c;
+    c.pp = stage;
+    for (c.dp_outer = 0; c.dp_outer < d.dp / d.ep; ++c.dp_outer) {
+      for (c.ep = 0; c.ep < d.ep; ++c.ep) {
+        for (c.cp = 0; c.cp < d.cp; ++c.cp) {
+          for (c.tp = 0; c.tp < d.tp; ++c.tp) fn(placement.rank(c), c);
         }
       }
-      it = stage_devices_.emplace(key, std::move(by_leaf)).first;
     }
-    std::int64_t most = 1;
-    for (std::int64_t r : ranks) {
-      const auto found = it->second.find(leaf_of(r));
-      if (found != it->second.end()) most = std::max(most, found->second);
-    }
-    return static_cast<double>(most);
+  }
+
+  // Whether the cluster has more than one leaf (else nothing crosses a spine).
+  bool several_leaves() const {
+    return c_.inter.nodes_per_leaf > 0 && c_.inter.nodes_per_leaf < c_.nodes;
   }
 
   std::int64_t leaf_of(std::int64_t device) const {
@@ -221,9 +255,10 @@ class Analytical final : public NetworkModel {
   // The most flows of the pipeline hop from src's stage to dst's that share a leaf's uplink
   // or downlink with a flow between leaves (0: none crosses): each rank of the stage sends to
   // the rank of the other stage with its coordinates, as the SimGrid backend runs the hop.
-  // Counted once per hop and layout.
+  // Counted once per hop and layout. src and dst are ranks of the placement.
   std::int64_t leaf_crossings(const cluster::Placement& placement, std::int64_t src,
                               std::int64_t dst) {
+    if (!several_leaves()) return 0;
     const int from = placement.coords(src).pp, to = placement.coords(dst).pp;
     const cluster::ParallelDegrees& d = placement.degrees();
     const auto key = std::make_tuple(std::array<int, 5>{d.tp, d.cp, d.ep, d.dp, d.pp},
@@ -231,16 +266,14 @@ class Analytical final : public NetworkModel {
     if (auto it = crossings_.find(key); it != crossings_.end()) return it->second;
     std::map<std::int64_t, std::int64_t> out, in;  // by leaf
     std::set<std::pair<std::int64_t, std::int64_t>> crossed;
-    for (std::int64_t r = 0; r < d.ranks(); ++r) {
-      cluster::RankCoords c = placement.coords(r);
-      if (c.pp != from) continue;
+    for_each_in_stage(placement, from, [&](std::int64_t r, cluster::RankCoords c) {
       c.pp = to;
       const std::int64_t a = leaf_of(r), b = leaf_of(placement.rank(c));
-      if (a == b) continue;
+      if (a == b) return;
       ++out[a];
       ++in[b];
       crossed.emplace(a, b);
-    }
+    });
     std::int64_t worst = 0;
     for (const auto& [a, b] : crossed) worst = std::max({worst, out[a], in[b]});
     crossings_.emplace(key, worst);
@@ -248,13 +281,15 @@ class Analytical final : public NetworkModel {
   }
 
   const cluster::Cluster& c_;
-  std::map<std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>,
-                      std::vector<std::int64_t>, CollectiveKind, std::uint64_t>,
-           double>
+  std::map<std::tuple<std::vector<std::int64_t>, CollectiveKind, std::uint64_t, double>, double>
       memo_;
   std::map<std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>, std::vector<int>>,
            std::map<std::int64_t, std::int64_t>>
       stage_devices_;
+  std::map<
+      std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>, std::vector<std::int64_t>>,
+      double>
+      concurrent_;
   std::map<std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>, int, int>,
            std::int64_t>
       crossings_;

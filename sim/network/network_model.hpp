@@ -34,9 +34,13 @@ class NetworkModel {
 // - inside a node, the device's link bandwidth and the intra-node latency;
 // - across nodes, the node's NICs shared by the groups of the same kind that run at the same
 //   time on that node (all of them, by symmetry: devices_per_node / k rings, k = the group's
-//   ranks per node, each with one flow leaving the node), divided by the oversubscription when
-//   the group spans leaf groups; on a torus, one link per direction. A pipeline hop between
-//   leaves shares the leaf's spine links with the flows of its stage that cross there.
+//   ranks per node, each with one flow leaving the node); where the group spans leaf groups,
+//   no more than its share of the leaf's links to the spine (its NICs over the
+//   oversubscription), shared with the groups of its kind in its pipeline stage (a tied
+//   embedding's: the first and last stage's), one flow per ring, every member's flow for an
+//   all-to-all; on a torus, one link per direction. A pipeline hop sends every rank's flow
+//   to its peer at once; across an oversubscribed spine it lasts as long as its stage's
+//   slowest transfer.
 // It then takes the fastest of ring, double binary tree and hierarchical algorithms for an
 // all-reduce (as NCCL's tuner picks one), the ring for all-gather and reduce-scatter, direct
 // sends for all-to-all. Traffic of different kinds at the same time (a pipeline send during a

@@ -190,9 +190,11 @@ class SimGridNetwork final : public NetworkModel {
 
   std::string name() const override { return "simgrid"; }
 
-  double collective_s(const cluster::Placement& /*placement: the plan's, as placement_*/,
-                      const lower::Group& group, CollectiveKind kind,
-                      std::uint64_t bytes) override {
+  // `placement` is the plan's, whose layout the backend holds (placement_): it simulates one
+  // plan (make_simgrid).
+  double collective_s(const cluster::Placement& placement, const lower::Group& group,
+                      CollectiveKind kind, std::uint64_t bytes) override {
+    same_layout(placement);
     const int n = static_cast<int>(group.ranks.size());
     if (n <= 1 || bytes == 0) return 0;
     const auto key = std::make_tuple(group.ranks, kind, bytes);
@@ -247,8 +249,9 @@ class SimGridNetwork final : public NetworkModel {
     return t;
   }
 
-  double p2p_s(const cluster::Placement& /*placement: the plan's, as placement_*/, std::int64_t src,
-               std::int64_t dst, std::uint64_t bytes) override {
+  double p2p_s(const cluster::Placement& placement, std::int64_t src, std::int64_t dst,
+               std::uint64_t bytes) override {
+    same_layout(placement);
     const auto key = std::make_tuple(src, dst, bytes);
     if (auto it = p2p_memo_.find(key); it != p2p_memo_.end()) return it->second;
     // Every rank of the sender's stage sends to its peer in the receiver's stage at once.
@@ -271,6 +274,14 @@ class SimGridNetwork final : public NetworkModel {
   }
 
  private:
+  void same_layout(const cluster::Placement& placement) const {
+    const auto& a = placement.degrees();
+    const auto& b = placement_.degrees();
+    DTSIM_ASSERT(a.tp == b.tp && a.cp == b.cp && a.ep == b.ep && a.dp == b.dp && a.pp == b.pp &&
+                     placement.order() == placement_.order(),
+                 "the SimGrid backend asked about another plan's layout than its own");
+  }
+
   // The groups of the same kind as `group` in the same pipeline stage (they run together).
   std::vector<std::vector<std::int64_t>> concurrent_groups(const lower::Group& group) const {
     const int stage = placement_.coords(group.ranks.front()).pp;

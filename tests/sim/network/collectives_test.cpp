@@ -143,6 +143,26 @@ TEST_CASE("a ring across leaves shares the uplinks with the groups of its leaf",
         Approx(dtsim::network::ring_all_reduce_s(s, 2, Link{6.25e9, alpha})).epsilon(1e-12));
 }
 
+TEST_CASE("on a rail-optimized fabric a hop across rails inside a leaf pays the spine",
+          "[network]") {
+  // Rails meet at the spine: a transfer from one rail to another goes up even inside a leaf,
+  // and every device of the leaf may send at once (25 / 4 GB/s), as before the hops between
+  // leaves were counted.
+  dtsim::test::TempFile file("rails_two_leaves.json", R"({
+    "name": "rails_two_leaves", "description": "test", "source": "test",
+    "device": "a100-sxm4-80gb", "nodes": 4, "devices_per_node": 8,
+    "intra_node": {"fabric": "nvswitch", "latency_s": {"value": 2e-6, "source": "test"}},
+    "inter_node": {"fabric": "rail_optimized", "transport": "infiniband", "nics_per_node": 8,
+      "nic_bw_bytes_per_s": {"value": 25e9, "source": "test"},
+      "latency_s": {"value": 4e-6, "source": "test"}, "nodes_per_leaf": 2,
+      "oversubscription": {"value": 4, "source": "test"}}})");
+  const auto c = dtsim::cluster::load_cluster(file.path());
+  auto model = dtsim::network::make_analytical(c);
+  const dtsim::cluster::Placement stages({.tp = 4, .pp = 8});
+  const double mib = 1 << 20;
+  CHECK(model->p2p_s(stages, 4, 8, 1 << 20) == Approx(mib / 6.25e9 + 4e-6).epsilon(1e-12));
+}
+
 TEST_CASE("a pipeline hop takes as long as its stage's slowest transfer", "[network]") {
   // 6 nodes of 8 GPUs, 3 per leaf, uplinks 3 x 8 x 25 / 4 = 150 GB/s; stages of two nodes, so
   // that stage 1 straddles the leaves.
