@@ -1,7 +1,10 @@
 #include "sim/network/collectives.hpp"
 
+#include <fmt/format.h>
+
 #include <map>
 #include <set>
+#include <string>
 
 #include "sim/cluster/placement.hpp"
 #include "sim/cluster/topology.hpp"
@@ -17,6 +20,23 @@ const dtsim::cluster::Placement kPair({.pp = 2});
 // A layout of one stage: where no oversubscribed spine is crossed, a collective's time does
 // not depend on the layout.
 const dtsim::cluster::Placement kOneStage({.dp = 1024});
+
+// A test cluster of `nodes` nodes of 8 A100s, each with 8 NICs of 25 GB/s (latency 4 us), in
+// leaves of `per_leaf` nodes under a spine oversubscribed 4:1: a leaf's uplink carries
+// per_leaf x 8 x 25 / 4 GB/s.
+dtsim::cluster::Cluster leaf_cluster(const std::string& name, int nodes, int per_leaf,
+                                     const std::string& fabric = "fat_tree") {
+  const dtsim::test::TempFile file(name + ".json", fmt::format(R"({{
+    "name": "{}", "description": "test", "source": "test",
+    "device": "a100-sxm4-80gb", "nodes": {}, "devices_per_node": 8,
+    "intra_node": {{"fabric": "nvswitch", "latency_s": {{"value": 2e-6, "source": "test"}}}},
+    "inter_node": {{"fabric": "{}", "transport": "infiniband", "nics_per_node": 8,
+      "nic_bw_bytes_per_s": {{"value": 25e9, "source": "test"}},
+      "latency_s": {{"value": 4e-6, "source": "test"}}, "nodes_per_leaf": {},
+      "oversubscription": {{"value": 4, "source": "test"}}}}}})",
+                                                               name, nodes, fabric, per_leaf));
+  return dtsim::cluster::load_cluster(file.path());
+}
 }  // namespace
 
 TEST_CASE("ring collectives take their alpha-beta time exactly", "[network]") {
@@ -94,15 +114,7 @@ TEST_CASE("part of a mesh node keeps the whole node's links", "[network]") {
 TEST_CASE("a ring across leaves shares the uplinks with the groups of its leaf", "[network]") {
   // 4 nodes of 8 GPUs, 2 nodes per leaf, 8 x 25 GB/s NICs per node, uplinks oversubscribed 4:1:
   // a leaf's uplink carries 2 x 8 x 25 / 4 = 100 GB/s.
-  dtsim::test::TempFile file("two_leaves_8.json", R"({
-    "name": "two_leaves_8", "description": "test", "source": "test",
-    "device": "a100-sxm4-80gb", "nodes": 4, "devices_per_node": 8,
-    "intra_node": {"fabric": "nvswitch", "latency_s": {"value": 2e-6, "source": "test"}},
-    "inter_node": {"fabric": "fat_tree", "transport": "infiniband", "nics_per_node": 8,
-      "nic_bw_bytes_per_s": {"value": 25e9, "source": "test"},
-      "latency_s": {"value": 4e-6, "source": "test"}, "nodes_per_leaf": 2,
-      "oversubscription": {"value": 4, "source": "test"}}})");
-  const auto c = dtsim::cluster::load_cluster(file.path());
+  const auto c = leaf_cluster("two_leaves_8", 4, 2);
   auto model = dtsim::network::make_analytical(c);
   const double s = 1 << 30;
   const double alpha = 4e-6;
@@ -148,15 +160,7 @@ TEST_CASE("on a rail-optimized fabric a hop across rails inside a leaf pays the 
   // Rails meet at the spine: a transfer from one rail to another goes up even inside a leaf,
   // and every device of the leaf may send at once (25 / 4 GB/s), as before the hops between
   // leaves were counted.
-  dtsim::test::TempFile file("rails_two_leaves.json", R"({
-    "name": "rails_two_leaves", "description": "test", "source": "test",
-    "device": "a100-sxm4-80gb", "nodes": 4, "devices_per_node": 8,
-    "intra_node": {"fabric": "nvswitch", "latency_s": {"value": 2e-6, "source": "test"}},
-    "inter_node": {"fabric": "rail_optimized", "transport": "infiniband", "nics_per_node": 8,
-      "nic_bw_bytes_per_s": {"value": 25e9, "source": "test"},
-      "latency_s": {"value": 4e-6, "source": "test"}, "nodes_per_leaf": 2,
-      "oversubscription": {"value": 4, "source": "test"}}})");
-  const auto c = dtsim::cluster::load_cluster(file.path());
+  const auto c = leaf_cluster("rails_two_leaves", 4, 2, "rail_optimized");
   auto model = dtsim::network::make_analytical(c);
   const dtsim::cluster::Placement stages({.tp = 4, .pp = 8});
   const double mib = 1 << 20;
@@ -166,15 +170,7 @@ TEST_CASE("on a rail-optimized fabric a hop across rails inside a leaf pays the 
 TEST_CASE("a pipeline hop takes as long as its stage's slowest transfer", "[network]") {
   // 6 nodes of 8 GPUs, 3 per leaf, uplinks 3 x 8 x 25 / 4 = 150 GB/s; stages of two nodes, so
   // that stage 1 straddles the leaves.
-  dtsim::test::TempFile file("three_per_leaf.json", R"({
-    "name": "three_per_leaf", "description": "test", "source": "test",
-    "device": "a100-sxm4-80gb", "nodes": 6, "devices_per_node": 8,
-    "intra_node": {"fabric": "nvswitch", "latency_s": {"value": 2e-6, "source": "test"}},
-    "inter_node": {"fabric": "fat_tree", "transport": "infiniband", "nics_per_node": 8,
-      "nic_bw_bytes_per_s": {"value": 25e9, "source": "test"},
-      "latency_s": {"value": 4e-6, "source": "test"}, "nodes_per_leaf": 3,
-      "oversubscription": {"value": 4, "source": "test"}}})");
-  const auto c = dtsim::cluster::load_cluster(file.path());
+  const auto c = leaf_cluster("three_per_leaf", 6, 3);
   auto model = dtsim::network::make_analytical(c);
   const double mib = 1 << 20, alpha = 4e-6;
   const dtsim::cluster::Placement stages({.dp = 16, .pp = 3});
