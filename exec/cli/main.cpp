@@ -38,14 +38,6 @@ void usage(std::ostream& os) {
         "                         --selftest, run a check kernel on each GPU\n";
 }
 
-// Bad input, which under mpirun every rank meets alike (options, a plan that does not fit the
-// ranks): said by rank 0, once; by another rank only where rank 0 did not end the job first.
-void say_once_per_job(const std::string& command, const char* what, const char* message) {
-  dtsim::let_rank0_report_first();
-  std::cerr << fmt::format("dtexec {}{}: {}: {}\n", command,
-                           g_rank == 0 ? "" : fmt::format(" (rank {})", g_rank), what, message);
-}
-
 }  // namespace
 
 int devices(bool selftest) {
@@ -102,10 +94,12 @@ int main(int argc, char** argv) {
         if (args[0] == "compare") return compare(rest);
         return args[0] == "run" ? run(rest) : calibrate(rest);
       } catch (const dtsim::InputError& e) {
-        say_once_per_job(args[0], "error", e.what());
+        // Under mpirun every rank meets bad input alike (options, a plan that does not
+        // fit the ranks).
+        dtsim::say_once_per_job("dtexec " + args[0], "error", e.what(), g_rank);
         return 2;
       } catch (const dtsim::UnsupportedError& e) {
-        say_once_per_job(args[0], "unsupported", e.what());
+        dtsim::say_once_per_job("dtexec " + args[0], "unsupported", e.what(), g_rank);
         return 2;
       } catch (const std::bad_alloc&) {
         std::cerr << "dtexec " << args[0]

@@ -41,15 +41,6 @@ void usage(std::ostream& os) {
   for (const auto& [name, cmd] : commands()) os << fmt::format("  {:<16} {}\n", name, cmd.summary);
 }
 
-// Bad input, which under mpirun every rank meets alike (whatif's ranks send rank 0 their bad
-// points): said by rank 0, once; by another rank only where rank 0 did not end the job first.
-void say_once_per_job(const std::string& command, const char* what, const char* message) {
-  dtsim::let_rank0_report_first();
-  const int rank = dtsim::launcher_rank();
-  std::cerr << fmt::format("dtsim {}{}: {}: {}\n", command,
-                           rank == 0 ? "" : fmt::format(" (rank {})", rank), what, message);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -69,10 +60,12 @@ int main(int argc, char** argv) {
     try {
       return it->second.run({args.begin() + 1, args.end()});
     } catch (const dtsim::InputError& e) {
-      say_once_per_job(args[0], "error", e.what());
+      // Under mpirun every rank meets bad input alike (whatif's ranks send rank 0 their bad
+      // points).
+      dtsim::say_once_per_job("dtsim " + args[0], "error", e.what());
       return 2;
     } catch (const dtsim::UnsupportedError& e) {
-      say_once_per_job(args[0], "unsupported", e.what());
+      dtsim::say_once_per_job("dtsim " + args[0], "unsupported", e.what());
       return 2;
     } catch (const std::exception& e) {
       std::cerr << "dtsim " << args[0] << ": internal error: " << e.what() << "\n";

@@ -1,8 +1,11 @@
 #include "sim/common/launcher.hpp"
 
+#include <fmt/format.h>
+
 #include <charconv>
 #include <chrono>
 #include <cstdlib>
+#include <iostream>
 #include <string_view>
 #include <thread>
 
@@ -27,9 +30,10 @@ int launcher_rank() {
   return 0;
 }
 
-void let_rank0_report_first(double grace_s) {
-  if (launcher_rank() == 0) return;
-  std::this_thread::sleep_for(std::chrono::duration<double>(grace_s));
+void say_once_per_job(const std::string& who, const char* what, const char* message, int rank) {
+  if (rank != 0) std::this_thread::sleep_for(std::chrono::seconds(2));
+  std::cerr << fmt::format("{}{}: {}: {}\n", who, rank == 0 ? "" : fmt::format(" (rank {})", rank),
+                           what, message);
 }
 
 }  // namespace dtsim

@@ -3,6 +3,8 @@
 // (a bad option, before MPI_Init) are then printed once, by rank 0, not once per rank.
 #pragma once
 
+#include <string>
+
 namespace dtsim {
 
 // True when an MPI launcher started this process (OpenMPI's OMPI_COMM_WORLD_SIZE, MPICH's and
@@ -13,12 +15,14 @@ bool under_mpirun();
 // the first one set); 0 outside a launcher, or where the value is not a rank.
 int launcher_rank();
 
-// Before a rank prints an error that every rank is expected to meet alike (bad input): on a
-// rank other than 0, waits `grace_s` for the launcher to end this process, as mpirun does once
-// rank 0 has printed the error and exited non-zero. A rank that exited first could have the job
-// killed before rank 0 had said why (4 of 30 runs of three ranks printed nothing); a rank still
-// running after the wait belongs to a job whose rank 0 did not meet this error, and says it.
-// Returns at once on rank 0 and outside a launcher.
-void let_rank0_report_first(double grace_s = 2.0);
+// Prints an error that every rank is expected to meet alike (bad input) to stderr as
+// "WHO: WHAT: MESSAGE", once per job: at once on rank 0 (and outside a launcher); on another
+// rank only after waiting 2 s for the launcher to end this process, as mpirun does once rank 0
+// has printed the error and exited non-zero, and then as "WHO (rank R): ...". A rank that
+// exited first could have the job killed before rank 0 had said why (4 of 30 runs of three
+// ranks printed nothing); a rank still running after the wait belongs to a job whose rank 0
+// did not meet this error. `rank`: this process's (the launcher's, until MPI has started).
+void say_once_per_job(const std::string& who, const char* what, const char* message,
+                      int rank = launcher_rank());
 
 }  // namespace dtsim
