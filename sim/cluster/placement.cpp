@@ -218,6 +218,22 @@ bool Placement::first_of_expert_gradient_group(std::int64_t rank) const {
   return c.cp == 0 && c.dp_outer == 0;
 }
 
+std::vector<std::int64_t> Placement::stage_ranks(int stage) const {
+  std::vector<std::int64_t> ranks;
+  ranks.reserve(static_cast<std::size_t>(degrees_.ranks() / degrees_.pp));
+  RankCoords c;
+  c.pp = stage;
+  for (c.dp_outer = 0; c.dp_outer < degrees_.dp / degrees_.ep; ++c.dp_outer) {
+    for (c.ep = 0; c.ep < degrees_.ep; ++c.ep) {
+      for (c.cp = 0; c.cp < degrees_.cp; ++c.cp) {
+        for (c.tp = 0; c.tp < degrees_.tp; ++c.tp) ranks.push_back(rank(c));
+      }
+    }
+  }
+  std::sort(ranks.begin(), ranks.end());
+  return ranks;
+}
+
 bool Placement::symmetric_on(std::int64_t devices_per_node) const {
   std::int64_t product = 1;
   for (ParallelDim d : order_) {

@@ -67,6 +67,9 @@ class Placement {
   bool first_of_group(ParallelDim dim, std::int64_t rank) const;
   bool first_of_gradient_group(std::int64_t rank) const;
   bool first_of_expert_gradient_group(std::int64_t rank) const;
+  // The ranks of pipeline stage `stage`, found without walking the other stages' (all the
+  // stages together cost a walk of the ranks), in increasing order.
+  std::vector<std::int64_t> stage_ranks(int stage) const;
   // Whether every group of every kind has the same shape on nodes of `devices_per_node`
   // devices: each product of the dimensions in order (fastest first) divides the node or is a
   // multiple of it. Then all ranks of a pipeline stage see identical surroundings.

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <map>
 #include <set>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -165,12 +166,18 @@ class Analytical final : public NetworkModel {
     return Link{bw, inter.latency_s.value};
   }
 
-  // A leaf's devices (the cluster's, where it has fewer nodes than a leaf).
-  double leaf_devices() const {
-    const auto& inter = c_.inter;
-    return static_cast<double>(
-        std::min(inter.nodes_per_leaf > 0 ? inter.nodes_per_leaf : c_.nodes, c_.nodes) *
-        c_.devices_per_node);
+  // A leaf's nodes (the cluster's, where it has fewer than a leaf) and devices.
+  std::int64_t leaf_nodes() const {
+    const std::int64_t per_leaf = c_.inter.nodes_per_leaf;
+    return std::min(per_leaf > 0 ? per_leaf : c_.nodes, c_.nodes);
+  }
+  double leaf_devices() const { return static_cast<double>(leaf_nodes() * c_.devices_per_node); }
+
+  // What identifies a plan's layout in the memos: its degrees and rank order.
+  using Layout = std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>>;
+  static Layout layout_of(const cluster::Placement& placement) {
+    const cluster::ParallelDegrees& d = placement.degrees();
+    return {{d.tp, d.cp, d.ep, d.dp, d.pp}, placement.order()};
   }
 
   // The plan's devices in the pipeline stages of `ranks` (a group, all in one stage but a
@@ -180,9 +187,8 @@ class Analytical final : public NetworkModel {
   // placement is symmetric, which simulate and plan require.)
   double concurrent_in_leaf(const cluster::Placement& placement,
                             const std::vector<std::int64_t>& ranks) {
-    const cluster::ParallelDegrees& d = placement.degrees();
-    const std::array<int, 5> degrees{d.tp, d.cp, d.ep, d.dp, d.pp};
-    const auto group_key = std::make_tuple(degrees, placement.order(), ranks);
+    const Layout layout = layout_of(placement);
+    const auto group_key = std::make_tuple(layout, ranks);
     if (auto it = concurrent_.find(group_key); it != concurrent_.end()) return it->second;
     double most = leaf_devices();  // a group inside one leaf: what it shares does not bind
     std::set<std::int64_t> leaves;
@@ -194,14 +200,12 @@ class Analytical final : public NetworkModel {
     if (leaves.size() > 1) {
       std::sort(stages.begin(), stages.end());
       stages.erase(std::unique(stages.begin(), stages.end()), stages.end());
-      const auto stages_key = std::make_tuple(degrees, placement.order(), stages);
+      const auto stages_key = std::make_tuple(layout, stages);
       auto it = stage_devices_.find(stages_key);
       if (it == stage_devices_.end()) {
         std::map<std::int64_t, std::int64_t> by_leaf;
         for (const int stage : stages) {
-          for_each_in_stage(placement, stage, [&](std::int64_t r, const cluster::RankCoords&) {
-            ++by_leaf[leaf_of(r)];
-          });
+          for (const std::int64_t r : placement.stage_ranks(stage)) ++by_leaf[leaf_of(r)];
         }
         it = stage_devices_.emplace(stages_key, std::move(by_leaf)).first;
       }
@@ -214,22 +218,6 @@ class Analytical final : public NetworkModel {
     }
     concurrent_.emplace(group_key, most);
     return most;
-  }
-
-  // Calls fn(rank, coordinates) for every rank of pipeline stage `stage`: a stage's ranks
-  // alone, so that all the stages of a plan cost a walk of its ranks.
-  template <typename Fn>
-  static void for_each_in_stage(const cluster::Placement& placement, int stage, Fn&& fn) {
-    const cluster::ParallelDegrees& d = placement.degrees();
-    cluster::RankCoords c;
-    c.pp = stage;
-    for (c.dp_outer = 0; c.dp_outer < d.dp / d.ep; ++c.dp_outer) {
-      for (c.ep = 0; c.ep < d.ep; ++c.ep) {
-        for (c.cp = 0; c.cp < d.cp; ++c.cp) {
-          for (c.tp = 0; c.tp < d.tp; ++c.tp) fn(placement.rank(c), c);
-        }
-      }
-    }
   }
 
   // Whether the cluster has more than one leaf (else nothing crosses a spine).
@@ -246,10 +234,8 @@ class Analytical final : public NetworkModel {
   // (network/platform.cpp's leaf links alike).
   double leaf_uplink_bw() const {
     const auto& inter = c_.inter;
-    const double leaf_nodes = static_cast<double>(
-        std::min(inter.nodes_per_leaf > 0 ? inter.nodes_per_leaf : c_.nodes, c_.nodes));
-    return leaf_nodes * static_cast<double>(inter.nics_per_node) * inter.nic_bw_bytes_per_s.value /
-           inter.oversubscription.value;
+    return static_cast<double>(leaf_nodes() * inter.nics_per_node) *
+           inter.nic_bw_bytes_per_s.value / inter.oversubscription.value;
   }
 
   // The most flows of the pipeline hop from src's stage to dst's that share a leaf's uplink
@@ -260,20 +246,19 @@ class Analytical final : public NetworkModel {
                               std::int64_t dst) {
     if (!several_leaves()) return 0;
     const int from = placement.coords(src).pp, to = placement.coords(dst).pp;
-    const cluster::ParallelDegrees& d = placement.degrees();
-    const auto key = std::make_tuple(std::array<int, 5>{d.tp, d.cp, d.ep, d.dp, d.pp},
-                                     placement.order(), from, to);
+    const auto key = std::make_tuple(layout_of(placement), from, to);
     if (auto it = crossings_.find(key); it != crossings_.end()) return it->second;
     std::map<std::int64_t, std::int64_t> out, in;  // by leaf
     std::set<std::pair<std::int64_t, std::int64_t>> crossed;
-    for_each_in_stage(placement, from, [&](std::int64_t r, cluster::RankCoords c) {
+    for (const std::int64_t r : placement.stage_ranks(from)) {
+      cluster::RankCoords c = placement.coords(r);
       c.pp = to;
       const std::int64_t a = leaf_of(r), b = leaf_of(placement.rank(c));
-      if (a == b) return;
+      if (a == b) continue;
       ++out[a];
       ++in[b];
       crossed.emplace(a, b);
-    });
+    }
     std::int64_t worst = 0;
     for (const auto& [a, b] : crossed) worst = std::max({worst, out[a], in[b]});
     crossings_.emplace(key, worst);
@@ -283,16 +268,10 @@ class Analytical final : public NetworkModel {
   const cluster::Cluster& c_;
   std::map<std::tuple<std::vector<std::int64_t>, CollectiveKind, std::uint64_t, double>, double>
       memo_;
-  std::map<std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>, std::vector<int>>,
-           std::map<std::int64_t, std::int64_t>>
+  std::map<std::tuple<Layout, std::vector<int>>, std::map<std::int64_t, std::int64_t>>
       stage_devices_;
-  std::map<
-      std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>, std::vector<std::int64_t>>,
-      double>
-      concurrent_;
-  std::map<std::tuple<std::array<int, 5>, std::vector<cluster::ParallelDim>, int, int>,
-           std::int64_t>
-      crossings_;
+  std::map<std::tuple<Layout, std::vector<std::int64_t>>, double> concurrent_;
+  std::map<std::tuple<Layout, int, int>, std::int64_t> crossings_;
 };
 
 }  // namespace

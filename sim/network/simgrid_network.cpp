@@ -261,9 +261,8 @@ class SimGridNetwork final : public NetworkModel {
     if (from == to) {
       flows.push_back({src, dst, static_cast<double>(bytes)});
     } else {
-      for (std::int64_t r = 0; r < plan_.devices(); ++r) {
+      for (const std::int64_t r : placement_.stage_ranks(from)) {
         auto c = placement_.coords(r);
-        if (c.pp != from) continue;
         c.pp = to;
         flows.push_back({r, placement_.rank(c), static_cast<double>(bytes)});
       }
@@ -286,9 +285,7 @@ class SimGridNetwork final : public NetworkModel {
   std::vector<std::vector<std::int64_t>> concurrent_groups(const lower::Group& group) const {
     const int stage = placement_.coords(group.ranks.front()).pp;
     std::set<std::vector<std::int64_t>> groups;
-    for (std::int64_t r = 0; r < plan_.devices(); ++r) {
-      const auto c = placement_.coords(r);
-      if (c.pp != stage) continue;
+    for (const std::int64_t r : placement_.stage_ranks(stage)) {
       // Each group from its first rank (Placement::first_of_group).
       switch (group.kind) {
         case lower::GroupKind::Tp:

@@ -65,6 +65,23 @@ TEST_CASE("a custom order and its parsing", "[cluster][placement]") {
                       Catch::Matchers::Contains("unknown dimension \"xp\""));
 }
 
+TEST_CASE("a stage's ranks are those whose pp coordinate is the stage's", "[cluster][placement]") {
+  // Each layout: tp, cp, ep, dp, pp, in Megatron's order and with pp fastest.
+  for (const auto& order : {Placement::default_order(), Placement::parse_order("pp-tp-cp-ep-dp")}) {
+    const Placement p({2, 2, 2, 4, 3}, order);
+    std::int64_t seen = 0;
+    for (int stage = 0; stage < 3; ++stage) {
+      std::vector<std::int64_t> expected;
+      for (std::int64_t r = 0; r < p.degrees().ranks(); ++r) {
+        if (p.coords(r).pp == stage) expected.push_back(r);
+      }
+      CHECK(p.stage_ranks(stage) == expected);
+      seen += static_cast<std::int64_t>(expected.size());
+    }
+    CHECK(seen == 48);
+  }
+}
+
 TEST_CASE("which links and switches a group crosses", "[cluster][placement]") {
   const auto selene = dtsim::cluster::load_cluster("selene");  // 8 GPUs/node, 20 nodes/rail group
   const Placement p({8, 1, 1, 64, 1});                         // 512 GPUs
