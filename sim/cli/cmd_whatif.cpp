@@ -31,9 +31,11 @@ namespace dtsim::cli {
 namespace {
 
 const std::vector<std::string> kKeys = {
-    "gpus",         "device",  "cluster", "nic_gbps",  "latency_us",     "oversubscription",
-    "global_batch", "seq_len", "model",   "jitter_cv", "rank_spread_cv", "expert_load",
-    "attention"};
+    "gpus", "device", "cluster", "nic_gbps", "latency_us", "oversubscription", "global_batch",
+    "seq_len", "model", "jitter_cv", "rank_spread_cv", "expert_load", "attention",
+    // (kReliabilityKeys, options.hpp: time to train with interruptions alone reads them.)
+    "interruptions_per_gpu_hour", "restart_minutes", "checkpoint_write_gbs_per_gpu",
+    "checkpoint_write_gbs_total", "checkpoint_async_gbs_per_gpu"};
 
 // A value of --vary attention.
 model::AttentionKernel attention_value(const std::string& v) {
@@ -64,29 +66,69 @@ double spread_value(const std::string& key, const std::string& v) {
   return checked_jitter(cv, fmt::format("--vary {}={}", key, v));
 }
 
-double number(const std::string& key, const std::string& v, bool integer) {
+// A value's text as a finite decimal number, all of it; nullopt where it is not one (std::stod
+// also reads hexadecimal, which the plan flags do not take).
+std::optional<double> decimal(const std::string& v) {
+  if (v.empty() || v.find_first_not_of("0123456789.eE+-") != std::string::npos) {
+    return std::nullopt;
+  }
   try {
     std::size_t used = 0;
-    // Decimal only (std::stod also reads hexadecimal, which the plan flags do not take).
-    if (v.find_first_not_of("0123456789.eE+-") != std::string::npos) {
-      throw std::invalid_argument(v);
-    }
     const double d = std::stod(v, &used);
-    // Integers stay below 2^53, where doubles are exact and the cast to int64 is defined.
-    // Other figures keep to the bounds a cluster file's do (in the axis's own unit).
-    if (used != v.size() || !std::isfinite(d) || !(d > 0) ||
-        (!integer && !(d >= kSmallestFigure && d <= kLargestFigure)) ||
-        (integer &&
-         (d >= 9007199254740992.0 || d != static_cast<double>(static_cast<std::int64_t>(d))))) {
-      throw std::invalid_argument(v);
-    }
-    return d;
+    if (used == v.size() && std::isfinite(d)) return d;
   } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+double number(const std::string& key, const std::string& v, bool integer) {
+  const std::optional<double> d = decimal(v);
+  // Integers stay below 2^53, where doubles are exact and the cast to int64 is defined.
+  // Other figures keep to the bounds a cluster file's do (in the axis's own unit).
+  if (!d || !(*d > 0) || (!integer && !(*d >= kSmallestFigure && *d <= kLargestFigure)) ||
+      (integer &&
+       (*d >= 9007199254740992.0 || *d != static_cast<double>(static_cast<std::int64_t>(*d))))) {
     throw InputError(fmt::format(
         "--vary {}={}: expected a positive {}", key, v,
         integer ? "integer"
                 : fmt::format("number (from {:g} to {:g})", kSmallestFigure, kLargestFigure)));
   }
+  return *d;
+}
+
+bool is_reliability_key(const std::string& key) {
+  return std::find(kReliabilityKeys.begin(), kReliabilityKeys.end(), key) != kReliabilityKeys.end();
+}
+
+// A value of a reliability axis, in its flag's unit and checked as the flag's value is;
+// checkpoint_async_gbs_per_gpu also takes "sync" (synchronous checkpoints, as without the
+// flag): nullopt.
+std::optional<double> reliability_value(const std::string& key, const std::string& v) {
+  const bool asynchronous = key == "checkpoint_async_gbs_per_gpu";
+  if (asynchronous && v == "sync") return std::nullopt;
+  const std::string what = fmt::format("--vary {}={}", key, v);
+  const std::optional<double> d = decimal(v);
+  if (!d) {
+    throw InputError(fmt::format("{}: expected a number{}", what,
+                                 asynchronous ? " (GB/s) or sync (synchronous checkpoints)" : ""));
+  }
+  plan::Reliability checked;
+  set_reliability(checked, key, *d, what);
+  return d;
+}
+
+// The flags' reliability figures with a point's own where it varies them.
+plan::Reliability reliability_at(plan::Reliability r,
+                                 const std::map<std::string, std::string>& point) {
+  for (const auto& [key, v] : point) {
+    if (!is_reliability_key(key)) continue;
+    if (const auto d = reliability_value(key, v)) {
+      set_reliability(r, key, *d, fmt::format("--vary {}={}", key, v));
+    } else {
+      r.checkpoint_snapshot_bytes_per_s_per_device.reset();
+    }
+  }
+  return r;
 }
 
 // A value of --vary nic_gbps or latency_us, within a cluster file's bounds on the figure it
@@ -133,6 +175,10 @@ struct Identity {
 // name or alias (h100-sxm and H100 are one; a file is its path), an attention kernel's name;
 // else the text.
 Identity axis_identity(const std::string& key, const std::string& v) {
+  if (is_reliability_key(key)) {
+    const auto x = reliability_value(key, v);
+    return x ? Identity{fmt::format("{}", *x == 0 ? 0.0 : *x), true} : Identity{"sync"};
+  }
   if (const auto x = axis_number(key, v)) {
     return {fmt::format("{}", *x == 0 ? 0.0 : *x), true};  // (-0 is 0)
   }
@@ -212,7 +258,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "slow rank: spread of the ranks' lasting speeds, in [0, 1)), expert_load (expert "
       "parallelism's routing: the busiest ep rank's token copies over the even share, >= 1; "
       "capped at what routing can make at the plan's ep), attention (unfused, flash: the attention "
-      "core's kernels)");
+      "core's kernels); with --tokens, the figures of the time to train with interruptions in "
+      "their flags' units: interruptions_per_gpu_hour, restart_minutes, "
+      "checkpoint_write_gbs_per_gpu, checkpoint_write_gbs_total, checkpoint_async_gbs_per_gpu "
+      "(or sync); points that differ only in these share one search");
   add_global_batch_options(desc, "sequences per step (required unless global_batch is varied)");
   desc.add_options()("seq-len", po::value<std::int64_t>(),
                      "sequence length (default: the model's)")(
@@ -322,6 +371,20 @@ int cmd_whatif(const std::vector<std::string>& args) {
   }
   const double tokens = training_tokens(vm);
   const plan::Reliability reliability = reliability_from_options(vm);
+  std::vector<std::string> reliability_axes;
+  for (const Axis& a : axes) {
+    if (!is_reliability_key(a.key)) continue;
+    if (tokens <= 0) {
+      throw InputError(fmt::format("--vary {}: only with --tokens (the time to train)", a.key));
+    }
+    std::string flag = a.key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (vm.count(flag) && !vm[flag].defaulted()) {
+      throw InputError(fmt::format("--{}: {} is varied (--vary {}=...); give one or the other",
+                                   flag, a.key, a.key));
+    }
+    reliability_axes.push_back(a.key);
+  }
 
   // A profile times one device: it prices every point, so no other device may come in.
   std::optional<cost::Profile> profile;
@@ -416,6 +479,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     // With --tokens: interruptions, checkpoints and restarts (plan/goodput.hpp).
     double goodput = 0, job_mtbf_s = 0, checkpoint_write_s = 0, checkpoint_blocking_s = 0;
     std::int64_t checkpoint_every_steps = 0;
+    bool checkpoint_async = false;
     double wall_s() const {
       return goodput > 0 ? train_s / goodput : std::numeric_limits<double>::infinity();
     }
@@ -436,8 +500,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
     bool network_unused = false;
     double memory_bytes = 0, capacity_bytes = 0;  // worst rank, device
   };
-  auto evaluate = [&](const std::map<std::string, std::string>& point) {
+  // What a point's search (or fixed plan) gives, which the points that differ only in reliability
+  // figures share: the time to train with interruptions alone reads those.
+  struct Core {
     Row row;
+    std::optional<model::ModelSpec> spec;
+    plan::Plan chosen;
+  };
+  auto evaluate_core = [&](const std::map<std::string, std::string>& point) {
+    Core core;
+    Row& row = core.row;
     row.point = point;
     const std::string model_name =
         point.count("model") ? point.at("model") : vm["model"].as<std::string>();
@@ -557,7 +629,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         row.valid_candidates = false;
         row.invalid = fmt::format("--fixed-plan {} at {}: {}", vm["fixed-plan"].as<std::string>(),
                                   fmt::join(at, " "), e.what());
-        return row;
+        return core;
       }
       const model::ModelGraph g = plan::graph_of(spec, p);
       auto net = network::make_analytical(c);
@@ -633,13 +705,6 @@ int cmd_whatif(const std::vector<std::string>& args) {
       row.max_speedup = pred.max_speedup;
       if (tokens > 0) {
         row.train_s = tokens / row.tokens_per_s;
-        const auto tt =
-            plan::training_time(spec, chosen, row.gpus, row.step_s, tokens, reliability);
-        row.goodput = tt.goodput;
-        row.job_mtbf_s = tt.job_mtbf_s;
-        row.checkpoint_write_s = tt.checkpoint_write_s;
-        row.checkpoint_blocking_s = tt.checkpoint_blocking_s;
-        row.checkpoint_every_steps = tt.checkpoint_every_steps;
         const double device_hours = row.train_s / 3600 * static_cast<double>(row.gpus);
         if (c.price_per_device_hour_usd)
           row.cost_usd = device_hours * c.price_per_device_hour_usd->value;
@@ -647,14 +712,51 @@ int cmd_whatif(const std::vector<std::string>& args) {
           row.energy_kwh = device_hours * c.power_per_device_w->value / 1000;
       }
     }
+    core.spec = spec;
+    core.chosen = chosen;
+    return core;
+  };
+  // A point without its reliability figures: the points of one core share its search.
+  auto core_of = [](std::map<std::string, std::string> point) {
+    std::erase_if(point, [](const auto& kv) { return is_reliability_key(kv.first); });
+    return point;
+  };
+  std::map<std::map<std::string, std::string>, Core> cores;
+  auto evaluate = [&](const std::map<std::string, std::string>& point) {
+    const auto key = core_of(point);
+    auto it = cores.find(key);
+    if (it == cores.end()) it = cores.emplace(key, evaluate_core(key)).first;
+    const Core& core = it->second;
+    Row row = core.row;
+    row.point = point;
+    if (row.found && tokens > 0) {
+      const auto tt = plan::training_time(*core.spec, core.chosen, row.gpus, row.step_s, tokens,
+                                          reliability_at(reliability, point));
+      row.goodput = tt.goodput;
+      row.job_mtbf_s = tt.job_mtbf_s;
+      row.checkpoint_write_s = tt.checkpoint_write_s;
+      row.checkpoint_blocking_s = tt.checkpoint_blocking_s;
+      row.checkpoint_every_steps = tt.checkpoint_every_steps;
+      row.checkpoint_async = tt.asynchronous;
+    }
     return row;
   };
 
-  // Under mpirun every rank takes every size-th point; rank 0 gathers and prints.
+  // Under mpirun every rank takes every size-th core (with its points, which share its
+  // search); rank 0 gathers and prints.
+  std::vector<std::size_t> core_index(points.size());
+  {
+    std::map<std::map<std::string, std::string>, std::size_t> seen;
+    for (std::size_t i = 0; i < points.size(); ++i) {
+      core_index[i] = seen.try_emplace(core_of(points[i]), seen.size()).first->second;
+    }
+  }
   std::vector<Row> rows(points.size());
   std::vector<std::string> mine;
   for (std::size_t i = 0; i < points.size(); ++i) {
-    if (static_cast<int>(i % static_cast<std::size_t>(split.size())) != split.rank()) continue;
+    if (static_cast<int>(core_index[i] % static_cast<std::size_t>(split.size())) != split.rank()) {
+      continue;
+    }
     try {
       rows[i] = evaluate(points[i]);
     } catch (const std::exception& e) {
@@ -681,6 +783,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"ckpt_write", r.checkpoint_write_s},
                                   {"ckpt_block", r.checkpoint_blocking_s},
                                   {"ckpt_every", r.checkpoint_every_steps},
+                                  {"ckpt_async", r.checkpoint_async},
                                   {"cost", r.cost_usd},
                                   {"energy", r.energy_kwh},
                                   {"stragglers", report::value_or_null(r.straggler_cost_s)},
@@ -724,6 +827,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.checkpoint_write_s = j.at("ckpt_write").get<double>();
       r.checkpoint_blocking_s = j.at("ckpt_block").get<double>();
       r.checkpoint_every_steps = j.at("ckpt_every").get<std::int64_t>();
+      r.checkpoint_async = j.at("ckpt_async").get<bool>();
       r.cost_usd = j.at("cost").get<double>();
       r.energy_kwh = j.at("energy").get<double>();
       if (!j.at("stragglers").is_null()) r.straggler_cost_s = j.at("stragglers").get<double>();
@@ -785,7 +889,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       // for the others (checked as numbers when the point was run).
       nlohmann::json point = nlohmann::json::object();
       for (const auto& [key, value] : r.point) {
-        if (key == "device" || key == "cluster" || key == "model" || key == "attention") {
+        if (key == "device" || key == "cluster" || key == "model" || key == "attention" ||
+            value == "sync") {
           point[key] = value;
           continue;
         }
@@ -821,8 +926,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
           j["job_mtbf_s"] = r.job_mtbf_s;
           j["checkpoint_write_s"] = r.checkpoint_write_s;
           j["checkpoint_blocking_s"] = r.checkpoint_blocking_s;
-          j["checkpoint_asynchronous"] =
-              reliability.checkpoint_snapshot_bytes_per_s_per_device.has_value();
+          j["checkpoint_asynchronous"] = r.checkpoint_async;
           j["checkpoint_every_steps"] = r.checkpoint_every_steps;
           // The devices are paid for the wall time. Under plan's and simulate's names, and
           // the names whatif gave them first.
@@ -1005,7 +1109,13 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::cout << "(device: the cluster's device_efficiency is its own device's; points with "
                  "another device take that device's catalog efficiencies)\n";
   }
-  if (tokens > 0) std::cout << interruptions_note(reliability) << "\n";
+  if (tokens > 0) {
+    std::cout << interruptions_note(reliability) << "\n";
+    if (!reliability_axes.empty()) {
+      std::cout << fmt::format("({} varied: each row at its own; the note above has the rest)\n",
+                               fmt::join(reliability_axes, ", "));
+    }
+  }
   return 0;
 }
 

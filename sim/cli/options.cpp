@@ -444,43 +444,48 @@ double training_tokens(const po::variables_map& vm) {
   return tokens;
 }
 
+void set_reliability(plan::Reliability& r, const std::string& key, double value,
+                     const std::string& what) {
+  // A bandwidth in GB/s as bytes/s: finite and positive in either unit (1e300 GB/s overflows
+  // bytes/s to infinity, which printed as "inf GB/s" and priced checkpoints at 0 s).
+  auto bandwidth = [&] {
+    if (!(std::isfinite(value) && value > 0 && std::isfinite(value * 1e9))) {
+      throw InputError(
+          fmt::format("{}: expected a finite positive bandwidth, got {} (GB/s)", what, value));
+    }
+    return value * 1e9;
+  };
+  if (key == "interruptions_per_gpu_hour") {
+    if (!(std::isfinite(value) && value > 0)) {
+      throw InputError(fmt::format("{}: expected a finite positive rate, got {}", what, value));
+    }
+    r.interruptions_per_device_hour = value;
+  } else if (key == "restart_minutes") {
+    if (!(std::isfinite(value) && value >= 0)) {
+      throw InputError(fmt::format("{}: expected a finite number >= 0, got {}", what, value));
+    }
+    r.restart_s = value * 60;
+  } else if (key == "checkpoint_write_gbs_per_gpu") {
+    r.checkpoint_write_bytes_per_s_per_device = bandwidth();
+  } else if (key == "checkpoint_write_gbs_total") {
+    r.checkpoint_write_bytes_per_s_total = bandwidth();
+  } else if (key == "checkpoint_async_gbs_per_gpu") {
+    r.checkpoint_snapshot_bytes_per_s_per_device = bandwidth();
+  } else {
+    throw InternalError(fmt::format("set_reliability: no reliability figure \"{}\"", key));
+  }
+}
+
 plan::Reliability reliability_from_options(const po::variables_map& vm) {
-  for (const char* flag :
-       {"interruptions-per-gpu-hour", "restart-minutes", "checkpoint-write-gbs-per-gpu",
-        "checkpoint-write-gbs-total", "checkpoint-async-gbs-per-gpu"}) {
-    if (vm.count(flag) && !vm[flag].defaulted() && !vm.count("tokens")) {
+  plan::Reliability r;
+  for (const char* key : kReliabilityKeys) {
+    std::string flag = key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (!vm.count(flag)) continue;
+    if (!vm[flag].defaulted() && !vm.count("tokens")) {
       throw InputError(fmt::format("--{}: only with --tokens (the time to train)", flag));
     }
-  }
-  // A bandwidth flag in GB/s as bytes/s: finite and positive in either unit (1e300 GB/s
-  // overflows bytes/s to infinity, which printed as "inf GB/s" and priced checkpoints at 0 s).
-  auto bandwidth = [&vm](const char* flag) {
-    const double gbs = vm[flag].as<double>();
-    if (!(std::isfinite(gbs) && gbs > 0 && std::isfinite(gbs * 1e9))) {
-      throw InputError(
-          fmt::format("--{}: expected a finite positive bandwidth, got {} (GB/s)", flag, gbs));
-    }
-    return gbs * 1e9;
-  };
-  plan::Reliability r;
-  const double rate = vm["interruptions-per-gpu-hour"].as<double>();
-  const double restart_min = vm["restart-minutes"].as<double>();
-  if (!(std::isfinite(rate) && rate > 0)) {
-    throw InputError(
-        fmt::format("--interruptions-per-gpu-hour: expected a finite positive rate, got {}", rate));
-  }
-  if (!(std::isfinite(restart_min) && restart_min >= 0)) {
-    throw InputError(
-        fmt::format("--restart-minutes: expected a finite number >= 0, got {}", restart_min));
-  }
-  r.interruptions_per_device_hour = rate;
-  r.restart_s = restart_min * 60;
-  r.checkpoint_write_bytes_per_s_per_device = bandwidth("checkpoint-write-gbs-per-gpu");
-  if (vm.count("checkpoint-write-gbs-total")) {
-    r.checkpoint_write_bytes_per_s_total = bandwidth("checkpoint-write-gbs-total");
-  }
-  if (vm.count("checkpoint-async-gbs-per-gpu")) {
-    r.checkpoint_snapshot_bytes_per_s_per_device = bandwidth("checkpoint-async-gbs-per-gpu");
+    set_reliability(r, key, vm[flag].as<double>(), "--" + flag);
   }
   return r;
 }

@@ -2,6 +2,7 @@
 // option parsing with dtsim's error conventions, and loading model/cluster from options.
 #pragma once
 
+#include <array>
 #include <boost/program_options.hpp>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -56,6 +57,15 @@ void add_reliability_options(po::options_description& desc);
 // Their values over plan::Reliability's defaults (InputError naming the flag for a bad value,
 // or one given without --tokens, which nothing would read).
 plan::Reliability reliability_from_options(const po::variables_map& vm);
+// The reliability figures by their flags' names with underscores (restart_minutes for
+// --restart-minutes): dtsim whatif's --vary keys for them.
+inline constexpr std::array<const char*, 5> kReliabilityKeys = {
+    "interruptions_per_gpu_hour", "restart_minutes", "checkpoint_write_gbs_per_gpu",
+    "checkpoint_write_gbs_total", "checkpoint_async_gbs_per_gpu"};
+// Sets the figure of one of those keys to a flag's value (rate per device-hour, minutes, GB/s),
+// checked: InputError naming it as `what` says ("--restart-minutes", "--vary ...").
+void set_reliability(plan::Reliability& r, const std::string& key, double value,
+                     const std::string& what);
 // --tokens, the training tokens for the time to train: 0 without it (InputError unless a
 // finite positive number).
 double training_tokens(const po::variables_map& vm);
