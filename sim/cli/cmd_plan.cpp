@@ -413,7 +413,12 @@ int cmd_plan(const std::vector<std::string>& args) {
   if (vm.count("out") && !result.ranked.empty()) {
     const std::string path = vm["out"].as<std::string>();
     std::ofstream out(path);
-    if (!out || !(out << plan::to_json(result.ranked.front().plan).dump(2) << "\n" << std::flush)) {
+    // With the model and cluster it was made for, which dtsim simulate --plan (and the other
+    // commands) take where --model and --cluster are not given.
+    json file = plan::to_json(result.ranked.front().plan);
+    file["model"] = data_reference("model", vm["model"].as<std::string>());
+    file["cluster"] = data_reference("cluster", vm["cluster"].as<std::string>());
+    if (!out || !(out << file.dump(2) << "\n" << std::flush)) {
       throw InputError(fmt::format("--out {}: cannot write", path));
     }
   }

@@ -353,6 +353,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
   const std::optional<plan::Plan> fixed_plan =
       vm.count("fixed-plan") ? std::optional(plan::load_plan(vm["fixed-plan"].as<std::string>()))
                              : std::nullopt;
+  // The model and cluster of the points that do not vary them: a --fixed-plan file's (dtsim plan
+  // --out) where --model and --cluster are not given.
+  const std::string default_model = data_argument(vm, "model");
+  const std::string default_cluster = data_argument(vm, "cluster");
   auto global_batch = global_batch_from_options(vm);
   const bool batch_varied = varied("global_batch");
   // A fixed plan's own global batch, unless given or varied.
@@ -403,7 +407,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (profile) {
     // Each device of the points' clusters that is not the profile's, said once. Every rank
     // loads the clusters, so that a bad name ends them all alike.
-    std::vector<std::string> clusters = {vm["cluster"].as<std::string>()};
+    std::vector<std::string> clusters = {default_cluster};
     for (const Axis& a : axes) {
       if (a.key == "cluster") clusters = a.values;
     }
@@ -427,7 +431,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                     [](const std::string& v) { return load_value(v) == 1; })) {
       continue;
     }
-    std::vector<std::string> models = {vm["model"].as<std::string>()};
+    std::vector<std::string> models = {default_model};
     for (const Axis& b : axes) {
       if (b.key == "model") models = b.values;
     }
@@ -511,11 +515,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
     Core core;
     Row& row = core.row;
     row.point = point;
-    const std::string model_name =
-        point.count("model") ? point.at("model") : vm["model"].as<std::string>();
+    const std::string model_name = point.count("model") ? point.at("model") : default_model;
     const model::ModelSpec spec = model_with_options(model::load_model(model_name), vm);
-    cluster::Cluster c = cluster::load_cluster(
-        point.count("cluster") ? point.at("cluster") : vm["cluster"].as<std::string>());
+    cluster::Cluster c =
+        cluster::load_cluster(point.count("cluster") ? point.at("cluster") : default_cluster);
     if (point.count("device")) {
       // Another device leaves the cluster's price (its own device's rate) out.
       const bool priced = c.price_per_device_hour_usd.has_value();
@@ -855,7 +858,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
   // Scaling efficiency: tokens/s per GPU against the first point of the same model that has a
   // plan that fits (another model's tokens are other work: GPT-2's against Mixtral's read 39x).
   auto model_of = [&](const Row& r) {
-    return r.point.count("model") ? r.point.at("model") : vm["model"].as<std::string>();
+    return r.point.count("model") ? r.point.at("model") : default_model;
   };
   std::map<std::string, double> base;
   for (const Row& r : rows) {

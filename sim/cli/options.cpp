@@ -17,8 +17,10 @@
 #include <system_error>
 
 #include "sim/cluster/device_catalog.hpp"
+#include "sim/common/data_files.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/json_reader.hpp"
+#include "sim/common/launcher.hpp"
 #include "sim/common/units.hpp"
 #include "sim/plan/memory_model.hpp"
 #include "sim/report/json_values.hpp"
@@ -298,8 +300,64 @@ void check_writable(const std::string& path, const std::string& flag) {
   }
 }
 
+namespace {
+
+// --model's and --cluster's data folders.
+std::string_view data_dir_of(std::string_view key) {
+  return key == "model" ? "models" : "topologies";
+}
+
+// Whether two --model (or --cluster) values name one file; false where either names none.
+bool same_data_file(std::string_view key, const std::string& a, const std::string& b) {
+  if (a == b) return true;
+  try {
+    const auto fa = resolve_data_file(key, data_dir_of(key), a);
+    const auto fb = resolve_data_file(key, data_dir_of(key), b);
+    std::error_code ea, eb;
+    return std::filesystem::weakly_canonical(fa, ea) == std::filesystem::weakly_canonical(fb, eb) &&
+           !ea && !eb;
+  } catch (const InputError&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+std::string data_argument(const po::variables_map& vm, const char* key) {
+  const std::string given = vm[key].as<std::string>();
+  const char* flag = vm.count("plan") ? "plan" : vm.count("fixed-plan") ? "fixed-plan" : nullptr;
+  if (!flag) return given;
+  const std::string file = vm[flag].as<std::string>();
+  const nlohmann::json j = JsonReader::parse_file(file);
+  if (!j.is_object() || !j.contains(key)) return given;
+  const std::string named = JsonReader(j, file).string(key);
+  if (vm[key].defaulted()) {
+    try {
+      resolve_data_file(key, data_dir_of(key), named);
+    } catch (const InputError& e) {
+      throw InputError(fmt::format("{}: {}: {} (or give --{})", file, key, e.what(), key));
+    }
+    return named;
+  }
+  if (!same_data_file(key, given, named) && launcher_rank() == 0) {
+    std::cerr << fmt::format("note: {} was made for {} {}; --{} {} as given\n", file, key, named,
+                             key, given);
+  }
+  return given;
+}
+
+std::string data_reference(std::string_view key, const std::string& given) {
+  const auto file = resolve_data_file(key, data_dir_of(key), given);
+  // A name stays a name; a file is named by its absolute path, which reads the same from any
+  // folder.
+  if (file.parent_path().filename() == data_dir_of(key) && file.stem() == given) return given;
+  std::error_code ec;
+  const auto absolute = std::filesystem::weakly_canonical(file, ec);
+  return (ec ? std::filesystem::absolute(file) : absolute).string();
+}
+
 model::ModelSpec model_from_options(const po::variables_map& vm) {
-  return model_with_options(model::load_model(vm["model"].as<std::string>()), vm);
+  return model_with_options(model::load_model(data_argument(vm, "model")), vm);
 }
 
 model::ModelSpec model_with_options(model::ModelSpec spec, const po::variables_map& vm) {
@@ -571,7 +629,7 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
 }
 
 cluster::Cluster cluster_from_options(const po::variables_map& vm) {
-  cluster::Cluster c = cluster::load_cluster(vm["cluster"].as<std::string>());
+  cluster::Cluster c = cluster::load_cluster(data_argument(vm, "cluster"));
   if (vm.count("gpus")) return cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
   // A plan file (dtsim plan --out) that uses fewer devices than the cluster has runs on as many
   // as it uses, its flags' overrides included, as if --gpus said so.

@@ -116,6 +116,13 @@ void check_one_format(const po::variables_map& vm);
 // otherwise. Creates nothing.
 void check_writable(const std::string& path, const std::string& flag);
 
+// --model's or --cluster's value (`key`): as given, or where the flag is left at its default,
+// what the --plan (or --fixed-plan) file names, which dtsim plan --out writes; a note on stderr
+// where both are given and name other files.
+std::string data_argument(const po::variables_map& vm, const char* key);
+// How a plan file names the model or cluster (`key`) that `given` names: a shipped one by its
+// name, a file by its absolute path (InputError where it names none).
+std::string data_reference(std::string_view key, const std::string& given);
 model::ModelSpec model_from_options(const po::variables_map& vm);
 // `spec` with the model flags applied (--no-dropout).
 model::ModelSpec model_with_options(model::ModelSpec spec, const po::variables_map& vm);

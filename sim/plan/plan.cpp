@@ -118,10 +118,10 @@ std::string summary(const Plan& p) {
   if (p.cp > 1) s += fmt::format(" cp={}", p.cp);
   if (p.ep > 1) s += fmt::format(" ep={}", p.ep);
   // (A global batch of 0: not derived, its product too large; the plan's errors say why.)
-  s += fmt::format(" mbs={} gbs={} {}", p.micro_batch_size,
-                   p.global_batch_size == 0 ? std::string("?")
-                                            : fmt::format("{}", p.global_batch_size),
-                   to_string(p.schedule));
+  s += fmt::format(
+      " mbs={} gbs={} {}", p.micro_batch_size,
+      p.global_batch_size == 0 ? std::string("?") : fmt::format("{}", p.global_batch_size),
+      to_string(p.schedule));
   if (p.virtual_stages > 1) s += fmt::format(" v={}", p.virtual_stages);
   if (p.zero_stage > 0) s += fmt::format(" zero={}", p.zero_stage);
   if (p.recompute != Recompute::None) s += fmt::format(" recompute={}", to_string(p.recompute));
@@ -496,37 +496,19 @@ json to_json(const Plan& p) {
 
 Plan plan_from_json(const json& j, const std::string& file) {
   const JsonReader r(j, file);
-  r.expect_only({"dp",
-                 "tp",
-                 "pp",
-                 "cp",
-                 "ep",
-                 "micro_batch_size",
-                 "global_batch_size",
-                 "seq_len",
-                 "schedule",
-                 "virtual_stages",
-                 "zero_stage",
-                 "recompute",
-                 "attention",
-                 "sequence_parallel",
-                 "overlap_grad_reduce",
-                 "overlap_param_gather",
-                 "zero_in_place",
-                 "overlap_tp_backward",
-                 "grad_accumulation_fusion",
-                 "overlap_p2p_comm",
-                 "scatter_gather_p2p",
-                 "make_vocab_size_divisible_by",
-                 "precision",
-                 "grad_precision",
-                 "comm_precision",
-                 "grad_compression",
-                 "expert_load",
-                 "clip_grad",
-                 "optimizer",
-                 "layers_per_stage",
-                 "order"});
+  r.expect_only({"dp", "tp", "pp", "cp", "ep", "micro_batch_size", "global_batch_size", "seq_len",
+                 "schedule", "virtual_stages", "zero_stage", "recompute", "attention",
+                 "sequence_parallel", "overlap_grad_reduce", "overlap_param_gather",
+                 "zero_in_place", "overlap_tp_backward", "grad_accumulation_fusion",
+                 "overlap_p2p_comm", "scatter_gather_p2p", "make_vocab_size_divisible_by",
+                 "precision", "grad_precision", "comm_precision", "grad_compression", "expert_load",
+                 "clip_grad", "optimizer", "layers_per_stage", "order",
+                 // What dtsim plan --out made it for, which the tools take where --model and
+                 // --cluster are not given (not the plan's: read by the CLI).
+                 "model", "cluster"});
+  for (const char* made_for : {"model", "cluster"}) {
+    if (r.has(made_for)) r.string(made_for);  // a string, or an error naming the field
+  }
   Plan p;
   auto degree = [&](std::string_view key, int fallback) {
     return static_cast<int>(r.positive_int_up_to_or(key, kMaxDegree, fallback));
