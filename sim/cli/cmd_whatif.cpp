@@ -855,19 +855,33 @@ int cmd_whatif(const std::vector<std::string>& args) {
       std::all_of(rows.begin(), rows.end(), [](const Row& r) { return !r.invalid.empty(); })) {
     throw InputError(rows.front().invalid);
   }
-  // Scaling efficiency: tokens/s per GPU against the first point of the same model that has a
-  // plan that fits (another model's tokens are other work: GPT-2's against Mixtral's read 39x).
+  // Scaling efficiency: tokens/s per GPU against the first point that has a plan that fits of the
+  // same model (another model's tokens are other work: GPT-2's against Mixtral's read 39x), and
+  // where gpus is an axis, of the same values on the other axes that move the step (a faster
+  // network's gain is not the scaling's: 256 GPUs at 800 Gb/s against 256 at 400 read 100.5%).
   auto model_of = [&](const Row& r) {
     return r.point.count("model") ? r.point.at("model") : default_model;
+  };
+  const bool gpus_axis = varied("gpus");
+  std::vector<std::string> baseline_keys;  // the axes a baseline keeps besides the model
+  for (const Axis& a : axes) {
+    if (gpus_axis && a.key != "gpus" && a.key != "model" && !is_reliability_key(a.key)) {
+      baseline_keys.push_back(a.key);
+    }
+  }
+  auto group_of = [&](const Row& r) {
+    std::string group = model_of(r);
+    for (const auto& key : baseline_keys) group += fmt::format(" {}={}", key, r.point.at(key));
+    return group;
   };
   std::map<std::string, double> base;
   for (const Row& r : rows) {
     if (r.found && r.fits)
-      base.try_emplace(model_of(r), r.tokens_per_s / static_cast<double>(r.gpus));
+      base.try_emplace(group_of(r), r.tokens_per_s / static_cast<double>(r.gpus));
   }
-  // None where no point of the model has a plan that fits.
+  // None where no point of the group has a plan that fits.
   auto efficiency = [&](const Row& r) -> std::optional<double> {
-    const auto it = base.find(model_of(r));
+    const auto it = base.find(group_of(r));
     if (it == base.end() || !r.found) return std::nullopt;
     return r.tokens_per_s / static_cast<double>(r.gpus) / it->second;
   };
@@ -1056,20 +1070,27 @@ int cmd_whatif(const std::vector<std::string>& args) {
     table.add_row(cells);
   }
   std::cout << table.render();
-  // Where "vs first" is not simply the first row: a model whose first point has no plan that
-  // fits, or several models.
+  // Where "vs first" is not simply the first row: a group whose first point has no plan that
+  // fits, or several groups.
   std::map<std::string, bool> first_fits;
-  for (const Row& r : rows) first_fits.try_emplace(model_of(r), r.found && r.fits);
+  for (const Row& r : rows) first_fits.try_emplace(group_of(r), r.found && r.fits);
   std::vector<std::string> none_fit;
-  for (const auto& [model, fits] : first_fits) {
-    if (!base.count(model)) none_fit.push_back(model);
+  for (const auto& [group, fits] : first_fits) {
+    if (!base.count(group)) none_fit.push_back(group);
   }
   if (none_fit.size() < first_fits.size() &&
       (first_fits.size() > 1 || std::any_of(first_fits.begin(), first_fits.end(),
                                             [](const auto& f) { return !f.second; }))) {
+    std::vector<std::string> same = {"model"};
+    same.insert(same.end(), baseline_keys.begin(), baseline_keys.end());
+    std::string same_text = same.back();
+    if (same.size() > 1) {
+      same.pop_back();
+      same_text = fmt::format("{} and {}", fmt::join(same, ", "), same_text);
+    }
     std::cout << fmt::format(
-        "({}: tokens/s per GPU against the first point of the same model whose plan fits)\n",
-        ratio);
+        "({}: tokens/s per GPU against the first point of the same {} whose plan fits)\n", ratio,
+        same_text);
   }
   if (!none_fit.empty()) {
     std::cout << fmt::format("({}: no point of {} has a plan that fits: no figure)\n", ratio,

@@ -452,7 +452,7 @@ void add_reliability_options(po::options_description& desc) {
   const plan::Reliability d;
   desc.add_options()(
       "interruptions-per-gpu-hour",
-      po::value<double>()->default_value(d.interruptions_per_device_hour, "1.97e-5"),
+      po::value<double>()->default_value(d.interruptions_per_device_hour, "1.9733e-5"),
       "with --tokens: job interruptions per device and hour, of any cause (default: Llama 3 "
       "405B's 419 in 54 days on 16,384 H100s, Dubey et al. 2024)")(
       "restart-minutes", po::value<double>()->default_value(0),
