@@ -261,6 +261,7 @@ int cmd_plan(const std::vector<std::string>& args) {
       "out", po::value<std::string>(), "write the best plan to this file (a --plan file)");
   add_search_space_options(desc);
   add_reliability_options(desc);
+  add_price_option(desc);
   add_memory_options(desc);
   desc.add_options()("profile", po::value<std::string>(),
                      "calibration profile (dtexec calibrate) for the compute cost");
@@ -352,7 +353,7 @@ int cmd_plan(const std::vector<std::string>& args) {
     if (!cluster.price_per_device_hour_usd) {
       throw InputError(
           fmt::format("--objective cost: cluster {} has no price_per_device_hour_usd "
-                      "({})",
+                      "({}): give --price-per-gpu-hour",
                       cluster.name, cluster.file));
     }
     options.objective = planner::Objective::Cost;
@@ -634,6 +635,7 @@ int cmd_plan(const std::vector<std::string>& args) {
                                                     ? std::optional(steps * best.cost_per_step_usd)
                                                     : std::nullopt))
               << interruptions_note(goal.reliability) << "\n";
+    if (best.cost_per_step_usd < 0) std::cout << unpriced_note(cluster.name) << "\n";
   }
   if (result.ranked.empty() && result.closest_not_fitting) {
     std::cout << closest_to_fitting(spec, cluster, space.memory, *result.closest_not_fitting)

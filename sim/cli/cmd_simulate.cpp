@@ -53,6 +53,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
   desc.add(sim_opts);
   po::options_description interruptions("Time to train with interruptions (with --tokens)");
   add_reliability_options(interruptions);
+  add_price_option(interruptions);
   desc.add(interruptions);
   po::variables_map vm;
   if (!parse(args, desc,
@@ -251,6 +252,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
     std::cout << fmt::format("time to train on {:.3g} tokens: {}\n", tokens,
                              training_time_text(*train, cost_usd))
               << interruptions_note(reliability) << "\n";
+    if (!cost_usd) std::cout << unpriced_note(cluster.name) << "\n";
   }
   for (const auto& n : notes) std::cout << report::note_line(n) << "\n";
   return 0;

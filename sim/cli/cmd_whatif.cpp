@@ -291,6 +291,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
   desc.add(search);
   po::options_description interruptions("Time to train with interruptions (with --tokens)");
   add_reliability_options(interruptions);
+  add_price_option(interruptions);
   desc.add(interruptions);
   po::variables_map vm;
   if (!parse(
@@ -497,6 +498,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     // With --fixed-plan the plan is simulated whether or not it fits in memory.
     bool fits = true;
     bool priceless = false;  // another device left the cluster's price out
+    std::string unpriced;    // the cluster, where it has no price (and --price-per-gpu-hour none)
     // Another device left the cluster's device_efficiency out (its own device's figures).
     bool catalog_efficiency = false;
     // The point sets the inter-node network (nic_gbps, latency_us, oversubscription) of a
@@ -524,9 +526,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
       const bool priced = c.price_per_device_hour_usd.has_value();
       const bool tuned = !c.device_efficiency_overrides.empty();
       c = cluster::with_device(std::move(c), cluster::load_device(point.at("device")));
-      row.priceless = priced && !c.price_per_device_hour_usd;
+      row.priceless = priced && !c.price_per_device_hour_usd && !vm.count("price-per-gpu-hour");
       row.catalog_efficiency = tuned && c.device_efficiency_overrides.empty();
     }
+    apply_price(vm, c);
     if (point.count("nic_gbps")) {
       c.inter.nic_bw_bytes_per_s = {network_value("nic_gbps", point.at("nic_gbps")) * 1e9 / 8,
                                     "whatif --vary nic_gbps"};
@@ -709,8 +712,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
       if (tokens > 0) {
         row.train_s = tokens / row.tokens_per_s;
         const double device_hours = row.train_s / 3600 * static_cast<double>(row.gpus);
-        if (c.price_per_device_hour_usd)
+        if (c.price_per_device_hour_usd) {
           row.cost_usd = device_hours * c.price_per_device_hour_usd->value;
+        } else if (!row.priceless) {
+          row.unpriced = c.name;
+        }
         if (c.power_per_device_w)
           row.energy_kwh = device_hours * c.power_per_device_w->value / 1000;
       }
@@ -794,6 +800,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"found", r.found},
                                   {"invalid", r.invalid},
                                   {"priceless", r.priceless},
+                                  {"unpriced", r.unpriced},
                                   {"catalog_efficiency", r.catalog_efficiency},
                                   {"network_unused", r.network_unused},
                                   {"valid", r.valid_candidates},
@@ -838,6 +845,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.found = j.at("found").get<bool>();
       r.invalid = j.at("invalid").get<std::string>();
       r.priceless = j.at("priceless").get<bool>();
+      r.unpriced = j.at("unpriced").get<std::string>();
       r.catalog_efficiency = j.at("catalog_efficiency").get<bool>();
       r.network_unused = j.at("network_unused").get<bool>();
       r.valid_candidates = j.at("valid").get<bool>();
@@ -1128,6 +1136,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
       std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.priceless; })) {
     std::cout << "(cost: the cluster's price is its own device's; points with another device "
                  "have none)\n";
+  }
+  if (tokens > 0) {
+    std::vector<std::string> unpriced;
+    for (const Row& r : rows) {
+      if (!r.unpriced.empty() &&
+          std::find(unpriced.begin(), unpriced.end(), r.unpriced) == unpriced.end()) {
+        unpriced.push_back(r.unpriced);
+        std::cout << unpriced_note(r.unpriced) << "\n";
+      }
+    }
   }
   if (std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.catalog_efficiency; })) {
     std::cout << "(device: the cluster's device_efficiency is its own device's; points with "

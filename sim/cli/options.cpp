@@ -473,6 +473,29 @@ void add_reliability_options(po::options_description& desc) {
       "(default: synchronous)");
 }
 
+void add_price_option(po::options_description& desc) {
+  desc.add_options()("price-per-gpu-hour", po::value<double>(),
+                     "USD per device and hour, for the cost to train and --objective cost "
+                     "(default: the cluster's price_per_device_hour_usd, which only aws-p4d and "
+                     "aws-p5 ship)");
+}
+
+void apply_price(const po::variables_map& vm, cluster::Cluster& c) {
+  if (!vm.count("price-per-gpu-hour")) return;
+  const double usd = vm["price-per-gpu-hour"].as<double>();
+  if (!(std::isfinite(usd) && usd > 0 && usd <= kLargestFigure)) {
+    throw InputError(fmt::format(
+        "--price-per-gpu-hour: expected USD per device and hour, above 0 and at most {:g}, got {}",
+        kLargestFigure, usd));
+  }
+  c.price_per_device_hour_usd = Figure{usd, "--price-per-gpu-hour"};
+}
+
+std::string unpriced_note(const std::string& cluster) {
+  return fmt::format(
+      "(cost: cluster {} has no price per device-hour; --price-per-gpu-hour gives one)", cluster);
+}
+
 void add_global_batch_options(po::options_description& desc, const char* help) {
   desc.add_options()("global-batch-size", po::value<std::int64_t>(), help)(
       "global-batch", po::value<std::int64_t>(), "the same as --global-batch-size");
@@ -630,6 +653,7 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
 
 cluster::Cluster cluster_from_options(const po::variables_map& vm) {
   cluster::Cluster c = cluster::load_cluster(data_argument(vm, "cluster"));
+  apply_price(vm, c);
   if (vm.count("gpus")) return cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
   // A plan file (dtsim plan --out) that uses fewer devices than the cluster has runs on as many
   // as it uses, its flags' overrides included, as if --gpus said so.

@@ -41,6 +41,13 @@ void add_search_space_options(po::options_description& desc);
 // Applies them to `space` (InputError naming the flag for a bad value).
 void search_space_from_options(const po::variables_map& vm, planner::SearchSpace& space);
 
+// Adds --price-per-gpu-hour (dtsim plan, simulate, whatif), which apply_price sets on a cluster
+// (checked: InputError naming the flag); unpriced_note says, for a table's footnote, that a
+// cluster has none.
+void add_price_option(po::options_description& desc);
+void apply_price(const po::variables_map& vm, cluster::Cluster& c);
+std::string unpriced_note(const std::string& cluster);
+
 // Adds --global-batch-size (sequences per optimizer step; `help` says when it is needed) and
 // --global-batch, DESIGN.md's name for it in dtsim plan's synopsis (dtsim plan and whatif).
 void add_global_batch_options(po::options_description& desc, const char* help);
