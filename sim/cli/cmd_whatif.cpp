@@ -489,8 +489,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
       return goodput > 0 ? train_s / goodput : std::numeric_limits<double>::infinity();
     }
     bool found = false;
-    // With --fixed-plan: why the plan is not valid at this point (its tp does not divide the
-    // point's GPUs, its dp x micro-batch the point's global batch, ...); empty where it is.
+    // Why the point has no row: its cluster has not the point's GPUs, or a --fixed-plan is not
+    // valid there (its tp does not divide the point's GPUs, its dp x micro-batch the point's
+    // global batch, ...); empty where it has one.
     std::string invalid;
     // Without a plan: whether any candidate met the search's constraints (a prime number of
     // GPUs may leave none: no dp dividing the global batch).
@@ -548,7 +549,15 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
     if (point.count("gpus")) {
       const auto gpus = static_cast<std::int64_t>(number("gpus", point.at("gpus"), true));
-      c = with_devices_for(c, gpus, fmt::format("--vary gpus={}", point.at("gpus")));
+      try {
+        c = with_devices_for(c, gpus, fmt::format("--vary gpus={}", point.at("gpus")));
+      } catch (const InputError& e) {
+        // A count that another point's cluster has: this point's row says why it has none (a
+        // count no point's cluster has ends the run, below).
+        row.valid_candidates = false;
+        row.invalid = e.what();
+        return core;
+      }
     } else if (vm.count("gpus")) {
       c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
     } else if (fixed_plan) {
@@ -858,7 +867,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
                     first_error->at("error").get<std::string>());
     }
   }
-  // A fixed plan valid at no point: nothing to compare (its first point's reason).
+  // No point valid (a fixed plan valid at none, GPUs that no cluster has): nothing to compare
+  // (the first point's reason).
   if (!rows.empty() &&
       std::all_of(rows.begin(), rows.end(), [](const Row& r) { return !r.invalid.empty(); })) {
     throw InputError(rows.front().invalid);
