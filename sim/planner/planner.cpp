@@ -956,9 +956,9 @@ std::string dominant_term(const engine::Breakdown& b, double step_s) {
       {b.compute_s, "compute"},
       {b.recompute_s, "recompute"},
       {b.bubble_s, "pipeline bubble"},
-      {b.exposed_tp_s, "TP communication"},
-      {b.exposed_cp_s, "CP communication"},
-      {b.exposed_ep_s, "EP communication"},
+      {b.exposed_tp_s, "exposed TP communication"},
+      {b.exposed_cp_s, "exposed CP communication"},
+      {b.exposed_ep_s, "exposed EP communication"},
       {b.exposed_dp_s, "exposed DP communication"},
       {b.exposed_pp_s, "exposed PP communication"},
       {b.straggler_s(), "straggler waits"},
@@ -969,8 +969,11 @@ std::string dominant_term(const engine::Breakdown& b, double step_s) {
   for (const auto& t : terms) {
     if (t.second != terms[0].second && t.first > best->first) best = &t;
   }
-  if (best->first <= 0) return "compute only";
-  return fmt::format("{} {:.0f}%", best->second, 100.0 * best->first / step_s);
+  // A share under 1% to a tenth; under a twentieth of one, none.
+  const double percent = 100.0 * best->first / step_s;
+  if (!(percent >= 0.05)) return "compute only";
+  return percent < 1 ? fmt::format("{} {:.1f}%", best->second, percent)
+                     : fmt::format("{} {:.0f}%", best->second, percent);
 }
 
 double estimate_s(const model::ModelGraph& graph, const plan::Plan& plan,
