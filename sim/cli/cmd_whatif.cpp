@@ -500,6 +500,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     bool fits = true;
     bool priceless = false;  // another device left the cluster's price out
     std::string unpriced;    // the cluster, where it has no price (and --price-per-gpu-hour none)
+    // Where the point's cluster sets its device's efficiencies itself (selene's 2022 GEMM rate):
+    // simulate's note, which tells two clusters of one device and one plan apart.
+    std::string own_efficiency;
     // Another device left the cluster's device_efficiency out (its own device's figures).
     bool catalog_efficiency = false;
     // The point sets the inter-node network (nic_gbps, latency_us, oversubscription) of a
@@ -531,6 +534,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
       row.catalog_efficiency = tuned && c.device_efficiency_overrides.empty();
     }
     apply_price(vm, c);
+    if (!c.device_efficiency_overrides.empty()) {
+      row.own_efficiency = fmt::format(
+          "{} sets the device's {} efficiency itself (its device_efficiency), in place of the "
+          "device catalog's",
+          c.name, fmt::join(c.device_efficiency_overrides, ", "));
+    }
     if (point.count("nic_gbps")) {
       c.inter.nic_bw_bytes_per_s = {network_value("nic_gbps", point.at("nic_gbps")) * 1e9 / 8,
                                     "whatif --vary nic_gbps"};
@@ -810,6 +819,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"invalid", r.invalid},
                                   {"priceless", r.priceless},
                                   {"unpriced", r.unpriced},
+                                  {"own_efficiency", r.own_efficiency},
                                   {"catalog_efficiency", r.catalog_efficiency},
                                   {"network_unused", r.network_unused},
                                   {"valid", r.valid_candidates},
@@ -855,6 +865,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.invalid = j.at("invalid").get<std::string>();
       r.priceless = j.at("priceless").get<bool>();
       r.unpriced = j.at("unpriced").get<std::string>();
+      r.own_efficiency = j.at("own_efficiency").get<std::string>();
       r.catalog_efficiency = j.at("catalog_efficiency").get<bool>();
       r.network_unused = j.at("network_unused").get<bool>();
       r.valid_candidates = j.at("valid").get<bool>();
@@ -1146,6 +1157,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
       std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.priceless; })) {
     std::cout << "(cost: the cluster's price is its own device's; points with another device "
                  "have none)\n";
+  }
+  {
+    std::vector<std::string> said;
+    for (const Row& r : rows) {
+      if (!r.own_efficiency.empty() &&
+          std::find(said.begin(), said.end(), r.own_efficiency) == said.end()) {
+        said.push_back(r.own_efficiency);
+        std::cout << fmt::format("(device: {})\n", r.own_efficiency);
+      }
+    }
   }
   if (tokens > 0) {
     std::vector<std::string> unpriced;
