@@ -564,6 +564,19 @@ int cmd_plan(const std::vector<std::string>& args) {
     if (auto note = plan::uneven_layers_note(spec, result.ranked.front().plan)) {
       std::cout << "#1: " << *note << "\n";
     }
+    // FlashAttention executes fewer FLOPs than MFU counts (simulate's note, for #1).
+    if (const auto& best = result.ranked.front();
+        best.refined && best.plan.attention == model::AttentionKernel::Flash &&
+        best.prediction.step_time_s > 0) {
+      const double executed =
+          best.prediction.executed_flops /
+          (best.prediction.step_time_s * static_cast<double>(best.prediction.gpus) *
+           cluster.device.peak_flops_for(best.plan.precision));
+      std::cout << fmt::format(
+          "(MFU counts the attention core dense, as Megatron-LM's formula does; FlashAttention "
+          "skips the causal mask's blocks: #1's kernels execute {:.1f}% of the peak)\n",
+          100 * executed);
+    }
     if (result.ranked.size() > 1 && result.ranked[0].refined && result.ranked[1].refined) {
       const auto& a = result.ranked[0].prediction.breakdown;
       const auto& b = result.ranked[1].prediction.breakdown;
