@@ -284,10 +284,12 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   }
   ModelSpec m;
   m.file = file;
-  m.name =
-      r.has("_name_or_path") && !r.string("_name_or_path").empty()
-          ? r.name("_name_or_path")
-          : std::filesystem::path(file).parent_path().filename().string();
+  // Without _name_or_path: a Hugging Face repository's folder (.../Meta-Llama-3-8B/config.json),
+  // or a config saved under a name of its own (qwen-0.5b.json), that name.
+  const std::filesystem::path path(file);
+  m.name = r.has("_name_or_path") && !r.string("_name_or_path").empty() ? r.name("_name_or_path")
+           : path.filename() == "config.json" ? path.parent_path().filename().string()
+                                              : path.stem().string();
   if (m.name.empty()) m.name = type;
   m.source = fmt::format("Hugging Face config.json ({})", file);
   m.description = fmt::format("imported from a Hugging Face {} config", type);

@@ -72,6 +72,18 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     CHECK(m.moe->experts == 8);
     CHECK(count_params(m) == 46702792704ULL);
   }
+  SECTION("named by _name_or_path, a repository's folder, or the file's own name") {
+    const std::string fields = R"("model_type": "mistral", "hidden_size": 64,
+      "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+      "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64)";
+    TempFile repo("config.json", "{" + fields + "}");
+    CHECK(load_model(repo.path()).name ==
+          std::filesystem::path(repo.path()).parent_path().filename().string());
+    TempFile own("mistral-tiny.json", "{" + fields + "}");
+    CHECK(load_model(own.path()).name == "mistral-tiny");
+    TempFile named("config.json", "{" + fields + R"(, "_name_or_path": "org/Tiny")" + "}");
+    CHECK(load_model(named.path()).name == "org/Tiny");
+  }
   SECTION("mistral") {
     TempFile f("config.json", R"({"model_type": "mistral", "hidden_size": 4096,
       "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
