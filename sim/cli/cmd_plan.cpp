@@ -240,7 +240,8 @@ int cmd_plan(const std::vector<std::string>& args) {
       "top", po::value<int>()->default_value(5), "plans to show")(
       "objective", po::value<std::string>()->default_value("time"),
       "rank by step time, or by cost per step (time, cost, time-to-train; with a fixed global "
-      "batch time-to-train ranks as step time)")(
+      "batch time-to-train ranks as step time, and on the fixed devices of a search so does "
+      "cost, which it adds as a column: dtsim whatif --vary gpus compares device counts)")(
       "tokens", po::value<double>(), "training tokens: report time (and cost) to train")(
       "refine", po::value<int>()->default_value(8),
       "simulate the best K candidates with the discrete-event simulator")(
