@@ -464,11 +464,20 @@ int cmd_plan(const std::vector<std::string>& args) {
     }
     // The first seven columns as they always were; then MFU (simulated plans), capacity, and
     // with --tokens the time (and, with a price, cost) to train, failure-free, then the
-    // goodput and the time with interruptions; empty where there is none. Figures in full (the
-    // shortest text that reads back as the same double), as whatif's CSV.
-    std::cout << "rank,plan,step_time_s,simulated,tokens_per_s,memory_per_gpu_bytes,dominant,"
-                 "mfu,capacity_bytes,cost_per_step_usd,time_to_train_s,cost_to_train_usd,"
-                 "goodput,time_to_train_with_interruptions_s\n";
+    // goodput and the time with interruptions; empty where there is none; then the plan's
+    // knobs one a column (a --plan file's names), for scripts that group by them. Figures in
+    // full (the shortest text that reads back as the same double), as whatif's CSV.
+    constexpr const char* kKnobs[] = {"dp",         "tp",
+                                      "pp",         "cp",
+                                      "ep",         "micro_batch_size",
+                                      "schedule",   "virtual_stages",
+                                      "zero_stage", "recompute",
+                                      "attention",  "sequence_parallel"};
+    std::cout << fmt::format(
+        "rank,plan,step_time_s,simulated,tokens_per_s,memory_per_gpu_bytes,dominant,"
+        "mfu,capacity_bytes,cost_per_step_usd,time_to_train_s,cost_to_train_usd,"
+        "goodput,time_to_train_with_interruptions_s,{}\n",
+        fmt::join(kKnobs, ","));
     auto cell = [](bool has, double v) { return has ? fmt::format("{}", v) : std::string(); };
     for (int i = 0; i < shown; ++i) {
       const auto& c = result.ranked[static_cast<std::size_t>(i)];
@@ -476,14 +485,22 @@ int cmd_plan(const std::vector<std::string>& args) {
       const double steps = train_tokens > 0 ? train_tokens / tokens : 0;
       const bool priced = c.cost_per_step_usd >= 0;
       const plan::TrainingTime tt = steps > 0 ? goal.of(c) : plan::TrainingTime{};
+      const json knobs = plan::to_json(c.plan);
+      std::vector<std::string> knob_cells;
+      for (const char* k : kKnobs) {
+        const json& v = knobs.at(k);
+        knob_cells.push_back(v.is_string()    ? v.get<std::string>()
+                             : v.is_boolean() ? (v.get<bool>() ? "1" : "0")
+                                              : v.dump());
+      }
       std::cout << fmt::format(
-          "{},\"{}\",{},{},{},{:.0f},\"{}\",{},{:.0f},{},{},{},{},{}\n", i + 1,
+          "{},\"{}\",{},{},{},{:.0f},\"{}\",{},{:.0f},{},{},{},{},{},{}\n", i + 1,
           plan::summary(c.plan), c.step_time_s, c.refined ? 1 : 0, tokens / c.step_time_s,
           c.memory_bytes, planner::dominant_term(breakdown_of(c), c.step_time_s),
           cell(c.refined, c.prediction.mfu), c.capacity_bytes, cell(priced, c.cost_per_step_usd),
           cell(steps > 0, steps * c.step_time_s),
           cell(steps > 0 && priced, steps * c.cost_per_step_usd), cell(steps > 0, tt.goodput),
-          cell(steps > 0 && tt.goodput > 0, tt.wall_s));
+          cell(steps > 0 && tt.goodput > 0, tt.wall_s), fmt::join(knob_cells, ","));
     }
     return rc;
   }
