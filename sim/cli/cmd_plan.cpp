@@ -219,13 +219,24 @@ std::string closest_to_fitting(const model::ModelSpec& spec, const cluster::Clus
   const model::ModelGraph g = plan::graph_of(spec, c.plan);
   // (With the search's memory options: "other" holds --framework-overhead-gib, as the total.)
   const auto m = plan::estimate_memory(g, c.plan, cluster, memory).worst();
+  // A floor on the devices: the model's state alone, sharded evenly over every device (ZeRO-3),
+  // before activations and the framework's allowance.
+  const auto per_param = plan::state_bytes_per_param(c.plan);
+  const double bytes_per_param = per_param.weights + per_param.gradients + per_param.optimizer;
+  const double state_bytes = static_cast<double>(g.totals().params) * bytes_per_param;
+  const auto floor_devices =
+      static_cast<std::int64_t>(std::ceil(state_bytes / std::max(1.0, c.capacity_bytes)));
   return fmt::format(
       "closest to fitting: {} needs {:.1f} GiB of {:.1f} GiB, {:.1f} GiB too much (weights "
       "{:.1f}, gradients {:.1f}, optimizer {:.1f}, activations {:.1f}, other {:.1f} GiB); more "
-      "devices, a larger tp, pp or ZeRO stage, or recompute shrink it",
+      "devices, a larger tp, pp or ZeRO stage, or recompute shrink it\n"
+      "(the model's weights, gradients and optimizer state alone take {:.0f} GiB, {:g} bytes a "
+      "parameter: at least {} devices of {:.1f} GiB, before activations; this search has {})",
       plan::summary(c.plan), c.memory_bytes / kGiB, c.capacity_bytes / kGiB,
       (c.memory_bytes - c.capacity_bytes) / kGiB, m.weights_bytes / kGiB, m.gradients_bytes / kGiB,
-      m.optimizer_bytes / kGiB, m.activations_bytes / kGiB, m.other_bytes / kGiB);
+      m.optimizer_bytes / kGiB, m.activations_bytes / kGiB, m.other_bytes / kGiB,
+      state_bytes / kGiB, bytes_per_param, floor_devices, c.capacity_bytes / kGiB,
+      cluster.devices());
 }
 
 }  // namespace
