@@ -166,6 +166,8 @@ int cmd_simulate(const std::vector<std::string>& args) {
         {"executed_flops_per_step", p.executed_flops},
         {"memory_per_gpu_bytes", p.memory.worst().total_bytes},
         {"memory_capacity_bytes", p.memory.capacity_bytes},
+        // (The name plan, memory and whatif give it.)
+        {"capacity_bytes", p.memory.capacity_bytes},
         {"fits", p.memory.fits},
         {"breakdown", report::breakdown_json(p.breakdown)},
         {"breakdown_stage", p.bottleneck_stage},
