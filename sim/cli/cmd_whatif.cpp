@@ -31,8 +31,8 @@ namespace dtsim::cli {
 namespace {
 
 const std::vector<std::string> kKeys = {
-    "gpus", "device", "cluster", "nic_gbps", "latency_us", "oversubscription", "global_batch",
-    "seq_len", "model", "jitter_cv", "rank_spread_cv", "expert_load", "attention",
+    "gpus", "nodes", "device", "cluster", "nic_gbps", "latency_us", "oversubscription",
+    "global_batch", "seq_len", "model", "jitter_cv", "rank_spread_cv", "expert_load", "attention",
     // (kReliabilityKeys, options.hpp: time to train with interruptions alone reads them.)
     "interruptions_per_gpu_hour", "restart_minutes", "checkpoint_write_gbs_per_gpu",
     "checkpoint_write_gbs_total", "checkpoint_async_gbs_per_gpu"};
@@ -159,7 +159,9 @@ double load_value(const std::string& v) {
 std::optional<double> axis_number(const std::string& key, const std::string& v) {
   if (key == "jitter_cv" || key == "rank_spread_cv") return spread_value(key, v);
   if (key == "expert_load") return load_value(v);
-  if (key == "gpus" || key == "global_batch" || key == "seq_len") return number(key, v, true);
+  if (key == "gpus" || key == "nodes" || key == "global_batch" || key == "seq_len") {
+    return number(key, v, true);
+  }
   if (key == "nic_gbps" || key == "latency_us") return network_value(key, v);
   if (key == "oversubscription") return number(key, v, false);
   return std::nullopt;
@@ -252,7 +254,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
   add_model_options(desc, /*with_cluster=*/true, "--fixed-plan");
   desc.add_options()(
       "vary", po::value<std::vector<std::string>>()->composing(),
-      "KEY=V1,V2,... (repeatable; every combination is a point). Keys: gpus, device, cluster, "
+      "KEY=V1,V2,... (repeatable; every combination is a point). Keys: gpus, nodes (whole nodes; "
+      "more than the cluster's file has: a larger fat tree or rail-optimized cluster of the same "
+      "nodes and leaves), device, cluster, "
       "nic_gbps (per NIC), latency_us (inter-node), oversubscription, global_batch, seq_len, "
       "model, jitter_cv (stragglers: spread of compute times, in [0, 1)), rank_spread_cv (the "
       "slow rank: spread of the ranks' lasting speeds, in [0, 1)), expert_load (expert "
@@ -332,6 +336,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
   auto varied = [&](const char* key) {
     return std::any_of(axes.begin(), axes.end(), [&](const Axis& a) { return a.key == key; });
   };
+  if (varied("gpus") && varied("nodes")) {
+    throw InputError("--vary nodes: gpus is varied too; give the devices one way");
+  }
+  if (vm.count("gpus") && varied("nodes")) {
+    throw InputError("--gpus: the nodes are varied (--vary nodes=...); give one or the other");
+  }
   if (vm.count("attention") && varied("attention")) {
     throw InputError(
         "--attention: the attention kernel is varied (--vary attention=...); give "
@@ -503,6 +513,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     // Where the point's cluster sets its device's efficiencies itself (selene's 2022 GEMM rate):
     // simulate's note, which tells two clusters of one device and one plan apart.
     std::string own_efficiency;
+    // Where the point's nodes are more than its cluster's file has: "the cluster's file has N
+    // nodes".
+    std::string grown;
     // Another device left the cluster's device_efficiency out (its own device's figures).
     bool catalog_efficiency = false;
     // The point sets the inter-node network (nic_gbps, latency_us, oversubscription) of a
@@ -566,6 +579,20 @@ int cmd_whatif(const std::vector<std::string>& args) {
         row.valid_candidates = false;
         row.invalid = e.what();
         return core;
+      }
+    } else if (point.count("nodes")) {
+      const auto nodes = static_cast<std::int64_t>(number("nodes", point.at("nodes"), true));
+      const std::int64_t own = c.nodes;
+      row.gpus = nodes * c.node_size();  // (shown where the cluster cannot have them)
+      try {
+        c = cluster::with_nodes(c, nodes);
+      } catch (const InputError& e) {
+        row.valid_candidates = false;
+        row.invalid = fmt::format("--vary nodes={}: {}", point.at("nodes"), e.what());
+        return core;
+      }
+      if (nodes > own) {
+        row.grown = fmt::format("{} has {} node{} in its file", c.name, own, own == 1 ? "" : "s");
       }
     } else if (vm.count("gpus")) {
       c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
@@ -820,6 +847,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"priceless", r.priceless},
                                   {"unpriced", r.unpriced},
                                   {"own_efficiency", r.own_efficiency},
+                                  {"grown", r.grown},
                                   {"catalog_efficiency", r.catalog_efficiency},
                                   {"network_unused", r.network_unused},
                                   {"valid", r.valid_candidates},
@@ -866,6 +894,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.priceless = j.at("priceless").get<bool>();
       r.unpriced = j.at("unpriced").get<std::string>();
       r.own_efficiency = j.at("own_efficiency").get<std::string>();
+      r.grown = j.at("grown").get<std::string>();
       r.catalog_efficiency = j.at("catalog_efficiency").get<bool>();
       r.network_unused = j.at("network_unused").get<bool>();
       r.valid_candidates = j.at("valid").get<bool>();
@@ -891,10 +920,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
   auto model_of = [&](const Row& r) {
     return r.point.count("model") ? r.point.at("model") : default_model;
   };
-  const bool gpus_axis = varied("gpus");
+  const bool gpus_axis = varied("gpus") || varied("nodes");
   std::vector<std::string> baseline_keys;  // the axes a baseline keeps besides the model
   for (const Axis& a : axes) {
-    if (gpus_axis && a.key != "gpus" && a.key != "model" && !is_reliability_key(a.key)) {
+    if (gpus_axis && a.key != "gpus" && a.key != "nodes" && a.key != "model" &&
+        !is_reliability_key(a.key)) {
       baseline_keys.push_back(a.key);
     }
   }
@@ -1157,6 +1187,26 @@ int cmd_whatif(const std::vector<std::string>& args) {
       std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.priceless; })) {
     std::cout << "(cost: the cluster's price is its own device's; points with another device "
                  "have none)\n";
+  }
+  {
+    // Each grown cluster once, with the node counts it was grown to.
+    std::vector<std::pair<std::string, std::vector<std::string>>> grown;
+    for (const Row& r : rows) {
+      if (r.grown.empty()) continue;
+      auto it = std::find_if(grown.begin(), grown.end(),
+                             [&](const auto& g) { return g.first == r.grown; });
+      if (it == grown.end()) it = grown.insert(grown.end(), {r.grown, {}});
+      const std::string& nodes = r.point.at("nodes");
+      if (std::find(it->second.begin(), it->second.end(), nodes) == it->second.end()) {
+        it->second.push_back(nodes);
+      }
+    }
+    for (const auto& [cluster, nodes] : grown) {
+      std::cout << fmt::format(
+          "(nodes: {}; {} node{} are more of its nodes in more leaves of its size and "
+          "oversubscription: a hypothetical cluster)\n",
+          cluster, fmt::join(nodes, ", "), nodes.size() == 1 && nodes.front() == "1" ? "" : "s");
+    }
   }
   {
     std::vector<std::string> said;

@@ -293,4 +293,29 @@ Cluster with_devices(const Cluster& cluster, std::int64_t devices) {
   return c;
 }
 
+Cluster with_nodes(const Cluster& cluster, std::int64_t nodes) {
+  if (nodes <= 0) {
+    throw InputError(fmt::format("nodes: expected a positive number of nodes, got {}", nodes));
+  }
+  if (nodes <= cluster.nodes) return with_devices(cluster, nodes * cluster.node_size());
+  const InterFabric f = cluster.inter.fabric;
+  if (f != InterFabric::FatTree && f != InterFabric::RailOptimized) {
+    throw InputError(fmt::format(
+        "cluster {} has {} node{} and a {} network, which does not grow ({})", cluster.name,
+        cluster.nodes, cluster.nodes == 1 ? "" : "s", to_string(f),
+        f == InterFabric::None      ? "a single node: nothing connects more"
+        : f == InterFabric::Torus3d ? "a torus is of a fixed size"
+                                    : "a dragonfly's global links are sized for its groups"));
+  }
+  if (nodes > kMaxDevices / cluster.node_size()) {
+    throw InputError(fmt::format("{} nodes of {} devices: above the {} devices a cluster may have",
+                                 nodes, cluster.node_size(), kMaxDevices));
+  }
+  Cluster c = cluster;
+  c.nodes = nodes;
+  c.devices_per_node = cluster.node_size();
+  c.whole_node_devices = 0;
+  return c;
+}
+
 }  // namespace dtsim::cluster

@@ -94,6 +94,11 @@ std::vector<std::string> list_clusters();
 // more than the cluster has. Throws InputError when `devices` is neither, exceeds the cluster,
 // or is not a torus's fixed size.
 Cluster with_devices(const Cluster& cluster, std::int64_t devices);
+// The cluster with `nodes` whole nodes: fewer as with_devices; more, a hypothetical larger
+// cluster of the same nodes, leaves (nodes_per_leaf) and oversubscription, for a fat tree or a
+// rail-optimized network (a torus is of a fixed size, a dragonfly's global links are sized for
+// its groups, a single node has no network to grow): InputError for those, or past kMaxDevices.
+Cluster with_nodes(const Cluster& cluster, std::int64_t nodes);
 // The cluster with another device in its nodes: its scale-up links and power are the device's;
 // its price (an instance type's rate) and its device_efficiency, both its own device's, are
 // dropped. Its own device (the same device file) leaves the cluster as it is.

@@ -61,6 +61,30 @@ TEST_CASE("a cluster resized with --gpus keeps whole nodes", "[cluster][topology
                                   InputError, "fixed");
 }
 
+TEST_CASE("a fat tree or rail-optimized cluster grows by whole nodes, others do not",
+          "[cluster][topology]") {
+  using dtsim::cluster::with_nodes;
+  const auto selene = load_cluster("selene");  // 560 nodes of 8, 20 nodes per rail group
+  // Fewer nodes: as --gpus; more: the same nodes, leaves and oversubscription.
+  CHECK(with_nodes(selene, 8).devices() == 64);
+  CHECK(with_nodes(selene, 8).inter.nodes_per_leaf == 8);
+  const auto grown = with_nodes(selene, 1120);
+  CHECK(grown.devices() == 8960);
+  CHECK(grown.inter.nodes_per_leaf == 20);
+  CHECK(grown.inter.oversubscription.value == selene.inter.oversubscription.value);
+  const auto roce = load_cluster("h100-roce");
+  CHECK(with_nodes(roce, 4096).inter.oversubscription.value == roce.inter.oversubscription.value);
+  DTSIM_REQUIRE_THROWS_CONTAINING(with_nodes(load_cluster("hgx-h200"), 2), InputError,
+                                  "cluster hgx-h200 has 1 node and a none network, which does "
+                                  "not grow (a single node");
+  DTSIM_REQUIRE_THROWS_CONTAINING(with_nodes(load_cluster("tpu-v4-slice"), 32), InputError,
+                                  "a torus is of a fixed size");
+  DTSIM_REQUIRE_THROWS_CONTAINING(with_nodes(load_cluster("frontier"), 20000), InputError,
+                                  "a dragonfly's global links are sized for its groups");
+  DTSIM_REQUIRE_THROWS_CONTAINING(with_nodes(selene, std::int64_t{1} << 22), InputError,
+                                  "above the 16777216 devices a cluster may have");
+}
+
 namespace {
 nlohmann::json valid_cluster() {
   return nlohmann::json::parse(R"({"name": "c", "description": "d", "source": "s",
