@@ -173,7 +173,7 @@ void write_host_topology(const std::string& dir, const nlohmann::json& profile, 
   for (const auto& [path, j] : {std::pair{device_path, device},
                                 std::pair{(fs::path(dir) / "cpu-host.json").string(), cluster}}) {
     std::ofstream file(path);
-    if (!file || !(file << j.dump(2) << "\n" << std::flush)) {
+    if (!file || !(file << json_text(j, 2) << "\n" << std::flush)) {
       throw dtsim::InputError(fmt::format("--cluster-out: cannot write {}", path));
     }
   }
@@ -701,7 +701,7 @@ int calibrate(const std::vector<std::string>& args) {
   const std::string path = vm["out"].as<std::string>();
   dtsim::exec::check_profile_readable(profile, path);
   std::ofstream file(path);
-  if (!file || !(file << profile.dump(2) << "\n" << std::flush)) {
+  if (!file || !(file << json_text(profile, 2) << "\n" << std::flush)) {
     throw dtsim::InputError(fmt::format("--out {}: cannot write", path));
   }
   if (vm.count("cluster-out"))

@@ -618,7 +618,7 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
                                 {"expert_load_peak",
                                  dtsim::report::value_or_null(expert_load_peak)},
                                 {"notes", notes}}
-                     .dump(2)
+                     .dump(2, ' ', false, nlohmann::json::error_handler_t::replace)
               << "\n";
     return 0;
   }
@@ -1414,7 +1414,7 @@ int run(const std::vector<std::string>& args) {
         *peak.flops_per_s, dtsim::to_string(plan.precision)));
   }
   j["memory"] = memory_json(held, predicted_memory, plan);
-  out(rank) << j.dump(2) << "\n";
+  out(rank) << json_text(j, 2) << "\n";
   return 0;
 }
 

@@ -83,7 +83,7 @@ std::int64_t whole_number(const nlohmann::json& j, const std::string& field,
   if (!v.is_number_integer() ||
       (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))) {
     throw InputError(
-        fmt::format("{}: {}: expected a whole number, got {}", where, field, v.dump()));
+        fmt::format("{}: {}: expected a whole number, got {}", where, field, brief_json(v)));
   }
   return v.get<std::int64_t>();
 }
@@ -93,7 +93,7 @@ std::vector<std::int64_t> whole_numbers(const nlohmann::json& v, const std::stri
                                         const std::string& where, std::size_t size = 0) {
   if (!v.is_array() || (size > 0 && v.size() != size)) {
     throw InputError(fmt::format("{}: {}: expected a list of {}whole numbers, got {}", where, field,
-                                 size > 0 ? std::to_string(size) + " " : "", v.dump()));
+                                 size > 0 ? std::to_string(size) + " " : "", brief_json(v)));
   }
   std::vector<std::int64_t> out;
   for (const auto& x : v) out.push_back(whole_number(nlohmann::json{{field, x}}, field, where));
@@ -128,7 +128,7 @@ CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
   const auto& seed = r.at("seed");
   if (!seed.is_number_unsigned()) {
     throw InputError(
-        fmt::format("{}: seed: expected a whole number >= 0, got {}", where, seed.dump()));
+        fmt::format("{}: seed: expected a whole number >= 0, got {}", where, brief_json(seed)));
   }
   c.seed = seed.get<std::uint64_t>();
   c.learning_rate = r.positive_number("learning_rate");
@@ -276,7 +276,7 @@ std::uint64_t finish_checkpoint(const std::string& dir, const CheckpointInfo& in
     write_info(j, info);
     j["tensors"] = std::move(tensors);
     j["shards"] = std::move(listed);
-    meta << j.dump(1) << "\n" << std::flush;
+    meta << json_text(j, 1) << "\n" << std::flush;
     if (!meta)
       throw InputError(fmt::format("{}: cannot write", (tmp / "checkpoint.json").string()));
   }
@@ -331,7 +331,7 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
     const auto format = index.string("format");
     if (format != kFormat && format != kFormatWhole) {
       throw InputError(fmt::format("{}: format: expected \"{}\" (or \"{}\"), got {}", where_,
-                                   kFormat, kFormatWhole, j.at("format").dump()));
+                                   kFormat, kFormatWhole, brief_json(j.at("format"))));
     }
     // (A field of another version, or a hand edit, would otherwise be ignored in silence.)
     index.expect_only({"format", "model", "plan", "step", "seed", "learning_rate", "lr_schedule",
@@ -385,13 +385,13 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
           throw InputError(fmt::format(
               "{}: tensors: {}: shape {}: expected positive sizes, with no more elements than "
               "the checkpoint's files hold ({})",
-              where_, name, t.at("shape").dump(), stored));
+              where_, name, brief_json(t.at("shape")), stored));
         }
         n *= d;
       }
       if (shape.empty() || (!whole_format && shape.size() != 2)) {
         throw InputError(fmt::format("{}: tensors: {}: shape {}: expected [rows, cols]", where_,
-                                     name, t.at("shape").dump()));
+                                     name, brief_json(t.at("shape"))));
       }
       if (shapes_.count(name)) {
         throw InputError(fmt::format("{}: tensors: {} is listed twice", where_, name));
@@ -437,7 +437,7 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
           if (rows.size() != 2 || rows[0] < 0 || rows[1] <= 0 || rows[0] > p.slice.rows ||
               rows[1] > p.slice.rows - rows[0]) {
             throw bad(fmt::format("rows {}: expected [first, count] inside {} rows",
-                                  piece.at("rows").dump(), p.slice.rows));
+                                  brief_json(piece.at("rows")), p.slice.rows));
           }
           p.slice.row_begin = rows[0];
           p.slice.row_count = rows[1];
@@ -447,7 +447,7 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
                 r[1] > p.slice.cols - r[0] || p.slice.local_cols() > p.slice.cols - r[1]) {
               throw bad(fmt::format(
                   "cols {}: expected [first, count] ranges inside {} columns, {} at most in all",
-                  piece.at("cols").dump(), p.slice.cols, p.slice.cols));
+                  brief_json(piece.at("cols")), p.slice.cols, p.slice.cols));
             }
             p.slice.col_ranges.push_back({r[0], r[1]});
           }

@@ -110,7 +110,7 @@ CheckpointRecord Runner::save(int steps_done, const std::vector<double>& losses)
 CheckpointRecord Runner::put_in_place(int step, const nlohmann::json& index, double copy_s,
                                       double copied_bytes, double write_s, double blocking_s,
                                       const std::vector<double>& losses) {
-  const auto indices = comm_.gather_to_root(index.dump());
+  const auto indices = comm_.gather_to_root(json_text(index));
   CheckpointRecord record{.step = step};
   // The slowest rank's copy, write and wait, and the lowest rate of a rank that copied anything.
   std::array<double, 4> slowest = {copy_s,

@@ -140,7 +140,7 @@ int cmd_describe(const std::vector<std::string>& args) {
                         {"ops", ops}});
     }
     out["layers"] = layers;
-    std::cout << out.dump(2) << "\n";
+    std::cout << json_text(out, 2) << "\n";
     return 0;
   }
 

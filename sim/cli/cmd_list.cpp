@@ -198,7 +198,7 @@ int cmd_list(const std::vector<std::string>& args) {
   }
   if (json_out) {
     out["details"] = details;
-    std::cout << out.dump(2) << "\n";
+    std::cout << json_text(out, 2) << "\n";
   }
   return 0;
 }

@@ -42,7 +42,7 @@ int cmd_lower(const std::vector<std::string>& args) {
   out["plan"] = plan::to_json(setup.plan);
   out["model"] = setup.spec.name;
   out["notes"] = setup.notes;  // what was derived or defaulted (dp, precision, padding)
-  const std::string text = out.dump(2);
+  const std::string text = json_text(out, 2);
   std::cout << text << "\n";
   // Every rank's program of a large plan is large: say so where a person sees it.
   if (options.mode == lower::Lowering::AllRanks && program.ranks.size() > 1 &&

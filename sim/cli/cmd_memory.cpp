@@ -92,7 +92,7 @@ int cmd_memory(const std::vector<std::string>& args) {
     out["cluster"] = cluster.name;
     out["gpus"] = cluster.devices();
     out["notes"] = notes;
-    std::cout << out.dump(2) << "\n";
+    std::cout << json_text(out, 2) << "\n";
     return 0;
   }
 

@@ -431,7 +431,7 @@ int cmd_plan(const std::vector<std::string>& args) {
     json file = plan::to_json(result.ranked.front().plan);
     file["model"] = data_reference("model", vm["model"].as<std::string>());
     file["cluster"] = data_reference("cluster", vm["cluster"].as<std::string>());
-    if (!out || !(out << file.dump(2) << "\n" << std::flush)) {
+    if (!out || !(out << json_text(file, 2) << "\n" << std::flush)) {
       throw InputError(fmt::format("--out {}: cannot write", path));
     }
   }
@@ -460,7 +460,7 @@ int cmd_plan(const std::vector<std::string>& args) {
     json frontier = json::array();
     for (const auto& c : result.memory_frontier) frontier.push_back(candidate_json(c, goal));
     out["memory_frontier"] = frontier;
-    std::cout << out.dump(2) << "\n";
+    std::cout << json_text(out, 2) << "\n";
     return rc;
   }
   if (vm["csv"].as<bool>()) {
@@ -502,7 +502,7 @@ int cmd_plan(const std::vector<std::string>& args) {
         const json& v = knobs.at(k);
         knob_cells.push_back(v.is_string()    ? v.get<std::string>()
                              : v.is_boolean() ? (v.get<bool>() ? "1" : "0")
-                                              : v.dump());
+                                              : json_text(v));
       }
       std::cout << fmt::format(
           "{},\"{}\",{},{},{},{:.0f},\"{}\",{},{:.0f},{},{},{},{},{},{}\n", i + 1,

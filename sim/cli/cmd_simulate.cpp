@@ -182,7 +182,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
       out["training"] = training_time_json(*train, cost_usd);
       out["training"]["tokens"] = tokens;
     }
-    std::cout << out.dump(2) << "\n";
+    std::cout << json_text(out, 2) << "\n";
     return 0;
   }
 

@@ -141,7 +141,7 @@ int cmd_validate(const std::vector<std::string>& args) {
                                 {"by_task", json_rows(v.by_task)},
                                 {"tasks", tasks},
                                 {"notes", notes}}
-                     .dump(2)
+                     .dump(2, ' ', false, nlohmann::json::error_handler_t::replace)
               << "\n";
     return 0;
   }

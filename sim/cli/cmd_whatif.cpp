@@ -818,7 +818,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       // reports the first bad point of all (the one a single process would have stopped at),
       // after the gather that every rank reaches.
       if (split.size() == 1) throw;
-      mine.push_back(nlohmann::json{{"i", i}, {"error", e.what()}, {"kind", error_kind(e)}}.dump());
+      mine.push_back(nlohmann::json{{"i", i}, {"error", e.what()}, {"kind", error_kind(e)}}.dump(
+          -1, ' ', false, nlohmann::json::error_handler_t::replace));
       break;
     }
     const Row& r = rows[i];
@@ -854,7 +855,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"fits", r.fits},
                                   {"memory", r.memory_bytes},
                                   {"capacity", r.capacity_bytes}}
-                       .dump());
+                       .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   }
   if (split.size() > 1) {
     const std::vector<std::string> all = split.gather(mine);
@@ -1021,7 +1022,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
       out.push_back(j);
     }
-    std::cout << out.dump(2) << "\n";
+    std::cout << json_text(out, 2) << "\n";
     return 0;
   }
   if (vm["csv"].as<bool>()) {

@@ -94,7 +94,8 @@ engine::Prediction simulate_on_simgrid(const model::ModelSpec& spec, const plan:
   const model::ModelGraph graph = plan::graph_of(spec, plan);
   engine::Prediction pred = prediction_from_json(nlohmann::json::parse(run_isolated([&] {
     auto net = network::make_simgrid(cluster, plan);
-    return prediction_json(engine::simulate(graph, plan, cluster, *net, options).prediction).dump();
+    return json_text(
+        prediction_json(engine::simulate(graph, plan, cluster, *net, options).prediction));
   })));
   // The memory report as engine::simulate makes it (the network has no part in it).
   pred.memory = plan::estimate_memory(graph, plan, cluster, options.memory);

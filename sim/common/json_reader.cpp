@@ -15,10 +15,20 @@ namespace dtsim {
 
 using nlohmann::json;
 
+std::string json_text(const json& value, int indent) {
+  return value.dump(indent, ' ', false, json::error_handler_t::replace);
+}
+
+std::string brief_json(const json& value) {
+  std::string text = json_text(value);
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  return text;
+}
+
 std::string describe_json_value(const json& value) {
   if (value.is_object()) return "an object";
   if (value.is_array()) return "an array";
-  std::string text = value.dump();
+  std::string text = json_text(value);
   if (text.size() > 40) text = text.substr(0, 37) + "...";
   return text;
 }
@@ -48,13 +58,26 @@ json JsonReader::parse_file(const std::filesystem::path& file) {
     std::vector<std::string> keys;
   };
   std::vector<Frame> open;
+  // Where the parser stands, as "line N".
+  auto line_here = [&buffer] {
+    const auto at =
+        static_cast<std::size_t>(buffer.rdbuf()->pubseekoff(0, std::ios::cur, std::ios::in));
+    const std::string text = buffer.str().substr(0, at);
+    return fmt::format("line {}", std::count(text.begin(), text.end(), '\n') + 1);
+  };
   const json::parser_callback_t refuse_repeats = [&](int, json::parse_event_t event, json& parsed) {
     switch (event) {
       case json::parse_event_t::object_start:
-        open.push_back({false, {}});
-        break;
       case json::parse_event_t::array_start:
-        open.push_back({true, {}});
+        // No file of dtsim's or dtexec's nests a tenth as deep; far deeper, a value's printing
+        // and comparison (recursive in nlohmann's json) would exhaust the stack.
+        if (open.size() >= kMaxJsonDepth) {
+          throw InputError(
+              fmt::format("{}: nested more than {} levels deep ({}); expected a "
+                          "JSON file of dtsim's or dtexec's",
+                          file.string(), kMaxJsonDepth, line_here()));
+        }
+        open.push_back({event == json::parse_event_t::array_start, {}});
         break;
       case json::parse_event_t::object_end:
       case json::parse_event_t::array_end:

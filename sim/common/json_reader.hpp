@@ -93,5 +93,13 @@ class JsonReader {
 
 // A short rendering of a JSON value for error messages ("-1", "\"abc\"", "an object").
 std::string describe_json_value(const nlohmann::json& value);
+// A JSON value as text, cut at 60 characters ("[4, 4, 4, ...]"): arrays shown, not named.
+std::string brief_json(const nlohmann::json& value);
+// A JSON value as the text the tools write (indent as nlohmann's dump; -1: one line), any
+// string that is not UTF-8 (a file name of other bytes, copied into a note) written with U+FFFD
+// in place of its bad bytes, where nlohmann's dump would throw.
+std::string json_text(const nlohmann::json& value, int indent = -1);
+// The deepest nesting JsonReader::parse_file reads (objects and arrays).
+inline constexpr std::size_t kMaxJsonDepth = 512;
 
 }  // namespace dtsim

@@ -528,11 +528,12 @@ Plan plan_from_json(const json& j, const std::string& file) {
   }
   p.virtual_stages = degree("virtual_stages", 1);
   if (r.has("zero_stage")) {
-    const std::string z = r.raw().at("zero_stage").dump();
-    if (z != "0" && z != "1" && z != "2" && z != "3") {
-      r.fail("zero_stage", fmt::format("expected 0, 1, 2 or 3, got {}", z));
+    const json& z = r.raw().at("zero_stage");
+    // (1.0 is refused with the rest: a stage is written as an integer.)
+    if (!z.is_number_integer() || z.get<std::int64_t>() < 0 || z.get<std::int64_t>() > 3) {
+      r.fail("zero_stage", fmt::format("expected 0, 1, 2 or 3, got {}", describe_json_value(z)));
     }
-    p.zero_stage = std::stoi(z);
+    p.zero_stage = z.get<int>();
   }
   if (r.has("recompute")) {
     parse_recompute(r.choice("recompute", {"none", "selective", "full"}), p.recompute);

@@ -91,7 +91,7 @@ void write_chrome_trace(const std::string& path, const lower::Program& program,
   std::size_t tasks = 0;
   for (const auto& rank : timeline.tasks) tasks += rank.size();
   if (const auto note = large_trace_note(tasks, path)) std::cerr << *note << "\n";
-  out << chrome_trace(program, timeline, info).dump() << "\n" << std::flush;
+  out << json_text(chrome_trace(program, timeline, info)) << "\n" << std::flush;
   if (!out) throw InputError(fmt::format("--trace {}: write failed", path));
 }
 

@@ -287,7 +287,7 @@ std::optional<std::string> run_difference(const Trace& a, const Trace& b) {
     const json& y = b.plan.contains(key) ? b.plan.at(key) : fallback;
     // (JSON values compare numbers by value: 1 and 1.0 are one number.)
     if (!x.is_null() && !y.is_null() && x != y) {
-      fields.push_back(fmt::format("{} {} against {}", key, x.dump(), y.dump()));
+      fields.push_back(fmt::format("{} {} against {}", key, brief_json(x), brief_json(y)));
     }
   }
   if (fields.empty()) return std::nullopt;
