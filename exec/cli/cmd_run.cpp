@@ -343,7 +343,7 @@ dtsim::exec::LrSchedule lr_schedule_of(const po::variables_map& vm, int steps) {
 std::int64_t requested_devices(const po::variables_map& vm) {
   dtsim::plan::Plan p;
   p.dp = 1;
-  if (vm.count("plan")) p = dtsim::plan::load_plan(vm["plan"].as<std::string>());
+  if (vm.count("plan")) p = dtsim::cli::load_plan_file(vm["plan"].as<std::string>());
   for (auto [key, field] : {std::pair{"tp", &p.tp}, std::pair{"pp", &p.pp}, std::pair{"dp", &p.dp},
                             std::pair{"cp", &p.cp}}) {
     if (vm.count(key)) *field = vm[key].as<int>();

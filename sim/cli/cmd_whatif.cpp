@@ -362,7 +362,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
   }
   // --fixed-plan's file, read once for every point.
   const std::optional<plan::Plan> fixed_plan =
-      vm.count("fixed-plan") ? std::optional(plan::load_plan(vm["fixed-plan"].as<std::string>()))
+      vm.count("fixed-plan") ? std::optional(load_plan_file(vm["fixed-plan"].as<std::string>()))
                              : std::nullopt;
   // The model and cluster of the points that do not vary them: a --fixed-plan file's (dtsim plan
   // --out) where --model and --cluster are not given.

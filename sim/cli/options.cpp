@@ -323,12 +323,24 @@ bool same_data_file(std::string_view key, const std::string& a, const std::strin
 
 }  // namespace
 
+const nlohmann::json& plan_file_json(const std::string& path) {
+  // Parsed once per process: a pipe (--plan <(...), /dev/stdin) reads once.
+  static std::map<std::string, nlohmann::json> read;
+  auto it = read.find(path);
+  if (it == read.end()) it = read.emplace(path, JsonReader::parse_file(path)).first;
+  return it->second;
+}
+
+plan::Plan load_plan_file(const std::string& path) {
+  return plan::plan_from_json(plan_file_json(path), path);
+}
+
 std::string data_argument(const po::variables_map& vm, const char* key) {
   const std::string given = vm[key].as<std::string>();
   const char* flag = vm.count("plan") ? "plan" : vm.count("fixed-plan") ? "fixed-plan" : nullptr;
   if (!flag) return given;
   const std::string file = vm[flag].as<std::string>();
-  const nlohmann::json j = JsonReader::parse_file(file);
+  const nlohmann::json& j = plan_file_json(file);
   if (!j.is_object() || !j.contains(key)) return given;
   const std::string named = JsonReader(j, file).string(key);
   if (vm[key].defaulted()) {
@@ -658,7 +670,7 @@ cluster::Cluster cluster_from_options(const po::variables_map& vm) {
   // A plan file (dtsim plan --out) that uses fewer devices than the cluster has runs on as many
   // as it uses, its flags' overrides included, as if --gpus said so.
   if (vm.count("plan")) {
-    const plan::Plan p = plan::load_plan(vm["plan"].as<std::string>());
+    const plan::Plan p = load_plan_file(vm["plan"].as<std::string>());
     auto degree = [&](const char* key, int value) {
       return static_cast<std::int64_t>(vm.count(key) ? vm[key].as<int>() : value);
     };
@@ -728,7 +740,7 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   plan::Plan p;
   p.dp = 0;  // derived unless given
   p.global_batch_size = 0;
-  if (vm.count("plan")) p = plan::load_plan(vm["plan"].as<std::string>());
+  if (vm.count("plan")) p = load_plan_file(vm["plan"].as<std::string>());
   for (const char* key : {"tp", "pp", "dp", "cp", "ep", "virtual-stages"}) {
     if (!vm.count(key)) continue;
     const int value = vm[key].as<int>();
@@ -776,8 +788,7 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   if (vm.count("precision")) p.precision = precision_flag("precision");
   const bool precision_given =
       vm.count("precision") ||
-      (vm.count("plan") &&
-       JsonReader::parse_file(vm["plan"].as<std::string>()).contains("precision"));
+      (vm.count("plan") && plan_file_json(vm["plan"].as<std::string>()).contains("precision"));
   if (!precision_given && precision_default && p.precision != precision_default->precision) {
     p.precision = precision_default->precision;
     notes.push_back(
