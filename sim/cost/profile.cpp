@@ -82,6 +82,14 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
     const GemmSample sample{static_cast<double>(s.positive_int("m")),
                             static_cast<double>(s.positive_int("n")),
                             static_cast<double>(s.positive_int("k")), s.positive_number("seconds")};
+    // A timing no device can give: far beyond the catalog's fastest (a unit mistake, a clock
+    // read wrong), which would price the step at nearly nothing.
+    if (sample.flops() / sample.seconds > kFastestGemmFlops) {
+      s.fail("seconds", fmt::format("m={:.0f} n={:.0f} k={:.0f} in {:g} s is {:.3g} FLOP/s, above the "
+                                    "{:g} that no device comes near (a timing error?)",
+                                    sample.m, sample.n, sample.k, sample.seconds,
+                                    sample.flops() / sample.seconds, kFastestGemmFlops));
+    }
     // Two times for one shape: which one the simulator took would depend on their order.
     for (std::size_t before = 0; before < p.gemm.size(); ++before) {
       const GemmSample& o = p.gemm[before];

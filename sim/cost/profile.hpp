@@ -62,6 +62,12 @@
 
 namespace dtsim::cost {
 
+// The fastest GEMM rate a profile may hold, FLOP/s per device: 20x the catalog's fastest dense
+// figure (B200's fp8, 4.5 PFLOP/s, NVIDIA's HGX B200 specifications), a sanity bound against
+// timing errors (a sample of 2^60 FLOPs in a second priced a CPU step at half), not a model
+// constant.
+inline constexpr double kFastestGemmFlops = 1e17;
+
 struct GemmSample {
   double m = 0, n = 0, k = 0;
   double seconds = 0;
