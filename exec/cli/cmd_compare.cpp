@@ -1,6 +1,7 @@
 // dtexec compare A B: two checkpoints of the same model, step by step and tensor by tensor.
 #include <fmt/format.h>
 
+#include <cmath>
 #include <iostream>
 #include <string>
 #include <utility>
@@ -44,7 +45,10 @@ int compare(const std::vector<std::string>& args) {
   const double weight_tolerance = vm["weight-tolerance"].as<double>();
   for (auto [name, value] : {std::pair{"--loss-tolerance", loss_tolerance},
                              std::pair{"--weight-tolerance", weight_tolerance}}) {
-    if (!(value >= 0)) throw dtsim::InputError(fmt::format("{}: expected a number >= 0", name));
+    if (!(value >= 0 && std::isfinite(value))) {
+      throw dtsim::InputError(
+          fmt::format("{}: expected a finite number >= 0, got {}", name, value));
+    }
   }
   const auto& dirs = vm["checkpoints"].as<std::vector<std::string>>();
   const dtsim::exec::CheckpointReader a(dirs[0]), b(dirs[1]);

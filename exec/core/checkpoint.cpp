@@ -114,7 +114,7 @@ void write_info(nlohmann::json& j, const CheckpointInfo& c) {
 CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
   const JsonReader r(j, where);
   CheckpointInfo c;
-  c.model = r.string("model");
+  c.model = r.name("model");
   // The plan is read whole where it is used (dtsim's plan reader); what a resumed run compares
   // directly is typed here.
   c.plan = r.object("plan").raw();
@@ -322,6 +322,9 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
   }
   where_ = (fs::path(dir_) / "checkpoint.json").string();
   std::error_code missing;
+  if (!fs::is_directory(dir_, missing) && fs::exists(dir_, missing)) {
+    throw InputError(fmt::format("{}: is a file; expected a dtexec checkpoint folder", dir_));
+  }
   if (!fs::exists(where_, missing)) {
     throw InputError(fmt::format("{}: cannot open (not a dtexec checkpoint?)", where_));
   }

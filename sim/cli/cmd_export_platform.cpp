@@ -49,6 +49,7 @@ int cmd_export_platform(const std::vector<std::string>& args) {
   const std::string xml = network::platform_xml(network::build_platform(cluster, pairs));
   if (vm.count("out")) {
     const std::string path = vm["out"].as<std::string>();
+    check_writable(path, "--out");  // (a folder, a missing one: said as the other commands say)
     std::ofstream out(path);
     if (!out || !(out << xml << std::flush))
       throw InputError(fmt::format("--out {}: cannot write", path));

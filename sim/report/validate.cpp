@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "sim/common/error.hpp"
+#include "sim/cluster/topology.hpp"
 #include "sim/common/json_reader.hpp"
 #include "sim/report/trace.hpp"
 
@@ -162,11 +163,21 @@ Trace read_trace(const std::string& path) {
               fmt::format("{}: {}.args.represents: expected an array of ranks", path, where));
         }
         for (const json& rank : ranks) {
-          if (!rank.is_number_integer()) {
-            throw InputError(
-                fmt::format("{}: {}.args.represents: expected integer ranks", path, where));
+          if (!rank.is_number_integer() || rank.get<std::int64_t>() < 0 ||
+              rank.get<std::int64_t>() >= cluster::kMaxDevices) {
+            throw InputError(fmt::format(
+                "{}: {}.args.represents: expected ranks from 0 to {}, got {}", path, where,
+                cluster::kMaxDevices - 1, describe_json_value(rank)));
           }
-          trace.representative[rank.get<std::int64_t>()] = e.at("pid").get<std::int64_t>();
+          // A rank stands for one process: a second claim would drop the first in silence.
+          const auto [it, fresh] = trace.representative.try_emplace(
+              rank.get<std::int64_t>(), e.at("pid").get<std::int64_t>());
+          if (!fresh) {
+            throw InputError(fmt::format(
+                "{}: {}.args.represents: rank {} is given twice (also by pid {}); expected each "
+                "rank once",
+                path, where, it->first, it->second));
+          }
         }
       }
       continue;
