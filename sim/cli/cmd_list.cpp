@@ -4,6 +4,8 @@
 
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include "sim/cli/commands.hpp"
 #include "sim/cli/options.hpp"
@@ -18,6 +20,20 @@
 namespace dtsim::cli {
 
 namespace {
+
+// The files that did not load, said after the tables (exit 2): one broken file of a user's does
+// not hide the others.
+std::vector<std::string> g_unreadable;
+
+// A row for a file that did not load: its name, "does not load", and dashes.
+std::vector<std::string> unreadable_row(const std::string& name, std::size_t columns,
+                                        const std::exception& e) {
+  g_unreadable.push_back(e.what());
+  std::vector<std::string> row(columns, "-");
+  row[0] = name;
+  row[1] = "(does not load: below)";
+  return row;
+}
 
 // A count in the largest unit it fills: 8.03B, 124M.
 std::string count_text(double n) {
@@ -43,7 +59,13 @@ void list_models(nlohmann::json* out) {
                    "seq", "experts"});
   t.align_left(0);
   for (const auto& name : list_data_names("models")) {
-    const model::ModelSpec spec = model::load_model(name);
+    model::ModelSpec spec;
+    try {
+      spec = model::load_model(name);
+    } catch (const InputError& e) {
+      t.add_row(unreadable_row(name, 10, e));
+      continue;
+    }
     const double params = static_cast<double>(model::ModelGraph(spec, 1, 1).totals().params);
     const std::string experts =
         spec.moe ? fmt::format("{} (top {})", spec.moe->experts, spec.moe->top_k) : "-";
@@ -76,7 +98,13 @@ void list_clusters(nlohmann::json* out) {
   t.align_left(1);
   t.align_left(5);
   for (const auto& name : list_data_names("topologies")) {
-    const cluster::Cluster c = cluster::load_cluster(name);
+    cluster::Cluster c;
+    try {
+      c = cluster::load_cluster(name);
+    } catch (const InputError& e) {
+      t.add_row(unreadable_row(name, 9, e));
+      continue;
+    }
     const bool inter = c.inter.fabric != cluster::InterFabric::None;
     // The NIC bandwidth one device has: the node's NICs shared by its devices.
     const double nic_gbps = inter && c.devices_per_node > 0
@@ -103,7 +131,7 @@ void list_clusters(nlohmann::json* out) {
                           {"devices_per_node", c.devices_per_node},
                           {"intra_node_bw_bytes_per_s", c.intra.bw_bytes_per_s.value},
                           {"inter_node_fabric", to_string(c.inter.fabric)}};
-      if (inter) {
+      if (inter && c.inter.torus_dims.empty()) {  // (a switched network's: a torus has no NICs)
         j["nic_bw_bytes_per_s"] = c.inter.nic_bw_bytes_per_s.value;
         j["nics_per_node"] = c.inter.nics_per_node;
         j["oversubscription"] = c.inter.oversubscription.value;
@@ -123,7 +151,13 @@ void list_devices(nlohmann::json* out) {
   t.align_left(0);
   t.align_left(1);
   for (const auto& name : cluster::list_devices()) {
-    const cluster::DeviceSpec d = cluster::load_device(name);
+    cluster::DeviceSpec d;
+    try {
+      d = cluster::load_device(name);
+    } catch (const InputError& e) {
+      t.add_row(unreadable_row(name, 7, e));
+      continue;
+    }
     const auto [peak, precision] = headline_peak(d);
     // (Three figures: a CPU rank's are a thousandth of a GPU's.)
     t.add_row({name, d.display_name,
@@ -199,6 +233,11 @@ int cmd_list(const std::vector<std::string>& args) {
   if (json_out) {
     out["details"] = details;
     std::cout << json_text(out, 2) << "\n";
+  }
+  if (!g_unreadable.empty()) {
+    throw InputError(fmt::format("{} file{} did not load:\n  {}", g_unreadable.size(),
+                                 g_unreadable.size() == 1 ? "" : "s",
+                                 fmt::join(g_unreadable, "\n  ")));
   }
   return 0;
 }

@@ -374,6 +374,10 @@ int cmd_plan(const std::vector<std::string>& args) {
         fmt::format("--objective: expected time, cost or time-to-train, got \"{}\"", objective));
   }
   const double train_tokens = training_tokens(vm);
+  if (vm.count("price-per-gpu-hour") && train_tokens <= 0 && objective != "cost") {
+    throw InputError(
+        "--price-per-gpu-hour: only with --tokens (the cost to train) or --objective cost");
+  }
   const TrainingGoal goal{train_tokens, &spec, cluster.devices(), reliability_from_options(vm)};
   const int top = vm["top"].as<int>();
   if (top < 1)

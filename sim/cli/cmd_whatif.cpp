@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <limits>
@@ -72,12 +73,11 @@ std::optional<double> decimal(const std::string& v) {
   if (v.empty() || v.find_first_not_of("0123456789.eE+-") != std::string::npos) {
     return std::nullopt;
   }
-  try {
-    std::size_t used = 0;
-    const double d = std::stod(v, &used);
-    if (used == v.size() && std::isfinite(d)) return d;
-  } catch (const std::exception&) {
-  }
+  // (strtod, not stod: a value too small for a double reads as one, which the axis's bounds then
+  // refuse by name, where stod would throw.)
+  char* end = nullptr;
+  const double d = std::strtod(v.c_str(), &end);
+  if (end == v.c_str() + v.size() && std::isfinite(d)) return d;
   return std::nullopt;
 }
 
@@ -366,8 +366,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
                              : std::nullopt;
   // The model and cluster of the points that do not vary them: a --fixed-plan file's (dtsim plan
   // --out) where --model and --cluster are not given.
-  const std::string default_model = data_argument(vm, "model");
-  const std::string default_cluster = data_argument(vm, "cluster");
+  const std::string default_model =
+      varied("model") ? vm["model"].as<std::string>() : data_argument(vm, "model");
+  const std::string default_cluster =
+      varied("cluster") ? vm["cluster"].as<std::string>() : data_argument(vm, "cluster");
   auto global_batch = global_batch_from_options(vm);
   const bool batch_varied = varied("global_batch");
   // A fixed plan's own global batch, unless given or varied.
@@ -385,6 +387,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
         vm.count("global-batch") ? "global-batch" : "global-batch-size"));
   }
   const double tokens = training_tokens(vm);
+  if (vm.count("price-per-gpu-hour") && tokens <= 0) {
+    throw InputError("--price-per-gpu-hour: only with --tokens (the cost to train)");
+  }
   const plan::Reliability reliability = reliability_from_options(vm);
   std::vector<std::string> reliability_axes;
   for (const Axis& a : axes) {
@@ -513,6 +518,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
     // Where the point's cluster sets its device's efficiencies itself (selene's 2022 GEMM rate):
     // simulate's note, which tells two clusters of one device and one plan apart.
     std::string own_efficiency;
+    // The point's cluster has not its gpus (the row's invalid says why).
+    bool gpus_missing = false;
     // Where the point's nodes are more than its cluster's file has: "the cluster's file has N
     // nodes".
     std::string grown;
@@ -571,24 +578,32 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
     if (point.count("gpus")) {
       const auto gpus = static_cast<std::int64_t>(number("gpus", point.at("gpus"), true));
+      row.gpus = gpus;  // (shown where the cluster cannot have them)
       try {
         c = with_devices_for(c, gpus, fmt::format("--vary gpus={}", point.at("gpus")));
       } catch (const InputError& e) {
         // A count that another point's cluster has: this point's row says why it has none (a
         // count no point's cluster has ends the run, below).
         row.valid_candidates = false;
+        row.gpus_missing = true;
         row.invalid = e.what();
         return core;
       }
     } else if (point.count("nodes")) {
       const auto nodes = static_cast<std::int64_t>(number("nodes", point.at("nodes"), true));
       const std::int64_t own = c.nodes;
-      row.gpus = nodes * c.node_size();  // (shown where the cluster cannot have them)
+      // (Shown where the cluster cannot have them; 0 past what a cluster may hold.)
+      row.gpus = nodes <= cluster::kMaxDevices / c.node_size() ? nodes * c.node_size() : 0;
       try {
         c = cluster::with_nodes(c, nodes);
       } catch (const InputError& e) {
+        // (Fewer nodes are --gpus's: its messages without their flag.)
+        std::string why = e.what();
+        if (why.rfind("--gpus ", 0) == 0 && why.find(": ") != std::string::npos) {
+          why = why.substr(why.find(": ") + 2);
+        }
         row.valid_candidates = false;
-        row.invalid = fmt::format("--vary nodes={}: {}", point.at("nodes"), e.what());
+        row.invalid = fmt::format("--vary nodes={}: {}", point.at("nodes"), why);
         return core;
       }
       if (nodes > own) {
@@ -849,6 +864,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                   {"unpriced", r.unpriced},
                                   {"own_efficiency", r.own_efficiency},
                                   {"grown", r.grown},
+                                  {"gpus_missing", r.gpus_missing},
                                   {"catalog_efficiency", r.catalog_efficiency},
                                   {"network_unused", r.network_unused},
                                   {"valid", r.valid_candidates},
@@ -896,6 +912,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       r.unpriced = j.at("unpriced").get<std::string>();
       r.own_efficiency = j.at("own_efficiency").get<std::string>();
       r.grown = j.at("grown").get<std::string>();
+      r.gpus_missing = j.at("gpus_missing").get<bool>();
       r.catalog_efficiency = j.at("catalog_efficiency").get<bool>();
       r.network_unused = j.at("network_unused").get<bool>();
       r.valid_candidates = j.at("valid").get<bool>();
@@ -908,11 +925,18 @@ int cmd_whatif(const std::vector<std::string>& args) {
                     first_error->at("error").get<std::string>());
     }
   }
-  // No point valid (a fixed plan valid at none, GPUs that no cluster has): nothing to compare
-  // (the first point's reason).
+  // No point valid (a fixed plan valid at none): nothing to compare (the first point's reason).
   if (!rows.empty() &&
       std::all_of(rows.begin(), rows.end(), [](const Row& r) { return !r.invalid.empty(); })) {
     throw InputError(rows.front().invalid);
+  }
+  // A GPU count that no point's cluster has is a mistake, not a point (the first such reason).
+  if (varied("gpus")) {
+    std::map<std::string, bool> anywhere;  // gpus value: some point's cluster has it
+    for (const Row& r : rows) anywhere[r.point.at("gpus")] |= !r.gpus_missing;
+    for (const Row& r : rows) {
+      if (r.gpus_missing && !anywhere.at(r.point.at("gpus"))) throw InputError(r.invalid);
+    }
   }
   // Scaling efficiency: tokens/s per GPU against the first point that has a plan that fits of the
   // same model (another model's tokens are other work: GPT-2's against Mixtral's read 39x), and
@@ -930,8 +954,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
   }
   auto group_of = [&](const Row& r) {
+    // ("llama3-8b with nic_gbps=400, device=h100-sxm": notes name a group so.)
     std::string group = model_of(r);
-    for (const auto& key : baseline_keys) group += fmt::format(" {}={}", key, r.point.at(key));
+    for (std::size_t i = 0; i < baseline_keys.size(); ++i) {
+      group += fmt::format("{} {}={}", i == 0 ? " with" : ",", baseline_keys[i],
+                           r.point.at(baseline_keys[i]));
+    }
     return group;
   };
   std::map<std::string, double> base;
@@ -957,6 +985,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
                              fmt::join(dense_models, ", "),
                              dense_models.size() == 1 ? "it has" : "they have");
   }
+  // Each reason a point has no row, said once (points that differ only in reliability figures
+  // share theirs).
+  std::vector<std::string> said_invalid;
+  auto first_saying = [&](const std::string& reason) {
+    if (std::find(said_invalid.begin(), said_invalid.end(), reason) != said_invalid.end()) {
+      return false;
+    }
+    said_invalid.push_back(reason);
+    return true;
+  };
   std::vector<std::string> keys;
   for (const Axis& a : axes) keys.push_back(a.key);
   if (vm["json"].as<bool>()) {
@@ -979,7 +1017,14 @@ int cmd_whatif(const std::vector<std::string>& args) {
           point[key] = x;
         }
       }
-      nlohmann::json j = {{"point", point}, {"gpus", r.gpus}, {"found", r.found}};
+      // The point's model and cluster as given (a --vary value, or the flag's or a
+      // --fixed-plan's), whether or not they are axes: a row read alone says what it is of.
+      nlohmann::json j = {
+          {"point", point},
+          {"model", model_of(r)},
+          {"cluster", r.point.count("cluster") ? r.point.at("cluster") : default_cluster},
+          {"gpus", r.gpus},
+          {"found", r.found}};
       if (!r.found) j["valid_candidates"] = r.valid_candidates;
       if (!r.invalid.empty()) j["invalid_plan"] = r.invalid;
       if (r.found) {
@@ -1028,7 +1073,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
   if (vm["csv"].as<bool>()) {
     // (Why a fixed plan's row is empty: on stderr, as plan --csv says why nothing fits.)
     for (const Row& r : rows) {
-      if (!r.invalid.empty()) std::cerr << fmt::format("invalid here: {}\n", r.invalid);
+      if (!r.invalid.empty() && first_saying(r.invalid)) {
+        std::cerr << fmt::format("invalid here: {}\n", r.invalid);
+      }
     }
     std::cout << fmt::format(
         "{},devices,plan,step_time_s,tokens_per_s,mfu,scaling_efficiency,"
@@ -1074,8 +1121,13 @@ int cmd_whatif(const std::vector<std::string>& args) {
   // Per-GPU throughput against the first point: a scaling efficiency where the points' devices
   // differ; where they do not (a faster network, another sequence length) only a ratio, which
   // may well exceed 100%.
-  const bool devices_vary = std::any_of(rows.begin(), rows.end(),
-                                        [&](const Row& r) { return r.gpus != rows.front().gpus; });
+  // (Rows without a plan left out: their counts were never run.)
+  std::vector<std::int64_t> run_counts;
+  for (const Row& r : rows) {
+    if (r.invalid.empty()) run_counts.push_back(r.gpus);
+  }
+  const bool devices_vary = std::any_of(run_counts.begin(), run_counts.end(),
+                                        [&](std::int64_t g) { return g != run_counts.front(); });
   const char* ratio = devices_vary ? "scaling" : "per GPU";
   for (const char* h : {"step", "tokens/s", "MFU", ratio, "Amdahl"}) headers.push_back(h);
   if (stragglers) headers.push_back("stragglers");
@@ -1133,7 +1185,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
   // Where "vs first" is not simply the first row: a group whose first point has no plan that
   // fits, or several groups.
   std::map<std::string, bool> first_fits;
-  for (const Row& r : rows) first_fits.try_emplace(group_of(r), r.found && r.fits);
+  for (const Row& r : rows) {
+    if (r.invalid.empty()) first_fits.try_emplace(group_of(r), r.found && r.fits);
+  }
   std::vector<std::string> none_fit;
   for (const auto& [group, fits] : first_fits) {
     if (!base.count(group)) none_fit.push_back(group);
@@ -1164,7 +1218,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
                  "plan at that point names the constraints)\n";
   }
   for (const Row& r : rows) {
-    if (!r.invalid.empty()) std::cout << fmt::format("(invalid here: {})\n", r.invalid);
+    if (!r.invalid.empty() && first_saying(r.invalid)) {
+      std::cout << fmt::format("(invalid here: {})\n", r.invalid);
+    }
   }
   if (stragglers) {
     std::cout << "(stragglers: what the straggler model adds to the step, against the same plan "

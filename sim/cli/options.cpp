@@ -323,11 +323,15 @@ bool same_data_file(std::string_view key, const std::string& a, const std::strin
 
 }  // namespace
 
-const nlohmann::json& plan_file_json(const std::string& path) {
-  // Parsed once per process: a pipe (--plan <(...), /dev/stdin) reads once.
-  static std::map<std::string, nlohmann::json> read;
-  auto it = read.find(path);
-  if (it == read.end()) it = read.emplace(path, JsonReader::parse_file(path)).first;
+nlohmann::json plan_file_json(const std::string& path) {
+  // A pipe (--plan <(...), /dev/stdin) can be read once: its JSON is kept for the process. A
+  // regular file is read each time, as it is now (a command run twice in one process, as the
+  // tests do, may find it rewritten).
+  static std::map<std::string, nlohmann::json> piped;
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(path, ec)) return JsonReader::parse_file(path);
+  auto it = piped.find(path);
+  if (it == piped.end()) it = piped.emplace(path, JsonReader::parse_file(path)).first;
   return it->second;
 }
 
@@ -340,9 +344,16 @@ std::string data_argument(const po::variables_map& vm, const char* key) {
   const char* flag = vm.count("plan") ? "plan" : vm.count("fixed-plan") ? "fixed-plan" : nullptr;
   if (!flag) return given;
   const std::string file = vm[flag].as<std::string>();
-  const nlohmann::json& j = plan_file_json(file);
+  const nlohmann::json j = plan_file_json(file);
   if (!j.is_object() || !j.contains(key)) return given;
-  const std::string named = JsonReader(j, file).string(key);
+  std::string named = JsonReader(j, file).string(key);
+  // A relative path in the file is relative to the file's folder (dtsim plan --out writes
+  // absolute ones; one written by hand beside its model reads the same from any folder).
+  const std::filesystem::path named_path(named);
+  if ((named.find('/') != std::string::npos || named.ends_with(".json")) &&
+      named_path.is_relative()) {
+    named = (std::filesystem::path(file).parent_path() / named_path).lexically_normal().string();
+  }
   if (vm[key].defaulted()) {
     try {
       resolve_data_file(key, data_dir_of(key), named);
@@ -360,11 +371,23 @@ std::string data_argument(const po::variables_map& vm, const char* key) {
 
 std::string data_reference(std::string_view key, const std::string& given) {
   const auto file = resolve_data_file(key, data_dir_of(key), given);
-  // A name stays a name; a file is named by its absolute path, which reads the same from any
-  // folder.
-  if (file.parent_path().filename() == data_dir_of(key) && file.stem() == given) return given;
   std::error_code ec;
   const auto absolute = std::filesystem::weakly_canonical(file, ec);
+  // A shipped one by its name (given so, or by its path in models/ or topologies/), which reads
+  // the same in another checkout; another file by its absolute path.
+  const std::string stem = file.stem().string();
+  if (!ec) {
+    try {
+      std::error_code shipped_ec;
+      if (std::filesystem::weakly_canonical(resolve_data_file(key, data_dir_of(key), stem),
+                                            shipped_ec) == absolute &&
+          !shipped_ec) {
+        return stem;
+      }
+    } catch (const InputError&) {
+      // (no shipped one of that name)
+    }
+  }
   return (ec ? std::filesystem::absolute(file) : absolute).string();
 }
 
@@ -539,22 +562,28 @@ double training_tokens(const po::variables_map& vm) {
 
 void set_reliability(plan::Reliability& r, const std::string& key, double value,
                      const std::string& what) {
-  // A bandwidth in GB/s as bytes/s: finite and positive in either unit (1e300 GB/s overflows
-  // bytes/s to infinity, which printed as "inf GB/s" and priced checkpoints at 0 s).
+  // Every figure within a cluster file's bounds (kSmallestFigure to kLargestFigure): finite in
+  // the model's units too, and its results finite (1e300 GB/s overflowed bytes/s to infinity,
+  // pricing checkpoints at 0 s; 1e-320 interruptions an hour made the job's MTBF infinite).
+  const bool within = std::isfinite(value) && value >= kSmallestFigure && value <= kLargestFigure;
   auto bandwidth = [&] {
-    if (!(std::isfinite(value) && value > 0 && std::isfinite(value * 1e9))) {
+    if (!within) {
       throw InputError(
-          fmt::format("{}: expected a finite positive bandwidth, got {} (GB/s)", what, value));
+          fmt::format("{}: expected a finite positive bandwidth, got {} (GB/s, from "
+                      "{:g} to {:g})",
+                      what, value, kSmallestFigure, kLargestFigure));
     }
     return value * 1e9;
   };
   if (key == "interruptions_per_gpu_hour") {
-    if (!(std::isfinite(value) && value > 0)) {
-      throw InputError(fmt::format("{}: expected a finite positive rate, got {}", what, value));
+    if (!within) {
+      throw InputError(
+          fmt::format("{}: expected a finite positive rate, got {} (from {:g} to {:g})", what,
+                      value, kSmallestFigure, kLargestFigure));
     }
     r.interruptions_per_device_hour = value;
   } else if (key == "restart_minutes") {
-    if (!(std::isfinite(value) && value >= 0)) {
+    if (!(std::isfinite(value) && value >= 0 && value <= kLargestFigure)) {
       throw InputError(fmt::format("{}: expected a finite number >= 0, got {}", what, value));
     }
     r.restart_s = value * 60;

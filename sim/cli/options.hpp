@@ -127,9 +127,10 @@ void check_writable(const std::string& path, const std::string& flag);
 // what the --plan (or --fixed-plan) file names, which dtsim plan --out writes; a note on stderr
 // where both are given and name other files.
 std::string data_argument(const po::variables_map& vm, const char* key);
-// A plan file's JSON (--plan, --fixed-plan), read once per process however often the options
-// ask (a pipe can be read once), and the plan it holds (plan::plan_from_json).
-const nlohmann::json& plan_file_json(const std::string& path);
+// A plan file's JSON (--plan, --fixed-plan), and the plan it holds (plan::plan_from_json): a pipe
+// is read once per process however often the options ask (it can be read once), a regular file
+// each time.
+nlohmann::json plan_file_json(const std::string& path);
 plan::Plan load_plan_file(const std::string& path);
 // How a plan file names the model or cluster (`key`) that `given` names: a shipped one by its
 // name, a file by its absolute path (InputError where it names none).

@@ -103,7 +103,7 @@ TEST_CASE("a malformed represents list is rejected naming the event",
     {"ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 1, "args": {"task": 0}}]})");
   DTSIM_REQUIRE_THROWS_CONTAINING(
       dtsim::report::read_trace(p.path()), InputError,
-      "bad_rep.json: traceEvents[0].args.represents: expected integer ranks");
+      "bad_rep.json: traceEvents[0].args.represents: expected ranks from 0 to 16777215, got \"a\"");
 }
 
 TEST_CASE("a negative rank or task id is rejected naming the event",
