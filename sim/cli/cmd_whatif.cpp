@@ -208,28 +208,65 @@ Identity axis_identity(const std::string& key, const std::string& v) {
   return {v};
 }
 
-Axis parse_vary(const std::string& text) {
+// One --vary: a key and its values, or keys varied together ("cluster:gpus=a:512,b:1024": each
+// value a tuple, which the points take as one).
+struct Vary {
+  std::vector<std::string> keys;
+  std::vector<std::vector<std::string>> tuples;
+};
+
+// Splits `text` at `sep`, keeping empty parts (getline drops a trailing one).
+std::vector<std::string> split_keeping(const std::string& text, char sep) {
+  std::vector<std::string> parts(1);
+  for (const char c : text) {
+    if (c == sep) {
+      parts.emplace_back();
+    } else {
+      parts.back() += c;
+    }
+  }
+  return parts;
+}
+
+Vary parse_vary(const std::string& text) {
   const auto eq = text.find('=');
   if (eq == std::string::npos || eq + 1 >= text.size()) {
     throw InputError(
         fmt::format("--vary {}: expected KEY=V1,V2,... (keys: {})", text, fmt::join(kKeys, ", ")));
   }
-  Axis a;
-  a.key = text.substr(0, eq);
-  if (std::find(kKeys.begin(), kKeys.end(), a.key) == kKeys.end()) {
-    throw InputError(fmt::format("--vary {}: unknown key \"{}\" (keys: {})", text, a.key,
-                                 fmt::join(kKeys, ", ")));
+  Vary a;
+  a.keys = split_keeping(text.substr(0, eq), ':');
+  for (const auto& key : a.keys) {
+    if (std::find(kKeys.begin(), kKeys.end(), key) == kKeys.end()) {
+      throw InputError(fmt::format("--vary {}: unknown key \"{}\" (keys: {})", text, key,
+                                   fmt::join(kKeys, ", ")));
+    }
+    if (std::count(a.keys.begin(), a.keys.end(), key) > 1) {
+      throw InputError(fmt::format("--vary {}: key \"{}\" given twice", text, key));
+    }
   }
-  // (getline does not yield the empty value after a trailing comma.)
-  if (text.back() == ',') throw InputError(fmt::format("--vary {}: empty value", text));
-  std::stringstream ss(text.substr(eq + 1));
-  std::string v;
   std::vector<std::string> given, identities;  // the texts and what they stand for
-  while (std::getline(ss, v, ',')) {
+  for (const std::string& v : split_keeping(text.substr(eq + 1), ',')) {
     if (v.empty()) throw InputError(fmt::format("--vary {}: empty value", text));
-    const Identity identity = axis_identity(a.key, v);
+    const std::vector<std::string> parts =
+        a.keys.size() > 1 ? split_keeping(v, ':') : std::vector<std::string>{v};
+    if (parts.size() != a.keys.size()) {
+      throw InputError(
+          fmt::format("--vary {}: {}: expected {} values joined by ':', one for "
+                      "each of {}",
+                      text, v, a.keys.size(), fmt::join(a.keys, ", ")));
+    }
+    std::vector<std::string> tuple, identity_texts;
+    for (std::size_t k = 0; k < parts.size(); ++k) {
+      if (parts[k].empty()) throw InputError(fmt::format("--vary {}: empty value", text));
+      const Identity identity = axis_identity(a.keys[k], parts[k]);
+      // A number as it reads; a name or path as given (the rows show what the user wrote).
+      tuple.push_back(identity.number ? identity.text : parts[k]);
+      identity_texts.push_back(identity.text);
+    }
+    const std::string identity = fmt::format("{}", fmt::join(identity_texts, "\x1f"));
     for (std::size_t i = 0; i < given.size(); ++i) {
-      if (given[i] == v || identities[i] == identity.text) {
+      if (given[i] == v || identities[i] == identity) {
         throw InputError(
             given[i] == v
                 ? fmt::format("--vary {}: {} given twice (its rows would be the same)", text, v)
@@ -238,10 +275,9 @@ Axis parse_vary(const std::string& text) {
                               text, given[i], v));
       }
     }
-    // A number as it reads; a name or path as given (the rows show what the user wrote).
-    a.values.push_back(identity.number ? identity.text : v);
+    a.tuples.push_back(std::move(tuple));
     given.push_back(v);
-    identities.push_back(identity.text);
+    identities.push_back(identity);
   }
   return a;
 }
@@ -254,7 +290,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
   add_model_options(desc, /*with_cluster=*/true, "--fixed-plan");
   desc.add_options()(
       "vary", po::value<std::vector<std::string>>()->composing(),
-      "KEY=V1,V2,... (repeatable; every combination is a point). Keys: gpus, nodes (whole nodes; "
+      "KEY=V1,V2,... (repeatable; every combination is a point; KEY1:KEY2=A1:B1,A2:B2 varies "
+      "keys together, a point per tuple). Keys: gpus, nodes (whole nodes; "
       "more than the cluster's file has: a larger fat tree or rail-optimized cluster of the same "
       "nodes and leaves), device, cluster, "
       "nic_gbps (per NIC), latency_us (inter-node), oversubscription, global_batch, seq_len, "
@@ -320,18 +357,30 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
     }
   }
+  // The --vary's as given, and each key with its values (in their order, once each).
+  std::vector<Vary> varies;
   std::vector<Axis> axes;
   for (const auto& v : vm["vary"].as<std::vector<std::string>>()) {
-    Axis a = parse_vary(v);
-    for (const Axis& b : axes) {
-      if (b.key == a.key) {
-        throw InputError(
-            fmt::format("--vary {}: key \"{}\" is already varied; give all its values in one "
-                        "--vary {}=V1,V2,...",
-                        v, a.key, a.key));
+    Vary g = parse_vary(v);
+    for (std::size_t k = 0; k < g.keys.size(); ++k) {
+      const std::string& key = g.keys[k];
+      for (const Axis& b : axes) {
+        if (b.key == key) {
+          throw InputError(
+              fmt::format("--vary {}: key \"{}\" is already varied; give all its values in one "
+                          "--vary {}=V1,V2,...",
+                          v, key, key));
+        }
       }
+      Axis a{key, {}};
+      for (const auto& tuple : g.tuples) {
+        if (std::find(a.values.begin(), a.values.end(), tuple[k]) == a.values.end()) {
+          a.values.push_back(tuple[k]);
+        }
+      }
+      axes.push_back(std::move(a));
     }
-    axes.push_back(std::move(a));
+    varies.push_back(std::move(g));
   }
   auto varied = [&](const char* key) {
     return std::any_of(axes.begin(), axes.end(), [&](const Axis& a) { return a.key == key; });
@@ -467,14 +516,14 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
   }
 
-  // Every combination, first axis slowest.
+  // Every combination, first --vary slowest (keys varied together as one).
   std::vector<std::map<std::string, std::string>> points(1);
-  for (const Axis& a : axes) {
+  for (const Vary& g : varies) {
     std::vector<std::map<std::string, std::string>> next;
     for (const auto& p : points) {
-      for (const auto& v : a.values) {
+      for (const auto& tuple : g.tuples) {
         auto q = p;
-        q[a.key] = v;
+        for (std::size_t k = 0; k < g.keys.size(); ++k) q[g.keys[k]] = tuple[k];
         next.push_back(q);
       }
     }
