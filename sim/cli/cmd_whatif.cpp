@@ -18,7 +18,6 @@
 #include "sim/cli/isolated.hpp"
 #include "sim/cli/mpi_split.hpp"
 #include "sim/cli/options.hpp"
-#include "sim/common/data_files.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/json_reader.hpp"
 #include "sim/common/units.hpp"
@@ -52,21 +51,6 @@ struct Axis {
   std::vector<std::string> values;
 };
 
-// A value of --vary jitter_cv or rank_spread_cv (`key`): a fraction in [0, 1).
-double spread_value(const std::string& key, const std::string& v) {
-  std::size_t used = 0;
-  double cv = -1;
-  try {
-    cv = std::stod(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != v.size()) {
-    throw InputError(fmt::format("--vary {}={}: expected a fraction in [0, 1)", key, v));
-  }
-  return checked_jitter(cv, fmt::format("--vary {}={}", key, v));
-}
-
 // A value's text as a finite decimal number, all of it; nullopt where it is not one (std::stod
 // also reads hexadecimal, which the plan flags do not take).
 std::optional<double> decimal(const std::string& v) {
@@ -79,6 +63,13 @@ std::optional<double> decimal(const std::string& v) {
   const double d = std::strtod(v.c_str(), &end);
   if (end == v.c_str() + v.size() && std::isfinite(d)) return d;
   return std::nullopt;
+}
+
+// A value of --vary jitter_cv or rank_spread_cv (`key`): a fraction in [0, 1).
+double spread_value(const std::string& key, const std::string& v) {
+  const std::optional<double> cv = decimal(v);
+  if (!cv) throw InputError(fmt::format("--vary {}={}: expected a fraction in [0, 1)", key, v));
+  return checked_jitter(*cv, fmt::format("--vary {}={}", key, v));
 }
 
 double number(const std::string& key, const std::string& v, bool integer) {
@@ -100,20 +91,23 @@ bool is_reliability_key(const std::string& key) {
   return std::find(kReliabilityKeys.begin(), kReliabilityKeys.end(), key) != kReliabilityKeys.end();
 }
 
-// A value of a reliability axis, in its flag's unit and checked as the flag's value is;
+// Sets a reliability axis's value on `r`, in its flag's unit and checked as the flag's value is;
 // checkpoint_async_gbs_per_gpu also takes "sync" (synchronous checkpoints, as without the
-// flag): nullopt.
-std::optional<double> reliability_value(const std::string& key, const std::string& v) {
+// flag). Returns the number (nullopt: sync).
+std::optional<double> set_reliability_value(plan::Reliability& r, const std::string& key,
+                                            const std::string& v) {
   const bool asynchronous = key == "checkpoint_async_gbs_per_gpu";
-  if (asynchronous && v == "sync") return std::nullopt;
+  if (asynchronous && v == "sync") {
+    r.checkpoint_snapshot_bytes_per_s_per_device.reset();
+    return std::nullopt;
+  }
   const std::string what = fmt::format("--vary {}={}", key, v);
   const std::optional<double> d = decimal(v);
   if (!d) {
     throw InputError(fmt::format("{}: expected a number{}", what,
                                  asynchronous ? " (GB/s) or sync (synchronous checkpoints)" : ""));
   }
-  plan::Reliability checked;
-  set_reliability(checked, key, *d, what);
+  set_reliability(r, key, *d, what);
   return d;
 }
 
@@ -121,12 +115,7 @@ std::optional<double> reliability_value(const std::string& key, const std::strin
 plan::Reliability reliability_at(plan::Reliability r,
                                  const std::map<std::string, std::string>& point) {
   for (const auto& [key, v] : point) {
-    if (!is_reliability_key(key)) continue;
-    if (const auto d = reliability_value(key, v)) {
-      set_reliability(r, key, *d, fmt::format("--vary {}={}", key, v));
-    } else {
-      r.checkpoint_snapshot_bytes_per_s_per_device.reset();
-    }
+    if (is_reliability_key(key)) set_reliability_value(r, key, v);
   }
   return r;
 }
@@ -178,7 +167,8 @@ struct Identity {
 // else the text.
 Identity axis_identity(const std::string& key, const std::string& v) {
   if (is_reliability_key(key)) {
-    const auto x = reliability_value(key, v);
+    plan::Reliability checked;
+    const auto x = set_reliability_value(checked, key, v);
     return x ? Identity{fmt::format("{}", *x == 0 ? 0.0 : *x), true} : Identity{"sync"};
   }
   if (const auto x = axis_number(key, v)) {
@@ -190,10 +180,7 @@ Identity axis_identity(const std::string& key, const std::string& v) {
   // models/tiny-gpt.json are one).
   if (key == "model" || key == "cluster") {
     try {
-      const auto file = resolve_data_file(key, key == "model" ? "models" : "topologies", v);
-      std::error_code ec;
-      const auto canonical = std::filesystem::weakly_canonical(file, ec);
-      return {(ec ? file : canonical).string()};
+      return {data_file(key, v).string()};
     } catch (const InputError& e) {
       throw InputError(fmt::format("--vary {}={}: {}", key, v, e.what()));
     }
@@ -1034,14 +1021,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
                              fmt::join(dense_models, ", "),
                              dense_models.size() == 1 ? "it has" : "they have");
   }
-  // Each reason a point has no row, said once (points that differ only in reliability figures
-  // share theirs).
-  std::vector<std::string> said_invalid;
-  auto first_saying = [&](const std::string& reason) {
-    if (std::find(said_invalid.begin(), said_invalid.end(), reason) != said_invalid.end()) {
-      return false;
-    }
-    said_invalid.push_back(reason);
+  // Each line under the table once (a reason a point has no row, a cluster's note: points
+  // that differ only in reliability figures, or share a cluster, share theirs).
+  std::vector<std::string> said;
+  auto first_saying = [&](const std::string& text) {
+    if (std::find(said.begin(), said.end(), text) != said.end()) return false;
+    said.push_back(text);
     return true;
   };
   std::vector<std::string> keys;
@@ -1308,30 +1293,20 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
     }
     for (const auto& [cluster, nodes] : grown) {
+      // (Grown: more nodes than the file's, at least 2.)
       std::cout << fmt::format(
-          "(nodes: {}; {} node{} are more of its nodes in more leaves of its size and "
+          "(nodes: {}; {} nodes are more of its nodes in more leaves of its size and "
           "oversubscription: a hypothetical cluster)\n",
-          cluster, fmt::join(nodes, ", "), nodes.size() == 1 && nodes.front() == "1" ? "" : "s");
+          cluster, fmt::join(nodes, ", "));
     }
   }
-  {
-    std::vector<std::string> said;
-    for (const Row& r : rows) {
-      if (!r.own_efficiency.empty() &&
-          std::find(said.begin(), said.end(), r.own_efficiency) == said.end()) {
-        said.push_back(r.own_efficiency);
-        std::cout << fmt::format("(device: {})\n", r.own_efficiency);
-      }
-    }
+  for (const Row& r : rows) {
+    const std::string line = fmt::format("(device: {})", r.own_efficiency);
+    if (!r.own_efficiency.empty() && first_saying(line)) std::cout << line << "\n";
   }
-  if (tokens > 0) {
-    std::vector<std::string> unpriced;
-    for (const Row& r : rows) {
-      if (!r.unpriced.empty() &&
-          std::find(unpriced.begin(), unpriced.end(), r.unpriced) == unpriced.end()) {
-        unpriced.push_back(r.unpriced);
-        std::cout << unpriced_note(r.unpriced) << "\n";
-      }
+  for (const Row& r : rows) {
+    if (tokens > 0 && !r.unpriced.empty() && first_saying(unpriced_note(r.unpriced))) {
+      std::cout << unpriced_note(r.unpriced) << "\n";
     }
   }
   if (std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.catalog_efficiency; })) {

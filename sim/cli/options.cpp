@@ -300,22 +300,20 @@ void check_writable(const std::string& path, const std::string& flag) {
   }
 }
 
-namespace {
-
-// --model's and --cluster's data folders.
-std::string_view data_dir_of(std::string_view key) {
-  return key == "model" ? "models" : "topologies";
+std::filesystem::path data_file(std::string_view key, const std::string& value) {
+  const auto file = resolve_data_file(key, key == "model" ? "models" : "topologies", value);
+  std::error_code ec;
+  const auto canonical = std::filesystem::weakly_canonical(file, ec);
+  return ec ? file : canonical;
 }
+
+namespace {
 
 // Whether two --model (or --cluster) values name one file; false where either names none.
 bool same_data_file(std::string_view key, const std::string& a, const std::string& b) {
   if (a == b) return true;
   try {
-    const auto fa = resolve_data_file(key, data_dir_of(key), a);
-    const auto fb = resolve_data_file(key, data_dir_of(key), b);
-    std::error_code ea, eb;
-    return std::filesystem::weakly_canonical(fa, ea) == std::filesystem::weakly_canonical(fb, eb) &&
-           !ea && !eb;
+    return data_file(key, a) == data_file(key, b);
   } catch (const InputError&) {
     return false;
   }
@@ -356,7 +354,7 @@ std::string data_argument(const po::variables_map& vm, const char* key) {
   }
   if (vm[key].defaulted()) {
     try {
-      resolve_data_file(key, data_dir_of(key), named);
+      data_file(key, named);
     } catch (const InputError& e) {
       throw InputError(fmt::format("{}: {}: {} (or give --{})", file, key, e.what(), key));
     }
@@ -370,25 +368,16 @@ std::string data_argument(const po::variables_map& vm, const char* key) {
 }
 
 std::string data_reference(std::string_view key, const std::string& given) {
-  const auto file = resolve_data_file(key, data_dir_of(key), given);
-  std::error_code ec;
-  const auto absolute = std::filesystem::weakly_canonical(file, ec);
+  const std::filesystem::path file = std::filesystem::absolute(data_file(key, given));
   // A shipped one by its name (given so, or by its path in models/ or topologies/), which reads
   // the same in another checkout; another file by its absolute path.
   const std::string stem = file.stem().string();
-  if (!ec) {
-    try {
-      std::error_code shipped_ec;
-      if (std::filesystem::weakly_canonical(resolve_data_file(key, data_dir_of(key), stem),
-                                            shipped_ec) == absolute &&
-          !shipped_ec) {
-        return stem;
-      }
-    } catch (const InputError&) {
-      // (no shipped one of that name)
-    }
+  try {
+    if (std::filesystem::absolute(data_file(key, stem)) == file) return stem;
+  } catch (const InputError&) {
+    // (no shipped one of that name)
   }
-  return (ec ? std::filesystem::absolute(file) : absolute).string();
+  return file.string();
 }
 
 model::ModelSpec model_from_options(const po::variables_map& vm) {

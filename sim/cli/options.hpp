@@ -4,6 +4,7 @@
 
 #include <array>
 #include <boost/program_options.hpp>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -132,6 +133,9 @@ std::string data_argument(const po::variables_map& vm, const char* key);
 // each time.
 nlohmann::json plan_file_json(const std::string& path);
 plan::Plan load_plan_file(const std::string& path);
+// The file a --model or --cluster value (`key`) names, canonical where it can be (tiny-gpt and
+// models/tiny-gpt.json are one); InputError where it names none.
+std::filesystem::path data_file(std::string_view key, const std::string& value);
 // How a plan file names the model or cluster (`key`) that `given` names: a shipped one by its
 // name, a file by its absolute path (InputError where it names none).
 std::string data_reference(std::string_view key, const std::string& given);

@@ -19,18 +19,25 @@ std::string json_text(const json& value, int indent) {
   return value.dump(indent, ' ', false, json::error_handler_t::replace);
 }
 
-std::string brief_json(const json& value) {
+namespace {
+
+// A value's text, cut to `most` characters with "..." where longer.
+std::string cut_json(const json& value, std::size_t most) {
   std::string text = json_text(value);
-  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  if (text.size() > most) text = text.substr(0, most - 3) + "...";
   return text;
+}
+
+}  // namespace
+
+std::string brief_json(const json& value) {
+  return cut_json(value, 60);
 }
 
 std::string describe_json_value(const json& value) {
   if (value.is_object()) return "an object";
   if (value.is_array()) return "an array";
-  std::string text = json_text(value);
-  if (text.size() > 40) text = text.substr(0, 37) + "...";
-  return text;
+  return cut_json(value, 40);
 }
 
 JsonReader::JsonReader(const json& object, std::string file, std::string path)
