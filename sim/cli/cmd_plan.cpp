@@ -374,10 +374,6 @@ int cmd_plan(const std::vector<std::string>& args) {
         fmt::format("--objective: expected time, cost or time-to-train, got \"{}\"", objective));
   }
   const double train_tokens = training_tokens(vm);
-  if (vm.count("price-per-gpu-hour") && train_tokens <= 0 && objective != "cost") {
-    throw InputError(
-        "--price-per-gpu-hour: only with --tokens (the cost to train) or --objective cost");
-  }
   const TrainingGoal goal{train_tokens, &spec, cluster.devices(), reliability_from_options(vm)};
   const int top = vm["top"].as<int>();
   if (top < 1)
@@ -600,11 +596,10 @@ int cmd_plan(const std::vector<std::string>& args) {
     // FlashAttention executes fewer FLOPs than MFU counts (simulate's note, for #1).
     if (const auto& best = result.ranked.front();
         best.refined && best.plan.attention == model::AttentionKernel::Flash &&
-        best.prediction.step_time_s > 0) {
+        best.prediction.hardware_flops > 0) {
+      // HFU's share of the peak, counted in the FLOPs executed.
       const double executed =
-          best.prediction.executed_flops /
-          (best.prediction.step_time_s * static_cast<double>(best.prediction.gpus) *
-           cluster.device.peak_flops_for(best.plan.precision));
+          best.prediction.hfu * best.prediction.executed_flops / best.prediction.hardware_flops;
       std::cout << fmt::format(
           "(MFU counts the attention core dense, as Megatron-LM's formula does; FlashAttention "
           "skips the causal mask's blocks: #1's kernels execute {:.1f}% of the peak)\n",

@@ -69,9 +69,6 @@ int cmd_simulate(const std::vector<std::string>& args) {
     return 0;
   }
   const double tokens = training_tokens(vm);
-  if (vm.count("price-per-gpu-hour") && tokens <= 0) {
-    throw InputError("--price-per-gpu-hour: only with --tokens (the cost to train)");
-  }
   const plan::Reliability reliability = reliability_from_options(vm);
   PlanSetup setup = setup_from_options(vm);
   require_symmetric_placement(setup.plan, setup.cluster);

@@ -423,9 +423,6 @@ int cmd_whatif(const std::vector<std::string>& args) {
         vm.count("global-batch") ? "global-batch" : "global-batch-size"));
   }
   const double tokens = training_tokens(vm);
-  if (vm.count("price-per-gpu-hour") && tokens <= 0) {
-    throw InputError("--price-per-gpu-hour: only with --tokens (the cost to train)");
-  }
   const plan::Reliability reliability = reliability_from_options(vm);
   std::vector<std::string> reliability_axes;
   for (const Axis& a : axes) {

@@ -512,6 +512,12 @@ void apply_price(const po::variables_map& vm, cluster::Cluster& c) {
         "--price-per-gpu-hour: expected USD per device and hour, above 0 and at most {:g}, got {}",
         kLargestFigure, usd));
   }
+  // Where nothing reads it, refused as the reliability flags are.
+  const bool objective = vm.count("objective") > 0;
+  if (!vm.count("tokens") && !(objective && vm["objective"].as<std::string>() == "cost")) {
+    throw InputError(fmt::format("--price-per-gpu-hour: only with --tokens (the cost to train){}",
+                                 objective ? " or --objective cost" : ""));
+  }
   c.price_per_device_hour_usd = Figure{usd, "--price-per-gpu-hour"};
 }
 

@@ -43,7 +43,8 @@ void add_search_space_options(po::options_description& desc);
 void search_space_from_options(const po::variables_map& vm, planner::SearchSpace& space);
 
 // Adds --price-per-gpu-hour (dtsim plan, simulate, whatif), which apply_price sets on a cluster
-// (checked: InputError naming the flag); unpriced_note says, for a table's footnote, that a
+// (checked: InputError naming the flag for a bad value, or one given where nothing reads it:
+// without --tokens or plan's --objective cost); unpriced_note says, for a table's footnote, that a
 // cluster has none.
 void add_price_option(po::options_description& desc);
 void apply_price(const po::variables_map& vm, cluster::Cluster& c);
