@@ -1060,8 +1060,20 @@ int cmd_whatif(const std::vector<std::string>& args) {
       if (!r.invalid.empty()) j["invalid_plan"] = r.invalid;
       if (r.found) {
         j["network"] = r.network;
+        // plan_spec saved alone is a plan file (dtsim simulate --plan), with the model and
+        // cluster it was made for, as plan --out writes them, and what the point changed in that
+        // cluster, which its file does not have (said where the plan file is read).
+        nlohmann::json spec = r.plan_spec;
+        spec["model"] = data_reference("model", j["model"].get<std::string>());
+        spec["cluster"] = data_reference("cluster", j["cluster"].get<std::string>());
+        nlohmann::json changes = nlohmann::json::object();
+        for (const char* key : {"device", "nic_gbps", "latency_us", "oversubscription"}) {
+          if (point.contains(key)) changes[key] = point[key];
+        }
+        if (!r.grown.empty()) changes["nodes"] = point["nodes"];
+        if (!changes.empty()) spec["cluster_changes"] = changes;
         j.update({{"plan", r.plan},
-                  {"plan_spec", r.plan_spec},
+                  {"plan_spec", spec},
                   {"fits", r.fits},
                   {"step_time_s", r.step_s},
                   {"tokens_per_s", r.tokens_per_s},

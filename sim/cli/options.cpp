@@ -1,6 +1,7 @@
 #include "sim/cli/options.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -319,6 +320,27 @@ bool same_data_file(std::string_view key, const std::string& a, const std::strin
   }
 }
 
+// A plan file from a dtsim whatif point that changed its cluster (--vary nic_gbps=800): the
+// cluster is read as its file has it (no flag sets those), which the user is told.
+void note_cluster_changes(std::string_view key, const std::string& file, const nlohmann::json& j,
+                          const std::string& cluster) {
+  // (Not an object: the plan's reading refuses it.)
+  if (key != "cluster" || !j.contains("cluster_changes") || !j.at("cluster_changes").is_object() ||
+      launcher_rank() != 0) {
+    return;
+  }
+  std::vector<std::string> changes;
+  for (const auto& [name, value] : j.at("cluster_changes").items()) {
+    changes.push_back(name + "=" +
+                      (value.is_string() ? value.get<std::string>() : json_text(value)));
+  }
+  if (changes.empty()) return;
+  std::cerr << fmt::format(
+      "note: {} was made by dtsim whatif for {} with {}; {} is read as its "
+      "file has it\n",
+      file, cluster, fmt::join(changes, ", "), cluster);
+}
+
 }  // namespace
 
 nlohmann::json plan_file_json(const std::string& path) {
@@ -358,11 +380,16 @@ std::string data_argument(const po::variables_map& vm, const char* key) {
     } catch (const InputError& e) {
       throw InputError(fmt::format("{}: {}: {} (or give --{})", file, key, e.what(), key));
     }
+    note_cluster_changes(key, file, j, named);
     return named;
   }
-  if (!same_data_file(key, given, named) && launcher_rank() == 0) {
-    std::cerr << fmt::format("note: {} was made for {} {}; --{} {} as given\n", file, key, named,
-                             key, given);
+  if (!same_data_file(key, given, named)) {
+    if (launcher_rank() == 0) {
+      std::cerr << fmt::format("note: {} was made for {} {}; --{} {} as given\n", file, key, named,
+                               key, given);
+    }
+  } else {
+    note_cluster_changes(key, file, j, named);
   }
   return given;
 }

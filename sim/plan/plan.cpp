@@ -504,10 +504,14 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "precision", "grad_precision", "comm_precision", "grad_compression", "expert_load",
                  "clip_grad", "optimizer", "layers_per_stage", "order",
                  // What dtsim plan --out made it for, which the tools take where --model and
-                 // --cluster are not given (not the plan's: read by the CLI).
-                 "model", "cluster"});
+                 // --cluster are not given, and what a whatif point changed in that cluster (not
+                 // the plan's: read by the CLI).
+                 "model", "cluster", "cluster_changes"});
   for (const char* made_for : {"model", "cluster"}) {
     if (r.has(made_for)) r.string(made_for);  // a string, or an error naming the field
+  }
+  if (r.has("cluster_changes") && !j.at("cluster_changes").is_object()) {
+    r.fail("cluster_changes", "expected an object (a whatif point's cluster values)");
   }
   Plan p;
   auto degree = [&](std::string_view key, int fallback) {

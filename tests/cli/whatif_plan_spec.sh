@@ -1,0 +1,38 @@
+#!/bin/sh
+# A whatif row's plan_spec saved alone is a plan file: dtsim simulate --plan takes the model and
+# cluster it names (a model file by its absolute path, from another folder) and predicts the
+# row's step time; where the point changed the cluster (--vary nic_gbps), reading the file says
+# that its cluster is read as its file has it.
+#   whatif_plan_spec.sh DTSIM MODELS_DIR
+set -u
+dtsim=$1
+dir=whatif_plan_spec
+rm -rf "$dir" && mkdir "$dir" || exit 1
+fail() { echo "FAIL: $*"; exit 1; }
+
+cp "$2/gpt2-124m.json" "$dir/own-gpt2.json" || exit 1
+(cd "$dir" && "$dtsim" whatif --model own-gpt2.json --cluster aws-p4d --global-batch-size 32 \
+  --seq-len 1024 --vary gpus=8,16 --vary nic_gbps=100,25 --json > rows.json 2> whatif.err) || fail "whatif"
+python3 - "$dir" <<'PY' || fail "rows"
+import json, sys
+d = sys.argv[1]
+rows = json.load(open(f"{d}/rows.json"))
+assert len(rows) == 4 and all(r["found"] for r in rows), rows
+for i, r in enumerate(rows):
+    spec = r["plan_spec"]
+    assert spec["model"].endswith(f"/{d}/own-gpt2.json") and spec["model"].startswith("/"), spec
+    assert spec["cluster"] == "aws-p4d", spec
+    assert spec["cluster_changes"] == {"nic_gbps": r["point"]["nic_gbps"]}, spec
+    json.dump(spec, open(f"{d}/spec{i}.json", "w"))
+    open(f"{d}/step{i}", "w").write(repr(r["step_time_s"]))
+PY
+for i in 0 1 2 3; do
+  "$dtsim" simulate --plan "$dir/spec$i.json" --json > "$dir/sim$i.json" 2> "$dir/err$i" || fail "simulate spec$i"
+  grep -q "spec$i.json was made by dtsim whatif for aws-p4d with nic_gbps=" "$dir/err$i" || fail "note $i"
+  python3 -c "import json, sys; s = json.load(open(sys.argv[1])); assert s['model'] == 'gpt2-124m' and s['cluster'] == 'aws-p4d', s; print(sys.argv[1], s['step_time_s'], open(sys.argv[2]).read())" "$dir/sim$i.json" "$dir/step$i" || fail "sim$i"
+done
+# aws-p4d's own NICs are 100 Gb/s: the rows at 100 are simulate's to the last digit.
+for i in 0 2; do
+  python3 -c "import json, sys; s = json.load(open(sys.argv[1])); w = float(open(sys.argv[2]).read()); assert s['step_time_s'] == w, (s['step_time_s'], w)" "$dir/sim$i.json" "$dir/step$i" || fail "step $i"
+done
+echo ok
