@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
+#include <type_traits>
 
 #include "sim/cli/commands.hpp"
 #include "sim/cli/isolated.hpp"
@@ -563,6 +564,42 @@ int cmd_whatif(const std::vector<std::string>& args) {
     bool network_unused = false;
     double memory_bytes = 0, capacity_bytes = 0;  // worst rank, device
   };
+  // A row's fields by name but its point (which rank 0 has): what a rank sends rank 0 under
+  // mpirun, written and read through this one list.
+  auto row_fields = [](auto& r, auto&& field) {
+    field("plan", r.plan);
+    field("plan_spec", r.plan_spec);
+    field("network", r.network);
+    field("gpus", r.gpus);
+    field("step", r.step_s);
+    field("tps", r.tokens_per_s);
+    field("mfu", r.mfu);
+    field("amdahl", r.max_speedup);
+    field("train", r.train_s);
+    field("cost", r.cost_usd);
+    field("energy", r.energy_kwh);
+    field("stragglers", r.straggler_cost_s);
+    field("slow_rank", r.slow_rank_cost_s);
+    field("goodput", r.goodput);
+    field("mtbf", r.job_mtbf_s);
+    field("ckpt_write", r.checkpoint_write_s);
+    field("ckpt_block", r.checkpoint_blocking_s);
+    field("ckpt_every", r.checkpoint_every_steps);
+    field("ckpt_async", r.checkpoint_async);
+    field("found", r.found);
+    field("invalid", r.invalid);
+    field("valid", r.valid_candidates);
+    field("fits", r.fits);
+    field("priceless", r.priceless);
+    field("unpriced", r.unpriced);
+    field("own_efficiency", r.own_efficiency);
+    field("gpus_missing", r.gpus_missing);
+    field("grown", r.grown);
+    field("catalog_efficiency", r.catalog_efficiency);
+    field("network_unused", r.network_unused);
+    field("memory", r.memory_bytes);
+    field("capacity", r.capacity_bytes);
+  };
   // What a point's search (or fixed plan) gives, which the points that differ only in reliability
   // figures share: the time to train with interruptions alone reads those.
   struct Core {
@@ -870,41 +907,15 @@ int cmd_whatif(const std::vector<std::string>& args) {
           -1, ' ', false, nlohmann::json::error_handler_t::replace));
       break;
     }
-    const Row& r = rows[i];
-    mine.push_back(nlohmann::json{{"i", i},
-                                  {"plan", r.plan},
-                                  {"plan_spec", r.plan_spec},
-                                  {"network", r.network},
-                                  {"gpus", r.gpus},
-                                  {"step", r.step_s},
-                                  {"tps", r.tokens_per_s},
-                                  {"mfu", r.mfu},
-                                  {"amdahl", r.max_speedup},
-                                  {"train", r.train_s},
-                                  {"goodput", r.goodput},
-                                  {"mtbf", r.job_mtbf_s},
-                                  {"ckpt_write", r.checkpoint_write_s},
-                                  {"ckpt_block", r.checkpoint_blocking_s},
-                                  {"ckpt_every", r.checkpoint_every_steps},
-                                  {"ckpt_async", r.checkpoint_async},
-                                  {"cost", r.cost_usd},
-                                  {"energy", r.energy_kwh},
-                                  {"stragglers", report::value_or_null(r.straggler_cost_s)},
-                                  {"slow_rank", report::value_or_null(r.slow_rank_cost_s)},
-                                  {"found", r.found},
-                                  {"invalid", r.invalid},
-                                  {"priceless", r.priceless},
-                                  {"unpriced", r.unpriced},
-                                  {"own_efficiency", r.own_efficiency},
-                                  {"grown", r.grown},
-                                  {"gpus_missing", r.gpus_missing},
-                                  {"catalog_efficiency", r.catalog_efficiency},
-                                  {"network_unused", r.network_unused},
-                                  {"valid", r.valid_candidates},
-                                  {"fits", r.fits},
-                                  {"memory", r.memory_bytes},
-                                  {"capacity", r.capacity_bytes}}
-                       .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    nlohmann::json sent = {{"i", i}};
+    row_fields(rows[i], [&](const char* key, const auto& value) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::optional<double>>) {
+        sent[key] = report::value_or_null(value);
+      } else {
+        sent[key] = value;
+      }
+    });
+    mine.push_back(sent.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   }
   if (split.size() > 1) {
     const std::vector<std::string> all = split.gather(mine);
@@ -920,38 +931,14 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
       Row& r = rows[j.at("i").get<std::size_t>()];
       r.point = points[j.at("i").get<std::size_t>()];
-      r.plan = j.at("plan").get<std::string>();
-      r.plan_spec = j.at("plan_spec");
-      r.network = j.at("network").get<std::string>();
-      r.gpus = j.at("gpus").get<std::int64_t>();
-      r.step_s = j.at("step").get<double>();
-      r.tokens_per_s = j.at("tps").get<double>();
-      r.mfu = j.at("mfu").get<double>();
-      r.max_speedup = j.at("amdahl").get<double>();
-      r.train_s = j.at("train").get<double>();
-      r.goodput = j.at("goodput").get<double>();
-      r.job_mtbf_s = j.at("mtbf").get<double>();
-      r.checkpoint_write_s = j.at("ckpt_write").get<double>();
-      r.checkpoint_blocking_s = j.at("ckpt_block").get<double>();
-      r.checkpoint_every_steps = j.at("ckpt_every").get<std::int64_t>();
-      r.checkpoint_async = j.at("ckpt_async").get<bool>();
-      r.cost_usd = j.at("cost").get<double>();
-      r.energy_kwh = j.at("energy").get<double>();
-      if (!j.at("stragglers").is_null()) r.straggler_cost_s = j.at("stragglers").get<double>();
-      if (!j.at("slow_rank").is_null()) r.slow_rank_cost_s = j.at("slow_rank").get<double>();
-      r.found = j.at("found").get<bool>();
-      r.invalid = j.at("invalid").get<std::string>();
-      r.priceless = j.at("priceless").get<bool>();
-      r.unpriced = j.at("unpriced").get<std::string>();
-      r.own_efficiency = j.at("own_efficiency").get<std::string>();
-      r.grown = j.at("grown").get<std::string>();
-      r.gpus_missing = j.at("gpus_missing").get<bool>();
-      r.catalog_efficiency = j.at("catalog_efficiency").get<bool>();
-      r.network_unused = j.at("network_unused").get<bool>();
-      r.valid_candidates = j.at("valid").get<bool>();
-      r.fits = j.at("fits").get<bool>();
-      r.memory_bytes = j.at("memory").get<double>();
-      r.capacity_bytes = j.at("capacity").get<double>();
+      row_fields(r, [&](const char* key, auto& value) {
+        using T = std::decay_t<decltype(value)>;
+        if constexpr (std::is_same_v<T, std::optional<double>>) {
+          value = j.at(key).is_null() ? std::nullopt : std::optional(j.at(key).get<double>());
+        } else {
+          value = j.at(key).get<T>();
+        }
+      });
     }
     if (first_error) {
       rethrow_error(first_error->at("kind").get<std::string>(),
