@@ -83,15 +83,30 @@ std::optional<std::string> resume_note(const std::string& dir, const std::string
                    "checkpoint's");
 }
 
-// A fault-injection option RANK:STEP (--fail-at, --hang-at), when given.
+// A fault-injection option RANK:STEP (--fail-at, --hang-at), when given; with `suffix`, also
+// RANK:SUFFIX (--fail-at 1:start: step 0) or RANK:STEP:SUFFIX (--hang-at 1:2:checkpoint), which
+// sets `suffixed`.
 void rank_and_step(const po::variables_map& vm, const char* key, std::int64_t ranks, int steps,
-                   int& rank, int& step) {
+                   int& rank, int& step, const char* suffix = nullptr, bool* suffixed = nullptr) {
   if (!vm.count(key)) return;
-  const std::string text = vm[key].as<std::string>();
+  std::string text = vm[key].as<std::string>();
+  const std::string given = text;
+  const std::string tail = suffix ? fmt::format(":{}", suffix) : std::string();
+  const bool at_start = suffix && std::string_view(suffix) == "start";
+  if (suffix && text.size() > tail.size() && text.ends_with(tail)) {
+    *suffixed = true;
+    text.resize(text.size() - tail.size());
+    if (at_start) text += ":0";
+  }
   char rest = 0;
-  if (std::sscanf(text.c_str(), "%d:%d%c", &rank, &step, &rest) != 2 || rank < 0 || step < 1) {
-    throw dtsim::InputError(
-        fmt::format("--{} {}: expected RANK:STEP (a rank >= 0, a step >= 1)", key, text));
+  const int lowest = suffixed && *suffixed && at_start ? 0 : 1;
+  if (std::sscanf(text.c_str(), "%d:%d%c", &rank, &step, &rest) != 2 || rank < 0 || step < lowest ||
+      (lowest == 0 && step != 0)) {
+    throw dtsim::InputError(fmt::format("--{} {}: expected RANK:STEP (a rank >= 0, a step >= 1){}",
+                                        key, given,
+                                        !suffix    ? std::string()
+                                        : at_start ? fmt::format(" or RANK:{}", suffix)
+                                                   : fmt::format(" or RANK:STEP:{}", suffix)));
   }
   // A fault that could not happen would let a test that relies on it pass without it.
   if (rank >= ranks || step > steps) {
@@ -716,12 +731,14 @@ po::options_description run_options_description() {
       "NCCL_IB_DISABLE=1 unless set); the GPU time-slices the ranks' kernels: slow, not for "
       "timing")("task-timeout", po::value<double>()->default_value(600),
                 "seconds a single task may take before the run is declared hung and every rank is "
-                "ended (0: never); on GPUs over NCCL, the seconds a step's queued work may take")(
+                "ended (0: never); on GPUs over NCCL, the seconds a step's queued work may take; "
+                "also a checkpoint's save (its writes and the ranks' agreement on them)")(
       "hang-at", po::value<std::string>(),
-      "fault injection for tests, RANK:STEP: that rank stops answering when the step starts")(
+      "fault injection for tests, RANK:STEP: that rank stops answering when the step starts; "
+      "RANK:STEP:checkpoint: when it writes the checkpoint after the step")(
       "fail-at", po::value<std::string>(),
       "fault injection for tests, RANK:STEP: that rank kills itself (SIGKILL) when the step "
-      "starts");
+      "starts; RANK:start: it fails with an error as it starts, as on a host without its GPU");
   desc.add_options()("no-dropout", po::bool_switch(),
                      "train the model without its dropout layers (dtsim --no-dropout predicts "
                      "the same model); with them (CPU), dropout at rate 0.1 on the embedding, "
@@ -817,8 +834,21 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm, std::int64_t
   options.checkpoint_every = every;
   options.checkpoint_async = vm["checkpoint-async"].as<bool>();
   if (vm.count("resume")) options.resume_dir = vm["resume"].as<std::string>();
-  rank_and_step(vm, "fail-at", ranks, steps, options.fail_rank, options.fail_step);
-  rank_and_step(vm, "hang-at", ranks, steps, options.hang_rank, options.hang_step);
+  bool fail_at_start = false;
+  rank_and_step(vm, "fail-at", ranks, steps, options.fail_rank, options.fail_step, "start",
+                &fail_at_start);
+  rank_and_step(vm, "hang-at", ranks, steps, options.hang_rank, options.hang_step, "checkpoint",
+                &options.hang_in_checkpoint);
+  if (options.hang_in_checkpoint) {
+    const int h = options.hang_step;
+    if (options.checkpoint_dir.empty() ||
+        !(h == steps || (options.checkpoint_every > 0 && h % options.checkpoint_every == 0))) {
+      throw dtsim::InputError(fmt::format(
+          "--hang-at {}: never happens in this run: no checkpoint is written after step {} "
+          "(give --checkpoint DIR, with --checkpoint-every dividing {}, or step {})",
+          vm["hang-at"].as<std::string>(), h, h, steps));
+    }
+  }
   // The hung rank waits outside any task; its peers' collectives and transfers find it.
   if (vm.count("hang-at") && ranks == 1) {
     throw dtsim::InputError(
@@ -858,7 +888,12 @@ std::unique_ptr<dtsim::exec::Comm> make_comm(dtsim::exec::cpu::MpiSession* mpi, 
   std::unique_ptr<dtsim::exec::Comm> comm;
   // One process under mpirun (mpirun -np 1) runs as one without it.
   if (mpi && mpi->size() > 1 && !gpu) {
-    comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);
+    try {
+      comm = dtsim::exec::cpu::make_mpi_comm(*mpi, program);
+    } catch (const std::exception& e) {
+      end_all_ranks(e, mpi, "run");
+      throw;
+    }
     dtsim::exec::cpu::set_gemm_threads(1);
   } else if (mpi && mpi->size() > 1) {
 #ifdef DTEXEC_HAVE_CUDA
@@ -1216,7 +1251,12 @@ int run(const std::vector<std::string>& args) {
   if (only_rank && mpi && mpi->size() > 1) {
     throw dtsim::InputError("--only-rank: runs one process; start it without mpirun");
   }
-  const auto spec = dtsim::cli::model_from_options(vm);
+  // (A model file that one node does not see fails there alone: see alike_on_every_rank.)
+  const auto spec = [&] {
+    std::optional<dtsim::model::ModelSpec> read;
+    alike_on_every_rank(mpi.get(), "run", [&] { read = dtsim::cli::model_from_options(vm); });
+    return std::move(*read);
+  }();
   const std::int64_t devices = mpi && !only_rank ? mpi->size() : requested_devices(vm);
   // The plan's check of its degrees against the devices speaks of a cluster's: here they are
   // mpirun's ranks.
@@ -1268,10 +1308,19 @@ int run(const std::vector<std::string>& args) {
                                                  : dtsim::lower::Lowering::Representatives;
   const auto program = dtsim::lower::lower(graph, plan, lower_options);
   dtsim::exec::check_runnable(graph, program, only_rank);
+  // A device is a host's own (no GPU there, its memory): a rank whose host fails here ends the
+  // job, where its peers would wait for it in their first collective for ever.
   std::string where, product;
-  const std::unique_ptr<dtsim::exec::Device> device =
-      make_device(plan, gpu, mpi.get(), share_gpus, where, product);
-  dtsim::exec::check_device(graph, program, *device);
+  std::unique_ptr<dtsim::exec::Device> device;
+  alike_on_every_rank(mpi.get(), "run", [&] {
+    if (options.fail_step == 0 && options.fail_rank == rank) {
+      throw dtsim::InputError(
+          fmt::format("--fail-at {}: rank {} fails as it starts, as on a host without its GPU",
+                      vm["fail-at"].as<std::string>(), rank));
+    }
+    device = make_device(plan, gpu, mpi.get(), share_gpus, where, product);
+    dtsim::exec::check_device(graph, program, *device);
+  });
   if (device->host_memory() && !only_rank) {
     if (const auto report = predicted_memory_report(vm, graph, plan)) {
       require_host_memory(report->worst().total_bytes, mpi ? mpi->local_size() : 1, mpi.get());
@@ -1309,24 +1358,11 @@ int run(const std::vector<std::string>& args) {
     // A checkpoint of another plan resumes too: each rank reads its slices of the full tensors.
     // Where every rank refuses it (the same checkpoint.json), rank 0 says why; a rank that alone
     // cannot read it (a folder its node does not see) ends every rank.
-    std::exception_ptr refused;
-    try {
+    alike_on_every_rank(mpi.get(), "run", [&] {
       if (auto note = resume_note(options.resume_dir, spec.name, options, plan)) {
         run_notes.push_back(*note);
       }
-    } catch (const std::exception&) {
-      refused = std::current_exception();
-    }
-    const bool all_refused = !mpi || -mpi->max(refused ? -1.0 : 0.0) > 0;
-    if (refused && !all_refused) {
-      try {
-        std::rethrow_exception(refused);
-      } catch (const std::exception& e) {
-        end_all_ranks(e, mpi.get(), "run");
-        throw;
-      }
-    }
-    if (refused) std::rethrow_exception(refused);
+    });
   }
   if (!json_out) {
     announce_run(rank, spec, where, devices, plan, run_notes, options);

@@ -4,10 +4,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <exception>
 #include <iostream>
 #include <limits>
 #include <sstream>
+#include <thread>
 
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
@@ -85,6 +88,37 @@ void end_all_ranks(const std::exception& e, const dtsim::exec::cpu::MpiSession* 
   std::cerr << fmt::format("dtexec {}: rank {} on {}: {}: {}\n", command, mpi->rank(), mpi->host(),
                            input ? "error" : "internal error", e.what());
   mpi->abort(input ? 2 : 1);
+}
+
+void alike_on_every_rank(const dtsim::exec::cpu::MpiSession* mpi, const char* command,
+                         const std::function<void()>& step) {
+  std::exception_ptr failed;
+  try {
+    step();
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  if (mpi == nullptr || mpi->size() <= 1) {
+    if (failed) std::rethrow_exception(failed);
+    return;
+  }
+  const double mine = failed ? 1.0 : 0.0;
+  const double any = mpi->max(mine);
+  const double all = -mpi->max(-mine);
+  if (any == 0) return;
+  if (all > 0) std::rethrow_exception(failed);
+  if (failed) {
+    try {
+      std::rethrow_exception(failed);
+    } catch (const std::exception& e) {
+      end_all_ranks(e, mpi, command);
+      throw;
+    }
+  }
+  // Another rank failed and is ending the job (MPI_Abort ends this process too); should that
+  // end not come, this rank ends it.
+  std::this_thread::sleep_for(std::chrono::seconds(30));
+  mpi->abort(2);
 }
 
 std::ostream& out(int rank) {

@@ -5,6 +5,7 @@
 #include <boost/program_options.hpp>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -51,6 +52,15 @@ void check_same_arguments(const cpu::MpiSession& mpi, const po::variables_map& v
 // on an error, say which rank failed and end them all (exit 2 for bad input, else 1). Alone,
 // it returns and the caller rethrows.
 void end_all_ranks(const std::exception& e, const cpu::MpiSession* mpi, const char* command);
+
+// Runs `step` on this rank, then agrees with the others (a collective) whether it failed. Where
+// it failed on every rank (bad input, alike everywhere), its error is thrown on each (rank 0
+// says it once); where on some ranks only (their host's fault: no GPU there, a file their node
+// does not see), those ranks end the job (end_all_ranks: rank, host, message) and the others
+// wait for that end, where they would have waited in their next collective for ever. Alone, it
+// runs `step`. Every rank must call it at the same point.
+void alike_on_every_rank(const cpu::MpiSession* mpi, const char* command,
+                         const std::function<void()>& step);
 
 // Rank 0 speaks for the job; the other ranks stay quiet.
 std::ostream& out(int rank);

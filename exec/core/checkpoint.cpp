@@ -1,10 +1,13 @@
 #include "exec/core/checkpoint.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <boost/crc.hpp>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +24,24 @@ namespace dtsim::exec {
 namespace fs = std::filesystem;
 
 namespace {
+
+// Flushes a file's data, or a folder's names (a rename in it), to its storage (fsync): a
+// checkpoint in place survives a crash of its node, which the previous one, removed once this
+// one is in place, would not. A file system that cannot (EINVAL: no such flush) is left as is.
+void flush_to_storage(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    throw InputError(
+        fmt::format("{}: cannot open it to flush it: {}", path.string(), std::strerror(errno)));
+  }
+  const int rc = ::fsync(fd);
+  const int error = errno;
+  ::close(fd);
+  if (rc != 0 && error != EINVAL && error != EROFS) {
+    throw InputError(
+        fmt::format("{}: cannot flush it to storage: {}", path.string(), std::strerror(error)));
+  }
+}
 
 // The first format: one tensors.bin of whole tensors, written by rank 0 after a gather.
 constexpr const char* kFormatWhole = "dtexec-checkpoint-1";
@@ -238,6 +259,7 @@ nlohmann::json ShardWriter::close() {
   if (!out_.is_open()) return nullptr;
   out_.close();
   if (!out_) throw InputError(fmt::format("{}/{}: cannot write", folder_, file_));
+  flush_to_storage(fs::path(folder_) / file_);
   return {{"file", file_}, {"bytes", bytes_}, {"pieces", std::move(pieces_)}};
 }
 
@@ -280,6 +302,8 @@ std::uint64_t finish_checkpoint(const std::string& dir, const CheckpointInfo& in
     if (!meta)
       throw InputError(fmt::format("{}: cannot write", (tmp / "checkpoint.json").string()));
   }
+  flush_to_storage(tmp / "checkpoint.json");
+  flush_to_storage(tmp);
   // The previous checkpoint stays readable (as DIR.old) until the new one is in place.
   const fs::path final_dir(dir);
   const fs::path old = dir + ".old";
@@ -292,13 +316,26 @@ std::uint64_t finish_checkpoint(const std::string& dir, const CheckpointInfo& in
         fmt::format("{}; this checkpoint is left in {}", e.what(), temporary(dir).string()));
   }
   std::error_code ec;
+  auto failed = [&](const std::string& what) {
+    return InputError(fmt::format("{}: cannot {}: {}; this checkpoint is left in {}", dir, what,
+                                  ec.message(), tmp.string()));
+  };
   fs::remove_all(old, ec);
-  if (fs::exists(final_dir)) fs::rename(final_dir, old, ec);
+  if (ec) throw failed(fmt::format("remove {}", old.string()));
+  if (fs::exists(final_dir)) {
+    fs::rename(final_dir, old, ec);
+    if (ec) throw failed(fmt::format("move the previous checkpoint to {}", old.string()));
+  }
   fs::rename(tmp, final_dir, ec);
-  if (!ec) fs::remove_all(old, ec);
+  if (ec) throw failed("move the checkpoint into place");
+  // Its name in place on storage before the previous checkpoint goes.
+  flush_to_storage(final_dir.parent_path().empty() ? fs::path(".") : final_dir.parent_path());
+  fs::remove_all(old, ec);
   if (ec) {
     throw InputError(
-        fmt::format("{}: cannot move the checkpoint into place: {}", dir, ec.message()));
+        fmt::format("{}: the checkpoint is in place, but the previous one, {}, "
+                    "cannot be removed: {}",
+                    dir, old.string(), ec.message()));
   }
   return bytes;
 }

@@ -119,7 +119,8 @@ RunResult Runner::run() {
   for (int step = first; step < options_.steps; ++step) {
     step_ = step;
     if (me_ == options_.fail_rank && step + 1 == options_.fail_step) std::raise(SIGKILL);
-    if (me_ == options_.hang_rank && step + 1 == options_.hang_step) {
+    if (me_ == options_.hang_rank && step + 1 == options_.hang_step &&
+        !options_.hang_in_checkpoint) {
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
     // A micro-batch's tensors live from its first task to its last (then released; what a
@@ -239,7 +240,12 @@ RunResult Runner::run() {
       result.grad_norms.push_back(grad_norm);
     }
     const int done = step + 1;
-    if (async_.active && slowest[1] == 0) put_async_in_place(done, result);
+    // A checkpoint's writes and the ranks' agreement on them are watched as a step's end is.
+    if (async_.active && slowest[1] == 0) {
+      watchdog.begin_checkpoint(done);
+      put_async_in_place(done, result);
+      watchdog.end();
+    }
     // A loss or gradient norm that is not finite ends the run, on every rank at once (both
     // are reduced over all ranks), as Megatron-LM's --check-for-nan-in-loss-and-grad does:
     // before this step's line is printed (not a `nan` loss) and its checkpoint written (an
@@ -264,6 +270,10 @@ RunResult Runner::run() {
     if (!options_.checkpoint_dir.empty() &&
         (done == options_.steps ||
          (options_.checkpoint_every > 0 && done % options_.checkpoint_every == 0))) {
+      watchdog.begin_checkpoint(done);
+      if (me_ == options_.hang_rank && done == options_.hang_step && options_.hang_in_checkpoint) {
+        for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+      }
       if (options_.checkpoint_async) {
         start_async_save(done, result);
       } else {
@@ -275,10 +285,15 @@ RunResult Runner::run() {
         record.in_place_after = done;
         checkpoint_done(record, result);
       }
+      watchdog.end();
     }
   }
   // The last save, if still writing, is waited for: the run ends with it in place.
-  if (async_.active) put_async_in_place(options_.steps, result);
+  if (async_.active) {
+    watchdog.begin_checkpoint(options_.steps);
+    put_async_in_place(options_.steps, result);
+    watchdog.end();
+  }
   for (auto& mb : batches_) release(mb);
   batches_.clear();
   result.replay_input_bytes =

@@ -69,8 +69,10 @@ struct RunOptions {
   // from a watchdog thread (the CLI aborts every rank). 0: no watchdog.
   double task_timeout_s = 0;
   std::function<void(const std::string&)> on_hang;
-  // A hang on purpose (tests): rank hang_rank stops answering as step hang_step starts.
+  // A hang on purpose (tests): rank hang_rank stops answering as step hang_step starts, or with
+  // hang_in_checkpoint, as it writes the checkpoint after that step.
   int hang_rank = -1, hang_step = 0;
+  bool hang_in_checkpoint = false;
   // Called on every rank after each step with the step number (1-based), its mean loss, the
   // slowest rank's time (both reduced over all ranks, outside the step's timing) and, with
   // gradient clipping, the gradients' global norm before clipping (else -1): progress.

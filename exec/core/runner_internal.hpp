@@ -178,7 +178,7 @@ struct PendingCollective {
 class Watchdog {
  public:
   // What is watched or waited for besides a task: nothing, the step's end, pipeline sends.
-  static constexpr std::int64_t kNone = -1, kStepEnd = -2, kSends = -3;
+  static constexpr std::int64_t kNone = -1, kStepEnd = -2, kSends = -3, kCheckpoint = -4;
 
   Watchdog(const RunOptions& options, const lower::RankProgram& rp)
       : timeout_(options.task_timeout_s), on_hang_(options.on_hang), rp_(rp) {
@@ -200,6 +200,14 @@ class Watchdog {
   void begin(std::size_t task) { begin_at(static_cast<std::int64_t>(task)); }
   // The step's end: its started collectives and sends finished, its loss and time reduced.
   void begin_step_end() { begin_at(kStepEnd); }
+  // The checkpoint after step `step`: its shards written and the ranks' agreement that they are
+  // (a peer that never writes its shard holds the others in that agreement).
+  void begin_checkpoint(int step) {
+    begin_at(kCheckpoint);
+    if (!thread_.joinable()) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    checkpoint_step_ = step;
+  }
   // What is watched now waits for started collective `task` (the message names it: the task
   // that waits is often a compute task, the optimizer's step), or for its pipeline sends to be
   // received (kSends); kNone: no longer.
@@ -229,13 +237,19 @@ class Watchdog {
         };
         on_hang_(fmt::format(
             "rank {}: {} has not finished after {:.0f} s (timeout {:g} s){}; a peer is missing or "
-            "hung",
+            "hung{}",
             rp_.rank,
             task_ == kStepEnd ? std::string("the step's end (its collectives, sends and loss)")
-                              : named(task_),
+            : task_ == kCheckpoint
+                ? fmt::format("the checkpoint after step {} (its shards' writes and the "
+                              "ranks' agreement on them)",
+                              checkpoint_step_)
+                : named(task_),
             held, timeout_,
             waiting_ >= 0        ? ", waiting for " + named(waiting_)
             : waiting_ == kSends ? ", waiting for its pipeline sends to be received"
+                                 : "",
+            task_ == kCheckpoint ? ", or the checkpoint's storage slower than --task-timeout allows"
                                  : ""));
         return;
       }
@@ -258,6 +272,7 @@ class Watchdog {
   bool stop_ = false;
   std::int64_t task_ = kNone;     // a task's index, kStepEnd, or kNone (nothing watched)
   std::int64_t waiting_ = kNone;  // the started collective it waits for, or kSends
+  int checkpoint_step_ = 0;       // with kCheckpoint: the step the checkpoint is after
   std::chrono::steady_clock::time_point since_;
 };
 
