@@ -522,7 +522,11 @@ MpiSession::MpiSession() {
     int provided = MPI_THREAD_SINGLE;
     check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
   }
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  // (Were it not set, a failing call would end the process in MPI, without rank or host.)
+  if (MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN) != MPI_SUCCESS) {
+    std::cerr << "dtexec: MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN) failed\n";
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
   check(MPI_Comm_rank(MPI_COMM_WORLD, &rank_), "MPI_Comm_rank");
   check(MPI_Comm_size(MPI_COMM_WORLD, &size_), "MPI_Comm_size");
   host_ = host_name();

@@ -608,15 +608,23 @@ class NcclComm final : public Comm {
   // Every second: a communicator's asynchronous error (a peer's network failure, a timeout
   // inside NCCL) ends the job instead of leaving this rank waiting.
   void watch() {
-    cudaSetDevice(gpu_);  // no context on another GPU from this thread
     std::string error;
-    {
+    // (No context on another GPU from this thread.)
+    if (const cudaError_t set = cudaSetDevice(gpu_); set != cudaSuccess) {
+      error = fmt::format("the NCCL error watcher's cudaSetDevice({}) failed: {}", gpu_,
+                          cudaGetErrorString(set));
+    }
+    if (error.empty()) {
       std::unique_lock<std::mutex> lock(mutex_);
       while (error.empty() &&
              !wake_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; })) {
         for (ncclComm_t c : comms_) {
           ncclResult_t state = ncclSuccess;
-          if (ncclCommGetAsyncError(c, &state) != ncclSuccess) continue;
+          // A query that fails is an error as well: the watcher would be blind to the rest.
+          if (const ncclResult_t asked = ncclCommGetAsyncError(c, &state); asked != ncclSuccess) {
+            error = fmt::format("ncclCommGetAsyncError failed: {}", ncclGetErrorString(asked));
+            break;
+          }
           if (state != ncclSuccess && state != ncclInProgress) {
             error =
                 fmt::format("NCCL reported an asynchronous error: {}", ncclGetErrorString(state));
