@@ -754,7 +754,8 @@ po::options_description run_options_description() {
 dtsim::plan::Plan backend_plan(const po::variables_map& vm, const dtsim::model::ModelSpec& spec,
                                std::int64_t devices, bool gpu, const std::string& devices_are) {
   std::vector<std::string> notes;  // what dtsim says it completed; the run reports its own
-  // The CPU backend trains in fp32: the plan is completed and checked in it.
+  // The CPU backend trains in fp32 where neither --precision nor a plan file says bf16: the plan
+  // is completed and checked in it.
   std::optional<dtsim::cli::PrecisionDefault> fallback;
   if (!gpu) fallback = dtsim::cli::PrecisionDefault{dtsim::Precision::Fp32, "the CPU backend"};
   dtsim::plan::Plan plan =
@@ -765,15 +766,18 @@ dtsim::plan::Plan backend_plan(const po::variables_map& vm, const dtsim::model::
           fmt::format("precision {}: the GPU backend trains in bf16 or fp32",
                       dtsim::to_string(plan.precision)));
     }
-  } else if (plan.precision != dtsim::Precision::Fp32) {
-    // bf16 asked for on the command line: the GPU's mixed precision, emulated (bf16_device.hpp).
+  } else if (plan.precision != dtsim::Precision::Fp32 && plan.precision != dtsim::Precision::Bf16) {
+    // bf16, asked for on the command line or by a plan file (dtsim plan --out for a GPU
+    // cluster): the GPU's mixed precision, emulated (bf16_device.hpp), so that the run is the
+    // plan that dtsim predicted (its memory, its trace's precision).
     const bool asked = vm.count("precision") > 0;
-    if (asked && plan.precision != dtsim::Precision::Bf16) {
-      throw dtsim::UnsupportedError(
-          fmt::format("--precision {}: the CPU backend trains in fp32, or bf16 emulated",
-                      vm["precision"].as<std::string>()));
-    }
-    if (!asked) plan.precision = dtsim::Precision::Fp32;
+    throw dtsim::UnsupportedError(fmt::format(
+        "{}: the CPU backend trains in fp32, or bf16 emulated{}",
+        asked ? fmt::format("--precision {}", vm["precision"].as<std::string>())
+              : fmt::format("{}: precision {}",
+                            vm.count("plan") ? vm["plan"].as<std::string>() : "the plan",
+                            dtsim::to_string(plan.precision)),
+        asked ? "" : " (give --precision fp32 or bf16)"));
   }
   if (plan.optimizer != dtsim::plan::Optimizer::Adam) {
     throw dtsim::UnsupportedError("optimizer: dtexec trains with AdamW only");
