@@ -1283,7 +1283,23 @@ int run(const std::vector<std::string>& args) {
   // every rank (the others may already wait for rank 0 in a collective).
   if (rank == 0) {
     try {
-      if (vm.count("trace")) dtsim::cli::check_writable(vm["trace"].as<std::string>(), "--trace");
+      if (vm.count("trace")) {
+        const std::string trace = vm["trace"].as<std::string>();
+        // Written after the run, it would overwrite a checkpoint's files, or be lost with the
+        // folder that the next checkpoint replaces (and keep it from being replaced).
+        for (const auto& [flag, dir] : {std::pair{"--checkpoint", options.checkpoint_dir},
+                                        std::pair{"--resume", options.resume_dir}}) {
+          if (!dir.empty() && dtsim::exec::in_checkpoint_folders(dir, trace)) {
+            throw dtsim::InputError(fmt::format(
+                "--trace {}: inside {} {}, {}: write the trace elsewhere", trace, flag, dir,
+                std::string_view(flag) == "--resume"
+                    ? "the checkpoint this run continues from (its files are the checkpoint's)"
+                    : "where checkpoints go (a checkpoint's files are its own, and each "
+                      "replaces the folder whole)"));
+          }
+        }
+        dtsim::cli::check_writable(trace, "--trace");
+      }
       if (!options.checkpoint_dir.empty()) {
         dtsim::exec::check_checkpoint_folder(options.checkpoint_dir, "--checkpoint");
       }

@@ -208,6 +208,20 @@ void check_checkpoint_folder(const std::string& dir, const std::string& flag) {
   }
 }
 
+bool in_checkpoint_folders(const std::string& dir, const std::string& path) {
+  std::error_code ec;
+  const fs::path file = fs::weakly_canonical(fs::absolute(path), ec);
+  if (ec) return false;
+  for (const fs::path& q : {fs::path(dir), temporary(dir), fs::path(dir + ".old")}) {
+    const fs::path folder = fs::weakly_canonical(fs::absolute(q), ec);
+    if (ec) continue;
+    // (Component by component: "ck2/x" is not in "ck".)
+    auto [end, at] = std::mismatch(folder.begin(), folder.end(), file.begin(), file.end());
+    if (end == folder.end()) return true;
+  }
+  return false;
+}
+
 void begin_checkpoint(const std::string& dir) {
   const fs::path tmp = temporary(dir);
   require_replaceable(tmp, "checkpoint", dir);

@@ -62,6 +62,11 @@ std::string checkpoint_folder(const std::string& given, const std::string& flag)
 // files), since writing one replaces them. Throws InputError naming `flag` otherwise.
 void check_checkpoint_folder(const std::string& dir, const std::string& flag);
 
+// Whether `path` is in checkpoint folder `dir` (checkpoint_folder's), DIR.tmp or DIR.old, or is
+// one of them: a file written there would be lost when a checkpoint replaces the folder, or
+// overwrite the checkpoint's own files.
+bool in_checkpoint_folders(const std::string& dir, const std::string& path);
+
 // Writing a checkpoint from many ranks, each its own shard:
 //   1. rank 0: begin_checkpoint(dir), a clean DIR.tmp; then a barrier;
 //   2. every rank: a ShardWriter adds its pieces and close() gives their index;
