@@ -567,7 +567,9 @@ int calibrate(const std::vector<std::string>& args) {
       "repeats", po::value<int>()->default_value(5), "runs per measurement (the median counts)")(
       "cluster-out", po::value<std::string>(),
       "also write this host as a cluster (DIR/cpu-host.json, DIR/devices/cpu-host.json)")(
-      "quick", po::bool_switch(), "a few small shapes only (seconds; for tests)")(
+      "quick", po::bool_switch(),
+      "a few small shapes only (seconds; for tests): micro-batch 1, short sequences, few "
+      "repeats (not with --micro-batch-size, --seq-len or --repeats)")(
       "no-in-run", po::bool_switch(),
       "skip the training steps that measure the in_run factors (the profile then prices a "
       "step's tasks from its kernels timed alone)");
@@ -632,6 +634,17 @@ int calibrate(const std::vector<std::string>& args) {
     if (options.seq_len < 1 || options.seq_len > spec.max_positions) {
       throw dtsim::InputError(fmt::format("--seq-len: expected 1..{} (max_positions of {}), got {}",
                                           spec.max_positions, spec.name, options.seq_len));
+    }
+  }
+  // --quick measures its own few shapes: a flag it would not read is refused, not ignored.
+  if (vm["quick"].as<bool>()) {
+    for (const char* flag : {"micro-batch-size", "seq-len", "repeats"}) {
+      if (vm.count(flag) && !vm[flag].defaulted()) {
+        throw dtsim::InputError(fmt::format(
+            "--{}: not with --quick, which measures a few small shapes of its own (micro-batch "
+            "1, short sequences, few repeats)",
+            flag));
+      }
     }
   }
   options.ranks_per_host = ranks;
