@@ -265,10 +265,15 @@ Cluster with_devices(const Cluster& cluster, std::int64_t devices) {
   Cluster c = cluster;
   if (devices == cluster.devices()) return c;
   if (devices > cluster.devices()) {
-    throw InputError(
-        fmt::format("--gpus {}: cluster {} has {} devices; pick a larger topology or "
-                    "fewer devices",
-                    devices, cluster.name, cluster.devices()));
+    // A CPU host's devices are the MPI ranks that dtexec calibrate measured at once.
+    const bool host = cluster.intra.fabric == IntraFabric::SharedMemory;
+    throw InputError(fmt::format(
+        "--gpus {}: cluster {} has {} devices; pick a larger topology or fewer devices{}", devices,
+        cluster.name, cluster.devices(),
+        host ? fmt::format(" (a CPU host's devices are its MPI ranks: mpirun -np {} dtexec "
+                           "calibrate --cluster-out DIR describes this host with {})",
+                           devices, devices)
+             : std::string()));
   }
   if (cluster.inter.fabric == InterFabric::Torus3d) {
     throw InputError(fmt::format(
