@@ -511,6 +511,13 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
           "simulate this plan: dtsim simulate ... --trace {}",
           path, *differ, path));
     }
+    if (trace.producer == dtsim::report::kProducedByRun) {
+      std::cerr << fmt::format(
+          "note: --predicted {}: measured by dtexec run, not predicted by dtsim simulate: its "
+          "communication tasks' times include their waits for peers, which the waits here "
+          "replay\n",
+          path);
+    }
     std::size_t found = 0;
     for (const auto& t : trace.tasks) {
       if (t.rank != rp.rank || t.task < 0 || static_cast<std::size_t>(t.task) >= rp.tasks.size()) {
