@@ -1408,7 +1408,7 @@ int run(const std::vector<std::string>& args) {
                   program, timings, options.steps - 1, result.first_step);
     }
   } catch (const std::exception& e) {
-    end_all_ranks(e, mpi.get(), "run");
+    end_all_ranks(e, mpi.get(), "run", comm.get());
     throw;
   }
   // Memory: the peak of tensor bytes on the busiest rank, and the memory model's busiest stage

@@ -81,12 +81,13 @@ void check_same_arguments(const cpu::MpiSession& mpi, const po::variables_map& v
 }
 
 void end_all_ranks(const std::exception& e, const dtsim::exec::cpu::MpiSession* mpi,
-                   const char* command) {
+                   const char* command, Comm* comm) {
   if (mpi == nullptr || mpi->size() <= 1) return;
   const bool input = dynamic_cast<const dtsim::InputError*>(&e) != nullptr ||
                      dynamic_cast<const dtsim::UnsupportedError*>(&e) != nullptr;
   std::cerr << fmt::format("dtexec {}: rank {} on {}: {}: {}\n", command, mpi->rank(), mpi->host(),
                            input ? "error" : "internal error", e.what());
+  if (comm != nullptr) comm->abort_communicators();
   mpi->abort(input ? 2 : 1);
 }
 

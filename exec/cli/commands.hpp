@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "exec/core/comm.hpp"
 #include "exec/cpu/host_memory.hpp"
 #include "exec/cpu/mpi_comm.hpp"
 
@@ -49,9 +50,11 @@ void check_same_arguments(const cpu::MpiSession& mpi, const po::variables_map& v
                           const char* command);
 
 // Under mpirun, peers may be waiting for this rank (a collective, a barrier, NCCL's set-up):
-// on an error, say which rank failed and end them all (exit 2 for bad input, else 1). Alone,
+// on an error, say which rank failed and end them all (exit 2 for bad input, else 1), after
+// aborting `comm`'s own communicators where one is given (NCCL's: their kernels return). Alone,
 // it returns and the caller rethrows.
-void end_all_ranks(const std::exception& e, const cpu::MpiSession* mpi, const char* command);
+void end_all_ranks(const std::exception& e, const cpu::MpiSession* mpi, const char* command,
+                   Comm* comm = nullptr);
 
 // Runs `step` on this rank, then agrees with the others (a collective) whether it failed. Where
 // it failed on every rank (bad input, alike everywhere), its error is thrown on each (rank 0

@@ -119,6 +119,10 @@ class Comm {
   // and its midpoint taken as the moment the rank read (Cristian's method), which is off by
   // half that round trip at most (`error_s`: the largest such half).
   virtual ClockOffsets clock_offsets(const std::function<double()>& now) = 0;
+  // On an error that ends the job: aborts the backend's own communicators (NCCL's
+  // ncclCommAbort), so that their queued kernels return instead of waiting for this rank, before
+  // the launcher ends the ranks (MPI_Abort). Nothing to do where MPI alone carries the data.
+  virtual void abort_communicators() noexcept {}
 };
 
 // One rank and no peers: collectives over a group of one are the identity (a copy, through

@@ -408,6 +408,11 @@ class NcclComm final : public Comm {
     return host_->clock_offsets(now);
   }
   void barrier() override { host_->barrier(); }
+  void abort_communicators() noexcept override {
+    // Once, as end_job's: the watcher may be ending the job at the same time.
+    if (ending().exchange(true)) return;
+    abort_all();
+  }
 
  private:
   struct Channel {
@@ -588,21 +593,35 @@ class NcclComm final : public Comm {
   // must not be aborted twice or while the other thread still uses it. An abort that does not
   // return within 30 s is cut short (SIGALRM ends the process).
   [[noreturn]] void end_job(const std::string& what) {
-    static std::atomic<bool> ending{false};
-    if (ending.exchange(true)) {
+    if (ending().exchange(true)) {
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
     std::cerr << fmt::format("dtexec: rank {} on {}: {}; aborting the NCCL communicators\n", rank_,
                              session_.host(), what);
     std::cerr.flush();
+    abort_all();
+    std::_Exit(3);
+  }
+  // Whether the job is being ended (by end_job or abort_communicators): once per process.
+  static std::atomic<bool>& ending() {
+    static std::atomic<bool> flag{false};
+    return flag;
+  }
+  // Every communicator aborted, the job's last; an abort that does not return within 30 s is
+  // cut short (SIGALRM ends the process).
+  void abort_all() noexcept {
     alarm(30);
     // The watcher holds the mutex while it asks the communicators for errors: the main thread
     // takes it, so that no communicator is queried while it is aborted (the watcher ends the
     // job after letting it go).
     std::unique_lock<std::mutex> hold(mutex_, std::defer_lock);
     if (std::this_thread::get_id() != watcher_.get_id()) hold.lock();
-    for (auto it = comms_.rbegin(); it != comms_.rend(); ++it) ncclCommAbort(*it);
-    std::_Exit(3);
+    for (auto it = comms_.rbegin(); it != comms_.rend(); ++it) {
+      if (const ncclResult_t r = ncclCommAbort(*it); r != ncclSuccess) {
+        std::cerr << fmt::format("dtexec: rank {}: ncclCommAbort failed: {}\n", rank_,
+                                 ncclGetErrorString(r));
+      }
+    }
   }
 
   // Every second: a communicator's asynchronous error (a peer's network failure, a timeout
