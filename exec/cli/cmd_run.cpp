@@ -1324,10 +1324,13 @@ int run(const std::vector<std::string>& args) {
   // A --cluster that does not load, or whose device has no peak at the plan's precision (the
   // MFU's), is refused before anything runs or prints (later reads of it leave out what they
   // cannot price).
+  // (A file that one node does not see fails there alone: see alike_on_every_rank.)
   std::optional<dtsim::cluster::DeviceSpec> cluster_device;
   if (vm.count("cluster")) {
-    cluster_device = dtsim::cluster::load_cluster(vm["cluster"].as<std::string>()).device;
-    cluster_device->peak_flops_for(plan.precision);
+    alike_on_every_rank(mpi.get(), "run", [&] {
+      cluster_device = dtsim::cluster::load_cluster(vm["cluster"].as<std::string>()).device;
+      cluster_device->peak_flops_for(plan.precision);
+    });
   }
   const dtsim::model::ModelGraph graph = dtsim::plan::graph_of(spec, plan);
   dtsim::lower::LowerOptions lower_options;
@@ -1349,9 +1352,10 @@ int run(const std::vector<std::string>& args) {
     dtsim::exec::check_device(graph, program, *device);
   });
   if (device->host_memory() && !only_rank) {
-    if (const auto report = predicted_memory_report(vm, graph, plan)) {
-      require_host_memory(report->worst().total_bytes, mpi ? mpi->local_size() : 1, mpi.get());
-    }
+    // Every rank takes part in the check's collective, with a prediction or without one.
+    const auto report = predicted_memory_report(vm, graph, plan);
+    require_host_memory(report ? report->worst().total_bytes : 0.0, mpi ? mpi->local_size() : 1,
+                        mpi.get());
   }
   options.task_timeout_s = vm["task-timeout"].as<double>();
   if (!(options.task_timeout_s >= 0)) {

@@ -27,17 +27,20 @@ namespace {
 
 // Flushes a file's data, or a folder's names (a rename in it), to its storage (fsync): a
 // checkpoint in place survives a crash of its node, which the previous one, removed once this
-// one is in place, would not. A file system that cannot (EINVAL: no such flush) is left as is.
-void flush_to_storage(const fs::path& path) {
+// one is in place, would not. A file system that has no such flush (EINVAL, ENOTSUP, EROFS) is
+// left as is, and so is a folder that cannot be opened to read (its names are flushed with it
+// where the file system orders renames).
+void flush_to_storage(const fs::path& path, bool folder = false) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
+    if (folder) return;
     throw InputError(
         fmt::format("{}: cannot open it to flush it: {}", path.string(), std::strerror(errno)));
   }
   const int rc = ::fsync(fd);
   const int error = errno;
   ::close(fd);
-  if (rc != 0 && error != EINVAL && error != EROFS) {
+  if (rc != 0 && error != EINVAL && error != EROFS && error != ENOTSUP && error != EOPNOTSUPP) {
     throw InputError(
         fmt::format("{}: cannot flush it to storage: {}", path.string(), std::strerror(error)));
   }
@@ -208,7 +211,9 @@ void check_checkpoint_folder(const std::string& dir, const std::string& flag) {
   }
 }
 
-bool in_checkpoint_folders(const std::string& dir, const std::string& path) {
+bool in_checkpoint_folders(const std::string& given, const std::string& path) {
+  // ("ck/" is "ck": its DIR.old is ck.old.)
+  const std::string dir = without_trailing_separators(given).string();
   std::error_code ec;
   const fs::path file = fs::weakly_canonical(fs::absolute(path), ec);
   if (ec) return false;
@@ -317,7 +322,7 @@ std::uint64_t finish_checkpoint(const std::string& dir, const CheckpointInfo& in
       throw InputError(fmt::format("{}: cannot write", (tmp / "checkpoint.json").string()));
   }
   flush_to_storage(tmp / "checkpoint.json");
-  flush_to_storage(tmp);
+  flush_to_storage(tmp, true);
   // The previous checkpoint stays readable (as DIR.old) until the new one is in place.
   const fs::path final_dir(dir);
   const fs::path old = dir + ".old";
@@ -343,7 +348,15 @@ std::uint64_t finish_checkpoint(const std::string& dir, const CheckpointInfo& in
   fs::rename(tmp, final_dir, ec);
   if (ec) throw failed("move the checkpoint into place");
   // Its name in place on storage before the previous checkpoint goes.
-  flush_to_storage(final_dir.parent_path().empty() ? fs::path(".") : final_dir.parent_path());
+  try {
+    flush_to_storage(final_dir.parent_path().empty() ? fs::path(".") : final_dir.parent_path(),
+                     true);
+  } catch (const InputError& e) {
+    throw InputError(
+        fmt::format("{} (the checkpoint is in place in {}, the previous one kept in "
+                    "{})",
+                    e.what(), dir, old.string()));
+  }
   fs::remove_all(old, ec);
   if (ec) {
     throw InputError(

@@ -242,7 +242,7 @@ RunResult Runner::run() {
     const int done = step + 1;
     // A checkpoint's writes and the ranks' agreement on them are watched as a step's end is.
     if (async_.active && slowest[1] == 0) {
-      watchdog.begin_checkpoint(done);
+      watchdog.begin_checkpoint(async_.step);
       put_async_in_place(done, result);
       watchdog.end();
     }
@@ -270,10 +270,11 @@ RunResult Runner::run() {
     if (!options_.checkpoint_dir.empty() &&
         (done == options_.steps ||
          (options_.checkpoint_every > 0 && done % options_.checkpoint_every == 0))) {
-      watchdog.begin_checkpoint(done);
+      // (The hung rank stops before its own watch: its peers find it.)
       if (me_ == options_.hang_rank && done == options_.hang_step && options_.hang_in_checkpoint) {
         for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
       }
+      watchdog.begin_checkpoint(done);
       if (options_.checkpoint_async) {
         start_async_save(done, result);
       } else {
@@ -290,7 +291,7 @@ RunResult Runner::run() {
   }
   // The last save, if still writing, is waited for: the run ends with it in place.
   if (async_.active) {
-    watchdog.begin_checkpoint(options_.steps);
+    watchdog.begin_checkpoint(async_.step);
     put_async_in_place(options_.steps, result);
     watchdog.end();
   }

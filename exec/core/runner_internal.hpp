@@ -225,9 +225,12 @@ class Watchdog {
 
  private:
   void watch() {
+    // Every 0.2 s, or a tenth of a shorter timeout (at least every millisecond), so that a
+    // timeout below 0.2 s is kept to about its length.
+    const auto every = std::chrono::duration<double>(std::clamp(timeout_ / 10, 1e-3, 0.2));
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
-      wake_.wait_for(lock, std::chrono::milliseconds(200));
+      wake_.wait_for(lock, every);
       if (stop_ || task_ == kNone) continue;
       const double held =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - since_).count();

@@ -616,6 +616,8 @@ class NcclComm final : public Comm {
     // job after letting it go).
     std::unique_lock<std::mutex> hold(mutex_, std::defer_lock);
     if (std::this_thread::get_id() != watcher_.get_id()) hold.lock();
+    // The watcher stops before it queries a communicator again: aborted, they are freed.
+    stop_ = true;
     for (auto it = comms_.rbegin(); it != comms_.rend(); ++it) {
       if (const ncclResult_t r = ncclCommAbort(*it); r != ncclSuccess) {
         std::cerr << fmt::format("dtexec: rank {}: ncclCommAbort failed: {}\n", rank_,
