@@ -239,7 +239,7 @@ class Watchdog {
           return fmt::format("task {} ({})", i, rp_.tasks[static_cast<std::size_t>(i)].label);
         };
         on_hang_(fmt::format(
-            "rank {}: {} has not finished after {:.0f} s (timeout {:g} s){}; a peer is missing or "
+            "rank {}: {} has not finished after {} s (timeout {:g} s){}; a peer is missing or "
             "hung{}",
             rp_.rank,
             task_ == kStepEnd ? std::string("the step's end (its collectives, sends and loss)")
@@ -248,7 +248,8 @@ class Watchdog {
                               "ranks' agreement on them)",
                               checkpoint_step_)
                 : named(task_),
-            held, timeout_,
+            // (To the millisecond under a timeout below a second.)
+            timeout_ < 1 ? fmt::format("{:.3f}", held) : fmt::format("{:.0f}", held), timeout_,
             waiting_ >= 0        ? ", waiting for " + named(waiting_)
             : waiting_ == kSends ? ", waiting for its pipeline sends to be received"
                                  : "",
