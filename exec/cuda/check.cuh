@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <cstdio>
 #include <string>
 
 #include "exec/cuda/calibrate_cuda.hpp"  // CudaError
@@ -31,6 +32,15 @@ inline void check(ncclResult_t r, const char* call) {
   if (r != ncclSuccess) {
     throw CudaError(std::string(call) + ": " + ncclGetErrorString(r) + " (result " +
                     std::to_string(static_cast<int>(r)) + ")");
+  }
+}
+
+// Where nothing may throw (a destructor, a release inside a step): a failed call is said on
+// stderr, not lost; the next checked call meets a sticky error and ends the run.
+inline void teardown(cudaError_t e, const char* call) noexcept {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "dtexec: warning: %s: %s (error %d)\n", call, cudaGetErrorString(e),
+                 static_cast<int>(e));
   }
 }
 

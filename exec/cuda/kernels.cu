@@ -366,9 +366,9 @@ DeviceBuffer::~DeviceBuffer() {
 void DeviceBuffer::free() noexcept {
   if (p_ == nullptr) return;
   if (stream_ != nullptr) {
-    cudaFreeAsync(p_, static_cast<cudaStream_t>(stream_));
+    teardown(cudaFreeAsync(p_, static_cast<cudaStream_t>(stream_)), "cudaFreeAsync");
   } else {
-    cudaFree(p_);
+    teardown(cudaFree(p_), "cudaFree");
   }
   p_ = nullptr;
 }

@@ -150,12 +150,13 @@ struct Kernels::Impl {
     for (DeviceBuffer* b : {&staging, &scores, &dscores, &partials, &slots, &cp_kv, &cp_dkv,
                             &flash_probs, &flash_mask, &flash_dropped, &norm_partials})
       *b = DeviceBuffer();
-    for (cudaEvent_t e : events) cudaEventDestroy(e);
+    for (cudaEvent_t e : events) teardown(cudaEventDestroy(e), "cudaEventDestroy");
     if (blas != nullptr) cublasDestroy(blas);
     workspace = DeviceBuffer();
     if (stream != nullptr) {
-      cudaStreamSynchronize(stream);
-      cudaStreamDestroy(stream);
+      // (A kernel's failure not met by a checked call yet is said here.)
+      teardown(cudaStreamSynchronize(stream), "cudaStreamSynchronize at the end");
+      teardown(cudaStreamDestroy(stream), "cudaStreamDestroy");
     }
     if (pool != nullptr) cudaMemPoolTrimTo(pool, 0);
   }

@@ -562,3 +562,27 @@ TEST_CASE("checkpoint: only a checkpoint writer's folders are replaced", "[exec]
         Contains("--checkpoint /nonexistent-dtsim/ck: no directory /nonexistent-dtsim"));
   }
 }
+
+TEST_CASE("checkpoint: what lies in a checkpoint's folders", "[exec][checkpoint]") {
+  using dtsim::exec::in_checkpoint_folders;
+  const std::string dir = folder("inside");
+  fs::create_directories(dir);
+  // The folder, DIR.tmp and DIR.old, and what is in them; by any spelling of the path.
+  for (const std::string& path :
+       {dir, dir + "/checkpoint.json", dir + ".tmp/x.json", dir + ".old/t.json", dir + "//./t.json",
+        dir + "/../" + fs::path(dir).filename().string() + "/t.json"}) {
+    CHECK(in_checkpoint_folders(dir, path));
+  }
+  // Given with a trailing slash, its DIR.old is still the folder's (the reader falls back there).
+  CHECK(in_checkpoint_folders(dir + "/", dir + ".old/t.json"));
+  // A name that only begins like it, and the folder's parent, are not in it.
+  for (const std::string& path : {dir + "2/t.json", dir + ".older/t.json", dir + "x",
+                                  fs::path(dir).parent_path().string() + "/t.json"}) {
+    CHECK_FALSE(in_checkpoint_folders(dir, path));
+  }
+  // Through a link to the folder.
+  const std::string link = folder("inside-link");
+  fs::create_directory_symlink(fs::absolute(dir), link);
+  CHECK(in_checkpoint_folders(dir, link + "/t.json"));
+  fs::remove(link);
+}
