@@ -249,6 +249,11 @@ int cmd_plan(const std::vector<std::string>& args) {
   desc.add_options()("seq-len", po::value<std::int64_t>(),
                      "sequence length (default: the model's)")(
       "top", po::value<int>()->default_value(5), "plans to show")(
+      "distinct", po::bool_switch(),
+      "one plan per layout (dp, tp, pp, cp, ep, micro-batch, schedule and virtual stages), the "
+      "first of each by the estimate, in the list and among those simulated: the ZeRO-stage, "
+      "recompute, sequence-parallel and overlap variants of a layout, which often tie with it, "
+      "are left out")(
       "objective", po::value<std::string>()->default_value("time"),
       "rank by step time, or by cost per step (time, cost, time-to-train; with a fixed global "
       "batch time-to-train ranks as step time, and on the fixed devices of a search so does "
@@ -330,6 +335,7 @@ int cmd_plan(const std::vector<std::string>& args) {
   cluster.device.peak_flops_for(space.precision);
   planner::SearchOptions options;
   options.refine = vm["refine"].as<int>();
+  options.distinct_layouts = vm["distinct"].as<bool>();
   const std::string network_name = vm["network"].as<std::string>();
   if (network_name != "analytical" && network_name != "simgrid") {
     throw InputError(

@@ -11,7 +11,9 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <set>
 #include <thread>
+#include <tuple>
 
 #include "sim/cluster/placement.hpp"
 #include "sim/common/error.hpp"
@@ -1179,6 +1181,15 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     return plan::summary(a.plan) < plan::summary(b.plan);
   };
   std::sort(feasible.begin(), feasible.end(), by_key);
+  if (options.distinct_layouts) {
+    std::set<std::tuple<int, int, int, int, int, std::int64_t, plan::Schedule, int>> seen;
+    std::erase_if(feasible, [&](const Candidate& c) {
+      const plan::Plan& p = c.plan;
+      return !seen.insert({p.dp, p.tp, p.pp, p.cp, p.ep, p.micro_batch_size, p.schedule,
+                           p.virtual_stages})
+                  .second;
+    });
+  }
 
   // Tier 2: the discrete-event simulator on the best `refine` candidates.
   // Each thread simulates with a network model of its own (the analytical model memoizes).

@@ -128,6 +128,10 @@ struct SearchOptions {
   // Whether to find SearchResult::memory_frontier (more estimates of plans over memory; whatif,
   // which does not show it, leaves it out).
   bool memory_frontier = true;
+  // One candidate per layout (dp, tp, pp, cp, ep, micro-batch, schedule, virtual stages) in the
+  // ranking and among those simulated: the first of each by the estimate (dtsim plan
+  // --distinct). Its ZeRO-stage, recompute and overlap variants often tie with it.
+  bool distinct_layouts = false;
 };
 
 SearchResult search(const model::ModelSpec& model, const cluster::Cluster& cluster,
