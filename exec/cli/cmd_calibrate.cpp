@@ -630,11 +630,15 @@ int calibrate(const std::vector<std::string>& args) {
   }
   if (vm.count("seq-len")) {
     options.seq_len = vm["seq-len"].as<std::int64_t>();
-    const auto spec = dtsim::model::load_model(options.model);
-    if (options.seq_len < 1 || options.seq_len > spec.max_positions) {
-      throw dtsim::InputError(fmt::format("--seq-len: expected 1..{} (max_positions of {}), got {}",
-                                          spec.max_positions, spec.name, options.seq_len));
-    }
+    // (A model file that one node does not see fails there alone: see alike_on_every_rank.)
+    alike_on_every_rank(mpi.get(), "calibrate", [&] {
+      const auto spec = dtsim::model::load_model(options.model);
+      if (options.seq_len < 1 || options.seq_len > spec.max_positions) {
+        throw dtsim::InputError(
+            fmt::format("--seq-len: expected 1..{} (max_positions of {}), got {}",
+                        spec.max_positions, spec.name, options.seq_len));
+      }
+    });
   }
   // --quick measures its own few shapes: a flag it would not read is refused, not ignored.
   if (vm["quick"].as<bool>()) {

@@ -2,7 +2,8 @@
 # A file that one rank's node does not see (a --model, a --cluster, a --resume checkpoint, each
 # given by a path relative to a working folder of the rank's own): that rank ends the job with
 # its rank, host and reason (exit 2) within seconds, where its peers waited in their next
-# collective for ever. Each rank runs in work/rRANK, and only r0 has the file.
+# collective for ever; and a model file that dtexec calibrate --seq-len checks against. Each
+# rank runs in work/rRANK, and only r0 has the file.
 #
 # usage: file_on_one_node.sh DTEXEC MPIRUN [WORKDIR]
 set -uo pipefail
@@ -38,4 +39,14 @@ for flags in "--model files/own-model.json --dp 2 --global-batch-size 4 --steps 
   [ "$took" -lt 25 ] || fail "$flags: $took s, where the failing rank ends the job at once"
   echo "$out" | grep -q "dtexec run: rank 1 on [^:]*: error: .*files/" || fail "$flags: rank 1's message"
 done
+# dtexec calibrate alike (its --seq-len is checked against the model's before it measures).
+start=$(date +%s)
+out=$(timeout 60 "$mpirun" -np 2 sh -c 'cd "r$OMPI_COMM_WORLD_RANK" && exec "$0" "$@"' "$dtexec" \
+  calibrate --model files/own-model.json --seq-len 16 --out "$work/p.json" 2>&1 < /dev/null)
+rc=$?
+took=$(($(date +%s) - start))
+echo "calibrate: exit $rc in $took s"
+[ "$rc" -eq 2 ] || fail "calibrate: exit $rc, expected 2 (124: the job hung)"
+[ "$took" -lt 25 ] || fail "calibrate: $took s"
+echo "$out" | grep -q "dtexec calibrate: rank 1 on [^:]*: error: files/own-model.json" || fail "calibrate: rank 1's message: $out"
 echo ok
