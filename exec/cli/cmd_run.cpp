@@ -84,36 +84,34 @@ std::optional<std::string> resume_note(const std::string& dir, const std::string
 }
 
 // A fault-injection option RANK:STEP (--fail-at, --hang-at), when given; with `suffix`, also
-// RANK:SUFFIX (--fail-at 1:start: step 0) or RANK:STEP:SUFFIX (--hang-at 1:2:checkpoint), which
-// sets `suffixed`.
+// RANK:STEP:SUFFIX (--hang-at 1:2:checkpoint), or for the suffix "start" RANK:start, step 0
+// (--fail-at 1:start); `suffixed`, where given, says whether it was given so.
 void rank_and_step(const po::variables_map& vm, const char* key, std::int64_t ranks, int steps,
                    int& rank, int& step, const char* suffix = nullptr, bool* suffixed = nullptr) {
   if (!vm.count(key)) return;
-  std::string text = vm[key].as<std::string>();
-  const std::string given = text;
+  const std::string given = vm[key].as<std::string>();
   const std::string tail = suffix ? fmt::format(":{}", suffix) : std::string();
-  const bool at_start = suffix && std::string_view(suffix) == "start";
-  if (suffix && text.size() > tail.size() && text.ends_with(tail)) {
-    *suffixed = true;
-    text.resize(text.size() - tail.size());
-    if (at_start) text += ":0";
-  }
+  const bool with_suffix = suffix && given.size() > tail.size() && given.ends_with(tail);
+  if (suffixed) *suffixed = with_suffix;
+  const std::string text = with_suffix ? given.substr(0, given.size() - tail.size()) : given;
+  const bool at_start = with_suffix && std::string_view(suffix) == "start";  // (no step)
   char rest = 0;
-  const int lowest = suffixed && *suffixed && at_start ? 0 : 1;
-  if (std::sscanf(text.c_str(), "%d:%d%c", &rank, &step, &rest) != 2 || rank < 0 || step < lowest ||
-      (lowest == 0 && step != 0)) {
-    throw dtsim::InputError(fmt::format("--{} {}: expected RANK:STEP (a rank >= 0, a step >= 1){}",
-                                        key, given,
-                                        !suffix    ? std::string()
-                                        : at_start ? fmt::format(" or RANK:{}", suffix)
-                                                   : fmt::format(" or RANK:STEP:{}", suffix)));
+  const bool read = at_start ? std::sscanf(text.c_str(), "%d%c", &rank, &rest) == 1
+                             : std::sscanf(text.c_str(), "%d:%d%c", &rank, &step, &rest) == 2;
+  if (at_start) step = 0;
+  if (!read || rank < 0 || (!at_start && step < 1)) {
+    throw dtsim::InputError(fmt::format(
+        "--{} {}: expected RANK:STEP (a rank >= 0, a step >= 1){}", key, given,
+        !suffix                               ? std::string()
+        : std::string_view(suffix) == "start" ? fmt::format(" or RANK:{}", suffix)
+                                              : fmt::format(" or RANK:STEP:{}", suffix)));
   }
   // A fault that could not happen would let a test that relies on it pass without it.
   if (rank >= ranks || step > steps) {
     throw dtsim::InputError(
         fmt::format("--{} {}: never happens in this run: expected a rank below {} and a step up "
                     "to --steps {}",
-                    key, text, ranks, steps));
+                    key, given, ranks, steps));
   }
 }
 
@@ -620,27 +618,28 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
          "stage without its framework allowance"}};
     // With experts, where a whole run's JSON has them too (and at the top level, below).
     if (expert_load) add_expert_load(memory, *expert_load, *expert_load_peak, "this rank's");
-    std::cout << nlohmann::json{{"model", spec.name},
-                                {"backend", vm["backend"].as<std::string>()},
-                                {"device", device.name()},
-                                {"catalog_device", device_name},
-                                {"memory", memory},
-                                {"only_rank", r},
-                                {"program_rank", rp.rank},
-                                {"stage", rp.stage},
-                                {"plan", dtsim::plan::to_json(plan)},
-                                {"step_times_s", result.step_times_s},
-                                {"step_time_s", result.step_time_s},
-                                {"step_time_min_s", spread(result, options.warmup_steps).first},
-                                {"step_time_max_s", spread(result, options.warmup_steps).second},
-                                {"compute_s", compute},
-                                {"communication_waits_s", waited},
-                                {"communication", "replaced by waits " + waits},
-                                {"expert_load", dtsim::report::value_or_null(expert_load)},
-                                {"expert_load_peak",
-                                 dtsim::report::value_or_null(expert_load_peak)},
-                                {"notes", notes}}
-                     .dump(2, ' ', false, nlohmann::json::error_handler_t::replace)
+    std::cout << dtsim::json_text(
+                     nlohmann::json{
+                         {"model", spec.name},
+                         {"backend", vm["backend"].as<std::string>()},
+                         {"device", device.name()},
+                         {"catalog_device", device_name},
+                         {"memory", memory},
+                         {"only_rank", r},
+                         {"program_rank", rp.rank},
+                         {"stage", rp.stage},
+                         {"plan", dtsim::plan::to_json(plan)},
+                         {"step_times_s", result.step_times_s},
+                         {"step_time_s", result.step_time_s},
+                         {"step_time_min_s", spread(result, options.warmup_steps).first},
+                         {"step_time_max_s", spread(result, options.warmup_steps).second},
+                         {"compute_s", compute},
+                         {"communication_waits_s", waited},
+                         {"communication", "replaced by waits " + waits},
+                         {"expert_load", dtsim::report::value_or_null(expert_load)},
+                         {"expert_load_peak", dtsim::report::value_or_null(expert_load_peak)},
+                         {"notes", notes}},
+                     2)
               << "\n";
     return 0;
   }
@@ -845,9 +844,8 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm, std::int64_t
   options.checkpoint_every = every;
   options.checkpoint_async = vm["checkpoint-async"].as<bool>();
   if (vm.count("resume")) options.resume_dir = vm["resume"].as<std::string>();
-  bool fail_at_start = false;
-  rank_and_step(vm, "fail-at", ranks, steps, options.fail_rank, options.fail_step, "start",
-                &fail_at_start);
+  // (--fail-at RANK:start: step 0, which run() reads as a failure at the start.)
+  rank_and_step(vm, "fail-at", ranks, steps, options.fail_rank, options.fail_step, "start");
   rank_and_step(vm, "hang-at", ranks, steps, options.hang_rank, options.hang_step, "checkpoint",
                 &options.hang_in_checkpoint);
   if (options.hang_in_checkpoint) {

@@ -132,16 +132,17 @@ int cmd_validate(const std::vector<std::string>& args) {
                        {"measured_start_s", t.measured_start_s},
                        {"error", report::value_or_null(t.error)}});
     }
-    std::cout << nlohmann::json{{"matched", v.matched},
-                                {"only_predicted", v.only_predicted},
-                                {"only_measured", v.only_measured},
-                                {"straggler_wait",
-                                 {{"tasks", v.waiting_tasks}, {"predicted_s", v.straggler_wait_s}}},
-                                {"rows", json_rows(v.rows)},
-                                {"by_task", json_rows(v.by_task)},
-                                {"tasks", tasks},
-                                {"notes", notes}}
-                     .dump(2, ' ', false, nlohmann::json::error_handler_t::replace)
+    std::cout << json_text(nlohmann::json{{"matched", v.matched},
+                                          {"only_predicted", v.only_predicted},
+                                          {"only_measured", v.only_measured},
+                                          {"straggler_wait",
+                                           {{"tasks", v.waiting_tasks},
+                                            {"predicted_s", v.straggler_wait_s}}},
+                                          {"rows", json_rows(v.rows)},
+                                          {"by_task", json_rows(v.by_task)},
+                                          {"tasks", tasks},
+                                          {"notes", notes}},
+                           2)
               << "\n";
     return 0;
   }

@@ -903,8 +903,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       // reports the first bad point of all (the one a single process would have stopped at),
       // after the gather that every rank reaches.
       if (split.size() == 1) throw;
-      mine.push_back(nlohmann::json{{"i", i}, {"error", e.what()}, {"kind", error_kind(e)}}.dump(
-          -1, ' ', false, nlohmann::json::error_handler_t::replace));
+      mine.push_back(
+          json_text(nlohmann::json{{"i", i}, {"error", e.what()}, {"kind", error_kind(e)}}));
       break;
     }
     nlohmann::json sent = {{"i", i}};
@@ -915,7 +915,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         sent[key] = value;
       }
     });
-    mine.push_back(sent.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    mine.push_back(json_text(sent));
   }
   if (split.size() > 1) {
     const std::vector<std::string> all = split.gather(mine);
