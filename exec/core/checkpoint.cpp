@@ -221,8 +221,10 @@ bool in_checkpoint_folders(const std::string& given, const std::string& path) {
     const fs::path folder = fs::weakly_canonical(fs::absolute(q), ec);
     if (ec) continue;
     // (Component by component: "ck2/x" is not in "ck".)
-    auto [end, at] = std::mismatch(folder.begin(), folder.end(), file.begin(), file.end());
-    if (end == folder.end()) return true;
+    if (std::mismatch(folder.begin(), folder.end(), file.begin(), file.end()).first ==
+        folder.end()) {
+      return true;
+    }
   }
   return false;
 }
