@@ -737,8 +737,13 @@ po::options_description run_options_description() {
       "NCCL_IB_DISABLE=1 unless set); the GPU time-slices the ranks' kernels: slow, not for "
       "timing")("task-timeout", po::value<double>()->default_value(600),
                 "seconds a single task may take before the run is declared hung and every rank is "
-                "ended (0: never); on GPUs over NCCL, the seconds a step's queued work may take; "
-                "also a checkpoint's save (its writes and the ranks' agreement on them)")(
+                "ended (0: never); on GPUs over NCCL, the seconds a step's queued work may take")(
+      "checkpoint-timeout", po::value<double>()->default_value(600),
+      "with --checkpoint: seconds a checkpoint's save (every rank's shard written and the ranks' "
+      "agreement on them; an asynchronous save's putting in place) may take before the run is "
+      "declared hung and every rank is ended (0: never); set apart from --task-timeout, so that "
+      "a short one finds a hung peer quickly and a large checkpoint on slow storage still "
+      "saves")(
       "hang-at", po::value<std::string>(),
       "fault injection for tests, RANK:STEP: that rank stops answering when the step starts; "
       "RANK:STEP:checkpoint: when it writes the checkpoint after the step")(
@@ -811,6 +816,9 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm, std::int64_t
   if (vm["checkpoint-async"].as<bool>() && !vm.count("checkpoint")) {
     throw dtsim::InputError("--checkpoint-async: give --checkpoint DIR as well");
   }
+  if (!vm["checkpoint-timeout"].defaulted() && !vm.count("checkpoint")) {
+    throw dtsim::InputError("--checkpoint-timeout: give --checkpoint DIR as well");
+  }
   dtsim::exec::RunOptions options;
   options.steps = steps;
   options.warmup_steps = warmup;
@@ -863,6 +871,15 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm, std::int64_t
     throw dtsim::InputError(
         "--hang-at: a run of one rank has no peer to find it hung (--task-timeout times the "
         "peers' waits for it), so it would wait for ever; run it under mpirun -np 2 or more");
+  }
+  if (options.hang_rank >= 0) {
+    const char* timeout = options.hang_in_checkpoint ? "checkpoint-timeout" : "task-timeout";
+    if (vm[timeout].as<double>() == 0) {
+      throw dtsim::InputError(fmt::format(
+          "--hang-at {}: with --{} 0 nothing times its peers' waits for it, so the run would "
+          "wait for ever; give --{} a number of seconds",
+          vm["hang-at"].as<std::string>(), timeout, timeout));
+    }
   }
   return options;
 }
@@ -1358,6 +1375,10 @@ int run(const std::vector<std::string>& args) {
   options.task_timeout_s = vm["task-timeout"].as<double>();
   if (!(options.task_timeout_s >= 0)) {
     throw dtsim::InputError("--task-timeout: expected a number of seconds >= 0");
+  }
+  options.checkpoint_timeout_s = vm["checkpoint-timeout"].as<double>();
+  if (!(options.checkpoint_timeout_s >= 0)) {
+    throw dtsim::InputError("--checkpoint-timeout: expected a number of seconds >= 0");
   }
   // What this device is in the device catalog (a trace says what it ran on, whatever --cluster
   // says for the MFU's peak): its entry's name, else its product name.

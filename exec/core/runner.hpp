@@ -68,6 +68,9 @@ struct RunOptions {
   // ends the run: on_hang is called with a message naming the rank, the task and the time,
   // from a watchdog thread (the CLI aborts every rank). 0: no watchdog.
   double task_timeout_s = 0;
+  // The same for a checkpoint's save (its shards' writes and the ranks' agreement on them; an
+  // asynchronous save's putting in place). 0: not watched.
+  double checkpoint_timeout_s = 0;
   std::function<void(const std::string&)> on_hang;
   // A hang on purpose (tests): rank hang_rank stops answering as step hang_step starts, or with
   // hang_in_checkpoint, as it writes the checkpoint after that step.

@@ -181,8 +181,11 @@ class Watchdog {
   static constexpr std::int64_t kNone = -1, kStepEnd = -2, kSends = -3, kCheckpoint = -4;
 
   Watchdog(const RunOptions& options, const lower::RankProgram& rp)
-      : timeout_(options.task_timeout_s), on_hang_(options.on_hang), rp_(rp) {
-    if (timeout_ <= 0 || !on_hang_) return;
+      : task_timeout_(options.task_timeout_s),
+        checkpoint_timeout_(options.checkpoint_timeout_s),
+        on_hang_(options.on_hang),
+        rp_(rp) {
+    if ((task_timeout_ <= 0 && checkpoint_timeout_ <= 0) || !on_hang_) return;
     thread_ = std::thread([this] { watch(); });
   }
   ~Watchdog() {
@@ -201,7 +204,8 @@ class Watchdog {
   // The step's end: its started collectives and sends finished, its loss and time reduced.
   void begin_step_end() { begin_at(kStepEnd); }
   // The checkpoint after step `step`: its shards written and the ranks' agreement that they are
-  // (a peer that never writes its shard holds the others in that agreement).
+  // (a peer that never writes its shard holds the others in that agreement), watched with the
+  // checkpoint's own timeout.
   void begin_checkpoint(int step) {
     begin_at(kCheckpoint);
     if (!thread_.joinable()) return;
@@ -227,14 +231,20 @@ class Watchdog {
   void watch() {
     // Every 0.2 s, or a tenth of a shorter timeout (at least every millisecond), so that a
     // timeout below 0.2 s is kept to about its length.
-    const auto every = std::chrono::duration<double>(std::clamp(timeout_ / 10, 1e-3, 0.2));
+    double every_s = 0.2;
+    for (const double t : {task_timeout_, checkpoint_timeout_}) {
+      if (t > 0) every_s = std::min(every_s, t / 10);
+    }
+    const auto every = std::chrono::duration<double>(std::max(every_s, 1e-3));
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
       wake_.wait_for(lock, every);
       if (stop_ || task_ == kNone) continue;
+      const double timeout = task_ == kCheckpoint ? checkpoint_timeout_ : task_timeout_;
+      if (timeout <= 0) continue;
       const double held =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - since_).count();
-      if (held > timeout_) {
+      if (held > timeout) {
         auto named = [this](std::int64_t i) {
           return fmt::format("task {} ({})", i, rp_.tasks[static_cast<std::size_t>(i)].label);
         };
@@ -249,12 +259,13 @@ class Watchdog {
                               checkpoint_step_)
                 : named(task_),
             // (To the millisecond under a timeout below a second.)
-            timeout_ < 1 ? fmt::format("{:.3f}", held) : fmt::format("{:.0f}", held), timeout_,
+            timeout < 1 ? fmt::format("{:.3f}", held) : fmt::format("{:.0f}", held), timeout,
             waiting_ >= 0        ? ", waiting for " + named(waiting_)
             : waiting_ == kSends ? ", waiting for its pipeline sends to be received"
                                  : "",
-            task_ == kCheckpoint ? ", or the checkpoint's storage slower than --task-timeout allows"
-                                 : ""));
+            task_ == kCheckpoint
+                ? ", or the checkpoint's storage slower than --checkpoint-timeout allows"
+                : ""));
         return;
       }
     }
@@ -267,7 +278,7 @@ class Watchdog {
     since_ = std::chrono::steady_clock::now();
   }
 
-  double timeout_;
+  double task_timeout_, checkpoint_timeout_;
   std::function<void(const std::string&)> on_hang_;
   const lower::RankProgram& rp_;
   std::thread thread_;
