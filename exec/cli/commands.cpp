@@ -91,6 +91,50 @@ void end_all_ranks(const std::exception& e, const dtsim::exec::cpu::MpiSession* 
   mpi->abort(input ? 2 : 1);
 }
 
+namespace {
+
+// `failed` (every rank's step failed), on rank 0 with the other ranks' reasons where they
+// differ from its own (a file that is missing on one node and malformed on another), so that
+// the one message the job prints does not hide them; on the other ranks as it is.
+[[noreturn]] void rethrow_with_others(const std::exception_ptr& failed,
+                                      const dtsim::exec::cpu::MpiSession& mpi) {
+  std::string mine = "(not a standard exception)";
+  try {
+    std::rethrow_exception(failed);
+  } catch (const std::exception& e) {
+    mine = e.what();
+  } catch (...) {
+  }
+  const auto all = mpi.gather_to_root(mpi.host() + '\n' + mine);
+  // Each other reason once, with the ranks that gave it (all is empty off rank 0).
+  std::vector<std::pair<std::string, std::vector<std::string>>> others;
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    const std::size_t cut = all[r].find('\n');
+    const std::string host = all[r].substr(0, cut), reason = all[r].substr(cut + 1);
+    if (reason == mine) continue;
+    auto it = std::find_if(others.begin(), others.end(),
+                           [&](const auto& o) { return o.first == reason; });
+    if (it == others.end()) it = others.insert(others.end(), {reason, {}});
+    it->second.push_back(fmt::format("{} on {}", r, host));
+  }
+  if (others.empty()) std::rethrow_exception(failed);
+  std::string text = mine + "\n  and on other ranks:";
+  for (const auto& [reason, ranks] : others) {
+    text += fmt::format("\n  rank{} {}: {}", ranks.size() == 1 ? "" : "s", fmt::join(ranks, ", "),
+                        reason);
+  }
+  try {
+    std::rethrow_exception(failed);
+  } catch (const dtsim::InputError&) {
+    throw dtsim::InputError(text);
+  } catch (const dtsim::UnsupportedError&) {
+    throw dtsim::UnsupportedError(text);
+  }
+  // (Another kind is an internal error: rank 0's alone.)
+}
+
+}  // namespace
+
 void alike_on_every_rank(const dtsim::exec::cpu::MpiSession* mpi, const char* command,
                          const std::function<void()>& step) {
   std::exception_ptr failed;
@@ -107,7 +151,7 @@ void alike_on_every_rank(const dtsim::exec::cpu::MpiSession* mpi, const char* co
   const double any = mpi->max(mine);
   const double all = -mpi->max(-mine);
   if (any == 0) return;
-  if (all > 0) std::rethrow_exception(failed);
+  if (all > 0) rethrow_with_others(failed, *mpi);
   if (failed) {
     try {
       std::rethrow_exception(failed);

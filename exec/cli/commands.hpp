@@ -58,7 +58,7 @@ void end_all_ranks(const std::exception& e, const cpu::MpiSession* mpi, const ch
 
 // Runs `step` on this rank, then agrees with the others (a collective) whether it failed. Where
 // it failed on every rank (bad input, alike everywhere), its error is thrown on each (rank 0
-// says it once); where on some ranks only (their host's fault: no GPU there, a file their node
+// says it once, with the other ranks' reasons where they differ from its own); where on some ranks only (their host's fault: no GPU there, a file their node
 // does not see), those ranks end the job (end_all_ranks: rank, host, message) and the others
 // wait for that end, where they would have waited in their next collective for ever. Alone, it
 // runs `step`. Every rank must call it at the same point.

@@ -47,6 +47,11 @@ void check(int rc, const char* call) {
   if (rc != MPI_SUCCESS) fail(call, rc);
 }
 
+int count_of(std::size_t n) {
+  DTSIM_ASSERT(n <= 0x7fffffffULL, "MPI counts are int");
+  return static_cast<int>(n);
+}
+
 // bf16 reductions (the CPU's bf16 emulation, bf16_device.hpp): each step widens both operands,
 // adds (or takes the larger) in fp32 and rounds back to bf16, as a bf16 NCCL reduction rounds
 // at each step of its ring. Created as non-commutative, so that MPI combines the members in
@@ -490,10 +495,7 @@ class MpiComm final : public Comm {
     return d;
   }
 
-  static int count(std::size_t n) {
-    DTSIM_ASSERT(n <= 0x7fffffffULL, "MPI counts are int");
-    return static_cast<int>(n);
-  }
+  static int count(std::size_t n) { return count_of(n); }
 
   int rank_ = 0, size_ = 1, tag_ub_ = 32767;
   MPI_Comm side_ = MPI_COMM_NULL;
@@ -649,6 +651,28 @@ std::vector<double> MpiSession::all_gather(const std::vector<double>& mine) cons
                       static_cast<int>(mine.size()), MPI_DOUBLE, MPI_COMM_WORLD),
         "MPI_Allgather");
   return all;
+}
+
+std::vector<std::string> MpiSession::gather_to_root(const std::string& mine) const {
+  const int length = count_of(mine.size());
+  std::vector<int> lengths(static_cast<std::size_t>(rank_ == 0 ? size_ : 0));
+  check(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, MPI_COMM_WORLD),
+        "MPI_Gather");
+  std::vector<int> at(lengths.size(), 0);
+  for (std::size_t r = 1; r < lengths.size(); ++r) {
+    at[r] =
+        count_of(static_cast<std::size_t>(at[r - 1]) + static_cast<std::size_t>(lengths[r - 1]));
+  }
+  std::string all(lengths.empty() ? 0 : static_cast<std::size_t>(at.back() + lengths.back()), '\0');
+  check(MPI_Gatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), at.data(), MPI_CHAR,
+                    0, MPI_COMM_WORLD),
+        "MPI_Gatherv");
+  std::vector<std::string> out;
+  for (std::size_t r = 0; r < lengths.size(); ++r) {
+    out.push_back(
+        all.substr(static_cast<std::size_t>(at[r]), static_cast<std::size_t>(lengths[r])));
+  }
+  return out;
 }
 
 void MpiSession::abort(int code) const {

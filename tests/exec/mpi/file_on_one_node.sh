@@ -11,7 +11,7 @@ dtexec=$1
 mpirun=$2
 work=${3:-$(mktemp -d)}
 data=$(cd "$(dirname "$0")/../../.." && pwd)  # the checkout's models/ and topologies/
-rm -rf "$work" && mkdir -p "$work/r0/files" "$work/r1" || exit 1
+rm -rf "$work" && mkdir -p "$work/r0/files" "$work/r1/files" || exit 1
 cd "$work" || exit 1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 fail() { echo "FAIL: $*"; exit 1; }
@@ -49,4 +49,14 @@ echo "calibrate: exit $rc in $took s"
 [ "$rc" -eq 2 ] || fail "calibrate: exit $rc, expected 2 (124: the job hung)"
 [ "$took" -lt 25 ] || fail "calibrate: $took s"
 echo "$out" | grep -q "dtexec calibrate: rank 1 on [^:]*: error: files/own-model.json" || fail "calibrate: rank 1's message: $out"
+# Every rank fails, for different reasons (the file missing on rank 0's node, malformed on rank
+# 1's): the one message the job prints gives both, where it gave rank 0's alone.
+echo '{"name": "broken", "layers": "many"}' > r1/files/broken.json || exit 1
+out=$(timeout 60 "$mpirun" -np 2 "${each[@]}" --model files/broken.json --dp 2 \
+  --global-batch-size 4 --steps 1 2>&1 < /dev/null)
+rc=$?
+echo "failing differently: exit $rc"
+[ "$rc" -eq 2 ] || fail "failing differently: exit $rc, expected 2"
+echo "$out" | grep -q "dtexec run: error: files/broken.json: no such model file" || fail "rank 0's reason: $out"
+echo "$out" | grep -q "^  rank 1 on [^:]*: files/broken.json: " || fail "rank 1's reason: $out"
 echo ok
