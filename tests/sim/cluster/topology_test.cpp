@@ -267,7 +267,7 @@ TEST_CASE("another device takes the cluster's links and power, and leaves its pr
   CHECK(b200.power_per_device_w->value == b200.device.power_w->value);
 }
 
-TEST_CASE("the cluster's own device keeps its device_efficiency; another takes the catalog's",
+TEST_CASE("the cluster's own device keeps its device_efficiency, and another takes the catalog's",
           "[cluster]") {
   using dtsim::cluster::load_device;
   const auto selene = dtsim::cluster::load_cluster("selene");

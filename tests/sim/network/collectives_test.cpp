@@ -184,7 +184,7 @@ TEST_CASE("a pipeline hop takes as long as its stage's slowest transfer", "[netw
   CHECK(model->p2p_s(stages, 32, 0, 1 << 20) == Approx(mib / 9.375e9 + alpha).epsilon(1e-12));
 }
 
-TEST_CASE("NCCL's tree spans nodes; inside one node the ring is the algorithm", "[network]") {
+TEST_CASE("NCCL's tree spans nodes, and inside one node the ring is the algorithm", "[network]") {
   const auto c = dtsim::cluster::load_cluster("default");  // 4 nodes of 8 A100
   auto model = dtsim::network::make_analytical(c);
   const Link nvlink{c.intra.effective_bw(), c.intra.latency_s.value};

@@ -231,7 +231,7 @@ TEST_CASE("even layer split gives the remainder to the first chunks", "[plan]") 
   CHECK(dtsim::plan::chunk_layers(p, 10) == std::vector<int>{3, 3, 2, 2});
 }
 
-TEST_CASE("plans round-trip through JSON; bad plan files are rejected", "[plan][bad-input]") {
+TEST_CASE("plans round-trip through JSON, and bad plan files are rejected", "[plan][bad-input]") {
   Plan p = base_plan();
   p.schedule = Schedule::Interleaved;
   p.virtual_stages = 2;
