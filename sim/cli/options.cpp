@@ -492,9 +492,11 @@ void search_space_from_options(const po::variables_map& vm, planner::SearchSpace
   space.zero_in_place = vm["zero-in-place"].as<bool>();
   if (vm.count("clip-grad")) {
     space.clip_grad = vm["clip-grad"].as<double>();
-    if (!(std::isfinite(space.clip_grad) && space.clip_grad >= 0)) {
-      throw InputError(fmt::format("--clip-grad: expected a finite norm > 0, or 0 for none, got {}",
-                                   space.clip_grad));
+    if (!(space.clip_grad == 0 ||
+          (space.clip_grad >= kSmallestFigure && space.clip_grad <= kLargestFigure))) {
+      throw InputError(fmt::format("--clip-grad: expected a norm from {:g} to {:g}, or 0 for none, "
+                                   "got {}",
+                                   kSmallestFigure, kLargestFigure, space.clip_grad));
     }
   }
 }

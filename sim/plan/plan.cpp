@@ -230,10 +230,12 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
                                 "length per cp rank ({})",
                                 p.tp, p.seq_len / p.cp));
   }
-  if (!(std::isfinite(p.clip_grad) && p.clip_grad >= 0)) {
-    error("clip-grad", fmt::format("gradient clipping at norm {:g}: expected a finite norm > 0, "
-                                   "or 0 for none",
-                                   p.clip_grad));
+  // (The plan file's range, so that every plan written can be read back: a checkpoint of
+  // dtexec run --clip-grad 1e30 could be neither resumed nor compared.)
+  if (!(p.clip_grad == 0 || (p.clip_grad >= kSmallestFigure && p.clip_grad <= kLargestFigure))) {
+    error("clip-grad", fmt::format("gradient clipping at norm {:g}: expected a norm from {:g} to "
+                                   "{:g}, or 0 for none",
+                                   p.clip_grad, kSmallestFigure, kLargestFigure));
   }
   if (!(p.grad_compression >= kLeastGradCompression && p.grad_compression <= 1)) {
     error("grad-compression",

@@ -19,8 +19,12 @@ here=$(cd "$(dirname "$0")" && pwd)
 source "$here/plan_matrix.sh"
 setup_plan_matrix "$@"
 steps=3
-common=(--steps "$steps" --lr 3e-3 --warmup 0 --global-batch-size 8)
+# A clipping limit no step reaches: the runs compute their gradients' global norm (and clip
+# nothing), so that each step's norm is compared too, relative 1e-5 as clip_matrix.sh's (the
+# losses and weights cannot see a gradient scaled by a constant: plan_matrix.sh).
+common=(--steps "$steps" --lr 3e-3 --warmup 0 --global-batch-size 8 --clip-grad 1e20)
 tolerances=(--loss-tolerance 1e-5 --weight-tolerance 1e-3)
+norm_tolerance=1e-5
 # tiny-gpt: GELU, LayerNorm, biases, tied embeddings (2 layers). The Llama-style fixture:
 # SwiGLU, RMSNorm, grouped-query attention, untied head, 4 layers (pp 2 x 2 chunks). The dropout
 # fixture: tiny-gpt with dropout (its masks follow each element's sequence and position, so
@@ -49,7 +53,7 @@ for model in tiny-gpt llama dropout moe vocab251; do
     if [ "$model" = vocab251 ] && [ "$mbs" != 2 ]; then continue; fi
     rm -rf "ref_${model}_$mbs"
     "$dtexec" run --model "$path" "${common[@]}" --micro-batch-size "$mbs" \
-      --checkpoint "ref_${model}_$mbs" >/dev/null
+      --checkpoint "ref_${model}_$mbs" --json >"ref_${model}_$mbs.json"
   done
 done
 

@@ -35,7 +35,7 @@ echo "killed at step 7 with exit code $rc; last checkpoint at step $step"
 [ "$step" -eq 6 ] || { echo "expected the checkpoint of step 6"; exit 1; }
 
 "$mpirun" -np 4 "$dtexec" run "${plan[@]}" --checkpoint interrupted --resume interrupted >resumed.log || exit 1
-"$dtexec" compare whole interrupted --loss-tolerance 0 --weight-tolerance 0
+"$dtexec" compare whole interrupted --loss-tolerance 0 --weight-tolerance 0 || exit 1
 
 # Asynchronous saves: the same checkpoints, bit for bit.
 rm -rf async async.tmp killed-async killed-async.tmp
