@@ -791,7 +791,10 @@ dtsim::plan::Plan backend_plan(const po::variables_map& vm, const dtsim::model::
         asked ? "" : " (give --precision fp32 or bf16)"));
   }
   if (plan.optimizer != dtsim::plan::Optimizer::Adam) {
-    throw dtsim::UnsupportedError("optimizer: dtexec trains with AdamW only");
+    throw dtsim::UnsupportedError(fmt::format(
+        "{}optimizer {}: dtexec trains with AdamW only (give \"optimizer\": \"adam\", or none)",
+        vm.count("plan") ? vm["plan"].as<std::string>() + ": " : "",
+        dtsim::plan::to_string(plan.optimizer)));
   }
   dtsim::plan::require_valid(plan, spec, devices);
   return plan;
@@ -1374,11 +1377,14 @@ int run(const std::vector<std::string>& args) {
   }
   options.task_timeout_s = vm["task-timeout"].as<double>();
   if (!(options.task_timeout_s >= 0)) {
-    throw dtsim::InputError("--task-timeout: expected a number of seconds >= 0");
+    throw dtsim::InputError(fmt::format("--task-timeout: expected a number of seconds >= 0, got {}",
+                                        options.task_timeout_s));
   }
   options.checkpoint_timeout_s = vm["checkpoint-timeout"].as<double>();
   if (!(options.checkpoint_timeout_s >= 0)) {
-    throw dtsim::InputError("--checkpoint-timeout: expected a number of seconds >= 0");
+    throw dtsim::InputError(
+        fmt::format("--checkpoint-timeout: expected a number of seconds >= 0, got {}",
+                    options.checkpoint_timeout_s));
   }
   // What this device is in the device catalog (a trace says what it ran on, whatever --cluster
   // says for the MFU's peak): its entry's name, else its product name.
