@@ -403,7 +403,11 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
 ModelSpec load_model(std::string_view name_or_path) {
   const auto path = resolve_data_file("model", "models", name_or_path);
   const json j = JsonReader::parse_file(path);
-  if (j.is_object() && j.contains("model_type")) return model_from_hf_config(j, path.string());
+  // A Hugging Face config.json (its model_type; without it, its architectures, which dtsim's
+  // own format has not, so that the message names the missing model_type).
+  if (j.is_object() && (j.contains("model_type") || j.contains("architectures"))) {
+    return model_from_hf_config(j, path.string());
+  }
   return model_from_json(j, path.string());
 }
 

@@ -11,8 +11,8 @@
 #include <sstream>
 #include <tuple>
 
-#include "sim/common/error.hpp"
 #include "sim/cluster/topology.hpp"
+#include "sim/common/error.hpp"
 #include "sim/common/json_reader.hpp"
 #include "sim/report/trace.hpp"
 
@@ -158,16 +158,20 @@ Trace read_trace(const std::string& path) {
       if (name == "process_name" && e.contains("pid") && e.contains("args") &&
           r.object("args").has("represents")) {
         const json& ranks = e.at("args").at("represents");
-        if (!ranks.is_array() || !e.at("pid").is_number_integer()) {
+        if (!e.at("pid").is_number_integer() || e.at("pid").get<std::int64_t>() < 0) {
+          r.fail("pid", fmt::format("expected a process id (a rank: a whole number >= 0), got {}",
+                                    describe_json_value(e.at("pid"))));
+        }
+        if (!ranks.is_array()) {
           throw InputError(
               fmt::format("{}: {}.args.represents: expected an array of ranks", path, where));
         }
         for (const json& rank : ranks) {
           if (!rank.is_number_integer() || rank.get<std::int64_t>() < 0 ||
               rank.get<std::int64_t>() >= cluster::kMaxDevices) {
-            throw InputError(fmt::format(
-                "{}: {}.args.represents: expected ranks from 0 to {}, got {}", path, where,
-                cluster::kMaxDevices - 1, describe_json_value(rank)));
+            throw InputError(
+                fmt::format("{}: {}.args.represents: expected ranks from 0 to {}, got {}", path,
+                            where, cluster::kMaxDevices - 1, describe_json_value(rank)));
           }
           // A rank stands for one process: a second claim would drop the first in silence.
           const auto [it, fresh] = trace.representative.try_emplace(

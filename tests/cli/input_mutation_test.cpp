@@ -2,8 +2,8 @@
 // (models, a Hugging Face config, clusters, devices, plans, calibration profiles, traces) is
 // replaced, one at a time, by a value of the wrong kind or out of range, or removed, and the
 // commands that read it run in-process. Each either runs, printing no NaN or infinity, or
-// refuses with an InputError or UnsupportedError (exit code 2); never another exception (exit
-// code 1: an internal error) nor a crash.
+// refuses with an InputError or UnsupportedError (exit code 2) whose message names the file and
+// the field changed; never another exception (exit code 1: an internal error) nor a crash.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -203,11 +203,23 @@ const std::vector<json>& wrong_values() {
   return values;
 }
 
-// One changed input: its description and the JSON.
+// One changed input: its description, the JSON, and the name of the field changed (the last
+// object member on its path: an array element's array; a figure's value, the figure).
 struct Mutant {
   std::string change;
   json value;
+  std::string field;
 };
+
+std::string field_of(const json::json_pointer& at) {
+  for (json::json_pointer p = at; !p.empty(); p = p.parent_pointer()) {
+    const std::string& token = p.back();
+    if (token.find_first_not_of("0123456789") != std::string::npos && token != "value") {
+      return token;
+    }
+  }
+  return "";
+}
 
 // `base` with each node replaced by each wrong value, and each object member removed.
 std::vector<Mutant> mutants(const json& base) {
@@ -218,13 +230,13 @@ std::vector<Mutant> mutants(const json& base) {
     for (const json& v : wrong_values()) {
       json m = base;
       m[at] = v;
-      out.push_back({fmt::format("{} = {}", at.to_string(), v.dump()), std::move(m)});
+      out.push_back({fmt::format("{} = {}", at.to_string(), v.dump()), std::move(m), field_of(at)});
     }
     const json& parent = base[at.parent_pointer()];
     if (parent.is_object()) {
       json m = base;
       m[at.parent_pointer()].erase(at.back());
-      out.push_back({fmt::format("{} removed", at.to_string()), std::move(m)});
+      out.push_back({fmt::format("{} removed", at.to_string()), std::move(m), field_of(at)});
     }
   }
   return out;
@@ -241,11 +253,23 @@ struct Invocation {
 };
 
 // What is wrong with an outcome; nothing where it ran printing finite numbers or refused
-// with a message.
-std::optional<std::string> problem(const Outcome& o) {
+// with a message, which for a changed `file` and `field` (where given) must name them: the
+// standard's "a clear message naming file, field and expectation".
+std::optional<std::string> problem(const Outcome& o, const std::string& file = "",
+                                   const std::string& field = "") {
   if (o.kind == Outcome::Failed) return o.text;
   if (o.kind == Outcome::Ran && prints_non_finite(o.text)) return "printed a NaN or infinity";
-  if (o.kind == Outcome::Refused && o.text.empty()) return "refused without a message";
+  if (o.kind != Outcome::Refused) return std::nullopt;
+  if (o.text.empty()) return "refused without a message";
+  if (o.text.find(file) == std::string::npos) {
+    return fmt::format("refused without naming {}: {}", file, o.text.substr(0, 300));
+  }
+  // (A plan's rules across fields, "invalid plan (dp=2 ... gbs=16 ...): - ...", name the
+  // plan's every value and the rule broken, in the terms of the flags.)
+  if (o.text.find(field) == std::string::npos &&
+      o.text.find("invalid plan (") == std::string::npos) {
+    return fmt::format("refused without naming the field {}: {}", field, o.text.substr(0, 300));
+  }
   return std::nullopt;
 }
 
@@ -275,7 +299,7 @@ void check_mutants(const Scratch& scratch, const std::string& file, const json& 
     scratch.write(file, m.value);
     for (const Invocation& inv : invocations) {
       const Outcome o = run(inv.command, inv.args, capture);
-      if (const auto what = problem(o)) {
+      if (const auto what = problem(o, file, m.field)) {
         failures.push_back(fmt::format("{} with {}: {}", inv.name, m.change, *what));
       }
       (o.kind == Outcome::Ran ? ran : refused) += 1;
@@ -399,6 +423,14 @@ TEST_CASE("the mutation harness tells refusals, failures and non-finite output a
   const Outcome refused = run(refuses, {}, capture);
   CHECK(refused.kind == Outcome::Refused);
   CHECK(!problem(refused));
+  CHECK(!problem(refused, "x.json", "field"));
+  // A refusal that names neither the file nor the field changed is a failure.
+  CHECK(problem(refused, "y.json", "field") ==
+        std::optional<std::string>("refused without naming y.json: x.json: field: expected a "
+                                   "number"));
+  CHECK(problem(refused, "x.json", "other") ==
+        std::optional<std::string>("refused without naming the field other: x.json: field: "
+                                   "expected a number"));
   CHECK(run(breaks, {}, capture).kind == Outcome::Failed);
   CHECK(problem(run(prints_nan, {}, capture)) ==
         std::optional<std::string>("printed a NaN or infinity"));
