@@ -417,7 +417,10 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
       const fs::path path = fs::path(dir_) / file;
       std::error_code ec;
       const auto size = fs::file_size(path, ec);
-      if (ec) throw InputError(fmt::format("{}: cannot open", path.string()));
+      if (ec) {
+        throw InputError(fmt::format("{}: cannot open ({}): a shard {} lists", path.string(),
+                                     ec.message(), where_));
+      }
       if (expected && size != *expected) {
         throw InputError(fmt::format(
             "{}: {} bytes, expected {} ({})", path.string(), size, *expected,

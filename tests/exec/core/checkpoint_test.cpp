@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <numeric>
 
@@ -585,4 +586,87 @@ TEST_CASE("checkpoint: what lies in a checkpoint's folders", "[exec][checkpoint]
   fs::create_directory_symlink(fs::absolute(dir), link);
   CHECK(in_checkpoint_folders(dir, link + "/t.json"));
   fs::remove(link);
+}
+
+// Every field of a checkpoint's index replaced, one at a time, by a value of the wrong kind or
+// out of range, or removed: reading the checkpoint (every tensor, whole) either works or throws
+// an InputError that names the index or the shard it concerns; never another exception (an
+// internal error, a failed allocation) nor a crash. (dtsim's own inputs have the same harness,
+// tests/cli/input_mutation_test.cpp.)
+TEST_CASE("checkpoint: a mutated index is read or refused with its file named",
+          "[exec][checkpoint][mutation]") {
+  const auto dir =
+      write_sharded("mutated", numbered("L0.qkv.weight", 4, 6), numbered("L0.out.weight", 4, 3));
+  nlohmann::json base;
+  std::ifstream(fs::path(dir) / "checkpoint.json") >> base;
+  // Every node by its pointer.
+  std::vector<nlohmann::json::json_pointer> all;
+  std::function<void(const nlohmann::json&, const nlohmann::json::json_pointer&)> walk =
+      [&](const nlohmann::json& j, const nlohmann::json::json_pointer& at) {
+        if (j.is_object()) {
+          for (const auto& [key, value] : j.items()) {
+            all.push_back(at / key);
+            walk(value, at / key);
+          }
+        } else if (j.is_array()) {
+          for (std::size_t i = 0; i < j.size(); ++i) {
+            all.push_back(at / i);
+            walk(j[i], at / i);
+          }
+        }
+      };
+  walk(base, nlohmann::json::json_pointer());
+  const std::vector<nlohmann::json> wrong = {nullptr,
+                                             -1,
+                                             0,
+                                             0.5,
+                                             1e300,
+                                             1e19,
+                                             "x",
+                                             true,
+                                             nlohmann::json::array(),
+                                             nlohmann::json::object(),
+                                             std::int64_t{1} << 40,
+                                             "../rank-00000.bin"};
+  std::vector<std::pair<std::string, nlohmann::json>> mutants;
+  for (const auto& at : all) {
+    for (const auto& v : wrong) {
+      nlohmann::json m = base;
+      m[at] = v;
+      mutants.emplace_back(at.to_string() + " = " + v.dump(), std::move(m));
+    }
+    if (base[at.parent_pointer()].is_object()) {
+      nlohmann::json m = base;
+      m[at.parent_pointer()].erase(at.back());
+      mutants.emplace_back(at.to_string() + " removed", std::move(m));
+    }
+  }
+  int read = 0, refused = 0;
+  std::vector<std::string> failures;
+  for (const auto& [change, value] : mutants) {
+    std::ofstream(fs::path(dir) / "checkpoint.json") << value.dump(1);
+    try {
+      (void)dtsim::exec::read_checkpoint(dir);
+      ++read;
+    } catch (const dtsim::InputError& e) {
+      ++refused;
+      const std::string what = e.what();
+      if (what.find("checkpoint.json") == std::string::npos &&
+          what.find(".bin") == std::string::npos) {
+        failures.push_back(change + ": refused without naming the file: " + what);
+      }
+    } catch (const std::exception& e) {
+      failures.push_back(change + ": " + e.what());
+    }
+  }
+  INFO(read << " read, " << refused << " refused; first failures:\n"
+            << [&] {
+                 std::string s;
+                 for (std::size_t i = 0; i < failures.size() && i < 20; ++i) {
+                   s += failures[i] + "\n";
+                 }
+                 return s;
+               }());
+  CHECK(failures.empty());
+  CHECK(refused > read);  // the wrong values were read
 }
