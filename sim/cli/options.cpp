@@ -350,6 +350,9 @@ nlohmann::json plan_file_json(const std::string& path) {
   static std::map<std::string, nlohmann::json> piped;
   std::error_code ec;
   if (std::filesystem::is_regular_file(path, ec)) return JsonReader::parse_file(path);
+  if (!std::filesystem::exists(path, ec)) {
+    throw InputError(fmt::format("{}: no such plan file", path));
+  }
   auto it = piped.find(path);
   if (it == piped.end()) it = piped.emplace(path, JsonReader::parse_file(path)).first;
   return it->second;
@@ -494,9 +497,10 @@ void search_space_from_options(const po::variables_map& vm, planner::SearchSpace
     space.clip_grad = vm["clip-grad"].as<double>();
     if (!(space.clip_grad == 0 ||
           (space.clip_grad >= kSmallestFigure && space.clip_grad <= kLargestFigure))) {
-      throw InputError(fmt::format("--clip-grad: expected a norm from {:g} to {:g}, or 0 for none, "
-                                   "got {}",
-                                   kSmallestFigure, kLargestFigure, space.clip_grad));
+      throw InputError(
+          fmt::format("--clip-grad: expected a norm from {:g} to {:g}, or 0 for none, "
+                      "got {}",
+                      kSmallestFigure, kLargestFigure, space.clip_grad));
     }
   }
 }

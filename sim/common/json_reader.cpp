@@ -54,7 +54,11 @@ json JsonReader::parse_file(const std::filesystem::path& file) {
     throw InputError(fmt::format("{}: is a directory; expected a JSON file", file.string()));
   }
   std::ifstream in(file);
-  if (!in) throw InputError(fmt::format("{}: cannot open file", file.string()));
+  if (!in) {
+    throw InputError(
+        fmt::format("{}: cannot open file ({})", file.string(),
+                    std::filesystem::exists(file, ec) ? "not readable" : "no such file"));
+  }
   std::stringstream buffer;
   buffer << in.rdbuf();
   // A field given twice in one object would otherwise keep its last value in silence

@@ -45,7 +45,7 @@ TEST_CASE("a field given twice in one object is refused, naming its path", "[com
 
 TEST_CASE("a missing file is an input error", "[common]") {
   DTSIM_REQUIRE_THROWS_CONTAINING(JsonReader::parse_file("/nonexistent/x.json"), InputError,
-                                  "/nonexistent/x.json: cannot open file");
+                                  "/nonexistent/x.json: cannot open file (no such file)");
 }
 
 TEST_CASE("typed fields report file, path and what was expected", "[common]") {
