@@ -10,6 +10,7 @@
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
 #include "sim/plan/memory_model.hpp"
+#include "sim/report/json_values.hpp"
 #include "sim/report/table.hpp"
 
 namespace dtsim::cli {
@@ -23,15 +24,15 @@ json stage_json(const plan::StageMemory& s) {
           {"layers", s.layers},
           {"in_flight_micro_batches", s.in_flight},
           {"weight_passes_held", s.weight_passes_held},
-          {"weights_bytes", s.weights_bytes},
-          {"gradients_bytes", s.gradients_bytes},
-          {"optimizer_bytes", s.optimizer_bytes},
-          {"activations_bytes", s.activations_bytes},
-          {"working_bytes", s.working_bytes},
+          {"weights_bytes", report::byte_count(s.weights_bytes)},
+          {"gradients_bytes", report::byte_count(s.gradients_bytes)},
+          {"optimizer_bytes", report::byte_count(s.optimizer_bytes)},
+          {"activations_bytes", report::byte_count(s.activations_bytes)},
+          {"working_bytes", report::byte_count(s.working_bytes)},
           {"working_tensors", s.working_tensors},
           {"peak_moment", s.peak_moment},
-          {"other_bytes", s.other_bytes},
-          {"total_bytes", s.total_bytes},
+          {"other_bytes", report::byte_count(s.other_bytes)},
+          {"total_bytes", report::byte_count(s.total_bytes)},
           {"dominant", s.dominant}};
 }
 
@@ -75,15 +76,15 @@ int cmd_memory(const std::vector<std::string>& args) {
   if (vm["json"].as<bool>()) {
     json out = stage_json(worst);
     out["worst_stage"] = report.worst_stage;
-    out["capacity_bytes"] = report.capacity_bytes;
+    out["capacity_bytes"] = report::byte_count(report.capacity_bytes);
     out["fits"] = report.fits;
-    out["margin_bytes"] = report.margin_bytes;
+    out["margin_bytes"] = report::byte_count(report.margin_bytes);
     json stages = json::array();
     for (const auto& s : report.stages) {
       json stage = stage_json(s);
-      stage["capacity_bytes"] = report.capacity_bytes;
+      stage["capacity_bytes"] = report::byte_count(report.capacity_bytes);
       stage["fits"] = s.total_bytes <= report.capacity_bytes;
-      stage["margin_bytes"] = report.capacity_bytes - s.total_bytes;
+      stage["margin_bytes"] = report::byte_count(report.capacity_bytes - s.total_bytes);
       stages.push_back(std::move(stage));
     }
     out["per_stage"] = stages;

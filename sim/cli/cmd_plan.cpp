@@ -55,8 +55,8 @@ json candidate_json(const planner::Candidate& c, const TrainingGoal& goal) {
             {"estimate_s", c.estimate_s},
             {"simulated", c.refined},
             {"tokens_per_s", tokens / c.step_time_s},
-            {"memory_per_gpu_bytes", c.memory_bytes},
-            {"capacity_bytes", c.capacity_bytes},
+            {"memory_per_gpu_bytes", report::byte_count(c.memory_bytes)},
+            {"capacity_bytes", report::byte_count(c.capacity_bytes)},
             {"fits", c.fits},
             {"dominant", planner::dominant_term(breakdown_of(c), c.step_time_s)}};
   j["breakdown"] = report::breakdown_json(breakdown_of(c));

@@ -164,10 +164,10 @@ int cmd_simulate(const std::vector<std::string>& args) {
         {"model_flops_per_step", p.model_flops},
         {"hardware_flops_per_step", p.hardware_flops},
         {"executed_flops_per_step", p.executed_flops},
-        {"memory_per_gpu_bytes", p.memory.worst().total_bytes},
-        {"memory_capacity_bytes", p.memory.capacity_bytes},
+        {"memory_per_gpu_bytes", report::byte_count(p.memory.worst().total_bytes)},
+        {"memory_capacity_bytes", report::byte_count(p.memory.capacity_bytes)},
         // (The name plan, memory and whatif give it.)
-        {"capacity_bytes", p.memory.capacity_bytes},
+        {"capacity_bytes", report::byte_count(p.memory.capacity_bytes)},
         {"fits", p.memory.fits},
         {"breakdown", report::breakdown_json(p.breakdown)},
         {"breakdown_stage", p.bottleneck_stage},

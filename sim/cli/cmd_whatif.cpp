@@ -1092,8 +1092,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
         }
         if (r.cost_usd >= 0) j["cost_usd"] = r.cost_usd;
         if (r.energy_kwh >= 0) j["energy_kwh"] = r.energy_kwh;
-        j["memory_per_gpu_bytes"] = r.memory_bytes;
-        j["capacity_bytes"] = r.capacity_bytes;
+        j["memory_per_gpu_bytes"] = report::byte_count(r.memory_bytes);
+        j["capacity_bytes"] = report::byte_count(r.capacity_bytes);
       }
       out.push_back(j);
     }

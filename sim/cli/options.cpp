@@ -711,7 +711,7 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
                       {"checkpoint_write_s", tt.checkpoint_write_s},
                       {"checkpoint_blocking_s", tt.checkpoint_blocking_s},
                       {"checkpoint_asynchronous", tt.asynchronous},
-                      {"checkpoint_bytes", tt.checkpoint_bytes},
+                      {"checkpoint_bytes", report::byte_count(tt.checkpoint_bytes)},
                       {"job_mtbf_s", tt.job_mtbf_s}};
   if (cost_usd) {
     j["cost_to_train_usd"] = *cost_usd;
