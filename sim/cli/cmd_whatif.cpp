@@ -297,7 +297,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "tokens", po::value<double>(),
       "training tokens, for time, cost and energy to train (the time with interruptions, "
       "checkpoints and restarts as well: see the reliability flags)")(
-      "refine", po::value<int>()->default_value(2), "plans simulated per point")(
+      "refine", po::value<int>()->default_value(2),
+      "plans simulated per point: the candidates the closed form ranks best, each simulated, the "
+      "fastest kept (dtsim plan simulates 8: where candidates' estimates lie within a few "
+      "percent, as ZeRO stages of one layout often do, a point's plan may differ from plan's "
+      "best; --refine 8 gives the same)")(
       "network", po::value<std::string>()->default_value("analytical"),
       "network model of each point's plan: analytical, or simgrid (the plan the search chose, or "
       "--fixed-plan, simulated with flows on SimGrid, each point in a process of its own; the "
