@@ -63,7 +63,7 @@ if [ -n "${OUT:-}" ]; then
     [ -n "${smi_pid:-}" ] && kill "$smi_pid" 2>/dev/null
     cp -f "$report" "$out/report.txt" 2>/dev/null
     cp -f "$out/profile_h200.json" "$out/profile_l70.json" "$out/profile_gpt2.json" \
-      "$out/sections.txt" "$OUT/" 2>/dev/null
+      "$OUT/" 2>/dev/null
     # The folders are the runs' checkpoints (1.4 MiB each, which xz does not shrink): with
     # them the archive passed 16 MB and lost its traces; their comparisons are in the report.
     find "$out" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
@@ -548,9 +548,12 @@ print("; ".join(f"{k} {len(v)} tasks, median {statistics.median(v):.0f} us"
                 for k, v in sorted(kinds.items())) or "no communication tasks")
 PY
 }
+# Sections 4 and 7 come after this one: 110 s are kept for them.
+keep=0
+[[ " ${GPU_CHECK_SECTIONS:-1 2 3 5 6 4 7} " == *" 6 "*" 4 "* ]] && keep=110
 for entry in "${nccl_plans[@]}"; do
   [[ $entry == *"${GPU_CHECK_NCCL_ONLY:-}"* ]] || continue
-  if [ -n "${nccl_skip:-}" ] || [ $timeouts -ge 2 ]; then
+  if [ -n "${nccl_skip:-}" ] || [ $timeouts -ge 2 ] || [ $((deadline - SECONDS - keep)) -lt 60 ]; then
     say "skipped: $entry"
     continue
   fi
@@ -579,7 +582,9 @@ for entry in "${nccl_plans[@]}"; do
     nccl_run
     rc=$?
   fi
-  { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && timeouts=$((timeouts + 1))
+  # (The first two plans are the ones no GPU has run yet: their hangs do not end the section
+  # before the eight seen working have run.)
+  { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ $i -gt 2 ] && timeouts=$((timeouts + 1))
   if [ $rc -eq 125 ]; then
     say "skipped (the check's time is spent): $entry"
     continue
@@ -609,7 +614,11 @@ if command -v nvidia-smi >/dev/null; then
     --format=csv,noheader,nounits -lms 200 >"$out/smi.csv" 2>"$out/smi_errors.txt" &
   smi_pid=$!
 fi
-stamp() { echo "$1 $(date '+%Y/%m/%d %H:%M:%S.%3N')" >>"$out/sections.txt"; }
+# (Also into $OUT as it grows: a run cut off at the device tool's limit keeps it.)
+stamp() {
+  echo "$1 $(date '+%Y/%m/%d %H:%M:%S.%3N')" >>"$out/sections.txt"
+  [ -n "${OUT:-}" ] && cp -f "$out/sections.txt" "$OUT/"
+}
 for section in ${GPU_CHECK_SECTIONS:-1 2 3 5 6 4 7}; do
   stamp "$section"
   case $section in

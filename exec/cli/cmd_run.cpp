@@ -872,8 +872,9 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm, std::int64_t
   // The hung rank waits outside any task; its peers' collectives and transfers find it.
   if (vm.count("hang-at") && ranks == 1) {
     throw dtsim::InputError(
-        "--hang-at: a run of one rank has no peer to find it hung (--task-timeout times the "
-        "peers' waits for it), so it would wait for ever; run it under mpirun -np 2 or more");
+        "--hang-at: a run of one rank has no peer to find it hung (--task-timeout, or "
+        "--checkpoint-timeout in a checkpoint, times the peers' waits for it), so it would wait "
+        "for ever; run it under mpirun -np 2 or more");
   }
   if (options.hang_rank >= 0) {
     const char* timeout = options.hang_in_checkpoint ? "checkpoint-timeout" : "task-timeout";
@@ -1380,12 +1381,13 @@ int run(const std::vector<std::string>& args) {
     throw dtsim::InputError(fmt::format("--task-timeout: expected a number of seconds >= 0, got {}",
                                         options.task_timeout_s));
   }
-  options.checkpoint_timeout_s = vm["checkpoint-timeout"].as<double>();
-  if (!(options.checkpoint_timeout_s >= 0)) {
-    throw dtsim::InputError(
-        fmt::format("--checkpoint-timeout: expected a number of seconds >= 0, got {}",
-                    options.checkpoint_timeout_s));
+  const double checkpoint_timeout = vm["checkpoint-timeout"].as<double>();
+  if (!(checkpoint_timeout >= 0)) {
+    throw dtsim::InputError(fmt::format(
+        "--checkpoint-timeout: expected a number of seconds >= 0, got {}", checkpoint_timeout));
   }
+  // (Without checkpoints nothing is watched by it: --task-timeout 0 is no watchdog at all.)
+  if (!options.checkpoint_dir.empty()) options.checkpoint_timeout_s = checkpoint_timeout;
   // What this device is in the device catalog (a trace says what it ran on, whatever --cluster
   // says for the MFU's peak): its entry's name, else its product name.
   std::optional<dtsim::cluster::DeviceSpec> catalog_device;

@@ -118,10 +118,20 @@ namespace {
     it->second.push_back(fmt::format("{} on {}", r, host));
   }
   if (others.empty()) std::rethrow_exception(failed);
+  // (At most 8 reasons, each with at most 8 ranks: a reason that names its host differs on
+  // every node of a large job.)
+  constexpr std::size_t kMost = 8;
   std::string text = mine + "\n  and on other ranks:";
-  for (const auto& [reason, ranks] : others) {
-    text += fmt::format("\n  rank{} {}: {}", ranks.size() == 1 ? "" : "s", fmt::join(ranks, ", "),
-                        reason);
+  for (std::size_t i = 0; i < others.size() && i < kMost; ++i) {
+    const auto& [reason, ranks] = others[i];
+    const std::vector<std::string> shown(ranks.begin(),
+                                         ranks.begin() + std::min(ranks.size(), kMost));
+    text += fmt::format(
+        "\n  rank{} {}{}: {}", ranks.size() == 1 ? "" : "s", fmt::join(shown, ", "),
+        ranks.size() > kMost ? fmt::format(" and {} more", ranks.size() - kMost) : "", reason);
+  }
+  if (others.size() > kMost) {
+    text += fmt::format("\n  and {} other reasons", others.size() - kMost);
   }
   try {
     std::rethrow_exception(failed);

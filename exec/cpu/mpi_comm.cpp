@@ -663,7 +663,11 @@ std::vector<std::string> MpiSession::gather_to_root(const std::string& mine) con
     at[r] =
         count_of(static_cast<std::size_t>(at[r - 1]) + static_cast<std::size_t>(lengths[r - 1]));
   }
-  std::string all(lengths.empty() ? 0 : static_cast<std::size_t>(at.back() + lengths.back()), '\0');
+  std::string all(lengths.empty() ? 0
+                                  : static_cast<std::size_t>(
+                                        count_of(static_cast<std::size_t>(at.back()) +
+                                                 static_cast<std::size_t>(lengths.back()))),
+                  '\0');
   check(MPI_Gatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), at.data(), MPI_CHAR,
                     0, MPI_COMM_WORLD),
         "MPI_Gatherv");

@@ -350,7 +350,7 @@ nlohmann::json plan_file_json(const std::string& path) {
   static std::map<std::string, nlohmann::json> piped;
   std::error_code ec;
   if (std::filesystem::is_regular_file(path, ec)) return JsonReader::parse_file(path);
-  if (!std::filesystem::exists(path, ec)) {
+  if (!std::filesystem::exists(path, ec) && !ec) {
     throw InputError(fmt::format("{}: no such plan file", path));
   }
   auto it = piped.find(path);

@@ -57,7 +57,7 @@ json JsonReader::parse_file(const std::filesystem::path& file) {
   if (!in) {
     throw InputError(
         fmt::format("{}: cannot open file ({})", file.string(),
-                    std::filesystem::exists(file, ec) ? "not readable" : "no such file"));
+                    std::filesystem::exists(file, ec) || ec ? "not readable" : "no such file"));
   }
   std::stringstream buffer;
   buffer << in.rdbuf();

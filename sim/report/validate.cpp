@@ -357,8 +357,8 @@ Validation validate(const Trace& predicted, const Trace& measured) {
     seen[{p.rank, p.task}] = true;
     ++v.matched;
     if (!p.name.empty() && !m.name.empty() && p.name != m.name && v.renamed++ == 0) {
-      v.first_renamed = fmt::format("rank {} task {}: \"{}\" predicted, \"{}\" measured", m.rank,
-                                    m.task, p.name, m.name);
+      v.first_renamed = fmt::format("rank {} task {}: name \"{}\" predicted, \"{}\" measured",
+                                    m.rank, m.task, p.name, m.name);
     }
     const auto stream = predicted.stream_names.count(p.stream) ? predicted.stream_names.at(p.stream)
                                                                : fmt::format("{}", p.stream);

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -266,8 +267,14 @@ std::optional<std::string> problem(const Outcome& o, const std::string& file = "
   }
   // (A plan's rules across fields, "invalid plan (dp=2 ... gbs=16 ...): - ...", name the
   // plan's every value and the rule broken, in the terms of the flags.)
-  if (o.text.find(field) == std::string::npos &&
-      o.text.find("invalid plan (") == std::string::npos) {
+  // (As a word: "tp" inside "output" names nothing.)
+  std::string escaped;
+  for (const char c : field) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_') escaped += '\\';
+    escaped += c;
+  }
+  const std::regex word("(^|[^A-Za-z0-9_])" + escaped + "([^A-Za-z0-9_]|$)");
+  if (!std::regex_search(o.text, word) && o.text.find("invalid plan (") == std::string::npos) {
     return fmt::format("refused without naming the field {}: {}", field, o.text.substr(0, 300));
   }
   return std::nullopt;

@@ -77,7 +77,7 @@ TEST_CASE("validate counts the joined tasks that another plan names differently"
                                          dtsim::report::read_trace(m.path()));
   CHECK(v.matched == 2);
   CHECK(v.renamed == 1);
-  CHECK(v.first_renamed == "rank 0 task 0: \"fwd\" predicted, \"bwd\" measured");
+  CHECK(v.first_renamed == "rank 0 task 0: name \"fwd\" predicted, \"bwd\" measured");
 }
 
 TEST_CASE("a task measured as taking no time has no error", "[report][validate]") {
