@@ -391,6 +391,9 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
   if (!fs::is_directory(dir_, missing) && fs::exists(dir_, missing)) {
     throw InputError(fmt::format("{}: is a file; expected a dtexec checkpoint folder", dir_));
   }
+  if (!fs::exists(dir_, missing) && !missing) {
+    throw InputError(fmt::format("{}: no such checkpoint folder", dir_));
+  }
   if (!fs::exists(where_, missing)) {
     throw InputError(fmt::format("{}: cannot open (not a dtexec checkpoint?)", where_));
   }
