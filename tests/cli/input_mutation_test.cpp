@@ -28,6 +28,7 @@
 
 #include "sim/cli/commands.hpp"
 #include "sim/common/error.hpp"
+#include "tests/json_mutants.hpp"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -179,70 +180,6 @@ bool prints_non_finite(const std::string& text) {
   return std::regex_search(text, word);
 }
 
-// Every node of `j` below the root, by its pointer.
-void nodes(const json& j, const json::json_pointer& at, std::vector<json::json_pointer>& out) {
-  if (j.is_object()) {
-    for (const auto& [key, value] : j.items()) {
-      out.push_back(at / key);
-      nodes(value, at / key, out);
-    }
-  } else if (j.is_array()) {
-    for (std::size_t i = 0; i < j.size(); ++i) {
-      out.push_back(at / i);
-      nodes(j[i], at / i, out);
-    }
-  }
-}
-
-// The wrong values tried in place of each node: of each other kind, negative, zero, a
-// fraction, beyond any range (and past a 64-bit integer), and empty containers.
-const std::vector<json>& wrong_values() {
-  static const std::vector<json> values = {
-      json(nullptr), json(-1),      json(0),     json(0.5),     json(1e300),
-      json(1e19),    json("x"),     json(true),  json::array(), json::object(),
-      json(-1e300),  json(1 << 30), json(1e-300)};
-  return values;
-}
-
-// One changed input: its description, the JSON, and the name of the field changed (the last
-// object member on its path: an array element's array; a figure's value, the figure).
-struct Mutant {
-  std::string change;
-  json value;
-  std::string field;
-};
-
-std::string field_of(const json::json_pointer& at) {
-  for (json::json_pointer p = at; !p.empty(); p = p.parent_pointer()) {
-    const std::string& token = p.back();
-    if (token.find_first_not_of("0123456789") != std::string::npos && token != "value") {
-      return token;
-    }
-  }
-  return "";
-}
-
-// `base` with each node replaced by each wrong value, and each object member removed.
-std::vector<Mutant> mutants(const json& base) {
-  std::vector<json::json_pointer> all;
-  nodes(base, json::json_pointer(), all);
-  std::vector<Mutant> out;
-  for (const auto& at : all) {
-    for (const json& v : wrong_values()) {
-      json m = base;
-      m[at] = v;
-      out.push_back({fmt::format("{} = {}", at.to_string(), v.dump()), std::move(m), field_of(at)});
-    }
-    const json& parent = base[at.parent_pointer()];
-    if (parent.is_object()) {
-      json m = base;
-      m[at.parent_pointer()].erase(at.back());
-      out.push_back({fmt::format("{} removed", at.to_string()), std::move(m), field_of(at)});
-    }
-  }
-  return out;
-}
-
 using Command = int (*)(const std::vector<std::string>&);
 struct Invocation {
   const char* name;
@@ -302,7 +239,7 @@ void check_mutants(const Scratch& scratch, const std::string& file, const json& 
   }
   std::vector<std::string> failures;
   int ran = 0, refused = 0;
-  for (const Mutant& m : mutants(base)) {
+  for (const dtsim::test::Mutant& m : dtsim::test::mutants(base)) {
     scratch.write(file, m.value);
     for (const Invocation& inv : invocations) {
       const Outcome o = run(inv.command, inv.args, capture);
