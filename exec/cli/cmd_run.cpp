@@ -94,17 +94,18 @@ void rank_and_step(const po::variables_map& vm, const char* key, std::int64_t ra
   const bool with_suffix = suffix && given.size() > tail.size() && given.ends_with(tail);
   if (suffixed) *suffixed = with_suffix;
   const std::string text = with_suffix ? given.substr(0, given.size() - tail.size()) : given;
-  const bool at_start = with_suffix && std::string_view(suffix) == "start";  // (no step)
+  const bool start_form = suffix && std::string_view(suffix) == "start";  // RANK:start
+  const bool at_start = with_suffix && start_form;                        // (no step)
   char rest = 0;
   const bool read = at_start ? std::sscanf(text.c_str(), "%d%c", &rank, &rest) == 1
                              : std::sscanf(text.c_str(), "%d:%d%c", &rank, &step, &rest) == 2;
   if (at_start) step = 0;
   if (!read || rank < 0 || (!at_start && step < 1)) {
-    throw dtsim::InputError(fmt::format(
-        "--{} {}: expected RANK:STEP (a rank >= 0, a step >= 1){}", key, given,
-        !suffix                               ? std::string()
-        : std::string_view(suffix) == "start" ? fmt::format(" or RANK:{}", suffix)
-                                              : fmt::format(" or RANK:STEP:{}", suffix)));
+    throw dtsim::InputError(fmt::format("--{} {}: expected RANK:STEP (a rank >= 0, a step >= 1){}",
+                                        key, given,
+                                        !suffix      ? std::string()
+                                        : start_form ? fmt::format(" or RANK:{}", suffix)
+                                                     : fmt::format(" or RANK:STEP:{}", suffix)));
   }
   // A fault that could not happen would let a test that relies on it pass without it.
   if (rank >= ranks || step > steps) {
@@ -1376,16 +1377,16 @@ int run(const std::vector<std::string>& args) {
     require_host_memory(report ? report->worst().total_bytes : 0.0, mpi ? mpi->local_size() : 1,
                         mpi.get());
   }
-  options.task_timeout_s = vm["task-timeout"].as<double>();
-  if (!(options.task_timeout_s >= 0)) {
-    throw dtsim::InputError(fmt::format("--task-timeout: expected a number of seconds >= 0, got {}",
-                                        options.task_timeout_s));
-  }
-  const double checkpoint_timeout = vm["checkpoint-timeout"].as<double>();
-  if (!(checkpoint_timeout >= 0)) {
-    throw dtsim::InputError(fmt::format(
-        "--checkpoint-timeout: expected a number of seconds >= 0, got {}", checkpoint_timeout));
-  }
+  const auto seconds = [&](const char* flag) {
+    const double s = vm[flag].as<double>();
+    if (!(s >= 0)) {
+      throw dtsim::InputError(
+          fmt::format("--{}: expected a number of seconds >= 0, got {}", flag, s));
+    }
+    return s;
+  };
+  options.task_timeout_s = seconds("task-timeout");
+  const double checkpoint_timeout = seconds("checkpoint-timeout");
   // (Without checkpoints nothing is watched by it: --task-timeout 0 is no watchdog at all.)
   if (!options.checkpoint_dir.empty()) options.checkpoint_timeout_s = checkpoint_timeout;
   // What this device is in the device catalog (a trace says what it ran on, whatever --cluster

@@ -307,7 +307,7 @@ class MpiComm final : public Comm {
   }
 
   void all_ranks(std::span<double> data, Reduce op) override {
-    check(MPI_Allreduce(MPI_IN_PLACE, data.data(), count(data.size()), MPI_DOUBLE,
+    check(MPI_Allreduce(MPI_IN_PLACE, data.data(), count_of(data.size()), MPI_DOUBLE,
                         op == Reduce::Sum ? MPI_SUM : MPI_MAX, MPI_COMM_WORLD),
           "MPI_Allreduce");
   }
@@ -439,7 +439,7 @@ class MpiComm final : public Comm {
                  fmt::format("an fp32 or bf16 view to move over MPI, given {}", to_string(v.type)));
     DTSIM_ASSERT(!same || *same == v.type, "the views of a collective share one type");
     const bool bf16 = v.type == Dtype::BF16;
-    return {v.p, count(static_cast<std::size_t>(v.n)), bf16 ? bf16_ : MPI_FLOAT,
+    return {v.p, count_of(static_cast<std::size_t>(v.n)), bf16 ? bf16_ : MPI_FLOAT,
             static_cast<std::size_t>(v.n) * bytes_of(v.type)};
   }
   MPI_Op reduction(View v, Reduce op) const {
@@ -494,8 +494,6 @@ class MpiComm final : public Comm {
     for (std::size_t i = 1; i < counts.size(); ++i) d[i] = d[i - 1] + counts[i - 1];
     return d;
   }
-
-  static int count(std::size_t n) { return count_of(n); }
 
   int rank_ = 0, size_ = 1, tag_ub_ = 32767;
   MPI_Comm side_ = MPI_COMM_NULL;

@@ -495,12 +495,8 @@ void search_space_from_options(const po::variables_map& vm, planner::SearchSpace
   space.zero_in_place = vm["zero-in-place"].as<bool>();
   if (vm.count("clip-grad")) {
     space.clip_grad = vm["clip-grad"].as<double>();
-    if (!(space.clip_grad == 0 ||
-          (space.clip_grad >= kSmallestFigure && space.clip_grad <= kLargestFigure))) {
-      throw InputError(
-          fmt::format("--clip-grad: expected a norm from {:g} to {:g}, or 0 for none, "
-                      "got {}",
-                      kSmallestFigure, kLargestFigure, space.clip_grad));
+    if (const auto why = plan::clip_grad_problem(space.clip_grad)) {
+      throw InputError(fmt::format("--clip-grad: {}, got {}", *why, space.clip_grad));
     }
   }
 }

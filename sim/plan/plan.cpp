@@ -230,12 +230,8 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
                                 "length per cp rank ({})",
                                 p.tp, p.seq_len / p.cp));
   }
-  // (The plan file's range, so that every plan written can be read back: a checkpoint of
-  // dtexec run --clip-grad 1e30 could be neither resumed nor compared.)
-  if (!(p.clip_grad == 0 || (p.clip_grad >= kSmallestFigure && p.clip_grad <= kLargestFigure))) {
-    error("clip-grad", fmt::format("gradient clipping at norm {:g}: expected a norm from {:g} to "
-                                   "{:g}, or 0 for none",
-                                   p.clip_grad, kSmallestFigure, kLargestFigure));
+  if (const auto why = clip_grad_problem(p.clip_grad)) {
+    error("clip-grad", fmt::format("gradient clipping at norm {:g}: {}", p.clip_grad, *why));
   }
   if (!(p.grad_compression >= kLeastGradCompression && p.grad_compression <= 1)) {
     error("grad-compression",
@@ -494,6 +490,12 @@ json to_json(const Plan& p) {
   if (p.expert_load != 1.0) j["expert_load"] = p.expert_load;
   if (p.clip_grad > 0) j["clip_grad"] = p.clip_grad;
   return j;
+}
+
+std::optional<std::string> clip_grad_problem(double norm) {
+  if (norm == 0 || (norm >= kSmallestFigure && norm <= kLargestFigure)) return std::nullopt;
+  return fmt::format("expected a norm from {:g} to {:g}, or 0 for none", kSmallestFigure,
+                     kLargestFigure);
 }
 
 Plan plan_from_json(const json& j, const std::string& file) {

@@ -250,6 +250,11 @@ Plan load_plan(const std::string& path);
 std::string_view to_string(Schedule s);
 std::string_view to_string(Recompute r);
 std::string_view to_string(Optimizer o);
+// Why `norm` cannot be a plan's clip_grad, or nothing: 0 (none), or a norm in the plan file's
+// range (kSmallestFigure to kLargestFigure), so that every plan written can be read back (a
+// checkpoint of dtexec run --clip-grad 1e30 could be neither resumed nor compared).
+std::optional<std::string> clip_grad_problem(double norm);
+
 bool parse_schedule(std::string_view text, Schedule& out);
 bool parse_recompute(std::string_view text, Recompute& out);
 bool parse_optimizer(std::string_view text, Optimizer& out);
