@@ -18,6 +18,7 @@ nlohmann::json value_or_null(const std::optional<T>& v) {
 // (85899345920, not 85899345920.0: what a reader of bytes expects), which counts of whole
 // tensors are; the double where it is not (a model's fraction of a byte is said as it is).
 inline nlohmann::json byte_count(double bytes) {
+  // (Up to 2^53, below which a double holds every whole number exactly.)
   if (std::isfinite(bytes) && bytes == std::floor(bytes) && std::fabs(bytes) <= 0x1p53) {
     return static_cast<std::int64_t>(bytes);
   }
