@@ -276,6 +276,9 @@ class Estimator {
     const int head = static_cast<int>(m.layers);
     const double head_compute_f = group_time(head, Phase::Forward);
     const double head_compute_b = group_time(head, Phase::Backward);
+    // Their weight gradients, which zero-bubble defers with the blocks'.
+    const double emb_weight = group_time(-1, Phase::BackwardWeight);
+    const double head_weight = group_time(head, Phase::BackwardWeight);
     const double head_f = head_compute_f + tp_in + tp_loss;
     double head_b = head_compute_b + tp_out;
     if (tp_overlap) {
@@ -404,6 +407,16 @@ class Estimator {
           c.forward += head_f;
           c.backward += head_b;
         }
+        // Zero-bubble's weight pass takes the whole chunk's weight gradients (lowering: its
+        // op range), the embedding's and the LM head's too: GPT-2 124M at pp 8, the head's
+        // 2.4 ms of 3.2 a micro-batch, which in the input-gradient pass held up every stage
+        // before the last (+12% a step).
+        if (p.schedule == Schedule::ZeroBubble) {
+          const double edge = (k == 0 ? emb_weight : 0.0) +
+                              (k + 1 == chunks.size() ? head_weight : 0.0);
+          c.backward -= edge;
+          c.weight += edge;
+        }
       }
       const std::vector<double> no_hops(hop.size(), 0.0);
       const double compute_only = pipeline_timeline(p, passes, no_hops).makespan_s;
@@ -473,7 +486,19 @@ class Estimator {
       const double buckets = std::max(1.0, std::round(stage_buckets[expert ? 1 : 0]));
       const double all =
           buckets * dp_s(reduce, static_cast<std::uint64_t>(static_cast<double>(grads) / buckets));
-      const double last = dp_s(reduce, bucket);
+      // The stream's last collective, sent when the stage's backward ends: on the first stage
+      // the embedding's gradients (a vocabulary's rows, the backward's last op) with what the
+      // first block left open (GPT-2 124M at dp 8: 154 MB, six times a bucket), after the one
+      // before it, sent at least the embedding's backward earlier (-1.1% and -1.6% on that
+      // GPT-2's ZeRO-1/2 and plain dp plans with a bucket's length, -0.2% and -0.3% with the
+      // last, exact with the one before).
+      const Tail end = expert ? Tail{} : tail_buckets(g, p, chunks, grad_bytes, per_block);
+      const auto tail = std::max(bucket, static_cast<std::uint64_t>(end.last));
+      const double before =
+          end.before > 0
+              ? std::max(0.0, dp_s(reduce, static_cast<std::uint64_t>(end.before)) - emb_b)
+              : 0.0;
+      const double last = before + dp_s(reduce, tail);
       // Stragglers on the dp stream: the first bucket of a reduction waits for the compute
       // since the group's previous one (the step's, or with ZeRO-2/3 a micro-batch's), which the
       // stage's backward pass of that micro-batch (every chunk's) can hide; the later buckets
@@ -482,7 +507,7 @@ class Estimator {
       const double first_wait = waits / (p.zero_stage >= 2 ? mb : 1.0);
       const double last_wait = step_compute > 0
                                    ? waits * (backward / step_compute) *
-                                         (static_cast<double>(bucket) / static_cast<double>(grads))
+                                         (static_cast<double>(tail) / static_cast<double>(grads))
                                    : 0.0;
       // The last (with ZeRO-2/3 the last micro-batch's) reduction outlasts its backward pass
       // by this; ZeRO-2/3's earlier ones run beside the passes after theirs, as long as the
@@ -680,6 +705,41 @@ class Estimator {
     }
     if (open > 0) f.buckets += per_block ? 1.0 : open / limit;
     return f;
+  }
+
+  // The first stage's last two dense buckets of a backward pass, in bytes (0: none): its first
+  // chunk's
+  // gradients filled in the order the backward produces them (the head's where the chunk is the
+  // model's last, the blocks', the embedding's last), as the lowering fills them
+  // (grad_buckets), a pass's buckets apart; what is open at the end goes out on its own.
+  struct Tail {
+    double last = 0, before = 0;
+  };
+  static Tail tail_buckets(const model::ModelGraph& g, const Plan& p,
+                           const std::vector<int>& chunks, double grad_bytes, bool per_block) {
+    const auto limit = static_cast<double>(plan::kGradientBucketBytes);
+    double open = 0;
+    Tail t;
+    const auto send = [&] {
+      t.before = t.last;
+      t.last = open;
+      open = 0;
+    };
+    const auto fill = [&](int layer) {
+      const auto& ops = g.layer_ops(layer);
+      for (auto it = ops.rbegin(); it != ops.rend(); ++it) {
+        const model::Op& o = g.op(*it);
+        if (o.expert) continue;
+        open += plan::rank_params(o, p) * grad_bytes;
+        if (open >= limit) send();
+      }
+      if (per_block && open > 0) send();
+    };
+    if (chunks.size() == 1) fill(static_cast<int>(g.spec().layers));
+    for (int l = chunks.front() - 1; l >= 0; --l) fill(l);
+    fill(-1);
+    if (open > 0) send();
+    return t;
   }
 
   // A block's buckets per byte of its gradients (all blocks are alike); 0 when it has none.
