@@ -9,6 +9,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include "sim/common/error.hpp"
 #include "sim/lower/schedule.hpp"
@@ -1086,32 +1087,57 @@ class Lowerer {
           break;
         }
         case PassKind::BackwardWeight: {
-          // With sequence parallelism the column-parallel layers' inputs, kept sharded, are
-          // gathered again once the input-gradient pass is done (emit_regather).
-          std::vector<TaskId> inputs;
+          // One task for the chunk; where this pass's gradients are reduced beside it, one per
+          // layer in the backward's order, so that each bucket goes out once its layers are
+          // done (as Megatron-LM's gradient hooks send it during the weight pass) and not all of
+          // them after the pass. With sequence parallelism the column-parallel layers' inputs,
+          // kept sharded, are gathered again once the input-gradient pass is done
+          // (emit_regather), each before its layer's task.
+          const bool per_layer = wants_grads && plan_.overlap_grad_reduce;
+          const TaskId input_grads = input_grad_done.at({pass.micro_batch, c});
+          struct Run {
+            int layer;
+            OpId lo, hi;
+            std::vector<TaskId> inputs;
+          };
+          std::vector<Run> runs;
+          std::vector<TaskId> inputs;  // gathered for the run begun next
           for (auto it = chunk.rbegin(); it != chunk.rend(); ++it) {
-            if (regathers_input(*it, it->anchor)) {
-              inputs.push_back(emit_regather(*it, pass.micro_batch, c,
-                                             input_grad_done.at({pass.micro_batch, c})));
+            if (it->op) {
+              if (runs.empty() || (per_layer && it->layer != runs.back().layer)) {
+                runs.push_back({it->layer, *it->op, *it->op, std::exchange(inputs, {})});
+              }
+              runs.back().lo = std::min(runs.back().lo, *it->op);
+              runs.back().hi = std::max(runs.back().hi, *it->op);
+            } else if (regathers_input(*it, it->anchor)) {
+              const TaskId input = emit_regather(*it, pass.micro_batch, c, input_grads);
+              (runs.empty() ? inputs : runs.back().inputs).push_back(input);
             }
           }
-          Task w;
-          w.kind = TaskKind::Compute;
-          w.stream = Stream::Compute;
-          w.phase = Phase::BackwardWeight;
-          w.micro_batch = pass.micro_batch;
-          w.chunk = c;
-          const auto [lo, hi] = op_range(chunk, g_.size());
-          w.op_begin = static_cast<std::int32_t>(lo);
-          w.op_end = static_cast<std::int32_t>(hi);
-          w.deps.push_back(input_grad_done.at({pass.micro_batch, c}));
-          w.deps.insert(w.deps.end(), inputs.begin(), inputs.end());
-          if (weights >= 0) w.deps.push_back(weights);
-          w.label = label(FMT_COMPILE("bwd_weight chunk {} mb{}"), c, pass.micro_batch);
-          pass_end = add(std::move(w));
-          if (wants_grads) {
-            for (auto it = chunk.rbegin(); it != chunk.rend(); ++it) {
-              if (it->op) produced.emplace_back(*it->op, pass_end);
+          DTSIM_ASSERT(!runs.empty() && inputs.empty(), "a weight pass over a chunk's ops");
+          for (const Run& run : runs) {
+            Task w;
+            w.kind = TaskKind::Compute;
+            w.stream = Stream::Compute;
+            w.phase = Phase::BackwardWeight;
+            w.micro_batch = pass.micro_batch;
+            w.chunk = c;
+            w.op_begin = static_cast<std::int32_t>(run.lo);
+            w.op_end = static_cast<std::int32_t>(run.hi + 1);
+            w.deps.push_back(pass_end >= 0 ? pass_end : input_grads);
+            w.deps.insert(w.deps.end(), run.inputs.begin(), run.inputs.end());
+            if (weights >= 0 && pass_end < 0) w.deps.push_back(weights);
+            w.label = per_layer
+                          ? label(FMT_COMPILE("bwd_weight {} mb{}"), layer_name(run.layer),
+                                  pass.micro_batch)
+                          : label(FMT_COMPILE("bwd_weight chunk {} mb{}"), c, pass.micro_batch);
+            pass_end = add(std::move(w));
+            if (wants_grads) {
+              for (auto it = chunk.rbegin(); it != chunk.rend(); ++it) {
+                if (it->op && *it->op >= run.lo && *it->op <= run.hi) {
+                  produced.emplace_back(*it->op, pass_end);
+                }
+              }
             }
           }
           break;

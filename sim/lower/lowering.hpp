@@ -28,8 +28,9 @@ struct LowerOptions {
 //   selective re-runs the attention core;
 // - data parallelism: gradients in buckets of dp_bucket_bytes, in the order backward produces
 //   them, all-reduced (ZeRO-0) or reduce-scattered (ZeRO >= 1) after the last micro-batch
-//   (ZeRO-2/3: after every micro-batch), overlapping the rest of the backward pass (or, with
-//   plan.overlap_grad_reduce false, all after the rank's last backward task); then the
+//   (ZeRO-2/3: after every micro-batch), overlapping the rest of the backward pass (zero-
+//   bubble: of the weight pass, then a task per layer; or, with plan.overlap_grad_reduce
+//   false, all after the rank's last backward task); then the
 //   optimizer step and, for ZeRO-1/2, an all-gather of the updated weights; ZeRO-3 all-gathers
 //   each chunk's weights before every pass, one pass ahead.
 Program lower(const model::ModelGraph& graph, const plan::Plan& plan,

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <string>
 
 #include "sim/cost/compute_cost.hpp"
@@ -856,5 +857,67 @@ TEST_CASE("scatter/gather sends 1/tp of a pipeline tensor and all-gathers it on 
       CHECK(used != b.end());
     }
     CHECK(receives == 4);  // 4 micro-batches, one direction per stage
+  }
+}
+
+TEST_CASE("zero-bubble's last weight pass goes layer by layer, its buckets out as they fill",
+          "[lower]") {
+  // The weight pass whose gradients are reduced beside it (the last micro-batch's) is a task per
+  // layer in the backward's order, each bucket sent once its layers are done, as Megatron-LM's
+  // gradient hooks send them during the pass; the other weight passes are a task per chunk.
+  // One task for the last pass too had every bucket wait for its end: GPT-2 124M at dp 4 pp 2
+  // exposed 2.1 ms of dp communication a step where 0.2 is left.
+  const auto spec = dtsim::model::load_model("tiny-gpt");  // 2 blocks, tied
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  Plan p = plan_for(2, 1, 2, 1);  // 4 micro-batches
+  p.schedule = dtsim::plan::Schedule::ZeroBubble;
+  dtsim::lower::LowerOptions small;
+  small.dp_bucket_bytes = 1;  // a bucket per op with weights
+  for (const bool overlap : {true, false}) {
+    p.overlap_grad_reduce = overlap;
+    const Program program = dtsim::lower::lower(g, p, small);
+    for (const auto& rp : program.ranks) {
+      INFO("overlap " << overlap << ", stage " << rp.stage);
+      std::map<int, std::vector<std::size_t>> weight;  // per micro-batch, in issue order
+      for (std::size_t i = 0; i < rp.tasks.size(); ++i) {
+        if (rp.tasks[i].phase == Phase::BackwardWeight)
+          weight[rp.tasks[i].micro_batch].push_back(i);
+      }
+      REQUIRE(weight.size() == 4);
+      for (int mb = 0; mb < 3; ++mb) {
+        REQUIRE(weight[mb].size() == 1);
+        CHECK(rp.tasks[weight[mb][0]].label == fmt::format("bwd_weight chunk 0 mb{}", mb));
+      }
+      const auto& whole = rp.tasks[weight[0][0]];
+      const auto& last = weight[3];
+      if (!overlap) {
+        REQUIRE(last.size() == 1);
+        CHECK(rp.tasks[last[0]].label == "bwd_weight chunk 0 mb3");
+        continue;
+      }
+      // The chunk's ops, layer by layer from the last, each after the one before.
+      const std::vector<std::string> layers = rp.stage == 0
+                                                  ? std::vector<std::string>{"L0", "embedding"}
+                                                  : std::vector<std::string>{"head", "L1"};
+      REQUIRE(last.size() == layers.size());
+      for (std::size_t k = 0; k < last.size(); ++k) {
+        const auto& t = rp.tasks[last[k]];
+        CHECK(t.label == fmt::format("bwd_weight {} mb3", layers[k]));
+        CHECK(t.op_end == (k == 0 ? whole.op_end : rp.tasks[last[k - 1]].op_begin));
+        if (k > 0) CHECK(t.deps.front() == static_cast<int>(last[k - 1]));
+      }
+      CHECK(rp.tasks[last.back()].op_begin == whole.op_begin);
+      // Each dp bucket waits for the layer task that produced its gradients: the first layer's
+      // buckets go out before the pass ends.
+      std::set<int> waited;
+      for (const auto& t : rp.tasks) {
+        if (t.stream != Stream::Dp || t.kind != TaskKind::Collective) continue;
+        for (const int d : t.deps) {
+          if (rp.tasks[static_cast<std::size_t>(d)].phase == Phase::BackwardWeight)
+            waited.insert(d);
+        }
+      }
+      CHECK(waited == std::set<int>(last.begin(), last.end()));
+    }
   }
 }
