@@ -93,6 +93,9 @@ int main(int argc, char** argv) {
       // A mixture of experts: expert parallelism, and ZeRO-3 gathering experts too.
       {"Mixtral 8x7B, 64 H100 (dgx-h100-superpod), batch 512", "mixtral-8x7b", "dgx-h100-superpod",
        64, 512},
+      // A small model: the embedding's gradients a third of the parameters, the head's GEMMs
+      // a block's several times, stages of one or two blocks.
+      {"GPT-2 124M, 8 A100 (default), batch 64", "gpt2-124m", "default", 8, 64},
   };
   fmt::print("{:<56} {:>8} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}\n", "search", "feasible", "median",
              "p90", "worst", "misorder", "regret", "wall");
