@@ -539,9 +539,9 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     }
     if (found != comm_tasks) {
       throw dtsim::InputError(fmt::format(
-          "--predicted {}: it holds {} of the {} communication tasks of rank {} (the program of "
-          "stage {}); simulate the same plan: dtsim simulate ... --trace {}",
-          path, found, comm_tasks, rp.rank, rp.stage, path));
+          "--predicted {}: it holds {} of the {} communication tasks of rank {}'s program (stage "
+          "{}, the trace's rank {}); simulate the same plan: dtsim simulate ... --trace {}",
+          path, found, comm_tasks, r, rp.stage, rp.rank, path));
     }
     waits = "of their predicted length (" + path + ")";
     // The waits are the predicted cluster's communication (the point of --only-rank: a large
