@@ -197,6 +197,7 @@ class Timeline {
       DTSIM_ASSERT(st.phase == Phase::Done, "pipeline_timeline: the schedule's exchanges deadlock");
       out.makespan_s = std::max(out.makespan_s, st.free);
       out.busy_s.push_back(st.busy);
+      out.end_s.push_back(st.free);
     }
     return out;
   }

@@ -27,6 +27,8 @@ struct PipelineTimeline {
   double makespan_s = 0;  // from the first forward to the last stage's last pass
   // Each stage's passes summed (the busiest stage's is the least the makespan can be).
   std::vector<double> busy_s;
+  // When each stage's last pass ends (its last gradients final: the dp stream's last buckets).
+  std::vector<double> end_s;
 };
 
 // hop[s]: one transfer from stage s to stage s + 1 (the last: back to stage 0), either way.

@@ -325,6 +325,7 @@ class Estimator {
     double stage_compute = 0;    // the slowest stage's compute alone, per micro-batch
     double stage_exchanges = 0;  // the slowest stage's receives per micro-batch
     int stage_layers = 0;
+    int stage_index = 0;  // the slowest stage
     double stage_params = 0, stage_expert_params = 0;
     // The norms' parameters (and the routers' under moe_local_dispatch), whose gradients
     // sequence parallelism all-reduces over tp at the step's end (the stage with the most).
@@ -366,6 +367,7 @@ class Estimator {
         stage_exchanges = from_before + from_after;
         stage_compute = compute;
         stage_layers = layers;
+        stage_index = s;
       }
       const StageParams held = stage_param_counts(g, p, s, chunks, local_dispatch);
       const double dense = held.dense, experts = held.experts;
@@ -386,6 +388,9 @@ class Estimator {
     // gradients back up.
     double chain = 0;
     for (int s = 0; s + 1 < p.pp; ++s) chain += hop[static_cast<std::size_t>(s)];
+    // How long before the pipeline's end the first stage's last pass ends (0 or less): its
+    // last buckets, the embedding's, go out then.
+    double first_stage_lead = 0;
     if (has_timeline(p) && detail == Detail::Full) {
       // The bubble: the idle time of the slowest stage in the schedule's order with compute
       // alone; the transfers' share: what the hops add to that (pass_timeline.hpp).
@@ -412,15 +417,17 @@ class Estimator {
         // 2.4 ms of 3.2 a micro-batch, which in the input-gradient pass held up every stage
         // before the last (+12% a step).
         if (p.schedule == Schedule::ZeroBubble) {
-          const double edge = (k == 0 ? emb_weight : 0.0) +
-                              (k + 1 == chunks.size() ? head_weight : 0.0);
+          const double edge =
+              (k == 0 ? emb_weight : 0.0) + (k + 1 == chunks.size() ? head_weight : 0.0);
           c.backward -= edge;
           c.weight += edge;
         }
       }
       const std::vector<double> no_hops(hop.size(), 0.0);
       const double compute_only = pipeline_timeline(p, passes, no_hops).makespan_s;
-      const double with_hops = pipeline_timeline(p, passes, hop).makespan_s;
+      const PipelineTimeline timed = pipeline_timeline(p, passes, hop);
+      const double with_hops = timed.makespan_s;
+      first_stage_lead = timed.end_s.front() - with_hops;
       b.bubble_s = std::max(0.0, compute_only - mb * per_mb);
       b.exposed_pp_s = std::max(0.0, with_hops - compute_only);
     } else if (p.pp > 1 && !has_timeline(p)) {
@@ -486,19 +493,32 @@ class Estimator {
       const double buckets = std::max(1.0, std::round(stage_buckets[expert ? 1 : 0]));
       const double all =
           buckets * dp_s(reduce, static_cast<std::uint64_t>(static_cast<double>(grads) / buckets));
-      // The stream's last collective, sent when the stage's backward ends: on the first stage
-      // the embedding's gradients (a vocabulary's rows, the backward's last op) with what the
-      // first block left open (GPT-2 124M at dp 8: 154 MB, six times a bucket), after the one
-      // before it, sent at least the embedding's backward earlier (-1.1% and -1.6% on that
-      // GPT-2's ZeRO-1/2 and plain dp plans with a bucket's length, -0.2% and -0.3% with the
-      // last, exact with the one before).
-      const Tail end = expert ? Tail{} : tail_buckets(g, p, chunks, grad_bytes, per_block);
-      const auto tail = std::max(bucket, static_cast<std::uint64_t>(end.last));
-      const double before =
-          end.before > 0
-              ? std::max(0.0, dp_s(reduce, static_cast<std::uint64_t>(end.before)) - emb_b)
-              : 0.0;
-      const double last = before + dp_s(reduce, tail);
+      // The stream's last collective, sent when the stage's backward (zero-bubble: weight) pass
+      // ends: on the first stage the embedding's gradients (a vocabulary's rows, the pass's
+      // last op) with what the first block left open (GPT-2 124M at dp 8: 154 MB, six times a
+      // bucket), after the bucket before it, sent at least the embedding's pass earlier
+      // (-1.1% and -1.6% on that GPT-2's ZeRO-1/2 and plain dp plans with a bucket's length,
+      // exact with these). Elsewhere what the stage's first block leaves open. The first stage
+      // ends its passes with the pipeline's end (1F1B, GPipe, interleaved) or before it (zero-
+      // bubble, whose last stage defers its weight passes to the end), and the slowest stage
+      // with what it leaves open.
+      const auto tail_of = [&](int stage) {
+        return std::max(static_cast<double>(bucket),
+                        tail_buckets(g, p, cost, chunks, grad_bytes, per_block, stage).last);
+      };
+      const auto tail = static_cast<std::uint64_t>(expert ? bucket : tail_of(stage_index));
+      double last = dp_s(reduce, tail);
+      if (!expert) {
+        const Tail first = tail_buckets(g, p, cost, chunks, grad_bytes, per_block, 0);
+        const double gap = first.after_before;
+        const double before =
+            first.before > 0
+                ? std::max(0.0, dp_s(reduce, static_cast<std::uint64_t>(first.before)) - gap)
+                : 0.0;
+        last = std::max(last, first_stage_lead + before +
+                                  dp_s(reduce, static_cast<std::uint64_t>(std::max(
+                                                   static_cast<double>(bucket), first.last))));
+      }
       // Stragglers on the dp stream: the first bucket of a reduction waits for the compute
       // since the group's previous one (the step's, or with ZeRO-2/3 a micro-batch's), which the
       // stage's backward pass of that micro-batch (every chunk's) can hide; the later buckets
@@ -707,37 +727,56 @@ class Estimator {
     return f;
   }
 
-  // The first stage's last two dense buckets of a backward pass, in bytes (0: none): its first
-  // chunk's
-  // gradients filled in the order the backward produces them (the head's where the chunk is the
-  // model's last, the blocks', the embedding's last), as the lowering fills them
+  // A stage's last two dense buckets of a backward pass, in bytes (0: none), and the compute
+  // between them (the ops the last one carries): its first chunk's gradients filled in the
+  // order the backward produces them (the head's where the chunk is the model's last, the
+  // blocks', the embedding's last on the first stage), as the lowering fills them
   // (grad_buckets), a pass's buckets apart; what is open at the end goes out on its own.
+  // Zero-bubble's weight pass produces them, else the backward pass.
   struct Tail {
     double last = 0, before = 0;
+    double after_before = 0;  // seconds from the one before's send to the last one's
   };
-  static Tail tail_buckets(const model::ModelGraph& g, const Plan& p,
-                           const std::vector<int>& chunks, double grad_bytes, bool per_block) {
+  static Tail tail_buckets(const model::ModelGraph& g, const Plan& p, const cost::ComputeCost& cost,
+                           const std::vector<int>& chunks, double grad_bytes, bool per_block,
+                           int stage) {
     const auto limit = static_cast<double>(plan::kGradientBucketBytes);
-    double open = 0;
+    const Phase phase =
+        p.schedule == Schedule::ZeroBubble ? Phase::BackwardWeight : Phase::Backward;
+    double open = 0, filling = 0;  // the open bucket's bytes, and the compute that filled it
     Tail t;
     const auto send = [&] {
       t.before = t.last;
       t.last = open;
+      t.after_before = filling;
       open = 0;
+      filling = 0;
     };
+    // A bucket goes out when the task holding its last op ends: a layer's (a layer's share of
+    // the backward pass, or zero-bubble's per-layer weight task) or the layer's rest's, so the
+    // compute after a send begins with the next layer.
     const auto fill = [&](int layer) {
       const auto& ops = g.layer_ops(layer);
+      bool sent = false;
       for (auto it = ops.rbegin(); it != ops.rend(); ++it) {
         const model::Op& o = g.op(*it);
         if (o.expert) continue;
         open += plan::rank_params(o, p) * grad_bytes;
-        if (open >= limit) send();
+        filling += cost.op_seconds(o, phase);
+        if (open >= limit) {
+          send();
+          sent = true;
+        }
       }
       if (per_block && open > 0) send();
+      if (sent) filling = 0;
     };
-    if (chunks.size() == 1) fill(static_cast<int>(g.spec().layers));
-    for (int l = chunks.front() - 1; l >= 0; --l) fill(l);
-    fill(-1);
+    const auto k = static_cast<std::size_t>(stage);
+    int first = 0;
+    for (std::size_t i = 0; i < k; ++i) first += chunks[i];
+    if (k + 1 == chunks.size()) fill(static_cast<int>(g.spec().layers));
+    for (int l = first + chunks[k] - 1; l >= first; --l) fill(l);
+    if (k == 0) fill(-1);
     if (open > 0) send();
     return t;
   }
