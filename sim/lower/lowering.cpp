@@ -1093,7 +1093,8 @@ class Lowerer {
           // them after the pass. With sequence parallelism the column-parallel layers' inputs,
           // kept sharded, are gathered again once the input-gradient pass is done
           // (emit_regather), each before its layer's task.
-          const bool per_layer = wants_grads && plan_.overlap_grad_reduce;
+          const bool per_layer =
+              wants_grads && plan_.overlap_grad_reduce && dp_group_size(/*experts=*/false) > 1;
           const TaskId input_grads = input_grad_done.at({pass.micro_batch, c});
           struct Run {
             int layer;
