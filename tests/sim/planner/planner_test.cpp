@@ -705,31 +705,43 @@ TEST_CASE("the closed form follows the simulator where hops, stages or the dp st
   }
 }
 
+namespace {
+
+// Every candidate of a search of GPT-2 124M (tied embeddings, a third of its parameters) on
+// `gpus` devices of the default cluster at the given tp and pp, without cp, simulated.
+dtsim::planner::SearchResult gpt2_all_simulated(std::int64_t gpus, SearchSpace space, int tp,
+                                                int pp) {
+  const auto spec = dtsim::model::load_model("gpt2-124m");
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), gpus);
+  space.fixed_tp = tp;
+  space.fixed_pp = pp;
+  space.fixed_cp = 1;
+  SearchOptions all;
+  all.refine = 1 << 20;
+  auto r = dtsim::planner::search(spec, cluster, space, all);
+  REQUIRE(!r.ranked.empty());
+  for (const auto& c : r.ranked) CHECK(c.refined);
+  return r;
+}
+
+}  // namespace
+
 TEST_CASE("the closed form counts the step's end: tied embeddings across stages, SP norms",
           "[planner]") {
   // After the dp stream and before the optimizer the lowering all-reduces a tied embedding's
   // gradients between the first and the last stage, and under sequence parallelism the norms'
   // gradients over tp, with nothing beside them. GPT-2 124M (tied) at tp 4, pp 2 across two
   // nodes: a quarter of the embedding's fp32 gradients (154 MB) crosses the network each step.
-  const auto spec = dtsim::model::load_model("gpt2-124m");
-  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 16);
   SearchSpace space;
   space.global_batch_size = 16;
-  space.fixed_tp = 4;
-  space.fixed_pp = 2;
-  space.fixed_cp = 1;
   space.micro_batch_sizes = {1};
-  SearchOptions all;
-  all.refine = 1 << 20;
-  const auto r = dtsim::planner::search(spec, cluster, space, all);
-  REQUIRE(!r.ranked.empty());
+  const auto r = gpt2_all_simulated(16, space, 4, 2);
   for (const auto& c : r.ranked) {
     INFO(dtsim::plan::summary(c.plan)
          << ": estimate " << c.estimate_s << " s (pp " << c.estimate.exposed_pp_s << ", tp "
          << c.estimate.exposed_tp_s << "), simulated " << c.step_time_s << " s (pp "
          << c.prediction.breakdown.exposed_pp_s << ", tp " << c.prediction.breakdown.exposed_tp_s
          << ")");
-    CHECK(c.refined);
     // 4-5.4% under the simulator when the closed form left them out.
     CHECK(std::abs(c.estimate_s / c.step_time_s - 1) <= 0.015);
     CHECK(c.estimate.exposed_pp_s == Approx(c.prediction.breakdown.exposed_pp_s).epsilon(0.1));
@@ -746,24 +758,16 @@ TEST_CASE("the closed form's dp stream ends with the embedding's gradients", "[p
   // at dp 8, 154 MB of fp32 gradients, six buckets' worth, with nothing left to hide it. The
   // closed form gave the last collective a bucket's length (exposed dp 1.39 ms against 2.17
   // simulated with ZeRO-1/2, 0.22 against 1.38 without ZeRO: -1.1% and -1.6% a step).
-  const auto spec = dtsim::model::load_model("gpt2-124m");
-  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 8);
   SearchSpace space;
   space.global_batch_size = 64;
-  space.fixed_tp = 1;
-  space.fixed_pp = 1;
-  space.fixed_cp = 1;
   space.micro_batch_sizes = {4, 8};
-  SearchOptions all;
-  all.refine = 1 << 20;
-  const auto r = dtsim::planner::search(spec, cluster, space, all);
+  const auto r = gpt2_all_simulated(8, space, 1, 1);
   REQUIRE(r.ranked.size() >= 8);
   int zero_stages_seen[4] = {};
   for (const auto& c : r.ranked) {
     INFO(dtsim::plan::summary(c.plan)
          << ": estimate " << c.estimate_s << " s (dp " << c.estimate.exposed_dp_s << "), simulated "
          << c.step_time_s << " s (dp " << c.prediction.breakdown.exposed_dp_s << ")");
-    CHECK(c.refined);
     ++zero_stages_seen[c.plan.zero_stage];
     CHECK(std::abs(c.estimate_s / c.step_time_s - 1) <= 0.001);
     CHECK(c.estimate.exposed_dp_s == Approx(c.prediction.breakdown.exposed_dp_s).epsilon(0.01));
@@ -777,25 +781,16 @@ TEST_CASE("the closed form's dp stream: zero-bubble's first stage ends before th
   // whose buckets end with the embedding's, ends before the pipeline does, which hides part of
   // them. GPT-2 124M at dp 4 tp 4 pp 2 with sequence parallelism: +3.0% when the closed form
   // exposed the first stage's last buckets after the pipeline's end.
-  const auto spec = dtsim::model::load_model("gpt2-124m");
-  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 32);
   SearchSpace space;
   space.global_batch_size = 128;
-  space.fixed_tp = 4;
-  space.fixed_pp = 2;
-  space.fixed_cp = 1;
   space.schedules = {dtsim::plan::Schedule::ZeroBubble};
   space.micro_batch_sizes = {8};
   space.recomputes = {dtsim::plan::Recompute::None};
-  SearchOptions all;
-  all.refine = 1 << 20;
-  const auto r = dtsim::planner::search(spec, cluster, space, all);
-  REQUIRE(!r.ranked.empty());
+  const auto r = gpt2_all_simulated(32, space, 4, 2);
   for (const auto& c : r.ranked) {
     INFO(dtsim::plan::summary(c.plan)
          << ": estimate " << c.estimate_s << " s (dp " << c.estimate.exposed_dp_s << "), simulated "
          << c.step_time_s << " s (dp " << c.prediction.breakdown.exposed_dp_s << ")");
-    CHECK(c.refined);
     CHECK(std::abs(c.estimate_s / c.step_time_s - 1) <= 0.015);
   }
 }
