@@ -452,9 +452,12 @@ class Estimator {
     const double expert_group = static_cast<double>(p.dp / p.ep) * p.cp;
     const double v = std::max(1, p.virtual_stages);
     // The pass whose end makes a chunk's gradients final, which its reductions can overlap: a
-    // chunk's backward with its recompute, or zero-bubble's deferred weight-gradient pass.
-    const double backward =
-        p.schedule == Schedule::ZeroBubble ? stage_layers * lbw : (stage_b + stage_rec) / v;
+    // chunk's backward with its recompute, or zero-bubble's deferred weight-gradient pass (with
+    // the embedding's and the head's weight gradients on the stages that hold them).
+    const double backward = p.schedule == Schedule::ZeroBubble
+                                ? stage_layers * lbw + (stage_index == 0 ? emb_weight : 0.0) +
+                                      (stage_index == p.pp - 1 ? head_weight : 0.0)
+                                : (stage_b + stage_rec) / v;
     const CollectiveKind reduce =
         p.zero_stage == 0 ? CollectiveKind::AllReduce : CollectiveKind::ReduceScatter;
     // The dp stream carries every reduction and gather of a step one after another: what the
