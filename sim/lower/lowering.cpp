@@ -1100,16 +1100,18 @@ class Lowerer {
             int layer;
             OpId lo, hi;
             std::vector<TaskId> inputs;
+            std::vector<OpId> ops;  // in the backward's order
           };
           std::vector<Run> runs;
           std::vector<TaskId> inputs;  // gathered for the run begun next
           for (auto it = chunk.rbegin(); it != chunk.rend(); ++it) {
             if (it->op) {
               if (runs.empty() || (per_layer && it->layer != runs.back().layer)) {
-                runs.push_back({it->layer, *it->op, *it->op, std::exchange(inputs, {})});
+                runs.push_back({it->layer, *it->op, *it->op, std::exchange(inputs, {}), {}});
               }
               runs.back().lo = std::min(runs.back().lo, *it->op);
               runs.back().hi = std::max(runs.back().hi, *it->op);
+              runs.back().ops.push_back(*it->op);
             } else if (regathers_input(*it, it->anchor)) {
               const TaskId input = emit_regather(*it, pass.micro_batch, c, input_grads);
               (runs.empty() ? inputs : runs.back().inputs).push_back(input);
@@ -1134,11 +1136,7 @@ class Lowerer {
                           : label(FMT_COMPILE("bwd_weight chunk {} mb{}"), c, pass.micro_batch);
             pass_end = add(std::move(w));
             if (wants_grads) {
-              for (auto it = chunk.rbegin(); it != chunk.rend(); ++it) {
-                if (it->op && *it->op >= run.lo && *it->op <= run.hi) {
-                  produced.emplace_back(*it->op, pass_end);
-                }
-              }
+              for (const OpId op : run.ops) produced.emplace_back(op, pass_end);
             }
           }
           break;

@@ -88,8 +88,8 @@ class StageSet {
 struct Transfers {
   std::vector<double> send_posted, recv_posted, end;
   // Blocking interleaved and zero-bubble exchanges (run_in_time_order): the order in which the
-  // engine would meet the transfer's end on the sender's side, and on the receiver's (see `release`
-  // there).
+  // engine would meet the transfer's end on the sender's side, and on the receiver's (see
+  // `release` there).
   std::vector<std::uint64_t> send_seq, recv_seq;
   // A device sends one pipeline transfer at a time and receives one at a time (the engine's
   // reserve_link): a stage that sends to both neighbours at once sends them one after the
@@ -326,8 +326,7 @@ class Timeline {
           t_.recv_seq[k] = events++;
           const int other = keys == &st.sending ? receiver(k) : sender(k);
           // The sender's side first, as the engine finishes a transfer's send before its
-          // receive.
-          // (A sender that does not wait for its sends, zero-bubble's, counts none.)
+          // receive (a sender that does not wait for its sends, zero-bubble's, counts none).
           for (const int side : keys == &st.sending ? std::array{s, other} : std::array{other, s}) {
             if (!holds_sends_ && side == sender(k)) continue;
             if (--open[static_cast<std::size_t>(side)] == 0) released.push_back(side);

@@ -476,6 +476,11 @@ class Estimator {
                                    ? 1.0
                                    : std::max(1.0, static_cast<double>(m.layers) / (p.pp * v));
     double zero3_gather = 0;  // a unit's gathers, dense and expert
+    // The dense stream's last buckets (see `last` below): the first stage's, and the slowest's.
+    const Tail first_tail = tail_buckets(g, p, cost, chunks, grad_bytes, per_block, 0);
+    const Tail slowest_tail =
+        stage_index == 0 ? first_tail
+                         : tail_buckets(g, p, cost, chunks, grad_bytes, per_block, stage_index);
     for (const bool expert : {false, true}) {
       const double params = expert ? stage_expert_params : stage_params;
       const double size = expert ? expert_group : shard_group;
@@ -505,22 +510,19 @@ class Estimator {
       // ends its passes with the pipeline's end (1F1B, GPipe, interleaved) or before it (zero-
       // bubble, whose last stage defers its weight passes to the end), and the slowest stage
       // with what it leaves open.
-      const auto tail_of = [&](int stage) {
-        return std::max(static_cast<double>(bucket),
-                        tail_buckets(g, p, cost, chunks, grad_bytes, per_block, stage).last);
+      const auto at_least_a_bucket = [&](double bytes) {
+        return static_cast<std::uint64_t>(std::max(static_cast<double>(bucket), bytes));
       };
-      const auto tail = static_cast<std::uint64_t>(expert ? bucket : tail_of(stage_index));
+      const auto tail = expert ? bucket : at_least_a_bucket(slowest_tail.last);
       double last = dp_s(reduce, tail);
       if (!expert) {
-        const Tail first = tail_buckets(g, p, cost, chunks, grad_bytes, per_block, 0);
-        const double gap = first.after_before;
         const double before =
-            first.before > 0
-                ? std::max(0.0, dp_s(reduce, static_cast<std::uint64_t>(first.before)) - gap)
+            first_tail.before > 0
+                ? std::max(0.0, dp_s(reduce, static_cast<std::uint64_t>(first_tail.before)) -
+                                    first_tail.after_before)
                 : 0.0;
-        last = std::max(last, first_stage_lead + before +
-                                  dp_s(reduce, static_cast<std::uint64_t>(std::max(
-                                                   static_cast<double>(bucket), first.last))));
+        last = std::max(
+            last, first_stage_lead + before + dp_s(reduce, at_least_a_bucket(first_tail.last)));
       }
       // Stragglers on the dp stream: the first bucket of a reduction waits for the compute
       // since the group's previous one (the step's, or with ZeRO-2/3 a micro-batch's), which the
@@ -755,17 +757,27 @@ class Estimator {
       open = 0;
       filling = 0;
     };
+    // A layer's dense ops in the backward's order: their gradient bytes and compute seconds
+    // (a block's priced once, all blocks being alike).
+    using Priced = std::vector<std::pair<double, double>>;
+    const auto priced = [&](int layer) {
+      Priced out;
+      const auto& ops = g.layer_ops(layer);
+      for (auto it = ops.rbegin(); it != ops.rend(); ++it) {
+        const model::Op& o = g.op(*it);
+        if (!o.expert)
+          out.emplace_back(plan::rank_params(o, p) * grad_bytes, cost.op_seconds(o, phase));
+      }
+      return out;
+    };
     // A bucket goes out when the task holding its last op ends: a layer's (a layer's share of
     // the backward pass, or zero-bubble's per-layer weight task) or the layer's rest's, so the
     // compute after a send begins with the next layer.
-    const auto fill = [&](int layer) {
-      const auto& ops = g.layer_ops(layer);
+    const auto fill = [&](const Priced& ops) {
       bool sent = false;
-      for (auto it = ops.rbegin(); it != ops.rend(); ++it) {
-        const model::Op& o = g.op(*it);
-        if (o.expert) continue;
-        open += plan::rank_params(o, p) * grad_bytes;
-        filling += cost.op_seconds(o, phase);
+      for (const auto& [bytes, seconds] : ops) {
+        open += bytes;
+        filling += seconds;
         if (open >= limit) {
           send();
           sent = true;
@@ -775,11 +787,12 @@ class Estimator {
       if (sent) filling = 0;
     };
     const auto k = static_cast<std::size_t>(stage);
-    int first = 0;
-    for (std::size_t i = 0; i < k; ++i) first += chunks[i];
-    if (k + 1 == chunks.size()) fill(static_cast<int>(g.spec().layers));
-    for (int l = first + chunks[k] - 1; l >= first; --l) fill(l);
-    if (k == 0) fill(-1);
+    if (k + 1 == chunks.size()) fill(priced(static_cast<int>(g.spec().layers)));
+    if (chunks[k] > 0) {
+      const Priced block = priced(0);
+      for (int l = 0; l < chunks[k]; ++l) fill(block);
+    }
+    if (k == 0) fill(priced(-1));
     if (open > 0) send();
     return t;
   }
