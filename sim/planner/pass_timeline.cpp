@@ -213,6 +213,7 @@ class Timeline {
     double free = 0, busy = 0;
     double boundary = 0, sends_end = 0;  // the exchange before the next round
     bool in_turn = false;
+    double weight_before = 0;  // the weight pass just run, its compute (else 0)
     std::vector<std::size_t> to_send, sending, receiving;
   };
 
@@ -444,9 +445,17 @@ class Timeline {
   void run(int s, Stage& st, const Pass& pass) {
     const int k = pass.chunk * pp_ + s;
     const ChunkPasses& c = chunks_[static_cast<std::size_t>(k)];
-    const double length = pass.kind == PassKind::Forward          ? c.forward
-                          : pass.kind == PassKind::BackwardWeight ? c.weight
-                                                                  : c.backward;
+    double length = pass.kind == PassKind::Forward          ? c.forward
+                    : pass.kind == PassKind::BackwardWeight ? c.weight
+                                                            : c.backward;
+    if (pass.kind == PassKind::BackwardWeight) {
+      const bool layered = c.all_layered || (c.last_layered && pass.micro_batch + 1 == m_);
+      const double gathers = layered ? c.layered_gathers : c.gathers;
+      length += std::max(0.0, gathers - st.weight_before);
+      st.weight_before = c.weight;
+    } else {
+      st.weight_before = 0;
+    }
     st.free += length;
     st.busy += length;
     if (pass.kind == PassKind::Forward && k < last_chunk_) {

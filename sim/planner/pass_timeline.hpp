@@ -21,6 +21,15 @@ namespace dtsim::planner {
 // input-gradient pass, with `weight` its deferred weight-gradient pass.
 struct ChunkPasses {
   double forward = 0, backward = 0, weight = 0;
+  // Zero-bubble under sequence parallelism: the tp all-gathers of the chunk's inputs that its
+  // weight pass waits for, queued on the tp stream behind the pass before (lowering:
+  // emit_regather). Behind an input-gradient or forward pass, whose own tp collectives end
+  // with it, they add their length; behind a weight pass they run beside it. A weight pass
+  // run layer by layer (the last micro-batch's, whose gradients are reduced beside it; every
+  // one with ZeRO-2 and up) waits for its first layer's alone (`layered_gathers`), the later
+  // ones gathered beside the layers before.
+  double gathers = 0, layered_gathers = 0;
+  bool last_layered = false, all_layered = false;
 };
 
 struct PipelineTimeline {

@@ -391,7 +391,19 @@ class Estimator {
     // How long before the pipeline's end the first stage's last pass ends (0 or less): its
     // last buckets, the embedding's, go out then.
     double first_stage_lead = 0;
+    // Zero-bubble under sequence parallelism: a block's inputs gathered again, which the weight
+    // passes can hide (ChunkPasses::gathers), at most all of the stage's (the bound's).
+    double regathers_hidden = 0;
+    const auto regathering = static_cast<double>(std::count_if(
+        segments.begin(), segments.end(), [](const Segment& seg) { return seg.regathers; }));
+    if (has_timeline(p) && detail != Detail::Full && p.schedule == Schedule::ZeroBubble) {
+      regathers_hidden =
+          mb * (stage_layers * regathering + (stage_index == p.pp - 1 ? 1 : 0)) * regather;
+    }
     if (has_timeline(p) && detail == Detail::Full) {
+      // Whether a chunk's last weight pass (every one with ZeRO-2 and up) runs layer by layer
+      // (lowering: its buckets reduced beside it).
+      const bool layered_weights = p.overlap_grad_reduce && p.dp * p.cp > 1;
       // The bubble: the idle time of the slowest stage in the schedule's order with compute
       // alone; the transfers' share: what the hops add to that (pass_timeline.hpp).
       std::vector<ChunkPasses> passes(chunks.size());
@@ -421,14 +433,32 @@ class Estimator {
               (k == 0 ? emb_weight : 0.0) + (k + 1 == chunks.size() ? head_weight : 0.0);
           c.backward -= edge;
           c.weight += edge;
+          // Sequence parallelism's inputs gathered again go with the weight pass, which waits
+          // for them (ChunkPasses::gathers); the head's first where it is the chunk's.
+          if (regather > 0) {
+            const bool head_here = k + 1 == chunks.size();
+            c.gathers = (layers * regathering + (head_here ? 1 : 0)) * regather;
+            c.layered_gathers = (head_here ? 1 : layers > 0 ? regathering : 0) * regather;
+            c.backward -= c.gathers;
+            c.last_layered = layered_weights;
+            c.all_layered = layered_weights && p.zero_stage >= 2;
+          }
         }
       }
       const std::vector<double> no_hops(hop.size(), 0.0);
-      const double compute_only = pipeline_timeline(p, passes, no_hops).makespan_s;
+      const PipelineTimeline alone = pipeline_timeline(p, passes, no_hops);
+      const double compute_only = alone.makespan_s;
       const PipelineTimeline timed = pipeline_timeline(p, passes, hop);
       const double with_hops = timed.makespan_s;
       first_stage_lead = timed.end_s.front() - with_hops;
-      b.bubble_s = std::max(0.0, compute_only - mb * per_mb);
+      // The regathers that weight passes hid (ChunkPasses::gathers), which per_mb counts in
+      // full: off the tp communication, where the closed form counts them.
+      const double hidden =
+          regather > 0
+              ? std::max(0.0, mb * per_mb - alone.busy_s[static_cast<std::size_t>(stage_index)])
+              : 0.0;
+      regathers_hidden = hidden;
+      b.bubble_s = std::max(0.0, compute_only - (mb * per_mb - hidden));
       b.exposed_pp_s = std::max(0.0, with_hops - compute_only);
     } else if (p.pp > 1 && !has_timeline(p)) {
       // PipeDream's asynchronous 1F1B has no flush: no bubble, the transfers as 1F1B's.
@@ -501,28 +531,30 @@ class Estimator {
       const double buckets = std::max(1.0, std::round(stage_buckets[expert ? 1 : 0]));
       const double all =
           buckets * dp_s(reduce, static_cast<std::uint64_t>(static_cast<double>(grads) / buckets));
-      // The stream's last collective, sent when the stage's backward (zero-bubble: weight) pass
-      // ends: on the first stage the embedding's gradients (a vocabulary's rows, the pass's
-      // last op) with what the first block left open (GPT-2 124M at dp 8: 154 MB, six times a
-      // bucket), after the bucket before it, sent at least the embedding's pass earlier
-      // (-1.1% and -1.6% on that GPT-2's ZeRO-1/2 and plain dp plans with a bucket's length,
-      // exact with these). Elsewhere what the stage's first block leaves open. The first stage
-      // ends its passes with the pipeline's end (1F1B, GPipe, interleaved) or before it (zero-
-      // bubble, whose last stage defers its weight passes to the end), and the slowest stage
-      // with what it leaves open.
-      const auto at_least_a_bucket = [&](double bytes) {
-        return static_cast<std::uint64_t>(std::max(static_cast<double>(bucket), bytes));
+      // The stream's last collectives, sent as the stage's last backward (zero-bubble: weight)
+      // pass ends the tasks that hold their ops (tail_buckets), one after another: how long
+      // after the pass's end the last one ends. On the first stage the last is the embedding's
+      // gradients (a vocabulary's rows: GPT-2 124M at dp 8, 154 MB, six times a bucket); the
+      // first stage ends its passes with the pipeline's end (1F1B, GPipe, interleaved) or
+      // before it (zero-bubble, whose last stage defers its weight passes to the end), and the
+      // slowest stage with what it leaves open. A bucket sent at a column-parallel layer's
+      // weight task goes a block's rest before the pass's end (GPT-2 at dp 8 tp 4: +1.6% when
+      // sent at the block's end), and a block's buckets sent together at its end queue.
+      const auto queue_end = [&](const Tail& t) {
+        double free = -std::numeric_limits<double>::infinity();
+        for (const Tail::Send& send : t.sends) {
+          free = std::max(free, -send.before_end) +
+                 dp_s(reduce, static_cast<std::uint64_t>(send.bytes));
+        }
+        return std::max(0.0, free);
       };
-      const auto tail = expert ? bucket : at_least_a_bucket(slowest_tail.last);
+      // (The last one's size, at least a bucket's, scales the stragglers' wait below.)
+      const auto tail = expert ? bucket
+                               : static_cast<std::uint64_t>(
+                                     std::max(static_cast<double>(bucket), slowest_tail.last));
       double last = dp_s(reduce, tail);
       if (!expert) {
-        const double before =
-            first_tail.before > 0
-                ? std::max(0.0, dp_s(reduce, static_cast<std::uint64_t>(first_tail.before)) -
-                                    first_tail.after_before)
-                : 0.0;
-        last = std::max(
-            last, first_stage_lead + before + dp_s(reduce, at_least_a_bucket(first_tail.last)));
+        last = std::max(queue_end(slowest_tail), first_stage_lead + queue_end(first_tail));
       }
       // Stragglers on the dp stream: the first bucket of a reduction waits for the compute
       // since the group's previous one (the step's, or with ZeRO-2/3 a micro-batch's), which the
@@ -617,6 +649,7 @@ class Estimator {
     b.exposed_cp_s = mb * layers_total * (cp_comm + cp_backward);
     b.exposed_ep_s = mb * layers_total * 2 * ep_comm;
     b.compute_s -= b.exposed_tp_s + b.exposed_cp_s + b.exposed_ep_s;
+    b.exposed_tp_s -= regathers_hidden;
     // Full recompute runs each block's forward collectives again: the simulator counts them as
     // communication, not as recompute (the step is the same either way).
     if (p.recompute == Recompute::Full) {
@@ -732,68 +765,139 @@ class Estimator {
     return f;
   }
 
+  // Where the lowering's backward pass (not zero-bubble's input- and weight-gradient passes)
+  // ends a compute task inside `layer`: ends[i] says whether the task that produces op i's
+  // gradients ends with op i, the backward running the ops from last to first. Lowering:
+  // emit_chain runs consecutive ops as one task up to the next marker that stands for a
+  // backward collective (chunk_items, comm_for); a column-parallel layer whose weight gradient
+  // runs beside its input gradient's collective, or waits for its input gathered again, is a
+  // task (two) of its own; selective recompute ends the task before the attention core; and
+  // the pass that produces the reduced gradients runs one chain per block (emit_backward).
+  static std::vector<bool> backward_task_ends(const model::ModelGraph& g, const Plan& p,
+                                              int layer) {
+    const auto& ops = g.layer_ops(layer);
+    const std::size_t n = ops.size();
+    const bool tp = p.tp > 1, sp = tp && p.sequence_parallel, cp = p.cp > 1, ep = p.ep > 1;
+    const bool local_dispatch = plan::moe_local_dispatch(g.spec(), p);
+    const bool block = layer >= 0 && layer < g.spec().layers;
+    std::vector<bool> ends(n, false);
+    if (n > 0) ends[0] = true;  // the layer's chain ends with it
+    for (std::size_t i = 0; i < n; ++i) {
+      const model::Op& o = g.op(ops[i]);
+      // A collective before op i in forward order, after it in the backward.
+      const bool enter =
+          tp && (o.kind == model::OpKind::QkvProj || o.kind == model::OpKind::LmHead ||
+                 (o.kind == model::OpKind::Router && !local_dispatch) ||
+                 (o.kind == model::OpKind::MlpUp && !g.spec().moe));
+      const bool before = enter || (o.kind == model::OpKind::AttentionCore && cp) ||
+                          (o.kind == model::OpKind::MlpUp && o.expert &&
+                           ((tp && !local_dispatch) || ep || local_dispatch));
+      if (before && i > 0) ends[i] = true;
+      // A collective after op i in forward order, before it in the backward.
+      const bool after =
+          (o.kind == model::OpKind::AttentionCore && cp && p.recompute != Recompute::Full) ||
+          (o.kind == model::OpKind::MlpDown && o.expert && (local_dispatch || ep)) ||
+          (sp && (o.kind == model::OpKind::AttnOutProj ||
+                  (o.kind == model::OpKind::MlpDown && !(o.expert && local_dispatch))));
+      if (after && i + 1 < n) ends[i + 1] = true;
+      // A column-parallel layer of its own: the ops after it in forward order end before it.
+      const bool own =
+          enter && o.bwd_weight_flops > 0 &&
+          (o.tp_split == model::TpSplit::Column || o.tp_split == model::TpSplit::Vocab) &&
+          (p.overlap_tp_backward || sp);
+      if (own && i + 1 < n) ends[i + 1] = true;
+      // Selective recompute: what comes after the core in forward order ends before it.
+      if (block && p.recompute == Recompute::Selective && o.kind == model::OpKind::AttentionCore &&
+          i + 1 < n) {
+        ends[i + 1] = true;
+      }
+    }
+    return ends;
+  }
+
   // A stage's last two dense buckets of a backward pass, in bytes (0: none), and the compute
-  // between them (the ops the last one carries): its first chunk's gradients filled in the
-  // order the backward produces them (the head's where the chunk is the model's last, the
-  // blocks', the embedding's last on the first stage), as the lowering fills them
-  // (grad_buckets), a pass's buckets apart; what is open at the end goes out on its own.
+  // between their sends: its first chunk's gradients filled in the order the backward produces
+  // them (the head's where the chunk is the model's last, the blocks', the embedding's last on
+  // the first stage), as the lowering fills them (grad_buckets); a bucket goes out when the
+  // task holding its last op ends (backward_task_ends; zero-bubble's weight pass, where the
+  // gradients are reduced beside it, runs a task per layer), what is open at the end on its own.
   // Zero-bubble's weight pass produces them, else the backward pass.
   struct Tail {
-    double last = 0, before = 0;
-    double after_before = 0;  // seconds from the one before's send to the last one's
+    struct Send {
+      double bytes = 0;
+      double before_end = 0;  // compute seconds from the send to the pass's end
+    };
+    std::vector<Send> sends;  // the last kTailSends, in the order sent
+    double last = 0;          // the last one's bytes
   };
+  // Enough for the buckets a block's ops send at once (each op's gradients go into one bucket,
+  // a block has up to 8 ops with weights), with the stream's backlog before them left to the
+  // closed form's whole-stream term.
+  static constexpr std::size_t kTailSends = 8;
   static Tail tail_buckets(const model::ModelGraph& g, const Plan& p, const cost::ComputeCost& cost,
                            const std::vector<int>& chunks, double grad_bytes, bool per_block,
                            int stage) {
     const auto limit = static_cast<double>(plan::kGradientBucketBytes);
-    const Phase phase =
-        p.schedule == Schedule::ZeroBubble ? Phase::BackwardWeight : Phase::Backward;
-    double open = 0, filling = 0;  // the open bucket's bytes, and the compute that filled it
+    const bool zero_bubble = p.schedule == Schedule::ZeroBubble;
+    const Phase phase = zero_bubble ? Phase::BackwardWeight : Phase::Backward;
+    // The open bucket's bytes, the full ones waiting for their task's end, and the compute
+    // since the pass began.
+    double open = 0, clock = 0;
+    std::vector<double> full;
     Tail t;
-    const auto send = [&] {
-      t.before = t.last;
-      t.last = open;
-      t.after_before = filling;
-      open = 0;
-      filling = 0;
+    std::vector<std::pair<double, double>> sent;  // every send: bytes, and its clock
+    const auto send = [&](double bytes) {
+      sent.emplace_back(bytes, clock);
+      t.last = bytes;
     };
-    // A layer's dense ops in the backward's order: their gradient bytes and compute seconds
-    // (a block's priced once, all blocks being alike).
-    using Priced = std::vector<std::pair<double, double>>;
+    // A layer's ops in the backward's order: their dense gradient bytes, compute seconds, and
+    // whether their task ends with them (a block's priced once, all blocks being alike).
+    struct Priced {
+      double bytes, seconds;
+      bool ends;
+    };
     const auto priced = [&](int layer) {
-      Priced out;
+      std::vector<Priced> out;
       const auto& ops = g.layer_ops(layer);
-      for (auto it = ops.rbegin(); it != ops.rend(); ++it) {
-        const model::Op& o = g.op(*it);
-        if (!o.expert)
-          out.emplace_back(plan::rank_params(o, p) * grad_bytes, cost.op_seconds(o, phase));
+      const std::vector<bool> ends =
+          zero_bubble ? std::vector<bool>{} : backward_task_ends(g, p, layer);
+      for (std::size_t i = ops.size(); i-- > 0;) {
+        const model::Op& o = g.op(ops[i]);
+        out.push_back({o.expert ? 0.0 : plan::rank_params(o, p) * grad_bytes,
+                       cost.op_seconds(o, phase), i == 0 || (!zero_bubble && ends[i])});
       }
       return out;
     };
-    // A bucket goes out when the task holding its last op ends: a layer's (a layer's share of
-    // the backward pass, or zero-bubble's per-layer weight task) or the layer's rest's, so the
-    // compute after a send begins with the next layer.
-    const auto fill = [&](const Priced& ops) {
-      bool sent = false;
-      for (const auto& [bytes, seconds] : ops) {
-        open += bytes;
-        filling += seconds;
+    const auto fill = [&](const std::vector<Priced>& ops) {
+      for (const Priced& op : ops) {
+        open += op.bytes;
+        clock += op.seconds;
         if (open >= limit) {
-          send();
-          sent = true;
+          full.push_back(open);
+          open = 0;
+        }
+        if (op.ends) {
+          for (const double bytes : full) send(bytes);
+          full.clear();
         }
       }
-      if (per_block && open > 0) send();
-      if (sent) filling = 0;
+      if (per_block && open > 0) {
+        send(open);
+        open = 0;
+      }
     };
     const auto k = static_cast<std::size_t>(stage);
     if (k + 1 == chunks.size()) fill(priced(static_cast<int>(g.spec().layers)));
     if (chunks[k] > 0) {
-      const Priced block = priced(0);
+      const std::vector<Priced> block = priced(0);
       for (int l = 0; l < chunks[k]; ++l) fill(block);
     }
     if (k == 0) fill(priced(-1));
-    if (open > 0) send();
+    if (open > 0) send(open);
+    const std::size_t from = sent.size() > kTailSends ? sent.size() - kTailSends : 0;
+    for (std::size_t i = from; i < sent.size(); ++i) {
+      t.sends.push_back({sent[i].first, clock - sent[i].second});
+    }
     return t;
   }
 

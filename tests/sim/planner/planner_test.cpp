@@ -786,17 +786,43 @@ TEST_CASE("the closed form's dp stream: zero-bubble's first stage ends before th
   // Zero-bubble's last stage defers its weight passes to the end; the first stage's last one,
   // whose buckets end with the embedding's, ends before the pipeline does, which hides part of
   // them. GPT-2 124M at dp 4 tp 4 pp 2 with sequence parallelism: +3.0% when the closed form
-  // exposed the first stage's last buckets after the pipeline's end.
+  // exposed the first stage's last buckets after the pipeline's end. Under sequence
+  // parallelism a weight pass first waits for its inputs gathered again, which the pass before
+  // hides when it is a weight pass too, and a pass run layer by layer (the last, whose buckets
+  // go out beside it) waits for its first layer's alone: +2.1% (selective recompute) when the
+  // closed form counted them in the input-gradient pass, where the first stage's end came out
+  // after the last stage's; and the last stage's last bucket is what its blocks leave open,
+  // not a whole bucket.
   SearchSpace space;
   space.global_batch_size = 128;
   space.schedules = {dtsim::plan::Schedule::ZeroBubble};
   space.micro_batch_sizes = {8};
-  space.recomputes = {dtsim::plan::Recompute::None};
   const auto r = gpt2_all_simulated(32, space, 4, 2);
+  REQUIRE(r.ranked.size() >= 6);
   for (const auto& c : r.ranked) {
     INFO(dtsim::plan::summary(c.plan)
          << ": estimate " << c.estimate_s << " s (dp " << c.estimate.exposed_dp_s << "), simulated "
          << c.step_time_s << " s (dp " << c.prediction.breakdown.exposed_dp_s << ")");
-    CHECK(std::abs(c.estimate_s / c.step_time_s - 1) <= 0.015);
+    CHECK(std::abs(c.estimate_s / c.step_time_s - 1) <= 0.003);
+  }
+}
+
+TEST_CASE("the closed form's dp stream: a bucket goes out when the task holding it ends",
+          "[planner]") {
+  // A bucket goes out when the task that produces its last gradients ends: with tp the
+  // backward is cut at each collective and each column-parallel layer is a task of its own, so
+  // the bucket before the embedding's goes out at the first block's MLP, the block's attention
+  // backward before the pass's end. GPT-2 124M at dp 8 tp 4: +1.6% (mbs 8, SP) when the closed
+  // form sent it at the block's end, queued before the embedding's.
+  SearchSpace space;
+  space.global_batch_size = 128;
+  space.micro_batch_sizes = {4, 8};
+  const auto r = gpt2_all_simulated(32, space, 4, 1);
+  REQUIRE(r.ranked.size() >= 24);
+  for (const auto& c : r.ranked) {
+    INFO(dtsim::plan::summary(c.plan)
+         << ": estimate " << c.estimate_s << " s (dp " << c.estimate.exposed_dp_s << "), simulated "
+         << c.step_time_s << " s (dp " << c.prediction.breakdown.exposed_dp_s << ")");
+    CHECK(std::abs(c.estimate_s / c.step_time_s - 1) <= 0.003);
   }
 }
