@@ -68,6 +68,40 @@ void bf16_max(void* in, void* inout, int* len, MPI_Datatype*) {
   for (int i = 0; i < *len; ++i) b[i] = to_bf16(std::max(from_bf16(a[i]), from_bf16(b[i])));
 }
 
+// Every rank's `mine`, rank by rank, on rank 0 of `comm` (the others get none), sent point to
+// point with tag 0: `comm` must carry nothing else meanwhile. Checkpoint parts pass 2 GiB (12
+// bytes per parameter): 64-bit lengths, and each part sent in pieces that MPI's int counts hold.
+std::vector<std::string> texts_to_root(MPI_Comm comm, std::string mine) {
+  int rank = 0, size = 1;
+  check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  check(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  constexpr std::int64_t kPiece = std::int64_t{1} << 30;
+  const auto length = static_cast<std::int64_t>(mine.size());
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(size));
+  check(MPI_Gather(&length, 1, MPI_INT64_T, lengths.data(), 1, MPI_INT64_T, 0, comm), "MPI_Gather");
+  std::vector<std::string> out;
+  if (rank != 0) {
+    for (std::int64_t at = 0; at < length; at += kPiece) {
+      check(MPI_Send(mine.data() + at, static_cast<int>(std::min(kPiece, length - at)), MPI_CHAR, 0,
+                     0, comm),
+            "MPI_Send");
+    }
+    return out;
+  }
+  out.push_back(std::move(mine));
+  for (int r = 1; r < size; ++r) {
+    std::string part(static_cast<std::size_t>(lengths[static_cast<std::size_t>(r)]), '\0');
+    const auto n = static_cast<std::int64_t>(part.size());
+    for (std::int64_t at = 0; at < n; at += kPiece) {
+      check(MPI_Recv(part.data() + at, static_cast<int>(std::min(kPiece, n - at)), MPI_CHAR, r, 0,
+                     comm, MPI_STATUS_IGNORE),
+            "MPI_Recv");
+    }
+    out.push_back(std::move(part));
+  }
+  return out;
+}
+
 class MpiComm final : public Comm {
  public:
   MpiComm(const MpiSession& session, const lower::Program& program)
@@ -313,34 +347,7 @@ class MpiComm final : public Comm {
   }
 
   std::vector<std::string> gather_to_root(std::string mine) override {
-    // Checkpoint parts pass 2 GiB (12 bytes per parameter): 64-bit lengths, and each part sent
-    // to rank 0 in pieces that MPI's int counts can hold.
-    constexpr std::int64_t kPiece = std::int64_t{1} << 30;
-    const auto length = static_cast<std::int64_t>(mine.size());
-    std::vector<std::int64_t> lengths(static_cast<std::size_t>(size_));
-    check(MPI_Gather(&length, 1, MPI_INT64_T, lengths.data(), 1, MPI_INT64_T, 0, side_),
-          "MPI_Gather");
-    std::vector<std::string> out;
-    if (rank_ != 0) {
-      for (std::int64_t at = 0; at < length; at += kPiece) {
-        check(MPI_Send(mine.data() + at, static_cast<int>(std::min(kPiece, length - at)), MPI_CHAR,
-                       0, 0, side_),
-              "MPI_Send");
-      }
-      return out;
-    }
-    out.push_back(std::move(mine));
-    for (int r = 1; r < size_; ++r) {
-      std::string part(static_cast<std::size_t>(lengths[static_cast<std::size_t>(r)]), '\0');
-      const auto n = static_cast<std::int64_t>(part.size());
-      for (std::int64_t at = 0; at < n; at += kPiece) {
-        check(MPI_Recv(part.data() + at, static_cast<int>(std::min(kPiece, n - at)), MPI_CHAR, r, 0,
-                       side_, MPI_STATUS_IGNORE),
-              "MPI_Recv");
-      }
-      out.push_back(std::move(part));
-    }
-    return out;
+    return texts_to_root(side_, std::move(mine));
   }
 
   void barrier() override { check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
@@ -652,28 +659,12 @@ std::vector<double> MpiSession::all_gather(const std::vector<double>& mine) cons
 }
 
 std::vector<std::string> MpiSession::gather_to_root(const std::string& mine) const {
-  const int length = count_of(mine.size());
-  std::vector<int> lengths(static_cast<std::size_t>(rank_ == 0 ? size_ : 0));
-  check(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, MPI_COMM_WORLD),
-        "MPI_Gather");
-  std::vector<int> at(lengths.size(), 0);
-  for (std::size_t r = 1; r < lengths.size(); ++r) {
-    at[r] =
-        count_of(static_cast<std::size_t>(at[r - 1]) + static_cast<std::size_t>(lengths[r - 1]));
-  }
-  std::string all(lengths.empty() ? 0
-                                  : static_cast<std::size_t>(
-                                        count_of(static_cast<std::size_t>(at.back()) +
-                                                 static_cast<std::size_t>(lengths.back()))),
-                  '\0');
-  check(MPI_Gatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), at.data(), MPI_CHAR,
-                    0, MPI_COMM_WORLD),
-        "MPI_Gatherv");
-  std::vector<std::string> out;
-  for (std::size_t r = 0; r < lengths.size(); ++r) {
-    out.push_back(
-        all.substr(static_cast<std::size_t>(at[r]), static_cast<std::size_t>(lengths[r])));
-  }
+  // On a communicator of its own: the world may hold receives posted ahead by a step that
+  // failed, which a message of this gather could match.
+  MPI_Comm own = MPI_COMM_NULL;
+  check(MPI_Comm_dup(MPI_COMM_WORLD, &own), "MPI_Comm_dup");
+  auto out = texts_to_root(own, mine);
+  MPI_Comm_free(&own);
   return out;
 }
 

@@ -43,8 +43,7 @@ class MpiSession {
   void broadcast(void* data, std::size_t bytes) const;
   // Every rank's `mine` (the same length on every rank), rank by rank, on every rank.
   std::vector<double> all_gather(const std::vector<double>& mine) const;
-  // Every rank's `mine`, rank by rank, on rank 0 (the others get none); short texts (int
-  // lengths: up to 2 GiB each).
+  // Every rank's `mine`, rank by rank, on rank 0 (the others get none).
   std::vector<std::string> gather_to_root(const std::string& mine) const;
 
  private:
