@@ -622,7 +622,7 @@ class Estimator {
     // to hide them, and behind the reductions queued before it in the backward.
     const double zero3_exposed =
         p.zero_stage == 3 && p.pp == 1 && shard_group > 1
-            ? zero3_unit_exposure(g, p, cost, placement, mb, block_f, block_b + block_recompute,
+            ? zero3_unit_exposure(g, p, cost, placement, mb, block_f, block_b, block_recompute,
                                   emb_f, emb_b, head_f, head_b)
             : 0.0;
     // The optimizer updates the rank's dense parameters and its experts' (each ZeRO-sharded
@@ -938,8 +938,9 @@ class Estimator {
   // buckets) when its backward ends.
   double zero3_unit_exposure(const model::ModelGraph& g, const Plan& p,
                              const cost::ComputeCost& cost, const cluster::Placement& placement,
-                             double micro_batches, double block_f, double block_b, double emb_f,
-                             double emb_b, double head_f, double head_b) {
+                             double micro_batches, double block_f, double block_b,
+                             double block_recompute, double emb_f, double emb_b, double head_f,
+                             double head_b) {
     const auto bytes_per = plan::state_bytes_per_param(p);
     // A layer's parameters on this rank: its dense ones, or its experts'.
     const auto params = [&](int layer, bool experts) {
@@ -968,36 +969,78 @@ class Estimator {
                                          : 0.0;
     };
     const int layers = static_cast<int>(g.spec().layers);
-    double block_gather = 0, block_reduce = 0;
-    for (const bool expert : {false, true}) {
-      const Sharding& over = expert ? experts : dense;
-      const double block = params(0, expert);
-      block_gather += dp_s(over, CollectiveKind::AllGather, block * bytes_per.weights);
-      // A block's gradients in buckets of its own (gradient_buckets_per_block), as many as its
-      // ops fill.
-      const double grads = block * bytes_per.gradients;
-      const double buckets =
-          std::max(1.0, std::round(grads * block_buckets(g, p, expert, bytes_per.gradients, true)));
-      block_reduce += buckets * dp_s(over, CollectiveKind::ReduceScatter, grads / buckets);
-    }
-    struct Unit {
-      double compute, gather, reduce;
+    // A unit's reductions, each sent some time before the unit's end.
+    struct Send {
+      double before_end, seconds;
     };
+    struct Unit {
+      double compute, gather;
+      const std::vector<Send>* reduce;  // (blocks share theirs)
+    };
+    // A block's dense buckets of its own (gradient_buckets_per_block), each sent when the task
+    // holding its last gradients ends (backward_task_ends: with tp, the MLP's bucket goes out
+    // at its up projection, the attention's backward before the block's end), the block's
+    // backward pass after its recompute; its experts' at its end.
+    double block_gather = 0;
+    std::vector<Send> block_reduce;
+    {
+      const auto& ops = g.layer_ops(0);
+      const std::vector<bool> ends = backward_task_ends(g, p, 0);
+      const auto limit = static_cast<double>(plan::kGradientBucketBytes);
+      std::vector<std::pair<double, double>> sent;  // bytes, and the compute before the send
+      std::vector<double> full;
+      double open = 0, clock = 0;
+      for (std::size_t i = ops.size(); i-- > 0;) {
+        const model::Op& o = g.op(ops[i]);
+        if (!o.expert) open += plan::rank_params(o, p) * bytes_per.gradients;
+        clock += cost.op_seconds(o, Phase::Backward);
+        if (open >= limit) {
+          full.push_back(open);
+          open = 0;
+        }
+        if (i == 0 || ends[i]) {
+          for (const double bytes : full) sent.emplace_back(bytes, clock);
+          full.clear();
+        }
+      }
+      if (open > 0) sent.emplace_back(open, clock);
+      // The compute's share of the pass (its tp collectives spread over it alike).
+      const double stretch = clock > 0 ? block_b / clock : 0.0;
+      for (const auto& [bytes, at] : sent) {
+        block_reduce.push_back(
+            {(clock - at) * stretch, dp_s(dense, CollectiveKind::ReduceScatter, bytes)});
+      }
+      block_gather = dp_s(dense, CollectiveKind::AllGather, params(0, false) * bytes_per.weights);
+      const double expert_params = params(0, true);
+      if (expert_params > 0) {
+        block_gather += dp_s(experts, CollectiveKind::AllGather, expert_params * bytes_per.weights);
+        const double grads = expert_params * bytes_per.gradients;
+        const double buckets =
+            std::max(1.0, std::round(grads * block_buckets(g, p, true, bytes_per.gradients, true)));
+        for (double b = 0; b < buckets; ++b) {
+          block_reduce.push_back(
+              {0.0, dp_s(experts, CollectiveKind::ReduceScatter, grads / buckets)});
+        }
+      }
+    }
     const double emb_gather =
         dp_s(dense, CollectiveKind::AllGather, params(-1, false) * bytes_per.weights);
     const double head_gather =
         dp_s(dense, CollectiveKind::AllGather, params(layers, false) * bytes_per.weights);
+    const std::vector<Send> none,
+        head_reduce{{0.0, dp_s(dense, CollectiveKind::ReduceScatter,
+                               params(layers, false) * bytes_per.gradients)}},
+        emb_reduce{{0.0, dp_s(dense, CollectiveKind::ReduceScatter,
+                              params(-1, false) * bytes_per.gradients)}};
     std::vector<Unit> units;
-    units.push_back({emb_f, emb_gather, 0});
-    for (int l = 0; l < layers; ++l) units.push_back({block_f, block_gather, 0});
-    units.push_back({head_f, head_gather, 0});
-    units.push_back(
-        {head_b, head_gather,
-         dp_s(dense, CollectiveKind::ReduceScatter, params(layers, false) * bytes_per.gradients)});
-    for (int l = 0; l < layers; ++l) units.push_back({block_b, block_gather, block_reduce});
-    units.push_back(
-        {emb_b, emb_gather,
-         dp_s(dense, CollectiveKind::ReduceScatter, params(-1, false) * bytes_per.gradients)});
+    units.push_back({emb_f, emb_gather, &none});
+    for (int l = 0; l < layers; ++l) units.push_back({block_f, block_gather, &none});
+    units.push_back({head_f, head_gather, &none});
+    units.push_back({head_b, head_gather, &head_reduce});
+    for (int l = 0; l < layers; ++l) {
+      units.push_back({block_b + block_recompute, block_gather, &block_reduce});
+    }
+    units.push_back({emb_b, emb_gather, &emb_reduce});
     // The gather of unit i + 1 goes out when unit i is issued, and may start once unit i - 1
     // has (lowering: start_unit waits for that unit's first task to end; its start stands for
     // that here), behind what the stream holds already.
@@ -1014,7 +1057,9 @@ class Estimator {
         previous = start;
         compute = start + units[i].compute;
         busy += units[i].compute;
-        if (units[i].reduce > 0) stream = std::max(stream, compute) + units[i].reduce;
+        for (const Send& send : *units[i].reduce) {
+          stream = std::max(stream, compute - send.before_end) + send.seconds;
+        }
       }
     }
     return std::max(compute, stream) - busy;

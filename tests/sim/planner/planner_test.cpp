@@ -807,6 +807,35 @@ TEST_CASE("the closed form's dp stream: zero-bubble's first stage ends before th
   }
 }
 
+TEST_CASE("ZeRO-3's unit walk: a block's buckets go out as its tasks end", "[planner]") {
+  // Without pipelining ZeRO-3 walks the passes unit by unit; a block's gradients go out in
+  // buckets of its own, each when the task holding its last gradients ends: with tp the MLP's
+  // at its up projection, the attention's at the block's end. Megatron 1.7B at dp 4, tp 4,
+  // one sequence a micro-batch: the backward turns bound by the dp stream (a block's 1.09 ms
+  // of reduce-scatters and the next gather, 1.63 ms, against 1.29 of compute) a few blocks
+  // later than when the whole block's went out at its end: +1.1% then.
+  const auto spec = dtsim::model::load_model("megatron-1.7b");
+  const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 16);
+  SearchSpace space;
+  space.global_batch_size = 64;
+  space.fixed_tp = 4;
+  space.fixed_pp = 1;
+  space.fixed_cp = 1;
+  space.zero_stages = {3};
+  space.micro_batch_sizes = {1};
+  SearchOptions all;
+  all.refine = 1 << 20;
+  const auto r = dtsim::planner::search(spec, cluster, space, all);
+  REQUIRE(r.ranked.size() >= 6);
+  for (const auto& c : r.ranked) {
+    INFO(dtsim::plan::summary(c.plan)
+         << ": estimate " << c.estimate_s << " s (dp " << c.estimate.exposed_dp_s << "), simulated "
+         << c.step_time_s << " s (dp " << c.prediction.breakdown.exposed_dp_s << ")");
+    CHECK(c.refined);
+    CHECK(std::abs(c.estimate_s / c.step_time_s - 1) <= 0.003);
+  }
+}
+
 TEST_CASE("the closed form's dp stream: a bucket goes out when the task holding it ends",
           "[planner]") {
   // A bucket goes out when the task that produces its last gradients ends: with tp the
