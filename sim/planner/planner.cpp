@@ -540,11 +540,19 @@ class Estimator {
       // slowest stage with what it leaves open. A bucket sent at a column-parallel layer's
       // weight task goes a block's rest before the pass's end (GPT-2 at dp 8 tp 4: +1.6% when
       // sent at the block's end), and a block's buckets sent together at its end queue.
+      // (Blocks being alike, their buckets repeat a few sizes: each priced once.)
+      std::vector<std::pair<double, double>> priced;
+      const auto reduce_s = [&](double bytes) {
+        for (const auto& [sent, seconds] : priced) {
+          if (sent == bytes) return seconds;
+        }
+        priced.emplace_back(bytes, dp_s(reduce, static_cast<std::uint64_t>(bytes)));
+        return priced.back().second;
+      };
       const auto queue_end = [&](const Tail& t) {
         double free = -std::numeric_limits<double>::infinity();
         for (const Tail::Send& send : t.sends) {
-          free = std::max(free, -send.before_end) +
-                 dp_s(reduce, static_cast<std::uint64_t>(send.bytes));
+          free = std::max(free, -send.before_end) + reduce_s(send.bytes);
         }
         return std::max(0.0, free);
       };
