@@ -985,50 +985,51 @@ class Estimator {
       double compute, gather;
       const std::vector<Send>* reduce;  // (blocks share theirs)
     };
-    // A block's dense buckets of its own (gradient_buckets_per_block), each sent when the task
-    // holding its last gradients ends (backward_task_ends: with tp, the MLP's bucket goes out
-    // at its up projection, the attention's backward before the block's end), the block's
-    // backward pass after its recompute; its experts' at its end.
+    // A block's buckets of its own (gradient_buckets_per_block), dense and its experts', each
+    // sent when the task holding its last gradients ends (backward_task_ends: with tp the
+    // MLP's bucket goes out at its up projection, the attention's backward before the block's
+    // end), the block's backward pass after its recompute; what is open at its end last, the
+    // dense before the experts' (lowering: flush_buckets).
     double block_gather = 0;
     std::vector<Send> block_reduce;
     {
       const auto& ops = g.layer_ops(0);
       const std::vector<bool> ends = backward_task_ends(g, p, 0);
       const auto limit = static_cast<double>(plan::kGradientBucketBytes);
-      std::vector<std::pair<double, double>> sent;  // bytes, and the compute before the send
-      std::vector<double> full;
-      double open = 0, clock = 0;
+      struct Bucket {
+        bool experts;
+        double bytes, at;  // at: the compute before its send
+      };
+      std::vector<Bucket> sent, full;
+      std::array<double, 2> open{};
+      double clock = 0;
       for (std::size_t i = ops.size(); i-- > 0;) {
         const model::Op& o = g.op(ops[i]);
-        if (!o.expert) open += plan::rank_params(o, p) * bytes_per.gradients;
+        double& bucket = open[o.expert ? 1 : 0];
+        bucket += plan::rank_params(o, p) * bytes_per.gradients;
         clock += cost.op_seconds(o, Phase::Backward);
-        if (open >= limit) {
-          full.push_back(open);
-          open = 0;
+        if (bucket >= limit) {
+          full.push_back({o.expert, bucket, 0});
+          bucket = 0;
         }
         if (i == 0 || ends[i]) {
-          for (const double bytes : full) sent.emplace_back(bytes, clock);
+          for (Bucket& b : full) sent.push_back({b.experts, b.bytes, clock});
           full.clear();
         }
       }
-      if (open > 0) sent.emplace_back(open, clock);
+      for (const bool expert : {false, true}) {
+        if (open[expert ? 1 : 0] > 0) sent.push_back({expert, open[expert ? 1 : 0], clock});
+      }
       // The compute's share of the pass (its tp collectives spread over it alike).
       const double stretch = clock > 0 ? block_b / clock : 0.0;
-      for (const auto& [bytes, at] : sent) {
+      for (const Bucket& b : sent) {
         block_reduce.push_back(
-            {(clock - at) * stretch, dp_s(dense, CollectiveKind::ReduceScatter, bytes)});
+            {(clock - b.at) * stretch,
+             dp_s(b.experts ? experts : dense, CollectiveKind::ReduceScatter, b.bytes)});
       }
-      block_gather = dp_s(dense, CollectiveKind::AllGather, params(0, false) * bytes_per.weights);
-      const double expert_params = params(0, true);
-      if (expert_params > 0) {
-        block_gather += dp_s(experts, CollectiveKind::AllGather, expert_params * bytes_per.weights);
-        const double grads = expert_params * bytes_per.gradients;
-        const double buckets =
-            std::max(1.0, std::round(grads * block_buckets(g, p, true, bytes_per.gradients, true)));
-        for (double b = 0; b < buckets; ++b) {
-          block_reduce.push_back(
-              {0.0, dp_s(experts, CollectiveKind::ReduceScatter, grads / buckets)});
-        }
+      for (const bool expert : {false, true}) {
+        block_gather += dp_s(expert ? experts : dense, CollectiveKind::AllGather,
+                             params(0, expert) * bytes_per.weights);
       }
     }
     const double emb_gather =
