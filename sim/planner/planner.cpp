@@ -537,9 +537,10 @@ class Estimator {
       // gradients (a vocabulary's rows: GPT-2 124M at dp 8, 154 MB, six times a bucket); the
       // first stage ends its passes with the pipeline's end (1F1B, GPipe, interleaved) or
       // before it (zero-bubble, whose last stage defers its weight passes to the end), and the
-      // slowest stage with what it leaves open. A bucket sent at a column-parallel layer's
-      // weight task goes a block's rest before the pass's end (GPT-2 at dp 8 tp 4: +1.6% when
-      // sent at the block's end), and a block's buckets sent together at its end queue.
+      // slowest stage with what it leaves open. A bucket that fills at a column-parallel layer
+      // goes out with that layer's weight task, the rest of its block before the pass's end
+      // (GPT-2 at dp 8 tp 4: +1.6% when sent at the block's end), and a block's buckets sent
+      // together at its end queue.
       // (Blocks being alike, their buckets repeat a few sizes: each priced once.)
       std::vector<std::pair<double, double>> priced;
       const auto reduce_s = [&](double bytes) {
@@ -560,10 +561,9 @@ class Estimator {
       const auto tail = expert ? bucket
                                : static_cast<std::uint64_t>(
                                      std::max(static_cast<double>(bucket), slowest_tail.last));
-      double last = dp_s(reduce, tail);
-      if (!expert) {
-        last = std::max(queue_end(slowest_tail), first_stage_lead + queue_end(first_tail));
-      }
+      const double last =
+          expert ? dp_s(reduce, tail)
+                 : std::max(queue_end(slowest_tail), first_stage_lead + queue_end(first_tail));
       // Stragglers on the dp stream: the first bucket of a reduction waits for the compute
       // since the group's previous one (the step's, or with ZeRO-2/3 a micro-batch's), which the
       // stage's backward pass of that micro-batch (every chunk's) can hide; the later buckets
@@ -823,13 +823,13 @@ class Estimator {
     return ends;
   }
 
-  // A stage's last two dense buckets of a backward pass, in bytes (0: none), and the compute
-  // between their sends: its first chunk's gradients filled in the order the backward produces
-  // them (the head's where the chunk is the model's last, the blocks', the embedding's last on
-  // the first stage), as the lowering fills them (grad_buckets); a bucket goes out when the
-  // task holding its last op ends (backward_task_ends; zero-bubble's weight pass, where the
-  // gradients are reduced beside it, runs a task per layer), what is open at the end on its own.
-  // Zero-bubble's weight pass produces them, else the backward pass.
+  // A stage's last dense buckets of a backward pass (up to kTailSends), each with its bytes and
+  // the compute from its send to the pass's end: its first chunk's gradients filled in the
+  // order the backward produces them (the head's where the chunk is the model's last, the blocks',
+  // the embedding's last on the first stage), as the lowering fills them (grad_buckets); a bucket
+  // goes out when the task holding its last op ends (backward_task_ends; zero-bubble's weight pass,
+  // where the gradients are reduced beside it, runs a task per layer), what is open at the end on
+  // its own. Zero-bubble's weight pass produces them, else the backward pass.
   struct Tail {
     struct Send {
       double bytes = 0;
@@ -1013,7 +1013,7 @@ class Estimator {
           bucket = 0;
         }
         if (i == 0 || ends[i]) {
-          for (Bucket& b : full) sent.push_back({b.experts, b.bytes, clock});
+          for (const Bucket& b : full) sent.push_back({b.experts, b.bytes, clock});
           full.clear();
         }
       }
