@@ -214,6 +214,7 @@ class Timeline {
     double boundary = 0, sends_end = 0;  // the exchange before the next round
     bool in_turn = false;
     double weight_before = 0;  // the weight pass just run, its compute (else 0)
+    double input_tail = 0;     // the input-gradient pass just run, its ChunkPasses::input_tail
     std::vector<std::size_t> to_send, sending, receiving;
   };
 
@@ -451,10 +452,12 @@ class Timeline {
     if (pass.kind == PassKind::BackwardWeight) {
       const bool layered = c.all_layered || (c.last_layered && pass.micro_batch + 1 == m_);
       const double gathers = layered ? c.layered_gathers : c.gathers;
-      length += std::max(0.0, gathers - st.weight_before);
+      length += std::max(0.0, gathers - std::max(st.weight_before, st.input_tail));
       st.weight_before = c.weight;
+      st.input_tail = 0;
     } else {
       st.weight_before = 0;
+      st.input_tail = pass.kind == PassKind::BackwardInput ? c.input_tail : 0.0;
     }
     st.free += length;
     st.busy += length;

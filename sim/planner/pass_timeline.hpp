@@ -30,6 +30,9 @@ struct ChunkPasses {
   // ones gathered beside the layers before.
   double gathers = 0, layered_gathers = 0;
   bool last_layered = false, all_layered = false;
+  // The input-gradient pass's compute after its last tp collective (its first layer's norm, or
+  // the embedding's backward), beside which the gathers queued behind it start.
+  double input_tail = 0;
 };
 
 struct PipelineTimeline {

@@ -404,6 +404,14 @@ class Estimator {
       // Whether a chunk's last weight pass (every one with ZeRO-2 and up) runs layer by layer
       // (lowering: its buckets reduced beside it).
       const bool layered_weights = p.overlap_grad_reduce && p.dp * p.cp > 1;
+      // What an input-gradient pass computes after its last tp collective: the embedding's
+      // backward, or the first block's ops before its QKV projection (its norm).
+      const double emb_input = group_time(-1, Phase::BackwardInput);
+      double block_input_lead = 0;
+      for (model::OpId id : g.layer_ops(0)) {
+        if (g.op(id).kind == model::OpKind::QkvProj) break;
+        block_input_lead += cost.op_seconds(g.op(id), Phase::BackwardInput);
+      }
       // The bubble: the idle time of the slowest stage in the schedule's order with compute
       // alone; the transfers' share: what the hops add to that (pass_timeline.hpp).
       std::vector<ChunkPasses> passes(chunks.size());
@@ -442,6 +450,7 @@ class Estimator {
             c.backward -= c.gathers;
             c.last_layered = layered_weights;
             c.all_layered = layered_weights && p.zero_stage >= 2;
+            c.input_tail = k == 0 ? emb_input : layers > 0 ? block_input_lead : 0.0;
           }
         }
       }
