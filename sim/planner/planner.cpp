@@ -404,13 +404,16 @@ class Estimator {
       // Whether a chunk's last weight pass (every one with ZeRO-2 and up) runs layer by layer
       // (lowering: its buckets reduced beside it).
       const bool layered_weights = p.overlap_grad_reduce && p.dp * p.cp > 1;
-      // What an input-gradient pass computes after its last tp collective: the embedding's
-      // backward, or the first block's ops before its QKV projection (its norm).
-      const double emb_input = group_time(-1, Phase::BackwardInput);
-      double block_input_lead = 0;
-      for (model::OpId id : g.layer_ops(0)) {
-        if (g.op(id).kind == model::OpKind::QkvProj) break;
-        block_input_lead += cost.op_seconds(g.op(id), Phase::BackwardInput);
+      // What an input-gradient pass computes after its last tp collective (zero-bubble under
+      // sequence parallelism alone needs it): the embedding's backward, or the first block's
+      // ops before its QKV projection (its norm).
+      double emb_input = 0, block_input_lead = 0;
+      if (p.schedule == Schedule::ZeroBubble && regather > 0) {
+        emb_input = group_time(-1, Phase::BackwardInput);
+        for (model::OpId id : g.layer_ops(0)) {
+          if (g.op(id).kind == model::OpKind::QkvProj) break;
+          block_input_lead += cost.op_seconds(g.op(id), Phase::BackwardInput);
+        }
       }
       // The bubble: the idle time of the slowest stage in the schedule's order with compute
       // alone; the transfers' share: what the hops add to that (pass_timeline.hpp).
@@ -832,6 +835,40 @@ class Estimator {
     return ends;
   }
 
+  // Gradient buckets filled as the lowering fills them (fill_buckets, send_bucket): ops in the
+  // backward's order, each op's gradients whole into its kind's open bucket (dense, or its
+  // experts'), one that reaches plan::kGradientBucketBytes sent when the task holding its last
+  // op ends; `flush` sends what is open, the dense before the experts' (flush_buckets).
+  struct BucketFill {
+    struct Sent {
+      bool experts;
+      double bytes, clock;  // clock: the compute before its send
+    };
+    std::array<double, 2> open{};
+    std::vector<Sent> full, sent;
+    double clock = 0;
+    void add(bool experts, double bytes, double seconds, bool task_ends) {
+      double& bucket = open[experts ? 1 : 0];
+      bucket += bytes;
+      clock += seconds;
+      if (bucket >= static_cast<double>(plan::kGradientBucketBytes)) {
+        full.push_back({experts, bucket, 0});
+        bucket = 0;
+      }
+      if (task_ends) {
+        for (const Sent& b : full) sent.push_back({b.experts, b.bytes, clock});
+        full.clear();
+      }
+    }
+    void flush() {
+      for (const bool experts : {false, true}) {
+        double& bucket = open[experts ? 1 : 0];
+        if (bucket > 0) sent.push_back({experts, bucket, clock});
+        bucket = 0;
+      }
+    }
+  };
+
   // A stage's last dense buckets of a backward pass (up to kTailSends), each with its bytes and
   // the compute from its send to the pass's end: its first chunk's gradients filled in the
   // order the backward produces them (the head's where the chunk is the model's last, the blocks',
@@ -854,19 +891,8 @@ class Estimator {
   static Tail tail_buckets(const model::ModelGraph& g, const Plan& p, const cost::ComputeCost& cost,
                            const std::vector<int>& chunks, double grad_bytes, bool per_block,
                            int stage) {
-    const auto limit = static_cast<double>(plan::kGradientBucketBytes);
     const bool zero_bubble = p.schedule == Schedule::ZeroBubble;
     const Phase phase = zero_bubble ? Phase::BackwardWeight : Phase::Backward;
-    // The open bucket's bytes, the full ones waiting for their task's end, and the compute
-    // since the pass began.
-    double open = 0, clock = 0;
-    std::vector<double> full;
-    Tail t;
-    std::vector<std::pair<double, double>> sent;  // every send: bytes, and its clock
-    const auto send = [&](double bytes) {
-      sent.emplace_back(bytes, clock);
-      t.last = bytes;
-    };
     // A layer's ops in the backward's order: their dense gradient bytes, compute seconds, and
     // whether their task ends with them (a block's priced once, all blocks being alike).
     struct Priced {
@@ -885,35 +911,24 @@ class Estimator {
       }
       return out;
     };
-    const auto fill = [&](const std::vector<Priced>& ops) {
-      for (const Priced& op : ops) {
-        open += op.bytes;
-        clock += op.seconds;
-        if (open >= limit) {
-          full.push_back(open);
-          open = 0;
-        }
-        if (op.ends) {
-          for (const double bytes : full) send(bytes);
-          full.clear();
-        }
-      }
-      if (per_block && open > 0) {
-        send(open);
-        open = 0;
-      }
+    BucketFill fill;
+    const auto fill_layer = [&](const std::vector<Priced>& ops) {
+      for (const Priced& op : ops) fill.add(false, op.bytes, op.seconds, op.ends);
+      if (per_block) fill.flush();
     };
     const auto k = static_cast<std::size_t>(stage);
-    if (k + 1 == chunks.size()) fill(priced(static_cast<int>(g.spec().layers)));
+    if (k + 1 == chunks.size()) fill_layer(priced(static_cast<int>(g.spec().layers)));
     if (chunks[k] > 0) {
       const std::vector<Priced> block = priced(0);
-      for (int l = 0; l < chunks[k]; ++l) fill(block);
+      for (int l = 0; l < chunks[k]; ++l) fill_layer(block);
     }
-    if (k == 0) fill(priced(-1));
-    if (open > 0) send(open);
-    const std::size_t from = sent.size() > kTailSends ? sent.size() - kTailSends : 0;
-    for (std::size_t i = from; i < sent.size(); ++i) {
-      t.sends.push_back({sent[i].first, clock - sent[i].second});
+    if (k == 0) fill_layer(priced(-1));
+    fill.flush();
+    Tail t;
+    if (!fill.sent.empty()) t.last = fill.sent.back().bytes;
+    const std::size_t from = fill.sent.size() > kTailSends ? fill.sent.size() - kTailSends : 0;
+    for (std::size_t i = from; i < fill.sent.size(); ++i) {
+      t.sends.push_back({fill.sent[i].bytes, fill.clock - fill.sent[i].clock});
     }
     return t;
   }
@@ -1004,36 +1019,19 @@ class Estimator {
     {
       const auto& ops = g.layer_ops(0);
       const std::vector<bool> ends = backward_task_ends(g, p, 0);
-      const auto limit = static_cast<double>(plan::kGradientBucketBytes);
-      struct Bucket {
-        bool experts;
-        double bytes, at;  // at: the compute before its send
-      };
-      std::vector<Bucket> sent, full;
-      std::array<double, 2> open{};
-      double clock = 0;
+      BucketFill fill;
       for (std::size_t i = ops.size(); i-- > 0;) {
         const model::Op& o = g.op(ops[i]);
-        double& bucket = open[o.expert ? 1 : 0];
-        bucket += plan::rank_params(o, p) * bytes_per.gradients;
-        clock += cost.op_seconds(o, Phase::Backward);
-        if (bucket >= limit) {
-          full.push_back({o.expert, bucket, 0});
-          bucket = 0;
-        }
-        if (i == 0 || ends[i]) {
-          for (const Bucket& b : full) sent.push_back({b.experts, b.bytes, clock});
-          full.clear();
-        }
+        fill.add(o.expert, plan::rank_params(o, p) * bytes_per.gradients,
+                 cost.op_seconds(o, Phase::Backward), i == 0 || ends[i]);
       }
-      for (const bool expert : {false, true}) {
-        if (open[expert ? 1 : 0] > 0) sent.push_back({expert, open[expert ? 1 : 0], clock});
-      }
+      fill.flush();
+      const double clock = fill.clock;
       // The compute's share of the pass (its tp collectives spread over it alike).
       const double stretch = clock > 0 ? block_b / clock : 0.0;
-      for (const Bucket& b : sent) {
+      for (const BucketFill::Sent& b : fill.sent) {
         block_reduce.push_back(
-            {(clock - b.at) * stretch,
+            {(clock - b.clock) * stretch,
              dp_s(b.experts ? experts : dense, CollectiveKind::ReduceScatter, b.bytes)});
       }
       for (const bool expert : {false, true}) {
