@@ -172,8 +172,10 @@ class Timeline {
     }
     const auto& passes = stage_passes_of(plan);
     stages_.resize(static_cast<std::size_t>(pp_));
-    for (int s = 0; s < pp_; ++s)
+    for (int s = 0; s < pp_; ++s) {
       stages_[static_cast<std::size_t>(s)].passes = &passes[static_cast<std::size_t>(s)];
+      stages_[static_cast<std::size_t>(s)].last_backward.assign(chunks.size() / pp_, 0.0);
+    }
   }
 
   // Sweeps the stages in order, 0 to pp - 1 and again, each run as far as its exchanges allow,
@@ -200,6 +202,7 @@ class Timeline {
       out.makespan_s = std::max(out.makespan_s, st.free);
       out.busy_s.push_back(st.busy);
       out.end_s.push_back(st.free);
+      out.last_backward_s.push_back(st.last_backward);
     }
     return out;
   }
@@ -216,6 +219,7 @@ class Timeline {
     double weight_before = 0;  // the weight pass just run, its compute (else 0)
     double input_tail = 0;     // the input-gradient pass just run, its ChunkPasses::input_tail
     std::vector<std::size_t> to_send, sending, receiving;
+    std::vector<double> last_backward;  // PipelineTimeline::last_backward_s
   };
 
   // The round of a stage's pass i. Overlapped transfers: each pass its own round, its receive
@@ -458,6 +462,9 @@ class Timeline {
     } else {
       st.weight_before = 0;
       st.input_tail = pass.kind == PassKind::BackwardInput ? c.input_tail : 0.0;
+    }
+    if (pass.kind == PassKind::Backward || pass.kind == PassKind::BackwardWeight) {
+      st.last_backward[static_cast<std::size_t>(pass.chunk)] = st.free;
     }
     st.free += length;
     st.busy += length;

@@ -41,6 +41,11 @@ struct PipelineTimeline {
   std::vector<double> busy_s;
   // When each stage's last pass ends (its last gradients final: the dp stream's last buckets).
   std::vector<double> end_s;
+  // When each stage's last backward pass of each of its chunks starts (zero-bubble's: the
+  // weight pass), by the chunk's index on the stage: from then on the pass sends that chunk's
+  // last gradient buckets, each chunk's after its own (the interleaved schedule's chunks end
+  // their passes rounds apart).
+  std::vector<std::vector<double>> last_backward_s;
 };
 
 // hop[s]: one transfer from stage s to stage s + 1 (the last: back to stage 0), either way.

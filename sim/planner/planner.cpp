@@ -394,6 +394,10 @@ class Estimator {
     // Zero-bubble under sequence parallelism: a block's inputs gathered again, which the weight
     // passes can hide (ChunkPasses::gathers), at most all of the stage's (the bound's).
     double regathers_hidden = 0;
+    // Interleaved, from the timeline: how long before the pipeline's end each chunk's last
+    // backward pass starts on the first and on the slowest stage, earliest first (the dp
+    // stream's queue below).
+    std::array<std::vector<double>, 2> chunks_before;
     const auto regathering = static_cast<double>(std::count_if(
         segments.begin(), segments.end(), [](const Segment& seg) { return seg.regathers; }));
     if (has_timeline(p) && detail != Detail::Full && p.schedule == Schedule::ZeroBubble) {
@@ -463,6 +467,16 @@ class Estimator {
       const PipelineTimeline timed = pipeline_timeline(p, passes, hop);
       const double with_hops = timed.makespan_s;
       first_stage_lead = timed.end_s.front() - with_hops;
+      if (p.virtual_stages > 1) {
+        for (const int s : {0, 1}) {
+          auto& before = chunks_before[static_cast<std::size_t>(s)];
+          for (const double start :
+               timed.last_backward_s[static_cast<std::size_t>(s == 0 ? 0 : stage_index)]) {
+            before.push_back(with_hops - start);
+          }
+          std::sort(before.begin(), before.end(), std::greater<>());
+        }
+      }
       // The regathers that weight passes hid (ChunkPasses::gathers), which per_mb counts in
       // full: off the tp communication, where the closed form counts them.
       const double hidden =
@@ -591,13 +605,27 @@ class Estimator {
       // stream keeps up (dp_busy).
       // A backward pass hides reductions with its recompute too. Interleaved, a chunk's
       // gradients are final after its own last backward pass, and the drain runs the chunks'
-      // last passes pp backward passes apart (a chunk's share of the last round): the stream
-      // starts on the first chunk's (v - 1)·pp passes before the last one, and has at least
-      // the last chunk's left when that one starts. The stream's first collective waits for
-      // the group's slowest rank first.
+      // last passes about pp backward passes apart (a chunk's share of the last round): the
+      // stream starts on the first chunk's (v - 1)·pp passes before the last one, and has at
+      // least the last chunk's left when that one starts. The timeline gives when those passes
+      // start, blocking transfers' waits between them included (Llama-3 405B at dp 32, tp 8,
+      // pp 8, cp 8, v 4: 142 ms apart, not 117); the first stage ends with the pipeline, the
+      // slowest one holds the most buckets: the later of the two queues. The stream's first
+      // collective waits for the group's slowest rank first.
+      const auto queue_after_end = [&](const std::vector<double>& before, double first) {
+        double free = -std::numeric_limits<double>::infinity();
+        for (std::size_t i = 0; i < before.size(); ++i) {
+          free = std::max(free, -before[i] + (i == 0 ? first : 0.0)) + all / v;
+        }
+        return free;
+      };
       const auto exposed_in_passes = [&](double first, double last_late) {
-        const double queued = std::max(all / v, all + first - (v - 1) * p.pp * backward);
-        return std::max(last + last_late, queued - backward);
+        const double queued =
+            chunks_before[0].empty()
+                ? std::max(all / v, all + first - (v - 1) * p.pp * backward) - backward
+                : std::max(queue_after_end(chunks_before[0], first),
+                           queue_after_end(chunks_before[1], first));
+        return std::max(last + last_late, queued);
       };
       const double delayed = exposed_in_passes(first_wait, 0);
       dp_in_passes += delayed;

@@ -142,3 +142,36 @@ TEST_CASE("every schedule's order runs to the end, blocking or not", "[planner][
     }
   }
 }
+
+// Where each stage's chunks start their last backward passes (the planner's dp stream sends
+// each chunk's last buckets from then on): the stage's last pass is its first chunk's, and
+// interleaved, the chunk before it passed its last gradients round the pp stages first: pp
+// backward passes earlier with free transfers, and at least a hop more each with blocking ones.
+TEST_CASE("the timeline says when each chunk's last backward pass starts", "[planner][pipeline]") {
+  const int pp = 4, m = 8;
+  const double f = 0.5, b = 1, hop = 0.25;
+  const Plan one = pipeline(Schedule::OneFOneB, pp, m);
+  const auto t = timeline(one, even(one, 2 * f, 2 * b), std::vector<double>(pp, 0.0), true);
+  for (int s = 0; s < pp; ++s) {
+    const auto stage = static_cast<std::size_t>(s);
+    REQUIRE(t.last_backward_s[stage].size() == 1);
+    CHECK(t.last_backward_s[stage][0] + 2 * b == Approx(t.end_s[stage]));
+  }
+  const Plan interleaved = pipeline(Schedule::Interleaved, pp, m, 2);
+  for (const double h : {0.0, hop}) {
+    INFO("hops of " << h);
+    const auto i = timeline(interleaved, even(interleaved, f, b), std::vector<double>(pp, h), true);
+    for (int s = 0; s < pp; ++s) {
+      const auto& starts = i.last_backward_s[static_cast<std::size_t>(s)];
+      REQUIRE(starts.size() == 2);
+      // (A stage that sends the pass's gradients on ends once they are received.)
+      const double end = i.end_s[static_cast<std::size_t>(s)];
+      CHECK(starts[0] + b == Approx(s == 0 ? end : end - h));
+      if (h == 0) {
+        CHECK(starts[0] - starts[1] == Approx(pp * b));
+      } else {
+        CHECK(starts[0] - starts[1] >= pp * (b + h) - 1e-12);
+      }
+    }
+  }
+}
