@@ -585,7 +585,7 @@ int calibrate(const std::vector<std::string>& args) {
     throw dtsim::InputError(fmt::format("--backend: expected cpu or cuda, got \"{}\"", backend));
   }
   if (!vm.count("out")) throw dtsim::InputError("--out: required (where to write the profile)");
-  dtsim::cli::check_writable(vm["out"].as<std::string>(), "--out");
+  dtsim::cli::check_writable(vm["out"].as<std::string>(), "--out", &vm);
   const std::string precision = vm.count("precision") ? vm["precision"].as<std::string>()
                                 : backend == "cuda"   ? "bf16"
                                                       : "fp32";

@@ -32,6 +32,7 @@
 #include "exec/cpu/mpi_comm.hpp"
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
+#include "sim/common/json_reader.hpp"
 #include "sim/engine/simulator.hpp"
 #include "sim/lower/lowering.hpp"
 #include "sim/plan/memory_model.hpp"
@@ -51,36 +52,46 @@ namespace dtsim::exec::cli {
 
 namespace {
 
-// What resuming `dir` under `plan` changes, when its checkpoint was written under another plan
-// (the plan's summary or sequence length differ). Throws InputError when the folder is not a
-// readable checkpoint, or one that this run of `model` with `options` would not continue
-// (check_resume).
-std::optional<std::string> resume_note(const std::string& dir, const std::string& model,
-                                       const dtsim::exec::RunOptions& options,
-                                       const dtsim::plan::Plan& plan) {
+// What resuming `dir` under `plan` changes: the checkpoint read from DIR.old (where DIR holds
+// none), and one written under another plan (the plan's summary or sequence length differ).
+// Throws InputError when the folder is not a readable checkpoint, or one that this run of
+// `model` with `options` would not continue (check_resume).
+std::vector<std::string> resume_notes(const std::string& dir, const std::string& model,
+                                      const dtsim::exec::RunOptions& options,
+                                      const dtsim::plan::Plan& plan) {
   const dtsim::exec::CheckpointReader checkpoint(dir);
   dtsim::exec::check_resume(checkpoint.info(), checkpoint.where(), model, options, plan.clip_grad);
+  std::vector<std::string> notes;
+  if (checkpoint.from_old()) {
+    notes.push_back(fmt::format(
+        "{} holds no checkpoint: resuming {} (step {}), the one before it, which a checkpoint "
+        "stopped between its two renames left there",
+        dir, checkpoint.dir(), checkpoint.info().step));
+  }
   dtsim::plan::Plan written;
   try {
     written = dtsim::plan::plan_from_json(checkpoint.info().plan, checkpoint.where());
   } catch (const dtsim::InputError&) {
-    return "resuming a checkpoint whose plan this dtexec does not read: its tensors resharded to "
-           "this plan";
+    notes.push_back(
+        "resuming a checkpoint whose plan this dtexec does not read: its tensors resharded to "
+        "this plan");
+    return notes;
   }
   if (dtsim::plan::summary(written) == dtsim::plan::summary(plan) &&
       written.seq_len == plan.seq_len) {
-    return std::nullopt;
+    return notes;
   }
   const bool same_batch = written.global_batch_size == plan.global_batch_size &&
                           written.seq_len == plan.seq_len && written.precision == plan.precision;
-  return fmt::format(
+  notes.push_back(fmt::format(
       "resuming a checkpoint of another plan ({}, sequence {}): its tensors resharded to this "
       "one; {}",
       dtsim::plan::summary(written), written.seq_len,
       same_batch ? "the same batch and precision, so the losses continue within fp32 rounding "
                    "(bitwise under the same plan)"
                  : "the steps from here train on another batch or precision than the "
-                   "checkpoint's");
+                   "checkpoint's"));
+  return notes;
 }
 
 // A fault-injection option RANK:STEP (--fail-at, --hang-at), when given; with `suffix`, also
@@ -325,11 +336,27 @@ std::pair<double, double> spread(const dtsim::exec::RunResult& result, int warmu
   return {*std::min_element(from, t.end()), *std::max_element(from, t.end())};
 }
 
+// A rate flag (--lr, --min-lr, --weight-decay) as the optimizer keeps it (a float), within
+// what a checkpoint's reader takes back (JsonReader::positive_number, or 0 where `zero` is
+// allowed): a run whose checkpoint it would refuse on --resume is refused before it starts.
+float rate_flag(const po::variables_map& vm, const char* flag, bool zero) {
+  const double given = vm[flag].as<double>();
+  const bool in_range =
+      std::isfinite(given) &&
+      ((zero && given == 0) || (given >= dtsim::kSmallestFigure && given <= dtsim::kLargestFigure));
+  if (!in_range) {
+    throw dtsim::InputError(fmt::format("--{}: expected {}from {:g} to {:g}, got {:g}", flag,
+                                        zero ? "0, or a rate " : "a rate ", dtsim::kSmallestFigure,
+                                        dtsim::kLargestFigure, given));
+  }
+  return static_cast<float>(given);
+}
+
 // The learning-rate schedule of --lr and its warm-up and decay flags; a decay ends at --steps
 // unless --lr-decay-steps says otherwise.
 dtsim::exec::LrSchedule lr_schedule_of(const po::variables_map& vm, int steps) {
   dtsim::exec::LrSchedule s;
-  s.max_lr = vm["lr"].as<float>();
+  s.max_lr = rate_flag(vm, "lr", false);
   s.warmup_steps = vm["lr-warmup-steps"].as<int>();
   const auto style = vm["lr-decay-style"].as<std::string>();
   const auto decay = dtsim::exec::parse_lr_decay(style);
@@ -347,7 +374,7 @@ dtsim::exec::LrSchedule lr_schedule_of(const po::variables_map& vm, int steps) {
     }
   } else {
     s.decay_steps = vm.count("lr-decay-steps") ? vm["lr-decay-steps"].as<int>() : steps;
-    if (vm.count("min-lr")) s.min_lr = vm["min-lr"].as<float>();
+    if (vm.count("min-lr")) s.min_lr = rate_flag(vm, "min-lr", true);
   }
   s.check();
   return s;
@@ -690,7 +717,7 @@ po::options_description run_options_description() {
       "train until this many steps are done (counting a resumed checkpoint's)")(
       "warmup", po::value<int>()->default_value(1),
       "steps left out of the median step time (0 when --steps is 1 and this is not given)")(
-      "lr", po::value<float>()->default_value(3e-3f, "3e-3"),
+      "lr", po::value<double>()->default_value(3e-3, "3e-3"),
       "AdamW learning rate (the peak, with a warm-up or decay)")(
       "lr-warmup-steps", po::value<int>()->default_value(0),
       "raise the rate linearly over this many steps (step s of them at lr x s / N), as "
@@ -700,8 +727,8 @@ po::options_description run_options_description() {
       "--lr-decay-steps (Megatron-LM's --lr-decay-style)")(
       "lr-decay-steps", po::value<int>(),
       "with a decay: the step at which the rate reaches --min-lr (default: --steps)")(
-      "min-lr", po::value<float>(), "with a decay: the rate it ends at (default 0)")(
-      "weight-decay", po::value<float>()->default_value(0.0f),
+      "min-lr", po::value<double>(), "with a decay: the rate it ends at (default 0)")(
+      "weight-decay", po::value<double>()->default_value(0.0, "0"),
       "AdamW's decoupled weight decay on matrices and embedding tables, not biases or norms "
       "(Megatron-LM's --weight-decay, whose default is 0.01)")(
       "seed", po::value<std::string>()->default_value("1234"),
@@ -827,11 +854,7 @@ dtsim::exec::RunOptions run_options_of(const po::variables_map& vm, std::int64_t
   options.steps = steps;
   options.warmup_steps = warmup;
   options.lr = lr_schedule_of(vm, steps);
-  options.weight_decay = vm["weight-decay"].as<float>();
-  if (!(std::isfinite(options.weight_decay) && options.weight_decay >= 0)) {
-    throw dtsim::InputError(
-        fmt::format("--weight-decay: expected a finite number >= 0, got {}", options.weight_decay));
-  }
+  options.weight_decay = rate_flag(vm, "weight-decay", true);
   // AdamW's decoupled decay multiplies the weights by 1 - lr x decay each step: from 1 on it
   // zeroes them or flips their sign (1e9 at the default lr ended at a loss of 1.3 million).
   if (const double shrink = static_cast<double>(options.lr.max_lr) * options.weight_decay;
@@ -1325,7 +1348,7 @@ int run(const std::vector<std::string>& args) {
                       "replaces the folder whole)"));
           }
         }
-        dtsim::cli::check_writable(trace, "--trace");
+        dtsim::cli::check_writable(trace, "--trace", &vm);
       }
       if (!options.checkpoint_dir.empty()) {
         dtsim::exec::check_checkpoint_folder(options.checkpoint_dir, "--checkpoint");
@@ -1418,8 +1441,8 @@ int run(const std::vector<std::string>& args) {
     // Where every rank refuses it (the same checkpoint.json), rank 0 says why; a rank that alone
     // cannot read it (a folder its node does not see) ends every rank.
     alike_on_every_rank(mpi.get(), "run", [&] {
-      if (auto note = resume_note(options.resume_dir, spec.name, options, plan)) {
-        run_notes.push_back(*note);
+      for (std::string& note : resume_notes(options.resume_dir, spec.name, options, plan)) {
+        run_notes.push_back(std::move(note));
       }
     });
   }

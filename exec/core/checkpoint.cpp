@@ -382,12 +382,21 @@ void write_checkpoint(const std::string& dir, const Checkpoint& c) {
 CheckpointReader::CheckpointReader(const std::string& dir_given) {
   // A writer stopped between its two renames leaves the previous checkpoint as DIR.old.
   dir_ = without_trailing_separators(dir_given).string();
-  if (!fs::exists(fs::path(dir_) / "checkpoint.json") &&
-      fs::exists(fs::path(dir_ + ".old") / "checkpoint.json")) {
+  // (Paths that cannot be looked at, a name too long or links in a loop, are said below.)
+  std::error_code unseen;
+  if (!fs::exists(fs::path(dir_) / "checkpoint.json", unseen) &&
+      fs::exists(fs::path(dir_ + ".old") / "checkpoint.json", unseen)) {
     dir_ += ".old";
+    from_old_ = true;
   }
   where_ = (fs::path(dir_) / "checkpoint.json").string();
   std::error_code missing;
+  (void)fs::status(dir_, missing);
+  if (missing && missing != std::errc::no_such_file_or_directory &&
+      missing != std::errc::not_a_directory) {
+    throw InputError(fmt::format("{}: cannot look at it ({}); expected a dtexec checkpoint folder",
+                                 dir_, missing.message()));
+  }
   if (!fs::is_directory(dir_, missing) && fs::exists(dir_, missing)) {
     throw InputError(fmt::format("{}: is a file; expected a dtexec checkpoint folder", dir_));
   }

@@ -120,6 +120,10 @@ class CheckpointReader {
   CheckpointTensor read_slice(const std::string& name, const Slice& want) const;
   // "DIR/checkpoint.json", for messages.
   const std::string& where() const { return where_; }
+  // The folder read: the one given, or DIR.old where DIR holds no checkpoint and DIR.old does
+  // (a writer stopped between its two renames; `from_old`).
+  const std::string& dir() const { return dir_; }
+  bool from_old() const { return from_old_; }
   int shards() const { return static_cast<int>(files_.size()); }
 
  private:
@@ -131,6 +135,7 @@ class CheckpointReader {
     std::optional<std::uint32_t> crc32;  // of its bytes (weights, m, v), where written
   };
   std::string dir_, where_;
+  bool from_old_ = false;
   CheckpointInfo info_;
   std::vector<std::string> names_;
   std::map<std::string, std::vector<std::int64_t>> shapes_;

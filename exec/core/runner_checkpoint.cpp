@@ -134,8 +134,10 @@ CheckpointRecord Runner::put_in_place(int step, const nlohmann::json& index, dou
   c.plan = plan::to_json(p_);
   c.step = step;
   c.seed = options_.seed;
-  c.learning_rate = options_.lr.max_lr;
-  c.weight_decay = options_.weight_decay;
+  // As the shortest decimals that read back as the same floats (1e-12, not 9.99999996e-13,
+  // which the reader would refuse as below its smallest figure).
+  c.learning_rate = decimal(options_.lr.max_lr);
+  c.weight_decay = decimal(options_.weight_decay);
   c.lr_schedule = options_.lr.to_json();
   c.losses = losses;
   record.bytes = finish_checkpoint(options_.checkpoint_dir, c, shards);

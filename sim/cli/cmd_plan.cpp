@@ -388,7 +388,7 @@ int cmd_plan(const std::vector<std::string>& args) {
     throw InputError(fmt::format("--refine: expected a number of plans to simulate >= 0, got {}",
                                  options.refine));
   }
-  if (vm.count("out")) check_writable(vm["out"].as<std::string>(), "--out");
+  if (vm.count("out")) check_writable(vm["out"].as<std::string>(), "--out", &vm);
   // A progress bar on a terminal, for searches longer than a second: the candidates estimated,
   // then the best ones simulated (seconds each for a large model's plans).
   const auto started = std::chrono::steady_clock::now();

@@ -126,7 +126,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
   options.jitter_cv = jitter_from_options(vm);
   options.rank_spread_cv = rank_spread_from_options(vm);
   options.straggler_cost = true;
-  if (vm.count("trace")) check_writable(vm["trace"].as<std::string>(), "--trace");
+  if (vm.count("trace")) check_writable(vm["trace"].as<std::string>(), "--trace", &vm);
   const engine::Simulation sim = engine::simulate(setup.graph, plan, cluster, *network, options);
   const engine::Prediction& p = sim.prediction;
   for (const auto& n : p.notes) notes.push_back(n);

@@ -270,11 +270,23 @@ void check_one_format(const po::variables_map& vm) {
   }
 }
 
-void check_writable(const std::string& path, const std::string& flag) {
+void check_writable(const std::string& path, const std::string& flag,
+                    const po::variables_map* inputs) {
   namespace fs = std::filesystem;
   if (path.empty()) throw InputError(fmt::format("{}: expected a file name, got \"\"", flag));
   std::error_code ec;
   const fs::path file(path);
+  if (inputs != nullptr) {
+    for (const auto& [key, value] : *inputs) {
+      const auto* named = boost::any_cast<std::string>(&value.value());
+      if (named == nullptr || "--" + key == flag || named->empty()) continue;
+      std::error_code unseen;  // (neither there, or not a file: not the same one)
+      if (fs::equivalent(file, fs::path(*named), unseen)) {
+        throw InputError(
+            fmt::format("{} {}: the file that --{} reads; write it elsewhere", flag, path, key));
+      }
+    }
+  }
   if (fs::is_directory(file, ec)) {
     throw InputError(fmt::format("{} {}: is a directory; expected a file name", flag, path));
   }

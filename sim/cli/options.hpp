@@ -122,8 +122,10 @@ void check_one_format(const po::variables_map& vm);
 // Checks, before the work that fills it, that `path` (given by `flag`, e.g. "--trace") can be
 // written: not empty, not a directory; if it exists, writable itself; else (a link to nothing
 // included) in a directory that exists and takes a new file. InputError naming the flag
-// otherwise. Creates nothing.
-void check_writable(const std::string& path, const std::string& flag);
+// otherwise. Creates nothing. With `inputs`, also that it is none of the files their other
+// options name (a --trace given the --plan file's path would overwrite the plan).
+void check_writable(const std::string& path, const std::string& flag,
+                    const po::variables_map* inputs = nullptr);
 
 // --model's or --cluster's value (`key`): as given, or where the flag is left at its default,
 // what the --plan (or --fixed-plan) file names, which dtsim plan --out writes; a note on stderr

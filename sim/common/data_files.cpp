@@ -41,7 +41,13 @@ fs::path resolve_data_file(std::string_view what, std::string_view subdir,
   // A name: a shipped file (before a directory of that name here).
   if (!looks_like_path) {
     const fs::path candidate = data_dir() / subdir / (std::string(name_or_path) + ".json");
-    if (fs::is_regular_file(candidate)) return candidate;
+    std::error_code unseen;  // a name too long for a file's: not a shipped one
+    if (fs::is_regular_file(candidate, unseen)) return candidate;
+  }
+  // A path that cannot be looked at: a name too long, links in a loop, a folder not readable.
+  if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
+    throw InputError(fmt::format("{}: cannot look at it ({}); expected a {} name or a JSON file",
+                                 name_or_path, ec.message(), what));
   }
   // Say what is there instead, where something is.
   if (fs::is_directory(status)) {
