@@ -566,6 +566,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
     // The point sets the inter-node network (nic_gbps, latency_us, oversubscription) of a
     // cluster whose devices are all in one node: nothing travels over it.
     bool network_unused = false;
+    // The point sets oversubscription where all the cluster's nodes share one leaf.
+    bool uplinks_unused = false;
     double memory_bytes = 0, capacity_bytes = 0;  // worst rank, device
   };
   // A row's fields by name but its point (which rank 0 has): what a rank sends rank 0 under
@@ -601,6 +603,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     field("grown", r.grown);
     field("catalog_efficiency", r.catalog_efficiency);
     field("network_unused", r.network_unused);
+    field("uplinks_unused", r.uplinks_unused);
     field("memory", r.memory_bytes);
     field("capacity", r.capacity_bytes);
   };
@@ -633,6 +636,21 @@ int cmd_whatif(const std::vector<std::string>& args) {
           "{} sets the device's {} efficiency itself (its device_efficiency), in place of the "
           "device catalog's",
           c.name, fmt::join(c.device_efficiency_overrides, ", "));
+    }
+    // A figure the cluster's inter-node network does not read would leave every row as it is:
+    // refused, as the cluster's file refuses it (a cluster of one node, without a network,
+    // has its rows noted below).
+    const bool switched = c.inter.fabric == cluster::InterFabric::FatTree ||
+                          c.inter.fabric == cluster::InterFabric::RailOptimized ||
+                          c.inter.fabric == cluster::InterFabric::Dragonfly;
+    for (const char* key : {"nic_gbps", "oversubscription"}) {
+      if (point.count(key) && !switched && c.inter.fabric != cluster::InterFabric::None) {
+        throw InputError(fmt::format(
+            "--vary {}={}: {}'s inter-node fabric is {}, which has no {} (only fat_tree, "
+            "rail_optimized and dragonfly do)",
+            key, point.at(key), c.name, cluster::to_string(c.inter.fabric),
+            std::string_view(key) == "nic_gbps" ? "NICs" : "oversubscribed uplinks"));
+      }
     }
     if (point.count("nic_gbps")) {
       c.inter.nic_bw_bytes_per_s = {network_value("nic_gbps", point.at("nic_gbps")) * 1e9 / 8,
@@ -698,6 +716,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
     row.network_unused = c.nodes == 1 && (point.count("nic_gbps") || point.count("latency_us") ||
                                           point.count("oversubscription"));
+    // Oversubscription slows the uplinks between leaves: with every node under one leaf there
+    // are none.
+    row.uplinks_unused = c.nodes > 1 && point.count("oversubscription") &&
+                         !(c.inter.nodes_per_leaf > 0 && c.inter.nodes_per_leaf < c.nodes);
     planner::SearchSpace space;
     search_space_from_options(vm, space);
     // As dtsim plan: bf16, or fp32 on a device without it (a CPU host).
@@ -1003,6 +1025,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::cerr << "note: at points whose devices fit in one node the inter-node network that "
                  "nic_gbps, latency_us and oversubscription set carries nothing: their rows do "
                  "not change with them\n";
+  }
+  if (std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.uplinks_unused; })) {
+    std::cerr << "note: at points whose nodes all share one leaf switch (the cluster's "
+                 "nodes_per_leaf, or none given) no traffic crosses the uplinks that "
+                 "oversubscription slows: their rows do not change with it\n";
   }
   if (!dense_models.empty()) {
     std::cerr << fmt::format("note: expert_load leaves the rows of {} as they are: {} no experts\n",

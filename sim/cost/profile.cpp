@@ -85,10 +85,19 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
     // A timing no device can give: far beyond the catalog's fastest (a unit mistake, a clock
     // read wrong), which would price the step at nearly nothing.
     if (sample.flops() / sample.seconds > kFastestGemmFlops) {
-      s.fail("seconds", fmt::format("m={:.0f} n={:.0f} k={:.0f} in {:g} s is {:.3g} FLOP/s, above the "
-                                    "{:g} that no device comes near (a timing error?)",
+      s.fail("seconds",
+             fmt::format("m={:.0f} n={:.0f} k={:.0f} in {:g} s is {:.3g} FLOP/s, above the "
+                         "{:g} that no device comes near (a timing error?)",
+                         sample.m, sample.n, sample.k, sample.seconds,
+                         sample.flops() / sample.seconds, kFastestGemmFlops));
+    }
+    // Nor one slower than the least rate an op may have (below): a GEMM of 1e21 s priced the
+    // step at 9e21 s.
+    if (sample.flops() / sample.seconds < kSlowestRate) {
+      s.fail("seconds", fmt::format("m={:.0f} n={:.0f} k={:.0f} in {:g} s is {:.3g} FLOP/s, below "
+                                    "{:g} (a timing error?)",
                                     sample.m, sample.n, sample.k, sample.seconds,
-                                    sample.flops() / sample.seconds, kFastestGemmFlops));
+                                    sample.flops() / sample.seconds, kSlowestRate));
     }
     // Two times for one shape: which one the simulator took would depend on their order.
     for (std::size_t before = 0; before < p.gemm.size(); ++before) {
@@ -177,8 +186,8 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
       // Up to a device file's bounds (a faster rate is a unit or timing mistake); no least one,
       // as a small op's rate on a busy host may be low.
       const double rate =
-          flops ? o.number_within("flops_per_s", 1, cluster::kMostFlops, "FLOP/s")
-                : o.number_within("bytes_per_s", 1, cluster::kMostBandwidth, "bytes/s");
+          flops ? o.number_within("flops_per_s", kSlowestRate, cluster::kMostFlops, "FLOP/s")
+                : o.number_within("bytes_per_s", kSlowestRate, cluster::kMostBandwidth, "bytes/s");
       p.ops[{op, phase}] = {rate, flops};
       if (o.has("seconds")) o.positive_number("seconds");
     }
@@ -207,7 +216,17 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
         c.fail("bytes", fmt::format("{} over {} ranks at {} bytes is given twice", kind, ranks,
                                     c.positive_int("bytes")));
       }
-      measured.push_back({bytes, c.positive_number("seconds")});
+      const double seconds = c.positive_number("seconds");
+      // Within a device file's bandwidths at most (beyond: a unit or timing mistake; 2^62 bytes
+      // in a picosecond took the dp communication off the step), and the least rate an op may
+      // have.
+      if (bytes / seconds > cluster::kMostBandwidth || bytes / seconds < kSlowestRate) {
+        c.fail("seconds",
+               fmt::format("{:g} bytes in {:g} s is {:.3g} bytes/s: expected from {:g} "
+                           "to {:g} (a timing error?)",
+                           bytes, seconds, bytes / seconds, kSlowestRate, cluster::kMostBandwidth));
+      }
+      measured.push_back({bytes, seconds});
       for (const char* rate : {"algbw_bytes_per_s", "busbw_bytes_per_s"}) {
         if (c.has(rate)) c.positive_number(rate);
       }

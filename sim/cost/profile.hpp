@@ -67,6 +67,10 @@ namespace dtsim::cost {
 // timing errors (a sample of 2^60 FLOPs in a second priced a CPU step at half), not a model
 // constant.
 inline constexpr double kFastestGemmFlops = 1e17;
+// The least rate a measured time may give (a GEMM's FLOP/s, an op's FLOP/s or bytes/s, a
+// collective's bytes/s): 1 per second, below anything a device measures even for a small op on
+// a busy host; a sanity bound against timing errors, not a model constant.
+inline constexpr double kSlowestRate = 1;
 
 struct GemmSample {
   double m = 0, n = 0, k = 0;

@@ -356,10 +356,13 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     if (type != "llama" && j.contains("sliding_window") &&
         j.at("sliding_window").is_number_integer() &&
         r.boolean_or("use_sliding_window", type != "qwen2")) {
+      // (A window said in the description is a positive one: -4, or 2^64 - 1 read as -1, is
+      // no number of tokens.)
+      const std::int64_t window = r.positive_int("sliding_window");
       m.description += fmt::format(
           "; its sliding_window of {} tokens is not modelled (full causal attention, the same "
           "up to that length)",
-          j.at("sliding_window").get<std::int64_t>());
+          window);
     }
     m.norm = Norm::RmsNorm;
     m.positions = Positions::Rope;

@@ -324,19 +324,19 @@ Validation validate(const Trace& predicted, const Trace& measured) {
     ++a.n;
     a.p += p;
     a.m += m;
-    if (m > 0) {
+    if (m >= kShortestMeasured_s) {
       a.abs_err += std::abs(p / m - 1);
       ++a.with_time;
     }
   };
   auto row = [](std::string group, const Acc& a) {
-    return ErrorRow{std::move(group),
-                    a.n,
-                    a.p,
-                    a.m,
-                    a.m > 0 ? std::optional<double>(a.p / a.m - 1) : std::nullopt,
-                    a.with_time > 0
-                        ? std::optional<double>(a.abs_err / static_cast<double>(a.with_time))
+    return ErrorRow{
+        std::move(group),
+        a.n,
+        a.p,
+        a.m,
+        a.m >= kShortestMeasured_s ? std::optional<double>(a.p / a.m - 1) : std::nullopt,
+        a.with_time > 0 ? std::optional<double>(a.abs_err / static_cast<double>(a.with_time))
                         : std::nullopt};
   };
   Validation v;
@@ -373,7 +373,7 @@ Validation validate(const Trace& predicted, const Trace& measured) {
     TaskError te{m.rank,      p.rank,      m.task,   p.name,     p.kind,
                  stream,      predicted_s, p.wait_s, measured_s, m.start_s - first_measured,
                  std::nullopt};
-    if (measured_s > 0) te.error = predicted_s / measured_s - 1;
+    if (measured_s >= kShortestMeasured_s) te.error = predicted_s / measured_s - 1;
     v.tasks.push_back(std::move(te));
     for (const std::string& g : {"kind " + p.kind, "stream " + stream}) {
       add(groups[g], predicted_s, measured_s);
@@ -410,7 +410,8 @@ Validation validate(const Trace& predicted, const Trace& measured) {
   });
   const double ps = predicted.span_s(), ms = measured.span_s();
   v.rows.push_back({"step", v.matched, ps, ms,
-                    ms > 0 ? std::optional<double>(ps / ms - 1) : std::nullopt, std::nullopt});
+                    ms >= kShortestMeasured_s ? std::optional<double>(ps / ms - 1) : std::nullopt,
+                    std::nullopt});
   return v;
 }
 

@@ -63,6 +63,11 @@ std::vector<std::string> origin_notes(const Trace& predicted, const Trace& measu
 // Throws InputError naming the file and the event/field that is malformed.
 Trace read_trace(const std::string& path);
 
+// A measured time below this is no time to compare a prediction with: no clock that times
+// tasks resolves it (steady_clock's nanosecond; CUDA events about half a microsecond). The
+// errors are left unset, as for a time of 0 (a trace's durations of 1e-317 us gave +inf%).
+inline constexpr double kShortestMeasured_s = 1e-9;
+
 struct ErrorRow {
   std::string group;  // "kind fwd", "stream comm_tp", "step"
   std::int64_t tasks = 0;
@@ -88,7 +93,7 @@ struct TaskError {
   double predicted_wait_s = 0;  // the predicted task's expected wait for a late rank
   double measured_s = 0;        // without a wait it says it has (a simulated trace's)
   double measured_start_s = 0;  // from the measured trace's first task
-  // predicted / measured - 1; unset when the measured time is 0.
+  // predicted / measured - 1; unset when the measured time is below kShortestMeasured_s.
   std::optional<double> error;
 };
 

@@ -209,6 +209,21 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
           {"m": 2, "n": 4, "k": 8, "seconds": 1}, {"m": 8, "n": 4, "k": 2, "seconds": 10}]})",
       "bad_profile.json: gemm[2].m: m=8 n=4 k=2 is given twice (also gemm[0]): one time per "
       "shape");
+  // Timings no device gives: a GEMM below 1 FLOP/s (1e21 s priced the step at 9e21 s), a
+  // collective beyond a device file's bandwidths (2^62 bytes in a picosecond took the dp
+  // communication off the step) or below 1 byte/s.
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 32, "n": 32, "k": 32, "seconds": 1e21}]})",
+      "bad_profile.json: gemm[0].seconds: m=32 n=32 k=32 in 1e+21 s is 6.55e-17 FLOP/s, below 1 "
+      "(a timing error?)");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "collectives": [{"kind": "all_reduce", "ranks": 2, "bytes": 4611686018427387904,
+                           "seconds": 1e-12}]})",
+      "bad_profile.json: collectives[0].seconds: 4.61169e+18 bytes in 1e-12 s is 4.61e+30 "
+      "bytes/s: expected from 1 to 1e+14 (a timing error?)");
+  bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
+          "collectives": [{"kind": "all_reduce", "ranks": 2, "bytes": 8, "seconds": 100}]})",
+      "bad_profile.json: collectives[0].seconds: 8 bytes in 100 s is 0.08 bytes/s: expected from "
+      "1 to 1e+14");
   // A device file's bounds on bandwidth: beyond them a unit mistake.
   bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
           "memory_bw_bytes_per_s": 1e20})",

@@ -136,6 +136,13 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
       "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
       "sliding_window": null})");
     CHECK_THAT(load_model(none.path()).description, !Catch::Contains("sliding_window"));
+    // A window of no tokens was said as one ("its sliding_window of -4 tokens").
+    TempFile negative("config.json", R"({"model_type": "mistral", "hidden_size": 4096,
+      "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+      "sliding_window": -4})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(negative.path()), InputError,
+                                    "sliding_window: expected a positive integer, got -4");
     TempFile f("config.json", R"({"model_type": "mistral", "hidden_size": 4096,
       "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
       "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
