@@ -405,6 +405,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
   const std::optional<plan::Plan> fixed_plan =
       vm.count("fixed-plan") ? std::optional(load_plan_file(vm["fixed-plan"].as<std::string>()))
                              : std::nullopt;
+  // A --fixed-plan without a precision trains at each point's default, as dtsim simulate --plan
+  // does (fp32 on a device without bf16).
+  const bool fixed_precision =
+      fixed_plan && plan_file_json(vm["fixed-plan"].as<std::string>()).contains("precision");
   // The model and cluster of the points that do not vary them: a --fixed-plan file's (dtsim plan
   // --out) where --model and --cluster are not given.
   const std::string default_model =
@@ -772,7 +776,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
         p.expert_load = std::min(space.expert_load, plan::max_expert_load(spec, p));
       }
       p.global_batch_size = space.global_batch_size;
-      if (precision) p.precision = *precision;
+      if (precision) {
+        p.precision = *precision;
+      } else if (!fixed_precision) {
+        p.precision = default_precision(c.device);
+      }
       check_profile(p.precision);
       if (space.seq_len > 0) p.seq_len = space.seq_len;
       if (vm.count("attention") || point.count("attention")) p.attention = space.attention;
@@ -783,7 +791,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
       try {
         plan::complete_plan(p, spec, c.devices());
         plan::require_valid(p, spec, c.devices());
-      } catch (const InputError& e) {
+        c.device.peak_flops_for(p.precision);  // a device without it says so
+      } catch (const InternalError&) {
+        throw;
+      } catch (const Error& e) {  // InputError, UnsupportedError: this point's
         // Which file, and at which point: the plan may be valid at the others, which get
         // their rows (a plan valid at no point ends the run, below).
         std::vector<std::string> at;

@@ -60,7 +60,25 @@ json JsonReader::parse_file(const std::filesystem::path& file) {
                     std::filesystem::exists(file, ec) || ec ? "not readable" : "no such file"));
   }
   std::stringstream buffer;
-  buffer << in.rdbuf();
+  if (std::filesystem::is_regular_file(file, ec)) {
+    buffer << in.rdbuf();
+  } else {
+    // A pipe or a device (--plan <(...), /dev/stdin) is read up to a bound: /dev/zero would fill
+    // the memory before the parser saw its first byte.
+    constexpr std::streamsize kMostPiped = std::streamsize{1} << 28;
+    std::string chunk(std::size_t{1} << 16, '\0');
+    std::streamsize total = 0;
+    while (in.read(chunk.data(), static_cast<std::streamsize>(chunk.size())) || in.gcount() > 0) {
+      total += in.gcount();
+      if (total > kMostPiped) {
+        throw InputError(fmt::format(
+            "{}: more than 256 MiB from a pipe or device, not a regular file: expected a JSON file "
+            "(a larger one as a regular file)",
+            file.string()));
+      }
+      buffer.write(chunk.data(), in.gcount());
+    }
+  }
   // A field given twice in one object would otherwise keep its last value in silence
   // (nlohmann's parser overwrites it): refused, naming its path. The objects being parsed,
   // innermost last, each with the keys seen so far (few per object: a linear search).

@@ -1426,6 +1426,14 @@ Program lower(const model::ModelGraph& graph, const plan::Plan& plan, const Lowe
   const double blocks = static_cast<double>(graph.spec().layers) / plan.pp + 2;
   const double tasks = programs * static_cast<double>(plan.micro_batches()) * 3 * blocks * 10;
   constexpr double kMaxTasks = 5e7;
+  if (tasks > kMaxTasks && options.mode == Lowering::AllRanks && plan.micro_batches() == 1) {
+    // One micro-batch: the ranks are what is too many (dtsim lower --all-ranks).
+    throw InputError(fmt::format(
+        "{} ranks lowered each (all ranks) would need about {:.2g} tasks, more than the {:.0e} "
+        "the simulator handles; lower the representative ranks (without --all-ranks) or fewer "
+        "devices",
+        plan.devices(), tasks, kMaxTasks));
+  }
   if (tasks > kMaxTasks) {
     throw InputError(fmt::format(
         "--global-batch-size: {} micro-batches per step ({} simulated programs of {} blocks) "
