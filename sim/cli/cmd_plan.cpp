@@ -226,15 +226,23 @@ std::string closest_to_fitting(const model::ModelSpec& spec, const cluster::Clus
   const double state_bytes = static_cast<double>(g.totals().params) * bytes_per_param;
   const auto floor_devices =
       static_cast<std::int64_t>(std::ceil(state_bytes / std::max(1.0, c.capacity_bytes)));
+  // The framework's allowance alone over the device's memory: no plan shrinks it.
+  const std::string remedy =
+      m.other_bytes >= c.capacity_bytes
+          ? fmt::format(
+                "the framework's allowance alone (other: the device file's "
+                "framework_overhead_bytes, else 1 GiB, or --framework-overhead-gib) is "
+                "more than the device's {:.2f} GiB, so no plan fits: give a smaller one",
+                c.capacity_bytes / kGiB)
+          : std::string("more devices, a larger tp, pp or ZeRO stage, or recompute shrink it");
   return fmt::format(
       "closest to fitting: {} needs {:.1f} GiB of {:.1f} GiB, {:.1f} GiB too much (weights "
-      "{:.1f}, gradients {:.1f}, optimizer {:.1f}, activations {:.1f}, other {:.1f} GiB); more "
-      "devices, a larger tp, pp or ZeRO stage, or recompute shrink it\n"
+      "{:.1f}, gradients {:.1f}, optimizer {:.1f}, activations {:.1f}, other {:.1f} GiB); {}\n"
       "(the model's weights, gradients and optimizer state alone take {:.0f} GiB, {:g} bytes a "
       "parameter: at least {} devices of {:.1f} GiB, before activations; this search has {})",
       plan::summary(c.plan), c.memory_bytes / kGiB, c.capacity_bytes / kGiB,
       (c.memory_bytes - c.capacity_bytes) / kGiB, m.weights_bytes / kGiB, m.gradients_bytes / kGiB,
-      m.optimizer_bytes / kGiB, m.activations_bytes / kGiB, m.other_bytes / kGiB,
+      m.optimizer_bytes / kGiB, m.activations_bytes / kGiB, m.other_bytes / kGiB, remedy,
       state_bytes / kGiB, bytes_per_param, floor_devices, c.capacity_bytes / kGiB,
       cluster.devices());
 }
