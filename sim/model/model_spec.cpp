@@ -123,6 +123,12 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
     m.published_params = static_cast<std::uint64_t>(r.positive_int("published_params"));
     m.published_params_precision =
         static_cast<std::uint64_t>(r.positive_int_or("published_params_precision", 1));
+    // The unit the published figure is rounded to: at most the figure (1e18 matched any count).
+    if (m.published_params_precision > *m.published_params) {
+      r.fail("published_params_precision",
+             fmt::format("expected a unit of rounding of at most published_params ({}), got {}",
+                         *m.published_params, m.published_params_precision));
+    }
     m.published_params_source = r.string("published_params_source");
   }
   validate_model(m);

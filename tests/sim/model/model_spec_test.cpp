@@ -294,6 +294,16 @@ TEST_CASE("bad model files are rejected naming file and field", "[model][bad-inp
       DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError, c.message);
     }
   }
+  SECTION("a published figure's unit of rounding is at most the figure") {
+    auto j = nlohmann::json::parse(model_with("published_params", 120000));
+    j["published_params_source"] = "test";
+    j["published_params_precision"] = 1000000000000000000LL;
+    TempFile f("bad_model.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError,
+                                    "bad_model.json: published_params_precision: expected a unit "
+                                    "of rounding of at most published_params (120000), got "
+                                    "1000000000000000000");
+  }
   SECTION("bounded fields that multiply past dtsim's limits") {
     auto j = nlohmann::json::parse(model_with("layers", 100000));
     j["hidden"] = 1 << 24;
