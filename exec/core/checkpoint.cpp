@@ -453,6 +453,7 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
         if (bytes < 0) {
           throw InputError(fmt::format("{}: shards: bytes: expected >= 0, got {}", where_, bytes));
         }
+        JsonReader(shard, where_ + ": shards").expect_only({"file", "bytes", "pieces"});
         add_file(JsonReader(shard, where_ + ": shards").string("file"),
                  static_cast<std::uint64_t>(bytes));
       }
@@ -460,6 +461,12 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
     std::uint64_t stored = 0;  // elements held by all the files together
     for (const auto size : sizes) stored += size / kBytesPerElement;
     for (const auto& t : index.array("tensors")) {
+      // (A field of another version, or a hand edit, would be ignored in silence: refused, as
+      // at the index's top level.)
+      JsonReader(t, where_ + ": tensors")
+          .expect_only(whole_format
+                           ? std::initializer_list<std::string_view>{"name", "shape", "offset"}
+                           : std::initializer_list<std::string_view>{"name", "shape"});
       const auto name = JsonReader(t, where_ + ": tensors").string("name");
       auto shape = whole_numbers(JsonReader(t, where_ + ": tensors: " + name).at("shape"), "shape",
                                  where_ + ": tensors: " + name);
@@ -517,6 +524,8 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
           const std::string field =
               fmt::format("{}: shards: {}: a piece of {}", where_, files_[f], name);
           const JsonReader piece_reader(piece, field);
+          piece_reader.expect_only(
+              {"tensor", "shape", "rows", "cols", "begin", "count", "offset", "crc32"});
           const auto rows = whole_numbers(piece_reader.at("rows"), "rows", field);
           if (rows.size() != 2 || rows[0] < 0 || rows[1] <= 0 || rows[0] > p.slice.rows ||
               rows[1] > p.slice.rows - rows[0]) {

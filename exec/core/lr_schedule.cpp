@@ -99,6 +99,12 @@ LrSchedule lr_schedule_from_json(const nlohmann::json& j, const std::string& whe
     r.fail("decay_style", fmt::format("expected constant, linear or cosine, got \"{}\"", style));
   }
   s.decay = *decay;
+  // (A field the schedule does not read, a constant one's decay_steps included, is refused.)
+  if (s.decay == LrDecay::Constant) {
+    r.expect_only({"max_lr", "warmup_steps", "decay_style"});
+  } else {
+    r.expect_only({"max_lr", "warmup_steps", "decay_style", "decay_steps", "min_lr"});
+  }
   if (s.decay != LrDecay::Constant) {
     s.decay_steps =
         static_cast<int>(r.positive_int_up_to("decay_steps", std::numeric_limits<int>::max()));

@@ -250,6 +250,26 @@ TEST_CASE("checkpoint: bad folders are refused with the file and the field", "[e
     REQUIRE_THROWS_WITH(CheckpointReader(dir),
                         Contains("shards: rank-00003.bin: its pieces hold 84 bytes, the file 120"));
   }
+  SECTION("a field the reader does not know, in a piece, a shard or a tensor") {
+    // (A hand edit or another version's field would be ignored in silence: refused, as at the
+    // index's top level.)
+    const auto dir = write_sharded("bad_field", qkv, out);
+    rewrite_index(dir, [](nlohmann::json& j) { j["shards"][0]["pieces"][0]["checksum"] = 1; });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("a piece of L0.qkv.weight: checksum: unknown field"));
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["shards"][0]["pieces"][0].erase("checksum");
+      j["shards"][1]["host"] = "node-3";
+    });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("checkpoint.json: shards: host: unknown field"));
+    rewrite_index(dir, [](nlohmann::json& j) {
+      j["shards"][1].erase("host");
+      j["tensors"][0]["dtype"] = "fp32";
+    });
+    REQUIRE_THROWS_WITH(CheckpointReader(dir),
+                        Contains("checkpoint.json: tensors: dtype: unknown field"));
+  }
   SECTION("a shard listed twice") {
     const auto dir = write_sharded("bad_twice", qkv, out);
     rewrite_index(dir, [](nlohmann::json& j) { j["shards"][1] = j["shards"][0]; });

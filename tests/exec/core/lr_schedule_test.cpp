@@ -101,6 +101,19 @@ TEST_CASE("lr schedule: a checkpoint's JSON reads back as the same schedule", "[
   bad["min_lr"] = 1.0;
   CHECK_THROWS_WITH(dtsim::exec::lr_schedule_from_json(bad, "ck/checkpoint.json"),
                     Catch::Contains("ck/checkpoint.json: lr_schedule: --min-lr: expected"));
+  // A field the schedule does not read (a hand edit, another version's) is refused, as the
+  // index's own unknown fields are: a constant schedule's decay_steps too.
+  bad = j;
+  bad["warmup_iters"] = 3;
+  CHECK_THROWS_WITH(
+      dtsim::exec::lr_schedule_from_json(bad, "ck/checkpoint.json"),
+      Catch::StartsWith("ck/checkpoint.json: lr_schedule.warmup_iters: unknown field"));
+  auto constant = schedule(0, LrDecay::Constant, 0, 0).to_json();
+  CHECK_FALSE(constant.contains("decay_steps"));
+  constant["decay_steps"] = 20;
+  CHECK_THROWS_WITH(
+      dtsim::exec::lr_schedule_from_json(constant, "ck/checkpoint.json"),
+      Catch::StartsWith("ck/checkpoint.json: lr_schedule.decay_steps: unknown field"));
   CHECK(dtsim::exec::parse_lr_decay("linear") == LrDecay::Linear);
   CHECK_FALSE(dtsim::exec::parse_lr_decay("Cosine"));
 }
