@@ -341,10 +341,7 @@ std::pair<double, double> spread(const dtsim::exec::RunResult& result, int warmu
 // allowed): a run whose checkpoint it would refuse on --resume is refused before it starts.
 float rate_flag(const po::variables_map& vm, const char* flag, bool zero) {
   const double given = vm[flag].as<double>();
-  const bool in_range =
-      std::isfinite(given) &&
-      ((zero && given == 0) || (given >= dtsim::kSmallestFigure && given <= dtsim::kLargestFigure));
-  if (!in_range) {
+  if (!((zero && given == 0) || dtsim::is_figure(given))) {
     throw dtsim::InputError(fmt::format("--{}: expected {}from {:g} to {:g}, got {:g}", flag,
                                         zero ? "0, or a rate " : "a rate ", dtsim::kSmallestFigure,
                                         dtsim::kLargestFigure, given));

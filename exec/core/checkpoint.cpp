@@ -453,9 +453,9 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
         if (bytes < 0) {
           throw InputError(fmt::format("{}: shards: bytes: expected >= 0, got {}", where_, bytes));
         }
-        JsonReader(shard, where_ + ": shards").expect_only({"file", "bytes", "pieces"});
-        add_file(JsonReader(shard, where_ + ": shards").string("file"),
-                 static_cast<std::uint64_t>(bytes));
+        const JsonReader listed(shard, where_ + ": shards");
+        listed.expect_only({"file", "bytes", "pieces"});
+        add_file(listed.string("file"), static_cast<std::uint64_t>(bytes));
       }
     }
     std::uint64_t stored = 0;  // elements held by all the files together
@@ -463,11 +463,11 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
     for (const auto& t : index.array("tensors")) {
       // (A field of another version, or a hand edit, would be ignored in silence: refused, as
       // at the index's top level.)
-      JsonReader(t, where_ + ": tensors")
-          .expect_only(whole_format
-                           ? std::initializer_list<std::string_view>{"name", "shape", "offset"}
-                           : std::initializer_list<std::string_view>{"name", "shape"});
-      const auto name = JsonReader(t, where_ + ": tensors").string("name");
+      const JsonReader tensor(t, where_ + ": tensors");
+      tensor.expect_only(whole_format
+                             ? std::initializer_list<std::string_view>{"name", "shape", "offset"}
+                             : std::initializer_list<std::string_view>{"name", "shape"});
+      const auto name = tensor.string("name");
       auto shape = whole_numbers(JsonReader(t, where_ + ": tensors: " + name).at("shape"), "shape",
                                  where_ + ": tensors: " + name);
       std::int64_t n = 1;

@@ -644,11 +644,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     // A figure the cluster's inter-node network does not read would leave every row as it is:
     // refused, as the cluster's file refuses it (a cluster of one node, without a network,
     // has its rows noted below).
-    const bool switched = c.inter.fabric == cluster::InterFabric::FatTree ||
-                          c.inter.fabric == cluster::InterFabric::RailOptimized ||
-                          c.inter.fabric == cluster::InterFabric::Dragonfly;
     for (const char* key : {"nic_gbps", "oversubscription"}) {
-      if (point.count(key) && !switched && c.inter.fabric != cluster::InterFabric::None) {
+      if (point.count(key) && !cluster::is_switched(c.inter.fabric) &&
+          c.inter.fabric != cluster::InterFabric::None) {
         throw InputError(fmt::format(
             "--vary {}={}: {}'s inter-node fabric is {}, which has no {} (only fat_tree, "
             "rail_optimized and dragonfly do)",
@@ -722,8 +720,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                           point.count("oversubscription"));
     // Oversubscription slows the uplinks between leaves: with every node under one leaf there
     // are none.
-    row.uplinks_unused = c.nodes > 1 && point.count("oversubscription") &&
-                         !(c.inter.nodes_per_leaf > 0 && c.inter.nodes_per_leaf < c.nodes);
+    row.uplinks_unused =
+        c.nodes > 1 && point.count("oversubscription") && !cluster::several_leaves(c);
     planner::SearchSpace space;
     search_space_from_options(vm, space);
     // As dtsim plan: bf16, or fp32 on a device without it (a CPU host).

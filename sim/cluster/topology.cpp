@@ -143,8 +143,7 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   c.inter.fabric = kInterNames.parse(inter, "fabric");
   c.inter.transport = kTransportNames.parse(inter, "transport");
   const InterFabric f = c.inter.fabric;
-  const bool switched =
-      f == InterFabric::FatTree || f == InterFabric::RailOptimized || f == InterFabric::Dragonfly;
+  const bool switched = is_switched(f);
   // A field this fabric does not read would be ignored: refused, as a typo is.
   auto only_with = [&](std::initializer_list<const char*> keys, bool read, const char* fabrics) {
     for (const char* key : keys) {
@@ -174,7 +173,7 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   if (f != InterFabric::None) {
     c.inter.latency_s = inter.figure_within("latency_s", kLeastLatency, kMostLatency, "seconds");
   }
-  if (f == InterFabric::FatTree || f == InterFabric::RailOptimized || f == InterFabric::Dragonfly) {
+  if (switched) {
     // Real nodes have up to a few dozen (AWS p5: 32); the platform holds a link per NIC.
     c.inter.nics_per_node = inter.positive_int_up_to("nics_per_node", 1024);
     c.inter.nic_bw_bytes_per_s =

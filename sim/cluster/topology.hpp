@@ -21,6 +21,12 @@ constexpr bool is_mesh(IntraFabric f) {
   return f == IntraFabric::NvlinkMesh || f == IntraFabric::Xgmi || f == IntraFabric::RoceMesh;
 }
 enum class InterFabric { FatTree, RailOptimized, Torus3d, Dragonfly, None };
+// A network of NICs and switches (leaves, uplinks): the fabrics that read nics_per_node,
+// nic_bw_bytes_per_s, nodes_per_leaf and oversubscription.
+constexpr bool is_switched(InterFabric f) {
+  return f == InterFabric::FatTree || f == InterFabric::RailOptimized ||
+         f == InterFabric::Dragonfly;
+}
 enum class Transport { InfiniBand, RoCE, Ethernet, Efa, Slingshot, Ici, None };
 
 // At most 2^24 devices in a cluster (keeps device counts and their products in 64 bits).
@@ -103,6 +109,11 @@ Cluster with_nodes(const Cluster& cluster, std::int64_t nodes);
 // its price (an instance type's rate) and its device_efficiency, both its own device's, are
 // dropped. Its own device (the same device file) leaves the cluster as it is.
 Cluster with_device(Cluster cluster, DeviceSpec device);
+// Whether the cluster's nodes hang off more than one leaf switch (else no traffic crosses the
+// uplinks that oversubscription slows).
+inline bool several_leaves(const Cluster& c) {
+  return c.inter.nodes_per_leaf > 0 && c.inter.nodes_per_leaf < c.nodes;
+}
 
 std::string_view to_string(IntraFabric f);
 std::string_view to_string(InterFabric f);

@@ -265,8 +265,7 @@ std::int64_t JsonReader::positive_int_up_to_or(std::string_view key, std::int64_
 
 double JsonReader::positive_number(std::string_view key) const {
   const json& v = at(key);
-  if (!v.is_number() ||
-      !(v.get<double>() >= kSmallestFigure && v.get<double>() <= kLargestFigure)) {
+  if (!v.is_number() || !is_figure(v.get<double>())) {
     fail(key, fmt::format("expected a positive number (from {:g} to {:g}), got {}", kSmallestFigure,
                           kLargestFigure, describe_json_value(v)));
   }
@@ -275,8 +274,7 @@ double JsonReader::positive_number(std::string_view key) const {
 
 double JsonReader::non_negative_number(std::string_view key) const {
   const json& v = at(key);
-  if (!v.is_number() || !(v.get<double>() == 0 || (v.get<double>() >= kSmallestFigure &&
-                                                   v.get<double>() <= kLargestFigure))) {
+  if (!v.is_number() || !(v.get<double>() == 0 || is_figure(v.get<double>()))) {
     fail(key, fmt::format("expected a number >= 0 (0, or from {:g} to {:g}), got {}",
                           kSmallestFigure, kLargestFigure, describe_json_value(v)));
   }

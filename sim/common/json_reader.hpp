@@ -18,6 +18,10 @@ namespace dtsim {
 // outside turn into inf, NaN or a flow solver's failure downstream, never into a prediction.
 inline constexpr double kSmallestFigure = 1e-12;
 inline constexpr double kLargestFigure = 1e21;
+// Within those (false for NaN).
+constexpr bool is_figure(double v) {
+  return v >= kSmallestFigure && v <= kLargestFigure;
+}
 
 // A number with the place it comes from (datasheet, paper, calibration run).
 struct Figure {

@@ -221,9 +221,7 @@ class Analytical final : public NetworkModel {
   }
 
   // Whether the cluster has more than one leaf (else nothing crosses a spine).
-  bool several_leaves() const {
-    return c_.inter.nodes_per_leaf > 0 && c_.inter.nodes_per_leaf < c_.nodes;
-  }
+  bool several_leaves() const { return cluster::several_leaves(c_); }
 
   std::int64_t leaf_of(std::int64_t device) const {
     const std::int64_t node = device / c_.devices_per_node;

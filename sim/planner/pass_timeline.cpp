@@ -172,10 +172,9 @@ class Timeline {
     }
     const auto& passes = stage_passes_of(plan);
     stages_.resize(static_cast<std::size_t>(pp_));
-    for (int s = 0; s < pp_; ++s) {
+    for (int s = 0; s < pp_; ++s)
       stages_[static_cast<std::size_t>(s)].passes = &passes[static_cast<std::size_t>(s)];
-      stages_[static_cast<std::size_t>(s)].last_backward.assign(chunks.size() / pp_, 0.0);
-    }
+    last_backward_.assign(chunks.size(), 0.0);
   }
 
   // Sweeps the stages in order, 0 to pp - 1 and again, each run as far as its exchanges allow,
@@ -202,8 +201,8 @@ class Timeline {
       out.makespan_s = std::max(out.makespan_s, st.free);
       out.busy_s.push_back(st.busy);
       out.end_s.push_back(st.free);
-      out.last_backward_s.push_back(st.last_backward);
     }
+    out.last_backward_s = std::move(last_backward_);
     return out;
   }
 
@@ -219,7 +218,6 @@ class Timeline {
     double weight_before = 0;  // the weight pass just run, its compute (else 0)
     double input_tail = 0;     // the input-gradient pass just run, its ChunkPasses::input_tail
     std::vector<std::size_t> to_send, sending, receiving;
-    std::vector<double> last_backward;  // PipelineTimeline::last_backward_s
   };
 
   // The round of a stage's pass i. Overlapped transfers: each pass its own round, its receive
@@ -464,7 +462,9 @@ class Timeline {
       st.input_tail = pass.kind == PassKind::BackwardInput ? c.input_tail : 0.0;
     }
     if (pass.kind == PassKind::Backward || pass.kind == PassKind::BackwardWeight) {
-      st.last_backward[static_cast<std::size_t>(pass.chunk)] = st.free;
+      const std::size_t per_stage = chunks_.size() / static_cast<std::size_t>(pp_);
+      last_backward_[static_cast<std::size_t>(s) * per_stage +
+                     static_cast<std::size_t>(pass.chunk)] = st.free;
     }
     st.free += length;
     st.busy += length;
@@ -483,7 +483,8 @@ class Timeline {
   bool in_time_order_;  // run_in_time_order
   Transfers& t_;        // the thread's (thread_transfers)
   std::vector<Stage> stages_;
-  StageSet pending_;  // stages something was posted to since they last stopped
+  std::vector<double> last_backward_;  // PipelineTimeline::last_backward_s
+  StageSet pending_;                   // stages something was posted to since they last stopped
 };
 
 }  // namespace

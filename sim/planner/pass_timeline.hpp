@@ -10,6 +10,7 @@
 // closed form adds those).
 #pragma once
 
+#include <span>
 #include <vector>
 
 #include "sim/plan/plan.hpp"
@@ -42,10 +43,15 @@ struct PipelineTimeline {
   // When each stage's last pass ends (its last gradients final: the dp stream's last buckets).
   std::vector<double> end_s;
   // When each stage's last backward pass of each of its chunks starts (zero-bubble's: the
-  // weight pass), by the chunk's index on the stage: from then on the pass sends that chunk's
-  // last gradient buckets, each chunk's after its own (the interleaved schedule's chunks end
-  // their passes rounds apart).
-  std::vector<std::vector<double>> last_backward_s;
+  // weight pass): from then on the pass sends that chunk's last gradient buckets, each chunk's
+  // after its own (the interleaved schedule's chunks end their passes rounds apart). Stage s's
+  // chunk c at [s x chunks per stage + c]; last_backward(s) gives a stage's.
+  std::vector<double> last_backward_s;
+  std::span<const double> last_backward(int stage) const {
+    const std::size_t per_stage = last_backward_s.size() / end_s.size();
+    return std::span(last_backward_s)
+        .subspan(static_cast<std::size_t>(stage) * per_stage, per_stage);
+  }
 };
 
 // hop[s]: one transfer from stage s to stage s + 1 (the last: back to stage 0), either way.

@@ -395,9 +395,9 @@ class Estimator {
     // passes can hide (ChunkPasses::gathers), at most all of the stage's (the bound's).
     double regathers_hidden = 0;
     // Interleaved, from the timeline: how long before the pipeline's end each chunk's last
-    // backward pass starts on the first and on the slowest stage, earliest first (the dp
-    // stream's queue below).
-    std::array<std::vector<double>, 2> chunks_before;
+    // backward pass starts on the first stage and, where it is another, on the slowest one,
+    // earliest first (the dp stream's queue below).
+    std::vector<std::vector<double>> chunks_before;
     const auto regathering = static_cast<double>(std::count_if(
         segments.begin(), segments.end(), [](const Segment& seg) { return seg.regathers; }));
     if (has_timeline(p) && detail != Detail::Full && p.schedule == Schedule::ZeroBubble) {
@@ -468,14 +468,15 @@ class Estimator {
       const double with_hops = timed.makespan_s;
       first_stage_lead = timed.end_s.front() - with_hops;
       if (p.virtual_stages > 1) {
-        for (const int s : {0, 1}) {
-          auto& before = chunks_before[static_cast<std::size_t>(s)];
-          for (const double start :
-               timed.last_backward_s[static_cast<std::size_t>(s == 0 ? 0 : stage_index)]) {
+        const auto add = [&](int stage) {
+          auto& before = chunks_before.emplace_back();
+          for (const double start : timed.last_backward(stage)) {
             before.push_back(with_hops - start);
           }
           std::sort(before.begin(), before.end(), std::greater<>());
-        }
+        };
+        add(0);
+        if (stage_index != 0) add(stage_index);
       }
       // The regathers that weight passes hid (ChunkPasses::gathers), which per_mb counts in
       // full: off the tp communication, where the closed form counts them.
@@ -620,11 +621,12 @@ class Estimator {
         return free;
       };
       const auto exposed_in_passes = [&](double first, double last_late) {
-        const double queued =
-            chunks_before[0].empty()
-                ? std::max(all / v, all + first - (v - 1) * p.pp * backward) - backward
-                : std::max(queue_after_end(chunks_before[0], first),
-                           queue_after_end(chunks_before[1], first));
+        double queued = chunks_before.empty()
+                            ? std::max(all / v, all + first - (v - 1) * p.pp * backward) - backward
+                            : -std::numeric_limits<double>::infinity();
+        for (const auto& before : chunks_before) {
+          queued = std::max(queued, queue_after_end(before, first));
+        }
         return std::max(last + last_late, queued);
       };
       const double delayed = exposed_in_passes(first_wait, 0);

@@ -154,15 +154,15 @@ TEST_CASE("the timeline says when each chunk's last backward pass starts", "[pla
   const auto t = timeline(one, even(one, 2 * f, 2 * b), std::vector<double>(pp, 0.0), true);
   for (int s = 0; s < pp; ++s) {
     const auto stage = static_cast<std::size_t>(s);
-    REQUIRE(t.last_backward_s[stage].size() == 1);
-    CHECK(t.last_backward_s[stage][0] + 2 * b == Approx(t.end_s[stage]));
+    REQUIRE(t.last_backward(s).size() == 1);
+    CHECK(t.last_backward(s)[0] + 2 * b == Approx(t.end_s[stage]));
   }
   const Plan interleaved = pipeline(Schedule::Interleaved, pp, m, 2);
   for (const double h : {0.0, hop}) {
     INFO("hops of " << h);
     const auto i = timeline(interleaved, even(interleaved, f, b), std::vector<double>(pp, h), true);
     for (int s = 0; s < pp; ++s) {
-      const auto& starts = i.last_backward_s[static_cast<std::size_t>(s)];
+      const auto starts = i.last_backward(s);
       REQUIRE(starts.size() == 2);
       // (A stage that sends the pass's gradients on ends once they are received.)
       const double end = i.end_s[static_cast<std::size_t>(s)];
