@@ -1,13 +1,16 @@
 #include "sim/cli/options.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <limits>
@@ -270,6 +273,14 @@ void check_one_format(const po::variables_map& vm) {
   }
 }
 
+namespace {
+// "Read-only file system" as the messages around it say things: "(read-only file system)".
+std::string lowercase_first(std::string text) {
+  if (!text.empty()) text[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(text[0])));
+  return text;
+}
+}  // namespace
+
 void check_writable(const std::string& path, const std::string& flag,
                     const po::variables_map* inputs) {
   namespace fs = std::filesystem;
@@ -290,10 +301,20 @@ void check_writable(const std::string& path, const std::string& flag,
   if (fs::is_directory(file, ec)) {
     throw InputError(fmt::format("{} {}: is a directory; expected a file name", flag, path));
   }
-  // An existing file (a link to one, /dev/null) needs only to be writable itself.
+  // An existing file (a link to one, /dev/null) needs only to be writable itself. A regular
+  // one is opened for appending, which leaves it as it is: access() answers yes to root for
+  // every file, where a read-only file system or /proc refuses the write itself.
   if (fs::exists(file, ec)) {
     if (::access(file.c_str(), W_OK) != 0) {
       throw InputError(fmt::format("{} {}: cannot write it (permission denied)", flag, path));
+    }
+    if (fs::is_regular_file(file, ec)) {
+      const int fd = ::open(file.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+      if (fd < 0) {
+        throw InputError(fmt::format("{} {}: cannot write it ({})", flag, path,
+                                     lowercase_first(std::strerror(errno))));
+      }
+      ::close(fd);
     }
     return;
   }
@@ -311,6 +332,17 @@ void check_writable(const std::string& path, const std::string& flag,
     throw InputError(
         fmt::format("{} {}: cannot create it in {} (permission denied)", flag, path, dir.string()));
   }
+  // Created and removed at once, so that a long run does not learn at its end that its output
+  // cannot be written (root passes access() where the file system still refuses: read-only,
+  // /proc, a full disk's inodes). One that another process made meanwhile is left alone.
+  const int fd = ::open(target.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    if (errno == EEXIST) return;
+    throw InputError(fmt::format("{} {}: cannot create it in {} ({})", flag, path, dir.string(),
+                                 lowercase_first(std::strerror(errno))));
+  }
+  ::close(fd);
+  ::unlink(target.c_str());
 }
 
 std::filesystem::path data_file(std::string_view key, const std::string& value) {

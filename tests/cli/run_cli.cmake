@@ -1,7 +1,7 @@
 # Runs one command and checks its exit code and output.
-#   cmake -DCOMMAND=<program|arg|arg...> -DEXPECT_RC=<n> [-DEXPECT_REGEX=<regex>] [-DGOLDEN=<file>]
-#         -P run_cli.cmake
-# EXPECT_REGEX is matched against stdout+stderr; GOLDEN must equal stdout byte for byte (dtsim
+#   cmake -DCOMMAND=<program|arg|arg...> -DEXPECT_RC=<n> [-DEXPECT_REGEX=<regex>]
+#         [-DREJECT_REGEX=<regex>] [-DGOLDEN=<file>] -P run_cli.cmake
+# EXPECT_REGEX must match stdout+stderr and REJECT_REGEX must not (what should not have run); GOLDEN must equal stdout byte for byte (dtsim
 # is deterministic, so golden outputs need no tolerance).
 string(REPLACE "|" ";" command "${COMMAND}")
 execute_process(COMMAND ${command} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -10,6 +10,9 @@ if(NOT rc STREQUAL EXPECT_RC)
 endif()
 if(DEFINED EXPECT_REGEX AND NOT "${out}${err}" MATCHES "${EXPECT_REGEX}")
   message(FATAL_ERROR "output does not match '${EXPECT_REGEX}'\nstdout:\n${out}\nstderr:\n${err}")
+endif()
+if(DEFINED REJECT_REGEX AND "${out}${err}" MATCHES "${REJECT_REGEX}")
+  message(FATAL_ERROR "output matches '${REJECT_REGEX}'\nstdout:\n${out}\nstderr:\n${err}")
 endif()
 if(DEFINED GOLDEN)
   file(READ "${GOLDEN}" expected)
