@@ -1097,6 +1097,13 @@ int cmd_whatif(const std::vector<std::string>& args) {
         for (const char* key : {"device", "nic_gbps", "latency_us", "oversubscription"}) {
           if (point.contains(key)) changes[key] = point[key];
         }
+        // A device file by its absolute path, as the model's and the cluster's.
+        if (changes.contains("device")) {
+          const std::string device = changes["device"].get<std::string>();
+          if (device.find('/') != std::string::npos || device.ends_with(".json")) {
+            changes["device"] = std::filesystem::absolute(device).lexically_normal().string();
+          }
+        }
         if (!r.grown.empty()) changes["nodes"] = point["nodes"];
         if (!changes.empty()) spec["cluster_changes"] = changes;
         j.update({{"plan", r.plan},

@@ -364,25 +364,46 @@ bool same_data_file(std::string_view key, const std::string& a, const std::strin
   }
 }
 
-// A plan file from a dtsim whatif point that changed its cluster (--vary nic_gbps=800): the
-// cluster is read as its file has it (no flag sets those), which the user is told.
-void note_cluster_changes(std::string_view key, const std::string& file, const nlohmann::json& j,
-                          const std::string& cluster) {
+// "nic_gbps=800, nodes=64": a plan file's cluster_changes as the notes show them.
+std::string changes_text(const nlohmann::json& changes) {
+  std::vector<std::string> parts;
+  for (const auto& [name, value] : changes.items()) {
+    parts.push_back(name + "=" + (value.is_string() ? value.get<std::string>() : json_text(value)));
+  }
+  return fmt::format("{}", fmt::join(parts, ", "));
+}
+
+// A --fixed-plan file from a dtsim whatif point that changed its cluster (--vary nic_gbps=800):
+// whatif's points set the cluster's figures themselves, so the file's changes are not applied,
+// which the user is told. (dtsim simulate --plan applies them: cluster_from_options.)
+void note_cluster_changes(std::string_view key, std::string_view flag, const std::string& file,
+                          const nlohmann::json& j, const std::string& cluster) {
   // (Not an object: the plan's reading refuses it.)
-  if (key != "cluster" || !j.contains("cluster_changes") || !j.at("cluster_changes").is_object() ||
+  if (key != "cluster" || flag != "fixed-plan" || !j.contains("cluster_changes") ||
+      !j.at("cluster_changes").is_object() || j.at("cluster_changes").empty() ||
       launcher_rank() != 0) {
     return;
   }
-  std::vector<std::string> changes;
-  for (const auto& [name, value] : j.at("cluster_changes").items()) {
-    changes.push_back(name + "=" +
-                      (value.is_string() ? value.get<std::string>() : json_text(value)));
-  }
-  if (changes.empty()) return;
   std::cerr << fmt::format(
-      "note: {} was made by dtsim whatif for {} with {}; {} is read as its "
-      "file has it\n",
-      file, cluster, fmt::join(changes, ", "), cluster);
+      "note: {} was made by dtsim whatif for {} with {}; whatif's points read {} as its file "
+      "has it (give those as --vary to run them)\n",
+      file, cluster, changes_text(j.at("cluster_changes")), cluster);
+}
+
+// The cluster a plan file names (`key` "cluster" or "model"), a relative path taken from the
+// file's folder; none where it names none.
+std::optional<std::string> named_in_plan_file(const nlohmann::json& j, const std::string& file,
+                                              const char* key) {
+  if (!j.is_object() || !j.contains(key)) return std::nullopt;
+  std::string named = JsonReader(j, file).string(key);
+  // A relative path in the file is relative to the file's folder (dtsim plan --out writes
+  // absolute ones; one written by hand beside its model reads the same from any folder).
+  const std::filesystem::path named_path(named);
+  if ((named.find('/') != std::string::npos || named.ends_with(".json")) &&
+      named_path.is_relative()) {
+    named = (std::filesystem::path(file).parent_path() / named_path).lexically_normal().string();
+  }
+  return named;
 }
 
 }  // namespace
@@ -412,33 +433,90 @@ std::string data_argument(const po::variables_map& vm, const char* key) {
   if (!flag) return given;
   const std::string file = vm[flag].as<std::string>();
   const nlohmann::json j = plan_file_json(file);
-  if (!j.is_object() || !j.contains(key)) return given;
-  std::string named = JsonReader(j, file).string(key);
-  // A relative path in the file is relative to the file's folder (dtsim plan --out writes
-  // absolute ones; one written by hand beside its model reads the same from any folder).
-  const std::filesystem::path named_path(named);
-  if ((named.find('/') != std::string::npos || named.ends_with(".json")) &&
-      named_path.is_relative()) {
-    named = (std::filesystem::path(file).parent_path() / named_path).lexically_normal().string();
-  }
+  const auto named = named_in_plan_file(j, file, key);
+  if (!named) return given;
   if (vm[key].defaulted()) {
     try {
-      data_file(key, named);
+      data_file(key, *named);
     } catch (const InputError& e) {
       throw InputError(fmt::format("{}: {}: {} (or give --{})", file, key, e.what(), key));
     }
-    note_cluster_changes(key, file, j, named);
-    return named;
+    note_cluster_changes(key, flag, file, j, *named);
+    return *named;
   }
-  if (!same_data_file(key, given, named)) {
+  if (!same_data_file(key, given, *named)) {
     if (launcher_rank() == 0) {
-      std::cerr << fmt::format("note: {} was made for {} {}; --{} {} as given\n", file, key, named,
-                               key, given);
+      const bool changed = std::string_view(key) == "cluster" && j.contains("cluster_changes") &&
+                           j.at("cluster_changes").is_object() && !j.at("cluster_changes").empty();
+      std::cerr << fmt::format("note: {} was made for {} {}{}; --{} {} as given{}\n", file, key,
+                               *named,
+                               changed ? " with " + changes_text(j.at("cluster_changes")) : "", key,
+                               given, changed ? ", without those changes" : "");
     }
   } else {
-    note_cluster_changes(key, file, j, named);
+    note_cluster_changes(key, flag, file, j, *named);
   }
   return given;
+}
+
+void apply_cluster_changes(cluster::Cluster& c, const JsonReader& changes) {
+  changes.expect_only({"device", "nic_gbps", "latency_us", "oversubscription", "nodes"});
+  // In whatif's order: the device (and its price), then the network, then the nodes.
+  if (changes.has("device")) {
+    cluster::DeviceSpec device;
+    try {
+      // (A device file's relative path from the plan file's folder, as the cluster's.)
+      std::string named = changes.string("device");
+      if ((named.find('/') != std::string::npos || named.ends_with(".json")) &&
+          std::filesystem::path(named).is_relative()) {
+        named = (std::filesystem::path(changes.file()).parent_path() / named)
+                    .lexically_normal()
+                    .string();
+      }
+      device = cluster::load_device(named);
+    } catch (const InputError& e) {
+      changes.fail("device", e.what());
+    }
+    c = cluster::with_device(std::move(c), std::move(device));
+  }
+  const bool network = changes.has("nic_gbps") || changes.has("oversubscription");
+  // (A cluster of one node has no network: its point ran as if none were given, as here.)
+  if (network && !cluster::is_switched(c.inter.fabric) &&
+      c.inter.fabric != cluster::InterFabric::None) {
+    changes.fail(changes.has("nic_gbps") ? "nic_gbps" : "oversubscription",
+                 fmt::format("{}'s inter-node fabric is {}, which has no {}", c.name,
+                             cluster::to_string(c.inter.fabric),
+                             changes.has("nic_gbps") ? "NICs" : "oversubscribed uplinks"));
+  }
+  const std::string source = fmt::format("dtsim whatif, by {}", changes.file());
+  if (changes.has("nic_gbps")) {
+    // Gbit/s, within a cluster file's bounds on the bytes/s it sets.
+    const double gbps = changes.number_within("nic_gbps", cluster::kLeastBandwidth * 8 / 1e9,
+                                              cluster::kMostBandwidth * 8 / 1e9, "Gbit/s");
+    c.inter.nic_bw_bytes_per_s = {gbps * 1e9 / 8, source};
+  }
+  if (changes.has("latency_us")) {
+    const double us = changes.number_within("latency_us", cluster::kLeastLatency * 1e6,
+                                            cluster::kMostLatency * 1e6, "microseconds");
+    c.inter.latency_s = {us * 1e-6, source};
+  }
+  if (changes.has("oversubscription")) {
+    const double o = changes.positive_number("oversubscription");
+    if (!(o >= 1 && o <= cluster::kMostOversubscription)) {
+      changes.fail("oversubscription", fmt::format("expected a ratio from 1 to {:g}, got {:g}",
+                                                   cluster::kMostOversubscription, o));
+    }
+    c.inter.oversubscription = {o, source};
+  }
+  if (changes.has("nodes")) {
+    const std::int64_t nodes =
+        changes.positive_int_up_to("nodes", cluster::kMaxDevices / c.node_size());
+    try {
+      c = cluster::with_nodes(c, nodes);
+    } catch (const InputError& e) {
+      changes.fail("nodes", e.what());
+    }
+  }
 }
 
 std::string data_reference(std::string_view key, const std::string& given) {
@@ -761,7 +839,23 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
 }
 
 cluster::Cluster cluster_from_options(const po::variables_map& vm) {
-  cluster::Cluster c = cluster::load_cluster(data_argument(vm, "cluster"));
+  const std::string name = data_argument(vm, "cluster");
+  cluster::Cluster c = cluster::load_cluster(name);
+  // A plan file from a dtsim whatif point that changed its cluster (--vary nic_gbps=800) runs on
+  // the cluster as the point had it, where the cluster is the one the file names.
+  if (vm.count("plan")) {
+    const std::string file = vm["plan"].as<std::string>();
+    const nlohmann::json j = plan_file_json(file);
+    const auto named = named_in_plan_file(j, file, "cluster");
+    if (named && j.contains("cluster_changes") && j.at("cluster_changes").is_object() &&
+        !j.at("cluster_changes").empty() && same_data_file("cluster", name, *named)) {
+      apply_cluster_changes(c, JsonReader(j, file).object("cluster_changes"));
+      if (launcher_rank() == 0) {
+        std::cerr << fmt::format("note: {}: {} with {}, as the dtsim whatif point it was made at\n",
+                                 file, c.name, changes_text(j.at("cluster_changes")));
+      }
+    }
+  }
   apply_price(vm, c);
   if (vm.count("gpus")) return cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
   // A plan file (dtsim plan --out) that uses fewer devices than the cluster has runs on as many

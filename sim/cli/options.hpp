@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "sim/cluster/topology.hpp"
+#include "sim/common/json_reader.hpp"
 #include "sim/cost/profile.hpp"
 #include "sim/model/model_graph.hpp"
 #include "sim/model/model_spec.hpp"
@@ -145,8 +146,13 @@ std::string data_reference(std::string_view key, const std::string& given);
 model::ModelSpec model_from_options(const po::variables_map& vm);
 // `spec` with the model flags applied (--no-dropout).
 model::ModelSpec model_with_options(model::ModelSpec spec, const po::variables_map& vm);
-// The cluster, resized by --gpus when given.
+// The cluster, resized by --gpus when given; with a --plan file's cluster_changes (a dtsim
+// whatif point's) where it runs the cluster the file names.
 cluster::Cluster cluster_from_options(const po::variables_map& vm);
+// A whatif point's cluster values as a plan file's cluster_changes has them (device, nic_gbps,
+// latency_us, oversubscription, nodes), applied to `c` as the point applied them; InputError
+// naming the file and field where one is not a value the point could have had.
+void apply_cluster_changes(cluster::Cluster& c, const JsonReader& changes);
 // cluster::with_devices(c, devices), its error named by `who` (an axis, a plan file) rather
 // than the --gpus flag it names itself.
 cluster::Cluster with_devices_for(const cluster::Cluster& c, std::int64_t devices,
