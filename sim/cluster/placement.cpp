@@ -167,28 +167,40 @@ std::vector<std::int64_t> Placement::group(ParallelDim dim, std::int64_t rank) c
   return out;
 }
 
-std::vector<std::int64_t> Placement::gradient_group(std::int64_t rank) const {
+std::vector<std::int64_t> Placement::ranks_varying(
+    std::int64_t rank, std::initializer_list<ParallelDim> varying) const {
+  // From the group's first rank (the varying coordinates 0), the dimensions fastest first: each
+  // repeats what the faster ones made at its stride, which exceeds all their span (a mixed
+  // radix), so each copy follows the one before.
   const RankCoords base = coords(rank);
+  std::int64_t first = rank;
+  std::vector<ParallelDim> dims;
+  for (ParallelDim d : order_) {
+    if (std::find(varying.begin(), varying.end(), d) == varying.end()) continue;
+    first -= static_cast<std::int64_t>(coord(base, d)) * stride_[idx(d)];
+    dims.push_back(d);
+  }
+  std::int64_t size = 1;
+  for (ParallelDim d : dims) size *= extent(d);
   std::vector<std::int64_t> out;
-  for (int c = 0; c < degrees_.cp; ++c) {
-    for (int o = 0; o < extent(ParallelDim::Dp); ++o) {
-      for (int e = 0; e < degrees_.ep; ++e) out.push_back(this->rank({base.tp, c, e, o, base.pp}));
+  out.reserve(static_cast<std::size_t>(size));
+  out.push_back(first);
+  for (ParallelDim d : dims) {
+    const std::size_t made = out.size();
+    for (int i = 1; i < extent(d); ++i) {
+      const std::int64_t step = i * stride_[idx(d)];
+      for (std::size_t j = 0; j < made; ++j) out.push_back(out[j] + step);
     }
   }
-  std::sort(out.begin(), out.end());
   return out;
 }
 
+std::vector<std::int64_t> Placement::gradient_group(std::int64_t rank) const {
+  return ranks_varying(rank, {ParallelDim::Cp, ParallelDim::Dp, ParallelDim::Ep});
+}
+
 std::vector<std::int64_t> Placement::expert_gradient_group(std::int64_t rank) const {
-  const RankCoords base = coords(rank);
-  std::vector<std::int64_t> out;
-  for (int c = 0; c < degrees_.cp; ++c) {
-    for (int o = 0; o < extent(ParallelDim::Dp); ++o) {
-      out.push_back(this->rank({base.tp, c, base.ep, o, base.pp}));
-    }
-  }
-  std::sort(out.begin(), out.end());
-  return out;
+  return ranks_varying(rank, {ParallelDim::Cp, ParallelDim::Dp});
 }
 
 bool Placement::first_of_group(ParallelDim dim, std::int64_t rank) const {
@@ -219,19 +231,10 @@ bool Placement::first_of_expert_gradient_group(std::int64_t rank) const {
 }
 
 std::vector<std::int64_t> Placement::stage_ranks(int stage) const {
-  std::vector<std::int64_t> ranks;
-  ranks.reserve(static_cast<std::size_t>(degrees_.ranks() / degrees_.pp));
   RankCoords c;
   c.pp = stage;
-  for (c.dp_outer = 0; c.dp_outer < degrees_.dp / degrees_.ep; ++c.dp_outer) {
-    for (c.ep = 0; c.ep < degrees_.ep; ++c.ep) {
-      for (c.cp = 0; c.cp < degrees_.cp; ++c.cp) {
-        for (c.tp = 0; c.tp < degrees_.tp; ++c.tp) ranks.push_back(rank(c));
-      }
-    }
-  }
-  std::sort(ranks.begin(), ranks.end());
-  return ranks;
+  return ranks_varying(rank(c),
+                       {ParallelDim::Tp, ParallelDim::Cp, ParallelDim::Ep, ParallelDim::Dp});
 }
 
 bool Placement::symmetric_on(std::int64_t devices_per_node) const {

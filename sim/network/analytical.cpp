@@ -2,8 +2,10 @@
 #include <array>
 #include <cmath>
 #include <map>
+#include <memory>
 #include <set>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -32,9 +34,10 @@ class Analytical final : public NetworkModel {
     const double concurrent = c_.inter.oversubscription.value > 1 && several_leaves()
                                   ? concurrent_in_leaf(placement, group.ranks)
                                   : leaf_devices();
-    const auto key = std::make_tuple(group.ranks, kind, bytes, concurrent);
+    const Interned& g = intern(group.ranks);
+    const auto key = std::make_tuple(g.id, kind, bytes, concurrent);
     if (auto it = memo_.find(key); it != memo_.end()) return it->second;
-    const cluster::GroupSpan span = cluster::group_span(c_, group.ranks);
+    const cluster::GroupSpan& span = g.span;
     const int k = static_cast<int>(span.max_devices_per_node);
     const int nodes = static_cast<int>(span.nodes);
     const Link intra{intra_bw(k), c_.intra.latency_s.value};
@@ -188,7 +191,7 @@ class Analytical final : public NetworkModel {
   double concurrent_in_leaf(const cluster::Placement& placement,
                             const std::vector<std::int64_t>& ranks) {
     const Layout layout = layout_of(placement);
-    const auto group_key = std::make_tuple(layout, ranks);
+    const auto group_key = std::make_tuple(layout, intern(ranks).id);
     if (auto it = concurrent_.find(group_key); it != concurrent_.end()) return it->second;
     double most = leaf_devices();  // a group inside one leaf: what it shares does not bind
     std::set<std::int64_t> leaves;
@@ -263,12 +266,39 @@ class Analytical final : public NetworkModel {
     return worst;
   }
 
+  // A group's ranks, seen once: the memos below key on its number, and its span is found once
+  // (a search asks for a dp group of 131,072 ranks at many sizes; keyed by the ranks, each
+  // lookup compared them).
+  struct Interned {
+    std::size_t id = 0;
+    std::vector<std::int64_t> ranks;
+    cluster::GroupSpan span;
+  };
+  const Interned& intern(const std::vector<std::int64_t>& ranks) {
+    // Hashed by its size and eight members (FNV-1a); the ranks themselves are compared.
+    std::uint64_t hash = 14695981039346656037ull;
+    const auto mix = [&](std::uint64_t x) { hash = (hash ^ x) * 1099511628211ull; };
+    mix(ranks.size());
+    for (std::size_t i = 0; i < 8 && !ranks.empty(); ++i) {
+      mix(static_cast<std::uint64_t>(ranks[i * (ranks.size() - 1) / 7]));
+    }
+    auto& bucket = interned_[hash];
+    for (const std::size_t i : bucket) {
+      if (groups_[i]->ranks == ranks) return *groups_[i];
+    }
+    groups_.push_back(std::make_unique<Interned>(
+        Interned{groups_.size(), ranks, cluster::group_span(c_, ranks)}));
+    bucket.push_back(groups_.back()->id);
+    return *groups_.back();
+  }
+
   const cluster::Cluster& c_;
-  std::map<std::tuple<std::vector<std::int64_t>, CollectiveKind, std::uint64_t, double>, double>
-      memo_;
+  std::vector<std::unique_ptr<Interned>> groups_;
+  std::unordered_map<std::uint64_t, std::vector<std::size_t>> interned_;
+  std::map<std::tuple<std::size_t, CollectiveKind, std::uint64_t, double>, double> memo_;
   std::map<std::tuple<Layout, std::vector<int>>, std::map<std::int64_t, std::int64_t>>
       stage_devices_;
-  std::map<std::tuple<Layout, std::vector<std::int64_t>>, double> concurrent_;
+  std::map<std::tuple<Layout, std::size_t>, double> concurrent_;
   std::map<std::tuple<Layout, int, int>, std::int64_t> crossings_;
 };
 

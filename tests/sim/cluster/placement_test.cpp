@@ -55,6 +55,32 @@ TEST_CASE("a group's first rank is the one with its varied coordinates 0", "[clu
   CHECK(orders == 120);
 }
 
+TEST_CASE("gradient groups and stages are the ranks with the same fixed coordinates, in order",
+          "[cluster][placement]") {
+  // Made in increasing order without a sort: in every order of the five dimensions they are
+  // what a walk over all ranks finds.
+  std::vector<ParallelDim> order = Placement::default_order();
+  std::sort(order.begin(), order.end());
+  do {
+    const Placement p({2, 3, 2, 4, 3}, order);
+    const std::int64_t ranks = p.degrees().ranks();
+    for (std::int64_t r = 0; r < ranks; ++r) {
+      INFO(Placement::to_string(order) << ", rank " << r);
+      const auto c = p.coords(r);
+      std::vector<std::int64_t> dense, expert, stage;
+      for (std::int64_t q = 0; q < ranks; ++q) {
+        const auto o = p.coords(q);
+        if (o.tp == c.tp && o.pp == c.pp) dense.push_back(q);
+        if (o.tp == c.tp && o.pp == c.pp && o.ep == c.ep) expert.push_back(q);
+        if (o.pp == c.pp) stage.push_back(q);
+      }
+      CHECK(p.gradient_group(r) == dense);
+      CHECK(p.expert_gradient_group(r) == expert);
+      CHECK(p.stage_ranks(c.pp) == stage);
+    }
+  } while (std::next_permutation(order.begin(), order.end()));
+}
+
 TEST_CASE("a custom order and its parsing", "[cluster][placement]") {
   const auto order = Placement::parse_order("dp-tp-cp-ep-pp");
   const Placement p({2, 1, 1, 4, 1}, order);
