@@ -405,6 +405,14 @@ int cmd_whatif(const std::vector<std::string>& args) {
   const std::optional<plan::Plan> fixed_plan =
       vm.count("fixed-plan") ? std::optional(load_plan_file(vm["fixed-plan"].as<std::string>()))
                              : std::nullopt;
+  // Its straggler figures (jitter_cv, rank_spread_cv: a whatif point's), where a point does not
+  // vary them.
+  std::array<std::optional<double>, 2> fixed_spread;
+  if (fixed_plan) {
+    const std::string file = vm["fixed-plan"].as<std::string>();
+    fixed_spread = {plan::plan_file_spread(plan_file_json(file), file, "jitter_cv"),
+                    plan::plan_file_spread(plan_file_json(file), file, "rank_spread_cv")};
+  }
   // A --fixed-plan without a precision trains at each point's default, as dtsim simulate --plan
   // does (fp32 on a device without bf16).
   const bool fixed_precision =
@@ -754,9 +762,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                    spec.max_positions, spec.name, space.seq_len));
     }
     row.gpus = c.devices();
-    std::optional<double> jitter;
+    // The point's straggler figures, else a --fixed-plan file's (a whatif point's), else the
+    // profile's.
+    std::optional<double> jitter = fixed_spread[0];
     if (point.count("jitter_cv")) jitter = spread_value("jitter_cv", point.at("jitter_cv"));
-    std::optional<double> rank_spread;
+    std::optional<double> rank_spread = fixed_spread[1];
     if (point.count("rank_spread_cv")) {
       rank_spread = spread_value("rank_spread_cv", point.at("rank_spread_cv"));
     }
@@ -1106,6 +1116,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
         }
         if (!r.grown.empty()) changes["nodes"] = point["nodes"];
         if (!changes.empty()) spec["cluster_changes"] = changes;
+        // The straggler figures the point set, which simulate takes from the file.
+        for (const char* key : {"jitter_cv", "rank_spread_cv"}) {
+          if (point.contains(key)) spec[key] = point[key];
+        }
         j.update({{"plan", r.plan},
                   {"plan_spec", spec},
                   {"fits", r.fits},

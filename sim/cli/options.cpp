@@ -173,14 +173,28 @@ double checked_jitter(double cv, const std::string& what) {
   return cv;
 }
 
+namespace {
+// The flag's figure, else a --plan file's (a dtsim whatif point's, said in a note), else none.
+std::optional<double> spread_from_options(const po::variables_map& vm, const char* flag,
+                                          const char* key) {
+  if (vm.count(flag)) return checked_jitter(vm[flag].as<double>(), fmt::format("--{}", flag));
+  if (!vm.count("plan")) return std::nullopt;
+  const std::string file = vm["plan"].as<std::string>();
+  const auto cv = plan::plan_file_spread(plan_file_json(file), file, key);
+  if (cv && launcher_rank() == 0) {
+    std::cerr << fmt::format("note: {}: {} {:g} from the file (--{} sets another)\n", file, key,
+                             *cv, flag);
+  }
+  return cv;
+}
+}  // namespace
+
 std::optional<double> jitter_from_options(const po::variables_map& vm) {
-  if (!vm.count("jitter-cv")) return std::nullopt;
-  return checked_jitter(vm["jitter-cv"].as<double>(), "--jitter-cv");
+  return spread_from_options(vm, "jitter-cv", "jitter_cv");
 }
 
 std::optional<double> rank_spread_from_options(const po::variables_map& vm) {
-  if (!vm.count("rank-spread-cv")) return std::nullopt;
-  return checked_jitter(vm["rank-spread-cv"].as<double>(), "--rank-spread-cv");
+  return spread_from_options(vm, "rank-spread-cv", "rank_spread_cv");
 }
 
 namespace {

@@ -498,6 +498,19 @@ std::optional<std::string> clip_grad_problem(double norm) {
                      kLargestFigure);
 }
 
+std::optional<double> plan_file_spread(const json& j, const std::string& file,
+                                       std::string_view key) {
+  if (!j.is_object() || !j.contains(key)) return std::nullopt;
+  const JsonReader r(j, file);
+  const json& v = j.at(key);
+  const double cv = v.is_number() ? v.get<double>() : -1;
+  if (!(cv >= 0 && cv < 1)) {
+    r.fail(key, fmt::format("expected a fraction in [0, 1) (a whatif point's {}), got {}", key,
+                            describe_json_value(v)));
+  }
+  return cv;
+}
+
 Plan plan_from_json(const json& j, const std::string& file) {
   const JsonReader r(j, file);
   r.expect_only({"dp", "tp", "pp", "cp", "ep", "micro_batch_size", "global_batch_size", "seq_len",
@@ -508,15 +521,16 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "precision", "grad_precision", "comm_precision", "grad_compression", "expert_load",
                  "clip_grad", "optimizer", "layers_per_stage", "order",
                  // What dtsim plan --out made it for, which the tools take where --model and
-                 // --cluster are not given, and what a whatif point changed in that cluster (not
-                 // the plan's: read by the CLI).
-                 "model", "cluster", "cluster_changes"});
+                 // --cluster are not given, what a whatif point changed in that cluster, and
+                 // the straggler figures it set (not the plan's: read by the CLI).
+                 "model", "cluster", "cluster_changes", "jitter_cv", "rank_spread_cv"});
   for (const char* made_for : {"model", "cluster"}) {
     if (r.has(made_for)) r.string(made_for);  // a string, or an error naming the field
   }
   if (r.has("cluster_changes") && !j.at("cluster_changes").is_object()) {
     r.fail("cluster_changes", "expected an object (a whatif point's cluster values)");
   }
+  for (const char* spread : {"jitter_cv", "rank_spread_cv"}) plan_file_spread(j, file, spread);
   Plan p;
   auto degree = [&](std::string_view key, int fallback) {
     return static_cast<int>(r.positive_int_up_to_or(key, kMaxDegree, fallback));

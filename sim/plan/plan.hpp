@@ -246,6 +246,11 @@ nlohmann::json to_json(const Plan& plan);
 // Reads a plan file; fields are those of to_json(). Throws InputError naming file and field.
 Plan plan_from_json(const nlohmann::json& j, const std::string& file);
 Plan load_plan(const std::string& path);
+// A plan file's straggler figure, `key` "jitter_cv" or "rank_spread_cv" (a dtsim whatif
+// point's, which simulate takes where its flag is not given): a fraction in [0, 1); none where
+// the file has none. InputError naming the file and field.
+std::optional<double> plan_file_spread(const nlohmann::json& j, const std::string& file,
+                                       std::string_view key);
 
 std::string_view to_string(Schedule s);
 std::string_view to_string(Recompute r);
