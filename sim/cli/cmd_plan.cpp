@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -445,6 +446,12 @@ int cmd_plan(const std::vector<std::string>& args) {
     json file = plan::to_json(result.ranked.front().plan);
     file["model"] = data_reference("model", vm["model"].as<std::string>());
     file["cluster"] = data_reference("cluster", vm["cluster"].as<std::string>());
+    // And what else priced it, which simulate takes from the file where its flags are not given.
+    if (vm.count("profile")) {
+      file["profile"] = std::filesystem::absolute(vm["profile"].as<std::string>()).string();
+    }
+    if (vm.count("jitter-cv")) file["jitter_cv"] = vm["jitter-cv"].as<double>();
+    if (vm.count("rank-spread-cv")) file["rank_spread_cv"] = vm["rank-spread-cv"].as<double>();
     if (!out || !(out << json_text(file, 2) << "\n" << std::flush)) {
       throw InputError(fmt::format("--out {}: cannot write", path));
     }

@@ -96,8 +96,8 @@ int cmd_simulate(const std::vector<std::string>& args) {
   engine::SimulateOptions options;
   options.memory = memory_options_from(vm);
   std::optional<cost::Profile> profile;
-  if (vm.count("profile")) {
-    profile = cost::load_profile(vm["profile"].as<std::string>());
+  if (const auto profile_file = profile_argument(vm)) {
+    profile = cost::load_profile(*profile_file);
     options.profile = &*profile;
     notes.push_back(fmt::format("compute cost from calibration profile {} ({})", profile->file,
                                 profile->source));

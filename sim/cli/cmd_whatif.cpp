@@ -458,12 +458,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
 
   // A profile times one device: it prices every point, so no other device may come in.
   std::optional<cost::Profile> profile;
-  if (vm.count("profile")) {
+  const std::optional<std::string> profile_file = profile_argument(vm);
+  if (profile_file) {
     if (varied("device")) {
-      throw InputError(
-          "--profile: a profile prices the device it was measured on; not with --vary device");
+      throw InputError(fmt::format(
+          "{}: a profile prices the device it was measured on; not with --vary device",
+          vm.count("profile")
+              ? "--profile"
+              : fmt::format("{}: profile {}", vm["fixed-plan"].as<std::string>(), *profile_file)));
     }
-    profile = cost::load_profile(vm["profile"].as<std::string>());
+    profile = cost::load_profile(*profile_file);
   }
   std::optional<Precision> precision;
   if (vm.count("precision")) {
@@ -1116,10 +1120,12 @@ int cmd_whatif(const std::vector<std::string>& args) {
         }
         if (!r.grown.empty()) changes["nodes"] = point["nodes"];
         if (!changes.empty()) spec["cluster_changes"] = changes;
-        // The straggler figures the point set, which simulate takes from the file.
+        // The straggler figures the point set, and the profile that timed it, which simulate
+        // takes from the file.
         for (const char* key : {"jitter_cv", "rank_spread_cv"}) {
           if (point.contains(key)) spec[key] = point[key];
         }
+        if (profile_file) spec["profile"] = std::filesystem::absolute(*profile_file).string();
         j.update({{"plan", r.plan},
                   {"plan_spec", spec},
                   {"fits", r.fits},

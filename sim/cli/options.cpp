@@ -533,6 +533,31 @@ void apply_cluster_changes(cluster::Cluster& c, const JsonReader& changes) {
   }
 }
 
+std::optional<std::string> profile_argument(const po::variables_map& vm) {
+  if (vm.count("profile")) return vm["profile"].as<std::string>();
+  const char* flag = vm.count("plan") ? "plan" : vm.count("fixed-plan") ? "fixed-plan" : nullptr;
+  if (!flag) return std::nullopt;
+  const std::string file = vm[flag].as<std::string>();
+  const nlohmann::json j = plan_file_json(file);
+  if (!j.is_object() || !j.contains("profile")) return std::nullopt;
+  std::string named = JsonReader(j, file).string("profile");
+  // (A relative path from the file's folder, as its model's and cluster's.)
+  if (std::filesystem::path(named).is_relative()) {
+    named = (std::filesystem::path(file).parent_path() / named).lexically_normal().string();
+  }
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(named, ec)) {
+    throw InputError(fmt::format("{}: profile: {}: no such file (or give --profile)", file, named));
+  }
+  if (launcher_rank() == 0) {
+    std::cerr << fmt::format(
+        "note: {}: calibration profile {} from the file, which the plan was made with "
+        "(--profile sets another)\n",
+        file, named);
+  }
+  return named;
+}
+
 std::string data_reference(std::string_view key, const std::string& given) {
   const std::filesystem::path file = std::filesystem::absolute(data_file(key, given));
   // A shipped one by its name (given so, or by its path in models/ or topologies/), which reads

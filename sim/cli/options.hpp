@@ -132,6 +132,9 @@ void check_writable(const std::string& path, const std::string& flag,
 // what the --plan (or --fixed-plan) file names, which dtsim plan --out writes; a note on stderr
 // where both are given and name other files.
 std::string data_argument(const po::variables_map& vm, const char* key);
+// The calibration profile: --profile, else the one a --plan (or --fixed-plan) file was made with
+// (dtsim plan --out and whatif's plan_spec write it), said in a note; none without either.
+std::optional<std::string> profile_argument(const po::variables_map& vm);
 // A plan file's JSON (--plan, --fixed-plan), and the plan it holds (plan::plan_from_json): a pipe
 // is read once per process however often the options ask (it can be read once), a regular file
 // each time.

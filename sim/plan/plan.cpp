@@ -521,10 +521,11 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  "precision", "grad_precision", "comm_precision", "grad_compression", "expert_load",
                  "clip_grad", "optimizer", "layers_per_stage", "order",
                  // What dtsim plan --out made it for, which the tools take where --model and
-                 // --cluster are not given, what a whatif point changed in that cluster, and
-                 // the straggler figures it set (not the plan's: read by the CLI).
-                 "model", "cluster", "cluster_changes", "jitter_cv", "rank_spread_cv"});
-  for (const char* made_for : {"model", "cluster"}) {
+                 // --cluster are not given, what a whatif point changed in that cluster, the
+                 // straggler figures it set and the profile that timed it (not the plan's:
+                 // read by the CLI).
+                 "model", "cluster", "cluster_changes", "jitter_cv", "rank_spread_cv", "profile"});
+  for (const char* made_for : {"model", "cluster", "profile"}) {
     if (r.has(made_for)) r.string(made_for);  // a string, or an error naming the field
   }
   if (r.has("cluster_changes") && !j.at("cluster_changes").is_object()) {

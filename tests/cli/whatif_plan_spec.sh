@@ -2,8 +2,8 @@
 # A whatif row's plan_spec saved alone is a plan file: dtsim simulate --plan takes the model and
 # cluster it names (a model file by its absolute path, from another folder) and predicts the
 # row's step time, on the cluster as the point changed it (--vary nic_gbps) and with the
-# straggler figures it set (--vary jitter_cv), which notes say.
-#   whatif_plan_spec.sh DTSIM MODELS_DIR
+# straggler figures it set (--vary jitter_cv) and the profile that timed it, which notes say.
+#   whatif_plan_spec.sh DTSIM MODELS_DIR PROFILE
 set -u
 dtsim=$1
 dir=whatif_plan_spec
@@ -37,13 +37,14 @@ grep -q "spec3.json was made for cluster aws-p4d with nic_gbps=25; --cluster aws
 # The straggler figures a point sets are the file's too: simulate takes them (said), and
 # predicts the row's step time with them.
 "$dtsim" whatif --model gpt2-124m --cluster aws-p4d --gpus 64 --global-batch-size 256 \
-  --vary jitter_cv=0.05 --vary rank_spread_cv=0.02 --json > "$dir/spread.json" 2> /dev/null || fail "whatif spread"
+  --vary jitter_cv=0.05 --vary rank_spread_cv=0.02 --profile "$3" --json > "$dir/spread.json" 2> /dev/null || fail "whatif spread"
 python3 - "$dir" <<'PY' || fail "spread rows"
 import json, sys
 d = sys.argv[1]
 r = json.load(open(f"{d}/spread.json"))[0]
 spec = r["plan_spec"]
 assert spec["jitter_cv"] == 0.05 and spec["rank_spread_cv"] == 0.02, spec
+assert spec["profile"].startswith("/") and spec["profile"].endswith("/profile_test.json"), spec
 assert r["straggler_cost_s"] > 0 and r["slow_rank_cost_s"] > 0, r
 json.dump(spec, open(f"{d}/spread_spec.json", "w"))
 open(f"{d}/spread_step", "w").write(repr(r["step_time_s"]))
@@ -51,5 +52,6 @@ PY
 "$dtsim" simulate --plan "$dir/spread_spec.json" --json > "$dir/spread_sim.json" 2> "$dir/spread_err" || fail "simulate spread"
 grep -q "spread_spec.json: jitter_cv 0.05 from the file" "$dir/spread_err" || fail "jitter note"
 grep -q "spread_spec.json: rank_spread_cv 0.02 from the file" "$dir/spread_err" || fail "spread note"
+grep -q "spread_spec.json: calibration profile .*profile_test.json from the file" "$dir/spread_err" || fail "profile note"
 python3 -c "import json, sys; s = json.load(open(sys.argv[1])); w = float(open(sys.argv[2]).read()); assert s['step_time_s'] == w, (s['step_time_s'], w)" "$dir/spread_sim.json" "$dir/spread_step" || fail "spread step"
 echo ok
