@@ -30,6 +30,8 @@ int cmd_export_platform(const std::vector<std::string>& args) {
              vm)) {
     return 0;
   }
+  // (A folder, a missing one, a file it reads: said as the other commands say, before the work.)
+  if (vm.count("out")) check_writable(vm["out"].as<std::string>(), "--out", &vm);
   const cluster::Cluster cluster = cluster_from_options(vm);
   std::set<std::pair<std::int64_t, std::int64_t>> pairs;
   if (vm["all-pairs"].as<bool>()) {
@@ -49,7 +51,6 @@ int cmd_export_platform(const std::vector<std::string>& args) {
   const std::string xml = network::platform_xml(network::build_platform(cluster, pairs));
   if (vm.count("out")) {
     const std::string path = vm["out"].as<std::string>();
-    check_writable(path, "--out");  // (a folder, a missing one: said as the other commands say)
     std::ofstream out(path);
     if (!out || !(out << xml << std::flush))
       throw InputError(fmt::format("--out {}: cannot write", path));

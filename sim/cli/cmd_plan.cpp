@@ -590,7 +590,7 @@ int cmd_plan(const std::vector<std::string>& args) {
                                         format_seconds(c.step_time_s) + (c.refined ? "" : "*")};
       if (by_cost) cells.push_back(fmt::format("{:#.4g}", c.cost_per_step_usd));
       for (std::string cell :
-           {fmt::format("{:.0f}", tokens / c.step_time_s),
+           {format_rate(tokens / c.step_time_s),
             c.refined ? fmt::format("{:.1f}%", 100 * c.prediction.mfu) : std::string("-"),
             fmt::format("{:.1f}", c.memory_bytes / (mib ? kMiB : kGiB)),
             fmt::format("{:.1f}", (c.capacity_bytes - c.memory_bytes) / kGiB),

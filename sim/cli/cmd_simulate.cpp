@@ -194,10 +194,10 @@ int cmd_simulate(const std::vector<std::string>& args) {
   // A CPU cluster's devices are ranks (MPI processes).
   const char* per = cluster.device.vendor == "cpu" ? "rank" : "GPU";
   std::cout << fmt::format(
-      "step time {} s   {:.0f} tokens/s   {:.1f} {}FLOP/s per {} (model {:.1f})   MFU "
+      "step time {} s   {} tokens/s   {:.1f} {}FLOP/s per {} (model {:.1f})   MFU "
       "{:.1f}%   HFU {:.1f}%\n",
-      format_seconds(p.step_time_s), p.tokens_per_s, unit * p.tflops_per_gpu, giga ? "G" : "T", per,
-      unit * p.model_tflops_per_gpu, 100 * p.mfu, 100 * p.hfu);
+      format_seconds(p.step_time_s), format_rate(p.tokens_per_s), unit * p.tflops_per_gpu,
+      giga ? "G" : "T", per, unit * p.model_tflops_per_gpu, 100 * p.mfu, 100 * p.hfu);
   std::cout << fmt::format(
       "memory per {} {} of {} ({})\n\n", per, format_gib(p.memory.worst().total_bytes),
       format_gib(p.memory.capacity_bytes), p.memory.fits ? "fits" : "DOES NOT FIT");

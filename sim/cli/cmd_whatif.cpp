@@ -416,7 +416,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
   // A --fixed-plan without a precision trains at each point's default, as dtsim simulate --plan
   // does (fp32 on a device without bf16).
   const bool fixed_precision =
-      fixed_plan && plan_file_json(vm["fixed-plan"].as<std::string>()).contains("precision");
+      fixed_plan && JsonReader(plan_file_json(vm["fixed-plan"].as<std::string>()),
+                               vm["fixed-plan"].as<std::string>())
+                        .has("precision");  // (null: absent, as the plan reads it)
   // The model and cluster of the points that do not vary them: a --fixed-plan file's (dtsim plan
   // --out) where --model and --cluster are not given.
   const std::string default_model =
@@ -1252,7 +1254,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                              : fmt::format("{} (DOES NOT FIT: needs {:.1f} GiB of {:.1f} GiB)",
                                            r.plan, r.memory_bytes / kGiB, r.capacity_bytes / kGiB));
       cells.push_back(format_seconds(r.step_s));
-      cells.push_back(fmt::format("{:.0f}", r.tokens_per_s));
+      cells.push_back(format_rate(r.tokens_per_s));
       cells.push_back(fmt::format("{:.1f}%", 100 * r.mfu));
       cells.push_back(efficiency(r) ? fmt::format("{:.1f}%", 100 * *efficiency(r)) : "-");
       cells.push_back(r.max_speedup > 0 ? fmt::format("{:.1f}x", r.max_speedup) : "-");

@@ -295,6 +295,60 @@ std::string lowercase_first(std::string text) {
 }
 }  // namespace
 
+namespace {
+std::optional<std::string> named_in_plan_file(const nlohmann::json& j, const std::string& file,
+                                              const char* key);
+
+// The files that option `key` with `value` has a command read, each with what reads it: the
+// value itself; the shipped file a --model or --cluster name stands for; the model, cluster,
+// profile and device file that a plan file names.
+std::vector<std::pair<std::string, std::filesystem::path>> files_read(const std::string& key,
+                                                                      const std::string& value) {
+  std::vector<std::pair<std::string, std::filesystem::path>> out = {
+      {fmt::format("the file that --{} reads", key), value}};
+  const auto data = [&](std::string_view kind, const std::string& name) {
+    try {
+      return std::optional(data_file(kind, name));
+    } catch (const InputError&) {
+      return std::optional<std::filesystem::path>();  // (its reading says why)
+    }
+  };
+  if (key == "model" || key == "cluster") {
+    if (const auto f = data(key, value)) out.emplace_back(out.front().first, *f);
+  }
+  if (key != "plan" && key != "fixed-plan") return out;
+  nlohmann::json j;
+  try {
+    j = plan_file_json(value);
+  } catch (const InputError&) {
+    return out;  // (its reading says why)
+  }
+  if (!j.is_object()) return out;
+  const auto named = [&](const char* field) -> std::optional<std::string> {
+    try {
+      return named_in_plan_file(j, value, field);
+    } catch (const InputError&) {
+      return std::nullopt;
+    }
+  };
+  const auto from = [&](const char* field) {
+    return fmt::format("the file that --{} {} names as its {}", key, value, field);
+  };
+  for (const char* field : {"model", "cluster"}) {
+    if (const auto n = named(field)) {
+      if (const auto f = data(field, *n)) out.emplace_back(from(field), *f);
+    }
+  }
+  if (const auto n = named("profile")) out.emplace_back(from("profile"), *n);
+  if (j.contains("cluster_changes") && j.at("cluster_changes").is_object()) {
+    if (const auto n = named_in_plan_file(j.at("cluster_changes"), value, "device")) {
+      out.emplace_back(from("cluster_changes.device"), *n);
+    }
+  }
+  return out;
+}
+}  // namespace
+
 void check_writable(const std::string& path, const std::string& flag,
                     const po::variables_map* inputs) {
   namespace fs = std::filesystem;
@@ -305,10 +359,11 @@ void check_writable(const std::string& path, const std::string& flag,
     for (const auto& [key, value] : *inputs) {
       const auto* named = boost::any_cast<std::string>(&value.value());
       if (named == nullptr || "--" + key == flag || named->empty()) continue;
-      std::error_code unseen;  // (neither there, or not a file: not the same one)
-      if (fs::equivalent(file, fs::path(*named), unseen)) {
-        throw InputError(
-            fmt::format("{} {}: the file that --{} reads; write it elsewhere", flag, path, key));
+      for (const auto& [what, read] : files_read(key, *named)) {
+        std::error_code unseen;  // (neither there, or not a file: not the same one)
+        if (fs::equivalent(file, read, unseen)) {
+          throw InputError(fmt::format("{} {}: {}; write it elsewhere", flag, path, what));
+        }
       }
     }
   }
@@ -382,6 +437,7 @@ bool same_data_file(std::string_view key, const std::string& a, const std::strin
 std::string changes_text(const nlohmann::json& changes) {
   std::vector<std::string> parts;
   for (const auto& [name, value] : changes.items()) {
+    if (value.is_null()) continue;  // (absent, as the reading takes it)
     parts.push_back(name + "=" + (value.is_string() ? value.get<std::string>() : json_text(value)));
   }
   return fmt::format("{}", fmt::join(parts, ", "));
@@ -408,7 +464,7 @@ void note_cluster_changes(std::string_view key, std::string_view flag, const std
 // file's folder; none where it names none.
 std::optional<std::string> named_in_plan_file(const nlohmann::json& j, const std::string& file,
                                               const char* key) {
-  if (!j.is_object() || !j.contains(key)) return std::nullopt;
+  if (!j.is_object() || !JsonReader(j, file).has(key)) return std::nullopt;
   std::string named = JsonReader(j, file).string(key);
   // A relative path in the file is relative to the file's folder (dtsim plan --out writes
   // absolute ones; one written by hand beside its model reads the same from any folder).
@@ -478,9 +534,9 @@ void apply_cluster_changes(cluster::Cluster& c, const JsonReader& changes) {
   // In whatif's order: the device (and its price), then the network, then the nodes.
   if (changes.has("device")) {
     cluster::DeviceSpec device;
+    // (A device file's relative path from the plan file's folder, as the cluster's.)
+    std::string named = changes.string("device");
     try {
-      // (A device file's relative path from the plan file's folder, as the cluster's.)
-      std::string named = changes.string("device");
       if ((named.find('/') != std::string::npos || named.ends_with(".json")) &&
           std::filesystem::path(named).is_relative()) {
         named = (std::filesystem::path(changes.file()).parent_path() / named)
@@ -539,7 +595,7 @@ std::optional<std::string> profile_argument(const po::variables_map& vm) {
   if (!flag) return std::nullopt;
   const std::string file = vm[flag].as<std::string>();
   const nlohmann::json j = plan_file_json(file);
-  if (!j.is_object() || !j.contains("profile")) return std::nullopt;
+  if (!j.is_object() || !JsonReader(j, file).has("profile")) return std::nullopt;
   std::string named = JsonReader(j, file).string("profile");
   // (A relative path from the file's folder, as its model's and cluster's.)
   if (std::filesystem::path(named).is_relative()) {
@@ -882,21 +938,41 @@ cluster::Cluster cluster_from_options(const po::variables_map& vm) {
   cluster::Cluster c = cluster::load_cluster(name);
   // A plan file from a dtsim whatif point that changed its cluster (--vary nic_gbps=800) runs on
   // the cluster as the point had it, where the cluster is the one the file names.
+  nlohmann::json j;  // (the plan file's, which `changes` reads)
+  std::optional<JsonReader> changes;
   if (vm.count("plan")) {
     const std::string file = vm["plan"].as<std::string>();
-    const nlohmann::json j = plan_file_json(file);
+    j = plan_file_json(file);
     const auto named = named_in_plan_file(j, file, "cluster");
     if (named && j.contains("cluster_changes") && j.at("cluster_changes").is_object() &&
-        !j.at("cluster_changes").empty() && same_data_file("cluster", name, *named)) {
-      apply_cluster_changes(c, JsonReader(j, file).object("cluster_changes"));
+        !changes_text(j.at("cluster_changes")).empty() && same_data_file("cluster", name, *named)) {
+      changes = JsonReader(j, file).object("cluster_changes");
+      apply_cluster_changes(c, *changes);
       if (launcher_rank() == 0) {
         std::cerr << fmt::format("note: {}: {} with {}, as the dtsim whatif point it was made at\n",
-                                 file, c.name, changes_text(j.at("cluster_changes")));
+                                 file, c.name, changes_text(changes->raw()));
       }
     }
   }
+  // Where the devices it runs on leave a change without effect, as whatif's row notes say.
+  const auto said = [&](const cluster::Cluster& on) {
+    if (!changes || launcher_rank() != 0) return on;
+    const bool network =
+        changes->has("nic_gbps") || changes->has("latency_us") || changes->has("oversubscription");
+    if (network && on.nodes <= 1) {
+      std::cerr << fmt::format(
+          "note: {}: {} runs in one node here: its network's figures change nothing\n",
+          changes->file(), on.name);
+    } else if (changes->has("oversubscription") && !cluster::several_leaves(on)) {
+      std::cerr << fmt::format(
+          "note: {}: {}'s nodes here share one leaf switch: no traffic crosses the uplinks that "
+          "oversubscription slows\n",
+          changes->file(), on.name);
+    }
+    return on;
+  };
   apply_price(vm, c);
-  if (vm.count("gpus")) return cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
+  if (vm.count("gpus")) return said(cluster::with_devices(c, vm["gpus"].as<std::int64_t>()));
   // A plan file (dtsim plan --out) that uses fewer devices than the cluster has runs on as many
   // as it uses, its flags' overrides included, as if --gpus said so.
   if (vm.count("plan")) {
@@ -912,7 +988,7 @@ cluster::Cluster cluster_from_options(const po::variables_map& vm) {
           fmt::format("{}: its {} devices on {}", vm["plan"].as<std::string>(), devices, c.name));
     }
   }
-  return c;
+  return said(c);
 }
 
 cluster::Cluster with_devices_for(const cluster::Cluster& c, std::int64_t devices,
@@ -1018,7 +1094,9 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   if (vm.count("precision")) p.precision = precision_flag("precision");
   const bool precision_given =
       vm.count("precision") ||
-      (vm.count("plan") && plan_file_json(vm["plan"].as<std::string>()).contains("precision"));
+      (vm.count("plan") && JsonReader(plan_file_json(vm["plan"].as<std::string>()),
+                                      vm["plan"].as<std::string>())
+                               .has("precision"));  // (null: absent, as the plan reads it)
   if (!precision_given && precision_default && p.precision != precision_default->precision) {
     p.precision = precision_default->precision;
     notes.push_back(

@@ -13,6 +13,14 @@ namespace fs = std::filesystem;
 
 fs::path data_dir() {
   if (const char* env = std::getenv("DTSIM_DATA_DIR"); env != nullptr && *env != '\0') {
+    // A folder that is not there would list no models or clusters and call every name unknown.
+    std::error_code ec;
+    if (!fs::is_directory(env, ec)) {
+      throw InputError(fmt::format(
+          "DTSIM_DATA_DIR={}: no such folder; expected one with models/ and topologies/ (or "
+          "unset it to use the shipped ones)",
+          env));
+    }
     return fs::path(env);
   }
   return fs::path(DTSIM_DATA_DIR);

@@ -41,6 +41,11 @@ std::string format_seconds(double seconds) {
                                                    : fmt::format("{:#.3g}", seconds);
 }
 
+std::string format_rate(double per_second) {
+  return std::fabs(per_second) >= 99.95 || per_second == 0 ? fmt::format("{:.0f}", per_second)
+                                                           : fmt::format("{:.3g}", per_second);
+}
+
 std::string format_duration(double seconds) {
   const double a = std::fabs(seconds);
   if (a == 0) return "0 s";

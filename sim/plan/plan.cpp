@@ -500,7 +500,7 @@ std::optional<std::string> clip_grad_problem(double norm) {
 
 std::optional<double> plan_file_spread(const json& j, const std::string& file,
                                        std::string_view key) {
-  if (!j.is_object() || !j.contains(key)) return std::nullopt;
+  if (!j.is_object() || !JsonReader(j, file).has(key)) return std::nullopt;
   const JsonReader r(j, file);
   const json& v = j.at(key);
   const double cv = v.is_number() ? v.get<double>() : -1;

@@ -117,6 +117,11 @@ TEST_CASE("numbers are formatted for humans", "[common]") {
   CHECK(dtsim::format_seconds(0.1) == "0.100");
   CHECK(dtsim::format_seconds(0.000157) == "0.000157");
   CHECK(dtsim::format_seconds(0) == "0.000");
+  CHECK(dtsim::format_rate(47111.4) == "47111");
+  CHECK(dtsim::format_rate(99.96) == "100");
+  CHECK(dtsim::format_rate(12.345) == "12.3");
+  CHECK(dtsim::format_rate(0.011548) == "0.0115");  // a step of days: not "0 tokens/s"
+  CHECK(dtsim::format_rate(0) == "0");
   CHECK(dtsim::format_duration(0) == "0 s");
   CHECK(dtsim::format_duration(1.23456) == "1.235 s");
   CHECK(dtsim::format_duration(0.1) == "0.100 s");
