@@ -16,6 +16,7 @@
 #include <optional>
 #include <set>
 
+#include "exec/core/lr_schedule.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/json_reader.hpp"
 
@@ -156,7 +157,10 @@ CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
   }
   c.seed = seed.get<std::uint64_t>();
   c.learning_rate = r.positive_number("learning_rate");
-  if (r.has("lr_schedule")) c.lr_schedule = j.at("lr_schedule");
+  if (r.has("lr_schedule")) {
+    c.lr_schedule = j.at("lr_schedule");
+    lr_schedule_from_json(c.lr_schedule, where);  // (checked here: compare reads it too)
+  }
   if (r.has("weight_decay")) c.weight_decay = r.non_negative_number("weight_decay");
   const auto& losses = r.array("losses");
   for (std::size_t i = 0; i < losses.size(); ++i) {
@@ -779,9 +783,28 @@ CheckpointDiff compare_checkpoints(const Checkpoint& a, const Checkpoint& b) {
 CheckpointDiff compare_checkpoints(const CheckpointReader& a, const CheckpointReader& b) {
   CheckpointDiff d;
   compare_info(a.info(), b.info(), d);
+  // A damaged tensor is bad input, as resuming from it is, not a difference to measure.
+  const auto read = [](const CheckpointReader& r, const std::string& name) {
+    CheckpointTensor t = r.read(name);
+    if (!trainable(t)) {
+      throw InputError(fmt::format(
+          "{}: tensors: {}: a weight or AdamW moment that is not finite, or a negative second "
+          "moment (a damaged shard?)",
+          r.dir(), name));
+    }
+    return t;
+  };
   match_names(a.names(), b.names(), d,
-              [&](const std::string& name) { compare_tensor(a.read(name), b.read(name), d); });
+              [&](const std::string& name) { compare_tensor(read(a, name), read(b, name), d); });
   return d;
+}
+
+bool trainable(const CheckpointTensor& t) {
+  const auto finite = [](const std::vector<float>& x) {
+    return std::all_of(x.begin(), x.end(), [](float v) { return std::isfinite(v); });
+  };
+  return finite(t.data) && finite(t.m) && finite(t.v) &&
+         std::none_of(t.v.begin(), t.v.end(), [](float v) { return v < 0; });
 }
 
 }  // namespace dtsim::exec

@@ -34,6 +34,10 @@ struct CheckpointTensor {
   std::vector<float> data, m, v;    // product(shape) each
 };
 
+// Whether a tensor holds what training can leave: finite weights and AdamW moments, second
+// moments >= 0 (else a damaged shard, which resuming and comparing refuse).
+bool trainable(const CheckpointTensor& t);
+
 // A checkpoint but for its tensors' values.
 struct CheckpointInfo {
   std::string model;

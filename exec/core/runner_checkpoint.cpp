@@ -249,11 +249,7 @@ int Runner::resume(RunResult& result) {
     const CheckpointTensor t = checkpoint.read_slice(p.name, p.slice);
     // Values that training could not have left: they would surface steps later as a diverged
     // loss, blaming the learning rate.
-    const auto finite = [](const std::vector<float>& x) {
-      return std::all_of(x.begin(), x.end(), [](float v) { return std::isfinite(v); });
-    };
-    if (!finite(t.data) || !finite(t.m) || !finite(t.v) ||
-        std::any_of(t.v.begin(), t.v.end(), [](float v) { return v < 0; })) {
+    if (!trainable(t)) {
       throw InputError(fmt::format(
           "{}: tensors: {}: a weight or AdamW moment that is not finite, or a negative second "
           "moment (a damaged shard?)",

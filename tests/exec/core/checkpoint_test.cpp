@@ -459,6 +459,38 @@ TEST_CASE("checkpoint: compare reads one tensor of each at a time, whatever the 
   CHECK(whole_diff.worst_tensor == d.worst_tensor);
 }
 
+TEST_CASE("checkpoint: compare refuses what resuming refuses", "[exec][checkpoint]") {
+  // A weight that is not finite, a negative second moment, an lr_schedule that is not one:
+  // bad input (exit 2), not a difference (a NaN compared with itself read as DIFFERENT, a
+  // negative moment as equal).
+  const auto qkv = numbered("L0.qkv.weight", 4, 6);
+  const auto write = [&](const std::string& name, const std::function<void(Checkpoint&)>& edit) {
+    Checkpoint c;
+    static_cast<dtsim::exec::CheckpointInfo&>(c) = info();
+    c.tensors = {qkv};
+    edit(c);
+    const std::string dir = folder(name);
+    dtsim::exec::write_checkpoint(dir, c);
+    return dir;
+  };
+  const std::string nan = write("compare_nan", [](Checkpoint& c) {
+    c.tensors[0].data[5] = std::numeric_limits<float>::quiet_NaN();
+  });
+  const std::string negative =
+      write("compare_negative_v", [](Checkpoint& c) { c.tensors[0].v[3] = -1; });
+  for (const auto& dir : {nan, negative}) {
+    INFO(dir);
+    REQUIRE_THROWS_WITH(
+        dtsim::exec::compare_checkpoints(CheckpointReader(dir), CheckpointReader(dir)),
+        Catch::Matchers::Contains(dir + ": tensors: L0.qkv.weight: a weight or AdamW moment that "
+                                        "is not finite, or a negative second moment"));
+  }
+  const std::string schedule = write("compare_schedule", [](Checkpoint&) {});
+  rewrite_index(schedule, [](nlohmann::json& j) { j["lr_schedule"] = 5; });
+  REQUIRE_THROWS_WITH(CheckpointReader(schedule), Catch::Matchers::Contains("lr_schedule") &&
+                                                      Catch::Matchers::Contains("checkpoint.json"));
+}
+
 TEST_CASE("checkpoint: a slice of another split read from the pieces that hold it",
           "[exec][checkpoint]") {
   const auto qkv = numbered("L0.qkv.weight", 4, 6);
