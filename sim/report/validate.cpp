@@ -111,6 +111,28 @@ std::vector<std::string> origin_notes(const Trace& predicted, const Trace& measu
   return notes;
 }
 
+namespace {
+// dp x tp x pp x cp of a trace's plan JSON; none where it does not say (an older trace).
+std::optional<std::int64_t> plan_ranks(const json& plan) {
+  if (!plan.is_object()) return std::nullopt;
+  std::int64_t ranks = 1;
+  for (const char* key : {"dp", "tp", "pp", "cp"}) {
+    if (!plan.contains(key)) {
+      if (std::string_view(key) == "cp") continue;  // (before context parallelism: 1)
+      return std::nullopt;
+    }
+    const json& v = plan.at(key);
+    if (!v.is_number_integer() || v.get<std::int64_t>() < 1 ||
+        v.get<std::int64_t>() > cluster::kMaxDevices) {
+      return std::nullopt;
+    }
+    ranks *= v.get<std::int64_t>();
+    if (ranks > cluster::kMaxDevices) return std::nullopt;
+  }
+  return ranks;
+}
+}  // namespace
+
 Trace read_trace(const std::string& path) {
   const json j = JsonReader::parse_file(path);
   if (!j.is_object() || !j.contains("traceEvents") || !j.at("traceEvents").is_array()) {
@@ -259,6 +281,30 @@ Trace read_trace(const std::string& path) {
   }
   if (trace.tasks.empty()) {
     throw InputError(fmt::format("{}: traceEvents: no complete (\"X\") task events", path));
+  }
+  // A rank the trace's own plan does not have (an edited trace, another plan's): its rows would
+  // join nothing, or the note would name a rank no run had.
+  if (const auto ranks = plan_ranks(trace.plan)) {
+    const auto past = [&](std::int64_t rank) { return rank >= *ranks; };
+    const std::string of =
+        fmt::format("the trace's plan (otherData.plan) has ranks 0 to {}", *ranks - 1);
+    if (trace.only_rank && past(*trace.only_rank)) {
+      throw InputError(
+          fmt::format("{}: otherData.only_rank: rank {}, but {}", path, *trace.only_rank, of));
+    }
+    for (const auto& [rank, pid] : trace.representative) {
+      if (past(rank)) {
+        throw InputError(
+            fmt::format("{}: the process_name event of pid {}: args.represents: rank {}, but {}",
+                        path, pid, rank, of));
+      }
+    }
+    for (const TraceTask& t : trace.tasks) {
+      if (past(t.rank)) {
+        throw InputError(
+            fmt::format("{}: a task event of pid (rank) {}, but {}", path, t.rank, of));
+      }
+    }
   }
   return trace;
 }

@@ -106,6 +106,30 @@ TEST_CASE("a malformed represents list is rejected naming the event",
       "bad_rep.json: traceEvents[0].args.represents: expected ranks from 0 to 16777215, got \"a\"");
 }
 
+TEST_CASE("a rank past the trace's own plan is refused", "[report][validate][bad-input]") {
+  // dp 2 x tp 1 x pp 1: ranks 0 and 1. An --only-rank of 5, a program standing for rank 5, a
+  // task of rank 2 are no run of that plan (validate said "dtexec run --only-rank 5").
+  const char* plan = R"({"plan": {"dp": 2, "tp": 1, "pp": 1}, "only_rank": 1})";
+  CHECK(trace_with("plan_rank1.json", plan).only_rank == 1);
+  DTSIM_REQUIRE_THROWS_CONTAINING(
+      trace_with("plan_rank5.json", R"({"plan": {"dp": 2, "tp": 1, "pp": 1}, "only_rank": 5})"),
+      InputError,
+      "plan_rank5.json: otherData.only_rank: rank 5, but the trace's plan (otherData.plan) has "
+      "ranks 0 to 1");
+  TempFile rep("plan_represents.json", R"({"traceEvents": [
+    {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "x", "represents": [0, 5]}},
+    {"ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 1, "args": {"task": 0}}],
+    "otherData": {"plan": {"dp": 2, "tp": 1, "pp": 1, "cp": 1}}})");
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::report::read_trace(rep.path()), InputError,
+                                  "plan_represents.json: the process_name event of pid 0: "
+                                  "args.represents: rank 5, but the trace's plan");
+  TempFile task("plan_task_rank.json", R"({"traceEvents": [
+    {"ph": "X", "pid": 2, "tid": 0, "ts": 0, "dur": 1, "args": {"task": 0}}],
+    "otherData": {"plan": {"dp": 2, "tp": 1, "pp": 1}}})");
+  DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::report::read_trace(task.path()), InputError,
+                                  "plan_task_rank.json: a task event of pid (rank) 2, but");
+}
+
 TEST_CASE("a negative rank or task id is rejected naming the event",
           "[report][validate][bad-input]") {
   TempFile rank("bad_pid.json", R"({"traceEvents": [
