@@ -568,8 +568,9 @@ int calibrate(const std::vector<std::string>& args) {
       "cluster-out", po::value<std::string>(),
       "also write this host as a cluster (DIR/cpu-host.json, DIR/devices/cpu-host.json)")(
       "quick", po::bool_switch(),
-      "a few small shapes only (seconds; for tests): micro-batch 1, short sequences, few "
-      "repeats (not with --micro-batch-size, --seq-len or --repeats)")(
+      "a few small shapes only (seconds with the default model; for tests): micro-batch 1, "
+      "short sequences, few repeats (not with --micro-batch-size, --seq-len or --repeats); a "
+      "larger --model's own widths still take minutes on a CPU (Llama-3 8B's)")(
       "no-in-run", po::bool_switch(),
       "skip the training steps that measure the in_run factors (the profile then prices a "
       "step's tasks from its kernels timed alone)");
@@ -660,8 +661,16 @@ int calibrate(const std::vector<std::string>& args) {
     if (backend == "cuda") profile = calibrate_cuda(vm, precision, mpi.get());
 #endif
     if (backend == "cpu") {
+      // What it is doing, as it goes (the tables come at the end; a large --model's shapes take
+      // minutes on a CPU).
+      const auto doing = [rank](const std::string& what) {
+        if (rank == 0) std::cerr << "dtexec calibrate: " << what << "\n" << std::flush;
+      };
+      doing(fmt::format("timing GEMMs, kernels and memory bandwidth at {}'s shapes{}",
+                        options.model, options.quick ? " (--quick)" : ""));
       profile = dtsim::exec::cpu::calibrate(options);
       if (mpi) {
+        doing(fmt::format("timing collectives over {} ranks", ranks));
         profile["collectives"] =
             dtsim::exec::cpu::measure_collectives(*mpi, options.quick, repeats);
         profile["jitter_cv"] = mpi->mean(profile.at("jitter_cv").get<double>());
@@ -687,6 +696,10 @@ int calibrate(const std::vector<std::string>& args) {
             dtsim::exec::in_run_graph(whole.spec(), whole.micro_batch(), whole.seq_len(),
                                       dtsim::Precision::Fp32, capacity, whole.spec().layers);
         if (step_graph) {
+          doing(
+              fmt::format("in_run: training steps of {} ({} of its {} blocks) to time a step's "
+                          "phases against its kernels",
+                          whole.spec().name, step_graph->spec().layers, whole.spec().layers));
           auto in_run = measure_in_run(profile, *step_graph, device, time_gemms,
                                        options.quick ? 2 : 5, options.sync, phase_seconds);
           if (mpi) in_run_over_ranks(in_run, phase_seconds, *mpi);
