@@ -821,6 +821,9 @@ dtsim::plan::Plan backend_plan(const po::variables_map& vm, const dtsim::model::
         vm.count("plan") ? vm["plan"].as<std::string>() + ": " : "",
         dtsim::plan::to_string(plan.optimizer)));
   }
+  // (The cluster it names is not this run's, which measures on this host: checked all the
+  // same, as dtsim checks it, rather than passed over.)
+  if (vm.count("plan")) dtsim::cli::check_plan_file_cluster(vm["plan"].as<std::string>());
   dtsim::plan::require_valid(plan, spec, devices);
   return plan;
 }

@@ -933,6 +933,22 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
   return j;
 }
 
+void check_plan_file_cluster(const std::string& file) {
+  const nlohmann::json j = plan_file_json(file);
+  const auto named = named_in_plan_file(j, file, "cluster");
+  if (!named) return;
+  cluster::Cluster c;
+  try {
+    data_file("cluster", *named);
+    c = cluster::load_cluster(*named);
+  } catch (const InputError& e) {
+    throw InputError(fmt::format("{}: cluster: {}", file, e.what()));
+  }
+  if (j.contains("cluster_changes") && j.at("cluster_changes").is_object()) {
+    apply_cluster_changes(c, JsonReader(j, file).object("cluster_changes"));
+  }
+}
+
 cluster::Cluster cluster_from_options(const po::variables_map& vm) {
   const std::string name = data_argument(vm, "cluster");
   cluster::Cluster c = cluster::load_cluster(name);

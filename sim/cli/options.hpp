@@ -156,6 +156,9 @@ cluster::Cluster cluster_from_options(const po::variables_map& vm);
 // latency_us, oversubscription, nodes), applied to `c` as the point applied them; InputError
 // naming the file and field where one is not a value the point could have had.
 void apply_cluster_changes(cluster::Cluster& c, const JsonReader& changes);
+// A plan file's cluster and cluster_changes read and checked as simulate reads them, for a
+// command that does not run on that cluster (dtexec run): a bad one is an error there too.
+void check_plan_file_cluster(const std::string& file);
 // cluster::with_devices(c, devices), its error named by `who` (an axis, a plan file) rather
 // than the --gpus flag it names itself.
 cluster::Cluster with_devices_for(const cluster::Cluster& c, std::int64_t devices,
