@@ -450,6 +450,7 @@ int cmd_plan(const std::vector<std::string>& args) {
     if (vm.count("profile")) {
       file["profile"] = std::filesystem::absolute(vm["profile"].as<std::string>()).string();
     }
+    if (vm["no-dropout"].as<bool>()) file["no_dropout"] = true;
     if (vm.count("jitter-cv")) file["jitter_cv"] = vm["jitter-cv"].as<double>();
     if (vm.count("rank-spread-cv")) file["rank_spread_cv"] = vm["rank-spread-cv"].as<double>();
     if (!out || !(out << json_text(file, 2) << "\n" << std::flush)) {

@@ -410,6 +410,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
   std::array<std::optional<double>, 2> fixed_spread;
   if (fixed_plan) {
     const std::string file = vm["fixed-plan"].as<std::string>();
+    // (Its cluster_changes are left to the points, but checked as simulate checks them.)
+    check_plan_file_cluster(file);
     fixed_spread = {plan::plan_file_spread(plan_file_json(file), file, "jitter_cv"),
                     plan::plan_file_spread(plan_file_json(file), file, "rank_spread_cv")};
   }
@@ -1124,10 +1126,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
         if (!changes.empty()) spec["cluster_changes"] = changes;
         // The straggler figures the point set, and the profile that timed it, which simulate
         // takes from the file.
-        for (const char* key : {"jitter_cv", "rank_spread_cv"}) {
-          if (point.contains(key)) spec[key] = point[key];
+        for (int i = 0; i < 2; ++i) {
+          const char* key = i == 0 ? "jitter_cv" : "rank_spread_cv";
+          if (point.contains(key)) {
+            spec[key] = point[key];
+          } else if (fixed_spread[static_cast<std::size_t>(i)]) {
+            spec[key] = *fixed_spread[static_cast<std::size_t>(i)];  // (the --fixed-plan's)
+          }
         }
         if (profile_file) spec["profile"] = std::filesystem::absolute(*profile_file).string();
+        if (dropout_off_by(vm)) spec["no_dropout"] = true;
         j.update({{"plan", r.plan},
                   {"plan_spec", spec},
                   {"fits", r.fits},

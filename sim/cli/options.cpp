@@ -313,8 +313,22 @@ std::vector<std::pair<std::string, std::filesystem::path>> files_read(const std:
       return std::optional<std::filesystem::path>();  // (its reading says why)
     }
   };
+  // A cluster's device file, which the cluster file names (beside it, or in the catalog).
+  const auto device_of = [&](const std::filesystem::path& cluster_file, const std::string& what) {
+    try {
+      const std::string device = cluster::load_cluster(cluster_file.string()).device.file;
+      if (!device.empty()) out.emplace_back(what, device);
+    } catch (const InputError&) {
+      // (its reading says why)
+    }
+  };
   if (key == "model" || key == "cluster") {
-    if (const auto f = data(key, value)) out.emplace_back(out.front().first, *f);
+    if (const auto f = data(key, value)) {
+      out.emplace_back(out.front().first, *f);
+      if (key == "cluster") {
+        device_of(*f, fmt::format("the device file that --cluster {} names", value));
+      }
+    }
   }
   if (key != "plan" && key != "fixed-plan") return out;
   nlohmann::json j;
@@ -336,7 +350,10 @@ std::vector<std::pair<std::string, std::filesystem::path>> files_read(const std:
   };
   for (const char* field : {"model", "cluster"}) {
     if (const auto n = named(field)) {
-      if (const auto f = data(field, *n)) out.emplace_back(from(field), *f);
+      if (const auto f = data(field, *n)) {
+        out.emplace_back(from(field), *f);
+        if (std::string_view(field) == "cluster") device_of(*f, from("cluster's device"));
+      }
     }
   }
   if (const auto n = named("profile")) out.emplace_back(from("profile"), *n);
@@ -603,7 +620,10 @@ std::optional<std::string> profile_argument(const po::variables_map& vm) {
   }
   std::error_code ec;
   if (!std::filesystem::is_regular_file(named, ec)) {
-    throw InputError(fmt::format("{}: profile: {}: no such file (or give --profile)", file, named));
+    throw InputError(fmt::format("{}: profile: {}: {} (or give --profile)", file, named,
+                                 std::filesystem::is_directory(named, ec)
+                                     ? "is a directory; expected a profile file"
+                                     : "no such file"));
   }
   if (launcher_rank() == 0) {
     std::cerr << fmt::format(
@@ -631,8 +651,20 @@ model::ModelSpec model_from_options(const po::variables_map& vm) {
   return model_with_options(model::load_model(data_argument(vm, "model")), vm);
 }
 
+std::optional<std::string> dropout_off_by(const po::variables_map& vm) {
+  if (vm.count("no-dropout") && vm["no-dropout"].as<bool>()) return "--no-dropout";
+  const char* flag = vm.count("plan") ? "plan" : vm.count("fixed-plan") ? "fixed-plan" : nullptr;
+  if (!flag) return std::nullopt;
+  const std::string file = vm[flag].as<std::string>();
+  const nlohmann::json j = plan_file_json(file);
+  if (j.is_object() && JsonReader(j, file).boolean_or("no_dropout", false)) {
+    return fmt::format("{}: no_dropout", file);
+  }
+  return std::nullopt;
+}
+
 model::ModelSpec model_with_options(model::ModelSpec spec, const po::variables_map& vm) {
-  if (vm.count("no-dropout") && vm["no-dropout"].as<bool>()) spec.dropout = false;
+  if (dropout_off_by(vm)) spec.dropout = false;
   return spec;
 }
 
@@ -1323,8 +1355,8 @@ PlanSetup setup_from_options(const po::variables_map& vm) {
   model::ModelSpec spec = model_from_options(vm);
   cluster::Cluster cluster = cluster_from_options(vm);
   std::vector<std::string> notes;
-  if (vm.count("no-dropout") && vm["no-dropout"].as<bool>()) {
-    notes.push_back(fmt::format("{} without its dropout layers (--no-dropout)", spec.name));
+  if (const auto off = dropout_off_by(vm)) {
+    notes.push_back(fmt::format("{} without its dropout layers ({})", spec.name, *off));
   }
   // The default precision (bf16) on a device without it (a CPU host): fp32, said so. A
   // precision asked for explicitly is checked as given.

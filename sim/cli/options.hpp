@@ -147,7 +147,10 @@ std::filesystem::path data_file(std::string_view key, const std::string& value);
 // name, a file by its absolute path (InputError where it names none).
 std::string data_reference(std::string_view key, const std::string& given);
 model::ModelSpec model_from_options(const po::variables_map& vm);
-// `spec` with the model flags applied (--no-dropout).
+// What turns the model's dropout off: "--no-dropout", or a --plan (--fixed-plan) file's
+// "no_dropout": true ("P.json: no_dropout"); none where neither does.
+std::optional<std::string> dropout_off_by(const po::variables_map& vm);
+// `spec` with the model flags applied (--no-dropout, or a plan file's no_dropout).
 model::ModelSpec model_with_options(model::ModelSpec spec, const po::variables_map& vm);
 // The cluster, resized by --gpus when given; with a --plan file's cluster_changes (a dtsim
 // whatif point's) where it runs the cluster the file names.

@@ -54,4 +54,18 @@ grep -q "spread_spec.json: jitter_cv 0.05 from the file" "$dir/spread_err" || fa
 grep -q "spread_spec.json: rank_spread_cv 0.02 from the file" "$dir/spread_err" || fail "spread note"
 grep -q "spread_spec.json: calibration profile .*profile_test.json from the file" "$dir/spread_err" || fail "profile note"
 python3 -c "import json, sys; s = json.load(open(sys.argv[1])); w = float(open(sys.argv[2]).read()); assert s['step_time_s'] == w, (s['step_time_s'], w)" "$dir/spread_sim.json" "$dir/spread_step" || fail "spread step"
+# A --fixed-plan's own figures (its straggler figures, its profile) are its rows' plan_spec's too.
+"$dtsim" whatif --fixed-plan "$dir/spread_spec.json" --vary global_batch=256 --json > "$dir/fixed.json" 2> /dev/null || fail "whatif fixed"
+python3 - "$dir" <<'PY' || fail "fixed rows"
+import json, sys
+d = sys.argv[1]
+r = json.load(open(f"{d}/fixed.json"))[0]
+spec = r["plan_spec"]
+assert spec["jitter_cv"] == 0.05 and spec["rank_spread_cv"] == 0.02, spec
+assert spec["profile"].endswith("/profile_test.json"), spec
+json.dump(spec, open(f"{d}/fixed_spec.json", "w"))
+open(f"{d}/fixed_step", "w").write(repr(r["step_time_s"]))
+PY
+"$dtsim" simulate --plan "$dir/fixed_spec.json" --json > "$dir/fixed_sim.json" 2> /dev/null || fail "simulate fixed"
+python3 -c "import json, sys; s = json.load(open(sys.argv[1])); w = float(open(sys.argv[2]).read()); assert s['step_time_s'] == w, (s['step_time_s'], w)" "$dir/fixed_sim.json" "$dir/fixed_step" || fail "fixed step"
 echo ok
