@@ -451,6 +451,11 @@ int cmd_plan(const std::vector<std::string>& args) {
       file["profile"] = std::filesystem::absolute(vm["profile"].as<std::string>()).string();
     }
     if (vm["no-dropout"].as<bool>()) file["no_dropout"] = true;
+    for (const auto& [flag, field] :
+         {std::pair{"device-memory-gib", "device_memory_gib"},
+          std::pair{"framework-overhead-gib", "framework_overhead_gib"}}) {
+      if (vm.count(flag)) file[field] = vm[flag].as<double>();
+    }
     if (vm.count("jitter-cv")) file["jitter_cv"] = vm["jitter-cv"].as<double>();
     if (vm.count("rank-spread-cv")) file["rank_spread_cv"] = vm["rank-spread-cv"].as<double>();
     if (!out || !(out << json_text(file, 2) << "\n" << std::flush)) {

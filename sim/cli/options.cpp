@@ -1255,36 +1255,55 @@ void add_memory_options(po::options_description& desc) {
 
 plan::MemoryOptions memory_options_from(const po::variables_map& vm) {
   plan::MemoryOptions options;
-  if (vm.count("framework-overhead-gib")) {
-    const double overhead = vm["framework-overhead-gib"].as<double>();
+  // Each figure from its flag, else from a --plan file that dtsim plan --out wrote with it
+  // (named so in the messages and a note).
+  std::optional<JsonReader> file;
+  nlohmann::json j;
+  if (vm.count("plan")) {
+    j = plan_file_json(vm["plan"].as<std::string>());
+    if (j.is_object()) file = JsonReader(j, vm["plan"].as<std::string>());
+  }
+  const auto figure = [&](const char* flag,
+                          const char* field) -> std::optional<std::pair<double, std::string>> {
+    if (vm.count(flag)) return std::pair{vm[flag].as<double>(), fmt::format("--{}", flag)};
+    if (!file || !file->has(field)) return std::nullopt;
+    const nlohmann::json& v = j.at(field);
+    if (!v.is_number()) {
+      file->fail(field, fmt::format("expected a number of GiB, got {}", describe_json_value(v)));
+    }
+    if (launcher_rank() == 0) {
+      std::cerr << fmt::format("note: {}: {} {:g} GiB from the file (--{} sets another)\n",
+                               file->file(), field, v.get<double>(), flag);
+    }
+    return std::pair{v.get<double>(), file->where(field)};
+  };
+  if (const auto given = figure("framework-overhead-gib", "framework_overhead_gib")) {
+    const auto& [overhead, who] = *given;
     if (!(overhead >= 0) || !std::isfinite(overhead)) {
-      throw InputError(
-          fmt::format("--framework-overhead-gib: expected a finite number >= 0, got {}", overhead));
+      throw InputError(fmt::format("{}: expected a finite number >= 0, got {}", who, overhead));
     }
     // The bounds of a device file's framework_overhead_bytes (device_catalog.hpp).
     const double bytes = overhead * kGiB;
     if (bytes != 0 && !(bytes >= cluster::kLeastOverhead && bytes <= cluster::kMostMemory)) {
       throw InputError(fmt::format(
-          "--framework-overhead-gib: expected 0 or from {:g} MiB to {:g} TiB, got {} GiB (a "
-          "unit mistake?)",
+          "{}: expected 0 or from {:g} MiB to {:g} TiB, got {} GiB (a unit mistake?)", who,
           cluster::kLeastOverhead / kMiB, cluster::kMostMemory / kGiB / 1024, overhead));
     }
     options.framework_overhead_bytes = bytes;
   }
-  if (vm.count("device-memory-gib")) {
-    const double cap = vm["device-memory-gib"].as<double>();
+  if (const auto given = figure("device-memory-gib", "device_memory_gib")) {
+    const auto& [cap, who] = *given;
     if (!(cap > 0) || !std::isfinite(cap)) {
-      throw InputError(
-          fmt::format("--device-memory-gib: expected a finite number > 0, got {}", cap));
+      throw InputError(fmt::format("{}: expected a finite number > 0, got {}", who, cap));
     }
     // The bounds of a device file's memory_bytes (device_catalog.hpp).
     options.capacity_bytes = cap * kGiB;
     if (!(*options.capacity_bytes >= cluster::kLeastMemory &&
           *options.capacity_bytes <= cluster::kMostMemory)) {
       throw InputError(
-          fmt::format("--device-memory-gib: expected from {:g} MiB to {:g} TiB, got {} GiB (a "
-                      "unit mistake?)",
-                      cluster::kLeastMemory / kMiB, cluster::kMostMemory / kGiB / 1024, cap));
+          fmt::format("{}: expected from {:g} MiB to {:g} TiB, got {} GiB (a unit "
+                      "mistake?)",
+                      who, cluster::kLeastMemory / kMiB, cluster::kMostMemory / kGiB / 1024, cap));
     }
   }
   return options;
