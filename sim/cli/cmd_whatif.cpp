@@ -19,6 +19,7 @@
 #include "sim/cli/isolated.hpp"
 #include "sim/cli/mpi_split.hpp"
 #include "sim/cli/options.hpp"
+#include "sim/common/data_files.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/json_reader.hpp"
 #include "sim/common/units.hpp"
@@ -176,7 +177,7 @@ Identity axis_identity(const std::string& key, const std::string& v) {
     return {fmt::format("{}", *x == 0 ? 0.0 : *x), true};  // (-0 is 0)
   }
   if (key == "attention") return {std::string(model::to_string(attention_value(v)))};
-  const bool path = v.find('/') != std::string::npos || v.ends_with(".json");
+  const bool path = names_a_path(v);
   // A model or cluster by name or by its file's path: the file (tiny-gpt and
   // models/tiny-gpt.json are one).
   if (key == "model" || key == "cluster") {
@@ -1118,7 +1119,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         // A device file by its absolute path, as the model's and the cluster's.
         if (changes.contains("device")) {
           const std::string device = changes["device"].get<std::string>();
-          if (device.find('/') != std::string::npos || device.ends_with(".json")) {
+          if (names_a_path(device)) {
             changes["device"] = std::filesystem::absolute(device).lexically_normal().string();
           }
         }

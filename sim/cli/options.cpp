@@ -293,9 +293,7 @@ std::string lowercase_first(std::string text) {
   if (!text.empty()) text[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(text[0])));
   return text;
 }
-}  // namespace
 
-namespace {
 std::optional<std::string> named_in_plan_file(const nlohmann::json& j, const std::string& file,
                                               const char* key);
 
@@ -338,9 +336,11 @@ std::vector<std::pair<std::string, std::filesystem::path>> files_read(const std:
     return out;  // (its reading says why)
   }
   if (!j.is_object()) return out;
-  const auto named = [&](const char* field) -> std::optional<std::string> {
+  // (A field that is not a name: its reading says why.)
+  const auto named = [&](const char* field,
+                         const nlohmann::json& in) -> std::optional<std::string> {
     try {
-      return named_in_plan_file(j, value, field);
+      return named_in_plan_file(in, value, field);
     } catch (const InputError&) {
       return std::nullopt;
     }
@@ -349,16 +349,16 @@ std::vector<std::pair<std::string, std::filesystem::path>> files_read(const std:
     return fmt::format("the file that --{} {} names as its {}", key, value, field);
   };
   for (const char* field : {"model", "cluster"}) {
-    if (const auto n = named(field)) {
+    if (const auto n = named(field, j)) {
       if (const auto f = data(field, *n)) {
         out.emplace_back(from(field), *f);
         if (std::string_view(field) == "cluster") device_of(*f, from("cluster's device"));
       }
     }
   }
-  if (const auto n = named("profile")) out.emplace_back(from("profile"), *n);
-  if (j.contains("cluster_changes") && j.at("cluster_changes").is_object()) {
-    if (const auto n = named_in_plan_file(j.at("cluster_changes"), value, "device")) {
+  if (const auto n = named("profile", j)) out.emplace_back(from("profile"), *n);
+  if (j.contains("cluster_changes")) {
+    if (const auto n = named("device", j.at("cluster_changes"))) {
       out.emplace_back(from("cluster_changes.device"), *n);
     }
   }
@@ -450,10 +450,15 @@ bool same_data_file(std::string_view key, const std::string& a, const std::strin
   }
 }
 
-// "nic_gbps=800, nodes=64": a plan file's cluster_changes as the notes show them.
-std::string changes_text(const nlohmann::json& changes) {
+// "nic_gbps=800, nodes=64": a plan file's cluster_changes as the notes show them; "" where
+// it has none (no object, or only nulls, which the reading takes as absent).
+std::string changes_text(const nlohmann::json& plan_file) {
+  if (!plan_file.is_object() || !plan_file.contains("cluster_changes") ||
+      !plan_file.at("cluster_changes").is_object()) {
+    return "";
+  }
   std::vector<std::string> parts;
-  for (const auto& [name, value] : changes.items()) {
+  for (const auto& [name, value] : plan_file.at("cluster_changes").items()) {
     if (value.is_null()) continue;  // (absent, as the reading takes it)
     parts.push_back(name + "=" + (value.is_string() ? value.get<std::string>() : json_text(value)));
   }
@@ -466,31 +471,29 @@ std::string changes_text(const nlohmann::json& changes) {
 void note_cluster_changes(std::string_view key, std::string_view flag, const std::string& file,
                           const nlohmann::json& j, const std::string& cluster) {
   // (Not an object: the plan's reading refuses it.)
-  if (key != "cluster" || flag != "fixed-plan" || !j.contains("cluster_changes") ||
-      !j.at("cluster_changes").is_object() || j.at("cluster_changes").empty() ||
-      launcher_rank() != 0) {
+  if (key != "cluster" || flag != "fixed-plan" || changes_text(j).empty() || launcher_rank() != 0) {
     return;
   }
   std::cerr << fmt::format(
       "note: {} was made by dtsim whatif for {} with {}; whatif's points read {} as its file "
       "has it (give those as --vary to run them)\n",
-      file, cluster, changes_text(j.at("cluster_changes")), cluster);
+      file, cluster, changes_text(j), cluster);
 }
 
-// The cluster a plan file names (`key` "cluster" or "model"), a relative path taken from the
-// file's folder; none where it names none.
+// A relative path that plan file `file` holds, taken from the file's folder (dtsim plan --out
+// writes absolute ones; one written by hand beside its model reads the same from any folder).
+std::string from_plan_folder(const std::string& file, const std::string& path) {
+  if (!std::filesystem::path(path).is_relative()) return path;
+  return (std::filesystem::path(file).parent_path() / path).lexically_normal().string();
+}
+
+// The model, cluster or device a plan file names (`key`), a path from the file's folder;
+// none where it names none.
 std::optional<std::string> named_in_plan_file(const nlohmann::json& j, const std::string& file,
                                               const char* key) {
   if (!j.is_object() || !JsonReader(j, file).has(key)) return std::nullopt;
-  std::string named = JsonReader(j, file).string(key);
-  // A relative path in the file is relative to the file's folder (dtsim plan --out writes
-  // absolute ones; one written by hand beside its model reads the same from any folder).
-  const std::filesystem::path named_path(named);
-  if ((named.find('/') != std::string::npos || named.ends_with(".json")) &&
-      named_path.is_relative()) {
-    named = (std::filesystem::path(file).parent_path() / named_path).lexically_normal().string();
-  }
-  return named;
+  const std::string named = JsonReader(j, file).string(key);
+  return names_a_path(named) ? from_plan_folder(file, named) : named;
 }
 
 }  // namespace
@@ -533,12 +536,10 @@ std::string data_argument(const po::variables_map& vm, const char* key) {
   }
   if (!same_data_file(key, given, *named)) {
     if (launcher_rank() == 0) {
-      const bool changed = std::string_view(key) == "cluster" && j.contains("cluster_changes") &&
-                           j.at("cluster_changes").is_object() && !j.at("cluster_changes").empty();
+      const bool changed = std::string_view(key) == "cluster" && !changes_text(j).empty();
       std::cerr << fmt::format("note: {} was made for {} {}{}; --{} {} as given{}\n", file, key,
-                               *named,
-                               changed ? " with " + changes_text(j.at("cluster_changes")) : "", key,
-                               given, changed ? ", without those changes" : "");
+                               *named, changed ? " with " + changes_text(j) : "", key, given,
+                               changed ? ", without those changes" : "");
     }
   } else {
     note_cluster_changes(key, flag, file, j, *named);
@@ -552,15 +553,10 @@ void apply_cluster_changes(cluster::Cluster& c, const JsonReader& changes) {
   if (changes.has("device")) {
     cluster::DeviceSpec device;
     // (A device file's relative path from the plan file's folder, as the cluster's.)
-    std::string named = changes.string("device");
+    const std::string named = changes.string("device");
     try {
-      if ((named.find('/') != std::string::npos || named.ends_with(".json")) &&
-          std::filesystem::path(named).is_relative()) {
-        named = (std::filesystem::path(changes.file()).parent_path() / named)
-                    .lexically_normal()
-                    .string();
-      }
-      device = cluster::load_device(named);
+      device = cluster::load_device(names_a_path(named) ? from_plan_folder(changes.file(), named)
+                                                        : named);
     } catch (const InputError& e) {
       changes.fail("device", e.what());
     }
@@ -613,11 +609,8 @@ std::optional<std::string> profile_argument(const po::variables_map& vm) {
   const std::string file = vm[flag].as<std::string>();
   const nlohmann::json j = plan_file_json(file);
   if (!j.is_object() || !JsonReader(j, file).has("profile")) return std::nullopt;
-  std::string named = JsonReader(j, file).string("profile");
-  // (A relative path from the file's folder, as its model's and cluster's.)
-  if (std::filesystem::path(named).is_relative()) {
-    named = (std::filesystem::path(file).parent_path() / named).lexically_normal().string();
-  }
+  // (Always a path: from the file's folder where relative, as its model's and cluster's.)
+  const std::string named = from_plan_folder(file, JsonReader(j, file).string("profile"));
   std::error_code ec;
   if (!std::filesystem::is_regular_file(named, ec)) {
     throw InputError(fmt::format("{}: profile: {}: {} (or give --profile)", file, named,
@@ -992,13 +985,12 @@ cluster::Cluster cluster_from_options(const po::variables_map& vm) {
     const std::string file = vm["plan"].as<std::string>();
     j = plan_file_json(file);
     const auto named = named_in_plan_file(j, file, "cluster");
-    if (named && j.contains("cluster_changes") && j.at("cluster_changes").is_object() &&
-        !changes_text(j.at("cluster_changes")).empty() && same_data_file("cluster", name, *named)) {
+    if (named && !changes_text(j).empty() && same_data_file("cluster", name, *named)) {
       changes = JsonReader(j, file).object("cluster_changes");
       apply_cluster_changes(c, *changes);
       if (launcher_rank() == 0) {
         std::cerr << fmt::format("note: {}: {} with {}, as the dtsim whatif point it was made at\n",
-                                 file, c.name, changes_text(changes->raw()));
+                                 file, c.name, changes_text(j));
       }
     }
   }
@@ -1263,21 +1255,19 @@ plan::MemoryOptions memory_options_from(const po::variables_map& vm) {
     j = plan_file_json(vm["plan"].as<std::string>());
     if (j.is_object()) file = JsonReader(j, vm["plan"].as<std::string>());
   }
-  const auto figure = [&](const char* flag,
-                          const char* field) -> std::optional<std::pair<double, std::string>> {
+  // (Read as the plan file's reading checks them: the overhead may be 0, the capacity not.)
+  const auto figure = [&](const char* flag, const char* field,
+                          bool zero) -> std::optional<std::pair<double, std::string>> {
     if (vm.count(flag)) return std::pair{vm[flag].as<double>(), fmt::format("--{}", flag)};
     if (!file || !file->has(field)) return std::nullopt;
-    const nlohmann::json& v = j.at(field);
-    if (!v.is_number()) {
-      file->fail(field, fmt::format("expected a number of GiB, got {}", describe_json_value(v)));
-    }
+    const double v = zero ? file->non_negative_number(field) : file->positive_number(field);
     if (launcher_rank() == 0) {
       std::cerr << fmt::format("note: {}: {} {:g} GiB from the file (--{} sets another)\n",
-                               file->file(), field, v.get<double>(), flag);
+                               file->file(), field, v, flag);
     }
-    return std::pair{v.get<double>(), file->where(field)};
+    return std::pair{v, file->where(field)};
   };
-  if (const auto given = figure("framework-overhead-gib", "framework_overhead_gib")) {
+  if (const auto given = figure("framework-overhead-gib", "framework_overhead_gib", true)) {
     const auto& [overhead, who] = *given;
     if (!(overhead >= 0) || !std::isfinite(overhead)) {
       throw InputError(fmt::format("{}: expected a finite number >= 0, got {}", who, overhead));
@@ -1291,7 +1281,7 @@ plan::MemoryOptions memory_options_from(const po::variables_map& vm) {
     }
     options.framework_overhead_bytes = bytes;
   }
-  if (const auto given = figure("device-memory-gib", "device_memory_gib")) {
+  if (const auto given = figure("device-memory-gib", "device_memory_gib", false)) {
     const auto& [cap, who] = *given;
     if (!(cap > 0) || !std::isfinite(cap)) {
       throw InputError(fmt::format("{}: expected a finite number > 0, got {}", who, cap));

@@ -103,7 +103,7 @@ std::vector<std::string> list_devices() {
 }
 
 DeviceSpec load_device(std::string_view name, const std::filesystem::path& beside) {
-  const bool looks_like_path = name.find('/') != std::string_view::npos || name.ends_with(".json");
+  const bool looks_like_path = names_a_path(name);
   if (!looks_like_path) {
     // Names and aliases, case-insensitive.
     const std::string wanted = lower(name);

@@ -38,11 +38,14 @@ std::vector<std::string> list_data_names(std::string_view subdir) {
   return names;
 }
 
+bool names_a_path(std::string_view text) {
+  return text.find('/') != std::string_view::npos || text.ends_with(".json");
+}
+
 fs::path resolve_data_file(std::string_view what, std::string_view subdir,
                            std::string_view name_or_path) {
   const fs::path as_path{std::string(name_or_path)};
-  const bool looks_like_path =
-      name_or_path.find('/') != std::string_view::npos || as_path.extension() == ".json";
+  const bool looks_like_path = names_a_path(name_or_path);
   std::error_code ec;
   const fs::file_status status = fs::status(as_path, ec);
   if (fs::is_regular_file(status)) return as_path;
