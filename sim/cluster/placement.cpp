@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -246,6 +247,73 @@ bool Placement::symmetric_on(std::int64_t devices_per_node) const {
   return true;
 }
 
+std::int64_t torus_hops(std::span<const std::int64_t> dims, std::int64_t a, std::int64_t b) {
+  // Shortest path on a torus: per dimension min(|a-b|, n-|a-b|), summed; x fastest.
+  std::int64_t hops = 0;
+  for (const std::int64_t n : dims) {
+    const std::int64_t diff = std::abs(a % n - b % n);
+    hops += std::min(diff, n - diff);
+    a /= n;
+    b /= n;
+  }
+  return hops;
+}
+
+std::int64_t torus_diameter(std::span<const std::int64_t> dims,
+                            std::span<const std::int64_t> devices) {
+  const auto members = static_cast<double>(devices.size());
+  double cells = 1;
+  double line_work = 0;  // per cell, one pass along each dimension
+  for (const std::int64_t n : dims) {
+    cells *= static_cast<double>(n);
+    line_work += static_cast<double>(n);
+  }
+  if (members * (members - 1) / 2 <= cells * line_work) {
+    // Few members: every pair.
+    std::int64_t most = 0;
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      for (std::size_t j = i + 1; j < devices.size(); ++j) {
+        most = std::max(most, torus_hops(dims, devices[i], devices[j]));
+      }
+    }
+    return most;
+  }
+  // Many members: the farthest member from every cell, one dimension at a time (the distance is
+  // a sum over dimensions, so the max-plus transform separates), then the largest at a member.
+  // Exact, as the pairs are; in cells x (sum of the sizes) steps instead of members^2 / 2.
+  constexpr std::int64_t kNone = std::numeric_limits<std::int64_t>::min() / 4;
+  const auto size = static_cast<std::size_t>(cells);
+  std::vector<std::int64_t> far(size, kNone);
+  for (const std::int64_t d : devices) far[static_cast<std::size_t>(d)] = 0;
+  std::vector<std::int64_t> line;
+  std::int64_t stride = 1;
+  for (const std::int64_t n : dims) {
+    line.resize(static_cast<std::size_t>(n));
+    const std::int64_t block = stride * n;
+    for (std::int64_t base = 0; base < static_cast<std::int64_t>(size); base += block) {
+      for (std::int64_t offset = 0; offset < stride; ++offset) {
+        const auto at = [&](std::int64_t k) {
+          return static_cast<std::size_t>(base + offset + k * stride);
+        };
+        for (std::int64_t i = 0; i < n; ++i) {
+          std::int64_t best = kNone;
+          for (std::int64_t j = 0; j < n; ++j) {
+            if (far[at(j)] == kNone) continue;
+            const std::int64_t diff = std::abs(i - j);
+            best = std::max(best, far[at(j)] + std::min(diff, n - diff));
+          }
+          line[static_cast<std::size_t>(i)] = best;
+        }
+        for (std::int64_t i = 0; i < n; ++i) far[at(i)] = line[static_cast<std::size_t>(i)];
+      }
+    }
+    stride = block;
+  }
+  std::int64_t most = 0;
+  for (const std::int64_t d : devices) most = std::max(most, far[static_cast<std::size_t>(d)]);
+  return most;
+}
+
 GroupSpan group_span(const Cluster& cluster, std::span<const std::int64_t> devices) {
   GroupSpan span;
   span.devices = static_cast<std::int64_t>(devices.size());
@@ -273,32 +341,11 @@ GroupSpan group_span(const Cluster& cluster, std::span<const std::int64_t> devic
   }
   const InterFabric fabric = cluster.inter.fabric;
   if (fabric == InterFabric::Torus3d && span.devices > 1) {
-    // Shortest path on a torus: per dimension min(|a-b|, n-|a-b|), summed; x fastest.
     const auto& dims = cluster.inter.torus_dims;
-    auto position = [&](std::int64_t d) {
-      std::vector<std::int64_t> p;
-      for (std::int64_t n : dims) {
-        p.push_back(d % n);
-        d /= n;
-      }
-      return p;
-    };
-    auto hops = [&](std::int64_t x, std::int64_t y) {
-      const auto a = position(x);
-      const auto b = position(y);
-      std::int64_t h = 0;
-      for (std::size_t k = 0; k < dims.size(); ++k) {
-        const std::int64_t diff = std::abs(a[k] - b[k]);
-        h += std::min(diff, dims[k] - diff);
-      }
-      return h;
-    };
+    span.max_torus_hops = torus_diameter(dims, devices);
     for (std::size_t i = 0; i < devices.size(); ++i) {
-      for (std::size_t j = i + 1; j < devices.size(); ++j) {
-        span.max_torus_hops = std::max(span.max_torus_hops, hops(devices[i], devices[j]));
-      }
-      span.max_ring_hops =
-          std::max(span.max_ring_hops, hops(devices[i], devices[(i + 1) % devices.size()]));
+      span.max_ring_hops = std::max(
+          span.max_ring_hops, torus_hops(dims, devices[i], devices[(i + 1) % devices.size()]));
     }
     span.crossed.push_back(fmt::format("{} torus links (up to {} hops)",
                                        to_string(cluster.inter.transport), span.max_torus_hops));

@@ -107,6 +107,13 @@ struct GroupSpan {
 
 GroupSpan group_span(const Cluster& cluster, std::span<const std::int64_t> devices);
 
+// torus_3d: the shortest-path hop count between devices a and b of a torus of these sizes (x
+// fastest), and the largest between two of the devices (exact, by whichever of two ways costs
+// less).
+std::int64_t torus_hops(std::span<const std::int64_t> dims, std::int64_t a, std::int64_t b);
+std::int64_t torus_diameter(std::span<const std::int64_t> dims,
+                            std::span<const std::int64_t> devices);
+
 std::string_view to_string(ParallelDim dim);
 
 }  // namespace dtsim::cluster

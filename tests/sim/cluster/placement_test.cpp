@@ -134,3 +134,41 @@ TEST_CASE("which links and switches a group crosses", "[cluster][placement]") {
   const std::vector<std::int64_t> corners = {0, tpu.devices() - 1};
   CHECK(group_span(tpu, corners).max_torus_hops >= 1);
 }
+
+TEST_CASE("a torus group's largest hop count is that of its farthest pair, however found",
+          "[cluster][placement]") {
+  using dtsim::cluster::torus_diameter;
+  using dtsim::cluster::torus_hops;
+  // Hop counts by hand on a 4x3x5 torus (x fastest): device 0 = (0,0,0), 2 = (2,0,0),
+  // 3 = (3,0,0) one hop from 0 round the ring, 59 = (3,2,4) one hop in each dimension.
+  const std::vector<std::int64_t> dims = {4, 3, 5};
+  CHECK(torus_hops(dims, 0, 2) == 2);
+  CHECK(torus_hops(dims, 0, 3) == 1);
+  CHECK(torus_hops(dims, 0, 59) == 3);
+  CHECK(torus_hops(dims, 59, 0) == 3);
+  // Against every pair, for groups small (pairs) and large (the per-dimension transform), on
+  // tori of odd and even sizes and with a dimension of 1.
+  std::uint64_t state = 12345;
+  const auto next = [&] {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return state >> 33;
+  };
+  for (const std::vector<std::int64_t>& shape : std::vector<std::vector<std::int64_t>>{
+           {4, 3, 5}, {2, 2, 2}, {8, 1, 6}, {7, 7, 7}, {16, 4, 1}}) {
+    const std::int64_t cells = shape[0] * shape[1] * shape[2];
+    for (const std::int64_t members : {std::int64_t{2}, std::int64_t{5}, cells / 3, cells}) {
+      if (members < 2) continue;
+      std::vector<std::int64_t> all(static_cast<std::size_t>(cells));
+      for (std::int64_t d = 0; d < cells; ++d) all[static_cast<std::size_t>(d)] = d;
+      for (std::size_t i = all.size() - 1; i > 0; --i) std::swap(all[i], all[next() % (i + 1)]);
+      const std::vector<std::int64_t> group(all.begin(), all.begin() + members);
+      std::int64_t brute = 0;
+      for (const std::int64_t a : group) {
+        for (const std::int64_t b : group) brute = std::max(brute, torus_hops(shape, a, b));
+      }
+      INFO("torus " << shape[0] << "x" << shape[1] << "x" << shape[2] << ", " << members
+                    << " members");
+      CHECK(torus_diameter(shape, group) == brute);
+    }
+  }
+}
