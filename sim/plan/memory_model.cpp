@@ -88,7 +88,8 @@ double extra_activation_bytes(const ModelGraph& g, int group, const Plan& plan) 
 
 // What a deferred weight-gradient pass (zero-bubble's W) of one micro-batch keeps of `layer`:
 // each weight GEMM's input and the gradient of its output. A column-parallel GEMM's output is
-// split over tp; a row-parallel one's gradient is the whole (all-gathered) tensor.
+// split over tp, as the vocabulary-parallel LM head's logits are (Megatron-LM's output layer is a
+// ColumnParallelLinear); a row-parallel one's gradient is the whole (all-gathered) tensor.
 struct WeightPass {
   double inputs = 0, output_grads = 0;
   double bytes() const { return inputs + output_grads; }
@@ -99,8 +100,9 @@ WeightPass weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan) {
   for (model::OpId id : g.layer_ops(layer)) {
     const Op& op = g.op(id);
     if (op.bwd_weight_flops <= 0 || op.gemm_m <= 0) continue;
-    const double out_split = static_cast<double>(plan.cp) *
-                             (op.tp_split == TpSplit::Column ? static_cast<double>(plan.tp) : 1.0);
+    const bool column = op.tp_split == TpSplit::Column || op.tp_split == TpSplit::Vocab;
+    const double out_split =
+        static_cast<double>(plan.cp) * (column ? static_cast<double>(plan.tp) : 1.0);
     // Its input: what it keeps, but an MoE down op's copies' outputs (the B pass used them).
     const auto saved = static_cast<double>(op.saved_bytes);
     w.inputs += op.kind == model::OpKind::MlpDown ? rank_split_bytes(op, plan, saved)

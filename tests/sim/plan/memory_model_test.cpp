@@ -593,6 +593,29 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     }
     CHECK(base.stages[3].weight_passes_held == 0);
   }
+  SECTION("zero-bubble's deferred head pass keeps its logits' gradient split over tp") {
+    // Megatron-LM's output layer is vocabulary-parallel (a ColumnParallelLinear): each of the
+    // tp ranks holds T x V / tp logits and their gradient. So what the last stage's deferred W
+    // passes add over 1F1B grows with the vocabulary by 2 bytes x T x V / tp per pass held.
+    p.tp = 2;
+    const auto added = [&](std::int64_t vocab) {
+      auto s = spec;
+      s.vocab = vocab;
+      const ModelGraph gv(s, 2, 32);
+      p.schedule = Schedule::ZeroBubble;
+      const auto zb = estimate_memory(gv, p, cluster);
+      p.schedule = Schedule::OneFOneB;
+      const auto base = estimate_memory(gv, p, cluster);
+      return std::pair{zb.stages[3].activations_bytes - base.stages[3].activations_bytes,
+                       zb.stages[3].weight_passes_held};
+    };
+    const auto [small, held] = added(4096);
+    const auto [large, held_large] = added(8192);
+    REQUIRE(held >= 1);
+    REQUIRE(held_large == held);
+    const double tokens = 2 * 32;  // micro-batch x sequence
+    CHECK(large - small == Approx(static_cast<double>(held) * 2 * tokens * (8192 - 4096) / 2));
+  }
   SECTION("selective recompute holds one block's recomputed attention tensors") {
     // One block: selective recompute keeps all but its s² tensors, and holds them again while
     // its backward recomputes them (working tensors, unless the head's logits or the MLP's
