@@ -1264,7 +1264,9 @@ class Lowerer {
     if (plan_.clip_grad > 0) {
       // Each rank of a data-parallel group sums the squares of its share of the gradients (its
       // ZeRO slice; without ZeRO, an equal part of the replicated gradients), so that the dp
-      // all-reduce counts each once.
+      // all-reduce counts each once: dtexec's way. (Megatron-LM without its distributed
+      // optimizer has every rank read all of its gradients and reduces over tp and pp only; the
+      // README says so.)
       const auto norm_params =
           static_cast<std::uint64_t>(dense / static_cast<double>(grad_group) +
                                      experts / static_cast<double>(dp_group_size(true)));
