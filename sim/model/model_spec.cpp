@@ -1,6 +1,7 @@
 #include "sim/model/model_spec.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -300,6 +301,12 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   m.source = fmt::format("Hugging Face config.json ({})", file);
   m.description = fmt::format("imported from a Hugging Face {} config", type);
   KeyMap names;
+  // A dropout probability: from 0 to below 1.
+  const auto probability = [&](const char* key) {
+    const double p = r.non_negative_number(key);
+    if (!(p < 1)) r.fail(key, fmt::format("expected a probability from 0 to below 1, got {:g}", p));
+    return p;
+  };
   if (type == "gpt2") {
     m.layers = hf_int(r, names, "layers", {"n_layer", "num_hidden_layers"});
     m.hidden = hf_int(r, names, "hidden", {"n_embd", "hidden_size"});
@@ -326,7 +333,21 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.positions = Positions::Learned;
     m.tied_embeddings = r.boolean_or("tie_word_embeddings", true);
     m.bias = BiasSpec{true, true, true, true};
-    m.dropout = true;
+    // Its dropout layers (embedding, attention probabilities, residuals: what dtsim's dropout
+    // prices), from their probabilities, 0.1 each where not given (Hugging Face's GPT2Config):
+    // on where any is above 0, off where all are 0. dtsim prices all three or none, so where
+    // some are 0 and some not, all are priced, said in the description.
+    std::vector<std::string> zero, nonzero;
+    for (const char* key : {"embd_pdrop", "attn_pdrop", "resid_pdrop"}) {
+      (r.has(key) && probability(key) == 0 ? zero : nonzero).emplace_back(key);
+    }
+    m.dropout = !nonzero.empty();
+    if (m.dropout && !zero.empty()) {
+      m.description += fmt::format(
+          "; its {} {} 0 but its {} not: dtsim prices GPT-2's dropout layers all or none, all "
+          "here",
+          fmt::join(zero, " and "), zero.size() == 1 ? "is" : "are", fmt::join(nonzero, " and "));
+    }
   } else {
     m.layers = hf_int(r, names, "layers", {"num_hidden_layers"});
     m.hidden = hf_int(r, names, "hidden", {"hidden_size"});
@@ -388,6 +409,21 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.bias.qkv = type == "qwen2" || attention_bias;
     m.bias.attn_out = attention_bias;
     m.bias.mlp = r.boolean_or("mlp_bias", false);
+    // Their attention-probability dropout (0 in every published config of these families):
+    // dtsim's dropout prices GPT-2's layers, embedding and residuals too, so it is left out,
+    // said in the description.
+    if (r.has("attention_dropout") && probability("attention_dropout") > 0) {
+      m.description += fmt::format(
+          "; its attention_dropout of {:g} is not modelled (priced without dropout: a dtsim model "
+          "file's \"dropout\": true prices GPT-2's embedding, attention and residual dropout)",
+          r.non_negative_number("attention_dropout"));
+    }
+    // Hugging Face's llama, mistral and qwen2 classes have no experts, whatever the config says.
+    if (type != "mixtral" && (r.has("num_local_experts") || r.has("num_experts_per_tok"))) {
+      m.description += fmt::format(
+          "; its {} not read: Hugging Face's {} model has no experts (model_type mixtral has)",
+          r.has("num_local_experts") ? "num_local_experts is" : "num_experts_per_tok is", type);
+    }
     if (type == "mixtral") {
       m.moe = MoeSpec{hf_int(r, names, "moe.experts", {"num_local_experts"}),
                       hf_int(r, names, "moe.top_k", {"num_experts_per_tok"}), m.ffn_hidden};

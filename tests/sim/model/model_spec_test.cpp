@@ -123,6 +123,45 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
       "n_layer": 12, "num_hidden_layers": 12, "n_positions": 1024, "vocab_size": 50257})");
     CHECK(count_params(load_model(agree.path())) == 124439808ULL);
   }
+  SECTION("gpt2's dropout from its probabilities; others' attention_dropout and experts said") {
+    const std::string gpt2 = R"("model_type": "gpt2", "n_embd": 768, "n_head": 12,
+      "n_layer": 12, "n_positions": 1024, "vocab_size": 50257)";
+    // Hugging Face's GPT2Config: 0.1 each where not given.
+    TempFile stock("config.json", "{" + gpt2 + "}");
+    CHECK(load_model(stock.path()).dropout);
+    TempFile off("config.json",
+                 "{" + gpt2 + R"(, "embd_pdrop": 0, "attn_pdrop": 0.0, "resid_pdrop": 0})");
+    CHECK_FALSE(load_model(off.path()).dropout);
+    TempFile some("config.json", "{" + gpt2 + R"(, "embd_pdrop": 0, "attn_pdrop": 0})");
+    const auto mixed = load_model(some.path());
+    CHECK(mixed.dropout);
+    CHECK_THAT(mixed.description,
+               Catch::Contains("its embd_pdrop and attn_pdrop are 0 but its resid_pdrop not"));
+    for (const std::string bad : {"-0.5", "1", "\"0.1\""}) {
+      INFO(bad);
+      TempFile f("config.json", "{" + gpt2 + R"(, "attn_pdrop": )" + bad + "}");
+      DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError, "attn_pdrop: expected");
+    }
+    const std::string llama = R"("model_type": "llama", "hidden_size": 64,
+      "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+      "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64)";
+    TempFile attention("config.json", "{" + llama + R"(, "attention_dropout": 0.1})");
+    const auto a = load_model(attention.path());
+    CHECK_FALSE(a.dropout);
+    CHECK_THAT(a.description, Catch::Contains("its attention_dropout of 0.1 is not modelled"));
+    TempFile none("config.json", "{" + llama + R"(, "attention_dropout": 0.0})");
+    CHECK_THAT(load_model(none.path()).description, !Catch::Contains("attention_dropout"));
+    TempFile wrong("config.json", "{" + llama + R"(, "attention_dropout": 2})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        load_model(wrong.path()), InputError,
+        "attention_dropout: expected a probability from 0 to below 1, got 2");
+    TempFile experts("config.json", "{" + llama + R"(, "num_local_experts": 8})");
+    const auto dense = load_model(experts.path());
+    CHECK_FALSE(dense.moe);
+    CHECK_THAT(dense.description,
+               Catch::Contains("its num_local_experts is not read: Hugging Face's llama model has "
+                               "no experts"));
+  }
   SECTION("a sliding window is said not to be modelled; a gated MLP other than SiLU refused") {
     TempFile text("config.json", R"({"model_type": "mistral", "hidden_size": 4096,
       "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
