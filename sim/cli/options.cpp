@@ -778,10 +778,11 @@ void add_price_option(po::options_description& desc) {
 void apply_price(const po::variables_map& vm, cluster::Cluster& c) {
   if (!vm.count("price-per-gpu-hour")) return;
   const double usd = vm["price-per-gpu-hour"].as<double>();
-  if (!(std::isfinite(usd) && usd > 0 && usd <= kLargestFigure)) {
+  if (!(usd >= cluster::kLeastPrice && usd <= cluster::kMostPrice)) {
     throw InputError(fmt::format(
-        "--price-per-gpu-hour: expected USD per device and hour, above 0 and at most {:g}, got {}",
-        kLargestFigure, usd));
+        "--price-per-gpu-hour: expected USD per device and hour from {:g} to {:g}, got {} (a "
+        "unit mistake?)",
+        cluster::kLeastPrice, cluster::kMostPrice, usd));
   }
   // Where nothing reads it, refused as the reliability flags are.
   const bool objective = vm.count("objective") > 0;

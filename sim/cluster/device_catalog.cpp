@@ -34,6 +34,9 @@ DeviceSpec device_from_json(const json& j, const std::string& file) {
   d.vendor = r.string("vendor");
   d.notes = r.string_or("notes", "");
   if (r.has("aliases")) d.aliases = r.string_array("aliases");
+  for (const std::string& alias : d.aliases) {
+    if (alias.empty()) r.fail("aliases", "expected names, got an empty one");
+  }
   const JsonReader peaks = r.object("peak_flops");
   peaks.expect_only({"fp32", "tf32", "bf16", "fp16", "fp8"});
   for (Precision p : kAllPrecisions) {
@@ -48,7 +51,7 @@ DeviceSpec device_from_json(const json& j, const std::string& file) {
   d.intra_node_bw_bytes_per_s =
       r.figure_within("intra_node_bw_bytes_per_s", kLeastBandwidth, kMostBandwidth, "bytes/s");
   read_efficiency(r.object("efficiency"), d.efficiency, /*required=*/true);
-  d.power_w = r.optional_figure("power_w");
+  if (r.has("power_w")) d.power_w = r.figure_within("power_w", kLeastPower, kMostPower, "W");
   if (r.has("framework_overhead_bytes")) {
     d.framework_overhead_bytes = r.figure_within("framework_overhead_bytes", kLeastOverhead,
                                                  kMostMemory, "bytes", /*allow_zero=*/true);
@@ -66,6 +69,11 @@ std::vector<std::string> read_efficiency(const JsonReader& eff, DeviceEfficiency
     out = eff.figure(key);
     if (out.value > 1.0) {
       eff.fail(key, fmt::format("expected a fraction in (0, 1], got {}", out.value));
+    }
+    if (out.value < kLeastEfficiency) {
+      eff.fail(key, fmt::format("expected a fraction of peak from {:g} to 1, got {:g} (a slip? "
+                                "a device reaching under 1% of its peak is no device to plan for)",
+                                kLeastEfficiency, out.value));
     }
     read.emplace_back(key);
   };

@@ -29,6 +29,14 @@ inline constexpr double kLeastBandwidth = 1e7;    // bytes/s: 10 MB/s
 inline constexpr double kMostBandwidth = 1e14;    // 100 TB/s
 inline constexpr double kLeastLatency = 1e-9;     // seconds: 1 ns
 inline constexpr double kMostLatency = 1e-2;      // 10 ms
+// Bounds that catch a unit mistake, not limits of any device: a device's share of power (1 W to
+// 100 kW), its price per hour (a millionth of a dollar to 10,000 USD), and an efficiency (1% of
+// peak or more: below that a figure is more likely a slip than a measurement).
+inline constexpr double kLeastPower = 1;     // W
+inline constexpr double kMostPower = 1e5;    // W
+inline constexpr double kLeastPrice = 1e-6;  // USD per device-hour
+inline constexpr double kMostPrice = 1e4;    // USD per device-hour
+inline constexpr double kLeastEfficiency = 0.01;
 
 // Wave quantization of a GEMM (NVIDIA, "Matrix Multiplication Background User's Guide", Wave
 // Quantization): the output is cut into tile_m x tile_n tiles, one thread block each, and

@@ -222,8 +222,13 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   if (f == InterFabric::None && c.nodes != 1) {
     inter.fail("fabric", fmt::format("\"none\" needs nodes = 1, got {}", c.nodes));
   }
-  c.price_per_device_hour_usd = r.optional_figure("price_per_device_hour_usd");
-  c.power_per_device_w = r.optional_figure("power_per_device_w");
+  if (r.has("price_per_device_hour_usd")) {
+    c.price_per_device_hour_usd =
+        r.figure_within("price_per_device_hour_usd", kLeastPrice, kMostPrice, "USD per hour");
+  }
+  if (r.has("power_per_device_w")) {
+    c.power_per_device_w = r.figure_within("power_per_device_w", kLeastPower, kMostPower, "W");
+  }
   if (!c.power_per_device_w) c.power_per_device_w = c.device.power_w;
   return c;
 }

@@ -66,6 +66,26 @@ TEST_CASE("bad device files are rejected naming file and field", "[cluster][cata
     DTSIM_REQUIRE_THROWS_CONTAINING(load_device(f.path()), InputError,
                                     "dev.json: efficiency.gemm: expected a fraction in (0, 1]");
   }
+  SECTION("an efficiency under 1% of peak, a power or an alias that cannot be") {
+    auto j = valid_device();
+    j["efficiency"]["attention"]["value"] = 1e-11;
+    dtsim::test::TempFile f("dev.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        load_device(f.path()), InputError,
+        "dev.json: efficiency.attention: expected a fraction of peak from 0.01 to 1, got 1e-11");
+    j = valid_device();
+    for (const double watts : {1e20, 0.7}) {
+      j["power_w"] = {{"value", watts}, {"source", "s"}};
+      dtsim::test::TempFile g("dev.json", j.dump());
+      DTSIM_REQUIRE_THROWS_CONTAINING(load_device(g.path()), InputError,
+                                      "dev.json: power_w.value: expected W from 1 to 100000");
+    }
+    j = valid_device();
+    j["aliases"] = {"x1", ""};
+    dtsim::test::TempFile h("dev.json", j.dump());
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_device(h.path()), InputError,
+                                    "dev.json: aliases: expected names, got an empty one");
+  }
   SECTION("a link efficiency above 1") {
     auto j = valid_device();
     j["efficiency"]["intra_node_bw"] = {{"value", 1.2}, {"source", "s"}};

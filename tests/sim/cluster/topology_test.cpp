@@ -110,6 +110,18 @@ TEST_CASE("bad cluster files are rejected naming file and field",
     expect(j, "device_efficiency.gemm.source: required field is missing");
     j["device_efficiency"] = {{"tflops", {{"value", 0.7}, {"source", "s"}}}};
     expect(j, "device_efficiency.tflops: unknown field (known fields: gemm, attention");
+    j["device_efficiency"] = {{"gemm", {{"value", 1e-11}, {"source", "s"}}}};
+    expect(j, "device_efficiency.gemm: expected a fraction of peak from 0.01 to 1, got 1e-11");
+  }
+  SECTION("a price or power per device out of any device's range") {
+    auto j = valid_cluster();
+    j["price_per_device_hour_usd"] = {{"value", 1e19}, {"source", "s"}};
+    expect(j,
+           "price_per_device_hour_usd.value: expected USD per hour from 1e-06 to 10000, got 1e+19 "
+           "(a unit mistake?)");
+    j = valid_cluster();
+    j["power_per_device_w"] = {{"value", 0.7}, {"source", "kW"}};
+    expect(j, "power_per_device_w.value: expected W from 1 to 100000, got 0.7");
   }
   SECTION("communication that says neither whether it overlaps nor why") {
     auto j = valid_cluster();
