@@ -1328,23 +1328,57 @@ std::vector<std::string> profile_warnings(const cost::Profile& profile,
         "used as if measured there",
         profile.file, profile.device, device.name)};
   }
-  if (!device.supports(profile.precision)) return {};
-  // The fastest GEMM against the catalog's dense peak where that is a datasheet's figure: 5%
-  // over it is beyond what clocks above the rated boost give, so a timing went wrong. A peak
-  // that dtexec calibrate measured (a CPU host's) is one host's rate, not a ceiling.
-  const Figure& rated = device.peak_flops.at(profile.precision);
-  if (rated.source.rfind("dtexec calibrate", 0) == 0) return {};
-  const double peak = rated.value;
-  const auto rate = [](const cost::GemmSample& g) { return g.flops() / g.seconds; };
-  const auto fastest =
-      std::max_element(profile.gemm.begin(), profile.gemm.end(),
-                       [&](const auto& a, const auto& b) { return rate(a) < rate(b); });
-  if (fastest == profile.gemm.end() || rate(*fastest) <= 1.05 * peak) return {};
-  return {fmt::format(
-      "warning: profile {}: its GEMM m={:g} n={:g} k={:g} ran at {:.4g} TFLOP/s, above the {} "
-      "peak of {:.4g} at {} (a timing error?); its times are used as measured",
-      profile.file, fastest->m, fastest->n, fastest->k, rate(*fastest) / 1e12, device.name,
-      peak / 1e12, to_string(profile.precision))};
+  // Rates against the catalog's figures where those are a datasheet's (a peak that dtexec
+  // calibrate measured, a CPU host's, is one host's rate, not a ceiling): past them a timing went
+  // wrong, and far below them (under 1% of the figure) the profile times something else than the
+  // device, a unit mistake or a host that was busy. Sanity bounds for a warning, not model
+  // constants: 5% over a peak is beyond what clocks above the rated boost give, and an op's
+  // bytes may run up to 3x the memory bandwidth from cache, no more.
+  std::vector<std::string> warnings;
+  const auto datasheet = [](const Figure& f) { return f.source.rfind("dtexec calibrate", 0) != 0; };
+  const auto warn = [&](const std::string& what, double rate, double figure, const char* unit,
+                        const std::string& whose) {
+    warnings.push_back(fmt::format(
+        "warning: profile {}: {} ran at {:.4g} {}, {} the {} {} of {:.4g} {} ({}); its times are "
+        "used as measured",
+        profile.file, what, rate, unit, rate > figure ? "above" : "under 1% of", device.name, whose,
+        figure, unit, rate > figure ? "a timing error?" : "a unit mistake or a busy host?"));
+  };
+  if (device.supports(profile.precision) && datasheet(device.peak_flops.at(profile.precision))) {
+    const double peak = device.peak_flops.at(profile.precision).value / 1e12;
+    const std::string whose = fmt::format("peak at {}", to_string(profile.precision));
+    const auto rate = [](const cost::GemmSample& g) { return g.flops() / g.seconds / 1e12; };
+    const auto fastest =
+        std::max_element(profile.gemm.begin(), profile.gemm.end(),
+                         [&](const auto& a, const auto& b) { return rate(a) < rate(b); });
+    if (fastest != profile.gemm.end() &&
+        (rate(*fastest) > 1.05 * peak || rate(*fastest) < 0.01 * peak)) {
+      warn(fmt::format("its fastest GEMM m={:g} n={:g} k={:g}", fastest->m, fastest->n, fastest->k),
+           rate(*fastest), peak, "TFLOP/s", whose);
+    }
+    for (const auto& [key, op] : profile.ops) {
+      const double r = op.rate / 1e12;
+      if (op.flops && (r > 1.05 * peak || r < 0.01 * peak)) {
+        warn(fmt::format("its {} {}", key.first, key.second), r, peak, "TFLOP/s", whose);
+      }
+    }
+  }
+  if (datasheet(device.memory_bw_bytes_per_s)) {
+    const double bw = device.memory_bw_bytes_per_s.value / 1e9;
+    if (profile.memory_bw_bytes_per_s) {
+      const double r = *profile.memory_bw_bytes_per_s / 1e9;
+      if (r > 1.05 * bw || r < 0.01 * bw) {
+        warn("its streaming kernels", r, bw, "GB/s", "memory bandwidth");
+      }
+    }
+    for (const auto& [key, op] : profile.ops) {
+      const double r = op.rate / 1e9;
+      if (!op.flops && (r > 3 * bw || r < 0.01 * bw)) {
+        warn(fmt::format("its {} {}", key.first, key.second), r, bw, "GB/s", "memory bandwidth");
+      }
+    }
+  }
+  return warnings;
 }
 
 Precision precision_of_flag(std::string_view flag, const std::string& text) {

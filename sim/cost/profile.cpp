@@ -63,7 +63,7 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
                  "in_run"});
   Profile p;
   p.file = path;
-  p.device = r.string("device");
+  p.device = r.name("device");
   p.source = r.string("source");
   // Fields that the model does not read still have their types checked: a profile is written
   // by dtexec calibrate, and a wrong type means a file that it did not write.

@@ -204,6 +204,9 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
           "collectives": [{"kind": "all_reduce", "ranks": 2, "bytes": 8, "seconds": 1e-5,
                            "busbw_bytes_per_s": 0}]})",
       "bad_profile.json: collectives[0].busbw_bytes_per_s: expected a positive number");
+  // A device named by nothing ("was measured on , the cluster's devices are h200").
+  bad(R"({"device": "", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}]})",
+      "bad_profile.json: device: expected a name, got an empty string");
   // One time per shape: which of two the simulator took would depend on their order.
   bad(R"({"device": "x", "source": "s", "gemm": [{"m": 8, "n": 4, "k": 2, "seconds": 1},
           {"m": 2, "n": 4, "k": 8, "seconds": 1}, {"m": 8, "n": 4, "k": 2, "seconds": 10}]})",
