@@ -9,6 +9,7 @@
 #include <exception>
 #include <iostream>
 #include <limits>
+#include <new>
 #include <sstream>
 #include <thread>
 
@@ -83,10 +84,12 @@ void check_same_arguments(const cpu::MpiSession& mpi, const po::variables_map& v
 void end_all_ranks(const std::exception& e, const dtsim::exec::cpu::MpiSession* mpi,
                    const char* command, Comm* comm) {
   if (mpi == nullptr || mpi->size() <= 1) return;
+  const bool memory = dynamic_cast<const std::bad_alloc*>(&e) != nullptr;
   const bool input = dynamic_cast<const dtsim::InputError*>(&e) != nullptr ||
-                     dynamic_cast<const dtsim::UnsupportedError*>(&e) != nullptr;
+                     dynamic_cast<const dtsim::UnsupportedError*>(&e) != nullptr || memory;
   std::cerr << fmt::format("dtexec {}: rank {} on {}: {}: {}\n", command, mpi->rank(), mpi->host(),
-                           input ? "error" : "internal error", e.what());
+                           input ? "error" : "internal error",
+                           memory ? kOutOfHostMemory : e.what());
   if (comm != nullptr) comm->abort_communicators();
   mpi->abort(input ? 2 : 1);
 }

@@ -49,19 +49,27 @@ std::uint64_t fnv1a(std::string_view text);
 void check_same_arguments(const cpu::MpiSession& mpi, const po::variables_map& vm,
                           const char* command);
 
+// What a rank says when the host's memory ran out (std::bad_alloc): input too large for the
+// host, not a fault of dtexec's (exit code 2).
+inline constexpr const char* kOutOfHostMemory =
+    "out of host memory (std::bad_alloc): the model, micro-batch or sequence is too large for "
+    "this host's memory; `dtsim memory` estimates what a plan needs, and --only-rank runs one "
+    "rank's share";
+
 // Under mpirun, peers may be waiting for this rank (a collective, a barrier, NCCL's set-up):
-// on an error, say which rank failed and end them all (exit 2 for bad input, else 1), after
-// aborting `comm`'s own communicators where one is given (NCCL's: their kernels return). Alone,
-// it returns and the caller rethrows.
+// on an error, say which rank failed and end them all (exit 2 for bad input or a host out of
+// memory, else 1), after aborting `comm`'s own communicators where one is given (NCCL's: their
+// kernels return). Alone, it returns and the caller rethrows.
 void end_all_ranks(const std::exception& e, const cpu::MpiSession* mpi, const char* command,
                    Comm* comm = nullptr);
 
 // Runs `step` on this rank, then agrees with the others (a collective) whether it failed. Where
 // it failed on every rank (bad input, alike everywhere), its error is thrown on each (rank 0
-// says it once, with the other ranks' reasons where they differ from its own); where on some ranks only (their host's fault: no GPU there, a file their node
-// does not see), those ranks end the job (end_all_ranks: rank, host, message) and the others
-// wait for that end, where they would have waited in their next collective for ever. Alone, it
-// runs `step`. Every rank must call it at the same point.
+// says it once, with the other ranks' reasons where they differ from its own); where on some ranks
+// only (their host's fault: no GPU there, a file their node does not see), those ranks end the job
+// (end_all_ranks: rank, host, message) and the others wait for that end, where they would have
+// waited in their next collective for ever. Alone, it runs `step`. Every rank must call it at the
+// same point.
 void alike_on_every_rank(const cpu::MpiSession* mpi, const char* command,
                          const std::function<void()>& step);
 

@@ -102,10 +102,7 @@ int main(int argc, char** argv) {
         dtsim::say_once_per_job("dtexec " + args[0], "unsupported", e.what(), g_rank);
         return 2;
       } catch (const std::bad_alloc&) {
-        std::cerr << "dtexec " << args[0]
-                  << ": error: out of host memory (std::bad_alloc): the model, micro-batch or "
-                     "sequence is too large for this host's memory; `dtsim memory` estimates "
-                     "what a plan needs, and --only-rank runs one rank's share\n";
+        std::cerr << "dtexec " << args[0] << ": error: " << kOutOfHostMemory << "\n";
         return 2;
       } catch (const std::exception& e) {
         std::cerr << "dtexec " << args[0] << ": internal error: " << e.what() << "\n";

@@ -4,6 +4,7 @@
 
 #include <iostream>
 #include <map>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -66,6 +67,12 @@ int main(int argc, char** argv) {
       return 2;
     } catch (const dtsim::UnsupportedError& e) {
       dtsim::say_once_per_job("dtsim " + args[0], "unsupported", e.what());
+      return 2;
+    } catch (const std::bad_alloc&) {
+      // A job too large for this host (lower --all-ranks of a huge plan), not a fault.
+      std::cerr << "dtsim " << args[0]
+                << ": error: out of memory (std::bad_alloc): the job is too large for this "
+                   "host's memory (fewer ranks, layers or points)\n";
       return 2;
     } catch (const std::exception& e) {
       std::cerr << "dtsim " << args[0] << ": internal error: " << e.what() << "\n";
