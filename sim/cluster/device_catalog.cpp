@@ -23,6 +23,7 @@ double DeviceSpec::peak_flops_for(Precision p) const {
 }
 
 DeviceSpec device_from_json(const json& j, const std::string& file) {
+  refuse_other_kind(j, file, "device");
   const JsonReader r(j, file);
   r.expect_only({"name", "display_name", "vendor", "aliases", "peak_flops", "memory_bytes",
                  "memory_bw_bytes_per_s", "intra_node_bw_bytes_per_s", "efficiency", "power_w",

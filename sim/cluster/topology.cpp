@@ -79,6 +79,7 @@ void use_device_link(IntraNode& intra, const DeviceSpec& device) {
 }
 
 Cluster cluster_from_json(const json& j, const std::string& file) {
+  refuse_other_kind(j, file, "cluster");
   const JsonReader r(j, file);
   r.expect_only({"name", "description", "source", "device", "device_efficiency", "nodes",
                  "devices_per_node", "intra_node", "inter_node", "price_per_device_hour_usd",

@@ -389,6 +389,40 @@ std::vector<std::string> JsonReader::string_array(std::string_view key) const {
   return out;
 }
 
+void refuse_other_kind(const nlohmann::json& j, const std::string& file,
+                       std::string_view expected) {
+  if (!j.is_object()) return;
+  struct Kind {
+    std::string_view name;
+    std::initializer_list<std::string_view> fields;  // all of them mark the kind
+    std::string_view taken_by;
+  };
+  static const Kind kinds[] = {
+      {"model", {"layers", "hidden"}, "--model takes it"},
+      {"model", {"model_type"}, "--model takes it (a Hugging Face config.json)"},
+      {"cluster", {"devices_per_node"}, "--cluster takes it"},
+      {"device", {"peak_flops"}, "a cluster file's \"device\" names it (and --vary device=)"},
+      {"calibration profile", {"gemm"}, "--profile takes it"},
+      {"plan", {"dp", "tp", "pp"}, "--plan takes it"},
+      {"trace", {"traceEvents"}, "dtsim validate --predicted and --measured take it"},
+  };
+  const auto marked = [&](const Kind& k) {
+    return std::all_of(k.fields.begin(), k.fields.end(),
+                       [&](std::string_view f) { return j.contains(f); });
+  };
+  for (const Kind& k : kinds) {
+    if (k.name == expected && marked(k)) return;
+  }
+  for (const Kind& k : kinds) {
+    if (k.name == expected || !marked(k)) continue;
+    const auto a = [](std::string_view kind) {
+      return fmt::format("a {}{}", kind, kind == "calibration profile" ? "" : " file");
+    };
+    throw InputError(fmt::format("{}: {} (it has {}), not {}: {}", file, a(k.name),
+                                 fmt::join(k.fields, " and "), a(expected), k.taken_by));
+  }
+}
+
 void JsonReader::expect_only(std::initializer_list<std::string_view> known) const {
   for (const auto& [name, value] : json_->items()) {
     bool ok = false;

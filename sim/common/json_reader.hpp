@@ -96,6 +96,12 @@ class JsonReader {
 };
 
 // A short rendering of a JSON value for error messages ("-1", "\"abc\"", "an object").
+// Throws InputError where `j` is plainly another kind of dtsim file than `expected` ("model",
+// "cluster", "device", "calibration profile", "plan"): a field only that kind has, and none of
+// the expected kind's. Its message says which kind and which flag takes it, where the list of
+// unknown fields would leave a reader to guess.
+void refuse_other_kind(const nlohmann::json& j, const std::string& file, std::string_view expected);
+
 std::string describe_json_value(const nlohmann::json& value);
 // A JSON value as text, cut at 60 characters ("[4, 4, 4, ...]"): arrays shown, not named.
 std::string brief_json(const nlohmann::json& value);

@@ -57,6 +57,7 @@ Profile load_profile(const std::string& path) {
 }
 
 Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
+  refuse_other_kind(j, path, "calibration profile");
   const JsonReader r(j, path);
   r.expect_only({"device", "source", "precision", "gemm", "memory_bw_bytes_per_s",
                  "launch_overhead_s", "collectives", "notes", "ops", "ranks_per_host", "jitter_cv",

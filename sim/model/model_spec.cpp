@@ -43,6 +43,7 @@ bool ModelSpec::is_megatron_gpt() const {
 }
 
 ModelSpec model_from_json(const json& j, const std::string& file) {
+  refuse_other_kind(j, file, "model");
   const JsonReader r(j, file);
   r.expect_only({"name",
                  "description",

@@ -512,6 +512,7 @@ std::optional<double> plan_file_spread(const json& j, const std::string& file,
 }
 
 Plan plan_from_json(const json& j, const std::string& file) {
+  refuse_other_kind(j, file, "plan");
   const JsonReader r(j, file);
   r.expect_only({"dp", "tp", "pp", "cp", "ep", "micro_batch_size", "global_batch_size", "seq_len",
                  "schedule", "virtual_stages", "zero_stage", "recompute", "attention",
