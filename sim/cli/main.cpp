@@ -57,6 +57,16 @@ int main(int argc, char** argv) {
     usage(std::cerr);
     return 2;
   }
+  // Under mpirun only whatif shares its work among the ranks (its points). Any other command
+  // runs on rank 0 alone, said once, and the other ranks end at once: a copy of the output per
+  // rank is no JSON document, and each would write --out and --trace over the others.
+  if (args[0] != "whatif" && dtsim::launcher_size() != 1) {
+    if (dtsim::launcher_rank() != 0) return 0;
+    std::cerr << fmt::format(
+        "note: dtsim {} runs on rank 0 alone under mpirun; the other ranks did nothing (only "
+        "whatif shares its points among ranks{})\n",
+        args[0], args[0] == "plan" ? "; plan's search uses --threads" : "");
+  }
   const int code = [&] {
     try {
       return it->second.run({args.begin() + 1, args.end()});

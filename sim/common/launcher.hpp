@@ -15,6 +15,10 @@ bool under_mpirun();
 // the first one set); 0 outside a launcher, or where the value is not a rank.
 int launcher_rank();
 
+// How many ranks the launcher started (OMPI_COMM_WORLD_SIZE, PMI_SIZE); 0 where it does not say
+// (PMIx's environment gives a rank only), 1 outside a launcher.
+int launcher_size();
+
 // Prints an error that every rank is expected to meet alike (bad input) to stderr as
 // "WHO: WHAT: MESSAGE", once per job: at once on rank 0 (and outside a launcher); on another
 // rank only after waiting 2 s for the launcher to end this process, as mpirun does once rank 0
