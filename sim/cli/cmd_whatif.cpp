@@ -19,6 +19,7 @@
 #include "sim/cli/isolated.hpp"
 #include "sim/cli/mpi_split.hpp"
 #include "sim/cli/options.hpp"
+#include "sim/common/csv.hpp"
 #include "sim/common/data_files.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/json_reader.hpp"
@@ -1193,7 +1194,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         fmt::join(keys, ","));
     for (const Row& r : rows) {
       std::vector<std::string> vals;
-      for (const auto& k : keys) vals.push_back(r.point.at(k));
+      for (const auto& k : keys) vals.push_back(csv_field(r.point.at(k)));
       // Figures in full (the shortest text that reads back as the same double); a point without
       // a plan (none valid, none fits) leaves them empty, as the table's "-" and the JSON's
       // "found": false. Time and cost to train are failure-free, and again with interruptions.

@@ -51,4 +51,14 @@ std::vector<CsvRow> read_csv(const std::filesystem::path& path) {
   return rows;
 }
 
+std::string csv_field(const std::string& text) {
+  if (text.find_first_of(",\"\r\n") == std::string::npos) return text;
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"') out += '"';
+    out += c;
+  }
+  return out + '"';
+}
+
 }  // namespace dtsim

@@ -15,4 +15,8 @@ using CsvRow = std::map<std::string, std::string>;  // column name -> field
 // header.
 std::vector<CsvRow> read_csv(const std::filesystem::path& path);
 
+// A field to write (RFC 4180): as it is, or in double quotes with its own doubled where it holds
+// a comma, a double quote or a line break (a varied cluster's file name may).
+std::string csv_field(const std::string& text);
+
 }  // namespace dtsim

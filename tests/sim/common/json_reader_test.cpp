@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "sim/common/csv.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
 #include "tests/test_util.hpp"
@@ -133,4 +134,13 @@ TEST_CASE("numbers are formatted for humans", "[common]") {
   CHECK(dtsim::format_duration(9.996e-5) == "0.100 ms");
   CHECK(dtsim::format_duration(3e-11) == "0.0300 ns");
   CHECK(dtsim::format_seconds(0.0023) == "0.00230");  // so that a column lines up
+}
+
+TEST_CASE("a CSV field is quoted where it must be, its quotes doubled", "[common]") {
+  CHECK(dtsim::csv_field("selene") == "selene");
+  CHECK(dtsim::csv_field("") == "");
+  CHECK(dtsim::csv_field("a,b") == "\"a,b\"");
+  CHECK(dtsim::csv_field("\"odd,selene") == "\"\"\"odd,selene\"");
+  CHECK(dtsim::csv_field("we\"ird.json") == "\"we\"\"ird.json\"");
+  CHECK(dtsim::csv_field("two\nlines") == "\"two\nlines\"");
 }

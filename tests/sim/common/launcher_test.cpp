@@ -43,23 +43,27 @@ TEST_CASE("the launcher's rank is read from its environment, 0 without one", "[c
   const LauncherEnv env;
   CHECK_FALSE(dtsim::under_mpirun());
   CHECK(dtsim::launcher_rank() == 0);
+  CHECK(dtsim::launcher_size() == 1);
 
   setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
   setenv("OMPI_COMM_WORLD_RANK", "3", 1);
   CHECK(dtsim::under_mpirun());
   CHECK(dtsim::launcher_rank() == 3);
+  CHECK(dtsim::launcher_size() == 4);
   unsetenv("OMPI_COMM_WORLD_SIZE");
   unsetenv("OMPI_COMM_WORLD_RANK");
 
   setenv("PMIX_RANK", "2", 1);  // PMIx (Slurm, PRRTE): its rank says there is a launcher
   CHECK(dtsim::under_mpirun());
   CHECK(dtsim::launcher_rank() == 2);
+  CHECK(dtsim::launcher_size() == 0);  // (no size in its environment: unknown)
   unsetenv("PMIX_RANK");
 
   setenv("PMI_SIZE", "8", 1);  // MPICH's Hydra
   setenv("PMI_RANK", "7", 1);
   CHECK(dtsim::under_mpirun());
   CHECK(dtsim::launcher_rank() == 7);
+  CHECK(dtsim::launcher_size() == 8);
 
   // Not a rank: treated as rank 0, so that a message is printed rather than lost.
   for (const char* bad : {"", "x", "-1", "3x", "99999999999"}) {
