@@ -722,7 +722,18 @@ int cmd_whatif(const std::vector<std::string>& args) {
         row.grown = fmt::format("{} has {} node{} in its file", c.name, own, own == 1 ? "" : "s");
       }
     } else if (vm.count("gpus")) {
-      c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
+      try {
+        c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
+      } catch (const InputError& e) {
+        // One cluster of a --vary cluster sweep without that many: its row says why, as a
+        // varied count's does (none with them: every row invalid ends the run, below).
+        if (!point.count("cluster")) throw;
+        row.gpus = vm["gpus"].as<std::int64_t>();
+        row.valid_candidates = false;
+        row.gpus_missing = true;
+        row.invalid = fmt::format("--vary cluster={}: {}", point.at("cluster"), e.what());
+        return core;
+      }
     } else if (fixed_plan) {
       // A plan file with its dp runs on its own devices, as dtsim simulate --plan does, where
       // the point's cluster has more.
