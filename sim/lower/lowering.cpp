@@ -1420,29 +1420,35 @@ class Lowerer {
 
 }  // namespace
 
-Program lower(const model::ModelGraph& graph, const plan::Plan& plan, const LowerOptions& options) {
-  // About 10 tasks per block per pass (compute segments and collectives), up to three passes
-  // per micro-batch (zero-bubble), per simulated program.
+double program_tasks(std::int64_t layers, const plan::Plan& plan, Lowering mode) {
   const double programs =
-      options.mode == Lowering::AllRanks ? static_cast<double>(plan.devices()) : plan.pp;
-  const double blocks = static_cast<double>(graph.spec().layers) / plan.pp + 2;
-  const double tasks = programs * static_cast<double>(plan.micro_batches()) * 3 * blocks * 10;
-  constexpr double kMaxTasks = 5e7;
-  if (tasks > kMaxTasks && options.mode == Lowering::AllRanks && plan.micro_batches() == 1) {
+      mode == Lowering::AllRanks ? static_cast<double>(plan.devices()) : plan.pp;
+  const double blocks = static_cast<double>(layers) / plan.pp + 2;
+  return programs * static_cast<double>(plan.micro_batches()) * 3 * blocks * 10;
+}
+
+void check_program_size(std::int64_t layers, const plan::Plan& plan, Lowering mode) {
+  const double tasks = program_tasks(layers, plan, mode);
+  if (tasks <= kMostProgramTasks) return;
+  if (mode == Lowering::AllRanks && plan.micro_batches() == 1) {
     // One micro-batch: the ranks are what is too many (dtsim lower --all-ranks).
     throw InputError(fmt::format(
         "{} ranks lowered each (all ranks) would need about {:.2g} tasks, more than the {:.0e} "
         "the simulator handles; lower the representative ranks (without --all-ranks) or fewer "
         "devices",
-        plan.devices(), tasks, kMaxTasks));
+        plan.devices(), tasks, kMostProgramTasks));
   }
-  if (tasks > kMaxTasks) {
-    throw InputError(fmt::format(
-        "--global-batch-size: {} micro-batches per step ({} simulated programs of {} blocks) "
-        "would need about {:.2g} tasks, more than the {:.0e} the simulator handles; use a larger "
-        "--micro-batch-size or a smaller global batch",
-        plan.micro_batches(), programs, graph.spec().layers / plan.pp, tasks, kMaxTasks));
-  }
+  const double programs =
+      mode == Lowering::AllRanks ? static_cast<double>(plan.devices()) : plan.pp;
+  throw InputError(fmt::format(
+      "--global-batch-size: {} micro-batches per step ({} simulated programs of {} blocks) "
+      "would need about {:.2g} tasks, more than the {:.0e} the simulator handles; use a larger "
+      "--micro-batch-size or a smaller global batch",
+      plan.micro_batches(), programs, layers / plan.pp, tasks, kMostProgramTasks));
+}
+
+Program lower(const model::ModelGraph& graph, const plan::Plan& plan, const LowerOptions& options) {
+  check_program_size(graph.spec().layers, plan, options.mode);
   return Lowerer(graph, plan, options).run();
 }
 

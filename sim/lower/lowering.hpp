@@ -36,4 +36,13 @@ struct LowerOptions {
 Program lower(const model::ModelGraph& graph, const plan::Plan& plan,
               const LowerOptions& options = {});
 
+// The most tasks a lowered program may have: past them a step takes the simulator minutes and
+// gigabytes (a sanity bound, not a model constant).
+inline constexpr double kMostProgramTasks = 5e7;
+// About how many tasks lowering `plan` of a `layers`-block model makes (about 10 per block per
+// pass, up to three passes per micro-batch, per simulated program).
+double program_tasks(std::int64_t layers, const plan::Plan& plan, Lowering mode);
+// What lower() checks first: InputError saying why where program_tasks exceeds the bound.
+void check_program_size(std::int64_t layers, const plan::Plan& plan, Lowering mode);
+
 }  // namespace dtsim::lower

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -19,6 +20,7 @@
 #include "sim/common/error.hpp"
 #include "sim/cost/compute_cost.hpp"
 #include "sim/engine/engine.hpp"
+#include "sim/lower/lowering.hpp"
 #include "sim/network/network_model.hpp"
 #include "sim/plan/memory_model.hpp"
 #include "sim/planner/pass_timeline.hpp"
@@ -1308,7 +1310,27 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     throw InputError(
         "--global-batch-size: the planner needs the global batch (sequences per step)");
   }
-  const std::vector<Plan> plans = enumerate(m, cluster.devices(), cluster.devices_per_node, space);
+  std::vector<Plan> plans = enumerate(m, cluster.devices(), cluster.devices_per_node, space);
+  // Plans the simulator could not run (more tasks than it handles: a global batch of a billion
+  // sequences in micro-batches of one) are left out before any is estimated, as their
+  // timelines would take minutes and gigabytes; where that leaves none, the one with the fewest
+  // tasks says why, as simulate would.
+  {
+    std::optional<Plan> fewest;
+    double fewest_tasks = std::numeric_limits<double>::infinity();
+    std::erase_if(plans, [&](const Plan& p) {
+      const double tasks = lower::program_tasks(m.layers, p, lower::Lowering::Representatives);
+      if (tasks <= lower::kMostProgramTasks) return false;
+      if (tasks < fewest_tasks) {
+        fewest_tasks = tasks;
+        fewest = p;
+      }
+      return true;
+    });
+    if (plans.empty() && fewest) {
+      lower::check_program_size(m.layers, *fewest, lower::Lowering::Representatives);
+    }
+  }
   // One graph per micro-batch size and padded vocabulary (it follows tp), shared read-only by
   // the threads.
   using GraphKey = std::pair<std::int64_t, std::int64_t>;
