@@ -1257,7 +1257,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
   std::vector<std::string> units(keys.size() + (gpus_column ? 1 : 0), "");
   for (const char* u : {"", "s", "", "", "vs first", "bound"}) units.push_back(u);
   if (stragglers) units.push_back("of step");
-  if (slow_ranks) units.push_back("of step");
+  // (The slow rank's share is of the step without jitter, as simulate gives it: said so where
+  // the stragglers' column, of the whole step, stands beside it.)
+  if (slow_ranks) units.push_back(stragglers ? "of step w/o jitter" : "of step");
   for (const char* u : {"", "", "USD", ""}) units.push_back(u);
   table.set_units(units);
   table.align_left(keys.size() + (gpus_column ? 1 : 0));
