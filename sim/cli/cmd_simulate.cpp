@@ -193,11 +193,24 @@ int cmd_simulate(const std::vector<std::string>& args) {
   const double unit = giga ? 1e3 : 1;
   // A CPU cluster's devices are ranks (MPI processes).
   const char* per = cluster.device.vendor == "cpu" ? "rank" : "GPU";
+  // A tenth or more to a tenth; below, three significant digits (a one-layer toy's 1.5e-05
+  // TFLOP/s read "0.0 GFLOP/s", its MFU "0.0%").
+  const auto small = [](double v) {
+    return v >= 0.1 ? fmt::format("{:.1f}", v) : fmt::format("{:.3g}", v);
+  };
+  // Counted dense (Megatron-LM's formula), FlashAttention's FLOPs can put them past the peak at
+  // long sequences: said on the line, with the share of the peak the kernels execute.
+  const std::string past_peak =
+      p.hfu > 1 ? fmt::format(
+                      "  (counted dense, past the peak: {:.1f}% of it by the FLOPs "
+                      "executed)",
+                      100 * p.hfu * p.executed_flops / p.hardware_flops)
+                : "";
   std::cout << fmt::format(
-      "step time {} s   {} tokens/s   {:.1f} {}FLOP/s per {} (model {:.1f})   MFU "
-      "{:.1f}%   HFU {:.1f}%\n",
-      format_seconds(p.step_time_s), format_rate(p.tokens_per_s), unit * p.tflops_per_gpu,
-      giga ? "G" : "T", per, unit * p.model_tflops_per_gpu, 100 * p.mfu, 100 * p.hfu);
+      "step time {} s   {} tokens/s   {} {}FLOP/s per {} (model {})   MFU {}%   HFU {}%{}\n",
+      format_seconds(p.step_time_s), format_rate(p.tokens_per_s), small(unit * p.tflops_per_gpu),
+      giga ? "G" : "T", per, small(unit * p.model_tflops_per_gpu), small(100 * p.mfu),
+      small(100 * p.hfu), past_peak);
   std::cout << fmt::format(
       "memory per {} {} of {} ({})\n\n", per, format_gib(p.memory.worst().total_bytes),
       format_gib(p.memory.capacity_bytes), p.memory.fits ? "fits" : "DOES NOT FIT");
