@@ -331,11 +331,18 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
     const auto [stage, steady] = steady_stage(p.stages, sim.timeline.makespan_s);
     p.bottleneck_stage = static_cast<int>(stage);
     p.step_time_s = steady;
+    // Every stage runs at that pace in steady state: its bubble is what it waits of the steady
+    // step (the flushed run's, less the fill and drain), so that each stage's breakdown sums to
+    // the step time, as the synchronous schedules' do.
+    const double fill_drain = sim.timeline.makespan_s - steady;
+    for (StagePrediction& s : p.stages) {
+      s.breakdown.bubble_s = std::max(0.0, s.breakdown.bubble_s - fill_drain);
+    }
     p.breakdown = p.stages[static_cast<std::size_t>(p.bottleneck_stage)].breakdown;
     p.breakdown.bubble_s = 0;
     p.notes.push_back(
-        "pipedream: asynchronous steady state (no flush); step time excludes the "
-        "one-time pipeline fill and drain");
+        "pipedream: asynchronous steady state (no flush); step time and each stage's breakdown "
+        "exclude the one-time pipeline fill and drain, which the trace's run includes");
   }
   if (plan.attention == model::AttentionKernel::Unfused) {
     // Where the unfused kernel's s² tensors weigh, say that another kernel exists.
