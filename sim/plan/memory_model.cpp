@@ -285,8 +285,11 @@ std::int64_t in_flight(const Plan& plan, int stage) {
     }
     case Schedule::OneFOneB:
     case Schedule::ZeroBubble:
-    case Schedule::PipeDreamAsync:
       return std::min(p - stage, m);
+    case Schedule::PipeDreamAsync:
+      // Its step time is the steady state's, the pipeline full across steps: as many in flight
+      // (and weight versions stashed) as stages after this one, whatever m.
+      return p - stage;
   }
   return m;
 }

@@ -52,8 +52,10 @@ ModelStates zero_model_states(double params, int zero_stage, int dp, StateBytesP
 double block_activation_bytes(const model::ModelGraph& graph, int layer, const Plan& plan);
 
 // Micro-batches (for the interleaved schedule: model chunks) whose activations `stage` holds at
-// its peak: GPipe m; 1F1B, zero-bubble and PipeDream min(pp - stage, m) (Narayanan et al. 2021);
-// interleaved min(2·(pp - stage - 1) + (v - 1)·pp + 1, m·v) chunks (Megatron-LM's warm-up).
+// its peak: GPipe m; 1F1B and zero-bubble min(pp - stage, m) (Narayanan et al. 2021); PipeDream
+// pp - stage whatever m, as its steady step keeps the pipeline full across steps (Narayanan et
+// al. 2019: the next step's micro-batches enter before this one's drain); interleaved
+// min(2·(pp - stage - 1) + (v - 1)·pp + 1, m·v) chunks (Megatron-LM's warm-up).
 // Without pipelining, one.
 std::int64_t in_flight(const Plan& plan, int stage);
 

@@ -328,6 +328,11 @@ TEST_CASE("micro-batches in flight per schedule", "[plan][memory][schedule]") {
   for (int stage = 0; stage < 4; ++stage) CHECK(dtsim::plan::in_flight(p, stage) == 4 - stage);
   p.global_batch_size = 2;  // fewer micro-batches than stages
   CHECK(dtsim::plan::in_flight(p, 0) == 2);
+  // PipeDream's steady step keeps the pipeline full across steps: the next step's micro-batches
+  // are in flight too (its step time leaves out the fill and drain, as this does not).
+  p.schedule = Schedule::PipeDreamAsync;
+  for (int stage = 0; stage < 4; ++stage) CHECK(dtsim::plan::in_flight(p, stage) == 4 - stage);
+  p.schedule = Schedule::OneFOneB;
   p.global_batch_size = 8;
   p.schedule = Schedule::Interleaved;
   p.virtual_stages = 2;
