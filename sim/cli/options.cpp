@@ -918,8 +918,12 @@ std::string span_text(double seconds) {
 }
 
 std::string training_time_text(const plan::TrainingTime& tt, std::optional<double> cost_usd) {
+  // Whole dollars, and three significant digits under 100 (a run of a few steps cost "0 USD").
+  const auto usd = [](double v) {
+    return v >= 100 ? fmt::format("{:.0f} USD", v) : fmt::format("{:.3g} USD", v);
+  };
   std::string s = span_text(tt.work_s);
-  if (cost_usd) s += fmt::format(", {:.0f} USD", *cost_usd);
+  if (cost_usd) s += ", " + usd(*cost_usd);
   if (tt.goodput <= 0) {
     return s + fmt::format(
                    "; with interruptions never: one every {}, sooner than a restart and "
@@ -930,8 +934,8 @@ std::string training_time_text(const plan::TrainingTime& tt, std::optional<doubl
                  "; with interruptions {}{} (goodput {:.1f}%: one every {}, a "
                  "checkpoint every {} step{} taking {}{})",
                  span_text(tt.wall_s),
-                 cost_usd ? fmt::format(", {:.0f} USD", *cost_usd / tt.goodput) : std::string(),
-                 100 * tt.goodput, span_text(tt.job_mtbf_s), tt.checkpoint_every_steps,
+                 cost_usd ? ", " + usd(*cost_usd / tt.goodput) : std::string(), 100 * tt.goodput,
+                 span_text(tt.job_mtbf_s), tt.checkpoint_every_steps,
                  tt.checkpoint_every_steps == 1 ? "" : "s", span_text(tt.checkpoint_write_s),
                  tt.asynchronous ? fmt::format(" behind training, which stops {} for the copy",
                                                span_text(tt.checkpoint_blocking_s))
