@@ -1321,7 +1321,8 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     std::erase_if(plans, [&](const Plan& p) {
       const double tasks = lower::program_tasks(m.layers, p, lower::Lowering::Representatives);
       if (tasks <= lower::kMostProgramTasks) return false;
-      if (tasks < fewest_tasks) {
+      // (An invalid plan says its own reason, past 2^24 micro-batches say: not this one.)
+      if (tasks < fewest_tasks && plan::check_plan(p, m, cluster.devices()).ok()) {
         fewest_tasks = tasks;
         fewest = p;
       }
