@@ -688,17 +688,21 @@ int cmd_whatif(const std::vector<std::string>& args) {
       }
       c.inter.oversubscription = {o, "whatif --vary oversubscription"};
     }
+    // A count of devices the point's cluster lacks, which another point's has: the row says why
+    // it has no plan, with the count shown (a count no point's cluster has ends the run, below).
+    const auto lacks = [&](std::int64_t gpus, std::string why) {
+      row.gpus = gpus;
+      row.valid_candidates = false;
+      row.gpus_missing = true;
+      row.invalid = std::move(why);
+    };
     if (point.count("gpus")) {
       const auto gpus = static_cast<std::int64_t>(number("gpus", point.at("gpus"), true));
-      row.gpus = gpus;  // (shown where the cluster cannot have them)
+      row.gpus = gpus;
       try {
         c = with_devices_for(c, gpus, fmt::format("--vary gpus={}", point.at("gpus")));
       } catch (const InputError& e) {
-        // A count that another point's cluster has: this point's row says why it has none (a
-        // count no point's cluster has ends the run, below).
-        row.valid_candidates = false;
-        row.gpus_missing = true;
-        row.invalid = e.what();
+        lacks(gpus, e.what());
         return core;
       }
     } else if (point.count("nodes")) {
@@ -725,13 +729,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
       try {
         c = cluster::with_devices(c, vm["gpus"].as<std::int64_t>());
       } catch (const InputError& e) {
-        // One cluster of a --vary cluster sweep without that many: its row says why, as a
-        // varied count's does (none with them: every row invalid ends the run, below).
+        // (One cluster of a --vary cluster sweep; none with them: every row invalid ends the run.)
         if (!point.count("cluster")) throw;
-        row.gpus = vm["gpus"].as<std::int64_t>();
-        row.valid_candidates = false;
-        row.gpus_missing = true;
-        row.invalid = fmt::format("--vary cluster={}: {}", point.at("cluster"), e.what());
+        lacks(vm["gpus"].as<std::int64_t>(),
+              fmt::format("--vary cluster={}: {}", point.at("cluster"), e.what()));
         return core;
       }
     } else if (fixed_plan) {

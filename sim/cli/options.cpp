@@ -918,10 +918,8 @@ std::string span_text(double seconds) {
 }
 
 std::string training_time_text(const plan::TrainingTime& tt, std::optional<double> cost_usd) {
-  // Whole dollars, and three significant digits under 100 (a run of a few steps cost "0 USD").
-  const auto usd = [](double v) {
-    return v >= 100 ? fmt::format("{:.0f} USD", v) : fmt::format("{:.3g} USD", v);
-  };
+  // (Whole dollars from 100, three significant digits below: a run of a few steps cost "0 USD".)
+  const auto usd = [](double v) { return format_rate(v) + " USD"; };
   std::string s = span_text(tt.work_s);
   if (cost_usd) s += ", " + usd(*cost_usd);
   if (tt.goodput <= 0) {

@@ -394,7 +394,7 @@ void refuse_other_kind(const nlohmann::json& j, const std::string& file,
   if (!j.is_object()) return;
   struct Kind {
     std::string_view name;
-    std::initializer_list<std::string_view> fields;  // all of them mark the kind
+    std::vector<std::string_view> fields;  // all of them mark the kind
     std::string_view taken_by;
   };
   static const Kind kinds[] = {

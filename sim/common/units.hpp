@@ -22,8 +22,8 @@ std::string format_duration(double seconds);
 // Seconds for a column or a headline, always in s: "21.408" from 0.1 s up, else three
 // significant digits ("0.000157"), so that a small model's steps do not read "0.000".
 std::string format_seconds(double seconds);
-// A rate for a column or a headline (tokens/s): whole from 100 up, else three significant digits
-// ("0.0115"), so that a step of days does not read "0 tokens/s".
+// A rate for a column or a headline (tokens/s), or an amount (USD): whole from 100 up, else three
+// significant digits ("0.0115"), so that a step of days does not read "0 tokens/s".
 std::string format_rate(double per_second);
 
 }  // namespace dtsim

@@ -413,11 +413,11 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // Their attention-probability dropout (0 in every published config of these families):
     // dtsim's dropout prices GPT-2's layers, embedding and residuals too, so it is left out,
     // said in the description.
-    if (r.has("attention_dropout") && probability("attention_dropout") > 0) {
+    if (const double p = r.has("attention_dropout") ? probability("attention_dropout") : 0; p > 0) {
       m.description += fmt::format(
           "; its attention_dropout of {:g} is not modelled (priced without dropout: a dtsim model "
           "file's \"dropout\": true prices GPT-2's embedding, attention and residual dropout)",
-          r.non_negative_number("attention_dropout"));
+          p);
     }
     // Hugging Face's llama, mistral and qwen2 classes have no experts, whatever the config says.
     if (type != "mixtral" && (r.has("num_local_experts") || r.has("num_experts_per_tok"))) {
