@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -893,9 +894,10 @@ class Lowerer {
     t.collective = kind;
     t.group = group(experts ? GroupKind::ExpertDp : GroupKind::Dp);
     // Sent: in the communication precision, compressed (the codec's passes over the
-    // uncompressed bytes are the collective's, see Task::uncompressed_bytes).
+    // uncompressed bytes are the collective's, see Task::uncompressed_bytes). Whole bytes,
+    // rounded up: a bucket compressed below one byte still sends one.
     const double sent = b.bytes * grad_comm_scale_;
-    t.bytes = static_cast<std::uint64_t>(sent * plan_.grad_compression);
+    t.bytes = static_cast<std::uint64_t>(std::ceil(sent * plan_.grad_compression));
     if (plan_.grad_compression < 1) t.uncompressed_bytes = static_cast<std::uint64_t>(sent);
     t.micro_batch = buckets.micro_batch;
     t.op_begin = static_cast<std::int32_t>(b.lo);

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 #include <string>
@@ -528,6 +529,17 @@ TEST_CASE("low-precision communication and gradient compression change what is s
         CHECK(tc[i]->bytes == ta[i]->bytes);  // compression is of the dp gradients only
       }
     }
+  }
+  // Compressed below a byte, a bucket still sends one whole byte (rounded up, not down to 0).
+  Plan crushed = base;
+  crushed.grad_compression = 1e-6;
+  const Program e = dtsim::lower::lower(g, crushed);
+  const auto te = on_stream(e, 0, Stream::Dp), whole = on_stream(a, 0, Stream::Dp);
+  REQUIRE(te.size() == whole.size());
+  for (std::size_t i = 0; i < te.size(); ++i) {
+    INFO(te[i]->label);
+    CHECK(te[i]->bytes == static_cast<std::uint64_t>(std::ceil(whole[i]->bytes * 1e-6)));
+    CHECK(te[i]->bytes >= 1);
   }
   // bf16's default fp32 gradients (Megatron-LM's main_grad): twice the dp bytes, the same
   // activations.
