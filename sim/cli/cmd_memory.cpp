@@ -24,6 +24,7 @@ json stage_json(const plan::StageMemory& s) {
           {"layers", s.layers},
           {"in_flight_micro_batches", s.in_flight},
           {"weight_passes_held", s.weight_passes_held},
+          {"weight_versions", s.weight_versions},
           {"weights_bytes", report::byte_count(s.weights_bytes)},
           {"gradients_bytes", report::byte_count(s.gradients_bytes)},
           {"optimizer_bytes", report::byte_count(s.optimizer_bytes)},

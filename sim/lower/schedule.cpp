@@ -72,6 +72,10 @@ std::vector<Pass> stage_passes(const plan::Plan& plan, int stage) {
   const int p = plan.pp;
   const int m = static_cast<int>(plan.micro_batches());
   DTSIM_ASSERT(stage >= 0 && stage < p && m >= 1, "stage_passes: bad stage or micro-batches");
+  // Without pipelining every schedule is gradient accumulation, one micro-batch's forward then
+  // its backward (Megatron-LM's forward_backward_no_pipelining): GPipe's forwards all first
+  // would hold all m micro-batches for nothing.
+  if (p == 1 && plan.schedule == Schedule::GPipe) return singles(one_f_one_b(1, m, 0));
   switch (plan.schedule) {
     case Schedule::GPipe: {
       std::vector<Pass> out;

@@ -288,10 +288,19 @@ std::int64_t in_flight(const Plan& plan, int stage) {
       return std::min(p - stage, m);
     case Schedule::PipeDreamAsync:
       // Its step time is the steady state's, the pipeline full across steps: as many in flight
-      // (and weight versions stashed) as stages after this one, whatever m.
+      // as stages from this one on, whatever m (their weight versions: weight_versions).
       return p - stage;
   }
   return m;
+}
+
+std::int64_t weight_versions(const Plan& plan, int stage) {
+  if (plan.schedule != Schedule::PipeDreamAsync || plan.pp == 1) return 1;
+  // The pp - stage micro-batches in flight are consecutive, and the weights change once every
+  // m of them: they span at most 1 + ceil((pp - stage - 1) / m) versions.
+  const std::int64_t m = plan.micro_batches();
+  const std::int64_t k = plan.pp - stage;
+  return 1 + (k - 1 + m - 1) / m;
 }
 
 std::int64_t end_in_flight(const Plan& plan, int stage) {
@@ -452,8 +461,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     s.gradients_bytes = dense.gradients + experts.gradients;
     s.optimizer_bytes = dense.optimizer + experts.optimizer;
     if (plan.schedule == Schedule::PipeDreamAsync && plan.pp > 1) {
-      // Weight stashing (Narayanan et al. 2019): one weight version per micro-batch in flight.
-      s.weights_bytes *= static_cast<double>(s.in_flight);
+      s.weight_versions = weight_versions(plan, stage);
+      s.weights_bytes *= static_cast<double>(s.weight_versions);
     }
 
     // In-flight micro-batches (interleaved: chunks, each 1/v of the rank's blocks; where the

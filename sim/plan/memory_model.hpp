@@ -59,6 +59,14 @@ double block_activation_bytes(const model::ModelGraph& graph, int layer, const P
 // Without pipelining, one.
 std::int64_t in_flight(const Plan& plan, int stage);
 
+// Weight versions `stage` keeps: PipeDream stashes, for the backward of each micro-batch in
+// flight, the weights its forward used (Narayanan et al. 2019, weight stashing); its step
+// updates the weights once every m micro-batches, as PipeDream-2BW does (Narayanan et al.
+// 2021, "Memory-Efficient Pipeline-Parallel DNN Training"), so the pp - stage consecutive
+// micro-batches in flight span 1 + ceil((pp - stage - 1) / m) versions: pp - stage at one
+// micro-batch a step, 2 (2BW's double buffer) from m >= pp - stage - 1. Other schedules: 1.
+std::int64_t weight_versions(const Plan& plan, int stage);
+
 // Micro-batches whose embedding activations (stage 0) or head and loss activations (the last
 // stage) `stage` holds at its peak; 0 on the stages between. Without interleaving, in_flight().
 // Interleaved, from Megatron-LM's order (forward k runs chunk (k/pp) % v, backward k chunk
@@ -92,6 +100,8 @@ struct StageMemory {
   // Zero-bubble: deferred weight-gradient passes held at the stage's peak (each keeps its GEMMs'
   // inputs and output gradients); 0 for the other schedules.
   std::int64_t weight_passes_held = 0;
+  // PipeDream: weight versions stashed (weights_bytes counts them all); 1 for the others.
+  std::int64_t weight_versions = 1;
   double weights_bytes = 0;
   double gradients_bytes = 0;
   double optimizer_bytes = 0;

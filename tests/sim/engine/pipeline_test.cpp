@@ -195,4 +195,12 @@ TEST_CASE("1F1B keeps at most p micro-batches in flight on stage 0, GPipe keeps 
   CHECK(dtsim::plan::in_flight(plan, 0) == 12);
   plan.schedule = Schedule::OneFOneB;
   CHECK(dtsim::plan::in_flight(plan, 0) == 4);
+  // Without pipelining every schedule accumulates gradients one micro-batch at a time (GPipe's
+  // forwards-first order held all 12 where the memory model counted one).
+  plan.pp = 1;
+  for (const auto s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::PipeDreamAsync}) {
+    INFO(dtsim::plan::to_string(s));
+    CHECK(peak(s, 0) == 1);
+    CHECK(dtsim::plan::in_flight(plan, 0) == 1);
+  }
 }

@@ -332,7 +332,20 @@ TEST_CASE("micro-batches in flight per schedule", "[plan][memory][schedule]") {
   // are in flight too (its step time leaves out the fill and drain, as this does not).
   p.schedule = Schedule::PipeDreamAsync;
   for (int stage = 0; stage < 4; ++stage) CHECK(dtsim::plan::in_flight(p, stage) == 4 - stage);
+  // Its weights change once every m micro-batches: the pp - stage consecutive ones in flight
+  // span 1 + ceil((pp - stage - 1) / m) versions. At m = 2, stage 0's four span two where a
+  // step starts with the first (0, 0, 1, 1), else three (0, 1, 1, 2): at most three.
+  for (const auto& [batch, versions] : std::vector<std::pair<int, std::vector<int>>>{
+           {1, {4, 3, 2, 1}}, {2, {3, 2, 2, 1}}, {3, {2, 2, 2, 1}}, {8, {2, 2, 2, 1}}}) {
+    p.global_batch_size = batch;
+    for (int stage = 0; stage < 4; ++stage) {
+      INFO("m " << batch << " stage " << stage);
+      CHECK(dtsim::plan::weight_versions(p, stage) == versions[static_cast<std::size_t>(stage)]);
+    }
+  }
+  p.global_batch_size = 2;
   p.schedule = Schedule::OneFOneB;
+  CHECK(dtsim::plan::weight_versions(p, 0) == 1);
   p.global_batch_size = 8;
   p.schedule = Schedule::Interleaved;
   p.virtual_stages = 2;
@@ -434,6 +447,22 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     p.schedule = Schedule::GPipe;
     const auto r = dtsim::plan::estimate_memory(g, p, cluster);
     CHECK(r.stages[0].activations_bytes == Approx(8 * 4 * block + working));
+  }
+  SECTION("PipeDream keeps pp - stage micro-batches and the weight versions they span") {
+    const auto one = dtsim::plan::estimate_memory(g, p, cluster);
+    p.schedule = Schedule::PipeDreamAsync;
+    const auto r = dtsim::plan::estimate_memory(g, p, cluster);
+    // m = 8: stage 0's four micro-batches in flight span two versions (2BW's double buffer),
+    // the last stage's one, one; the activations are 1F1B's at m >= pp.
+    CHECK(r.stages[0].weight_versions == 2);
+    CHECK(r.stages[0].weights_bytes == Approx(2 * one.stages[0].weights_bytes));
+    CHECK(r.stages[3].weight_versions == 1);
+    CHECK(r.stages[3].weights_bytes == Approx(one.stages[3].weights_bytes));
+    CHECK(r.stages[0].activations_bytes == Approx(one.stages[0].activations_bytes));
+    p.global_batch_size = 2;  // m = 1: a version per micro-batch in flight
+    const auto each = dtsim::plan::estimate_memory(g, p, cluster);
+    CHECK(each.stages[0].weight_versions == 4);
+    CHECK(each.stages[0].weights_bytes == Approx(4 * one.stages[0].weights_bytes));
   }
   SECTION("interleaved keeps L·(1 + (p-1)/(p·v)) blocks on stage 0") {
     p.schedule = Schedule::Interleaved;
