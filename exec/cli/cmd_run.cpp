@@ -55,12 +55,24 @@ namespace {
 // What resuming `dir` under `plan` changes: the checkpoint read from DIR.old (where DIR holds
 // none), and one written under another plan (the plan's summary or sequence length differ).
 // Throws InputError when the folder is not a readable checkpoint, or one that this run of
-// `model` with `options` would not continue (check_resume).
+// `model` with `options` would not continue (check_resume). The warm-up counts this run's
+// steps, those after the checkpoint's: unless `warmup_given`, the one-step default (none when
+// one step is left), else refused where it leaves no step timed.
 std::vector<std::string> resume_notes(const std::string& dir, const std::string& model,
-                                      const dtsim::exec::RunOptions& options,
-                                      const dtsim::plan::Plan& plan) {
+                                      dtsim::exec::RunOptions& options,
+                                      const dtsim::plan::Plan& plan, bool warmup_given) {
   const dtsim::exec::CheckpointReader checkpoint(dir);
   dtsim::exec::check_resume(checkpoint.info(), checkpoint.where(), model, options, plan.clip_grad);
+  const int left = options.steps - checkpoint.info().step;  // >= 1 (check_resume)
+  if (!warmup_given) {
+    options.warmup_steps = std::min(1, left - 1);
+  } else if (options.warmup_steps >= left) {
+    throw dtsim::InputError(fmt::format(
+        "--warmup {}: {} is at step {}, so --steps {} runs {} step(s) here, {} of them warm-up: "
+        "none would be timed; give more --steps or a shorter --warmup",
+        options.warmup_steps, checkpoint.where(), checkpoint.info().step, options.steps, left,
+        options.warmup_steps));
+  }
   std::vector<std::string> notes;
   if (checkpoint.from_old()) {
     notes.push_back(fmt::format(
@@ -68,14 +80,15 @@ std::vector<std::string> resume_notes(const std::string& dir, const std::string&
         "stopped between its two renames left there",
         dir, checkpoint.dir(), checkpoint.info().step));
   }
-  dtsim::plan::Plan written;
-  try {
-    written = dtsim::plan::plan_from_json(checkpoint.info().plan, checkpoint.where());
-  } catch (const dtsim::InputError&) {
-    notes.push_back(
-        "resuming a checkpoint whose plan this dtexec does not read: its tensors resharded to "
-        "this plan");
-    return notes;
+  // The plan it was written under, whole as dtexec writes it (a hand edit is refused, as any
+  // other field of the checkpoint is: its notes would describe a plan that never ran).
+  const dtsim::plan::Plan written =
+      dtsim::plan::plan_from_json(checkpoint.info().plan, checkpoint.where() + ": plan");
+  if (written.dp < 1 || written.global_batch_size < 1 || written.seq_len < 1) {
+    throw dtsim::InputError(
+        fmt::format("{}: plan: expected the whole plan the checkpoint was written under (dp, "
+                    "global_batch_size and seq_len among its fields), as dtexec run writes it",
+                    checkpoint.where()));
   }
   if (dtsim::plan::summary(written) == dtsim::plan::summary(plan) &&
       written.seq_len == plan.seq_len) {
@@ -1441,7 +1454,8 @@ int run(const std::vector<std::string>& args) {
     // Where every rank refuses it (the same checkpoint.json), rank 0 says why; a rank that alone
     // cannot read it (a folder its node does not see) ends every rank.
     alike_on_every_rank(mpi.get(), "run", [&] {
-      for (std::string& note : resume_notes(options.resume_dir, spec.name, options, plan)) {
+      for (std::string& note :
+           resume_notes(options.resume_dir, spec.name, options, plan, !vm["warmup"].defaulted())) {
         run_notes.push_back(std::move(note));
       }
     });

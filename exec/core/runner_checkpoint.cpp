@@ -77,6 +77,31 @@ void check_resume(const CheckpointInfo& c, const std::string& where, const std::
 
 namespace dtsim::exec::runner_internal {
 
+std::string Runner::vocab_rows_differ(const std::string& where, const std::string& name,
+                                      std::int64_t rows) const {
+  // The padded rows take part in the softmax (as in Megatron-LM), so another padding would not
+  // continue the run: the multiple that pads the vocabulary to the checkpoint's rows at this
+  // tp, the largest (the most aligned) where several do.
+  const std::int64_t vocab = m_.vocab, tp = p_.tp;
+  std::int64_t fits = 0;
+  for (std::int64_t d = rows / tp; d >= 1 && fits == 0; --d) {
+    if (rows % (d * tp) == 0 && rows >= vocab && rows - vocab < d * tp) fits = d;
+  }
+  const std::string head = fmt::format(
+      "{}: tensors: {} has {} rows, this plan {}: the vocabulary of {} padded to a multiple of "
+      "{} x tp {} (--make-vocab-size-divisible-by), and the padded rows take part in the "
+      "softmax, so the run would not continue",
+      where, name, rows, m_.vocab_rows(), vocab, p_.make_vocab_size_divisible_by, tp);
+  if (fits > 0) {
+    return fmt::format("{}; give --make-vocab-size-divisible-by {} (x tp {}: {} rows)", head, fits,
+                       tp, rows);
+  }
+  return fmt::format(
+      "{}; no --make-vocab-size-divisible-by pads it to {} rows at tp {}: "
+      "resume at the checkpoint's tp, or one whose multiple does",
+      head, rows, tp);
+}
+
 CheckpointRecord Runner::save(int steps_done, const std::vector<double>& losses) {
   if (comm_.rank() == 0) begin_checkpoint(options_.checkpoint_dir);
   comm_.barrier();
@@ -242,6 +267,10 @@ int Runner::resume(RunResult& result) {
   // tensor at a time: a rank never holds the whole checkpoint, nor reads other tp slices).
   for (auto& [key, p] : params_) {
     const auto* shape = checkpoint.shape(p.name);
+    if (shape != nullptr && shape->size() == 2 && (*shape)[1] == p.slice.cols &&
+        p.slice.rows == m_.vocab_rows() && (*shape)[0] != p.slice.rows) {
+      throw InputError(vocab_rows_differ(where, p.name, (*shape)[0]));
+    }
     if (shape == nullptr || *shape != std::vector<std::int64_t>{p.slice.rows, p.slice.cols}) {
       throw InputError(fmt::format("{}: tensors: no {} of shape [{}, {}]", where, p.name,
                                    p.slice.rows, p.slice.cols));
