@@ -1,6 +1,7 @@
 #include "sim/report/validate.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cctype>
@@ -64,8 +65,37 @@ std::optional<std::string> span_note(const Trace& trace) {
       trace.file, span * 1e3, busy * 1e3, 100 * busy / span);
 }
 
+namespace {
+std::optional<std::int64_t> plan_ranks(const json& plan);
+
+// The ranks of its own plan that a trace holds no task of, nor names a rank standing for them
+// (a trace cut by hand, a run's gather that lost a rank): its step row would compare the ranks
+// left as if they were the run. Listed up to 8; none for an --only-rank trace.
+std::optional<std::string> missing_ranks_note(const Trace& trace) {
+  const auto ranks = plan_ranks(trace.plan);
+  if (!ranks || trace.only_rank) return std::nullopt;
+  std::set<std::int64_t> held;
+  for (const TraceTask& t : trace.tasks) held.insert(t.rank);
+  for (const auto& [rank, pid] : trace.representative) held.insert(rank);
+  if (static_cast<std::int64_t>(held.size()) >= *ranks) return std::nullopt;
+  std::vector<std::int64_t> missing;
+  std::int64_t count = 0;
+  for (std::int64_t r = 0; r < *ranks; ++r) {
+    if (held.count(r) == 0 && count++ < 8) missing.push_back(r);
+  }
+  return fmt::format(
+      "{} holds no task of {} of its plan's {} ranks (rank{} {}{}): its step and stream rows "
+      "compare the ranks it holds only",
+      trace.file, count, *ranks, count == 1 ? "" : "s", fmt::join(missing, ", "),
+      count > 8 ? ", ..." : "");
+}
+}  // namespace
+
 std::vector<std::string> origin_notes(const Trace& predicted, const Trace& measured) {
   std::vector<std::string> notes;
+  for (const Trace* t : {&predicted, &measured}) {
+    if (auto note = missing_ranks_note(*t)) notes.push_back(std::move(*note));
+  }
   if (predicted.producer == kProducedByRun && measured.producer == kProducedBySimulate) {
     notes.push_back(fmt::format(
         "{} was written by {} and {} by {}: given the wrong way round? (error = predicted / "
