@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "exec/cli/commands.hpp"
+#include "exec/core/in_run.hpp"
 #include "exec/cpu/device.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/launcher.hpp"
@@ -104,6 +105,9 @@ int main(int argc, char** argv) {
       } catch (const std::bad_alloc&) {
         std::cerr << "dtexec " << args[0] << ": error: " << kOutOfHostMemory << "\n";
         return 2;
+      } catch (const dtsim::exec::MeasurementError& e) {
+        std::cerr << "dtexec " << args[0] << ": error: " << e.what() << "\n";
+        return 1;
       } catch (const std::exception& e) {
         std::cerr << "dtexec " << args[0] << ": internal error: " << e.what() << "\n";
         return 1;

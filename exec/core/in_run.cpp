@@ -121,13 +121,15 @@ void check_profile_readable(const nlohmann::json& profile, const std::string& pa
     const bool spread = profile.value("jitter_cv", 0.0) >= 1 ||
                         in_run.value("rank_spread_cv", 0.0) >= 1 ||
                         in_run.value("transient_cv", 0.0) >= 1;
-    throw std::runtime_error(fmt::format(
-        "the measurements make a profile that dtsim --profile refuses, so {} was not written: "
-        "{}{}",
-        path, e.what(),
-        spread ? ". A spread of 100% or more means a host too busy for a calibration (see "
-                 "`uptime`): run it again on a quiet host"
-               : ""));
+    const std::string what = fmt::format(
+        "the measurements make a profile that dtsim --profile refuses, so {} was not written: {}",
+        path, e.what());
+    if (spread) {
+      throw MeasurementError(what +
+                             ". A spread of 100% or more means a host too busy for a calibration "
+                             "(see `uptime`): run it again on a quiet host");
+    }
+    throw std::runtime_error(what);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "sim/common/error.hpp"
 #include "sim/common/precision.hpp"
 #include "sim/model/model_graph.hpp"
 #include "sim/plan/plan.hpp"
@@ -55,10 +56,17 @@ PhaseSpread phase_spread(const std::vector<std::vector<double>>& seconds);
 std::optional<std::string> noisy_host_warning(double jitter_cv, std::optional<double> transient_cv,
                                               std::optional<double> rank_spread_cv = std::nullopt);
 
-// Throws std::runtime_error (not a bad input: a measurement) where `profile`, about to be
-// written to `path`, is one that dtsim --profile refuses: on a very busy host a spread can
-// reach 100% (a GEMM's repeats beside three busy processes on this project's host: jitter_cv
-// up to 0.99), which the simulator's straggler model does not take.
+// Measurements too noisy to make a result dtsim reads (a host too busy): neither bad input
+// nor a bug. dtexec says it as an error, with exit code 1.
+class MeasurementError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Throws where `profile`, about to be written to `path`, is one that dtsim --profile refuses:
+// MeasurementError where a spread reached 100% (a GEMM's repeats beside three busy processes
+// on this project's host: jitter_cv up to 0.99), which the simulator's straggler model does not
+// take; else std::runtime_error (not a bad input: a measurement the reader should take).
 void check_profile_readable(const nlohmann::json& profile, const std::string& path);
 
 }  // namespace dtsim::exec

@@ -121,7 +121,7 @@ TEST_CASE("a calibration's profile is written only where dtsim reads it", "[exec
     FAIL("a profile with jitter_cv 1.2 passed");
   } catch (const dtsim::InputError&) {
     FAIL("reported as bad input, not as a measurement");
-  } catch (const std::runtime_error& e) {
+  } catch (const dtsim::exec::MeasurementError& e) {  // (dtexec: "error:", not "internal error")
     const std::string what = e.what();
     CHECK(what.find("p.json was not written") != std::string::npos);
     CHECK(what.find("jitter_cv") != std::string::npos);
