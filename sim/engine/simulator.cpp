@@ -95,10 +95,7 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
     edges.push_back({from, category, +1});
     edges.push_back({to, category, -1});
   };
-  for (std::size_t i = 0; i < rank.tasks.size(); ++i) {
-    const auto& task = rank.tasks[i];
-    const TaskTime& tt = times[i];
-    if (tt.end_s <= tt.start_s && tt.wait_s <= 0) continue;
+  auto category_of = [](const lower::Task& task) {
     int c = Compute;
     if (task.kind == TaskKind::Compute) {
       // Gradient clipping's sum of squares is part of the optimizer step (Megatron-LM's
@@ -128,6 +125,41 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
           break;
       }
     }
+    return c;
+  };
+  // What each compute task waited on last: the communication categories (bits from Tp) of
+  // its dependencies that ended last, none where a compute task did. Idle time before it is
+  // charged to those (a tp all-reduce the next layer waits for), not split over every transfer
+  // then in flight (ZeRO-2's reduce-scatters, which run through the step on the dp stream,
+  // would take half of every tp wait, and the Amdahl fraction count it serial).
+  struct Awaited {
+    double start_s;
+    unsigned categories;
+  };
+  std::vector<Awaited> awaited;
+  for (std::size_t i = 0; i < rank.tasks.size(); ++i) {
+    const auto& task = rank.tasks[i];
+    const TaskTime& tt = times[i];
+    if (task.kind != TaskKind::Compute || tt.end_s <= tt.start_s) continue;
+    double last = -1;
+    for (const lower::TaskId d : task.deps)
+      last = std::max(last, times[static_cast<std::size_t>(d)].end_s);
+    unsigned categories = 0;
+    for (const lower::TaskId d : task.deps) {
+      const auto& dep = rank.tasks[static_cast<std::size_t>(d)];
+      const int c = category_of(dep);
+      if (times[static_cast<std::size_t>(d)].end_s == last && c >= Tp) categories |= 1u << c;
+    }
+    awaited.push_back({tt.start_s, categories});
+  }
+  std::sort(awaited.begin(), awaited.end(),
+            [](const Awaited& a, const Awaited& b) { return a.start_s < b.start_s; });
+  std::size_t next_compute = 0;
+  for (std::size_t i = 0; i < rank.tasks.size(); ++i) {
+    const auto& task = rank.tasks[i];
+    const TaskTime& tt = times[i];
+    if (tt.end_s <= tt.start_s && tt.wait_s <= 0) continue;
+    const int c = category_of(task);
     if (tt.wait_s > 0 && c >= Tp) {
       const double wait_end = tt.wait_from_s + tt.wait_s;
       span(tt.wait_from_s, wait_end, c + kWait);
@@ -153,14 +185,30 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
         return;
       }
     }
-    int comms = 0;
-    for (int c = Tp; c < kCategories; ++c) comms += active[static_cast<std::size_t>(c)] > 0 ? 1 : 0;
+    // The compute task that ends this idle time, and what it waits on: of the transfers now in
+    // flight, those of its categories (their straggler waits included) take the time; where
+    // none is, all of them share it alike.
+    while (next_compute < awaited.size() && awaited[next_compute].start_s < until) ++next_compute;
+    const unsigned waited_on =
+        next_compute < awaited.size() ? awaited[next_compute].categories : 0u;
+    auto is_active = [&](int c) { return active[static_cast<std::size_t>(c)] > 0; };
+    auto awaits = [&](int c) { return (waited_on >> (c < Tp + kWait ? c : c - kWait) & 1u) != 0; };
+    int comms = 0, blocking = 0;
+    for (int c = Tp; c < kCategories; ++c) {
+      comms += is_active(c) ? 1 : 0;
+      blocking += is_active(c) && awaits(c) ? 1 : 0;
+    }
     if (comms == 0) {
       bubble += dt;
       return;
     }
     for (int c = Tp; c < kCategories; ++c) {
-      if (active[static_cast<std::size_t>(c)] > 0) share[static_cast<std::size_t>(c)] += dt / comms;
+      if (!is_active(c)) continue;
+      if (blocking == 0) {
+        share[static_cast<std::size_t>(c)] += dt / comms;
+      } else if (awaits(c)) {
+        share[static_cast<std::size_t>(c)] += dt / blocking;
+      }
     }
   };
   for (const Edge& e : edges) {

@@ -524,3 +524,47 @@ TEST_CASE("PipeDream's steady step: every stage's breakdown sums to it", "[engin
     }
   }
 }
+
+TEST_CASE("idle compute is charged to the transfer it waits on, not to every one in flight",
+          "[engine][breakdown]") {
+  using dtsim::lower::Stream;
+  using dtsim::lower::Task;
+  using dtsim::lower::TaskKind;
+  auto compute = [](std::initializer_list<dtsim::lower::TaskId> deps) {
+    Task t;
+    t.phase = dtsim::lower::Phase::Forward;
+    t.deps.assign(deps.begin(), deps.end());
+    return t;
+  };
+  auto collective = [](Stream stream, dtsim::lower::TaskId dep) {
+    Task t;
+    t.kind = TaskKind::Collective;
+    t.stream = stream;
+    t.deps.push_back(dep);
+    return t;
+  };
+  // A forward [0, 1); a dp reduce-scatter [1, 5) (ZeRO-2's, through the step) and a tp
+  // all-reduce [1, 2) after it; the next forward [2, 3) needs the tp one, the last [5, 6) both.
+  dtsim::lower::RankProgram rank;
+  rank.tasks = {compute({}), collective(Stream::Dp, 0), collective(Stream::Tp, 0), compute({2}),
+                compute({1, 3})};
+  std::vector<dtsim::engine::TaskTime> times(5);
+  const std::pair<double, double> spans[] = {{0, 1}, {1, 5}, {1, 2}, {2, 3}, {5, 6}};
+  for (std::size_t i = 0; i < times.size(); ++i) {
+    times[i].start_s = spans[i].first;
+    times[i].end_s = spans[i].second;
+  }
+  SECTION("the wait for the tp all-reduce is tp's; what only the reduce-scatter covers, dp's") {
+    const auto b = dtsim::engine::breakdown_of(rank, times, 6);
+    CHECK(b.compute_s == Approx(3));
+    CHECK(b.exposed_tp_s == Approx(1));  // (split alike with dp before: 0.5)
+    CHECK(b.exposed_dp_s == Approx(2));
+    CHECK(b.bubble_s == 0);
+  }
+  SECTION("a wait for neither (the forward needs no transfer) is split over both alike") {
+    rank.tasks[3].deps = {0};
+    const auto b = dtsim::engine::breakdown_of(rank, times, 6);
+    CHECK(b.exposed_tp_s == Approx(0.5));
+    CHECK(b.exposed_dp_s == Approx(2.5));
+  }
+}
