@@ -108,7 +108,7 @@ RunResult Runner::run() {
   records_ = &result.tasks;
   auto now = [&] { return since_start(std::chrono::steady_clock::now()); };
   const auto& tasks = rp_->tasks;
-  Watchdog watchdog(options_, *rp_);
+  Watchdog watchdog(options_, *rp_, comm_.size() > 1);
   watchdog_ = &watchdog;
   // (Gone with it, however run() ends.)
   struct Unwatch {

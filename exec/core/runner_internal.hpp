@@ -180,11 +180,13 @@ class Watchdog {
   // What is watched or waited for besides a task: nothing, the step's end, pipeline sends.
   static constexpr std::int64_t kNone = -1, kStepEnd = -2, kSends = -3, kCheckpoint = -4;
 
-  Watchdog(const RunOptions& options, const lower::RankProgram& rp)
+  // `peers`: whether the run has other ranks (a run of one has none to blame).
+  Watchdog(const RunOptions& options, const lower::RankProgram& rp, bool peers)
       : task_timeout_(options.task_timeout_s),
         checkpoint_timeout_(options.checkpoint_timeout_s),
         on_hang_(options.on_hang),
-        rp_(rp) {
+        rp_(rp),
+        peers_(peers) {
     if ((task_timeout_ <= 0 && checkpoint_timeout_ <= 0) || !on_hang_) return;
     thread_ = std::thread([this] { watch(); });
   }
@@ -249,9 +251,7 @@ class Watchdog {
           return fmt::format("task {} ({})", i, rp_.tasks[static_cast<std::size_t>(i)].label);
         };
         on_hang_(fmt::format(
-            "rank {}: {} has not finished after {} s (timeout {:g} s){}; a peer is missing or "
-            "hung{}",
-            rp_.rank,
+            "rank {}: {} has not finished after {} s (timeout {:g} s){}; {}{}", rp_.rank,
             task_ == kStepEnd ? std::string("the step's end (its collectives, sends and loss)")
             : task_ == kCheckpoint
                 ? fmt::format("the checkpoint after step {} (its shards' writes and the "
@@ -263,6 +263,9 @@ class Watchdog {
             waiting_ >= 0        ? ", waiting for " + named(waiting_)
             : waiting_ == kSends ? ", waiting for its pipeline sends to be received"
                                  : "",
+            peers_ ? "a peer is missing or hung"
+                   : "the run has no other rank: the task is hung, or slower than the timeout "
+                     "allows",
             task_ == kCheckpoint
                 ? ", or the checkpoint's storage slower than --checkpoint-timeout allows"
                 : ""));
@@ -281,6 +284,7 @@ class Watchdog {
   double task_timeout_, checkpoint_timeout_;
   std::function<void(const std::string&)> on_hang_;
   const lower::RankProgram& rp_;
+  bool peers_ = true;
   std::thread thread_;
   std::mutex mutex_;
   std::condition_variable wake_;
