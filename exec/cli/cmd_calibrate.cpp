@@ -77,6 +77,17 @@ void check_cluster_dir(const std::string& dir) {
     throw dtsim::InputError(fmt::format("--cluster-out {}: cannot write in {} (permission denied)",
                                         dir, existing.string()));
   }
+  // What access() lets root do, a file system may not (/proc): the folders made and taken
+  // away again, as a probe.
+  if (existing == p) return;
+  fs::path first = p;
+  while (first.parent_path() != existing && first.has_parent_path()) first = first.parent_path();
+  fs::create_directories(p / "devices", ec);
+  if (ec) {
+    throw dtsim::InputError(fmt::format("--cluster-out {}: cannot create it in {}: {}", dir,
+                                        existing.string(), ec.message()));
+  }
+  fs::remove_all(first, ec);
 }
 
 // The device and cluster files of this host, from a profile (topologies/README.md format):
