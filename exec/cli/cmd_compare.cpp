@@ -3,7 +3,9 @@
 
 #include <cmath>
 #include <iostream>
+#include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -58,6 +60,21 @@ int compare(const std::vector<std::string>& args) {
         fmt::format("{} and {}: checkpoints of different models ({} against {}); compare two "
                     "checkpoints of one model",
                     dirs[0], dirs[1], a.info().model, b.info().model));
+  }
+  // Nor one changed under its name (positions, biases or norms dropped): as resuming says it.
+  const auto names_a = a.names(), names_b = b.names();
+  const std::set<std::string> in_a(names_a.begin(), names_a.end()),
+      in_b(names_b.begin(), names_b.end());
+  for (const auto& [one, other, dir] :
+       {std::tuple{&in_a, &in_b, dirs[0]}, std::tuple{&in_b, &in_a, dirs[1]}}) {
+    for (const std::string& name : *one) {
+      if (other->count(name) == 0) {
+        throw dtsim::InputError(fmt::format(
+            "{} and {}: both of model {}, but only {} holds tensor {} (a model changed under "
+            "its name?); compare two checkpoints of one model",
+            dirs[0], dirs[1], a.info().model, dir, name));
+      }
+    }
   }
   const auto d = dtsim::exec::compare_checkpoints(a, b);
   for (const auto& p : d.problems) std::cout << "mismatch: " << p << "\n";

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -725,7 +726,10 @@ void compare_info(const CheckpointInfo& a, const CheckpointInfo& b, CheckpointDi
 
 void compare_tensor(const CheckpointTensor& x, const CheckpointTensor& y, CheckpointDiff& d) {
   if (x.shape != y.shape) {
-    d.problems.push_back(fmt::format("tensor {}: shapes differ", x.name));
+    // (The embedding and LM head of plans whose vocabulary padding, a multiple of
+    // --make-vocab-size-divisible-by x tp, differs.)
+    d.problems.push_back(fmt::format("tensor {}: shapes differ ([{}] and [{}])", x.name,
+                                     fmt::join(x.shape, ", "), fmt::join(y.shape, ", ")));
     return;
   }
   bool finite = true;
