@@ -554,6 +554,13 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
           "replay\n",
           path);
     }
+    // (dtsim validate says the same of such a trace.)
+    if (trace.plan.is_null()) {
+      std::cerr << fmt::format(
+          "note: --predicted {} does not say which model and plan it is of (otherData): that it "
+          "is of this run was checked only by its tasks' kinds and count\n",
+          path);
+    }
     std::size_t found = 0;
     for (const auto& t : trace.tasks) {
       if (t.rank != rp.rank || t.task < 0 || static_cast<std::size_t>(t.task) >= rp.tasks.size()) {
