@@ -1161,6 +1161,14 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   if (vm.count("clip-grad")) p.clip_grad = vm["clip-grad"].as<double>();
   if (vm.count("sequence-parallel") && vm["sequence-parallel"].as<bool>()) {
     p.sequence_parallel = true;
+  } else if (vm.count("plan") && vm.count("tp") && p.tp == 1 && p.sequence_parallel) {
+    // A plan file's sequence parallelism under --tp 1, which no flag turns off: dropped, as
+    // there is no tp group to split the sequence over.
+    p.sequence_parallel = false;
+    notes.push_back(fmt::format(
+        "sequence parallelism off: {} has it, and --tp 1 leaves no tp group to split the "
+        "sequence over",
+        vm["plan"].as<std::string>()));
   }
   if (vm.count("no-overlap-grad-reduce") && vm["no-overlap-grad-reduce"].as<bool>()) {
     p.overlap_grad_reduce = false;
