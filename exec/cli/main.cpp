@@ -53,7 +53,14 @@ int devices(bool selftest) {
                            cuda_version(p.cuda_driver_version, "none"), p.cublas_version,
                            p.nccl_version.empty() ? "?" : p.nccl_version);
   if (p.gpus.empty()) {
-    std::cout << "no GPU: " << p.why_none << "\n";
+    // Without a driver the runtime says "driver version is insufficient": there is none to
+    // upgrade, so that is said first.
+    std::cout << "no GPU: "
+              << (p.cuda_driver_version == 0
+                      ? "no NVIDIA driver found (libcuda is not installed, or no GPU is "
+                        "attached); CUDA said: "
+                      : "")
+              << p.why_none << "\n";
     return 0;
   }
   int failures = 0;
