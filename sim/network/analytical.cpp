@@ -44,8 +44,9 @@ class Analytical final : public NetworkModel {
     // Rings (and the tree and hierarchical phases that stand in for them) send one flow per
     // group out of a leaf; all-to-all sends every member's traffic across.
     const Link inter_ring = inter_link(span, k, Crossing::OnePerGroup, concurrent);
-    const Link inter_each = inter_link(span, 1, Crossing::OnePerGroup, concurrent);
-    const Link inter_all = inter_link(span, 1, Crossing::Every, concurrent);
+    // The hierarchical all-reduce's phase across nodes: k rings, one per local rank, each its
+    // own flow out of the leaf.
+    const Link inter_each = inter_link(span, 1, Crossing::OnePerGroup, concurrent, k);
     // Across nodes with k > 1 members on each, the group runs k rings or trees (NCCL's
     // channels, each a k-th of the buffer), each entering and leaving a node at members of its
     // own: a member sends its share inside the node in k - 1 of them and across in one, so its
@@ -73,9 +74,24 @@ class Analytical final : public NetworkModel {
       case CollectiveKind::ReduceScatter:
         t = ring_all_gather_s(s, n, ring);
         break;
-      case CollectiveKind::AllToAll:
-        t = direct_all_to_all_s(s, n, k, intra, nodes > 1 ? inter_all : intra);
+      case CollectiveKind::AllToAll: {
+        // Each member sends a piece to every other: through its NIC to those on other nodes,
+        // and over its leaf's uplink to those in other leaves only (a member's peers in its
+        // own leaf's other nodes stay below the spine), every device of the leaf's groups of
+        // this kind sending so at once.
+        cluster::GroupSpan below = span;
+        below.crosses_spine = false;
+        t = direct_all_to_all_s(s, n, k, intra,
+                                nodes > 1 ? inter_link(below, 1, Crossing::Every) : intra);
+        if (span.crosses_spine) {
+          const Link uplink = inter_link(span, 1, Crossing::Every, concurrent);
+          // (A rail-optimized group in one leaf crosses it between rails: every remote peer.)
+          const std::int64_t fewest = fewest_in_a_leaf(group.ranks);
+          const double across = static_cast<double>(fewest == n ? n - k : n - fewest);
+          t = std::max(t, across * (s / n) / uplink.bw_bytes_per_s + uplink.latency_s);
+        }
         break;
+      }
     }
     memo_.emplace(key, t);
     return t;
@@ -136,10 +152,11 @@ class Analytical final : public NetworkModel {
   // spans leaves also shares its leaf's uplinks (nodes_per_leaf x NICs x NIC bandwidth /
   // oversubscription) with the groups of its kind that run with it there, `concurrent` of
   // the leaf's devices in them (by default all): a ring leaves the leaf once (one flow per
-  // group, rank order visiting a leaf's members together); with Crossing::Every every one of
-  // those devices' flows takes the uplink.
-  Link inter_link(const cluster::GroupSpan& span, int k, Crossing crossing,
-                  double concurrent = 0) const {
+  // group, rank order visiting a leaf's members together; `rings_per_group` where a group
+  // runs several, the hierarchical all-reduce's k); with Crossing::Every every one of those
+  // devices' flows takes the uplink.
+  Link inter_link(const cluster::GroupSpan& span, int k, Crossing crossing, double concurrent = 0,
+                  int rings_per_group = 1) const {
     const auto& inter = c_.inter;
     if (inter.fabric == cluster::InterFabric::Torus3d) {
       // A ring step between members h hops apart crosses h links and pays h hops of latency.
@@ -164,7 +181,7 @@ class Analytical final : public NetworkModel {
       const double members_in_leaf =
           std::ceil(static_cast<double>(span.devices) / static_cast<double>(span.leaf_groups));
       const double groups_in_leaf = std::max(1.0, concurrent / members_in_leaf);
-      bw = std::min(bw, leaf_uplink_bw() / groups_in_leaf);
+      bw = std::min(bw, leaf_uplink_bw() / (groups_in_leaf * rings_per_group));
     }
     return Link{bw, inter.latency_s.value};
   }
@@ -229,6 +246,16 @@ class Analytical final : public NetworkModel {
   std::int64_t leaf_of(std::int64_t device) const {
     const std::int64_t node = device / c_.devices_per_node;
     return c_.inter.nodes_per_leaf > 0 ? node / c_.inter.nodes_per_leaf : 0;
+  }
+
+  // The fewest members of `ranks` in one of the leaves they span: n less that is the most
+  // peers a member has in other leaves.
+  std::int64_t fewest_in_a_leaf(const std::vector<std::int64_t>& ranks) const {
+    std::map<std::int64_t, std::int64_t> by_leaf;
+    for (const std::int64_t r : ranks) ++by_leaf[leaf_of(r)];
+    std::int64_t fewest = static_cast<std::int64_t>(ranks.size());
+    for (const auto& [leaf, count] : by_leaf) fewest = std::min(fewest, count);
+    return fewest;
   }
 
   // A leaf's bandwidth to the spine, each way: its nodes' NICs over the oversubscription

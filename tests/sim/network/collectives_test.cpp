@@ -276,3 +276,42 @@ TEST_CASE("on a mesh node, a group's rings use each direct link once (Walecki's 
   CHECK(dtsim::network::ring_channels({0, 1, 2, 3, 4, 5}, 3, true) ==
         dtsim::network::ring_channels({0, 1, 2, 3, 4, 5}, 3, false));
 }
+
+TEST_CASE("across an oversubscribed spine each of a group's flows takes its share of the uplink",
+          "[network]") {
+  // 4 nodes of 8 GPUs, 2 nodes per leaf, a leaf's uplink 100 GB/s (leaf_cluster).
+  const auto c = leaf_cluster("two_leaves_flows", 4, 2);
+  auto model = dtsim::network::make_analytical(c);
+  const double s = 1 << 30, alpha = 4e-6;
+  SECTION("the hierarchical all-reduce runs a ring per local rank across nodes") {
+    // dp 32 over the 4 nodes: between nodes 8 rings (one per local rank) each leave the leaf,
+    // 100 / 8 = 12.5 GB/s each (it was priced as one flow, at a NIC's 25).
+    const dtsim::cluster::Placement dp32({.dp = 32});
+    std::vector<std::int64_t> all(32);
+    for (std::int64_t r = 0; r < 32; ++r) all[static_cast<std::size_t>(r)] = r;
+    const dtsim::lower::Group dp{dtsim::lower::GroupKind::Dp, all, {0}};
+    // The ring and the tree: one flow of the node's 200 GB/s per group, 100 through the
+    // uplink; inside the node a member's link carries 7/8 of what it sends (8 channels).
+    const Link intra{c.intra.effective_bw(), 2e-6};
+    const Link channels{intra.bw_bytes_per_s * 8 / 7, 2e-6}, across{100e9, alpha};
+    const double ring = dtsim::network::ring_all_reduce_s(
+        s, 32, Link{std::min(channels.bw_bytes_per_s, 100e9), alpha});
+    const double tree = dtsim::network::node_tree_all_reduce_s(s, 8, 4, channels, across);
+    const double hierarchical =
+        dtsim::network::hierarchical_all_reduce_s(s, 8, 4, intra, Link{12.5e9, alpha});
+    const double t =
+        model->collective_s(dp32, dp, dtsim::lower::CollectiveKind::AllReduce, 1ULL << 30);
+    CHECK(t == Approx(std::min({ring, tree, hierarchical})).epsilon(1e-12));
+    // (At a NIC's 25 GB/s the hierarchical one was the fastest, by a quarter.)
+    CHECK(dtsim::network::hierarchical_all_reduce_s(s, 8, 4, intra, Link{25e9, alpha}) < 0.8 * t);
+  }
+  SECTION("an all-to-all's peers in the member's own leaf do not cross the spine") {
+    // One member per node: of its 3 peers, 2 are in the other leaf. Through the NIC 3 pieces
+    // at 25 GB/s; over the uplink, shared by the leaf's 16 devices (6.25 GB/s each), 2.
+    const dtsim::cluster::Placement tp8_dp4({.tp = 8, .dp = 4});
+    const dtsim::lower::Group ep{dtsim::lower::GroupKind::Ep, {0, 8, 16, 24}, {0}};
+    const double piece = s / 4;
+    CHECK(model->collective_s(tp8_dp4, ep, dtsim::lower::CollectiveKind::AllToAll, 1ULL << 30) ==
+          Approx(std::max(3 * piece / 25e9, 2 * piece / 6.25e9) + alpha).epsilon(1e-12));
+  }
+}
