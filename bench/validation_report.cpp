@@ -15,18 +15,47 @@
 
 #include "sim/common/csv.hpp"
 #include "sim/common/data_files.hpp"
+#include "sim/common/error.hpp"
 #include "sim/report/published.hpp"
+
+namespace {
+
+int report(bool csv, const std::string& dir);
+
+}  // namespace
 
 int main(int argc, char** argv) {
   bool csv = false;
   std::string dir = (dtsim::data_dir() / "validation").string();
   for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--csv") {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      fmt::print(
+          "usage: dtsim_validation [--csv] [VALIDATION_DIR]\n"
+          "  the published measurements (default: the repository's validation/) against dtsim's "
+          "predictions, as a table (--csv: one row per figure)\n");
+      return 0;
+    }
+    if (arg == "--csv") {
       csv = true;
+    } else if (arg.starts_with("-")) {
+      fmt::print(stderr, "dtsim_validation: unknown option {} (--help)\n", arg);
+      return 2;
     } else {
-      dir = argv[i];
+      dir = arg;
     }
   }
+  try {
+    return report(csv, dir);
+  } catch (const dtsim::Error& e) {
+    fmt::print(stderr, "dtsim_validation: error: {}\n", e.what());
+    return 2;
+  }
+}
+
+namespace {
+
+int report(bool csv, const std::string& dir) {
   std::vector<std::string> csv_rows;
 
   if (!csv) {
@@ -136,3 +165,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace
