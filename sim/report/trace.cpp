@@ -2,9 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <tuple>
+#include <vector>
 
 #include "sim/common/error.hpp"
 #include "sim/plan/plan.hpp"
@@ -12,6 +16,35 @@
 namespace dtsim::report {
 
 using nlohmann::json;
+
+namespace {
+
+// Each task's lane on its stream: the first whose tasks so far end, to the nanosecond, by its
+// start (tasks taken by start, the longer first at one start).
+std::vector<int> stream_lanes(const lower::RankProgram& rp,
+                              const std::vector<engine::TaskTime>& times) {
+  auto ns = [](double seconds) { return std::llround(seconds * 1e9); };
+  std::vector<std::size_t> order(rp.tasks.size());
+  for (std::size_t t = 0; t < order.size(); ++t) order[t] = t;
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return std::make_tuple(rp.tasks[a].stream, ns(times[a].start_s), -ns(times[a].end_s), a) <
+           std::make_tuple(rp.tasks[b].stream, ns(times[b].start_s), -ns(times[b].end_s), b);
+  });
+  std::vector<int> lane(rp.tasks.size(), 0);
+  std::vector<std::vector<long long>> ends(lower::kStreamCount);  // per stream, per lane
+  for (const std::size_t t : order) {
+    auto& free_at = ends[static_cast<std::size_t>(rp.tasks[t].stream)];
+    const long long start = ns(times[t].start_s), end = std::max(start, ns(times[t].end_s));
+    std::size_t l = 0;
+    while (l < free_at.size() && free_at[l] > start) ++l;
+    if (l == free_at.size()) free_at.push_back(end);
+    free_at[l] = end;
+    lane[t] = static_cast<int>(l);
+  }
+  return lane;
+}
+
+}  // namespace
 
 json chrome_trace(const lower::Program& program, const engine::Timeline& timeline,
                   const TraceInfo& info) {
@@ -33,12 +66,32 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
                       {"name", "process_sort_index"},
                       {"pid", rp.rank},
                       {"args", {{"sort_index", rp.rank}}}});
+    // A stream's tasks may overlap (a send beside a receive, a reduce-scatter beside a gather),
+    // which a viewer's thread cannot show (Perfetto: complete events on a thread nest or are
+    // disjoint): those that overlap the ones before them go to further lanes of the stream,
+    // threads of the same name (tid stream + lane x kStreamCount), at the first lane free by
+    // then, to the nanosecond.
+    const std::vector<int> lane = stream_lanes(rp, timeline.tasks[p]);
+    std::vector<int> lanes(lower::kStreamCount, 1);
+    for (std::size_t t = 0; t < lane.size(); ++t) {
+      int& n = lanes[static_cast<std::size_t>(rp.tasks[t].stream)];
+      n = std::max(n, lane[t] + 1);
+    }
     for (int s = 0; s < lower::kStreamCount; ++s) {
-      events.push_back({{"ph", "M"},
-                        {"name", "thread_name"},
-                        {"pid", rp.rank},
-                        {"tid", s},
-                        {"args", {{"name", to_string(static_cast<lower::Stream>(s))}}}});
+      for (int l = 0; l < lanes[static_cast<std::size_t>(s)]; ++l) {
+        const int tid = s + l * lower::kStreamCount;
+        events.push_back({{"ph", "M"},
+                          {"name", "thread_name"},
+                          {"pid", rp.rank},
+                          {"tid", tid},
+                          {"args", {{"name", to_string(static_cast<lower::Stream>(s))}}}});
+        // (A stream's lanes side by side, the streams in their order.)
+        events.push_back({{"ph", "M"},
+                          {"name", "thread_sort_index"},
+                          {"pid", rp.rank},
+                          {"tid", tid},
+                          {"args", {{"sort_index", s * 1000 + l}}}});
+      }
     }
     for (std::size_t t = 0; t < rp.tasks.size(); ++t) {
       const lower::Task& task = rp.tasks[t];
@@ -57,7 +110,7 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
                         {"name", task.label},
                         {"cat", to_string(task.kind)},
                         {"pid", rp.rank},
-                        {"tid", static_cast<int>(task.stream)},
+                        {"tid", static_cast<int>(task.stream) + lane[t] * lower::kStreamCount},
                         {"ts", tt.start_s * 1e6},
                         {"dur", (tt.end_s - tt.start_s) * 1e6},
                         {"args", std::move(args)}});

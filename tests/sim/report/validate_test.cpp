@@ -378,3 +378,47 @@ TEST_CASE("a trace of a million tasks or more is said to take a while", "[report
       note->find("note: writing a trace of 2.0 million tasks to t.json: expect tens of seconds") !=
       std::string::npos);
 }
+
+TEST_CASE("a stream's overlapping tasks go to lanes of its name, which validate reads as one",
+          "[report][trace]") {
+  // A stage's pipeline stream: a send [0, 10) us, a receive [5, 15) beside it, a send [20, 30)
+  // after both. A viewer's thread shows only nested or disjoint events (Perfetto), so the
+  // receive takes a second lane: tid comm_pp + kStreamCount, named comm_pp too.
+  using dtsim::lower::Stream;
+  dtsim::lower::Program program;
+  dtsim::lower::RankProgram rank;
+  rank.represents = {0};
+  for (const auto kind :
+       {dtsim::lower::TaskKind::Send, dtsim::lower::TaskKind::Recv, dtsim::lower::TaskKind::Send}) {
+    dtsim::lower::Task t;
+    t.kind = kind;
+    t.stream = Stream::Pp;
+    t.label = kind == dtsim::lower::TaskKind::Send ? "send" : "recv";
+    rank.tasks.push_back(t);
+  }
+  program.ranks.push_back(rank);
+  dtsim::engine::Timeline timeline;
+  timeline.tasks = {{{0, 10e-6}, {5e-6, 15e-6}, {20e-6, 30e-6}}};
+  timeline.makespan_s = 30e-6;
+  dtsim::report::TraceInfo info;
+  info.model = "tiny";
+  const auto trace = dtsim::report::chrome_trace(program, timeline, info);
+  const int pp = static_cast<int>(Stream::Pp), second = pp + dtsim::lower::kStreamCount;
+  std::vector<int> tids;
+  bool named = false;
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.at("ph") == "X") tids.push_back(e.at("tid").get<int>());
+    if (e.at("ph") == "M" && e.at("name") == "thread_name" && e.at("tid") == second) {
+      named = e.at("args").at("name") == "comm_pp";
+    }
+  }
+  CHECK(tids == std::vector<int>{pp, second, pp});
+  CHECK(named);
+  TempFile f("lanes.json", trace.dump());
+  const auto read = dtsim::report::read_trace(f.path());
+  const auto v = dtsim::report::validate(read, read);
+  bool one_stream = false;
+  for (const auto& row : v.rows)
+    one_stream = one_stream || (row.group == "stream comm_pp" && row.tasks == 3);
+  CHECK(one_stream);
+}
