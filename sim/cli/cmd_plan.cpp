@@ -214,19 +214,49 @@ std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Clus
   return text;
 }
 
+// Nothing fits: what the closest plan's memory is made of (its worst rank), and a floor on the
+// devices: the model's state alone, sharded evenly over every device (ZeRO-3), before
+// activations and the framework's allowance.
+struct ClosestToFitting {
+  plan::StageMemory worst;
+  double bytes_per_param = 0;
+  double state_bytes = 0;
+  std::int64_t floor_devices = 0;
+};
+
+ClosestToFitting closest_memory(const model::ModelSpec& spec, const cluster::Cluster& cluster,
+                                const plan::MemoryOptions& memory, const planner::Candidate& c) {
+  const model::ModelGraph g = plan::graph_of(spec, c.plan);
+  ClosestToFitting out;
+  // (With the search's memory options: "other" holds --framework-overhead-gib, as the total.)
+  out.worst = plan::estimate_memory(g, c.plan, cluster, memory).worst();
+  const auto per_param = plan::state_bytes_per_param(c.plan);
+  out.bytes_per_param = per_param.weights + per_param.gradients + per_param.optimizer;
+  out.state_bytes = static_cast<double>(g.totals().params) * out.bytes_per_param;
+  out.floor_devices =
+      static_cast<std::int64_t>(std::ceil(out.state_bytes / std::max(1.0, c.capacity_bytes)));
+  return out;
+}
+
+// The same in the JSON's closest_not_fitting.
+void add_closest_memory(json& out, const ClosestToFitting& m) {
+  out["memory"] = {{"weights_bytes", report::byte_count(m.worst.weights_bytes)},
+                   {"gradients_bytes", report::byte_count(m.worst.gradients_bytes)},
+                   {"optimizer_bytes", report::byte_count(m.worst.optimizer_bytes)},
+                   {"activations_bytes", report::byte_count(m.worst.activations_bytes)},
+                   {"other_bytes", report::byte_count(m.worst.other_bytes)}};
+  out["model_state_bytes"] = report::byte_count(m.state_bytes);
+  out["model_state_bytes_per_param"] = m.bytes_per_param;
+  out["devices_floor"] = m.floor_devices;
+}
+
 // Nothing fits: how far the closest plan is, and what its memory is made of.
 std::string closest_to_fitting(const model::ModelSpec& spec, const cluster::Cluster& cluster,
                                const plan::MemoryOptions& memory, const planner::Candidate& c) {
-  const model::ModelGraph g = plan::graph_of(spec, c.plan);
-  // (With the search's memory options: "other" holds --framework-overhead-gib, as the total.)
-  const auto m = plan::estimate_memory(g, c.plan, cluster, memory).worst();
-  // A floor on the devices: the model's state alone, sharded evenly over every device (ZeRO-3),
-  // before activations and the framework's allowance.
-  const auto per_param = plan::state_bytes_per_param(c.plan);
-  const double bytes_per_param = per_param.weights + per_param.gradients + per_param.optimizer;
-  const double state_bytes = static_cast<double>(g.totals().params) * bytes_per_param;
-  const auto floor_devices =
-      static_cast<std::int64_t>(std::ceil(state_bytes / std::max(1.0, c.capacity_bytes)));
+  const ClosestToFitting closest = closest_memory(spec, cluster, memory, c);
+  const auto& m = closest.worst;
+  const double bytes_per_param = closest.bytes_per_param, state_bytes = closest.state_bytes;
+  const std::int64_t floor_devices = closest.floor_devices;
   // The framework's allowance alone over the device's memory: no plan shrinks it.
   const std::string remedy =
       m.other_bytes >= c.capacity_bytes
@@ -482,7 +512,10 @@ int cmd_plan(const std::vector<std::string>& args) {
       out["best_not_fitting"] = candidate_json(*result.best_not_fitting, goal);
     }
     if (result.closest_not_fitting) {
-      out["closest_not_fitting"] = candidate_json(*result.closest_not_fitting, goal);
+      json closest = candidate_json(*result.closest_not_fitting, goal);
+      add_closest_memory(closest,
+                         closest_memory(spec, cluster, space.memory, *result.closest_not_fitting));
+      out["closest_not_fitting"] = std::move(closest);
     }
     json frontier = json::array();
     for (const auto& c : result.memory_frontier) frontier.push_back(candidate_json(c, goal));
