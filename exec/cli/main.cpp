@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
   if (args.empty() || args[0] == "--help" || args[0] == "-h") {
     // No command is an error: the usage goes to stderr, as errors do.
     usage(args.empty() ? std::cerr : std::cout);
-    return args.empty() ? 2 : 0;
+    return dtsim::exit_code_after_output("dtexec", args.empty() ? 2 : 0);
   }
   if (args[0] == "run" || args[0] == "calibrate" || args[0] == "compare") {
     if (args[0] != "compare") dtsim::exec::cpu::keep_freed_host_memory();
@@ -133,13 +133,13 @@ int main(int argc, char** argv) {
                      "the\nCUDA, cuBLAS and NCCL versions; --selftest runs a check kernel on each "
                      "(exit code 1\nwhen one fails). Without a GPU, or built without the CUDA "
                      "backend, it says so and\nexits 0.\n";
-        return 0;
+        return dtsim::exit_code_after_output("dtexec devices", 0);
       } else {
         std::cerr << fmt::format("dtexec devices: error: unknown option \"{}\"\n", args[i]);
         return 2;
       }
     }
-    return devices(selftest);
+    return dtsim::exit_code_after_output("dtexec devices", devices(selftest));
   }
   std::cerr << fmt::format("dtexec: unknown command \"{}\"\n\n", args[0]);
   usage(std::cerr);

@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     // No command is an error: the usage goes to stderr, as errors do.
     usage(args.empty() ? std::cerr : std::cout);
-    return args.empty() ? 2 : 0;
+    return dtsim::exit_code_after_output("dtsim", args.empty() ? 2 : 0);
   }
   const auto it = commands().find(args[0]);
   if (it == commands().end()) {
