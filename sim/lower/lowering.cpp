@@ -394,6 +394,16 @@ class Lowerer {
         last_compute_task_ = id;
       }
     }
+    // Each dependency once (a send's tensor is often the last compute task's; an exchange's
+    // tasks may already be a pass's inputs), in the order first given.
+    for (std::size_t i = 1; i < t.deps.size();) {
+      const auto before = t.deps.begin() + static_cast<std::ptrdiff_t>(i);
+      if (std::find(t.deps.begin(), before, t.deps[i]) != before) {
+        t.deps.erase(before);
+      } else {
+        ++i;
+      }
+    }
     rp_->tasks.push_back(std::move(t));
     return id;
   }

@@ -933,3 +933,29 @@ TEST_CASE("zero-bubble's last weight pass goes layer by layer, its buckets out a
     }
   }
 }
+
+TEST_CASE("a task lists each dependency once", "[lower]") {
+  // (Blocking exchanges added the last compute task to a send whose tensor was already that
+  // task's, and a pass's received inputs twice: "deps": [56, 55, 56] in lower --json.)
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  for (const auto schedule :
+       {dtsim::plan::Schedule::OneFOneB, dtsim::plan::Schedule::GPipe,
+        dtsim::plan::Schedule::Interleaved, dtsim::plan::Schedule::ZeroBubble}) {
+    for (const int zero : {0, 3}) {
+      Plan p = plan_for(2, 2, 2, 1);
+      p.schedule = schedule;
+      p.virtual_stages = schedule == dtsim::plan::Schedule::Interleaved ? 2 : 1;
+      p.zero_stage = zero;
+      p.sequence_parallel = true;
+      const dtsim::model::ModelGraph g(spec, 1, 32);
+      const Program prog = dtsim::lower::lower(g, p);
+      for (const auto& rp : prog.ranks) {
+        for (const auto& t : rp.tasks) {
+          INFO(dtsim::plan::to_string(schedule) << " zero " << zero << ": " << t.label);
+          std::set<dtsim::lower::TaskId> once(t.deps.begin(), t.deps.end());
+          CHECK(once.size() == t.deps.size());
+        }
+      }
+    }
+  }
+}
