@@ -748,10 +748,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
     row.network_unused = c.nodes == 1 && (point.count("nic_gbps") || point.count("latency_us") ||
                                           point.count("oversubscription"));
-    // Oversubscription slows the uplinks between leaves: with every node under one leaf there
-    // are none.
+    // Oversubscription slows the uplinks between leaves (and between rails): with every node
+    // under one leaf (not rail-optimized) nothing crosses them.
     row.uplinks_unused =
-        c.nodes > 1 && point.count("oversubscription") && !cluster::several_leaves(c);
+        c.nodes > 1 && point.count("oversubscription") && !cluster::crosses_uplinks(c);
     planner::SearchSpace space;
     search_space_from_options(vm, space);
     // As dtsim plan: bf16, or fp32 on a device without it (a CPU host).

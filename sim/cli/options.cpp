@@ -1006,7 +1006,7 @@ cluster::Cluster cluster_from_options(const po::variables_map& vm) {
       std::cerr << fmt::format(
           "note: {}: {} runs in one node here: its network's figures change nothing\n",
           changes->file(), on.name);
-    } else if (changes->has("oversubscription") && !cluster::several_leaves(on)) {
+    } else if (changes->has("oversubscription") && !cluster::crosses_uplinks(on)) {
       std::cerr << fmt::format(
           "note: {}: {}'s nodes here share one leaf switch: no traffic crosses the uplinks that "
           "oversubscription slows\n",

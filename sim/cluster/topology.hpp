@@ -114,6 +114,12 @@ Cluster with_device(Cluster cluster, DeviceSpec device);
 inline bool several_leaves(const Cluster& c) {
   return c.inter.nodes_per_leaf > 0 && c.inter.nodes_per_leaf < c.nodes;
 }
+// Whether any traffic may cross the uplinks that oversubscription slows: between leaves, and
+// on a rail-optimized fabric between rails even inside one leaf (rails meet at the spine, as
+// the analytical model prices them; the SimGrid platform has no rails).
+inline bool crosses_uplinks(const Cluster& c) {
+  return several_leaves(c) || (c.inter.fabric == InterFabric::RailOptimized && c.nodes > 1);
+}
 
 std::string_view to_string(IntraFabric f);
 std::string_view to_string(InterFabric f);
