@@ -654,9 +654,9 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   }
   if (vm["json"].as<bool>()) {
     nlohmann::json memory = {
-        {"peak_bytes", peak},
-        {"replay_input_bytes", result.replay_input_bytes},
-        {"predicted_bytes", dtsim::report::value_or_null(predicted)},
+        {"peak_bytes", dtsim::report::byte_count(peak)},
+        {"replay_input_bytes", dtsim::report::byte_count(result.replay_input_bytes)},
+        {"predicted_bytes", predicted ? dtsim::report::byte_count(*predicted) : nlohmann::json()},
         {"note",
          "peak_bytes: the most tensor bytes this rank held at once (replay_input_bytes of them "
          "the values replayed receives copy); predicted_bytes: dtsim memory's figure for its "
@@ -1060,9 +1060,9 @@ struct HeldMemory {
 nlohmann::json memory_json(const HeldMemory& held, std::optional<double> predicted,
                            const dtsim::plan::Plan& plan) {
   nlohmann::json memory = {
-      {"peak_bytes", held.peak_bytes},
-      {"reserved_bytes", held.reserved_bytes},
-      {"predicted_bytes", dtsim::report::value_or_null(predicted)},
+      {"peak_bytes", dtsim::report::byte_count(held.peak_bytes)},
+      {"reserved_bytes", dtsim::report::byte_count(held.reserved_bytes)},
+      {"predicted_bytes", predicted ? dtsim::report::byte_count(*predicted) : nlohmann::json()},
       {"note",
        "peak_bytes: the most tensor bytes the device held at once on the busiest rank; "
        "reserved_bytes: what its pool of buffers held; predicted_bytes: dtsim memory's busiest "
@@ -1180,7 +1180,7 @@ nlohmann::json measured_json(int rank, const dtsim::exec::RunResult& result, con
                              {"hardware_flops", flops.hardware},
                              {"model_flops_per_step", flops.model},
                              {"hardware_flops_per_step", flops.hardware},
-                             {"memory_per_gpu_bytes", peak_bytes},
+                             {"memory_per_gpu_bytes", dtsim::report::byte_count(peak_bytes)},
                              {"breakdown_stage", spent_stage},
                              {"per_stage", per_stage},
                              {"amdahl", amdahl},

@@ -15,6 +15,7 @@
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
 #include "sim/model/model_graph.hpp"
+#include "sim/report/json_values.hpp"
 #include "sim/report/table.hpp"
 
 namespace dtsim::cli {
@@ -75,7 +76,7 @@ void list_models(nlohmann::json* out) {
                fmt::format("{}", spec.vocab), fmt::format("{}", spec.seq_len), experts});
     if (out) {
       nlohmann::json j = {{"name", name},
-                          {"params", params},
+                          {"params", report::byte_count(params)},  // (a whole count: an integer)
                           {"layers", spec.layers},
                           {"hidden", spec.hidden},
                           {"heads", spec.heads},
@@ -171,7 +172,7 @@ void list_devices(nlohmann::json* out) {
                           {"display_name", d.display_name},
                           {"peak_flops", peak},
                           {"peak_precision", to_string(precision)},
-                          {"memory_bytes", d.memory_bytes.value},
+                          {"memory_bytes", report::byte_count(d.memory_bytes.value)},
                           {"memory_bw_bytes_per_s", d.memory_bw_bytes_per_s.value},
                           {"intra_node_bw_bytes_per_s", d.intra_node_bw_bytes_per_s.value}};
       if (d.power_w) j["power_w"] = d.power_w->value;
