@@ -653,6 +653,9 @@ int cmd_plan(const std::vector<std::string>& args) {
     if (auto note = plan::uneven_layers_note(spec, result.ranked.front().plan)) {
       std::cout << "#1: " << *note << "\n";
     }
+    if (auto note = plan::sliding_window_note(spec, result.ranked.front().plan.seq_len)) {
+      std::cout << "(" << *note << ")\n";
+    }
     // FlashAttention executes fewer FLOPs than MFU counts (simulate's note, for #1).
     if (const auto& best = result.ranked.front();
         best.refined && best.plan.attention == model::AttentionKernel::Flash &&

@@ -298,6 +298,16 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   m.name = r.has("_name_or_path") && !r.string("_name_or_path").empty() ? r.name("_name_or_path")
            : path.filename() == "config.json" ? path.parent_path().filename().string()
                                               : path.stem().string();
+  // A _name_or_path that is a folder on the machine that saved it (/disks/.../model,
+  // ./CodeLlama-7b-Instruct-hf), not a repository's name: its last part.
+  if (m.name.starts_with("/") || m.name.starts_with("./") || m.name.starts_with("../") ||
+      m.name.starts_with("~")) {
+    std::filesystem::path folder(m.name);
+    while (!folder.empty() && folder.filename().empty()) folder = folder.parent_path();
+    if (!folder.filename().empty() && folder.filename() != "." && folder.filename() != "..") {
+      m.name = folder.filename().string();
+    }
+  }
   if (m.name.empty()) m.name = type;
   m.source = fmt::format("Hugging Face config.json ({})", file);
   m.description = fmt::format("imported from a Hugging Face {} config", type);
@@ -353,14 +363,25 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.layers = hf_int(r, names, "layers", {"num_hidden_layers"});
     m.hidden = hf_int(r, names, "hidden", {"hidden_size"});
     m.heads = hf_int(r, names, "heads", {"num_attention_heads"});
-    // Without num_key_value_heads, multi-head attention: one key/value head per head (as
-    // Hugging Face defaults it), said in the description (a misspelt key would read so too).
-    m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"},
-                        /*aliases=*/false);
+    // Without num_key_value_heads, Hugging Face's default for the family: llama's is one
+    // key/value head per head (LlamaConfig: multi-head attention), mistral's and mixtral's 8,
+    // qwen2's 32 (their configuration classes' defaults); said in the description (a misspelt
+    // key would read so too).
+    if (r.has("num_key_value_heads") || type == "llama") {
+      m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"},
+                          /*aliases=*/false);
+    } else {
+      m.kv_heads = type == "qwen2" ? 32 : 8;
+      names["kv_heads"] = "num_key_value_heads";
+    }
     if (!r.has("num_key_value_heads")) {
       m.description +=
-          "; no num_key_value_heads: one key/value head per head (multi-head attention), as "
-          "Hugging Face defaults it";
+          type == "llama"
+              ? std::string(
+                    "; no num_key_value_heads: one key/value head per head (multi-head "
+                    "attention), as Hugging Face's LlamaConfig defaults it")
+              : fmt::format("; no num_key_value_heads: {}, Hugging Face's default for {}",
+                            m.kv_heads, type);
     }
     m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
     m.vocab = hf_int(r, names, "vocab", {"vocab_size"});
@@ -391,25 +412,52 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           "; its sliding_window of {} tokens is not modelled (full causal attention, the same "
           "up to that length)",
           window);
+      m.unmodelled_sliding_window = window;
     }
     m.norm = Norm::RmsNorm;
     m.positions = Positions::Rope;
     if (r.has("rope_theta")) m.rope_theta = r.positive_number("rope_theta");
     // RoPE scaling (llama3, yarn, linear, dynamic) changes the rotary frequencies, not what
     // computing them costs: nothing to model, said so.
-    if (r.has("rope_scaling")) {
-      const JsonReader scaling = r.object("rope_scaling");
+    // (rope_parameters: newer transformers' name for it.)
+    for (const char* key : {"rope_scaling", "rope_parameters"}) {
+      if (!r.has(key)) continue;
+      const JsonReader scaling = r.object(key);
       const std::string kind = scaling.has("rope_type") ? scaling.string("rope_type")
                                                         : scaling.string_or("type", "unnamed");
+      if (kind == "default") continue;  // (rope_parameters holds the plain rope_theta too)
       m.description += fmt::format(
-          "; its rope_scaling ({}) changes RoPE's frequencies, not its cost: not modelled", kind);
+          "; its {} ({}) changes RoPE's frequencies, not its cost: not modelled", key, kind);
+    }
+    if (r.has("partial_rotary_factor") && r.positive_number("partial_rotary_factor") != 1) {
+      m.description += fmt::format(
+          "; its partial_rotary_factor of {:g} (RoPE on part of each head) is not modelled: "
+          "priced as RoPE on the whole head, a small element-wise pass",
+          r.positive_number("partial_rotary_factor"));
+    }
+    if (r.has("quantization_config")) {
+      m.description +=
+          "; its quantization_config (quantized weights) is not modelled: trained in the "
+          "plan's precision";
     }
     m.tied_embeddings = r.boolean_or("tie_word_embeddings", false);
-    // qwen2 always has q/k/v biases (Qwen2Attention: bias=True on q,k,v; False on o_proj).
+    // Biases as Hugging Face's classes build them: llama reads attention_bias (q, k, v and o)
+    // and mlp_bias; qwen2 always has q/k/v biases and none on o_proj or the MLP (Qwen2Attention,
+    // Qwen2MLP), mistral and mixtral none; what those classes do not read is said.
     const bool attention_bias = r.boolean_or("attention_bias", false);
-    m.bias.qkv = type == "qwen2" || attention_bias;
-    m.bias.attn_out = attention_bias;
-    m.bias.mlp = r.boolean_or("mlp_bias", false);
+    const bool mlp_bias = r.boolean_or("mlp_bias", false);
+    const bool reads_biases = type == "llama";
+    m.bias.qkv = type == "qwen2" || (reads_biases && attention_bias);
+    m.bias.attn_out = reads_biases && attention_bias;
+    m.bias.mlp = reads_biases && mlp_bias;
+    if (!reads_biases && (attention_bias || mlp_bias)) {
+      m.description +=
+          fmt::format("; its {} not read: Hugging Face's {} model has {}",
+                      attention_bias && mlp_bias ? "attention_bias and mlp_bias are"
+                      : attention_bias           ? "attention_bias is"
+                                                 : "mlp_bias is",
+                      type, type == "qwen2" ? "biases on q, k and v only" : "no biases");
+    }
     // Their attention-probability dropout (0 in every published config of these families):
     // dtsim's dropout prices GPT-2's layers, embedding and residuals too, so it is left out,
     // said in the description.

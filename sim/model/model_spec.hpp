@@ -65,6 +65,9 @@ struct ModelSpec {
   BiasSpec bias;
   bool dropout = false;
   std::optional<MoeSpec> moe;
+  // A Hugging Face config's sliding-window attention, which dtsim does not model (full causal
+  // attention is priced): said where a plan's sequence is longer than the window.
+  std::optional<std::int64_t> unmodelled_sliding_window;
 
   std::optional<std::uint64_t> published_params;
   std::uint64_t published_params_precision = 1;

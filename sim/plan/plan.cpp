@@ -97,6 +97,16 @@ std::optional<std::string> vocab_padding_note(const model::ModelSpec& spec, cons
       spec.vocab, rows, plan.make_vocab_size_divisible_by, plan.tp);
 }
 
+std::optional<std::string> sliding_window_note(const model::ModelSpec& model,
+                                               std::int64_t seq_len) {
+  const auto window = model.unmodelled_sliding_window;
+  if (!window || seq_len <= *window) return std::nullopt;
+  return fmt::format(
+      "{}'s sliding window of {} tokens is not modelled: attention is priced as full causal "
+      "attention over all {} (its keys per query at most {})",
+      model.name, *window, seq_len, *window);
+}
+
 std::optional<std::string> uneven_layers_note(const model::ModelSpec& spec, const Plan& plan) {
   const std::int64_t chunks = std::int64_t{plan.pp} * plan.virtual_stages;
   if (!plan.layers_per_stage.empty() || chunks <= 1 || spec.layers % chunks == 0) {
@@ -420,6 +430,7 @@ std::vector<std::string> complete_plan(Plan& plan, const model::ModelSpec& model
     plan.seq_len = model.seq_len;
     notes.push_back(fmt::format("seq_len = {} (the model's default)", plan.seq_len));
   }
+  if (auto note = sliding_window_note(model, plan.seq_len)) notes.push_back(std::move(*note));
   const std::int64_t m = plan.pp > 1 ? 4 * std::int64_t{plan.pp} : 1;
   // Left unset when the product would wrap around: check_plan then reports the oversized
   // micro-batch ("size") or degrees ("devices").

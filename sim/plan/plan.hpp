@@ -147,6 +147,10 @@ struct Plan {
   cluster::ParallelDegrees degrees() const { return {tp, cp, ep, dp, pp}; }
 };
 
+// A Hugging Face config's sliding window that a sequence of seq_len tokens outgrows: dtsim
+// prices full causal attention (ModelSpec::unmodelled_sliding_window). None within it.
+std::optional<std::string> sliding_window_note(const model::ModelSpec& model, std::int64_t seq_len);
+
 // The vocabulary padded as the plan pads it (Plan::make_vocab_size_divisible_by), and the model
 // with that many embedding and LM-head rows: what a plan's ModelGraph is built from.
 std::int64_t padded_vocab(std::int64_t vocab, const Plan& plan);

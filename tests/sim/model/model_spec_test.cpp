@@ -222,6 +222,54 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     CHECK_THAT(m.description, Catch::Contains("its rope_scaling (llama3) changes RoPE's "
                                               "frequencies, not its cost: not modelled"));
   }
+  SECTION("a family's own default key/value heads, biases it reads, and fields not modelled") {
+    // Without num_key_value_heads: MistralConfig's and MixtralConfig's default is 8, Qwen2's 32
+    // (it was one per head for every family, Mistral 7B 8.05B instead of 7.24B).
+    const std::string mistral = R"("model_type": "mistral", "hidden_size": 4096,
+      "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "vocab_size": 32000, "max_position_embeddings": 32768)";
+    TempFile no_kv("config.json", "{" + mistral + "}");
+    const auto m = load_model(no_kv.path());
+    CHECK(m.kv_heads == 8);
+    CHECK(count_params(m) == 7241732096ULL);
+    CHECK_THAT(m.description,
+               Catch::Contains("no num_key_value_heads: 8, Hugging Face's default for mistral"));
+    // attention_bias and mlp_bias are llama's; Qwen2Attention has q/k/v biases only and
+    // MistralAttention none, whatever the config says.
+    TempFile biased("config.json", "{" + mistral + R"(, "num_key_value_heads": 8,
+      "attention_bias": true})");
+    const auto b = load_model(biased.path());
+    CHECK(count_params(b) == 7241732096ULL);
+    CHECK_THAT(b.description, Catch::Contains("its attention_bias is not read: Hugging Face's "
+                                              "mistral model has no biases"));
+    TempFile llama_bias("config.json", R"({"model_type": "llama", "hidden_size": 64,
+      "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+      "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,
+      "attention_bias": true, "mlp_bias": true})");
+    const auto lb = load_model(llama_bias.path());
+    CHECK(lb.bias.qkv);
+    CHECK(lb.bias.attn_out);
+    CHECK(lb.bias.mlp);
+    // Fields that change nothing dtsim prices, or that it does not model, are said.
+    TempFile other("config.json", "{" + mistral + R"(, "num_key_value_heads": 8,
+      "partial_rotary_factor": 0.5, "quantization_config": {"bits": 4},
+      "rope_parameters": {"rope_type": "yarn", "factor": 4}})");
+    const auto o = load_model(other.path());
+    CHECK_THAT(o.description, Catch::Contains("its partial_rotary_factor of 0.5"));
+    CHECK_THAT(o.description, Catch::Contains("its quantization_config (quantized weights) is "
+                                              "not modelled"));
+    CHECK_THAT(o.description, Catch::Contains("its rope_parameters (yarn) changes RoPE's"));
+    // A window is kept for the plans whose sequence is longer (simulate says so there).
+    TempFile window("config.json", "{" + mistral + R"(, "sliding_window": 4096})");
+    CHECK(load_model(window.path()).unmodelled_sliding_window == 4096);
+    // A _name_or_path that is a folder of the machine that saved the config: its last part.
+    TempFile saved("config.json",
+                   "{" + mistral + R"(, "_name_or_path": "/disks/a/CodeThing-7b/"})");
+    CHECK(load_model(saved.path()).name == "CodeThing-7b");
+    TempFile repo("config.json",
+                  "{" + mistral + R"(, "_name_or_path": "mistralai/Mistral-7B-v0.1"})");
+    CHECK(load_model(repo.path()).name == "mistralai/Mistral-7B-v0.1");
+  }
   SECTION("unsupported model_type lists the supported ones") {
     TempFile f("config.json", R"({"model_type": "bert", "hidden_size": 768})");
     DTSIM_REQUIRE_THROWS_CONTAINING(
