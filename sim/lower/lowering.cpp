@@ -382,26 +382,22 @@ class Lowerer {
       // the next round starts when they are done. For zero-bubble and PipeDream, which
       // Megatron-LM does not have, the receives block in the same way but the sends do not
       // hold the sender (holds_sends_).
+      // Each dependency once: a send's tensor is often the last compute task's, and an
+      // exchange's receives are often a pass's inputs already. (The few added here are looked
+      // up among the task's own, which an optimizer step has thousands of.)
+      auto depend_on = [&t](TaskId d) {
+        if (std::find(t.deps.begin(), t.deps.end(), d) == t.deps.end()) t.deps.push_back(d);
+      };
       if ((t.kind == TaskKind::Recv || t.kind == TaskKind::Send) && last_compute_task_ >= 0) {
-        t.deps.push_back(last_compute_task_);
+        depend_on(last_compute_task_);
       }
       if (t.kind == TaskKind::Recv || (t.kind == TaskKind::Send && holds_sends_)) {
         exchange_.push_back(id);
       }
       if (t.kind == TaskKind::Compute) {
-        for (TaskId x : exchange_) t.deps.push_back(x);
+        for (TaskId x : exchange_) depend_on(x);
         exchange_.clear();
         last_compute_task_ = id;
-      }
-    }
-    // Each dependency once (a send's tensor is often the last compute task's; an exchange's
-    // tasks may already be a pass's inputs), in the order first given.
-    for (std::size_t i = 1; i < t.deps.size();) {
-      const auto before = t.deps.begin() + static_cast<std::ptrdiff_t>(i);
-      if (std::find(t.deps.begin(), before, t.deps[i]) != before) {
-        t.deps.erase(before);
-      } else {
-        ++i;
       }
     }
     rp_->tasks.push_back(std::move(t));
