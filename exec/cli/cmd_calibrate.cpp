@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "exec/cli/commands.hpp"
+#include "sim/common/launcher.hpp"
 #include "exec/core/checkpoint.hpp"
 #include "exec/core/in_run.hpp"
 #include "exec/core/runner.hpp"
@@ -78,16 +79,19 @@ void check_cluster_dir(const std::string& dir) {
                                         dir, existing.string()));
   }
   // What access() lets root do, a file system may not (/proc): the folders made and taken
-  // away again, as a probe.
-  if (existing == p) return;
+  // away again, as a probe, also where making them fails part way. By the launcher's rank 0
+  // alone under mpirun (another rank's removal would pull the folders from under its making;
+  // rank 0 writes them in the end).
+  if (existing == p || dtsim::launcher_rank() != 0) return;
   fs::path first = p;
   while (first.parent_path() != existing && first.has_parent_path()) first = first.parent_path();
   fs::create_directories(p / "devices", ec);
+  std::error_code ignored;
+  fs::remove_all(first, ignored);
   if (ec) {
     throw dtsim::InputError(fmt::format("--cluster-out {}: cannot create it in {}: {}", dir,
                                         existing.string(), ec.message()));
   }
-  fs::remove_all(first, ec);
 }
 
 // The device and cluster files of this host, from a profile (topologies/README.md format):
