@@ -373,6 +373,12 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     } else {
       m.kv_heads = type == "qwen2" ? 32 : 8;
       names["kv_heads"] = "num_key_value_heads";
+      if (m.heads % m.kv_heads != 0) {
+        r.fail("num_key_value_heads",
+               fmt::format("not given, and {}'s default of {} key/value heads does not divide "
+                           "num_attention_heads = {}: give it",
+                           type, m.kv_heads, m.heads));
+      }
     }
     if (!r.has("num_key_value_heads")) {
       m.description +=
@@ -413,6 +419,12 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           "up to that length)",
           window);
       m.unmodelled_sliding_window = window;
+    } else if (type == "mistral" && !j.contains("sliding_window")) {
+      // (MistralConfig's default window, where the key is left out: 4096.)
+      m.description +=
+          "; no sliding_window: Hugging Face's default for mistral, 4096 tokens, which is not "
+          "modelled (full causal attention, the same up to that length)";
+      m.unmodelled_sliding_window = 4096;
     }
     m.norm = Norm::RmsNorm;
     m.positions = Positions::Rope;

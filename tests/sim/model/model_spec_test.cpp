@@ -232,8 +232,15 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     const auto m = load_model(no_kv.path());
     CHECK(m.kv_heads == 8);
     CHECK(count_params(m) == 7241732096ULL);
+    CHECK(m.unmodelled_sliding_window == 4096);  // (MistralConfig's default window too)
     CHECK_THAT(m.description,
                Catch::Contains("no num_key_value_heads: 8, Hugging Face's default for mistral"));
+    TempFile few_heads("config.json", R"({"model_type": "mistral", "hidden_size": 512,
+      "intermediate_size": 1024, "num_attention_heads": 4, "num_hidden_layers": 2,
+      "vocab_size": 1024, "max_position_embeddings": 8192})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(few_heads.path()), InputError,
+                                    "num_key_value_heads: not given, and mistral's default of 8 "
+                                    "key/value heads does not divide num_attention_heads = 4");
     // attention_bias and mlp_bias are llama's; Qwen2Attention has q/k/v biases only and
     // MistralAttention none, whatever the config says.
     TempFile biased("config.json", "{" + mistral + R"(, "num_key_value_heads": 8,
