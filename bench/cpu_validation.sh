@@ -101,7 +101,8 @@ else
 fi
 if [ "$runs" -gt 0 ]; then
   for i in "${!plans[@]}"; do
-    for f in times predicted plain; do : >"${f}_$i.txt"; done
+    for f in times predicted plain even; do : >"${f}_$i.txt"; done
+    rm -f "loaded_$i.txt" "load_$i.txt"  # (written for ep plans only: absent means none)
   done
 fi
 for round in $(seq "$runs"); do

@@ -157,7 +157,7 @@ int report(bool csv, const std::string& dir) {
                                    row.at("gpus"), row.at("seq_len"), dense, paper));
   }
   if (!csv) {
-    fmt::print("mean absolute error {:.1f}% (dense count; test: every row within 20%)\n",
+    fmt::print("mean absolute error {:.1f}% (dense count; test: every row within 20% by the nearer of the two counts)\n",
                l_sum / l_n);
   } else {
     fmt::print("table,row,predicted,published,unit\n");
