@@ -58,11 +58,12 @@ namespace {
 // `model` with `options` would not continue (check_resume). The warm-up counts this run's
 // steps, those after the checkpoint's: unless `warmup_given`, the one-step default (none when
 // one step is left), else refused where it leaves no step timed.
-std::vector<std::string> resume_notes(const std::string& dir, const std::string& model,
+std::vector<std::string> resume_notes(const std::string& dir, const dtsim::model::ModelSpec& spec,
                                       dtsim::exec::RunOptions& options,
                                       const dtsim::plan::Plan& plan, bool warmup_given) {
   const dtsim::exec::CheckpointReader checkpoint(dir);
-  dtsim::exec::check_resume(checkpoint.info(), checkpoint.where(), model, options, plan.clip_grad);
+  dtsim::exec::check_resume(checkpoint.info(), checkpoint.where(), spec.name, options,
+                            plan.clip_grad);
   const int left = options.steps - checkpoint.info().step;  // >= 1 (check_resume)
   if (!warmup_given) {
     options.warmup_steps = std::min(1, left - 1);
@@ -89,6 +90,14 @@ std::vector<std::string> resume_notes(const std::string& dir, const std::string&
         fmt::format("{}: plan: expected the whole plan the checkpoint was written under (dp, "
                     "global_batch_size and seq_len among its fields), as dtexec run writes it",
                     checkpoint.where()));
+  }
+  // Another vocabulary padding: refused before the run says it resumes (each rank would also
+  // find the embedding's rows differ as it reads the tensors).
+  if (const std::int64_t rows = dtsim::plan::padded_vocab(spec.vocab, written);
+      rows != dtsim::plan::padded_vocab(spec.vocab, plan)) {
+    throw dtsim::InputError(dtsim::exec::vocab_padding_refusal(
+        checkpoint.where() + ": plan: its embedding", rows, spec.vocab, plan,
+        std::int64_t{written.make_vocab_size_divisible_by} * written.tp));
   }
   if (dtsim::plan::summary(written) == dtsim::plan::summary(plan) &&
       written.seq_len == plan.seq_len) {
@@ -1462,7 +1471,7 @@ int run(const std::vector<std::string>& args) {
     // cannot read it (a folder its node does not see) ends every rank.
     alike_on_every_rank(mpi.get(), "run", [&] {
       for (std::string& note :
-           resume_notes(options.resume_dir, spec.name, options, plan, !vm["warmup"].defaulted())) {
+           resume_notes(options.resume_dir, spec, options, plan, !vm["warmup"].defaulted())) {
         run_notes.push_back(std::move(note));
       }
     });

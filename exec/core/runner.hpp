@@ -176,6 +176,14 @@ struct CheckpointInfo;  // exec/core/checkpoint.hpp
 // model, seed, learning rate or schedule, weight decay or clipping), or where --steps or a
 // fault step leaves nothing to do. Runner::resume asks it; dtexec run asks it first, before it
 // says anything of the run.
+// Why a checkpoint whose embedding and LM head have `rows` rows (`what`: where that is said)
+// cannot continue under `plan`'s padding of a vocabulary of `vocab`, and the
+// --make-vocab-size-divisible-by that pads as it did: the checkpoint's own
+// (`written_multiple`: its multiple x its tp, where known) if it does at this tp, else the
+// largest that does.
+std::string vocab_padding_refusal(const std::string& what, std::int64_t rows, std::int64_t vocab,
+                                  const plan::Plan& plan, std::int64_t written_multiple = 0);
+
 void check_resume(const CheckpointInfo& c, const std::string& where, const std::string& model,
                   const RunOptions& options, double clip_grad);
 

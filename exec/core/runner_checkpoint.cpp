@@ -8,6 +8,37 @@
 
 namespace dtsim::exec {
 
+std::string vocab_padding_refusal(const std::string& what, std::int64_t rows, std::int64_t vocab,
+                                  const plan::Plan& plan, std::int64_t written_multiple) {
+  // The padded rows take part in the softmax (as in Megatron-LM), so another padding would not
+  // continue the run: the multiple that pads the vocabulary to the checkpoint's rows at this
+  // tp, the checkpoint's own where it does, else the largest (the most aligned).
+  const std::int64_t tp = plan.tp;
+  auto pads_to_rows = [&](std::int64_t d) {
+    return d >= 1 && rows % (d * tp) == 0 && rows >= vocab && rows - vocab < d * tp;
+  };
+  std::int64_t fits = 0;
+  if (written_multiple > 0 && written_multiple % tp == 0 && pads_to_rows(written_multiple / tp)) {
+    fits = written_multiple / tp;
+  }
+  for (std::int64_t d = rows / tp; d >= 1 && fits == 0; --d) {
+    if (pads_to_rows(d)) fits = d;
+  }
+  const std::string head = fmt::format(
+      "{} has {} rows, this plan {}: the vocabulary of {} padded to a multiple of {} x tp {} "
+      "(--make-vocab-size-divisible-by), and the padded rows take part in the softmax, so the "
+      "run would not continue",
+      what, rows, plan::padded_vocab(vocab, plan), vocab, plan.make_vocab_size_divisible_by, tp);
+  if (fits > 0) {
+    return fmt::format("{}; give --make-vocab-size-divisible-by {} (x tp {}: {} rows)", head, fits,
+                       tp, rows);
+  }
+  return fmt::format(
+      "{}; no --make-vocab-size-divisible-by pads it to {} rows at tp {}: resume at the "
+      "checkpoint's tp, or one whose multiple does",
+      head, rows, tp);
+}
+
 void check_resume(const CheckpointInfo& c, const std::string& where, const std::string& model,
                   const RunOptions& options, double clip_grad) {
   if (c.model != model) {
@@ -79,27 +110,7 @@ namespace dtsim::exec::runner_internal {
 
 std::string Runner::vocab_rows_differ(const std::string& where, const std::string& name,
                                       std::int64_t rows) const {
-  // The padded rows take part in the softmax (as in Megatron-LM), so another padding would not
-  // continue the run: the multiple that pads the vocabulary to the checkpoint's rows at this
-  // tp, the largest (the most aligned) where several do.
-  const std::int64_t vocab = m_.vocab, tp = p_.tp;
-  std::int64_t fits = 0;
-  for (std::int64_t d = rows / tp; d >= 1 && fits == 0; --d) {
-    if (rows % (d * tp) == 0 && rows >= vocab && rows - vocab < d * tp) fits = d;
-  }
-  const std::string head = fmt::format(
-      "{}: tensors: {} has {} rows, this plan {}: the vocabulary of {} padded to a multiple of "
-      "{} x tp {} (--make-vocab-size-divisible-by), and the padded rows take part in the "
-      "softmax, so the run would not continue",
-      where, name, rows, m_.vocab_rows(), vocab, p_.make_vocab_size_divisible_by, tp);
-  if (fits > 0) {
-    return fmt::format("{}; give --make-vocab-size-divisible-by {} (x tp {}: {} rows)", head, fits,
-                       tp, rows);
-  }
-  return fmt::format(
-      "{}; no --make-vocab-size-divisible-by pads it to {} rows at tp {}: "
-      "resume at the checkpoint's tp, or one whose multiple does",
-      head, rows, tp);
+  return vocab_padding_refusal(fmt::format("{}: tensors: {}", where, name), rows, m_.vocab, p_);
 }
 
 CheckpointRecord Runner::save(int steps_done, const std::vector<double>& losses) {

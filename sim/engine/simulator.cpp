@@ -140,7 +140,8 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
   for (std::size_t i = 0; i < rank.tasks.size(); ++i) {
     const auto& task = rank.tasks[i];
     const TaskTime& tt = times[i];
-    if (task.kind != TaskKind::Compute || tt.end_s <= tt.start_s) continue;
+    // (Zero-length ones too: one between a transfer and the next compute task is what waited.)
+    if (task.kind != TaskKind::Compute) continue;
     double last = -1;
     for (const lower::TaskId d : task.deps)
       last = std::max(last, times[static_cast<std::size_t>(d)].end_s);

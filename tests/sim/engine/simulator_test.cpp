@@ -561,6 +561,17 @@ TEST_CASE("idle compute is charged to the transfer it waits on, not to every one
     CHECK(b.exposed_dp_s == Approx(2));
     CHECK(b.bubble_s == 0);
   }
+  SECTION("a zero-length compute task between the transfer and the forward passes it on") {
+    // The forward [2, 3) waits on a zero-length task at 2 that waits on the tp all-reduce.
+    rank.tasks.insert(rank.tasks.begin() + 3, compute({2}));
+    rank.tasks[4].deps = {3};
+    rank.tasks[5].deps = {1, 4};
+    times.insert(times.begin() + 3, dtsim::engine::TaskTime{});
+    times[3].start_s = times[3].end_s = 2;
+    const auto b = dtsim::engine::breakdown_of(rank, times, 6);
+    CHECK(b.exposed_tp_s == Approx(1));
+    CHECK(b.exposed_dp_s == Approx(2));
+  }
   SECTION("a wait for neither (the forward needs no transfer) is split over both alike") {
     rank.tasks[3].deps = {0};
     const auto b = dtsim::engine::breakdown_of(rank, times, 6);
