@@ -108,11 +108,6 @@ void check_resume(const CheckpointInfo& c, const std::string& where, const std::
 
 namespace dtsim::exec::runner_internal {
 
-std::string Runner::vocab_rows_differ(const std::string& where, const std::string& name,
-                                      std::int64_t rows) const {
-  return vocab_padding_refusal(fmt::format("{}: tensors: {}", where, name), rows, m_.vocab, p_);
-}
-
 CheckpointRecord Runner::save(int steps_done, const std::vector<double>& losses) {
   if (comm_.rank() == 0) begin_checkpoint(options_.checkpoint_dir);
   comm_.barrier();
@@ -280,7 +275,8 @@ int Runner::resume(RunResult& result) {
     const auto* shape = checkpoint.shape(p.name);
     if (shape != nullptr && shape->size() == 2 && (*shape)[1] == p.slice.cols &&
         p.slice.rows == m_.vocab_rows() && (*shape)[0] != p.slice.rows) {
-      throw InputError(vocab_rows_differ(where, p.name, (*shape)[0]));
+      throw InputError(vocab_padding_refusal(fmt::format("{}: tensors: {}", where, p.name),
+                                             (*shape)[0], m_.vocab, p_));
     }
     if (shape == nullptr || *shape != std::vector<std::int64_t>{p.slice.rows, p.slice.cols}) {
       throw InputError(fmt::format("{}: tensors: no {} of shape [{}, {}]", where, p.name,

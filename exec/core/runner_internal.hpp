@@ -844,10 +844,6 @@ class Runner {
 
   // A synchronous save: returns the step, and on rank 0 the bytes of the shards and their number.
   CheckpointRecord save(int steps_done, const std::vector<double>& losses);
-  // Why a checkpoint's embedding or LM head `name` of `rows` rows cannot be resumed under this
-  // plan's vocabulary padding, and the --make-vocab-size-divisible-by that would pad to them.
-  std::string vocab_rows_differ(const std::string& where, const std::string& name,
-                                std::int64_t rows) const;
 
   // Every rank's shard written (`index` this rank's): gathers the indices, which also says that
   // every shard is written, and the slowest rank's times; rank 0 writes checkpoint.json and

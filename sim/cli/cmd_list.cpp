@@ -76,7 +76,7 @@ void list_models(nlohmann::json* out) {
                fmt::format("{}", spec.vocab), fmt::format("{}", spec.seq_len), experts});
     if (out) {
       nlohmann::json j = {{"name", name},
-                          {"params", report::byte_count(params)},  // (a whole count: an integer)
+                          {"params", report::byte_count(params)},
                           {"layers", spec.layers},
                           {"hidden", spec.hidden},
                           {"heads", spec.heads},

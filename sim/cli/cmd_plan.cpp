@@ -255,8 +255,6 @@ std::string closest_to_fitting(const model::ModelSpec& spec, const cluster::Clus
                                const plan::MemoryOptions& memory, const planner::Candidate& c) {
   const ClosestToFitting closest = closest_memory(spec, cluster, memory, c);
   const auto& m = closest.worst;
-  const double bytes_per_param = closest.bytes_per_param, state_bytes = closest.state_bytes;
-  const std::int64_t floor_devices = closest.floor_devices;
   // The framework's allowance alone over the device's memory: no plan shrinks it.
   const std::string remedy =
       m.other_bytes >= c.capacity_bytes
@@ -274,8 +272,8 @@ std::string closest_to_fitting(const model::ModelSpec& spec, const cluster::Clus
       plan::summary(c.plan), c.memory_bytes / kGiB, c.capacity_bytes / kGiB,
       (c.memory_bytes - c.capacity_bytes) / kGiB, m.weights_bytes / kGiB, m.gradients_bytes / kGiB,
       m.optimizer_bytes / kGiB, m.activations_bytes / kGiB, m.other_bytes / kGiB, remedy,
-      state_bytes / kGiB, bytes_per_param, floor_devices, c.capacity_bytes / kGiB,
-      cluster.devices());
+      closest.state_bytes / kGiB, closest.bytes_per_param, closest.floor_devices,
+      c.capacity_bytes / kGiB, cluster.devices());
 }
 
 }  // namespace

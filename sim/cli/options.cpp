@@ -948,7 +948,7 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
                       {"goodput", tt.goodput},
                       {"time_to_train_with_interruptions_s", interrupted(tt.work_s)},
                       {"checkpoint_every_steps", tt.checkpoint_every_steps},
-                      {"checkpoints", report::byte_count(tt.checkpoints)},  // (whole: an integer)
+                      {"checkpoints", report::byte_count(tt.checkpoints)},
                       {"checkpoint_write_s", tt.checkpoint_write_s},
                       {"checkpoint_blocking_s", tt.checkpoint_blocking_s},
                       {"checkpoint_asynchronous", tt.asynchronous},

@@ -143,13 +143,17 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
     // (Zero-length ones too: one between a transfer and the next compute task is what waited.)
     if (task.kind != TaskKind::Compute) continue;
     double last = -1;
-    for (const lower::TaskId d : task.deps)
-      last = std::max(last, times[static_cast<std::size_t>(d)].end_s);
     unsigned categories = 0;
     for (const lower::TaskId d : task.deps) {
-      const auto& dep = rank.tasks[static_cast<std::size_t>(d)];
-      const int c = category_of(dep);
-      if (times[static_cast<std::size_t>(d)].end_s == last && c >= Tp) categories |= 1u << c;
+      const double end = times[static_cast<std::size_t>(d)].end_s;
+      const int c = category_of(rank.tasks[static_cast<std::size_t>(d)]);
+      const unsigned bit = c >= Tp ? 1u << c : 0u;
+      if (end > last) {
+        last = end;
+        categories = bit;
+      } else if (end == last) {
+        categories |= bit;
+      }
     }
     awaited.push_back({tt.start_s, categories});
   }

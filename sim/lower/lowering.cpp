@@ -1428,9 +1428,15 @@ class Lowerer {
 
 }  // namespace
 
+namespace {
+// The rank programs lowering `plan` makes: every rank's, or a representative per stage.
+double simulated_programs(const plan::Plan& plan, Lowering mode) {
+  return mode == Lowering::AllRanks ? static_cast<double>(plan.devices()) : plan.pp;
+}
+}  // namespace
+
 double program_tasks(std::int64_t layers, const plan::Plan& plan, Lowering mode) {
-  const double programs =
-      mode == Lowering::AllRanks ? static_cast<double>(plan.devices()) : plan.pp;
+  const double programs = simulated_programs(plan, mode);
   const double blocks = static_cast<double>(layers) / plan.pp + 2;
   return programs * static_cast<double>(plan.micro_batches()) * 3 * blocks * 10;
 }
@@ -1446,13 +1452,12 @@ void check_program_size(std::int64_t layers, const plan::Plan& plan, Lowering mo
         "devices",
         plan.devices(), tasks, kMostProgramTasks));
   }
-  const double programs =
-      mode == Lowering::AllRanks ? static_cast<double>(plan.devices()) : plan.pp;
   throw InputError(fmt::format(
       "--global-batch-size: {} micro-batches per step ({} simulated programs of {} blocks) "
       "would need about {:.2g} tasks, more than the {:.0e} the simulator handles; use a larger "
       "--micro-batch-size or a smaller global batch",
-      plan.micro_batches(), programs, layers / plan.pp, tasks, kMostProgramTasks));
+      plan.micro_batches(), simulated_programs(plan, mode), layers / plan.pp, tasks,
+      kMostProgramTasks));
 }
 
 Program lower(const model::ModelGraph& graph, const plan::Plan& plan, const LowerOptions& options) {

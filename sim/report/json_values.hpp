@@ -17,6 +17,7 @@ nlohmann::json value_or_null(const std::optional<T>& v) {
 // A byte count that the models hold as a double: a JSON integer where it is a whole number
 // (85899345920, not 85899345920.0: what a reader of bytes expects), which counts of whole
 // tensors are; the double where it is not (a model's fraction of a byte is said as it is).
+// Other counts held as doubles (parameters, checkpoints) are written through it alike.
 inline nlohmann::json byte_count(double bytes) {
   // (Up to 2^53, below which a double holds every whole number exactly.)
   if (std::isfinite(bytes) && bytes == std::floor(bytes) && std::fabs(bytes) <= 0x1p53) {

@@ -24,17 +24,19 @@ namespace {
 std::vector<int> stream_lanes(const lower::RankProgram& rp,
                               const std::vector<engine::TaskTime>& times) {
   auto ns = [](double seconds) { return std::llround(seconds * 1e9); };
-  std::vector<std::size_t> order(rp.tasks.size());
-  for (std::size_t t = 0; t < order.size(); ++t) order[t] = t;
-  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-    return std::make_tuple(rp.tasks[a].stream, ns(times[a].start_s), -ns(times[a].end_s), a) <
-           std::make_tuple(rp.tasks[b].stream, ns(times[b].start_s), -ns(times[b].end_s), b);
-  });
+  // (stream, start, -end, task), each time rounded once: the sort's keys.
+  std::vector<std::tuple<lower::Stream, long long, long long, std::size_t>> order;
+  order.reserve(rp.tasks.size());
+  for (std::size_t t = 0; t < rp.tasks.size(); ++t) {
+    const long long start = ns(times[t].start_s);
+    order.emplace_back(rp.tasks[t].stream, start, -std::max(start, ns(times[t].end_s)), t);
+  }
+  std::sort(order.begin(), order.end());
   std::vector<int> lane(rp.tasks.size(), 0);
   std::vector<std::vector<long long>> ends(lower::kStreamCount);  // per stream, per lane
-  for (const std::size_t t : order) {
-    auto& free_at = ends[static_cast<std::size_t>(rp.tasks[t].stream)];
-    const long long start = ns(times[t].start_s), end = std::max(start, ns(times[t].end_s));
+  for (const auto& [stream, start, minus_end, t] : order) {
+    auto& free_at = ends[static_cast<std::size_t>(stream)];
+    const long long end = -minus_end;
     std::size_t l = 0;
     while (l < free_at.size() && free_at[l] > start) ++l;
     if (l == free_at.size()) free_at.push_back(end);
@@ -77,6 +79,7 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
       int& n = lanes[static_cast<std::size_t>(rp.tasks[t].stream)];
       n = std::max(n, lane[t] + 1);
     }
+    const int most_lanes = *std::max_element(lanes.begin(), lanes.end());
     for (int s = 0; s < lower::kStreamCount; ++s) {
       for (int l = 0; l < lanes[static_cast<std::size_t>(s)]; ++l) {
         const int tid = s + l * lower::kStreamCount;
@@ -90,7 +93,7 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
                           {"name", "thread_sort_index"},
                           {"pid", rp.rank},
                           {"tid", tid},
-                          {"args", {{"sort_index", s * 1000 + l}}}});
+                          {"args", {{"sort_index", s * most_lanes + l}}}});
       }
     }
     for (std::size_t t = 0; t < rp.tasks.size(); ++t) {

@@ -66,7 +66,25 @@ std::optional<std::string> span_note(const Trace& trace) {
 }
 
 namespace {
-std::optional<std::int64_t> plan_ranks(const json& plan);
+// dp x tp x pp x cp of a trace's plan JSON; none where it does not say (an older trace).
+std::optional<std::int64_t> plan_ranks(const json& plan) {
+  if (!plan.is_object()) return std::nullopt;
+  std::int64_t ranks = 1;
+  for (const char* key : {"dp", "tp", "pp", "cp"}) {
+    if (!plan.contains(key)) {
+      if (std::string_view(key) == "cp") continue;  // (before context parallelism: 1)
+      return std::nullopt;
+    }
+    const json& v = plan.at(key);
+    if (!v.is_number_integer() || v.get<std::int64_t>() < 1 ||
+        v.get<std::int64_t>() > cluster::kMaxDevices) {
+      return std::nullopt;
+    }
+    ranks *= v.get<std::int64_t>();
+    if (ranks > cluster::kMaxDevices) return std::nullopt;
+  }
+  return ranks;
+}
 
 // The ranks of its own plan that a trace holds no task of, nor names a rank standing for them
 // (a trace cut by hand, a run's gather that lost a rank): its step row would compare the ranks
@@ -140,28 +158,6 @@ std::vector<std::string> origin_notes(const Trace& predicted, const Trace& measu
   }
   return notes;
 }
-
-namespace {
-// dp x tp x pp x cp of a trace's plan JSON; none where it does not say (an older trace).
-std::optional<std::int64_t> plan_ranks(const json& plan) {
-  if (!plan.is_object()) return std::nullopt;
-  std::int64_t ranks = 1;
-  for (const char* key : {"dp", "tp", "pp", "cp"}) {
-    if (!plan.contains(key)) {
-      if (std::string_view(key) == "cp") continue;  // (before context parallelism: 1)
-      return std::nullopt;
-    }
-    const json& v = plan.at(key);
-    if (!v.is_number_integer() || v.get<std::int64_t>() < 1 ||
-        v.get<std::int64_t>() > cluster::kMaxDevices) {
-      return std::nullopt;
-    }
-    ranks *= v.get<std::int64_t>();
-    if (ranks > cluster::kMaxDevices) return std::nullopt;
-  }
-  return ranks;
-}
-}  // namespace
 
 Trace read_trace(const std::string& path) {
   const json j = JsonReader::parse_file(path);
