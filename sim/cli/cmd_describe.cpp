@@ -185,21 +185,23 @@ int cmd_describe(const std::vector<std::string>& args) {
   std::cout << fmt::format("  embedding {}, {} blocks {}, head {}\n",
                            format_count(embedding_params), spec.layers, format_count(block_params),
                            format_count(head_params));
-  // 6 x the parameters a token meets: with a mixture of experts, its top_k experts' of each
-  // block, not all of them (Kaplan et al.'s 6N counts the active parameters). An expert op's
-  // parameters are every expert's.
+  // Kaplan et al. 2020's C = 6N, N the non-embedding parameters a token meets (no token or
+  // position embedding, no LM head; with a mixture of experts its top_k experts' of each
+  // block, not all of them). An expert op's parameters are every expert's.
   double active = 0;
   for (model::OpId id = 0; id < graph.size(); ++id) {
     const model::Op& op = graph.op(id);
+    if (op.kind == model::OpKind::Embedding || op.kind == model::OpKind::LmHead) continue;
     active += static_cast<double>(op.params) *
               (op.expert && spec.moe
                    ? static_cast<double>(spec.moe->top_k) / static_cast<double>(spec.moe->experts)
                    : 1.0);
   }
   std::cout << fmt::format(
-      "\ntraining FLOPs per token at seq_len {}: {} (forward {}; 6 x {}params = {})\n", seq,
-      format_si(train_per_token), format_si(fwd_per_token), spec.moe ? "active " : "",
-      format_si(6.0 * active));
+      "\ntraining FLOPs per token at seq_len {}: {} (forward {}; Kaplan et al.'s 6N, N = {} {}"
+      "non-embedding params: {})\n",
+      seq, format_si(train_per_token), format_si(fwd_per_token), format_si(active),
+      spec.moe ? "active " : "", format_si(6.0 * active));
   if (spec.is_megatron_gpt()) {
     std::cout << fmt::format(
         "  Megatron-LM formula 72·l·h²·(1 + s/6h + V/12lh): {}; with full recompute (Eq. 3, "
