@@ -1191,6 +1191,13 @@ int cmd_whatif(const std::vector<std::string>& args) {
     std::cout << json_text(out, 2) << "\n";
     return 0;
   }
+  // Why a point has no plan, as the table's plan column says it (empty where it has one).
+  auto no_plan_reason = [](const Row& r) -> std::string {
+    if (r.found) return "";
+    return !r.invalid.empty()   ? "invalid here"
+           : r.valid_candidates ? "no plan fits"
+                                : "no valid plan";
+  };
   if (vm["csv"].as<bool>()) {
     // (Why a fixed plan's row is empty: on stderr, as plan --csv says why nothing fits.)
     for (const Row& r : rows) {
@@ -1202,7 +1209,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
         "{},devices,plan,step_time_s,tokens_per_s,mfu,scaling_efficiency,"
         "amdahl_max_speedup,time_to_train_days,cost_usd,energy_mwh,fits,goodput,"
         "time_to_train_with_interruptions_days,checkpoint_every_steps,straggler_cost_s,"
-        "cost_with_interruptions_usd,memory_per_gpu_bytes,capacity_bytes,slow_rank_cost_s\n",
+        "cost_with_interruptions_usd,memory_per_gpu_bytes,capacity_bytes,slow_rank_cost_s,"
+        "no_plan_reason\n",
         fmt::join(keys, ","));
     for (const Row& r : rows) {
       std::vector<std::string> vals;
@@ -1215,8 +1223,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
       };
       const bool trained = tokens > 0, priced = r.cost_usd >= 0, reached = r.goodput > 0;
       std::cout << fmt::format(
-          "{},{},\"{}\",{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", fmt::join(vals, ","),
-          r.gpus, r.plan, figure(true, r.step_s), figure(true, r.tokens_per_s), figure(true, r.mfu),
+          "{},{},\"{}\",{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+          fmt::join(vals, ","), r.gpus, r.plan, figure(true, r.step_s),
+          figure(true, r.tokens_per_s), figure(true, r.mfu),
           figure(efficiency(r).has_value(), efficiency(r).value_or(0)), figure(true, r.max_speedup),
           figure(trained, r.train_s / 86400), figure(priced, r.cost_usd),
           figure(r.energy_kwh >= 0, r.energy_kwh / 1000), r.found ? (r.fits ? "1" : "0") : "",
@@ -1225,7 +1234,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
           figure(r.straggler_cost_s.has_value(), r.straggler_cost_s.value_or(0)),
           figure(priced && reached, r.cost_usd / r.goodput), figure(true, r.memory_bytes),
           figure(true, r.capacity_bytes),
-          figure(r.slow_rank_cost_s.has_value(), r.slow_rank_cost_s.value_or(0)));
+          figure(r.slow_rank_cost_s.has_value(), r.slow_rank_cost_s.value_or(0)),
+          no_plan_reason(r));
     }
     return 0;
   }
@@ -1269,9 +1279,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     for (const auto& k : keys) cells.push_back(r.point.at(k));
     if (gpus_column) cells.push_back(fmt::format("{}", r.gpus));
     if (!r.found) {
-      cells.push_back(!r.invalid.empty()   ? "invalid here (below)"
-                      : r.valid_candidates ? "no plan fits"
-                                           : "no valid plan");
+      cells.push_back(r.invalid.empty() ? no_plan_reason(r) : "invalid here (below)");
       cells.resize(headers.size(), "-");  // the rest of the row
     } else {
       cells.push_back(r.fits ? r.plan
