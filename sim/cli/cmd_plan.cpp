@@ -67,10 +67,10 @@ json candidate_json(const planner::Candidate& c, const TrainingGoal& goal) {
   }
   if (c.cost_per_step_usd >= 0) j["cost_per_step_usd"] = c.cost_per_step_usd;
   if (train_tokens > 0) {
-    const double steps = train_tokens / tokens;
-    j.update(training_time_json(goal.of(c), c.cost_per_step_usd >= 0
-                                                ? std::optional(steps * c.cost_per_step_usd)
-                                                : std::nullopt));
+    const plan::TrainingTime tt = goal.of(c);
+    j.update(training_time_json(tt, c.cost_per_step_usd >= 0
+                                        ? std::optional(tt.steps * c.cost_per_step_usd)
+                                        : std::nullopt));
   }
   return j;
 }
@@ -506,6 +506,7 @@ int cmd_plan(const std::vector<std::string>& args) {
                 {"tier_max_disagreement_gap", result.max_disagreement_gap},
                 {"tier_max_estimate_error", result.max_estimate_error},
                 {"candidates", cands}};
+    add_price_json(out, cluster);
     if (result.best_not_fitting) {
       out["best_not_fitting"] = candidate_json(*result.best_not_fitting, goal);
     }
@@ -551,9 +552,9 @@ int cmd_plan(const std::vector<std::string>& args) {
     for (int i = 0; i < shown; ++i) {
       const auto& c = result.ranked[static_cast<std::size_t>(i)];
       const double tokens = static_cast<double>(c.plan.global_batch_size * c.plan.seq_len);
-      const double steps = train_tokens > 0 ? train_tokens / tokens : 0;
       const bool priced = c.cost_per_step_usd >= 0;
-      const plan::TrainingTime tt = steps > 0 ? goal.of(c) : plan::TrainingTime{};
+      const plan::TrainingTime tt = train_tokens > 0 ? goal.of(c) : plan::TrainingTime{};
+      const double steps = tt.steps;  // whole steps (0 without --tokens)
       const json knobs = plan::to_json(c.plan);
       std::vector<std::string> knob_cells;
       for (const char* k : kKnobs) {
@@ -626,12 +627,11 @@ int cmd_plan(const std::vector<std::string>& args) {
       std::vector<std::string> cells = {fmt::format("{}", i + 1), plan::summary(c.plan),
                                         format_seconds(c.step_time_s) + (c.refined ? "" : "*")};
       if (by_cost) cells.push_back(fmt::format("{:#.4g}", c.cost_per_step_usd));
-      for (std::string cell :
-           {format_rate(tokens / c.step_time_s),
-            c.refined ? fmt::format("{:.1f}%", 100 * c.prediction.mfu) : std::string("-"),
-            fmt::format("{:.1f}", c.memory_bytes / (mib ? kMiB : kGiB)),
-            fmt::format("{:.1f}", (c.capacity_bytes - c.memory_bytes) / kGiB),
-            planner::dominant_term(breakdown_of(c), c.step_time_s)}) {
+      for (std::string cell : {format_rate(tokens / c.step_time_s),
+                               c.refined ? format_percent(c.prediction.mfu) : std::string("-"),
+                               fmt::format("{:.1f}", c.memory_bytes / (mib ? kMiB : kGiB)),
+                               fmt::format("{:.1f}", (c.capacity_bytes - c.memory_bytes) / kGiB),
+                               planner::dominant_term(breakdown_of(c), c.step_time_s)}) {
         cells.push_back(std::move(cell));
       }
       table.add_row(cells);
@@ -729,13 +729,12 @@ int cmd_plan(const std::vector<std::string>& args) {
   }
   if (train_tokens > 0 && !result.ranked.empty()) {
     const auto& best = result.ranked.front();
-    const double steps =
-        train_tokens / static_cast<double>(best.plan.global_batch_size * best.plan.seq_len);
-    std::cout << fmt::format("time to train on {:.3g} tokens with #1: {}\n", train_tokens,
-                             training_time_text(goal.of(best),
-                                                best.cost_per_step_usd >= 0
-                                                    ? std::optional(steps * best.cost_per_step_usd)
-                                                    : std::nullopt))
+    const plan::TrainingTime tt = goal.of(best);
+    std::cout << fmt::format(
+                     "time to train on {:.3g} tokens with #1: {}\n", train_tokens,
+                     training_time_text(tt, best.cost_per_step_usd >= 0
+                                                ? std::optional(tt.steps * best.cost_per_step_usd)
+                                                : std::nullopt))
               << interruptions_note(goal.reliability) << "\n";
     if (best.cost_per_step_usd < 0) std::cout << unpriced_note(cluster.name) << "\n";
   }

@@ -181,6 +181,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
     if (train) {
       out["training"] = training_time_json(*train, cost_usd);
       out["training"]["tokens"] = tokens;
+      if (cost_usd) add_price_json(out["training"], cluster);
     }
     std::cout << json_text(out, 2) << "\n";
     return 0;
@@ -264,7 +265,10 @@ int cmd_simulate(const std::vector<std::string>& args) {
   std::cout << fmt::format("simulated {} tasks ({} events), {} network\n", p.tasks, p.events,
                            p.network);
   if (train) {
-    std::cout << fmt::format("time to train on {:.3g} tokens: {}\n", tokens,
+    // (A plan that does not fit is timed all the same: said on the line whose figures a reader
+    // may take for a budget.)
+    std::cout << fmt::format("time to train on {:.3g} tokens{}: {}\n", tokens,
+                             p.memory.fits ? "" : " (if it fitted: it DOES NOT FIT)",
                              training_time_text(*train, cost_usd))
               << interruptions_note(reliability) << "\n";
     if (!cost_usd) std::cout << unpriced_note(cluster.name) << "\n";

@@ -573,8 +573,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     bool valid_candidates = true;
     // With --fixed-plan the plan is simulated whether or not it fits in memory.
     bool fits = true;
-    bool priceless = false;  // another device left the cluster's price out
-    std::string unpriced;    // the cluster, where it has no price (and --price-per-gpu-hour none)
+    bool priceless = false;       // another device left the cluster's price out
+    std::optional<Figure> price;  // the point's price per device-hour, where it has one
+    std::string unpriced;  // the cluster, where it has no price (and --price-per-gpu-hour none)
     // Where the point's cluster sets its device's efficiencies itself (selene's 2022 GEMM rate):
     // simulate's note, which tells two clusters of one device and one plan apart.
     std::string own_efficiency;
@@ -907,10 +908,14 @@ int cmd_whatif(const std::vector<std::string>& args) {
       row.mfu = pred.mfu;
       row.max_speedup = pred.max_speedup;
       if (tokens > 0) {
-        row.train_s = tokens / row.tokens_per_s;
+        // Whole steps, as plan::training_time counts them.
+        row.train_s =
+            std::ceil(tokens / static_cast<double>(chosen.global_batch_size * chosen.seq_len)) *
+            row.step_s;
         const double device_hours = row.train_s / 3600 * static_cast<double>(row.gpus);
         if (c.price_per_device_hour_usd) {
           row.cost_usd = device_hours * c.price_per_device_hour_usd->value;
+          row.price = c.price_per_device_hour_usd;
         } else if (!row.priceless) {
           row.unpriced = c.name;
         }
@@ -1182,6 +1187,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
           }
         }
         if (r.cost_usd >= 0) j["cost_usd"] = r.cost_usd;
+        if (r.price) {
+          j["price_per_device_hour_usd"] = r.price->value;
+          j["price_source"] = r.price->source;
+        }
         if (r.energy_kwh >= 0) j["energy_kwh"] = r.energy_kwh;
         j["memory_per_gpu_bytes"] = report::byte_count(r.memory_bytes);
         j["capacity_bytes"] = report::byte_count(r.capacity_bytes);
@@ -1287,7 +1296,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                                            r.plan, r.memory_bytes / kGiB, r.capacity_bytes / kGiB));
       cells.push_back(format_seconds(r.step_s));
       cells.push_back(format_rate(r.tokens_per_s));
-      cells.push_back(fmt::format("{:.1f}%", 100 * r.mfu));
+      cells.push_back(format_percent(r.mfu));
       cells.push_back(efficiency(r) ? fmt::format("{:.1f}%", 100 * *efficiency(r)) : "-");
       cells.push_back(r.max_speedup > 0 ? fmt::format("{:.1f}x", r.max_speedup) : "-");
       if (stragglers) {
@@ -1305,10 +1314,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
       cells.push_back(tokens <= 0 ? "-" : r.goodput <= 0 ? "never" : span_text(r.wall_s()));
       cells.push_back(r.cost_usd < 0   ? "-"
                       : r.goodput <= 0 ? "never"
-                                       : fmt::format("{:.0f}", r.cost_usd / r.goodput));
+                                       : format_rate(r.cost_usd / r.goodput));
+      // (Three significant digits under 100: a short run's energy and cost do not read 0.)
       cells.push_back(r.energy_kwh < 0       ? "-"
                       : r.energy_kwh >= 1000 ? fmt::format("{:.1f} MWh", r.energy_kwh / 1000)
-                                             : fmt::format("{:.1f} kWh", r.energy_kwh));
+                                             : format_rate(r.energy_kwh) + " kWh");
     }
     table.add_row(cells);
   }
@@ -1366,6 +1376,16 @@ int cmd_whatif(const std::vector<std::string>& args) {
                  "the analytical model)\n";
   }
   if (tokens <= 0) std::cout << "(give --tokens N for time, cost and energy to train)\n";
+  if (tokens > 0) {
+    // What the energy counts, and a point without a power figure said (as one without a price).
+    std::cout << "(energy: the devices at their rated power over the failure-free time; hosts, "
+                 "network and cooling (PUE) not counted)\n";
+    if (std::any_of(rows.begin(), rows.end(),
+                    [](const Row& r) { return r.found && r.energy_kwh < 0; })) {
+      std::cout << "(energy -: the point's device and cluster give no power_per_device_w / "
+                   "power_w)\n";
+    }
+  }
   if (vm.count("fixed-plan")) {
     std::cout << "(--fixed-plan: its tp, pp, cp, ep and the rest at every point; dp fills each "
                  "point's devices: its own dp x tp x pp x cp unless --gpus or --vary gpus give "

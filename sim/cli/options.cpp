@@ -944,7 +944,8 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
   const auto interrupted = [&](double x) {
     return report::value_or_null(tt.goodput > 0 ? std::optional(x / tt.goodput) : std::nullopt);
   };
-  nlohmann::json j = {{"time_to_train_s", tt.work_s},
+  nlohmann::json j = {{"steps", report::byte_count(tt.steps)},
+                      {"time_to_train_s", tt.work_s},
                       {"goodput", tt.goodput},
                       {"time_to_train_with_interruptions_s", interrupted(tt.work_s)},
                       {"checkpoint_every_steps", tt.checkpoint_every_steps},
@@ -959,6 +960,12 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
     j["cost_to_train_with_interruptions_usd"] = interrupted(*cost_usd);
   }
   return j;
+}
+
+void add_price_json(nlohmann::json& j, const cluster::Cluster& cluster) {
+  if (!cluster.price_per_device_hour_usd) return;
+  j["price_per_device_hour_usd"] = cluster.price_per_device_hour_usd->value;
+  j["price_source"] = cluster.price_per_device_hour_usd->source;
 }
 
 void check_plan_file_cluster(const std::string& file) {

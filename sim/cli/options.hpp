@@ -88,6 +88,10 @@ std::string training_time_text(const plan::TrainingTime& tt, std::optional<doubl
 // the job never finishes), checkpoint_every_steps, checkpoint_write_s, checkpoint_bytes,
 // job_mtbf_s, and with a price cost_to_train_usd and cost_to_train_with_interruptions_usd.
 nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<double> cost_usd);
+// The price the costs are at, so that a reader checks them from the JSON alone:
+// price_per_device_hour_usd and price_source (the cluster file's, or --price-per-gpu-hour), set
+// in `j` where the cluster has a price.
+void add_price_json(nlohmann::json& j, const cluster::Cluster& cluster);
 
 // Adds the plan flags and --plan (`precision_help`: --precision's values and default).
 void add_plan_options(po::options_description& desc,

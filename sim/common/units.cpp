@@ -46,6 +46,13 @@ std::string format_rate(double per_second) {
                                                            : fmt::format("{:.3g}", per_second);
 }
 
+std::string format_percent(double share) {
+  const double percent = 100 * share;
+  return (std::fabs(percent) >= 0.09995 || percent == 0 ? fmt::format("{:.1f}", percent)
+                                                        : fmt::format("{:.3g}", percent)) +
+         "%";
+}
+
 std::string format_duration(double seconds) {
   const double a = std::fabs(seconds);
   if (a == 0) return "0 s";

@@ -25,5 +25,8 @@ std::string format_seconds(double seconds);
 // A rate for a column or a headline (tokens/s), or an amount (USD): whole from 100 up, else three
 // significant digits ("0.0115"), so that a step of days does not read "0 tokens/s".
 std::string format_rate(double per_second);
+// A share as a percentage: "42.4%" from 0.1% up, else three significant digits ("0.00797%"),
+// so that a toy model's MFU on thousands of GPUs does not read "0.0%".
+std::string format_percent(double share);
 
 }  // namespace dtsim

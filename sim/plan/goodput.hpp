@@ -39,7 +39,7 @@ struct Reliability {
 };
 
 struct TrainingTime {
-  double steps = 0;
+  double steps = 0;             // whole steps: the tokens over a step's, rounded up
   double work_s = 0;            // steps x step time: the failure-free time
   double job_mtbf_s = 0;        // mean time between the job's interruptions
   double checkpoint_bytes = 0;  // weights and optimizer state, one copy (not per dp replica)
