@@ -559,6 +559,21 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
                       tied_table * per_param.gradients});
       }
     }
+    if (zero3 && plan.schedule == Schedule::ZeroBubble) {
+      // Zero-bubble gathers a whole chunk per pass (its passes split the backward, which the
+      // per-block gathers need whole; lower's run_stage) and reduce-scatters a weight pass's
+      // gradients after it, behind the next pass's gather on the data-parallel stream: the
+      // weight pass's unsharded gradients, the next pass's gathered weights and that gather's
+      // packed copies (in chunks of a gradient bucket's bytes of fp32 masters), the kept
+      // activations of the micro-batches in flight besides (the stage is one chunk: zero-bubble
+      // does not interleave). dtexec on cpu-small at pp 2 dp 2 held 49.5 MiB there, where the
+      // per-block moments above came to 35.6.
+      const double chunk = dense_params + expert_params;
+      const double packed =
+          std::min(static_cast<double>(kGradientBucketBytes), chunk * 4.0) * (1.0 + 1.0 / shard);
+      consider({"a weight pass's end, the next pass's weights gathered", 0, 0,
+                chunk * (per_param.gradients + per_param.weights) + packed});
+    }
     // ZeRO-1/2's buckets (ZeRO-3 reduces each block apart, ZeRO-0 in place).
     const bool bucketed = (plan.zero_stage == 1 || plan.zero_stage == 2) && shard > 1;
     const std::vector<GradientBucket> buckets =

@@ -7,6 +7,8 @@
 # ones, where small terms weigh more); before the sixteenth session's model the MoE plans were
 # up to 17% under and zero-bubble 10% over. The ep plans are predicted at the routing's load that
 # the run measured (expert_load_peak, dtsim memory --expert-load): the executor routes for real.
+# Zero-bubble with ZeRO-3 (a chunk gathered per pass) was +66% over on cpu-small before the
+# fifty-ninth session.
 # usage: memory_check.sh DTEXEC DTSIM MPIRUN WORK_DIR
 set -uo pipefail
 dtexec=$1
@@ -33,6 +35,7 @@ plans=(
   "$buckets|2|8|--dp 2 --zero-stage 1 --zero-in-place"
   "$buckets|2|8|--dp 2 --zero-stage 2"
   "$buckets|2|8|--dp 2 --zero-stage 3"
+  "tiny-gpt|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 3"
 )
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 failed=0
