@@ -352,8 +352,12 @@ class SimGridNetwork final : public NetworkModel {
   // make (context, stack, guard page). So mailboxes where flows^2 > 65,536 x the hosts they
   // touch: where the two cost the same on this project's host (2026-12-05, tiny-gpt pure dp on
   // h100-roce, one collective of 8 flows per device: 1,024 devices 0.2 s either way, 2,048
-  // devices 1.4 s host-to-host against 0.4 s through mailboxes). Both start the same action
-  // between the same hosts at the same time; the tests check that they give the same output.
+  // devices 1.4 s host-to-host against 0.4 s through mailboxes). The walk also slows per step
+  // once its list outgrows the caches, so also mailboxes from 3,072 flows, whatever the hosts
+  // (2026-12-06, llama3-70b tp 4 ZeRO-3, one or two flows per device: 2,048 devices 0.74 s
+  // host-to-host against 1.00 s, 4,096 2.65 against 1.98, 8,192 67.8 against 7.1, and 16,384
+  // past 300 s against 18 s). Both start the same action between the same hosts at the same
+  // time; the tests check that they give the same output.
   double run(const std::vector<Flow>& flows) {
     if (flows.empty()) return 0;
     // Every flow between devices the platform routes (PairRoutes would throw inside SimGrid).
@@ -373,7 +377,8 @@ class SimGridNetwork final : public NetworkModel {
     }
     const double n = static_cast<double>(flows.size());
     const bool mailboxes = comms_forced() == Comms::Mailboxes ||
-                           (comms_forced() == Comms::ByCost && n * n > 65536.0 * at.size());
+                           (comms_forced() == Comms::ByCost &&
+                            (n * n > 65536.0 * static_cast<double>(at.size()) || n >= 3072));
     if (mailboxes) {
       for (const auto& [host, work] : at) {
         sg4::Actor::create(
