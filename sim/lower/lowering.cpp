@@ -160,6 +160,13 @@ struct Item {
   OpId anchor = 0;
 };
 
+// Items (or a layer) by layer, for bisecting a chunk's items.
+struct ByLayer {
+  bool operator()(const Item& a, const Item& b) const { return a.layer < b.layer; }
+  bool operator()(const Item& a, int layer) const { return a.layer < layer; }
+  bool operator()(int layer, const Item& b) const { return layer < b.layer; }
+};
+
 struct Comm {
   CollectiveKind kind;
   GroupKind group;
@@ -806,9 +813,14 @@ class Lowerer {
   // (see gather_weights).
   TaskId gather_unit(std::size_t e, TaskId after) {
     const Unit& u = units_[e];
+    // The unit's layer by bisection: a chunk's items run in layer order (checked where they are
+    // made); a scan of the chunk per unit was quadratic in its layers (a copy of llama3-8b of
+    // 8,192 layers at ZeRO-3: 7.8 s, 83% of it here).
+    const std::vector<Item>& items = (*rank_items_)[static_cast<std::size_t>(u.chunk)];
+    const auto [first, last] = std::equal_range(items.begin(), items.end(), u.layer, ByLayer{});
     std::vector<Item> ops;
-    for (const Item& it : (*rank_items_)[static_cast<std::size_t>(u.chunk)]) {
-      if (it.op && it.layer == u.layer) ops.push_back(it);
+    for (auto it = first; it != last; ++it) {
+      if (it->op) ops.push_back(*it);
     }
     return gather_weights(ops, u.micro_batch, u.chunk, layer_name(u.layer), after);
   }
@@ -952,7 +964,12 @@ class Lowerer {
     const int v = plan_.virtual_stages;
     const int last_global = total_chunks() - 1;
     std::vector<std::vector<Item>> items(static_cast<std::size_t>(v));
-    for (int c = 0; c < v; ++c) items[static_cast<std::size_t>(c)] = chunk_items(global_chunk(c));
+    for (int c = 0; c < v; ++c) {
+      items[static_cast<std::size_t>(c)] = chunk_items(global_chunk(c));
+      DTSIM_ASSERT(std::is_sorted(items[static_cast<std::size_t>(c)].begin(),
+                                  items[static_cast<std::size_t>(c)].end(), ByLayer{}),
+                   "a chunk's items run in layer order");
+    }
 
     const std::vector<Pass> passes = stage_passes(plan_, rp_->stage);
     // The last backward (or weight-gradient) pass of each chunk produces the final gradients.
