@@ -429,24 +429,8 @@ int cmd_plan(const std::vector<std::string>& args) {
   // A progress bar on a terminal, for searches longer than a second: the candidates estimated,
   // then the best ones simulated (seconds each for a large model's plans).
   const auto started = std::chrono::steady_clock::now();
-  if (isatty(fileno(stderr))) {
-    const auto bar = [started](const char* what) {
-      return [started, what](std::uint64_t done, std::uint64_t total) {
-        const double elapsed =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-        if (elapsed < 1.0 && done != total) return;
-        const int width = 30;
-        const int filled = static_cast<int>(width * done / std::max<std::uint64_t>(total, 1));
-        std::fprintf(stderr, "\r[%s%s] %llu/%llu %s", std::string(filled, '#').c_str(),
-                     std::string(width - filled, ' ').c_str(),
-                     static_cast<unsigned long long>(done), static_cast<unsigned long long>(total),
-                     what);
-        if (done == total) std::fprintf(stderr, "\n");
-      };
-    };
-    options.progress = bar("candidates");
-    options.simulated = bar("simulated");
-  }
+  options.progress = progress_bar(started, "candidates");
+  options.simulated = progress_bar(started, "simulated");
   const planner::SearchResult result = planner::search(spec, cluster, space, options);
   const double elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();

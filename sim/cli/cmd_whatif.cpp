@@ -964,7 +964,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
   }
   std::vector<Row> rows(points.size());
   std::vector<std::string> mine;
+  // A bar on a terminal for a sweep past a second (one process: ranks would draw over it).
+  const auto bar = split.size() == 1 ? progress_bar(std::chrono::steady_clock::now(), "points")
+                                     : std::function<void(std::uint64_t, std::uint64_t)>();
   for (std::size_t i = 0; i < points.size(); ++i) {
+    if (bar) bar(i, points.size());
     if (static_cast<int>(core_index[i] % static_cast<std::size_t>(split.size())) != split.rank()) {
       continue;
     }
@@ -989,6 +993,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     });
     mine.push_back(json_text(sent));
   }
+  if (bar) bar(points.size(), points.size());
   if (split.size() > 1) {
     const std::vector<std::string> all = split.gather(mine);
     // Rank 0 reports every rank's bad point and exits 2. Another rank that exited non-zero

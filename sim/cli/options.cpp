@@ -15,6 +15,7 @@
 #include <iostream>
 #include <limits>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string_view>
@@ -960,6 +961,24 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
     j["cost_to_train_with_interruptions_usd"] = interrupted(*cost_usd);
   }
   return j;
+}
+
+std::function<void(std::uint64_t, std::uint64_t)> progress_bar(
+    std::chrono::steady_clock::time_point started, const char* what) {
+  if (!isatty(fileno(stderr))) return {};
+  auto drawn = std::make_shared<bool>(false);  // (a run under a second draws nothing)
+  return [started, what, drawn](std::uint64_t done, std::uint64_t total) {
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (elapsed < 1.0 && !*drawn) return;
+    *drawn = true;
+    const int width = 30;
+    const int filled = static_cast<int>(width * done / std::max<std::uint64_t>(total, 1));
+    std::fprintf(stderr, "\r[%s%s] %llu/%llu %s", std::string(filled, '#').c_str(),
+                 std::string(width - filled, ' ').c_str(), static_cast<unsigned long long>(done),
+                 static_cast<unsigned long long>(total), what);
+    if (done == total) std::fprintf(stderr, "\n");
+  };
 }
 
 void add_price_json(nlohmann::json& j, const cluster::Cluster& cluster) {

@@ -4,7 +4,10 @@
 
 #include <array>
 #include <boost/program_options.hpp>
+#include <chrono>
+#include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -92,6 +95,13 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
 // price_per_device_hour_usd and price_source (the cluster file's, or --price-per-gpu-hour), set
 // in `j` where the cluster has a price.
 void add_price_json(nlohmann::json& j, const cluster::Cluster& cluster);
+
+// A progress bar on standard error where it is a terminal (empty otherwise): called with
+// (done, total), it draws "[####   ] done/total what" from a second after `started` on, and
+// ends its line when done reaches total (a run done within the second draws nothing). For runs long
+// enough to wonder about (plan's search, whatif's points).
+std::function<void(std::uint64_t, std::uint64_t)> progress_bar(
+    std::chrono::steady_clock::time_point started, const char* what);
 
 // Adds the plan flags and --plan (`precision_help`: --precision's values and default).
 void add_plan_options(po::options_description& desc,
