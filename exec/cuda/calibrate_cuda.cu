@@ -28,7 +28,7 @@ struct Buffer {
   explicit Buffer(std::size_t bytes) {
     check(cudaMalloc(&p, std::max<std::size_t>(bytes, 16)), "cudaMalloc");
   }
-  ~Buffer() { cudaFree(p); }
+  ~Buffer() { teardown(cudaFree(p), "cudaFree"); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
 };
@@ -40,8 +40,8 @@ struct Events {
     check(cudaEventCreate(&stop), "cudaEventCreate");
   }
   ~Events() {
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
+    teardown(cudaEventDestroy(start), "cudaEventDestroy");
+    teardown(cudaEventDestroy(stop), "cudaEventDestroy");
   }
   Events(const Events&) = delete;
   Events& operator=(const Events&) = delete;
@@ -90,7 +90,7 @@ class Gemm {
   explicit Gemm(GemmPrecision precision) : precision_(precision) {
     check(cublasCreate(&handle_), "cublasCreate");
   }
-  ~Gemm() { cublasDestroy(handle_); }
+  ~Gemm() { teardown(cublasDestroy(handle_), "cublasDestroy"); }
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
 
@@ -314,8 +314,8 @@ std::vector<CollectiveTiming> time_collectives(
       }
     }
   } catch (...) {
-    ncclCommAbort(comm);
-    if (stream != nullptr) cudaStreamDestroy(stream);
+    teardown(ncclCommAbort(comm), "ncclCommAbort");
+    if (stream != nullptr) teardown(cudaStreamDestroy(stream), "cudaStreamDestroy");
     throw;
   }
   check(ncclCommDestroy(comm), "ncclCommDestroy");

@@ -43,5 +43,17 @@ inline void teardown(cudaError_t e, const char* call) noexcept {
                  static_cast<int>(e));
   }
 }
+inline void teardown(cublasStatus_t s, const char* call) noexcept {
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "dtexec: warning: %s: %s (status %d)\n", call, cublasGetStatusString(s),
+                 static_cast<int>(s));
+  }
+}
+inline void teardown(ncclResult_t r, const char* call) noexcept {
+  if (r != ncclSuccess) {
+    std::fprintf(stderr, "dtexec: warning: %s: %s (result %d)\n", call, ncclGetErrorString(r),
+                 static_cast<int>(r));
+  }
+}
 
 }  // namespace dtsim::exec::cuda

@@ -50,7 +50,9 @@ std::string selftest(int gpu, int n) {
                std::to_string(3 * i + 1);
     }
   }
-  cudaFree(d);
+  if (cudaError_t e = cudaFree(d); e != cudaSuccess && result.empty()) {
+    result = failed("cudaFree", e);
+  }
   return result;
 }
 

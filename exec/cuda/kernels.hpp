@@ -17,8 +17,9 @@
 // without memory pools, cudaFree, which waits for the device). Every CUDA and cuBLAS call is
 // checked: a failure throws CudaError naming the call (kernel launches included).
 //
-// Determinism: no atomics. Column reductions (bias, norm weight, embedding gradients) run one
-// thread per column over the rows in order, so a run repeats bit for bit on the same GPU.
+// Determinism: no atomics. Column reductions (bias, norm weight, embedding gradients) sum in a
+// fixed order: each chunk of rows in order, then the chunks' sums in order (kernels.cu), so a
+// run repeats bit for bit on the same GPU.
 #pragma once
 
 #include <cstdint>

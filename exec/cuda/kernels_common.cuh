@@ -151,14 +151,14 @@ struct Kernels::Impl {
                             &flash_probs, &flash_mask, &flash_dropped, &norm_partials})
       *b = DeviceBuffer();
     for (cudaEvent_t e : events) teardown(cudaEventDestroy(e), "cudaEventDestroy");
-    if (blas != nullptr) cublasDestroy(blas);
+    if (blas != nullptr) teardown(cublasDestroy(blas), "cublasDestroy");
     workspace = DeviceBuffer();
     if (stream != nullptr) {
       // (A kernel's failure not met by a checked call yet is said here.)
       teardown(cudaStreamSynchronize(stream), "cudaStreamSynchronize at the end");
       teardown(cudaStreamDestroy(stream), "cudaStreamDestroy");
     }
-    if (pool != nullptr) cudaMemPoolTrimTo(pool, 0);
+    if (pool != nullptr) teardown(cudaMemPoolTrimTo(pool, 0), "cudaMemPoolTrimTo");
   }
 
   // The stream of in-step allocations: this one, where the GPU has memory pools.

@@ -172,16 +172,26 @@ class NcclComm final : public Comm {
     }
     wake_.notify_all();
     if (watcher_.joinable()) watcher_.join();
-    for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
+    // (Nothing may throw here: a failed call is said on stderr, not lost.)
+    const auto said = [](bool failed, const char* call, const char* what, int code) {
+      if (failed) std::cerr << fmt::format("dtexec: warning: {}: {} ({})\n", call, what, code);
+    };
+    const auto cuda_said = [&](cudaError_t e, const char* call) {
+      said(e != cudaSuccess, call, cudaGetErrorString(e), static_cast<int>(e));
+    };
+    for (cudaStream_t s : streams_) cuda_said(cudaStreamSynchronize(s), "cudaStreamSynchronize");
     for (const Staged& v : staged_) {
       device_.release(v.copy);
-      cudaEventDestroy(v.sent);
+      cuda_said(cudaEventDestroy(v.sent), "cudaEventDestroy");
     }
-    for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
-    for (auto it = comms_.rbegin(); it != comms_.rend(); ++it) ncclCommDestroy(*it);
-    for (cudaStream_t s : streams_) cudaStreamDestroy(s);
-    for (cudaEvent_t e : done_) cudaEventDestroy(e);
-    if (fence_ != nullptr) cudaEventDestroy(fence_);
+    for (cudaEvent_t e : spare_events_) cuda_said(cudaEventDestroy(e), "cudaEventDestroy");
+    for (auto it = comms_.rbegin(); it != comms_.rend(); ++it) {
+      const ncclResult_t r = ncclCommDestroy(*it);
+      said(r != ncclSuccess, "ncclCommDestroy", ncclGetErrorString(r), static_cast<int>(r));
+    }
+    for (cudaStream_t s : streams_) cuda_said(cudaStreamDestroy(s), "cudaStreamDestroy");
+    for (cudaEvent_t e : done_) cuda_said(cudaEventDestroy(e), "cudaEventDestroy");
+    if (fence_ != nullptr) cuda_said(cudaEventDestroy(fence_), "cudaEventDestroy");
   }
 
   NcclComm(const NcclComm&) = delete;
@@ -328,7 +338,7 @@ class NcclComm final : public Comm {
     reclaim_sent();
     // The tensor may be released and its memory reused once this returns: send a copy, kept
     // until its send is done (reclaim_sent, finish_sends, wait_sends).
-    const View staged = device_.allocate(data.n, data.type);
+    const View staged = device_.allocate_for_overwrite(data.n, data.type);  // copied whole
     device_.copy(staged, data);
     after_compute(it->second.stream);
     transfer_begins(it->second.stream);
