@@ -22,6 +22,7 @@ class CudaDevice final : public Device {
         k_(gpu, activations == exec::Dtype::BF16 ? cuda::Dtype::BF16 : cuda::Dtype::F32),
         gpu_(gpu) {
     DTSIM_ASSERT(activations != exec::Dtype::I32, "activations are floating point");
+    k_.set_out_of_memory([this] { give_back_released(); });
   }
 
   std::string name() const override { return "cuda:" + std::to_string(gpu_); }
@@ -267,6 +268,14 @@ class CudaDevice final : public Device {
 
  private:
   // allocate's work: a released buffer that fits or a new one, zeroed only with `zeros`.
+  // The pool's released buffers back to the GPU (after the stream's work), for an allocation
+  // that found it full.
+  void give_back_released() {
+    for (const auto& entry : free_) memory_.reserved -= static_cast<std::int64_t>(entry.first);
+    free_.clear();
+    k_.return_free_memory();
+  }
+
   View take(std::int64_t n, exec::Dtype type, bool zeros) {
     DTSIM_ASSERT(n >= 0, "a size");
     const std::size_t bytes =
@@ -285,9 +294,7 @@ class CudaDevice final : public Device {
         // more, as a caching allocator does. The one wait of this path: for the compute
         // stream, before the GPU's pool lets the freed memory go.
         if (free_.empty() && k_.allocation_stream() == nullptr) throw;
-        for (const auto& entry : free_) memory_.reserved -= static_cast<std::int64_t>(entry.first);
-        free_.clear();
-        k_.return_free_memory();
+        give_back_released();
         block = DeviceBuffer(bytes, k_.allocation_stream());
       }
       memory_.reserved += static_cast<std::int64_t>(block.bytes());

@@ -437,6 +437,10 @@ void* Kernels::allocation_stream() const {
   return impl_->allocation_stream();
 }
 
+void Kernels::set_out_of_memory(std::function<void()> free_released) {
+  impl_->out_of_memory = std::move(free_released);
+}
+
 int Kernels::mark(void* stream) {
   if (static_cast<std::size_t>(impl_->marks) == impl_->events.size()) {
     cudaEvent_t e = nullptr;

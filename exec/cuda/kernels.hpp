@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "exec/cuda/calibrate_cuda.hpp"  // CudaError
@@ -110,6 +111,9 @@ class Kernels {
   // The stream to give DeviceBuffers allocated and freed inside steps (this object's stream),
   // or null where the GPU has no memory pools (plain cudaMalloc and cudaFree).
   void* allocation_stream() const;
+  // Called when scratch that grows inside a step finds the GPU full, before one more try: the
+  // owner's pool gives its released buffers back (CudaDevice's, then return_free_memory).
+  void set_out_of_memory(std::function<void()> free_released);
 
   // Timing on the stream with CUDA events: mark() records an event after the work queued so
   // far and returns its number; seconds(a, b) is the GPU time between marks a and b (it waits

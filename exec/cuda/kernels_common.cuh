@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -143,6 +144,9 @@ struct Kernels::Impl {
   DeviceBuffer workspace;      // cuBLAS's, given at construction (no allocation at a first GEMM)
   std::vector<cudaEvent_t> events;  // mark() numbers [0, marks) in use
   int marks = 0;
+  // What the owner frees when scratch cannot grow (set_out_of_memory): its pool's released
+  // buffers, given back to the GPU.
+  std::function<void()> out_of_memory;
 
   ~Impl() {
     // The scratch goes back on the stream, before the stream does; then the pool gives it to
@@ -164,8 +168,19 @@ struct Kernels::Impl {
   // The stream of in-step allocations: this one, where the GPU has memory pools.
   void* allocation_stream() const { return pool != nullptr ? stream : nullptr; }
 
+  // Scratch that grows inside a step, near the peak (a backward's score gradients): out of
+  // memory, the owner gives its released buffers back and it is tried once more, as the
+  // device's own allocations are.
   float* room(DeviceBuffer& b, std::size_t bytes) {
-    if (b.bytes() < bytes) b = DeviceBuffer(bytes, allocation_stream());
+    if (b.bytes() >= bytes) return b.f32();
+    try {
+      b = DeviceBuffer(bytes, allocation_stream());
+    } catch (const CudaError&) {
+      if (!out_of_memory) throw;
+      b = DeviceBuffer();  // (its contents are not kept in any case)
+      out_of_memory();
+      b = DeviceBuffer(bytes, allocation_stream());
+    }
     return b.f32();
   }
 
