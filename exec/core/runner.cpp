@@ -1002,7 +1002,13 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
         spec.moe->top_k, spec.moe->experts));
   }
   if (auto padding = plan::vocab_padding_note(spec, plan)) {
-    notes.push_back(*padding + "; tokens are drawn from the first " + std::to_string(spec.vocab));
+    // (The padded rows take part in the softmax, as Megatron-LM's do: the losses are another
+    // model's than a run padded otherwise, which a user comparing tp degrees meets first.)
+    notes.push_back(fmt::format(
+        "{}; tokens are drawn from the first {}, but the softmax runs over all {} rows, so the "
+        "losses differ from a run padded to another multiple (another tp): give "
+        "--make-vocab-size-divisible-by alike to compare them",
+        *padding, spec.vocab, plan::padded_vocab(spec.vocab, plan)));
   }
   if (auto uneven = plan::uneven_layers_note(spec, plan)) notes.push_back(*uneven);
   if (plan.cp > 1) {
