@@ -18,6 +18,7 @@
 #include "sim/cli/isolated.hpp"
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
+#include "sim/common/launcher.hpp"
 #include "sim/common/units.hpp"
 #include "sim/engine/simulator.hpp"
 #include "sim/planner/planner.hpp"
@@ -417,6 +418,12 @@ int cmd_plan(const std::vector<std::string>& args) {
         fmt::format("--objective: expected time, cost or time-to-train, got \"{}\"", objective));
   }
   const double train_tokens = training_tokens(vm);
+  if (objective == "time-to-train" && train_tokens <= 0 && launcher_rank() == 0) {
+    // (It ranks as step time all the same; said, as a time to train was asked for and none
+    // will be printed.)
+    std::cerr << "note: --objective time-to-train without --tokens: plans ranked by step time "
+                 "(as they would be with it, the global batch fixed), no time to train given\n";
+  }
   const TrainingGoal goal{train_tokens, &spec, cluster.devices(), reliability_from_options(vm)};
   const int top = vm["top"].as<int>();
   if (top < 1)
