@@ -126,6 +126,8 @@ int cmd_simulate(const std::vector<std::string>& args) {
   options.jitter_cv = jitter_from_options(vm);
   options.rank_spread_cv = rank_spread_from_options(vm);
   options.straggler_cost = true;
+  // A bar on a terminal for a simulation past a second (a 65,536-GPU plan on SimGrid: 84 s).
+  options.progress = progress_bar(std::chrono::steady_clock::now(), "tasks simulated");
   if (vm.count("trace")) check_writable(vm["trace"].as<std::string>(), "--trace", &vm);
   const engine::Simulation sim = engine::simulate(setup.graph, plan, cluster, *network, options);
   const engine::Prediction& p = sim.prediction;

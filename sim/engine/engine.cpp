@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
 #include <numbers>
@@ -40,7 +41,8 @@ class Engine {
         slow_program_(options.slow_program),
         slow_factor_(options.slow_factor),
         eager_p2p_(program.plan.overlap_p2p_comm),
-        serial_(options.serial_ranks) {
+        serial_(options.serial_ranks),
+        progress_(options.progress) {
     const std::size_t n = program.ranks.size();
     compute_total_.assign(n, 0.0);
     synced_at_.resize(n);
@@ -87,12 +89,17 @@ class Engine {
           eligible(static_cast<std::int32_t>(p), static_cast<TaskId>(t), 0.0);
       }
     }
+    const auto total = static_cast<std::uint64_t>(program_.task_count());
     while (!queue_.empty()) {
       const Event e = queue_.top();
       queue_.pop();
       ++timeline_.events;
       finish(e.program, e.task, e.time);
+      if (progress_ && timeline_.events % 65536 == 0) {
+        progress_(std::min<std::uint64_t>(timeline_.events, total), total);
+      }
     }
+    if (progress_) progress_(total, total);
     for (std::size_t p = 0; p < program_.ranks.size(); ++p) {
       for (std::size_t t = 0; t < timeline_.tasks[p].size(); ++t) {
         if (timeline_.tasks[p][t].end_s < 0) {
@@ -415,6 +422,7 @@ class Engine {
   std::map<std::tuple<std::int32_t, std::int32_t, std::int64_t>, WaitingSend> waiting_sends_;
   bool eager_p2p_;
   bool serial_;
+  std::function<void(std::uint64_t, std::uint64_t)> progress_;
   // Per program: when its link is next free to send and to receive a pipeline transfer.
   std::vector<double> link_out_free_, link_in_free_;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> queue_;

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "sim/lower/program.hpp"
@@ -72,6 +73,9 @@ struct EngineOptions {
   // The program whose compute tasks take slow_factor (>= 1) times their duration; -1: none.
   std::int32_t slow_program = -1;
   double slow_factor = 1.0;
+  // Called now and then with the events handled so far and the program's tasks (each ends in
+  // one), and once at the end with (tasks, tasks): for a progress bar. Empty: not called.
+  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
 };
 
 // E[max of n independent standard normal variables] (0 for n = 1; 0.5642 for n = 2).

@@ -366,6 +366,20 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
     engine.slow_program = busiest_program(sim.program, compute);
     engine.slow_factor = slow_rank_factor(rank_spread, plan.devices());
   }
+  // The progress of every simulation this runs, one after the other: this one, and with
+  // straggler_cost the calm and even ones.
+  const std::uint64_t runs = options.straggler_cost ? 1 + (engine.jitter_cv > 0 ? 1 : 0) +
+                                                          (engine.slow_program >= 0 ? 1 : 0)
+                                                    : 1;
+  std::uint64_t run_index = 0;
+  const auto progress_of_run = [&]() -> std::function<void(std::uint64_t, std::uint64_t)> {
+    if (!options.progress) return {};
+    const std::uint64_t k = run_index++;
+    return [&options, k, runs](std::uint64_t done, std::uint64_t total) {
+      options.progress(k * total + done, runs * total);
+    };
+  };
+  engine.progress = progress_of_run();
   sim.timeline = run(sim.program, durations, engine);
 
   Prediction& p = sim.prediction;
@@ -495,7 +509,8 @@ Simulation simulate(const model::ModelGraph& graph, const plan::Plan& plan,
         100 * flops.executed / (p.step_time_s * gpus * peak)));
   }
   if (options.straggler_cost) {
-    auto step_with = [&](const EngineOptions& o) {
+    auto step_with = [&](EngineOptions o) {
+      o.progress = progress_of_run();
       const Timeline t = run(sim.program, durations, o);
       return pipedream ? steady_stage(stage_predictions(sim.program, t), t.makespan_s).second
                        : t.makespan_s;

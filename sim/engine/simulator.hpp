@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -100,6 +101,9 @@ struct SimulateOptions {
   // Also run the program without the straggler model, for Prediction::straggler_cost_s and
   // slow_rank_cost_s (a second simulation where jitter is on, another where a rank is slow).
   bool straggler_cost = false;
+  // For a progress bar: (done, total) over every simulation of the step this runs (with
+  // straggler_cost, the calm and even ones too); see EngineOptions::progress.
+  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
 };
 
 // FLOPs of one training step over all devices (Megatron-LM's accounting): `model` counts the
