@@ -693,11 +693,18 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // the gathered chunk, fp32 masters in chunks of a bucket's bytes, as dtexec gathers them
       // on CPU ranks (on its bf16 path a linear layer's weights go as their 16-bit copies, in
       // chunks of the same bytes: an upper bound there; DeepSpeed gathers in buckets too;
-      // Megatron-LM gathers in place into its contiguous buffer, without either).
-      const double chunk =
-          std::min(static_cast<double>(kGradientBucketBytes), (dense_params + expert_params) * 4.0);
-      consider_without_bucket(
-          {"the updated weights' all-gather", 0, s.activations_bytes, (1.0 + 1.0 / shard) * chunk});
+      // Megatron-LM gathers in place into its contiguous buffer, without either). Experts
+      // gather apart, over their own group (dp x cp / ep; none where that is one rank): the
+      // larger of the two gathers' buffers (cpu-small as a mixture of experts at dp 2, ZeRO-1,
+      // full recompute held 90.7 MiB where one chunk of both predicted 100.0).
+      const auto gather = [](double params, int group) {
+        return group > 1 ? (1.0 + 1.0 / group) *
+                               std::min(static_cast<double>(kGradientBucketBytes), params * 4.0)
+                         : 0.0;
+      };
+      consider_without_bucket({"the updated weights' all-gather", 0, s.activations_bytes,
+                               std::max(gather(dense_params, shard),
+                                        gather(expert_params, shard / plan.ep))});
     }
     s.peak_moment = peak_moment.name;
     s.working_bytes = peak_moment.working;
