@@ -876,7 +876,10 @@ void Runner::replay(const lower::Task& task, std::size_t index) {
   } else if (dp && sharded_ && !in_place_ && task.collective == CollectiveKind::ReduceScatter) {
     // ZeRO's reduce-scatter, in memory: its packed copy of the bucket's gradients and its
     // reduced shard, held until the next task is done, as a started collective holds them
-    // until it completes; the bucket's gradients (ZeRO-2/3) are gone once packed.
+    // until it completes; the bucket's gradients (ZeRO-2/3) are gone once packed. A
+    // reduce-scatter started before is finished first, as the real one finishes them (one
+    // bucket's buffers at a time): the experts' bucket right after the dense one held both.
+    release_replayed(index);
     std::int64_t total = 0;
     for (Param* p : params_for(task)) total += p->n;
     const View packed = dev_.allocate(total, Dtype::F32);

@@ -87,7 +87,10 @@ double extra_activation_bytes(const ModelGraph& g, int group, const Plan& plan) 
 }
 
 // What a deferred weight-gradient pass (zero-bubble's W) of one micro-batch keeps of `layer`:
-// each weight GEMM's input and the gradient of its output. A column-parallel GEMM's output is
+// each weight GEMM's input and the gradient of its output, and a norm's with weights (its
+// input and its output's gradient, of one shape: dtexec computes the norm's weight and bias
+// gradients in the W pass, as the GEMMs'; tiny-llama at pp 2 read -8.5% on its last stage
+// without them). A column-parallel GEMM's output is
 // split over tp, as the vocabulary-parallel LM head's logits are (Megatron-LM's output layer is a
 // ColumnParallelLinear); a row-parallel one's gradient is the whole (all-gathered) tensor.
 struct WeightPass {
@@ -99,6 +102,12 @@ WeightPass weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan) {
   WeightPass w;
   for (model::OpId id : g.layer_ops(layer)) {
     const Op& op = g.op(id);
+    if (op.kind == model::OpKind::Norm && op.params > 0) {
+      const double kept = rank_saved_bytes(op, plan, static_cast<double>(op.saved_bytes));
+      w.inputs += kept;
+      w.output_grads += kept;
+      continue;
+    }
     if (op.bwd_weight_flops <= 0 || op.gemm_m <= 0) continue;
     const bool column = op.tp_split == TpSplit::Column || op.tp_split == TpSplit::Vocab;
     const double out_split =
@@ -564,15 +573,36 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // per-block gathers need whole; lower's run_stage) and reduce-scatters a weight pass's
       // gradients after it, behind the next pass's gather on the data-parallel stream: the
       // weight pass's unsharded gradients, the next pass's gathered weights and that gather's
-      // packed copies (in chunks of a gradient bucket's bytes of fp32 masters), the kept
-      // activations of the micro-batches in flight besides (the stage is one chunk: zero-bubble
-      // does not interleave). dtexec on cpu-small at pp 2 dp 2 held 49.5 MiB there, where the
-      // per-block moments above came to 35.6.
+      // packed copies (in chunks of a gradient bucket's bytes of fp32 masters), and what the
+      // stage keeps right after a weight pass (its pass order's states after its W passes, the
+      // most of them; the stage is one chunk: zero-bubble does not interleave). dtexec on
+      // cpu-small at pp 2 dp 2 held 49.5 MiB there, where the per-block moments above came
+      // to 35.6.
       const double chunk = dense_params + expert_params;
       const double packed =
           std::min(static_cast<double>(kGradientBucketBytes), chunk * 4.0) * (1.0 + 1.0 / shard);
-      consider({"a weight pass's end, the next pass's weights gathered", 0, 0,
+      double after_weight_pass = 0;
+      int forwards = 0, pending = 0;
+      for (const ZbPass& pass :
+           zero_bubble_order(plan.pp, static_cast<int>(plan.micro_batches()), stage)) {
+        if (pass.kind == ZbKind::Forward) {
+          ++forwards;
+        } else if (pass.kind == ZbKind::BackwardInput) {
+          --forwards;
+          ++pending;
+        } else {
+          --pending;
+          after_weight_pass = std::max(after_weight_pass, forwards * per_micro_batch +
+                                                              pending * weight_pass);
+        }
+      }
+      const double kept_at_peak = s.activations_bytes - extra_activations;
+      consider({"a weight pass's end, the next pass's weights gathered", 0,
+                std::max(0.0, kept_at_peak - after_weight_pass),
                 chunk * (per_param.gradients + per_param.weights) + packed});
+      // And any pass's gather, the stage's most kept (the last stage's first W, its B passes
+      // all done: 87.7 MiB held on cpu-small at micro-batch 4, 87.2 this).
+      consider({"a pass's weight gather", 0, 0, chunk * per_param.weights + packed});
     }
     // ZeRO-1/2's buckets (ZeRO-3 reduces each block apart, ZeRO-0 in place).
     const bool bucketed = (plan.zero_stage == 1 || plan.zero_stage == 2) && shard > 1;

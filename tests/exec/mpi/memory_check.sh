@@ -8,7 +8,8 @@
 # up to 17% under and zero-bubble 10% over. The ep plans are predicted at the routing's load that
 # the run measured (expert_load_peak, dtsim memory --expert-load): the executor routes for real.
 # Zero-bubble with ZeRO-3 (a chunk gathered per pass) was +66% over on cpu-small before the
-# fifty-ninth session.
+# fifty-ninth session, zero-bubble at tp 2 pp 2 on tiny-llama -11% (its norms' W-pass tensors),
+# and the MoE's ZeRO-1 gather with full recompute +10% on cpu-small-moe.
 # usage: memory_check.sh DTEXEC DTSIM MPIRUN WORK_DIR
 set -uo pipefail
 dtexec=$1
@@ -20,6 +21,7 @@ moe=$here/tiny_moe.json
 # Gradients over several 25 MiB buckets, the embedding table's a bucket of its own (ZeRO-1 and 2
 # held 1.5x the weights for their gather, and every bucket at once, before the 21st session).
 buckets=$here/bucket_gpt.json
+llama=$here/tiny_llama_4l.json
 tolerance=8
 # model | ranks | global batch (micro-batch 4) | plan flags
 plans=(
@@ -36,6 +38,8 @@ plans=(
   "$buckets|2|8|--dp 2 --zero-stage 2"
   "$buckets|2|8|--dp 2 --zero-stage 3"
   "tiny-gpt|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 3"
+  "$llama|4|16|--tp 2 --pp 2 --schedule zero-bubble"
+  "$moe|2|8|--dp 2 --zero-stage 1 --recompute full"
 )
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 failed=0
