@@ -1430,10 +1430,12 @@ int run(const std::vector<std::string>& args) {
                         mpi.get());
   }
   const auto seconds = [&](const char* flag) {
+    // 0 (never), or from a millisecond (the watchdog's own wake-ups are that fine) to a
+    // million seconds (a finite wait: 1e-300 and inf were taken).
     const double s = vm[flag].as<double>();
-    if (!(s >= 0)) {
-      throw dtsim::InputError(
-          fmt::format("--{}: expected a number of seconds >= 0, got {}", flag, s));
+    if (!(s == 0 || (s >= 1e-3 && s <= 1e6))) {
+      throw dtsim::InputError(fmt::format(
+          "--{}: expected 0 (never) or a number of seconds from 0.001 to 1e6, got {}", flag, s));
     }
     return s;
   };
