@@ -1371,6 +1371,13 @@ std::vector<std::string> profile_warnings(const cost::Profile& profile,
   // constants: 5% over a peak is beyond what clocks above the rated boost give, and an op's
   // bytes may run up to 3x the memory bandwidth from cache, no more.
   std::vector<std::string> warnings;
+  if (!profile.precision_stated) {
+    // (dtexec calibrate writes it: a file without it was written by hand or by an older tool.)
+    warnings.push_back(fmt::format(
+        "warning: profile {} does not say the precision it measured (no \"precision\"): taken "
+        "as bf16",
+        profile.file));
+  }
   const auto datasheet = [](const Figure& f) { return f.source.rfind("dtexec calibrate", 0) != 0; };
   const auto warn = [&](const std::string& what, double rate, double figure, const char* unit,
                         const std::string& whose) {

@@ -72,6 +72,7 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   if (r.has("ranks_per_host")) r.positive_int("ranks_per_host");
   if (r.has("precision")) {
     p.precision = *parse_precision(r.choice("precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));
+    p.precision_stated = true;
   }
   const auto& samples = r.raw().contains("gemm") ? r.raw().at("gemm") : nlohmann::json();
   if (!samples.is_array() || samples.empty()) {

@@ -83,6 +83,7 @@ struct Profile {
   std::string source;
   std::string file;
   Precision precision = Precision::Bf16;
+  bool precision_stated = false;  // the file's "precision" (else bf16, said as a warning)
   std::vector<GemmSample> gemm;  // sorted by FLOPs
   std::optional<double> memory_bw_bytes_per_s;
   std::optional<double> launch_overhead_s;
