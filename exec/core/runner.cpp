@@ -871,7 +871,9 @@ void Runner::replay(const lower::Task& task, std::size_t index) {
     dev_.copy(buffer, replayed_input());
   } else if (dp && zero3_ && task.collective == CollectiveKind::AllGather &&
              task.op_end > task.op_begin) {
-    // ZeRO-3: the chunk's weights take their place (this rank's slice, zeros elsewhere).
+    // ZeRO-3: the chunk's weights take their place (this rank's slice, zeros elsewhere), the
+    // reduce-scatters before it finished first, as the real gather finishes them.
+    release_replayed(index);
     gather_weights(task, params_for(task), /*local=*/true);
   } else if (dp && sharded_ && !in_place_ && task.collective == CollectiveKind::ReduceScatter) {
     // ZeRO's reduce-scatter, in memory: its packed copy of the bucket's gradients and its

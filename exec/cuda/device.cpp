@@ -24,6 +24,9 @@ class CudaDevice final : public Device {
     DTSIM_ASSERT(activations != exec::Dtype::I32, "activations are floating point");
     k_.set_out_of_memory([this] { give_back_released(); });
   }
+  // (The scratch's out-of-memory hook holds `this`.)
+  CudaDevice(const CudaDevice&) = delete;
+  CudaDevice& operator=(const CudaDevice&) = delete;
 
   std::string name() const override { return "cuda:" + std::to_string(gpu_); }
   void* stream() const { return k_.stream(); }

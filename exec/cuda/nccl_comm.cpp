@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "exec/core/p2p_order.hpp"
+#include "exec/cuda/check.cuh"  // teardown
 #include "exec/cuda/device.hpp"
 
 namespace dtsim::exec::cuda {
@@ -173,25 +174,18 @@ class NcclComm final : public Comm {
     wake_.notify_all();
     if (watcher_.joinable()) watcher_.join();
     // (Nothing may throw here: a failed call is said on stderr, not lost.)
-    const auto said = [](bool failed, const char* call, const char* what, int code) {
-      if (failed) std::cerr << fmt::format("dtexec: warning: {}: {} ({})\n", call, what, code);
-    };
-    const auto cuda_said = [&](cudaError_t e, const char* call) {
-      said(e != cudaSuccess, call, cudaGetErrorString(e), static_cast<int>(e));
-    };
-    for (cudaStream_t s : streams_) cuda_said(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    for (cudaStream_t s : streams_) teardown(cudaStreamSynchronize(s), "cudaStreamSynchronize");
     for (const Staged& v : staged_) {
       device_.release(v.copy);
-      cuda_said(cudaEventDestroy(v.sent), "cudaEventDestroy");
+      teardown(cudaEventDestroy(v.sent), "cudaEventDestroy");
     }
-    for (cudaEvent_t e : spare_events_) cuda_said(cudaEventDestroy(e), "cudaEventDestroy");
+    for (cudaEvent_t e : spare_events_) teardown(cudaEventDestroy(e), "cudaEventDestroy");
     for (auto it = comms_.rbegin(); it != comms_.rend(); ++it) {
-      const ncclResult_t r = ncclCommDestroy(*it);
-      said(r != ncclSuccess, "ncclCommDestroy", ncclGetErrorString(r), static_cast<int>(r));
+      teardown(ncclCommDestroy(*it), "ncclCommDestroy");
     }
-    for (cudaStream_t s : streams_) cuda_said(cudaStreamDestroy(s), "cudaStreamDestroy");
-    for (cudaEvent_t e : done_) cuda_said(cudaEventDestroy(e), "cudaEventDestroy");
-    if (fence_ != nullptr) cuda_said(cudaEventDestroy(fence_), "cudaEventDestroy");
+    for (cudaStream_t s : streams_) teardown(cudaStreamDestroy(s), "cudaStreamDestroy");
+    for (cudaEvent_t e : done_) teardown(cudaEventDestroy(e), "cudaEventDestroy");
+    if (fence_ != nullptr) teardown(cudaEventDestroy(fence_), "cudaEventDestroy");
   }
 
   NcclComm(const NcclComm&) = delete;

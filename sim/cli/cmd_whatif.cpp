@@ -908,10 +908,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
       row.mfu = pred.mfu;
       row.max_speedup = pred.max_speedup;
       if (tokens > 0) {
-        // Whole steps, as plan::training_time counts them.
-        row.train_s =
-            std::ceil(tokens / static_cast<double>(chosen.global_batch_size * chosen.seq_len)) *
-            row.step_s;
+        row.train_s = plan::training_steps(tokens, chosen) * row.step_s;
         const double device_hours = row.train_s / 3600 * static_cast<double>(row.gpus);
         if (c.price_per_device_hour_usd) {
           row.cost_usd = device_hours * c.price_per_device_hour_usd->value;

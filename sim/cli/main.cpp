@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "sim/cli/commands.hpp"
+#include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/launcher.hpp"
 
@@ -70,23 +71,28 @@ int main(int argc, char** argv) {
   const int code = [&] {
     try {
       return it->second.run({args.begin() + 1, args.end()});
-    } catch (const dtsim::InputError& e) {
-      // Under mpirun every rank meets bad input alike (whatif's ranks send rank 0 their bad
-      // points).
-      dtsim::say_once_per_job("dtsim " + args[0], "error", e.what());
-      return 2;
-    } catch (const dtsim::UnsupportedError& e) {
-      dtsim::say_once_per_job("dtsim " + args[0], "unsupported", e.what());
-      return 2;
-    } catch (const std::bad_alloc&) {
-      // A job too large for this host (lower --all-ranks of a huge plan), not a fault.
-      std::cerr << "dtsim " << args[0]
-                << ": error: out of memory (std::bad_alloc): the job is too large for this "
-                   "host's memory (fewer ranks, layers or points)\n";
-      return 2;
-    } catch (const std::exception& e) {
-      std::cerr << "dtsim " << args[0] << ": internal error: " << e.what() << "\n";
-      return 1;
+    } catch (...) {
+      dtsim::cli::end_progress_line();  // (the message below on a line of its own)
+      try {
+        throw;
+      } catch (const dtsim::InputError& e) {
+        // Under mpirun every rank meets bad input alike (whatif's ranks send rank 0 their bad
+        // points).
+        dtsim::say_once_per_job("dtsim " + args[0], "error", e.what());
+        return 2;
+      } catch (const dtsim::UnsupportedError& e) {
+        dtsim::say_once_per_job("dtsim " + args[0], "unsupported", e.what());
+        return 2;
+      } catch (const std::bad_alloc&) {
+        // A job too large for this host (lower --all-ranks of a huge plan), not a fault.
+        std::cerr << "dtsim " << args[0]
+                  << ": error: out of memory (std::bad_alloc): the job is too large for this "
+                     "host's memory (fewer ranks, layers or points)\n";
+        return 2;
+      } catch (const std::exception& e) {
+        std::cerr << "dtsim " << args[0] << ": internal error: " << e.what() << "\n";
+        return 1;
+      }
     }
   }();
   return dtsim::exit_code_after_output("dtsim " + args[0], code);

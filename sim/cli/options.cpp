@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <charconv>
@@ -16,6 +17,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string_view>
@@ -963,22 +965,45 @@ nlohmann::json training_time_json(const plan::TrainingTime& tt, std::optional<do
   return j;
 }
 
+namespace {
+// Whether a progress bar's line is open on stderr (drawn, not yet ended): an error ends it
+// first (end_progress_line), so that its message starts a line of its own.
+std::atomic<bool> bar_line_open{false};
+}  // namespace
+
 std::function<void(std::uint64_t, std::uint64_t)> progress_bar(
     std::chrono::steady_clock::time_point started, const char* what) {
   if (!isatty(fileno(stderr))) return {};
-  auto drawn = std::make_shared<bool>(false);  // (a run under a second draws nothing)
-  return [started, what, drawn](std::uint64_t done, std::uint64_t total) {
+  // Called from the planner's threads: one draws at a time, and a count lower than one drawn
+  // (a slower thread's) is not drawn back.
+  struct State {
+    std::mutex mutex;
+    bool drawn = false;  // (a run under a second draws nothing)
+    std::uint64_t last = 0;
+  };
+  auto state = std::make_shared<State>();
+  return [started, what, state](std::uint64_t done, std::uint64_t total) {
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    if (elapsed < 1.0 && !*drawn) return;
-    *drawn = true;
+    const std::lock_guard<std::mutex> lock(state->mutex);
+    if (elapsed < 1.0 && !state->drawn) return;
+    if (state->drawn && done < state->last) return;
+    state->drawn = true;
+    state->last = done;
     const int width = 30;
-    const int filled = static_cast<int>(width * done / std::max<std::uint64_t>(total, 1));
+    const int filled =
+        static_cast<int>(width * std::min(done, total) / std::max<std::uint64_t>(total, 1));
     std::fprintf(stderr, "\r[%s%s] %llu/%llu %s", std::string(filled, '#').c_str(),
                  std::string(width - filled, ' ').c_str(), static_cast<unsigned long long>(done),
                  static_cast<unsigned long long>(total), what);
-    if (done == total) std::fprintf(stderr, "\n");
+    const bool end = done >= total;
+    if (end) std::fprintf(stderr, "\n");
+    bar_line_open = !end;
   };
+}
+
+void end_progress_line() {
+  if (bar_line_open.exchange(false)) std::fprintf(stderr, "\n");
 }
 
 void add_price_json(nlohmann::json& j, const cluster::Cluster& cluster) {

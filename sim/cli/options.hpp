@@ -102,6 +102,9 @@ void add_price_json(nlohmann::json& j, const cluster::Cluster& cluster);
 // enough to wonder about (plan's search, whatif's points).
 std::function<void(std::uint64_t, std::uint64_t)> progress_bar(
     std::chrono::steady_clock::time_point started, const char* what);
+// Ends a progress bar's line left open (a run that stopped on an error), so that what follows
+// starts a line of its own.
+void end_progress_line();
 
 // Adds the plan flags and --plan (`precision_help`: --precision's values and default).
 void add_plan_options(po::options_description& desc,

@@ -99,7 +99,6 @@ class Engine {
         progress_(std::min<std::uint64_t>(timeline_.events, total), total);
       }
     }
-    if (progress_) progress_(total, total);
     for (std::size_t p = 0; p < program_.ranks.size(); ++p) {
       for (std::size_t t = 0; t < timeline_.tasks[p].size(); ++t) {
         if (timeline_.tasks[p][t].end_s < 0) {
@@ -111,6 +110,7 @@ class Engine {
         timeline_.makespan_s = std::max(timeline_.makespan_s, timeline_.tasks[p][t].end_s);
       }
     }
+    if (progress_) progress_(total, total);  // (after the check: a stuck run is not 100%)
     return std::move(timeline_);
   }
 

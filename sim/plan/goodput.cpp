@@ -10,13 +10,15 @@
 
 namespace dtsim::plan {
 
+double training_steps(double tokens, const Plan& plan) {
+  return std::ceil(tokens / static_cast<double>(plan.global_batch_size * plan.seq_len));
+}
+
 TrainingTime training_time(const model::ModelSpec& spec, const Plan& plan, std::int64_t devices,
                            double step_time_s, double tokens, const Reliability& reliability) {
   DTSIM_ASSERT(devices > 0 && step_time_s > 0 && tokens > 0, "bad training-time arguments");
   TrainingTime t;
-  // Whole steps: a run does its last step whole, however few of its tokens it still needs
-  // (3e6 tokens at 256 x 8192 a step are 2 steps, not 1.43).
-  t.steps = std::ceil(tokens / static_cast<double>(plan.global_batch_size * plan.seq_len));
+  t.steps = training_steps(tokens, plan);  // (3e6 tokens at 256 x 8192 a step: 2, not 1.43)
   t.work_s = t.steps * step_time_s;
   const double n = static_cast<double>(devices);
   t.job_mtbf_s = 3600.0 / (reliability.interruptions_per_device_hour * n);

@@ -64,6 +64,10 @@ struct TrainingTime {
   double goodput = 0;  // work_s / wall_s
 };
 
+// The steps that train on `tokens`: whole ones (the tokens over a step's, rounded up: a run does
+// its last step whole, however few of its tokens it still needs).
+double training_steps(double tokens, const Plan& plan);
+
 TrainingTime training_time(const model::ModelSpec& spec, const Plan& plan, std::int64_t devices,
                            double step_time_s, double tokens, const Reliability& reliability);
 

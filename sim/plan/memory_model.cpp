@@ -146,6 +146,15 @@ ZbPeak zero_bubble_peak(const Plan& plan, int stage, double per_micro_batch, dou
 // A moment that can hold a stage's most memory: what it adds to the kept activations
 // (working), takes from them (freed), and holds besides (other: gathered weights, gradients
 // in a reduction).
+// What a weight all-gather of `params` over `group` ranks adds while it runs, as dtexec gathers
+// on CPU ranks: the packed copy of the rank's slices and the gathered chunk, fp32 masters in
+// chunks of a gradient bucket's bytes (none over one rank: nothing to gather).
+double gather_buffers(double params, int group) {
+  return group > 1 ? (1.0 + 1.0 / group) *
+                         std::min(static_cast<double>(kGradientBucketBytes), params * 4.0)
+                   : 0.0;
+}
+
 struct Moment {
   const char* name = "";
   double working = 0, freed = 0, other = 0;
@@ -560,10 +569,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         // gradient, written by the head's backward
         // (bucket-gpt at dp 2 with full recompute held 379.4 MiB there against 348.7
         // predicted before this moment).
-        const double chunk =
-            std::min(static_cast<double>(kGradientBucketBytes), embedding_params * 4.0);
         consider({"the embedding's weight gather in the backward", 0, s.activations_bytes,
-                  embedding_params * per_param.weights + (1.0 + 1.0 / shard) * chunk +
+                  embedding_params * per_param.weights + gather_buffers(embedding_params, shard) +
                       (1.0 + 1.0 / shard) * per_param.gradients * largest_reduction +
                       tied_table * per_param.gradients});
       }
@@ -578,9 +585,12 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // most of them; the stage is one chunk: zero-bubble does not interleave). dtexec on
       // cpu-small at pp 2 dp 2 held 49.5 MiB there, where the per-block moments above came
       // to 35.6.
-      const double chunk = dense_params + expert_params;
-      const double packed =
-          std::min(static_cast<double>(kGradientBucketBytes), chunk * 4.0) * (1.0 + 1.0 / shard);
+      // (Experts whose group is one rank are whole already, gathered by no one; the dense and
+      // the experts' weights gather apart, the larger's buffers the most.)
+      const int expert_group = shard / plan.ep;
+      const double chunk = dense_params + (expert_group > 1 ? expert_params : 0.0);
+      const double packed = std::max(gather_buffers(dense_params, shard),
+                                     gather_buffers(expert_params, expert_group));
       double after_weight_pass = 0;
       int forwards = 0, pending = 0;
       for (const ZbPass& pass :
@@ -601,7 +611,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
                 std::max(0.0, kept_at_peak - after_weight_pass),
                 chunk * (per_param.gradients + per_param.weights) + packed});
       // And any pass's gather, the stage's most kept (the last stage's first W, its B passes
-      // all done: 87.7 MiB held on cpu-small at micro-batch 4, 87.2 this).
+      // all done: 87.7 MiB held on cpu-small at micro-batch 4, 92.1 predicted).
       consider({"a pass's weight gather", 0, 0, chunk * per_param.weights + packed});
     }
     // ZeRO-1/2's buckets (ZeRO-3 reduces each block apart, ZeRO-0 in place).
@@ -727,14 +737,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // gather apart, over their own group (dp x cp / ep; none where that is one rank): the
       // larger of the two gathers' buffers (cpu-small as a mixture of experts at dp 2, ZeRO-1,
       // full recompute held 90.7 MiB where one chunk of both predicted 100.0).
-      const auto gather = [](double params, int group) {
-        return group > 1 ? (1.0 + 1.0 / group) *
-                               std::min(static_cast<double>(kGradientBucketBytes), params * 4.0)
-                         : 0.0;
-      };
       consider_without_bucket({"the updated weights' all-gather", 0, s.activations_bytes,
-                               std::max(gather(dense_params, shard),
-                                        gather(expert_params, shard / plan.ep))});
+                               std::max(gather_buffers(dense_params, shard),
+                                        gather_buffers(expert_params, shard / plan.ep))});
     }
     s.peak_moment = peak_moment.name;
     s.working_bytes = peak_moment.working;

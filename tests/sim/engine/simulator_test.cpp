@@ -86,6 +86,32 @@ TEST_CASE("one representative per stage predicts exactly what every rank does",
   }
 }
 
+TEST_CASE("progress counts every simulation of the step, never back, to its total",
+          "[engine][progress]") {
+  // With stragglers and a slow rank the step is simulated three times (as is, calm, even):
+  // the calls run over all three, 3 x the tasks in all, and end there.
+  Plan p = blank();
+  p.tp = 2;
+  p.pp = 2;
+  p.global_batch_size = 64;
+  dtsim::engine::SimulateOptions o;
+  o.jitter_cv = 0.02;
+  o.rank_spread_cv = 0.02;
+  o.straggler_cost = true;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> calls;
+  o.progress = [&](std::uint64_t done, std::uint64_t total) { calls.emplace_back(done, total); };
+  const auto sim = run("tiny", "default", p, o);
+  const auto tasks = static_cast<std::uint64_t>(sim.program.task_count());
+  REQUIRE(calls.size() >= 3);
+  for (std::size_t i = 0; i < calls.size(); ++i) {
+    INFO("call " << i);
+    CHECK(calls[i].second == 3 * tasks);
+    CHECK(calls[i].first <= calls[i].second);
+    if (i > 0) CHECK(calls[i].first >= calls[i - 1].first);
+  }
+  CHECK(calls.back().first == 3 * tasks);
+}
+
 TEST_CASE("gradient clipping costs a read of the gradients and three tiny all-reduces",
           "[engine][clip]") {
   // Llama 2 7B, dp 8 x tp 2 x pp 2 on the default cluster: the norm's sum of squares reads
