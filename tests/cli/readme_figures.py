@@ -50,12 +50,13 @@ def main():
         expect(f"with {row.group(1)} GiB per GPU, dp=16 tp=1 cp=2 ZeRO-3 would run "
                f"{row.group(2)}% faster", "the default job's memory front")
 
-    # Mixtral 8x7B on the default 32 A100s: ep 4 and cp 2.
+    # Mixtral 8x7B on the default 32 A100s: tp 2 with sequence parallelism and ep 4.
     mixtral = best("--model", "mixtral-8x7b", "--global-batch-size", "256")
     plan = mixtral["plan"]
-    if (plan["ep"], plan["cp"]) != (4, 2):
-        failures.append(f"Mixtral's best plan is {mixtral['summary']}, the README's has ep 4, cp 2")
-    expect(f"ep 4 and cp 2 ({mixtral['step_time_s']:.2f} s)", "Mixtral at --expert-load 1")
+    if (plan["ep"], plan["tp"], plan["sequence_parallel"]) != (4, 2, True):
+        failures.append(f"Mixtral's best plan is {mixtral['summary']}, the README's has tp 2 "
+                        "with sequence parallelism and ep 4")
+    expect(f"parallelism and ep 4 ({mixtral['step_time_s']:.2f} s;", "Mixtral at --expert-load 1")
 
     # Frontier, Llama-3 8B with ZeRO-3 on 64 GCDs, analytical network.
     frontier = json.loads(run(dtsim, "simulate", "--model", "llama3-8b", "--cluster", "frontier",
