@@ -666,6 +666,8 @@ class Runner {
 
   std::map<std::size_t, PendingCollective>::iterator finish_pending(
       std::map<std::size_t, PendingCollective>::iterator it);
+  // Finishes the ZeRO gradient reduce-scatters started so far (their buffers go back).
+  void finish_reductions();
 
   // Per-member counts of a collective, which the communication backends take as int (MPI's
   // counts are); a buffer of 2^31 elements or more is refused, naming the collective.

@@ -197,7 +197,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
   // A CPU cluster's devices are ranks (MPI processes).
   const char* per = cluster.device.vendor == "cpu" ? "rank" : "GPU";
   // A tenth or more to a tenth; below, three significant digits (a one-layer toy's 1.5e-05
-  // TFLOP/s read "0.0 GFLOP/s", its MFU "0.0%").
+  // TFLOP/s read "0.0 GFLOP/s"; MFU and HFU alike, by format_percent).
   const auto small = [](double v) {
     return v >= 0.1 ? fmt::format("{:.1f}", v) : fmt::format("{:.3g}", v);
   };
@@ -210,10 +210,10 @@ int cmd_simulate(const std::vector<std::string>& args) {
                       100 * p.hfu * p.executed_flops / p.hardware_flops)
                 : "";
   std::cout << fmt::format(
-      "step time {} s   {} tokens/s   {} {}FLOP/s per {} (model {})   MFU {}%   HFU {}%{}\n",
+      "step time {} s   {} tokens/s   {} {}FLOP/s per {} (model {})   MFU {}   HFU {}{}\n",
       format_seconds(p.step_time_s), format_rate(p.tokens_per_s), small(unit * p.tflops_per_gpu),
-      giga ? "G" : "T", per, small(unit * p.model_tflops_per_gpu), small(100 * p.mfu),
-      small(100 * p.hfu), past_peak);
+      giga ? "G" : "T", per, small(unit * p.model_tflops_per_gpu), format_percent(p.mfu),
+      format_percent(p.hfu), past_peak);
   std::cout << fmt::format(
       "memory per {} {} of {} ({})\n\n", per, format_gib(p.memory.worst().total_bytes),
       format_gib(p.memory.capacity_bytes), p.memory.fits ? "fits" : "DOES NOT FIT");

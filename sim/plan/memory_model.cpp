@@ -143,18 +143,19 @@ ZbPeak zero_bubble_peak(const Plan& plan, int stage, double per_micro_batch, dou
   return peak;
 }
 
-// A moment that can hold a stage's most memory: what it adds to the kept activations
-// (working), takes from them (freed), and holds besides (other: gathered weights, gradients
-// in a reduction).
 // What a weight all-gather of `params` over `group` ranks adds while it runs, as dtexec gathers
-// on CPU ranks: the packed copy of the rank's slices and the gathered chunk, fp32 masters in
-// chunks of a gradient bucket's bytes (none over one rank: nothing to gather).
+// on CPU ranks: the packed copy of the rank's slices and the gathered chunk, fp32 masters (4
+// bytes a parameter) in chunks of a gradient bucket's bytes (none over one rank: nothing to
+// gather).
 double gather_buffers(double params, int group) {
   return group > 1 ? (1.0 + 1.0 / group) *
                          std::min(static_cast<double>(kGradientBucketBytes), params * 4.0)
                    : 0.0;
 }
 
+// A moment that can hold a stage's most memory: what it adds to the kept activations
+// (working), takes from them (freed), and holds besides (other: gathered weights, gradients
+// in a reduction).
 struct Moment {
   const char* name = "";
   double working = 0, freed = 0, other = 0;
@@ -602,8 +603,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           ++pending;
         } else {
           --pending;
-          after_weight_pass = std::max(after_weight_pass, forwards * per_micro_batch +
-                                                              pending * weight_pass);
+          after_weight_pass =
+              std::max(after_weight_pass, forwards * per_micro_batch + pending * weight_pass);
         }
       }
       const double kept_at_peak = s.activations_bytes - extra_activations;
