@@ -17,6 +17,12 @@ namespace dtsim::exec::cuda {
 struct CudaError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// The one failure a caller may recover from: an allocation that found the GPU full
+// (cudaErrorMemoryAllocation). The executor frees its cached buffers and tries once more;
+// any other error (a launch failure, an illegal address) is not retried.
+struct CudaOutOfMemory : CudaError {
+  using CudaError::CudaError;
+};
 
 // GEMM precisions: bf16 inputs with fp32 accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F), or
 // fp32 throughout (CUBLAS_COMPUTE_32F_PEDANTIC: no TF32).

@@ -10,14 +10,16 @@
 #include <cstdio>
 #include <string>
 
-#include "exec/cuda/calibrate_cuda.hpp"  // CudaError
+#include "exec/cuda/calibrate_cuda.hpp"  // CudaError, CudaOutOfMemory
 
 namespace dtsim::exec::cuda {
 
 inline void check(cudaError_t e, const char* call) {
   if (e != cudaSuccess) {
-    throw CudaError(std::string(call) + ": " + cudaGetErrorString(e) + " (error " +
-                    std::to_string(static_cast<int>(e)) + ")");
+    std::string what = std::string(call) + ": " + cudaGetErrorString(e) + " (error " +
+                       std::to_string(static_cast<int>(e)) + ")";
+    if (e == cudaErrorMemoryAllocation) throw CudaOutOfMemory(what);
+    throw CudaError(what);
   }
 }
 

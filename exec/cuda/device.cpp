@@ -291,7 +291,7 @@ class CudaDevice final : public Device {
     } else {
       try {
         block = DeviceBuffer(bytes, k_.allocation_stream());
-      } catch (const CudaError&) {
+      } catch (const CudaOutOfMemory&) {
         // Out of memory with released buffers in the pool (none large enough), or freed
         // memory in the GPU's pool (scratch that grew): give them back to the GPU and try once
         // more, as a caching allocator does. The one wait of this path: for the compute

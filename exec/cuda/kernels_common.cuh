@@ -175,7 +175,7 @@ struct Kernels::Impl {
     if (b.bytes() >= bytes) return b.f32();
     try {
       b = DeviceBuffer(bytes, allocation_stream());
-    } catch (const CudaError&) {
+    } catch (const CudaOutOfMemory&) {
       if (!out_of_memory) throw;
       b = DeviceBuffer();  // (its contents are not kept in any case)
       out_of_memory();

@@ -803,3 +803,24 @@ TEST_CASE("GPU kernels repeat bit for bit", "[exec][cuda][gpu]") {
   };
   CHECK(once() == once());
 }
+
+TEST_CASE("GPU out of memory is its own error, and the GPU works after it", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  cu::Kernels k(*gpu, cu::Dtype::F32);
+  // More than any GPU has (1 PiB), in the stream's pool and by cudaMalloc: the one failure the
+  // executor retries after freeing its cached buffers; other CUDA errors stay CudaError only.
+  const std::size_t too_much = std::size_t{1} << 50;
+  CHECK_THROWS_AS(cu::DeviceBuffer(too_much, k.allocation_stream()), cu::CudaOutOfMemory);
+  CHECK_THROWS_AS(cu::DeviceBuffer(too_much), cu::CudaOutOfMemory);
+  try {
+    cu::DeviceBuffer b(too_much);
+  } catch (const cu::CudaOutOfMemory& e) {
+    CHECK_THAT(e.what(), Catch::Contains("bytes on GPU"));
+  }
+  // The failed allocation is not the "last error" of the next launch.
+  const Vec x = random(257, 91);
+  Dev d(k, x, true), acc(k, Vec{0.0f}, true);
+  k.sum_squares(acc.f(), d.f(), 257);
+  CHECK(acc.host()[0] == Approx(cpu::sum_squares(x, 257)).epsilon(1e-6));
+}
