@@ -93,19 +93,13 @@ double extra_activation_bytes(const ModelGraph& g, int group, const Plan& plan) 
 // without them). A column-parallel GEMM's output is
 // split over tp, as the vocabulary-parallel LM head's logits are (Megatron-LM's output layer is a
 // ColumnParallelLinear); a row-parallel one's gradient is the whole (all-gathered) tensor.
-struct WeightPass {
-  double inputs = 0, output_grads = 0;
-  double bytes() const { return inputs + output_grads; }
-};
-WeightPass weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan) {
+double weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan) {
   const double a = activation_bytes_per_element(plan.precision);
-  WeightPass w;
+  double w = 0;
   for (model::OpId id : g.layer_ops(layer)) {
     const Op& op = g.op(id);
     if (op.kind == model::OpKind::Norm && op.params > 0) {
-      const double kept = rank_saved_bytes(op, plan, static_cast<double>(op.saved_bytes));
-      w.inputs += kept;
-      w.output_grads += kept;
+      w += 2.0 * rank_saved_bytes(op, plan, static_cast<double>(op.saved_bytes));
       continue;
     }
     if (op.bwd_weight_flops <= 0 || op.gemm_m <= 0) continue;
@@ -114,33 +108,49 @@ WeightPass weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan) {
         static_cast<double>(plan.cp) * (column ? static_cast<double>(plan.tp) : 1.0);
     // Its input: what it keeps, but an MoE down op's copies' outputs (the B pass used them).
     const auto saved = static_cast<double>(op.saved_bytes);
-    w.inputs += op.kind == model::OpKind::MlpDown ? rank_split_bytes(op, plan, saved)
-                                                  : rank_saved_bytes(op, plan, saved);
-    w.output_grads += a * op.gemm_m * op.gemm_n / out_split * expert_load_of(op, plan);
+    w += op.kind == model::OpKind::MlpDown ? rank_split_bytes(op, plan, saved)
+                                           : rank_saved_bytes(op, plan, saved);
+    w += a * op.gemm_m * op.gemm_n / out_split * expert_load_of(op, plan);
   }
   return w;
 }
 
-// Zero-bubble's peak on `stage`: forwards awaiting their B pass hold a micro-batch's
-// activations (`per_micro_batch`), B passes awaiting their W hold `per_weight_pass`, and a
-// running B pass its forward's activations with the output gradients of a block's weight
-// GEMMs (`block_output_grads`, the largest block's); the stage's pass order
-// (plan::zero_bubble_states) gives the largest sum and the counts there.
-struct ZbPeak {
+// What zero-bubble's `stage` keeps at a moment of its pass order, and the passes that keep it.
+struct ZbHeld {
   double bytes = 0;
   std::int64_t forwards = 0;
   std::int64_t weight_passes = 0;
 };
-ZbPeak zero_bubble_peak(const Plan& plan, int stage, double per_micro_batch, double per_weight_pass,
-                        double block_output_grads) {
-  ZbPeak peak;
+// The most it keeps at any moment, at a forward's end, and in a B pass. A micro-batch whose
+// forward awaits its B pass keeps `per_forward` (its blocks' activations, and the embedding's
+// or the head and loss's on the first and last stage), one whose W pass waits keeps
+// `per_weight_pass`; a running B pass turns the one into the other block by block, holding
+// about the larger of the two besides its working tensors (the backward moment's). dtexec on
+// cpu-small at pp 2 with 2 micro-batches of 4 (18.0 MiB a forward, 20.0 and 25.5 a W pass on
+// the two stages) held 4.0 and 4.1 MiB above that in its B passes, the MLP activation's
+// gradients; counting a B pass as its forward and a block's output gradients, and the
+// moments on top of the stage's largest state, had predicted 87.2 MiB on the last stage for 92.1
+// (+5.7%).
+struct ZbPeaks {
+  ZbHeld any, forward_end, in_backward;
+};
+ZbPeaks zero_bubble_peaks(const Plan& plan, int stage, double per_forward, double per_weight_pass) {
+  ZbPeaks peaks;
   for (const ZbState& state :
        zero_bubble_states(plan.pp, static_cast<int>(plan.micro_batches()), stage)) {
-    const double held = state.forwards * per_micro_batch + state.pending * per_weight_pass +
-                        (state.in_backward ? block_output_grads : 0.0);
-    if (held > peak.bytes) peak = {held, state.forwards, state.pending};
+    const bool running = state.at == ZbAt::InBackward;
+    const double held = (state.forwards - (running ? 1 : 0)) * per_forward +
+                        state.pending * per_weight_pass +
+                        (running ? std::max(per_forward, per_weight_pass) : 0.0);
+    const ZbHeld h{held, state.forwards, state.pending};
+    auto keep = [&](ZbHeld& most) {
+      if (held > most.bytes) most = h;
+    };
+    keep(peaks.any);
+    if (state.at == ZbAt::ForwardEnd) keep(peaks.forward_end);
+    if (running) keep(peaks.in_backward);
   }
-  return peak;
+  return peaks;
 }
 
 // What a weight all-gather of `params` over `group` ranks adds while it runs, as dtexec gathers
@@ -159,7 +169,8 @@ double gather_buffers(double params, int group) {
 struct Moment {
   const char* name = "";
   double working = 0, freed = 0, other = 0;
-  const char* working_what = "";  // what the working bytes are (StageMemory::working_tensors)
+  const char* working_what = "";        // what the working bytes are (StageMemory::working_tensors)
+  const ZbHeld* zero_bubble = nullptr;  // zero-bubble: the passes held then, where not the most
   double extra() const { return working - freed + other; }
 };
 
@@ -362,7 +373,6 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double largest_chunk_activations = 0;  // interleaved: the stage's largest chunk's
     bool equal_chunks = true;
     double weight_pass = 0;           // zero-bubble: what a deferred W pass keeps
-    double block_output_grads = 0;    // zero-bubble: a block's weight GEMMs' output gradients
     double largest_quadratic = 0;     // selective recompute: one block's recomputed s² tensors
     double largest_mlp_grads = 0;     // an MLP activation's backward: its gradients, in and out
     double last_block_kept = 0;       // what the stage's last block keeps of a micro-batch
@@ -413,11 +423,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         block_activations += act;
         last_block_kept = act;
         groups.push_back({layer, act});
-        if (plan.schedule == Schedule::ZeroBubble) {
-          const WeightPass w = weight_pass_bytes(g, layer, plan);
-          weight_pass += w.bytes();
-          block_output_grads = std::max(block_output_grads, w.output_grads);
-        }
+        if (plan.schedule == Schedule::ZeroBubble) weight_pass += weight_pass_bytes(g, layer, plan);
       }
       if (k == v * plan.pp - 1) groups.push_back({static_cast<int>(spec.layers), 0.0});
       largest_chunk_activations =
@@ -428,15 +434,17 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // Embedding and head activations, each times the micro-batches in flight at its end.
     const double end_count = static_cast<double>(end_in_flight(plan, stage));
     double extra_activations = 0;
-    double logits = 0;       // the head's output, alive while the loss's forward reads it
-    double head_params = 0;  // the last stage's: final norm and head
-    double head_kept = 0;    // what they keep of one micro-batch
+    double logits = 0;          // the head's output, alive while the loss's forward reads it
+    double head_params = 0;     // the last stage's: final norm and head
+    double head_kept = 0;       // what they keep of one micro-batch
+    double embedding_kept = 0;  // what the embedding keeps of one micro-batch
     if (stage == 0) {
       double group_params = 0;
       for (model::OpId id : g.layer_ops(-1)) group_params += rank_params(g.op(id), plan);
       dense_params += group_params;
       embedding_params = group_params;
-      extra_activations += extra_activation_bytes(g, -1, plan) * end_count;
+      embedding_kept = extra_activation_bytes(g, -1, plan);
+      extra_activations += embedding_kept * end_count;
       // A tied head on this stage (pp = 1) reads the embedding's own table: the lowering
       // gathers it once per pass, for the embedding's forward, and it stays gathered until the
       // head's backward, while the blocks' weights come and go.
@@ -463,7 +471,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // A deferred W pass keeps the head's too: its input and its output's (the logits')
       // gradient.
       if (plan.schedule == Schedule::ZeroBubble) {
-        weight_pass += weight_pass_bytes(g, static_cast<int>(spec.layers), plan).bytes();
+        weight_pass += weight_pass_bytes(g, static_cast<int>(spec.layers), plan);
       }
       head_kept = extra_activation_bytes(g, static_cast<int>(spec.layers), plan);
       extra_activations += head_kept * end_count;
@@ -489,12 +497,17 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // passes are of every chunk).
     const double per_micro_batch = equal_chunks ? block_activations / v : largest_chunk_activations;
     s.activations_bytes = per_micro_batch * static_cast<double>(s.in_flight);
-    if (plan.schedule == Schedule::ZeroBubble && plan.pp > 1) {
-      const ZbPeak peak =
-          zero_bubble_peak(plan, stage, per_micro_batch, weight_pass, block_output_grads);
-      s.activations_bytes = peak.bytes;
-      s.in_flight = peak.forwards;
-      s.weight_passes_held = peak.weight_passes;
+    // Zero-bubble walks its pass order, each forward awaiting its B pass with the embedding's or
+    // the head's activations too (what a W pass keeps of the head is in weight_pass).
+    const bool zb_walk = plan.schedule == Schedule::ZeroBubble && plan.pp > 1;
+    const double per_forward = per_micro_batch + embedding_kept + head_kept;
+    const ZbPeaks zb =
+        zb_walk ? zero_bubble_peaks(plan, stage, per_forward, weight_pass) : ZbPeaks{};
+    if (zb_walk) {
+      s.activations_bytes = zb.any.bytes;
+      s.in_flight = zb.any.forwards;
+      s.weight_passes_held = zb.any.weight_passes;
+      extra_activations = 0;  // (in per_forward)
     }
     s.activations_bytes += extra_activations;
     // Beyond what is kept, the most one moment adds, at the forward's end or in the backward
@@ -526,9 +539,20 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // The moments that can hold the most, on top of what is kept; the peak is the first of the
     // largest (the forward's end where they tie). By the backward's first block, the last
     // stage has freed what the head and the loss kept for that micro-batch (head_kept).
-    Moment forward_end{"the forward's end", logits, 0, 0,
-                       "the last stage's logits while the loss reads them"};
-    Moment backward{"the backward", backward_working, head_kept, 0, backward_what};
+    // Zero-bubble's moments are states of its order, each holding less than its most, by what
+    // a forward's end or a B pass holds less (a B pass frees the head's tensors in that).
+    Moment forward_end{"the forward's end",
+                       logits,
+                       zb_walk ? zb.any.bytes - zb.forward_end.bytes : 0.0,
+                       0,
+                       "the last stage's logits while the loss reads them",
+                       zb_walk ? &zb.forward_end : nullptr};
+    Moment backward{"the backward",
+                    backward_working,
+                    zb_walk ? zb.any.bytes - zb.in_backward.bytes : head_kept,
+                    0,
+                    backward_what,
+                    zb_walk ? &zb.in_backward : nullptr};
     const bool zero3 = plan.zero_stage == 3 && shard > 1;
     if (zero3) {
       // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
@@ -604,7 +628,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         } else {
           --pending;
           after_weight_pass =
-              std::max(after_weight_pass, forwards * per_micro_batch + pending * weight_pass);
+              std::max(after_weight_pass, forwards * per_forward + pending * weight_pass);
         }
       }
       const double kept_at_peak = s.activations_bytes - extra_activations;
@@ -743,6 +767,10 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
                                         gather_buffers(expert_params, shard / plan.ep))});
     }
     s.peak_moment = peak_moment.name;
+    if (peak_moment.zero_bubble != nullptr) {
+      s.in_flight = peak_moment.zero_bubble->forwards;
+      s.weight_passes_held = peak_moment.zero_bubble->weight_passes;
+    }
     s.working_bytes = peak_moment.working;
     s.working_tensors = peak_moment.working > 0 ? peak_moment.working_what : "";
     s.activations_bytes += peak_moment.working - peak_moment.freed;

@@ -80,16 +80,16 @@ ZbSchedule build(int p, int m) {
       switch (pass.kind) {
         case ZbKind::Forward:
           ++forwards;
-          seen.insert({forwards, pending, false});
+          seen.insert({forwards, pending, ZbAt::ForwardEnd});
           break;
         case ZbKind::BackwardInput:
-          seen.insert({forwards, pending, true});
+          seen.insert({forwards, pending, ZbAt::InBackward});
           --forwards;
           ++pending;
-          seen.insert({forwards, pending, false});
+          seen.insert({forwards, pending, ZbAt::PassEnd});
           break;
         case ZbKind::BackwardWeight:
-          --pending;
+          --pending;  // (holds less than the pass before it)
           break;
       }
     }

@@ -23,20 +23,23 @@ struct ZbPass {
 // instead of 1F1B's (p-1)(T_F + T_B + T_W).
 std::vector<ZbPass> zero_bubble_order(int p, int m, int stage);
 
+// Where in its order a stage is: at a forward's end (the last stage's loss still reads the
+// logits), inside a B pass (turning its forward's activations into what its W keeps, block by
+// block), or after any other pass.
+enum class ZbAt { ForwardEnd, InBackward, PassEnd };
+
 // A moment of a stage's order: micro-batches whose forward awaits its B pass (one of them in
-// its B pass when `in_backward`), and B passes awaiting their W pass.
+// its B pass at InBackward), and B passes awaiting their W pass.
 struct ZbState {
   int forwards = 0;
   int pending = 0;
-  bool in_backward = false;
+  ZbAt at = ZbAt::PassEnd;
   auto operator<=>(const ZbState&) const = default;
 };
 
 // What `stage` holds as it runs its order: the distinct states after each pass and while each
-// B pass runs (it turns its forward's activations into what its W keeps block by block, and
-// holds them all with the output gradients of the block at hand). The stage's held memory
-// peaks at one of them. Orders and states are computed once per (p, m) for all stages and kept
-// (thread-safe).
+// B pass runs. The stage's held memory peaks at one of them. Orders and states are computed
+// once per (p, m) for all stages and kept (thread-safe).
 std::vector<ZbState> zero_bubble_states(int p, int m, int stage);
 
 }  // namespace dtsim::plan

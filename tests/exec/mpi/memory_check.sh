@@ -9,7 +9,8 @@
 # the run measured (expert_load_peak, dtsim memory --expert-load): the executor routes for real.
 # Zero-bubble with ZeRO-3 (a chunk gathered per pass) was +66% over on cpu-small before the
 # fifty-ninth session, zero-bubble at tp 2 pp 2 on tiny-llama -11% (its norms' W-pass tensors),
-# and the MoE's ZeRO-1 gather with full recompute +10% on cpu-small-moe.
+# and the MoE's ZeRO-1 gather with full recompute +10% on cpu-small-moe; zero-bubble +7.4% over on
+# tiny-gpt pp 2 dp 2 ZeRO-3 until the sixtieth session took its moments as states of the pass order.
 # usage: memory_check.sh DTEXEC DTSIM MPIRUN WORK_DIR
 set -uo pipefail
 dtexec=$1
