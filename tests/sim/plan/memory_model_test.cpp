@@ -654,6 +654,35 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     }
     CHECK(base.stages[3].weight_passes_held == 0);
   }
+  SECTION("zero-bubble's peak is a state of its pass order, its working tensors with it") {
+    // The last stage of pp 2 with two micro-batches runs F0 B0 F1 B1 W0 W1: after B1 it keeps
+    // two W passes and no forward, so the logits (read at a forward's end) are not there.
+    // Its peak is F1's end (one forward, one W pass, the logits), B1 (a W pass, and B1 holding
+    // the larger of its forward and its W pass, with its working gradients) or B1's end
+    // (two W passes), whichever holds the most, and it reports the passes held there.
+    p.pp = 2;
+    p.global_batch_size = 4;  // micro-batch 2: two micro-batches
+    p.schedule = Schedule::ZeroBubble;
+    const ModelGraph g2(spec, 2, 32);
+    const auto zb = dtsim::plan::estimate_memory(g2, p, cluster);
+    const auto& last = zb.stages[1];
+    if (last.peak_moment == std::string("the forward's end")) {
+      CHECK(last.in_flight == 1);
+      CHECK(last.weight_passes_held == 1);
+    } else if (last.peak_moment == std::string("the backward")) {
+      CHECK(last.in_flight == 1);  // the micro-batch in its B pass
+      CHECK(last.weight_passes_held == 1);
+    } else {
+      CHECK(last.working_bytes == 0);
+    }
+    // (Before, the last stage's peak was the forward's end with no forward in flight: the
+    // logits added to the state after B1.) The first stage runs both forwards first: its peak
+    // is in B0, both forwards held.
+    const auto& first = zb.stages[0];
+    CHECK(first.peak_moment == std::string("the backward"));
+    CHECK(first.in_flight == 2);
+    CHECK(first.weight_passes_held == 0);
+  }
   SECTION("zero-bubble's deferred head pass keeps its logits' gradient split over tp") {
     // Megatron-LM's output layer is vocabulary-parallel (a ColumnParallelLinear): each of the
     // tp ranks holds T x V / tp logits and their gradient. So what the last stage's deferred W
