@@ -121,8 +121,7 @@ Cluster cluster_from_json(const json& j, const std::string& file) {
   c.intra.fabric = kIntraNames.parse(intra, "fabric");
   // The device's intra_node_bw_bytes_per_s is its scale-up link's (NVLink, xGMI, ICI): a node
   // that joins its devices by PCIe or host memory says its own.
-  const bool own_link =
-      c.intra.fabric == IntraFabric::Pcie || c.intra.fabric == IntraFabric::SharedMemory;
+  const bool own_link = node_owns_link(c.intra.fabric);
   if (own_link && !intra.has("bw_bytes_per_s")) {
     intra.fail("bw_bytes_per_s",
                fmt::format("required with fabric {} (the device's intra_node_bw_bytes_per_s is "
@@ -258,7 +257,7 @@ Cluster with_device(Cluster cluster, DeviceSpec device) {
   cluster.price_per_device_hour_usd.reset();
   cluster.device_efficiency_overrides.clear();
   cluster.device = std::move(device);
-  use_device_link(cluster.intra, cluster.device);
+  if (!node_owns_link(cluster.intra.fabric)) use_device_link(cluster.intra, cluster.device);
   cluster.power_per_device_w = cluster.device.power_w;
   return cluster;
 }

@@ -16,6 +16,12 @@ namespace dtsim::cluster {
 // nvswitch: every pair at full link bandwidth through a switch; nvlink_mesh / xgmi / roce_mesh:
 // direct links between pairs (NVLink, AMD Infinity Fabric, Gaudi's on-chip RoCE ports).
 enum class IntraFabric { NvSwitch, NvlinkMesh, Xgmi, RoceMesh, IciTorus, Pcie, SharedMemory };
+// A node that joins its devices by PCIe or host memory: the link is the node's, its rate the
+// cluster file's, whatever device sits in it (a device's intra_node_bw_bytes_per_s is its
+// scale-up link's, such as NVLink).
+constexpr bool node_owns_link(IntraFabric f) {
+  return f == IntraFabric::Pcie || f == IntraFabric::SharedMemory;
+}
 // Direct links between every pair of a node's devices (no switch).
 constexpr bool is_mesh(IntraFabric f) {
   return f == IntraFabric::NvlinkMesh || f == IntraFabric::Xgmi || f == IntraFabric::RoceMesh;
@@ -105,7 +111,8 @@ Cluster with_devices(const Cluster& cluster, std::int64_t devices);
 // rail-optimized network (a torus is of a fixed size, a dragonfly's global links are sized for
 // its groups, a single node has no network to grow): InputError for those, or past kMaxDevices.
 Cluster with_nodes(const Cluster& cluster, std::int64_t nodes);
-// The cluster with another device in its nodes: its scale-up links and power are the device's;
+// The cluster with another device in its nodes: its scale-up links (not a PCIe or host-memory
+// node's, see node_owns_link) and power are the device's;
 // its price (an instance type's rate) and its device_efficiency, both its own device's, are
 // dropped. Its own device (the same device file) leaves the cluster as it is.
 Cluster with_device(Cluster cluster, DeviceSpec device);

@@ -279,6 +279,29 @@ TEST_CASE("another device takes the cluster's links and power, and leaves its pr
   CHECK(b200.power_per_device_w->value == b200.device.power_w->value);
 }
 
+TEST_CASE("another device in a PCIe or host-memory node keeps the node's link", "[cluster]") {
+  // The link is the node's (a PCIe switch, a host's memory), not the device's NVLink: whatif
+  // --vary device=h100-sxm on a PCIe cluster priced its tp collectives at NVLink's rate.
+  auto pcie = dtsim::cluster::load_cluster("cpu-host");
+  REQUIRE(dtsim::cluster::node_owns_link(pcie.intra.fabric));
+  const auto host_bw = pcie.intra.bw_bytes_per_s.value;
+  const auto host_eff = pcie.intra.bw_efficiency.value;
+  const auto h100 = dtsim::cluster::load_device("h100-sxm");
+  REQUIRE(h100.intra_node_bw_bytes_per_s.value != host_bw);
+  const auto on_host = dtsim::cluster::with_device(pcie, h100);
+  CHECK(on_host.intra.bw_bytes_per_s.value == host_bw);
+  CHECK(on_host.intra.bw_efficiency.value == host_eff);
+  pcie.intra.fabric = dtsim::cluster::IntraFabric::Pcie;
+  pcie.intra.bw_bytes_per_s.value = 25e9;
+  const auto on_pcie = dtsim::cluster::with_device(pcie, h100);
+  CHECK(on_pcie.device.name == "h100-sxm");
+  CHECK(on_pcie.intra.bw_bytes_per_s.value == 25e9);
+  // An NVSwitch node takes the new device's NVLink (as above, aws-p5 with a B200).
+  pcie.intra.fabric = dtsim::cluster::IntraFabric::NvSwitch;
+  CHECK(dtsim::cluster::with_device(pcie, h100).intra.bw_bytes_per_s.value ==
+        h100.intra_node_bw_bytes_per_s.value);
+}
+
 TEST_CASE("the cluster's own device keeps its device_efficiency, and another takes the catalog's",
           "[cluster]") {
   using dtsim::cluster::load_device;
