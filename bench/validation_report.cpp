@@ -26,7 +26,7 @@ int report(bool csv, const std::string& dir);
 
 int main(int argc, char** argv) {
   bool csv = false;
-  std::string dir = (dtsim::data_dir() / "validation").string();
+  std::string dir = dtsim::data_path("validation").string();
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -157,8 +157,10 @@ int report(bool csv, const std::string& dir) {
                                    row.at("gpus"), row.at("seq_len"), dense, paper));
   }
   if (!csv) {
-    fmt::print("mean absolute error {:.1f}% (dense count; test: every row within 20% by the nearer of the two counts)\n",
-               l_sum / l_n);
+    fmt::print(
+        "mean absolute error {:.1f}% (dense count; test: every row within 20% by the nearer of the "
+        "two counts)\n",
+        l_sum / l_n);
   } else {
     fmt::print("table,row,predicted,published,unit\n");
     for (const auto& r : csv_rows) fmt::print("{}\n", r);

@@ -117,7 +117,8 @@ DeviceSpec load_device(std::string_view name, const std::filesystem::path& besid
     // Names and aliases, case-insensitive.
     const std::string wanted = lower(name);
     for (const std::string& known : list_devices()) {
-      const auto path = data_dir() / "topologies" / "devices" / (known + ".json");
+      const auto path =
+          data_path(std::filesystem::path("topologies") / "devices" / (known + ".json"));
       DeviceSpec d = device_from_json(JsonReader::parse_file(path), path.string());
       if (lower(d.name) == wanted) return d;
       for (const std::string& alias : d.aliases) {

@@ -11,30 +11,44 @@ namespace dtsim {
 
 namespace fs = std::filesystem;
 
-fs::path data_dir() {
+std::vector<fs::path> data_dirs() {
+  std::vector<fs::path> dirs;
   if (const char* env = std::getenv("DTSIM_DATA_DIR"); env != nullptr && *env != '\0') {
-    // A folder that is not there would list no models or clusters and call every name unknown.
+    // A folder that is not there is a mistake (a typo would otherwise go unseen).
     std::error_code ec;
     if (!fs::is_directory(env, ec)) {
       throw InputError(fmt::format(
-          "DTSIM_DATA_DIR={}: no such folder; expected one with models/ and topologies/ (or "
-          "unset it to use the shipped ones)",
+          "DTSIM_DATA_DIR={}: no such folder; expected one with models/ and topologies/ of "
+          "your own (or unset it to use the shipped ones only)",
           env));
     }
-    return fs::path(env);
+    dirs.emplace_back(env);
   }
-  return fs::path(DTSIM_DATA_DIR);
+  dirs.emplace_back(DTSIM_DATA_DIR);
+  return dirs;
+}
+
+fs::path data_path(const fs::path& relative) {
+  const auto dirs = data_dirs();
+  for (const fs::path& dir : dirs) {
+    std::error_code ec;
+    if (fs::exists(dir / relative, ec)) return dir / relative;
+  }
+  return dirs.back() / relative;
 }
 
 std::vector<std::string> list_data_names(std::string_view subdir) {
   std::vector<std::string> names;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(data_dir() / subdir, ec)) {
-    if (entry.is_regular_file() && entry.path().extension() == ".json") {
-      names.push_back(entry.path().stem().string());
+  for (const fs::path& dir : data_dirs()) {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir / subdir, ec)) {
+      if (entry.is_regular_file() && entry.path().extension() == ".json") {
+        names.push_back(entry.path().stem().string());
+      }
     }
   }
   std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
   return names;
 }
 
@@ -51,9 +65,11 @@ fs::path resolve_data_file(std::string_view what, std::string_view subdir,
   if (fs::is_regular_file(status)) return as_path;
   // A name: a shipped file (before a directory of that name here).
   if (!looks_like_path) {
-    const fs::path candidate = data_dir() / subdir / (std::string(name_or_path) + ".json");
-    std::error_code unseen;  // a name too long for a file's: not a shipped one
-    if (fs::is_regular_file(candidate, unseen)) return candidate;
+    for (const fs::path& dir : data_dirs()) {
+      const fs::path candidate = dir / subdir / (std::string(name_or_path) + ".json");
+      std::error_code unseen;  // a name too long for a file's: not a shipped one
+      if (fs::is_regular_file(candidate, unseen)) return candidate;
+    }
   }
   // A path that cannot be looked at: a name too long, links in a loop, a folder not readable.
   if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {

@@ -294,7 +294,11 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   m.file = file;
   // Without _name_or_path: a Hugging Face repository's folder (.../Meta-Llama-3-8B/config.json),
   // or a config saved under a name of its own (qwen-0.5b.json), that name.
-  const std::filesystem::path path(file);
+  // (Its folder's name from the whole path: "./config.json" or "config.json" given in the
+  // repository's folder.)
+  std::error_code ec;
+  std::filesystem::path path = std::filesystem::absolute(file, ec).lexically_normal();
+  if (ec) path = std::filesystem::path(file);
   m.name = r.has("_name_or_path") && !r.string("_name_or_path").empty() ? r.name("_name_or_path")
            : path.filename() == "config.json" ? path.parent_path().filename().string()
                                               : path.stem().string();

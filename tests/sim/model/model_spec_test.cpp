@@ -77,8 +77,18 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
       "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
       "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64)";
     TempFile repo("config.json", "{" + fields + "}");
-    CHECK(load_model(repo.path()).name ==
-          std::filesystem::path(repo.path()).parent_path().filename().string());
+    const std::string folder = std::filesystem::path(repo.path()).parent_path().filename().string();
+    CHECK(load_model(repo.path()).name == folder);
+    {
+      // Given from inside the folder: its name still (it named the model "." and "mistral").
+      const auto here = std::filesystem::current_path();
+      std::filesystem::current_path(std::filesystem::path(repo.path()).parent_path());
+      const std::string plain = load_model("config.json").name;
+      const std::string dotted = load_model("./config.json").name;
+      std::filesystem::current_path(here);
+      CHECK(plain == folder);
+      CHECK(dotted == folder);
+    }
     TempFile own("mistral-tiny.json", "{" + fields + "}");
     CHECK(load_model(own.path()).name == "mistral-tiny");
     TempFile named("config.json", "{" + fields + R"(, "_name_or_path": "org/Tiny")" + "}");
