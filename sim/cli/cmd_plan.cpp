@@ -20,6 +20,7 @@
 #include "sim/common/error.hpp"
 #include "sim/common/launcher.hpp"
 #include "sim/common/units.hpp"
+#include "sim/cost/compute_cost.hpp"
 #include "sim/engine/simulator.hpp"
 #include "sim/planner/planner.hpp"
 #include "sim/report/breakdown_json.hpp"
@@ -395,9 +396,13 @@ int cmd_plan(const std::vector<std::string>& args) {
     profile = cost::load_profile(vm["profile"].as<std::string>());
     // The compute cost checks this too, but inside the search's worker threads; check it here.
     if (profile->precision != space.precision) {
-      throw InputError(
-          fmt::format("{}: precision: the profile was measured at {}, --precision is {}",
-                      profile->file, to_string(profile->precision), to_string(space.precision)));
+      throw InputError(fmt::format(
+          "{}: precision: {}, --precision is {}", profile->file,
+          profile->precision_stated
+              ? fmt::format("the profile was measured at {}", to_string(profile->precision))
+              : std::string("the profile does not say its precision (taken as bf16; dtexec "
+                            "calibrate writes it)"),
+          to_string(space.precision)));
     }
     options.profile = &*profile;
     for (const auto& w : profile_warnings(*profile, cluster.device)) std::cerr << w << "\n";
@@ -498,6 +503,7 @@ int cmd_plan(const std::vector<std::string>& args) {
                 {"tier_max_estimate_error", result.max_estimate_error},
                 {"candidates", cands}};
     add_price_json(out, cluster);
+    out["profile"] = profile ? json{{"file", profile->file}, {"source", profile->source}} : json();
     if (result.best_not_fitting) {
       out["best_not_fitting"] = candidate_json(*result.best_not_fitting, goal);
     }
@@ -571,6 +577,9 @@ int cmd_plan(const std::vector<std::string>& args) {
                            space.seq_len > 0 ? space.seq_len : spec.seq_len);
   std::cout << fmt::format("{} candidates evaluated, {} fit in memory; the best {} simulated\n",
                            result.evaluated, result.feasible, result.refined);
+  if (profile) {
+    for (const std::string& n : profile_notes(*profile)) std::cout << n << "\n";
+  }
   const double jitter = engine::jitter_cv_of(options.jitter_cv, options.profile);
   if (jitter > 0) {
     std::cout << fmt::format(
@@ -641,6 +650,15 @@ int cmd_plan(const std::vector<std::string>& args) {
     }
     if (auto note = plan::uneven_layers_note(spec, result.ranked.front().plan)) {
       std::cout << "#1: " << *note << "\n";
+    }
+    if (profile) {
+      // What the profile did not measure of #1's compute (simulate's note).
+      const plan::Plan& best = result.ranked.front().plan;
+      const model::ModelGraph g = plan::graph_of(spec, best);
+      for (const std::string& n :
+           cost::ComputeCost(g, best, cluster.device, &*profile).profile_coverage()) {
+        std::cout << "#1: " << n << "\n";
+      }
     }
     if (auto note = plan::sliding_window_note(spec, result.ranked.front().plan.seq_len)) {
       std::cout << "(" << *note << ")\n";

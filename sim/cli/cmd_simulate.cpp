@@ -10,6 +10,7 @@
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
+#include "sim/cost/compute_cost.hpp"
 #include "sim/engine/simulator.hpp"
 #include "sim/report/breakdown_json.hpp"
 #include "sim/report/json_values.hpp"
@@ -99,20 +100,11 @@ int cmd_simulate(const std::vector<std::string>& args) {
   if (const auto profile_file = profile_argument(vm)) {
     profile = cost::load_profile(*profile_file);
     options.profile = &*profile;
-    notes.push_back(fmt::format("compute cost from calibration profile {} ({})", profile->file,
-                                profile->source));
-    if (profile->in_run) {
-      notes.push_back(fmt::format(
-          "the profile's kernel times scaled by what they measured in a training step: forward "
-          "x{:.3f}, backward x{:.3f}, optimizer x{:.3f} (its in_run)",
-          profile->in_run->forward, profile->in_run->backward, profile->in_run->optimizer));
-    }
-    if (profile->loss_split_evenly) {
-      notes.push_back(
-          "the profile times the cross-entropy whole (dtexec calibrate before 2026-12-03): its "
-          "forward time is split evenly between the loss statistics and the loss");
-    }
+    for (auto& n : profile_notes(*profile)) notes.push_back(std::move(n));
     for (auto& w : profile_warnings(*profile, cluster.device)) notes.push_back(std::move(w));
+    for (auto& n :
+         cost::ComputeCost(setup.graph, plan, cluster.device, &*profile).profile_coverage())
+      notes.push_back(std::move(n));
   }
   // Without a profile or the device's GEMM waves, every GEMM runs at the catalog's rate, the
   // best one over a sweep of shapes: said, as an upper bound for small or odd shapes.

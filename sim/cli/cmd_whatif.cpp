@@ -761,11 +761,14 @@ int cmd_whatif(const std::vector<std::string>& args) {
     // not say.
     auto check_profile = [&](Precision trained) {
       if (profile && profile->precision != trained) {
-        throw InputError(
-            fmt::format("{}: precision: the profile was measured at {}, the point trains at {} "
-                        "(give --precision {} if the device has it)",
-                        profile->file, to_string(profile->precision), to_string(trained),
-                        to_string(profile->precision)));
+        throw InputError(fmt::format(
+            "{}: precision: the profile {} {}, the point trains at {} "
+            "(give --precision {} if the device has it)",
+            profile->file,
+            profile->precision_stated ? "was measured at"
+                                      : "does not say its precision (dtexec "
+                                        "calibrate writes it); taken as",
+            to_string(profile->precision), to_string(trained), to_string(profile->precision)));
       }
     };
     const cost::Profile* const priced_by = profile ? &*profile : nullptr;
@@ -1121,7 +1124,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
           {"model", model_of(r)},
           {"cluster", r.point.count("cluster") ? r.point.at("cluster") : default_cluster},
           {"gpus", r.gpus},
-          {"found", r.found}};
+          {"found", r.found},
+          {"profile", profile ? nlohmann::json(profile->file) : nlohmann::json()}};
       if (!r.found) j["valid_candidates"] = r.valid_candidates;
       if (!r.invalid.empty()) j["invalid_plan"] = r.invalid;
       if (r.found) {
@@ -1427,6 +1431,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     if (tokens > 0 && !r.unpriced.empty() && first_saying(unpriced_note(r.unpriced))) {
       std::cout << unpriced_note(r.unpriced) << "\n";
     }
+  }
+  if (profile) {
+    for (const std::string& n : profile_notes(*profile)) std::cout << "(" << n << ")\n";
   }
   if (std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.catalog_efficiency; })) {
     std::cout << "(device: the cluster's device_efficiency is its own device's; points with "

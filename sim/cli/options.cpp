@@ -1373,6 +1373,24 @@ void require_symmetric_placement(const plan::Plan& plan, const cluster::Cluster&
   }
 }
 
+std::vector<std::string> profile_notes(const cost::Profile& profile) {
+  std::vector<std::string> notes;
+  notes.push_back(
+      fmt::format("compute cost from calibration profile {} ({})", profile.file, profile.source));
+  if (profile.in_run) {
+    notes.push_back(fmt::format(
+        "the profile's kernel times scaled by what they measured in a training step: forward "
+        "x{:.3f}, backward x{:.3f}, optimizer x{:.3f} (its in_run)",
+        profile.in_run->forward, profile.in_run->backward, profile.in_run->optimizer));
+  }
+  if (profile.loss_split_evenly) {
+    notes.push_back(
+        "the profile times the cross-entropy whole (dtexec calibrate before 2026-12-03): its "
+        "forward time is split evenly between the loss statistics and the loss");
+  }
+  return notes;
+}
+
 std::vector<std::string> profile_warnings(const cost::Profile& profile,
                                           const cluster::DeviceSpec& device) {
   auto lower = [](std::string text) {

@@ -423,6 +423,15 @@ void refuse_other_kind(const nlohmann::json& j, const std::string& file,
   }
 }
 
+void JsonReader::refuse_nulls() const {
+  if (!json_->is_object()) return;
+  for (const auto& [name, value] : json_->items()) {
+    if (value.is_null()) {
+      fail(name, "expected a value, got null (leave the field out where there is none)");
+    }
+  }
+}
+
 void JsonReader::expect_only(std::initializer_list<std::string_view> known) const {
   for (const auto& [name, value] : json_->items()) {
     bool ok = false;

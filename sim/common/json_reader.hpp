@@ -83,6 +83,10 @@ class JsonReader {
 
   // Rejects fields not in `known` (a typo must not be silently ignored).
   void expect_only(std::initializer_list<std::string_view> known) const;
+  // Rejects fields whose value is null, in a file that one tool writes and that never holds
+  // one (a calibration profile): has() takes a null as absent, as a Hugging Face config means
+  // it, which would drop such a field silently.
+  void refuse_nulls() const;
   [[noreturn]] void fail(std::string_view key, std::string_view message) const;
 
  private:

@@ -1,6 +1,7 @@
 #include "sim/cost/compute_cost.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -26,9 +27,13 @@ ComputeCost::ComputeCost(const model::ModelGraph& graph, const plan::Plan& plan,
       profile_(profile) {
   if (profile_ != nullptr) {
     if (profile_->precision != plan.precision) {
-      throw InputError(
-          fmt::format("{}: precision: the profile was measured at {}, the plan uses {}",
-                      profile_->file, to_string(profile_->precision), to_string(plan.precision)));
+      throw InputError(fmt::format(
+          "{}: precision: {}, the plan uses {}", profile_->file,
+          profile_->precision_stated
+              ? fmt::format("the profile was measured at {}", to_string(profile_->precision))
+              : std::string("the profile does not say its precision (taken as bf16; dtexec "
+                            "calibrate writes it)"),
+          to_string(plan.precision)));
     }
     if (profile_->memory_bw_bytes_per_s) hbm_bw_ = *profile_->memory_bw_bytes_per_s;
     if (profile_->launch_overhead_s) launch_s_ = *profile_->launch_overhead_s;
@@ -296,6 +301,76 @@ double ComputeCost::task_seconds(const lower::Task& task) {
   }
   memo_.emplace(key, s);
   return s;
+}
+
+std::vector<std::string> ComputeCost::profile_coverage() const {
+  std::vector<std::string> notes;
+  if (profile_ == nullptr) return notes;
+  const double smallest = profile_->gemm.front().flops(), largest = profile_->gemm.back().flops();
+  int above = 0, below = 0;
+  double most = 0, least = 0;
+  std::vector<std::string> unrated;
+  auto unrated_pass = [&](const std::string& what) {
+    if (std::find(unrated.begin(), unrated.end(), what) == unrated.end()) unrated.push_back(what);
+  };
+  for (const model::Op& op : graph_.ops()) {
+    if (op.gemm_m > 0) {
+      const double d = divisor(op);
+      const auto [m, k, n] = rank_gemm(op);
+      // The forward, input-gradient and weight-gradient GEMMs, as profile_gemm_seconds prices
+      // them (an expert's by its FLOPs alone).
+      const std::array<std::tuple<double, double, double, double>, 3> passes = {{
+          {op.fwd_flops / d, m, n, k},
+          {op.bwd_input_flops / d, m, k, n},
+          {op.bwd_weight_flops / d, k, n, m},
+      }};
+      for (const auto& [flops, gm, gn, gk] : passes) {
+        if (flops <= 0) continue;
+        const bool shaped = !op.expert && std::abs(2.0 * gm * gn * gk - flops) <= 1e-9 * flops;
+        const bool measured = shaped && std::any_of(profile_->gemm.begin(), profile_->gemm.end(),
+                                                    [&](const GemmSample& s) {
+                                                      return s.m == gm && s.n == gn && s.k == gk;
+                                                    });
+        if (measured) continue;
+        if (flops > largest) {
+          ++above;
+          most = std::max(most, flops);
+        } else if (flops < smallest) {
+          ++below;
+          least = least == 0 ? flops : std::min(least, flops);
+        }
+      }
+      continue;
+    }
+    const std::string key = profile_key(op.kind);
+    if (key.empty()) continue;
+    if (!op_rates_[rate_index(op.kind, true)]) unrated_pass(key + " fwd");
+    if (op.kind != OpKind::LossStatistics && !op_rates_[rate_index(op.kind, false)]) {
+      unrated_pass(key + " bwd");
+    }
+  }
+  if (!optimizer_rate_) unrated_pass("optimizer step");
+  if (above > 0) {
+    notes.push_back(fmt::format(
+        "profile {}: {} of a rank's GEMM passes exceed its largest measured size ({:.3g} FLOPs; "
+        "the most {:.3g}) and are priced at that size's throughput: an extrapolation (dtexec "
+        "calibrate without --quick measures larger ones)",
+        profile_->file, above, largest, most));
+  }
+  if (below > 0) {
+    notes.push_back(fmt::format(
+        "profile {}: {} of a rank's GEMM passes are below its smallest measured size ({:.3g} "
+        "FLOPs; the least {:.3g}) and are priced at that size's throughput: an extrapolation",
+        profile_->file, below, smallest, least));
+  }
+  if (!unrated.empty()) {
+    notes.push_back(fmt::format(
+        "profile {} has no rate for {}: priced by the roofline at {} memory bandwidth (it was "
+        "measured on a model without them)",
+        profile_->file, fmt::join(unrated, ", "),
+        profile_->memory_bw_bytes_per_s ? "the profile's" : "the device's"));
+  }
+  return notes;
 }
 
 std::string ComputeCost::profile_key(OpKind kind) const {

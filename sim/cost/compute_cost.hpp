@@ -48,6 +48,11 @@ class ComputeCost {
   // (bf16's default; 30 with a profile calibrated before that read was priced), 4 + 8 + 16 = 28
   // in fp32; SGD with momentum 8 fewer.
   double optimizer_seconds(std::uint64_t params) const;
+  // What the profile did not measure of this plan's compute, as notes (none without a
+  // profile): a rank's GEMMs of more FLOPs than its largest measured size, or fewer than its
+  // smallest, not of a measured shape (priced at that size's throughput, an extrapolation), and
+  // the op kinds it has no rate for (priced by the roofline).
+  std::vector<std::string> profile_coverage() const;
   // Gradient clipping's sum of squares over `params` gradients: one read of them.
   double grad_norm_seconds(std::uint64_t params) const;
   // Clearing `params` gradients for the next step (lower::Task::cleared_params): one write of

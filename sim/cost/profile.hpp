@@ -49,7 +49,9 @@
 // A GEMM of a measured shape takes its measured time (`dtexec calibrate` times the model's own
 // GEMMs, forward and backward, whole and split over tp); any other GEMM's time comes from the
 // measured throughput (FLOP/s) interpolated linearly in log(FLOPs) between the two measured
-// sizes around it (clamped at the ends).
+// sizes around it, a size's throughput the median of its layouts' (calibrate times each in three:
+// the forward's and the two gradients'); beyond the measured sizes, the nearest size's
+// throughput (an extrapolation, which simulate and plan say: ComputeCost::profile_coverage).
 #pragma once
 
 #include <map>
@@ -84,7 +86,7 @@ struct Profile {
   std::string file;
   Precision precision = Precision::Bf16;
   bool precision_stated = false;  // the file's "precision" (else bf16, said as a warning)
-  std::vector<GemmSample> gemm;  // sorted by FLOPs
+  std::vector<GemmSample> gemm;   // sorted by FLOPs
   std::optional<double> memory_bw_bytes_per_s;
   std::optional<double> launch_overhead_s;
   // Coefficient of variation of compute time (engine/engine.hpp, stragglers).
