@@ -82,6 +82,12 @@ int cmd_validate(const std::vector<std::string>& args) {
   for (const report::Trace* trace : {&predicted, &measured}) {
     if (auto n = report::span_note(*trace)) notes.push_back(std::move(*n));
   }
+  if (v.step_programs > 0) {
+    notes.push_back(fmt::format(
+        "{} holds tasks of {} of the {} predicted programs: the step row spans those programs' "
+        "tasks in both traces, not the whole pipeline's step",
+        measured.file, v.step_programs, v.predicted_programs));
+  }
   if (v.only_predicted_on_joined_ranks > 0 || v.only_measured > 0) {
     // The step row spans each trace's own tasks: a task of a rank in one trace only (a trace
     // cut short, an edited one) changes one span and not the other. Ranks that the measured

@@ -143,7 +143,9 @@ std::vector<std::string> origin_notes(const Trace& predicted, const Trace& measu
   if (measured.only_rank) {
     notes.push_back(fmt::format(
         "{} is dtexec run --only-rank {}: its communication tasks were waits {}, not transfers "
-        "({}), and the other ranks did not run (their tasks are only predicted)",
+        "({}), and the other ranks did not run (their tasks are only predicted; nor did it wait "
+        "for their compute, so its step row leaves out the pipeline bubble that the predicted "
+        "span of its program holds)",
         measured.file, *measured.only_rank,
         measured.only_rank_waits == "zero" ? "of zero length (no --predicted)"
                                            : "of the predicted lengths",
@@ -480,7 +482,24 @@ Validation validate(const Trace& predicted, const Trace& measured) {
     return std::tie(a.rank, a.measured_start_s, a.task) <
            std::tie(b.rank, b.measured_start_s, b.task);
   });
-  const double ps = predicted.span_s(), ms = measured.span_s();
+  // The step over the ranks both traces hold: a measured trace of some ranks (--only-rank, one
+  // cut down) against the whole pipeline's span compared different work (+192% for a lone
+  // rank of pp 2).
+  std::set<std::int64_t> measured_ranks, predicted_ranks;
+  for (const TaskError& t : v.tasks) measured_ranks.insert(t.rank);
+  for (const auto& p : predicted.tasks) predicted_ranks.insert(p.rank);
+  Trace predicted_joined, measured_joined;
+  for (const auto& p : predicted.tasks) {
+    if (joined_ranks.count(p.rank) != 0) predicted_joined.tasks.push_back(p);
+  }
+  for (const auto& m : measured.tasks) {
+    if (measured_ranks.count(m.rank) != 0) measured_joined.tasks.push_back(m);
+  }
+  if (!joined_ranks.empty() && joined_ranks.size() < predicted_ranks.size()) {
+    v.step_programs = static_cast<std::int64_t>(joined_ranks.size());
+    v.predicted_programs = static_cast<std::int64_t>(predicted_ranks.size());
+  }
+  const double ps = predicted_joined.span_s(), ms = measured_joined.span_s();
   v.rows.push_back({"step", v.matched, ps, ms,
                     ms >= kShortestMeasured_s ? std::optional<double>(ps / ms - 1) : std::nullopt,
                     std::nullopt});

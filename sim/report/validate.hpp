@@ -124,6 +124,10 @@ struct Validation {
   // and the first of them, as "rank R task T: "predicted name" predicted, "measured" measured".
   std::int64_t renamed = 0;
   std::string first_renamed;
+  // The step row's scope where the measured trace leaves out ranks (dtexec run --only-rank, a
+  // trace cut down): how many of the predicted programs it spans, of how many (0 of 0 where it
+  // spans them all). Both spans are then of those programs' and ranks' tasks alone.
+  std::int64_t step_programs = 0, predicted_programs = 0;
 };
 
 // A task's name without its micro-batch word: "fwd L2.norm1..loss mb3" -> "fwd L2.norm1..loss",

@@ -65,6 +65,33 @@ TEST_CASE("validate joins every rank a predicted program stands for", "[report][
   CHECK(*v.tasks[1].error == Approx(1.0 / 3.0));
 }
 
+TEST_CASE("the step row spans the ranks the measured trace holds", "[report][validate]") {
+  // Two stages: rank 0 from 0 to 300 us, rank 1 from 100 to 250. A trace of rank 1 alone
+  // (dtexec run --only-rank 1, or a trace cut down) compared with the whole pipeline's span
+  // was +192% for a lone rank of pp 2.
+  TempFile p("predicted_pp2.json", R"({"traceEvents": [
+    {"ph": "X", "name": "fwd", "pid": 0, "tid": 0, "ts": 0, "dur": 300, "args": {"task": 0}},
+    {"ph": "X", "name": "fwd", "pid": 1, "tid": 0, "ts": 100, "dur": 150, "args": {"task": 0}}]})");
+  TempFile m("measured_rank1.json", R"({"traceEvents": [
+    {"ph": "X", "name": "fwd", "pid": 1, "tid": 0, "ts": 1000, "dur": 200, "args": {"task": 0}}]})");
+  const auto v = dtsim::report::validate(dtsim::report::read_trace(p.path()),
+                                         dtsim::report::read_trace(m.path()));
+  REQUIRE(v.rows.back().group == "step");
+  CHECK(v.rows.back().predicted_s == Approx(150e-6));
+  CHECK(v.rows.back().measured_s == Approx(200e-6));
+  CHECK(v.step_programs == 1);
+  CHECK(v.predicted_programs == 2);
+  // Both ranks measured: the whole span, and no scope to say.
+  TempFile both("measured_both.json", R"({"traceEvents": [
+    {"ph": "X", "name": "fwd", "pid": 0, "tid": 0, "ts": 0, "dur": 280, "args": {"task": 0}},
+    {"ph": "X", "name": "fwd", "pid": 1, "tid": 0, "ts": 90, "dur": 200, "args": {"task": 0}}]})");
+  const auto w = dtsim::report::validate(dtsim::report::read_trace(p.path()),
+                                         dtsim::report::read_trace(both.path()));
+  CHECK(w.rows.back().predicted_s == Approx(300e-6));
+  CHECK(w.rows.back().measured_s == Approx(290e-6));
+  CHECK(w.step_programs == 0);
+}
+
 TEST_CASE("validate counts the joined tasks that another plan names differently",
           "[report][validate]") {
   TempFile p("predicted.json", kPredicted);
