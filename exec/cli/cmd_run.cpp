@@ -542,6 +542,8 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   std::size_t comm_tasks = 0;
   for (const auto& t : rp.tasks) comm_tasks += t.kind == dtsim::lower::TaskKind::Compute ? 0 : 1;
   std::string waits = "of zero length (no --predicted)";
+  std::string waits_from = "zero";       // the trace's otherData.only_rank_waits
+  std::vector<std::string> trace_notes;  // on the --predicted trace: stderr, and the JSON's notes
   options.predicted_comm_s.assign(rp.tasks.size(), 0.0);
   if (vm.count("predicted")) {
     const std::string path = vm["predicted"].as<std::string>();
@@ -556,20 +558,22 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
           "simulate this plan: dtsim simulate ... --trace {}",
           path, *differ, path));
     }
-    if (trace.producer == dtsim::report::kProducedByRun) {
-      std::cerr << fmt::format(
-          "note: --predicted {}: measured by dtexec run, not predicted by dtsim simulate: its "
+    const bool measured = trace.producer == dtsim::report::kProducedByRun;
+    if (measured) {
+      trace_notes.push_back(fmt::format(
+          "--predicted {}: measured by dtexec run, not predicted by dtsim simulate: its "
           "communication tasks' times include their waits for peers, which the waits here "
-          "replay\n",
-          path);
+          "replay",
+          path));
     }
     // (dtsim validate says the same of such a trace.)
     if (trace.plan.is_null()) {
-      std::cerr << fmt::format(
-          "note: --predicted {} does not say which model and plan it is of (otherData): that it "
-          "is of this run was checked only by its tasks' kinds and count\n",
-          path);
+      trace_notes.push_back(fmt::format(
+          "--predicted {} does not say which model and plan it is of (otherData): that it is "
+          "of this run was checked only by its tasks' kinds and count",
+          path));
     }
+    for (const std::string& n : trace_notes) std::cerr << "note: " << n << "\n";
     std::size_t found = 0;
     for (const auto& t : trace.tasks) {
       if (t.rank != rp.rank || t.task < 0 || static_cast<std::size_t>(t.task) >= rp.tasks.size()) {
@@ -596,7 +600,8 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
           "{}, the trace's rank {}); simulate the same plan: dtsim simulate ... --trace {}",
           path, found, comm_tasks, r, rp.stage, rp.rank, path));
     }
-    waits = "of their predicted length (" + path + ")";
+    waits = fmt::format("of their {} length ({})", measured ? "measured" : "predicted", path);
+    waits_from = measured ? "measured" : "predicted";
     // The waits are the predicted cluster's communication (the point of --only-rank: a large
     // plan's rank on one device); said where its device is not this one's.
     if (!trace.device.empty() && trace.device != device_name) {
@@ -628,9 +633,9 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     one.lowering = program.lowering;
     one.groups = program.groups;
     one.ranks = {rp};
-    dtsim::report::write_chrome_trace(vm["trace"].as<std::string>(), one, timeline,
-                                      {spec.name, dtsim::report::kProducedByRun, device_name, r,
-                                       vm.count("predicted") ? "predicted" : "zero"});
+    dtsim::report::write_chrome_trace(
+        vm["trace"].as<std::string>(), one, timeline,
+        {spec.name, dtsim::report::kProducedByRun, device_name, r, waits_from});
   }
   // Memory: this rank's peak of tensors against dtsim memory's prediction for its stage.
   const double peak = static_cast<double>(device.memory_use().peak);
@@ -639,6 +644,8 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     predicted = report->stages.at(static_cast<std::size_t>(rp.stage)).total_bytes;
   }
   std::vector<std::string> notes = dtsim::exec::execution_notes(spec, plan);
+  // (On stderr already; in the JSON too, where a script reads them.)
+  if (vm["json"].as<bool>()) notes.insert(notes.end(), trace_notes.begin(), trace_notes.end());
   // What dtsim's --expert-load stands for, as this rank's experts got it (its tokens' routing
   // taken for every ep rank's): the mean over micro-batches and the largest.
   std::optional<double> expert_load, expert_load_peak;

@@ -25,7 +25,8 @@ struct TraceInfo {
   std::string producer;  // kProducedBySimulate or kProducedByRun
   std::string device;    // the device catalog's name (h200, cpu-host), else what the run knew
   // dtexec run --only-rank R: R, the one rank that ran, its communication replaced by waits of
-  // the predicted lengths (only_rank_waits "predicted", with --predicted) or of none ("zero").
+  // the predicted lengths (only_rank_waits "predicted", with --predicted), of another run's
+  // measured ones ("measured", a --predicted trace that dtexec run wrote) or of none ("zero").
   std::optional<std::int64_t> only_rank;
   std::string only_rank_waits;
 };

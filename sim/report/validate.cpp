@@ -147,8 +147,9 @@ std::vector<std::string> origin_notes(const Trace& predicted, const Trace& measu
         "for their compute, so its step row leaves out the pipeline bubble that the predicted "
         "span of its program holds)",
         measured.file, *measured.only_rank,
-        measured.only_rank_waits == "zero" ? "of zero length (no --predicted)"
-                                           : "of the predicted lengths",
+        measured.only_rank_waits == "zero"       ? "of zero length (no --predicted)"
+        : measured.only_rank_waits == "measured" ? "of the lengths another run measured"
+                                                 : "of the predicted lengths",
         measured.only_rank_waits == "zero" ? "their rows compare the prediction with nothing"
                                            : "their rows measure how closely the waits kept them"));
   }
@@ -183,7 +184,9 @@ Trace read_trace(const std::string& path) {
       }
       trace.only_rank = r.get<std::int64_t>();
     }
-    if (what.has("only_rank_waits")) trace.only_rank_waits = what.string("only_rank_waits");
+    if (what.has("only_rank_waits")) {
+      trace.only_rank_waits = what.choice("only_rank_waits", {"predicted", "measured", "zero"});
+    }
   }
   const json& events = j.at("traceEvents");
   // (rank, task) -> its event: a trace holds one step, so one event per task.

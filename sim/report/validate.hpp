@@ -43,7 +43,9 @@ struct Trace {
   // dtexec run --only-rank's rank (otherData only_rank): its communication tasks were waits of
   // the predicted lengths, and no other rank ran.
   std::optional<std::int64_t> only_rank;
-  std::string only_rank_waits;  // "predicted" or "zero" (otherData only_rank_waits)
+  // "predicted", "measured" (a --predicted trace that dtexec run wrote) or "zero" (otherData
+  // only_rank_waits).
+  std::string only_rank_waits;
   double span_s() const;        // last end - first start
   // The time in which some task of some rank runs (the union of the tasks' spans).
   double busy_s() const;
