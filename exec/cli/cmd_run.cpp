@@ -62,8 +62,7 @@ std::vector<std::string> resume_notes(const std::string& dir, const dtsim::model
                                       dtsim::exec::RunOptions& options,
                                       const dtsim::plan::Plan& plan, bool warmup_given) {
   const dtsim::exec::CheckpointReader checkpoint(dir);
-  dtsim::exec::check_resume(checkpoint.info(), checkpoint.where(), spec.name, options,
-                            plan.clip_grad);
+  dtsim::exec::check_resume(checkpoint.info(), checkpoint.where(), spec, options, plan.clip_grad);
   const int left = options.steps - checkpoint.info().step;  // >= 1 (check_resume)
   if (!warmup_given) {
     options.warmup_steps = std::min(1, left - 1);
@@ -90,6 +89,13 @@ std::vector<std::string> resume_notes(const std::string& dir, const dtsim::model
         fmt::format("{}: plan: expected the whole plan the checkpoint was written under (dp, "
                     "global_batch_size and seq_len among its fields), as dtexec run writes it",
                     checkpoint.where()));
+  }
+  // And one that could have run (an edited dp of 4 with a global batch of 2 was resumed).
+  if (const auto check = dtsim::plan::check_plan(written, spec, written.devices()); !check.ok()) {
+    throw dtsim::InputError(
+        fmt::format("{}: plan: not a plan dtexec could have run ({}); expected the plan the "
+                    "checkpoint was written under, as dtexec run writes it",
+                    checkpoint.where(), check.errors.front().message));
   }
   // Another vocabulary padding: refused before the run says it resumes (each rank would also
   // find the embedding's rows differ as it reads the tensors).

@@ -134,6 +134,7 @@ void write_info(nlohmann::json& j, const CheckpointInfo& c) {
   j["learning_rate"] = c.learning_rate;
   if (!c.lr_schedule.is_null()) j["lr_schedule"] = c.lr_schedule;
   j["weight_decay"] = c.weight_decay;
+  if (c.dropout) j["dropout"] = *c.dropout;
   j["losses"] = c.losses;
 }
 
@@ -163,6 +164,7 @@ CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
     lr_schedule_from_json(c.lr_schedule, where);  // (checked here: compare reads it too)
   }
   if (r.has("weight_decay")) c.weight_decay = r.non_negative_number("weight_decay");
+  if (r.has("dropout")) c.dropout = r.boolean("dropout");
   const auto& losses = r.array("losses");
   for (std::size_t i = 0; i < losses.size(); ++i) {
     if (!losses[i].is_number() || !std::isfinite(losses[i].get<double>()) ||
@@ -421,7 +423,7 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
     }
     // (A field of another version, or a hand edit, would otherwise be ignored in silence.)
     index.expect_only({"format", "model", "plan", "step", "seed", "learning_rate", "lr_schedule",
-                       "weight_decay", "losses", "tensors", "shards"});
+                       "weight_decay", "dropout", "losses", "tensors", "shards"});
     info_ = read_info(j, where_);
     // The shard files, each present with the size its index gives: their floats bound every
     // shape and offset below, checked before anything is allocated.

@@ -49,6 +49,9 @@ struct CheckpointInfo {
   // The learning-rate schedule (exec/core/lr_schedule.hpp's JSON); null in checkpoints written
   // before schedules (a constant learning_rate).
   nlohmann::json lr_schedule;
+  // Whether it trained with the model's dropout (false under --no-dropout, or for a model
+  // without any); unset in checkpoints written before it was recorded.
+  std::optional<bool> dropout;
   std::vector<double> losses;  // one per completed step
 };
 

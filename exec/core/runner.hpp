@@ -184,7 +184,7 @@ struct CheckpointInfo;  // exec/core/checkpoint.hpp
 std::string vocab_padding_refusal(const std::string& what, std::int64_t rows, std::int64_t vocab,
                                   const plan::Plan& plan, std::int64_t written_multiple = 0);
 
-void check_resume(const CheckpointInfo& c, const std::string& where, const std::string& model,
+void check_resume(const CheckpointInfo& c, const std::string& where, const model::ModelSpec& model,
                   const RunOptions& options, double clip_grad);
 
 // Runs this rank's program (program.ranks[comm.rank()]) on `device`. A single-rank plan may use

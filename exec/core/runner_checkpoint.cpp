@@ -39,11 +39,20 @@ std::string vocab_padding_refusal(const std::string& what, std::int64_t rows, st
       head, rows, tp);
 }
 
-void check_resume(const CheckpointInfo& c, const std::string& where, const std::string& model,
+void check_resume(const CheckpointInfo& c, const std::string& where, const model::ModelSpec& model,
                   const RunOptions& options, double clip_grad) {
-  if (c.model != model) {
+  if (c.model != model.name) {
     throw InputError(fmt::format("{}: model: the checkpoint is of {}, this run trains {}", where,
-                                 c.model, model));
+                                 c.model, model.name));
+  }
+  // Dropout changes what a step computes, as the seed does (resumed under --no-dropout, a
+  // dropout-trained run went on as another: its losses 0.038 off the uninterrupted run's).
+  if (c.dropout && *c.dropout != model.dropout) {
+    throw InputError(fmt::format(
+        "{}: dropout: the checkpoint was trained {} dropout, this run trains {} it; {} to "
+        "continue it",
+        where, *c.dropout ? "with" : "without", model.dropout ? "with" : "without",
+        *c.dropout ? "leave out --no-dropout" : "give --no-dropout"));
   }
   // The data stream and its token mapping come from the seed, and the optimizer from the
   // learning rate: a run resumed with others would not continue the checkpointed one.
@@ -169,6 +178,7 @@ CheckpointRecord Runner::put_in_place(int step, const nlohmann::json& index, dou
   // which the reader would refuse as below its smallest figure).
   c.learning_rate = decimal(options_.lr.max_lr);
   c.weight_decay = decimal(options_.weight_decay);
+  c.dropout = m_.dropout;
   c.lr_schedule = options_.lr.to_json();
   c.losses = losses;
   record.bytes = finish_checkpoint(options_.checkpoint_dir, c, shards);
@@ -252,7 +262,7 @@ int Runner::resume(RunResult& result) {
   const CheckpointReader checkpoint(options_.resume_dir);
   const CheckpointInfo& c = checkpoint.info();
   const std::string& where = checkpoint.where();
-  check_resume(c, where, m_.name, options_, p_.clip_grad);
+  check_resume(c, where, m_, options_, p_.clip_grad);
   // Every tensor of the checkpoint is one of the model's: a model file changed under the same
   // name (positions, biases or norms dropped) would otherwise leave some unread, silently.
   std::set<std::string> model_tensors;
