@@ -15,6 +15,7 @@
 #include "sim/cluster/topology.hpp"
 #include "sim/common/error.hpp"
 #include "sim/common/json_reader.hpp"
+#include "sim/plan/plan.hpp"
 #include "sim/report/trace.hpp"
 
 namespace dtsim::report {
@@ -164,7 +165,23 @@ std::vector<std::string> origin_notes(const Trace& predicted, const Trace& measu
 
 Trace read_trace(const std::string& path) {
   const json j = JsonReader::parse_file(path);
-  if (!j.is_object() || !j.contains("traceEvents") || !j.at("traceEvents").is_array()) {
+  if (j.is_array()) {
+    throw InputError(fmt::format(
+        "{}: expected a JSON object with traceEvents (the Chrome trace's object format, which "
+        "dtsim simulate --trace and dtexec run --trace write), got an array (its array format "
+        "is not read)",
+        path));
+  }
+  if (!j.is_object() || !j.contains("traceEvents")) {
+    throw InputError(fmt::format(
+        "{}: traceEvents: missing; expected a Chrome trace (dtsim simulate --trace, dtexec run "
+        "--trace){}",
+        path,
+        j.is_object() && j.contains("ranks") && j.contains("plan")
+            ? ": this looks like dtsim lower's program, which has tasks but no times"
+            : ""));
+  }
+  if (!j.at("traceEvents").is_array()) {
     throw InputError(
         fmt::format("{}: traceEvents: expected an array of Chrome trace events", path));
   }
@@ -174,7 +191,13 @@ Trace read_trace(const std::string& path) {
     const JsonReader other(j, path);
     const JsonReader what = other.object("otherData");
     if (what.has("model")) trace.model = what.string("model");
-    if (what.has("plan")) trace.plan = what.object("plan").raw();
+    if (what.has("plan")) {
+      // Read as a plan file is (an unknown field or a wrong type refused: a field of another
+      // tool, or an edit, would be compared in silence). Fields it lacks (a trace of an older
+      // dtsim) are compared where both traces have them.
+      trace.plan = what.object("plan").raw();
+      (void)plan::plan_from_json(trace.plan, path + ": otherData.plan");
+    }
     if (what.has("producer")) trace.producer = what.string("producer");
     if (what.has("device")) trace.device = what.string("device");
     if (what.has("only_rank")) {
@@ -194,10 +217,21 @@ Trace read_trace(const std::string& path) {
   for (std::size_t i = 0; i < events.size(); ++i) {
     const json& e = events[i];
     const std::string where = fmt::format("traceEvents[{}]", i);
-    if (!e.is_object() || !e.contains("ph") || !e.at("ph").is_string()) {
+    if (!e.is_object()) {
+      throw InputError(fmt::format("{}: {}: expected an object (a trace event), got {}", path,
+                                   where, describe_json_value(e)));
+    }
+    if (!e.contains("ph") || !e.at("ph").is_string()) {
       throw InputError(fmt::format("{}: {}.ph: expected a string", path, where));
     }
     const std::string ph = e.at("ph").get<std::string>();
+    if (ph == "B" || ph == "E") {
+      // A task as a begin/end pair would be dropped, and counted as only predicted.
+      throw InputError(fmt::format(
+          "{}: {}.ph: \"{}\": begin and end events are not read; expected complete events (ph "
+          "\"X\" with dur), as dtsim simulate --trace and dtexec run --trace write",
+          path, where, ph));
+    }
     if (ph == "M") {
       const JsonReader r(e, path, where);
       const std::string name = r.string_or("name", "");

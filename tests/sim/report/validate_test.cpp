@@ -157,6 +157,32 @@ TEST_CASE("a rank past the trace's own plan is refused", "[report][validate][bad
                                   "plan_task_rank.json: a task event of pid (rank) 2, but");
 }
 
+TEST_CASE("traces in another form than dtsim's and dtexec's are refused, saying which",
+          "[report][validate][bad-input]") {
+  auto refused = [](const char* name, const char* text, const char* message) {
+    TempFile f(name, text);
+    DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::report::read_trace(f.path()), InputError, message);
+  };
+  // Chrome's array format, legal JSON: said as such (it read "expected an array").
+  refused("array_form.json", R"([{"ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 1}])",
+          "array_form.json: expected a JSON object with traceEvents");
+  // dtsim lower's program given as a trace.
+  refused("lowered.json", R"({"plan": {}, "ranks": [], "groups": []})",
+          "lowered.json: traceEvents: missing; expected a Chrome trace (dtsim simulate --trace, "
+          "dtexec run --trace): this looks like dtsim lower's program");
+  refused("number_event.json", R"({"traceEvents": [5]})",
+          "number_event.json: traceEvents[0]: expected an object (a trace event), got 5");
+  // A task as a begin/end pair was dropped and counted as only predicted.
+  refused("begin_end.json", R"({"traceEvents": [
+    {"ph": "B", "pid": 0, "tid": 0, "ts": 0, "args": {"task": 0}},
+    {"ph": "E", "pid": 0, "tid": 0, "ts": 5}]})",
+          "begin_end.json: traceEvents[0].ph: \"B\": begin and end events are not read");
+  // The plan it names is read as a plan file: an unknown field is no field of dtsim's.
+  DTSIM_REQUIRE_THROWS_CONTAINING(
+      trace_with("plan_bogus.json", R"({"plan": {"pp": 2, "bogus": 1}})"), InputError,
+      "plan_bogus.json: otherData.plan: bogus: unknown field");
+}
+
 TEST_CASE("a negative rank or task id is rejected naming the event",
           "[report][validate][bad-input]") {
   TempFile rank("bad_pid.json", R"({"traceEvents": [
@@ -413,6 +439,7 @@ TEST_CASE("a stream's overlapping tasks go to lanes of its name, which validate 
   // receive takes a second lane: tid comm_pp + kStreamCount, named comm_pp too.
   using dtsim::lower::Stream;
   dtsim::lower::Program program;
+  program.plan.seq_len = 32;  // (a plan that validate reads back as one)
   dtsim::lower::RankProgram rank;
   rank.represents = {0};
   for (const auto kind :
