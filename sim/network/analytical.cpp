@@ -52,8 +52,11 @@ class Analytical final : public NetworkModel {
     // own: a member sends its share inside the node in k - 1 of them and across in one, so its
     // intra-node link carries (k - 1)/k of what the member sends (the SimGrid backend's rings
     // alike, network/platform.hpp: ring_channels).
+    // On PCIe the device's one link carries its NIC traffic too (the NIC hangs off the same
+    // PCIe tree: GPUDirect RDMA reads the GPU's memory through it), so all of what a member
+    // sends crosses it.
     Link channels = intra;
-    if (k > 1) channels.bw_bytes_per_s *= static_cast<double>(k) / (k - 1);
+    if (k > 1 && !pcie()) channels.bw_bytes_per_s *= static_cast<double>(k) / (k - 1);
     // The ring's slowest hop.
     Link ring = nodes > 1 ? inter_ring : intra;
     if (nodes > 1 && k > 1) {
@@ -83,6 +86,8 @@ class Analytical final : public NetworkModel {
         below.crosses_spine = false;
         t = direct_all_to_all_s(s, n, k, intra,
                                 nodes > 1 ? inter_link(below, 1, Crossing::Every) : intra);
+        // On PCIe its pieces to the node's members and to other nodes share the device's link.
+        if (pcie()) t = std::max(t, network::p2p_s((n - 1) * (s / n), intra));
         if (span.crosses_spine) {
           const Link uplink = inter_link(span, 1, Crossing::Every, concurrent);
           // (A rail-optimized group in one leaf crosses it between rails: every remote peer.)
@@ -134,6 +139,10 @@ class Analytical final : public NetworkModel {
   }
 
  private:
+  // A node of PCIe devices: a device's one link to the node, which its network traffic
+  // crosses too.
+  bool pcie() const { return c_.intra.fabric == cluster::IntraFabric::Pcie; }
+
   // Bandwidth per rank inside a node for a group of k ranks there. A switch (NVSwitch) gives
   // every rank its full link bandwidth; on a mesh of direct links (NVLink mesh, xGMI, Gaudi's
   // RoCE ports) a rank's links are spread over the whole node's other devices (also when --gpus
@@ -173,6 +182,8 @@ class Analytical final : public NetworkModel {
         static_cast<double>(inter.nics_per_node) * inter.nic_bw_bytes_per_s.value;
     const double flows = static_cast<double>(c_.devices_per_node) / std::max(k, 1);
     double bw = node_bw / flows;
+    // A flow leaves its device through the device's PCIe link on a PCIe node.
+    if (pcie()) bw = std::min(bw, c_.intra.effective_bw());
     if (!span.crosses_spine) return Link{bw, inter.latency_s.value};
     if (concurrent <= 0) concurrent = leaf_devices();
     if (crossing == Crossing::Every) {

@@ -175,6 +175,9 @@ PlatformSpec build_platform(const cluster::Cluster& c,
       route = {tx[static_cast<std::size_t>(a)], rx[static_cast<std::size_t>(b)]};
     } else {
       DTSIM_ASSERT(networked, "nodes without a network");
+      // On a PCIe node the device's link to the node is the way to its NIC too.
+      const bool pcie = c.intra.fabric == cluster::IntraFabric::Pcie && !mesh;
+      if (pcie) route.push_back(tx[static_cast<std::size_t>(a)]);
       route.push_back(nic_tx.at(na * nics + (a % dpn) % nics));
       const std::int64_t la = na / per_leaf, lb = nb / per_leaf;
       if (la != lb) {
@@ -182,6 +185,7 @@ PlatformSpec build_platform(const cluster::Cluster& c,
         route.push_back(leaf_down.at(lb));
       }
       route.push_back(nic_rx.at(nb * nics + (b % dpn) % nics));
+      if (pcie) route.push_back(rx[static_cast<std::size_t>(b)]);
     }
     spec.routes.push_back({{a, b}, std::move(route)});
   }

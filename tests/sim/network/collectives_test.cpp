@@ -225,6 +225,48 @@ TEST_CASE("on a torus a ring's steps pay for the hops between neighbours", "[net
         Approx(dtsim::network::ring_all_gather_s(s, 2, Link{b / 2, 2 * alpha})).epsilon(1e-12));
 }
 
+// 2 nodes of 4 PCIe GPUs (25 GB/s each, what collectives reach) with 4 NICs of 50 GB/s each.
+dtsim::cluster::Cluster pcie_cluster() {
+  const dtsim::test::TempFile file("pcie_nodes.json", R"({
+    "name": "pcie_nodes", "description": "test", "source": "test",
+    "device": "a100-sxm4-80gb", "nodes": 2, "devices_per_node": 4,
+    "intra_node": {"fabric": "pcie", "bw_bytes_per_s": {"value": 25e9, "source": "test"},
+      "latency_s": {"value": 2e-6, "source": "test"}},
+    "inter_node": {"fabric": "fat_tree", "transport": "infiniband", "nics_per_node": 4,
+      "nic_bw_bytes_per_s": {"value": 50e9, "source": "test"},
+      "latency_s": {"value": 4e-6, "source": "test"}, "nodes_per_leaf": 2,
+      "oversubscription": {"value": 1, "source": "test"}}})");
+  return dtsim::cluster::load_cluster(file.path());
+}
+
+TEST_CASE("on PCIe nodes a device's network traffic crosses its PCIe link too", "[network]") {
+  // A member's share goes through its one PCIe link whether its next hop is in the node or
+  // behind the NIC: an all-reduce over both nodes can go no faster than every member sending
+  // 2(n-1)/n of the buffer at 25 GB/s (the NVLink rule, which gives the intra link k/(k-1) of
+  // itself, made the reviewer's 8 x 4 L40S cluster's dp all-reduce 2x too fast).
+  const auto c = pcie_cluster();
+  auto model = dtsim::network::make_analytical(c);
+  const double s = 1024.0 * 1024 * 1024, pcie = 25e9;
+  const dtsim::lower::Group all{dtsim::lower::GroupKind::Dp, {0, 1, 2, 3, 4, 5, 6, 7}, {0}};
+  const double floor = 2.0 * 7 / 8 * s / pcie;
+  CHECK(model->collective_s(kOneStage, all, dtsim::lower::CollectiveKind::AllReduce, 1ULL << 30) >=
+        floor);
+  CHECK(model->collective_s(kOneStage, all, dtsim::lower::CollectiveKind::AllGather, 1ULL << 30) >=
+        7.0 / 8 * s / pcie);
+  // An all-to-all's pieces to the node and to the other node share the link.
+  CHECK(model->collective_s(kOneStage, all, dtsim::lower::CollectiveKind::AllToAll, 1ULL << 30) >=
+        7.0 / 8 * s / pcie);
+  // A transfer to another node: the NIC's 50 GB/s, behind the device's 25.
+  CHECK(model->p2p_s(kPair, 0, 4, 1 << 30) >= s / pcie);
+  // The flow-level platform routes it through the device's port links as well.
+  const auto spec = dtsim::network::build_platform(c, {{0, 4}});
+  REQUIRE(spec.routes.size() == 1);
+  std::vector<std::string> route;
+  for (std::size_t i : spec.routes[0].second) route.push_back(spec.links[i].name);
+  CHECK(route ==
+        std::vector<std::string>{"dev0_port_tx", "node0_nic0_tx", "node1_nic0_rx", "dev4_port_rx"});
+}
+
 TEST_CASE("a group with several members per node runs one ring per member, as NCCL's channels",
           "[network]") {
   // 2 nodes of 4: ring c enters each node at its c-th member and leaves from another one, so
