@@ -54,7 +54,7 @@ nlohmann::json to_json(const Program& program) {
     }
     ranks.push_back({{"rank", rp.rank},
                      {"stage", rp.stage},
-                     {"represents", rp.represents.size()},
+                     {"represents", rp.represents},
                      {"tasks", std::move(tasks)}});
   }
   return {

@@ -102,6 +102,7 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
       json args = {{"task", t}, {"kind", to_string(task.kind)}};
       if (task.micro_batch >= 0) args["micro_batch"] = task.micro_batch;
       if (task.kind == lower::TaskKind::Compute) args["phase"] = to_string(task.phase);
+      if (task.kind == lower::TaskKind::Collective) args["collective"] = to_string(task.collective);
       if (task.bytes > 0) args["bytes"] = task.bytes;
       // The straggler model's wait for a late rank: from when, how long (inside the span, or
       // before a blocking transfer's).

@@ -321,6 +321,9 @@ Trace read_trace(const std::string& path) {
     t.communication = !args.has("phase");
     t.kind =
         t.communication ? args.string_or("kind", r.string_or("cat", "?")) : args.string("phase");
+    // A collective's own kind (traces since 2026-12-06): its rows apart, all-reduces from
+    // all-gathers.
+    if (t.communication && args.has("collective")) t.collective = args.string("collective");
     // The straggler model's wait, [from, from + wait): the part inside the span (a collective's
     // or a receive's; a blocking transfer's is before it).
     if (args.has("straggler_wait_us")) {
@@ -486,7 +489,8 @@ Validation validate(const Trace& predicted, const Trace& measured) {
                  std::nullopt};
     if (measured_s >= kShortestMeasured_s) te.error = predicted_s / measured_s - 1;
     v.tasks.push_back(std::move(te));
-    for (const std::string& g : {"kind " + p.kind, "stream " + stream}) {
+    const std::string kind = p.collective.empty() ? p.kind : p.kind + " " + p.collective;
+    for (const std::string& g : {"kind " + kind, "stream " + stream}) {
       add(groups[g], predicted_s, measured_s);
     }
     const std::string task_name =

@@ -16,8 +16,9 @@ struct TraceTask {
   std::int64_t rank = 0;
   std::int64_t task = 0;
   int stream = 0;
-  std::string name;  // the event's name ("fwd L3.norm1..L3.mlp_residual mb1")
-  std::string kind;  // "fwd", "bwd", ... for compute (args.phase), else args.kind / category
+  std::string name;        // the event's name ("fwd L3.norm1..L3.mlp_residual mb1")
+  std::string kind;        // "fwd", "bwd", ... for compute (args.phase), else args.kind / category
+  std::string collective;  // a collective's args.collective ("all_reduce"; "" in older traces)
   bool communication = false;  // a collective or transfer: an event without args.phase
   double start_s = 0;
   double duration_s = 0;
@@ -46,7 +47,7 @@ struct Trace {
   // "predicted", "measured" (a --predicted trace that dtexec run wrote) or "zero" (otherData
   // only_rank_waits).
   std::string only_rank_waits;
-  double span_s() const;        // last end - first start
+  double span_s() const;  // last end - first start
   // The time in which some task of some rank runs (the union of the tasks' spans).
   double busy_s() const;
 };
