@@ -319,16 +319,28 @@ std::optional<std::string> outside(double value, double least, double most, std:
 
 Figure JsonReader::figure_within(std::string_view key, double least, double most,
                                  std::string_view unit, bool allow_zero) const {
-  Figure out = figure(key, allow_zero);
-  if (auto why = outside(out.value, least, most, unit, allow_zero)) object(key).fail("value", *why);
-  return out;
+  // A finite number outside the bounds (0 and negative ones too) is said with the field's own
+  // bounds, not the generic figure's (which read "from 1e-12 to 1e+21" for a bandwidth of 0).
+  const JsonReader f = object(key);
+  if (f.has("value") && f.raw().at("value").is_number() &&
+      std::isfinite(f.raw().at("value").get<double>())) {
+    if (auto why = outside(f.raw().at("value").get<double>(), least, most, unit, allow_zero)) {
+      f.fail("value", *why);
+    }
+  }
+  return figure(key, allow_zero);
 }
 
 double JsonReader::number_within(std::string_view key, double least, double most,
                                  std::string_view unit, bool allow_zero) const {
-  const double value = allow_zero ? non_negative_number(key) : positive_number(key);
-  if (auto why = outside(value, least, most, unit, allow_zero)) fail(key, *why);
-  return value;
+  if (has(key) && raw().at(std::string(key)).is_number() &&
+      std::isfinite(raw().at(std::string(key)).get<double>())) {
+    if (auto why =
+            outside(raw().at(std::string(key)).get<double>(), least, most, unit, allow_zero)) {
+      fail(key, *why);
+    }
+  }
+  return allow_zero ? non_negative_number(key) : positive_number(key);
 }
 
 std::optional<Figure> JsonReader::optional_figure(std::string_view key, bool allow_zero) const {

@@ -122,7 +122,8 @@ TEST_CASE("bad device files are rejected naming file and field", "[cluster][cata
     j["memory_bw_bytes_per_s"]["value"] = -1;
     dtsim::test::TempFile f("dev.json", j.dump());
     DTSIM_REQUIRE_THROWS_CONTAINING(load_device(f.path()), InputError,
-                                    "memory_bw_bytes_per_s.value: expected a positive number");
+                                    "memory_bw_bytes_per_s.value: expected bytes/s from 1e+07 to "
+                                    "1e+14, got -1");
   }
   SECTION("an unknown precision") {
     auto j = valid_device();

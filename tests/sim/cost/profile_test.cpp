@@ -163,7 +163,7 @@ TEST_CASE("bad profiles are rejected naming file and field", "[cost][profile][ba
       "gemm[0].seconds: expected a positive number (from 1e-12 to 1e+21), got 5e-324");
   bad(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1, "seconds": 1}],
           "memory_bw_bytes_per_s": 1e300})",
-      "memory_bw_bytes_per_s: expected a positive number (from 1e-12 to 1e+21), got 1e+300");
+      "memory_bw_bytes_per_s: expected bytes/s from 1e+07 to 1e+14, got 1e+300");
   bad(R"({"device": "x", "source": "s", "gemm": [{"m": 0, "n": 1, "k": 1, "seconds": 1}]})",
       "gemm[0].m: expected a positive integer, got 0");
   bad(R"({"source": "s", "gemm": []})", "bad_profile.json: device: required field is missing");
@@ -425,7 +425,10 @@ TEST_CASE("bad op rates in a profile are rejected naming the entry", "[cost][pro
       "bad_ops.json: ops[0].op: expected one of");
   bad(R"([{"op": "gelu", "phase": "fwd", "bytes_per_s": 1, "flops_per_s": 1}])",
       "ops[0].flops_per_s: give exactly one of flops_per_s and bytes_per_s");
+  // Its own bounds (it read "a positive number (from 1e-12 to 1e+21)" for 0).
   bad(R"([{"op": "gelu", "phase": "fwd", "bytes_per_s": 0}])",
+      "ops[0].bytes_per_s: expected bytes/s from 1 to 1e+14, got 0");
+  bad(R"([{"op": "gelu", "phase": "fwd", "bytes_per_s": "fast"}])",
       "ops[0].bytes_per_s: expected a positive number");
   // Faster than a device file's bandwidth or peak: a unit or timing mistake.
   bad(R"([{"op": "gelu", "phase": "fwd", "bytes_per_s": 1e20}])",
