@@ -87,7 +87,8 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
     }
     m.head_dim = m.hidden / m.heads;
   }
-  m.ffn_hidden = r.positive_int("ffn_hidden");
+  // (Required for a dense model; a mixture of experts' MLPs are its experts, below.)
+  const std::int64_t ffn_given = r.has("ffn_hidden") ? r.positive_int("ffn_hidden") : 0;
   m.vocab = r.positive_int("vocab");
   m.max_positions = r.positive_int("max_positions");
   m.seq_len = r.positive_int_or("seq_len", m.max_positions);
@@ -116,6 +117,19 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
     e.expect_only({"experts", "top_k", "expert_ffn_hidden"});
     m.moe = MoeSpec{e.positive_int("experts"), e.positive_int("top_k"),
                     e.positive_int("expert_ffn_hidden")};
+    // Every block's MLP is its experts (no dense layers are modelled): a dense width that
+    // differs would be read nowhere, in silence (cpu-small-moe said 1024 for experts of 512).
+    if (ffn_given != 0 && ffn_given != m.moe->expert_ffn_hidden) {
+      r.fail("ffn_hidden",
+             fmt::format("{} differs from moe.expert_ffn_hidden {}: every block's MLP of a "
+                         "mixture-of-experts model is its experts (dense layers are not "
+                         "modelled); leave ffn_hidden out or give the experts' width",
+                         ffn_given, m.moe->expert_ffn_hidden));
+    }
+    m.ffn_hidden = m.moe->expert_ffn_hidden;
+  } else {
+    if (ffn_given == 0) r.fail("ffn_hidden", "required field is missing");
+    m.ffn_hidden = ffn_given;
   }
   if (!r.has("published_params")) {
     for (std::string_view k : {"published_params_precision", "published_params_source"}) {

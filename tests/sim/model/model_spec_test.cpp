@@ -375,8 +375,11 @@ TEST_CASE("bad model files are rejected naming file and field", "[model][bad-inp
       {"name", "", "name: expected a name, got an empty string"},
       {"name", "two\nlines", "name: expected a name without control characters"},
       {"name", std::string("nul\0byte", 8), "name: expected a name without control characters"},
-      {"moe", nlohmann::json{{"experts", 2}, {"top_k", 4}, {"expert_ffn_hidden", 8}},
+      {"moe", nlohmann::json{{"experts", 2}, {"top_k", 4}, {"expert_ffn_hidden", 256}},
        "moe.top_k: top_k = 4 exceeds experts = 2"},
+      // Every MLP of a mixture of experts is its experts: a dense width would be read nowhere.
+      {"moe", nlohmann::json{{"experts", 2}, {"top_k", 1}, {"expert_ffn_hidden", 8}},
+       "ffn_hidden: 256 differs from moe.expert_ffn_hidden 8: every block's MLP"},
       // Sanity bounds keep every count inside 64 bits (a wrapped product, or bad_alloc for
       // 2^31 blocks, is never the answer).
       {"layers", 2147483653LL, "layers: expected at most 100000, got 2147483653"},
@@ -385,7 +388,7 @@ TEST_CASE("bad model files are rejected naming file and field", "[model][bad-inp
       {"ffn_hidden", 1LL << 25, "ffn_hidden: expected at most 16777216"},
       {"max_positions", 1LL << 25, "max_positions: expected at most 16777216"},
       {"kv_heads", 1LL << 17, "kv_heads: expected at most 65536, got 131072"},
-      {"moe", nlohmann::json{{"experts", 1 << 17}, {"top_k", 2}, {"expert_ffn_hidden", 8}},
+      {"moe", nlohmann::json{{"experts", 1 << 17}, {"top_k", 2}, {"expert_ffn_hidden", 256}},
        "moe.experts: expected at most 65536, got 131072"},
       {"published_params_precision", 1000,
        "published_params_precision: given without "
