@@ -611,8 +611,8 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
     // The waits are the predicted cluster's communication (the point of --only-rank: a large
     // plan's rank on one device); said where its device is not this one's.
     if (!trace.device.empty() && trace.device != device_name) {
-      waits += fmt::format(", predicted on a cluster of {} while this rank computes on {}",
-                           trace.device, device_name);
+      waits += fmt::format(", {} on a cluster of {} while this rank computes on {}",
+                           measured ? "measured" : "predicted", trace.device, device_name);
     }
   }
   options.program_index = index;

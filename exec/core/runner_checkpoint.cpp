@@ -52,7 +52,8 @@ void check_resume(const CheckpointInfo& c, const std::string& where, const model
         "{}: dropout: the checkpoint was trained {} dropout, this run trains {} it; {} to "
         "continue it",
         where, *c.dropout ? "with" : "without", model.dropout ? "with" : "without",
-        *c.dropout ? "leave out --no-dropout" : "give --no-dropout"));
+        *c.dropout ? "leave out --no-dropout (and a plan file's no_dropout)"
+                   : "give --no-dropout"));
   }
   // The data stream and its token mapping come from the seed, and the optimizer from the
   // learning rate: a run resumed with others would not continue the checkpointed one.

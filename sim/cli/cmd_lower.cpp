@@ -26,17 +26,18 @@ int cmd_lower(const std::vector<std::string>& args) {
                      "one program per rank (default: one per pipeline stage, standing for its "
                      "ranks)")("json", po::bool_switch(), "print JSON (the only format today)");
   po::variables_map vm;
-  if (!parse(args, desc,
-             "usage: dtsim lower --model M --cluster C [plan flags | --plan P.json] [--gpus N]\n"
-             "                   [--all-ranks] [--json]\n\n"
-             "Prints the Program the plan lowers to, as JSON: per rank, the ordered tasks on its "
-             "streams (compute, tp/cp/ep/dp/pp communication) with their dependencies; by default "
-             "one program per pipeline stage, standing for the ranks in its \"represents\". A "
-             "compute task's \"ops\" is a half-open range [begin, end) of the model graph's ops "
-             "(dtsim describe's per-layer table); a transfer's \"tag\" pairs a send with its "
-             "receive; \"chunk\" is the interleaved schedule's model chunk; bytes are per rank. "
-             "The README's dtsim lower section lists every field.",
-             vm)) {
+  if (!parse(
+          args, desc,
+          "usage: dtsim lower --model M --cluster C [plan flags | --plan P.json] [--gpus N]\n"
+          "                   [--all-ranks] [--json]\n\n"
+          "Prints the Program the plan lowers to, as JSON: per rank, the ordered tasks on its "
+          "streams (compute, tp/cp/ep/dp/pp communication) with their dependencies; by default "
+          "one program per pipeline stage, standing for the ranks in its \"represented_ranks\". A "
+          "compute task's \"ops\" is a half-open range [begin, end) of the model graph's ops "
+          "(dtsim describe's per-layer table); a transfer's \"tag\" pairs a send with its "
+          "receive; \"chunk\" is the interleaved schedule's model chunk; bytes are per rank. "
+          "The README's dtsim lower section lists every field.",
+          vm)) {
     return 0;
   }
   const PlanSetup setup = setup_from_options(vm);

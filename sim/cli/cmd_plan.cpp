@@ -503,7 +503,21 @@ int cmd_plan(const std::vector<std::string>& args) {
                 {"tier_max_estimate_error", result.max_estimate_error},
                 {"candidates", cands}};
     add_price_json(out, cluster);
-    out["profile"] = profile ? json{{"file", profile->file}, {"source", profile->source}} : json();
+    if (profile) {
+      // What simulate's notes say of it: its in_run factors, and for #1 what it did not measure.
+      json notes = profile_notes(*profile);
+      if (!result.ranked.empty()) {
+        const plan::Plan& best = result.ranked.front().plan;
+        const model::ModelGraph g = plan::graph_of(spec, best);
+        for (std::string& n :
+             cost::ComputeCost(g, best, cluster.device, &*profile).profile_coverage()) {
+          notes.push_back("#1: " + n);
+        }
+      }
+      out["profile"] = {{"file", profile->file}, {"source", profile->source}, {"notes", notes}};
+    } else {
+      out["profile"] = json();
+    }
     if (result.best_not_fitting) {
       out["best_not_fitting"] = candidate_json(*result.best_not_fitting, goal);
     }

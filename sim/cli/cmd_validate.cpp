@@ -82,7 +82,9 @@ int cmd_validate(const std::vector<std::string>& args) {
   for (const report::Trace* trace : {&predicted, &measured}) {
     if (auto n = report::span_note(*trace)) notes.push_back(std::move(*n));
   }
-  if (v.step_programs > 0) {
+  // (A trace that names its plan and is not a lone rank's has the note on its missing ranks,
+  // which says the same.)
+  if (v.step_programs > 0 && (measured.only_rank || measured.plan.is_null())) {
     notes.push_back(fmt::format(
         "{} holds tasks of {} of the {} predicted programs: the step row spans those programs' "
         "tasks in both traces, not the whole pipeline's step",

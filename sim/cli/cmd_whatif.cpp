@@ -1125,7 +1125,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
           {"cluster", r.point.count("cluster") ? r.point.at("cluster") : default_cluster},
           {"gpus", r.gpus},
           {"found", r.found},
-          {"profile", profile ? nlohmann::json(profile->file) : nlohmann::json()}};
+          {"profile", profile ? nlohmann::json{{"file", profile->file}, {"source", profile->source}}
+                              : nlohmann::json()}};
       if (!r.found) j["valid_candidates"] = r.valid_candidates;
       if (!r.invalid.empty()) j["invalid_plan"] = r.invalid;
       if (r.found) {

@@ -114,13 +114,30 @@ std::vector<std::string> list_devices() {
 DeviceSpec load_device(std::string_view name, const std::filesystem::path& beside) {
   const bool looks_like_path = names_a_path(name);
   if (!looks_like_path) {
-    // Names and aliases, case-insensitive.
+    // Names, then aliases, case-insensitive; a DTSIM_DATA_DIR's devices before the shipped
+    // ones (a user's device that shares an alias with a shipped one is the one found).
     const std::string wanted = lower(name);
-    for (const std::string& known : list_devices()) {
-      const auto path =
-          data_path(std::filesystem::path("topologies") / "devices" / (known + ".json"));
-      DeviceSpec d = device_from_json(JsonReader::parse_file(path), path.string());
+    std::vector<std::filesystem::path> files;
+    for (const auto& dir : data_dirs()) {
+      std::vector<std::filesystem::path> here;
+      std::error_code ec;
+      for (const auto& entry :
+           std::filesystem::directory_iterator(dir / "topologies" / "devices", ec)) {
+        if (entry.is_regular_file() && entry.path().extension() == ".json") {
+          here.push_back(entry.path());
+        }
+      }
+      std::sort(here.begin(), here.end());
+      files.insert(files.end(), here.begin(), here.end());
+    }
+    std::vector<DeviceSpec> devices;
+    for (const auto& path : files) {
+      devices.push_back(device_from_json(JsonReader::parse_file(path), path.string()));
+    }
+    for (const DeviceSpec& d : devices) {
       if (lower(d.name) == wanted) return d;
+    }
+    for (const DeviceSpec& d : devices) {
       for (const std::string& alias : d.aliases) {
         if (lower(alias) == wanted) return d;
       }

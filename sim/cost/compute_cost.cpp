@@ -352,15 +352,17 @@ std::vector<std::string> ComputeCost::profile_coverage() const {
   if (!optimizer_rate_) unrated_pass("optimizer step");
   if (above > 0) {
     notes.push_back(fmt::format(
-        "profile {}: {} of a rank's GEMM passes exceed its largest measured size ({:.3g} FLOPs; "
-        "the most {:.3g}) and are priced at that size's throughput: an extrapolation (dtexec "
-        "calibrate without --quick measures larger ones)",
+        "profile {}: {} of the model's GEMM passes (forward, input and weight gradients, at a "
+        "rank's share) exceed its largest measured size ({:.3g} FLOPs; the most {:.3g}) and are "
+        "priced at that size's throughput: an extrapolation (dtexec calibrate without --quick "
+        "measures larger ones)",
         profile_->file, above, largest, most));
   }
   if (below > 0) {
     notes.push_back(fmt::format(
-        "profile {}: {} of a rank's GEMM passes are below its smallest measured size ({:.3g} "
-        "FLOPs; the least {:.3g}) and are priced at that size's throughput: an extrapolation",
+        "profile {}: {} of the model's GEMM passes (at a rank's share) are below its smallest "
+        "measured size ({:.3g} FLOPs; the least {:.3g}) and are priced at that size's "
+        "throughput: an extrapolation",
         profile_->file, below, smallest, least));
   }
   if (!unrated.empty()) {

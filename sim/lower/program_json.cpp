@@ -54,7 +54,10 @@ nlohmann::json to_json(const Program& program) {
     }
     ranks.push_back({{"rank", rp.rank},
                      {"stage", rp.stage},
-                     {"represents", rp.represents},
+                     {"represents", rp.represents.size()},
+                     // (The ranks themselves, as a trace's process_name "represents" lists them;
+                     // represents stays their count, as it always was.)
+                     {"represented_ranks", rp.represents},
                      {"tasks", std::move(tasks)}});
   }
   return {

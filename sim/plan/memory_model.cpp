@@ -129,10 +129,11 @@ struct ZbHeld {
 // cpu-small at pp 2 with 2 micro-batches of 4 (18.0 MiB a forward, 20.0 and 25.5 a W pass on
 // the two stages) held 4.0 and 4.1 MiB above that in its B passes, the MLP activation's
 // gradients; counting a B pass as its forward and a block's output gradients, and the
-// moments on top of the stage's largest state, had predicted 87.2 MiB on the last stage for 92.1
-// (+5.7%).
+// moments on top of the stage's largest state, had predicted 92.1 MiB on the last stage where
+// it held 87.2 (+5.7%).
 struct ZbPeaks {
   ZbHeld any, forward_end, in_backward;
+  ZbHeld forward_after_weight;  // (forwards 0: no forward follows a W pass)
 };
 ZbPeaks zero_bubble_peaks(const Plan& plan, int stage, double per_forward, double per_weight_pass) {
   ZbPeaks peaks;
@@ -148,6 +149,7 @@ ZbPeaks zero_bubble_peaks(const Plan& plan, int stage, double per_forward, doubl
     };
     keep(peaks.any);
     if (state.at == ZbAt::ForwardEnd) keep(peaks.forward_end);
+    if (state.at == ZbAt::ForwardAfterWeight) keep(peaks.forward_after_weight);
     if (running) keep(peaks.in_backward);
   }
   return peaks;
@@ -510,6 +512,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       extra_activations = 0;  // (in per_forward)
     }
     s.activations_bytes += extra_activations;
+    ZbHeld zb_after_weight;  // zero-bubble: the most kept right after a W pass (ZeRO-3's moment)
     // Beyond what is kept, the most one moment adds, at the forward's end or in the backward
     // (while the in-flight micro-batches are all kept). At the forward's end: the last
     // stage's logits (the loss reads them while writing what it keeps, then they go). In the
@@ -534,6 +537,23 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       }
       backward_working = recomputed_block + largest_mlp_grads;
       backward_what = "a block recomputed, and its MLP activation's gradients";
+      if (zb_walk) {
+        // A zero-bubble B pass keeps of its recomputed block what the block's W pass keeps (its
+        // GEMMs' inputs and its output gradients), already in the larger of the micro-batch's
+        // forward and W pass that its state counts: only what the block holds beyond that is
+        // added (cpu-small at pp 2, micro-batch 4: dtexec held the MLP's gradients over that
+        // state, 9.0 MiB less than the whole recomputed block predicted, +10.3%).
+        double excess = 0;
+        for (int layer = 0; layer < spec.layers; ++layer) {
+          excess = std::max(excess, block_activation_bytes(g, layer, no_recompute) -
+                                        weight_pass_bytes(g, layer, plan));
+        }
+        backward_working = excess + largest_mlp_grads;
+        backward_what = excess > 0 ? "a block recomputed beyond what its W pass keeps, and its "
+                                     "MLP activation's gradients"
+                                   : "an MLP activation's gradients (a block recomputed holds "
+                                     "what its W pass keeps)";
+      }
     }
     const char* recomputed_what = recomputed_block > 0 ? "a block recomputed" : "";
     // The moments that can hold the most, on top of what is kept; the peak is the first of the
@@ -616,7 +636,6 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       const double chunk = dense_params + (expert_group > 1 ? expert_params : 0.0);
       const double packed = std::max(gather_buffers(dense_params, shard),
                                      gather_buffers(expert_params, expert_group));
-      double after_weight_pass = 0;
       int forwards = 0, pending = 0;
       for (const ZbPass& pass :
            zero_bubble_order(plan.pp, static_cast<int>(plan.micro_batches()), stage)) {
@@ -627,14 +646,14 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           ++pending;
         } else {
           --pending;
-          after_weight_pass =
-              std::max(after_weight_pass, forwards * per_forward + pending * weight_pass);
+          const double kept = forwards * per_forward + pending * weight_pass;
+          if (kept > zb_after_weight.bytes) zb_after_weight = {kept, forwards, pending};
         }
       }
       const double kept_at_peak = s.activations_bytes - extra_activations;
       consider({"a weight pass's end, the next pass's weights gathered", 0,
-                std::max(0.0, kept_at_peak - after_weight_pass),
-                chunk * (per_param.gradients + per_param.weights) + packed});
+                std::max(0.0, kept_at_peak - zb_after_weight.bytes),
+                chunk * (per_param.gradients + per_param.weights) + packed, "", &zb_after_weight});
       // And any pass's gather, the stage's most kept (the last stage's first W, its B passes
       // all done: 87.7 MiB held on cpu-small at micro-batch 4, 92.1 predicted).
       consider({"a pass's weight gather", 0, 0, chunk * per_param.weights + packed});
@@ -744,10 +763,19 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         // no progress). cpu-small at dp 2 with 2 micro-batches per replica held 101.8 MiB there
         // against 80.4 predicted before this moment; at pp 2 dp 2 with 2 micro-batches, stage 0
         // runs both forwards first and held 60.4 (68.6 with this moment).
-        if (forward_between) {
+        // Zero-bubble's gradients are written by its W passes: a reduce-scatter in flight at a
+        // forward's end is one that a W pass right before it started (cpu-small pp 2 dp 2
+        // ZeRO-2: +12.6% with it at a forward that no W pass came before, -4.9% without it at
+        // one that did).
+        const bool zb_reducing = zb_walk && zb.forward_after_weight.forwards > 0;
+        if (zb_walk ? zb_reducing : forward_between) {
           Moment reducing = forward_end;
           reducing.name = "the forward's end, the last gradient bucket's reduce-scatter in flight";
           reducing.other += (1.0 + 1.0 / shard) * largest_last;
+          if (zb_walk) {
+            reducing.freed = zb.any.bytes - zb.forward_after_weight.bytes;
+            reducing.zero_bubble = &zb.forward_after_weight;
+          }
           consider_without_bucket(reducing);
         }
       }

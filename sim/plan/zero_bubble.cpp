@@ -76,11 +76,13 @@ ZbSchedule build(int p, int m) {
   for (const auto& order : out.orders) {
     std::set<ZbState> seen;
     int forwards = 0, pending = 0;
+    bool after_weight = false;
     for (const ZbPass& pass : order) {
       switch (pass.kind) {
         case ZbKind::Forward:
           ++forwards;
           seen.insert({forwards, pending, ZbAt::ForwardEnd});
+          if (after_weight) seen.insert({forwards, pending, ZbAt::ForwardAfterWeight});
           break;
         case ZbKind::BackwardInput:
           seen.insert({forwards, pending, ZbAt::InBackward});
@@ -92,6 +94,7 @@ ZbSchedule build(int p, int m) {
           --pending;  // (holds less than the pass before it)
           break;
       }
+      after_weight = pass.kind == ZbKind::BackwardWeight;
     }
     out.states.emplace_back(seen.begin(), seen.end());
   }

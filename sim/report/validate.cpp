@@ -190,11 +190,14 @@ Trace read_trace(const std::string& path) {
   if (j.contains("otherData")) {
     const JsonReader other(j, path);
     const JsonReader what = other.object("otherData");
+    // (A null would be taken as absent: what ran, unsaid in silence.)
+    what.refuse_nulls();
     if (what.has("model")) trace.model = what.string("model");
     if (what.has("plan")) {
       // Read as a plan file is (an unknown field or a wrong type refused: a field of another
       // tool, or an edit, would be compared in silence). Fields it lacks (a trace of an older
       // dtsim) are compared where both traces have them.
+      what.object("plan").refuse_nulls();
       trace.plan = what.object("plan").raw();
       (void)plan::plan_from_json(trace.plan, path + ": otherData.plan");
     }
@@ -489,10 +492,11 @@ Validation validate(const Trace& predicted, const Trace& measured) {
                  std::nullopt};
     if (measured_s >= kShortestMeasured_s) te.error = predicted_s / measured_s - 1;
     v.tasks.push_back(std::move(te));
-    const std::string kind = p.collective.empty() ? p.kind : p.kind + " " + p.collective;
-    for (const std::string& g : {"kind " + kind, "stream " + stream}) {
+    for (const std::string& g : {"kind " + p.kind, "stream " + stream}) {
       add(groups[g], predicted_s, measured_s);
     }
+    // And each kind of collective apart (all-reduces, all-gathers, ...), where the trace says.
+    if (!p.collective.empty()) add(groups["collective " + p.collective], predicted_s, measured_s);
     const std::string task_name =
         p.name.empty() ? fmt::format("({} task, unnamed)", p.kind) : without_micro_batch(p.name);
     auto [at, added] = per_task.try_emplace({p.rank, task_name}, Acc{}, p.task);

@@ -10,7 +10,10 @@
 # Zero-bubble with ZeRO-3 (a chunk gathered per pass) was +66% over on cpu-small before the
 # fifty-ninth session, zero-bubble at tp 2 pp 2 on tiny-llama -11% (its norms' W-pass tensors),
 # and the MoE's ZeRO-1 gather with full recompute +10% on cpu-small-moe; zero-bubble +7.4% over on
-# tiny-gpt pp 2 dp 2 ZeRO-3 until the sixtieth session took its moments as states of the pass order.
+# tiny-gpt pp 2 dp 2 ZeRO-3 until the sixtieth session took its moments as states of the pass order;
+# zero-bubble with full recompute +18.5% (the recomputed block counted beside its W pass's
+# tensors) and with ZeRO-2 +12.6% on cpu-small (a reduce-scatter in flight where no W pass had
+# started one) until later that session.
 # usage: memory_check.sh DTEXEC DTSIM MPIRUN WORK_DIR
 set -uo pipefail
 dtexec=$1
@@ -41,6 +44,8 @@ plans=(
   "tiny-gpt|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 3"
   "$llama|4|16|--tp 2 --pp 2 --schedule zero-bubble"
   "$moe|2|8|--dp 2 --zero-stage 1 --recompute full"
+  "tiny-gpt|2|32|--pp 2 --schedule zero-bubble --recompute full"
+  "cpu-small|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 2"
 )
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 failed=0

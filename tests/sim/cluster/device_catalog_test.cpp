@@ -1,5 +1,10 @@
 #include "sim/cluster/device_catalog.hpp"
 
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "sim/common/error.hpp"
@@ -140,4 +145,32 @@ TEST_CASE("bad device files are rejected naming file and field", "[cluster][cata
     DTSIM_REQUIRE_THROWS_CONTAINING(load_device("v100"), InputError, "unknown device \"v100\"");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_device("v100"), InputError, "h100-sxm");
   }
+}
+
+TEST_CASE("a DTSIM_DATA_DIR's devices are found first, by name and by alias",
+          "[cluster][catalog]") {
+  // A user's own device that shares an alias with a shipped one (its "H100" for a tuned
+  // copy) is the one an alias finds; the shipped ones stay known beside it.
+  const auto root =
+      std::filesystem::temp_directory_path() / ("dtsim_data_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(root / "topologies" / "devices");
+  auto j = valid_device();
+  j["name"] = "zz-my-h100";
+  j["aliases"] = {"H100"};
+  std::ofstream(root / "topologies" / "devices" / "zz-my-h100.json") << j.dump();
+  const char* before = std::getenv("DTSIM_DATA_DIR");
+  const std::string saved = before != nullptr ? before : "";
+  ::setenv("DTSIM_DATA_DIR", root.c_str(), 1);
+  const auto by_alias = load_device("h100");
+  const auto shipped = load_device("h100-sxm");
+  const auto own = load_device("zz-my-h100");
+  if (before != nullptr) {
+    ::setenv("DTSIM_DATA_DIR", saved.c_str(), 1);
+  } else {
+    ::unsetenv("DTSIM_DATA_DIR");
+  }
+  std::filesystem::remove_all(root);
+  CHECK(by_alias.name == "zz-my-h100");
+  CHECK(shipped.name == "h100-sxm");
+  CHECK(own.name == "zz-my-h100");
 }
