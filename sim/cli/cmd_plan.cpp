@@ -396,13 +396,8 @@ int cmd_plan(const std::vector<std::string>& args) {
     profile = cost::load_profile(vm["profile"].as<std::string>());
     // The compute cost checks this too, but inside the search's worker threads; check it here.
     if (profile->precision != space.precision) {
-      throw InputError(fmt::format(
-          "{}: precision: {}, --precision is {}", profile->file,
-          profile->precision_stated
-              ? fmt::format("the profile was measured at {}", to_string(profile->precision))
-              : std::string("the profile does not say its precision (taken as bf16; dtexec "
-                            "calibrate writes it)"),
-          to_string(space.precision)));
+      throw InputError(fmt::format("{}: precision: {}, --precision is {}", profile->file,
+                                   profile->precision_said(), to_string(space.precision)));
     }
     options.profile = &*profile;
     for (const auto& w : profile_warnings(*profile, cluster.device)) std::cerr << w << "\n";

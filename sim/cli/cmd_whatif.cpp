@@ -762,13 +762,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     auto check_profile = [&](Precision trained) {
       if (profile && profile->precision != trained) {
         throw InputError(fmt::format(
-            "{}: precision: the profile {} {}, the point trains at {} "
-            "(give --precision {} if the device has it)",
-            profile->file,
-            profile->precision_stated ? "was measured at"
-                                      : "does not say its precision (dtexec "
-                                        "calibrate writes it); taken as",
-            to_string(profile->precision), to_string(trained), to_string(profile->precision)));
+            "{}: precision: {}, the point trains at {} (give --precision {} if the device has it)",
+            profile->file, profile->precision_said(), to_string(trained),
+            to_string(profile->precision)));
       }
     };
     const cost::Profile* const priced_by = profile ? &*profile : nullptr;

@@ -27,13 +27,8 @@ ComputeCost::ComputeCost(const model::ModelGraph& graph, const plan::Plan& plan,
       profile_(profile) {
   if (profile_ != nullptr) {
     if (profile_->precision != plan.precision) {
-      throw InputError(fmt::format(
-          "{}: precision: {}, the plan uses {}", profile_->file,
-          profile_->precision_stated
-              ? fmt::format("the profile was measured at {}", to_string(profile_->precision))
-              : std::string("the profile does not say its precision (taken as bf16; dtexec "
-                            "calibrate writes it)"),
-          to_string(plan.precision)));
+      throw InputError(fmt::format("{}: precision: {}, the plan uses {}", profile_->file,
+                                   profile_->precision_said(), to_string(plan.precision)));
     }
     if (profile_->memory_bw_bytes_per_s) hbm_bw_ = *profile_->memory_bw_bytes_per_s;
     if (profile_->launch_overhead_s) launch_s_ = *profile_->launch_overhead_s;

@@ -34,6 +34,13 @@ double rate_of_size(const std::vector<GemmSample>& gemm, double flops) {
 
 }  // namespace
 
+std::string Profile::precision_said() const {
+  return precision_stated ? fmt::format("the profile was measured at {}", to_string(precision))
+                          : std::string(
+                                "the profile does not say its precision (taken as bf16; dtexec "
+                                "calibrate writes it)");
+}
+
 double Profile::gemm_seconds(double flops) const {
   DTSIM_ASSERT(!gemm.empty(), "profile without GEMM samples");
   const double smallest = gemm.front().flops(), largest = gemm.back().flops();

@@ -127,6 +127,9 @@ struct Profile {
   // Seconds for a measured kind and group size; nullopt when the profile has none.
   std::optional<double> collective_seconds(const std::string& kind, int ranks, double bytes) const;
 
+  // What a message says of its precision: "the profile was measured at bf16", or, for a file
+  // without "precision", that it does not say (taken as bf16).
+  std::string precision_said() const;
   // Seconds for a GEMM of `flops` FLOPs from the measured throughput.
   double gemm_seconds(double flops) const;
   // Seconds for the GEMM [m,k]x[k,n]: its measured time where the profile has that shape
