@@ -105,8 +105,9 @@ json chrome_trace(const lower::Program& program, const engine::Timeline& timelin
       if (task.kind == lower::TaskKind::Collective) args["collective"] = to_string(task.collective);
       if (task.bytes > 0) args["bytes"] = task.bytes;
       // The straggler model's wait for a late rank: from when, how long (inside the span, or
-      // before a blocking transfer's).
-      if (tt.wait_s > 0) {
+      // before a blocking transfer's). Under a picosecond it is the rounding of the engine's
+      // sums, not a wait (traces held 1.8e-50 us), and no clock could show it: left out.
+      if (tt.wait_s >= 1e-12) {
         args["straggler_wait_from_us"] = tt.wait_from_s * 1e6;
         args["straggler_wait_us"] = tt.wait_s * 1e6;
       }

@@ -432,6 +432,34 @@ TEST_CASE("a trace of a million tasks or more is said to take a while", "[report
       std::string::npos);
 }
 
+TEST_CASE("a wait under a picosecond is not written into a trace", "[report][trace]") {
+  // The engine's sums leave waits of 1e-56 s where none is (traces held 1.8e-50 us).
+  dtsim::lower::Program program;
+  program.plan.seq_len = 32;
+  dtsim::lower::RankProgram rank;
+  rank.represents = {0};
+  dtsim::lower::Task recv;
+  recv.kind = dtsim::lower::TaskKind::Recv;
+  recv.stream = dtsim::lower::Stream::Pp;
+  recv.label = "recv";
+  rank.tasks = {recv, recv};
+  program.ranks.push_back(rank);
+  dtsim::engine::Timeline timeline;
+  timeline.tasks = {{{0, 10e-6}, {10e-6, 20e-6}}};
+  timeline.tasks[0][0].wait_s = 1e-56;
+  timeline.tasks[0][1].wait_s = 2e-6;
+  timeline.tasks[0][1].wait_from_s = 10e-6;
+  timeline.makespan_s = 20e-6;
+  dtsim::report::TraceInfo info;
+  info.model = "tiny";
+  const auto trace = dtsim::report::chrome_trace(program, timeline, info);
+  std::vector<bool> waits;
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.at("ph") == "X") waits.push_back(e.at("args").contains("straggler_wait_us"));
+  }
+  CHECK(waits == std::vector<bool>{false, true});
+}
+
 TEST_CASE("a stream's overlapping tasks go to lanes of its name, which validate reads as one",
           "[report][trace]") {
   // A stage's pipeline stream: a send [0, 10) us, a receive [5, 15) beside it, a send [20, 30)
