@@ -82,6 +82,7 @@ int cmd_validate(const std::vector<std::string>& args) {
   for (const report::Trace* trace : {&predicted, &measured}) {
     if (auto n = report::span_note(*trace)) notes.push_back(std::move(*n));
   }
+  if (auto n = report::scale_note(v, measured)) notes.push_back(std::move(*n));
   // (A trace that names its plan and is not a lone rank's has the note on its missing ranks,
   // which says the same.)
   if (v.step_programs > 0 && (measured.only_rank || measured.plan.is_null())) {

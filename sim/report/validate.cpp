@@ -66,6 +66,21 @@ std::optional<std::string> span_note(const Trace& trace) {
       trace.file, span * 1e3, busy * 1e3, 100 * busy / span);
 }
 
+std::optional<std::string> scale_note(const Validation& v, const Trace& measured) {
+  // A thousand is a unit off (ms for µs); a prediction of the same device and plan is within
+  // tens of percent (README's validation tables), another device's within tens of times.
+  constexpr double kFarApart = 300;
+  if (v.rows.empty() || v.rows.back().group != "step") return std::nullopt;
+  const ErrorRow& step = v.rows.back();
+  if (step.predicted_s <= 0 || step.measured_s <= 0) return std::nullopt;
+  const double ratio = step.measured_s / step.predicted_s;
+  if (ratio < kFarApart && ratio > 1 / kFarApart) return std::nullopt;
+  return fmt::format(
+      "{}: its step is {:.3g} times the predicted one: a trace in another time unit (a Chrome "
+      "trace's ts and dur are in microseconds), or of another device or plan?",
+      measured.file, ratio);
+}
+
 namespace {
 // dp x tp x pp x cp of a trace's plan JSON; none where it does not say (an older trace).
 std::optional<std::int64_t> plan_ranks(const json& plan) {

@@ -151,4 +151,9 @@ std::optional<std::string> run_difference(const Trace& a, const Trace& b);
 // not (where both have a name).
 Validation validate(const Trace& predicted, const Trace& measured);
 
+// A note where the measured step is hundreds of times the predicted one or a hundredth of it
+// (kFarApart): a trace in another time unit (ms written where Chrome's µs go), or of another
+// device or plan; nothing otherwise.
+std::optional<std::string> scale_note(const Validation& v, const Trace& measured);
+
 }  // namespace dtsim::report

@@ -92,6 +92,27 @@ TEST_CASE("the step row spans the ranks the measured trace holds", "[report][val
   CHECK(w.step_programs == 0);
 }
 
+TEST_CASE("a measured step hundreds of times the predicted one is said", "[report][validate]") {
+  // A trace written in ms where Chrome's µs go read +99,900% and nothing more.
+  TempFile p("scale_pred.json", kPredicted);
+  TempFile ms("scale_ms.json", R"({"traceEvents": [
+    {"ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 100000, "args": {"task": 0}},
+    {"ph": "X", "pid": 0, "tid": 0, "ts": 100000, "dur": 200000, "args": {"task": 1}}]})");
+  const auto predicted = dtsim::report::read_trace(p.path());
+  const auto measured = dtsim::report::read_trace(ms.path());
+  const auto note =
+      dtsim::report::scale_note(dtsim::report::validate(predicted, measured), measured);
+  REQUIRE(note);
+  CHECK_THAT(*note, Catch::Contains("its step is 1e+03 times the predicted one: a trace in "
+                                    "another time unit"));
+  // Within tens of percent: nothing to say.
+  TempFile near("scale_near.json", R"({"traceEvents": [
+    {"ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 120, "args": {"task": 0}},
+    {"ph": "X", "pid": 0, "tid": 0, "ts": 120, "dur": 230, "args": {"task": 1}}]})");
+  const auto close = dtsim::report::read_trace(near.path());
+  CHECK_FALSE(dtsim::report::scale_note(dtsim::report::validate(predicted, close), close));
+}
+
 TEST_CASE("validate counts the joined tasks that another plan names differently",
           "[report][validate]") {
   TempFile p("predicted.json", kPredicted);
