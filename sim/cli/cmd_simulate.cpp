@@ -124,6 +124,44 @@ int cmd_simulate(const std::vector<std::string>& args) {
   const engine::Simulation sim = engine::simulate(setup.graph, plan, cluster, *network, options);
   const engine::Prediction& p = sim.prediction;
   for (const auto& n : p.notes) notes.push_back(n);
+  if (profile) {
+    // Collectives and transfers that the profile times beyond its largest size of their kind
+    // and group (a --quick calibration measures up to 64 KiB; a step's gradients are MBs).
+    std::int64_t beyond = 0;
+    double most = 0, measured_most = 0;
+    std::string most_what;
+    for (const auto& rp : sim.program.ranks) {
+      for (const auto& task : rp.tasks) {
+        std::string kind;
+        int ranks = 2;
+        if (task.kind == lower::TaskKind::Collective) {
+          kind = std::string(lower::to_string(task.collective));
+          ranks = static_cast<int>(
+              sim.program.groups.at(static_cast<std::size_t>(task.group)).ranks.size());
+        } else if (task.kind == lower::TaskKind::Send) {
+          kind = "send_recv";
+        } else {
+          continue;
+        }
+        const auto largest = profile->largest_collective_bytes(kind, ranks);
+        const auto bytes = static_cast<double>(task.bytes);
+        if (!largest || bytes <= *largest) continue;
+        ++beyond;
+        if (bytes > most) {
+          most = bytes;
+          measured_most = *largest;
+          most_what = fmt::format("{} over {} ranks", kind, ranks);
+        }
+      }
+    }
+    if (beyond > 0) {
+      notes.push_back(fmt::format(
+          "profile {}: {} of the program's collectives and transfers exceed its largest measured "
+          "size of their kind and group (the most: {:.3g} bytes of {}, measured up to {:.3g}) "
+          "and are priced at that size's throughput: an extrapolation",
+          profile->file, beyond, most, most_what, measured_most));
+    }
+  }
   if (vm.count("trace")) {
     report::write_chrome_trace(vm["trace"].as<std::string>(), sim.program, sim.timeline,
                                {setup.graph.spec().name, report::kProducedBySimulate,

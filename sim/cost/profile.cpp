@@ -81,6 +81,12 @@ std::optional<double> Profile::collective_seconds(const std::string& kind, int r
   return bytes / (rate(*lo) + t * (rate(*hi) - rate(*lo)));
 }
 
+std::optional<double> Profile::largest_collective_bytes(const std::string& kind, int ranks) const {
+  const auto it = collectives.find({kind, ranks});
+  if (it == collectives.end() || it->second.empty()) return std::nullopt;
+  return it->second.back().bytes;
+}
+
 Profile load_profile(const std::string& path) {
   return profile_from_json(JsonReader::parse_file(path), path);
 }

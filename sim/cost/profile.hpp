@@ -126,6 +126,9 @@ struct Profile {
   std::map<std::pair<std::string, int>, std::vector<CollectiveSample>> collectives;
   // Seconds for a measured kind and group size; nullopt when the profile has none.
   std::optional<double> collective_seconds(const std::string& kind, int ranks, double bytes) const;
+  // The largest size measured of a kind and group size (nullopt where none is): beyond it a
+  // collective takes that size's throughput, an extrapolation that simulate says.
+  std::optional<double> largest_collective_bytes(const std::string& kind, int ranks) const;
 
   // What a message says of its precision: "the profile was measured at bf16", or, for a file
   // without "precision", that it does not say (taken as bf16).
