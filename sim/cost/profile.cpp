@@ -13,27 +13,6 @@
 
 namespace dtsim::cost {
 
-namespace {
-
-// The rate of the samples of `flops` FLOPs (calibrate times each size in three layouts, the
-// forward's and the two gradients'): their median, so that no one layout, by the order of the
-// shapes, stands for the size (the first of them, or the last beyond the largest, moved a
-// quick profile's prediction of GPT-2 by 27%).
-double rate_of_size(const std::vector<GemmSample>& gemm, double flops) {
-  const auto first = std::lower_bound(gemm.begin(), gemm.end(), flops,
-                                      [](const GemmSample& s, double f) { return s.flops() < f; });
-  const auto last = std::upper_bound(gemm.begin(), gemm.end(), flops,
-                                     [](double f, const GemmSample& s) { return f < s.flops(); });
-  DTSIM_ASSERT(first != last, "a measured size");
-  std::vector<double> rates;
-  for (auto it = first; it != last; ++it) rates.push_back(it->flops() / it->seconds);
-  std::sort(rates.begin(), rates.end());
-  const std::size_t n = rates.size();
-  return n % 2 == 1 ? rates[n / 2] : 0.5 * (rates[n / 2 - 1] + rates[n / 2]);
-}
-
-}  // namespace
-
 std::string Profile::precision_said() const {
   return precision_stated ? fmt::format("the profile was measured at {}", to_string(precision))
                           : std::string(
@@ -41,19 +20,36 @@ std::string Profile::precision_said() const {
                                 "calibrate writes it)");
 }
 
+void Profile::index_sizes() {
+  // A size's rate is the median of its samples (calibrate times each size in three layouts,
+  // the forward's and the two gradients'), so that no one layout, by the order of the shapes,
+  // stands for the size (the first of them, or the last beyond the largest, moved a quick
+  // profile's prediction of GPT-2 by 27%). Once per profile: the planner prices millions of
+  // GEMMs with it.
+  sizes.clear();
+  for (std::size_t i = 0; i < gemm.size();) {
+    std::vector<double> rates;
+    const double flops = gemm[i].flops();
+    for (; i < gemm.size() && gemm[i].flops() == flops; ++i) {
+      rates.push_back(flops / gemm[i].seconds);
+    }
+    std::sort(rates.begin(), rates.end());
+    const std::size_t n = rates.size();
+    sizes.emplace_back(flops, n % 2 == 1 ? rates[n / 2] : 0.5 * (rates[n / 2 - 1] + rates[n / 2]));
+  }
+}
+
 double Profile::gemm_seconds(double flops) const {
-  DTSIM_ASSERT(!gemm.empty(), "profile without GEMM samples");
-  const double smallest = gemm.front().flops(), largest = gemm.back().flops();
-  if (flops <= smallest) return flops / rate_of_size(gemm, smallest);
-  if (flops >= largest) return flops / rate_of_size(gemm, largest);
-  const auto hi = std::lower_bound(gemm.begin(), gemm.end(), flops,
-                                   [](const GemmSample& s, double f) { return s.flops() < f; });
-  if (hi->flops() == flops) return flops / rate_of_size(gemm, flops);
-  const double hi_flops = hi->flops(), lo_flops = (hi - 1)->flops();
-  const double lo_rate = rate_of_size(gemm, lo_flops), hi_rate = rate_of_size(gemm, hi_flops);
+  DTSIM_ASSERT(!sizes.empty(), "profile without GEMM sizes (index_sizes)");
+  if (flops <= sizes.front().first) return flops / sizes.front().second;
+  if (flops >= sizes.back().first) return flops / sizes.back().second;
+  const auto hi = std::lower_bound(sizes.begin(), sizes.end(), flops,
+                                   [](const auto& s, double f) { return s.first < f; });
+  if (hi->first == flops) return flops / hi->second;
+  const auto lo = hi - 1;
   const double t =
-      (std::log(flops) - std::log(lo_flops)) / (std::log(hi_flops) - std::log(lo_flops));
-  return flops / (lo_rate + t * (hi_rate - lo_rate));
+      (std::log(flops) - std::log(lo->first)) / (std::log(hi->first) - std::log(lo->first));
+  return flops / (lo->second + t * (hi->second - lo->second));
 }
 
 double Profile::gemm_seconds(double m, double n, double k) const {
@@ -152,6 +148,7 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   std::sort(p.gemm.begin(), p.gemm.end(), [](const GemmSample& a, const GemmSample& b) {
     return std::tuple(a.flops(), a.m, a.n, a.k) < std::tuple(b.flops(), b.m, b.n, b.k);
   });
+  p.index_sizes();
   // The bounds of a device file's bandwidths: beyond them only a unit mistake.
   if (r.has("memory_bw_bytes_per_s")) {
     p.memory_bw_bytes_per_s = r.number_within("memory_bw_bytes_per_s", cluster::kLeastBandwidth,

@@ -58,6 +58,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sim/common/precision.hpp"
@@ -87,6 +88,10 @@ struct Profile {
   Precision precision = Precision::Bf16;
   bool precision_stated = false;  // the file's "precision" (else bf16, said as a warning)
   std::vector<GemmSample> gemm;   // sorted by FLOPs
+  // Each measured size's FLOPs and throughput (the median of its layouts'), by FLOPs: what
+  // gemm_seconds interpolates. Derived from `gemm` by index_sizes(), which load_profile calls.
+  std::vector<std::pair<double, double>> sizes;
+  void index_sizes();
   std::optional<double> memory_bw_bytes_per_s;
   std::optional<double> launch_overhead_s;
   // Coefficient of variation of compute time (engine/engine.hpp, stragglers).

@@ -236,6 +236,7 @@ TEST_CASE("FlashAttention's core is priced by the FLOPs it executes", "[cost]") 
   profile.file = "p.json";
   profile.precision = plan.precision;
   profile.gemm = {{1024, 1024, 1024, 1e-4}, {4096, 4096, 4096, 4e-3}};
+  profile.index_sizes();
   profile.ops[{"flash_attention", "fwd"}] = {1e14, true};
   profile.ops[{"attention", "fwd"}] = {1e12, true};
   const dtsim::cost::ComputeCost measured(flash, plan, device, &profile);
