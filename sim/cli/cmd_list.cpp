@@ -49,9 +49,10 @@ std::string figure_text(double x) {
   return x >= 100 ? fmt::format("{:.0f}", x) : fmt::format("{:.3g}", x);
 }
 
-// A device's dense bf16 peak (fp32 where it has no bf16), FLOP/s, and that precision's name.
+// A device's dense peak at the precision it trains in by default (bf16; fp16 or fp32 where it
+// has no bf16), FLOP/s, and that precision's name.
 std::pair<double, Precision> headline_peak(const cluster::DeviceSpec& d) {
-  const Precision p = d.supports(Precision::Bf16) ? Precision::Bf16 : Precision::Fp32;
+  const Precision p = default_precision(d);
   return {d.peak_flops_for(p), p};
 }
 

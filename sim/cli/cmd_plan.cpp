@@ -311,8 +311,9 @@ int cmd_plan(const std::vector<std::string>& args) {
       "the even share (at least 1; capped at what routing can make at each candidate's ep, "
       "min(ep, experts / top k); dtexec run measures it)")(
       "precision", po::value<std::string>(),
-      "bf16, fp16, fp8, fp32, tf32 (default bf16, or fp32 on a device without bf16)")(
-      "threads", po::value<int>()->default_value(0), "threads for the search (0: all cores)")(
+      "bf16, fp16, fp8, fp32, tf32 (default bf16; fp16 on a device without bf16, fp32 on one "
+      "with neither)")("threads", po::value<int>()->default_value(0),
+                       "threads for the search (0: all cores)")(
       "json", po::bool_switch(), "print JSON")("csv", po::bool_switch(), "print CSV")(
       "out", po::value<std::string>(), "write the best plan to this file (a --plan file)");
   add_search_space_options(desc);
@@ -367,7 +368,7 @@ int cmd_plan(const std::vector<std::string>& args) {
     throw InputError(fmt::format("--expert-load {:g} needs a mixture of experts; {} has none",
                                  space.expert_load, spec.name));
   }
-  // The default precision follows the device: bf16, or fp32 where it has no bf16 (a CPU host).
+  // The default precision follows the device: bf16, else fp16, else fp32 (a CPU host).
   space.precision = vm.count("precision")
                         ? precision_of_flag("precision", vm["precision"].as<std::string>())
                         : default_precision(cluster.device);

@@ -309,8 +309,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "--fixed-plan, simulated with flows on SimGrid, each point in a process of its own; the "
       "search ranks plans with the analytical model)")(
       "precision", po::value<std::string>(),
-      "bf16, fp16, fp8, fp32, tf32 (default: a --fixed-plan's own, else bf16, or fp32 on a "
-      "device without bf16)")(
+      "bf16, fp16, fp8, fp32, tf32 (default: a --fixed-plan's own, else bf16; fp16 on a "
+      "device without bf16, fp32 on one with neither)")(
       "profile", po::value<std::string>(),
       "calibration profile (dtexec calibrate) for the compute cost at every point (not with "
       "--vary device; its jitter_cv and rank_spread_cv are the straggler model's unless "
@@ -418,7 +418,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
                     plan::plan_file_spread(plan_file_json(file), file, "rank_spread_cv")};
   }
   // A --fixed-plan without a precision trains at each point's default, as dtsim simulate --plan
-  // does (fp32 on a device without bf16).
+  // does (fp16 on a device without bf16, fp32 on one with neither).
   const bool fixed_precision =
       fixed_plan && JsonReader(plan_file_json(vm["fixed-plan"].as<std::string>()),
                                vm["fixed-plan"].as<std::string>())
@@ -755,7 +755,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         c.nodes > 1 && point.count("oversubscription") && !cluster::crosses_uplinks(c);
     planner::SearchSpace space;
     search_space_from_options(vm, space);
-    // As dtsim plan: bf16, or fp32 on a device without it (a CPU host).
+    // As dtsim plan: bf16, else fp16, else fp32 (a CPU host).
     space.precision = precision ? *precision : default_precision(c.device);
     // The profile's precision against the point's: a fixed plan's own where --precision does
     // not say.

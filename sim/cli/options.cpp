@@ -1477,8 +1477,13 @@ Precision precision_of_flag(std::string_view flag, const std::string& text) {
 }
 
 Precision default_precision(const cluster::DeviceSpec& device) {
-  return device.supports(Precision::Bf16) || !device.supports(Precision::Fp32) ? Precision::Bf16
-                                                                               : Precision::Fp32;
+  // Mixed precision where the device has a 16-bit format: bf16, else fp16 (a V100 or T4, which
+  // Megatron-LM trains with --fp16 and loss scaling); a device with neither (a CPU host) fp32.
+  // One with none of the three keeps bf16, whose refusal names what it has.
+  for (const Precision p : {Precision::Bf16, Precision::Fp16, Precision::Fp32}) {
+    if (device.supports(p)) return p;
+  }
+  return Precision::Bf16;
 }
 
 PlanSetup setup_from_options(const po::variables_map& vm) {

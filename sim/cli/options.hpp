@@ -109,8 +109,8 @@ void end_progress_line();
 // Adds the plan flags and --plan (`precision_help`: --precision's values and default).
 void add_plan_options(po::options_description& desc,
                       const char* precision_help =
-                          "bf16, fp16, fp8, fp32, tf32 (default bf16, "
-                          "or fp32 on a device without bf16)");
+                          "bf16, fp16, fp8, fp32, tf32 (default bf16; fp16 on a "
+                          "device without bf16, fp32 on one with neither)");
 // Adds --jitter-cv (the straggler model) and --rank-spread-cv (the slow rank); `where` says
 // which parts of the command use them.
 void add_jitter_option(po::options_description& desc, const char* where = "");
@@ -200,7 +200,7 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
                              const std::optional<PrecisionDefault>& precision_default = {},
                              const std::string& devices_are = {});
 
-// The precision a search uses unless told: bf16, or fp32 on a device without bf16 (a CPU host).
+// The precision a search uses unless told: bf16, else fp16 (a V100), else fp32 (a CPU host).
 Precision default_precision(const cluster::DeviceSpec& device);
 // The precision a flag names (--precision, --comm-precision), or an InputError naming the flag.
 Precision precision_of_flag(std::string_view flag, const std::string& text);
