@@ -173,7 +173,9 @@ double ComputeCost::op_seconds(const model::Op& op, Phase phase) const {
   // The busiest ep rank's experts compute plan.expert_load times the even share of copies
   // (the whole kernel time scales, its weight traffic too: a slight overestimate where that
   // traffic counts).
-  const double s = kernel_seconds(op, phase) * plan::expert_load_of(op, plan_);
+  // Its token moves are over the rank's own tokens, however many its experts receive.
+  const double s =
+      kernel_seconds(op, phase) * plan::expert_load_of(op, plan_) + move_seconds(op, phase);
   if (profile_ == nullptr || !profile_->in_run) return s;
   const bool forward = phase == Phase::Forward || phase == Phase::Recompute;
   return s * (forward ? profile_->in_run->forward : profile_->in_run->backward);
@@ -247,6 +249,31 @@ double ComputeCost::kernel_seconds(const model::Op& op, Phase phase) const {
     compute_s = profile_gemm_seconds(op, phase);
   const double memory_s = bytes / hbm_bw_;
   return std::max(compute_s, memory_s) + launch_s_ * kernels + accumulation_seconds(op, phase);
+}
+
+double ComputeCost::move_seconds(const model::Op& op, Phase phase) const {
+  double bytes = 0;
+  switch (phase) {
+    case Phase::Forward:
+    case Phase::Recompute:
+      bytes = op.fwd_move_bytes;
+      break;
+    case Phase::Backward:
+    case Phase::BackwardInput:
+      bytes = op.bwd_move_bytes;
+      break;
+    case Phase::BackwardWeight:
+    case Phase::Optimizer:
+    case Phase::GradNorm:
+    case Phase::None:
+      return 0;
+  }
+  if (bytes <= 0) return 0;
+  // The rank's tokens: its cp share, and its tp share only under sequence parallelism (which
+  // dispatches each rank's own tokens, plan::moe_local_dispatch); without it every tp rank
+  // moves them all.
+  const double split = static_cast<double>(plan_.cp) * (plan_.sequence_parallel ? plan_.tp : 1);
+  return memory_kernel_seconds(bytes / split);
 }
 
 double ComputeCost::accumulation_seconds(const model::Op& op, Phase phase) const {

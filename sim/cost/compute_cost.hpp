@@ -83,6 +83,9 @@ class ComputeCost {
   double op_flops(const model::Op& op, lower::Phase phase) const;
   // What its kernels execute (model::Op::kernel_fwd_flops): op_flops but for FlashAttention's.
   double kernel_flops(const model::Op& op, lower::Phase phase) const;
+  // Of op_seconds before a profile's in_run factor: the op's token moves
+  // (model::Op::fwd_move_bytes), memory-bound kernels of their own.
+  double move_seconds(const model::Op& op, lower::Phase phase) const;
 
  private:
   // A memory-bound pass of the optimizer step over `bytes`: at the profile's measured optimizer

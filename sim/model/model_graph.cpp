@@ -266,6 +266,11 @@ class Builder {
       gemm(router, tokens_, hd, static_cast<double>(experts));
       // Saved: its input (2sbh) and the routing probabilities in fp32.
       router.saved_bytes = act_ * T() * h() + 4 * T() * experts;
+      // The dispatch (Megatron-LM's permute; dtexec's moe_dispatch) copies each token to its
+      // top_k experts' rows: reads s·b·h, writes top_k of them; its backward sums the copies'
+      // gradients back into their tokens (reads top_k, writes one).
+      router.fwd_move_bytes = a * tokens_ * hd * (1.0 + static_cast<double>(copies));
+      router.bwd_move_bytes = router.fwd_move_bytes;
       mlp_in = add(std::move(router), {n2});
     }
     const bool swiglu = m_.activation == Activation::SwiGlu;
@@ -325,6 +330,12 @@ class Builder {
       // the memory model splits them.
       down.saved_tp_whole_bytes = act_ * T() * copies * h();
       down.saved_bytes += down.saved_tp_whole_bytes;
+      // The combine (unpermute) sums each token's top_k outputs, weighted by their gates:
+      // reads top_k copies, writes one. Its backward reads the output gradient and the kept
+      // copies (for the gates' gradient) and writes the copies' gradients.
+      const double k = static_cast<double>(copies);
+      down.fwd_move_bytes = a * tokens_ * hd * (1.0 + k);
+      down.bwd_move_bytes = a * tokens_ * hd * (1.0 + 2.0 * k);
     }
     const OpId d = add(std::move(down), {ac});
 

@@ -61,6 +61,13 @@ struct Op {
   // context-parallel rank reads all its weights).
   double weight_bytes = 0;
   double bwd_bytes = 0;  // same for the backward kernels
+  // Bytes that kernels of their own move beside the op's (an MoE's token permutation at its
+  // router, the weighted combine at its experts' down projection), whole op: memory-bound,
+  // priced after the op's own kernels rather than under their roofline, and split like the
+  // tokens they move (over cp, and over tp only with sequence parallelism). The backward's run
+  // in the input-gradient pass.
+  double fwd_move_bytes = 0;
+  double bwd_move_bytes = 0;
   // The FLOPs the kernels execute where they are not the counted ones above (0: as counted):
   // FlashAttention skips the key blocks that the causal mask hides, and its backward computes
   // the scores again. The counted FLOPs stay the model's (Megatron-LM's formula: dense, no

@@ -243,6 +243,48 @@ TEST_CASE("FlashAttention's core is priced by the FLOPs it executes", "[cost]") 
   CHECK(measured.op_seconds(core, Phase::Forward) == Approx(core.fwd_flops / 2 / 1e14));
 }
 
+TEST_CASE("an MoE's token moves are memory-bound kernels after the router and the experts",
+          "[cost]") {
+  auto device = dtsim::cluster::load_device("h100-sxm");
+  const double launch = device.efficiency.launch_overhead_s.value;
+  const double hbm = device.memory_bw_bytes_per_s.value * device.efficiency.memory_bw.value;
+  // With and without the moves: the difference is their bytes at the device's bandwidth, one
+  // launch each, in the forward, the backward and its input-gradient pass only.
+  auto check = [&](int tp, int cp, bool sp, double split) {
+    dtsim::plan::Plan plan;
+    plan.micro_batch_size = 1;
+    plan.seq_len = 1024;
+    plan.tp = tp;
+    plan.cp = cp;
+    plan.sequence_parallel = sp;
+    plan.expert_load = 1.5;  // the busiest experts' compute, not the moves of own tokens
+    const auto graph = dtsim::plan::graph_of(dtsim::model::load_model("mixtral-8x7b"), plan);
+    const dtsim::cost::ComputeCost cost(graph, plan, device);
+    int seen = 0;
+    for (const auto& op : graph.ops()) {
+      if (op.fwd_move_bytes == 0) continue;
+      ++seen;
+      auto still = op;
+      still.fwd_move_bytes = still.bwd_move_bytes = 0;
+      INFO(op.name << " tp " << tp << " cp " << cp << " sp " << sp);
+      CHECK(cost.op_seconds(op, Phase::Forward) - cost.op_seconds(still, Phase::Forward) ==
+            Approx(op.fwd_move_bytes / split / hbm + launch));
+      CHECK(cost.op_seconds(op, Phase::Backward) - cost.op_seconds(still, Phase::Backward) ==
+            Approx(op.bwd_move_bytes / split / hbm + launch));
+      CHECK(cost.op_seconds(op, Phase::BackwardInput) -
+                cost.op_seconds(still, Phase::BackwardInput) ==
+            Approx(op.bwd_move_bytes / split / hbm + launch));
+      CHECK(cost.op_seconds(op, Phase::BackwardWeight) ==
+            cost.op_seconds(still, Phase::BackwardWeight));
+    }
+    CHECK(seen == 64);  // 32 blocks: a router and a down projection each
+  };
+  check(1, 1, false, 1);
+  check(2, 1, false, 1);  // every tp rank routes the whole sequence
+  check(2, 1, true, 2);   // under sequence parallelism its own half
+  check(1, 2, false, 2);  // cp splits the tokens
+}
+
 TEST_CASE("every tp rank writes the whole output of the vocabulary-parallel embedding", "[cost]") {
   auto device = dtsim::cluster::load_device("h100-sxm");
   device.efficiency.launch_overhead_s.value = 0;

@@ -55,6 +55,32 @@ TEST_CASE("GQA, SwiGLU and MoE FLOPs", "[model][graph]") {
   CHECK(experts == 2 * 6.0 * 1024 * 4096 * 14336);
 }
 
+TEST_CASE("an MoE block moves its tokens to their experts and back", "[model][graph]") {
+  // bf16 (2 bytes): the dispatch reads T·h and writes top_k copies; the combine reads the
+  // copies and writes T·h; the combine's backward reads the output gradient and the copies
+  // and writes the copies' gradients. No other op moves tokens, and a dense model none.
+  const auto mixtral = load_model("mixtral-8x7b");
+  const double T = 1024, h = 4096, k = 2, a = 2;
+  const ModelGraph m(mixtral, 1, 1024);
+  int movers = 0;
+  for (const auto& op : m.ops()) {
+    if (op.fwd_move_bytes == 0 && op.bwd_move_bytes == 0) continue;
+    ++movers;
+    INFO(op.name);
+    if (op.kind == OpKind::Router) {
+      CHECK(op.fwd_move_bytes == a * T * h * (1 + k));
+      CHECK(op.bwd_move_bytes == a * T * h * (1 + k));
+    } else {
+      CHECK(op.kind == OpKind::MlpDown);
+      CHECK(op.fwd_move_bytes == a * T * h * (1 + k));
+      CHECK(op.bwd_move_bytes == a * T * h * (1 + 2 * k));
+    }
+  }
+  CHECK(movers == 2 * mixtral.layers);
+  const ModelGraph dense(load_model("llama3-8b"), 1, 1024);
+  for (const auto& op : dense.ops()) CHECK(op.fwd_move_bytes + op.bwd_move_bytes == 0);
+}
+
 TEST_CASE("the graph is a DAG in topological order with per-layer groups", "[model][graph]") {
   const auto spec = load_model("tiny");
   const ModelGraph g(spec, 1, 16);
