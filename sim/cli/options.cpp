@@ -1493,8 +1493,8 @@ PlanSetup setup_from_options(const po::variables_map& vm) {
   if (const auto off = dropout_off_by(vm)) {
     notes.push_back(fmt::format("{} without its dropout layers ({})", spec.name, *off));
   }
-  // The default precision (bf16) on a device without it (a CPU host): fp32, said so. A
-  // precision asked for explicitly is checked as given.
+  // The default precision (bf16) on a device without it: fp16 (a V100), or fp32 (a CPU host),
+  // said so. A precision asked for explicitly is checked as given.
   const Precision usual = plan::Plan{}.precision;
   const Precision fitting = default_precision(cluster.device);
   std::optional<PrecisionDefault> fallback;
