@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 
 #include "sim/common/error.hpp"
 #include "sim/common/units.hpp"
@@ -163,6 +164,16 @@ double gather_buffers(double params, int group) {
   return group > 1 ? (1.0 + 1.0 / group) *
                          std::min(static_cast<double>(kGradientBucketBytes), params * 4.0)
                    : 0.0;
+}
+
+// The same for one tensor (an embedding table): one larger than a bucket goes in equal parts,
+// each at most a bucket (part i of every rank's slice: dtexec's gather_weights), so the part
+// is what is held (a 32 MiB table in two parts of 16 MiB, not a 25 MiB chunk).
+double tensor_gather_buffers(double params, int group) {
+  if (group <= 1) return 0.0;
+  const double bytes = params * 4.0;
+  const double parts = std::ceil(bytes / static_cast<double>(kGradientBucketBytes));
+  return (1.0 + 1.0 / group) * bytes / std::max(1.0, parts);
 }
 
 // A moment that can hold a stage's most memory: what it adds to the kept activations
@@ -604,20 +615,46 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       const double reduction_bytes = (2.0 + 1.0 / shard) * per_param.gradients;
       consider({"the head's gradient reduce-scatter", recomputed_block, head_kept,
                 backward.other + reduction_bytes * head_params, recomputed_what});
-      consider({"a block's gradient reduce-scatter", recomputed_block, head_kept + last_block_kept,
-                backward.other + reduction_bytes * largest_reduction, recomputed_what});
+      if (plan.recompute == Recompute::Full) {
+        // With full recompute a block's backward starts with its recompute, and the next
+        // block's weights are gathered after it, before the backward proper (as FSDP prefetches
+        // the next unit's at a unit's pre-backward): the recomputed block, its weights and the
+        // next block's, and that gather's packed shard and gathered chunk at once. The block's
+        // reduce-scatter then runs beside the next block's recompute, its packed copy and
+        // reduced shard held (the unsharded gradients freed once packed) with one block's
+        // weights gathered. cpu-small at dp 2, micro-batch 4: dtexec peaked at the gather,
+        // 51.9 MiB, where the reduce-scatter beside two blocks' weights predicted 54.4.
+        consider({"the next block's weight gather after a block's recompute", recomputed_block,
+                  head_kept + last_block_kept,
+                  backward.other + gather_buffers(largest_layer_params, shard), recomputed_what});
+        consider({"a block's gradient reduce-scatter beside the next block's recompute",
+                  recomputed_block, head_kept + last_block_kept,
+                  backward.other - largest_layer_params * per_param.weights +
+                      (1.0 + 1.0 / shard) * per_param.gradients * largest_reduction,
+                  recomputed_what});
+      } else {
+        consider({"a block's gradient reduce-scatter", 0, head_kept + last_block_kept,
+                  backward.other + reduction_bytes * largest_reduction});
+      }
       if (embedding_params > 0) {
         // The backward's last gather, the embedding's (dtexec gathers it again, as FSDP's unit),
-        // the activations gone: the gathered table, the gather's chunk of fp32 masters packed
-        // and gathered, the first block's reduce-scatter still in flight (its packed copy and
-        // reduced shard; the largest block's taken, an upper bound), and a tied table's whole
-        // gradient, written by the head's backward
-        // (bucket-gpt at dp 2 with full recompute held 379.4 MiB there against 348.7
-        // predicted before this moment).
-        consider({"the embedding's weight gather in the backward", 0, s.activations_bytes,
-                  embedding_params * per_param.weights + gather_buffers(embedding_params, shard) +
-                      (1.0 + 1.0 / shard) * per_param.gradients * largest_reduction +
-                      tied_table * per_param.gradients});
+        // the kept activations gone: the gathered table, the gather's part of fp32 masters
+        // packed and gathered, and a tied table's whole gradient, written by the head's
+        // backward. Reduce-scatters before it are done first (the dp stream runs its
+        // collectives in order). With full recompute it follows the first block's recompute,
+        // which it holds with that block's weights; without, the first block's backward, whose
+        // unsharded gradients wait for the reduce-scatter after it (the largest block's taken,
+        // an upper bound). bucket-gpt at dp 2 with full recompute held 361.4 MiB there; the
+        // first block's reduce-scatter in flight and the table gathered in 25 MiB chunks
+        // beside it predicted 376.3.
+        const bool full = plan.recompute == Recompute::Full;
+        consider(
+            {"the embedding's weight gather in the backward", recomputed_block, s.activations_bytes,
+             embedding_params * per_param.weights + tensor_gather_buffers(embedding_params, shard) +
+                 tied_table * per_param.gradients +
+                 (full ? largest_layer_params * per_param.weights
+                       : largest_reduction * per_param.gradients),
+             recomputed_what});
       }
     }
     if (zero3 && plan.schedule == Schedule::ZeroBubble) {

@@ -13,7 +13,10 @@
 # tiny-gpt pp 2 dp 2 ZeRO-3 until the sixtieth session took its moments as states of the pass order;
 # zero-bubble with full recompute +18.5% (the recomputed block counted beside its W pass's
 # tensors) and with ZeRO-2 +12.6% on cpu-small (a reduce-scatter in flight where no W pass had
-# started one) until later that session.
+# started one) until later that session; ZeRO-3 with full recompute +4.8% on cpu-small (its
+# reduce-scatter counted beside the next block's recompute and two blocks' weights, where dtexec
+# peaks at that block's gather) until the sixty-first, and +4.1% on bucket-gpt (the embedding's
+# gather counted beside a reduce-scatter that dtexec finishes first).
 # usage: memory_check.sh DTEXEC DTSIM MPIRUN WORK_DIR
 set -uo pipefail
 dtexec=$1
@@ -46,6 +49,8 @@ plans=(
   "$moe|2|8|--dp 2 --zero-stage 1 --recompute full"
   "tiny-gpt|2|32|--pp 2 --schedule zero-bubble --recompute full"
   "cpu-small|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 2"
+  "cpu-small|2|8|--dp 2 --zero-stage 3 --recompute full"
+  "$buckets|2|8|--dp 2 --zero-stage 3 --recompute full"
 )
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 failed=0

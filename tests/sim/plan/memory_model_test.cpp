@@ -183,6 +183,35 @@ TEST_CASE("ZeRO-2 holds a bucket of full gradients and, at its reduce-scatter, t
   CHECK(z1_in_place.total_bytes < z1.total_bytes);
 }
 
+TEST_CASE("ZeRO-3 with full recompute peaks at the next block's gather after a recompute",
+          "[plan][memory]") {
+  // cpu-small at dp 2: a block's backward recomputes it, then gathers the next block's weights
+  // (dtexec, as FSDP prefetches at a unit's pre-backward): the recomputed block, the tied table
+  // (gathered from the embedding's forward to the head's backward), two blocks' weights and
+  // the gather's packed shard and gathered chunk. The block's reduce-scatter runs later, beside
+  // the next block's recompute with one block's weights: less (dtexec peaked at the gather,
+  // 51.9 MiB; the reduce-scatter beside two blocks' weights predicted 54.4).
+  const CpuSmallDp2 base;
+  Plan q = base.plan;
+  q.zero_stage = 3;
+  q.recompute = Recompute::Full;
+  const auto m = base.memory(q).worst();
+  double block = 0;
+  for (const auto id : base.graph.layer_ops(0)) {
+    block += static_cast<double>(base.graph.op(id).params);
+  }
+  const auto& spec = base.graph.spec();
+  const double table = static_cast<double>(spec.vocab_rows()) * static_cast<double>(spec.hidden);
+  CHECK(m.peak_moment == "the next block's weight gather after a block's recompute");
+  CHECK(m.working_tensors == "a block recomputed");
+  CHECK(m.other_bytes == Approx(4.0 * (table + 2.0 * block + 1.5 * block)));
+  // Without recompute the reduce-scatter keeps its own moment (the unsharded gradients, their
+  // packed copy and the reduced shard beside two blocks' weights), never the gather's.
+  q.recompute = Recompute::None;
+  CHECK(base.memory(q).worst().peak_moment !=
+        "the next block's weight gather after a block's recompute");
+}
+
 TEST_CASE("ZeRO-2's last reduce-scatter of a micro-batch may run through the next one's forward",
           "[plan][memory]") {
   // cpu-small's one bucket on two ranks with two micro-batches each: the first micro-batch's
@@ -790,9 +819,9 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
       return s.activations_bytes - saved(graph, -1, wide.layers) + s.other_bytes;
     };
     // And the embedding's gather in the backward, every activation freed: the gathered bf16
-    // table, the gather's fp32 chunk packed and gathered (1 + 1/4 times it, at most a bucket),
-    // the first block's reduce-scatter in flight (1 + 1/4 times its gradients) and a tied
-    // table's whole gradient.
+    // table, the gather's fp32 part packed and gathered (1 + 1/4 times it: the table in equal
+    // parts of at most a bucket), the first block's unsharded gradients (its reduce-scatter
+    // comes after the gather) and a tied table's whole gradient.
     const double grad_bytes = dtsim::plan::state_bytes_per_param(p).gradients;
     const auto cap = static_cast<double>(dtsim::plan::kGradientBucketBytes);
     const auto moments = [&](const ModelGraph& graph, double forward_gathered,
@@ -804,8 +833,8 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
            backward_gathered + reduction * head_params - head_saved,
            backward_gathered + reduction * block_params - head_saved -
                saved(graph, wide.layers - 1, wide.layers - 1),
-           2 * embedding + 1.25 * std::min(cap, 4 * embedding) + 1.25 * grad_bytes * block_params +
-               grad_bytes * table - saved(graph, -1, wide.layers)});
+           2 * embedding + 1.25 * 4 * embedding / std::ceil(4 * embedding / cap) +
+               grad_bytes * block_params + grad_bytes * table - saved(graph, -1, wide.layers)});
     };
     CHECK(peak_extra(untied) ==
           Approx(moments(untied, 2 * untied_head, 2 * 2 * untied_head, untied_head)));
