@@ -501,7 +501,7 @@ int cmd_plan(const std::vector<std::string>& args) {
     add_price_json(out, cluster);
     if (profile) {
       // What simulate's notes say of it: its in_run factors, and for #1 what it did not measure.
-      json notes = profile_notes(*profile);
+      json notes = profile_notes(*profile, &cluster);
       if (!result.ranked.empty()) {
         const plan::Plan& best = result.ranked.front().plan;
         const model::ModelGraph g = plan::graph_of(spec, best);
@@ -588,7 +588,7 @@ int cmd_plan(const std::vector<std::string>& args) {
   std::cout << fmt::format("{} candidates evaluated, {} fit in memory; the best {} simulated\n",
                            result.evaluated, result.feasible, result.refined);
   if (profile) {
-    for (const std::string& n : profile_notes(*profile)) std::cout << n << "\n";
+    for (const std::string& n : profile_notes(*profile, &cluster)) std::cout << n << "\n";
   }
   const double jitter = engine::jitter_cv_of(options.jitter_cv, options.profile);
   if (jitter > 0) {

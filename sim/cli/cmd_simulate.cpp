@@ -100,7 +100,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
   if (const auto profile_file = profile_argument(vm)) {
     profile = cost::load_profile(*profile_file);
     options.profile = &*profile;
-    for (auto& n : profile_notes(*profile)) notes.push_back(std::move(n));
+    for (auto& n : profile_notes(*profile, &cluster)) notes.push_back(std::move(n));
     for (auto& w : profile_warnings(*profile, cluster.device)) notes.push_back(std::move(w));
     for (auto& n :
          cost::ComputeCost(setup.graph, plan, cluster.device, &*profile).profile_coverage())

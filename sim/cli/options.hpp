@@ -207,7 +207,10 @@ Precision precision_of_flag(std::string_view flag, const std::string& text);
 
 // What prices the compute with a calibration profile, for simulate's, plan's and whatif's
 // notes: the file and its source, its in_run factors, an older file's loss split.
-std::vector<std::string> profile_notes(const cost::Profile& profile);
+// `cluster`: the plan's, for a profile measured by another number of ranks per host than the
+// plan runs (ranks sharing a host's cores: a CPU cluster).
+std::vector<std::string> profile_notes(const cost::Profile& profile,
+                                       const cluster::Cluster* cluster = nullptr);
 // Warnings on a calibration profile for a cluster's device: measured on another device (its
 // "device" is neither the catalog name nor an alias, compared without case: its times then stand
 // for a device they were not measured on); else GEMMs that ran above the device's peak at the

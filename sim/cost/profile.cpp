@@ -101,7 +101,7 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
   // Fields that the model does not read still have their types checked: a profile is written
   // by dtexec calibrate, and a wrong type means a file that it did not write.
   if (r.has("notes")) r.string("notes");
-  if (r.has("ranks_per_host")) r.positive_int("ranks_per_host");
+  if (r.has("ranks_per_host")) p.ranks_per_host = r.positive_int("ranks_per_host");
   if (r.has("precision")) {
     p.precision = *parse_precision(r.choice("precision", {"fp32", "tf32", "bf16", "fp16", "fp8"}));
     p.precision_stated = true;

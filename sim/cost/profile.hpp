@@ -87,7 +87,10 @@ struct Profile {
   std::string file;
   Precision precision = Precision::Bf16;
   bool precision_stated = false;  // the file's "precision" (else bf16, said as a warning)
-  std::vector<GemmSample> gemm;   // sorted by FLOPs
+  // How many ranks measured at once on the calibrating host (dtexec calibrate under mpirun: they
+  // shared its cores and memory bandwidth); 0 where the file does not say.
+  std::int64_t ranks_per_host = 0;
+  std::vector<GemmSample> gemm;  // sorted by FLOPs
   // Each measured size's FLOPs and throughput (the median of its layouts'), by FLOPs: what
   // gemm_seconds interpolates. Derived from `gemm` by index_sizes(), which load_profile calls.
   std::vector<std::pair<double, double>> sizes;
