@@ -83,6 +83,12 @@ int cmd_validate(const std::vector<std::string>& args) {
     if (auto n = report::span_note(*trace)) notes.push_back(std::move(*n));
   }
   if (auto n = report::scale_note(v, measured)) notes.push_back(std::move(*n));
+  if (v.restreamed > 0) {
+    notes.push_back(fmt::format(
+        "{} of {} joined tasks ran on another stream than predicted (first: {}): an edited "
+        "trace, or another program's streams; the stream rows group them by the predicted one",
+        v.restreamed, v.matched, v.first_restreamed));
+  }
   // (A trace that names its plan and is not a lone rank's has the note on its missing ranks,
   // which says the same.)
   if (v.step_programs > 0 && (measured.only_rank || measured.plan.is_null())) {

@@ -494,6 +494,15 @@ Validation validate(const Trace& predicted, const Trace& measured) {
     }
     const auto stream = predicted.stream_names.count(p.stream) ? predicted.stream_names.at(p.stream)
                                                                : fmt::format("{}", p.stream);
+    const bool both_named =
+        predicted.stream_names.count(p.stream) != 0 && measured.stream_names.count(m.stream) != 0;
+    const std::string measured_stream =
+        both_named ? measured.stream_names.at(m.stream) : fmt::format("{}", m.stream);
+    if ((both_named ? measured_stream != stream : m.stream != p.stream) && v.restreamed++ == 0) {
+      v.first_restreamed = fmt::format(
+          "rank {} task {} \"{}\": stream \"{}\" predicted, \"{}\" measured", m.rank, m.task,
+          p.name, both_named ? stream : fmt::format("{}", p.stream), measured_stream);
+    }
     // (A simulated "measurement" holds its own straggler waits, and leaves them out alike.)
     const double predicted_s = p.duration_s - p.wait_s;
     const double measured_s = m.duration_s - m.wait_s;

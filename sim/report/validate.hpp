@@ -127,6 +127,11 @@ struct Validation {
   // and the first of them, as "rank R task T: "predicted name" predicted, "measured" measured".
   std::int64_t renamed = 0;
   std::string first_renamed;
+  // Joined pairs whose streams differ (by name where both traces name their threads, else by
+  // tid): a trace edited, or of another program's streams. The stream rows take the predicted
+  // task's. The first, as "rank R task T "name": "predicted" predicted, "measured" measured".
+  std::int64_t restreamed = 0;
+  std::string first_restreamed;
   // The step row's scope where the measured trace leaves out ranks (dtexec run --only-rank, a
   // trace cut down): how many of the predicted programs it spans, of how many (0 of 0 where it
   // spans them all). Both spans are then of those programs' and ranks' tasks alone.

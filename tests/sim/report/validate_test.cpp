@@ -128,6 +128,36 @@ TEST_CASE("validate counts the joined tasks that another plan names differently"
   CHECK(v.first_renamed == "rank 0 task 0: name \"fwd\" predicted, \"bwd\" measured");
 }
 
+TEST_CASE("validate counts the joined tasks measured on another stream than predicted",
+          "[report][validate]") {
+  TempFile p("predicted_streams.json", kPredicted);
+  // Named threads: task 1 on "dp" where the program has it on "compute"; task 0 on another tid
+  // of the same name, not counted (lanes of one stream, as dtsim writes overlapping tasks).
+  TempFile named("measured_streams.json", R"({"traceEvents": [
+    {"ph": "M", "name": "thread_name", "pid": 0, "tid": 0, "args": {"name": "dp"}},
+    {"ph": "M", "name": "thread_name", "pid": 0, "tid": 3, "args": {"name": "compute"}},
+    {"ph": "X", "name": "fwd", "pid": 0, "tid": 3, "ts": 0, "dur": 125, "args": {"task": 0, "kind": "compute", "phase": "fwd"}},
+    {"ph": "X", "name": "bwd", "pid": 0, "tid": 0, "ts": 125, "dur": 50, "args": {"task": 1, "kind": "compute", "phase": "bwd"}}]})");
+  const auto v = dtsim::report::validate(dtsim::report::read_trace(p.path()),
+                                         dtsim::report::read_trace(named.path()));
+  CHECK(v.matched == 2);
+  CHECK(v.restreamed == 1);
+  CHECK(v.first_restreamed ==
+        "rank 0 task 1 \"bwd\": stream \"compute\" predicted, \"dp\" measured");
+  // Unnamed threads compare by tid.
+  TempFile bare("measured_tids.json", R"({"traceEvents": [
+    {"ph": "X", "name": "fwd", "pid": 0, "tid": 0, "ts": 0, "dur": 125, "args": {"task": 0, "kind": "compute", "phase": "fwd"}},
+    {"ph": "X", "name": "bwd", "pid": 0, "tid": 2, "ts": 125, "dur": 50, "args": {"task": 1, "kind": "compute", "phase": "bwd"}}]})");
+  const auto by_tid = dtsim::report::validate(dtsim::report::read_trace(p.path()),
+                                              dtsim::report::read_trace(bare.path()));
+  CHECK(by_tid.restreamed == 1);
+  CHECK(by_tid.first_restreamed == "rank 0 task 1 \"bwd\": stream \"0\" predicted, \"2\" measured");
+  // The same streams: none.
+  CHECK(dtsim::report::validate(dtsim::report::read_trace(p.path()),
+                                dtsim::report::read_trace(p.path()))
+            .restreamed == 0);
+}
+
 TEST_CASE("a task measured as taking no time has no error", "[report][validate]") {
   TempFile p("predicted0.json", kPredicted);
   TempFile m("measured0.json", R"({"traceEvents": [
