@@ -657,6 +657,25 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
              recomputed_what});
       }
     }
+    // Zero-bubble's states right after a W pass, the most kept of them: where a weight pass's
+    // gradients go out (ZeRO-2's reduce-scatter, ZeRO-3's behind the next pass's gather).
+    const double kept_at_peak = s.activations_bytes - extra_activations;
+    if (zb_walk) {
+      int forwards = 0, pending = 0;
+      for (const ZbPass& pass :
+           zero_bubble_order(plan.pp, static_cast<int>(plan.micro_batches()), stage)) {
+        if (pass.kind == ZbKind::Forward) {
+          ++forwards;
+        } else if (pass.kind == ZbKind::BackwardInput) {
+          --forwards;
+          ++pending;
+        } else {
+          --pending;
+          const double kept = forwards * per_forward + pending * weight_pass;
+          if (kept > zb_after_weight.bytes) zb_after_weight = {kept, forwards, pending};
+        }
+      }
+    }
     if (zero3 && plan.schedule == Schedule::ZeroBubble) {
       // Zero-bubble gathers a whole chunk per pass (its passes split the backward, which the
       // per-block gathers need whole; lower's run_stage) and reduce-scatters a weight pass's
@@ -673,21 +692,6 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       const double chunk = dense_params + (expert_group > 1 ? expert_params : 0.0);
       const double packed = std::max(gather_buffers(dense_params, shard),
                                      gather_buffers(expert_params, expert_group));
-      int forwards = 0, pending = 0;
-      for (const ZbPass& pass :
-           zero_bubble_order(plan.pp, static_cast<int>(plan.micro_batches()), stage)) {
-        if (pass.kind == ZbKind::Forward) {
-          ++forwards;
-        } else if (pass.kind == ZbKind::BackwardInput) {
-          --forwards;
-          ++pending;
-        } else {
-          --pending;
-          const double kept = forwards * per_forward + pending * weight_pass;
-          if (kept > zb_after_weight.bytes) zb_after_weight = {kept, forwards, pending};
-        }
-      }
-      const double kept_at_peak = s.activations_bytes - extra_activations;
       consider({"a weight pass's end, the next pass's weights gathered", 0,
                 std::max(0.0, kept_at_peak - zb_after_weight.bytes),
                 chunk * (per_param.gradients + per_param.weights) + packed, "", &zb_after_weight});
@@ -700,8 +704,11 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     const std::vector<GradientBucket> buckets =
         bucketed ? gradient_buckets(g, plan, chunk_groups, per_param.gradients)
                  : std::vector<GradientBucket>{};
-    double largest_bucket = 0;
-    for (const GradientBucket& b : buckets) largest_bucket = std::max(largest_bucket, b.bytes);
+    double largest_bucket = 0, stage_gradients = 0;
+    for (const GradientBucket& b : buckets) {
+      largest_bucket = std::max(largest_bucket, b.bytes);
+      stage_gradients += b.bytes;
+    }
     if (plan.zero_stage == 1 && shard > 1 && !plan.zero_in_place) {
       // ZeRO-1 reduce-scatters the accumulated gradients once per step, in the last
       // micro-batch's backward as its blocks fill the buckets (the other micro-batches done):
@@ -738,12 +745,21 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // A tied table's whole gradient is held beside the buckets before the embedding's (whose
       // bytes carry it).
       bool table_sent = false;
+      // Zero-bubble's gradients are written by its W passes, whose last bucket goes out at the
+      // pass's end: the stage then keeps a state after a W pass, not a micro-batch's forward
+      // (cpu-small pp 2 dp 2, micro-batch 2, 2 micro-batches: the last stage held 48.9 MiB
+      // at W0's reduce-scatter, W1's tensors kept; 56.6 predicted with the most any state
+      // keeps and the next pass's first bucket beside it).
+      const double zb_freed = zb_walk ? std::max(0.0, kept_at_peak - zb_after_weight.bytes) : 0.0;
+      const ZbHeld* zb_state = zb_walk ? &zb_after_weight : nullptr;
       for (std::size_t i = 0; i < buckets.size(); ++i) {
         const GradientBucket& b = buckets[i];
+        const bool pass_end = zb_walk && (b.ends_pass || i + 1 == buckets.size());
         consider_without_bucket(
             {"a gradient bucket's reduce-scatter", 0,
-             std::max(0.0, s.activations_bytes - others - b.kept),
-             2.0 * b.bytes + b.spill + (table_sent || b.embedding ? 0.0 : table_gradient)});
+             pass_end ? zb_freed : std::max(0.0, s.activations_bytes - others - b.kept),
+             2.0 * b.bytes + b.spill + (table_sent || b.embedding ? 0.0 : table_gradient), "",
+             pass_end ? zb_state : nullptr});
         table_sent = table_sent || b.embedding;
         if (i + 1 == buckets.size()) break;
         // Its reduce-scatter may still run when the next bucket is full (the next one's
@@ -785,12 +801,23 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           largest_last = std::max(largest_last, last.bytes);
           for (const GradientBucket* first_bucket : firsts) {
             const GradientBucket& first = *first_bucket;
+            // Under zero-bubble the next pass is a W pass from a state after one, which frees
+            // its tensors block by block as it writes their gradients: by the time its first
+            // bucket is full, about that bucket's share of the pass's gradients of them (by
+            // bytes of gradients: an approximation of the blocks' shares).
+            double freed = std::max(0.0, s.activations_bytes - others - first.kept);
+            if (zb_walk) {
+              const double share =
+                  stage_gradients > 0 ? std::min(1.0, first.bytes / stage_gradients) : 1.0;
+              freed = zb_freed + share * std::min(weight_pass, zb_after_weight.bytes);
+            }
             consider_without_bucket(
                 {"a backward pass's last gradient bucket's reduce-scatter as the next pass "
                  "fills its first",
-                 0, std::max(0.0, s.activations_bytes - others - first.kept),
+                 0, freed,
                  (1.0 + 1.0 / shard) * last.bytes + first.bytes + first.spill +
-                     (first.embedding ? 0.0 : table_gradient)});
+                     (first.embedding ? 0.0 : table_gradient),
+                 "", zb_state});
           }
         }
         // And through a forward that runs between two backward passes (where the stage runs

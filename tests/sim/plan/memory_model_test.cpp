@@ -212,6 +212,29 @@ TEST_CASE("ZeRO-3 with full recompute peaks at the next block's gather after a r
         "the next block's weight gather after a block's recompute");
 }
 
+TEST_CASE("zero-bubble's ZeRO-2 reduce-scatter holds the state after a W pass", "[plan][memory]") {
+  // cpu-small at pp 2 dp 2, micro-batch 2, 2 micro-batches: the last stage's W0 writes the
+  // stage's gradients (one bucket) and reduce-scatters them as W1's tensors are all it keeps
+  // (no forward in flight): the unsharded gradients and their packed copy beside those.
+  // dtexec held 48.9 MiB there; the most any state keeps, beside the next pass's first bucket,
+  // predicted 56.6.
+  const CpuSmallDp2 base;
+  const ModelGraph graph(load_model("cpu-small"), 2, 128);
+  Plan q = base.plan;
+  q.pp = 2;
+  q.micro_batch_size = 2;
+  q.schedule = Schedule::ZeroBubble;
+  q.zero_stage = 2;
+  dtsim::plan::MemoryOptions none;
+  none.framework_overhead_bytes = 0;
+  const auto last = estimate_memory(graph, q, base.cluster, none).stages.at(1);
+  CHECK(last.peak_moment == "a gradient bucket's reduce-scatter");
+  CHECK(last.in_flight == 0);
+  CHECK(last.weight_passes_held == 1);
+  // The gradients' shard is half of them: the unsharded ones and their copy, four shards.
+  CHECK(last.other_bytes == Approx(4.0 * last.gradients_bytes).epsilon(1e-6));
+}
+
 TEST_CASE("ZeRO-2's last reduce-scatter of a micro-batch may run through the next one's forward",
           "[plan][memory]") {
   // cpu-small's one bucket on two ranks with two micro-batches each: the first micro-batch's
