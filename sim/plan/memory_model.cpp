@@ -788,7 +788,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // 321.4, as predicted without it).
       const bool forward_between = plan.micro_batches() * v > in_flight(plan, stage);
       const bool last_stage = stage == plan.pp - 1;
-      if (plan.micro_batches() * v > 1 && (forward_between || last_stage)) {
+      // (Zero-bubble's earlier stages too: a B pass's wait for its gradient did not always
+      // see the reduce-scatter through on bucket-gpt, whose first step held it to W1's end.)
+      if (plan.micro_batches() * v > 1 && (forward_between || last_stage || zb_walk)) {
         // A chunk's first bucket starts its list; its last ones end its pass.
         std::vector<const GradientBucket*> firsts, lasts;
         for (std::size_t i = 0; i < buckets.size(); ++i) {
@@ -801,22 +803,25 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           largest_last = std::max(largest_last, last.bytes);
           for (const GradientBucket* first_bucket : firsts) {
             const GradientBucket& first = *first_bucket;
-            // Under zero-bubble the next pass is a W pass from a state after one, which frees
-            // its tensors block by block as it writes their gradients: by the time its first
-            // bucket is full, about that bucket's share of the pass's gradients of them (by
-            // bytes of gradients: an approximation of the blocks' shares).
-            double freed = std::max(0.0, s.activations_bytes - others - first.kept);
-            if (zb_walk) {
-              const double share =
-                  stage_gradients > 0 ? std::min(1.0, first.bytes / stage_gradients) : 1.0;
-              freed = zb_freed + share * std::min(weight_pass, zb_after_weight.bytes);
-            }
+            // Under zero-bubble the next pass is a W pass from a state after one, and its buckets
+            // go out only after it (lower issues a pass's buckets once its gradients exist): the
+            // previous pass's last reduce-scatter, where still in flight, sees every gradient
+            // of the stage written and the W pass's tensors freed (bucket-gpt at pp 2 dp 2,
+            // micro-batch 4, 2 micro-batches: stage 0 held 359.3 MiB at W1's end, W0's last
+            // reduce-scatter pending; 329.5 predicted with the first bucket filled).
+            const bool whole_pass = zb_walk;
             consider_without_bucket(
-                {"a backward pass's last gradient bucket's reduce-scatter as the next pass "
-                 "fills its first",
-                 0, freed,
-                 (1.0 + 1.0 / shard) * last.bytes + first.bytes + first.spill +
-                     (first.embedding ? 0.0 : table_gradient),
+                {whole_pass ? "a weight pass's last gradient bucket's reduce-scatter as the next "
+                              "weight pass writes the stage's gradients"
+                            : "a backward pass's last gradient bucket's reduce-scatter as the next "
+                              "pass fills its first",
+                 0,
+                 whole_pass ? zb_freed + std::min(weight_pass, zb_after_weight.bytes)
+                            : std::max(0.0, s.activations_bytes - others - first.kept),
+                 (1.0 + 1.0 / shard) * last.bytes +
+                     (whole_pass
+                          ? stage_gradients + table_gradient
+                          : first.bytes + first.spill + (first.embedding ? 0.0 : table_gradient)),
                  "", zb_state});
           }
         }

@@ -16,7 +16,9 @@
 # started one) until later that session; ZeRO-3 with full recompute +4.8% on cpu-small (its
 # reduce-scatter counted beside the next block's recompute and two blocks' weights, where dtexec
 # peaks at that block's gather) until the sixty-first, and +4.1% on bucket-gpt (the embedding's
-# gather counted beside a reduce-scatter that dtexec finishes first).
+# gather counted beside a reduce-scatter that dtexec finishes first); zero-bubble with ZeRO-2
+# on bucket-gpt -8.3% (a W pass's last reduce-scatter still in flight as the next W pass wrote
+# every bucket, which go out only after it).
 # usage: memory_check.sh DTEXEC DTSIM MPIRUN WORK_DIR
 set -uo pipefail
 dtexec=$1
@@ -51,6 +53,7 @@ plans=(
   "cpu-small|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 2"
   "cpu-small|2|8|--dp 2 --zero-stage 3 --recompute full"
   "$buckets|2|8|--dp 2 --zero-stage 3 --recompute full"
+  "$buckets|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 2"
 )
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 failed=0
