@@ -21,6 +21,18 @@ dtsim::model::Op gemm_op(double m, double k, double n) {
   return op;
 }
 
+// A plan of one sequence of 1024 tokens split over tp and cp ranks, with sequence parallelism
+// or without.
+dtsim::plan::Plan split_plan(int tp, int cp, bool sp) {
+  dtsim::plan::Plan plan;
+  plan.micro_batch_size = 1;
+  plan.seq_len = 1024;
+  plan.tp = tp;
+  plan.cp = cp;
+  plan.sequence_parallel = sp;
+  return plan;
+}
+
 }  // namespace
 
 TEST_CASE("GEMM time follows the device's waves of tiles", "[cost]") {
@@ -251,12 +263,7 @@ TEST_CASE("an MoE's token moves are memory-bound kernels after the router and th
   // With and without the moves: the difference is their bytes at the device's bandwidth, one
   // launch each, in the forward, the backward and its input-gradient pass only.
   auto check = [&](int tp, int cp, bool sp, double split) {
-    dtsim::plan::Plan plan;
-    plan.micro_batch_size = 1;
-    plan.seq_len = 1024;
-    plan.tp = tp;
-    plan.cp = cp;
-    plan.sequence_parallel = sp;
+    dtsim::plan::Plan plan = split_plan(tp, cp, sp);
     plan.expert_load = 1.5;  // the busiest experts' compute, not the moves of own tokens
     const auto graph = dtsim::plan::graph_of(dtsim::model::load_model("mixtral-8x7b"), plan);
     const dtsim::cost::ComputeCost cost(graph, plan, device);
@@ -291,12 +298,7 @@ TEST_CASE("every tp rank writes the whole output of the vocabulary-parallel embe
   // Learned positions (GPT-2) read a second table; rotary ones (Llama) none.
   for (const auto& [model, p] : {std::pair{"gpt2-124m", 1.0}, {"llama3-8b", 0.0}}) {
     auto seconds = [&](int tp, int cp, bool sp, Phase phase) {
-      dtsim::plan::Plan plan;
-      plan.micro_batch_size = 1;
-      plan.seq_len = 1024;
-      plan.tp = tp;
-      plan.cp = cp;
-      plan.sequence_parallel = sp;
+      const dtsim::plan::Plan plan = split_plan(tp, cp, sp);
       const auto graph = dtsim::plan::graph_of(dtsim::model::load_model(model), plan);
       const dtsim::cost::ComputeCost cost(graph, plan, device);
       for (const auto& op : graph.ops()) {
