@@ -390,6 +390,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     double largest_mlp_grads = 0;     // an MLP activation's backward: its gradients, in and out
     double last_block_kept = 0;       // what the stage's last block keeps of a micro-batch
     double largest_layer_params = 0;  // for ZeRO-3's gathered-weights buffer
+    double largest_block_params = 0;  // of a transformer block alone (not the embedding, head)
+    int blocks_here = 0;              // transformer blocks on this stage
     double largest_reduction = 0;     // ZeRO-3: the most parameters a block's reduce-scatter takes
     double tied_table = 0;            // ZeRO-3: a tied head's table, gathered for the embedding
     double embedding_params = 0;      // the first stage's embedding (and positions)
@@ -428,6 +430,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           }
         }
         largest_layer_params = std::max(largest_layer_params, layer_params + layer_expert_params);
+        largest_block_params = std::max(largest_block_params, layer_params + layer_expert_params);
+        ++blocks_here;
         // (Experts' gradients reduce over their own group, apart from the dense ones.)
         largest_reduction = std::max({largest_reduction, layer_params, layer_expert_params});
         largest_quadratic = std::max(largest_quadratic, quadratic);
@@ -615,7 +619,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       const double reduction_bytes = (2.0 + 1.0 / shard) * per_param.gradients;
       consider({"the head's gradient reduce-scatter", recomputed_block, head_kept,
                 backward.other + reduction_bytes * head_params, recomputed_what});
-      if (plan.recompute == Recompute::Full) {
+      // (Zero-bubble gathers and reduces a whole chunk per pass: its own moments below.)
+      if (plan.recompute == Recompute::Full && !zb_walk) {
         // With full recompute a block's backward starts with its recompute, and the next
         // block's weights are gathered after it, before the backward proper (as FSDP prefetches
         // the next unit's at a unit's pre-backward): the recomputed block, its weights and the
@@ -623,16 +628,23 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         // reduce-scatter then runs beside the next block's recompute, its packed copy and
         // reduced shard held (the unsharded gradients freed once packed) with one block's
         // weights gathered. cpu-small at dp 2, micro-batch 4: dtexec peaked at the gather,
-        // 51.9 MiB, where the reduce-scatter beside two blocks' weights predicted 54.4.
-        consider({"the next block's weight gather after a block's recompute", recomputed_block,
-                  head_kept + last_block_kept,
-                  backward.other + gather_buffers(largest_layer_params, shard), recomputed_what});
+        // 51.9 MiB, where the reduce-scatter beside two blocks' weights predicted 54.4. Blocks'
+        // weights, not the embedding's or the head's (gathered at moments of their own); a
+        // stage of one block has no next one to gather.
+        const double table_held = tied_table * per_param.weights;
+        if (blocks_here >= 2) {
+          consider({"the next block's weight gather after a block's recompute", recomputed_block,
+                    head_kept + last_block_kept,
+                    table_held + 2.0 * largest_block_params * per_param.weights +
+                        gather_buffers(largest_block_params, shard),
+                    recomputed_what});
+        }
         consider({"a block's gradient reduce-scatter beside the next block's recompute",
                   recomputed_block, head_kept + last_block_kept,
-                  backward.other - largest_layer_params * per_param.weights +
+                  table_held + largest_block_params * per_param.weights +
                       (1.0 + 1.0 / shard) * per_param.gradients * largest_reduction,
                   recomputed_what});
-      } else {
+      } else if (!zb_walk) {
         consider({"a block's gradient reduce-scatter", 0, head_kept + last_block_kept,
                   backward.other + reduction_bytes * largest_reduction});
       }
@@ -652,7 +664,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
             {"the embedding's weight gather in the backward", recomputed_block, s.activations_bytes,
              embedding_params * per_param.weights + tensor_gather_buffers(embedding_params, shard) +
                  tied_table * per_param.gradients +
-                 (full ? largest_layer_params * per_param.weights
+                 (full ? largest_block_params * per_param.weights
                        : largest_reduction * per_param.gradients),
              recomputed_what});
       }
