@@ -498,7 +498,11 @@ Validation validate(const Trace& predicted, const Trace& measured) {
         predicted.stream_names.count(p.stream) != 0 && measured.stream_names.count(m.stream) != 0;
     const std::string measured_stream =
         both_named ? measured.stream_names.at(m.stream) : fmt::format("{}", m.stream);
-    if ((both_named ? measured_stream != stream : m.stream != p.stream) && v.restreamed++ == 0) {
+    // (Unnamed, a stream's lanes are its tid plus multiples of lower::kStreamCount.)
+    const bool moved = both_named
+                           ? measured_stream != stream
+                           : m.stream % lower::kStreamCount != p.stream % lower::kStreamCount;
+    if (moved && v.restreamed++ == 0) {
       v.first_restreamed = fmt::format(
           "rank {} task {} \"{}\": stream \"{}\" predicted, \"{}\" measured", m.rank, m.task,
           p.name, both_named ? stream : fmt::format("{}", p.stream), measured_stream);

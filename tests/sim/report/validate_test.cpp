@@ -144,9 +144,9 @@ TEST_CASE("validate counts the joined tasks measured on another stream than pred
   CHECK(v.restreamed == 1);
   CHECK(v.first_restreamed ==
         "rank 0 task 1 \"bwd\": stream \"compute\" predicted, \"dp\" measured");
-  // Unnamed threads compare by tid.
+  // Unnamed threads compare by tid, a lane (tid + kStreamCount) as its stream.
   TempFile bare("measured_tids.json", R"({"traceEvents": [
-    {"ph": "X", "name": "fwd", "pid": 0, "tid": 0, "ts": 0, "dur": 125, "args": {"task": 0, "kind": "compute", "phase": "fwd"}},
+    {"ph": "X", "name": "fwd", "pid": 0, "tid": 6, "ts": 0, "dur": 125, "args": {"task": 0, "kind": "compute", "phase": "fwd"}},
     {"ph": "X", "name": "bwd", "pid": 0, "tid": 2, "ts": 125, "dur": 50, "args": {"task": 1, "kind": "compute", "phase": "bwd"}}]})");
   const auto by_tid = dtsim::report::validate(dtsim::report::read_trace(p.path()),
                                               dtsim::report::read_trace(bare.path()));
