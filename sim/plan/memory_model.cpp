@@ -617,8 +617,15 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // its input buffer), while the next block's backward starts (with full recompute,
       // holding that block recomputed).
       const double reduction_bytes = (2.0 + 1.0 / shard) * per_param.gradients;
+      // The head's: its weights go back after its backward and the last block's are gathered
+      // before the reduce-scatter packs its gradients; the unsharded ones and their packed copy
+      // at once (the shard comes after they are dropped). bucket-gpt at pp 2 dp 2 (a 32 MiB
+      // tied head copy): dtexec held 253.0 MiB there on the last stage, where two head-sized
+      // groups gathered and (2 + 1/dp) times its gradients predicted 320.7.
       consider({"the head's gradient reduce-scatter", recomputed_block, head_kept,
-                backward.other + reduction_bytes * head_params, recomputed_what});
+                tied_table * per_param.weights + largest_block_params * per_param.weights +
+                    2.0 * per_param.gradients * head_params,
+                recomputed_what});
       // (Zero-bubble gathers and reduces a whole chunk per pass: its own moments below.)
       if (plan.recompute == Recompute::Full && !zb_walk) {
         // With full recompute a block's backward starts with its recompute, and the next

@@ -40,7 +40,7 @@ def main():
     expect(f"({with_cp:.2f} s against {without:.2f} s",
            "plan of the default job, with and without --max-cp 1")
 
-    # Its memory front: the 92.1 GiB row (dp=16 tp=1 cp=2 ZeRO-3), as the text table prints it.
+    # Its memory front: the 90.5 GiB row (dp=16 tp=1 cp=2 ZeRO-3), as the text table prints it.
     text = run(dtsim, "plan", *default)
     row = re.search(r"^\s+(\d+\.\d)\s+[\d.]+\s+([\d.]+)%\s+dp=16 tp=1 pp=1 cp=2 mbs=1 gbs=256 "
                     r"1f1b zero=3 bf16$", text, re.M)

@@ -828,8 +828,9 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     // micro-batch's: every op's saved tensors): the forward's end (the logits; the head's
     // weights gathered, and a tied table); the backward (an MLP's gradients; two groups
     // gathered, and a tied table; the head's and loss's tensors freed); and the reduce-scatter
-    // of the head's or a block's fp32 gradients (held unsharded, packed, and reduced: 2 + 1/4
-    // times them; what that head or block kept freed) with two groups gathered.
+    // of a block's fp32 gradients (held unsharded, packed, and reduced: 2 + 1/4 times them;
+    // what that block kept freed) with two groups gathered, or of the head's (unsharded and
+    // packed: its weights gone back, a block's gathered, a tied table held).
     const double logits = 2.0 * 2 * 32 * 65536;
     const double reduction = (2 + 1.0 / 4) * 4;
     const auto saved = [&](const ModelGraph& graph, int first, int last) {
@@ -853,7 +854,7 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
       const double table = graph.spec().tied_embeddings ? embedding : 0.0;
       return std::max(
           {logits + forward_gathered, mlp_backward_grads(graph) + backward_gathered - head_saved,
-           backward_gathered + reduction * head_params - head_saved,
+           2 * table + 2 * block_params + 2 * grad_bytes * head_params - head_saved,
            backward_gathered + reduction * block_params - head_saved -
                saved(graph, wide.layers - 1, wide.layers - 1),
            2 * embedding + 1.25 * 4 * embedding / std::ceil(4 * embedding / cap) +
