@@ -616,7 +616,6 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // of them and the reduced shard held at once (as FSDP2's reduce-scatter copies them into
       // its input buffer), while the next block's backward starts (with full recompute,
       // holding that block recomputed).
-      const double reduction_bytes = (2.0 + 1.0 / shard) * per_param.gradients;
       // The head's: its weights go back after its backward and the last block's are gathered
       // before the reduce-scatter packs its gradients; the unsharded ones and their packed copy
       // at once (the shard comes after they are dropped). bucket-gpt at pp 2 dp 2 (a 32 MiB
@@ -653,7 +652,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
                   recomputed_what});
       } else if (!zb_walk) {
         consider({"a block's gradient reduce-scatter", 0, head_kept + last_block_kept,
-                  backward.other + reduction_bytes * largest_reduction});
+                  tied_table * per_param.weights + 2.0 * largest_block_params * per_param.weights +
+                      2.0 * per_param.gradients * largest_reduction});
       }
       if (embedding_params > 0) {
         // The backward's last gather, the embedding's (dtexec gathers it again, as FSDP's unit),

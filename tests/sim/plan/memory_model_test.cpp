@@ -828,11 +828,10 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     // micro-batch's: every op's saved tensors): the forward's end (the logits; the head's
     // weights gathered, and a tied table); the backward (an MLP's gradients; two groups
     // gathered, and a tied table; the head's and loss's tensors freed); and the reduce-scatter
-    // of a block's fp32 gradients (held unsharded, packed, and reduced: 2 + 1/4 times them;
-    // what that block kept freed) with two groups gathered, or of the head's (unsharded and
-    // packed: its weights gone back, a block's gathered, a tied table held).
+    // of a block's fp32 gradients (unsharded and packed; the reduced shard comes after they
+    // are dropped; what that block kept freed) with two blocks gathered, or of the head's (its
+    // weights gone back, a block's gathered); a tied table held through both.
     const double logits = 2.0 * 2 * 32 * 65536;
-    const double reduction = (2 + 1.0 / 4) * 4;
     const auto saved = [&](const ModelGraph& graph, int first, int last) {
       double bytes = 0;
       for (int l = first; l <= last; ++l) bytes += graph.layer_totals(l).saved_bytes;
@@ -855,7 +854,7 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
       return std::max(
           {logits + forward_gathered, mlp_backward_grads(graph) + backward_gathered - head_saved,
            2 * table + 2 * block_params + 2 * grad_bytes * head_params - head_saved,
-           backward_gathered + reduction * block_params - head_saved -
+           2 * table + 4 * block_params + 2 * grad_bytes * block_params - head_saved -
                saved(graph, wide.layers - 1, wide.layers - 1),
            2 * embedding + 1.25 * 4 * embedding / std::ceil(4 * embedding / cap) +
                grad_bytes * block_params + grad_bytes * table - saved(graph, -1, wide.layers)});
