@@ -856,11 +856,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         // ZeRO-2: +12.6% with it at a forward that no W pass came before, -4.9% without it at
         // one that did).
         const bool zb_reducing = zb_walk && zb.forward_after_weight.forwards > 0;
-        // A forward with collectives of its own (tp, cp, an MoE's all-to-alls) makes MPI
-        // progress, which completes the reduce-scatter inside it (cpu-small at tp 2 dp 2 with 2
-        // micro-batches: 45.0 MiB held, 55.7 predicted with it in flight).
-        const bool forward_alone = plan.tp == 1 && plan.cp == 1 && (!spec.moe || plan.ep == 1);
-        if (forward_alone && (zb_walk ? zb_reducing : forward_between)) {
+        if (zb_walk ? zb_reducing : forward_between) {
           Moment reducing = forward_end;
           reducing.name = "the forward's end, the last gradient bucket's reduce-scatter in flight";
           reducing.other += (1.0 + 1.0 / shard) * largest_last;

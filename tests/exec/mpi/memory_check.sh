@@ -18,8 +18,7 @@
 # peaks at that block's gather) until the sixty-first, and +4.1% on bucket-gpt (the embedding's
 # gather counted beside a reduce-scatter that dtexec finishes first); zero-bubble with ZeRO-2
 # on bucket-gpt -8.3% (a W pass's last reduce-scatter still in flight as the next W pass wrote
-# every bucket, which go out only after it); ZeRO-2 at tp 2 dp 2 +23.6% (a reduce-scatter
-# counted in flight through a forward whose tp collectives let MPI complete it).
+# every bucket, which go out only after it).
 # usage: memory_check.sh DTEXEC DTSIM MPIRUN WORK_DIR
 set -uo pipefail
 dtexec=$1
@@ -55,7 +54,6 @@ plans=(
   "cpu-small|2|8|--dp 2 --zero-stage 3 --recompute full"
   "$buckets|2|8|--dp 2 --zero-stage 3 --recompute full"
   "$buckets|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 2"
-  "tiny-gpt|4|16|--tp 2 --dp 2 --zero-stage 2"
 )
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 failed=0
