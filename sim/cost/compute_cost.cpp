@@ -269,10 +269,11 @@ double ComputeCost::move_seconds(const model::Op& op, Phase phase) const {
       return 0;
   }
   if (bytes <= 0) return 0;
-  // The rank's tokens: its cp share, and its tp share only under sequence parallelism (which
-  // dispatches each rank's own tokens, plan::moe_local_dispatch); without it every tp rank
-  // moves them all.
-  const double split = static_cast<double>(plan_.cp) * (plan_.sequence_parallel ? plan_.tp : 1);
+  // The rank's tokens: its cp share, and its tp share only where each tp rank dispatches its
+  // own (plan::moe_local_dispatch, under sequence parallelism); else every tp rank moves them
+  // all.
+  const double split = static_cast<double>(plan_.cp) *
+                       (plan::moe_local_dispatch(graph_.spec(), plan_) ? plan_.tp : 1);
   return memory_kernel_seconds(bytes / split);
 }
 

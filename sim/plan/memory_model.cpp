@@ -135,6 +135,7 @@ struct ZbHeld {
 struct ZbPeaks {
   ZbHeld any, forward_end, in_backward;
   ZbHeld forward_after_weight;  // (forwards 0: no forward follows a W pass)
+  ZbHeld after_weight;          // right after a W pass, where its gradients go out
 };
 ZbPeaks zero_bubble_peaks(const Plan& plan, int stage, double per_forward, double per_weight_pass) {
   ZbPeaks peaks;
@@ -151,6 +152,7 @@ ZbPeaks zero_bubble_peaks(const Plan& plan, int stage, double per_forward, doubl
     keep(peaks.any);
     if (state.at == ZbAt::ForwardEnd) keep(peaks.forward_end);
     if (state.at == ZbAt::ForwardAfterWeight) keep(peaks.forward_after_weight);
+    if (state.at == ZbAt::WeightEnd) keep(peaks.after_weight);
     if (running) keep(peaks.in_backward);
   }
   return peaks;
@@ -170,10 +172,8 @@ double gather_buffers(double params, int group) {
 // each at most a bucket (part i of every rank's slice: dtexec's gather_weights), so the part
 // is what is held (a 32 MiB table in two parts of 16 MiB, not a 25 MiB chunk).
 double tensor_gather_buffers(double params, int group) {
-  if (group <= 1) return 0.0;
-  const double bytes = params * 4.0;
-  const double parts = std::ceil(bytes / static_cast<double>(kGradientBucketBytes));
-  return (1.0 + 1.0 / group) * bytes / std::max(1.0, parts);
+  const double parts = std::ceil(params * 4.0 / static_cast<double>(kGradientBucketBytes));
+  return gather_buffers(params / std::max(1.0, parts), group);
 }
 
 // A moment that can hold a stage's most memory: what it adds to the kept activations
@@ -527,7 +527,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       extra_activations = 0;  // (in per_forward)
     }
     s.activations_bytes += extra_activations;
-    ZbHeld zb_after_weight;  // zero-bubble: the most kept right after a W pass (ZeRO-3's moment)
+    // Zero-bubble: the most kept right after a W pass, where a weight pass's gradients go out
+    // (ZeRO-2's reduce-scatter, ZeRO-3's behind the next pass's gather).
+    const ZbHeld& zb_after_weight = zb.after_weight;
     // Beyond what is kept, the most one moment adds, at the forward's end or in the backward
     // (while the in-flight micro-batches are all kept). At the forward's end: the last
     // stage's logits (the loss reads them while writing what it keeps, then they go). In the
@@ -676,25 +678,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
              recomputed_what});
       }
     }
-    // Zero-bubble's states right after a W pass, the most kept of them: where a weight pass's
-    // gradients go out (ZeRO-2's reduce-scatter, ZeRO-3's behind the next pass's gather).
     const double kept_at_peak = s.activations_bytes - extra_activations;
-    if (zb_walk) {
-      int forwards = 0, pending = 0;
-      for (const ZbPass& pass :
-           zero_bubble_order(plan.pp, static_cast<int>(plan.micro_batches()), stage)) {
-        if (pass.kind == ZbKind::Forward) {
-          ++forwards;
-        } else if (pass.kind == ZbKind::BackwardInput) {
-          --forwards;
-          ++pending;
-        } else {
-          --pending;
-          const double kept = forwards * per_forward + pending * weight_pass;
-          if (kept > zb_after_weight.bytes) zb_after_weight = {kept, forwards, pending};
-        }
-      }
-    }
     if (zero3 && plan.schedule == Schedule::ZeroBubble) {
       // Zero-bubble gathers a whole chunk per pass (its passes split the backward, which the
       // per-block gathers need whole; lower's run_stage) and reduce-scatters a weight pass's
@@ -820,28 +804,29 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         for (const GradientBucket* last_bucket : lasts) {
           const GradientBucket& last = *last_bucket;
           largest_last = std::max(largest_last, last.bytes);
+          if (zb_walk) {
+            // Under zero-bubble the next pass is a W pass from a state after one, and its
+            // buckets go out only after it (lower issues a pass's buckets once its gradients
+            // exist): the previous pass's last reduce-scatter, where still in flight, sees every
+            // gradient of the stage written and the W pass's tensors freed (bucket-gpt at pp 2
+            // dp 2, micro-batch 4, 2 micro-batches: stage 0 held 359.3 MiB at W1's end, W0's
+            // last reduce-scatter pending; 329.5 predicted with the first bucket filled).
+            consider_without_bucket(
+                {"a weight pass's last gradient bucket's reduce-scatter as "
+                 "the next weight pass writes the stage's gradients",
+                 0, zb_freed + std::min(weight_pass, zb_after_weight.bytes),
+                 (1.0 + 1.0 / shard) * last.bytes + stage_gradients + table_gradient, "",
+                 zb_state});
+            continue;
+          }
           for (const GradientBucket* first_bucket : firsts) {
             const GradientBucket& first = *first_bucket;
-            // Under zero-bubble the next pass is a W pass from a state after one, and its buckets
-            // go out only after it (lower issues a pass's buckets once its gradients exist): the
-            // previous pass's last reduce-scatter, where still in flight, sees every gradient
-            // of the stage written and the W pass's tensors freed (bucket-gpt at pp 2 dp 2,
-            // micro-batch 4, 2 micro-batches: stage 0 held 359.3 MiB at W1's end, W0's last
-            // reduce-scatter pending; 329.5 predicted with the first bucket filled).
-            const bool whole_pass = zb_walk;
             consider_without_bucket(
-                {whole_pass ? "a weight pass's last gradient bucket's reduce-scatter as the next "
-                              "weight pass writes the stage's gradients"
-                            : "a backward pass's last gradient bucket's reduce-scatter as the next "
-                              "pass fills its first",
-                 0,
-                 whole_pass ? zb_freed + std::min(weight_pass, zb_after_weight.bytes)
-                            : std::max(0.0, s.activations_bytes - others - first.kept),
-                 (1.0 + 1.0 / shard) * last.bytes +
-                     (whole_pass
-                          ? stage_gradients + table_gradient
-                          : first.bytes + first.spill + (first.embedding ? 0.0 : table_gradient)),
-                 "", zb_state});
+                {"a backward pass's last gradient bucket's reduce-scatter as the next pass "
+                 "fills its first",
+                 0, std::max(0.0, s.activations_bytes - others - first.kept),
+                 (1.0 + 1.0 / shard) * last.bytes + first.bytes + first.spill +
+                     (first.embedding ? 0.0 : table_gradient)});
           }
         }
         // And through a forward that runs between two backward passes (where the stage runs

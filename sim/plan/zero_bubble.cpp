@@ -91,7 +91,8 @@ ZbSchedule build(int p, int m) {
           seen.insert({forwards, pending, ZbAt::PassEnd});
           break;
         case ZbKind::BackwardWeight:
-          --pending;  // (holds less than the pass before it)
+          --pending;  // (holds less than the pass before it, but its gradients go out here)
+          seen.insert({forwards, pending, ZbAt::WeightEnd});
           break;
       }
       after_weight = pass.kind == ZbKind::BackwardWeight;

@@ -26,8 +26,9 @@ std::vector<ZbPass> zero_bubble_order(int p, int m, int stage);
 // Where in its order a stage is: at a forward's end (the last stage's loss still reads the
 // logits), at the end of a forward that follows a W pass (which is also a forward's end: a
 // gradient reduction that W pass started may still run), inside a B pass (turning its
-// forward's activations into what its W keeps, block by block), or after any other pass.
-enum class ZbAt { ForwardEnd, ForwardAfterWeight, InBackward, PassEnd };
+// forward's activations into what its W keeps, block by block), at a W pass's end (where its
+// gradients go out), or after a B pass.
+enum class ZbAt { ForwardEnd, ForwardAfterWeight, InBackward, WeightEnd, PassEnd };
 
 // A moment of a stage's order: micro-batches whose forward awaits its B pass (one of them in
 // its B pass at InBackward), and B passes awaiting their W pass.
