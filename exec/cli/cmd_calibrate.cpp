@@ -21,7 +21,6 @@
 #include <vector>
 
 #include "exec/cli/commands.hpp"
-#include "sim/common/launcher.hpp"
 #include "exec/core/checkpoint.hpp"
 #include "exec/core/in_run.hpp"
 #include "exec/core/runner.hpp"
@@ -33,6 +32,7 @@
 #include "exec/cpu/mpi_comm.hpp"
 #include "sim/cli/options.hpp"
 #include "sim/common/error.hpp"
+#include "sim/common/launcher.hpp"
 #include "sim/cost/compute_cost.hpp"
 #include "sim/lower/lowering.hpp"
 #include "sim/report/table.hpp"
@@ -412,7 +412,7 @@ void in_run_over_ranks(nlohmann::json& in_run, const std::vector<double>& phase_
 // the model's shapes, copy bandwidth, launch overhead, jitter, and NCCL collectives over the
 // ranks of an mpirun job.
 nlohmann::json calibrate_cuda(const po::variables_map& vm, const std::string& precision,
-                              dtsim::exec::cpu::MpiSession* mpi) {
+                              double collective_timeout, dtsim::exec::cpu::MpiSession* mpi) {
   namespace cu = dtsim::exec::cuda;
   const auto p = cu::probe();
   if (p.gpus.empty()) {
@@ -476,8 +476,8 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, const std::string& pr
   std::vector<cu::CollectiveTiming> collectives;
   if (mpi && ranks > 1) {
     collectives = cu::time_collectives(
-        gpu.index, rank, ranks, quick ? (1u << 20) : (256u << 20), repeats,
-        [&](void* data, std::size_t bytes) { mpi->broadcast(data, bytes); },
+        gpu.index, rank, ranks, quick ? (1u << 20) : (256u << 20), repeats, collective_timeout,
+        mpi->host(), [&](void* data, std::size_t bytes) { mpi->broadcast(data, bytes); },
         [&](double v) { return mpi->max(v); });
   }
   nlohmann::json gemm = nlohmann::json::array();
@@ -588,7 +588,11 @@ int calibrate(const std::vector<std::string>& args) {
       "larger --model's own widths still take minutes on a CPU (Llama-3 8B's)")(
       "no-in-run", po::bool_switch(),
       "skip the training steps that measure the in_run factors (the profile then prices a "
-      "step's tasks from its kernels timed alone)");
+      "step's tasks from its kernels timed alone)")(
+      "collective-timeout", po::value<double>()->default_value(600),
+      "under mpirun: seconds that measuring one collective at one size (or setting up NCCL's "
+      "communicator) may take before this rank says what hung and the job is ended, exit code "
+      "3 (0: never; MPI's and NCCL's calls have no limit of their own)");
   po::variables_map vm;
   if (!parse(args, desc,
              "usage: dtexec calibrate --out P.json [--model M] [--cluster-out DIR] [--quick]\n"
@@ -629,6 +633,14 @@ int calibrate(const std::vector<std::string>& args) {
   const int repeats = vm["repeats"].as<int>();
   if (repeats < 1)
     throw dtsim::InputError(fmt::format("--repeats: expected >= 1, got {}", repeats));
+  // As dtexec run's --task-timeout: 0 (never), or a finite wait from a millisecond.
+  const double collective_timeout = vm["collective-timeout"].as<double>();
+  if (!(collective_timeout == 0 || (collective_timeout >= 1e-3 && collective_timeout <= 1e6))) {
+    throw dtsim::InputError(
+        fmt::format("--collective-timeout: expected 0 (never) or a number of seconds from 0.001 "
+                    "to 1e6, got {}",
+                    collective_timeout));
+  }
   std::unique_ptr<dtsim::exec::cpu::MpiSession> mpi;
   if (dtsim::exec::cpu::under_mpirun()) mpi = std::make_unique<dtsim::exec::cpu::MpiSession>();
   const int rank = mpi ? mpi->rank() : 0;
@@ -673,7 +685,7 @@ int calibrate(const std::vector<std::string>& args) {
   nlohmann::json profile;
   try {
 #ifdef DTEXEC_HAVE_CUDA
-    if (backend == "cuda") profile = calibrate_cuda(vm, precision, mpi.get());
+    if (backend == "cuda") profile = calibrate_cuda(vm, precision, collective_timeout, mpi.get());
 #endif
     if (backend == "cpu") {
       // What it is doing, as it goes (the tables come at the end; a large --model's shapes take
@@ -687,7 +699,7 @@ int calibrate(const std::vector<std::string>& args) {
       if (mpi) {
         doing(fmt::format("timing collectives over {} ranks", ranks));
         profile["collectives"] =
-            dtsim::exec::cpu::measure_collectives(*mpi, options.quick, repeats);
+            dtsim::exec::cpu::measure_collectives(*mpi, options.quick, repeats, collective_timeout);
         profile["jitter_cv"] = mpi->mean(profile.at("jitter_cv").get<double>());
       }
       if (!vm["no-in-run"].as<bool>()) {

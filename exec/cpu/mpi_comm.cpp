@@ -15,6 +15,7 @@
 #include <limits>
 #include <optional>
 
+#include "exec/core/deadline.hpp"
 #include "exec/core/timing_stats.hpp"
 #include "exec/cpu/bf16_device.hpp"
 #include "exec/cpu/device.hpp"
@@ -552,7 +553,8 @@ MpiSession::~MpiSession() {
   if (!finalized) MPI_Finalize();
 }
 
-nlohmann::json measure_collectives(const MpiSession& session, bool quick, int repeats) {
+nlohmann::json measure_collectives(const MpiSession& session, bool quick, int repeats,
+                                   double timeout_s) {
   const int n = session.size();
   nlohmann::json table = nlohmann::json::array();
   if (n < 2) return table;
@@ -560,8 +562,16 @@ nlohmann::json measure_collectives(const MpiSession& session, bool quick, int re
   for (std::size_t bytes = 4096; bytes <= (quick ? (1u << 16) : (64u << 20)); bytes *= 4) {
     sizes.push_back(bytes);
   }
-  // The median over repeats of the slowest rank's time.
-  auto timed = [&](auto&& op) {
+  const double ring = static_cast<double>(n - 1) / n;
+  // A row: the median over repeats of the slowest rank's time of `op`. The process ends if the
+  // measurement takes longer than timeout_s (a peer that failed or hangs).
+  auto measure = [&](const char* kind, int ranks, std::size_t bytes, double factor, auto&& op) {
+    const Deadline deadline(
+        timeout_s,
+        fmt::format("dtexec calibrate: rank {} on {}: the {} of {} bytes over {} ranks did not "
+                    "finish within {} s (--collective-timeout): a peer failed or hangs; ending "
+                    "the job",
+                    session.rank(), session.host(), kind, bytes, ranks, timeout_s));
     op();
     std::vector<double> times;
     for (int r = 0; r < repeats; ++r) {
@@ -573,9 +583,7 @@ nlohmann::json measure_collectives(const MpiSession& session, bool quick, int re
             "MPI_Allreduce");
       times.push_back(t);
     }
-    return median(std::move(times));
-  };
-  auto add = [&](const char* kind, int ranks, std::size_t bytes, double seconds, double factor) {
+    const double seconds = median(std::move(times));
     const double algbw = static_cast<double>(bytes) / seconds;
     table.push_back({{"kind", kind},
                      {"ranks", ranks},
@@ -584,48 +592,43 @@ nlohmann::json measure_collectives(const MpiSession& session, bool quick, int re
                      {"algbw_bytes_per_s", algbw},
                      {"busbw_bytes_per_s", algbw * factor}});
   };
-  const double ring = static_cast<double>(n - 1) / n;
   for (std::size_t bytes : sizes) {
     const std::size_t count = bytes / sizeof(float);
     const std::size_t part = count / static_cast<std::size_t>(n);
+    const std::size_t parts_bytes = part * static_cast<std::size_t>(n) * sizeof(float);
     std::vector<float> buffer(count, 1.0f), out(count, 0.0f);
-    add("all_reduce", n, bytes, timed([&] {
-          check(MPI_Allreduce(MPI_IN_PLACE, buffer.data(), static_cast<int>(count), MPI_FLOAT,
-                              MPI_SUM, MPI_COMM_WORLD),
-                "MPI_Allreduce");
-        }),
-        2 * ring);
-    add("all_gather", n, part * n * sizeof(float), timed([&] {
-          check(MPI_Allgather(buffer.data(), static_cast<int>(part), MPI_FLOAT, out.data(),
-                              static_cast<int>(part), MPI_FLOAT, MPI_COMM_WORLD),
-                "MPI_Allgather");
-        }),
-        ring);
-    add("reduce_scatter", n, part * n * sizeof(float), timed([&] {
-          check(MPI_Reduce_scatter_block(buffer.data(), out.data(), static_cast<int>(part),
-                                         MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
-                "MPI_Reduce_scatter_block");
-        }),
-        ring);
+    measure("all_reduce", n, bytes, 2 * ring, [&] {
+      check(MPI_Allreduce(MPI_IN_PLACE, buffer.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM,
+                          MPI_COMM_WORLD),
+            "MPI_Allreduce");
+    });
+    measure("all_gather", n, parts_bytes, ring, [&] {
+      check(MPI_Allgather(buffer.data(), static_cast<int>(part), MPI_FLOAT, out.data(),
+                          static_cast<int>(part), MPI_FLOAT, MPI_COMM_WORLD),
+            "MPI_Allgather");
+    });
+    measure("reduce_scatter", n, parts_bytes, ring, [&] {
+      check(MPI_Reduce_scatter_block(buffer.data(), out.data(), static_cast<int>(part), MPI_FLOAT,
+                                     MPI_SUM, MPI_COMM_WORLD),
+            "MPI_Reduce_scatter_block");
+    });
     // Expert parallelism's dispatch and combine: every rank sends a part to every rank (bytes:
     // what a rank sends in all, as nccl-tests' alltoall counts them).
-    add("all_to_all", n, part * n * sizeof(float), timed([&] {
-          check(MPI_Alltoall(buffer.data(), static_cast<int>(part), MPI_FLOAT, out.data(),
-                             static_cast<int>(part), MPI_FLOAT, MPI_COMM_WORLD),
-                "MPI_Alltoall");
-        }),
-        ring);
-    add("send_recv", 2, bytes, timed([&] {
-          if (session.rank() == 0) {
-            check(MPI_Send(buffer.data(), static_cast<int>(count), MPI_FLOAT, 1, 7, MPI_COMM_WORLD),
-                  "MPI_Send");
-          } else if (session.rank() == 1) {
-            check(MPI_Recv(out.data(), static_cast<int>(count), MPI_FLOAT, 0, 7, MPI_COMM_WORLD,
-                           MPI_STATUS_IGNORE),
-                  "MPI_Recv");
-          }
-        }),
-        1.0);
+    measure("all_to_all", n, parts_bytes, ring, [&] {
+      check(MPI_Alltoall(buffer.data(), static_cast<int>(part), MPI_FLOAT, out.data(),
+                         static_cast<int>(part), MPI_FLOAT, MPI_COMM_WORLD),
+            "MPI_Alltoall");
+    });
+    measure("send_recv", 2, bytes, 1.0, [&] {
+      if (session.rank() == 0) {
+        check(MPI_Send(buffer.data(), static_cast<int>(count), MPI_FLOAT, 1, 7, MPI_COMM_WORLD),
+              "MPI_Send");
+      } else if (session.rank() == 1) {
+        check(MPI_Recv(out.data(), static_cast<int>(count), MPI_FLOAT, 0, 7, MPI_COMM_WORLD,
+                       MPI_STATUS_IGNORE),
+              "MPI_Recv");
+      }
+    });
   }
   return table;
 }

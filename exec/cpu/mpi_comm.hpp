@@ -55,8 +55,11 @@ class MpiSession {
 // reduce-scatter by size (the size as nccl-tests counts it: the buffer reduced, the gathered
 // output, the scattered input), and a send/recv between ranks 0 and 1, each with its median
 // time, algorithm bandwidth (size / time) and bus bandwidth (algbw x 2(n-1)/n for all-reduce,
-// x (n-1)/n for the others). Every rank takes part; the table is the same on every rank.
-nlohmann::json measure_collectives(const MpiSession& session, bool quick, int repeats);
+// x (n-1)/n for the others). Every rank takes part; the table is the same on every rank. A
+// measurement that takes longer than `timeout_s` (0: no limit) ends the process with a message
+// (exit code 3): MPI's calls have no time limit of their own.
+nlohmann::json measure_collectives(const MpiSession& session, bool quick, int repeats,
+                                   double timeout_s);
 
 // A Comm over `program`'s groups. The program must be lowered with Lowering::AllRanks and
 // have as many ranks as the MPI world.

@@ -7,10 +7,14 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "exec/core/deadline.hpp"
 #include "exec/core/timing_stats.hpp"
 #include "exec/cuda/calibrate_cuda.hpp"
 #include "exec/cuda/check.cuh"
@@ -242,20 +246,45 @@ DeviceTimings time_device(int gpu, GemmPrecision precision, const std::vector<Ge
 }
 
 std::vector<CollectiveTiming> time_collectives(
-    int gpu, int rank, int ranks, std::uint64_t max_bytes, int repeats,
-    const std::function<void(void* data, std::size_t bytes)>& broadcast_id,
+    int gpu, int rank, int ranks, std::uint64_t max_bytes, int repeats, double timeout_s,
+    const std::string& host, const std::function<void(void* data, std::size_t bytes)>& broadcast_id,
     const std::function<double(double)>& max_over_ranks) {
   std::vector<CollectiveTiming> out;
   if (ranks < 2) return out;
+  const std::string who = "dtexec calibrate: rank " + std::to_string(rank) + " on " + host + ": ";
+  std::ostringstream seconds;
+  seconds << timeout_s;
+  const std::string limit = " within " + seconds.str() +
+                            " s (--collective-timeout): a peer failed, hangs or cannot be "
+                            "reached; ending the job";
   check(cudaSetDevice(gpu), "cudaSetDevice");
   // The buffers outlive the communicator: on an error it is aborted before they are freed.
   Buffer send(max_bytes), recv(max_bytes);
-  ncclUniqueId id;
-  if (rank == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
-  broadcast_id(&id, sizeof(id));
   ncclComm_t comm = nullptr;
-  check(ncclCommInitRank(&comm, ranks, id, rank), "ncclCommInitRank");
+  {
+    const Deadline setup(timeout_s, who + "the NCCL communicator was not set up" + limit);
+    ncclUniqueId id;
+    if (rank == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    broadcast_id(&id, sizeof(id));
+    check(ncclCommInitRank(&comm, ranks, id, rank), "ncclCommInitRank");
+  }
   cudaStream_t stream = nullptr;
+  // The stream's queued collectives done; a communicator's asynchronous error (a peer's network
+  // failure, a timeout inside NCCL) thrown rather than waited through.
+  auto finish = [&] {
+    for (;;) {
+      const cudaError_t e = cudaStreamQuery(stream);
+      if (e == cudaSuccess) return;
+      if (e != cudaErrorNotReady) check(e, "cudaStreamQuery");
+      (void)cudaGetLastError();  // not ready is no error
+      ncclResult_t state = ncclSuccess;
+      check(ncclCommGetAsyncError(comm, &state), "ncclCommGetAsyncError");
+      if (state != ncclSuccess && state != ncclInProgress) {
+        check(state, "a collective (ncclCommGetAsyncError)");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  };
   try {
     check(cudaStreamCreate(&stream), "cudaStreamCreate");
     check(cudaMemset(send.p, 0, max_bytes), "cudaMemset");
@@ -267,6 +296,9 @@ std::vector<CollectiveTiming> time_collectives(
       for (std::uint64_t size = 1024; size <= max_bytes; size *= 4) {
         const std::uint64_t bytes = size / unit * unit;
         const std::size_t count = bytes / 2;
+        const Deadline deadline(timeout_s, who + "the " + k + " of " + std::to_string(bytes) +
+                                               " bytes over " + std::to_string(ranks) +
+                                               " ranks did not finish" + limit);
         auto once = [&] {
           if (k == "all_reduce") {
             check(ncclAllReduce(send.p, recv.p, count, ncclBfloat16, ncclSum, comm, stream),
@@ -301,12 +333,13 @@ std::vector<CollectiveTiming> time_collectives(
           }
         };
         once();
-        check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        finish();
         std::vector<double> t;
         for (int r = 0; r < repeats; ++r) {
           check(cudaEventRecord(ev.start, stream), "cudaEventRecord");
           once();
           check(cudaEventRecord(ev.stop, stream), "cudaEventRecord");
+          finish();
           t.push_back(ev.seconds());
         }
         const double slowest = max_over_ranks(median(t));

@@ -95,10 +95,13 @@ struct CollectiveTiming {
 // NCCL collectives over `ranks` ranks, this one `rank`, on `gpu`, bf16 elements, sizes from
 // 1 KiB to max_bytes by factors of 4. `broadcast_id` sends the 128-byte ncclUniqueId from rank
 // 0 to every rank (the caller's MPI); `max_over_ranks` returns the largest of a value over all
-// ranks. send_recv runs between ranks 0 and 1.
+// ranks. send_recv runs between ranks 0 and 1. Setting up the communicator, or measuring one
+// collective at one size, for longer than `timeout_s` (0: no limit) ends the process with a
+// message naming the rank, `host` and what hung (exit code 3); an asynchronous NCCL error
+// throws CudaError.
 std::vector<CollectiveTiming> time_collectives(
-    int gpu, int rank, int ranks, std::uint64_t max_bytes, int repeats,
-    const std::function<void(void* data, std::size_t bytes)>& broadcast_id,
+    int gpu, int rank, int ranks, std::uint64_t max_bytes, int repeats, double timeout_s,
+    const std::string& host, const std::function<void(void* data, std::size_t bytes)>& broadcast_id,
     const std::function<double(double)>& max_over_ranks);
 
 }  // namespace dtsim::exec::cuda

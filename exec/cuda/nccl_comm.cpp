@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "exec/core/deadline.hpp"
 #include "exec/core/p2p_order.hpp"
 #include "exec/cuda/check.cuh"  // teardown
 #include "exec/cuda/device.hpp"
@@ -58,39 +59,6 @@ std::set<std::pair<std::int64_t, std::int64_t>> pipeline_pairs(const lower::Prog
   return pairs;
 }
 
-// Ends the process if it is not destroyed within `seconds` (0: never): for the blocking calls
-// of setting up communicators, which have no time limit of their own (a peer that failed or
-// cannot be reached leaves ncclCommInitRank waiting); mpirun then ends the other ranks.
-class Deadline {
- public:
-  Deadline(double seconds, std::string what) {
-    if (!(seconds > 0)) return;
-    thread_ = std::thread([this, seconds, what = std::move(what)] {
-      std::unique_lock<std::mutex> lock(mutex_);
-      if (!met_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return done_; })) {
-        std::cerr << what << std::endl;
-        std::_Exit(3);
-      }
-    });
-  }
-  ~Deadline() {
-    {
-      const std::lock_guard<std::mutex> lock(mutex_);
-      done_ = true;
-    }
-    met_.notify_all();
-    if (thread_.joinable()) thread_.join();
-  }
-  Deadline(const Deadline&) = delete;
-  Deadline& operator=(const Deadline&) = delete;
-
- private:
-  std::mutex mutex_;
-  std::condition_variable met_;
-  bool done_ = false;
-  std::thread thread_;
-};
-
 class NcclComm final : public Comm {
  public:
   NcclComm(const cpu::MpiSession& session, const lower::Program& program, Device& device,
@@ -109,7 +77,7 @@ class NcclComm final : public Comm {
       throw UnsupportedError(
           fmt::format("--backend cuda: NCCL transfers carry no tag, and {}", *mismatch));
     }
-    const Deadline setup(
+    const dtsim::exec::Deadline setup(
         timeout_s_,
         fmt::format("dtexec: rank {} on {}: the NCCL communicators were not set up within {} s "
                     "(--task-timeout): a peer failed, cannot be reached, or disagrees on the plan",
