@@ -591,6 +591,9 @@ int cmd_whatif(const std::vector<std::string>& args) {
     bool network_unused = false;
     // The point sets oversubscription where all the cluster's nodes share one leaf.
     bool uplinks_unused = false;
+    // The profile was measured by another number of ranks per host than the point's CPU
+    // cluster runs (profile_host_note); empty otherwise.
+    std::string profile_host;
     double memory_bytes = 0, capacity_bytes = 0;  // worst rank, device
   };
   // A row's fields by name but its point (which rank 0 has): what a rank sends rank 0 under
@@ -627,6 +630,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
     field("catalog_efficiency", r.catalog_efficiency);
     field("network_unused", r.network_unused);
     field("uplinks_unused", r.uplinks_unused);
+    field("profile_host", r.profile_host);
     field("memory", r.memory_bytes);
     field("capacity", r.capacity_bytes);
   };
@@ -753,6 +757,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
     // under one leaf (not rail-optimized) nothing crosses them.
     row.uplinks_unused =
         c.nodes > 1 && point.count("oversubscription") && !cluster::crosses_uplinks(c);
+    if (profile) {
+      if (auto note = profile_host_note(*profile, c, "the points that run")) {
+        row.profile_host = std::move(*note);
+      }
+    }
     planner::SearchSpace space;
     search_space_from_options(vm, space);
     // As dtsim plan: bf16, else fp16, else fp32 (a CPU host).
@@ -1123,6 +1132,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
           {"found", r.found},
           {"profile", profile ? nlohmann::json{{"file", profile->file}, {"source", profile->source}}
                               : nlohmann::json()}};
+      if (!r.profile_host.empty()) j["profile"]["note"] = r.profile_host;
       if (!r.found) j["valid_candidates"] = r.valid_candidates;
       if (!r.invalid.empty()) j["invalid_plan"] = r.invalid;
       if (r.found) {
@@ -1431,6 +1441,11 @@ int cmd_whatif(const std::vector<std::string>& args) {
   }
   if (profile) {
     for (const std::string& n : profile_notes(*profile)) std::cout << "(" << n << ")\n";
+    for (const Row& r : rows) {
+      if (!r.profile_host.empty() && first_saying(r.profile_host)) {
+        std::cout << "(" << r.profile_host << ")\n";
+      }
+    }
   }
   if (std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.catalog_efficiency; })) {
     std::cout << "(device: the cluster's device_efficiency is its own device's; points with "

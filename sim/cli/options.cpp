@@ -1373,25 +1373,32 @@ void require_symmetric_placement(const plan::Plan& plan, const cluster::Cluster&
   }
 }
 
+std::optional<std::string> profile_host_note(const cost::Profile& profile,
+                                             const cluster::Cluster& cluster,
+                                             std::string_view runs) {
+  // Ranks of one host share its cores and memory bandwidth: rates measured by another number
+  // of ranks at once are not this plan's (on a 2-core VM a one-rank profile's GEMMs ran
+  // OpenBLAS on both cores, a rank of two on one).
+  if (cluster.intra.fabric != cluster::IntraFabric::SharedMemory || profile.ranks_per_host <= 0) {
+    return std::nullopt;
+  }
+  const std::int64_t here = std::min(cluster.devices_per_node, cluster.devices());
+  if (here == profile.ranks_per_host) return std::nullopt;
+  return fmt::format(
+      "profile {} was measured by {} rank{} at once on its host, sharing its cores and memory "
+      "bandwidth; {} {} on each host: its rates may be off (calibrate with mpirun -np {} dtexec "
+      "calibrate)",
+      profile.file, profile.ranks_per_host, profile.ranks_per_host == 1 ? "" : "s", runs, here,
+      here);
+}
+
 std::vector<std::string> profile_notes(const cost::Profile& profile,
                                        const cluster::Cluster* cluster) {
   std::vector<std::string> notes;
   notes.push_back(
       fmt::format("compute cost from calibration profile {} ({})", profile.file, profile.source));
-  // Ranks of one host share its cores and memory bandwidth: rates measured by another number
-  // of ranks at once are not this plan's (on a 2-core VM a one-rank profile's GEMMs ran
-  // OpenBLAS on both cores, a rank of two on one).
-  if (cluster != nullptr && cluster->intra.fabric == cluster::IntraFabric::SharedMemory &&
-      profile.ranks_per_host > 0) {
-    const std::int64_t here = std::min(cluster->devices_per_node, cluster->devices());
-    if (here != profile.ranks_per_host) {
-      notes.push_back(fmt::format(
-          "profile {} was measured by {} rank{} at once on its host, sharing its cores and memory "
-          "bandwidth; this plan runs {} on each host: its rates may be off (calibrate with "
-          "mpirun -np {} dtexec calibrate)",
-          profile.file, profile.ranks_per_host, profile.ranks_per_host == 1 ? "" : "s", here,
-          here));
-    }
+  if (cluster != nullptr) {
+    if (auto note = profile_host_note(profile, *cluster)) notes.push_back(std::move(*note));
   }
   if (profile.in_run) {
     notes.push_back(fmt::format(

@@ -211,6 +211,11 @@ Precision precision_of_flag(std::string_view flag, const std::string& text);
 // plan runs (ranks sharing a host's cores: a CPU cluster).
 std::vector<std::string> profile_notes(const cost::Profile& profile,
                                        const cluster::Cluster* cluster = nullptr);
+// profile_notes' note on a shared-memory cluster (CPU ranks) whose ranks per host differ from
+// those that measured the profile ("... bandwidth; `runs` N on each host: ..."); none otherwise.
+std::optional<std::string> profile_host_note(const cost::Profile& profile,
+                                             const cluster::Cluster& cluster,
+                                             std::string_view runs = "this plan runs");
 // Warnings on a calibration profile for a cluster's device: measured on another device (its
 // "device" is neither the catalog name nor an alias, compared without case: its times then stand
 // for a device they were not measured on); else GEMMs that ran above the device's peak at the
