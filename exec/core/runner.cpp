@@ -486,8 +486,8 @@ void Runner::init_params() {
       const auto n = static_cast<std::int64_t>(values.size());
       p.n = n;
       const int shards = op.expert ? edp_ : dp_, mine = op.expert ? ed_ : d_;
-      p.own_begin = sharded_ ? n * mine / shards : 0;
-      p.own_end = sharded_ ? n * (mine + 1) / shards : n;
+      p.own_begin = sharded(p) ? n * mine / shards : 0;
+      p.own_end = sharded(p) ? n * (mine + 1) / shards : n;
       if (in_place_) {
         p.flat = flat.at({id, which});
         std::tie(p.own_begin, p.own_end) = flat_slice(p, mine);
@@ -496,7 +496,7 @@ void Runner::init_params() {
       p.separate_work = dev_.activations() != Dtype::F32 && gemm_weight(op, which);
       p.work_only = work_only(op, which);
       if (sharded_master(p)) p.shard = dev_.allocate(own, Dtype::F32);
-      if (!zero3_) {
+      if (!zero3(p)) {
         // In place, the tensors gathered lie in one buffer per type, in the gradients' order.
         const auto place = [&](View storage, Dtype type) {
           return in_place_ ? storage.sub(p.flat.weight_at, n) : dev_.allocate(n, type);
@@ -504,7 +504,7 @@ void Runner::init_params() {
         p.work = p.separate_work ? (p.work_only ? place(work_storage_, dev_.activations())
                                                 : dev_.allocate(n, dev_.activations()))
                                  : View{};
-        if (!p.work_only || !sharded_) p.data = place(weight_storage_, Dtype::F32);
+        if (!p.work_only || !sharded(p)) p.data = place(weight_storage_, Dtype::F32);
         if (!p.separate_work) p.work = p.data;
       }
       load_weights(p, values.data());
@@ -537,7 +537,7 @@ void Runner::init_params() {
     }
   }
   for (auto& [key, p] : params_) {
-    if (sharded_) {
+    if (sharded(p)) {
       p.reduced = transient_grads_ ? dev_.allocate(p.own_end - p.own_begin, Dtype::F32)
                                    : p.grad.sub(p.own_begin, p.own_end - p.own_begin);
     }
@@ -635,7 +635,7 @@ std::pair<std::int64_t, std::int64_t> Runner::flat_slice(const Param& p, int r) 
 
 void Runner::load_weights(Param& p, const float* full) {
   if (sharded_master(p)) dev_.upload(p.shard, full + p.own_begin);
-  if (zero3_) return;
+  if (zero3(p)) return;
   if (p.data.empty()) {  // a work_only tensor at ZeRO-1/2: its working copy alone is whole
     const View staging = dev_.allocate_for_overwrite(p.n, Dtype::F32);
     dev_.upload(staging, full);
@@ -791,7 +791,7 @@ std::pair<int, int> Runner::gemm_shape(const Op& op) const {
 
 View Runner::norm_share(Param& p) {
   if (!canonical_copy(p)) return {};
-  if (sharded_) return p.reduced;
+  if (sharded(p)) return p.reduced;
   const View g = grad(p);
   const std::int64_t shards = p.expert ? edp_ : dp_, mine = p.expert ? ed_ : d_;
   const std::int64_t begin = g.size() * mine / shards, end = g.size() * (mine + 1) / shards;
@@ -811,24 +811,26 @@ void Runner::optimizer_step() {
   ++adam_step_;
   const float lr = options_.lr.at(adam_step_);
   const auto clip = static_cast<float>(p_.clip_grad);
+  // The gradient buffer cleared for the next step, in one pass as Megatron-LM's
+  // zero_grad_buffer clears its contiguous buffer (the simulator's Task::cleared_params); a
+  // replay of predicted waits ran no reduce-scatter to clear staged ZeRO-1's.
+  const bool clear_all =
+      plan::optimizer_clears_gradients(p_) || (options_.replay_communication && !transient_grads_);
   for (auto& [key, p] : params_) {
-    if (clip > 0) dev_.clip_scale(sharded_ ? p.reduced : grad(p), grad_norm_sq_, clip);
-    dev_.adamw(master_slice(p), sharded_ ? p.reduced : grad(p), p.m, p.v, lr, 0.9f, 0.95f, 1e-8f,
+    const View g = sharded(p) ? p.reduced : grad(p);
+    if (clip > 0) dev_.clip_scale(g, grad_norm_sq_, clip);
+    dev_.adamw(master_slice(p), g, p.m, p.v, lr, 0.9f, 0.95f, 1e-8f,
                p.decays ? options_.weight_decay : 0.0f, adam_step_);
     // Sharded, the gradients were cleared when their reduce-scatter took its packed copy (a
     // replay of predicted waits runs no reduce-scatter: they are cleared here; in place, the
     // reduce-scatter leaves them where they were).
-    if (sharded_ && !in_place_) dev_.zero(p.reduced);
-    if (transient_grads_) drop_grad(p);
-    if (!sharded_) refresh_work(p);  // sharded: after the all-gather of the updated slices
+    if (sharded(p) && !in_place_) dev_.zero(p.reduced);
+    if (transient_grads_) drop_grad(p);  // (unsharded experts' too: made again at first write)
+    // ZeRO-1's experts unsharded: no reduce-scatter cleared their gradients.
+    if (!sharded(p) && sharded_ && !transient_grads_ && !clear_all) dev_.zero(p.grad);
+    if (!sharded(p)) refresh_work(p);  // sharded: after the all-gather of the updated slices
   }
-  // The gradient buffer cleared for the next step, in one pass as Megatron-LM's
-  // zero_grad_buffer clears its contiguous buffer (the simulator's Task::cleared_params); a
-  // replay of predicted waits ran no reduce-scatter to clear staged ZeRO-1's.
-  if (plan::optimizer_clears_gradients(p_) ||
-      (options_.replay_communication && !transient_grads_)) {
-    dev_.zero(grad_storage_);
-  }
+  if (clear_all) dev_.zero(grad_storage_);
 }
 
 View Runner::replayed_input() {
@@ -1082,11 +1084,11 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
     refuse(fmt::format("{} gradients (dtexec accumulates and reduces them in fp32)",
                        to_string(plan::gradient_precision(p))));
   }
-  if (p.ep > 1 && p.zero_stage >= 1 && p.dp / p.ep * p.cp == 1) {
-    refuse(
-        fmt::format("ZeRO-{} with expert parallelism where each expert has one data-parallel "
-                    "rank (dp {} / ep {} x cp {})",
-                    p.zero_stage, p.dp, p.ep, p.cp));
+  if (p.ep > 1 && p.zero_in_place && p.dp / p.ep * p.cp == 1) {
+    refuse(fmt::format(
+        "ZeRO-1 in place with expert parallelism where each expert has one data-parallel rank "
+        "(dp {} / ep {} x cp {}; without --zero-in-place it runs, the experts unsharded)",
+        p.dp, p.ep, p.cp));
   }
   if (p.sequence_parallel && (p.micro_batch_size * p.seq_len / p.cp) % p.tp != 0) {
     refuse(fmt::format(

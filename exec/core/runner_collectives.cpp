@@ -491,18 +491,18 @@ void Runner::collective(const lower::Task& task, std::size_t index) {
           if (p->sequence_share) norms.push_back(p);
         }
         std::int64_t total = 0;
-        for (Param* p : norms) total += (sharded_ ? p->reduced : p->grad).size();
+        for (Param* p : norms) total += (sharded(*p) ? p->reduced : p->grad).size();
         const View flat = dev_.allocate(total, Dtype::F32);
         std::int64_t at = 0;
         for (Param* p : norms) {
-          const View g = sharded_ ? p->reduced : p->grad;
+          const View g = sharded(*p) ? p->reduced : p->grad;
           dev_.copy(flat.sub(at, g.size()), g);
           at += g.size();
         }
         comm_.all_reduce(task.group, flat, Reduce::Sum);
         at = 0;
         for (Param* p : norms) {
-          const View g = sharded_ ? p->reduced : p->grad;
+          const View g = sharded(*p) ? p->reduced : p->grad;
           dev_.copy(g, flat.sub(at, g.size()));
           at += g.size();
         }
@@ -568,7 +568,7 @@ void Runner::collective(const lower::Task& task, std::size_t index) {
       // The tied embedding: first stage's matrix and last stage's copy, gradients summed
       // (the already dp-reduced slice under ZeRO >= 1: both stages slice it alike).
       Param& p = param(static_cast<OpId>(task.op_begin), 0);
-      comm_.all_reduce(task.group, sharded_ ? p.reduced : p.grad, Reduce::Sum);
+      comm_.all_reduce(task.group, sharded(p) ? p.reduced : p.grad, Reduce::Sum);
       return;
     }
     default:

@@ -363,8 +363,15 @@ class Runner {
   // ZeRO-1 in place: the elements [begin, end) of a tensor in dp rank r's part of its bucket.
   static std::pair<std::int64_t, std::int64_t> flat_slice(const Param& p, int r);
 
+  // Whether ZeRO shards a tensor: the dense ones over dp x cp, an expert's over its own
+  // data-parallel group (dp / ep x cp), which may be one rank (dp x cp = ep: each expert on
+  // one rank, as Megatron-LM's distributed optimizer leaves it whole), where the Program
+  // reduces and gathers nothing and the tensor is trained as without ZeRO.
+  bool sharded(const Param& p) const { return sharded_ && (!p.expert || edp_ > 1); }
+  // ZeRO-3's: a sharded tensor's weights exist only between its gathers and last reads.
+  bool zero3(const Param& p) const { return zero3_ && sharded(p); }
   // Whether the fp32 master of a tensor is this rank's dp slice only (Param::shard).
-  bool sharded_master(const Param& p) const { return zero3_ || (sharded_ && p.work_only); }
+  bool sharded_master(const Param& p) const { return zero3(p) || (sharded(p) && p.work_only); }
 
   // A tensor's weights set from the whole tp slice `full` (initial, or read from a checkpoint):
   // its master (slice), and what the GEMMs read, except under ZeRO-3 (its gathers make it).
@@ -837,7 +844,7 @@ class Runner {
   // own; rank 0 then writes the index. The tied copy is the embedding and is not written twice;
   // unsharded, the first replica writes (an expert's: the first of its expert-dp group).
   bool in_checkpoint(const Param& p) const {
-    return canonical_copy(p) && (sharded_ || (p.expert ? ed_ : d_) == 0);
+    return canonical_copy(p) && (sharded(p) || (p.expert ? ed_ : d_) == 0);
   }
 
   static double seconds_since(std::chrono::steady_clock::time_point t) {

@@ -297,6 +297,7 @@ void Runner::plan_weight_releases() {
       }
     }
     for (const Key& key : read) {
+      if (!zero3(params_.at(key))) continue;  // an unsharded expert's: resident all along
       const auto it = last.find(key);
       DTSIM_ASSERT(it != last.end(), fmt::format("ZeRO-3: {} is read before the Program gathers it",
                                                  params_.at(key).name));

@@ -1302,9 +1302,9 @@ class Lowerer {
     opt.stream = Stream::Compute;
     opt.phase = Phase::Optimizer;
     opt.params = update_params;
-    if (plan::optimizer_clears_gradients(plan_)) {
-      opt.cleared_params = static_cast<std::uint64_t>(dense + experts);
-    }
+    opt.cleared_params = static_cast<std::uint64_t>(
+        (plan::optimizer_clears_gradients(plan_) ? dense : 0.0) +
+        (plan::optimizer_clears_expert_gradients(plan_) ? experts : 0.0));
     opt.deps.assign(dp_tasks.begin(), dp_tasks.end());
     opt.label = "optimizer step";
     const TaskId opt_id = add(std::move(opt));

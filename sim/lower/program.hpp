@@ -101,7 +101,7 @@ struct Task {
   std::uint64_t params = 0;
   // Optimizer: gradients it clears for the next step (plan::optimizer_clears_gradients: the
   // rank's whole gradient buffer, as Megatron-LM's zero_grad_buffer; dtexec clears it after
-  // the update), else 0.
+  // the update; optimizer_clears_expert_gradients: the experts'), else 0.
   std::uint64_t cleared_params = 0;
   Deps deps;  // tasks of the same rank that must finish first
   // "fwd L8.norm1..L8.attn_out mb0", "tp all-reduce L4 mb2", "dp reduce-scatter bucket 2": a

@@ -184,7 +184,10 @@ struct Moment {
   double working = 0, freed = 0, other = 0;
   const char* working_what = "";        // what the working bytes are (StageMemory::working_tensors)
   const ZbHeld* zero_bubble = nullptr;  // zero-bubble: the passes held then, where not the most
-  double extra() const { return working - freed + other; }
+  // Of the stage's gradients, bytes not yet written then (ZeRO-2/3's unsharded experts' before
+  // the step's first backward).
+  double unwritten_gradients = 0;
+  double extra() const { return working - freed - unwritten_gradients + other; }
 };
 
 // A tied LM head (no weights of its own) reads the embedding matrix: this rank's share of it,
@@ -398,6 +401,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // Each chunk's groups of ops, in forward order: its blocks, the embedding (-1) before them
     // in the first chunk, the head (layers) after them in the last.
     std::vector<std::vector<OpGroup>> chunk_groups;
+    const bool experts_sharded = plan.dp * plan.cp / plan.ep > 1;
+    double largest_block_experts = 0;  // a block's expert parameters, the most of any
     // Chunk c of this rank is global chunk c·pp + stage; global chunk k covers the blocks after
     // chunks 0..k-1.
     for (int c = 0; c < v; ++c) {
@@ -429,11 +434,14 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
                 static_cast<double>(op.saved_quadratic_bytes) / activation_divisor(op, plan);
           }
         }
-        largest_layer_params = std::max(largest_layer_params, layer_params + layer_expert_params);
-        largest_block_params = std::max(largest_block_params, layer_params + layer_expert_params);
+        // ZeRO-3 gathers and reduces the experts' over their own group, apart from the dense
+        // ones; where that is one rank each (dp x cp = ep) they stay whole, in the weights.
+        const double gathered_experts = experts_sharded ? layer_expert_params : 0.0;
+        largest_layer_params = std::max(largest_layer_params, layer_params + gathered_experts);
+        largest_block_params = std::max(largest_block_params, layer_params + gathered_experts);
         ++blocks_here;
-        // (Experts' gradients reduce over their own group, apart from the dense ones.)
-        largest_reduction = std::max({largest_reduction, layer_params, layer_expert_params});
+        largest_reduction = std::max({largest_reduction, layer_params, gathered_experts});
+        largest_block_experts = std::max(largest_block_experts, layer_expert_params);
         largest_quadratic = std::max(largest_quadratic, quadratic);
         largest_mlp_grads = std::max(largest_mlp_grads, mlp_grads);
         const double act = block_activation_bytes(g, layer, plan);
@@ -584,12 +592,33 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
                        0,
                        "the last stage's logits while the loss reads them",
                        zb_walk ? &zb.forward_end : nullptr};
+    // ZeRO-2/3 with each expert on one rank (dp x cp = ep): the experts' gradients are whole
+    // and not reduced, made at their first write in the step's first backward (or W pass) and
+    // freed after its optimizer step, as ZeRO-2/3's gradients are (dtexec's). Where the stage
+    // runs every forward before any backward (one micro-batch per replica, GPipe's order), or
+    // no forward after a W pass, none exist at a forward's end; and where the stage's first
+    // backward is its fullest (one backward pass a step, or GPipe's), at the backward's moment
+    // (its last block's) only that block's have been written, at most the largest block's
+    // (cpu-small-moe at dp 2, ep 2, ZeRO-3, one micro-batch per replica: +5.8% with all of
+    // them counted).
+    const bool forward_after_backward = zb_walk ? zb.forward_after_weight.forwards > 0
+                                                : plan.micro_batches() * v > in_flight(plan, stage);
+    const bool transient_experts = plan.zero_stage >= 2 && shard > 1 && !experts_sharded;
+    if (transient_experts && !forward_after_backward) {
+      forward_end.unwritten_gradients = experts.gradients;
+    }
     Moment backward{"the backward",
                     backward_working,
                     zb_walk ? zb.any.bytes - zb.in_backward.bytes : head_kept,
                     0,
                     backward_what,
                     zb_walk ? &zb.in_backward : nullptr};
+    const bool first_backward_fullest =
+        !zb_walk && (plan.micro_batches() * v == 1 || (plan.schedule == Schedule::GPipe && v == 1));
+    if (transient_experts && first_backward_fullest) {
+      backward.unwritten_gradients =
+          std::max(0.0, experts.gradients - largest_block_experts * per_param.gradients);
+    }
     const bool zero3 = plan.zero_stage == 3 && shard > 1;
     if (zero3) {
       // ZeRO-3 gathers a layer's weights (or the embedding's, the head's) before use and
@@ -875,6 +904,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     s.working_bytes = peak_moment.working;
     s.working_tensors = peak_moment.working > 0 ? peak_moment.working_what : "";
     s.activations_bytes += peak_moment.working - peak_moment.freed;
+    s.gradients_bytes -= peak_moment.unwritten_gradients;
     s.other_bytes = allowance + peak_moment.other + zero2_bucket;
     s.total_bytes = s.weights_bytes + s.gradients_bytes + s.optimizer_bytes + s.activations_bytes +
                     s.other_bytes;

@@ -196,6 +196,13 @@ Precision gradient_precision(const Plan& plan);
 inline bool optimizer_clears_gradients(const Plan& plan) {
   return plan.zero_stage == 0 || plan.zero_in_place || plan.dp * plan.cp <= 1;
 }
+// The same of the experts' gradients, reduced over their own data-parallel group (dp x cp /
+// ep): also under staged ZeRO-1 where that is one rank each (dp x cp = ep), as no
+// reduce-scatter packs them then (ZeRO-2/3 free them after the step all the same).
+inline bool optimizer_clears_expert_gradients(const Plan& plan) {
+  return optimizer_clears_gradients(plan) ||
+         (plan.zero_stage == 1 && plan.dp / plan.ep * plan.cp <= 1);
+}
 
 // Whether each block's data-parallel gradients go out in buckets of their own (a block's
 // gradients never share a bucket with the next block's): with ZeRO-3's gathers per block,

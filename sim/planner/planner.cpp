@@ -685,10 +685,9 @@ class Estimator {
         stage_expert_params / (sharded ? std::max(1.0, expert_group) : 1.0));
     b.optimizer_s = cost.optimizer_seconds(updated);
     // The gradient buffer cleared for the next step (the lowering's Task::cleared_params).
-    if (plan::optimizer_clears_gradients(p)) {
-      b.optimizer_s +=
-          cost.grad_clear_seconds(static_cast<std::uint64_t>(stage_params + stage_expert_params));
-    }
+    b.optimizer_s += cost.grad_clear_seconds(static_cast<std::uint64_t>(
+        (plan::optimizer_clears_gradients(p) ? stage_params : 0.0) +
+        (plan::optimizer_clears_expert_gradients(p) ? stage_expert_params : 0.0)));
     // Gradient clipping's read of the rank's share of the gradients (its 4-byte all-reduces:
     // latency, left out).
     if (p.clip_grad > 0) {

@@ -236,6 +236,38 @@ TEST_CASE("with experts, ZeRO-3 gathers expert weights too and expert buckets in
   }
 }
 
+TEST_CASE("each expert on one rank (dp = ep): ZeRO shards the dense states alone", "[lower]") {
+  // The experts' data-parallel group is one rank: nothing reduces or gathers over it, their
+  // optimizer states stay whole, and under staged ZeRO-1 the optimizer step clears their
+  // gradients (no reduce-scatter packs them); ZeRO-2/3 free them instead.
+  auto moe = dtsim::model::load_model("tiny");
+  moe.moe = dtsim::model::MoeSpec{4, 2, 64};
+  const dtsim::model::ModelGraph g(moe, 1, 32);
+  double dense = 0, experts = 0;
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    const auto& op = g.op(static_cast<dtsim::model::OpId>(i));
+    (op.expert ? experts : dense) += static_cast<double>(op.params);
+  }
+  experts /= 2;  // each of the 2 ep ranks holds half the experts
+  for (const int zero : {1, 2, 3}) {
+    INFO("ZeRO-" << zero);
+    Plan p = plan_for(2, 1, 1, 1);
+    p.ep = 2;
+    p.zero_stage = zero;
+    const Program program = dtsim::lower::lower(g, p);
+    const dtsim::lower::Task* opt = nullptr;
+    for (const auto& t : program.ranks[0].tasks) {
+      if (t.phase == Phase::Optimizer) opt = &t;
+      if (t.kind == TaskKind::Collective) {
+        CHECK(program.groups[static_cast<std::size_t>(t.group)].kind != GroupKind::ExpertDp);
+      }
+    }
+    REQUIRE(opt != nullptr);
+    CHECK(opt->params == static_cast<std::uint64_t>(dense / 2 + experts));
+    CHECK(opt->cleared_params == (zero == 1 ? static_cast<std::uint64_t>(experts) : 0));
+  }
+}
+
 TEST_CASE("context parallelism gathers K and V again for the backward", "[lower]") {
   // Each cp rank keeps its own K and V only; ring attention passes them around again in
   // backward, and the gradients of K and V come back reduce-scattered.
