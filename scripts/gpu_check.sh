@@ -508,7 +508,9 @@ nccl_common=(--steps 3 --lr 3e-3 --warmup 0 --global-batch-size 8 --precision fp
 # model | ranks | micro-batch size | seconds | plan flags (the correctness matrix's shapes; 4
 # ranks make more communicators, each split collective over the job, on one time-sliced GPU)
 # (First the two whose fixes no GPU has run: overlapped pipeline transfers, which hung on
-# 2026-12-04, and the 4-rank MoE plan, whose routing changed since.)
+# 2026-12-04, and the 4-rank MoE plan, whose routing changed since. dp 2 ep 2 ran on ZeRO-0
+# then; with ZeRO-2 since the sixty-second session, each expert on one rank: the dense states
+# sharded, the experts' whole.)
 nccl_plans=(
   "tiny-gpt|2|2|45|--pp 2 --schedule 1f1b --overlap-p2p-comm"
   "moe|4|1|75|--tp 2 --dp 2 --ep 2 --sequence-parallel --schedule zero-bubble --recompute full"
@@ -516,7 +518,7 @@ nccl_plans=(
   "tiny-gpt|2|2|45|--tp 2 --sequence-parallel"
   "tiny-gpt|2|2|45|--pp 2 --schedule 1f1b"
   "tiny-gpt|2|1|45|--dp 2 --zero-stage 3 --recompute full"
-  "moe|2|2|45|--dp 2 --ep 2"
+  "moe|2|2|45|--dp 2 --ep 2 --zero-stage 2"
   "tiny-gpt|2|2|45|--cp 2"
   "tiny-gpt|4|1|75|--dp 2 --tp 2 --zero-stage 1"
   "tiny-gpt|2|2|45|--dp 2 --zero-stage 1 --overlap-param-gather --attention flash"
