@@ -129,7 +129,7 @@ void write_host_topology(const std::string& dir, const nlohmann::json& profile, 
   if (profile.contains("collectives")) {
     std::size_t smallest = SIZE_MAX, largest = 0;
     for (const auto& c : profile.at("collectives")) {
-      if (c.at("kind") != "all_reduce") continue;
+      if (c.at("kind") != "all_reduce" || c.at("ranks").get<int>() != ranks) continue;
       const auto bytes = c.at("bytes").get<std::size_t>();
       if (bytes > largest) {
         largest = bytes;

@@ -562,8 +562,8 @@ nlohmann::json measure_collectives(const MpiSession& session, bool quick, int re
   for (std::size_t bytes = 4096; bytes <= (quick ? (1u << 16) : (64u << 20)); bytes *= 4) {
     sizes.push_back(bytes);
   }
-  const double ring = static_cast<double>(n - 1) / n;
-  // A row: the median over repeats of the slowest rank's time of `op`. The process ends if the
+  // A row: the median over repeats of the slowest rank's time of `op`, every rank of the job
+  // taking part (a group's collective runs in every group at once). The process ends if the
   // measurement takes longer than timeout_s (a peer that failed or hangs).
   auto measure = [&](const char* kind, int ranks, std::size_t bytes, double factor, auto&& op) {
     const Deadline deadline(
@@ -592,33 +592,55 @@ nlohmann::json measure_collectives(const MpiSession& session, bool quick, int re
                      {"algbw_bytes_per_s", algbw},
                      {"busbw_bytes_per_s", algbw * factor}});
   };
+  // Groups of 2, 4, ... ranks that divide the job, and the job: consecutive ranks, as a plan's
+  // innermost groups (tp) are placed, every group at once, as a plan's groups of a kind run
+  // (they share the host's memory bandwidth). The simulator prices a group by its size's rows.
+  std::vector<int> group_sizes;
+  for (int g = 2; g < n; g *= 2) {
+    if (n % g == 0) group_sizes.push_back(g);
+  }
+  group_sizes.push_back(n);
+  for (const int g : group_sizes) {
+    MPI_Comm comm = MPI_COMM_WORLD;
+    if (g < n) {
+      check(MPI_Comm_split(MPI_COMM_WORLD, session.rank() / g, session.rank(), &comm),
+            "MPI_Comm_split");
+    }
+    const double ring = static_cast<double>(g - 1) / g;
+    for (std::size_t bytes : sizes) {
+      const std::size_t count = bytes / sizeof(float);
+      const std::size_t part = count / static_cast<std::size_t>(g);
+      const std::size_t parts_bytes = part * static_cast<std::size_t>(g) * sizeof(float);
+      std::vector<float> buffer(count, 1.0f), out(count, 0.0f);
+      measure("all_reduce", g, bytes, 2 * ring, [&] {
+        check(MPI_Allreduce(MPI_IN_PLACE, buffer.data(), static_cast<int>(count), MPI_FLOAT,
+                            MPI_SUM, comm),
+              "MPI_Allreduce");
+      });
+      measure("all_gather", g, parts_bytes, ring, [&] {
+        check(MPI_Allgather(buffer.data(), static_cast<int>(part), MPI_FLOAT, out.data(),
+                            static_cast<int>(part), MPI_FLOAT, comm),
+              "MPI_Allgather");
+      });
+      measure("reduce_scatter", g, parts_bytes, ring, [&] {
+        check(MPI_Reduce_scatter_block(buffer.data(), out.data(), static_cast<int>(part), MPI_FLOAT,
+                                       MPI_SUM, comm),
+              "MPI_Reduce_scatter_block");
+      });
+      // Expert parallelism's dispatch and combine: every rank sends a part to every rank
+      // (bytes: what a rank sends in all, as nccl-tests' alltoall counts them).
+      measure("all_to_all", g, parts_bytes, ring, [&] {
+        check(MPI_Alltoall(buffer.data(), static_cast<int>(part), MPI_FLOAT, out.data(),
+                           static_cast<int>(part), MPI_FLOAT, comm),
+              "MPI_Alltoall");
+      });
+    }
+    if (comm != MPI_COMM_WORLD) check(MPI_Comm_free(&comm), "MPI_Comm_free");
+  }
+  // A pipeline transfer: ranks 0 to 1, the others idle.
   for (std::size_t bytes : sizes) {
     const std::size_t count = bytes / sizeof(float);
-    const std::size_t part = count / static_cast<std::size_t>(n);
-    const std::size_t parts_bytes = part * static_cast<std::size_t>(n) * sizeof(float);
     std::vector<float> buffer(count, 1.0f), out(count, 0.0f);
-    measure("all_reduce", n, bytes, 2 * ring, [&] {
-      check(MPI_Allreduce(MPI_IN_PLACE, buffer.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM,
-                          MPI_COMM_WORLD),
-            "MPI_Allreduce");
-    });
-    measure("all_gather", n, parts_bytes, ring, [&] {
-      check(MPI_Allgather(buffer.data(), static_cast<int>(part), MPI_FLOAT, out.data(),
-                          static_cast<int>(part), MPI_FLOAT, MPI_COMM_WORLD),
-            "MPI_Allgather");
-    });
-    measure("reduce_scatter", n, parts_bytes, ring, [&] {
-      check(MPI_Reduce_scatter_block(buffer.data(), out.data(), static_cast<int>(part), MPI_FLOAT,
-                                     MPI_SUM, MPI_COMM_WORLD),
-            "MPI_Reduce_scatter_block");
-    });
-    // Expert parallelism's dispatch and combine: every rank sends a part to every rank (bytes:
-    // what a rank sends in all, as nccl-tests' alltoall counts them).
-    measure("all_to_all", n, parts_bytes, ring, [&] {
-      check(MPI_Alltoall(buffer.data(), static_cast<int>(part), MPI_FLOAT, out.data(),
-                         static_cast<int>(part), MPI_FLOAT, MPI_COMM_WORLD),
-            "MPI_Alltoall");
-    });
     measure("send_recv", 2, bytes, 1.0, [&] {
       if (session.rank() == 0) {
         check(MPI_Send(buffer.data(), static_cast<int>(count), MPI_FLOAT, 1, 7, MPI_COMM_WORLD),

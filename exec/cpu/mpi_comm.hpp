@@ -51,11 +51,13 @@ class MpiSession {
   std::string host_;
 };
 
-// nccl-tests-style measurements over all ranks of the session: all-reduce, all-gather and
-// reduce-scatter by size (the size as nccl-tests counts it: the buffer reduced, the gathered
-// output, the scattered input), and a send/recv between ranks 0 and 1, each with its median
-// time, algorithm bandwidth (size / time) and bus bandwidth (algbw x 2(n-1)/n for all-reduce,
-// x (n-1)/n for the others). Every rank takes part; the table is the same on every rank. A
+// nccl-tests-style measurements over the ranks of the session: all-reduce, all-gather,
+// reduce-scatter and all-to-all by size (the size as nccl-tests counts it: the buffer reduced,
+// the gathered output, the scattered input, what a rank sends) and group size (2, 4, ... that
+// divide the job, in groups of consecutive ranks all at once, and the whole job), and a
+// send/recv between ranks 0 and 1, each with its median time, algorithm bandwidth (size /
+// time) and bus bandwidth (algbw x 2(n-1)/n for all-reduce, x (n-1)/n for the others, n the
+// group's size). Every rank takes part; the table is the same on every rank. A
 // measurement that takes longer than `timeout_s` (0: no limit) ends the process with a message
 // (exit code 3): MPI's calls have no time limit of their own.
 nlohmann::json measure_collectives(const MpiSession& session, bool quick, int repeats,

@@ -269,87 +269,113 @@ std::vector<CollectiveTiming> time_collectives(
     check(ncclCommInitRank(&comm, ranks, id, rank), "ncclCommInitRank");
   }
   cudaStream_t stream = nullptr;
-  // The stream's queued collectives done; a communicator's asynchronous error (a peer's network
-  // failure, a timeout inside NCCL) thrown rather than waited through.
-  auto finish = [&] {
+  // The stream's queued collectives on `c` done; a communicator's asynchronous error (a peer's
+  // network failure, a timeout inside NCCL) thrown rather than waited through.
+  auto finish = [&](ncclComm_t c) {
     for (;;) {
       const cudaError_t e = cudaStreamQuery(stream);
       if (e == cudaSuccess) return;
       if (e != cudaErrorNotReady) check(e, "cudaStreamQuery");
       (void)cudaGetLastError();  // not ready is no error
       ncclResult_t state = ncclSuccess;
-      check(ncclCommGetAsyncError(comm, &state), "ncclCommGetAsyncError");
+      check(ncclCommGetAsyncError(c, &state), "ncclCommGetAsyncError");
       if (state != ncclSuccess && state != ncclInProgress) {
         check(state, "a collective (ncclCommGetAsyncError)");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   };
+  // Groups of 2, 4, ... ranks that divide the job, and the job: consecutive ranks (as a plan's
+  // innermost groups, tp, are placed), every group at once, as a plan's groups of a kind run.
+  std::vector<int> group_sizes;
+  for (int g = 2; g < ranks; g *= 2) {
+    if (ranks % g == 0) group_sizes.push_back(g);
+  }
+  group_sizes.push_back(ranks);
+  std::vector<ncclComm_t> groups;  // split from `comm`; aborted or destroyed before it
   try {
     check(cudaStreamCreate(&stream), "cudaStreamCreate");
     check(cudaMemset(send.p, 0, max_bytes), "cudaMemset");
     Events ev;
-    const std::uint64_t unit = 2ull * static_cast<std::uint64_t>(ranks);  // bf16, split by ranks
-    for (const char* kind :
-         {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}) {
-      const std::string k = kind;
-      for (std::uint64_t size = 1024; size <= max_bytes; size *= 4) {
-        const std::uint64_t bytes = size / unit * unit;
-        const std::size_t count = bytes / 2;
-        const Deadline deadline(timeout_s, who + "the " + k + " of " + std::to_string(bytes) +
-                                               " bytes over " + std::to_string(ranks) +
-                                               " ranks did not finish" + limit);
-        auto once = [&] {
-          if (k == "all_reduce") {
-            check(ncclAllReduce(send.p, recv.p, count, ncclBfloat16, ncclSum, comm, stream),
-                  "ncclAllReduce");
-          } else if (k == "all_gather") {
-            check(ncclAllGather(send.p, recv.p, count / static_cast<std::size_t>(ranks),
-                                ncclBfloat16, comm, stream),
-                  "ncclAllGather");
-          } else if (k == "reduce_scatter") {
-            check(ncclReduceScatter(send.p, recv.p, count / static_cast<std::size_t>(ranks),
-                                    ncclBfloat16, ncclSum, comm, stream),
-                  "ncclReduceScatter");
-          } else if (k == "all_to_all") {
-            // Expert parallelism's exchange: a part to and from every rank, as grouped sends and
-            // receives (the dispatcher's form; bytes: what a rank sends in all, as nccl-tests'
-            // alltoall counts them).
-            const std::size_t part = count / static_cast<std::size_t>(ranks);
-            check(ncclGroupStart(), "ncclGroupStart");
-            for (int r = 0; r < ranks; ++r) {
-              const std::size_t at = static_cast<std::size_t>(r) * part * 2;
-              check(ncclSend(static_cast<char*>(send.p) + at, part, ncclBfloat16, r, comm, stream),
-                    "ncclSend");
-              check(ncclRecv(static_cast<char*>(recv.p) + at, part, ncclBfloat16, r, comm, stream),
-                    "ncclRecv");
+    for (const int g : group_sizes) {
+      ncclComm_t c = comm;
+      if (g < ranks) {
+        const Deadline split(timeout_s, who + "the NCCL communicators of groups of " +
+                                            std::to_string(g) + " ranks were not split" + limit);
+        check(ncclCommSplit(comm, rank / g, rank, &c, nullptr), "ncclCommSplit");
+        groups.push_back(c);
+      }
+      const std::uint64_t unit = 2ull * static_cast<std::uint64_t>(g);  // bf16, split by ranks
+      const auto parts = static_cast<std::size_t>(g);
+      // A pipeline transfer between ranks 0 and 1 (the others idle), once.
+      const bool whole = g == ranks;
+      for (const char* kind :
+           {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}) {
+        const std::string k = kind;
+        if (k == "send_recv" && !whole) continue;
+        for (std::uint64_t size = 1024; size <= max_bytes; size *= 4) {
+          const std::uint64_t bytes = size / unit * unit;
+          const std::size_t count = bytes / 2;
+          const Deadline deadline(timeout_s, who + "the " + k + " of " + std::to_string(bytes) +
+                                                 " bytes over " + std::to_string(g) +
+                                                 " ranks did not finish" + limit);
+          auto once = [&] {
+            if (k == "all_reduce") {
+              check(ncclAllReduce(send.p, recv.p, count, ncclBfloat16, ncclSum, c, stream),
+                    "ncclAllReduce");
+            } else if (k == "all_gather") {
+              check(ncclAllGather(send.p, recv.p, count / parts, ncclBfloat16, c, stream),
+                    "ncclAllGather");
+            } else if (k == "reduce_scatter") {
+              check(ncclReduceScatter(send.p, recv.p, count / parts, ncclBfloat16, ncclSum, c,
+                                      stream),
+                    "ncclReduceScatter");
+            } else if (k == "all_to_all") {
+              // Expert parallelism's exchange: a part to and from every rank, as grouped sends
+              // and receives (the dispatcher's form; bytes: what a rank sends in all, as
+              // nccl-tests' alltoall counts them).
+              const std::size_t part = count / parts;
+              check(ncclGroupStart(), "ncclGroupStart");
+              for (int r = 0; r < g; ++r) {
+                const std::size_t at = static_cast<std::size_t>(r) * part * 2;
+                check(ncclSend(static_cast<char*>(send.p) + at, part, ncclBfloat16, r, c, stream),
+                      "ncclSend");
+                check(ncclRecv(static_cast<char*>(recv.p) + at, part, ncclBfloat16, r, c, stream),
+                      "ncclRecv");
+              }
+              check(ncclGroupEnd(), "ncclGroupEnd");
+            } else if (rank < 2) {
+              check(ncclGroupStart(), "ncclGroupStart");
+              check(ncclSend(send.p, count, ncclBfloat16, 1 - rank, c, stream), "ncclSend");
+              check(ncclRecv(recv.p, count, ncclBfloat16, 1 - rank, c, stream), "ncclRecv");
+              check(ncclGroupEnd(), "ncclGroupEnd");
             }
-            check(ncclGroupEnd(), "ncclGroupEnd");
-          } else if (rank < 2) {
-            check(ncclGroupStart(), "ncclGroupStart");
-            check(ncclSend(send.p, count, ncclBfloat16, 1 - rank, comm, stream), "ncclSend");
-            check(ncclRecv(recv.p, count, ncclBfloat16, 1 - rank, comm, stream), "ncclRecv");
-            check(ncclGroupEnd(), "ncclGroupEnd");
-          }
-        };
-        once();
-        finish();
-        std::vector<double> t;
-        for (int r = 0; r < repeats; ++r) {
-          check(cudaEventRecord(ev.start, stream), "cudaEventRecord");
+          };
           once();
-          check(cudaEventRecord(ev.stop, stream), "cudaEventRecord");
-          finish();
-          t.push_back(ev.seconds());
+          finish(c);
+          std::vector<double> t;
+          for (int r = 0; r < repeats; ++r) {
+            check(cudaEventRecord(ev.start, stream), "cudaEventRecord");
+            once();
+            check(cudaEventRecord(ev.stop, stream), "cudaEventRecord");
+            finish(c);
+            t.push_back(ev.seconds());
+          }
+          const double slowest = max_over_ranks(median(t));
+          out.push_back({k, k == "send_recv" ? 2 : g, bytes, slowest});
         }
-        const double slowest = max_over_ranks(median(t));
-        out.push_back({k, k == "send_recv" ? 2 : ranks, bytes, slowest});
       }
     }
   } catch (...) {
+    for (auto it = groups.rbegin(); it != groups.rend(); ++it) {
+      teardown(ncclCommAbort(*it), "ncclCommAbort");
+    }
     teardown(ncclCommAbort(comm), "ncclCommAbort");
     if (stream != nullptr) teardown(cudaStreamDestroy(stream), "cudaStreamDestroy");
     throw;
+  }
+  for (auto it = groups.rbegin(); it != groups.rend(); ++it) {
+    check(ncclCommDestroy(*it), "ncclCommDestroy");
   }
   check(ncclCommDestroy(comm), "ncclCommDestroy");
   check(cudaStreamDestroy(stream), "cudaStreamDestroy");

@@ -93,7 +93,8 @@ struct CollectiveTiming {
 };
 
 // NCCL collectives over `ranks` ranks, this one `rank`, on `gpu`, bf16 elements, sizes from
-// 1 KiB to max_bytes by factors of 4. `broadcast_id` sends the 128-byte ncclUniqueId from rank
+// 1 KiB to max_bytes by factors of 4, over groups of 2, 4, ... consecutive ranks that divide
+// the job (communicators split from the job's, every group at once) and over the job. `broadcast_id` sends the 128-byte ncclUniqueId from rank
 // 0 to every rank (the caller's MPI); `max_over_ranks` returns the largest of a value over all
 // ranks. send_recv runs between ranks 0 and 1. Setting up the communicator, or measuring one
 // collective at one size, for longer than `timeout_s` (0: no limit) ends the process with a
