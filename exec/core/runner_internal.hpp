@@ -364,7 +364,7 @@ class Runner {
   static std::pair<std::int64_t, std::int64_t> flat_slice(const Param& p, int r);
 
   // Whether ZeRO shards a tensor: the dense ones over dp x cp, an expert's over its own
-  // data-parallel group (dp / ep x cp), which may be one rank (dp x cp = ep: each expert on
+  // data-parallel group (dp / ep x cp), which may be one rank (dp = ep, cp 1: each expert on
   // one rank, as Megatron-LM's distributed optimizer leaves it whole), where the Program
   // reduces and gathers nothing and the tensor is trained as without ZeRO.
   bool sharded(const Param& p) const { return sharded_ && (!p.expert || edp_ > 1); }

@@ -435,7 +435,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           }
         }
         // ZeRO-3 gathers and reduces the experts' over their own group, apart from the dense
-        // ones; where that is one rank each (dp x cp = ep) they stay whole, in the weights.
+        // ones; where that is one rank each (dp = ep, cp 1) they stay whole, in the weights.
         const double gathered_experts = experts_sharded ? layer_expert_params : 0.0;
         largest_layer_params = std::max(largest_layer_params, layer_params + gathered_experts);
         largest_block_params = std::max(largest_block_params, layer_params + gathered_experts);
@@ -592,7 +592,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
                        0,
                        "the last stage's logits while the loss reads them",
                        zb_walk ? &zb.forward_end : nullptr};
-    // ZeRO-2/3 with each expert on one rank (dp x cp = ep): the experts' gradients are whole
+    // ZeRO-2/3 with each expert on one rank (dp = ep, cp 1): the experts' gradients are whole
     // and not reduced, made at their first write in the step's first backward (or W pass) and
     // freed after its optimizer step, as ZeRO-2/3's gradients are (dtexec's). Where the stage
     // runs every forward before any backward (one micro-batch per replica, GPipe's order), or

@@ -197,7 +197,7 @@ inline bool optimizer_clears_gradients(const Plan& plan) {
   return plan.zero_stage == 0 || plan.zero_in_place || plan.dp * plan.cp <= 1;
 }
 // The same of the experts' gradients, reduced over their own data-parallel group (dp x cp /
-// ep): also under staged ZeRO-1 where that is one rank each (dp x cp = ep), as no
+// ep): also under staged ZeRO-1 where that is one rank each (dp = ep, cp 1), as no
 // reduce-scatter packs them then (ZeRO-2/3 free them after the step all the same).
 inline bool optimizer_clears_expert_gradients(const Plan& plan) {
   return optimizer_clears_gradients(plan) ||
