@@ -133,6 +133,9 @@ struct MicroBatch {
   // Mixture of experts, by router: the order of the tokens' copies (sorted by expert), the
   // gradient of the gates, and (on the host) each expert's number of copies.
   std::map<OpId, View> route, gate_grad;
+  // Zero-bubble, by experts' down op whose combine runs at it (ep 1, no moe_local_dispatch):
+  // its copies' output gradients, from its B pass's combine backward to its W pass.
+  std::map<OpId, View> copy_grad;
   std::map<OpId, std::vector<int>> expert_rows;
   // Expert parallelism, by router (on the host): the copies this rank's experts received, as
   // rows per (sending ep member s, local expert l) at s·E/ep + l, in the order they arrived.
@@ -145,10 +148,11 @@ struct MicroBatch {
 };
 
 // A micro-batch's tensor maps, in the order of Runner::Slot.
-inline constexpr std::array<std::map<OpId, View> MicroBatch::*, 12> kTensorSlots = {
-    &MicroBatch::out,  &MicroBatch::grad,      &MicroBatch::aux1,  &MicroBatch::aux2,
-    &MicroBatch::full, &MicroBatch::full_grad, &MicroBatch::kv,    &MicroBatch::kv_grad,
-    &MicroBatch::mask, &MicroBatch::dropped,   &MicroBatch::route, &MicroBatch::gate_grad};
+inline constexpr std::array<std::map<OpId, View> MicroBatch::*, 13> kTensorSlots = {
+    &MicroBatch::out,      &MicroBatch::grad,      &MicroBatch::aux1,  &MicroBatch::aux2,
+    &MicroBatch::full,     &MicroBatch::full_grad, &MicroBatch::kv,    &MicroBatch::kv_grad,
+    &MicroBatch::mask,     &MicroBatch::dropped,   &MicroBatch::route, &MicroBatch::gate_grad,
+    &MicroBatch::copy_grad};
 
 using Key = std::pair<OpId, int>;  // (op, 0 weight / 1 bias)
 
@@ -750,7 +754,8 @@ class Runner {
     Mask,
     Dropped,
     Route,
-    GateGrad
+    GateGrad,
+    CopyGrad
   };
   struct Use {
     Slot slot;

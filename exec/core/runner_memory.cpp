@@ -115,11 +115,20 @@ std::vector<Runner::Use> Runner::backward_uses(OpId id, Part part) const {
     case OpKind::MlpUp:
     case OpKind::MlpDown:
     case OpKind::LmHead:
-      read(Slot::Grad, id);
       if (op.kind == OpKind::MlpDown && op.expert && ep_ == 1 && !local_dispatch_) {
-        read(Slot::Aux1, id);
-        for (Slot s : {Slot::Aux1, Slot::Route}) read(s, router_of(id));
-        if (input_grads) u.push_back({Slot::GateGrad, router_of(id), false});
+        if (input_grads) {
+          // The combine's backward: the tokens' gradients, the copies' outputs, the gates and
+          // their order; a zero-bubble B pass keeps the copies' gradients for its W pass.
+          read(Slot::Grad, id);
+          read(Slot::Aux1, id);
+          for (Slot s : {Slot::Aux1, Slot::Route}) read(s, router_of(id));
+          u.push_back({Slot::GateGrad, router_of(id), false});
+          if (!weight_grads) u.push_back({Slot::CopyGrad, id, true});
+        } else {
+          read(Slot::CopyGrad, id);
+        }
+      } else {
+        read(Slot::Grad, id);
       }
       if (weight_grads) read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
       if (input_grads) read(gathers_input(op) ? Slot::FullGrad : Slot::Grad, input(id));

@@ -399,26 +399,26 @@ void Runner::experts_backward(MicroBatch& mb, OpId id, Part part) {
   const int k = top_k();
   const bool down = op.kind == OpKind::MlpDown;
   const std::int64_t copies = static_cast<std::int64_t>(T_) * k;
-  View dy = mb.grad.at(id);
   // With expert parallelism the combine's backward ran at the tokens' ranks, and the copies'
   // gradients came here by the combine all-to-all (ep_collective): dy is theirs already; so
   // under moe_local_dispatch, all-gathered over tp (tp_copies_collective).
   const bool through_combine = down && ep_ == 1 && !local_dispatch_;
-  if (through_combine) {
-    // Through the combine: each copy's output gradient (its gate times its token's), and
-    // (once, with the input gradients) the gates' gradient for the router.
+  View dy;
+  if (!through_combine) {
+    dy = mb.grad.at(id);
+  } else if (!input_grads) {
+    // Zero-bubble's W pass: the copies' gradients that the B pass's combine backward made.
+    dy = mb.copy_grad.at(id);
+  } else {
+    // Through the combine: each copy's output gradient (its gate times its token's), and the
+    // gates' gradient for the router; a B pass keeps the copies' for its W pass (the
+    // simulator's W pass keeps them and moves none of the combine's bytes).
     dy = allocate(copies * N);
-    View dgates;
-    if (input_grads) {
-      auto& g = mb.gate_grad[router];
-      if (g.empty()) fresh(g, copies, Dtype::F32);
-      dgates = g;
-    } else {
-      dgates = dev_.allocate(copies, Dtype::F32);
-    }
-    dev_.moe_combine_backward(dy, dgates, mb.grad.at(id), mb.aux1.at(id), mb.aux1.at(router),
+    auto& g = mb.gate_grad[router];
+    if (g.empty()) fresh(g, copies, Dtype::F32);
+    dev_.moe_combine_backward(dy, g, mb.grad.at(id), mb.aux1.at(id), mb.aux1.at(router),
                               mb.route.at(router), T_, C_, k);
-    if (!input_grads) dev_.release(dgates);
+    if (!weight_grads) mb.copy_grad[id] = dy;
   }
   const View in = weight_grads ? mb.out.at(input(id)) : View{};
   const View din = input_grads ? grad_of(mb, input(id)) : View{};
@@ -428,7 +428,7 @@ void Runner::experts_backward(MicroBatch& mb, OpId id, Part part) {
                     in.empty() ? View{} : in.sub(at * K, std::int64_t{n} * K), n, K, N, false,
                     weight_grads);
   });
-  if (through_combine) dev_.release(dy);
+  if (through_combine && input_grads && weight_grads) dev_.release(dy);
 }
 
 void Runner::ep_collective(const lower::Task& task, MicroBatch& mb, bool alone) {
