@@ -76,6 +76,7 @@ plans=(
   "2|--tp 2 --attention flash"
   "2|--pp 2 --schedule 1f1b --attention flash"
   "2|--dp 2 --ep 2"
+  "2|--dp 2 --ep 2 --zero-stage 2"
   "2|--dp 2 --zero-stage 1 --clip-grad 1"
   "2|--pp 2 --schedule 1f1b --clip-grad 1"
 )
