@@ -18,7 +18,8 @@
 # without stragglers, and memory (the last round's busiest rank's peak of tensors,
 # measured/predicted by dtsim memory without its framework allowance, and the prediction's
 # error, signed as the times'); and the worst error; and for expert-parallel plans the
-# prediction again at the routing's load that the run measured (dtsim --expert-load).
+# prediction again at the routing's load that the run measured (dtsim --expert-load), and the
+# memory at the load of its busiest micro-batch.
 #
 # ONLY=REGEX runs (and tabulates) only the plans whose flags match it, e.g. ONLY='--cp'.
 #
@@ -103,7 +104,8 @@ fi
 if [ "$runs" -gt 0 ]; then
   for i in "${!plans[@]}"; do
     for f in times predicted plain even; do : >"${f}_$i.txt"; done
-    rm -f "loaded_$i.txt" "load_$i.txt"  # (written for ep plans only: absent means none)
+    # (written for ep plans only: absent means none)
+    rm -f "loaded_$i.txt" "load_$i.txt" "loaded_memory_$i.txt"
   done
 fi
 for round in $(seq "$runs"); do
@@ -162,6 +164,13 @@ for round in $(seq "$runs"); do
         "${batch[@]}" $flags --precision fp32 --profile "$profile" --expert-load "$load" \
         --json | value step_time_s >>"loaded_$i.txt"
       echo "$load" >>"load_$i.txt"
+      # Memory at the load of the run's busiest micro-batch (dtsim counts every micro-batch in
+      # flight at the load given): the last round's.
+      peak_load=$(value expert_load_peak <"run_$i.json")
+      # shellcheck disable=SC2086
+      echo "$peak_load $("$dtsim" memory --model "$model" --cluster host/cpu-host.json \
+        --gpus "$ranks" "${batch[@]}" $flags --precision fp32 --framework-overhead-gib 0 \
+        --expert-load "$peak_load" --json | value total_bytes)" >"loaded_memory_$i.txt"
     fi
   done
 done
@@ -204,8 +213,15 @@ for i in "${!plans[@]}"; do
   [ -f "loaded_$i.txt" ] || continue
   IFS='|' read -r ranks flags <<<"${plans[$i]}"
   loaded=$(median "loaded_$i.txt")
+  memory=""
+  if [ -f "loaded_memory_$i.txt" ]; then  # (not in a work directory from before 2026-12-06)
+    read -r peak_load peak_predicted <"loaded_memory_$i.txt"
+    memory="; memory at its busiest micro-batch's load ($peak_load): predicted $(awk \
+      -v p="$peak_predicted" -v m="$(value peak_bytes <"run_$i.json")" \
+      'BEGIN { printf "%.1f MiB, error %+.1f%%", p / 1048576, (p / m - 1) * 100 }')"
+  fi
   echo "$flags at the measured expert load (median $(median "load_$i.txt")): predicted" \
     "$(awk -v x="$loaded" 'BEGIN { printf "%.1f", x * 1000 }') ms, error" \
     "$(awk -v p="$loaded" -v m="$(median "times_$i.txt")" \
-      'BEGIN { printf "%+.1f%%", (p / m - 1) * 100 }')"
+      'BEGIN { printf "%+.1f%%", (p / m - 1) * 100 }')$memory"
 done
