@@ -758,12 +758,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // backward to the bucket's reduce-scatter (the reduced slice is in gradients_bytes): up to
     // a bucket, at most the rank's gradients. They grow while that backward frees the
     // micro-batch's activations, so only what exceeds those adds to the peak (it does with full
-    // recompute, whose kept activations are small). Zero-bubble's W passes write them, freeing
-    // what a W pass keeps (the GEMMs' inputs and output gradients, whatever the recompute:
-    // cpu-small at pp 2 dp 2 with full recompute held 75.1 MiB where the bucket beyond a
-    // micro-batch's few kept activations predicted 82.1, +9.3%).
-    const double freed_as_written = zb_walk ? weight_pass : per_micro_batch;
-    double zero2_bucket = zero2 ? std::max(0.0, largest_bucket - freed_as_written) : 0.0;
+    // recompute, whose kept activations are small).
+    double zero2_bucket = zero2 ? std::max(0.0, largest_bucket - per_micro_batch) : 0.0;
     // A moment when ZeRO-2's growing bucket is gone: the peak where it holds more than the
     // peak so far with that bucket.
     auto consider_without_bucket = [&](const Moment& m) {

@@ -18,9 +18,7 @@
 # peaks at that block's gather) until the sixty-first, and +4.1% on bucket-gpt (the embedding's
 # gather counted beside a reduce-scatter that dtexec finishes first); zero-bubble with ZeRO-2
 # on bucket-gpt -8.3% (a W pass's last reduce-scatter still in flight as the next W pass wrote
-# every bucket, which go out only after it); zero-bubble with ZeRO-2 and full recompute +9.3% on
-# cpu-small (a bucket's gradients counted beyond the few activations a recomputed micro-batch
-# keeps, where its W pass frees what it keeps as it writes them) until the sixty-second.
+# every bucket, which go out only after it).
 # usage: memory_check.sh DTEXEC DTSIM MPIRUN WORK_DIR
 set -uo pipefail
 dtexec=$1
@@ -61,7 +59,6 @@ plans=(
   "$buckets|2|8|--dp 2 --zero-stage 3 --recompute full"
   "$buckets|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 2"
   "$moe_small|2|8|--dp 2 --ep 2 --zero-stage 3"
-  "cpu-small|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 2 --recompute full"
 )
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 failed=0
