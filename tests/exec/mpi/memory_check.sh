@@ -18,7 +18,9 @@
 # peaks at that block's gather) until the sixty-first, and +4.1% on bucket-gpt (the embedding's
 # gather counted beside a reduce-scatter that dtexec finishes first); zero-bubble with ZeRO-2
 # on bucket-gpt -8.3% (a W pass's last reduce-scatter still in flight as the next W pass wrote
-# every bucket, which go out only after it).
+# every bucket, which go out only after it); ZeRO-2 at pp 2 dp 2 1F1B with 8 micro-batches -10.5%
+# on tiny-gpt (the previous pass's reduce-scatter still in flight through the next backward)
+# until the sixty-second.
 # usage: memory_check.sh DTEXEC DTSIM MPIRUN WORK_DIR
 set -uo pipefail
 dtexec=$1
@@ -59,6 +61,7 @@ plans=(
   "$buckets|2|8|--dp 2 --zero-stage 3 --recompute full"
   "$buckets|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 2"
   "$moe_small|2|8|--dp 2 --ep 2 --zero-stage 3"
+  "tiny-gpt|4|64|--pp 2 --dp 2 --schedule 1f1b --zero-stage 2"
 )
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 failed=0
