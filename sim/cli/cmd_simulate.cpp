@@ -1,10 +1,15 @@
 // dtsim simulate: predicted step time of a plan, its breakdown, memory, MFU; JSON and a trace.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "sim/cli/commands.hpp"
 #include "sim/cli/options.hpp"
@@ -124,12 +129,20 @@ int cmd_simulate(const std::vector<std::string>& args) {
   const engine::Simulation sim = engine::simulate(setup.graph, plan, cluster, *network, options);
   const engine::Prediction& p = sim.prediction;
   for (const auto& n : p.notes) notes.push_back(n);
-  if (profile) {
+  if (profile && !profile->collectives.empty() && cluster.nodes > 1) {
+    // (engine::simulate: measured collectives stand for groups inside one node.)
+    notes.push_back(fmt::format(
+        "profile {}: its collectives were measured inside one host; on {}'s {} nodes every "
+        "collective and transfer is priced by the network model",
+        profile->file, cluster.name, cluster.nodes));
+  } else if (profile && !profile->collectives.empty()) {
     // Collectives and transfers that the profile times beyond its largest size of their kind
-    // and group (a --quick calibration measures up to 64 KiB; a step's gradients are MBs).
+    // and group (a --quick calibration measures up to 64 KiB; a step's gradients are MBs),
+    // and those of a kind and group size it did not measure (the network model's).
     std::int64_t beyond = 0;
     double most = 0, measured_most = 0;
     std::string most_what;
+    std::set<std::pair<std::string, int>> unmeasured;
     for (const auto& rp : sim.program.ranks) {
       for (const auto& task : rp.tasks) {
         std::string kind;
@@ -144,6 +157,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
           continue;
         }
         const auto largest = profile->largest_collective_bytes(kind, ranks);
+        if (!largest) unmeasured.insert({kind, ranks});
         const auto bytes = static_cast<double>(task.bytes);
         if (!largest || bytes <= *largest) continue;
         ++beyond;
@@ -160,6 +174,15 @@ int cmd_simulate(const std::vector<std::string>& args) {
           "size of their kind and group (the most: {:.3g} bytes of {}, measured up to {:.3g}) "
           "and are priced at that size's throughput: an extrapolation",
           profile->file, beyond, most, most_what, measured_most));
+    }
+    if (!unmeasured.empty()) {
+      std::vector<std::string> what;
+      for (const auto& [kind, ranks] : unmeasured)
+        what.push_back(fmt::format("{} over {}", kind, ranks));
+      notes.push_back(fmt::format(
+          "profile {} measured no {} ranks (dtexec calibrate measures groups of 2, 4, ... "
+          "that divide its job, and the job): the network model prices those",
+          profile->file, fmt::join(what, ", ")));
     }
   }
   if (vm.count("trace")) {
