@@ -170,7 +170,7 @@ for round in $(seq "$runs"); do
       # shellcheck disable=SC2086
       echo "$peak_load $("$dtsim" memory --model "$model" --cluster host/cpu-host.json \
         --gpus "$ranks" "${batch[@]}" $flags --precision fp32 --framework-overhead-gib 0 \
-        --expert-load "$peak_load" --json | value total_bytes)" >"loaded_memory_$i.txt"
+        --expert-load "$peak_load" --json | last_value total_bytes)" >"loaded_memory_$i.txt"
     fi
   done
 done

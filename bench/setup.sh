@@ -21,3 +21,6 @@ model_file=$model
 moe=""
 if grep -q '"moe"' "$model_file" 2>/dev/null; then moe=1; fi
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
+# The same field's last occurrence: dtsim memory --json's worst-stage total_bytes, after its
+# per_stage list's.
+last_value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | tail -1; }

@@ -64,6 +64,8 @@ plans=(
   "tiny-gpt|4|64|--pp 2 --dp 2 --schedule 1f1b --zero-stage 2"
 )
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
+# The last: dtsim memory --json's worst-stage total_bytes comes after its per_stage list's.
+last_value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | tail -1; }
 failed=0
 for entry in "${plans[@]}"; do
   IFS='|' read -r model ranks gbs flags <<<"$entry"
@@ -82,7 +84,7 @@ for entry in "${plans[@]}"; do
     # shellcheck disable=SC2086
     predicted=$("$dtsim" memory --model "$model" --cluster cpu-host --gpus "$ranks" \
       --micro-batch-size 4 --global-batch-size "$gbs" $flags --precision fp32 \
-      --framework-overhead-gib 0 --expert-load "$load" --json | value total_bytes)
+      --framework-overhead-gib 0 --expert-load "$load" --json | last_value total_bytes)
     flags="$flags (expert load $load)"
   fi
   if [ -z "$measured" ] || [ -z "$predicted" ]; then
