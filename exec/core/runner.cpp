@@ -816,6 +816,8 @@ void Runner::optimizer_step() {
   // replay of predicted waits ran no reduce-scatter to clear staged ZeRO-1's.
   const bool clear_all =
       plan::optimizer_clears_gradients(p_) || (options_.replay_communication && !transient_grads_);
+  // ZeRO-1's experts on one rank each (dp = ep): no reduce-scatter clears their gradients.
+  const bool clear_experts = !clear_all && plan::optimizer_clears_expert_gradients(p_);
   for (auto& [key, p] : params_) {
     const View g = sharded(p) ? p.reduced : grad(p);
     if (clip > 0) dev_.clip_scale(g, grad_norm_sq_, clip);
@@ -826,8 +828,7 @@ void Runner::optimizer_step() {
     // reduce-scatter leaves them where they were).
     if (sharded(p) && !in_place_) dev_.zero(p.reduced);
     if (transient_grads_) drop_grad(p);  // (unsharded experts' too: made again at first write)
-    // ZeRO-1's experts unsharded: no reduce-scatter cleared their gradients.
-    if (!sharded(p) && sharded_ && !transient_grads_ && !clear_all) dev_.zero(p.grad);
+    if (p.expert && clear_experts) dev_.zero(p.grad);
     if (!sharded(p)) refresh_work(p);  // sharded: after the all-gather of the updated slices
   }
   if (clear_all) dev_.zero(grad_storage_);

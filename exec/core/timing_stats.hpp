@@ -38,6 +38,19 @@ struct OpTiming {
   double fwd_s = 0, bwd_s = 0;
 };
 
+// The group sizes whose collectives calibrate measures on a job of `ranks` (2 or more): 2, 4,
+// ... that divide it, and the job. Each runs in groups of consecutive ranks, as a plan's
+// innermost groups (tp) are placed, every group at once, as a plan's groups of a kind run
+// (sharing the host); the simulator prices a group by its size's rows.
+inline std::vector<int> collective_group_sizes(int ranks) {
+  std::vector<int> sizes;
+  for (int g = 2; g < ranks; g *= 2) {
+    if (ranks % g == 0) sizes.push_back(g);
+  }
+  sizes.push_back(ranks);
+  return sizes;
+}
+
 // One GEMM of a linear op [T,K]x[K,N] on one rank, as `dtexec run` calls it: its forward, or
 // one of its backward's two of the same FLOPs, the input gradient dout[T,N]·w^T ([T,N]x[N,K])
 // and the weight gradient in^T·dout ([K,T]x[T,N]). Each backend times them with its own matmul

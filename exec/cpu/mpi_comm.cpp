@@ -592,15 +592,7 @@ nlohmann::json measure_collectives(const MpiSession& session, bool quick, int re
                      {"algbw_bytes_per_s", algbw},
                      {"busbw_bytes_per_s", algbw * factor}});
   };
-  // Groups of 2, 4, ... ranks that divide the job, and the job: consecutive ranks, as a plan's
-  // innermost groups (tp) are placed, every group at once, as a plan's groups of a kind run
-  // (they share the host's memory bandwidth). The simulator prices a group by its size's rows.
-  std::vector<int> group_sizes;
-  for (int g = 2; g < n; g *= 2) {
-    if (n % g == 0) group_sizes.push_back(g);
-  }
-  group_sizes.push_back(n);
-  for (const int g : group_sizes) {
+  for (const int g : collective_group_sizes(n)) {
     MPI_Comm comm = MPI_COMM_WORLD;
     if (g < n) {
       check(MPI_Comm_split(MPI_COMM_WORLD, session.rank() / g, session.rank(), &comm),

@@ -285,19 +285,12 @@ std::vector<CollectiveTiming> time_collectives(
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   };
-  // Groups of 2, 4, ... ranks that divide the job, and the job: consecutive ranks (as a plan's
-  // innermost groups, tp, are placed), every group at once, as a plan's groups of a kind run.
-  std::vector<int> group_sizes;
-  for (int g = 2; g < ranks; g *= 2) {
-    if (ranks % g == 0) group_sizes.push_back(g);
-  }
-  group_sizes.push_back(ranks);
   std::vector<ncclComm_t> groups;  // split from `comm`; aborted or destroyed before it
   try {
     check(cudaStreamCreate(&stream), "cudaStreamCreate");
     check(cudaMemset(send.p, 0, max_bytes), "cudaMemset");
     Events ev;
-    for (const int g : group_sizes) {
+    for (const int g : collective_group_sizes(ranks)) {
       ncclComm_t c = comm;
       if (g < ranks) {
         const Deadline split(timeout_s, who + "the NCCL communicators of groups of " +

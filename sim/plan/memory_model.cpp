@@ -601,8 +601,11 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // (its last block's) only that block's have been written, at most the largest block's
     // (cpu-small-moe at dp 2, ep 2, ZeRO-3, one micro-batch per replica: +5.8% with all of
     // them counted).
-    const bool forward_after_backward = zb_walk ? zb.forward_after_weight.forwards > 0
-                                                : plan.micro_batches() * v > in_flight(plan, stage);
+    // (Whether the stage runs more forwards than it holds in flight: some forward then runs
+    // between two backward passes.)
+    const bool forward_between = plan.micro_batches() * v > in_flight(plan, stage);
+    const bool forward_after_backward =
+        zb_walk ? zb.forward_after_weight.forwards > 0 : forward_between;
     const bool transient_experts = plan.zero_stage >= 2 && shard > 1 && !experts_sharded;
     if (transient_experts && !forward_after_backward) {
       forward_end.unwritten_gradients = experts.gradients;
@@ -819,7 +822,6 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // 326.1 MiB there, 1F1B, against 313.2 predicted before this moment, interleaved over 2
       // chunks 357.8 against 329.4; with 2 micro-batches, stage 0 running both forwards first,
       // 321.4, as predicted without it).
-      const bool forward_between = plan.micro_batches() * v > in_flight(plan, stage);
       const bool last_stage = stage == plan.pp - 1;
       // (Zero-bubble's earlier stages too: a B pass's wait for its gradient did not always
       // see the reduce-scatter through on bucket-gpt, whose first step held it to W1's end.)

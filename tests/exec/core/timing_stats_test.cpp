@@ -21,3 +21,12 @@ TEST_CASE("robust_cv: the median absolute deviation, not swayed by one preempted
   CHECK(robust_cv({}) == 0);
   CHECK(robust_cv({1.0, 100.0, 1000.0}) == Approx(0.99));  // capped below 1
 }
+
+TEST_CASE("collective_group_sizes: 2, 4, ... dividing the job, and the job", "[exec][timing]") {
+  using dtsim::exec::collective_group_sizes;
+  CHECK(collective_group_sizes(2) == std::vector<int>{2});
+  CHECK(collective_group_sizes(3) == std::vector<int>{3});
+  CHECK(collective_group_sizes(4) == std::vector<int>{2, 4});
+  CHECK(collective_group_sizes(6) == std::vector<int>{2, 6});
+  CHECK(collective_group_sizes(8) == std::vector<int>{2, 4, 8});
+}
