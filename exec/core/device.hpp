@@ -65,8 +65,13 @@ class Device {
   // framework's caching allocator does), else new.
   virtual View allocate(std::int64_t n, Dtype type) = 0;
   // As allocate, without the zeros, for a tensor that the caller writes whole before anything
-  // reads it (a collective's or a packing's destination): its values are whatever the buffer
-  // last held.
+  // reads it (an op's output, a collective's or a packing's destination): on a GPU its values
+  // are whatever the buffer last held, and the zeros' pass over memory, which no framework's
+  // allocator makes and no cost model prices, is saved. The CPU device fills it with bytes
+  // 0xff instead (NaN in fp32 and bf16, -1 in int32), at the zeros' cost, so that a kernel
+  // that reads such a tensor before writing it shows in the loss of every CPU test (the GPU
+  // device does the same under DTEXEC_TEST_POISON_UNWRITTEN=1, as scripts/gpu_check.sh runs
+  // its correctness checks).
   virtual View allocate_for_overwrite(std::int64_t n, Dtype type) { return allocate(n, type); }
   virtual void release(View v) = 0;
   // Bytes of the tensors handed out (the sizes asked for, from allocate until release): now, and

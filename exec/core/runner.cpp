@@ -870,7 +870,7 @@ void Runner::replay(const lower::Task& task, std::size_t index) {
   const bool dp = task.kind == TaskKind::Collective && is_dp_group(task);
   if (task.kind == TaskKind::Recv) {
     View& buffer = transferred(task);
-    fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
+    fresh_for_overwrite(buffer, static_cast<std::int64_t>(Ts_) * C_);
     dev_.copy(buffer, replayed_input());
   } else if (dp && zero3_ && task.collective == CollectiveKind::AllGather &&
              task.op_end > task.op_begin) {
@@ -979,7 +979,7 @@ void Runner::execute(const lower::Task& task, std::size_t index) {
           posted_[next] = post_receive(rp_->tasks[next]);
         }
       } else {
-        fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
+        fresh_for_overwrite(buffer, static_cast<std::int64_t>(Ts_) * C_);
         comm_.recv(peer_rank(task), task.tag, on_the_wire(buffer));
       }
       return;

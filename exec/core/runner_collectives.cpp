@@ -375,9 +375,9 @@ void Runner::cp_collective(const lower::Task& task, MicroBatch& mb, bool local) 
   const std::vector<int> counts = collective_counts(
       std::vector<std::int64_t>(static_cast<std::size_t>(cp_), mine), "the cp K/V all-gather");
   if (task.collective == CollectiveKind::AllGather) {
-    const View own = allocate(mine);
+    const View own = allocate_for_overwrite(mine);
     if (rope) {
-      const View turned = allocate(static_cast<std::int64_t>(T_) * width);
+      const View turned = allocate_for_overwrite(static_cast<std::int64_t>(T_) * width);
       dev_.rope_forward(turned, mb.out.at(qkv), B_, Sq_, H_, G_, D_, m_.rope_theta, positions_);
       dev_.copy_columns(own, turned, T_, width, H_ * D_, kv_width);
       dev_.release(turned);
@@ -385,7 +385,7 @@ void Runner::cp_collective(const lower::Task& task, MicroBatch& mb, bool local) 
       dev_.copy_columns(own, mb.out.at(qkv), T_, width, H_ * D_, kv_width);
     }
     auto& all = mb.kv[core];
-    fresh(all, mine * cp_);
+    fresh_for_overwrite(all, mine * cp_);
     if (local) {
       for (int r = 0; r < cp_; ++r) dev_.copy(all.sub(r * mine, mine), own);
     } else {
@@ -395,7 +395,7 @@ void Runner::cp_collective(const lower::Task& task, MicroBatch& mb, bool local) 
     return;
   }
   DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter, "cp reduce-scatter of dKV");
-  const View own = allocate(mine);
+  const View own = allocate_for_overwrite(mine);
   if (local) {
     dev_.copy(own, mb.kv_grad.at(core).sub(c_ * mine, mine));
   } else {
@@ -439,7 +439,7 @@ void Runner::sequence_parallel_collective(const lower::Task& task, MicroBatch& m
   const std::int64_t whole_size = static_cast<std::int64_t>(T_) * C_;
   if (exit && scatter) {  // forward g: the row-parallel (or embedding) output, summed
     auto& out = mb.out.at(anchor);
-    const View shard = allocate(shard_size);
+    const View shard = allocate_for_overwrite(shard_size);
     reduce_scatter(out, shard);
     dev_.release(out);
     out = shard;
@@ -448,12 +448,12 @@ void Runner::sequence_parallel_collective(const lower::Task& task, MicroBatch& m
     auto& grad = mb.grad.at(anchor);
     if (g_.op(anchor).kind == OpKind::Embedding && dropout_ > 0) {
       // Through the embedding's dropout first, on the rank's share (as it was applied).
-      const View dy = allocate(grad.size());
+      const View dy = allocate(grad.size());  // (dropout_backward adds into it)
       dev_.dropout_backward(dy, mb.mask.at(anchor), grad, dropout_);
       dev_.release(grad);
       grad = dy;
     }
-    const View whole = allocate(whole_size);
+    const View whole = allocate_for_overwrite(whole_size);
     all_gather(grad, whole);
     dev_.release(grad);
     grad = whole;
@@ -461,11 +461,11 @@ void Runner::sequence_parallel_collective(const lower::Task& task, MicroBatch& m
                           // again in the backward for the weight gradient)
     const OpId in = input(anchor);
     auto& whole = mb.full[in];
-    fresh(whole, whole_size);
+    fresh_for_overwrite(whole, whole_size);
     all_gather(mb.out.at(in), whole);
   } else {  // backward f: the gradient of that input, summed and scattered
     const OpId in = input(anchor);
-    const View shard = allocate(shard_size);
+    const View shard = allocate_for_overwrite(shard_size);
     reduce_scatter(mb.full_grad.at(in), shard);
     dev_.accumulate(grad_of(mb, in), shard);
     dev_.release(shard);
@@ -595,7 +595,7 @@ void Runner::plan_receive_streams() {
 
 Comm::Handle Runner::post_receive(const lower::Task& task) {
   View& buffer = transferred(task);
-  fresh(buffer, static_cast<std::int64_t>(Ts_) * C_);
+  fresh_for_overwrite(buffer, static_cast<std::int64_t>(Ts_) * C_);
   return comm_.start_recv(peer_rank(task), task.tag, on_the_wire(buffer));
 }
 

@@ -798,11 +798,21 @@ class Runner {
 
   // n zeros of the activation type.
   View allocate(std::int64_t n) { return dev_.allocate(n, dev_.activations()); }
+  // n values of the activation type that the caller writes whole (Device::allocate_for_overwrite).
+  View allocate_for_overwrite(std::int64_t n) {
+    return dev_.allocate_for_overwrite(n, dev_.activations());
+  }
 
   // v = n zeros (of the activation type, or `type`); what v held goes back to the device.
   void fresh(View& v, std::int64_t n, std::optional<Dtype> type = std::nullopt) {
     dev_.release(v);
     v = dev_.allocate(n, type.value_or(dev_.activations()));
+  }
+  // As fresh, for an op's output that its kernel writes whole: no zeros first (a pass over
+  // memory that no framework's allocator makes and that dtsim does not price).
+  void fresh_for_overwrite(View& v, std::int64_t n, std::optional<Dtype> type = std::nullopt) {
+    dev_.release(v);
+    v = dev_.allocate_for_overwrite(n, type.value_or(dev_.activations()));
   }
 
   // --only-rank: the buffers of replayed collectives started before task `index`, back to the

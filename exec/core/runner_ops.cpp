@@ -9,7 +9,7 @@ void Runner::forward(MicroBatch& mb, OpId id) {
   auto& out = mb.out[id];
   switch (op.kind) {
     case OpKind::Embedding: {
-      fresh(out, static_cast<std::int64_t>(T_) * C_);
+      fresh_for_overwrite(out, static_cast<std::int64_t>(T_) * C_);
       // Positions are added once: by tensor-parallel rank 0, before the all-reduce.
       dev_.embedding_forward(out, mb.tokens, param(id, 0).data, t_ == 0 ? bias_in(id) : View{}, B_,
                              Sq_, C_, t_ * Vl_, positions_);
@@ -20,9 +20,9 @@ void Runner::forward(MicroBatch& mb, OpId id) {
     }
     case OpKind::Norm: {
       // Norms run on this rank's share of the sequence under sequence parallelism.
-      fresh(out, static_cast<std::int64_t>(Ts_) * C_);
-      fresh(mb.aux1[id], Ts_, Dtype::F32);  // mean
-      fresh(mb.aux2[id], Ts_, Dtype::F32);  // 1 / standard deviation
+      fresh_for_overwrite(out, static_cast<std::int64_t>(Ts_) * C_);
+      fresh_for_overwrite(mb.aux1[id], Ts_, Dtype::F32);  // mean
+      fresh_for_overwrite(mb.aux2[id], Ts_, Dtype::F32);  // 1 / standard deviation
       dev_.norm_forward(out, mb.aux1[id], mb.aux2[id], mb.out.at(input(id)), param(id, 0).data,
                         bias_in(id), Ts_, C_, m_.norm == model::Norm::RmsNorm);
       break;
@@ -37,7 +37,7 @@ void Runner::forward(MicroBatch& mb, OpId id) {
         break;
       }
       const auto [K, N] = gemm_shape(op);
-      fresh(out, static_cast<std::int64_t>(T_) * N);
+      fresh_for_overwrite(out, static_cast<std::int64_t>(T_) * N);
       // A row-parallel op's bias is added once, by tensor-parallel rank 0.
       const View bias = row_parallel(op) && t_ != 0 ? View{} : bias_in(id);
       const bool tied = tied_head(op);
@@ -52,20 +52,20 @@ void Runner::forward(MicroBatch& mb, OpId id) {
       break;
     }
     case OpKind::AttentionCore: {
-      fresh(out, static_cast<std::int64_t>(T_) * H_ * D_);
+      fresh_for_overwrite(out, static_cast<std::int64_t>(T_) * H_ * D_);
       // What the backward reads: the probabilities, or FlashAttention's log-sum-exp of each
       // row (fp32).
       const std::int64_t rows = static_cast<std::int64_t>(B_) * H_ * Sq_;
       if (flash_) {
-        fresh(mb.aux1[id], rows, Dtype::F32);
+        fresh_for_overwrite(mb.aux1[id], rows, Dtype::F32);
       } else {
-        fresh(mb.aux1[id], rows * S_);
+        fresh_for_overwrite(mb.aux1[id], rows * S_);
       }
       View q = mb.out.at(input(id));
       if (m_.positions == model::Positions::Rope) {
         // Rotary positions are applied to q and k as the attention core reads them.
         auto& turned = mb.aux2[id];
-        fresh(turned, q.size());
+        fresh_for_overwrite(turned, q.size());
         dev_.rope_forward(turned, q, B_, Sq_, H_, G_, D_, m_.rope_theta, positions_);
         q = turned;
       }
@@ -73,8 +73,8 @@ void Runner::forward(MicroBatch& mb, OpId id) {
         const Device::DropoutSite site = dropout_site(mb, op.layer, kAttentionDropout, 0);
         Device::Attention a = attention_extras(mb, id, dropout_ > 0 ? &site : nullptr);
         if (dropout_ > 0 && !flash_) {
-          fresh(mb.mask[id], mb.aux1[id].size(), Dtype::U8);
-          fresh(mb.dropped[id], mb.aux1[id].size());
+          fresh_for_overwrite(mb.mask[id], mb.aux1[id].size(), Dtype::U8);
+          fresh_for_overwrite(mb.dropped[id], mb.aux1[id].size());
           a.mask = mb.mask[id];
           a.dropped = mb.dropped[id];
         }
@@ -89,11 +89,11 @@ void Runner::forward(MicroBatch& mb, OpId id) {
       const auto preds = g_.predecessors(id);
       const View a = mb.out.at(preds[0]);
       const View b = mb.out.at(preds[1]);
-      fresh(out, a.size());
+      fresh_for_overwrite(out, a.size());
       if (dropout_ > 0) {
         // The branch (the attention or MLP block's output) is dropped out, the skip is not.
         const int rows = static_cast<int>(a.size() / C_);
-        fresh(mb.mask[id], a.size(), Dtype::U8);
+        fresh_for_overwrite(mb.mask[id], a.size(), Dtype::U8);
         dev_.dropout_add_forward(
             out, mb.mask[id], a, b,
             dropout_site(mb, op.layer, residual_site(preds[0]), rows == T_ ? 0 : t_ * Ts_), rows,
@@ -106,13 +106,13 @@ void Runner::forward(MicroBatch& mb, OpId id) {
     case OpKind::Activation: {
       const View in = mb.out.at(input(id));
       if (m_.activation == model::Activation::Gelu) {
-        fresh(out, in.size());
+        fresh_for_overwrite(out, in.size());
         dev_.gelu_forward(out, in);
       } else {
         // Experts: the copies they compute on.
         const auto rows = static_cast<int>(op.expert ? expert_copies(mb, router_of(id)) : T_);
         const int F = op.expert ? expert_ffn() : F_;  // (an ep rank's experts may get no rows)
-        fresh(out, static_cast<std::int64_t>(rows) * F);
+        fresh_for_overwrite(out, static_cast<std::int64_t>(rows) * F);
         dev_.swiglu_forward(out, in, rows, F);
       }
       break;
@@ -132,7 +132,7 @@ void Runner::forward(MicroBatch& mb, OpId id) {
     case OpKind::Loss: {
       // From the statistics over the whole vocabulary (reduced over tp by the task before).
       const View logits = mb.out.at(input(id));
-      fresh(mb.aux1[id], logits.size());  // the logits' gradient, kept for backward
+      fresh_for_overwrite(mb.aux1[id], logits.size());  // the logits' gradient, kept for backward
       const View stats = mb.aux2.at(statistics_of(id));
       dev_.cross_entropy_sharded(mb.aux1[id], losses_.sub(mb.index, 1), logits, stats.sub(0, T_),
                                  stats.sub(T_, 2 * T_), mb.targets, T_, Vl_, t_ * Vl_);
@@ -169,7 +169,7 @@ void Runner::embedding_dropout(MicroBatch& mb, OpId id) {
   if (dropout_ == 0) return;
   View& out = mb.out.at(id);
   const int rows = static_cast<int>(out.size() / C_);
-  fresh(mb.mask[id], out.size(), Dtype::U8);
+  fresh_for_overwrite(mb.mask[id], out.size(), Dtype::U8);
   dev_.dropout_forward(out, mb.mask[id], out,
                        dropout_site(mb, -1, kEmbeddingDropout, rows == T_ ? 0 : t_ * Ts_), rows,
                        C_);
@@ -226,7 +226,7 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
         View dy = mb.grad.at(id);
         const bool dropped = dropout_ > 0 && Ts_ == T_;
         if (dropped) {
-          dy = allocate(dy.size());
+          dy = allocate(dy.size());  // (dropout_backward adds into it)
           dev_.dropout_backward(dy, mb.mask.at(id), mb.grad.at(id), dropout_);
         }
         dev_.embedding_backward(grad(param(id, 0)), bias_grad(id), dy, mb.tokens, B_, Sq_, C_,
@@ -340,14 +340,14 @@ void Runner::router_forward(MicroBatch& mb, OpId id) {
   const int E = static_cast<int>(m_.moe->experts), k = top_k();
   // The whole sequence, or under sequence parallelism the rank's share (moe_local_dispatch).
   const View x = input_of(mb, id);
-  const View logits = allocate(static_cast<std::int64_t>(Tr_) * E);
+  const View logits = allocate_for_overwrite(static_cast<std::int64_t>(Tr_) * E);
   dev_.matmul_forward(logits, x, param(id, 0).work, View{}, Tr_, C_, E, false);
   fresh(mb.aux1[id], static_cast<std::int64_t>(Tr_) * k, Dtype::F32);  // gates
   fresh(mb.aux2[id], static_cast<std::int64_t>(Tr_) * k, Dtype::I32);  // experts
   dev_.moe_route(mb.aux2[id], mb.aux1[id], logits, Tr_, E, k);
   dev_.release(logits);
   fresh(mb.route[id], static_cast<std::int64_t>(Tr_) * k, Dtype::I32);
-  fresh(mb.out[id], static_cast<std::int64_t>(Tr_) * k * C_);
+  fresh_for_overwrite(mb.out[id], static_cast<std::int64_t>(Tr_) * k * C_);
   // Each expert's row count comes back as fp32 (Device::download), exact below 2^24.
   DTSIM_ASSERT(static_cast<std::int64_t>(T_) * k < (std::int64_t{1} << 24),
                "fewer than 2^24 token copies per micro-batch");
@@ -374,7 +374,7 @@ void Runner::experts_forward(MicroBatch& mb, OpId id) {
   const bool down = op.kind == OpKind::MlpDown;
   const View in = mb.out.at(input(id));
   View& y = down ? mb.aux1[id] : mb.out[id];
-  fresh(y, expert_copies(mb, router) * N);
+  fresh_for_overwrite(y, expert_copies(mb, router) * N);
   // The down GEMMs are row-parallel: their bias is added once, by tensor-parallel rank 0.
   const bool bias_here = !down || t_ == 0;
   for_each_expert(mb, router, [&](int w, std::int64_t at, int n) {
@@ -385,7 +385,7 @@ void Runner::experts_forward(MicroBatch& mb, OpId id) {
   // combine all-to-all, ep_collective), which combine them there; under moe_local_dispatch
   // the partial sums are reduce-scattered over tp first (tp_copies_collective).
   if (down && ep_ == 1 && !local_dispatch_) {
-    fresh(mb.out[id], static_cast<std::int64_t>(T_) * C_);
+    fresh_for_overwrite(mb.out[id], static_cast<std::int64_t>(T_) * C_);
     dev_.moe_combine(mb.out[id], y, mb.aux1.at(router), mb.route.at(router), T_, C_, k);
   }
 }
@@ -413,7 +413,7 @@ void Runner::experts_backward(MicroBatch& mb, OpId id, Part part) {
     // Through the combine: each copy's output gradient (its gate times its token's), and the
     // gates' gradient for the router; a B pass keeps the copies' for its W pass (the
     // simulator's W pass keeps them and moves none of the combine's bytes).
-    dy = allocate(copies * N);
+    dy = allocate_for_overwrite(copies * N);
     auto& g = mb.gate_grad[router];
     if (g.empty()) fresh(g, copies, Dtype::F32);
     dev_.moe_combine_backward(dy, g, mb.grad.at(id), mb.aux1.at(id), mb.aux1.at(router),
@@ -480,8 +480,10 @@ void Runner::ep_collective(const lower::Task& task, MicroBatch& mb, bool alone) 
     std::vector<std::int64_t> in(send.begin(), send.end()), out(receive.begin(), receive.end());
     for (auto& n : in) n *= C_;
     for (auto& n : out) n *= C_;
-    const View moved =
-        dev_.allocate(std::accumulate(out.begin(), out.end(), std::int64_t{0}), tensor.type);
+    // Written whole by the all-to-all; replayed alone, this rank's pieces alone (the rest zero).
+    const std::int64_t moved_n = std::accumulate(out.begin(), out.end(), std::int64_t{0});
+    const View moved = alone ? dev_.allocate(moved_n, tensor.type)
+                             : dev_.allocate_for_overwrite(moved_n, tensor.type);
     if (alone) {
       // This rank's own piece, into every piece its size (the copies to its experts, as each
       // peer's) or into its own (what comes back to it; the rest stays zero).
@@ -514,14 +516,14 @@ void Runner::ep_collective(const lower::Task& task, MicroBatch& mb, bool alone) 
   if (!backward) {
     // The copies' outputs back to their tokens, combined there.
     exchange(mb.aux1.at(anchor), from, to);
-    fresh(mb.out[anchor], static_cast<std::int64_t>(Tr_) * C_);
+    fresh_for_overwrite(mb.out[anchor], static_cast<std::int64_t>(Tr_) * C_);
     dev_.moe_combine(mb.out[anchor], mb.aux1.at(anchor), mb.aux1.at(router), mb.route.at(router),
                      Tr_, C_, k);
     return;
   }
   // The combine's backward at the tokens' rank: the copies' gradients and the gates'.
   const std::int64_t copies = static_cast<std::int64_t>(Tr_) * k;
-  View dy = allocate(copies * C_);
+  View dy = allocate_for_overwrite(copies * C_);
   auto& dgates = mb.gate_grad[router];
   if (dgates.empty()) fresh(dgates, copies, Dtype::F32);
   dev_.moe_combine_backward(dy, dgates, mb.grad.at(anchor), mb.aux1.at(anchor), mb.aux1.at(router),
@@ -574,7 +576,7 @@ void Runner::tp_copies_collective(const lower::Task& task, MicroBatch& mb, bool 
   const std::int64_t offset = std::accumulate(pieces.begin(), pieces.begin() + t_, std::int64_t{0});
   auto all_gather = [&](View& tensor) {
     DTSIM_ASSERT(tensor.size() == mine, "a tp rank's own copies");
-    const View whole = dev_.allocate(total, tensor.type);
+    const View whole = dev_.allocate_for_overwrite(total, tensor.type);  // written whole
     if (alone) {
       for (std::int64_t at = 0; at < total; at += mine) dev_.copy(whole.sub(at, mine), tensor);
     } else {
@@ -585,7 +587,7 @@ void Runner::tp_copies_collective(const lower::Task& task, MicroBatch& mb, bool 
   };
   auto reduce_scatter = [&](View& tensor) {
     DTSIM_ASSERT(tensor.size() == total, "every tp rank's copies");
-    const View part = dev_.allocate(mine, tensor.type);
+    const View part = dev_.allocate_for_overwrite(mine, tensor.type);
     if (alone) {
       dev_.copy(part, tensor.sub(offset, mine));
     } else {
@@ -607,7 +609,7 @@ void Runner::tp_copies_collective(const lower::Task& task, MicroBatch& mb, bool 
     // summed at the copies' tp rank; combined there where no ep all-to-all follows.
     reduce_scatter(mb.aux1.at(anchor));
     if (ep_ == 1) {
-      fresh(mb.out[anchor], static_cast<std::int64_t>(Tr_) * C_);
+      fresh_for_overwrite(mb.out[anchor], static_cast<std::int64_t>(Tr_) * C_);
       dev_.moe_combine(mb.out[anchor], mb.aux1.at(anchor), mb.aux1.at(router), mb.route.at(router),
                        Tr_, C_, k);
     }
@@ -616,7 +618,7 @@ void Runner::tp_copies_collective(const lower::Task& task, MicroBatch& mb, bool 
   if (ep_ == 1) {
     // The combine's backward at the tokens first: the copies' gradients and the gates'.
     const std::int64_t copies = static_cast<std::int64_t>(Tr_) * k;
-    const View dy = allocate(copies * C_);
+    const View dy = allocate_for_overwrite(copies * C_);
     auto& dgates = mb.gate_grad[router];
     if (dgates.empty()) fresh(dgates, copies, Dtype::F32);
     dev_.moe_combine_backward(dy, dgates, mb.grad.at(anchor), mb.aux1.at(anchor),

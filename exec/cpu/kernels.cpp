@@ -491,7 +491,7 @@ void moe_combine_backward(Out dy, Out dgates, In dout, In y, In gates, std::span
     float* out = dy.data() + p * C;
     float dot = 0;
     for (int c = 0; c < C; ++c) {
-      out[c] += gates[slot] * d[c];
+      out[c] = gates[slot] * d[c];
       dot += d[c] * row[c];
     }
     dgates[slot] += dot;

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <source_location>
 #include <string>
@@ -302,7 +303,11 @@ class CudaDevice final : public Device {
       }
       memory_.reserved += static_cast<std::int64_t>(block.bytes());
     }
-    if (zeros) k_.zero(block.get(), bytes);
+    if (zeros) {
+      k_.zero(block.get(), bytes);
+    } else if (poison_unwritten_) {
+      k_.fill_bytes(block.get(), bytes, 0xff);
+    }
     memory_.in_use += static_cast<std::int64_t>(bytes);
     memory_.peak = std::max(memory_.peak, memory_.in_use);
     void* p = block.get();
@@ -361,6 +366,11 @@ class CudaDevice final : public Device {
   exec::Dtype act_;
   Kernels k_;
   int gpu_;
+  // Tensors for overwrite filled with bytes 0xff, as the CPU device's are (Device): for checks.
+  bool poison_unwritten_ = [] {
+    const char* v = std::getenv("DTEXEC_TEST_POISON_UNWRITTEN");
+    return v != nullptr && *v != '\0' && *v != '0';
+  }();
   std::unordered_map<void*, std::pair<DeviceBuffer, std::size_t>> live_;  // and bytes asked
   std::multimap<std::size_t, DeviceBuffer> free_;
   MemoryUse memory_;

@@ -524,7 +524,11 @@ void Kernels::copy(void* dst, const void* src, std::size_t bytes) {
 }
 
 void Kernels::zero(void* dst, std::size_t bytes) {
-  check(cudaMemsetAsync(dst, 0, bytes, impl_->stream), "cudaMemsetAsync");
+  fill_bytes(dst, bytes, 0);
+}
+
+void Kernels::fill_bytes(void* dst, std::size_t bytes, unsigned char value) {
+  check(cudaMemsetAsync(dst, value, bytes, impl_->stream), "cudaMemsetAsync");
 }
 
 void Kernels::fill_random(void* dst, std::int64_t n, unsigned seed, float scale) {

@@ -101,6 +101,7 @@ class Kernels {
   void download_f32(float* host, const float* src, std::int64_t n);
   void download_bytes(void* host, const void* src, std::size_t bytes);  // masks
   void zero(void* dst, std::size_t bytes);
+  void fill_bytes(void* dst, std::size_t bytes, unsigned char value);
   void copy(void* dst, const void* src, std::size_t bytes);  // device to device
   void synchronize();
   // Waits for the stream, then gives the memory that stream-ordered frees returned to the

@@ -149,7 +149,8 @@ __global__ void moe_token_sum_kernel(T* dst, const T* rows, const int* where, co
   }
 }
 
-// One block per copy (row p): dy[p] += gate · dout[token]; dgates[slot] += dout[token] · y[p].
+// One block per copy (row p): dy[p] = gate · dout[token] (written whole); dgates[slot] +=
+// dout[token] · y[p].
 template <class T>
 __global__ void moe_combine_backward_kernel(T* dy, float* dgates, const T* dout, const T* y,
                                             const float* gates, const int* order, int C, int k) {
@@ -159,7 +160,7 @@ __global__ void moe_combine_backward_kernel(T* dy, float* dgates, const T* dout,
   float dot = 0;
   for (int c = static_cast<int>(threadIdx.x); c < C; c += static_cast<int>(blockDim.x)) {
     const float d = load(dout, token * C + c);
-    store(dy, p * C + c, load(dy, p * C + c) + gates[slot] * d);
+    store(dy, p * C + c, gates[slot] * d);
     dot += d * load(y, p * C + c);
   }
   dot = block_sum(dot);

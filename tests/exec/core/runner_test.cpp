@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -452,17 +453,27 @@ class HostOnlyComm : public dtsim::exec::Comm {
  public:
   int rank() const override { return 0; }
   int size() const override { return 2; }
+  // The peer holds what this rank holds: a gather's pieces are this rank's, a reduction's
+  // result its own part (what the collectives write is written: the device poisons it).
   void all_reduce(int, dtsim::exec::View, dtsim::exec::Reduce) override {}
-  void reduce_scatter(int, dtsim::exec::View, dtsim::exec::View, std::span<const int>) override {}
-  void all_gather(int, dtsim::exec::View, dtsim::exec::View, std::span<const int>) override {}
+  void reduce_scatter(int, dtsim::exec::View in, dtsim::exec::View out,
+                      std::span<const int>) override {
+    std::memcpy(out.p, in.p, bytes(out));
+  }
+  void all_gather(int, dtsim::exec::View in, dtsim::exec::View out, std::span<const int>) override {
+    for (std::int64_t at = 0; at < out.n; at += in.n) {
+      std::memcpy(out.sub(at, in.n).p, in.p, bytes(in));
+    }
+  }
   Handle start_all_reduce(int, dtsim::exec::View) override { return 0; }
-  Handle start_reduce_scatter(int, dtsim::exec::View, dtsim::exec::View,
-                              std::span<const int>) override {
+  Handle start_reduce_scatter(int group, dtsim::exec::View in, dtsim::exec::View out,
+                              std::span<const int> counts) override {
+    reduce_scatter(group, in, out, counts);
     return 0;
   }
   void finish(Handle) override {}
   void send(int, std::int64_t, dtsim::exec::View) override {}
-  void recv(int, std::int64_t, dtsim::exec::View) override {}
+  void recv(int, std::int64_t, dtsim::exec::View v) override { std::memset(v.p, 0, bytes(v)); }
   Handle start_recv(int, std::int64_t, dtsim::exec::View) override { return -1; }
   void wait_sends() override {}
   void all_ranks(std::span<double>, dtsim::exec::Reduce) override {}
@@ -474,6 +485,11 @@ class HostOnlyComm : public dtsim::exec::Comm {
   void barrier() override {}
   dtsim::exec::ClockOffsets clock_offsets(const std::function<double()>&) override {
     return {{0.0, 0.0}, 0.0};
+  }
+
+ private:
+  static std::size_t bytes(dtsim::exec::View v) {
+    return static_cast<std::size_t>(v.n) * dtsim::exec::bytes_of(v.type);
   }
 };
 
@@ -533,8 +549,10 @@ namespace {
 class GatherRecordingComm final : public HostOnlyComm {
  public:
   std::map<dtsim::exec::Dtype, std::int64_t> gathered;
-  void all_gather(int, dtsim::exec::View, dtsim::exec::View out, std::span<const int>) override {
+  void all_gather(int group, dtsim::exec::View in, dtsim::exec::View out,
+                  std::span<const int> counts) override {
     gathered[out.type] += out.n;
+    HostOnlyComm::all_gather(group, in, out, counts);
   }
 };
 

@@ -412,11 +412,12 @@ TEST_CASE("GPU mixture-of-experts routing, dispatch and combine match the CPU",
     cpu::moe_dispatch(dispatched, order, rows, x, experts, T, C, k, E);
     const Vec y = as_stored(k_, random(slots * C, 53));
     const Vec dout = as_stored(k_, random(static_cast<std::size_t>(T) * C, 54));
-    Vec out(static_cast<std::size_t>(T) * C), dy(slots * C, 0.0f), dgates(slots, 0.0f);
+    Vec out(static_cast<std::size_t>(T) * C), dy = random(slots * C, 57), dgates(slots, 0.0f);
     cpu::moe_combine(out, y, gates, order, T, C, k);
     cpu::moe_combine_backward(dy, dgates, dout, y, gates, order, T, C, k);
     // The dispatch's backward adds into dx (the router's input gradient is there first), the
-    // combine writes out whole: dx starts from the same values on both, out from others.
+    // combine writes out whole and its backward dy: dx starts from the same values on both,
+    // out and dy from others.
     const Vec dx0 = as_stored(k_, random(static_cast<std::size_t>(T) * C, 55));
     Vec dx = dx0;
     Vec dlogits(static_cast<std::size_t>(T) * E, 0.0f);
@@ -426,7 +427,7 @@ TEST_CASE("GPU mixture-of-experts routing, dispatch and combine match the CPU",
     Dev d_logits(k_, logits), d_x(k_, x), d_y(k_, y), d_dout(k_, dout);
     Dev d_gates(k_, Vec(slots), true), d_rows(k_, Vec(static_cast<std::size_t>(E)), true);
     Dev d_dispatched(k_, Vec(slots * C)), d_out(k_, as_stored(k_, random(out.size(), 56))),
-        d_dy(k_, Vec(slots * C, 0.0f));
+        d_dy(k_, as_stored(k_, random(slots * C, 58)));
     Dev d_dgates(k_, Vec(slots, 0.0f), true), d_dx(k_, dx0);
     Dev d_dlogits(k_, Vec(dlogits.size(), 0.0f));
     cu::DeviceBuffer d_experts(slots * sizeof(int)), d_order(slots * sizeof(int));
