@@ -26,9 +26,10 @@
 #      profile, and section 2's GPT-2 runs priced with that profile;
 #   6. several ranks on the one GPU over NCCL (mpirun from the bundle, dtexec --share-gpus: each
 #      rank a host of its own to NCCL, which moves the data through sockets): dp, ZeRO-3, tp
-#      with SP, pp with blocking and overlapped transfers, cp, ep, two 4-rank plans, and ZeRO-1
-#      gathering at the step's start with FlashAttention's memory, each against the CPU's
-#      single-rank run of the same batch;
+#      with SP, pp with blocking and overlapped transfers, cp, ep, two 4-rank plans, ZeRO-1
+#      gathering at the step's start with FlashAttention's memory, and (where time is left) a
+#      mixture of experts whose expert-dp group has 2 ranks, each against the CPU's single-rank
+#      run of the same batch;
 #   7. GPT-2's loss at --lr 6e-4 in bf16 and fp32 (12 steps), and in bf16 over 200 steps with
 #      a 10-step warm-up and a cosine decay to 6e-5 (nanoGPT's GPT-2 rates); a checkpoint's
 #      cost, saved synchronously and asynchronously (--checkpoint-async: what training stops
@@ -513,7 +514,8 @@ nccl_common=(--steps 3 --lr 3e-3 --warmup 0 --global-batch-size 8 --precision fp
 # (First the two whose fixes no GPU has run: overlapped pipeline transfers, which hung on
 # 2026-12-04, and the 4-rank MoE plan, whose routing changed since. dp 2 ep 2 ran on ZeRO-0
 # then; with ZeRO-2 since the sixty-second session, each expert on one rank: the dense states
-# sharded, the experts' whole.)
+# sharded, the experts' whole. The last, dp 4 ep 2, is the one whose experts' gradients reduce
+# over an expert-dp group of 2: the others have one rank in theirs.)
 nccl_plans=(
   "tiny-gpt|2|2|45|--pp 2 --schedule 1f1b --overlap-p2p-comm"
   "moe|4|1|75|--tp 2 --dp 2 --ep 2 --sequence-parallel --schedule zero-bubble --recompute full"
@@ -525,6 +527,7 @@ nccl_plans=(
   "tiny-gpt|2|2|45|--cp 2"
   "tiny-gpt|4|1|75|--dp 2 --tp 2 --zero-stage 1"
   "tiny-gpt|2|2|45|--dp 2 --zero-stage 1 --overlap-param-gather --attention flash"
+  "moe|4|1|75|--dp 4 --ep 2 --zero-stage 1"
 )
 i=0
 timeouts=0
