@@ -104,6 +104,13 @@ class Device {
                               bool w_transposed) = 0;
   virtual void matmul_backward(View din, View dw, View dbias, View dout, View in, View w, int T,
                                int K, int N, bool w_transposed) = 0;
+  // din = dout · w^T written whole, for a gradient this GEMM makes first (matmul_backward adds
+  // into one): no zeros before it and no read of them. By default as those two.
+  virtual void matmul_input_grad(View din, View dout, View w, int T, int K, int N,
+                                 bool w_transposed) {
+    zero(din);
+    matmul_backward(din, View{}, View{}, dout, View{}, w, T, K, N, w_transposed);
+  }
   virtual void norm_forward(View out, View mean, View rstd, View in, View w, View b, int T, int C,
                             bool rms) = 0;
   virtual void norm_backward(View din, View dw, View db, View dout, View in, View w, View mean,

@@ -753,12 +753,14 @@ void Runner::make_batch(MicroBatch& mb, int step, int j) {
   dev_.upload_ints(mb.targets, targets.data());
 }
 
+std::int64_t Runner::output_size(const MicroBatch& mb, OpId id) const {
+  const auto out = mb.out.find(id);
+  return out != mb.out.end() ? out->second.size() : mb.released_out.at(id);
+}
+
 View& Runner::grad_of(MicroBatch& mb, OpId id) {
   auto& gbuf = mb.grad[id];
-  if (gbuf.empty()) {
-    const auto out = mb.out.find(id);
-    fresh(gbuf, out != mb.out.end() ? out->second.size() : mb.released_out.at(id));
-  }
+  if (gbuf.empty()) fresh(gbuf, output_size(mb, id));
   return gbuf;
 }
 
@@ -768,6 +770,15 @@ View& Runner::input_grad_of(MicroBatch& mb, OpId id) {
   auto& g = mb.full_grad[in];
   if (g.empty()) fresh(g, static_cast<std::int64_t>(T_) * C_);
   return g;
+}
+
+Runner::GradOut Runner::input_grad_to_write(MicroBatch& mb, OpId id) {
+  const OpId in = input(id);
+  const bool gathered = gathers_input(g_.op(id));
+  View& g = gathered ? mb.full_grad[in] : mb.grad[in];
+  if (!g.empty()) return {g, false};
+  fresh_for_overwrite(g, gathered ? static_cast<std::int64_t>(T_) * C_ : output_size(mb, in));
+  return {g, true};
 }
 
 std::pair<int, int> Runner::gemm_shape(const Op& op) const {

@@ -608,7 +608,7 @@ View Runner::on_the_wire(View tensor) const {
 void Runner::gather_transferred(const lower::Task& task) {
   View& tensor = transferred(task);
   const View part = on_the_wire(tensor);
-  const View mine = dev_.allocate(part.n, part.type);
+  const View mine = dev_.allocate_for_overwrite(part.n, part.type);  // copied whole
   dev_.copy(mine, part);
   const std::vector<int> counts(static_cast<std::size_t>(tp_), static_cast<int>(part.n));
   comm_.all_gather(task.group, mine, tensor, counts);

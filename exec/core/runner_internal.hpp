@@ -478,6 +478,16 @@ class Runner {
   // gathers that input (the forward may have released the gathered copy: zero-bubble's
   // input-gradient pass runs before it is gathered again).
   View& input_grad_of(MicroBatch& mb, OpId id);
+  // A gradient an op writes into: `unwritten` where this op makes it first (allocated for
+  // overwrite, Device::allocate_for_overwrite: the op writes it whole), else it adds into it.
+  struct GradOut {
+    View v;
+    bool unwritten = false;
+  };
+  // As input_grad_of, for a GEMM's input gradient (Device::matmul_input_grad where unwritten).
+  GradOut input_grad_to_write(MicroBatch& mb, OpId id);
+  // The size of op id's output (kept, or released after the forward).
+  std::int64_t output_size(const MicroBatch& mb, OpId id) const;
   // Sequence parallelism all-gathers the input of a column-parallel layer (the lowering's
   // TpEnter markers: QKV, MLP up, the LM head; not a router, which routes its rank's share of
   // the sequence, plan::moe_local_dispatch).
@@ -526,13 +536,14 @@ class Runner {
 
   void backward(MicroBatch& mb, OpId id, Part part = Part::Both);
 
-  // A linear layer's backward on `rows` rows: din += dout·w^T (when din is given), and with
-  // weight_grads w's gradient (and dbias) += in^T·dout. Without gradient-accumulation fusion
+  // A linear layer's backward on `rows` rows: din += dout·w^T (when din is given; din = dout·w^T
+  // where it is unwritten), and with weight_grads w's gradient (and dbias) += in^T·dout.
+  // Without gradient-accumulation fusion
   // (plan grad_accumulation_fusion false) the GEMM writes a fresh weight gradient that a
   // kernel of its own adds into the accumulator, the pass the simulator prices
   // (cost::ComputeCost::accumulation_seconds).
-  void linear_backward(View din, Param& w, View dbias, View dout, View in, int rows, int K, int N,
-                       bool tied, bool weight_grads);
+  void linear_backward(GradOut din, Param& w, View dbias, View dout, View in, int rows, int K,
+                       int N, bool tied, bool weight_grads);
 
   // ---- mixture of experts --------------------------------------------------------------------
   //

@@ -253,7 +253,7 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
       const auto [K, N] = gemm_shape(op);
       const bool tied = tied_head(op);
       Param& w = tied ? tied_table(id) : param(id, 0);
-      linear_backward(input_grads ? input_grad_of(mb, id) : View{}, w,
+      linear_backward(input_grads ? input_grad_to_write(mb, id) : GradOut{}, w,
                       weight_grads && !tied ? bias_grad(id) : View{}, mb.grad.at(id),
                       weight_grads ? input_of(mb, id) : View{}, T_, K, N, tied, weight_grads);
       break;
@@ -313,15 +313,21 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
   }
 }
 
-void Runner::linear_backward(View din, Param& w, View dbias, View dout, View in, int rows, int K,
+void Runner::linear_backward(GradOut din, Param& w, View dbias, View dout, View in, int rows, int K,
                              int N, bool tied, bool weight_grads) {
+  if (din.unwritten) {
+    // The gradient's first contribution: written whole, neither zeroed nor read first.
+    dev_.matmul_input_grad(din.v, dout, w.work, rows, K, N, tied);
+    din.v = View{};
+    if (!weight_grads) return;
+  }
   const bool separate = weight_grads && !program_.plan.grad_accumulation_fusion;
   View fresh;
   if (separate) {
     fresh = dev_.allocate(w.n, Dtype::F32);
     dev_.zero(fresh);
   }
-  dev_.matmul_backward(din, separate ? fresh : (weight_grads ? grad(w) : View{}),
+  dev_.matmul_backward(din.v, separate ? fresh : (weight_grads ? grad(w) : View{}),
                        weight_grads ? dbias : View{}, dout, weight_grads ? in : View{}, w.work,
                        rows, K, N, tied);
   if (separate) {
@@ -423,8 +429,8 @@ void Runner::experts_backward(MicroBatch& mb, OpId id, Part part) {
   const View in = weight_grads ? mb.out.at(input(id)) : View{};
   const View din = input_grads ? grad_of(mb, input(id)) : View{};
   for_each_expert(mb, router, [&](int w, std::int64_t at, int n) {
-    linear_backward(din.empty() ? View{} : din.sub(at * K, std::int64_t{n} * K), param(id, w),
-                    bias_grad(id, w + 1), dy.sub(at * N, std::int64_t{n} * N),
+    linear_backward(GradOut{din.empty() ? View{} : din.sub(at * K, std::int64_t{n} * K)},
+                    param(id, w), bias_grad(id, w + 1), dy.sub(at * N, std::int64_t{n} * N),
                     in.empty() ? View{} : in.sub(at * K, std::int64_t{n} * K), n, K, N, false,
                     weight_grads);
   });
@@ -641,8 +647,8 @@ void Runner::router_backward(MicroBatch& mb, OpId id, Part part) {
   // Every tp rank routes alike: the router's share of the input gradient is added by rank 0
   // alone, as the tp all-reduce that follows sums the ranks' (the experts' shares differ).
   // Under moe_local_dispatch each routes its own tokens, and their gradients are whole.
-  linear_backward(t_ == 0 || local_dispatch_ ? dx : View{}, param(id, 0), View{}, dlogits, x, Tr_,
-                  C_, E, false, weight_grads);
+  linear_backward(GradOut{t_ == 0 || local_dispatch_ ? dx : View{}}, param(id, 0), View{}, dlogits,
+                  x, Tr_, C_, E, false, weight_grads);
   dev_.release(dlogits);
   // Each token's copies' gradients back to the token.
   if (input_grads) dev_.moe_dispatch_backward(dx, mb.grad.at(id), mb.route.at(id), Tr_, C_, k);

@@ -94,6 +94,11 @@ class Bf16Device final : public Device {
     cpu_.matmul_backward(s.act_or_null(din), s.f32_or_null(dw), s.f32_or_null(dbias), s.act(dout),
                          s.act_or_null(in), s.act(w), T, K, N, w_transposed);
   }
+  void matmul_input_grad(View din, View dout, View w, int T, int K, int N,
+                         bool w_transposed) override {
+    Scope s;
+    cpu_.matmul_input_grad(s.act(din), s.act(dout), s.act(w), T, K, N, w_transposed);
+  }
   void norm_forward(View out, View mean, View rstd, View in, View w, View b, int T, int C,
                     bool rms) override {
     Scope s;

@@ -394,8 +394,8 @@ double time_gemm(const ModelGemm& g, int repeats) {
       case GemmPass::Forward:
         matmul_forward(out, in, w, {}, g.T, g.K, g.N);
         break;
-      case GemmPass::InputGrad:
-        matmul_backward(din, {}, {}, dout, in, w, g.T, g.K, g.N);
+      case GemmPass::InputGrad:  // written whole, as a step's first contribution is
+        matmul_input_grad(din, dout, w, g.T, g.K, g.N);
         break;
       case GemmPass::WeightGrad:
         matmul_backward({}, dw, {}, dout, in, w, g.T, g.K, g.N);

@@ -129,6 +129,11 @@ void CpuDevice::matmul_backward(View din, View dw, View dbias, View dout, View i
                        T, K, N, w_transposed);
 }
 
+void CpuDevice::matmul_input_grad(View din, View dout, View w, int T, int K, int N,
+                                  bool w_transposed) {
+  cpu::matmul_input_grad(floats(din), floats(dout), floats(w), T, K, N, w_transposed);
+}
+
 void CpuDevice::norm_forward(View out, View mean, View rstd, View in, View w, View b, int T, int C,
                              bool rms) {
   cpu::norm_forward(floats(out), floats(mean), floats(rstd), floats(in), floats(w), floats(b), T, C,

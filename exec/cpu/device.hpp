@@ -53,6 +53,8 @@ class CpuDevice final : public Device {
                       bool w_transposed) override;
   void matmul_backward(View din, View dw, View dbias, View dout, View in, View w, int T, int K,
                        int N, bool w_transposed) override;
+  void matmul_input_grad(View din, View dout, View w, int T, int K, int N,
+                         bool w_transposed) override;
   void norm_forward(View out, View mean, View rstd, View in, View w, View b, int T, int C,
                     bool rms) override;
   void norm_backward(View din, View dw, View db, View dout, View in, View w, View mean, View rstd,

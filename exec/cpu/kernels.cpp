@@ -25,12 +25,23 @@ void matmul_forward(Out out, In in, In w, In bias, int T, int K, int N, bool w_t
   }
 }
 
+namespace {
+
+// din = dout · w^T + beta · din (beta 0: din is not read).
+void input_grad(Out din, In dout, In w, int T, int K, int N, bool w_transposed, float beta) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, w_transposed ? CblasNoTrans : CblasTrans, T, K, N, 1.0f,
+              dout.data(), N, w.data(), w_transposed ? K : N, beta, din.data(), K);
+}
+
+}  // namespace
+
+void matmul_input_grad(Out din, In dout, In w, int T, int K, int N, bool w_transposed) {
+  input_grad(din, dout, w, T, K, N, w_transposed, 0.0f);
+}
+
 void matmul_backward(Out din, Out dw, Out dbias, In dout, In in, In w, int T, int K, int N,
                      bool w_transposed) {
-  if (!din.empty()) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, w_transposed ? CblasNoTrans : CblasTrans, T, K, N,
-                1.0f, dout.data(), N, w.data(), w_transposed ? K : N, 1.0f, din.data(), K);
-  }
+  if (!din.empty()) input_grad(din, dout, w, T, K, N, w_transposed, 1.0f);
   if (!dw.empty() && w_transposed) {
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, T, 1.0f, dout.data(), N, in.data(),
                 K, 1.0f, dw.data(), K);

@@ -24,6 +24,9 @@ void matmul_forward(Out out, In in, In w, In bias, int T, int K, int N, bool w_t
 // dbias[N] += sum over T of dout. Any of din, dw, dbias may be empty (not wanted).
 void matmul_backward(Out din, Out dw, Out dbias, In dout, In in, In w, int T, int K, int N,
                      bool w_transposed = false);
+// din[T,K] = dout[T,N] · w^T, written whole (what din held is not read): the input gradient of
+// a tensor whose first contribution it is.
+void matmul_input_grad(Out din, In dout, In w, int T, int K, int N, bool w_transposed = false);
 
 // LayerNorm over C (eps 1e-5): out = (in - mean) * rstd * w + b; keeps mean[T] and rstd[T].
 // With `rms` true it is RMSNorm (no mean, no bias): out = in * rstd * w.

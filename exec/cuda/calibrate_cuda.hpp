@@ -78,9 +78,9 @@ OpTimes time_ops(int gpu, GemmPrecision precision, const OpShapes& shapes, int r
                  std::int64_t adamw_params);
 
 // The GEMMs of a model's linear ops as `dtexec run` calls them (Kernels::matmul_forward and
-// matmul_backward: activations in `precision`, the input gradient accumulated into its buffer,
-// the weight gradient into an fp32 one), in the order given. Each: one warm-up run, then the
-// median of `repeats` runs timed with CUDA events.
+// matmul_backward: activations in `precision`, the input gradient written whole as a step's
+// first contribution to it is (matmul_input_grad), the weight gradient added into an fp32 one), in
+// the order given. Each: one warm-up run, then the median of `repeats` runs timed with CUDA events.
 std::vector<double> time_model_gemms(int gpu, GemmPrecision precision,
                                      const std::vector<ModelGemm>& gemms, int repeats);
 
@@ -94,12 +94,12 @@ struct CollectiveTiming {
 
 // NCCL collectives over `ranks` ranks, this one `rank`, on `gpu`, bf16 elements, sizes from
 // 1 KiB to max_bytes by factors of 4, over groups of 2, 4, ... consecutive ranks that divide
-// the job (communicators split from the job's, every group at once) and over the job. `broadcast_id` sends the 128-byte ncclUniqueId from rank
-// 0 to every rank (the caller's MPI); `max_over_ranks` returns the largest of a value over all
-// ranks. send_recv runs between ranks 0 and 1. Setting up the communicator, or measuring one
-// collective at one size, for longer than `timeout_s` (0: no limit) ends the process with a
-// message naming the rank, `host` and what hung (exit code 3); an asynchronous NCCL error
-// throws CudaError.
+// the job (communicators split from the job's, every group at once) and over the job.
+// `broadcast_id` sends the 128-byte ncclUniqueId from rank 0 to every rank (the caller's MPI);
+// `max_over_ranks` returns the largest of a value over all ranks. send_recv runs between ranks 0
+// and 1. Setting up the communicator, or measuring one collective at one size, for longer than
+// `timeout_s` (0: no limit) ends the process with a message naming the rank, `host` and what hung
+// (exit code 3); an asynchronous NCCL error throws CudaError.
 std::vector<CollectiveTiming> time_collectives(
     int gpu, int rank, int ranks, std::uint64_t max_bytes, int repeats, double timeout_s,
     const std::string& host, const std::function<void(void* data, std::size_t bytes)>& broadcast_id,

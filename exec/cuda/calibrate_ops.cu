@@ -201,8 +201,7 @@ std::vector<double> time_model_gemms(int gpu, GemmPrecision precision,
       case GemmPass::InputGrad: {
         DeviceBuffer dout = act(T * N), w = act(K * N), din = act(T * K);
         s = median_time(k, repeats, [&] {
-          k.matmul_backward(din.get(), nullptr, nullptr, dout.get(), nullptr, w.get(), g.T, g.K,
-                            g.N);
+          k.matmul_input_grad(din.get(), dout.get(), w.get(), g.T, g.K, g.N);
         });
         break;
       }

@@ -101,6 +101,10 @@ class CudaDevice final : public Device {
     k_.matmul_backward(act_or_null(din), f32_or_null(dw), f32_or_null(dbias), act(dout),
                        act_or_null(in), act(w), T, K, N, w_transposed);
   }
+  void matmul_input_grad(View din, View dout, View w, int T, int K, int N,
+                         bool w_transposed) override {
+    k_.matmul_input_grad(act(din), act(dout), act(w), T, K, N, w_transposed);
+  }
   void norm_forward(View out, View mean, View rstd, View in, View w, View b, int T, int C,
                     bool rms) override {
     k_.norm_forward(act(out), f32(mean), f32(rstd), act(in), f32(w), f32_or_null(b), T, C, rms);

@@ -569,14 +569,23 @@ void Kernels::matmul_forward(void* out, const void* in, const void* w, const flo
   }
 }
 
+void Kernels::matmul_input_grad(void* din, const void* dout, const void* w, int T, int K, int N,
+                                bool w_transposed) {
+  input_grad(din, dout, w, T, K, N, w_transposed, 0.0f);
+}
+
+// din[T,K] = dout[T,N] · w^T + beta · din: w [N,K] when transposed, else [K,N].
+void Kernels::input_grad(void* din, const void* dout, const void* w, int T, int K, int N,
+                         bool w_transposed, float beta) {
+  const cudaDataType_t t = cuda_type(act_);
+  gemm(impl_->blas, false, !w_transposed, T, K, N, 1.0f, {dout, t, N}, {w, t, w_transposed ? K : N},
+       beta, din, t, K, 0);
+}
+
 void Kernels::matmul_backward(void* din, float* dw, float* dbias, const void* dout, const void* in,
                               const void* w, int T, int K, int N, bool w_transposed) {
   const cudaDataType_t t = cuda_type(act_);
-  if (din != nullptr && w_transposed) {  // din[T,K] += dout[T,N] · w[N,K]
-    gemm(impl_->blas, false, false, T, K, N, 1.0f, {dout, t, N}, {w, t, K}, 1.0f, din, t, K, 0);
-  } else if (din != nullptr) {  // din[T,K] += dout[T,N] · w[K,N]^T
-    gemm(impl_->blas, false, true, T, K, N, 1.0f, {dout, t, N}, {w, t, N}, 1.0f, din, t, K, 0);
-  }
+  if (din != nullptr) input_grad(din, dout, w, T, K, N, w_transposed, 1.0f);
   if (dw != nullptr && w_transposed) {  // dw[N,K] += dout[T,N]^T · in[T,K], in fp32
     gemm(impl_->blas, true, false, N, K, T, 1.0f, {dout, t, N}, {in, t, K}, 1.0f, dw, CUDA_R_32F, K,
          0);

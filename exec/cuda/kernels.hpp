@@ -142,6 +142,9 @@ class Kernels {
   // dbias[N] += column sums of dout. Any of din, dw, dbias may be null (not wanted).
   void matmul_backward(void* din, float* dw, float* dbias, const void* dout, const void* in,
                        const void* w, int T, int K, int N, bool w_transposed = false);
+  // din[T,K] = dout · w^T, written whole (beta 0: din is not read).
+  void matmul_input_grad(void* din, const void* dout, const void* w, int T, int K, int N,
+                         bool w_transposed = false);
 
   // LayerNorm (eps 1e-5) or RMSNorm over C; mean[T] and rstd[T] kept in fp32.
   void norm_forward(void* out, float* mean, float* rstd, const void* in, const float* w,
@@ -284,6 +287,9 @@ class Kernels {
              float beta1, float beta2, float eps, float weight_decay, int t);
 
  private:
+  // din[T,K] = dout · w^T + beta · din (beta 0: din not read); w as matmul_backward's.
+  void input_grad(void* din, const void* dout, const void* w, int T, int K, int N,
+                  bool w_transposed, float beta);
   // moe_dispatch_backward (add: into dst, no gates) and moe_combine (from zero, weighted by the
   // gates): each token's row of dst [T, C], the sum of its k copies' rows in `rows`' order.
   void moe_token_sums(void* dst, const void* rows, const float* gates, const int* order, int T,

@@ -103,6 +103,20 @@ TEST_CASE(
   check_gradient(wt, dwt, loss, "w transposed");
 }
 
+// The input gradient written whole (a gradient's first contribution): what the buffer held is
+// neither read nor kept (NaN there stays out), and equals matmul_backward's added into zeros.
+TEST_CASE("matmul input gradient written whole equals the one added into zeros", "[exec][cpu]") {
+  const int T = 5, K = 7, N = 6;
+  for (const bool transposed : {false, true}) {
+    INFO("w transposed: " << transposed);
+    const auto w = random(K * N, 21), r = random(T * N, 22);
+    std::vector<float> added(T * K, 0.0f), written(T * K, std::nanf(""));
+    cpu::matmul_backward(added, {}, {}, r, {}, w, T, K, N, transposed);
+    cpu::matmul_input_grad(written, r, w, T, K, N, transposed);
+    for (std::size_t i = 0; i < added.size(); ++i) CHECK(written[i] == added[i]);
+  }
+}
+
 TEST_CASE("layernorm and rmsnorm backward match finite differences", "[exec][cpu]") {
   const int T = 4, C = 9;
   for (bool rms : {false, true}) {

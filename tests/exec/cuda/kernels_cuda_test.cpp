@@ -160,6 +160,26 @@ TEST_CASE("GPU matmul with a transposed weight (a tied head) matches the CPU",
   }
 }
 
+// A gradient's first contribution: the input gradient written whole over what the buffer held
+// (random values here, NaN under dtexec's poison), as the CPU's.
+TEST_CASE("GPU matmul input gradient written whole matches the CPU", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const int T = 24, K = 40, N = 56;
+  for (cu::Dtype type : kTypes) {
+    for (const bool transposed : {false, true}) {
+      INFO(name(type) << (transposed ? ", w transposed" : ""));
+      cu::Kernels k(*gpu, type);
+      const Vec w = as_stored(k, random(K * N, 96, 0.2f)), dout = as_stored(k, random(T * N, 97));
+      Vec din(T * K);
+      cpu::matmul_input_grad(din, dout, w, T, K, N, transposed);
+      Dev d_w(k, w), d_dout(k, dout), d_din(k, as_stored(k, random(T * K, 98)));
+      k.matmul_input_grad(d_din.p(), d_dout.p(), d_w.p(), T, K, N, transposed);
+      CHECK(error(d_din.host(), din) < tolerance(type));
+    }
+  }
+}
+
 TEST_CASE("GPU LayerNorm and RMSNorm match the CPU", "[exec][cuda][gpu]") {
   const auto gpu = first_gpu();
   if (!gpu) return;
