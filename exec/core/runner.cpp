@@ -772,6 +772,16 @@ View& Runner::input_grad_of(MicroBatch& mb, OpId id) {
   return g;
 }
 
+void Runner::add_to_grad(MicroBatch& mb, OpId id, View d) {
+  View& g = mb.grad[id];
+  if (!g.empty()) {
+    dev_.accumulate(g, d);
+    return;
+  }
+  fresh_for_overwrite(g, output_size(mb, id));
+  dev_.copy(g, d);
+}
+
 Runner::GradOut Runner::input_grad_to_write(MicroBatch& mb, OpId id) {
   const OpId in = input(id);
   const bool gathered = gathers_input(g_.op(id));

@@ -486,6 +486,9 @@ class Runner {
   };
   // As input_grad_of, for a GEMM's input gradient (Device::matmul_input_grad where unwritten).
   GradOut input_grad_to_write(MicroBatch& mb, OpId id);
+  // The gradient of op id's output += d; where this is its first contribution, a copy of d
+  // (from the pool without zeros: no memset, no read of them).
+  void add_to_grad(MicroBatch& mb, OpId id, View d);
   // The size of op id's output (kept, or released after the forward).
   std::int64_t output_size(const MicroBatch& mb, OpId id) const;
   // Sequence parallelism all-gathers the input of a column-parallel layer (the lowering's

@@ -291,9 +291,9 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
       if (dropout_ > 0) {
         dev_.dropout_backward(grad_of(mb, preds[0]), mb.mask.at(id), mb.grad.at(id), dropout_);
       } else {
-        dev_.accumulate(grad_of(mb, preds[0]), mb.grad.at(id));
+        add_to_grad(mb, preds[0], mb.grad.at(id));
       }
-      dev_.accumulate(grad_of(mb, preds[1]), mb.grad.at(id));
+      add_to_grad(mb, preds[1], mb.grad.at(id));
       break;
     }
     case OpKind::Activation: {

@@ -113,12 +113,13 @@ OpTimes time_ops(int gpu, GemmPrecision precision, const OpShapes& s, int repeat
     });
     out.ops.push_back({s.gelu ? "gelu" : "swiglu", f, bw});
   }
-  {  // a residual add; its backward passes the gradient to both inputs
+  {  // a residual add; its backward passes the gradient to both inputs (copies: the runner's
+     // first contribution to each)
     DeviceBuffer a = act(TC), b = act(TC), o = act(TC), dout = act(TC), da = act(TC), db = act(TC);
     const double f = median_time(k, repeats, [&] { k.add_forward(o.get(), a.get(), b.get(), TC); });
     const double bw = median_time(k, repeats, [&] {
-      k.accumulate(da.get(), dout.get(), TC);
-      k.accumulate(db.get(), dout.get(), TC);
+      k.copy(da.get(), dout.get(), static_cast<std::size_t>(TC) * e);
+      k.copy(db.get(), dout.get(), static_cast<std::size_t>(TC) * e);
     });
     out.ops.push_back({"residual", f, bw});
   }
