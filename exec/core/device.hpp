@@ -119,6 +119,7 @@ class Device {
   // d += scale · x.
   virtual void accumulate(View d, View x, float scale = 1.0f) = 0;
   virtual void gelu_forward(View out, View in) = 0;
+  // The activations' backwards write din whole (not added into).
   virtual void gelu_backward(View din, View in, View dout) = 0;
   virtual void swiglu_forward(View out, View in, int T, int F) = 0;
   virtual void swiglu_backward(View din, View in, View dout, int T, int F) = 0;

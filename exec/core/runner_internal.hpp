@@ -489,6 +489,22 @@ class Runner {
   // The gradient of op id's output += d; where this is its first contribution, a copy of d
   // (from the pool without zeros: no memset, no read of them).
   void add_to_grad(MicroBatch& mb, OpId id, View d);
+  // The gradient of op id's output from `write`, a kernel that writes its output whole: into the
+  // gradient itself where this is its first contribution (no zeros first), else into a tensor
+  // of its own added to it.
+  template <class Write>
+  void write_grad(MicroBatch& mb, OpId id, const Write& write) {
+    View& g = mb.grad[id];
+    if (g.empty()) {
+      fresh_for_overwrite(g, output_size(mb, id));
+      write(g);
+      return;
+    }
+    const View part = dev_.allocate_for_overwrite(g.size(), g.type);
+    write(part);
+    dev_.accumulate(g, part);
+    dev_.release(part);
+  }
   // The size of op id's output (kept, or released after the forward).
   std::int64_t output_size(const MicroBatch& mb, OpId id) const;
   // Sequence parallelism all-gathers the input of a column-parallel layer (the lowering's

@@ -298,13 +298,14 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
     }
     case OpKind::Activation: {
       const View in = mb.out.at(input(id));
-      if (m_.activation == model::Activation::Gelu) {
-        dev_.gelu_backward(grad_of(mb, input(id)), in, mb.grad.at(id));
-      } else {
-        const auto rows = static_cast<int>(op.expert ? expert_copies(mb, router_of(id)) : T_);
-        dev_.swiglu_backward(grad_of(mb, input(id)), in, mb.grad.at(id), rows,
-                             op.expert ? expert_ffn() : F_);
-      }
+      write_grad(mb, input(id), [&](View din) {
+        if (m_.activation == model::Activation::Gelu) {
+          dev_.gelu_backward(din, in, mb.grad.at(id));
+        } else {
+          const auto rows = static_cast<int>(op.expert ? expert_copies(mb, router_of(id)) : T_);
+          dev_.swiglu_backward(din, in, mb.grad.at(id), rows, op.expert ? expert_ffn() : F_);
+        }
+      });
       break;
     }
     case OpKind::Router:

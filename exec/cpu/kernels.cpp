@@ -141,7 +141,7 @@ void gelu_backward(Out din, In in, In dout, std::int64_t n) {
     const float s = logistic_of_twice(u);
     const float du = kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
     const float grad = s + 2.0f * x * s * (1.0f - s) * du;
-    din[static_cast<std::size_t>(i)] += grad * dout[static_cast<std::size_t>(i)];
+    din[static_cast<std::size_t>(i)] = grad * dout[static_cast<std::size_t>(i)];
   }
 }
 
@@ -166,8 +166,8 @@ void swiglu_backward(Out din, In in, In dout, int T, int F) {
       const float sig = 1.0f / (1.0f + std::exp(-g[f]));
       const float silu = g[f] * sig;
       const float dy = dout[static_cast<std::size_t>(t) * F + f];
-      du[f] += dy * silu;
-      dg[f] += dy * u[f] * (sig + g[f] * sig * (1.0f - sig));
+      du[f] = dy * silu;
+      dg[f] = dy * u[f] * (sig + g[f] * sig * (1.0f - sig));
     }
   }
 }

@@ -42,6 +42,8 @@ void accumulate(Out d, In dout, float scale = 1.0f);
 
 // GELU, tanh approximation (as GPT-2): out = 0.5·x·(1 + tanh(sqrt(2/pi)·(x + 0.044715·x³))),
 // computed through exp (see kernels.cpp).
+// The backwards write din whole (the activation is its input's one consumer: the first and only
+// contribution to its gradient).
 void gelu_forward(Out out, In in, std::int64_t n);
 void gelu_backward(Out din, In in, In dout, std::int64_t n);
 

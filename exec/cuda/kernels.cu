@@ -96,7 +96,7 @@ __global__ void gelu_backward_kernel(T* din, const T* in, const T* dout, std::in
     const float th = tanhf(kGeluScale * (x + 0.044715f * x * x * x));
     const float du = kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
     const float grad = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
-    store(din, i, load(din, i) + grad * load(dout, i));
+    store(din, i, grad * load(dout, i));
   }
 }
 
@@ -120,8 +120,8 @@ __global__ void swiglu_backward_kernel(T* din, const T* in, const T* dout, std::
     const float g = load(in, gi), u = load(in, ui);
     const float sig = 1.0f / (1.0f + expf(-g));
     const float dy = load(dout, i);
-    store(din, ui, load(din, ui) + dy * g * sig);
-    store(din, gi, load(din, gi) + dy * u * (sig + g * sig * (1.0f - sig)));
+    store(din, ui, dy * g * sig);
+    store(din, gi, dy * u * (sig + g * sig * (1.0f - sig)));
   }
 }
 

@@ -163,6 +163,7 @@ class Kernels {
   void mean(float* out, const float* in, std::int64_t n);
 
   void gelu_forward(void* out, const void* in, std::int64_t n);
+  // The activations' backwards write din whole (exec/cpu/kernels.hpp).
   void gelu_backward(void* din, const void* in, const void* dout, std::int64_t n);
   void swiglu_forward(void* out, const void* in, int T, int F);
   void swiglu_backward(void* din, const void* in, const void* dout, int T, int F);

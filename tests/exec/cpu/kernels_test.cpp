@@ -174,8 +174,10 @@ TEST_CASE("GELU and SwiGLU backward match finite differences", "[exec][cpu]") {
     return dot(out, r);
   };
   gelu();
-  std::vector<float> din(T * 2 * F);
+  // The backwards write din whole: what it held (NaN here) is not read.
+  std::vector<float> din(T * 2 * F, std::nanf(""));
   cpu::gelu_backward(din, in, r, T * 2 * F);
+  CHECK(std::all_of(din.begin(), din.end(), [](float v) { return std::isfinite(v); }));
   check_gradient(in, din, gelu, "gelu");
 
   auto r2 = random(T * F, 11);
@@ -185,8 +187,9 @@ TEST_CASE("GELU and SwiGLU backward match finite differences", "[exec][cpu]") {
     return dot(out2, r2);
   };
   swiglu();
-  std::vector<float> din2(T * 2 * F);
+  std::vector<float> din2(T * 2 * F, std::nanf(""));
   cpu::swiglu_backward(din2, in, r2, T, F);
+  CHECK(std::all_of(din2.begin(), din2.end(), [](float v) { return std::isfinite(v); }));
   check_gradient(in, din2, swiglu, "swiglu");
 }
 
