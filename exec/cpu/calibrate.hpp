@@ -63,8 +63,10 @@ using exec::ModelGemm;
 
 // The distinct GEMMs of one block and the head of `graph`, forward and backward, whole and as
 // tensor parallelism of each degree 2, 4, ... up to `max_tp` splits them on a rank (column-
-// parallel layers' N, row-parallel layers' K) where the degree divides the split dimension.
-std::vector<ModelGemm> model_gemms(const model::ModelGraph& graph, int max_tp = 1);
+// parallel layers' N, row-parallel layers' K) where the degree divides the split dimension, and
+// as context parallelism of each degree 2, 4, ... up to `max_cp` splits their rows (the tokens:
+// 1/cp of each sequence on a rank), with tp too where tp x cp is at most the larger maximum.
+std::vector<ModelGemm> model_gemms(const model::ModelGraph& graph, int max_tp = 1, int max_cp = 1);
 // The median time of `repeats` timed runs of one of them with the CPU kernels the executor
 // runs (each run repeated for at least 20 ms).
 double time_gemm(const ModelGemm& gemm, int repeats);
@@ -72,6 +74,6 @@ double time_gemm(const ModelGemm& gemm, int repeats);
 // {m, k, n} not in `timed`, the first of model_gemms' order (a profile row names a GEMM by its
 // {m, k, n} only). Both backends time these.
 std::vector<ModelGemm> gemms_to_time(const model::ModelGraph& graph, int max_tp,
-                                     std::vector<std::array<int, 3>> timed);
+                                     std::vector<std::array<int, 3>> timed, int max_cp = 1);
 
 }  // namespace dtsim::exec::cpu

@@ -47,11 +47,12 @@
 // collective's algbw and busbw) are still refused when their type is not calibrate's.
 //
 // A GEMM of a measured shape takes its measured time (`dtexec calibrate` times the model's own
-// GEMMs, forward and backward, whole and split over tp); any other GEMM's time comes from the
-// measured throughput (FLOP/s) interpolated linearly in log(FLOPs) between the two measured
-// sizes around it, a size's throughput the median of its layouts' (calibrate times each in three:
-// the forward's and the two gradients'); beyond the measured sizes, the nearest size's
-// throughput (an extrapolation, which simulate and plan say: ComputeCost::profile_coverage).
+// GEMMs, forward and backward, whole and split over tp, and on CPU ranks over cp); any other
+// GEMM's time comes from the measured throughput (FLOP/s) interpolated linearly in log(FLOPs)
+// between the two measured sizes around it, a size's throughput the median of its layouts'
+// (calibrate times each in three: the forward's and the two gradients'); beyond the measured
+// sizes, the nearest size's throughput (an extrapolation, which simulate and plan say:
+// ComputeCost::profile_coverage).
 #pragma once
 
 #include <map>

@@ -8,7 +8,7 @@
 using dtsim::exec::cpu::GemmPass;
 using dtsim::exec::cpu::ModelGemm;
 
-TEST_CASE("calibration times each linear op's three GEMMs, whole and split over tp",
+TEST_CASE("calibration times each linear op's three GEMMs, whole and split over tp and cp",
           "[calibrate]") {
   const auto spec = dtsim::model::load_model("tiny-gpt");
   const dtsim::model::ModelGraph g(spec, 1, 32);
@@ -37,6 +37,19 @@ TEST_CASE("calibration times each linear op's three GEMMs, whole and split over 
       CHECK(!(split[i].pass == split[j].pass && split[i].mkn() == split[j].mkn()));
     }
   }
+  // Context parallelism splits the rows (tokens); on 2 ranks cp 2 or tp 2, not both.
+  const auto with_cp = dtsim::exec::cpu::model_gemms(g, 2, 2);
+  for (const GemmPass pass : {GemmPass::Forward, GemmPass::InputGrad, GemmPass::WeightGrad}) {
+    CHECK(has(with_cp, {T, C, F, pass}));
+    CHECK(has(with_cp, {T / 2, C, F, pass}));
+    CHECK(has(with_cp, {T, C, F / 2, pass}));
+    CHECK(!has(with_cp, {T / 2, C, F / 2, pass}));
+    CHECK(!has(split, {T / 2, C, F, pass}));
+  }
+  const auto four = dtsim::exec::cpu::model_gemms(g, 4, 4);
+  CHECK(has(four, {T / 2, C, F / 2, GemmPass::Forward}));
+  CHECK(has(four, {T / 4, C, F, GemmPass::Forward}));
+  CHECK(!has(four, {T / 4, C, F / 2, GemmPass::Forward}));
   // What a calibration times besides its own squares: one GEMM per {m, k, n}, none of theirs,
   // every {m, k, n} of the split GEMMs covered.
   const std::vector<std::array<int, 3>> squares = {{T, C, F}, {64, 64, 64}};
