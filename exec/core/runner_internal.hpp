@@ -557,10 +557,9 @@ class Runner {
 
   // A linear layer's backward on `rows` rows: din += dout·w^T (when din is given; din = dout·w^T
   // where it is unwritten), and with weight_grads w's gradient (and dbias) += in^T·dout.
-  // Without gradient-accumulation fusion
-  // (plan grad_accumulation_fusion false) the GEMM writes a fresh weight gradient that a
-  // kernel of its own adds into the accumulator, the pass the simulator prices
-  // (cost::ComputeCost::accumulation_seconds).
+  // Without gradient-accumulation fusion (plan grad_accumulation_fusion false) the GEMM writes
+  // a fresh weight gradient that a kernel of its own adds into the accumulator, the pass the
+  // simulator prices (cost::ComputeCost::accumulation_seconds).
   void linear_backward(GradOut din, Param& w, View dbias, View dout, View in, int rows, int K,
                        int N, bool tied, bool weight_grads);
 
