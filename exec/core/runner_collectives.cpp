@@ -467,7 +467,7 @@ void Runner::sequence_parallel_collective(const lower::Task& task, MicroBatch& m
     const OpId in = input(anchor);
     const View shard = allocate_for_overwrite(shard_size);
     reduce_scatter(mb.full_grad.at(in), shard);
-    dev_.accumulate(grad_of(mb, in), shard);
+    add_to_grad(mb, in, shard);
     dev_.release(shard);
     dev_.release(mb.full_grad.at(in));
     mb.full_grad.erase(in);

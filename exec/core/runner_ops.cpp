@@ -428,12 +428,14 @@ void Runner::experts_backward(MicroBatch& mb, OpId id, Part part) {
     if (!weight_grads) mb.copy_grad[id] = dy;
   }
   const View in = weight_grads ? mb.out.at(input(id)) : View{};
-  const View din = input_grads ? grad_of(mb, input(id)) : View{};
+  // The experts' rows cover the input's gradient whole: each expert's GEMM writes its rows
+  // where this is the gradient's first contribution.
+  const GradOut din = input_grads ? input_grad_to_write(mb, id) : GradOut{};
   for_each_expert(mb, router, [&](int w, std::int64_t at, int n) {
-    linear_backward(GradOut{din.empty() ? View{} : din.sub(at * K, std::int64_t{n} * K)},
-                    param(id, w), bias_grad(id, w + 1), dy.sub(at * N, std::int64_t{n} * N),
-                    in.empty() ? View{} : in.sub(at * K, std::int64_t{n} * K), n, K, N, false,
-                    weight_grads);
+    linear_backward(
+        GradOut{din.v.empty() ? View{} : din.v.sub(at * K, std::int64_t{n} * K), din.unwritten},
+        param(id, w), bias_grad(id, w + 1), dy.sub(at * N, std::int64_t{n} * N),
+        in.empty() ? View{} : in.sub(at * K, std::int64_t{n} * K), n, K, N, false, weight_grads);
   });
   if (through_combine && input_grads && weight_grads) dev_.release(dy);
 }
