@@ -764,12 +764,16 @@ View& Runner::grad_of(MicroBatch& mb, OpId id) {
   return gbuf;
 }
 
-View& Runner::input_grad_of(MicroBatch& mb, OpId id) {
+std::pair<View*, std::int64_t> Runner::input_grad_slot(MicroBatch& mb, OpId id) {
   const OpId in = input(id);
-  if (!gathers_input(g_.op(id))) return grad_of(mb, in);
-  auto& g = mb.full_grad[in];
-  if (g.empty()) fresh(g, static_cast<std::int64_t>(T_) * C_);
-  return g;
+  if (gathers_input(g_.op(id))) return {&mb.full_grad[in], static_cast<std::int64_t>(T_) * C_};
+  return {&mb.grad[in], output_size(mb, in)};
+}
+
+View& Runner::input_grad_of(MicroBatch& mb, OpId id) {
+  const auto [g, n] = input_grad_slot(mb, id);
+  if (g->empty()) fresh(*g, n);
+  return *g;
 }
 
 void Runner::add_to_grad(MicroBatch& mb, OpId id, View d) {
@@ -783,12 +787,10 @@ void Runner::add_to_grad(MicroBatch& mb, OpId id, View d) {
 }
 
 Runner::GradOut Runner::input_grad_to_write(MicroBatch& mb, OpId id) {
-  const OpId in = input(id);
-  const bool gathered = gathers_input(g_.op(id));
-  View& g = gathered ? mb.full_grad[in] : mb.grad[in];
-  if (!g.empty()) return {g, false};
-  fresh_for_overwrite(g, gathered ? static_cast<std::int64_t>(T_) * C_ : output_size(mb, in));
-  return {g, true};
+  const auto [g, n] = input_grad_slot(mb, id);
+  if (!g->empty()) return {*g, false};
+  fresh_for_overwrite(*g, n);
+  return {*g, true};
 }
 
 std::pair<int, int> Runner::gemm_shape(const Op& op) const {

@@ -505,6 +505,8 @@ class Runner {
     dev_.accumulate(g, part);
     dev_.release(part);
   }
+  // Where input_grad_of's gradient is kept, and its size (made or not).
+  std::pair<View*, std::int64_t> input_grad_slot(MicroBatch& mb, OpId id);
   // The size of op id's output (kept, or released after the forward).
   std::int64_t output_size(const MicroBatch& mb, OpId id) const;
   // Sequence parallelism all-gathers the input of a column-parallel layer (the lowering's

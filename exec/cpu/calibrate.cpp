@@ -367,6 +367,7 @@ std::vector<ModelGemm> model_gemms(const model::ModelGraph& graph, int max_tp, i
       if (!seen) gemms.push_back(g);
     }
   };
+  const int most = std::max(max_tp, max_cp);  // ranks: tp x cp at most
   for (const model::Op& op : graph.ops()) {
     // One block's GEMMs are every block's; the head's too. Experts are not timed.
     if (op.gemm_m <= 0 || op.expert || (op.layer > 0 && op.layer < graph.spec().layers)) continue;
@@ -375,9 +376,7 @@ std::vector<ModelGemm> model_gemms(const model::ModelGraph& graph, int max_tp, i
     const bool column =
         op.tp_split == model::TpSplit::Column || op.tp_split == model::TpSplit::Vocab;
     const bool row = op.tp_split == model::TpSplit::Row;
-    // Context parallelism gives a rank 1/cp of each sequence's tokens (rows); with tp too, on
-    // tp x cp ranks at most.
-    const int most = std::max(max_tp, max_cp);
+    // Context parallelism gives a rank 1/cp of each sequence's tokens (rows); with tp too.
     for (int cp = 1; cp <= max_cp; cp *= 2) {
       if (T % cp != 0) continue;
       const int rows = T / cp;
@@ -446,9 +445,9 @@ nlohmann::json calibrate(const CalibrateOptions& options) {
   // [T,K]x[K,N], and the backward's input gradient dout·w^T and weight gradient in^T·dout,
   // each with its own layout (transposed operands run at their own speed), whole and split
   // over tp, over cp (their rows) and over both, up to the ranks measuring at once. dtsim
-  // prices a GEMM of a measured shape by its own time (sim/cost/profile.hpp); cp 2's GEMMs
-  // interpolated from the whole ones' sizes were 4% slow on cpu-small (its compute -7.2%, with
-  // their shapes measured -2.9%, against a run's trace).
+  // prices a GEMM of a measured shape by its own time (sim/cost/profile.hpp); with cp 2's
+  // GEMMs interpolated from other sizes, cpu-small's cp 2 compute was -10.1% against a run's
+  // trace, -3.6% with their shapes measured (2026-12-07).
   std::vector<ModelGemm> timed;
   if (options.quick) {
     timed = {{32, 32, 32, GemmPass::Forward}, {128, 128, 128, GemmPass::Forward}};

@@ -52,13 +52,12 @@ View CpuDevice::take(std::int64_t n, Dtype type, bool zeros) {
     capacity = it->first;
     block = std::move(it->second);
     free_.erase(it);
-    if (zeros) std::fill_n(block.get(), words, 0.0f);
   } else {
     block = std::make_unique_for_overwrite<float[]>(words);
-    if (zeros) std::fill_n(block.get(), words, 0.0f);
   }
-  // A tensor for overwrite: poisoned, so that a read before the write shows (Device).
-  if (!zeros) std::memset(block.get(), 0xff, words * sizeof(float));
+  // Zeros, or for a tensor for overwrite bytes 0xff (NaN), so that a read before the write
+  // shows (Device::allocate_for_overwrite): one pass either way.
+  std::memset(block.get(), zeros ? 0 : 0xff, words * sizeof(float));
   void* p = block.get();
   live_.emplace(p, Live{std::move(block), capacity, words});
   if (!reused) memory_.reserved += static_cast<std::int64_t>(capacity);
