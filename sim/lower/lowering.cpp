@@ -567,10 +567,12 @@ class Lowerer {
     // A sequence-parallel input gathered again for the next compute task (emit_regather).
     TaskId gathered = -1;
     auto compute = [&](OpId lo, OpId hi, Phase ph, int layer) {
-      // The first task of a unit waits for its weights and starts the next unit's gather.
+      // The first task of a unit waits for its weights; the next unit's gather comes before it
+      // in the rank's order (start_unit).
       const bool starts_unit = unit_gathers_ && next_unit_ < units_.size() &&
                                units_[next_unit_].pass == pass_ &&
                                units_[next_unit_].layer == layer;
+      const TaskId weights_gathered = starts_unit ? start_unit() : -1;
       Task t;
       t.kind = TaskKind::Compute;
       t.stream = Stream::Compute;
@@ -585,12 +587,12 @@ class Lowerer {
       if (beside >= 0) t.deps.push_back(beside);
       if (gathered >= 0) t.deps.push_back(gathered);
       if (first && extra_dep >= 0) t.deps.push_back(extra_dep);
-      if (starts_unit && unit_gather_[next_unit_] >= 0) t.deps.push_back(unit_gather_[next_unit_]);
+      if (weights_gathered >= 0) t.deps.push_back(weights_gathered);
       first = false;
       beside = -1;
       gathered = -1;
       const TaskId id = add(std::move(t));
-      if (starts_unit) start_unit(id);
+      if (starts_unit) unit_started_ = id;
       return id;
     };
     std::size_t i = 0;
@@ -799,14 +801,20 @@ class Lowerer {
     return prev;
   }
 
-  // Unit e's compute started with task `started`: the gather of unit e + 1 goes out once unit
-  // e - 1's first task is done (one unit ahead).
-  void start_unit(TaskId started) {
+  // Unit e's compute starts (its first task is added next): the gather of unit e + 1 goes out
+  // once unit e - 1's first task is done (one unit ahead). It comes before unit e's first task
+  // in the rank's order, which changes no dependency and neither stream's order (no collective
+  // of the dp stream lies between), so that an executor that issues a rank's tasks in order
+  // (dtexec on a GPU, whose collectives start after the compute queued before them) starts
+  // it while unit e computes, as FSDP issues its prefetch before the unit's kernels. Returns
+  // unit e's gather (-1: none).
+  TaskId start_unit() {
+    const TaskId own = unit_gather_[next_unit_];
     ++next_unit_;
     if (next_unit_ < units_.size()) {
       unit_gather_[next_unit_] = gather_unit(next_unit_, unit_started_);
     }
-    unit_started_ = started;
+    return own;
   }
 
   // The all-gathers of unit e's weights (ZeRO-3's, or ZeRO-1/2's updated ones), after `after`

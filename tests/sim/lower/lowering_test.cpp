@@ -89,7 +89,8 @@ TEST_CASE("gradients reduce over dp x cp and ZeRO shards over it", "[lower]") {
 TEST_CASE("ZeRO-3 gathers each unit's weights once per pass, one unit ahead", "[lower]") {
   // As FSDP wraps a model: the embedding, each block and the head are units. A unit's first
   // task waits for its gather; the next unit's gather goes out once the unit before this one
-  // has started (so one gather runs ahead of the compute), on the dp stream.
+  // has started (so one gather runs ahead of the compute), on the dp stream, and comes before
+  // this unit's first task in the rank's order.
   const auto spec = dtsim::model::load_model("tiny-gpt");
   const dtsim::model::ModelGraph g(spec, 1, 32);
   Plan p = plan_for(4, 1, 1, 1);
@@ -127,6 +128,9 @@ TEST_CASE("ZeRO-3 gathers each unit's weights once per pass, one unit ahead", "[
       CHECK(waits == dtsim::lower::Deps{user[u - 2]});
     }
     if (u > 0) CHECK(user[u] > user[u - 1]);
+    // In the rank's order each comes right before the first task of the unit ahead of its own
+    // (which an executor issuing tasks in order then overlaps with it).
+    if (u > 0) CHECK(gathers[u] == user[u - 1] - 1);
   }
   // Zero-bubble's weight passes take a chunk's weights at once: one gather per chunk and pass.
   p.pp = 2;
