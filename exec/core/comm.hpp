@@ -62,13 +62,15 @@ class Comm {
   virtual void all_to_all(int group, View in, std::span<const int> in_counts, View out,
                           std::span<const int> out_counts);
 
-  // Non-blocking variants (data-parallel buckets that overlap the rest of the backward pass):
-  // the buffers must stay untouched until finish(handle) returns. progress() lets the backend
-  // advance them between tasks.
+  // Non-blocking variants (data-parallel buckets that overlap the rest of the backward pass,
+  // ZeRO's weight gathers ahead of the units that read them): the buffers, and the counts,
+  // must stay untouched until finish(handle) returns. progress() lets the backend advance them
+  // between tasks.
   using Handle = int;
   virtual Handle start_all_reduce(int group, View data) = 0;
   virtual Handle start_reduce_scatter(int group, View in, View out,
                                       std::span<const int> counts) = 0;
+  virtual Handle start_all_gather(int group, View in, View out, std::span<const int> counts) = 0;
   virtual void finish(Handle handle) = 0;
   virtual void progress() {}
   // When a started collective or posted receive was first seen complete (by progress() between
@@ -142,6 +144,10 @@ class SingleRankComm final : public Comm {
   Handle start_all_reduce(int, View) override { return 0; }
   Handle start_reduce_scatter(int group, View in, View out, std::span<const int> counts) override {
     reduce_scatter(group, in, out, counts);
+    return 0;
+  }
+  Handle start_all_gather(int group, View in, View out, std::span<const int> counts) override {
+    all_gather(group, in, out, counts);
     return 0;
   }
   void finish(Handle) override {}

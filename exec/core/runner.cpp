@@ -900,7 +900,7 @@ void Runner::replay(const lower::Task& task, std::size_t index) {
     // ZeRO-3: the chunk's weights take their place (this rank's slice, zeros elsewhere), the
     // reduce-scatters before it finished first, as the real gather finishes them.
     release_replayed(index);
-    gather_weights(task, params_for(task), /*local=*/true);
+    gather_weights(task, params_for(task), index, /*local=*/true);
   } else if (dp && sharded_ && !in_place_ && task.collective == CollectiveKind::ReduceScatter) {
     // ZeRO's reduce-scatter, in memory: its packed copy of the bucket's gradients and its
     // reduced shard, held until the next task is done, as a started collective holds them

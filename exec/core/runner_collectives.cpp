@@ -197,7 +197,7 @@ void Runner::close_sends() {
 }
 
 void Runner::gather_weights(const lower::Task& task, const std::vector<Param*>& params,
-                            bool local) {
+                            std::size_t index, bool local) {
   if (!sharded_) return;
   if (zero3_ && !local) {
     // The dp stream runs its collectives in order, as the simulator's streams do: a gradient
@@ -242,78 +242,68 @@ void Runner::gather_weights(const lower::Task& task, const std::vector<Param*>& 
     gather_in_place(task, params);
     return;
   }
-  // In chunks of at most a gradient bucket's bytes (plan::kGradientBucketBytes), as
-  // DeepSpeed gathers in buckets of allgather_bucket_size (Megatron-LM gathers in place into
-  // its contiguous buffer): the packed copy of the rank's slices and the gathered chunk are
-  // all the memory the gather adds, whatever the model's size (one gather of every updated
-  // weight held 1.5x the weights: GPT-2 124M's 712 MiB at dp 2). A tensor larger than a
-  // chunk goes in parts: part i of P of every rank's slice of it. The fp32 tensors go first,
-  // then those gathered in the activation type (one type per collective).
+  // Each tensor in place, as ZeRO-3's partitioned parameters and FSDP's flat ones are
+  // gathered: this rank's slice of the master copied (or cast to the activation type) into
+  // its place in the gathered tensor, the other ranks' slices around it. Nothing is packed
+  // or copied out, so the gather adds no memory to the tensors it fills (DeepSpeed's
+  // allgather_bucket_size chunks, which dtexec copied through before, held a packed copy and
+  // a gathered chunk of up to a gradient bucket's bytes besides). The gathers are started,
+  // the slices copied in first: they run while the compute queued after them does (on a GPU;
+  // between tasks over MPI), and the first task that depends on this one waits for them
+  // (settle), as FSDP's prefetch runs ahead of the unit that reads the weights. The ZeRO-1/2
+  // gathers of the updated weights are done by the step's end.
   const auto [shards, me] = shards_of(task);
-  struct Slab {
-    Param* p;
-    std::int64_t i, of;
-  };
-  // Elements [b, e) of the full tensor: rank r's slice's part.
-  const auto range = [shards](const Slab& part, int r) {
-    const std::int64_t n = part.p->n;
-    const std::int64_t b = n * r / shards, length = n * (r + 1) / shards - b;
-    return std::pair{b + length * part.i / part.of, b + length * (part.i + 1) / part.of};
-  };
-  for (const bool work : {false, true}) {
-    const Dtype type = work ? dev_.activations() : Dtype::F32;
-    const auto budget = static_cast<std::int64_t>(plan::kGradientBucketBytes / bytes_of(type));
-    std::vector<Slab> chunk;
-    std::int64_t chunk_size = 0;
-    const auto flush = [&] {
-      if (chunk.empty()) return;
-      std::vector<std::int64_t> wide(static_cast<std::size_t>(shards), 0);
-      for (const Slab& part : chunk) {
-        for (int r = 0; r < shards; ++r) {
-          const auto [b, e] = range(part, r);
-          wide[static_cast<std::size_t>(r)] += e - b;
-        }
-      }
-      const std::vector<int> counts = collective_counts(wide, "ZeRO weight all-gather");
-      const View mine = dev_.allocate_for_overwrite(counts[static_cast<std::size_t>(me)], type);
-      const View all = dev_.allocate_for_overwrite(
-          std::accumulate(wide.begin(), wide.end(), std::int64_t{0}), type);
-      std::int64_t at = 0;
-      for (const Slab& part : chunk) {
-        const auto [b, e] = range(part, me);
-        copy_in(*part.p, mine.sub(at, e - b),
-                master_slice(*part.p).sub(b - part.p->own_begin, e - b));
-        at += e - b;
-      }
-      comm_.all_gather(task.group, mine, all, counts);
-      at = 0;
-      for (int r = 0; r < shards; ++r) {
-        for (const Slab& part : chunk) {
-          const auto [b, e] = range(part, r);
-          dev_.copy(gathered(*part.p).sub(b, e - b), all.sub(at, e - b));
-          at += e - b;
-        }
-      }
-      dev_.release(mine);
-      dev_.release(all);
-      chunk.clear();
-      chunk_size = 0;
-    };
-    for (Param* p : params) {
-      if (p->work_only != work) continue;
-      const std::int64_t parts = std::max<std::int64_t>(1, (p->n + budget - 1) / budget);
-      for (std::int64_t i = 0; i < parts; ++i) {
-        const std::int64_t size = p->n * (i + 1) / parts - p->n * i / parts;
-        if (chunk_size + size > budget) flush();
-        chunk.push_back({p, i, parts});
-        chunk_size += size;
-      }
+  const std::int64_t again = index < regather_of_.size() ? regather_of_[index] : -1;
+  if (again >= 0) {
+    // Weights gathered again before anything read them since (plan_weight_releases): into
+    // the tensors that the tasks ahead of this one's dependents read, so at once (the same
+    // values: the masters change only in the optimizer step), the last gather done first.
+    if (const auto it = pending_.find(static_cast<std::size_t>(again)); it != pending_.end()) {
+      finish_pending(it);
     }
-    flush();
   }
+  std::vector<std::vector<int>> all_counts;  // a moved vector keeps its elements in place
+  std::vector<Param*> refreshed;             // fp32 tensors with a working copy to refresh
   for (Param* p : params) {
-    if (!p->work_only) refresh_work(*p);
+    std::vector<std::int64_t> wide(static_cast<std::size_t>(shards));
+    for (int r = 0; r < shards; ++r) {
+      wide[static_cast<std::size_t>(r)] = p->n * (r + 1) / shards - p->n * r / shards;
+    }
+    DTSIM_ASSERT(p->own_begin == p->n * me / shards && p->own_end == p->n * (me + 1) / shards,
+                 "a ZeRO slice is the rank's share of the tensor");
+    all_counts.push_back(collective_counts(wide, "ZeRO weight all-gather"));
+    const View mine = gathered(*p).sub(p->own_begin, p->own_end - p->own_begin);
+    const View master = master_slice(*p);
+    if (mine.p != master.p) copy_in(*p, mine, master);
+    if (!p->work_only && p->separate_work) refreshed.push_back(p);
   }
+  const auto place = [&](const Param& p) {
+    return gathered(p).sub(p.own_begin, p.own_end - p.own_begin);
+  };
+  if (again >= 0) {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      comm_.all_gather(task.group, place(*params[i]), gathered(*params[i]), all_counts[i]);
+    }
+    for (Param* p : refreshed) refresh_work(*p);
+    return;
+  }
+  std::vector<Comm::Handle> handles;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    handles.push_back(
+        comm_.start_all_gather(task.group, place(*params[i]), gathered(*params[i]), all_counts[i]));
+  }
+  if (handles.empty()) return;
+  std::function<void()> refresh;
+  if (!refreshed.empty()) {
+    refresh = [this, refreshed] {
+      for (Param* p : refreshed) refresh_work(*p);
+    };
+  }
+  pending_[index] = {
+      handles.front(),        std::move(refresh),
+      std::nullopt,
+      /*holds_bucket=*/false, std::vector<Comm::Handle>(handles.begin() + 1, handles.end()),
+      std::move(all_counts)};
 }
 
 void Runner::gather_in_place(const lower::Task& task, const std::vector<Param*>& params) {
@@ -552,7 +542,7 @@ void Runner::collective(const lower::Task& task, std::size_t index) {
     case GroupKind::ExpertDp: {  // the same ranks while ep is 1 (check_runnable)
       if (task.collective == CollectiveKind::AllGather) {
         // ZeRO-3: one chunk's weights before a pass; ZeRO-1/2: all weights after the step.
-        gather_weights(task, params_for(task));
+        gather_weights(task, params_for(task), index);
       } else {
         reduce_gradients(task, params_for(task), index);
       }

@@ -724,12 +724,13 @@ class Runner {
   }
 
   // Every dp rank's updated slice of `params`, gathered into the full weights (ZeRO-3: into
-  // buffers made here, which live to the last compute task that reads them). A tensor of which
-  // only the working copy is read (Param::work_only) is gathered in the activation type straight
-  // into it, as Megatron-LM and FSDP2 gather 16-bit weights (half the bytes of its fp32
-  // master); the others in fp32, their working copies cast after. With `local` (--only-rank)
-  // the other slices stay zeros.
-  void gather_weights(const lower::Task& task, const std::vector<Param*>& params,
+  // buffers made here, which live to the last compute task that reads them), each tensor in
+  // place; started, pending as task `index` until a task that depends on it (settle). A tensor
+  // of which only the working copy is read (Param::work_only) is gathered in the activation
+  // type straight into it, as Megatron-LM and FSDP2 gather 16-bit weights (half the bytes of
+  // its fp32 master); the others in fp32, their working copies cast once gathered. With
+  // `local` (--only-rank) the other slices stay zeros, nothing started.
+  void gather_weights(const lower::Task& task, const std::vector<Param*>& params, std::size_t index,
                       bool local = false);
 
   // ZeRO-1 in place (plan_flat_layout): the weights of `params` gathered where they lie, one
@@ -819,7 +820,8 @@ class Runner {
 
   // ZeRO-3: release_weights_after_[i] names the weights that task i reads last before the
   // Program gathers them again (or the step ends): the compute tasks of their ops, and a tied
-  // head's of the embedding table it reads.
+  // head's of the embedding table it reads. regather_of_[i]: for a gather of weights that no
+  // task has read since their last gather, that gather's index (-1 otherwise).
   void plan_weight_releases();
 
   void release_weights(std::size_t task);
@@ -997,6 +999,7 @@ class Runner {
   // step's next event.
   std::vector<std::vector<TensorRef>> release_after_;
   std::vector<std::vector<Key>> release_weights_after_;  // ZeRO-3, by task index
+  std::vector<std::int64_t> regather_of_;                // ZeRO-3, by task index
   std::size_t event_ = 0;
   int me_ = 0, tp_ = 1, dp_ = 1, t_ = 0, d_ = 0;
   // Expert parallelism: the degree and this rank's place in its ep group (it holds experts

@@ -283,18 +283,36 @@ void Runner::plan_releases() {
 void Runner::plan_weight_releases() {
   const auto& tasks = rp_->tasks;
   release_weights_after_.assign(tasks.size(), {});
+  regather_of_.assign(tasks.size(), -1);
+  const auto is_gather = [&](std::size_t i) {
+    const lower::Task& task = tasks[i];
+    return task.kind == TaskKind::Collective && is_dp_group(task) &&
+           task.collective == CollectiveKind::AllGather && task.op_end > task.op_begin;
+  };
   std::map<Key, std::size_t> last;  // since the weights' gather
   for (std::size_t i = 0; i < tasks.size(); ++i) {
     const lower::Task& task = tasks[i];
-    const bool gather = task.kind == TaskKind::Collective && is_dp_group(task) &&
-                        task.collective == CollectiveKind::AllGather && task.op_end > task.op_begin;
-    if (gather) {
+    if (is_gather(i)) {
+      // Gathered again before any task read the last gather (a unit whose next unit is the
+      // same layer's, the head's forward and backward: the lowering issues a unit's gather
+      // before the unit ahead of it computes): the weights stay, gathered again where they
+      // lie, and the next unit's tasks read them too.
+      std::optional<std::size_t> again;
+      bool first = true;
       for (const Key& key : keys_for(task)) {
-        if (const auto it = last.find(key); it != last.end()) {
-          release_weights_after_[it->second].push_back(key);
+        const auto it = last.find(key);
+        const bool unread = it != last.end() && is_gather(it->second);
+        DTSIM_ASSERT(first || unread == again.has_value(),
+                     "ZeRO-3: a gather's weights all read since their last gather, or none");
+        first = false;
+        if (unread) {
+          again = it->second;
+          continue;
         }
+        if (it != last.end()) release_weights_after_[it->second].push_back(key);
         last[key] = i;
       }
+      if (again) regather_of_[i] = static_cast<std::int64_t>(*again);
       continue;
     }
     if (task.kind != TaskKind::Compute || lower::in_optimizer_step(task.phase)) continue;

@@ -200,14 +200,8 @@ class MpiComm final : public Comm {
     }
     expect_shapes("all-gather", out_view, in_view, counts, member(c));
     const std::vector<int> displs = displacements(counts);
-    // In place: this member's part already lies at its place in `out`.
-    const bool in_place =
-        in.p == static_cast<std::byte*>(out.p) +
-                    static_cast<std::size_t>(displs[static_cast<std::size_t>(member(c))]) *
-                        bytes_of(in_view.type);
-    DTSIM_ASSERT(in_place || !overlap(in, out), "an all-gather's views overlap, not in place");
-    check(MPI_Allgatherv(in_place ? MPI_IN_PLACE : in.p, in.n, in.type, out.p, counts.data(),
-                         displs.data(), out.type, c),
+    check(MPI_Allgatherv(gather_source(in, out, displs, member(c), in_view.type), in.n, in.type,
+                         out.p, counts.data(), displs.data(), out.type, c),
           "MPI_Allgatherv");
   }
 
@@ -254,6 +248,25 @@ class MpiComm final : public Comm {
           "MPI_Ireduce_scatter");
     const Handle handle = keep(request);
     moves_.back() = move;
+    return handle;
+  }
+
+  Handle start_all_gather(int group, View in_view, View out_view,
+                          std::span<const int> counts) override {
+    const Wire in = wire(in_view), out = wire(out_view, in_view.type);
+    MPI_Comm c = comm(group);
+    if (c == MPI_COMM_NULL) {
+      copy(out, in);
+      return -1;
+    }
+    expect_shapes("all-gather", out_view, in_view, counts, member(c));
+    std::vector<int> displs = displacements(counts);
+    MPI_Request request = MPI_REQUEST_NULL;
+    check(MPI_Iallgatherv(gather_source(in, out, displs, member(c), in_view.type), in.n, in.type,
+                          out.p, counts.data(), displs.data(), out.type, c, &request),
+          "MPI_Iallgatherv");
+    const Handle handle = keep(request);
+    displs_.back() = std::move(displs);  // read until it completes; a moved vector stays put
     return handle;
   }
 
@@ -330,6 +343,7 @@ class MpiComm final : public Comm {
       }
       pending_.clear();
       moves_.clear();
+      displs_.clear();
       done_at_.clear();
       status_.clear();
       expected_.clear();
@@ -405,6 +419,7 @@ class MpiComm final : public Comm {
   Handle keep(MPI_Request request) {
     pending_.push_back(request);
     moves_.emplace_back();
+    displs_.emplace_back();
     done_at_.emplace_back();
     status_.emplace_back();
     expected_.emplace_back();
@@ -483,6 +498,17 @@ class MpiComm final : public Comm {
     const auto* b0 = static_cast<const std::byte*>(b.p);
     return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
   }
+  // An all-gather's send buffer: MPI_IN_PLACE where this member's part already lies at its
+  // place in `out`; else `in`, which must not overlap `out`.
+  static const void* gather_source(const Wire& in, const Wire& out, std::span<const int> displs,
+                                   int me, Dtype type) {
+    const bool in_place =
+        in.p == static_cast<std::byte*>(out.p) +
+                    static_cast<std::size_t>(displs[static_cast<std::size_t>(me)]) * bytes_of(type);
+    DTSIM_ASSERT(in_place || !overlap(in, out), "an all-gather's views overlap, not in place");
+    return in_place ? MPI_IN_PLACE : in.p;
+  }
+
   static void copy(const Wire& out, const Wire& in) {
     if (in.p != out.p && in.bytes > 0) std::memmove(out.p, in.p, std::min(in.bytes, out.bytes));
   }
@@ -513,6 +539,7 @@ class MpiComm final : public Comm {
   std::vector<MPI_Request> requests_;
   std::vector<MPI_Request> pending_;        // non-blocking collectives by handle
   std::vector<std::optional<Move>> moves_;  // an in-place reduce-scatter's, by handle
+  std::vector<std::vector<int>> displs_;    // a started all-gather's displacements, by handle
   // When each was first seen complete.
   std::vector<std::optional<std::chrono::steady_clock::time_point>> done_at_;
   std::vector<MPI_Status> status_;

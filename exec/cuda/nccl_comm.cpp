@@ -190,30 +190,8 @@ class NcclComm final : public Comm {
       device_.copy(out, in);
       return;
     }
-    DTSIM_ASSERT(counts.size() == g->members, "one count per member");
-    expect_shapes("all-gather", out, in, counts, g->index);
     after_compute(g->stream);
-    if (equal(counts)) {
-      if (counts[0] > 0) {
-        nccl(ncclAllGather(in.p, out.p, static_cast<std::size_t>(counts[0]), nccl_type(in.type),
-                           g->comm, g->stream),
-             "ncclAllGather");
-      }
-    } else {
-      // Unequal shards: member r broadcasts its part into its place.
-      nccl(ncclGroupStart(), "ncclGroupStart");
-      std::int64_t offset = 0;
-      for (std::size_t r = 0; r < counts.size(); ++r) {
-        if (counts[r] > 0) {
-          nccl(
-              ncclBroadcast(in.p, out.sub(offset, counts[r]).p, static_cast<std::size_t>(counts[r]),
-                            nccl_type(in.type), static_cast<int>(r), g->comm, g->stream),
-              "ncclBroadcast");
-        }
-        offset += counts[r];
-      }
-      nccl(ncclGroupEnd(), "ncclGroupEnd");
-    }
+    enqueue_all_gather(*g, in, out, counts);
     before_compute(g->stream);
   }
 
@@ -271,6 +249,21 @@ class NcclComm final : public Comm {
     after_compute(g->stream);
     transfer_begins(g->stream);
     enqueue_reduce_scatter(*g, in, out, counts);
+    transfer_ends(g->stream);
+    return done_on(g->stream);
+  }
+
+  // On the group's stream after the compute queued so far (the rank's slice copied in), which
+  // waits for it at finish(handle): the units that read the weights, not the compute between.
+  Handle start_all_gather(int group, View in, View out, std::span<const int> counts) override {
+    const Channel* g = member_of(group);
+    if (g == nullptr) {
+      device_.copy(out, in);
+      return -1;
+    }
+    after_compute(g->stream);
+    transfer_begins(g->stream);
+    enqueue_all_gather(*g, in, out, counts);
     transfer_ends(g->stream);
     return done_on(g->stream);
   }
@@ -430,6 +423,33 @@ class NcclComm final : public Comm {
 
   static bool equal(std::span<const int> counts) {
     return std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; });
+  }
+
+  // out = every member's in, in member order (in place where `in` is this member's part of
+  // `out`, at its place there: NCCL's in-place forms).
+  void enqueue_all_gather(const Channel& g, View in, View out, std::span<const int> counts) {
+    DTSIM_ASSERT(counts.size() == g.members, "one count per member");
+    expect_shapes("all-gather", out, in, counts, g.index);
+    if (equal(counts)) {
+      if (counts[0] > 0) {
+        nccl(ncclAllGather(in.p, out.p, static_cast<std::size_t>(counts[0]), nccl_type(in.type),
+                           g.comm, g.stream),
+             "ncclAllGather");
+      }
+      return;
+    }
+    // Unequal shards: member r broadcasts its part into its place.
+    nccl(ncclGroupStart(), "ncclGroupStart");
+    std::int64_t offset = 0;
+    for (std::size_t r = 0; r < counts.size(); ++r) {
+      if (counts[r] > 0) {
+        nccl(ncclBroadcast(in.p, out.sub(offset, counts[r]).p, static_cast<std::size_t>(counts[r]),
+                           nccl_type(in.type), static_cast<int>(r), g.comm, g.stream),
+             "ncclBroadcast");
+      }
+      offset += counts[r];
+    }
+    nccl(ncclGroupEnd(), "ncclGroupEnd");
   }
 
   void enqueue_reduce_scatter(const Channel& g, View in, View out, std::span<const int> counts) {

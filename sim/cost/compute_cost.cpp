@@ -296,15 +296,19 @@ double ComputeCost::codec_seconds(std::uint64_t uncompressed, std::uint64_t comp
   return 2.0 * static_cast<double>(uncompressed + compressed) / hbm_bw_ + 2 * launch_s_;
 }
 
+bool ComputeCost::gather_copies_in() const {
+  return plan_.zero_stage >= 3 || plan::state_bytes_per_param(plan_).weights < 4;
+}
+
 double ComputeCost::staging_seconds(lower::CollectiveKind kind, std::uint64_t bytes,
                                     std::int64_t ranks) const {
-  if (ranks <= 1 || plan_.zero_in_place) return 0;
+  if (ranks <= 1) return 0;
   const double b = static_cast<double>(bytes), slice = b / static_cast<double>(ranks);
   switch (kind) {
     case lower::CollectiveKind::AllGather:
-      return 2 * (slice + b) / hbm_bw_ + 2 * launch_s_;
+      return gather_copies_in() ? 2 * slice / hbm_bw_ + launch_s_ : 0;
     case lower::CollectiveKind::ReduceScatter:
-      return (2 * b + 3 * slice) / hbm_bw_ + 2 * launch_s_;
+      return plan_.zero_in_place ? 0 : (2 * b + 3 * slice) / hbm_bw_ + 2 * launch_s_;
     default:
       return 0;
   }

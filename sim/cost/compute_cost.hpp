@@ -65,19 +65,23 @@ class ComputeCost {
   // write the compressed ones) and decompress the result (the converse), memory-bound passes
   // at the device's (or the profile's) memory bandwidth, two kernels.
   double codec_seconds(std::uint64_t uncompressed, std::uint64_t compressed) const;
-  // ZeRO's data-parallel collectives staged through contiguous buffers, as dtexec and PyTorch
-  // FSDP2 (all_gather copy-in / copy-out, chunk_cat before its reduce-scatter) stage them: a
-  // weight all-gather of `bytes` (the gathered size) over `ranks` copies this rank's slices in
-  // (reads and writes bytes / ranks) and the gathered tensors out to their places (reads and
-  // writes bytes); a gradient reduce-scatter packs the bucket (reads and writes bytes) and
-  // adds the reduced slice into the rank's accumulator (reads 2 bytes / ranks, writes bytes /
-  // ranks). Memory-bound passes at the device's (or the profile's) memory bandwidth, two
-  // kernels; 0 for other kinds, and with plan zero_in_place (Megatron-LM's distributed
-  // optimizer reduces and gathers in place in its contiguous buffers). Where a framework works
-  // in place and the plan does not say so (DeepSpeed's ZeRO-1/2 gathers), this overstates an
-  // NVLink collective by about a third and an InfiniBand one by a few percent; on CPU ranks
-  // over shared memory the passes are as long as the transfer.
+  // ZeRO's data-parallel collectives, the memory passes around them as dtexec makes them: a
+  // weight all-gather gathers each tensor in place (as DeepSpeed's ZeRO-3 and FSDP1's flat
+  // parameters do), copying only this rank's slice of `bytes` (the gathered size) in from its
+  // fp32 master (reads and writes bytes / ranks; a cast where the weights are narrower), and
+  // nothing where that master slice already lies in the gathered tensor (ZeRO-1/2 in full
+  // precision: gather_copies_in); a gradient reduce-scatter packs the bucket (reads and writes
+  // bytes) and adds the reduced slice into the rank's accumulator (reads 2 bytes / ranks,
+  // writes bytes / ranks), as PyTorch FSDP2's chunk_cat stages it. Memory-bound passes at the
+  // device's (or the profile's) memory bandwidth, one kernel for a gather (dtexec launches one
+  // per tensor, a few microseconds a block), two for a reduce-scatter; 0 for other kinds, and
+  // for a reduce-scatter with plan zero_in_place (Megatron-LM's distributed optimizer reduces
+  // in place in its contiguous buffer; its gather casts the updated slice into its bf16
+  // buffer, a copy-in as above). Where a framework stages its gathers (FSDP2's copy-out of the
+  // gathered tensors), this understates them by a pass over the gathered bytes.
   double staging_seconds(lower::CollectiveKind kind, std::uint64_t bytes, std::int64_t ranks) const;
+  // Whether a weight all-gather copies the rank's slice in (see staging_seconds).
+  bool gather_copies_in() const;
 
   // FLOPs of one op in one phase on one rank (for reports): the counted ones.
   double op_flops(const model::Op& op, lower::Phase phase) const;

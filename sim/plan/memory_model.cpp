@@ -158,24 +158,6 @@ ZbPeaks zero_bubble_peaks(const Plan& plan, int stage, double per_forward, doubl
   return peaks;
 }
 
-// What a weight all-gather of `params` over `group` ranks adds while it runs, as dtexec gathers
-// on CPU ranks: the packed copy of the rank's slices and the gathered chunk, fp32 masters (4
-// bytes a parameter) in chunks of a gradient bucket's bytes (none over one rank: nothing to
-// gather).
-double gather_buffers(double params, int group) {
-  return group > 1 ? (1.0 + 1.0 / group) *
-                         std::min(static_cast<double>(kGradientBucketBytes), params * 4.0)
-                   : 0.0;
-}
-
-// The same for one tensor (an embedding table): one larger than a bucket goes in equal parts,
-// each at most a bucket (part i of every rank's slice: dtexec's gather_weights), so the part
-// is what is held (a 32 MiB table in two parts of 16 MiB, not a 25 MiB chunk).
-double tensor_gather_buffers(double params, int group) {
-  const double parts = std::ceil(params * 4.0 / static_cast<double>(kGradientBucketBytes));
-  return gather_buffers(params / std::max(1.0, parts), group);
-}
-
 // A moment that can hold a stage's most memory: what it adds to the kept activations
 // (working), takes from them (freed), and holds besides (other: gathered weights, gradients
 // in a reduction).
@@ -664,20 +646,18 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         // With full recompute a block's backward starts with its recompute, and the next
         // block's weights are gathered after it, before the backward proper (as FSDP prefetches
         // the next unit's at a unit's pre-backward): the recomputed block, its weights and the
-        // next block's, and that gather's packed shard and gathered chunk at once. The block's
-        // reduce-scatter then runs beside the next block's recompute, its packed copy and
-        // reduced shard held (the unsharded gradients freed once packed) with one block's
-        // weights gathered. cpu-small at dp 2, micro-batch 4: dtexec peaked at the gather,
-        // 51.9 MiB, where the reduce-scatter beside two blocks' weights predicted 54.4. Blocks'
-        // weights, not the embedding's or the head's (gathered at moments of their own); a
-        // stage of one block has no next one to gather.
+        // next block's (gathered in place: nothing besides). The block's reduce-scatter then
+        // runs beside the next block's recompute, its packed copy and reduced shard held (the
+        // unsharded gradients freed once packed) with one block's weights gathered. cpu-small at
+        // dp 2, micro-batch 4: dtexec held 50.9 MiB at its peak, the backward's, 51.4 predicted
+        // (while dtexec staged its gathers through a packed copy and a gathered chunk it peaked
+        // at the gather, 51.9). Blocks' weights, not the embedding's or the head's (gathered at
+        // moments of their own); a stage of one block has no next one to gather.
         const double table_held = tied_table * per_param.weights;
         if (blocks_here >= 2) {
           consider({"the next block's weight gather after a block's recompute", recomputed_block,
                     head_kept + last_block_kept,
-                    table_held + 2.0 * largest_block_params * per_param.weights +
-                        gather_buffers(largest_block_params, shard),
-                    recomputed_what});
+                    table_held + 2.0 * largest_block_params * per_param.weights, recomputed_what});
         }
         consider({"a block's gradient reduce-scatter beside the next block's recompute",
                   recomputed_block, head_kept + last_block_kept,
@@ -691,23 +671,21 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       }
       if (embedding_params > 0) {
         // The backward's last gather, the embedding's (dtexec gathers it again, as FSDP's unit),
-        // the kept activations gone: the gathered table, the gather's part of fp32 masters
-        // packed and gathered, and a tied table's whole gradient, written by the head's
-        // backward. Reduce-scatters before it are done first (the dp stream runs its
-        // collectives in order). With full recompute it follows the first block's recompute,
-        // which it holds with that block's weights; without, the first block's backward, whose
-        // unsharded gradients wait for the reduce-scatter after it (the largest block's taken,
-        // an upper bound). bucket-gpt at dp 2 with full recompute held 361.4 MiB there; the
-        // first block's reduce-scatter in flight and the table gathered in 25 MiB chunks
-        // beside it predicted 376.3.
+        // the kept activations gone: the gathered table (in place: nothing besides it) and a
+        // tied table's whole gradient, written by the head's backward. Reduce-scatters before it
+        // are done first (the dp stream runs its collectives in order). With full recompute it
+        // follows the first block's recompute, which it holds with that block's weights; without,
+        // the first block's backward, whose unsharded gradients wait for the reduce-scatter after
+        // it (the largest block's taken, an upper bound). bucket-gpt at dp 2 with full recompute
+        // held 361.4 MiB there while the table was gathered in 25 MiB chunks; the first block's
+        // reduce-scatter in flight and those chunks beside it predicted 376.3.
         const bool full = plan.recompute == Recompute::Full;
-        consider(
-            {"the embedding's weight gather in the backward", recomputed_block, s.activations_bytes,
-             embedding_params * per_param.weights + tensor_gather_buffers(embedding_params, shard) +
-                 tied_table * per_param.gradients +
-                 (full ? largest_block_params * per_param.weights
-                       : largest_reduction * per_param.gradients),
-             recomputed_what});
+        consider({"the embedding's weight gather in the backward", recomputed_block,
+                  s.activations_bytes,
+                  embedding_params * per_param.weights + tied_table * per_param.gradients +
+                      (full ? largest_block_params * per_param.weights
+                            : largest_reduction * per_param.gradients),
+                  recomputed_what});
       }
     }
     const double kept_at_peak = s.activations_bytes - extra_activations;
@@ -715,24 +693,22 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // Zero-bubble gathers a whole chunk per pass (its passes split the backward, which the
       // per-block gathers need whole; lower's run_stage) and reduce-scatters a weight pass's
       // gradients after it, behind the next pass's gather on the data-parallel stream: the
-      // weight pass's unsharded gradients, the next pass's gathered weights and that gather's
-      // packed copies (in chunks of a gradient bucket's bytes of fp32 masters), and what the
-      // stage keeps right after a weight pass (its pass order's states after its W passes, the
-      // most of them; the stage is one chunk: zero-bubble does not interleave). dtexec on
-      // cpu-small at pp 2 dp 2 held 49.5 MiB there, where the per-block moments above came
-      // to 35.6.
-      // (Experts whose group is one rank are whole already, gathered by no one; the dense and
-      // the experts' weights gather apart, the larger's buffers the most.)
+      // weight pass's unsharded gradients, the next pass's gathered weights (in place: nothing
+      // besides), and what the stage keeps right after a weight pass (its pass order's states
+      // after its W passes, the most of them; the stage is one chunk: zero-bubble does not
+      // interleave). dtexec on cpu-small at pp 2 dp 2 held 49.5 MiB there, where the
+      // per-block moments above came to 35.6 (with the gathers staged through packed copies,
+      // which the moment then counted too).
+      // (Experts whose group is one rank are whole already, gathered by no one.)
       const int expert_group = shard / plan.ep;
       const double chunk = dense_params + (expert_group > 1 ? expert_params : 0.0);
-      const double packed = std::max(gather_buffers(dense_params, shard),
-                                     gather_buffers(expert_params, expert_group));
       consider({"a weight pass's end, the next pass's weights gathered", 0,
                 std::max(0.0, kept_at_peak - zb_after_weight.bytes),
-                chunk * (per_param.gradients + per_param.weights) + packed, "", &zb_after_weight});
+                chunk * (per_param.gradients + per_param.weights), "", &zb_after_weight});
       // And any pass's gather, the stage's most kept (the last stage's first W, its B passes
-      // all done: 87.7 MiB held on cpu-small at micro-batch 4, 92.1 predicted).
-      consider({"a pass's weight gather", 0, 0, chunk * per_param.weights + packed});
+      // all done: 79.1 MiB held on cpu-small at micro-batch 4, 77.1 predicted; 87.7 against
+      // 92.1 with the gathers staged).
+      consider({"a pass's weight gather", 0, 0, chunk * per_param.weights});
     }
     // ZeRO-1/2's buckets (ZeRO-3 reduces each block apart, ZeRO-0 in place).
     const bool bucketed = (plan.zero_stage == 1 || plan.zero_stage == 2) && shard > 1;
@@ -898,20 +874,6 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           }
         }
       }
-    }
-    if (bucketed && !plan.overlap_param_gather && !plan.zero_in_place) {
-      // After the optimizer step every rank gathers the others' updated weights (its
-      // activations freed, ZeRO-2's full gradients gone): the packed copy of its slices and
-      // the gathered chunk, fp32 masters in chunks of a bucket's bytes, as dtexec gathers them
-      // on CPU ranks (on its bf16 path a linear layer's weights go as their 16-bit copies, in
-      // chunks of the same bytes: an upper bound there; DeepSpeed gathers in buckets too;
-      // Megatron-LM gathers in place into its contiguous buffer, without either). Experts
-      // gather apart, over their own group (dp x cp / ep; none where that is one rank): the
-      // larger of the two gathers' buffers (cpu-small as a mixture of experts at dp 2, ZeRO-1,
-      // full recompute held 90.7 MiB where one chunk of both predicted 100.0).
-      consider_without_bucket({"the updated weights' all-gather", 0, s.activations_bytes,
-                               std::max(gather_buffers(dense_params, shard),
-                                        gather_buffers(expert_params, shard / plan.ep))});
     }
     s.peak_moment = peak_moment.name;
     if (peak_moment.zero_bubble != nullptr) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -460,15 +461,28 @@ class HostOnlyComm : public dtsim::exec::Comm {
                       std::span<const int>) override {
     std::memcpy(out.p, in.p, bytes(out));
   }
-  void all_gather(int, dtsim::exec::View in, dtsim::exec::View out, std::span<const int>) override {
-    for (std::int64_t at = 0; at < out.n; at += in.n) {
-      std::memcpy(out.sub(at, in.n).p, in.p, bytes(in));
+  // Each member's part this rank's (as much of it as fits, zeros after), in place or not.
+  void all_gather(int, dtsim::exec::View in, dtsim::exec::View out,
+                  std::span<const int> counts) override {
+    const std::vector<std::byte> mine(static_cast<const std::byte*>(in.p),
+                                      static_cast<const std::byte*>(in.p) + bytes(in));
+    std::int64_t at = 0;
+    for (const int count : counts) {
+      const dtsim::exec::View part = out.sub(at, count);
+      std::memset(part.p, 0, bytes(part));
+      std::memcpy(part.p, mine.data(), std::min(bytes(part), bytes(in)));
+      at += count;
     }
   }
   Handle start_all_reduce(int, dtsim::exec::View) override { return 0; }
   Handle start_reduce_scatter(int group, dtsim::exec::View in, dtsim::exec::View out,
                               std::span<const int> counts) override {
     reduce_scatter(group, in, out, counts);
+    return 0;
+  }
+  Handle start_all_gather(int group, dtsim::exec::View in, dtsim::exec::View out,
+                          std::span<const int> counts) override {
+    all_gather(group, in, out, counts);
     return 0;
   }
   void finish(Handle) override {}
@@ -578,6 +592,85 @@ TEST_CASE("ZeRO gathers the GEMMs' weights in the activation type and the rest i
     const std::int64_t passes = stage == 1 ? 1 : 2;
     CHECK(comm.gathered[dtsim::exec::Dtype::BF16] == passes * gemm);
     CHECK(comm.gathered[dtsim::exec::Dtype::F32] == passes * (all - gemm));
+  }
+}
+
+namespace {
+
+// Rank 0 of a data-parallel pair, its peer a stand-in whose started all-gathers land only when
+// finished (what a started collective's output holds before that is undefined): a task that
+// read gathered weights before waiting for their gather would read the CPU device's poison.
+class DeferredGatherComm final : public HostOnlyComm {
+ public:
+  int started = 0, blocking = 0;
+  Handle start_all_gather(int group, dtsim::exec::View in, dtsim::exec::View out,
+                          std::span<const int> counts) override {
+    ++started;
+    deferred_.push_back({group, in, out, {counts.begin(), counts.end()}, false});
+    return kFirst + static_cast<Handle>(deferred_.size() - 1);
+  }
+  void all_gather(int group, dtsim::exec::View in, dtsim::exec::View out,
+                  std::span<const int> counts) override {
+    ++blocking;
+    HostOnlyComm::all_gather(group, in, out, counts);
+  }
+  void finish(Handle handle) override {
+    if (handle < kFirst) return;
+    Gather& g = deferred_.at(static_cast<std::size_t>(handle - kFirst));
+    if (!g.done) HostOnlyComm::all_gather(g.group, g.in, g.out, g.counts);
+    g.done = true;
+  }
+  bool all_finished() const {
+    return std::all_of(deferred_.begin(), deferred_.end(), [](const Gather& g) { return g.done; });
+  }
+
+ private:
+  static constexpr Handle kFirst = 1000;  // the stand-in's other handles are 0
+  struct Gather {
+    int group;
+    dtsim::exec::View in, out;
+    std::vector<int> counts;
+    bool done;
+  };
+  std::vector<Gather> deferred_;
+};
+
+}  // namespace
+
+TEST_CASE("ZeRO's weight gathers start ahead and are waited for before their weights are read",
+          "[exec][runner]") {
+  // tiny-gpt at dp 2, two steps: ZeRO-3's gathers before each unit and ZeRO-1's of the updated
+  // weights at the step's end start, and land only when the runner waits for them (at the
+  // first task that depends on them, or the step's end): the losses are those of a peer whose
+  // gathers land at once, bit for bit, and finite (the CPU device fills tensors made for
+  // overwriting with NaN). ZeRO-3 gathers a unit's weights again before anything read them
+  // where the next unit is the same layer's (the head's for its backward, the embedding's for
+  // the next micro-batch): those are done at once, into the weights the unit ahead reads.
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  auto p = single_rank(1, 4);
+  p.dp = 2;
+  const dtsim::model::ModelGraph g(spec, p.micro_batch_size, p.seq_len, 2);
+  for (const int stage : {1, 3}) {
+    INFO("ZeRO-" << stage);
+    p.zero_stage = stage;
+    const auto program = all_ranks(g, p);
+    dtsim::exec::RunOptions o;
+    o.steps = 2;
+    o.warmup_steps = 0;
+    dtsim::exec::cpu::CpuDevice at_once_device, deferred_device;
+    HostOnlyComm at_once;
+    DeferredGatherComm deferred;
+    const auto expected = dtsim::exec::run_program(g, program, o, at_once, at_once_device);
+    const auto r = dtsim::exec::run_program(g, program, o, deferred, deferred_device);
+    REQUIRE(r.losses.size() == 2);
+    CHECK(std::isfinite(r.losses[1]));
+    CHECK(r.losses == expected.losses);
+    CHECK(deferred.all_finished());
+    CHECK(deferred.started > 0);
+    // ZeRO-3, each step: the head's two tensors (the final norm's; the head is tied) again for
+    // each micro-batch's backward, and the embedding's two (table, positions) again for the
+    // second micro-batch's forward, right after the first one's backward; ZeRO-1: none.
+    CHECK(deferred.blocking == (stage == 3 ? 2 * (2 * 2 + 2) : 0));
   }
 }
 

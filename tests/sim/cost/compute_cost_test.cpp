@@ -379,3 +379,34 @@ TEST_CASE("the optimizer clears the gradient buffer where it persists and reduce
           Approx(cost.optimizer_seconds(opt->params) + clear).epsilon(1e-12));
   }
 }
+
+TEST_CASE("a ZeRO weight gather copies in the rank's slice only where its master lies apart",
+          "[cost]") {
+  // dtexec gathers each tensor in place: the rank's slice of the fp32 master is copied (or
+  // cast) into the gathered tensor, the rest arrives; at ZeRO-1/2 in fp32 the master slice
+  // already lies in the gathered tensor and nothing is copied. A reduce-scatter packs its
+  // bucket whatever the precision.
+  const auto spec = dtsim::model::load_model("tiny-gpt");
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  const auto device = dtsim::cluster::load_device("a100-sxm4-80gb");
+  const double bw = device.memory_bw_bytes_per_s.value * device.efficiency.memory_bw.value;
+  const double launch = device.efficiency.launch_overhead_s.value;
+  using dtsim::lower::CollectiveKind;
+  const std::uint64_t bytes = 1 << 24;
+  for (const int zero : {1, 2, 3}) {
+    for (const auto precision : {dtsim::Precision::Fp32, dtsim::Precision::Bf16}) {
+      INFO("ZeRO-" << zero << " " << dtsim::to_string(precision));
+      dtsim::plan::Plan plan;
+      plan.dp = 4;
+      plan.zero_stage = zero;
+      plan.precision = precision;
+      const dtsim::cost::ComputeCost cost(g, plan, device);
+      const bool copies = zero == 3 || precision != dtsim::Precision::Fp32;
+      CHECK(cost.gather_copies_in() == copies);
+      CHECK(cost.staging_seconds(CollectiveKind::AllGather, bytes, 4) ==
+            Approx(copies ? 2.0 * bytes / 4 / bw + launch : 0.0).epsilon(1e-12));
+      CHECK(cost.staging_seconds(CollectiveKind::ReduceScatter, bytes, 4) > 0);
+      CHECK(cost.staging_seconds(CollectiveKind::AllGather, bytes, 1) == 0);
+    }
+  }
+}
