@@ -142,13 +142,21 @@ void Runner::settle(const lower::Task* task) {
     return task == nullptr || std::find(task->deps.begin(), task->deps.end(),
                                         static_cast<lower::TaskId>(index)) != task->deps.end();
   };
-  std::optional<std::size_t> last_adding;
+  std::optional<std::size_t> last_adding, last_dp;
+  const auto on_dp_stream = [this](std::size_t index) {
+    return rp_->tasks[index].stream == lower::Stream::Dp;
+  };
   for (const auto& [index, pending] : pending_) {
     if (pending.complete && depends(index)) last_adding = index;
+    if (on_dp_stream(index) && depends(index)) last_dp = index;
   }
+  // The data-parallel stream runs its collectives in order, as the simulator's streams do: a
+  // task that waits for one waits for those started before it (a unit's dense weight gather,
+  // which its first task does not name, before the experts' gather it does).
   for (auto it = pending_.begin(); it != pending_.end();) {
-    const bool needed =
-        depends(it->first) || (it->second.complete && last_adding && it->first <= *last_adding);
+    const bool needed = depends(it->first) ||
+                        (it->second.complete && last_adding && it->first <= *last_adding) ||
+                        (last_dp && it->first <= *last_dp && on_dp_stream(it->first));
     it = needed ? finish_pending(it) : std::next(it);
   }
 }

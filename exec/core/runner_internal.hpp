@@ -820,8 +820,9 @@ class Runner {
 
   // ZeRO-3: release_weights_after_[i] names the weights that task i reads last before the
   // Program gathers them again (or the step ends): the compute tasks of their ops, and a tied
-  // head's of the embedding table it reads. regather_of_[i]: for a gather of weights that no
-  // task has read since their last gather, that gather's index (-1 otherwise).
+  // head's of the embedding table it reads. regather_of_[i]: for a gather of weights that a
+  // task before its first user reads (from their last gather), that gather's index (-1
+  // otherwise): gathered again where they lie, at once.
   void plan_weight_releases();
 
   void release_weights(std::size_t task);

@@ -289,42 +289,64 @@ void Runner::plan_weight_releases() {
     return task.kind == TaskKind::Collective && is_dp_group(task) &&
            task.collective == CollectiveKind::AllGather && task.op_end > task.op_begin;
   };
-  std::map<Key, std::size_t> last;  // since the weights' gather
-  for (std::size_t i = 0; i < tasks.size(); ++i) {
-    const lower::Task& task = tasks[i];
-    if (is_gather(i)) {
-      // Gathered again before any task read the last gather (a unit whose next unit is the
-      // same layer's, the head's forward and backward: the lowering issues a unit's gather
-      // before the unit ahead of it computes): the weights stay, gathered again where they
-      // lie, and the next unit's tasks read them too.
-      std::optional<std::size_t> again;
-      bool first = true;
-      for (const Key& key : keys_for(task)) {
-        const auto it = last.find(key);
-        const bool unread = it != last.end() && is_gather(it->second);
-        DTSIM_ASSERT(first || unread == again.has_value(),
-                     "ZeRO-3: a gather's weights all read since their last gather, or none");
-        first = false;
-        if (unread) {
-          again = it->second;
-          continue;
-        }
-        if (it != last.end()) release_weights_after_[it->second].push_back(key);
-        last[key] = i;
-      }
-      if (again) regather_of_[i] = static_cast<std::int64_t>(*again);
-      continue;
+  // The ZeRO-3 weights a compute task reads (none for the optimizer's).
+  const auto reads = [&](const lower::Task& task) {
+    std::vector<Key> read;
+    if (task.kind != TaskKind::Compute || lower::in_optimizer_step(task.phase)) return read;
+    for (const Key& key : keys_of(task.op_begin, task.op_end)) {
+      if (zero3(params_.at(key))) read.push_back(key);  // else an unsharded expert's: resident
     }
-    if (task.kind != TaskKind::Compute || lower::in_optimizer_step(task.phase)) continue;
-    std::vector<Key> read = keys_of(task.op_begin, task.op_end);
     for (auto id = task.op_begin; id < task.op_end; ++id) {
       const auto op = static_cast<OpId>(id);
       if (tied_head(g_.op(op)) && !params_.count({op, 0})) {
         read.push_back({g_.layer_ops(-1).front(), 0});  // the embedding's table
       }
     }
-    for (const Key& key : read) {
-      if (!zero3(params_.at(key))) continue;  // an unsharded expert's: resident all along
+    return read;
+  };
+  // Each gather's first task that waits for it (the tasks before it do not): that depends on it,
+  // or on a later collective of the data-parallel stream, which runs them in order (settle).
+  std::vector<std::size_t> first_user(tasks.size(), tasks.size());
+  for (std::size_t j = 0; j < tasks.size(); ++j) {
+    for (const lower::TaskId d : tasks[j].deps) {
+      auto& user = first_user[static_cast<std::size_t>(d)];
+      user = std::min(user, j);
+    }
+  }
+  std::size_t later = tasks.size();  // the first user of the dp stream's later collectives
+  for (std::size_t i = tasks.size(); i-- > 0;) {
+    if (tasks[i].stream != lower::Stream::Dp) continue;
+    first_user[i] = std::min(first_user[i], later);
+    later = first_user[i];
+  }
+  std::map<Key, std::size_t> last;         // since the weights' gather
+  std::map<Key, std::size_t> last_gather;  // the latest gather of the weights
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    const lower::Task& task = tasks[i];
+    if (is_gather(i)) {
+      // Weights that a task between this gather and its first user reads (that task reads
+      // them from the gather before: the lowering issues a unit's gather before the unit ahead
+      // of it computes, and units of one layer follow one another, the head's forward and
+      // backward, a one-block chunk's passes) stay where they are, gathered again there at
+      // once, and the tasks after read them too.
+      std::set<Key> live;
+      for (std::size_t k = i + 1; k < first_user[i] && k < tasks.size(); ++k) {
+        for (const Key& key : reads(tasks[k])) live.insert(key);
+      }
+      for (const Key& key : keys_for(task)) {
+        if (live.count(key) != 0) {
+          regather_of_[i] = static_cast<std::int64_t>(last_gather.at(key));
+          continue;
+        }
+        if (const auto it = last.find(key); it != last.end()) {
+          release_weights_after_[it->second].push_back(key);
+        }
+        last[key] = i;
+      }
+      for (const Key& key : keys_for(task)) last_gather[key] = i;
+      continue;
+    }
+    for (const Key& key : reads(task)) {
       const auto it = last.find(key);
       DTSIM_ASSERT(it != last.end(), fmt::format("ZeRO-3: {} is read before the Program gathers it",
                                                  params_.at(key).name));

@@ -737,8 +737,13 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // backward to the bucket's reduce-scatter (the reduced slice is in gradients_bytes): up to
     // a bucket, at most the rank's gradients. They grow while that backward frees the
     // micro-batch's activations, so only what exceeds those adds to the peak (it does with full
-    // recompute, whose kept activations are small).
-    double zero2_bucket = zero2 ? std::max(0.0, largest_bucket - per_micro_batch) : 0.0;
+    // recompute, whose kept activations are small). Not with zero-bubble: its B passes write no
+    // weight gradients, its W passes write them as they free what they keep, and the moments of
+    // their buckets' reduce-scatters count those (cpu-small at pp 2 dp 2 with full recompute,
+    // micro-batch 4, 2 micro-batches: the last stage held 75.1 MiB, in B1, where a growing
+    // bucket beside it predicted 82.1).
+    double zero2_bucket =
+        zero2 && !zb_walk ? std::max(0.0, largest_bucket - per_micro_batch) : 0.0;
     const double growing_bucket = zero2_bucket;
     // A moment when ZeRO-2's growing bucket is gone: the peak where it holds more than the
     // peak so far with that bucket.

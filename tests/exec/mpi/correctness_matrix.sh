@@ -91,6 +91,7 @@ plans=(
   "llama|2|2|--tp 2 --recompute full"
   "llama|2|2|--pp 2 --schedule interleaved --virtual-stages 2"
   "llama|4|1|--dp 2 --pp 2 --schedule interleaved --virtual-stages 2 --zero-stage 1"
+  "llama|4|1|--dp 2 --pp 2 --schedule interleaved --virtual-stages 2 --zero-stage 3"
   "llama|4|1|--dp 2 --pp 2 --schedule interleaved --virtual-stages 2 --overlap-p2p-comm"
   "llama|4|2|--dp 2 --tp 2 --zero-stage 3"
   "llama|4|4|--tp 2 --pp 2 --schedule gpipe"

@@ -233,6 +233,28 @@ TEST_CASE("zero-bubble's ZeRO-2 reduce-scatter holds the state after a W pass", 
   CHECK(last.other_bytes == Approx(4.0 * last.gradients_bytes).epsilon(1e-6));
 }
 
+TEST_CASE("zero-bubble's B passes hold no growing ZeRO-2 bucket", "[plan][memory]") {
+  // cpu-small at pp 2 dp 2 with full recompute, micro-batch 4, 2 micro-batches: a B pass
+  // writes no weight gradients (the W passes do, and their reduce-scatters' moments count
+  // them), so the last stage's peak in B1 has nothing beside its tensors (dtexec held 75.1 MiB
+  // there; with a bucket's worth of gradients beside it, 82.1 was predicted). 1F1B's backward
+  // writes them as it frees the little that full recompute keeps: a growing bucket there.
+  const CpuSmallDp2 base;
+  Plan q = base.plan;
+  q.pp = 2;
+  q.global_batch_size = 16;
+  q.zero_stage = 2;
+  q.recompute = Recompute::Full;
+  dtsim::plan::MemoryOptions none;
+  none.framework_overhead_bytes = 0;
+  q.schedule = Schedule::ZeroBubble;
+  const auto zb = estimate_memory(base.graph, q, base.cluster, none).stages.at(1);
+  CHECK(zb.peak_moment == "the backward");
+  CHECK(zb.other_bytes == 0);
+  q.schedule = Schedule::OneFOneB;
+  CHECK(estimate_memory(base.graph, q, base.cluster, none).stages.at(1).other_bytes > 0);
+}
+
 TEST_CASE("ZeRO-2's last reduce-scatter of a micro-batch may run through the next one's forward",
           "[plan][memory]") {
   // cpu-small's one bucket on two ranks with two micro-batches each: the first micro-batch's
