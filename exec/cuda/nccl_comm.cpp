@@ -231,13 +231,11 @@ class NcclComm final : public Comm {
   Handle start_all_reduce(int group, View data) override {
     const Channel* g = member_of(group);
     if (g == nullptr || data.empty()) return -1;
-    after_compute(g->stream);
-    transfer_begins(g->stream);
-    nccl(ncclAllReduce(data.p, data.p, count(data), nccl_type(data.type), ncclSum, g->comm,
-                       g->stream),
-         "ncclAllReduce");
-    transfer_ends(g->stream);
-    return done_on(g->stream);
+    return started(*g, [&] {
+      nccl(ncclAllReduce(data.p, data.p, count(data), nccl_type(data.type), ncclSum, g->comm,
+                         g->stream),
+           "ncclAllReduce");
+    });
   }
 
   Handle start_reduce_scatter(int group, View in, View out, std::span<const int> counts) override {
@@ -246,11 +244,7 @@ class NcclComm final : public Comm {
       device_.copy(out, in);
       return -1;
     }
-    after_compute(g->stream);
-    transfer_begins(g->stream);
-    enqueue_reduce_scatter(*g, in, out, counts);
-    transfer_ends(g->stream);
-    return done_on(g->stream);
+    return started(*g, [&] { enqueue_reduce_scatter(*g, in, out, counts); });
   }
 
   // On the group's stream after the compute queued so far (the rank's slice copied in), which
@@ -261,11 +255,7 @@ class NcclComm final : public Comm {
       device_.copy(out, in);
       return -1;
     }
-    after_compute(g->stream);
-    transfer_begins(g->stream);
-    enqueue_all_gather(*g, in, out, counts);
-    transfer_ends(g->stream);
-    return done_on(g->stream);
+    return started(*g, [&] { enqueue_all_gather(*g, in, out, counts); });
   }
 
   std::optional<TransferMarks> take_transfer_marks() override {
@@ -554,6 +544,17 @@ class NcclComm final : public Comm {
     if (!transfer_) transfer_ = TransferMarks{m, m};
   }
   void transfer_ends(cudaStream_t s) { transfer_->end = mark_on(device_, s); }
+
+  // A started collective: `enqueue` queues it on the group's stream after the compute queued
+  // so far, its transfer marks around it; the handle of its done event.
+  template <typename Enqueue>
+  Handle started(const Channel& g, Enqueue&& enqueue) {
+    after_compute(g.stream);
+    transfer_begins(g.stream);
+    std::forward<Enqueue>(enqueue)();
+    transfer_ends(g.stream);
+    return done_on(g.stream);
+  }
 
   // An event after the work queued on `s`: the handle that finish() makes compute wait for.
   Handle done_on(cudaStream_t s) {
