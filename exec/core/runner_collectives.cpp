@@ -261,13 +261,14 @@ void Runner::gather_weights(const lower::Task& task, const std::vector<Param*>& 
   // (settle), as FSDP's prefetch runs ahead of the unit that reads the weights. The ZeRO-1/2
   // gathers of the updated weights are done by the step's end.
   const auto [shards, me] = shards_of(task);
-  const std::int64_t again = index < regather_of_.size() ? regather_of_[index] : -1;
-  if (again >= 0) {
-    // Weights gathered again before anything read them since (plan_weight_releases): into
-    // the tensors that the tasks ahead of this one's dependents read, so at once (the same
-    // values: the masters change only in the optimizer step), the last gather done first.
-    if (const auto it = pending_.find(static_cast<std::size_t>(again)); it != pending_.end()) {
-      finish_pending(it);
+  const bool again = index < regathers_.size() && regathers_[index];
+  if (again) {
+    // Weights that a task before this gather's first user reads (plan_weight_releases): into
+    // the tensors that task reads, so at once (the same values: the masters change only in
+    // the optimizer step), after the data-parallel stream's collectives started before it
+    // (their last gathers among them), as that stream runs in order.
+    for (auto it = pending_.begin(); it != pending_.end() && it->first < index;) {
+      it = rp_->tasks[it->first].stream == lower::Stream::Dp ? finish_pending(it) : std::next(it);
     }
   }
   std::vector<std::vector<int>> all_counts;  // a moved vector keeps its elements in place
@@ -288,7 +289,7 @@ void Runner::gather_weights(const lower::Task& task, const std::vector<Param*>& 
   const auto place = [&](const Param& p) {
     return gathered(p).sub(p.own_begin, p.own_end - p.own_begin);
   };
-  if (again >= 0) {
+  if (again) {
     for (std::size_t i = 0; i < params.size(); ++i) {
       comm_.all_gather(task.group, place(*params[i]), gathered(*params[i]), all_counts[i]);
     }

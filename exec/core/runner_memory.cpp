@@ -283,7 +283,7 @@ void Runner::plan_releases() {
 void Runner::plan_weight_releases() {
   const auto& tasks = rp_->tasks;
   release_weights_after_.assign(tasks.size(), {});
-  regather_of_.assign(tasks.size(), -1);
+  regathers_.assign(tasks.size(), false);
   const auto is_gather = [&](std::size_t i) {
     const lower::Task& task = tasks[i];
     return task.kind == TaskKind::Collective && is_dp_group(task) &&
@@ -319,8 +319,7 @@ void Runner::plan_weight_releases() {
     first_user[i] = std::min(first_user[i], later);
     later = first_user[i];
   }
-  std::map<Key, std::size_t> last;         // since the weights' gather
-  std::map<Key, std::size_t> last_gather;  // the latest gather of the weights
+  std::map<Key, std::size_t> last;  // since the weights' gather
   for (std::size_t i = 0; i < tasks.size(); ++i) {
     const lower::Task& task = tasks[i];
     if (is_gather(i)) {
@@ -335,7 +334,7 @@ void Runner::plan_weight_releases() {
       }
       for (const Key& key : keys_for(task)) {
         if (live.count(key) != 0) {
-          regather_of_[i] = static_cast<std::int64_t>(last_gather.at(key));
+          regathers_[i] = true;
           continue;
         }
         if (const auto it = last.find(key); it != last.end()) {
@@ -343,7 +342,6 @@ void Runner::plan_weight_releases() {
         }
         last[key] = i;
       }
-      for (const Key& key : keys_for(task)) last_gather[key] = i;
       continue;
     }
     for (const Key& key : reads(task)) {

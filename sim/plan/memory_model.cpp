@@ -694,17 +694,24 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // per-block gathers need whole; lower's run_stage) and reduce-scatters a weight pass's
       // gradients after it, behind the next pass's gather on the data-parallel stream: the
       // weight pass's unsharded gradients, the next pass's gathered weights (in place: nothing
-      // besides), and what the stage keeps right after a weight pass (its pass order's states
-      // after its W passes, the most of them; the stage is one chunk: zero-bubble does not
-      // interleave). dtexec on cpu-small at pp 2 dp 2 held 49.5 MiB there, where the
-      // per-block moments above came to 35.6 (with the gathers staged through packed copies,
-      // which the moment then counted too).
+      // besides), the packed copy of the pass's first gradient bucket (packed before its
+      // gradients go; the largest bucket taken), and what the stage keeps right after a weight
+      // pass (its pass order's states after its W passes, the most of them; the stage is one
+      // chunk: zero-bubble does not interleave). dtexec on cpu-small at pp 2 dp 2 held 49.5 MiB
+      // there, where the per-block moments above came to 35.6; bucket-gpt at pp 2 dp 2 (micro-
+      // batch 4, batch 16; a 32 MiB tied table) held 381.2 MiB on the last stage, where this
+      // moment without the packed bucket predicted 349.2 (the gathers' staging buffers, counted
+      // until 2026-12-07, had stood in for it).
       // (Experts whose group is one rank are whole already, gathered by no one.)
       const int expert_group = shard / plan.ep;
       const double chunk = dense_params + (expert_group > 1 ? expert_params : 0.0);
+      double packed = 0;
+      for (const GradientBucket& b : gradient_buckets(g, plan, chunk_groups, per_param.gradients)) {
+        packed = std::max(packed, b.bytes);
+      }
       consider({"a weight pass's end, the next pass's weights gathered", 0,
                 std::max(0.0, kept_at_peak - zb_after_weight.bytes),
-                chunk * (per_param.gradients + per_param.weights), "", &zb_after_weight});
+                chunk * (per_param.gradients + per_param.weights) + packed, "", &zb_after_weight});
       // And any pass's gather, the stage's most kept (the last stage's first W, its B passes
       // all done: 79.1 MiB held on cpu-small at micro-batch 4, 77.1 predicted; 87.7 against
       // 92.1 with the gathers staged).
@@ -742,8 +749,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // their buckets' reduce-scatters count those (cpu-small at pp 2 dp 2 with full recompute,
     // micro-batch 4, 2 micro-batches: the last stage held 75.1 MiB, in B1, where a growing
     // bucket beside it predicted 82.1).
-    double zero2_bucket =
-        zero2 && !zb_walk ? std::max(0.0, largest_bucket - per_micro_batch) : 0.0;
+    double zero2_bucket = zero2 && !zb_walk ? std::max(0.0, largest_bucket - per_micro_batch) : 0.0;
     const double growing_bucket = zero2_bucket;
     // A moment when ZeRO-2's growing bucket is gone: the peak where it holds more than the
     // peak so far with that bucket.

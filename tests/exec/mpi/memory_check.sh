@@ -20,7 +20,9 @@
 # on bucket-gpt -8.3% (a W pass's last reduce-scatter still in flight as the next W pass wrote
 # every bucket, which go out only after it); ZeRO-2 at pp 2 dp 2 1F1B with 8 micro-batches -10.5%
 # on tiny-gpt (the previous pass's reduce-scatter still in flight through the next backward)
-# until the sixty-second.
+# until the sixty-second; zero-bubble with ZeRO-3 on bucket-gpt -8.4% (a W pass's first bucket
+# packed beside the next pass's gathered chunk: the gathers' staging buffers, gone on
+# 2026-12-07, had stood in for it) until the sixty-fourth.
 # usage: memory_check.sh DTEXEC DTSIM MPIRUN WORK_DIR
 set -uo pipefail
 dtexec=$1
@@ -60,6 +62,7 @@ plans=(
   "cpu-small|2|8|--dp 2 --zero-stage 3 --recompute full"
   "$buckets|2|8|--dp 2 --zero-stage 3 --recompute full"
   "$buckets|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 2"
+  "$buckets|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 3"
   "$moe_small|2|8|--dp 2 --ep 2 --zero-stage 3"
   "tiny-gpt|4|64|--pp 2 --dp 2 --schedule 1f1b --zero-stage 2"
 )
