@@ -100,8 +100,8 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
       "ahead (Megatron-LM --overlap-param-gather) instead of after the optimizer step")(
       "zero-in-place", po::bool_switch(),
       "ZeRO-1 as Megatron-LM's distributed optimizer runs it: gradients reduce-scattered and "
-      "weights all-gathered in place in contiguous buffers, without the staging copies and "
-      "packed buffers of staged ZeRO (FSDP2's, and dtexec's without this flag)")(
+      "weights all-gathered in place in contiguous buffers, the reduce-scatter without the "
+      "packed copy of staged ZeRO (FSDP2's, and dtexec's without this flag)")(
       "no-overlap-grad-reduce", po::bool_switch(),
       "start the data-parallel gradient reduction after the last backward pass instead of "
       "overlapping it (Megatron-LM before --overlap-grad-reduce)")(
@@ -718,7 +718,7 @@ void add_search_space_options(po::options_description& desc) {
       "(Megatron-LM --overlap-param-gather)")(
       "zero-in-place", po::bool_switch(),
       "ZeRO-1 candidates reduce-scatter and all-gather in place, as Megatron-LM's distributed "
-      "optimizer (no staging copies or packed buffers)")(
+      "optimizer (no packed copy for the reduce-scatter)")(
       "clip-grad", po::value<double>(),
       "every candidate clips its gradients to this global norm (Megatron-LM --clip-grad, "
       "whose default is 1.0; default 0: none)");
