@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "sim/common/error.hpp"
@@ -65,14 +66,21 @@ class Device {
   // framework's caching allocator does), else new.
   virtual View allocate(std::int64_t n, Dtype type) = 0;
   // As allocate, without the zeros, for a tensor that the caller writes whole before anything
-  // reads it (an op's output, a collective's or a packing's destination): on a GPU its values
-  // are whatever the buffer last held, and the zeros' pass over memory, which no framework's
-  // allocator makes and no cost model prices, is saved. The CPU device fills it with bytes
-  // 0xff instead (NaN in fp32 and bf16, -1 in int32), at the zeros' cost, so that a kernel
-  // that reads such a tensor before writing it shows in the loss of every CPU test (the GPU
-  // device does the same under DTEXEC_TEST_POISON_UNWRITTEN=1, as scripts/gpu_check.sh runs
-  // its correctness checks).
+  // reads it (an op's output, a collective's or a packing's destination): its values are
+  // whatever the buffer last held, and the zeros' pass over memory, which no framework's
+  // allocator makes (PyTorch's torch.empty) and no cost model prices, is saved. Under
+  // DTEXEC_TEST_POISON_UNWRITTEN=1 (poison_unwritten_from_env) the devices fill it with bytes
+  // 0xff instead (NaN in fp32 and bf16, -1 in int32), so that a kernel that reads such a tensor
+  // before writing it, or a task that reads a collective's output before waiting for it, shows
+  // in the loss: every test runs so (tests/exec/CMakeLists.txt), as do scripts/gpu_check.sh's
+  // correctness checks; runs and benchmarks do not pay the pass.
   virtual View allocate_for_overwrite(std::int64_t n, Dtype type) { return allocate(n, type); }
+  // Whether DTEXEC_TEST_POISON_UNWRITTEN asks for allocate_for_overwrite's poison (set, not
+  // "0").
+  static bool poison_unwritten_from_env() {
+    const char* v = std::getenv("DTEXEC_TEST_POISON_UNWRITTEN");
+    return v != nullptr && *v != '\0' && *v != '0';
+  }
   virtual void release(View v) = 0;
   // Bytes of the tensors handed out (the sizes asked for, from allocate until release): now, and
   // the most since the device was made; and what its pool holds (its buffers, handed out or

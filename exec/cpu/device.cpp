@@ -55,9 +55,9 @@ View CpuDevice::take(std::int64_t n, Dtype type, bool zeros) {
   } else {
     block = std::make_unique_for_overwrite<float[]>(words);
   }
-  // Zeros, or for a tensor for overwrite bytes 0xff (NaN), so that a read before the write
-  // shows (Device::allocate_for_overwrite): one pass either way.
-  std::memset(block.get(), zeros ? 0 : 0xff, words * sizeof(float));
+  // Zeros, or for a tensor for overwrite nothing, or bytes 0xff (NaN) where asked, so that a
+  // read before the write shows (Device::allocate_for_overwrite).
+  if (zeros || poison_unwritten_) std::memset(block.get(), zeros ? 0 : 0xff, words * sizeof(float));
   void* p = block.get();
   live_.emplace(p, Live{std::move(block), capacity, words});
   if (!reused) memory_.reserved += static_cast<std::int64_t>(capacity);

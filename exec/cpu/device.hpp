@@ -29,6 +29,10 @@ void keep_freed_host_memory();
 
 class CpuDevice final : public Device {
  public:
+  // `poison_unwritten`: fill tensors for overwrite with bytes 0xff
+  // (Device::allocate_for_overwrite).
+  explicit CpuDevice(bool poison_unwritten = poison_unwritten_from_env())
+      : poison_unwritten_(poison_unwritten) {}
   std::string name() const override { return "cpu"; }
   Dtype activations() const override { return Dtype::F32; }
   bool host_memory() const override { return true; }
@@ -122,6 +126,7 @@ class CpuDevice final : public Device {
   };
   std::unordered_map<void*, Live> live_;
   std::multimap<std::size_t, std::unique_ptr<float[]>> free_;
+  bool poison_unwritten_;
   MemoryUse memory_;  // in 4-byte words until memory_use()
   std::vector<std::chrono::steady_clock::time_point> marks_;
 };

@@ -371,10 +371,7 @@ class CudaDevice final : public Device {
   Kernels k_;
   int gpu_;
   // Tensors for overwrite filled with bytes 0xff, as the CPU device's are (Device): for checks.
-  bool poison_unwritten_ = [] {
-    const char* v = std::getenv("DTEXEC_TEST_POISON_UNWRITTEN");
-    return v != nullptr && *v != '\0' && *v != '0';
-  }();
+  bool poison_unwritten_ = poison_unwritten_from_env();
   std::unordered_map<void*, std::pair<DeviceBuffer, std::size_t>> live_;  // and bytes asked
   std::multimap<std::size_t, DeviceBuffer> free_;
   MemoryUse memory_;

@@ -661,7 +661,8 @@ TEST_CASE("ZeRO's weight gathers start ahead and are waited for before their wei
       dtsim::exec::RunOptions o;
       o.steps = 2;
       o.warmup_steps = 0;
-      dtsim::exec::cpu::CpuDevice at_once_device, deferred_device;
+      dtsim::exec::cpu::CpuDevice at_once_device(/*poison_unwritten=*/true),
+          deferred_device(/*poison_unwritten=*/true);
       HostOnlyComm at_once;
       DeferredGatherComm deferred;
       const auto expected = dtsim::exec::run_program(g, program, o, at_once, at_once_device);

@@ -6,9 +6,9 @@
 
 #include "exec/cpu/bf16_device.hpp"
 
-using dtsim::exec::cpu::CpuDevice;
 using dtsim::exec::Dtype;
 using dtsim::exec::View;
+using dtsim::exec::cpu::CpuDevice;
 
 namespace {
 
@@ -21,7 +21,7 @@ float at(View v, std::int64_t i) {
 // A tensor for overwrite holds NaN until written (so that a kernel reading it first shows in
 // the loss), new or taken from a released buffer; allocate's hold zeros, whatever was there.
 TEST_CASE("CPU device: tensors for overwrite are poisoned, others zero", "[exec][cpu]") {
-  CpuDevice dev;
+  CpuDevice dev(/*poison_unwritten=*/true);
   const View fresh = dev.allocate_for_overwrite(1000, Dtype::F32);
   CHECK(std::isnan(at(fresh, 0)));
   CHECK(std::isnan(at(fresh, 999)));
@@ -47,8 +47,28 @@ TEST_CASE("CPU device: tensors for overwrite are poisoned, others zero", "[exec]
   dev.release(mask);
 }
 
-// The bf16 emulation's tensors (two to a word of the CPU device): NaN in both halves.
+// Without the poison (runs, benchmarks) a tensor for overwrite holds what its buffer held: no
+// pass over it. allocate's hold zeros all the same.
+TEST_CASE("CPU device: tensors for overwrite are not filled without the poison", "[exec][cpu]") {
+  CpuDevice dev(/*poison_unwritten=*/false);
+  const View first = dev.allocate_for_overwrite(1000, Dtype::F32);
+  for (std::int64_t i = 0; i < 1000; ++i) static_cast<float*>(first.p)[i] = 1.5f;
+  dev.release(first);
+  const View again = dev.allocate_for_overwrite(1000, Dtype::F32);
+  REQUIRE(again.p == first.p);
+  CHECK(at(again, 0) == 1.5f);
+  CHECK(at(again, 999) == 1.5f);
+  dev.release(again);
+  const View zeros = dev.allocate(1000, Dtype::F32);
+  CHECK(at(zeros, 0) == 0.0f);
+  CHECK(at(zeros, 999) == 0.0f);
+  dev.release(zeros);
+}
+
+// The bf16 emulation's tensors (two to a word of the CPU device): NaN in both halves (its CPU
+// device takes the poison from the environment, as the tests set it).
 TEST_CASE("bf16 device: tensors for overwrite are poisoned in both halves", "[exec][cpu]") {
+  REQUIRE(dtsim::exec::Device::poison_unwritten_from_env());
   dtsim::exec::cpu::Bf16Device dev;
   const View v = dev.allocate_for_overwrite(3, Dtype::BF16);
   std::uint16_t halves[3];
