@@ -34,11 +34,8 @@ void Runner::reduce_gradients(const lower::Task& task, const std::vector<Param*>
         size += params[i]->n;
       }
       DTSIM_ASSERT(size == f.bucket_size, "ZeRO in place: a reduce-scatter carries its buckets");
-      std::vector<std::int64_t> wide(static_cast<std::size_t>(shards));
-      for (int r = 0; r < shards; ++r) {
-        wide[static_cast<std::size_t>(r)] = size * (r + 1) / shards - size * r / shards;
-      }
-      all_counts.push_back(collective_counts(wide, "ZeRO gradient reduce-scatter"));
+      all_counts.push_back(
+          collective_counts(even_parts(size, shards), "ZeRO gradient reduce-scatter"));
       const std::vector<int>& counts = all_counts.back();
       const View bucket = grad_storage_.sub(f.bucket_begin, size);
       handles.push_back(comm_.start_reduce_scatter(
@@ -143,9 +140,6 @@ void Runner::settle(const lower::Task* task) {
                                         static_cast<lower::TaskId>(index)) != task->deps.end();
   };
   std::optional<std::size_t> last_adding, last_dp;
-  const auto on_dp_stream = [this](std::size_t index) {
-    return rp_->tasks[index].stream == lower::Stream::Dp;
-  };
   for (const auto& [index, pending] : pending_) {
     if (pending.complete && depends(index)) last_adding = index;
     if (on_dp_stream(index) && depends(index)) last_dp = index;
@@ -268,27 +262,23 @@ void Runner::gather_weights(const lower::Task& task, const std::vector<Param*>& 
     // the optimizer step), after the data-parallel stream's collectives started before it
     // (their last gathers among them), as that stream runs in order.
     for (auto it = pending_.begin(); it != pending_.end() && it->first < index;) {
-      it = rp_->tasks[it->first].stream == lower::Stream::Dp ? finish_pending(it) : std::next(it);
+      it = on_dp_stream(it->first) ? finish_pending(it) : std::next(it);
     }
   }
-  std::vector<std::vector<int>> all_counts;  // a moved vector keeps its elements in place
-  std::vector<Param*> refreshed;             // fp32 tensors with a working copy to refresh
-  for (Param* p : params) {
-    std::vector<std::int64_t> wide(static_cast<std::size_t>(shards));
-    for (int r = 0; r < shards; ++r) {
-      wide[static_cast<std::size_t>(r)] = p->n * (r + 1) / shards - p->n * r / shards;
-    }
-    DTSIM_ASSERT(p->own_begin == p->n * me / shards && p->own_end == p->n * (me + 1) / shards,
-                 "a ZeRO slice is the rank's share of the tensor");
-    all_counts.push_back(collective_counts(wide, "ZeRO weight all-gather"));
-    const View mine = gathered(*p).sub(p->own_begin, p->own_end - p->own_begin);
-    const View master = master_slice(*p);
-    if (mine.p != master.p) copy_in(*p, mine, master);
-    if (!p->work_only && p->separate_work) refreshed.push_back(p);
-  }
+  // This rank's slice of a tensor, at its place in the gathered tensor.
   const auto place = [&](const Param& p) {
     return gathered(p).sub(p.own_begin, p.own_end - p.own_begin);
   };
+  std::vector<std::vector<int>> all_counts;  // a moved vector keeps its elements in place
+  std::vector<Param*> refreshed;             // fp32 tensors with a working copy to refresh
+  for (Param* p : params) {
+    DTSIM_ASSERT(p->own_begin == p->n * me / shards && p->own_end == p->n * (me + 1) / shards,
+                 "a ZeRO slice is the rank's share of the tensor");
+    all_counts.push_back(collective_counts(even_parts(p->n, shards), "ZeRO weight all-gather"));
+    const View mine = place(*p), master = master_slice(*p);
+    if (mine.p != master.p) copy_in(*p, mine, master);
+    if (!p->work_only && p->separate_work) refreshed.push_back(p);
+  }
   if (again) {
     for (std::size_t i = 0; i < params.size(); ++i) {
       comm_.all_gather(task.group, place(*params[i]), gathered(*params[i]), all_counts[i]);

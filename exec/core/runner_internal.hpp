@@ -367,6 +367,22 @@ class Runner {
   // ZeRO-1 in place: the elements [begin, end) of a tensor in dp rank r's part of its bucket.
   static std::pair<std::int64_t, std::int64_t> flat_slice(const Param& p, int r);
 
+  // n elements split over `shards` ranks as ZeRO splits them, rank r's n·r/shards up to
+  // n·(r+1)/shards: each rank's count.
+  static std::vector<std::int64_t> even_parts(std::int64_t n, int shards) {
+    std::vector<std::int64_t> parts(static_cast<std::size_t>(shards));
+    for (int r = 0; r < shards; ++r) {
+      parts[static_cast<std::size_t>(r)] = n * (r + 1) / shards - n * r / shards;
+    }
+    return parts;
+  }
+
+  // Whether task `index` of this rank runs on the data-parallel stream (which runs its
+  // collectives in order).
+  bool on_dp_stream(std::size_t index) const {
+    return rp_->tasks[index].stream == lower::Stream::Dp;
+  }
+
   // Whether ZeRO shards a tensor: the dense ones over dp x cp, an expert's over its own
   // data-parallel group (dp / ep x cp), which may be one rank (dp = ep, cp 1: each expert on
   // one rank, as Megatron-LM's distributed optimizer leaves it whole), where the Program
