@@ -817,10 +817,23 @@ class Lowerer {
     return own;
   }
 
+  // ZeRO-3: unit e computes with the weights of the unit before it, which are its own (the same
+  // layer of the same chunk, a pass later: the head's forward then backward, a stage's top
+  // block at 1F1B's turn from a forward to a backward pass and its bottom one back, the
+  // embedding from one micro-batch's backward to the next's forward). They stay gathered for
+  // it, as FSDP keeps the root unit's weights from its forward for the backward that follows
+  // (its _post_forward_reshard) and DeepSpeed's ZeRO-3 keeps weights that are used again
+  // within its max_reuse_distance; gathering them again would send the same values.
+  bool kept(std::size_t e) const {
+    return !param_gathers_ && e > 0 && units_[e].layer == units_[e - 1].layer &&
+           units_[e].chunk == units_[e - 1].chunk;
+  }
+
   // The all-gathers of unit e's weights (ZeRO-3's, or ZeRO-1/2's updated ones), after `after`
-  // (see gather_weights).
+  // (see gather_weights); none for a unit that keeps the weights of the one before (kept).
   TaskId gather_unit(std::size_t e, TaskId after) {
     const Unit& u = units_[e];
+    if (kept(e)) return -1;
     // The unit's layer by bisection: a chunk's items run in layer order (checked where they are
     // made); a scan of the chunk per unit was quadratic in its layers (a copy of llama3-8b of
     // 8,192 layers at ZeRO-3: 7.8 s, 83% of it here).

@@ -109,34 +109,6 @@ Transfers& thread_transfers() {
   return transfers;
 }
 
-// Every stage's passes (lower::stage_passes) depend on the schedule, pp, the micro-batches and
-// the virtual stages only, which candidates share (the closed form times each twice, without and
-// with its hops): a thread keeps the last few it made.
-const std::vector<std::vector<Pass>>& stage_passes_of(const plan::Plan& plan) {
-  struct Entry {
-    plan::Schedule schedule;
-    int pp;
-    std::int64_t micro_batches;
-    int virtual_stages;
-    std::vector<std::vector<Pass>> passes;
-  };
-  constexpr std::size_t kKept = 8;
-  thread_local std::list<Entry> kept;  // the most recently used first
-  const std::int64_t m = plan.micro_batches();
-  for (auto it = kept.begin(); it != kept.end(); ++it) {
-    if (it->schedule == plan.schedule && it->pp == plan.pp && it->micro_batches == m &&
-        it->virtual_stages == plan.virtual_stages) {
-      kept.splice(kept.begin(), kept, it);
-      return kept.front().passes;
-    }
-  }
-  Entry entry{plan.schedule, plan.pp, m, plan.virtual_stages, {}};
-  for (int s = 0; s < plan.pp; ++s) entry.passes.push_back(lower::stage_passes(plan, s));
-  kept.push_front(std::move(entry));
-  if (kept.size() > kKept) kept.pop_back();
-  return kept.front().passes;
-}
-
 class Timeline {
  public:
   Timeline(const plan::Plan& plan, const std::vector<ChunkPasses>& chunks,
@@ -488,6 +460,33 @@ class Timeline {
 };
 
 }  // namespace
+
+// (The closed form times each candidate twice, without and with its hops, and its candidates
+// share passes.)
+const std::vector<std::vector<lower::Pass>>& stage_passes_of(const plan::Plan& plan) {
+  struct Entry {
+    plan::Schedule schedule;
+    int pp;
+    std::int64_t micro_batches;
+    int virtual_stages;
+    std::vector<std::vector<lower::Pass>> passes;
+  };
+  constexpr std::size_t kKept = 8;
+  thread_local std::list<Entry> kept;  // the most recently used first
+  const std::int64_t m = plan.micro_batches();
+  for (auto it = kept.begin(); it != kept.end(); ++it) {
+    if (it->schedule == plan.schedule && it->pp == plan.pp && it->micro_batches == m &&
+        it->virtual_stages == plan.virtual_stages) {
+      kept.splice(kept.begin(), kept, it);
+      return kept.front().passes;
+    }
+  }
+  Entry entry{plan.schedule, plan.pp, m, plan.virtual_stages, {}};
+  for (int s = 0; s < plan.pp; ++s) entry.passes.push_back(lower::stage_passes(plan, s));
+  kept.push_front(std::move(entry));
+  if (kept.size() > kKept) kept.pop_back();
+  return kept.front().passes;
+}
 
 PipelineTimeline pipeline_timeline(const plan::Plan& plan, const std::vector<ChunkPasses>& chunks,
                                    const std::vector<double>& hop) {

@@ -13,6 +13,7 @@
 #include <span>
 #include <vector>
 
+#include "sim/lower/schedule.hpp"
 #include "sim/plan/plan.hpp"
 
 namespace dtsim::planner {
@@ -59,6 +60,11 @@ struct PipelineTimeline {
 // receive, after its round before, and once the sender has produced them; overlapped ones
 // start when the sender has produced them, so the receiver waits only for what is left of
 // them.
+// Every stage's passes (lower::stage_passes), which depend on the schedule, pp, the
+// micro-batches and the virtual stages only: a thread keeps the last few it made (the closed form
+// times thousands of candidates that share them).
+const std::vector<std::vector<lower::Pass>>& stage_passes_of(const plan::Plan& plan);
+
 PipelineTimeline pipeline_timeline(const plan::Plan& plan, const std::vector<ChunkPasses>& chunks,
                                    const std::vector<double>& hop);
 

@@ -659,11 +659,14 @@ class Estimator {
     if (zero3_gather > 0) {
       // One gather per unit (a block; zero-bubble: a chunk) and pass, 2 passes per micro-batch
       // and chunk, each hidden behind the unit before it except for the first (lowering: Unit,
-      // whose dense and expert gathers queue on the one dp stream).
+      // whose dense and expert gathers queue on the one dp stream), less the units that keep
+      // the weights of the one before.
       const double unit = std::min(stage_f, stage_b) / v / zero3_units;
-      const double passes = 2 * mb * v * zero3_units;
-      dp_in_passes += zero3_gather + (passes - 1) * std::max(0.0, zero3_gather - unit);
-      dp_busy += passes * zero3_gather;
+      const double gathers =
+          2 * mb * v * zero3_units -
+          (p.schedule == Schedule::ZeroBubble ? 0.0 : kept_unit_weights(p, chunks, stage_index));
+      dp_in_passes += zero3_gather + (gathers - 1) * std::max(0.0, zero3_gather - unit);
+      dp_busy += gathers * zero3_gather;
     }
     // ZeRO-3 without pipelining, unit by unit (lowering: Unit): one gather per unit (the
     // embedding, each block with its experts, the head) and pass, issued on the dp stream as the
@@ -787,6 +790,26 @@ class Estimator {
   }
 
  private:
+  // ZeRO-3's units that keep the weights of the unit before them (lowering: kept): where a
+  // stage's pass begins with the layer the pass before it ended with, a forward then a backward
+  // pass of one chunk (its top layer) or a backward then a forward (its bottom one), and any two
+  // passes in a row of a one-unit chunk (its blocks, and the embedding on the first chunk and
+  // the head on the last).
+  static double kept_unit_weights(const Plan& p, const std::vector<int>& chunks, int stage) {
+    const auto& passes = stage_passes_of(p)[static_cast<std::size_t>(stage)];
+    const int last = static_cast<int>(chunks.size()) - 1;
+    const auto units = [&](int chunk) {
+      const int k = chunk * p.pp + stage;
+      return chunks[static_cast<std::size_t>(k)] + (k == 0 ? 1 : 0) + (k == last ? 1 : 0);
+    };
+    double kept = 0;
+    for (std::size_t i = 1; i < passes.size(); ++i) {
+      const lower::Pass &a = passes[i - 1], &b = passes[i];
+      if (a.chunk == b.chunk && (a.kind != b.kind || units(a.chunk) == 1)) ++kept;
+    }
+    return kept;
+  }
+
   // The data-parallel buckets that a layer's ops (dense or experts') fill, as the lowering
   // fills them (grad_buckets): in the backward's order, each sent once it holds
   // plan::kGradientBucketBytes; what the layer leaves open counts as its share of a bucket
@@ -1079,27 +1102,33 @@ class Estimator {
                                params(layers, false) * bytes_per.gradients)}},
         emb_reduce{{0.0, dp_s(dense, CollectiveKind::ReduceScatter,
                               params(-1, false) * bytes_per.gradients)}};
+    // The head's backward keeps the weights of its forward, the next micro-batch's embedding
+    // those of its backward (lowering: kept): no gather.
     std::vector<Unit> units;
-    units.push_back({emb_f, emb_gather, &none});
+    units.push_back({emb_f, 0.0, &none});
     for (int l = 0; l < layers; ++l) units.push_back({block_f, block_gather, &none});
     units.push_back({head_f, head_gather, &none});
-    units.push_back({head_b, head_gather, &head_reduce});
+    units.push_back({head_b, 0.0, &head_reduce});
     for (int l = 0; l < layers; ++l) {
       units.push_back({block_b + block_recompute, block_gather, &block_reduce});
     }
     units.push_back({emb_b, emb_gather, &emb_reduce});
     // The gather of unit i + 1 goes out when unit i is issued, and may start once unit i - 1
     // has (lowering: start_unit waits for that unit's first task to end; its start stands for
-    // that here), behind what the stream holds already.
-    double stream = units.front().gather, ready = stream, compute = 0, busy = 0, previous = 0;
+    // that here), behind what the stream holds already; a unit without one waits for nothing
+    // on the stream. The step's first unit gathers the embedding.
+    double stream = emb_gather, ready = stream, compute = 0, busy = 0, previous = 0;
     const auto passes = static_cast<std::int64_t>(micro_batches);
     for (std::int64_t mb = 0; mb < passes; ++mb) {
       for (std::size_t i = 0; i < units.size(); ++i) {
         const double start = std::max(compute, ready);
         const bool last = mb + 1 == passes && i + 1 == units.size();
-        if (!last) {
-          stream = std::max(stream, previous) + units[(i + 1) % units.size()].gather;
+        const double next = units[(i + 1) % units.size()].gather;
+        if (!last && next > 0) {
+          stream = std::max(stream, previous) + next;
           ready = stream;
+        } else {
+          ready = 0;
         }
         previous = start;
         compute = start + units[i].compute;

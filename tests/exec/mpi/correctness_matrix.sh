@@ -85,6 +85,7 @@ plans=(
   "tiny-gpt|4|1|--tp 2 --pp 2 --sequence-parallel --schedule 1f1b"
   "tiny-gpt|2|2|--pp 2 --schedule zero-bubble"
   "tiny-gpt|4|1|--dp 2 --pp 2 --schedule zero-bubble --zero-stage 2"
+  "tiny-gpt|4|1|--dp 2 --pp 2 --schedule zero-bubble --zero-stage 3"
   "llama|2|8|--tp 2"
   "llama|4|2|--tp 2 --pp 2 --schedule zero-bubble --sequence-parallel"
   "llama|4|2|--tp 2 --pp 2 --sequence-parallel --schedule interleaved --virtual-stages 2"
