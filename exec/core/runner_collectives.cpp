@@ -255,16 +255,6 @@ void Runner::gather_weights(const lower::Task& task, const std::vector<Param*>& 
   // (settle), as FSDP's prefetch runs ahead of the unit that reads the weights. The ZeRO-1/2
   // gathers of the updated weights are done by the step's end.
   const auto [shards, me] = shards_of(task);
-  const bool again = index < regathers_.size() && regathers_[index];
-  if (again) {
-    // Weights that a task before this gather's first user reads (plan_weight_releases): into
-    // the tensors that task reads, so at once (the same values: the masters change only in
-    // the optimizer step), after the data-parallel stream's collectives started before it
-    // (their last gathers among them), as that stream runs in order.
-    for (auto it = pending_.begin(); it != pending_.end() && it->first < index;) {
-      it = on_dp_stream(it->first) ? finish_pending(it) : std::next(it);
-    }
-  }
   // This rank's slice of a tensor, at its place in the gathered tensor.
   const auto place = [&](const Param& p) {
     return gathered(p).sub(p.own_begin, p.own_end - p.own_begin);
@@ -278,13 +268,6 @@ void Runner::gather_weights(const lower::Task& task, const std::vector<Param*>& 
     const View mine = place(*p), master = master_slice(*p);
     if (mine.p != master.p) copy_in(*p, mine, master);
     if (!p->work_only && p->separate_work) refreshed.push_back(p);
-  }
-  if (again) {
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      comm_.all_gather(task.group, place(*params[i]), gathered(*params[i]), all_counts[i]);
-    }
-    for (Param* p : refreshed) refresh_work(*p);
-    return;
   }
   std::vector<Comm::Handle> handles;
   for (std::size_t i = 0; i < params.size(); ++i) {

@@ -836,9 +836,8 @@ class Runner {
 
   // ZeRO-3: release_weights_after_[i] names the weights that task i reads last before the
   // Program gathers them again (or the step ends): the compute tasks of their ops, and a tied
-  // head's of the embedding table it reads. regathers_[i]: a gather of weights that a task
-  // before its first user reads (from their last gather): gathered again where they lie, at
-  // once.
+  // head's of the embedding table it reads. Checks that no task reads a gather's weights
+  // before its first user waits for it.
   void plan_weight_releases();
 
   void release_weights(std::size_t task);
@@ -1016,7 +1015,6 @@ class Runner {
   // step's next event.
   std::vector<std::vector<TensorRef>> release_after_;
   std::vector<std::vector<Key>> release_weights_after_;  // ZeRO-3, by task index
-  std::vector<bool> regathers_;                          // ZeRO-3, by task index
   std::size_t event_ = 0;
   int me_ = 0, tp_ = 1, dp_ = 1, t_ = 0, d_ = 0;
   // Expert parallelism: the degree and this rank's place in its ep group (it holds experts

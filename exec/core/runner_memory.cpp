@@ -283,7 +283,6 @@ void Runner::plan_releases() {
 void Runner::plan_weight_releases() {
   const auto& tasks = rp_->tasks;
   release_weights_after_.assign(tasks.size(), {});
-  regathers_.assign(tasks.size(), false);
   const auto is_gather = [&](std::size_t i) {
     const lower::Task& task = tasks[i];
     return task.kind == TaskKind::Collective && is_dp_group(task) &&
@@ -323,20 +322,19 @@ void Runner::plan_weight_releases() {
   for (std::size_t i = 0; i < tasks.size(); ++i) {
     const lower::Task& task = tasks[i];
     if (is_gather(i)) {
-      // Weights that a task between this gather and its first user reads (that task reads
-      // them from the gather before: the lowering issues a unit's gather before the unit ahead
-      // of it computes, and units of one layer follow one another, the head's forward and
-      // backward, a one-block chunk's passes) stay where they are, gathered again there at
-      // once, and the tasks after read them too.
+      // No task between this gather and its first user reads its weights: they are gathered
+      // in place, started, and undefined until the gather is waited for. (The lowering issues a
+      // unit's gather before the unit ahead of it computes, and a unit of the layer that one
+      // computes keeps its weights instead of gathering them.)
       std::set<Key> live;
       for (std::size_t k = i + 1; k < first_user[i] && k < tasks.size(); ++k) {
         for (const Key& key : reads(tasks[k])) live.insert(key);
       }
       for (const Key& key : keys_for(task)) {
-        if (live.count(key) != 0) {
-          regathers_[i] = true;
-          continue;
-        }
+        DTSIM_ASSERT(live.count(key) == 0,
+                     fmt::format("ZeRO-3: task {} gathers {} while a task before its first user "
+                                 "reads it",
+                                 i, params_.at(key).name));
         if (const auto it = last.find(key); it != last.end()) {
           release_weights_after_[it->second].push_back(key);
         }

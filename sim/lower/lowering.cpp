@@ -264,7 +264,8 @@ class Lowerer {
 
   // ZeRO-3 as FSDP wraps a model: one gather per unit (a block, the embedding, the head) and
   // pass, fetched one unit ahead, with schedules whose backward passes are whole (zero-bubble's
-  // weight passes take a chunk's weights at once: it gathers per chunk and pass). The units of
+  // weight passes take a chunk's weights at once: it gathers per chunk and pass, and as a stage
+  // is one chunk there, once a step; see kept). The units of
   // the rank's passes in the order their compute starts, the gather of each (-1: nothing to
   // gather), the next unit to start, and where the previous one started.
   struct Unit {
@@ -1011,9 +1012,10 @@ class Lowerer {
     // passes end: (micro-batch, ops in the order backward produced them).
     std::vector<std::pair<int, std::vector<OpId>>> held_grads;
     TaskId last_compute = -1;
-    // ZeRO-3: per unit and pass, one unit ahead (see Unit); with zero-bubble, the weights of
-    // pass i are gathered while pass i-1 runs (after its first task, ahead of its gradient
-    // buckets on the data-parallel stream).
+    // ZeRO-3: per unit and pass, one unit ahead (see Unit); with zero-bubble, a chunk's weights
+    // are gathered while the pass before runs (after its first task, ahead of its gradient
+    // buckets on the data-parallel stream) where that pass computes another chunk, which a
+    // stage of one chunk never does: its weights are gathered before its first pass.
     TaskId weights = -1;
     rank_items_ = &items;
     const bool zero3_units = zero3 && plan_.schedule != plan::Schedule::ZeroBubble;
@@ -1192,9 +1194,14 @@ class Lowerer {
       const TaskId first_of_pass =
           rp_->tasks.size() > pass_start ? static_cast<TaskId>(pass_start) : pass_end;
       if (zero3 && !unit_gathers_ && i + 1 < passes.size()) {
-        // Zero-bubble: a chunk per pass, one pass ahead (after this pass's first task).
+        // Zero-bubble: a chunk per pass, one pass ahead (after this pass's first task), but a
+        // pass of the chunk this one computes keeps its weights (kept): a stage is one chunk,
+        // so its first pass gathers them for the step.
         const Pass& next = passes[i + 1];
-        weights = gather_weights(items[static_cast<std::size_t>(next.chunk)], next.micro_batch,
+        weights =
+            next.chunk == pass.chunk
+                ? -1
+                : gather_weights(items[static_cast<std::size_t>(next.chunk)], next.micro_batch,
                                  next.chunk, fmt::format("chunk {}", next.chunk), first_of_pass);
       }
       if (pass_end >= 0) last_compute = pass_end;

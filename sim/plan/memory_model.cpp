@@ -690,32 +690,31 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     }
     const double kept_at_peak = s.activations_bytes - extra_activations;
     if (zero3 && plan.schedule == Schedule::ZeroBubble) {
-      // Zero-bubble gathers a whole chunk per pass (its passes split the backward, which the
-      // per-block gathers need whole; lower's run_stage) and reduce-scatters a weight pass's
-      // gradients after it, behind the next pass's gather on the data-parallel stream: the
-      // weight pass's unsharded gradients, the next pass's gathered weights (in place: nothing
-      // besides), the packed copy of the pass's first gradient bucket (packed before its
-      // gradients go; the largest bucket taken), and what the stage keeps right after a weight
-      // pass (its pass order's states after its W passes, the most of them; the stage is one
-      // chunk: zero-bubble does not interleave). dtexec on cpu-small at pp 2 dp 2 held 49.5 MiB
-      // there, where the per-block moments above came to 35.6; bucket-gpt at pp 2 dp 2 (micro-
-      // batch 4, batch 16; a 32 MiB tied table) held 381.2 MiB on the last stage, where this
-      // moment without the packed bucket predicted 349.2 (the gathers' staging buffers, counted
-      // until 2026-12-07, had stood in for it).
-      // (Experts whose group is one rank are whole already, gathered by no one.)
+      // Zero-bubble gathers a whole chunk (its passes split the backward, which the per-block
+      // gathers need whole; lower's run_stage), the stage's one, before its first pass, and
+      // keeps it for the step, and it reduce-scatters a weight pass's gradients after it: the
+      // weight pass's unsharded gradients, the chunk's gathered weights, the packed copy of the
+      // pass's first gradient bucket (packed before its gradients go; the largest bucket taken),
+      // and what the stage keeps right after a weight pass (its pass order's states after its W
+      // passes, the most of them; the stage is one chunk: zero-bubble does not interleave). dtexec
+      // on cpu-small at pp 2 dp 2 held 49.5 MiB there, where the per-block moments above came
+      // to 35.6; bucket-gpt at pp 2 dp 2 (micro- batch 4, batch 16; a 32 MiB tied table) held 381.2
+      // MiB on the last stage, where this moment without the packed bucket predicted 349.2 (the
+      // gathers' staging buffers, counted until 2026-12-07, had stood in for it). (Experts whose
+      // group is one rank are whole already, gathered by no one.)
       const int expert_group = shard / plan.ep;
       const double chunk = dense_params + (expert_group > 1 ? expert_params : 0.0);
       double packed = 0;
       for (const GradientBucket& b : gradient_buckets(g, plan, chunk_groups, per_param.gradients)) {
         packed = std::max(packed, b.bytes);
       }
-      consider({"a weight pass's end, the next pass's weights gathered", 0,
+      consider({"a weight pass's end, the chunk's weights gathered", 0,
                 std::max(0.0, kept_at_peak - zb_after_weight.bytes),
                 chunk * (per_param.gradients + per_param.weights) + packed, "", &zb_after_weight});
-      // And any pass's gather, the stage's most kept (the last stage's first W, its B passes
-      // all done: 79.1 MiB held on cpu-small at micro-batch 4, 77.1 predicted; 87.7 against
-      // 92.1 with the gathers staged).
-      consider({"a pass's weight gather", 0, 0, chunk * per_param.weights});
+      // And the chunk's weights at any pass, the stage's most kept (the last stage's first W,
+      // its B passes all done: 79.1 MiB held on cpu-small at micro-batch 4, 77.1 predicted;
+      // 87.7 against 92.1 with the gathers staged).
+      consider({"a pass with the chunk's weights gathered", 0, 0, chunk * per_param.weights});
     }
     // ZeRO-1/2's buckets (ZeRO-3 reduces each block apart, ZeRO-0 in place).
     const bool bucketed = (plan.zero_stage == 1 || plan.zero_stage == 2) && shard > 1;

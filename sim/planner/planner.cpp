@@ -657,14 +657,15 @@ class Estimator {
       }
     }
     if (zero3_gather > 0) {
-      // One gather per unit (a block; zero-bubble: a chunk) and pass, 2 passes per micro-batch
-      // and chunk, each hidden behind the unit before it except for the first (lowering: Unit,
-      // whose dense and expert gathers queue on the one dp stream), less the units that keep
-      // the weights of the one before.
+      // One gather per unit (a block) and pass, 2 passes per micro-batch and chunk, each hidden
+      // behind the unit before it except for the first (lowering: Unit, whose dense and expert
+      // gathers queue on the one dp stream), less the units that keep the weights of the one
+      // before. Zero-bubble's stage, one chunk, keeps it from its first pass on: one gather.
       const double unit = std::min(stage_f, stage_b) / v / zero3_units;
       const double gathers =
-          2 * mb * v * zero3_units -
-          (p.schedule == Schedule::ZeroBubble ? 0.0 : kept_unit_weights(p, chunks, stage_index));
+          p.schedule == Schedule::ZeroBubble
+              ? 1.0
+              : 2 * mb * v * zero3_units - kept_unit_weights(p, chunks, stage_index);
       dp_in_passes += zero3_gather + (gathers - 1) * std::max(0.0, zero3_gather - unit);
       dp_busy += gathers * zero3_gather;
     }

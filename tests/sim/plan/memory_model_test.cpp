@@ -699,8 +699,8 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
     for (int stage = 0; stage < 4; ++stage) {
       INFO("stage " << stage);
       const auto& s = r.stages[static_cast<std::size_t>(stage)];
-      CHECK((s.peak_moment == "a pass's weight gather" ||
-             s.peak_moment == "a weight pass's end, the next pass's weights gathered"));
+      CHECK((s.peak_moment == "a pass with the chunk's weights gathered" ||
+             s.peak_moment == "a weight pass's end, the chunk's weights gathered"));
       // The gathered chunk: the shard's weights times dp (fp32 here: bf16's 2 bytes a weight,
       // its gather packs fp32 masters, at least 1.5 x 4 bytes a parameter over dp 2).
       CHECK(s.other_bytes >= 2 * s.weights_bytes);
