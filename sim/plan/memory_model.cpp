@@ -698,7 +698,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       // and what the stage keeps right after a weight pass (its pass order's states after its W
       // passes, the most of them; the stage is one chunk: zero-bubble does not interleave). dtexec
       // on cpu-small at pp 2 dp 2 held 49.5 MiB there, where the per-block moments above came
-      // to 35.6; bucket-gpt at pp 2 dp 2 (micro- batch 4, batch 16; a 32 MiB tied table) held 381.2
+      // to 35.6; bucket-gpt at pp 2 dp 2 (micro-batch 4, batch 16; a 32 MiB tied table) held 381.2
       // MiB on the last stage, where this moment without the packed bucket predicted 349.2 (the
       // gathers' staging buffers, counted until 2026-12-07, had stood in for it). (Experts whose
       // group is one rank are whole already, gathered by no one.)
