@@ -444,10 +444,15 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, const std::string& pr
   const auto device = cu::time_device(gpu.index, gemm_precision, shapes, repeats);
   // The model's GEMMs as `dtexec run` calls them (each pass in its own layout, the weight
   // gradient accumulated in fp32), whole and split over tp up to 8 (one node's GPUs, for
-  // --only-rank slices of tp plans); one row per {m, k, n}, the first timed.
+  // --only-rank slices of tp plans), over cp up to 8 (a rank's 1/cp of the tokens) and over
+  // both up to 8 ranks, as the CPU calibration splits them up to its ranks (which prices cp 2
+  // on cpu-small within 4% where interpolated shapes were 10% off); one row per {m, k, n}, the
+  // first timed. The splits are smaller GEMMs: the cp ones add about 3/4 of the whole and tp
+  // ones' GPU time.
   std::vector<std::array<int, 3>> squares;
   for (const cu::GemmShape& s : shapes) squares.push_back({s.m, s.k, s.n});
-  const auto model_gemms = dtsim::exec::cpu::gemms_to_time(graph, quick ? 1 : 8, squares);
+  const int split = quick ? 1 : 8;
+  const auto model_gemms = dtsim::exec::cpu::gemms_to_time(graph, split, squares, split);
   const auto model_seconds = cu::time_model_gemms(gpu.index, gemm_precision, model_gemms, repeats);
   // The non-GEMM ops with the executor's GPU kernels, as rates of the graph's own work.
   cu::OpShapes op_shapes;
