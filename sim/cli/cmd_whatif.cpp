@@ -12,6 +12,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <type_traits>
 
@@ -957,6 +958,27 @@ int cmd_whatif(const std::vector<std::string>& args) {
     }
     return row;
   };
+
+  // A GPU count that the one cluster of every point lacks is refused before any point's search
+  // (as it would be after them all, below; a sweep of large models took seconds to say so).
+  if (varied("gpus") && !varied("cluster")) {
+    const cluster::Cluster c = cluster::load_cluster(default_cluster);
+    std::set<std::string> checked;
+    for (const auto& point : points) {
+      const std::string& value = point.at("gpus");
+      if (!checked.insert(value).second) continue;
+      const auto gpus = static_cast<std::int64_t>(number("gpus", value, true));
+      try {
+        with_devices_for(c, gpus, fmt::format("--vary gpus={}", value));
+      } catch (const InputError& e) {
+        // More devices than the file has: --vary nodes grows a switched cluster.
+        if (gpus <= c.devices() || !cluster::is_switched(c.inter.fabric)) throw;
+        const std::int64_t nodes = (gpus + c.node_size() - 1) / c.node_size();
+        throw InputError(fmt::format("{} (or --vary nodes={}: {} grown to {} nodes of {} devices)",
+                                     e.what(), nodes, c.name, nodes, c.node_size()));
+      }
+    }
+  }
 
   // Under mpirun every rank takes every size-th core (with its points, which share its
   // search); rank 0 gathers and prints.
