@@ -445,7 +445,18 @@ int cmd_plan(const std::vector<std::string>& args) {
   // No candidate at all: the constraints exclude every plan (bad input), unlike candidates that
   // were evaluated and do not fit in memory (an outcome, reported below).
   if (result.evaluated == 0) {
-    throw InputError(explain_no_candidates(spec, cluster, space, vm.count("max-tp") > 0));
+    std::string text = explain_no_candidates(spec, cluster, space, vm.count("max-tp") > 0);
+    // The whole cluster by default: fewer of its devices may split where all of them do not
+    // (aws-p5's 20,000 = 2^5 x 5^4 for a batch of 512 sequences).
+    if (!vm.count("gpus") && cluster.inter.fabric != cluster::InterFabric::Torus3d) {
+      if (const std::int64_t fewer = planner::largest_searchable_devices(spec, cluster, space)) {
+        text += fmt::format(
+            "\n  on part of the cluster: --gpus {} is the most devices that these constraints "
+            "split",
+            fewer);
+      }
+    }
+    throw InputError(text);
   }
 
   // No plan to write is the job's failure for a script that reads --out next: exit code 2

@@ -1327,6 +1327,19 @@ double estimate_s(const model::ModelGraph& graph, const plan::Plan& plan,
   return estimator.estimate(graph, plan, detail).total_s();
 }
 
+std::int64_t largest_searchable_devices(const model::ModelSpec& model,
+                                        const cluster::Cluster& cluster, const SearchSpace& space) {
+  // As --gpus takes them: whole nodes, or part of one node.
+  const std::int64_t per_node = cluster.devices_per_node;
+  for (std::int64_t nodes = cluster.devices() / per_node - 1; nodes >= 1; --nodes) {
+    if (!enumerate(model, nodes * per_node, per_node, space).empty()) return nodes * per_node;
+  }
+  for (std::int64_t devices = std::min(per_node, cluster.devices()) - 1; devices >= 1; --devices) {
+    if (!enumerate(model, devices, per_node, space).empty()) return devices;
+  }
+  return 0;
+}
+
 double ranking_key(double key) {
   int exponent = 0;
   const double mantissa = std::frexp(key, &exponent);

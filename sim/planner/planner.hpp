@@ -137,6 +137,12 @@ struct SearchOptions {
 SearchResult search(const model::ModelSpec& model, const cluster::Cluster& cluster,
                     const SearchSpace& space, const SearchOptions& options);
 
+// Where the search has no candidate on the whole cluster (its device count has no split into
+// degrees that the space allows): the most devices, fewer, that it has candidates on (as --gpus
+// takes them: whole nodes, or part of one node), or 0 if none.
+std::int64_t largest_searchable_devices(const model::ModelSpec& model,
+                                        const cluster::Cluster& cluster, const SearchSpace& space);
+
 // A ranking key (step time, or cost per step) as the search compares it: its mantissa rounded to
 // 30 bits, so that keys agreeing to about a part in 10^9 (ZeRO-1 and ZeRO-2 often take the same
 // time, apart from rounding) tie, and plans that tie rank by memory, the less first. (Rounding
