@@ -257,12 +257,13 @@ void print_profile(const nlohmann::json& profile, const std::string& path) {
         {"collective", "ranks", "bytes", "seconds", "algbw GB/s", "busbw GB/s"});
     collectives.align_left(0);
     for (const auto& c : profile.at("collectives")) {
-      collectives.add_row({c.at("kind").get<std::string>(),
-                           fmt::format("{}", c.at("ranks").get<int>()),
-                           fmt::format("{}", c.at("bytes").get<std::size_t>()),
-                           fmt::format("{:.3g}", c.at("seconds").get<double>()),
-                           fmt::format("{:.2f}", c.at("algbw_bytes_per_s").get<double>() / 1e9),
-                           fmt::format("{:.2f}", c.at("busbw_bytes_per_s").get<double>() / 1e9)});
+      collectives.add_row(
+          {c.at("kind").get<std::string>() + (c.value("started", false) ? " (started)" : ""),
+           fmt::format("{}", c.at("ranks").get<int>()),
+           fmt::format("{}", c.at("bytes").get<std::size_t>()),
+           fmt::format("{:.3g}", c.at("seconds").get<double>()),
+           fmt::format("{:.2f}", c.at("algbw_bytes_per_s").get<double>() / 1e9),
+           fmt::format("{:.2f}", c.at("busbw_bytes_per_s").get<double>() / 1e9)});
     }
     std::cout << "\n" << collectives.render();
   }

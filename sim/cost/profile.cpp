@@ -61,9 +61,14 @@ double Profile::gemm_seconds(double m, double n, double k) const {
   return measured ? *measured : gemm_seconds(2.0 * m * n * k);
 }
 
-std::optional<double> Profile::collective_seconds(const std::string& kind, int ranks,
-                                                  double bytes) const {
-  const auto it = collectives.find({kind, ranks});
+std::optional<double> Profile::collective_seconds(const std::string& kind, int ranks, double bytes,
+                                                  bool started) const {
+  auto it = collectives.end();
+  if (started) {
+    it = started_collectives.find({kind, ranks});
+    if (it == started_collectives.end()) it = collectives.end();
+  }
+  if (it == collectives.end()) it = collectives.find({kind, ranks});
   if (it == collectives.end() || it->second.empty()) return std::nullopt;
   const auto& s = it->second;
   if (bytes <= s.front().bytes) return s.front().seconds;  // latency-bound below
@@ -241,19 +246,25 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
     if (!table.is_array()) r.fail("collectives", "expected an array of measurements");
     for (std::size_t i = 0; i < table.size(); ++i) {
       const JsonReader c(table[i], path, fmt::format("collectives[{}]", i));
-      c.expect_only(
-          {"kind", "ranks", "bytes", "seconds", "algbw_bytes_per_s", "busbw_bytes_per_s"});
+      c.expect_only({"kind", "ranks", "bytes", "seconds", "started", "algbw_bytes_per_s",
+                     "busbw_bytes_per_s"});
       c.refuse_nulls();
       const std::string kind = c.choice(
           "kind", {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"});
+      const bool started = c.has("started") && c.boolean("started");
+      if (started && kind != "all_reduce" && kind != "all_gather" && kind != "reduce_scatter") {
+        c.fail("started", fmt::format("{} is not a collective that dtexec starts (all_reduce, "
+                                      "all_gather and reduce_scatter are)",
+                                      kind));
+      }
       const auto ranks = static_cast<int>(c.positive_int_up_to("ranks", 1 << 24));
       if (ranks < 2) c.fail("ranks", fmt::format("expected at least 2, got {}", ranks));
       const auto bytes = static_cast<double>(c.positive_int("bytes"));
-      auto& measured = p.collectives[{kind, ranks}];
+      auto& measured = (started ? p.started_collectives : p.collectives)[{kind, ranks}];
       if (std::any_of(measured.begin(), measured.end(),
                       [&](const Profile::CollectiveSample& s) { return s.bytes == bytes; })) {
-        c.fail("bytes", fmt::format("{} over {} ranks at {} bytes is given twice", kind, ranks,
-                                    c.positive_int("bytes")));
+        c.fail("bytes", fmt::format("{}{} over {} ranks at {} bytes is given twice", kind,
+                                    started ? " (started)" : "", ranks, c.positive_int("bytes")));
       }
       const double seconds = c.positive_number("seconds");
       // Within a device file's bandwidths at most (beyond: a unit or timing mistake; 2^62 bytes
@@ -270,12 +281,14 @@ Profile profile_from_json(const nlohmann::json& j, const std::string& path) {
         if (c.has(rate)) c.positive_number(rate);
       }
     }
-    for (auto& entry : p.collectives) {
-      auto& measured = entry.second;
-      std::sort(measured.begin(), measured.end(),
-                [](const Profile::CollectiveSample& a, const Profile::CollectiveSample& b) {
-                  return a.bytes < b.bytes;
-                });
+    for (auto* table_of : {&p.collectives, &p.started_collectives}) {
+      for (auto& entry : *table_of) {
+        auto& measured = entry.second;
+        std::sort(measured.begin(), measured.end(),
+                  [](const Profile::CollectiveSample& a, const Profile::CollectiveSample& b) {
+                    return a.bytes < b.bytes;
+                  });
+      }
     }
   }
   return p;

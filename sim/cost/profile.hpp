@@ -42,7 +42,12 @@
 // An op with a rate is priced by it instead of the roofline. "collectives" (kinds all_reduce,
 // all_gather, reduce_scatter, all_to_all, send_recv; one sample per kind, ranks and bytes) replace
 // the network model for groups of a measured size inside one node: time from the measured
-// throughput interpolated in log(bytes), never below the smallest size's time (latency).
+// throughput interpolated in log(bytes), never below the smallest size's time (latency). A row
+// with "started": true (all_reduce, all_gather, reduce_scatter; CPU calibrations) times the
+// collective started and then waited for (MPI_Iallreduce and MPI_Wait, Open MPI's libnbc),
+// as dtexec runs the data-parallel stream's: the simulator prices that stream's collectives
+// by those rows where the profile has them (2 ranks, cpu-small's 14.9 MB of gradients: 3-5 ms
+// blocking, 7-9 ms started).
 // Fields recorded but not read (notes, ranks_per_host, in_run.tasks, an op's seconds, a
 // collective's algbw and busbw) are still refused when their type is not calibrate's.
 //
@@ -131,10 +136,13 @@ struct Profile {
   struct CollectiveSample {
     double bytes = 0, seconds = 0;
   };
-  // (kind, ranks) -> samples sorted by bytes
-  std::map<std::pair<std::string, int>, std::vector<CollectiveSample>> collectives;
-  // Seconds for a measured kind and group size; nullopt when the profile has none.
-  std::optional<double> collective_seconds(const std::string& kind, int ranks, double bytes) const;
+  // (kind, ranks) -> samples sorted by bytes; the started ones ("started": true) apart
+  std::map<std::pair<std::string, int>, std::vector<CollectiveSample>> collectives,
+      started_collectives;
+  // Seconds for a measured kind and group size; nullopt when the profile has none. `started`:
+  // the started rows where the profile has that kind and group size started, else the others.
+  std::optional<double> collective_seconds(const std::string& kind, int ranks, double bytes,
+                                           bool started = false) const;
   // The largest size measured of a kind and group size (nullopt where none is): beyond it a
   // collective takes that size's throughput, an extrapolation that simulate says.
   std::optional<double> largest_collective_bytes(const std::string& kind, int ranks) const;

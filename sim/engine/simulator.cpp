@@ -39,8 +39,11 @@ class ModelDurations final : public Durations {
     } else if (group.kind == lower::GroupKind::Dp || group.kind == lower::GroupKind::ExpertDp) {
       memory = compute_.staging_seconds(task.collective, task.bytes, ranks);
     }
-    if (const auto s =
-            measured(static_cast<int>(task.collective), static_cast<int>(ranks), task.bytes)) {
+    // dtexec starts the data-parallel stream's collectives and waits for them later: a CPU
+    // profile's started rows time them so (cost::Profile).
+    const bool started = task.stream == lower::Stream::Dp;
+    if (const auto s = measured(static_cast<int>(task.collective), static_cast<int>(ranks),
+                                task.bytes, started)) {
       return *s + memory;
     }
     return network_.collective_s(placement_, group, task.collective, task.bytes) + memory;
@@ -55,14 +58,14 @@ class ModelDurations final : public Durations {
 
   // The profile's time for a collective kind (or kSendRecv), group size and size; memoized,
   // since the engine asks once per event.
-  std::optional<double> measured(int kind, int ranks, std::uint64_t bytes) {
+  std::optional<double> measured(int kind, int ranks, std::uint64_t bytes, bool started = false) {
     if (measured_ == nullptr) return std::nullopt;
-    const auto key = std::make_tuple(kind, ranks, bytes);
+    const auto key = std::make_tuple(kind, ranks, bytes, started);
     if (const auto it = memo_.find(key); it != memo_.end()) return it->second;
     const std::string name =
         kind == kSendRecv ? "send_recv"
                           : std::string(lower::to_string(static_cast<lower::CollectiveKind>(kind)));
-    const auto s = measured_->collective_seconds(name, ranks, static_cast<double>(bytes));
+    const auto s = measured_->collective_seconds(name, ranks, static_cast<double>(bytes), started);
     memo_.emplace(key, s);
     return s;
   }
@@ -71,7 +74,7 @@ class ModelDurations final : public Durations {
   network::NetworkModel& network_;
   const cluster::Placement placement_;
   const cost::Profile* measured_;
-  std::map<std::tuple<int, int, std::uint64_t>, std::optional<double>> memo_;
+  std::map<std::tuple<int, int, std::uint64_t, bool>, std::optional<double>> memo_;
 };
 
 }  // namespace

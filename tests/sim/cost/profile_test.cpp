@@ -486,6 +486,40 @@ TEST_CASE("measured collectives: throughput interpolated in log(bytes), latency 
       "twice_coll.json: collectives[2].bytes: all_reduce over 2 ranks at 8 bytes is given twice");
 }
 
+TEST_CASE("a profile's started collectives price the collectives asked for started",
+          "[cost][profile]") {
+  // dtexec starts the data-parallel stream's collectives (MPI_Iallreduce and MPI_Wait), which
+  // Open MPI runs slower than the blocking calls: a CPU calibration times both.
+  TempFile f("profile_started.json", R"({"device": "cpu-host", "source": "test data",
+    "precision": "fp32", "gemm": [{"m": 8, "n": 8, "k": 8, "seconds": 1e-6}],
+    "collectives": [{"kind": "all_reduce", "ranks": 2, "bytes": 4096, "seconds": 1e-5},
+                    {"kind": "all_reduce", "ranks": 2, "bytes": 4096, "seconds": 3e-5,
+                     "started": true},
+                    {"kind": "all_gather", "ranks": 2, "bytes": 4096, "seconds": 2e-5,
+                     "started": false}]})");
+  const auto p = dtsim::cost::load_profile(f.path());
+  CHECK(p.collective_seconds("all_reduce", 2, 4096) == Approx(1e-5));
+  CHECK(p.collective_seconds("all_reduce", 2, 4096, true) == Approx(3e-5));
+  // Without started rows of a kind, a started one takes the blocking rows.
+  CHECK(p.collective_seconds("all_gather", 2, 4096, true) == Approx(2e-5));
+  CHECK_FALSE(p.collective_seconds("reduce_scatter", 2, 4096, true).has_value());
+  auto bad = [](const char* collectives, const char* message) {
+    TempFile b("bad_started.json",
+               std::string(R"({"device": "x", "source": "s", "gemm": [{"m": 1, "n": 1, "k": 1,
+                 "seconds": 1}], "collectives": )") +
+                   collectives + "}");
+    DTSIM_REQUIRE_THROWS_CONTAINING(dtsim::cost::load_profile(b.path()), InputError, message);
+  };
+  bad(R"([{"kind": "send_recv", "ranks": 2, "bytes": 8, "seconds": 1, "started": true}])",
+      "bad_started.json: collectives[0].started: send_recv is not a collective that dtexec "
+      "starts");
+  bad(R"([{"kind": "all_reduce", "ranks": 2, "bytes": 8, "seconds": 1, "started": 1}])",
+      "bad_started.json: collectives[0].started");
+  bad(R"([{"kind": "all_reduce", "ranks": 2, "bytes": 8, "seconds": 1, "started": true},
+         {"kind": "all_reduce", "ranks": 2, "bytes": 8, "seconds": 2, "started": true}])",
+      "collectives[1].bytes: all_reduce (started) over 2 ranks at 8 bytes is given twice");
+}
+
 TEST_CASE("a profile that times the cross-entropy whole splits it between its two ops",
           "[cost][profile]") {
   // dtexec calibrate before 2026-12-03: "loss" timed the statistics and the loss together.

@@ -1,8 +1,10 @@
 #include "sim/engine/simulator.hpp"
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 
 #include "sim/cost/compute_cost.hpp"
+#include "sim/cost/profile.hpp"
 #include "sim/lower/lowering.hpp"
 #include "tests/test_util.hpp"
 
@@ -608,4 +610,53 @@ TEST_CASE("idle compute is charged to the transfer it waits on, not to every one
     CHECK(b.exposed_tp_s == Approx(0.5));
     CHECK(b.exposed_dp_s == Approx(2.5));
   }
+}
+
+TEST_CASE("the data-parallel stream's collectives take a profile's started rows", "[engine]") {
+  // dtexec starts them (MPI_Iallreduce, waited for later), which Open MPI runs slower than the
+  // blocking call that the tp and cp collectives make: a CPU profile times both, and the
+  // simulator prices the dp stream's by the started rows, the others by the blocking ones.
+  const auto profile_with = [](double started_s) {
+    nlohmann::json j = {
+        {"device", "cpu-host"},
+        {"source", "test data"},
+        {"precision", "fp32"},
+        {"gemm", {{{"m", 64}, {"n", 64}, {"k", 64}, {"seconds", 1e-5}}}},
+        {"collectives",
+         {{{"kind", "all_reduce"}, {"ranks", 2}, {"bytes", 4096}, {"seconds", 1e-5}},
+          {{"kind", "all_reduce"}, {"ranks", 2}, {"bytes", 1 << 20}, {"seconds", 1e-3}}}}};
+    if (started_s > 0) {  // the rows above, started_s / 1e-3 times as long
+      for (const auto& [bytes, seconds] : {std::pair{4096, 1e-5}, std::pair{1 << 20, 1e-3}}) {
+        j["collectives"].push_back({{"kind", "all_reduce"},
+                                    {"ranks", 2},
+                                    {"bytes", bytes},
+                                    {"seconds", seconds * started_s / 1e-3},
+                                    {"started", true}});
+      }
+    }
+    return dtsim::cost::profile_from_json(j, "test profile");
+  };
+  Plan p = blank();
+  p.dp = 2;
+  p.tp = 1;
+  p.precision = dtsim::Precision::Fp32;
+  p.micro_batch_size = 4;
+  p.global_batch_size = 8;
+  const auto blocking = profile_with(0), started = profile_with(4e-3);
+  dtsim::engine::SimulateOptions o;
+  o.profile = &blocking;
+  const auto a = run("tiny-gpt", "cpu-host", p, o);
+  o.profile = &started;
+  const auto b = run("tiny-gpt", "cpu-host", p, o);
+  const auto dp = dp_collectives(a);
+  REQUIRE(dp.size() == 1);  // tiny-gpt's gradients, one bucket
+  const auto length = [&](const dtsim::engine::Simulation& s) {
+    const auto& t = s.timeline.tasks[0][dp.front()];
+    return t.end_s - t.start_s;
+  };
+  // Its ~0.5 MB at the started rows' rate, a quarter of the blocking rows'.
+  CHECK(length(b) == Approx(4 * length(a)).epsilon(1e-6));
+  // The tp-less, cp-less plan's other collectives: none; the rest of the step alike.
+  CHECK(b.prediction.step_time_s - a.prediction.step_time_s ==
+        Approx(length(b) - length(a)).epsilon(1e-6));
 }
