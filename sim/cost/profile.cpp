@@ -63,14 +63,16 @@ double Profile::gemm_seconds(double m, double n, double k) const {
 
 std::optional<double> Profile::collective_seconds(const std::string& kind, int ranks, double bytes,
                                                   bool started) const {
-  auto it = collectives.end();
-  if (started) {
-    it = started_collectives.find({kind, ranks});
-    if (it == started_collectives.end()) it = collectives.end();
-  }
-  if (it == collectives.end()) it = collectives.find({kind, ranks});
-  if (it == collectives.end() || it->second.empty()) return std::nullopt;
-  const auto& s = it->second;
+  // The started table's samples where asked for and measured, else the blocking one's.
+  const auto samples_in = [&](const auto& table) -> const std::vector<CollectiveSample>* {
+    const auto it = table.find({kind, ranks});
+    return it == table.end() || it->second.empty() ? nullptr : &it->second;
+  };
+  const std::vector<CollectiveSample>* samples =
+      started ? samples_in(started_collectives) : nullptr;
+  if (samples == nullptr) samples = samples_in(collectives);
+  if (samples == nullptr) return std::nullopt;
+  const auto& s = *samples;
   if (bytes <= s.front().bytes) return s.front().seconds;  // latency-bound below
   auto rate = [](const CollectiveSample& c) { return c.bytes / c.seconds; };
   if (bytes >= s.back().bytes) return bytes / rate(s.back());
