@@ -289,6 +289,52 @@ std::int64_t hf_int(const JsonReader& r, KeyMap& names, std::string_view field,
   r.fail(*keys.begin(), "required field is missing");
 }
 
+// A qwen3_moe config's mixture of experts (Hugging Face's Qwen3MoeSparseMoeBlock): experts
+// of width moe_intermediate_size, no shared expert. A block is dense where mlp_only_layers
+// names it or decoder_sparse_step skips it; dtsim models experts in every block or none, so
+// such a config is refused rather than misread.
+void read_qwen3_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {
+  // (Newer transformers save num_experts as num_local_experts.)
+  m.moe = MoeSpec{hf_int(r, names, "moe.experts", {"num_experts", "num_local_experts"}),
+                  hf_int(r, names, "moe.top_k", {"num_experts_per_tok"}),
+                  hf_int(r, names, "moe.expert_ffn_hidden", {"moe_intermediate_size"})};
+  m.ffn_hidden = m.moe->expert_ffn_hidden;
+  names["ffn_hidden"] = "moe_intermediate_size";
+  if (r.has("decoder_sparse_step") && r.positive_int("decoder_sparse_step") != 1) {
+    r.fail(
+        "decoder_sparse_step",
+        fmt::format("{}: experts in one block of every {}, dense MLPs in the others; dtsim "
+                    "models experts in every block (1) only",
+                    r.positive_int("decoder_sparse_step"), r.positive_int("decoder_sparse_step")));
+  }
+  if (r.has("mlp_only_layers")) {
+    const nlohmann::json& dense = r.raw().at("mlp_only_layers");
+    if (!dense.is_array()) r.fail("mlp_only_layers", "expected a list of block numbers, or null");
+    if (!dense.empty()) {
+      r.fail("mlp_only_layers",
+             fmt::format("{} dense block{} among the experts' blocks: dtsim models experts in "
+                         "every block only (an empty list)",
+                         dense.size(), dense.size() == 1 ? "" : "s"));
+    }
+  }
+  if (r.has("shared_expert_intermediate_size") &&
+      r.non_negative_number("shared_expert_intermediate_size") > 0) {
+    r.fail("shared_expert_intermediate_size",
+           "a shared expert beside the routed ones is not modelled (0 or none only)");
+  }
+  if (r.has("intermediate_size") && r.positive_int("intermediate_size") != m.ffn_hidden) {
+    m.description += fmt::format(
+        "; its intermediate_size ({}, the width of dense blocks' MLP) is not used: every block "
+        "is a mixture of experts of width moe_intermediate_size",
+        r.positive_int("intermediate_size"));
+  }
+  if (!r.boolean_or("norm_topk_prob", false)) {
+    m.description +=
+        "; its gates are the softmax over all experts (norm_topk_prob false), not renormalized "
+        "over the top k as dtexec's routing is: the same cost";
+  }
+}
+
 // Training sequence length assumed for imported configs: max_position_embeddings is what the
 // model supports (131072 for Llama 3.1), rarely what one trains a step with.
 constexpr std::int64_t kHfDefaultSeqLen = 4096;
@@ -298,12 +344,22 @@ constexpr std::int64_t kHfDefaultSeqLen = 4096;
 ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   const JsonReader r(j, file);
   const std::string type = r.string("model_type");
-  static constexpr std::string_view kSupported = "gpt2, llama, mistral, mixtral, qwen2";
+  static constexpr std::string_view kSupported =
+      "gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe";
   if (type != "gpt2" && type != "llama" && type != "mistral" && type != "mixtral" &&
-      type != "qwen2") {
-    r.fail("model_type", fmt::format("unsupported Hugging Face model_type \"{}\" (supported: {})",
-                                     type, kSupported));
+      type != "qwen2" && type != "qwen3" && type != "qwen3_moe") {
+    // Families whose blocks dtsim cannot describe yet: say what is missing.
+    const std::string why =
+        type == "qwen2_moe" || type.starts_with("deepseek")
+            ? "; its shared experts (and DeepSeek's latent attention and dense first layers) are "
+              "not modelled"
+            : "";
+    r.fail("model_type", fmt::format("unsupported Hugging Face model_type \"{}\" (supported: {}){}",
+                                     type, kSupported, why));
   }
+  // Qwen3's families: Qwen2's Hugging Face classes without the q/k/v biases, and with an
+  // RMSNorm of each head's queries and keys (Qwen3Attention's q_norm, k_norm).
+  const bool qwen3 = type == "qwen3" || type == "qwen3_moe";
   ModelSpec m;
   m.file = file;
   // Without _name_or_path: a Hugging Face repository's folder (.../Meta-Llama-3-8B/config.json),
@@ -383,13 +439,13 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.heads = hf_int(r, names, "heads", {"num_attention_heads"});
     // Without num_key_value_heads, Hugging Face's default for the family: llama's is one
     // key/value head per head (LlamaConfig: multi-head attention), mistral's and mixtral's 8,
-    // qwen2's 32 (their configuration classes' defaults); said in the description (a misspelt
-    // key would read so too).
+    // qwen2's and qwen3's 32, qwen3_moe's 4 (their configuration classes' defaults); said in
+    // the description (a misspelt key would read so too).
     if (r.has("num_key_value_heads") || type == "llama") {
       m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"},
                           /*aliases=*/false);
     } else {
-      m.kv_heads = type == "qwen2" ? 32 : 8;
+      m.kv_heads = type == "qwen2" || type == "qwen3" ? 32 : type == "qwen3_moe" ? 4 : 8;
       names["kv_heads"] = "num_key_value_heads";
       if (m.heads % m.kv_heads != 0) {
         r.fail("num_key_value_heads",
@@ -407,7 +463,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
               : fmt::format("; no num_key_value_heads: {}, Hugging Face's default for {}",
                             m.kv_heads, type);
     }
-    m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
+    // (qwen3_moe: its experts' width, moe_intermediate_size, below.)
+    if (type != "qwen3_moe") m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
     m.vocab = hf_int(r, names, "vocab", {"vocab_size"});
     m.max_positions = hf_int(r, names, "max_positions", {"max_position_embeddings"});
     m.activation = Activation::SwiGlu;
@@ -421,14 +478,15 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // Sliding-window attention is not modelled: full causal attention, the same as long as the
     // sequence is within the window; said in the description (dtsim describe prints it).
     // (Llama's attention has no window: its configs' sliding_window, where present, is unread;
-    // Qwen2's uses it only with use_sliding_window, false by default in Hugging Face's.)
+    // Qwen2's and Qwen3's use it only with use_sliding_window, false by default in Hugging
+    // Face's.)
     if (type != "llama" && j.contains("sliding_window") && !j.at("sliding_window").is_null() &&
         !j.at("sliding_window").is_number_integer()) {
       r.fail("sliding_window", "expected a number of tokens (an integer) or null");
     }
     if (type != "llama" && j.contains("sliding_window") &&
         j.at("sliding_window").is_number_integer() &&
-        r.boolean_or("use_sliding_window", type != "qwen2")) {
+        r.boolean_or("use_sliding_window", type != "qwen2" && !qwen3)) {
       // (A window said in the description is a positive one: -4, or 2^64 - 1 read as -1, is
       // no number of tokens.)
       const std::int64_t window = r.positive_int("sliding_window");
@@ -472,21 +530,33 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     }
     m.tied_embeddings = r.boolean_or("tie_word_embeddings", false);
     // Biases as Hugging Face's classes build them: llama reads attention_bias (q, k, v and o)
-    // and mlp_bias; qwen2 always has q/k/v biases and none on o_proj or the MLP (Qwen2Attention,
+    // and mlp_bias; qwen3 and qwen3_moe read attention_bias (Qwen3Attention) and have none in
+    // the MLP; qwen2 always has q/k/v biases and none on o_proj or the MLP (Qwen2Attention,
     // Qwen2MLP), mistral and mixtral none; what those classes do not read is said.
     const bool attention_bias = r.boolean_or("attention_bias", false);
     const bool mlp_bias = r.boolean_or("mlp_bias", false);
-    const bool reads_biases = type == "llama";
-    m.bias.qkv = type == "qwen2" || (reads_biases && attention_bias);
-    m.bias.attn_out = reads_biases && attention_bias;
-    m.bias.mlp = reads_biases && mlp_bias;
-    if (!reads_biases && (attention_bias || mlp_bias)) {
+    const bool reads_attention_bias = type == "llama" || qwen3;
+    const bool reads_mlp_bias = type == "llama";
+    m.bias.qkv = type == "qwen2" || (reads_attention_bias && attention_bias);
+    m.bias.attn_out = reads_attention_bias && attention_bias;
+    m.bias.mlp = reads_mlp_bias && mlp_bias;
+    const bool unread_attention = attention_bias && !reads_attention_bias;
+    const bool unread_mlp = mlp_bias && !reads_mlp_bias;
+    if (unread_attention || unread_mlp) {
       m.description +=
           fmt::format("; its {} not read: Hugging Face's {} model has {}",
-                      attention_bias && mlp_bias ? "attention_bias and mlp_bias are"
-                      : attention_bias           ? "attention_bias is"
-                                                 : "mlp_bias is",
-                      type, type == "qwen2" ? "biases on q, k and v only" : "no biases");
+                      unread_attention && unread_mlp ? "attention_bias and mlp_bias are"
+                      : unread_attention             ? "attention_bias is"
+                                                     : "mlp_bias is",
+                      type,
+                      type == "qwen2" ? "biases on q, k and v only"
+                      : qwen3         ? "no biases in its MLP"
+                                      : "no biases");
+    }
+    if (qwen3) {
+      m.description +=
+          "; its RMSNorm of each head's queries and keys (q_norm and k_norm: two weights of "
+          "head_dim a block, an element-wise pass) is not modelled";
     }
     // Their attention-probability dropout (0 in every published config of these families):
     // dtsim's dropout prices GPT-2's layers, embedding and residuals too, so it is left out,
@@ -497,10 +567,13 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           "file's \"dropout\": true prices GPT-2's embedding, attention and residual dropout)",
           p);
     }
-    // Hugging Face's llama, mistral and qwen2 classes have no experts, whatever the config says.
-    if (type != "mixtral" && (r.has("num_local_experts") || r.has("num_experts_per_tok"))) {
+    // Hugging Face's llama, mistral, qwen2 and qwen3 classes have no experts, whatever the
+    // config says.
+    if (type != "mixtral" && type != "qwen3_moe" &&
+        (r.has("num_local_experts") || r.has("num_experts_per_tok"))) {
       m.description += fmt::format(
-          "; its {} not read: Hugging Face's {} model has no experts (model_type mixtral has)",
+          "; its {} not read: Hugging Face's {} model has no experts (model_type mixtral and "
+          "qwen3_moe have)",
           r.has("num_local_experts") ? "num_local_experts is" : "num_experts_per_tok is", type);
     }
     if (type == "mixtral") {
@@ -508,9 +581,15 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
                       hf_int(r, names, "moe.top_k", {"num_experts_per_tok"}), m.ffn_hidden};
       names["moe.expert_ffn_hidden"] = "intermediate_size";
     }
+    if (type == "qwen3_moe") read_qwen3_moe(r, names, m);
   }
   if (r.has("head_dim")) {
     m.head_dim = hf_int(r, names, "head_dim", {"head_dim"});
+  } else if (type == "qwen3") {
+    // Qwen3Config's default (Qwen3-8B's 4096 / 32 heads, not hidden_size / heads elsewhere).
+    m.head_dim = 128;
+    names["head_dim"] = "head_dim";
+    m.description += "; no head_dim: 128, Hugging Face's default for qwen3";
   } else {
     if (m.hidden % m.heads != 0) {
       r.fail(names["heads"],

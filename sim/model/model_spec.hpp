@@ -89,7 +89,8 @@ ModelSpec load_model(std::string_view name_or_path);
 // Parses dtsim's model format; `file` is used in messages.
 ModelSpec model_from_json(const nlohmann::json& j, const std::string& file);
 
-// Parses a Hugging Face config.json (model_type gpt2, llama, mistral, mixtral, qwen2).
+// Parses a Hugging Face config.json (model_type gpt2, llama, mistral, mixtral, qwen2, qwen3,
+// qwen3_moe).
 ModelSpec model_from_hf_config(const nlohmann::json& j, const std::string& file);
 
 // Sanity bounds on a model's dimensions. With them, and the size limits below, every count of

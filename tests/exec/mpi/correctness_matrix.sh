@@ -3,8 +3,9 @@
 # (ZeRO-1 also in place, --zero-in-place),
 # schedules (GPipe, 1F1B, interleaved, zero-bubble; pipeline receives posted when reached or,
 # with --overlap-p2p-comm, ahead of need), micro-batch counts, recompute and FlashAttention's
-# memory (against the unfused single rank), K steps of five tiny models (GPT, Llama, GPT with dropout, a mixture of experts, GPT with an odd vocabulary
-# that the plans pad) under mpirun give the losses and final weights of the single-rank run
+# memory (against the unfused single rank), K steps of six tiny models (GPT, Llama, GPT with
+# dropout, a mixture of experts, GPT with an odd vocabulary that the plans pad, a Hugging Face
+# qwen3_moe config) under mpirun give the losses and final weights of the single-rank run
 # of the same global batch (the first plan: one rank under mpirun, as without it).
 #
 # Tolerances (fp32): losses within 1e-5 (sums in another order differ by ~1e-7); weights within
@@ -36,10 +37,15 @@ moe="$here/tiny_moe.json"
 # An odd vocabulary (251), padded to 256 rows by every plan (a multiple of 128 x tp): tp 2 splits
 # the padded rows, and the runs train the single rank's model.
 vocab251="$here/tiny_gpt_vocab251.json"
+# A Hugging Face qwen3_moe config, as Qwen3-30B-A3B's: its heads twice as wide in all as the
+# hidden size (the q, k and v projections widen the residual stream, o narrows it back),
+# experts of moe_intermediate_size.
+qwen3moe="$here/tiny_qwen3_moe.json"
 path_of() {
   case "$1" in
     llama) echo "$llama" ;;
     vocab251) echo "$vocab251" ;;
+    qwen3moe) echo "$qwen3moe" ;;
     dropout) echo "$dropout" ;;
     moe) echo "$moe" ;;
     *) echo "$1" ;;
@@ -47,10 +53,10 @@ path_of() {
 }
 
 # One single-rank reference per model and micro-batch size.
-for model in tiny-gpt llama dropout moe vocab251; do
+for model in tiny-gpt llama dropout moe vocab251 qwen3moe; do
   path=$(path_of "$model")
   for mbs in 1 2 4 8; do
-    if [ "$model" = vocab251 ] && [ "$mbs" != 2 ]; then continue; fi
+    if [[ "$model" =~ ^(vocab251|qwen3moe)$ ]] && [ "$mbs" != 2 ]; then continue; fi
     rm -rf "ref_${model}_$mbs"
     "$dtexec" run --model "$path" "${common[@]}" --micro-batch-size "$mbs" \
       --checkpoint "ref_${model}_$mbs" --json >"ref_${model}_$mbs.json"
@@ -143,6 +149,9 @@ plans=(
   "tiny-gpt|2|2|--pp 2 --schedule 1f1b --recompute selective --attention flash"
   "vocab251|2|2|--tp 2"
   "vocab251|4|2|--tp 2 --pp 2 --sequence-parallel"
+  "qwen3moe|2|2|--tp 2"
+  "qwen3moe|4|2|--tp 2 --dp 2 --ep 2 --sequence-parallel --zero-stage 1"
+  "qwen3moe|4|2|--cp 2 --pp 2 --schedule 1f1b"
 )
 failed=0
 # Dropout's masks and the experts' routing follow each token, not the micro-batch: one rank's

@@ -110,6 +110,86 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     CHECK_FALSE(m.bias.attn_out);
     CHECK(count_params(m) == 7615616512ULL);
   }
+  SECTION("qwen3: no biases but attention_bias's, head_dim 128 by default") {
+    // Qwen/Qwen3-8B's config.json, less its head_dim (128, Qwen3Config's default too).
+    const std::string fields = R"("model_type": "qwen3", "hidden_size": 4096,
+      "intermediate_size": 12288, "num_attention_heads": 32, "num_hidden_layers": 36,
+      "num_key_value_heads": 8, "vocab_size": 151936, "max_position_embeddings": 40960,
+      "tie_word_embeddings": false, "use_sliding_window": false, "sliding_window": null)";
+    TempFile f("config.json", "{" + fields + "}");
+    const auto m = load_model(f.path());
+    CHECK(m.head_dim == 128);
+    CHECK_FALSE(m.bias.qkv);
+    CHECK(m.description.find("no head_dim: 128") != std::string::npos);
+    CHECK(m.description.find("q_norm and k_norm") != std::string::npos);
+    // The shipped model, whose published 8.2B it matches (less the q/k norms' 9,216).
+    CHECK(count_params(m) == count_params(load_model("qwen3-8b")));
+    CHECK(count_params(m) == 8190726144ULL);
+    TempFile biased("config.json", "{" + fields + R"(, "attention_bias": true})");
+    const auto b = load_model(biased.path());
+    CHECK(b.bias.qkv);
+    CHECK(b.bias.attn_out);
+    CHECK_FALSE(b.bias.mlp);
+  }
+  SECTION("qwen3_moe: experts of moe_intermediate_size in every block") {
+    // Qwen/Qwen3-30B-A3B's config.json.
+    const std::string fields = R"("model_type": "qwen3_moe", "hidden_size": 2048,
+      "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 32,
+      "num_hidden_layers": 48, "num_key_value_heads": 4, "head_dim": 128,
+      "vocab_size": 151936, "max_position_embeddings": 40960, "num_experts_per_tok": 8,
+      "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": true,
+      "tie_word_embeddings": false)";
+    TempFile f("config.json", "{" + fields + R"(, "num_experts": 128})");
+    const auto m = load_model(f.path());
+    REQUIRE(m.moe);
+    CHECK(m.moe->experts == 128);
+    CHECK(m.moe->top_k == 8);
+    CHECK(m.moe->expert_ffn_hidden == 768);
+    CHECK(m.ffn_hidden == 768);
+    CHECK(m.q_width() == 4096);
+    CHECK(m.description.find("intermediate_size (6144") != std::string::npos);
+    CHECK(count_params(m) == count_params(load_model("qwen3-30b-a3b")));
+    CHECK(count_params(m) == 30532110336ULL);
+    // Newer transformers save the count as num_local_experts; two that disagree are refused.
+    TempFile local("config.json", "{" + fields + R"(, "num_local_experts": 128})");
+    CHECK(load_model(local.path()).moe->experts == 128);
+    TempFile both("config.json",
+                  "{" + fields + R"(, "num_experts": 128, "num_local_experts": 64})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        load_model(both.path()), InputError,
+        "num_local_experts: 64 here, but num_experts is 128: the same figure, given twice apart");
+    // Dense blocks among the experts' and shared experts are not modelled: refused.
+    const std::string base = R"("model_type": "qwen3_moe", "hidden_size": 64,
+      "moe_intermediate_size": 32, "num_attention_heads": 4, "num_hidden_layers": 4,
+      "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,
+      "num_experts": 4, "num_experts_per_tok": 2)";
+    TempFile plain("config.json", "{" + base + "}");
+    const auto small = load_model(plain.path());
+    CHECK(small.head_dim == 16);  // hidden_size / heads without head_dim (Qwen3MoeAttention)
+    CHECK(small.kv_heads == 2);
+    CHECK(small.description.find("norm_topk_prob false") != std::string::npos);
+    TempFile sparse("config.json", "{" + base + R"(, "decoder_sparse_step": 2})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(sparse.path()), InputError,
+                                    "config.json: decoder_sparse_step: 2: experts in one block "
+                                    "of every 2, dense MLPs in the others");
+    TempFile dense("config.json", "{" + base + R"(, "mlp_only_layers": [0, 3]})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(dense.path()), InputError,
+                                    "config.json: mlp_only_layers: 2 dense blocks among the "
+                                    "experts' blocks");
+    TempFile shared("config.json", "{" + base + R"(, "shared_expert_intermediate_size": 128})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(shared.path()), InputError,
+                                    "config.json: shared_expert_intermediate_size: a shared "
+                                    "expert beside the routed ones is not modelled");
+    TempFile none("config.json", "{" + base + R"(, "shared_expert_intermediate_size": 0,
+      "mlp_only_layers": null})");
+    CHECK(count_params(load_model(none.path())) == count_params(small));
+    TempFile missing("config.json", R"({"model_type": "qwen3_moe", "hidden_size": 64,
+      "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2,
+      "vocab_size": 256, "max_position_embeddings": 64, "num_experts": 4,
+      "num_experts_per_tok": 2})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(missing.path()), InputError,
+                                    "moe_intermediate_size: required field is missing");
+  }
   SECTION("gpt2") {
     TempFile f("config.json", R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12,
       "n_layer": 12, "n_positions": 1024, "vocab_size": 50257})");
@@ -292,7 +372,11 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     DTSIM_REQUIRE_THROWS_CONTAINING(
         load_model(f.path()), InputError,
         "model_type: unsupported Hugging Face model_type \"bert\" (supported: gpt2, llama, "
-        "mistral, mixtral, qwen2)");
+        "mistral, mixtral, qwen2, qwen3, qwen3_moe)");
+    // A family dtsim cannot describe yet says what it lacks.
+    TempFile shared("config.json", R"({"model_type": "qwen2_moe", "hidden_size": 2048})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(shared.path()), InputError,
+                                    "qwen3_moe); its shared experts");
   }
   SECTION("missing field") {
     TempFile f("config.json", R"({"model_type": "llama", "hidden_size": 4096})");
