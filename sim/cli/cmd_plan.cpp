@@ -318,7 +318,7 @@ int cmd_plan(const std::vector<std::string>& args) {
       "out", po::value<std::string>(), "write the best plan to this file (a --plan file)");
   add_search_space_options(desc);
   add_reliability_options(desc);
-  add_price_option(desc);
+  add_price_option(desc, /*objective=*/true);
   add_memory_options(desc);
   desc.add_options()("profile", po::value<std::string>(),
                      "calibration profile (dtexec calibrate) for the compute cost");
@@ -482,6 +482,7 @@ int cmd_plan(const std::vector<std::string>& args) {
       file["profile"] = std::filesystem::absolute(vm["profile"].as<std::string>()).string();
     }
     if (vm["no-dropout"].as<bool>()) file["no_dropout"] = true;
+    if (network_name != "analytical") file["network"] = network_name;
     for (const auto& [flag, field] :
          {std::pair{"device-memory-gib", "device_memory_gib"},
           std::pair{"framework-overhead-gib", "framework_overhead_gib"}}) {

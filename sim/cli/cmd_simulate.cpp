@@ -82,7 +82,7 @@ int cmd_simulate(const std::vector<std::string>& args) {
   const cluster::Cluster& cluster = setup.cluster;
   const plan::Plan& plan = setup.plan;
   std::vector<std::string>& notes = setup.notes;
-  const std::string network_name = vm["network"].as<std::string>();
+  const std::string network_name = network_argument(vm);
   std::unique_ptr<network::NetworkModel> network;
   if (network_name == "analytical") {
     network = network::make_analytical(cluster);

@@ -1069,7 +1069,10 @@ int cmd_whatif(const std::vector<std::string>& args) {
   auto model_of = [&](const Row& r) {
     return r.point.count("model") ? r.point.at("model") : default_model;
   };
-  const bool gpus_axis = varied("gpus") || varied("nodes");
+  // (A device count of one value scales nothing: its rows share one baseline, as without it.)
+  const bool gpus_axis = std::any_of(axes.begin(), axes.end(), [](const Axis& a) {
+    return (a.key == "gpus" || a.key == "nodes") && a.values.size() > 1;
+  });
   std::vector<std::string> baseline_keys;  // the axes a baseline keeps besides the model
   for (const Axis& a : axes) {
     if (gpus_axis && a.key != "gpus" && a.key != "nodes" && a.key != "model" &&
@@ -1178,6 +1181,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         }
         if (!r.grown.empty()) changes["nodes"] = point["nodes"];
         if (!changes.empty()) spec["cluster_changes"] = changes;
+        if (r.network != "analytical") spec["network"] = r.network;
         // The straggler figures the point set, and the profile that timed it, which simulate
         // takes from the file.
         for (int i = 0; i < 2; ++i) {

@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string_view>
 #include <system_error>
@@ -517,7 +518,21 @@ nlohmann::json plan_file_json(const std::string& path) {
 }
 
 plan::Plan load_plan_file(const std::string& path) {
-  return plan::plan_from_json(plan_file_json(path), path);
+  const nlohmann::json j = plan_file_json(path);
+  plan::Plan p = plan::plan_from_json(j, path);
+  // A null field reads as left out (a Hugging Face config's convention, which a script's None
+  // writes too), its default: said once per file, since the default may not be what was meant
+  // (zero_stage null is ZeRO-0, twice the memory of ZeRO-1's for Llama-3 8B).
+  static std::set<std::string> told;
+  std::vector<std::string> nulls;
+  for (const auto& [name, value] : j.items()) {
+    if (value.is_null()) nulls.push_back(name);
+  }
+  if (!nulls.empty() && told.insert(path).second && launcher_rank() == 0) {
+    std::cerr << fmt::format("note: {}: {} null, read as left out (the default{})\n", path,
+                             fmt::join(nulls, ", "), nulls.size() == 1 ? "" : "s");
+  }
+  return p;
 }
 
 std::string data_argument(const po::variables_map& vm, const char* key) {
@@ -625,6 +640,22 @@ std::optional<std::string> profile_argument(const po::variables_map& vm) {
     std::cerr << fmt::format(
         "note: {}: calibration profile {} from the file, which the plan was made with "
         "(--profile sets another)\n",
+        file, named);
+  }
+  return named;
+}
+
+std::string network_argument(const po::variables_map& vm) {
+  const std::string given = vm["network"].as<std::string>();
+  if (!vm["network"].defaulted() || !vm.count("plan")) return given;
+  const std::string file = vm["plan"].as<std::string>();
+  const nlohmann::json j = plan_file_json(file);
+  if (!j.is_object() || !JsonReader(j, file).has("network")) return given;
+  const std::string named = JsonReader(j, file).choice("network", {"analytical", "simgrid"});
+  if (named != given && launcher_rank() == 0) {
+    std::cerr << fmt::format(
+        "note: {}: network model {} from the file, which the plan was ranked with (--network "
+        "sets another)\n",
         file, named);
   }
   return named;
@@ -771,11 +802,14 @@ void add_reliability_options(po::options_description& desc) {
       "(default: synchronous)");
 }
 
-void add_price_option(po::options_description& desc) {
-  desc.add_options()("price-per-gpu-hour", po::value<double>(),
-                     "USD per device and hour, for the cost to train and --objective cost "
-                     "(default: the cluster's price_per_device_hour_usd, which only aws-p4d and "
-                     "aws-p5 ship)");
+void add_price_option(po::options_description& desc, bool objective) {
+  desc.add_options()(
+      "price-per-gpu-hour", po::value<double>(),
+      objective ? "USD per device and hour, for the cost to train and --objective cost "
+                  "(default: the cluster's price_per_device_hour_usd, which only aws-p4d and "
+                  "aws-p5 ship)"
+                : "with --tokens: USD per device and hour, for the cost to train (default: the "
+                  "cluster's price_per_device_hour_usd, which only aws-p4d and aws-p5 ship)");
 }
 
 void apply_price(const po::variables_map& vm, cluster::Cluster& c) {

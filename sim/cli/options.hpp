@@ -50,7 +50,8 @@ void search_space_from_options(const po::variables_map& vm, planner::SearchSpace
 // (checked: InputError naming the flag for a bad value, or one given where nothing reads it:
 // without --tokens or plan's --objective cost); unpriced_note says, for a table's footnote, that a
 // cluster has none.
-void add_price_option(po::options_description& desc);
+// `objective`: the command has --objective (dtsim plan), which the help names.
+void add_price_option(po::options_description& desc, bool objective = false);
 void apply_price(const po::variables_map& vm, cluster::Cluster& c);
 std::string unpriced_note(const std::string& cluster);
 
@@ -152,6 +153,9 @@ std::string data_argument(const po::variables_map& vm, const char* key);
 // The calibration profile: --profile, else the one a --plan (or --fixed-plan) file was made with
 // (dtsim plan --out and whatif's plan_spec write it), said in a note; none without either.
 std::optional<std::string> profile_argument(const po::variables_map& vm);
+// The network model: --network where given, else the one a --plan file was simulated with
+// (dtsim plan --out writes a non-default one), said in a note; else --network's default.
+std::string network_argument(const po::variables_map& vm);
 // A plan file's JSON (--plan, --fixed-plan), and the plan it holds (plan::plan_from_json): a pipe
 // is read once per process however often the options ask (it can be read once), a regular file
 // each time.

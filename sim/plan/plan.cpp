@@ -535,10 +535,12 @@ Plan plan_from_json(const json& j, const std::string& file) {
                  // What dtsim plan --out made it for, which the tools take where --model and
                  // --cluster are not given, what a whatif point changed in that cluster, the
                  // straggler figures it set, the profile that timed it, a model without
-                 // dropout and the memory figures it fit in (not the plan's: read by the CLI).
+                 // dropout, the memory figures it fit in and the network model that ranked it (not
+                 // the plan's: read by the CLI).
                  "model", "cluster", "cluster_changes", "jitter_cv", "rank_spread_cv", "profile",
-                 "no_dropout", "device_memory_gib", "framework_overhead_gib"});
+                 "no_dropout", "device_memory_gib", "framework_overhead_gib", "network"});
   if (r.has("no_dropout")) r.boolean("no_dropout");  // (a boolean, or an error naming it)
+  if (r.has("network")) r.choice("network", {"analytical", "simgrid"});
   if (r.has("device_memory_gib")) r.positive_number("device_memory_gib");
   if (r.has("framework_overhead_gib")) r.non_negative_number("framework_overhead_gib");
   for (const char* made_for : {"model", "cluster", "profile"}) {
