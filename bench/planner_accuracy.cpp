@@ -93,6 +93,10 @@ int main(int argc, char** argv) {
       // A mixture of experts: expert parallelism, and ZeRO-3 gathering experts too.
       {"Mixtral 8x7B, 64 H100 (dgx-h100-superpod), batch 512", "mixtral-8x7b", "dgx-h100-superpod",
        64, 512},
+      // Fine-grained experts: 128 narrow ones (768 wide, 8 per token) and heads wider than the
+      // hidden size.
+      {"Qwen3 30B-A3B, 64 H100 (dgx-h100-superpod), batch 512", "qwen3-30b-a3b",
+       "dgx-h100-superpod", 64, 512},
       // A small model: the embedding's gradients a third of the parameters, the head's GEMMs
       // a block's several times, stages of one or two blocks.
       {"GPT-2 124M, 8 A100 (default), batch 64", "gpt2-124m", "default", 8, 64},
