@@ -1,6 +1,8 @@
 // dtsim describe: parameters, FLOPs per token and a per-layer table of one model.
 #include <fmt/format.h>
 
+#include <cmath>
+#include <cstdint>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -92,6 +94,23 @@ int cmd_describe(const std::vector<std::string>& args) {
   std::uint64_t embedding_params = graph.layer_totals(-1).params;
   std::uint64_t head_params = graph.layer_totals(static_cast<int>(spec.layers)).params;
   const std::uint64_t block_params = totals.params - embedding_params - head_params;
+  // Kaplan et al. 2020's C = 6N, N the non-embedding parameters a token meets (no token or
+  // position embedding, no LM head; with a mixture of experts its top_k experts' of each
+  // block, not all of them). An expert op's parameters are every expert's. With the embedding
+  // and the head, the "activated" parameters that mixture-of-experts model cards give (Qwen3
+  // 30B-A3B: 3.3B; Mixtral 8x7B: 12.9B).
+  double active = 0, tables = 0;
+  for (model::OpId id = 0; id < graph.size(); ++id) {
+    const model::Op& op = graph.op(id);
+    if (op.kind == model::OpKind::Embedding || op.kind == model::OpKind::LmHead) {
+      tables += static_cast<double>(op.params);
+      continue;
+    }
+    active += static_cast<double>(op.params) *
+              (op.expert && spec.moe
+                   ? static_cast<double>(spec.moe->top_k) / static_cast<double>(spec.moe->experts)
+                   : 1.0);
+  }
 
   if (vm["json"].as<bool>()) {
     json out = {
@@ -101,6 +120,9 @@ int cmd_describe(const std::vector<std::string>& args) {
         {"params", totals.params},
         {"params_breakdown",
          {{"embedding", embedding_params}, {"blocks", block_params}, {"head", head_params}}},
+        // (A dense model's are all of them.)
+        {"active_params",
+         spec.moe ? static_cast<std::uint64_t>(std::llround(active + tables)) : totals.params},
         {"seq_len", seq},
         {"fwd_flops_per_token", fwd_per_token},
         {"flops_per_token", train_per_token},
@@ -185,17 +207,12 @@ int cmd_describe(const std::vector<std::string>& args) {
   std::cout << fmt::format("  embedding {}, {} blocks {}, head {}\n",
                            format_count(embedding_params), spec.layers, format_count(block_params),
                            format_count(head_params));
-  // Kaplan et al. 2020's C = 6N, N the non-embedding parameters a token meets (no token or
-  // position embedding, no LM head; with a mixture of experts its top_k experts' of each
-  // block, not all of them). An expert op's parameters are every expert's.
-  double active = 0;
-  for (model::OpId id = 0; id < graph.size(); ++id) {
-    const model::Op& op = graph.op(id);
-    if (op.kind == model::OpKind::Embedding || op.kind == model::OpKind::LmHead) continue;
-    active += static_cast<double>(op.params) *
-              (op.expert && spec.moe
-                   ? static_cast<double>(spec.moe->top_k) / static_cast<double>(spec.moe->experts)
-                   : 1.0);
+  if (spec.moe) {
+    std::cout << fmt::format(
+        "  activated per token: {} ({:.1f}% of them: {} of {} experts a block, the embedding "
+        "and head included)\n",
+        format_si(active + tables), 100 * (active + tables) / static_cast<double>(totals.params),
+        spec.moe->top_k, spec.moe->experts);
   }
   std::cout << fmt::format(
       "\ntraining FLOPs per token at seq_len {}: {} (forward {}; Kaplan et al.'s 6N, N = {} {}"
