@@ -324,7 +324,8 @@ std::vector<dtsim::engine::StagePrediction> measured_stages(const Timings& all,
             &dtsim::engine::Breakdown::optimizer_s, &dtsim::engine::Breakdown::bubble_s,
             &dtsim::engine::Breakdown::exposed_tp_s, &dtsim::engine::Breakdown::exposed_cp_s,
             &dtsim::engine::Breakdown::exposed_ep_s, &dtsim::engine::Breakdown::exposed_dp_s,
-            &dtsim::engine::Breakdown::exposed_pp_s}) {  // (no straggler terms: 0 measured)
+            &dtsim::engine::Breakdown::exposed_pp_s,
+            &dtsim::engine::Breakdown::overlapped_s}) {  // (no straggler terms: 0 measured)
         stages[k].breakdown.*term += b.*term / n;
       }
     }

@@ -182,7 +182,7 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
   });
   std::array<int, kCategories> active{};
   std::array<double, kCategories> share{};
-  double bubble = 0;
+  double bubble = 0, overlapped = 0;
   double t = 0;
   auto account = [&](double until) {
     const double dt = until - t;
@@ -190,6 +190,12 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
     for (int c : {Compute, Recompute, Optimizer}) {
       if (active[static_cast<std::size_t>(c)] > 0) {
         share[static_cast<std::size_t>(c)] += dt;
+        for (int k = Tp; k <= Pp; ++k) {
+          if (active[static_cast<std::size_t>(k)] > 0) {
+            overlapped += dt;
+            break;
+          }
+        }
         return;
       }
     }
@@ -240,6 +246,7 @@ Breakdown breakdown_of(const lower::RankProgram& rank, const std::vector<TaskTim
   b.straggler_dp_s = share[Dp + kWait];
   b.straggler_pp_s = share[Pp + kWait];
   b.bubble_s = bubble;
+  b.overlapped_s = overlapped;
   return b;
 }
 

@@ -35,6 +35,11 @@ struct Breakdown {
   // peers are in its bubble).
   double straggler_tp_s = 0, straggler_cp_s = 0, straggler_ep_s = 0, straggler_dp_s = 0,
          straggler_pp_s = 0;
+  // Of compute_s, recompute_s and optimizer_s, the time this rank's communication was in
+  // flight beside it (a transfer, not a wait for a late rank): priced as fast as compute
+  // alone, which it is not on a GPU (README "Not modelled"). Inside the step's terms, not one
+  // of them.
+  double overlapped_s = 0;
   double exposed_comm_s() const {
     return exposed_tp_s + exposed_cp_s + exposed_ep_s + exposed_dp_s + exposed_pp_s;
   }

@@ -23,7 +23,9 @@ inline nlohmann::json breakdown_json(const engine::Breakdown& b, bool predicted 
                         {"tp", b.exposed_tp_s},
                         {"pp", b.exposed_pp_s},
                         {"cp", b.exposed_cp_s},
-                        {"ep", b.exposed_ep_s}}}};
+                        {"ep", b.exposed_ep_s}}},
+                      // (Part of the three compute terms, not a term of its own.)
+                      {"overlapped_compute_s", b.overlapped_s}};
   j["straggler_wait_s"] = predicted ? nlohmann::json{{"dp", b.straggler_dp_s},
                                                      {"tp", b.straggler_tp_s},
                                                      {"pp", b.straggler_pp_s},
@@ -40,6 +42,7 @@ inline engine::Breakdown breakdown_from_json(const nlohmann::json& j) {
   b.recompute_s = j.at("recompute_s").get<double>();
   b.optimizer_s = j.at("optimizer_s").get<double>();
   b.bubble_s = j.at("bubble_s").get<double>();
+  b.overlapped_s = j.at("overlapped_compute_s").get<double>();
   using B = engine::Breakdown;
   // Each kind's exposed communication and straggler wait.
   constexpr std::tuple<const char*, double B::*, double B::*> kinds[] = {

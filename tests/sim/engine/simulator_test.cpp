@@ -592,6 +592,8 @@ TEST_CASE("idle compute is charged to the transfer it waits on, not to every one
     CHECK(b.exposed_tp_s == Approx(1));  // (split alike with dp before: 0.5)
     CHECK(b.exposed_dp_s == Approx(2));
     CHECK(b.bubble_s == 0);
+    // The forward [2, 3) ran beside the reduce-scatter; the others beside nothing.
+    CHECK(b.overlapped_s == Approx(1));
   }
   SECTION("a zero-length compute task between the transfer and the forward passes it on") {
     // The forward [2, 3) waits on a zero-length task at 2 that waits on the tp all-reduce.
