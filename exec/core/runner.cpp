@@ -3,6 +3,8 @@
 // the entry points of exec/core/runner.hpp.
 #include "exec/core/runner.hpp"
 
+#include <fmt/ranges.h>
+
 #include "exec/core/runner_internal.hpp"
 #include "exec/core/timing_stats.hpp"
 
@@ -1019,6 +1021,11 @@ using runner_internal::Runner;
 
 std::vector<std::string> execution_notes(const model::ModelSpec& spec, const plan::Plan& plan) {
   std::vector<std::string> notes;
+  if (!spec.unmodelled.empty()) {
+    // (The model dtsim prices: a prediction and a measurement of the same maths.)
+    notes.push_back(fmt::format("{} trains as dtsim models it, without {}", spec.source,
+                                fmt::join(spec.unmodelled, "; without ")));
+  }
   if (spec.dropout) {
     notes.push_back(fmt::format(
         "dropout at rate {:g} on the embedding, the attention probabilities and both residual "

@@ -332,6 +332,9 @@ void read_qwen3_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {
     m.description +=
         "; its gates are the softmax over all experts (norm_topk_prob false), not renormalized "
         "over the top k as dtexec's routing is: the same cost";
+    m.unmodelled.push_back(
+        "its gates' softmax over all experts (norm_topk_prob false: over the top k instead, "
+        "as Mixtral's)");
   }
 }
 
@@ -432,6 +435,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           "; its {} {} 0 but its {} not: dtsim prices GPT-2's dropout layers all or none, all "
           "here",
           fmt::join(zero, " and "), zero.size() == 1 ? "is" : "are", fmt::join(nonzero, " and "));
+      m.unmodelled.push_back(fmt::format("its {} of 0 (dropout in all three places instead)",
+                                         fmt::join(zero, " and ")));
     }
   } else {
     m.layers = hf_int(r, names, "layers", {"num_hidden_layers"});
@@ -495,12 +500,16 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           "up to that length)",
           window);
       m.unmodelled_sliding_window = window;
+      m.unmodelled.push_back(
+          fmt::format("its sliding window of {} tokens (full causal attention instead)", window));
     } else if (type == "mistral" && !j.contains("sliding_window")) {
       // (MistralConfig's default window, where the key is left out: 4096.)
       m.description +=
           "; no sliding_window: Hugging Face's default for mistral, 4096 tokens, which is not "
           "modelled (full causal attention, the same up to that length)";
       m.unmodelled_sliding_window = 4096;
+      m.unmodelled.push_back(
+          "its default sliding window of 4096 tokens (full causal attention instead)");
     }
     m.norm = Norm::RmsNorm;
     m.positions = Positions::Rope;
@@ -516,17 +525,22 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
       if (kind == "default") continue;  // (rope_parameters holds the plain rope_theta too)
       m.description += fmt::format(
           "; its {} ({}) changes RoPE's frequencies, not its cost: not modelled", key, kind);
+      m.unmodelled.push_back(fmt::format("its {} ({}: plain RoPE frequencies instead)", key, kind));
     }
     if (r.has("partial_rotary_factor") && r.positive_number("partial_rotary_factor") != 1) {
       m.description += fmt::format(
           "; its partial_rotary_factor of {:g} (RoPE on part of each head) is not modelled: "
           "priced as RoPE on the whole head, a small element-wise pass",
           r.positive_number("partial_rotary_factor"));
+      m.unmodelled.push_back(
+          fmt::format("its partial_rotary_factor of {:g} (RoPE on whole heads instead)",
+                      r.positive_number("partial_rotary_factor")));
     }
     if (r.has("quantization_config")) {
       m.description +=
           "; its quantization_config (quantized weights) is not modelled: trained in the "
           "plan's precision";
+      m.unmodelled.push_back("its quantization_config (weights in the plan's precision instead)");
     }
     m.tied_embeddings = r.boolean_or("tie_word_embeddings", false);
     // Biases as Hugging Face's classes build them: llama reads attention_bias (q, k, v and o)
@@ -557,6 +571,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
       m.description +=
           "; its RMSNorm of each head's queries and keys (q_norm and k_norm: two weights of "
           "head_dim a block, an element-wise pass) is not modelled";
+      m.unmodelled.push_back("its q_norm and k_norm (an RMSNorm of each head's queries and keys)");
     }
     // Their attention-probability dropout (0 in every published config of these families):
     // dtsim's dropout prices GPT-2's layers, embedding and residuals too, so it is left out,
@@ -566,6 +581,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           "; its attention_dropout of {:g} is not modelled (priced without dropout: a dtsim model "
           "file's \"dropout\": true prices GPT-2's embedding, attention and residual dropout)",
           p);
+      m.unmodelled.push_back(fmt::format("its attention_dropout of {:g}", p));
     }
     // Hugging Face's llama, mistral, qwen2 and qwen3 classes have no experts, whatever the
     // config says.

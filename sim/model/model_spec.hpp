@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace dtsim::model {
 
@@ -68,6 +69,10 @@ struct ModelSpec {
   // A Hugging Face config's sliding-window attention, which dtsim does not model (full causal
   // attention is priced): said where a plan's sequence is longer than the window.
   std::optional<std::int64_t> unmodelled_sliding_window;
+  // What of a Hugging Face config's model dtsim leaves out (a phrase each, said in the
+  // description too): the model that dtsim prices and dtexec trains is without it ("its q_norm
+  // and k_norm (an RMSNorm of each head's queries and keys)"). Empty for dtsim's own format.
+  std::vector<std::string> unmodelled;
 
   std::optional<std::uint64_t> published_params;
   std::uint64_t published_params_precision = 1;

@@ -122,6 +122,10 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     CHECK_FALSE(m.bias.qkv);
     CHECK(m.description.find("no head_dim: 128") != std::string::npos);
     CHECK(m.description.find("q_norm and k_norm") != std::string::npos);
+    // What dtexec then trains without, a phrase each.
+    REQUIRE(m.unmodelled.size() == 1);
+    CHECK(m.unmodelled[0].find("q_norm and k_norm") != std::string::npos);
+    CHECK(load_model("qwen3-8b").unmodelled.empty());  // (dtsim's own format says it in words)
     // The shipped model, whose published 8.2B it matches (less the q/k norms' 9,216).
     CHECK(count_params(m) == count_params(load_model("qwen3-8b")));
     CHECK(count_params(m) == 8190726144ULL);
@@ -168,6 +172,7 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     CHECK(small.head_dim == 16);  // hidden_size / heads without head_dim (Qwen3MoeAttention)
     CHECK(small.kv_heads == 2);
     CHECK(small.description.find("norm_topk_prob false") != std::string::npos);
+    CHECK(small.unmodelled.size() == 2);  // q_norm and k_norm; the gates' normalization
     TempFile sparse("config.json", "{" + base + R"(, "decoder_sparse_step": 2})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(sparse.path()), InputError,
                                     "config.json: decoder_sparse_step: 2: experts in one block "
