@@ -1,5 +1,6 @@
 // dtexec compare A B: two checkpoints of the same model, step by step and tensor by tensor.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <iostream>
@@ -60,6 +61,16 @@ int compare(const std::vector<std::string>& args) {
         fmt::format("{} and {}: checkpoints of different models ({} against {}); compare two "
                     "checkpoints of one model",
                     dirs[0], dirs[1], a.info().model, b.info().model));
+  }
+  // Nor one edited under its name (its top_k, rope_theta or norm changed), where both recorded
+  // their architecture.
+  if (const auto differ =
+          dtsim::exec::architecture_differences(a.info().architecture, b.info().architecture);
+      !differ.empty()) {
+    throw dtsim::InputError(fmt::format(
+        "{} and {}: checkpoints of two models named {}: {} (the first's against the second's); "
+        "compare two checkpoints of one model",
+        dirs[0], dirs[1], a.info().model, fmt::join(differ, "; ")));
   }
   // Nor one changed under its name (positions, biases or norms dropped): as resuming says it.
   const auto names_a = a.names(), names_b = b.names();

@@ -128,6 +128,7 @@ std::vector<std::int64_t> whole_numbers(const nlohmann::json& v, const std::stri
 
 void write_info(nlohmann::json& j, const CheckpointInfo& c) {
   j["model"] = c.model;
+  if (!c.architecture.is_null()) j["architecture"] = c.architecture;
   j["plan"] = c.plan;
   j["step"] = c.step;
   j["seed"] = c.seed;
@@ -142,6 +143,7 @@ CheckpointInfo read_info(const nlohmann::json& j, const std::string& where) {
   const JsonReader r(j, where);
   CheckpointInfo c;
   c.model = r.name("model");
+  if (r.has("architecture")) c.architecture = r.object("architecture").raw();
   // The plan is read whole where it is used (dtsim's plan reader); what a resumed run compares
   // directly is typed here.
   c.plan = r.object("plan").raw();
@@ -422,8 +424,8 @@ CheckpointReader::CheckpointReader(const std::string& dir_given) {
                                    kFormat, kFormatWhole, brief_json(j.at("format"))));
     }
     // (A field of another version, or a hand edit, would otherwise be ignored in silence.)
-    index.expect_only({"format", "model", "plan", "step", "seed", "learning_rate", "lr_schedule",
-                       "weight_decay", "dropout", "losses", "tensors", "shards"});
+    index.expect_only({"format", "model", "architecture", "plan", "step", "seed", "learning_rate",
+                       "lr_schedule", "weight_decay", "dropout", "losses", "tensors", "shards"});
     info_ = read_info(j, where_);
     // The shard files, each present with the size its index gives: their floats bound every
     // shape and offset below, checked before anything is allocated.
@@ -703,6 +705,33 @@ CheckpointTensor CheckpointReader::read_slice(const std::string& name, const Sli
   return t;
 }
 
+nlohmann::json checkpoint_architecture(const nlohmann::json& architecture_json) {
+  nlohmann::json a = architecture_json;
+  a.erase("dropout");
+  a.erase("max_positions");
+  return a;
+}
+
+std::vector<std::string> architecture_differences(const nlohmann::json& a,
+                                                  const nlohmann::json& b) {
+  std::vector<std::string> out;
+  if (a.is_null() || b.is_null()) return out;
+  // Flattened ("moe.top_k"), in the keys' order, each side's missing keys as null.
+  const nlohmann::json fa = a.flatten(), fb = b.flatten();
+  std::set<std::string> keys;
+  for (const auto& [k, v] : fa.items()) keys.insert(k);
+  for (const auto& [k, v] : fb.items()) keys.insert(k);
+  for (const std::string& k : keys) {
+    const nlohmann::json va = fa.value(k, nlohmann::json()), vb = fb.value(k, nlohmann::json());
+    if (va != vb) {
+      std::string name = k.substr(1);  // ("/moe/top_k" as "moe.top_k")
+      std::replace(name.begin(), name.end(), '/', '.');
+      out.push_back(fmt::format("{} {} against {}", name, va.dump(), vb.dump()));
+    }
+  }
+  return out;
+}
+
 Checkpoint read_checkpoint(const std::string& dir) {
   const CheckpointReader reader(dir);
   Checkpoint c;
@@ -716,6 +745,11 @@ namespace {
 void compare_info(const CheckpointInfo& a, const CheckpointInfo& b, CheckpointDiff& d) {
   if (a.model != b.model) {
     d.problems.push_back(fmt::format("models differ: {} and {}", a.model, b.model));
+  }
+  if (const auto differ = architecture_differences(a.architecture, b.architecture);
+      !differ.empty()) {
+    d.problems.push_back(
+        fmt::format("the models' architectures differ: {}", fmt::join(differ, "; ")));
   }
   if (a.step != b.step)
     d.problems.push_back(fmt::format("steps differ: {} and {}", a.step, b.step));

@@ -41,6 +41,11 @@ bool trainable(const CheckpointTensor& t);
 // A checkpoint but for its tensors' values.
 struct CheckpointInfo {
   std::string model;
+  // What the model computes with beyond its tensors' names and shapes (model::architecture_json
+  // less dropout, which `dropout` holds, and max_positions, which RoPE does not compute with:
+  // a Hugging Face config edited under the same name, its top_k or rope_theta changed); null
+  // in checkpoints written before it was recorded.
+  nlohmann::json architecture;
   nlohmann::json plan;
   int step = 0;  // steps completed
   std::uint64_t seed = 0;
@@ -152,6 +157,12 @@ class CheckpointReader {
 
 // Every tensor, read whole (small models, `dtexec compare`, tests).
 Checkpoint read_checkpoint(const std::string& dir);
+
+// The architecture a checkpoint records for `model` (CheckpointInfo::architecture).
+nlohmann::json checkpoint_architecture(const nlohmann::json& architecture_json);
+// Where two recorded architectures differ, "moe.top_k 1 against 2" each; empty where they
+// agree or either is null (a checkpoint from before they were recorded).
+std::vector<std::string> architecture_differences(const nlohmann::json& a, const nlohmann::json& b);
 
 // Differences between two checkpoints of the same model: losses step by step, weights tensor by
 // tensor, matched by name (the largest absolute difference, and the tensor where it occurs).

@@ -1,5 +1,7 @@
 // The Program runner (exec/core/runner_internal.hpp): checkpoints: saving (synchronous and
 // asynchronous) and resuming.
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cmath>
 #include <set>
@@ -44,6 +46,16 @@ void check_resume(const CheckpointInfo& c, const std::string& where, const model
   if (c.model != model.name) {
     throw InputError(fmt::format("{}: model: the checkpoint is of {}, this run trains {}", where,
                                  c.model, model.name));
+  }
+  // The same name, another model (a config edited: its top_k, rope_theta or norm changed):
+  // the tensors would load and train on as another model's.
+  if (const auto differ = architecture_differences(
+          c.architecture, checkpoint_architecture(model::architecture_json(model)));
+      !differ.empty()) {
+    throw InputError(fmt::format(
+        "{}: architecture: the checkpoint's {} is not this run's: {} (the checkpoint's against "
+        "this run's)",
+        where, c.model, fmt::join(differ, "; ")));
   }
   // Dropout changes what a step computes, as the seed does (resumed under --no-dropout, a
   // dropout-trained run went on as another: its losses 0.038 off the uninterrupted run's).
@@ -172,6 +184,7 @@ CheckpointRecord Runner::put_in_place(int step, const nlohmann::json& index, dou
   }
   CheckpointInfo c;
   c.model = m_.name;
+  c.architecture = checkpoint_architecture(model::architecture_json(m_));
   c.plan = plan::to_json(p_);
   c.step = step;
   c.seed = options_.seed;

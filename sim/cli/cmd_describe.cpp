@@ -130,31 +130,7 @@ int cmd_describe(const std::vector<std::string>& args) {
          "training (forward + backward) matrix-multiply FLOPs per token, 2 FLOPs per "
          "multiply-add, dense attention, no recompute"}};
     // The shapes the counts come from, as read (a Hugging Face config's included).
-    json architecture = {{"layers", spec.layers},
-                         {"hidden", spec.hidden},
-                         {"heads", spec.heads},
-                         {"kv_heads", spec.kv_heads},
-                         {"head_dim", spec.head_dim},
-                         {"ffn_hidden", spec.ffn_hidden},
-                         {"vocab", spec.vocab},
-                         {"max_positions", spec.max_positions},
-                         {"activation", model::to_string(spec.activation)},
-                         {"norm", model::to_string(spec.norm)},
-                         {"positions", model::to_string(spec.positions)},
-                         {"tied_embeddings", spec.tied_embeddings},
-                         {"dropout", spec.dropout},
-                         {"bias",
-                          {{"qkv", spec.bias.qkv},
-                           {"attn_out", spec.bias.attn_out},
-                           {"mlp", spec.bias.mlp},
-                           {"norm", spec.bias.norm}}},
-                         {"moe", nullptr}};
-    if (spec.moe) {
-      architecture["moe"] = {{"experts", spec.moe->experts},
-                             {"top_k", spec.moe->top_k},
-                             {"expert_ffn_hidden", spec.moe->expert_ffn_hidden}};
-    }
-    out["architecture"] = std::move(architecture);
+    out["architecture"] = model::architecture_json(spec);
     // (The vocabulary's own where training pads nothing.)
     out["padded_vocab"] = padded_rows;
     out["flops_per_token_padded_vocab"] = padded_per_token.value_or(train_per_token);

@@ -619,6 +619,35 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   return m;
 }
 
+json architecture_json(const ModelSpec& m) {
+  json a = {{"layers", m.layers},
+            {"hidden", m.hidden},
+            {"heads", m.heads},
+            {"kv_heads", m.kv_heads},
+            {"head_dim", m.head_dim},
+            {"ffn_hidden", m.ffn_hidden},
+            {"vocab", m.vocab},
+            {"max_positions", m.max_positions},
+            {"activation", to_string(m.activation)},
+            {"norm", to_string(m.norm)},
+            {"positions", to_string(m.positions)},
+            {"rope_theta", m.rope_theta},
+            {"tied_embeddings", m.tied_embeddings},
+            {"dropout", m.dropout},
+            {"bias",
+             {{"qkv", m.bias.qkv},
+              {"attn_out", m.bias.attn_out},
+              {"mlp", m.bias.mlp},
+              {"norm", m.bias.norm}}},
+            {"moe", nullptr}};
+  if (m.moe) {
+    a["moe"] = {{"experts", m.moe->experts},
+                {"top_k", m.moe->top_k},
+                {"expert_ffn_hidden", m.moe->expert_ffn_hidden}};
+  }
+  return a;
+}
+
 ModelSpec load_model(std::string_view name_or_path) {
   const auto path = resolve_data_file("model", "models", name_or_path);
   const json j = JsonReader::parse_file(path);

@@ -94,6 +94,11 @@ ModelSpec load_model(std::string_view name_or_path);
 // Parses dtsim's model format; `file` is used in messages.
 ModelSpec model_from_json(const nlohmann::json& j, const std::string& file);
 
+// The shapes and choices a model computes with, as dtsim describe --json's `architecture`
+// gives them (layers, hidden, heads, kv_heads, head_dim, ffn_hidden, vocab, max_positions,
+// activation, norm, positions, rope_theta, tied_embeddings, dropout, bias, moe).
+nlohmann::json architecture_json(const ModelSpec& m);
+
 // Parses a Hugging Face config.json (model_type gpt2, llama, mistral, mixtral, qwen2, qwen3,
 // qwen3_moe).
 ModelSpec model_from_hf_config(const nlohmann::json& j, const std::string& file);
