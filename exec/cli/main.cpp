@@ -4,6 +4,7 @@
 // GPU backend sees. Each command is in its own file (cmd_*.cpp).
 #include <fmt/format.h>
 
+#include <csignal>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -88,6 +89,10 @@ int devices(bool selftest) {
 
 int main(int argc, char** argv) {
   using namespace dtsim::exec::cli;
+  // A reader that closes stdout (dtexec run ... | head) would kill a run with SIGPIPE, its
+  // checkpoint unwritten and nothing said: the writes fail instead, the run goes on, and its
+  // end says the output was cut (exit_code_after_output, exit 2), as on a full disk.
+  std::signal(SIGPIPE, SIG_IGN);
   const std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "-h") {
     // No command is an error: the usage goes to stderr, as errors do.
