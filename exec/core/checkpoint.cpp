@@ -715,18 +715,22 @@ nlohmann::json checkpoint_architecture(const nlohmann::json& architecture_json) 
 std::vector<std::string> architecture_differences(const nlohmann::json& a,
                                                   const nlohmann::json& b) {
   std::vector<std::string> out;
-  if (a.is_null() || b.is_null()) return out;
-  // Flattened ("moe.top_k"), in the keys' order, each side's missing keys as null.
-  const nlohmann::json fa = a.flatten(), fb = b.flatten();
-  std::set<std::string> keys;
-  for (const auto& [k, v] : fa.items()) keys.insert(k);
-  for (const auto& [k, v] : fb.items()) keys.insert(k);
-  for (const std::string& k : keys) {
-    const nlohmann::json va = fa.value(k, nlohmann::json()), vb = fb.value(k, nlohmann::json());
-    if (va != vb) {
+  if (!a.is_object() || !b.is_object()) return out;
+  // The fields both recorded (one that a later version adds is no difference), each that
+  // differs flattened ("moe.top_k"; a side's missing part of it as null).
+  for (const auto& [field, va] : a.items()) {
+    if (!b.contains(field) || b.at(field) == va) continue;
+    const nlohmann::json fa = nlohmann::json{{field, va}}.flatten(),
+                         fb = nlohmann::json{{field, b.at(field)}}.flatten();
+    std::set<std::string> keys;
+    for (const auto& [k, v] : fa.items()) keys.insert(k);
+    for (const auto& [k, v] : fb.items()) keys.insert(k);
+    for (const std::string& k : keys) {
+      const nlohmann::json x = fa.value(k, nlohmann::json()), y = fb.value(k, nlohmann::json());
+      if (x == y) continue;
       std::string name = k.substr(1);  // ("/moe/top_k" as "moe.top_k")
       std::replace(name.begin(), name.end(), '/', '.');
-      out.push_back(fmt::format("{} {} against {}", name, va.dump(), vb.dump()));
+      out.push_back(fmt::format("{} {} against {}", name, x.dump(), y.dump()));
     }
   }
   return out;

@@ -160,8 +160,9 @@ Checkpoint read_checkpoint(const std::string& dir);
 
 // The architecture a checkpoint records for `model` (CheckpointInfo::architecture).
 nlohmann::json checkpoint_architecture(const nlohmann::json& architecture_json);
-// Where two recorded architectures differ, "moe.top_k 1 against 2" each; empty where they
-// agree or either is null (a checkpoint from before they were recorded).
+// Where two recorded architectures differ, "moe.top_k 1 against 2" each, in the fields both
+// recorded (one a later version adds is no difference); empty where they agree or either is
+// null (a checkpoint from before they were recorded).
 std::vector<std::string> architecture_differences(const nlohmann::json& a, const nlohmann::json& b);
 
 // Differences between two checkpoints of the same model: losses step by step, weights tensor by

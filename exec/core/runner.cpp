@@ -1021,10 +1021,18 @@ using runner_internal::Runner;
 
 std::vector<std::string> execution_notes(const model::ModelSpec& spec, const plan::Plan& plan) {
   std::vector<std::string> notes;
-  if (!spec.unmodelled.empty()) {
-    // (The model dtsim prices: a prediction and a measurement of the same maths.)
-    notes.push_back(fmt::format("{} trains as dtsim models it, without {}", spec.source,
-                                fmt::join(spec.unmodelled, "; without ")));
+  // (The model dtsim prices: a prediction and a measurement of the same maths.)
+  std::vector<std::string> without = spec.unmodelled;
+  if (spec.unmodelled_sliding_window && plan.seq_len > *spec.unmodelled_sliding_window) {
+    without.push_back(fmt::format("its sliding window of {} tokens (full causal attention instead)",
+                                  *spec.unmodelled_sliding_window));
+  }
+  if (spec.dropout && !spec.unmodelled_dropout.empty()) {
+    without.push_back(spec.unmodelled_dropout);
+  }
+  if (!without.empty()) {
+    notes.push_back(fmt::format("model {} trains as dtsim models it, without {}", spec.name,
+                                fmt::join(without, "; without ")));
   }
   if (spec.dropout) {
     notes.push_back(fmt::format(

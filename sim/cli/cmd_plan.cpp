@@ -63,6 +63,8 @@ json candidate_json(const planner::Candidate& c, const TrainingGoal& goal) {
             {"fits", c.fits},
             {"dominant", planner::dominant_term(breakdown_of(c), c.step_time_s)}};
   j["breakdown"] = report::breakdown_json(breakdown_of(c));
+  // (The closed form does not time the overlap: null, not "none".)
+  if (!c.refined) j["breakdown"]["overlapped_compute_s"] = nullptr;
   if (c.refined) {
     j["mfu"] = c.prediction.mfu;
     j["network"] = c.prediction.network;  // the network model that simulated it
@@ -482,7 +484,10 @@ int cmd_plan(const std::vector<std::string>& args) {
       file["profile"] = std::filesystem::absolute(vm["profile"].as<std::string>()).string();
     }
     if (vm["no-dropout"].as<bool>()) file["no_dropout"] = true;
-    if (network_name != "analytical") file["network"] = network_name;
+    // The network model that simulated it (none where only the closed form ranked it).
+    if (result.ranked.front().refined && network_name != "analytical") {
+      file["network"] = network_name;
+    }
     for (const auto& [flag, field] :
          {std::pair{"device-memory-gib", "device_memory_gib"},
           std::pair{"framework-overhead-gib", "framework_overhead_gib"}}) {

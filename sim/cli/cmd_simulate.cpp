@@ -46,7 +46,8 @@ int cmd_simulate(const std::vector<std::string>& args) {
   sim_opts.add_options()(
       "network", po::value<std::string>()->default_value("analytical"),
       "network model: analytical (alpha-beta per collective algorithm) or simgrid "
-      "(flow-level: concurrent groups contend for NICs and uplinks)")(
+      "(flow-level: concurrent groups contend for NICs and uplinks); without the flag, the one "
+      "a --plan file was simulated on (dtsim plan --network simgrid --out writes it)")(
       "trace", po::value<std::string>(), "write a Chrome trace (open in ui.perfetto.dev)")(
       "json", po::bool_switch(), "print JSON instead of tables")(
       "tokens", po::value<double>(),

@@ -308,7 +308,8 @@ int cmd_whatif(const std::vector<std::string>& args) {
       "network", po::value<std::string>()->default_value("analytical"),
       "network model of each point's plan: analytical, or simgrid (the plan the search chose, or "
       "--fixed-plan, simulated with flows on SimGrid, each point in a process of its own; the "
-      "search ranks plans with the analytical model)")(
+      "search ranks plans with the analytical model); without the flag, the one a --fixed-plan "
+      "file was simulated on")(
       "precision", po::value<std::string>(),
       "bf16, fp16, fp8, fp32, tf32 (default: a --fixed-plan's own, else bf16; fp16 on a "
       "device without bf16, fp32 on one with neither)")(
@@ -391,7 +392,7 @@ int cmd_whatif(const std::vector<std::string>& args) {
         "--attention: the attention kernel is varied (--vary attention=...); give "
         "one or the other");
   }
-  const std::string network_name = vm["network"].as<std::string>();
+  const std::string network_name = network_argument(vm);
   if (network_name != "analytical" && network_name != "simgrid") {
     throw InputError(
         fmt::format("--network: expected analytical or simgrid, got \"{}\"", network_name));

@@ -647,18 +647,23 @@ std::optional<std::string> profile_argument(const po::variables_map& vm) {
 
 std::string network_argument(const po::variables_map& vm) {
   const std::string given = vm["network"].as<std::string>();
-  if (!vm["network"].defaulted() || !vm.count("plan")) return given;
-  const std::string file = vm["plan"].as<std::string>();
+  const char* flag = vm.count("plan") ? "plan" : vm.count("fixed-plan") ? "fixed-plan" : nullptr;
+  if (!flag) return given;
+  const std::string file = vm[flag].as<std::string>();
   const nlohmann::json j = plan_file_json(file);
   if (!j.is_object() || !JsonReader(j, file).has("network")) return given;
   const std::string named = JsonReader(j, file).choice("network", {"analytical", "simgrid"});
-  if (named != given && launcher_rank() == 0) {
+  if (named == given || launcher_rank() != 0) return vm["network"].defaulted() ? named : given;
+  if (vm["network"].defaulted()) {
     std::cerr << fmt::format(
         "note: {}: network model {} from the file, which the plan was ranked with (--network "
         "sets another)\n",
         file, named);
+    return named;
   }
-  return named;
+  std::cerr << fmt::format("note: {} was ranked on the {} network; --network {} as given\n", file,
+                           named, given);
+  return given;
 }
 
 std::string data_reference(std::string_view key, const std::string& given) {

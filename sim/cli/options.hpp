@@ -153,8 +153,9 @@ std::string data_argument(const po::variables_map& vm, const char* key);
 // The calibration profile: --profile, else the one a --plan (or --fixed-plan) file was made with
 // (dtsim plan --out and whatif's plan_spec write it), said in a note; none without either.
 std::optional<std::string> profile_argument(const po::variables_map& vm);
-// The network model: --network where given, else the one a --plan file was simulated with
-// (dtsim plan --out writes a non-default one), said in a note; else --network's default.
+// The network model: --network where given (a note where a --plan or --fixed-plan file was
+// simulated on another), else the one the file was simulated with (dtsim plan --out and
+// whatif's plan_spec write a non-default one), said in a note; else --network's default.
 std::string network_argument(const po::variables_map& vm);
 // A plan file's JSON (--plan, --fixed-plan), and the plan it holds (plan::plan_from_json): a pipe
 // is read once per process however often the options ask (it can be read once), a regular file

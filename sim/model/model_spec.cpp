@@ -65,6 +65,7 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
                  "bias",
                  "dropout",
                  "moe",
+                 "unmodelled",
                  "published_params",
                  "published_params_precision",
                  "published_params_source"});
@@ -112,6 +113,7 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
     m.bias.norm = b.boolean_or("norm", false);
   }
   m.dropout = r.boolean_or("dropout", false);
+  if (r.has("unmodelled")) m.unmodelled = r.string_array("unmodelled");
   if (r.has("moe")) {
     const JsonReader e = r.object("moe");
     e.expect_only({"experts", "top_k", "expert_ffn_hidden"});
@@ -353,9 +355,9 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
       type != "qwen2" && type != "qwen3" && type != "qwen3_moe") {
     // Families whose blocks dtsim cannot describe yet: say what is missing.
     const std::string why =
-        type == "qwen2_moe" || type.starts_with("deepseek")
-            ? "; its shared experts (and DeepSeek's latent attention and dense first layers) are "
-              "not modelled"
+        type == "qwen2_moe" ? "; its shared expert beside the routed ones is not modelled"
+        : type.starts_with("deepseek")
+            ? "; its shared experts, latent attention and dense first layers are not modelled"
             : "";
     r.fail("model_type", fmt::format("unsupported Hugging Face model_type \"{}\" (supported: {}){}",
                                      type, kSupported, why));
@@ -435,8 +437,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           "; its {} {} 0 but its {} not: dtsim prices GPT-2's dropout layers all or none, all "
           "here",
           fmt::join(zero, " and "), zero.size() == 1 ? "is" : "are", fmt::join(nonzero, " and "));
-      m.unmodelled.push_back(fmt::format("its {} of 0 (dropout in all three places instead)",
-                                         fmt::join(zero, " and ")));
+      m.unmodelled_dropout = fmt::format("its {} of 0 (dropout in all three places instead)",
+                                         fmt::join(zero, " and "));
     }
   } else {
     m.layers = hf_int(r, names, "layers", {"num_hidden_layers"});
@@ -500,16 +502,12 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           "up to that length)",
           window);
       m.unmodelled_sliding_window = window;
-      m.unmodelled.push_back(
-          fmt::format("its sliding window of {} tokens (full causal attention instead)", window));
     } else if (type == "mistral" && !j.contains("sliding_window")) {
       // (MistralConfig's default window, where the key is left out: 4096.)
       m.description +=
           "; no sliding_window: Hugging Face's default for mistral, 4096 tokens, which is not "
           "modelled (full causal attention, the same up to that length)";
       m.unmodelled_sliding_window = 4096;
-      m.unmodelled.push_back(
-          "its default sliding window of 4096 tokens (full causal attention instead)");
     }
     m.norm = Norm::RmsNorm;
     m.positions = Positions::Rope;

@@ -69,10 +69,15 @@ struct ModelSpec {
   // A Hugging Face config's sliding-window attention, which dtsim does not model (full causal
   // attention is priced): said where a plan's sequence is longer than the window.
   std::optional<std::int64_t> unmodelled_sliding_window;
-  // What of a Hugging Face config's model dtsim leaves out (a phrase each, said in the
-  // description too): the model that dtsim prices and dtexec trains is without it ("its q_norm
-  // and k_norm (an RMSNorm of each head's queries and keys)"). Empty for dtsim's own format.
+  // What of the published model dtsim leaves out (a phrase each, said in the description too):
+  // the model that dtsim prices and dtexec trains is without it ("its q_norm and k_norm (an
+  // RMSNorm of each head's queries and keys)"). From a Hugging Face config's import, or a model
+  // file's "unmodelled". (The sliding window above, and the dropout below, apply only where
+  // the sequence passes the window, and where the model trains with dropout.)
   std::vector<std::string> unmodelled;
+  // GPT-2's dropout layers that its config turns off while others are on: dtsim and dtexec
+  // put dropout in all three places; empty where none is.
+  std::string unmodelled_dropout;
 
   std::optional<std::uint64_t> published_params;
   std::uint64_t published_params_precision = 1;

@@ -679,3 +679,21 @@ TEST_CASE("checkpoint: a mutated index is read or refused with its file named",
   CHECK(failures.empty());
   CHECK(refused > read);  // the wrong values were read
 }
+
+TEST_CASE("checkpoint: architectures differ in the fields both recorded", "[exec][checkpoint]") {
+  using dtsim::exec::architecture_differences;
+  const nlohmann::json a = {{"layers", 2}, {"rope_theta", 500000}, {"moe", nullptr}};
+  nlohmann::json b = a;
+  b["rope_theta"] = 500000.0;  // (the same number, written another way)
+  CHECK(architecture_differences(a, b).empty());
+  CHECK(architecture_differences(nullptr, b).empty());  // (a checkpoint from before)
+  b["qk_norm"] = true;  // a field a later version records: no difference
+  CHECK(architecture_differences(a, b).empty());
+  b["moe"] = {{"experts", 4}, {"top_k", 2}};
+  b["layers"] = 3;
+  const auto differ = architecture_differences(a, b);
+  REQUIRE(differ.size() == 3);
+  CHECK(differ[0] == "layers 2 against 3");
+  CHECK(differ[1] == "moe.experts null against 4");
+  CHECK(differ[2] == "moe.top_k null against 2");
+}

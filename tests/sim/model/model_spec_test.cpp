@@ -125,7 +125,7 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     // What dtexec then trains without, a phrase each.
     REQUIRE(m.unmodelled.size() == 1);
     CHECK(m.unmodelled[0].find("q_norm and k_norm") != std::string::npos);
-    CHECK(load_model("qwen3-8b").unmodelled.empty());  // (dtsim's own format says it in words)
+    CHECK(load_model("qwen3-8b").unmodelled == m.unmodelled);  // (a model file's "unmodelled")
     // The shipped model, whose published 8.2B it matches (less the q/k norms' 9,216).
     CHECK(count_params(m) == count_params(load_model("qwen3-8b")));
     CHECK(count_params(m) == 8190726144ULL);
@@ -381,7 +381,7 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     // A family dtsim cannot describe yet says what it lacks.
     TempFile shared("config.json", R"({"model_type": "qwen2_moe", "hidden_size": 2048})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(shared.path()), InputError,
-                                    "qwen3_moe); its shared experts");
+                                    "qwen3_moe); its shared expert beside the routed ones");
   }
   SECTION("missing field") {
     TempFile f("config.json", R"({"model_type": "llama", "hidden_size": 4096})");
