@@ -350,9 +350,9 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   const JsonReader r(j, file);
   const std::string type = r.string("model_type");
   static constexpr std::string_view kSupported =
-      "gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe";
+      "gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe";
   if (type != "gpt2" && type != "llama" && type != "mistral" && type != "mixtral" &&
-      type != "qwen2" && type != "qwen3" && type != "qwen3_moe") {
+      type != "phi3" && type != "qwen2" && type != "qwen3" && type != "qwen3_moe") {
     // Families whose blocks dtsim cannot describe yet: say what is missing.
     const std::string why =
         type == "qwen2_moe" ? "; its shared expert beside the routed ones is not modelled"
@@ -444,11 +444,13 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.layers = hf_int(r, names, "layers", {"num_hidden_layers"});
     m.hidden = hf_int(r, names, "hidden", {"hidden_size"});
     m.heads = hf_int(r, names, "heads", {"num_attention_heads"});
-    // Without num_key_value_heads, Hugging Face's default for the family: llama's is one
-    // key/value head per head (LlamaConfig: multi-head attention), mistral's and mixtral's 8,
-    // qwen2's and qwen3's 32, qwen3_moe's 4 (their configuration classes' defaults); said in
-    // the description (a misspelt key would read so too).
-    if (r.has("num_key_value_heads") || type == "llama") {
+    // Without num_key_value_heads, Hugging Face's default for the family: llama's and phi3's
+    // is one key/value head per head (LlamaConfig: multi-head attention), mistral's and mixtral's
+    // 8, qwen2's and qwen3's 32, qwen3_moe's 4 (their configuration classes' defaults); said in the
+    // description (a misspelt key would read so too). (phi3's default is llama's: Phi3Config takes
+    // none as one per head.)
+    const bool head_per_head = type == "llama" || type == "phi3";
+    if (r.has("num_key_value_heads") || head_per_head) {
       m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"},
                           /*aliases=*/false);
     } else {
@@ -463,12 +465,12 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     }
     if (!r.has("num_key_value_heads")) {
       m.description +=
-          type == "llama"
-              ? std::string(
-                    "; no num_key_value_heads: one key/value head per head (multi-head "
-                    "attention), as Hugging Face's LlamaConfig defaults it")
-              : fmt::format("; no num_key_value_heads: {}, Hugging Face's default for {}",
-                            m.kv_heads, type);
+          head_per_head ? fmt::format(
+                              "; no num_key_value_heads: one key/value head per head (multi-head "
+                              "attention), as Hugging Face's {} defaults it",
+                              type == "llama" ? "LlamaConfig" : "Phi3Config")
+                        : fmt::format("; no num_key_value_heads: {}, Hugging Face's default for {}",
+                                      m.kv_heads, type);
     }
     // (qwen3_moe: its experts' width, moe_intermediate_size, below.)
     if (type != "qwen3_moe") m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
@@ -544,7 +546,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // Biases as Hugging Face's classes build them: llama reads attention_bias (q, k, v and o)
     // and mlp_bias; qwen3 and qwen3_moe read attention_bias (Qwen3Attention) and have none in
     // the MLP; qwen2 always has q/k/v biases and none on o_proj or the MLP (Qwen2Attention,
-    // Qwen2MLP), mistral and mixtral none; what those classes do not read is said.
+    // Qwen2MLP), mistral, mixtral and phi3 none; what those classes do not read is said.
     const bool attention_bias = r.boolean_or("attention_bias", false);
     const bool mlp_bias = r.boolean_or("mlp_bias", false);
     const bool reads_attention_bias = type == "llama" || qwen3;
@@ -581,8 +583,17 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           p);
       m.unmodelled.push_back(fmt::format("its attention_dropout of {:g}", p));
     }
-    // Hugging Face's llama, mistral, qwen2 and qwen3 classes have no experts, whatever the
-    // config says.
+    // Phi-3's residual and embedding dropout (0 in its published configs), as attention's.
+    for (const char* key : {"resid_pdrop", "embd_pdrop"}) {
+      if (type != "phi3" || !r.has(key)) continue;
+      if (const double p = probability(key); p > 0) {
+        m.description +=
+            fmt::format("; its {} of {:g} is not modelled (priced without dropout)", key, p);
+        m.unmodelled.push_back(fmt::format("its {} of {:g}", key, p));
+      }
+    }
+    // Hugging Face's llama, mistral, phi3, qwen2 and qwen3 classes have no experts, whatever
+    // the config says.
     if (type != "mixtral" && type != "qwen3_moe" &&
         (r.has("num_local_experts") || r.has("num_experts_per_tok"))) {
       m.description += fmt::format(

@@ -110,6 +110,30 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     CHECK_FALSE(m.bias.attn_out);
     CHECK(count_params(m) == 7615616512ULL);
   }
+  SECTION("phi3: Phi-3 mini and Phi-4, one key/value head per head by default") {
+    // microsoft/Phi-3-mini-4k-instruct's config.json (3.8B), its window said not modelled.
+    TempFile mini("config.json", R"({"model_type": "phi3", "hidden_size": 3072,
+      "intermediate_size": 8192, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "vocab_size": 32064, "max_position_embeddings": 4096, "sliding_window": 2047,
+      "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0,
+      "tie_word_embeddings": false})");
+    const auto m = load_model(mini.path());
+    CHECK(m.kv_heads == 32);
+    CHECK(m.description.find("as Hugging Face's Phi3Config defaults it") != std::string::npos);
+    CHECK(m.unmodelled_sliding_window == 2047);
+    CHECK(m.unmodelled.empty());
+    CHECK_FALSE(m.bias.qkv);
+    CHECK(count_params(m) == 3821079552ULL);
+    // microsoft/phi-4's (14.7B): grouped-query attention, a 100k vocabulary.
+    TempFile phi4("config.json", R"({"model_type": "phi3", "hidden_size": 5120,
+      "intermediate_size": 17920, "num_attention_heads": 40, "num_key_value_heads": 10,
+      "num_hidden_layers": 40, "vocab_size": 100352, "max_position_embeddings": 16384,
+      "tie_word_embeddings": false, "resid_pdrop": 0.1})");
+    const auto p4 = load_model(phi4.path());
+    CHECK(count_params(p4) == 14659507200ULL);
+    REQUIRE(p4.unmodelled.size() == 1);
+    CHECK(p4.unmodelled[0] == "its resid_pdrop of 0.1");
+  }
   SECTION("qwen3: no biases but attention_bias's, head_dim 128 by default") {
     // Qwen/Qwen3-8B's config.json, less its head_dim (128, Qwen3Config's default too).
     const std::string fields = R"("model_type": "qwen3", "hidden_size": 4096,
@@ -377,7 +401,7 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     DTSIM_REQUIRE_THROWS_CONTAINING(
         load_model(f.path()), InputError,
         "model_type: unsupported Hugging Face model_type \"bert\" (supported: gpt2, llama, "
-        "mistral, mixtral, qwen2, qwen3, qwen3_moe)");
+        "mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe)");
     // A family dtsim cannot describe yet says what it lacks.
     TempFile shared("config.json", R"({"model_type": "qwen2_moe", "hidden_size": 2048})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(shared.path()), InputError,
