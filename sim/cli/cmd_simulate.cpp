@@ -297,11 +297,17 @@ int cmd_simulate(const std::vector<std::string>& args) {
   // what a GPU's contention would slow. (None on a CPU cluster: its ranks run serially.)
   const double busy = b.compute_s + b.recompute_s + b.optimizer_s;
   if (b.overlapped_s > 0 && busy > 0) {
+    // What that average would add were all of it on the step's path: a first-order figure for
+    // the reader, not a term of the step.
+    constexpr double kMeanOverlapSlowdown = 0.189;  // Lee et al. 2025, arXiv:2507.03114
+    const double stretch = kMeanOverlapSlowdown * b.overlapped_s;
     std::cout << fmt::format(
         "\ncommunication in flight beside compute: {} of the stage's {} of compute ({:.1f}%), "
         "priced as fast as alone; GPUs slow compute that overlaps communication (18.9% on "
-        "average in Lee et al. 2025), which dtsim does not model\n",
-        format_duration(b.overlapped_s), format_duration(busy), 100 * b.overlapped_s / busy);
+        "average in Lee et al. 2025), which dtsim does not model: at that rate, up to {} "
+        "({:+.1f}%) more a step\n",
+        format_duration(b.overlapped_s), format_duration(busy), 100 * b.overlapped_s / busy,
+        format_duration(stretch), 100 * stretch / p.step_time_s);
   }
   if (p.straggler_cost_s && *p.straggler_cost_s != 0) {
     // (A cost below the waits, even negative, is possible: the waits can reorder the transfers
