@@ -447,8 +447,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // Without num_key_value_heads, Hugging Face's default for the family: llama's and phi3's
     // is one key/value head per head (LlamaConfig: multi-head attention), mistral's and mixtral's
     // 8, qwen2's and qwen3's 32, qwen3_moe's 4 (their configuration classes' defaults); said in the
-    // description (a misspelt key would read so too). (phi3's default is llama's: Phi3Config takes
-    // none as one per head.)
+    // description (a misspelt key would read so too).
     const bool head_per_head = type == "llama" || type == "phi3";
     if (r.has("num_key_value_heads") || head_per_head) {
       m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"},
