@@ -298,6 +298,31 @@ TEST_CASE("a mutated Hugging Face config.json: describe and simulate refuse or r
                   dtsim::cli::cmd_simulate,
                   {"--model", config, "--cluster", "dgx-h100-superpod", "--gpus", "8", "--tp", "2",
                    "--global-batch-size", "8"}}});
+  // A qwen3_moe one: experts of moe_intermediate_size, heads wider than the model, the keys
+  // that refuse dense blocks and shared experts.
+  const json qwen3_moe = {{"architectures", {"Qwen3MoeForCausalLM"}},
+                          {"model_type", "qwen3_moe"},
+                          {"hidden_size", 512},
+                          {"intermediate_size", 1536},
+                          {"moe_intermediate_size", 192},
+                          {"num_hidden_layers", 4},
+                          {"num_attention_heads", 8},
+                          {"num_key_value_heads", 2},
+                          {"head_dim", 128},
+                          {"num_experts", 16},
+                          {"num_experts_per_tok", 4},
+                          {"decoder_sparse_step", 1},
+                          {"mlp_only_layers", json::array()},
+                          {"norm_topk_prob", true},
+                          {"vocab_size", 32000},
+                          {"max_position_embeddings", 2048},
+                          {"tie_word_embeddings", false}};
+  check_mutants(scratch, "config.json", qwen3_moe,
+                {{"describe", dtsim::cli::cmd_describe, {"--model", config}},
+                 {"simulate",
+                  dtsim::cli::cmd_simulate,
+                  {"--model", config, "--cluster", "dgx-h100-superpod", "--gpus", "8", "--tp", "2",
+                   "--ep", "2", "--global-batch-size", "8"}}});
 }
 
 TEST_CASE("mutated clusters: simulate, memory and export-platform refuse or run",
