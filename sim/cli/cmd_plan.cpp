@@ -771,6 +771,17 @@ int cmd_plan(const std::vector<std::string>& args) {
         std::cout << fmt::format("\nwhy #1 beats #2: {} faster per step: #2 spends {}\n",
                                  format_duration(faster), fmt::join(parts, ", and "));
       }
+      // Where #1 hides more communication behind its compute than #2, by enough that the
+      // average slowdown of such compute on a GPU, which dtsim does not model, would undo its
+      // lead: said, since the ranking may not hold on the hardware.
+      const double extra = a.overlapped_s - b.overlapped_s;
+      if (faster > 0 && extra > 0 && kMeanOverlapSlowdown * extra >= faster) {
+        std::cout << fmt::format(
+            "(#1 runs {} more of its compute beside communication than #2, priced as fast as "
+            "alone; GPUs slow such compute, 18.9% on average in Lee et al. 2025, which dtsim "
+            "does not model: at that rate up to {} a step, more than #1's lead)\n",
+            format_duration(extra), format_duration(kMeanOverlapSlowdown * extra));
+      }
     }
   }
   if (train_tokens > 0 && !result.ranked.empty()) {

@@ -299,7 +299,6 @@ int cmd_simulate(const std::vector<std::string>& args) {
   if (b.overlapped_s > 0 && busy > 0) {
     // What that average would add were all of it on the step's path: a first-order figure for
     // the reader, not a term of the step.
-    constexpr double kMeanOverlapSlowdown = 0.189;  // Lee et al. 2025, arXiv:2507.03114
     const double stretch = kMeanOverlapSlowdown * b.overlapped_s;
     std::cout << fmt::format(
         "\ncommunication in flight beside compute: {} of the stage's {} of compute ({:.1f}%), "

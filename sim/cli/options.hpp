@@ -153,6 +153,12 @@ std::string data_argument(const po::variables_map& vm, const char* key);
 // The calibration profile: --profile, else the one a --plan (or --fixed-plan) file was made with
 // (dtsim plan --out and whatif's plan_spec write it), said in a note; none without either.
 std::optional<std::string> profile_argument(const po::variables_map& vm);
+// The average slowdown of compute that overlaps communication on a GPU, which dtsim does not
+// model (README "Not modelled"): Lee et al. 2025, "Characterizing Compute-Communication Overlap
+// in GPU-Accelerated Distributed Deep Learning", arXiv:2507.03114 (A100, H100, MI210, MI250).
+// Only to say what a plan's overlapped compute could cost, never in a step time.
+inline constexpr double kMeanOverlapSlowdown = 0.189;
+
 // The network model: --network where given (a note where a --plan or --fixed-plan file was
 // simulated on another), else the one the file was simulated with (dtsim plan --out and
 // whatif's plan_spec write a non-default one), said in a note; else --network's default.
