@@ -350,9 +350,10 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   const JsonReader r(j, file);
   const std::string type = r.string("model_type");
   static constexpr std::string_view kSupported =
-      "gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe";
-  if (type != "gpt2" && type != "llama" && type != "mistral" && type != "mixtral" &&
-      type != "phi3" && type != "qwen2" && type != "qwen3" && type != "qwen3_moe") {
+      "gpt2, granite, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe";
+  if (type != "gpt2" && type != "granite" && type != "llama" && type != "mistral" &&
+      type != "mixtral" && type != "phi3" && type != "qwen2" && type != "qwen3" &&
+      type != "qwen3_moe") {
     // Families whose blocks dtsim cannot describe yet: say what is missing.
     const std::string why =
         type == "qwen2_moe" ? "; its shared expert beside the routed ones is not modelled"
@@ -365,6 +366,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   // Qwen3's families: Qwen2's Hugging Face classes without the q/k/v biases, and with an
   // RMSNorm of each head's queries and keys (Qwen3Attention's q_norm, k_norm).
   const bool qwen3 = type == "qwen3" || type == "qwen3_moe";
+  // IBM's Granite: Llama's blocks (its Hugging Face class is Llama's with four scalars).
+  const bool llama_like = type == "llama" || type == "granite";
   ModelSpec m;
   m.file = file;
   // Without _name_or_path: a Hugging Face repository's folder (.../Meta-Llama-3-8B/config.json),
@@ -448,7 +451,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // is one key/value head per head (LlamaConfig: multi-head attention), mistral's and mixtral's
     // 8, qwen2's and qwen3's 32, qwen3_moe's 4 (their configuration classes' defaults); said in the
     // description (a misspelt key would read so too).
-    const bool head_per_head = type == "llama" || type == "phi3";
+    const bool head_per_head = llama_like || type == "phi3";
     if (r.has("num_key_value_heads") || head_per_head) {
       m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"},
                           /*aliases=*/false);
@@ -467,7 +470,9 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           head_per_head ? fmt::format(
                               "; no num_key_value_heads: one key/value head per head (multi-head "
                               "attention), as Hugging Face's {} defaults it",
-                              type == "llama" ? "LlamaConfig" : "Phi3Config")
+                              type == "llama"     ? "LlamaConfig"
+                              : type == "granite" ? "GraniteConfig"
+                                                  : "Phi3Config")
                         : fmt::format("; no num_key_value_heads: {}, Hugging Face's default for {}",
                                       m.kv_heads, type);
     }
@@ -488,12 +493,11 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // (Llama's attention has no window: its configs' sliding_window, where present, is unread;
     // Qwen2's and Qwen3's use it only with use_sliding_window, false by default in Hugging
     // Face's.)
-    if (type != "llama" && j.contains("sliding_window") && !j.at("sliding_window").is_null() &&
+    if (!llama_like && j.contains("sliding_window") && !j.at("sliding_window").is_null() &&
         !j.at("sliding_window").is_number_integer()) {
       r.fail("sliding_window", "expected a number of tokens (an integer) or null");
     }
-    if (type != "llama" && j.contains("sliding_window") &&
-        j.at("sliding_window").is_number_integer() &&
+    if (!llama_like && j.contains("sliding_window") && j.at("sliding_window").is_number_integer() &&
         r.boolean_or("use_sliding_window", type != "qwen2" && !qwen3)) {
       // (A window said in the description is a positive one: -4, or 2^64 - 1 read as -1, is
       // no number of tokens.)
@@ -548,8 +552,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // Qwen2MLP), mistral, mixtral and phi3 none; what those classes do not read is said.
     const bool attention_bias = r.boolean_or("attention_bias", false);
     const bool mlp_bias = r.boolean_or("mlp_bias", false);
-    const bool reads_attention_bias = type == "llama" || qwen3;
-    const bool reads_mlp_bias = type == "llama";
+    const bool reads_attention_bias = llama_like || qwen3;
+    const bool reads_mlp_bias = llama_like;
     m.bias.qkv = type == "qwen2" || (reads_attention_bias && attention_bias);
     m.bias.attn_out = reads_attention_bias && attention_bias;
     m.bias.mlp = reads_mlp_bias && mlp_bias;
@@ -581,6 +585,18 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           "file's \"dropout\": true prices GPT-2's embedding, attention and residual dropout)",
           p);
       m.unmodelled.push_back(fmt::format("its attention_dropout of {:g}", p));
+    }
+    // Granite's scalars (GraniteConfig): an embedding multiplier, a residual one, the
+    // attention scores' scale (1/sqrt(head_dim) in Llama's) and the logits' divisor. Each is
+    // an element-wise product dtsim does not price (the scores' scale none at all); dtexec
+    // trains without them.
+    for (const char* key : {"embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                            "logits_scaling"}) {
+      if (type != "granite" || !r.has(key)) continue;
+      const double v = r.positive_number(key);
+      if (v == 1) continue;
+      m.description += fmt::format("; its {} of {:g} is not modelled (a scalar product)", key, v);
+      m.unmodelled.push_back(fmt::format("its {} of {:g}", key, v));
     }
     // Phi-3's residual and embedding dropout (0 in its published configs), as attention's.
     for (const char* key : {"resid_pdrop", "embd_pdrop"}) {

@@ -110,6 +110,29 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     CHECK_FALSE(m.bias.attn_out);
     CHECK(count_params(m) == 7615616512ULL);
   }
+  SECTION("granite: Llama's blocks, its four scalars said not modelled") {
+    // ibm-granite/granite-3.1-8b-base's config.json (8.17B).
+    TempFile f("config.json", R"({"model_type": "granite", "hidden_size": 4096,
+      "intermediate_size": 12800, "num_attention_heads": 32, "num_key_value_heads": 8,
+      "num_hidden_layers": 40, "vocab_size": 49155, "max_position_embeddings": 131072,
+      "tie_word_embeddings": true, "attention_bias": false, "mlp_bias": false,
+      "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+      "attention_multiplier": 0.0078125, "logits_scaling": 16.0})");
+    const auto m = load_model(f.path());
+    CHECK(count_params(m) == 8170848256ULL);
+    CHECK(m.unmodelled.size() == 4);
+    CHECK(m.unmodelled[0] == "its embedding_multiplier of 12");
+    // Biases read as Llama's; a multiplier of 1 is Llama's own.
+    TempFile biased("config.json", R"({"model_type": "granite", "hidden_size": 64,
+      "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+      "vocab_size": 256, "max_position_embeddings": 64, "attention_bias": true,
+      "mlp_bias": true, "residual_multiplier": 1.0})");
+    const auto b = load_model(biased.path());
+    CHECK(b.bias.qkv);
+    CHECK(b.bias.mlp);
+    CHECK(b.kv_heads == 4);
+    CHECK(b.unmodelled.empty());
+  }
   SECTION("phi3: Phi-3 mini and Phi-4, one key/value head per head by default") {
     // microsoft/Phi-3-mini-4k-instruct's config.json (3.8B), its window said not modelled.
     TempFile mini("config.json", R"({"model_type": "phi3", "hidden_size": 3072,
@@ -400,8 +423,8 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     TempFile f("config.json", R"({"model_type": "bert", "hidden_size": 768})");
     DTSIM_REQUIRE_THROWS_CONTAINING(
         load_model(f.path()), InputError,
-        "model_type: unsupported Hugging Face model_type \"bert\" (supported: gpt2, llama, "
-        "mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe)");
+        "model_type: unsupported Hugging Face model_type \"bert\" (supported: gpt2, granite, "
+        "llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe)");
     // A family dtsim cannot describe yet says what it lacks.
     TempFile shared("config.json", R"({"model_type": "qwen2_moe", "hidden_size": 2048})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(shared.path()), InputError,
