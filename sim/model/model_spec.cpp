@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -586,12 +587,10 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           p);
       m.unmodelled.push_back(fmt::format("its attention_dropout of {:g}", p));
     }
-    // Granite's scalars (GraniteConfig): an embedding multiplier, a residual one, the
-    // attention scores' scale (1/sqrt(head_dim) in Llama's) and the logits' divisor. Each is
-    // an element-wise product dtsim does not price (the scores' scale none at all); dtexec
-    // trains without them.
-    for (const char* key : {"embedding_multiplier", "residual_multiplier", "attention_multiplier",
-                            "logits_scaling"}) {
+    // Granite's scalars (GraniteConfig): an embedding multiplier, a residual one and the
+    // logits' divisor, each an element-wise product dtsim does not price and dtexec trains
+    // without (1: none); its attention scale, below.
+    for (const char* key : {"embedding_multiplier", "residual_multiplier", "logits_scaling"}) {
       if (type != "granite" || !r.has(key)) continue;
       const double v = r.positive_number(key);
       if (v == 1) continue;
@@ -636,6 +635,21 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
              fmt::format("hidden size {} is not divisible by {} heads", m.hidden, m.heads));
     }
     m.head_dim = m.hidden / m.heads;
+  }
+  if (type == "granite") {
+    // Granite's attention scores are scaled by attention_multiplier (GraniteAttention's
+    // scaling; 1 where not given), Llama's and dtexec's by 1/sqrt(head_dim).
+    const double scale =
+        r.has("attention_multiplier") ? r.positive_number("attention_multiplier") : 1.0;
+    const double llama = 1 / std::sqrt(static_cast<double>(m.head_dim));
+    if (std::abs(scale - llama) > 1e-9 * llama) {
+      m.description += fmt::format(
+          "; its attention_multiplier of {:g} is not modelled (scores scaled by 1/sqrt(head_dim) "
+          "= {:g})",
+          scale, llama);
+      m.unmodelled.push_back(fmt::format(
+          "its attention_multiplier of {:g} (scores scaled by 1/sqrt(head_dim) instead)", scale));
+    }
   }
   m.seq_len = std::min(m.max_positions, kHfDefaultSeqLen);
   names["seq_len"] = names["max_positions"];  // the default derives from it

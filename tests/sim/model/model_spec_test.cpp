@@ -120,18 +120,26 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
       "attention_multiplier": 0.0078125, "logits_scaling": 16.0})");
     const auto m = load_model(f.path());
     CHECK(count_params(m) == 8170848256ULL);
-    CHECK(m.unmodelled.size() == 4);
+    REQUIRE(m.unmodelled.size() == 4);
     CHECK(m.unmodelled[0] == "its embedding_multiplier of 12");
-    // Biases read as Llama's; a multiplier of 1 is Llama's own.
+    CHECK(m.unmodelled[3] ==
+          "its attention_multiplier of 0.0078125 (scores scaled by 1/sqrt(head_dim) instead)");
+    // Biases read as Llama's; a multiplier of 1 is Llama's own, and an attention scale of
+    // 1/sqrt(head_dim) (1/4 at 16) too; none given is 1, which is not.
     TempFile biased("config.json", R"({"model_type": "granite", "hidden_size": 64,
       "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
       "vocab_size": 256, "max_position_embeddings": 64, "attention_bias": true,
-      "mlp_bias": true, "residual_multiplier": 1.0})");
+      "mlp_bias": true, "residual_multiplier": 1.0, "attention_multiplier": 0.25})");
     const auto b = load_model(biased.path());
     CHECK(b.bias.qkv);
     CHECK(b.bias.mlp);
     CHECK(b.kv_heads == 4);
     CHECK(b.unmodelled.empty());
+    TempFile unscaled("config.json", R"({"model_type": "granite", "hidden_size": 64,
+      "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+      "vocab_size": 256, "max_position_embeddings": 64})");
+    REQUIRE(load_model(unscaled.path()).unmodelled.size() == 1);
+    CHECK(load_model(unscaled.path()).unmodelled[0].starts_with("its attention_multiplier of 1 "));
   }
   SECTION("phi3: Phi-3 mini and Phi-4, one key/value head per head by default") {
     // microsoft/Phi-3-mini-4k-instruct's config.json (3.8B), its window said not modelled.
