@@ -351,10 +351,10 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   const JsonReader r(j, file);
   const std::string type = r.string("model_type");
   static constexpr std::string_view kSupported =
-      "gpt2, granite, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe";
+      "gpt2, granite, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe";
   if (type != "gpt2" && type != "granite" && type != "llama" && type != "mistral" &&
-      type != "mixtral" && type != "phi3" && type != "qwen2" && type != "qwen3" &&
-      type != "qwen3_moe") {
+      type != "mixtral" && type != "olmo2" && type != "phi3" && type != "qwen2" &&
+      type != "qwen3" && type != "qwen3_moe") {
     // Families whose blocks dtsim cannot describe yet: say what is missing.
     const std::string why =
         type == "qwen2_moe" ? "; its shared expert beside the routed ones is not modelled"
@@ -452,7 +452,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // is one key/value head per head (LlamaConfig: multi-head attention), mistral's and mixtral's
     // 8, qwen2's and qwen3's 32, qwen3_moe's 4 (their configuration classes' defaults); said in the
     // description (a misspelt key would read so too).
-    const bool head_per_head = llama_like || type == "phi3";
+    const bool head_per_head = llama_like || type == "phi3" || type == "olmo2";
     if (r.has("num_key_value_heads") || head_per_head) {
       m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"},
                           /*aliases=*/false);
@@ -473,6 +473,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
                               "attention), as Hugging Face's {} defaults it",
                               type == "llama"     ? "LlamaConfig"
                               : type == "granite" ? "GraniteConfig"
+                              : type == "olmo2"   ? "Olmo2Config"
                                                   : "Phi3Config")
                         : fmt::format("; no num_key_value_heads: {}, Hugging Face's default for {}",
                                       m.kv_heads, type);
@@ -553,7 +554,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // Qwen2MLP), mistral, mixtral and phi3 none; what those classes do not read is said.
     const bool attention_bias = r.boolean_or("attention_bias", false);
     const bool mlp_bias = r.boolean_or("mlp_bias", false);
-    const bool reads_attention_bias = llama_like || qwen3;
+    const bool reads_attention_bias = llama_like || qwen3 || type == "olmo2";
     const bool reads_mlp_bias = llama_like;
     m.bias.qkv = type == "qwen2" || (reads_attention_bias && attention_bias);
     m.bias.attn_out = reads_attention_bias && attention_bias;
@@ -567,9 +568,9 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
                       : unread_attention             ? "attention_bias is"
                                                      : "mlp_bias is",
                       type,
-                      type == "qwen2" ? "biases on q, k and v only"
-                      : qwen3         ? "no biases in its MLP"
-                                      : "no biases");
+                      type == "qwen2"            ? "biases on q, k and v only"
+                      : qwen3 || type == "olmo2" ? "no biases in its MLP"
+                                                 : "no biases");
     }
     if (qwen3) {
       m.description +=
@@ -586,6 +587,20 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           "file's \"dropout\": true prices GPT-2's embedding, attention and residual dropout)",
           p);
       m.unmodelled.push_back(fmt::format("its attention_dropout of {:g}", p));
+    }
+    // OLMo 2's blocks (Olmo2DecoderLayer): its two RMSNorms come after attention and the MLP,
+    // on their outputs before the residual adds (dtsim's and dtexec's before them, on their
+    // inputs: the same count and cost), and an RMSNorm of all heads' queries and of all keys,
+    // whole projections wide, which at tp > 1 also needs their sums of squares across ranks.
+    if (type == "olmo2") {
+      m.description +=
+          "; its RMSNorms after attention and the MLP (post-norm) are priced as Llama's before "
+          "them, and its q_norm and k_norm over the whole projections (a reduction across tp "
+          "ranks too) are not modelled";
+      m.unmodelled.push_back(
+          "its RMSNorms after attention and the MLP (before them instead, as Llama's)");
+      m.unmodelled.push_back(
+          "its q_norm and k_norm (an RMSNorm of all heads' queries and of all keys)");
     }
     // Granite's scalars (GraniteConfig): an embedding multiplier, a residual one and the
     // logits' divisor, each an element-wise product dtsim does not price and dtexec trains

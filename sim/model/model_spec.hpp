@@ -104,8 +104,8 @@ ModelSpec model_from_json(const nlohmann::json& j, const std::string& file);
 // activation, norm, positions, rope_theta, tied_embeddings, dropout, bias, moe).
 nlohmann::json architecture_json(const ModelSpec& m);
 
-// Parses a Hugging Face config.json (model_type gpt2, granite, llama, mistral, mixtral, phi3,
-// qwen2, qwen3, qwen3_moe).
+// Parses a Hugging Face config.json (model_type gpt2, granite, llama, mistral, mixtral, olmo2,
+// phi3, qwen2, qwen3, qwen3_moe).
 ModelSpec model_from_hf_config(const nlohmann::json& j, const std::string& file);
 
 // Sanity bounds on a model's dimensions. With them, and the size limits below, every count of

@@ -141,6 +141,18 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     REQUIRE(load_model(unscaled.path()).unmodelled.size() == 1);
     CHECK(load_model(unscaled.path()).unmodelled[0].starts_with("its attention_multiplier of 1 "));
   }
+  SECTION("olmo2: Llama's blocks, its post-norms and whole-width q/k norms said") {
+    // allenai/OLMo-2-1124-7B's config.json (7.3B with its q/k norms' 262,144).
+    TempFile f("config.json", R"({"model_type": "olmo2", "hidden_size": 4096,
+      "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
+      "vocab_size": 100352, "max_position_embeddings": 4096, "rope_theta": 500000,
+      "attention_bias": false, "tie_word_embeddings": false})");
+    const auto m = load_model(f.path());
+    CHECK(m.kv_heads == 32);
+    CHECK(count_params(m) + 32 * 2 * 4096 == 7298617344ULL);
+    REQUIRE(m.unmodelled.size() == 2);
+    CHECK(m.unmodelled[0].starts_with("its RMSNorms after attention and the MLP"));
+  }
   SECTION("phi3: Phi-3 mini and Phi-4, one key/value head per head by default") {
     // microsoft/Phi-3-mini-4k-instruct's config.json (3.8B), its window said not modelled.
     TempFile mini("config.json", R"({"model_type": "phi3", "hidden_size": 3072,
@@ -432,7 +444,7 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     DTSIM_REQUIRE_THROWS_CONTAINING(
         load_model(f.path()), InputError,
         "model_type: unsupported Hugging Face model_type \"bert\" (supported: gpt2, granite, "
-        "llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe)");
+        "llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe)");
     // A family dtsim cannot describe yet says what it lacks.
     TempFile shared("config.json", R"({"model_type": "qwen2_moe", "hidden_size": 2048})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(shared.path()), InputError,
