@@ -778,9 +778,10 @@ int cmd_plan(const std::vector<std::string>& args) {
       if (faster > 0 && extra > 0 && kMeanOverlapSlowdown * extra >= faster) {
         std::cout << fmt::format(
             "(#1 runs {} more of its compute beside communication than #2, priced as fast as "
-            "alone; GPUs slow such compute, 18.9% on average in Lee et al. 2025, which dtsim "
+            "alone; GPUs slow such compute, {:.1f}% on average in Lee et al. 2025, which dtsim "
             "does not model: at that rate up to {} a step, more than #1's lead)\n",
-            format_duration(extra), format_duration(kMeanOverlapSlowdown * extra));
+            format_duration(extra), 100 * kMeanOverlapSlowdown,
+            format_duration(kMeanOverlapSlowdown * extra));
       }
     }
   }

@@ -302,11 +302,11 @@ int cmd_simulate(const std::vector<std::string>& args) {
     const double stretch = kMeanOverlapSlowdown * b.overlapped_s;
     std::cout << fmt::format(
         "\ncommunication in flight beside compute: {} of the stage's {} of compute ({:.1f}%), "
-        "priced as fast as alone; GPUs slow compute that overlaps communication (18.9% on "
+        "priced as fast as alone; GPUs slow compute that overlaps communication ({:.1f}% on "
         "average in Lee et al. 2025), which dtsim does not model: at that rate, up to {} "
         "({:+.1f}%) more a step\n",
         format_duration(b.overlapped_s), format_duration(busy), 100 * b.overlapped_s / busy,
-        format_duration(stretch), 100 * stretch / p.step_time_s);
+        100 * kMeanOverlapSlowdown, format_duration(stretch), 100 * stretch / p.step_time_s);
   }
   if (p.straggler_cost_s && *p.straggler_cost_s != 0) {
     // (A cost below the waits, even negative, is possible: the waits can reorder the transfers

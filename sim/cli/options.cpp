@@ -653,17 +653,16 @@ std::string network_argument(const po::variables_map& vm) {
   const nlohmann::json j = plan_file_json(file);
   if (!j.is_object() || !JsonReader(j, file).has("network")) return given;
   const std::string named = JsonReader(j, file).choice("network", {"analytical", "simgrid"});
-  if (named == given || launcher_rank() != 0) return vm["network"].defaulted() ? named : given;
-  if (vm["network"].defaulted()) {
-    std::cerr << fmt::format(
-        "note: {}: network model {} from the file, which the plan was ranked with (--network "
-        "sets another)\n",
-        file, named);
-    return named;
+  const bool from_file = vm["network"].defaulted();
+  if (named != given && launcher_rank() == 0) {
+    std::cerr << (from_file ? fmt::format("note: {}: network model {} from the file, which the "
+                                          "plan was ranked with (--network sets another)\n",
+                                          file, named)
+                            : fmt::format("note: {} was ranked on the {} network; --network {} "
+                                          "as given\n",
+                                          file, named, given));
   }
-  std::cerr << fmt::format("note: {} was ranked on the {} network; --network {} as given\n", file,
-                           named, given);
-  return given;
+  return from_file ? named : given;
 }
 
 std::string data_reference(std::string_view key, const std::string& given) {

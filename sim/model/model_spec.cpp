@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -350,11 +351,10 @@ constexpr std::int64_t kHfDefaultSeqLen = 4096;
 ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   const JsonReader r(j, file);
   const std::string type = r.string("model_type");
-  static constexpr std::string_view kSupported =
-      "gpt2, granite, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe";
-  if (type != "gpt2" && type != "granite" && type != "llama" && type != "mistral" &&
-      type != "mixtral" && type != "olmo2" && type != "phi3" && type != "qwen2" &&
-      type != "qwen3" && type != "qwen3_moe") {
+  static constexpr std::array<std::string_view, 10> kSupported = {
+      "gpt2",  "granite", "llama", "mistral", "mixtral",
+      "olmo2", "phi3",    "qwen2", "qwen3",   "qwen3_moe"};
+  if (std::find(kSupported.begin(), kSupported.end(), type) == kSupported.end()) {
     // Families whose blocks dtsim cannot describe yet: say what is missing.
     const std::string why =
         type == "qwen2_moe" ? "; its shared expert beside the routed ones is not modelled"
@@ -362,7 +362,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
             ? "; its shared experts, latent attention and dense first layers are not modelled"
             : "";
     r.fail("model_type", fmt::format("unsupported Hugging Face model_type \"{}\" (supported: {}){}",
-                                     type, kSupported, why));
+                                     type, fmt::join(kSupported, ", "), why));
   }
   // Qwen3's families: Qwen2's Hugging Face classes without the q/k/v biases, and with an
   // RMSNorm of each head's queries and keys (Qwen3Attention's q_norm, k_norm).
@@ -605,20 +605,25 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // Granite's scalars (GraniteConfig): an embedding multiplier, a residual one and the
     // logits' divisor, each an element-wise product dtsim does not price and dtexec trains
     // without (1: none); its attention scale, below.
-    for (const char* key : {"embedding_multiplier", "residual_multiplier", "logits_scaling"}) {
-      if (type != "granite" || !r.has(key)) continue;
-      const double v = r.positive_number(key);
-      if (v == 1) continue;
-      m.description += fmt::format("; its {} of {:g} is not modelled (a scalar product)", key, v);
-      m.unmodelled.push_back(fmt::format("its {} of {:g}", key, v));
+    if (type == "granite") {
+      for (const char* key : {"embedding_multiplier", "residual_multiplier", "logits_scaling"}) {
+        if (!r.has(key)) continue;
+        if (const double v = r.positive_number(key); v != 1) {
+          m.description +=
+              fmt::format("; its {} of {:g} is not modelled (a scalar product)", key, v);
+          m.unmodelled.push_back(fmt::format("its {} of {:g}", key, v));
+        }
+      }
     }
     // Phi-3's residual and embedding dropout (0 in its published configs), as attention's.
-    for (const char* key : {"resid_pdrop", "embd_pdrop"}) {
-      if (type != "phi3" || !r.has(key)) continue;
-      if (const double p = probability(key); p > 0) {
-        m.description +=
-            fmt::format("; its {} of {:g} is not modelled (priced without dropout)", key, p);
-        m.unmodelled.push_back(fmt::format("its {} of {:g}", key, p));
+    if (type == "phi3") {
+      for (const char* key : {"resid_pdrop", "embd_pdrop"}) {
+        if (!r.has(key)) continue;
+        if (const double p = probability(key); p > 0) {
+          m.description +=
+              fmt::format("; its {} of {:g} is not modelled (priced without dropout)", key, p);
+          m.unmodelled.push_back(fmt::format("its {} of {:g}", key, p));
+        }
       }
     }
     // Hugging Face's llama, mistral, phi3, qwen2 and qwen3 classes have no experts, whatever
