@@ -97,6 +97,10 @@ int main(int argc, char** argv) {
       // hidden size.
       {"Qwen3 30B-A3B, 64 H100 (dgx-h100-superpod), batch 512", "qwen3-30b-a3b",
        "dgx-h100-superpod", 64, 512},
+      // Shared experts beside the routed ones: a dense MLP 8 experts wide in every block, its
+      // own tp region under sequence parallelism.
+      {"Qwen2 57B-A14B, 64 H100 (dgx-h100-superpod), batch 512", "qwen2-57b-a14b",
+       "dgx-h100-superpod", 64, 512},
       // A small model: the embedding's gradients a third of the parameters, the head's GEMMs
       // a block's several times, stages of one or two blocks.
       {"GPT-2 124M, 8 A100 (default), batch 64", "gpt2-124m", "default", 8, 64},

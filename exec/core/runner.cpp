@@ -59,7 +59,7 @@ Runner::Runner(const model::ModelGraph& g, const lower::Program& program, const 
   H_ = static_cast<int>(m_.heads / tp_);
   G_ = static_cast<int>(m_.kv_heads / tp_);
   D_ = static_cast<int>(m_.head_dim);
-  F_ = static_cast<int>(m_.ffn_hidden / tp_);
+  F_ = static_cast<int>(m_.dense_ffn() / tp_);  // (a mixture's shared experts')
   Vl_ = V_ / tp_;
   micro_batches_ = static_cast<int>(p_.micro_batches());
   last_stage_ = rp_->stage == p_.pp - 1;
@@ -349,7 +349,7 @@ std::vector<OpId> Runner::my_ops() const {
 }
 
 std::vector<std::pair<int, Slice>> Runner::slices(const Op& op, int t) const {
-  const std::int64_t C = C_, V = V_, F = m_.ffn_hidden, D = D_;
+  const std::int64_t C = C_, V = V_, F = m_.dense_ffn(), D = D_;
   const std::int64_t Hf = m_.heads, Gf = m_.kv_heads, H = H_, G = G_, Fl = F_, Vl = Vl_;
   const int u = m_.activation == model::Activation::SwiGlu ? 2 : 1;
   auto cols = [](std::int64_t rows, std::int64_t ncols,
@@ -1044,8 +1044,13 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
   if (spec.moe) {
     notes.push_back(fmt::format(
         "mixture of experts: each token to its top {} of {} experts by router logit, weighted by "
-        "the softmax of those logits (Mixtral's routing); dropless, no load-balancing loss",
-        spec.moe->top_k, spec.moe->experts));
+        "the softmax of those logits (Mixtral's routing); dropless, no load-balancing loss{}",
+        spec.moe->top_k, spec.moe->experts,
+        spec.shared_ffn() > 0
+            ? fmt::format("; and every token through the shared experts (an MLP of width "
+                          "{}), their output added to the routed experts'",
+                          spec.shared_ffn())
+            : ""));
   }
   if (auto padding = plan::vocab_padding_note(spec, plan)) {
     // (The padded rows take part in the softmax, as Megatron-LM's do: the losses are another

@@ -536,6 +536,15 @@ class Runner {
   // Local GEMM shape (K, N) of a linear op on this tensor-parallel rank.
   std::pair<int, int> gemm_shape(const Op& op) const;
 
+  // The shared experts' down projection, which adds the routed experts' output (its second
+  // input) to its own; and where the rank's share of that output lies in its rows under
+  // moe_local_dispatch.
+  bool adds_routed(OpId id) const {
+    const Op& op = g_.op(id);
+    return op.kind == OpKind::MlpDown && !op.expert && m_.shared_ffn() > 0;
+  }
+  std::int64_t routed_rows() const { return static_cast<std::int64_t>(t_) * Ts_ * C_; }
+
   bool row_parallel(const Op& op) const {
     return op.kind == OpKind::AttnOutProj || op.kind == OpKind::MlpDown;
   }

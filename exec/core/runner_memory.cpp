@@ -42,6 +42,7 @@ std::vector<Runner::Use> Runner::forward_uses(OpId id) const {
     case OpKind::MlpDown:
     case OpKind::LmHead:
       read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
+      if (adds_routed(id)) read(Slot::Out, g_.predecessors(id).at(1));
       if (op.kind == OpKind::MlpDown && op.expert) {
         make(Slot::Aux1, id);                   // the copies' outputs
         if (ep_ > 1 || local_dispatch_) break;  // combined after the collectives that follow
@@ -132,6 +133,7 @@ std::vector<Runner::Use> Runner::backward_uses(OpId id, Part part) const {
       }
       if (weight_grads) read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
       if (input_grads) read(gathers_input(op) ? Slot::FullGrad : Slot::Grad, input(id));
+      if (adds_routed(id) && input_grads) read(Slot::Grad, g_.predecessors(id).at(1));
       break;
     case OpKind::AttentionCore:
       read(Slot::Grad, id);

@@ -43,6 +43,14 @@ void Runner::forward(MicroBatch& mb, OpId id) {
       const bool tied = tied_head(op);
       dev_.matmul_forward(out, input_of(mb, id), tied ? tied_table(id).work : param(id, 0).work,
                           bias, T_, K, N, tied);
+      if (adds_routed(id)) {
+        // The shared experts' down projection adds the routed experts' output: whole, or under
+        // moe_local_dispatch the rank's share of the sequence into its rows (the reduce-scatter
+        // that follows sums each row over the ranks; the other ranks add none there).
+        const View routed = mb.out.at(g_.predecessors(id).at(1));
+        dev_.accumulate(routed.size() == out.size() ? out : out.sub(routed_rows(), routed.size()),
+                        routed);
+      }
       // Sequence parallelism keeps only the rank's share of a column-parallel layer's input:
       // the backward gathers it again (the Program's Backward-phase all-gather).
       if (const auto it = mb.full.find(input(id)); it != mb.full.end()) {
@@ -256,6 +264,13 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
       linear_backward(input_grads ? input_grad_to_write(mb, id) : GradOut{}, w,
                       weight_grads && !tied ? bias_grad(id) : View{}, mb.grad.at(id),
                       weight_grads ? input_of(mb, id) : View{}, T_, K, N, tied, weight_grads);
+      if (adds_routed(id) && input_grads) {
+        // The routed experts' output gradient is the sum's (its rows, as the forward added).
+        const OpId routed = g_.predecessors(id).at(1);
+        const View dy = mb.grad.at(id);
+        const std::int64_t n = output_size(mb, routed);
+        add_to_grad(mb, routed, n == dy.size() ? dy : dy.sub(routed_rows(), n));
+      }
       break;
     }
     case OpKind::AttentionCore: {

@@ -28,6 +28,7 @@ std::string architecture(const model::ModelSpec& m) {
   if (m.moe) {
     s += fmt::format("MoE {} experts top-{} of {} FFN {}, ", m.moe->experts, m.moe->top_k,
                      to_string(m.activation), m.moe->expert_ffn_hidden);
+    if (m.shared_ffn() > 0) s += fmt::format("shared experts FFN {}, ", m.shared_ffn());
   } else {
     s += fmt::format("{} FFN {}, ", to_string(m.activation), m.ffn_hidden);
   }
@@ -185,10 +186,10 @@ int cmd_describe(const std::vector<std::string>& args) {
                            format_count(head_params));
   if (spec.moe) {
     std::cout << fmt::format(
-        "  activated per token: {} ({:.1f}% of them: {} of {} experts a block, the embedding "
+        "  activated per token: {} ({:.1f}% of them: {} of {} experts a block{}, the embedding "
         "and head included)\n",
         format_si(active + tables), 100 * (active + tables) / static_cast<double>(totals.params),
-        spec.moe->top_k, spec.moe->experts);
+        spec.moe->top_k, spec.moe->experts, spec.shared_ffn() > 0 ? " and the shared ones" : "");
   }
   std::cout << fmt::format(
       "\ntraining FLOPs per token at seq_len {}: {} (forward {}; Kaplan et al.'s 6N, N = {} {}"

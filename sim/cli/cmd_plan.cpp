@@ -160,12 +160,16 @@ std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Clus
                               max_tp_given ? "--max-tp" : "the devices per node (--max-tp)",
                               max_tp));
   }
-  if (space.fixed_tp > 0 && (m.heads % space.fixed_tp != 0 || m.kv_heads % space.fixed_tp != 0 ||
-                             m.ffn_hidden % space.fixed_tp != 0)) {
-    why.push_back(
-        fmt::format("--fixed tp={} must divide the model's heads ({}), kv_heads ({}) "
-                    "and ffn_hidden ({})",
-                    space.fixed_tp, m.heads, m.kv_heads, m.ffn_hidden));
+  // (The shared experts' width too, where the model has them.)
+  const std::string shared =
+      m.shared_ffn() > 0 ? fmt::format(", shared_ffn_hidden {}", m.shared_ffn()) : "";
+  if (space.fixed_tp > 0 &&
+      (m.heads % space.fixed_tp != 0 || m.kv_heads % space.fixed_tp != 0 ||
+       m.ffn_hidden % space.fixed_tp != 0 || m.shared_ffn() % space.fixed_tp != 0)) {
+    why.push_back(fmt::format(
+        "--fixed tp={} must divide the model's heads ({}), kv_heads ({}){} ffn_hidden ({}){}",
+        space.fixed_tp, m.heads, m.kv_heads, m.shared_ffn() > 0 ? "," : " and", m.ffn_hidden,
+        m.shared_ffn() > 0 ? fmt::format(" and shared_ffn_hidden ({})", m.shared_ffn()) : ""));
   }
   if (space.fixed_pp > m.layers) {
     why.push_back(
@@ -203,9 +207,9 @@ std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Clus
   all.push_back(fmt::format("{} devices, {} per node (tp x cp x pp x dp = devices)", devices,
                             cluster.devices_per_node));
   if (!fixed_text.empty()) all.push_back(fmt::format("{}", fmt::join(fixed_text, ", ")));
-  all.push_back(fmt::format("tp <= {} ({}) and divides heads {}, kv_heads {}, ffn_hidden {}",
+  all.push_back(fmt::format("tp <= {} ({}) and divides heads {}, kv_heads {}, ffn_hidden {}{}",
                             max_tp, max_tp_given ? "--max-tp" : "devices per node; --max-tp",
-                            m.heads, m.kv_heads, m.ffn_hidden));
+                            m.heads, m.kv_heads, m.ffn_hidden, shared));
   all.push_back(space.max_pp > 0
                     ? fmt::format("pp <= {} (--max-pp) and <= {} layers", space.max_pp, m.layers)
                     : fmt::format("pp <= {} layers", m.layers));

@@ -435,9 +435,9 @@ class Lowerer {
           marker(Marker::TpGates, l, id);
         }
         // A router that routes the rank's share of the sequence has no gathered input.
-        const bool first_mlp = (o.kind == OpKind::Router && !local_dispatch_) ||
-                               (o.kind == OpKind::MlpUp && !g_.spec().moe);
-        if (o.kind == OpKind::QkvProj || first_mlp) marker(Marker::TpEnter, l, id);
+        if (o.kind == OpKind::QkvProj || plan::mlp_tp_enter(g_.spec(), plan_, o)) {
+          marker(Marker::TpEnter, l, id);
+        }
         if (o.kind == OpKind::AttentionCore && plan_.cp > 1) marker(Marker::CpGatherKv, l, id);
         if (o.kind == OpKind::MlpUp && o.expert && plan_.ep > 1) marker(Marker::EpDispatch, l, id);
         if (o.kind == OpKind::MlpUp && o.expert && local_dispatch_) {
@@ -450,8 +450,7 @@ class Lowerer {
           marker(Marker::TpScatterCopies, l, id);
         }
         if (o.kind == OpKind::MlpDown && o.expert && plan_.ep > 1) marker(Marker::EpCombine, l, id);
-        if (o.kind == OpKind::AttnOutProj ||
-            (o.kind == OpKind::MlpDown && !(o.expert && local_dispatch_))) {
+        if (o.kind == OpKind::AttnOutProj || plan::mlp_tp_exit(g_.spec(), plan_, o)) {
           marker(Marker::TpExit, l, id);
         }
       }

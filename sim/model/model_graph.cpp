@@ -337,9 +337,60 @@ class Builder {
       down.fwd_move_bytes = a * tokens_ * hd * (1.0 + k);
       down.bwd_move_bytes = a * tokens_ * hd * (1.0 + 2.0 * k);
     }
-    const OpId d = add(std::move(down), {ac});
+    OpId d = add(std::move(down), {ac});
+    if (m_.shared_ffn() > 0) d = shared_experts(l, n2, d);
 
     return residual(name("mlp_residual"), l, d, r1);
+  }
+
+  // The shared experts (MoeSpec::shared_ffn_hidden): a dense MLP over every token of the
+  // block's MLP input `in`, after the routed experts in forward order. Its down projection
+  // adds the routed experts' output `routed` to its own, so that one tensor-parallel
+  // reduction sums both (Megatron-LM's MoE layer adds the shared experts' output to the
+  // routed one likewise).
+  OpId shared_experts(int l, OpId in, OpId routed) {
+    const auto name = [l](std::string_view what) { return fmt::format("L{}.{}", l, what); };
+    const double hd = static_cast<double>(h());
+    const double a = static_cast<double>(act_);
+    const u64 f = static_cast<u64>(m_.shared_ffn());
+    const bool swiglu = m_.activation == Activation::SwiGlu;
+    const u64 up_width = swiglu ? 2 * f : f;
+
+    Op up;
+    up.name = name("shared_up");
+    up.kind = OpKind::MlpUp;
+    up.layer = l;
+    up.tp_split = TpSplit::Column;
+    up.params = h() * up_width + (m_.bias.mlp ? up_width : 0);
+    gemm(up, tokens_, hd, static_cast<double>(up_width));
+    // Its input is the router's, which the router keeps already: nothing saved of its own.
+    const OpId u = add(std::move(up), {in});
+
+    Op act;
+    act.name = name("shared_act");
+    act.kind = OpKind::Activation;
+    act.layer = l;
+    act.tp_split = TpSplit::Column;
+    act.saved_tp_split = true;
+    elementwise(act, tokens_ * static_cast<double>(f), swiglu ? 2.0 : 1.0, 1.0);
+    act.saved_bytes = act_ * T() * up_width;
+    const OpId ac = add(std::move(act), {u});
+
+    Op down;
+    down.name = name("shared_down");
+    down.kind = OpKind::MlpDown;
+    down.layer = l;
+    down.tp_split = TpSplit::Row;
+    down.params = f * h() + (m_.bias.mlp ? h() : 0);
+    down.tp_replicated_params = m_.bias.mlp ? h() : 0;
+    gemm(down, tokens_, static_cast<double>(f), hd);
+    down.saved_bytes = act_ * T() * f;  // its input
+    down.saved_tp_split = true;
+    // The sum with the routed output: reads both, writes one; its backward copies the output's
+    // gradient to the routed experts' output.
+    down.fwd_move_bytes = 3.0 * a * tokens_ * hd;
+    down.bwd_move_bytes = 2.0 * a * tokens_ * hd;
+    return add(std::move(down), {ac, routed});
   }
 
   OpId lm_head(int layer, OpId in) {

@@ -118,9 +118,10 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
   if (r.has("unmodelled")) m.unmodelled = r.string_array("unmodelled");
   if (r.has("moe")) {
     const JsonReader e = r.object("moe");
-    e.expect_only({"experts", "top_k", "expert_ffn_hidden"});
+    e.expect_only({"experts", "top_k", "expert_ffn_hidden", "shared_ffn_hidden"});
     m.moe = MoeSpec{e.positive_int("experts"), e.positive_int("top_k"),
-                    e.positive_int("expert_ffn_hidden")};
+                    e.positive_int("expert_ffn_hidden"),
+                    e.has("shared_ffn_hidden") ? e.positive_int("shared_ffn_hidden") : 0};
     // Every block's MLP is its experts (no dense layers are modelled): a dense width that
     // differs would be read nowhere, in silence (cpu-small-moe said 1024 for experts of 512).
     if (ffn_given != 0 && ffn_given != m.moe->expert_ffn_hidden) {
@@ -161,10 +162,13 @@ double params_upper_bound(const ModelSpec& m) {
   const double kv = static_cast<double>(m.kv_width());
   const double experts = m.moe ? static_cast<double>(m.moe->experts) : 1.0;
   const double f = static_cast<double>(m.moe ? m.moe->expert_ffn_hidden : m.ffn_hidden);
+  const double fs = static_cast<double>(m.shared_ffn());
   // Per block: norms (4h), attention with biases, and per expert an MLP of at most three h x f
-  // matrices with biases, plus the router (models/README.md "Parameter count").
-  const double block =
-      4 * h + (h + 1) * (q + 2 * kv) + q * h + h + experts * (3 * h * f + 2 * f + h) + h * experts;
+  // matrices with biases, plus the router and the shared experts (models/README.md "Parameter
+  // count").
+  const double block = 4 * h + (h + 1) * (q + 2 * kv) + q * h + h +
+                       experts * (3 * h * f + 2 * f + h) + h * experts +
+                       (fs > 0 ? 3 * h * fs + 2 * fs + h : 0.0);
   return static_cast<double>(m.layers) * block +
          (2 * static_cast<double>(m.vocab_rows()) + static_cast<double>(m.max_positions) + 2) * h;
 }
@@ -177,11 +181,14 @@ double saved_bytes_upper_bound(const ModelSpec& m, double micro_batch, double se
   const double copies = m.moe ? static_cast<double>(m.moe->top_k) : 1.0;
   const double experts = m.moe ? static_cast<double>(m.moe->experts) : 0.0;
   const double f = static_cast<double>(m.moe ? m.moe->expert_ffn_hidden : m.ffn_hidden);
+  const double fs = static_cast<double>(m.shared_ffn());
   // Per token of a block: norm, residual and projection inputs (6h + q + 2kv), the MLP's
-  // input, gate/up and down inputs and output per routed copy (2h + 3f) and fp32 routing
-  // probabilities; plus the s² attention terms (softmax output, dropout mask and output: at
-  // most 9 bytes per score). Ends: embedding mask, final norm, head input and fp32 logits.
-  const double per_token = 6 * h + q + 2 * kv + copies * (2 * h + 3 * f) + experts;
+  // input, gate/up and down inputs and output per routed copy (2h + 3f), the shared experts'
+  // (2h + 3fs), and fp32 routing probabilities; plus the s² attention terms (softmax output,
+  // dropout mask and output: at most 9 bytes per score). Ends: embedding mask, final norm,
+  // head input and fp32 logits.
+  const double per_token =
+      6 * h + q + 2 * kv + copies * (2 * h + 3 * f) + (fs > 0 ? 2 * h + 3 * fs : 0.0) + experts;
   const double scores = micro_batch * static_cast<double>(m.heads) * seq_len * seq_len;
   return static_cast<double>(m.layers) * (4 * tokens * per_token + 9 * scores) +
          4 * tokens * (3 * h + static_cast<double>(m.vocab_rows()));
@@ -247,6 +254,7 @@ void validate_model(const ModelSpec& m,
   if (m.moe) {
     at_most("moe.experts", m.moe->experts, kMaxExperts);
     at_most("moe.expert_ffn_hidden", m.moe->expert_ffn_hidden, kMaxWidth);
+    at_most("moe.shared_ffn_hidden", m.moe->shared_ffn_hidden, kMaxWidth);
     if (m.moe->top_k > m.moe->experts) {
       // In the message, dtsim's own names drop the "moe." prefix ("top_k = 4 exceeds ...").
       auto name = [&](std::string_view field) {
@@ -293,11 +301,13 @@ std::int64_t hf_int(const JsonReader& r, KeyMap& names, std::string_view field,
   r.fail(*keys.begin(), "required field is missing");
 }
 
-// A qwen3_moe config's mixture of experts (Hugging Face's Qwen3MoeSparseMoeBlock): experts
-// of width moe_intermediate_size, no shared expert. A block is dense where mlp_only_layers
-// names it or decoder_sparse_step skips it; dtsim models experts in every block or none, so
-// such a config is refused rather than misread.
-void read_qwen3_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {
+// A qwen2_moe or qwen3_moe config's mixture of experts (Hugging Face's Qwen2MoeSparseMoeBlock,
+// Qwen3MoeSparseMoeBlock): experts of width moe_intermediate_size; qwen2_moe's beside a shared
+// expert of width shared_expert_intermediate_size, whose output a sigmoid gate scales per
+// token (that gate is not modelled); qwen3_moe's alone. A block is dense where
+// mlp_only_layers names it or decoder_sparse_step skips it; dtsim models experts in every
+// block or none, so such a config is refused rather than misread.
+void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string_view type) {
   // (Newer transformers save num_experts as num_local_experts.)
   m.moe = MoeSpec{hf_int(r, names, "moe.experts", {"num_experts", "num_local_experts"}),
                   hf_int(r, names, "moe.top_k", {"num_experts_per_tok"}),
@@ -321,10 +331,26 @@ void read_qwen3_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {
                          dense.size(), dense.size() == 1 ? "" : "s"));
     }
   }
-  if (r.has("shared_expert_intermediate_size") &&
-      r.non_negative_number("shared_expert_intermediate_size") > 0) {
+  if (type == "qwen2_moe") {
+    // Qwen2MoeConfig's default is 5632 (Qwen1.5-MoE-A2.7B's); a config without the key is
+    // refused rather than given it in silence.
+    if (!r.has("shared_expert_intermediate_size")) {
+      r.fail("shared_expert_intermediate_size", "required field is missing");
+    }
+    if (r.non_negative_number("shared_expert_intermediate_size") > 0) {
+      m.moe->shared_ffn_hidden =
+          hf_int(r, names, "moe.shared_ffn_hidden", {"shared_expert_intermediate_size"});
+      m.description +=
+          "; its shared expert's sigmoid gate (shared_expert_gate: an h-wide projection "
+          "scaling the shared expert's output per token) is not modelled";
+      m.unmodelled.push_back(
+          "its shared_expert_gate (the shared expert's output added unscaled instead)");
+    }
+  } else if (r.has("shared_expert_intermediate_size") &&
+             r.non_negative_number("shared_expert_intermediate_size") > 0) {
     r.fail("shared_expert_intermediate_size",
-           "a shared expert beside the routed ones is not modelled (0 or none only)");
+           "Hugging Face's qwen3_moe model has no shared expert (model_type qwen2_moe has): 0 or "
+           "none only");
   }
   if (r.has("intermediate_size") && r.positive_int("intermediate_size") != m.ffn_hidden) {
     m.description += fmt::format(
@@ -351,15 +377,15 @@ constexpr std::int64_t kHfDefaultSeqLen = 4096;
 ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   const JsonReader r(j, file);
   const std::string type = r.string("model_type");
-  static constexpr std::array<std::string_view, 10> kSupported = {
-      "gpt2",  "granite", "llama", "mistral", "mixtral",
-      "olmo2", "phi3",    "qwen2", "qwen3",   "qwen3_moe"};
+  static constexpr std::array<std::string_view, 11> kSupported = {
+      "gpt2", "granite", "llama", "mistral",   "mixtral",  "olmo2",
+      "phi3", "qwen2",   "qwen3", "qwen2_moe", "qwen3_moe"};
   if (std::find(kSupported.begin(), kSupported.end(), type) == kSupported.end()) {
     // Families whose blocks dtsim cannot describe yet: say what is missing.
     const std::string why =
-        type == "qwen2_moe" ? "; its shared expert beside the routed ones is not modelled"
-        : type.starts_with("deepseek")
-            ? "; its shared experts, latent attention and dense first layers are not modelled"
+        type.starts_with("deepseek")
+            ? "; its dense first layers among the experts' (and V2's and V3's latent attention) "
+              "are not modelled"
             : "";
     r.fail("model_type", fmt::format("unsupported Hugging Face model_type \"{}\" (supported: {}){}",
                                      type, fmt::join(kSupported, ", "), why));
@@ -367,6 +393,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   // Qwen3's families: Qwen2's Hugging Face classes without the q/k/v biases, and with an
   // RMSNorm of each head's queries and keys (Qwen3Attention's q_norm, k_norm).
   const bool qwen3 = type == "qwen3" || type == "qwen3_moe";
+  // Qwen's mixtures of experts (the blocks of qwen2 or qwen3 around experts).
+  const bool qwen_moe = type == "qwen2_moe" || type == "qwen3_moe";
   // IBM's Granite: Llama's blocks (its Hugging Face class is Llama's with four scalars).
   const bool llama_like = type == "llama" || type == "granite";
   ModelSpec m;
@@ -450,14 +478,17 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.heads = hf_int(r, names, "heads", {"num_attention_heads"});
     // Without num_key_value_heads, Hugging Face's default for the family: llama's and phi3's
     // is one key/value head per head (LlamaConfig: multi-head attention), mistral's and mixtral's
-    // 8, qwen2's and qwen3's 32, qwen3_moe's 4 (their configuration classes' defaults); said in the
-    // description (a misspelt key would read so too).
+    // 8, qwen2's and qwen3's 32, qwen2_moe's 16, qwen3_moe's 4 (their configuration classes'
+    // defaults); said in the description (a misspelt key would read so too).
     const bool head_per_head = llama_like || type == "phi3" || type == "olmo2";
     if (r.has("num_key_value_heads") || head_per_head) {
       m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"},
                           /*aliases=*/false);
     } else {
-      m.kv_heads = type == "qwen2" || type == "qwen3" ? 32 : type == "qwen3_moe" ? 4 : 8;
+      m.kv_heads = type == "qwen2" || type == "qwen3" ? 32
+                   : type == "qwen2_moe"              ? 16
+                   : type == "qwen3_moe"              ? 4
+                                                      : 8;
       names["kv_heads"] = "num_key_value_heads";
       if (m.heads % m.kv_heads != 0) {
         r.fail("num_key_value_heads",
@@ -478,8 +509,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
                         : fmt::format("; no num_key_value_heads: {}, Hugging Face's default for {}",
                                       m.kv_heads, type);
     }
-    // (qwen3_moe: its experts' width, moe_intermediate_size, below.)
-    if (type != "qwen3_moe") m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
+    // (qwen2_moe and qwen3_moe: their experts' width, moe_intermediate_size, below.)
+    if (!qwen_moe) m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
     m.vocab = hf_int(r, names, "vocab", {"vocab_size"});
     m.max_positions = hf_int(r, names, "max_positions", {"max_position_embeddings"});
     m.activation = Activation::SwiGlu;
@@ -500,7 +531,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
       r.fail("sliding_window", "expected a number of tokens (an integer) or null");
     }
     if (!llama_like && j.contains("sliding_window") && j.at("sliding_window").is_number_integer() &&
-        r.boolean_or("use_sliding_window", type != "qwen2" && !qwen3)) {
+        r.boolean_or("use_sliding_window", type != "qwen2" && type != "qwen2_moe" && !qwen3)) {
       // (A window said in the description is a positive one: -4, or 2^64 - 1 read as -1, is
       // no number of tokens.)
       const std::int64_t window = r.positive_int("sliding_window");
@@ -556,7 +587,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     const bool mlp_bias = r.boolean_or("mlp_bias", false);
     const bool reads_attention_bias = llama_like || qwen3 || type == "olmo2";
     const bool reads_mlp_bias = llama_like;
-    m.bias.qkv = type == "qwen2" || (reads_attention_bias && attention_bias);
+    const bool qwen2_like = type == "qwen2" || type == "qwen2_moe";
+    m.bias.qkv = qwen2_like || (reads_attention_bias && attention_bias);
     m.bias.attn_out = reads_attention_bias && attention_bias;
     m.bias.mlp = reads_mlp_bias && mlp_bias;
     const bool unread_attention = attention_bias && !reads_attention_bias;
@@ -568,7 +600,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
                       : unread_attention             ? "attention_bias is"
                                                      : "mlp_bias is",
                       type,
-                      type == "qwen2"            ? "biases on q, k and v only"
+                      qwen2_like                 ? "biases on q, k and v only"
                       : qwen3 || type == "olmo2" ? "no biases in its MLP"
                                                  : "no biases");
     }
@@ -628,11 +660,11 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     }
     // Hugging Face's llama, mistral, phi3, qwen2 and qwen3 classes have no experts, whatever
     // the config says.
-    if (type != "mixtral" && type != "qwen3_moe" &&
+    if (type != "mixtral" && !qwen_moe &&
         (r.has("num_local_experts") || r.has("num_experts_per_tok"))) {
       m.description += fmt::format(
-          "; its {} not read: Hugging Face's {} model has no experts (model_type mixtral and "
-          "qwen3_moe have)",
+          "; its {} not read: Hugging Face's {} model has no experts (model_type mixtral, "
+          "qwen2_moe and qwen3_moe have)",
           r.has("num_local_experts") ? "num_local_experts is" : "num_experts_per_tok is", type);
     }
     if (type == "mixtral") {
@@ -640,7 +672,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
                       hf_int(r, names, "moe.top_k", {"num_experts_per_tok"}), m.ffn_hidden};
       names["moe.expert_ffn_hidden"] = "intermediate_size";
     }
-    if (type == "qwen3_moe") read_qwen3_moe(r, names, m);
+    if (qwen_moe) read_qwen_moe(r, names, m, type);
   }
   if (r.has("head_dim")) {
     m.head_dim = hf_int(r, names, "head_dim", {"head_dim"});
@@ -702,6 +734,9 @@ json architecture_json(const ModelSpec& m) {
     a["moe"] = {{"experts", m.moe->experts},
                 {"top_k", m.moe->top_k},
                 {"expert_ffn_hidden", m.moe->expert_ffn_hidden}};
+    // (Only where there are shared experts: checkpoints written before they were modelled
+    // record none.)
+    if (m.moe->shared_ffn_hidden > 0) a["moe"]["shared_ffn_hidden"] = m.moe->shared_ffn_hidden;
   }
   return a;
 }

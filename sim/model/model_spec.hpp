@@ -31,11 +31,16 @@ struct BiasSpec {
 };
 
 // Mixture of experts: every block's MLP becomes `experts` MLPs of width `expert_ffn_hidden`
-// (same activation), each token routed to `top_k` of them by an h x experts router.
+// (same activation), each token routed to `top_k` of them by an h x experts router. Where
+// `shared_ffn_hidden` > 0, a dense MLP of that width beside them takes every token, and its
+// output is added to theirs (the shared experts of DeepSeekMoE, Dai et al. 2024, and
+// Qwen1.5/Qwen2-MoE; several shared experts of width f are one of width n x f). Tensor
+// parallelism splits it like a dense MLP; expert parallelism does not split it.
 struct MoeSpec {
   std::int64_t experts = 0;
   std::int64_t top_k = 0;
   std::int64_t expert_ffn_hidden = 0;
+  std::int64_t shared_ffn_hidden = 0;
 };
 
 struct ModelSpec {
@@ -87,6 +92,11 @@ struct ModelSpec {
   std::int64_t q_width() const { return heads * head_dim; }
   std::int64_t vocab_rows() const { return padded_vocab > 0 ? padded_vocab : vocab; }
   std::int64_t kv_width() const { return kv_heads * head_dim; }
+  // Width of the shared experts' MLP; 0 where there is none.
+  std::int64_t shared_ffn() const { return moe ? moe->shared_ffn_hidden : 0; }
+  // Width of the MLP that every token passes whole: a dense model's, or the shared experts'
+  // of a mixture (0 where it has none).
+  std::int64_t dense_ffn() const { return moe ? moe->shared_ffn_hidden : ffn_hidden; }
   // The classic GPT block that Megatron-LM's FLOP formula describes exactly: multi-head
   // attention with head_dim = hidden/heads, GELU MLP of 4h, no MoE.
   bool is_megatron_gpt() const;
@@ -105,7 +115,7 @@ ModelSpec model_from_json(const nlohmann::json& j, const std::string& file);
 nlohmann::json architecture_json(const ModelSpec& m);
 
 // Parses a Hugging Face config.json (model_type gpt2, granite, llama, mistral, mixtral, olmo2,
-// phi3, qwen2, qwen3, qwen3_moe).
+// phi3, qwen2, qwen2_moe, qwen3, qwen3_moe).
 ModelSpec model_from_hf_config(const nlohmann::json& j, const std::string& file);
 
 // Sanity bounds on a model's dimensions. With them, and the size limits below, every count of

@@ -218,6 +218,10 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
     error("tp-ffn", fmt::format("tp = {} does not divide expert_ffn_hidden = {}", p.tp,
                                 m.moe->expert_ffn_hidden));
   }
+  if (m.shared_ffn() % p.tp != 0) {
+    error("tp-ffn",
+          fmt::format("tp = {} does not divide shared_ffn_hidden = {}", p.tp, m.shared_ffn()));
+  }
   if (p.seq_len < 1 || p.seq_len > m.max_positions) {
     error("seq-len", fmt::format("seq_len = {} must be in 1..{} (the model's max_positions)",
                                  p.seq_len, m.max_positions));
@@ -453,6 +457,17 @@ double max_expert_load(const model::ModelSpec& spec, const Plan& plan) {
 
 bool moe_local_dispatch(const model::ModelSpec& spec, const Plan& plan) {
   return spec.moe.has_value() && plan.sequence_parallel && plan.tp > 1;
+}
+
+bool mlp_tp_enter(const model::ModelSpec& spec, const Plan& plan, const model::Op& op) {
+  const bool local = moe_local_dispatch(spec, plan);
+  return (op.kind == model::OpKind::Router && !local) ||
+         (op.kind == model::OpKind::MlpUp && !op.expert && (!spec.moe || local));
+}
+
+bool mlp_tp_exit(const model::ModelSpec& spec, const Plan& plan, const model::Op& op) {
+  return op.kind == model::OpKind::MlpDown &&
+         (!op.expert || (!moe_local_dispatch(spec, plan) && spec.shared_ffn() == 0));
 }
 
 std::uint64_t expert_copies_bytes(const model::ModelSpec& spec, const Plan& plan,

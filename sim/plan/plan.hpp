@@ -12,6 +12,7 @@
 #include "sim/cluster/placement.hpp"
 #include "sim/cluster/topology.hpp"
 #include "sim/common/precision.hpp"
+#include "sim/model/model_graph.hpp"
 #include "sim/model/model_spec.hpp"
 
 namespace dtsim::plan {
@@ -238,6 +239,16 @@ double max_expert_load(const model::ModelSpec& spec, const Plan& plan);
 // is all-reduced over tp with the norms'. Without sequence parallelism every tp rank routes
 // the whole sequence (its input is whole there) and sends its copies to its ep peers.
 bool moe_local_dispatch(const model::ModelSpec& spec, const Plan& plan);
+
+// Where a block's MLP enters the tensor-parallel region (Megatron-LM's f, before the op) and
+// leaves it (g, after the op), as the lowering places them and the planner's closed form
+// prices them: a dense MLP at its up and down projections; a mixture of experts at its router
+// unless under moe_local_dispatch, and at the experts' down projection, or with shared experts
+// at the shared down projection, which adds the routed output to its own; under
+// moe_local_dispatch the shared experts enter at their up projection (the routed copies move
+// by plan::expert_copies_bytes' collectives instead).
+bool mlp_tp_enter(const model::ModelSpec& spec, const Plan& plan, const model::Op& op);
+bool mlp_tp_exit(const model::ModelSpec& spec, const Plan& plan, const model::Op& op);
 
 // Bytes one ep all-to-all of an MoE block moves for the busiest ep rank, one way: its tokens'
 // top_k copies of width h, plan.expert_load times the even share. `hidden_bytes`: one

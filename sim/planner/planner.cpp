@@ -160,13 +160,16 @@ class Estimator {
       lb += backward;
       lbw += weight;
       if (op.kind == model::OpKind::AttentionCore) attention = forward;
-      if (op.kind == model::OpKind::QkvProj || op.kind == model::OpKind::MlpUp ||
-          (op.kind == model::OpKind::Router && !local_dispatch)) {
-        const bool experts = op.kind == model::OpKind::MlpUp && m.moe;
+      // (The experts' collectives before them: the gates' all-reduce, or their copies
+      // gathered under moe_local_dispatch.)
+      const bool experts = op.kind == model::OpKind::MlpUp && op.expert;
+      if (op.kind == model::OpKind::QkvProj || experts || plan::mlp_tp_enter(m, p, op)) {
+        const bool column =
+            op.kind == model::OpKind::QkvProj || (op.kind == model::OpKind::MlpUp && !experts);
         segments.push_back({.weight = weight,
-                            .overlapped = op.kind == model::OpKind::QkvProj || !m.moe,
+                            .overlapped = column,
                             .input = cost.op_seconds(op, Phase::BackwardInput),
-                            .regathers = !experts && op.kind != model::OpKind::Router});
+                            .regathers = column});
       }
       // In forward order, an op's backward runs before the collective of the nearest
       // column-parallel layer at or before it.
@@ -180,12 +183,14 @@ class Estimator {
                net_->collective_s(placement, tp, CollectiveKind::ReduceScatter, bytes);
       };
       // Attention's and the MLP's; an MoE block's under moe_local_dispatch moves the experts'
-      // copies instead of the block's input and output.
+      // copies instead of the block's input and output, and its shared experts' input and
+      // output besides.
       tp_comm =
           p.sequence_parallel
               ? gather_scatter(hidden_bytes) +
                     gather_scatter(local_dispatch ? plan::expert_copies_bytes(m, p, hidden_bytes)
-                                                  : hidden_bytes)
+                                                  : hidden_bytes) +
+                    (local_dispatch && m.shared_ffn() > 0 ? gather_scatter(hidden_bytes) : 0.0)
               : 2 * net_->collective_s(placement, tp, CollectiveKind::AllReduce, hidden_bytes);
     }
     if (p.cp > 1) {
@@ -880,8 +885,7 @@ class Estimator {
       // A collective before op i in forward order, after it in the backward.
       const bool enter =
           tp && (o.kind == model::OpKind::QkvProj || o.kind == model::OpKind::LmHead ||
-                 (o.kind == model::OpKind::Router && !local_dispatch) ||
-                 (o.kind == model::OpKind::MlpUp && !g.spec().moe));
+                 plan::mlp_tp_enter(g.spec(), p, o));
       const bool before = enter || (o.kind == model::OpKind::AttentionCore && cp) ||
                           (o.kind == model::OpKind::MlpUp && o.expert &&
                            ((tp && !local_dispatch) || ep || local_dispatch));
@@ -890,8 +894,7 @@ class Estimator {
       const bool after =
           (o.kind == model::OpKind::AttentionCore && cp && p.recompute != Recompute::Full) ||
           (o.kind == model::OpKind::MlpDown && o.expert && (local_dispatch || ep)) ||
-          (sp && (o.kind == model::OpKind::AttnOutProj ||
-                  (o.kind == model::OpKind::MlpDown && !(o.expert && local_dispatch))));
+          (sp && (o.kind == model::OpKind::AttnOutProj || plan::mlp_tp_exit(g.spec(), p, o)));
       if (after && i + 1 < n) ends[i + 1] = true;
       // A column-parallel layer of its own: the ops after it in forward order end before it.
       const bool own =
@@ -1222,7 +1225,10 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
   const std::int64_t seq = space.seq_len > 0 ? space.seq_len : m.seq_len;
   for (int tp : divisors(devices)) {
     if (tp > max_tp || !allowed(space.fixed_tp, tp)) continue;
-    if (m.heads % tp != 0 || m.kv_heads % tp != 0 || m.ffn_hidden % tp != 0) continue;
+    if (m.heads % tp != 0 || m.kv_heads % tp != 0 || m.ffn_hidden % tp != 0 ||
+        m.shared_ffn() % tp != 0) {
+      continue;
+    }
     for (int cp : divisors(devices / tp)) {
       if (cp > space.max_cp || !allowed(space.fixed_cp, cp) || !plan::cp_splits_sequence(seq, cp))
         continue;

@@ -12,6 +12,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -79,6 +80,72 @@ TEST_CASE("a mixture of experts trains", "[exec][runner]") {
   INFO("first loss " << r.losses.front() << ", last " << r.losses.back());
   CHECK(r.losses.front() == Approx(std::log(256.0)).epsilon(0.05));
   CHECK(r.losses.back() < r.losses.front() - 1.5);
+}
+
+// The whole model's gradients against central finite differences of its loss, through a
+// mixture of experts beside shared experts (a Hugging Face qwen2_moe config): the shared
+// experts' down projection adds the routed output, and the block's input gradient sums the
+// router's, the experts' and the shared experts' shares. A step's gradient is read from
+// AdamW's first moment (m = 0.9 m' + 0.1 g); the loss at weights moved by ±eps from a
+// resumed checkpoint's.
+TEST_CASE("shared experts beside routed ones: gradients match finite differences of the loss",
+          "[exec][runner]") {
+  namespace fs = std::filesystem;
+  const char* model = DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_qwen2_moe.json";
+  const auto p = single_rank(2, 4);
+  const fs::path base = fs::temp_directory_path() / "dtexec_runner_test_shared";
+  fs::remove_all(base);
+  fs::create_directories(base);
+  const std::string first = (base / "first").string(), second = (base / "second").string();
+  dtsim::exec::RunOptions o;
+  o.checkpoint_dir = first;
+  run(model, p, 1, o);
+  o.checkpoint_dir = second;
+  o.resume_dir = first;
+  run(model, p, 2, o);
+  const auto before = dtsim::exec::read_checkpoint(first);
+  const auto after = dtsim::exec::read_checkpoint(second);
+  // The loss at step 2 where one element of `tensor` moves by `delta` from the first checkpoint.
+  auto loss_moved = [&](std::size_t tensor, std::size_t at, float delta) {
+    auto moved = before;
+    moved.tensors[tensor].data[at] += delta;
+    const std::string dir = (base / "moved").string();
+    fs::remove_all(dir);
+    dtsim::exec::write_checkpoint(dir, moved);
+    dtsim::exec::RunOptions r;
+    r.resume_dir = dir;
+    return run(model, p, 2, r).losses.back();
+  };
+  int checked = 0;
+  for (const char* name : {"L1.shared_up.weight", "L1.shared_down.weight", "L0.shared_up.weight",
+                           "L1.experts_up.e0.weight", "L0.experts_down.e1.weight",
+                           "L0.router.weight", "L0.norm2.weight", "L0.qkv.weight"}) {
+    INFO(name);
+    std::size_t t = 0;
+    while (t < before.tensors.size() && before.tensors[t].name != name) ++t;
+    REQUIRE(t < before.tensors.size());
+    // Its element of the largest gradient at step 2.
+    const auto& m1 = before.tensors[t].m;
+    const auto& m2 = after.tensors[t].m;
+    std::size_t at = 0;
+    double grad = 0;
+    for (std::size_t i = 0; i < m1.size(); ++i) {
+      const double g = (static_cast<double>(m2[i]) - 0.9 * m1[i]) / 0.1;
+      if (std::abs(g) > std::abs(grad)) {
+        grad = g;
+        at = i;
+      }
+    }
+    REQUIRE(grad != 0);
+    // (A router's weight moved by 1e-2 flips a token's choice of experts, a step in the loss.)
+    const float eps =
+        std::string_view(name).find("router") != std::string_view::npos ? 3e-3f : 1e-2f;
+    const double fd = (loss_moved(t, at, eps) - loss_moved(t, at, -eps)) / (2.0 * eps);
+    CHECK(fd == Approx(grad).epsilon(0.05).margin(1e-4));
+    ++checked;
+  }
+  CHECK(checked == 8);
+  fs::remove_all(base);
 }
 
 TEST_CASE("gradient accumulation over micro-batches equals one large micro-batch",

@@ -582,6 +582,48 @@ TEST_CASE("under sequence parallelism each tp rank dispatches its share of the t
   CHECK(count(b, in_blocks) == 5 * layers * micro_batches);
 }
 
+TEST_CASE("shared experts: their own tp region under sequence parallelism, none without",
+          "[lower][moe]") {
+  auto moe = dtsim::model::load_model("tiny");
+  moe.moe = dtsim::model::MoeSpec{4, 2, 64, 128};
+  auto routed_only = moe;
+  routed_only.moe->shared_ffn_hidden = 0;
+  const std::uint64_t hidden = 32ull * moe.hidden * 2;  // bf16 activations of a micro-batch
+  const auto layers = static_cast<long>(moe.layers);
+  // The whole sequence's tp collectives in the blocks, by kind.
+  auto block_collectives = [&](const dtsim::model::ModelSpec& spec, bool sp) {
+    const dtsim::model::ModelGraph g(spec, 1, 32);
+    Plan p = plan_for(1, 2, 1, 1);
+    p.sequence_parallel = sp;
+    REQUIRE(dtsim::plan::check_plan(p, spec, 2).ok());
+    std::map<CollectiveKind, long> n;
+    const Program program = dtsim::lower::lower(g, p);
+    for (const auto& t : program.ranks[0].tasks) {
+      if (t.stream == Stream::Tp && t.kind == TaskKind::Collective && t.bytes == hidden &&
+          t.label.find(" L") != t.label.npos) {
+        ++n[t.collective];
+      }
+    }
+    return n;
+  };
+  const auto micro_batches = static_cast<long>(plan_for(1, 2, 1, 1).micro_batches());
+  // Without sequence parallelism the shared experts share the routed ones' region: one
+  // all-reduce of their summed output forward, one of the block input's gradient backward.
+  const auto plain = block_collectives(moe, false);
+  CHECK(plain == block_collectives(routed_only, false));
+  CHECK(plain.at(CollectiveKind::AllReduce) == 4 * layers * micro_batches);
+  // With it each tp rank routes its share of the tokens, and the shared experts gather the
+  // block's input, scatter their output, and in the backward the converse and the input
+  // gathered again for their weight gradient: attention's five and the shared experts' five.
+  const auto sp = block_collectives(moe, true);
+  const auto sp_routed = block_collectives(routed_only, true);
+  CHECK(sp.at(CollectiveKind::AllGather) + sp.at(CollectiveKind::ReduceScatter) ==
+        10 * layers * micro_batches);
+  CHECK(sp_routed.at(CollectiveKind::AllGather) + sp_routed.at(CollectiveKind::ReduceScatter) ==
+        5 * layers * micro_batches);
+  CHECK(sp.count(CollectiveKind::AllReduce) == 0);
+}
+
 TEST_CASE("too many micro-batches to simulate is an input error", "[lower][bad-input]") {
   const auto spec = dtsim::model::load_model("llama3-70b");
   const dtsim::model::ModelGraph g(spec, 1, 64);

@@ -1,6 +1,8 @@
 #include "sim/model/model_graph.hpp"
 
 #include <map>
+#include <string>
+#include <vector>
 
 #include "sim/common/data_files.hpp"
 #include "tests/test_util.hpp"
@@ -79,6 +81,47 @@ TEST_CASE("an MoE block moves its tokens to their experts and back", "[model][gr
   CHECK(movers == 2 * mixtral.layers);
   const ModelGraph dense(load_model("llama3-8b"), 1, 1024);
   for (const auto& op : dense.ops()) CHECK(op.fwd_move_bytes + op.bwd_move_bytes == 0);
+}
+
+TEST_CASE("shared experts: a dense MLP over every token beside the routed experts",
+          "[model][graph]") {
+  // Qwen2 57B-A14B: 8 of 64 experts of 2560 a token, and shared experts of 20480.
+  const auto qwen = load_model("qwen2-57b-a14b");
+  const double T = 1024, h = 3584, a = 2;
+  const ModelGraph g(qwen, 1, 1024);
+  std::vector<std::string> names;
+  double routed = 0, shared = 0;
+  for (auto id : g.layer_ops(0)) {
+    const auto& op = g.op(id);
+    names.push_back(op.name);
+    if (op.kind != OpKind::MlpUp && op.kind != OpKind::MlpDown) continue;
+    (op.expert ? routed : shared) += op.fwd_flops;
+  }
+  CHECK(routed == 8 * 6.0 * T * h * 2560);
+  CHECK(shared == 6.0 * T * h * 20480);
+  // After the routed experts in forward order; the down projection adds their output to its
+  // own (reads both, writes one) and feeds the residual.
+  const std::vector<std::string> mlp(names.end() - 8, names.end());
+  CHECK(mlp == std::vector<std::string>{"L0.router", "L0.experts_up", "L0.experts_act",
+                                        "L0.experts_down", "L0.shared_up", "L0.shared_act",
+                                        "L0.shared_down", "L0.mlp_residual"});
+  const auto ops = g.layer_ops(0);
+  const auto at = [&](std::size_t from_end) { return ops[ops.size() - from_end]; };
+  const dtsim::model::OpId norm2 = ops[ops.size() - 9], experts_down = at(5), shared_up = at(4),
+                           shared_down = at(2);
+  CHECK(g.op(norm2).kind == OpKind::Norm);
+  CHECK(g.predecessors(shared_up) == std::vector<dtsim::model::OpId>{norm2});
+  CHECK(g.predecessors(shared_down) == std::vector<dtsim::model::OpId>{at(3), experts_down});
+  CHECK(g.predecessors(at(1)).front() == shared_down);
+  CHECK(g.op(shared_down).fwd_move_bytes == 3 * a * T * h);
+  CHECK(g.op(shared_down).bwd_move_bytes == 2 * a * T * h);
+  // Dense ops: split over tp like a dense MLP, not over ep; the input is the router's, kept
+  // once.
+  CHECK_FALSE(g.op(shared_up).expert);
+  CHECK(g.op(shared_up).tp_split == dtsim::model::TpSplit::Column);
+  CHECK(g.op(shared_down).tp_split == dtsim::model::TpSplit::Row);
+  CHECK(g.op(shared_up).saved_bytes == 0);
+  CHECK(g.op(shared_up).params == static_cast<std::uint64_t>(h) * 2 * 20480);
 }
 
 TEST_CASE("the graph is a DAG in topological order with per-layer groups", "[model][graph]") {

@@ -8,6 +8,7 @@
 #include "tests/test_util.hpp"
 
 using dtsim::InputError;
+using dtsim::model::architecture_json;
 using dtsim::model::count_params;
 using dtsim::model::load_model;
 using dtsim::test::TempFile;
@@ -250,8 +251,8 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
                                     "experts' blocks");
     TempFile shared("config.json", "{" + base + R"(, "shared_expert_intermediate_size": 128})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(shared.path()), InputError,
-                                    "config.json: shared_expert_intermediate_size: a shared "
-                                    "expert beside the routed ones is not modelled");
+                                    "config.json: shared_expert_intermediate_size: Hugging "
+                                    "Face's qwen3_moe model has no shared expert");
     TempFile none("config.json", "{" + base + R"(, "shared_expert_intermediate_size": 0,
       "mlp_only_layers": null})");
     CHECK(count_params(load_model(none.path())) == count_params(small));
@@ -261,6 +262,55 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
       "num_experts_per_tok": 2})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(missing.path()), InputError,
                                     "moe_intermediate_size: required field is missing");
+  }
+  SECTION("qwen2_moe: experts beside a shared expert, q/k/v biases") {
+    // Qwen/Qwen2-57B-A14B's config.json.
+    const std::string fields = R"("model_type": "qwen2_moe", "hidden_size": 3584,
+      "intermediate_size": 18944, "moe_intermediate_size": 2560, "num_attention_heads": 28,
+      "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 151936,
+      "max_position_embeddings": 131072, "num_experts": 64, "num_experts_per_tok": 8,
+      "decoder_sparse_step": 1, "norm_topk_prob": false, "rope_theta": 1000000.0,
+      "sliding_window": 131072, "use_sliding_window": false, "tie_word_embeddings": false)";
+    TempFile f("config.json", "{" + fields + R"(, "shared_expert_intermediate_size": 20480})");
+    const auto m = load_model(f.path());
+    REQUIRE(m.moe);
+    CHECK(m.moe->experts == 64);
+    CHECK(m.moe->expert_ffn_hidden == 2560);
+    CHECK(m.moe->shared_ffn_hidden == 20480);
+    CHECK(m.shared_ffn() == 20480);
+    CHECK(m.dense_ffn() == 20480);
+    CHECK(m.bias.qkv);
+    CHECK_FALSE(m.bias.attn_out);
+    CHECK_FALSE(m.unmodelled_sliding_window);
+    // The shipped model's count: Hugging Face's 57,408,658,944 less the shared experts' gates
+    // (3,584 a block), which are said not to be modelled.
+    CHECK(count_params(m) == count_params(load_model("qwen2-57b-a14b")));
+    CHECK(count_params(m) == 57408558592ULL);
+    CHECK(m.unmodelled == load_model("qwen2-57b-a14b").unmodelled);
+    CHECK(m.description.find("shared_expert_gate") != std::string::npos);
+    // Its architecture records the shared experts' width (where there are some only).
+    CHECK(architecture_json(m)["moe"]["shared_ffn_hidden"] == 20480);
+    CHECK_FALSE(architecture_json(load_model("mixtral-8x7b"))["moe"].contains("shared_ffn_hidden"));
+    // Without shared experts (0): Qwen3-MoE-like blocks with q/k/v biases, and no gate said.
+    TempFile none("config.json", "{" + fields + R"(, "shared_expert_intermediate_size": 0})");
+    const auto plain = load_model(none.path());
+    CHECK(plain.shared_ffn() == 0);
+    CHECK(count_params(plain) == 57408558592ULL - 28ULL * 3 * 3584 * 20480);
+    CHECK(plain.description.find("shared_expert_gate") == std::string::npos);
+    // Qwen2MoeConfig's default width (5632) is not assumed; 16 key/value heads are, as its.
+    TempFile missing("config.json", "{" + fields + "}");
+    DTSIM_REQUIRE_THROWS_CONTAINING(
+        load_model(missing.path()), InputError,
+        "config.json: shared_expert_intermediate_size: required field is missing");
+    TempFile mha("config.json", R"({"model_type": "qwen2_moe", "hidden_size": 64,
+      "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+      "num_attention_heads": 16, "num_hidden_layers": 2, "vocab_size": 256,
+      "max_position_embeddings": 64, "num_experts": 4, "num_experts_per_tok": 2})");
+    CHECK(load_model(mha.path()).kv_heads == 16);
+    TempFile sparse("config.json", "{" + fields + R"(, "shared_expert_intermediate_size": 20480,
+      "mlp_only_layers": [1]})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(sparse.path()), InputError,
+                                    "config.json: mlp_only_layers: 1 dense block among");
   }
   SECTION("gpt2") {
     TempFile f("config.json", R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12,
@@ -444,11 +494,11 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     DTSIM_REQUIRE_THROWS_CONTAINING(
         load_model(f.path()), InputError,
         "model_type: unsupported Hugging Face model_type \"bert\" (supported: gpt2, granite, "
-        "llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe)");
+        "llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen2_moe, qwen3_moe)");
     // A family dtsim cannot describe yet says what it lacks.
-    TempFile shared("config.json", R"({"model_type": "qwen2_moe", "hidden_size": 2048})");
-    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(shared.path()), InputError,
-                                    "qwen3_moe); its shared expert beside the routed ones");
+    TempFile deepseek("config.json", R"({"model_type": "deepseek_v3", "hidden_size": 2048})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(deepseek.path()), InputError,
+                                    "qwen3_moe); its dense first layers among the experts'");
   }
   SECTION("missing field") {
     TempFile f("config.json", R"({"model_type": "llama", "hidden_size": 4096})");
@@ -546,6 +596,17 @@ TEST_CASE("bad model files are rejected naming file and field", "[model][bad-inp
       {"kv_heads", 1LL << 17, "kv_heads: expected at most 65536, got 131072"},
       {"moe", nlohmann::json{{"experts", 1 << 17}, {"top_k", 2}, {"expert_ffn_hidden", 256}},
        "moe.experts: expected at most 65536, got 131072"},
+      // Shared experts: a width of their own, positive where given.
+      {"moe",
+       nlohmann::json{
+           {"experts", 2}, {"top_k", 1}, {"expert_ffn_hidden", 256}, {"shared_ffn_hidden", 0}},
+       "moe.shared_ffn_hidden: expected a positive integer, got 0"},
+      {"moe",
+       nlohmann::json{{"experts", 2},
+                      {"top_k", 1},
+                      {"expert_ffn_hidden", 256},
+                      {"shared_ffn_hidden", 1LL << 25}},
+       "moe.shared_ffn_hidden: expected at most 16777216"},
       {"published_params_precision", 1000,
        "published_params_precision: given without "
        "published_params"},

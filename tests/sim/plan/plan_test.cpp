@@ -124,6 +124,9 @@ TEST_CASE("each broken rule says which one and why", "[plan][bad-input]") {
     odd.moe = dtsim::model::MoeSpec{8, 2, 1004};
     CHECK(has_rule(check_plan(p, odd, 64), "tp-ffn",
                    "tp = 8 does not divide expert_ffn_hidden = 1004"));
+    odd.moe = dtsim::model::MoeSpec{8, 2, 1024, 1004};  // shared experts' width
+    CHECK(has_rule(check_plan(p, odd, 64), "tp-ffn",
+                   "tp = 8 does not divide shared_ffn_hidden = 1004"));
   }
   SECTION("one micro-batch must stay within 2^31 tokens") {
     p.micro_batch_size = 1000000000000;  // 10^12 sequences

@@ -666,6 +666,13 @@ TEST_CASE("the closed form follows the simulator where hops, stages or the dp st
       // for the gates' gradients all-reduced over tp (-3.7% when both were left out).
       {"a router's tp collectives", "mixtral-8x7b", "dgx-h100-superpod", 64, 512, 8, 2,
        Schedule::OneFOneB, 0, Recompute::None, 1},
+      // Shared experts beside the routed ones: their own tp collectives under sequence
+      // parallelism (the block's input gathered, their output reduce-scattered, and the input
+      // gathered again for the weight gradient), none of their own without.
+      {"shared experts' tp collectives", "qwen2-57b-a14b", "dgx-h100-superpod", 64, 512, 4, 1,
+       Schedule::OneFOneB, 1, Recompute::None, 1},
+      {"shared experts in zero-bubble's passes", "qwen2-57b-a14b", "dgx-h100-superpod", 64, 512, 2,
+       4, Schedule::ZeroBubble, 1, Recompute::Selective, 1},
       // Stages in lockstep, hops of 1.3 and 9.4 ms (across the network's zones): which
       // neighbour's transfer a stage receives first follows the engine's order of events
       // (-3.1% when the timeline took tied boundaries in its own order).
