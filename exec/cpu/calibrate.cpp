@@ -119,7 +119,9 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
   std::vector<int> tokens(static_cast<std::size_t>(T));
   for (int t = 0; t < T; ++t) tokens[static_cast<std::size_t>(t)] = (t * 7919) % V;
   const std::size_t fl = sizeof(float);
-  bool norm_done = false;
+  // (One rate each: a block's norms are alike, and so are its activations, the shared
+  // experts' beside the routed ones'.)
+  bool norm_done = false, activation_done = false;
   for (model::OpId id : graph.layer_ops(0)) {
     const model::Op& op = graph.op(id);
     switch (op.kind) {
@@ -199,6 +201,8 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
         }
         break;
       case OpKind::Activation: {
+        if (activation_done) break;
+        activation_done = true;
         const auto n_in = static_cast<std::size_t>(T) * F * (gelu ? 1 : 2);
         const auto n_out = static_cast<std::size_t>(T) * F;
         const int n = copies_for((2 * n_in + 2 * n_out) * fl);
