@@ -493,7 +493,9 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, const std::string& pr
   op_shapes.H = static_cast<int>(spec.heads);
   op_shapes.G = static_cast<int>(spec.kv_heads);
   op_shapes.D = static_cast<int>(spec.head_dim);
-  op_shapes.F = static_cast<int>(spec.ffn_hidden);
+  op_shapes.F = static_cast<int>(spec.ffn_hidden);  // (a mixture's experts' width)
+  op_shapes.activation_rows =
+      graph.micro_batch() * graph.seq_len() * (spec.moe ? spec.moe->top_k : 1);
   op_shapes.rms = spec.norm == dtsim::model::Norm::RmsNorm;
   op_shapes.gelu = spec.activation == dtsim::model::Activation::Gelu;
   op_shapes.rope = spec.positions == dtsim::model::Positions::Rope;

@@ -203,8 +203,11 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
       case OpKind::Activation: {
         if (activation_done) break;
         activation_done = true;
-        const auto n_in = static_cast<std::size_t>(T) * F * (gelu ? 1 : 2);
-        const auto n_out = static_cast<std::size_t>(T) * F;
+        // On the rows of the op its rate is priced by (op_rate_rows: the block's first
+        // activation): a mixture's experts' runs on the top_k copies of each token.
+        const int rows = op.expert ? T * static_cast<int>(m.moe->top_k) : T;
+        const auto n_in = static_cast<std::size_t>(rows) * F * (gelu ? 1 : 2);
+        const auto n_out = static_cast<std::size_t>(rows) * F;
         const int n = copies_for((2 * n_in + 2 * n_out) * fl);
         auto in = random_buffers(n, n_in, 7), dout = random_buffers(n, n_out, 8);
         std::vector<std::vector<float>> out(n), din(n, std::vector<float>(n_in));
@@ -213,14 +216,14 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
           if (gelu) {
             gelu_forward(out[i], in[i], static_cast<std::int64_t>(n_in));
           } else {
-            swiglu_forward(out[i], in[i], T, F);
+            swiglu_forward(out[i], in[i], rows, F);
           }
         });
         const double bw = median_per_copy(repeats, n, [&](std::size_t i) {
           if (gelu) {
             gelu_backward(din[i], in[i], dout[i], static_cast<std::int64_t>(n_in));
           } else {
-            swiglu_backward(din[i], in[i], dout[i], T, F);
+            swiglu_backward(din[i], in[i], dout[i], rows, F);
           }
         });
         record(gelu ? "gelu" : "swiglu", f, bw);

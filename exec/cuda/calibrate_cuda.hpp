@@ -56,9 +56,12 @@ DeviceTimings time_device(int gpu, GemmPrecision precision, const std::vector<Ge
 std::string gemm_selftest(int gpu, GemmPrecision precision);
 
 // The shapes of a calibration model's non-GEMM ops: one micro-batch of B sequences of S tokens,
-// hidden C, vocabulary V, H query and G kv heads of D, MLP width F; no parallelism.
+// hidden C, vocabulary V, H query and G kv heads of D, MLP width F; no parallelism. The MLP's
+// activation runs on activation_rows rows (0: B x S; a mixture of experts' on the top_k copies
+// of each token, as the graph's first activation op that its rate is priced by).
 struct OpShapes {
   int B = 1, S = 1, C = 1, V = 1, H = 1, G = 1, D = 1, F = 1;
+  std::int64_t activation_rows = 0;
   bool rms = false, gelu = true, rope = false, learned_positions = true;
   double rope_theta = 10000;
 };

@@ -94,9 +94,10 @@ OpTimes time_ops(int gpu, GemmPrecision precision, const OpShapes& s, int repeat
     out.ops.push_back({flash ? "flash_attention" : "attention", f, bw});
   }
   {  // the MLP's activation
-    const std::int64_t n_in = T * s.F * (s.gelu ? 1 : 2), n_out = T * s.F;
+    const std::int64_t rows = s.activation_rows > 0 ? s.activation_rows : T;
+    const std::int64_t n_in = rows * s.F * (s.gelu ? 1 : 2), n_out = rows * s.F;
     DeviceBuffer in = act(n_in), dout = act(n_out), o = act(n_out), din = act(n_in);
-    const int Ti = static_cast<int>(T);
+    const int Ti = static_cast<int>(rows);
     const double f = median_time(k, repeats, [&] {
       if (s.gelu) {
         k.gelu_forward(o.get(), in.get(), n_in);

@@ -69,8 +69,12 @@ void list_models(nlohmann::json* out) {
       continue;
     }
     const double params = static_cast<double>(model::ModelGraph(spec, 1, 1).totals().params);
+    // (And the shared experts' width beside them, where there are some.)
     const std::string experts =
-        spec.moe ? fmt::format("{} (top {})", spec.moe->experts, spec.moe->top_k) : "-";
+        spec.moe ? fmt::format(
+                       "{} (top {}){}", spec.moe->experts, spec.moe->top_k,
+                       spec.shared_ffn() > 0 ? fmt::format(" + shared {}", spec.shared_ffn()) : "")
+                 : "-";
     t.add_row({name, count_text(params), fmt::format("{}", spec.layers),
                fmt::format("{}", spec.hidden), fmt::format("{}", spec.heads),
                fmt::format("{}", spec.kv_heads), fmt::format("{}", spec.ffn_hidden),
@@ -86,6 +90,7 @@ void list_models(nlohmann::json* out) {
                           {"vocab", spec.vocab},
                           {"seq_len", spec.seq_len}};
       if (spec.moe) j["experts"] = spec.moe->experts;
+      if (spec.shared_ffn() > 0) j["shared_ffn_hidden"] = spec.shared_ffn();
       (*out)["models"].push_back(j);
     }
   }

@@ -127,8 +127,9 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
     if (ffn_given != 0 && ffn_given != m.moe->expert_ffn_hidden) {
       r.fail("ffn_hidden",
              fmt::format("{} differs from moe.expert_ffn_hidden {}: every block's MLP of a "
-                         "mixture-of-experts model is its experts (dense layers are not "
-                         "modelled); leave ffn_hidden out or give the experts' width",
+                         "mixture-of-experts model is its experts (dense blocks among them are "
+                         "not modelled; shared experts beside them are moe.shared_ffn_hidden); "
+                         "leave ffn_hidden out or give the experts' width",
                          ffn_given, m.moe->expert_ffn_hidden));
     }
     m.ffn_hidden = m.moe->expert_ffn_hidden;
@@ -336,6 +337,10 @@ void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string
     // refused rather than given it in silence.
     if (!r.has("shared_expert_intermediate_size")) {
       r.fail("shared_expert_intermediate_size", "required field is missing");
+    }
+    if (r.raw().at("shared_expert_intermediate_size").is_null()) {
+      r.fail("shared_expert_intermediate_size",
+             "expected the shared expert's width, or 0 for none; got null");
     }
     if (r.non_negative_number("shared_expert_intermediate_size") > 0) {
       m.moe->shared_ffn_hidden =

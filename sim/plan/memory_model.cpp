@@ -400,13 +400,26 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
       for (int layer = first; layer < first + count; ++layer) {
         double layer_params = 0, layer_expert_params = 0;
         double quadratic = 0;
-        double mlp_grads = 0;
+        // [0]: the dense MLP's or the routed experts'; [1]: the shared experts'.
+        std::array<double, 2> mlp_grads{};
         for (model::OpId id : g.layer_ops(layer)) {
           const Op& op = g.op(id);
           // The gradients of the MLP activation's input and output have the shapes of what
-          // it and the down GEMM keep (less the copies' outputs an MoE's down op keeps).
+          // it and the down GEMM keep (less the copies' outputs an MoE's down op keeps). The
+          // shared experts' backward runs before the routed experts' and ends before theirs
+          // begins: the larger of the two, not both; beside the shared experts' the gradient
+          // of the routed output, which their down projection passes on (dtexec's
+          // adds_routed), a hidden tensor of the rank's tokens.
           if (op.kind == model::OpKind::Activation || op.kind == model::OpKind::MlpDown) {
-            mlp_grads += rank_split_bytes(op, plan, static_cast<double>(op.saved_bytes));
+            const bool shared = !op.expert && spec.moe.has_value();
+            mlp_grads[shared ? 1 : 0] +=
+                rank_split_bytes(op, plan, static_cast<double>(op.saved_bytes));
+            if (shared && op.kind == model::OpKind::MlpDown) {
+              mlp_grads[1] += activation_bytes_per_element(plan.precision) *
+                              static_cast<double>(plan.micro_batch_size * plan.seq_len) *
+                              static_cast<double>(spec.hidden) /
+                              (plan.cp * (plan.sequence_parallel ? plan.tp : 1));
+            }
           }
           const double p = rank_params(op, plan);
           (op.expert ? expert_params : dense_params) += p;
@@ -425,7 +438,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
         largest_reduction = std::max({largest_reduction, layer_params, gathered_experts});
         largest_block_experts = std::max(largest_block_experts, layer_expert_params);
         largest_quadratic = std::max(largest_quadratic, quadratic);
-        largest_mlp_grads = std::max(largest_mlp_grads, mlp_grads);
+        largest_mlp_grads = std::max({largest_mlp_grads, mlp_grads[0], mlp_grads[1]});
         const double act = block_activation_bytes(g, layer, plan);
         block_activations += act;
         last_block_kept = act;

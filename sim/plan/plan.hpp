@@ -233,9 +233,10 @@ double max_expert_load(const model::ModelSpec& spec, const Plan& plan);
 // rank routes and dispatches only its 1/tp of the sequence (megatron/core/transformer/moe/
 // token_dispatcher.py, MoEAlltoAllTokenDispatcher: num_local_tokens = S/TP*B); the copies that
 // reach an expert's ranks are all-gathered over tp, since each tp rank holds a slice of every
-// expert, and the experts' outputs reduce-scattered back before the all-to-all home. The MoE
-// block then has no all-gather of its input, no reduce-scatter of its output and no all-reduce
-// of the gates' gradients over tp; the router's weight gradient, from a share of the tokens,
+// expert, and the experts' outputs reduce-scattered back before the all-to-all home. The routed
+// experts then have no all-gather of their input, no reduce-scatter of their output and no
+// all-reduce of the gates' gradients over tp (shared experts beside them have both, in a tp
+// region of their own: mlp_tp_enter, mlp_tp_exit); the router's weight gradient, from a share of the tokens,
 // is all-reduced over tp with the norms'. Without sequence parallelism every tp rank routes
 // the whole sequence (its input is whole there) and sends its copies to its ep peers.
 bool moe_local_dispatch(const model::ModelSpec& spec, const Plan& plan);

@@ -498,6 +498,47 @@ TEST_CASE("interleaved: chunks in flight match a walk of Megatron-LM's order",
   }
 }
 
+TEST_CASE("shared experts' backward ends before the routed experts' begins: the larger, not both",
+          "[plan][memory][moe]") {
+  // tiny's blocks with 4 experts of 256, top 2, on stage 0 of pp 4 (whose working tensors are
+  // an MLP's backward gradients): shared experts of 1024 hold more than the routed experts'
+  // copies (2 x 256 wide each); of 64, less.
+  auto spec = load_model("tiny");
+  spec.layers = 16;
+  const auto cluster = dtsim::cluster::load_cluster("default");
+  Plan p;
+  p.pp = 4;
+  p.micro_batch_size = 2;
+  p.global_batch_size = 16;
+  p.seq_len = 32;
+  auto grads = [](const ModelGraph& g, bool shared) {
+    double bytes = 0;
+    for (dtsim::model::OpId id : g.layer_ops(0)) {
+      const auto& op = g.op(id);
+      const bool mlp =
+          op.kind == dtsim::model::OpKind::Activation || op.kind == dtsim::model::OpKind::MlpDown;
+      if (mlp && op.expert != shared) {
+        bytes += static_cast<double>(op.saved_bytes - op.saved_tp_whole_bytes);
+      }
+    }
+    return bytes;
+  };
+  const double hidden = 2.0 * 2 * 32 * static_cast<double>(spec.hidden);  // bf16, 64 tokens
+  for (const std::int64_t shared : {1024, 64}) {
+    DYNAMIC_SECTION("shared experts of " << shared) {
+      spec.moe = dtsim::model::MoeSpec{4, 2, 256, shared};
+      const ModelGraph g(spec, 2, 32);
+      const double routed = grads(g, false);
+      // Beside the shared experts' own, the routed output's gradient that they pass on.
+      const double beside = grads(g, true) + hidden;
+      REQUIRE(routed > 0);
+      CHECK((shared == 1024 ? beside > routed : beside < routed));
+      const auto r = dtsim::plan::estimate_memory(g, p, cluster);
+      CHECK(r.stages[0].working_bytes == Approx(std::max(routed, beside)));
+    }
+  }
+}
+
 TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan][memory]") {
   auto spec = load_model("tiny");  // no dropout: no embedding activations
   spec.layers = 16;
