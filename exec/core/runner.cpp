@@ -1024,8 +1024,8 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
   // (The model dtsim prices: a prediction and a measurement of the same maths.)
   std::vector<std::string> without = spec.unmodelled;
   if (spec.unmodelled_sliding_window && plan.seq_len > *spec.unmodelled_sliding_window) {
-    without.push_back(fmt::format("its sliding window of {} tokens (full causal attention instead)",
-                                  *spec.unmodelled_sliding_window));
+    without.push_back(fmt::format("its {} of {} tokens (full causal attention instead)",
+                                  spec.unmodelled_window_kind, *spec.unmodelled_sliding_window));
   }
   if (spec.dropout && !spec.unmodelled_dropout.empty()) {
     without.push_back(spec.unmodelled_dropout);
@@ -1044,8 +1044,10 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
   if (spec.moe) {
     notes.push_back(fmt::format(
         "mixture of experts: each token to its top {} of {} experts by router logit, weighted by "
-        "the softmax of those logits (Mixtral's routing); dropless, no load-balancing loss{}",
+        "the softmax of those logits (Mixtral's routing){}; dropless, no load-balancing loss{}",
         spec.moe->top_k, spec.moe->experts,
+        spec.moe->top_k == 1 ? ", which for one expert a token is 1: the router does not train"
+                             : "",
         spec.shared_ffn() > 0
             ? fmt::format("; and every token through the shared experts (an MLP of width "
                           "{}), their output added to the routed experts'",

@@ -373,6 +373,107 @@ void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string
   }
 }
 
+// A Llama 4 language model's blocks (Hugging Face's Llama4TextDecoderLayer, Llama4TextMoe):
+// experts of width intermediate_size, the top num_experts_per_tok of num_local_experts a
+// token, beside a shared expert of the same width. Experts are in one block of every
+// interleave_moe_layer_step, dense MLPs of intermediate_size_mlp in the others (Maverick's 2):
+// dtsim models experts in every block or none, so such a config is refused rather than
+// misread (Scout's 1 is read). What its attention does that dtsim does not (chunked attention,
+// layers without RoPE, an L2 norm of queries and keys) and its router's sigmoid gates on the
+// experts' inputs are said.
+void read_llama4(const JsonReader& r, KeyMap& names, ModelSpec& m) {
+  if (r.has("interleave_moe_layer_step")) {
+    if (const std::int64_t step = r.positive_int("interleave_moe_layer_step"); step != 1) {
+      r.fail("interleave_moe_layer_step",
+             fmt::format("{}: experts in one block of every {}, dense MLPs of "
+                         "intermediate_size_mlp in the others; dtsim models experts in every "
+                         "block (1) only",
+                         step, step));
+    }
+  }
+  if (r.has("moe_layers") && !r.raw().at("moe_layers").is_null()) {
+    const nlohmann::json& moe = r.raw().at("moe_layers");
+    if (!moe.is_array()) r.fail("moe_layers", "expected a list of block numbers, or null");
+    if (static_cast<std::int64_t>(moe.size()) != m.layers) {
+      r.fail("moe_layers", fmt::format("experts in {} of the {} blocks, dense MLPs in the others; "
+                                       "dtsim models experts in every block only",
+                                       moe.size(), m.layers));
+    }
+  }
+  m.moe =
+      MoeSpec{hf_int(r, names, "moe.experts", {"num_local_experts"}),
+              hf_int(r, names, "moe.top_k", {"num_experts_per_tok"}), m.ffn_hidden, m.ffn_hidden};
+  names["moe.expert_ffn_hidden"] = "intermediate_size";
+  names["moe.shared_ffn_hidden"] = "intermediate_size";
+  if (r.has("intermediate_size_mlp")) {
+    m.description += fmt::format(
+        "; its intermediate_size_mlp ({}, the width of dense blocks' MLP) is not used: every "
+        "block has experts, and a shared expert of intermediate_size",
+        r.positive_int("intermediate_size_mlp"));
+  }
+  m.description +=
+      "; its router's sigmoid gates, which scale each expert's input, are priced as Mixtral's "
+      "softmax over the top k weighting their outputs (the same cost)";
+  m.unmodelled.push_back(
+      "its router's sigmoid gates on the experts' inputs (a softmax over the top k weighting "
+      "their outputs instead, as Mixtral's)");
+  // Llama4TextConfig's defaults: an L2 norm of queries and keys on the layers with RoPE, RoPE
+  // left out of every fourth layer (no_rope_layers: 1 where a layer has it), attention within
+  // chunks of 8192 tokens on the layers with RoPE.
+  if (r.boolean_or("use_qk_norm", true)) {
+    m.description +=
+        "; its L2 norm of queries and keys on its layers with RoPE (use_qk_norm: no weights, "
+        "an element-wise pass) is not modelled";
+    m.unmodelled.push_back("its L2 norm of queries and keys (use_qk_norm)");
+  }
+  std::int64_t without_rope = m.layers / 4;
+  if (r.has("no_rope_layers") && !r.raw().at("no_rope_layers").is_null()) {
+    const nlohmann::json& flags = r.raw().at("no_rope_layers");
+    const bool flag_list = flags.is_array() &&
+                           static_cast<std::int64_t>(flags.size()) == m.layers &&
+                           std::all_of(flags.begin(), flags.end(), [](const nlohmann::json& f) {
+                             return f.is_number_integer() &&
+                                    (f.get<std::int64_t>() == 0 || f.get<std::int64_t>() == 1);
+                           });
+    if (!flag_list) {
+      r.fail("no_rope_layers",
+             fmt::format("expected a 0 or 1 for each of the {} blocks (1: the block has RoPE)",
+                         m.layers));
+    }
+    without_rope = std::count(flags.begin(), flags.end(), 0);
+  } else if (r.has("no_rope_layer_interval")) {
+    without_rope = m.layers / r.positive_int("no_rope_layer_interval");
+  }
+  if (without_rope > 0) {
+    m.description += fmt::format(
+        "; its {} block{} without rotary positions (no_rope_layers) are priced with RoPE, a "
+        "small element-wise pass",
+        without_rope, without_rope == 1 ? "" : "s");
+    m.unmodelled.push_back(fmt::format("its {} block{} without RoPE (RoPE in every block instead)",
+                                       without_rope, without_rope == 1 ? "" : "s"));
+  }
+  const std::int64_t chunk =
+      r.has("attention_chunk_size") && !r.raw().at("attention_chunk_size").is_null()
+          ? r.positive_int("attention_chunk_size")
+          : 8192;
+  m.description += fmt::format(
+      "; its chunked attention (attention_chunk_size {}: a query attends within its chunk, on "
+      "its layers with RoPE) is not modelled (full causal attention, the same up to that length)",
+      chunk);
+  m.unmodelled_sliding_window = chunk;
+  m.unmodelled_window_kind = "chunked attention (on its layers with RoPE)";
+  // Temperature tuning scales queries on the layers without RoPE only at positions past
+  // floor_scale (8192 by default): log(floor((p + 1) / floor_scale) + 1) x attn_scale + 1.
+  const nlohmann::json* tuning =
+      r.has("attn_temperature_tuning") ? &r.raw().at("attn_temperature_tuning") : nullptr;
+  if (tuning == nullptr || (tuning->is_boolean() && tuning->get<bool>()) ||
+      (tuning->is_number() && tuning->get<double>() != 0)) {
+    m.description +=
+        "; its attention temperature tuning (attn_temperature_tuning: queries scaled on its "
+        "layers without RoPE at positions past floor_scale) is not modelled";
+  }
+}
+
 // Training sequence length assumed for imported configs: max_position_embeddings is what the
 // model supports (131072 for Llama 3.1), rarely what one trains a step with.
 constexpr std::int64_t kHfDefaultSeqLen = 4096;
@@ -380,21 +481,27 @@ constexpr std::int64_t kHfDefaultSeqLen = 4096;
 }  // namespace
 
 ModelSpec model_from_hf_config(const json& j, const std::string& file) {
-  const JsonReader r(j, file);
-  const std::string type = r.string("model_type");
-  static constexpr std::array<std::string_view, 11> kSupported = {
-      "gpt2", "granite", "llama", "mistral",   "mixtral",  "olmo2",
-      "phi3", "qwen2",   "qwen3", "qwen2_moe", "qwen3_moe"};
-  if (std::find(kSupported.begin(), kSupported.end(), type) == kSupported.end()) {
+  const JsonReader outer(j, file);
+  const std::string outer_type = outer.string("model_type");
+  static constexpr std::array<std::string_view, 13> kSupported = {
+      "gpt2",  "granite", "llama", "llama4", "llama4_text", "mistral",  "mixtral",
+      "olmo2", "phi3",    "qwen2", "qwen3",  "qwen2_moe",   "qwen3_moe"};
+  if (std::find(kSupported.begin(), kSupported.end(), outer_type) == kSupported.end()) {
     // Families whose blocks dtsim cannot describe yet: say what is missing.
     const std::string why =
-        type.starts_with("deepseek")
+        outer_type.starts_with("deepseek")
             ? "; its dense first layers among the experts' (and V2's and V3's latent attention) "
               "are not modelled"
             : "";
-    r.fail("model_type", fmt::format("unsupported Hugging Face model_type \"{}\" (supported: {}){}",
-                                     type, fmt::join(kSupported, ", "), why));
+    outer.fail("model_type",
+               fmt::format("unsupported Hugging Face model_type \"{}\" (supported: {}){}",
+                           outer_type, fmt::join(kSupported, ", "), why));
   }
+  // Llama 4's config (Llama4Config) nests its language model's under text_config, beside a
+  // vision model's, which dtsim does not model; llama4_text is the language model's own.
+  const std::string type = outer_type == "llama4_text" ? "llama4" : outer_type;
+  const bool llama4 = type == "llama4";
+  const JsonReader r = outer_type == "llama4" ? outer.object("text_config") : outer;
   // Qwen3's families: Qwen2's Hugging Face classes without the q/k/v biases, and with an
   // RMSNorm of each head's queries and keys (Qwen3Attention's q_norm, k_norm).
   const bool qwen3 = type == "qwen3" || type == "qwen3_moe";
@@ -411,7 +518,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   std::error_code ec;
   std::filesystem::path path = std::filesystem::absolute(file, ec).lexically_normal();
   if (ec) path = std::filesystem::path(file);
-  m.name = r.has("_name_or_path") && !r.string("_name_or_path").empty() ? r.name("_name_or_path")
+  m.name = outer.has("_name_or_path") && !outer.string("_name_or_path").empty()
+               ? outer.name("_name_or_path")
            : path.filename() == "config.json" ? path.parent_path().filename().string()
                                               : path.stem().string();
   // A _name_or_path that is a folder on the machine that saved it (/disks/.../model,
@@ -426,7 +534,10 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   }
   if (m.name.empty()) m.name = type;
   m.source = fmt::format("Hugging Face config.json ({})", file);
-  m.description = fmt::format("imported from a Hugging Face {} config", type);
+  m.description = fmt::format("imported from a Hugging Face {} config", outer_type);
+  if (outer.has("vision_config")) {
+    m.description += "; its vision model (vision_config) is not modelled: the language model alone";
+  }
   KeyMap names;
   // A dropout probability: from 0 to below 1.
   const auto probability = [&](const char* key) {
@@ -483,8 +594,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.heads = hf_int(r, names, "heads", {"num_attention_heads"});
     // Without num_key_value_heads, Hugging Face's default for the family: llama's and phi3's
     // is one key/value head per head (LlamaConfig: multi-head attention), mistral's and mixtral's
-    // 8, qwen2's and qwen3's 32, qwen2_moe's 16, qwen3_moe's 4 (their configuration classes'
-    // defaults); said in the description (a misspelt key would read so too).
+    // 8, qwen2's and qwen3's 32, qwen2_moe's 16, qwen3_moe's 4, llama4's 8 (their configuration
+    // classes' defaults); said in the description (a misspelt key would read so too).
     const bool head_per_head = llama_like || type == "phi3" || type == "olmo2";
     if (r.has("num_key_value_heads") || head_per_head) {
       m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"},
@@ -531,11 +642,15 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // (Llama's attention has no window: its configs' sliding_window, where present, is unread;
     // Qwen2's and Qwen3's use it only with use_sliding_window, false by default in Hugging
     // Face's.)
-    if (!llama_like && j.contains("sliding_window") && !j.at("sliding_window").is_null() &&
-        !j.at("sliding_window").is_number_integer()) {
+    // (Llama 4's chunked attention, read_llama4.)
+    const json& raw = r.raw();
+    const bool windowless = llama_like || llama4;
+    if (!windowless && raw.contains("sliding_window") && !raw.at("sliding_window").is_null() &&
+        !raw.at("sliding_window").is_number_integer()) {
       r.fail("sliding_window", "expected a number of tokens (an integer) or null");
     }
-    if (!llama_like && j.contains("sliding_window") && j.at("sliding_window").is_number_integer() &&
+    if (!windowless && raw.contains("sliding_window") &&
+        raw.at("sliding_window").is_number_integer() &&
         r.boolean_or("use_sliding_window", type != "qwen2" && type != "qwen2_moe" && !qwen3)) {
       // (A window said in the description is a positive one: -4, or 2^64 - 1 read as -1, is
       // no number of tokens.)
@@ -545,7 +660,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           "up to that length)",
           window);
       m.unmodelled_sliding_window = window;
-    } else if (type == "mistral" && !j.contains("sliding_window")) {
+    } else if (type == "mistral" && !raw.contains("sliding_window")) {
       // (MistralConfig's default window, where the key is left out: 4096.)
       m.description +=
           "; no sliding_window: Hugging Face's default for mistral, 4096 tokens, which is not "
@@ -590,7 +705,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // Qwen2MLP), mistral, mixtral and phi3 none; what those classes do not read is said.
     const bool attention_bias = r.boolean_or("attention_bias", false);
     const bool mlp_bias = r.boolean_or("mlp_bias", false);
-    const bool reads_attention_bias = llama_like || qwen3 || type == "olmo2";
+    const bool reads_attention_bias = llama_like || qwen3 || type == "olmo2" || llama4;
     const bool reads_mlp_bias = llama_like;
     const bool qwen2_like = type == "qwen2" || type == "qwen2_moe";
     m.bias.qkv = qwen2_like || (reads_attention_bias && attention_bias);
@@ -605,9 +720,9 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
                       : unread_attention             ? "attention_bias is"
                                                      : "mlp_bias is",
                       type,
-                      qwen2_like                 ? "biases on q, k and v only"
-                      : qwen3 || type == "olmo2" ? "no biases in its MLP"
-                                                 : "no biases");
+                      qwen2_like                           ? "biases on q, k and v only"
+                      : qwen3 || type == "olmo2" || llama4 ? "no biases in its MLP"
+                                                           : "no biases");
     }
     if (qwen3) {
       m.description +=
@@ -665,7 +780,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     }
     // Hugging Face's llama, mistral, phi3, qwen2 and qwen3 classes have no experts, whatever
     // the config says.
-    if (type != "mixtral" && !qwen_moe &&
+    if (type != "mixtral" && !qwen_moe && !llama4 &&
         (r.has("num_local_experts") || r.has("num_experts_per_tok"))) {
       m.description += fmt::format(
           "; its {} not read: Hugging Face's {} model has no experts (model_type mixtral, "
@@ -678,14 +793,16 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
       names["moe.expert_ffn_hidden"] = "intermediate_size";
     }
     if (qwen_moe) read_qwen_moe(r, names, m, type);
+    if (llama4) read_llama4(r, names, m);
   }
   if (r.has("head_dim")) {
     m.head_dim = hf_int(r, names, "head_dim", {"head_dim"});
-  } else if (type == "qwen3") {
-    // Qwen3Config's default (Qwen3-8B's 4096 / 32 heads, not hidden_size / heads elsewhere).
+  } else if (type == "qwen3" || llama4) {
+    // Qwen3Config's and Llama4TextConfig's default (Qwen3-8B's 4096 / 32 heads, not
+    // hidden_size / heads elsewhere).
     m.head_dim = 128;
     names["head_dim"] = "head_dim";
-    m.description += "; no head_dim: 128, Hugging Face's default for qwen3";
+    m.description += fmt::format("; no head_dim: 128, Hugging Face's default for {}", type);
   } else {
     if (m.hidden % m.heads != 0) {
       r.fail(names["heads"],

@@ -72,8 +72,11 @@ struct ModelSpec {
   bool dropout = false;
   std::optional<MoeSpec> moe;
   // A Hugging Face config's sliding-window attention, which dtsim does not model (full causal
-  // attention is priced): said where a plan's sequence is longer than the window.
+  // attention is priced): said where a plan's sequence is longer than the window. Its kind, as
+  // messages name it: "sliding window", or Llama 4's "chunked attention (on its layers with
+  // RoPE)", whose queries attend within their chunk of that many tokens.
   std::optional<std::int64_t> unmodelled_sliding_window;
+  std::string unmodelled_window_kind = "sliding window";
   // What of the published model dtsim leaves out (a phrase each, said in the description too):
   // the model that dtsim prices and dtexec trains is without it ("its q_norm and k_norm (an
   // RMSNorm of each head's queries and keys)"). From a Hugging Face config's import, or a model
@@ -114,8 +117,8 @@ ModelSpec model_from_json(const nlohmann::json& j, const std::string& file);
 // activation, norm, positions, rope_theta, tied_embeddings, dropout, bias, moe).
 nlohmann::json architecture_json(const ModelSpec& m);
 
-// Parses a Hugging Face config.json (model_type gpt2, granite, llama, mistral, mixtral, olmo2,
-// phi3, qwen2, qwen2_moe, qwen3, qwen3_moe).
+// Parses a Hugging Face config.json (model_type gpt2, granite, llama, llama4 (its text_config)
+// or llama4_text, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe).
 ModelSpec model_from_hf_config(const nlohmann::json& j, const std::string& file);
 
 // Sanity bounds on a model's dimensions. With them, and the size limits below, every count of

@@ -102,9 +102,9 @@ std::optional<std::string> sliding_window_note(const model::ModelSpec& model,
   const auto window = model.unmodelled_sliding_window;
   if (!window || seq_len <= *window) return std::nullopt;
   return fmt::format(
-      "{}'s sliding window of {} tokens is not modelled: attention is priced as full causal "
-      "attention over all {} (its keys per query at most {})",
-      model.name, *window, seq_len, *window);
+      "{}'s {} of {} tokens is not modelled: attention is priced as full causal attention over "
+      "all {} (its keys per query at most {})",
+      model.name, model.unmodelled_window_kind, *window, seq_len, *window);
 }
 
 std::optional<std::string> uneven_layers_note(const model::ModelSpec& spec, const Plan& plan) {

@@ -3,9 +3,9 @@
 # (ZeRO-1 also in place, --zero-in-place),
 # schedules (GPipe, 1F1B, interleaved, zero-bubble; pipeline receives posted when reached or,
 # with --overlap-p2p-comm, ahead of need), micro-batch counts, recompute and FlashAttention's
-# memory (against the unfused single rank), K steps of seven tiny models (GPT, Llama, GPT with
+# memory (against the unfused single rank), K steps of eight tiny models (GPT, Llama, GPT with
 # dropout, a mixture of experts, GPT with an odd vocabulary that the plans pad, Hugging Face
-# qwen3_moe and qwen2_moe configs) under mpirun give the losses and final weights of the single-rank run
+# qwen3_moe, qwen2_moe and llama4 configs) under mpirun give the losses and final weights of the single-rank run
 # of the same global batch (the first plan: one rank under mpirun, as without it).
 #
 # Tolerances (fp32): losses within 1e-5 (sums in another order differ by ~1e-7); weights within
@@ -45,12 +45,16 @@ qwen3moe="$here/tiny_qwen3_moe.json"
 # their output to its own before the tp reduction (under sequence parallelism a region of its
 # own: the block's input gathered, the sum reduce-scattered).
 qwen2moe="$here/tiny_qwen2_moe.json"
+# A Hugging Face llama4 config, as Llama 4 Scout's: its language model under text_config, each
+# token to one expert beside a shared expert of the same width.
+llama4="$here/tiny_llama4.json"
 path_of() {
   case "$1" in
     llama) echo "$llama" ;;
     vocab251) echo "$vocab251" ;;
     qwen3moe) echo "$qwen3moe" ;;
     qwen2moe) echo "$qwen2moe" ;;
+    llama4) echo "$llama4" ;;
     dropout) echo "$dropout" ;;
     moe) echo "$moe" ;;
     *) echo "$1" ;;
@@ -58,10 +62,10 @@ path_of() {
 }
 
 # One single-rank reference per model and micro-batch size.
-for model in tiny-gpt llama dropout moe vocab251 qwen3moe qwen2moe; do
+for model in tiny-gpt llama dropout moe vocab251 qwen3moe qwen2moe llama4; do
   path=$(path_of "$model")
   for mbs in 1 2 4 8; do
-    if [[ "$model" =~ ^(vocab251|qwen3moe|qwen2moe)$ ]] && [ "$mbs" != 2 ]; then continue; fi
+    if [[ "$model" =~ ^(vocab251|qwen3moe|qwen2moe|llama4)$ ]] && [ "$mbs" != 2 ]; then continue; fi
     rm -rf "ref_${model}_$mbs"
     "$dtexec" run --model "$path" "${common[@]}" --micro-batch-size "$mbs" \
       --checkpoint "ref_${model}_$mbs" --json >"ref_${model}_$mbs.json"
@@ -161,6 +165,8 @@ plans=(
   "qwen2moe|2|2|--tp 2 --sequence-parallel --recompute selective"
   "qwen2moe|4|2|--tp 2 --dp 2 --ep 2 --sequence-parallel --zero-stage 1"
   "qwen2moe|4|2|--tp 2 --pp 2 --sequence-parallel --schedule zero-bubble"
+  "llama4|4|2|--tp 2 --dp 2 --ep 2 --sequence-parallel --zero-stage 1"
+  "llama4|4|2|--tp 2 --pp 2 --sequence-parallel --schedule 1f1b"
 )
 failed=0
 # Dropout's masks and the experts' routing follow each token, not the micro-batch: one rank's

@@ -312,6 +312,82 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(sparse.path()), InputError,
                                     "config.json: mlp_only_layers: 1 dense block among");
   }
+  SECTION("llama4: its text_config, experts beside a shared expert in every block") {
+    // meta-llama/Llama-4-Scout-17B-16E's config.json (its vision_config cut short).
+    const std::string text = R"("attention_bias": false, "attention_chunk_size": 8192,
+      "attn_temperature_tuning": true, "floor_scale": 8192, "head_dim": 128,
+      "hidden_act": "silu", "hidden_size": 5120, "interleave_moe_layer_step": 1,
+      "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+      "max_position_embeddings": 10485760, "model_type": "llama4_text",
+      "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48,
+      "num_key_value_heads": 8, "num_local_experts": 16, "rope_theta": 500000.0,
+      "rope_scaling": {"factor": 16.0, "rope_type": "llama3"}, "tie_word_embeddings": false,
+      "use_qk_norm": true, "vocab_size": 202048)";
+    const std::string outer = R"("model_type": "llama4", "tie_word_embeddings": false,
+      "_name_or_path": "meta-llama/Llama-4-Scout-17B-16E", "vision_config": {"hidden_size": 1408})";
+    TempFile f("config.json", "{" + outer + R"(, "text_config": {)" + text + "}}");
+    const auto m = load_model(f.path());
+    CHECK(m.name == "meta-llama/Llama-4-Scout-17B-16E");
+    REQUIRE(m.moe);
+    CHECK(m.moe->experts == 16);
+    CHECK(m.moe->top_k == 1);
+    CHECK(m.moe->expert_ffn_hidden == 8192);
+    CHECK(m.shared_ffn() == 8192);
+    CHECK(m.kv_heads == 8);
+    CHECK(m.rope_theta == 500000.0);
+    CHECK_FALSE(m.bias.qkv);
+    // Its language model's count (Hugging Face's too: its router has no bias and its q/k norm
+    // no weights): of the 109B that Meta gives Scout with its vision model, 17B activated.
+    CHECK(count_params(m) == 107769861120ULL);
+    // Every fourth block without RoPE by default; chunked attention said past 8192 tokens.
+    CHECK(m.unmodelled_sliding_window == 8192);
+    CHECK(m.unmodelled_window_kind.find("chunked attention") != std::string::npos);
+    // RoPE scaling, the router's gates, the q/k norm, blocks without RoPE.
+    REQUIRE(m.unmodelled.size() == 4);
+    CHECK(m.unmodelled[3] == "its 12 blocks without RoPE (RoPE in every block instead)");
+    for (const char* said : {"vision model", "intermediate_size_mlp (16384", "sigmoid gates",
+                             "use_qk_norm", "attention temperature tuning", "rope_scaling"}) {
+      INFO(said);
+      CHECK(m.description.find(said) != std::string::npos);
+    }
+    // The language model's own config reads alike.
+    TempFile plain("config.json", "{" + text + "}");
+    CHECK(count_params(load_model(plain.path())) == count_params(m));
+    // The text fields with one value changed (`key` as it is written, then its new value).
+    auto with = [&text](const std::string& key, const std::string& value) {
+      std::string t = text;
+      const std::size_t at = t.find("\"" + key + "\": ");
+      REQUIRE(at != std::string::npos);
+      const std::size_t from = at + key.size() + 4;
+      t.replace(from, t.find_first_of(",\n", from) - from, value);
+      return t;
+    };
+    // Its fields named where they are: inside text_config.
+    TempFile bad("config.json",
+                 "{" + outer + R"(, "text_config": {)" + with("num_local_experts", "0") + "}}");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(bad.path()), InputError,
+                                    "config.json: text_config.num_local_experts: ");
+    // Maverick's dense blocks between the experts' are not modelled: refused.
+    TempFile maverick("config.json", "{" + outer + R"(, "text_config": {)" +
+                                         with("interleave_moe_layer_step", "2") + "}}");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(maverick.path()), InputError,
+                                    "text_config.interleave_moe_layer_step: 2: experts in one "
+                                    "block of every 2, dense MLPs of intermediate_size_mlp");
+    TempFile some("config.json", "{" + text + R"(, "moe_layers": [1, 3]})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(some.path()), InputError,
+                                    "moe_layers: experts in 2 of the 48 blocks");
+    TempFile flags("config.json", "{" + text + R"(, "no_rope_layers": [1, 0]})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(flags.path()), InputError,
+                                    "no_rope_layers: expected a 0 or 1 for each of the 48 blocks");
+    std::string ones = "1";
+    for (int i = 1; i < 48; ++i) ones += ", 1";
+    TempFile all_rope("config.json", "{" + with("use_qk_norm", "false") +
+                                         R"(, "no_rope_layers": [)" + ones + "]}");
+    CHECK(load_model(all_rope.path()).unmodelled.size() == 2);  // RoPE scaling, the gates
+    TempFile no_text("config.json", "{" + outer + "}");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(no_text.path()), InputError,
+                                    "config.json: text_config: required field is missing");
+  }
   SECTION("gpt2") {
     TempFile f("config.json", R"({"model_type": "gpt2", "n_embd": 768, "n_head": 12,
       "n_layer": 12, "n_positions": 1024, "vocab_size": 50257})");
@@ -494,7 +570,8 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     DTSIM_REQUIRE_THROWS_CONTAINING(
         load_model(f.path()), InputError,
         "model_type: unsupported Hugging Face model_type \"bert\" (supported: gpt2, granite, "
-        "llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen2_moe, qwen3_moe)");
+        "llama, llama4, llama4_text, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen2_moe, "
+        "qwen3_moe)");
     // A family dtsim cannot describe yet says what it lacks.
     TempFile deepseek("config.json", R"({"model_type": "deepseek_v3", "hidden_size": 2048})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(deepseek.path()), InputError,
