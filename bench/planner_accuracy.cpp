@@ -101,6 +101,9 @@ int main(int argc, char** argv) {
       // own tp region under sequence parallelism.
       {"Qwen2 57B-A14B, 64 H100 (dgx-h100-superpod), batch 512", "qwen2-57b-a14b",
        "dgx-h100-superpod", 64, 512},
+      // One expert a token beside a shared one as wide: Llama 4 Scout's language model.
+      {"Llama 4 Scout, 128 H100 (dgx-h100-superpod), batch 512", "llama4-scout-17b-16e",
+       "dgx-h100-superpod", 128, 512},
       // A small model: the embedding's gradients a third of the parameters, the head's GEMMs
       // a block's several times, stages of one or two blocks.
       {"GPT-2 124M, 8 A100 (default), batch 64", "gpt2-124m", "default", 8, 64},

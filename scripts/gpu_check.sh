@@ -249,6 +249,8 @@ say "-- a Hugging Face qwen3_moe config (its heads twice as wide as the model): 
 gpu_against_cpu qwen3moe "$repo/tests/exec/mpi/tiny_qwen3_moe.json"
 say "-- a Hugging Face qwen2_moe config (experts beside a shared expert): GPU against CPU"
 gpu_against_cpu qwen2moe "$repo/tests/exec/mpi/tiny_qwen2_moe.json"
+say "-- a Hugging Face llama4 config (one expert a token beside a shared one): GPU against CPU"
+gpu_against_cpu llama4 "$repo/tests/exec/mpi/tiny_llama4.json"
 say "-- FlashAttention's memory with dropout (probabilities and masks made again): GPU against CPU"
 gpu_against_cpu flash "$repo/tests/exec/mpi/tiny_gpt_dropout.json" "--attention flash"
 say "-- gradient clipping at norm 0.5 (every step clips): GPU against CPU, and the norms"

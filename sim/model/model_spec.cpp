@@ -67,6 +67,7 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
                  "bias",
                  "dropout",
                  "moe",
+                 "unmodelled_window",
                  "unmodelled",
                  "published_params",
                  "published_params_precision",
@@ -116,6 +117,15 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
   }
   m.dropout = r.boolean_or("dropout", false);
   if (r.has("unmodelled")) m.unmodelled = r.string_array("unmodelled");
+  if (r.has("unmodelled_window")) {
+    // Attention that looks back a bounded number of tokens, priced as full causal attention:
+    // said where the sequence is longer (a Hugging Face config's sliding window, or Llama 4's
+    // chunked attention).
+    const JsonReader w = r.object("unmodelled_window");
+    w.expect_only({"tokens", "kind"});
+    m.unmodelled_sliding_window = w.positive_int("tokens");
+    m.unmodelled_window_kind = w.name("kind");
+  }
   if (r.has("moe")) {
     const JsonReader e = r.object("moe");
     e.expect_only({"experts", "top_k", "expert_ffn_hidden", "shared_ffn_hidden"});

@@ -339,6 +339,11 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     // Its language model's count (Hugging Face's too: its router has no bias and its q/k norm
     // no weights): of the 109B that Meta gives Scout with its vision model, 17B activated.
     CHECK(count_params(m) == 107769861120ULL);
+    CHECK(count_params(m) == count_params(load_model("llama4-scout-17b-16e")));
+    const auto shipped = load_model("llama4-scout-17b-16e");
+    CHECK(m.unmodelled == shipped.unmodelled);
+    CHECK(m.unmodelled_sliding_window == shipped.unmodelled_sliding_window);
+    CHECK(m.unmodelled_window_kind == shipped.unmodelled_window_kind);
     // Every fourth block without RoPE by default; chunked attention said past 8192 tokens.
     CHECK(m.unmodelled_sliding_window == 8192);
     CHECK(m.unmodelled_window_kind.find("chunked attention") != std::string::npos);
@@ -673,6 +678,13 @@ TEST_CASE("bad model files are rejected naming file and field", "[model][bad-inp
       {"kv_heads", 1LL << 17, "kv_heads: expected at most 65536, got 131072"},
       {"moe", nlohmann::json{{"experts", 1 << 17}, {"top_k", 2}, {"expert_ffn_hidden", 256}},
        "moe.experts: expected at most 65536, got 131072"},
+      // Attention bounded to a window, said where the sequence passes it.
+      {"unmodelled_window", nlohmann::json{{"tokens", 0}, {"kind", "sliding window"}},
+       "unmodelled_window.tokens: expected a positive integer, got 0"},
+      {"unmodelled_window", nlohmann::json{{"tokens", 16}, {"kind", ""}},
+       "unmodelled_window.kind: expected a name, got an empty string"},
+      {"unmodelled_window", nlohmann::json{{"tokens", 16}},
+       "unmodelled_window.kind: required field is missing"},
       // Shared experts: a width of their own, positive where given.
       {"moe",
        nlohmann::json{
