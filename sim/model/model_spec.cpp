@@ -436,9 +436,12 @@ void read_llama4(const JsonReader& r, KeyMap& names, ModelSpec& m) {
         "an element-wise pass) is not modelled";
     m.unmodelled.push_back("its L2 norm of queries and keys (use_qk_norm)");
   }
+  // (An empty or null no_rope_layers is Hugging Face's default, from no_rope_layer_interval:
+  // Meta's Scout config has [].)
   std::int64_t without_rope = m.layers / 4;
-  if (r.has("no_rope_layers") && !r.raw().at("no_rope_layers").is_null()) {
-    const nlohmann::json& flags = r.raw().at("no_rope_layers");
+  const nlohmann::json* given = r.has("no_rope_layers") ? &r.raw().at("no_rope_layers") : nullptr;
+  if (given != nullptr && !given->is_null() && !(given->is_array() && given->empty())) {
+    const nlohmann::json& flags = *given;
     const bool flag_list = flags.is_array() &&
                            static_cast<std::int64_t>(flags.size()) == m.layers &&
                            std::all_of(flags.begin(), flags.end(), [](const nlohmann::json& f) {
@@ -462,25 +465,37 @@ void read_llama4(const JsonReader& r, KeyMap& names, ModelSpec& m) {
     m.unmodelled.push_back(fmt::format("its {} block{} without RoPE (RoPE in every block instead)",
                                        without_rope, without_rope == 1 ? "" : "s"));
   }
-  const std::int64_t chunk =
-      r.has("attention_chunk_size") && !r.raw().at("attention_chunk_size").is_null()
-          ? r.positive_int("attention_chunk_size")
-          : 8192;
-  m.description += fmt::format(
-      "; its chunked attention (attention_chunk_size {}: a query attends within its chunk, on "
-      "its layers with RoPE) is not modelled (full causal attention, the same up to that length)",
-      chunk);
-  m.unmodelled_sliding_window = chunk;
-  m.unmodelled_window_kind = "chunked attention (on its layers with RoPE)";
-  // Temperature tuning scales queries on the layers without RoPE only at positions past
-  // floor_scale (8192 by default): log(floor((p + 1) / floor_scale) + 1) x attn_scale + 1.
-  const nlohmann::json* tuning =
-      r.has("attn_temperature_tuning") ? &r.raw().at("attn_temperature_tuning") : nullptr;
-  if (tuning == nullptr || (tuning->is_boolean() && tuning->get<bool>()) ||
-      (tuning->is_number() && tuning->get<double>() != 0)) {
+  // Chunked attention on the blocks with RoPE (8192 tokens where not given; none where given as
+  // null, as Hugging Face reads it).
+  // (JsonReader::has takes a null for an absent key.)
+  const json& raw = r.raw();
+  const bool chunked =
+      !raw.contains("attention_chunk_size") || !raw.at("attention_chunk_size").is_null();
+  if (chunked && without_rope < m.layers) {
+    const std::int64_t chunk =
+        r.has("attention_chunk_size") ? r.positive_int("attention_chunk_size") : 8192;
+    m.description += fmt::format(
+        "; its chunked attention (attention_chunk_size {}: a query attends within its chunk, on "
+        "its layers with RoPE) is not modelled (full causal attention, the same up to that "
+        "length)",
+        chunk);
+    m.unmodelled_sliding_window = chunk;
+    m.unmodelled_window_kind = "chunked attention (on its layers with RoPE)";
+  }
+  // Temperature tuning scales the queries of the blocks without RoPE from position floor_scale
+  // on (8192 by default; positions from 0): log(floor((p + 1) / floor_scale) + 1) x attn_scale
+  // + 1.
+  // (On where not given; a null, false or 0 is off, as Hugging Face tests it.)
+  const json* tuning =
+      raw.contains("attn_temperature_tuning") ? &raw.at("attn_temperature_tuning") : nullptr;
+  if (without_rope > 0 && (tuning == nullptr || (tuning->is_boolean() && tuning->get<bool>()) ||
+                           (tuning->is_number() && tuning->get<double>() != 0))) {
     m.description +=
         "; its attention temperature tuning (attn_temperature_tuning: queries scaled on its "
-        "layers without RoPE at positions past floor_scale) is not modelled";
+        "blocks without RoPE from position floor_scale on) is not modelled";
+    m.unmodelled.push_back(
+        "its attention temperature tuning (queries of its blocks without RoPE scaled from "
+        "position floor_scale on)");
   }
 }
 
@@ -702,7 +717,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           fmt::format("its partial_rotary_factor of {:g} (RoPE on whole heads instead)",
                       r.positive_number("partial_rotary_factor")));
     }
-    if (r.has("quantization_config")) {
+    // (A composite config, Llama 4's, has it at its top level.)
+    if (r.has("quantization_config") || outer.has("quantization_config")) {
       m.description +=
           "; its quantization_config (quantized weights) is not modelled: trained in the "
           "plan's precision";
@@ -794,7 +810,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
         (r.has("num_local_experts") || r.has("num_experts_per_tok"))) {
       m.description += fmt::format(
           "; its {} not read: Hugging Face's {} model has no experts (model_type mixtral, "
-          "qwen2_moe and qwen3_moe have)",
+          "qwen2_moe, qwen3_moe and llama4 have)",
           r.has("num_local_experts") ? "num_local_experts is" : "num_experts_per_tok is", type);
     }
     if (type == "mixtral") {
@@ -837,6 +853,10 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   }
   m.seq_len = std::min(m.max_positions, kHfDefaultSeqLen);
   names["seq_len"] = names["max_positions"];  // the default derives from it
+  // Fields inside Llama 4's text_config named with its path, as the reader's own messages.
+  if (outer_type == "llama4") {
+    for (auto& [field, key] : names) key = "text_config." + key;
+  }
   validate_model(m, names);
   return m;
 }

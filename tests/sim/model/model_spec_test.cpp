@@ -322,7 +322,7 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
       "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48,
       "num_key_value_heads": 8, "num_local_experts": 16, "rope_theta": 500000.0,
       "rope_scaling": {"factor": 16.0, "rope_type": "llama3"}, "tie_word_embeddings": false,
-      "use_qk_norm": true, "vocab_size": 202048)";
+      "use_qk_norm": true, "no_rope_layers": [], "vocab_size": 202048)";
     const std::string outer = R"("model_type": "llama4", "tie_word_embeddings": false,
       "_name_or_path": "meta-llama/Llama-4-Scout-17B-16E", "vision_config": {"hidden_size": 1408})";
     TempFile f("config.json", "{" + outer + R"(, "text_config": {)" + text + "}}");
@@ -347,8 +347,9 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     // Every fourth block without RoPE by default; chunked attention said past 8192 tokens.
     CHECK(m.unmodelled_sliding_window == 8192);
     CHECK(m.unmodelled_window_kind.find("chunked attention") != std::string::npos);
-    // RoPE scaling, the router's gates, the q/k norm, blocks without RoPE.
-    REQUIRE(m.unmodelled.size() == 4);
+    // RoPE scaling, the router's gates, the q/k norm, blocks without RoPE (Meta's config says
+    // [], Hugging Face's default: every fourth), their temperature tuning.
+    REQUIRE(m.unmodelled.size() == 5);
     CHECK(m.unmodelled[3] == "its 12 blocks without RoPE (RoPE in every block instead)");
     for (const char* said : {"vision model", "intermediate_size_mlp (16384", "sigmoid gates",
                              "use_qk_norm", "attention temperature tuning", "rope_scaling"}) {
@@ -381,14 +382,33 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     TempFile some("config.json", "{" + text + R"(, "moe_layers": [1, 3]})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(some.path()), InputError,
                                     "moe_layers: experts in 2 of the 48 blocks");
-    TempFile flags("config.json", "{" + text + R"(, "no_rope_layers": [1, 0]})");
+    TempFile flags("config.json", "{" + with("no_rope_layers", "[1, 0]") + "}");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(flags.path()), InputError,
                                     "no_rope_layers: expected a 0 or 1 for each of the 48 blocks");
     std::string ones = "1";
     for (int i = 1; i < 48; ++i) ones += ", 1";
-    TempFile all_rope("config.json", "{" + with("use_qk_norm", "false") +
-                                         R"(, "no_rope_layers": [)" + ones + "]}");
-    CHECK(load_model(all_rope.path()).unmodelled.size() == 2);  // RoPE scaling, the gates
+    TempFile all_rope("config.json", "{" + with("no_rope_layers", "[" + ones + "]") + "}");
+    // RoPE scaling, the gates and the q/k norm: no block without RoPE, none tuned.
+    CHECK(load_model(all_rope.path()).unmodelled.size() == 3);
+    // Every block without RoPE: no chunked attention (it is on the blocks with RoPE).
+    std::string zeros = "0";
+    for (int i = 1; i < 48; ++i) zeros += ", 0";
+    TempFile no_rope("config.json", "{" + with("no_rope_layers", "[" + zeros + "]") + "}");
+    CHECK_FALSE(load_model(no_rope.path()).unmodelled_sliding_window);
+    // A chunk size of null is no chunked attention, as Hugging Face reads it.
+    TempFile unchunked("config.json", "{" + with("attention_chunk_size", "null") + "}");
+    CHECK_FALSE(load_model(unchunked.path()).unmodelled_sliding_window);
+    TempFile untuned("config.json", "{" + with("attn_temperature_tuning", "null") + "}");
+    CHECK(load_model(untuned.path()).unmodelled.size() == 4);  // no temperature tuning
+    // validate_model's messages name the nested keys too.
+    TempFile kv("config.json",
+                "{" + outer + R"(, "text_config": {)" + with("num_key_value_heads", "3") + "}}");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(kv.path()), InputError,
+                                    "config.json: text_config.num_key_value_heads: ");
+    // A quantized checkpoint's quantization_config, at the composite config's top level.
+    TempFile fp8("config.json", "{" + outer + R"(, "quantization_config": {"quant_method": "fp8"},
+      "text_config": {)" + text + "}}");
+    CHECK(load_model(fp8.path()).description.find("quantization_config") != std::string::npos);
     TempFile no_text("config.json", "{" + outer + "}");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(no_text.path()), InputError,
                                     "config.json: text_config: required field is missing");
