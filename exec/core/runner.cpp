@@ -1044,10 +1044,15 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
   if (spec.moe) {
     notes.push_back(fmt::format(
         "mixture of experts: each token to its top {} of {} experts by router logit, weighted by "
-        "the softmax of those logits (Mixtral's routing){}; dropless, no load-balancing loss{}",
+        "{}; dropless, no load-balancing loss{}",
         spec.moe->top_k, spec.moe->experts,
-        spec.moe->top_k == 1 ? ", which for one expert a token is 1: the router does not train"
-                             : "",
+        !spec.moe->normalize_top_k
+            ? "their probabilities in the softmax over all experts, not renormalized (Switch "
+              "Transformer's; Hugging Face's norm_topk_prob false)"
+        : spec.moe->top_k == 1
+            ? "the softmax of those logits (Mixtral's routing), which for one expert a token is "
+              "1: the router does not train"
+            : "the softmax of those logits (Mixtral's routing)",
         spec.shared_ffn() > 0
             ? fmt::format("; and every token through the shared experts (an MLP of width "
                           "{}), their output added to the routed experts'",

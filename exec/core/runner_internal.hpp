@@ -133,6 +133,9 @@ struct MicroBatch {
   // Mixture of experts, by router: the order of the tokens' copies (sorted by expert), the
   // gradient of the gates, and (on the host) each expert's number of copies.
   std::map<OpId, View> route, gate_grad;
+  // By router whose gates are over all experts (MoeSpec::normalize_top_k false): its logits,
+  // for their softmax in the backward.
+  std::map<OpId, View> logits;
   // Zero-bubble, by experts' down op whose combine runs at it (ep 1, no moe_local_dispatch):
   // its copies' output gradients, from its B pass's combine backward to its W pass.
   std::map<OpId, View> copy_grad;
@@ -148,11 +151,11 @@ struct MicroBatch {
 };
 
 // A micro-batch's tensor maps, in the order of Runner::Slot.
-inline constexpr std::array<std::map<OpId, View> MicroBatch::*, 13> kTensorSlots = {
-    &MicroBatch::out,      &MicroBatch::grad,      &MicroBatch::aux1,  &MicroBatch::aux2,
-    &MicroBatch::full,     &MicroBatch::full_grad, &MicroBatch::kv,    &MicroBatch::kv_grad,
-    &MicroBatch::mask,     &MicroBatch::dropped,   &MicroBatch::route, &MicroBatch::gate_grad,
-    &MicroBatch::copy_grad};
+inline constexpr std::array<std::map<OpId, View> MicroBatch::*, 14> kTensorSlots = {
+    &MicroBatch::out,       &MicroBatch::grad,      &MicroBatch::aux1,  &MicroBatch::aux2,
+    &MicroBatch::full,      &MicroBatch::full_grad, &MicroBatch::kv,    &MicroBatch::kv_grad,
+    &MicroBatch::mask,      &MicroBatch::dropped,   &MicroBatch::route, &MicroBatch::gate_grad,
+    &MicroBatch::copy_grad, &MicroBatch::logits};
 
 using Key = std::pair<OpId, int>;  // (op, 0 weight / 1 bias)
 
@@ -812,7 +815,8 @@ class Runner {
     Dropped,
     Route,
     GateGrad,
-    CopyGrad
+    CopyGrad,
+    Logits
   };
   struct Use {
     Slot slot;

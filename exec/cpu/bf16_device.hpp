@@ -184,14 +184,16 @@ class Bf16Device final : public Device {
     Scope s;
     cpu_.add_columns(s.act(dst), s.act(src), T, dst_width, begin, width);
   }
-  void moe_route(View experts, View gates, View logits, int T, int E, int k) override {
+  void moe_route(View experts, View gates, View logits, int T, int E, int k,
+                 bool normalize) override {
     Scope s;
-    cpu_.moe_route(s.ints(experts), s.f32(gates), s.act(logits), T, E, k);
+    cpu_.moe_route(s.ints(experts), s.f32(gates), s.act(logits), T, E, k, normalize);
   }
-  void moe_route_backward(View dlogits, View dgates, View gates, View experts, int T, int E,
-                          int k) override {
+  void moe_route_backward(View dlogits, View dgates, View gates, View experts, View logits, int T,
+                          int E, int k) override {
     Scope s;
-    cpu_.moe_route_backward(s.act(dlogits), s.f32(dgates), s.f32(gates), s.ints(experts), T, E, k);
+    cpu_.moe_route_backward(s.act(dlogits), s.f32(dgates), s.f32(gates), s.ints(experts),
+                            s.act_or_null(logits), T, E, k);
   }
   void moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T, int C,
                     int k, int E) override {

@@ -252,13 +252,15 @@ std::span<int> mutable_ints(View v) {
 
 }  // namespace
 
-void CpuDevice::moe_route(View experts, View gates, View logits, int T, int E, int k) {
-  cpu::moe_route(mutable_ints(experts), floats(gates), floats(logits), T, E, k);
+void CpuDevice::moe_route(View experts, View gates, View logits, int T, int E, int k,
+                          bool normalize) {
+  cpu::moe_route(mutable_ints(experts), floats(gates), floats(logits), T, E, k, normalize);
 }
 
-void CpuDevice::moe_route_backward(View dlogits, View dgates, View gates, View experts, int T,
-                                   int E, int k) {
-  cpu::moe_route_backward(floats(dlogits), floats(dgates), floats(gates), ints(experts), T, E, k);
+void CpuDevice::moe_route_backward(View dlogits, View dgates, View gates, View experts, View logits,
+                                   int T, int E, int k) {
+  cpu::moe_route_backward(floats(dlogits), floats(dgates), floats(gates), ints(experts),
+                          logits.empty() ? cpu::In{} : floats(logits), T, E, k);
 }
 
 void CpuDevice::moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T,

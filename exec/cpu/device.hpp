@@ -90,9 +90,10 @@ class CpuDevice final : public Device {
   void dropout_add_forward(View out, View mask, View branch, View skip, const DropoutSite& d, int T,
                            int C) override;
   void dropout_backward(View din, View mask, View dout, float rate) override;
-  void moe_route(View experts, View gates, View logits, int T, int E, int k) override;
-  void moe_route_backward(View dlogits, View dgates, View gates, View experts, int T, int E,
-                          int k) override;
+  void moe_route(View experts, View gates, View logits, int T, int E, int k,
+                 bool normalize) override;
+  void moe_route_backward(View dlogits, View dgates, View gates, View experts, View logits, int T,
+                          int E, int k) override;
   void moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T, int C,
                     int k, int E) override;
   void moe_dispatch_backward(View dx, View ddispatched, View order, int T, int C, int k) override;

@@ -424,7 +424,7 @@ void dropout_backward(Out din, std::span<const std::uint8_t> mask, In dout, floa
   }
 }
 
-void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k) {
+void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k, bool normalize) {
   std::vector<int> best(static_cast<std::size_t>(E));
   for (int t = 0; t < T; ++t) {
     const float* l = logits.data() + static_cast<std::size_t>(t) * E;
@@ -433,7 +433,10 @@ void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k
                       [l](int a, int b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
     const float top = l[best[0]];
     double sum = 0;
-    for (int j = 0; j < k; ++j) sum += std::exp(static_cast<double>(l[best[j]] - top));
+    for (int j = 0; j < (normalize ? k : E); ++j) {
+      sum +=
+          std::exp(static_cast<double>(l[normalize ? best[static_cast<std::size_t>(j)] : j] - top));
+    }
     for (int j = 0; j < k; ++j) {
       const std::size_t slot = static_cast<std::size_t>(t) * k + j;
       experts[slot] = best[static_cast<std::size_t>(j)];
@@ -442,13 +445,26 @@ void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k
   }
 }
 
-void moe_route_backward(Out dlogits, In dgates, In gates, std::span<const int> experts, int T,
-                        int E, int k) {
+void moe_route_backward(Out dlogits, In dgates, In gates, std::span<const int> experts, In logits,
+                        int T, int E, int k) {
   for (int t = 0; t < T; ++t) {
     const std::size_t first = static_cast<std::size_t>(t) * k;
     float dot = 0;
     for (int j = 0; j < k; ++j) dot += gates[first + j] * dgates[first + j];
     float* dl = dlogits.data() + static_cast<std::size_t>(t) * E;
+    // g = softmax(l) restricted to the chosen: dg_i/dl_e = g_i (δ_ie − p_e), so dl_e gains
+    // p_e (dg_e [e chosen] − Σ_i g_i dg_i); over the k alone p is the gates themselves.
+    if (!logits.empty()) {
+      const float* l = logits.data() + static_cast<std::size_t>(t) * E;
+      const float top = *std::max_element(l, l + E);
+      double sum = 0;
+      for (int e = 0; e < E; ++e) sum += std::exp(static_cast<double>(l[e] - top));
+      for (int e = 0; e < E; ++e) {
+        dl[e] -= static_cast<float>(std::exp(static_cast<double>(l[e] - top)) / sum) * dot;
+      }
+      for (int j = 0; j < k; ++j) dl[experts[first + j]] += gates[first + j] * dgates[first + j];
+      continue;
+    }
     for (int j = 0; j < k; ++j) {
       dl[experts[first + j]] += gates[first + j] * (dgates[first + j] - dot);
     }

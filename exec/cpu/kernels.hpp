@@ -130,12 +130,16 @@ void attention_backward(Out dqkv, Out dkv, In dout, In qkv, In probs, int B, int
 
 // Mixture of experts (Mixtral's routing, Jiang et al. 2024): each of T tokens goes to the k of
 // E experts with the largest router logits (ties to the lower index), weighted by the softmax
-// of those k logits. Slot j of token t is row t·k + j of the routing tensors: experts[T·k]
-// (int) and gates[T·k].
-void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k);
-// dlogits[T, E] = the gradient through the gates' softmax (zero for experts not chosen).
-void moe_route_backward(Out dlogits, In dgates, In gates, std::span<const int> experts, int T,
-                        int E, int k);
+// of those k logits (`normalize`; the softmax over all E then renormalized over the k, alike),
+// or without `normalize` by their probabilities in the softmax over all E experts (Switch
+// Transformer's, Fedus et al. 2022; Hugging Face's norm_topk_prob false). Slot j of token t is
+// row t·k + j of the routing tensors: experts[T·k] (int) and gates[T·k].
+void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k, bool normalize);
+// dlogits[T, E] += the gradient through the gates' softmax: over the k chosen (zero for the
+// others) where `logits` is empty (moe_route's normalize), else over all E, whose logits[T, E]
+// it reads again.
+void moe_route_backward(Out dlogits, In dgates, In gates, std::span<const int> experts, In logits,
+                        int T, int E, int k);
 // The T·k slots sorted by expert (stably: token order within an expert): order[p] is the slot
 // at row p, rows[e] how many slots expert e got; dispatched[T·k, C] = x[token of order[p]].
 void moe_dispatch(Out dispatched, std::span<int> order, std::span<int> rows, In x,

@@ -171,12 +171,14 @@ class CudaDevice final : public Device {
   void add_columns(View dst, View src, int T, int dst_width, int begin, int width) override {
     k_.add_columns(act(dst), act(src), T, dst_width, begin, width);
   }
-  void moe_route(View experts, View gates, View logits, int T, int E, int k) override {
-    k_.moe_route(ints(experts), f32(gates), act(logits), T, E, k);
+  void moe_route(View experts, View gates, View logits, int T, int E, int k,
+                 bool normalize) override {
+    k_.moe_route(ints(experts), f32(gates), act(logits), T, E, k, normalize);
   }
-  void moe_route_backward(View dlogits, View dgates, View gates, View experts, int T, int E,
-                          int k) override {
-    k_.moe_route_backward(act(dlogits), f32(dgates), f32(gates), ints(experts), T, E, k);
+  void moe_route_backward(View dlogits, View dgates, View gates, View experts, View logits, int T,
+                          int E, int k) override {
+    k_.moe_route_backward(act(dlogits), f32(dgates), f32(gates), ints(experts), act_or_null(logits),
+                          T, E, k);
   }
   void moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T, int C,
                     int k, int E) override {

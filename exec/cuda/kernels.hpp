@@ -264,9 +264,11 @@ class Kernels {
   // order int [T·k]; gates and dgates fp32 [T·k]; rows fp32 [E] (each expert's copies);
   // logits, dlogits [T, E], x, dispatched, y and their gradients: activations. A token's
   // copies are summed in their rows' order, as the CPU sums them.
-  void moe_route(int* experts, float* gates, const void* logits, int T, int E, int k);
+  // (normalize, and the logits read again where it was false: null where true.)
+  void moe_route(int* experts, float* gates, const void* logits, int T, int E, int k,
+                 bool normalize);
   void moe_route_backward(void* dlogits, const float* dgates, const float* gates,
-                          const int* experts, int T, int E, int k);
+                          const int* experts, const void* logits, int T, int E, int k);
   void moe_dispatch(void* dispatched, int* order, float* rows, const void* x, const int* experts,
                     int T, int C, int k, int E);
   void moe_dispatch_backward(void* dx, const void* ddispatched, const int* order, int T, int C,

@@ -14,7 +14,7 @@ namespace {
 // and their softmax in double, as exec/cpu's moe_route.
 template <class T>
 __global__ void moe_route_kernel(int* experts, float* gates, const T* logits, std::int64_t tokens,
-                                 int E, int k) {
+                                 int E, int k, bool normalize) {
   for (std::int64_t t = first_index(); t < tokens; t += grid_stride()) {
     const std::int64_t row = t * E;
     int* chosen = experts + t * k;
@@ -34,8 +34,9 @@ __global__ void moe_route_kernel(int* experts, float* gates, const T* logits, st
     }
     const float top = load(logits, row + chosen[0]);
     double sum = 0;
-    for (int j = 0; j < k; ++j)
-      sum += exp(static_cast<double>(load(logits, row + chosen[j]) - top));
+    for (int j = 0; j < (normalize ? k : E); ++j) {
+      sum += exp(static_cast<double>(load(logits, row + (normalize ? chosen[j] : j)) - top));
+    }
     for (int j = 0; j < k; ++j) {
       gates[t * k + j] =
           static_cast<float>(exp(static_cast<double>(load(logits, row + chosen[j]) - top)) / sum);
@@ -43,14 +44,33 @@ __global__ void moe_route_kernel(int* experts, float* gates, const T* logits, st
   }
 }
 
-// One thread per token: the logits' gradient through the softmax of its k gates.
+// One thread per token: the logits' gradient through the softmax of its k gates, or where the
+// logits are given through the softmax over all E (exec/cpu's moe_route_backward).
 template <class T>
 __global__ void moe_route_backward_kernel(T* dlogits, const float* dgates, const float* gates,
-                                          const int* experts, std::int64_t tokens, int E, int k) {
+                                          const int* experts, const T* logits, std::int64_t tokens,
+                                          int E, int k) {
   for (std::int64_t t = first_index(); t < tokens; t += grid_stride()) {
     const std::int64_t first = t * k;
     float dot = 0;
     for (int j = 0; j < k; ++j) dot += gates[first + j] * dgates[first + j];
+    if (logits != nullptr) {
+      const std::int64_t row = t * E;
+      float top = load(logits, row);
+      for (int e = 1; e < E; ++e) top = fmaxf(top, load(logits, row + e));
+      double sum = 0;
+      for (int e = 0; e < E; ++e) sum += exp(static_cast<double>(load(logits, row + e) - top));
+      for (int e = 0; e < E; ++e) {
+        const float p =
+            static_cast<float>(exp(static_cast<double>(load(logits, row + e) - top)) / sum);
+        store(dlogits, row + e, load(dlogits, row + e) - p * dot);
+      }
+      for (int j = 0; j < k; ++j) {
+        const std::int64_t i = row + experts[first + j];
+        store(dlogits, i, load(dlogits, i) + gates[first + j] * dgates[first + j]);
+      }
+      continue;
+    }
     for (int j = 0; j < k; ++j) {
       const std::int64_t i = t * E + experts[first + j];
       store(dlogits, i, load(dlogits, i) + gates[first + j] * (dgates[first + j] - dot));
@@ -169,23 +189,24 @@ __global__ void moe_combine_backward_kernel(T* dy, float* dgates, const T* dout,
 
 }  // namespace
 
-void Kernels::moe_route(int* experts, float* gates, const void* logits, int T, int E, int k) {
+void Kernels::moe_route(int* experts, float* gates, const void* logits, int T, int E, int k,
+                        bool normalize) {
   if (T == 0) return;
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     moe_route_kernel<<<blocks_for(T), kThreads, 0, impl_->stream>>>(
-        experts, gates, static_cast<const A*>(logits), T, E, k);
+        experts, gates, static_cast<const A*>(logits), T, E, k, normalize);
   });
   launched("moe_route_kernel");
 }
 
 void Kernels::moe_route_backward(void* dlogits, const float* dgates, const float* gates,
-                                 const int* experts, int T, int E, int k) {
+                                 const int* experts, const void* logits, int T, int E, int k) {
   if (T == 0) return;
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     moe_route_backward_kernel<<<blocks_for(T), kThreads, 0, impl_->stream>>>(
-        static_cast<A*>(dlogits), dgates, gates, experts, T, E, k);
+        static_cast<A*>(dlogits), dgates, gates, experts, static_cast<const A*>(logits), T, E, k);
   });
   launched("moe_route_backward_kernel");
 }

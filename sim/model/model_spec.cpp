@@ -128,10 +128,12 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
   }
   if (r.has("moe")) {
     const JsonReader e = r.object("moe");
-    e.expect_only({"experts", "top_k", "expert_ffn_hidden", "shared_ffn_hidden"});
+    e.expect_only(
+        {"experts", "top_k", "expert_ffn_hidden", "shared_ffn_hidden", "normalize_top_k"});
     m.moe = MoeSpec{e.positive_int("experts"), e.positive_int("top_k"),
                     e.positive_int("expert_ffn_hidden"),
-                    e.has("shared_ffn_hidden") ? e.positive_int("shared_ffn_hidden") : 0};
+                    e.has("shared_ffn_hidden") ? e.positive_int("shared_ffn_hidden") : 0,
+                    e.boolean_or("normalize_top_k", true)};
     // Every block's MLP is its experts (no dense layers are modelled): a dense width that
     // differs would be read nowhere, in silence (cpu-small-moe said 1024 for experts of 512).
     if (ffn_given != 0 && ffn_given != m.moe->expert_ffn_hidden) {
@@ -373,14 +375,8 @@ void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string
         "is a mixture of experts of width moe_intermediate_size",
         r.positive_int("intermediate_size"));
   }
-  if (!r.boolean_or("norm_topk_prob", false)) {
-    m.description +=
-        "; its gates are the softmax over all experts (norm_topk_prob false), not renormalized "
-        "over the top k as dtexec's routing is: the same cost";
-    m.unmodelled.push_back(
-        "its gates' softmax over all experts (norm_topk_prob false: over the top k instead, "
-        "as Mixtral's)");
-  }
+  // (Qwen2MoeConfig's and Qwen3MoeConfig's default: false.)
+  m.moe->normalize_top_k = r.boolean_or("norm_topk_prob", false);
 }
 
 // A Llama 4 language model's blocks (Hugging Face's Llama4TextDecoderLayer, Llama4TextMoe):
@@ -886,9 +882,10 @@ json architecture_json(const ModelSpec& m) {
     a["moe"] = {{"experts", m.moe->experts},
                 {"top_k", m.moe->top_k},
                 {"expert_ffn_hidden", m.moe->expert_ffn_hidden}};
-    // (Only where there are shared experts: checkpoints written before they were modelled
-    // record none.)
+    // (Only where there are shared experts, and gates over all experts: checkpoints written
+    // before they were modelled record neither.)
     if (m.moe->shared_ffn_hidden > 0) a["moe"]["shared_ffn_hidden"] = m.moe->shared_ffn_hidden;
+    if (!m.moe->normalize_top_k) a["moe"]["normalize_top_k"] = false;
   }
   return a;
 }

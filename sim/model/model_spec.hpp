@@ -36,11 +36,17 @@ struct BiasSpec {
 // output is added to theirs (the shared experts of DeepSeekMoE, Dai et al. 2024, and
 // Qwen1.5/Qwen2-MoE; several shared experts of width f are one of width n x f). Tensor
 // parallelism splits it like a dense MLP; expert parallelism does not split it.
+// The gates that weight a token's experts: the softmax of their top_k logits (`normalize_top_k`:
+// Mixtral's, Jiang et al. 2024; the softmax over all experts renormalized over the top k,
+// alike), or their probabilities in the softmax over all experts (Switch Transformer's, Fedus
+// et al. 2022; Hugging Face's norm_topk_prob false, Qwen-MoE's default). The same cost; the
+// gradient of the second reaches every expert's logit, and at top_k 1 the first's gate is 1.
 struct MoeSpec {
   std::int64_t experts = 0;
   std::int64_t top_k = 0;
   std::int64_t expert_ffn_hidden = 0;
   std::int64_t shared_ffn_hidden = 0;
+  bool normalize_top_k = true;
 };
 
 struct ModelSpec {

@@ -444,6 +444,10 @@ TEST_CASE("hidden dropout keeps 1 - rate of the elements, the same mask however 
 // (the logits are spread out so that a step of 1e-3 does not change the experts chosen), with
 // an expert that gets no token.
 TEST_CASE("MoE routing, dispatch and combine backward match finite differences", "[exec][cpu]") {
+  // Gates over the top k's softmax (Mixtral's), or their probabilities in the softmax over all
+  // experts (Switch's; Hugging Face's norm_topk_prob false), whose gradient reaches every logit.
+  const bool normalize = GENERATE(true, false);
+  INFO((normalize ? "top k's softmax" : "softmax over all"));
   const int T = 6, E = 4, k = 2, C = 5;
   auto x = random(static_cast<std::size_t>(T) * C, 80);
   std::vector<float> logits(static_cast<std::size_t>(T) * E);
@@ -459,25 +463,32 @@ TEST_CASE("MoE routing, dispatch and combine backward match finite differences",
   std::vector<float> gates(experts.size()), dispatched(experts.size() * C), y(dispatched.size()),
       out(x.size());
   auto loss = [&] {
-    cpu::moe_route(experts, gates, logits, T, E, k);
+    cpu::moe_route(experts, gates, logits, T, E, k, normalize);
     cpu::moe_dispatch(dispatched, order, rows, x, experts, T, C, k, E);
     for (std::size_t i = 0; i < y.size(); ++i) y[i] = dispatched[i] * scale[i];
     cpu::moe_combine(out, y, gates, order, T, C, k);
     return dot(out, r);
   };
   loss();
-  // Each token's k experts are distinct and its gates sum to 1; the rows add up to T·k.
+  // Each token's k experts are distinct and its gates sum to 1 (over all experts: less, by the
+  // others' probabilities); the rows add up to T·k.
   for (int t = 0; t < T; ++t) {
     CHECK(experts[static_cast<std::size_t>(t * k)] != experts[static_cast<std::size_t>(t * k + 1)]);
-    CHECK(gates[static_cast<std::size_t>(t * k)] + gates[static_cast<std::size_t>(t * k + 1)] ==
-          Approx(1.0f));
+    const float sum =
+        gates[static_cast<std::size_t>(t * k)] + gates[static_cast<std::size_t>(t * k + 1)];
+    if (normalize) {
+      CHECK(sum == Approx(1.0f));
+    } else {
+      CHECK(sum < 0.99f);
+    }
     CHECK(gates[static_cast<std::size_t>(t * k)] >= gates[static_cast<std::size_t>(t * k + 1)]);
   }
   CHECK(std::accumulate(rows.begin(), rows.end(), 0) == T * k);
   CHECK(rows[3] == 0);
   std::vector<float> dy(y.size()), dgates(gates.size()), dlogits(logits.size()), dx(x.size());
   cpu::moe_combine_backward(dy, dgates, r, y, gates, order, T, C, k);
-  cpu::moe_route_backward(dlogits, dgates, gates, experts, T, E, k);
+  cpu::moe_route_backward(dlogits, dgates, gates, experts, normalize ? cpu::In{} : cpu::In(logits),
+                          T, E, k);
   for (std::size_t i = 0; i < dy.size(); ++i) dy[i] *= scale[i];
   cpu::moe_dispatch_backward(dx, dy, order, T, C, k);
   check_gradient(logits, dlogits, loss, "logits");
@@ -493,7 +504,7 @@ TEST_CASE("MoE routing breaks ties by the lower expert", "[exec][cpu]") {
                                      0.75f, 0.75f, 0.75f, 0.75f, 0.75f, 0.75f};  // all equal
   std::vector<int> experts(static_cast<std::size_t>(T) * k);
   std::vector<float> gates(experts.size());
-  cpu::moe_route(experts, gates, logits, T, E, k);
+  cpu::moe_route(experts, gates, logits, T, E, k, true);
   CHECK(experts == std::vector<int>{1, 4, 0, 2, 0, 1});
   CHECK(gates[0] == gates[1]);
   CHECK(gates[4] == gates[5]);

@@ -239,8 +239,12 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     const auto small = load_model(plain.path());
     CHECK(small.head_dim == 16);  // hidden_size / heads without head_dim (Qwen3MoeAttention)
     CHECK(small.kv_heads == 2);
-    CHECK(small.description.find("norm_topk_prob false") != std::string::npos);
-    CHECK(small.unmodelled.size() == 2);  // q_norm and k_norm; the gates' normalization
+    // Its gates over all experts by default (norm_topk_prob false), Switch's; 30B-A3B's true.
+    CHECK_FALSE(small.moe->normalize_top_k);
+    CHECK(m.moe->normalize_top_k);
+    CHECK(small.unmodelled.size() == 1);  // q_norm and k_norm
+    CHECK(architecture_json(small)["moe"]["normalize_top_k"] == false);
+    CHECK_FALSE(architecture_json(m)["moe"].contains("normalize_top_k"));
     TempFile sparse("config.json", "{" + base + R"(, "decoder_sparse_step": 2})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(sparse.path()), InputError,
                                     "config.json: decoder_sparse_step: 2: experts in one block "
