@@ -712,10 +712,33 @@ nlohmann::json checkpoint_architecture(const nlohmann::json& architecture_json) 
   return a;
 }
 
-std::vector<std::string> architecture_differences(const nlohmann::json& a,
-                                                  const nlohmann::json& b) {
+namespace {
+
+// A mixture's fields that model::architecture_json records only where they differ from a model
+// without them (shared experts; gates over all experts), as that model has them: a checkpoint
+// from before they were recorded compares as one of such a model.
+nlohmann::json with_moe_defaults(nlohmann::json a) {
+  if (a.is_object() && a.contains("moe") && a.at("moe").is_object()) {
+    nlohmann::json& moe = a["moe"];
+    if (!moe.contains("shared_ffn_hidden")) moe["shared_ffn_hidden"] = 0;
+    if (!moe.contains("normalize_top_k")) moe["normalize_top_k"] = true;
+  }
+  return a;
+}
+
+}  // namespace
+
+std::vector<std::string> architecture_differences(const nlohmann::json& recorded,
+                                                  const nlohmann::json& other) {
   std::vector<std::string> out;
-  if (!a.is_object() || !b.is_object()) return out;
+  if (!recorded.is_object() || !other.is_object()) return out;
+  // (Between two mixtures: a dense model's null moe differs in its fields as recorded.)
+  const auto mixture = [](const nlohmann::json& x) {
+    return x.contains("moe") && x.at("moe").is_object();
+  };
+  const bool both = mixture(recorded) && mixture(other);
+  const nlohmann::json a = both ? with_moe_defaults(recorded) : recorded;
+  const nlohmann::json b = both ? with_moe_defaults(other) : other;
   // The fields both recorded (one that a later version adds is no difference), each that
   // differs flattened ("moe.top_k"; a side's missing part of it as null).
   for (const auto& [field, va] : a.items()) {

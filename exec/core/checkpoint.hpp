@@ -163,7 +163,8 @@ nlohmann::json checkpoint_architecture(const nlohmann::json& architecture_json);
 // Where two recorded architectures differ, "moe.top_k 1 against 2" each, in the fields both
 // recorded (one a later version adds is no difference); empty where they agree or either is
 // null (a checkpoint from before they were recorded).
-std::vector<std::string> architecture_differences(const nlohmann::json& a, const nlohmann::json& b);
+std::vector<std::string> architecture_differences(const nlohmann::json& recorded,
+                                                  const nlohmann::json& other);
 
 // Differences between two checkpoints of the same model: losses step by step, weights tensor by
 // tensor, matched by name (the largest absolute difference, and the tensor where it occurs).

@@ -372,6 +372,7 @@ void Runner::router_forward(MicroBatch& mb, OpId id) {
   if (normalize) {
     dev_.release(logits);
   } else {
+    dev_.release(mb.logits[id]);  // (the forward's, where a recompute routes again)
     mb.logits[id] = logits;
   }
   fresh(mb.route[id], static_cast<std::int64_t>(Tr_) * k, Dtype::I32);

@@ -60,14 +60,16 @@ __global__ void moe_route_backward_kernel(T* dlogits, const float* dgates, const
       for (int e = 1; e < E; ++e) top = fmaxf(top, load(logits, row + e));
       double sum = 0;
       for (int e = 0; e < E; ++e) sum += exp(static_cast<double>(load(logits, row + e) - top));
+      // Each element in fp32 and stored once (a chosen expert's two terms nearly cancel: a
+      // bf16 rounding between them would cost most of its gradient).
       for (int e = 0; e < E; ++e) {
         const float p =
             static_cast<float>(exp(static_cast<double>(load(logits, row + e) - top)) / sum);
-        store(dlogits, row + e, load(dlogits, row + e) - p * dot);
-      }
-      for (int j = 0; j < k; ++j) {
-        const std::int64_t i = row + experts[first + j];
-        store(dlogits, i, load(dlogits, i) + gates[first + j] * dgates[first + j]);
+        float v = load(dlogits, row + e) - p * dot;
+        for (int j = 0; j < k; ++j) {
+          if (experts[first + j] == e) v += gates[first + j] * dgates[first + j];
+        }
+        store(dlogits, row + e, v);
       }
       continue;
     }

@@ -696,4 +696,16 @@ TEST_CASE("checkpoint: architectures differ in the fields both recorded", "[exec
   CHECK(differ[0] == "layers 2 against 3");
   CHECK(differ[1] == "moe.experts null against 4");
   CHECK(differ[2] == "moe.top_k null against 2");
+  // A mixture recorded before its shared experts and gates were (none, and renormalized over
+  // the top k): the same as a model that says so, another than one that has either.
+  const nlohmann::json before = {{"moe", {{"experts", 4}, {"top_k", 2}}}};
+  nlohmann::json now = before;
+  now["moe"]["shared_ffn_hidden"] = 0;
+  now["moe"]["normalize_top_k"] = true;
+  CHECK(architecture_differences(before, now).empty());
+  now["moe"]["normalize_top_k"] = false;
+  now["moe"]["shared_ffn_hidden"] = 128;
+  CHECK(architecture_differences(before, now) ==
+        std::vector<std::string>{"moe.normalize_top_k true against false",
+                                 "moe.shared_ffn_hidden 0 against 128"});
 }

@@ -1033,13 +1033,18 @@ struct Replayed {
 // A model as loaded, with dropout, or with its MLPs as a mixture of 4 experts (top 2, each
 // half the MLP's width).
 // ManyExperts: 64 experts of a quarter the MLP's width, top 1, so that some get no token.
-enum class Variant { AsIs, Dropout, Moe, ManyExperts };
+// SharedMoe: Moe's experts with gates over all of them (their logits kept for the backward),
+// beside shared experts of the MLP's width.
+enum class Variant { AsIs, Dropout, Moe, ManyExperts, SharedMoe };
 
 dtsim::model::ModelSpec load(const char* name, Variant variant) {
   auto spec = dtsim::model::load_model(name);
   if (variant == Variant::Dropout) spec.dropout = true;
   if (variant == Variant::Moe) spec.moe = dtsim::model::MoeSpec{4, 2, spec.ffn_hidden / 2};
   if (variant == Variant::ManyExperts) spec.moe = dtsim::model::MoeSpec{64, 1, spec.ffn_hidden / 4};
+  if (variant == Variant::SharedMoe) {
+    spec.moe = dtsim::model::MoeSpec{4, 2, spec.ffn_hidden / 2, spec.ffn_hidden, false};
+  }
   return spec;
 }
 
@@ -1162,6 +1167,24 @@ TEST_CASE("tensors go back once nothing later reads them: the same numbers, less
         p.recompute = dtsim::plan::Recompute::Full;
       },
       Variant::Moe);
+  // Shared experts beside them, and gates over all experts: the router's logits kept from the
+  // forward (routed again by full recompute) to the backward, both zero-bubble passes.
+  add(
+      "shared experts, gates over all, pp 2 zero-bubble", "tiny",
+      [](auto& p) {
+        p.pp = 2;
+        p.schedule = dtsim::plan::Schedule::ZeroBubble;
+        p.global_batch_size = 8;
+      },
+      Variant::SharedMoe);
+  add(
+      "shared experts, gates over all, dp 2 ZeRO-3, full recompute", "tiny",
+      [](auto& p) {
+        p.dp = 2;
+        p.zero_stage = 3;
+        p.recompute = dtsim::plan::Recompute::Full;
+      },
+      Variant::SharedMoe);
   // Experts without tokens in a micro-batch: no GEMM, and under ZeRO-2 a gradient made (as
   // zeros) only when its bucket is reduce-scattered.
   add(
