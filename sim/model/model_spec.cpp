@@ -479,8 +479,8 @@ void read_llama4(const JsonReader& r, KeyMap& names, ModelSpec& m) {
     m.unmodelled_window_kind = "chunked attention (on its layers with RoPE)";
   }
   // Temperature tuning scales the queries of the blocks without RoPE from position floor_scale
-  // on (8192 by default; positions from 0): log(floor((p + 1) / floor_scale) + 1) x attn_scale
-  // + 1.
+  // on (8192 by default; positions counted from 1, p + 1 below from p counted from 0):
+  // log(floor((p + 1) / floor_scale) + 1) x attn_scale + 1.
   // (On where not given; a null, false or 0 is off, as Hugging Face tests it.)
   const json* tuning =
       raw.contains("attn_temperature_tuning") ? &raw.at("attn_temperature_tuning") : nullptr;
