@@ -273,54 +273,12 @@ class Builder {
       router.bwd_move_bytes = router.fwd_move_bytes;
       mlp_in = add(std::move(router), {n2});
     }
-    const bool swiglu = m_.activation == Activation::SwiGlu;
-    const u64 up_width = swiglu ? 2 * f : f;  // gate and up projections for SwiGLU
-    const double routed = tokens_ * static_cast<double>(copies);
-
-    Op up;
-    up.name = name(expert ? "experts_up" : "mlp_up");
-    up.kind = OpKind::MlpUp;
-    up.layer = l;
-    up.expert = expert;
-    up.tp_split = TpSplit::Column;
-    up.params = experts * (h() * up_width + (m_.bias.mlp ? up_width : 0));
-    gemm(up, routed, hd, static_cast<double>(up_width));
-    if (expert) {  // every expert's weights, not one
-      up.fwd_bytes += a * static_cast<double>(up.params) - up.weight_bytes;
-      up.weight_bytes = a * static_cast<double>(up.params);
-    }
-    up.saved_bytes = act_ * T() * copies * h();  // its input (2sbh per copy)
+    auto [up, act, down] = mlp(l, expert ? "experts" : "mlp", f, copies, experts, expert);
     // An MoE's experts read every token's copies: each tp rank keeps them whole (under sequence
     // parallelism all-gathered over tp, plan::moe_local_dispatch).
     if (expert) up.saved_tp_whole_bytes = up.saved_bytes;
     const OpId u = add(std::move(up), {mlp_in});
-
-    Op act;
-    act.name = name(expert ? "experts_act" : "mlp_act");
-    act.kind = OpKind::Activation;
-    act.layer = l;
-    act.expert = expert;
-    act.tp_split = TpSplit::Column;
-    act.saved_tp_split = true;
-    elementwise(act, routed * static_cast<double>(f), swiglu ? 2.0 : 1.0, 1.0);
-    act.saved_bytes = act_ * T() * copies * up_width;  // GELU input 8sbh; SwiGLU gate and up
     const OpId ac = add(std::move(act), {u});
-
-    Op down;
-    down.name = name(expert ? "experts_down" : "mlp_down");
-    down.kind = OpKind::MlpDown;
-    down.layer = l;
-    down.expert = expert;
-    down.tp_split = TpSplit::Row;
-    down.params = experts * (f * h() + (m_.bias.mlp ? h() : 0));
-    down.tp_replicated_params = experts * (m_.bias.mlp ? h() : 0);
-    gemm(down, routed, static_cast<double>(f), hd);
-    if (expert) {
-      down.fwd_bytes += a * static_cast<double>(down.params) - down.weight_bytes;
-      down.weight_bytes = a * static_cast<double>(down.params);
-    }
-    down.saved_bytes = act_ * T() * copies * f;  // its input (8sbh for GELU with f = 4h)
-    down.saved_tp_split = true;
     if (expert) {
       // And the copies' outputs, for the gates' gradient (y = sum_j g_j E_j(x), so
       // dL/dg_j = <dL/dy, E_j(x)>; Megatron-LM's unpermute keeps them for the same reason).
@@ -343,53 +301,75 @@ class Builder {
     return residual(name("mlp_residual"), l, d, r1);
   }
 
+  // An MLP's up projection, activation and down projection (names "<prefix>_up", ...), unadded:
+  // over `copies` copies of each token, as `experts` MLPs of width f (`expert`: an MoE's,
+  // whose GEMMs read every expert's weights). Each keeps its input.
+  struct MlpOps {
+    Op up, act, down;
+  };
+  MlpOps mlp(int l, std::string_view prefix, u64 f, u64 copies, u64 experts, bool expert) const {
+    const auto name = [&](std::string_view what) {
+      return fmt::format("L{}.{}_{}", l, prefix, what);
+    };
+    const double hd = static_cast<double>(h());
+    const double a = static_cast<double>(act_);
+    const bool swiglu = m_.activation == Activation::SwiGlu;
+    const u64 up_width = swiglu ? 2 * f : f;  // gate and up projections for SwiGLU
+    const double rows = tokens_ * static_cast<double>(copies);
+    MlpOps o;
+    o.up.name = name("up");
+    o.up.kind = OpKind::MlpUp;
+    o.up.layer = l;
+    o.up.expert = expert;
+    o.up.tp_split = TpSplit::Column;
+    o.up.params = experts * (h() * up_width + (m_.bias.mlp ? up_width : 0));
+    gemm(o.up, rows, hd, static_cast<double>(up_width));
+    o.up.saved_bytes = act_ * T() * copies * h();  // its input (2sbh per copy)
+
+    o.act.name = name("act");
+    o.act.kind = OpKind::Activation;
+    o.act.layer = l;
+    o.act.expert = expert;
+    o.act.tp_split = TpSplit::Column;
+    o.act.saved_tp_split = true;
+    elementwise(o.act, rows * static_cast<double>(f), swiglu ? 2.0 : 1.0, 1.0);
+    o.act.saved_bytes = act_ * T() * copies * up_width;  // GELU input 8sbh; SwiGLU gate and up
+
+    o.down.name = name("down");
+    o.down.kind = OpKind::MlpDown;
+    o.down.layer = l;
+    o.down.expert = expert;
+    o.down.tp_split = TpSplit::Row;
+    o.down.params = experts * (f * h() + (m_.bias.mlp ? h() : 0));
+    o.down.tp_replicated_params = experts * (m_.bias.mlp ? h() : 0);
+    gemm(o.down, rows, static_cast<double>(f), hd);
+    o.down.saved_bytes = act_ * T() * copies * f;  // its input (8sbh for GELU with f = 4h)
+    o.down.saved_tp_split = true;
+    if (expert) {  // every expert's weights, not one
+      for (Op* op : {&o.up, &o.down}) {
+        op->fwd_bytes += a * static_cast<double>(op->params) - op->weight_bytes;
+        op->weight_bytes = a * static_cast<double>(op->params);
+      }
+    }
+    return o;
+  }
+
   // The shared experts (MoeSpec::shared_ffn_hidden): a dense MLP over every token of the
   // block's MLP input `in`, after the routed experts in forward order. Its down projection
   // adds the routed experts' output `routed` to its own, so that one tensor-parallel
   // reduction sums both (Megatron-LM's MoE layer adds the shared experts' output to the
   // routed one likewise).
   OpId shared_experts(int l, OpId in, OpId routed) {
-    const auto name = [l](std::string_view what) { return fmt::format("L{}.{}", l, what); };
-    const double hd = static_cast<double>(h());
-    const double a = static_cast<double>(act_);
-    const u64 f = static_cast<u64>(m_.shared_ffn());
-    const bool swiglu = m_.activation == Activation::SwiGlu;
-    const u64 up_width = swiglu ? 2 * f : f;
-
-    Op up;
-    up.name = name("shared_up");
-    up.kind = OpKind::MlpUp;
-    up.layer = l;
-    up.tp_split = TpSplit::Column;
-    up.params = h() * up_width + (m_.bias.mlp ? up_width : 0);
-    gemm(up, tokens_, hd, static_cast<double>(up_width));
+    auto [up, act, down] = mlp(l, "shared", static_cast<u64>(m_.shared_ffn()), 1, 1, false);
     // Its input is the router's, which the router keeps already: nothing saved of its own.
+    up.saved_bytes = 0;
     const OpId u = add(std::move(up), {in});
-
-    Op act;
-    act.name = name("shared_act");
-    act.kind = OpKind::Activation;
-    act.layer = l;
-    act.tp_split = TpSplit::Column;
-    act.saved_tp_split = true;
-    elementwise(act, tokens_ * static_cast<double>(f), swiglu ? 2.0 : 1.0, 1.0);
-    act.saved_bytes = act_ * T() * up_width;
     const OpId ac = add(std::move(act), {u});
-
-    Op down;
-    down.name = name("shared_down");
-    down.kind = OpKind::MlpDown;
-    down.layer = l;
-    down.tp_split = TpSplit::Row;
-    down.params = f * h() + (m_.bias.mlp ? h() : 0);
-    down.tp_replicated_params = m_.bias.mlp ? h() : 0;
-    gemm(down, tokens_, static_cast<double>(f), hd);
-    down.saved_bytes = act_ * T() * f;  // its input
-    down.saved_tp_split = true;
     // The sum with the routed output: reads both, writes one; its backward copies the output's
     // gradient to the routed experts' output.
-    down.fwd_move_bytes = 3.0 * a * tokens_ * hd;
-    down.bwd_move_bytes = 2.0 * a * tokens_ * hd;
+    const double bytes = static_cast<double>(act_) * tokens_ * static_cast<double>(h());
+    down.fwd_move_bytes = 3.0 * bytes;
+    down.bwd_move_bytes = 2.0 * bytes;
     return add(std::move(down), {ac, routed});
   }
 
