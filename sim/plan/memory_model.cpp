@@ -280,15 +280,22 @@ double rank_params(const Op& op, const Plan& plan) {
   return p;
 }
 
+namespace {
+
+// One rank's share of a block's input, a hidden tensor of the micro-batch's tokens (Korthikanti
+// Table 2: 2sbh; sharded over tp with sequence parallelism): the input its first norm saves.
+double block_input_bytes(const ModelGraph& g, int layer, const Plan& plan) {
+  const Op& first = g.op(g.layer_ops(layer).front());
+  return static_cast<double>(first.saved_bytes) /
+         (static_cast<double>(plan.cp) * (plan.sequence_parallel ? plan.tp : 1));
+}
+
+}  // namespace
+
 double block_activation_bytes(const ModelGraph& g, int layer, const Plan& plan) {
   DTSIM_ASSERT(layer >= 0 && layer < g.spec().layers, "not a transformer block");
-  if (plan.recompute == Recompute::Full) {
-    // Only the block's input survives the forward pass (Korthikanti Table 2: 2sbh; sharded
-    // over tp with sequence parallelism). It is the input saved by the block's first norm.
-    const Op& first = g.op(g.layer_ops(layer).front());
-    return static_cast<double>(first.saved_bytes) /
-           (static_cast<double>(plan.cp) * (plan.sequence_parallel ? plan.tp : 1));
-  }
+  // Only the block's input survives the forward pass.
+  if (plan.recompute == Recompute::Full) return block_input_bytes(g, layer, plan);
   double bytes = 0;
   for (model::OpId id : g.layer_ops(layer)) {
     const Op& op = g.op(id);
@@ -415,10 +422,7 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
             mlp_grads[shared ? 1 : 0] +=
                 rank_split_bytes(op, plan, static_cast<double>(op.saved_bytes));
             if (shared && op.kind == model::OpKind::MlpDown) {
-              mlp_grads[1] += activation_bytes_per_element(plan.precision) *
-                              static_cast<double>(plan.micro_batch_size * plan.seq_len) *
-                              static_cast<double>(spec.hidden) /
-                              (plan.cp * (plan.sequence_parallel ? plan.tp : 1));
+              mlp_grads[1] += block_input_bytes(g, layer, plan);
             }
           }
           const double p = rank_params(op, plan);
