@@ -3,14 +3,28 @@
 
 #include <unistd.h>
 
-#include "sim/common/error.hpp"
-
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
 #include <string>
 
+#include "sim/common/error.hpp"
+#include "sim/model/model_spec.hpp"
+
 namespace dtsim::test {
+
+// A mixture of experts in every block, as a test builds one.
+inline model::MoeSpec mixture(std::int64_t experts, std::int64_t top_k,
+                              std::int64_t expert_ffn_hidden, std::int64_t shared_ffn_hidden = 0,
+                              bool normalize_top_k = true) {
+  model::MoeSpec moe;
+  moe.experts = experts;
+  moe.top_k = top_k;
+  moe.expert_ffn_hidden = expert_ffn_hidden;
+  moe.shared_ffn_hidden = shared_ffn_hidden;
+  moe.normalize_top_k = normalize_top_k;
+  return moe;
+}
 
 // A file under the system temp folder holding `text`, removed when the object goes away.
 class TempFile {

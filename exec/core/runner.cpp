@@ -59,7 +59,6 @@ Runner::Runner(const model::ModelGraph& g, const lower::Program& program, const 
   H_ = static_cast<int>(m_.heads / tp_);
   G_ = static_cast<int>(m_.kv_heads / tp_);
   D_ = static_cast<int>(m_.head_dim);
-  F_ = static_cast<int>(m_.dense_ffn() / tp_);  // (a mixture's shared experts')
   Vl_ = V_ / tp_;
   micro_batches_ = static_cast<int>(p_.micro_batches());
   last_stage_ = rp_->stage == p_.pp - 1;
@@ -349,8 +348,9 @@ std::vector<OpId> Runner::my_ops() const {
 }
 
 std::vector<std::pair<int, Slice>> Runner::slices(const Op& op, int t) const {
-  const std::int64_t C = C_, V = V_, F = m_.dense_ffn(), D = D_;
-  const std::int64_t Hf = m_.heads, Gf = m_.kv_heads, H = H_, G = G_, Fl = F_, Vl = Vl_;
+  // (The MLP's width: a dense block's, or a mixture's shared experts'.)
+  const std::int64_t C = C_, V = V_, F = m_.dense_ffn(op.layer), D = D_;
+  const std::int64_t Hf = m_.heads, Gf = m_.kv_heads, H = H_, G = G_, Fl = F / tp_, Vl = Vl_;
   const int u = m_.activation == model::Activation::SwiGlu ? 2 : 1;
   auto cols = [](std::int64_t rows, std::int64_t ncols,
                  std::vector<std::pair<std::int64_t, std::int64_t>> ranges) {
@@ -803,9 +803,9 @@ std::pair<int, int> Runner::gemm_shape(const Op& op) const {
     case OpKind::AttnOutProj:
       return {H_ * D_, C_};
     case OpKind::MlpUp:
-      return {C_, (op.expert ? expert_ffn() : F_) * u};
+      return {C_, mlp_width(op) * u};
     case OpKind::MlpDown:
-      return {op.expert ? expert_ffn() : F_, C_};
+      return {mlp_width(op), C_};
     case OpKind::LmHead:
       return {C_, Vl_};
     default:
@@ -1044,7 +1044,7 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
   if (spec.moe) {
     notes.push_back(fmt::format(
         "mixture of experts: each token to its top {} of {} experts by router logit, weighted by "
-        "{}; dropless, no load-balancing loss{}",
+        "{}; dropless, no load-balancing loss{}{}",
         spec.moe->top_k, spec.moe->experts,
         !spec.moe->normalize_top_k
             ? "their probabilities in the softmax over all experts, not renormalized (Switch "
@@ -1057,6 +1057,10 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
             ? fmt::format("; and every token through the shared experts (an MLP of width "
                           "{}), their output added to the routed experts'",
                           spec.shared_ffn())
+            : "",
+        spec.mixed_blocks()
+            ? fmt::format("; experts in {} of the {} blocks, a dense MLP of width {} in the others",
+                          spec.expert_blocks(), spec.layers, spec.moe->dense_ffn_hidden)
             : ""));
   }
   if (auto padding = plan::vocab_padding_note(spec, plan)) {

@@ -544,7 +544,8 @@ class Runner {
   // moe_local_dispatch.
   bool adds_routed(OpId id) const {
     const Op& op = g_.op(id);
-    return op.kind == OpKind::MlpDown && !op.expert && m_.shared_ffn() > 0;
+    return op.kind == OpKind::MlpDown && !op.expert && m_.has_experts(op.layer) &&
+           m_.shared_ffn() > 0;
   }
   std::int64_t routed_rows() const { return static_cast<std::int64_t>(t_) * Ts_ * C_; }
 
@@ -605,6 +606,11 @@ class Runner {
 
   int top_k() const { return static_cast<int>(m_.moe->top_k); }
   int expert_ffn() const { return static_cast<int>(m_.moe->expert_ffn_hidden / tp_); }
+  // The rank's share of an MLP op's width: an expert's, or the dense MLP's of its block (a
+  // dense model's, a mixture's dense block's, or its shared experts').
+  int mlp_width(const Op& op) const {
+    return op.expert ? expert_ffn() : static_cast<int>(m_.dense_ffn(op.layer) / tp_);
+  }
   // The router of an expert op (up <- router; down <- activation <- up <- router).
   OpId router_of(OpId id) const;
 
@@ -1056,7 +1062,7 @@ class Runner {
   // plan::moe_local_dispatch: each tp rank routes its Ts_ tokens (Tr_), else all T_ of them.
   bool local_dispatch_ = false;
   int Tr_ = 0;
-  int B_ = 0, S_ = 0, T_ = 0, C_ = 0, V_ = 0, H_ = 0, G_ = 0, D_ = 0, F_ = 0, Vl_ = 0;
+  int B_ = 0, S_ = 0, T_ = 0, C_ = 0, V_ = 0, H_ = 0, G_ = 0, D_ = 0, Vl_ = 0;
   int tokens_ = 0;
   int micro_batches_ = 1, adam_step_ = 0;
   View grad_norm_sq_;  // gradient clipping: the squared norm (fp32, one element)

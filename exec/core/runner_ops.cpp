@@ -119,7 +119,7 @@ void Runner::forward(MicroBatch& mb, OpId id) {
       } else {
         // Experts: the copies they compute on.
         const auto rows = static_cast<int>(op.expert ? expert_copies(mb, router_of(id)) : T_);
-        const int F = op.expert ? expert_ffn() : F_;  // (an ep rank's experts may get no rows)
+        const int F = mlp_width(op);  // (an ep rank's experts may get no rows)
         fresh_for_overwrite(out, static_cast<std::int64_t>(rows) * F);
         dev_.swiglu_forward(out, in, rows, F);
       }
@@ -318,7 +318,7 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
           dev_.gelu_backward(din, in, mb.grad.at(id));
         } else {
           const auto rows = static_cast<int>(op.expert ? expert_copies(mb, router_of(id)) : T_);
-          dev_.swiglu_backward(din, in, mb.grad.at(id), rows, op.expert ? expert_ffn() : F_);
+          dev_.swiglu_backward(din, in, mb.grad.at(id), rows, mlp_width(op));
         }
       });
       break;

@@ -21,6 +21,22 @@ namespace {
 
 using nlohmann::json;
 
+// Block numbers as runs ("0-2", "0, 2, 4, ... 46" for every other one).
+std::string block_list(const std::vector<std::int64_t>& blocks) {
+  const std::size_t n = blocks.size();
+  if (n >= 4) {
+    const std::int64_t step = blocks[1] - blocks[0];
+    bool even = true;
+    for (std::size_t i = 1; i < n; ++i) even = even && blocks[i] - blocks[i - 1] == step;
+    if (even && step == 1) return fmt::format("blocks {}-{}", blocks.front(), blocks.back());
+    if (even) {
+      return fmt::format("blocks {}, {}, {}, ... {}", blocks[0], blocks[1], blocks[2],
+                         blocks.back());
+    }
+  }
+  return fmt::format("block{} {}", n == 1 ? "" : "s", fmt::join(blocks, ", "));
+}
+
 std::string architecture(const model::ModelSpec& m) {
   std::string s = fmt::format("{} layers, hidden {}, {} heads", m.layers, m.hidden, m.heads);
   if (m.kv_heads != m.heads) s += fmt::format(" ({} KV heads)", m.kv_heads);
@@ -29,6 +45,11 @@ std::string architecture(const model::ModelSpec& m) {
     s += fmt::format("MoE {} experts top-{} of {} FFN {}, ", m.moe->experts, m.moe->top_k,
                      to_string(m.activation), m.moe->expert_ffn_hidden);
     if (m.shared_ffn() > 0) s += fmt::format("shared experts FFN {}, ", m.shared_ffn());
+    if (m.mixed_blocks()) {
+      s += fmt::format("in {} of the blocks, {} dense blocks of FFN {} ({}), ", m.expert_blocks(),
+                       m.moe->dense_blocks.size(), m.moe->dense_ffn_hidden,
+                       block_list(m.moe->dense_blocks));
+    }
   } else {
     s += fmt::format("{} FFN {}, ", to_string(m.activation), m.ffn_hidden);
   }
@@ -186,10 +207,11 @@ int cmd_describe(const std::vector<std::string>& args) {
                            format_count(head_params));
   if (spec.moe) {
     std::cout << fmt::format(
-        "  activated per token: {} ({:.1f}% of them: {} of {} experts a block{}, the embedding "
-        "and head included)\n",
+        "  activated per token: {} ({:.1f}% of them: {} of {} experts a block{}{}, the "
+        "embedding and head included)\n",
         format_si(active + tables), 100 * (active + tables) / static_cast<double>(totals.params),
-        spec.moe->top_k, spec.moe->experts, spec.shared_ffn() > 0 ? " and the shared ones" : "");
+        spec.moe->top_k, spec.moe->experts, spec.shared_ffn() > 0 ? " and the shared ones" : "",
+        spec.mixed_blocks() ? ", the dense blocks whole" : "");
   }
   std::cout << fmt::format(
       "\ntraining FLOPs per token at seq_len {}: {} (forward {}; Kaplan et al.'s 6N, N = {} {}"

@@ -69,12 +69,15 @@ void list_models(nlohmann::json* out) {
       continue;
     }
     const double params = static_cast<double>(model::ModelGraph(spec, 1, 1).totals().params);
-    // (And the shared experts' width beside them, where there are some.)
+    // (And the shared experts' width beside them, and the dense blocks among theirs, where
+    // there are some.)
     const std::string experts =
-        spec.moe ? fmt::format(
-                       "{} (top {}){}", spec.moe->experts, spec.moe->top_k,
-                       spec.shared_ffn() > 0 ? fmt::format(" + shared {}", spec.shared_ffn()) : "")
-                 : "-";
+        spec.moe
+            ? fmt::format(
+                  "{} (top {}){}{}", spec.moe->experts, spec.moe->top_k,
+                  spec.shared_ffn() > 0 ? fmt::format(" + shared {}", spec.shared_ffn()) : "",
+                  spec.mixed_blocks() ? fmt::format(" in {} blocks", spec.expert_blocks()) : "")
+            : "-";
     t.add_row({name, count_text(params), fmt::format("{}", spec.layers),
                fmt::format("{}", spec.hidden), fmt::format("{}", spec.heads),
                fmt::format("{}", spec.kv_heads), fmt::format("{}", spec.ffn_hidden),
@@ -91,6 +94,10 @@ void list_models(nlohmann::json* out) {
                           {"seq_len", spec.seq_len}};
       if (spec.moe) j["experts"] = spec.moe->experts;
       if (spec.shared_ffn() > 0) j["shared_ffn_hidden"] = spec.shared_ffn();
+      if (spec.mixed_blocks()) {
+        j["expert_blocks"] = spec.expert_blocks();
+        j["dense_ffn_hidden"] = spec.moe->dense_ffn_hidden;
+      }
       (*out)["models"].push_back(j);
     }
   }

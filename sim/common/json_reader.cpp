@@ -385,6 +385,26 @@ std::vector<std::int64_t> JsonReader::positive_int_array_up_to(std::string_view 
   return out;
 }
 
+std::vector<std::int64_t> JsonReader::non_negative_int_array_up_to(std::string_view key,
+                                                                   std::int64_t max) const {
+  const json& v = at(key);
+  if (!v.is_array()) {
+    fail(key, fmt::format("expected an array of whole numbers from 0 to {}, got {}", max,
+                          describe_json_value(v)));
+  }
+  std::vector<std::int64_t> out;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const auto n = as_whole(v[i], 0);
+    if (!n || *n > max) {
+      fail(fmt::format("{}[{}]", key, i),
+           fmt::format("expected a whole number from 0 to {}, got {}", max,
+                       describe_json_value(v[i])));
+    }
+    out.push_back(*n);
+  }
+  return out;
+}
+
 std::vector<std::string> JsonReader::string_array(std::string_view key) const {
   const json& v = at(key);
   if (!v.is_array()) {

@@ -80,6 +80,9 @@ class JsonReader {
   // Every element in 1..max.
   std::vector<std::int64_t> positive_int_array_up_to(std::string_view key, std::int64_t max) const;
   std::vector<std::string> string_array(std::string_view key) const;
+  // An array (empty too) of whole numbers from 0 to `max`, as given.
+  std::vector<std::int64_t> non_negative_int_array_up_to(std::string_view key,
+                                                         std::int64_t max) const;
 
   // Rejects fields not in `known` (a typo must not be silently ignored).
   void expect_only(std::initializer_list<std::string_view> known) const;

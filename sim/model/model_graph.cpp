@@ -248,11 +248,11 @@ class Builder {
     const OpId n2 = norm(name("norm2"), l, r1);
 
     OpId mlp_in = n2;
-    u64 f = static_cast<u64>(m_.ffn_hidden);
-    u64 copies = 1;  // token copies through the MLP (top_k for MoE)
+    u64 f = static_cast<u64>(m_.dense_ffn(l));  // (a mixture's dense block's)
+    u64 copies = 1;                             // token copies through the MLP (top_k for MoE)
     bool expert = false;
     u64 experts = 1;
-    if (m_.moe) {
+    if (m_.has_experts(l)) {
       f = static_cast<u64>(m_.moe->expert_ffn_hidden);
       copies = static_cast<u64>(m_.moe->top_k);
       experts = static_cast<u64>(m_.moe->experts);
@@ -296,7 +296,7 @@ class Builder {
       down.bwd_move_bytes = a * tokens_ * hd * (1.0 + 2.0 * k);
     }
     OpId d = add(std::move(down), {ac});
-    if (m_.shared_ffn() > 0) d = shared_experts(l, n2, d);
+    if (expert && m_.shared_ffn() > 0) d = shared_experts(l, n2, d);
 
     return residual(name("mlp_residual"), l, d, r1);
   }

@@ -39,6 +39,19 @@ bool parse_attention_kernel(std::string_view text, AttentionKernel& out) {
   return false;
 }
 
+bool ModelSpec::has_experts(std::int64_t layer) const {
+  return moe && !std::binary_search(moe->dense_blocks.begin(), moe->dense_blocks.end(), layer);
+}
+
+std::int64_t ModelSpec::expert_blocks() const {
+  return moe ? layers - static_cast<std::int64_t>(moe->dense_blocks.size()) : 0;
+}
+
+std::int64_t ModelSpec::dense_ffn(std::int64_t layer) const {
+  if (!moe) return ffn_hidden;
+  return has_experts(layer) ? moe->shared_ffn_hidden : moe->dense_ffn_hidden;
+}
+
 bool ModelSpec::is_megatron_gpt() const {
   return activation == Activation::Gelu && !moe && kv_heads == heads &&
          head_dim * heads == hidden && ffn_hidden == 4 * hidden;
@@ -128,20 +141,35 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
   }
   if (r.has("moe")) {
     const JsonReader e = r.object("moe");
-    e.expect_only(
-        {"experts", "top_k", "expert_ffn_hidden", "shared_ffn_hidden", "normalize_top_k"});
-    m.moe = MoeSpec{e.positive_int("experts"), e.positive_int("top_k"),
-                    e.positive_int("expert_ffn_hidden"),
-                    e.has("shared_ffn_hidden") ? e.positive_int("shared_ffn_hidden") : 0,
-                    e.boolean_or("normalize_top_k", true)};
-    // Every block's MLP is its experts (no dense layers are modelled): a dense width that
-    // differs would be read nowhere, in silence (cpu-small-moe said 1024 for experts of 512).
+    e.expect_only({"experts", "top_k", "expert_ffn_hidden", "shared_ffn_hidden", "normalize_top_k",
+                   "dense_blocks", "dense_ffn_hidden"});
+    m.moe.emplace();
+    m.moe->experts = e.positive_int("experts");
+    m.moe->top_k = e.positive_int("top_k");
+    m.moe->expert_ffn_hidden = e.positive_int("expert_ffn_hidden");
+    m.moe->shared_ffn_hidden = e.has("shared_ffn_hidden") ? e.positive_int("shared_ffn_hidden") : 0;
+    m.moe->normalize_top_k = e.boolean_or("normalize_top_k", true);
+    if (e.has("dense_blocks")) {
+      // Block numbers from 0, ascending (validate_model checks them against the layers).
+      m.moe->dense_blocks = e.non_negative_int_array_up_to("dense_blocks", kMaxLayers);
+      if (m.moe->dense_blocks.empty()) {
+        e.fail("dense_blocks",
+               "expected the numbers (from 0) of the blocks whose MLP is dense; "
+               "leave it out where every block has experts");
+      }
+      m.moe->dense_ffn_hidden = e.positive_int("dense_ffn_hidden");
+    } else if (e.has("dense_ffn_hidden")) {
+      e.fail("dense_ffn_hidden", "given without dense_blocks (the blocks whose MLP it is)");
+    }
+    // The experts' width: the dense blocks' is moe.dense_ffn_hidden, and one that differs
+    // would be read nowhere, in silence (cpu-small-moe said 1024 for experts of 512).
     if (ffn_given != 0 && ffn_given != m.moe->expert_ffn_hidden) {
       r.fail("ffn_hidden",
-             fmt::format("{} differs from moe.expert_ffn_hidden {}: every block's MLP of a "
-                         "mixture-of-experts model is its experts (dense blocks among them are "
-                         "not modelled; shared experts beside them are moe.shared_ffn_hidden); "
-                         "leave ffn_hidden out or give the experts' width",
+             fmt::format("{} differs from moe.expert_ffn_hidden {}: a mixture-of-experts "
+                         "model's MLPs are its experts (dense blocks among them are "
+                         "moe.dense_blocks of moe.dense_ffn_hidden; shared experts beside them "
+                         "are moe.shared_ffn_hidden); leave ffn_hidden out or give the experts' "
+                         "width",
                          ffn_given, m.moe->expert_ffn_hidden));
     }
     m.ffn_hidden = m.moe->expert_ffn_hidden;
@@ -176,12 +204,13 @@ double params_upper_bound(const ModelSpec& m) {
   const double experts = m.moe ? static_cast<double>(m.moe->experts) : 1.0;
   const double f = static_cast<double>(m.moe ? m.moe->expert_ffn_hidden : m.ffn_hidden);
   const double fs = static_cast<double>(m.shared_ffn());
+  const double fd = m.moe ? static_cast<double>(m.moe->dense_ffn_hidden) : 0.0;
   // Per block: norms (4h), attention with biases, and per expert an MLP of at most three h x f
-  // matrices with biases, plus the router and the shared experts (models/README.md "Parameter
-  // count").
-  const double block = 4 * h + (h + 1) * (q + 2 * kv) + q * h + h +
-                       experts * (3 * h * f + 2 * f + h) + h * experts +
-                       (fs > 0 ? 3 * h * fs + 2 * fs + h : 0.0);
+  // matrices with biases, plus the router, the shared experts and a dense block's MLP (models/
+  // README.md "Parameter count").
+  const double block =
+      4 * h + (h + 1) * (q + 2 * kv) + q * h + h + experts * (3 * h * f + 2 * f + h) + h * experts +
+      (fs > 0 ? 3 * h * fs + 2 * fs + h : 0.0) + (fd > 0 ? 3 * h * fd + 2 * fd + h : 0.0);
   return static_cast<double>(m.layers) * block +
          (2 * static_cast<double>(m.vocab_rows()) + static_cast<double>(m.max_positions) + 2) * h;
 }
@@ -194,12 +223,13 @@ double saved_bytes_upper_bound(const ModelSpec& m, double micro_batch, double se
   const double copies = m.moe ? static_cast<double>(m.moe->top_k) : 1.0;
   const double experts = m.moe ? static_cast<double>(m.moe->experts) : 0.0;
   const double f = static_cast<double>(m.moe ? m.moe->expert_ffn_hidden : m.ffn_hidden);
-  const double fs = static_cast<double>(m.shared_ffn());
+  const double fs = static_cast<double>(m.shared_ffn()) +
+                    (m.moe ? static_cast<double>(m.moe->dense_ffn_hidden) : 0.0);
   // Per token of a block: norm, residual and projection inputs (6h + q + 2kv), the MLP's
   // input, gate/up and down inputs and output per routed copy (2h + 3f), the shared experts'
-  // (2h + 3fs), and fp32 routing probabilities; plus the s² attention terms (softmax output,
-  // dropout mask and output: at most 9 bytes per score). Ends: embedding mask, final norm,
-  // head input and fp32 logits.
+  // or a dense block's (2h + 3fs, fs the two widths' sum), and fp32 routing probabilities; plus the
+  // s² attention terms (softmax output, dropout mask and output: at most 9 bytes per score). Ends:
+  // embedding mask, final norm, head input and fp32 logits.
   const double per_token =
       6 * h + q + 2 * kv + copies * (2 * h + 3 * f) + (fs > 0 ? 2 * h + 3 * fs : 0.0) + experts;
   const double scores = micro_batch * static_cast<double>(m.heads) * seq_len * seq_len;
@@ -268,6 +298,25 @@ void validate_model(const ModelSpec& m,
     at_most("moe.experts", m.moe->experts, kMaxExperts);
     at_most("moe.expert_ffn_hidden", m.moe->expert_ffn_hidden, kMaxWidth);
     at_most("moe.shared_ffn_hidden", m.moe->shared_ffn_hidden, kMaxWidth);
+    at_most("moe.dense_ffn_hidden", m.moe->dense_ffn_hidden, kMaxWidth);
+    const auto& dense = m.moe->dense_blocks;
+    for (std::size_t i = 0; i < dense.size(); ++i) {
+      const std::string field = fmt::format("moe.dense_blocks[{}]", i);
+      if (dense[i] >= m.layers) {
+        bad(field, fmt::format("block {} of {} (blocks are numbered from 0 to {})", dense[i],
+                               m.layers, m.layers - 1));
+      }
+      if (i > 0 && dense[i] <= dense[i - 1]) {
+        bad(field, fmt::format("{} after {}: expected block numbers in ascending order, each once",
+                               dense[i], dense[i - 1]));
+      }
+    }
+    if (static_cast<std::int64_t>(dense.size()) == m.layers) {
+      bad("moe.dense_blocks",
+          fmt::format("all {} blocks dense: no block has experts (describe a dense model without "
+                      "moe)",
+                      m.layers));
+    }
     if (m.moe->top_k > m.moe->experts) {
       // In the message, dtsim's own names drop the "moe." prefix ("top_k = 4 exceeds ...").
       auto name = [&](std::string_view field) {
@@ -314,36 +363,53 @@ std::int64_t hf_int(const JsonReader& r, KeyMap& names, std::string_view field,
   r.fail(*keys.begin(), "required field is missing");
 }
 
+// A mixture's dense blocks: those of its `layers` where `experts` is false, their MLP's width
+// read from `width_key` (required where there are some). A config whose blocks are all dense
+// is refused (`blocks_key`: the field that says where the experts are).
+template <class HasExperts>
+void read_dense_blocks(const JsonReader& r, KeyMap& names, ModelSpec& m, HasExperts experts,
+                       std::string_view blocks_key, std::string_view width_key) {
+  std::vector<std::int64_t> dense;
+  for (std::int64_t l = 0; l < m.layers; ++l) {
+    if (!experts(l)) dense.push_back(l);
+  }
+  if (static_cast<std::int64_t>(dense.size()) == m.layers) {
+    r.fail(blocks_key, fmt::format("no block of the {} has experts: a dense model (give its "
+                                   "model_type without experts)",
+                                   m.layers));
+  }
+  if (dense.empty()) return;
+  m.moe->dense_blocks = std::move(dense);
+  m.moe->dense_ffn_hidden = hf_int(r, names, "moe.dense_ffn_hidden", {width_key});
+}
+
 // A qwen2_moe or qwen3_moe config's mixture of experts (Hugging Face's Qwen2MoeSparseMoeBlock,
 // Qwen3MoeSparseMoeBlock): experts of width moe_intermediate_size; qwen2_moe's beside a shared
 // expert of width shared_expert_intermediate_size, whose output a sigmoid gate scales per
-// token (that gate is not modelled); qwen3_moe's alone. A block is dense where
-// mlp_only_layers names it or decoder_sparse_step skips it; dtsim models experts in every
-// block or none, so such a config is refused rather than misread.
+// token (that gate is not modelled); qwen3_moe's alone. A block is dense, an MLP of
+// intermediate_size (Qwen2MoeMLP, Qwen3MoeMLP), where mlp_only_layers names it or
+// decoder_sparse_step skips it (experts where (block + 1) % decoder_sparse_step is 0).
 void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string_view type) {
   // (Newer transformers save num_experts as num_local_experts.)
-  m.moe = MoeSpec{hf_int(r, names, "moe.experts", {"num_experts", "num_local_experts"}),
-                  hf_int(r, names, "moe.top_k", {"num_experts_per_tok"}),
-                  hf_int(r, names, "moe.expert_ffn_hidden", {"moe_intermediate_size"})};
+  m.moe.emplace();
+  m.moe->experts = hf_int(r, names, "moe.experts", {"num_experts", "num_local_experts"});
+  m.moe->top_k = hf_int(r, names, "moe.top_k", {"num_experts_per_tok"});
+  m.moe->expert_ffn_hidden = hf_int(r, names, "moe.expert_ffn_hidden", {"moe_intermediate_size"});
   m.ffn_hidden = m.moe->expert_ffn_hidden;
   names["ffn_hidden"] = "moe_intermediate_size";
-  if (r.has("decoder_sparse_step") && r.positive_int("decoder_sparse_step") != 1) {
-    r.fail(
-        "decoder_sparse_step",
-        fmt::format("{}: experts in one block of every {}, dense MLPs in the others; dtsim "
-                    "models experts in every block (1) only",
-                    r.positive_int("decoder_sparse_step"), r.positive_int("decoder_sparse_step")));
-  }
-  if (r.has("mlp_only_layers")) {
-    const nlohmann::json& dense = r.raw().at("mlp_only_layers");
-    if (!dense.is_array()) r.fail("mlp_only_layers", "expected a list of block numbers, or null");
-    if (!dense.empty()) {
-      r.fail("mlp_only_layers",
-             fmt::format("{} dense block{} among the experts' blocks: dtsim models experts in "
-                         "every block only (an empty list)",
-                         dense.size(), dense.size() == 1 ? "" : "s"));
-    }
-  }
+  // (Qwen2MoeConfig's and Qwen3MoeConfig's defaults: 1, and no dense blocks.)
+  const std::int64_t step =
+      r.has("decoder_sparse_step") ? r.positive_int("decoder_sparse_step") : 1;
+  const std::vector<std::int64_t> mlp_only =
+      r.has("mlp_only_layers") ? r.non_negative_int_array_up_to("mlp_only_layers", m.layers - 1)
+                               : std::vector<std::int64_t>{};
+  read_dense_blocks(
+      r, names, m,
+      [&](std::int64_t l) {
+        return (l + 1) % step == 0 &&
+               std::find(mlp_only.begin(), mlp_only.end(), l) == mlp_only.end();
+      },
+      mlp_only.empty() ? "decoder_sparse_step" : "mlp_only_layers", "intermediate_size");
   if (type == "qwen2_moe") {
     // Qwen2MoeConfig's default is 5632 (Qwen1.5-MoE-A2.7B's); a config without the key is
     // refused rather than given it in silence.
@@ -369,7 +435,8 @@ void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string
            "Hugging Face's qwen3_moe model has no shared expert (model_type qwen2_moe has): 0 or "
            "none only");
   }
-  if (r.has("intermediate_size") && r.positive_int("intermediate_size") != m.ffn_hidden) {
+  if (!m.mixed_blocks() && r.has("intermediate_size") &&
+      r.positive_int("intermediate_size") != m.ffn_hidden) {
     m.description += fmt::format(
         "; its intermediate_size ({}, the width of dense blocks' MLP) is not used: every block "
         "is a mixture of experts of width moe_intermediate_size",
@@ -381,37 +448,36 @@ void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string
 
 // A Llama 4 language model's blocks (Hugging Face's Llama4TextDecoderLayer, Llama4TextMoe):
 // experts of width intermediate_size, the top num_experts_per_tok of num_local_experts a
-// token, beside a shared expert of the same width. Experts are in one block of every
-// interleave_moe_layer_step, dense MLPs of intermediate_size_mlp in the others (Maverick's 2):
-// dtsim models experts in every block or none, so such a config is refused rather than
-// misread (Scout's 1 is read). What its attention does that dtsim does not (chunked attention,
-// layers without RoPE, an L2 norm of queries and keys) and its router's sigmoid gates on the
-// experts' inputs are said.
+// token, beside a shared expert of the same width. Experts are in the blocks moe_layers names,
+// by default one of every interleave_moe_layer_step (the last of each run: Scout's 1, every
+// block; Maverick's 2, the odd ones), dense MLPs of intermediate_size_mlp in the others
+// (Llama4TextConfig, Llama4TextDecoderLayer). What its attention does that dtsim does not (chunked
+// attention, layers without RoPE, an L2 norm of queries and keys) and its router's sigmoid gates on
+// the experts' inputs are said.
 void read_llama4(const JsonReader& r, KeyMap& names, ModelSpec& m) {
-  if (r.has("interleave_moe_layer_step")) {
-    if (const std::int64_t step = r.positive_int("interleave_moe_layer_step"); step != 1) {
-      r.fail("interleave_moe_layer_step",
-             fmt::format("{}: experts in one block of every {}, dense MLPs of "
-                         "intermediate_size_mlp in the others; dtsim models experts in every "
-                         "block (1) only",
-                         step, step));
-    }
-  }
-  if (r.has("moe_layers") && !r.raw().at("moe_layers").is_null()) {
-    const nlohmann::json& moe = r.raw().at("moe_layers");
-    if (!moe.is_array()) r.fail("moe_layers", "expected a list of block numbers, or null");
-    if (static_cast<std::int64_t>(moe.size()) != m.layers) {
-      r.fail("moe_layers", fmt::format("experts in {} of the {} blocks, dense MLPs in the others; "
-                                       "dtsim models experts in every block only",
-                                       moe.size(), m.layers));
-    }
-  }
-  m.moe =
-      MoeSpec{hf_int(r, names, "moe.experts", {"num_local_experts"}),
-              hf_int(r, names, "moe.top_k", {"num_experts_per_tok"}), m.ffn_hidden, m.ffn_hidden};
+  m.moe.emplace();
+  m.moe->experts = hf_int(r, names, "moe.experts", {"num_local_experts"});
+  m.moe->top_k = hf_int(r, names, "moe.top_k", {"num_experts_per_tok"});
+  m.moe->expert_ffn_hidden = m.ffn_hidden;
+  m.moe->shared_ffn_hidden = m.ffn_hidden;
   names["moe.expert_ffn_hidden"] = "intermediate_size";
   names["moe.shared_ffn_hidden"] = "intermediate_size";
-  if (r.has("intermediate_size_mlp")) {
+  // (JsonReader::has takes a null, Hugging Face's default, for an absent key.)
+  const std::int64_t step =
+      r.has("interleave_moe_layer_step") ? r.positive_int("interleave_moe_layer_step") : 1;
+  std::vector<std::int64_t> moe_layers;
+  if (r.has("moe_layers")) {
+    moe_layers = r.non_negative_int_array_up_to("moe_layers", m.layers - 1);
+  } else {
+    for (std::int64_t l = step - 1; l < m.layers; l += step) moe_layers.push_back(l);
+  }
+  read_dense_blocks(
+      r, names, m,
+      [&](std::int64_t l) {
+        return std::find(moe_layers.begin(), moe_layers.end(), l) != moe_layers.end();
+      },
+      r.has("moe_layers") ? "moe_layers" : "interleave_moe_layer_step", "intermediate_size_mlp");
+  if (!m.mixed_blocks() && r.has("intermediate_size_mlp")) {
     m.description += fmt::format(
         "; its intermediate_size_mlp ({}, the width of dense blocks' MLP) is not used: every "
         "block has experts, and a shared expert of intermediate_size",
@@ -511,8 +577,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // Families whose blocks dtsim cannot describe yet: say what is missing.
     const std::string why =
         outer_type.starts_with("deepseek")
-            ? "; its dense first layers among the experts' (and V2's and V3's latent attention) "
-              "are not modelled"
+            ? "; V2's and V3's latent attention is not modelled (their dense first blocks "
+              "among the experts' are: a dtsim model file's moe.dense_blocks)"
             : "";
     outer.fail("model_type",
                fmt::format("unsupported Hugging Face model_type \"{}\" (supported: {}){}",
@@ -810,8 +876,10 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           r.has("num_local_experts") ? "num_local_experts is" : "num_experts_per_tok is", type);
     }
     if (type == "mixtral") {
-      m.moe = MoeSpec{hf_int(r, names, "moe.experts", {"num_local_experts"}),
-                      hf_int(r, names, "moe.top_k", {"num_experts_per_tok"}), m.ffn_hidden};
+      m.moe.emplace();
+      m.moe->experts = hf_int(r, names, "moe.experts", {"num_local_experts"});
+      m.moe->top_k = hf_int(r, names, "moe.top_k", {"num_experts_per_tok"});
+      m.moe->expert_ffn_hidden = m.ffn_hidden;
       names["moe.expert_ffn_hidden"] = "intermediate_size";
     }
     if (qwen_moe) read_qwen_moe(r, names, m, type);
@@ -882,10 +950,14 @@ json architecture_json(const ModelSpec& m) {
     a["moe"] = {{"experts", m.moe->experts},
                 {"top_k", m.moe->top_k},
                 {"expert_ffn_hidden", m.moe->expert_ffn_hidden}};
-    // (Only where there are shared experts, and gates over all experts: checkpoints written
-    // before they were modelled record neither.)
+    // (Only where there are shared experts, gates over all experts, dense blocks: checkpoints
+    // written before they were modelled record none.)
     if (m.moe->shared_ffn_hidden > 0) a["moe"]["shared_ffn_hidden"] = m.moe->shared_ffn_hidden;
     if (!m.moe->normalize_top_k) a["moe"]["normalize_top_k"] = false;
+    if (!m.moe->dense_blocks.empty()) {
+      a["moe"]["dense_blocks"] = m.moe->dense_blocks;
+      a["moe"]["dense_ffn_hidden"] = m.moe->dense_ffn_hidden;
+    }
   }
   return a;
 }

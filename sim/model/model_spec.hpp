@@ -41,12 +41,18 @@ struct BiasSpec {
 // alike), or their probabilities in the softmax over all experts (Switch Transformer's, Fedus
 // et al. 2022; Hugging Face's norm_topk_prob false, Qwen-MoE's default). The same cost; the
 // gradient of the second reaches every expert's logit, and at top_k 1 the first's gate is 1.
+// Blocks whose MLP is dense (`dense_blocks`, ascending block numbers from 0, of width
+// `dense_ffn_hidden`) where the others have experts: DeepSeek-V2/V3's first blocks
+// (first_k_dense_replace), Llama 4 Maverick's every other block (interleave_moe_layer_step 2),
+// Qwen-MoE's mlp_only_layers. Empty: experts in every block.
 struct MoeSpec {
   std::int64_t experts = 0;
   std::int64_t top_k = 0;
   std::int64_t expert_ffn_hidden = 0;
   std::int64_t shared_ffn_hidden = 0;
   bool normalize_top_k = true;
+  std::vector<std::int64_t> dense_blocks;
+  std::int64_t dense_ffn_hidden = 0;
 };
 
 struct ModelSpec {
@@ -103,9 +109,15 @@ struct ModelSpec {
   std::int64_t kv_width() const { return kv_heads * head_dim; }
   // Width of the shared experts' MLP; 0 where there is none.
   std::int64_t shared_ffn() const { return moe ? moe->shared_ffn_hidden : 0; }
-  // Width of the MLP that every token passes whole: a dense model's, or the shared experts'
-  // of a mixture (0 where it has none).
-  std::int64_t dense_ffn() const { return moe ? moe->shared_ffn_hidden : ffn_hidden; }
+  // Whether block `layer`'s MLP is a mixture of experts (not one of MoeSpec::dense_blocks).
+  bool has_experts(std::int64_t layer) const;
+  // The blocks with experts: all of a mixture's but its dense blocks; 0 for a dense model.
+  std::int64_t expert_blocks() const;
+  // Whether a mixture has dense blocks among the experts' (its blocks differ).
+  bool mixed_blocks() const { return moe && !moe->dense_blocks.empty(); }
+  // Width of the MLP that every token of block `layer` passes whole: a dense model's, a
+  // mixture's dense block's, or its shared experts' beside the experts (0 where it has none).
+  std::int64_t dense_ffn(std::int64_t layer) const;
   // The classic GPT block that Megatron-LM's FLOP formula describes exactly: multi-head
   // attention with head_dim = hidden/heads, GELU MLP of 4h, no MoE.
   bool is_megatron_gpt() const;

@@ -222,6 +222,10 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
     error("tp-ffn",
           fmt::format("tp = {} does not divide shared_ffn_hidden = {}", p.tp, m.shared_ffn()));
   }
+  if (m.mixed_blocks() && m.moe->dense_ffn_hidden % p.tp != 0) {
+    error("tp-ffn", fmt::format("tp = {} does not divide dense_ffn_hidden = {}", p.tp,
+                                m.moe->dense_ffn_hidden));
+  }
   if (p.seq_len < 1 || p.seq_len > m.max_positions) {
     error("seq-len", fmt::format("seq_len = {} must be in 1..{} (the model's max_positions)",
                                  p.seq_len, m.max_positions));
@@ -462,7 +466,7 @@ bool moe_local_dispatch(const model::ModelSpec& spec, const Plan& plan) {
 bool mlp_tp_enter(const model::ModelSpec& spec, const Plan& plan, const model::Op& op) {
   const bool local = moe_local_dispatch(spec, plan);
   return (op.kind == model::OpKind::Router && !local) ||
-         (op.kind == model::OpKind::MlpUp && !op.expert && (!spec.moe || local));
+         (op.kind == model::OpKind::MlpUp && !op.expert && (!spec.has_experts(op.layer) || local));
 }
 
 bool mlp_tp_exit(const model::ModelSpec& spec, const Plan& plan, const model::Op& op) {

@@ -236,18 +236,18 @@ double max_expert_load(const model::ModelSpec& spec, const Plan& plan);
 // expert, and the experts' outputs reduce-scattered back before the all-to-all home. The routed
 // experts then have no all-gather of their input, no reduce-scatter of their output and no
 // all-reduce of the gates' gradients over tp (shared experts beside them have both, in a tp
-// region of their own: mlp_tp_enter, mlp_tp_exit); the router's weight gradient, from a share of the tokens,
-// is all-reduced over tp with the norms'. Without sequence parallelism every tp rank routes
-// the whole sequence (its input is whole there) and sends its copies to its ep peers.
+// region of their own: mlp_tp_enter, mlp_tp_exit); the router's weight gradient, from a share of
+// the tokens, is all-reduced over tp with the norms'. Without sequence parallelism every tp rank
+// routes the whole sequence (its input is whole there) and sends its copies to its ep peers.
 bool moe_local_dispatch(const model::ModelSpec& spec, const Plan& plan);
 
 // Where a block's MLP enters the tensor-parallel region (Megatron-LM's f, before the op) and
 // leaves it (g, after the op), as the lowering places them and the planner's closed form
-// prices them: a dense MLP at its up and down projections; a mixture of experts at its router
-// unless under moe_local_dispatch, and at the experts' down projection, or with shared experts
-// at the shared down projection, which adds the routed output to its own; under
-// moe_local_dispatch the shared experts enter at their up projection (the routed copies move
-// by plan::expert_copies_bytes' collectives instead).
+// prices them: a dense MLP (a mixture's dense block's too) at its up and down projections; a
+// mixture of experts at its router unless under moe_local_dispatch, and at the experts' down
+// projection, or with shared experts at the shared down projection, which adds the routed
+// output to its own; under moe_local_dispatch the shared experts enter at their up projection
+// (the routed copies move by plan::expert_copies_bytes' collectives instead).
 bool mlp_tp_enter(const model::ModelSpec& spec, const Plan& plan, const model::Op& op);
 bool mlp_tp_exit(const model::ModelSpec& spec, const Plan& plan, const model::Op& op);
 

@@ -275,6 +275,15 @@ TEST_CASE("mutated models: simulate, plan and describe refuse or run", "[mutatio
                    {"plan", dtsim::cli::cmd_plan, with({"--model", model, "--seq-len", "64"})},
                    {"describe", dtsim::cli::cmd_describe, {"--model", model}}});
   }
+  // Mixtral with dense blocks among the experts' (moe.dense_blocks, moe.dense_ffn_hidden).
+  json mixed = read_json(repo() / "models" / "mixtral-8x7b.json");
+  mixed["moe"]["dense_blocks"] = {0, 2};
+  mixed["moe"]["dense_ffn_hidden"] = 28672;
+  check_mutants(scratch, "model.json", mixed,
+                {{"simulate", dtsim::cli::cmd_simulate,
+                  with({"--model", model, "--tp", "2", "--pp", "2", "--seq-len", "64"})},
+                 {"plan", dtsim::cli::cmd_plan, with({"--model", model, "--seq-len", "64"})},
+                 {"describe", dtsim::cli::cmd_describe, {"--model", model}}});
 }
 
 TEST_CASE("a mutated Hugging Face config.json: describe and simulate refuse or run",
@@ -299,7 +308,8 @@ TEST_CASE("a mutated Hugging Face config.json: describe and simulate refuse or r
                   {"--model", config, "--cluster", "dgx-h100-superpod", "--gpus", "8", "--tp", "2",
                    "--global-batch-size", "8"}}});
   // A qwen3_moe one: experts of moe_intermediate_size, heads wider than the model, the keys
-  // that refuse dense blocks and shared experts.
+  // that place dense blocks among the experts' (intermediate_size their width) and refuse
+  // shared experts.
   const json qwen3_moe = {{"architectures", {"Qwen3MoeForCausalLM"}},
                           {"model_type", "qwen3_moe"},
                           {"hidden_size", 512},

@@ -1040,10 +1040,10 @@ enum class Variant { AsIs, Dropout, Moe, ManyExperts, SharedMoe };
 dtsim::model::ModelSpec load(const char* name, Variant variant) {
   auto spec = dtsim::model::load_model(name);
   if (variant == Variant::Dropout) spec.dropout = true;
-  if (variant == Variant::Moe) spec.moe = dtsim::model::MoeSpec{4, 2, spec.ffn_hidden / 2};
-  if (variant == Variant::ManyExperts) spec.moe = dtsim::model::MoeSpec{64, 1, spec.ffn_hidden / 4};
+  if (variant == Variant::Moe) spec.moe = dtsim::test::mixture(4, 2, spec.ffn_hidden / 2);
+  if (variant == Variant::ManyExperts) spec.moe = dtsim::test::mixture(64, 1, spec.ffn_hidden / 4);
   if (variant == Variant::SharedMoe) {
-    spec.moe = dtsim::model::MoeSpec{4, 2, spec.ffn_hidden / 2, spec.ffn_hidden, false};
+    spec.moe = dtsim::test::mixture(4, 2, spec.ffn_hidden / 2, spec.ffn_hidden, false);
   }
   return spec;
 }

@@ -11,6 +11,7 @@
 #include "sim/cost/compute_cost.hpp"
 #include "sim/engine/simulator.hpp"
 #include "sim/lower/schedule.hpp"
+#include "sim/plan/memory_model.hpp"
 #include "tests/test_util.hpp"
 
 using dtsim::lower::CollectiveKind;
@@ -255,7 +256,7 @@ TEST_CASE("overlapped, ZeRO-1/2 gather the updated weights a block ahead of the 
 TEST_CASE("with experts, ZeRO-3 gathers expert weights too and expert buckets interleave",
           "[lower]") {
   auto moe = dtsim::model::load_model("tiny");
-  moe.moe = dtsim::model::MoeSpec{4, 2, 64};
+  moe.moe = dtsim::test::mixture(4, 2, 64);
   const dtsim::model::ModelGraph g(moe, 1, 32);
   Plan p = plan_for(4, 1, 1, 1);
   p.ep = 2;
@@ -296,7 +297,7 @@ TEST_CASE("each expert on one rank (dp = ep): ZeRO shards the dense states alone
   // optimizer states stay whole, and under staged ZeRO-1 the optimizer step clears their
   // gradients (no reduce-scatter packs them); ZeRO-2/3 free them instead.
   auto moe = dtsim::model::load_model("tiny");
-  moe.moe = dtsim::model::MoeSpec{4, 2, 64};
+  moe.moe = dtsim::test::mixture(4, 2, 64);
   const dtsim::model::ModelGraph g(moe, 1, 32);
   double dense = 0, experts = 0;
   for (std::size_t i = 0; i < g.size(); ++i) {
@@ -449,7 +450,7 @@ TEST_CASE("gradient clipping sums the squares, all-reduces them, then steps", "[
 
 TEST_CASE("a representative per stage is exact with cp and with experts", "[lower][symmetry]") {
   auto moe = dtsim::model::load_model("tiny");
-  moe.moe = dtsim::model::MoeSpec{4, 2, 64};
+  moe.moe = dtsim::test::mixture(4, 2, 64);
   const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 16);
   for (auto [cp, ep, model] :
        {std::tuple{2, 1, false}, std::tuple{1, 2, true}, std::tuple{2, 2, true}}) {
@@ -480,7 +481,7 @@ TEST_CASE("a representative per stage is exact with cp and with experts", "[lowe
 TEST_CASE("an uneven expert load lengthens the experts' compute and the ep all-to-alls",
           "[lower][moe]") {
   auto moe = dtsim::model::load_model("tiny");
-  moe.moe = dtsim::model::MoeSpec{4, 2, 64};
+  moe.moe = dtsim::test::mixture(4, 2, 64);
   const auto cluster = dtsim::cluster::with_devices(dtsim::cluster::load_cluster("default"), 8);
   Plan even = plan_for(4, 2, 1, 1);
   even.ep = 2;
@@ -524,7 +525,7 @@ TEST_CASE("an uneven expert load lengthens the experts' compute and the ep all-t
 TEST_CASE("under sequence parallelism each tp rank dispatches its share of the tokens",
           "[lower][moe]") {
   auto moe = dtsim::model::load_model("tiny");
-  moe.moe = dtsim::model::MoeSpec{4, 2, 64};
+  moe.moe = dtsim::test::mixture(4, 2, 64);
   const dtsim::model::ModelGraph g(moe, 1, 32);
   Plan gathered = plan_for(2, 2, 1, 1);
   gathered.ep = 2;
@@ -582,10 +583,58 @@ TEST_CASE("under sequence parallelism each tp rank dispatches its share of the t
   CHECK(count(b, in_blocks) == 5 * layers * micro_batches);
 }
 
+TEST_CASE("a dense block among the experts' has a dense MLP's collectives, none of theirs",
+          "[lower][moe]") {
+  // Two blocks: block 0 dense (an MLP of 96), block 1 with experts beside shared ones.
+  auto moe = dtsim::model::load_model("tiny");
+  moe.moe = dtsim::test::mixture(4, 2, 64, 128);
+  moe.moe->dense_blocks = {0};
+  moe.moe->dense_ffn_hidden = 96;
+  const dtsim::model::ModelGraph g(moe, 1, 32);
+  Plan p = plan_for(2, 2, 1, 1);
+  p.ep = 2;
+  REQUIRE(dtsim::plan::check_plan(p, moe, 4).ok());
+  const Program program = dtsim::lower::lower(g, p);
+  const auto micro_batches = static_cast<long>(p.micro_batches());
+  // A block's collectives of a kind, by their labels' block.
+  const auto count = [&](std::string_view what, std::string_view block) {
+    long n = 0;
+    for (const auto& t : program.ranks[0].tasks) {
+      if (t.kind == TaskKind::Collective && t.label.find(what) != t.label.npos &&
+          t.label.find(fmt::format(" {} ", block)) != t.label.npos) {
+        ++n;
+      }
+    }
+    return n;
+  };
+  // Tokens to their experts and back, forward and backward, and the gates' gradients: block 1.
+  CHECK(count("ep all-to-all", "L0") == 0);
+  CHECK(count("ep all-to-all", "L1") == 4 * micro_batches);
+  CHECK(count("gate gradients", "L0") == 0);
+  CHECK(count("gate gradients", "L1") == micro_batches);
+  // Without sequence parallelism tp all-reduces each block's attention and MLP input gradient
+  // and output: four a micro-batch in both.
+  CHECK(count("tp all-reduce", "L0") == 4 * micro_batches);
+  CHECK(count("tp all-reduce", "L1") - count("gate gradients", "L1") == 4 * micro_batches);
+  // The dense block's MLP split over tp: its up projection's columns (96 x 2 / 2 a rank).
+  for (auto id : g.layer_ops(0)) {
+    if (g.op(id).kind == dtsim::model::OpKind::MlpUp) {
+      CHECK_FALSE(g.op(id).expert);
+      CHECK(dtsim::plan::rank_params(g.op(id), p) == 64.0 * 96);
+    }
+  }
+  // A tp that does not divide the dense blocks' width is refused.
+  Plan two = plan_for(1, 2, 1, 1);
+  moe.moe->dense_ffn_hidden = 99;
+  const auto check = dtsim::plan::check_plan(two, moe, 2);
+  REQUIRE_FALSE(check.ok());
+  CHECK(check.errors.front().message == "tp = 2 does not divide dense_ffn_hidden = 99");
+}
+
 TEST_CASE("shared experts: their own tp region under sequence parallelism, none without",
           "[lower][moe]") {
   auto moe = dtsim::model::load_model("tiny");
-  moe.moe = dtsim::model::MoeSpec{4, 2, 64, 128};
+  moe.moe = dtsim::test::mixture(4, 2, 64, 128);
   auto routed_only = moe;
   routed_only.moe->shared_ffn_hidden = 0;
   const std::uint64_t hidden = 32ull * moe.hidden * 2;  // bf16 activations of a micro-batch

@@ -124,6 +124,38 @@ TEST_CASE("shared experts: a dense MLP over every token beside the routed expert
   CHECK(g.op(shared_up).params == static_cast<std::uint64_t>(h) * 2 * 20480);
 }
 
+TEST_CASE("dense blocks among the experts' have a dense MLP of their own width", "[model][graph]") {
+  // Llama 4 Maverick: experts (128 of 8192, one a token, beside a shared one) in the odd
+  // blocks, dense MLPs of 16384 in the even ones.
+  const auto maverick = load_model("llama4-maverick-17b-128e");
+  const ModelGraph g(maverick, 1, 256);
+  const auto names = [&](int layer) {
+    std::vector<std::string> out;
+    for (auto id : g.layer_ops(layer)) out.push_back(g.op(id).name);
+    return std::vector<std::string>(out.end() - 4, out.end());
+  };
+  CHECK(names(0) ==
+        std::vector<std::string>{"L0.mlp_up", "L0.mlp_act", "L0.mlp_down", "L0.mlp_residual"});
+  CHECK(names(1) == std::vector<std::string>{"L1.shared_up", "L1.shared_act", "L1.shared_down",
+                                             "L1.mlp_residual"});
+  const double h = 5120;
+  const auto params = [&](int layer, OpKind kind, bool expert) {
+    for (auto id : g.layer_ops(layer)) {
+      const auto& op = g.op(id);
+      if (op.kind == kind && op.expert == expert) return static_cast<double>(op.params);
+    }
+    return 0.0;
+  };
+  CHECK(params(0, OpKind::MlpUp, false) == h * 2 * 16384);
+  CHECK(params(0, OpKind::Router, false) == 0);
+  CHECK(params(0, OpKind::MlpUp, true) == 0);
+  CHECK(params(47, OpKind::MlpUp, true) == 128 * h * 2 * 8192);
+  CHECK(params(47, OpKind::MlpUp, false) == h * 2 * 8192);  // the shared expert
+  // 400.7B in all (Meta's 400B total, with the vision model not modelled here), of which a
+  // token activates 17.2B (Meta's 17B).
+  CHECK(dtsim::model::count_params(maverick) == 400711848960ULL);
+}
+
 TEST_CASE("the graph is a DAG in topological order with per-layer groups", "[model][graph]") {
   const auto spec = load_model("tiny");
   const ModelGraph g(spec, 1, 16);

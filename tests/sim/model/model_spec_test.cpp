@@ -230,7 +230,8 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     DTSIM_REQUIRE_THROWS_CONTAINING(
         load_model(both.path()), InputError,
         "num_local_experts: 64 here, but num_experts is 128: the same figure, given twice apart");
-    // Dense blocks among the experts' and shared experts are not modelled: refused.
+    // Dense blocks among the experts' (Qwen3MoeMLP of intermediate_size); shared experts are
+    // refused (qwen3_moe has none).
     const std::string base = R"("model_type": "qwen3_moe", "hidden_size": 64,
       "moe_intermediate_size": 32, "num_attention_heads": 4, "num_hidden_layers": 4,
       "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,
@@ -245,14 +246,38 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     CHECK(small.unmodelled.size() == 1);  // q_norm and k_norm
     CHECK(architecture_json(small)["moe"]["normalize_top_k"] == false);
     CHECK_FALSE(architecture_json(m)["moe"].contains("normalize_top_k"));
-    TempFile sparse("config.json", "{" + base + R"(, "decoder_sparse_step": 2})");
-    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(sparse.path()), InputError,
-                                    "config.json: decoder_sparse_step: 2: experts in one block "
-                                    "of every 2, dense MLPs in the others");
-    TempFile dense("config.json", "{" + base + R"(, "mlp_only_layers": [0, 3]})");
-    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(dense.path()), InputError,
-                                    "config.json: mlp_only_layers: 2 dense blocks among the "
-                                    "experts' blocks");
+    // Experts where (block + 1) % decoder_sparse_step is 0 and mlp_only_layers leaves them.
+    TempFile sparse("config.json",
+                    "{" + base + R"(, "decoder_sparse_step": 2, "intermediate_size": 96})");
+    const auto every_other = load_model(sparse.path());
+    CHECK(every_other.moe->dense_blocks == std::vector<std::int64_t>{0, 2});
+    CHECK(every_other.moe->dense_ffn_hidden == 96);
+    CHECK(every_other.expert_blocks() == 2);
+    CHECK(every_other.has_experts(1));
+    CHECK_FALSE(every_other.has_experts(2));
+    CHECK(every_other.dense_ffn(2) == 96);
+    CHECK(every_other.dense_ffn(1) == 0);
+    CHECK(every_other.description.find("intermediate_size (96") == std::string::npos);
+    TempFile dense("config.json",
+                   "{" + base + R"(, "mlp_only_layers": [0, 3], "intermediate_size": 96})");
+    CHECK(load_model(dense.path()).moe->dense_blocks == std::vector<std::int64_t>{0, 3});
+    CHECK(architecture_json(load_model(dense.path()))["moe"]["dense_blocks"] ==
+          nlohmann::json::array({0, 3}));
+    // Their width is required (Qwen3MoeConfig's default, 22016, is not assumed); a block past
+    // the last, or every block dense, is refused.
+    TempFile unsized("config.json", "{" + base + R"(, "mlp_only_layers": [1]})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(unsized.path()), InputError,
+                                    "config.json: intermediate_size: required field is missing");
+    TempFile past("config.json",
+                  "{" + base + R"(, "mlp_only_layers": [4], "intermediate_size": 96})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(past.path()), InputError,
+                                    "config.json: mlp_only_layers[0]: expected a whole number "
+                                    "from 0 to 3, got 4");
+    TempFile all_dense("config.json",
+                       "{" + base + R"(, "decoder_sparse_step": 5, "intermediate_size": 96})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(all_dense.path()), InputError,
+                                    "config.json: decoder_sparse_step: no block of the 4 has "
+                                    "experts");
     TempFile shared("config.json", "{" + base + R"(, "shared_expert_intermediate_size": 128})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(shared.path()), InputError,
                                     "config.json: shared_expert_intermediate_size: Hugging "
@@ -282,7 +307,7 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     CHECK(m.moe->expert_ffn_hidden == 2560);
     CHECK(m.moe->shared_ffn_hidden == 20480);
     CHECK(m.shared_ffn() == 20480);
-    CHECK(m.dense_ffn() == 20480);
+    CHECK(m.dense_ffn(0) == 20480);
     CHECK(m.bias.qkv);
     CHECK_FALSE(m.bias.attn_out);
     CHECK_FALSE(m.unmodelled_sliding_window);
@@ -311,10 +336,14 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
       "num_attention_heads": 16, "num_hidden_layers": 2, "vocab_size": 256,
       "max_position_embeddings": 64, "num_experts": 4, "num_experts_per_tok": 2})");
     CHECK(load_model(mha.path()).kv_heads == 16);
+    // A dense block (Qwen2MoeMLP of intermediate_size, no shared expert) among the experts'.
     TempFile sparse("config.json", "{" + fields + R"(, "shared_expert_intermediate_size": 20480,
       "mlp_only_layers": [1]})");
-    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(sparse.path()), InputError,
-                                    "config.json: mlp_only_layers: 1 dense block among");
+    const auto one_dense = load_model(sparse.path());
+    CHECK(one_dense.moe->dense_blocks == std::vector<std::int64_t>{1});
+    CHECK(one_dense.moe->dense_ffn_hidden == 18944);
+    CHECK(one_dense.dense_ffn(1) == 18944);
+    CHECK(one_dense.dense_ffn(0) == 20480);  // the shared experts'
   }
   SECTION("llama4: its text_config, experts beside a shared expert in every block") {
     // meta-llama/Llama-4-Scout-17B-16E's config.json (its vision_config cut short).
@@ -377,15 +406,27 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
                  "{" + outer + R"(, "text_config": {)" + with("num_local_experts", "0") + "}}");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(bad.path()), InputError,
                                     "config.json: text_config.num_local_experts: ");
-    // Maverick's dense blocks between the experts' are not modelled: refused.
+    // Maverick's blocks: experts in every other one (the odd ones), dense MLPs of
+    // intermediate_size_mlp between them.
     TempFile maverick("config.json", "{" + outer + R"(, "text_config": {)" +
                                          with("interleave_moe_layer_step", "2") + "}}");
-    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(maverick.path()), InputError,
-                                    "text_config.interleave_moe_layer_step: 2: experts in one "
-                                    "block of every 2, dense MLPs of intermediate_size_mlp");
+    const auto alternate = load_model(maverick.path());
+    CHECK(alternate.expert_blocks() == 24);
+    CHECK_FALSE(alternate.has_experts(0));
+    CHECK(alternate.has_experts(47));
+    CHECK(alternate.moe->dense_ffn_hidden == 16384);
+    CHECK(alternate.description.find("intermediate_size_mlp (16384") == std::string::npos);
     TempFile some("config.json", "{" + text + R"(, "moe_layers": [1, 3]})");
-    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(some.path()), InputError,
-                                    "moe_layers: experts in 2 of the 48 blocks");
+    CHECK(load_model(some.path()).expert_blocks() == 2);
+    TempFile narrow("config.json",
+                    "{" + with("intermediate_size_mlp", "2") + R"(, "moe_layers": [1, 3]})");
+    CHECK(load_model(narrow.path()).moe->dense_ffn_hidden == 2);
+    TempFile none("config.json", "{" + text + R"(, "moe_layers": []})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(none.path()), InputError,
+                                    "moe_layers: no block of the 48 has experts");
+    TempFile past("config.json", "{" + text + R"(, "moe_layers": [48]})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(past.path()), InputError,
+                                    "moe_layers[0]: expected a whole number from 0 to 47, got 48");
     TempFile flags("config.json", "{" + with("no_rope_layers", "[1, 0]") + "}");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(flags.path()), InputError,
                                     "no_rope_layers: expected a 0 or 1 for each of the 48 blocks");
@@ -604,7 +645,7 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     // A family dtsim cannot describe yet says what it lacks.
     TempFile deepseek("config.json", R"({"model_type": "deepseek_v3", "hidden_size": 2048})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(deepseek.path()), InputError,
-                                    "qwen3_moe); its dense first layers among the experts'");
+                                    "qwen3_moe); V2's and V3's latent attention is not modelled");
   }
   SECTION("missing field") {
     TempFile f("config.json", R"({"model_type": "llama", "hidden_size": 4096})");
@@ -689,9 +730,69 @@ TEST_CASE("bad model files are rejected naming file and field", "[model][bad-inp
       {"name", std::string("nul\0byte", 8), "name: expected a name without control characters"},
       {"moe", nlohmann::json{{"experts", 2}, {"top_k", 4}, {"expert_ffn_hidden", 256}},
        "moe.top_k: top_k = 4 exceeds experts = 2"},
-      // Every MLP of a mixture of experts is its experts: a dense width would be read nowhere.
+      // A mixture's MLPs are its experts (dense blocks among them have a width of their own):
+      // another ffn_hidden would be read nowhere.
       {"moe", nlohmann::json{{"experts", 2}, {"top_k", 1}, {"expert_ffn_hidden", 8}},
-       "ffn_hidden: 256 differs from moe.expert_ffn_hidden 8: every block's MLP"},
+       "ffn_hidden: 256 differs from moe.expert_ffn_hidden 8: a mixture-of-experts model's MLPs"},
+      // Dense blocks among the experts': block numbers from 0, ascending, not all, with their
+      // width.
+      {"moe",
+       nlohmann::json{{"experts", 2},
+                      {"top_k", 1},
+                      {"expert_ffn_hidden", 256},
+                      {"dense_blocks", {2}},
+                      {"dense_ffn_hidden", 64}},
+       "moe.dense_blocks[0]: block 2 of 2 (blocks are numbered from 0 to 1)"},
+      {"moe",
+       nlohmann::json{{"experts", 2},
+                      {"top_k", 1},
+                      {"expert_ffn_hidden", 256},
+                      {"dense_blocks", {1, 0}},
+                      {"dense_ffn_hidden", 64}},
+       "moe.dense_blocks[1]: 0 after 1: expected block numbers in ascending order, each once"},
+      {"moe",
+       nlohmann::json{{"experts", 2},
+                      {"top_k", 1},
+                      {"expert_ffn_hidden", 256},
+                      {"dense_blocks", {0, 1}},
+                      {"dense_ffn_hidden", 64}},
+       "moe.dense_blocks: all 2 blocks dense: no block has experts"},
+      {"moe",
+       nlohmann::json{{"experts", 2},
+                      {"top_k", 1},
+                      {"expert_ffn_hidden", 256},
+                      {"dense_blocks", nlohmann::json::array()},
+                      {"dense_ffn_hidden", 64}},
+       "moe.dense_blocks: expected the numbers (from 0) of the blocks whose MLP is dense"},
+      {"moe",
+       nlohmann::json{{"experts", 2},
+                      {"top_k", 1},
+                      {"expert_ffn_hidden", 256},
+                      {"dense_blocks", {-1}},
+                      {"dense_ffn_hidden", 64}},
+       "moe.dense_blocks[0]: expected a whole number from 0 to 100000, got -1"},
+      {"moe",
+       nlohmann::json{{"experts", 2},
+                      {"top_k", 1},
+                      {"expert_ffn_hidden", 256},
+                      {"dense_blocks", "0"},
+                      {"dense_ffn_hidden", 64}},
+       "moe.dense_blocks: expected an array of whole numbers from 0 to 100000, got \"0\""},
+      {"moe",
+       nlohmann::json{
+           {"experts", 2}, {"top_k", 1}, {"expert_ffn_hidden", 256}, {"dense_blocks", {0}}},
+       "moe.dense_ffn_hidden: required field is missing"},
+      {"moe",
+       nlohmann::json{
+           {"experts", 2}, {"top_k", 1}, {"expert_ffn_hidden", 256}, {"dense_ffn_hidden", 64}},
+       "moe.dense_ffn_hidden: given without dense_blocks"},
+      {"moe",
+       nlohmann::json{{"experts", 2},
+                      {"top_k", 1},
+                      {"expert_ffn_hidden", 256},
+                      {"dense_blocks", {0}},
+                      {"dense_ffn_hidden", 1LL << 25}},
+       "moe.dense_ffn_hidden: expected at most 16777216"},
       // Sanity bounds keep every count inside 64 bits (a wrapped product, or bad_alloc for
       // 2^31 blocks, is never the answer).
       {"layers", 2147483653LL, "layers: expected at most 100000, got 2147483653"},

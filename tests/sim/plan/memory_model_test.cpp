@@ -526,7 +526,7 @@ TEST_CASE("shared experts' backward ends before the routed experts' begins: the 
   const double hidden = 2.0 * 2 * 32 * static_cast<double>(spec.hidden);  // bf16, 64 tokens
   for (const std::int64_t shared : {1024, 64}) {
     DYNAMIC_SECTION("shared experts of " << shared) {
-      spec.moe = dtsim::model::MoeSpec{4, 2, 256, shared};
+      spec.moe = dtsim::test::mixture(4, 2, 256, shared);
       const ModelGraph g(spec, 2, 32);
       const double routed = grads(g, false);
       // Beside the shared experts' own, the routed output's gradient that they pass on.
@@ -634,7 +634,7 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
   }
   SECTION("an MoE's experts keep their copies' inputs whole on each tp rank") {
     auto moe = spec;
-    moe.moe = dtsim::model::MoeSpec{4, 2, 128};
+    moe.moe = dtsim::test::mixture(4, 2, 128);
     const ModelGraph gm(moe, 2, 32);
     double whole = 0;
     for (dtsim::model::OpId id : gm.layer_ops(0)) {
@@ -656,7 +656,7 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
   }
   SECTION("an uneven expert load scales what the busiest rank's experts keep") {
     auto moe = spec;
-    moe.moe = dtsim::model::MoeSpec{4, 2, 128};
+    moe.moe = dtsim::test::mixture(4, 2, 128);
     const ModelGraph gm(moe, 2, 32);
     p.pp = 1;
     p.dp = 2;
@@ -682,7 +682,7 @@ TEST_CASE("stage memory follows the schedule, ZeRO and tied embeddings", "[plan]
   }
   SECTION("ZeRO shards over dp x cp; experts over dp x cp / ep (Megatron-LM)") {
     auto moe = spec;
-    moe.moe = dtsim::model::MoeSpec{4, 2, 128};
+    moe.moe = dtsim::test::mixture(4, 2, 128);
     p.pp = 1;
     p.dp = 2;
     p.cp = 2;

@@ -121,10 +121,10 @@ TEST_CASE("each broken rule says which one and why", "[plan][bad-input]") {
     auto odd = m;
     odd.ffn_hidden = 28676;  // 4 x 7169
     CHECK(has_rule(check_plan(p, odd, 64), "tp-ffn", "tp = 8 does not divide ffn_hidden = 28676"));
-    odd.moe = dtsim::model::MoeSpec{8, 2, 1004};
+    odd.moe = dtsim::test::mixture(8, 2, 1004);
     CHECK(has_rule(check_plan(p, odd, 64), "tp-ffn",
                    "tp = 8 does not divide expert_ffn_hidden = 1004"));
-    odd.moe = dtsim::model::MoeSpec{8, 2, 1024, 1004};  // shared experts' width
+    odd.moe = dtsim::test::mixture(8, 2, 1024, 1004);  // shared experts' width
     CHECK(has_rule(check_plan(p, odd, 64), "tp-ffn",
                    "tp = 8 does not divide shared_ffn_hidden = 1004"));
   }
