@@ -104,6 +104,10 @@ int main(int argc, char** argv) {
       // One expert a token beside a shared one as wide: Llama 4 Scout's language model.
       {"Llama 4 Scout, 128 H100 (dgx-h100-superpod), batch 512", "llama4-scout-17b-16e",
        "dgx-h100-superpod", 128, 512},
+      // Dense blocks between the experts' (every other one): stages whose blocks differ, a
+      // dense MLP of 16384 beside 128 experts of 8192 and a shared one.
+      {"Llama 4 Maverick, 256 H100 (dgx-h100-superpod), batch 512", "llama4-maverick-17b-128e",
+       "dgx-h100-superpod", 256, 512},
       // A small model: the embedding's gradients a third of the parameters, the head's GEMMs
       // a block's several times, stages of one or two blocks.
       {"GPT-2 124M, 8 A100 (default), batch 64", "gpt2-124m", "default", 8, 64},

@@ -132,11 +132,13 @@ class Estimator {
     const std::uint64_t tokens = static_cast<std::uint64_t>(p.micro_batch_size * p.seq_len / p.cp);
     const std::uint64_t hidden_bytes = tokens * static_cast<std::uint64_t>(m.hidden) * act;
 
-    // One block (all blocks are alike). The backward's tp collectives at the column-parallel
-    // layers' inputs (Megatron's f before QKV and before the MLP) cut its backward into
-    // segments: each one's compute (before the collective: its stragglers' waits), and the
-    // layer's weight gradient, which the collective may run beside (lowering:
-    // overlaps_tp_backward; not an MoE router, which tensor parallelism does not split).
+    // A block's passes: blocks with experts and dense ones (a mixture's dense blocks, or a
+    // dense model's) differ, each kind priced once, on its first block. The backward's tp
+    // collectives at the column-parallel layers' inputs (Megatron's f before QKV and before the
+    // MLP) cut its backward into segments: each one's compute (before the collective: its
+    // stragglers' waits), and the layer's weight gradient, which the collective may run beside
+    // (lowering: overlaps_tp_backward; not an MoE router, which tensor parallelism does not
+    // split).
     struct Segment {
       double compute = 0, weight = 0, slack = 0;
       bool overlapped = false;
@@ -147,113 +149,157 @@ class Estimator {
       // collectives bring them.
       bool regathers = false;
     };
-    std::vector<Segment> segments;
-    double lf = 0, lb = 0, lbw = 0, attention = 0;
+    struct BlockCost {
+      double lf = 0, lb = 0, lbw = 0, attention = 0;  // compute: forward, backward, weight
+      std::vector<Segment> segments;
+      double tp_comm = 0, cp_comm = 0, ep_comm = 0;  // a forward's collectives
+      double tp_backward = 0, cp_backward = 0;       // a backward's
+      double f = 0, b = 0, recompute = 0, recompute_compute = 0;
+      double compute = 0;      // lf + lb + recompute_compute
+      double back = 0;         // b + recompute: the backward pass
+      double regathering = 0;  // segments that gather their input again
+    };
     // A router that routes the rank's share of the sequence has no tp collective before it.
     const bool local_dispatch = plan::moe_local_dispatch(m, p);
-    for (model::OpId id : g.layer_ops(0)) {
-      const auto& op = g.op(id);
-      const double forward = cost.op_seconds(op, Phase::Forward);
-      const double backward = cost.op_seconds(op, Phase::Backward);
-      const double weight = cost.op_seconds(op, Phase::BackwardWeight);
-      lf += forward;
-      lb += backward;
-      lbw += weight;
-      if (op.kind == model::OpKind::AttentionCore) attention = forward;
-      // (The experts' collectives before them: the gates' all-reduce, or their copies
-      // gathered under moe_local_dispatch.)
-      const bool experts = op.kind == model::OpKind::MlpUp && op.expert;
-      if (op.kind == model::OpKind::QkvProj || experts || plan::mlp_tp_enter(m, p, op)) {
-        const bool column =
-            op.kind == model::OpKind::QkvProj || (op.kind == model::OpKind::MlpUp && !experts);
-        segments.push_back({.weight = weight,
-                            .overlapped = column,
-                            .input = cost.op_seconds(op, Phase::BackwardInput),
-                            .regathers = column});
-      }
-      // In forward order, an op's backward runs before the collective of the nearest
-      // column-parallel layer at or before it.
-      if (!segments.empty()) segments.back().compute += backward;
-    }
-    double tp_comm = 0, cp_comm = 0, ep_comm = 0;
-    if (p.tp > 1) {
-      const auto tp = group(ParallelDim::Tp, lower::GroupKind::Tp);
-      auto gather_scatter = [&](std::uint64_t bytes) {
-        return net_->collective_s(placement, tp, CollectiveKind::AllGather, bytes) +
-               net_->collective_s(placement, tp, CollectiveKind::ReduceScatter, bytes);
-      };
-      // Attention's and the MLP's; an MoE block's under moe_local_dispatch moves the experts'
-      // copies instead of the block's input and output, and its shared experts' input and
-      // output besides.
-      tp_comm =
-          p.sequence_parallel
-              ? gather_scatter(hidden_bytes) +
-                    gather_scatter(local_dispatch ? plan::expert_copies_bytes(m, p, hidden_bytes)
-                                                  : hidden_bytes) +
-                    (local_dispatch && m.shared_ffn() > 0 ? gather_scatter(hidden_bytes) : 0.0)
-              : 2 * net_->collective_s(placement, tp, CollectiveKind::AllReduce, hidden_bytes);
-    }
-    if (p.cp > 1) {
-      const std::uint64_t kv = static_cast<std::uint64_t>(p.cp) * tokens * 2 *
-                               static_cast<std::uint64_t>(m.kv_width() / p.tp) * act;
-      cp_comm = net_->collective_s(placement, group(ParallelDim::Cp, lower::GroupKind::Cp),
-                                   CollectiveKind::AllGather, kv);
-    }
-    if (p.ep > 1 && m.moe) {
-      ep_comm = 2 * net_->collective_s(placement, group(ParallelDim::Ep, lower::GroupKind::Ep),
-                                       CollectiveKind::AllToAll,
-                                       plan::ep_all_to_all_bytes(m, p, hidden_bytes));
-    }
-    const double block_f = lf + tp_comm + cp_comm + ep_comm;
-    // Backward: dK and dV reduce-scattered over cp, and K and V gathered again unless full
-    // recompute's forward just gathered them (lowering's CpRegatherKv).
-    const double cp_backward = p.recompute == Recompute::Full ? cp_comm : 2 * cp_comm;
-    // With the overlap, what outlasts a segment's weight gradient stays exposed.
-    double tp_backward = tp_comm;
-    // Zero-bubble splits every backward into input- and weight-gradient passes already.
+    // With the overlap, what outlasts a segment's weight gradient stays exposed; zero-bubble
+    // splits every backward into input- and weight-gradient passes already.
     const bool tp_overlap = p.tp > 1 && p.overlap_tp_backward && p.schedule != Schedule::ZeroBubble;
-    if (tp_overlap) {
-      // One of the backward's input-gradient collectives.
-      const double f = net_->collective_s(
-          placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
-          p.sequence_parallel ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce,
-          hidden_bytes);
-      for (Segment& seg : segments) {
-        if (!seg.overlapped) continue;
-        tp_backward -= std::min(f, seg.weight);
-        seg.slack = std::max(0.0, seg.weight - f);
-      }
-    }
     // Sequence parallelism gathers a column-parallel layer's input again for its weight
     // gradient (lowering: regathers_input): beside the layer's input gradient with the overlap,
     // else before the layer's backward. Zero-bubble gathers them once the input-gradient pass
     // is done, and its weight pass, which mostly follows at once, waits for them (lowering:
     // emit_regather).
-    double regather = 0;
-    if (p.tp > 1 && p.sequence_parallel) {
-      regather = net_->collective_s(placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
-                                    CollectiveKind::AllGather, hidden_bytes);
-      for (const Segment& seg : segments) {
-        if (!seg.regathers) continue;
-        const bool beside_input = tp_overlap && seg.overlapped;
-        tp_backward += std::max(0.0, regather - (beside_input ? seg.input : 0.0));
+    const double regather =
+        p.tp > 1 && p.sequence_parallel
+            ? net_->collective_s(placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
+                                 CollectiveKind::AllGather, hidden_bytes)
+            : 0.0;
+    const auto block_cost = [&](int layer) {
+      const bool experts = m.has_experts(layer);
+      BlockCost c;
+      for (model::OpId id : g.layer_ops(layer)) {
+        const auto& op = g.op(id);
+        const double forward = cost.op_seconds(op, Phase::Forward);
+        const double backward = cost.op_seconds(op, Phase::Backward);
+        const double weight = cost.op_seconds(op, Phase::BackwardWeight);
+        c.lf += forward;
+        c.lb += backward;
+        c.lbw += weight;
+        if (op.kind == model::OpKind::AttentionCore) c.attention = forward;
+        // (The experts' collectives before them: the gates' all-reduce, or their copies
+        // gathered under moe_local_dispatch.)
+        const bool routed = op.kind == model::OpKind::MlpUp && op.expert;
+        if (op.kind == model::OpKind::QkvProj || routed || plan::mlp_tp_enter(m, p, op)) {
+          const bool column =
+              op.kind == model::OpKind::QkvProj || (op.kind == model::OpKind::MlpUp && !routed);
+          c.segments.push_back({.weight = weight,
+                                .overlapped = column,
+                                .input = cost.op_seconds(op, Phase::BackwardInput),
+                                .regathers = column});
+        }
+        // In forward order, an op's backward runs before the collective of the nearest
+        // column-parallel layer at or before it.
+        if (!c.segments.empty()) c.segments.back().compute += backward;
+      }
+      if (p.tp > 1) {
+        const auto tp = group(ParallelDim::Tp, lower::GroupKind::Tp);
+        auto gather_scatter = [&](std::uint64_t bytes) {
+          return net_->collective_s(placement, tp, CollectiveKind::AllGather, bytes) +
+                 net_->collective_s(placement, tp, CollectiveKind::ReduceScatter, bytes);
+        };
+        // Attention's and the MLP's; an MoE block's under moe_local_dispatch moves the experts'
+        // copies instead of the block's input and output, and its shared experts' input and
+        // output besides.
+        const bool moves_copies = local_dispatch && experts;
+        c.tp_comm =
+            p.sequence_parallel
+                ? gather_scatter(hidden_bytes) +
+                      gather_scatter(moves_copies ? plan::expert_copies_bytes(m, p, hidden_bytes)
+                                                  : hidden_bytes) +
+                      (moves_copies && m.shared_ffn() > 0 ? gather_scatter(hidden_bytes) : 0.0)
+                : 2 * net_->collective_s(placement, tp, CollectiveKind::AllReduce, hidden_bytes);
+      }
+      if (p.cp > 1) {
+        const std::uint64_t kv = static_cast<std::uint64_t>(p.cp) * tokens * 2 *
+                                 static_cast<std::uint64_t>(m.kv_width() / p.tp) * act;
+        c.cp_comm = net_->collective_s(placement, group(ParallelDim::Cp, lower::GroupKind::Cp),
+                                       CollectiveKind::AllGather, kv);
+      }
+      if (p.ep > 1 && experts) {
+        c.ep_comm = 2 * net_->collective_s(placement, group(ParallelDim::Ep, lower::GroupKind::Ep),
+                                           CollectiveKind::AllToAll,
+                                           plan::ep_all_to_all_bytes(m, p, hidden_bytes));
+      }
+      c.f = c.lf + c.tp_comm + c.cp_comm + c.ep_comm;
+      // Backward: dK and dV reduce-scattered over cp, and K and V gathered again unless full
+      // recompute's forward just gathered them (lowering's CpRegatherKv).
+      c.cp_backward = p.recompute == Recompute::Full ? c.cp_comm : 2 * c.cp_comm;
+      c.tp_backward = c.tp_comm;
+      if (tp_overlap) {
+        // One of the backward's input-gradient collectives.
+        const double f = net_->collective_s(
+            placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
+            p.sequence_parallel ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce,
+            hidden_bytes);
+        for (Segment& seg : c.segments) {
+          if (!seg.overlapped) continue;
+          c.tp_backward -= std::min(f, seg.weight);
+          seg.slack = std::max(0.0, seg.weight - f);
+        }
+      }
+      if (regather > 0) {
+        for (const Segment& seg : c.segments) {
+          if (!seg.regathers) continue;
+          const bool beside_input = tp_overlap && seg.overlapped;
+          c.tp_backward += std::max(0.0, regather - (beside_input ? seg.input : 0.0));
+        }
+      }
+      // Each tp rank holds a slice of every expert: the gates' gradients, partial sums, are
+      // all-reduced over tp before the router's backward (lowering: TpGates), in fp32; not
+      // under moe_local_dispatch, where the copies' outputs are reduce-scattered before the
+      // combine.
+      if (p.tp > 1 && experts && !local_dispatch) {
+        c.tp_backward += net_->collective_s(placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
+                                            CollectiveKind::AllReduce,
+                                            tokens * static_cast<std::uint64_t>(m.moe->top_k) * 4);
+      }
+      c.b = c.lb + c.tp_backward + c.cp_backward + c.ep_comm;
+      if (p.recompute == Recompute::Full) {
+        c.recompute = c.f;
+        c.recompute_compute = c.lf;
+      }
+      if (p.recompute == Recompute::Selective) c.recompute = c.recompute_compute = c.attention;
+      c.compute = c.lf + c.lb + c.recompute_compute;
+      c.back = c.b + c.recompute;
+      c.regathering = static_cast<double>(std::count_if(
+          c.segments.begin(), c.segments.end(), [](const Segment& seg) { return seg.regathers; }));
+      return c;
+    };
+    // kinds[0]: the dense blocks, kinds[1]: those with experts (a kind that no block is stays
+    // zero); block_kind(l): block l's.
+    const auto block_kind = [&](int layer) { return m.has_experts(layer) ? 1 : 0; };
+    std::array<BlockCost, 2> kinds;
+    std::array<bool, 2> kind_priced{};
+    for (int l = 0; l < m.layers && !(kind_priced[0] && kind_priced[1]); ++l) {
+      const auto k = static_cast<std::size_t>(block_kind(l));
+      if (!kind_priced[k]) kinds[k] = block_cost(l);
+      kind_priced[k] = true;
+    }
+    // Blocks of each kind in each chunk, and a figure of theirs summed over a count of each
+    // kind (n[0] x the dense blocks' + n[1] x the others').
+    using Count = std::array<double, 2>;
+    const std::vector<int> chunks = plan::chunk_layers(p, m.layers);
+    std::vector<Count> chunk_kinds(chunks.size(), Count{});
+    {
+      int l = 0;
+      for (std::size_t k = 0; k < chunks.size(); ++k) {
+        for (int i = 0; i < chunks[k]; ++i, ++l)
+          ++chunk_kinds[k][static_cast<std::size_t>(block_kind(l))];
       }
     }
-    // Each tp rank holds a slice of every expert: the gates' gradients, partial sums, are
-    // all-reduced over tp before the router's backward (lowering: TpGates), in fp32; not under
-    // moe_local_dispatch, where the copies' outputs are reduce-scattered before the combine.
-    if (p.tp > 1 && m.moe && !local_dispatch) {
-      tp_backward += net_->collective_s(placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
-                                        CollectiveKind::AllReduce,
-                                        tokens * static_cast<std::uint64_t>(m.moe->top_k) * 4);
-    }
-    double block_b = lb + tp_backward + cp_backward + ep_comm;
-    double block_recompute = 0, block_recompute_compute = 0;
-    if (p.recompute == Recompute::Full) {
-      block_recompute = block_f;
-      block_recompute_compute = lf;
-    }
-    if (p.recompute == Recompute::Selective) block_recompute = block_recompute_compute = attention;
+    const auto sum = [&](const Count& n, double BlockCost::*figure) {
+      return n[0] * (kinds[0].*figure) + n[1] * (kinds[1].*figure);
+    };
 
     auto group_time = [&](int layer, Phase phase) {
       double s = 0;
@@ -327,12 +373,11 @@ class Estimator {
     // and waits for the whole transfer (activations for every chunk but the first stage's
     // first, over the hop from the stage before; gradients for every chunk but the last
     // stage's last, over the hop to the stage after).
-    const std::vector<int> chunks = plan::chunk_layers(p, m.layers);
     double stage_f = 0, stage_b = 0, stage_rec = 0, stage_recv = 0;
     double stage_compute = 0;    // the slowest stage's compute alone, per micro-batch
     double stage_exchanges = 0;  // the slowest stage's receives per micro-batch
-    int stage_layers = 0;
-    int stage_index = 0;  // the slowest stage
+    Count stage_blocks{};        // the slowest stage's blocks of each kind
+    int stage_index = 0;         // the slowest stage
     double stage_params = 0, stage_expert_params = 0;
     // The norms' parameters (and the routers' under moe_local_dispatch), whose gradients
     // sequence parallelism all-reduces over tp at the step's end (the stage with the most).
@@ -345,11 +390,15 @@ class Estimator {
                                               block_buckets(g, p, true, grad_bytes, per_block)};
     std::array<double, 2> stage_buckets{};
     for (int s = 0; s < p.pp; ++s) {
-      int layers = 0;
-      for (int c = 0; c < p.virtual_stages; ++c)
-        layers += chunks[static_cast<std::size_t>(c * p.pp + s)];
-      double f = layers * block_f, b = layers * block_b, r = layers * block_recompute;
-      double compute = layers * (lf + lb + block_recompute_compute);
+      Count blocks{};
+      for (int c = 0; c < p.virtual_stages; ++c) {
+        for (const std::size_t k : {0, 1}) {
+          blocks[k] += chunk_kinds[static_cast<std::size_t>(c * p.pp + s)][k];
+        }
+      }
+      double f = sum(blocks, &BlockCost::f), b = sum(blocks, &BlockCost::b),
+             r = sum(blocks, &BlockCost::recompute);
+      double compute = sum(blocks, &BlockCost::compute);
       if (s == 0) {
         f += emb_f;
         b += emb_b;
@@ -373,7 +422,7 @@ class Estimator {
         stage_recv = recv;
         stage_exchanges = from_before + from_after;
         stage_compute = compute;
-        stage_layers = layers;
+        stage_blocks = blocks;
         stage_index = s;
       }
       const StageParams held = stage_param_counts(g, p, s, chunks, local_dispatch);
@@ -405,11 +454,10 @@ class Estimator {
     // backward pass starts on the first stage and, where it is another, on the slowest one,
     // earliest first (the dp stream's queue below).
     std::vector<std::vector<double>> chunks_before;
-    const auto regathering = static_cast<double>(std::count_if(
-        segments.begin(), segments.end(), [](const Segment& seg) { return seg.regathers; }));
     if (has_timeline(p) && detail != Detail::Full && p.schedule == Schedule::ZeroBubble) {
       regathers_hidden =
-          mb * (stage_layers * regathering + (stage_index == p.pp - 1 ? 1 : 0)) * regather;
+          mb * (sum(stage_blocks, &BlockCost::regathering) + (stage_index == p.pp - 1 ? 1 : 0)) *
+          regather;
     }
     if (has_timeline(p) && detail == Detail::Full) {
       // Whether a chunk's last weight pass (every one with ZeRO-2 and up) runs layer by layer
@@ -429,14 +477,17 @@ class Estimator {
       // The bubble: the idle time of the slowest stage in the schedule's order with compute
       // alone; the transfers' share: what the hops add to that (pass_timeline.hpp).
       std::vector<ChunkPasses> passes(chunks.size());
+      int chunk_end = 0;  // the block after chunk k's
       for (std::size_t k = 0; k < chunks.size(); ++k) {
-        const double layers = chunks[k];
+        const int layers = chunks[k];
+        const Count& blocks = chunk_kinds[k];
+        chunk_end += layers;
         ChunkPasses& c = passes[k];
-        c.forward = layers * block_f;
-        c.backward = layers * (block_b + block_recompute);
+        c.forward = sum(blocks, &BlockCost::f);
+        c.backward = sum(blocks, &BlockCost::back);
         if (p.schedule == Schedule::ZeroBubble) {
-          c.backward -= layers * lbw;
-          c.weight = layers * lbw;
+          c.backward -= sum(blocks, &BlockCost::lbw);
+          c.weight = sum(blocks, &BlockCost::lbw);
         }
         if (k == 0) {
           c.forward += emb_f;
@@ -459,8 +510,14 @@ class Estimator {
           // for them (ChunkPasses::gathers); the head's first where it is the chunk's.
           if (regather > 0) {
             const bool head_here = k + 1 == chunks.size();
-            c.gathers = (layers * regathering + (head_here ? 1 : 0)) * regather;
-            c.layered_gathers = (head_here ? 1 : layers > 0 ? regathering : 0) * regather;
+            c.gathers = (sum(blocks, &BlockCost::regathering) + (head_here ? 1 : 0)) * regather;
+            // (The chunk's last block's, the first its weight pass takes.)
+            c.layered_gathers =
+                (head_here ? 1
+                 : layers > 0
+                     ? kinds[static_cast<std::size_t>(block_kind(chunk_end - 1))].regathering
+                     : 0) *
+                regather;
             c.backward -= c.gathers;
             c.last_layered = layered_weights;
             c.all_layered = layered_weights && p.zero_stage >= 2;
@@ -519,7 +576,8 @@ class Estimator {
     // chunk's backward with its recompute, or zero-bubble's deferred weight-gradient pass (with
     // the embedding's and the head's weight gradients on the stages that hold them).
     const double backward = p.schedule == Schedule::ZeroBubble
-                                ? stage_layers * lbw + (stage_index == 0 ? emb_weight : 0.0) +
+                                ? sum(stage_blocks, &BlockCost::lbw) +
+                                      (stage_index == 0 ? emb_weight : 0.0) +
                                       (stage_index == p.pp - 1 ? head_weight : 0.0)
                                 : (stage_b + stage_rec) / v;
     const CollectiveKind reduce =
@@ -689,8 +747,9 @@ class Estimator {
     // to hide them, and behind the reductions queued before it in the backward.
     const double zero3_exposed =
         p.zero_stage == 3 && p.pp == 1 && shard_group > 1
-            ? zero3_unit_exposure(g, p, cost, placement, mb, block_f, block_b, block_recompute,
-                                  emb_f, emb_b, head_f, head_b)
+            ? zero3_unit_exposure(
+                  g, p, cost, placement, mb, {kinds[0].f, kinds[1].f}, {kinds[0].b, kinds[1].b},
+                  {kinds[0].recompute, kinds[1].recompute}, emb_f, emb_b, head_f, head_b)
             : 0.0;
     // The optimizer updates the rank's dense parameters and its experts' (each ZeRO-sharded
     // over its own data-parallel group), as the lowering's optimizer task.
@@ -710,20 +769,27 @@ class Estimator {
           stage_params / shard_group + stage_expert_params / std::max(1.0, expert_group)));
     }
     // TP/CP/EP time inside the passes, for the dominant-term report.
-    const double layers_total = static_cast<double>(m.layers) / p.pp;
-    b.exposed_tp_s = mb * layers_total * (tp_comm + tp_backward);
-    b.exposed_cp_s = mb * layers_total * (cp_comm + cp_backward);
-    b.exposed_ep_s = mb * layers_total * 2 * ep_comm;
+    // (A stage's blocks of each kind on average, over the step's micro-batches.)
+    const auto expert_blocks = static_cast<double>(m.expert_blocks());
+    const Count average = {mb * ((static_cast<double>(m.layers) - expert_blocks) / p.pp),
+                           mb * (expert_blocks / p.pp)};
+    const auto over = [&](const Count& n, auto figure) {
+      return n[0] * figure(kinds[0]) + n[1] * figure(kinds[1]);
+    };
+    b.exposed_tp_s = over(average, [](const BlockCost& c) { return c.tp_comm + c.tp_backward; });
+    b.exposed_cp_s = over(average, [](const BlockCost& c) { return c.cp_comm + c.cp_backward; });
+    b.exposed_ep_s = over(average, [](const BlockCost& c) { return 2 * c.ep_comm; });
     b.compute_s -= b.exposed_tp_s + b.exposed_cp_s + b.exposed_ep_s;
     b.exposed_tp_s -= regathers_hidden;
     // Full recompute runs each block's forward collectives again: the simulator counts them as
     // communication, not as recompute (the step is the same either way).
     if (p.recompute == Recompute::Full) {
-      const double again = mb * stage_layers;
-      b.recompute_s -= again * (tp_comm + cp_comm + ep_comm);
-      b.exposed_tp_s += again * tp_comm;
-      b.exposed_cp_s += again * cp_comm;
-      b.exposed_ep_s += again * ep_comm;
+      const Count again = {mb * stage_blocks[0], mb * stage_blocks[1]};
+      b.recompute_s -=
+          over(again, [](const BlockCost& c) { return c.tp_comm + c.cp_comm + c.ep_comm; });
+      b.exposed_tp_s += sum(again, &BlockCost::tp_comm);
+      b.exposed_cp_s += sum(again, &BlockCost::cp_comm);
+      b.exposed_ep_s += sum(again, &BlockCost::ep_comm);
     }
     // A slow rank (the simulator's, on the busiest stage): that stage computes slower, and the
     // step with it. Nothing hides it here; where communication outlasts the compute (ZeRO-3's
@@ -738,11 +804,14 @@ class Estimator {
     if (tp_overlap && jitter_cv_ > 0) {
       // The backward's tp collectives, nearly all of them f's, wait for the backward compute
       // before them; the weight gradient beside each hides that wait up to its slack.
-      double hidden = 0;
-      for (const Segment& seg : segments) {
-        hidden += std::min(jitter_cv_ * spread(p.tp) * seg.compute, seg.slack);
-      }
-      tp_waits -= mb * layers_total * hidden;
+      const double per_compute = jitter_cv_ * spread(p.tp);
+      tp_waits -= over(average, [&](const BlockCost& c) {
+        double hidden = 0;
+        for (const Segment& seg : c.segments) {
+          hidden += std::min(per_compute * seg.compute, seg.slack);
+        }
+        return hidden;
+      });
     }
     // (Where more is hidden than waited, the rest comes off the tp communication, as before
     // the waits were told apart.)
@@ -945,6 +1014,33 @@ class Estimator {
     }
   };
 
+  // The compute of a block's first forward task: its ops up to the first collective among
+  // them (lowering: chunk_items' markers and comm_for's forward collectives: sequence
+  // parallelism's gathers before QKV and the MLP, tp's reductions after the attention's and
+  // the MLP's output projections, cp's gather of K and V before the core, the experts' copies
+  // gathered or sent before them and combined after).
+  static double first_forward_task(const model::ModelGraph& g, const Plan& p,
+                                   const cost::ComputeCost& cost, int layer) {
+    const bool tp = p.tp > 1, sp = tp && p.sequence_parallel, cp = p.cp > 1, ep = p.ep > 1;
+    const bool local_dispatch = plan::moe_local_dispatch(g.spec(), p);
+    double s = 0;
+    const auto& ops = g.layer_ops(layer);
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const model::Op& o = g.op(ops[i]);
+      const bool before =
+          (sp && (o.kind == model::OpKind::QkvProj || plan::mlp_tp_enter(g.spec(), p, o))) ||
+          (cp && o.kind == model::OpKind::AttentionCore) ||
+          (o.kind == model::OpKind::MlpUp && o.expert && (local_dispatch || ep));
+      if (before && i > 0) break;
+      s += cost.op_seconds(o, Phase::Forward);
+      const bool after =
+          (tp && (o.kind == model::OpKind::AttnOutProj || plan::mlp_tp_exit(g.spec(), p, o))) ||
+          (o.kind == model::OpKind::MlpDown && o.expert && (local_dispatch || ep));
+      if (after) break;
+    }
+    return s;
+  }
+
   // A stage's last dense buckets of a backward pass (up to kTailSends), each with its bytes and
   // the compute from its send to the pass's end: its first chunk's gradients filled in the
   // order the backward produces them (the head's where the chunk is the model's last, the blocks',
@@ -994,9 +1090,13 @@ class Estimator {
     };
     const auto k = static_cast<std::size_t>(stage);
     if (k + 1 == chunks.size()) fill_layer(priced(static_cast<int>(g.spec().layers)));
-    if (chunks[k] > 0) {
-      const std::vector<Priced> block = priced(0);
-      for (int l = 0; l < chunks[k]; ++l) fill_layer(block);
+    // Its blocks last to first, each kind (dense, with experts) priced once.
+    std::array<std::optional<std::vector<Priced>>, 2> block;
+    const int first = std::accumulate(chunks.begin(), chunks.begin() + stage, 0);
+    for (int l = first + chunks[k]; l-- > first;) {
+      auto& kind = block[g.spec().has_experts(l) ? 1 : 0];
+      if (!kind) kind = priced(l);
+      fill_layer(*kind);
     }
     if (k == 0) fill_layer(priced(-1));
     fill.flush();
@@ -1009,11 +1109,25 @@ class Estimator {
     return t;
   }
 
-  // A block's buckets per byte of its gradients (all blocks are alike); 0 when it has none.
+  // The blocks' buckets per byte of their gradients; 0 when they have none. Blocks alike are
+  // priced on the first; a mixture's dense blocks and those with experts each on its first,
+  // weighted by their counts.
   static double block_buckets(const model::ModelGraph& g, const Plan& p, bool experts,
                               double grad_bytes, bool per_block) {
-    const Filled f = fill_buckets(g, p, 0, experts, grad_bytes, per_block);
-    return f.params > 0 ? f.buckets / (f.params * grad_bytes) : 0.0;
+    const model::ModelSpec& m = g.spec();
+    if (!m.mixed_blocks()) {
+      const Filled f = fill_buckets(g, p, 0, experts, grad_bytes, per_block);
+      return f.params > 0 ? f.buckets / (f.params * grad_bytes) : 0.0;
+    }
+    const int dense = static_cast<int>(m.moe->dense_blocks.front());
+    int with_experts = 0;
+    while (!m.has_experts(with_experts)) ++with_experts;
+    const Filled d = fill_buckets(g, p, dense, experts, grad_bytes, per_block);
+    const Filled e = fill_buckets(g, p, with_experts, experts, grad_bytes, per_block);
+    const auto n_dense = static_cast<double>(m.layers - m.expert_blocks());
+    const auto n_experts = static_cast<double>(m.expert_blocks());
+    const double params = n_dense * d.params + n_experts * e.params;
+    return params > 0 ? (n_dense * d.buckets + n_experts * e.buckets) / (params * grad_bytes) : 0.0;
   }
 
   // The embedding's gradients on the first stage, the final norm's and the head's on the last,
@@ -1046,9 +1160,9 @@ class Estimator {
   // buckets) when its backward ends.
   double zero3_unit_exposure(const model::ModelGraph& g, const Plan& p,
                              const cost::ComputeCost& cost, const cluster::Placement& placement,
-                             double micro_batches, double block_f, double block_b,
-                             double block_recompute, double emb_f, double emb_b, double head_f,
-                             double head_b) {
+                             double micro_batches, std::array<double, 2> block_f,
+                             std::array<double, 2> block_b, std::array<double, 2> block_recompute,
+                             double emb_f, double emb_b, double head_f, double head_b) {
     const auto bytes_per = plan::state_bytes_per_param(p);
     // A layer's parameters on this rank: its dense ones, or its experts'.
     const auto params = [&](int layer, bool experts) {
@@ -1084,17 +1198,34 @@ class Estimator {
     struct Unit {
       double compute, gather;
       const std::vector<Send>* reduce;  // (blocks share theirs)
+      double first = 0;                 // its first task's compute
     };
     // A block's buckets of its own (gradient_buckets_per_block), dense and its experts', each
     // sent when the task holding its last gradients ends (backward_task_ends: with tp the
     // MLP's bucket goes out at its up projection, the attention's backward before the block's
     // end), the block's backward pass after its recompute; what is open at its end last, the
-    // dense before the experts' (lowering: flush_buckets).
-    double block_gather = 0;
-    std::vector<Send> block_reduce;
-    {
-      const auto& ops = g.layer_ops(0);
-      const std::vector<bool> ends = backward_task_ends(g, p, 0);
+    // dense before the experts' (lowering: flush_buckets). Each kind of block (dense, with
+    // experts) priced on its first.
+    const auto kind = [&](int layer) {
+      return static_cast<std::size_t>(g.spec().has_experts(layer) ? 1 : 0);
+    };
+    std::array<double, 2> block_gather{}, first_forward{}, first_backward{};
+    std::array<std::vector<Send>, 2> block_reduce;
+    std::array<bool, 2> priced{};
+    for (int layer = 0; layer < layers; ++layer) {
+      const std::size_t k = kind(layer);
+      if (priced[k]) continue;
+      priced[k] = true;
+      const auto& ops = g.layer_ops(layer);
+      const std::vector<bool> ends = backward_task_ends(g, p, layer);
+      // The block's first tasks (the next unit's gather waits for them): the forward's up to
+      // its first collective, and the backward's, after full recompute's forward again.
+      first_forward[k] = first_forward_task(g, p, cost, layer);
+      for (std::size_t i = ops.size(); i-- > 0;) {
+        first_backward[k] += cost.op_seconds(g.op(ops[i]), Phase::Backward);
+        if (i == 0 || ends[i]) break;
+      }
+      if (p.recompute == Recompute::Full) first_backward[k] = first_forward[k];
       BucketFill fill;
       for (std::size_t i = ops.size(); i-- > 0;) {
         const model::Op& o = g.op(ops[i]);
@@ -1104,15 +1235,15 @@ class Estimator {
       fill.flush();
       const double clock = fill.clock;
       // The compute's share of the pass (its tp collectives spread over it alike).
-      const double stretch = clock > 0 ? block_b / clock : 0.0;
+      const double stretch = clock > 0 ? block_b[k] / clock : 0.0;
       for (const BucketFill::Sent& b : fill.sent) {
-        block_reduce.push_back(
+        block_reduce[k].push_back(
             {(clock - b.clock) * stretch,
              dp_s(b.experts ? experts : dense, CollectiveKind::ReduceScatter, b.bytes)});
       }
       for (const bool expert : {false, true}) {
-        block_gather += dp_s(expert ? experts : dense, CollectiveKind::AllGather,
-                             params(0, expert) * bytes_per.weights);
+        block_gather[k] += dp_s(expert ? experts : dense, CollectiveKind::AllGather,
+                                params(layer, expert) * bytes_per.weights);
       }
     }
     const double emb_gather =
@@ -1128,17 +1259,21 @@ class Estimator {
     // those of its backward (lowering: kept): no gather.
     std::vector<Unit> units;
     units.push_back({emb_f, 0.0, &none});
-    for (int l = 0; l < layers; ++l) units.push_back({block_f, block_gather, &none});
+    for (int l = 0; l < layers; ++l) {
+      units.push_back({block_f[kind(l)], block_gather[kind(l)], &none, first_forward[kind(l)]});
+    }
     units.push_back({head_f, head_gather, &none});
     units.push_back({head_b, 0.0, &head_reduce});
-    for (int l = 0; l < layers; ++l) {
-      units.push_back({block_b + block_recompute, block_gather, &block_reduce});
+    for (int l = layers; l-- > 0;) {
+      units.push_back({block_b[kind(l)] + block_recompute[kind(l)], block_gather[kind(l)],
+                       &block_reduce[kind(l)], first_backward[kind(l)]});
     }
     units.push_back({emb_b, emb_gather, &emb_reduce});
-    // The gather of unit i + 1 goes out when unit i is issued, and may start once unit i - 1
-    // has (lowering: start_unit waits for that unit's first task to end; its start stands for
-    // that here), behind what the stream holds already; a unit without one waits for nothing
-    // on the stream. The step's first unit gathers the embedding.
+    // The gather of unit i + 1 goes out when unit i is issued, and may start once unit i - 1's
+    // first task has ended (lowering: start_unit; a block's first task is its whole pass where
+    // no collective cuts it: a dense block between experts' at tp 1), behind what the stream
+    // holds already; a unit without one waits for nothing on the stream. The step's first unit
+    // gathers the embedding (whose and the head's first tasks count as their starts).
     double stream = emb_gather, ready = stream, compute = 0, busy = 0, previous = 0;
     const auto passes = static_cast<std::int64_t>(micro_batches);
     for (std::int64_t mb = 0; mb < passes; ++mb) {
@@ -1152,7 +1287,7 @@ class Estimator {
         } else {
           ready = 0;
         }
-        previous = start;
+        previous = start + units[i].first;
         compute = start + units[i].compute;
         busy += units[i].compute;
         for (const Send& send : *units[i].reduce) {
@@ -1226,7 +1361,7 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
   for (int tp : divisors(devices)) {
     if (tp > max_tp || !allowed(space.fixed_tp, tp)) continue;
     if (m.heads % tp != 0 || m.kv_heads % tp != 0 || m.ffn_hidden % tp != 0 ||
-        m.shared_ffn() % tp != 0) {
+        m.shared_ffn() % tp != 0 || (m.mixed_blocks() && m.moe->dense_ffn_hidden % tp != 0)) {
       continue;
     }
     for (int cp : divisors(devices / tp)) {

@@ -673,6 +673,15 @@ TEST_CASE("the closed form follows the simulator where hops, stages or the dp st
        Schedule::OneFOneB, 1, Recompute::None, 1},
       {"shared experts in zero-bubble's passes", "qwen2-57b-a14b", "dgx-h100-superpod", 64, 512, 2,
        4, Schedule::ZeroBubble, 1, Recompute::Selective, 1},
+      // Dense blocks between the experts' (Llama 4 Maverick): at pp 16 the stages' three blocks
+      // are two dense ones and one with experts, or the converse, each kind priced on its own.
+      {"stages whose blocks differ", "llama4-maverick-17b-128e", "dgx-h100-superpod", 256, 512, 8,
+       16, Schedule::OneFOneB, 1, Recompute::Full, 4},
+      // ZeRO-3's next unit's gather waits for the unit before to end its first task: at tp 1 a
+      // dense block's is its whole pass, an expert block's ends at its all-to-all (-3.6% when
+      // every unit's first task was taken to end as it starts).
+      {"ZeRO-3 units whose first tasks differ", "llama4-maverick-17b-128e", "dgx-h100-superpod",
+       256, 512, 1, 1, Schedule::OneFOneB, 3, Recompute::Full, 2},
       // Stages in lockstep, hops of 1.3 and 9.4 ms (across the network's zones): which
       // neighbour's transfer a stage receives first follows the engine's order of events
       // (-3.1% when the timeline took tied boundaries in its own order).
