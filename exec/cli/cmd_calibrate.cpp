@@ -493,9 +493,10 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, const std::string& pr
   op_shapes.H = static_cast<int>(spec.heads);
   op_shapes.G = static_cast<int>(spec.kv_heads);
   op_shapes.D = static_cast<int>(spec.head_dim);
-  op_shapes.F = static_cast<int>(spec.ffn_hidden);  // (a mixture's experts' width)
-  op_shapes.activation_rows =
-      graph.micro_batch() * graph.seq_len() * (spec.moe ? spec.moe->top_k : 1);
+  // (The activation at the shape of the op its rate is priced by.)
+  const auto activation = dtsim::exec::cpu::priced_activation(graph);
+  op_shapes.F = static_cast<int>(activation.width);
+  op_shapes.activation_rows = activation.rows;
   op_shapes.rms = spec.norm == dtsim::model::Norm::RmsNorm;
   op_shapes.gelu = spec.activation == dtsim::model::Activation::Gelu;
   op_shapes.rope = spec.positions == dtsim::model::Positions::Rope;

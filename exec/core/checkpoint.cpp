@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <optional>
 #include <set>
 
@@ -722,6 +723,8 @@ nlohmann::json with_moe_defaults(nlohmann::json a) {
     nlohmann::json& moe = a["moe"];
     if (!moe.contains("shared_ffn_hidden")) moe["shared_ffn_hidden"] = 0;
     if (!moe.contains("normalize_top_k")) moe["normalize_top_k"] = true;
+    if (!moe.contains("dense_blocks")) moe["dense_blocks"] = nlohmann::json::array();
+    if (!moe.contains("dense_ffn_hidden")) moe["dense_ffn_hidden"] = 0;
   }
   return a;
 }
@@ -740,20 +743,24 @@ std::vector<std::string> architecture_differences(const nlohmann::json& recorded
   const nlohmann::json a = both ? with_moe_defaults(recorded) : recorded;
   const nlohmann::json b = both ? with_moe_defaults(other) : other;
   // The fields both recorded (one that a later version adds is no difference), each that
-  // differs flattened ("moe.top_k"; a side's missing part of it as null).
+  // differs flattened ("moe.top_k"; a side's missing part of it as null; a list whole:
+  // "moe.dense_blocks [] against [0,2]").
   for (const auto& [field, va] : a.items()) {
     if (!b.contains(field) || b.at(field) == va) continue;
-    const nlohmann::json fa = nlohmann::json{{field, va}}.flatten(),
-                         fb = nlohmann::json{{field, b.at(field)}}.flatten();
-    std::set<std::string> keys;
-    for (const auto& [k, v] : fa.items()) keys.insert(k);
-    for (const auto& [k, v] : fb.items()) keys.insert(k);
-    for (const std::string& k : keys) {
-      const nlohmann::json x = fa.value(k, nlohmann::json()), y = fb.value(k, nlohmann::json());
-      if (x == y) continue;
-      std::string name = k.substr(1);  // ("/moe/top_k" as "moe.top_k")
-      std::replace(name.begin(), name.end(), '/', '.');
-      out.push_back(fmt::format("{} {} against {}", name, x.dump(), y.dump()));
+    std::map<std::string, std::array<nlohmann::json, 2>> leaves;
+    const auto flatten = [&](const auto& self, const std::string& name, const nlohmann::json& v,
+                             std::size_t side) -> void {
+      if (v.is_object()) {
+        for (const auto& [k, x] : v.items()) self(self, name + "." + k, x, side);
+      } else {
+        leaves[name][side] = v;
+      }
+    };
+    flatten(flatten, field, va, 0);
+    flatten(flatten, field, b.at(field), 1);
+    for (const auto& [name, sides] : leaves) {
+      if (sides[0] == sides[1]) continue;
+      out.push_back(fmt::format("{} {} against {}", name, sides[0].dump(), sides[1].dump()));
     }
   }
   return out;

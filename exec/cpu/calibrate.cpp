@@ -101,7 +101,7 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
   const int B = static_cast<int>(graph.micro_batch()), S = static_cast<int>(graph.seq_len());
   const int T = B * S, C = static_cast<int>(m.hidden), V = static_cast<int>(m.vocab_rows());
   const int H = static_cast<int>(m.heads), G = static_cast<int>(m.kv_heads),
-            D = static_cast<int>(m.head_dim), F = static_cast<int>(m.ffn_hidden);
+            D = static_cast<int>(m.head_dim);
   const bool rms = m.norm == model::Norm::RmsNorm;
   const bool gelu = m.activation == model::Activation::Gelu;
   // A model with dropout is timed with it (the runner's masks, at its rate), so that the rates
@@ -203,9 +203,11 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
       case OpKind::Activation: {
         if (activation_done) break;
         activation_done = true;
-        // On the rows of the op its rate is priced by (op_rate_rows: the block's first
-        // activation): a mixture's experts' runs on the top_k copies of each token.
-        const int rows = op.expert ? T * static_cast<int>(m.moe->top_k) : T;
+        // At the shape of the op its rate is priced by (op_rate_rows: the block's first
+        // activation): a mixture's experts' runs on the top_k copies of each token, a dense
+        // block's at its own width.
+        const ActivationShape shape = priced_activation(graph);
+        const auto rows = static_cast<int>(shape.rows), F = static_cast<int>(shape.width);
         const auto n_in = static_cast<std::size_t>(rows) * F * (gelu ? 1 : 2);
         const auto n_out = static_cast<std::size_t>(rows) * F;
         const int n = copies_for((2 * n_in + 2 * n_out) * fl);
@@ -324,6 +326,18 @@ CalibrationStamp calibration_stamp() {
   char date[32];
   std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
   return {host, date};
+}
+
+ActivationShape priced_activation(const model::ModelGraph& graph) {
+  const model::ModelSpec& m = graph.spec();
+  for (model::OpId id : graph.layer_ops(0)) {
+    const model::Op& op = graph.op(id);
+    if (op.kind != model::OpKind::Activation) continue;
+    const std::int64_t tokens = graph.micro_batch() * graph.seq_len();
+    return op.expert ? ActivationShape{tokens * m.moe->top_k, m.moe->expert_ffn_hidden}
+                     : ActivationShape{tokens, m.dense_ffn(0)};
+  }
+  throw InternalError("calibration: no activation op in layer 0");
 }
 
 nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<OpTiming>& timings) {

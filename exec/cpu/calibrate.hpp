@@ -58,6 +58,15 @@ CalibrationStamp calibration_stamp();
 // it.
 nlohmann::json op_rate_rows(const model::ModelGraph& graph, const std::vector<OpTiming>& timings);
 
+// The shape of the activation whose rate op_rate_rows prices (layer 0's first): its rows (a
+// mixture's experts' run on the top_k copies of each token) and its width (the experts', or the
+// dense MLP's of block 0: a dense model's, the shared experts', a mixture's dense block's). Both
+// backends time the activation at it.
+struct ActivationShape {
+  std::int64_t rows = 0, width = 0;
+};
+ActivationShape priced_activation(const model::ModelGraph& graph);
+
 using exec::GemmPass;  // exec/core/timing_stats.hpp
 using exec::ModelGemm;
 

@@ -708,4 +708,14 @@ TEST_CASE("checkpoint: architectures differ in the fields both recorded", "[exec
   CHECK(architecture_differences(before, now) ==
         std::vector<std::string>{"moe.normalize_top_k true against false",
                                  "moe.shared_ffn_hidden 0 against 128"});
+  // Dense blocks among the experts': none before they were recorded; a list compared whole.
+  now = before;
+  now["moe"]["dense_blocks"] = nlohmann::json::array();
+  now["moe"]["dense_ffn_hidden"] = 0;
+  CHECK(architecture_differences(before, now).empty());
+  now["moe"]["dense_blocks"] = {0, 2};
+  now["moe"]["dense_ffn_hidden"] = 256;
+  CHECK(architecture_differences(before, now) ==
+        std::vector<std::string>{"moe.dense_blocks [] against [0,2]",
+                                 "moe.dense_ffn_hidden 0 against 256"});
 }

@@ -84,3 +84,16 @@ TEST_CASE("op rates: the loss statistics have a forward row only", "[calibrate]"
   CHECK(rows[2]["phase"] == "bwd");
   CHECK(rows[2]["bytes_per_s"].get<double>() == Approx(loss.bwd_bytes / 1e-3));
 }
+
+TEST_CASE("the activation is timed at the shape of the op its rate is priced by", "[calibrate]") {
+  // Layer 0's first activation: a dense model's MLP, a mixture's experts on the top_k copies of
+  // each token, or a dense block's MLP of its own width where block 0 is dense (Maverick's).
+  const auto shape = [](const char* model) {
+    const dtsim::model::ModelGraph g(dtsim::model::load_model(model), 2, 16);
+    const auto s = dtsim::exec::cpu::priced_activation(g);
+    return std::pair{s.rows, s.width};
+  };
+  CHECK(shape("llama3-8b") == std::pair<std::int64_t, std::int64_t>{32, 14336});
+  CHECK(shape("qwen2-57b-a14b") == std::pair<std::int64_t, std::int64_t>{32 * 8, 2560});
+  CHECK(shape("llama4-maverick-17b-128e") == std::pair<std::int64_t, std::int64_t>{32, 16384});
+}

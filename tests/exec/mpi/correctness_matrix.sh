@@ -3,10 +3,11 @@
 # (ZeRO-1 also in place, --zero-in-place),
 # schedules (GPipe, 1F1B, interleaved, zero-bubble; pipeline receives posted when reached or,
 # with --overlap-p2p-comm, ahead of need), micro-batch counts, recompute and FlashAttention's
-# memory (against the unfused single rank), K steps of eight tiny models (GPT, Llama, GPT with
+# memory (against the unfused single rank), K steps of nine tiny models (GPT, Llama, GPT with
 # dropout, a mixture of experts, GPT with an odd vocabulary that the plans pad, Hugging Face
-# qwen3_moe, qwen2_moe and llama4 configs) under mpirun give the losses and final weights of the single-rank run
-# of the same global batch (the first plan: one rank under mpirun, as without it).
+# qwen3_moe, qwen2_moe and llama4 configs, one llama4 with dense blocks between the experts')
+# under mpirun give the losses and final weights of the single-rank run of the same global
+# batch (the first plan: one rank under mpirun, as without it).
 #
 # Tolerances (fp32): losses within 1e-5 (sums in another order differ by ~1e-7); weights within
 # lr/3 = 1e-3. AdamW divides each gradient by its own running RMS, so an element whose gradient
@@ -48,6 +49,9 @@ qwen2moe="$here/tiny_qwen2_moe.json"
 # A Hugging Face llama4 config, as Llama 4 Scout's: its language model under text_config, each
 # token to one expert beside a shared expert of the same width.
 llama4="$here/tiny_llama4.json"
+# A Hugging Face llama4 config, as Llama 4 Maverick's: experts in every other block, dense MLPs
+# twice as wide between them.
+maverick="$here/tiny_llama4_maverick.json"
 path_of() {
   case "$1" in
     llama) echo "$llama" ;;
@@ -55,6 +59,7 @@ path_of() {
     qwen3moe) echo "$qwen3moe" ;;
     qwen2moe) echo "$qwen2moe" ;;
     llama4) echo "$llama4" ;;
+    maverick) echo "$maverick" ;;
     dropout) echo "$dropout" ;;
     moe) echo "$moe" ;;
     *) echo "$1" ;;
@@ -62,10 +67,12 @@ path_of() {
 }
 
 # One single-rank reference per model and micro-batch size.
-for model in tiny-gpt llama dropout moe vocab251 qwen3moe qwen2moe llama4; do
+for model in tiny-gpt llama dropout moe vocab251 qwen3moe qwen2moe llama4 maverick; do
   path=$(path_of "$model")
   for mbs in 1 2 4 8; do
-    if [[ "$model" =~ ^(vocab251|qwen3moe|qwen2moe|llama4)$ ]] && [ "$mbs" != 2 ]; then continue; fi
+    if [[ "$model" =~ ^(vocab251|qwen3moe|qwen2moe|llama4|maverick)$ ]] && [ "$mbs" != 2 ]; then
+      continue
+    fi
     rm -rf "ref_${model}_$mbs"
     "$dtexec" run --model "$path" "${common[@]}" --micro-batch-size "$mbs" \
       --checkpoint "ref_${model}_$mbs" --json >"ref_${model}_$mbs.json"
@@ -167,6 +174,9 @@ plans=(
   "qwen2moe|4|2|--tp 2 --pp 2 --sequence-parallel --schedule zero-bubble"
   "llama4|4|2|--tp 2 --dp 2 --ep 2 --sequence-parallel --zero-stage 1"
   "llama4|4|2|--tp 2 --pp 2 --sequence-parallel --schedule 1f1b"
+  "maverick|4|2|--tp 2 --dp 2 --ep 2 --sequence-parallel --zero-stage 1"
+  "maverick|4|2|--tp 2 --pp 2 --sequence-parallel --schedule zero-bubble"
+  "maverick|4|2|--dp 4 --ep 2 --zero-stage 3 --recompute full"
 )
 failed=0
 # Dropout's masks and the experts' routing follow each token, not the micro-batch: one rank's

@@ -42,6 +42,9 @@ moe_small=$here/../../../bench/models/cpu-small-moe.json
 # Shared experts twice as wide as the routed ones, whose backward holds a block's most MLP
 # gradients: +10% over (one rank) while dtsim counted the shared and routed experts' together.
 shared=$here/tiny_shared_moe.json
+# Dense blocks twice as wide between the experts' (Llama 4 Maverick's layout): each block's
+# activations and gradients of its own kind.
+maverick=$here/tiny_llama4_maverick.json
 tolerance=8
 # model | ranks | global batch (micro-batch 4) | plan flags
 plans=(
@@ -72,6 +75,9 @@ plans=(
   # busiest, whose load dtsim takes for both: +8.6%; -11.3% at the even share.)
   "$shared|1|8|"
   "$shared|2|8|--tp 2 --sequence-parallel"
+  "$maverick|1|8|"
+  "$maverick|2|8|--pp 2 --schedule 1f1b"
+  "$maverick|2|8|--tp 2 --sequence-parallel"
 )
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
 # The last: dtsim memory --json's worst-stage total_bytes comes after its per_stage list's.
