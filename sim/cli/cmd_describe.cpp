@@ -46,8 +46,9 @@ std::string architecture(const model::ModelSpec& m) {
                      to_string(m.activation), m.moe->expert_ffn_hidden);
     if (m.shared_ffn() > 0) s += fmt::format("shared experts FFN {}, ", m.shared_ffn());
     if (m.mixed_blocks()) {
-      s += fmt::format("in {} of the blocks, {} dense blocks of FFN {} ({}), ", m.expert_blocks(),
-                       m.moe->dense_blocks.size(), m.moe->dense_ffn_hidden,
+      const std::size_t dense = m.moe->dense_blocks.size();
+      s += fmt::format("in {} of the blocks, {} dense block{} of FFN {} ({}), ", m.expert_blocks(),
+                       dense, dense == 1 ? "" : "s", m.moe->dense_ffn_hidden,
                        block_list(m.moe->dense_blocks));
     }
   } else {

@@ -446,6 +446,70 @@ void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string
   m.moe->normalize_top_k = r.boolean_or("norm_topk_prob", false);
 }
 
+// A glm4_moe config's blocks (Hugging Face's Glm4MoeDecoderLayer, Glm4MoeMoE; GLM-4.5 and
+// 4.6): the first first_k_dense_replace blocks dense MLPs of intermediate_size, the others
+// n_routed_experts experts of moe_intermediate_size, the top num_experts_per_tok a token,
+// beside n_shared_experts shared ones (one MLP of n_shared_experts x moe_intermediate_size).
+// Said not to be modelled: its router's sigmoid scores with their selection bias
+// (e_score_correction_bias), group-limited choice (n_group, topk_group) and routed_scaling_factor
+// (the same cost; dtexec weights the chosen experts by a softmax of their logits), its RMSNorm of
+// each head's queries and keys (use_qk_norm), and its multi-token prediction layers
+// (num_nextn_predict_layers, which Hugging Face's class leaves out too).
+void read_glm4_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {
+  m.moe.emplace();
+  // (The first Glm4MoeConfig named them num_experts.)
+  m.moe->experts = hf_int(r, names, "moe.experts", {"n_routed_experts", "num_experts"});
+  m.moe->top_k = hf_int(r, names, "moe.top_k", {"num_experts_per_tok"});
+  m.moe->expert_ffn_hidden = hf_int(r, names, "moe.expert_ffn_hidden", {"moe_intermediate_size"});
+  m.ffn_hidden = m.moe->expert_ffn_hidden;
+  names["ffn_hidden"] = "moe_intermediate_size";
+  // (Glm4MoeConfig's defaults: one shared expert, the first block dense.)
+  const std::int64_t shared =
+      r.has("n_shared_experts") ? r.non_negative_int_up_to("n_shared_experts", kMaxExperts) : 1;
+  if (shared > 0) {
+    m.moe->shared_ffn_hidden = shared * m.moe->expert_ffn_hidden;
+    names["moe.shared_ffn_hidden"] = "n_shared_experts";
+  }
+  const std::int64_t first_dense = r.has("first_k_dense_replace")
+                                       ? r.non_negative_int_up_to("first_k_dense_replace", m.layers)
+                                       : 1;
+  read_dense_blocks(
+      r, names, m, [&](std::int64_t l) { return l >= first_dense; }, "first_k_dense_replace",
+      "intermediate_size");
+  m.moe->normalize_top_k = r.boolean_or("norm_topk_prob", true);
+  const double scaling =
+      r.has("routed_scaling_factor") ? r.positive_number("routed_scaling_factor") : 1.0;
+  m.description += fmt::format(
+      "; its router's sigmoid scores, chosen with a bias (e_score_correction_bias) {}and "
+      "scaled by routed_scaling_factor {:g}, are priced as a softmax over the top k (the same "
+      "cost)",
+      r.has("n_group") && r.positive_int("n_group") > 1 ? "within its top groups (n_group) " : "",
+      scaling);
+  m.unmodelled.push_back(fmt::format(
+      "its router's sigmoid scores with their selection bias and routed_scaling_factor {:g} "
+      "({})",
+      scaling,
+      m.moe->normalize_top_k ? "a softmax over the top k weighting the experts instead"
+                             : "the softmax over all experts weighting them instead"));
+  if (r.boolean_or("use_qk_norm", false)) {
+    m.description +=
+        "; its RMSNorm of each head's queries and keys (use_qk_norm: two weights of head_dim a "
+        "block, an element-wise pass) is not modelled";
+    m.unmodelled.push_back("its q_norm and k_norm (an RMSNorm of each head's queries and keys)");
+  }
+  if (r.has("num_nextn_predict_layers")) {
+    if (const std::int64_t mtp = r.non_negative_int_up_to("num_nextn_predict_layers", kMaxLayers);
+        mtp > 0) {
+      m.description += fmt::format(
+          "; its {} multi-token prediction layer{} (num_nextn_predict_layers) {} not modelled, "
+          "as Hugging Face's model leaves {} out",
+          mtp, mtp == 1 ? "" : "s", mtp == 1 ? "is" : "are", mtp == 1 ? "it" : "them");
+      m.unmodelled.push_back(
+          fmt::format("its {} multi-token prediction layer{}", mtp, mtp == 1 ? "" : "s"));
+    }
+  }
+}
+
 // A Llama 4 language model's blocks (Hugging Face's Llama4TextDecoderLayer, Llama4TextMoe):
 // experts of width intermediate_size, the top num_experts_per_tok of num_local_experts a
 // token, beside a shared expert of the same width. Experts are in the blocks moe_layers names,
@@ -570,9 +634,9 @@ constexpr std::int64_t kHfDefaultSeqLen = 4096;
 ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   const JsonReader outer(j, file);
   const std::string outer_type = outer.string("model_type");
-  static constexpr std::array<std::string_view, 13> kSupported = {
-      "gpt2",  "granite", "llama", "llama4", "llama4_text", "mistral",  "mixtral",
-      "olmo2", "phi3",    "qwen2", "qwen3",  "qwen2_moe",   "qwen3_moe"};
+  static constexpr std::array<std::string_view, 14> kSupported = {
+      "glm4_moe", "gpt2",  "granite", "llama", "llama4",    "llama4_text", "mistral",
+      "mixtral",  "olmo2", "phi3",    "qwen2", "qwen2_moe", "qwen3",       "qwen3_moe"};
   if (std::find(kSupported.begin(), kSupported.end(), outer_type) == kSupported.end()) {
     // Families whose blocks dtsim cannot describe yet: say what is missing.
     const std::string why =
@@ -596,6 +660,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   const bool qwen_moe = type == "qwen2_moe" || type == "qwen3_moe";
   // IBM's Granite: Llama's blocks (its Hugging Face class is Llama's with four scalars).
   const bool llama_like = type == "llama" || type == "granite";
+  // GLM-4.5's and 4.6's mixtures of experts (Glm4MoeForCausalLM).
+  const bool glm = type == "glm4_moe";
   ModelSpec m;
   m.file = file;
   // Without _name_or_path: a Hugging Face repository's folder (.../Meta-Llama-3-8B/config.json),
@@ -712,8 +778,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
                         : fmt::format("; no num_key_value_heads: {}, Hugging Face's default for {}",
                                       m.kv_heads, type);
     }
-    // (qwen2_moe and qwen3_moe: their experts' width, moe_intermediate_size, below.)
-    if (!qwen_moe) m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
+    // (qwen2_moe, qwen3_moe and glm4_moe: their experts' width, moe_intermediate_size, below.)
+    if (!qwen_moe && !glm) m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
     m.vocab = hf_int(r, names, "vocab", {"vocab_size"});
     m.max_positions = hf_int(r, names, "max_positions", {"max_position_embeddings"});
     m.activation = Activation::SwiGlu;
@@ -770,14 +836,18 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
           "; its {} ({}) changes RoPE's frequencies, not its cost: not modelled", key, kind);
       m.unmodelled.push_back(fmt::format("its {} ({}: plain RoPE frequencies instead)", key, kind));
     }
-    if (r.has("partial_rotary_factor") && r.positive_number("partial_rotary_factor") != 1) {
+    // (Glm4MoeConfig's default: 0.5.)
+    const double rotary = r.has("partial_rotary_factor")
+                              ? r.positive_number("partial_rotary_factor")
+                          : glm ? 0.5
+                                : 1.0;
+    if (rotary != 1) {
       m.description += fmt::format(
-          "; its partial_rotary_factor of {:g} (RoPE on part of each head) is not modelled: "
+          "; its partial_rotary_factor of {:g}{} (RoPE on part of each head) is not modelled: "
           "priced as RoPE on the whole head, a small element-wise pass",
-          r.positive_number("partial_rotary_factor"));
+          rotary, r.has("partial_rotary_factor") ? "" : fmt::format(" ({}'s default)", type));
       m.unmodelled.push_back(
-          fmt::format("its partial_rotary_factor of {:g} (RoPE on whole heads instead)",
-                      r.positive_number("partial_rotary_factor")));
+          fmt::format("its partial_rotary_factor of {:g} (RoPE on whole heads instead)", rotary));
     }
     // (A composite config, Llama 4's, has it at its top level.)
     if (r.has("quantization_config") || outer.has("quantization_config")) {
@@ -793,11 +863,12 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // Qwen2MLP), mistral, mixtral and phi3 none; what those classes do not read is said.
     const bool attention_bias = r.boolean_or("attention_bias", false);
     const bool mlp_bias = r.boolean_or("mlp_bias", false);
-    const bool reads_attention_bias = llama_like || qwen3 || type == "olmo2" || llama4;
+    const bool reads_attention_bias = llama_like || qwen3 || type == "olmo2" || llama4 || glm;
     const bool reads_mlp_bias = llama_like;
     const bool qwen2_like = type == "qwen2" || type == "qwen2_moe";
     m.bias.qkv = qwen2_like || (reads_attention_bias && attention_bias);
-    m.bias.attn_out = reads_attention_bias && attention_bias;
+    // (glm4_moe: q, k and v biases where attention_bias says so, none on o_proj: Glm4MoeAttention.)
+    m.bias.attn_out = reads_attention_bias && attention_bias && !glm;
     m.bias.mlp = reads_mlp_bias && mlp_bias;
     const bool unread_attention = attention_bias && !reads_attention_bias;
     const bool unread_mlp = mlp_bias && !reads_mlp_bias;
@@ -808,9 +879,9 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
                       : unread_attention             ? "attention_bias is"
                                                      : "mlp_bias is",
                       type,
-                      qwen2_like                           ? "biases on q, k and v only"
-                      : qwen3 || type == "olmo2" || llama4 ? "no biases in its MLP"
-                                                           : "no biases");
+                      qwen2_like                                  ? "biases on q, k and v only"
+                      : qwen3 || type == "olmo2" || llama4 || glm ? "no biases in its MLP"
+                                                                  : "no biases");
     }
     if (qwen3) {
       m.description +=
@@ -868,11 +939,11 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     }
     // Hugging Face's llama, mistral, phi3, qwen2 and qwen3 classes have no experts, whatever
     // the config says.
-    if (type != "mixtral" && !qwen_moe && !llama4 &&
+    if (type != "mixtral" && !qwen_moe && !llama4 && !glm &&
         (r.has("num_local_experts") || r.has("num_experts_per_tok"))) {
       m.description += fmt::format(
           "; its {} not read: Hugging Face's {} model has no experts (model_type mixtral, "
-          "qwen2_moe, qwen3_moe and llama4 have)",
+          "qwen2_moe, qwen3_moe, llama4 and glm4_moe have)",
           r.has("num_local_experts") ? "num_local_experts is" : "num_experts_per_tok is", type);
     }
     if (type == "mixtral") {
@@ -884,6 +955,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     }
     if (qwen_moe) read_qwen_moe(r, names, m, type);
     if (llama4) read_llama4(r, names, m);
+    if (glm) read_glm4_moe(r, names, m);
   }
   if (r.has("head_dim")) {
     m.head_dim = hf_int(r, names, "head_dim", {"head_dim"});

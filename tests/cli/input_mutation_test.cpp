@@ -333,6 +333,34 @@ TEST_CASE("a mutated Hugging Face config.json: describe and simulate refuse or r
                   dtsim::cli::cmd_simulate,
                   {"--model", config, "--cluster", "dgx-h100-superpod", "--gpus", "8", "--tp", "2",
                    "--ep", "2", "--global-batch-size", "8"}}});
+  // A glm4_moe one: dense first blocks, shared experts by count, the router's figures.
+  const json glm4_moe = {{"architectures", {"Glm4MoeForCausalLM"}},
+                         {"model_type", "glm4_moe"},
+                         {"hidden_size", 512},
+                         {"intermediate_size", 1536},
+                         {"moe_intermediate_size", 192},
+                         {"num_hidden_layers", 4},
+                         {"num_attention_heads", 8},
+                         {"num_key_value_heads", 2},
+                         {"head_dim", 64},
+                         {"n_routed_experts", 16},
+                         {"n_shared_experts", 1},
+                         {"num_experts_per_tok", 4},
+                         {"first_k_dense_replace", 1},
+                         {"routed_scaling_factor", 2.5},
+                         {"n_group", 1},
+                         {"partial_rotary_factor", 0.5},
+                         {"attention_bias", true},
+                         {"use_qk_norm", true},
+                         {"num_nextn_predict_layers", 1},
+                         {"vocab_size", 32000},
+                         {"max_position_embeddings", 2048}};
+  check_mutants(scratch, "config.json", glm4_moe,
+                {{"describe", dtsim::cli::cmd_describe, {"--model", config}},
+                 {"simulate",
+                  dtsim::cli::cmd_simulate,
+                  {"--model", config, "--cluster", "dgx-h100-superpod", "--gpus", "8", "--tp", "2",
+                   "--ep", "2", "--global-batch-size", "8"}}});
 }
 
 TEST_CASE("mutated clusters: simulate, memory and export-platform refuse or run",

@@ -3,9 +3,10 @@
 # (ZeRO-1 also in place, --zero-in-place),
 # schedules (GPipe, 1F1B, interleaved, zero-bubble; pipeline receives posted when reached or,
 # with --overlap-p2p-comm, ahead of need), micro-batch counts, recompute and FlashAttention's
-# memory (against the unfused single rank), K steps of nine tiny models (GPT, Llama, GPT with
+# memory (against the unfused single rank), K steps of ten tiny models (GPT, Llama, GPT with
 # dropout, a mixture of experts, GPT with an odd vocabulary that the plans pad, Hugging Face
-# qwen3_moe, qwen2_moe and llama4 configs, one llama4 with dense blocks between the experts')
+# qwen3_moe, qwen2_moe and llama4 configs, one llama4 with dense blocks between the experts',
+# a glm4_moe with a dense first block)
 # under mpirun give the losses and final weights of the single-rank run of the same global
 # batch (the first plan: one rank under mpirun, as without it).
 #
@@ -52,6 +53,9 @@ llama4="$here/tiny_llama4.json"
 # A Hugging Face llama4 config, as Llama 4 Maverick's: experts in every other block, dense MLPs
 # twice as wide between them.
 maverick="$here/tiny_llama4_maverick.json"
+# A Hugging Face glm4_moe config, as GLM-4.5's: a dense first block, then experts beside a
+# shared one, q/k/v biases.
+glm="$here/tiny_glm4_moe.json"
 path_of() {
   case "$1" in
     llama) echo "$llama" ;;
@@ -60,6 +64,7 @@ path_of() {
     qwen2moe) echo "$qwen2moe" ;;
     llama4) echo "$llama4" ;;
     maverick) echo "$maverick" ;;
+    glm) echo "$glm" ;;
     dropout) echo "$dropout" ;;
     moe) echo "$moe" ;;
     *) echo "$1" ;;
@@ -67,10 +72,10 @@ path_of() {
 }
 
 # One single-rank reference per model and micro-batch size.
-for model in tiny-gpt llama dropout moe vocab251 qwen3moe qwen2moe llama4 maverick; do
+for model in tiny-gpt llama dropout moe vocab251 qwen3moe qwen2moe llama4 maverick glm; do
   path=$(path_of "$model")
   for mbs in 1 2 4 8; do
-    if [[ "$model" =~ ^(vocab251|qwen3moe|qwen2moe|llama4|maverick)$ ]] && [ "$mbs" != 2 ]; then
+    if [[ "$model" =~ ^(vocab251|qwen3moe|qwen2moe|llama4|maverick|glm)$ ]] && [ "$mbs" != 2 ]; then
       continue
     fi
     rm -rf "ref_${model}_$mbs"
@@ -177,6 +182,8 @@ plans=(
   "maverick|4|2|--tp 2 --dp 2 --ep 2 --sequence-parallel --zero-stage 1"
   "maverick|4|2|--tp 2 --pp 2 --sequence-parallel --schedule zero-bubble"
   "maverick|4|2|--dp 4 --ep 2 --zero-stage 3 --recompute full"
+  "glm|4|2|--tp 2 --dp 2 --ep 2 --sequence-parallel --zero-stage 1"
+  "glm|3|2|--pp 3 --schedule 1f1b"
 )
 failed=0
 # Dropout's masks and the experts' routing follow each token, not the micro-batch: one rank's

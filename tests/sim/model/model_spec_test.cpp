@@ -345,6 +345,59 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     CHECK(one_dense.dense_ffn(1) == 18944);
     CHECK(one_dense.dense_ffn(0) == 20480);  // the shared experts'
   }
+  SECTION("glm4_moe: dense first blocks, then experts beside shared ones") {
+    // zai-org/GLM-4.5-Air's config.json.
+    const std::string fields = R"("architectures": ["Glm4MoeForCausalLM"],
+      "attention_bias": true, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+      "partial_rotary_factor": 0.5, "intermediate_size": 10944, "max_position_embeddings": 131072,
+      "model_type": "glm4_moe", "moe_intermediate_size": 1408, "norm_topk_prob": true,
+      "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128,
+      "n_shared_experts": 1, "routed_scaling_factor": 1.0, "num_experts_per_tok": 8,
+      "num_hidden_layers": 46, "num_key_value_heads": 8, "rope_theta": 1000000,
+      "num_nextn_predict_layers": 1, "tie_word_embeddings": false, "use_qk_norm": false,
+      "vocab_size": 151552)";
+    TempFile f("config.json", "{" + fields + R"(, "first_k_dense_replace": 1})");
+    const auto m = load_model(f.path());
+    REQUIRE(m.moe);
+    CHECK(m.moe->experts == 128);
+    CHECK(m.moe->top_k == 8);
+    CHECK(m.moe->expert_ffn_hidden == 1408);
+    CHECK(m.shared_ffn() == 1408);
+    CHECK(m.moe->dense_blocks == std::vector<std::int64_t>{0});
+    CHECK(m.moe->dense_ffn_hidden == 10944);
+    CHECK(m.moe->normalize_top_k);
+    // q, k and v biases, none on o (Glm4MoeAttention).
+    CHECK(m.bias.qkv);
+    CHECK_FALSE(m.bias.attn_out);
+    // Its language model: 106.85B (GLM-4.5-Air's "106B total"; its multi-token prediction
+    // layer, which Hugging Face's class leaves out, not counted).
+    CHECK(count_params(m) == 106852245504ULL);
+    // Half-head RoPE, the router's sigmoid scores, the multi-token prediction layer.
+    REQUIRE(m.unmodelled.size() == 3);
+    CHECK(m.unmodelled[0] == "its partial_rotary_factor of 0.5 (RoPE on whole heads instead)");
+    CHECK(m.unmodelled[1].find("sigmoid scores") != std::string::npos);
+    CHECK(m.unmodelled[2] == "its 1 multi-token prediction layer");
+    // GLM-4.5's three dense blocks; Glm4MoeConfig's defaults (one dense block, one shared
+    // expert, RoPE on half of each head) where the keys are left out.
+    TempFile three("config.json", "{" + fields + R"(, "first_k_dense_replace": 3})");
+    CHECK(load_model(three.path()).moe->dense_blocks == std::vector<std::int64_t>{0, 1, 2});
+    TempFile defaults("config.json", R"({"model_type": "glm4_moe", "hidden_size": 64,
+      "intermediate_size": 160, "moe_intermediate_size": 32, "num_attention_heads": 8,
+      "num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2,
+      "vocab_size": 256, "max_position_embeddings": 64})");
+    const auto small = load_model(defaults.path());
+    CHECK(small.moe->dense_blocks == std::vector<std::int64_t>{0});
+    CHECK(small.shared_ffn() == 32);
+    CHECK(small.kv_heads == 8);  // Glm4MoeConfig's default
+    CHECK(small.head_dim == 8);  // hidden_size / heads
+    CHECK(small.unmodelled.front() ==
+          "its partial_rotary_factor of 0.5 (RoPE on whole heads "
+          "instead)");
+    // Every block dense: refused.
+    TempFile dense("config.json", "{" + fields + R"(, "first_k_dense_replace": 46})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(dense.path()), InputError,
+                                    "first_k_dense_replace: no block of the 46 has experts");
+  }
   SECTION("llama4: its text_config, experts beside a shared expert in every block") {
     // meta-llama/Llama-4-Scout-17B-16E's config.json (its vision_config cut short).
     const std::string text = R"("attention_bias": false, "attention_chunk_size": 8192,
@@ -639,9 +692,9 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     TempFile f("config.json", R"({"model_type": "bert", "hidden_size": 768})");
     DTSIM_REQUIRE_THROWS_CONTAINING(
         load_model(f.path()), InputError,
-        "model_type: unsupported Hugging Face model_type \"bert\" (supported: gpt2, granite, "
-        "llama, llama4, llama4_text, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen2_moe, "
-        "qwen3_moe)");
+        "model_type: unsupported Hugging Face model_type \"bert\" (supported: glm4_moe, gpt2, "
+        "granite, llama, llama4, llama4_text, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, "
+        "qwen3, qwen3_moe)");
     // A family dtsim cannot describe yet says what it lacks.
     TempFile deepseek("config.json", R"({"model_type": "deepseek_v3", "hidden_size": 2048})");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(deepseek.path()), InputError,
