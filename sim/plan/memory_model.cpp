@@ -418,7 +418,8 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
           // of the routed output, which their down projection passes on (dtexec's
           // adds_routed), a hidden tensor of the rank's tokens.
           if (op.kind == model::OpKind::Activation || op.kind == model::OpKind::MlpDown) {
-            const bool shared = !op.expert && spec.moe.has_value();
+            // (A mixture's dense block has a dense MLP, no shared experts.)
+            const bool shared = !op.expert && spec.has_experts(op.layer);
             mlp_grads[shared ? 1 : 0] +=
                 rank_split_bytes(op, plan, static_cast<double>(op.saved_bytes));
             if (shared && op.kind == model::OpKind::MlpDown) {
