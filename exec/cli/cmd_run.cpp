@@ -657,7 +657,20 @@ int run_only_rank(const po::variables_map& vm, const dtsim::model::ModelSpec& sp
   // taken for every ep rank's): the mean over micro-batches and the largest.
   std::optional<double> expert_load, expert_load_peak;
   const bool local_dispatch = dtsim::plan::moe_local_dispatch(spec, plan);
-  if (plan.ep > 1 || local_dispatch) {
+  // (Not on a stage whose blocks have no experts: a mixture's dense blocks alone.)
+  bool stage_experts = false;
+  {
+    const std::vector<int> chunks = dtsim::plan::chunk_layers(plan, spec.layers);
+    int first = 0;
+    for (std::size_t k = 0; k < chunks.size(); ++k) {
+      const bool here = static_cast<int>(k) % plan.pp == rp.stage;
+      for (int l = first; here && l < first + chunks[k]; ++l) {
+        stage_experts = stage_experts || spec.has_experts(l);
+      }
+      first += chunks[k];
+    }
+  }
+  if ((plan.ep > 1 || local_dispatch) && stage_experts) {
     // Under sequence parallelism the tp ranks route their own shares and gather the copies.
     const std::int64_t peers = plan.ep * (local_dispatch ? plan.tp : 1);
     notes.push_back(fmt::format(

@@ -389,9 +389,15 @@ std::vector<ModelGemm> model_gemms(const model::ModelGraph& graph, int max_tp, i
     }
   };
   const int most = std::max(max_tp, max_cp);  // ranks: tp x cp at most
+  // One block's GEMMs are every block's of its kind: block 0's, and where blocks differ (a
+  // mixture's dense blocks among those with experts) the first of the other kind's (its router
+  // and shared experts); the head's too. Experts are not timed.
+  const model::ModelSpec& m = graph.spec();
+  int other = 0;
+  while (other < m.layers && m.has_experts(other) == m.has_experts(0)) ++other;
   for (const model::Op& op : graph.ops()) {
-    // One block's GEMMs are every block's; the head's too. Experts are not timed.
-    if (op.gemm_m <= 0 || op.expert || (op.layer > 0 && op.layer < graph.spec().layers)) continue;
+    const bool timed_block = op.layer <= 0 || op.layer >= m.layers || op.layer == other;
+    if (op.gemm_m <= 0 || op.expert || !timed_block) continue;
     const int T = static_cast<int>(op.gemm_m), K = static_cast<int>(op.gemm_k),
               N = static_cast<int>(op.gemm_n);
     const bool column =

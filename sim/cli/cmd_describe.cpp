@@ -208,10 +208,11 @@ int cmd_describe(const std::vector<std::string>& args) {
                            format_count(head_params));
   if (spec.moe) {
     std::cout << fmt::format(
-        "  activated per token: {} ({:.1f}% of them: {} of {} experts a block{}{}, the "
+        "  activated per token: {} ({:.1f}% of them: {} of {} experts a block{}{}{}, the "
         "embedding and head included)\n",
         format_si(active + tables), 100 * (active + tables) / static_cast<double>(totals.params),
-        spec.moe->top_k, spec.moe->experts, spec.shared_ffn() > 0 ? " and the shared ones" : "",
+        spec.moe->top_k, spec.moe->experts, spec.mixed_blocks() ? " with experts" : "",
+        spec.shared_ffn() > 0 ? " and the shared ones" : "",
         spec.mixed_blocks() ? ", the dense blocks whole" : "");
   }
   std::cout << fmt::format(

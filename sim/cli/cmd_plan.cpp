@@ -160,16 +160,24 @@ std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Clus
                               max_tp_given ? "--max-tp" : "the devices per node (--max-tp)",
                               max_tp));
   }
-  // (The shared experts' width too, where the model has them.)
-  const std::string shared =
+  // (The shared experts' and the dense blocks' widths too, where the model has them.)
+  const std::int64_t dense_width = m.mixed_blocks() ? m.moe->dense_ffn_hidden : 0;
+  std::vector<std::string> widths = {fmt::format("heads ({})", m.heads),
+                                     fmt::format("kv_heads ({})", m.kv_heads),
+                                     fmt::format("ffn_hidden ({})", m.ffn_hidden)};
+  if (m.shared_ffn() > 0) widths.push_back(fmt::format("shared_ffn_hidden ({})", m.shared_ffn()));
+  if (dense_width > 0) widths.push_back(fmt::format("dense_ffn_hidden ({})", dense_width));
+  std::string shared =
       m.shared_ffn() > 0 ? fmt::format(", shared_ffn_hidden {}", m.shared_ffn()) : "";
+  if (dense_width > 0) shared += fmt::format(", dense_ffn_hidden {}", dense_width);
   if (space.fixed_tp > 0 &&
       (m.heads % space.fixed_tp != 0 || m.kv_heads % space.fixed_tp != 0 ||
-       m.ffn_hidden % space.fixed_tp != 0 || m.shared_ffn() % space.fixed_tp != 0)) {
-    why.push_back(fmt::format(
-        "--fixed tp={} must divide the model's heads ({}), kv_heads ({}){} ffn_hidden ({}){}",
-        space.fixed_tp, m.heads, m.kv_heads, m.shared_ffn() > 0 ? "," : " and", m.ffn_hidden,
-        m.shared_ffn() > 0 ? fmt::format(" and shared_ffn_hidden ({})", m.shared_ffn()) : ""));
+       m.ffn_hidden % space.fixed_tp != 0 || m.shared_ffn() % space.fixed_tp != 0 ||
+       dense_width % space.fixed_tp != 0)) {
+    const std::string last = widths.back();
+    widths.pop_back();
+    why.push_back(fmt::format("--fixed tp={} must divide the model's {} and {}", space.fixed_tp,
+                              fmt::join(widths, ", "), last));
   }
   if (space.fixed_pp > m.layers) {
     why.push_back(

@@ -409,7 +409,8 @@ void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string
         return (l + 1) % step == 0 &&
                std::find(mlp_only.begin(), mlp_only.end(), l) == mlp_only.end();
       },
-      mlp_only.empty() ? "decoder_sparse_step" : "mlp_only_layers", "intermediate_size");
+      mlp_only.empty() || step > m.layers ? "decoder_sparse_step" : "mlp_only_layers",
+      "intermediate_size");
   if (type == "qwen2_moe") {
     // Qwen2MoeConfig's default is 5632 (Qwen1.5-MoE-A2.7B's); a config without the key is
     // refused rather than given it in silence.
@@ -747,8 +748,8 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     m.heads = hf_int(r, names, "heads", {"num_attention_heads"});
     // Without num_key_value_heads, Hugging Face's default for the family: llama's and phi3's
     // is one key/value head per head (LlamaConfig: multi-head attention), mistral's and mixtral's
-    // 8, qwen2's and qwen3's 32, qwen2_moe's 16, qwen3_moe's 4, llama4's 8 (their configuration
-    // classes' defaults); said in the description (a misspelt key would read so too).
+    // 8, qwen2's and qwen3's 32, qwen2_moe's 16, qwen3_moe's 4, llama4's and glm4_moe's 8 (their
+    // configuration classes' defaults); said in the description (a misspelt key would read so too).
     const bool head_per_head = llama_like || type == "phi3" || type == "olmo2";
     if (r.has("num_key_value_heads") || head_per_head) {
       m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"},

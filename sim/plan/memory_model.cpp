@@ -520,7 +520,9 @@ MemoryReport estimate_memory(const ModelGraph& g, const Plan& plan, const cluste
     // In-flight micro-batches (interleaved: chunks, each 1/v of the rank's blocks; where the
     // stage's chunks have unequal layers, its largest one's: an upper bound, since the in-flight
     // passes are of every chunk).
-    const double per_micro_batch = equal_chunks ? block_activations / v : largest_chunk_activations;
+    // (A mixture's chunks of equal blocks may hold unequal kinds of them: the largest too.)
+    const double per_micro_batch =
+        equal_chunks && !spec.mixed_blocks() ? block_activations / v : largest_chunk_activations;
     s.activations_bytes = per_micro_batch * static_cast<double>(s.in_flight);
     // Zero-bubble walks its pass order, each forward awaiting its B pass with the embedding's or
     // the head's activations too (what a W pass keeps of the head is in weight_pass).

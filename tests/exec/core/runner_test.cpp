@@ -1035,15 +1035,22 @@ struct Replayed {
 // ManyExperts: 64 experts of a quarter the MLP's width, top 1, so that some get no token.
 // SharedMoe: Moe's experts with gates over all of them (their logits kept for the backward),
 // beside shared experts of the MLP's width.
-enum class Variant { AsIs, Dropout, Moe, ManyExperts, SharedMoe };
+// MixedMoe: SharedMoe's blocks in the odd blocks, dense MLPs of 1.5 times the MLP's width in the
+// even ones (Llama 4 Maverick's layout).
+enum class Variant { AsIs, Dropout, Moe, ManyExperts, SharedMoe, MixedMoe };
 
 dtsim::model::ModelSpec load(const char* name, Variant variant) {
   auto spec = dtsim::model::load_model(name);
   if (variant == Variant::Dropout) spec.dropout = true;
   if (variant == Variant::Moe) spec.moe = dtsim::test::mixture(4, 2, spec.ffn_hidden / 2);
   if (variant == Variant::ManyExperts) spec.moe = dtsim::test::mixture(64, 1, spec.ffn_hidden / 4);
-  if (variant == Variant::SharedMoe) {
-    spec.moe = dtsim::test::mixture(4, 2, spec.ffn_hidden / 2, spec.ffn_hidden, false);
+  if (variant == Variant::SharedMoe || variant == Variant::MixedMoe) {
+    const std::int64_t f = spec.ffn_hidden;
+    spec.moe = dtsim::test::mixture(4, 2, f / 2, f, false);
+    if (variant == Variant::MixedMoe) {
+      for (std::int64_t l = 0; l < spec.layers; l += 2) spec.moe->dense_blocks.push_back(l);
+      spec.moe->dense_ffn_hidden = f + f / 2;
+    }
   }
   return spec;
 }
@@ -1185,6 +1192,16 @@ TEST_CASE("tensors go back once nothing later reads them: the same numbers, less
         p.recompute = dtsim::plan::Recompute::Full;
       },
       Variant::SharedMoe);
+  // Dense blocks between the experts': a stage of each kind at pp 2 (tiny's two blocks).
+  add(
+      "dense blocks among the experts', pp 2 1F1B, tp 2 with sequence parallelism", "tiny",
+      [](auto& p) {
+        p.pp = 2;
+        p.tp = 2;
+        p.sequence_parallel = true;
+        p.global_batch_size = 8;
+      },
+      Variant::MixedMoe);
   // Experts without tokens in a micro-batch: no GEMM, and under ZeRO-2 a gradient made (as
   // zeros) only when its bucket is reduce-scattered.
   add(
@@ -1267,6 +1284,11 @@ TEST_CASE("the executor holds what dtsim memory predicts for the CPU plans", "[e
         p.recompute = Recompute::Full;
       },
       Variant::Moe);
+  // Dense blocks between the experts' (shared ones beside them): each block's own MLP.
+  add(
+      "dense blocks among the experts'", 1, 1, 1, [](auto&) {}, Variant::MixedMoe);
+  add(
+      "dense blocks among the experts', pp 2", 1, 2, 1, [](auto&) {}, Variant::MixedMoe);
   const auto cluster = dtsim::cluster::load_cluster("cpu-host");
   dtsim::plan::MemoryOptions no_allowance;
   no_allowance.framework_overhead_bytes = 0;

@@ -97,3 +97,20 @@ TEST_CASE("the activation is timed at the shape of the op its rate is priced by"
   CHECK(shape("qwen2-57b-a14b") == std::pair<std::int64_t, std::int64_t>{32 * 8, 2560});
   CHECK(shape("llama4-maverick-17b-128e") == std::pair<std::int64_t, std::int64_t>{32, 16384});
 }
+
+TEST_CASE("calibration times the GEMMs of each kind of block", "[calibrate]") {
+  // Maverick's block 0 is dense: the router and the shared experts of block 1 have GEMMs of
+  // their own shapes (the experts' are not timed).
+  const auto spec = dtsim::model::load_model("llama4-maverick-17b-128e");
+  const dtsim::model::ModelGraph g(spec, 1, 64);
+  const auto gemms = dtsim::exec::cpu::model_gemms(g);
+  const auto has = [&](int K, int N) {
+    return std::any_of(gemms.begin(), gemms.end(), [&](const ModelGemm& m) {
+      return m.pass == GemmPass::Forward && m.T == 64 && m.K == K && m.N == N;
+    });
+  };
+  CHECK(has(5120, 2 * 16384));  // the dense blocks' MLP up (gate and up)
+  CHECK(has(5120, 128));        // the router
+  CHECK(has(5120, 2 * 8192));   // the shared expert's up
+  CHECK(has(8192, 5120));       // and down
+}
