@@ -363,6 +363,19 @@ std::int64_t hf_int(const JsonReader& r, KeyMap& names, std::string_view field,
   r.fail(*keys.begin(), "required field is missing");
 }
 
+// A mixture's routed experts as the families with moe_intermediate_size give them: their count
+// (the first of `count_keys` present), num_experts_per_tok a token, and their width, which is
+// the model's ffn_hidden (a dense block's width is the family's intermediate_size).
+void read_routed_experts(const JsonReader& r, KeyMap& names, ModelSpec& m,
+                         std::initializer_list<std::string_view> count_keys) {
+  m.moe.emplace();
+  m.moe->experts = hf_int(r, names, "moe.experts", count_keys);
+  m.moe->top_k = hf_int(r, names, "moe.top_k", {"num_experts_per_tok"});
+  m.moe->expert_ffn_hidden = hf_int(r, names, "moe.expert_ffn_hidden", {"moe_intermediate_size"});
+  m.ffn_hidden = m.moe->expert_ffn_hidden;
+  names["ffn_hidden"] = "moe_intermediate_size";
+}
+
 // A mixture's dense blocks: those of its `layers` where `experts` is false, their MLP's width
 // read from `width_key` (required where there are some). A config whose blocks are all dense
 // is refused (`blocks_key`: the field that says where the experts are).
@@ -391,12 +404,7 @@ void read_dense_blocks(const JsonReader& r, KeyMap& names, ModelSpec& m, HasExpe
 // decoder_sparse_step skips it (experts where (block + 1) % decoder_sparse_step is 0).
 void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string_view type) {
   // (Newer transformers save num_experts as num_local_experts.)
-  m.moe.emplace();
-  m.moe->experts = hf_int(r, names, "moe.experts", {"num_experts", "num_local_experts"});
-  m.moe->top_k = hf_int(r, names, "moe.top_k", {"num_experts_per_tok"});
-  m.moe->expert_ffn_hidden = hf_int(r, names, "moe.expert_ffn_hidden", {"moe_intermediate_size"});
-  m.ffn_hidden = m.moe->expert_ffn_hidden;
-  names["ffn_hidden"] = "moe_intermediate_size";
+  read_routed_experts(r, names, m, {"num_experts", "num_local_experts"});
   // (Qwen2MoeConfig's and Qwen3MoeConfig's defaults: 1, and no dense blocks.)
   const std::int64_t step =
       r.has("decoder_sparse_step") ? r.positive_int("decoder_sparse_step") : 1;
@@ -457,13 +465,8 @@ void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string
 // each head's queries and keys (use_qk_norm), and its multi-token prediction layers
 // (num_nextn_predict_layers, which Hugging Face's class leaves out too).
 void read_glm4_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {
-  m.moe.emplace();
   // (The first Glm4MoeConfig named them num_experts.)
-  m.moe->experts = hf_int(r, names, "moe.experts", {"n_routed_experts", "num_experts"});
-  m.moe->top_k = hf_int(r, names, "moe.top_k", {"num_experts_per_tok"});
-  m.moe->expert_ffn_hidden = hf_int(r, names, "moe.expert_ffn_hidden", {"moe_intermediate_size"});
-  m.ffn_hidden = m.moe->expert_ffn_hidden;
-  names["ffn_hidden"] = "moe_intermediate_size";
+  read_routed_experts(r, names, m, {"n_routed_experts", "num_experts"});
   // (Glm4MoeConfig's defaults: one shared expert, the first block dense.)
   const std::int64_t shared =
       r.has("n_shared_experts") ? r.non_negative_int_up_to("n_shared_experts", kMaxExperts) : 1;

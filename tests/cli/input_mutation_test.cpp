@@ -327,12 +327,14 @@ TEST_CASE("a mutated Hugging Face config.json: describe and simulate refuse or r
                           {"vocab_size", 32000},
                           {"max_position_embeddings", 2048},
                           {"tie_word_embeddings", false}};
-  check_mutants(scratch, "config.json", qwen3_moe,
-                {{"describe", dtsim::cli::cmd_describe, {"--model", config}},
-                 {"simulate",
-                  dtsim::cli::cmd_simulate,
-                  {"--model", config, "--cluster", "dgx-h100-superpod", "--gpus", "8", "--tp", "2",
-                   "--ep", "2", "--global-batch-size", "8"}}});
+  // (Both mixtures described, and simulated with tp and ep.)
+  const std::vector<Invocation> mixture_commands = {
+      {"describe", dtsim::cli::cmd_describe, {"--model", config}},
+      {"simulate",
+       dtsim::cli::cmd_simulate,
+       {"--model", config, "--cluster", "dgx-h100-superpod", "--gpus", "8", "--tp", "2", "--ep",
+        "2", "--global-batch-size", "8"}}};
+  check_mutants(scratch, "config.json", qwen3_moe, mixture_commands);
   // A glm4_moe one: dense first blocks, shared experts by count, the router's figures.
   const json glm4_moe = {{"architectures", {"Glm4MoeForCausalLM"}},
                          {"model_type", "glm4_moe"},
@@ -355,12 +357,7 @@ TEST_CASE("a mutated Hugging Face config.json: describe and simulate refuse or r
                          {"num_nextn_predict_layers", 1},
                          {"vocab_size", 32000},
                          {"max_position_embeddings", 2048}};
-  check_mutants(scratch, "config.json", glm4_moe,
-                {{"describe", dtsim::cli::cmd_describe, {"--model", config}},
-                 {"simulate",
-                  dtsim::cli::cmd_simulate,
-                  {"--model", config, "--cluster", "dgx-h100-superpod", "--gpus", "8", "--tp", "2",
-                   "--ep", "2", "--global-batch-size", "8"}}});
+  check_mutants(scratch, "config.json", glm4_moe, mixture_commands);
 }
 
 TEST_CASE("mutated clusters: simulate, memory and export-platform refuse or run",
