@@ -723,6 +723,8 @@ nlohmann::json with_moe_defaults(nlohmann::json a) {
     nlohmann::json& moe = a["moe"];
     if (!moe.contains("shared_ffn_hidden")) moe["shared_ffn_hidden"] = 0;
     if (!moe.contains("normalize_top_k")) moe["normalize_top_k"] = true;
+    if (!moe.contains("scores")) moe["scores"] = "softmax";
+    if (!moe.contains("routed_scaling_factor")) moe["routed_scaling_factor"] = 1.0;
     if (!moe.contains("dense_blocks")) moe["dense_blocks"] = nlohmann::json::array();
     if (!moe.contains("dense_ffn_hidden")) moe["dense_ffn_hidden"] = 0;
   }

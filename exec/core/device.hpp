@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "exec/core/gating.hpp"
 #include "sim/common/error.hpp"
 
 namespace dtsim::exec {
@@ -197,12 +198,13 @@ class Device {
   // ---- mixture of experts (exec/cpu/kernels.hpp: moe_route ...) ---------------------------
   // experts and order I32 [T·k]; gates and dgates fp32 [T·k]; logits, dlogits, x, dispatched,
   // y and their gradients act. moe_dispatch's rows: fp32 [E], each expert's row count (the
-  // runner reads it to size the experts' GEMMs). moe_route's normalize, and the logits that
-  // moe_route_backward reads again where it is false (empty where true): as the CPU kernels.
+  // runner reads it to size the experts' GEMMs). moe_route's gating, and the logits that
+  // moe_route_backward reads again where gating.reads_logits() (empty where not): as the CPU
+  // kernels.
   virtual void moe_route(View experts, View gates, View logits, int T, int E, int k,
-                         bool normalize);
+                         const Gating& gating);
   virtual void moe_route_backward(View dlogits, View dgates, View gates, View experts, View logits,
-                                  int T, int E, int k);
+                                  int T, int E, int k, const Gating& gating);
   virtual void moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T,
                             int C, int k, int E);
   virtual void moe_dispatch_backward(View dx, View ddispatched, View order, int T, int C, int k);
@@ -265,10 +267,10 @@ inline void Device::sum_squares(View, View) {
 inline void Device::clip_scale(View, View, float) {
   lacks("gradient clipping");
 }
-inline void Device::moe_route(View, View, View, int, int, int, bool) {
+inline void Device::moe_route(View, View, View, int, int, int, const Gating&) {
   lacks("a mixture of experts");
 }
-inline void Device::moe_route_backward(View, View, View, View, View, int, int, int) {
+inline void Device::moe_route_backward(View, View, View, View, View, int, int, int, const Gating&) {
   lacks("a mixture of experts");
 }
 inline void Device::moe_dispatch(View, View, View, View, View, int, int, int, int) {

@@ -1046,7 +1046,13 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
         "mixture of experts: each token to its top {} of {} experts by router logit, weighted by "
         "{}; dropless, no load-balancing loss{}{}",
         spec.moe->top_k, spec.moe->experts,
-        !spec.moe->normalize_top_k
+        spec.moe->sigmoid_gates
+            ? fmt::format("their logits' sigmoids{}{} (DeepSeek-V3's scores)",
+                          spec.moe->normalize_top_k ? " over their sum" : "",
+                          spec.moe->routed_scale != 1.0
+                              ? fmt::format(", times {:g}", spec.moe->routed_scale)
+                              : "")
+        : !spec.moe->normalize_top_k
             ? "their probabilities in the softmax over all experts, not renormalized (Switch "
               "Transformer's; Hugging Face's norm_topk_prob false)"
         : spec.moe->top_k == 1

@@ -133,8 +133,8 @@ struct MicroBatch {
   // Mixture of experts, by router: the order of the tokens' copies (sorted by expert), the
   // gradient of the gates, and (on the host) each expert's number of copies.
   std::map<OpId, View> route, gate_grad;
-  // By router whose gates are over all experts (MoeSpec::normalize_top_k false): its logits,
-  // for their softmax in the backward.
+  // By router whose gates' backward reads its logits again (Gating::reads_logits: gates over
+  // all experts, or sigmoid scores): its logits.
   std::map<OpId, View> logits;
   // Zero-bubble, by experts' down op whose combine runs at it (ep 1, no moe_local_dispatch):
   // its copies' output gradients, from its B pass's combine backward to its W pass.
@@ -605,6 +605,14 @@ class Runner {
   // outputs (aux1) for the gates' gradient.
 
   int top_k() const { return static_cast<int>(m_.moe->top_k); }
+  // How the router weights a token's experts (MoeSpec's gates).
+  Gating gating() const {
+    Gating g;
+    g.sigmoid = m_.moe->sigmoid_gates;
+    g.normalize = m_.moe->normalize_top_k;
+    g.scale = static_cast<float>(m_.moe->routed_scale);
+    return g;
+  }
   int expert_ffn() const { return static_cast<int>(m_.moe->expert_ffn_hidden / tp_); }
   // The rank's share of an MLP op's width: an expert's, or the dense MLP's of its block (a
   // dense model's, a mixture's dense block's, or its shared experts').

@@ -82,7 +82,7 @@ std::vector<Runner::Use> Runner::forward_uses(OpId id) const {
     case OpKind::Router:
       read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
       for (Slot s : {Slot::Out, Slot::Aux1, Slot::Aux2, Slot::Route}) make(s, id);
-      if (!m_.moe->normalize_top_k) make(Slot::Logits, id);  // gates over all experts
+      if (gating().reads_logits()) make(Slot::Logits, id);  // read again by the backward
       break;
   }
   return u;
@@ -165,7 +165,7 @@ std::vector<Runner::Use> Runner::backward_uses(OpId id, Part part) const {
       // Both passes take the logits' gradient from the gates'; the input pass also sends
       // the copies' gradients back to their tokens, the weight pass reads the input.
       for (Slot s : {Slot::GateGrad, Slot::Aux1, Slot::Aux2}) read(s, id);
-      if (!m_.moe->normalize_top_k) read(Slot::Logits, id);
+      if (gating().reads_logits()) read(Slot::Logits, id);
       if (input_grads) {
         for (Slot s : {Slot::Grad, Slot::Route}) read(s, id);
         read(gathers_input(op) ? Slot::FullGrad : Slot::Grad, input(id));

@@ -366,10 +366,10 @@ void Runner::router_forward(MicroBatch& mb, OpId id) {
   dev_.matmul_forward(logits, x, param(id, 0).work, View{}, Tr_, C_, E, false);
   fresh(mb.aux1[id], static_cast<std::int64_t>(Tr_) * k, Dtype::F32);  // gates
   fresh(mb.aux2[id], static_cast<std::int64_t>(Tr_) * k, Dtype::I32);  // experts
-  const bool normalize = m_.moe->normalize_top_k;
-  dev_.moe_route(mb.aux2[id], mb.aux1[id], logits, Tr_, E, k, normalize);
-  // Gates over all experts: their softmax again in the backward, from the logits kept.
-  if (normalize) {
+  const Gating gates = gating();
+  dev_.moe_route(mb.aux2[id], mb.aux1[id], logits, Tr_, E, k, gates);
+  // Gates over all experts, or sigmoid scores: their backward reads the logits kept.
+  if (!gates.reads_logits()) {
     dev_.release(logits);
   } else {
     dev_.release(mb.logits[id]);  // (the forward's, where a recompute routes again)
@@ -666,8 +666,9 @@ void Runner::router_backward(MicroBatch& mb, OpId id, Part part) {
   const int E = static_cast<int>(m_.moe->experts), k = top_k();
   // The logits' gradient through the gates' softmax (again in a weight pass).
   const View dlogits = allocate(static_cast<std::int64_t>(Tr_) * E);
+  const Gating gates = gating();
   dev_.moe_route_backward(dlogits, mb.gate_grad.at(id), mb.aux1.at(id), mb.aux2.at(id),
-                          m_.moe->normalize_top_k ? View{} : mb.logits.at(id), Tr_, E, k);
+                          gates.reads_logits() ? mb.logits.at(id) : View{}, Tr_, E, k, gates);
   const View x = weight_grads ? input_of(mb, id) : View{};
   const View dx = input_grads ? input_grad_of(mb, id) : View{};
   // Every tp rank routes alike: the router's share of the input gradient is added by rank 0

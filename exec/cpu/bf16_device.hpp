@@ -185,15 +185,15 @@ class Bf16Device final : public Device {
     cpu_.add_columns(s.act(dst), s.act(src), T, dst_width, begin, width);
   }
   void moe_route(View experts, View gates, View logits, int T, int E, int k,
-                 bool normalize) override {
+                 const Gating& gating) override {
     Scope s;
-    cpu_.moe_route(s.ints(experts), s.f32(gates), s.act(logits), T, E, k, normalize);
+    cpu_.moe_route(s.ints(experts), s.f32(gates), s.act(logits), T, E, k, gating);
   }
   void moe_route_backward(View dlogits, View dgates, View gates, View experts, View logits, int T,
-                          int E, int k) override {
+                          int E, int k, const Gating& gating) override {
     Scope s;
     cpu_.moe_route_backward(s.act(dlogits), s.f32(dgates), s.f32(gates), s.ints(experts),
-                            s.act_or_null(logits), T, E, k);
+                            s.act_or_null(logits), T, E, k, gating);
   }
   void moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T, int C,
                     int k, int E) override {

@@ -253,14 +253,14 @@ std::span<int> mutable_ints(View v) {
 }  // namespace
 
 void CpuDevice::moe_route(View experts, View gates, View logits, int T, int E, int k,
-                          bool normalize) {
-  cpu::moe_route(mutable_ints(experts), floats(gates), floats(logits), T, E, k, normalize);
+                          const Gating& gating) {
+  cpu::moe_route(mutable_ints(experts), floats(gates), floats(logits), T, E, k, gating);
 }
 
 void CpuDevice::moe_route_backward(View dlogits, View dgates, View gates, View experts, View logits,
-                                   int T, int E, int k) {
+                                   int T, int E, int k, const Gating& gating) {
   cpu::moe_route_backward(floats(dlogits), floats(dgates), floats(gates), ints(experts),
-                          logits.empty() ? cpu::In{} : floats(logits), T, E, k);
+                          logits.empty() ? cpu::In{} : floats(logits), T, E, k, gating);
 }
 
 void CpuDevice::moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T,

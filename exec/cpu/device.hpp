@@ -91,9 +91,9 @@ class CpuDevice final : public Device {
                            int C) override;
   void dropout_backward(View din, View mask, View dout, float rate) override;
   void moe_route(View experts, View gates, View logits, int T, int E, int k,
-                 bool normalize) override;
+                 const Gating& gating) override;
   void moe_route_backward(View dlogits, View dgates, View gates, View experts, View logits, int T,
-                          int E, int k) override;
+                          int E, int k, const Gating& gating) override;
   void moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T, int C,
                     int k, int E) override;
   void moe_dispatch_backward(View dx, View ddispatched, View order, int T, int C, int k) override;

@@ -424,13 +424,36 @@ void dropout_backward(Out din, std::span<const std::uint8_t> mask, In dout, floa
   }
 }
 
-void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k, bool normalize) {
+namespace {
+
+// A router logit's sigmoid score, in double (as the softmax's exponentials).
+double sigmoid_of(float logit) {
+  return 1.0 / (1.0 + std::exp(-static_cast<double>(logit)));
+}
+
+}  // namespace
+
+void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k,
+               const Gating& gating) {
+  const bool normalize = gating.normalize;
   std::vector<int> best(static_cast<std::size_t>(E));
   for (int t = 0; t < T; ++t) {
     const float* l = logits.data() + static_cast<std::size_t>(t) * E;
     for (int e = 0; e < E; ++e) best[static_cast<std::size_t>(e)] = e;
     std::partial_sort(best.begin(), best.begin() + k, best.end(),
                       [l](int a, int b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+    if (gating.sigmoid) {
+      // Each chosen logit's sigmoid (the order of the logits), over their sum or not.
+      double sum = 0;
+      for (int j = 0; j < k; ++j) sum += sigmoid_of(l[best[static_cast<std::size_t>(j)]]);
+      for (int j = 0; j < k; ++j) {
+        const std::size_t slot = static_cast<std::size_t>(t) * k + j;
+        const double s = sigmoid_of(l[best[static_cast<std::size_t>(j)]]);
+        experts[slot] = best[static_cast<std::size_t>(j)];
+        gates[slot] = static_cast<float>(gating.scale * (normalize ? s / sum : s));
+      }
+      continue;
+    }
     const float top = l[best[0]];
     double sum = 0;
     for (int j = 0; j < (normalize ? k : E); ++j) {
@@ -440,20 +463,38 @@ void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k
     for (int j = 0; j < k; ++j) {
       const std::size_t slot = static_cast<std::size_t>(t) * k + j;
       experts[slot] = best[static_cast<std::size_t>(j)];
-      gates[slot] = static_cast<float>(std::exp(static_cast<double>(l[best[j]] - top)) / sum);
+      const double p = std::exp(static_cast<double>(l[best[j]] - top)) / sum;
+      gates[slot] = static_cast<float>(gating.scale == 1.0f ? p : gating.scale * p);
     }
   }
 }
 
 void moe_route_backward(Out dlogits, In dgates, In gates, std::span<const int> experts, In logits,
-                        int T, int E, int k) {
+                        int T, int E, int k, const Gating& gating) {
   for (int t = 0; t < T; ++t) {
     const std::size_t first = static_cast<std::size_t>(t) * k;
     float dot = 0;
     for (int j = 0; j < k; ++j) dot += gates[first + j] * dgates[first + j];
     float* dl = dlogits.data() + static_cast<std::size_t>(t) * E;
-    // g = softmax(l) restricted to the chosen: dg_i/dl_e = g_i (δ_ie − p_e), so dl_e gains
-    // p_e (dg_e [e chosen] − Σ_i g_i dg_i); over the k alone p is the gates themselves.
+    // Sigmoid scores s of the chosen, g_j = c s_j / S (S = Σ_i s_i over them) or c s_j:
+    // dL/ds_j = (c dg_j − Σ_i g_i dg_i) / S, or c dg_j; and ds/dl = s (1 − s). The others'
+    // logits get none.
+    if (gating.sigmoid) {
+      const float* l = logits.data() + static_cast<std::size_t>(t) * E;
+      double sum = 0;
+      for (int j = 0; j < k; ++j) sum += sigmoid_of(l[experts[first + j]]);
+      for (int j = 0; j < k; ++j) {
+        const int e = experts[first + j];
+        const double s = sigmoid_of(l[e]);
+        const double ds = gating.normalize
+                              ? (gating.scale * static_cast<double>(dgates[first + j]) - dot) / sum
+                              : gating.scale * static_cast<double>(dgates[first + j]);
+        dl[e] += static_cast<float>(ds * s * (1.0 - s));
+      }
+      continue;
+    }
+    // g = c softmax(l) restricted to the chosen: dg_i/dl_e = g_i (δ_ie − p_e), so dl_e gains
+    // p_e (dg_e [e chosen] c − Σ_i g_i dg_i); over the k alone p is the gates over c.
     if (!logits.empty()) {
       const float* l = logits.data() + static_cast<std::size_t>(t) * E;
       const float top = *std::max_element(l, l + E);
@@ -465,8 +506,9 @@ void moe_route_backward(Out dlogits, In dgates, In gates, std::span<const int> e
       for (int j = 0; j < k; ++j) dl[experts[first + j]] += gates[first + j] * dgates[first + j];
       continue;
     }
+    const float per_gate = gating.scale == 1.0f ? dot : dot / gating.scale;
     for (int j = 0; j < k; ++j) {
-      dl[experts[first + j]] += gates[first + j] * (dgates[first + j] - dot);
+      dl[experts[first + j]] += gates[first + j] * (dgates[first + j] - per_gate);
     }
   }
 }

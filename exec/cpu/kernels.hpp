@@ -8,6 +8,7 @@
 #include <span>
 
 #include "exec/core/counter_hash.hpp"
+#include "exec/core/gating.hpp"
 
 namespace dtsim::exec::cpu {
 
@@ -129,17 +130,18 @@ void attention_backward(Out dqkv, Out dkv, In dout, In qkv, In probs, int B, int
                         int D, const AttentionOptions& options);
 
 // Mixture of experts (Mixtral's routing, Jiang et al. 2024): each of T tokens goes to the k of
-// E experts with the largest router logits (ties to the lower index), weighted by the softmax
-// of those k logits (`normalize`; the softmax over all E then renormalized over the k, alike),
-// or without `normalize` by their probabilities in the softmax over all E experts (Switch
-// Transformer's, Fedus et al. 2022; Hugging Face's norm_topk_prob false). Slot j of token t is
-// row t·k + j of the routing tensors: experts[T·k] (int) and gates[T·k].
-void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k, bool normalize);
-// dlogits[T, E] += the gradient through the gates' softmax: over the k chosen (zero for the
-// others) where `logits` is empty (moe_route's normalize), else over all E, whose logits[T, E]
-// it reads again.
+// E experts with the largest router logits (ties to the lower index), weighted as `gating`
+// says (exec/core/gating.hpp: the softmax of those k logits, the softmax over all E experts
+// (Switch Transformer's, Fedus et al. 2022), or their sigmoids, normalized over the k or not
+// (DeepSeek-V3's), times a scale). Slot j of token t is row t·k + j of the routing tensors:
+// experts[T·k] (int) and gates[T·k].
+void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k,
+               const Gating& gating);
+// dlogits[T, E] += the gradient through the gates: the softmax over the k (zero for the others,
+// `logits` empty), over all E, or the chosen logits' sigmoids; where gating.reads_logits(), from
+// logits[T, E] read again.
 void moe_route_backward(Out dlogits, In dgates, In gates, std::span<const int> experts, In logits,
-                        int T, int E, int k);
+                        int T, int E, int k, const Gating& gating);
 // The T·k slots sorted by expert (stably: token order within an expert): order[p] is the slot
 // at row p, rows[e] how many slots expert e got; dispatched[T·k, C] = x[token of order[p]].
 void moe_dispatch(Out dispatched, std::span<int> order, std::span<int> rows, In x,

@@ -172,13 +172,13 @@ class CudaDevice final : public Device {
     k_.add_columns(act(dst), act(src), T, dst_width, begin, width);
   }
   void moe_route(View experts, View gates, View logits, int T, int E, int k,
-                 bool normalize) override {
-    k_.moe_route(ints(experts), f32(gates), act(logits), T, E, k, normalize);
+                 const Gating& gating) override {
+    k_.moe_route(ints(experts), f32(gates), act(logits), T, E, k, gating);
   }
   void moe_route_backward(View dlogits, View dgates, View gates, View experts, View logits, int T,
-                          int E, int k) override {
+                          int E, int k, const Gating& gating) override {
     k_.moe_route_backward(act(dlogits), f32(dgates), f32(gates), ints(experts), act_or_null(logits),
-                          T, E, k);
+                          T, E, k, gating);
   }
   void moe_dispatch(View dispatched, View order, View rows, View x, View experts, int T, int C,
                     int k, int E) override {

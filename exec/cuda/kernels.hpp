@@ -26,6 +26,7 @@
 #include <functional>
 #include <memory>
 
+#include "exec/core/gating.hpp"
 #include "exec/cuda/calibrate_cuda.hpp"  // CudaError
 
 namespace dtsim::exec::cuda {
@@ -264,11 +265,12 @@ class Kernels {
   // order int [T·k]; gates and dgates fp32 [T·k]; rows fp32 [E] (each expert's copies);
   // logits, dlogits [T, E], x, dispatched, y and their gradients: activations. A token's
   // copies are summed in their rows' order, as the CPU sums them.
-  // (normalize, and the logits read again where it was false: null where true.)
+  // (The gating, and the logits read again where gating.reads_logits(): null where not.)
   void moe_route(int* experts, float* gates, const void* logits, int T, int E, int k,
-                 bool normalize);
+                 const Gating& gating);
   void moe_route_backward(void* dlogits, const float* dgates, const float* gates,
-                          const int* experts, const void* logits, int T, int E, int k);
+                          const int* experts, const void* logits, int T, int E, int k,
+                          const Gating& gating);
   void moe_dispatch(void* dispatched, int* order, float* rows, const void* x, const int* experts,
                     int T, int C, int k, int E);
   void moe_dispatch_backward(void* dx, const void* ddispatched, const int* order, int T, int C,

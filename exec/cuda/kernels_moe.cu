@@ -10,11 +10,17 @@ namespace {
 
 // ---- mixture of experts -------------------------------------------------------------------
 
+// A router logit's sigmoid score, in double (exec/cpu's sigmoid_of).
+__device__ double sigmoid_score(float logit) {
+  return 1.0 / (1.0 + exp(-static_cast<double>(logit)));
+}
+
 // One thread per token: its top k of E logits (ties to the lower index) by repeated selection,
-// and their softmax in double, as exec/cpu's moe_route.
+// and their gates in double (exec/core/gating.hpp), as exec/cpu's moe_route.
 template <class T>
 __global__ void moe_route_kernel(int* experts, float* gates, const T* logits, std::int64_t tokens,
-                                 int E, int k, bool normalize) {
+                                 int E, int k, Gating gating) {
+  const bool normalize = gating.normalize;
   for (std::int64_t t = first_index(); t < tokens; t += grid_stride()) {
     const std::int64_t row = t * E;
     int* chosen = experts + t * k;
@@ -32,28 +38,51 @@ __global__ void moe_route_kernel(int* experts, float* gates, const T* logits, st
       }
       chosen[j] = best;
     }
+    if (gating.sigmoid) {
+      double sum = 0;
+      for (int j = 0; j < k; ++j) sum += sigmoid_score(load(logits, row + chosen[j]));
+      for (int j = 0; j < k; ++j) {
+        const double s = sigmoid_score(load(logits, row + chosen[j]));
+        gates[t * k + j] = static_cast<float>(gating.scale * (normalize ? s / sum : s));
+      }
+      continue;
+    }
     const float top = load(logits, row + chosen[0]);
     double sum = 0;
     for (int j = 0; j < (normalize ? k : E); ++j) {
       sum += exp(static_cast<double>(load(logits, row + (normalize ? chosen[j] : j)) - top));
     }
     for (int j = 0; j < k; ++j) {
-      gates[t * k + j] =
-          static_cast<float>(exp(static_cast<double>(load(logits, row + chosen[j]) - top)) / sum);
+      const double p = exp(static_cast<double>(load(logits, row + chosen[j]) - top)) / sum;
+      gates[t * k + j] = static_cast<float>(gating.scale == 1.0f ? p : gating.scale * p);
     }
   }
 }
 
-// One thread per token: the logits' gradient through the softmax of its k gates, or where the
-// logits are given through the softmax over all E (exec/cpu's moe_route_backward).
+// One thread per token: the logits' gradient through its k gates: their sigmoids, the softmax
+// over all E, or the softmax over the k (exec/cpu's moe_route_backward).
 template <class T>
 __global__ void moe_route_backward_kernel(T* dlogits, const float* dgates, const float* gates,
                                           const int* experts, const T* logits, std::int64_t tokens,
-                                          int E, int k) {
+                                          int E, int k, Gating gating) {
   for (std::int64_t t = first_index(); t < tokens; t += grid_stride()) {
     const std::int64_t first = t * k;
     float dot = 0;
     for (int j = 0; j < k; ++j) dot += gates[first + j] * dgates[first + j];
+    if (gating.sigmoid) {
+      const std::int64_t row = t * E;
+      double sum = 0;
+      for (int j = 0; j < k; ++j) sum += sigmoid_score(load(logits, row + experts[first + j]));
+      for (int j = 0; j < k; ++j) {
+        const std::int64_t i = row + experts[first + j];
+        const double s = sigmoid_score(load(logits, i));
+        const double ds = gating.normalize
+                              ? (gating.scale * static_cast<double>(dgates[first + j]) - dot) / sum
+                              : gating.scale * static_cast<double>(dgates[first + j]);
+        store(dlogits, i, load(dlogits, i) + static_cast<float>(ds * s * (1.0 - s)));
+      }
+      continue;
+    }
     if (logits != nullptr) {
       const std::int64_t row = t * E;
       float top = load(logits, row);
@@ -73,9 +102,10 @@ __global__ void moe_route_backward_kernel(T* dlogits, const float* dgates, const
       }
       continue;
     }
+    const float per_gate = gating.scale == 1.0f ? dot : dot / gating.scale;
     for (int j = 0; j < k; ++j) {
       const std::int64_t i = t * E + experts[first + j];
-      store(dlogits, i, load(dlogits, i) + gates[first + j] * (dgates[first + j] - dot));
+      store(dlogits, i, load(dlogits, i) + gates[first + j] * (dgates[first + j] - per_gate));
     }
   }
 }
@@ -192,23 +222,25 @@ __global__ void moe_combine_backward_kernel(T* dy, float* dgates, const T* dout,
 }  // namespace
 
 void Kernels::moe_route(int* experts, float* gates, const void* logits, int T, int E, int k,
-                        bool normalize) {
+                        const Gating& gating) {
   if (T == 0) return;
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     moe_route_kernel<<<blocks_for(T), kThreads, 0, impl_->stream>>>(
-        experts, gates, static_cast<const A*>(logits), T, E, k, normalize);
+        experts, gates, static_cast<const A*>(logits), T, E, k, gating);
   });
   launched("moe_route_kernel");
 }
 
 void Kernels::moe_route_backward(void* dlogits, const float* dgates, const float* gates,
-                                 const int* experts, const void* logits, int T, int E, int k) {
+                                 const int* experts, const void* logits, int T, int E, int k,
+                                 const Gating& gating) {
   if (T == 0) return;
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     moe_route_backward_kernel<<<blocks_for(T), kThreads, 0, impl_->stream>>>(
-        static_cast<A*>(dlogits), dgates, gates, experts, static_cast<const A*>(logits), T, E, k);
+        static_cast<A*>(dlogits), dgates, gates, experts, static_cast<const A*>(logits), T, E, k,
+        gating);
   });
   launched("moe_route_backward_kernel");
 }

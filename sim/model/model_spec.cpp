@@ -142,13 +142,20 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
   if (r.has("moe")) {
     const JsonReader e = r.object("moe");
     e.expect_only({"experts", "top_k", "expert_ffn_hidden", "shared_ffn_hidden", "normalize_top_k",
-                   "dense_blocks", "dense_ffn_hidden"});
+                   "scores", "routed_scaling_factor", "dense_blocks", "dense_ffn_hidden"});
     m.moe.emplace();
     m.moe->experts = e.positive_int("experts");
     m.moe->top_k = e.positive_int("top_k");
     m.moe->expert_ffn_hidden = e.positive_int("expert_ffn_hidden");
     m.moe->shared_ffn_hidden = e.has("shared_ffn_hidden") ? e.positive_int("shared_ffn_hidden") : 0;
     m.moe->normalize_top_k = e.boolean_or("normalize_top_k", true);
+    if (e.has("scores")) {
+      m.moe->sigmoid_gates = e.choice("scores", {"softmax", "sigmoid"}) == "sigmoid";
+    }
+    // (A factor, whose bounds only a typo leaves: DeepSeek-V3's and GLM-4.5's 2.5.)
+    if (e.has("routed_scaling_factor")) {
+      m.moe->routed_scale = e.number_within("routed_scaling_factor", 1e-3, 1e3, "a factor");
+    }
     if (e.has("dense_blocks")) {
       // Block numbers from 0, ascending (validate_model checks them against the layers).
       m.moe->dense_blocks = e.non_negative_int_array_up_to("dense_blocks", kMaxLayers);
@@ -480,21 +487,25 @@ void read_glm4_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {
   read_dense_blocks(
       r, names, m, [&](std::int64_t l) { return l >= first_dense; }, "first_k_dense_replace",
       "intermediate_size");
+  // Its gates: the chosen logits' sigmoids, over their sum (norm_topk_prob), times
+  // routed_scaling_factor (Glm4MoeConfig's defaults: true, 1).
   m.moe->normalize_top_k = r.boolean_or("norm_topk_prob", true);
-  const double scaling =
-      r.has("routed_scaling_factor") ? r.positive_number("routed_scaling_factor") : 1.0;
+  m.moe->sigmoid_gates = true;
+  if (r.has("routed_scaling_factor")) {
+    m.moe->routed_scale = r.number_within("routed_scaling_factor", 1e-3, 1e3, "a factor");
+  }
+  // What its router does besides: a bias added to the scores for the choice alone
+  // (e_score_correction_bias, zero at the start, moved by its load balancing outside the
+  // gradient), and the choice within the top topk_group of n_group groups of experts.
+  const bool grouped = r.has("n_group") && r.positive_int("n_group") > 1;
   m.description += fmt::format(
-      "; its router's sigmoid scores, chosen with a bias (e_score_correction_bias) {}and "
-      "scaled by routed_scaling_factor {:g}, are priced as a softmax over the top k (the same "
-      "cost)",
-      r.has("n_group") && r.positive_int("n_group") > 1 ? "within its top groups (n_group) " : "",
-      scaling);
-  m.unmodelled.push_back(fmt::format(
-      "its router's sigmoid scores with their selection bias and routed_scaling_factor {:g} "
-      "({})",
-      scaling,
-      m.moe->normalize_top_k ? "a softmax over the top k weighting the experts instead"
-                             : "the softmax over all experts weighting them instead"));
+      "; its router's selection bias (e_score_correction_bias){} is not modelled: experts "
+      "chosen by their sigmoid scores alone",
+      grouped ? " and its choice within the top groups of experts (n_group, topk_group)" : "");
+  m.unmodelled.push_back(
+      "its router's selection bias (e_score_correction_bias: experts chosen by their scores "
+      "alone instead)");
+  if (grouped) m.unmodelled.push_back("its group-limited routing (n_group, topk_group)");
   if (r.boolean_or("use_qk_norm", false)) {
     m.description +=
         "; its RMSNorm of each head's queries and keys (use_qk_norm: two weights of head_dim a "
@@ -1030,6 +1041,8 @@ json architecture_json(const ModelSpec& m) {
     // written before they were modelled record none.)
     if (m.moe->shared_ffn_hidden > 0) a["moe"]["shared_ffn_hidden"] = m.moe->shared_ffn_hidden;
     if (!m.moe->normalize_top_k) a["moe"]["normalize_top_k"] = false;
+    if (m.moe->sigmoid_gates) a["moe"]["scores"] = "sigmoid";
+    if (m.moe->routed_scale != 1.0) a["moe"]["routed_scaling_factor"] = m.moe->routed_scale;
     if (!m.moe->dense_blocks.empty()) {
       a["moe"]["dense_blocks"] = m.moe->dense_blocks;
       a["moe"]["dense_ffn_hidden"] = m.moe->dense_ffn_hidden;

@@ -41,6 +41,9 @@ struct BiasSpec {
 // alike), or their probabilities in the softmax over all experts (Switch Transformer's, Fedus
 // et al. 2022; Hugging Face's norm_topk_prob false, Qwen-MoE's default). The same cost; the
 // gradient of the second reaches every expert's logit, and at top_k 1 the first's gate is 1.
+// With `sigmoid_gates` each chosen expert's score is its logit's sigmoid, divided by their sum
+// over the top k (`normalize_top_k`) or not (DeepSeek-V3's, Liu et al. 2024, and GLM-4.5's);
+// every gate is then multiplied by `routed_scale` (their routed_scaling_factor). The same cost.
 // Blocks whose MLP is dense (`dense_blocks`, ascending block numbers from 0, of width
 // `dense_ffn_hidden`) where the others have experts: DeepSeek-V2/V3's first blocks
 // (first_k_dense_replace), Llama 4 Maverick's every other block (interleave_moe_layer_step 2),
@@ -51,6 +54,8 @@ struct MoeSpec {
   std::int64_t expert_ffn_hidden = 0;
   std::int64_t shared_ffn_hidden = 0;
   bool normalize_top_k = true;
+  bool sigmoid_gates = false;
+  double routed_scale = 1.0;
   std::vector<std::int64_t> dense_blocks;
   std::int64_t dense_ffn_hidden = 0;
 };

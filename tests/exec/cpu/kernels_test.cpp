@@ -445,9 +445,18 @@ TEST_CASE("hidden dropout keeps 1 - rate of the elements, the same mask however 
 // an expert that gets no token.
 TEST_CASE("MoE routing, dispatch and combine backward match finite differences", "[exec][cpu]") {
   // Gates over the top k's softmax (Mixtral's), or their probabilities in the softmax over all
-  // experts (Switch's; Hugging Face's norm_topk_prob false), whose gradient reaches every logit.
-  const bool normalize = GENERATE(true, false);
-  INFO((normalize ? "top k's softmax" : "softmax over all"));
+  // experts (Switch's; Hugging Face's norm_topk_prob false), whose gradient reaches every logit;
+  // or the chosen logits' sigmoids, over their sum or not, scaled (DeepSeek-V3's, GLM-4.5's).
+  const int variant = GENERATE(0, 1, 2, 3, 4);
+  dtsim::exec::Gating gating;
+  gating.normalize = variant != 1 && variant != 3;
+  gating.sigmoid = variant >= 2;
+  gating.scale = variant == 4 ? 2.5f : variant == 3 ? 1.5f : 1.0f;
+  const bool normalize = gating.normalize;
+  INFO((gating.sigmoid ? "sigmoids"
+        : normalize    ? "top k's softmax"
+                       : "softmax over all")
+       << (normalize ? ", over the k" : "") << ", scale " << gating.scale);
   const int T = 6, E = 4, k = 2, C = 5;
   auto x = random(static_cast<std::size_t>(T) * C, 80);
   std::vector<float> logits(static_cast<std::size_t>(T) * E);
@@ -463,23 +472,30 @@ TEST_CASE("MoE routing, dispatch and combine backward match finite differences",
   std::vector<float> gates(experts.size()), dispatched(experts.size() * C), y(dispatched.size()),
       out(x.size());
   auto loss = [&] {
-    cpu::moe_route(experts, gates, logits, T, E, k, normalize);
+    cpu::moe_route(experts, gates, logits, T, E, k, gating);
     cpu::moe_dispatch(dispatched, order, rows, x, experts, T, C, k, E);
     for (std::size_t i = 0; i < y.size(); ++i) y[i] = dispatched[i] * scale[i];
     cpu::moe_combine(out, y, gates, order, T, C, k);
     return dot(out, r);
   };
   loss();
-  // Each token's k experts are distinct and its gates sum to 1 (over all experts: less, by the
-  // others' probabilities); the rows add up to T·k.
+  // Each token's k experts are distinct and its gates sum to the scale where normalized over
+  // the k (softmax over all experts: less, by the others' probabilities; unnormalized
+  // sigmoids: their own sum); the rows add up to T·k.
   for (int t = 0; t < T; ++t) {
     CHECK(experts[static_cast<std::size_t>(t * k)] != experts[static_cast<std::size_t>(t * k + 1)]);
     const float sum =
         gates[static_cast<std::size_t>(t * k)] + gates[static_cast<std::size_t>(t * k + 1)];
     if (normalize) {
-      CHECK(sum == Approx(1.0f));
-    } else {
+      CHECK(sum == Approx(gating.scale));
+    } else if (!gating.sigmoid) {
       CHECK(sum < 0.99f);
+    } else {
+      const auto sigmoid = [&](int j) {
+        const float l = logits[static_cast<std::size_t>(t * E + experts[t * k + j])];
+        return gating.scale / (1.0f + std::exp(-l));
+      };
+      CHECK(sum == Approx(sigmoid(0) + sigmoid(1)));
     }
     CHECK(gates[static_cast<std::size_t>(t * k)] >= gates[static_cast<std::size_t>(t * k + 1)]);
   }
@@ -487,8 +503,8 @@ TEST_CASE("MoE routing, dispatch and combine backward match finite differences",
   CHECK(rows[3] == 0);
   std::vector<float> dy(y.size()), dgates(gates.size()), dlogits(logits.size()), dx(x.size());
   cpu::moe_combine_backward(dy, dgates, r, y, gates, order, T, C, k);
-  cpu::moe_route_backward(dlogits, dgates, gates, experts, normalize ? cpu::In{} : cpu::In(logits),
-                          T, E, k);
+  cpu::moe_route_backward(dlogits, dgates, gates, experts,
+                          gating.reads_logits() ? cpu::In(logits) : cpu::In{}, T, E, k, gating);
   for (std::size_t i = 0; i < dy.size(); ++i) dy[i] *= scale[i];
   cpu::moe_dispatch_backward(dx, dy, order, T, C, k);
   check_gradient(logits, dlogits, loss, "logits");
@@ -504,7 +520,7 @@ TEST_CASE("MoE routing breaks ties by the lower expert", "[exec][cpu]") {
                                      0.75f, 0.75f, 0.75f, 0.75f, 0.75f, 0.75f};  // all equal
   std::vector<int> experts(static_cast<std::size_t>(T) * k);
   std::vector<float> gates(experts.size());
-  cpu::moe_route(experts, gates, logits, T, E, k, true);
+  cpu::moe_route(experts, gates, logits, T, E, k, dtsim::exec::Gating{});
   CHECK(experts == std::vector<int>{1, 4, 0, 2, 0, 1});
   CHECK(gates[0] == gates[1]);
   CHECK(gates[4] == gates[5]);

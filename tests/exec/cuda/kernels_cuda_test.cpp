@@ -404,11 +404,18 @@ TEST_CASE("GPU mixture-of-experts routing, dispatch and combine match the CPU",
   if (!gpu) return;
   const int T = 40, k = 2, C = 24;
   const auto slots = static_cast<std::size_t>(T) * k;
-  // (Gates over the top k's softmax, or over all experts' without renormalizing.)
-  for (const auto& [E, type, normalize] :
-       {std::tuple{6, cu::Dtype::F32, true}, std::tuple{6, cu::Dtype::BF16, false},
-        std::tuple{16, cu::Dtype::BF16, true}, std::tuple{372, cu::Dtype::F32, false}}) {
-    INFO(name(type) << ", " << E << " experts" << (normalize ? "" : ", gates over all"));
+  // (Gates over the top k's softmax, or over all experts' without renormalizing; the chosen
+  // logits' sigmoids, normalized over the k and scaled, or neither.)
+  for (const auto& [E, type, normalize, sigmoid] :
+       {std::tuple{6, cu::Dtype::F32, true, false}, std::tuple{6, cu::Dtype::BF16, false, false},
+        std::tuple{16, cu::Dtype::BF16, true, false}, std::tuple{372, cu::Dtype::F32, false, false},
+        std::tuple{6, cu::Dtype::BF16, true, true}, std::tuple{16, cu::Dtype::F32, false, true}}) {
+    INFO(name(type) << ", " << E << " experts" << (normalize ? "" : ", gates over all")
+                    << (sigmoid ? ", sigmoids" : ""));
+    dtsim::exec::Gating gating;
+    gating.normalize = normalize;
+    gating.sigmoid = sigmoid;
+    gating.scale = sigmoid && normalize ? 2.5f : 1.0f;
     cu::Kernels k_(*gpu, type);
     auto ints_of = [&](const cu::DeviceBuffer& b, std::size_t n) {
       std::vector<int> h(n);
@@ -428,7 +435,7 @@ TEST_CASE("GPU mixture-of-experts routing, dispatch and combine match the CPU",
     // CPU: route, dispatch, combine (y: the experts' outputs, here random), and backwards.
     std::vector<int> experts(slots), order(slots), rows(static_cast<std::size_t>(E));
     Vec gates(slots), dispatched(slots * C);
-    cpu::moe_route(experts, gates, logits, T, E, k, normalize);
+    cpu::moe_route(experts, gates, logits, T, E, k, gating);
     CHECK(std::vector<int>(experts.begin(), experts.begin() + 6) ==
           std::vector<int>{1, 4, 0, 2, 0, 1});  // the planted ties, as the CPU breaks them
     cpu::moe_dispatch(dispatched, order, rows, x, experts, T, C, k, E);
@@ -445,7 +452,7 @@ TEST_CASE("GPU mixture-of-experts routing, dispatch and combine match the CPU",
     Vec dlogits(static_cast<std::size_t>(T) * E, 0.0f);
     cpu::moe_dispatch_backward(dx, dy, order, T, C, k);
     cpu::moe_route_backward(dlogits, dgates, gates, experts,
-                            normalize ? cpu::In{} : cpu::In(logits), T, E, k);
+                            gating.reads_logits() ? cpu::In(logits) : cpu::In{}, T, E, k, gating);
 
     Dev d_logits(k_, logits), d_x(k_, x), d_y(k_, y), d_dout(k_, dout);
     Dev d_gates(k_, Vec(slots), true), d_rows(k_, Vec(static_cast<std::size_t>(E)), true);
@@ -454,7 +461,7 @@ TEST_CASE("GPU mixture-of-experts routing, dispatch and combine match the CPU",
     Dev d_dgates(k_, Vec(slots, 0.0f), true), d_dx(k_, dx0);
     Dev d_dlogits(k_, Vec(dlogits.size(), 0.0f));
     cu::DeviceBuffer d_experts(slots * sizeof(int)), d_order(slots * sizeof(int));
-    k_.moe_route(d_experts.i32(), d_gates.f(), d_logits.p(), T, E, k, normalize);
+    k_.moe_route(d_experts.i32(), d_gates.f(), d_logits.p(), T, E, k, gating);
     k_.moe_dispatch(d_dispatched.p(), d_order.i32(), d_rows.f(), d_x.p(), d_experts.i32(), T, C, k,
                     E);
     k_.moe_combine(d_out.p(), d_y.p(), d_gates.f(), d_order.i32(), T, C, k);
@@ -462,7 +469,7 @@ TEST_CASE("GPU mixture-of-experts routing, dispatch and combine match the CPU",
                             T, C, k);
     k_.moe_dispatch_backward(d_dx.p(), d_dy.p(), d_order.i32(), T, C, k);
     k_.moe_route_backward(d_dlogits.p(), d_dgates.f(), d_gates.f(), d_experts.i32(),
-                          normalize ? nullptr : d_logits.p(), T, E, k);
+                          gating.reads_logits() ? d_logits.p() : nullptr, T, E, k, gating);
     CHECK(ints_of(d_experts, slots) == experts);
     CHECK(ints_of(d_order, slots) == order);
     const Vec got_rows = d_rows.host();

@@ -366,21 +366,44 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     CHECK(m.moe->dense_blocks == std::vector<std::int64_t>{0});
     CHECK(m.moe->dense_ffn_hidden == 10944);
     CHECK(m.moe->normalize_top_k);
+    // Its gates: the chosen logits' sigmoids over their sum, times routed_scaling_factor.
+    CHECK(m.moe->sigmoid_gates);
+    CHECK(m.moe->routed_scale == 1.0);
+    CHECK(architecture_json(m)["moe"]["scores"] == "sigmoid");
+    CHECK_FALSE(architecture_json(m)["moe"].contains("routed_scaling_factor"));
     // q, k and v biases, none on o (Glm4MoeAttention).
     CHECK(m.bias.qkv);
     CHECK_FALSE(m.bias.attn_out);
     // Its language model: 106.85B (GLM-4.5-Air's "106B total"; its multi-token prediction
     // layer, which Hugging Face's class leaves out, not counted).
     CHECK(count_params(m) == 106852245504ULL);
-    // Half-head RoPE, the router's sigmoid scores, the multi-token prediction layer.
+    // Half-head RoPE, the router's selection bias, the multi-token prediction layer.
     REQUIRE(m.unmodelled.size() == 3);
     CHECK(m.unmodelled[0] == "its partial_rotary_factor of 0.5 (RoPE on whole heads instead)");
-    CHECK(m.unmodelled[1].find("sigmoid scores") != std::string::npos);
+    CHECK(m.unmodelled[1].find("e_score_correction_bias") != std::string::npos);
     CHECK(m.unmodelled[2] == "its 1 multi-token prediction layer");
     // GLM-4.5's three dense blocks; Glm4MoeConfig's defaults (one dense block, one shared
     // expert, RoPE on half of each head) where the keys are left out.
-    TempFile three("config.json", "{" + fields + R"(, "first_k_dense_replace": 3})");
-    CHECK(load_model(three.path()).moe->dense_blocks == std::vector<std::int64_t>{0, 1, 2});
+    // (The Air's fields with others: GLM-4.5's routed_scaling_factor, grouped routing.)
+    const auto scaled = [&fields](const std::string& factor, const std::string& groups) {
+      std::string out = fields;
+      for (const auto& [from, to] :
+           {std::pair<std::string, std::string>{R"("routed_scaling_factor": 1.0)",
+                                                R"("routed_scaling_factor": )" + factor},
+            {R"("n_group": 1)", R"("n_group": )" + groups}}) {
+        out.replace(out.find(from), from.size(), to);
+      }
+      return out;
+    };
+    TempFile three("config.json", "{" + scaled("2.5", "8") + R"(, "first_k_dense_replace": 3})");
+    const auto glm45 = load_model(three.path());
+    CHECK(glm45.moe->dense_blocks == std::vector<std::int64_t>{0, 1, 2});
+    CHECK(glm45.moe->routed_scale == 2.5);
+    CHECK(std::count(glm45.unmodelled.begin(), glm45.unmodelled.end(),
+                     "its group-limited routing (n_group, topk_group)") == 1);
+    TempFile huge("config.json", "{" + scaled("2500", "1") + R"(, "first_k_dense_replace": 1})");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(huge.path()), InputError,
+                                    "routed_scaling_factor: expected a factor from 0.001 to 1000");
     TempFile defaults("config.json", R"({"model_type": "glm4_moe", "hidden_size": 64,
       "intermediate_size": 160, "moe_intermediate_size": 32, "num_attention_heads": 8,
       "num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2,
@@ -846,6 +869,14 @@ TEST_CASE("bad model files are rejected naming file and field", "[model][bad-inp
                       {"dense_blocks", {0}},
                       {"dense_ffn_hidden", 1LL << 25}},
        "moe.dense_ffn_hidden: expected at most 16777216"},
+      // The gates' scores and their scale.
+      {"moe",
+       nlohmann::json{{"experts", 2}, {"top_k", 1}, {"expert_ffn_hidden", 256}, {"scores", "relu"}},
+       "moe.scores: expected one of softmax, sigmoid, got \"relu\""},
+      {"moe",
+       nlohmann::json{
+           {"experts", 2}, {"top_k", 1}, {"expert_ffn_hidden", 256}, {"routed_scaling_factor", 0}},
+       "moe.routed_scaling_factor: expected a factor from 0.001 to 1000, got 0"},
       // Sanity bounds keep every count inside 64 bits (a wrapped product, or bad_alloc for
       // 2^31 blocks, is never the answer).
       {"layers", 2147483653LL, "layers: expected at most 100000, got 2147483653"},
