@@ -716,7 +716,8 @@ nlohmann::json checkpoint_architecture(const nlohmann::json& architecture_json) 
 namespace {
 
 // A mixture's fields that model::architecture_json records only where they differ from a model
-// without them (shared experts; gates over all experts), as that model has them: a checkpoint
+// without them (shared experts; gates over all experts; sigmoid scores and their scale; dense
+// blocks), as that model has them: a checkpoint
 // from before they were recorded compares as one of such a model.
 nlohmann::json with_moe_defaults(nlohmann::json a) {
   if (a.is_object() && a.contains("moe") && a.at("moe").is_object()) {

@@ -1046,19 +1046,21 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
         "mixture of experts: each token to its top {} of {} experts by router logit, weighted by "
         "{}; dropless, no load-balancing loss{}{}",
         spec.moe->top_k, spec.moe->experts,
-        spec.moe->sigmoid_gates
-            ? fmt::format("their logits' sigmoids{}{} (DeepSeek-V3's scores)",
-                          spec.moe->normalize_top_k ? " over their sum" : "",
-                          spec.moe->routed_scale != 1.0
-                              ? fmt::format(", times {:g}", spec.moe->routed_scale)
-                              : "")
-        : !spec.moe->normalize_top_k
-            ? "their probabilities in the softmax over all experts, not renormalized (Switch "
-              "Transformer's; Hugging Face's norm_topk_prob false)"
-        : spec.moe->top_k == 1
-            ? "the softmax of those logits (Mixtral's routing), which for one expert a token is "
-              "1: the router does not train"
-            : "the softmax of those logits (Mixtral's routing)",
+        fmt::format(
+            "{}{}{}",
+            spec.moe->sigmoid_gates
+                ? fmt::format("their logits' sigmoids{} (DeepSeek-V3's scores)",
+                              spec.moe->normalize_top_k ? " over their sum" : "")
+            : !spec.moe->normalize_top_k
+                ? "their probabilities in the softmax over all experts, not renormalized (Switch "
+                  "Transformer's; Hugging Face's norm_topk_prob false)"
+                : "the softmax of those logits (Mixtral's routing)",
+            spec.moe->routed_scale != 1.0 ? fmt::format(", times {:g}", spec.moe->routed_scale)
+                                          : "",
+            spec.moe->top_k == 1 && spec.moe->normalize_top_k
+                ? fmt::format(", which for one expert a token is {:g}: the router does not train",
+                              spec.moe->routed_scale)
+                : ""),
         spec.shared_ffn() > 0
             ? fmt::format("; and every token through the shared experts (an MLP of width "
                           "{}), their output added to the routed experts'",

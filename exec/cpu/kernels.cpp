@@ -426,6 +426,9 @@ void dropout_backward(Out din, std::span<const std::uint8_t> mask, In dout, floa
 
 namespace {
 
+// What a sum of sigmoid scores starts from (DeepSeek-V3's and GLM-4.5's routers' 1e-20).
+constexpr double kSigmoidFloor = 1e-20;
+
 // A router logit's sigmoid score, in double (as the softmax's exponentials).
 double sigmoid_of(float logit) {
   return 1.0 / (1.0 + std::exp(-static_cast<double>(logit)));
@@ -443,8 +446,9 @@ void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k
     std::partial_sort(best.begin(), best.begin() + k, best.end(),
                       [l](int a, int b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
     if (gating.sigmoid) {
-      // Each chosen logit's sigmoid (the order of the logits), over their sum or not.
-      double sum = 0;
+      // Each chosen logit's sigmoid (the order of the logits), over their sum or not (plus
+      // 1e-20, as DeepSeek-V3's and GLM-4.5's routers add: logits below -745 have 0).
+      double sum = kSigmoidFloor;
       for (int j = 0; j < k; ++j) sum += sigmoid_of(l[best[static_cast<std::size_t>(j)]]);
       for (int j = 0; j < k; ++j) {
         const std::size_t slot = static_cast<std::size_t>(t) * k + j;
@@ -471,6 +475,9 @@ void moe_route(std::span<int> experts, Out gates, In logits, int T, int E, int k
 
 void moe_route_backward(Out dlogits, In dgates, In gates, std::span<const int> experts, In logits,
                         int T, int E, int k, const Gating& gating) {
+  // One expert a token, its gate normalized over the k: a constant (the scale), no gradient
+  // (none computed: a rounding residue would move the router).
+  if (gating.normalize && k == 1) return;
   for (int t = 0; t < T; ++t) {
     const std::size_t first = static_cast<std::size_t>(t) * k;
     float dot = 0;
@@ -481,7 +488,7 @@ void moe_route_backward(Out dlogits, In dgates, In gates, std::span<const int> e
     // logits get none.
     if (gating.sigmoid) {
       const float* l = logits.data() + static_cast<std::size_t>(t) * E;
-      double sum = 0;
+      double sum = kSigmoidFloor;
       for (int j = 0; j < k; ++j) sum += sigmoid_of(l[experts[first + j]]);
       for (int j = 0; j < k; ++j) {
         const int e = experts[first + j];

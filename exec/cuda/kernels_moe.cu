@@ -10,6 +10,9 @@ namespace {
 
 // ---- mixture of experts -------------------------------------------------------------------
 
+// What a sum of sigmoid scores starts from (exec/cpu's kSigmoidFloor: DeepSeek-V3's 1e-20).
+constexpr double kSigmoidFloor = 1e-20;
+
 // A router logit's sigmoid score, in double (exec/cpu's sigmoid_of).
 __device__ double sigmoid_score(float logit) {
   return 1.0 / (1.0 + exp(-static_cast<double>(logit)));
@@ -39,7 +42,7 @@ __global__ void moe_route_kernel(int* experts, float* gates, const T* logits, st
       chosen[j] = best;
     }
     if (gating.sigmoid) {
-      double sum = 0;
+      double sum = kSigmoidFloor;
       for (int j = 0; j < k; ++j) sum += sigmoid_score(load(logits, row + chosen[j]));
       for (int j = 0; j < k; ++j) {
         const double s = sigmoid_score(load(logits, row + chosen[j]));
@@ -71,7 +74,7 @@ __global__ void moe_route_backward_kernel(T* dlogits, const float* dgates, const
     for (int j = 0; j < k; ++j) dot += gates[first + j] * dgates[first + j];
     if (gating.sigmoid) {
       const std::int64_t row = t * E;
-      double sum = 0;
+      double sum = kSigmoidFloor;
       for (int j = 0; j < k; ++j) sum += sigmoid_score(load(logits, row + experts[first + j]));
       for (int j = 0; j < k; ++j) {
         const std::int64_t i = row + experts[first + j];
@@ -235,7 +238,8 @@ void Kernels::moe_route(int* experts, float* gates, const void* logits, int T, i
 void Kernels::moe_route_backward(void* dlogits, const float* dgates, const float* gates,
                                  const int* experts, const void* logits, int T, int E, int k,
                                  const Gating& gating) {
-  if (T == 0) return;
+  // (One expert a token, its gate normalized: a constant, no gradient; exec/cpu's.)
+  if (T == 0 || (gating.normalize && k == 1)) return;
   with_type(act_, [&](auto* tag) {
     using A = std::remove_pointer_t<decltype(tag)>;
     moe_route_backward_kernel<<<blocks_for(T), kThreads, 0, impl_->stream>>>(

@@ -466,9 +466,9 @@ void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string
 // 4.6): the first first_k_dense_replace blocks dense MLPs of intermediate_size, the others
 // n_routed_experts experts of moe_intermediate_size, the top num_experts_per_tok a token,
 // beside n_shared_experts shared ones (one MLP of n_shared_experts x moe_intermediate_size).
-// Said not to be modelled: its router's sigmoid scores with their selection bias
-// (e_score_correction_bias), group-limited choice (n_group, topk_group) and routed_scaling_factor
-// (the same cost; dtexec weights the chosen experts by a softmax of their logits), its RMSNorm of
+// Its gates: the chosen logits' sigmoids over their sum (norm_topk_prob), times
+// routed_scaling_factor. Said not to be modelled: its router's selection bias
+// (e_score_correction_bias) and group-limited choice (n_group, topk_group), its RMSNorm of
 // each head's queries and keys (use_qk_norm), and its multi-token prediction layers
 // (num_nextn_predict_layers, which Hugging Face's class leaves out too).
 void read_glm4_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {

@@ -708,6 +708,16 @@ TEST_CASE("checkpoint: architectures differ in the fields both recorded", "[exec
   CHECK(architecture_differences(before, now) ==
         std::vector<std::string>{"moe.normalize_top_k true against false",
                                  "moe.shared_ffn_hidden 0 against 128"});
+  // Sigmoid scores and their scale: softmax at 1 before they were recorded.
+  now = before;
+  now["moe"]["scores"] = "softmax";
+  now["moe"]["routed_scaling_factor"] = 1.0;
+  CHECK(architecture_differences(before, now).empty());
+  now["moe"]["scores"] = "sigmoid";
+  now["moe"]["routed_scaling_factor"] = 2.5;
+  CHECK(architecture_differences(before, now) ==
+        std::vector<std::string>{"moe.routed_scaling_factor 1.0 against 2.5",
+                                 "moe.scores \"softmax\" against \"sigmoid\""});
   // Dense blocks among the experts': none before they were recorded; a list compared whole.
   now = before;
   now["moe"]["dense_blocks"] = nlohmann::json::array();
