@@ -1165,11 +1165,9 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
                        p.tp, m.heads, m.kv_heads, m.ffn_hidden, m.vocab_rows()));
   }
   // (A mixture's other MLPs: its shared experts', its dense blocks'.)
-  for (std::int64_t l = 0; l < m.layers; ++l) {
-    if (m.dense_ffn(l) % p.tp != 0) {
-      refuse(fmt::format("tp {} that does not divide block {}'s dense MLP width {}", p.tp, l,
-                         m.dense_ffn(l)));
-    }
+  for (const auto& [name, width] : m.mlp_widths()) {
+    if (width % p.tp != 0)
+      refuse(fmt::format("tp {} that does not divide {} {}", p.tp, name, width));
   }
   if (p.devices() > 1 && program.lowering != lower::Lowering::AllRanks && !one_program_alone) {
     throw InternalError("a multi-rank run needs the program lowered for all ranks");

@@ -393,8 +393,7 @@ std::vector<ModelGemm> model_gemms(const model::ModelGraph& graph, int max_tp, i
   // mixture's dense blocks among those with experts) the first of the other kind's (its router
   // and shared experts); the head's too. Experts are not timed.
   const model::ModelSpec& m = graph.spec();
-  int other = 0;
-  while (other < m.layers && m.has_experts(other) == m.has_experts(0)) ++other;
+  const std::int64_t other = m.first_block(!m.has_experts(0));  // (-1: none)
   for (const model::Op& op : graph.ops()) {
     const bool timed_block = op.layer <= 0 || op.layer >= m.layers || op.layer == other;
     if (op.gemm_m <= 0 || op.expert || !timed_block) continue;

@@ -160,20 +160,19 @@ std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Clus
                               max_tp_given ? "--max-tp" : "the devices per node (--max-tp)",
                               max_tp));
   }
-  // (The shared experts' and the dense blocks' widths too, where the model has them.)
-  const std::int64_t dense_width = m.mixed_blocks() ? m.moe->dense_ffn_hidden : 0;
+  // (The MLPs' widths: the shared experts' and the dense blocks' too, where the model has
+  // them.)
   std::vector<std::string> widths = {fmt::format("heads ({})", m.heads),
-                                     fmt::format("kv_heads ({})", m.kv_heads),
-                                     fmt::format("ffn_hidden ({})", m.ffn_hidden)};
-  if (m.shared_ffn() > 0) widths.push_back(fmt::format("shared_ffn_hidden ({})", m.shared_ffn()));
-  if (dense_width > 0) widths.push_back(fmt::format("dense_ffn_hidden ({})", dense_width));
-  std::string shared =
-      m.shared_ffn() > 0 ? fmt::format(", shared_ffn_hidden {}", m.shared_ffn()) : "";
-  if (dense_width > 0) shared += fmt::format(", dense_ffn_hidden {}", dense_width);
-  if (space.fixed_tp > 0 &&
-      (m.heads % space.fixed_tp != 0 || m.kv_heads % space.fixed_tp != 0 ||
-       m.ffn_hidden % space.fixed_tp != 0 || m.shared_ffn() % space.fixed_tp != 0 ||
-       dense_width % space.fixed_tp != 0)) {
+                                     fmt::format("kv_heads ({})", m.kv_heads)};
+  std::string mlps;
+  const int tp = std::max(1, space.fixed_tp);  // (1 where tp is not fixed)
+  bool divides = m.heads % tp == 0 && m.kv_heads % tp == 0;
+  for (const auto& [name, width] : m.mlp_widths()) {
+    widths.push_back(fmt::format("{} ({})", name, width));
+    mlps += fmt::format(", {} {}", name, width);
+    divides = divides && width % tp == 0;
+  }
+  if (space.fixed_tp > 0 && !divides) {
     const std::string last = widths.back();
     widths.pop_back();
     why.push_back(fmt::format("--fixed tp={} must divide the model's {} and {}", space.fixed_tp,
@@ -215,9 +214,9 @@ std::string explain_no_candidates(const model::ModelSpec& m, const cluster::Clus
   all.push_back(fmt::format("{} devices, {} per node (tp x cp x pp x dp = devices)", devices,
                             cluster.devices_per_node));
   if (!fixed_text.empty()) all.push_back(fmt::format("{}", fmt::join(fixed_text, ", ")));
-  all.push_back(fmt::format("tp <= {} ({}) and divides heads {}, kv_heads {}, ffn_hidden {}{}",
-                            max_tp, max_tp_given ? "--max-tp" : "devices per node; --max-tp",
-                            m.heads, m.kv_heads, m.ffn_hidden, shared));
+  all.push_back(fmt::format("tp <= {} ({}) and divides heads {}, kv_heads {}{}", max_tp,
+                            max_tp_given ? "--max-tp" : "devices per node; --max-tp", m.heads,
+                            m.kv_heads, mlps));
   all.push_back(space.max_pp > 0
                     ? fmt::format("pp <= {} (--max-pp) and <= {} layers", space.max_pp, m.layers)
                     : fmt::format("pp <= {} layers", m.layers));

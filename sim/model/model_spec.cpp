@@ -47,6 +47,33 @@ std::int64_t ModelSpec::expert_blocks() const {
   return moe ? layers - static_cast<std::int64_t>(moe->dense_blocks.size()) : 0;
 }
 
+std::int64_t ModelSpec::first_block(bool with_experts) const {
+  if (!moe) return with_experts || layers == 0 ? -1 : 0;
+  const auto& dense = moe->dense_blocks;
+  if (!with_experts) return dense.empty() ? -1 : dense.front();
+  // (The dense blocks ascend: the first number they skip.)
+  std::int64_t l = 0;
+  while (l < static_cast<std::int64_t>(dense.size()) && dense[static_cast<std::size_t>(l)] == l)
+    ++l;
+  return l < layers ? l : -1;
+}
+
+std::int64_t ModelSpec::dense_blocks_in(std::int64_t first, std::int64_t last) const {
+  if (!moe) return last - first;
+  const auto& dense = moe->dense_blocks;
+  return std::lower_bound(dense.begin(), dense.end(), last) -
+         std::lower_bound(dense.begin(), dense.end(), first);
+}
+
+std::vector<std::pair<std::string_view, std::int64_t>> ModelSpec::mlp_widths() const {
+  if (!moe) return {{"ffn_hidden", ffn_hidden}};
+  std::vector<std::pair<std::string_view, std::int64_t>> out = {
+      {"expert_ffn_hidden", moe->expert_ffn_hidden}};
+  if (moe->shared_ffn_hidden > 0) out.emplace_back("shared_ffn_hidden", moe->shared_ffn_hidden);
+  if (mixed_blocks()) out.emplace_back("dense_ffn_hidden", moe->dense_ffn_hidden);
+  return out;
+}
+
 std::int64_t ModelSpec::dense_ffn(std::int64_t layer) const {
   if (!moe) return ffn_hidden;
   return has_experts(layer) ? moe->shared_ffn_hidden : moe->dense_ffn_hidden;

@@ -120,6 +120,13 @@ struct ModelSpec {
   std::int64_t expert_blocks() const;
   // Whether a mixture has dense blocks among the experts' (its blocks differ).
   bool mixed_blocks() const { return moe && !moe->dense_blocks.empty(); }
+  // The first block with experts (`with_experts`) or without; -1 where there is none.
+  std::int64_t first_block(bool with_experts) const;
+  // How many of blocks [first, last) are dense (a dense model's: all).
+  std::int64_t dense_blocks_in(std::int64_t first, std::int64_t last) const;
+  // The MLP widths that tensor parallelism splits, by their field's name: the dense MLP's
+  // (ffn_hidden) or the experts' (expert_ffn_hidden), the shared experts', the dense blocks'.
+  std::vector<std::pair<std::string_view, std::int64_t>> mlp_widths() const;
   // Width of the MLP that every token of block `layer` passes whole: a dense model's, a
   // mixture's dense block's, or its shared experts' beside the experts (0 where it has none).
   std::int64_t dense_ffn(std::int64_t layer) const;

@@ -211,20 +211,10 @@ PlanCheck check_rules(const Plan& p, const model::ModelSpec& m, std::int64_t dev
           fmt::format("tp = {} does not divide {} key/value heads", p.tp, m.kv_heads));
   }
   // Megatron-LM splits the MLP's inner dimension over tp (column- then row-parallel).
-  if (!m.moe && m.ffn_hidden % p.tp != 0) {
-    error("tp-ffn", fmt::format("tp = {} does not divide ffn_hidden = {}", p.tp, m.ffn_hidden));
-  }
-  if (m.moe && m.moe->expert_ffn_hidden % p.tp != 0) {
-    error("tp-ffn", fmt::format("tp = {} does not divide expert_ffn_hidden = {}", p.tp,
-                                m.moe->expert_ffn_hidden));
-  }
-  if (m.shared_ffn() % p.tp != 0) {
-    error("tp-ffn",
-          fmt::format("tp = {} does not divide shared_ffn_hidden = {}", p.tp, m.shared_ffn()));
-  }
-  if (m.mixed_blocks() && m.moe->dense_ffn_hidden % p.tp != 0) {
-    error("tp-ffn", fmt::format("tp = {} does not divide dense_ffn_hidden = {}", p.tp,
-                                m.moe->dense_ffn_hidden));
+  for (const auto& [name, width] : m.mlp_widths()) {
+    if (width % p.tp != 0) {
+      error("tp-ffn", fmt::format("tp = {} does not divide {} = {}", p.tp, name, width));
+    }
   }
   if (p.seq_len < 1 || p.seq_len > m.max_positions) {
     error("seq-len", fmt::format("seq_len = {} must be in 1..{} (the model's max_positions)",

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -279,26 +280,24 @@ class Estimator {
     // zero); block_kind(l): block l's.
     const auto block_kind = [&](int layer) { return m.has_experts(layer) ? 1 : 0; };
     std::array<BlockCost, 2> kinds;
-    std::array<bool, 2> kind_priced{};
-    for (int l = 0; l < m.layers && !(kind_priced[0] && kind_priced[1]); ++l) {
-      const auto k = static_cast<std::size_t>(block_kind(l));
-      if (!kind_priced[k]) kinds[k] = block_cost(l);
-      kind_priced[k] = true;
+    for (const std::size_t k : {0, 1}) {
+      if (const auto first = m.first_block(k == 1); first >= 0) {
+        kinds[k] = block_cost(static_cast<int>(first));
+      }
     }
-    // Blocks of each kind in each chunk, and a figure of theirs summed over a count of each
-    // kind (n[0] x the dense blocks' + n[1] x the others').
+    // Blocks of each kind in each chunk, and a figure of theirs (a member, or a function of a
+    // BlockCost) summed over a count of each kind (n[0] x the dense blocks' + n[1] x the
+    // others').
     using Count = std::array<double, 2>;
     const std::vector<int> chunks = plan::chunk_layers(p, m.layers);
     std::vector<Count> chunk_kinds(chunks.size(), Count{});
-    {
-      int l = 0;
-      for (std::size_t k = 0; k < chunks.size(); ++k) {
-        for (int i = 0; i < chunks[k]; ++i, ++l)
-          ++chunk_kinds[k][static_cast<std::size_t>(block_kind(l))];
-      }
+    for (std::size_t k = 0, first = 0; k < chunks.size(); first += chunks[k], ++k) {
+      const auto dense = m.dense_blocks_in(static_cast<std::int64_t>(first),
+                                           static_cast<std::int64_t>(first) + chunks[k]);
+      chunk_kinds[k] = {static_cast<double>(dense), static_cast<double>(chunks[k] - dense)};
     }
-    const auto sum = [&](const Count& n, double BlockCost::*figure) {
-      return n[0] * (kinds[0].*figure) + n[1] * (kinds[1].*figure);
+    const auto sum = [&](const Count& n, auto figure) {
+      return n[0] * std::invoke(figure, kinds[0]) + n[1] * std::invoke(figure, kinds[1]);
     };
 
     auto group_time = [&](int layer, Phase phase) {
@@ -773,12 +772,9 @@ class Estimator {
     const auto expert_blocks = static_cast<double>(m.expert_blocks());
     const Count average = {mb * ((static_cast<double>(m.layers) - expert_blocks) / p.pp),
                            mb * (expert_blocks / p.pp)};
-    const auto over = [&](const Count& n, auto figure) {
-      return n[0] * figure(kinds[0]) + n[1] * figure(kinds[1]);
-    };
-    b.exposed_tp_s = over(average, [](const BlockCost& c) { return c.tp_comm + c.tp_backward; });
-    b.exposed_cp_s = over(average, [](const BlockCost& c) { return c.cp_comm + c.cp_backward; });
-    b.exposed_ep_s = over(average, [](const BlockCost& c) { return 2 * c.ep_comm; });
+    b.exposed_tp_s = sum(average, [](const BlockCost& c) { return c.tp_comm + c.tp_backward; });
+    b.exposed_cp_s = sum(average, [](const BlockCost& c) { return c.cp_comm + c.cp_backward; });
+    b.exposed_ep_s = sum(average, [](const BlockCost& c) { return 2 * c.ep_comm; });
     b.compute_s -= b.exposed_tp_s + b.exposed_cp_s + b.exposed_ep_s;
     b.exposed_tp_s -= regathers_hidden;
     // Full recompute runs each block's forward collectives again: the simulator counts them as
@@ -786,7 +782,7 @@ class Estimator {
     if (p.recompute == Recompute::Full) {
       const Count again = {mb * stage_blocks[0], mb * stage_blocks[1]};
       b.recompute_s -=
-          over(again, [](const BlockCost& c) { return c.tp_comm + c.cp_comm + c.ep_comm; });
+          sum(again, [](const BlockCost& c) { return c.tp_comm + c.cp_comm + c.ep_comm; });
       b.exposed_tp_s += sum(again, &BlockCost::tp_comm);
       b.exposed_cp_s += sum(again, &BlockCost::cp_comm);
       b.exposed_ep_s += sum(again, &BlockCost::ep_comm);
@@ -805,7 +801,7 @@ class Estimator {
       // The backward's tp collectives, nearly all of them f's, wait for the backward compute
       // before them; the weight gradient beside each hides that wait up to its slack.
       const double per_compute = jitter_cv_ * spread(p.tp);
-      tp_waits -= over(average, [&](const BlockCost& c) {
+      tp_waits -= sum(average, [&](const BlockCost& c) {
         double hidden = 0;
         for (const Segment& seg : c.segments) {
           hidden += std::min(per_compute * seg.compute, seg.slack);
@@ -1119,11 +1115,11 @@ class Estimator {
       const Filled f = fill_buckets(g, p, 0, experts, grad_bytes, per_block);
       return f.params > 0 ? f.buckets / (f.params * grad_bytes) : 0.0;
     }
-    const int dense = static_cast<int>(m.moe->dense_blocks.front());
-    int with_experts = 0;
-    while (!m.has_experts(with_experts)) ++with_experts;
-    const Filled d = fill_buckets(g, p, dense, experts, grad_bytes, per_block);
-    const Filled e = fill_buckets(g, p, with_experts, experts, grad_bytes, per_block);
+    const auto block = [&](bool with_experts) {
+      return fill_buckets(g, p, static_cast<int>(m.first_block(with_experts)), experts, grad_bytes,
+                          per_block);
+    };
+    const Filled d = block(false), e = block(true);
     const auto n_dense = static_cast<double>(m.layers - m.expert_blocks());
     const auto n_experts = static_cast<double>(m.expert_blocks());
     const double params = n_dense * d.params + n_experts * e.params;
@@ -1211,11 +1207,10 @@ class Estimator {
     };
     std::array<double, 2> block_gather{}, first_forward{}, first_backward{};
     std::array<std::vector<Send>, 2> block_reduce;
-    std::array<bool, 2> priced{};
-    for (int layer = 0; layer < layers; ++layer) {
-      const std::size_t k = kind(layer);
-      if (priced[k]) continue;
-      priced[k] = true;
+    for (const std::size_t k : {0, 1}) {
+      const auto first = g.spec().first_block(k == 1);
+      if (first < 0) continue;
+      const int layer = static_cast<int>(first);
       const auto& ops = g.layer_ops(layer);
       const std::vector<bool> ends = backward_task_ends(g, p, layer);
       // The block's first tasks (the next unit's gather waits for them): the forward's up to
@@ -1360,8 +1355,9 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
   const std::int64_t seq = space.seq_len > 0 ? space.seq_len : m.seq_len;
   for (int tp : divisors(devices)) {
     if (tp > max_tp || !allowed(space.fixed_tp, tp)) continue;
-    if (m.heads % tp != 0 || m.kv_heads % tp != 0 || m.ffn_hidden % tp != 0 ||
-        m.shared_ffn() % tp != 0 || (m.mixed_blocks() && m.moe->dense_ffn_hidden % tp != 0)) {
+    const auto widths = m.mlp_widths();
+    if (m.heads % tp != 0 || m.kv_heads % tp != 0 ||
+        std::any_of(widths.begin(), widths.end(), [tp](const auto& w) { return w.second % tp; })) {
       continue;
     }
     for (int cp : divisors(devices / tp)) {
