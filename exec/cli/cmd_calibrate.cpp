@@ -689,6 +689,15 @@ int calibrate(const std::vector<std::string>& args) {
   options.quick = vm["quick"].as<bool>();
   options.repeats = repeats;
   options.model = vm["model"].as<std::string>();
+  // dtexec's kernels do not run latent attention (dtexec run refuses it): its core and
+  // projections would be timed at shapes that are not the model's.
+  alike_on_every_rank(mpi.get(), "calibrate", [&] {
+    if (dtsim::model::load_model(options.model).mla) {
+      throw dtsim::UnsupportedError(
+          "multi-head latent attention (the mla of DeepSeek-V2 and V3) is not calibrated yet: "
+          "dtexec's kernels do not run it (calibrate with a model without it)");
+    }
+  });
   options.micro_batch_size = vm["micro-batch-size"].as<std::int64_t>();
   if (options.micro_batch_size < 1 || options.micro_batch_size > 65536) {
     throw dtsim::InputError(

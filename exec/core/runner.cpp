@@ -1159,6 +1159,8 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
         p.micro_batch_size * p.seq_len / p.cp, p.tp));
   }
   if (p.schedule == plan::Schedule::PipeDreamAsync) refuse("the PipeDream (asynchronous) schedule");
+  // (dtsim plans and simulates it.)
+  if (m.mla) refuse("multi-head latent attention (the mla of DeepSeek-V2 and V3)");
   if (m.heads % p.tp != 0 || m.kv_heads % p.tp != 0 || m.ffn_hidden % p.tp != 0 ||
       m.vocab_rows() % p.tp != 0) {
     refuse(fmt::format("tp {} that does not divide heads {}, kv heads {}, ffn {} and vocab {}",

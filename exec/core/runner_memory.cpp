@@ -28,6 +28,9 @@ std::vector<Runner::Use> Runner::forward_uses(OpId id) const {
   auto read = [&u](Slot s, OpId x) { u.push_back({s, x, false}); };
   auto make = [&u](Slot s, OpId x) { u.push_back({s, x, true}); };
   switch (op.kind) {
+    case OpKind::LatentDown:  // (check_runnable refuses multi-head latent attention)
+      DTSIM_ASSERT(false, "multi-head latent attention is not executed");
+      break;
     case OpKind::Embedding:
       make(Slot::Out, id);
       if (dropout_ > 0 && tp_ == 1) make(Slot::Mask, id);
@@ -97,6 +100,9 @@ std::vector<Runner::Use> Runner::backward_uses(OpId id, Part part) const {
   if (!has_weights && !input_grads) return u;
   auto read = [&u](Slot s, OpId x) { u.push_back({s, x, false}); };
   switch (op.kind) {
+    case OpKind::LatentDown:  // (check_runnable refuses multi-head latent attention)
+      DTSIM_ASSERT(false, "multi-head latent attention is not executed");
+      break;
     case OpKind::LossStatistics:  // no backward
       break;
     case OpKind::Loss:

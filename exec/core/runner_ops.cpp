@@ -8,6 +8,9 @@ void Runner::forward(MicroBatch& mb, OpId id) {
   const Op& op = g_.op(id);
   auto& out = mb.out[id];
   switch (op.kind) {
+    case OpKind::LatentDown:  // (check_runnable refuses multi-head latent attention)
+      DTSIM_ASSERT(false, "multi-head latent attention is not executed");
+      break;
     case OpKind::Embedding: {
       fresh_for_overwrite(out, static_cast<std::int64_t>(T_) * C_);
       // Positions are added once: by tensor-parallel rank 0, before the all-reduce.
@@ -208,6 +211,9 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
   const bool has_weights = holds_weights(id) || tied_head(op);
   if (!has_weights && !input_grads) return;
   switch (op.kind) {
+    case OpKind::LatentDown:  // (check_runnable refuses multi-head latent attention)
+      DTSIM_ASSERT(false, "multi-head latent attention is not executed");
+      break;
     case OpKind::LossStatistics:  // no backward: the loss's forward wrote the gradient
       break;
     case OpKind::Loss: {

@@ -40,7 +40,15 @@ std::string block_list(const std::vector<std::int64_t>& blocks) {
 std::string architecture(const model::ModelSpec& m) {
   std::string s = fmt::format("{} layers, hidden {}, {} heads", m.layers, m.hidden, m.heads);
   if (m.kv_heads != m.heads) s += fmt::format(" ({} KV heads)", m.kv_heads);
-  s += fmt::format(", head dim {}, ", m.head_dim);
+  if (m.mla) {
+    const model::MlaSpec& a = *m.mla;
+    s += ", multi-head latent attention (";
+    if (a.q_lora_rank > 0) s += fmt::format("query latent {}, ", a.q_lora_rank);
+    s += fmt::format("key-value latent {}, query and key heads {} + {} RoPE, value heads {}), ",
+                     a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim);
+  } else {
+    s += fmt::format(", head dim {}, ", m.head_dim);
+  }
   if (m.moe) {
     s += fmt::format("MoE {} experts top-{} of {} FFN {}, ", m.moe->experts, m.moe->top_k,
                      to_string(m.activation), m.moe->expert_ffn_hidden);

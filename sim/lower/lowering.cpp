@@ -467,25 +467,29 @@ class Lowerer {
     return items;
   }
 
-  // The collective a marker stands for in forward (backward = false) or backward.
-  std::optional<Comm> comm_for(Marker m, bool backward) const {
+  // The collective a marker item stands for in forward (backward = false) or backward.
+  std::optional<Comm> comm_for(const Item& it, bool backward) const {
     const bool sp = plan_.sequence_parallel;
     const model::ModelSpec& spec = g_.spec();
+    const Marker m = it.marker;
     switch (m) {
       case Marker::TpEnter:
       case Marker::TpExit: {
         if (plan_.tp == 1) return std::nullopt;
         // f (enter) is identity forward / all-reduce backward; g (exit) the converse; with
-        // sequence parallelism all-gather and reduce-scatter take their places.
+        // sequence parallelism all-gather and reduce-scatter take their places. What enters
+        // is the anchor's input (multi-head latent attention's latents), what leaves a hidden
+        // tensor.
         const bool enter = m == Marker::TpEnter;
+        const std::uint64_t bytes =
+            enter ? plan::tp_enter_bytes(spec, g_.op(it.anchor), hidden_bytes_) : hidden_bytes_;
         if (enter != backward) {  // forward enter, or backward exit
           if (!sp) return std::nullopt;
-          return Comm{CollectiveKind::AllGather, GroupKind::Tp, Stream::Tp, hidden_bytes_,
-                      "tp all-gather"};
+          return Comm{CollectiveKind::AllGather, GroupKind::Tp, Stream::Tp, bytes, "tp all-gather"};
         }
-        return sp ? Comm{CollectiveKind::ReduceScatter, GroupKind::Tp, Stream::Tp, hidden_bytes_,
+        return sp ? Comm{CollectiveKind::ReduceScatter, GroupKind::Tp, Stream::Tp, bytes,
                          "tp reduce-scatter"}
-                  : Comm{CollectiveKind::AllReduce, GroupKind::Tp, Stream::Tp, hidden_bytes_,
+                  : Comm{CollectiveKind::AllReduce, GroupKind::Tp, Stream::Tp, bytes,
                          "tp all-reduce"};
       }
       case Marker::TpLoss: {
@@ -508,10 +512,11 @@ class Lowerer {
       }
       case Marker::CpGatherKv:
       case Marker::CpRegatherKv: {
-        // K and V of every cp rank (this rank's kv heads: kv_width / tp).
-        const std::uint64_t kv = static_cast<std::uint64_t>(plan_.cp) * tokens_ * 2 *
-                                 static_cast<std::uint64_t>(spec.kv_width() / plan_.tp) *
-                                 act_bytes_;
+        // K and V of every cp rank (this rank's kv heads: k_width / tp and v_width / tp).
+        const std::uint64_t kv =
+            static_cast<std::uint64_t>(plan_.cp) * tokens_ *
+            static_cast<std::uint64_t>(spec.k_width() / plan_.tp + spec.v_width() / plan_.tp) *
+            act_bytes_;
         if (m == Marker::CpRegatherKv) {
           // A rank keeps only its own K and V (memory model): the backward gathers them again,
           // as ring attention passes them around again, unless full recompute just did.
@@ -557,7 +562,7 @@ class Lowerer {
     // the compute.
     std::vector<Item> items;
     for (const Item& it : all_items) {
-      if (it.op || comm_for(it.marker, backward)) items.push_back(it);
+      if (it.op || comm_for(it, backward)) items.push_back(it);
     }
     TaskId prev = first_dep;
     bool first = true;
@@ -656,7 +661,7 @@ class Lowerer {
         i = j + 2;
         continue;
       }
-      if (comm_for(items[i].marker, backward)) {
+      if (comm_for(items[i], backward)) {
         prev = emit_collective(items[i], backward, micro_batch, chunk, prev, first ? extra_dep : -1,
                                beside);
         first = false;
@@ -671,7 +676,7 @@ class Lowerer {
   // of the column-parallel layer `last` (vocab-parallel for the LM head) that ends the run.
   bool overlaps_tp_backward(const Item& marker, OpId last) const {
     if (!plan_.overlap_tp_backward || marker.op || marker.marker != Marker::TpEnter ||
-        marker.anchor != last || !comm_for(marker.marker, /*backward=*/true)) {
+        marker.anchor != last || !comm_for(marker, /*backward=*/true)) {
       return false;
     }
     const model::Op& op = g_.op(last);
@@ -715,7 +720,7 @@ class Lowerer {
     t.chunk = chunk;
     t.collective = CollectiveKind::AllGather;
     t.group = group(GroupKind::Tp);
-    t.bytes = hidden_bytes_;
+    t.bytes = plan::tp_enter_bytes(g_.spec(), g_.op(marker.anchor), hidden_bytes_);
     t.op_begin = static_cast<std::int32_t>(marker.anchor);
     t.op_end = t.op_begin + 1;
     t.label = label(FMT_COMPILE("tp all-gather input again {} mb{}"), layer_name(marker.layer),
@@ -727,7 +732,7 @@ class Lowerer {
   // The collective of `marker`, after `dep` (and `extra`, `beside` where >= 0).
   TaskId emit_collective(const Item& marker, bool backward, int micro_batch, int chunk, TaskId dep,
                          TaskId extra = -1, TaskId beside = -1) {
-    const auto c = comm_for(marker.marker, backward);
+    const auto c = comm_for(marker, backward);
     DTSIM_ASSERT(c.has_value(), "a marker without a collective");
     Task t;
     t.kind = TaskKind::Collective;
@@ -1274,14 +1279,16 @@ class Lowerer {
     // sequence_parallel under moe_local_dispatch's dispatcher).
     if (plan_.sequence_parallel && plan_.tp > 1) {
       double norm_params = 0;
-      bool routers = false;
+      bool routers = false, latents = false;
       for (const auto& chunk : items) {
         for (const Item& it : chunk) {
           if (!it.op) continue;
           const model::Op& o = g_.op(*it.op);
-          const bool router = o.kind == OpKind::Router && local_dispatch_;
-          if (o.kind == OpKind::Norm || router) norm_params += static_cast<double>(o.params);
-          routers = routers || router;
+          if (plan::sp_partial_gradients(g_.spec(), plan_, o)) {
+            norm_params += static_cast<double>(o.params);
+          }
+          routers = routers || (o.kind == OpKind::Router && local_dispatch_);
+          latents = latents || o.kind == OpKind::LatentDown;
         }
       }
       if (norm_params > 0) {
@@ -1295,8 +1302,8 @@ class Lowerer {
         ar.deps.insert(ar.deps.end(), dp_tasks.begin(), dp_tasks.end());
         ar.op_begin = 0;
         ar.op_end = static_cast<std::int32_t>(g_.size());
-        ar.label = routers ? "tp all-reduce sequence-parallel norm and router gradients"
-                           : "tp all-reduce sequence-parallel norm gradients";
+        ar.label = label(FMT_COMPILE("tp all-reduce sequence-parallel norm{}{} gradients"),
+                         latents ? ", latent down projection" : "", routers ? " and router" : "");
         dp_tasks.push_back(add(std::move(ar)));
       }
     }

@@ -39,6 +39,8 @@ std::string_view to_string(OpKind kind) {
       return "mlp_down";
     case OpKind::Router:
       return "router";
+    case OpKind::LatentDown:
+      return "latent_down";
     case OpKind::LmHead:
       return "lm_head";
     case OpKind::LossStatistics:
@@ -121,7 +123,10 @@ class Builder {
     op.bwd_bytes = 1.5 * op.fwd_bytes;  // reads saved input + upstream grad, writes grad
   }
 
-  u64 norm_params() const { return h() * (m_.norm == Norm::LayerNorm && m_.bias.norm ? 2 : 1); }
+  u64 norm_params(u64 width) const {
+    return width * (m_.norm == Norm::LayerNorm && m_.bias.norm ? 2 : 1);
+  }
+  u64 norm_params() const { return norm_params(h()); }
 
   OpId embedding() {
     Op op;
@@ -164,8 +169,9 @@ class Builder {
   }
 
   // The attention core as FlashAttention runs it (FlashAttention-2, Dao 2023, Algorithms 1
-  // and 2): blocks of queries against blocks of keys on chip, the softmax online.
-  void flash(Op& core, u64 qw, u64 kw) const {
+  // and 2): blocks of queries against blocks of keys on chip, the softmax online. Widths of
+  // its queries, keys, values and output.
+  void flash(Op& core, u64 qw, u64 kw, u64 vw, u64 ow) const {
     // Causal: the key blocks wholly after a query block are skipped (Sec. 3.1.1): with n
     // blocks of rows, n(n+1)/2 of the n² block pairs run.
     const double n = std::ceil(static_cast<double>(s_) / kFlashBlock);
@@ -181,31 +187,100 @@ class Builder {
     const double a = static_cast<double>(act_);
     const double rows =
         static_cast<double>(b_) * static_cast<double>(m_.heads) * static_cast<double>(s_);
-    core.fwd_bytes = a * tokens_ * static_cast<double>(2 * qw + 2 * kw) + 4.0 * rows;
-    core.bwd_bytes = a * tokens_ * static_cast<double>(4 * qw + 4 * kw) + 12.0 * rows;
+    core.fwd_bytes = a * tokens_ * static_cast<double>(qw + kw + vw + ow) + 4.0 * rows;
+    core.bwd_bytes = a * tokens_ * static_cast<double>(2 * (qw + kw + vw + ow)) + 12.0 * rows;
     // Saved: Q, K, V and the log-sum-exp. Attention dropout's mask is drawn again in the
     // backward from its seed (FlashAttention's Philox offsets), not kept.
     core.saved_quadratic_bytes = 0;
-    core.saved_bytes = act_ * T() * (qw + 2 * kw) + 4 * b_ * static_cast<u64>(m_.heads) * s_;
+    core.saved_bytes = act_ * T() * (qw + kw + vw) + 4 * b_ * static_cast<u64>(m_.heads) * s_;
+  }
+
+  // The projections that make the attention core's queries, keys and values from the block's
+  // normed input `in`: one QKV GEMM, or multi-head latent attention's (MlaSpec): the latents'
+  // down projection and norm, then the queries' and the keys' and values' up projections, each
+  // entering tensor parallelism's region with its latent. Returns the ops the core reads.
+  std::vector<OpId> attention_inputs(int l, OpId in) {
+    const auto name = [l](std::string_view what) { return fmt::format("L{}.{}", l, what); };
+    const double hd = static_cast<double>(h());
+    const u64 qw = static_cast<u64>(m_.q_width());
+    if (!m_.mla) {
+      const u64 kw = static_cast<u64>(m_.kv_width());
+      Op qkv;
+      qkv.name = name("qkv");
+      qkv.kind = OpKind::QkvProj;
+      qkv.layer = l;
+      qkv.tp_split = TpSplit::Column;
+      qkv.params = h() * (qw + 2 * kw) + (m_.bias.qkv ? qw + 2 * kw : 0);
+      gemm(qkv, tokens_, hd, static_cast<double>(qw + 2 * kw));
+      qkv.saved_bytes = act_ * T() * h();  // its input, the norm output (2sbh)
+      return {add(std::move(qkv), {in})};
+    }
+    const MlaSpec& a = *m_.mla;
+    const u64 rq = static_cast<u64>(a.q_lora_rank), rkv = static_cast<u64>(a.kv_lora_rank);
+    const u64 rope = static_cast<u64>(a.qk_rope_head_dim);
+    const u64 latent = static_cast<u64>(m_.latent_width());
+
+    Op down;
+    down.name = name("latent_down");
+    down.kind = OpKind::LatentDown;
+    down.layer = l;
+    down.params = h() * latent;
+    down.tp_replicated_params = down.params;
+    gemm(down, tokens_, hd, static_cast<double>(latent));
+    down.saved_bytes = act_ * T() * h();  // its input, the norm output
+    const OpId d = add(std::move(down), {in});
+
+    // The RMSNorms of the queries' and the keys' and values' latents (not the keys' RoPE part).
+    Op norm;
+    norm.name = name("latent_norm");
+    norm.kind = OpKind::Norm;
+    norm.layer = l;
+    norm.params = norm_params(rq + rkv);
+    norm.tp_replicated_params = norm.params;
+    elementwise(norm, tokens_ * static_cast<double>(rq + rkv), 1.0, 1.0);
+    norm.saved_bytes = act_ * T() * (rq + rkv);  // its input
+    const OpId n = add(std::move(norm), {d});
+
+    // The queries: from their latent, or from the block's input where there is none.
+    Op q;
+    q.name = name(rq > 0 ? "q_up" : "q_proj");
+    q.kind = OpKind::QkvProj;
+    q.layer = l;
+    q.tp_split = TpSplit::Column;
+    const u64 q_in = rq > 0 ? rq : h();
+    q.params = q_in * qw;
+    gemm(q, tokens_, static_cast<double>(q_in), static_cast<double>(qw));
+    q.saved_bytes = act_ * T() * q_in;  // its input
+    q.tp_enter_width = rq > 0 ? rq : 0;
+    const OpId qo = add(std::move(q), {rq > 0 ? n : in});
+
+    // The keys' parts without positions and the values, per head, from their latent; the
+    // keys' RoPE part (one for all heads, from the down projection) enters tp's region with it.
+    const u64 kv_out =
+        static_cast<u64>(m_.heads * a.qk_nope_head_dim) + static_cast<u64>(m_.v_width());
+    Op kv;
+    kv.name = name("kv_up");
+    kv.kind = OpKind::QkvProj;
+    kv.layer = l;
+    kv.tp_split = TpSplit::Column;
+    kv.params = rkv * kv_out;
+    gemm(kv, tokens_, static_cast<double>(rkv), static_cast<double>(kv_out));
+    kv.saved_bytes = act_ * T() * rkv;  // its input
+    kv.tp_enter_width = rkv + rope;
+    const OpId kvo = add(std::move(kv), {n});
+    return {qo, kvo};
   }
 
   OpId block(int l, OpId x) {
     const auto name = [l](std::string_view what) { return fmt::format("L{}.{}", l, what); };
     const double hd = static_cast<double>(h());
     const u64 qw = static_cast<u64>(m_.q_width());
-    const u64 kw = static_cast<u64>(m_.kv_width());
+    const u64 kw = static_cast<u64>(m_.k_width());
+    const u64 vw = static_cast<u64>(m_.v_width());
+    const u64 ow = static_cast<u64>(m_.o_width());
 
     const OpId n1 = norm(name("norm1"), l, x);
-
-    Op qkv;
-    qkv.name = name("qkv");
-    qkv.kind = OpKind::QkvProj;
-    qkv.layer = l;
-    qkv.tp_split = TpSplit::Column;
-    qkv.params = h() * (qw + 2 * kw) + (m_.bias.qkv ? qw + 2 * kw : 0);
-    gemm(qkv, tokens_, hd, static_cast<double>(qw + 2 * kw));
-    qkv.saved_bytes = act_ * T() * h();  // its input, the norm output (2sbh)
-    const OpId q = add(std::move(qkv), {n1});
+    const std::vector<OpId> qkv = attention_inputs(l, n1);
 
     Op core;
     core.name = name("attention");
@@ -213,34 +288,36 @@ class Builder {
     core.layer = l;
     core.tp_split = TpSplit::Heads;
     core.saved_tp_split = true;
-    // Q·K^T and P·V: 2 GEMMs of 2·b·a·s²·d each; backward needs 4 such GEMMs.
+    // Q·K^T and P·V: 2 GEMMs of 2·b·a·s²·d each (d: the queries' and keys' head width, then
+    // the values'); backward needs 4 such GEMMs.
     const double bas2 = static_cast<double>(b_) * static_cast<double>(m_.heads) *
                         static_cast<double>(s_) * static_cast<double>(s_);
-    core.fwd_flops = 4.0 * bas2 * static_cast<double>(m_.head_dim);
+    core.fwd_flops = 2.0 * bas2 * static_cast<double>(m_.head_dim + m_.v_head_dim());
     core.bwd_input_flops = 2.0 * core.fwd_flops;
     // Traffic of an unfused-softmax implementation (Megatron-LM 2021): read Q, K, V, write the
     // output, and write scores, read them, write probabilities, read them (4 passes over b·a·s²).
     const double a = static_cast<double>(act_);
-    core.fwd_bytes = a * (tokens_ * static_cast<double>(2 * qw + 2 * kw) + 4.0 * bas2);
+    core.fwd_bytes = a * (tokens_ * static_cast<double>(qw + kw + vw + ow) + 4.0 * bas2);
     if (m_.dropout) core.fwd_bytes += bas2 * (1.0 + 2.0 * a);
     core.bwd_bytes = 2.0 * core.fwd_bytes;
     // Saved: Q, K, V (Korthikanti: 4sbh for Q, K and 2sbh for V when kv = heads), and the
     // quadratic terms: softmax output 2·a·s²·b, dropout mask a·s²·b, dropout output 2·a·s²·b.
     const u64 quad_elems = b_ * static_cast<u64>(m_.heads) * s_ * s_;
     core.saved_quadratic_bytes = act_ * quad_elems + (m_.dropout ? (1 + act_) * quad_elems : 0);
-    core.saved_bytes = act_ * T() * (qw + 2 * kw) + core.saved_quadratic_bytes;
-    if (attention_ == AttentionKernel::Flash) flash(core, qw, kw);
-    const OpId c = add(std::move(core), {q});
+    core.saved_bytes = act_ * T() * (qw + kw + vw) + core.saved_quadratic_bytes;
+    if (attention_ == AttentionKernel::Flash) flash(core, qw, kw, vw, ow);
+    const OpId c = add(std::move(core), {qkv.front()});
+    for (std::size_t i = 1; i < qkv.size(); ++i) edges.emplace_back(qkv[i], c);
 
     Op out;
     out.name = name("attn_out");
     out.kind = OpKind::AttnOutProj;
     out.layer = l;
     out.tp_split = TpSplit::Row;
-    out.params = qw * h() + (m_.bias.attn_out ? h() : 0);
+    out.params = ow * h() + (m_.bias.attn_out ? h() : 0);
     out.tp_replicated_params = m_.bias.attn_out ? h() : 0;
-    gemm(out, tokens_, static_cast<double>(qw), hd);
-    out.saved_bytes = act_ * T() * qw;  // its input (2sbh)
+    gemm(out, tokens_, static_cast<double>(ow), hd);
+    out.saved_bytes = act_ * T() * ow;  // its input (2sbh)
     out.saved_tp_split = true;
     const OpId o = add(std::move(out), {c});
 

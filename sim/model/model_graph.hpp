@@ -34,6 +34,9 @@ enum class OpKind {
   Activation,
   MlpDown,
   Router,
+  // Multi-head latent attention's down projection to its latents (ModelSpec::latent_width),
+  // replicated over tp (MlaSpec).
+  LatentDown,
   LmHead,
   LossStatistics,  // the softmax statistics of the logits, which tensor parallelism reduces
   Loss
@@ -83,6 +86,11 @@ struct Op {
   // Of `params`, those that tensor parallelism does not split (norm weights, biases of
   // row-parallel layers, learned position embeddings): every tp rank holds them whole.
   std::uint64_t tp_replicated_params = 0;
+  // The width per token of the tensor that enters the op's tensor-parallel region before it
+  // (gathered first under sequence parallelism; its gradient reduced after the op's backward):
+  // 0 for the hidden width (the block's normed input); multi-head latent attention's up
+  // projections take their latents.
+  std::uint64_t tp_enter_width = 0;
   // For matrix multiplications: the forward GEMM's shape, (m x k) by (k x n), whole op.
   double gemm_m = 0, gemm_n = 0, gemm_k = 0;
 

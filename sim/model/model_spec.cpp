@@ -80,7 +80,7 @@ std::int64_t ModelSpec::dense_ffn(std::int64_t layer) const {
 }
 
 bool ModelSpec::is_megatron_gpt() const {
-  return activation == Activation::Gelu && !moe && kv_heads == heads &&
+  return activation == Activation::Gelu && !moe && !mla && kv_heads == heads &&
          head_dim * heads == hidden && ffn_hidden == 4 * hidden;
 }
 
@@ -107,6 +107,7 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
                  "bias",
                  "dropout",
                  "moe",
+                 "mla",
                  "unmodelled_window",
                  "unmodelled",
                  "published_params",
@@ -121,7 +122,32 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
   m.hidden = r.positive_int("hidden");
   m.heads = r.positive_int("heads");
   m.kv_heads = r.positive_int_or("kv_heads", m.heads);
-  if (r.has("head_dim")) {
+  if (r.has("mla")) {
+    const JsonReader a = r.object("mla");
+    a.expect_only(
+        {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"});
+    m.mla.emplace();
+    // (Left out: queries projected from the block's input, without a latent.)
+    m.mla->q_lora_rank = a.has("q_lora_rank") ? a.positive_int("q_lora_rank") : 0;
+    m.mla->kv_lora_rank = a.positive_int("kv_lora_rank");
+    m.mla->qk_nope_head_dim = a.positive_int("qk_nope_head_dim");
+    m.mla->qk_rope_head_dim = a.positive_int("qk_rope_head_dim");
+    m.mla->v_head_dim = a.positive_int("v_head_dim");
+    // Every head has keys and values of its own, as wide as its query's nope and rope parts.
+    if (m.kv_heads != m.heads) {
+      r.fail("kv_heads", fmt::format("{} with mla, whose every head has its own keys and values: "
+                                     "leave kv_heads out or give heads ({})",
+                                     m.kv_heads, m.heads));
+    }
+    const std::int64_t qk = m.mla->qk_nope_head_dim + m.mla->qk_rope_head_dim;
+    if (r.has("head_dim") && r.positive_int("head_dim") != qk) {
+      r.fail("head_dim",
+             fmt::format("{} with mla, whose heads' queries and keys are mla.qk_nope_head_dim + "
+                         "mla.qk_rope_head_dim = {} wide: leave head_dim out or give {}",
+                         r.positive_int("head_dim"), qk, qk));
+    }
+    m.head_dim = qk;
+  } else if (r.has("head_dim")) {
     m.head_dim = r.positive_int("head_dim");
   } else {
     if (m.hidden % m.heads != 0) {
@@ -242,9 +268,15 @@ double params_upper_bound(const ModelSpec& m) {
   // Per block: norms (4h), attention with biases, and per expert an MLP of at most three h x f
   // matrices with biases, plus the router, the shared experts and a dense block's MLP (models/
   // README.md "Parameter count").
-  const double block =
-      4 * h + (h + 1) * (q + 2 * kv) + q * h + h + experts * (3 * h * f + 2 * f + h) + h * experts +
-      (fs > 0 ? 3 * h * fs + 2 * fs + h : 0.0) + (fd > 0 ? 3 * h * fd + 2 * fd + h : 0.0);
+  // Multi-head latent attention's down projection and norm, and its up projections from the
+  // latents (at most as wide as h x each: a bound, not the count).
+  const double latent = static_cast<double>(m.latent_width());
+  const double o = static_cast<double>(m.o_width()), v = static_cast<double>(m.v_width());
+  const double mla = latent > 0 ? (h + 1) * latent + latent * (q + kv + v) : 0.0;
+  const double block = 4 * h + (h + 1) * (q + kv + v) + mla + o * h + h +
+                       experts * (3 * h * f + 2 * f + h) + h * experts +
+                       (fs > 0 ? 3 * h * fs + 2 * fs + h : 0.0) +
+                       (fd > 0 ? 3 * h * fd + 2 * fd + h : 0.0);
   return static_cast<double>(m.layers) * block +
          (2 * static_cast<double>(m.vocab_rows()) + static_cast<double>(m.max_positions) + 2) * h;
 }
@@ -264,8 +296,12 @@ double saved_bytes_upper_bound(const ModelSpec& m, double micro_batch, double se
   // or a dense block's (2h + 3fs, fs the two widths' sum), and fp32 routing probabilities; plus the
   // s² attention terms (softmax output, dropout mask and output: at most 9 bytes per score). Ends:
   // embedding mask, final norm, head input and fp32 logits.
-  const double per_token =
-      6 * h + q + 2 * kv + copies * (2 * h + 3 * f) + (fs > 0 ? 2 * h + 3 * fs : 0.0) + experts;
+  // (Multi-head latent attention's: values of their own width, the latents twice: the norm's
+  // and the up projections' inputs.)
+  const double v = static_cast<double>(m.v_width());
+  const double latent = static_cast<double>(m.latent_width());
+  const double per_token = 6 * h + q + kv + v + 2 * latent + copies * (2 * h + 3 * f) +
+                           (fs > 0 ? 2 * h + 3 * fs : 0.0) + experts;
   const double scores = micro_batch * static_cast<double>(m.heads) * seq_len * seq_len;
   return static_cast<double>(m.layers) * (4 * tokens * per_token + 9 * scores) +
          4 * tokens * (3 * h + static_cast<double>(m.vocab_rows()));
@@ -315,7 +351,37 @@ void validate_model(const ModelSpec& m,
     bad("head_dim", fmt::format("{} x {} = {} x {} = {} exceeds {}", key("heads"), key("head_dim"),
                                 m.heads, m.head_dim, m.q_width(), kMaxWidth));
   }
-  if (m.positions == Positions::Rope && m.head_dim % 2 != 0) {
+  if (m.mla) {
+    // (A Hugging Face config's keys where it has them; dtsim's fields are mla.*.)
+    auto field = [&](std::string_view f) { return key("mla." + std::string(f)); };
+    auto at_most_mla = [&](std::string_view f, std::int64_t value) {
+      if (value > kMaxWidth) {
+        throw InputError(
+            fmt::format("{}: {}: expected at most {}, got {}", m.file, field(f), kMaxWidth, value));
+      }
+    };
+    at_most_mla("q_lora_rank", m.mla->q_lora_rank);
+    at_most_mla("kv_lora_rank", m.mla->kv_lora_rank);
+    at_most_mla("qk_nope_head_dim", m.mla->qk_nope_head_dim);
+    at_most_mla("qk_rope_head_dim", m.mla->qk_rope_head_dim);
+    at_most_mla("v_head_dim", m.mla->v_head_dim);
+    if (m.positions != Positions::Rope) {
+      bad("positions",
+          "expected \"rope\" with multi-head latent attention (its keys' and "
+          "queries' rotary parts are qk_rope_head_dim wide)");
+    }
+    if (m.mla->qk_rope_head_dim % 2 != 0) {
+      throw InputError(fmt::format("{}: {}: expected an even width (RoPE turns pairs), got {}",
+                                   m.file, field("qk_rope_head_dim"), m.mla->qk_rope_head_dim));
+    }
+    if (m.bias.qkv) {
+      bad("bias.qkv", "biases of multi-head latent attention's projections are not modelled");
+    }
+    if (m.o_width() > kMaxWidth) {
+      throw InputError(fmt::format("{}: {}: {} x {} = {} exceeds {}", m.file, field("v_head_dim"),
+                                   key("heads"), m.mla->v_head_dim, m.o_width(), kMaxWidth));
+    }
+  } else if (m.positions == Positions::Rope && m.head_dim % 2 != 0) {
     // RoPE turns a head's dimensions in pairs.
     bad("head_dim", fmt::format("expected an even {} with rotary positions, got {}",
                                 key("head_dim"), m.head_dim));
@@ -498,16 +564,63 @@ void read_qwen_moe(const JsonReader& r, KeyMap& names, ModelSpec& m, std::string
 // (e_score_correction_bias) and group-limited choice (n_group, topk_group), its RMSNorm of
 // each head's queries and keys (use_qk_norm), and its multi-token prediction layers
 // (num_nextn_predict_layers, which Hugging Face's class leaves out too).
-void read_glm4_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {
-  // (The first Glm4MoeConfig named them num_experts.)
-  read_routed_experts(r, names, m, {"n_routed_experts", "num_experts"});
-  // (Glm4MoeConfig's defaults: one shared expert, the first block dense.)
-  const std::int64_t shared =
-      r.has("n_shared_experts") ? r.non_negative_int_up_to("n_shared_experts", kMaxExperts) : 1;
+// The shared experts of DeepSeekMoE's families (n_shared_experts of the experts' width: one MLP
+// n_shared_experts times as wide), `fallback` where the key is left out.
+void read_shared_experts(const JsonReader& r, KeyMap& names, ModelSpec& m, std::int64_t fallback) {
+  const std::int64_t shared = r.has("n_shared_experts")
+                                  ? r.non_negative_int_up_to("n_shared_experts", kMaxExperts)
+                                  : fallback;
   if (shared > 0) {
     m.moe->shared_ffn_hidden = shared * m.moe->expert_ffn_hidden;
     names["moe.shared_ffn_hidden"] = "n_shared_experts";
   }
+}
+
+// Whether a router chooses its experts within the top topk_group of n_group groups of them (a
+// limit only where topk_group < n_group).
+bool group_limited(const JsonReader& r) {
+  return r.has("n_group") && r.positive_int("n_group") > 1 &&
+         !(r.has("topk_group") && r.positive_int("topk_group") >= r.positive_int("n_group"));
+}
+
+// What a DeepSeek-style router does besides its gates: a bias added to the scores for the
+// choice alone (e_score_correction_bias, zero at the start, moved by its load balancing outside
+// the gradient: `selection_bias`), and the choice within groups of experts (`grouped`); and the
+// multi-token prediction layers such a model trains beside its own (num_nextn_predict_layers).
+// Each said not to be modelled.
+void note_deepseek_routing(const JsonReader& r, ModelSpec& m, bool selection_bias, bool grouped) {
+  if (selection_bias || grouped) {
+    m.description +=
+        fmt::format("; its router's {}{}{}{} not modelled: experts chosen by their scores alone",
+                    selection_bias ? "selection bias (e_score_correction_bias)" : "",
+                    selection_bias && grouped ? " and its " : "",
+                    grouped ? "choice within the top groups of experts (n_group, topk_group)" : "",
+                    selection_bias && grouped ? " are" : " is");
+  }
+  if (selection_bias) {
+    m.unmodelled.push_back(
+        "its router's selection bias (e_score_correction_bias: experts chosen by their scores "
+        "alone instead)");
+  }
+  if (grouped) m.unmodelled.push_back("its group-limited routing (n_group, topk_group)");
+  if (r.has("num_nextn_predict_layers")) {
+    if (const std::int64_t mtp = r.non_negative_int_up_to("num_nextn_predict_layers", kMaxLayers);
+        mtp > 0) {
+      m.description += fmt::format(
+          "; its {} multi-token prediction layer{} (num_nextn_predict_layers) {} not modelled, "
+          "as Hugging Face's model leaves {} out",
+          mtp, mtp == 1 ? "" : "s", mtp == 1 ? "is" : "are", mtp == 1 ? "it" : "them");
+      m.unmodelled.push_back(
+          fmt::format("its {} multi-token prediction layer{}", mtp, mtp == 1 ? "" : "s"));
+    }
+  }
+}
+
+void read_glm4_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {
+  // (The first Glm4MoeConfig named them num_experts.)
+  read_routed_experts(r, names, m, {"n_routed_experts", "num_experts"});
+  // (Glm4MoeConfig's defaults: one shared expert, the first block dense.)
+  read_shared_experts(r, names, m, 1);
   const std::int64_t first_dense = r.has("first_k_dense_replace")
                                        ? r.non_negative_int_up_to("first_k_dense_replace", m.layers)
                                        : 1;
@@ -521,35 +634,95 @@ void read_glm4_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {
   if (r.has("routed_scaling_factor")) {
     m.moe->routed_scale = r.number_within("routed_scaling_factor", 1e-3, 1e3, "a factor");
   }
-  // What its router does besides: a bias added to the scores for the choice alone
-  // (e_score_correction_bias, zero at the start, moved by its load balancing outside the
-  // gradient), and the choice within the top topk_group of n_group groups of experts.
-  const bool grouped = r.has("n_group") && r.positive_int("n_group") > 1;
-  m.description += fmt::format(
-      "; its router's selection bias (e_score_correction_bias){} is not modelled: experts "
-      "chosen by their sigmoid scores alone",
-      grouped ? " and its choice within the top groups of experts (n_group, topk_group)" : "");
-  m.unmodelled.push_back(
-      "its router's selection bias (e_score_correction_bias: experts chosen by their scores "
-      "alone instead)");
-  if (grouped) m.unmodelled.push_back("its group-limited routing (n_group, topk_group)");
+  note_deepseek_routing(r, m, /*selection_bias=*/true, group_limited(r));
   if (r.boolean_or("use_qk_norm", false)) {
     m.description +=
         "; its RMSNorm of each head's queries and keys (use_qk_norm: two weights of head_dim a "
         "block, an element-wise pass) is not modelled";
     m.unmodelled.push_back("its q_norm and k_norm (an RMSNorm of each head's queries and keys)");
   }
-  if (r.has("num_nextn_predict_layers")) {
-    if (const std::int64_t mtp = r.non_negative_int_up_to("num_nextn_predict_layers", kMaxLayers);
-        mtp > 0) {
-      m.description += fmt::format(
-          "; its {} multi-token prediction layer{} (num_nextn_predict_layers) {} not modelled, "
-          "as Hugging Face's model leaves {} out",
-          mtp, mtp == 1 ? "" : "s", mtp == 1 ? "is" : "are", mtp == 1 ? "it" : "them");
-      m.unmodelled.push_back(
-          fmt::format("its {} multi-token prediction layer{}", mtp, mtp == 1 ? "" : "s"));
-    }
+}
+
+// A DeepSeek-V2 or V3 config's blocks (DeepSeek's modeling_deepseek.py, which trained them, and
+// Hugging Face's DeepseekV2/DeepseekV3 classes; Kimi K2's kimi_k2 is V3's): multi-head latent
+// attention (q_lora_rank, null where the queries come from the block's input: DeepSeek-V2-Lite;
+// kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim; one key and value per head,
+// whatever num_key_value_heads says); experts from block first_k_dense_replace on in every
+// moe_layer_freq-th, n_routed_experts of moe_intermediate_size, the top num_experts_per_tok a
+// token, beside n_shared_experts shared ones, dense MLPs of intermediate_size in the other
+// blocks (no n_routed_experts: every block's). Gates (scoring_func): V3's the chosen experts'
+// sigmoids, over their sum (norm_topk_prob), times routed_scaling_factor; V2's their
+// probabilities in the softmax over all experts, over their sum (norm_topk_prob) or else times
+// routed_scaling_factor.
+void read_deepseek(const JsonReader& r, KeyMap& names, ModelSpec& m, bool v3) {
+  m.mla.emplace();
+  // (null: queries projected from the block's input; left out, it would be the class's default
+  // of 1536, so it is required.)
+  const json& raw = r.raw();
+  if (!raw.contains("q_lora_rank")) {
+    r.fail("q_lora_rank",
+           "required field is missing (null where the queries come from the block's input)");
   }
+  if (!raw.at("q_lora_rank").is_null()) {
+    m.mla->q_lora_rank = hf_int(r, names, "mla.q_lora_rank", {"q_lora_rank"});
+  }
+  m.mla->kv_lora_rank = hf_int(r, names, "mla.kv_lora_rank", {"kv_lora_rank"});
+  m.mla->qk_nope_head_dim = hf_int(r, names, "mla.qk_nope_head_dim", {"qk_nope_head_dim"});
+  m.mla->qk_rope_head_dim = hf_int(r, names, "mla.qk_rope_head_dim", {"qk_rope_head_dim"});
+  m.mla->v_head_dim = hf_int(r, names, "mla.v_head_dim", {"v_head_dim"});
+  m.kv_heads = m.heads;
+  names["kv_heads"] = names["heads"];
+  if (r.has("num_key_value_heads") && r.positive_int("num_key_value_heads") != m.heads) {
+    m.description += fmt::format(
+        "; its num_key_value_heads ({}) is not read: latent attention gives each of its {} heads "
+        "its own keys and values",
+        r.positive_int("num_key_value_heads"), m.heads);
+  }
+  if (r.boolean_or("attention_bias", false)) {
+    r.fail("attention_bias", "true: biases of latent attention's projections are not modelled");
+  }
+  if (!r.has("n_routed_experts")) {  // (DeepseekV2Config's default: None, no experts)
+    m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
+    return;
+  }
+  read_routed_experts(r, names, m, {"n_routed_experts"});
+  read_shared_experts(r, names, m, 0);
+  // (DeepseekV3Config's default: 3 dense blocks; DeepseekV2Config's none. A frequency of 1:
+  // experts in every block after them.)
+  const std::int64_t first_dense = r.has("first_k_dense_replace")
+                                       ? r.non_negative_int_up_to("first_k_dense_replace", m.layers)
+                                   : v3 ? 3
+                                        : 0;
+  const std::int64_t every = r.has("moe_layer_freq") ? r.positive_int("moe_layer_freq") : 1;
+  read_dense_blocks(
+      r, names, m, [&](std::int64_t l) { return l >= first_dense && l % every == 0; },
+      "first_k_dense_replace", "intermediate_size");
+  const std::string scoring = r.string_or("scoring_func", v3 ? "sigmoid" : "softmax");
+  if (scoring != "sigmoid" && scoring != "softmax") {
+    r.fail("scoring_func", fmt::format("\"{}\": expected \"sigmoid\" or \"softmax\"", scoring));
+  }
+  m.moe->sigmoid_gates = scoring == "sigmoid";
+  m.moe->normalize_top_k = r.boolean_or("norm_topk_prob", v3);
+  const double scale = r.has("routed_scaling_factor")
+                           ? r.number_within("routed_scaling_factor", 1e-3, 1e3, "a factor")
+                       : v3 ? 2.5
+                            : 1.0;
+  // (DeepSeek-V2's gate scales the probabilities only where it does not renormalize them.)
+  const bool renormalized = m.moe->normalize_top_k && m.moe->top_k > 1;
+  if (v3 || !renormalized) {
+    m.moe->routed_scale = scale;
+  } else if (scale != 1) {
+    m.description += fmt::format(
+        "; its routed_scaling_factor of {:g} is not applied: DeepSeek-V2's gate scales only the "
+        "gates it does not renormalize (norm_topk_prob)",
+        scale);
+  }
+  // V3's router chooses by score plus a bias of its own (topk_method noaux_tc; Hugging Face's
+  // DeepseekV3TopkRouter always has it) within groups; V2's within groups where its topk_method
+  // is group_limited_greedy.
+  const std::string method = r.string_or("topk_method", v3 ? "noaux_tc" : "greedy");
+  note_deepseek_routing(r, m, v3 || method == "noaux_tc",
+                        group_limited(r) && (v3 || method != "greedy"));
 }
 
 // A Llama 4 language model's blocks (Hugging Face's Llama4TextDecoderLayer, Llama4TextMoe):
@@ -676,19 +849,14 @@ constexpr std::int64_t kHfDefaultSeqLen = 4096;
 ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   const JsonReader outer(j, file);
   const std::string outer_type = outer.string("model_type");
-  static constexpr std::array<std::string_view, 14> kSupported = {
-      "glm4_moe", "gpt2",  "granite", "llama", "llama4",    "llama4_text", "mistral",
-      "mixtral",  "olmo2", "phi3",    "qwen2", "qwen2_moe", "qwen3",       "qwen3_moe"};
+  static constexpr std::array<std::string_view, 17> kSupported = {
+      "deepseek_v2", "deepseek_v3", "glm4_moe",    "gpt2",    "granite",  "kimi_k2",
+      "llama",       "llama4",      "llama4_text", "mistral", "mixtral",  "olmo2",
+      "phi3",        "qwen2",       "qwen2_moe",   "qwen3",   "qwen3_moe"};
   if (std::find(kSupported.begin(), kSupported.end(), outer_type) == kSupported.end()) {
-    // Families whose blocks dtsim cannot describe yet: say what is missing.
-    const std::string why =
-        outer_type.starts_with("deepseek")
-            ? "; V2's and V3's latent attention is not modelled (their dense first blocks "
-              "among the experts' are: a dtsim model file's moe.dense_blocks)"
-            : "";
     outer.fail("model_type",
-               fmt::format("unsupported Hugging Face model_type \"{}\" (supported: {}){}",
-                           outer_type, fmt::join(kSupported, ", "), why));
+               fmt::format("unsupported Hugging Face model_type \"{}\" (supported: {})", outer_type,
+                           fmt::join(kSupported, ", ")));
   }
   // Llama 4's config (Llama4Config) nests its language model's under text_config, beside a
   // vision model's, which dtsim does not model; llama4_text is the language model's own.
@@ -704,6 +872,9 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
   const bool llama_like = type == "llama" || type == "granite";
   // GLM-4.5's and 4.6's mixtures of experts (Glm4MoeForCausalLM).
   const bool glm = type == "glm4_moe";
+  // DeepSeek-V2's and V3's latent attention and experts (Kimi K2's config is V3's).
+  const bool deepseek_v3 = type == "deepseek_v3" || type == "kimi_k2";
+  const bool deepseek = deepseek_v3 || type == "deepseek_v2";
   ModelSpec m;
   m.file = file;
   // Without _name_or_path: a Hugging Face repository's folder (.../Meta-Llama-3-8B/config.json),
@@ -792,7 +963,9 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // 8, qwen2's and qwen3's 32, qwen2_moe's 16, qwen3_moe's 4, llama4's and glm4_moe's 8 (their
     // configuration classes' defaults); said in the description (a misspelt key would read so too).
     const bool head_per_head = llama_like || type == "phi3" || type == "olmo2";
-    if (r.has("num_key_value_heads") || head_per_head) {
+    if (deepseek) {
+      // (read_deepseek: a key and value per head.)
+    } else if (r.has("num_key_value_heads") || head_per_head) {
       m.kv_heads = hf_int(r, names, "kv_heads", {"num_key_value_heads", "num_attention_heads"},
                           /*aliases=*/false);
     } else {
@@ -808,7 +981,7 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
                            type, m.kv_heads, m.heads));
       }
     }
-    if (!r.has("num_key_value_heads")) {
+    if (!r.has("num_key_value_heads") && !deepseek) {
       m.description +=
           head_per_head ? fmt::format(
                               "; no num_key_value_heads: one key/value head per head (multi-head "
@@ -821,7 +994,10 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
                                       m.kv_heads, type);
     }
     // (qwen2_moe, qwen3_moe and glm4_moe: their experts' width, moe_intermediate_size, below.)
-    if (!qwen_moe && !glm) m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
+    // (deepseek's where every block is dense, read_deepseek.)
+    if (!qwen_moe && !glm && !deepseek) {
+      m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
+    }
     m.vocab = hf_int(r, names, "vocab", {"vocab_size"});
     m.max_positions = hf_int(r, names, "max_positions", {"max_position_embeddings"});
     m.activation = Activation::SwiGlu;
@@ -905,7 +1081,9 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     // Qwen2MLP), mistral, mixtral and phi3 none; what those classes do not read is said.
     const bool attention_bias = r.boolean_or("attention_bias", false);
     const bool mlp_bias = r.boolean_or("mlp_bias", false);
-    const bool reads_attention_bias = llama_like || qwen3 || type == "olmo2" || llama4 || glm;
+    // (deepseek: refused where true, read_deepseek.)
+    const bool reads_attention_bias =
+        llama_like || qwen3 || type == "olmo2" || llama4 || glm || deepseek;
     const bool reads_mlp_bias = llama_like;
     const bool qwen2_like = type == "qwen2" || type == "qwen2_moe";
     m.bias.qkv = qwen2_like || (reads_attention_bias && attention_bias);
@@ -981,11 +1159,11 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     }
     // Hugging Face's llama, mistral, phi3, qwen2 and qwen3 classes have no experts, whatever
     // the config says.
-    if (type != "mixtral" && !qwen_moe && !llama4 && !glm &&
+    if (type != "mixtral" && !qwen_moe && !llama4 && !glm && !deepseek &&
         (r.has("num_local_experts") || r.has("num_experts_per_tok"))) {
       m.description += fmt::format(
           "; its {} not read: Hugging Face's {} model has no experts (model_type mixtral, "
-          "qwen2_moe, qwen3_moe, llama4 and glm4_moe have)",
+          "qwen2_moe, qwen3_moe, llama4, glm4_moe, deepseek_v2 and deepseek_v3 have)",
           r.has("num_local_experts") ? "num_local_experts is" : "num_experts_per_tok is", type);
     }
     if (type == "mixtral") {
@@ -998,8 +1176,13 @@ ModelSpec model_from_hf_config(const json& j, const std::string& file) {
     if (qwen_moe) read_qwen_moe(r, names, m, type);
     if (llama4) read_llama4(r, names, m);
     if (glm) read_glm4_moe(r, names, m);
+    if (deepseek) read_deepseek(r, names, m, deepseek_v3);
   }
-  if (r.has("head_dim")) {
+  if (deepseek) {
+    // A head's query and key, without positions and with RoPE (Hugging Face's DeepseekV3Config
+    // saves head_dim as the RoPE part's width: not this).
+    m.head_dim = m.mla->qk_nope_head_dim + m.mla->qk_rope_head_dim;
+  } else if (r.has("head_dim")) {
     m.head_dim = hf_int(r, names, "head_dim", {"head_dim"});
   } else if (type == "qwen3" || llama4) {
     // Qwen3Config's and Llama4TextConfig's default (Qwen3-8B's 4096 / 32 heads, not
@@ -1074,6 +1257,13 @@ json architecture_json(const ModelSpec& m) {
       a["moe"]["dense_blocks"] = m.moe->dense_blocks;
       a["moe"]["dense_ffn_hidden"] = m.moe->dense_ffn_hidden;
     }
+  }
+  if (m.mla) {
+    a["mla"] = {{"q_lora_rank", m.mla->q_lora_rank},
+                {"kv_lora_rank", m.mla->kv_lora_rank},
+                {"qk_nope_head_dim", m.mla->qk_nope_head_dim},
+                {"qk_rope_head_dim", m.mla->qk_rope_head_dim},
+                {"v_head_dim", m.mla->v_head_dim}};
   }
   return a;
 }

@@ -60,6 +60,27 @@ struct MoeSpec {
   std::int64_t dense_ffn_hidden = 0;
 };
 
+// Multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024, Sec. 2.1; DeepSeek-V3): keys and
+// values come from a latent of `kv_lora_rank` per token, an h x (kv_lora_rank + qk_rope_head_dim)
+// down projection followed by an RMSNorm of the latent and a kv_lora_rank x heads x
+// (qk_nope_head_dim + v_head_dim) up projection; the queries likewise from a latent of
+// `q_lora_rank` (0: one h x heads x (qk_nope_head_dim + qk_rope_head_dim) projection, as
+// DeepSeek-V2-Lite). Each head's query and key are qk_nope_head_dim wide without positions and
+// qk_rope_head_dim with RoPE, the key's RoPE part one for all heads (from the down projection);
+// its value is v_head_dim wide. Training computes the heads' keys and values whole (the
+// absorbed form is an inference kernel's). Tensor parallelism splits the up projections and
+// the output projection by heads; the down projections and the latents' norms are replicated
+// (Megatron-Core's MLASelfAttention: with sequence parallelism they run on the rank's share of
+// the sequence and their latents are all-gathered, so their weights' gradients are all-reduced
+// over tp as the norms' are).
+struct MlaSpec {
+  std::int64_t q_lora_rank = 0;
+  std::int64_t kv_lora_rank = 0;
+  std::int64_t qk_nope_head_dim = 0;
+  std::int64_t qk_rope_head_dim = 0;
+  std::int64_t v_head_dim = 0;
+};
+
 struct ModelSpec {
   std::string name;
   std::string description;
@@ -88,6 +109,9 @@ struct ModelSpec {
   BiasSpec bias;
   bool dropout = false;
   std::optional<MoeSpec> moe;
+  // Multi-head latent attention (then kv_heads = heads and head_dim = qk_nope_head_dim +
+  // qk_rope_head_dim, the width of a head's query and key).
+  std::optional<MlaSpec> mla;
   // A Hugging Face config's sliding-window attention, which dtsim does not model (full causal
   // attention is priced): said where a plan's sequence is longer than the window. Its kind, as
   // messages name it: "sliding window", or Llama 4's "chunked attention (on its layers with
@@ -112,6 +136,20 @@ struct ModelSpec {
   std::int64_t q_width() const { return heads * head_dim; }
   std::int64_t vocab_rows() const { return padded_vocab > 0 ? padded_vocab : vocab; }
   std::int64_t kv_width() const { return kv_heads * head_dim; }
+  // A value head's width: head_dim, or multi-head latent attention's v_head_dim.
+  std::int64_t v_head_dim() const { return mla ? mla->v_head_dim : head_dim; }
+  // The attention core's keys and values (kv_width each, or multi-head latent attention's
+  // heads x head_dim and heads x v_head_dim), and its output, the output projection's input
+  // (q_width, or heads x v_head_dim).
+  std::int64_t k_width() const { return kv_heads * head_dim; }
+  std::int64_t v_width() const { return kv_heads * v_head_dim(); }
+  std::int64_t o_width() const { return heads * v_head_dim(); }
+  // Multi-head latent attention's latents, as its down projection writes them per token: the
+  // queries' (q_lora_rank, 0 without), the keys' and values' (kv_lora_rank) and the keys' RoPE
+  // part (qk_rope_head_dim); 0 without it.
+  std::int64_t latent_width() const {
+    return mla ? mla->q_lora_rank + mla->kv_lora_rank + mla->qk_rope_head_dim : 0;
+  }
   // Width of the shared experts' MLP; 0 where there is none.
   std::int64_t shared_ffn() const { return moe ? moe->shared_ffn_hidden : 0; }
   // Whether block `layer`'s MLP is a mixture of experts (not one of MoeSpec::dense_blocks).

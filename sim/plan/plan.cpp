@@ -464,6 +464,17 @@ bool mlp_tp_exit(const model::ModelSpec& spec, const Plan& plan, const model::Op
          (!op.expert || (!moe_local_dispatch(spec, plan) && spec.shared_ffn() == 0));
 }
 
+std::uint64_t tp_enter_bytes(const model::ModelSpec& spec, const model::Op& op,
+                             std::uint64_t hidden_bytes) {
+  if (op.tp_enter_width == 0) return hidden_bytes;
+  return hidden_bytes / static_cast<std::uint64_t>(spec.hidden) * op.tp_enter_width;
+}
+
+bool sp_partial_gradients(const model::ModelSpec& spec, const Plan& plan, const model::Op& op) {
+  return op.kind == model::OpKind::Norm || op.kind == model::OpKind::LatentDown ||
+         (op.kind == model::OpKind::Router && moe_local_dispatch(spec, plan));
+}
+
 std::uint64_t expert_copies_bytes(const model::ModelSpec& spec, const Plan& plan,
                                   std::uint64_t hidden_bytes) {
   const std::uint64_t even =

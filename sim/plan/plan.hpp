@@ -251,6 +251,19 @@ bool moe_local_dispatch(const model::ModelSpec& spec, const Plan& plan);
 bool mlp_tp_enter(const model::ModelSpec& spec, const Plan& plan, const model::Op& op);
 bool mlp_tp_exit(const model::ModelSpec& spec, const Plan& plan, const model::Op& op);
 
+// The bytes of the tensor that enters `op`'s tensor-parallel region (model::Op::tp_enter_width
+// per token: the block's normed input, or multi-head latent attention's latents), where
+// `hidden_bytes` is one activation tensor of width h of the same tokens.
+std::uint64_t tp_enter_bytes(const model::ModelSpec& spec, const model::Op& op,
+                             std::uint64_t hidden_bytes);
+
+// Whether `op`'s weight gradients are computed from the rank's share of the sequence under
+// sequence parallelism, with weights whole on every tp rank, so that they are all-reduced over
+// tp before the step (Megatron-LM's finalize_model_grads): the norms', multi-head latent
+// attention's down projections' (Megatron-Core marks them sequence_parallel), and the routers'
+// under moe_local_dispatch.
+bool sp_partial_gradients(const model::ModelSpec& spec, const Plan& plan, const model::Op& op);
+
 // Bytes one ep all-to-all of an MoE block moves for the busiest ep rank, one way: its tokens'
 // top_k copies of width h, plan.expert_load times the even share. `hidden_bytes`: one
 // activation tensor of the micro-batch's tokens on the rank (whole over tp); under

@@ -149,6 +149,12 @@ class Estimator {
       // (moe_local_dispatch: no segment), and a mixture's experts take the copies the
       // collectives bring them.
       bool regathers = false;
+      // The input's bytes (plan::tp_enter_bytes: a hidden tensor, or multi-head latent
+      // attention's latents) and the collectives that carry it: the input gradient's reduction
+      // and, under sequence parallelism, the input's gathers.
+      std::uint64_t bytes = 0;
+      double reduce = 0, gather = 0;
+      bool attention = false;  // a segment of the attention's projections
     };
     struct BlockCost {
       double lf = 0, lb = 0, lbw = 0, attention = 0;  // compute: forward, backward, weight
@@ -156,9 +162,11 @@ class Estimator {
       double tp_comm = 0, cp_comm = 0, ep_comm = 0;  // a forward's collectives
       double tp_backward = 0, cp_backward = 0;       // a backward's
       double f = 0, b = 0, recompute = 0, recompute_compute = 0;
-      double compute = 0;      // lf + lb + recompute_compute
-      double back = 0;         // b + recompute: the backward pass
-      double regathering = 0;  // segments that gather their input again
+      double compute = 0;  // lf + lb + recompute_compute
+      double back = 0;     // b + recompute: the backward pass
+      // Segments that gather their input again: of a hidden tensor (each `regather`), and
+      // the seconds of those that gather another (multi-head latent attention's latents).
+      double regathering = 0, regathering_other_s = 0;
     };
     // A router that routes the rank's share of the sequence has no tp collective before it.
     const bool local_dispatch = plan::moe_local_dispatch(m, p);
@@ -170,11 +178,13 @@ class Estimator {
     // else before the layer's backward. Zero-bubble gathers them once the input-gradient pass
     // is done, and its weight pass, which mostly follows at once, waits for them (lowering:
     // emit_regather).
-    const double regather =
-        p.tp > 1 && p.sequence_parallel
-            ? net_->collective_s(placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
-                                 CollectiveKind::AllGather, hidden_bytes)
-            : 0.0;
+    const auto tp_collective = [&](CollectiveKind kind, std::uint64_t bytes) {
+      return net_->collective_s(placement, group(ParallelDim::Tp, lower::GroupKind::Tp), kind,
+                                bytes);
+    };
+    const double regather = p.tp > 1 && p.sequence_parallel
+                                ? tp_collective(CollectiveKind::AllGather, hidden_bytes)
+                                : 0.0;
     const auto block_cost = [&](int layer) {
       const bool experts = m.has_experts(layer);
       BlockCost c;
@@ -193,32 +203,64 @@ class Estimator {
         if (op.kind == model::OpKind::QkvProj || routed || plan::mlp_tp_enter(m, p, op)) {
           const bool column =
               op.kind == model::OpKind::QkvProj || (op.kind == model::OpKind::MlpUp && !routed);
-          c.segments.push_back({.weight = weight,
-                                .overlapped = column,
-                                .input = cost.op_seconds(op, Phase::BackwardInput),
-                                .regathers = column});
+          const std::uint64_t bytes = plan::tp_enter_bytes(m, op, hidden_bytes);
+          c.segments.push_back(
+              {.weight = weight,
+               .overlapped = column,
+               .input = cost.op_seconds(op, Phase::BackwardInput),
+               .regathers = column,
+               .bytes = bytes,
+               .reduce = p.tp > 1
+                             ? tp_collective(p.sequence_parallel ? CollectiveKind::ReduceScatter
+                                                                 : CollectiveKind::AllReduce,
+                                             bytes)
+                             : 0.0,
+               .gather = p.tp > 1 && p.sequence_parallel
+                             ? tp_collective(CollectiveKind::AllGather, bytes)
+                             : 0.0,
+               .attention = op.kind == model::OpKind::QkvProj});
         }
         // In forward order, an op's backward runs before the collective of the nearest
         // column-parallel layer at or before it.
         if (!c.segments.empty()) c.segments.back().compute += backward;
       }
       if (p.tp > 1) {
-        const auto tp = group(ParallelDim::Tp, lower::GroupKind::Tp);
         auto gather_scatter = [&](std::uint64_t bytes) {
-          return net_->collective_s(placement, tp, CollectiveKind::AllGather, bytes) +
-                 net_->collective_s(placement, tp, CollectiveKind::ReduceScatter, bytes);
+          return tp_collective(CollectiveKind::AllGather, bytes) +
+                 tp_collective(CollectiveKind::ReduceScatter, bytes);
         };
-        // Attention's and the MLP's; an MoE block's under moe_local_dispatch moves the experts'
-        // copies instead of the block's input and output, and its shared experts' input and
-        // output besides.
+        // Attention's: its inputs enter (one hidden tensor, or multi-head latent attention's
+        // two latents), a hidden tensor leaves. With sequence parallelism the inputs are
+        // gathered and the output reduce-scattered, and the converse in the backward; without,
+        // the output is all-reduced, and in the backward the inputs' gradients.
+        double attention_f = 0, attention_b = 0;
+        for (const Segment& seg : c.segments) {
+          if (!seg.attention) continue;
+          attention_f += seg.gather;
+          attention_b += seg.reduce;
+        }
+        const double out = tp_collective(
+            p.sequence_parallel ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce,
+            hidden_bytes);
+        if (p.sequence_parallel) {
+          attention_f += out;
+          attention_b += tp_collective(CollectiveKind::AllGather, hidden_bytes);
+        } else {
+          attention_f = out;
+        }
+        // The MLP's; an MoE block's under moe_local_dispatch moves the experts' copies instead
+        // of the block's input and output, and its shared experts' input and output besides.
         const bool moves_copies = local_dispatch && experts;
-        c.tp_comm =
+        const double mlp =
             p.sequence_parallel
-                ? gather_scatter(hidden_bytes) +
-                      gather_scatter(moves_copies ? plan::expert_copies_bytes(m, p, hidden_bytes)
-                                                  : hidden_bytes) +
-                      (moves_copies && m.shared_ffn() > 0 ? gather_scatter(hidden_bytes) : 0.0)
-                : 2 * net_->collective_s(placement, tp, CollectiveKind::AllReduce, hidden_bytes);
+                ? gather_scatter(moves_copies ? plan::expert_copies_bytes(m, p, hidden_bytes)
+                                              : hidden_bytes)
+                : out;
+        const double shared = p.sequence_parallel && moves_copies && m.shared_ffn() > 0
+                                  ? gather_scatter(hidden_bytes)
+                                  : 0.0;
+        c.tp_comm = attention_f + mlp + shared;
+        c.tp_backward = attention_b + mlp + shared;
       }
       if (p.cp > 1) {
         const std::uint64_t kv = static_cast<std::uint64_t>(p.cp) * tokens * 2 *
@@ -235,24 +277,19 @@ class Estimator {
       // Backward: dK and dV reduce-scattered over cp, and K and V gathered again unless full
       // recompute's forward just gathered them (lowering's CpRegatherKv).
       c.cp_backward = p.recompute == Recompute::Full ? c.cp_comm : 2 * c.cp_comm;
-      c.tp_backward = c.tp_comm;
       if (tp_overlap) {
-        // One of the backward's input-gradient collectives.
-        const double f = net_->collective_s(
-            placement, group(ParallelDim::Tp, lower::GroupKind::Tp),
-            p.sequence_parallel ? CollectiveKind::ReduceScatter : CollectiveKind::AllReduce,
-            hidden_bytes);
+        // Each input-gradient collective beside its layer's weight gradient.
         for (Segment& seg : c.segments) {
           if (!seg.overlapped) continue;
-          c.tp_backward -= std::min(f, seg.weight);
-          seg.slack = std::max(0.0, seg.weight - f);
+          c.tp_backward -= std::min(seg.reduce, seg.weight);
+          seg.slack = std::max(0.0, seg.weight - seg.reduce);
         }
       }
       if (regather > 0) {
         for (const Segment& seg : c.segments) {
           if (!seg.regathers) continue;
           const bool beside_input = tp_overlap && seg.overlapped;
-          c.tp_backward += std::max(0.0, regather - (beside_input ? seg.input : 0.0));
+          c.tp_backward += std::max(0.0, seg.gather - (beside_input ? seg.input : 0.0));
         }
       }
       // Each tp rank holds a slice of every expert: the gates' gradients, partial sums, are
@@ -272,8 +309,14 @@ class Estimator {
       if (p.recompute == Recompute::Selective) c.recompute = c.recompute_compute = c.attention;
       c.compute = c.lf + c.lb + c.recompute_compute;
       c.back = c.b + c.recompute;
-      c.regathering = static_cast<double>(std::count_if(
-          c.segments.begin(), c.segments.end(), [](const Segment& seg) { return seg.regathers; }));
+      for (const Segment& seg : c.segments) {
+        if (!seg.regathers) continue;
+        if (seg.bytes == hidden_bytes) {
+          c.regathering += 1;
+        } else {
+          c.regathering_other_s += seg.gather;
+        }
+      }
       return c;
     };
     // kinds[0]: the dense blocks, kinds[1]: those with experts (a kind that no block is stays
@@ -424,7 +467,7 @@ class Estimator {
         stage_blocks = blocks;
         stage_index = s;
       }
-      const StageParams held = stage_param_counts(g, p, s, chunks, local_dispatch);
+      const StageParams held = stage_param_counts(g, p, s, chunks);
       const double dense = held.dense, experts = held.experts;
       stage_params = std::max(stage_params, dense);
       stage_expert_params = std::max(stage_expert_params, experts);
@@ -456,7 +499,8 @@ class Estimator {
     if (has_timeline(p) && detail != Detail::Full && p.schedule == Schedule::ZeroBubble) {
       regathers_hidden =
           mb * (sum(stage_blocks, &BlockCost::regathering) + (stage_index == p.pp - 1 ? 1 : 0)) *
-          regather;
+              regather +
+          mb * sum(stage_blocks, &BlockCost::regathering_other_s);
     }
     if (has_timeline(p) && detail == Detail::Full) {
       // Whether a chunk's last weight pass (every one with ZeRO-2 and up) runs layer by layer
@@ -509,14 +553,18 @@ class Estimator {
           // for them (ChunkPasses::gathers); the head's first where it is the chunk's.
           if (regather > 0) {
             const bool head_here = k + 1 == chunks.size();
-            c.gathers = (sum(blocks, &BlockCost::regathering) + (head_here ? 1 : 0)) * regather;
+            c.gathers = (sum(blocks, &BlockCost::regathering) + (head_here ? 1 : 0)) * regather +
+                        sum(blocks, &BlockCost::regathering_other_s);
             // (The chunk's last block's, the first its weight pass takes.)
-            c.layered_gathers =
-                (head_here ? 1
-                 : layers > 0
-                     ? kinds[static_cast<std::size_t>(block_kind(chunk_end - 1))].regathering
-                     : 0) *
-                regather;
+            const BlockCost* last =
+                layers > 0 && !head_here
+                    ? &kinds[static_cast<std::size_t>(block_kind(chunk_end - 1))]
+                    : nullptr;
+            c.layered_gathers = (head_here ? 1
+                                 : last    ? last->regathering
+                                           : 0) *
+                                    regather +
+                                (last ? last->regathering_other_s : 0.0);
             c.backward -= c.gathers;
             c.last_layered = layered_weights;
             c.all_layered = layered_weights && p.zero_stage >= 2;
@@ -1296,18 +1344,18 @@ class Estimator {
   // A pipeline stage's parameters on a rank, dense and its experts' (their blocks, every
   // chunk's; the embedding's on the first stage, the head's and the final norm's on the last,
   // as the lowering's gradient buckets hold them: a tied head with pp = 1 has none of its own),
-  // and the norms' and (under moe_local_dispatch) routers' whole, whose gradients sequence
-  // parallelism all-reduces over tp. One walk of the stage's ops.
+  // and those whose gradients sequence parallelism all-reduces over tp, whole
+  // (plan::sp_partial_gradients). One walk of the stage's ops.
   struct StageParams {
     double dense = 0, experts = 0, sp = 0;
   };
   static StageParams stage_param_counts(const model::ModelGraph& g, const Plan& p, int stage,
-                                        const std::vector<int>& chunks, bool local_dispatch) {
+                                        const std::vector<int>& chunks) {
     StageParams held;
     auto add = [&](model::OpId id) {
       const model::Op& o = g.op(id);
       (o.expert ? held.experts : held.dense) += plan::rank_params(o, p);
-      if (o.kind == model::OpKind::Norm || (o.kind == model::OpKind::Router && local_dispatch)) {
+      if (plan::sp_partial_gradients(g.spec(), p, o)) {
         held.sp += static_cast<double>(o.params);
       }
     };

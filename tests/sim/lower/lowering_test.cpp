@@ -673,6 +673,66 @@ TEST_CASE("shared experts: their own tp region under sequence parallelism, none 
   CHECK(sp.count(CollectiveKind::AllReduce) == 0);
 }
 
+TEST_CASE("latent attention's up projections enter tp's region with their latents",
+          "[lower][mla]") {
+  // The tiny model's blocks with multi-head latent attention: 4 heads, latents of 24 (queries)
+  // and 16 (keys and values) beside the keys' RoPE part of 4.
+  auto spec = dtsim::model::load_model("tiny");
+  spec.kv_heads = spec.heads;
+  spec.mla = dtsim::model::MlaSpec{24, 16, 8, 4, 6};
+  spec.head_dim = 12;
+  dtsim::model::validate_model(spec);
+  const dtsim::model::ModelGraph g(spec, 1, 32);
+  const std::uint64_t tokens = 32, act = 2;  // bf16 activations of a micro-batch
+  const std::uint64_t hidden = tokens * 64 * act, q_latent = tokens * 24 * act,
+                      kv_latent = tokens * (16 + 4) * act;
+  // Block 0's tp collectives of the first micro-batch, by kind and bytes, in issue order.
+  auto block_collectives = [&](bool sp) {
+    Plan p = plan_for(1, 2, 1, 1);
+    p.sequence_parallel = sp;
+    REQUIRE(dtsim::plan::check_plan(p, spec, 2).ok());
+    const Program program = dtsim::lower::lower(g, p);
+    std::vector<std::pair<CollectiveKind, std::uint64_t>> out;
+    std::vector<std::string> labels;
+    for (const auto& t : program.ranks[0].tasks) {
+      if (t.stream != Stream::Tp || t.kind != TaskKind::Collective) continue;
+      if (t.label.find(" L0 ") != t.label.npos && t.label.find("mb0") != t.label.npos) {
+        out.emplace_back(t.collective, t.bytes);
+      }
+      if (t.label.find("sequence-parallel") != t.label.npos) labels.emplace_back(t.label);
+    }
+    return std::pair{out, labels};
+  };
+  using K = CollectiveKind;
+  // Without sequence parallelism: the attention's and the MLP's output all-reduced forward;
+  // backward, the MLP's input gradient, and each latent's gradient (the down projection and
+  // the norm before them run on every tp rank's whole sequence).
+  const auto [plain, plain_labels] = block_collectives(false);
+  std::multiset<std::pair<K, std::uint64_t>> expected = {{K::AllReduce, hidden},
+                                                         {K::AllReduce, hidden},
+                                                         {K::AllReduce, hidden},
+                                                         {K::AllReduce, q_latent},
+                                                         {K::AllReduce, kv_latent}};
+  CHECK(std::multiset(plain.begin(), plain.end()) == expected);
+  CHECK(plain_labels.empty());
+  // With it: the latents gathered (and their gradients reduce-scattered, the latents gathered
+  // again for the up projections' weight gradients), the down projection and its norm on the
+  // rank's share of the sequence; a hidden tensor scattered after the attention (and gathered
+  // back in the backward), the MLP's as ever (its input gathered twice).
+  const auto [sp, sp_labels] = block_collectives(true);
+  expected = {
+      {K::AllGather, q_latent},     {K::AllGather, kv_latent},     {K::ReduceScatter, hidden},
+      {K::AllGather, hidden},       {K::ReduceScatter, hidden},    {K::AllGather, hidden},
+      {K::ReduceScatter, hidden},   {K::AllGather, hidden},        {K::AllGather, hidden},
+      {K::ReduceScatter, q_latent}, {K::ReduceScatter, kv_latent}, {K::AllGather, q_latent},
+      {K::AllGather, kv_latent}};
+  CHECK(std::multiset(sp.begin(), sp.end()) == expected);
+  // The down projection's weight gradient, from the rank's tokens, all-reduced with the norms'.
+  REQUIRE(sp_labels.size() == 1);
+  CHECK(sp_labels.front() ==
+        "tp all-reduce sequence-parallel norm, latent down projection gradients");
+}
+
 TEST_CASE("too many micro-batches to simulate is an input error", "[lower][bad-input]") {
   const auto spec = dtsim::model::load_model("llama3-70b");
   const dtsim::model::ModelGraph g(spec, 1, 64);

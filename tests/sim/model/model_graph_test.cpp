@@ -156,6 +156,71 @@ TEST_CASE("dense blocks among the experts' have a dense MLP of their own width",
   CHECK(dtsim::model::count_params(maverick) == 400711848960ULL);
 }
 
+TEST_CASE("multi-head latent attention: latents down, their norm, then heads up",
+          "[model][graph]") {
+  // DeepSeek-V3: h 7168, 128 heads; latents of 1536 (queries) and 512 (keys and values) beside
+  // the keys' RoPE part of 64; queries and keys 128 + 64 a head, values 128.
+  const auto v3 = load_model("deepseek-v3-671b");
+  const std::int64_t b = 1, s = 4096;
+  const ModelGraph g(v3, b, s);
+  const double T = static_cast<double>(b * s), h = 7168, heads = 128;
+  std::map<std::string, const dtsim::model::Op*> op;
+  std::vector<std::string> order;
+  for (auto id : g.layer_ops(3)) {
+    op[g.op(id).name] = &g.op(id);
+    order.push_back(g.op(id).name);
+  }
+  CHECK(std::vector<std::string>(order.begin(), order.begin() + 8) ==
+        std::vector<std::string>{"L3.norm1", "L3.latent_down", "L3.latent_norm", "L3.q_up",
+                                 "L3.kv_up", "L3.attention", "L3.attn_out", "L3.attn_residual"});
+  // The down projection: every latent at once, its weights whole on every tp rank.
+  const auto& down = *op.at("L3.latent_down");
+  CHECK(down.kind == OpKind::LatentDown);
+  CHECK(down.tp_split == dtsim::model::TpSplit::None);
+  CHECK(down.params == 7168ULL * (1536 + 512 + 64));
+  CHECK(down.tp_replicated_params == down.params);
+  CHECK(down.fwd_flops == 2 * T * h * (1536 + 512 + 64));
+  // The latents' RMSNorms (not the RoPE part's), replicated too.
+  const auto& norm = *op.at("L3.latent_norm");
+  CHECK(norm.kind == OpKind::Norm);
+  CHECK(norm.params == 1536 + 512);
+  CHECK(norm.tp_replicated_params == norm.params);
+  // The up projections split by heads, each entering tp's region with its latent.
+  const auto& q = *op.at("L3.q_up");
+  const auto& kv = *op.at("L3.kv_up");
+  for (const auto* up : {&q, &kv}) {
+    CHECK(up->kind == OpKind::QkvProj);
+    CHECK(up->tp_split == dtsim::model::TpSplit::Column);
+  }
+  CHECK(q.params == 1536ULL * 128 * 192);
+  CHECK(q.tp_enter_width == 1536);
+  CHECK(q.fwd_flops == 2 * T * 1536 * heads * 192);
+  CHECK(kv.params == 512ULL * 128 * (128 + 128));
+  CHECK(kv.tp_enter_width == 512 + 64);
+  // The core: Q·K^T over 192-wide heads, P·V over 128-wide values.
+  const auto& core = *op.at("L3.attention");
+  CHECK(core.fwd_flops == 2.0 * b * heads * s * s * (192 + 128));
+  CHECK(g.predecessors(g.layer_ops(3)[5]) ==
+        std::vector<dtsim::model::OpId>{g.layer_ops(3)[3], g.layer_ops(3)[4]});
+  // It keeps Q, K and V (and the s² terms): 2 bytes x T x (128·192 + 128·192 + 128·128).
+  CHECK(core.saved_bytes - core.saved_quadratic_bytes ==
+        2ULL * 4096 * (128 * 192 + 128 * 192 + 128 * 128));
+  // The output projection reads the heads' values.
+  const auto& out = *op.at("L3.attn_out");
+  CHECK(out.params == 128ULL * 128 * 7168);
+  CHECK(out.gemm_k == 128 * 128);
+  // DeepSeek-V2-Lite: queries projected from the block's input (which enters tp's region as a
+  // QKV projection's does), keys and values from their latent.
+  const auto lite = load_model("deepseek-v2-lite-16b");
+  const ModelGraph l(lite, b, s);
+  const auto& ops = l.layer_ops(1);
+  CHECK(l.op(ops[3]).name == "L1.q_proj");
+  CHECK(l.op(ops[3]).tp_enter_width == 0);                                   // the hidden width
+  CHECK(l.predecessors(ops[3]) == std::vector<dtsim::model::OpId>{ops[0]});  // norm1
+  CHECK(l.op(ops[1]).params == 2048ULL * (512 + 64));
+  CHECK(l.op(ops[2]).params == 512);
+}
+
 TEST_CASE("the graph is a DAG in topological order with per-layer groups", "[model][graph]") {
   const auto spec = load_model("tiny");
   const ModelGraph g(spec, 1, 16);

@@ -421,6 +421,160 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(dense.path()), InputError,
                                     "first_k_dense_replace: no block of the 46 has experts");
   }
+  SECTION("deepseek_v3: latent attention, dense first blocks, sigmoid gates") {
+    // deepseek-ai/DeepSeek-V3's config.json (its auto_map and token ids left out).
+    const std::string fields = R"("architectures": ["DeepseekV3ForCausalLM"],
+      "attention_bias": false, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "ep_size": 1,
+      "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+      "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+      "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+      "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": true,
+      "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+      "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+      "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+      "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+      "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+      "seq_aux": true, "tie_word_embeddings": false, "topk_group": 4, "topk_method": "noaux_tc",
+      "v_head_dim": 128, "vocab_size": 129280)";
+    TempFile f("config.json", "{" + fields + "}");
+    const auto m = load_model(f.path());
+    REQUIRE(m.mla);
+    CHECK(m.mla->q_lora_rank == 1536);
+    CHECK(m.mla->kv_lora_rank == 512);
+    CHECK(m.mla->qk_nope_head_dim == 128);
+    CHECK(m.mla->qk_rope_head_dim == 64);
+    CHECK(m.mla->v_head_dim == 128);
+    CHECK(m.heads == 128);
+    CHECK(m.kv_heads == 128);
+    CHECK(m.head_dim == 192);  // a head's query and key: 128 without positions, 64 with RoPE
+    CHECK(m.v_width() == 128 * 128);
+    CHECK(m.latent_width() == 1536 + 512 + 64);
+    REQUIRE(m.moe);
+    CHECK(m.moe->experts == 256);
+    CHECK(m.moe->top_k == 8);
+    CHECK(m.shared_ffn() == 2048);
+    CHECK(m.moe->dense_blocks == std::vector<std::int64_t>{0, 1, 2});
+    CHECK(m.moe->dense_ffn_hidden == 18432);
+    CHECK(m.moe->sigmoid_gates);
+    CHECK(m.moe->normalize_top_k);
+    CHECK(m.moe->routed_scale == 2.5);
+    // The shipped model file describes the same model: 671.0B (DeepSeek's 671B, without its
+    // multi-token prediction module).
+    const auto shipped = load_model("deepseek-v3-671b");
+    CHECK(count_params(m) == 671026404352ULL);
+    CHECK(count_params(shipped) == count_params(m));
+    CHECK(architecture_json(shipped) == architecture_json(m));
+    CHECK(architecture_json(m)["mla"]["kv_lora_rank"] == 512);
+    // YaRN, the router's selection bias, its groups, the multi-token prediction layer.
+    REQUIRE(m.unmodelled.size() == 4);
+    CHECK(m.unmodelled[0] == "its rope_scaling (yarn: plain RoPE frequencies instead)");
+    CHECK(m.unmodelled[1].find("e_score_correction_bias") != std::string::npos);
+    CHECK(m.unmodelled[2] == "its group-limited routing (n_group, topk_group)");
+    CHECK(m.unmodelled[3] == "its 1 multi-token prediction layer");
+    // Kimi K2 (moonshotai/Kimi-K2-Instruct's config, as V3's with its own figures): 1.03T.
+    std::string kimi = fields;
+    for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+             {R"("model_type": "deepseek_v3")", R"("model_type": "kimi_k2")"},
+             {R"("first_k_dense_replace": 3)", R"("first_k_dense_replace": 1)"},
+             {R"("n_routed_experts": 256)", R"("n_routed_experts": 384)"},
+             {R"("num_attention_heads": 128)", R"("num_attention_heads": 64)"},
+             {R"("num_key_value_heads": 128)", R"("num_key_value_heads": 64)"},
+             {R"("n_group": 8)", R"("n_group": 1)"},
+             {R"("topk_group": 4)", R"("topk_group": 1)"},
+             {R"("routed_scaling_factor": 2.5)", R"("routed_scaling_factor": 2.827)"},
+             {R"("num_nextn_predict_layers": 1)", R"("num_nextn_predict_layers": 0)"},
+             {R"("vocab_size": 129280)", R"("vocab_size": 163840)"}}) {
+      REQUIRE(kimi.find(from) != std::string::npos);
+      kimi.replace(kimi.find(from), from.size(), to);
+    }
+    TempFile k2("config.json", "{" + kimi + "}");
+    const auto moonshot = load_model(k2.path());
+    CHECK(count_params(moonshot) == 1026408209408ULL);
+    CHECK(moonshot.moe->routed_scale == 2.827);
+    CHECK(moonshot.unmodelled.size() == 2);  // YaRN and the selection bias: no groups, no MTP
+    // What latent attention cannot be without: a statement of q_lora_rank (null: none).
+    std::string no_q = fields;
+    no_q.erase(no_q.find(R"("q_lora_rank": 1536,)"), std::string(R"("q_lora_rank": 1536,)").size());
+    TempFile missing("config.json", "{" + no_q + "}");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(missing.path()), InputError,
+                                    "config.json: q_lora_rank: required field is missing (null "
+                                    "where the queries come from the block's input)");
+    // (The fields with one of theirs given another value.)
+    const auto with = [&fields](const std::string& from, const std::string& to) {
+      std::string out = fields;
+      out.replace(out.find(from), from.size(), to);
+      return "{" + out + "}";
+    };
+    TempFile biased("config.json", with(R"("attention_bias": false)", R"("attention_bias": true)"));
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(biased.path()), InputError,
+                                    "attention_bias: true: biases of latent attention's "
+                                    "projections are not modelled");
+    TempFile tanh("config.json", with(R"("scoring_func": "sigmoid")", R"("scoring_func": "tanh")"));
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(tanh.path()), InputError,
+                                    "scoring_func: \"tanh\": expected \"sigmoid\" or \"softmax\"");
+    TempFile odd("config.json", with(R"("qk_rope_head_dim": 64)", R"("qk_rope_head_dim": 63)"));
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(odd.path()), InputError,
+                                    "config.json: qk_rope_head_dim: expected an even width (RoPE "
+                                    "turns pairs), got 63");
+    TempFile wide("config.json", with(R"("kv_lora_rank": 512)", R"("kv_lora_rank": 33554432)"));
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(wide.path()), InputError,
+                                    "config.json: kv_lora_rank: expected at most 16777216");
+  }
+  SECTION("deepseek_v2: queries from the block's input, softmax gates") {
+    // deepseek-ai/DeepSeek-V2-Lite's config.json.
+    const std::string fields = R"("architectures": ["DeepseekV2ForCausalLM"],
+      "attention_bias": false, "first_k_dense_replace": 1, "hidden_act": "silu",
+      "hidden_size": 2048, "intermediate_size": 10944, "kv_lora_rank": 512,
+      "max_position_embeddings": 163840, "model_type": "deepseek_v2",
+      "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64,
+      "n_shared_experts": 2, "num_attention_heads": 16, "num_experts_per_tok": 6,
+      "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": null,
+      "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rope_theta": 10000,
+      "scoring_func": "softmax", "tie_word_embeddings": false, "topk_group": 1,
+      "topk_method": "greedy", "v_head_dim": 128, "vocab_size": 102400)";
+    TempFile f("config.json", "{" + fields + R"(, "norm_topk_prob": false,
+      "routed_scaling_factor": 1.0})");
+    const auto m = load_model(f.path());
+    REQUIRE(m.mla);
+    CHECK(m.mla->q_lora_rank == 0);
+    CHECK(m.latent_width() == 512 + 64);
+    CHECK_FALSE(m.moe->sigmoid_gates);
+    CHECK_FALSE(m.moe->normalize_top_k);
+    CHECK(m.shared_ffn() == 2 * 1408);
+    CHECK(m.unmodelled.empty());
+    CHECK(count_params(m) == 15706484224ULL);  // DeepSeek's 15.7B
+    CHECK(architecture_json(load_model("deepseek-v2-lite-16b")) == architecture_json(m));
+    // DeepSeek-V2's gate scales the probabilities it does not renormalize, and only those.
+    TempFile scaled("config.json", "{" + fields + R"(, "norm_topk_prob": false,
+      "routed_scaling_factor": 16.0})");
+    CHECK(load_model(scaled.path()).moe->routed_scale == 16.0);
+    TempFile renormalized("config.json", "{" + fields + R"(, "norm_topk_prob": true,
+      "routed_scaling_factor": 16.0})");
+    const auto unscaled = load_model(renormalized.path());
+    CHECK(unscaled.moe->routed_scale == 1.0);
+    CHECK_THAT(unscaled.description,
+               Catch::Contains("its routed_scaling_factor of 16 is not applied"));
+    // DeepSeek-V2's group-limited routing where its topk_method says so.
+    std::string grouped = fields;
+    for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+             {R"("n_group": 1)", R"("n_group": 8)"},
+             {R"("topk_group": 1)", R"("topk_group": 3)"},
+             {R"("topk_method": "greedy")", R"("topk_method": "group_limited_greedy")"}}) {
+      grouped.replace(grouped.find(from), from.size(), to);
+    }
+    TempFile groups("config.json", "{" + grouped + "}");
+    CHECK(load_model(groups.path()).unmodelled ==
+          std::vector<std::string>{"its group-limited routing (n_group, topk_group)"});
+    // No n_routed_experts (DeepseekV2Config's default): every block a dense MLP.
+    std::string dense = fields;
+    dense.erase(dense.find(R"("n_routed_experts": 64,)"),
+                std::string(R"("n_routed_experts": 64,)").size());
+    TempFile all_dense("config.json", "{" + dense + "}");
+    const auto mla_dense = load_model(all_dense.path());
+    CHECK_FALSE(mla_dense.moe);
+    CHECK(mla_dense.ffn_hidden == 10944);
+  }
   SECTION("llama4: its text_config, experts beside a shared expert in every block") {
     // meta-llama/Llama-4-Scout-17B-16E's config.json (its vision_config cut short).
     const std::string text = R"("attention_bias": false, "attention_chunk_size": 8192,
@@ -715,13 +869,9 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     TempFile f("config.json", R"({"model_type": "bert", "hidden_size": 768})");
     DTSIM_REQUIRE_THROWS_CONTAINING(
         load_model(f.path()), InputError,
-        "model_type: unsupported Hugging Face model_type \"bert\" (supported: glm4_moe, gpt2, "
-        "granite, llama, llama4, llama4_text, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, "
-        "qwen3, qwen3_moe)");
-    // A family dtsim cannot describe yet says what it lacks.
-    TempFile deepseek("config.json", R"({"model_type": "deepseek_v3", "hidden_size": 2048})");
-    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(deepseek.path()), InputError,
-                                    "qwen3_moe); V2's and V3's latent attention is not modelled");
+        "model_type: unsupported Hugging Face model_type \"bert\" (supported: deepseek_v2, "
+        "deepseek_v3, glm4_moe, gpt2, granite, kimi_k2, llama, llama4, llama4_text, mistral, "
+        "mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe)");
   }
   SECTION("missing field") {
     TempFile f("config.json", R"({"model_type": "llama", "hidden_size": 4096})");
@@ -781,6 +931,92 @@ std::string model_with(const std::string& key, const nlohmann::json& value) {
   return j.dump();
 }
 }  // namespace
+
+TEST_CASE("multi-head latent attention in a model file", "[model][mla]") {
+  // Two blocks of 4 heads with RoPE: queries from a latent of 24, keys and values from one of
+  // 16, heads' queries and keys 8 + 4 wide, values 6.
+  nlohmann::json j = nlohmann::json::parse(model_with("positions", "rope"));
+  j["mla"] = {{"q_lora_rank", 24},
+              {"kv_lora_rank", 16},
+              {"qk_nope_head_dim", 8},
+              {"qk_rope_head_dim", 4},
+              {"v_head_dim", 6}};
+  {
+    TempFile f("mla.json", j.dump());
+    const auto m = load_model(f.path());
+    REQUIRE(m.mla);
+    CHECK(m.head_dim == 12);
+    CHECK(m.kv_heads == 4);
+    CHECK(m.q_width() == 48);
+    CHECK(m.k_width() == 48);
+    CHECK(m.v_width() == 24);
+    CHECK(m.o_width() == 24);
+    CHECK(m.latent_width() == 24 + 16 + 4);
+    CHECK_FALSE(m.is_megatron_gpt());
+    // Per block (no biases): the down projection 64 x 44, the latents' norm 24 + 16, the up
+    // projections 24 x 48 and 16 x (4 x (8 + 6)), the output projection 24 x 64, two norms of
+    // 64, the MLP 64 x 256 x 2.
+    const std::uint64_t attention = 64 * 44 + 40 + 24 * 48 + 16 * 56 + 24 * 64;
+    const std::uint64_t block = attention + 2 * 64 + 2 * 64 * 256;
+    const auto params = count_params(m);
+    // The embedding (tied: the head has none) and the final norm.
+    CHECK(params == 2 * block + 100 * 64 + 64);
+    // Without q_lora_rank the queries come from the block's input: no query latent in the
+    // down projection or the norm, a 64 x 48 projection for the 24 x 48 one.
+    auto direct = j;
+    direct["mla"].erase("q_lora_rank");
+    TempFile g("mla_direct.json", direct.dump());
+    const auto d = load_model(g.path());
+    CHECK(d.mla->q_lora_rank == 0);
+    CHECK(count_params(d) == params - 2 * (64 * 24 + 24 + 24 * 48) + 2 * 64 * 48);
+  }
+  struct Case {
+    std::string what;
+    nlohmann::json change;  // merged into the model
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"kv heads",
+       {{"kv_heads", 2}},
+       "kv_heads: 2 with mla, whose every head has its own keys and values: leave kv_heads out "
+       "or give heads (4)"},
+      {"head dim",
+       {{"head_dim", 16}},
+       "head_dim: 16 with mla, whose heads' queries and keys are mla.qk_nope_head_dim + "
+       "mla.qk_rope_head_dim = 12 wide: leave head_dim out or give 12"},
+      {"positions",
+       {{"positions", "learned"}},
+       "positions: expected \"rope\" with multi-head latent attention"},
+      {"odd rope",
+       {{"mla", {{"qk_rope_head_dim", 5}}}},
+       "mla.qk_rope_head_dim: expected an even width (RoPE turns pairs), got 5"},
+      {"missing",
+       {{"mla", {{"kv_lora_rank", nullptr}}}},
+       "mla.kv_lora_rank: required field is missing"},
+      {"zero",
+       {{"mla", {{"v_head_dim", 0}}}},
+       "mla.v_head_dim: expected a positive integer, got 0"},
+      {"unknown", {{"mla", {{"kv_lora", 16}}}}, "mla.kv_lora: unknown field"},
+      {"oversized",
+       {{"mla", {{"kv_lora_rank", 1 << 25}}}},
+       "mla.kv_lora_rank: expected at most 16777216, got 33554432"},
+      {"oversized values",
+       {{"heads", 64}, {"mla", {{"v_head_dim", 1 << 20}}}},
+       "mla.v_head_dim: heads x 1048576 = 67108864 exceeds 16777216"},
+      {"qkv bias",
+       {{"bias", {{"qkv", true}}}},
+       "bias.qkv: biases of multi-head latent attention's projections are not modelled"},
+  };
+  for (const Case& c : cases) {
+    DYNAMIC_SECTION(c.what) {
+      auto bad = j;
+      bad.merge_patch(c.change);
+      TempFile f("bad_mla.json", bad.dump());
+      DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError, "bad_mla.json: ");
+      DTSIM_REQUIRE_THROWS_CONTAINING(load_model(f.path()), InputError, c.message);
+    }
+  }
+}
 
 TEST_CASE("bad model files are rejected naming file and field", "[model][bad-input]") {
   struct Case {

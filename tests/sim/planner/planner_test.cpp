@@ -682,6 +682,16 @@ TEST_CASE("the closed form follows the simulator where hops, stages or the dp st
       // every unit's first task was taken to end as it starts).
       {"ZeRO-3 units whose first tasks differ", "llama4-maverick-17b-128e", "dgx-h100-superpod",
        256, 512, 1, 1, Schedule::OneFOneB, 3, Recompute::Full, 2},
+      // Multi-head latent attention (DeepSeek-V3): its up projections enter tp's region with
+      // their latents (gathered under sequence parallelism, their gradients reduced), the down
+      // projection and the latents' norm outside it, and with sequence parallelism the down
+      // projection's weight gradient all-reduced over tp with the norms'.
+      {"latent attention's tp collectives", "deepseek-v3-671b", "dgx-h100-superpod", 256, 512, 8, 8,
+       Schedule::OneFOneB, 1, Recompute::Full, 1},
+      // Zero-bubble's weight passes wait for the inputs of the projections gathered again:
+      // DeepSeek-V2-Lite's queries' (the block's input) and its keys' and values' (a latent).
+      {"latent attention in zero-bubble's passes", "deepseek-v2-lite-16b", "dgx-h100-superpod", 64,
+       256, 2, 4, Schedule::ZeroBubble, 1, Recompute::Selective, 1},
       // Stages in lockstep, hops of 1.3 and 9.4 ms (across the network's zones): which
       // neighbour's transfer a stage receives first follows the engine's order of events
       // (-3.1% when the timeline took tied boundaries in its own order).
