@@ -108,6 +108,15 @@ int main(int argc, char** argv) {
       // dense MLP of 16384 beside 128 experts of 8192 and a shared one.
       {"Llama 4 Maverick, 256 H100 (dgx-h100-superpod), batch 512", "llama4-maverick-17b-128e",
        "dgx-h100-superpod", 256, 512},
+      // Multi-head latent attention: a down projection whole on every tp rank, up projections
+      // entering tp's region with their latents; 256 experts of 2048 (8 a token, sigmoid gates)
+      // beside a shared one after 3 dense blocks; 61 blocks in uneven stages.
+      {"DeepSeek-V3, 512 H100 (dgx-h100-superpod), batch 1024", "deepseek-v3-671b",
+       "dgx-h100-superpod", 512, 1024},
+      // Latent attention without a query latent (the queries from the block's input), 64
+      // experts of 1408 beside 2 shared ones, a hidden size of 2048.
+      {"DeepSeek-V2-Lite, 64 H100 (dgx-h100-superpod), batch 256", "deepseek-v2-lite-16b",
+       "dgx-h100-superpod", 64, 256},
       // A small model: the embedding's gradients a third of the parameters, the head's GEMMs
       // a block's several times, stages of one or two blocks.
       {"GPT-2 124M, 8 A100 (default), batch 64", "gpt2-124m", "default", 8, 64},

@@ -720,7 +720,7 @@ class Lowerer {
     t.chunk = chunk;
     t.collective = CollectiveKind::AllGather;
     t.group = group(GroupKind::Tp);
-    t.bytes = plan::tp_enter_bytes(g_.spec(), g_.op(marker.anchor), hidden_bytes_);
+    t.bytes = plan::tp_regather_bytes(g_.spec(), g_.op(marker.anchor), hidden_bytes_);
     t.op_begin = static_cast<std::int32_t>(marker.anchor);
     t.op_end = t.op_begin + 1;
     t.label = label(FMT_COMPILE("tp all-gather input again {} mb{}"), layer_name(marker.layer),

@@ -178,8 +178,12 @@ class Builder {
     const double causal = (n + 1) / (2 * n);
     core.kernel_fwd_flops = causal * core.fwd_flops;
     // The backward's five GEMMs per block pair (S = QK^T again, dV = P^T dO, dP = dO V^T,
-    // dQ = dS K, dK = dS^T Q) against the forward's two: 2.5x (Sec. 4.1's FLOP count).
-    core.kernel_bwd_flops = 2.5 * core.kernel_fwd_flops;
+    // dQ = dS K, dK = dS^T Q) against the forward's two: 2.5x (Sec. 4.1's FLOP count) where
+    // queries, keys and values are alike wide; three over the queries' and keys' head width and
+    // two over the values' against one of each (multi-head latent attention's 192 and 128).
+    const double dqk = static_cast<double>(m_.head_dim);
+    const double dv = static_cast<double>(m_.v_head_dim());
+    core.kernel_bwd_flops = (3 * dqk + 2 * dv) / (dqk + dv) * core.kernel_fwd_flops;
     // Traffic: read Q, K, V, write the output and the log-sum-exp (fp32, a row per head);
     // backward: read Q, K, V, the output, its gradient and the log-sum-exp, write dQ, dK, dV
     // and read and write the rows' sum of dO ∘ O (fp32). A kernel's re-reads of K and V per
@@ -250,12 +254,16 @@ class Builder {
     const u64 q_in = rq > 0 ? rq : h();
     q.params = q_in * qw;
     gemm(q, tokens_, static_cast<double>(q_in), static_cast<double>(qw));
-    q.saved_bytes = act_ * T() * q_in;  // its input
+    // Its input: the query latent, or the block's normed input, which the down projection
+    // keeps already (one tensor: Megatron-Core's linear_q_proj and linear_kv_down_proj read it).
+    q.saved_bytes = rq > 0 ? act_ * T() * rq : 0;
     q.tp_enter_width = rq > 0 ? rq : 0;
     const OpId qo = add(std::move(q), {rq > 0 ? n : in});
 
     // The keys' parts without positions and the values, per head, from their latent; the
-    // keys' RoPE part (one for all heads, from the down projection) enters tp's region with it.
+    // keys' RoPE part (one for all heads, from the down projection) enters tp's region with it
+    // (its own collective in Megatron-Core: one more launch, not priced), and is not gathered
+    // again for the weight gradient (the GEMM's input, gemm_k, is).
     const u64 kv_out =
         static_cast<u64>(m_.heads * a.qk_nope_head_dim) + static_cast<u64>(m_.v_width());
     Op kv;

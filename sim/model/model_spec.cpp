@@ -643,17 +643,19 @@ void read_glm4_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {
   }
 }
 
-// A DeepSeek-V2 or V3 config's blocks (DeepSeek's modeling_deepseek.py, which trained them, and
-// Hugging Face's DeepseekV2/DeepseekV3 classes; Kimi K2's kimi_k2 is V3's): multi-head latent
+// A DeepSeek-V2 or V3 config's blocks (DeepSeek's modeling_deepseek.py, which trained them;
+// Hugging Face's DeepseekV2/DeepseekV3 classes alike but where said; Kimi K2's kimi_k2 is
+// V3's): multi-head latent
 // attention (q_lora_rank, null where the queries come from the block's input: DeepSeek-V2-Lite;
 // kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim; one key and value per head,
 // whatever num_key_value_heads says); experts from block first_k_dense_replace on in every
 // moe_layer_freq-th, n_routed_experts of moe_intermediate_size, the top num_experts_per_tok a
 // token, beside n_shared_experts shared ones, dense MLPs of intermediate_size in the other
-// blocks (no n_routed_experts: every block's). Gates (scoring_func): V3's the chosen experts'
+// blocks (n_routed_experts null: every block's). Gates (scoring_func): V3's the chosen experts'
 // sigmoids, over their sum (norm_topk_prob), times routed_scaling_factor; V2's their
 // probabilities in the softmax over all experts, over their sum (norm_topk_prob) or else times
-// routed_scaling_factor.
+// routed_scaling_factor (Hugging Face's DeepseekV2Moe scales them always and reads no
+// norm_topk_prob: no released V2 config tells the two apart).
 void read_deepseek(const JsonReader& r, KeyMap& names, ModelSpec& m, bool v3) {
   m.mla.emplace();
   // (null: queries projected from the block's input; left out, it would be the class's default
@@ -681,7 +683,13 @@ void read_deepseek(const JsonReader& r, KeyMap& names, ModelSpec& m, bool v3) {
   if (r.boolean_or("attention_bias", false)) {
     r.fail("attention_bias", "true: biases of latent attention's projections are not modelled");
   }
-  if (!r.has("n_routed_experts")) {  // (DeepseekV2Config's default: None, no experts)
+  // The experts: required, as the classes disagree where they are left out (DeepSeek's read
+  // None, no experts or no shared ones; Hugging Face's DeepseekV2Config gives 64 and 2,
+  // DeepseekV3Config 256 and 1). Null: none (DeepSeek's classes: every block a dense MLP).
+  for (const char* key : {"n_routed_experts", "n_shared_experts"}) {
+    if (!raw.contains(key)) r.fail(key, "required field is missing (null for none)");
+  }
+  if (raw.at("n_routed_experts").is_null()) {
     m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
     return;
   }

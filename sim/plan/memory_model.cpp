@@ -105,8 +105,11 @@ double weight_pass_bytes(const ModelGraph& g, int layer, const Plan& plan) {
     }
     if (op.bwd_weight_flops <= 0 || op.gemm_m <= 0) continue;
     const bool column = op.tp_split == TpSplit::Column || op.tp_split == TpSplit::Vocab;
+    // (A GEMM whose weights tp does not split runs on the rank's share of the sequence under
+    // sequence parallelism: multi-head latent attention's down projection, a router.)
+    const bool shard = op.tp_split == TpSplit::None && plan.sequence_parallel;
     const double out_split =
-        static_cast<double>(plan.cp) * (column ? static_cast<double>(plan.tp) : 1.0);
+        static_cast<double>(plan.cp) * (column || shard ? static_cast<double>(plan.tp) : 1.0);
     // Its input: what it keeps, but an MoE down op's copies' outputs (the B pass used them).
     const auto saved = static_cast<double>(op.saved_bytes);
     w += op.kind == model::OpKind::MlpDown ? rank_split_bytes(op, plan, saved)

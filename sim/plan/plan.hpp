@@ -256,6 +256,11 @@ bool mlp_tp_exit(const model::ModelSpec& spec, const Plan& plan, const model::Op
 // `hidden_bytes` is one activation tensor of width h of the same tokens.
 std::uint64_t tp_enter_bytes(const model::ModelSpec& spec, const model::Op& op,
                              std::uint64_t hidden_bytes);
+// The bytes that sequence parallelism gathers again for a column-parallel `op`'s weight
+// gradient: its GEMM's input (gemm_k a token; multi-head latent attention's key-value latent
+// without the keys' RoPE part, which entered with it).
+std::uint64_t tp_regather_bytes(const model::ModelSpec& spec, const model::Op& op,
+                                std::uint64_t hidden_bytes);
 
 // Whether `op`'s weight gradients are computed from the rank's share of the sequence under
 // sequence parallelism, with weights whole on every tp rank, so that they are all-reduced over

@@ -151,9 +151,10 @@ class Estimator {
       bool regathers = false;
       // The input's bytes (plan::tp_enter_bytes: a hidden tensor, or multi-head latent
       // attention's latents) and the collectives that carry it: the input gradient's reduction
-      // and, under sequence parallelism, the input's gathers.
-      std::uint64_t bytes = 0;
-      double reduce = 0, gather = 0;
+      // and, under sequence parallelism, the input's gather, and the weight gradient's input
+      // gathered again (plan::tp_regather_bytes, `regather_bytes`).
+      std::uint64_t bytes = 0, regather_bytes = 0;
+      double reduce = 0, gather = 0, regather = 0;
       bool attention = false;  // a segment of the attention's projections
     };
     struct BlockCost {
@@ -204,20 +205,22 @@ class Estimator {
           const bool column =
               op.kind == model::OpKind::QkvProj || (op.kind == model::OpKind::MlpUp && !routed);
           const std::uint64_t bytes = plan::tp_enter_bytes(m, op, hidden_bytes);
+          const std::uint64_t again = plan::tp_regather_bytes(m, op, hidden_bytes);
+          const bool sp = p.tp > 1 && p.sequence_parallel;
           c.segments.push_back(
               {.weight = weight,
                .overlapped = column,
                .input = cost.op_seconds(op, Phase::BackwardInput),
                .regathers = column,
                .bytes = bytes,
+               .regather_bytes = again,
                .reduce = p.tp > 1
                              ? tp_collective(p.sequence_parallel ? CollectiveKind::ReduceScatter
                                                                  : CollectiveKind::AllReduce,
                                              bytes)
                              : 0.0,
-               .gather = p.tp > 1 && p.sequence_parallel
-                             ? tp_collective(CollectiveKind::AllGather, bytes)
-                             : 0.0,
+               .gather = sp ? tp_collective(CollectiveKind::AllGather, bytes) : 0.0,
+               .regather = sp ? tp_collective(CollectiveKind::AllGather, again) : 0.0,
                .attention = op.kind == model::OpKind::QkvProj});
         }
         // In forward order, an op's backward runs before the collective of the nearest
@@ -263,8 +266,10 @@ class Estimator {
         c.tp_backward = attention_b + mlp + shared;
       }
       if (p.cp > 1) {
-        const std::uint64_t kv = static_cast<std::uint64_t>(p.cp) * tokens * 2 *
-                                 static_cast<std::uint64_t>(m.kv_width() / p.tp) * act;
+        // (This rank's heads' keys and values: lowering's CpGatherKv.)
+        const std::uint64_t kv =
+            static_cast<std::uint64_t>(p.cp) * tokens *
+            static_cast<std::uint64_t>(m.k_width() / p.tp + m.v_width() / p.tp) * act;
         c.cp_comm = net_->collective_s(placement, group(ParallelDim::Cp, lower::GroupKind::Cp),
                                        CollectiveKind::AllGather, kv);
       }
@@ -289,7 +294,7 @@ class Estimator {
         for (const Segment& seg : c.segments) {
           if (!seg.regathers) continue;
           const bool beside_input = tp_overlap && seg.overlapped;
-          c.tp_backward += std::max(0.0, seg.gather - (beside_input ? seg.input : 0.0));
+          c.tp_backward += std::max(0.0, seg.regather - (beside_input ? seg.input : 0.0));
         }
       }
       // Each tp rank holds a slice of every expert: the gates' gradients, partial sums, are
@@ -311,10 +316,10 @@ class Estimator {
       c.back = c.b + c.recompute;
       for (const Segment& seg : c.segments) {
         if (!seg.regathers) continue;
-        if (seg.bytes == hidden_bytes) {
+        if (seg.regather_bytes == hidden_bytes) {
           c.regathering += 1;
         } else {
-          c.regathering_other_s += seg.gather;
+          c.regathering_other_s += seg.regather;
         }
       }
       return c;

@@ -566,14 +566,21 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     TempFile groups("config.json", "{" + grouped + "}");
     CHECK(load_model(groups.path()).unmodelled ==
           std::vector<std::string>{"its group-limited routing (n_group, topk_group)"});
-    // No n_routed_experts (DeepseekV2Config's default): every block a dense MLP.
+    // n_routed_experts null (DeepSeek's classes: no experts): every block a dense MLP; left
+    // out (the classes disagree on what that means), refused.
     std::string dense = fields;
-    dense.erase(dense.find(R"("n_routed_experts": 64,)"),
-                std::string(R"("n_routed_experts": 64,)").size());
+    dense.replace(dense.find(R"("n_routed_experts": 64,)"),
+                  std::string(R"("n_routed_experts": 64,)").size(), R"("n_routed_experts": null,)");
     TempFile all_dense("config.json", "{" + dense + "}");
     const auto mla_dense = load_model(all_dense.path());
     CHECK_FALSE(mla_dense.moe);
     CHECK(mla_dense.ffn_hidden == 10944);
+    std::string unsaid = fields;
+    unsaid.erase(unsaid.find(R"("n_shared_experts": 2,)"),
+                 std::string(R"("n_shared_experts": 2,)").size());
+    TempFile no_shared("config.json", "{" + unsaid + "}");
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(no_shared.path()), InputError,
+                                    "n_shared_experts: required field is missing (null for none)");
   }
   SECTION("llama4: its text_config, experts beside a shared expert in every block") {
     // meta-llama/Llama-4-Scout-17B-16E's config.json (its vision_config cut short).
