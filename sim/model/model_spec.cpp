@@ -348,8 +348,13 @@ void validate_model(const ModelSpec& m,
   at_most("vocab", m.vocab, kMaxWidth);
   at_most("max_positions", m.max_positions, kMaxWidth);
   if (m.q_width() > kMaxWidth) {
-    bad("head_dim", fmt::format("{} x {} = {} x {} = {} exceeds {}", key("heads"), key("head_dim"),
-                                m.heads, m.head_dim, m.q_width(), kMaxWidth));
+    // (With latent attention a head's query is its two parts: their fields are named.)
+    const std::string head =
+        m.mla ? "(" + key("mla.qk_nope_head_dim") + " + " + key("mla.qk_rope_head_dim") + ")"
+              : key("head_dim");
+    bad(m.mla ? "mla.qk_nope_head_dim" : "head_dim",
+        fmt::format("{} x {} = {} x {} = {} exceeds {}", key("heads"), head, m.heads, m.head_dim,
+                    m.q_width(), kMaxWidth));
   }
   if (m.mla) {
     // (A Hugging Face config's keys where it has them; dtsim's fields are mla.*.)
@@ -590,12 +595,12 @@ bool group_limited(const JsonReader& r) {
 // Each said not to be modelled.
 void note_deepseek_routing(const JsonReader& r, ModelSpec& m, bool selection_bias, bool grouped) {
   if (selection_bias || grouped) {
-    m.description +=
-        fmt::format("; its router's {}{}{}{} not modelled: experts chosen by their scores alone",
-                    selection_bias ? "selection bias (e_score_correction_bias)" : "",
-                    selection_bias && grouped ? " and its " : "",
-                    grouped ? "choice within the top groups of experts (n_group, topk_group)" : "",
-                    selection_bias && grouped ? " are" : " is");
+    m.description += fmt::format(
+        "; its router's {}{}{}{} not modelled: experts chosen by their {}scores alone",
+        selection_bias ? "selection bias (e_score_correction_bias)" : "",
+        selection_bias && grouped ? " and its " : "",
+        grouped ? "choice within the top groups of experts (n_group, topk_group)" : "",
+        selection_bias && grouped ? " are" : " is", m.moe->sigmoid_gates ? "sigmoid " : "");
   }
   if (selection_bias) {
     m.unmodelled.push_back(

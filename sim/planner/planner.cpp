@@ -1105,9 +1105,10 @@ class Estimator {
     std::vector<Send> sends;  // the last kTailSends, in the order sent
     double last = 0;          // the last one's bytes
   };
-  // Enough for the buckets a block's ops send at once (each op's gradients go into one bucket,
-  // a block has up to 8 ops with weights), with the stream's backlog before them left to the
-  // closed form's whole-stream term.
+  // Enough for the buckets a block's ops send at once (each op's gradients go into one bucket:
+  // a dense block has 6 ops with weights, one with experts up to 9 with shared experts, and
+  // latent attention 3 more), with the stream's backlog before them left to the closed form's
+  // whole-stream term (a block's ninth and later sends with it).
   static constexpr std::size_t kTailSends = 8;
   static Tail tail_buckets(const model::ModelGraph& g, const Plan& p, const cost::ComputeCost& cost,
                            const std::vector<int>& chunks, double grad_bytes, bool per_block,

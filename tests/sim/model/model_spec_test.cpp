@@ -1007,6 +1007,10 @@ TEST_CASE("multi-head latent attention in a model file", "[model][mla]") {
       {"oversized",
        {{"mla", {{"kv_lora_rank", 1 << 25}}}},
        "mla.kv_lora_rank: expected at most 16777216, got 33554432"},
+      {"oversized queries",
+       {{"mla", {{"qk_nope_head_dim", 1 << 23}}}},
+       "mla.qk_nope_head_dim: heads x (mla.qk_nope_head_dim + mla.qk_rope_head_dim) = 4 x "
+       "8388612 = 33554448 exceeds 16777216"},
       {"oversized values",
        {{"heads", 64}, {"mla", {{"v_head_dim", 1 << 20}}}},
        "mla.v_head_dim: heads x 1048576 = 67108864 exceeds 16777216"},
