@@ -643,6 +643,33 @@ class Estimator {
     // reduction's wait, hidden by the pass, shows as the later reductions' delay, in the
     // communication, and so does the stream's in all where it outlasts the passes.
     double dp_in_passes = 0, dp_busy = 0, dp_after = 0, dp_waits_in_passes = 0;
+    // How long after the last backward pass the stream's reductions end, where they queue past
+    // it: `all` seconds of them, the first waiting `first` for the group's slowest rank. A
+    // backward pass hides reductions with its recompute too. Interleaved, a chunk's gradients
+    // are final after its own last backward pass, and the drain runs the chunks' last passes
+    // about pp backward passes apart (a chunk's share of the last round): the stream starts on
+    // the first chunk's (v - 1)·pp passes before the last one, and has at least the last
+    // chunk's left when that one starts. The timeline gives when those passes start, blocking
+    // transfers' waits between them included (Llama-3 405B at dp 32, tp 8, pp 8, cp 8, v 4:
+    // 142 ms apart, not 117); the first stage ends with the pipeline, the slowest one holds the
+    // most buckets: the later of the two queues.
+    const auto queued_past_backward = [&](double all, double first) {
+      double queued = chunks_before.empty()
+                          ? std::max(all / v, all + first - (v - 1) * p.pp * backward) - backward
+                          : -std::numeric_limits<double>::infinity();
+      for (const auto& before : chunks_before) {
+        double free = -std::numeric_limits<double>::infinity();
+        for (std::size_t i = 0; i < before.size(); ++i) {
+          free = std::max(free, -before[i] + (i == 0 ? first : 0.0)) + all / v;
+        }
+        queued = std::max(queued, free);
+      }
+      return queued;
+    };
+    // The reductions of both kinds (dense, experts'), which queue on the one stream as their
+    // buckets fill (lowering), and the longer of their first waits.
+    double reductions = 0, first_waits = 0;
+    int kinds_reduced = 0;
     const bool gathers_first =
         p.zero_stage == 3 || ((p.zero_stage == 1 || p.zero_stage == 2) && p.overlap_param_gather);
     const double dp_start = gathers_first ? 0.0 : stage_f / std::max(1, p.virtual_stages);
@@ -722,33 +749,14 @@ class Estimator {
                                          (static_cast<double>(tail) / static_cast<double>(grads))
                                    : 0.0;
       // The last (with ZeRO-2/3 the last micro-batch's) reduction outlasts its backward pass
-      // by this; ZeRO-2/3's earlier ones run beside the passes after theirs, as long as the
-      // stream keeps up (dp_busy).
-      // A backward pass hides reductions with its recompute too. Interleaved, a chunk's
-      // gradients are final after its own last backward pass, and the drain runs the chunks'
-      // last passes about pp backward passes apart (a chunk's share of the last round): the
-      // stream starts on the first chunk's (v - 1)·pp passes before the last one, and has at
-      // least the last chunk's left when that one starts. The timeline gives when those passes
-      // start, blocking transfers' waits between them included (Llama-3 405B at dp 32, tp 8,
-      // pp 8, cp 8, v 4: 142 ms apart, not 117); the first stage ends with the pipeline, the
-      // slowest one holds the most buckets: the later of the two queues. The stream's first
-      // collective waits for the group's slowest rank first.
-      const auto queue_after_end = [&](const std::vector<double>& before, double first) {
-        double free = -std::numeric_limits<double>::infinity();
-        for (std::size_t i = 0; i < before.size(); ++i) {
-          free = std::max(free, -before[i] + (i == 0 ? first : 0.0)) + all / v;
-        }
-        return free;
-      };
+      // by this, or the queue of them by more (queued_past_backward); ZeRO-2/3's earlier ones
+      // run beside the passes after theirs, as long as the stream keeps up (dp_busy).
       const auto exposed_in_passes = [&](double first, double last_late) {
-        double queued = chunks_before.empty()
-                            ? std::max(all / v, all + first - (v - 1) * p.pp * backward) - backward
-                            : -std::numeric_limits<double>::infinity();
-        for (const auto& before : chunks_before) {
-          queued = std::max(queued, queue_after_end(before, first));
-        }
-        return std::max(last + last_late, queued);
+        return std::max(last + last_late, queued_past_backward(all, first));
       };
+      reductions += all;
+      first_waits = std::max(first_waits, first_wait);
+      ++kinds_reduced;
       const double delayed = exposed_in_passes(first_wait, 0);
       dp_in_passes += delayed;
       dp_waits_in_passes += exposed_in_passes(first_wait, last_wait) - delayed;
@@ -773,6 +781,14 @@ class Estimator {
         zero3_gather +=
             dp_s(CollectiveKind::AllGather, static_cast<std::uint64_t>(weights / v / zero3_units));
       }
+    }
+    // Both kinds' reductions queue on the one stream: where each fits beside the last backward
+    // pass alone but not together, the stream outlasts the pass by what they need together
+    // (DeepSeek-V2-Lite at dp 64, ep 8, ZeRO-1: 133 ms of the experts' and 31 of the dense
+    // ones in a backward of about 100, the stream 60 ms past it: -4.4% where each kind was
+    // taken to queue alone).
+    if (kinds_reduced == 2) {
+      dp_in_passes = std::max(dp_in_passes, queued_past_backward(reductions, first_waits));
     }
     if (zero3_gather > 0) {
       // One gather per unit and pass, 2 passes per micro-batch and chunk, each hidden behind
