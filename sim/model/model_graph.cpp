@@ -123,6 +123,20 @@ class Builder {
     op.bwd_bytes = 1.5 * op.fwd_bytes;  // reads saved input + upstream grad, writes grad
   }
 
+  // A GEMM of a block's normed input to `width` outputs whose weights every tp rank holds whole
+  // (a router; latent attention's down projection), keeping its input (2sbh); not yet added.
+  Op replicated_gemm(std::string name, OpKind kind, int l, u64 width) const {
+    Op op;
+    op.name = std::move(name);
+    op.kind = kind;
+    op.layer = l;
+    op.params = h() * width;
+    op.tp_replicated_params = op.params;
+    gemm(op, tokens_, static_cast<double>(h()), static_cast<double>(width));
+    op.saved_bytes = act_ * T() * h();
+    return op;
+  }
+
   u64 norm_params(u64 width) const {
     return width * (m_.norm == Norm::LayerNorm && m_.bias.norm ? 2 : 1);
   }
@@ -224,15 +238,7 @@ class Builder {
     const u64 rope = static_cast<u64>(a.qk_rope_head_dim);
     const u64 latent = static_cast<u64>(m_.latent_width());
 
-    Op down;
-    down.name = name("latent_down");
-    down.kind = OpKind::LatentDown;
-    down.layer = l;
-    down.params = h() * latent;
-    down.tp_replicated_params = down.params;
-    gemm(down, tokens_, hd, static_cast<double>(latent));
-    down.saved_bytes = act_ * T() * h();  // its input, the norm output
-    const OpId d = add(std::move(down), {in});
+    const OpId d = add(replicated_gemm(name("latent_down"), OpKind::LatentDown, l, latent), {in});
 
     // The RMSNorms of the queries' and the keys' and values' latents (not the keys' RoPE part).
     Op norm;
@@ -342,15 +348,9 @@ class Builder {
       copies = static_cast<u64>(m_.moe->top_k);
       experts = static_cast<u64>(m_.moe->experts);
       expert = true;
-      Op router;
-      router.name = name("router");
-      router.kind = OpKind::Router;
-      router.layer = l;
-      router.params = h() * experts;
-      router.tp_replicated_params = router.params;
-      gemm(router, tokens_, hd, static_cast<double>(experts));
+      Op router = replicated_gemm(name("router"), OpKind::Router, l, experts);
       // Saved: its input (2sbh) and the routing probabilities in fp32.
-      router.saved_bytes = act_ * T() * h() + 4 * T() * experts;
+      router.saved_bytes += 4 * T() * experts;
       // The dispatch (Megatron-LM's permute; dtexec's moe_dispatch) copies each token to its
       // top_k experts' rows: reads s·b·h, writes top_k of them; its backward sums the copies'
       // gradients back into their tokens (reads top_k, writes one).
