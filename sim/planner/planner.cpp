@@ -667,8 +667,10 @@ class Estimator {
       return queued;
     };
     // The reductions of both kinds (dense, experts'), which queue on the one stream as their
-    // buckets fill (lowering), and the longer of their first waits.
-    double reductions = 0, first_waits = 0;
+    // buckets fill (lowering), and the longer of their first waits (the experts' group is part
+    // of the dense one: a wait for its slowest rank is one wait); what each kind's exposes
+    // past the passes, summed, without and with its last reduction's wait.
+    double reductions = 0, first_waits = 0, reductions_in_passes = 0, reductions_with_waits = 0;
     int kinds_reduced = 0;
     const bool gathers_first =
         p.zero_stage == 3 || ((p.zero_stage == 1 || p.zero_stage == 2) && p.overlap_param_gather);
@@ -757,9 +759,8 @@ class Estimator {
       reductions += all;
       first_waits = std::max(first_waits, first_wait);
       ++kinds_reduced;
-      const double delayed = exposed_in_passes(first_wait, 0);
-      dp_in_passes += delayed;
-      dp_waits_in_passes += exposed_in_passes(first_wait, last_wait) - delayed;
+      reductions_in_passes += exposed_in_passes(first_wait, 0);
+      reductions_with_waits += exposed_in_passes(first_wait, last_wait);
       // Each collective on the stream first waits for the group's slowest rank: over a step,
       // the group's waits (see the class comment).
       dp_busy += (p.zero_stage >= 2 ? mb : 1.0) * all + waits;
@@ -784,12 +785,17 @@ class Estimator {
     }
     // Both kinds' reductions queue on the one stream: where each fits beside the last backward
     // pass alone but not together, the stream outlasts the pass by what they need together
-    // (DeepSeek-V2-Lite at dp 64, ep 8, ZeRO-1: 133 ms of the experts' and 31 of the dense
-    // ones in a backward of about 100, the stream 60 ms past it: -4.4% where each kind was
-    // taken to queue alone).
+    // (DeepSeek-V2-Lite at dp 64, ep 8, ZeRO-1, in the simulator: 133 ms of the experts'
+    // reduce-scatters and 38 of the dense ones, from a backward pass of 104 ms of compute, 117
+    // with its all-to-alls' waits, the stream 60 ms past it: -4.4% where each kind was taken
+    // to queue alone). (Beside the gathers of overlap_param_gather above, not instead.)
     if (kinds_reduced == 2) {
-      dp_in_passes = std::max(dp_in_passes, queued_past_backward(reductions, first_waits));
+      const double together = queued_past_backward(reductions, first_waits);
+      reductions_in_passes = std::max(reductions_in_passes, together);
+      reductions_with_waits = std::max(reductions_with_waits, together);
     }
+    dp_in_passes += reductions_in_passes;
+    dp_waits_in_passes += reductions_with_waits - reductions_in_passes;
     if (zero3_gather > 0) {
       // One gather per unit and pass, 2 passes per micro-batch and chunk, each hidden behind
       // the unit before it except for the first (lowering: Unit, whose dense and expert gathers
