@@ -234,7 +234,9 @@ ModelSpec model_from_json(const json& j, const std::string& file) {
     }
     m.ffn_hidden = m.moe->expert_ffn_hidden;
   } else {
-    if (ffn_given == 0) r.fail("ffn_hidden", "required field is missing");
+    if (ffn_given == 0) {
+      r.fail("ffn_hidden", "required field is missing (the MLP's width of a model without moe)");
+    }
     m.ffn_hidden = ffn_given;
   }
   if (!r.has("published_params")) {
@@ -343,8 +345,10 @@ void validate_model(const ModelSpec& m,
   at_most("hidden", m.hidden, kMaxWidth);
   at_most("heads", m.heads, kMaxHeads);
   at_most("kv_heads", m.kv_heads, kMaxHeads);
-  at_most("head_dim", m.head_dim, kMaxWidth);
-  at_most("ffn_hidden", m.ffn_hidden, kMaxWidth);
+  // (Latent attention's head width is its two parts': heads x head_dim below names them.)
+  if (!m.mla) at_most("head_dim", m.head_dim, kMaxWidth);
+  // (A mixture's is its experts' width, bounded as moe.expert_ffn_hidden below.)
+  if (!m.moe) at_most("ffn_hidden", m.ffn_hidden, kMaxWidth);
   at_most("vocab", m.vocab, kMaxWidth);
   at_most("max_positions", m.max_positions, kMaxWidth);
   if (m.q_width() > kMaxWidth) {
@@ -650,13 +654,13 @@ void read_glm4_moe(const JsonReader& r, KeyMap& names, ModelSpec& m) {
 
 // A DeepSeek-V2 or V3 config's blocks (DeepSeek's modeling_deepseek.py, which trained them;
 // Hugging Face's DeepseekV2/DeepseekV3 classes alike but where said; Kimi K2's kimi_k2 is
-// V3's): multi-head latent
-// attention (q_lora_rank, null where the queries come from the block's input: DeepSeek-V2-Lite;
+// V3's): multi-head latent attention (q_lora_rank, null where the queries come from the block's
+// input: DeepSeek-V2-Lite;
 // kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim; one key and value per head,
 // whatever num_key_value_heads says); experts from block first_k_dense_replace on in every
 // moe_layer_freq-th, n_routed_experts of moe_intermediate_size, the top num_experts_per_tok a
 // token, beside n_shared_experts shared ones, dense MLPs of intermediate_size in the other
-// blocks (n_routed_experts null: every block's). Gates (scoring_func): V3's the chosen experts'
+// blocks. Gates (scoring_func): V3's the chosen experts'
 // sigmoids, over their sum (norm_topk_prob), times routed_scaling_factor; V2's their
 // probabilities in the softmax over all experts, over their sum (norm_topk_prob) or else times
 // routed_scaling_factor (Hugging Face's DeepseekV2Moe scales them always and reads no
@@ -690,13 +694,15 @@ void read_deepseek(const JsonReader& r, KeyMap& names, ModelSpec& m, bool v3) {
   }
   // The experts: required, as the classes disagree where they are left out (DeepSeek's read
   // None, no experts or no shared ones; Hugging Face's DeepseekV2Config gives 64 and 2,
-  // DeepseekV3Config 256 and 1). Null: none (DeepSeek's classes: every block a dense MLP).
+  // DeepseekV3Config 256 and 1). No released config is without experts: null routed experts
+  // (DeepSeek's classes: every block a dense MLP) are refused, null shared ones read as none.
   for (const char* key : {"n_routed_experts", "n_shared_experts"}) {
-    if (!raw.contains(key)) r.fail(key, "required field is missing (null for none)");
+    if (!raw.contains(key)) r.fail(key, "required field is missing");
   }
   if (raw.at("n_routed_experts").is_null()) {
-    m.ffn_hidden = hf_int(r, names, "ffn_hidden", {"intermediate_size"});
-    return;
+    r.fail("n_routed_experts",
+           "null: a model without experts is not imported (a dtsim model file with mla and no "
+           "moe describes one)");
   }
   read_routed_experts(r, names, m, {"n_routed_experts"});
   read_shared_experts(r, names, m, 0);
@@ -709,7 +715,7 @@ void read_deepseek(const JsonReader& r, KeyMap& names, ModelSpec& m, bool v3) {
   const std::int64_t every = r.has("moe_layer_freq") ? r.positive_int("moe_layer_freq") : 1;
   read_dense_blocks(
       r, names, m, [&](std::int64_t l) { return l >= first_dense && l % every == 0; },
-      "first_k_dense_replace", "intermediate_size");
+      every > 1 ? "moe_layer_freq" : "first_k_dense_replace", "intermediate_size");
   const std::string scoring = r.string_or("scoring_func", v3 ? "sigmoid" : "softmax");
   if (scoring != "sigmoid" && scoring != "softmax") {
     r.fail("scoring_func", fmt::format("\"{}\": expected \"sigmoid\" or \"softmax\"", scoring));

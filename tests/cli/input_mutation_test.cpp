@@ -284,6 +284,14 @@ TEST_CASE("mutated models: simulate, plan and describe refuse or run", "[mutatio
                   with({"--model", model, "--tp", "2", "--pp", "2", "--seq-len", "64"})},
                  {"plan", dtsim::cli::cmd_plan, with({"--model", model, "--seq-len", "64"})},
                  {"describe", dtsim::cli::cmd_describe, {"--model", model}}});
+  // Multi-head latent attention (mla), with a query latent, beside dense blocks and experts.
+  json latent = read_json(repo() / "models" / "deepseek-v2-lite-16b.json");
+  latent["mla"]["q_lora_rank"] = 1536;
+  check_mutants(scratch, "model.json", latent,
+                {{"simulate", dtsim::cli::cmd_simulate,
+                  with({"--model", model, "--tp", "2", "--pp", "2", "--seq-len", "64"})},
+                 {"plan", dtsim::cli::cmd_plan, with({"--model", model, "--seq-len", "64"})},
+                 {"describe", dtsim::cli::cmd_describe, {"--model", model}}});
 }
 
 TEST_CASE("a mutated Hugging Face config.json: describe and simulate refuse or run",
@@ -358,6 +366,26 @@ TEST_CASE("a mutated Hugging Face config.json: describe and simulate refuse or r
                          {"vocab_size", 32000},
                          {"max_position_embeddings", 2048}};
   check_mutants(scratch, "config.json", glm4_moe, mixture_commands);
+  // A deepseek_v3 one: glm4_moe's experts and router figures, latent attention instead of its
+  // heads' projections, its groups and scores said.
+  json deepseek = glm4_moe;
+  for (const char* key : {"head_dim", "partial_rotary_factor", "use_qk_norm"}) deepseek.erase(key);
+  deepseek.update({{"architectures", {"DeepseekV3ForCausalLM"}},
+                   {"model_type", "deepseek_v3"},
+                   {"attention_bias", false},
+                   {"num_key_value_heads", 8},
+                   {"q_lora_rank", 96},
+                   {"kv_lora_rank", 64},
+                   {"qk_nope_head_dim", 32},
+                   {"qk_rope_head_dim", 16},
+                   {"v_head_dim", 32},
+                   {"moe_layer_freq", 1},
+                   {"n_group", 4},
+                   {"topk_group", 2},
+                   {"scoring_func", "sigmoid"},
+                   {"topk_method", "noaux_tc"},
+                   {"norm_topk_prob", true}});
+  check_mutants(scratch, "config.json", deepseek, mixture_commands);
 }
 
 TEST_CASE("mutated clusters: simulate, memory and export-platform refuse or run",

@@ -566,21 +566,34 @@ TEST_CASE("Hugging Face config.json files are read directly", "[model][hf]") {
     TempFile groups("config.json", "{" + grouped + "}");
     CHECK(load_model(groups.path()).unmodelled ==
           std::vector<std::string>{"its group-limited routing (n_group, topk_group)"});
-    // n_routed_experts null (DeepSeek's classes: no experts): every block a dense MLP; left
-    // out (the classes disagree on what that means), refused.
+    // n_routed_experts null (DeepSeek's classes: no experts, a model no release has): refused,
+    // as the key left out (the classes disagree on what that means); n_shared_experts alike.
     std::string dense = fields;
     dense.replace(dense.find(R"("n_routed_experts": 64,)"),
                   std::string(R"("n_routed_experts": 64,)").size(), R"("n_routed_experts": null,)");
     TempFile all_dense("config.json", "{" + dense + "}");
-    const auto mla_dense = load_model(all_dense.path());
-    CHECK_FALSE(mla_dense.moe);
-    CHECK(mla_dense.ffn_hidden == 10944);
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(all_dense.path()), InputError,
+                                    "n_routed_experts: null: a model without experts is not "
+                                    "imported");
     std::string unsaid = fields;
     unsaid.erase(unsaid.find(R"("n_shared_experts": 2,)"),
                  std::string(R"("n_shared_experts": 2,)").size());
     TempFile no_shared("config.json", "{" + unsaid + "}");
     DTSIM_REQUIRE_THROWS_CONTAINING(load_model(no_shared.path()), InputError,
-                                    "n_shared_experts: required field is missing (null for none)");
+                                    "n_shared_experts: required field is missing");
+    // Experts in every other block from the first on (moe_layer_freq 2): a frequency past the
+    // blocks leaves none, and is named.
+    const auto every = [&fields](const std::string& freq) {
+      std::string out = fields;
+      const std::string key = R"("moe_layer_freq": 1)";
+      out.replace(out.find(key), key.size(), R"("moe_layer_freq": )" + freq);
+      return "{" + out + "}";
+    };
+    TempFile sparse("config.json", every("2"));
+    CHECK(load_model(sparse.path()).moe->dense_blocks.size() == 14);
+    TempFile none("config.json", every("100"));
+    DTSIM_REQUIRE_THROWS_CONTAINING(load_model(none.path()), InputError,
+                                    "moe_layer_freq: no block of the 27 has experts");
   }
   SECTION("llama4: its text_config, experts beside a shared expert in every block") {
     // meta-llama/Llama-4-Scout-17B-16E's config.json (its vision_config cut short).
