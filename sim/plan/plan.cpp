@@ -472,9 +472,9 @@ std::uint64_t tp_enter_bytes(const model::ModelSpec& spec, const model::Op& op,
 
 std::uint64_t tp_regather_bytes(const model::ModelSpec& spec, const model::Op& op,
                                 std::uint64_t hidden_bytes) {
-  const auto k = static_cast<std::uint64_t>(op.gemm_k);
-  const auto h = static_cast<std::uint64_t>(spec.hidden);
-  return k == h ? hidden_bytes : hidden_bytes / h * k;
+  // (hidden_bytes is a whole number of tokens x h elements: exact.)
+  return hidden_bytes / static_cast<std::uint64_t>(spec.hidden) *
+         static_cast<std::uint64_t>(op.gemm_k);
 }
 
 bool sp_partial_gradients(const model::ModelSpec& spec, const Plan& plan, const model::Op& op) {

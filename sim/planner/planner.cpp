@@ -149,11 +149,10 @@ class Estimator {
       // (moe_local_dispatch: no segment), and a mixture's experts take the copies the
       // collectives bring them.
       bool regathers = false;
-      // The input's bytes (plan::tp_enter_bytes: a hidden tensor, or multi-head latent
-      // attention's latents) and the collectives that carry it: the input gradient's reduction
-      // and, under sequence parallelism, the input's gather, and the weight gradient's input
-      // gathered again (plan::tp_regather_bytes, `regather_bytes`).
-      std::uint64_t bytes = 0, regather_bytes = 0;
+      // The collectives that carry its input (plan::tp_enter_bytes: a hidden tensor, or
+      // multi-head latent attention's latents): the input gradient's reduction and, under
+      // sequence parallelism, the input's gather, and the weight gradient's input gathered again
+      // (plan::tp_regather_bytes).
       double reduce = 0, gather = 0, regather = 0;
       bool attention = false;  // a segment of the attention's projections
     };
@@ -163,11 +162,9 @@ class Estimator {
       double tp_comm = 0, cp_comm = 0, ep_comm = 0;  // a forward's collectives
       double tp_backward = 0, cp_backward = 0;       // a backward's
       double f = 0, b = 0, recompute = 0, recompute_compute = 0;
-      double compute = 0;  // lf + lb + recompute_compute
-      double back = 0;     // b + recompute: the backward pass
-      // Segments that gather their input again: of a hidden tensor (each `regather`), and
-      // the seconds of those that gather another (multi-head latent attention's latents).
-      double regathering = 0, regathering_other_s = 0;
+      double compute = 0;    // lf + lb + recompute_compute
+      double back = 0;       // b + recompute: the backward pass
+      double regathers = 0;  // its segments' inputs gathered again (Segment::regather)
     };
     // A router that routes the rank's share of the sequence has no tp collective before it.
     const bool local_dispatch = plan::moe_local_dispatch(m, p);
@@ -212,8 +209,6 @@ class Estimator {
                .overlapped = column,
                .input = cost.op_seconds(op, Phase::BackwardInput),
                .regathers = column,
-               .bytes = bytes,
-               .regather_bytes = again,
                .reduce = p.tp > 1
                              ? tp_collective(p.sequence_parallel ? CollectiveKind::ReduceScatter
                                                                  : CollectiveKind::AllReduce,
@@ -315,12 +310,7 @@ class Estimator {
       c.compute = c.lf + c.lb + c.recompute_compute;
       c.back = c.b + c.recompute;
       for (const Segment& seg : c.segments) {
-        if (!seg.regathers) continue;
-        if (seg.regather_bytes == hidden_bytes) {
-          c.regathering += 1;
-        } else {
-          c.regathering_other_s += seg.regather;
-        }
+        if (seg.regathers) c.regathers += seg.regather;
       }
       return c;
     };
@@ -502,10 +492,8 @@ class Estimator {
     // earliest first (the dp stream's queue below).
     std::vector<std::vector<double>> chunks_before;
     if (has_timeline(p) && detail != Detail::Full && p.schedule == Schedule::ZeroBubble) {
-      regathers_hidden =
-          mb * (sum(stage_blocks, &BlockCost::regathering) + (stage_index == p.pp - 1 ? 1 : 0)) *
-              regather +
-          mb * sum(stage_blocks, &BlockCost::regathering_other_s);
+      regathers_hidden = mb * (sum(stage_blocks, &BlockCost::regathers) +
+                               (stage_index == p.pp - 1 ? regather : 0));
     }
     if (has_timeline(p) && detail == Detail::Full) {
       // Whether a chunk's last weight pass (every one with ZeRO-2 and up) runs layer by layer
@@ -558,18 +546,12 @@ class Estimator {
           // for them (ChunkPasses::gathers); the head's first where it is the chunk's.
           if (regather > 0) {
             const bool head_here = k + 1 == chunks.size();
-            c.gathers = (sum(blocks, &BlockCost::regathering) + (head_here ? 1 : 0)) * regather +
-                        sum(blocks, &BlockCost::regathering_other_s);
-            // (The chunk's last block's, the first its weight pass takes.)
-            const BlockCost* last =
-                layers > 0 && !head_here
-                    ? &kinds[static_cast<std::size_t>(block_kind(chunk_end - 1))]
-                    : nullptr;
-            c.layered_gathers = (head_here ? 1
-                                 : last    ? last->regathering
-                                           : 0) *
-                                    regather +
-                                (last ? last->regathering_other_s : 0.0);
+            c.gathers = sum(blocks, &BlockCost::regathers) + (head_here ? regather : 0.0);
+            // (The head's, or the chunk's last block's: the first its weight pass takes.)
+            c.layered_gathers =
+                head_here    ? regather
+                : layers > 0 ? kinds[static_cast<std::size_t>(block_kind(chunk_end - 1))].regathers
+                             : 0.0;
             c.backward -= c.gathers;
             c.last_layered = layered_weights;
             c.all_layered = layered_weights && p.zero_stage >= 2;
@@ -1429,9 +1411,9 @@ std::vector<Plan> enumerate(const model::ModelSpec& m, std::int64_t devices,
   std::vector<Plan> out;
   const int max_tp = space.max_tp > 0 ? space.max_tp : static_cast<int>(devices_per_node);
   const std::int64_t seq = space.seq_len > 0 ? space.seq_len : m.seq_len;
+  const auto widths = m.mlp_widths();
   for (int tp : divisors(devices)) {
     if (tp > max_tp || !allowed(space.fixed_tp, tp)) continue;
-    const auto widths = m.mlp_widths();
     if (m.heads % tp != 0 || m.kv_heads % tp != 0 ||
         std::any_of(widths.begin(), widths.end(), [tp](const auto& w) { return w.second % tp; })) {
       continue;
