@@ -219,17 +219,23 @@ class Builder {
   // entering tensor parallelism's region with its latent. Returns the ops the core reads.
   std::vector<OpId> attention_inputs(int l, OpId in) {
     const auto name = [l](std::string_view what) { return fmt::format("L{}.{}", l, what); };
-    const double hd = static_cast<double>(h());
+    // A projection split by heads (column-parallel) from `width` inputs to `out`, keeping
+    // nothing yet.
+    const auto projection = [&](std::string_view what, u64 width, u64 out) {
+      Op op;
+      op.name = name(what);
+      op.kind = OpKind::QkvProj;
+      op.layer = l;
+      op.tp_split = TpSplit::Column;
+      op.params = width * out;
+      gemm(op, tokens_, static_cast<double>(width), static_cast<double>(out));
+      return op;
+    };
     const u64 qw = static_cast<u64>(m_.q_width());
     if (!m_.mla) {
-      const u64 kw = static_cast<u64>(m_.kv_width());
-      Op qkv;
-      qkv.name = name("qkv");
-      qkv.kind = OpKind::QkvProj;
-      qkv.layer = l;
-      qkv.tp_split = TpSplit::Column;
-      qkv.params = h() * (qw + 2 * kw) + (m_.bias.qkv ? qw + 2 * kw : 0);
-      gemm(qkv, tokens_, hd, static_cast<double>(qw + 2 * kw));
+      const u64 out = qw + 2 * static_cast<u64>(m_.kv_width());
+      Op qkv = projection("qkv", h(), out);
+      if (m_.bias.qkv) qkv.params += out;
       qkv.saved_bytes = act_ * T() * h();  // its input, the norm output (2sbh)
       return {add(std::move(qkv), {in})};
     }
@@ -252,14 +258,7 @@ class Builder {
     const OpId n = add(std::move(norm), {d});
 
     // The queries: from their latent, or from the block's input where there is none.
-    Op q;
-    q.name = name(rq > 0 ? "q_up" : "q_proj");
-    q.kind = OpKind::QkvProj;
-    q.layer = l;
-    q.tp_split = TpSplit::Column;
-    const u64 q_in = rq > 0 ? rq : h();
-    q.params = q_in * qw;
-    gemm(q, tokens_, static_cast<double>(q_in), static_cast<double>(qw));
+    Op q = projection(rq > 0 ? "q_up" : "q_proj", rq > 0 ? rq : h(), qw);
     // Its input: the query latent, or the block's normed input, which the down projection
     // keeps already (one tensor: Megatron-Core's linear_q_proj and linear_kv_down_proj read it).
     q.saved_bytes = rq > 0 ? act_ * T() * rq : 0;
@@ -272,13 +271,7 @@ class Builder {
     // again for the weight gradient (the GEMM's input, gemm_k, is).
     const u64 kv_out =
         static_cast<u64>(m_.heads * a.qk_nope_head_dim) + static_cast<u64>(m_.v_width());
-    Op kv;
-    kv.name = name("kv_up");
-    kv.kind = OpKind::QkvProj;
-    kv.layer = l;
-    kv.tp_split = TpSplit::Column;
-    kv.params = rkv * kv_out;
-    gemm(kv, tokens_, static_cast<double>(rkv), static_cast<double>(kv_out));
+    Op kv = projection("kv_up", rkv, kv_out);
     kv.saved_bytes = act_ * T() * rkv;  // its input
     kv.tp_enter_width = rkv + rope;
     const OpId kvo = add(std::move(kv), {n});
