@@ -512,11 +512,8 @@ class Lowerer {
       }
       case Marker::CpGatherKv:
       case Marker::CpRegatherKv: {
-        // K and V of every cp rank (this rank's kv heads: k_width / tp and v_width / tp).
-        const std::uint64_t kv =
-            static_cast<std::uint64_t>(plan_.cp) * tokens_ *
-            static_cast<std::uint64_t>(spec.k_width() / plan_.tp + spec.v_width() / plan_.tp) *
-            act_bytes_;
+        // K and V of every cp rank (this rank's kv heads).
+        const std::uint64_t kv = plan::cp_kv_bytes(spec, plan_, hidden_bytes_);
         if (m == Marker::CpRegatherKv) {
           // A rank keeps only its own K and V (memory model): the backward gathers them again,
           // as ring attention passes them around again, unless full recompute just did.

@@ -282,7 +282,7 @@ class Builder {
     const auto name = [l](std::string_view what) { return fmt::format("L{}.{}", l, what); };
     const double hd = static_cast<double>(h());
     const u64 qw = static_cast<u64>(m_.q_width());
-    const u64 kw = static_cast<u64>(m_.k_width());
+    const u64 kw = static_cast<u64>(m_.kv_width());
     const u64 vw = static_cast<u64>(m_.v_width());
     const u64 ow = static_cast<u64>(m_.o_width());
 

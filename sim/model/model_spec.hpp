@@ -138,10 +138,9 @@ struct ModelSpec {
   std::int64_t kv_width() const { return kv_heads * head_dim; }
   // A value head's width: head_dim, or multi-head latent attention's v_head_dim.
   std::int64_t v_head_dim() const { return mla ? mla->v_head_dim : head_dim; }
-  // The attention core's keys and values (kv_width each, or multi-head latent attention's
-  // heads x head_dim and heads x v_head_dim), and its output, the output projection's input
-  // (q_width, or heads x v_head_dim).
-  std::int64_t k_width() const { return kv_heads * head_dim; }
+  // The attention core's values (kv_width, as its keys, or multi-head latent attention's
+  // heads x v_head_dim), and its output, the output projection's input (q_width, or heads x
+  // v_head_dim).
   std::int64_t v_width() const { return kv_heads * v_head_dim(); }
   std::int64_t o_width() const { return heads * v_head_dim(); }
   // Multi-head latent attention's latents, as its down projection writes them per token: the

@@ -464,6 +464,14 @@ bool mlp_tp_exit(const model::ModelSpec& spec, const Plan& plan, const model::Op
          (!op.expert || (!moe_local_dispatch(spec, plan) && spec.shared_ffn() == 0));
 }
 
+std::uint64_t cp_kv_bytes(const model::ModelSpec& spec, const Plan& plan,
+                          std::uint64_t hidden_bytes) {
+  const auto width =
+      static_cast<std::uint64_t>(spec.kv_width() / plan.tp + spec.v_width() / plan.tp);
+  return static_cast<std::uint64_t>(plan.cp) *
+         (hidden_bytes / static_cast<std::uint64_t>(spec.hidden)) * width;
+}
+
 std::uint64_t tp_enter_bytes(const model::ModelSpec& spec, const model::Op& op,
                              std::uint64_t hidden_bytes) {
   if (op.tp_enter_width == 0) return hidden_bytes;

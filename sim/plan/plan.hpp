@@ -269,6 +269,13 @@ std::uint64_t tp_regather_bytes(const model::ModelSpec& spec, const model::Op& o
 // under moe_local_dispatch.
 bool sp_partial_gradients(const model::ModelSpec& spec, const Plan& plan, const model::Op& op);
 
+// Bytes of context parallelism's gather of K and V (and of their gradients' reduce-scatter):
+// every cp rank's keys and values of this tp rank's heads (kv_width / tp and v_width / tp a
+// token), of `hidden_bytes`' tokens (one activation tensor of width h). The lowering and the
+// planner's closed form both price this.
+std::uint64_t cp_kv_bytes(const model::ModelSpec& spec, const Plan& plan,
+                          std::uint64_t hidden_bytes);
+
 // Bytes one ep all-to-all of an MoE block moves for the busiest ep rank, one way: its tokens'
 // top_k copies of width h, plan.expert_load times the even share. `hidden_bytes`: one
 // activation tensor of the micro-batch's tokens on the rank (whole over tp); under

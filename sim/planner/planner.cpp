@@ -262,9 +262,7 @@ class Estimator {
       }
       if (p.cp > 1) {
         // (This rank's heads' keys and values: lowering's CpGatherKv.)
-        const std::uint64_t kv =
-            static_cast<std::uint64_t>(p.cp) * tokens *
-            static_cast<std::uint64_t>(m.k_width() / p.tp + m.v_width() / p.tp) * act;
+        const std::uint64_t kv = plan::cp_kv_bytes(m, p, hidden_bytes);
         c.cp_comm = net_->collective_s(placement, group(ParallelDim::Cp, lower::GroupKind::Cp),
                                        CollectiveKind::AllGather, kv);
       }

@@ -968,7 +968,7 @@ TEST_CASE("multi-head latent attention in a model file", "[model][mla]") {
     CHECK(m.head_dim == 12);
     CHECK(m.kv_heads == 4);
     CHECK(m.q_width() == 48);
-    CHECK(m.k_width() == 48);
+    CHECK(m.kv_width() == 48);
     CHECK(m.v_width() == 24);
     CHECK(m.o_width() == 24);
     CHECK(m.latent_width() == 24 + 16 + 4);
