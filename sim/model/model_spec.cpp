@@ -361,34 +361,27 @@ void validate_model(const ModelSpec& m,
                     m.q_width(), kMaxWidth));
   }
   if (m.mla) {
-    // (A Hugging Face config's keys where it has them; dtsim's fields are mla.*.)
-    auto field = [&](std::string_view f) { return key("mla." + std::string(f)); };
-    auto at_most_mla = [&](std::string_view f, std::int64_t value) {
-      if (value > kMaxWidth) {
-        throw InputError(
-            fmt::format("{}: {}: expected at most {}, got {}", m.file, field(f), kMaxWidth, value));
-      }
-    };
-    at_most_mla("q_lora_rank", m.mla->q_lora_rank);
-    at_most_mla("kv_lora_rank", m.mla->kv_lora_rank);
-    at_most_mla("qk_nope_head_dim", m.mla->qk_nope_head_dim);
-    at_most_mla("qk_rope_head_dim", m.mla->qk_rope_head_dim);
-    at_most_mla("v_head_dim", m.mla->v_head_dim);
+    // (Named by a Hugging Face config's keys where it has them: key().)
+    at_most("mla.q_lora_rank", m.mla->q_lora_rank, kMaxWidth);
+    at_most("mla.kv_lora_rank", m.mla->kv_lora_rank, kMaxWidth);
+    at_most("mla.qk_nope_head_dim", m.mla->qk_nope_head_dim, kMaxWidth);
+    at_most("mla.qk_rope_head_dim", m.mla->qk_rope_head_dim, kMaxWidth);
+    at_most("mla.v_head_dim", m.mla->v_head_dim, kMaxWidth);
     if (m.positions != Positions::Rope) {
       bad("positions",
           "expected \"rope\" with multi-head latent attention (its keys' and "
           "queries' rotary parts are qk_rope_head_dim wide)");
     }
     if (m.mla->qk_rope_head_dim % 2 != 0) {
-      throw InputError(fmt::format("{}: {}: expected an even width (RoPE turns pairs), got {}",
-                                   m.file, field("qk_rope_head_dim"), m.mla->qk_rope_head_dim));
+      bad("mla.qk_rope_head_dim", fmt::format("expected an even width (RoPE turns pairs), got {}",
+                                              m.mla->qk_rope_head_dim));
     }
     if (m.bias.qkv) {
       bad("bias.qkv", "biases of multi-head latent attention's projections are not modelled");
     }
     if (m.o_width() > kMaxWidth) {
-      throw InputError(fmt::format("{}: {}: {} x {} = {} exceeds {}", m.file, field("v_head_dim"),
-                                   key("heads"), m.mla->v_head_dim, m.o_width(), kMaxWidth));
+      bad("mla.v_head_dim", fmt::format("{} x {} = {} exceeds {}", key("heads"), m.mla->v_head_dim,
+                                        m.o_width(), kMaxWidth));
     }
   } else if (m.positions == Positions::Rope && m.head_dim % 2 != 0) {
     // RoPE turns a head's dimensions in pairs.
