@@ -266,32 +266,25 @@ TEST_CASE("mutated models: simulate, plan and describe refuse or run", "[mutatio
     a.insert(a.end(), plan.begin(), plan.end());
     return a;
   };
+  const std::vector<Invocation> commands = {
+      {"simulate", dtsim::cli::cmd_simulate,
+       with({"--model", model, "--tp", "2", "--pp", "2", "--seq-len", "64"})},
+      {"plan", dtsim::cli::cmd_plan, with({"--model", model, "--seq-len", "64"})},
+      {"describe", dtsim::cli::cmd_describe, {"--model", model}}};
   for (const char* name : {"tiny-gpt", "llama3-8b", "mixtral-8x7b"}) {
     INFO(name);
     check_mutants(scratch, "model.json",
-                  read_json(repo() / "models" / (std::string(name) + ".json")),
-                  {{"simulate", dtsim::cli::cmd_simulate,
-                    with({"--model", model, "--tp", "2", "--pp", "2", "--seq-len", "64"})},
-                   {"plan", dtsim::cli::cmd_plan, with({"--model", model, "--seq-len", "64"})},
-                   {"describe", dtsim::cli::cmd_describe, {"--model", model}}});
+                  read_json(repo() / "models" / (std::string(name) + ".json")), commands);
   }
   // Mixtral with dense blocks among the experts' (moe.dense_blocks, moe.dense_ffn_hidden).
   json mixed = read_json(repo() / "models" / "mixtral-8x7b.json");
   mixed["moe"]["dense_blocks"] = {0, 2};
   mixed["moe"]["dense_ffn_hidden"] = 28672;
-  check_mutants(scratch, "model.json", mixed,
-                {{"simulate", dtsim::cli::cmd_simulate,
-                  with({"--model", model, "--tp", "2", "--pp", "2", "--seq-len", "64"})},
-                 {"plan", dtsim::cli::cmd_plan, with({"--model", model, "--seq-len", "64"})},
-                 {"describe", dtsim::cli::cmd_describe, {"--model", model}}});
+  check_mutants(scratch, "model.json", mixed, commands);
   // Multi-head latent attention (mla), with a query latent, beside dense blocks and experts.
   json latent = read_json(repo() / "models" / "deepseek-v2-lite-16b.json");
   latent["mla"]["q_lora_rank"] = 1536;
-  check_mutants(scratch, "model.json", latent,
-                {{"simulate", dtsim::cli::cmd_simulate,
-                  with({"--model", model, "--tp", "2", "--pp", "2", "--seq-len", "64"})},
-                 {"plan", dtsim::cli::cmd_plan, with({"--model", model, "--seq-len", "64"})},
-                 {"describe", dtsim::cli::cmd_describe, {"--model", model}}});
+  check_mutants(scratch, "model.json", latent, commands);
 }
 
 TEST_CASE("a mutated Hugging Face config.json: describe and simulate refuse or run",
