@@ -153,7 +153,14 @@ class Device {
   // ---- context parallelism and dropout (exec/cpu/kernels.hpp: AttentionOptions, Dropout) ----
   // A device that has these says so (has()); the runner refuses a plan that needs what its
   // device lacks before it starts.
-  enum class Feature { ContextParallelism, Dropout, MixtureOfExperts, FlashAttention, GradClip };
+  enum class Feature {
+    ContextParallelism,
+    Dropout,
+    MixtureOfExperts,
+    FlashAttention,
+    GradClip,
+    LatentAttention
+  };
   virtual bool has(Feature) const { return false; }
   // Dropout: the kernels' Dropout, its positions an I32 view (empty: 0 ... Sq-1).
   struct DropoutSite {
@@ -171,6 +178,8 @@ class Device {
   // FlashAttention's memory (Feature::FlashAttention) when lse (fp32 [B, H, Sq]) is given: the
   // rows' log-sum-exp kept instead of the probabilities (probs, mask and dropped empty; the
   // backward computes them again).
+  // v_dim: the values' head width where it is not D (multi-head latent attention's,
+  // Feature::LatentAttention; the kernels' AttentionOptions::v_dim); 0: D.
   struct Attention {
     View kv;
     int cp = 1;
@@ -178,12 +187,19 @@ class Device {
     const DropoutSite* dropout = nullptr;
     View mask, dropped;
     View lse;
+    int v_dim = 0;
   };
   virtual void attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G,
                                     int D, const Attention& a);
   // dkv: kv's gradient (dqkv itself when kv is empty).
   virtual void attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B,
                                      int Sq, int H, int G, int D, const Attention& a);
+  // Multi-head latent attention (Feature::LatentAttention): the kernels' mla_pack_forward and
+  // mla_pack_backward (act; positions I32 or empty, as rope's).
+  virtual void mla_pack_forward(View qkv, View q, View kv, View k_rope, int B, int S, int H, int Dn,
+                                int Dr, int Dv, double theta, View positions);
+  virtual void mla_pack_backward(View dq, View dkv, View dk_rope, View dqkv, int B, int S, int H,
+                                 int Dn, int Dr, int Dv, double theta, View positions);
   // dst[T, width] = columns [begin, begin + width) of src[T, src_width]; add_columns adds
   // src[T, width] into those columns of dst[T, dst_width]. Activations.
   virtual void copy_columns(View dst, View src, int T, int src_width, int begin, int width);
@@ -245,6 +261,14 @@ inline void Device::attention_forward_ex(View, View, View, int, int, int, int, i
 inline void Device::attention_backward_ex(View, View, View, View, View, int, int, int, int, int,
                                           const Attention&) {
   lacks("attention with context parallelism or dropout");
+}
+inline void Device::mla_pack_forward(View, View, View, View, int, int, int, int, int, int, double,
+                                     View) {
+  lacks("multi-head latent attention");
+}
+inline void Device::mla_pack_backward(View, View, View, View, int, int, int, int, int, int, double,
+                                      View) {
+  lacks("multi-head latent attention");
 }
 inline void Device::copy_columns(View, View, int, int, int, int) {
   lacks("context parallelism");

@@ -59,6 +59,13 @@ Runner::Runner(const model::ModelGraph& g, const lower::Program& program, const 
   H_ = static_cast<int>(m_.heads / tp_);
   G_ = static_cast<int>(m_.kv_heads / tp_);
   D_ = static_cast<int>(m_.head_dim);
+  Dv_ = static_cast<int>(m_.v_head_dim());
+  if (m_.mla) {
+    Rq_ = static_cast<int>(m_.mla->q_lora_rank);
+    Rkv_ = static_cast<int>(m_.mla->kv_lora_rank);
+    Dn_ = static_cast<int>(m_.mla->qk_nope_head_dim);
+    Dr_ = static_cast<int>(m_.mla->qk_rope_head_dim);
+  }
   Vl_ = V_ / tp_;
   micro_batches_ = static_cast<int>(p_.micro_batches());
   last_stage_ = rp_->stage == p_.pp - 1;
@@ -380,11 +387,26 @@ std::vector<std::pair<int, Slice>> Runner::slices(const Op& op, int t) const {
         out.push_back({1, whole(m_.max_positions, C)});
       }
       break;
-    case OpKind::Norm:
-      out.push_back({0, whole(1, C)});
-      if (op.params > static_cast<std::uint64_t>(C)) out.push_back({1, whole(1, C)});
+    case OpKind::Norm: {
+      // (Multi-head latent attention's latents' norm: r_q + r_kv wide.)
+      const std::int64_t width = latent_norm(op) ? Rq_ + Rkv_ : C;
+      out.push_back({0, whole(1, width)});
+      if (op.params > static_cast<std::uint64_t>(width)) out.push_back({1, whole(1, width)});
+      break;
+    }
+    case OpKind::LatentDown:  // [h, r_q], [h, r_kv], [h, d_r], the same on every tp rank
+      out.push_back({0, whole(C, m_.latent_width())});
       break;
     case OpKind::QkvProj: {
+      if (m_.mla) {
+        // Column-parallel by heads: a head's query columns (d_n + d_r), or its key and value
+        // columns (d_n + d_v), side by side.
+        const Projection what = projection(op);
+        const std::int64_t head = what == Projection::KvUp ? Dn_ + Dv_ : D;
+        const std::int64_t K = what == Projection::QUp ? Rq_ : what == Projection::KvUp ? Rkv_ : C;
+        out.push_back({0, cols(K, Hf * head, {{t * H * head, H * head}})});
+        break;
+      }
       const std::int64_t N = (Hf + 2 * Gf) * D;
       std::vector<std::pair<std::int64_t, std::int64_t>> r = {
           {t * H * D, H * D}, {Hf * D + t * G * D, G * D}, {(Hf + Gf) * D + t * G * D, G * D}};
@@ -392,10 +414,12 @@ std::vector<std::pair<int, Slice>> Runner::slices(const Op& op, int t) const {
       if (has_bias) out.push_back({1, cols(1, N, r)});
       break;
     }
-    case OpKind::AttnOutProj:
-      out.push_back({0, rows(Hf * D, C, t * H * D, H * D)});
+    case OpKind::AttnOutProj: {
+      const std::int64_t Dv = Dv_;
+      out.push_back({0, rows(Hf * Dv, C, t * H * Dv, H * Dv)});
       if (has_bias) out.push_back({1, whole(1, C)});
       break;
+    }
     case OpKind::MlpUp:
     case OpKind::MlpDown: {
       // An MoE block's experts: one weight (and bias) each, expert e's as tensors 2e and
@@ -549,6 +573,7 @@ void Runner::init_params() {
 bool Runner::gemm_weight(const Op& op, int which) const {
   return (which == 0 && (op.kind == OpKind::QkvProj || op.kind == OpKind::AttnOutProj ||
                          op.kind == OpKind::LmHead || op.kind == OpKind::Router ||
+                         op.kind == OpKind::LatentDown ||
                          (op.kind == OpKind::Embedding && m_.tied_embeddings))) ||
          (which % 2 == 0 && (op.kind == OpKind::MlpUp || op.kind == OpKind::MlpDown));
 }
@@ -799,9 +824,19 @@ std::pair<int, int> Runner::gemm_shape(const Op& op) const {
   const int u = m_.activation == model::Activation::SwiGlu ? 2 : 1;
   switch (op.kind) {
     case OpKind::QkvProj:
-      return {C_, (H_ + 2 * G_) * D_};
+      switch (projection(op)) {
+        case Projection::Qkv:
+          return {C_, (H_ + 2 * G_) * D_};
+        case Projection::QUp:
+          return {Rq_, H_ * D_};
+        case Projection::QProj:
+          return {C_, H_ * D_};
+        case Projection::KvUp:
+          return {Rkv_, H_ * (Dn_ + Dv_)};
+      }
+      return {0, 0};
     case OpKind::AttnOutProj:
-      return {H_ * D_, C_};
+      return {H_ * Dv_, C_};
     case OpKind::MlpUp:
       return {C_, mlp_width(op) * u};
     case OpKind::MlpDown:
@@ -1087,6 +1122,13 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
         "load balancing); K and V all-gathered, their gradients reduce-scattered",
         2 * plan.cp));
   }
+  if (spec.mla) {
+    notes.push_back(fmt::format(
+        "multi-head latent attention: the keys' RoPE part ({} columns) shared by all heads, "
+        "turned in the rotate-half layout (DeepSeek's interleaved pairs are a fixed permutation "
+        "of those columns), scores scaled by 1/sqrt({}) without YaRN's factor",
+        spec.mla->qk_rope_head_dim, spec.head_dim));
+  }
   if (plan.attention == model::AttentionKernel::Flash) {
     notes.push_back(
         "attention: FlashAttention's memory and recompute (each row's log-sum-exp kept, the "
@@ -1110,6 +1152,9 @@ void check_device(const model::ModelGraph& graph, const lower::Program& program,
   };
   if (program.plan.cp > 1 && !device.has(Device::Feature::ContextParallelism)) {
     lacks(fmt::format("context parallelism (cp {})", program.plan.cp));
+  }
+  if (m.mla && !device.has(Device::Feature::LatentAttention)) {
+    lacks(fmt::format("multi-head latent attention (model {})", m.name));
   }
   if (m.dropout && !device.has(Device::Feature::Dropout)) {
     lacks(
@@ -1160,7 +1205,12 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   }
   if (p.schedule == plan::Schedule::PipeDreamAsync) refuse("the PipeDream (asynchronous) schedule");
   // (dtsim plans and simulates it.)
-  if (m.mla) refuse("multi-head latent attention (the mla of DeepSeek-V2 and V3)");
+  if (m.mla && ((p.tp > 1 && p.sequence_parallel) || p.cp > 1)) {
+    // (dtsim plans and simulates them: sim/model/model_graph.cpp.)
+    refuse(fmt::format("multi-head latent attention (the mla of DeepSeek-V2 and V3) with {}",
+                       p.cp > 1 ? fmt::format("context parallelism (cp {})", p.cp)
+                                : fmt::format("sequence parallelism (tp {})", p.tp)));
+  }
   if (m.heads % p.tp != 0 || m.kv_heads % p.tp != 0 || m.ffn_hidden % p.tp != 0 ||
       m.vocab_rows() % p.tp != 0) {
     refuse(fmt::format("tp {} that does not divide heads {}, kv heads {}, ffn {} and vocab {}",

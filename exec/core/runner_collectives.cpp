@@ -504,6 +504,32 @@ void Runner::collective(const lower::Task& task, std::size_t index) {
         return;
       }
       DTSIM_ASSERT(task.collective == CollectiveKind::AllReduce, "tp collective");
+      if (const Projection what = projection(op);
+          what == Projection::QUp || what == Projection::KvUp) {
+        // f's backward at a latent's up projection: the gradient of its part of the latents'
+        // norm output, and at kv_up the keys' RoPE part's (each rank's heads' sum) with it.
+        std::vector<View> parts = {
+            grad_of(mb, input(anchor))
+                .sub(what == Projection::QUp ? 0 : std::int64_t{T_} * Rq_,
+                     std::int64_t{T_} * (what == Projection::QUp ? Rq_ : Rkv_))};
+        if (what == Projection::KvUp)
+          parts.push_back(latent_rope_grad(mb, g_.successors(anchor).at(0)));
+        if (program_.plan.overlap_tp_backward &&
+            index != last_use_[static_cast<std::size_t>(task.micro_batch)]) {
+          std::vector<Comm::Handle> also;
+          for (std::size_t i = 1; i < parts.size(); ++i) {
+            also.push_back(comm_.start_all_reduce(task.group, parts[i]));
+          }
+          pending_[index] = {comm_.start_all_reduce(task.group, parts.front()),
+                             {},
+                             std::nullopt,
+                             false,
+                             std::move(also)};
+        } else {
+          for (const View& v : parts) comm_.all_reduce(task.group, v, Reduce::Sum);
+        }
+        return;
+      }
       if (op.kind == OpKind::LossStatistics) {
         loss_statistics(task, mb, anchor);
       } else if (exit) {

@@ -593,6 +593,53 @@ class Runner {
   // simulator prices (cost::ComputeCost::accumulation_seconds).
   void linear_backward(GradOut din, Param& w, View dbias, View dout, View in, int rows, int K,
                        int N, bool tied, bool weight_grads);
+  // As that, for a GEMM on a part of a tensor: its working copy w and, where weight gradients
+  // are wanted, their accumulator dw (empty: none).
+  void linear_backward(GradOut din, View w, View dw, View dbias, View dout, View in, int rows,
+                       int K, int N, bool tied);
+
+  // ---- multi-head latent attention ----------------------------------------------------------
+  //
+  // DeepSeek-V2's attention as the model graph has it (sim/model/model_graph.cpp): the down
+  // projection (OpKind::LatentDown) of the block's normed input to the queries' latent, the keys'
+  // and values' latent and the keys' part with positions, one GEMM per part (its weight the
+  // three matrices [h, r_q], [h, r_kv], [h, d_r] one after another: Hugging Face's q_a_proj and
+  // kv_a_proj_with_mqa), its output the three parts one after another ([T, r_q], [T, r_kv],
+  // [T, d_r]); the latents' RMSNorms (one Norm op, its weights r_q then r_kv, its output the two
+  // normed latents one after another); the up projections of the queries (from their latent, or
+  // from the block's input where r_q is 0) and of the keys and values (QkvProj ops); the core
+  // reads them through mla_pack_forward, the keys' part with positions from the down
+  // projection's output.
+  enum class Projection { Qkv, QUp, QProj, KvUp };
+  Projection projection(const Op& op) const;
+  // (Both known by the graph's names for them.)
+  bool latent_norm(const Op& op) const {
+    return m_.mla && op.kind == OpKind::Norm && op.name.ends_with(".latent_norm");
+  }
+  // The down projection's parts (and the latents' norm's segments): their widths and where each
+  // begins in a row of the three.
+  struct Segment {
+    int begin = 0, width = 0;
+  };
+  std::vector<Segment> latent_segments(bool normed) const;
+  // A GEMM's input: the op's input, or the part of the latents' norm output it reads.
+  View gemm_input(MicroBatch& mb, OpId id);
+  // The down projection that attention core `core` reads the keys' part with positions from
+  // (the third of its output's parts: latent_rope).
+  OpId latent_down_of(OpId core) const;
+  void latent_down_forward(MicroBatch& mb, OpId id);
+  void latent_down_backward(MicroBatch& mb, OpId id, Part part);
+  void latent_norm_forward(MicroBatch& mb, OpId id);
+  void latent_norm_backward(MicroBatch& mb, OpId id, bool input_grads, bool weight_grads);
+  View latent_rope(MicroBatch& mb, OpId core) {
+    return mb.out.at(latent_down_of(core))
+        .sub(static_cast<std::int64_t>(T_) * (Rq_ + Rkv_), static_cast<std::int64_t>(T_) * Dr_);
+  }
+  // Its gradient (made, zeros, where this is its first contribution).
+  View latent_rope_grad(MicroBatch& mb, OpId core) {
+    return grad_of(mb, latent_down_of(core))
+        .sub(static_cast<std::int64_t>(T_) * (Rq_ + Rkv_), static_cast<std::int64_t>(T_) * Dr_);
+  }
 
   // ---- mixture of experts --------------------------------------------------------------------
   //
@@ -1071,6 +1118,10 @@ class Runner {
   bool local_dispatch_ = false;
   int Tr_ = 0;
   int B_ = 0, S_ = 0, T_ = 0, C_ = 0, V_ = 0, H_ = 0, G_ = 0, D_ = 0, Vl_ = 0;
+  int Dv_ = 0;  // the values' head width (D_, but multi-head latent attention's)
+  // Multi-head latent attention's widths (model::MlaSpec; 0 without it): the queries' and the
+  // keys' and values' latents, a head's query and key columns without and with positions.
+  int Rq_ = 0, Rkv_ = 0, Dn_ = 0, Dr_ = 0;
   int tokens_ = 0;
   int micro_batches_ = 1, adam_step_ = 0;
   View grad_norm_sq_;  // gradient clipping: the squared norm (fp32, one element)

@@ -28,8 +28,9 @@ std::vector<Runner::Use> Runner::forward_uses(OpId id) const {
   auto read = [&u](Slot s, OpId x) { u.push_back({s, x, false}); };
   auto make = [&u](Slot s, OpId x) { u.push_back({s, x, true}); };
   switch (op.kind) {
-    case OpKind::LatentDown:  // (check_runnable refuses multi-head latent attention)
-      DTSIM_ASSERT(false, "multi-head latent attention is not executed");
+    case OpKind::LatentDown:
+      read(Slot::Out, input(id));
+      make(Slot::Out, id);
       break;
     case OpKind::Embedding:
       make(Slot::Out, id);
@@ -55,6 +56,10 @@ std::vector<Runner::Use> Runner::forward_uses(OpId id) const {
       break;
     case OpKind::AttentionCore:
       read(Slot::Out, input(id));
+      if (m_.mla) {  // the keys and values, and the keys' part with positions
+        read(Slot::Out, g_.predecessors(id).at(1));
+        read(Slot::Out, latent_down_of(id));
+      }
       if (cp_ > 1) read(Slot::Kv, id);
       make(Slot::Out, id);
       make(Slot::Aux1, id);
@@ -100,8 +105,10 @@ std::vector<Runner::Use> Runner::backward_uses(OpId id, Part part) const {
   if (!has_weights && !input_grads) return u;
   auto read = [&u](Slot s, OpId x) { u.push_back({s, x, false}); };
   switch (op.kind) {
-    case OpKind::LatentDown:  // (check_runnable refuses multi-head latent attention)
-      DTSIM_ASSERT(false, "multi-head latent attention is not executed");
+    case OpKind::LatentDown:
+      read(Slot::Grad, id);
+      if (weight_grads) read(Slot::Out, input(id));
+      if (input_grads) read(Slot::Grad, input(id));
       break;
     case OpKind::LossStatistics:  // no backward
       break;
@@ -156,6 +163,10 @@ std::vector<Runner::Use> Runner::backward_uses(OpId id, Part part) const {
       read(m_.positions == model::Positions::Rope ? Slot::Aux2 : Slot::Out,
            m_.positions == model::Positions::Rope ? id : input(id));
       read(Slot::Grad, input(id));
+      if (m_.mla) {
+        read(Slot::Grad, g_.predecessors(id).at(1));
+        read(Slot::Grad, latent_down_of(id));
+      }
       break;
     case OpKind::Residual:
       read(Slot::Grad, id);

@@ -8,8 +8,8 @@ void Runner::forward(MicroBatch& mb, OpId id) {
   const Op& op = g_.op(id);
   auto& out = mb.out[id];
   switch (op.kind) {
-    case OpKind::LatentDown:  // (check_runnable refuses multi-head latent attention)
-      DTSIM_ASSERT(false, "multi-head latent attention is not executed");
+    case OpKind::LatentDown:
+      latent_down_forward(mb, id);
       break;
     case OpKind::Embedding: {
       fresh_for_overwrite(out, static_cast<std::int64_t>(T_) * C_);
@@ -22,6 +22,10 @@ void Runner::forward(MicroBatch& mb, OpId id) {
       break;
     }
     case OpKind::Norm: {
+      if (latent_norm(op)) {
+        latent_norm_forward(mb, id);
+        break;
+      }
       // Norms run on this rank's share of the sequence under sequence parallelism.
       fresh_for_overwrite(out, static_cast<std::int64_t>(Ts_) * C_);
       fresh_for_overwrite(mb.aux1[id], Ts_, Dtype::F32);  // mean
@@ -44,7 +48,7 @@ void Runner::forward(MicroBatch& mb, OpId id) {
       // A row-parallel op's bias is added once, by tensor-parallel rank 0.
       const View bias = row_parallel(op) && t_ != 0 ? View{} : bias_in(id);
       const bool tied = tied_head(op);
-      dev_.matmul_forward(out, input_of(mb, id), tied ? tied_table(id).work : param(id, 0).work,
+      dev_.matmul_forward(out, gemm_input(mb, id), tied ? tied_table(id).work : param(id, 0).work,
                           bias, T_, K, N, tied);
       if (adds_routed(id)) {
         // The shared experts' down projection adds the routed experts' output: whole, or under
@@ -63,7 +67,7 @@ void Runner::forward(MicroBatch& mb, OpId id) {
       break;
     }
     case OpKind::AttentionCore: {
-      fresh_for_overwrite(out, static_cast<std::int64_t>(T_) * H_ * D_);
+      fresh_for_overwrite(out, static_cast<std::int64_t>(T_) * H_ * Dv_);
       // What the backward reads: the probabilities, or FlashAttention's log-sum-exp of each
       // row (fp32).
       const std::int64_t rows = static_cast<std::int64_t>(B_) * H_ * Sq_;
@@ -73,14 +77,21 @@ void Runner::forward(MicroBatch& mb, OpId id) {
         fresh_for_overwrite(mb.aux1[id], rows * S_);
       }
       View q = mb.out.at(input(id));
-      if (m_.positions == model::Positions::Rope) {
+      if (m_.mla) {
+        // Multi-head latent attention: queries, keys and values packed, their RoPE parts turned.
+        auto& packed = mb.aux2[id];
+        fresh_for_overwrite(packed, static_cast<std::int64_t>(T_) * H_ * (2 * D_ + Dv_));
+        dev_.mla_pack_forward(packed, q, mb.out.at(g_.predecessors(id).at(1)), latent_rope(mb, id),
+                              B_, Sq_, H_, Dn_, Dr_, Dv_, m_.rope_theta, positions_);
+        q = packed;
+      } else if (m_.positions == model::Positions::Rope) {
         // Rotary positions are applied to q and k as the attention core reads them.
         auto& turned = mb.aux2[id];
         fresh_for_overwrite(turned, q.size());
         dev_.rope_forward(turned, q, B_, Sq_, H_, G_, D_, m_.rope_theta, positions_);
         q = turned;
       }
-      if (cp_ > 1 || dropout_ > 0 || flash_) {
+      if (cp_ > 1 || dropout_ > 0 || flash_ || m_.mla) {
         const Device::DropoutSite site = dropout_site(mb, op.layer, kAttentionDropout, 0);
         Device::Attention a = attention_extras(mb, id, dropout_ > 0 ? &site : nullptr);
         if (dropout_ > 0 && !flash_) {
@@ -194,6 +205,7 @@ Device::Attention Runner::attention_extras(MicroBatch& mb, OpId id,
   a.qpos = positions_;
   a.order = key_order_;
   a.dropout = site;
+  a.v_dim = Dv_;
   return a;
 }
 
@@ -211,8 +223,8 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
   const bool has_weights = holds_weights(id) || tied_head(op);
   if (!has_weights && !input_grads) return;
   switch (op.kind) {
-    case OpKind::LatentDown:  // (check_runnable refuses multi-head latent attention)
-      DTSIM_ASSERT(false, "multi-head latent attention is not executed");
+    case OpKind::LatentDown:
+      latent_down_backward(mb, id, part);
       break;
     case OpKind::LossStatistics:  // no backward: the loss's forward wrote the gradient
       break;
@@ -249,6 +261,10 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
       }
       break;
     case OpKind::Norm:
+      if (latent_norm(op)) {
+        latent_norm_backward(mb, id, input_grads, weight_grads);
+        break;
+      }
       dev_.norm_backward(input_grads ? grad_of(mb, input(id)) : View{},
                          weight_grads ? grad(param(id, 0)) : View{},
                          weight_grads ? bias_grad(id) : View{}, mb.grad.at(id),
@@ -267,9 +283,18 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
       const auto [K, N] = gemm_shape(op);
       const bool tied = tied_head(op);
       Param& w = tied ? tied_table(id) : param(id, 0);
-      linear_backward(input_grads ? input_grad_to_write(mb, id) : GradOut{}, w,
-                      weight_grads && !tied ? bias_grad(id) : View{}, mb.grad.at(id),
-                      weight_grads ? input_of(mb, id) : View{}, T_, K, N, tied, weight_grads);
+      GradOut din;
+      if (input_grads) {
+        // The latents' up projections each add into their part of the norm's gradient.
+        const Projection what = projection(op);
+        din = what == Projection::QUp || what == Projection::KvUp
+                  ? GradOut{grad_of(mb, input(id))
+                                .sub(what == Projection::QUp ? 0 : std::int64_t{T_} * Rq_,
+                                     std::int64_t{T_} * K)}
+                  : input_grad_to_write(mb, id);
+      }
+      linear_backward(din, w, weight_grads && !tied ? bias_grad(id) : View{}, mb.grad.at(id),
+                      weight_grads ? gemm_input(mb, id) : View{}, T_, K, N, tied, weight_grads);
       if (adds_routed(id) && input_grads) {
         // The routed experts' output gradient is the sum's (its rows, as the forward added).
         const OpId routed = g_.predecessors(id).at(1);
@@ -282,9 +307,10 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
     case OpKind::AttentionCore: {
       const bool rope = m_.positions == model::Positions::Rope;
       const View q = rope ? mb.aux2.at(id) : mb.out.at(input(id));
-      // Rotary positions: the gradient of the rotated q and k, turned back into qkv's.
+      // Rotary positions (or latent attention's packing): the gradient of the rotated q and k,
+      // turned back into qkv's.
       const View dq = rope ? allocate(q.size()) : grad_of(mb, input(id));
-      if (cp_ > 1 || dropout_ > 0 || flash_) {
+      if (cp_ > 1 || dropout_ > 0 || flash_ || m_.mla) {
         const Device::DropoutSite site = dropout_site(mb, op.layer, kAttentionDropout, 0);
         Device::Attention a = attention_extras(mb, id, dropout_ > 0 ? &site : nullptr);
         if (dropout_ > 0 && !flash_) {
@@ -300,7 +326,12 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
       } else {
         dev_.attention_backward(dq, mb.grad.at(id), q, mb.aux1.at(id), B_, S_, H_, G_, D_);
       }
-      if (rope) {
+      if (m_.mla) {
+        dev_.mla_pack_backward(grad_of(mb, input(id)), grad_of(mb, g_.predecessors(id).at(1)),
+                               latent_rope_grad(mb, id), dq, B_, Sq_, H_, Dn_, Dr_, Dv_,
+                               m_.rope_theta, positions_);
+        dev_.release(dq);
+      } else if (rope) {
         dev_.rope_backward(grad_of(mb, input(id)), dq, B_, Sq_, H_, G_, D_, m_.rope_theta,
                            positions_);
         dev_.release(dq);
@@ -337,23 +368,28 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
 
 void Runner::linear_backward(GradOut din, Param& w, View dbias, View dout, View in, int rows, int K,
                              int N, bool tied, bool weight_grads) {
+  linear_backward(din, w.work, weight_grads ? grad(w) : View{}, dbias, dout, in, rows, K, N, tied);
+}
+
+void Runner::linear_backward(GradOut din, View w, View dw, View dbias, View dout, View in, int rows,
+                             int K, int N, bool tied) {
+  const bool weight_grads = !dw.empty();
   if (din.unwritten) {
     // The gradient's first contribution: written whole, neither zeroed nor read first.
-    dev_.matmul_input_grad(din.v, dout, w.work, rows, K, N, tied);
+    dev_.matmul_input_grad(din.v, dout, w, rows, K, N, tied);
     din.v = View{};
     if (!weight_grads) return;
   }
   const bool separate = weight_grads && !program_.plan.grad_accumulation_fusion;
   View fresh;
   if (separate) {
-    fresh = dev_.allocate(w.n, Dtype::F32);
+    fresh = dev_.allocate(dw.n, Dtype::F32);
     dev_.zero(fresh);
   }
-  dev_.matmul_backward(din.v, separate ? fresh : (weight_grads ? grad(w) : View{}),
-                       weight_grads ? dbias : View{}, dout, weight_grads ? in : View{}, w.work,
-                       rows, K, N, tied);
+  dev_.matmul_backward(din.v, separate ? fresh : dw, weight_grads ? dbias : View{}, dout,
+                       weight_grads ? in : View{}, w, rows, K, N, tied);
   if (separate) {
-    dev_.accumulate(grad(w), fresh);
+    dev_.accumulate(dw, fresh);
     dev_.release(fresh);
   }
 }

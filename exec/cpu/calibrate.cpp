@@ -151,8 +151,20 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
       case OpKind::AttentionCore:
         // Both kinds of plan: the probabilities kept (unfused), or FlashAttention's memory.
         for (const bool flash : {false, true}) {
-          const auto width = static_cast<std::size_t>(T) * (H + 2 * G) * D;
-          const auto out_n = static_cast<std::size_t>(T) * H * D;
+          // Multi-head latent attention: values of their own width, and the packing of the
+          // up projections' outputs and the keys' RoPE part (mla_pack_forward) in place of
+          // RoPE's turn.
+          const bool mla = m.mla.has_value();
+          const int Dv = static_cast<int>(m.v_head_dim());
+          const int Dn = mla ? static_cast<int>(m.mla->qk_nope_head_dim) : 0;
+          const int Dr = mla ? static_cast<int>(m.mla->qk_rope_head_dim) : 0;
+          const auto tokens_n = static_cast<std::size_t>(T);
+          const auto q = random_buffer(mla ? tokens_n * H * D : 0, 7);
+          const auto kv = random_buffer(mla ? tokens_n * H * (Dn + Dv) : 0, 8);
+          const auto k_rope = random_buffer(mla ? tokens_n * Dr : 0, 9);
+          std::vector<float> dq(q.size()), dkv(kv.size()), dk_rope(k_rope.size());
+          const auto width = static_cast<std::size_t>(T) * ((H + G) * D + G * Dv);
+          const auto out_n = static_cast<std::size_t>(T) * H * Dv;
           const auto probs_n = static_cast<std::size_t>(B) * H * S * (flash ? 1 : S);
           const int n = copies_for((2 * width + 2 * out_n + probs_n) * fl);
           auto qkv = random_buffers(n, width, 5), dout = random_buffers(n, out_n, 6);
@@ -168,6 +180,7 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
           // probs: the probabilities, or FlashAttention's log-sum-exp per row.
           auto options = [&](std::size_t i) {
             AttentionOptions o;
+            o.v_dim = Dv;
             o.dropout = drop;
             if (masks) {
               o.mask = mask[i];
@@ -180,7 +193,11 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
           const double f = median_per_copy(repeats, n, [&](std::size_t i) {
             out[i].assign(out_n, 0.0f);
             probs[i].assign(probs_n, 0.0f);
-            if (rope) rope_forward(turned, qkv[i], B, S, H, G, D, m.rope_theta);
+            if (mla) {
+              mla_pack_forward(turned, q, kv, k_rope, B, S, H, Dn, Dr, Dv, m.rope_theta);
+            } else if (rope) {
+              rope_forward(turned, qkv[i], B, S, H, G, D, m.rope_theta);
+            }
             attention_forward(out[i], kept(i), rope ? In(turned) : In(qkv[i]), B, S, H, G, D,
                               options(i));
           });
@@ -191,7 +208,11 @@ nlohmann::json time_ops(const model::ModelGraph& graph, int repeats) {
               // their norms, so the scores' range and the work are the same).
               attention_backward(turned_grad, turned_grad, dout[i], turned, kept(i), B, S, H, G, D,
                                  options(i));
-              rope_backward(dqkv[i], turned_grad, B, S, H, G, D, m.rope_theta);
+              if (mla) {
+                mla_pack_backward(dq, dkv, dk_rope, turned_grad, B, S, H, Dn, Dr, Dv, m.rope_theta);
+              } else {
+                rope_backward(dqkv[i], turned_grad, B, S, H, G, D, m.rope_theta);
+              }
             } else {
               attention_backward(dqkv[i], dqkv[i], dout[i], qkv[i], kept(i), B, S, H, G, D,
                                  options(i));

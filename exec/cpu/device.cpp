@@ -209,7 +209,8 @@ cpu::AttentionOptions options_of(const Device::Attention& a, std::optional<cpu::
           holder ? &*holder : nullptr,
           bytes(a.mask),
           floats(a.dropped),
-          floats(a.lse)};
+          floats(a.lse),
+          a.v_dim};
 }
 
 }  // namespace
@@ -292,6 +293,18 @@ void CpuDevice::copy_columns(View dst, View src, int T, int src_width, int begin
 
 void CpuDevice::add_columns(View dst, View src, int T, int dst_width, int begin, int width) {
   cpu::add_columns(floats(dst), floats(src), T, dst_width, begin, width);
+}
+
+void CpuDevice::mla_pack_forward(View qkv, View q, View kv, View k_rope, int B, int S, int H,
+                                 int Dn, int Dr, int Dv, double theta, View positions) {
+  cpu::mla_pack_forward(floats(qkv), floats(q), floats(kv), floats(k_rope), B, S, H, Dn, Dr, Dv,
+                        theta, ints(positions));
+}
+
+void CpuDevice::mla_pack_backward(View dq, View dkv, View dk_rope, View dqkv, int B, int S, int H,
+                                  int Dn, int Dr, int Dv, double theta, View positions) {
+  cpu::mla_pack_backward(floats(dq), floats(dkv), floats(dk_rope), floats(dqkv), B, S, H, Dn, Dr,
+                         Dv, theta, ints(positions));
 }
 
 void CpuDevice::rope_forward(View out, View qkv, int B, int S, int H, int G, int D, double theta,

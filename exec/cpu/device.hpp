@@ -100,6 +100,10 @@ class CpuDevice final : public Device {
   void moe_combine(View out, View y, View gates, View order, int T, int C, int k) override;
   void moe_combine_backward(View dy, View dgates, View dout, View y, View gates, View order, int T,
                             int C, int k) override;
+  void mla_pack_forward(View qkv, View q, View kv, View k_rope, int B, int S, int H, int Dn, int Dr,
+                        int Dv, double theta, View positions) override;
+  void mla_pack_backward(View dq, View dkv, View dk_rope, View dqkv, int B, int S, int H, int Dn,
+                         int Dr, int Dv, double theta, View positions) override;
   void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override;
   void add_columns(View dst, View src, int T, int dst_width, int begin, int width) override;
   void cross_entropy_max(View rowmax, View logits, int T, int V) override;

@@ -190,10 +190,10 @@ int position_of(std::span<const int> positions, int s) {
 // its sequence's S (p itself when order is empty). Keys are visited in position order, so a
 // split over ranks sums in the order of one rank's attention.
 struct Attention {
-  int B, Sq, S, H, G, D;
+  int B, Sq, S, H, G, D, Dv;
   std::span<const int> qpos, order;
   int ranks;
-  std::size_t stride, k_col, v_col;
+  std::size_t width, stride, k_col, v_col;  // width: a row of qkv
   const Dropout* dropout;
 
   Attention(int B_, int Sq_, int H_, int G_, int D_, const AttentionOptions& o)
@@ -203,13 +203,15 @@ struct Attention {
         H(H_),
         G(G_),
         D(D_),
+        Dv(o.v_dim > 0 ? o.v_dim : D_),
         qpos(o.qpos),
         order(o.order),
         ranks(o.cp),
         dropout(o.dropout) {
     const bool own_keys = o.kv.empty();
     DTSIM_ASSERT(!own_keys || o.cp == 1, "context parallelism reads the keys of every rank");
-    stride = static_cast<std::size_t>(own_keys ? H + 2 * G : 2 * G) * D;
+    width = static_cast<std::size_t>(H + G) * D + static_cast<std::size_t>(G) * Dv;
+    stride = own_keys ? width : static_cast<std::size_t>(G) * (D + Dv);
     k_col = own_keys ? static_cast<std::size_t>(H) * D : 0;
     v_col = k_col + static_cast<std::size_t>(G) * D;
   }
@@ -226,7 +228,7 @@ struct Attention {
     return key_row(b, p) * stride + k_col + static_cast<std::size_t>(g) * D;
   }
   std::size_t v_at(int b, int p, int g) const {
-    return key_row(b, p) * stride + v_col + static_cast<std::size_t>(g) * D;
+    return key_row(b, p) * stride + v_col + static_cast<std::size_t>(g) * Dv;
   }
   // The index of the probability of (head h, query position q, key position k) in its
   // sequence, for dropout: over all heads, so that tensor-parallel ranks draw their own.
@@ -236,8 +238,8 @@ struct Attention {
 };
 
 void attend(const Attention& a, Out out, Out probs, In qkv, In kv, const AttentionOptions& o) {
-  const auto [B, Sq, S, H, G, D] = std::array{a.B, a.Sq, a.S, a.H, a.G, a.D};
-  const std::size_t width = static_cast<std::size_t>(H + 2 * G) * D;
+  const auto [B, Sq, S, H, G, D, Dv] = std::array{a.B, a.Sq, a.S, a.H, a.G, a.D, a.Dv};
+  const std::size_t width = a.width;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int group = H / G;
   // FlashAttention: a row's probabilities (and what dropout leaves of them) only here.
@@ -281,11 +283,11 @@ void attend(const Attention& a, Out out, Out probs, In qkv, In kv, const Attenti
           }
           weights = dropped;
         }
-        float* o_row = out.data() + (static_cast<std::size_t>(b) * Sq + i) * H * D + h * D;
-        for (int d = 0; d < D; ++d) o_row[d] = 0;
+        float* o_row = out.data() + (static_cast<std::size_t>(b) * Sq + i) * H * Dv + h * Dv;
+        for (int d = 0; d < Dv; ++d) o_row[d] = 0;
         for (int j = 0; j <= last; ++j) {
           const float* v = kv.data() + a.v_at(b, j, g);
-          for (int d = 0; d < D; ++d) o_row[d] += weights[j] * v[d];
+          for (int d = 0; d < Dv; ++d) o_row[d] += weights[j] * v[d];
         }
       }
     }
@@ -295,8 +297,8 @@ void attend(const Attention& a, Out out, Out probs, In qkv, In kv, const Attenti
 // dq into the q columns of dqkv; dk, dv into dkv at the places attend() read k and v.
 void attend_backward(const Attention& a, Out dqkv, Out dkv, In dout, In qkv, In kv, In probs,
                      const AttentionOptions& o) {
-  const auto [B, Sq, S, H, G, D] = std::array{a.B, a.Sq, a.S, a.H, a.G, a.D};
-  const std::size_t width = static_cast<std::size_t>(H + 2 * G) * D;
+  const auto [B, Sq, S, H, G, D, Dv] = std::array{a.B, a.Sq, a.S, a.H, a.G, a.D, a.Dv};
+  const std::size_t width = a.width;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int group = H / G;
   const float keep_scale = a.dropout ? a.dropout->scale() : 1.0f;
@@ -331,7 +333,7 @@ void attend_backward(const Attention& a, Out dqkv, Out dkv, In dout, In qkv, In 
         const auto kept = [&](int j) {
           return mask != nullptr ? mask[j] != 0 : a.dropout->keeps(sequence, a.element(h, last, j));
         };
-        const float* dy = dout.data() + row * H * D + h * D;
+        const float* dy = dout.data() + row * H * Dv + h * Dv;
         // dP = dy · v^T (through dropout: masked and scaled); dv += P^T · dy
         float dot = 0;
         for (int j = 0; j <= last; ++j) {
@@ -343,7 +345,7 @@ void attend_backward(const Attention& a, Out dqkv, Out dkv, In dout, In qkv, In 
                                : keep               ? p[j] * keep_scale
                                                     : 0.0f;
           float s = 0;
-          for (int d = 0; d < D; ++d) {
+          for (int d = 0; d < Dv; ++d) {
             s += dy[d] * v[d];
             dv[d] += weight * dy[d];
           }
@@ -590,16 +592,19 @@ void add_columns(Out dst, In src, int T, int dst_width, int begin, int width) {
 }
 
 namespace {
-// Turns the q and k heads of one row by the angles of position s; sign -1 turns back.
-void rotate_row(float* out, const float* in, int s, int heads, int D, double theta, float sign) {
+// Turns the q and k heads of one row by the angles of position s; sign -1 turns back. Head h's
+// D turned columns start at h·stride (stride 0: D, heads side by side).
+void rotate_row(float* out, const float* in, int s, int heads, int D, double theta, float sign,
+                int stride = 0) {
   const int half = D / 2;
+  const auto step = static_cast<std::size_t>(stride > 0 ? stride : D);
   for (int i = 0; i < half; ++i) {
     const double angle = s * std::pow(theta, -2.0 * i / D);
     const auto c = static_cast<float>(std::cos(angle));
     const auto sn = sign * static_cast<float>(std::sin(angle));
     for (int h = 0; h < heads; ++h) {
-      const float* x = in + static_cast<std::size_t>(h) * D;
-      float* y = out + static_cast<std::size_t>(h) * D;
+      const float* x = in + static_cast<std::size_t>(h) * step;
+      float* y = out + static_cast<std::size_t>(h) * step;
       const float a = x[i], b = x[i + half];
       y[i] = a * c - b * sn;
       y[i + half] = a * sn + b * c;
@@ -634,6 +639,65 @@ void rope_backward(Out dqkv, In dout, int B, int S, int H, int G, int D, double 
                  -1.0f);
       for (std::size_t i = 0; i < turned.size(); ++i) dqkv[row + i] += turned[i];
       for (std::size_t i = turned.size(); i < width; ++i) dqkv[row + i] += dout[row + i];
+    }
+  }
+}
+
+void mla_pack_forward(Out qkv, In q, In kv, In k_rope, int B, int S, int H, int Dn, int Dr, int Dv,
+                      double theta, std::span<const int> positions) {
+  const int Dqk = Dn + Dr;
+  const auto heads = static_cast<std::size_t>(H);
+  const std::size_t q_width = heads * Dqk, kv_width = heads * (Dn + Dv);
+  const std::size_t width = 2 * q_width + heads * Dv;
+  std::vector<float> turned(static_cast<std::size_t>(Dr));
+  for (int b = 0; b < B; ++b) {
+    for (int s = 0; s < S; ++s) {
+      const std::size_t t = static_cast<std::size_t>(b) * S + s;
+      const int position = position_of(positions, s);
+      const float* qr = q.data() + t * q_width;
+      const float* kvr = kv.data() + t * kv_width;
+      float* out = qkv.data() + t * width;
+      rotate_row(turned.data(), k_rope.data() + t * Dr, position, 1, Dr, theta, 1.0f);
+      for (std::size_t h = 0; h < heads; ++h) {
+        std::copy_n(qr + h * Dqk, Dn, out + h * Dqk);
+        std::copy_n(kvr + h * (Dn + Dv), Dn, out + q_width + h * Dqk);
+        std::copy(turned.begin(), turned.end(), out + q_width + h * Dqk + Dn);
+        std::copy_n(kvr + h * (Dn + Dv) + Dn, Dv, out + 2 * q_width + h * Dv);
+      }
+      rotate_row(out + Dn, qr + Dn, position, H, Dr, theta, 1.0f, Dqk);
+    }
+  }
+}
+
+void mla_pack_backward(Out dq, Out dkv, Out dk_rope, In dqkv, int B, int S, int H, int Dn, int Dr,
+                       int Dv, double theta, std::span<const int> positions) {
+  const int Dqk = Dn + Dr;
+  const auto heads = static_cast<std::size_t>(H);
+  const std::size_t q_width = heads * Dqk, kv_width = heads * (Dn + Dv);
+  const std::size_t width = 2 * q_width + heads * Dv;
+  std::vector<float> summed(static_cast<std::size_t>(Dr)), turned(q_width);
+  for (int b = 0; b < B; ++b) {
+    for (int s = 0; s < S; ++s) {
+      const std::size_t t = static_cast<std::size_t>(b) * S + s;
+      const int position = position_of(positions, s);
+      const float* g = dqkv.data() + t * width;
+      float* dqr = dq.data() + t * q_width;
+      float* dkvr = dkv.data() + t * kv_width;
+      std::fill(summed.begin(), summed.end(), 0.0f);
+      rotate_row(turned.data() + Dn, g + Dn, position, H, Dr, theta, -1.0f, Dqk);
+      for (std::size_t h = 0; h < heads; ++h) {
+        for (int d = 0; d < Dn; ++d) {
+          dqr[h * Dqk + d] += g[h * Dqk + d];
+          dkvr[h * (Dn + Dv) + d] += g[q_width + h * Dqk + d];
+        }
+        for (int d = 0; d < Dr; ++d) {
+          dqr[h * Dqk + Dn + d] += turned[h * Dqk + Dn + d];
+          summed[static_cast<std::size_t>(d)] += g[q_width + h * Dqk + Dn + d];
+        }
+        for (int d = 0; d < Dv; ++d) dkvr[h * (Dn + Dv) + Dn + d] += g[2 * q_width + h * Dv + d];
+      }
+      rotate_row(turned.data(), summed.data(), position, 1, Dr, theta, -1.0f);
+      for (int d = 0; d < Dr; ++d) dk_rope[t * Dr + d] += turned[static_cast<std::size_t>(d)];
     }
   }
 }

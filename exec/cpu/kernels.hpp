@@ -121,6 +121,10 @@ struct AttentionOptions {
   std::span<std::uint8_t> mask;
   Out dropped;
   Out lse;
+  // The values' head width where it is not the queries' and keys' D (multi-head latent
+  // attention's, mla_pack_forward); 0: D. qkv's rows are then (H + G)·D + G·v_dim wide, kv's
+  // G·D + G·v_dim (K then V), out's H·v_dim; the scores' scale stays 1/sqrt(D).
+  int v_dim = 0;
 };
 // out[B·Sq, H·D]; probs[B, H, Sq, S] by key position. The backward adds dq into dqkv's q
 // columns and dk, dv into dkv (kv's layout; dqkv's own k and v columns when kv is empty).
@@ -169,6 +173,20 @@ void rope_forward(Out out, In qkv, int B, int S, int H, int G, int D, double the
                   std::span<const int> positions = {});
 void rope_backward(Out dqkv, In dout, int B, int S, int H, int G, int D, double theta,
                    std::span<const int> positions = {});
+
+// Multi-head latent attention (DeepSeek-V2, Liu et al. 2024): its queries, keys and values
+// packed for the attention core (attention_forward with v_dim = Dv, G = H, D = Dn + Dr) as
+// qkv[B·S, H·(Dn + Dr) + H·(Dn + Dr) + H·Dv]. q[B·S, H·(Dn + Dr)]: each head's Dn columns
+// without positions, then its Dr columns that RoPE turns (rope_forward's rotate-half layout
+// over those Dr); kv[B·S, H·(Dn + Dv)]: each head's key columns without positions, then its
+// values (kv_b_proj's layout in Hugging Face's DeepSeek-V3); k_rope[B·S, Dr]: the keys' part
+// with positions, one for all heads, turned and copied into each head's key. The backward adds
+// the gradients into dq, dkv and dk_rope (summed over the heads), turned back. Positions as
+// rope's.
+void mla_pack_forward(Out qkv, In q, In kv, In k_rope, int B, int S, int H, int Dn, int Dr, int Dv,
+                      double theta, std::span<const int> positions = {});
+void mla_pack_backward(Out dq, Out dkv, Out dk_rope, In dqkv, int B, int S, int H, int Dn, int Dr,
+                       int Dv, double theta, std::span<const int> positions = {});
 
 // Token (and learned position) embedding: out[B·S, C] = wte[token] (+ wpe[position of s], as
 // rope's). With vocabulary parallelism wte holds rows [vocab_begin, vocab_begin + rows) and

@@ -163,8 +163,9 @@ class CudaDevice final : public Device {
                           ints(tokens), B, S, C, vocab_begin, ints_or_null(positions));
   }
   // Context parallelism, dropout (the CPU's masks: exec/cuda/kernels.hpp), mixtures of experts
-  // (the CPU's routing), FlashAttention's memory and gradient clipping (exec/cuda/kernels.hpp).
-  bool has(Feature) const override { return true; }
+  // (the CPU's routing), FlashAttention's memory and gradient clipping (exec/cuda/kernels.hpp);
+  // not yet multi-head latent attention (its packing, and values narrower than the keys).
+  bool has(Feature f) const override { return f != Feature::LatentAttention; }
   void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override {
     k_.copy_columns(act(dst), act(src), T, src_width, begin, width);
   }
@@ -198,6 +199,7 @@ class CudaDevice final : public Device {
   // Attention with dropout and, where kv is given, context parallelism.
   void attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G, int D,
                             const Attention& a) override {
+    DTSIM_ASSERT(a.v_dim == 0 || a.v_dim == D, "values as wide as the keys (no latent attention)");
     Kernels::DropoutSite site;
     if (a.dropout != nullptr) site = site_of(*a.dropout);
     const Kernels::DropoutSite* dropout = a.dropout != nullptr ? &site : nullptr;
@@ -218,6 +220,7 @@ class CudaDevice final : public Device {
   }
   void attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B, int Sq,
                              int H, int G, int D, const Attention& a) override {
+    DTSIM_ASSERT(a.v_dim == 0 || a.v_dim == D, "values as wide as the keys (no latent attention)");
     const float rate = a.dropout != nullptr ? a.dropout->rate : 0.0f;
     Kernels::DropoutSite site;
     if (a.dropout != nullptr) site = site_of(*a.dropout);

@@ -188,6 +188,36 @@ TEST_CASE("sigmoid gates and a dense block: gradients match finite differences o
                                          {"L1.qkv.bias", 1e-3f}});
 }
 
+// Multi-head latent attention (a Hugging Face deepseek_v3 config): the down projection's three
+// parts, the latents' two norms, the up projections of the queries and of the keys and values,
+// the core with values narrower than its keys, the keys' RoPE part shared by the heads. (The
+// first block's down projection, kv_up and attn_out, and the last's kv_up, moved by 1e-2, flip a
+// choice of experts after them: 1e-3.)
+TEST_CASE("latent attention with a query latent: gradients match finite differences of the loss",
+          "[exec][runner]") {
+  check_gradients_by_finite_differences(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_deepseek_v3.json",
+                                        {{"L0.latent_down.weight", 1e-3f},
+                                         {"L0.latent_norm.weight", 1e-2f},
+                                         {"L0.q_up.weight", 1e-2f},
+                                         {"L0.kv_up.weight", 1e-3f},
+                                         {"L0.attn_out.weight", 1e-3f},
+                                         {"L2.latent_down.weight", 1e-2f},
+                                         {"L2.kv_up.weight", 1e-3f}});
+}
+
+// Without a query latent (DeepSeek-V2-Lite's): the queries from the block's input, whose
+// gradient sums theirs and the down projection's; values wider than the keys.
+TEST_CASE("latent attention without a query latent: gradients match finite differences",
+          "[exec][runner]") {
+  check_gradients_by_finite_differences(DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_mla.json",
+                                        {{"L0.latent_down.weight", 1e-2f},
+                                         {"L0.latent_norm.weight", 1e-2f},
+                                         {"L0.q_proj.weight", 1e-2f},
+                                         {"L0.kv_up.weight", 1e-2f},
+                                         {"L3.attn_out.weight", 1e-2f},
+                                         {"L1.norm1.weight", 1e-2f}});
+}
+
 TEST_CASE("gradient accumulation over micro-batches equals one large micro-batch",
           "[exec][runner]") {
   // The same four sequences per step, as one micro-batch of 4 or four of 1 (the Program then
@@ -231,6 +261,19 @@ TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   dtsim::exec::cpu::Bf16Device no_clip(true, {dtsim::exec::Device::Feature::GradClip});
   REQUIRE_THROWS_WITH(run("tiny-gpt", clip, 1, {}, &no_clip),
                       Catch::Contains("gradient clipping (--clip-grad 1) is not executed on"));
+  // Multi-head latent attention: on a device without its kernels (the GPU's yet), and with
+  // sequence parallelism (not yet on any device).
+  const char* mla = DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_mla.json";
+  dtsim::exec::cpu::Bf16Device no_mla(true, {dtsim::exec::Device::Feature::LatentAttention});
+  REQUIRE_THROWS_WITH(
+      run(mla, single_rank(1, 2), 1, {}, &no_mla),
+      Catch::Contains("multi-head latent attention (model tiny-mla) is not executed on"));
+  auto sp = single_rank(1, 2);
+  sp.tp = 2;
+  sp.sequence_parallel = true;
+  REQUIRE_THROWS_WITH(run(mla, sp, 1, alone),
+                      Catch::Contains("multi-head latent attention (the mla of DeepSeek-V2 and V3) "
+                                      "with sequence parallelism (tp 2) is not executed yet"));
 }
 
 // AdamW's decoupled weight decay (Megatron-LM's --weight-decay): after one step from the same

@@ -210,6 +210,74 @@ TEST_CASE("causal attention with grouped KV heads matches finite differences", "
   check_gradient(qkv, dqkv, loss, "qkv");
 }
 
+// Multi-head latent attention's values are narrower than its queries and keys (DeepSeek-V3:
+// 128 against 192), with or without FlashAttention's memory.
+TEST_CASE("attention with values narrower than its keys matches finite differences",
+          "[exec][cpu]") {
+  const int B = 2, S = 5, H = 2, G = 2, D = 5, Dv = 3;
+  const int width = (H + G) * D + G * Dv;
+  auto qkv = random(static_cast<std::size_t>(B) * S * width, 14), r = random(B * S * H * Dv, 15);
+  std::vector<float> out(r.size()), probs(static_cast<std::size_t>(B) * H * S * S);
+  std::vector<float> lse(static_cast<std::size_t>(B) * H * S);
+  for (const bool flash : {false, true}) {
+    INFO("flash " << flash);
+    cpu::AttentionOptions o;
+    o.v_dim = Dv;
+    if (flash) o.lse = lse;
+    auto loss = [&] {
+      cpu::attention_forward(out, flash ? cpu::Out{} : cpu::Out{probs}, qkv, B, S, H, G, D, o);
+      return dot(out, r);
+    };
+    loss();
+    // The first token attends only to itself: its output is its own values.
+    for (int d = 0; d < Dv; ++d) CHECK(out[static_cast<std::size_t>(d)] == qkv[(H + G) * D + d]);
+    std::vector<float> dqkv(qkv.size());
+    cpu::attention_backward(dqkv, dqkv, r, qkv, flash ? cpu::In{} : cpu::In{probs}, B, S, H, G, D,
+                            o);
+    check_gradient(qkv, dqkv, loss, "qkv");
+  }
+}
+
+TEST_CASE("latent attention's packing turns the RoPE parts, one key part for all heads",
+          "[exec][cpu]") {
+  const int B = 2, S = 4, H = 3, Dn = 2, Dr = 4, Dv = 3, Dqk = Dn + Dr;
+  const std::size_t T = static_cast<std::size_t>(B) * S, width = 2 * H * Dqk + H * Dv;
+  auto q = random(T * H * Dqk, 40), kv = random(T * H * (Dn + Dv), 41), k_rope = random(T * Dr, 42);
+  const auto r = random(T * width, 43);
+  std::vector<float> qkv(T * width);
+  auto loss = [&] {
+    cpu::mla_pack_forward(qkv, q, kv, k_rope, B, S, H, Dn, Dr, Dv, 10000.0);
+    return dot(qkv, r);
+  };
+  loss();
+  // Position 0 turns nothing: the row is q, then each head's key columns and the shared part,
+  // then the values.
+  for (int h = 0; h < H; ++h) {
+    for (int d = 0; d < Dqk; ++d) CHECK(qkv[h * Dqk + d] == q[h * Dqk + d]);
+    for (int d = 0; d < Dn; ++d) CHECK(qkv[H * Dqk + h * Dqk + d] == kv[h * (Dn + Dv) + d]);
+    for (int d = 0; d < Dr; ++d) CHECK(qkv[H * Dqk + h * Dqk + Dn + d] == k_rope[d]);
+    for (int d = 0; d < Dv; ++d) CHECK(qkv[2 * H * Dqk + h * Dv + d] == kv[h * (Dn + Dv) + Dn + d]);
+  }
+  // Position 3 turns the RoPE parts only, the keys' the same in every head; as rope_forward
+  // turns a head of Dr (one q head, no k, no v: H 1, G 0).
+  const std::size_t row = 3 * width;
+  std::vector<float> turned(Dr);
+  cpu::rope_forward(turned, std::span<const float>(k_rope).subspan(3 * Dr, Dr), 1, 1, 1, 0, Dr,
+                    10000.0, std::vector<int>{3});
+  for (int h = 0; h < H; ++h) {
+    for (int d = 0; d < Dn; ++d) CHECK(qkv[row + h * Dqk + d] == q[3 * H * Dqk + h * Dqk + d]);
+    for (int d = 0; d < Dr; ++d) {
+      CHECK(qkv[row + H * Dqk + h * Dqk + Dn + d] == Approx(turned[d]).margin(1e-6));
+    }
+  }
+  CHECK(qkv[row + Dn] != Approx(q[3 * H * Dqk + Dn]));
+  std::vector<float> dq(q.size()), dkv(kv.size()), dk_rope(k_rope.size());
+  cpu::mla_pack_backward(dq, dkv, dk_rope, r, B, S, H, Dn, Dr, Dv, 10000.0);
+  check_gradient(q, dq, loss, "q");
+  check_gradient(kv, dkv, loss, "kv");
+  check_gradient(k_rope, dk_rope, loss, "k_rope");
+}
+
 // Context parallelism: cp ranks, each with two of 2·cp chunks of every sequence (c and
 // 2·cp-1-c, as the runner places them), give one rank's outputs and dq exactly (the keys are
 // visited in position order, and dropout's masks follow positions), and its dk, dv to rounding.

@@ -3,8 +3,9 @@
 # activations with the GPU device's type checks; the MPI backend moves bf16 tensors and sums
 # them in bf16, rounding at each step as NCCL does): plans over dp, tp with and without sequence
 # parallelism, pp (GPipe, 1F1B, interleaved, zero-bubble, scatter/gather transfers), cp, ZeRO 1-3,
-# recompute, dropout (the GPU's: residual and attention dropout, the CPU's masks) and a mixture
-# of experts with expert parallelism (bf16 tokens through the all-to-alls) run to the end, and
+# recompute, dropout (the GPU's: residual and attention dropout, the CPU's masks), a mixture
+# of experts with expert parallelism (bf16 tokens through the all-to-alls) and multi-head latent
+# attention (a deepseek_v3 config: its packing and narrower values in bf16) run to the end, and
 # K steps train as the single-rank bf16 run of the same batch.
 #
 # Tolerances (bf16): losses within 5e-3. A split changes where bf16 rounds (a row-parallel
@@ -28,11 +29,12 @@ path_of() {
     llama) echo "$here/tiny_llama_4l.json" ;;
     dropout) echo "$here/tiny_gpt_dropout.json" ;;
     moe) echo "$here/tiny_moe.json" ;;
+    dsv3) echo "$here/tiny_deepseek_v3.json" ;;
     *) echo "$1" ;;
   esac
 }
 
-for model in tiny-gpt llama dropout moe; do
+for model in tiny-gpt llama dropout moe dsv3; do
   for mbs in 1 2; do
     rm -rf "ref_${model}_$mbs"
     "$dtexec" run --model "$(path_of "$model")" "${common[@]}" --micro-batch-size "$mbs" \
@@ -61,6 +63,9 @@ plans=(
   "moe|2|2|--tp 2 --sequence-parallel"
   "moe|2|2|--dp 2 --ep 2"
   "moe|4|1|--dp 2 --ep 2 --pp 2 --schedule zero-bubble"
+  "dsv3|3|2|--pp 3 --schedule 1f1b --recompute selective"
+  "dsv3|2|1|--dp 2 --ep 2 --zero-stage 1 --attention flash"
+  "dsv3|2|2|--tp 2 --no-grad-accumulation-fusion"
 )
 failed=0
 run_plan_matrix "${plans[@]}" || failed=1

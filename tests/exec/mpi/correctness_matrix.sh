@@ -6,7 +6,8 @@
 # memory (against the unfused single rank), K steps of ten tiny models (GPT, Llama, GPT with
 # dropout, a mixture of experts, GPT with an odd vocabulary that the plans pad, Hugging Face
 # qwen3_moe, qwen2_moe and llama4 configs, one llama4 with dense blocks between the experts',
-# a glm4_moe with a dense first block)
+# a glm4_moe with a dense first block, multi-head latent attention in a model file and in a
+# deepseek_v3 config)
 # under mpirun give the losses and final weights of the single-rank run of the same global
 # batch (the first plan: one rank under mpirun, as without it).
 #
@@ -56,6 +57,11 @@ maverick="$here/tiny_llama4_maverick.json"
 # A Hugging Face glm4_moe config, as GLM-4.5's: a dense first block, then experts beside a
 # shared one, q/k/v biases.
 glm="$here/tiny_glm4_moe.json"
+# Multi-head latent attention (DeepSeek-V2's): without a query latent and values wider than the
+# keys (a model file, 4 layers); and a Hugging Face deepseek_v3 config, as DeepSeek-V3's: a query
+# latent, a dense first block, then experts (sigmoid scores) beside a shared one.
+mla="$here/tiny_mla.json"
+dsv3="$here/tiny_deepseek_v3.json"
 path_of() {
   case "$1" in
     llama) echo "$llama" ;;
@@ -65,6 +71,8 @@ path_of() {
     llama4) echo "$llama4" ;;
     maverick) echo "$maverick" ;;
     glm) echo "$glm" ;;
+    mla) echo "$mla" ;;
+    dsv3) echo "$dsv3" ;;
     dropout) echo "$dropout" ;;
     moe) echo "$moe" ;;
     *) echo "$1" ;;
@@ -72,10 +80,11 @@ path_of() {
 }
 
 # One single-rank reference per model and micro-batch size.
-for model in tiny-gpt llama dropout moe vocab251 qwen3moe qwen2moe llama4 maverick glm; do
+for model in tiny-gpt llama dropout moe vocab251 qwen3moe qwen2moe llama4 maverick glm mla dsv3; do
   path=$(path_of "$model")
   for mbs in 1 2 4 8; do
-    if [[ "$model" =~ ^(vocab251|qwen3moe|qwen2moe|llama4|maverick|glm)$ ]] && [ "$mbs" != 2 ]; then
+    if [[ "$model" =~ ^(vocab251|qwen3moe|qwen2moe|llama4|maverick|glm|mla|dsv3)$ ]] &&
+      [ "$mbs" != 2 ]; then
       continue
     fi
     rm -rf "ref_${model}_$mbs"
@@ -184,6 +193,16 @@ plans=(
   "maverick|4|2|--dp 4 --ep 2 --zero-stage 3 --recompute full"
   "glm|4|2|--tp 2 --dp 2 --ep 2 --sequence-parallel --zero-stage 1"
   "glm|3|2|--pp 3 --schedule 1f1b"
+  "mla|2|2|--dp 2 --zero-stage 1"
+  "mla|2|2|--pp 2 --schedule zero-bubble --recompute full"
+  "mla|4|2|--dp 2 --pp 2 --schedule interleaved --virtual-stages 2 --zero-stage 3"
+  "mla|2|2|--dp 2 --zero-stage 2 --recompute selective --attention flash"
+  "dsv3|4|2|--dp 4 --ep 2 --zero-stage 1"
+  "dsv3|3|2|--pp 3 --schedule 1f1b --overlap-p2p-comm"
+  "dsv3|2|2|--dp 2 --ep 2 --zero-stage 3 --recompute full"
+  "mla|2|2|--tp 2 --recompute selective"
+  "mla|4|2|--tp 2 --pp 2 --schedule zero-bubble"
+  "dsv3|4|2|--tp 2 --dp 2 --ep 2 --zero-stage 1"
 )
 failed=0
 # Dropout's masks and the experts' routing follow each token, not the micro-batch: one rank's
