@@ -394,7 +394,7 @@ std::vector<std::pair<int, Slice>> Runner::slices(const Op& op, int t) const {
       if (op.params > static_cast<std::uint64_t>(width)) out.push_back({1, whole(1, width)});
       break;
     }
-    case OpKind::LatentDown:  // [h, r_q], [h, r_kv], [h, d_r], the same on every tp rank
+    case OpKind::LatentDown:  // [h, r_q + r_kv + d_r], the same on every tp rank
       out.push_back({0, whole(C, m_.latent_width())});
       break;
     case OpKind::QkvProj: {
@@ -501,7 +501,8 @@ void Runner::init_params() {
       p.tied_copy = source != id;
       p.norm = op.kind == OpKind::Norm;
       p.sequence_share = p_.sequence_parallel && p_.tp > 1 &&
-                         (p.norm || (op.kind == OpKind::Router && local_dispatch_));
+                         (p.norm || (op.kind == OpKind::Router && local_dispatch_) ||
+                          op.kind == OpKind::LatentDown);
       // AdamW's weight decay: matrices and embedding tables (the learned positions are the
       // embedding's second tensor), not biases or norms' weights (Megatron-LM's
       // no_weight_decay_cond: ".bias" and 1-D parameters).
@@ -1126,7 +1127,7 @@ std::vector<std::string> execution_notes(const model::ModelSpec& spec, const pla
     notes.push_back(fmt::format(
         "multi-head latent attention: the keys' RoPE part ({} columns) shared by all heads, "
         "turned in the rotate-half layout (DeepSeek's interleaved pairs are a fixed permutation "
-        "of those columns), scores scaled by 1/sqrt({}) without YaRN's factor",
+        "of those columns), scores scaled by 1/sqrt({})",
         spec.mla->qk_rope_head_dim, spec.head_dim));
   }
   if (plan.attention == model::AttentionKernel::Flash) {
@@ -1205,11 +1206,12 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   }
   if (p.schedule == plan::Schedule::PipeDreamAsync) refuse("the PipeDream (asynchronous) schedule");
   // (dtsim plans and simulates it.)
-  if (m.mla && ((p.tp > 1 && p.sequence_parallel) || p.cp > 1)) {
-    // (dtsim plans and simulates them: sim/model/model_graph.cpp.)
-    refuse(fmt::format("multi-head latent attention (the mla of DeepSeek-V2 and V3) with {}",
-                       p.cp > 1 ? fmt::format("context parallelism (cp {})", p.cp)
-                                : fmt::format("sequence parallelism (tp {})", p.tp)));
+  if (m.mla && p.cp > 1) {
+    // (dtsim plans and simulates it: sim/model/model_graph.cpp.)
+    refuse(fmt::format(
+        "multi-head latent attention (the mla of DeepSeek-V2 and V3) with context parallelism "
+        "(cp {})",
+        p.cp));
   }
   if (m.heads % p.tp != 0 || m.kv_heads % p.tp != 0 || m.ffn_hidden % p.tp != 0 ||
       m.vocab_rows() % p.tp != 0) {

@@ -388,6 +388,10 @@ void Runner::cp_collective(const lower::Task& task, MicroBatch& mb, bool local) 
 
 void Runner::sequence_parallel_collective(const lower::Task& task, MicroBatch& mb, OpId anchor,
                                           bool exit, bool local) {
+  if (latent_projection(g_.op(anchor))) {
+    latent_sp_collective(task, mb, anchor, local);
+    return;
+  }
   const std::vector<int> counts(static_cast<std::size_t>(tp_), Ts_ * C_);
   const bool scatter = task.collective == CollectiveKind::ReduceScatter;
   auto reduce_scatter = [&](View in, View out) {

@@ -531,9 +531,10 @@ class Runner {
   // Sequence parallelism all-gathers the input of a column-parallel layer (the lowering's
   // TpEnter markers: QKV, MLP up, the LM head; not a router, which routes its rank's share of
   // the sequence, plan::moe_local_dispatch).
+  // (Multi-head latent attention's up projections gather their latents: gemm_input.)
   bool gathers_input(const Op& op) const {
-    return Ts_ != T_ && (op.kind == OpKind::QkvProj || (op.kind == OpKind::MlpUp && !op.expert) ||
-                         op.kind == OpKind::LmHead);
+    return Ts_ != T_ && ((op.kind == OpKind::QkvProj && !latent_projection(op)) ||
+                         (op.kind == OpKind::MlpUp && !op.expert) || op.kind == OpKind::LmHead);
   }
 
   // Local GEMM shape (K, N) of a linear op on this tensor-parallel rank.
@@ -602,16 +603,23 @@ class Runner {
   //
   // DeepSeek-V2's attention as the model graph has it (sim/model/model_graph.cpp): the down
   // projection (OpKind::LatentDown) of the block's normed input to the queries' latent, the keys'
-  // and values' latent and the keys' part with positions, one GEMM per part (its weight the
-  // three matrices [h, r_q], [h, r_kv], [h, d_r] one after another: Hugging Face's q_a_proj and
-  // kv_a_proj_with_mqa), its output the three parts one after another ([T, r_q], [T, r_kv],
-  // [T, d_r]); the latents' RMSNorms (one Norm op, its weights r_q then r_kv, its output the two
-  // normed latents one after another); the up projections of the queries (from their latent, or
-  // from the block's input where r_q is 0) and of the keys and values (QkvProj ops); the core
-  // reads them through mla_pack_forward, the keys' part with positions from the down
-  // projection's output.
+  // and values' latent and the keys' part with positions, one GEMM (its weight [h, r_q + r_kv +
+  // d_r]: Hugging Face's q_a_proj and kv_a_proj_with_mqa side by side), its output's three parts
+  // then copied apart, one after another ([T, r_q], [T, r_kv], [T, d_r]); the latents' RMSNorms
+  // (one Norm op, its weights r_q then r_kv, its output the two normed latents one after another);
+  // the up projections of the queries (from their latent, or from the block's input where r_q is 0)
+  // and of the keys and values (QkvProj ops); the core reads them through mla_pack_forward, the
+  // keys' part with positions from the down projection's output.
   enum class Projection { Qkv, QUp, QProj, KvUp };
   Projection projection(const Op& op) const;
+  // An up projection from a latent (q_up, kv_up). Under sequence parallelism its latent (and
+  // kv_up's the keys' RoPE part) is all-gathered into the op's own Full slot (the down
+  // projection's for the RoPE part), their gradients made there (FullGrad) and reduce-scattered
+  // back (latent_sp_collective).
+  bool latent_projection(const Op& op) const {
+    const Projection p = projection(op);
+    return p == Projection::QUp || p == Projection::KvUp;
+  }
   // (Both known by the graph's names for them.)
   bool latent_norm(const Op& op) const {
     return m_.mla && op.kind == OpKind::Norm && op.name.ends_with(".latent_norm");
@@ -622,8 +630,15 @@ class Runner {
     int begin = 0, width = 0;
   };
   std::vector<Segment> latent_segments(bool normed) const;
-  // A GEMM's input: the op's input, or the part of the latents' norm output it reads.
+  // A GEMM's input: the op's input, or the part of the latents' norm output it reads (gathered
+  // under sequence parallelism); and where an up projection from a latent adds its input's
+  // gradient (zeros where it is the first).
   View gemm_input(MicroBatch& mb, OpId id);
+  GradOut latent_input_grad(MicroBatch& mb, OpId id);
+  // Sequence parallelism at a latent's up projection: the forward's all-gather of its latent
+  // (kv_up's with the keys' RoPE part), the backward's again for the weight gradient (the
+  // latent alone), and the reduce-scatter of their gradients.
+  void latent_sp_collective(const lower::Task& task, MicroBatch& mb, OpId anchor, bool local);
   // The down projection that attention core `core` reads the keys' part with positions from
   // (the third of its output's parts: latent_rope).
   OpId latent_down_of(OpId core) const;
@@ -631,14 +646,23 @@ class Runner {
   void latent_down_backward(MicroBatch& mb, OpId id, Part part);
   void latent_norm_forward(MicroBatch& mb, OpId id);
   void latent_norm_backward(MicroBatch& mb, OpId id, bool input_grads, bool weight_grads);
+  // (Under sequence parallelism all-gathered into the down projection's Full slot.)
   View latent_rope(MicroBatch& mb, OpId core) {
-    return mb.out.at(latent_down_of(core))
-        .sub(static_cast<std::int64_t>(T_) * (Rq_ + Rkv_), static_cast<std::int64_t>(T_) * Dr_);
+    const OpId down = latent_down_of(core);
+    if (Ts_ != T_) return mb.full.at(down);
+    return mb.out.at(down).sub(static_cast<std::int64_t>(T_) * (Rq_ + Rkv_),
+                               static_cast<std::int64_t>(T_) * Dr_);
   }
-  // Its gradient (made, zeros, where this is its first contribution).
+  // Its gradient (made, zeros, where this is its first contribution; each tp rank's heads' sum).
   View latent_rope_grad(MicroBatch& mb, OpId core) {
-    return grad_of(mb, latent_down_of(core))
-        .sub(static_cast<std::int64_t>(T_) * (Rq_ + Rkv_), static_cast<std::int64_t>(T_) * Dr_);
+    const OpId down = latent_down_of(core);
+    if (Ts_ != T_) {
+      View& g = mb.full_grad[down];
+      if (g.empty()) fresh(g, static_cast<std::int64_t>(T_) * Dr_);
+      return g;
+    }
+    return grad_of(mb, down).sub(static_cast<std::int64_t>(T_) * (Rq_ + Rkv_),
+                                 static_cast<std::int64_t>(T_) * Dr_);
   }
 
   // ---- mixture of experts --------------------------------------------------------------------

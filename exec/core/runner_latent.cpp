@@ -23,12 +23,76 @@ std::vector<Runner::Segment> Runner::latent_segments(bool normed) const {
 }
 
 View Runner::gemm_input(MicroBatch& mb, OpId id) {
-  const View in = input_of(mb, id);
-  const Projection what = projection(g_.op(id));
-  const std::int64_t rows = T_;  // (tp 1: check_runnable)
-  if (what == Projection::QUp) return in.sub(0, rows * Rq_);
-  if (what == Projection::KvUp) return in.sub(rows * Rq_, rows * Rkv_);
-  return in;
+  const Op& op = g_.op(id);
+  if (!latent_projection(op)) return input_of(mb, id);
+  if (Ts_ != T_) return mb.full.at(id);
+  const View in = mb.out.at(input(id));
+  const std::int64_t rows = T_;
+  return projection(op) == Projection::QUp ? in.sub(0, rows * Rq_)
+                                           : in.sub(rows * Rq_, rows * Rkv_);
+}
+
+Runner::GradOut Runner::latent_input_grad(MicroBatch& mb, OpId id) {
+  const bool q = projection(g_.op(id)) == Projection::QUp;
+  const std::int64_t rows = T_, width = q ? Rq_ : Rkv_;
+  if (Ts_ != T_) {
+    // The gathered latent's gradient: this op's alone, written whole by its GEMM.
+    View& g = mb.full_grad[id];
+    if (!g.empty()) return {g, false};
+    fresh_for_overwrite(g, rows * width);
+    return {g, true};
+  }
+  return {grad_of(mb, input(id)).sub(q ? 0 : rows * Rq_, rows * width), false};
+}
+
+void Runner::latent_sp_collective(const lower::Task& task, MicroBatch& mb, OpId anchor,
+                                  bool local) {
+  const bool q = projection(g_.op(anchor)) == Projection::QUp;
+  const OpId norm = input(anchor), down = input(norm);
+  const std::int64_t rows = Ts_;
+  // (The rank's share of the latents' norm output: its latent; of the down projection's: the
+  // keys' RoPE part.)
+  const std::int64_t latent_at = q ? 0 : rows * Rq_, rope_at = rows * (Rq_ + Rkv_);
+  const int width = q ? Rq_ : Rkv_;
+  auto gather = [&](View share, View& whole, int w) {
+    fresh_for_overwrite(whole, static_cast<std::int64_t>(T_) * w);
+    if (local) {  // (--only-rank: every rank's share as this one's)
+      for (std::int64_t at = 0; at < whole.size(); at += share.size())
+        dev_.copy(whole.sub(at, share.size()), share);
+      return;
+    }
+    comm_.all_gather(
+        task.group, share, whole,
+        std::vector<int>(static_cast<std::size_t>(tp_), static_cast<int>(share.size())));
+  };
+  auto scatter = [&](std::map<OpId, View>& grads, OpId key, View share) {
+    View& whole = grads.at(key);
+    const View mine = allocate_for_overwrite(share.size());
+    if (local) {
+      dev_.copy(mine, whole.sub(0, share.size()));
+    } else {
+      comm_.reduce_scatter(
+          task.group, whole, mine,
+          std::vector<int>(static_cast<std::size_t>(tp_), static_cast<int>(share.size())));
+    }
+    dev_.accumulate(share, mine);
+    dev_.release(mine);
+    dev_.release(whole);
+    grads.erase(key);
+  };
+  if (task.collective == CollectiveKind::AllGather) {
+    gather(mb.out.at(norm).sub(latent_at, rows * width), mb.full[anchor], width);
+    // The keys' RoPE part for the core, in the forward; the weight gradient's gather again
+    // (the lowering's regather, its one tp collective of the Backward phase) wants the latent
+    // alone (plan::tp_regather_bytes).
+    if (!q && task.phase != Phase::Backward) {
+      gather(mb.out.at(down).sub(rope_at, rows * Dr_), mb.full[down], Dr_);
+    }
+    return;
+  }
+  DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter, "a latent's tp collective");
+  scatter(mb.full_grad, anchor, grad_of(mb, norm).sub(latent_at, rows * width));
+  if (!q) scatter(mb.full_grad, down, grad_of(mb, down).sub(rope_at, rows * Dr_));
 }
 
 OpId Runner::latent_down_of(OpId core) const {
@@ -39,36 +103,36 @@ OpId Runner::latent_down_of(OpId core) const {
 }
 
 void Runner::latent_down_forward(MicroBatch& mb, OpId id) {
-  const View x = input_of(mb, id);
-  const std::int64_t rows = T_;
+  const std::int64_t rows = Ts_;  // (the rank's share under sequence parallelism)
+  const int width = static_cast<int>(m_.latent_width());
+  // One GEMM, as the model prices it, its output's parts then copied apart.
+  const View whole = allocate_for_overwrite(rows * width);
+  dev_.matmul_forward(whole, input_of(mb, id), param(id, 0).work, View{}, Ts_, C_, width, false);
   View& out = mb.out[id];
-  fresh_for_overwrite(out, rows * static_cast<std::int64_t>(m_.latent_width()));
-  const View w = param(id, 0).work;
+  fresh_for_overwrite(out, rows * width);
   for (const Segment& s : latent_segments(false)) {
-    dev_.matmul_forward(out.sub(rows * s.begin, rows * s.width), x,
-                        w.sub(std::int64_t{C_} * s.begin, std::int64_t{C_} * s.width), View{}, T_,
-                        C_, s.width, false);
+    dev_.copy_columns(out.sub(rows * s.begin, rows * s.width), whole, Ts_, width, s.begin, s.width);
   }
+  dev_.release(whole);
 }
 
 void Runner::latent_down_backward(MicroBatch& mb, OpId id, Part part) {
   const bool input_grads = part != Part::Weight, weight_grads = part != Part::Input;
-  const std::int64_t rows = T_;
-  const View dy = mb.grad.at(id);
-  Param& w = param(id, 0);
-  GradOut din = input_grads ? input_grad_to_write(mb, id) : GradOut{};
-  const View x = weight_grads ? input_of(mb, id) : View{};
-  const View dw = weight_grads ? grad(w) : View{};
+  const std::int64_t rows = Ts_;
+  const int width = static_cast<int>(m_.latent_width());
+  // The parts' gradients side by side again, for the one GEMM's backward.
+  const View dy = mb.grad.at(id), whole = allocate(rows * width);
   for (const Segment& s : latent_segments(false)) {
-    const std::int64_t at = std::int64_t{C_} * s.begin, n = std::int64_t{C_} * s.width;
-    linear_backward(din, w.work.sub(at, n), weight_grads ? dw.sub(at, n) : View{}, View{},
-                    dy.sub(rows * s.begin, rows * s.width), x, T_, C_, s.width, false);
-    din.unwritten = false;  // the parts after the first add into it
+    dev_.add_columns(whole, dy.sub(rows * s.begin, rows * s.width), Ts_, width, s.begin, s.width);
   }
+  linear_backward(input_grads ? input_grad_to_write(mb, id) : GradOut{}, param(id, 0), View{},
+                  whole, weight_grads ? input_of(mb, id) : View{}, Ts_, C_, width, false,
+                  weight_grads);
+  dev_.release(whole);
 }
 
 void Runner::latent_norm_forward(MicroBatch& mb, OpId id) {
-  const std::int64_t rows = T_;
+  const std::int64_t rows = Ts_;  // (the rank's share under sequence parallelism)
   const View in = mb.out.at(input(id));
   const std::vector<Segment> segments = latent_segments(true);
   const auto n = static_cast<std::int64_t>(segments.size());
@@ -81,13 +145,13 @@ void Runner::latent_norm_forward(MicroBatch& mb, OpId id) {
     const Segment& s = segments[static_cast<std::size_t>(i)];
     dev_.norm_forward(out.sub(rows * s.begin, rows * s.width), mb.aux1[id].sub(rows * i, rows),
                       mb.aux2[id].sub(rows * i, rows), in.sub(rows * s.begin, rows * s.width),
-                      w.sub(s.begin, s.width), b.empty() ? View{} : b.sub(s.begin, s.width), T_,
+                      w.sub(s.begin, s.width), b.empty() ? View{} : b.sub(s.begin, s.width), Ts_,
                       s.width, m_.norm == model::Norm::RmsNorm);
   }
 }
 
 void Runner::latent_norm_backward(MicroBatch& mb, OpId id, bool input_grads, bool weight_grads) {
-  const std::int64_t rows = T_;
+  const std::int64_t rows = Ts_;  // (the rank's share under sequence parallelism)
   const View in = mb.out.at(input(id)), dy = mb.grad.at(id);
   const View din = input_grads ? grad_of(mb, input(id)) : View{};
   const View w = param(id, 0).data;
@@ -102,7 +166,7 @@ void Runner::latent_norm_backward(MicroBatch& mb, OpId id, bool input_grads, boo
                        weight_grads ? dw.sub(s.begin, s.width) : View{},
                        db.empty() ? View{} : db.sub(s.begin, s.width), rows_of(dy), rows_of(in),
                        w.sub(s.begin, s.width), mb.aux1.at(id).sub(at, rows),
-                       mb.aux2.at(id).sub(at, rows), T_, s.width, m_.norm == model::Norm::RmsNorm);
+                       mb.aux2.at(id).sub(at, rows), Ts_, s.width, m_.norm == model::Norm::RmsNorm);
   }
 }
 

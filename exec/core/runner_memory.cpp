@@ -45,7 +45,11 @@ std::vector<Runner::Use> Runner::forward_uses(OpId id) const {
     case OpKind::MlpUp:
     case OpKind::MlpDown:
     case OpKind::LmHead:
-      read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
+      if (latent_projection(op) && Ts_ != T_) {
+        read(Slot::Full, id);  // its gathered latent
+      } else {
+        read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
+      }
       if (adds_routed(id)) read(Slot::Out, g_.predecessors(id).at(1));
       if (op.kind == OpKind::MlpDown && op.expert) {
         make(Slot::Aux1, id);                   // the copies' outputs
@@ -58,7 +62,7 @@ std::vector<Runner::Use> Runner::forward_uses(OpId id) const {
       read(Slot::Out, input(id));
       if (m_.mla) {  // the keys and values, and the keys' part with positions
         read(Slot::Out, g_.predecessors(id).at(1));
-        read(Slot::Out, latent_down_of(id));
+        read(Ts_ != T_ ? Slot::Full : Slot::Out, latent_down_of(id));
       }
       if (cp_ > 1) read(Slot::Kv, id);
       make(Slot::Out, id);
@@ -145,6 +149,11 @@ std::vector<Runner::Use> Runner::backward_uses(OpId id, Part part) const {
       } else {
         read(Slot::Grad, id);
       }
+      if (latent_projection(op) && Ts_ != T_) {  // its gathered latent, and its gradient
+        if (weight_grads) read(Slot::Full, id);
+        if (input_grads) read(Slot::FullGrad, id);
+        break;
+      }
       if (weight_grads) read(gathers_input(op) ? Slot::Full : Slot::Out, input(id));
       if (input_grads) read(gathers_input(op) ? Slot::FullGrad : Slot::Grad, input(id));
       if (adds_routed(id) && input_grads) read(Slot::Grad, g_.predecessors(id).at(1));
@@ -165,7 +174,7 @@ std::vector<Runner::Use> Runner::backward_uses(OpId id, Part part) const {
       read(Slot::Grad, input(id));
       if (m_.mla) {
         read(Slot::Grad, g_.predecessors(id).at(1));
-        read(Slot::Grad, latent_down_of(id));
+        read(Ts_ != T_ ? Slot::FullGrad : Slot::Grad, latent_down_of(id));
       }
       break;
     case OpKind::Residual:
@@ -253,6 +262,21 @@ std::vector<Runner::Use> Runner::communication_uses(const lower::Task& task) con
   if (task.collective == CollectiveKind::ReduceScatter ||
       task.collective == CollectiveKind::AllGather) {
     const bool scatter = task.collective == CollectiveKind::ReduceScatter;
+    if (latent_projection(op)) {  // latent_sp_collective
+      const OpId norm = input(anchor), down = input(norm);
+      const bool kv = projection(op) == Projection::KvUp;
+      if (scatter) {
+        std::vector<Use> reads = {{Slot::FullGrad, anchor, false}, {Slot::Grad, norm, false}};
+        if (kv)
+          reads.insert(reads.end(), {{Slot::FullGrad, down, false}, {Slot::Grad, down, false}});
+        return reads;
+      }
+      std::vector<Use> gathers = {{Slot::Out, norm, false}, {Slot::Full, anchor, true}};
+      if (kv && task.phase != Phase::Backward) {  // not the regather (latent_sp_collective)
+        gathers.insert(gathers.end(), {{Slot::Out, down, false}, {Slot::Full, down, true}});
+      }
+      return gathers;
+    }
     if (exit && embedding_dropout) {
       return {{scatter ? Slot::Out : Slot::Grad, anchor, false}, {Slot::Mask, anchor, scatter}};
     }
@@ -264,6 +288,11 @@ std::vector<Runner::Use> Runner::communication_uses(const lower::Task& task) con
   if (op.kind == OpKind::LossStatistics) return {{Slot::Aux2, anchor, false}};
   if (exit && embedding_dropout) return {{Slot::Out, anchor, false}, {Slot::Mask, anchor, true}};
   if (exit) return {{Slot::Out, anchor, false}};
+  // (Multi-head latent attention's kv_up: the keys' RoPE part's gradient too.)
+  if (projection(op) == Projection::KvUp) {
+    return {{Slot::Grad, input(anchor), false},
+            {Slot::Grad, latent_down_of(g_.successors(anchor).at(0)), false}};
+  }
   return {{Slot::Grad, input(anchor), false}};
 }
 

@@ -60,7 +60,9 @@ void Runner::forward(MicroBatch& mb, OpId id) {
       }
       // Sequence parallelism keeps only the rank's share of a column-parallel layer's input:
       // the backward gathers it again (the Program's Backward-phase all-gather).
-      if (const auto it = mb.full.find(input(id)); it != mb.full.end()) {
+      // (A latent's up projection: its own gathered latent.)
+      if (const auto it = mb.full.find(latent_projection(op) ? id : input(id));
+          it != mb.full.end()) {
         dev_.release(it->second);
         mb.full.erase(it);
       }
@@ -286,12 +288,7 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
       GradOut din;
       if (input_grads) {
         // The latents' up projections each add into their part of the norm's gradient.
-        const Projection what = projection(op);
-        din = what == Projection::QUp || what == Projection::KvUp
-                  ? GradOut{grad_of(mb, input(id))
-                                .sub(what == Projection::QUp ? 0 : std::int64_t{T_} * Rq_,
-                                     std::int64_t{T_} * K)}
-                  : input_grad_to_write(mb, id);
+        din = latent_projection(op) ? latent_input_grad(mb, id) : input_grad_to_write(mb, id);
       }
       linear_backward(din, w, weight_grads && !tied ? bias_grad(id) : View{}, mb.grad.at(id),
                       weight_grads ? gemm_input(mb, id) : View{}, T_, K, N, tied, weight_grads);

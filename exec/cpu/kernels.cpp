@@ -183,10 +183,11 @@ int position_of(std::span<const int> positions, int s) {
 }
 
 // Where causal attention finds its queries and its keys and values. Queries: the q columns of
-// qkv [B·Sq, (H + 2·G)·D], query s of a sequence at position qpos[s] (s itself when qpos is
-// empty). Keys and values: the S positions of a sequence, from `ranks` blocks of B·(S / ranks)
-// rows (rank r's block r-th; one block: qkv itself), key and value head g at columns k_col +
-// g·D and v_col + g·D of rows `stride` floats apart; the key at position p is row order[p] of
+// qkv [B·Sq, (H + G)·D + G·Dv] (Dv: the values' head width, D but where AttentionOptions::v_dim
+// says otherwise), query s of a sequence at position qpos[s] (s itself when qpos is empty).
+// Keys and values: the S positions of a sequence, from `ranks` blocks of B·(S / ranks) rows
+// (rank r's block r-th; one block: qkv itself), key and value head g at columns k_col + g·D
+// and v_col + g·Dv of rows `stride` floats apart; the key at position p is row order[p] of
 // its sequence's S (p itself when order is empty). Keys are visited in position order, so a
 // split over ranks sums in the order of one rank's attention.
 struct Attention {

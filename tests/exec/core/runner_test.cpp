@@ -262,18 +262,17 @@ TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   REQUIRE_THROWS_WITH(run("tiny-gpt", clip, 1, {}, &no_clip),
                       Catch::Contains("gradient clipping (--clip-grad 1) is not executed on"));
   // Multi-head latent attention: on a device without its kernels (the GPU's yet), and with
-  // sequence parallelism (not yet on any device).
+  // context parallelism (not yet on any device).
   const char* mla = DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_mla.json";
   dtsim::exec::cpu::Bf16Device no_mla(true, {dtsim::exec::Device::Feature::LatentAttention});
   REQUIRE_THROWS_WITH(
       run(mla, single_rank(1, 2), 1, {}, &no_mla),
       Catch::Contains("multi-head latent attention (model tiny-mla) is not executed on"));
-  auto sp = single_rank(1, 2);
-  sp.tp = 2;
-  sp.sequence_parallel = true;
-  REQUIRE_THROWS_WITH(run(mla, sp, 1, alone),
+  auto latent_cp = single_rank(1, 2);
+  latent_cp.cp = 2;
+  REQUIRE_THROWS_WITH(run(mla, latent_cp, 1, alone),
                       Catch::Contains("multi-head latent attention (the mla of DeepSeek-V2 and V3) "
-                                      "with sequence parallelism (tp 2) is not executed yet"));
+                                      "with context parallelism (cp 2) is not executed yet"));
 }
 
 // AdamW's decoupled weight decay (Megatron-LM's --weight-decay): after one step from the same

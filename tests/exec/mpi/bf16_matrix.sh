@@ -66,6 +66,7 @@ plans=(
   "dsv3|3|2|--pp 3 --schedule 1f1b --recompute selective"
   "dsv3|2|1|--dp 2 --ep 2 --zero-stage 1 --attention flash"
   "dsv3|2|2|--tp 2 --no-grad-accumulation-fusion"
+  "dsv3|2|2|--tp 2 --sequence-parallel"
 )
 failed=0
 run_plan_matrix "${plans[@]}" || failed=1

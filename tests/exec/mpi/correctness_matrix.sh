@@ -203,6 +203,11 @@ plans=(
   "mla|2|2|--tp 2 --recompute selective"
   "mla|4|2|--tp 2 --pp 2 --schedule zero-bubble"
   "dsv3|4|2|--tp 2 --dp 2 --ep 2 --zero-stage 1"
+  "mla|2|2|--tp 2 --sequence-parallel --recompute full"
+  "mla|4|2|--tp 2 --pp 2 --sequence-parallel --schedule zero-bubble"
+  "mla|4|2|--tp 2 --dp 2 --sequence-parallel --zero-stage 3"
+  "dsv3|2|2|--tp 2 --sequence-parallel --recompute selective --no-overlap-tp-backward"
+  "dsv3|4|2|--tp 2 --dp 2 --ep 2 --sequence-parallel --zero-stage 1"
 )
 failed=0
 # Dropout's masks and the experts' routing follow each token, not the micro-batch: one rank's
