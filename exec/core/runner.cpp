@@ -1206,13 +1206,6 @@ void check_runnable(const model::ModelGraph& graph, const lower::Program& progra
   }
   if (p.schedule == plan::Schedule::PipeDreamAsync) refuse("the PipeDream (asynchronous) schedule");
   // (dtsim plans and simulates it.)
-  if (m.mla && p.cp > 1) {
-    // (dtsim plans and simulates it: sim/model/model_graph.cpp.)
-    refuse(fmt::format(
-        "multi-head latent attention (the mla of DeepSeek-V2 and V3) with context parallelism "
-        "(cp {})",
-        p.cp));
-  }
   if (m.heads % p.tp != 0 || m.kv_heads % p.tp != 0 || m.ffn_hidden % p.tp != 0 ||
       m.vocab_rows() % p.tp != 0) {
     refuse(fmt::format("tp {} that does not divide heads {}, kv heads {}, ffn {} and vocab {}",

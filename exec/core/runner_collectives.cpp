@@ -341,14 +341,23 @@ void Runner::cp_collective(const lower::Task& task, MicroBatch& mb, bool local) 
   const auto core = static_cast<OpId>(task.op_begin);
   DTSIM_ASSERT(g_.op(core).kind == OpKind::AttentionCore, "a cp collective at an attention core");
   const OpId qkv = input(core);
-  const int width = (H_ + 2 * G_) * D_, kv_width = 2 * G_ * D_;
+  // (Multi-head latent attention: values d_v wide, K and V packed from kv_up's output and the
+  // keys' RoPE part, as the core packs them.)
+  const int width = (H_ + G_) * D_ + G_ * Dv_, kv_width = G_ * (D_ + Dv_);
   const std::int64_t mine = static_cast<std::int64_t>(T_) * kv_width;
   const bool rope = m_.positions == model::Positions::Rope;
+  const OpId kv_up = m_.mla ? g_.predecessors(core).at(1) : qkv;
   const std::vector<int> counts = collective_counts(
       std::vector<std::int64_t>(static_cast<std::size_t>(cp_), mine), "the cp K/V all-gather");
   if (task.collective == CollectiveKind::AllGather) {
     const View own = allocate_for_overwrite(mine);
-    if (rope) {
+    if (m_.mla) {  // (its q columns left unwritten: not gathered)
+      const View packed = allocate_for_overwrite(static_cast<std::int64_t>(T_) * width);
+      dev_.mla_pack_forward(packed, View{}, mb.out.at(kv_up), latent_rope(mb, core), B_, Sq_, H_,
+                            Dn_, Dr_, Dv_, m_.rope_theta, positions_);
+      dev_.copy_columns(own, packed, T_, width, H_ * D_, kv_width);
+      dev_.release(packed);
+    } else if (rope) {
       const View turned = allocate_for_overwrite(static_cast<std::int64_t>(T_) * width);
       dev_.rope_forward(turned, mb.out.at(qkv), B_, Sq_, H_, G_, D_, m_.rope_theta, positions_);
       dev_.copy_columns(own, turned, T_, width, H_ * D_, kv_width);
@@ -375,7 +384,13 @@ void Runner::cp_collective(const lower::Task& task, MicroBatch& mb, bool local) 
   }
   dev_.release(mb.kv_grad.at(core));
   mb.kv_grad.erase(core);
-  if (rope) {
+  if (m_.mla) {
+    const View packed = allocate(static_cast<std::int64_t>(T_) * width);
+    dev_.add_columns(packed, own, T_, width, H_ * D_, kv_width);
+    dev_.mla_pack_backward(View{}, grad_of(mb, kv_up), latent_rope_grad(mb, core), packed, B_, Sq_,
+                           H_, Dn_, Dr_, Dv_, m_.rope_theta, positions_);
+    dev_.release(packed);
+  } else if (rope) {
     const View turned = allocate(static_cast<std::int64_t>(T_) * width);
     dev_.add_columns(turned, own, T_, width, H_ * D_, kv_width);
     dev_.rope_backward(grad_of(mb, qkv), turned, B_, Sq_, H_, G_, D_, m_.rope_theta, positions_);

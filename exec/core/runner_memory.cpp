@@ -211,6 +211,18 @@ std::vector<Runner::Use> Runner::communication_uses(const lower::Task& task) con
   if (task.kind == TaskKind::Recv) return {{carried, anchor, true}};
   const GroupKind kind = program_.groups.at(static_cast<std::size_t>(task.group)).kind;
   if (kind == GroupKind::Cp) {
+    if (m_.mla) {  // K and V from kv_up's output and the keys' RoPE part (cp_collective)
+      const OpId kv_up = g_.predecessors(anchor).at(1), down = latent_down_of(anchor);
+      const bool sp = Ts_ != T_;
+      if (task.collective == CollectiveKind::AllGather) {
+        return {{Slot::Out, kv_up, false},
+                {sp ? Slot::Full : Slot::Out, down, false},
+                {Slot::Kv, anchor, true}};
+      }
+      return {{Slot::KvGrad, anchor, false},
+              {Slot::Grad, kv_up, false},
+              {sp ? Slot::FullGrad : Slot::Grad, down, false}};
+    }
     if (task.collective == CollectiveKind::AllGather) {
       return {{Slot::Out, input(anchor), false}, {Slot::Kv, anchor, true}};
     }

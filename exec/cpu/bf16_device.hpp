@@ -179,14 +179,14 @@ class Bf16Device final : public Device {
   void mla_pack_forward(View qkv, View q, View kv, View k_rope, int B, int S, int H, int Dn, int Dr,
                         int Dv, double theta, View positions) override {
     Scope s;
-    cpu_.mla_pack_forward(s.act(qkv), s.act(q), s.act(kv), s.act(k_rope), B, S, H, Dn, Dr, Dv,
-                          theta, s.ints_or_null(positions));
+    cpu_.mla_pack_forward(s.act(qkv), s.act_or_null(q), s.act(kv), s.act(k_rope), B, S, H, Dn, Dr,
+                          Dv, theta, s.ints_or_null(positions));
   }
   void mla_pack_backward(View dq, View dkv, View dk_rope, View dqkv, int B, int S, int H, int Dn,
                          int Dr, int Dv, double theta, View positions) override {
     Scope s;
-    cpu_.mla_pack_backward(s.act(dq), s.act(dkv), s.act(dk_rope), s.act(dqkv), B, S, H, Dn, Dr, Dv,
-                           theta, s.ints_or_null(positions));
+    cpu_.mla_pack_backward(s.act_or_null(dq), s.act(dkv), s.act(dk_rope), s.act(dqkv), B, S, H, Dn,
+                           Dr, Dv, theta, s.ints_or_null(positions));
   }
   void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override {
     Scope s;

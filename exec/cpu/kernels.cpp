@@ -655,17 +655,17 @@ void mla_pack_forward(Out qkv, In q, In kv, In k_rope, int B, int S, int H, int 
     for (int s = 0; s < S; ++s) {
       const std::size_t t = static_cast<std::size_t>(b) * S + s;
       const int position = position_of(positions, s);
-      const float* qr = q.data() + t * q_width;
+      const float* qr = q.empty() ? nullptr : q.data() + t * q_width;
       const float* kvr = kv.data() + t * kv_width;
       float* out = qkv.data() + t * width;
       rotate_row(turned.data(), k_rope.data() + t * Dr, position, 1, Dr, theta, 1.0f);
       for (std::size_t h = 0; h < heads; ++h) {
-        std::copy_n(qr + h * Dqk, Dn, out + h * Dqk);
+        if (qr != nullptr) std::copy_n(qr + h * Dqk, Dn, out + h * Dqk);
         std::copy_n(kvr + h * (Dn + Dv), Dn, out + q_width + h * Dqk);
         std::copy(turned.begin(), turned.end(), out + q_width + h * Dqk + Dn);
         std::copy_n(kvr + h * (Dn + Dv) + Dn, Dv, out + 2 * q_width + h * Dv);
       }
-      rotate_row(out + Dn, qr + Dn, position, H, Dr, theta, 1.0f, Dqk);
+      if (qr != nullptr) rotate_row(out + Dn, qr + Dn, position, H, Dr, theta, 1.0f, Dqk);
     }
   }
 }
@@ -682,17 +682,18 @@ void mla_pack_backward(Out dq, Out dkv, Out dk_rope, In dqkv, int B, int S, int 
       const std::size_t t = static_cast<std::size_t>(b) * S + s;
       const int position = position_of(positions, s);
       const float* g = dqkv.data() + t * width;
-      float* dqr = dq.data() + t * q_width;
+      float* dqr = dq.empty() ? nullptr : dq.data() + t * q_width;
       float* dkvr = dkv.data() + t * kv_width;
       std::fill(summed.begin(), summed.end(), 0.0f);
-      rotate_row(turned.data() + Dn, g + Dn, position, H, Dr, theta, -1.0f, Dqk);
+      if (dqr != nullptr)
+        rotate_row(turned.data() + Dn, g + Dn, position, H, Dr, theta, -1.0f, Dqk);
       for (std::size_t h = 0; h < heads; ++h) {
         for (int d = 0; d < Dn; ++d) {
-          dqr[h * Dqk + d] += g[h * Dqk + d];
+          if (dqr != nullptr) dqr[h * Dqk + d] += g[h * Dqk + d];
           dkvr[h * (Dn + Dv) + d] += g[q_width + h * Dqk + d];
         }
         for (int d = 0; d < Dr; ++d) {
-          dqr[h * Dqk + Dn + d] += turned[h * Dqk + Dn + d];
+          if (dqr != nullptr) dqr[h * Dqk + Dn + d] += turned[h * Dqk + Dn + d];
           summed[static_cast<std::size_t>(d)] += g[q_width + h * Dqk + Dn + d];
         }
         for (int d = 0; d < Dv; ++d) dkvr[h * (Dn + Dv) + Dn + d] += g[2 * q_width + h * Dv + d];

@@ -182,7 +182,8 @@ void rope_backward(Out dqkv, In dout, int B, int S, int H, int G, int D, double 
 // values (kv_b_proj's layout in Hugging Face's DeepSeek-V3); k_rope[B·S, Dr]: the keys' part
 // with positions, one for all heads, turned and copied into each head's key. The backward adds
 // the gradients into dq, dkv and dk_rope (summed over the heads), turned back. Positions as
-// rope's.
+// rope's. q (and dq) may be empty: the keys and values alone (context parallelism's gather;
+// qkv's q columns then left as they were).
 void mla_pack_forward(Out qkv, In q, In kv, In k_rope, int B, int S, int H, int Dn, int Dr, int Dv,
                       double theta, std::span<const int> positions = {});
 void mla_pack_backward(Out dq, Out dkv, Out dk_rope, In dqkv, int B, int S, int H, int Dn, int Dr,

@@ -261,18 +261,12 @@ TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   dtsim::exec::cpu::Bf16Device no_clip(true, {dtsim::exec::Device::Feature::GradClip});
   REQUIRE_THROWS_WITH(run("tiny-gpt", clip, 1, {}, &no_clip),
                       Catch::Contains("gradient clipping (--clip-grad 1) is not executed on"));
-  // Multi-head latent attention: on a device without its kernels (the GPU's yet), and with
-  // context parallelism (not yet on any device).
+  // Multi-head latent attention on a device without its kernels (the GPU's yet).
   const char* mla = DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_mla.json";
   dtsim::exec::cpu::Bf16Device no_mla(true, {dtsim::exec::Device::Feature::LatentAttention});
   REQUIRE_THROWS_WITH(
       run(mla, single_rank(1, 2), 1, {}, &no_mla),
       Catch::Contains("multi-head latent attention (model tiny-mla) is not executed on"));
-  auto latent_cp = single_rank(1, 2);
-  latent_cp.cp = 2;
-  REQUIRE_THROWS_WITH(run(mla, latent_cp, 1, alone),
-                      Catch::Contains("multi-head latent attention (the mla of DeepSeek-V2 and V3) "
-                                      "with context parallelism (cp 2) is not executed yet"));
 }
 
 // AdamW's decoupled weight decay (Megatron-LM's --weight-decay): after one step from the same

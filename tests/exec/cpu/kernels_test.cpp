@@ -271,8 +271,21 @@ TEST_CASE("latent attention's packing turns the RoPE parts, one key part for all
     }
   }
   CHECK(qkv[row + Dn] != Approx(q[3 * H * Dqk + Dn]));
+  // Without q (context parallelism's gather of the keys and values): the same keys and values,
+  // the q columns left as they were, and the same gradients of kv and k_rope.
+  std::vector<float> alone(qkv.size(), -7.0f);
+  cpu::mla_pack_forward(alone, {}, kv, k_rope, B, S, H, Dn, Dr, Dv, 10000.0);
+  for (std::size_t t = 0; t < T; ++t) {
+    for (std::size_t c = 0; c < width; ++c) {
+      CHECK(alone[t * width + c] == (c < H * Dqk ? -7.0f : qkv[t * width + c]));
+    }
+  }
   std::vector<float> dq(q.size()), dkv(kv.size()), dk_rope(k_rope.size());
+  std::vector<float> dkv_alone(kv.size()), dk_rope_alone(k_rope.size());
+  cpu::mla_pack_backward({}, dkv_alone, dk_rope_alone, r, B, S, H, Dn, Dr, Dv, 10000.0);
   cpu::mla_pack_backward(dq, dkv, dk_rope, r, B, S, H, Dn, Dr, Dv, 10000.0);
+  CHECK(dkv_alone == dkv);
+  CHECK(dk_rope_alone == dk_rope);
   check_gradient(q, dq, loss, "q");
   check_gradient(kv, dkv, loss, "kv");
   check_gradient(k_rope, dk_rope, loss, "k_rope");

@@ -67,6 +67,7 @@ plans=(
   "dsv3|2|1|--dp 2 --ep 2 --zero-stage 1 --attention flash"
   "dsv3|2|2|--tp 2 --no-grad-accumulation-fusion"
   "dsv3|2|2|--tp 2 --sequence-parallel"
+  "dsv3|2|2|--cp 2"
 )
 failed=0
 run_plan_matrix "${plans[@]}" || failed=1

@@ -208,6 +208,10 @@ plans=(
   "mla|4|2|--tp 2 --dp 2 --sequence-parallel --zero-stage 3"
   "dsv3|2|2|--tp 2 --sequence-parallel --recompute selective --no-overlap-tp-backward"
   "dsv3|4|2|--tp 2 --dp 2 --ep 2 --sequence-parallel --zero-stage 1"
+  "mla|2|2|--cp 2"
+  "mla|2|2|--cp 2 --attention flash --recompute full"
+  "mla|4|2|--cp 2 --tp 2 --sequence-parallel --recompute selective"
+  "dsv3|4|2|--cp 2 --dp 2 --ep 2 --zero-stage 1"
 )
 failed=0
 # Dropout's masks and the experts' routing follow each token, not the micro-batch: one rank's

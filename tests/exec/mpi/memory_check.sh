@@ -45,8 +45,8 @@ shared=$here/tiny_shared_moe.json
 # Dense blocks twice as wide between the experts' (Llama 4 Maverick's layout): each block's
 # activations and gradients of its own kind.
 maverick=$here/tiny_llama4_maverick.json
-# Multi-head latent attention (dtexec runs it from the seventieth session: -1.5% .. +1.9% then, tp 2 with and without
-# sequence parallelism included):
+# Multi-head latent attention (dtexec runs it from the seventieth session: -2.2% .. +1.9% then, tp 2 with and without
+# sequence parallelism and cp 2 included):
 # without a query latent, its values wider than the keys; and a deepseek_v3 config's, with one.
 mla=$here/tiny_mla.json
 dsv3=$here/tiny_deepseek_v3.json
@@ -89,6 +89,7 @@ plans=(
   "$mla|2|8|--tp 2"
   "$mla|2|8|--tp 2 --sequence-parallel"
   "$dsv3|2|8|--tp 2 --sequence-parallel --recompute selective"
+  "$mla|2|8|--cp 2"
   "$dsv3|2|8|--pp 2 --schedule 1f1b"
 )
 value() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" | head -1; }
