@@ -594,10 +594,6 @@ class Runner {
   // simulator prices (cost::ComputeCost::accumulation_seconds).
   void linear_backward(GradOut din, Param& w, View dbias, View dout, View in, int rows, int K,
                        int N, bool tied, bool weight_grads);
-  // As that, for a GEMM on a part of a tensor: its working copy w and, where weight gradients
-  // are wanted, their accumulator dw (empty: none).
-  void linear_backward(GradOut din, View w, View dw, View dbias, View dout, View in, int rows,
-                       int K, int N, bool tied);
 
   // ---- multi-head latent attention ----------------------------------------------------------
   //

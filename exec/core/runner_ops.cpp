@@ -365,28 +365,23 @@ void Runner::backward(MicroBatch& mb, OpId id, Part part) {
 
 void Runner::linear_backward(GradOut din, Param& w, View dbias, View dout, View in, int rows, int K,
                              int N, bool tied, bool weight_grads) {
-  linear_backward(din, w.work, weight_grads ? grad(w) : View{}, dbias, dout, in, rows, K, N, tied);
-}
-
-void Runner::linear_backward(GradOut din, View w, View dw, View dbias, View dout, View in, int rows,
-                             int K, int N, bool tied) {
-  const bool weight_grads = !dw.empty();
   if (din.unwritten) {
     // The gradient's first contribution: written whole, neither zeroed nor read first.
-    dev_.matmul_input_grad(din.v, dout, w, rows, K, N, tied);
+    dev_.matmul_input_grad(din.v, dout, w.work, rows, K, N, tied);
     din.v = View{};
     if (!weight_grads) return;
   }
   const bool separate = weight_grads && !program_.plan.grad_accumulation_fusion;
   View fresh;
   if (separate) {
-    fresh = dev_.allocate(dw.n, Dtype::F32);
+    fresh = dev_.allocate(w.n, Dtype::F32);
     dev_.zero(fresh);
   }
-  dev_.matmul_backward(din.v, separate ? fresh : dw, weight_grads ? dbias : View{}, dout,
-                       weight_grads ? in : View{}, w, rows, K, N, tied);
+  dev_.matmul_backward(din.v, separate ? fresh : (weight_grads ? grad(w) : View{}),
+                       weight_grads ? dbias : View{}, dout, weight_grads ? in : View{}, w.work,
+                       rows, K, N, tied);
   if (separate) {
-    dev_.accumulate(dw, fresh);
+    dev_.accumulate(grad(w), fresh);
     dev_.release(fresh);
   }
 }
