@@ -7,7 +7,8 @@
 #      executor against its CPU reference, in fp32 and bf16);
 #   2. dtexec run --backend cuda: fp32 on the GPU against fp32 on the CPU (dtexec compare) for
 #      tiny models plain, with dropout, with a mixture of experts and with FlashAttention's
-#      memory (--attention flash), and with gradient clipping; a CPU checkpoint resumed on
+#      memory (--attention flash), with multi-head latent attention (DeepSeek-V3's, and without
+#      a query latent) and with gradient clipping; a CPU checkpoint resumed on
 #      the GPU; GPT-2 124M trained on the
 #      GPU in bf16, its measured tasks against dtsim's prediction (dtsim validate: error per
 #      task kind, with the catalog and with the H200 profile shipped in validation/, measured
@@ -27,7 +28,7 @@
 #   6. several ranks on the one GPU over NCCL (mpirun from the bundle, dtexec --share-gpus: each
 #      rank a host of its own to NCCL, which moves the data through sockets): dp, ZeRO-3 (dense
 #      and a mixture of experts), tp with SP, pp with blocking and overlapped transfers, cp, ep,
-#      two 4-rank plans, ZeRO-1
+#      two 4-rank plans, multi-head latent attention at tp 2 with SP and at cp 2, ZeRO-1
 #      gathering at the step's start with FlashAttention's memory, and (where time is left) a
 #      mixture of experts whose expert-dp group has 2 ranks, each against the CPU's single-rank
 #      run of the same batch;
@@ -255,6 +256,12 @@ say "-- dense blocks between the experts' (a llama4 config laid out as Maverick)
 gpu_against_cpu maverick "$repo/tests/exec/mpi/tiny_llama4_maverick.json"
 say "-- a Hugging Face glm4_moe config (a dense first block, sigmoid gates x 2.5): GPU against CPU"
 gpu_against_cpu glm "$repo/tests/exec/mpi/tiny_glm4_moe.json"
+say "-- a Hugging Face deepseek_v3 config (multi-head latent attention with a query latent, a"
+say "   dense first block, sigmoid-gated experts): GPU against CPU"
+gpu_against_cpu dsv3 "$repo/tests/exec/mpi/tiny_deepseek_v3.json"
+say "-- multi-head latent attention without a query latent, values wider than the keys, with"
+say "   FlashAttention's memory: GPU against CPU"
+gpu_against_cpu mla "$repo/tests/exec/mpi/tiny_mla.json" "--attention flash"
 say "-- FlashAttention's memory with dropout (probabilities and masks made again): GPU against CPU"
 gpu_against_cpu flash "$repo/tests/exec/mpi/tiny_gpt_dropout.json" "--attention flash"
 say "-- gradient clipping at norm 0.5 (every step clips): GPU against CPU, and the norms"
@@ -531,12 +538,17 @@ nccl_common=(--steps 3 --lr 3e-3 --warmup 0 --global-batch-size 8 --precision fp
 # over an expert-dp group of 2: the others have one rank in theirs. Third and fourth, ZeRO-3,
 # whose weight gathers start ahead on the dp stream since the sixty-fourth session, each tensor
 # in place, waited for where a unit first reads them: a dense model, and a mixture of experts,
-# whose unit gathers its dense and expert weights apart, waiting for the second.)
+# whose unit gathers its dense and expert weights apart, waiting for the second. Then
+# multi-head latent attention, run on no GPU before: tp with sequence parallelism (its latents
+# gathered, their gradients reduce-scattered) and cp (its keys and values gathered at their
+# widths).)
 nccl_plans=(
   "tiny-gpt|2|2|45|--pp 2 --schedule 1f1b --overlap-p2p-comm"
   "moe|4|1|75|--tp 2 --dp 2 --ep 2 --sequence-parallel --schedule zero-bubble --recompute full"
   "tiny-gpt|2|1|45|--dp 2 --zero-stage 3 --recompute full"
   "moe|2|1|45|--dp 2 --zero-stage 3"
+  "dsv3|2|2|45|--tp 2 --sequence-parallel"
+  "dsv3|2|2|45|--cp 2"
   "tiny-gpt|2|4|45|--dp 2"
   "tiny-gpt|2|2|45|--tp 2 --sequence-parallel"
   "tiny-gpt|2|2|45|--pp 2 --schedule 1f1b"
@@ -587,6 +599,7 @@ for entry in "${nccl_plans[@]}"; do
   i=$((i + 1))
   path=$model
   [ "$model" = moe ] && path=$repo/tests/exec/mpi/tiny_moe.json
+  [ "$model" = dsv3 ] && path=$repo/tests/exec/mpi/tiny_deepseek_v3.json
   ref=$out/nccl_ref_${model}_$mbs
   if [ ! -d "$ref" ]; then
     limit 20 "$bin/dtexec" run --model "$path" "${nccl_common[@]}" --micro-batch-size "$mbs" \

@@ -466,12 +466,6 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, const std::string& pr
   // the LM head's GEMMs at the shapes `dtexec run` trains.
   const auto spec = dtsim::plan::with_padded_vocab(
       dtsim::model::load_model(vm["model"].as<std::string>()), dtsim::plan::Plan{});
-  if (spec.mla) {
-    // (Its core would be timed at shapes that are not the model's.)
-    throw dtsim::UnsupportedError(
-        "multi-head latent attention (the mla of DeepSeek-V2 and V3) is not calibrated on the "
-        "GPU yet: dtexec's CUDA kernels do not run it (--backend cpu does)");
-  }
   const std::int64_t seq = vm.count("seq-len") ? vm["seq-len"].as<std::int64_t>() : spec.seq_len;
   const dtsim::model::ModelGraph graph(spec, quick ? 1 : vm["micro-batch-size"].as<std::int64_t>(),
                                        quick ? std::min<std::int64_t>(seq, 128) : seq);
@@ -508,6 +502,11 @@ nlohmann::json calibrate_cuda(const po::variables_map& vm, const std::string& pr
   op_shapes.rope = spec.positions == dtsim::model::Positions::Rope;
   op_shapes.learned_positions = spec.positions == dtsim::model::Positions::Learned;
   op_shapes.rope_theta = spec.rope_theta;
+  if (spec.mla) {
+    op_shapes.Dn = static_cast<int>(spec.mla->qk_nope_head_dim);
+    op_shapes.Dr = static_cast<int>(spec.mla->qk_rope_head_dim);
+    op_shapes.Dv = static_cast<int>(spec.mla->v_head_dim);
+  }
   const auto op_times = cu::time_ops(gpu.index, gemm_precision, op_shapes, repeats,
                                      quick ? (std::int64_t{1} << 20) : (std::int64_t{1} << 26));
   nlohmann::json ops = dtsim::exec::cpu::op_rate_rows(graph, op_times.ops);

@@ -64,6 +64,10 @@ struct OpShapes {
   std::int64_t activation_rows = 0;
   bool rms = false, gelu = true, rope = false, learned_positions = true;
   double rope_theta = 10000;
+  // Multi-head latent attention (Dn > 0): a head's query and key columns without and with
+  // positions (D = Dn + Dr) and its values' width; the core then packs q, kv and the keys'
+  // RoPE part (Kernels::mla_pack_forward) in place of RoPE's turn.
+  int Dn = 0, Dr = 0, Dv = 0;
 };
 
 struct OpTimes {

@@ -64,28 +64,47 @@ OpTimes time_ops(int gpu, GemmPrecision precision, const OpShapes& s, int repeat
     });
     out.ops.push_back({s.rms ? "rmsnorm" : "layernorm", f, bw});
   }
-  // The attention core, with the rotation of q and k where the model has RoPE: the
+  // The attention core, with the rotation of q and k where the model has RoPE (multi-head
+  // latent attention: the packing of its queries, keys and values, values Dv wide): the
   // probabilities kept (unfused), and FlashAttention's memory (the rows' log-sum-exp kept).
   for (const bool flash : {false, true}) {
-    const std::int64_t width = T * (s.H + 2 * s.G) * s.D, o_n = T * s.H * s.D;
+    const bool mla = s.Dn > 0;
+    const int Dv = mla ? s.Dv : s.D;
+    const std::int64_t width = T * ((s.H + s.G) * s.D + s.G * Dv), o_n = T * s.H * Dv;
     const std::int64_t rows = static_cast<std::int64_t>(s.B) * s.H * s.S;
     DeviceBuffer qkv = act(width), dout = act(o_n), o = act(o_n),
                  probs = act(flash ? 1 : rows * s.S), lse = f32(flash ? rows : 1),
                  dqkv = act(width);
     void* p = flash ? nullptr : probs.get();
     float* l = flash ? lse.f32() : nullptr;
-    DeviceBuffer turned = act(s.rope ? width : 1), turned_grad = act(s.rope ? width : 1);
+    const bool turn = s.rope || mla;
+    DeviceBuffer turned = act(turn ? width : 1), turned_grad = act(turn ? width : 1);
+    // The up projections' outputs and the keys' RoPE part, and their gradients.
+    const std::int64_t q_n = mla ? T * s.H * s.D : 1, kv_n = mla ? T * s.H * (s.Dn + Dv) : 1,
+                       rope_n = mla ? T * s.Dr : 1;
+    DeviceBuffer q = act(q_n), kv = act(kv_n), k_rope = act(rope_n), dq = act(q_n), dkv = act(kv_n),
+                 dk_rope = act(rope_n);
     const double f = median_time(k, repeats, [&] {
-      if (s.rope) k.rope_forward(turned.get(), qkv.get(), s.B, s.S, s.H, s.G, s.D, s.rope_theta);
-      k.attention_forward(o.get(), p, s.rope ? turned.get() : qkv.get(), s.B, s.S, s.H, s.G, s.D,
-                          nullptr, nullptr, nullptr, l);
+      if (mla) {
+        k.mla_pack_forward(turned.get(), q.get(), kv.get(), k_rope.get(), s.B, s.S, s.H, s.Dn, s.Dr,
+                           Dv, s.rope_theta);
+      } else if (s.rope) {
+        k.rope_forward(turned.get(), qkv.get(), s.B, s.S, s.H, s.G, s.D, s.rope_theta);
+      }
+      k.attention_forward(o.get(), p, turn ? turned.get() : qkv.get(), s.B, s.S, s.H, s.G, s.D,
+                          nullptr, nullptr, nullptr, l, Dv);
     });
     const double bw = median_time(k, repeats, [&] {
-      if (s.rope) {
+      if (turn) {
         k.zero(turned_grad.get(), static_cast<std::size_t>(width) * e);
         k.attention_backward(turned_grad.get(), dout.get(), turned.get(), p, s.B, s.S, s.H, s.G,
-                             s.D, 0.0f, nullptr, nullptr, l);
-        k.rope_backward(dqkv.get(), turned_grad.get(), s.B, s.S, s.H, s.G, s.D, s.rope_theta);
+                             s.D, 0.0f, nullptr, nullptr, l, nullptr, Dv);
+        if (mla) {
+          k.mla_pack_backward(dq.get(), dkv.get(), dk_rope.get(), turned_grad.get(), s.B, s.S, s.H,
+                              s.Dn, s.Dr, Dv, s.rope_theta);
+        } else {
+          k.rope_backward(dqkv.get(), turned_grad.get(), s.B, s.S, s.H, s.G, s.D, s.rope_theta);
+        }
       } else {
         k.attention_backward(dqkv.get(), dout.get(), qkv.get(), p, s.B, s.S, s.H, s.G, s.D, 0.0f,
                              nullptr, nullptr, l);

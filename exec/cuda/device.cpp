@@ -163,9 +163,30 @@ class CudaDevice final : public Device {
                           ints(tokens), B, S, C, vocab_begin, ints_or_null(positions));
   }
   // Context parallelism, dropout (the CPU's masks: exec/cuda/kernels.hpp), mixtures of experts
-  // (the CPU's routing), FlashAttention's memory and gradient clipping (exec/cuda/kernels.hpp);
-  // not yet multi-head latent attention (its packing, and values narrower than the keys).
-  bool has(Feature f) const override { return f != Feature::LatentAttention; }
+  // (the CPU's routing), FlashAttention's memory, gradient clipping and multi-head latent
+  // attention (its packing, values of their own width: exec/cuda/kernels.hpp).
+  bool has(Feature f) const override {
+    switch (f) {  // (no default: a feature added later is a warning here until it is decided)
+      case Feature::ContextParallelism:
+      case Feature::Dropout:
+      case Feature::MixtureOfExperts:
+      case Feature::FlashAttention:
+      case Feature::GradClip:
+      case Feature::LatentAttention:
+        return true;
+    }
+    return false;
+  }
+  void mla_pack_forward(View qkv, View q, View kv, View k_rope, int B, int S, int H, int Dn, int Dr,
+                        int Dv, double theta, View positions) override {
+    k_.mla_pack_forward(act(qkv), act_or_null(q), act(kv), act(k_rope), B, S, H, Dn, Dr, Dv, theta,
+                        ints_or_null(positions));
+  }
+  void mla_pack_backward(View dq, View dkv, View dk_rope, View dqkv, int B, int S, int H, int Dn,
+                         int Dr, int Dv, double theta, View positions) override {
+    k_.mla_pack_backward(act_or_null(dq), act(dkv), act(dk_rope), act(dqkv), B, S, H, Dn, Dr, Dv,
+                         theta, ints_or_null(positions));
+  }
   void copy_columns(View dst, View src, int T, int src_width, int begin, int width) override {
     k_.copy_columns(act(dst), act(src), T, src_width, begin, width);
   }
@@ -199,7 +220,6 @@ class CudaDevice final : public Device {
   // Attention with dropout and, where kv is given, context parallelism.
   void attention_forward_ex(View out, View probs, View qkv, int B, int Sq, int H, int G, int D,
                             const Attention& a) override {
-    DTSIM_ASSERT(a.v_dim == 0 || a.v_dim == D, "values as wide as the keys (no latent attention)");
     Kernels::DropoutSite site;
     if (a.dropout != nullptr) site = site_of(*a.dropout);
     const Kernels::DropoutSite* dropout = a.dropout != nullptr ? &site : nullptr;
@@ -211,16 +231,16 @@ class CudaDevice final : public Device {
     void* dropped = a.dropout != nullptr && !flash ? act(a.dropped) : nullptr;
     if (a.kv.empty()) {
       DTSIM_ASSERT(a.cp == 1 && a.qpos.empty() && a.order.empty(), "a query's keys its own");
-      k_.attention_forward(act(out), p, act(qkv), B, Sq, H, G, D, dropout, mask, dropped, lse);
+      k_.attention_forward(act(out), p, act(qkv), B, Sq, H, G, D, dropout, mask, dropped, lse,
+                           a.v_dim);
       return;
     }
     k_.attention_forward_cp(act(out), p, act(qkv), act(a.kv), ints_or_null(a.qpos),
                             ints_or_null(a.order), a.cp, B, Sq, H, G, D, dropout, mask, dropped,
-                            lse);
+                            lse, a.v_dim);
   }
   void attention_backward_ex(View dqkv, View dkv, View dout, View qkv, View probs, int B, int Sq,
                              int H, int G, int D, const Attention& a) override {
-    DTSIM_ASSERT(a.v_dim == 0 || a.v_dim == D, "values as wide as the keys (no latent attention)");
     const float rate = a.dropout != nullptr ? a.dropout->rate : 0.0f;
     Kernels::DropoutSite site;
     if (a.dropout != nullptr) site = site_of(*a.dropout);
@@ -234,12 +254,12 @@ class CudaDevice final : public Device {
     if (a.kv.empty()) {
       DTSIM_ASSERT(dkv.p == dqkv.p, "k and v gradients in dqkv (a query's keys its own)");
       k_.attention_backward(act(dqkv), act(dout), act(qkv), p, B, Sq, H, G, D, rate, mask, dropped,
-                            lse, dropout);
+                            lse, dropout, a.v_dim);
       return;
     }
     k_.attention_backward_cp(act(dqkv), act(dkv), act(dout), act(qkv), act(a.kv), p,
                              ints_or_null(a.qpos), ints_or_null(a.order), a.cp, B, Sq, H, G, D,
-                             rate, mask, dropped, lse, dropout);
+                             rate, mask, dropped, lse, dropout, a.v_dim);
   }
   void dropout_forward(View out, View mask, View in, const DropoutSite& d, int T, int C) override {
     k_.dropout_forward(act(out), u8(mask), act(in), nullptr, site_of(d), T, C);

@@ -205,30 +205,47 @@ class Kernels {
   // sequence's s² scratch (its probabilities, and dropout's; with the fp32 scores the unfused
   // path has too, scratch that the device's memory use does not count): FlashAttention's
   // memory between the passes, not its fused kernel's speed.
+  // v_dim (0: D): the values' head width, multi-head latent attention's where it is not D
+  // (exec/cpu/kernels.hpp: AttentionOptions::v_dim): qkv's rows (H + G)·D + G·v_dim wide, out's
+  // H·v_dim, the scores' scale 1/sqrt(D).
   void attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G, int D,
                          const DropoutSite* dropout = nullptr, std::uint8_t* mask = nullptr,
-                         void* dropped = nullptr, float* lse = nullptr);
+                         void* dropped = nullptr, float* lse = nullptr, int v_dim = 0);
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* probs, int B,
                           int S, int H, int G, int D, float dropout_rate = 0,
                           const std::uint8_t* mask = nullptr, const void* dropped = nullptr,
-                          const float* lse = nullptr, const DropoutSite* dropout = nullptr);
+                          const float* lse = nullptr, const DropoutSite* dropout = nullptr,
+                          int v_dim = 0);
   // Context parallelism (exec/cpu/kernels.hpp: AttentionOptions): this rank's Sq queries of
   // each of B sequences, at positions qpos[Sq], attend the keys up to their positions among
-  // the S = cp·Sq keys of kv [cp·B·Sq, 2·G·D] (cp rank r's B·Sq rows r-th, each row K then V);
+  // the S = cp·Sq keys of kv [cp·B·Sq, G·(D + v_dim)] (cp rank r's B·Sq rows r-th, each row K
+  // then V);
   // order[p] is position p's key as an index into a sequence's cp·Sq (rank r's token s:
   // r·Sq + s). The keys are gathered into position order first (scratch), so the GEMMs are
   // attention_forward's. probs, mask, dropped [B, H, Sq, S]. The backward adds dq into dqkv's
   // q columns and dk, dv into dkv (kv's layout).
-  // lse [B, H, Sq] and dropout as attention_forward's and attention_backward's.
+  // lse [B, H, Sq], dropout and v_dim as attention_forward's and attention_backward's.
   void attention_forward_cp(void* out, void* probs, const void* qkv, const void* kv,
                             const int* qpos, const int* order, int cp, int B, int Sq, int H, int G,
                             int D, const DropoutSite* dropout, std::uint8_t* mask, void* dropped,
-                            float* lse = nullptr);
+                            float* lse = nullptr, int v_dim = 0);
   void attention_backward_cp(void* dqkv, void* dkv, const void* dout, const void* qkv,
                              const void* kv, const void* probs, const int* qpos, const int* order,
                              int cp, int B, int Sq, int H, int G, int D, float dropout_rate,
                              const std::uint8_t* mask, const void* dropped,
-                             const float* lse = nullptr, const DropoutSite* dropout = nullptr);
+                             const float* lse = nullptr, const DropoutSite* dropout = nullptr,
+                             int v_dim = 0);
+  // Multi-head latent attention (exec/cpu/kernels.hpp: mla_pack_forward, mla_pack_backward, the
+  // same layouts): q, kv and k_rope packed into qkv [B·S, 2·H·(Dn + Dr) + H·Dv] for the core
+  // (G = H, D = Dn + Dr, v_dim = Dv), each head's last Dr query and key columns turned (RoPE's
+  // rotate-half over those columns); the backward adds into dq, dkv and dk_rope (summed over
+  // the heads), turned back. q and dq may be null (context parallelism's keys and values alone:
+  // qkv's q columns then left as they were). positions as rope_forward's.
+  void mla_pack_forward(void* qkv, const void* q, const void* kv, const void* k_rope, int B, int S,
+                        int H, int Dn, int Dr, int Dv, double theta,
+                        const int* positions = nullptr);
+  void mla_pack_backward(void* dq, void* dkv, void* dk_rope, const void* dqkv, int B, int S, int H,
+                         int Dn, int Dr, int Dv, double theta, const int* positions = nullptr);
   // dst[T, width] = columns [begin, begin + width) of src[T, src_width]; add_columns adds
   // src[T, width] into those columns of dst[T, dst_width] (activations).
   void copy_columns(void* dst, const void* src, int T, int src_width, int begin, int width);

@@ -1,6 +1,7 @@
 // The attention kernels of exec/cuda/kernels.hpp (see kernels.cu): the core with its causal
 // softmax and dropout, FlashAttention's memory (probabilities made again in the backward),
-// context parallelism's keys in position order, column copies and rotary positions.
+// context parallelism's keys in position order, column copies, rotary positions and the packing
+// of multi-head latent attention's queries, keys and values.
 #include "exec/cuda/kernels_common.cuh"
 
 namespace dtsim::exec::cuda {
@@ -97,7 +98,7 @@ __device__ std::int64_t cp_key_row(const int* order, int b, std::int64_t p, int 
   return (static_cast<std::int64_t>(j / Sq) * B + b) * Sq + j % Sq;
 }
 
-// kvp[p, :] = kv[key row of (b, p), :] for the S positions of sequence b; width = 2·G·D.
+// kvp[p, :] = kv[key row of (b, p), :] for the S positions of sequence b; width = G·(D + Dv).
 template <class T>
 __global__ void cp_gather_kernel(T* kvp, const T* kv, const int* order, int b, int B, int Sq, int S,
                                  int width) {
@@ -168,6 +169,109 @@ __global__ void rope_kernel(T* out, const T* in, std::int64_t rows, int S, const
   }
 }
 
+// ---- multi-head latent attention ------------------------------------------------------------
+
+// Column j of the Dr columns x[at ...] turned by position `position` (rope_kernel's rotate-half
+// pairs, exec/cpu's rotate_row): the turn of one element, read from its pair.
+template <class T>
+__device__ float turned_column(const T* x, std::int64_t at, int j, int Dr, int position,
+                               double theta, float sign) {
+  const int half = Dr / 2;
+  const int k = j < half ? j : j - half;
+  const double angle = static_cast<double>(position) * pow(theta, -2.0 * k / Dr);
+  const auto c = static_cast<float>(cos(angle));
+  const auto sn = sign * static_cast<float>(sin(angle));
+  const float a = load(x, at + k), b = load(x, at + k + half);
+  return j < half ? a * c - b * sn : a * sn + b * c;
+}
+
+// exec/cpu's mla_pack_forward, one thread per element of qkv[rows, 2·H·(Dn + Dr) + H·Dv]: a
+// head's query (its Dr columns turned), its key (Dn columns of kv, then k_rope turned: one for
+// all heads) and its value (Dv columns of kv). Without q (null) its columns stay as they were.
+template <class T>
+__global__ void mla_pack_kernel(T* qkv, const T* q, const T* kv, const T* k_rope, std::int64_t rows,
+                                int S, const int* positions, int H, int Dn, int Dr, int Dv,
+                                double theta) {
+  const int Dqk = Dn + Dr;
+  const std::int64_t q_width = static_cast<std::int64_t>(H) * Dqk;
+  const std::int64_t kv_width = static_cast<std::int64_t>(H) * (Dn + Dv);
+  const std::int64_t width = 2 * q_width + static_cast<std::int64_t>(H) * Dv;
+  const std::int64_t n = rows * width;
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
+    const std::int64_t r = e / width, col = e % width;
+    const int s = static_cast<int>(r % S);
+    const int position = positions != nullptr ? positions[s] : s;
+    float y;
+    if (col < q_width) {
+      if (q == nullptr) continue;
+      const std::int64_t head = r * q_width + col / Dqk * Dqk;
+      const int i = static_cast<int>(col % Dqk);
+      y = i < Dn ? load(q, head + i) : turned_column(q, head + Dn, i - Dn, Dr, position, theta, 1);
+    } else if (col < 2 * q_width) {
+      const std::int64_t h = (col - q_width) / Dqk;
+      const int i = static_cast<int>((col - q_width) % Dqk);
+      y = i < Dn ? load(kv, r * kv_width + h * (Dn + Dv) + i)
+                 : turned_column(k_rope, r * Dr, i - Dn, Dr, position, theta, 1);
+    } else {
+      const std::int64_t h = (col - 2 * q_width) / Dv, d = (col - 2 * q_width) % Dv;
+      y = load(kv, r * kv_width + h * (Dn + Dv) + Dn + d);
+    }
+    store(qkv, e, y);
+  }
+}
+
+// exec/cpu's mla_pack_backward, one thread per element of a row's [dq (H·(Dn + Dr), where dq is
+// not null) | dkv (H·(Dn + Dv)) | dk_rope (Dr)], each added into: dq's Dr columns turned back,
+// dk_rope's the sum over the heads of their keys' Dr columns (in head order, as the CPU sums),
+// turned back.
+template <class T>
+__global__ void mla_unpack_kernel(T* dq, T* dkv, T* dk_rope, const T* dqkv, std::int64_t rows,
+                                  int S, const int* positions, int H, int Dn, int Dr, int Dv,
+                                  double theta) {
+  const int Dqk = Dn + Dr, half = Dr / 2;
+  const std::int64_t q_width = static_cast<std::int64_t>(H) * Dqk;
+  const std::int64_t kv_width = static_cast<std::int64_t>(H) * (Dn + Dv);
+  const std::int64_t width = 2 * q_width + static_cast<std::int64_t>(H) * Dv;
+  const std::int64_t dq_width = dq != nullptr ? q_width : 0;
+  const std::int64_t part = dq_width + kv_width + Dr;
+  const std::int64_t n = rows * part;
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
+    const std::int64_t r = e / part, col = e % part;
+    const int s = static_cast<int>(r % S);
+    const int position = positions != nullptr ? positions[s] : s;
+    const std::int64_t g = r * width;  // the row's gradient
+    if (col < dq_width) {
+      const std::int64_t head = g + col / Dqk * Dqk;
+      const int i = static_cast<int>(col % Dqk);
+      const float v = i < Dn ? load(dqkv, head + i)
+                             : turned_column(dqkv, head + Dn, i - Dn, Dr, position, theta, -1);
+      const std::int64_t at = r * q_width + col;
+      store(dq, at, load(dq, at) + v);
+    } else if (col < dq_width + kv_width) {
+      const std::int64_t c = col - dq_width, h = c / (Dn + Dv);
+      const int i = static_cast<int>(c % (Dn + Dv));
+      const float v = i < Dn ? load(dqkv, g + q_width + h * Dqk + i)
+                             : load(dqkv, g + 2 * q_width + h * Dv + (i - Dn));
+      const std::int64_t at = r * kv_width + c;
+      store(dkv, at, load(dkv, at) + v);
+    } else {
+      const int j = static_cast<int>(col - dq_width - kv_width);
+      const int k = j < half ? j : j - half;
+      float a = 0, b = 0;
+      for (int h = 0; h < H; ++h) {
+        const std::int64_t at = g + q_width + static_cast<std::int64_t>(h) * Dqk + Dn;
+        a += load(dqkv, at + k);
+        b += load(dqkv, at + k + half);
+      }
+      const double angle = static_cast<double>(position) * pow(theta, -2.0 * k / Dr);
+      const auto c = static_cast<float>(cos(angle));
+      const auto sn = -static_cast<float>(sin(angle));
+      const std::int64_t at = r * Dr + j;
+      store(dk_rope, at, load(dk_rope, at) + (j < half ? a * c - b * sn : a * sn + b * c));
+    }
+  }
+}
+
 // The heads of one attention GEMM call: `count` heads from `head` on, `head_step` apart,
 // reading kv heads from `kv` on, `kv_step` apart. Either the `group` query heads of one kv
 // head (kv_step 0: the shared k and v) or one head of every kv group (G calls' worth in one),
@@ -208,13 +312,13 @@ void heads_by_kv(cublasHandle_t blas, cudaDataType_t t, std::size_t e,
 
 // Per sequence b: scores[h] = scale · q_h · k_{kv(h)}^T, the heads batched by head_batches, the
 // causal softmax of every head's rows, then out_h = probs_h · v_{kv(h)}. qkv rows hold
-// [q heads | k heads | v heads], D values each.
+// [q heads | k heads | v heads], D values each but the values' Dv (v_dim, or D).
 void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, int S, int H, int G,
                                 int D, const DropoutSite* dropout, std::uint8_t* mask,
-                                void* dropped, float* lse) {
+                                void* dropped, float* lse, int v_dim) {
   if (B == 0 || S == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
-  const int width = (H + 2 * G) * D;
+  const int Dv = v_dim > 0 ? v_dim : D, width = (H + G) * D + G * Dv;
   const std::size_t e = dtype_bytes(act_);
   const auto SS = static_cast<long long>(S) * S;
   const std::vector<HeadBatch> batches = head_batches(H, G);
@@ -231,7 +335,7 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
     char* p =
         flash ? rooms.probs : static_cast<char*>(probs) + static_cast<std::size_t>(b) * H * SS * e;
     float* row_lse = flash ? lse + static_cast<std::size_t>(b) * H * S : nullptr;
-    char* o = static_cast<char*>(out) + static_cast<std::size_t>(b) * S * H * D * e;
+    char* o = static_cast<char*>(out) + static_cast<std::size_t>(b) * S * H * Dv * e;
     heads_by_kv(impl_->blas, t, e, batches, S, S, D, scale, rows, width, rows + H * D * e, width,
                 scores);
     with_type(act_, [&](auto* tag) {
@@ -256,10 +360,12 @@ void Kernels::attention_forward(void* out, void* probs, const void* qkv, int B, 
       weights = kept;
     }
     for (const HeadBatch& hb : batches) {
-      gemm(impl_->blas, false, false, S, D, S, 1.0f,
+      gemm(impl_->blas, false, false, S, Dv, S, 1.0f,
            {weights + hb.head * SS * e, t, S, hb.head_step * SS},
-           {rows + (H + G + hb.kv) * D * e, t, width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
-           o + hb.head * D * e, t, H * D, static_cast<long long>(hb.head_step) * D, hb.count);
+           {rows + ((H + G) * D + hb.kv * Dv) * e, t, width,
+            static_cast<long long>(hb.kv_step) * Dv},
+           0.0f, o + hb.head * Dv * e, t, H * Dv, static_cast<long long>(hb.head_step) * Dv,
+           hb.count);
     }
   }
 }
@@ -289,10 +395,10 @@ void Kernels::remake_probabilities(void* probs, std::uint8_t* mask, void* droppe
 void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, const void* probs,
                                  int B, int S, int H, int G, int D, float dropout_rate,
                                  const std::uint8_t* mask, const void* dropped, const float* lse,
-                                 const DropoutSite* dropout) {
+                                 const DropoutSite* dropout, int v_dim) {
   if (B == 0 || S == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
-  const int width = (H + 2 * G) * D, group = H / G;
+  const int Dv = v_dim > 0 ? v_dim : D, width = (H + G) * D + G * Dv, group = H / G;
   const std::size_t e = dtype_bytes(act_);
   const auto SS = static_cast<long long>(S) * S;
   const std::vector<HeadBatch> batches = head_batches(H, G);
@@ -325,10 +431,11 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
     const std::uint8_t* m = in.mask;
     const char* weights = in.weights;
     const bool drop = in.dropout;
-    const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * S * H * D * e;
+    const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * S * H * Dv * e;
     const char* ds = static_cast<const char*>(dscores);
-    heads_by_kv(impl_->blas, t, e, batches, S, S, D, 1.0f, dO, H * D, rows + (H + G) * D * e, width,
-                dprobs);
+    // dP_h = dO_h · v_{kv(h)}^T: heads of Dv values on both sides.
+    heads_by_kv(impl_->blas, t, e, batches, S, S, Dv, 1.0f, dO, H * Dv, rows + (H + G) * D * e,
+                width, dprobs);
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
       softmax_backward_kernel<<<dim3(S, H), kThreads, 0, impl_->stream>>>(
@@ -348,9 +455,9 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
       gemm(impl_->blas, true, false, S, D, S, 1.0f, {ds + r * SS * e, t, S, group * SS},
            {rows + r * D * e, t, width, static_cast<long long>(group) * D}, 1.0f, drows + H * D * e,
            t, width, D, G);
-      gemm(impl_->blas, true, false, S, D, S, 1.0f, {weights + r * SS * e, t, S, group * SS},
-           {dO + r * D * e, t, H * D, static_cast<long long>(group) * D}, 1.0f,
-           drows + (H + G) * D * e, t, width, D, G);
+      gemm(impl_->blas, true, false, S, Dv, S, 1.0f, {weights + r * SS * e, t, S, group * SS},
+           {dO + r * Dv * e, t, H * Dv, static_cast<long long>(group) * Dv}, 1.0f,
+           drows + (H + G) * D * e, t, width, Dv, G);
     }
   }
 }
@@ -358,10 +465,11 @@ void Kernels::attention_backward(void* dqkv, const void* dout, const void* qkv, 
 void Kernels::attention_forward_cp(void* out, void* probs, const void* qkv, const void* kv,
                                    const int* qpos, const int* order, int cp, int B, int Sq, int H,
                                    int G, int D, const DropoutSite* dropout, std::uint8_t* mask,
-                                   void* dropped, float* lse) {
+                                   void* dropped, float* lse, int v_dim) {
   if (B == 0 || Sq == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
-  const int S = cp * Sq, width = (H + 2 * G) * D, kv_width = 2 * G * D;
+  const int Dv = v_dim > 0 ? v_dim : D;
+  const int S = cp * Sq, width = (H + G) * D + G * Dv, kv_width = G * (D + Dv);
   const std::size_t e = dtype_bytes(act_);
   const auto QS = static_cast<long long>(Sq) * S;
   const std::vector<HeadBatch> batches = head_batches(H, G);
@@ -385,7 +493,7 @@ void Kernels::attention_forward_cp(void* out, void* probs, const void* qkv, cons
     char* p =
         flash ? rooms.probs : static_cast<char*>(probs) + static_cast<std::size_t>(b) * H * QS * e;
     float* row_lse = flash ? lse + static_cast<std::size_t>(b) * H * Sq : nullptr;
-    char* o = static_cast<char*>(out) + static_cast<std::size_t>(b) * Sq * H * D * e;
+    char* o = static_cast<char*>(out) + static_cast<std::size_t>(b) * Sq * H * Dv * e;
     heads_by_kv(impl_->blas, t, e, batches, Sq, S, D, scale, rows, width, kvp, kv_width, scores);
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
@@ -408,10 +516,11 @@ void Kernels::attention_forward_cp(void* out, void* probs, const void* qkv, cons
       weights = kept;
     }
     for (const HeadBatch& hb : batches) {
-      gemm(impl_->blas, false, false, Sq, D, S, 1.0f,
+      gemm(impl_->blas, false, false, Sq, Dv, S, 1.0f,
            {weights + hb.head * QS * e, t, S, hb.head_step * QS},
-           {kvp + (G + hb.kv) * D * e, t, kv_width, static_cast<long long>(hb.kv_step) * D}, 0.0f,
-           o + hb.head * D * e, t, H * D, static_cast<long long>(hb.head_step) * D, hb.count);
+           {kvp + (G * D + hb.kv * Dv) * e, t, kv_width, static_cast<long long>(hb.kv_step) * Dv},
+           0.0f, o + hb.head * Dv * e, t, H * Dv, static_cast<long long>(hb.head_step) * Dv,
+           hb.count);
     }
   }
 }
@@ -421,10 +530,11 @@ void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, con
                                     const int* order, int cp, int B, int Sq, int H, int G, int D,
                                     float dropout_rate, const std::uint8_t* mask,
                                     const void* dropped, const float* lse,
-                                    const DropoutSite* dropout) {
+                                    const DropoutSite* dropout, int v_dim) {
   if (B == 0 || Sq == 0) return;  // (a grid of no blocks is a launch error)
   const cudaDataType_t t = cuda_type(act_);
-  const int S = cp * Sq, width = (H + 2 * G) * D, kv_width = 2 * G * D, group = H / G;
+  const int Dv = v_dim > 0 ? v_dim : D;
+  const int S = cp * Sq, width = (H + G) * D + G * Dv, kv_width = G * (D + Dv), group = H / G;
   const std::size_t e = dtype_bytes(act_);
   const auto QS = static_cast<long long>(Sq) * S;
   const std::vector<HeadBatch> batches = head_batches(H, G);
@@ -464,10 +574,10 @@ void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, con
     const std::uint8_t* m = in.mask;
     const char* weights = in.weights;
     const bool drop = in.dropout;
-    const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * Sq * H * D * e;
+    const char* dO = static_cast<const char*>(dout) + static_cast<std::size_t>(b) * Sq * H * Dv * e;
     const char* ds = static_cast<const char*>(dscores);
     // dP = dO · v^T
-    heads_by_kv(impl_->blas, t, e, batches, Sq, S, D, 1.0f, dO, H * D, kvp + G * D * e, kv_width,
+    heads_by_kv(impl_->blas, t, e, batches, Sq, S, Dv, 1.0f, dO, H * Dv, kvp + G * D * e, kv_width,
                 dprobs);
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
@@ -488,9 +598,9 @@ void Kernels::attention_backward_cp(void* dqkv, void* dkv, const void* dout, con
       gemm(impl_->blas, true, false, S, D, Sq, 1.0f, {ds + r * QS * e, t, S, group * QS},
            {rows + r * D * e, t, width, static_cast<long long>(group) * D}, 1.0f, dkvp, t, kv_width,
            D, G);
-      gemm(impl_->blas, true, false, S, D, Sq, 1.0f, {weights + r * QS * e, t, S, group * QS},
-           {dO + r * D * e, t, H * D, static_cast<long long>(group) * D}, 1.0f, dkvp + G * D * e, t,
-           kv_width, D, G);
+      gemm(impl_->blas, true, false, S, Dv, Sq, 1.0f, {weights + r * QS * e, t, S, group * QS},
+           {dO + r * Dv * e, t, H * Dv, static_cast<long long>(group) * Dv}, 1.0f, dkvp + G * D * e,
+           t, kv_width, Dv, G);
     }
     with_type(act_, [&](auto* tag) {
       using A = std::remove_pointer_t<decltype(tag)>;
@@ -550,6 +660,40 @@ void Kernels::rope_backward(void* dqkv, const void* dout, int B, int S, int H, i
         theta, -1.0f, true);
   });
   launched("rope_kernel");
+}
+
+void Kernels::mla_pack_forward(void* qkv, const void* q, const void* kv, const void* k_rope, int B,
+                               int S, int H, int Dn, int Dr, int Dv, double theta,
+                               const int* positions) {
+  // (RoPE turns pairs of columns: model specs refuse an odd qk_rope_head_dim.)
+  if (Dr % 2 != 0) throw CudaError("Kernels::mla_pack: an odd number of turned columns");
+  const std::int64_t rows = static_cast<std::int64_t>(B) * S;
+  const std::int64_t n = rows * H * (2 * (Dn + Dr) + Dv);
+  if (n == 0) return;
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    mla_pack_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(
+        static_cast<A*>(qkv), static_cast<const A*>(q), static_cast<const A*>(kv),
+        static_cast<const A*>(k_rope), rows, S, positions, H, Dn, Dr, Dv, theta);
+  });
+  launched("mla_pack_kernel");
+}
+
+void Kernels::mla_pack_backward(void* dq, void* dkv, void* dk_rope, const void* dqkv, int B, int S,
+                                int H, int Dn, int Dr, int Dv, double theta, const int* positions) {
+  // (RoPE turns pairs of columns: model specs refuse an odd qk_rope_head_dim.)
+  if (Dr % 2 != 0) throw CudaError("Kernels::mla_pack: an odd number of turned columns");
+  const std::int64_t rows = static_cast<std::int64_t>(B) * S;
+  const std::int64_t n = rows * ((dq != nullptr ? static_cast<std::int64_t>(H) * (Dn + Dr) : 0) +
+                                 static_cast<std::int64_t>(H) * (Dn + Dv) + Dr);
+  if (n == 0) return;
+  with_type(act_, [&](auto* tag) {
+    using A = std::remove_pointer_t<decltype(tag)>;
+    mla_unpack_kernel<<<blocks_for(n), kThreads, 0, impl_->stream>>>(
+        static_cast<A*>(dq), static_cast<A*>(dkv), static_cast<A*>(dk_rope),
+        static_cast<const A*>(dqkv), rows, S, positions, H, Dn, Dr, Dv, theta);
+  });
+  launched("mla_unpack_kernel");
 }
 
 }  // namespace dtsim::exec::cuda

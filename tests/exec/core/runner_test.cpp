@@ -255,13 +255,13 @@ TEST_CASE("what the runner does not execute is refused", "[exec][runner]") {
   REQUIRE_THROWS_WITH(run("tiny-gpt", flash, 1, {}, &no_flash),
                       Catch::Contains("FlashAttention's memory (plan attention flash; --attention "
                                       "unfused runs without it) is not executed on"));
-  // Gradient clipping, as on the GPU device (which lacks it yet).
+  // Gradient clipping, on a device without it.
   auto clip = single_rank(1, 2);
   clip.clip_grad = 1.0;
   dtsim::exec::cpu::Bf16Device no_clip(true, {dtsim::exec::Device::Feature::GradClip});
   REQUIRE_THROWS_WITH(run("tiny-gpt", clip, 1, {}, &no_clip),
                       Catch::Contains("gradient clipping (--clip-grad 1) is not executed on"));
-  // Multi-head latent attention on a device without its kernels (the GPU's yet).
+  // Multi-head latent attention on a device without its kernels.
   const char* mla = DTSIM_TEST_REPO_DIR "/tests/exec/mpi/tiny_mla.json";
   dtsim::exec::cpu::Bf16Device no_mla(true, {dtsim::exec::Device::Feature::LatentAttention});
   REQUIRE_THROWS_WITH(

@@ -653,6 +653,194 @@ TEST_CASE("GPU attention with context parallelism matches the CPU", "[exec][cuda
   }
 }
 
+// Multi-head latent attention: the packing of the queries, the keys' and values' up projection
+// and the keys' RoPE part (at a cp rank's positions, and without the queries as cp's gather packs
+// them), then the core with values narrower and wider than the keys, unfused, with
+// FlashAttention's memory and with context parallelism's gathered keys.
+TEST_CASE("GPU multi-head latent attention matches the CPU", "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const int B = 2, S = 24, H = 4, Dn = 8, Dr = 4, D = Dn + Dr;
+  const double theta = 10000.0;
+  // Positions as a cp rank's (rank 1 of 2: its chunks 1 and 2 of 4).
+  std::vector<int> positions(static_cast<std::size_t>(S));
+  for (int s = 0; s < S; ++s)
+    positions[static_cast<std::size_t>(s)] = s < S / 2 ? S / 2 + s : S + s;
+  for (cu::Dtype type : kTypes) {
+    for (const int Dv : {6, 16}) {
+      INFO(name(type) << ", values " << Dv << " wide, keys " << D);
+      cu::Kernels k(*gpu, type);
+      const auto T = static_cast<std::size_t>(B) * S;
+      const std::size_t width = T * (2 * H * D + H * Dv), kv_n = T * H * (Dn + Dv);
+      const Vec q = as_stored(k, random(T * H * D, 81, 0.5f));
+      const Vec kv = as_stored(k, random(kv_n, 82, 0.5f));
+      const Vec k_rope = as_stored(k, random(T * Dr, 83, 0.5f));
+      const Vec before = as_stored(k, random(width, 84));
+      Dev g_q(k, q), g_kv(k, kv), g_rope(k, k_rope);
+      Ints g_positions(k, positions);
+      {  // the packing, at positions, and without the queries
+        Vec packed = before, keys_only = before;
+        cpu::mla_pack_forward(packed, q, kv, k_rope, B, S, H, Dn, Dr, Dv, theta, positions);
+        cpu::mla_pack_forward(keys_only, {}, kv, k_rope, B, S, H, Dn, Dr, Dv, theta, positions);
+        Dev g_packed(k, before), g_keys(k, before);
+        k.mla_pack_forward(g_packed.p(), g_q.p(), g_kv.p(), g_rope.p(), B, S, H, Dn, Dr, Dv, theta,
+                           g_positions.p());
+        k.mla_pack_forward(g_keys.p(), nullptr, g_kv.p(), g_rope.p(), B, S, H, Dn, Dr, Dv, theta,
+                           g_positions.p());
+        CHECK(error(g_packed.host(), packed) < tolerance(type));
+        CHECK(error(g_keys.host(), keys_only) < tolerance(type));
+        const Vec grad = as_stored(k, random(width, 85));
+        const Vec dq0 = as_stored(k, random(q.size(), 86)), dkv0 = as_stored(k, random(kv_n, 87)),
+                  dr0 = as_stored(k, random(k_rope.size(), 88));
+        Vec dq = dq0, dkv = dkv0, dr = dr0, dkv_alone = dkv0, dr_alone = dr0;
+        cpu::mla_pack_backward(dq, dkv, dr, grad, B, S, H, Dn, Dr, Dv, theta, positions);
+        cpu::mla_pack_backward({}, dkv_alone, dr_alone, grad, B, S, H, Dn, Dr, Dv, theta,
+                               positions);
+        Dev g_grad(k, grad), g_dq(k, dq0), g_dkv(k, dkv0), g_dr(k, dr0), g_dkv_alone(k, dkv0),
+            g_dr_alone(k, dr0);
+        k.mla_pack_backward(g_dq.p(), g_dkv.p(), g_dr.p(), g_grad.p(), B, S, H, Dn, Dr, Dv, theta,
+                            g_positions.p());
+        k.mla_pack_backward(nullptr, g_dkv_alone.p(), g_dr_alone.p(), g_grad.p(), B, S, H, Dn, Dr,
+                            Dv, theta, g_positions.p());
+        CHECK(error(g_dq.host(), dq) < tolerance(type));
+        CHECK(error(g_dkv.host(), dkv) < tolerance(type));
+        CHECK(error(g_dr.host(), dr) < tolerance(type));
+        CHECK(error(g_dkv_alone.host(), dkv_alone) < tolerance(type));
+        CHECK(error(g_dr_alone.host(), dr_alone) < tolerance(type));
+      }
+      // The core on the packed rows (positions 0 ... S-1), unfused and with FlashAttention's
+      // memory, and the packing's backward after it.
+      Vec qkv(width);
+      cpu::mla_pack_forward(qkv, q, kv, k_rope, B, S, H, Dn, Dr, Dv, theta);
+      qkv = as_stored(k, qkv);
+      const Vec dout = as_stored(k, random(T * H * Dv, 89));
+      for (const bool flash : {false, true}) {
+        INFO((flash ? "FlashAttention's memory" : "probabilities kept"));
+        const std::size_t probs_n = static_cast<std::size_t>(B) * H * S * (flash ? 1 : S);
+        Vec out(T * H * Dv), probs(probs_n), dqkv(width, 0.0f);
+        cpu::AttentionOptions o;
+        o.v_dim = Dv;
+        if (flash) o.lse = probs;  // the rows' log-sum-exp in place of the probabilities
+        const cpu::Out kept = flash ? cpu::Out() : cpu::Out(probs);
+        cpu::attention_forward(out, kept, qkv, B, S, H, H, D, o);
+        cpu::attention_backward(dqkv, dqkv, dout, qkv, kept, B, S, H, H, D, o);
+        Vec dq(q.size(), 0.0f), dkv(kv_n, 0.0f), dr(k_rope.size(), 0.0f);
+        cpu::mla_pack_backward(dq, dkv, dr, dqkv, B, S, H, Dn, Dr, Dv, theta);
+
+        Dev g_qkv(k, qkv), g_out(k, Vec(out.size())), g_probs(k, Vec(probs_n), flash),
+            g_dout(k, dout), g_dqkv(k, Vec(width, 0.0f)), g_dq(k, Vec(q.size(), 0.0f)),
+            g_dkv(k, Vec(kv_n, 0.0f)), g_dr(k, Vec(k_rope.size(), 0.0f));
+        void* p = flash ? nullptr : g_probs.p();
+        float* lse = flash ? g_probs.f() : nullptr;
+        k.attention_forward(g_out.p(), p, g_qkv.p(), B, S, H, H, D, nullptr, nullptr, nullptr, lse,
+                            Dv);
+        k.attention_backward(g_dqkv.p(), g_dout.p(), g_qkv.p(), p, B, S, H, H, D, 0.0f, nullptr,
+                             nullptr, lse, nullptr, Dv);
+        k.mla_pack_backward(g_dq.p(), g_dkv.p(), g_dr.p(), g_dqkv.p(), B, S, H, Dn, Dr, Dv, theta);
+        CHECK(error(g_probs.host(), probs) < tolerance(type));
+        CHECK(error(g_out.host(), out) < tolerance(type));
+        CHECK(error(g_dqkv.host(), dqkv) < tolerance(type));
+        CHECK(error(g_dq.host(), dq) < tolerance(type));
+        CHECK(error(g_dkv.host(), dkv) < tolerance(type));
+        CHECK(error(g_dr.host(), dr) < tolerance(type));
+      }
+      {  // context parallelism: rank 1 of 2, its keys and values gathered (K then V a row)
+        INFO("context parallelism");
+        const int cp = 2, Sq = S / cp, St = cp * Sq, chunk = St / (2 * cp);
+        std::vector<int> qpos(static_cast<std::size_t>(Sq)), order(static_cast<std::size_t>(St));
+        for (int p = 0; p < St; ++p) {
+          const int c = p / chunk, owner = c < cp ? c : 2 * cp - 1 - c;
+          const int s = (c < cp ? 0 : chunk) + p % chunk;
+          order[static_cast<std::size_t>(p)] = owner * Sq + s;
+          if (owner == 1) qpos[static_cast<std::size_t>(s)] = p;
+        }
+        const auto rows = static_cast<std::size_t>(B) * Sq;
+        const std::size_t q_width = rows * (2 * H * D + H * Dv);
+        const Vec cq = as_stored(k, random(q_width, 90, 0.5f));
+        const Vec ckv = as_stored(k, random(cp * rows * H * (D + Dv), 91, 0.5f));
+        const Vec cdout = as_stored(k, random(rows * H * Dv, 92));
+        const auto scores = rows * H * St;
+        Vec out(rows * H * Dv), probs(scores), dqkv(q_width, 0.0f), dkv(ckv.size(), 0.0f);
+        cpu::AttentionOptions o;
+        o.kv = ckv;
+        o.cp = cp;
+        o.qpos = qpos;
+        o.order = order;
+        o.v_dim = Dv;
+        cpu::attention_forward(out, probs, cq, B, Sq, H, H, D, o);
+        cpu::attention_backward(dqkv, dkv, cdout, cq, probs, B, Sq, H, H, D, o);
+        Dev g_qkv(k, cq), g_ckv(k, ckv), g_out(k, Vec(out.size())), g_probs(k, Vec(scores)),
+            g_dout(k, cdout), g_dqkv(k, Vec(q_width, 0.0f)), g_dkv(k, Vec(ckv.size(), 0.0f));
+        Ints g_qpos(k, qpos), g_order(k, order);
+        k.attention_forward_cp(g_out.p(), g_probs.p(), g_qkv.p(), g_ckv.p(), g_qpos.p(),
+                               g_order.p(), cp, B, Sq, H, H, D, nullptr, nullptr, nullptr, nullptr,
+                               Dv);
+        k.attention_backward_cp(g_dqkv.p(), g_dkv.p(), g_dout.p(), g_qkv.p(), g_ckv.p(),
+                                g_probs.p(), g_qpos.p(), g_order.p(), cp, B, Sq, H, H, D, 0.0f,
+                                nullptr, nullptr, nullptr, nullptr, Dv);
+        CHECK(error(g_probs.host(), probs) < tolerance(type));
+        CHECK(error(g_out.host(), out) < tolerance(type));
+        CHECK(error(g_dqkv.host(), dqkv) < tolerance(type));
+        CHECK(error(g_dkv.host(), dkv) < tolerance(type));
+      }
+    }
+  }
+}
+
+// The core with values of their own width under grouped KV heads (the per-head batches of
+// head_batches both ways: one head of every group, and a group's heads), and with dropout:
+// v_dim is the kernels' general parameter, not latent attention's alone.
+TEST_CASE("GPU attention with values of their own width matches the CPU, grouped heads",
+          "[exec][cuda][gpu]") {
+  const auto gpu = first_gpu();
+  if (!gpu) return;
+  const int B = 2, S = 20, D = 12;
+  cpu::Dropout d;
+  d.stream = 78;
+  d.rate = 0.1f;
+  d.Sq = S;
+  for (cu::Dtype type : kTypes) {
+    for (auto [H, G] : {std::tuple{4, 2}, std::tuple{8, 1}}) {
+      for (const int Dv : {6, 16}) {
+        for (const bool drop : {false, true}) {
+          INFO(name(type) << ", " << H << " heads on " << G << " kv heads, values " << Dv << " wide"
+                          << (drop ? ", with dropout" : ""));
+          cu::Kernels k(*gpu, type);
+          const auto T = static_cast<std::size_t>(B) * S;
+          const std::size_t width = T * ((H + G) * D + G * Dv), scores = T * H * S;
+          const Vec qkv = as_stored(k, random(width, 93, 0.5f));
+          const Vec dout = as_stored(k, random(T * H * Dv, 94));
+          Vec out(T * H * Dv), probs(scores), dropped(scores), dqkv(width, 0.0f);
+          std::vector<std::uint8_t> mask(scores);
+          cpu::AttentionOptions o;
+          o.v_dim = Dv;
+          if (drop) {
+            o.dropout = &d;
+            o.mask = mask;
+            o.dropped = dropped;
+          }
+          cpu::attention_forward(out, probs, qkv, B, S, H, G, D, o);
+          cpu::attention_backward(dqkv, dqkv, dout, qkv, probs, B, S, H, G, D, o);
+          Dev g_qkv(k, qkv), g_out(k, Vec(out.size())), g_probs(k, Vec(scores)),
+              g_dropped(k, Vec(scores)), g_dout(k, dout), g_dqkv(k, Vec(width, 0.0f));
+          cu::DeviceBuffer g_mask(scores);
+          const cu::Kernels::DropoutSite site{d.stream, d.rate, d.first_sequence, 0, S, 0, nullptr};
+          auto* m = drop ? static_cast<std::uint8_t*>(g_mask.get()) : nullptr;
+          k.attention_forward(g_out.p(), g_probs.p(), g_qkv.p(), B, S, H, G, D,
+                              drop ? &site : nullptr, m, drop ? g_dropped.p() : nullptr, nullptr,
+                              Dv);
+          k.attention_backward(g_dqkv.p(), g_dout.p(), g_qkv.p(), g_probs.p(), B, S, H, G, D,
+                               drop ? d.rate : 0.0f, m, drop ? g_dropped.p() : nullptr, nullptr,
+                               nullptr, Dv);
+          CHECK(error(g_probs.host(), probs) < tolerance(type));
+          CHECK(error(g_out.host(), out) < tolerance(type));
+          CHECK(error(g_dqkv.host(), dqkv) < tolerance(type));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("GPU rotary embedding matches the CPU", "[exec][cuda][gpu]") {
   const auto gpu = first_gpu();
   if (!gpu) return;

@@ -2,8 +2,9 @@
 # dtexec run --backend cuda. On a GPU machine:
 #   1. fp32 on the GPU against fp32 on the CPU: the same seed, the same five steps; the two
 #      checkpoints agree (losses and weights) within the fp32 tolerances of dtexec compare;
-#      for tiny-gpt, a model with dropout (the GPU draws the CPU's masks) and a mixture of
-#      experts (the GPU routes as the CPU);
+#      for tiny-gpt, a model with dropout (the GPU draws the CPU's masks), a mixture of
+#      experts (the GPU routes as the CPU) and multi-head latent attention (values wider than
+#      the keys);
 #   2. bf16 trains: the loss falls over 30 steps;
 #   3. the GPU run's trace joins dtsim's prediction of the same plan, task by task;
 #   4. --only-rank: one rank of a 16-rank plan on the GPU, its communication replaced by waits.
@@ -32,7 +33,7 @@ fi
 # whose gradient is ~0 by up to the learning rate.
 "$dtexec" compare cpu_fp32_ckpt gpu_fp32_ckpt --loss-tolerance 1e-3 --weight-tolerance 3e-3 ||
   fail "GPU fp32 and CPU fp32 differ"
-for model in tiny_gpt_dropout tiny_moe; do
+for model in tiny_gpt_dropout tiny_moe tiny_mla; do
   "$dtexec" run --backend cuda --precision fp32 --model "$models/$model.json" --steps 5 \
     --warmup 0 --checkpoint "gpu_${model}_ckpt" >/dev/null || fail "$model: the GPU run failed"
   "$dtexec" run --model "$models/$model.json" --steps 5 --warmup 0 \
@@ -61,4 +62,4 @@ awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < 0.8 * a) }' ||
   --global-batch-size 32 --only-rank 13 --predicted gpu_only_pred.json --steps 3 |
   grep -q 'communication tasks replaced by waits of their predicted length' ||
   fail "--only-rank on the GPU failed"
-echo "GPU fp32 matches the CPU (tiny-gpt, with dropout, MoE); bf16 loss $first -> $last; traces join; --only-rank runs"
+echo "GPU fp32 matches the CPU (tiny-gpt, with dropout, MoE, MLA); bf16 loss $first -> $last; traces join; --only-rank runs"
