@@ -347,8 +347,6 @@ void Runner::cp_collective(const lower::Task& task, MicroBatch& mb, bool local) 
   const std::int64_t mine = static_cast<std::int64_t>(T_) * kv_width;
   const bool rope = m_.positions == model::Positions::Rope;
   const OpId kv_up = m_.mla ? g_.predecessors(core).at(1) : qkv;
-  const std::vector<int> counts = collective_counts(
-      std::vector<std::int64_t>(static_cast<std::size_t>(cp_), mine), "the cp K/V all-gather");
   if (task.collective == CollectiveKind::AllGather) {
     const View own = allocate_for_overwrite(mine);
     if (m_.mla) {  // (its q columns left unwritten: not gathered)
@@ -367,21 +365,13 @@ void Runner::cp_collective(const lower::Task& task, MicroBatch& mb, bool local) 
     }
     auto& all = mb.kv[core];
     fresh_for_overwrite(all, mine * cp_);
-    if (local) {
-      for (int r = 0; r < cp_; ++r) dev_.copy(all.sub(r * mine, mine), own);
-    } else {
-      comm_.all_gather(task.group, own, all, counts);
-    }
+    gather_shares(task, cp_, own, all, local, "the cp K/V all-gather");
     dev_.release(own);
     return;
   }
   DTSIM_ASSERT(task.collective == CollectiveKind::ReduceScatter, "cp reduce-scatter of dKV");
   const View own = allocate_for_overwrite(mine);
-  if (local) {
-    dev_.copy(own, mb.kv_grad.at(core).sub(c_ * mine, mine));
-  } else {
-    comm_.reduce_scatter(task.group, mb.kv_grad.at(core), own, counts);
-  }
+  scatter_shares(task, cp_, c_, mb.kv_grad.at(core), own, local, "the cp dK/dV reduce-scatter");
   dev_.release(mb.kv_grad.at(core));
   mb.kv_grad.erase(core);
   if (m_.mla) {
@@ -401,30 +391,44 @@ void Runner::cp_collective(const lower::Task& task, MicroBatch& mb, bool local) 
   dev_.release(own);
 }
 
+void Runner::gather_shares(const lower::Task& task, int ranks, View share, View whole, bool local,
+                           const char* what) {
+  DTSIM_ASSERT(whole.size() == share.size() * ranks, "a share per rank");
+  if (local) {
+    for (int r = 0; r < ranks; ++r) dev_.copy(whole.sub(r * share.size(), share.size()), share);
+    return;
+  }
+  comm_.all_gather(
+      task.group, share, whole,
+      collective_counts(std::vector<std::int64_t>(static_cast<std::size_t>(ranks), share.size()),
+                        what));
+}
+
+void Runner::scatter_shares(const lower::Task& task, int ranks, int self, View whole, View share,
+                            bool local, const char* what) {
+  DTSIM_ASSERT(whole.size() == share.size() * ranks, "a share per rank");
+  if (local) {
+    dev_.copy(share, whole.sub(self * share.size(), share.size()));
+    return;
+  }
+  comm_.reduce_scatter(
+      task.group, whole, share,
+      collective_counts(std::vector<std::int64_t>(static_cast<std::size_t>(ranks), share.size()),
+                        what));
+}
+
 void Runner::sequence_parallel_collective(const lower::Task& task, MicroBatch& mb, OpId anchor,
                                           bool exit, bool local) {
   if (latent_projection(g_.op(anchor))) {
     latent_sp_collective(task, mb, anchor, local);
     return;
   }
-  const std::vector<int> counts(static_cast<std::size_t>(tp_), Ts_ * C_);
   const bool scatter = task.collective == CollectiveKind::ReduceScatter;
   auto reduce_scatter = [&](View in, View out) {
-    if (local) {
-      dev_.copy(out, in.sub(0, out.size()));
-    } else {
-      comm_.reduce_scatter(task.group, in, out, counts);
-    }
+    scatter_shares(task, tp_, t_, in, out, local, "sequence parallelism's reduce-scatter");
   };
   auto all_gather = [&](View in, View out) {
-    if (local) {
-      for (std::int64_t at = 0; at < out.size(); at += in.size()) {
-        const std::int64_t n = std::min(in.size(), out.size() - at);
-        dev_.copy(out.sub(at, n), in.sub(0, n));
-      }
-    } else {
-      comm_.all_gather(task.group, in, out, counts);
-    }
+    gather_shares(task, tp_, in, out, local, "sequence parallelism's all-gather");
   };
   const std::int64_t shard_size = static_cast<std::int64_t>(Ts_) * C_;
   const std::int64_t whole_size = static_cast<std::int64_t>(T_) * C_;

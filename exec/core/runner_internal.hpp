@@ -857,6 +857,16 @@ class Runner {
   // they would, the data is this rank's own.
   void cp_collective(const lower::Task& task, MicroBatch& mb, bool local = false);
 
+  // A collective of equal shares over task.group's `ranks`: this rank's share all-gathered into
+  // whole (rank r's r-th), or whole reduce-scattered into its share (written). With `local`
+  // (--only-rank) the shapes are as they would be, the data this rank's own: its share copied
+  // into every rank's place, or its own place of whole (the `self`-th) copied out. `what` names
+  // the collective where its share overflows an int's count.
+  void gather_shares(const lower::Task& task, int ranks, View share, View whole, bool local,
+                     const char* what);
+  void scatter_shares(const lower::Task& task, int ranks, int self, View whole, View share,
+                      bool local, const char* what);
+
   // Sequence parallelism (Korthikanti et al. 2022): g is a reduce-scatter over the sequence in
   // forward and an all-gather in backward, f the converse. Rank r holds rows [r·Ts, (r+1)·Ts).
   // With `local` (--only-rank) the shapes change as they would, the data is this rank's own.

@@ -56,25 +56,12 @@ void Runner::latent_sp_collective(const lower::Task& task, MicroBatch& mb, OpId 
   const int width = q ? Rq_ : Rkv_;
   auto gather = [&](View share, View& whole, int w) {
     fresh_for_overwrite(whole, static_cast<std::int64_t>(T_) * w);
-    if (local) {  // (--only-rank: every rank's share as this one's)
-      for (std::int64_t at = 0; at < whole.size(); at += share.size())
-        dev_.copy(whole.sub(at, share.size()), share);
-      return;
-    }
-    comm_.all_gather(
-        task.group, share, whole,
-        std::vector<int>(static_cast<std::size_t>(tp_), static_cast<int>(share.size())));
+    gather_shares(task, tp_, share, whole, local, "a latent's all-gather");
   };
   auto scatter = [&](std::map<OpId, View>& grads, OpId key, View share) {
     View& whole = grads.at(key);
     const View mine = allocate_for_overwrite(share.size());
-    if (local) {
-      dev_.copy(mine, whole.sub(0, share.size()));
-    } else {
-      comm_.reduce_scatter(
-          task.group, whole, mine,
-          std::vector<int>(static_cast<std::size_t>(tp_), static_cast<int>(share.size())));
-    }
+    scatter_shares(task, tp_, t_, whole, mine, local, "a latent's reduce-scatter");
     dev_.accumulate(share, mine);
     dev_.release(mine);
     dev_.release(whole);
