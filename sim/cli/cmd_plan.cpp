@@ -306,6 +306,11 @@ int cmd_plan(const std::vector<std::string>& args) {
       "first of each by the estimate, in the list and among those simulated: the ZeRO-stage, "
       "recompute, sequence-parallel and overlap variants of a layout, which often tie with it, "
       "are left out")(
+      "balance-stages", po::value<int>()->default_value(planner::kDefaultBalanceStages),
+      "uneven pipeline stages: search the layer split (--layers-per-stage) of this many of the "
+      "best candidates with pp > 1, moving one layer at a time between an end chunk and "
+      "another while the estimate falls and the plan fits (the first stage carries the "
+      "embedding, the last the LM head and the loss); 0: every split even")(
       "objective", po::value<std::string>()->default_value("time"),
       "rank by step time, or by cost per step (time, cost, time-to-train; with a fixed global "
       "batch time-to-train ranks as step time, and on the fixed devices of a search so does "
@@ -389,6 +394,11 @@ int cmd_plan(const std::vector<std::string>& args) {
   planner::SearchOptions options;
   options.refine = vm["refine"].as<int>();
   options.distinct_layouts = vm["distinct"].as<bool>();
+  options.balance_stages = vm["balance-stages"].as<int>();
+  if (options.balance_stages < 0) {
+    throw InputError(
+        fmt::format("--balance-stages: expected 0 or more, got {}", options.balance_stages));
+  }
   const std::string network_name = vm["network"].as<std::string>();
   if (network_name != "analytical" && network_name != "simgrid") {
     throw InputError(

@@ -1,6 +1,7 @@
 #include "sim/plan/plan.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <nlohmann/json.hpp>
@@ -133,6 +134,20 @@ std::string summary(const Plan& p) {
       p.global_batch_size == 0 ? std::string("?") : fmt::format("{}", p.global_batch_size),
       to_string(p.schedule));
   if (p.virtual_stages > 1) s += fmt::format(" v={}", p.virtual_stages);
+  if (!p.layers_per_stage.empty()) {
+    // Runs of three or more alike as "2(x62)": 64 chunks' counts stay readable.
+    std::vector<std::string> runs;
+    const auto& l = p.layers_per_stage;
+    for (std::size_t i = 0, j = 0; i < l.size(); i = j) {
+      while (j < l.size() && l[j] == l[i]) ++j;
+      if (j - i >= 3) {
+        runs.push_back(fmt::format("{}(x{})", l[i], j - i));
+      } else {
+        for (std::size_t k = i; k < j; ++k) runs.push_back(fmt::format("{}", l[k]));
+      }
+    }
+    s += fmt::format(" layers={}", fmt::join(runs, ","));
+  }
   if (p.zero_stage > 0) s += fmt::format(" zero={}", p.zero_stage);
   if (p.recompute != Recompute::None) s += fmt::format(" recompute={}", to_string(p.recompute));
   if (p.attention == model::AttentionKernel::Flash) s += " flash";

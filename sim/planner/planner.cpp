@@ -413,6 +413,10 @@ class Estimator {
     double stage_exchanges = 0;  // the slowest stage's receives per micro-batch
     Count stage_blocks{};        // the slowest stage's blocks of each kind
     int stage_index = 0;         // the slowest stage
+    // The stage whose breakdown the simulator reports (engine::busiest_stage: the most compute
+    // and recompute), its compute per micro-batch and its blocks of each kind.
+    double busiest_compute = -1;
+    Count busiest_blocks{};
     double stage_params = 0, stage_expert_params = 0;
     // The norms' parameters (and the routers' under moe_local_dispatch), whose gradients
     // sequence parallelism all-reduces over tp at the step's end (the stage with the most).
@@ -450,6 +454,11 @@ class Estimator {
                               ? from_before * hop[static_cast<std::size_t>((s + p.pp - 1) % p.pp)] +
                                     from_after * hop[static_cast<std::size_t>(s)]
                               : 0.0;
+      if (const double busy = compute + sum(blocks, &BlockCost::recompute_compute);
+          busy > busiest_compute) {
+        busiest_compute = busy;
+        busiest_blocks = blocks;
+      }
       if (f + b + r + recv > stage_f + stage_b + stage_rec + stage_recv) {
         stage_f = f;
         stage_b = b;
@@ -823,10 +832,13 @@ class Estimator {
           stage_params / shard_group + stage_expert_params / std::max(1.0, expert_group)));
     }
     // TP/CP/EP time inside the passes, for the dominant-term report.
-    // (A stage's blocks of each kind on average, over the step's micro-batches.)
+    // (A stage's blocks of each kind on average, over the step's micro-batches; with a split of
+    // the layers given (uneven), those of the stage the simulator reports.)
     const auto expert_blocks = static_cast<double>(m.expert_blocks());
-    const Count average = {mb * ((static_cast<double>(m.layers) - expert_blocks) / p.pp),
-                           mb * (expert_blocks / p.pp)};
+    const Count average = p.layers_per_stage.empty()
+                              ? Count{mb * ((static_cast<double>(m.layers) - expert_blocks) / p.pp),
+                                      mb * (expert_blocks / p.pp)}
+                              : Count{mb * busiest_blocks[0], mb * busiest_blocks[1]};
     b.exposed_tp_s = sum(average, [](const BlockCost& c) { return c.tp_comm + c.tp_backward; });
     b.exposed_cp_s = sum(average, [](const BlockCost& c) { return c.cp_comm + c.cp_backward; });
     b.exposed_ep_s = sum(average, [](const BlockCost& c) { return 2 * c.ep_comm; });
@@ -1767,6 +1779,75 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     return plan::summary(a.plan) < plan::summary(b.plan);
   };
   std::sort(feasible.begin(), feasible.end(), by_key);
+  // Uneven pipeline stages: the layer split of the best candidates with pp > 1, searched by the
+  // estimate (Megatron-LM sets it by hand: --decoder-first-pipeline-num-layers and
+  // --decoder-last-pipeline-num-layers, as the first stage carries the embedding and the last
+  // the LM head and the loss). From the even split over the model's chunks (pp x virtual
+  // stages), the move of one layer between an end chunk and another chunk that lowers the
+  // estimate most and still fits, while one does, kMostBalanceRounds rounds at most; each
+  // candidate on its own, so the result does not depend on the thread count. Those that
+  // improve by kBalanceGain or more replace their even split, and the ranking is made again.
+  if (options.balance_stages > 0) {
+    std::vector<std::size_t> to_balance;
+    for (std::size_t i = 0; i < feasible.size() &&
+                            to_balance.size() < static_cast<std::size_t>(options.balance_stages);
+         ++i) {
+      const Plan& p = feasible[i].plan;
+      if (p.pp > 1 && p.layers_per_stage.empty() && p.schedule != Schedule::PipeDreamAsync &&
+          p.pp * p.virtual_stages <= kMostBalancedChunks) {
+        to_balance.push_back(i);
+      }
+    }
+    parallel_for(to_balance.size(), threads, [&] {
+      return [&, estimator = make_estimator()](std::size_t j) mutable {
+        Candidate& c = feasible[to_balance[j]];
+        const model::ModelGraph& g = *graphs.at(graph_key(c.plan));
+        Plan split = c.plan;
+        split.layers_per_stage = plan::chunk_layers(c.plan, m.layers);
+        double split_s = c.estimate_s;
+        std::optional<Candidate> found;
+        const int chunks = c.plan.pp * c.plan.virtual_stages, last = chunks - 1;
+        for (int round = 0; round < kMostBalanceRounds; ++round) {
+          std::optional<Candidate> move;
+          for (int from = 0; from < chunks; ++from) {
+            if (split.layers_per_stage[static_cast<std::size_t>(from)] <= 1) continue;
+            for (int to = 0; to < chunks; ++to) {
+              // (Moves to or from an end chunk, where the embedding and the head are: about 4 x
+              // chunks of them a round, not chunks².)
+              const bool end = from == 0 || to == 0 || from == last || to == last;
+              if (to == from || !end) continue;
+              Candidate t = c;
+              t.plan = split;
+              --t.plan.layers_per_stage[static_cast<std::size_t>(from)];
+              ++t.plan.layers_per_stage[static_cast<std::size_t>(to)];
+              t.estimate = estimator.estimate(g, t.plan, Detail::Full);
+              t.estimate_s = t.estimate.total_s();
+              // (A move worth a part in 10^6 of the step at least: not a rounding.)
+              const double beat = move ? move->estimate_s : split_s * (1 - 1e-6);
+              if (!(t.estimate_s < beat)) continue;
+              const plan::MemoryReport r = plan::estimate_memory(g, t.plan, cluster, memory);
+              if (!r.fits) continue;
+              t.memory_bytes = r.worst().total_bytes;
+              t.capacity_bytes = r.capacity_bytes;
+              move = std::move(t);
+            }
+          }
+          if (!move) break;
+          split = move->plan;
+          split_s = move->estimate_s;
+          found = std::move(move);
+        }
+        // (An uneven split is a layout to carry over to the training's configuration: only
+        // one that saves kBalanceGain of the step at least.)
+        if (found && found->estimate_s <= c.estimate_s * (1 - kBalanceGain)) {
+          found->step_time_s = found->estimate_s;
+          c = std::move(*found);
+          price_step(c);
+        }
+      };
+    });
+    std::sort(feasible.begin(), feasible.end(), by_key);
+  }
   if (options.distinct_layouts) {
     std::set<std::tuple<int, int, int, int, int, std::int64_t, plan::Schedule, int>> seen;
     std::erase_if(feasible, [&](const Candidate& c) {

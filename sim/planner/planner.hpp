@@ -28,6 +28,13 @@ namespace dtsim::planner {
 enum class Objective { Time, Cost };
 
 inline constexpr int kDefaultMaxCp = 8;  // SearchSpace::max_cp, dtsim plan --max-cp
+// SearchOptions::balance_stages (dtsim plan --balance-stages); the most chunks (pp x virtual
+// stages) a split is searched for, and its rounds (each estimates about 4 x chunks moves).
+inline constexpr int kDefaultBalanceStages = 8;
+inline constexpr int kMostBalancedChunks = 64;
+inline constexpr int kMostBalanceRounds = 8;
+// The least share of a step that an uneven split must save to replace the even one.
+inline constexpr double kBalanceGain = 0.01;
 
 struct SearchSpace {
   std::int64_t global_batch_size = 0;  // sequences per step (required)
@@ -132,6 +139,10 @@ struct SearchOptions {
   // ranking and among those simulated: the first of each by the estimate (dtsim plan
   // --distinct). Its ZeRO-stage, recompute and overlap variants often tie with it.
   bool distinct_layouts = false;
+  // Uneven pipeline stages: the layer split of this many of the best candidates with pp > 1,
+  // searched by the estimate (dtsim plan --balance-stages); 0: every candidate's layers split
+  // evenly.
+  int balance_stages = kDefaultBalanceStages;
 };
 
 SearchResult search(const model::ModelSpec& model, const cluster::Cluster& cluster,

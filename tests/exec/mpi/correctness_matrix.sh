@@ -126,6 +126,8 @@ plans=(
   "llama|4|2|--tp 2 --pp 2 --schedule zero-bubble --sequence-parallel"
   "llama|4|2|--tp 2 --pp 2 --sequence-parallel --schedule interleaved --virtual-stages 2"
   "llama|2|2|--tp 2 --recompute full"
+  "llama|2|2|--pp 2 --schedule 1f1b --layers-per-stage 3,1"
+  "llama|2|2|--pp 2 --schedule zero-bubble --layers-per-stage 1,3"
   "llama|2|2|--pp 2 --schedule interleaved --virtual-stages 2"
   "llama|4|1|--dp 2 --pp 2 --schedule interleaved --virtual-stages 2 --zero-stage 1"
   "llama|4|1|--dp 2 --pp 2 --schedule interleaved --virtual-stages 2 --zero-stage 3"

@@ -67,6 +67,7 @@ plans=(
   "$buckets|2|8|--dp 2 --zero-stage 3"
   "tiny-gpt|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 3"
   "$llama|4|16|--tp 2 --pp 2 --schedule zero-bubble"
+  "$llama|2|8|--pp 2 --schedule 1f1b --layers-per-stage 3,1"
   "$moe|2|8|--dp 2 --zero-stage 1 --recompute full"
   "tiny-gpt|2|32|--pp 2 --schedule zero-bubble --recompute full"
   "cpu-small|4|16|--pp 2 --dp 2 --schedule zero-bubble --zero-stage 2"
