@@ -846,6 +846,12 @@ po::options_description run_options_description() {
 dtsim::plan::Plan backend_plan(const po::variables_map& vm, const dtsim::model::ModelSpec& spec,
                                std::int64_t devices, bool gpu, const std::string& devices_are) {
   std::vector<std::string> notes;  // what dtsim says it completed; the run reports its own
+  if (dtsim::cli::layers_balanced(vm)) {
+    throw dtsim::InputError(
+        "--layers-per-stage balanced: the split depends on the cluster the plan is priced for; "
+        "dtsim simulate --layers-per-stage balanced (or dtsim plan) prints it: give its "
+        "numbers, or --plan P.json from dtsim plan --out");
+  }
   // The CPU backend trains in fp32 where neither --precision nor a plan file says bf16: the plan
   // is completed and checked in it.
   std::optional<dtsim::cli::PrecisionDefault> fallback;

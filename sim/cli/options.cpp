@@ -146,7 +146,8 @@ void add_plan_options(po::options_description& desc, const char* precision_help)
       "clip the gradients to this global norm before the optimizer step (Megatron-LM "
       "--clip-grad, whose default is 1.0); default 0: none")(
       "layers-per-stage", po::value<std::string>(),
-      "blocks per model chunk, comma-separated (default: even split)")(
+      "blocks per model chunk, comma-separated (default: even split), or balanced: the split "
+      "dtsim plan's search finds for this plan (dtsim only)")(
       "order", po::value<std::string>(),
       "rank order, fastest first (default tp-cp-ep-dp-pp: tp inside a node)");
   desc.add(plan);
@@ -1286,7 +1287,7 @@ plan::Plan plan_from_options(const po::variables_map& vm, const model::ModelSpec
   if (vm.count("overlap-p2p-comm") && vm["overlap-p2p-comm"].as<bool>()) {
     p.overlap_p2p_comm = true;
   }
-  if (vm.count("layers-per-stage")) {
+  if (vm.count("layers-per-stage") && !layers_balanced(vm)) {
     p.layers_per_stage = parse_layers_per_stage(vm["layers-per-stage"].as<std::string>());
   }
   if (vm.count("order")) p.order = cluster::Placement::parse_order(vm["order"].as<std::string>());
@@ -1547,6 +1548,10 @@ Precision default_precision(const cluster::DeviceSpec& device) {
   return Precision::Bf16;
 }
 
+bool layers_balanced(const po::variables_map& vm) {
+  return vm.count("layers-per-stage") && vm["layers-per-stage"].as<std::string>() == "balanced";
+}
+
 PlanSetup setup_from_options(const po::variables_map& vm) {
   model::ModelSpec spec = model_from_options(vm);
   cluster::Cluster cluster = cluster_from_options(vm);
@@ -1573,8 +1578,33 @@ PlanSetup setup_from_options(const po::variables_map& vm) {
   }
   cluster.device.peak_flops_for(plan.precision);
   if (auto note = plan::vocab_padding_note(spec, plan)) notes.push_back(std::move(*note));
-  if (auto note = plan::uneven_layers_note(spec, plan)) notes.push_back(std::move(*note));
   model::ModelGraph graph = plan::graph_of(spec, plan);
+  if (layers_balanced(vm)) {
+    // dtsim plan's split for this plan (planner::balanced_split), by the closed-form estimate
+    // with --profile where given, and the memory model.
+    std::optional<cost::Profile> profile;
+    planner::SearchOptions search;
+    if (const auto file = profile_argument(vm)) {
+      profile = cost::load_profile(*file);
+      search.profile = &*profile;
+    }
+    if (plan.pp < 2) {
+      notes.push_back("--layers-per-stage balanced: one pipeline stage, nothing to balance");
+    } else if (const auto split =
+                   planner::balanced_split(graph, plan, cluster, search, memory_options_from(vm))) {
+      plan.layers_per_stage = split->layers_per_stage;
+      notes.push_back(fmt::format(
+          "--layers-per-stage balanced: {} (dtsim plan's search by the closed-form estimate: "
+          "{:.4g} s a step against {:.4g} s with the even split)",
+          fmt::join(plan.layers_per_stage, ","), split->estimate_s, split->even_estimate_s));
+    } else {
+      notes.push_back(fmt::format(
+          "--layers-per-stage balanced: the even split (no uneven one that fits saves {:g}% of "
+          "the estimated step)",
+          100 * planner::kBalanceGain));
+    }
+  }
+  if (auto note = plan::uneven_layers_note(spec, plan)) notes.push_back(std::move(*note));
   return PlanSetup{std::move(spec), std::move(cluster), std::move(plan), std::move(notes),
                    std::move(graph)};
 }

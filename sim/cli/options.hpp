@@ -254,5 +254,8 @@ struct PlanSetup {
   model::ModelGraph graph;
 };
 PlanSetup setup_from_options(const po::variables_map& vm);
+// --layers-per-stage balanced: setup_from_options sets the split that dtsim plan's search finds
+// for the plan (planner::balanced_split), plan_from_options leaves it even.
+bool layers_balanced(const po::variables_map& vm);
 
 }  // namespace dtsim::cli

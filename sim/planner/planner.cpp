@@ -1412,6 +1412,56 @@ class Estimator {
   std::map<std::int64_t, double> spread_;
 };
 
+// The uneven split of candidate c's layers (SearchOptions::balance_stages): from the even split
+// over the model's chunks (pp x virtual stages), the move of one layer between an end chunk and
+// another chunk that lowers the estimate most and still fits, while one does,
+// kMostBalanceRounds rounds at most. The candidate with it (its estimate and memory) where it
+// saves kBalanceGain of c's estimate or more, else none.
+std::optional<Candidate> balance(Estimator& estimator, const model::ModelGraph& g,
+                                 const Candidate& c, const cluster::Cluster& cluster,
+                                 const plan::MemoryOptions& memory) {
+  Plan split = c.plan;
+  split.layers_per_stage = plan::chunk_layers(c.plan, g.spec().layers);
+  double split_s = c.estimate_s;
+  std::optional<Candidate> found;
+  const int chunks = c.plan.pp * c.plan.virtual_stages, last = chunks - 1;
+  for (int round = 0; round < kMostBalanceRounds; ++round) {
+    std::optional<Candidate> move;
+    for (int from = 0; from < chunks; ++from) {
+      if (split.layers_per_stage[static_cast<std::size_t>(from)] <= 1) continue;
+      for (int to = 0; to < chunks; ++to) {
+        // (Moves to or from an end chunk, where the embedding and the head are: about 4 x
+        // chunks of them a round, not chunks².)
+        const bool end = from == 0 || to == 0 || from == last || to == last;
+        if (to == from || !end) continue;
+        Candidate t = c;
+        t.plan = split;
+        --t.plan.layers_per_stage[static_cast<std::size_t>(from)];
+        ++t.plan.layers_per_stage[static_cast<std::size_t>(to)];
+        t.estimate = estimator.estimate(g, t.plan, Detail::Full);
+        t.estimate_s = t.estimate.total_s();
+        // (A move worth a part in 10^6 of the step at least: not a rounding.)
+        const double beat = move ? move->estimate_s : split_s * (1 - 1e-6);
+        if (!(t.estimate_s < beat)) continue;
+        const plan::MemoryReport r = plan::estimate_memory(g, t.plan, cluster, memory);
+        if (!r.fits) continue;
+        t.memory_bytes = r.worst().total_bytes;
+        t.capacity_bytes = r.capacity_bytes;
+        t.fits = true;
+        move = std::move(t);
+      }
+    }
+    if (!move) break;
+    split = move->plan;
+    split_s = move->estimate_s;
+    found = std::move(move);
+  }
+  // (An uneven split is a layout to carry over to the training's configuration: only one that
+  // saves kBalanceGain of the step at least.)
+  if (found && found->estimate_s <= c.estimate_s * (1 - kBalanceGain)) return found;
+  return std::nullopt;
+}
+
 bool allowed(int fixed, int value) {
   return fixed < 0 || fixed == value;
 }
@@ -1548,6 +1598,23 @@ double estimate_s(const model::ModelGraph& graph, const plan::Plan& plan,
                       engine::jitter_cv_of(options.jitter_cv, options.profile),
                       engine::rank_spread_cv_of(options.rank_spread_cv, options.profile));
   return estimator.estimate(graph, plan, detail).total_s();
+}
+
+std::optional<BalancedSplit> balanced_split(const model::ModelGraph& graph, const plan::Plan& plan,
+                                            const cluster::Cluster& cluster,
+                                            const SearchOptions& options,
+                                            const plan::MemoryOptions& memory) {
+  if (plan.pp < 2 || plan.schedule == Schedule::PipeDreamAsync) return std::nullopt;
+  Estimator estimator(cluster, options.profile,
+                      engine::jitter_cv_of(options.jitter_cv, options.profile),
+                      engine::rank_spread_cv_of(options.rank_spread_cv, options.profile));
+  Candidate even;
+  even.plan = plan;
+  even.plan.layers_per_stage.clear();
+  even.estimate_s = estimator.estimate(graph, even.plan, Detail::Full).total_s();
+  const auto found = balance(estimator, graph, even, cluster, memory);
+  if (!found) return std::nullopt;
+  return BalancedSplit{found->plan.layers_per_stage, found->estimate_s, even.estimate_s};
 }
 
 std::int64_t largest_searchable_devices(const model::ModelSpec& model,
@@ -1801,47 +1868,9 @@ SearchResult search(const model::ModelSpec& m, const cluster::Cluster& cluster,
     parallel_for(to_balance.size(), threads, [&] {
       return [&, estimator = make_estimator()](std::size_t j) mutable {
         Candidate& c = feasible[to_balance[j]];
-        const model::ModelGraph& g = *graphs.at(graph_key(c.plan));
-        Plan split = c.plan;
-        split.layers_per_stage = plan::chunk_layers(c.plan, m.layers);
-        double split_s = c.estimate_s;
-        std::optional<Candidate> found;
-        const int chunks = c.plan.pp * c.plan.virtual_stages, last = chunks - 1;
-        for (int round = 0; round < kMostBalanceRounds; ++round) {
-          std::optional<Candidate> move;
-          for (int from = 0; from < chunks; ++from) {
-            if (split.layers_per_stage[static_cast<std::size_t>(from)] <= 1) continue;
-            for (int to = 0; to < chunks; ++to) {
-              // (Moves to or from an end chunk, where the embedding and the head are: about 4 x
-              // chunks of them a round, not chunks².)
-              const bool end = from == 0 || to == 0 || from == last || to == last;
-              if (to == from || !end) continue;
-              Candidate t = c;
-              t.plan = split;
-              --t.plan.layers_per_stage[static_cast<std::size_t>(from)];
-              ++t.plan.layers_per_stage[static_cast<std::size_t>(to)];
-              t.estimate = estimator.estimate(g, t.plan, Detail::Full);
-              t.estimate_s = t.estimate.total_s();
-              // (A move worth a part in 10^6 of the step at least: not a rounding.)
-              const double beat = move ? move->estimate_s : split_s * (1 - 1e-6);
-              if (!(t.estimate_s < beat)) continue;
-              const plan::MemoryReport r = plan::estimate_memory(g, t.plan, cluster, memory);
-              if (!r.fits) continue;
-              t.memory_bytes = r.worst().total_bytes;
-              t.capacity_bytes = r.capacity_bytes;
-              move = std::move(t);
-            }
-          }
-          if (!move) break;
-          split = move->plan;
-          split_s = move->estimate_s;
-          found = std::move(move);
-        }
-        // (An uneven split is a layout to carry over to the training's configuration: only
-        // one that saves kBalanceGain of the step at least.)
-        if (found && found->estimate_s <= c.estimate_s * (1 - kBalanceGain)) {
-          found->step_time_s = found->estimate_s;
+        if (auto found = balance(estimator, *graphs.at(graph_key(c.plan)), c, cluster, memory)) {
           c = std::move(*found);
+          c.step_time_s = c.estimate_s;
           price_step(c);
         }
       };

@@ -170,6 +170,20 @@ double estimate_s(const model::ModelGraph& graph, const plan::Plan& plan,
                   const cluster::Cluster& cluster, const SearchOptions& options,
                   Detail detail = Detail::Full);
 
+// The uneven layer split the search gives a candidate (SearchOptions::balance_stages) for
+// `plan` with pp > 1, by the estimate with `options`' profile and straggler model and the
+// memory model with `memory`: the split (pp x virtual stages entries) and the estimates with
+// it and with the even split, where one saves kBalanceGain of the step or more and fits; else
+// none (dtsim simulate --layers-per-stage balanced).
+struct BalancedSplit {
+  std::vector<int> layers_per_stage;
+  double estimate_s = 0, even_estimate_s = 0;
+};
+std::optional<BalancedSplit> balanced_split(const model::ModelGraph& graph, const plan::Plan& plan,
+                                            const cluster::Cluster& cluster,
+                                            const SearchOptions& options,
+                                            const plan::MemoryOptions& memory);
+
 // The largest term of a breakdown but compute, as text with its share of the step:
 // "exposed TP communication 18%", "pipeline bubble 0.4%" (to a tenth under 1%), or
 // "compute only" where none reaches 0.05%.

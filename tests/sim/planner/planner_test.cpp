@@ -983,6 +983,15 @@ TEST_CASE("the planner splits the layers unevenly where an end stage is the slow
           even_estimate.at(dtsim::plan::summary(as_even)) * (1 - dtsim::planner::kBalanceGain));
   }
   CHECK(uneven >= 1);
+  // dtsim simulate --layers-per-stage balanced: the same split for the same plan.
+  auto even_best = best.plan;
+  even_best.layers_per_stage.clear();
+  const auto again = dtsim::planner::balanced_split(dtsim::plan::graph_of(spec, even_best),
+                                                    even_best, cluster, SearchOptions{}, {});
+  REQUIRE(again.has_value());
+  CHECK(again->layers_per_stage == split);
+  CHECK(again->estimate_s == best.estimate_s);
+  CHECK(again->even_estimate_s == even_estimate.at(dtsim::plan::summary(even_best)));
   const auto r2 = dtsim::planner::search(spec, cluster, space, two);
   REQUIRE(r2.ranked.size() == r.ranked.size());
   for (std::size_t i = 0; i < r.ranked.size(); ++i) {
