@@ -121,10 +121,11 @@ int main(int argc, char** argv) {
       // a block's several times, stages of one or two blocks.
       {"GPT-2 124M, 8 A100 (default), batch 64", "gpt2-124m", "default", 8, 64},
   };
-  fmt::print("{:<56} {:>8} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}\n", "search", "feasible", "median",
-             "p90", "worst", "misorder", "regret", "wall");
-  fmt::print("{:<56} {:>8} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7}\n", "", "", "|err| %", "%", "%",
-             "pairs %", "%", "s");
+  // uneven: the candidates whose layer split the search made uneven (balance_stages).
+  fmt::print("{:<56} {:>8} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7} {:>7}\n", "search", "feasible",
+             "median", "p90", "worst", "misorder", "regret", "uneven", "wall");
+  fmt::print("{:<56} {:>8} {:>7} {:>7} {:>7} {:>9} {:>7} {:>7} {:>7}\n", "", "", "|err| %", "%",
+             "%", "pairs %", "%", "", "s");
   for (const Case& c : cases) {
     if (!only.empty() && std::string(c.name).find(only) == std::string::npos) continue;
     const auto spec = dtsim::model::load_model(c.model);
@@ -171,10 +172,13 @@ int main(int argc, char** argv) {
     for (const auto& k : r.ranked) best = std::min(best, k.step_time_s);
     const double pairs =
         static_cast<double>(r.ranked.size()) * static_cast<double>(r.ranked.size() - 1) / 2.0;
-    fmt::print("{:<56} {:>8} {:>7.1f} {:>7.1f} {:>7.1f} {:>9.1f} {:>7.2f} {:>7.0f}\n", c.name,
+    const auto uneven = std::count_if(r.ranked.begin(), r.ranked.end(), [](const auto& k) {
+      return !k.plan.layers_per_stage.empty();
+    });
+    fmt::print("{:<56} {:>8} {:>7.1f} {:>7.1f} {:>7.1f} {:>9.1f} {:>7.2f} {:>7} {:>7.0f}\n", c.name,
                r.ranked.size(), 100 * quantile(errors, 0.5), 100 * quantile(errors, 0.9),
                100 * quantile(errors, 1.0), pairs > 0 ? 100 * r.order_disagreements / pairs : 0.0,
-               100 * (found / best - 1), wall);
+               100 * (found / best - 1), uneven, wall);
     // The candidates the estimate misses most, each term of both breakdowns.
     std::vector<const dtsim::planner::Candidate*> misses = by_estimate;
     std::stable_sort(misses.begin(), misses.end(), [](const auto* a, const auto* b) {
