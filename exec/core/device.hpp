@@ -172,8 +172,8 @@ class Device {
     View positions;
     int head_offset = 0;
   };
-  // The attention core with what attention_forward lacks: kv (act, [cp·B·Sq, G·(D + v_dim)]; empty: the
-  // keys of qkv), qpos and order (I32) for context parallelism; attention dropout when
+  // The attention core with what attention_forward lacks: kv (act, [cp·B·Sq, G·(D + v_dim)];
+  // empty: the keys of qkv), qpos and order (I32) for context parallelism; attention dropout when
   // `dropout` is set, its mask (U8) and the probabilities after it (act) [B, H, Sq, S].
   // FlashAttention's memory (Feature::FlashAttention) when lse (fp32 [B, H, Sq]) is given: the
   // rows' log-sum-exp kept instead of the probabilities (probs, mask and dropped empty; the

@@ -139,6 +139,19 @@ __global__ void columns_kernel(T* narrow, T* wide, std::int64_t rows, int wide_w
 
 // ---- rotary positions -----------------------------------------------------------------------
 
+// Column i of a head's D turned columns at `position`, from its pair (a, b): columns k and
+// k + D/2, k = i mod D/2 (the rotate-half layout, exec/cpu's rotate_row), by position ·
+// theta^(-2k/D); sign -1 turns back.
+__device__ float turn_pair(float a, float b, int i, int D, double position, double theta,
+                           float sign) {
+  const int half = D / 2;
+  const int k = i < half ? i : i - half;
+  const double angle = position * pow(theta, -2.0 * k / D);
+  const auto c = static_cast<float>(cos(angle));
+  const auto sn = sign * static_cast<float>(sin(angle));
+  return i < half ? a * c - b * sn : a * sn + b * c;
+}
+
 // One thread per element of qkv[B·S, (H + 2G)·D]. In the q and k heads the pair
 // (x_i, x_{i+D/2}) at position s turns by s·theta^(-2i/D) (sign -1: back); v passes through.
 // Forward writes out; backward (accumulate) adds into out.
@@ -156,12 +169,8 @@ __global__ void rope_kernel(T* out, const T* in, std::int64_t rows, int S, const
       const int k = i < half ? i : i - half;
       const std::int64_t base = e - i;  // the head's first element
       const std::int64_t s = r % S;
-      const double angle =
-          static_cast<double>(positions != nullptr ? positions[s] : s) * pow(theta, -2.0 * k / D);
-      const auto c = static_cast<float>(cos(angle));
-      const auto sn = sign * static_cast<float>(sin(angle));
-      const float a = load(in, base + k), b = load(in, base + k + half);
-      y = i < half ? a * c - b * sn : a * sn + b * c;
+      y = turn_pair(load(in, base + k), load(in, base + k + half), i, D,
+                    static_cast<double>(positions != nullptr ? positions[s] : s), theta, sign);
     } else {
       y = load(in, e);
     }
@@ -178,11 +187,7 @@ __device__ float turned_column(const T* x, std::int64_t at, int j, int Dr, int p
                                double theta, float sign) {
   const int half = Dr / 2;
   const int k = j < half ? j : j - half;
-  const double angle = static_cast<double>(position) * pow(theta, -2.0 * k / Dr);
-  const auto c = static_cast<float>(cos(angle));
-  const auto sn = sign * static_cast<float>(sin(angle));
-  const float a = load(x, at + k), b = load(x, at + k + half);
-  return j < half ? a * c - b * sn : a * sn + b * c;
+  return turn_pair(load(x, at + k), load(x, at + k + half), j, Dr, position, theta, sign);
 }
 
 // exec/cpu's mla_pack_forward, one thread per element of qkv[rows, 2·H·(Dn + Dr) + H·Dv]: a
@@ -263,11 +268,8 @@ __global__ void mla_unpack_kernel(T* dq, T* dkv, T* dk_rope, const T* dqkv, std:
         a += load(dqkv, at + k);
         b += load(dqkv, at + k + half);
       }
-      const double angle = static_cast<double>(position) * pow(theta, -2.0 * k / Dr);
-      const auto c = static_cast<float>(cos(angle));
-      const auto sn = -static_cast<float>(sin(angle));
       const std::int64_t at = r * Dr + j;
-      store(dk_rope, at, load(dk_rope, at) + (j < half ? a * c - b * sn : a * sn + b * c));
+      store(dk_rope, at, load(dk_rope, at) + turn_pair(a, b, j, Dr, position, theta, -1));
     }
   }
 }

@@ -107,6 +107,25 @@ Vec as_stored(cu::Kernels& k, const Vec& v) {
 
 const cu::Dtype kTypes[] = {cu::Dtype::F32, cu::Dtype::BF16};
 
+// Context parallelism's layout of a sequence over cp ranks of Sq tokens (each rank holds chunks r
+// and 2·cp - 1 - r of 2·cp, Megatron-LM's load balance): rank 1's queries' positions qpos[Sq],
+// and order[p], position p's key as an index r·Sq + s into the ranks' tokens.
+struct CpLayout {
+  std::vector<int> qpos, order;
+};
+CpLayout cp_layout(int cp, int Sq) {
+  const int S = cp * Sq, chunk = S / (2 * cp);
+  CpLayout l{std::vector<int>(static_cast<std::size_t>(Sq)),
+             std::vector<int>(static_cast<std::size_t>(S))};
+  for (int p = 0; p < S; ++p) {
+    const int c = p / chunk, owner = c < cp ? c : 2 * cp - 1 - c;
+    const int s = (c < cp ? 0 : chunk) + p % chunk;
+    l.order[static_cast<std::size_t>(p)] = owner * Sq + s;
+    if (owner == 1) l.qpos[static_cast<std::size_t>(s)] = p;
+  }
+  return l;
+}
+
 }  // namespace
 
 TEST_CASE("GPU matmul forward and backward match the CPU", "[exec][cuda][gpu]") {
@@ -497,15 +516,10 @@ TEST_CASE("GPU attention with context parallelism matches the CPU", "[exec][cuda
   const auto gpu = first_gpu();
   if (!gpu) return;
   for (const auto& [H, G, Sq] : {std::tuple{4, 2, 8}, std::tuple{8, 1, 160}}) {
-    const int cp = 2, B = 2, S = cp * Sq, D = 16, chunk = S / (2 * cp);
+    const int cp = 2, B = 2, S = cp * Sq, D = 16;
     const int width = (H + 2 * G) * D, kv_width = 2 * G * D;
-    std::vector<int> qpos(static_cast<std::size_t>(Sq)), order(static_cast<std::size_t>(S));
-    for (int p = 0; p < S; ++p) {
-      const int k = p / chunk, owner = k < cp ? k : 2 * cp - 1 - k;
-      const int s = (k < cp ? 0 : chunk) + p % chunk;
-      order[static_cast<std::size_t>(p)] = owner * Sq + s;
-      if (owner == 1) qpos[static_cast<std::size_t>(s)] = p;
-    }
+    const CpLayout layout = cp_layout(cp, Sq);
+    const std::vector<int>&qpos = layout.qpos, &order = layout.order;
     cpu::Dropout d;
     d.stream = 77;
     d.rate = 0.1f;
@@ -746,14 +760,9 @@ TEST_CASE("GPU multi-head latent attention matches the CPU", "[exec][cuda][gpu]"
       }
       {  // context parallelism: rank 1 of 2, its keys and values gathered (K then V a row)
         INFO("context parallelism");
-        const int cp = 2, Sq = S / cp, St = cp * Sq, chunk = St / (2 * cp);
-        std::vector<int> qpos(static_cast<std::size_t>(Sq)), order(static_cast<std::size_t>(St));
-        for (int p = 0; p < St; ++p) {
-          const int c = p / chunk, owner = c < cp ? c : 2 * cp - 1 - c;
-          const int s = (c < cp ? 0 : chunk) + p % chunk;
-          order[static_cast<std::size_t>(p)] = owner * Sq + s;
-          if (owner == 1) qpos[static_cast<std::size_t>(s)] = p;
-        }
+        const int cp = 2, Sq = S / cp, St = cp * Sq;
+        const CpLayout layout = cp_layout(cp, Sq);
+        const std::vector<int>&qpos = layout.qpos, &order = layout.order;
         const auto rows = static_cast<std::size_t>(B) * Sq;
         const std::size_t q_width = rows * (2 * H * D + H * Dv);
         const Vec cq = as_stored(k, random(q_width, 90, 0.5f));
